@@ -1,0 +1,28 @@
+"""dschat: DeepSpeed-Chat-style RLHF (SFT, reward model, PPO) with a model-agnostic hybrid engine.
+
+Heavy modules load lazily so ``import dschat`` stays cheap.
+"""
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "DeepSpeedRLHFEngine": "dschat.rlhf.engine",
+    "DeepSpeedPPOTrainer": "dschat.rlhf.trainer",
+    "DeepSpeedPPOTrainerUnsupervised": "dschat.rlhf.trainer",
+    "HybridEngine": "dschat.hybrid_engine",
+    "RewardModel": "dschat.models.reward_model",
+    "create_hf_model": "dschat.models.loading",
+    "create_critic_model": "dschat.models.reward_model",
+    "load_tokenizer": "dschat.models.loading",
+    "create_prompt_dataset": "dschat.data",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dschat' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -1,0 +1,70 @@
+"""Process-group set-up that works under the deepspeed launcher and in a plain ``python`` process."""
+import os
+import socket
+
+import torch
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_distributed():
+    """Initialise torch.distributed through DeepSpeed once; a plain process becomes a world of one.
+
+    Returns (rank, world_size). Safe to call many times.
+    """
+    import deepspeed
+    from dschat.compat import prepare_for_zero_init
+
+    prepare_for_zero_init()
+    if not torch.distributed.is_initialized():
+        if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        deepspeed.init_distributed()
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def get_rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def get_world_size():
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def is_rank_0():
+    return get_rank() == 0
+
+
+def print_rank_0(*args, **kwargs):
+    if is_rank_0():
+        print(*args, **kwargs, flush=True)
+
+
+def barrier():
+    if torch.distributed.is_initialized() and get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def local_device():
+    """The accelerator device of this rank (``cpu`` under DeepSpeed's CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        return torch.device("cpu")
+    return torch.device(acc.device_name(int(os.environ.get("LOCAL_RANK", 0))))
+
+
+def all_reduce(tensor, op="sum", group=None):
+    """In-place all-reduce that is a no-op in a world of one."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return tensor
+    ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+           "min": torch.distributed.ReduceOp.MIN}
+    torch.distributed.all_reduce(tensor, op=ops[op], group=group)
+    return tensor

@@ -1,0 +1,27 @@
+"""Run a script on 2 CPU ranks through the deepspeed launcher (the way users start multi-rank jobs)."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_deepspeed(script, *args, num_gpus=2, timeout=900, env=None):
+    """Launch ``deepspeed --num_gpus N script args``; fail the test with the output if it fails."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),
+           "--master_port", str(_free_port()), str(script), *map(str, args)]
+    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return proc
