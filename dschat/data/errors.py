@@ -1,0 +1,18 @@
+"""Errors raised for bad input data."""
+
+
+class DatasetFormatError(ValueError):
+    """A data file or record is malformed; the message names the file and the line or record."""
+
+
+class RecordError(ValueError):
+    """One record cannot be read; raised by adapters, located (file, record) by the caller.
+
+    ``field`` names the offending field so hub datasets can count skips per field and local files can
+    report ``FILE record N field 'x': ...``.
+    """
+
+    def __init__(self, field, message):
+        super().__init__(f"field {field!r}: {message}")
+        self.field = field
+        self.detail = message

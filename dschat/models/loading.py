@@ -1,0 +1,111 @@
+"""Loading tokenizers and HF causal LMs (hub names, local folders, or dschat's tiny presets)."""
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+DROPOUT_FIELDS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
+                  "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def dschat_cache_dir():
+    return os.environ.get("DSCHAT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dschat"))
+
+
+def resolve_model_path(name_or_path):
+    """A hub name or folder is returned as is; a tiny preset name ("tiny-llama") becomes a saved folder.
+
+    Presets are built once with ``from_config`` and ``save_pretrained`` so that every step loads them through
+    the same ``from_pretrained`` code as real models.
+    """
+    from dschat.tiny.presets import create_tiny_model, is_tiny_preset
+
+    if os.path.isdir(name_or_path) or not is_tiny_preset(name_or_path):
+        return name_or_path
+    from filelock import FileLock
+
+    preset = name_or_path.split("/")[-1]
+    folder = os.path.join(dschat_cache_dir(), "models", preset)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    with FileLock(folder + ".lock"):  # several ranks may start at once
+        return create_tiny_model(preset, folder)
+
+
+def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False):
+    """The tokenizer of a model; a missing pad token becomes the EOS token (masks, not ids, mark padding)."""
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
+    if tokenizer.eos_token is None:
+        if not add_eot_token:
+            raise ValueError(f"tokenizer of {name_or_path} has no EOS token; pass --add_eot_token to add "
+                             "'<|endoftext|>' as the end-of-conversation token")
+        tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def configure_dropout(config, dropout):
+    """Set every dropout probability the config has (names differ between model families)."""
+    if dropout is None:
+        return config
+    for field in DROPOUT_FIELDS:
+        if hasattr(config, field):
+            setattr(config, field, dropout)
+    return config
+
+
+def zero3_enabled(ds_config):
+    return bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+
+
+def model_load_context(ds_config):
+    """Under ZeRO-3, ``from_pretrained`` must build the model sharded (``zero.Init``).
+
+    transformers does this while an ``HfDeepSpeedConfig`` object is alive; the returned object must be kept
+    referenced until the model is built.
+    """
+    if not zero3_enabled(ds_config):
+        return None
+    from dschat.compat import prepare_for_zero_init
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    prepare_for_zero_init()
+    return HfDeepSpeedConfig(ds_config)
+
+
+def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, rlhf_training=False,
+                    dropout=None, dtype=None):
+    """Build ``model_class`` from a hub name, a folder or a tiny preset (DeepSpeed-Chat's signature).
+
+    ``rlhf_training=True`` builds the architecture without loading weights (the caller loads a checkpoint).
+    """
+    path = resolve_model_path(model_name_or_path)
+    config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
+    keep_alive = model_load_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
+    torch_dtype = TORCH_DTYPES.get(dtype, None) if dtype else None
+    if rlhf_training:
+        model = model_class.from_config(config, dtype=torch_dtype)
+    else:
+        model = model_class.from_pretrained(path, config=config, dtype=torch_dtype)
+    sync_special_tokens(model, tokenizer)
+    return model
+
+
+def sync_special_tokens(model, tokenizer):
+    """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed."""
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(int(8 * ((len(tokenizer) + 7) // 8)))
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        if cfg is None:
+            continue
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+
+
+def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):
+    return create_hf_model(AutoModelForCausalLM, model_name_or_path, tokenizer, ds_config, dropout=dropout,
+                           dtype=dtype)

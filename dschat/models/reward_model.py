@@ -1,0 +1,134 @@
+"""Reward model / critic: a value head on a base transformer, scored at each sequence's last real token."""
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+REWARD_META_FILE = "reward_model.json"
+
+
+def last_token_index(attention_mask):
+    """Index of each row's last real token, right for left padding, right padding and pad == EOS."""
+    length = attention_mask.shape[1]
+    return length - 1 - attention_mask.long().flip(1).argmax(dim=1)
+
+
+def positions_from_mask(attention_mask):
+    """Position ids that ignore left padding (0 at each row's first real token)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pairwise_loss(chosen_scores, rejected_scores):
+    """-log sigmoid(r_chosen - r_rejected), averaged over pairs."""
+    return -F.logsigmoid(chosen_scores - rejected_scores).mean()
+
+
+class RewardModel(nn.Module):
+    """``base_model`` is an HF backbone (``AutoModel``), possibly PEFT-wrapped; the head is Linear(hidden, 1)."""
+
+    def __init__(self, base_model, compute_fp32_loss=False, num_padding_at_beginning=0):
+        super().__init__()
+        self.config = base_model.config
+        hidden = getattr(self.config, "word_embed_proj_dim", None) or _hidden_size(self.config)
+        self.v_head = nn.Linear(hidden, 1, bias=False)
+        self.rwtransformer = base_model
+        self.compute_fp32_loss = compute_fp32_loss
+        # Kept for DeepSpeed-Chat compatibility; the end token comes from the attention mask instead.
+        self.num_padding_at_beginning = num_padding_at_beginning
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.rwtransformer.gradient_checkpointing_enable(**kwargs)
+
+    def gradient_checkpointing_disable(self):
+        self.rwtransformer.gradient_checkpointing_disable()
+
+    def token_values(self, input_ids, attention_mask, use_cache=False, **kwargs):
+        """Per-token values, shape (B, T)."""
+        out = self.rwtransformer(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=positions_from_mask(attention_mask), use_cache=use_cache, **kwargs)
+        hidden = out[0]
+        if self.compute_fp32_loss:
+            return F.linear(hidden.float(), self.v_head.weight.float()).squeeze(-1)
+        return self.v_head(hidden).squeeze(-1)
+
+    def forward(self, input_ids, attention_mask, **kwargs):
+        """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected."""
+        scores = self.end_scores(input_ids, attention_mask, **kwargs)
+        half = input_ids.shape[0] // 2
+        chosen, rejected = scores[:half], scores[half:]
+        return {"loss": pairwise_loss(chosen.float(), rejected.float()),
+                "chosen_mean_scores": chosen, "rejected_mean_scores": rejected}
+
+    def end_scores(self, input_ids, attention_mask, **kwargs):
+        values = self.token_values(input_ids, attention_mask, **kwargs)
+        return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+
+    def forward_value(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
+                      head_mask=None, inputs_embeds=None, return_value_only=False, prompt_length=0,
+                      use_cache=False):
+        """Per-token values and the score at each row's last real token (DeepSpeed-Chat's critic API)."""
+        values = self.token_values(input_ids, attention_mask, use_cache=use_cache)
+        if return_value_only:
+            return values
+        end = values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+        return {"values": values, "chosen_end_scores": end}
+
+    # --- saving and loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,
+                        ds_config=None, rlhf_training=False):
+        """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made)."""
+        from dschat.models.loading import (TORCH_DTYPES, configure_dropout, model_load_context,
+                                           resolve_model_path)
+
+        path = resolve_model_path(path)
+        config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
+        keep_alive = model_load_context(ds_config)  # noqa: F841
+        torch_dtype = TORCH_DTYPES.get(dtype) if dtype else None
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
+        model = cls(backbone, compute_fp32_loss=compute_fp32_loss)
+        head_file = os.path.join(path, VALUE_HEAD_FILE)
+        if os.path.exists(head_file):
+            from safetensors.torch import load_file
+
+            model.v_head.load_state_dict({"weight": load_file(head_file)["weight"]})
+        model.v_head.to(backbone.dtype)
+        if tokenizer is not None and len(tokenizer) > backbone.get_input_embeddings().weight.shape[0]:
+            backbone.resize_token_embeddings(int(8 * ((len(tokenizer) + 7) // 8)))
+        return model
+
+    def save_head_and_meta(self, folder, state_dict):
+        from safetensors.torch import save_file
+
+        save_file({"weight": state_dict["v_head.weight"].contiguous()}, os.path.join(folder, VALUE_HEAD_FILE))
+        with open(os.path.join(folder, REWARD_META_FILE), "w") as f:
+            json.dump({"format": "dschat-reward-model", "version": 1, "value_head": VALUE_HEAD_FILE}, f)
+
+
+def is_reward_model_folder(path):
+    return os.path.exists(os.path.join(path, VALUE_HEAD_FILE))
+
+
+def _hidden_size(config):
+    for field in ("hidden_size", "n_embd", "d_model"):
+        if getattr(config, field, None):
+            return getattr(config, field)
+    raise ValueError(f"cannot find the hidden size in {type(config).__name__}")
+
+
+def create_critic_model(model_name_or_path, tokenizer, ds_config=None, num_padding_at_beginning=0,
+                        rlhf_training=False, dropout=None, zero_stage=0, compute_fp32_loss=False, dtype=None):
+    """DeepSpeed-Chat's entry point: a reward model / critic from a step-2 folder or any HF model folder."""
+    model = RewardModel.from_pretrained(model_name_or_path, tokenizer=tokenizer, compute_fp32_loss=compute_fp32_loss,
+                                        dropout=dropout, dtype=dtype, ds_config=ds_config)
+    model.num_padding_at_beginning = num_padding_at_beginning
+    return model
+
+
+def load_reward_model(path, **kwargs):
+    """One call to get the reward model (or critic) that step 2 saved."""
+    return RewardModel.from_pretrained(path, **kwargs)

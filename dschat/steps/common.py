@@ -1,0 +1,215 @@
+"""What the training steps share: set-up, data loaders, the DeepSpeed engine, progress and metrics."""
+import json
+import math
+import os
+import time
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0
+
+
+def setup_run(args):
+    """Distributed init, seeds and the device; returns the device."""
+    from transformers import set_seed
+
+    ensure_distributed()
+    set_seed(args.seed)
+    return local_device()
+
+
+def build_dataloaders(train_dataset, eval_dataset, collator, train_batch_size, eval_batch_size, seed,
+                      drop_last=False):
+    if get_world_size() > 1:
+        train_sampler = DistributedSampler(train_dataset, shuffle=True, seed=seed)
+        eval_sampler = DistributedSampler(eval_dataset, shuffle=False)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        train_sampler, eval_sampler = RandomSampler(train_dataset, generator=generator), SequentialSampler(eval_dataset)
+    train = DataLoader(train_dataset, batch_size=train_batch_size, sampler=train_sampler, collate_fn=collator,
+                       drop_last=drop_last)
+    evaluation = DataLoader(eval_dataset, batch_size=eval_batch_size, sampler=eval_sampler, collate_fn=collator)
+    return train, evaluation
+
+
+def make_optimizer(param_groups, lr, offload):
+    """DeepSpeed's CPU Adam under offload, its fused Adam on GPUs, torch's AdamW otherwise (no JIT build on CPU)."""
+    from deepspeed.accelerator import get_accelerator
+
+    betas = (0.9, 0.95)  # DeepSpeed-Chat's
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(param_groups, lr=lr, betas=betas)
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(param_groups, lr=lr, betas=betas)
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas)
+
+
+def num_update_steps(num_batches, gradient_accumulation_steps, epochs, max_steps=0):
+    steps = math.ceil(num_batches / gradient_accumulation_steps) * epochs
+    return min(steps, max_steps) if max_steps else steps
+
+
+def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, offload, lr_scheduler_type,
+                      num_warmup_steps, total_steps, gradient_checkpointing=False):
+    """Optimizer, scheduler and ``deepspeed.initialize`` for a trainable model."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    from dschat.models.lora import optimizer_param_groups
+
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = make_optimizer(optimizer_param_groups(model, weight_decay, lora_learning_rate), lr, offload)
+    scheduler = get_scheduler(lr_scheduler_type, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
+                              num_training_steps=max(total_steps, 1))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=ds_config, dist_init_required=False)
+    return engine
+
+
+def initialize_frozen(model, ds_config):
+    """A DeepSpeed engine for a model that is only evaluated (sharded under ZeRO-3, cast to the dtype)."""
+    import deepspeed
+
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, dist_init_required=False)
+    engine.eval()
+    return engine
+
+
+class Throughput:
+    """Samples/s, tokens/s and an estimate of achieved TFLOPs (6 x params x tokens, 8 x with checkpointing)."""
+
+    def __init__(self, num_params, gradient_checkpointing=False):
+        self.flops_per_token = (8 if gradient_checkpointing else 6) * num_params
+        self.start = time.time()
+        self.samples = self.tokens = 0
+
+    def update(self, samples, tokens):
+        self.samples += samples
+        self.tokens += tokens
+
+    def summary(self):
+        elapsed = max(time.time() - self.start, 1e-9)
+        world = get_world_size()
+        return {"samples_per_s": self.samples * world / elapsed, "tokens_per_s": self.tokens * world / elapsed,
+                "tflops_per_rank": self.flops_per_token * self.tokens / elapsed / 1e12}
+
+
+def count_params(model):
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def tensorboard_writer(args, name):
+    if not getattr(args, "enable_tensorboard", False) or not is_rank_0():
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(os.path.join(args.tensorboard_path or f"{name}_tensorboard", name))
+
+
+def write_json_atomic(path, data):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def write_metrics(output_dir, metrics):
+    """``metrics.json`` in the step's output folder (rank 0)."""
+    if is_rank_0():
+        write_json_atomic(os.path.join(output_dir, "metrics.json"), metrics)
+        print_rank_0(f"metrics: {json.dumps(metrics)}")
+
+
+def progress(iterable, total, desc):
+    """A tqdm bar on rank 0, the bare iterable elsewhere."""
+    if not is_rank_0():
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, mininterval=2.0)
+
+
+def to_device(batch, device):
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def mean_across_ranks(values, device):
+    """Mean of a list of floats over all ranks' lists (each rank may have a different count)."""
+    from dschat.utils.dist import all_reduce
+
+    t = torch.tensor([sum(values), float(len(values))], dtype=torch.float64, device=device)
+    all_reduce(t)
+    return (t[0] / t[1].clamp(min=1)).item()
+
+
+def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, total_steps, writer=None,
+                 throughput=None):
+    """The optimizer-step loop shared by steps 1 and 2.
+
+    ``loss_fn(engine, batch) -> (loss, tokens_in_batch)``; ``evaluate() -> dict`` runs every
+    ``args.eval_interval`` optimizer steps (and is the caller's job at the end). Returns the mean train loss.
+    """
+    step, micro, losses = 0, 0, []
+    grad_accum = args.gradient_accumulation_steps
+    for epoch in range(args.num_train_epochs):
+        if hasattr(train_loader.sampler, "set_epoch"):
+            train_loader.sampler.set_epoch(epoch)
+        engine.train()
+        bar = progress(train_loader, len(train_loader), f"{name} epoch {epoch + 1}/{args.num_train_epochs}")
+        for batch in bar:
+            batch = to_device(batch, device)
+            loss, tokens = loss_fn(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            micro += 1
+            losses.append(loss.item())
+            if throughput is not None:
+                throughput.update(batch["input_ids"].shape[0], tokens)
+            if micro % grad_accum:
+                continue
+            step += 1
+            _log_step(args, name, step, losses[-1], engine, writer, throughput, bar)
+            if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
+                metrics = evaluate()
+                print_rank_0(f"[{name}] step {step} eval: {_fmt(metrics)}")
+                _scalars(writer, f"{name}/eval", metrics, step)
+                engine.train()
+            if step >= total_steps:
+                return sum(losses) / max(len(losses), 1)
+    return sum(losses) / max(len(losses), 1)
+
+
+def _log_step(args, name, step, loss, engine, writer, throughput, bar):
+    lr = engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
+    if hasattr(bar, "set_postfix"):
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+    if getattr(args, "print_loss", False):
+        print_rank_0(f"[{name}] step {step} loss {loss:.4f} lr {lr:.3e}")
+    scalars = {"loss": loss, "lr": lr}
+    if throughput is not None:
+        scalars.update(throughput.summary())
+    _scalars(writer, f"{name}/train", scalars, step)
+
+
+def _scalars(writer, prefix, values, step):
+    if writer is None:
+        return
+    for key, value in values.items():
+        if isinstance(value, (int, float)):
+            writer.add_scalar(f"{prefix}/{key}", value, step)
+    writer.flush()
+
+
+def _fmt(metrics):
+    return ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+format_metrics = _fmt

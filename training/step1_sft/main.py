@@ -1,0 +1,7 @@
+#!/usr/bin/env python
+"""Step 1 (SFT). Single process: ``python training/step1_sft/main.py``; several GPUs/ranks:
+``deepspeed training/step1_sft/main.py --model_name_or_path facebook/opt-1.3b --data_path Dahoas/rm-static``."""
+from dschat.steps.sft import main
+
+if __name__ == "__main__":
+    main()

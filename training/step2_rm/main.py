@@ -1,0 +1,6 @@
+#!/usr/bin/env python
+"""Step 2 (reward model). ``python training/step2_rm/main.py`` or ``deepspeed training/step2_rm/main.py ...``."""
+from dschat.steps.reward import main
+
+if __name__ == "__main__":
+    main()
