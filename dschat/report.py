@@ -1,0 +1,98 @@
+"""The end-of-run report: report.json, a PNG plot of step-3 curves, and a short text summary."""
+import json
+import os
+
+from dschat.steps.common import write_json_atomic
+
+
+def read_json(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def build_report(output_dir, timings):
+    """Collect each step's metrics from its folder under ``output_dir``."""
+    step1 = read_json(os.path.join(output_dir, "step1_sft", "metrics.json")) or {}
+    step2 = read_json(os.path.join(output_dir, "step2_rm", "metrics.json")) or {}
+    step3 = read_json(os.path.join(output_dir, "step3_ppo", "metrics.json")) or {}
+    curve = read_jsonl(os.path.join(output_dir, "step3_ppo", "step3_log.jsonl"))
+    report = {"timings_s": timings, "sft_eval_loss": step1.get("eval_loss"),
+              "sft_perplexity": step1.get("perplexity"), "rm_accuracy": step2.get("accuracy"),
+              "rm_chosen_mean_score": step2.get("chosen_mean_score"),
+              "rm_rejected_mean_score": step2.get("rejected_mean_score")}
+    if step3:
+        before, after = step3.get("eval_before") or {}, step3.get("eval_after") or {}
+        report["held_out"] = {
+            "sft_policy": {"reward_mean": before.get("reward_mean"), "rule_score_mean": before.get("rule_score_mean")},
+            "ppo_policy": {"reward_mean": after.get("reward_mean"), "rule_score_mean": after.get("rule_score_mean")},
+            "prompts": after.get("prompts"),
+        }
+        report["held_out_examples"] = {"sft_policy": before.get("examples", []),
+                                       "ppo_policy": after.get("examples", [])}
+        report["step3_iterations"] = step3.get("iterations")
+        report["step3_curve"] = {k: [r.get(k) for r in curve] for k in ("reward", "kl", "actor_loss", "critic_loss")}
+    return report
+
+
+def plot_curves(curve, path):
+    """Reward, KL and losses over PPO iterations, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ("reward", "kl", "actor_loss", "critic_loss") if curve.get(k)]
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+    axes = axes if len(keys) > 1 else [axes]
+    for ax, key in zip(axes, keys):
+        ys = curve[key]
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=2)
+        ax.set_title(key)
+        ax.set_xlabel("PPO iteration")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(output_dir, timings):
+    report = build_report(output_dir, timings)
+    if report.get("step3_curve"):
+        report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
+    write_json_atomic(os.path.join(output_dir, "report.json"), report)
+    return report
+
+
+def summary_lines(report):
+    lines = ["==== dschat report ===="]
+    for step, seconds in report["timings_s"].items():
+        lines.append(f"{step}: {seconds:.1f} s")
+    if report.get("sft_eval_loss") is not None:
+        lines.append(f"SFT eval loss: {report['sft_eval_loss']:.4f} (perplexity {report['sft_perplexity']:.2f})")
+    if report.get("rm_accuracy") is not None:
+        lines.append(f"RM held-out accuracy: {report['rm_accuracy']:.4f} (chosen {report['rm_chosen_mean_score']:.3f}"
+                     f" vs rejected {report['rm_rejected_mean_score']:.3f})")
+    held = report.get("held_out")
+    if held:
+        for name in ("sft_policy", "ppo_policy"):
+            r = held[name]
+            rule = f", rule score {r['rule_score_mean']:.4f}" if r.get("rule_score_mean") is not None else ""
+            lines.append(f"held-out {name}: reward {r['reward_mean']:.4f}{rule}")
+        curve = report.get("step3_curve", {})
+        if curve.get("kl"):
+            lines.append(f"PPO: {report['step3_iterations']} iterations, final KL {curve['kl'][-1]:.4f}")
+    if report.get("plot"):
+        lines.append(f"plot: {report['plot']}")
+    return lines

@@ -1,0 +1,105 @@
+"""Step-3 checkpoints: models, optimizers, schedulers, EMA, KL controller, data position and RNG, atomically.
+
+Each checkpoint is a tag folder written by every rank; only when all ranks have finished does rank 0 point
+``latest`` at it (an atomic rename), so an interrupted save is never resumed from.
+"""
+import json
+import os
+import random
+
+import numpy as np
+import torch
+
+from dschat.models.checkpoint import gathered_state_dict
+from dschat.steps.common import write_json_atomic
+from dschat.utils.dist import barrier, get_rank, is_rank_0
+
+LATEST = "latest"
+
+
+def _rng_state(generator):
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "generator": generator.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(state, generator):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["generator"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(trainer, root, position, keep_last=2):
+    """Save everything a resumed run needs; ``position`` = {"iteration", "epoch", "batch"} (next to run)."""
+    tag = f"iter_{position['iteration']:07d}"
+    trainer.actor_model.save_checkpoint(os.path.join(root, "actor"), tag=tag, save_latest=False)
+    if trainer.critic_model is not None:
+        trainer.critic_model.save_checkpoint(os.path.join(root, "critic"), tag=tag, save_latest=False)
+    ema_state = gathered_state_dict(trainer.actor_ema.module) if trainer.actor_ema is not None else None
+    state_dir = os.path.join(root, "trainer", tag)
+    os.makedirs(state_dir, exist_ok=True)
+    torch.save(_rng_state(trainer.generator), os.path.join(state_dir, f"rng_rank{get_rank()}.pt"))
+    if is_rank_0():
+        if ema_state is not None:
+            torch.save(ema_state, os.path.join(state_dir, "ema.pt"))
+        write_json_atomic(os.path.join(state_dir, "state.json"),
+                          {**position, "kl_ctl": trainer.kl_ctl.state_dict()})
+    barrier()
+    if is_rank_0():
+        write_json_atomic(os.path.join(root, LATEST), {"tag": tag})
+        _prune(root, keep_last)
+    barrier()
+    return tag
+
+
+def latest_tag(root):
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["tag"]
+
+
+def load_checkpoint(trainer, root):
+    """Restore the last complete checkpoint under ``root``; returns its position dict (None if none)."""
+    tag = latest_tag(root)
+    if tag is None:
+        return None
+    trainer.actor_model.load_checkpoint(os.path.join(root, "actor"), tag=tag)
+    if trainer.critic_model is not None:
+        trainer.critic_model.load_checkpoint(os.path.join(root, "critic"), tag=tag)
+    state_dir = os.path.join(root, "trainer", tag)
+    with open(os.path.join(state_dir, "state.json")) as f:
+        state = json.load(f)
+    trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
+    if trainer.actor_ema is not None:
+        _load_ema(trainer.actor_ema.module, os.path.join(state_dir, "ema.pt"))
+    _restore_rng(torch.load(os.path.join(state_dir, f"rng_rank{get_rank()}.pt"), weights_only=False),
+                 trainer.generator)
+    if hasattr(trainer.actor_model, "mark_weights_stale"):
+        trainer.actor_model.mark_weights_stale()
+    return state
+
+
+def _load_ema(module, path):
+    from dschat.rlhf.ema import _gathered
+
+    state = torch.load(path, weights_only=True) if is_rank_0() else None
+    for name, param in module.named_parameters():
+        with _gathered([param], modifier_rank=0):
+            if is_rank_0():
+                param.data.copy_(state[name])
+
+
+def _prune(root, keep_last):
+    tags = sorted(os.listdir(os.path.join(root, "trainer")))
+    import shutil
+
+    for tag in tags[:-keep_last]:
+        for sub in ("actor", "critic", "trainer"):
+            shutil.rmtree(os.path.join(root, sub, tag), ignore_errors=True)

@@ -1,0 +1,14 @@
+"""Step-3 settings: the parsed namespace, a dict or any object, completed with the defaults of every flag."""
+import argparse
+
+
+def step3_args(args=None):
+    from dschat.args import namespace_with_defaults, step3_parser
+
+    if isinstance(args, argparse.Namespace) and getattr(args, "_dschat_complete", False):
+        return args
+    if args is not None and not isinstance(args, dict):
+        args = {k: v for k, v in vars(args).items() if not k.startswith("__")}
+    completed = namespace_with_defaults(step3_parser(), args)
+    completed._dschat_complete = True
+    return completed

@@ -1,0 +1,112 @@
+"""DeepSpeedRLHFEngine: the four (or five) models of PPO, each with its own DeepSpeed config.
+
+actor (trainable; wrapped by dschat's hybrid engine when enabled), reference (frozen), critic (trainable,
+from the step-2 reward model), reward (frozen), and an optional EMA copy of the actor.
+"""
+import copy
+
+from transformers import AutoModelForCausalLM
+
+from dschat.models.loading import create_hf_model, load_tokenizer
+from dschat.models.lora import apply_lora
+from dschat.models.reward_model import create_critic_model
+from dschat.rlhf.config import step3_args
+from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
+from dschat.utils.dist import get_world_size, print_rank_0
+from dschat.utils.ds_config import get_eval_ds_config, get_train_ds_config
+
+DEFAULT_TOTAL_ITERS = 10_000
+
+
+class DeepSpeedRLHFEngine:
+    """Builds and holds the PPO models.
+
+    Both DeepSpeed-Chat's positional form ``DeepSpeedRLHFEngine(actor_path, critic_path, tokenizer, args,
+    num_total_iters)`` and the keyword form ``DeepSpeedRLHFEngine(actor_model_name_or_path=..., tokenizer=...,
+    args=...)`` work; ``args`` may be the step-3 namespace, a dict or any object (missing fields get defaults).
+    """
+
+    def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
+                 num_total_iters=None, reward_model_name_or_path=None, needs_critic=True):
+        self.args = args = step3_args(args)
+        setup_run(args)
+        self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
+        self.critic_path = critic_model_name_or_path or args.critic_model_name_or_path
+        self.reward_path = reward_model_name_or_path or args.reward_model_name_or_path or self.critic_path
+        self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token)
+        self.num_total_iters = num_total_iters or args.max_steps or DEFAULT_TOTAL_ITERS
+        self.world_size = get_world_size()
+
+        self.actor = self._init_actor()
+        self.ref = self._init_frozen_actor_copy(offload=args.offload_reference_model)
+        self.actor_ema = self._init_frozen_actor_copy(offload=False) if args.enable_ema else None
+        self.critic = self._init_critic() if needs_critic else None
+        self.reward = self._init_reward()
+
+    # --- configs ------------------------------------------------------------------------------------------
+    def _train_config(self, stage, hybrid=False):
+        a = self.args
+        return get_train_ds_config(
+            offload=a.offload, dtype=a.dtype, stage=stage, micro_batch_size=a.per_device_training_batch_size,
+            gradient_accumulation_steps=a.gradient_accumulation_steps, world_size=self.world_size,
+            enable_hybrid_engine=hybrid, inference_tp_size=a.inference_tp_size,
+            release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
+            tp_gather_partition_size=a.tp_gather_partition_size,
+            max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=a.enable_cuda_graph,
+            enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3")
+
+    def _eval_config(self, stage, offload):
+        # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3).
+        return get_eval_ds_config(offload=offload, dtype=self.args.dtype, stage=3 if stage == 3 else 0,
+                                  micro_batch_size=self.args.per_device_training_batch_size,
+                                  world_size=self.world_size)
+
+    # --- models -------------------------------------------------------------------------------------------
+    def _init_actor(self):
+        from dschat.hybrid_engine import HybridEngine, HybridEngineConfig, strip_deepspeed_hybrid_engine
+
+        a = self.args
+        ds_config = self._train_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
+        model = create_hf_model(AutoModelForCausalLM, self.actor_path, self.tokenizer, ds_config,
+                                dropout=a.actor_dropout)
+        model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
+                           only_optimize_lora=a.only_optimize_lora)
+        engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
+                                   a.actor_learning_rate, a.actor_weight_decay,
+                                   a.actor_lora_learning_rate if a.actor_lora_dim else None, a.offload,
+                                   a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
+                                   a.actor_gradient_checkpointing)
+        print_rank_0(f"[step3] actor {self.actor_path}: ZeRO-{a.actor_zero_stage}, "
+                     f"hybrid engine {'on' if a.enable_hybrid_engine else 'off'}")
+        if not a.enable_hybrid_engine:
+            return engine
+        return HybridEngine(engine, HybridEngineConfig.from_ds_config(ds_config),
+                            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+
+    def _init_frozen_actor_copy(self, offload):
+        """The reference model (and the EMA copy): the SFT weights, frozen, sharded like the actor."""
+        ds_config = self._eval_config(self.args.actor_zero_stage, offload)
+        model = create_hf_model(AutoModelForCausalLM, self.actor_path, self.tokenizer, ds_config)
+        return initialize_frozen(model, ds_config)
+
+    def _init_critic(self):
+        a = self.args
+        ds_config = self._train_config(a.critic_zero_stage)
+        model = create_critic_model(self.critic_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
+                                    rlhf_training=True, dropout=a.critic_dropout, zero_stage=a.critic_zero_stage,
+                                    compute_fp32_loss=a.compute_fp32_loss)
+        model.rwtransformer = apply_lora(model.rwtransformer, a.critic_lora_dim, a.critic_lora_module_name,
+                                         a.lora_alpha, only_optimize_lora=a.only_optimize_lora)
+        if a.critic_lora_dim and a.only_optimize_lora:
+            model.v_head.requires_grad_(True)
+        return initialize_engine(model, ds_config, a.critic_learning_rate, a.critic_weight_decay,
+                                 a.critic_lora_learning_rate if a.critic_lora_dim else None, a.offload,
+                                 a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
+                                 a.critic_gradient_checkpointing)
+
+    def _init_reward(self):
+        a = self.args
+        ds_config = self._eval_config(a.critic_zero_stage, a.offload_reward_model)
+        model = create_critic_model(self.reward_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
+                                    compute_fp32_loss=a.compute_fp32_loss)
+        return initialize_frozen(model, ds_config)

@@ -1,0 +1,60 @@
+"""Scoring a policy on held-out prompts with the reward model and, where the data has one, a rule scorer."""
+import torch
+
+from dschat.models.reward_model import positions_from_mask  # noqa: F401  (re-exported for tools)
+from dschat.rlhf.trainer import answer_mask
+from dschat.utils.dist import all_reduce
+
+
+def rule_scorer_for(data_path):
+    """The bundled rule scorer when the prompts come from the embedded data, else None."""
+    if list(data_path) == ["tiny"]:
+        from dschat.tiny.scorer import rule_score
+
+        return rule_score
+    return None
+
+
+@torch.no_grad()
+def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_token_id):
+    """Greedy answers (ids and masks) from a ``generate`` callable with HF's keyword arguments."""
+    seq = generate(prompts, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                   eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    answers = seq[:, prompts.shape[1]:]
+    return seq, answer_mask(answers, eos_token_id, pad_token_id)
+
+
+@torch.no_grad()
+def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_tokens, rule_scorer=None,
+                    max_prompts=None, keep_examples=4):
+    """Mean reward-model score and rule score of greedy answers to the prompts of ``loader`` (all ranks).
+
+    ``generate`` is the actor's generate (hybrid engine or HF), ``reward_model`` the frozen reward engine.
+    """
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # reward sum, rule sum, count
+    examples, seen = [], 0
+    for batch in loader:
+        if max_prompts and seen >= max_prompts:
+            break
+        prompts, mask = batch["prompt"].to(device), batch["prompt_att_mask"].to(device)
+        seq, amask = generate_answers(generate, prompts, mask, max_new_tokens, tokenizer.eos_token_id,
+                                      tokenizer.pad_token_id)
+        full_mask = torch.cat([mask.long(), amask], dim=1)
+        scores = reward_model.module.forward_value(seq, full_mask)["chosen_end_scores"].double()
+        texts = _answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)
+        rules = [rule_scorer(p, t) for p, t in zip(batch["prompt_text"], texts)] if rule_scorer else [0.0] * len(texts)
+        totals += torch.tensor([scores.sum().item(), float(sum(rules)), float(len(texts))], dtype=torch.float64,
+                               device=device)
+        examples += [{"prompt": p, "answer": t, "reward": s, **({"rule_score": r} if rule_scorer else {})}
+                     for p, t, s, r in zip(batch["prompt_text"], texts, scores.tolist(), rules)][: keep_examples - len(examples)]
+        seen += len(texts)
+    all_reduce(totals)
+    n = max(totals[2].item(), 1.0)
+    result = {"reward_mean": totals[0].item() / n, "prompts": int(totals[2].item()), "examples": examples}
+    if rule_scorer:
+        result["rule_score_mean"] = totals[1].item() / n
+    return result
+
+
+def _answer_texts(tokenizer, answers, amask):
+    return [tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip() for row, m in zip(answers, amask)]

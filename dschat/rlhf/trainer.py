@@ -1,0 +1,224 @@
+"""DeepSpeedPPOTrainer: experience generation and the PPO update (DeepSpeed-Chat's API, dschat's math)."""
+import time
+
+import torch
+
+from dschat.models.reward_model import positions_from_mask
+from dschat.rlhf import algorithms as algo
+from dschat.rlhf.config import step3_args
+from dschat.utils.dist import all_reduce, get_world_size
+
+
+def answer_mask(answers, eos_token_id, pad_token_id):
+    """1 on the real tokens of each generated answer: up to and including its first EOS.
+
+    Works when pad == EOS (the first EOS is real, what follows is padding) and when the answer never ends.
+    """
+    eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    is_eos = torch.zeros_like(answers, dtype=torch.bool)
+    for e in eos_ids:
+        is_eos |= answers == e
+    ended_before = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    mask = ~ended_before
+    if pad_token_id not in eos_ids:
+        mask &= answers != pad_token_id
+    return mask.long()
+
+
+class DeepSpeedPPOTrainer:
+    """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
+
+    def __init__(self, rlhf_engine=None, args=None, engine=None):
+        self.rlhf_engine = rlhf_engine or engine
+        if self.rlhf_engine is None:
+            raise TypeError("DeepSpeedPPOTrainer needs the DeepSpeedRLHFEngine (rlhf_engine= or engine=)")
+        self.args = args = step3_args(args if args is not None else self.rlhf_engine.args)
+        e = self.rlhf_engine
+        self.actor_model, self.ref_model, self.critic_model, self.reward_model = e.actor, e.ref, e.critic, e.reward
+        self.actor_ema = e.actor_ema
+        self.tokenizer = e.tokenizer
+        self.max_answer_seq_len = args.max_answer_seq_len
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.kl_ctl = algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl,
+                                             args.kl_target, args.kl_horizon)
+        self.clip_reward_value, self.cliprange, self.cliprange_value = (args.clip_reward_value, args.cliprange,
+                                                                          args.cliprange_value)
+        self.gamma, self.lam = args.gamma, args.lam
+        self.hybrid = args.enable_hybrid_engine
+        self.z3_enabled = args.actor_zero_stage == 3
+        self.device = next(self.actor_model.module.parameters()).device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(args.seed + 1000 * torch.distributed.get_rank())  # independent per rank
+        self.stats = {}
+
+    # --- experience ---------------------------------------------------------------------------------------
+    def _generate_sequence(self, prompts, mask):
+        """Answers of the actor, as full sequences (prompt + answer, padded after EOS)."""
+        a = self.args
+        sampling = dict(do_sample=not a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+        with torch.no_grad():
+            if self.hybrid:
+                return self.actor_model.generate(prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len,
+                                                 eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                                                 generator=self.generator, **sampling)
+            if not sampling["do_sample"]:
+                sampling = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+            return self.actor_model.module.generate(
+                prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len, eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id, synced_gpus=self.z3_enabled and get_world_size() > 1,
+                use_cache=True, **sampling)
+
+    def generate_experience(self, prompts, mask=None, step=0):
+        """Generate answers and score them: log-probs (actor, reference), values, reward-model scores.
+
+        ``prompts`` is a left-padded tensor with ``mask``, or the batch dict of ``DataCollatorRLHF``.
+        Empty answers stay in the batch (with no reward tokens) on every rank, so ranks never diverge.
+        """
+        if isinstance(prompts, dict):
+            prompts, mask = prompts["prompt"], prompts["prompt_att_mask"]
+        prompts, mask = prompts.to(self.device), mask.to(self.device)
+        self.eval()
+        t0 = time.time()
+        seq = self._generate_sequence(prompts, mask)
+        gen_time = time.time() - t0
+        prompt_len = prompts.shape[1]
+        answers = seq[:, prompt_len:]
+        action_mask = answer_mask(answers, self.eos_token_id, self.pad_token_id)
+        attention_mask = torch.cat([mask.long(), action_mask], dim=1)
+        t1 = time.time()
+        with torch.no_grad():
+            logprobs = self._logprobs(self.actor_model, seq, attention_mask)
+            ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask)
+            values = self._values(self.critic_model, seq, attention_mask) if self.critic_model else None
+            scores = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"]
+        algo.check_finite("reward scores", scores)
+        exp_time = time.time() - t1
+        start = prompt_len - 1
+        empty = (action_mask.sum(1) == 0) | ((action_mask.sum(1) == 1) & self._is_eos(answers[:, 0]))
+        self.stats.update(generation_time=gen_time, experience_time=exp_time,
+                          answer_length=action_mask.sum(1).float().mean().item(),
+                          empty_answers=int(empty.sum().item()), generated_tokens=int(action_mask.sum().item()))
+        return {"prompts": prompts, "logprobs": logprobs[:, start:], "ref_logprobs": ref_logprobs[:, start:],
+                "value": values[:, start:] if values is not None else None, "rewards": scores, "input_ids": seq,
+                "attention_mask": attention_mask, "action_mask": action_mask}
+
+    def _is_eos(self, tokens):
+        eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+        return torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+
+    def _logprobs(self, model, seq, attention_mask):
+        logits = model(input_ids=seq, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask),
+                       use_cache=False).logits
+        return algo.gather_log_probs(logits[:, :-1], seq[:, 1:], self.args.logprob_chunk_size)
+
+    @staticmethod
+    def _values(critic, seq, attention_mask):
+        return critic.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+
+    # --- rewards and advantages ---------------------------------------------------------------------------
+    def compute_rewards(self, prompts, log_probs, ref_log_probs, reward_score, action_mask):
+        """DeepSpeed-Chat's signature: per-token rewards with the KL penalty and the clipped score."""
+        kl_coef = self.kl_ctl.value if self.args.kl_in_reward else 0.0
+        return algo.kl_penalized_rewards(log_probs, ref_log_probs, reward_score, action_mask, kl_coef,
+                                         self.clip_reward_value, self.args.kl_estimator)
+
+    def get_advantages_and_returns(self, values, rewards, action_mask):
+        adv, returns = algo.gae_advantages(rewards, values, action_mask, self.gamma, self.lam)
+        if self.args.whiten_advantages:
+            group = torch.distributed.group.WORLD if get_world_size() > 1 else None
+            adv = algo.masked_whiten(adv, action_mask, process_group=group)
+        return adv, returns
+
+    # --- training -----------------------------------------------------------------------------------------
+    def train_rlhf(self, inputs):
+        """One PPO update of actor and critic on a micro-batch of experience; returns (actor_loss, critic_loss)."""
+        a = self.args
+        mask = inputs["action_mask"].float()
+        seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        start = inputs["prompts"].shape[1] - 1
+        old_logp, ref_logp, old_values = inputs["logprobs"], inputs["ref_logprobs"], inputs["value"]
+        agg = self._loss_agg(inputs)
+        with torch.no_grad():
+            rewards = self.compute_rewards(inputs["prompts"], old_logp, ref_logp, inputs["rewards"], mask)
+            advantages, returns = self.get_advantages_and_returns(old_values, rewards, mask)
+        self.train()
+        actor_loss = self._actor_loss(seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg)
+        self.actor_model.backward(actor_loss)
+        self.actor_model.step()
+        self._update_ema()
+        values = self._values(self.critic_model, seq, attention_mask)[:, start:]
+        critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value, **agg)
+        algo.check_finite("critic loss", critic_loss)
+        self.critic_model.backward(critic_loss)
+        self.critic_model.step()
+        self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
+        return actor_loss.detach(), critic_loss.detach()
+
+    def _actor_loss(self, seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg):
+        a = self.args
+        logits = self.actor_model(input_ids=seq, attention_mask=attention_mask,
+                                  position_ids=positions_from_mask(attention_mask), use_cache=False).logits
+        logp = algo.gather_log_probs(logits[:, :-1], seq[:, 1:], a.logprob_chunk_size)[:, start:]
+        loss, pstats = algo.policy_loss_clipped(logp, old_logp, advantages, mask, self.cliprange, **agg)
+        if a.entropy_coef:
+            entropy = algo.entropy_from_logits(logits[:, :-1], a.logprob_chunk_size)[:, start:]
+            loss = loss - algo.entropy_bonus(entropy, mask, a.entropy_coef, **agg)
+        if not a.kl_in_reward and a.kl_loss_coef:
+            loss = loss + a.kl_loss_coef * algo.kl_loss_term(logp, ref_logp, mask, a.kl_estimator, **agg)
+        algo.check_finite("actor loss", loss)
+        self.stats.update(pg_clipfrac=pstats["pg_clipfrac"].item(), approx_kl=pstats["approx_kl"].item())
+        return loss
+
+    def _loss_agg(self, inputs):
+        if self.args.loss_agg != "global_token_mean":
+            return {"loss_agg": "token_mean"}
+        return {"loss_agg": "global_token_mean", "num_tokens_global": inputs["num_tokens_global"],
+                "accum_steps": self.args.gradient_accumulation_steps, "world_size": get_world_size()}
+
+    @torch.no_grad()
+    def _update_ema(self):
+        if self.actor_ema is None:
+            return
+        from dschat.rlhf.ema import moving_average
+
+        moving_average(self.actor_model.module, self.actor_ema.module, beta=self.args.ema_beta)
+
+    def kl_to_reference(self, exp):
+        """Mean per-token KL (k1) between the policy that generated ``exp`` and the reference."""
+        return algo.masked_mean(exp["logprobs"] - exp["ref_logprobs"], exp["action_mask"].float())
+
+    def update_kl_controller(self, kl, n_steps):
+        self.kl_ctl.update(kl, n_steps)
+
+    def train(self):
+        self.actor_model.train()
+        if self.critic_model is not None:
+            self.critic_model.train()
+
+    def eval(self):
+        self.actor_model.eval()
+        if self.critic_model is not None:
+            self.critic_model.eval()
+        self.ref_model.eval()
+        self.reward_model.eval()
+
+
+class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
+    """PPO plus a language-modelling loss on unsupervised data (DeepSpeed-Chat's PPO-ptx)."""
+
+    def train_unsupervised(self, inputs, unsup_coef):
+        self.train()
+        out = self.actor_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                               labels=inputs["labels"], use_cache=False)
+        loss = out.loss * unsup_coef
+        algo.check_finite("unsupervised loss", loss)
+        self.actor_model.backward(loss)
+        self.actor_model.step()
+        return loss.detach()
+
+
+def global_token_count(action_masks, device):
+    """Response tokens in a global batch: this rank's micro-batches summed, then all ranks."""
+    total = torch.tensor(float(sum(int(m.sum()) for m in action_masks)), device=device)
+    return all_reduce(total).item()

@@ -1,0 +1,241 @@
+"""Step 3: PPO of the SFT actor against the step-2 reward model, with held-out evaluation and resume."""
+import json
+import math
+import os
+import time
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from dschat.args import step3_parser
+from dschat.models.checkpoint import save_causal_lm, save_reward_model
+from dschat.models.loading import load_tokenizer
+from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+from dschat.rlhf.config import step3_args
+from dschat.rlhf.engine import DeepSpeedRLHFEngine
+from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
+from dschat.steps.common import (format_metrics, progress, setup_run, tensorboard_writer, write_json_atomic,
+                                 write_metrics)
+from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_device, print_rank_0
+
+
+def prompt_loaders(args, tokenizer):
+    """Phase-3 prompts (train, and held-out for evaluation), left-padded."""
+    from dschat.data import DataCollatorRLHF, create_prompt_dataset, get_eot_token, parse_field_map
+
+    train, held_out = create_prompt_dataset(
+        args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
+        args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
+        max_prompt_len=args.max_prompt_seq_len, field_options=parse_field_map(args.data_fields))
+    collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id)
+    if get_world_size() > 1:
+        train_sampler = DistributedSampler(train, shuffle=True, seed=args.seed)
+        eval_sampler = DistributedSampler(held_out, shuffle=False)
+    else:
+        train_sampler = RandomSampler(train, generator=torch.Generator().manual_seed(args.seed))
+        eval_sampler = SequentialSampler(held_out)
+    batch = args.per_device_generation_batch_size
+    # drop_last keeps every rank's iteration count equal, so collectives line up
+    return (DataLoader(train, batch_size=batch, sampler=train_sampler, collate_fn=collator, drop_last=True),
+            DataLoader(held_out, batch_size=batch, sampler=eval_sampler, collate_fn=collator))
+
+
+def unsupervised_loader(args, tokenizer):
+    if not args.unsupervised_dataset_name:
+        return None
+    from dschat.data import get_unsupervised_data
+    from dschat.steps.common import build_dataloaders
+    from dschat.data import DataCollatorSFT
+
+    data = get_unsupervised_data(args, tokenizer)
+    loader, _ = build_dataloaders(data, data, DataCollatorSFT(tokenizer.pad_token_id),
+                                  args.per_device_generation_batch_size, 1, args.seed, drop_last=True)
+    return loader
+
+
+def split_experience(exp, micro_batch):
+    """Slices of one generation batch of experience, ``micro_batch`` rows each (DeepSpeed-Chat's MiniDataset)."""
+    rows = exp["input_ids"].shape[0]
+    return [{k: (v[i:i + micro_batch] if torch.is_tensor(v) else v) for k, v in exp.items()}
+            for i in range(0, rows, micro_batch)]
+
+
+def ppo_update(trainer, experiences, args, device):
+    """ppo_epochs passes over the buffered experience; returns mean actor and critic losses."""
+    micro = [m for exp in experiences for m in split_experience(exp, args.per_device_training_batch_size)]
+    actor_losses, critic_losses = [], []
+    accum = args.gradient_accumulation_steps
+    for _ in range(args.ppo_epochs):
+        for start in range(0, len(micro), accum):
+            group = micro[start:start + accum]
+            tokens = global_token_count([m["action_mask"] for m in group], device)
+            for m in group:
+                m["num_tokens_global"] = tokens
+                actor_loss, critic_loss = trainer.train_rlhf(m)
+                actor_losses.append(actor_loss.item())
+                critic_losses.append(critic_loss.item())
+    return sum(actor_losses) / len(actor_losses), sum(critic_losses) / len(critic_losses)
+
+
+def rank_mean(value, device):
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    return all_reduce(t).item() / get_world_size()
+
+
+def held_out_eval(trainer, loader, args, device, scorer):
+    generate = trainer.actor_model.generate if trainer.hybrid else trainer.actor_model.module.generate
+    trainer.eval()
+    result = evaluate_policy(generate, trainer.reward_model, trainer.tokenizer, loader, device,
+                             args.eval_max_new_tokens or args.max_answer_seq_len, scorer, args.eval_prompts)
+    return result
+
+
+def main(args=None):
+    """Run PPO; returns metrics (held-out reward/rule scores before and after, final iteration stats)."""
+    if args is None or isinstance(args, (list, tuple)):
+        args = step3_parser().parse_args(args)
+    args = step3_args(args)
+    started = time.time()
+    setup_run(args)
+    device = local_device()
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token)
+    train_loader, eval_loader = prompt_loaders(args, tokenizer)
+    unsup_loader = unsupervised_loader(args, tokenizer)
+    iters_per_epoch = len(train_loader) // args.generation_batches
+    total_iters = iters_per_epoch * args.num_train_epochs
+    if args.max_steps:
+        total_iters = min(total_iters, args.max_steps)
+    if args.enable_test_mode and args.test_stop_step:
+        total_iters = min(total_iters, args.test_stop_step)
+    optimizer_steps = max(1, total_iters * args.ppo_epochs * math.ceil(
+        args.per_device_generation_batch_size * args.generation_batches / args.per_device_training_batch_size
+    ) // args.gradient_accumulation_steps)
+    engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
+                                 num_total_iters=optimizer_steps)
+    trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer
+    trainer = trainer_class(engine, args)
+    scorer = rule_scorer_for(args.data_path)
+    ckpt_root = os.path.join(args.output_dir, "checkpoints")
+    position = load_checkpoint(trainer, ckpt_root) if args.resume else None
+    log_path = os.path.join(args.output_dir, "step3_log.jsonl")
+    if position is None:
+        position = {"iteration": 0, "epoch": 0, "batch": 0}
+        before = held_out_eval(trainer, eval_loader, args, device, scorer)
+        _truncate(log_path)
+    else:
+        print_rank_0(f"[step3] resumed from iteration {position['iteration']}")
+        before = position.get("eval_before")
+    print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
+    writer = tensorboard_writer(args, "step3")
+    iteration = position["iteration"]
+    bar = progress(range(total_iters), total_iters, "step3 PPO")
+    if is_rank_0():
+        bar.update(iteration)
+    for epoch in range(position["epoch"], args.num_train_epochs):
+        if hasattr(train_loader.sampler, "set_epoch"):
+            train_loader.sampler.set_epoch(epoch)
+        unsup_iter = iter(unsup_loader) if unsup_loader is not None else None
+        buffer = []
+        for batch_index, batch in enumerate(train_loader):
+            if epoch == position["epoch"] and batch_index < position["batch"]:
+                continue  # consumed before the checkpoint we resumed from
+            if iteration >= total_iters:
+                break
+            t0 = time.time()
+            buffer.append(trainer.generate_experience(batch, step=iteration))
+            gen_stats = dict(trainer.stats)
+            if len(buffer) < args.generation_batches:
+                continue
+            t1 = time.time()
+            actor_loss, critic_loss = ppo_update(trainer, buffer, args, device)
+            unsup_loss = None
+            if unsup_iter is not None:
+                unsup_loss = trainer.train_unsupervised(_to(next(unsup_iter), device), args.unsup_coef).item()
+            train_time = time.time() - t1
+            kl = torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item()
+            trainer.update_kl_controller(kl, args.per_device_generation_batch_size * get_world_size())
+            record = _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss,
+                                       kl, train_time, time.time() - t0, device)
+            _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
+            buffer = []
+            iteration += 1
+            if args.save_interval and iteration % args.save_interval == 0:
+                save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch,
+                                                     "batch": batch_index + 1, "eval_before": before})
+        if iteration >= total_iters:
+            break
+    after = held_out_eval(trainer, eval_loader, args, device, scorer)
+    print_rank_0(f"[step3] held-out after PPO: {_eval_line(after)}")
+    save_models(trainer, args)
+    metrics = {"iterations": iteration, "eval_before": before, "eval_after": after,
+               "seconds": time.time() - started}
+    write_metrics(args.output_dir, metrics)
+    return metrics
+
+
+def save_models(trainer, args):
+    save_causal_lm(trainer.actor_model.module, trainer.tokenizer, os.path.join(args.output_dir, "actor"))
+    if trainer.critic_model is not None:
+        save_reward_model(trainer.critic_model.module, trainer.tokenizer, os.path.join(args.output_dir, "critic"))
+    if trainer.actor_ema is not None:
+        save_causal_lm(trainer.actor_ema.module, trainer.tokenizer, os.path.join(args.output_dir, "actor_ema"))
+
+
+def _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss, kl, train_time,
+                      wall, device):
+    reward = torch.cat([e["rewards"].float() for e in buffer]).mean().item()
+    samples = sum(e["input_ids"].shape[0] for e in buffer) * get_world_size()
+    tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
+    record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), "kl": rank_mean(kl, device),
+              "kl_coef": trainer.kl_ctl.value, "actor_loss": rank_mean(actor_loss, device),
+              "critic_loss": rank_mean(critic_loss, device),
+              "answer_length": rank_mean(gen_stats["answer_length"], device),
+              "empty_answers": int(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
+              "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
+              "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
+              **{k: trainer.stats[k] for k in ("pg_clipfrac", "approx_kl", "vf_clipfrac") if k in trainer.stats}}
+    if unsup_loss is not None:
+        record["unsup_loss"] = rank_mean(unsup_loss, device)
+    return record
+
+
+def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
+    if hasattr(trainer.actor_model, "log_stats"):
+        trainer.actor_model.log_stats()
+    if not is_rank_0():
+        return
+    with open(log_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    bar.update(1)
+    bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['kl']:.3f}")
+    keys = ("reward", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers", "generation_time",
+            "experience_time", "training_time", "samples_per_s", "tokens_per_s")
+    bar.write(f"[step3] iter {record['iteration']}: " + format_metrics({k: record[k] for k in keys}))
+    if writer is not None:
+        for k, v in record.items():
+            if isinstance(v, (int, float)):
+                writer.add_scalar(f"step3/{k}", v, record["iteration"])
+        writer.flush()
+    if args.print_answers and record["iteration"] % args.print_answers_interval == 0:
+        exp = buffer[0]
+        prompt_len = exp["prompts"].shape[1]
+        answer = exp["input_ids"][0, prompt_len:][exp["action_mask"][0].bool()]
+        bar.write(f"  prompt: {trainer.tokenizer.decode(exp['prompts'][0], skip_special_tokens=True)!r}\n"
+                  f"  answer: {trainer.tokenizer.decode(answer, skip_special_tokens=True)!r}")
+
+
+def _eval_line(result):
+    if not result:
+        return "n/a"
+    return format_metrics({k: v for k, v in result.items() if k != "examples"})
+
+
+def _truncate(path):
+    if is_rank_0():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path, "w").close()
+
+
+def _to(batch, device):
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -1,0 +1,146 @@
+"""Models: reward end index, pairwise loss, LoRA through PEFT, drift-free merge, save/load round trips."""
+import os
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
+
+from dschat.models.checkpoint import atomic_folder, save_causal_lm, save_reward_model
+from dschat.models.lora import apply_lora, lora_target_modules, optimizer_param_groups
+from dschat.models.reward_model import (RewardModel, last_token_index, load_reward_model, pairwise_loss,
+                                        positions_from_mask)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "opt": lambda: OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                             word_embed_proj_dim=32, max_position_embeddings=64),
+    "gpt2": lambda: GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+}
+
+
+class _Tok:
+    """Just what save_pretrained needs from a tokenizer."""
+
+    def save_pretrained(self, folder):
+        open(os.path.join(folder, "tokenizer_marker.txt"), "w").close()
+
+
+def test_last_token_index_handles_left_and_right_padding():
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    left = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    assert last_token_index(right).tolist() == [2, 4]
+    assert last_token_index(left).tolist() == [4, 4]
+
+
+def test_positions_ignore_left_padding():
+    assert positions_from_mask(torch.tensor([[0, 0, 1, 1]])).tolist() == [[0, 0, 0, 1]]
+
+
+def test_pairwise_loss_matches_formula():
+    c, r = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 1.0])
+    expected = -(torch.log(torch.sigmoid(torch.tensor(2.0))) + torch.log(torch.sigmoid(torch.tensor(-1.0)))) / 2
+    assert torch.allclose(pairwise_loss(c, r), expected)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_reward_score_is_independent_of_padding_side(family):
+    torch.manual_seed(0)
+    model = RewardModel(AutoModel.from_config(CONFIGS[family]())).eval()
+    ids = torch.randint(3, 96, (1, 6))
+    right = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
+    left = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask_r = torch.tensor([[1] * 6 + [0] * 3])
+    mask_l = torch.tensor([[0] * 3 + [1] * 6])
+    with torch.no_grad():
+        s_plain = model.end_scores(ids, torch.ones_like(ids))
+        s_right = model.end_scores(right, mask_r)
+        s_left = model.end_scores(left, mask_l)
+    assert torch.allclose(s_plain, s_right, atol=1e-5)
+    assert torch.allclose(s_plain, s_left, atol=1e-5)
+
+
+def test_reward_forward_splits_chosen_and_rejected():
+    torch.manual_seed(0)
+    model = RewardModel(AutoModel.from_config(CONFIGS["llama"]())).eval()
+    ids = torch.randint(3, 96, (4, 5))
+    out = model(ids, torch.ones_like(ids))
+    scores = model.end_scores(ids, torch.ones_like(ids))
+    assert torch.allclose(out["chosen_mean_scores"], scores[:2])
+    assert torch.allclose(out["rejected_mean_scores"], scores[2:])
+    assert torch.allclose(out["loss"], pairwise_loss(scores[:2], scores[2:]))
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_lora_targets_linear_layers_but_not_heads(family):
+    model = AutoModelForCausalLM.from_config(CONFIGS[family]())
+    targets = lora_target_modules(model)
+    assert targets and not any("lm_head" in t for t in targets)
+    wrapped = apply_lora(model, lora_dim=4, only_optimize_lora=True)
+    trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_lora_module_name_filters_and_rejects_unknown():
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    assert all("self_attn" in t for t in lora_target_modules(model, "self_attn"))
+    with pytest.raises(ValueError, match="matches no Linear"):
+        lora_target_modules(model, "decoder.layers.")
+
+
+def test_optimizer_groups_skip_decay_on_biases_and_norms_and_set_lora_lr():
+    model = apply_lora(AutoModelForCausalLM.from_config(CONFIGS["opt"]()), lora_dim=4)
+    groups = optimizer_param_groups(model, weight_decay=0.1, lora_learning_rate=1e-2)
+    for g in groups:
+        if g["weight_decay"]:
+            assert all(p.ndim >= 2 for p in g["params"])
+    assert any(g.get("lr") == 1e-2 for g in groups)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_saved_lora_model_loads_with_merged_weights(family, tmp_path, distributed):
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(CONFIGS[family]()), lora_dim=4).eval()
+    for name, p in model.named_parameters():  # make the adapters non-trivial
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    ids = torch.randint(3, 96, (2, 7))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    save_causal_lm(model, _Tok(), str(tmp_path / "out"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    assert torch.allclose(expected, got, atol=1e-4)
+    assert os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+def test_reward_model_round_trip_keeps_scores(tmp_path, distributed):
+    torch.manual_seed(0)
+    model = RewardModel(AutoModel.from_config(CONFIGS["opt"]())).eval()
+    torch.nn.init.normal_(model.v_head.weight)
+    ids = torch.randint(3, 96, (3, 6))
+    with torch.no_grad():
+        expected = model.end_scores(ids, torch.ones_like(ids))
+    save_reward_model(model, _Tok(), str(tmp_path / "rm"))
+    loaded = load_reward_model(str(tmp_path / "rm")).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded.end_scores(ids, torch.ones_like(ids)), expected, atol=1e-5)
+
+
+def test_plain_model_folder_loads_as_critic_with_new_head(tmp_path):
+    AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path / "plain")
+    critic = load_reward_model(str(tmp_path / "plain"))
+    assert critic.v_head.weight.shape == (1, 32)
+
+
+def test_atomic_folder_leaves_old_contents_when_writing_fails(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "weights").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_folder(str(target)) as tmp:
+            open(os.path.join(tmp, "weights"), "w").write("half")
+            raise RuntimeError("crash while saving")
+    assert (target / "weights").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]

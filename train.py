@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""One command for all three RLHF steps (DeepSpeed-Chat's train.py, run in-process).
+
+    python train.py                                   # the embedded tiny default, offline, CPU or GPU
+    python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m --deployment-type single_gpu
+    deepspeed train.py --actor-model meta-llama/Llama-3.2-1B --reward-model Qwen/Qwen2.5-0.5B \
+        --deployment-type single_node --actor-zero-stage 3 --reward-zero-stage 3
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--step", type=int, nargs="+", choices=[1, 2, 3], default=[1, 2, 3],
+                   help="Which steps to run (e.g. --step 2 3).")
+    p.add_argument("--actor-model", default="tiny-llama", help="Hub name, local folder or tiny preset.")
+    p.add_argument("--reward-model", default="tiny-llama", help="Hub name, local folder or tiny preset.")
+    p.add_argument("--actor-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    p.add_argument("--reward-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node"])
+    p.add_argument("--output-dir", default="./output")
+    p.add_argument("--data-path", nargs="*", default=None, help="Datasets for all steps (default: the steps').")
+    p.add_argument("--hostfile", default="/job/hostfile", help="multi_node: the deepspeed launcher's hostfile.")
+    for step in (1, 2, 3):
+        p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    # DeepSpeed-Chat's defaults: ZeRO-0 on one GPU, ZeRO-3 actor / ZeRO-3 reward when spread over GPUs.
+    default_stage = 0 if args.deployment_type == "single_gpu" else 3
+    args.actor_zero_stage = default_stage if args.actor_zero_stage is None else args.actor_zero_stage
+    args.reward_zero_stage = default_stage if args.reward_zero_stage is None else args.reward_zero_stage
+    return args
+
+
+def under_launcher():
+    return "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+
+
+def relaunch_with_deepspeed(args, argv):
+    """``python train.py --deployment-type single_node|multi_node``: start the ranks once, via the launcher."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if args.deployment_type == "multi_node":
+        cmd += ["--hostfile", args.hostfile]
+    cmd += [os.path.abspath(__file__), *argv]
+    print("launching:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.deployment_type != "single_gpu" and not under_launcher():
+        sys.exit(relaunch_with_deepspeed(args, argv))
+    from dschat.pipeline import run_pipeline
+
+    run_pipeline(args)
+
+
+if __name__ == "__main__":
+    main()
