@@ -1,0 +1,14 @@
+"""Shared settings for end-to-end tests on the embedded tiny default (small and fast on 2 CPU cores)."""
+from pathlib import Path
+
+SFT_FAST = ["--max_seq_len", "80", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32",
+            "--learning_rate", "2e-3", "--dtype", "fp32", "--eval_iters", "2"]
+RM_FAST = SFT_FAST
+PPO_FAST = ["--max_prompt_seq_len", "40", "--max_answer_seq_len", "12", "--per_device_generation_batch_size", "4",
+            "--per_device_training_batch_size", "4", "--dtype", "fp32", "--num_warmup_steps", "0",
+            "--eval_prompts", "8", "--actor_learning_rate", "1e-4", "--critic_learning_rate", "1e-4"]
+
+
+def step_dirs(root):
+    root = Path(root)
+    return root / "sft", root / "rm", root / "data"
