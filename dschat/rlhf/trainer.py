@@ -88,29 +88,33 @@ class DeepSpeedPPOTrainer:
         attention_mask = torch.cat([mask.long(), action_mask], dim=1)
         t1 = time.time()
         with torch.no_grad():
-            logprobs = self._logprobs(self.actor_model, seq, attention_mask)
-            ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask)
-            values = self._values(self.critic_model, seq, attention_mask) if self.critic_model else None
+            start = prompt_len - 1
+            logprobs = self._logprobs(self.actor_model, seq, attention_mask, start)
+            ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask, start)
+            values = self._values(self.critic_model, seq, attention_mask)[:, start:] if self.critic_model else None
             scores = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"]
         algo.check_finite("reward scores", scores)
         exp_time = time.time() - t1
-        start = prompt_len - 1
         empty = (action_mask.sum(1) == 0) | ((action_mask.sum(1) == 1) & self._is_eos(answers[:, 0]))
         self.stats.update(generation_time=gen_time, experience_time=exp_time,
                           answer_length=action_mask.sum(1).float().mean().item(),
                           empty_answers=int(empty.sum().item()), generated_tokens=int(action_mask.sum().item()))
-        return {"prompts": prompts, "logprobs": logprobs[:, start:], "ref_logprobs": ref_logprobs[:, start:],
-                "value": values[:, start:] if values is not None else None, "rewards": scores, "input_ids": seq,
+        return {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs,
+                "value": values, "rewards": scores, "input_ids": seq,
                 "attention_mask": attention_mask, "action_mask": action_mask}
 
     def _is_eos(self, tokens):
         eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
         return torch.isin(tokens, torch.tensor(eos, device=tokens.device))
 
-    def _logprobs(self, model, seq, attention_mask):
-        logits = model(input_ids=seq, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask),
-                       use_cache=False).logits
-        return algo.gather_log_probs(logits[:, :-1], seq[:, 1:], self.args.logprob_chunk_size)
+    def _forward_logits(self, model, seq, attention_mask):
+        return model(input_ids=seq, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask),
+                     use_cache=False).logits
+
+    def _logprobs(self, model, seq, attention_mask, start):
+        """Log-probs of the answer tokens only (logits at ``start`` predict the first answer token)."""
+        logits = self._forward_logits(model, seq, attention_mask)
+        return algo.gather_log_probs(logits[:, start:-1], seq[:, start + 1:], self.args.logprob_chunk_size)
 
     @staticmethod
     def _values(critic, seq, attention_mask):
@@ -157,12 +161,11 @@ class DeepSpeedPPOTrainer:
 
     def _actor_loss(self, seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg):
         a = self.args
-        logits = self.actor_model(input_ids=seq, attention_mask=attention_mask,
-                                  position_ids=positions_from_mask(attention_mask), use_cache=False).logits
-        logp = algo.gather_log_probs(logits[:, :-1], seq[:, 1:], a.logprob_chunk_size)[:, start:]
+        logits = self._forward_logits(self.actor_model, seq, attention_mask)[:, start:-1]
+        logp = algo.gather_log_probs(logits, seq[:, start + 1:], a.logprob_chunk_size)
         loss, pstats = algo.policy_loss_clipped(logp, old_logp, advantages, mask, self.cliprange, **agg)
         if a.entropy_coef:
-            entropy = algo.entropy_from_logits(logits[:, :-1], a.logprob_chunk_size)[:, start:]
+            entropy = algo.entropy_from_logits(logits, a.logprob_chunk_size)
             loss = loss - algo.entropy_bonus(entropy, mask, a.entropy_coef, **agg)
         if not a.kl_in_reward and a.kl_loss_coef:
             loss = loss + a.kl_loss_coef * algo.kl_loss_term(logp, ref_logp, mask, a.kl_estimator, **agg)

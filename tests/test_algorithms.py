@@ -1,0 +1,610 @@
+"""Tests of dschat.rlhf.algorithms against hand-computed numbers and obviously-correct loops."""
+import math
+import os
+import socket
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dschat.rlhf import algorithms as A
+
+D = torch.float64
+
+
+def t(x, dtype=D):
+    return torch.tensor(x, dtype=dtype)
+
+
+def close(a, b, atol=1e-9, rtol=1e-7):
+    torch.testing.assert_close(torch.as_tensor(a, dtype=D), torch.as_tensor(b, dtype=D), atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------------
+# DeepSpeed-Chat reference implementations (transcribed from
+# training/step3_rlhf_finetuning/ppo_trainer.py, with start = 0 since our tensors are the response part)
+
+
+def dsc_compute_rewards(log_probs, ref_log_probs, reward_score, action_mask, kl_ctl=0.1, clip_reward_value=5):
+    rewards = -kl_ctl * (log_probs - ref_log_probs)
+    start = 0
+    ends = start + action_mask[:, start:].sum(1).long()
+    reward_clip = torch.clamp(reward_score, -clip_reward_value, clip_reward_value)
+    for j in range(log_probs.shape[0]):
+        rewards[j, start:ends[j]][-1] += reward_clip[j]
+    # train_rlhf then zeroes everything past the end
+    for i in range(rewards.shape[0]):
+        rewards[i, ends[i]:] = 0
+    return rewards
+
+
+def dsc_advantages_and_returns(values, rewards, gamma=1.0, lam=0.95, start=0):
+    lastgaelam = 0
+    advantages_reversed = []
+    length = rewards.size()[-1]
+    for tt in reversed(range(start, length)):
+        nextvalues = values[:, tt + 1] if tt < length - 1 else 0.0
+        delta = rewards[:, tt] + gamma * nextvalues - values[:, tt]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = advantages + values[:, start:]
+    return advantages, returns
+
+
+def dsc_actor_loss(logprobs, old_logprobs, advantages, mask, cliprange=0.2):
+    log_ratio = (logprobs - old_logprobs) * mask
+    ratio = torch.exp(log_ratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return torch.sum(torch.max(pg_loss1, pg_loss2) * mask) / mask.sum()
+
+
+def dsc_critic_loss(values, old_values, returns, mask, cliprange_value=0.2):
+    values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    vf_loss1 = (values - returns) ** 2
+    vf_loss2 = (values_clipped - returns) ** 2
+    return 0.5 * torch.sum(torch.max(vf_loss1, vf_loss2) * mask) / mask.sum()
+
+
+def suffix_mask(lengths, T):
+    return (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).to(D)
+
+
+# ------------------------------------------------------------------------------------------
+# masked reductions
+
+
+def test_masked_sum_mean():
+    x = t([[1., 2., 3.], [4., 5., 6.], [7., 8., 9.]])
+    m = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    close(A.masked_sum(x, m), 7.0)
+    close(A.masked_mean(x, m), 7.0 / 3)
+    close(A.masked_mean(x, m, dim=1), [1.5, 4.0, 0.0])  # all-zero row -> 0, not NaN
+    close(A.masked_sum(x, m, dim=0), [5.0, 2.0, 0.0])
+    # bool mask works the same
+    close(A.masked_mean(x, m.bool()), 7.0 / 3)
+
+
+def test_masked_mean_all_zero_mask_no_nan_in_grad():
+    x = t([[1., 2.]]).requires_grad_()
+    m = t([[0., 0.]])
+    y = A.masked_mean(x, m)
+    y.backward()
+    assert y.item() == 0.0
+    assert torch.isfinite(x.grad).all() and (x.grad == 0).all()
+
+
+def test_masked_mean_var_and_whiten():
+    x = t([[1., 2., 3., 100.]])
+    m = t([[1, 1, 1, 0]])
+    mean, var = A.masked_mean_var(x, m)
+    close(mean, 2.0)
+    close(var, 1.0)  # unbiased: ((1-2)^2 + 0 + (3-2)^2) / (3 - 1)
+    _, bvar = A.masked_mean_var(x, m, unbiased=False)
+    close(bvar, 2.0 / 3)
+    close(A.masked_whiten(x, m), [[-1.0, 0.0, 1.0, 0.0]], atol=1e-7)
+    close(A.masked_whiten(x, m, shift_mean=False), [[1.0, 2.0, 3.0, 0.0]], atol=1e-7)
+    # pre-computed (mean, var) are used instead of the local statistics
+    close(A.masked_whiten(x, m, stats=(0.0, 4.0)), [[0.5, 1.0, 1.5, 0.0]], atol=1e-7)
+    # degenerate inputs: no crash, no NaN
+    assert torch.isfinite(A.masked_whiten(x, torch.zeros_like(m))).all()
+    assert torch.isfinite(A.masked_whiten(x, t([[1, 0, 0, 0]]))).all()
+
+
+def _whiten_worker(rank, world, port, path):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 5, generator=g, dtype=D) * 3 + 1
+        m = suffix_mask([5, 2, 0, 4], 5)
+        rows = slice(0, 1) if rank == 0 else slice(1, 4)  # uneven split of the batch
+        out = A.masked_whiten(x[rows], m[rows], process_group=dist.group.WORLD)
+        torch.save(out, os.path.join(path, f"r{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_masked_whiten_process_group_matches_whole_batch(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_whiten_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = torch.cat([torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 5, generator=g, dtype=D) * 3 + 1
+    m = suffix_mask([5, 2, 0, 4], 5)
+    vals = x[m.bool()].tolist()
+    mu, sd = statistics.mean(vals), statistics.stdev(vals)
+    expected = (x - mu) / math.sqrt(sd ** 2 + 1e-8) * m
+    close(got, expected, atol=1e-9)
+    # and rank 0 alone (one row) would have whitened differently
+    assert not torch.allclose(A.masked_whiten(x[:1], m[:1]), expected[:1])
+
+
+# ------------------------------------------------------------------------------------------
+# log-probs / entropy
+
+
+def naive_logprobs(logits, labels):
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 50, None])
+def test_gather_log_probs_equals_naive(chunk):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 7, 11, generator=g) * 4
+    labels = torch.randint(0, 11, (2, 7), generator=g)
+    got = A.gather_log_probs(logits, labels, chunk_size=chunk)
+    assert got.dtype == torch.float32 and got.shape == (2, 7)
+    torch.testing.assert_close(got, naive_logprobs(logits, labels), atol=1e-6, rtol=1e-6)
+    # bf16 logits: computed in fp32 per chunk -> equals fp32 log_softmax of the bf16 values
+    lb = logits.bfloat16()
+    torch.testing.assert_close(A.gather_log_probs(lb, labels, chunk), naive_logprobs(lb, labels),
+                               atol=1e-6, rtol=1e-6)
+    # non-contiguous view (the trainer passes logits[:, :-1])
+    full = torch.randn(2, 8, 11, generator=g)
+    torch.testing.assert_close(A.gather_log_probs(full[:, :-1], labels, chunk),
+                               naive_logprobs(full[:, :-1], labels), atol=1e-6, rtol=1e-6)
+
+
+def test_gather_log_probs_hand_value():
+    logits = torch.log(t([[[1., 2., 5.], [3., 3., 2.]]]))  # probabilities 1/8,2/8,5/8 and 3/8,3/8,2/8
+    got = A.gather_log_probs(logits, torch.tensor([[2, 0]]), chunk_size=1)
+    close(got, [[math.log(5 / 8), math.log(3 / 8)]])
+
+
+def test_gather_log_probs_gradient_equals_naive():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5, 6, generator=g, dtype=D)
+    labels = torch.randint(0, 6, (3, 5), generator=g)
+    up = torch.randn(3, 5, generator=g, dtype=D)
+    a = logits.clone().requires_grad_()
+    (A.gather_log_probs(a, labels, chunk_size=2) * up).sum().backward()
+    b = logits.clone().requires_grad_()
+    (F.log_softmax(b, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1) * up).sum().backward()
+    close(a.grad, b.grad, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda z: A.gather_log_probs(z, labels, 2), (logits.clone().requires_grad_(),))
+    # bf16 logits: gradient comes back in bf16, equal to the fp32 one up to bf16 rounding
+    c = logits.bfloat16().requires_grad_()
+    (A.gather_log_probs(c, labels, 2) * up.float()).sum().backward()
+    assert c.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(c.grad.float(), b.grad.float(), atol=2e-2, rtol=2e-2)
+
+
+class _RecordFp32(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in torch.utils._pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.dtype == torch.float32:
+                self.largest = max(self.largest, o.numel())
+        return out
+
+
+@pytest.mark.parametrize("fn", ["logprobs", "entropy"])
+def test_chunked_never_materialises_full_fp32_logits(fn):
+    B, T, V, chunk = 2, 16, 50, 4
+    logits = torch.randn(B, T, V).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (B, T))
+    rec = _RecordFp32()
+    with rec:
+        out = A.gather_log_probs(logits, labels, chunk) if fn == "logprobs" else A.entropy_from_logits(logits, chunk)
+        out.sum().backward()
+    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
+    assert 0 < rec.largest <= B * chunk * V, rec.largest
+    # the naive computation would have (sanity check of the recorder)
+    rec2 = _RecordFp32()
+    with rec2:
+        F.log_softmax(logits.float(), -1).sum().backward()
+    assert rec2.largest >= B * T * V
+
+
+def naive_entropy(logits):
+    lp = F.log_softmax(logits, -1)
+    return -(lp.exp() * lp).sum(-1)
+
+
+def test_entropy_from_logits():
+    # hand values: uniform over 4 -> log 4; a one-hot (other logits -inf) -> 0 with finite gradient
+    logits = t([[[0., 0., 0., 0.], [0., -math.inf, -math.inf, -math.inf]]]).requires_grad_()
+    h = A.entropy_from_logits(logits, chunk_size=1)
+    close(h, [[math.log(4), 0.0]])
+    h.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 9, generator=g, dtype=D) * 3
+    for chunk in (1, 3, None):
+        close(A.entropy_from_logits(x, chunk), naive_entropy(x), atol=1e-12)
+    up = torch.randn(2, 7, generator=g, dtype=D)
+    a = x.clone().requires_grad_()
+    (A.entropy_from_logits(a, 3) * up).sum().backward()
+    b = x.clone().requires_grad_()
+    (naive_entropy(b) * up).sum().backward()
+    close(a.grad, b.grad, atol=1e-12)
+    xb = x.bfloat16()
+    torch.testing.assert_close(A.entropy_from_logits(xb, 2), naive_entropy(xb.float()), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# KL
+
+
+def test_kl_estimators_hand_values():
+    logp, ref = t([math.log(0.5)]), t([math.log(0.25)])
+    close(A.kl_estimate(logp, ref, "k1"), [math.log(2)])
+    close(A.kl_estimate(logp, ref, "kl"), [math.log(2)])
+    close(A.kl_estimate(logp, ref, "k2"), [0.5 * math.log(2) ** 2])
+    close(A.kl_estimate(logp, ref, "k3"), [0.5 + math.log(2) - 1])  # exp(-ln2) - (-ln2) - 1
+    close(A.kl_estimate(ref, logp, "k3"), [2 - math.log(2) - 1])
+    close(A.kl_estimate(ref, logp, "abs"), [math.log(2)])
+    close(A.kl_estimate(ref, logp, "k1"), [-math.log(2)])
+    close(A.kl_estimate(t([0.0]), t([50.0]), "low_var_kl"), [10.0])  # clamped
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        A.kl_estimate(logp, ref, "k9")
+
+
+def test_kl_penalized_rewards_hand_values():
+    diff = t([[0.1, 0.2, 0.3, 0.4], [1., 2., 3., 4.], [0.5, 0.5, 0.5, 0.5]])
+    ref = t([[-1., -2., -3., -4.]] * 3)
+    logp = ref + diff
+    mask = t([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+    score = t([2., -7., 3.])
+    r = A.kl_penalized_rewards(logp, ref, score, mask, kl_coef=0.1, clip_reward_value=5)
+    close(r, [[-0.01, -0.02, -0.03, -0.04 + 2.0],
+              [-0.1, -0.2 - 5.0, 0.0, 0.0],     # score -7 clipped to -5, at the last real token
+              [0.0, 0.0, 0.0, 0.0]])            # all-zero mask: no score, no error
+    r = A.kl_penalized_rewards(logp, ref, score, mask, kl_coef=0.0, clip_reward_value=None)
+    close(r, [[0, 0, 0, 2.], [0, -7., 0, 0], [0, 0, 0, 0]])
+    # k2 estimator
+    r = A.kl_penalized_rewards(logp, ref, score, mask, kl_coef=1.0, clip_reward_value=5, kl_kind="k2")
+    close(r[1], [-0.5, -2.0 - 5.0, 0.0, 0.0])
+
+
+def test_kl_penalized_rewards_matches_deepspeed_chat():
+    g = torch.Generator().manual_seed(4)
+    B, T = 5, 9
+    logp, ref = -torch.rand(B, T, generator=g, dtype=D) * 3, -torch.rand(B, T, generator=g, dtype=D) * 3
+    score = torch.randn(B, generator=g, dtype=D) * 8  # some beyond +-5
+    mask = suffix_mask([9, 3, 1, 6, 9], T)
+    ours = A.kl_penalized_rewards(logp, ref, score, mask)
+    close(ours, dsc_compute_rewards(logp.clone(), ref, score, mask))
+
+
+def test_kl_loss_term():
+    logp = t([[math.log(0.5), math.log(0.25), 0.0]]).requires_grad_()
+    ref = t([[math.log(0.25), math.log(0.5), 5.0]])
+    mask = t([[1, 1, 0]])
+    loss = A.kl_loss_term(logp, ref, mask, kind="k3")
+    close(loss, ((0.5 + math.log(2) - 1) + (2 - math.log(2) - 1)) / 2)
+    loss.backward()
+    # d/dlogp k3 = 1 - exp(ref - logp): token0 -> 1 - 0.5, token1 -> 1 - 2, masked -> 0; divided by 2 tokens
+    close(logp.grad, [[0.25, -0.5, 0.0]])
+    close(A.kl_loss_term(logp, ref, mask, kind="k1"), (math.log(2) - math.log(2)) / 2)
+
+
+# ------------------------------------------------------------------------------------------
+# GAE
+
+
+def test_gae_hand_values():
+    rewards = t([[0., 0., 1.], [0., 1., 9.], [3., 3., 3.]])
+    values = t([[0.5, 0.5, 0.5], [0.5, 0.5, 7.], [1., 1., 1.]])
+    mask = t([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    adv, ret = A.gae_advantages(rewards, values, mask, gamma=1.0, lam=0.5)
+    # row0: d2 = 1 - .5 = .5; d1 = 0 + .5 - .5 = 0 -> A1 = .25; A0 = .125
+    # row1 ends after t=1: the reward 9 / value 7 at t=2 must not leak: A1 = 1 - .5 = .5, A0 = .25
+    close(adv, [[0.125, 0.25, 0.5], [0.25, 0.5, 0.0], [0.0, 0.0, 0.0]])
+    close(ret, [[0.625, 0.75, 1.0], [0.75, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert not adv.requires_grad and not ret.requires_grad
+
+
+def test_gae_with_gamma_hand_values():
+    rewards, values = t([[1., 2.]]), t([[0.5, 1.0]])
+    adv, ret = A.gae_advantages(rewards, values, torch.ones(1, 2), gamma=0.5, lam=0.5)
+    # d1 = 2 - 1 = 1 -> A1 = 1; d0 = 1 + .5*1 - .5 = 1 -> A0 = 1 + .25 * 1 = 1.25
+    close(adv, [[1.25, 1.0]])
+    close(ret, [[1.75, 2.0]])
+
+
+def python_gae(rewards, values, lengths, gamma, lam):
+    """Plain per-row reverse loop over the real tokens only."""
+    out = torch.zeros_like(rewards)
+    for i, L in enumerate(lengths):
+        last = 0.0
+        for k in reversed(range(L)):
+            nv = values[i, k + 1].item() if k + 1 < L else 0.0
+            delta = rewards[i, k].item() + gamma * nv - values[i, k].item()
+            last = delta + gamma * lam * last
+            out[i, k] = last
+    return out
+
+
+def test_gae_matches_loop_and_deepspeed_chat():
+    g = torch.Generator().manual_seed(5)
+    B, T = 6, 8
+    lengths = [8, 5, 1, 0, 7, 8]
+    rewards, values = torch.randn(B, T, generator=g, dtype=D), torch.randn(B, T, generator=g, dtype=D)
+    mask = suffix_mask(lengths, T)
+    adv, ret = A.gae_advantages(rewards, values, mask, gamma=0.9, lam=0.95)
+    exp = python_gae(rewards, values, lengths, 0.9, 0.95)
+    close(adv, exp, atol=1e-12)
+    close(ret, (exp + values) * mask, atol=1e-12)
+    # DeepSpeed-Chat: zero rewards/values past the end, then its loop over the whole row
+    dadv, dret = dsc_advantages_and_returns(values * mask, rewards * mask, 0.9, 0.95)
+    close(adv, dadv * mask, atol=1e-12)
+    close(ret, dret * mask, atol=1e-12)
+    # rows without padding: identical to DeepSpeed-Chat's raw loop with the default gamma/lam
+    full = torch.ones(B, T, dtype=D)
+    adv, ret = A.gae_advantages(rewards, values, full)
+    dadv, dret = dsc_advantages_and_returns(values, rewards)
+    close(adv, dadv, atol=1e-12)
+    close(ret, dret, atol=1e-12)
+
+
+def test_gae_skips_masked_gap():
+    adv, _ = A.gae_advantages(t([[0., 5., 1.]]), t([[0.5, 9., 0.5]]), t([[1, 0, 1]]), gamma=1.0, lam=0.5)
+    close(adv, [[0.25, 0.0, 0.5]])  # same as the row [0, 1] / [.5, .5] without the gap token
+
+
+# ------------------------------------------------------------------------------------------
+# losses
+
+
+def test_policy_loss_clipping_engages_hand_values():
+    old = t([[-1.0, -1.0, -1.0, -1.0]])
+    logp = (old + torch.log(t([[1.5, 0.5, 1.1, 30.0]]))).requires_grad_()
+    adv = t([[1.0, -1.0, 2.0, 100.0]])
+    mask = t([[1, 1, 1, 0]])
+    loss, stats = A.policy_loss_clipped(logp, old, adv, mask, clip_range=0.2)
+    # token0 ratio 1.5, A=1: max(-1.5, -1.2) = -1.2 (clipped); token1 ratio .5, A=-1: max(.5, .8) = .8
+    # (clipped); token2 ratio 1.1 within range: -2.2; token3 masked
+    close(loss, (-1.2 + 0.8 - 2.2) / 3)
+    close(stats["pg_clipfrac"], 2 / 3)
+    close(stats["ppo_kl"], -(math.log(1.5) + math.log(0.5) + math.log(1.1)) / 3)
+    close(stats["approx_kl"], sum(r - 1 - math.log(r) for r in (1.5, 0.5, 1.1)) / 3)
+    close(stats["ratio_max"], 1.5)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0, -2.2 / 3, 0.0]])  # clipped tokens carry no gradient
+    # without clipping the loss is different
+    unclipped, st = A.policy_loss_clipped(logp, old, adv, mask, clip_range=10.0)
+    close(unclipped, (-1.5 + 0.5 - 2.2) / 3)
+    close(st["pg_clipfrac"], 0.0)
+    # pessimism: ratio 1.5 with a negative advantage is NOT clipped (max picks the unclipped 1.5)
+    l2, st2 = A.policy_loss_clipped(old + math.log(1.5), old, t([[-1., -1., -1., -1.]]), torch.ones(1, 4))
+    close(l2, 1.5)
+    close(st2["pg_clipfrac"], 0.0)
+
+
+def test_policy_loss_matches_deepspeed_chat_and_handles_empty_rows():
+    g = torch.Generator().manual_seed(6)
+    B, T = 4, 6
+    old = -torch.rand(B, T, generator=g, dtype=D) * 2
+    logp = old + torch.randn(B, T, generator=g, dtype=D) * 0.4
+    adv = torch.randn(B, T, generator=g, dtype=D)
+    mask = suffix_mask([6, 2, 0, 4], T)
+    loss, _ = A.policy_loss_clipped(logp, old, adv, mask)
+    close(loss, dsc_actor_loss(logp, old, adv, mask))
+    # whole micro-batch without response tokens: 0, finite gradient
+    lp = logp.clone().requires_grad_()
+    loss, stats = A.policy_loss_clipped(lp, old, adv, torch.zeros(B, T))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(lp.grad).all()
+    assert all(torch.isfinite(v) for v in stats.values())
+    # garbage log-probs on masked positions (exp would overflow) must not turn the loss into NaN
+    lp = logp.clone()
+    lp[1, 4:] = old[1, 4:] + 1000.0
+    lp.requires_grad_()
+    loss, stats = A.policy_loss_clipped(lp, old, adv, mask)
+    loss.backward()
+    close(loss, dsc_actor_loss(logp, old, adv, mask))
+    assert torch.isfinite(lp.grad).all() and all(torch.isfinite(v) for v in stats.values())
+
+
+def test_value_loss_clipping_engages_hand_values():
+    values = t([[1.0, 2.0, 0.0, 50.0]]).requires_grad_()
+    old = t([[0.5, 2.1, 0.0, 0.0]])
+    returns = t([[2.0, 0.0, 1.0, 0.0]])
+    mask = t([[1, 1, 1, 0]])
+    loss, stats = A.value_loss_clipped(values, old, returns, mask, clip_range_value=0.2)
+    # t0: clip(1.0, .3, .7) = .7 -> max((1-2)^2, (.7-2)^2) = 1.69; t1: 4; t2: 1
+    close(loss, 0.5 * (1.69 + 4 + 1) / 3)
+    close(stats["vf_clipfrac"], 1 / 3)
+    loss.backward()
+    # t0 clipped -> no gradient; t1: (2-0)/3; t2: (0-1)/3
+    close(values.grad, [[0.0, 2.0 / 3, -1.0 / 3, 0.0]])
+    unclipped, _ = A.value_loss_clipped(values, old, returns, mask, clip_range_value=None)
+    close(unclipped, 0.5 * (1 + 4 + 1) / 3)
+    g = torch.Generator().manual_seed(7)
+    v, o, r = (torch.randn(3, 5, generator=g, dtype=D) for _ in range(3))
+    m = suffix_mask([5, 1, 3], 5)
+    close(A.value_loss_clipped(v, o, r, m)[0], dsc_critic_loss(v, o, r, m))
+
+
+def test_global_token_mean_equals_concatenated_batch_under_accumulation():
+    """Simulate DeepSpeed: backward(loss / accum_steps) per micro-batch, gradients averaged over ranks."""
+    g = torch.Generator().manual_seed(8)
+    W, G, mb, T = 2, 2, 3, 5
+    n = W * G * mb
+    old = -torch.rand(n, T, generator=g, dtype=D)
+    logp0 = old + torch.randn(n, T, generator=g, dtype=D) * 0.3
+    adv = torch.randn(n, T, generator=g, dtype=D)
+    mask = suffix_mask([5, 1, 2, 0, 5, 3, 1, 1, 4, 5, 2, 1], T)  # very different token counts
+    # reference: token mean over the whole concatenated global batch
+    ref = logp0.clone().requires_grad_()
+    ref_loss, _ = A.policy_loss_clipped(ref, old, adv, mask)
+    ref_loss.backward()
+
+    def run(loss_agg):
+        logp = logp0.clone().requires_grad_()
+        total, rank_grads = 0.0, []
+        for r in range(W):
+            logp.grad = None
+            for k in range(G):
+                rows = slice((r * G + k) * mb, (r * G + k + 1) * mb)
+                loss, _ = A.policy_loss_clipped(logp[rows], old[rows], adv[rows], mask[rows], loss_agg=loss_agg,
+                                                num_tokens_global=mask.sum().item(), accum_steps=G, world_size=W)
+                (loss / G).backward()  # DeepSpeed scales by 1 / gradient_accumulation_steps
+                total += loss.item() / G / W
+            rank_grads.append(logp.grad.clone())
+        return total, sum(rank_grads) / W  # data-parallel all-reduce averages
+
+    total, grad = run("global_token_mean")
+    close(total, ref_loss.item(), atol=1e-12)
+    close(grad, ref.grad, atol=1e-12)
+    _, grad_tm = run("token_mean")  # per-micro-batch mean weights micro-batches equally -> differs
+    assert not torch.allclose(grad_tm, ref.grad)
+    with pytest.raises(ValueError):
+        A.agg_loss(adv, mask, "global_token_mean")
+    with pytest.raises(ValueError):
+        A.agg_loss(adv, mask, "seq_mean")
+
+
+def test_entropy_bonus():
+    ent = t([[1., 2.], [3., 4.]])
+    mask = t([[1, 0], [1, 1]])
+    close(A.entropy_bonus(ent, mask, 0.01), 0.01 * 8 / 3)
+    close(A.entropy_bonus(ent, mask, 0.01, "global_token_mean", num_tokens_global=6, accum_steps=2),
+          0.01 * 8 * 2 / 6)
+
+
+def test_registries():
+    assert A.POLICY_LOSS_FNS["clipped"] is A.policy_loss_clipped
+    assert A.VALUE_LOSS_FNS["clipped"] is A.value_loss_clipped
+    assert A.ADVANTAGE_ESTIMATORS["gae"] is A.gae_advantages
+    assert {"gae", "grpo", "rloo", "reinforce_pp"} <= set(A.ADVANTAGE_ESTIMATORS)
+    with pytest.raises(ValueError):
+        A.get_adv_estimator("nope")
+
+
+# ------------------------------------------------------------------------------------------
+# KL controllers
+
+
+def test_kl_controllers():
+    f = A.FixedKLController(0.1)
+    f.update(100.0, 1000)
+    assert f.value == 0.1
+    a = A.AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    a.update(12.0, 100)  # KL above target: error clipped to +0.2 -> coef up by 1 + .2 * 100 / 10000
+    close(a.value, 0.1 * 1.002, atol=1e-15)
+    a.update(torch.tensor(6.3), 100)  # error 0.05
+    close(a.value, 0.1 * 1.002 * 1.0005, atol=1e-15)
+    v = a.value
+    a.update(3.0, 100)  # below target: error -0.5 clipped to -0.2 -> coef down
+    close(a.value, v * 0.998, atol=1e-15)
+    b = A.AdaptiveKLController(1.0, 1.0, 1.0)
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict() == {"value": a.value, "target": 6.0, "horizon": 10000.0}
+    f2 = A.FixedKLController(0.5)
+    f2.load_state_dict(f.state_dict())
+    assert f2.value == 0.1
+    assert isinstance(A.get_kl_controller("adaptive", 0.2, 6, 100), A.AdaptiveKLController)
+    assert A.get_kl_controller("fixed", 0.2).value == 0.2
+
+
+# ------------------------------------------------------------------------------------------
+# critic-free estimators
+
+
+def test_grpo_two_groups():
+    scores = t([1., 2., 3., 0., 10., 5.])
+    mask = suffix_mask([3, 1, 2, 0, 3, 3], 3)
+    adv, ret = A.grpo_advantages(scores, 3, mask)
+    # group 1: mean 2, std 1; group 2: mean 5, std 5
+    per = [-1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6), -5 / (5 + 1e-6), 5 / (5 + 1e-6), 0.0]
+    close(adv, torch.tensor(per, dtype=D)[:, None] * mask)
+    close(ret, adv)
+    adv, _ = A.grpo_advantages(scores, 3, mask, norm_by_std=False)
+    close(adv, t([-1., 0., 1., -5., 5., 0.])[:, None] * mask)
+    # a group with identical scores gets 0, not NaN
+    adv, _ = A.grpo_advantages(t([4., 4.]), 2, torch.ones(2, 2))
+    close(adv, torch.zeros(2, 2))
+    with pytest.raises(ValueError):
+        A.grpo_advantages(scores, 4, mask)
+
+
+def test_rloo_two_groups():
+    scores = t([1., 2., 3., 0., 10., 5.])
+    mask = suffix_mask([3, 1, 2, 0, 3, 3], 3)
+    adv, ret = A.rloo_advantages(scores, 3, mask)
+    # A_i = s_i - mean of the other two
+    close(adv, t([1 - 2.5, 2 - 2.0, 3 - 1.5, 0 - 7.5, 10 - 2.5, 5 - 5.0])[:, None] * mask)
+    close(ret, adv)
+    with pytest.raises(ValueError):
+        A.rloo_advantages(scores, 1, mask)
+
+
+def test_reinforce_pp():
+    rewards = t([[0., 0., 1.], [0., 2., 9.]])
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    adv, ret = A.reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    close(ret, [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]])  # the 9 past the end is ignored
+    vals = [0.25, 0.5, 1.0, 1.0, 2.0]
+    mu, sd = statistics.mean(vals), statistics.stdev(vals)
+    exp = (t([[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]]) - mu) / math.sqrt(sd ** 2 + 1e-8) * mask
+    close(adv, exp, atol=1e-9)
+
+
+def test_compute_advantages_dispatch():
+    g = torch.Generator().manual_seed(9)
+    r, v = torch.randn(4, 5, generator=g, dtype=D), torch.randn(4, 5, generator=g, dtype=D)
+    s = torch.randn(4, generator=g, dtype=D)
+    m = suffix_mask([5, 3, 0, 2], 5)
+    kw = dict(mask=m, token_rewards=r, values=v, scores=s, group_size=2, gamma=0.9, lam=0.8)
+    for name, expected in [("gae", A.gae_advantages(r, v, m, 0.9, 0.8)),
+                           ("grpo", A.grpo_advantages(s, 2, m)),
+                           ("rloo", A.rloo_advantages(s, 2, m)),
+                           ("reinforce_pp", A.reinforce_pp_advantages(r, m, 0.9))]:
+        got = A.compute_advantages(name, **kw)
+        close(got[0], expected[0])
+        close(got[1], expected[1])
+    with pytest.raises(ValueError, match="values"):
+        A.compute_advantages("gae", mask=m, token_rewards=r)
+
+
+# ------------------------------------------------------------------------------------------
+# check_finite
+
+
+def test_check_finite():
+    ok = t([[1., 2.], [3., 4.]])
+    assert A.check_finite("fine", ok) is ok
+    bad = t([[1., 2.], [float("nan"), 4.], [5., float("inf")], [float("-inf"), float("nan")]])
+    with pytest.raises(FloatingPointError, match=r"actor_loss is not finite") as ei:
+        A.check_finite("actor_loss", bad)
+    msg = str(ei.value)
+    assert "2 NaN" in msg and "2 inf" in msg and "[1, 2, 3]" in msg
+    with pytest.raises(FloatingPointError, match="critic_loss is not finite"):
+        A.check_finite("critic_loss", torch.tensor(float("nan")))
+    A.check_finite("ids", torch.tensor([1, 2]))  # integer tensors are always finite
