@@ -16,3 +16,11 @@ class RecordError(ValueError):
         super().__init__(f"field {field!r}: {message}")
         self.field = field
         self.detail = message
+
+
+class SkipRecord(Exception):
+    """A well-formed record that this step cannot use (e.g. tied preference scores); counted by ``reason``."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason

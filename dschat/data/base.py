@@ -1,0 +1,166 @@
+"""``PromptRawDataset``: the adapter interface every data source implements (DeepSpeed-Chat's, extended).
+
+DeepSpeed-Chat adapters return pre-formatted strings (``get_prompt`` -> "\\n\\nHuman: ...\\n\\nAssistant:",
+``get_chosen`` -> " ..."). dschat formats text itself (a chat template when the tokenizer has one), so
+adapters also expose the structured content: ``get_conversation`` (prompt turns as role/content dicts,
+ending with a user turn), ``get_chosen_text`` / ``get_rejected_text`` (bare answers, ``None`` when absent)
+and ``get_extra`` (other columns, passed to step 3 for reward functions). The string methods are derived
+from the structured ones unless an adapter overrides them to reproduce DeepSpeed-Chat exactly.
+"""
+import os
+
+from .errors import RecordError
+from .formatting import parse_transcript, render_human_assistant, split_last_answer
+from .splits import get_raw_dataset_split_index
+
+VALID_ROLES = ("system", "user", "assistant")
+
+
+class PromptRawDataset:
+    dataset_name = None        # the exact name get_raw_dataset dispatches on
+    dataset_name_clean = None  # file-name-safe form, used for cached split indices
+    used_columns = ()          # columns the accessors consume; the rest is get_extra()
+    strict = False             # True: a bad record is an error (local files); False: counted and skipped
+    has_answers = True         # False: prompt-only data, usable in step 3 only
+
+    def __init__(self, output_path, seed, local_rank, dataset_name=None, raw_datasets=None):
+        """``raw_datasets`` injects an already-loaded DatasetDict (tests, offline copies) instead of
+        ``load_dataset(dataset_name)``."""
+        self.output_path = output_path
+        self.seed = seed
+        self.local_rank = local_rank
+        if dataset_name is not None:
+            self.dataset_name = dataset_name
+        self.raw_datasets = raw_datasets if raw_datasets is not None else self.load()
+
+    def load(self):
+        """The hub dataset; a folder at the path of its name is a save_to_disk copy (DeepSpeed-Chat's offline
+        convention, e.g. ``./Dahoas/rm-static`` saved with ``save_to_disk``)."""
+        from datasets import load_dataset, load_from_disk
+
+        if os.path.isdir(self.dataset_name):
+            return load_from_disk(self.dataset_name)
+        return load_dataset(self.dataset_name)
+
+    def get_train_data(self):
+        raise NotImplementedError
+
+    def get_eval_data(self):
+        raise NotImplementedError
+
+    # --- structured accessors (what dschat's pipeline uses) ---
+    def get_conversation(self, sample):
+        raise NotImplementedError
+
+    def get_chosen_text(self, sample):
+        raise NotImplementedError
+
+    def get_rejected_text(self, sample):
+        return None
+
+    def get_extra(self, sample):
+        return {key: value for key, value in sample.items() if key not in self.used_columns}
+
+    # --- DeepSpeed-Chat's string interface ---
+    def get_prompt(self, sample):
+        return render_human_assistant(self.get_conversation(sample))
+
+    def get_chosen(self, sample):
+        return _as_answer_string(self.get_chosen_text(sample))
+
+    def get_rejected(self, sample):
+        return _as_answer_string(self.get_rejected_text(sample))
+
+    def get_prompt_and_chosen(self, sample):
+        chosen = self.get_chosen(sample)
+        return None if chosen is None else self.get_prompt(sample) + chosen
+
+    def get_prompt_and_rejected(self, sample):
+        rejected = self.get_rejected(sample)
+        return None if rejected is None else self.get_prompt(sample) + rejected
+
+    # --- helpers for adapters whose data has no eval split ---
+    def seeded_train_eval_part(self, data, part):
+        """Part 0 (90%) or 1 (10%) of a seeded split, as DeepSpeed-Chat does for train-only datasets."""
+        index = get_raw_dataset_split_index(self.local_rank, self.output_path, self.dataset_name_clean,
+                                            self.seed, "train_eval", "9,1", part, len(data))
+        return data.select(index)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.dataset_name!r})"
+
+
+def _as_answer_string(text):
+    return None if text is None else " " + text
+
+
+def required_text(sample, field):
+    """The stripped string in ``sample[field]``; RecordError if missing, not a string or empty."""
+    value = sample.get(field)
+    if value is None:
+        raise RecordError(field, "missing or null")
+    if not isinstance(value, str):
+        raise RecordError(field, f"expected a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RecordError(field, "empty text")
+    return value.strip()
+
+
+def optional_text(sample, field):
+    """Like required_text, but a missing/null value is ``None`` (an empty string is still an error)."""
+    if sample.get(field) is None:
+        return None
+    return required_text(sample, field)
+
+
+def conversation_from_transcript(text, field):
+    """Prompt turns from a "Human:/Assistant:" transcript that must end with a Human turn."""
+    messages = parse_transcript(text)
+    if not messages or messages[-1]["role"] != "user":
+        raise RecordError(field, "the transcript must end with a 'Human:' turn")
+    return messages
+
+
+def answer_from_transcript(text, field):
+    """The final Assistant turn of a full transcript, plus the turns before it."""
+    prompt, answer = split_last_answer(parse_transcript(text))
+    if answer is None:
+        raise RecordError(field, "the transcript must end with a non-empty 'Assistant:' turn")
+    if not prompt or prompt[-1]["role"] != "user":
+        raise RecordError(field, "the transcript must have a 'Human:' turn before the final answer")
+    return prompt, answer
+
+
+def checked_messages(value, field):
+    """A list of {role, content} dicts with known roles and non-empty string content."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RecordError(field, f"expected a non-empty list of messages, got {type(value).__name__}")
+    messages = []
+    for position, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise RecordError(field, f"message {position} is a {type(message).__name__}, not a dict")
+        role, content = message.get("role"), message.get("content")
+        if role not in VALID_ROLES:
+            raise RecordError(field, f"message {position} has role {role!r}; expected one of {VALID_ROLES}")
+        if not isinstance(content, str) or not content.strip():
+            raise RecordError(field, f"message {position} has no text content")
+        messages.append({"role": role, "content": content.strip()})
+    return messages
+
+
+def prompt_messages(messages, field):
+    if messages[-1]["role"] != "user":
+        raise RecordError(field, "the prompt messages must end with a user message")
+    return messages
+
+
+def final_assistant_answer(messages, field):
+    prompt, answer = split_last_answer(messages)
+    if answer is None:
+        raise RecordError(field, "the last message must be the assistant's answer")
+    return prompt, answer
+
+
+__all__ = ["PromptRawDataset", "required_text", "optional_text",
+           "conversation_from_transcript", "answer_from_transcript", "checked_messages", "prompt_messages",
+           "final_assistant_answer"]

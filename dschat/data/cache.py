@@ -1,0 +1,94 @@
+"""On-disk cache of tokenized datasets: the key, and an atomic, multi-process-safe build.
+
+The key hashes every input that changes the tokenized result, so a stale cache is never reused and an
+unchanged configuration never rebuilds. A cache folder appears only complete: it is built in a temporary
+folder next to it and renamed into place (``os.replace``), under a ``FileLock`` so that ranks (or separate
+jobs sharing ``output_path``) starting at once build it once; the others wait and then load it.
+"""
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+from filelock import FileLock
+
+# Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
+FORMAT_VERSION = 1
+CACHE_SUBDIR = "dschat_data_cache"
+
+
+def tokenizer_fingerprint(tokenizer):
+    """What about the tokenizer changes token ids: its full serialized form (vocab, merges, normalizer,
+    added tokens, post-processor) when it is a fast tokenizer, else its vocabulary; and its chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    content = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return {
+        "name_or_path": getattr(tokenizer, "name_or_path", None),
+        "class": type(tokenizer).__name__,
+        "vocab_sha256": hashlib.sha256(content.encode()).hexdigest(),
+        "special_tokens": {name: str(value) for name, value in sorted(tokenizer.special_tokens_map.items())},
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+
+
+def cache_key(params):
+    """sha256 of the JSON of ``params`` (sorted keys) plus FORMAT_VERSION."""
+    text = json.dumps({"format_version": FORMAT_VERSION, **params}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_folder(output_path, train_phase, key):
+    return os.path.join(output_path, CACHE_SUBDIR, f"phase{train_phase}_{key[:32]}")
+
+
+def ensure_built(folder, build_into, rebuild_before=None):
+    """Build ``folder`` with ``build_into(tmp_folder)`` unless it exists; True if built here.
+
+    ``rebuild_before`` (a time.time() value) also rebuilds a folder last written before that time: a forced
+    rebuild that another process already did while this one waited for the lock is not done twice.
+    The lock makes concurrent callers build once; the temp folder + rename makes a crash mid-build leave no
+    half-written cache behind.
+    """
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    with FileLock(folder + ".lock"):
+        if os.path.isdir(folder) and not _written_before(folder, rebuild_before):
+            return False
+        tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
+        try:
+            build_into(tmp)
+            if os.path.isdir(folder):
+                _remove_folder(folder)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return True
+
+
+def _written_before(folder, moment):
+    # a folder's mtime is when its last entry was created: the end of its build
+    return moment is not None and os.path.getmtime(folder) < moment
+
+
+def _remove_folder(folder):
+    """Rename first so the cache path never points at a half-deleted folder."""
+    trash = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".old-")
+    os.replace(folder, os.path.join(trash, "cache"))
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """Hide datasets' per-save progress bars while writing/reading the cache (they are noise here)."""
+    import datasets
+
+    was_enabled = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()

@@ -1,0 +1,74 @@
+"""Batch collators for the three phases (items are unpadded 1-D tensors; padding happens here).
+
+Training batches are right-padded (positions of real tokens start at 0 without position-id fixes);
+step-3 prompts are left-padded so every row's generation starts at the same column.
+"""
+import torch
+
+
+def pad_sequences(sequences, pad_value, side="right", length=None):
+    """Stack 1-D tensors into (N, L), padding each on ``side`` ("right" or "left") to ``length``
+    (default: the longest)."""
+    if side not in ("right", "left"):
+        raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
+    length = max((len(seq) for seq in sequences), default=0) if length is None else length
+    out = torch.full((len(sequences), length), pad_value, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq) > length:
+            raise ValueError(f"sequence of length {len(seq)} does not fit in padded length {length}")
+        if len(seq):
+            if side == "right":
+                out[row, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            else:
+                out[row, length - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+    return out
+
+
+class DataCollatorSFT:
+    """Phase 1: right-pads input_ids (pad id), attention_mask (0) and labels (-100) to the batch max."""
+
+    def __init__(self, pad_token_id):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, items):
+        return {"input_ids": pad_sequences([i["input_ids"] for i in items], self.pad_token_id),
+                "attention_mask": pad_sequences([i["attention_mask"] for i in items], 0),
+                "labels": pad_sequences([i["labels"] for i in items], -100)}
+
+
+class DataCollatorReward:
+    """Phase 2: (2B, L) input_ids/attention_mask, the B chosen rows first and then the B rejected rows
+    (DeepSpeed-Chat's convention: the reward model splits the batch in halves), right-padded together."""
+
+    def __init__(self, pad_token_id):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, items):
+        ids = [i["chosen_input_ids"] for i in items] + [i["rejected_input_ids"] for i in items]
+        masks = [i["chosen_attention_mask"] for i in items] + [i["rejected_attention_mask"] for i in items]
+        return {"input_ids": pad_sequences(ids, self.pad_token_id), "attention_mask": pad_sequences(masks, 0)}
+
+
+class DataCollatorRLHF:
+    """Phase 3: ``prompt``/``prompt_att_mask`` left-padded to the batch's longest prompt; every other item
+    key (prompt_text, messages, extra columns) is passed through as a list, None where an item lacks it."""
+
+    TENSOR_KEYS = ("prompt_input_ids",)
+
+    def __init__(self, max_prompt_len, pad_token_id):
+        self.max_prompt_len = max_prompt_len
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, items):
+        prompts = [i["prompt_input_ids"] for i in items]
+        longest = max(len(p) for p in prompts)
+        if self.max_prompt_len is not None and longest > self.max_prompt_len:
+            raise ValueError(f"a prompt has {longest} tokens, more than max_prompt_len={self.max_prompt_len}; "
+                             "build the dataset with the same max_prompt_len")
+        batch = {"prompt": pad_sequences(prompts, self.pad_token_id, side="left"),
+                 "prompt_att_mask": pad_sequences([torch.ones(len(p), dtype=torch.long) for p in prompts], 0,
+                                                  side="left")}
+        keys = dict.fromkeys(key for item in items for key in item if key not in self.TENSOR_KEYS)
+        for key in keys:
+            batch[key] = [item.get(key) for item in items]
+        return batch

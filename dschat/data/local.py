@@ -1,0 +1,386 @@
+"""Local data files as a ``PromptRawDataset``.
+
+Spec forms (one string per dataset in ``--data_path``)::
+
+    jsonl:PATH  json:PATH  parquet:PATH  csv:PATH     one file
+    TYPE:TRAIN_PATH,EVAL_PATH                         explicit eval file (same type)
+    TYPE:DIR                                          DIR/train.EXT plus DIR/eval.EXT (or test/validation)
+    disk:PATH                                         a save_to_disk folder: a DatasetDict (train plus
+                                                      eval/test/validation) or a single Dataset
+    PATH                                              a bare existing path; the extension (.jsonl, .json,
+                                                      .parquet, .csv), a save_to_disk folder or the
+                                                      DIR/train.EXT inside says what it is
+
+Without an eval file or split, the train data is split 90/10 with the seed (DeepSpeed-Chat's rule for
+hub datasets that have no eval split), and the indices are cached under ``output_path``.
+
+Record shapes (field names changeable with ``field_options``, e.g. from ``--data_fields
+prompt=question,chosen=good``):
+
+* ``prompt`` + ``chosen`` [+ ``rejected``]: strings. ``prompt`` is the user message; a prompt that starts
+  with "Human:" is read as a "Human:/Assistant:" transcript; ``prompt`` may also be a list of messages.
+  Without a ``chosen`` field the data is prompt-only (step 3 only). A null ``rejected`` marks an SFT-only
+  record (skipped, and counted, in step 2).
+* ``messages``: a list of {role, content} ending with the assistant answer (SFT data).
+* ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format): the turns before
+  the last are the prompt and must be the same in both; the last (assistant) turns are the answers.
+  ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
+
+Every other column is passed through ``get_extra``. Records are checked when the file is loaded: a
+malformed JSON line raises ``DatasetFormatError("FILE line N: ...")``; a missing/null/empty/wrongly typed
+field raises one naming the file, the record (and line for JSONL) and the field.
+"""
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import (PromptRawDataset, checked_messages, final_assistant_answer, optional_text, prompt_messages,
+                   required_text)
+from .errors import DatasetFormatError, RecordError
+from .formatting import parse_transcript
+
+LOCAL_TYPES = ("jsonl", "json", "parquet", "csv", "disk")
+EXTENSION_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+EVAL_SPLIT_NAMES = ("eval", "test", "validation")
+FIELD_NAMES = ("prompt", "chosen", "rejected", "messages")
+TINY_DATA_DIR = Path(__file__).resolve().parents[1] / "tiny" / "data"
+
+
+def parse_field_map(text):
+    """ "prompt=question,chosen=good" -> {"prompt": "question", "chosen": "good"} (for --data_fields)."""
+    if not text:
+        return {}
+    mapping = {}
+    for item in str(text).split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"--data_fields item {item!r} must look like 'prompt=question'")
+        mapping[key] = value
+    return checked_field_options(mapping)
+
+
+def checked_field_options(field_options):
+    unknown = sorted(set(field_options) - set(FIELD_NAMES))
+    if unknown:
+        raise ValueError(f"unknown data field(s) {unknown}; the fields that can be renamed are {list(FIELD_NAMES)}")
+    return dict(field_options)
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    """Where a local dataset's data lives: ``kind`` is one of LOCAL_TYPES; ``eval`` may be None."""
+    kind: str
+    train: str
+    eval: str | None
+    spec: str
+
+    @property
+    def files(self):
+        return [path for path in (self.train, self.eval) if path]
+
+    @property
+    def name_clean(self):
+        digest = hashlib.sha256("\n".join(os.path.abspath(p) for p in self.files).encode()).hexdigest()
+        return f"local_{digest[:16]}"
+
+    def fingerprint(self):
+        """Path, size and mtime of every file, so an edited file gets a new cache key."""
+        stats = []
+        for path in self.files:
+            for file in _all_files(path):
+                st = os.stat(file)
+                stats.append([os.path.abspath(file), st.st_size, st.st_mtime_ns])
+        return {"kind": self.kind, "files": stats}
+
+
+def _all_files(path):
+    if os.path.isfile(path):
+        return [path]
+    return sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
+
+
+def tiny_source():
+    """The embedded default data (``dschat/tiny/data/{train,eval}.jsonl``)."""
+    source = _folder_source("jsonl", str(TINY_DATA_DIR), "tiny")
+    if source is None:
+        raise FileNotFoundError(f"the tiny dataset is missing: expected {TINY_DATA_DIR}/train.jsonl")
+    return source
+
+
+def resolve_local_spec(spec):
+    """A LocalSource for a local spec; None when ``spec`` is neither ``TYPE:...`` nor an existing path."""
+    kind, sep, rest = spec.partition(":")
+    if sep and kind in LOCAL_TYPES:
+        return _typed_source(kind, rest, spec)
+    paths = _split_paths(spec)
+    if not os.path.exists(paths[0]):
+        if os.path.splitext(paths[0])[1] in EXTENSION_TYPES:
+            raise FileNotFoundError(f"data file not found: {paths[0]}")
+        return None
+    return _typed_source(_infer_kind(paths[0]), spec, spec)
+
+
+def _split_paths(text):
+    paths = [part.strip() for part in text.split(",")]
+    if len(paths) > 2 or not all(paths):
+        raise ValueError(f"local data spec {text!r}: expected PATH or TRAIN_PATH,EVAL_PATH")
+    return paths
+
+
+def _infer_kind(path):
+    if os.path.isdir(path):
+        if _is_saved_dataset(path):
+            return "disk"
+        for kind in ("jsonl", "json", "parquet", "csv"):
+            if os.path.isfile(os.path.join(path, f"train.{kind}")):
+                return kind
+        raise ValueError(f"cannot tell what the folder {path} holds: it is not a save_to_disk folder and has no "
+                         "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
+    kind = EXTENSION_TYPES.get(os.path.splitext(path)[1].lower())
+    if kind is None:
+        raise ValueError(f"cannot tell the format of {path} from its extension; write jsonl:{path}, "
+                         f"json:{path}, parquet:{path} or csv:{path}")
+    return kind
+
+
+def _is_saved_dataset(path):
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("dataset_dict.json", "state.json"))
+
+
+def _typed_source(kind, paths_text, spec):
+    paths = _split_paths(paths_text)
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{spec}: {path} does not exist")
+    if kind != "disk" and os.path.isdir(paths[0]):
+        if len(paths) > 1:
+            raise ValueError(f"{spec}: give either a folder or TRAIN_PATH,EVAL_PATH files, not both")
+        source = _folder_source(kind, paths[0], spec)
+        if source is None:
+            raise FileNotFoundError(f"{spec}: the folder has no train.{kind}")
+        return source
+    return LocalSource(kind, paths[0], paths[1] if len(paths) > 1 else None, spec)
+
+
+def _folder_source(kind, folder, spec):
+    train = os.path.join(folder, f"train.{kind}")
+    if not os.path.isfile(train):
+        return None
+    evals = [os.path.join(folder, f"{name}.{kind}") for name in EVAL_SPLIT_NAMES]
+    return LocalSource(kind, train, next((p for p in evals if os.path.isfile(p)), None), spec)
+
+
+# --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
+
+def check_jsonl_lines(path):
+    """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line.
+
+    datasets/pyarrow report a malformed line without its number, so the file is checked here first.
+    """
+    record_lines = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({err.msg} at column "
+                                         f"{err.colno})") from None
+            if not isinstance(record, dict):
+                raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
+                                         f"{type(record).__name__}")
+            record_lines.append(line_number)
+    return record_lines
+
+
+def check_json_document(path):
+    """A .json file must be one JSON array of objects; DatasetFormatError with the line of a syntax error."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as err:
+        if _is_json_lines(text):
+            return check_jsonl_lines(path)
+        raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(document, list):
+        raise DatasetFormatError(f"{path}: expected a JSON array of records, got a {type(document).__name__}")
+    for index, record in enumerate(document):
+        if not isinstance(record, dict):
+            raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
+    return None
+
+
+def _is_json_lines(text):
+    """A .json file that is really JSON Lines (common) is accepted and checked line by line."""
+    first = text.lstrip()[:1]
+    return first == "{" and "\n" in text.strip()
+
+
+def load_file(kind, path):
+    """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder."""
+    from datasets import load_dataset
+
+    record_lines = None
+    if kind == "jsonl":
+        record_lines = check_jsonl_lines(path)
+    elif kind == "json":
+        record_lines = check_json_document(path)
+    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
+    try:
+        data = load_dataset(builder, data_files={"train": path}, split="train")
+    except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
+        raise DatasetFormatError(f"{path}: could not be read as {kind}: {err}") from err
+    return data, record_lines
+
+
+def load_saved_dataset(path):
+    """(train, eval or None) from a save_to_disk folder (DatasetDict or a single Dataset)."""
+    from datasets import DatasetDict, load_from_disk
+
+    saved = load_from_disk(path)
+    if not isinstance(saved, DatasetDict):
+        return saved, None
+    if "train" not in saved:
+        raise DatasetFormatError(f"{path}: the saved DatasetDict has no 'train' split (it has {list(saved)})")
+    eval_name = next((name for name in EVAL_SPLIT_NAMES if name in saved), None)
+    return saved["train"], saved[eval_name] if eval_name else None
+
+
+class LocalDataset(PromptRawDataset):
+    """A ``PromptRawDataset`` over local files; records are validated when loaded (``strict``)."""
+    strict = True
+
+    def __init__(self, source, output_path, seed, local_rank, field_options=None):
+        self.source = source
+        self.fields = {name: name for name in FIELD_NAMES}
+        self.fields.update(checked_field_options(field_options or {}))
+        self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
+        super().__init__(output_path, seed, local_rank, dataset_name=source.spec, raw_datasets=None)
+
+    def load(self):
+        train, eval_data = self._load_splits()
+        self.shape = self._record_shape(train, self.source.train)
+        self.used_columns = tuple(self.fields[name] for name in self._shape_fields())
+        self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
+        self._validate(train, self.source.train, self._train_lines)
+        if eval_data is not None:
+            eval_where = self.source.eval or self.source.train
+            if self._record_shape(eval_data, eval_where) != self.shape:
+                raise DatasetFormatError(f"{eval_where}: the eval records have different fields from the train "
+                                         f"records ({eval_data.column_names} vs {train.column_names})")
+            self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
+        return {"train": train, "eval": eval_data}
+
+    def _load_splits(self):
+        self._train_lines = self._eval_lines = None
+        if self.source.kind == "disk":
+            if self.source.eval:
+                return load_saved_dataset(self.source.train)[0], load_saved_dataset(self.source.eval)[0]
+            return load_saved_dataset(self.source.train)
+        train, self._train_lines = load_file(self.source.kind, self.source.train)
+        if not self.source.eval:
+            return train, None
+        eval_data, self._eval_lines = load_file(self.source.kind, self.source.eval)
+        return train, eval_data
+
+    def get_train_data(self):
+        if self.raw_datasets["eval"] is None:
+            return self.seeded_train_eval_part(self.raw_datasets["train"], 0)
+        return self.raw_datasets["train"]
+
+    def get_eval_data(self):
+        if self.raw_datasets["eval"] is None:
+            return self.seeded_train_eval_part(self.raw_datasets["train"], 1)
+        return self.raw_datasets["eval"]
+
+    # --- record shapes ---
+    def _record_shape(self, data, where):
+        columns = data.column_names
+        if self.fields["messages"] in columns:
+            return "messages"
+        if self.fields["prompt"] in columns:
+            return "prompt"
+        if self.fields["chosen"] in columns:
+            return "chosen_messages"
+        raise DatasetFormatError(
+            f"{where}: no {self.fields['prompt']!r}, {self.fields['messages']!r} or {self.fields['chosen']!r} "
+            f"field; the records have {columns}. Name yours with --data_fields, e.g. "
+            "'prompt=question,chosen=answer,rejected=bad_answer'")
+
+    def _shape_fields(self):
+        return {"messages": ("messages",), "prompt": ("prompt", "chosen", "rejected"),
+                "chosen_messages": ("chosen", "rejected")}[self.shape]
+
+    def _validate(self, data, path, record_lines):
+        """Read every record through the accessors once, so a bad one fails now, with its location."""
+        for index, sample in enumerate(data):
+            try:
+                self.get_conversation(sample)
+                self.get_chosen_text(sample)
+                self.get_rejected_text(sample)
+            except RecordError as err:
+                where = f"line {record_lines[index]} (record {index})" if record_lines else f"record {index}"
+                raise DatasetFormatError(f"{path} {where}: {err}") from None
+
+    # --- structured accessors ---
+    def get_conversation(self, sample):
+        if self.shape == "messages":
+            return self._split_message_list(sample, self.fields["messages"])[0]
+        if self.shape == "chosen_messages":
+            return self._split_message_list(sample, self.fields["chosen"])[0]
+        return self._prompt_conversation(sample)
+
+    def _prompt_conversation(self, sample):
+        field = self.fields["prompt"]
+        value = sample.get(field)
+        if isinstance(value, (list, tuple)):
+            return prompt_messages(checked_messages(value, field), field)
+        text = required_text(sample, field)
+        if text.startswith("Human:"):  # a DeepSpeed-Chat-style transcript ("\n\nHuman: ...\n\nAssistant:")
+            messages = parse_transcript(text)
+            if not messages or messages[-1]["role"] != "user":
+                raise RecordError(field, "the transcript must end with a 'Human:' turn")
+            return messages
+        return [{"role": "user", "content": text}]
+
+    @staticmethod
+    def _split_message_list(sample, field):
+        """(prompt turns, answer) of a full conversation whose last message is the assistant's answer."""
+        prompt, answer = final_assistant_answer(checked_messages(sample.get(field), field), field)
+        if not prompt:
+            raise RecordError(field, "there must be a user message before the answer")
+        return prompt_messages(prompt, field), answer
+
+    def get_chosen_text(self, sample):
+        if self.shape == "messages":
+            return self._split_message_list(sample, self.fields["messages"])[1]
+        if self.shape == "chosen_messages":
+            return self._split_message_list(sample, self.fields["chosen"])[1]
+        field = self.fields["chosen"]
+        if field not in sample:
+            return None  # prompt-only data
+        if sample[field] is None:
+            raise RecordError(field, "missing or null")
+        return self._answer_value(sample, field)
+
+    def get_rejected_text(self, sample):
+        field = self.fields["rejected"]
+        if self.shape == "messages" or sample.get(field) is None:
+            return None
+        if self.shape == "chosen_messages":
+            prompt, answer = final_assistant_answer(checked_messages(sample[field], field), field)
+            if prompt != self._split_message_list(sample, self.fields["chosen"])[0]:
+                raise RecordError(field, f"its prompt turns differ from those of {self.fields['chosen']!r}")
+            return answer
+        return self._answer_value(sample, field)
+
+    def _answer_value(self, sample, field):
+        """An answer given as a string, or as a message list whose last message is the assistant's."""
+        value = sample[field]
+        if isinstance(value, (list, tuple)):
+            return final_assistant_answer(checked_messages(value, field), field)[1]
+        return optional_text(sample, field)

@@ -1,0 +1,425 @@
+"""``create_prompt_dataset``: raw data -> per-phase shares -> tokenized, blended, cached torch datasets.
+
+Shares: ``data_split="2,4,4"`` gives each phase a disjoint, seeded share of EVERY dataset's train data and,
+separately, of its eval data (DeepSpeed-Chat's scheme, so step 2 and step 3 never see step 1's records).
+``sft_only_data_path`` datasets join phase 1 whole. With several sources the result is concatenated and
+shuffled with the seed.
+
+Token layout (prompt = ``format_prompt(messages)``, answer = ``format_answer(text)`` without the EOT, then
+the EOT token ids):
+
+* phase 1: ``prompt + answer + eot``, cut on the right at ``max_seq_len``. A cut answer loses its EOT on
+  purpose: training the model to stop right after a truncated answer would teach it to stop mid-sentence.
+  Labels are -100 over the prompt (unless ``include_prompt_in_loss``), so the loss covers answer + EOT.
+* phase 2: ``prompt + answer[:room] + eot`` for chosen and rejected: a long answer is cut but the EOT is
+  kept, so the reward model always scores a sequence that ends the way generated answers do.
+* phase 3: the prompt ids alone (``max_prompt_len``, else ``max_seq_len``, is their limit).
+
+The prompt is tokenized alone (the ids step 3 generates from, and the label boundary); the answer ids are
+those it gets right after the prompt in a joint tokenization (see ``answer_ids_after_prompt``).
+
+Skipped records (never silent; counted per reason, printed on rank 0, kept in ``dataset.skipped``):
+``prompt longer than N tokens`` (phase 3; phases 1-2 only when ``max_prompt_len`` is given),
+``answer empty after truncation`` (no answer token fits after the prompt), ``chosen==rejected``,
+``chosen==rejected after truncation``, ``no rejected answer`` (SFT-only records in phase 2), adapter
+reasons such as ``tied preference scores``, and ``unreadable FIELD`` for malformed hub records. Malformed
+local records are errors instead (``DatasetFormatError``), raised when the file is loaded.
+"""
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+
+from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
+from .errors import DatasetFormatError, RecordError, SkipRecord
+from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
+from .local import LocalSource, checked_field_options, parse_field_map
+from .raw_datasets import get_raw_dataset, resolve_dataset_spec
+from .splits import get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
+
+TOKENIZE_BATCH = 1000
+META_FILE = "meta.json"
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    train_phase: int
+    max_seq_len: int
+    max_prompt_len: int | None
+    include_prompt_in_loss: bool
+    eot_token: str
+
+    @property
+    def prompt_limit(self):
+        """Longest prompt kept; None: no explicit limit (phases 1-2 without max_prompt_len)."""
+        if self.train_phase == 3:
+            return self.max_prompt_len or self.max_seq_len
+        return self.max_prompt_len
+
+
+@dataclass
+class Example:
+    messages: list
+    chosen: str | None = None
+    rejected: str | None = None
+    extra: dict | None = None
+
+
+def phase_features(train_phase):
+    from datasets import Features, List, Value
+
+    ids = List(Value("int32"))
+    return Features({
+        1: {"input_ids": ids, "label_start": Value("int32")},
+        2: {"chosen_input_ids": ids, "rejected_input_ids": ids},
+        3: {"prompt_input_ids": ids, "prompt_text": Value("string"), "messages_json": Value("string"),
+            "extra_json": Value("string")},
+    }[train_phase])
+
+
+class PromptDataset(Dataset):
+    """The tokenized data of one phase (a torch Dataset over a memory-mapped Arrow table).
+
+    Items: phase 1 ``input_ids, attention_mask, labels``; phase 2 ``chosen_input_ids,
+    chosen_attention_mask, rejected_input_ids, rejected_attention_mask``; phase 3 ``prompt_input_ids,
+    prompt_text, messages`` plus the record's extra columns. Token tensors are 1-D LongTensors, unpadded.
+
+    ``skipped`` (reason -> count), ``skip_report`` (per source), ``cache_path`` and ``built`` (whether this
+    process built the cache) describe how it was made.
+    """
+    # phase-3 item and batch keys that extra columns must not overwrite (such extras get an "extra_" prefix)
+    RESERVED_KEYS = ("prompt_input_ids", "prompt_text", "messages", "prompt", "prompt_att_mask")
+
+    def __init__(self, data, train_phase, skip_report=(), cache_path=None, built=False):
+        super().__init__()
+        self.data = data
+        self.train_phase = train_phase
+        self.skip_report = list(skip_report)
+        self.skipped = dict(sum((Counter(entry["skipped"]) for entry in self.skip_report), Counter()))
+        self.num_source_records = sum(entry["total"] for entry in self.skip_report)
+        self.cache_path = cache_path
+        self.built = built
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, idx):
+        row = self.data[int(idx)]
+        if self.train_phase == 1:
+            input_ids = torch.tensor(row["input_ids"], dtype=torch.long)
+            labels = input_ids.clone()
+            labels[:row["label_start"]] = -100
+            return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+        if self.train_phase == 2:
+            chosen = torch.tensor(row["chosen_input_ids"], dtype=torch.long)
+            rejected = torch.tensor(row["rejected_input_ids"], dtype=torch.long)
+            return {"chosen_input_ids": chosen, "chosen_attention_mask": torch.ones_like(chosen),
+                    "rejected_input_ids": rejected, "rejected_attention_mask": torch.ones_like(rejected)}
+        item = {"prompt_input_ids": torch.tensor(row["prompt_input_ids"], dtype=torch.long),
+                "prompt_text": row["prompt_text"], "messages": json.loads(row["messages_json"])}
+        for key, value in json.loads(row["extra_json"]).items():
+            item["extra_" + key if key in self.RESERVED_KEYS else key] = value
+        return item
+
+
+def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
+                          max_seq_len, end_of_conversation_token=None, sft_only_data_path=(), reload=False,
+                          include_prompt_in_loss=False, max_prompt_len=None, data_fields=None):
+    """(train_dataset, eval_dataset) for ``train_phase`` (1, 2 or 3), built once and cached.
+
+    ``data_path``: dataset names/specs (see ``get_raw_dataset``); ``data_split``: phase shares such as
+    "2,4,4"; ``end_of_conversation_token``: defaults to ``get_eot_token(tokenizer)``; ``data_fields``: field
+    renames for local data (dict or "prompt=question,chosen=good"); ``reload``: rebuild the cache (done by
+    local rank 0; other ranks wait at a barrier and load the rebuilt data).
+    """
+    if train_phase not in (1, 2, 3):
+        raise ValueError(f"train_phase must be 1, 2 or 3, got {train_phase!r}")
+    parse_data_split(data_split)  # fail early on a malformed split
+    data_path = _as_list(data_path)
+    sft_only = _as_list(sft_only_data_path) if train_phase == 1 else []
+    if not data_path and not sft_only:
+        raise ValueError("data_path is empty: give at least one dataset")
+    field_options = _field_options(data_fields)
+    settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
+                              end_of_conversation_token or get_eot_token(tokenizer))
+    key = cache_key(_cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer))
+    folder = cache_folder(output_path, train_phase, key)
+
+    def build_into(tmp):
+        build_and_save(tmp, data_path, sft_only, data_split, output_path, seed, local_rank, tokenizer,
+                       settings, field_options, reload)
+
+    built = ensure_built(folder, build_into, rebuild_before=time.time() if reload and local_rank <= 0 else None)
+    _barrier()
+    train, eval_ = load_cached(folder, train_phase, built)
+    _print_skip_report(local_rank, train, eval_)
+    return train, eval_
+
+
+def _as_list(paths):
+    if isinstance(paths, str):
+        return [paths]
+    return list(paths or [])
+
+
+def _field_options(data_fields):
+    if isinstance(data_fields, str) or data_fields is None:
+        return parse_field_map(data_fields)
+    return checked_field_options(dict(data_fields))
+
+
+def _cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer):
+    """Everything that changes the result (the source fingerprints include local files' sizes/mtimes)."""
+    return {
+        "datasets": [_source_fingerprint(spec) for spec in data_path],
+        "sft_only": [_source_fingerprint(spec) for spec in sft_only],
+        "data_split": str(data_split), "seed": seed, "field_options": field_options,
+        "train_phase": settings.train_phase, "max_seq_len": settings.max_seq_len,
+        "max_prompt_len": settings.max_prompt_len, "eot_token": settings.eot_token,
+        # the prompt mask only exists in phase 1; keeping it out of other keys avoids needless rebuilds
+        "include_prompt_in_loss": settings.include_prompt_in_loss if settings.train_phase == 1 else None,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+
+
+def _source_fingerprint(spec):
+    resolved = resolve_dataset_spec(spec)
+    if isinstance(resolved, type):
+        if os.path.isdir(spec):  # a save_to_disk copy under the hub name (see PromptRawDataset.load)
+            return {"hub": spec, **LocalSource("disk", spec, None, spec).fingerprint()}
+        return {"hub": spec}
+    return {"local": spec, **resolved.fingerprint()}
+
+
+def _barrier():
+    from dschat.utils.dist import barrier
+
+    barrier()
+
+
+# --- building ---
+
+def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, local_rank, tokenizer,
+                   settings, field_options, reload):
+    parts = {"train": [], "eval": []}
+    report = []
+    sources = [(spec, data_split) for spec in data_path] + [(spec, None) for spec in sft_only]
+    for spec, split in sources:
+        raw = get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
+        _check_usable(raw, spec, settings.train_phase)
+        for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
+            records = data if split is None else _phase_share(raw, data, split_name, split, settings,
+                                                              output_path, seed, local_rank, reload)
+            table, skips = encode_records(raw, records, tokenizer, settings)
+            parts[split_name].append(table)
+            report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips)})
+    save_cache(folder, blend(parts["train"], seed, settings.train_phase),
+               blend(parts["eval"], seed, settings.train_phase), report)
+
+
+def _check_usable(raw, spec, train_phase):
+    if train_phase in (1, 2) and not raw.has_answers:
+        raise DatasetFormatError(f"{spec}: has prompts but no answers (no 'chosen' field), so it can only be "
+                                 f"used in step 3, not step {train_phase}")
+
+
+def _phase_share(raw, data, split_name, data_split, settings, output_path, seed, local_rank, reload):
+    index = get_raw_dataset_split_index(local_rank, output_path, raw.dataset_name_clean, seed, split_name,
+                                        data_split, settings.train_phase - 1, len(data), rebuild=reload)
+    return data.select(index)
+
+
+def blend(tables, seed, train_phase):
+    """Concatenate, then shuffle with the seed when there is more than one source."""
+    from datasets import Dataset, concatenate_datasets
+
+    tables = [table for table in tables if len(table)]
+    if not tables:
+        features = phase_features(train_phase)
+        return Dataset.from_dict({name: [] for name in features}, features=features)
+    if len(tables) == 1:
+        return tables[0]
+    combined = concatenate_datasets(tables)
+    return combined.select(get_shuffle_idx(seed, len(combined)))
+
+
+def save_cache(folder, train, eval_, report):
+    with quiet_datasets():
+        for name, table in (("train", train), ("eval", eval_)):
+            # datasets cannot reload a 0-shard save, so an empty table is written as one empty shard
+            table.save_to_disk(os.path.join(folder, name), num_shards=1 if len(table) == 0 else None)
+    with open(os.path.join(folder, META_FILE), "w") as f:
+        json.dump({"report": report}, f, indent=1)
+
+
+def load_cached(folder, train_phase, built):
+    from datasets import load_from_disk
+
+    with open(os.path.join(folder, META_FILE)) as f:
+        report = json.load(f)["report"]
+    with quiet_datasets():
+        return tuple(PromptDataset(load_from_disk(os.path.join(folder, name)), train_phase,
+                                   [entry for entry in report if entry["split"] == name], folder, built)
+                     for name in ("train", "eval"))
+
+
+# --- encoding ---
+
+def encode_records(raw, records, tokenizer, settings):
+    """(datasets.Dataset of the phase's rows, Counter of skip reasons) for the records of one source."""
+    from datasets import Dataset
+
+    skips = Counter()
+    examples = extract_examples(raw, records, settings.train_phase, skips)
+    encoder = {1: encode_sft, 2: encode_pair, 3: encode_prompt}[settings.train_phase]
+    rows = []
+    for example, tokens in zip(examples, tokenize_examples(examples, tokenizer, settings)):
+        try:
+            rows.append(encoder(example, tokens, settings))
+        except SkipRecord as skip:
+            skips[skip.reason] += 1
+    features = phase_features(settings.train_phase)
+    return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips
+
+
+def extract_examples(raw, records, train_phase, skips):
+    examples = []
+    for sample in records:
+        try:
+            examples.append(extract_example(raw, sample, train_phase))
+        except SkipRecord as skip:
+            skips[skip.reason] += 1
+        except RecordError as err:
+            if raw.strict:  # local files are validated on load, so this means an adapter bug; do not hide it
+                raise DatasetFormatError(f"{raw.dataset_name}: {err}") from err
+            skips[f"unreadable {err.field}"] += 1
+    return examples
+
+
+def extract_example(raw, sample, train_phase):
+    """Only the accessors a phase needs are called, so e.g. a tie only matters in phase 2."""
+    messages = raw.get_conversation(sample)
+    if train_phase == 3:
+        return Example(messages, extra=raw.get_extra(sample))
+    chosen = raw.get_chosen_text(sample)
+    if chosen is None:
+        raise SkipRecord("no chosen answer")
+    if train_phase == 1:
+        return Example(messages, chosen)
+    rejected = raw.get_rejected_text(sample)
+    if rejected is None:
+        raise SkipRecord("no rejected answer")
+    if rejected == chosen:
+        raise SkipRecord("chosen==rejected")
+    return Example(messages, chosen, rejected)
+
+
+def tokenize_examples(examples, tokenizer, settings):
+    """Per example a dict of token id lists: prompt, eot, and chosen/rejected answers where present.
+
+    The prompt is tokenized alone (step 3 generates from exactly these ids) and the label boundary is its
+    length. A chat template already writes its BOS text, so special tokens are added to the prompt only
+    without a template. The EOT ids are appended, not tokenized with the text, so they are always the
+    EOT token itself.
+    """
+    prompt_texts = [format_prompt(example.messages, tokenizer) for example in examples]
+    add_special = not uses_chat_template(tokenizer)
+    prompts = tokenize_texts(tokenizer, prompt_texts, add_special)
+    columns = {"prompt_text": prompt_texts, "prompt": prompts}
+    for side in ("chosen", "rejected"):
+        texts = [getattr(example, side) for example in examples]
+        if texts and all(text is not None for text in texts):
+            answers = [format_answer(text, tokenizer, add_eot=False) for text in texts]
+            joint = tokenize_texts(tokenizer, [p + a for p, a in zip(prompt_texts, answers)], add_special)
+            columns[side] = [answer_ids_after_prompt(tokenizer, prompt, ids, answer)
+                             for prompt, ids, answer in zip(prompts, joint, answers)]
+    eot = tokenizer(settings.eot_token, add_special_tokens=False)["input_ids"]
+    if not eot:
+        raise ValueError(f"the end-of-conversation token {settings.eot_token!r} tokenizes to nothing")
+    return [dict({name: values[i] for name, values in columns.items()}, eot=eot) for i in range(len(examples))]
+
+
+def answer_ids_after_prompt(tokenizer, prompt_ids, joint_ids, answer_text):
+    """The answer's ids as the tokenizer produces them right after the prompt.
+
+    Tokenized alone, an answer can get tokens it never has in context (SentencePiece tokenizers such as
+    Llama-2's turn the leading space of " Sure" into a lone "▁" at the start of a string), which would teach
+    the model a token sequence it cannot produce at generation time. So the answer is cut from the joint
+    tokenization; only when the tokenizer merged across the boundary (the prompt ids are not a prefix) is
+    it tokenized alone, keeping the prompt ids exact.
+    """
+    if joint_ids[:len(prompt_ids)] == prompt_ids:
+        return joint_ids[len(prompt_ids):]
+    return tokenizer(answer_text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_texts(tokenizer, texts, add_special_tokens):
+    ids = []
+    for start in range(0, len(texts), TOKENIZE_BATCH):
+        batch = tokenizer(texts[start:start + TOKENIZE_BATCH], add_special_tokens=add_special_tokens,
+                          return_attention_mask=False)
+        ids.extend(batch["input_ids"])
+    return ids
+
+
+def _check_prompt_limit(prompt, settings):
+    if settings.prompt_limit is not None and len(prompt) > settings.prompt_limit:
+        raise SkipRecord(f"prompt longer than {settings.prompt_limit} tokens")
+
+
+def encode_sft(example, tokens, settings):
+    prompt = tokens["prompt"]
+    _check_prompt_limit(prompt, settings)
+    input_ids = (prompt + tokens["chosen"] + tokens["eot"])[:settings.max_seq_len]
+    if len(input_ids) <= len(prompt):
+        raise SkipRecord("answer empty after truncation")
+    return {"input_ids": input_ids, "label_start": 0 if settings.include_prompt_in_loss else len(prompt)}
+
+
+def encode_pair(example, tokens, settings):
+    prompt, eot = tokens["prompt"], tokens["eot"]
+    _check_prompt_limit(prompt, settings)
+    room = settings.max_seq_len - len(prompt) - len(eot)
+    if room <= 0:
+        raise SkipRecord("answer empty after truncation")
+    chosen = prompt + tokens["chosen"][:room] + eot
+    rejected = prompt + tokens["rejected"][:room] + eot
+    if chosen == rejected:
+        raise SkipRecord("chosen==rejected after truncation")
+    return {"chosen_input_ids": chosen, "rejected_input_ids": rejected}
+
+
+def encode_prompt(example, tokens, settings):
+    _check_prompt_limit(tokens["prompt"], settings)
+    return {"prompt_input_ids": tokens["prompt"], "prompt_text": tokens["prompt_text"],
+            "messages_json": json.dumps(example.messages, ensure_ascii=False),
+            "extra_json": json.dumps(example.extra or {}, ensure_ascii=False, default=str)}
+
+
+# --- reporting ---
+
+def format_skip_line(entry):
+    """ "SOURCE train: skipped 3 of 500 records: 2 chosen==rejected, 1 prompt longer than 256 tokens" """
+    skipped = sum(entry["skipped"].values())
+    where = f"{entry['source']} {entry['split']}"
+    if not entry["total"]:
+        return f"{where}: no records in this phase's share"
+    if not skipped:
+        return f"{where}: kept all {entry['total']} records"
+    reasons = ", ".join(f"{count} {reason}" for reason, count in
+                        sorted(entry["skipped"].items(), key=lambda item: (-item[1], item[0])))
+    return f"{where}: skipped {skipped} of {entry['total']} records: {reasons}"
+
+
+def _print_skip_report(local_rank, *datasets):
+    from dschat.utils.dist import is_rank_0
+
+    if local_rank > 0 or not is_rank_0():
+        return
+    for dataset in datasets:
+        for entry in dataset.skip_report:
+            print(f"[dschat.data] phase {dataset.train_phase} {format_skip_line(entry)}", flush=True)

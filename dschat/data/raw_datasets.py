@@ -1,0 +1,299 @@
+"""Adapters for hub datasets, and ``get_raw_dataset``: exact-name dispatch to an adapter or a local source.
+
+Dispatch (first match wins):
+
+1. an exact hub name in ``HUB_DATASETS`` (``"Dahoas/rm-static"``; no substring or prefix matching, so a
+   typo is an error rather than a silently different dataset). If a folder exists at that relative path it
+   is read as a ``save_to_disk`` copy (DeepSpeed-Chat's offline convention), else ``load_dataset(name)``;
+2. ``"tiny"``: the small dataset shipped in ``dschat/tiny/data/{train,eval}.jsonl``;
+3. a local source: ``jsonl:PATH``, ``json:PATH``, ``parquet:PATH``, ``csv:PATH``, ``disk:PATH`` or a bare
+   existing path (see ``dschat.data.local`` for the forms).
+
+Anything else raises ``ValueError`` listing the known names.
+
+The hub schemas (columns, splits) follow the datasets' cards and DeepSpeed-Chat's ``raw_datasets.py``.
+Datasets without an eval split get a seeded 90/10 train/eval split. Hub records that cannot be read
+(an empty answer, a transcript without a final Human turn) are skipped and counted, not fatal: one bad row
+out of 160k should not stop a run, and the count is printed.
+"""
+import re
+
+from .base import PromptRawDataset, answer_from_transcript, conversation_from_transcript, required_text
+from .errors import RecordError, SkipRecord
+from .formatting import ASSISTANT_PREFIX
+
+TINY_NAME = "tiny"
+
+
+class _PromptChosenRejectedTranscripts(PromptRawDataset):
+    """``prompt`` is a "\\n\\nHuman: ...\\n\\nAssistant:" transcript; ``chosen``/``rejected`` are " answer".
+
+    The DeepSpeed-Chat string methods return the columns verbatim, exactly as DeepSpeed-Chat does.
+    """
+    used_columns = ("prompt", "response", "chosen", "rejected")
+
+    def get_train_data(self):
+        return self.raw_datasets["train"]
+
+    def get_eval_data(self):
+        return self.raw_datasets["test"]
+
+    def get_conversation(self, sample):
+        return conversation_from_transcript(required_text(sample, "prompt"), "prompt")
+
+    def get_chosen_text(self, sample):
+        return required_text(sample, "chosen")
+
+    def get_rejected_text(self, sample):
+        return required_text(sample, "rejected")
+
+    def get_prompt(self, sample):
+        return sample["prompt"]
+
+    def get_chosen(self, sample):
+        return sample["chosen"]
+
+    def get_rejected(self, sample):
+        return sample["rejected"]
+
+    def get_prompt_and_chosen(self, sample):
+        return sample["prompt"] + sample["chosen"]
+
+    def get_prompt_and_rejected(self, sample):
+        return sample["prompt"] + sample["rejected"]
+
+
+class DahoasRmstaticDataset(_PromptChosenRejectedTranscripts):
+    """Columns prompt, response, chosen, rejected; splits train, test."""
+    dataset_name = "Dahoas/rm-static"
+    dataset_name_clean = "Dahoas_rm_static"
+
+
+class DahoasFullhhrlhfDataset(_PromptChosenRejectedTranscripts):
+    """Columns prompt, response, chosen, rejected; splits train, test."""
+    dataset_name = "Dahoas/full-hh-rlhf"
+    dataset_name_clean = "Dahoas_full_hh_rlhf"
+
+
+class DahoasSyntheticinstructgptjpairwiseDataset(PromptRawDataset):
+    """Columns prompt (a plain instruction), chosen, rejected; split train only (seeded 90/10 eval)."""
+    dataset_name = "Dahoas/synthetic-instruct-gptj-pairwise"
+    dataset_name_clean = "Dahoas_synthetic_instruct_gptj_pairwise"
+    used_columns = ("prompt", "chosen", "rejected")
+
+    def get_train_data(self):
+        return self.seeded_train_eval_part(self.raw_datasets["train"], 0)
+
+    def get_eval_data(self):
+        return self.seeded_train_eval_part(self.raw_datasets["train"], 1)
+
+    def get_conversation(self, sample):
+        return [{"role": "user", "content": required_text(sample, "prompt")}]
+
+    def get_chosen_text(self, sample):
+        return required_text(sample, "chosen")
+
+    def get_rejected_text(self, sample):
+        return required_text(sample, "rejected")
+
+
+class YitingxieRlhfrewarddatasetsDataset(PromptRawDataset):
+    """Columns prompt (a Human/Assistant transcript without the final "Assistant:"), chosen and rejected
+    ("Assistant: answer"); splits train, test."""
+    dataset_name = "yitingxie/rlhf-reward-datasets"
+    dataset_name_clean = "yitingxie_rlhf_reward_datasets"
+    used_columns = ("prompt", "chosen", "rejected")
+
+    def get_train_data(self):
+        return self.raw_datasets["train"]
+
+    def get_eval_data(self):
+        return self.raw_datasets["test"]
+
+    def get_conversation(self, sample):
+        return conversation_from_transcript(required_text(sample, "prompt"), "prompt")
+
+    def get_chosen_text(self, sample):
+        return _after_last_assistant_marker(sample, "chosen")
+
+    def get_rejected_text(self, sample):
+        return _after_last_assistant_marker(sample, "rejected")
+
+    # DeepSpeed-Chat's strings, verbatim
+    def get_prompt(self, sample):
+        return sample["prompt"] + "Assistant:"
+
+    def get_chosen(self, sample):
+        return sample["chosen"].split("Assistant:")[-1]
+
+    def get_rejected(self, sample):
+        return sample["rejected"].split("Assistant:")[-1]
+
+    def get_prompt_and_chosen(self, sample):
+        return sample["prompt"] + sample["chosen"]
+
+    def get_prompt_and_rejected(self, sample):
+        return sample["prompt"] + sample["rejected"]
+
+
+def _after_last_assistant_marker(sample, field):
+    text = required_text(sample, field).split("Assistant:")[-1].strip()
+    if not text:
+        raise RecordError(field, "empty text after 'Assistant:'")
+    return text
+
+
+class OpenaiWebgptcomparisonsDataset(PromptRawDataset):
+    """Columns question {id, full_text, dataset}, answer_0/1, score_0/1, quotes_0/1, tokens_0/1; split
+    train only (seeded 90/10 eval). The higher-scored answer is chosen."""
+    dataset_name = "openai/webgpt_comparisons"
+    dataset_name_clean = "openai_webgpt_comparisons"
+    used_columns = ("question", "quotes_0", "answer_0", "tokens_0", "score_0",
+                    "quotes_1", "answer_1", "tokens_1", "score_1")
+
+    def get_train_data(self):
+        return self.seeded_train_eval_part(self.raw_datasets["train"], 0)
+
+    def get_eval_data(self):
+        return self.seeded_train_eval_part(self.raw_datasets["train"], 1)
+
+    def get_conversation(self, sample):
+        question = sample.get("question") or {}
+        return [{"role": "user", "content": required_text(question, "full_text")}]
+
+    def get_chosen_text(self, sample):
+        # DeepSpeed-Chat's rule: answer_0 wins ties, so SFT (which needs no preference) keeps tied pairs
+        better = "answer_0" if float(sample["score_0"]) >= float(sample["score_1"]) else "answer_1"
+        return _without_citations(sample, better)
+
+    def get_rejected_text(self, sample):
+        # A tie carries no preference; DeepSpeed-Chat trained the reward model on it anyway (as answer_0 >
+        # answer_1), which is label noise, so step 2 skips ties and counts them.
+        if float(sample["score_0"]) == float(sample["score_1"]):
+            raise SkipRecord("tied preference scores")
+        worse = "answer_0" if float(sample["score_0"]) < float(sample["score_1"]) else "answer_1"
+        return _without_citations(sample, worse)
+
+
+def _without_citations(sample, field):
+    """WebGPT answers cite browsing results as "[1]" / "(2)"; without browsing they only confuse the model."""
+    text = required_text(sample, field)
+    text = re.sub(r" [\(\[].*?[\)\]]", "", text)
+    text = re.sub(r"[\(\[].*?[\)\]]", "", text).strip()
+    if not text:
+        raise RecordError(field, "empty text after removing citations")
+    return text
+
+
+class StanfordnlpSHPDataset(PromptRawDataset):
+    """Columns history (the post), human_ref_A/B (comments), labels (1: A preferred), plus metadata
+    (post_id, domain, upvote_ratio, score_A/B, ...) passed through as extras; splits train, validation,
+    test."""
+    dataset_name = "stanfordnlp/SHP"
+    dataset_name_clean = "stanfordnlp_SHP"
+    used_columns = ("history", "human_ref_A", "human_ref_B", "labels")
+
+    def get_train_data(self):
+        return self.raw_datasets["train"]
+
+    def get_eval_data(self):
+        return self.raw_datasets["validation"]
+
+    def get_conversation(self, sample):
+        return [{"role": "user", "content": required_text(sample, "history")}]
+
+    def get_chosen_text(self, sample):
+        return required_text(sample, "human_ref_A" if int(sample["labels"]) == 1 else "human_ref_B")
+
+    def get_rejected_text(self, sample):
+        return required_text(sample, "human_ref_B" if int(sample["labels"]) == 1 else "human_ref_A")
+
+
+class AnthropicHhrlhfDataset(PromptRawDataset):
+    """Columns chosen and rejected, each a full "\\n\\nHuman: ...\\n\\nAssistant: ..." transcript whose last
+    Assistant turn is the answer (the turns before it are the shared prompt); splits train, test."""
+    dataset_name = "Anthropic/hh-rlhf"
+    dataset_name_clean = "Anthropic_hh_rlhf"
+    used_columns = ("chosen", "rejected")
+
+    def get_train_data(self):
+        return self.raw_datasets["train"]
+
+    def get_eval_data(self):
+        return self.raw_datasets["test"]
+
+    def get_conversation(self, sample):
+        return answer_from_transcript(required_text(sample, "chosen"), "chosen")[0]
+
+    def get_chosen_text(self, sample):
+        return answer_from_transcript(required_text(sample, "chosen"), "chosen")[1]
+
+    def get_rejected_text(self, sample):
+        return answer_from_transcript(required_text(sample, "rejected"), "rejected")[1]
+
+    # DeepSpeed-Chat-style strings cut from the transcript at its last "\n\nAssistant:"
+    def get_prompt(self, sample):
+        return _split_at_last_assistant(sample["chosen"])[0]
+
+    def get_chosen(self, sample):
+        return _split_at_last_assistant(sample["chosen"])[1]
+
+    def get_rejected(self, sample):
+        return _split_at_last_assistant(sample["rejected"])[1]
+
+
+def _split_at_last_assistant(transcript):
+    cut = transcript.rfind(ASSISTANT_PREFIX) + len(ASSISTANT_PREFIX)
+    return transcript[:cut], transcript[cut:]
+
+
+HUB_DATASETS = {cls.dataset_name: cls for cls in (
+    DahoasRmstaticDataset,
+    DahoasFullhhrlhfDataset,
+    DahoasSyntheticinstructgptjpairwiseDataset,
+    YitingxieRlhfrewarddatasetsDataset,
+    OpenaiWebgptcomparisonsDataset,
+    StanfordnlpSHPDataset,
+    AnthropicHhrlhfDataset,
+)}
+
+
+def known_dataset_names():
+    return sorted(HUB_DATASETS) + [TINY_NAME]
+
+
+def unknown_dataset_error(dataset_name):
+    return ValueError(
+        f"unknown dataset {dataset_name!r}: not a known name and not an existing local path. Known names "
+        f"(matched exactly): {', '.join(known_dataset_names())}. Local data: jsonl:PATH, json:PATH, "
+        "parquet:PATH, csv:PATH, disk:PATH (a save_to_disk folder), or an existing .jsonl/.json/.parquet/.csv "
+        "file or folder; 'TRAIN,EVAL' gives an explicit eval file.")
+
+
+def resolve_dataset_spec(dataset_name):
+    """A hub adapter class, or a ``LocalSource`` for tiny/local specs; ValueError for anything else."""
+    from .local import resolve_local_spec, tiny_source
+
+    if dataset_name in HUB_DATASETS:
+        return HUB_DATASETS[dataset_name]
+    if dataset_name == TINY_NAME:
+        return tiny_source()
+    source = resolve_local_spec(dataset_name)
+    if source is None:
+        raise unknown_dataset_error(dataset_name)
+    return source
+
+
+def get_raw_dataset(dataset_name, output_path, seed, local_rank, **field_options):
+    """The adapter for ``dataset_name``. ``field_options`` (prompt=..., chosen=..., rejected=...,
+    messages=...) rename the fields of local data; hub datasets have fixed schemas and ignore them."""
+    from .local import LocalDataset
+
+    resolved = resolve_dataset_spec(dataset_name)
+    if isinstance(resolved, type):
+        return resolved(output_path, seed, local_rank)
+    return LocalDataset(resolved, output_path, seed, local_rank, field_options)
+
+
+__all__ = ["PromptRawDataset", "HUB_DATASETS", "TINY_NAME", "get_raw_dataset", "resolve_dataset_spec",
+           "known_dataset_names"] + [cls.__name__ for cls in HUB_DATASETS.values()]

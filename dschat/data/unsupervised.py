@@ -1,0 +1,82 @@
+"""Unsupervised (pretraining-style) data for step 3's PTX loss, as in DeepSpeed-Chat.
+
+``unsupervised_dataset_name`` is a hub dataset (``datasets.load_dataset(name, config)``; its ``text``
+column, else its first column, as DeepSpeed-Chat does) or a local file with a ``text`` field:
+``text:PATH`` / a ``.txt`` path (one document per line), ``jsonl:PATH`` / ``.jsonl``, ``json:PATH`` /
+``.json``. The texts are tokenized, concatenated and cut into blocks of
+``max_prompt_seq_len + max_answer_seq_len`` tokens (the remainder of each map batch is dropped).
+"""
+import os
+
+from .errors import DatasetFormatError
+from .local import check_json_document, check_jsonl_lines
+
+LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
+
+
+def get_unsupervised_data(args, tokenizer):
+    """Train dataset of dicts (input_ids, attention_mask, labels), each a LongTensor of one block.
+
+    ``args``: a namespace or dict with unsupervised_dataset_name, unsupervised_dataset_config_name,
+    max_prompt_seq_len, max_answer_seq_len and optionally preprocessing_num_workers.
+    """
+    options = vars(args) if not isinstance(args, dict) else args
+    block_size = int(options["max_prompt_seq_len"]) + int(options["max_answer_seq_len"])
+    workers = options.get("preprocessing_num_workers")
+    train, text_column = load_unsupervised_train(options["unsupervised_dataset_name"],
+                                                 options.get("unsupervised_dataset_config_name"))
+
+    def tokenize(batch):
+        return tokenizer(batch[text_column], return_token_type_ids=False)
+
+    tokenized = train.map(tokenize, batched=True, num_proc=workers, remove_columns=train.column_names,
+                          desc="Tokenizing unsupervised data")
+    blocks = tokenized.map(lambda batch: group_texts(batch, block_size), batched=True, num_proc=workers,
+                           desc=f"Grouping texts in blocks of {block_size}")
+    return blocks.with_format("torch")
+
+
+def group_texts(batch, block_size):
+    """Concatenate a batch's token lists and cut them into ``block_size`` blocks; labels = input_ids."""
+    concatenated = {key: [token for row in rows for token in row] for key, rows in batch.items()}
+    total = len(next(iter(concatenated.values()), []))
+    if total >= block_size:  # drop the remainder; a batch shorter than one block stays one short block
+        total = (total // block_size) * block_size
+    blocks = {key: [values[i:i + block_size] for i in range(0, total, block_size)]
+              for key, values in concatenated.items()}
+    blocks["labels"] = [list(block) for block in blocks["input_ids"]]
+    return blocks
+
+
+def load_unsupervised_train(name, config_name=None):
+    """(train Dataset, text column) for a hub name or a local text/JSON file."""
+    from datasets import load_dataset
+
+    local = _local_text_source(name)
+    if local is None:
+        train = load_dataset(name, config_name, split="train")
+        return train, "text" if "text" in train.column_names else train.column_names[0]
+    builder, path = local
+    if builder == "json":
+        check_jsonl_lines(path) if path.endswith(".jsonl") else check_json_document(path)
+    try:
+        train = load_dataset(builder, data_files={"train": path}, split="train")
+    except Exception as err:  # name the file; pyarrow's messages do not
+        raise DatasetFormatError(f"{path}: could not be read as {builder}: {err}") from err
+    if "text" not in train.column_names:
+        raise DatasetFormatError(f"{path}: unsupervised data needs a 'text' field; the records have "
+                                 f"{train.column_names}")
+    return train, "text"
+
+
+def _local_text_source(name):
+    """(datasets builder, path) for "TYPE:PATH" or an existing .txt/.jsonl/.json path; None for hub names."""
+    kind, sep, rest = name.partition(":")
+    if sep and kind in LOCAL_TEXT_TYPES:
+        if not os.path.isfile(rest):
+            raise FileNotFoundError(f"unsupervised data file not found: {rest}")
+        return LOCAL_TEXT_TYPES[kind], rest
+    extension = os.path.splitext(name)[1].lstrip(".").lower()
+    if extension in LOCAL_TEXT_TYPES and os.path.isfile(name):
+        return LOCAL_TEXT_TYPES[extension], name
+    return None

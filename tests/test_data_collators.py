@@ -1,0 +1,133 @@
+"""Collators (padding sides, label masks, reward layout) and step 3's unsupervised data."""
+import argparse
+import json
+
+import datasets
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from dschat.data import (DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, DatasetFormatError,
+                         create_prompt_dataset, format_prompt, get_unsupervised_data, pad_sequences)
+from dschat.tiny import load_tiny_tokenizer
+
+PAD = 1
+T = torch.tensor
+
+
+@pytest.fixture(autouse=True)
+def isolated_hf_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tiny_tokenizer()
+
+
+def test_pad_sequences_both_sides():
+    seqs = [T([5, 6, 7]), T([8])]
+    assert pad_sequences(seqs, 0).tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert pad_sequences(seqs, 0, side="left").tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert pad_sequences(seqs, 0, side="left", length=4).tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]]
+    with pytest.raises(ValueError, match="padding side"):
+        pad_sequences(seqs, 0, side="middle")
+
+
+def test_sft_collator_right_pads_with_ignored_labels():
+    items = [{"input_ids": T([10, 11, 12, 13]), "attention_mask": T([1, 1, 1, 1]), "labels": T([-100, -100, 12, 13])},
+             {"input_ids": T([20, 21]), "attention_mask": T([1, 1]), "labels": T([-100, 21])}]
+    batch = DataCollatorSFT(PAD)(items)
+    assert batch["input_ids"].tolist() == [[10, 11, 12, 13], [20, 21, PAD, PAD]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, 12, 13], [-100, 21, -100, -100]]
+
+
+def test_reward_collator_puts_chosen_rows_first_then_rejected():
+    items = [{"chosen_input_ids": T([1, 2, 3]), "chosen_attention_mask": T([1, 1, 1]),
+              "rejected_input_ids": T([1, 2]), "rejected_attention_mask": T([1, 1])},
+             {"chosen_input_ids": T([4]), "chosen_attention_mask": T([1]),
+              "rejected_input_ids": T([4, 5, 6, 7]), "rejected_attention_mask": T([1, 1, 1, 1])}]
+    batch = DataCollatorReward(0)(items)
+    assert batch["input_ids"].shape == (4, 4)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [4, 0, 0, 0], [1, 2, 0, 0], [4, 5, 6, 7]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def test_rlhf_collator_left_pads_prompts_and_passes_lists_through():
+    items = [{"prompt_input_ids": T([7, 8, 9]), "prompt_text": "a", "messages": [{"role": "user", "content": "a"}],
+              "task": "x"},
+             {"prompt_input_ids": T([5]), "prompt_text": "b", "messages": [{"role": "user", "content": "b"}]}]
+    batch = DataCollatorRLHF(max_prompt_len=4, pad_token_id=PAD)(items)
+    assert batch["prompt"].tolist() == [[7, 8, 9], [PAD, PAD, 5]]
+    assert batch["prompt_att_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch["prompt_text"] == ["a", "b"] and batch["messages"][1] == [{"role": "user", "content": "b"}]
+    assert batch["task"] == ["x", None]
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        DataCollatorRLHF(max_prompt_len=2, pad_token_id=PAD)(items)
+
+
+def test_sft_batch_from_the_pipeline_trains_only_on_answer_and_eot(tmp_path, tokenizer):
+    rows = [{"prompt": f"Question {i}?" + " more" * i, "chosen": f"Answer {i}.", "rejected": "No."} for i in range(6)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _ = create_prompt_dataset(0, [f"{path},{path}"], "1,0,0", str(tmp_path / "out"), 1, 1234, tokenizer, 64)
+    batch = next(iter(DataLoader(train, batch_size=6, collate_fn=DataCollatorSFT(tokenizer.pad_token_id))))
+    for row in range(6):
+        trained = batch["labels"][row][batch["labels"][row] != -100]
+        decoded = tokenizer.decode(trained)
+        assert decoded.startswith(" Answer ") and decoded.endswith(tokenizer.eos_token), decoded
+        assert "Question" not in decoded
+    padded = batch["attention_mask"] == 0
+    assert (batch["input_ids"][padded] == tokenizer.pad_token_id).all() and (batch["labels"][padded] == -100).all()
+
+
+def test_rlhf_batch_from_the_pipeline_ends_every_row_at_the_generation_point(tmp_path, tokenizer):
+    rows = [{"prompt": f"Question {i}?" + " more" * i, "chosen": "A", "rejected": "B"} for i in range(4)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _ = create_prompt_dataset(0, [f"{path},{path}"], "0,0,1", str(tmp_path / "out"), 3, 1234, tokenizer, 64)
+    batch = DataCollatorRLHF(64, tokenizer.pad_token_id)([train[i] for i in range(4)])
+    # left padding: every row's prompt ends in the last column, where generation continues
+    assert batch["prompt_att_mask"][:, -1].all() and not batch["prompt_att_mask"][:, 0].all()
+    assert (batch["prompt"][:, -1] == train[0]["prompt_input_ids"][-1]).all()
+    for row, text in enumerate(batch["prompt_text"]):
+        assert text == format_prompt(batch["messages"][row], tokenizer)
+        assert tokenizer.decode(batch["prompt"][row][batch["prompt_att_mask"][row].bool()]) == text
+
+
+# --- unsupervised data ---
+
+def unsupervised_args(name, **overrides):
+    return {"unsupervised_dataset_name": name, "unsupervised_dataset_config_name": None,
+            "max_prompt_seq_len": 6, "max_answer_seq_len": 4, **overrides}
+
+
+def test_unsupervised_jsonl_is_grouped_into_blocks(tmp_path, tokenizer):
+    path = tmp_path / "text.jsonl"
+    docs = [f"Document number {i} says something about topic {i}." for i in range(12)]
+    path.write_text("".join(json.dumps({"text": d, "source": "x"}) + "\n" for d in docs))
+    data = get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
+    total = sum(len(tokenizer(d)["input_ids"]) for d in docs)
+    assert len(data) == total // 10 and len(data) > 3
+    item = data[0]
+    assert set(item) == {"input_ids", "attention_mask", "labels"}
+    assert item["input_ids"].shape == (10,) and item["input_ids"].dtype == torch.long
+    assert torch.equal(item["labels"], item["input_ids"]) and item["attention_mask"].all()
+    blocks_text = "".join(tokenizer.decode(data[i]["input_ids"]) for i in range(len(data)))
+    assert "".join(docs).startswith(blocks_text) and len(blocks_text) > len(docs[0])  # in order, only the tail cut
+
+
+def test_unsupervised_text_file_and_namespace_args(tmp_path, tokenizer):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(f"line {i} of plain text here" for i in range(20)) + "\n")
+    args = argparse.Namespace(**unsupervised_args(f"text:{path}", preprocessing_num_workers=None))
+    data = get_unsupervised_data(args, tokenizer)
+    assert len(data) > 5 and all(len(data[i]["input_ids"]) == 10 for i in range(len(data)))
+
+
+def test_unsupervised_local_file_needs_a_text_field(tmp_path, tokenizer):
+    path = tmp_path / "notext.jsonl"
+    path.write_text(json.dumps({"body": "hello"}) + "\n")
+    with pytest.raises(DatasetFormatError, match=r"notext.jsonl: unsupervised data needs a 'text' field.*body"):
+        get_unsupervised_data(unsupervised_args(str(path)), tokenizer)

@@ -1,0 +1,77 @@
+"""dschat.data.formatting: the prompt/answer text shared by the three steps."""
+import copy
+
+import pytest
+
+from dschat.data import format_answer, format_prompt, get_eot_token, parse_transcript
+from dschat.data.formatting import render_human_assistant, split_last_answer
+from dschat.tiny import load_tiny_tokenizer
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+CONVERSATION = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Name a fruit."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    tok = copy.deepcopy(load_tiny_tokenizer())
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_eot_token_is_the_tokenizers_eos(tokenizer):
+    assert get_eot_token(tokenizer) == tokenizer.eos_token == "<|endoftext|>"
+
+
+def test_eot_token_requires_an_eos(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="eos_token"):
+        get_eot_token(tok)
+
+
+def test_prompt_without_template_is_deepspeed_chat_format(tokenizer):
+    assert format_prompt(CONVERSATION, tokenizer) == \
+        "\n\nHuman: Hi there\n\nAssistant: Hello.\n\nHuman: Name a fruit.\n\nAssistant:"
+
+
+def test_answer_without_template_has_leading_space_and_eot(tokenizer):
+    assert format_answer("A pear.", tokenizer) == " A pear.<|endoftext|>"
+    assert format_answer("A pear.", tokenizer, add_eot=False) == " A pear."
+    assert format_answer("A pear.", tokenizer, eot_token="</s>") == " A pear.</s>"
+
+
+def test_prompt_with_chat_template_uses_apply_chat_template(chat_tokenizer):
+    expected = "<|user|>Hi there\n<|assistant|>Hello.\n<|user|>Name a fruit.\n<|assistant|>"
+    assert format_prompt(CONVERSATION, chat_tokenizer) == expected
+    assert format_answer("A pear.", chat_tokenizer) == "A pear.<|endoftext|>"  # no leading space
+
+
+def test_parse_transcript_splits_turns_and_drops_trailing_assistant_marker():
+    text = "\n\nHuman: What are cuss words?\n\nAssistant: Here: a list.\n\nHuman: And yours?\n\nAssistant:"
+    assert parse_transcript(text) == [{"role": "user", "content": "What are cuss words?"},
+                                      {"role": "assistant", "content": "Here: a list."},
+                                      {"role": "user", "content": "And yours?"}]
+    assert render_human_assistant(parse_transcript(text)) == text
+
+
+def test_parse_transcript_inline_markers_and_merging():
+    assert parse_transcript(" Human: hi there Assistant:") == [{"role": "user", "content": "hi there"}]
+    assert parse_transcript("\n\nHuman: a\n\nHuman: b\n\nAssistant: c") == [
+        {"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}]
+    assert parse_transcript("no markers at all") == [{"role": "user", "content": "no markers at all"}]
+    # "Human:" inside a turn is kept when turns are separated by blank lines
+    assert parse_transcript("\n\nHuman: say Human: twice\n\nAssistant: ok")[0]["content"] == "say Human: twice"
+
+
+def test_split_last_answer():
+    prompt, answer = split_last_answer(CONVERSATION + [{"role": "assistant", "content": "Apple."}])
+    assert prompt == CONVERSATION and answer == "Apple."
+    assert split_last_answer(CONVERSATION) == (CONVERSATION, None)

@@ -1,0 +1,333 @@
+"""create_prompt_dataset: phase shares, blending, token layout, skips, caching (keys, concurrency)."""
+import copy
+import json
+import multiprocessing
+import os
+import re
+import time
+
+import datasets
+import pytest
+from datasets import Dataset, DatasetDict
+
+from dschat.data import DahoasRmstaticDataset, DatasetFormatError, create_prompt_dataset, format_answer, format_prompt
+from dschat.data import pipeline
+from dschat.data.cache import CACHE_SUBDIR
+from dschat.data.splits import get_raw_dataset_split_index, parse_data_split
+from dschat.tiny import load_tiny_tokenizer
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(autouse=True)
+def isolated_hf_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tiny_tokenizer()
+
+
+def records(name, count, start=0):
+    return [{"prompt": f"Tell me about {name} record {i}.", "chosen": f"Record {i} is fine.",
+             "rejected": f"Record {i} is bad.", "task": name} for i in range(start, start + count)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def train_eval_spec(tmp_path, name, train_count, eval_count):
+    train = write_jsonl(tmp_path / f"{name}_train.jsonl", records(name, train_count))
+    eval_ = write_jsonl(tmp_path / f"{name}_eval.jsonl", records(name, eval_count, start=1000))
+    return f"{train},{eval_}"
+
+
+def build(tmp_path, tokenizer, data_path, phase, **kwargs):
+    options = dict(data_split="2,4,4", output_path=str(tmp_path / "out"), seed=1234, max_seq_len=128)
+    options.update(kwargs)
+    return create_prompt_dataset(0, data_path, options.pop("data_split"), options.pop("output_path"), phase,
+                                 options.pop("seed"), tokenizer, options.pop("max_seq_len"), **options)
+
+
+def record_ids(dataset, tokenizer):
+    """The record numbers in a dataset, read back from the tokens (prompts say "... record N.")."""
+    key = {1: "input_ids", 2: "chosen_input_ids", 3: "prompt_input_ids"}[dataset.train_phase]
+    texts = [tokenizer.decode(dataset[i][key]) for i in range(len(dataset))]
+    return [int(re.search(r"record (\d+)\.", text).group(1)) for text in texts]
+
+
+# --- shares and blending ---
+
+@pytest.mark.parametrize("size", [0, 1, 2, 7, 10, 33])
+@pytest.mark.parametrize("data_split", ["2,4,4", "1,1,1", "10,0,0", "0.5,0.3,0.2"])
+def test_split_indices_are_disjoint_cover_and_are_cached(tmp_path, size, data_split):
+    parts = [get_raw_dataset_split_index(0, str(tmp_path), "ds", 1234, "train", data_split, i, size)
+             for i in range(3)]
+    assert sorted(parts[0] + parts[1] + parts[2]) == list(range(size))
+    fractions = parse_data_split(data_split)
+    assert all(abs(len(part) - f * size) <= 1 for part, f in zip(parts, fractions))
+    assert get_raw_dataset_split_index(0, str(tmp_path), "ds", 1234, "train", data_split, 1, size) == parts[1]
+    if size >= 10:  # another seed gives another assignment
+        other = [get_raw_dataset_split_index(0, str(tmp_path), "ds", 99, "train", data_split, i, size)
+                 for i in range(3)]
+        assert other != parts
+
+
+def test_malformed_data_split_is_rejected():
+    for bad in ("2,4", "a,b,c", "0,0,0", "-1,1,1"):
+        with pytest.raises(ValueError, match="data_split"):
+            parse_data_split(bad)
+
+
+def test_phase_shares_are_disjoint_and_cover_train_and_eval(tmp_path, tokenizer):
+    spec = train_eval_spec(tmp_path, "alpha", 40, 20)
+    shares = {phase: build(tmp_path, tokenizer, [spec], phase) for phase in (1, 2, 3)}
+    for split, index, total, first in (("train", 0, 40, 0), ("eval", 1, 20, 1000)):
+        ids = {phase: record_ids(shares[phase][index], tokenizer) for phase in shares}
+        assert [len(ids[p]) for p in (1, 2, 3)] == [total // 5, 2 * total // 5, 2 * total // 5], split
+        assert sorted(ids[1] + ids[2] + ids[3]) == list(range(first, first + total)), split
+
+
+def test_blending_concatenates_then_shuffles_with_the_seed(tmp_path, tokenizer):
+    specs = [train_eval_spec(tmp_path, "alpha", 12, 2), train_eval_spec(tmp_path, "beta", 8, 2)]
+    train, eval_ = build(tmp_path, tokenizer, specs, 3, data_split="0,0,10")
+    tasks = [train[i]["task"] for i in range(len(train))]
+    assert sorted(tasks) == ["alpha"] * 12 + ["beta"] * 8 and len(eval_) == 4
+    assert tasks != sorted(tasks) and tasks != sorted(tasks, reverse=True)  # interleaved, not appended
+    again, _ = build(tmp_path, tokenizer, specs, 3, data_split="0,0,10", output_path=str(tmp_path / "out2"))
+    assert [again[i]["prompt_text"] for i in range(20)] == [train[i]["prompt_text"] for i in range(20)]
+    other, _ = build(tmp_path, tokenizer, specs, 3, data_split="0,0,10", seed=99)
+    assert [other[i]["prompt_text"] for i in range(20)] != [train[i]["prompt_text"] for i in range(20)]
+
+
+def test_sft_only_data_joins_phase_1_whole_and_nothing_else(tmp_path, tokenizer):
+    main = train_eval_spec(tmp_path, "alpha", 20, 10)
+    sft_rows = [{"messages": [{"role": "user", "content": f"Say sft record {i}."},
+                              {"role": "assistant", "content": "Done."}]} for i in range(7)]
+    sft = write_jsonl(tmp_path / "sft.jsonl", sft_rows)
+    sft_spec = f"{sft},{sft}"
+    train, eval_ = build(tmp_path, tokenizer, [main], 1, sft_only_data_path=[sft_spec])
+    assert (len(train), len(eval_)) == (4 + 7, 2 + 7)
+    assert sum("sft record" in tokenizer.decode(train[i]["input_ids"]) for i in range(len(train))) == 7
+    plain, _ = build(tmp_path, tokenizer, [main], 2)
+    with_sft, _ = build(tmp_path, tokenizer, [main], 2, sft_only_data_path=[sft_spec])
+    assert len(with_sft) == len(plain) == 8 and not with_sft.built  # same data, same cache
+
+
+def test_hub_adapter_in_the_pipeline_counts_unreadable_records(tmp_path, tokenizer, monkeypatch, capsys):
+    good = {"prompt": "\n\nHuman: Hi record 1.\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+            "rejected": " Go away."}
+    rows = [good, dict(good, chosen="  "), dict(good, rejected=" Hello.")]
+    monkeypatch.setattr(DahoasRmstaticDataset, "load",
+                        lambda self: DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list([good])}))
+    train, eval_ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 2, data_split="0,1,0")
+    assert len(train) == 1 and len(eval_) == 1
+    assert train.skipped == {"unreadable chosen": 1, "chosen==rejected": 1}
+    assert "Dahoas/rm-static train: skipped 2 of 3 records: 1 chosen==rejected, 1 unreadable chosen" in \
+        capsys.readouterr().out
+
+
+def test_hub_name_folder_is_used_as_an_offline_copy(tmp_path, tokenizer, monkeypatch):
+    rows = [{"prompt": f"\n\nHuman: Hi record {i}.\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+             "rejected": " Go away."} for i in range(5)]
+    monkeypatch.chdir(tmp_path)
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:2])}).save_to_disk("Dahoas/rm-static")
+    train, eval_ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 2, data_split="0,1,0")
+    assert (len(train), len(eval_)) == (5, 2)
+
+
+def test_tiny_default_builds_every_phase(tmp_path, tokenizer):
+    for phase in (1, 2, 3):
+        train, eval_ = build(tmp_path, tokenizer, ["tiny"], phase, max_seq_len=96, max_prompt_len=48)
+        assert len(train) > 100 and len(eval_) > 10
+
+
+def test_prompt_only_data_is_for_phase_3_only(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Prompt record {i}."} for i in range(10)])
+    train, _ = build(tmp_path, tokenizer, [path], 3, data_split="0,0,1")
+    assert len(train) == 9
+    with pytest.raises(DatasetFormatError, match="only be used in step 3"):
+        build(tmp_path, tokenizer, [path], 1)
+
+
+# --- token layout ---
+
+def test_sft_labels_mask_the_prompt_and_train_answer_and_eot(tmp_path, tokenizer):
+    spec = train_eval_spec(tmp_path, "alpha", 10, 2)
+    train, _ = build(tmp_path, tokenizer, [spec], 1, data_split="1,0,0")
+    item = train[0]
+    record = records("alpha", 10)[record_ids(train, tokenizer)[0]]
+    prompt = format_prompt([{"role": "user", "content": record["prompt"]}], tokenizer)
+    prompt_len = len(tokenizer(prompt)["input_ids"])
+    assert tokenizer.decode(item["input_ids"]) == prompt + format_answer(record["chosen"], tokenizer)
+    assert item["input_ids"][-1].item() == tokenizer.eos_token_id
+    assert (item["labels"][:prompt_len] == -100).all()
+    assert item["labels"][prompt_len:].tolist() == item["input_ids"][prompt_len:].tolist()
+    assert item["attention_mask"].tolist() == [1] * len(item["input_ids"])
+    with_prompt, _ = build(tmp_path, tokenizer, [spec], 1, data_split="1,0,0", include_prompt_in_loss=True)
+    assert with_prompt[0]["labels"].tolist() == with_prompt[0]["input_ids"].tolist()
+
+
+def test_truncation_keeps_eot_in_phase_2_and_drops_it_in_phase_1(tmp_path, tokenizer, capsys):
+    long_answer = " ".join(["word"] * 60)
+    rows = [{"prompt": "Short record 0.", "chosen": long_answer + " good", "rejected": long_answer + " bad"},
+            {"prompt": "Short record 1.", "chosen": "Yes.", "rejected": "No."},
+            {"prompt": "Long record 2. " + " ".join(["filler"] * 40), "chosen": "A.", "rejected": "B."}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    spec = f"{path},{path}"
+    sft, _ = build(tmp_path, tokenizer, [spec], 1, data_split="1,0,0", max_seq_len=24)
+    by_record = {record_ids(sft, tokenizer)[i]: sft[i]["input_ids"] for i in range(len(sft))}
+    assert len(by_record[0]) == 24 and by_record[0][-1].item() != tokenizer.eos_token_id  # cut answer: no eot
+    assert len(by_record[1]) < 24 and by_record[1][-1].item() == tokenizer.eos_token_id
+    assert sft.skipped == {"answer empty after truncation": 1}  # record 2's prompt fills the sequence
+
+    pairs, _ = build(tmp_path, tokenizer, [spec], 2, data_split="0,1,0", max_seq_len=24)
+    assert pairs.skipped == {"chosen==rejected after truncation": 1, "answer empty after truncation": 1}
+    item = pairs[0]
+    for side in ("chosen", "rejected"):
+        assert item[f"{side}_input_ids"][-1].item() == tokenizer.eos_token_id
+    assert "skipped 2 of 3 records" in capsys.readouterr().out
+
+
+def sentencepiece_like_tokenizer():
+    """Llama-2-style normalization: a leading space becomes its own "▁" token at the start of a string."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(special_tokens=["<unk>", "<pad>", "</s>"], vocab_size=400,
+                                  initial_alphabet=list("\n:?.▁"))
+    tok.train_from_iterator(["\n\nHuman: Tell me about alpha record 1.\n\nAssistant: Record 1 is fine."] * 5, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   name_or_path="sentencepiece-like")
+
+
+def test_answers_are_tokenized_as_they_appear_after_the_prompt(tmp_path):
+    sp = sentencepiece_like_tokenizer()
+    prompt = "\n\nHuman: Tell me about alpha record 1.\n\nAssistant:"
+    assert sp(" Record 1 is fine.", add_special_tokens=False)["input_ids"][0] == sp.convert_tokens_to_ids("▁")
+    spec = train_eval_spec(tmp_path, "alpha", 3, 1)
+    train, _ = build(tmp_path, sp, [spec], 1, data_split="1,0,0")
+    expected = sp(prompt + " Record 1 is fine.")["input_ids"] + [sp.eos_token_id]
+    matches = [train[i] for i in range(len(train)) if train[i]["input_ids"].tolist() == expected]
+    assert len(matches) == 1
+    item = matches[0]
+    first_trained = item["labels"][item["labels"] != -100][0].item()
+    assert sp.convert_ids_to_tokens(first_trained) == "▁Record"  # not a lone "▁"
+
+
+def test_phase_3_items_carry_prompt_text_messages_and_extras(tmp_path, tokenizer):
+    rows = records("alpha", 6) + [{"prompt": "Long record 99. " + " ".join(["filler"] * 40), "chosen": "A",
+                                   "rejected": "B", "task": "long"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    train, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1", max_prompt_len=32)
+    assert len(train) == 6 and train.skipped == {"prompt longer than 32 tokens": 1}
+    item = train[0]
+    assert item["prompt_text"] == format_prompt(item["messages"], tokenizer)
+    assert item["prompt_input_ids"].tolist() == tokenizer(item["prompt_text"])["input_ids"]
+    assert item["messages"][0]["role"] == "user" and item["task"] == "alpha"
+
+
+def test_chat_template_tokenizer_formats_with_its_template(tmp_path, tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    spec = train_eval_spec(tmp_path, "alpha", 5, 1)
+    train, _ = build(tmp_path, chat, [spec], 1, data_split="1,0,0")
+    text = chat.decode(train[0]["input_ids"])
+    assert re.fullmatch(r"<\|user\|>Tell me about alpha record \d\.\n<\|assistant\|>Record \d is fine\.<\|endoftext\|>",
+                        text), text
+
+
+def test_skip_counts_are_printed_and_exposed(tmp_path, tokenizer, capsys):
+    rows = records("alpha", 6)
+    rows += [dict(r, rejected=r["chosen"]) for r in records("alpha", 2, start=10)]
+    rows += [dict(records("alpha", 1, start=20)[0], rejected=None)]
+    rows += [dict(records("alpha", 1, start=30)[0], prompt="Long record 30. " + " ".join(["filler"] * 40))]
+    path = write_jsonl(tmp_path / "skips.jsonl", rows)
+    eval_path = write_jsonl(tmp_path / "skips_eval.jsonl", records("alpha", 2, start=40))
+    train, eval_ = build(tmp_path, tokenizer, [f"{path},{eval_path}"], 2, data_split="0,1,0", max_prompt_len=32)
+    expected = {"chosen==rejected": 2, "no rejected answer": 1, "prompt longer than 32 tokens": 1}
+    assert train.skipped == expected and len(train) == 6 and train.num_source_records == 10
+    assert eval_.skipped == {} and len(eval_) == 2
+    out = capsys.readouterr().out
+    assert ("skipped 4 of 10 records: 2 chosen==rejected, 1 no rejected answer, 1 prompt longer than 32 tokens"
+            in out)
+    cached, _ = build(tmp_path, tokenizer, [f"{path},{eval_path}"], 2, data_split="0,1,0", max_prompt_len=32)
+    assert not cached.built and cached.skipped == expected  # counts survive the cache
+
+
+# --- caching ---
+
+def test_cache_is_reused_unless_a_parameter_changes(tmp_path, tokenizer):
+    spec = train_eval_spec(tmp_path, "alpha", 10, 2)
+    base = dict(data_path=[spec], phase=1)
+    first, _ = build(tmp_path, tokenizer, **base)
+    again, _ = build(tmp_path, tokenizer, **base)
+    assert first.built and not again.built and again.cache_path == first.cache_path
+
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    bigger_vocab = copy.deepcopy(tokenizer)
+    bigger_vocab.add_tokens(["<brand_new_token>"])
+    renamed = copy.deepcopy(tokenizer)
+    renamed.name_or_path = "some/other-model"
+    variants = {
+        "data_split": dict(data_split="3,4,3"), "seed": dict(seed=7), "max_seq_len": dict(max_seq_len=100),
+        "max_prompt_len": dict(max_prompt_len=40), "include_prompt": dict(include_prompt_in_loss=True),
+        "eot": dict(end_of_conversation_token="<pad>"), "fields": dict(data_fields="rejected=task"),
+        "chat_template": dict(tok=chat), "vocab": dict(tok=bigger_vocab), "tokenizer_name": dict(tok=renamed),
+        "phase": dict(phase=2), "second_dataset": dict(data_path=[spec, train_eval_spec(tmp_path, "beta", 5, 1)]),
+    }
+    paths = {first.cache_path}
+    for name, change in variants.items():
+        options = {**base, **change}
+        tok = options.pop("tok", tokenizer)
+        dataset, _ = build(tmp_path, tok, options.pop("data_path"), options.pop("phase"), **options)
+        assert dataset.built and dataset.cache_path not in paths, name
+        paths.add(dataset.cache_path)
+
+    train_file = spec.split(",")[0]
+    time.sleep(0.01)
+    with open(train_file, "a") as f:  # an edited data file gets a new key
+        f.write(json.dumps(records("alpha", 1, start=500)[0]) + "\n")
+    edited, _ = build(tmp_path, tokenizer, **base)
+    assert edited.built and edited.cache_path not in paths
+
+    reloaded, _ = build(tmp_path, tokenizer, **base, reload=True)
+    assert reloaded.built and reloaded.cache_path == edited.cache_path
+
+
+def _build_in_child(args):
+    """Runs in a forked process: build the same dataset as the sibling, report (built, path, size)."""
+    out_dir, spec, hf_cache, barrier = args
+    datasets.config.HF_DATASETS_CACHE = hf_cache
+    original = pipeline.build_and_save
+
+    def slow_build(*a, **k):  # widen the race window so both processes really overlap
+        time.sleep(0.5)
+        return original(*a, **k)
+
+    pipeline.build_and_save = slow_build
+    barrier.wait()
+    train, _ = create_prompt_dataset(0, [spec], "2,4,4", out_dir, 1, 1234, load_tiny_tokenizer(), 128)
+    return train.built, train.cache_path, len(train)
+
+
+def test_concurrent_builders_produce_one_cache(tmp_path):
+    spec = train_eval_spec(tmp_path, "alpha", 20, 5)
+    out_dir = str(tmp_path / "shared_out")
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Manager().Barrier(2)
+    with ctx.Pool(2) as pool:
+        results = pool.map(_build_in_child, [(out_dir, spec, str(tmp_path / "hf_cache"), barrier)] * 2)
+    assert sorted(built for built, _, _ in results) == [False, True]  # exactly one process built
+    assert results[0][1:] == results[1][1:]
+    entries = os.listdir(os.path.join(out_dir, CACHE_SUBDIR))
+    assert [e for e in entries if not e.endswith(".lock")] == [os.path.basename(results[0][1])]  # no temp folders

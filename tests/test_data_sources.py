@@ -1,0 +1,348 @@
+"""Raw data sources: local files (formats, fields, record shapes, errors), name dispatch, hub adapters."""
+import json
+
+import datasets
+import pandas as pd
+import pytest
+from datasets import Dataset, DatasetDict
+
+from dschat.data import (HUB_DATASETS, AnthropicHhrlhfDataset, DahoasFullhhrlhfDataset, DahoasRmstaticDataset,
+                         DahoasSyntheticinstructgptjpairwiseDataset, DatasetFormatError, OpenaiWebgptcomparisonsDataset,
+                         SkipRecord, StanfordnlpSHPDataset, YitingxieRlhfrewarddatasetsDataset, get_raw_dataset,
+                         parse_field_map)
+from dschat.data.errors import RecordError
+
+RECORDS = [{"prompt": f"Question number {i}?", "chosen": f"Good answer {i}.", "rejected": f"Bad answer {i}.",
+            "task": f"t{i % 3}"} for i in range(20)]
+
+
+@pytest.fixture(autouse=True)
+def isolated_hf_cache(tmp_path, monkeypatch):
+    """Keep datasets' Arrow cache of the test files out of ~/.cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+def write_records(records, path, kind):
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif kind == "json":
+        path.write_text(json.dumps(records, indent=1))
+    elif kind == "parquet":
+        pd.DataFrame(records).to_parquet(path)
+    elif kind == "csv":
+        pd.DataFrame(records).to_csv(path, index=False)
+    return str(path)
+
+
+def raw(spec, tmp_path, seed=1234, **fields):
+    return get_raw_dataset(spec, str(tmp_path / "out"), seed, 0, **fields)
+
+
+def as_tuples(adapter, data):
+    return [(adapter.get_conversation(s)[0]["content"], adapter.get_chosen_text(s), adapter.get_rejected_text(s),
+             adapter.get_extra(s)["task"]) for s in data]
+
+
+def expected_tuples(records):
+    return [(r["prompt"], r["chosen"], r["rejected"], r["task"]) for r in records]
+
+
+# --- local formats ---
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "csv"])
+def test_local_file_formats_round_trip(tmp_path, kind):
+    train = write_records(RECORDS[:15], tmp_path / f"train.{kind}", kind)
+    eval_ = write_records(RECORDS[15:], tmp_path / f"eval.{kind}", kind)
+    adapter = raw(f"{kind}:{train},{eval_}", tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+    assert adapter.get_prompt(RECORDS[0]) == "\n\nHuman: Question number 0?\n\nAssistant:"
+    assert adapter.get_prompt_and_chosen(RECORDS[0]) == "\n\nHuman: Question number 0?\n\nAssistant: Good answer 0."
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_bare_path_and_folder_forms(tmp_path, kind):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_records(RECORDS[:15], folder / f"train.{kind}", kind)
+    write_records(RECORDS[15:], folder / f"test.{kind}", kind)
+    for spec in (str(folder), f"{kind}:{folder}"):
+        adapter = raw(spec, tmp_path)
+        assert len(adapter.get_train_data()) == 15 and len(adapter.get_eval_data()) == 5
+    single = raw(str(folder / f"train.{kind}"), tmp_path)  # a bare file: extension says the format
+    assert len(single.get_train_data()) + len(single.get_eval_data()) == 15
+
+
+def test_save_to_disk_dataset_dict_and_single_dataset(tmp_path):
+    DatasetDict({"train": Dataset.from_list(RECORDS[:15]), "test": Dataset.from_list(RECORDS[15:])}).save_to_disk(
+        str(tmp_path / "dd"))
+    Dataset.from_list(RECORDS).save_to_disk(str(tmp_path / "single"))
+    adapter = raw(f"disk:{tmp_path / 'dd'}", tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+    bare = raw(str(tmp_path / "single"), tmp_path)  # a bare save_to_disk folder is recognised
+    assert sorted(as_tuples(bare, bare.get_train_data()) + as_tuples(bare, bare.get_eval_data())) == \
+        sorted(expected_tuples(RECORDS))
+
+
+def test_single_file_gets_a_seeded_90_10_split(tmp_path):
+    path = write_records(RECORDS, tmp_path / "all.jsonl", "jsonl")
+    first = raw(path, tmp_path)
+    train = [s["prompt"] for s in first.get_train_data()]
+    eval_ = [s["prompt"] for s in first.get_eval_data()]
+    assert (len(train), len(eval_)) == (18, 2)
+    assert set(train).isdisjoint(eval_) and set(train) | set(eval_) == {r["prompt"] for r in RECORDS}
+    assert [s["prompt"] for s in raw(path, tmp_path).get_eval_data()] == eval_  # deterministic (and cached)
+    other_seeds = {tuple(s["prompt"] for s in raw(path, tmp_path, seed=seed).get_eval_data()) for seed in range(5)}
+    assert len(other_seeds) > 1
+
+
+def test_tiny_name_is_the_embedded_dataset(tmp_path):
+    adapter = raw("tiny", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample)[0]["role"] == "user"
+    assert adapter.get_chosen_text(sample) and "task" in adapter.get_extra(sample)
+    assert len(adapter.get_eval_data()) > 0
+
+
+# --- field names and record shapes ---
+
+def test_field_mapping(tmp_path):
+    records = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"], "task": r["task"]}
+               for r in RECORDS]
+    path = write_records(records, tmp_path / "q.jsonl", "jsonl")
+    adapter = raw(path, tmp_path, **parse_field_map("prompt=question, chosen=good,rejected=bad"))
+    sample = adapter.get_train_data()[0]
+    index = int(sample["question"].split()[-1].rstrip("?"))
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": RECORDS[index]["prompt"]}]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == \
+        (RECORDS[index]["chosen"], RECORDS[index]["rejected"])
+    assert adapter.get_extra(sample) == {"task": RECORDS[index]["task"]}
+    with pytest.raises(DatasetFormatError, match="--data_fields") as err:
+        raw(path, tmp_path)  # without the mapping the fields are not found
+    assert "question" in str(err.value)
+
+
+def test_parse_field_map_rejects_bad_input():
+    assert parse_field_map("") == {}
+    with pytest.raises(ValueError, match="prompt=question"):
+        parse_field_map("prompt")
+    with pytest.raises(ValueError, match="unknown data field"):
+        parse_field_map("answer=x")
+
+
+def test_messages_records_for_sft(tmp_path):
+    records = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"},
+                             {"role": "assistant", "content": "4"}], "source": "x"}] * 3
+    path = write_records(records, tmp_path / "chat.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == records[0]["messages"][:-1]
+    assert adapter.get_chosen_text(sample) == "4" and adapter.get_rejected_text(sample) is None
+    assert adapter.get_extra(sample) == {"source": "x"}
+
+
+def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
+    user = {"role": "user", "content": "Name a color."}
+    implicit = [{"chosen": [user, {"role": "assistant", "content": "Blue."}],
+                 "rejected": [user, {"role": "assistant", "content": "Dog."}]}]
+    adapter = raw(write_records(implicit, tmp_path / "imp.jsonl", "jsonl") + "," + str(tmp_path / "imp.jsonl"),
+                  tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [user]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Blue.", "Dog.")
+
+    explicit = [{"prompt": [user], "chosen": [{"role": "assistant", "content": "Red."}],
+                 "rejected": [{"role": "assistant", "content": "Cat."}]}]
+    path = write_records(explicit, tmp_path / "exp.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [user]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Red.", "Cat.")
+
+
+def test_trl_records_with_different_prompts_are_an_error(tmp_path):
+    records = [{"chosen": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "user", "content": "B?"}, {"role": "assistant", "content": "b"}]}]
+    path = write_records(records, tmp_path / "bad.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 1 \(record 0\).*'rejected'.*prompt turns differ"):
+        raw(path, tmp_path)
+
+
+def test_transcript_prompt_in_a_local_file(tmp_path):
+    records = [{"prompt": "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Bye?\n\nAssistant:", "chosen": " Bye!"}]
+    path = write_records(records, tmp_path / "t.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert [m["role"] for m in adapter.get_conversation(sample)] == ["user", "assistant", "user"]
+    assert adapter.get_chosen_text(sample) == "Bye!"
+
+
+# --- bad input ---
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    lines = [json.dumps(RECORDS[0]), "", json.dumps(RECORDS[1]), '{"prompt": "x", "chosen": ']
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 4: invalid JSON"):
+        raw(str(path), tmp_path)
+    assert issubclass(DatasetFormatError, ValueError)
+
+
+def test_malformed_json_document_names_line(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 3"):
+        raw(str(path), tmp_path)
+
+
+def test_empty_text_names_file_line_record_and_field(tmp_path):
+    records = [dict(r) for r in RECORDS[:4]]
+    records[2]["chosen"] = "   "
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n" + "".join(json.dumps(r) + "\n" for r in records))  # leading blank line
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 4 \(record 2\): field 'chosen': empty text"):
+        raw(str(path), tmp_path)
+
+
+def test_missing_field_names_file_record_and_field(tmp_path):
+    records = [dict(r) for r in RECORDS[:4]]
+    records[1]["prompt"] = None
+    path = write_records(records, tmp_path / "missing.parquet", "parquet")
+    with pytest.raises(DatasetFormatError, match=rf"{path} record 1: field 'prompt': missing or null"):
+        raw(path, tmp_path)
+
+
+def test_wrong_type_names_file_record_and_field(tmp_path):
+    records = [{"prompt": "q", "chosen": 7}, {"prompt": "q2", "chosen": 8}]
+    path = write_records(records, tmp_path / "typed.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 1 \(record 0\): field 'chosen': expected a string, got int"):
+        raw(path, tmp_path)
+
+
+def test_bad_message_list_is_an_error(tmp_path):
+    records = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "robot", "content": "beep"}]}]
+    path = write_records(records, tmp_path / "roles.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"record 0\): field 'messages': message 1 has role 'robot'"):
+        raw(path, tmp_path)
+
+
+# --- name dispatch ---
+
+@pytest.mark.parametrize("name", ["Dahoas/rm-static-typo", "rm-static", "dahoas/rm-static", "Dahoas/rm-static ",
+                                  "Dahoas/rm", "hh-rlhf", "tiny2"])
+def test_names_match_exactly(tmp_path, name, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="unknown dataset") as err:
+        raw(name, tmp_path)
+    assert "Dahoas/rm-static" in str(err.value) and "jsonl:PATH" in str(err.value)
+
+
+def test_known_names_dispatch_to_their_adapter(tmp_path, monkeypatch):
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: DatasetDict({"train": Dataset.from_list([])}))
+    assert type(raw("Dahoas/rm-static", tmp_path)) is DahoasRmstaticDataset
+    assert set(HUB_DATASETS) == {"Dahoas/rm-static", "Dahoas/full-hh-rlhf", "Dahoas/synthetic-instruct-gptj-pairwise",
+                                 "yitingxie/rlhf-reward-datasets", "openai/webgpt_comparisons", "stanfordnlp/SHP",
+                                 "Anthropic/hh-rlhf"}
+
+
+def test_missing_local_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        raw(f"jsonl:{tmp_path / 'nope.jsonl'}", tmp_path)
+    with pytest.raises(FileNotFoundError, match="nope.parquet"):
+        raw(str(tmp_path / "nope.parquet"), tmp_path)
+
+
+# --- hub adapters on hand-made records with each dataset's real schema (no download) ---
+
+def adapter_for(cls, tmp_path, splits):
+    return cls(str(tmp_path / "out"), 1234, 0, raw_datasets=DatasetDict(
+        {name: Dataset.from_list(rows) for name, rows in splits.items()}))
+
+
+RM_STATIC = {"prompt": "\n\nHuman: What is a cuss word?\n\nAssistant: A rude word.\n\nHuman: Name one.\n\nAssistant:",
+             "response": " I'd rather not.", "chosen": " I'd rather not.", "rejected": " Sure: darn."}
+
+
+@pytest.mark.parametrize("cls", [DahoasRmstaticDataset, DahoasFullhhrlhfDataset])
+def test_dahoas_transcript_adapters(tmp_path, cls):
+    adapter = adapter_for(cls, tmp_path, {"train": [RM_STATIC] * 3, "test": [RM_STATIC]})
+    assert len(adapter.get_train_data()) == 3 and len(adapter.get_eval_data()) == 1
+    assert adapter.get_conversation(RM_STATIC) == [
+        {"role": "user", "content": "What is a cuss word?"}, {"role": "assistant", "content": "A rude word."},
+        {"role": "user", "content": "Name one."}]
+    assert (adapter.get_chosen_text(RM_STATIC), adapter.get_rejected_text(RM_STATIC)) == ("I'd rather not.", "Sure: darn.")
+    assert adapter.get_prompt(RM_STATIC) == RM_STATIC["prompt"]  # DeepSpeed-Chat's strings, verbatim
+    assert adapter.get_prompt_and_rejected(RM_STATIC) == RM_STATIC["prompt"] + " Sure: darn."
+    assert adapter.get_extra(RM_STATIC) == {}
+
+
+def test_synthetic_instruct_adapter_splits_train_90_10(tmp_path):
+    rows = [{"prompt": f"Write a haiku {i}", "chosen": f"Leaves fall {i}", "rejected": f"No {i}"} for i in range(30)]
+    adapter = adapter_for(DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, {"train": rows})
+    train, eval_ = adapter.get_train_data(), adapter.get_eval_data()
+    assert (len(train), len(eval_)) == (27, 3)
+    assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in eval_)
+    assert adapter.get_conversation(rows[0]) == [{"role": "user", "content": "Write a haiku 0"}]
+    assert adapter.get_prompt_and_chosen(rows[0]) == "\n\nHuman: Write a haiku 0\n\nAssistant: Leaves fall 0"
+
+
+def test_yitingxie_adapter(tmp_path):
+    row = {"prompt": "\n\nHuman: How do I bake bread?\n\n", "chosen": "Assistant: Mix flour and water.",
+           "rejected": "Assistant: Buy it."}
+    adapter = adapter_for(YitingxieRlhfrewarddatasetsDataset, tmp_path, {"train": [row], "test": [row]})
+    assert adapter.get_conversation(row) == [{"role": "user", "content": "How do I bake bread?"}]
+    assert (adapter.get_chosen_text(row), adapter.get_rejected_text(row)) == ("Mix flour and water.", "Buy it.")
+    assert adapter.get_prompt(row) == row["prompt"] + "Assistant:"
+    assert adapter.get_chosen(row) == " Mix flour and water."
+
+
+def webgpt_row(score_0, score_1):
+    return {"question": {"id": "q1", "full_text": "Why is the sky blue?", "dataset": "eli5"},
+            "quotes_0": {"title": ["t"], "extract": ["e"]}, "answer_0": "Rayleigh scattering [1] of light.",
+            "tokens_0": [1, 2], "score_0": score_0,
+            "quotes_1": {"title": ["t"], "extract": ["e"]}, "answer_1": "Because (2) it is.", "tokens_1": [3],
+            "score_1": score_1}
+
+
+def test_webgpt_adapter_picks_higher_score_and_removes_citations(tmp_path):
+    row = webgpt_row(-1.0, 1.0)
+    adapter = adapter_for(OpenaiWebgptcomparisonsDataset, tmp_path, {"train": [row] * 10})
+    assert (len(adapter.get_train_data()), len(adapter.get_eval_data())) == (9, 1)
+    assert adapter.get_conversation(row) == [{"role": "user", "content": "Why is the sky blue?"}]
+    assert adapter.get_chosen_text(row) == "Because it is."
+    assert adapter.get_rejected_text(row) == "Rayleigh scattering of light."
+    assert adapter.get_extra(row) == {}
+    tie = webgpt_row(0.0, 0.0)
+    assert adapter.get_chosen_text(tie) == "Rayleigh scattering of light."  # SFT can use a tied pair
+    with pytest.raises(SkipRecord, match="tied"):
+        adapter.get_rejected_text(tie)  # the reward model cannot
+
+
+def test_shp_adapter_uses_labels_and_passes_metadata(tmp_path):
+    row = {"post_id": "p1", "domain": "askculinary_train", "upvote_ratio": 0.9, "history": "How long to boil an egg?",
+           "c_root_id_A": "a", "c_root_id_B": "b", "created_at_utc_A": 1, "created_at_utc_B": 2, "score_A": 3,
+           "score_B": 10, "human_ref_A": "Forever.", "human_ref_B": "About 9 minutes.", "labels": 0,
+           "seconds_difference": 1.0, "score_ratio": 3.3}
+    adapter = adapter_for(StanfordnlpSHPDataset, tmp_path, {"train": [row], "validation": [row], "test": [row]})
+    assert len(adapter.get_eval_data()) == 1
+    assert adapter.get_conversation(row) == [{"role": "user", "content": "How long to boil an egg?"}]
+    assert (adapter.get_chosen_text(row), adapter.get_rejected_text(row)) == ("About 9 minutes.", "Forever.")
+    assert adapter.get_chosen_text(dict(row, labels=1)) == "Forever."
+    assert adapter.get_extra(row)["domain"] == "askculinary_train" and "history" not in adapter.get_extra(row)
+
+
+def test_anthropic_hh_adapter_splits_shared_prompt_from_answers(tmp_path):
+    prefix = "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke."
+    row = {"chosen": prefix + "\n\nAssistant: Why did the chicken cross the road?",
+           "rejected": prefix + "\n\nAssistant: No."}
+    adapter = adapter_for(AnthropicHhrlhfDataset, tmp_path, {"train": [row], "test": [row]})
+    assert adapter.get_conversation(row) == [{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "content": "Hello!"},
+                                             {"role": "user", "content": "Tell me a joke."}]
+    assert (adapter.get_chosen_text(row), adapter.get_rejected_text(row)) == ("Why did the chicken cross the road?", "No.")
+    assert adapter.get_prompt(row) == prefix + "\n\nAssistant:"
+    assert adapter.get_chosen(row) == " Why did the chicken cross the road?"
+    with pytest.raises(RecordError, match="'chosen'"):
+        adapter.get_chosen_text({"chosen": prefix, "rejected": prefix})  # no final answer
