@@ -22,12 +22,12 @@ from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_devic
 
 def prompt_loaders(args, tokenizer):
     """Phase-3 prompts (train, and held-out for evaluation), left-padded."""
-    from dschat.data import DataCollatorRLHF, create_prompt_dataset, get_eot_token, parse_field_map
+    from dschat.data import DataCollatorRLHF, create_prompt_dataset, get_eot_token
 
     train, held_out = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
-        max_prompt_len=args.max_prompt_seq_len, field_options=parse_field_map(args.data_fields))
+        max_prompt_len=args.max_prompt_seq_len, data_fields=args.data_fields or None)
     collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id)
     if get_world_size() > 1:
         train_sampler = DistributedSampler(train, shuffle=True, seed=args.seed)

@@ -18,14 +18,14 @@ from dschat.utils.ds_config import get_train_ds_config
 
 def load_step_data(args, tokenizer, phase):
     """The tokenized train/eval datasets of one phase, from the data flags every step shares."""
-    from dschat.data import create_prompt_dataset, get_eot_token, parse_field_map
+    from dschat.data import create_prompt_dataset, get_eot_token
 
     return create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, phase, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=get_eot_token(tokenizer),
         sft_only_data_path=args.sft_only_data_path if phase == 1 else (), reload=args.reload_data,
         include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False),
-        field_options=parse_field_map(args.data_fields))
+        data_fields=args.data_fields or None)
 
 
 def lm_loss(engine, batch):

@@ -1,0 +1,212 @@
+"""Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3),
+against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16,
+sampled, prompts of P tokens, G generated tokens (no early stop), batch B.
+
+    python bench/generation.py --models opt-1.3b --batches 64 --variants hf_dynamic,hf_static,dschat_z0,dschat_z3
+
+Prints a table and writes JSON (to $OUT when set). Needs a CUDA GPU; run it through the device tool.
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {
+    "opt-1.3b": lambda: __import__("transformers").OPTConfig(
+        vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
+        max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True, enable_bias=True,
+        dropout=0.0, attention_dropout=0.0),
+    # Qwen2.5-7B's config: grouped-query attention (28 query heads, 4 key/value heads)
+    "qwen2.5-7b": lambda: __import__("transformers").Qwen2Config(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False),
+}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def copy_bandwidth():
+    """Device-to-device copy bandwidth (bytes read + written per second)."""
+    x = torch.randn(1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record()
+    for _ in range(20):
+        y.copy_(x)
+    e.record()
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 2 * 20 / (s.elapsed_time(e) / 1e3)
+    del x, y
+    return bw
+
+
+def decode_floor(cfg, weight_bytes, batch, prompt, gen, bw):
+    """Each decode step reads every weight once and the KV cache so far (prefill not counted)."""
+    layers = cfg.num_hidden_layers
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2
+    return sum((weight_bytes + kv_per_token * batch * (prompt + t)) / bw for t in range(gen))
+
+
+def build_model(name):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(SHAPES[name](), dtype=torch.bfloat16)
+    return model.eval()
+
+
+def weight_bytes_read_per_step(model):
+    """Bytes of weights a decode step reads: the input embedding table is gathered (B rows), not read whole."""
+    emb = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
+    return total if tied else total - emb.numel() * emb.element_size()
+
+
+def timed(fn, repeats):
+    times, out = [], None
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2], out
+
+
+def hf_variant(model, prompt, mask, gen, static, repeats):
+    kw = dict(max_new_tokens=gen, min_new_tokens=gen, do_sample=True, top_k=0, top_p=1.0, pad_token_id=1,
+              eos_token_id=2)
+    if static:
+        kw["cache_implementation"] = "static"
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(prompt, attention_mask=mask, **kw)  # warm-up (static: compiles)
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
+    seconds, out = timed(lambda: model.generate(prompt, attention_mask=mask, **kw), repeats)
+    return {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape)}
+
+
+def dschat_engine(model, stage, train):
+    import deepspeed
+
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+    from dschat.utils.dist import ensure_distributed
+
+    ensure_distributed()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1e4},
+              "bf16": {"enabled": True}, "steps_per_print": 10**9}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6) if train else None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                      dist_init_required=False)
+    return HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024), pad_token_id=1,
+                        eos_token_id=2)
+
+
+def dschat_variant(model, prompt, mask, gen, stage, repeats, train):
+    he = dschat_engine(model, stage, train)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    kw = dict(max_new_tokens=gen, do_sample=True, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=1,
+              generator=generator)
+
+    def one():  # what a PPO iteration does: switch to generation (gathering under ZeRO-3), generate
+        he.mark_weights_stale() if hasattr(he, "mark_weights_stale") else None
+        he.eval()
+        out = he.generate(prompt, attention_mask=mask, **kw)
+        he.train()
+        return out
+
+    t0 = time.perf_counter()
+    one()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
+    seconds, out = timed(one, repeats)
+    stats = he.latency_stats() if hasattr(he, "latency_stats") else {}
+    result = {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape), "engine_stats": stats}
+    if train:  # the RLHF loop: a training step, then generation must see the new weights
+        x = prompt[:4, :64]
+        loss = he(input_ids=x, labels=x).loss
+        he.backward(loss)
+        he.step()
+        result["after_step_s"], _ = timed(one, 1)
+    del he
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="opt-1.3b")
+    p.add_argument("--batches", default="64")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--variants", default="hf_dynamic,hf_static,dschat_z0,dschat_z3")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--train_step", action="store_true", help="dschat variants: also time after an optimizer step")
+    args = p.parse_args()
+    import transformers
+
+    log(f"torch {torch.__version__} transformers {transformers.__version__} {torch.cuda.get_device_name()}")
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    for name in args.models.split(","):
+        for batch in map(int, args.batches.split(",")):
+            for variant in args.variants.split(","):
+                model = build_model(name)
+                wbytes = weight_bytes_read_per_step(model)
+                floor = decode_floor(model.config, wbytes, batch, args.prompt, args.gen, bw)
+                prompt = torch.randint(4, model.config.vocab_size, (batch, args.prompt), device="cuda")
+                mask = torch.ones_like(prompt)
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    if variant.startswith("hf_"):
+                        r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
+                    else:
+                        stage = int(variant.split("_z")[1])
+                        r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step)
+                    r.update(ok=True)
+                except Exception as ex:  # a failing variant is reported, not fatal
+                    r = {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:400]}"}
+                r.update(model=name, batch=batch, variant=variant, floor_s=floor,
+                         peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+                if r["ok"]:
+                    r["x_floor"] = r["seconds"] / floor
+                    r["tokens_per_s"] = batch * args.gen / r["seconds"]
+                log(json.dumps(r))
+                rows.append(r)
+                del model, prompt, mask
+                gc.collect()
+                torch.cuda.empty_cache()
+    log(f"\n{'model':<12}{'B':>5} {'variant':<14}{'seconds':>9}{'x floor':>9}{'tok/s':>9}{'first':>8}{'peak GB':>9}")
+    for r in rows:
+        if r["ok"]:
+            log(f"{r['model']:<12}{r['batch']:>5} {r['variant']:<14}{r['seconds']:>9.3f}{r['x_floor']:>9.2f}"
+                f"{r['tokens_per_s']:>9.0f}{r['first_call_s']:>8.1f}{r['peak_gb']:>9.1f}")
+        else:
+            log(f"{r['model']:<12}{r['batch']:>5} {r['variant']:<14} FAILED {r['error'][:80]}")
+        log(f"{'':<17}floor {r['floor_s']:.3f} s")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "generation.json"), "w") as f:
+            json.dump({"bandwidth_Bps": bw, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
