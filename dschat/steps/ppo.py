@@ -106,8 +106,8 @@ def main(args=None):
     total_iters = iters_per_epoch * args.num_train_epochs
     if args.max_steps:
         total_iters = min(total_iters, args.max_steps)
-    if args.enable_test_mode and args.test_stop_step:
-        total_iters = min(total_iters, args.test_stop_step)
+    # test mode stops early without changing the schedule (it simulates an interrupted run)
+    stop_at = min(total_iters, args.test_stop_step) if args.enable_test_mode and args.test_stop_step else total_iters
     optimizer_steps = max(1, total_iters * args.ppo_epochs * math.ceil(
         args.per_device_generation_batch_size * args.generation_batches / args.per_device_training_batch_size
     ) // args.gradient_accumulation_steps)
@@ -140,7 +140,7 @@ def main(args=None):
         for batch_index, batch in enumerate(train_loader):
             if epoch == position["epoch"] and batch_index < position["batch"]:
                 continue  # consumed before the checkpoint we resumed from
-            if iteration >= total_iters:
+            if iteration >= stop_at:
                 break
             t0 = time.time()
             buffer.append(trainer.generate_experience(batch, step=iteration))
@@ -163,7 +163,7 @@ def main(args=None):
             if args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch,
                                                      "batch": batch_index + 1, "eval_before": before})
-        if iteration >= total_iters:
+        if iteration >= stop_at:
             break
     after = held_out_eval(trainer, eval_loader, args, device, scorer)
     print_rank_0(f"[step3] held-out after PPO: {_eval_line(after)}")

@@ -1,0 +1,158 @@
+"""Step 3: experience shapes and masks, the notebook API, LoRA, EMA, unsupervised mixing, resume, ZeRO-3."""
+import json
+
+import pytest
+import torch
+
+from dschat.rlhf.trainer import answer_mask
+from dschat.steps import ppo, reward, sft
+from helpers import PPO_FAST, RM_FAST, SFT_FAST
+from launch import REPO, run_deepspeed
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, distributed):
+    """A briefly trained SFT model and reward model, shared by this module's tests."""
+    root = tmp_path_factory.mktemp("steps12")
+    sft.main(["--output_dir", str(root / "sft"), "--data_output_path", str(root / "data"), "--max_steps", "10",
+              *SFT_FAST])
+    reward.main(["--output_dir", str(root / "rm"), "--data_output_path", str(root / "data"), "--max_steps", "10",
+                 *RM_FAST])
+    return root
+
+
+def ppo_args(trained, out, *extra):
+    return ["--actor_model_name_or_path", str(trained / "sft"), "--critic_model_name_or_path", str(trained / "rm"),
+            "--data_output_path", str(trained / "data"), "--output_dir", str(out), *PPO_FAST, *extra]
+
+
+def test_answer_mask_stops_after_first_eos_when_pad_differs():
+    answers = torch.tensor([[5, 6, 2, 0, 0], [5, 2, 0, 0, 0], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0]])
+    assert answer_mask(answers, eos_token_id=2, pad_token_id=0).tolist() == [
+        [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_answer_mask_when_pad_equals_eos_keeps_the_first_eos():
+    answers = torch.tensor([[5, 2, 2, 2], [2, 2, 2, 2]])
+    assert answer_mask(answers, eos_token_id=2, pad_token_id=2).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def _engine_and_trainer(trained, tmp_path, **overrides):
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+    from dschat.models.loading import load_tokenizer
+
+    args = {"critic_model_name_or_path": str(trained / "rm"), "dtype": "fp32", "max_prompt_seq_len": 40,
+            "max_answer_seq_len": 10, "per_device_training_batch_size": 4, "num_warmup_steps": 0,
+            "actor_learning_rate": 1e-4, "critic_learning_rate": 1e-4, **overrides}
+    tokenizer = load_tokenizer(str(trained / "sft"), padding_side="left")
+    engine = DeepSpeedRLHFEngine(actor_model_name_or_path=str(trained / "sft"), tokenizer=tokenizer, args=args)
+    trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
+    return engine, trainer, tokenizer
+
+
+def _prompt_batch(tokenizer, texts):
+    from dschat.data import DataCollatorRLHF
+
+    items = [{"prompt_input_ids": torch.tensor(tokenizer(t)["input_ids"]), "prompt_text": t} for t in texts]
+    return DataCollatorRLHF(40, tokenizer.pad_token_id)(items)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
+def test_notebook_api_generates_experience_with_consistent_masks(trained, tmp_path, hybrid):
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=hybrid)
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
+                                      "\n\nHuman: List three colors please, thanks.\n\nAssistant:"] * 2)
+    assert batch["prompt_att_mask"][0, 0] == 0  # left-padded
+    out = trainer.generate_experience(batch)
+    prompt_len = batch["prompt"].shape[1]
+    seq, mask, amask = out["input_ids"], out["attention_mask"], out["action_mask"]
+    assert torch.equal(seq[:, :prompt_len], batch["prompt"])
+    assert torch.equal(mask[:, prompt_len:], amask)
+    assert out["logprobs"].shape == out["ref_logprobs"].shape == out["value"].shape == amask.shape
+    assert out["rewards"].shape == (4,)
+    # the actor equals the reference before any update
+    assert torch.allclose(out["logprobs"] * amask, out["ref_logprobs"] * amask, atol=1e-5)
+    # after the answer's end there is only padding
+    ended = amask == 0
+    assert (seq[:, prompt_len:][ended] == tokenizer.pad_token_id).all()
+    actor_loss, critic_loss = trainer.train_rlhf(out)
+    assert torch.isfinite(actor_loss) and torch.isfinite(critic_loss)
+    out2 = trainer.generate_experience(batch)
+    assert not torch.allclose(out2["logprobs"] * out2["action_mask"], out2["ref_logprobs"] * out2["action_mask"])
+
+
+def test_deepspeed_chat_positional_form(trained, tmp_path):
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+    from dschat.models.loading import load_tokenizer
+    from dschat.rlhf.config import step3_args
+
+    args = step3_args({"dtype": "fp32", "max_answer_seq_len": 6, "per_device_training_batch_size": 2})
+    tokenizer = load_tokenizer(str(trained / "sft"), padding_side="left")
+    engine = DeepSpeedRLHFEngine(str(trained / "sft"), str(trained / "rm"), tokenizer, args, 10)
+    trainer = DeepSpeedPPOTrainer(engine, args)
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2)
+    out = trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"], 0)
+    assert out["input_ids"].shape[0] == 2
+
+
+def test_step3_runs_and_reports_held_out_scores(trained, tmp_path):
+    metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--enable_hybrid_engine"))
+    assert metrics["iterations"] == 2
+    for key in ("eval_before", "eval_after"):
+        assert {"reward_mean", "rule_score_mean"} <= set(metrics[key])
+    log = [json.loads(line) for line in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
+    assert len(log) == 2 and {"reward", "kl", "actor_loss", "critic_loss", "samples_per_s"} <= set(log[0])
+    assert (tmp_path / "ppo" / "actor" / "config.json").exists()
+    assert (tmp_path / "ppo" / "critic" / "value_head.safetensors").exists()
+
+
+def test_lora_actor_and_critic_with_ema(trained, tmp_path):
+    metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--actor_lora_dim", "4",
+                                "--critic_lora_dim", "4", "--enable_ema", "--ema_beta", "0.5",
+                                "--enable_hybrid_engine"))
+    assert metrics["iterations"] == 2
+    from transformers import AutoModelForCausalLM
+
+    ema = AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "actor_ema").state_dict()
+    sft_model = AutoModelForCausalLM.from_pretrained(trained / "sft").state_dict()
+    actor = AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "actor").state_dict()
+    moved = [k for k in actor if not torch.equal(actor[k], sft_model[k])]
+    assert moved, "LoRA training changed no merged weight"
+    k = moved[0]
+    # the EMA lies strictly between the SFT start and the trained actor for a weight that moved
+    assert not torch.equal(ema[k], sft_model[k]) and not torch.equal(ema[k], actor[k])
+
+
+def test_unsupervised_mixing_reports_its_loss(trained, tmp_path):
+    text = tmp_path / "unsup.jsonl"
+    text.write_text("".join(json.dumps({"text": f"plain text number {i} for language modelling."}) + "\n"
+                            for i in range(64)))
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--unsupervised_dataset_name",
+                      f"jsonl:{text}", "--unsup_coef", "0.5"))
+    log = [json.loads(line) for line in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
+    assert all("unsup_loss" in r and r["unsup_loss"] > 0 for r in log)
+
+
+def test_resumed_run_matches_uninterrupted_run(trained, tmp_path):
+    common = ["--enable_hybrid_engine", "--save_interval", "2"]
+    ppo.main(ppo_args(trained, tmp_path / "full", "--max_steps", "4", *common))
+    ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--enable_test_mode", "--test_stop_step", "2",
+                      *common))
+    ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--resume", *common))
+    full = [json.loads(x) for x in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
+    split = [json.loads(x) for x in (tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in split] == [1, 2, 3, 4]
+    for a, b in zip(full[2:], split[2:]):
+        for key in ("reward", "kl", "actor_loss", "critic_loss", "answer_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.multirank
+def test_step3_with_zero3_on_two_ranks_and_different_answer_lengths(trained, tmp_path):
+    out = tmp_path / "ppo"
+    proc = run_deepspeed(REPO / "training" / "step3_ppo" / "main.py", *ppo_args(
+        trained, out, "--max_steps", "2", "--actor_zero_stage", "3", "--critic_zero_stage", "3",
+        "--enable_hybrid_engine", "--max_answer_seq_len", "16"), timeout=900)
+    log = [json.loads(x) for x in (out / "step3_log.jsonl").read_text().splitlines()]
+    assert len(log) == 2
+    assert "held-out after PPO" in proc.stdout
