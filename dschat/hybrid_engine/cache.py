@@ -1,0 +1,130 @@
+"""A preallocated KV cache kept across generations.
+
+transformers' ``StaticCache`` is model-agnostic: the HF model's own attention modules write their keys/values into it
+when given ``past_key_values``/``cache`` (and ``cache_position`` on transformers versions that take it). It is sized
+(batch, prompt_len + max_out_tokens) once and reset, not reallocated, while later batches fit, so PPO iterations with
+a fixed prompt length never allocate in the decode path.
+"""
+import gc
+
+import torch
+from transformers import StaticCache
+
+
+def _accelerator_empty_cache():
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().empty_cache()
+
+
+def _is_out_of_memory(error):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def kv_layout(model_config):
+    """(num_kv_heads, head_dim) of the decoder, from the standard HF config fields; None when they are not there."""
+    cfg = model_config.get_text_config(decoder=True)
+    try:
+        num_heads = cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    except AttributeError:
+        return None
+    return num_kv_heads, head_dim
+
+
+def estimated_bytes(model_config, batch_size, max_len, dtype):
+    layout = kv_layout(model_config)
+    if layout is None:
+        return None
+    num_kv_heads, head_dim = layout
+    num_layers = model_config.get_text_config(decoder=True).num_hidden_layers
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * batch_size * num_kv_heads * max_len * head_dim * element_size
+
+
+class KVCache:
+    """Owns at most one ``StaticCache``; ``acquire`` hands out a reset cache that fits, ``release`` frees it."""
+
+    def __init__(self, model_config):
+        self.model_config = model_config
+        self._cache = None
+        self._shape = None  # (batch_size, max_len, dtype, device) of the allocated cache
+        self.allocations = 0  # how many times storage was allocated (tests and stats read it)
+
+    @property
+    def is_allocated(self):
+        return self._cache is not None
+
+    @property
+    def nbytes(self):
+        if self._cache is None:
+            return 0
+        return sum(t.nbytes for layer in self._cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+    def storages(self):
+        """The allocated key/value tensors (for memory accounting and tests)."""
+        if self._cache is None:
+            return []
+        return [t for layer in self._cache.layers for t in (layer.keys, layer.values) if t is not None]
+
+    def _fits(self, batch_size, max_len, dtype, device):
+        if self._shape is None:
+            return False
+        have_batch, have_len, have_dtype, have_device = self._shape
+        # The batch must match exactly: the attention modules write whole-batch keys into the static tensors.
+        return have_batch == batch_size and have_len >= max_len and have_dtype == dtype and have_device == device
+
+    def acquire(self, batch_size, max_len, dtype, device):
+        """A zeroed cache for ``batch_size`` rows of up to ``max_len`` tokens, reusing the current one if it fits."""
+        device = torch.device(device)
+        if self._fits(batch_size, max_len, dtype, device):
+            self._cache.reset()
+            return self._cache
+        self.release()
+        try:
+            self._cache = self._allocate(batch_size, max_len, dtype, device)
+        except Exception as first_error:  # noqa: BLE001 - only out-of-memory is retried, the rest re-raised
+            if not _is_out_of_memory(first_error):
+                raise
+            # Fragmentation or garbage still holding memory (e.g. activations of the last training step): retry once.
+            gc.collect()
+            _accelerator_empty_cache()
+            try:
+                self._cache = self._allocate(batch_size, max_len, dtype, device)
+            except Exception as error:  # noqa: BLE001
+                if not _is_out_of_memory(error):
+                    raise
+                need = estimated_bytes(self.model_config, batch_size, max_len, dtype)
+                need_text = f"{need / 2**20:.1f} MiB" if need is not None else "an unknown amount"
+                raise RuntimeError(
+                    f"hybrid engine: could not allocate the KV cache ({need_text} for batch {batch_size} x "
+                    f"{max_len} tokens, {dtype}) on {device}, even after freeing cached memory. Use a smaller "
+                    f"generation batch or a smaller hybrid_engine.max_out_tokens, or set "
+                    f"hybrid_engine.release_inference_cache=true.") from error
+        self._shape = (batch_size, max_len, dtype, device)
+        self.allocations += 1
+        return self._cache
+
+    def _allocate(self, batch_size, max_len, dtype, device):
+        cache = StaticCache(config=self.model_config, max_cache_len=max_len)
+        layout = kv_layout(self.model_config)
+        if layout is not None:
+            # Allocate now rather than lazily inside the first forward, so memory errors surface here (and are retried)
+            # and the decode loop itself never allocates cache storage.
+            num_kv_heads, head_dim = layout
+            cache.early_initialization(batch_size=batch_size, num_heads=num_kv_heads, head_dim=head_dim,
+                                       dtype=dtype, device=device)
+        return cache
+
+    def release(self):
+        """Drop the cache storage and return it to the device (``release_inference_cache``)."""
+        if self._cache is None:
+            return
+        self._cache = None
+        self._shape = None
+        gc.collect()
+        _accelerator_empty_cache()

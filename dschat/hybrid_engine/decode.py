@@ -1,0 +1,159 @@
+"""Prefill + static-cache decode loop over any HF causal LM.
+
+Everything stays on the device: finished flags, positions, the attention mask and the output buffer are tensors updated
+in place; the only host synchronisation is the all-finished check every ``early_exit_interval`` steps (only when there
+is an EOS to wait for) and one read of the final length.
+
+Seam for CUDA graphs (a later issue): ``decode_step`` is the function to capture. Its token, position and cache-position
+inputs are updated in place and keep their storage; the attention mask is passed as a growing view of one buffer, as
+HF does, so a captured version would pass the whole buffer instead (the causal mask already hides later positions).
+"""
+import dataclasses
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from dschat.hybrid_engine.sampling import sample_next_token
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardSpec:
+    """How this model's forward takes the cache: transformers renamed ``past_key_values`` to ``cache`` and dropped
+    ``cache_position`` during 5.x, and the GPU benchmark may run a different 5.x than the one tested here."""
+
+    cache_kwarg: str
+    takes_cache_position: bool
+    takes_logits_to_keep: bool
+
+
+def hf_model_of(model):
+    """The HF ``PreTrainedModel`` under wrappers (a PEFT model's base model)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_spec_of_class(model_class):
+    params = inspect.signature(model_class.forward).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    return ForwardSpec(cache_kwarg=cache_kwarg, takes_cache_position="cache_position" in params,
+                       takes_logits_to_keep="logits_to_keep" in params)
+
+
+def forward_spec(model):
+    return _forward_spec_of_class(type(hf_model_of(model)))
+
+
+def decode_step(model, spec, input_ids, attention_mask, position_ids, cache_position, cache):
+    """One forward over the static cache; returns the logits of the last position, (B, V)."""
+    kwargs = {spec.cache_kwarg: cache, "use_cache": True}
+    if spec.takes_cache_position:
+        kwargs["cache_position"] = cache_position
+    if spec.takes_logits_to_keep:
+        kwargs["logits_to_keep"] = 1
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    return out.logits[:, -1, :]
+
+
+def prompt_position_ids(attention_mask):
+    """Positions of LEFT-padded prompts: count only real tokens, so padding does not shift a row's positions."""
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    return position_ids.masked_fill(attention_mask == 0, 0)
+
+
+def _as_eos_tensor(eos_token_id, device):
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
+def _all_finished(finished, sync_group):
+    """Host check of the stop condition; with a sync group every rank stops only when all ranks are done."""
+    done = finished.all()
+    if sync_group is not None:
+        flag = done.to(torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=sync_group)
+        done = flag[0]
+    return bool(done)
+
+
+def _check_same_across_ranks(value, name, sync_group, device):
+    """Ranks that step together must agree on the step budget, or one would wait forever for the others."""
+    bounds = torch.tensor([value, -value], dtype=torch.long, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=sync_group)
+    high, low = int(bounds[0]), -int(bounds[1])
+    if high != low:
+        raise ValueError(f"{name} differs across ranks ({low}..{high}); ranks that generate in lock-step "
+                         f"(ZeRO-3 without pinned parameters) must use the same {name}")
+
+
+@torch.no_grad()
+def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, do_sample=False, temperature=1.0,
+                    top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
+                    early_exit_interval=8, sync_group=None, return_lengths=False):
+    """Generate up to ``max_new_tokens`` for LEFT-padded prompts; returns (B, P + n) sequences like HF ``generate``.
+
+    ``cache`` is a reset ``StaticCache`` with room for P + max_new_tokens. Rows that emitted an EOS continue with
+    ``pad_token_id``. The loop stops once every row has finished (checked every ``early_exit_interval`` steps; with a
+    ``sync_group`` once every rank's rows have finished, because each forward is a collective then). The result is
+    trimmed to the step where the last row finished, as HF does. With ``return_lengths`` also returns the generated
+    length of each row (EOS included), on the device.
+    """
+    batch_size, prompt_len = input_ids.shape
+    device = input_ids.device
+    eos = _as_eos_tensor(eos_token_id, device)
+    if sync_group is not None:
+        _check_same_across_ranks(max_new_tokens, "max_new_tokens", sync_group, device)
+
+    sequences = torch.full((batch_size, prompt_len + max_new_tokens), pad_token_id, dtype=input_ids.dtype,
+                           device=device)
+    sequences[:, :prompt_len] = input_ids
+    if max_new_tokens == 0:
+        lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return (sequences, lengths) if return_lengths else sequences
+
+    spec = forward_spec(model)
+    # The mask grows by one column per step; the full-length buffer is allocated once and viewed.
+    mask = torch.zeros((batch_size, prompt_len + max_new_tokens), dtype=attention_mask.dtype, device=device)
+    mask[:, :prompt_len] = attention_mask
+    cache_position = torch.arange(prompt_len, device=device)
+    logits = decode_step(model, spec, input_ids, mask[:, :prompt_len], prompt_position_ids(attention_mask),
+                         cache_position, cache)
+
+    # Decode-loop state, updated in place.
+    position_ids = attention_mask.long().sum(-1, keepdim=True)  # next position of each row
+    cache_position = torch.tensor([prompt_len], dtype=torch.long, device=device)
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    finish_step = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=device)
+    steps = 0
+    for step in range(max_new_tokens):
+        if eos is not None and step < min_new_tokens:
+            logits = logits.index_fill(-1, eos, float("-inf"))
+        tokens = sample_next_token(logits, temperature, top_k, top_p, do_sample, generator)
+        tokens = torch.where(finished, pad_token_id, tokens)
+        sequences[:, prompt_len + step] = tokens
+        if eos is not None:
+            newly_finished = torch.isin(tokens, eos) & ~finished
+            finish_step.masked_fill_(newly_finished, step)
+            finished |= newly_finished
+        steps = step + 1
+        if steps == max_new_tokens:
+            break
+        if eos is not None and early_exit_interval and steps % early_exit_interval == 0 \
+                and _all_finished(finished, sync_group):
+            break
+        mask[:, prompt_len + step] = 1
+        logits = decode_step(model, spec, tokens[:, None], mask[:, :prompt_len + step + 1], position_ids,
+                             cache_position, cache)
+        position_ids += 1
+        cache_position += 1
+
+    # HF stops at the step where the last row finished; the early-exit check may have run a few steps past it.
+    lengths = torch.minimum(finish_step + 1, torch.full_like(finish_step, steps))
+    n = int(lengths.max()) if eos is not None else steps
+    if n < max_new_tokens:
+        sequences = sequences[:, :prompt_len + n].contiguous()  # callers may .view() the result
+    return (sequences, lengths) if return_lengths else sequences

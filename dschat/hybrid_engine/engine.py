@@ -1,0 +1,335 @@
+"""The switch between training (DeepSpeed ZeRO) and generation (dschat's static-cache decode) for the PPO actor.
+
+``HybridEngine`` keeps DeepSpeed's hybrid-engine contract so DeepSpeed-Chat-style trainers work unchanged:
+``eval()`` -> ``generate(...)`` (also reachable as ``engine.module.generate``) -> ``train()`` -> forward/backward ->
+``step()``. Everything it does not define is the wrapped ``DeepSpeedEngine``'s.
+"""
+import dataclasses
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from dschat.hybrid_engine.cache import KVCache
+from dschat.hybrid_engine.config import HybridEngineConfig
+from dschat.hybrid_engine.decode import generate_tokens, hf_model_of
+from dschat.hybrid_engine.weights import build_inference_weights
+
+logger = logging.getLogger(__name__)
+
+# HF generate kwargs that DeepSpeed-Chat-style callers pass and that need nothing here (ranks are kept in step
+# automatically; the static cache is always used). Any other unknown kwarg is ignored with a warning.
+_NO_OP_HF_KWARGS = {"synced_gpus", "use_cache", "num_beams", "num_return_sequences", "repetition_penalty",
+                    "return_dict_in_generate", "output_scores", "output_attentions", "output_hidden_states"}
+_NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
+                 "return_dict_in_generate": False, "output_scores": False, "output_attentions": False,
+                 "output_hidden_states": False}
+
+
+def _synchronize():
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()
+
+
+def _is_rank_0():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """One PPO iteration, from one ``eval()`` to the next."""
+
+    start: float
+    gather_s: float = 0.0
+    generate_s: float = 0.0
+    training_s: float = 0.0
+    generated_tokens: int = 0
+    samples: int = 0
+    end: float = None
+
+    def e2e_s(self, now):
+        return (self.end if self.end is not None else now) - self.start
+
+
+class HybridEngine:
+    """Wraps the actor's ``DeepSpeedEngine``; generation reads :class:`InferenceWeights` through a static KV cache."""
+
+    def __init__(self, ds_engine, config=None, pad_token_id=None, eos_token_id=None, early_exit_interval=8,
+                 log_on_eval=False):
+        if type(ds_engine).__name__ == "DeepSpeedHybridEngine":
+            raise ValueError("the actor was built with DeepSpeed's own hybrid engine; pass the DeepSpeed config "
+                             "through strip_deepspeed_hybrid_engine() before deepspeed.initialize")
+        self._engine = ds_engine
+        self._warned_kwargs = set()
+        self.hybrid_config = config if config is not None else HybridEngineConfig(enabled=True)
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.early_exit_interval = early_exit_interval
+        self.log_on_eval = log_on_eval
+        self.inference_weights = build_inference_weights(ds_engine.module, self.hybrid_config,
+                                                         ds_engine.zero_optimization_stage(), ds_engine.device)
+        self.kv_cache = KVCache(hf_model_of(self.inference_weights.model).config)
+        # Stats
+        self._iteration = None  # IterationStats in progress
+        self.last_iteration = None  # the last completed one
+        self._iterations_done = 0
+        self._total_e2e_s = 0.0
+        self._train_start = None
+        self._module_generate = None
+        self.route_module_generate()
+
+    # -- delegation to the DeepSpeed engine -------------------------------------------------------------------------
+    def __getattr__(self, name):
+        # Only called for attributes not found on the wrapper: forward, backward, module, optimizer, ...
+        if name == "_engine":
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._engine(*args, **kwargs)
+
+    @property
+    def ds_engine(self):
+        return self._engine
+
+    def route_module_generate(self):
+        """Make ``engine.module.generate`` (DeepSpeed-Chat's call site) this engine's ``generate``."""
+        module = self._engine.module
+        if self._module_generate is None:
+            self._module_generate = module.__dict__.get("generate")
+        # An instance attribute shadows the class's generate; nn.Module stores plain callables in __dict__.
+        object.__setattr__(module, "generate", self.generate)
+
+    def restore_module_generate(self):
+        module = self._engine.module
+        if self._module_generate is None:
+            module.__dict__.pop("generate", None)
+        else:
+            object.__setattr__(module, "generate", self._module_generate)
+
+    # -- mode switches ----------------------------------------------------------------------------------------------
+    def eval(self):
+        """Enter generation mode: close the last iteration's stats and bring the inference weights up to date."""
+        now = time.perf_counter()
+        if self._train_start is not None and self._iteration is not None:
+            self._iteration.training_s += now - self._train_start
+        self._train_start = None
+        if self._iteration is not None:
+            self._iteration.end = now
+            self.last_iteration = self._iteration
+            self._iterations_done += 1
+            self._total_e2e_s += self._iteration.e2e_s(now)
+            if self.log_on_eval:
+                self.log_stats(self._iteration)
+        self._iteration = IterationStats(start=now)
+        self._engine.eval()
+        self._refresh_weights()
+        return self
+
+    def train(self, mode=True):
+        self._engine.train(mode)
+        if mode:
+            self._train_start = time.perf_counter()
+        return self
+
+    def step(self, *args, **kwargs):
+        """The DeepSpeed step; weights it changed are marked stale so the next generation refreshes them."""
+        result = self._engine.step(*args, **kwargs)
+        was_applied = getattr(self._engine, "was_step_applied", None)
+        if was_applied is None or was_applied():
+            self.inference_weights.mark_stale()
+        return result
+
+    def load_checkpoint(self, *args, **kwargs):
+        result = self._engine.load_checkpoint(*args, **kwargs)
+        self.inference_weights.mark_stale()
+        return result
+
+    def mark_weights_stale(self):
+        """For code that changes the actor's weights other than through ``step()``/``load_checkpoint()``."""
+        self.inference_weights.mark_stale()
+
+    def _refresh_weights(self):
+        start = time.perf_counter()
+        if self.inference_weights.refresh_if_stale():
+            _synchronize()  # copies are asynchronous on accelerators; time them fully
+            if self._iteration is not None:
+                self._iteration.gather_s += time.perf_counter() - start
+
+    # -- generation -------------------------------------------------------------------------------------------------
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, do_sample=None, temperature=1.0, top_k=0,
+                 top_p=1.0, eos_token_id=None, pad_token_id=None, generator=None, min_new_tokens=None,
+                 max_length=None, min_length=None, **ignored_hf_kwargs):
+        """HF-``generate``-like: LEFT-padded prompts in, (B, P + n) sequences out, EOS'd rows padded with pad.
+
+        ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts.
+        Other HF kwargs (``synced_gpus``, ``use_cache``, ...) are accepted and ignored: ranks are kept in step
+        automatically when the forward needs it.
+        """
+        self._check_ignored_kwargs(ignored_hf_kwargs)
+        if self._iteration is None:
+            self._iteration = IterationStats(start=time.perf_counter())
+        self._refresh_weights()
+        start = time.perf_counter()
+        model = self.inference_weights.model
+        hf_model = hf_model_of(model)
+        generation_config = getattr(hf_model, "generation_config", None)
+
+        device = self._engine.device
+        input_ids = input_ids.to(device)
+        if generator is not None and generator.device.type != torch.device(device).type:
+            raise ValueError(f"the sampling generator is on {generator.device} but generation runs on {device}; "
+                             f"create it with torch.Generator(device={str(device)!r})")
+        batch_size, prompt_len = input_ids.shape
+        eos_token_id = _first_not_none(eos_token_id, self.eos_token_id,
+                                       getattr(generation_config, "eos_token_id", None))
+        eos_list = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int)
+                                                     else list(eos_token_id))
+        pad_token_id = _first_not_none(pad_token_id, self.pad_token_id,
+                                       getattr(generation_config, "pad_token_id", None),
+                                       eos_list[0] if eos_list else None)
+        if pad_token_id is None:
+            raise ValueError("generate needs a pad_token_id (or an eos_token_id to pad with)")
+        if do_sample is None:
+            do_sample = bool(getattr(generation_config, "do_sample", False))
+        if attention_mask is None:
+            attention_mask = _default_attention_mask(input_ids, pad_token_id, eos_list)
+        attention_mask = attention_mask.to(device)
+        max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len)
+        if min_new_tokens is None:
+            min_new_tokens = max(0, min_length - prompt_len) if min_length is not None else 0
+
+        cache = self.kv_cache.acquire(batch_size, prompt_len + max_new_tokens, hf_model.dtype, device)
+        sync_group = dist.group.WORLD if self.inference_weights.forward_has_collectives and _world_size() > 1 \
+            else None
+        was_training = model.training
+        model.eval()  # no dropout while sampling, even if the caller skipped eval()
+        try:
+            sequences, lengths = generate_tokens(
+                model, input_ids, attention_mask, cache, max_new_tokens, do_sample=do_sample, temperature=temperature,
+                top_k=top_k, top_p=top_p, eos_token_id=eos_list or None, pad_token_id=pad_token_id,
+                min_new_tokens=min_new_tokens, generator=generator, early_exit_interval=self.early_exit_interval,
+                sync_group=sync_group, return_lengths=True)
+        finally:
+            model.train(was_training)
+            if self.hybrid_config.release_inference_cache:
+                self.kv_cache.release()
+        self._iteration.generate_s += time.perf_counter() - start
+        self._iteration.generated_tokens += int(lengths.sum())
+        self._iteration.samples += batch_size
+        return sequences
+
+    def _check_ignored_kwargs(self, kwargs):
+        for key, value in kwargs.items():
+            harmless = key in _NO_OP_HF_KWARGS and (key not in _NO_OP_VALUES or value == _NO_OP_VALUES[key])
+            if not harmless and key not in self._warned_kwargs:
+                self._warned_kwargs.add(key)
+                logger.warning("HybridEngine.generate ignores %s=%r (not supported by the hybrid engine's "
+                               "greedy/sampling decode)", key, value)
+
+    def _resolve_max_new_tokens(self, max_new_tokens, max_length, prompt_len):
+        limit = self.hybrid_config.max_out_tokens
+        if max_new_tokens is None:
+            max_new_tokens = max_length - prompt_len if max_length is not None else limit
+        if max_new_tokens < 0:
+            raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
+        if max_new_tokens > limit:
+            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds hybrid_engine.max_out_tokens={limit}")
+        return max_new_tokens
+
+    # -- stats ------------------------------------------------------------------------------------------------------
+    def latency_stats(self, iteration=None):
+        """Latencies (s) and throughput of ``iteration`` (default: the current one, up to now; ``last_iteration`` is
+        the last completed one, from one ``eval()`` to the next)."""
+        now = time.perf_counter()
+        it = iteration or self._iteration
+        if it is None:
+            return {}
+        training = it.training_s
+        if it is self._iteration and self._train_start is not None:
+            training += now - self._train_start
+        e2e = it.e2e_s(now)
+        total_samples = self._world_samples(it.samples)
+        stats = {
+            "iteration": self._iterations_done + (1 if it is self._iteration else 0),
+            "e2e_latency": e2e,
+            "gather_latency": it.gather_s,
+            "generate_latency": it.generate_s,
+            "training_latency": training,
+            "others": max(0.0, e2e - it.gather_s - it.generate_s - training),
+            "generated_tokens": it.generated_tokens,
+            "samples": it.samples,
+            "tokens_per_sec": it.generated_tokens / it.generate_s if it.generate_s > 0 else 0.0,
+            "samples_per_sec": total_samples / e2e if e2e > 0 else 0.0,
+        }
+        if self._iterations_done:
+            mean_e2e = self._total_e2e_s / self._iterations_done
+            stats["avg_samples_per_sec"] = total_samples / mean_e2e if mean_e2e > 0 else 0.0
+        return stats
+
+    def _world_samples(self, samples):
+        # Like DeepSpeed: samples/s counts the whole data-parallel batch (assumes equal per-rank batches).
+        return samples * _world_size()
+
+    def log_stats(self, iteration=None):
+        """One line on rank 0, in the style of DeepSpeed's hybrid engine."""
+        s = self.latency_stats(iteration)
+        if not s or not _is_rank_0():
+            return s
+        e2e = s["e2e_latency"] or 1e-12
+
+        def part(label, key):
+            return f"|{label}={s[key]:.2f}s ({s[key] / e2e * 100:.2f}%) "
+
+        line = (f"|E2E latency={s['e2e_latency']:.2f}s " + part("Gather latency", "gather_latency")
+                + part("Generate time", "generate_latency") + part("Training time", "training_latency")
+                + part("Others", "others") + f"|Gen tokens/s={s['tokens_per_sec']:.1f} "
+                + f"|CurSamplesPerSec={s['samples_per_sec']:.2f} ")
+        if "avg_samples_per_sec" in s:
+            line += f"|AvgSamplesPerSec={s['avg_samples_per_sec']:.2f}"
+        print(line, flush=True)
+        return s
+
+
+def _first_not_none(*values):
+    for v in values:
+        if v is not None:
+            return v
+    return None
+
+
+def _default_attention_mask(input_ids, pad_token_id, eos_list):
+    """HF's rule: mask pad tokens when padding is recognisable (pad present and not an EOS id), else attend to all."""
+    if pad_token_id not in eos_list and bool((input_ids == pad_token_id).any()):
+        return (input_ids != pad_token_id).long()
+    return torch.ones_like(input_ids)
+
+
+def wrap_actor(ds_engine, ds_config, tokenizer_or_ids=None, **kwargs):
+    """The actor's engine for PPO: a :class:`HybridEngine` when ``hybrid_engine.enabled``, else ``ds_engine`` as is.
+
+    ``tokenizer_or_ids``: a tokenizer (its ``pad_token_id``/``eos_token_id``), a ``(pad, eos)`` pair, a dict with
+    those keys, or None (the model's generation config decides).
+    """
+    config = HybridEngineConfig.from_ds_config(ds_config)
+    if not config.enabled:
+        return ds_engine
+    pad, eos = _token_ids(tokenizer_or_ids)
+    return HybridEngine(ds_engine, config, pad_token_id=pad, eos_token_id=eos, **kwargs)
+
+
+def _token_ids(tokenizer_or_ids):
+    if tokenizer_or_ids is None:
+        return None, None
+    if isinstance(tokenizer_or_ids, dict):
+        return tokenizer_or_ids.get("pad_token_id"), tokenizer_or_ids.get("eos_token_id")
+    if isinstance(tokenizer_or_ids, (tuple, list)):
+        pad, eos = tokenizer_or_ids
+        return pad, eos
+    return tokenizer_or_ids.pad_token_id, tokenizer_or_ids.eos_token_id

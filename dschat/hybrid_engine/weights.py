@@ -1,0 +1,365 @@
+"""The weight set the generator reads, and how it follows the training weights.
+
+Four cases, chosen by :func:`build_inference_weights`:
+
+(a) ZeRO 0-2, no LoRA: the training module itself. Its parameters keep their storage across optimizer steps (DeepSpeed
+    updates them in place), so there is nothing to copy, ever.
+(b) ZeRO-3, ``pin_parameters=True``: a persistent, unsharded copy of the model (same HF class, built on ``meta`` and
+    given real storage once). Before a generation that follows an optimizer step it is refreshed by gathering the
+    sharded parameters ``tp_gather_partition_size`` decoder layers at a time, so the extra peak memory is one group.
+(c) ZeRO-3, ``pin_parameters=False``: the training module itself; DeepSpeed's hooks gather each layer inside every
+    forward (least memory, slowest). Its forward is a collective, so the decode loop keeps ranks in lock-step.
+(d) LoRA (a ``peft`` model) at any stage but (c): an inference copy whose LoRA-adapted weights are
+    ``W + scale * (B @ A)`` computed in fp32 and rounded once to the weight dtype. The training weights are only read
+    (PEFT's merge/unmerge is never called on the training model). Under ZeRO 0-2 the copy shares storage with every
+    training parameter that LoRA does not adapt, so it costs only the adapted matrices.
+
+Parameter names are mapped generically: the PEFT wrapper's base model is used (no ``base_model.model.`` prefix),
+``base_layer.`` is dropped, ``lora_*`` tensors are folded into their layer's weight and ``modules_to_save`` copies
+replace the original module. No per-model-family tables.
+"""
+import contextlib
+import copy
+import dataclasses
+
+import torch
+from torch import nn
+
+from dschat.hybrid_engine.decode import hf_model_of
+
+
+def is_zero3_param(param):
+    return hasattr(param, "ds_id")
+
+
+def _lora_layer_class():
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft not installed: no LoRA models either
+        return None
+    return LoraLayer
+
+
+def lora_layers(module):
+    """{module name: peft LoraLayer} inside ``module`` (empty for a model without LoRA)."""
+    lora_cls = _lora_layer_class()
+    if lora_cls is None:
+        return {}
+    return {name: m for name, m in module.named_modules() if isinstance(m, lora_cls)}
+
+
+def inference_name(training_name, active_adapters):
+    """The plain-model name of a training parameter/buffer name, or None if it has no plain counterpart.
+
+    ``q_proj.base_layer.weight`` -> ``q_proj.weight``; ``lm_head.modules_to_save.default.weight`` -> ``lm_head.weight``
+    for an active adapter; ``lora_A...``, ``original_module...`` and inactive ``modules_to_save`` copies -> None.
+    """
+    parts = training_name.split(".")
+    out = []
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part == "base_layer":
+            i += 1
+        elif part == "modules_to_save":
+            if i + 1 >= len(parts) or parts[i + 1] not in active_adapters:
+                return None
+            i += 2
+        elif part == "original_module" or part.startswith("lora_"):
+            return None
+        else:
+            out.append(part)
+            i += 1
+    return ".".join(out)
+
+
+@dataclasses.dataclass
+class LoraDelta:
+    """One active adapter's contribution ``scaling * (B @ A)`` (transposed for Conv1D / embedding layouts)."""
+
+    lora_a: nn.Parameter
+    lora_b: nn.Parameter
+    scaling: float
+    transpose: bool
+
+    def params(self):
+        return [self.lora_a, self.lora_b]
+
+    def add_to(self, accumulator):
+        delta = self.lora_b.detach().float() @ self.lora_a.detach().float()
+        accumulator.add_(delta.t() if self.transpose else delta, alpha=self.scaling)
+
+
+def lora_deltas(layer):
+    """The deltas of ``layer``'s active adapters; raises for LoRA variants whose merge is not ``W + s*B@A``."""
+    if getattr(layer, "disable_adapters", False):
+        return []
+    if getattr(layer, "merged_adapters", None):
+        raise RuntimeError("the training model has merged LoRA adapters; the hybrid engine needs them unmerged "
+                           "(it merges into its own inference copy)")
+    deltas = []
+    for adapter in layer.active_adapters:
+        if adapter in getattr(layer, "lora_variant", {}) or layer.use_dora.get(adapter, False):
+            raise NotImplementedError(f"LoRA variant of adapter {adapter!r} (e.g. DoRA) is not supported by the "
+                                      "hybrid engine's merge")
+        if layer.lora_bias.get(adapter, False):
+            raise NotImplementedError("LoRA with lora_bias=True is not supported by the hybrid engine's merge")
+        if adapter in layer.lora_A:
+            if not isinstance(layer.lora_A[adapter], nn.Linear):
+                raise NotImplementedError(f"LoRA on {type(layer.get_base_layer()).__name__} layers is not supported "
+                                          "by the hybrid engine's merge")
+            deltas.append(LoraDelta(layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
+                                    float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False))))
+        elif adapter in layer.lora_embedding_A:
+            deltas.append(LoraDelta(layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter],
+                                    float(layer.scaling[adapter]), True))
+    return deltas
+
+
+def decoder_layer_list(model):
+    """(name, ModuleList) of the repeated decoder blocks: the ModuleList holding the most parameters."""
+    best = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            size = sum(p.numel() for p in module.parameters())
+            if best is None or size > best[2]:
+                best = (name, module, size)
+    return (best[0], best[1]) if best else (None, None)
+
+
+def layer_index(param_name, layers_prefix):
+    """Index of the decoder layer a parameter belongs to, or None (embeddings, final norm, head)."""
+    if layers_prefix is None or not param_name.startswith(layers_prefix + "."):
+        return None
+    return int(param_name[len(layers_prefix) + 1:].split(".", 1)[0])
+
+
+@dataclasses.dataclass
+class WeightCopy:
+    """One inference parameter and where its value comes from."""
+
+    name: str
+    target: nn.Parameter
+    source: nn.Parameter
+    deltas: list
+    aliased: bool  # target shares the source's storage (ZeRO 0-2, not LoRA-adapted): nothing to copy
+
+    def training_params(self):
+        params = [self.source]
+        for delta in self.deltas:
+            params.extend(delta.params())
+        return params
+
+    def load(self):
+        """Copy (or merge into) the target; the sources must be gathered."""
+        if self.aliased:
+            if self.target.data_ptr() != self.source.data_ptr():  # storage moved: follow it (host-only check)
+                self.target.data = self.source.data
+            return
+        source = self.source.detach()
+        if source.shape != self.target.shape:
+            raise RuntimeError(f"{self.name}: training tensor has shape {tuple(source.shape)} (not gathered?), "
+                               f"inference tensor {tuple(self.target.shape)}")
+        if not self.deltas:
+            self.target.data.copy_(source)
+            return
+        merged = source.to(torch.float32, copy=True)
+        for delta in self.deltas:
+            delta.add_to(merged)
+        self.target.data.copy_(merged)  # the one rounding to the weight dtype
+
+
+class InferenceWeights:
+    """The module the generator calls, kept in step with the training weights.
+
+    ``mark_stale()`` is called after every optimizer step that changed the weights; ``refresh_if_stale()`` before a
+    generation brings the inference weights up to date only when they are behind.
+    """
+
+    kind = "base"
+    forward_has_collectives = False  # True when every forward all-gathers (ZeRO-3 without pinned parameters)
+
+    def __init__(self, model):
+        self.model = model
+        self.version = 0  # bumped by each optimizer step that changed the training weights
+        self.loaded_version = -1
+        self.refresh_count = 0
+
+    @property
+    def is_stale(self):
+        return self.loaded_version != self.version
+
+    def mark_stale(self):
+        self.version += 1
+
+    def refresh_if_stale(self):
+        """Bring the inference weights up to date; returns True if anything was done."""
+        if not self.is_stale:
+            return False
+        with torch.no_grad():
+            self._refresh()
+        self.loaded_version = self.version
+        self.refresh_count += 1
+        return True
+
+    def _refresh(self):
+        pass
+
+
+class TrainingModuleWeights(InferenceWeights):
+    """Cases (a) and (c): generate with the training module's own parameters; no copy, nothing to refresh."""
+
+    def __init__(self, training_module, gathers_in_forward):
+        super().__init__(training_module)
+        self.kind = "training_module_zero3" if gathers_in_forward else "training_module"
+        self.forward_has_collectives = gathers_in_forward
+
+
+class InferenceCopy(InferenceWeights):
+    """Cases (b) and (d): a persistent plain HF model refreshed from the training weights, one layer group at a time."""
+
+    def __init__(self, training_module, device, gather_group_size, share_unadapted=False):
+        base = hf_model_of(training_module)
+        adapted = {inference_name(name, active_adapters(base)): layer for name, layer in lora_layers(base).items()}
+        super().__init__(_empty_copy_of(base))
+        self.kind = "lora_copy" if adapted else "pinned_copy"
+        self.device = torch.device(device)
+        self._training_buffers = {}
+        self.copies = self._plan(base, adapted, share_unadapted)
+        self.groups = self._group(gather_group_size)
+        self._materialise()
+        self.model.eval()
+        self.model.requires_grad_(False)
+
+    # -- build ------------------------------------------------------------------------------------------------------
+    def _plan(self, base, adapted, share_unadapted):
+        active = active_adapters(base)
+        targets = dict(self.model.named_parameters())
+        copies = {}
+        for train_name, param in base.named_parameters():
+            name = inference_name(train_name, active)
+            if name is None:
+                continue
+            if name not in targets:
+                raise RuntimeError(f"training parameter {train_name!r} has no counterpart {name!r} in the inference "
+                                   "model")
+            if name in copies:
+                raise RuntimeError(f"two training parameters map to inference parameter {name!r}")
+            owner, _, leaf = name.rpartition(".")
+            deltas = lora_deltas(adapted[owner]) if leaf == "weight" and owner in adapted else []
+            aliased = share_unadapted and not deltas and not is_zero3_param(param)
+            copies[name] = WeightCopy(name, targets[name], param, deltas, aliased)
+        missing = sorted(set(targets) - set(copies))
+        if missing:
+            raise RuntimeError(f"inference parameters with no training source: {missing[:8]}")
+        for train_name, buf in base.named_buffers():
+            name = inference_name(train_name, active)
+            if name is not None:
+                self._training_buffers[name] = buf
+        return list(copies.values())
+
+    def _group(self, gather_group_size):
+        """Non-layer parameters first, then ``gather_group_size`` decoder layers per group."""
+        prefix, _ = decoder_layer_list(self.model)
+        groups = {}
+        for c in self.copies:
+            index = layer_index(c.name, prefix)
+            key = -1 if index is None else index // gather_group_size
+            groups.setdefault(key, []).append(c)
+        return [groups[k] for k in sorted(groups)]
+
+    def _materialise(self):
+        """Give the meta copy real storage: shared with the source where aliased, own tensors elsewhere."""
+        new_params = {}
+        for c in self.copies:
+            source_dtype = c.source.dtype
+            if c.aliased:
+                tensor = c.source.detach()
+            else:
+                tensor = torch.empty(c.target.shape, dtype=source_dtype, device=self.device)
+            new_params[id(c.target)] = nn.Parameter(tensor, requires_grad=False)
+        # Replace parameters by identity so tied weights (e.g. lm_head = embed_tokens) stay tied.
+        for module in self.model.modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None:
+                    module._parameters[key] = new_params[id(param)]
+        targets = dict(self.model.named_parameters())
+        for c in self.copies:
+            c.target = targets[c.name]
+        for name, buf in self.model.named_buffers():
+            if name not in self._training_buffers:
+                raise RuntimeError(f"inference buffer {name!r} has no counterpart in the training model")
+        for module_name, module in self.model.named_modules():
+            for key in list(module._buffers):
+                if module._buffers[key] is not None:
+                    full = f"{module_name}.{key}" if module_name else key
+                    module._buffers[key] = self._training_buffers[full].detach().clone().to(self.device)
+
+    # -- refresh ----------------------------------------------------------------------------------------------------
+    def _refresh(self):
+        for group in self.groups:
+            sources = [p for c in group if not c.aliased for p in c.training_params()]
+            # One group of layers gathered at a time bounds the extra memory.
+            with gathered(sources):
+                for c in group:
+                    c.load()
+        # Buffers are never partitioned; copy them in case training changed one (e.g. a dynamic RoPE frequency).
+        for name, buf in self.model.named_buffers():
+            source = self._training_buffers[name]
+            if source.shape == buf.shape:
+                buf.copy_(source)
+
+    @property
+    def nbytes(self):
+        """Storage owned by the copy (aliased parameters excluded)."""
+        return sum(c.target.nbytes for c in self.copies if not c.aliased)
+
+
+def gathered(params):
+    """Context in which ZeRO-3-partitioned ``params`` are whole (read-only); nothing to do for ordinary tensors."""
+    if not any(is_zero3_param(p) for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _peft_wrapper_classes():
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:
+        return ()
+    return (BaseTunerLayer, AuxiliaryTrainingWrapper)
+
+
+def active_adapters(module):
+    """Names of the adapters active in ``module``'s PEFT layers (LoRA layers, ``modules_to_save`` wrappers)."""
+    classes = _peft_wrapper_classes()
+    names = set()
+    if classes:
+        for m in module.modules():
+            if isinstance(m, classes):
+                active = m.active_adapters
+                names.update([active] if isinstance(active, str) else active)
+    return names
+
+
+def _empty_copy_of(base):
+    """A plain instance of ``base``'s HF class on the meta device (no memory, no init cost)."""
+    config = copy.deepcopy(base.config)
+    with torch.device("meta"):
+        model = type(base)(config)
+    return model
+
+
+def build_inference_weights(training_module, hybrid_config, zero_stage, device):
+    """Choose the case (see module docstring) for this training module and configuration."""
+    has_lora = bool(lora_layers(hf_model_of(training_module)))
+    if zero_stage == 3 and not hybrid_config.pin_parameters:
+        return TrainingModuleWeights(training_module, gathers_in_forward=True)
+    if zero_stage == 3:
+        return InferenceCopy(training_module, device, hybrid_config.tp_gather_partition_size)
+    if has_lora:
+        return InferenceCopy(training_module, device, hybrid_config.tp_gather_partition_size, share_unadapted=True)
+    return TrainingModuleWeights(training_module, gathers_in_forward=False)

@@ -1,0 +1,97 @@
+"""Tiny models, DeepSpeed configs and reference generation shared by the hybrid-engine tests and 2-rank scripts."""
+import torch
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config)
+
+PAD = 0  # never an EOS id in these tests; prompt tokens are drawn from [FIRST_TOKEN, vocab)
+FIRST_TOKEN = 3
+
+_SIZES = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+
+
+def tiny_config(family, vocab_size=96, num_layers=2):
+    no_special = dict(bos_token_id=None, eos_token_id=None)
+    if family == "llama":  # GQA: 2 kv heads for 4 query heads
+        return LlamaConfig(vocab_size=vocab_size, intermediate_size=128, num_hidden_layers=num_layers,
+                           num_key_value_heads=2, **_SIZES, **no_special)
+    if family == "qwen2":
+        return Qwen2Config(vocab_size=vocab_size, intermediate_size=128, num_hidden_layers=num_layers,
+                           num_key_value_heads=2, **_SIZES, **no_special)
+    if family == "mistral":
+        return MistralConfig(vocab_size=vocab_size, intermediate_size=128, num_hidden_layers=num_layers,
+                             num_key_value_heads=2, sliding_window=None, **_SIZES, **no_special)
+    if family == "opt":
+        return OPTConfig(vocab_size=vocab_size, ffn_dim=128, num_hidden_layers=num_layers, word_embed_proj_dim=64,
+                         **_SIZES, **no_special)
+    if family == "gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=num_layers, n_head=4, n_positions=256,
+                          **no_special)
+    raise ValueError(family)
+
+
+def tiny_model(family="llama", seed=0, vocab_size=96, num_layers=2, dtype=torch.float32):
+    """A random-weight model whose generation config has no EOS/pad, so only explicit ids apply."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size, num_layers)).to(dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
+
+
+def ds_config(stage=0, lr=5e-2, micro_batch=2, bf16=False, **zero_extra):
+    zero = {"stage": stage, **zero_extra}
+    if stage == 3:
+        # Partition even the tiny test tensors (by default small ones stay whole on every rank).
+        zero.setdefault("stage3_param_persistence_threshold", 0)
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": lr}}, "zero_optimization": zero,
+              "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def make_ds_engine(model, stage=0, **kwargs):
+    import deepspeed
+
+    from dschat.utils.dist import ensure_distributed
+
+    ensure_distributed()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, **kwargs),
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    return engine
+
+
+def left_padded_batch(lengths, vocab_size=96, seed=0, total=None):
+    """LEFT-padded prompts of the given lengths (mixed lengths -> different amounts of padding per row)."""
+    g = torch.Generator().manual_seed(seed)
+    total = total or max(lengths)
+    ids = torch.full((len(lengths), total), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), total), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, total - n:] = torch.randint(FIRST_TOKEN, vocab_size, (n,), generator=g)
+        mask[row, total - n:] = 1
+    return ids, mask
+
+
+def hf_generate(model, input_ids, attention_mask, max_new_tokens, eos_token_id=None, pad_token_id=PAD, **kwargs):
+    """HF's own greedy ``generate`` in eval mode (no dropout), called as the class method because the engine routes
+    the instance's ``generate`` to itself."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return type(model).generate(model, input_ids=input_ids, attention_mask=attention_mask,
+                                        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                                        pad_token_id=pad_token_id, **kwargs)
+    finally:
+        model.train(was_training)
+
+
+def early_token(generated_row, avoid=(), steps=(1, 2, 3)):
+    """A token the row generates at one of ``steps`` (so it ends there when used as EOS) that is not in ``avoid``."""
+    for step in steps:
+        token = int(generated_row[step])
+        if token != PAD and token not in set(int(t) for t in avoid):
+            return token
+    return None

@@ -1,0 +1,238 @@
+"""Hybrid engine: greedy equality with HF generate, weight-storage assumptions, the KV cache, the engine contract."""
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+
+from dschat.hybrid_engine import (HybridEngine, HybridEngineConfig, strip_deepspeed_hybrid_engine,  # noqa: E402
+                                  wrap_actor)
+from dschat.hybrid_engine.cache import KVCache  # noqa: E402
+
+MAX_NEW = 16
+
+
+def _engine(model, stage=0, bf16=False, **config):
+    config.setdefault("max_out_tokens", 32)
+    return HybridEngine(make_ds_engine(model, stage, bf16=bf16), HybridEngineConfig(enabled=True, **config),
+                        pad_token_id=PAD)
+
+
+def _train_step(engine, sequences):
+    engine.train()
+    mask = (sequences != PAD).long()
+    loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
+    engine.backward(loss)
+    engine.step()
+
+
+# -- config --------------------------------------------------------------------------------------------------------
+def test_config_defaults_match_deepspeed_and_strip_removes_block():
+    from deepspeed.runtime.config import HybridEngineConfig as DeepSpeedHybridEngineConfig
+
+    ours = HybridEngineConfig()
+    theirs = DeepSpeedHybridEngineConfig()
+    for field in ("enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache", "pin_parameters",
+                  "tp_gather_partition_size", "enable_cuda_graph"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+    ds_config = {"train_batch_size": 8, "hybrid_engine": {"enabled": True, "max_out_tokens": 64,
+                                                          "pin_parameters": False}}
+    cfg = HybridEngineConfig.from_ds_config(ds_config)
+    assert (cfg.enabled, cfg.max_out_tokens, cfg.pin_parameters) == (True, 64, False)
+    stripped = strip_deepspeed_hybrid_engine(ds_config)
+    assert "hybrid_engine" not in stripped and stripped["train_batch_size"] == 8
+    assert "hybrid_engine" in ds_config  # the caller's dict is left alone
+    with pytest.raises(ValueError, match="unknown hybrid_engine option"):
+        HybridEngineConfig.from_ds_config({"hybrid_engine": {"max_out_token": 3}})
+
+
+# -- greedy equality -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gpt2"])
+def test_greedy_equals_hf_generate_before_and_after_a_step(family):
+    model = tiny_model(family)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([7, 3, 5, 1])
+
+    # EOS = a token row 0 emits early, so that row ends (and is padded after) while others may run on.
+    no_eos = hf_generate(model, ids, mask, MAX_NEW)
+    eos = early_token(no_eos[0, ids.shape[1]:])
+    expected = hf_generate(model, ids, mask, MAX_NEW, eos_token_id=eos)
+    engine.eval()
+    got = engine.module.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    assert torch.equal(got, expected), (got, expected)
+    row0 = got[0, ids.shape[1]:].tolist()
+    assert eos in row0 and row0.index(eos) < MAX_NEW - 1 and set(row0[row0.index(eos) + 1:]) == {PAD}
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _train_step(engine, got)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters()), "the step changed nothing"
+
+    engine.eval()
+    expected_after = hf_generate(model, ids, mask, MAX_NEW, eos_token_id=eos)
+    got_after = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    assert torch.equal(got_after, expected_after)
+    assert not torch.equal(expected_after, expected), "the test cannot see a stale weight set"
+
+
+def test_all_rows_finishing_stops_early_and_trims_like_hf():
+    model = tiny_model("llama", seed=1)
+    engine = _engine(model, max_out_tokens=40)
+    ids, mask = left_padded_batch([5, 5])
+    ids[1] = ids[0]  # the same prompt twice: both rows end at the same early step
+    no_eos = hf_generate(model, ids, mask, 40)
+    eos = early_token(no_eos[0, ids.shape[1]:])
+    expected = hf_generate(model, ids, mask, 40, eos_token_id=eos)
+    assert expected.shape[1] - ids.shape[1] <= 4
+
+    forwards = []
+    handle = model.register_forward_hook(lambda *_: forwards.append(1))
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos)
+    handle.remove()
+    assert torch.equal(got, expected)
+    # prefill + decode steps up to the first all-finished check (every 8 steps), not 40 steps.
+    assert len(forwards) == 8
+
+
+def test_eos_list_and_default_pad_token():
+    model = tiny_model("llama", seed=2)
+    ds_engine = make_ds_engine(model)
+    # pad/eos from a tokenizer-like object, as trainers pass them.
+    tok = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": None})()
+    engine = wrap_actor(ds_engine, {"hybrid_engine": {"enabled": True, "max_out_tokens": 16}}, tok)
+    assert isinstance(engine, HybridEngine)
+    ids, mask = left_padded_batch([4, 6, 2], seed=3)
+    no_eos = hf_generate(model, ids, mask, 12)
+    eos = [early_token(no_eos[0, 6:]), early_token(no_eos[1, 6:], avoid=[early_token(no_eos[0, 6:])])]
+    expected = hf_generate(model, ids, mask, 12, eos_token_id=eos)
+    engine.eval()
+    # DeepSpeed-Chat passes the total max_length and synced_gpus; both must work.
+    got = engine.module.generate(ids, attention_mask=mask, max_length=6 + 12, eos_token_id=eos, synced_gpus=True)
+    assert torch.equal(got, expected)
+    assert wrap_actor(ds_engine, {"hybrid_engine": {"enabled": False}}, tok) is ds_engine
+
+
+# -- weights ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage,dtype", [(0, torch.float32), (2, torch.float32), (0, torch.bfloat16),
+                                         (2, torch.bfloat16)])
+def test_zero_0_2_generates_from_training_parameters_whose_storage_is_stable(stage, dtype):
+    # DeepSpeed's optimizers (FP16_Optimizer/BF16 at stage 0, ZeRO-1/2's flat buffers) update parameters in place.
+    model = tiny_model("llama", seed=4, dtype=dtype)
+    engine = _engine(model, stage=stage, bf16=dtype == torch.bfloat16)
+    assert next(engine.module.parameters()).dtype == dtype
+    weights = engine.inference_weights
+    assert weights.kind == "training_module" and weights.model is engine.module
+    ptrs = {n: p.data_ptr() for n, p in engine.module.named_parameters()}
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    ids, mask = left_padded_batch([3, 5], seed=5)
+    engine.eval()
+    seq = engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+    _train_step(engine, seq)
+    assert {n: p.data_ptr() for n, p in engine.module.named_parameters()} == ptrs
+    assert any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+
+
+def test_step_marks_weights_stale_only_when_applied():
+    model = tiny_model("llama", seed=6)
+    engine = _engine(model)
+    weights = engine.inference_weights
+    ids, mask = left_padded_batch([3, 4], seed=6)
+    engine.eval()
+    v0 = weights.version
+    seq = engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    _train_step(engine, seq)
+    assert weights.version == v0 + 1 and weights.is_stale
+    engine.eval()
+    assert not weights.is_stale
+    engine.eval()
+    assert weights.version == v0 + 1
+
+
+# -- KV cache ----------------------------------------------------------------------------------------------------
+def test_cache_is_reused_across_generations_and_released_on_request():
+    model = tiny_model("qwen2", seed=7)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([4, 2, 5], seed=7)
+    engine.eval()
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    storage = engine.kv_cache.storages()[0]
+    second = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert torch.equal(first, second)
+    assert engine.kv_cache.allocations == 1 and engine.kv_cache.storages()[0] is storage  # reset, not reallocated
+
+    releasing = _engine(tiny_model("qwen2", seed=7), release_inference_cache=True)
+    # Observe the cache storage only through a weakref taken while generating.
+    refs = []
+
+    def remember_cache_storage(*_):
+        if not refs:
+            refs.append(weakref.ref(releasing.kv_cache.storages()[0]))
+
+    handle = releasing.module.register_forward_hook(remember_cache_storage)
+    releasing.eval()
+    out = releasing.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    handle.remove()
+    assert torch.equal(out, first)
+    assert not releasing.kv_cache.is_allocated and releasing.kv_cache.nbytes == 0
+    gc.collect()
+    assert refs and refs[0]() is None, "the released KV cache is still referenced"
+    again = releasing.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert torch.equal(again, first) and releasing.kv_cache.allocations == 2
+
+
+def test_cache_allocation_retries_once_then_explains():
+    config = tiny_model("llama").config
+    cache = KVCache(config)
+    real_allocate = cache._allocate
+    calls = []
+
+    def fail_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("out of memory")
+        return real_allocate(*args)
+
+    cache._allocate = fail_once
+    assert cache.acquire(2, 10, torch.float32, "cpu") is not None and len(calls) == 2
+
+    def always_fail(*args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    cache.release()
+    cache._allocate = always_fail
+    with pytest.raises(RuntimeError, match=r"MiB.*max_out_tokens"):
+        cache.acquire(2, 10, torch.float32, "cpu")
+
+
+def test_max_new_tokens_above_max_out_tokens_is_refused():
+    engine = _engine(tiny_model("llama"), max_out_tokens=4)
+    ids, mask = left_padded_batch([3])
+    with pytest.raises(ValueError, match="max_out_tokens"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=5)
+
+
+# -- contract & stats --------------------------------------------------------------------------------------------
+def test_engine_delegates_and_records_latencies(capsys):
+    model = tiny_model("gpt2", seed=8)
+    engine = _engine(model)
+    assert engine.module is engine.ds_engine.module and engine.optimizer is engine.ds_engine.optimizer
+    assert engine.module.generate == engine.generate
+    ids, mask = left_padded_batch([3, 4], seed=8)
+    engine.eval()
+    seq = engine.generate(ids, attention_mask=mask, max_new_tokens=5)
+    _train_step(engine, seq)  # train() ... step()
+    engine.eval()  # closes iteration 1
+    stats = engine.latency_stats(engine.last_iteration)
+    assert stats["generate_latency"] > 0 and stats["training_latency"] > 0
+    assert stats["samples"] == 2 and 2 <= stats["generated_tokens"] <= 10 and stats["tokens_per_sec"] > 0
+    assert stats["e2e_latency"] >= stats["generate_latency"] + stats["training_latency"]
+    engine.log_stats(engine.last_iteration)
+    assert "|E2E latency=" in capsys.readouterr().out
+    engine.restore_module_generate()
+    assert engine.module.generate != engine.generate
