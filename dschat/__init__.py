@@ -15,6 +15,7 @@ _LAZY = {
     "create_hf_model": "dschat.models.loading",
     "create_critic_model": "dschat.models.reward_model",
     "load_tokenizer": "dschat.models.loading",
+    "prompt_loaders": "dschat.steps.ppo",
     "create_prompt_dataset": "dschat.data",
 }
 

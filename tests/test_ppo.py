@@ -156,3 +156,22 @@ def test_step3_with_zero3_on_two_ranks_and_different_answer_lengths(trained, tmp
     log = [json.loads(x) for x in (out / "step3_log.jsonl").read_text().splitlines()]
     assert len(log) == 2
     assert "held-out after PPO" in proc.stdout
+
+
+def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch):
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    snippet = re.search(r"<!-- notebook-snippet -->\n```python\n(.*?)```", readme, re.S).group(1)
+    # run it where "output/" holds this module's trained step-1/2 folders, on fewer prompts
+    (tmp_path / "output").mkdir()
+    for name, src in (("step1_sft", trained / "sft"), ("step2_rm", trained / "rm")):
+        (tmp_path / "output" / name).symlink_to(src)
+    monkeypatch.chdir(tmp_path)
+    snippet = snippet.replace('"dtype": "fp32",', '"dtype": "fp32", "data_split": "2,4,4", "max_steps": 2, '
+                                                   f'"data_output_path": "{trained / "data"}",')
+    namespace = {}
+    exec(compile(snippet.replace("for prompt_batch in prompt_dataloader:",
+                                 "for i, prompt_batch in zip(range(2), prompt_dataloader):"), "README", "exec"),
+         namespace)
+    assert torch.isfinite(namespace["actor_loss"]) and torch.isfinite(namespace["critic_loss"])

@@ -21,8 +21,11 @@ from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_devic
 
 
 def prompt_loaders(args, tokenizer):
-    """Phase-3 prompts (train, and held-out for evaluation), left-padded."""
+    """Phase-3 prompts (train, and held-out for evaluation), left-padded; ``args`` as for the RLHF engine."""
     from dschat.data import DataCollatorRLHF, create_prompt_dataset, get_eot_token
+
+    args = step3_args(args)
+    setup_run(args)
 
     train, held_out = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
