@@ -1,0 +1,9 @@
+#!/usr/bin/env python
+"""Chat with a trained model: ``python chat.py --path output`` (interactive; 'clear' starts a new conversation,
+'quit' exits) or ``python chat.py --path output --prompt "Name 3 colors."`` (one answer, then exit)."""
+import sys
+
+from dschat.tools.chat import main
+
+if __name__ == "__main__":
+    sys.exit(main())

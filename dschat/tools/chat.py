@@ -1,0 +1,107 @@
+"""Multi-turn chat with a trained policy (DeepSpeed-Chat's ``inference/chatbot.py``).
+
+The conversation is kept as messages and rendered with ``format_prompt`` on every turn, so the model sees
+the same text format it was trained on (its chat template, else "Human:/Assistant:").
+"""
+import argparse
+import sys
+
+from dschat.data.formatting import format_prompt
+from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, generation_kwargs,
+                                 load_policy)
+from dschat.tools.generation import encode_prompts, generate_answers
+
+QUIT_COMMANDS = ("quit", "exit")
+CLEAR_COMMAND = "clear"
+# Config fields that hold a model's longest sequence, per family (Llama/OPT, GPT-2, others).
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def conversation_prompt(history, user_text, tokenizer):
+    """(messages, prompt text) of the next turn: the history plus the new user message."""
+    messages = list(history) + [{"role": "user", "content": user_text}]
+    return messages, format_prompt(messages, tokenizer)
+
+
+def context_limit(model):
+    config = model.config
+    return next((getattr(config, f) for f in CONTEXT_FIELDS if getattr(config, f, None)), None)
+
+
+class ChatSession:
+    """One conversation with a model: ``ask`` answers a user message and remembers both turns."""
+
+    def __init__(self, model, tokenizer, generation_kwargs):
+        self.model, self.tokenizer = model, tokenizer
+        self.generation_kwargs = generation_kwargs
+        self.history = []
+
+    def clear(self):
+        self.history = []
+
+    def ask(self, user_text):
+        messages, prompt = self.next_prompt(user_text)
+        answer = generate_answers(self.model, self.tokenizer, [prompt], self.generation_kwargs)[0]
+        self.history = messages + [{"role": "assistant", "content": answer}]
+        return answer
+
+    def next_prompt(self, user_text):
+        """The next prompt, forgetting the oldest exchanges while prompt + answer exceed the model's context
+        (a long chat would otherwise crash generation past the last position)."""
+        limit = context_limit(self.model)
+        room = limit - self.generation_kwargs["max_new_tokens"] if limit else None
+        history = list(self.history)
+        while True:
+            messages, prompt = conversation_prompt(history, user_text, self.tokenizer)
+            if room is None or not history or len(encode_prompts(self.tokenizer, [prompt])[0]) <= room:
+                return messages, prompt
+            history = history[2:]  # one user message and its answer
+
+
+def run_interactive(session, read=input, write=print):
+    """Read user messages until 'quit' (or end of input); 'clear' starts a new conversation."""
+    write(f"Chat with the model. '{CLEAR_COMMAND}' starts a new conversation, '{QUIT_COMMANDS[0]}' exits.")
+    while True:
+        try:
+            text = read("Human: ").strip()
+        except (EOFError, KeyboardInterrupt):
+            write("")
+            return
+        if text.lower() in QUIT_COMMANDS:
+            return
+        if text.lower() == CLEAR_COMMAND:
+            session.clear()
+            write("(new conversation)")
+        elif text:
+            write(f"Assistant: {session.ask(text)}")
+
+
+def echoing_input(prompt):
+    """``input`` for piped stdin: echo the message so the printed transcript shows both sides."""
+    text = input(prompt)
+    print(text)
+    return text
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--path", required=True,
+                        help="A run's output folder (uses step3_ppo/actor, else step1_sft), a model folder, "
+                             "a hub name or a tiny preset.")
+    parser.add_argument("--prompt", default=None, help="Answer this one message, print the answer and exit.")
+    add_loading_args(parser)
+    add_generation_args(parser, sample_by_default=True)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    path = find_policy_path(args.path)
+    model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
+    session = ChatSession(model, tokenizer, generation_kwargs(args))
+    if args.prompt is not None:
+        print(session.ask(args.prompt))
+        return 0
+    print(f"[chat] model: {path} on {model.device}", file=sys.stderr)
+    run_interactive(session, read=input if sys.stdin.isatty() else echoing_input)
+    return 0

@@ -1,0 +1,84 @@
+"""What the tools share: finding a run's models, the device, loading a policy or reward model, CLI flags."""
+import os
+
+import torch
+
+# Where ``train.py`` puts each step's model under its output folder, best policy first: a run that reached
+# step 3 is chatted with through its PPO actor, otherwise through its SFT model.
+POLICY_SUBFOLDERS = ("step3_ppo/actor", "actor", "step1_sft")
+REWARD_SUBFOLDERS = ("step2_rm",)
+
+
+def _first_model_folder(path, subfolders):
+    for sub in subfolders:
+        candidate = os.path.join(path, sub)
+        if os.path.isfile(os.path.join(candidate, "config.json")):
+            return candidate
+    return path
+
+
+def find_policy_path(path):
+    """A run's output folder -> its PPO actor (else its SFT model); a model folder or hub name as is."""
+    return _first_model_folder(path, POLICY_SUBFOLDERS)
+
+
+def find_reward_model_path(path):
+    """A run's output folder -> its step-2 reward model; a model folder or hub name as is."""
+    return _first_model_folder(path, REWARD_SUBFOLDERS)
+
+
+def default_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def add_loading_args(parser):
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                        help="Weights' dtype (default: as saved).")
+    parser.add_argument("--add_eot_token", action="store_true",
+                        help="Add <|endoftext|> as EOS for tokenizers without one (as in training).")
+
+
+def add_generation_args(parser, sample_by_default, max_new_tokens=128):
+    """--max_new_tokens, --temperature, --top_k, --top_p and --greedy/--do_sample (one default per tool)."""
+    g = parser.add_argument_group("generation")
+    g.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top_k", type=int, default=0, help="0: no top-k filtering.")
+    g.add_argument("--top_p", type=float, default=1.0)
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", dest="do_sample", action="store_false", help="Greedy decoding.")
+    mode.add_argument("--do_sample", dest="do_sample", action="store_true", help="Sample (temperature/top-k/top-p).")
+    g.add_argument("--seed", type=int, default=None, help="Seed for sampling.")
+    parser.set_defaults(do_sample=sample_by_default)
+    return g
+
+
+def generation_kwargs(args):
+    """HF ``generate`` keyword arguments from the generation flags."""
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
+    if args.do_sample:
+        kwargs.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    return kwargs
+
+
+def load_policy(path, device=None, dtype=None, add_eot_token=False):
+    """(causal LM in eval mode on ``device``, its left-padding tokenizer) for a folder, hub name or preset.
+
+    Left padding so every row of a batch starts generating at the same column.
+    """
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(path, padding_side="left", add_eot_token=add_eot_token)
+    model = load_causal_lm(path, tokenizer, dtype=dtype)
+    return model.to(device or default_device()).eval(), tokenizer
+
+
+def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
+    """The step-2 reward model in eval mode, its embeddings grown to ``tokenizer`` as in training."""
+    from dschat.models.reward_model import load_reward_model
+
+    model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
+    return model.to(device or default_device()).eval()
+

@@ -1,0 +1,42 @@
+"""Answers from an HF causal LM to formatted prompts, tokenized and decoded the way training does it."""
+import torch
+
+from dschat.data.collators import pad_sequences
+from dschat.data.formatting import uses_chat_template
+from dschat.data.pipeline import tokenize_texts
+from dschat.rlhf.trainer import answer_mask
+
+
+def encode_prompts(tokenizer, prompt_texts):
+    """Token ids of ``format_prompt`` texts, exactly as the data pipeline makes step 3's prompts.
+
+    A chat template already writes its BOS text, so special tokens are added only without one.
+    """
+    return tokenize_texts(tokenizer, list(prompt_texts), add_special_tokens=not uses_chat_template(tokenizer))
+
+
+def left_padded(ids_list, pad_token_id, device):
+    """(input_ids, attention_mask), left-padded so every row's answer starts at the same column."""
+    ids = pad_sequences([torch.tensor(ids) for ids in ids_list], pad_token_id, side="left")
+    mask = pad_sequences([torch.ones(len(ids), dtype=torch.long) for ids in ids_list], 0, side="left")
+    return ids.to(device), mask.to(device)
+
+
+def decode_answers(tokenizer, answer_ids):
+    """Answer texts: generated tokens before the first EOS (the eot token), without it or padding."""
+    eos = tokenizer.eos_token_id
+    keep = answer_mask(answer_ids, eos, tokenizer.pad_token_id).bool() & (answer_ids != eos)
+    return [tokenizer.decode(row[k], skip_special_tokens=True).strip() for row, k in zip(answer_ids, keep)]
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_size=8):
+    """One answer per formatted prompt, with HF ``generate`` stopping at the tokenizer's EOS."""
+    answers = []
+    for start in range(0, len(prompt_texts), batch_size):
+        ids, mask = left_padded(encode_prompts(tokenizer, prompt_texts[start:start + batch_size]),
+                                tokenizer.pad_token_id, model.device)
+        sequences = model.generate(ids, attention_mask=mask, eos_token_id=tokenizer.eos_token_id,
+                                   pad_token_id=tokenizer.pad_token_id, **generation_kwargs)
+        answers += decode_answers(tokenizer, sequences[:, ids.shape[1]:])
+    return answers

@@ -1,0 +1,97 @@
+"""Step-3 check: held-out reward (and rule score, on the embedded data) of a policy and of a baseline.
+
+The held-out prompts, their loader and the scoring are step 3's own (``prompt_loaders``, ``evaluate_policy``):
+with step 3's data flags (``--data_path --data_split --seed --max_prompt_seq_len``, batch size and
+``--num_prompts`` = ``--eval_prompts``) the same prompts are scored the same way as step 3's before/after-PPO
+evaluation, here in one plain process (HF ``generate``, the reward model under a trivial engine wrapper).
+"""
+import argparse
+import json
+import os
+from types import SimpleNamespace
+
+from dschat.args import add_data_args
+from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+from dschat.steps.ppo import prompt_loaders
+from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
+                                 load_policy, load_scoring_reward_model)
+
+
+def evaluate_model(path, reward_model_path, args, reward_model=None):
+    """(metrics of the policy at ``path``, the reward model used): greedy answers to the held-out prompts.
+
+    The reward model is loaded with the first policy's tokenizer (as step 3 loads it with the actor's) and
+    passed back so the next policy reuses it.
+    """
+    device = default_device()
+    model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
+    if reward_model is None:
+        reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
+    _, held_out = prompt_loaders(args, tokenizer)  # tokenized with this policy's tokenizer, as in step 3
+    # evaluate_policy expects DeepSpeed engines; for the reward model that is only the ``.module`` attribute
+    result = evaluate_policy(model.generate, SimpleNamespace(module=reward_model), tokenizer, held_out, device,
+                             args.max_new_tokens, rule_scorer_for(args.data_path), args.num_prompts,
+                             args.num_examples)
+    return {"path": path, **result}, reward_model
+
+
+def summary_line(role, result):
+    rule = f", rule_score_mean {result['rule_score_mean']:.4f}" if "rule_score_mean" in result else ""
+    return (f"{role:8s} reward_mean {result['reward_mean']:+.4f}{rule} over {result['prompts']} prompts "
+            f"({result['path']})")
+
+
+def print_results(results):
+    for role, result in results.items():
+        print(f"=== {role} ({result['path']}): examples")
+        for example in result["examples"]:
+            rule = f", rule {example['rule_score']:.2f}" if "rule_score" in example else ""
+            print(f"[reward {example['reward']:+.3f}{rule}] {example['prompt'].strip()!r}")
+            print(f"    -> {example['answer']!r}")
+    for role, result in results.items():
+        print(summary_line(role, result))
+
+
+def write_json(path, payload):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", required=True,
+                        help="The PPO actor (a run's output folder uses step3_ppo/actor).")
+    parser.add_argument("--baseline", default=None, help="A policy to compare with, e.g. output/step1_sft.")
+    parser.add_argument("--reward_model", required=True,
+                        help="The step-2 reward model (a run's output folder uses step2_rm).")
+    add_data_args(parser)
+    parser.add_argument("--num_prompts", type=int, default=64,
+                        help="Held-out prompts scored (whole batches, as step 3's --eval_prompts).")
+    parser.add_argument("--max_new_tokens", type=int, default=256,
+                        help="Greedy answer length (step 3: --eval_max_new_tokens, else --max_answer_seq_len).")
+    parser.add_argument("--max_prompt_seq_len", type=int, default=256, help="As in step 3 (longer prompts skipped).")
+    parser.add_argument("--per_device_generation_batch_size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=1234, help="Step 3's seed (it chooses the held-out share).")
+    parser.add_argument("--num_examples", type=int, default=3, help="Example answers printed and saved per policy.")
+    parser.add_argument("--output_json", default=None, help="Write the results here.")
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    add_loading_args(parser)
+    return parser
+
+
+def main(argv=None):
+    """Print (and optionally save) the results; returns {"policy": ..., ["baseline": ...]}."""
+    args = build_parser().parse_args(argv)
+    reward_model_path = find_reward_model_path(args.reward_model)
+    paths = {"policy": find_policy_path(args.policy)}
+    if args.baseline:
+        paths["baseline"] = find_policy_path(args.baseline)
+    results, reward_model = {}, None
+    for role, path in paths.items():
+        results[role], reward_model = evaluate_model(path, reward_model_path, args, reward_model)
+    print_results(results)
+    if args.output_json:
+        write_json(args.output_json, {**results, "reward_model": reward_model_path, "data_path": args.data_path,
+                                      "max_new_tokens": args.max_new_tokens})
+    return results

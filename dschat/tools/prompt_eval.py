@@ -1,0 +1,86 @@
+"""Step-1 check: a baseline's and a fine-tuned model's answers to the same prompts, side by side.
+
+Prompts come from ``--prompts``, from ``--prompts_file`` (any local data file training accepts), or by
+default from the embedded held-out data, whose answers are also scored with the bundled rule scorer.
+"""
+import argparse
+
+from dschat.data.formatting import format_prompt, render_human_assistant
+from dschat.tools.common import add_generation_args, add_loading_args, generation_kwargs, load_policy
+from dschat.tools.generation import generate_answers
+from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
+
+ROLES = ("baseline", "finetune")
+RULE = "=" * 30
+
+
+def select_records(args):
+    """(records, whether they are the tiny held-out data and so rule-scorable)."""
+    if args.prompts:
+        return [prompt_record(p) for p in args.prompts], False
+    if args.prompts_file:
+        return load_records(args.prompts_file, args.data_fields, args.num_prompts), False
+    return tiny_held_out_records(args.num_prompts), True
+
+
+def model_answers(path, records, args):
+    """One model's answers, each prompt formatted with that model's own tokenizer (its chat template or not).
+
+    Models are loaded one at a time, so the two need not fit in memory together.
+    """
+    model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
+    prompts = [format_prompt(record.messages, tokenizer) for record in records]
+    # generation_kwargs re-seeds: with --seed both models sample from the same random stream
+    return generate_answers(model, tokenizer, prompts, generation_kwargs(args), args.batch_size)
+
+
+def rule_scores(records, answers):
+    from dschat.tiny.scorer import rule_score
+
+    return [rule_score(record.user_message, answer) for record, answer in zip(records, answers)]
+
+
+def print_comparison(records, paths, answers, scores):
+    for index, record in enumerate(records):
+        print(f"{RULE} prompt {index + 1}/{len(records)} {RULE}")
+        # shown in the "Human:/Assistant:" form whatever the models' chat templates are
+        print(render_human_assistant(record.messages).strip())
+        for role in ROLES:
+            suffix = f"   [rule score {scores[role][index]:.2f}]" if scores else ""
+            print(f"--- {role} ({paths[role]}):{suffix}\n{answers[role][index]}")
+    if scores:
+        means = ", ".join(f"{role} {_mean(scores[role]):.3f}" for role in ROLES)
+        print(f"{RULE}\nmean rule score over {len(records)} prompts: {means}")
+
+
+def _mean(values):
+    return sum(values) / max(len(values), 1)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_name_or_path_baseline", required=True, help="E.g. the base model.")
+    parser.add_argument("--model_name_or_path_finetune", required=True, help="E.g. output/step1_sft.")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompts", nargs="+", help="User messages (or 'Human: ... Assistant: ...' transcripts).")
+    source.add_argument("--prompts_file", help="A local data file (jsonl/json/parquet/csv) with prompts.")
+    parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
+    parser.add_argument("--num_prompts", type=int, default=8, help="Prompts taken from a file or the tiny data.")
+    parser.add_argument("--batch_size", type=int, default=8)
+    add_loading_args(parser)
+    add_generation_args(parser, sample_by_default=False)
+    return parser
+
+
+def main(argv=None):
+    """Print the comparison; returns {"prompts", "answers", and "rule_scores"/"rule_score_means" if scored}."""
+    args = build_parser().parse_args(argv)
+    records, scorable = select_records(args)
+    paths = {"baseline": args.model_name_or_path_baseline, "finetune": args.model_name_or_path_finetune}
+    answers = {role: model_answers(paths[role], records, args) for role in ROLES}
+    scores = {role: rule_scores(records, answers[role]) for role in ROLES} if scorable else None
+    print_comparison(records, paths, answers, scores)
+    result = {"prompts": [record.messages for record in records], "answers": answers}
+    if scores:
+        result.update(rule_scores=scores, rule_score_means={role: _mean(scores[role]) for role in ROLES})
+    return result

@@ -1,0 +1,122 @@
+"""Step-2 check: reward-model scores of answers, and accuracy on chosen/rejected pairs.
+
+Each answer is scored on exactly the tokens step 2 trained on and step 3 rewards: the ``format_prompt`` ids,
+then the ``format_answer`` ids (cut to ``--max_seq_len``), then the eot token, read at its last token.
+"""
+import argparse
+
+import torch
+
+from dschat.data.collators import pad_sequences
+from dschat.data.formatting import get_eot_token, render_human_assistant
+from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
+from dschat.tools.common import add_loading_args, find_reward_model_path, load_scoring_reward_model
+from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
+
+RULE = "=" * 30
+
+
+def reward_input_ids(tokenizer, messages_and_answers, max_seq_len):
+    """Token ids of ``prompt + answer + eot`` per (prompt messages, answer), built by step 2's tokenizer code."""
+    settings = EncodeSettings(train_phase=2, max_seq_len=max_seq_len, max_prompt_len=None,
+                              include_prompt_in_loss=False, eot_token=get_eot_token(tokenizer))
+    examples = [Example(messages, chosen=answer) for messages, answer in messages_and_answers]
+    return [scored_sequence(tokens, max_seq_len) for tokens in tokenize_examples(examples, tokenizer, settings)]
+
+
+def scored_sequence(tokens, max_seq_len):
+    """Step 2's rule (``encode_pair``): a long answer is cut but the eot kept, so the score is read where
+    generated answers end too."""
+    prompt, eot = tokens["prompt"], tokens["eot"]
+    room = max_seq_len - len(prompt) - len(eot)
+    if room <= 0:
+        raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room for an answer in --max_seq_len "
+                         f"{max_seq_len}")
+    return prompt + tokens["chosen"][:room] + eot
+
+
+@torch.no_grad()
+def score_answers(model, tokenizer, messages_and_answers, max_seq_len=512, batch_size=16):
+    """The reward model's score of each (prompt messages, answer)."""
+    sequences = [torch.tensor(ids) for ids in reward_input_ids(tokenizer, messages_and_answers, max_seq_len)]
+    device = next(model.parameters()).device
+    scores = []
+    for start in range(0, len(sequences), batch_size):
+        chunk = sequences[start:start + batch_size]
+        ids = pad_sequences(chunk, tokenizer.pad_token_id).to(device)
+        mask = pad_sequences([torch.ones_like(seq) for seq in chunk], 0).to(device)
+        scores += model.end_scores(ids, mask).float().tolist()
+    return scores
+
+
+def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
+    """Per-pair scores and the accuracy step 2 reports (chosen scored strictly above rejected)."""
+    chosen = score_answers(model, tokenizer, [(r.messages, r.chosen) for r in records], max_seq_len, batch_size)
+    rejected = score_answers(model, tokenizer, [(r.messages, r.rejected) for r in records], max_seq_len, batch_size)
+    pairs = [{"prompt": r.messages, "chosen": r.chosen, "rejected": r.rejected, "chosen_score": c,
+              "rejected_score": s} for r, c, s in zip(records, chosen, rejected)]
+    n = max(len(pairs), 1)
+    return {"pairs": pairs, "accuracy": sum(c > s for c, s in zip(chosen, rejected)) / n,
+            "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n}
+
+
+def print_pairs(result):
+    pairs = result["pairs"]
+    for index, pair in enumerate(pairs):
+        higher = "chosen" if pair["chosen_score"] > pair["rejected_score"] else "rejected"
+        print(f"{RULE} pair {index + 1}/{len(pairs)} {RULE}\n{render_human_assistant(pair['prompt']).strip()}")
+        print(f"chosen   {pair['chosen_score']:+.4f}: {pair['chosen']}")
+        print(f"rejected {pair['rejected_score']:+.4f}: {pair['rejected']}")
+        print(f"higher: {higher}")
+    print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {len(pairs)} pairs; mean score chosen "
+          f"{result['chosen_mean_score']:+.4f}, rejected {result['rejected_mean_score']:+.4f}")
+
+
+def print_answers(messages, answers, scores):
+    print(render_human_assistant(messages).strip())
+    for answer, score in zip(answers, scores):
+        print(f"score {score:+.4f}: {answer}")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_name_or_path", required=True,
+                        help="The step-2 folder (or a run's output folder, which uses its step2_rm).")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--pairs_file", help="Local data with prompt/chosen/rejected (any format training accepts); "
+                                             "default: the embedded held-out pairs.")
+    source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
+    parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
+    parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
+    parser.add_argument("--num_pairs", type=int, default=64, help="At most this many pairs (0: all).")
+    parser.add_argument("--max_seq_len", type=int, default=512, help="As in step 2: answers are cut to fit.")
+    parser.add_argument("--batch_size", type=int, default=16)
+    add_loading_args(parser)
+    return parser
+
+
+def main(argv=None):
+    """Print the scores; returns {"scores"} for --prompt, else the pair results and accuracy."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.prompt) != bool(args.answer):
+        parser.error("--prompt and --answer go together")
+    from dschat.models.loading import load_tokenizer
+
+    path = find_reward_model_path(args.model_name_or_path)
+    tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
+    model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
+    if args.prompt:
+        messages = prompt_record(args.prompt).messages
+        scores = score_answers(model, tokenizer, [(messages, a) for a in args.answer], args.max_seq_len,
+                               args.batch_size)
+        print_answers(messages, args.answer, scores)
+        return {"scores": scores}
+    records = (load_records(args.pairs_file, args.data_fields, args.num_pairs or None) if args.pairs_file
+               else tiny_held_out_records(args.num_pairs or None))
+    records = [r for r in records if r.chosen is not None and r.rejected is not None]
+    if not records:
+        parser.error("no records with both a chosen and a rejected answer")
+    result = evaluate_pairs(model, tokenizer, records, args.max_seq_len, args.batch_size)
+    print_pairs(result)
+    return result

@@ -1,0 +1,212 @@
+"""The tools for trained models: chat.py, step-1 prompt_eval, step-2 rw_eval, step-3 ppo_eval (tiny models)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dschat.data.formatting import format_answer, format_prompt
+from dschat.models.checkpoint import save_reward_model
+from dschat.models.loading import load_tokenizer
+from dschat.models.reward_model import load_reward_model
+from dschat.tiny.presets import create_tiny_model
+from dschat.tiny.scorer import rule_score
+from dschat.tools import ppo_eval, prompt_eval, rw_eval
+from dschat.tools.chat import ChatSession, conversation_prompt, run_interactive
+from dschat.tools.common import find_policy_path, load_policy
+from dschat.tools.generation import decode_answers
+
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = {"max_new_tokens": 6, "do_sample": False}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny policies with different random weights and a reward model saved the way step 2 saves it."""
+    root = tmp_path_factory.mktemp("tool_models")
+    policy = create_tiny_model("tiny-llama", root / "policy")
+    baseline = create_tiny_model("tiny-llama", root / "baseline", seed=7)
+    torch.manual_seed(0)  # the value head of a fresh reward model is random
+    save_reward_model(load_reward_model(policy), load_tokenizer(policy), str(root / "rm"))
+    return {"policy": policy, "baseline": baseline, "rm": str(root / "rm"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def session(models):
+    model, tokenizer = load_policy(models["policy"], device="cpu")
+    return ChatSession(model, tokenizer, dict(GREEDY))
+
+
+def run_chat(*args, stdin=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "chat.py"), *map(str, args)], input=stdin, cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+# --- chat ---
+
+def test_run_folder_resolves_to_actor_then_sft(models, tmp_path):
+    run = tmp_path / "run"
+    (run / "step3_ppo").mkdir(parents=True)
+    os.symlink(models["baseline"], run / "step1_sft")
+    assert find_policy_path(str(run)) == str(run / "step1_sft")
+    os.symlink(models["policy"], run / "step3_ppo" / "actor")
+    assert find_policy_path(str(run)) == str(run / "step3_ppo" / "actor")
+    assert find_policy_path(models["policy"]) == models["policy"]
+
+
+def test_answer_text_drops_eot_what_follows_and_padding(session):
+    tokenizer = session.tokenizer
+    ids = tokenizer(" red, blue", add_special_tokens=False)["input_ids"]
+    junk = tokenizer(" Human: more", add_special_tokens=False)["input_ids"]
+    row = ids + [tokenizer.eos_token_id] + junk + [tokenizer.pad_token_id]
+    assert decode_answers(tokenizer, torch.tensor([row])) == ["red, blue"]
+
+
+def test_second_turn_prompt_holds_the_first_turn(session, models):
+    tokenizer = session.tokenizer
+    history = [{"role": "user", "content": "Name 3 colors."}, {"role": "assistant", "content": "red, blue, green"}]
+    messages, prompt = conversation_prompt(history, "Say tea twice.", tokenizer)
+    assert prompt == "\n\nHuman: Name 3 colors.\n\nAssistant: red, blue, green\n\nHuman: Say tea twice.\n\nAssistant:"
+    assert messages == history + [{"role": "user", "content": "Say tea twice."}]
+
+    session.clear()
+    first = session.ask("Name 3 colors.")
+    _, second_prompt = conversation_prompt(session.history, "Say tea twice.", tokenizer)
+    assert second_prompt.startswith(f"\n\nHuman: Name 3 colors.\n\nAssistant: {first}\n\nHuman: Say tea twice.")
+    session.ask("Say tea twice.")
+    assert [m["role"] for m in session.history] == ["user", "assistant", "user", "assistant"]
+
+
+def test_long_chat_forgets_oldest_exchanges_to_fit_the_context(session, monkeypatch):
+    session.clear()
+    session.history = [{"role": "user", "content": "old " * 60}, {"role": "assistant", "content": "x"},
+                       {"role": "user", "content": "recent"}, {"role": "assistant", "content": "y"}]
+    monkeypatch.setattr(session.model.config, "max_position_embeddings", 40)
+    messages, prompt = session.next_prompt("now")
+    assert "old" not in prompt and "recent" in prompt
+    assert messages[-1] == {"role": "user", "content": "now"}
+
+
+def test_interactive_loop_clears_and_quits(session):
+    session.clear()
+    lines, printed = iter(["Name 3 colors.", "clear", "Say tea twice.", "quit", "never read"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append)
+    assert next(lines) == "never read"
+    assert "(new conversation)" in printed
+    assert [m["content"] for m in session.history if m["role"] == "user"] == ["Say tea twice."]
+
+
+def test_chat_one_shot_prints_the_answer_and_exits(models, session, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(models["policy"], run / "step1_sft")
+    session.clear()
+    expected = session.ask("Name 3 colors.")
+    assert expected
+    out = run_chat("--path", run, "--prompt", "Name 3 colors.", "--greedy", "--max_new_tokens", 6)
+    assert expected in out and "Human:" not in out and "<|endoftext|>" not in out
+
+
+def test_chat_interactive_answers_two_turns_then_quits(models, session):
+    session.clear()
+    first, second = session.ask("Name 3 colors."), session.ask("Say tea twice.")
+    out = run_chat("--path", models["policy"], "--greedy", "--max_new_tokens", 6,
+                   stdin="Name 3 colors.\nSay tea twice.\nquit\nNot answered.\n")
+    assert f"Assistant: {first}\n" in out and f"Assistant: {second}\n" in out
+    assert out.count("Assistant:") == 2
+
+
+# --- step 1: prompt_eval ---
+
+def test_prompt_eval_prints_both_models_answers(models, capsys):
+    result = prompt_eval.main(["--model_name_or_path_baseline", models["baseline"], "--model_name_or_path_finetune",
+                               models["policy"], "--prompts", "Name 3 colors.", "Say tea twice.",
+                               "--max_new_tokens", "6"])
+    out = capsys.readouterr().out
+    assert len(result["answers"]["baseline"]) == len(result["answers"]["finetune"]) == 2
+    assert result["answers"]["baseline"] != result["answers"]["finetune"]  # different weights
+    for role, path in (("baseline", models["baseline"]), ("finetune", models["policy"])):
+        assert f"--- {role} ({path}):" in out
+        assert all(answer in out for answer in result["answers"][role])
+    assert "Human: Name 3 colors." in out and "Human: Say tea twice." in out
+    assert "rule_scores" not in result  # not the tiny data
+
+
+def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monkeypatch):
+    # Stand-in models that answer with the data's chosen (finetune) or rejected (baseline) answers, so the
+    # rule scores are known to differ.
+    def canned_answers(path, records, args):
+        return [r.chosen if path == "finetune-model" else r.rejected for r in records]
+
+    monkeypatch.setattr(prompt_eval, "model_answers", canned_answers)
+    result = prompt_eval.main(["--model_name_or_path_baseline", "baseline-model", "--model_name_or_path_finetune",
+                               "finetune-model", "--num_prompts", "6"])
+    out = capsys.readouterr().out
+    records = prompt_eval.tiny_held_out_records(6)
+    expected = [rule_score(r.messages[-1]["content"], r.chosen) for r in records]
+    assert result["rule_scores"]["finetune"] == expected
+    assert result["rule_score_means"]["finetune"] > result["rule_score_means"]["baseline"]
+    assert (f"mean rule score over 6 prompts: baseline {result['rule_score_means']['baseline']:.3f}, "
+            f"finetune {result['rule_score_means']['finetune']:.3f}") in out
+    assert out.count("[rule score") == 12
+
+
+# --- step 2: rw_eval ---
+
+def end_score_by_hand(model, tokenizer, prompt, answer):
+    text = format_prompt([{"role": "user", "content": prompt}], tokenizer) + format_answer(answer, tokenizer)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return model.end_scores(ids, torch.ones_like(ids)).item()
+
+
+def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, capsys):
+    pairs = [{"prompt": "Name 3 colors.", "chosen": "red, blue, green", "rejected": "red"},
+             {"prompt": "What is 2 plus 4?", "chosen": "6", "rejected": "The answer is five, I think."}]
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    result = rw_eval.main(["--model_name_or_path", models["rm"], "--pairs_file", str(pairs_file)])
+    out = capsys.readouterr().out
+
+    tokenizer = load_tokenizer(models["rm"])
+    model = load_reward_model(models["rm"], tokenizer=tokenizer).eval()
+    chosen = [end_score_by_hand(model, tokenizer, p["prompt"], p["chosen"]) for p in pairs]
+    rejected = [end_score_by_hand(model, tokenizer, p["prompt"], p["rejected"]) for p in pairs]
+    assert [p["chosen_score"] for p in result["pairs"]] == pytest.approx(chosen, abs=1e-4)
+    assert [p["rejected_score"] for p in result["pairs"]] == pytest.approx(rejected, abs=1e-4)
+    assert result["accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / 2
+    assert f"accuracy {result['accuracy']:.3f} over 2 pairs" in out
+    assert f"chosen   {chosen[0]:+.4f}: red, blue, green" in out
+
+    single = rw_eval.main(["--model_name_or_path", models["rm"], "--prompt", "Name 3 colors.",
+                           "--answer", "red, blue, green", "--answer", "red"])
+    assert single["scores"] == pytest.approx([chosen[0], rejected[0]], abs=1e-4)
+
+
+# --- step 3: ppo_eval ---
+
+def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys):
+    out_json = tmp_path / "eval" / "ppo_eval.json"
+    results = ppo_eval.main(["--policy", models["policy"], "--baseline", models["baseline"], "--reward_model",
+                             models["rm"], "--num_prompts", "4", "--per_device_generation_batch_size", "4",
+                             "--max_new_tokens", "4", "--max_prompt_seq_len", "48", "--num_examples", "4",
+                             "--data_output_path", str(tmp_path / "data"), "--output_json", str(out_json)])
+    saved = json.loads(out_json.read_text())
+    out = capsys.readouterr().out
+    for role in ("policy", "baseline"):
+        entry = saved[role]
+        assert entry["prompts"] == 4 and len(entry["examples"]) == 4
+        # the mean is over the scored answers themselves (all of them are kept as examples here)
+        assert entry["reward_mean"] == pytest.approx(sum(e["reward"] for e in entry["examples"]) / 4, abs=1e-5)
+        assert entry["rule_score_mean"] == pytest.approx(
+            sum(rule_score(e["prompt"], e["answer"]) for e in entry["examples"]) / 4)
+        assert entry["reward_mean"] == pytest.approx(results[role]["reward_mean"])
+        assert f"reward_mean {entry['reward_mean']:+.4f}" in out
+    assert saved["policy"]["reward_mean"] != saved["baseline"]["reward_mean"]
+    assert [e["prompt"] for e in saved["policy"]["examples"]] == [e["prompt"] for e in saved["baseline"]["examples"]]
