@@ -3,6 +3,8 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -213,3 +215,72 @@ def _fmt(metrics):
 
 
 format_metrics = _fmt
+
+
+@dataclass
+class StepRecipe:
+    """What differs between steps 1 and 2; ``run_supervised_step`` does the rest the same way."""
+
+    name: str
+    phase: int
+    build_model: Callable  # (args, tokenizer, ds_config) -> model (LoRA applied)
+    collator: Callable  # (tokenizer) -> collate_fn
+    loss_fn: Callable  # (engine, batch) -> (loss, tokens)
+    evaluate_fn: Callable  # (engine, loader, device, max_batches) -> metrics dict
+    save_fn: Callable  # (module, tokenizer, output_dir) -> None
+
+
+def load_step_data(args, tokenizer, phase):
+    """The tokenized train/eval datasets of one phase, from the data flags every step shares."""
+    from dschat.data import create_prompt_dataset, get_eot_token
+
+    return create_prompt_dataset(
+        args.local_rank, args.data_path, args.data_split, args.data_output_path, phase, args.seed, tokenizer,
+        args.max_seq_len, end_of_conversation_token=get_eot_token(tokenizer),
+        sft_only_data_path=args.sft_only_data_path if phase == 1 else (), reload=args.reload_data,
+        include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False), data_fields=args.data_fields or None)
+
+
+def run_supervised_step(args, recipe):
+    """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
+    from dschat.models.loading import load_tokenizer
+    from dschat.utils.ds_config import get_train_ds_config
+
+    started = time.time()
+    device = setup_run(args)
+    tag = f"[{recipe.name}]"
+    tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token)
+    ds_config = get_train_ds_config(
+        offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
+        micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=get_world_size(),
+        enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=f"{recipe.name}_model")
+    model = recipe.build_model(args, tokenizer, ds_config)
+    train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
+    train_loader, eval_loader = build_dataloaders(train_data, eval_data, recipe.collator(tokenizer),
+                                                  args.per_device_train_batch_size,
+                                                  args.per_device_eval_batch_size, args.seed)
+    total_steps = num_update_steps(len(train_loader), args.gradient_accumulation_steps, args.num_train_epochs,
+                                   args.max_steps)
+    engine = initialize_engine(model, ds_config, args.learning_rate, args.weight_decay,
+                               args.lora_learning_rate if args.lora_dim else None, args.offload,
+                               args.lr_scheduler_type, args.num_warmup_steps, total_steps,
+                               args.gradient_checkpointing)
+    print_rank_0(f"{tag} {len(train_data)} train / {len(eval_data)} eval records, {total_steps} steps, "
+                 f"{count_params(model) / 1e6:.2f}M parameters, ZeRO-{args.zero_stage}, {args.dtype}")
+
+    def evaluate():
+        return recipe.evaluate_fn(engine, eval_loader, device, args.eval_iters)
+
+    print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
+    throughput = Throughput(count_params(model), args.gradient_checkpointing)
+    writer = tensorboard_writer(args, recipe.name)
+    train_loss = run_training(engine, train_loader, recipe.loss_fn, evaluate, args, device, recipe.name,
+                              total_steps, writer, throughput)
+    metrics = {**evaluate(), "train_loss": train_loss, **throughput.summary(), "steps": total_steps,
+               "seconds": time.time() - started}
+    print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
+    _scalars(writer, f"{recipe.name}/final", metrics, total_steps)
+    recipe.save_fn(engine.module, tokenizer, args.output_dir)
+    write_metrics(args.output_dir, metrics)
+    return metrics
