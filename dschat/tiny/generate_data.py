@@ -3,10 +3,13 @@
     python -m dschat.tiny.generate_data            # rewrites dschat/tiny/data/*.jsonl and tokenizer.json
     python -m dschat.tiny.generate_data --out-dir /tmp/x
 
-Every record is an instruction whose rule code can check from the prompt and the answer alone (see
-``dschat.tiny.scorer``): ``chosen`` follows it, ``rejected`` breaks it in a way a tiny model can see (wrong
-format, ignored instruction, wrong word, wrong count). Rejections come in several kinds per task so a reward
-model learns the rule rather than one bad string. Eval prompts never occur in train.
+Every prompt is a small request (list, opposite, arithmetic, repeat, copy) plus zero, one or two format
+constraints ("Use all caps.", "End with the word done."); ``dschat.tiny.scorer`` checks an answer against
+all of them from the prompt and the answer alone. ``chosen`` follows every instruction. ``rejected`` breaks
+one, mostly in a way a tiny reward model can see (a constraint ignored, a sentence instead of one word, a
+refusal), sometimes in content (wrong count, wrong fact). Combining constraints is what keeps a briefly
+trained SFT model imperfect on held-out prompts, and what a reward model can teach it in PPO.
+Eval prompts never occur in train.
 """
 import argparse
 import json
@@ -17,94 +20,28 @@ from dschat.tiny.lexicon import (ANTONYM_PAIRS, CATEGORIES, END_WORDS, NUMBER_NA
                                  PHRASE_ADJECTIVES, PHRASE_NOUNS, PHRASE_PLACES, PHRASE_VERBS, REPEAT_WORDS)
 
 SEED = 20240601
-NUM_TRAIN = 3000
+NUM_TRAIN = 6000
 NUM_EVAL = 600
 TOKENIZER_VOCAB_SIZE = 1536
 SPECIAL_TOKENS = ("<|endoftext|>", "<pad>", "<unk>")
 TINY_DIR = Path(__file__).resolve().parent
 
-
-def _article(noun):
-    return "an" if noun[0] in "aeiou" else "a"
+# Openers that change the wording but not the request.
+PREFIXES = ("", "", "Hi! ", "Hello. ", "Quick question: ")
+CAPS_TEMPLATES = ("Answer in capital letters.", "Use all caps.", "Write in uppercase.", "Reply in uppercase.")
+END_TEMPLATES = ("End with the word {e}.", "Finish with the word {e}.", "Make the last word {e}.",
+                 "End your reply with the word {e}.")
+# How a violation of each kind is weighted when a rejected answer is drawn. Kinds a tiny reward model sees
+# at a glance (a constraint ignored, wrong form) outweigh kinds that need a fact or an exact pairing.
+# Measured: a 2-layer reward model trained for two minutes separates the form kinds almost perfectly, wrong
+# counts only two times in three, and content kinds (a wrong fact or pairing) at chance; so counts are
+# uncommon and content kinds rare (about one rejection in twenty).
+FORM_WEIGHT, COUNT_WEIGHT, CONTENT_WEIGHT = 8, 2, 1
+MODIFIER_VIOLATIONS = {"ignored_caps": 10, "ignored_end": 10, "wrong_end": 1, "end_first": 3}
 
 
 def _pick_other(rng, pool, exclude):
-    choices = [x for x in pool if x not in exclude]
-    return rng.choice(choices)
-
-
-def _jsonable(value):
-    return value
-
-
-# --- uppercase: "Reply in uppercase: the small dog runs" -> "THE SMALL DOG RUNS" ------------------------
-
-UPPERCASE_TEMPLATES = (
-    "Reply in uppercase: {p}", "Write this in capital letters: {p}", "Say this in all caps: {p}",
-    "Rewrite in uppercase: {p}", "Please answer in capital letters: {p}", "Uppercase only: {p}",
-    "Copy this in all caps: {p}",
-)
-
-
-def _phrases():
-    phrases = []
-    for adj in PHRASE_ADJECTIVES:
-        for noun in PHRASE_NOUNS:
-            phrases.append(f"the {adj} {noun}")
-            phrases.append(f"a {adj} {noun}")
-    for noun in PHRASE_NOUNS:
-        for verb in PHRASE_VERBS:
-            phrases.append(f"the {noun} {verb}")
-            for place in PHRASE_PLACES:
-                phrases.append(f"the {noun} {verb} {place}")
-    for noun in PHRASE_NOUNS:
-        for adj in PHRASE_ADJECTIVES:
-            phrases.append(f"my {noun} is {adj}")
-    return phrases
-
-
-def uppercase_prompts(rng):
-    phrases = _phrases()
-    rng.shuffle(phrases)
-    # One template per phrase keeps the pool large without near-duplicate prompts across the split.
-    return [{"prompt": rng.choice(UPPERCASE_TEMPLATES).format(p=p), "phrase": p} for p in phrases]
-
-
-def uppercase_pair(rng, item, all_items):
-    phrase = item["phrase"]
-    chosen = phrase.upper()
-    other = rng.choice(all_items)["phrase"]
-    while other == phrase:
-        other = rng.choice(all_items)["phrase"]
-    violations = {
-        "lowercase_copy": lambda: phrase,
-        "capitalized_copy": lambda: phrase.capitalize() + rng.choice(("", ".")),
-        "title_copy": lambda: phrase.title(),
-        "other_phrase_caps": lambda: other.upper(),
-        "chatty_lowercase": lambda: rng.choice(("sure, ", "ok: ", "here it is: ")) + phrase,
-    }
-    kind = rng.choices(list(violations), weights=(3, 2, 2, 2, 1))[0]
-    return chosen, violations[kind](), kind
-
-
-# --- list: "List three colors." -> "red, blue, green" --------------------------------------------------
-
-LIST_TEMPLATES = (
-    "List {n} {c}.", "Name {n} {c}.", "Give me {n} {c}.", "Can you list {n} {c}?", "Please name {n} {c}.",
-    "Write {n} {c}, separated by commas.", "Tell me {n} {c}.", "Please list {n} {c}.",
-)
-
-
-def list_prompts(rng):
-    items = []
-    for template in LIST_TEMPLATES:
-        for count, name in NUMBER_NAMES.items():
-            for category in CATEGORIES:
-                for n_text in (name, str(count)):
-                    items.append({"prompt": template.format(n=n_text, c=category), "count": count,
-                                  "category": category})
-    rng.shuffle(items)
-    return items
+    return rng.choice([x for x in pool if x not in exclude])
 
 
 def _join_items(rng, items):
@@ -113,222 +50,219 @@ def _join_items(rng, items):
     return ", ".join(items)
 
 
-def list_pair(rng, item, _all_items):
-    count, category = item["count"], item["category"]
-    members = list(CATEGORIES[category][1])
-    chosen = _join_items(rng, rng.sample(members, count))
-    other_category = _pick_other(rng, list(CATEGORIES), {category})
-    other_members = [m for m in CATEGORIES[other_category][1] if m not in members]
-    violations = {
-        "too_few": lambda: _join_items(rng, rng.sample(members, max(1, count - rng.choice((1, 2))))),
-        "too_many": lambda: _join_items(rng, rng.sample(members, count + rng.choice((1, 2)))),
-        "wrong_category": lambda: _join_items(rng, rng.sample(other_members, count)),
-        "repeated_item": lambda: ", ".join([rng.choice(members)] * max(3, count)),
-        "prose": lambda: rng.choice(("I like {m}.", "Sure, {m} is one.", "My favorite is {m}.",
-                                     "There are many {c}.")).format(m=rng.choice(members), c=category),
-    }
-    kind = rng.choices(list(violations), weights=(2, 2, 3, 1, 2))[0]
-    return chosen, violations[kind](), kind
+# --- base requests: each samples a prompt, a correct answer, and ways to get it wrong -------------------
+# A violation maps kind -> (weight, function returning the wrong answer's content).
+
+class ListRequest:
+    """ "List three colors." -> "red, blue, green" """
+    templates = ("List {n} {c}.", "Name {n} {c}.", "Give me {n} {c}.", "Tell me {n} {c}.", "Please name {n} {c}.")
+    modifier_weights = {"": 3, "caps": 3, "end": 3, "caps+end": 2}
+
+    def sample(self, rng):
+        count = rng.choice(list(NUMBER_NAMES))
+        category = rng.choice(list(CATEGORIES))
+        n_text = NUMBER_NAMES[count] if rng.random() < 0.6 else str(count)
+        return {"text": rng.choice(self.templates).format(n=n_text, c=category), "count": count,
+                "category": category}
+
+    def answer(self, rng, item):
+        return _join_items(rng, rng.sample(CATEGORIES[item["category"]][1], item["count"]))
+
+    def violations(self, rng, item):
+        count, category = item["count"], item["category"]
+        members = CATEGORIES[category][1]
+        other = CATEGORIES[_pick_other(rng, list(CATEGORIES), {category})][1]
+        return {
+            "single_item": (FORM_WEIGHT, lambda: rng.choice(members)),
+            "prose": (FORM_WEIGHT, lambda: rng.choice(("I like {m}", "sure, {m} is one", "there are many {c}"))
+                      .format(m=rng.choice(members), c=category)),
+            "too_few": (COUNT_WEIGHT, lambda: _join_items(rng, rng.sample(members, count - 1))),
+            "too_many": (COUNT_WEIGHT, lambda: _join_items(rng, rng.sample(members, count + rng.choice((1, 2))))),
+            "wrong_category": (CONTENT_WEIGHT, lambda: _join_items(rng, rng.sample(other, count))),
+        }
 
 
-# --- repeat: "Repeat the word moon three times." -> "moon moon moon" ------------------------------------
+class OppositeRequest:
+    """ "What is the opposite of hot?" -> "cold" """
+    templates = ("What is the opposite of {w}?", "In one word, what is the opposite of {w}?",
+                 "One word only: the opposite of {w}?", "Give one word for the opposite of {w}.")
+    modifier_weights = {"": 4, "caps": 2, "end": 2, "caps+end": 1}
 
-REPEAT_TEMPLATES = (
-    "Repeat the word {w} {n}.", "Say {w} {n}.", "Write the word {w} {n}.", "Type {w} exactly {n}.",
-    "Please repeat {w} {n}.", "Say the word {w} {n}, nothing else.",
-)
+    def sample(self, rng):
+        word = rng.choice(sorted(OPPOSITES))
+        return {"text": rng.choice(self.templates).format(w=word), "word": word}
 
+    def answer(self, rng, item):
+        return OPPOSITES[item["word"]]
 
-def repeat_prompts(rng):
-    items = []
-    for template in REPEAT_TEMPLATES:
-        for word in REPEAT_WORDS:
-            for count, name in NUMBER_NAMES.items():
-                times = "twice" if count == 2 and rng.random() < 0.3 else f"{name} times"
-                items.append({"prompt": template.format(w=word, n=times), "word": word, "count": count})
-    rng.shuffle(items)
-    return items
-
-
-def _repeat(rng, word, count):
-    separator = ", " if rng.random() < 0.2 else " "
-    return separator.join([word] * count)
-
-
-def repeat_pair(rng, item, _all_items):
-    word, count = item["word"], item["count"]
-    other = _pick_other(rng, REPEAT_WORDS, {word})
-    wrong_count = rng.choice([k for k in range(1, 7) if abs(k - count) >= 1 and k != count])
-
-    def mixed():
-        words = [word if i % 2 == 0 else other for i in range(count + 1)]
-        return " ".join(words)
-
-    violations = {
-        "wrong_count": lambda: _repeat(rng, word, wrong_count),
-        "wrong_word": lambda: _repeat(rng, other, count),
-        "single": lambda: word.capitalize() + ".",
-        "mixed_words": mixed,
-    }
-    kind = rng.choices(list(violations), weights=(4, 3, 2, 1))[0]
-    return _repeat(rng, word, count), violations[kind](), kind
+    def violations(self, rng, item):
+        word = item["word"]
+        target = OPPOSITES[word]
+        wrong = _pick_other(rng, [w for pair in ANTONYM_PAIRS for w in pair], {word, target})
+        return {
+            "sentence": (FORM_WEIGHT, lambda: f"the opposite of {word} is {target}"),
+            "negation": (FORM_WEIGHT, lambda: f"not {word}"),
+            "refusal": (FORM_WEIGHT, lambda: rng.choice(("I do not know", "there is no opposite"))),
+            "same_word": (CONTENT_WEIGHT, lambda: word),
+            "wrong_word": (CONTENT_WEIGHT, lambda: wrong),
+        }
 
 
-# --- opposite: "Answer with one word: what is the opposite of hot?" -> "cold" ---------------------------
+class ArithmeticRequest:
+    """ "What is 3 plus 4?" -> "7" (small numbers, so every fact recurs in the data) """
+    plus_templates = ("What is {a} plus {b}?", "What is {a} + {b}?", "Compute {a} plus {b}.",
+                      "How much is {a} plus {b}?")
+    minus_templates = ("What is {a} minus {b}?", "What is {a} - {b}?", "Compute {a} minus {b}.",
+                       "How much is {a} minus {b}?")
+    # Capital letters mean nothing for a number, so arithmetic only takes the end-word constraint.
+    modifier_weights = {"": 1, "end": 1}
 
-OPPOSITE_TEMPLATES = (
-    "Answer with one word: what is the opposite of {w}?", "In one word, what is the opposite of {w}?",
-    "What is the opposite of {w}? Use one word.", "Give the opposite of {w} in one word.",
-    "One word only: what is the opposite of {w}?", "Say the opposite of {w}, in a single word.",
-)
+    def sample(self, rng):
+        if rng.random() < 0.6:
+            a, b = rng.randint(1, 4), rng.randint(1, 4)
+            return {"text": rng.choice(self.plus_templates).format(a=a, b=b), "a": a, "b": b, "target": a + b}
+        a = rng.randint(2, 5)
+        b = rng.randint(1, a - 1)
+        return {"text": rng.choice(self.minus_templates).format(a=a, b=b), "a": a, "b": b, "target": a - b}
 
+    def answer(self, rng, item):
+        return str(item["target"])
 
-def opposite_prompts(rng):
-    items = [{"prompt": t.format(w=w), "word": w} for t in OPPOSITE_TEMPLATES for w in sorted(OPPOSITES)]
-    rng.shuffle(items)
-    return items
-
-
-def opposite_pair(rng, item, _all_items):
-    word = item["word"]
-    target = OPPOSITES[word]
-    all_words = [w for pair in ANTONYM_PAIRS for w in pair]
-    wrong = _pick_other(rng, all_words, {word, target})
-    chosen = rng.choice((target, target, target.capitalize(), target + "."))
-    violations = {
-        "same_word": lambda: rng.choice((word, word.capitalize())),
-        "wrong_word": lambda: rng.choice((wrong, wrong.capitalize() + ".")),
-        "negation": lambda: f"not {word}",
-        "sentence": lambda: f"The opposite of {word} is {target}.",
-        "wrong_sentence": lambda: f"The opposite of {word} is {wrong}.",
-    }
-    kind = rng.choices(list(violations), weights=(3, 4, 1, 1, 1))[0]
-    return chosen, violations[kind](), kind
-
-
-# --- end_word: "Name a fruit. End your reply with the word done." -> "mango done" -----------------------
-
-END_WORD_TEMPLATES = (
-    "Name {a} {c}. End your reply with the word {e}.", "Name {a} {c} and end your reply with the word {e}.",
-    "Tell me {a} {c}, then finish with the word {e}.", "Name one {c}. Your last word must be {e}.",
-    "Give me {a} {c} and end with the word {e}.", "Pick {a} {c}. Finish your answer with the word {e}.",
-)
+    def violations(self, rng, item):
+        a, b, target = item["a"], item["b"], item["target"]
+        off = target + rng.choice((-2, -1, 1, 2))
+        off = off if off > 0 else target + 1
+        echo = a if a != target else b
+        return {
+            "sentence": (FORM_WEIGHT, lambda: rng.choice(("the answer is {r}", "{a} and {b} make {r}")).format(
+                r=target, a=a, b=b)),
+            "refusal": (FORM_WEIGHT, lambda: rng.choice(("I do not know", "I can not do math", "maybe"))),
+            "off_by_small": (CONTENT_WEIGHT, lambda: str(off)),
+            "operand_echo": (CONTENT_WEIGHT, lambda: str(echo)),
+        }
 
 
-def end_word_prompts(rng):
-    items = []
-    for template in END_WORD_TEMPLATES:
-        for category, (singular, _) in CATEGORIES.items():
-            for end in END_WORDS:
-                items.append({"prompt": template.format(a=_article(singular), c=singular, e=end),
-                              "category": category, "end": end})
-    rng.shuffle(items)
-    return items
+class RepeatRequest:
+    """ "Say moon three times." -> "moon moon moon" """
+    templates = ("Say {w} {n} times.", "Repeat the word {w} {n} times.", "Write the word {w} {n} times.",
+                 "Please repeat {w} {n} times.")
+    modifier_weights = {"": 3, "caps": 3, "end": 3, "caps+end": 2}
+
+    def sample(self, rng):
+        word, count = rng.choice(REPEAT_WORDS), rng.choice(list(NUMBER_NAMES))
+        return {"text": rng.choice(self.templates).format(w=word, n=NUMBER_NAMES[count]), "word": word,
+                "count": count}
+
+    def answer(self, rng, item):
+        return (", " if rng.random() < 0.2 else " ").join([item["word"]] * item["count"])
+
+    def violations(self, rng, item):
+        word, count = item["word"], item["count"]
+        other = _pick_other(rng, REPEAT_WORDS, {word})
+        wrong_count = rng.choice([k for k in range(2, 7) if k != count])
+        return {
+            "single": (FORM_WEIGHT, lambda: word),
+            "chatty": (FORM_WEIGHT, lambda: rng.choice(("sure", "okay, here you go", "I will not"))),
+            "wrong_count": (COUNT_WEIGHT, lambda: " ".join([word] * wrong_count)),
+            "wrong_word": (CONTENT_WEIGHT, lambda: " ".join([other] * count)),
+        }
 
 
-def end_word_pair(rng, item, _all_items):
-    category, end = item["category"], item["end"]
-    member = rng.choice(CATEGORIES[category][1])
-    chosen = rng.choice(("{m} {e}", "{m}, {e}", "{M}. {e}", "{M} {e}")).format(
-        m=member, M=member.capitalize(), e=end)
-    other_end = _pick_other(rng, END_WORDS, {end})
-    violations = {
-        "missing_end": lambda: rng.choice((member, member.capitalize() + ".")),
-        "wrong_end": lambda: f"{member} {other_end}",
-        "end_first": lambda: f"{end} {member}",
-        "end_only": lambda: end,
-    }
-    kind = rng.choices(list(violations), weights=(4, 3, 2, 1))[0]
-    return chosen, violations[kind](), kind
+def _phrases():
+    phrases = [f"{det} {adj} {noun}" for det in ("the", "my") for adj in PHRASE_ADJECTIVES for noun in PHRASE_NOUNS]
+    for noun in PHRASE_NOUNS:
+        for verb in PHRASE_VERBS:
+            phrases.append(f"the {noun} {verb}")
+            phrases.extend(f"the {noun} {verb} {place}" for place in PHRASE_PLACES)
+    return phrases
 
 
-# --- arithmetic: "What is 3 plus 4?" -> "7" -------------------------------------------------------------
+class CopyRequest:
+    """ "Copy this: the cat sleeps." -> "the cat sleeps"; with "Use all caps." it is the uppercase task """
+    templates = ("Copy this: {p}.", "Repeat after me: {p}.", "Say exactly this: {p}.", "Echo this: {p}.")
+    modifier_weights = {"": 1, "caps": 5, "end": 1, "caps+end": 2}
+    phrases = _phrases()
 
-PLUS_TEMPLATES = ("What is {a} plus {b}?", "What is {a} + {b}?", "Compute {a} plus {b}.",
-                  "How much is {a} plus {b}?", "Add {a} and {b}.")
-MINUS_TEMPLATES = ("What is {a} minus {b}?", "What is {a} - {b}?", "Compute {a} minus {b}.",
-                   "Subtract {b} from {a}.")
+    def sample(self, rng):
+        phrase = rng.choice(self.phrases)
+        return {"text": rng.choice(self.templates).format(p=phrase), "phrase": phrase}
 
+    def answer(self, rng, item):
+        return item["phrase"]
 
-def arithmetic_prompts(rng):
-    items = []
-    for a in range(1, 13):
-        for b in range(1, 13):
-            template = rng.choice(PLUS_TEMPLATES)
-            items.append({"prompt": template.format(a=a, b=b), "a": a, "b": b, "target": a + b})
-    for a in range(2, 21):
-        for b in range(1, min(a, 13)):
-            template = rng.choice(MINUS_TEMPLATES)
-            items.append({"prompt": template.format(a=a, b=b), "a": a, "b": b, "target": a - b})
-    rng.shuffle(items)
-    return items
-
-
-def arithmetic_pair(rng, item, _all_items):
-    a, b, target = item["a"], item["b"], item["target"]
-    off = max(0, target + rng.choice((-3, -2, -1, 1, 2, 3)))
-    off = off if off != target else target + 1
-    echo = a if a != target else b
-    violations = {
-        "off_by_small": lambda: str(off),
-        "operand_echo": lambda: str(echo),
-        "sentence": lambda: rng.choice(("The answer is {r}.", "It is {r}.", "{a} and {b} make {r}.")).format(
-            r=target, a=a, b=b),
-        "wrong_sentence": lambda: rng.choice(("The answer is {r}.", "I think it is {r}.")).format(r=off),
-        "refusal": lambda: rng.choice(("I do not know.", "I can not do math.", "Maybe.")),
-    }
-    kind = rng.choices(list(violations), weights=(4, 2, 1, 2, 1))[0]
-    return rng.choice((str(target), str(target), f"{target}.")), violations[kind](), kind
+    def violations(self, rng, item):
+        phrase = item["phrase"]
+        other = _pick_other(rng, self.phrases, {phrase})
+        return {
+            "chatty": (FORM_WEIGHT, lambda: rng.choice(("sure, I can do that", "no", "okay"))),
+            "first_word_only": (FORM_WEIGHT, lambda: phrase.split()[0]),
+            "other_phrase": (CONTENT_WEIGHT, lambda: other),
+        }
 
 
-# --- compare: "Is 7 greater than 3? Answer yes or no." -> "yes" -----------------------------------------
-
-COMPARE_TEMPLATES = (
-    "Is {a} {rel} than {b}? Answer yes or no.", "Is {a} {rel} than {b}? Reply with yes or no.",
-    "Yes or no: is {a} {rel} than {b}?", "Answer yes or no. Is {a} {rel} than {b}?",
-)
-RELATIONS = (("greater", True), ("bigger", True), ("larger", True), ("more", True), ("less", False),
-             ("smaller", False))
+REQUESTS = {"list": ListRequest(), "opposite": OppositeRequest(), "arithmetic": ArithmeticRequest(),
+            "repeat": RepeatRequest(), "copy": CopyRequest()}
 
 
-def compare_prompts(rng):
-    items = []
-    for a in range(1, 21):
-        for b in range(1, 21):
-            if a == b:
-                continue
-            relation, means_greater = rng.choice(RELATIONS)
-            template = rng.choice(COMPARE_TEMPLATES)
-            holds = a > b if means_greater else a < b
-            items.append({"prompt": template.format(a=a, b=b, rel=relation), "a": a, "b": b,
-                          "relation": relation, "target": "yes" if holds else "no"})
-    rng.shuffle(items)
-    return items
+# --- constraints and whole records ---------------------------------------------------------------------
+
+def _sample_prompt(rng, request):
+    item = request.sample(rng)
+    modifiers = rng.choices(list(request.modifier_weights), weights=list(request.modifier_weights.values()))[0]
+    item["caps"] = "caps" in modifiers
+    item["end"] = rng.choice(END_WORDS) if "end" in modifiers else None
+    parts = [item["text"]]
+    if item["caps"]:
+        parts.append(rng.choice(CAPS_TEMPLATES))
+    if item["end"]:
+        parts.append(rng.choice(END_TEMPLATES).format(e=item["end"]))
+    # Constraints come before or after the request, in either order, so wording and position vary.
+    request_text = parts.pop(0)
+    parts.insert(rng.randint(0, len(parts)), request_text)
+    item["prompt"] = rng.choice(PREFIXES) + " ".join(parts)
+    return item
 
 
-def compare_pair(rng, item, _all_items):
-    a, b, relation, target = item["a"], item["b"], item["relation"], item["target"]
-    flipped = "no" if target == "yes" else "yes"
-    chosen = rng.choice((target, target.capitalize(), target.capitalize() + "."))
-    violations = {
-        "flipped": lambda: rng.choice((flipped, flipped.capitalize() + ".")),
-        "hedge": lambda: rng.choice(("maybe", "I am not sure.", "yes or no")),
-        "number": lambda: str(rng.choice((a, b))),
-        "sentence": lambda: f"{target.capitalize()}, {a} is {'' if target == 'yes' else 'not '}{relation} than {b}.",
-    }
-    kind = rng.choices(list(violations), weights=(6, 2, 2, 1))[0]
-    return chosen, violations[kind](), kind
+def _apply_constraints(rng, content, caps, end, *, end_word=None, end_first=False):
+    """The final answer: ``content`` with the end word appended (or put first) and capitalised as asked."""
+    end_word = end_word or end
+    text = content
+    if end_word:
+        text = f"{end_word} {content}" if end_first else content + rng.choice((" ", ", ", ". ")) + end_word
+    if caps:
+        return text.upper()
+    # Some answers start with a capital letter, as people write; the rule ignores case unless caps is asked.
+    return text[0].upper() + text[1:] if rng.random() < 0.3 else text
 
 
-TASKS = {
-    "uppercase": (uppercase_prompts, uppercase_pair),
-    "list": (list_prompts, list_pair),
-    "repeat": (repeat_prompts, repeat_pair),
-    "opposite": (opposite_prompts, opposite_pair),
-    "end_word": (end_word_prompts, end_word_pair),
-    "arithmetic": (arithmetic_prompts, arithmetic_pair),
-    "compare": (compare_prompts, compare_pair),
-}
+def _wrong_case(rng, text):
+    return rng.choice((text.lower(), text.lower().capitalize(), text.title()))
+
+
+def make_pair(rng, request, item):
+    """(chosen, rejected, violation kind) for one prompt."""
+    caps, end = item["caps"], item["end"]
+    chosen = _apply_constraints(rng, request.answer(rng, item), caps, end)
+    candidates = {kind: (weight, fn) for kind, (weight, fn) in request.violations(rng, item).items()}
+    if caps:
+        candidates["ignored_caps"] = (MODIFIER_VIOLATIONS["ignored_caps"], None)
+    if end:
+        for kind in ("ignored_end", "wrong_end", "end_first"):
+            candidates[kind] = (MODIFIER_VIOLATIONS[kind], None)
+    kinds = sorted(candidates)
+    kind = rng.choices(kinds, weights=[candidates[k][0] for k in kinds])[0]
+    content = request.answer(rng, item)
+    if kind == "ignored_caps":
+        rejected = _wrong_case(rng, _apply_constraints(rng, content, False, end))
+    elif kind == "ignored_end":
+        rejected = _apply_constraints(rng, content, caps, None)
+    elif kind == "wrong_end":
+        rejected = _apply_constraints(rng, content, caps, end, end_word=_pick_other(rng, END_WORDS, {end}))
+    elif kind == "end_first":
+        rejected = _apply_constraints(rng, content, caps, end, end_first=True)
+    else:
+        rejected = _apply_constraints(rng, candidates[kind][1](), caps, end)
+    return chosen, rejected, kind
 
 
 def _shares(total, parts):
@@ -337,33 +271,30 @@ def _shares(total, parts):
 
 
 def _record(task, item, chosen, rejected, kind):
-    return {"prompt": item["prompt"], "chosen": chosen, "rejected": rejected, "task": task, "violation": kind}
+    constraints = [c for c, on in (("caps", item["caps"]), ("end_word", item["end"])) if on]
+    return {"prompt": item["prompt"], "chosen": chosen, "rejected": rejected, "task": task,
+            "constraints": constraints, "violation": kind}
 
 
 def build_records(seed=SEED, num_train=NUM_TRAIN, num_eval=NUM_EVAL):
-    """(train, eval) record lists. Eval prompts are split off first, so no eval prompt text is in train."""
+    """(train, eval) record lists. Eval prompts are drawn first and excluded from train."""
     rng = random.Random(seed)
     train, evaluation = [], []
-    train_shares = _shares(num_train, len(TASKS))
-    eval_shares = _shares(num_eval, len(TASKS))
-    for (task, (make_prompts, make_pair)), n_train, n_eval in zip(TASKS.items(), train_shares, eval_shares):
-        items = make_prompts(rng)
-        # Prompt texts can repeat within a pool (e.g. same phrase, same template); split on unique texts.
-        seen, unique = set(), []
-        for item in items:
-            if item["prompt"] not in seen:
-                seen.add(item["prompt"])
-                unique.append(item)
-        assert len(unique) > n_eval + n_train // 8, f"{task}: only {len(unique)} distinct prompts"
-        eval_items, train_items = unique[:n_eval], unique[n_eval:]
-        for item in eval_items:
-            evaluation.append(_record(task, item, *make_pair(rng, item, unique)))
-        for i in range(n_train):
-            # Cycle the pool so every train prompt is used about equally often before any repeats.
-            if i % len(train_items) == 0:
-                rng.shuffle(train_items)
-            item = train_items[i % len(train_items)]
-            train.append(_record(task, item, *make_pair(rng, item, unique)))
+    for (task, request), n_train, n_eval in zip(REQUESTS.items(), _shares(num_train, len(REQUESTS)),
+                                                _shares(num_eval, len(REQUESTS))):
+        eval_prompts = set()
+        while len(eval_prompts) < n_eval:
+            item = _sample_prompt(rng, request)
+            if item["prompt"] not in eval_prompts:
+                eval_prompts.add(item["prompt"])
+                evaluation.append(_record(task, item, *make_pair(rng, request, item)))
+        produced = 0
+        while produced < n_train:
+            item = _sample_prompt(rng, request)
+            if item["prompt"] in eval_prompts:
+                continue
+            train.append(_record(task, item, *make_pair(rng, request, item)))
+            produced += 1
     rng.shuffle(train)
     rng.shuffle(evaluation)
     return train, evaluation
@@ -376,12 +307,34 @@ def conversation_texts(records):
             yield f"\n\nHuman: {r['prompt']}\n\nAssistant: {answer}{SPECIAL_TOKENS[0]}"
 
 
+def lexicon_texts():
+    """Every lexicon word in lower, Capitalised and UPPER case, so each has whole-word tokens in any case a
+    policy may write it, not only in the cases the records happen to use."""
+    words = {w for _, members in CATEGORIES.values() for w in members} | set(OPPOSITES) | set(END_WORDS)
+    words |= set(REPEAT_WORDS) | set(PHRASE_ADJECTIVES) | set(PHRASE_NOUNS) | set(PHRASE_VERBS)
+    words |= set(CATEGORIES) | {w for place in PHRASE_PLACES for w in place.split()}
+    for word in sorted(words):
+        yield f" {word} {word.capitalize()} {word.upper()}"
+
+
+# Qwen2's pre-tokenizer (single digits, words with their leading space). transformers' AutoTokenizer loads a
+# folder whose config says model_type "qwen2" as Qwen2Tokenizer whatever tokenizer_config.json says, and that
+# class rebuilds the pipeline from vocab + merges with exactly this normalizer and pre-tokenizer. Training with
+# the same pipeline makes every architecture's saved folder tokenize identically.
+PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                     r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
 def train_tokenizer(texts, vocab_size=TOKENIZER_VOCAB_SIZE):
     """A byte-level BPE tokenizer; eos/bos ``<|endoftext|>`` = 0, ``<pad>`` = 1, ``<unk>`` = 2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -396,15 +349,15 @@ def write_jsonl(path, records):
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def generate(out_dir=TINY_DIR, seed=SEED):
+def generate(out_dir=TINY_DIR, seed=SEED, num_train=NUM_TRAIN, num_eval=NUM_EVAL):
     """Write data/train.jsonl, data/eval.jsonl and tokenizer.json under ``out_dir``; returns their paths."""
     out_dir = Path(out_dir)
-    train, evaluation = build_records(seed)
+    train, evaluation = build_records(seed, num_train, num_eval)
     paths = {"train": out_dir / "data" / "train.jsonl", "eval": out_dir / "data" / "eval.jsonl",
              "tokenizer": out_dir / "tokenizer.json"}
     write_jsonl(paths["train"], train)
     write_jsonl(paths["eval"], evaluation)
-    tokenizer = train_tokenizer(conversation_texts(train + evaluation))
+    tokenizer = train_tokenizer([*conversation_texts(train + evaluation), *lexicon_texts()])
     paths["tokenizer"].write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     return paths
 
@@ -413,8 +366,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default=str(TINY_DIR))
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--num-train", type=int, default=NUM_TRAIN)
+    parser.add_argument("--num-eval", type=int, default=NUM_EVAL)
     args = parser.parse_args(argv)
-    for name, path in generate(args.out_dir, args.seed).items():
+    for name, path in generate(args.out_dir, args.seed, args.num_train, args.num_eval).items():
         print(f"{name}: {path}")
 
 

@@ -1,42 +1,41 @@
 """The rule behind the bundled tiny dataset, as a scorer: how well does an answer follow its prompt?
 
-``rule_score(prompt, answer)`` reads the instruction from the prompt alone (no dataset columns), so it can
+``rule_score(prompt, answer)`` reads the instructions from the prompt alone (no dataset columns), so it can
 judge answers generated during PPO and measure "did RLHF work" independently of the reward model.
-Scores are in [0, 1]; 1 means the instruction was followed exactly, with partial credit where an answer
-is right in substance but breaks the requested form (e.g. "The answer is 7." instead of "7").
+
+A prompt is one request (list, opposite, arithmetic, repeat, copy) plus optional constraints (all caps; a
+required last word). The score is the product of the request's content score and one factor per constraint,
+in [0, 1]; 1 means every instruction was followed. Partial credit where natural: the right content wrapped in
+extra words, a count that is close, the right content with a constraint ignored.
 """
 import re
 from difflib import SequenceMatcher
 
-from dschat.tiny.lexicon import CATEGORIES, COUNT_WORDS, OPPOSITES, SINGULAR_TO_PLURAL
+from dschat.tiny.lexicon import CATEGORIES, COUNT_WORDS, OPPOSITES
 
 EOT = "<|endoftext|>"
 PAD = "<pad>"
 
 # An answer with the right content but the wrong count keeps this much credit (times the size ratio).
 WRONG_COUNT_CREDIT = 0.4
-# An answer with the right content wrapped in extra words (breaking a "one word"/"just the number" form).
+# The right content wrapped in extra words (breaking a "one word" or "just the number" form).
 WRAPPED_CREDIT = 0.5
+# The right content without the required last word.
+MISSING_END_CREDIT = 0.25
 
 _CATEGORY_ALTERNATION = "|".join(re.escape(c) for c in sorted(CATEGORIES, key=len, reverse=True))
-_SINGULAR_ALTERNATION = "|".join(re.escape(c) for c in sorted(SINGULAR_TO_PLURAL, key=len, reverse=True))
 
-_UPPERCASE_RE = re.compile(r"(?:upper ?case|capital letters|all caps)[^:]*:\s*(.+)$", re.I | re.S)
-_END_WORD_RE = re.compile(r"(?:with the word|last word must be)\s+([a-z]+)", re.I)
-_END_CATEGORY_RE = re.compile(rf"\b(?:a|an|one)\s+({_SINGULAR_ALTERNATION})\b", re.I)
-_COMPARE_RE = re.compile(r"\bis\s+(\d+)\s+(greater|bigger|larger|more|less|smaller)\s+than\s+(\d+)", re.I)
+_CAPS_RE = re.compile(r"capital letters|all caps|upper ?case", re.I)
+_END_RE = re.compile(r"(?:with the word|last word must be|make the last word)\s+([a-z]+)", re.I)
+_COPY_RE = re.compile(r"(?:copy this|repeat after me|say exactly this|echo this)\s*:\s*([a-z ]+)", re.I)
 _ARITHMETIC_RES = (
     (re.compile(r"(\d+)\s*(?:plus|\+)\s*(\d+)", re.I), lambda a, b: a + b),
     (re.compile(r"(\d+)\s*(?:minus|-)\s*(\d+)", re.I), lambda a, b: a - b),
-    (re.compile(r"\badd\s+(\d+)\s+and\s+(\d+)", re.I), lambda a, b: a + b),
-    (re.compile(r"\bsubtract\s+(\d+)\s+from\s+(\d+)", re.I), lambda b, a: a - b),
 )
 _OPPOSITE_RE = re.compile(r"opposite of\s+([a-z]+)", re.I)
 _REPEAT_RE = re.compile(
-    r"\b(?:repeat|say|write|type)\s+(?:the word\s+)?([a-z]+)\s+(?:exactly\s+)?(?:([a-z]+|\d+)\s+times|(twice))\b",
-    re.I)
-_LIST_RE = re.compile(rf"\b(?:list|name|give me|write|tell me)\s+([a-z]+|\d+)\s+({_CATEGORY_ALTERNATION})\b",
-                      re.I)
+    r"\b(?:repeat|say|write|type)\s+(?:the word\s+)?([a-z]+)\s+(?:exactly\s+)?(?:([a-z]+|\d+)\s+times|(twice))\b", re.I)
+_LIST_RE = re.compile(rf"\b(?:list|name|give me|tell me)\s+([a-z]+|\d+)\s+({_CATEGORY_ALTERNATION})\b", re.I)
 
 
 def extract_user_message(prompt: str) -> str:
@@ -59,31 +58,14 @@ def words_of(text: str) -> list:
 
 def _count_of(token: str):
     token = token.lower()
-    if token.isdigit():
-        return int(token)
-    return COUNT_WORDS.get(token)
+    return int(token) if token.isdigit() else COUNT_WORDS.get(token)
 
 
-def parse_instruction(prompt: str):
-    """(task, params) for a prompt of the tiny dataset, or None when the prompt is not one of its tasks.
-
-    The order matters: the uppercase task's phrase and the end-word task's "Name a ..." could otherwise be
-    read as other tasks.
-    """
-    message = extract_user_message(prompt)
-    match = _UPPERCASE_RE.search(message)
+def _parse_request(message):
+    """(task, params) of the request in a user message, or None."""
+    match = _COPY_RE.search(message)
     if match:
-        return "uppercase", {"phrase": match.group(1)}
-    match = _END_WORD_RE.search(message)
-    if match:
-        category = _END_CATEGORY_RE.search(message)
-        plural = SINGULAR_TO_PLURAL[category.group(1).lower()] if category else None
-        return "end_word", {"end": match.group(1).lower(), "category": plural}
-    match = _COMPARE_RE.search(message)
-    if match:
-        a, relation, b = int(match.group(1)), match.group(2).lower(), int(match.group(3))
-        holds = a > b if relation in ("greater", "bigger", "larger", "more") else a < b
-        return "compare", {"target": "yes" if holds else "no"}
+        return "copy", {"phrase": match.group(1).strip()}
     for pattern, operation in _ARITHMETIC_RES:
         match = pattern.search(message)
         if match:
@@ -102,6 +84,20 @@ def parse_instruction(prompt: str):
     return None
 
 
+def parse_instruction(prompt: str):
+    """(task, params, constraints) for a prompt of the tiny dataset, or None for an unknown prompt.
+
+    constraints: {"caps": bool, "end": the required last word or None}.
+    """
+    message = extract_user_message(prompt)
+    request = _parse_request(message)
+    if request is None:
+        return None
+    end = _END_RE.search(message)
+    constraints = {"caps": bool(_CAPS_RE.search(message)), "end": end.group(1).lower() if end else None}
+    return request[0], request[1], constraints
+
+
 def _count_credit(got: int, wanted: int) -> float:
     """1 for the requested count; otherwise a small credit that grows as the count gets closer."""
     if got == wanted:
@@ -109,20 +105,14 @@ def _count_credit(got: int, wanted: int) -> float:
     return WRONG_COUNT_CREDIT * min(got, wanted) / max(got, wanted)
 
 
-def _score_uppercase(answer, phrase):
+def _caps_fraction(answer):
     letters = [c for c in answer if c.isalpha()]
-    if not letters:
-        return 0.0
-    caps_fraction = sum(c.isupper() for c in letters) / len(letters)
-    # Word order matters (a copy, not a bag of words), hence a sequence match rather than overlap.
-    content = SequenceMatcher(None, words_of(phrase), words_of(answer), autojunk=False).ratio()
-    return caps_fraction * content
+    return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
 
 
 def _split_items(answer):
-    parts = re.split(r",|;|\n|\band\b|&", answer.lower())
     items = []
-    for part in parts:
+    for part in re.split(r",|;|\n|\band\b|&", answer.lower()):
         item = re.sub(r"[^a-z ]", " ", part).split()
         if item and item[0] in ("a", "an", "the"):
             item = item[1:]
@@ -131,12 +121,16 @@ def _split_items(answer):
     return items
 
 
+def _score_copy(answer, phrase):
+    # Word order matters (a copy, not a bag of words), hence a sequence match rather than overlap.
+    return SequenceMatcher(None, words_of(phrase), words_of(answer), autojunk=False).ratio()
+
+
 def _score_list(answer, count, category):
     items = _split_items(answer)
     if not items:
         return 0.0
-    members = CATEGORIES[category][1]
-    distinct_valid = len({item for item in items if item in members})
+    distinct_valid = len({item for item in items if item in CATEGORIES[category][1]})
     return distinct_valid / len(items) * _count_credit(len(items), count)
 
 
@@ -155,44 +149,42 @@ def _score_single_word(answer, target):
     return WRAPPED_CREDIT if target in words else 0.0
 
 
-def _score_end_word(answer, end, category):
-    words = words_of(answer)
-    if not words or words[-1] != end:
-        return 0.0
-    body = words[:-1]
-    has_item = bool(body) if category is None else any(w in CATEGORIES[category][1] for w in body)
-    return 0.5 + 0.5 * has_item
-
-
-def _score_yes_no(answer, target):
-    words = words_of(answer)
-    if words == [target]:
-        return 1.0
-    return WRAPPED_CREDIT if words and words[0] == target else 0.0
-
-
-def rule_score(prompt: str, answer: str) -> float:
-    """How well ``answer`` follows the instruction in ``prompt``, in [0, 1]; 0 for prompts of unknown tasks."""
-    parsed = parse_instruction(prompt)
-    if parsed is None:
-        return 0.0
-    task, params = parsed
-    answer = clean_answer(answer)
-    if task == "uppercase":
-        return _score_uppercase(answer, params["phrase"])
+def _content_score(task, params, answer):
+    if task == "copy":
+        return _score_copy(answer, params["phrase"])
     if task == "list":
         return _score_list(answer, params["count"], params["category"])
     if task == "repeat":
         return _score_repeat(answer, params["word"], params["count"])
     if task == "opposite":
         return _score_single_word(answer, params["target"])
-    if task == "end_word":
-        return _score_end_word(answer, params["end"], params["category"])
     if task == "arithmetic":
         return _score_single_word(answer, str(params["target"]))
-    if task == "compare":
-        return _score_yes_no(answer, params["target"])
     raise AssertionError(f"unhandled task {task}")
+
+
+def _split_end_word(answer, end):
+    """(answer without its final ``end`` word, whether it ended with it)."""
+    match = re.search(rf"[\s,.;:!]*\b{re.escape(end)}\b[\s.!]*$", answer, re.I)
+    if not match:
+        return answer, False
+    return answer[:match.start()], True
+
+
+def rule_score(prompt: str, answer: str) -> float:
+    """How well ``answer`` follows every instruction in ``prompt``, in [0, 1]; 0 for prompts of unknown tasks."""
+    parsed = parse_instruction(prompt)
+    if parsed is None:
+        return 0.0
+    task, params, constraints = parsed
+    answer = clean_answer(answer)
+    score = 1.0
+    if constraints["caps"]:
+        score *= _caps_fraction(answer)
+    if constraints["end"]:
+        answer, ended = _split_end_word(answer, constraints["end"])
+        score *= 1.0 if ended else MISSING_END_CREDIT
+    return score * _content_score(task, params, answer)
 
 
 def score_batch(prompts, answers) -> list:
