@@ -1,0 +1,123 @@
+"""PPO-iteration benchmark: wall seconds per step-3 iteration, split into generation, experience forwards
+(actor, reference, critic, reward) and training, for dschat's DeepSpeedPPOTrainer on one GPU.
+
+OPT-1.3B-shaped actor and OPT-350m-shaped critic/reward with random weights, bf16, 64 prompts of 256 tokens,
+256 generated tokens (answers never end early), generation batch = training batch = 64, one PPO epoch, actor
+gradient checkpointing (as in DeepSpeed-Chat's measured run). Mean of iterations 2..N.
+
+    python bench/ppo_iteration.py --variants z2_hybrid,z2_hf,z3_hybrid,z3_hf --iterations 6
+
+Needs a CUDA GPU; run through the device tool. Prints a table; writes JSON to $OUT when set.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ACTOR = dict(vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
+             max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True, dropout=0.0)
+CRITIC = dict(vocab_size=50272, hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16,
+              max_position_embeddings=2048, word_embed_proj_dim=512, do_layer_norm_before=False, dropout=0.0)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save_random_model(folder, shape, tokenizer):
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(OPTConfig(**shape), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_variant(name, actor_dir, critic_dir, tokenizer, args):
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+
+    stage = int(name[1])
+    hybrid = name.endswith("hybrid")
+    settings = {"actor_zero_stage": stage, "critic_zero_stage": stage, "enable_hybrid_engine": hybrid,
+                "dtype": "bf16", "per_device_generation_batch_size": args.batch,
+                "per_device_training_batch_size": args.batch, "max_prompt_seq_len": args.prompt,
+                "max_answer_seq_len": args.gen, "actor_gradient_checkpointing": True, "num_warmup_steps": 0,
+                "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir}
+    engine = DeepSpeedRLHFEngine(actor_model_name_or_path=actor_dir, tokenizer=tokenizer, args=settings)
+    trainer = DeepSpeedPPOTrainer(engine=engine, args=settings)
+    # answers run to full length, as in the measured baseline: an EOS id no token can take
+    trainer.eos_token_id = ACTOR["vocab_size"]
+    if hybrid:
+        trainer.actor_model.eos_token_id = trainer.eos_token_id
+    prompts = torch.randint(4, ACTOR["vocab_size"], (args.batch, args.prompt), device="cuda")
+    batch = {"prompt": prompts, "prompt_att_mask": torch.ones_like(prompts)}
+    rows = []
+    for i in range(args.iterations):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        exp = trainer.generate_experience(batch, step=i)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        trainer.train_rlhf(exp)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        rows.append({"wall": t2 - t0, "generation": trainer.stats["generation_time"],
+                     "experience": trainer.stats["experience_time"], "training": t2 - t1,
+                     "answer_length": trainer.stats["answer_length"]})
+        log(name, i, json.dumps(rows[-1]))
+    steady = rows[1:]
+    mean = {k: sum(r[k] for r in steady) / len(steady) for k in steady[0]}
+    mean.update(variant=name, samples_per_s=args.batch / mean["wall"],
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+    del trainer, engine
+    return mean
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--cuda_graph", action="store_true")
+    args = p.parse_args()
+    import gc
+
+    from dschat.tiny import load_tiny_tokenizer
+
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    root = tempfile.mkdtemp(prefix="dschat_bench_")
+    actor_dir = save_random_model(os.path.join(root, "actor"), ACTOR, tokenizer)
+    critic_dir = save_random_model(os.path.join(root, "critic"), CRITIC, tokenizer)
+    results = []
+    for name in args.variants.split(","):
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            results.append(run_variant(name, actor_dir, critic_dir, tokenizer, args))
+        except Exception as ex:  # report and go on
+            results.append({"variant": name, "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
+        gc.collect()
+        torch.cuda.empty_cache()
+    log(f"\n{'variant':<12}{'wall s':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}{'peak GB':>9}")
+    for r in results:
+        if "error" in r:
+            log(f"{r['variant']:<12} FAILED {r['error'][:90]}")
+            continue
+        log(f"{r['variant']:<12}{r['wall']:>8.2f}{r['generation']:>8.2f}{r['experience']:>8.2f}{r['training']:>9.2f}"
+            f"{r['samples_per_s']:>11.1f}{r['peak_gb']:>9.1f}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "ppo_iteration.json"), "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
