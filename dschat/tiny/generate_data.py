@@ -20,6 +20,8 @@ from dschat.tiny.lexicon import (ANTONYM_PAIRS, CATEGORIES, END_WORDS, NUMBER_NA
                                  PHRASE_ADJECTIVES, PHRASE_NOUNS, PHRASE_PLACES, PHRASE_VERBS, REPEAT_WORDS)
 
 SEED = 20240601
+# 6000 rather than 3000: with the reward model's 40% share at 1200 pairs its held-out accuracy stalled near
+# 0.90 (it memorises); at 2400 pairs it reaches about 0.94. Time per step does not depend on the size.
 NUM_TRAIN = 6000
 NUM_EVAL = 600
 TOKENIZER_VOCAB_SIZE = 1536
@@ -33,9 +35,9 @@ END_TEMPLATES = ("End with the word {e}.", "Finish with the word {e}.", "Make th
                  "End your reply with the word {e}.")
 # How a violation of each kind is weighted when a rejected answer is drawn. Kinds a tiny reward model sees
 # at a glance (a constraint ignored, wrong form) outweigh kinds that need a fact or an exact pairing.
-# Measured: a 2-layer reward model trained for two minutes separates the form kinds almost perfectly, wrong
-# counts only two times in three, and content kinds (a wrong fact or pairing) at chance; so counts are
-# uncommon and content kinds rare (about one rejection in twenty).
+# Measured: a 2-layer reward model trained for a minute or two separates the form kinds (96-99%), but wrong
+# counts only a little better than chance and content kinds (a wrong fact or word pairing) at chance; so
+# counts are uncommon and content kinds rare (together about one rejection in ten).
 FORM_WEIGHT, COUNT_WEIGHT, CONTENT_WEIGHT = 8, 2, 1
 MODIFIER_VIOLATIONS = {"ignored_caps": 10, "ignored_end": 10, "wrong_end": 1, "end_first": 3}
 
@@ -66,12 +68,12 @@ class ListRequest:
                 "category": category}
 
     def answer(self, rng, item):
-        return _join_items(rng, rng.sample(CATEGORIES[item["category"]][1], item["count"]))
+        return _join_items(rng, rng.sample(CATEGORIES[item["category"]], item["count"]))
 
     def violations(self, rng, item):
         count, category = item["count"], item["category"]
-        members = CATEGORIES[category][1]
-        other = CATEGORIES[_pick_other(rng, list(CATEGORIES), {category})][1]
+        members = CATEGORIES[category]
+        other = CATEGORIES[_pick_other(rng, list(CATEGORIES), {category})]
         return {
             "single_item": (FORM_WEIGHT, lambda: rng.choice(members)),
             "prose": (FORM_WEIGHT, lambda: rng.choice(("I like {m}", "sure, {m} is one", "there are many {c}"))
@@ -243,7 +245,7 @@ def make_pair(rng, request, item):
     """(chosen, rejected, violation kind) for one prompt."""
     caps, end = item["caps"], item["end"]
     chosen = _apply_constraints(rng, request.answer(rng, item), caps, end)
-    candidates = {kind: (weight, fn) for kind, (weight, fn) in request.violations(rng, item).items()}
+    candidates = dict(request.violations(rng, item))
     if caps:
         candidates["ignored_caps"] = (MODIFIER_VIOLATIONS["ignored_caps"], None)
     if end:
@@ -271,7 +273,8 @@ def _shares(total, parts):
 
 
 def _record(task, item, chosen, rejected, kind):
-    constraints = [c for c, on in (("caps", item["caps"]), ("end_word", item["end"])) if on]
+    # Extra columns are plain strings: a list column that is empty in many rows trips Arrow's type inference.
+    constraints = "+".join(c for c, on in (("caps", item["caps"]), ("end_word", item["end"])) if on) or "none"
     return {"prompt": item["prompt"], "chosen": chosen, "rejected": rejected, "task": task,
             "constraints": constraints, "violation": kind}
 
@@ -310,7 +313,7 @@ def conversation_texts(records):
 def lexicon_texts():
     """Every lexicon word in lower, Capitalised and UPPER case, so each has whole-word tokens in any case a
     policy may write it, not only in the cases the records happen to use."""
-    words = {w for _, members in CATEGORIES.values() for w in members} | set(OPPOSITES) | set(END_WORDS)
+    words = {w for members in CATEGORIES.values() for w in members} | set(OPPOSITES) | set(END_WORDS)
     words |= set(REPEAT_WORDS) | set(PHRASE_ADJECTIVES) | set(PHRASE_NOUNS) | set(PHRASE_VERBS)
     words |= set(CATEGORIES) | {w for place in PHRASE_PLACES for w in place.split()}
     for word in sorted(words):

@@ -5,19 +5,16 @@ Everything is a tuple or a dict built from tuples: ordered, so generation does n
 (string hashing changes between processes).
 """
 
-# The lists are small on purpose: every fact (a category member, an opposite, a sum) and every pairing of a
-# prompt word with an answer word recurs many times in the reward model's share of the data. A tiny model
-# trained for a minute or two learns such pairings by rote; it does not learn a general copy or lookup.
+# The lists are small on purpose: every fact (a category member, an opposite, a sum) recurs many times in
+# each step's share of the data, so a tiny model trained for a minute or two can learn it by rote.
 
-# Category name (plural, as used in "List three colors.") -> (singular name, members).
+# Category name, as used in "List three colors." -> its members.
 CATEGORIES = {
-    "colors": ("color", ("red", "blue", "green", "yellow", "black", "white")),
-    "fruits": ("fruit", ("apple", "banana", "grape", "pear", "lemon", "mango")),
-    "animals": ("animal", ("cat", "dog", "horse", "cow", "lion", "duck")),
-    "drinks": ("drink", ("water", "milk", "tea", "coffee", "juice", "soda")),
+    "colors": ("red", "blue", "green", "yellow", "black", "white"),
+    "fruits": ("apple", "banana", "grape", "pear", "lemon", "mango"),
+    "animals": ("cat", "dog", "horse", "cow", "lion", "duck"),
+    "drinks": ("water", "milk", "tea", "coffee", "juice", "soda"),
 }
-
-SINGULAR_TO_PLURAL = {singular: plural for plural, (singular, _) in CATEGORIES.items()}
 
 # Number words the prompts use for small counts; the scorer also accepts digits.
 COUNT_WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "once": 1, "twice": 2}

@@ -3,6 +3,7 @@
 A preset is saved to a folder with ``save_pretrained`` and later steps load it with ``from_pretrained``, so
 the tiny default exercises the same loading path as a real checkpoint.
 """
+import hashlib
 import json
 from pathlib import Path
 
@@ -82,8 +83,8 @@ def is_tiny_preset(name):
 
 
 def _marker(preset, seed):
-    # The tokenizer's size identifies its version: a regenerated tokenizer must rebuild the models.
-    return {"preset": preset, "seed": seed, "tokenizer_bytes": TOKENIZER_FILE.stat().st_size}
+    # The tokenizer's hash is part of the identity: a regenerated tokenizer must rebuild the models.
+    return {"preset": preset, "seed": seed, "tokenizer_sha256": hashlib.sha256(TOKENIZER_FILE.read_bytes()).hexdigest()}
 
 
 def _already_built(save_dir, marker):

@@ -106,8 +106,9 @@ def _count_credit(got: int, wanted: int) -> float:
 
 
 def _caps_fraction(answer):
+    # No letters (a bare number) breaks no capitalisation rule; an empty answer fails on content anyway.
     letters = [c for c in answer if c.isalpha()]
-    return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
+    return sum(c.isupper() for c in letters) / len(letters) if letters else 1.0
 
 
 def _split_items(answer):
@@ -130,7 +131,7 @@ def _score_list(answer, count, category):
     items = _split_items(answer)
     if not items:
         return 0.0
-    distinct_valid = len({item for item in items if item in CATEGORIES[category][1]})
+    distinct_valid = len({item for item in items if item in CATEGORIES[category]})
     return distinct_valid / len(items) * _count_credit(len(items), count)
 
 
