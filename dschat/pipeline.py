@@ -13,14 +13,16 @@ from dschat.utils.dist import ensure_distributed, is_rank_0, print_rank_0
 # Settings that make the embedded tiny default train well in minutes on a CPU. Hub models get the step
 # scripts' own defaults (DeepSpeed-Chat's), which the --stepN-args strings can override.
 TINY_RECIPE = {
-    1: ["--max_seq_len", "96", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32",
-        "--learning_rate", "2e-3", "--num_train_epochs", "3", "--num_warmup_steps", "10", "--dtype", "fp32"],
-    2: ["--max_seq_len", "96", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32",
-        "--learning_rate", "2e-3", "--num_train_epochs", "2", "--num_warmup_steps", "10", "--dtype", "fp32"],
-    3: ["--max_prompt_seq_len", "48", "--max_answer_seq_len", "32", "--per_device_generation_batch_size", "32",
-        "--per_device_training_batch_size", "32", "--actor_learning_rate", "5e-5", "--critic_learning_rate",
-        "5e-4", "--num_warmup_steps", "2", "--dtype", "fp32", "--enable_hybrid_engine", "--num_train_epochs", "1",
-        "--kl_ctl", "0.05", "--eval_prompts", "256"],
+    1: ["--data_split", "4,4,2", "--max_seq_len", "96", "--per_device_train_batch_size", "16",
+        "--per_device_eval_batch_size", "32", "--learning_rate", "2e-3", "--num_train_epochs", "5",
+        "--num_warmup_steps", "10", "--dtype", "fp32"],
+    2: ["--data_split", "4,4,2", "--max_seq_len", "96", "--per_device_train_batch_size", "16",
+        "--per_device_eval_batch_size", "32", "--learning_rate", "1e-3", "--num_train_epochs", "4",
+        "--num_warmup_steps", "10", "--dtype", "fp32"],
+    3: ["--data_split", "4,4,2", "--max_prompt_seq_len", "48", "--max_answer_seq_len", "32",
+        "--per_device_generation_batch_size", "32", "--per_device_training_batch_size", "32",
+        "--actor_learning_rate", "5e-5", "--critic_learning_rate", "5e-4", "--num_warmup_steps", "2",
+        "--dtype", "fp32", "--enable_hybrid_engine", "--num_train_epochs", "2", "--eval_prompts", "256"],
 }
 
 
@@ -38,7 +40,10 @@ def step_argv(step, args, tiny):
         argv = ["--model_name_or_path", args.actor_model, "--zero_stage", str(args.actor_zero_stage),
                 "--output_dir", os.path.join(out, "step1_sft")]
     elif step == 2:
-        argv = ["--model_name_or_path", args.reward_model, "--zero_stage", str(args.reward_zero_stage),
+        # The tiny default starts its reward model from the SFT model (as InstructGPT did): a 0.5M-parameter
+        # model trained from scratch in seconds only sees an answer's form, the SFT model also knows content.
+        base = os.path.join(out, "step1_sft") if tiny else args.reward_model
+        argv = ["--model_name_or_path", base, "--zero_stage", str(args.reward_zero_stage),
                 "--output_dir", os.path.join(out, "step2_rm")]
     else:
         argv = ["--actor_model_name_or_path", os.path.join(out, "step1_sft"),
