@@ -1,8 +1,9 @@
-"""Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3),
-against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16,
-sampled, prompts of P tokens, G generated tokens (no early stop), batch B.
+"""Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3, eager or
+with CUDA graphs: the ``_graph`` variants), against the memory-bandwidth floor measured in the same run. Random-weight
+models built from configs, bf16, sampled, prompts of P tokens, G generated tokens (no early stop), batch B.
 
     python bench/generation.py --models opt-1.3b --batches 64 --variants hf_dynamic,hf_static,dschat_z0,dschat_z3
+    python bench/generation.py --batches 1,16,64,128 --variants dschat_z0_graph,dschat_z3_graph --profile 64
 
 Prints a table and writes JSON (to $OUT when set). Needs a CUDA GPU; run it through the device tool.
 """
@@ -16,6 +17,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# DeepSpeed ZeRO-3 replaces torch.nn.functional.linear process-wide (memory_efficient_linear); put torch's back after
+# each variant so that the variants after a ZeRO-3 one are not measured with it.
+TORCH_LINEAR = torch.nn.functional.linear
 
 SHAPES = {
     "opt-1.3b": lambda: __import__("transformers").OPTConfig(
@@ -103,7 +108,7 @@ def hf_variant(model, prompt, mask, gen, static, repeats):
     return {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape)}
 
 
-def dschat_engine(model, stage, train):
+def dschat_engine(model, stage, train, graph=False, compile_mode=None):
     import deepspeed
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
@@ -116,12 +121,12 @@ def dschat_engine(model, stage, train):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6) if train else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                       dist_init_required=False)
-    return HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024), pad_token_id=1,
-                        eos_token_id=2)
+    return HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024, enable_cuda_graph=graph),
+                        pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode)
 
 
-def dschat_variant(model, prompt, mask, gen, stage, repeats, train):
-    he = dschat_engine(model, stage, train)
+def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False, profile=False, compile_mode=None):
+    he = dschat_engine(model, stage, train, graph, compile_mode)
     generator = torch.Generator(device="cuda").manual_seed(0)
     kw = dict(max_new_tokens=gen, do_sample=True, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=1,
               generator=generator)
@@ -140,14 +145,58 @@ def dschat_variant(model, prompt, mask, gen, stage, repeats, train):
     seconds, out = timed(one, repeats)
     stats = he.latency_stats() if hasattr(he, "latency_stats") else {}
     result = {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape), "engine_stats": stats}
+    if graph:
+        g = he.graph_decoder
+        result.update(graph_captures=g.captures, graph_replays=g.replays, graph_disabled=g.disabled_reason)
     if train:  # the RLHF loop: a training step, then generation must see the new weights
         x = prompt[:4, :64]
         loss = he(input_ids=x, labels=x).loss
         he.backward(loss)
         he.step()
         result["after_step_s"], _ = timed(one, 1)
+        if graph:
+            result["graph_captures_after_step"] = he.graph_decoder.captures
+    if profile:
+        result["profile"] = profile_decode(he, prompt, mask, kw)
     del he
     return result
+
+
+def profile_decode(he, prompt, mask, kw, new_tokens=33):
+    """Kernel time of a short generation (prefill + 32 decode steps) by kernel, from torch.profiler: says whether the
+    decode step's time is in a few bandwidth-bound kernels (GEMMs, attention) or in many small ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kw = dict(kw, max_new_tokens=new_tokens)
+    he.generate(prompt, attention_mask=mask, **kw)  # same key as the timed runs: no capture inside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        he.generate(prompt, attention_mask=mask, **kw)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+
+    def device_us(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    kernels.sort(key=device_us, reverse=True)
+    total_us = sum(device_us(e) for e in kernels)
+    top = [{"kernel": e.key[:120], "count": e.count, "ms": device_us(e) / 1e3} for e in kernels[:20]]
+    summary = {"new_tokens": new_tokens, "wall_s": wall, "kernel_s": total_us / 1e6,
+               "kernel_launches": sum(e.count for e in kernels), "top_kernels": top}
+    log(f"profile: {new_tokens} tokens in {wall:.3f} s wall, {total_us / 1e6:.3f} s of kernels, "
+        f"{summary['kernel_launches']} kernels")
+    for row in top:
+        log(f"  {row['ms']:9.2f} ms {row['count']:7d}x  {row['kernel']}")
+    return summary
+
+
+def write_json(args, bw, rows):
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, args.json), "w") as f:
+            json.dump({"bandwidth_Bps": bw, "args": vars(args), "rows": rows}, f, indent=1)
 
 
 def main():
@@ -159,6 +208,9 @@ def main():
     p.add_argument("--variants", default="hf_dynamic,hf_static,dschat_z0,dschat_z3")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--train_step", action="store_true", help="dschat variants: also time after an optimizer step")
+    p.add_argument("--profile", type=int, default=0, help="profile the dschat graph variants at this batch size")
+    p.add_argument("--compile_mode", default="default", help="torch.compile mode of the *_graph_compiled variants")
+    p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
     import transformers
 
@@ -178,9 +230,12 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:
-                        stage = int(variant.split("_z")[1])
-                        r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step)
+                    else:  # dschat_z<stage>[_graph[_compiled]]
+                        stage = int(variant.split("_z")[1].split("_")[0])
+                        graph = "_graph" in variant
+                        compile_mode = args.compile_mode if variant.endswith("_compiled") else None
+                        r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step, graph,
+                                           profile=graph and batch == args.profile, compile_mode=compile_mode)
                     r.update(ok=True)
                 except Exception as ex:  # a failing variant is reported, not fatal
                     r = {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:400]}"}
@@ -191,21 +246,19 @@ def main():
                     r["tokens_per_s"] = batch * args.gen / r["seconds"]
                 log(json.dumps(r))
                 rows.append(r)
+                write_json(args, bw, rows)  # after every row: a run cut short still leaves its results
                 del model, prompt, mask
+                torch.nn.functional.linear = TORCH_LINEAR
                 gc.collect()
                 torch.cuda.empty_cache()
-    log(f"\n{'model':<12}{'B':>5} {'variant':<14}{'seconds':>9}{'x floor':>9}{'tok/s':>9}{'first':>8}{'peak GB':>9}")
+    log(f"\n{'model':<12}{'B':>5} {'variant':<16}{'seconds':>9}{'x floor':>9}{'tok/s':>9}{'first':>8}{'peak GB':>9}")
     for r in rows:
         if r["ok"]:
-            log(f"{r['model']:<12}{r['batch']:>5} {r['variant']:<14}{r['seconds']:>9.3f}{r['x_floor']:>9.2f}"
+            log(f"{r['model']:<12}{r['batch']:>5} {r['variant']:<16}{r['seconds']:>9.3f}{r['x_floor']:>9.2f}"
                 f"{r['tokens_per_s']:>9.0f}{r['first_call_s']:>8.1f}{r['peak_gb']:>9.1f}")
         else:
-            log(f"{r['model']:<12}{r['batch']:>5} {r['variant']:<14} FAILED {r['error'][:80]}")
+            log(f"{r['model']:<12}{r['batch']:>5} {r['variant']:<16} FAILED {r['error'][:80]}")
         log(f"{'':<17}floor {r['floor_s']:.3f} s")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "generation.json"), "w") as f:
-            json.dump({"bandwidth_Bps": bw, "args": vars(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

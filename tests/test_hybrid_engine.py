@@ -236,3 +236,30 @@ def test_engine_delegates_and_records_latencies(capsys):
     assert "|E2E latency=" in capsys.readouterr().out
     engine.restore_module_generate()
     assert engine.module.generate != engine.generate
+
+
+def test_generation_uses_torchs_linear_even_after_zero3_replaced_it(monkeypatch):
+    # ZeRO-3 swaps torch.nn.functional.linear for a memory-efficient autograd function (an extra bias-add kernel per
+    # projection); generation restores torch's own for its duration and puts DeepSpeed's back afterwards.
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    from dschat.hybrid_engine.engine import torch_linear
+
+    original = torch.nn.functional.linear
+    calls = []
+
+    def zero3_linear(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", original, raising=False)
+    monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear)
+    with torch_linear():
+        assert torch.nn.functional.linear is original
+    assert torch.nn.functional.linear is zero3_linear
+
+    engine = _engine(tiny_model("llama", seed=9))
+    ids, mask = left_padded_batch([3, 4], seed=9)
+    engine.eval()
+    engine.generate(ids, attention_mask=mask, max_new_tokens=3)
+    assert not calls and torch.nn.functional.linear is zero3_linear

@@ -4,11 +4,17 @@ transformers' ``StaticCache`` is model-agnostic: the HF model's own attention mo
 when given ``past_key_values``/``cache`` (and ``cache_position`` on transformers versions that take it). It is sized
 (batch, prompt_len + max_out_tokens) once and reset, not reallocated, while later batches fit, so PPO iterations with
 a fixed prompt length never allocate in the decode path.
+
+For CUDA graphs (``graphs.py``) the same storage also serves smaller batches: ``acquire_rows`` hands out a cache whose
+key/value tensors are the first rows of the allocated ones (rows are the outermost dimension, so such a view is
+contiguous). One storage then backs every batch-size bucket, and each bucket's cache object, which a captured graph
+holds on to, stays the same object while the storage lives.
 """
 import gc
 
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 
 def _accelerator_empty_cache():
@@ -46,6 +52,12 @@ def estimated_bytes(model_config, batch_size, max_len, dtype):
     return 2 * num_layers * batch_size * num_kv_heads * max_len * head_dim * element_size
 
 
+def keeps_length_on_device(cache):
+    """Whether every layer of ``cache`` counts its tokens in a device tensor (plain ``StaticLayer``), as a CUDA graph
+    needs: sliding-window layers also count in a Python int, which a captured graph would freeze at capture time."""
+    return all(type(layer) is StaticLayer for layer in cache.layers)
+
+
 class KVCache:
     """Owns at most one ``StaticCache``; ``acquire`` hands out a reset cache that fits, ``release`` frees it."""
 
@@ -53,6 +65,7 @@ class KVCache:
         self.model_config = model_config
         self._cache = None
         self._shape = None  # (batch_size, max_len, dtype, device) of the allocated cache
+        self._row_views = {}  # batch size -> StaticCache viewing the first rows of the storage (acquire_rows)
         self.allocations = 0  # how many times storage was allocated (tests and stats read it)
 
     @property
@@ -109,6 +122,53 @@ class KVCache:
         self.allocations += 1
         return self._cache
 
+    @property
+    def max_len(self):
+        """Tokens the allocated storage holds per row (None when nothing is allocated)."""
+        return None if self._shape is None else self._shape[1]
+
+    def acquire_rows(self, batch_size, max_len, dtype, device):
+        """A zeroed cache of exactly ``batch_size`` rows and the storage's length (>= ``max_len``), viewing the first
+        rows of the storage, which is (re)allocated only when it has fewer rows or tokens than asked for.
+
+        The same object is returned for the same batch size while the storage lives (``allocations`` unchanged), so a
+        CUDA graph captured on it can be replayed in later generations.
+        """
+        device = torch.device(device)
+        if not self._holds(batch_size, max_len, dtype, device):
+            rows, tokens = batch_size, max_len
+            if self._shape is not None and self._shape[2:] == (dtype, device):
+                # Grow to cover both the old and the new request, so every bucket seen so far still fits.
+                rows, tokens = max(rows, self._shape[0]), max(tokens, self._shape[1])
+            self.acquire(rows, tokens, dtype, device)
+        cache = self._row_view(batch_size)
+        cache.reset()
+        return cache
+
+    def _holds(self, batch_size, max_len, dtype, device):
+        if self._shape is None:
+            return False
+        have_batch, have_len, have_dtype, have_device = self._shape
+        return have_batch >= batch_size and have_len >= max_len and have_dtype == dtype and have_device == device
+
+    def _row_view(self, batch_size):
+        if batch_size == self._shape[0]:
+            return self._cache
+        view = self._row_views.get(batch_size)
+        if view is None:
+            view = StaticCache(config=self.model_config, max_cache_len=self._shape[1])
+            for layer, base in zip(view.layers, self._cache.layers):
+                if not base.is_initialized:
+                    raise RuntimeError("the KV cache's layers were not allocated up front; cannot view their rows")
+                keys, values = base.keys[:batch_size], base.values[:batch_size]
+                # lazy_initialization sets the layer's bookkeeping (device, sizes, its own length counter) from the
+                # tensors' shapes; its freshly allocated tensors are then replaced by the views (one layer's worth of
+                # transient memory at a time).
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+            self._row_views[batch_size] = view
+        return view
+
     def _allocate(self, batch_size, max_len, dtype, device):
         cache = StaticCache(config=self.model_config, max_cache_len=max_len)
         layout = kv_layout(self.model_config)
@@ -126,5 +186,6 @@ class KVCache:
             return
         self._cache = None
         self._shape = None
+        self._row_views = {}
         gc.collect()
         _accelerator_empty_cache()

@@ -30,8 +30,6 @@ class HybridEngineConfig:
         if self.inference_tp_size != 1:
             logger.warning("hybrid_engine.inference_tp_size=%d is not implemented yet; generating without "
                            "tensor parallelism.", self.inference_tp_size)
-        if self.enable_cuda_graph:
-            logger.warning("hybrid_engine.enable_cuda_graph is not implemented yet; generating eagerly.")
 
     @classmethod
     def from_ds_config(cls, ds_config):

@@ -4,9 +4,9 @@ Everything stays on the device: finished flags, positions, the attention mask an
 in place; the only host synchronisation is the all-finished check every ``early_exit_interval`` steps (only when there
 is an EOS to wait for) and one read of the final length.
 
-Seam for CUDA graphs (a later issue): ``decode_step`` is the function to capture. Its token, position and cache-position
-inputs are updated in place and keep their storage; the attention mask is passed as a growing view of one buffer, as
-HF does, so a captured version would pass the whole buffer instead (the causal mask already hides later positions).
+``graphs.py`` replays the same step from a CUDA graph (``hybrid_engine.enable_cuda_graph``); it shares
+``decode_step``, ``prompt_position_ids`` and ``generated_lengths`` with this loop and passes the whole fixed-length mask
+buffer where this loop passes a growing view (the same mask once transformers pads it to the static cache's length).
 """
 import dataclasses
 import functools
@@ -63,7 +63,7 @@ def prompt_position_ids(attention_mask):
     return position_ids.masked_fill(attention_mask == 0, 0)
 
 
-def _as_eos_tensor(eos_token_id, device):
+def as_eos_tensor(eos_token_id, device):
     if eos_token_id is None:
         return None
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -90,6 +90,12 @@ def _check_same_across_ranks(value, name, sync_group, device):
                          f"(ZeRO-3 without pinned parameters) must use the same {name}")
 
 
+def generated_lengths(finish_step, steps):
+    """Tokens each row generated, its EOS included. HF stops at the step where the last row finished; the early-exit
+    check may have run a few steps past it, so the result is trimmed to ``lengths.max()``."""
+    return torch.minimum(finish_step + 1, torch.full_like(finish_step, steps))
+
+
 @torch.no_grad()
 def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, do_sample=False, temperature=1.0,
                     top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
@@ -104,7 +110,7 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     """
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
-    eos = _as_eos_tensor(eos_token_id, device)
+    eos = as_eos_tensor(eos_token_id, device)
     if sync_group is not None:
         _check_same_across_ranks(max_new_tokens, "max_new_tokens", sync_group, device)
 
@@ -151,8 +157,7 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
         position_ids += 1
         cache_position += 1
 
-    # HF stops at the step where the last row finished; the early-exit check may have run a few steps past it.
-    lengths = torch.minimum(finish_step + 1, torch.full_like(finish_step, steps))
+    lengths = generated_lengths(finish_step, steps)
     n = int(lengths.max()) if eos is not None else steps
     if n < max_new_tokens:
         sequences = sequences[:, :prompt_len + n].contiguous()  # callers may .view() the result

@@ -1,8 +1,9 @@
 """Next-token selection that stays on the device.
 
 No ``torch.multinomial`` and no ``.item()``: sampling is an argmax over ``probs / Exponential(1)`` noise (the
-exponential race, equivalent to Gumbel-max), so a decode step has no host synchronisation and can later be captured in
-a CUDA graph. The noise comes from an explicit ``torch.Generator`` so a fixed seed reproduces the same tokens.
+exponential race, equivalent to Gumbel-max), so a decode step has no host synchronisation and is captured in a CUDA
+graph by ``graphs.py``. The noise comes from an explicit ``torch.Generator`` so a fixed seed reproduces the same tokens
+(a graph draws from a generator registered with it, seeded from the caller's).
 """
 import torch
 

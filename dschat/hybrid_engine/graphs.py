@@ -1,0 +1,380 @@
+"""CUDA-graph decode (``hybrid_engine.enable_cuda_graph``): one captured decode step per batch-size bucket, replayed
+once per generated token.
+
+Why: the eager loop (``decode.py``) launches every kernel of every decoder layer from Python for each token, so at
+PPO's batch sizes it is bound by launch overhead, not by memory bandwidth. A graph launches the whole step at once: the
+one-token forward over the static KV cache, sampling, EOS bookkeeping, the position / cache-length counters and the
+attention-mask update.
+
+Why a replay is valid:
+
+* Everything the step reads or writes keeps its storage. The step's inputs and outputs are :class:`DecodeBuffers`,
+  allocated once per graph and refilled in place; the KV cache is a row view of the engine's ``KVCache`` storage (one
+  storage serves every bucket); the weights are the ``InferenceWeights`` model, whose parameters keep their storage
+  across optimizer steps, ZeRO-3 refreshes and LoRA merges. That invariant is checked before every generation (a
+  fingerprint of data pointers): if it ever breaks, the graphs are dropped and captured again.
+* Nothing in the step reads a device value on the host. Positions and the mask column are device counters and
+  transformers' ``StaticLayer`` keeps the cache length as a device tensor. transformers skips its data-dependent mask
+  shortcuts while a stream is capturing (``is_tracing``) and, with a static cache, never takes them for one-token
+  queries, so eager decode and the graph build the same mask.
+* Sampling is the exponential race of ``sampling.py`` drawing from a private generator registered with every graph:
+  each replay draws at the generator's current offset. The caller's generator state is copied in before and back out
+  after a generation, so a seed reproduces and per-rank seeds differ, as in eager decode.
+
+Rows are padded up to the bucket with copies of row 0 that start finished. The prefill and the first token run eagerly
+(the prompt length varies); the graph replays tokens 2..n.
+"""
+import dataclasses
+import itertools
+import logging
+
+import torch
+
+from dschat.hybrid_engine.cache import keeps_length_on_device, kv_layout
+from dschat.hybrid_engine.decode import (as_eos_tensor, decode_step, forward_spec, generated_lengths,
+                                         prompt_position_ids)
+from dschat.hybrid_engine.sampling import sample_next_token
+
+logger = logging.getLogger(__name__)
+
+CACHE_LEN_MULTIPLE = 64  # the cache length is rounded up so that nearby prompt lengths share a graph
+WARMUP_STEPS = 2  # eager steps on a side stream before capture: library handles, workspaces, lazy initialisation
+
+
+def bucket_for(batch_size):
+    """The batch size a graph is captured for: the next power of two, so a handful of graphs cover every batch."""
+    return 1 << (batch_size - 1).bit_length()
+
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def pad_rows(tensor, rows):
+    """``tensor`` with copies of its first row appended up to ``rows`` rows (well-defined dummy rows)."""
+    missing = rows - tensor.shape[0]
+    if missing == 0:
+        return tensor
+    return torch.cat([tensor, tensor[:1].expand(missing, *tensor.shape[1:])])
+
+
+def weights_fingerprint(model):
+    """Where the model's tensors live; a captured graph reads them there and nowhere else."""
+    return id(model), tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphKey:
+    """What a captured step bakes in; a generation with another key needs (and gets) another graph."""
+
+    bucket: int
+    cache_len: int
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    eos: tuple
+    pad_token_id: int
+    suppresses_eos: bool  # min_new_tokens > 0 with an EOS: EOS logits are masked while step < min_new_tokens
+
+    @classmethod
+    def of(cls, bucket, cache_len, do_sample, temperature, top_k, top_p, eos, pad_token_id, min_new_tokens):
+        if not do_sample:  # greedy ignores the sampling settings; one graph serves them all
+            temperature, top_k, top_p = 1.0, 0, 1.0
+        eos = tuple(eos or ())
+        return cls(bucket, cache_len, bool(do_sample), float(temperature), int(top_k), float(top_p), eos,
+                   int(pad_token_id), bool(eos) and min_new_tokens > 0)
+
+
+class DecodeBuffers:
+    """The step's inputs and outputs, allocated once per graph and refilled in place for each generation."""
+
+    def __init__(self, bucket, cache_len, eos_ids, device):
+        longs = dict(dtype=torch.long, device=device)
+        self.mask = torch.zeros((bucket, cache_len), **longs)  # 1 for the prompt's tokens and the tokens fed so far
+        self.position_ids = torch.zeros((bucket, 1), **longs)  # position of the token fed next, per row
+        self.cache_position = torch.zeros((1,), **longs)  # cache column of the token fed next
+        self.step = torch.zeros((1,), **longs)  # index of the token sampled next
+        self.min_new_tokens = torch.zeros((1,), **longs)
+        self.tokens = torch.zeros((bucket,), **longs)  # each row's last sampled token: the next step's input
+        self.generated = torch.zeros((bucket, cache_len), **longs)
+        self.finished = torch.zeros((bucket,), dtype=torch.bool, device=device)
+        self.finish_step = torch.zeros((bucket,), **longs)
+        self.eos = as_eos_tensor(list(eos_ids), device) if eos_ids else None
+
+    @property
+    def bucket(self):
+        return self.tokens.shape[0]
+
+    def load(self, input_ids, attention_mask, max_new_tokens, min_new_tokens):
+        """Copy a generation's prompts in; returns the bucket-padded (ids, mask) for the prefill."""
+        batch_size, prompt_len = input_ids.shape
+        ids, mask = pad_rows(input_ids, self.bucket), pad_rows(attention_mask, self.bucket)
+        self.mask.zero_()
+        self.mask[:, :prompt_len] = mask
+        self.position_ids.copy_(mask.long().sum(-1, keepdim=True))
+        self.cache_position.fill_(prompt_len)
+        self.step.zero_()
+        self.min_new_tokens.fill_(min_new_tokens)
+        self.finished.zero_()
+        self.finished[batch_size:] = True  # dummy rows must never keep the early exit waiting
+        self.finish_step.fill_(max_new_tokens)
+        return ids, mask
+
+
+class CapturedDecoder:
+    """The decode step of one :class:`GraphKey`: its buffers, the cache view it writes, and its graph."""
+
+    def __init__(self, model, cache, key, rng, device, forward=None):
+        self.model = model
+        self.forward = forward if forward is not None else model  # what feed_token calls (maybe torch.compile'd)
+        self.spec = forward_spec(model)
+        self.cache = cache
+        self.key = key
+        self.rng = rng
+        self.buffers = DecodeBuffers(key.bucket, key.cache_len, key.eos, device)
+        self.graph = None  # None: ``replay`` runs the step eagerly (capture disabled, for tests of the logic)
+
+    def select_token(self, logits):
+        """Sample (or argmax) the next token from ``logits`` and do the bookkeeping the eager loop does."""
+        b, key = self.buffers, self.key
+        if key.suppresses_eos:
+            too_early = (b.step < b.min_new_tokens).view(1, 1)
+            logits = torch.where(too_early, logits.index_fill(-1, b.eos, float("-inf")), logits)
+        tokens = sample_next_token(logits, key.temperature, key.top_k, key.top_p, key.do_sample, self.rng)
+        tokens = torch.where(b.finished, key.pad_token_id, tokens)
+        b.generated.index_copy_(1, b.step, tokens[:, None])
+        if b.eos is not None:
+            newly_finished = (tokens[:, None] == b.eos).any(-1) & ~b.finished
+            b.finish_step.copy_(torch.where(newly_finished, b.step, b.finish_step))
+            b.finished |= newly_finished
+        b.tokens.copy_(tokens)
+        b.step += 1
+
+    def feed_token(self):
+        """Forward the last sampled tokens over the cache; the whole fixed-length mask is passed (later columns are
+        0 and causally hidden anyway), so every replay sees tensors of the same shape at the same address."""
+        b = self.buffers
+        b.mask.index_fill_(1, b.cache_position, 1)
+        logits = decode_step(self.forward, self.spec, b.tokens[:, None], b.mask, b.position_ids, b.cache_position,
+                             self.cache)
+        b.position_ids += 1
+        b.cache_position += 1
+        return logits
+
+    def step(self):
+        self.select_token(self.feed_token())
+
+    def prefill(self, ids, mask):
+        """The prompt's forward and the first token, eagerly (the prompt length is not part of the graph)."""
+        prompt_len = ids.shape[1]
+        logits = decode_step(self.model, self.spec, ids, self.buffers.mask[:, :prompt_len], prompt_position_ids(mask),
+                             torch.arange(prompt_len, device=ids.device), self.cache)
+        self.select_token(logits)
+
+    def capture(self, pool):
+        """Warm up on a side stream, then record one step. The buffers must hold a loaded generation; the caller
+        resets the cache and reloads the buffers afterwards (the warm-up writes to both)."""
+        self.buffers.cache_position.zero_()  # keep the warm-up's writes inside the cache whatever the prompt length
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.key.do_sample:
+            # Replays then draw at the generator's offset of the moment and advance it, as eager calls would.
+            graph.register_generator_state(self.rng)
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self.step()
+        self.graph = graph
+
+    def replay(self):
+        if self.graph is None:
+            self.step()
+        else:
+            self.graph.replay()
+
+
+class FinishedProbe:
+    """``all(finished)`` copied to the host without stalling the stream: posted at one check, read at the next, so
+    the host waits only for work launched a check interval ago while the device still has that interval queued."""
+
+    def __init__(self, device):
+        self.on_cuda = device.type == "cuda"
+        self.host = torch.zeros((), dtype=torch.bool, pin_memory=self.on_cuda)
+        self.event = torch.cuda.Event() if self.on_cuda else None
+        self.posted = False
+
+    def post(self, finished):
+        self.host.copy_(finished.all(), non_blocking=self.on_cuda)
+        if self.event is not None:
+            self.event.record()
+        self.posted = True
+
+    def read(self):
+        """The last posted flag (False before any post)."""
+        if not self.posted:
+            return False
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host)
+
+
+def default_generator(device):
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+class GraphDecoder:
+    """The engine's CUDA-graph decode: captured steps by key, the memory pool they share, and when they must go.
+
+    ``generate`` returns None when a generation has to run eagerly (no CUDA device, a forward with collectives, a
+    cache that counts tokens on the host, a failed capture); each reason is logged once.
+    """
+
+    def __init__(self, kv_cache, capture_graphs=True, compile_mode=None):
+        self.kv_cache = kv_cache
+        self.capture_graphs = capture_graphs  # False: same buffers and steps, run eagerly (tests of the logic on CPU)
+        # Not None: the one-token forward inside the graph is torch.compile'd with this mode (e.g. "default" or
+        # "max-autotune-no-cudagraphs"), fusing the small kernels a graph replays one by one. Compiled during the
+        # warm-up, before capture.
+        self.compile_mode = compile_mode
+        self._compiled = {}  # id(model) -> compiled module
+        self.decoders = {}  # GraphKey -> CapturedDecoder
+        self.disabled_reason = None  # set by a failed capture: every later generation runs eagerly
+        self.captures = 0
+        self.replays = 0
+        self._pool = None
+        self._rng = None
+        self._probe = None
+        self._fingerprint = None
+        self._cache_allocations = None
+        self._noticed = set()
+
+    # -- when graphs apply ------------------------------------------------------------------------------------------
+    def unsupported_reason(self, weights, device):
+        if self.disabled_reason is not None:
+            return self.disabled_reason
+        if self.capture_graphs and device.type != "cuda":
+            return f"CUDA graphs need a CUDA device, this engine generates on {device}"
+        if weights.forward_has_collectives:
+            return "the forward gathers ZeRO-3 parameters (pin_parameters=false), which a graph cannot replay"
+        if kv_layout(self.kv_cache.model_config) is None:
+            return "the model config has no standard KV-head layout, so the cache cannot be allocated up front"
+        return None
+
+    def _notice(self, reason):
+        if reason not in self._noticed:
+            self._noticed.add(reason)
+            logger.warning("hybrid_engine.enable_cuda_graph: %s; generating eagerly.", reason)
+
+    def drop(self):
+        """Forget every captured step (they hold the KV cache's storage and the graphs' memory pool)."""
+        self.decoders.clear()
+        self._pool = None
+
+    def _drop_if_moved(self, model):
+        fingerprint = weights_fingerprint(model)
+        if self._fingerprint is not None and fingerprint != self._fingerprint and self.decoders:
+            logger.info("hybrid engine: the inference weights moved in memory; capturing the decode graphs again")
+            self.drop()
+        self._fingerprint = fingerprint
+        if self.kv_cache.allocations != self._cache_allocations:  # the decoders view the old storage
+            self.drop()
+            self._cache_allocations = self.kv_cache.allocations
+
+    # -- generation -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
+                 top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
+                 early_exit_interval=8):
+        """(sequences, lengths) exactly as ``generate_tokens(..., return_lengths=True)``, or None (run eagerly)."""
+        device = input_ids.device
+        reason = self.unsupported_reason(weights, device)
+        if reason is not None:
+            self._notice(reason)
+            return None
+        if max_new_tokens == 0:
+            return None
+        model = weights.model
+        batch_size, prompt_len = input_ids.shape
+        bucket = bucket_for(batch_size)
+        cache = self.kv_cache.acquire_rows(bucket, round_up(prompt_len + max_new_tokens, CACHE_LEN_MULTIPLE), dtype,
+                                           device)
+        if not keeps_length_on_device(cache):
+            self.disabled_reason = "the model's KV cache has sliding-window layers, which count tokens on the host"
+            self._notice(self.disabled_reason)
+            return None
+        self._drop_if_moved(model)
+        key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
+                          pad_token_id, min_new_tokens)
+        decoder = self.decoders.get(key)
+        if decoder is None:
+            try:
+                decoder = self._capture(model, cache, key, input_ids, attention_mask, max_new_tokens, min_new_tokens)
+            except Exception as error:  # noqa: BLE001 - any capture failure means: this model decodes eagerly
+                self.drop()
+                self.disabled_reason = f"capturing the decode step failed ({type(error).__name__}: {error})"
+                self._notice(self.disabled_reason)
+                return None
+        return self._run(decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens, generator,
+                         early_exit_interval)
+
+    def _capture(self, model, cache, key, input_ids, attention_mask, max_new_tokens, min_new_tokens):
+        device = input_ids.device
+        if self._rng is None:
+            self._rng = torch.Generator(device=device)
+        decoder = CapturedDecoder(model, cache, key, self._rng, device, self._forward_of(model))
+        decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens)  # sane values to warm up on
+        if self.capture_graphs:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()  # shared: the graphs never run concurrently
+            decoder.capture(self._pool)
+        cache.reset()  # the warm-up wrote into it
+        self.decoders[key] = decoder
+        self.captures += 1
+        logger.info("hybrid engine: captured the decode step for %s", key)
+        return decoder
+
+    def _forward_of(self, model):
+        if self.compile_mode is None:
+            return model
+        if id(model) not in self._compiled:
+            self._compiled[id(model)] = torch.compile(model, mode=self.compile_mode, dynamic=False)
+        return self._compiled[id(model)]
+
+    def _run(self, decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens, generator, check_every):
+        batch_size = input_ids.shape[0]
+        ids, mask = decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens)
+        caller_rng = generator if generator is not None else default_generator(input_ids.device)
+        if decoder.key.do_sample:
+            self._rng.set_state(caller_rng.get_state())
+        decoder.prefill(ids, mask)
+        steps = self._replay(decoder, max_new_tokens, check_every if decoder.key.eos else 0)
+        if decoder.key.do_sample:
+            caller_rng.set_state(self._rng.get_state())  # the caller's generator moves on as in eager decode
+        b = decoder.buffers
+        lengths = generated_lengths(b.finish_step[:batch_size], steps)
+        n = int(lengths.max()) if decoder.key.eos else steps
+        sequences = torch.cat([input_ids, b.generated[:batch_size, :n].to(input_ids.dtype)], dim=1)
+        return sequences, lengths
+
+    def _replay(self, decoder, max_new_tokens, check_every):
+        """Replay the step for tokens 2..max_new_tokens; returns how many tokens were generated. With an EOS, every
+        ``check_every`` steps the all-finished flag is posted and the one posted a check earlier is read."""
+        if self._probe is None:
+            self._probe = FinishedProbe(decoder.buffers.finished.device)
+        self._probe.posted = False
+        steps = 1  # the prefill sampled the first token
+        while steps < max_new_tokens:
+            decoder.replay()
+            self.replays += 1
+            steps += 1
+            if check_every and steps % check_every == 0 and steps < max_new_tokens:
+                if self._probe.read():  # every row had finished by the previous check
+                    break
+                self._probe.post(decoder.buffers.finished)
+        return steps

@@ -1,0 +1,138 @@
+"""CUDA-graph decode (enable_cuda_graph): the CPU fallback, and the graph step's logic run eagerly through the same
+buffers (capture_graphs=False), which must give the eager loop's tokens. Capture itself is checked on the GPU by
+bench/graph_equality.py."""
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+
+from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
+from dschat.hybrid_engine.cache import KVCache  # noqa: E402
+from dschat.hybrid_engine.graphs import GraphDecoder, bucket_for  # noqa: E402
+
+
+def _engine(model, graphs=True, stage=0, **config):
+    config.setdefault("max_out_tokens", 32)
+    return HybridEngine(make_ds_engine(model, stage),
+                        HybridEngineConfig(enabled=True, enable_cuda_graph=graphs, **config), pad_token_id=PAD)
+
+
+def _uncaptured(engine):
+    """The graph path with the step run eagerly instead of replayed: the same buffers, counters and bookkeeping."""
+    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False)
+    return engine.graph_decoder
+
+
+def _train_step(engine, sequences):
+    engine.train()
+    mask = (sequences != PAD).long()
+    loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
+    engine.backward(loss)
+    engine.step()
+    engine.eval()
+
+
+def test_bucket_is_the_next_power_of_two():
+    assert [bucket_for(b) for b in (1, 2, 3, 4, 5, 16, 17, 64, 65, 128)] == [1, 2, 4, 4, 8, 16, 32, 64, 128, 128]
+
+
+def test_on_cpu_graphs_fall_back_to_eager_with_one_notice(caplog):
+    model = tiny_model("llama", seed=1)
+    engine = _engine(model)
+    reference = _engine(tiny_model("llama", seed=1), graphs=False)
+    ids, mask = left_padded_batch([5, 2, 4], seed=1)
+    engine.eval()
+    reference.eval()
+    with caplog.at_level(logging.WARNING, logger="dschat.hybrid_engine.graphs"):
+        first = engine.generate(ids, attention_mask=mask, max_new_tokens=10)
+        second = engine.generate(ids, attention_mask=mask, max_new_tokens=10)
+    notices = [r for r in caplog.records if "enable_cuda_graph" in r.getMessage()]
+    assert len(notices) == 1 and "CUDA device" in notices[0].getMessage()
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert engine.graph_decoder.captures == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gpt2"])
+def test_graph_step_logic_equals_hf_with_padding_rows_eos_and_min_new_tokens(family):
+    model = tiny_model(family, seed=2)
+    engine = _engine(model)
+    graphs = _uncaptured(engine)
+    ids, mask = left_padded_batch([7, 3, 5], seed=2)  # 3 rows -> bucket 4: one dummy row
+    eos = early_token(hf_generate(model, ids, mask, 16)[0, 7:])
+    engine.eval()
+    for kwargs in ({}, {"min_new_tokens": 5}):
+        expected = hf_generate(model, ids, mask, 16, eos_token_id=eos, **kwargs)
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos, **kwargs)
+        assert torch.equal(got, expected), (kwargs, got, expected)
+    assert graphs.captures == 2 and graphs.replays > 0  # one key each (min_new_tokens masks EOS in the step)
+
+
+def test_graph_step_is_reused_across_generations_and_optimizer_steps():
+    model = tiny_model("llama", seed=3)
+    engine = _engine(model)
+    graphs = _uncaptured(engine)
+    ids, mask = left_padded_batch([6, 4], seed=3)
+    engine.eval()
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(first, hf_generate(model, ids, mask, 12))
+    _train_step(engine, first)
+    after = engine.generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(after, hf_generate(model, ids, mask, 12))
+    # A shorter prompt and fewer new tokens fit the same cache, and a batch of 1 its first row: no new storage.
+    short_ids, short_mask = left_padded_batch([3], seed=4)
+    assert torch.equal(engine.generate(short_ids, attention_mask=short_mask, max_new_tokens=5),
+                       hf_generate(model, short_ids, short_mask, 5))
+    assert graphs.captures == 2 and engine.kv_cache.allocations == 1  # buckets 2 and 1
+
+
+def test_moved_weights_are_captured_again():
+    model = tiny_model("gpt2", seed=5)
+    engine = _engine(model)
+    graphs = _uncaptured(engine)
+    ids, mask = left_padded_batch([4, 4], seed=5)
+    engine.eval()
+    engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+    with torch.no_grad():  # new storage for one weight: a captured graph would read the old address
+        weight = engine.module.lm_head.weight
+        weight.data = weight.data.clone() * 2
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+    assert torch.equal(got, hf_generate(model, ids, mask, 6))
+    assert graphs.captures == 2
+
+
+def test_sampled_tokens_equal_eager_and_the_callers_generator_moves_on():
+    engines = []
+    for graphs in (True, False):
+        model = tiny_model("qwen2", seed=6, vocab_size=24)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20)
+        engines.append(_engine(model, graphs=graphs))
+    _uncaptured(engines[0])
+    ids, mask = left_padded_batch([5, 2, 4, 3], vocab_size=24, seed=6)  # 4 rows = the bucket: the same noise
+    results = []
+    for engine in engines:
+        engine.eval()
+        generator = torch.Generator().manual_seed(11)
+        kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=8, top_p=0.9, generator=generator)
+        results.append((engine.generate(ids, **kwargs), engine.generate(ids, **kwargs)))
+    (graph_a, graph_b), (eager_a, eager_b) = results
+    assert torch.equal(graph_a, eager_a) and torch.equal(graph_b, eager_b)
+    assert not torch.equal(graph_a, graph_b)  # the generator advanced between the two calls
+
+
+def test_row_views_share_one_storage():
+    cache = KVCache(tiny_model("llama").config)
+    full = cache.acquire_rows(4, 40, torch.float32, "cpu")
+    half = cache.acquire_rows(2, 30, torch.float32, "cpu")
+    assert cache.allocations == 1 and cache.max_len == 40
+    assert half.layers[0].keys.data_ptr() == full.layers[0].keys.data_ptr()
+    assert half.layers[0].keys.shape[0] == 2 and half.layers[0].keys.is_contiguous()
+    assert cache.acquire_rows(2, 30, torch.float32, "cpu") is half  # same object: a graph on it stays valid
+    cache.acquire_rows(8, 20, torch.float32, "cpu")  # more rows: the storage grows and keeps the longer length
+    assert cache.allocations == 2 and cache.max_len == 40
