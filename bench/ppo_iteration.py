@@ -26,6 +26,21 @@ CRITIC = dict(vocab_size=50272, hidden_size=1024, num_hidden_layers=24, ffn_dim=
               max_position_embeddings=2048, word_embed_proj_dim=512, do_layer_norm_before=False, dropout=0.0)
 
 
+SMOKE_ACTOR = dict(ACTOR, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64,
+                   vocab_size=1024)
+SMOKE_CRITIC = dict(CRITIC, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                    word_embed_proj_dim=32, vocab_size=1024)
+
+
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def log(*a):
     print(*a, flush=True)
 
@@ -40,33 +55,33 @@ def save_random_model(folder, shape, tokenizer):
     return folder
 
 
-def run_variant(name, actor_dir, critic_dir, tokenizer, args):
+def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
 
     stage = int(name[1])
     hybrid = name.endswith("hybrid")
     settings = {"actor_zero_stage": stage, "critic_zero_stage": stage, "enable_hybrid_engine": hybrid,
-                "dtype": "bf16", "per_device_generation_batch_size": args.batch,
+                "dtype": "bf16" if torch.cuda.is_available() else "fp32", "per_device_generation_batch_size": args.batch,
                 "per_device_training_batch_size": args.batch, "max_prompt_seq_len": args.prompt,
                 "max_answer_seq_len": args.gen, "actor_gradient_checkpointing": True, "num_warmup_steps": 0,
                 "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir}
     engine = DeepSpeedRLHFEngine(actor_model_name_or_path=actor_dir, tokenizer=tokenizer, args=settings)
     trainer = DeepSpeedPPOTrainer(engine=engine, args=settings)
     # answers run to full length, as in the measured baseline: an EOS id no token can take
-    trainer.eos_token_id = ACTOR["vocab_size"]
+    trainer.eos_token_id = vocab
     if hybrid:
         trainer.actor_model.eos_token_id = trainer.eos_token_id
-    prompts = torch.randint(4, ACTOR["vocab_size"], (args.batch, args.prompt), device="cuda")
+    prompts = torch.randint(4, vocab, (args.batch, args.prompt), device=device())
     batch = {"prompt": prompts, "prompt_att_mask": torch.ones_like(prompts)}
     rows = []
     for i in range(args.iterations):
-        torch.cuda.synchronize()
+        synchronize()
         t0 = time.perf_counter()
         exp = trainer.generate_experience(batch, step=i)
-        torch.cuda.synchronize()
+        synchronize()
         t1 = time.perf_counter()
         trainer.train_rlhf(exp)
-        torch.cuda.synchronize()
+        synchronize()
         t2 = time.perf_counter()
         rows.append({"wall": t2 - t0, "generation": trainer.stats["generation_time"],
                      "experience": trainer.stats["experience_time"], "training": t2 - t1,
@@ -75,7 +90,7 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args):
     steady = rows[1:]
     mean = {k: sum(r[k] for r in steady) / len(steady) for k in steady[0]}
     mean.update(variant=name, samples_per_s=args.batch / mean["wall"],
-                peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0)
     del trainer, engine
     return mean
 
@@ -88,6 +103,7 @@ def main():
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--gen", type=int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU): checks the script only")
     args = p.parse_args()
     import gc
 
@@ -96,17 +112,22 @@ def main():
     tokenizer = load_tiny_tokenizer()
     tokenizer.padding_side = "left"
     root = tempfile.mkdtemp(prefix="dschat_bench_")
-    actor_dir = save_random_model(os.path.join(root, "actor"), ACTOR, tokenizer)
-    critic_dir = save_random_model(os.path.join(root, "critic"), CRITIC, tokenizer)
+    actor_shape, critic_shape = (SMOKE_ACTOR, SMOKE_CRITIC) if args.smoke else (ACTOR, CRITIC)
+    actor_dir = save_random_model(os.path.join(root, "actor"), actor_shape, tokenizer)
+    critic_dir = save_random_model(os.path.join(root, "critic"), critic_shape, tokenizer)
     results = []
     for name in args.variants.split(","):
-        torch.cuda.reset_peak_memory_stats()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         try:
-            results.append(run_variant(name, actor_dir, critic_dir, tokenizer, args))
+            results.append(run_variant(name, actor_dir, critic_dir, tokenizer, args, actor_shape["vocab_size"]))
         except Exception as ex:  # report and go on
+            import traceback
+            traceback.print_exc()
             results.append({"variant": name, "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     log(f"\n{'variant':<12}{'wall s':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}{'peak GB':>9}")
     for r in results:
         if "error" in r:

@@ -144,3 +144,23 @@ def test_atomic_folder_leaves_old_contents_when_writing_fails(tmp_path):
             raise RuntimeError("crash while saving")
     assert (target / "weights").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_embeddings_are_never_shrunk_to_the_tokenizer(tmp_path):
+    from dschat.models.loading import grow_embeddings_for
+
+    class Tok:
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())  # 96 rows
+    grow_embeddings_for(model, Tok(90))
+    assert model.get_input_embeddings().weight.shape[0] == 96
+    weight = model.get_input_embeddings().weight
+    weight.ds_shape = torch.Size([96, 32])  # a ZeRO-3 shard: the local tensor says nothing about the size
+    weight.data = torch.empty(0)
+    grow_embeddings_for(model, Tok(90))
+    assert model.get_input_embeddings().weight.numel() == 0  # not resized

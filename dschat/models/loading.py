@@ -95,10 +95,21 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     return model
 
 
+def embedding_rows(model):
+    """Rows of the input embedding; under ZeRO-3 the local tensor is an empty shard, ``ds_shape`` is the real one."""
+    weight = model.get_input_embeddings().weight
+    return getattr(weight, "ds_shape", weight.shape)[0]
+
+
+def grow_embeddings_for(model, tokenizer):
+    """Grow (never shrink) the embeddings so every token id of the tokenizer has a row."""
+    if len(tokenizer) > embedding_rows(model):
+        model.resize_token_embeddings(int(8 * ((len(tokenizer) + 7) // 8)))
+
+
 def sync_special_tokens(model, tokenizer):
     """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed."""
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(int(8 * ((len(tokenizer) + 7) // 8)))
+    grow_embeddings_for(model, tokenizer)
     for cfg in (model.config, getattr(model, "generation_config", None)):
         if cfg is None:
             continue

@@ -82,8 +82,8 @@ class RewardModel(nn.Module):
     def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,
                         ds_config=None, rlhf_training=False):
         """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made)."""
-        from dschat.models.loading import (TORCH_DTYPES, configure_dropout, model_load_context,
-                                           resolve_model_path)
+        from dschat.models.loading import (TORCH_DTYPES, configure_dropout, grow_embeddings_for,
+                                           model_load_context, resolve_model_path)
 
         path = resolve_model_path(path)
         config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
@@ -97,8 +97,8 @@ class RewardModel(nn.Module):
 
             model.v_head.load_state_dict({"weight": load_file(head_file)["weight"]})
         model.v_head.to(backbone.dtype)
-        if tokenizer is not None and len(tokenizer) > backbone.get_input_embeddings().weight.shape[0]:
-            backbone.resize_token_embeddings(int(8 * ((len(tokenizer) + 7) // 8)))
+        if tokenizer is not None:
+            grow_embeddings_for(backbone, tokenizer)
         return model
 
     def save_head_and_meta(self, folder, state_dict):
