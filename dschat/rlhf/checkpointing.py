@@ -87,12 +87,14 @@ def load_checkpoint(trainer, root):
 
 
 def _load_ema(module, path):
+    """Rank 0 loads into ZeRO-3 gathers (then re-partitioned); unsharded copies load on every rank."""
     from dschat.rlhf.ema import _gathered
 
-    state = torch.load(path, weights_only=True) if is_rank_0() else None
+    sharded = any(hasattr(p, "ds_id") for p in module.parameters())
+    state = torch.load(path, weights_only=True) if is_rank_0() or not sharded else None
     for name, param in module.named_parameters():
         with _gathered([param], modifier_rank=0):
-            if is_rank_0():
+            if state is not None:
                 param.data.copy_(state[name])
 
 

@@ -16,17 +16,20 @@ def rule_scorer_for(data_path):
 
 
 @torch.no_grad()
-def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_token_id):
-    """Greedy answers (ids and masks) from a ``generate`` callable with HF's keyword arguments."""
+def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_token_id, synced_gpus=False):
+    """Greedy answers (ids and masks) from a ``generate`` callable with HF's keyword arguments.
+
+    ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all have finished (HF generate needs it).
+    """
     seq = generate(prompts, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                   eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, synced_gpus=synced_gpus)
     answers = seq[:, prompts.shape[1]:]
     return seq, answer_mask(answers, eos_token_id, pad_token_id)
 
 
 @torch.no_grad()
 def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_tokens, rule_scorer=None,
-                    max_prompts=None, keep_examples=4):
+                    max_prompts=None, keep_examples=4, synced_gpus=False):
     """Mean reward-model score and rule score of greedy answers to the prompts of ``loader`` (all ranks).
 
     ``generate`` is the actor's generate (hybrid engine or HF), ``reward_model`` the frozen reward engine.
@@ -38,7 +41,7 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
             break
         prompts, mask = batch["prompt"].to(device), batch["prompt_att_mask"].to(device)
         seq, amask = generate_answers(generate, prompts, mask, max_new_tokens, tokenizer.eos_token_id,
-                                      tokenizer.pad_token_id)
+                                      tokenizer.pad_token_id, synced_gpus)
         full_mask = torch.cat([mask.long(), amask], dim=1)
         scores = reward_model.module.forward_value(seq, full_mask)["chosen_end_scores"].double()
         texts = _answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)

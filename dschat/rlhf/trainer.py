@@ -148,9 +148,7 @@ class DeepSpeedPPOTrainer:
             advantages, returns = self.get_advantages_and_returns(old_values, rewards, mask)
         self.train()
         actor_loss = self._actor_loss(seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg)
-        self.actor_model.backward(actor_loss)
-        self.actor_model.step()
-        self._update_ema()
+        self._backward_and_step_actor(actor_loss)
         values = self._values(self.critic_model, seq, attention_mask)[:, start:]
         critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value, **agg)
         algo.check_finite("critic loss", critic_loss)
@@ -178,6 +176,14 @@ class DeepSpeedPPOTrainer:
             return {"loss_agg": "token_mean"}
         return {"loss_agg": "global_token_mean", "num_tokens_global": inputs["num_tokens_global"],
                 "accum_steps": self.args.gradient_accumulation_steps, "world_size": get_world_size()}
+
+    def _backward_and_step_actor(self, loss):
+        """Backward and step; the EMA follows each real optimizer step (not each accumulation micro-step)."""
+        self.actor_model.backward(loss)
+        boundary = self.actor_model.is_gradient_accumulation_boundary()
+        self.actor_model.step()
+        if boundary:
+            self._update_ema()
 
     @torch.no_grad()
     def _update_ema(self):
@@ -216,8 +222,7 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
                                labels=inputs["labels"], use_cache=False)
         loss = out.loss * unsup_coef
         algo.check_finite("unsupervised loss", loss)
-        self.actor_model.backward(loss)
-        self.actor_model.step()
+        self._backward_and_step_actor(loss)
         return loss.detach()
 
 

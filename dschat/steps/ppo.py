@@ -57,6 +57,36 @@ def unsupervised_loader(args, tokenizer):
     return loader
 
 
+def reseed_epoch(loader, seed, epoch):
+    """Each epoch's prompt order depends on (seed, epoch) only, so a resumed run skips exactly what it consumed."""
+    sampler = loader.sampler
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    elif getattr(sampler, "generator", None) is not None:
+        sampler.generator.manual_seed(seed + epoch)
+
+
+def cycle(loader, seed):
+    """Endless batches of the unsupervised data, a new epoch (and order) whenever it runs out."""
+    epoch = 0
+    while True:
+        reseed_epoch(loader, seed, epoch)
+        yield from loader
+        epoch += 1
+
+
+def check_accumulation(args, unsupervised):
+    """PPO micro-batches per iteration must fill whole accumulation groups, or optimizer steps mix iterations."""
+    micro = math.ceil(args.per_device_generation_batch_size / args.per_device_training_batch_size)
+    micro *= args.generation_batches * args.ppo_epochs
+    gas = args.gradient_accumulation_steps
+    if micro % gas:
+        raise ValueError(f"{micro} PPO micro-batches per iteration (generation batch / training batch x "
+                         f"generation_batches x ppo_epochs) is not a multiple of --gradient_accumulation_steps {gas}")
+    if unsupervised and gas > 1:
+        raise ValueError("unsupervised mixing with --gradient_accumulation_steps > 1 is not supported yet")
+
+
 def split_experience(exp, micro_batch):
     """Slices of one generation batch of experience, ``micro_batch`` rows each (DeepSpeed-Chat's MiniDataset)."""
     rows = exp["input_ids"].shape[0]
@@ -90,7 +120,8 @@ def held_out_eval(trainer, loader, args, device, scorer):
     generate = trainer.actor_model.generate if trainer.hybrid else trainer.actor_model.module.generate
     trainer.eval()
     result = evaluate_policy(generate, trainer.reward_model, trainer.tokenizer, loader, device,
-                             args.eval_max_new_tokens or args.max_answer_seq_len, scorer, args.eval_prompts)
+                             args.eval_max_new_tokens or args.max_answer_seq_len, scorer, args.eval_prompts,
+                             synced_gpus=trainer.z3_enabled and get_world_size() > 1)
     return result
 
 
@@ -105,6 +136,7 @@ def main(args=None):
     tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token)
     train_loader, eval_loader = prompt_loaders(args, tokenizer)
     unsup_loader = unsupervised_loader(args, tokenizer)
+    check_accumulation(args, unsup_loader is not None)
     iters_per_epoch = len(train_loader) // args.generation_batches
     total_iters = iters_per_epoch * args.num_train_epochs
     if args.max_steps:
@@ -136,9 +168,8 @@ def main(args=None):
     if is_rank_0():
         bar.update(iteration)
     for epoch in range(position["epoch"], args.num_train_epochs):
-        if hasattr(train_loader.sampler, "set_epoch"):
-            train_loader.sampler.set_epoch(epoch)
-        unsup_iter = iter(unsup_loader) if unsup_loader is not None else None
+        reseed_epoch(train_loader, args.seed, epoch)
+        unsup_iter = cycle(unsup_loader, args.seed) if unsup_loader is not None else None
         buffer = []
         for batch_index, batch in enumerate(train_loader):
             if epoch == position["epoch"] and batch_index < position["batch"]:
@@ -156,8 +187,9 @@ def main(args=None):
             if unsup_iter is not None:
                 unsup_loss = trainer.train_unsupervised(_to(next(unsup_iter), device), args.unsup_coef).item()
             train_time = time.time() - t1
-            kl = torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item()
-            trainer.update_kl_controller(kl, args.per_device_generation_batch_size * get_world_size())
+            # every rank must see the same KL, or adaptive coefficients drift apart
+            kl = rank_mean(torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item(), device)
+            trainer.update_kl_controller(kl, sum(e["input_ids"].shape[0] for e in buffer) * get_world_size())
             record = _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss,
                                        kl, train_time, time.time() - t0, device)
             _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
