@@ -23,6 +23,9 @@ def parse_args(argv=None):
     p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node"])
     p.add_argument("--output-dir", default="./output")
     p.add_argument("--data-path", nargs="*", default=None, help="Datasets for all steps (default: the steps').")
+    p.add_argument("--recipe", default="ppo", choices=["ppo", "grpo"],
+                   help="ppo: DeepSpeed-Chat's steps 1-3; grpo: step 1, then GRPO rewarded by --reward_fn "
+                        "(on the tiny default: the bundled rule scorer), no reward model or critic.")
     p.add_argument("--hostfile", default="/job/hostfile", help="multi_node: the deepspeed launcher's hostfile.")
     for step in (1, 2, 3):
         p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")

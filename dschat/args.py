@@ -212,6 +212,17 @@ def step3_parser():
                    help="global_token_mean: average over all response tokens of the global batch.")
     g.add_argument("--logprob_chunk_size", type=int, default=1024,
                    help="Sequence chunk for log-probs, so full fp32 logits are never materialised.")
+    g = p.add_argument_group("critic-free estimators and reward functions")
+    g.add_argument("--advantage_estimator", type=str, default="gae", choices=["gae", "grpo", "rloo", "reinforce_pp"],
+                   help="gae: PPO with a critic (DeepSpeed-Chat); the others build no critic.")
+    g.add_argument("--n_samples_per_prompt", type=int, default=1, help="Answers generated per prompt (one group).")
+    g.add_argument("--grpo_norm_by_std", type=int, default=1, choices=[0, 1])
+    g.add_argument("--reward_fn", type=str, default="",
+                   help="module:function or path.py:function called with (prompts, answers, **extra columns) "
+                        "returning one float per answer; 'tiny' = the bundled rule scorer.")
+    g.add_argument("--reward_fn_weight", type=float, default=1.0)
+    g.add_argument("--reward_model_weight", type=float, default=1.0,
+                   help="Weight of the reward model's score; 0 builds no reward model (reward function only).")
     g = p.add_argument_group("outputs and logging")
     g.add_argument("--output_dir", type=str, default="output/step3_ppo")
     g.add_argument("--enable_ema", action="store_true")

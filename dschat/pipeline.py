@@ -26,6 +26,11 @@ TINY_RECIPE = {
 }
 
 
+# `train.py --recipe grpo`: critic-free GRPO rewarded by the bundled rule scorer, no reward model (steps 1 and 3).
+GRPO_RECIPE = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "4", "--per_device_generation_batch_size",
+               "8", "--reward_fn", "tiny", "--reward_model_weight", "0", "--actor_learning_rate", "1e-4"]
+
+
 def is_tiny_run(actor_model, reward_model):
     from dschat.tiny.presets import is_tiny_preset
 
@@ -51,6 +56,8 @@ def step_argv(step, args, tiny):
                 "--actor_zero_stage", str(args.actor_zero_stage), "--critic_zero_stage", str(args.reward_zero_stage),
                 "--output_dir", os.path.join(out, "step3_ppo")]
     recipe = TINY_RECIPE[step] if tiny else []
+    if step == 3 and getattr(args, "recipe", "ppo") == "grpo":
+        recipe = recipe + GRPO_RECIPE
     extra = shlex.split(getattr(args, f"step{step}_args") or "")
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache")] + extra
 
@@ -68,7 +75,10 @@ def run_pipeline(args):
         resolve_model_path(args.reward_model)
     parsers = {1: (sft.main, "step1"), 2: (reward.main, "step2"), 3: (ppo.main, "step3")}
     timings = {}
-    for step in sorted(args.step):
+    steps = sorted(args.step)
+    if getattr(args, "recipe", "ppo") == "grpo" and 2 in steps:
+        steps.remove(2)  # GRPO with a reward function needs no reward model
+    for step in steps:
         main, name = parsers[step]
         argv = step_argv(step, args, tiny)
         print_rank_0(f"==== {name}: {' '.join(shlex.quote(a) for a in argv)}")

@@ -88,8 +88,9 @@ def summary_lines(report):
     if held:
         for name in ("sft_policy", "ppo_policy"):
             r = held[name]
-            rule = f", rule score {r['rule_score_mean']:.4f}" if r.get("rule_score_mean") is not None else ""
-            lines.append(f"held-out {name}: reward {r['reward_mean']:.4f}{rule}")
+            parts = [f"{label} {r[key]:.4f}" for label, key in (("reward", "reward_mean"), ("rule score", "rule_score_mean"))
+                     if r.get(key) is not None]
+            lines.append(f"held-out {name}: {', '.join(parts)}")
         curve = report.get("step3_curve", {})
         if curve.get("kl"):
             lines.append(f"PPO: {report['step3_iterations']} iterations, final KL {curve['kl'][-1]:.4f}")

@@ -175,3 +175,35 @@ def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch)
                                  "for i, prompt_batch in zip(range(2), prompt_dataloader):"), "README", "exec"),
          namespace)
     assert torch.isfinite(namespace["actor_loss"]) and torch.isfinite(namespace["critic_loss"])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
+def test_critic_free_estimators_run_without_a_critic(trained, tmp_path, estimator):
+    metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--advantage_estimator", estimator,
+                                "--n_samples_per_prompt", "2", "--enable_hybrid_engine"))
+    assert metrics["iterations"] == 2
+    assert not (tmp_path / "ppo" / "critic").exists()
+    log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
+    assert all(r["critic_loss"] == 0 for r in log) and all(abs(r["actor_loss"]) < 1e3 for r in log)
+
+
+def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path):
+    metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--advantage_estimator", "grpo",
+                                "--n_samples_per_prompt", "2", "--reward_fn", "tiny", "--reward_model_weight", "0"))
+    assert metrics["eval_after"]["reward_mean"] is None and "rule_score_mean" in metrics["eval_after"]
+    log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["reward"] <= 1.0 for r in log)  # the rule scorer's range: no reward model added
+
+
+def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def score(prompts, answers):\n    raise ValueError('cannot score this')\n")
+    with pytest.raises(RuntimeError, match=r"cannot score this.*Human:"):
+        ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--reward_fn", f"{bad}:score"))
+
+
+def test_non_finite_reward_function_value_stops_the_run(tmp_path):
+    from dschat.rlhf.reward_fn import call_reward_fn
+
+    with pytest.raises(RuntimeError, match="nan for prompt 'p2'"):
+        call_reward_fn(lambda p, a: [1.0, float("nan")], ["p1", "p2"], ["a1", "a2"])

@@ -27,7 +27,7 @@ class DeepSpeedRLHFEngine:
     """
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
-                 num_total_iters=None, reward_model_name_or_path=None, needs_critic=True):
+                 num_total_iters=None, reward_model_name_or_path=None):
         self.args = args = step3_args(args)
         setup_run(args)
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
@@ -40,8 +40,12 @@ class DeepSpeedRLHFEngine:
         self.actor = self._init_actor()
         self.ref = self._init_frozen_actor_copy(offload=args.offload_reference_model)
         self.actor_ema = self._init_frozen_actor_copy(offload=False) if args.enable_ema else None
-        self.critic = self._init_critic() if needs_critic else None
-        self.reward = self._init_reward()
+        # critic-free estimators need no critic; a reward function alone needs no reward model
+        self.critic = self._init_critic() if args.advantage_estimator == "gae" else None
+        self.reward = self._init_reward() if args.reward_model_weight else None
+        print_rank_0(f"[step3] critic {'built' if self.critic else 'not built'} "
+                     f"(advantage estimator {args.advantage_estimator}), reward model "
+                     f"{'built' if self.reward else 'not built'}")
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False):

@@ -43,7 +43,10 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
         seq, amask = generate_answers(generate, prompts, mask, max_new_tokens, tokenizer.eos_token_id,
                                       tokenizer.pad_token_id, synced_gpus)
         full_mask = torch.cat([mask.long(), amask], dim=1)
-        scores = reward_model.module.forward_value(seq, full_mask)["chosen_end_scores"].double()
+        if reward_model is not None:
+            scores = reward_model.module.forward_value(seq, full_mask)["chosen_end_scores"].double()
+        else:  # reward function only: no reward-model score to report
+            scores = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
         texts = _answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)
         rules = [rule_scorer(p, t) for p, t in zip(batch["prompt_text"], texts)] if rule_scorer else [0.0] * len(texts)
         totals += torch.tensor([scores.sum().item(), float(sum(rules)), float(len(texts))], dtype=torch.float64,
@@ -53,7 +56,8 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
         seen += len(texts)
     all_reduce(totals)
     n = max(totals[2].item(), 1.0)
-    result = {"reward_mean": totals[0].item() / n, "prompts": int(totals[2].item()), "examples": examples}
+    result = {"reward_mean": totals[0].item() / n if reward_model is not None else None,
+              "prompts": int(totals[2].item()), "examples": examples}
     if rule_scorer:
         result["rule_score_mean"] = totals[1].item() / n
     return result

@@ -50,6 +50,13 @@ class DeepSpeedPPOTrainer:
         self.device = next(self.actor_model.module.parameters()).device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * torch.distributed.get_rank())  # independent per rank
+        self.reward_fn = None
+        if args.reward_fn:
+            from dschat.rlhf.reward_fn import load_reward_fn
+
+            self.reward_fn = load_reward_fn(args.reward_fn)
+        if self.reward_model is None and self.reward_fn is None:
+            raise ValueError("step 3 needs a reward: a reward model (--reward_model_weight != 0) or --reward_fn")
         self.stats = {}
 
     # --- experience ---------------------------------------------------------------------------------------
@@ -75,9 +82,9 @@ class DeepSpeedPPOTrainer:
         ``prompts`` is a left-padded tensor with ``mask``, or the batch dict of ``DataCollatorRLHF``.
         Empty answers stay in the batch (with no reward tokens) on every rank, so ranks never diverge.
         """
-        if isinstance(prompts, dict):
-            prompts, mask = prompts["prompt"], prompts["prompt_att_mask"]
-        prompts, mask = prompts.to(self.device), mask.to(self.device)
+        batch = prompts if isinstance(prompts, dict) else {"prompt": prompts, "prompt_att_mask": mask}
+        batch = self._repeat_for_groups(batch)
+        prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
         self.eval()
         t0 = time.time()
         seq = self._generate_sequence(prompts, mask)
@@ -92,7 +99,7 @@ class DeepSpeedPPOTrainer:
             logprobs = self._logprobs(self.actor_model, seq, attention_mask, start)
             ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask, start)
             values = self._values(self.critic_model, seq, attention_mask)[:, start:] if self.critic_model else None
-            scores = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"]
+            scores = self._scores(batch, seq, attention_mask, answers, action_mask)
         algo.check_finite("reward scores", scores)
         exp_time = time.time() - t1
         empty = (action_mask.sum(1) == 0) | ((action_mask.sum(1) == 1) & self._is_eos(answers[:, 0]))
@@ -102,6 +109,35 @@ class DeepSpeedPPOTrainer:
         return {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs,
                 "value": values, "rewards": scores, "input_ids": seq,
                 "attention_mask": attention_mask, "action_mask": action_mask}
+
+    def _repeat_for_groups(self, batch):
+        """Each prompt ``n_samples_per_prompt`` times in a row, so its answers form one group."""
+        n = self.args.n_samples_per_prompt
+        if n == 1:
+            return batch
+        return {k: (v.repeat_interleave(n, 0) if torch.is_tensor(v) else [x for x in v for _ in range(n)])
+                for k, v in batch.items()}
+
+    def _scores(self, batch, seq, attention_mask, answers, action_mask):
+        """Weighted sum of the reward model's score and the reward function's, one per answer."""
+        a = self.args
+        scores = torch.zeros(seq.shape[0], device=seq.device)
+        if self.reward_model is not None:
+            rm = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"].float()
+            scores = scores + a.reward_model_weight * rm
+        if self.reward_fn is not None:
+            from dschat.rlhf.reward_fn import call_reward_fn
+
+            prompt_len = batch["prompt"].shape[1]
+            prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(seq[:, :prompt_len],
+                                                                               skip_special_tokens=True)
+            texts = [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip()
+                     for row, m in zip(answers, action_mask)]
+            extras = {k: v for k, v in batch.items()
+                      if not torch.is_tensor(v) and k not in ("prompt_text", "messages")}
+            fn = call_reward_fn(self.reward_fn, prompts, texts, extras)
+            scores = scores + a.reward_fn_weight * torch.tensor(fn, device=seq.device)
+        return scores
 
     def _is_eos(self, tokens):
         eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
@@ -134,6 +170,16 @@ class DeepSpeedPPOTrainer:
             adv = algo.masked_whiten(adv, action_mask, process_group=group)
         return adv, returns
 
+    def critic_free_advantages(self, scores, token_rewards, mask):
+        """GRPO / RLOO: group-relative scores (KL as a loss term); REINFORCE++: whitened returns of token rewards."""
+        a = self.args
+        if a.advantage_estimator == "reinforce_pp":
+            group = torch.distributed.group.WORLD if get_world_size() > 1 else None
+            return algo.reinforce_pp_advantages(token_rewards, mask, a.gamma, process_group=group)
+        if a.advantage_estimator == "grpo":
+            return algo.grpo_advantages(scores.float(), a.n_samples_per_prompt, mask, bool(a.grpo_norm_by_std))
+        return algo.rloo_advantages(scores.float(), a.n_samples_per_prompt, mask)
+
     # --- training -----------------------------------------------------------------------------------------
     def train_rlhf(self, inputs):
         """One PPO update of actor and critic on a micro-batch of experience; returns (actor_loss, critic_loss)."""
@@ -145,10 +191,15 @@ class DeepSpeedPPOTrainer:
         agg = self._loss_agg(inputs)
         with torch.no_grad():
             rewards = self.compute_rewards(inputs["prompts"], old_logp, ref_logp, inputs["rewards"], mask)
-            advantages, returns = self.get_advantages_and_returns(old_values, rewards, mask)
+            if a.advantage_estimator == "gae":
+                advantages, returns = self.get_advantages_and_returns(old_values, rewards, mask)
+            else:
+                advantages, returns = self.critic_free_advantages(inputs["rewards"], rewards, mask)
         self.train()
         actor_loss = self._actor_loss(seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg)
         self._backward_and_step_actor(actor_loss)
+        if self.critic_model is None:
+            return actor_loss.detach(), torch.zeros((), device=actor_loss.device)
         values = self._values(self.critic_model, seq, attention_mask)[:, start:]
         critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value, **agg)
         algo.check_finite("critic loss", critic_loss)
@@ -165,11 +216,21 @@ class DeepSpeedPPOTrainer:
         if a.entropy_coef:
             entropy = algo.entropy_from_logits(logits, a.logprob_chunk_size)
             loss = loss - algo.entropy_bonus(entropy, mask, a.entropy_coef, **agg)
-        if not a.kl_in_reward and a.kl_loss_coef:
-            loss = loss + a.kl_loss_coef * algo.kl_loss_term(logp, ref_logp, mask, a.kl_estimator, **agg)
+        kl_coef, kl_kind = self._kl_loss_settings()
+        if kl_coef:
+            loss = loss + kl_coef * algo.kl_loss_term(logp, ref_logp, mask, kl_kind, **agg)
         algo.check_finite("actor loss", loss)
         self.stats.update(pg_clipfrac=pstats["pg_clipfrac"].item(), approx_kl=pstats["approx_kl"].item())
         return loss
+
+    def _kl_loss_settings(self):
+        """(coefficient, estimator) of the KL loss term. GRPO and RLOO always take KL as a k3 loss term (their
+        advantages ignore per-token rewards), 0.001 unless --kl_loss_coef says otherwise; others only with
+        --kl_in_reward 0."""
+        a = self.args
+        if a.advantage_estimator in ("grpo", "rloo"):
+            return (a.kl_loss_coef or 0.001), "k3"
+        return (0.0 if a.kl_in_reward else a.kl_loss_coef), a.kl_estimator
 
     def _loss_agg(self, inputs):
         if self.args.loss_agg != "global_token_mean":
@@ -210,7 +271,8 @@ class DeepSpeedPPOTrainer:
         if self.critic_model is not None:
             self.critic_model.eval()
         self.ref_model.eval()
-        self.reward_model.eval()
+        if self.reward_model is not None:
+            self.reward_model.eval()
 
 
 class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):

@@ -77,7 +77,8 @@ def cycle(loader, seed):
 
 def check_accumulation(args, unsupervised):
     """PPO micro-batches per iteration must fill whole accumulation groups, or optimizer steps mix iterations."""
-    micro = math.ceil(args.per_device_generation_batch_size / args.per_device_training_batch_size)
+    rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
+    micro = math.ceil(rows / args.per_device_training_batch_size)
     micro *= args.generation_batches * args.ppo_epochs
     gas = args.gradient_accumulation_steps
     if micro % gas:
@@ -144,8 +145,8 @@ def main(args=None):
     # test mode stops early without changing the schedule (it simulates an interrupted run)
     stop_at = min(total_iters, args.test_stop_step) if args.enable_test_mode and args.test_stop_step else total_iters
     optimizer_steps = max(1, total_iters * args.ppo_epochs * math.ceil(
-        args.per_device_generation_batch_size * args.generation_batches / args.per_device_training_batch_size
-    ) // args.gradient_accumulation_steps)
+        args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
+        / args.per_device_training_batch_size) // args.gradient_accumulation_steps)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
                                  num_total_iters=optimizer_steps)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer

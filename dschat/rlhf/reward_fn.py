@@ -1,0 +1,52 @@
+"""User reward functions: ``--reward_fn module:function`` or ``path/to/file.py:function``.
+
+The function is called as ``fn(prompts, answers, **extra_columns)`` with lists of strings (and lists of the
+dataset's extra column values) and returns one float per answer. A raised exception or a non-finite value stops
+the run with the prompt that caused it: a silent 0 would train the policy on a wrong reward.
+"""
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+
+ALIASES = {"tiny": "dschat.tiny.scorer:score_batch"}
+
+
+def load_reward_fn(spec):
+    """The callable named by ``spec``; a clear error when the module, file or function is missing."""
+    spec = ALIASES.get(spec, spec)
+    if ":" not in spec:
+        raise ValueError(f"--reward_fn {spec!r} must be 'module:function' or 'path/to/file.py:function'")
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        if not os.path.exists(target):
+            raise FileNotFoundError(f"--reward_fn file {target} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"dschat_reward_fn_{abs(hash(target))}", target)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"--reward_fn: {target} has no function {name!r}")
+    return fn
+
+
+def call_reward_fn(fn, prompts, answers, extras=None):
+    """One float per answer from ``fn``; raises RuntimeError naming the prompt on any failure."""
+    extras = dict(extras or {})
+    accepts = inspect.signature(fn).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in accepts.values()):
+        extras = {k: v for k, v in extras.items() if k in accepts}
+    try:
+        scores = [float(x) for x in fn(list(prompts), list(answers), **extras)]
+    except Exception as ex:
+        raise RuntimeError(f"--reward_fn failed ({type(ex).__name__}: {ex}) on a batch starting with prompt "
+                           f"{prompts[0]!r}") from ex
+    if len(scores) != len(answers):
+        raise RuntimeError(f"--reward_fn returned {len(scores)} scores for {len(answers)} answers")
+    for prompt, answer, score in zip(prompts, answers, scores):
+        if not math.isfinite(score):
+            raise RuntimeError(f"--reward_fn returned {score} for prompt {prompt!r} and answer {answer!r}")
+    return scores
