@@ -4,7 +4,6 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 
-import torch
 
 from dschat.models.lora import lora_layers, merge_lora_state_dict, unwrap_peft
 from dschat.utils.dist import barrier, is_rank_0

@@ -2,7 +2,6 @@
 import json
 import os
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel

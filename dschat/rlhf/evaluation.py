@@ -1,7 +1,6 @@
 """Scoring a policy on held-out prompts with the reward model and, where the data has one, a rule scorer."""
 import torch
 
-from dschat.models.reward_model import positions_from_mask  # noqa: F401  (re-exported for tools)
 from dschat.rlhf.trainer import answer_mask
 from dschat.utils.dist import all_reduce
 

@@ -181,7 +181,7 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
             _log_step(args, name, step, losses[-1], engine, writer, throughput, bar)
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 metrics = evaluate()
-                print_rank_0(f"[{name}] step {step} eval: {_fmt(metrics)}")
+                print_rank_0(f"[{name}] step {step} eval: {format_metrics(metrics)}")
                 _scalars(writer, f"{name}/eval", metrics, step)
                 engine.train()
             if step >= total_steps:
@@ -210,11 +210,9 @@ def _scalars(writer, prefix, values, step):
     writer.flush()
 
 
-def _fmt(metrics):
+def format_metrics(metrics):
     return ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
-
-format_metrics = _fmt
 
 
 @dataclass

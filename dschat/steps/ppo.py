@@ -15,8 +15,7 @@ from dschat.rlhf.config import step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
-from dschat.steps.common import (format_metrics, progress, setup_run, tensorboard_writer, write_json_atomic,
-                                 write_metrics)
+from dschat.steps.common import format_metrics, progress, setup_run, tensorboard_writer, write_metrics
 from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_device, print_rank_0
 
 
