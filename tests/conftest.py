@@ -20,3 +20,19 @@ def distributed():
     from dschat.utils.dist import ensure_distributed
 
     return ensure_distributed()
+
+
+@pytest.fixture(autouse=True)
+def isolated_hf_cache(tmp_path, monkeypatch):
+    """Keep datasets' Arrow cache of test files out of ~/.cache."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded tiny tokenizer (pad != eos)."""
+    from dschat.tiny import load_tiny_tokenizer
+
+    return load_tiny_tokenizer()

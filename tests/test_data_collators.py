@@ -2,27 +2,17 @@
 import argparse
 import json
 
-import datasets
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from dschat.data import (DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, DatasetFormatError,
                          create_prompt_dataset, format_prompt, get_unsupervised_data, pad_sequences)
-from dschat.tiny import load_tiny_tokenizer
 
 PAD = 1
 T = torch.tensor
 
 
-@pytest.fixture(autouse=True)
-def isolated_hf_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tiny_tokenizer()
 
 
 def test_pad_sequences_both_sides():

@@ -14,10 +14,6 @@ CONVERSATION = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "
                 {"role": "user", "content": "Name a fruit."}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tiny_tokenizer()
-
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():

@@ -20,14 +20,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-@pytest.fixture(autouse=True)
-def isolated_hf_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tiny_tokenizer()
 
 
 def records(name, count, start=0):

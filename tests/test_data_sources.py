@@ -1,7 +1,6 @@
 """Raw data sources: local files (formats, fields, record shapes, errors), name dispatch, hub adapters."""
 import json
 
-import datasets
 import pandas as pd
 import pytest
 from datasets import Dataset, DatasetDict
@@ -15,11 +14,6 @@ from dschat.data.errors import RecordError
 RECORDS = [{"prompt": f"Question number {i}?", "chosen": f"Good answer {i}.", "rejected": f"Bad answer {i}.",
             "task": f"t{i % 3}"} for i in range(20)]
 
-
-@pytest.fixture(autouse=True)
-def isolated_hf_cache(tmp_path, monkeypatch):
-    """Keep datasets' Arrow cache of the test files out of ~/.cache."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
 def write_records(records, path, kind):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch, make_ds_engine,  # noqa: E402
+                           tiny_model, train_step)
 
 from dschat.hybrid_engine import (HybridEngine, HybridEngineConfig, strip_deepspeed_hybrid_engine,  # noqa: E402
                                   wrap_actor)
@@ -23,12 +24,6 @@ def _engine(model, stage=0, bf16=False, **config):
                         pad_token_id=PAD)
 
 
-def _train_step(engine, sequences):
-    engine.train()
-    mask = (sequences != PAD).long()
-    loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
-    engine.backward(loss)
-    engine.step()
 
 
 # -- config --------------------------------------------------------------------------------------------------------
@@ -70,7 +65,7 @@ def test_greedy_equals_hf_generate_before_and_after_a_step(family):
     assert eos in row0 and row0.index(eos) < MAX_NEW - 1 and set(row0[row0.index(eos) + 1:]) == {PAD}
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _train_step(engine, got)
+    train_step(engine, got)
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters()), "the step changed nothing"
 
     engine.eval()
@@ -133,7 +128,7 @@ def test_zero_0_2_generates_from_training_parameters_whose_storage_is_stable(sta
     ids, mask = left_padded_batch([3, 5], seed=5)
     engine.eval()
     seq = engine.generate(ids, attention_mask=mask, max_new_tokens=6)
-    _train_step(engine, seq)
+    train_step(engine, seq)
     assert {n: p.data_ptr() for n, p in engine.module.named_parameters()} == ptrs
     assert any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
 
@@ -146,7 +141,7 @@ def test_step_marks_weights_stale_only_when_applied():
     engine.eval()
     v0 = weights.version
     seq = engine.generate(ids, attention_mask=mask, max_new_tokens=4)
-    _train_step(engine, seq)
+    train_step(engine, seq)
     assert weights.version == v0 + 1 and weights.is_stale
     engine.eval()
     assert not weights.is_stale
@@ -226,7 +221,7 @@ def test_engine_delegates_and_records_latencies(capsys):
     ids, mask = left_padded_batch([3, 4], seed=8)
     engine.eval()
     seq = engine.generate(ids, attention_mask=mask, max_new_tokens=5)
-    _train_step(engine, seq)  # train() ... step()
+    train_step(engine, seq)  # train() ... step()
     engine.eval()  # closes iteration 1
     stats = engine.latency_stats(engine.last_iteration)
     assert stats["generate_latency"] > 0 and stats["training_latency"] > 0

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch, make_ds_engine,  # noqa: E402
+                           tiny_model, train_step)
 
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
 from dschat.hybrid_engine.cache import KVCache  # noqa: E402
@@ -29,11 +30,7 @@ def _uncaptured(engine):
 
 
 def _train_step(engine, sequences):
-    engine.train()
-    mask = (sequences != PAD).long()
-    loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
-    engine.backward(loss)
-    engine.step()
+    train_step(engine, sequences)
     engine.eval()
 
 

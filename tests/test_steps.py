@@ -1,7 +1,5 @@
 """Steps 1 and 2 end to end on the embedded tiny default, in one process and on 2 ranks with ZeRO-3."""
 import json
-import os
-import sys
 
 import pytest
 import torch

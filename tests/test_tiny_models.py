@@ -5,13 +5,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dschat.tiny import EVAL_FILE, load_tiny_tokenizer
+from dschat.tiny import EVAL_FILE
 from dschat.tiny.presets import MARKER_FILE, TINY_PRESETS, create_tiny_model, is_tiny_preset
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tiny_tokenizer()
 
 
 def test_tokenizer_special_tokens(tokenizer):

@@ -95,3 +95,12 @@ def early_token(generated_row, avoid=(), steps=(1, 2, 3)):
         if token != PAD and token not in set(int(t) for t in avoid):
             return token
     return None
+
+
+def train_step(engine, sequences):
+    """One optimizer step of a language-modelling loss on ``sequences`` (pad positions ignored)."""
+    engine.train()
+    mask = (sequences != PAD).long()
+    loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
+    engine.backward(loss)
+    engine.step()
