@@ -1,5 +1,6 @@
 """Step 3: experience shapes and masks, the notebook API, LoRA, EMA, unsupervised mixing, resume, ZeRO-3."""
 import json
+import sys
 
 import pytest
 import torch
@@ -35,6 +36,34 @@ def test_answer_mask_stops_after_first_eos_when_pad_differs():
 def test_answer_mask_when_pad_equals_eos_keeps_the_first_eos():
     answers = torch.tensor([[5, 2, 2, 2], [2, 2, 2, 2]])
     assert answer_mask(answers, eos_token_id=2, pad_token_id=2).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
+def test_answer_logits_run_the_lm_head_on_answer_positions_only(family):
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    from hybrid_common import tiny_model
+
+    class Engine(torch.nn.Module):  # what the trainer calls: a module with .module, like a DeepSpeed engine
+        def __init__(self, model):
+            super().__init__()
+            self.module = model
+
+        def forward(self, **kwargs):
+            self.kwargs = kwargs
+            return self.module(**kwargs)
+
+    model = tiny_model(family).eval()
+    seq = torch.randint(3, 96, (2, 12))
+    mask = torch.ones_like(seq)
+    mask[0, :3] = 0  # left padding
+    engine = Engine(model)
+    with torch.no_grad():
+        got = DeepSpeedPPOTrainer._answer_logits(engine, seq, mask, start=7)
+        full = model(input_ids=seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    assert engine.kwargs["logits_to_keep"] == 5
+    assert got.shape == (2, 4, 96)
+    torch.testing.assert_close(got, full[:, 7:-1])
 
 
 def _engine_and_trainer(trained, tmp_path, **overrides):
@@ -148,14 +177,18 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path):
 
 
 @pytest.mark.multirank
-def test_step3_with_zero3_on_two_ranks_and_different_answer_lengths(trained, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["no_tp", "inference_tp2"])
+def test_step3_with_zero3_on_two_ranks_and_different_answer_lengths(trained, tmp_path, tp):
     out = tmp_path / "ppo"
     proc = run_deepspeed(REPO / "training" / "step3_ppo" / "main.py", *ppo_args(
         trained, out, "--max_steps", "2", "--actor_zero_stage", "3", "--critic_zero_stage", "3",
-        "--enable_hybrid_engine", "--max_answer_seq_len", "16"), timeout=900)
+        "--enable_hybrid_engine", "--inference_tp_size", str(tp), "--max_answer_seq_len", "16"), timeout=900)
     log = [json.loads(x) for x in (out / "step3_log.jsonl").read_text().splitlines()]
     assert len(log) == 2
+    assert all(abs(r["actor_loss"]) < 1e3 and r["kl"] == r["kl"] for r in log)
     assert "held-out after PPO" in proc.stdout
+    if tp == 2:
+        assert "pinned_copy_tp2 of the actor, inference tensor-parallel groups of 2 ranks" in proc.stdout
 
 
 def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch):

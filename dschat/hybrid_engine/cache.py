@@ -42,11 +42,11 @@ def kv_layout(model_config):
     return num_kv_heads, head_dim
 
 
-def estimated_bytes(model_config, batch_size, max_len, dtype):
+def estimated_bytes(model_config, batch_size, max_len, dtype, num_kv_heads=None):
     layout = kv_layout(model_config)
     if layout is None:
         return None
-    num_kv_heads, head_dim = layout
+    num_kv_heads, head_dim = num_kv_heads or layout[0], layout[1]
     num_layers = model_config.get_text_config(decoder=True).num_hidden_layers
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * batch_size * num_kv_heads * max_len * head_dim * element_size
@@ -61,8 +61,9 @@ def keeps_length_on_device(cache):
 class KVCache:
     """Owns at most one ``StaticCache``; ``acquire`` hands out a reset cache that fits, ``release`` frees it."""
 
-    def __init__(self, model_config):
+    def __init__(self, model_config, num_kv_heads=None):
         self.model_config = model_config
+        self.num_kv_heads = num_kv_heads  # per rank under inference tensor parallelism (None: the config's)
         self._cache = None
         self._shape = None  # (batch_size, max_len, dtype, device) of the allocated cache
         self._row_views = {}  # batch size -> StaticCache viewing the first rows of the storage (acquire_rows)
@@ -111,7 +112,7 @@ class KVCache:
             except Exception as error:  # noqa: BLE001
                 if not _is_out_of_memory(error):
                     raise
-                need = estimated_bytes(self.model_config, batch_size, max_len, dtype)
+                need = estimated_bytes(self.model_config, batch_size, max_len, dtype, self.num_kv_heads)
                 need_text = f"{need / 2**20:.1f} MiB" if need is not None else "an unknown amount"
                 raise RuntimeError(
                     f"hybrid engine: could not allocate the KV cache ({need_text} for batch {batch_size} x "
@@ -175,7 +176,7 @@ class KVCache:
         if layout is not None:
             # Allocate now rather than lazily inside the first forward, so memory errors surface here (and are retried)
             # and the decode loop itself never allocates cache storage.
-            num_kv_heads, head_dim = layout
+            num_kv_heads, head_dim = self.num_kv_heads or layout[0], layout[1]
             cache.early_initialization(batch_size=batch_size, num_heads=num_kv_heads, head_dim=head_dim,
                                        dtype=dtype, device=device)
         return cache

@@ -1,9 +1,6 @@
 """The ``hybrid_engine`` block of a DeepSpeed config, read for dschat's engine instead of DeepSpeed's."""
 import copy
 import dataclasses
-import logging
-
-logger = logging.getLogger(__name__)
 
 HYBRID_ENGINE = "hybrid_engine"
 
@@ -26,10 +23,8 @@ class HybridEngineConfig:
         if self.tp_gather_partition_size < 1:
             raise ValueError("hybrid_engine.tp_gather_partition_size must be >= 1, "
                              f"got {self.tp_gather_partition_size}")
-        # Accepted so DeepSpeed-Chat configs load unchanged; these features arrive in later issues.
-        if self.inference_tp_size != 1:
-            logger.warning("hybrid_engine.inference_tp_size=%d is not implemented yet; generating without "
-                           "tensor parallelism.", self.inference_tp_size)
+        if self.inference_tp_size < 1:
+            raise ValueError(f"hybrid_engine.inference_tp_size must be >= 1, got {self.inference_tp_size}")
 
     @classmethod
     def from_ds_config(cls, ds_config):

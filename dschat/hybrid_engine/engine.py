@@ -15,7 +15,9 @@ import torch.distributed as dist
 from dschat.hybrid_engine.cache import KVCache
 from dschat.hybrid_engine.config import HybridEngineConfig
 from dschat.hybrid_engine.decode import generate_tokens, hf_model_of
-from dschat.hybrid_engine.graphs import GraphDecoder
+from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
+from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
+                                                  shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
 
 logger = logging.getLogger(__name__)
@@ -74,9 +76,14 @@ class HybridEngine:
         self.eos_token_id = eos_token_id
         self.early_exit_interval = early_exit_interval
         self.log_on_eval = log_on_eval
+        # inference_tp_size > 1: this rank's group of ranks generates together, each holding a slice of the model.
+        tp_size = self.hybrid_config.inference_tp_size
+        self.tp = TensorParallelGroup.create(tp_size) if tp_size > 1 else None
         self.inference_weights = build_inference_weights(ds_engine.module, self.hybrid_config,
-                                                         ds_engine.zero_optimization_stage(), ds_engine.device)
-        self.kv_cache = KVCache(hf_model_of(self.inference_weights.model).config)
+                                                         ds_engine.zero_optimization_stage(), ds_engine.device,
+                                                         tp=self.tp)
+        self.kv_cache = KVCache(hf_model_of(self.inference_weights.model).config,
+                                num_kv_heads=self.inference_weights.num_kv_heads)
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step) \
@@ -213,6 +220,16 @@ class HybridEngine:
 
         sync_group = dist.group.WORLD if self.inference_weights.forward_has_collectives and _world_size() > 1 \
             else None
+        own_generator = generator
+        if self.tp is not None:
+            check_same_in_group(self.tp, device, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+            group_batch = gather_prompts(input_ids, attention_mask, pad_token_id, self.tp)
+            input_ids, attention_mask = group_batch.input_ids, group_batch.attention_mask
+            batch_size, prompt_len = input_ids.shape
+            if do_sample:
+                generator = shared_generator(generator, default_generator(torch.device(device)), device, self.tp)
+            sync_group = self.tp.group  # the group's ranks decode in lock-step: they stop together
         sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_list or None, pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
                         generator=generator, early_exit_interval=self.early_exit_interval)
@@ -229,6 +246,11 @@ class HybridEngine:
                     result = generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens,
                                              sync_group=sync_group, return_lengths=True, **sampling)
             sequences, lengths = result
+            if self.tp is not None:
+                sequences, lengths = group_batch.own_rows(sequences, lengths)
+                batch_size = group_batch.rows
+                if do_sample and self.tp.is_leader:  # the leader's generator moves on as the shared one did
+                    (own_generator or default_generator(torch.device(device))).set_state(generator.get_state())
         finally:
             model.train(was_training)
             if self.hybrid_config.release_inference_cache:

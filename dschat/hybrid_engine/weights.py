@@ -14,6 +14,10 @@ Four cases, chosen by :func:`build_inference_weights`:
     (PEFT's merge/unmerge is never called on the training model). Under ZeRO 0-2 the copy shares storage with every
     training parameter that LoRA does not adapt, so it costs only the adapted matrices.
 
+With ``inference_tp_size`` > 1 the copy of (b)/(d) is always used (also under ZeRO 0-2): it holds this rank's slices
+of the split layers (``tensor_parallel.ShardPlan``), cut from the gathered (and LoRA-merged) training weights at each
+refresh; parameters that are not split are shared with training storage under ZeRO 0-2.
+
 Parameter names are mapped generically: the PEFT wrapper's base model is used (no ``base_model.model.`` prefix),
 ``base_layer.`` is dropped, ``lora_*`` tensors are folded into their layer's weight and ``modules_to_save`` copies
 replace the original module. No per-model-family tables.
@@ -143,6 +147,7 @@ class WeightCopy:
     source: nn.Parameter
     deltas: list
     aliased: bool  # target shares the source's storage (ZeRO 0-2, not LoRA-adapted): nothing to copy
+    shard: object = None  # tensor_parallel.Slice: the part of the (merged) source this rank keeps
 
     def training_params(self):
         params = [self.source]
@@ -157,16 +162,20 @@ class WeightCopy:
                 self.target.data = self.source.data
             return
         source = self.source.detach()
-        if source.shape != self.target.shape:
+        expected = self.target.shape if self.shard is None else None
+        if expected is not None and source.shape != expected:
             raise RuntimeError(f"{self.name}: training tensor has shape {tuple(source.shape)} (not gathered?), "
                                f"inference tensor {tuple(self.target.shape)}")
-        if not self.deltas:
-            self.target.data.copy_(source)
-            return
-        merged = source.to(torch.float32, copy=True)
-        for delta in self.deltas:
-            delta.add_to(merged)
-        self.target.data.copy_(merged)  # the one rounding to the weight dtype
+        if self.deltas:
+            source = source.to(torch.float32, copy=True)
+            for delta in self.deltas:
+                delta.add_to(source)
+        if self.shard is not None:
+            source = self.shard(source)
+            if source.shape != self.target.shape:
+                raise RuntimeError(f"{self.name}: this rank's slice has shape {tuple(source.shape)}, inference "
+                                   f"tensor {tuple(self.target.shape)} (not gathered?)")
+        self.target.data.copy_(source)  # with LoRA: the one rounding to the weight dtype
 
 
 class InferenceWeights:
@@ -178,6 +187,7 @@ class InferenceWeights:
 
     kind = "base"
     forward_has_collectives = False  # True when every forward all-gathers (ZeRO-3 without pinned parameters)
+    num_kv_heads = None  # key/value heads per rank when the copy is tensor-parallel (None: the config's)
 
     def __init__(self, model):
         self.model = model
@@ -218,13 +228,22 @@ class TrainingModuleWeights(InferenceWeights):
 class InferenceCopy(InferenceWeights):
     """Cases (b) and (d): a persistent plain HF model refreshed from the training weights, one layer group at a time."""
 
-    def __init__(self, training_module, device, gather_group_size, share_unadapted=False):
+    def __init__(self, training_module, device, gather_group_size, share_unadapted=False, tp=None):
         base = hf_model_of(training_module)
         adapted = {inference_name(name, active_adapters(base)): layer for name, layer in lora_layers(base).items()}
         super().__init__(_empty_copy_of(base))
         self.kind = "lora_copy" if adapted else "pinned_copy"
         self.device = torch.device(device)
         self._training_buffers = {}
+        self.shard_plan = None
+        if tp is not None:
+            # Inference tensor parallelism: this rank's copy holds only its slice of the split layers.
+            from dschat.hybrid_engine.tensor_parallel import ShardPlan
+
+            self.shard_plan = ShardPlan(self.model, decoder_layer_list(self.model)[0], tp)
+            self.shard_plan.apply(self.model)
+            self.kind += f"_tp{tp.size}"
+            self.num_kv_heads = self.shard_plan.local_kv_heads
         self.copies = self._plan(base, adapted, share_unadapted)
         self.groups = self._group(gather_group_size)
         self._materialise()
@@ -247,8 +266,9 @@ class InferenceCopy(InferenceWeights):
                 raise RuntimeError(f"two training parameters map to inference parameter {name!r}")
             owner, _, leaf = name.rpartition(".")
             deltas = lora_deltas(adapted[owner]) if leaf == "weight" and owner in adapted else []
-            aliased = share_unadapted and not deltas and not is_zero3_param(param)
-            copies[name] = WeightCopy(name, targets[name], param, deltas, aliased)
+            shard = self.shard_plan.slices.get(name) if self.shard_plan is not None else None
+            aliased = share_unadapted and not deltas and shard is None and not is_zero3_param(param)
+            copies[name] = WeightCopy(name, targets[name], param, deltas, aliased, shard)
         missing = sorted(set(targets) - set(copies))
         if missing:
             raise RuntimeError(f"inference parameters with no training source: {missing[:8]}")
@@ -353,9 +373,16 @@ def _empty_copy_of(base):
     return model
 
 
-def build_inference_weights(training_module, hybrid_config, zero_stage, device):
-    """Choose the case (see module docstring) for this training module and configuration."""
+def build_inference_weights(training_module, hybrid_config, zero_stage, device, tp=None):
+    """Choose the case (see module docstring) for this training module and configuration; with ``tp`` (a
+    ``tensor_parallel.TensorParallelGroup``) always a copy holding this rank's slice."""
     has_lora = bool(lora_layers(hf_model_of(training_module)))
+    if tp is not None:
+        if zero_stage == 3 and not hybrid_config.pin_parameters:
+            raise ValueError("hybrid_engine.inference_tp_size > 1 needs pin_parameters=true under ZeRO-3 (the "
+                             "tensor-parallel slices are kept in a persistent inference copy)")
+        return InferenceCopy(training_module, device, hybrid_config.tp_gather_partition_size,
+                             share_unadapted=zero_stage < 3, tp=tp)
     if zero_stage == 3 and not hybrid_config.pin_parameters:
         return TrainingModuleWeights(training_module, gathers_in_forward=True)
     if zero_stage == 3:

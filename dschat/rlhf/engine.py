@@ -84,8 +84,11 @@ class DeepSpeedRLHFEngine:
                      f"hybrid engine {'on' if a.enable_hybrid_engine else 'off'}")
         if not a.enable_hybrid_engine:
             return engine
-        return HybridEngine(engine, HybridEngineConfig.from_ds_config(ds_config),
-                            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+        actor = HybridEngine(engine, HybridEngineConfig.from_ds_config(ds_config),
+                             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+        print_rank_0(f"[step3] hybrid engine generates from a {actor.inference_weights.kind} of the actor"
+                     + (f", inference tensor-parallel groups of {actor.tp.size} ranks" if actor.tp else ""))
+        return actor
 
     def _init_frozen_actor_copy(self, offload):
         """The reference model (and the EMA copy): the SFT weights, frozen, sharded like the actor."""

@@ -3,6 +3,7 @@ import time
 
 import torch
 
+from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import step3_args
@@ -143,14 +144,21 @@ class DeepSpeedPPOTrainer:
         eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
         return torch.isin(tokens, torch.tensor(eos, device=tokens.device))
 
-    def _forward_logits(self, model, seq, attention_mask):
-        return model(input_ids=seq, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask),
-                     use_cache=False).logits
+    @staticmethod
+    def _answer_logits(model, seq, attention_mask, start):
+        """The logits that predict the answer tokens, (B, L - start - 1, V): the logits at ``start`` predict the first
+        answer token. Where the model takes ``logits_to_keep`` its LM head runs on those positions only, so the
+        prompt's logits (half of them for 256+256) are never computed or stored."""
+        keep = seq.shape[1] - start
+        extra = {"logits_to_keep": keep} if forward_spec(model.module).takes_logits_to_keep else {}
+        logits = model(input_ids=seq, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask),
+                       use_cache=False, **extra).logits
+        return logits[:, -keep:-1]
 
     def _logprobs(self, model, seq, attention_mask, start):
-        """Log-probs of the answer tokens only (logits at ``start`` predict the first answer token)."""
-        logits = self._forward_logits(model, seq, attention_mask)
-        return algo.gather_log_probs(logits[:, start:-1], seq[:, start + 1:], self.args.logprob_chunk_size)
+        """Log-probs of the answer tokens only."""
+        logits = self._answer_logits(model, seq, attention_mask, start)
+        return algo.gather_log_probs(logits, seq[:, start + 1:], self.args.logprob_chunk_size)
 
     @staticmethod
     def _values(critic, seq, attention_mask):
@@ -210,7 +218,7 @@ class DeepSpeedPPOTrainer:
 
     def _actor_loss(self, seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg):
         a = self.args
-        logits = self._forward_logits(self.actor_model, seq, attention_mask)[:, start:-1]
+        logits = self._answer_logits(self.actor_model, seq, attention_mask, start)
         logp = algo.gather_log_probs(logits, seq[:, start + 1:], a.logprob_chunk_size)
         loss, pstats = algo.policy_loss_clipped(logp, old_logp, advantages, mask, self.cliprange, **agg)
         if a.entropy_coef:

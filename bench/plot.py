@@ -1,0 +1,72 @@
+"""Plot generation seconds against batch size, with the bandwidth floor of the same runs, from bench JSON results.
+
+    python bench/plot.py docs/results/2026-11-29_generation_opt-1.3b_graph_*.json \
+        docs/results/2026-11-30_generation_qwen2.5-7b_*.json --out docs/generation_vs_floor.png
+
+One panel per model; one line per variant (median seconds of each batch size; where several files measured the same
+variant and batch, the newest file's row wins); the floor as a dashed line. Runs on the CPU (matplotlib only).
+"""
+import argparse
+import json
+from collections import defaultdict
+
+LABELS = {"floor": "bandwidth floor", "hf_static": "HF generate, static cache", "hf_dynamic": "HF generate, dynamic",
+          "dschat_z0": "dschat ZeRO-0, eager", "dschat_z0_graph": "dschat ZeRO-0, CUDA graph",
+          "dschat_z3_graph": "dschat ZeRO-3, CUDA graph (gather incl.)",
+          "dschat_z0_graph_compiled": "dschat ZeRO-0, graph + compile",
+          "dschat_z3_graph_compiled": "dschat ZeRO-3, graph + compile"}
+
+
+def load_rows(paths):
+    """{model: {variant: {batch: seconds}}}, later files overriding earlier ones; floors as variant "floor"."""
+    table = defaultdict(lambda: defaultdict(dict))
+    for path in sorted(paths):  # dated names: later runs last
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        for r in rows:
+            if not r.get("ok") or "model" not in r:
+                continue
+            table[r["model"]][r["variant"]][r["batch"]] = r["seconds"]
+            table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
+    return table
+
+
+def plot(table, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted(table)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        order = list(LABELS)
+        for variant, points in sorted(table[model].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order
+                                      else len(order)):
+            batches = sorted(points)
+            # the same colour for a variant in every panel
+            color = f"C{order.index(variant) % 10}" if variant in order else None
+            style = dict(linestyle="--", color="black") if variant == "floor" else dict(marker="o", color=color)
+            ax.plot(batches, [points[b] for b in batches], label=LABELS.get(variant, variant), **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (256 prompt + 256 sampled tokens)")
+        ax.set_ylabel("seconds per generation")
+        ax.set_title(f"{model} shape, one H200, bf16")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("results", nargs="+", help="JSON files written by bench/generation.py")
+    p.add_argument("--out", default="docs/generation_vs_floor.png")
+    args = p.parse_args()
+    plot(load_rows(args.results), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Inference tensor parallelism (``hybrid_engine.inference_tp_size``).
+
+Ranks form groups of ``inference_tp_size`` consecutive ranks. Each group generates its members' prompts together with
+the model split across its ranks, Megatron-style, and hands every rank back its own answers:
+
+* Attention q/k/v and MLP up/gate projections are split by output (whole heads; key/value heads too when their number
+  divides by the group size, each rank keeping the one key/value head its query heads use when it does not), attention
+  output and MLP down projections by input, followed by an all-reduce over the group (the bias is added once, by the
+  group's first rank). Norms, embeddings and the LM head stay whole on every rank.
+* Which linear layer is which comes from the model's own tensor-parallel plan (``config.base_model_tp_plan``) where
+  transformers provides one, else from the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...).
+* The attention modules are told their local head counts by their usual attribute names (``num_heads``,
+  ``num_key_value_groups``, ...); HF attention reshapes with ``-1`` heads otherwise.
+
+The split happens in the inference copy only (``weights.InferenceCopy``): the training model is untouched, and the copy's
+slices are refreshed from the (ZeRO-3-gathered) training weights like any other inference weight.
+
+Prompts are gathered across the group (padded on the left to the longest; batch sizes may differ) and sampling uses
+the group's first rank's generator state on every member, so a group samples identically and groups independently.
+"""
+import dataclasses
+import logging
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+# Styles of transformers' plans that dschat shards, and those that mean "whole on every rank" here (embeddings, norms
+# and layers whose split input/gathered output make them equivalent to a replicated layer).
+_SHARDED_STYLES = {"colwise": COLWISE, "local_colwise": COLWISE, "rowwise": ROWWISE, "local_rowwise": ROWWISE}
+_REPLICATED_STYLES = {"replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
+                      "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "sequence_parallel",
+                      "isolated", "gather"}
+# Without a plan: the projection names most decoder-only families use.
+_COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1"}
+_ROWWISE_NAMES = {"o_proj", "out_proj", "down_proj", "fc2"}
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
+# -- groups ------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TensorParallelGroup:
+    """This rank's inference group: ``size`` consecutive ranks starting at ``ranks[0]``, with its own process group
+    (collectives captured in CUDA graphs must not share a communicator with training's)."""
+
+    size: int
+    rank: int  # index of this rank inside the group
+    ranks: list
+    group: object
+
+    @property
+    def leader(self):
+        return self.ranks[0]
+
+    @property
+    def is_leader(self):
+        return self.rank == 0
+
+    @classmethod
+    def create(cls, size):
+        """Every rank must call this at the same point (``new_group`` is collective over the world)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if size < 1 or world % size != 0:
+            raise ValueError(f"hybrid_engine.inference_tp_size={size} must divide the number of ranks ({world})")
+        rank = dist.get_rank()
+        mine = None
+        for start in range(0, world, size):
+            ranks = list(range(start, start + size))
+            group = dist.new_group(ranks)  # every rank creates every group, in the same order
+            if rank in ranks:
+                mine = cls(size, ranks.index(rank), ranks, group)
+        return mine
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config):
+        cfg = config.get_text_config(decoder=True)
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(heads, kv, head_dim)
+
+
+def _pattern_regex(pattern):
+    """``layers.*.self_attn.q_proj`` -> a regex matching that module under any prefix (``model.layers.3...``)."""
+    body = r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in pattern.split("."))
+    return re.compile(r"(?:.*\.)?" + body)
+
+
+def model_tp_plan(model):
+    """{pattern: style} from the model's config, or None when transformers has no plan for it."""
+    plan = getattr(model.config.get_text_config(decoder=True), "base_model_tp_plan", None) or \
+        getattr(model.config, "base_model_tp_plan", None)
+    return dict(plan) if plan else None
+
+
+def sharded_linears(model, layers_prefix):
+    """{module name: COLWISE | ROWWISE} for the decoder layers' linear projections to split.
+
+    From the model's own plan when it has one (an unsupported style, e.g. MoE experts or packed projections, is an
+    error), else by projection name. Only ``nn.Linear`` modules inside the repeated decoder blocks are split.
+    """
+    plan = model_tp_plan(model)
+    in_layers = {name: m for name, m in model.named_modules()
+                 if layers_prefix and name.startswith(layers_prefix + ".")}
+    styles = {}
+    if plan is not None:
+        unsupported = sorted({s for s in plan.values() if s not in _SHARDED_STYLES and s not in _REPLICATED_STYLES})
+        if unsupported:
+            raise NotImplementedError(f"{type(model).__name__}'s tensor-parallel plan uses {unsupported}, which the "
+                                      "hybrid engine's inference tensor parallelism does not support; use "
+                                      "inference_tp_size=1")
+        compiled = [(_pattern_regex(p), _SHARDED_STYLES[s]) for p, s in plan.items() if s in _SHARDED_STYLES]
+        for name in in_layers:
+            for regex, style in compiled:
+                if regex.fullmatch(name):
+                    styles[name] = style
+                    break
+    else:
+        for name in in_layers:
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in _COLWISE_NAMES:
+                styles[name] = COLWISE
+            elif leaf in _ROWWISE_NAMES:
+                styles[name] = ROWWISE
+    _check_plan(model, styles, in_layers)
+    return styles
+
+
+def _check_plan(model, styles, modules):
+    """Every split block (attention, MLP) needs both halves, or a partial result would go on un-reduced."""
+    if not styles:
+        raise NotImplementedError(f"no tensor-parallel plan for {type(model).__name__}: its config has no "
+                                  "base_model_tp_plan and its projections have none of the usual names "
+                                  f"({sorted(_COLWISE_NAMES | _ROWWISE_NAMES)}); use inference_tp_size=1")
+    halves = {}
+    for name, style in styles.items():
+        if type(modules[name]) is not nn.Linear:
+            raise NotImplementedError(f"{name} is a {type(modules[name]).__name__}, not an nn.Linear (e.g. fused "
+                                      "qkv Conv1D); inference tensor parallelism cannot split it")
+        halves.setdefault(name.rpartition(".")[0], set()).add(style)
+    incomplete = sorted(block for block, kinds in halves.items() if kinds != {COLWISE, ROWWISE})
+    if incomplete:
+        raise NotImplementedError(f"tensor-parallel plan of {type(model).__name__} splits {incomplete[0]} only on one "
+                                  "side (needs column-wise inputs and a row-wise output projection)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """Rows or columns ``[start, stop)`` of a weight; ``zero`` for a row-wise bias on ranks other than the first."""
+
+    dim: int
+    start: int
+    stop: int
+    zero: bool = False
+
+    def __call__(self, tensor):
+        if self.zero:
+            return torch.zeros_like(tensor)
+        return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+    def shape_of(self, shape):
+        shape = list(shape)
+        if not self.zero:
+            shape[self.dim] = self.stop - self.start
+        return torch.Size(shape)
+
+
+def _even(n, tp, rank, what):
+    if n % tp:
+        raise ValueError(f"{what} ({n}) is not divisible by inference_tp_size={tp}")
+    part = n // tp
+    return part * rank, part * (rank + 1)
+
+
+class ShardPlan:
+    """How this rank's inference copy slices each split linear layer, and what its attention modules must be told."""
+
+    def __init__(self, model, layers_prefix, tp):
+        self.tp = tp
+        self.layout = HeadLayout.of(model.config)
+        heads, kv = self.layout.num_heads, self.layout.num_kv_heads
+        if heads % tp.size:
+            raise ValueError(f"{heads} attention heads cannot be split over inference_tp_size={tp.size}")
+        if kv % tp.size and tp.size % kv:
+            raise ValueError(f"{kv} key/value heads can be neither split over nor replicated to "
+                             f"inference_tp_size={tp.size} ranks")
+        self.local_heads = heads // tp.size
+        self.local_kv_heads = max(1, kv // tp.size)
+        self.styles = sharded_linears(model, layers_prefix)
+        self.slices = {}  # parameter name -> Slice
+        for name, style in self.styles.items():
+            linear = model.get_submodule(name)
+            attention = "attention" in type(model.get_submodule(name.rpartition(".")[0])).__name__.lower()
+            self.slices.update(self._linear_slices(name, linear, style, attention))
+
+    def _linear_slices(self, name, linear, style, in_attention):
+        tp, rank = self.tp.size, self.tp.rank
+        if style == ROWWISE:
+            start, stop = _even(linear.in_features, tp, rank, f"{name} input size")
+            slices = {f"{name}.weight": Slice(1, start, stop)}
+            if linear.bias is not None:
+                slices[f"{name}.bias"] = Slice(0, 0, linear.bias.shape[0], zero=not self.tp.is_leader)
+            return slices
+        layout = self.layout
+        kv_rows = layout.num_kv_heads * layout.head_dim
+        if in_attention and layout.num_kv_heads != layout.num_heads and linear.out_features == kv_rows \
+                and layout.num_kv_heads % tp:
+            # Fewer key/value heads than ranks: each rank keeps the one its query heads read.
+            head = rank * layout.num_kv_heads // tp
+            start, stop = head * layout.head_dim, (head + 1) * layout.head_dim
+        else:
+            start, stop = _even(linear.out_features, tp, rank, f"{name} output size")
+        slices = {f"{name}.weight": Slice(0, start, stop)}
+        if linear.bias is not None:
+            slices[f"{name}.bias"] = Slice(0, start, stop)
+        return slices
+
+    def apply(self, model):
+        """Shrink ``model`` (a meta-device copy) to this rank's shard and install the all-reduces."""
+        for name, style in self.styles.items():
+            linear = model.get_submodule(name)
+            for leaf in ("weight", "bias"):
+                param = getattr(linear, leaf)
+                if param is not None:
+                    shape = self.slices[f"{name}.{leaf}"].shape_of(param.shape)
+                    setattr(linear, leaf, nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device),
+                                                       requires_grad=False))
+            linear.out_features, linear.in_features = linear.weight.shape
+            if style == ROWWISE:
+                linear.register_forward_hook(self._all_reduce_output)
+        for block_name in {name.rpartition(".")[0] for name in self.styles}:
+            block = model.get_submodule(block_name)
+            if "attention" in type(block).__name__.lower():
+                self._localise_heads(block)
+
+    def _localise_heads(self, attention):
+        layout = self.layout
+        for attr in _HEAD_ATTRS:
+            if getattr(attention, attr, None) == layout.num_heads:
+                setattr(attention, attr, self.local_heads)
+        for attr in _KV_HEAD_ATTRS:
+            if getattr(attention, attr, None) == layout.num_kv_heads:
+                setattr(attention, attr, self.local_kv_heads)
+        if hasattr(attention, "num_key_value_groups"):
+            attention.num_key_value_groups = self.local_heads // self.local_kv_heads
+
+    def _all_reduce_output(self, module, inputs, output):
+        dist.all_reduce(output, group=self.tp.group)
+        return output
+
+
+# -- prompts in, answers out -------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class GroupBatch:
+    """The group's prompts, LEFT-padded to the longest, in rank order; and where this rank's rows are."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    row_start: int
+    rows: int
+    prompt_len: int  # this rank's own prompt length
+
+    def own_rows(self, sequences, lengths):
+        """This rank's (sequences, lengths), with its own prompt width and trimmed to its own longest answer."""
+        own_lengths = lengths[self.row_start:self.row_start + self.rows]
+        group_prompt = self.input_ids.shape[1]
+        n = int(own_lengths.max()) if self.rows else 0
+        own = sequences[self.row_start:self.row_start + self.rows,
+                        group_prompt - self.prompt_len:group_prompt + n]
+        return own.contiguous(), own_lengths
+
+
+def _all_gather(tensor, group, size):
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def gather_prompts(input_ids, attention_mask, pad_token_id, tp):
+    """Concatenate the group's prompts (shapes may differ per rank) into one LEFT-padded batch."""
+    device = input_ids.device
+    shape = torch.tensor(input_ids.shape, dtype=torch.long, device=device)
+    shapes = [tuple(int(v) for v in s) for s in _all_gather(shape, tp.group, tp.size)]
+    max_rows = max(rows for rows, _ in shapes)
+    max_len = max(length for _, length in shapes)
+    rows, length = input_ids.shape
+    ids = torch.full((max_rows, max_len), pad_token_id, dtype=input_ids.dtype, device=device)
+    mask = torch.zeros((max_rows, max_len), dtype=attention_mask.dtype, device=device)
+    ids[:rows, max_len - length:] = input_ids
+    mask[:rows, max_len - length:] = attention_mask
+    all_ids = _all_gather(ids, tp.group, tp.size)
+    all_mask = _all_gather(mask, tp.group, tp.size)
+    group_ids = torch.cat([part[:r] for part, (r, _) in zip(all_ids, shapes)])
+    group_mask = torch.cat([part[:r] for part, (r, _) in zip(all_mask, shapes)])
+    row_start = sum(r for r, _ in shapes[:tp.rank])
+    return GroupBatch(group_ids, group_mask, row_start, rows, length)
+
+
+def check_same_in_group(tp, device, **settings):
+    """The group runs one generation: its members must ask for the same one (else collectives would mismatch)."""
+    values = torch.tensor([float(v) for v in settings.values()], dtype=torch.float64, device=device)
+    parts = _all_gather(values, tp.group, tp.size)
+    for part in parts[1:]:
+        if not torch.equal(part, parts[0]):
+            got = {k: [p[i].item() for p in parts] for i, k in enumerate(settings)}
+            raise ValueError(f"ranks of one inference tensor-parallel group asked for different generations: {got}")
+
+
+def shared_generator(generator, default, device, tp):
+    """A generator on ``device`` holding the group leader's sampling state (its ``generator``, else ``default``)."""
+    state = (generator if generator is not None else default).get_state()
+    buffer = state.to(device)
+    dist.broadcast(buffer, src=tp.leader, group=tp.group)
+    shared = torch.Generator(device=device)
+    shared.set_state(buffer.cpu())
+    return shared

@@ -1,0 +1,138 @@
+"""2 ranks, inference_tp_size=2: both ranks form one tensor-parallel group, each holding half of every split layer.
+
+Checks, for a GQA Llama (2 key/value heads: split), an MQA Llama (1 key/value head: replicated) and OPT (no plan in
+transformers: split by projection names), under ZeRO-0 and ZeRO-3:
+* greedy answers equal HF ``generate`` on the unsplit model (= inference_tp_size 1), although the ranks' prompt
+  batches differ in rows and length and rank 0's answers end long before rank 1's; again after an optimizer step;
+* each rank's copy holds half of the split weights;
+* sampling is the group leader's: rank 1's own generator seed does not change anything, rank 0's does.
+
+Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher:  hybrid_tp.py --stage 0|3
+"""
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hybrid_common import (PAD, ds_config, early_token, hf_generate, make_ds_engine, tiny_model,  # noqa: E402
+                           train_step)
+from hybrid_zero3 import build_zero3_actor, gather_into, rank_prompts  # noqa: E402
+
+MAX_NEW = 20
+NUM_LAYERS = 2
+
+
+def reference_model(family):
+    if family == "llama-mqa":
+        model = tiny_model("llama", seed=31, num_layers=NUM_LAYERS)
+        config = copy.deepcopy(model.config)
+        config.num_key_value_heads = 1
+        torch.manual_seed(31)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config)
+        model.generation_config.eos_token_id = None
+        return model.eval()
+    model = tiny_model(family, seed=31, num_layers=NUM_LAYERS)
+    # zero.Init's from_config would zero the padding row of an empty embedding shard; the weights are copied in anyway.
+    model.config.pad_token_id = None
+    return model.eval()
+
+
+def build_actor(reference, stage):
+    if stage == 3:
+        return build_zero3_actor(reference, None, ds_config(stage=3, lr=5e-2))
+    return make_ds_engine(copy.deepcopy(reference), stage=stage, lr=5e-2)
+
+
+def expected_answers(reference, ids, mask, world):
+    """HF greedy answers with an EOS that rank 0's rows emit within 3 steps and rank 1's never do."""
+    no_eos = hf_generate(reference, ids, mask, MAX_NEW)[:, ids.shape[1]:]
+    answers = [None] * world
+    dist.all_gather_object(answers, no_eos.tolist())
+    eos = early_token(answers[0][0], avoid=[t for row in answers[1] for t in row])
+    assert eos is not None, "no usable EOS token for this seed"
+    return eos, hf_generate(reference, ids, mask, MAX_NEW, eos_token_id=eos)
+
+
+def check_split(engine, reference):
+    """Every split linear of the copy holds half of the reference's rows or columns."""
+    plan = engine.inference_weights.shard_plan
+    assert plan is not None and plan.styles, "no layer was split"
+    model = engine.inference_weights.model
+    for name, style in plan.styles.items():
+        full = reference.get_submodule(name).weight
+        mine = model.get_submodule(name).weight
+        dim = 0 if style == "colwise" else 1
+        # MQA: the one key/value head is kept whole on both ranks.
+        replicated_kv = style == "colwise" and plan.layout.num_kv_heads == 1 and full.shape[0] == plan.layout.head_dim
+        assert mine.shape[dim] * (1 if replicated_kv else 2) == full.shape[dim], (name, mine.shape, full.shape)
+
+
+def check_leader_sampling(engine, ids, mask, rank):
+    """Rank 1's generator does not matter; rank 0's decides, for both ranks' answers."""
+    def sample(leader_seed, member_seed):
+        generator = torch.Generator().manual_seed(leader_seed if rank == 0 else member_seed)
+        return engine.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=1.0,
+                               generator=generator)
+
+    first = sample(5, 100)
+    assert torch.equal(sample(5, 200), first), "a group member's own generator changed the group's sampling"
+    changed = [None, None]
+    dist.all_gather_object(changed, not torch.equal(sample(6, 100), first))
+    assert any(changed), "the group leader's seed did not change any sample"
+
+
+def run_case(family, stage, rank, world):
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+
+    reference = reference_model(family)
+    ids, mask = rank_prompts(rank)  # rank 0: 2 rows of 6 tokens, rank 1: 3 rows of 7
+    eos, expected = expected_answers(reference, ids, mask, world)
+
+    ds_engine = build_actor(reference, stage)
+    engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32, inference_tp_size=2,
+                                                        tp_gather_partition_size=1), pad_token_id=PAD)
+    assert engine.tp is not None and engine.tp.ranks == [0, 1]
+    check_split(engine, reference)
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    assert torch.equal(got, expected), (family, stage, rank, got, expected)
+
+    train_step(engine, got)
+    gather_into(reference, engine.module)
+    expected_after = hf_generate(reference, ids, mask, MAX_NEW, eos_token_id=eos)
+    changed = [None] * world
+    dist.all_gather_object(changed, not torch.equal(expected_after, expected))
+    assert any(changed), "the step did not change any answer; the test could not see stale weights"
+    engine.eval()
+    got_after = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    assert torch.equal(got_after, expected_after), (family, stage, rank, got_after, expected_after)
+
+    check_leader_sampling(engine, ids, mask, rank)
+    print(f"rank {rank} {family} stage={stage}: OK", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, choices=[0, 3], required=True)
+    parser.add_argument("--families", default="llama,llama-mqa,opt")
+    parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
+    args = parser.parse_args()
+
+    from dschat.utils.dist import ensure_distributed
+
+    rank, world = ensure_distributed()
+    assert world == 2, world
+    for family in args.families.split(","):
+        run_case(family, args.stage, rank, world)
+        dist.barrier()
+    print(f"rank {rank} ALL OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Inference tensor parallelism: 2 CPU ranks through the deepspeed launcher (tests/scripts/hybrid_tp.py), and the
+configuration errors in one process."""
+from pathlib import Path
+
+import pytest
+
+from tests.launch import run_deepspeed
+
+SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tp2_greedy_equals_unsplit_model_on_two_ranks(stage):
+    proc = run_deepspeed(SCRIPT, "--stage", stage, timeout=600)
+    for rank in (0, 1):
+        for family in ("llama", "llama-mqa", "opt"):
+            assert f"rank {rank} {family} stage={stage}: OK" in proc.stdout
+        assert f"rank {rank} ALL OK" in proc.stdout
+
+
+def test_tp_size_must_divide_the_world(distributed):
+    from dschat.hybrid_engine.tensor_parallel import TensorParallelGroup
+
+    with pytest.raises(ValueError, match="inference_tp_size=3 must divide the number of ranks"):
+        TensorParallelGroup.create(3)
+
+
+class _Rank:
+    """The fields of TensorParallelGroup that planning reads (no process group needed)."""
+
+    def __init__(self, size, rank):
+        self.size, self.rank, self.is_leader, self.group = size, rank, rank == 0, None
+
+
+def _plan(family, size=2, rank=1, **config):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from hybrid_common import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from dschat.hybrid_engine.tensor_parallel import ShardPlan
+    from dschat.hybrid_engine.weights import decoder_layer_list
+
+    cfg = tiny_config(family)
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    model = AutoModelForCausalLM.from_config(cfg)
+    return model, ShardPlan(model, decoder_layer_list(model)[0], _Rank(size, rank))
+
+
+def test_llama_plan_comes_from_transformers_and_slices_heads():
+    model, plan = _plan("llama")  # 4 query heads, 2 key/value heads, head_dim 16
+    assert plan.styles["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan.styles["model.layers.1.mlp.down_proj"] == "rowwise"
+    q = plan.slices["model.layers.0.self_attn.q_proj.weight"]
+    k = plan.slices["model.layers.0.self_attn.k_proj.weight"]
+    o = plan.slices["model.layers.0.self_attn.o_proj.weight"]
+    assert (q.dim, q.start, q.stop) == (0, 32, 64)  # rank 1: query heads 2-3
+    assert (k.dim, k.start, k.stop) == (0, 16, 32)  # rank 1: key/value head 1
+    assert (o.dim, o.start, o.stop) == (1, 32, 64)
+    assert not any("embed" in name or "norm" in name or "lm_head" in name for name in plan.slices)
+    plan.apply(model.to("meta"))
+    attention = model.model.layers[0].self_attn
+    assert attention.num_key_value_groups == 2 and attention.q_proj.weight.shape == (32, 64)
+
+
+def test_fewer_kv_heads_than_ranks_keeps_the_kv_head_of_the_ranks_query_heads():
+    _, plan = _plan("llama", size=4, rank=3, num_key_value_heads=2)  # 4 query heads on 4 ranks: 1 each
+    k = plan.slices["model.layers.0.self_attn.k_proj.weight"]
+    assert (k.start, k.stop) == (16, 32)  # query head 3 reads key/value head 1
+    assert plan.local_heads == 1 and plan.local_kv_heads == 1
+
+
+def test_opt_without_a_plan_is_split_by_projection_names_and_bias_added_once():
+    _, plan = _plan("opt")
+    assert plan.styles["model.decoder.layers.0.self_attn.out_proj"] == "rowwise"
+    assert plan.styles["model.decoder.layers.0.fc1"] == "colwise"
+    assert plan.slices["model.decoder.layers.0.fc2.bias"].zero  # rank 1 adds no bias; rank 0 adds it once
+    _, leader = _plan("opt", rank=0)
+    assert not leader.slices["model.decoder.layers.0.fc2.bias"].zero
+
+
+def test_models_that_cannot_be_split_say_why():
+    with pytest.raises(NotImplementedError, match="no tensor-parallel plan for GPT2LMHeadModel"):
+        _plan("gpt2")
+    with pytest.raises(ValueError, match="3 attention heads cannot be split"):
+        _plan("llama", num_attention_heads=3, num_key_value_heads=3, head_dim=16)
