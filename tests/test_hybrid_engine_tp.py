@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
 def test_tp2_greedy_equals_unsplit_model_on_two_ranks(stage):
     proc = run_deepspeed(SCRIPT, "--stage", stage, timeout=600)
     for rank in (0, 1):
-        for family in ("llama", "llama-mqa", "opt"):
+        for family in ("llama", "llama-mqa", "opt", "llama-lora"):
             assert f"rank {rank} {family} stage={stage}: OK" in proc.stdout
         assert f"rank {rank} ALL OK" in proc.stdout
 

@@ -1,7 +1,8 @@
 """2 ranks, inference_tp_size=2: both ranks form one tensor-parallel group, each holding half of every split layer.
 
-Checks, for a GQA Llama (2 key/value heads: split), an MQA Llama (1 key/value head: replicated) and OPT (no plan in
-transformers: split by projection names), under ZeRO-0 and ZeRO-3:
+Checks, for a GQA Llama (2 key/value heads: split), an MQA Llama (1 key/value head: replicated), OPT (no plan in
+transformers: split by projection names) and a GQA Llama with LoRA adapters (merged, then sliced), under ZeRO-0 and
+ZeRO-3:
 * greedy answers equal HF ``generate`` on the unsplit model (= inference_tp_size 1), although the ranks' prompt
   batches differ in rows and length and rank 0's answers end long before rank 1's; again after an optimizer step;
 * each rank's copy holds half of the split weights;
@@ -27,6 +28,8 @@ NUM_LAYERS = 2
 
 
 def reference_model(family):
+    if family == "llama-lora":
+        return with_lora(tiny_model("llama", seed=31, num_layers=NUM_LAYERS))
     if family == "llama-mqa":
         model = tiny_model("llama", seed=31, num_layers=NUM_LAYERS)
         config = copy.deepcopy(model.config)
@@ -43,9 +46,24 @@ def reference_model(family):
     return model.eval()
 
 
-def build_actor(reference, stage):
+def lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                           init_lora_weights=False)
+
+
+def with_lora(reference):
+    """The reference wrapped in (non-zero) LoRA adapters: the copy merges them, then slices the merged weights."""
+    import peft
+
+    torch.manual_seed(32)
+    return peft.get_peft_model(reference, lora_config()).eval()
+
+
+def build_actor(reference, stage, lora):
     if stage == 3:
-        return build_zero3_actor(reference, None, ds_config(stage=3, lr=5e-2))
+        return build_zero3_actor(reference, lora_config() if lora else None, ds_config(stage=3, lr=5e-2))
     return make_ds_engine(copy.deepcopy(reference), stage=stage, lr=5e-2)
 
 
@@ -63,6 +81,7 @@ def check_split(engine, reference):
     """Every split linear of the copy holds half of the reference's rows or columns."""
     plan = engine.inference_weights.shard_plan
     assert plan is not None and plan.styles, "no layer was split"
+    reference = reference.get_base_model() if hasattr(reference, "get_base_model") else reference
     model = engine.inference_weights.model
     for name, style in plan.styles.items():
         full = reference.get_submodule(name).weight
@@ -94,10 +113,12 @@ def run_case(family, stage, rank, world):
     ids, mask = rank_prompts(rank)  # rank 0: 2 rows of 6 tokens, rank 1: 3 rows of 7
     eos, expected = expected_answers(reference, ids, mask, world)
 
-    ds_engine = build_actor(reference, stage)
+    ds_engine = build_actor(reference, stage, lora=family.endswith("-lora"))
     engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32, inference_tp_size=2,
                                                         tp_gather_partition_size=1), pad_token_id=PAD)
     assert engine.tp is not None and engine.tp.ranks == [0, 1]
+    expected_kind = "lora_copy_tp2" if family.endswith("-lora") else "pinned_copy_tp2"
+    assert engine.inference_weights.kind == expected_kind, engine.inference_weights.kind
     check_split(engine, reference)
     engine.eval()
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
@@ -120,7 +141,7 @@ def run_case(family, stage, rank, world):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", type=int, choices=[0, 3], required=True)
-    parser.add_argument("--families", default="llama,llama-mqa,opt")
+    parser.add_argument("--families", default="llama,llama-mqa,opt,llama-lora")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
 
