@@ -2,6 +2,7 @@
 """One command for all three RLHF steps (DeepSpeed-Chat's train.py, run in-process).
 
     python train.py                                   # the embedded tiny default, offline, CPU or GPU
+    python train.py --recipe dpo                      # step 1, then DPO instead of steps 2 and 3
     python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m --deployment-type single_gpu
     deepspeed train.py --actor-model meta-llama/Llama-3.2-1B --reward-model Qwen/Qwen2.5-0.5B \
         --deployment-type single_node --actor-zero-stage 3 --reward-zero-stage 3
@@ -23,9 +24,11 @@ def parse_args(argv=None):
     p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node"])
     p.add_argument("--output-dir", default="./output")
     p.add_argument("--data-path", nargs="*", default=None, help="Datasets for all steps (default: the steps').")
-    p.add_argument("--recipe", default="ppo", choices=["ppo", "grpo"],
+    p.add_argument("--recipe", default="ppo", choices=["ppo", "grpo", "dpo"],
                    help="ppo: DeepSpeed-Chat's steps 1-3; grpo: step 1, then GRPO rewarded by --reward_fn "
-                        "(on the tiny default: the bundled rule scorer), no reward model or critic.")
+                        "(on the tiny default: the bundled rule scorer), no reward model or critic; dpo: step 1, "
+                        "then DPO on the preference pairs as step 2 (--step2-args are its flags; into "
+                        "OUTPUT_DIR/step2_dpo), no step 3.")
     p.add_argument("--hostfile", default="/job/hostfile", help="multi_node: the deepspeed launcher's hostfile.")
     for step in (1, 2, 3):
         p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")

@@ -27,6 +27,11 @@ SHAPES = {
         vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
         max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True, enable_bias=True,
         dropout=0.0, attention_dropout=0.0),
+    # OPT-30B's config (issue 6's 30B-class actor; ZeRO-3 and inference tensor parallelism in bench/tensor_parallel.py)
+    "opt-30b": lambda: __import__("transformers").OPTConfig(
+        vocab_size=50272, hidden_size=7168, num_hidden_layers=48, ffn_dim=28672, num_attention_heads=56,
+        max_position_embeddings=2048, word_embed_proj_dim=7168, do_layer_norm_before=True, enable_bias=True,
+        dropout=0.0, attention_dropout=0.0),
     # Qwen2.5-7B's config: grouped-query attention (28 query heads, 4 key/value heads)
     "qwen2.5-7b": lambda: __import__("transformers").Qwen2Config(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -1,11 +1,13 @@
 """PPO-iteration benchmark: wall seconds per step-3 iteration, split into generation, experience forwards
-(actor, reference, critic, reward) and training, for dschat's DeepSpeedPPOTrainer on one GPU.
+(actor, reference, critic, reward) and training, for dschat's DeepSpeedPPOTrainer on one GPU or, under a launcher,
+on every GPU of a data-parallel job (64 prompts per GPU; the slowest rank sets each iteration's time).
 
 OPT-1.3B-shaped actor and OPT-350m-shaped critic/reward with random weights, bf16, 64 prompts of 256 tokens,
 256 generated tokens (answers never end early), generation batch = training batch = 64, one PPO epoch, actor
 gradient checkpointing (as in DeepSpeed-Chat's measured run). Mean of iterations 2..N.
 
     python bench/ppo_iteration.py --variants z2_hybrid,z2_hf,z3_hybrid,z3_hf --iterations 6
+    torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
 
 Needs a CUDA GPU; run through the device tool. Prints a table; writes JSON to $OUT when set.
 """
@@ -17,6 +19,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,7 +45,16 @@ def synchronize():
 
 
 def log(*a):
-    print(*a, flush=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def slowest(times):
+    """{name: seconds} -> the maximum over ranks of each."""
+    names = sorted(times)
+    t = torch.tensor([float(times[k]) for k in names], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(names, t.tolist()))
 
 
 def save_random_model(folder, shape, tokenizer):
@@ -71,10 +83,12 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     trainer.eos_token_id = vocab
     if hybrid:
         trainer.actor_model.eos_token_id = trainer.eos_token_id
-    prompts = torch.randint(4, vocab, (args.batch, args.prompt), device=device())
+    g = torch.Generator().manual_seed(dist.get_rank())  # each data-parallel rank has its own prompts
+    prompts = torch.randint(4, vocab, (args.batch, args.prompt), generator=g).to(device())
     batch = {"prompt": prompts, "prompt_att_mask": torch.ones_like(prompts)}
     rows = []
     for i in range(args.iterations):
+        dist.barrier()
         synchronize()
         t0 = time.perf_counter()
         exp = trainer.generate_experience(batch, step=i)
@@ -83,13 +97,16 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
         trainer.train_rlhf(exp)
         synchronize()
         t2 = time.perf_counter()
-        rows.append({"wall": t2 - t0, "generation": trainer.stats["generation_time"],
-                     "experience": trainer.stats["experience_time"], "training": t2 - t1,
-                     "answer_length": trainer.stats["answer_length"]})
+        # The slowest rank sets the pace of a data-parallel iteration.
+        row = slowest({"wall": t2 - t0, "generation": trainer.stats["generation_time"],
+                       "experience": trainer.stats["experience_time"], "training": t2 - t1})
+        row["answer_length"] = trainer.stats["answer_length"]
+        rows.append(row)
         log(name, i, json.dumps(rows[-1]))
     steady = rows[1:]
     mean = {k: sum(r[k] for r in steady) / len(steady) for k in steady[0]}
-    mean.update(variant=name, samples_per_s=args.batch / mean["wall"],
+    world = dist.get_world_size()
+    mean.update(variant=name, world_size=world, samples_per_s=world * args.batch / mean["wall"],
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0)
     del trainer, engine
     return mean
@@ -104,17 +121,29 @@ def main():
     p.add_argument("--gen", type=int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU): checks the script only")
+    p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
+    p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()
     import gc
 
     from dschat.tiny import load_tiny_tokenizer
+    from dschat.utils.dist import ensure_distributed
+
+    if torch.cuda.is_available():  # one GPU per rank under torchrun / the deepspeed launcher
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    ensure_distributed()
 
     tokenizer = load_tiny_tokenizer()
     tokenizer.padding_side = "left"
-    root = tempfile.mkdtemp(prefix="dschat_bench_")
     actor_shape, critic_shape = (SMOKE_ACTOR, SMOKE_CRITIC) if args.smoke else (ACTOR, CRITIC)
-    actor_dir = save_random_model(os.path.join(root, "actor"), actor_shape, tokenizer)
-    critic_dir = save_random_model(os.path.join(root, "critic"), critic_shape, tokenizer)
+    # Rank 0 writes the random models (transformers saves on rank 0 only), every rank loads them.
+    root = [tempfile.mkdtemp(prefix="dschat_bench_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    actor_dir, critic_dir = os.path.join(root[0], "actor"), os.path.join(root[0], "critic")
+    if dist.get_rank() == 0:
+        save_random_model(actor_dir, actor_shape, tokenizer)
+        save_random_model(critic_dir, critic_shape, tokenizer)
+    dist.barrier()
     results = []
     for name in args.variants.split(","):
         if torch.cuda.is_available():
@@ -128,6 +157,7 @@ def main():
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    log(f"\nranks: {dist.get_world_size()} (samples/s counts all of them)")
     log(f"\n{'variant':<12}{'wall s':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}{'peak GB':>9}")
     for r in results:
         if "error" in r:
@@ -135,8 +165,8 @@ def main():
             continue
         log(f"{r['variant']:<12}{r['wall']:>8.2f}{r['generation']:>8.2f}{r['experience']:>8.2f}{r['training']:>9.2f}"
             f"{r['samples_per_s']:>11.1f}{r['peak_gb']:>9.1f}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "ppo_iteration.json"), "w") as f:
+    if os.environ.get("OUT") and dist.get_rank() == 0:
+        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
 
 

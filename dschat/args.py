@@ -109,6 +109,26 @@ def step2_parser():
     return p
 
 
+def step2_dpo_parser():
+    """DeepSpeed-Chat's step2_dpo_finetuning: step 1's flags (the policy trains like the SFT model) plus DPO's."""
+    p = step1_parser()
+    p.description = "Step 2 (DPO): direct preference optimization of the SFT model on preference pairs."
+    g = p.add_argument_group("DPO")
+    g.add_argument("--beta", type=float, default=0.1,
+                   help="Temperature of the implicit reward beta * (log pi - log pi_ref); higher keeps the "
+                        "policy closer to the reference.")
+    g.add_argument("--label_smoothing", type=float, default=0.0,
+                   help="cDPO: the probability that a preference label is flipped, in [0, 0.5).")
+    g.add_argument("--rpo_alpha", type=float, default=0.0,
+                   help="Weight of an SFT (negative log-likelihood) term on the chosen answers added to the DPO "
+                        "loss (RPO, TRL's rpo_alpha); 0 = plain DPO.")
+    g.add_argument("--offload_reference_model", action="store_true",
+                   help="Offload the frozen reference model's parameters to CPU (under ZeRO-3, "
+                        "where the reference is sharded like the policy).")
+    p.set_defaults(tensorboard_path="step2_dpo_tensorboard", output_dir="output/step2_dpo")
+    return p
+
+
 def namespace_with_defaults(parser, overrides=None):
     """A parsed namespace with every default, updated from a dict/object (the notebook-friendly form)."""
     args = parser.parse_args([])

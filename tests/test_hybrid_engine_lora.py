@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
 
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
-from dschat.hybrid_engine.weights import InferenceCopy, lora_layers  # noqa: E402
+from dschat.hybrid_engine.weights import InferenceCopy  # noqa: E402
+from dschat.models.lora import lora_layers  # noqa: E402
 
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]}
 

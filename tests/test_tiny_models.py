@@ -108,3 +108,15 @@ def test_tiny_llama_uses_grouped_query_attention():
 def test_unknown_preset_is_rejected(tmp_path):
     with pytest.raises(ValueError):
         create_tiny_model("tiny-bert", tmp_path)
+
+
+def test_a_preset_built_on_a_rank_other_than_0_is_complete(tmp_path, monkeypatch):
+    # transformers 5 skips writing on torch.distributed ranks other than 0; the rank that builds a preset (whichever
+    # takes the cache lock) must still write it, or the other ranks load an empty folder.
+    import transformers.distributed.mixin as mixin
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    folder = create_tiny_model("tiny-llama", tmp_path / "rank1")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.model_type == "llama"

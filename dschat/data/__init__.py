@@ -4,13 +4,14 @@
   (``PromptRawDataset``) for a hub dataset (exact names in ``HUB_DATASETS``), ``"tiny"``, or local files
   (``jsonl:PATH`` etc.; see ``dschat.data.local``).
 * ``create_prompt_dataset(...)``: tokenized, cached (train, eval) torch datasets for phase 1, 2 or 3.
-* ``DataCollatorSFT`` / ``DataCollatorReward`` / ``DataCollatorRLHF``: batch padding per phase.
+* ``DataCollatorSFT`` / ``DataCollatorReward`` / ``DataCollatorRLHF``: batch padding per phase
+  (``DataCollatorDPO``: phase 2 plus the answer-token mask).
 * ``format_prompt`` / ``format_answer`` / ``get_eot_token``: the text format shared by all steps.
 * ``get_unsupervised_data``: step 3's PTX data.
 """
 from .base import PromptRawDataset
 from .cache import FORMAT_VERSION, tokenizer_fingerprint
-from .collators import DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, pad_sequences
+from .collators import DataCollatorDPO, DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, pad_sequences
 from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import format_answer, format_prompt, get_eot_token, parse_transcript
 from .local import LocalDataset, LocalSource, parse_field_map
@@ -28,7 +29,7 @@ __all__ = [
     "DahoasRmstaticDataset", "DahoasSyntheticinstructgptjpairwiseDataset", "OpenaiWebgptcomparisonsDataset",
     "StanfordnlpSHPDataset", "YitingxieRlhfrewarddatasetsDataset",
     "create_prompt_dataset", "PromptDataset", "format_skip_line", "FORMAT_VERSION", "tokenizer_fingerprint",
-    "DataCollatorSFT", "DataCollatorReward", "DataCollatorRLHF", "pad_sequences",
+    "DataCollatorSFT", "DataCollatorReward", "DataCollatorDPO", "DataCollatorRLHF", "pad_sequences",
     "DatasetFormatError", "RecordError", "SkipRecord",
     "format_prompt", "format_answer", "get_eot_token", "parse_transcript",
     "get_raw_dataset_split_index", "get_shuffle_idx", "get_unsupervised_data",

@@ -15,7 +15,7 @@ import tempfile
 from filelock import FileLock
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: phase 2 rows carry prompt_length
 CACHE_SUBDIR = "dschat_data_cache"
 
 

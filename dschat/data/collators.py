@@ -49,6 +49,18 @@ class DataCollatorReward:
         return {"input_ids": pad_sequences(ids, self.pad_token_id), "attention_mask": pad_sequences(masks, 0)}
 
 
+class DataCollatorDPO(DataCollatorReward):
+    """Phase 2 for DPO: the reward collator's batch plus ``response_mask`` (2B, L), 1 on the answer tokens
+    (after each pair's ``prompt_length``, EOT included) and 0 on the prompt and the padding."""
+
+    def __call__(self, items):
+        batch = super().__call__(items)
+        prompt_lengths = torch.tensor([int(i["prompt_length"]) for i in items] * 2)
+        positions = torch.arange(batch["input_ids"].shape[1])
+        batch["response_mask"] = (positions[None, :] >= prompt_lengths[:, None]).long() * batch["attention_mask"]
+        return batch
+
+
 class DataCollatorRLHF:
     """Phase 3: ``prompt``/``prompt_att_mask`` left-padded to the batch's longest prompt; every other item
     key (prompt_text, messages, extra columns) is passed through as a list, None where an item lacks it."""

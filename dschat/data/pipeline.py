@@ -12,7 +12,8 @@ the EOT token ids):
   purpose: training the model to stop right after a truncated answer would teach it to stop mid-sentence.
   Labels are -100 over the prompt (unless ``include_prompt_in_loss``), so the loss covers answer + EOT.
 * phase 2: ``prompt + answer[:room] + eot`` for chosen and rejected: a long answer is cut but the EOT is
-  kept, so the reward model always scores a sequence that ends the way generated answers do.
+  kept, so the reward model always scores a sequence that ends the way generated answers do. The prompt's
+  length is kept too (``prompt_length``): DPO sums log-probs over the answer tokens only.
 * phase 3: the prompt ids alone (``max_prompt_len``, else ``max_seq_len``, is their limit).
 
 The prompt is tokenized alone (the ids step 3 generates from, and the label boundary); the answer ids are
@@ -75,7 +76,7 @@ def phase_features(train_phase):
     ids = List(Value("int32"))
     return Features({
         1: {"input_ids": ids, "label_start": Value("int32")},
-        2: {"chosen_input_ids": ids, "rejected_input_ids": ids},
+        2: {"chosen_input_ids": ids, "rejected_input_ids": ids, "prompt_length": Value("int32")},
         3: {"prompt_input_ids": ids, "prompt_text": Value("string"), "messages_json": Value("string"),
             "extra_json": Value("string")},
     }[train_phase])
@@ -85,8 +86,9 @@ class PromptDataset(Dataset):
     """The tokenized data of one phase (a torch Dataset over a memory-mapped Arrow table).
 
     Items: phase 1 ``input_ids, attention_mask, labels``; phase 2 ``chosen_input_ids,
-    chosen_attention_mask, rejected_input_ids, rejected_attention_mask``; phase 3 ``prompt_input_ids,
-    prompt_text, messages`` plus the record's extra columns. Token tensors are 1-D LongTensors, unpadded.
+    chosen_attention_mask, rejected_input_ids, rejected_attention_mask, prompt_length`` (how many prompt ids
+    both sequences start with); phase 3 ``prompt_input_ids, prompt_text, messages`` plus the record's extra
+    columns. Token tensors are 1-D LongTensors, unpadded.
 
     ``skipped`` (reason -> count), ``skip_report`` (per source), ``cache_path`` and ``built`` (whether this
     process built the cache) describe how it was made.
@@ -118,7 +120,8 @@ class PromptDataset(Dataset):
             chosen = torch.tensor(row["chosen_input_ids"], dtype=torch.long)
             rejected = torch.tensor(row["rejected_input_ids"], dtype=torch.long)
             return {"chosen_input_ids": chosen, "chosen_attention_mask": torch.ones_like(chosen),
-                    "rejected_input_ids": rejected, "rejected_attention_mask": torch.ones_like(rejected)}
+                    "rejected_input_ids": rejected, "rejected_attention_mask": torch.ones_like(rejected),
+                    "prompt_length": row["prompt_length"]}
         item = {"prompt_input_ids": torch.tensor(row["prompt_input_ids"], dtype=torch.long),
                 "prompt_text": row["prompt_text"], "messages": json.loads(row["messages_json"])}
         for key, value in json.loads(row["extra_json"]).items():
@@ -390,7 +393,7 @@ def encode_pair(example, tokens, settings):
     rejected = prompt + tokens["rejected"][:room] + eot
     if chosen == rejected:
         raise SkipRecord("chosen==rejected after truncation")
-    return {"chosen_input_ids": chosen, "rejected_input_ids": rejected}
+    return {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "prompt_length": len(prompt)}
 
 
 def encode_prompt(example, tokens, settings):

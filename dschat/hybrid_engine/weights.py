@@ -18,9 +18,10 @@ With ``inference_tp_size`` > 1 the copy of (b)/(d) is always used (also under Ze
 of the split layers (``tensor_parallel.ShardPlan``), cut from the gathered (and LoRA-merged) training weights at each
 refresh; parameters that are not split are shared with training storage under ZeRO 0-2.
 
-Parameter names are mapped generically: the PEFT wrapper's base model is used (no ``base_model.model.`` prefix),
-``base_layer.`` is dropped, ``lora_*`` tensors are folded into their layer's weight and ``modules_to_save`` copies
-replace the original module. No per-model-family tables.
+Parameter names are mapped generically (``dschat.models.lora.inference_name``): the PEFT wrapper's base model is used
+(no ``base_model.model.`` prefix), ``base_layer.`` is dropped, ``lora_*`` tensors are folded into their layer's weight
+and ``modules_to_save`` copies replace the original module. No per-model-family tables. The merge itself
+(``dschat.models.lora``) is the one checkpoint saving and the actor EMA use too.
 """
 import contextlib
 import copy
@@ -30,94 +31,11 @@ import torch
 from torch import nn
 
 from dschat.hybrid_engine.decode import hf_model_of
+from dschat.models.lora import active_adapters, lora_layers, merged_fp32, plain_named, weight_deltas
 
 
 def is_zero3_param(param):
     return hasattr(param, "ds_id")
-
-
-def _lora_layer_class():
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # peft not installed: no LoRA models either
-        return None
-    return LoraLayer
-
-
-def lora_layers(module):
-    """{module name: peft LoraLayer} inside ``module`` (empty for a model without LoRA)."""
-    lora_cls = _lora_layer_class()
-    if lora_cls is None:
-        return {}
-    return {name: m for name, m in module.named_modules() if isinstance(m, lora_cls)}
-
-
-def inference_name(training_name, active_adapters):
-    """The plain-model name of a training parameter/buffer name, or None if it has no plain counterpart.
-
-    ``q_proj.base_layer.weight`` -> ``q_proj.weight``; ``lm_head.modules_to_save.default.weight`` -> ``lm_head.weight``
-    for an active adapter; ``lora_A...``, ``original_module...`` and inactive ``modules_to_save`` copies -> None.
-    """
-    parts = training_name.split(".")
-    out = []
-    i = 0
-    while i < len(parts):
-        part = parts[i]
-        if part == "base_layer":
-            i += 1
-        elif part == "modules_to_save":
-            if i + 1 >= len(parts) or parts[i + 1] not in active_adapters:
-                return None
-            i += 2
-        elif part == "original_module" or part.startswith("lora_"):
-            return None
-        else:
-            out.append(part)
-            i += 1
-    return ".".join(out)
-
-
-@dataclasses.dataclass
-class LoraDelta:
-    """One active adapter's contribution ``scaling * (B @ A)`` (transposed for Conv1D / embedding layouts)."""
-
-    lora_a: nn.Parameter
-    lora_b: nn.Parameter
-    scaling: float
-    transpose: bool
-
-    def params(self):
-        return [self.lora_a, self.lora_b]
-
-    def add_to(self, accumulator):
-        delta = self.lora_b.detach().float() @ self.lora_a.detach().float()
-        accumulator.add_(delta.t() if self.transpose else delta, alpha=self.scaling)
-
-
-def lora_deltas(layer):
-    """The deltas of ``layer``'s active adapters; raises for LoRA variants whose merge is not ``W + s*B@A``."""
-    if getattr(layer, "disable_adapters", False):
-        return []
-    if getattr(layer, "merged_adapters", None):
-        raise RuntimeError("the training model has merged LoRA adapters; the hybrid engine needs them unmerged "
-                           "(it merges into its own inference copy)")
-    deltas = []
-    for adapter in layer.active_adapters:
-        if adapter in getattr(layer, "lora_variant", {}) or layer.use_dora.get(adapter, False):
-            raise NotImplementedError(f"LoRA variant of adapter {adapter!r} (e.g. DoRA) is not supported by the "
-                                      "hybrid engine's merge")
-        if layer.lora_bias.get(adapter, False):
-            raise NotImplementedError("LoRA with lora_bias=True is not supported by the hybrid engine's merge")
-        if adapter in layer.lora_A:
-            if not isinstance(layer.lora_A[adapter], nn.Linear):
-                raise NotImplementedError(f"LoRA on {type(layer.get_base_layer()).__name__} layers is not supported "
-                                          "by the hybrid engine's merge")
-            deltas.append(LoraDelta(layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                                    float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False))))
-        elif adapter in layer.lora_embedding_A:
-            deltas.append(LoraDelta(layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter],
-                                    float(layer.scaling[adapter]), True))
-    return deltas
 
 
 def decoder_layer_list(model):
@@ -167,9 +85,7 @@ class WeightCopy:
             raise RuntimeError(f"{self.name}: training tensor has shape {tuple(source.shape)} (not gathered?), "
                                f"inference tensor {tuple(self.target.shape)}")
         if self.deltas:
-            source = source.to(torch.float32, copy=True)
-            for delta in self.deltas:
-                delta.add_to(source)
+            source = merged_fp32(source, self.deltas)
         if self.shard is not None:
             source = self.shard(source)
             if source.shape != self.target.shape:
@@ -230,11 +146,10 @@ class InferenceCopy(InferenceWeights):
 
     def __init__(self, training_module, device, gather_group_size, share_unadapted=False, tp=None):
         base = hf_model_of(training_module)
-        adapted = {inference_name(name, active_adapters(base)): layer for name, layer in lora_layers(base).items()}
+        deltas = weight_deltas(base)  # {weight name: LoRA deltas}, one entry per LoRA layer
         super().__init__(_empty_copy_of(base))
-        self.kind = "lora_copy" if adapted else "pinned_copy"
+        self.kind = "lora_copy" if deltas else "pinned_copy"
         self.device = torch.device(device)
-        self._training_buffers = {}
         self.shard_plan = None
         if tp is not None:
             # Inference tensor parallelism: this rank's copy holds only its slice of the split layers.
@@ -244,39 +159,30 @@ class InferenceCopy(InferenceWeights):
             self.shard_plan.apply(self.model)
             self.kind += f"_tp{tp.size}"
             self.num_kv_heads = self.shard_plan.local_kv_heads
-        self.copies = self._plan(base, adapted, share_unadapted)
+        self.copies = self._plan(base, deltas, share_unadapted)
         self.groups = self._group(gather_group_size)
         self._materialise()
         self.model.eval()
         self.model.requires_grad_(False)
 
     # -- build ------------------------------------------------------------------------------------------------------
-    def _plan(self, base, adapted, share_unadapted):
+    def _plan(self, base, deltas, share_unadapted):
         active = active_adapters(base)
         targets = dict(self.model.named_parameters())
-        copies = {}
-        for train_name, param in base.named_parameters():
-            name = inference_name(train_name, active)
-            if name is None:
-                continue
+        copies = []
+        for name, param in plain_named(base.named_parameters(), active).items():
             if name not in targets:
-                raise RuntimeError(f"training parameter {train_name!r} has no counterpart {name!r} in the inference "
+                raise RuntimeError(f"training parameter {name!r} (plain name) has no counterpart in the inference "
                                    "model")
-            if name in copies:
-                raise RuntimeError(f"two training parameters map to inference parameter {name!r}")
-            owner, _, leaf = name.rpartition(".")
-            deltas = lora_deltas(adapted[owner]) if leaf == "weight" and owner in adapted else []
+            adapters = deltas.get(name, [])
             shard = self.shard_plan.slices.get(name) if self.shard_plan is not None else None
-            aliased = share_unadapted and not deltas and shard is None and not is_zero3_param(param)
-            copies[name] = WeightCopy(name, targets[name], param, deltas, aliased, shard)
-        missing = sorted(set(targets) - set(copies))
+            aliased = share_unadapted and not adapters and shard is None and not is_zero3_param(param)
+            copies.append(WeightCopy(name, targets[name], param, adapters, aliased, shard))
+        missing = sorted(set(targets) - {c.name for c in copies})
         if missing:
             raise RuntimeError(f"inference parameters with no training source: {missing[:8]}")
-        for train_name, buf in base.named_buffers():
-            name = inference_name(train_name, active)
-            if name is not None:
-                self._training_buffers[name] = buf
-        return list(copies.values())
+        self._training_buffers = plain_named(base.named_buffers(), active)
+        return copies
 
     def _group(self, gather_group_size):
         """Non-layer parameters first, then ``gather_group_size`` decoder layers per group."""
@@ -342,27 +248,6 @@ def gathered(params):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
-def _peft_wrapper_classes():
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-        from peft.utils.other import AuxiliaryTrainingWrapper
-    except ImportError:
-        return ()
-    return (BaseTunerLayer, AuxiliaryTrainingWrapper)
-
-
-def active_adapters(module):
-    """Names of the adapters active in ``module``'s PEFT layers (LoRA layers, ``modules_to_save`` wrappers)."""
-    classes = _peft_wrapper_classes()
-    names = set()
-    if classes:
-        for m in module.modules():
-            if isinstance(m, classes):
-                active = m.active_adapters
-                names.update([active] if isinstance(active, str) else active)
-    return names
 
 
 def _empty_copy_of(base):

@@ -4,8 +4,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 
-
-from dschat.models.lora import lora_layers, merge_lora_state_dict, unwrap_peft
+from dschat.models.lora import check_lora_mergeable, merge_lora_state_dict, unwrap_peft
 from dschat.utils.dist import barrier, is_rank_0
 
 
@@ -35,10 +34,9 @@ def gathered_state_dict(module):
 
 def plain_model_state_dict(module):
     """State dict of the unwrapped HF model: LoRA merged (fp32, rounded once), PEFT prefixes removed."""
+    check_lora_mergeable(module)  # on every rank: none may raise alone after the collective gather
     state = gathered_state_dict(module)
-    if state is None or not hasattr(module, "peft_config"):
-        return state
-    return merge_lora_state_dict(state, lora_layers(module))
+    return None if state is None else merge_lora_state_dict(state, module)
 
 
 @contextmanager
@@ -78,12 +76,12 @@ def save_causal_lm(module, tokenizer, output_dir):
 
 def save_reward_model(reward_model, tokenizer, output_dir):
     """Save a reward model / critic: backbone as an HF folder plus the value head. Collective under ZeRO-3."""
+    backbone = reward_model.rwtransformer
+    check_lora_mergeable(backbone)  # on every rank: none may raise alone after the collective gather
     state = gathered_state_dict(reward_model)
     if is_rank_0():
-        backbone = reward_model.rwtransformer
         backbone_state = {k[len("rwtransformer."):]: v for k, v in state.items() if k.startswith("rwtransformer.")}
-        if hasattr(backbone, "peft_config"):
-            backbone_state = merge_lora_state_dict(backbone_state, lora_layers(backbone))
+        backbone_state = merge_lora_state_dict(backbone_state, backbone)
         with atomic_folder(output_dir) as tmp:
             _save_pretrained(unwrap_peft(backbone), backbone_state, tmp)
             reward_model.save_head_and_meta(tmp, state)

@@ -1,9 +1,17 @@
-"""LoRA through PEFT: family-neutral target selection, optimizer groups, and a drift-free merge."""
+"""LoRA through PEFT: family-neutral target selection, optimizer groups, and the one merge of adapters into weights.
+
+The merge (``W + sum over active adapters of scaling * B @ A``, in fp32, rounded once) is shared by the hybrid engine's
+inference copy, checkpoint saving and the actor EMA. It only reads the training tensors: PEFT's merge/unmerge is never
+called, and LoRA variants whose merge differs (DoRA, lora_bias, non-Linear LoRA) are refused rather than folded wrongly.
+"""
+import dataclasses
+
 import torch
 from torch import nn
 
 # Output heads are never adapted: they are tied to embeddings in many models or newly initialised.
 HEAD_NAMES = ("lm_head", "v_head", "score", "embed_out")
+PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps its base model
 
 
 def lora_target_modules(model, lora_module_name=""):
@@ -67,61 +75,188 @@ def optimizer_param_groups(model, weight_decay, lora_learning_rate=None):
     return list(groups.values())
 
 
-def merge_lora_state_dict(state_dict, layers):
-    """Fold LoRA adapters into their base weights, in fp32, rounding once to the weight's dtype.
+def _lora_layer_class():
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft not installed: no LoRA models either
+        return None
+    return LoraLayer
 
-    ``state_dict`` uses PEFT names (``...q_proj.base_layer.weight``, ``...q_proj.lora_A.<adapter>.weight``);
-    ``layers`` maps the layer prefix (``...q_proj``) to (alpha / r, fan_in_fan_out) as from ``lora_layers``.
-    Returns plain names (``...q_proj.weight``)
-    with the ``base_model.model.`` prefix removed, ready for the unwrapped model.
+
+def lora_layers(module):
+    """{module name: peft LoraLayer} inside ``module`` (empty for a model without LoRA)."""
+    lora_cls = _lora_layer_class()
+    if lora_cls is None:
+        return {}
+    return {name: m for name, m in module.named_modules() if isinstance(m, lora_cls)}
+
+
+def _peft_wrapper_classes():
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:
+        return ()
+    return (BaseTunerLayer, AuxiliaryTrainingWrapper)
+
+
+def active_adapters(module):
+    """Names of the adapters active in ``module``'s PEFT layers (LoRA layers, ``modules_to_save`` wrappers)."""
+    classes = _peft_wrapper_classes()
+    names = set()
+    if classes:
+        for m in module.modules():
+            if isinstance(m, classes):
+                active = m.active_adapters
+                names.update([active] if isinstance(active, str) else active)
+    return names
+
+
+def inference_name(training_name, active):
+    """The plain-model name of a training parameter/buffer name, or None if it has no plain counterpart.
+
+    ``q_proj.base_layer.weight`` -> ``q_proj.weight``; ``lm_head.modules_to_save.default.weight`` -> ``lm_head.weight``
+    for an active adapter; ``lora_A...``, ``original_module...`` and inactive ``modules_to_save`` copies -> None.
+    Names are relative to the PEFT wrapper's base model (no ``base_model.model.`` prefix).
     """
-    merged = {}
-    for key, value in state_dict.items():
-        if ".lora_" in key:
+    parts = training_name.split(".")
+    out = []
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part == "base_layer":
+            i += 1
+        elif part == "modules_to_save":
+            if i + 1 >= len(parts) or parts[i + 1] not in active:
+                return None
+            i += 2
+        elif part == "original_module" or part.startswith("lora_"):
+            return None
+        else:
+            out.append(part)
+            i += 1
+    return ".".join(out)
+
+
+def plain_named(named_tensors, active):
+    """{plain-model name: tensor} from (training name, tensor) pairs; names with no plain counterpart are dropped."""
+    plain = {}
+    for training_name, tensor in named_tensors:
+        name = inference_name(training_name, active)
+        if name is None:
             continue
-        if ".base_layer." in key:
-            layer, leaf = key.split(".base_layer.")
-            if leaf == "weight" and layer in layers:
-                scaling, fan_in_fan_out = layers[layer]
-                value = merge_lora_weight(value, *_lora_pair(state_dict, layer), scaling, fan_in_fan_out)
-            key = f"{layer}.{leaf}"
-        merged[_strip_peft_prefix(key)] = value
+        if name in plain:
+            raise RuntimeError(f"two training tensors map to plain-model name {name!r}")
+        plain[name] = tensor
+    return plain
+
+
+def _strip_peft_prefix(name):
+    """A PEFT model's parameter name relative to its base model (what ``inference_name`` expects)."""
+    return name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+
+
+@dataclasses.dataclass
+class LoraDelta:
+    """One active adapter's contribution ``scaling * (B @ A)`` (transposed for Conv1D / embedding layouts).
+
+    ``lora_a`` / ``lora_b`` are the training parameters, or their gathered copies from a state dict when saving.
+    """
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+    transpose: bool
+
+    def params(self):
+        return [self.lora_a, self.lora_b]
+
+    def add_to(self, accumulator):
+        delta = self.lora_b.detach().float() @ self.lora_a.detach().float()
+        accumulator.add_(delta.t() if self.transpose else delta, alpha=self.scaling)
+
+
+def merged_fp32(weight, deltas):
+    """``weight + sum of the deltas`` as a new fp32 tensor; the caller rounds it once to the dtype it stores."""
+    merged = weight.detach().to(torch.float32, copy=True)
+    for delta in deltas:
+        delta.add_to(merged)
     return merged
 
 
-def merge_lora_weight(weight, lora_a, lora_b, scaling, fan_in_fan_out=False):
-    delta = (lora_b.float() @ lora_a.float()) * scaling
-    if fan_in_fan_out:
-        delta = delta.T
-    return (weight.float() + delta).to(weight.dtype)
+def lora_deltas(layer, read):
+    """The deltas of ``layer``'s active adapters; raises for LoRA variants whose merge is not ``W + s*B@A``.
 
-
-def _lora_pair(state_dict, layer):
-    a = next(v for k, v in state_dict.items() if k.startswith(f"{layer}.lora_A.") and k.endswith(".weight"))
-    b = next(v for k, v in state_dict.items() if k.startswith(f"{layer}.lora_B.") and k.endswith(".weight"))
-    return a, b
-
-
-def _strip_peft_prefix(key):
-    return key[len("base_model.model."):] if key.startswith("base_model.model.") else key
-
-
-def lora_layers(peft_model):
-    """Layer prefix (as in the PEFT model's state dict) -> (scaling of its active adapter, fan_in_fan_out).
-
-    fan_in_fan_out is True for GPT-2's Conv1D, whose weights are stored (in, out) while B @ A is (out, in).
+    ``read(name)`` gives the tensor of the layer's parameter ``name`` as PEFT names it (``lora_A.<adapter>.weight``,
+    ``lora_embedding_A.<adapter>``).
     """
-    from peft.tuners.lora import LoraLayer
+    if getattr(layer, "disable_adapters", False):
+        return []
+    if getattr(layer, "merged_adapters", None):
+        # The merge here adds the adapters to the base weight itself: merged ones would be counted twice.
+        raise RuntimeError("the model has merged LoRA adapters (PEFT merge_adapter); unmerge them first")
+    deltas = []
+    for adapter in layer.active_adapters:
+        if adapter in getattr(layer, "lora_variant", {}) or layer.use_dora.get(adapter, False):
+            raise NotImplementedError(f"LoRA variant of adapter {adapter!r} (e.g. DoRA) is not supported by the "
+                                      "LoRA merge (hybrid engine, saving, EMA)")
+        if layer.lora_bias.get(adapter, False):
+            raise NotImplementedError("LoRA with lora_bias=True is not supported by the LoRA merge (hybrid engine, "
+                                      "saving, EMA)")
+        if adapter in layer.lora_A:
+            if not isinstance(layer.lora_A[adapter], nn.Linear):
+                raise NotImplementedError(f"LoRA on {type(layer.get_base_layer()).__name__} layers is not supported "
+                                          "by the LoRA merge (hybrid engine, saving, EMA)")
+            deltas.append(LoraDelta(read(f"lora_A.{adapter}.weight"), read(f"lora_B.{adapter}.weight"),
+                                    float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False))))
+        elif adapter in layer.lora_embedding_A:
+            deltas.append(LoraDelta(read(f"lora_embedding_A.{adapter}"), read(f"lora_embedding_B.{adapter}"),
+                                    float(layer.scaling[adapter]), True))
+        # else: the adapter does not adapt this layer
+    return deltas
 
-    layers = {}
-    for name, module in peft_model.named_modules():
-        if isinstance(module, LoraLayer):
-            adapter = module.active_adapters[0]
-            layers[name] = (module.scaling[adapter], bool(getattr(module, "fan_in_fan_out", False)))
-    return layers
+
+def weight_deltas(base, read=None):
+    """{plain-model weight name: deltas of its active adapters} for every LoRA layer of the PEFT base model ``base``.
+
+    ``read(name)`` gives the tensor of ``base``'s parameter ``name``; by default the parameter itself.
+    """
+    read = read or base.get_parameter
+    active = active_adapters(base)
+    return {f"{inference_name(name, active)}.weight": lora_deltas(layer, _reader_under(read, name))
+            for name, layer in lora_layers(base).items()}
 
 
-@torch.no_grad()
+def _reader_under(read, prefix):
+    """``read`` for the parameters of the submodule ``prefix`` (a function, so each layer keeps its own prefix)."""
+    return lambda name: read(f"{prefix}.{name}")
+
+
+def check_lora_mergeable(model):
+    """Raise if ``model``'s LoRA adapters cannot be folded into its weights (DoRA, lora_bias, merged adapters, ...).
+
+    Called on every rank before a collective gather, so that no rank is left waiting for one that raised.
+    """
+    weight_deltas(unwrap_peft(model))
+
+
+def merge_lora_state_dict(state_dict, model):
+    """The plain HF state dict of ``model`` from its gathered one (PEFT names, e.g. from ZeRO-3 on rank 0).
+
+    Names are mapped by ``inference_name``; each LoRA layer's weight gets all its active adapters, added in fp32 and
+    rounded once to the weight's dtype. A model without PEFT: ``state_dict`` as it is.
+    """
+    if not hasattr(model, "peft_config"):
+        return state_dict
+    base = unwrap_peft(model)
+    plain = plain_named(((_strip_peft_prefix(k), v) for k, v in state_dict.items()), active_adapters(base))
+    deltas = weight_deltas(base, read=lambda name: state_dict[PEFT_PREFIX + name])
+    for name, adapters in deltas.items():
+        if adapters:
+            plain[name] = merged_fp32(plain[name], adapters).to(plain[name].dtype)
+    return plain
+
+
 def unwrap_peft(model):
     """The plain HF model under a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -123,6 +123,9 @@ def create_tiny_model(name, save_dir, seed=1234):
     model.generation_config.bos_token_id = config.bos_token_id
 
     save_dir.mkdir(parents=True, exist_ok=True)
+    # transformers 5 writes only on torch.distributed rank 0, but a preset is built by whichever rank holds the
+    # cache lock first: this process must write the files whatever its rank.
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(save_dir, safe_serialization=True)
     load_tiny_tokenizer().save_pretrained(save_dir)
     # Written last: its presence means the folder is complete.

@@ -1,0 +1,63 @@
+"""DPO (Rafailov et al., 2023) as small pure functions: the sigmoid loss with cDPO label smoothing, the
+implicit rewards and the preference accuracy, as DeepSpeed-Chat's step2_dpo_finetuning and TRL define them.
+
+The inputs are per-sequence log-probabilities summed over the answer tokens
+(:func:`response_log_probs`), of the policy and of the frozen reference, for the chosen and the rejected
+answer of each pair.
+"""
+import torch
+import torch.nn.functional as F
+
+from dschat.rlhf.algorithms import gather_log_probs
+
+
+def response_log_probs(logits, input_ids, response_mask, chunk_size=None):
+    """``sum_t log p(input_ids[t] | input_ids[:t])`` over the positions where ``response_mask`` is 1.
+
+    ``logits``: (B, T, V) of ``input_ids`` (B, T); ``response_mask``: (B, T), 1 on answer tokens, 0 on the
+    prompt and the padding. Token t is predicted at position t - 1, so the mask of the targets is
+    ``response_mask[:, 1:]``. Returns (B,) in fp32 (chunked, the fp32 (B, T, V) tensor never exists).
+    """
+    logp = gather_log_probs(logits[:, :-1], input_ids[:, 1:], chunk_size)
+    return (logp * response_mask[:, 1:].to(logp.dtype)).sum(-1)
+
+
+def check_dpo_params(beta, label_smoothing):
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    # at 0.5 the two terms cancel: the loss is constant and nothing is learned
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1, label_smoothing=0.0):
+    """Per-pair DPO losses, chosen rewards and rejected rewards, each (B,).
+
+    ``logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)``;
+    ``loss = -(1 - eps) * logsigmoid(beta * logits) - eps * logsigmoid(-beta * logits)`` (cDPO: the label is
+    assumed flipped with probability ``eps = label_smoothing``); rewards are ``beta * (policy - ref)``,
+    detached (they are reported, not trained on).
+    """
+    check_dpo_params(beta, label_smoothing)
+    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
+              - F.logsigmoid(-beta * logits) * label_smoothing)
+    return losses, implicit_rewards(policy_chosen, ref_chosen, beta), implicit_rewards(policy_rejected,
+                                                                                         ref_rejected, beta)
+
+
+def implicit_rewards(policy_logps, ref_logps, beta):
+    """DPO's implicit reward ``beta * (log pi(y|x) - log pi_ref(y|x))``, detached."""
+    return beta * (policy_logps - ref_logps).detach()
+
+
+def answer_nll(answer_logps, response_mask):
+    """Mean over sequences of the per-token negative log-likelihood of the answers: the SFT term that RPO (TRL's
+    ``rpo_alpha``) adds for the chosen answers, so that DPO does not push their likelihood down with the rejected."""
+    tokens = response_mask[:, 1:].sum(-1).clamp(min=1).to(answer_logps.dtype)
+    return (-answer_logps / tokens).mean()
+
+
+def preference_accuracy(chosen_scores, rejected_scores):
+    """Per pair 1.0 where the chosen answer scores strictly higher, else 0.0 (a tie is not a win)."""
+    return (chosen_scores > rejected_scores).to(torch.float32)

@@ -1,0 +1,124 @@
+"""Step 2 (DPO): direct preference optimization of the SFT model, DeepSpeed-Chat's alternative to steps 2+3.
+
+The policy trains like step 1 (same flags: LoRA, ZeRO 0-3, gradient checkpointing, ...) on phase 2's
+chosen/rejected pairs; a frozen copy of the starting model is the reference (ZeRO-3 when the policy is, as
+DeepSpeed-Chat's). Log-probs are summed over the answer tokens only. The final model is an HF causal LM like
+step 1's, so it is loaded, chatted with and evaluated the same way.
+"""
+import torch
+from transformers import AutoModelForCausalLM
+
+from dschat.args import step2_dpo_parser
+from dschat.models.checkpoint import save_causal_lm
+from dschat.models.loading import create_hf_model
+from dschat.rlhf.dpo import answer_nll, check_dpo_params, dpo_loss, preference_accuracy, response_log_probs
+from dschat.steps.common import StepRecipe, initialize_frozen, run_supervised_step, to_device
+from dschat.steps.sft import build_sft_model
+from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
+from dschat.utils.ds_config import get_eval_ds_config
+
+# summed over all ranks in evaluation; the means divide by "pairs"
+EVAL_SUMS = ("loss", "chosen_reward", "rejected_reward", "reward_accuracy", "chosen_logp", "rejected_logp",
+             "logp_accuracy", "reference_logp_accuracy", "pairs")
+
+
+def dpo_collator(tokenizer):
+    from dschat.data import DataCollatorDPO
+
+    return DataCollatorDPO(tokenizer.pad_token_id)
+
+
+def build_reference_model(args, tokenizer):
+    """The frozen reference: the starting weights, sharded when the policy is ZeRO-3 (a full copy per rank
+    would defeat ZeRO-3), a plain copy otherwise."""
+    stage = 3 if args.zero_stage == 3 else 0
+    offload = args.offload_reference_model and stage == 3  # parameter offload is a ZeRO-3 feature
+    ds_config = get_eval_ds_config(offload=offload, dtype=args.dtype, stage=stage,
+                                   micro_batch_size=args.per_device_train_batch_size, world_size=get_world_size())
+    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config)
+    note = ", parameters offloaded to CPU" if offload else (
+        " (--offload_reference_model needs --zero_stage 3: not offloaded)" if args.offload_reference_model else "")
+    print_rank_0(f"[step2_dpo] reference model {args.model_name_or_path}: frozen, ZeRO-{stage}{note}")
+    return initialize_frozen(model, ds_config)
+
+
+def sequence_log_probs(model, batch):
+    """(2B,) answer log-probs of a DPO batch (chosen rows first, then rejected)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return response_log_probs(logits, batch["input_ids"], batch["response_mask"])
+
+
+def split_pairs(logps):
+    half = logps.shape[0] // 2
+    return logps[:half], logps[half:]
+
+
+class DPOStep:
+    """The DPO loss and evaluation against a reference model that is built together with the policy."""
+
+    def __init__(self, args):
+        check_dpo_params(args.beta, args.label_smoothing)
+        if getattr(args, "include_prompt_in_loss", False):
+            raise ValueError("--include_prompt_in_loss is a step-1 flag: DPO compares answers, so its log-probs "
+                             "cover the answer tokens only")
+        if args.rpo_alpha < 0:
+            raise ValueError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
+        self.beta, self.label_smoothing, self.rpo_alpha = args.beta, args.label_smoothing, args.rpo_alpha
+        self.reference = None
+
+    def build_model(self, args, tokenizer, ds_config):
+        policy = build_sft_model(args, tokenizer, ds_config)
+        self.reference = build_reference_model(args, tokenizer)
+        return policy
+
+    def pair_log_probs(self, engine, batch):
+        """(policy chosen, policy rejected, reference chosen, reference rejected), each (B,)."""
+        with torch.no_grad():
+            reference = split_pairs(sequence_log_probs(self.reference, batch))
+        return (*split_pairs(sequence_log_probs(engine, batch)), *reference)
+
+    def loss(self, engine, batch):
+        logps = self.pair_log_probs(engine, batch)
+        losses, _, _ = dpo_loss(*logps, self.beta, self.label_smoothing)
+        loss = losses.mean()
+        if self.rpo_alpha:
+            chosen_mask, _ = split_pairs(batch["response_mask"])
+            loss = loss + self.rpo_alpha * answer_nll(logps[0], chosen_mask)
+        return loss, int(batch["attention_mask"].sum())
+
+    @torch.no_grad()
+    def evaluate(self, engine, eval_loader, device, max_batches):
+        """Held-out means over all ranks: DPO loss, implicit rewards and their margin, the implicit-reward
+        accuracy, and how often the policy and the reference give the chosen answer the higher log-prob."""
+        engine.eval()
+        totals = torch.zeros(len(EVAL_SUMS), dtype=torch.float64, device=device)
+        for i, batch in enumerate(eval_loader):
+            if max_batches and i >= max_batches:
+                break
+            totals += self.batch_sums(engine, to_device(batch, device))
+        all_reduce(totals)
+        sums = dict(zip(EVAL_SUMS, totals.tolist()))
+        pairs = max(sums.pop("pairs"), 1.0)
+        metrics = {("eval_loss" if key == "loss" else key): value / pairs for key, value in sums.items()}
+        metrics["reward_margin"] = metrics["chosen_reward"] - metrics["rejected_reward"]
+        metrics["eval_pairs"] = int(totals[-1].item())
+        return metrics
+
+    def batch_sums(self, engine, batch):
+        policy_chosen, policy_rejected, ref_chosen, ref_rejected = logps = self.pair_log_probs(engine, batch)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(*logps, self.beta, self.label_smoothing)
+        values = (losses, chosen_rewards, rejected_rewards, preference_accuracy(chosen_rewards, rejected_rewards),
+                  policy_chosen, policy_rejected, preference_accuracy(policy_chosen, policy_rejected),
+                  preference_accuracy(ref_chosen, ref_rejected), torch.ones_like(losses))
+        return torch.stack([v.double().sum() for v in values])
+
+    def recipe(self):
+        return StepRecipe(name="step2_dpo", phase=2, build_model=self.build_model, collator=dpo_collator,
+                          loss_fn=self.loss, evaluate_fn=self.evaluate, save_fn=save_causal_lm)
+
+
+def main(args=None):
+    """Train the policy with DPO; returns the final held-out metrics (see ``DPOStep.evaluate``)."""
+    if args is None or isinstance(args, (list, tuple)):
+        args = step2_dpo_parser().parse_args(args)
+    return run_supervised_step(args, DPOStep(args).recipe())

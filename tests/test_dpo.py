@@ -1,0 +1,247 @@
+"""DPO: the loss and its implicit rewards by hand, answer-only log-probs, the step end to end (also ZeRO-3 on
+2 ranks), and ``train.py --recipe dpo``."""
+import json
+import math
+import runpy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dschat import pipeline
+from dschat.args import step2_dpo_parser
+from dschat.data import DataCollatorDPO, create_prompt_dataset, format_answer, format_prompt
+from dschat.models.loading import resolve_model_path
+from dschat.rlhf.dpo import answer_nll, dpo_loss, preference_accuracy, response_log_probs
+from dschat.steps import dpo
+from helpers import SFT_FAST
+from launch import REPO, run_deepspeed
+
+T = torch.tensor
+TRAIN_PY = runpy.run_path(str(REPO / "train.py"))  # the script's functions (its __main__ block does not run)
+METRIC_KEYS = {"eval_loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "chosen_logp",
+               "rejected_logp", "logp_accuracy", "reference_logp_accuracy", "eval_pairs", "train_loss", "steps"}
+
+
+# --- the loss, by hand ---
+
+# three pairs (beta 0.5): the policy prefers the chosen answer more than the reference does (beta * logits = 1),
+# the policy is the reference (0), the policy prefers the rejected answer (-1.5)
+POLICY_CHOSEN, POLICY_REJECTED = T([-1.0, -4.0, -5.0]), T([-3.0, -1.0, -2.0])
+REF_CHOSEN, REF_REJECTED = T([-2.0, -4.0, -3.0]), T([-2.0, -1.0, -3.0])
+
+
+def test_dpo_loss_and_rewards_match_hand_computed_values():
+    losses, chosen, rejected = dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5)
+    # -logsigmoid(z) = log(1 + exp(-z)) for z = 1, 0, -1.5
+    assert losses.tolist() == pytest.approx([0.31326168751822286, math.log(2), 1.7014132779827524])
+    assert chosen.tolist() == pytest.approx([0.5, 0.0, -1.0])  # 0.5 * (policy - reference)
+    assert rejected.tolist() == pytest.approx([-0.5, 0.0, 0.5])
+    assert preference_accuracy(chosen, rejected).tolist() == [1.0, 0.0, 0.0]  # a tie is not a win
+
+
+def test_label_smoothing_is_conservative_dpo():
+    # (1 - e) * log(1 + exp(-z)) + e * log(1 + exp(z)) = log(1 + exp(-z)) + e * z
+    losses, _, _ = dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, label_smoothing=0.2)
+    assert losses.tolist() == pytest.approx([0.31326168751822286 + 0.2, math.log(2), 1.7014132779827524 - 0.3])
+
+
+def test_dpo_gradient_raises_chosen_and_lowers_rejected_log_probs():
+    policy_chosen = POLICY_CHOSEN[:1].clone().requires_grad_()
+    policy_rejected = POLICY_REJECTED[:1].clone().requires_grad_()
+    losses, chosen, _ = dpo_loss(policy_chosen, policy_rejected, REF_CHOSEN[:1], REF_REJECTED[:1], beta=0.5)
+    losses.sum().backward()
+    # d/d(policy_chosen) = -beta * sigmoid(-z) with z = 1
+    assert policy_chosen.grad.item() == pytest.approx(-0.5 * 0.2689414213699951)
+    assert policy_rejected.grad.item() == pytest.approx(0.5 * 0.2689414213699951)
+    assert not chosen.requires_grad  # rewards are reported, not trained on
+
+
+@pytest.mark.parametrize("beta, label_smoothing", [(0.0, 0.0), (-0.1, 0.0), (0.1, 0.5), (0.1, -0.1)])
+def test_invalid_beta_or_label_smoothing_is_rejected(beta, label_smoothing):
+    with pytest.raises(ValueError):
+        dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED, beta, label_smoothing)
+
+
+def test_rpo_term_is_the_chosen_answers_mean_token_nll():
+    mask = T([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])  # targets at positions 1.. : 3 and 3 answer tokens; pad ignored
+    assert answer_nll(T([-6.0, -3.0]), mask).item() == pytest.approx((6 / 3 + 3 / 3) / 2)
+
+
+def test_dpo_step_loss_adds_rpo_alpha_times_chosen_nll(monkeypatch):
+    step = dpo.DPOStep(step2_dpo_parser().parse_args(["--beta", "0.5", "--rpo_alpha", "2.0"]))
+    logps = (POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED)
+    monkeypatch.setattr(step, "pair_log_probs", lambda engine, batch: logps)
+    mask = torch.ones(6, 5, dtype=torch.long)  # 3 pairs (chosen rows first), 4 answer targets each
+    loss, _ = step.loss(None, {"response_mask": mask, "attention_mask": mask})
+    dpo_mean = dpo_loss(*logps, beta=0.5)[0].mean()
+    assert loss.item() == pytest.approx(dpo_mean.item() + 2.0 * (1.0 + 4.0 + 5.0) / 4 / 3)
+
+
+@pytest.mark.parametrize("argv", [["--beta", "0"], ["--label_smoothing", "0.5"], ["--include_prompt_in_loss"],
+                                  ["--rpo_alpha", "-1"]])
+def test_dpo_step_rejects_bad_flags_before_building_anything(argv):
+    with pytest.raises(ValueError):
+        dpo.DPOStep(step2_dpo_parser().parse_args(argv))
+
+
+# --- answer-only log-probs ---
+
+def test_response_log_probs_sum_answer_tokens_only():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11)
+    ids = torch.randint(0, 11, (2, 6))
+    mask = T([[0, 0, 0, 1, 1, 0],   # prompt of 3, answer of 2, one pad
+              [0, 0, 1, 1, 1, 1]])  # prompt of 2, answer of 4
+    logp = torch.log_softmax(logits, -1)
+    expected = [sum(logp[b, t - 1, ids[b, t]] for t in range(1, 6) if mask[b, t]) for b in range(2)]
+    got = response_log_probs(logits, ids, mask)
+    assert got.tolist() == pytest.approx([e.item() for e in expected], abs=1e-6)
+    assert response_log_probs(logits, ids, mask, chunk_size=1).tolist() == pytest.approx(got.tolist(), abs=1e-6)
+    # logits that predict prompt tokens, padding, or nothing (the last position) do not count
+    noise = logits.clone()
+    noise[0, [0, 1, 4, 5]] += 5 * torch.randn(4, 11)
+    noise[1, [0, 5]] += 5 * torch.randn(2, 11)
+    assert response_log_probs(noise, ids, mask).tolist() == pytest.approx(got.tolist(), abs=1e-6)
+    # the logits that predict the first answer token do
+    noise[0, 2] += 5 * torch.randn(11)
+    assert response_log_probs(noise, ids, mask)[0].item() != pytest.approx(got[0].item(), abs=1e-3)
+
+
+def test_dpo_collator_masks_prompt_and_padding():
+    items = [{"chosen_input_ids": T([1, 2, 3]), "chosen_attention_mask": T([1, 1, 1]),
+              "rejected_input_ids": T([1, 2, 4, 5, 6]), "rejected_attention_mask": T([1, 1, 1, 1, 1]),
+              "prompt_length": 2},
+             {"chosen_input_ids": T([7, 8]), "chosen_attention_mask": T([1, 1]),
+              "rejected_input_ids": T([7, 9, 9]), "rejected_attention_mask": T([1, 1, 1]), "prompt_length": 1}]
+    batch = DataCollatorDPO(0)(items)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [7, 8, 0, 0, 0], [1, 2, 4, 5, 6], [7, 9, 9, 0, 0]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 1, 1], [0, 1, 1, 0, 0]]
+
+
+def write_pairs(path, count, start=0):
+    # the rejected answer is the shorter one, so an untrained model finds it more likely
+    rows = [{"prompt": f"Tell me about record {i}.", "chosen": f"Record {i} is fine, thanks.",
+             "rejected": f"Record {i} is bad."} for i in range(start, start + count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_phase_2_pairs_carry_the_prompt_length(tmp_path, tokenizer):
+    path = write_pairs(tmp_path / "pairs.jsonl", 4)
+    train_data, _ = create_prompt_dataset(0, [f"{path},{path}"], "0,1,0", str(tmp_path / "out"), 2, 1234, tokenizer,
+                                          128)
+    batch = DataCollatorDPO(tokenizer.pad_token_id)([train_data[i] for i in range(len(train_data))])
+    half = len(train_data)
+    for row, item in enumerate(train_data):
+        record = int(tokenizer.decode(item["chosen_input_ids"]).split("record ")[1].split(".")[0])
+        prompt = format_prompt([{"role": "user", "content": f"Tell me about record {record}."}], tokenizer)
+        assert item["prompt_length"] == len(tokenizer(prompt)["input_ids"])
+        for side, offset, answer in (("chosen", 0, f"Record {record} is fine, thanks."),
+                                     ("rejected", half, f"Record {record} is bad.")):
+            ids, mask = batch["input_ids"][row + offset], batch["response_mask"][row + offset]
+            assert tokenizer.decode(ids[:item["prompt_length"]]) == prompt
+            assert tokenizer.decode(ids[mask.bool()]) == format_answer(answer, tokenizer)  # answer + EOT
+
+
+def test_answer_log_probs_ignore_padding_and_batch_neighbours(tokenizer, distributed):
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama")).eval()
+    items = [{"chosen_input_ids": T([5, 6, 7, 8, 2]), "chosen_attention_mask": T([1] * 5),
+              "rejected_input_ids": T([5, 6, 7, 9, 9, 9, 9, 2]), "rejected_attention_mask": T([1] * 8),
+              "prompt_length": 3}]
+    with torch.no_grad():
+        padded = dpo.sequence_log_probs(model, DataCollatorDPO(tokenizer.pad_token_id)(items))
+        alone = model(input_ids=items[0]["chosen_input_ids"][None]).logits
+        expected = torch.log_softmax(alone[0, 2:-1], -1).gather(-1, T([8, 2])[:, None]).sum()
+    assert padded[0].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+# --- the step end to end ---
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """One tokenized-data cache for the step tests (the tiny data is tokenized once)."""
+    return str(tmp_path_factory.mktemp("dpo_data"))
+
+
+def test_dpo_step_trains_saves_and_reports_metrics(tmp_path, data_dir, distributed, capsys):
+    out = tmp_path / "dpo"
+    metrics = dpo.main(["--output_dir", str(out), "--data_output_path", data_dir, "--max_steps", "4",
+                        "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb"), *SFT_FAST])
+    assert set(metrics) >= METRIC_KEYS
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["eval_loss"] == pytest.approx(metrics["eval_loss"]) and saved["eval_pairs"] == 64
+    # before training the policy is the reference: every implicit reward is 0 and the loss is ln 2
+    assert "before training: eval_loss=0.6931, chosen_reward=0.0000, rejected_reward=0.0000" in capsys.readouterr().out
+    assert metrics["reward_margin"] == pytest.approx(metrics["chosen_reward"] - metrics["rejected_reward"])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    start = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama"))
+    assert not torch.equal(model.lm_head.weight, start.lm_head.weight)
+    assert (out / "tokenizer.json").exists()
+    assert list((tmp_path / "tb" / "step2_dpo").glob("events.out.tfevents.*"))
+
+
+def test_dpo_overfits_a_few_pairs(tmp_path, distributed):
+    """Train = eval: the untrained model finds the (shorter) rejected answers more likely; DPO must flip that."""
+    path = write_pairs(tmp_path / "pairs.jsonl", 16)
+    metrics = dpo.main(["--data_path", f"{path},{path}", "--data_split", "0,1,0", "--output_dir", str(tmp_path / "dpo"),
+                        "--data_output_path", str(tmp_path / "data"), "--per_device_train_batch_size", "8",
+                        "--num_train_epochs", "10", "--learning_rate", "3e-3", "--num_warmup_steps", "0",
+                        "--dtype", "fp32", "--beta", "0.1"])
+    assert metrics["eval_loss"] < 0.1 < math.log(2)
+    assert metrics["reward_accuracy"] == 1.0 and metrics["reward_margin"] > 3
+    assert metrics["reference_logp_accuracy"] == 0.0 and metrics["logp_accuracy"] == 1.0
+
+
+@pytest.mark.multirank
+def test_dpo_with_zero3_policy_and_reference_on_two_ranks(tmp_path):
+    out = tmp_path / "dpo"
+    # Build the preset here, in the session's cache the ranks inherit: under torch.distributed, transformers writes
+    # save_pretrained files on rank 0 only, so a preset first built by rank 1 would have no config or weights.
+    resolve_model_path("tiny-llama")
+    proc = run_deepspeed(REPO / "training" / "step2_dpo" / "main.py", "--zero_stage", "3", "--max_steps", "3",
+                         "--output_dir", out, "--data_output_path", tmp_path / "data", *SFT_FAST,
+                         "--per_device_train_batch_size", "8")
+    assert "reference model tiny-llama: frozen, ZeRO-3" in proc.stdout
+    assert "ZeRO-3, fp32" in proc.stdout  # the policy
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics) >= METRIC_KEYS and metrics["eval_pairs"] == 2 * 2 * 32  # both ranks' eval batches
+    model = AutoModelForCausalLM.from_pretrained(out)  # gathered from the shards
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
+# --- train.py --recipe dpo ---
+
+def test_train_py_dpo_recipe_builds_the_dpo_step_arguments(tmp_path):
+    args = TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path), "--actor-zero-stage", "2",
+                             "--step2-args", "--beta 0.2 --max_steps 5"])
+    dpo_args = step2_dpo_parser().parse_args(pipeline.step_argv(2, args, tiny=True))
+    assert dpo_args.model_name_or_path == str(tmp_path / "step1_sft")
+    assert dpo_args.output_dir == str(tmp_path / "step2_dpo") and dpo_args.zero_stage == 2
+    assert (dpo_args.beta, dpo_args.max_steps) == (0.2, 5)  # --step2-args win over the tiny recipe
+    assert dpo_args.learning_rate == 1e-3 and dpo_args.data_split == "4,4,2" and dpo_args.rpo_alpha == 1.0
+    assert dpo_args.label_smoothing == 0.0 and not dpo_args.offload_reference_model
+
+
+def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, distributed):
+    from dschat.steps import ppo, reward, sft
+
+    calls = []
+    monkeypatch.setattr(sft, "main", lambda argv: calls.append("sft"))
+    monkeypatch.setattr(reward, "main", lambda argv: calls.append("reward"))
+    monkeypatch.setattr(ppo, "main", lambda argv: calls.append("ppo"))
+
+    def fake_dpo(argv):
+        calls.append("dpo")
+        metrics = dict.fromkeys(pipeline.DPO_REPORT_KEYS, 0.5)
+        (tmp_path / "step2_dpo").mkdir()
+        (tmp_path / "step2_dpo" / "metrics.json").write_text(json.dumps(metrics))
+
+    monkeypatch.setattr(dpo, "main", fake_dpo)
+    scores = {"sft": {"rule_score": 0.8, "prompts": 120}, "dpo": {"rule_score": 0.9, "prompts": 120}}
+    monkeypatch.setattr(pipeline, "held_out_rule_scores", lambda args: calls.append("rule") or scores)
+    report = pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path)]))
+    assert calls == ["sft", "dpo", "rule"]
+    assert json.loads((tmp_path / "report.json").read_text())["dpo"] == report["dpo"]
+    assert report["dpo"]["logp_accuracy"] == 0.5
+    assert report["dpo"]["held_out_rule_score"] == scores

@@ -1,0 +1,7 @@
+#!/usr/bin/env python
+"""Step 2, DPO (instead of steps 2 and 3). ``python training/step2_dpo/main.py --model_name_or_path output/step1_sft``
+or ``deepspeed training/step2_dpo/main.py ...``."""
+from dschat.steps.dpo import main
+
+if __name__ == "__main__":
+    main()
