@@ -176,6 +176,26 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+def test_resumed_run_continues_the_unsupervised_data_where_it_stopped(trained, tmp_path):
+    text = tmp_path / "unsup.jsonl"
+    # 8 distinct blocks: 2 batches a pass, so the checkpoint after 3 iterations is 1 batch into the second pass
+    text.write_text("".join(json.dumps({"text": f"plain text number {i} " + "word " * (i % 7) + "for language "
+                                                "modelling."}) + "\n" for i in range(16)))
+    common = ["--enable_hybrid_engine", "--save_interval", "3", "--max_steps", "5", "--unsupervised_dataset_name",
+              f"jsonl:{text}", "--unsup_coef", "0.5"]
+    ppo.main(ppo_args(trained, tmp_path / "full", *common))
+    ppo.main(ppo_args(trained, tmp_path / "split", "--enable_test_mode", "--test_stop_step", "3", *common))
+    state = json.loads((tmp_path / "split" / "checkpoints" / "trainer" / "iter_0000003" / "state.json").read_text())
+    assert state["unsup_batches"] == 3
+    ppo.main(ppo_args(trained, tmp_path / "split", "--resume", *common))
+    full = [json.loads(x) for x in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
+    split = [json.loads(x) for x in (tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in split] == [1, 2, 3, 4, 5]
+    for a, b in zip(full, split):
+        for key in ("unsup_loss", "reward", "kl", "actor_loss", "critic_loss", "answer_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["iteration"], key)
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("tp", [1, 2], ids=["no_tp", "inference_tp2"])
 def test_step3_with_zero3_on_two_ranks_and_different_answer_lengths(trained, tmp_path, tp):

@@ -35,7 +35,8 @@ def _restore_rng(state, generator):
 
 
 def save_checkpoint(trainer, root, position, keep_last=2):
-    """Save everything a resumed run needs; ``position`` = {"iteration", "epoch", "batch"} (next to run)."""
+    """Save everything a resumed run needs; ``position`` = {"iteration", "epoch", "batch"} (next to run) and
+    "unsup_batches" (unsupervised batches consumed so far, skipped on resume)."""
     tag = f"iter_{position['iteration']:07d}"
     trainer.actor_model.save_checkpoint(os.path.join(root, "actor"), tag=tag, save_latest=False)
     if trainer.critic_model is not None:

@@ -1,5 +1,6 @@
 """Scoring a policy on held-out prompts with the reward model and, where the data has one, a rule scorer."""
 import torch
+from torch.utils.data import Dataset, DistributedSampler
 
 from dschat.rlhf.trainer import answer_mask
 from dschat.utils.dist import all_reduce
@@ -12,6 +13,32 @@ def rule_scorer_for(data_path):
 
         return rule_score
     return None
+
+
+class PaddingMarkedSampler(DistributedSampler):
+    """A DistributedSampler yielding ``(index, is_padding)``: the repeated indices it adds so every rank gets
+    as many items (and runs as many, possibly collective, generation batches) are marked as padding."""
+
+    def __iter__(self):
+        # the k-th index of this rank sits at position rank + k * num_replicas of the padded list
+        positions = range(self.rank, self.total_size, self.num_replicas)
+        for position, index in zip(positions, super().__iter__()):
+            yield index, position >= len(self.dataset)
+
+
+class EvalWeighted(Dataset):
+    """Items of ``dataset`` indexed by PaddingMarkedSampler's pairs, with ``eval_weight`` 0.0 on padding
+    (evaluate_policy leaves those out of its means and counts) and 1.0 otherwise."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, is_padding = key
+        return {**self.dataset[index], "eval_weight": 0.0 if is_padding else 1.0}
 
 
 @torch.no_grad()
@@ -32,6 +59,8 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
     """Mean reward-model score and rule score of greedy answers to the prompts of ``loader`` (all ranks).
 
     ``generate`` is the actor's generate (hybrid engine or HF), ``reward_model`` the frozen reward engine.
+    Rows whose ``eval_weight`` is 0 (a rank's padding, see EvalWeighted) are generated for but not counted;
+    rows without one count once. ``max_prompts`` counts rows, padding included, so ranks stop together.
     """
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # reward sum, rule sum, count
     examples, seen = [], 0
@@ -48,10 +77,14 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
             scores = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
         texts = _answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)
         rules = [rule_scorer(p, t) for p, t in zip(batch["prompt_text"], texts)] if rule_scorer else [0.0] * len(texts)
-        totals += torch.tensor([scores.sum().item(), float(sum(rules)), float(len(texts))], dtype=torch.float64,
-                               device=device)
+        weights = [1.0 if w is None else float(w) for w in batch.get("eval_weight", [None] * len(texts))]
+        w = torch.tensor(weights, dtype=torch.float64, device=device)
+        reward_sum = torch.where(w > 0, scores * w, 0.0).sum().item()  # a padding row's nan/inf stays out too
+        rule_sum = sum(r * x for r, x in zip(rules, weights) if x > 0)
+        totals += torch.tensor([reward_sum, rule_sum, sum(weights)], dtype=torch.float64, device=device)
         examples += [{"prompt": p, "answer": t, "reward": s, **({"rule_score": r} if rule_scorer else {})}
-                     for p, t, s, r in zip(batch["prompt_text"], texts, scores.tolist(), rules)][: keep_examples - len(examples)]
+                     for p, t, s, r, x in zip(batch["prompt_text"], texts, scores.tolist(), rules, weights)
+                     if x > 0][: keep_examples - len(examples)]
         seen += len(texts)
     all_reduce(totals)
     n = max(totals[2].item(), 1.0)

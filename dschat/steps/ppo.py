@@ -13,7 +13,7 @@ from dschat.models.loading import load_tokenizer
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine
-from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+from dschat.rlhf.evaluation import EvalWeighted, PaddingMarkedSampler, evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.steps.common import format_metrics, progress, setup_run, tensorboard_writer, write_metrics
 from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_device, print_rank_0
@@ -33,7 +33,9 @@ def prompt_loaders(args, tokenizer):
     collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id)
     if get_world_size() > 1:
         train_sampler = DistributedSampler(train, shuffle=True, seed=args.seed)
-        eval_sampler = DistributedSampler(held_out, shuffle=False)
+        # every rank runs as many eval batches (generation may be collective); the repeats weigh 0 in the scores
+        held_out = EvalWeighted(held_out)
+        eval_sampler = PaddingMarkedSampler(held_out, shuffle=False)
     else:
         train_sampler = RandomSampler(train, generator=torch.Generator().manual_seed(args.seed))
         eval_sampler = SequentialSampler(held_out)
@@ -53,6 +55,8 @@ def unsupervised_loader(args, tokenizer):
     data = get_unsupervised_data(args, tokenizer)
     loader, _ = build_dataloaders(data, data, DataCollatorSFT(tokenizer.pad_token_id),
                                   args.per_device_generation_batch_size, 1, args.seed, drop_last=True)
+    if len(loader) == 0:  # cycle() would never yield
+        raise ValueError("the unsupervised data has fewer blocks than one generation batch per rank")
     return loader
 
 
@@ -65,12 +69,16 @@ def reseed_epoch(loader, seed, epoch):
         sampler.generator.manual_seed(seed + epoch)
 
 
-def cycle(loader, seed):
-    """Endless batches of the unsupervised data, a new epoch (and order) whenever it runs out."""
-    epoch = 0
+def cycle(loader, seed, start=0):
+    """Endless batches of the unsupervised data, a new epoch (and order) whenever it runs out, from the
+    ``start``-th batch on (a resumed run skips the ones it consumed: the order depends on the seed only)."""
+    epoch, skip = divmod(start, len(loader))
     while True:
         reseed_epoch(loader, seed, epoch)
-        yield from loader
+        for index, batch in enumerate(loader):
+            if index >= skip:
+                yield batch
+        skip = 0
         epoch += 1
 
 
@@ -155,7 +163,7 @@ def main(args=None):
     position = load_checkpoint(trainer, ckpt_root) if args.resume else None
     log_path = os.path.join(args.output_dir, "step3_log.jsonl")
     if position is None:
-        position = {"iteration": 0, "epoch": 0, "batch": 0}
+        position = {"iteration": 0, "epoch": 0, "batch": 0, "unsup_batches": 0}
         before = held_out_eval(trainer, eval_loader, args, device, scorer)
         _truncate(log_path)
     else:
@@ -167,9 +175,11 @@ def main(args=None):
     bar = progress(range(total_iters), total_iters, "step3 PPO")
     if is_rank_0():
         bar.update(iteration)
+    # one unsupervised stream for the whole run; a checkpoint stores how many of its batches were consumed
+    unsup_batches = position.get("unsup_batches", 0)
+    unsup_iter = cycle(unsup_loader, args.seed, unsup_batches) if unsup_loader is not None else None
     for epoch in range(position["epoch"], args.num_train_epochs):
         reseed_epoch(train_loader, args.seed, epoch)
-        unsup_iter = cycle(unsup_loader, args.seed) if unsup_loader is not None else None
         buffer = []
         for batch_index, batch in enumerate(train_loader):
             if epoch == position["epoch"] and batch_index < position["batch"]:
@@ -186,6 +196,7 @@ def main(args=None):
             unsup_loss = None
             if unsup_iter is not None:
                 unsup_loss = trainer.train_unsupervised(_to(next(unsup_iter), device), args.unsup_coef).item()
+                unsup_batches += 1
             train_time = time.time() - t1
             # every rank must see the same KL, or adaptive coefficients drift apart
             kl = rank_mean(torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item(), device)
@@ -196,8 +207,8 @@ def main(args=None):
             buffer = []
             iteration += 1
             if args.save_interval and iteration % args.save_interval == 0:
-                save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch,
-                                                     "batch": batch_index + 1, "eval_before": before})
+                save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch, "batch": batch_index + 1,
+                                                     "unsup_batches": unsup_batches, "eval_before": before})
         if iteration >= stop_at:
             break
     after = held_out_eval(trainer, eval_loader, args, device, scorer)

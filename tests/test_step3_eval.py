@@ -1,0 +1,85 @@
+"""Step 3's held-out evaluation over several ranks: the sampler's padding repeats are run but not counted."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from dschat.data import DataCollatorRLHF
+from dschat.rlhf.evaluation import EvalWeighted, PaddingMarkedSampler, evaluate_policy
+
+PROMPT_ID = 10  # prompt i is the single token PROMPT_ID + i; its reward is i and its rule score 10 * i
+
+
+def prompts(n):
+    return [{"prompt_input_ids": torch.tensor([PROMPT_ID + i]), "prompt_text": f"p{i}"} for i in range(n)]
+
+
+def fake_generate(answer_ids):
+    def generate(prompt, attention_mask=None, max_new_tokens=None, **kwargs):
+        return torch.cat([prompt, torch.tensor(answer_ids).expand(prompt.shape[0], -1)], dim=1)
+    return generate
+
+
+class FakeReward(torch.nn.Module):
+    def forward_value(self, seq, mask):
+        return {"chosen_end_scores": (seq[:, -3] - PROMPT_ID).float()}  # the prompt's token, before 2 answer ids
+
+
+def evaluate(loader, tokenizer, **kwargs):
+    answer = tokenizer(" ok ok", add_special_tokens=False)["input_ids"][:2]
+    assert len(answer) == 2 and tokenizer.eos_token_id not in answer and tokenizer.pad_token_id not in answer
+    return evaluate_policy(fake_generate(answer), SimpleNamespace(module=FakeReward()), tokenizer, loader, "cpu",
+                           2, lambda p, t: 10.0 * int(p[1:]), **kwargs)
+
+
+def rank_loader(dataset, rank, tokenizer, batch_size=2):
+    held_out = EvalWeighted(dataset)
+    sampler = PaddingMarkedSampler(held_out, num_replicas=2, rank=rank, shuffle=False)
+    return DataLoader(held_out, batch_size=batch_size, sampler=sampler,
+                      collate_fn=DataCollatorRLHF(8, tokenizer.pad_token_id))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_padding_marked_sampler_counts_each_index_once_over_the_ranks(shuffle):
+    data = list(range(5))
+    per_rank = [list(PaddingMarkedSampler(data, num_replicas=2, rank=r, shuffle=shuffle, seed=3)) for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 3  # same count: the same number of (collective) batches
+    real = sorted(i for pairs in per_rank for i, padding in pairs if not padding)
+    assert real == data
+    assert sum(padding for pairs in per_rank for _, padding in pairs) == 1
+    # the indices are DistributedSampler's, in its order
+    for r in (0, 1):
+        plain = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=r, shuffle=shuffle, seed=3)
+        assert [i for i, _ in per_rank[r]] == list(plain)
+
+
+def test_eval_weight_reaches_the_batch_through_the_collator(tokenizer):
+    batches = list(rank_loader(prompts(5), 1, tokenizer))
+    assert [b["prompt_text"] for b in batches] == [["p1", "p3"], ["p0"]]
+    assert [b["eval_weight"] for b in batches] == [[1.0, 1.0], [0.0]]
+
+
+def test_two_ranks_score_each_held_out_prompt_once(tokenizer):
+    results = [evaluate(rank_loader(prompts(5), r, tokenizer), tokenizer) for r in (0, 1)]
+    # what all_reduce would add up: each rank's sums are its mean times its count
+    count = sum(r["prompts"] for r in results)
+    assert count == 5
+    assert sum(r["reward_mean"] * r["prompts"] for r in results) / count == pytest.approx(2.0)  # mean of 0..4
+    assert sum(r["rule_score_mean"] * r["prompts"] for r in results) / count == pytest.approx(20.0)
+    assert [e["prompt"] for e in results[1]["examples"]] == ["p1", "p3"]  # the repeat of p0 is not an example
+
+
+def test_weight_zero_rows_are_left_out_and_missing_weights_count_once(tokenizer):
+    collate = DataCollatorRLHF(8, tokenizer.pad_token_id)
+    weighted = [{**item, "eval_weight": w} for item, w in zip(prompts(4), (1.0, 0.0, 1.0, 0.0))]
+    result = evaluate([collate(weighted[:2]), collate(weighted[2:])], tokenizer)
+    assert result["prompts"] == 2
+    assert result["reward_mean"] == pytest.approx(1.0)  # prompts 0 and 2
+    assert result["rule_score_mean"] == pytest.approx(10.0)
+    assert [e["prompt"] for e in result["examples"]] == ["p0", "p2"]
+    plain = evaluate([collate(prompts(4))], tokenizer)
+    assert plain["prompts"] == 4 and plain["reward_mean"] == pytest.approx(1.5)
+    # max_prompts counts rows, padding included, so every rank stops after the same batch
+    capped = evaluate([collate(weighted[:2]), collate(weighted[2:])], tokenizer, max_prompts=2)
+    assert capped["prompts"] == 1
