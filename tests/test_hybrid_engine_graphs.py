@@ -133,3 +133,36 @@ def test_row_views_share_one_storage():
     assert cache.acquire_rows(2, 30, torch.float32, "cpu") is half  # same object: a graph on it stays valid
     cache.acquire_rows(8, 20, torch.float32, "cpu")  # more rows: the storage grows and keeps the longer length
     assert cache.allocations == 2 and cache.max_len == 40
+
+
+@pytest.mark.parametrize("path", ["eager", "graph_logic"])
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_returned_logprobs_equal_the_training_forward(path, family):
+    """``return_logprobs``: the decode step's log-probabilities of the sampled tokens are what a full forward over
+    the finished sequences gives them (the unfiltered distribution), and 0 after a row's end."""
+    model = tiny_model(family, seed=5)
+    engine = _engine(model, graphs=path == "graph_logic")
+    if path == "graph_logic":
+        _uncaptured(engine)
+    ids, mask = left_padded_batch([5, 2, 4], seed=5)
+    engine.eval()
+    sampling = dict(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=20)
+    # the same draws with and without an EOS: take one that row 0 samples early and the other rows never do
+    no_eos = engine.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(3), **sampling)
+    eos = early_token(no_eos[0, ids.shape[1]:].tolist(), avoid=no_eos[1:, ids.shape[1]:].flatten().tolist())
+    seq, logprobs = engine.generate(ids, attention_mask=mask, eos_token_id=eos, return_logprobs=True,
+                                    generator=torch.Generator().manual_seed(3), **sampling)
+    answers = seq[:, ids.shape[1]:]
+    assert logprobs.shape == answers.shape and logprobs.dtype == torch.float32
+    full_mask = torch.cat([mask, torch.ones_like(answers)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=seq, attention_mask=full_mask,
+                       position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    expected = torch.log_softmax(logits[:, ids.shape[1] - 1:-1], -1).gather(-1, answers[..., None]).squeeze(-1)
+    ended = torch.zeros_like(answers, dtype=torch.bool)
+    ended[:, 1:] = (answers[:, :-1] == eos).cumsum(-1) > 0  # positions after a row's EOS
+    assert ended[0].any(), "row 0 should end early with this EOS"
+    torch.testing.assert_close(logprobs[~ended], expected[~ended], atol=1e-4, rtol=1e-4)
+    assert torch.all(logprobs[ended] == 0)
+    if path == "graph_logic":  # the graph step recorded them (its key says so), not an eager fallback
+        assert [key.logprobs for key in engine.graph_decoder.decoders] == [False, True]

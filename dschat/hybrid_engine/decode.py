@@ -15,7 +15,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from dschat.hybrid_engine.sampling import sample_next_token
+from dschat.hybrid_engine.sampling import sample_next_token, token_log_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +99,15 @@ def generated_lengths(finish_step, steps):
 @torch.no_grad()
 def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, do_sample=False, temperature=1.0,
                     top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
-                    early_exit_interval=8, sync_group=None, return_lengths=False):
+                    early_exit_interval=8, sync_group=None, return_lengths=False, return_logprobs=False):
     """Generate up to ``max_new_tokens`` for LEFT-padded prompts; returns (B, P + n) sequences like HF ``generate``.
 
     ``cache`` is a reset ``StaticCache`` with room for P + max_new_tokens. Rows that emitted an EOS continue with
     ``pad_token_id``. The loop stops once every row has finished (checked every ``early_exit_interval`` steps; with a
     ``sync_group`` once every rank's rows have finished, because each forward is a collective then). The result is
     trimmed to the step where the last row finished, as HF does. With ``return_lengths`` also returns the generated
-    length of each row (EOS included), on the device.
+    length of each row (EOS included), on the device; with ``return_logprobs`` also the (B, n) fp32 log-probability
+    of each generated token under the model's unfiltered distribution (0 after a row's end): see ``Generation``.
     """
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
@@ -117,9 +118,11 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     sequences = torch.full((batch_size, prompt_len + max_new_tokens), pad_token_id, dtype=input_ids.dtype,
                            device=device)
     sequences[:, :prompt_len] = input_ids
+    logprobs = torch.zeros((batch_size, max_new_tokens), dtype=torch.float32, device=device) \
+        if return_logprobs else None
     if max_new_tokens == 0:
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        return (sequences, lengths) if return_lengths else sequences
+        return _result(sequences, lengths, logprobs, return_lengths)
 
     spec = forward_spec(model)
     # The mask grows by one column per step; the full-length buffer is allocated once and viewed.
@@ -136,9 +139,12 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     finish_step = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=device)
     steps = 0
     for step in range(max_new_tokens):
+        model_logits = logits
         if eos is not None and step < min_new_tokens:
             logits = logits.index_fill(-1, eos, float("-inf"))
         tokens = sample_next_token(logits, temperature, top_k, top_p, do_sample, generator)
+        if logprobs is not None:
+            logprobs[:, step] = token_log_probs(model_logits, tokens).masked_fill(finished, 0.0)
         tokens = torch.where(finished, pad_token_id, tokens)
         sequences[:, prompt_len + step] = tokens
         if eos is not None:
@@ -161,4 +167,21 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     n = int(lengths.max()) if eos is not None else steps
     if n < max_new_tokens:
         sequences = sequences[:, :prompt_len + n].contiguous()  # callers may .view() the result
-    return (sequences, lengths) if return_lengths else sequences
+        logprobs = logprobs[:, :n].contiguous() if logprobs is not None else None
+    return _result(sequences, lengths, logprobs, return_lengths)
+
+
+@dataclasses.dataclass
+class Generation:
+    """What a decode path returns to the engine: (B, P + n) sequences, each row's generated length (EOS included)
+    and, when asked for, the (B, n) log-probabilities of the generated tokens."""
+
+    sequences: torch.Tensor
+    lengths: torch.Tensor
+    logprobs: torch.Tensor = None
+
+
+def _result(sequences, lengths, logprobs, return_lengths):
+    if return_lengths:
+        return Generation(sequences, lengths, logprobs)
+    return sequences if logprobs is None else (sequences, logprobs)

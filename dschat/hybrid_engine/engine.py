@@ -178,10 +178,12 @@ class HybridEngine:
     # -- generation -------------------------------------------------------------------------------------------------
     def generate(self, input_ids, attention_mask=None, max_new_tokens=None, do_sample=None, temperature=1.0, top_k=0,
                  top_p=1.0, eos_token_id=None, pad_token_id=None, generator=None, min_new_tokens=None,
-                 max_length=None, min_length=None, **ignored_hf_kwargs):
+                 max_length=None, min_length=None, return_logprobs=False, **ignored_hf_kwargs):
         """HF-``generate``-like: LEFT-padded prompts in, (B, P + n) sequences out, EOS'd rows padded with pad.
 
         ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts.
+        With ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of each generated
+        token under the model's unfiltered distribution (0 after a row's end), computed in the decode step.
         Other HF kwargs (``synced_gpus``, ``use_cache``, ...) are accepted and ignored: ranks are kept in step
         automatically when the forward needs it.
         """
@@ -240,14 +242,15 @@ class HybridEngine:
                 result = None
                 if self.graph_decoder is not None:
                     result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,
-                                                         max_new_tokens, dtype=hf_model.dtype, **sampling)
+                                                         max_new_tokens, dtype=hf_model.dtype,
+                                                         return_logprobs=return_logprobs, **sampling)
                 if result is None:
                     cache = self.kv_cache.acquire(batch_size, prompt_len + max_new_tokens, hf_model.dtype, device)
                     result = generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens,
-                                             sync_group=sync_group, return_lengths=True, **sampling)
-            sequences, lengths = result
+                                             sync_group=sync_group, return_lengths=True,
+                                             return_logprobs=return_logprobs, **sampling)
             if self.tp is not None:
-                sequences, lengths = group_batch.own_rows(sequences, lengths)
+                result = group_batch.own_rows(result)
                 batch_size = group_batch.rows
                 if do_sample and self.tp.is_leader:  # the leader's generator moves on as the shared one did
                     (own_generator or default_generator(torch.device(device))).set_state(generator.get_state())
@@ -258,9 +261,9 @@ class HybridEngine:
                     self.graph_decoder.drop()  # the graphs hold the cache's storage; they are captured again next time
                 self.kv_cache.release()
         self._iteration.generate_s += time.perf_counter() - start
-        self._iteration.generated_tokens += int(lengths.sum())
+        self._iteration.generated_tokens += int(result.lengths.sum())
         self._iteration.samples += batch_size
-        return sequences
+        return (result.sequences, result.logprobs) if return_logprobs else result.sequences
 
     def _check_ignored_kwargs(self, kwargs):
         for key, value in kwargs.items():

@@ -31,9 +31,9 @@ import logging
 import torch
 
 from dschat.hybrid_engine.cache import keeps_length_on_device, kv_layout
-from dschat.hybrid_engine.decode import (as_eos_tensor, decode_step, forward_spec, generated_lengths,
+from dschat.hybrid_engine.decode import (Generation, as_eos_tensor, decode_step, forward_spec, generated_lengths,
                                          prompt_position_ids)
-from dschat.hybrid_engine.sampling import sample_next_token
+from dschat.hybrid_engine.sampling import sample_next_token, token_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -76,21 +76,24 @@ class GraphKey:
     eos: tuple
     pad_token_id: int
     suppresses_eos: bool  # min_new_tokens > 0 with an EOS: EOS logits are masked while step < min_new_tokens
+    logprobs: bool = False  # the step also records the sampled tokens' log-probabilities
 
     @classmethod
-    def of(cls, bucket, cache_len, do_sample, temperature, top_k, top_p, eos, pad_token_id, min_new_tokens):
+    def of(cls, bucket, cache_len, do_sample, temperature, top_k, top_p, eos, pad_token_id, min_new_tokens,
+           logprobs=False):
         if not do_sample:  # greedy ignores the sampling settings; one graph serves them all
             temperature, top_k, top_p = 1.0, 0, 1.0
         eos = tuple(eos or ())
         return cls(bucket, cache_len, bool(do_sample), float(temperature), int(top_k), float(top_p), eos,
-                   int(pad_token_id), bool(eos) and min_new_tokens > 0)
+                   int(pad_token_id), bool(eos) and min_new_tokens > 0, bool(logprobs))
 
 
 class DecodeBuffers:
     """The step's inputs and outputs, allocated once per graph and refilled in place for each generation."""
 
-    def __init__(self, bucket, cache_len, eos_ids, device):
+    def __init__(self, bucket, cache_len, eos_ids, device, logprobs=False):
         longs = dict(dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((bucket, cache_len), dtype=torch.float32, device=device) if logprobs else None
         self.mask = torch.zeros((bucket, cache_len), **longs)  # 1 for the prompt's tokens and the tokens fed so far
         self.position_ids = torch.zeros((bucket, 1), **longs)  # position of the token fed next, per row
         self.cache_position = torch.zeros((1,), **longs)  # cache column of the token fed next
@@ -132,16 +135,20 @@ class CapturedDecoder:
         self.cache = cache
         self.key = key
         self.rng = rng
-        self.buffers = DecodeBuffers(key.bucket, key.cache_len, key.eos, device)
+        self.buffers = DecodeBuffers(key.bucket, key.cache_len, key.eos, device, key.logprobs)
         self.graph = None  # None: ``replay`` runs the step eagerly (capture disabled, for tests of the logic)
 
     def select_token(self, logits):
         """Sample (or argmax) the next token from ``logits`` and do the bookkeeping the eager loop does."""
         b, key = self.buffers, self.key
+        model_logits = logits
         if key.suppresses_eos:
             too_early = (b.step < b.min_new_tokens).view(1, 1)
             logits = torch.where(too_early, logits.index_fill(-1, b.eos, float("-inf")), logits)
         tokens = sample_next_token(logits, key.temperature, key.top_k, key.top_p, key.do_sample, self.rng)
+        if b.logprobs is not None:
+            logp = token_log_probs(model_logits, tokens).masked_fill(b.finished, 0.0)
+            b.logprobs.index_copy_(1, b.step, logp[:, None])
         tokens = torch.where(b.finished, key.pad_token_id, tokens)
         b.generated.index_copy_(1, b.step, tokens[:, None])
         if b.eos is not None:
@@ -290,8 +297,8 @@ class GraphDecoder:
     @torch.no_grad()
     def generate(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
                  top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
-                 early_exit_interval=8):
-        """(sequences, lengths) exactly as ``generate_tokens(..., return_lengths=True)``, or None (run eagerly)."""
+                 early_exit_interval=8, return_logprobs=False):
+        """A ``Generation`` exactly as ``generate_tokens(..., return_lengths=True)`` makes it, or None (run eagerly)."""
         device = input_ids.device
         reason = self.unsupported_reason(weights, device)
         if reason is not None:
@@ -310,7 +317,7 @@ class GraphDecoder:
             return None
         self._drop_if_moved(model)
         key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
-                          pad_token_id, min_new_tokens)
+                          pad_token_id, min_new_tokens, return_logprobs)
         decoder = self.decoders.get(key)
         if decoder is None:
             try:
@@ -360,7 +367,8 @@ class GraphDecoder:
         lengths = generated_lengths(b.finish_step[:batch_size], steps)
         n = int(lengths.max()) if decoder.key.eos else steps
         sequences = torch.cat([input_ids, b.generated[:batch_size, :n].to(input_ids.dtype)], dim=1)
-        return sequences, lengths
+        logprobs = b.logprobs[:batch_size, :n].clone() if b.logprobs is not None else None
+        return Generation(sequences, lengths, logprobs)
 
     def _replay(self, decoder, max_new_tokens, check_every):
         """Replay the step for tokens 2..max_new_tokens; returns how many tokens were generated. With an EOS, every

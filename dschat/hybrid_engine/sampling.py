@@ -54,3 +54,9 @@ def sample_next_token(logits, temperature=1.0, top_k=0, top_p=1.0, do_sample=Fal
     if not do_sample:
         return logits.argmax(dim=-1)
     return sample_from_logits(filtered_logits(logits, temperature, top_k, top_p), generator)
+
+
+def token_log_probs(logits, tokens):
+    """``log softmax(logits)[token]`` per row, in fp32, of the unfiltered distribution (no temperature, top-k/p or
+    EOS suppression): what the training forward scores the token with, e.g. PPO's old log-probs."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

@@ -273,14 +273,16 @@ class GroupBatch:
     rows: int
     prompt_len: int  # this rank's own prompt length
 
-    def own_rows(self, sequences, lengths):
-        """This rank's (sequences, lengths), with its own prompt width and trimmed to its own longest answer."""
-        own_lengths = lengths[self.row_start:self.row_start + self.rows]
+    def own_rows(self, generation):
+        """This rank's part of the group's ``decode.Generation``: its rows, its own prompt width, trimmed to its own
+        longest answer."""
+        rows = slice(self.row_start, self.row_start + self.rows)
+        own_lengths = generation.lengths[rows]
         group_prompt = self.input_ids.shape[1]
         n = int(own_lengths.max()) if self.rows else 0
-        own = sequences[self.row_start:self.row_start + self.rows,
-                        group_prompt - self.prompt_len:group_prompt + n]
-        return own.contiguous(), own_lengths
+        own = generation.sequences[rows, group_prompt - self.prompt_len:group_prompt + n].contiguous()
+        logprobs = generation.logprobs[rows, :n].contiguous() if generation.logprobs is not None else None
+        return dataclasses.replace(generation, sequences=own, lengths=own_lengths, logprobs=logprobs)
 
 
 def _all_gather(tensor, group, size):

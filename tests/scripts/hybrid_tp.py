@@ -6,7 +6,8 @@ ZeRO-3:
 * greedy answers equal HF ``generate`` on the unsplit model (= inference_tp_size 1), although the ranks' prompt
   batches differ in rows and length and rank 0's answers end long before rank 1's; again after an optimizer step;
 * each rank's copy holds half of the split weights;
-* sampling is the group leader's: rank 1's own generator seed does not change anything, rank 0's does.
+* sampling is the group leader's: rank 1's own generator seed does not change anything, rank 0's does;
+* ``return_logprobs`` gives each rank its rows' log-probabilities, equal to the unsplit model's forward.
 
 Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher:  hybrid_tp.py --stage 0|3
 """
@@ -92,6 +93,24 @@ def check_split(engine, reference):
         assert mine.shape[dim] * (1 if replicated_kv else 2) == full.shape[dim], (name, mine.shape, full.shape)
 
 
+def check_logprobs(engine, reference, ids, mask, eos, expected):
+    """The group's decode-step log-probabilities come back to each rank with its own rows and answer length, equal
+    to a full forward of the unsplit model over its sequences (up to the row's EOS)."""
+    seq, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                    return_logprobs=True)
+    assert torch.equal(seq, expected)
+    answers = seq[:, ids.shape[1]:]
+    assert logprobs.shape == answers.shape, (logprobs.shape, answers.shape)
+    full_mask = torch.cat([mask, torch.ones_like(answers)], dim=1)
+    with torch.no_grad():
+        logits = reference(input_ids=seq, attention_mask=full_mask,
+                           position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    full = torch.log_softmax(logits[:, ids.shape[1] - 1:-1], -1).gather(-1, answers[..., None]).squeeze(-1)
+    live = torch.ones_like(answers, dtype=torch.bool)
+    live[:, 1:] = (answers[:, :-1] == eos).cumsum(-1) == 0
+    torch.testing.assert_close(logprobs[live], full[live], atol=1e-4, rtol=1e-4)
+
+
 def check_leader_sampling(engine, ids, mask, rank):
     """Rank 1's generator does not matter; rank 0's decides, for both ranks' answers."""
     def sample(leader_seed, member_seed):
@@ -123,6 +142,7 @@ def run_case(family, stage, rank, world):
     engine.eval()
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
     assert torch.equal(got, expected), (family, stage, rank, got, expected)
+    check_logprobs(engine, reference, ids, mask, eos, expected)
 
     train_step(engine, got)
     gather_into(reference, engine.module)
