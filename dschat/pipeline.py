@@ -8,7 +8,7 @@ import shlex
 import time
 
 from dschat.models.loading import resolve_model_path
-from dschat.utils.dist import ensure_distributed, is_rank_0, print_rank_0
+from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0
 
 # Settings that make the embedded tiny default train well in minutes on a CPU. Hub models get the step
 # scripts' own defaults (DeepSpeed-Chat's), which the --stepN-args strings can override.
@@ -136,7 +136,7 @@ def held_out_rule_scores(args):
     scores = {}
     for name, folder in (("sft", "step1_sft"), ("dpo", DPO_DIR)):
         path = os.path.join(args.output_dir, folder)
-        model, tokenizer = load_policy(path)
+        model, tokenizer = load_policy(path, local_device())
         _, held_out = prompt_loaders({"data_split": step3.data_split, "max_prompt_seq_len": step3.max_prompt_seq_len,
                                       "per_device_generation_batch_size": step3.per_device_generation_batch_size,
                                       "actor_model_name_or_path": path,

@@ -64,8 +64,8 @@ def test_invalid_beta_or_label_smoothing_is_rejected(beta, label_smoothing):
 
 
 def test_rpo_term_is_the_chosen_answers_mean_token_nll():
-    mask = T([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])  # targets at positions 1.. : 3 and 3 answer tokens; pad ignored
-    assert answer_nll(T([-6.0, -3.0]), mask).item() == pytest.approx((6 / 3 + 3 / 3) / 2)
+    mask = T([[0, 1, 1, 1, 0], [0, 0, 0, 1, 1]])  # targets at positions 1.. : 3 and 2 answer tokens; pad ignored
+    assert answer_nll(T([-6.0, -3.0]), mask).item() == pytest.approx((6 + 3) / 5)  # per token, not per sequence
 
 
 def test_dpo_step_loss_adds_rpo_alpha_times_chosen_nll(monkeypatch):

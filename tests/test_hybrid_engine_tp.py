@@ -87,3 +87,18 @@ def test_models_that_cannot_be_split_say_why():
         _plan("gpt2")
     with pytest.raises(ValueError, match="3 attention heads cannot be split"):
         _plan("llama", num_attention_heads=3, num_key_value_heads=3, head_dim=16)
+
+
+def test_attention_with_per_head_norms_is_refused():
+    # StableLM's qk_layernorm keeps one LayerNorm per head: splitting the heads would pair them with the wrong norms
+    from transformers import AutoModelForCausalLM, StableLmConfig
+
+    from dschat.hybrid_engine.tensor_parallel import ShardPlan
+    from dschat.hybrid_engine.weights import decoder_layer_list
+
+    cfg = StableLmConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, qk_layernorm=True)
+    model = AutoModelForCausalLM.from_config(cfg)
+    plan = ShardPlan(model, decoder_layer_list(model)[0], _Rank(2, 0))
+    with pytest.raises(NotImplementedError, match="one module per attention head"):
+        plan.apply(model.to("meta"))

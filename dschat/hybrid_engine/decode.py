@@ -99,13 +99,15 @@ def generated_lengths(finish_step, steps):
 @torch.no_grad()
 def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, do_sample=False, temperature=1.0,
                     top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
-                    early_exit_interval=8, sync_group=None, return_lengths=False, return_logprobs=False):
+                    early_exit_interval=8, sync_group=None, return_lengths=False, return_logprobs=False,
+                    token_sync=None):
     """Generate up to ``max_new_tokens`` for LEFT-padded prompts; returns (B, P + n) sequences like HF ``generate``.
 
     ``cache`` is a reset ``StaticCache`` with room for P + max_new_tokens. Rows that emitted an EOS continue with
     ``pad_token_id``. The loop stops once every row has finished (checked every ``early_exit_interval`` steps; with a
     ``sync_group`` once every rank's rows have finished, because each forward is a collective then). The result is
-    trimmed to the step where the last row finished, as HF does. With ``return_lengths`` also returns the generated
+    trimmed to the step where the last row finished, as HF does. ``token_sync`` (inference tensor parallelism) makes
+    the sampled tokens of every rank of a group the leader's. With ``return_lengths`` also returns the generated
     length of each row (EOS included), on the device; with ``return_logprobs`` also the (B, n) fp32 log-probability
     of each generated token under the model's unfiltered distribution (0 after a row's end): see ``Generation``.
     """
@@ -143,6 +145,8 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
         if eos is not None and step < min_new_tokens:
             logits = logits.index_fill(-1, eos, float("-inf"))
         tokens = sample_next_token(logits, temperature, top_k, top_p, do_sample, generator)
+        if token_sync is not None:
+            tokens = token_sync(tokens)
         if logprobs is not None:
             logprobs[:, step] = token_log_probs(model_logits, tokens).masked_fill(finished, 0.0)
         tokens = torch.where(finished, pad_token_id, tokens)

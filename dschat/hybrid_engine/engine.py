@@ -86,7 +86,8 @@ class HybridEngine:
                                 num_kv_heads=self.inference_weights.num_kv_heads)
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
-        self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step) \
+        self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,
+                                          token_sync=self.tp.share_tokens if self.tp else None) \
             if self.hybrid_config.enable_cuda_graph else None
         # Stats
         self._iteration = None  # IterationStats in progress
@@ -224,8 +225,12 @@ class HybridEngine:
             else None
         own_generator = generator
         if self.tp is not None:
+            if not do_sample:  # greedy ignores them (HF-style callers may pass None)
+                temperature, top_k, top_p = 1.0, 0, 1.0
             check_same_in_group(self.tp, device, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+                                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                pad_token_id=pad_token_id, return_logprobs=return_logprobs,
+                                eos_token_ids=hash(tuple(sorted(eos_list))) % 2**52)  # ints hash alike everywhere
             group_batch = gather_prompts(input_ids, attention_mask, pad_token_id, self.tp)
             input_ids, attention_mask = group_batch.input_ids, group_batch.attention_mask
             batch_size, prompt_len = input_ids.shape
@@ -240,7 +245,7 @@ class HybridEngine:
         try:
             with torch_linear():
                 result = None
-                if self.graph_decoder is not None:
+                if self._graphs_usable(device):
                     result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,
                                                          max_new_tokens, dtype=hf_model.dtype,
                                                          return_logprobs=return_logprobs, **sampling)
@@ -248,7 +253,8 @@ class HybridEngine:
                     cache = self.kv_cache.acquire(batch_size, prompt_len + max_new_tokens, hf_model.dtype, device)
                     result = generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens,
                                              sync_group=sync_group, return_lengths=True,
-                                             return_logprobs=return_logprobs, **sampling)
+                                             return_logprobs=return_logprobs,
+                                             token_sync=self.tp.share_tokens if self.tp else None, **sampling)
             if self.tp is not None:
                 result = group_batch.own_rows(result)
                 batch_size = group_batch.rows
@@ -264,6 +270,19 @@ class HybridEngine:
         self._iteration.generated_tokens += int(result.lengths.sum())
         self._iteration.samples += batch_size
         return (result.sequences, result.logprobs) if return_logprobs else result.sequences
+
+    def _graphs_usable(self, device):
+        """Whether this generation may take the graph path; in a tensor-parallel group only if it may on every rank
+        (a rank decoding eagerly while the others replay graphs would mismatch their collectives). A capture that
+        fails on one rank only is not covered: it raises or falls back there alone."""
+        if self.graph_decoder is None:
+            return False
+        if self.tp is None:
+            return True  # the graph decoder decides, says why once, and falls back by itself
+        reason = self.graph_decoder.unsupported_reason(self.inference_weights, torch.device(device))
+        if reason is not None:
+            self.graph_decoder.notice(reason)
+        return self.tp.all_agree(reason is None, device)
 
     def _check_ignored_kwargs(self, kwargs):
         for key, value in kwargs.items():

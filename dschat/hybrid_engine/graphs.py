@@ -128,8 +128,9 @@ class DecodeBuffers:
 class CapturedDecoder:
     """The decode step of one :class:`GraphKey`: its buffers, the cache view it writes, and its graph."""
 
-    def __init__(self, model, cache, key, rng, device, forward=None):
+    def __init__(self, model, cache, key, rng, device, forward=None, token_sync=None):
         self.model = model
+        self.token_sync = token_sync  # inference tensor parallelism: the group leader's tokens on every rank
         self.forward = forward if forward is not None else model  # what feed_token calls (maybe torch.compile'd)
         self.spec = forward_spec(model)
         self.cache = cache
@@ -146,6 +147,8 @@ class CapturedDecoder:
             too_early = (b.step < b.min_new_tokens).view(1, 1)
             logits = torch.where(too_early, logits.index_fill(-1, b.eos, float("-inf")), logits)
         tokens = sample_next_token(logits, key.temperature, key.top_k, key.top_p, key.do_sample, self.rng)
+        if self.token_sync is not None:
+            tokens = self.token_sync(tokens)
         if b.logprobs is not None:
             logp = token_log_probs(model_logits, tokens).masked_fill(b.finished, 0.0)
             b.logprobs.index_copy_(1, b.step, logp[:, None])
@@ -242,8 +245,9 @@ class GraphDecoder:
     cache that counts tokens on the host, a failed capture); each reason is logged once.
     """
 
-    def __init__(self, kv_cache, capture_graphs=True, compile_mode=None):
+    def __init__(self, kv_cache, capture_graphs=True, compile_mode=None, token_sync=None):
         self.kv_cache = kv_cache
+        self.token_sync = token_sync  # see CapturedDecoder
         self.capture_graphs = capture_graphs  # False: same buffers and steps, run eagerly (tests of the logic on CPU)
         # Not None: the one-token forward inside the graph is torch.compile'd with this mode (e.g. "default" or
         # "max-autotune-no-cudagraphs"), fusing the small kernels a graph replays one by one. Compiled during the
@@ -273,7 +277,7 @@ class GraphDecoder:
             return "the model config has no standard KV-head layout, so the cache cannot be allocated up front"
         return None
 
-    def _notice(self, reason):
+    def notice(self, reason):
         if reason not in self._noticed:
             self._noticed.add(reason)
             logger.warning("hybrid_engine.enable_cuda_graph: %s; generating eagerly.", reason)
@@ -302,7 +306,7 @@ class GraphDecoder:
         device = input_ids.device
         reason = self.unsupported_reason(weights, device)
         if reason is not None:
-            self._notice(reason)
+            self.notice(reason)
             return None
         if max_new_tokens == 0:
             return None
@@ -313,7 +317,7 @@ class GraphDecoder:
                                            device)
         if not keeps_length_on_device(cache):
             self.disabled_reason = "the model's KV cache has sliding-window layers, which count tokens on the host"
-            self._notice(self.disabled_reason)
+            self.notice(self.disabled_reason)
             return None
         self._drop_if_moved(model)
         key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
@@ -325,7 +329,7 @@ class GraphDecoder:
             except Exception as error:  # noqa: BLE001 - any capture failure means: this model decodes eagerly
                 self.drop()
                 self.disabled_reason = f"capturing the decode step failed ({type(error).__name__}: {error})"
-                self._notice(self.disabled_reason)
+                self.notice(self.disabled_reason)
                 return None
         return self._run(decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens, generator,
                          early_exit_interval)
@@ -334,7 +338,7 @@ class GraphDecoder:
         device = input_ids.device
         if self._rng is None:
             self._rng = torch.Generator(device=device)
-        decoder = CapturedDecoder(model, cache, key, self._rng, device, self._forward_of(model))
+        decoder = CapturedDecoder(model, cache, key, self._rng, device, self._forward_of(model), self.token_sync)
         decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens)  # sane values to warm up on
         if self.capture_graphs:
             if self._pool is None:

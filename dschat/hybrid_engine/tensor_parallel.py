@@ -61,6 +61,20 @@ class TensorParallelGroup:
     def is_leader(self):
         return self.rank == 0
 
+    def share_tokens(self, tokens):
+        """The leader's sampled tokens on every rank of the group, in place. The replicated parts of the step (norms,
+        LM head, sampling) should give every rank the same tokens; this makes sure of it, so that a one-bit difference
+        (e.g. kernels autotuned per process) can neither feed the ranks different inputs nor make them stop at
+        different steps (a hang). One small collective per step; it is captured in the decode graph too."""
+        dist.broadcast(tokens, src=self.leader, group=self.group)
+        return tokens
+
+    def all_agree(self, flag, device):
+        """True on every rank when ``flag`` is true on every rank of the group (a collective)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
     @classmethod
     def create(cls, size):
         """Every rank must call this at the same point (``new_group`` is collective over the world)."""
@@ -244,7 +258,23 @@ class ShardPlan:
         for block_name in {name.rpartition(".")[0] for name in self.styles}:
             block = model.get_submodule(block_name)
             if "attention" in type(block).__name__.lower():
+                self._refuse_per_head_state(block_name, block)
                 self._localise_heads(block)
+
+    def _refuse_per_head_state(self, name, attention):
+        """Per-head weights outside the split projections (e.g. StableLM's per-head q/k LayerNorms, Cohere's (heads,
+        head_dim) q/k norms) would stay whole while the heads are split: refuse rather than compute wrong values."""
+        heads = {self.layout.num_heads, self.layout.num_kv_heads}
+        split = {f"{leaf}.{p}" for leaf in (n.rsplit(".", 1)[-1] for n in self.styles if n.startswith(name + "."))
+                 for p in ("weight", "bias")}
+        for child_name, child in attention.named_modules():
+            if isinstance(child, nn.ModuleList) and len(child) in heads:
+                raise NotImplementedError(f"{name}.{child_name} holds one module per attention head; inference tensor "
+                                          "parallelism cannot split it (use inference_tp_size=1)")
+        for param_name, param in attention.named_parameters():
+            if param_name not in split and param.dim() >= 2 and param.shape[0] in heads:
+                raise NotImplementedError(f"{name}.{param_name} {tuple(param.shape)} looks per-head; inference "
+                                          "tensor parallelism cannot split it (use inference_tp_size=1)")
 
     def _localise_heads(self, attention):
         layout = self.layout

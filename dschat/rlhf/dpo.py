@@ -52,10 +52,10 @@ def implicit_rewards(policy_logps, ref_logps, beta):
 
 
 def answer_nll(answer_logps, response_mask):
-    """Mean over sequences of the per-token negative log-likelihood of the answers: the SFT term that RPO (TRL's
-    ``rpo_alpha``) adds for the chosen answers, so that DPO does not push their likelihood down with the rejected."""
-    tokens = response_mask[:, 1:].sum(-1).clamp(min=1).to(answer_logps.dtype)
-    return (-answer_logps / tokens).mean()
+    """The negative log-likelihood of the answers per answer token of the batch (TRL's cross-entropy over the chosen
+    tokens): the SFT term that RPO (``rpo_alpha``) adds so that DPO does not push the chosen answers down too."""
+    tokens = response_mask[:, 1:].sum().clamp(min=1).to(answer_logps.dtype)
+    return -answer_logps.sum() / tokens
 
 
 def preference_accuracy(chosen_scores, rejected_scores):
