@@ -6,7 +6,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from dschat.data import DataCollatorRLHF
-from dschat.rlhf.evaluation import EvalWeighted, PaddingMarkedSampler, evaluate_policy
+from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler
+from dschat.rlhf.evaluation import evaluate_policy
 
 PROMPT_ID = 10  # prompt i is the single token PROMPT_ID + i; its reward is i and its rule score 10 * i
 

@@ -1,6 +1,5 @@
 """Scoring a policy on held-out prompts with the reward model and, where the data has one, a rule scorer."""
 import torch
-from torch.utils.data import Dataset, DistributedSampler
 
 from dschat.rlhf.trainer import answer_mask
 from dschat.utils.dist import all_reduce
@@ -13,32 +12,6 @@ def rule_scorer_for(data_path):
 
         return rule_score
     return None
-
-
-class PaddingMarkedSampler(DistributedSampler):
-    """A DistributedSampler yielding ``(index, is_padding)``: the repeated indices it adds so every rank gets
-    as many items (and runs as many, possibly collective, generation batches) are marked as padding."""
-
-    def __iter__(self):
-        # the k-th index of this rank sits at position rank + k * num_replicas of the padded list
-        positions = range(self.rank, self.total_size, self.num_replicas)
-        for position, index in zip(positions, super().__iter__()):
-            yield index, position >= len(self.dataset)
-
-
-class EvalWeighted(Dataset):
-    """Items of ``dataset`` indexed by PaddingMarkedSampler's pairs, with ``eval_weight`` 0.0 on padding
-    (evaluate_policy leaves those out of its means and counts) and 1.0 otherwise."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        index, is_padding = key
-        return {**self.dataset[index], "eval_weight": 0.0 if is_padding else 1.0}
 
 
 @torch.no_grad()

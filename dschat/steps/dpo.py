@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dschat.args import step2_dpo_parser
+from dschat.data.samplers import eval_weights
 from dschat.models.checkpoint import save_causal_lm
 from dschat.models.loading import create_hf_model
 from dschat.rlhf.dpo import answer_nll, check_dpo_params, dpo_loss, preference_accuracy, response_log_probs
@@ -110,7 +111,8 @@ class DPOStep:
         values = (losses, chosen_rewards, rejected_rewards, preference_accuracy(chosen_rewards, rejected_rewards),
                   policy_chosen, policy_rejected, preference_accuracy(policy_chosen, policy_rejected),
                   preference_accuracy(ref_chosen, ref_rejected), torch.ones_like(losses))
-        return torch.stack([v.double().sum() for v in values])
+        w = eval_weights(batch, losses.shape[0], losses.device)  # 0 for a rank's padding repeats
+        return torch.stack([(v.double() * w).sum() for v in values])
 
     def recipe(self):
         return StepRecipe(name="step2_dpo", phase=2, build_model=self.build_model, collator=dpo_collator,

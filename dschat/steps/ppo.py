@@ -8,12 +8,13 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from dschat.args import step3_parser
+from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine
-from dschat.rlhf.evaluation import EvalWeighted, PaddingMarkedSampler, evaluate_policy, rule_scorer_for
+from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.steps.common import format_metrics, progress, setup_run, tensorboard_writer, write_metrics
 from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_device, print_rank_0

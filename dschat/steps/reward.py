@@ -2,6 +2,7 @@
 import torch
 
 from dschat.args import step2_parser
+from dschat.data.samplers import eval_weights
 from dschat.models.checkpoint import save_reward_model
 from dschat.models.lora import apply_lora
 from dschat.models.reward_model import create_critic_model
@@ -42,8 +43,9 @@ def evaluate_reward(engine, eval_loader, device, max_batches):
         batch = to_device(batch, device)
         out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         chosen, rejected = out["chosen_mean_scores"].double(), out["rejected_mean_scores"].double()
-        totals += torch.stack([(chosen > rejected).sum().double(), torch.ones_like(chosen).sum(),
-                               chosen.sum(), rejected.sum()])
+        w = eval_weights(batch, chosen.shape[0], device)  # 0 for a rank's padding repeats
+        totals += torch.stack([((chosen > rejected).double() * w).sum(), w.sum(), (chosen * w).sum(),
+                               (rejected * w).sum()])
     all_reduce(totals)
     pairs = totals[1].clamp(min=1)
     return {"accuracy": (totals[0] / pairs).item(), "chosen_mean_score": (totals[2] / pairs).item(),

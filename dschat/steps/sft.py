@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dschat.args import step1_parser
+from dschat.data.samplers import eval_weights
 from dschat.models.checkpoint import save_causal_lm
 from dschat.models.loading import create_hf_model
 from dschat.models.lora import apply_lora
@@ -40,9 +41,13 @@ def evaluate_lm(engine, eval_loader, device, max_batches):
         if max_batches and i >= max_batches:
             break
         batch = to_device(batch, device)
+        weights = eval_weights(batch, batch["labels"].shape[0], device)
+        # a rank's padding repeats (weight 0) take part in the forward but not in the loss
+        batch["labels"] = batch["labels"].masked_fill(weights[:, None] == 0, -100)
         loss, _ = lm_loss(engine, batch)
         n = (batch["labels"][:, 1:] != -100).sum()
-        totals += torch.stack([loss.double() * n, n.double()])
+        if n > 0:  # an all-padding batch has a nan loss over no tokens
+            totals += torch.stack([loss.double() * n, n.double()])
     all_reduce(totals)
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}

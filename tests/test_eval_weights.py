@@ -1,0 +1,77 @@
+"""Evaluation on several ranks counts each item once: DistributedSampler's padding repeats carry eval_weight 0 and
+the SFT, reward-model and DPO evaluations leave them out (the forward still runs, so ranks stay in step)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from hybrid_common import tiny_model  # noqa: E402
+
+from dschat.args import step2_dpo_parser  # noqa: E402
+from dschat.data import DataCollatorSFT  # noqa: E402
+from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler, weighted_collator  # noqa: E402
+from dschat.steps import dpo  # noqa: E402
+from dschat.steps.reward import evaluate_reward  # noqa: E402
+from dschat.steps.sft import evaluate_lm  # noqa: E402
+
+
+def _sft_item(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 96, (8,), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _rank_loader(items, rank, collator, batch_size=2):
+    sampler = PaddingMarkedSampler(items, num_replicas=2, rank=rank, shuffle=False)
+    return DataLoader(EvalWeighted(items), batch_size=batch_size, sampler=sampler, collate_fn=weighted_collator(collator))
+
+
+def test_weighted_collator_puts_the_padding_marks_in_the_batch():
+    items = [_sft_item(i) for i in range(3)]  # rank 1 of 2: items 1, then item 0 again as padding
+    batches = list(_rank_loader(items, 1, DataCollatorSFT(pad_token_id=0)))
+    assert [b["eval_weight"].tolist() for b in batches] == [[1.0, 0.0]]
+    assert batches[0]["input_ids"].shape == (2, 8)
+
+
+def test_sft_eval_loss_ignores_padding_repeats_even_in_an_all_padding_batch():
+    model = tiny_model("llama", seed=2).eval()
+    collator = DataCollatorSFT(pad_token_id=0)
+    one = collator([_sft_item(7)])
+    alone = evaluate_lm(model, [one], "cpu", 0)
+    repeated = collator([_sft_item(7), _sft_item(9)])
+    repeated["eval_weight"] = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    only_padding = collator([_sft_item(9)])
+    only_padding["eval_weight"] = torch.tensor([0.0], dtype=torch.float64)
+    got = evaluate_lm(model, [repeated, only_padding], "cpu", 0)
+    assert got["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-6)
+
+
+class _Scores(torch.nn.Module):
+    """A reward engine whose scores are given by the batch (chosen rows first, then rejected)."""
+
+    def forward(self, input_ids, attention_mask):
+        scores = input_ids[:, 0].double()
+        half = scores.shape[0] // 2
+        return {"chosen_mean_scores": scores[:half], "rejected_mean_scores": scores[half:]}
+
+
+def test_reward_eval_counts_only_weighted_pairs():
+    batch = {"input_ids": torch.tensor([[5], [1], [2], [3]]), "attention_mask": torch.ones(4, 1),
+             "eval_weight": torch.tensor([1.0, 0.0], dtype=torch.float64)}  # pair 2 (1 vs 3) is a padding repeat
+    got = evaluate_reward(_Scores(), [batch], "cpu", 0)
+    assert got["accuracy"] == 1.0 and got["eval_pairs"] == 1
+    assert got["chosen_mean_score"] == 5.0 and got["rejected_mean_score"] == 2.0
+
+
+def test_dpo_eval_sums_leave_padding_pairs_out(monkeypatch):
+    step = dpo.DPOStep(step2_dpo_parser().parse_args(["--beta", "0.5"]))
+    logps = (torch.tensor([-1.0, -9.0]), torch.tensor([-3.0, -1.0]), torch.tensor([-2.0, -2.0]),
+             torch.tensor([-2.0, -2.0]))
+    monkeypatch.setattr(step, "pair_log_probs", lambda engine, batch: logps)
+    sums = step.batch_sums(None, {"eval_weight": torch.tensor([1.0, 0.0], dtype=torch.float64)})
+    pairs = dict(zip(dpo.EVAL_SUMS, sums.tolist()))
+    assert pairs["pairs"] == 1.0 and pairs["reward_accuracy"] == 1.0 and pairs["logp_accuracy"] == 1.0
+    assert pairs["chosen_logp"] == -1.0
