@@ -9,8 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch, make_ds_engine,  # noqa: E402
-                           tiny_model, train_step)
+from hybrid_common import (PAD, answer_logprobs_and_live, early_token, hf_generate,  # noqa: E402
+                           left_padded_batch, make_ds_engine, tiny_model, train_step)
 
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
 from dschat.hybrid_engine.cache import KVCache  # noqa: E402
@@ -152,17 +152,10 @@ def test_returned_logprobs_equal_the_training_forward(path, family):
     eos = early_token(no_eos[0, ids.shape[1]:].tolist(), avoid=no_eos[1:, ids.shape[1]:].flatten().tolist())
     seq, logprobs = engine.generate(ids, attention_mask=mask, eos_token_id=eos, return_logprobs=True,
                                     generator=torch.Generator().manual_seed(3), **sampling)
-    answers = seq[:, ids.shape[1]:]
-    assert logprobs.shape == answers.shape and logprobs.dtype == torch.float32
-    full_mask = torch.cat([mask, torch.ones_like(answers)], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=seq, attention_mask=full_mask,
-                       position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
-    expected = torch.log_softmax(logits[:, ids.shape[1] - 1:-1], -1).gather(-1, answers[..., None]).squeeze(-1)
-    ended = torch.zeros_like(answers, dtype=torch.bool)
-    ended[:, 1:] = (answers[:, :-1] == eos).cumsum(-1) > 0  # positions after a row's EOS
-    assert ended[0].any(), "row 0 should end early with this EOS"
-    torch.testing.assert_close(logprobs[~ended], expected[~ended], atol=1e-4, rtol=1e-4)
-    assert torch.all(logprobs[ended] == 0)
+    expected, live = answer_logprobs_and_live(model, seq, mask, eos)
+    assert logprobs.shape == expected.shape and logprobs.dtype == torch.float32
+    assert not live[0].all(), "row 0 should end early with this EOS"
+    torch.testing.assert_close(logprobs[live], expected[live], atol=1e-4, rtol=1e-4)
+    assert torch.all(logprobs[~live] == 0)  # after a row's EOS
     if path == "graph_logic":  # the graph step recorded them (its key says so), not an eager fallback
         assert [key.logprobs for key in engine.graph_decoder.decoders] == [False, True]

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dschat.data import DataCollatorRLHF
-from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler
+from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler, weighted_collator
 from dschat.rlhf.evaluation import evaluate_policy
 
 PROMPT_ID = 10  # prompt i is the single token PROMPT_ID + i; its reward is i and its rule score 10 * i
@@ -38,7 +38,7 @@ def rank_loader(dataset, rank, tokenizer, batch_size=2):
     held_out = EvalWeighted(dataset)
     sampler = PaddingMarkedSampler(held_out, num_replicas=2, rank=rank, shuffle=False)
     return DataLoader(held_out, batch_size=batch_size, sampler=sampler,
-                      collate_fn=DataCollatorRLHF(8, tokenizer.pad_token_id))
+                      collate_fn=weighted_collator(DataCollatorRLHF(8, tokenizer.pad_token_id)))
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -58,7 +58,7 @@ def test_padding_marked_sampler_counts_each_index_once_over_the_ranks(shuffle):
 def test_eval_weight_reaches_the_batch_through_the_collator(tokenizer):
     batches = list(rank_loader(prompts(5), 1, tokenizer))
     assert [b["prompt_text"] for b in batches] == [["p1", "p3"], ["p0"]]
-    assert [b["eval_weight"] for b in batches] == [[1.0, 1.0], [0.0]]
+    assert [b["eval_weight"].tolist() for b in batches] == [[1.0, 1.0], [0.0]]
 
 
 def test_two_ranks_score_each_held_out_prompt_once(tokenizer):

@@ -1,6 +1,7 @@
 """Scoring a policy on held-out prompts with the reward model and, where the data has one, a rule scorer."""
 import torch
 
+from dschat.data.samplers import eval_weights
 from dschat.rlhf.trainer import answer_mask
 from dschat.utils.dist import all_reduce
 
@@ -50,8 +51,8 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
             scores = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
         texts = _answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)
         rules = [rule_scorer(p, t) for p, t in zip(batch["prompt_text"], texts)] if rule_scorer else [0.0] * len(texts)
-        weights = [1.0 if w is None else float(w) for w in batch.get("eval_weight", [None] * len(texts))]
-        w = torch.tensor(weights, dtype=torch.float64, device=device)
+        w = eval_weights(batch, len(texts), device)
+        weights = w.tolist()
         reward_sum = torch.where(w > 0, scores * w, 0.0).sum().item()  # a padding row's nan/inf stays out too
         rule_sum = sum(r * x for r, x in zip(rules, weights) if x > 0)
         totals += torch.tensor([reward_sum, rule_sum, sum(weights)], dtype=torch.float64, device=device)

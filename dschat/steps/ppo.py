@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from dschat.args import step3_parser
-from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler
+from dschat.data.samplers import distributed_eval_loader
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
@@ -32,18 +32,16 @@ def prompt_loaders(args, tokenizer):
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
         max_prompt_len=args.max_prompt_seq_len, data_fields=args.data_fields or None)
     collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id)
+    batch = args.per_device_generation_batch_size
     if get_world_size() > 1:
         train_sampler = DistributedSampler(train, shuffle=True, seed=args.seed)
         # every rank runs as many eval batches (generation may be collective); the repeats weigh 0 in the scores
-        held_out = EvalWeighted(held_out)
-        eval_sampler = PaddingMarkedSampler(held_out, shuffle=False)
+        evaluation = distributed_eval_loader(held_out, batch, collator)
     else:
         train_sampler = RandomSampler(train, generator=torch.Generator().manual_seed(args.seed))
-        eval_sampler = SequentialSampler(held_out)
-    batch = args.per_device_generation_batch_size
+        evaluation = DataLoader(held_out, batch_size=batch, sampler=SequentialSampler(held_out), collate_fn=collator)
     # drop_last keeps every rank's iteration count equal, so collectives line up
-    return (DataLoader(train, batch_size=batch, sampler=train_sampler, collate_fn=collator, drop_last=True),
-            DataLoader(held_out, batch_size=batch, sampler=eval_sampler, collate_fn=collator))
+    return DataLoader(train, batch_size=batch, sampler=train_sampler, collate_fn=collator, drop_last=True), evaluation
 
 
 def unsupervised_loader(args, tokenizer):

@@ -104,3 +104,46 @@ def train_step(engine, sequences):
     loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
     engine.backward(loss)
     engine.step()
+
+
+def answer_logprobs_and_live(model, sequences, prompt_mask, eos_token_id):
+    """(log-probs a full forward of ``model`` gives each answer token of ``sequences``, mask of the answer positions
+    up to and including each row's first EOS): what the decode step's ``return_logprobs`` must reproduce."""
+    from dschat.models.reward_model import positions_from_mask
+
+    prompt_len = prompt_mask.shape[1]
+    answers = sequences[:, prompt_len:]
+    full_mask = torch.cat([prompt_mask, torch.ones_like(answers)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=full_mask,
+                       position_ids=positions_from_mask(full_mask)).logits.float()
+    logprobs = torch.log_softmax(logits[:, prompt_len - 1:-1], -1).gather(-1, answers[..., None]).squeeze(-1)
+    live = torch.ones_like(answers, dtype=torch.bool)
+    live[:, 1:] = (answers[:, :-1] == eos_token_id).cumsum(-1) == 0
+    return logprobs, live
+
+
+def check_refresh_after_step(engine, reference, got, ids, mask, max_new_tokens, eos, expected, world):
+    """One optimizer step over the ranks' own answers; the next generation must use the new weights (compared with
+    HF generate on ``reference`` refreshed from the trained, possibly partitioned, weights)."""
+    import torch.distributed as dist
+
+    train_step(engine, got)
+    gather_into(reference, engine.module)
+    expected_after = hf_generate(reference, ids, mask, max_new_tokens, eos_token_id=eos)
+    changed = [None] * world
+    dist.all_gather_object(changed, not torch.equal(expected_after, expected))
+    assert any(changed), "the step did not change any answer; the test could not see stale weights"
+    engine.eval()
+    got_after = engine.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    assert torch.equal(got_after, expected_after), (got_after, expected_after)
+
+
+def gather_into(reference, model):
+    """The reference becomes a full copy of the partitioned training weights."""
+    import deepspeed
+
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            ref[name].data.copy_(p.data)

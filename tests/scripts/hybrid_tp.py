@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hybrid_common import (PAD, ds_config, early_token, hf_generate, make_ds_engine, tiny_model,  # noqa: E402
-                           train_step)
-from hybrid_zero3 import build_zero3_actor, gather_into, rank_prompts  # noqa: E402
+from hybrid_common import (PAD, answer_logprobs_and_live, check_refresh_after_step, ds_config,  # noqa: E402
+                           early_token, hf_generate, make_ds_engine, tiny_model)
+from hybrid_zero3 import build_zero3_actor, rank_prompts  # noqa: E402
 
 MAX_NEW = 20
 NUM_LAYERS = 2
@@ -99,15 +99,8 @@ def check_logprobs(engine, reference, ids, mask, eos, expected):
     seq, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
                                     return_logprobs=True)
     assert torch.equal(seq, expected)
-    answers = seq[:, ids.shape[1]:]
-    assert logprobs.shape == answers.shape, (logprobs.shape, answers.shape)
-    full_mask = torch.cat([mask, torch.ones_like(answers)], dim=1)
-    with torch.no_grad():
-        logits = reference(input_ids=seq, attention_mask=full_mask,
-                           position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
-    full = torch.log_softmax(logits[:, ids.shape[1] - 1:-1], -1).gather(-1, answers[..., None]).squeeze(-1)
-    live = torch.ones_like(answers, dtype=torch.bool)
-    live[:, 1:] = (answers[:, :-1] == eos).cumsum(-1) == 0
+    full, live = answer_logprobs_and_live(reference, seq, mask, eos)
+    assert logprobs.shape == full.shape, (logprobs.shape, full.shape)
     torch.testing.assert_close(logprobs[live], full[live], atol=1e-4, rtol=1e-4)
 
 
@@ -144,15 +137,7 @@ def run_case(family, stage, rank, world):
     assert torch.equal(got, expected), (family, stage, rank, got, expected)
     check_logprobs(engine, reference, ids, mask, eos, expected)
 
-    train_step(engine, got)
-    gather_into(reference, engine.module)
-    expected_after = hf_generate(reference, ids, mask, MAX_NEW, eos_token_id=eos)
-    changed = [None] * world
-    dist.all_gather_object(changed, not torch.equal(expected_after, expected))
-    assert any(changed), "the step did not change any answer; the test could not see stale weights"
-    engine.eval()
-    got_after = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
-    assert torch.equal(got_after, expected_after), (family, stage, rank, got_after, expected_after)
+    check_refresh_after_step(engine, reference, got, ids, mask, MAX_NEW, eos, expected, world)
 
     check_leader_sampling(engine, ids, mask, rank)
     print(f"rank {rank} {family} stage={stage}: OK", flush=True)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hybrid_common import PAD, ds_config, early_token, hf_generate, left_padded_batch, tiny_model  # noqa: E402
+from hybrid_common import (PAD, check_refresh_after_step, ds_config, early_token, hf_generate,  # noqa: E402
+                           left_padded_batch, tiny_model)
 
 MAX_NEW = 20
 NUM_LAYERS = 3
@@ -34,16 +35,6 @@ def load_weights(model, reference):
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             p.data.copy_(ref[name].data)
-
-
-def gather_into(reference, model):
-    """The reference becomes a full copy of the partitioned training weights."""
-    import deepspeed
-
-    ref = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        with deepspeed.zero.GatheredParameters([p]):
-            ref[name].data.copy_(p.data)
 
 
 def build_zero3_actor(reference, lora_config, config):
@@ -135,19 +126,7 @@ def run_case(pin, lora, rank, world):
         largest_group = max(sum(len(c.training_params()) for c in g) for g in weights.groups)
         assert 0 < peak[0] <= largest_group, (peak[0], largest_group)
 
-    # One optimizer step over the ranks' own answers, then the next generation must use the new weights.
-    engine.train()
-    loss = engine(input_ids=got, attention_mask=(got != PAD).long(), labels=got).loss
-    engine.backward(loss)
-    engine.step()
-    gather_into(reference, engine.module)
-    expected_after = hf_generate(reference, ids, mask, MAX_NEW, eos_token_id=eos)
-    changed = [None] * world
-    dist.all_gather_object(changed, not torch.equal(expected_after, expected))
-    assert any(changed), "the step did not change any answer; the test could not see stale weights"
-    engine.eval()
-    got_after = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
-    assert torch.equal(got_after, expected_after), (rank, got_after, expected_after)
+    check_refresh_after_step(engine, reference, got, ids, mask, MAX_NEW, eos, expected, world)
     print(f"rank {rank} pin={pin} lora={lora}: OK (answer lengths {lengths}, "
           f"stats {engine.latency_stats()['gather_latency']:.4f}s gather)", flush=True)
 
