@@ -1,4 +1,5 @@
 """Run a script on 2 CPU ranks through the deepspeed launcher (the way users start multi-rank jobs)."""
+import glob
 import os
 import socket
 import subprocess
@@ -14,13 +15,27 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _remove_shm_buffers(port):
+    """DeepSpeed's CPU all-reduce leaves a ~69 MB /dev/shm buffer per rank and launch (never unlinked); a suite of
+    launches would fill the machine's shared memory, so each launch's buffers go when it ends."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def run_deepspeed(script, *args, num_gpus=2, timeout=900, env=None):
     """Launch ``deepspeed --num_gpus N script args``; fail the test with the output if it fails."""
+    port = _free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),
-           "--master_port", str(_free_port()), str(script), *map(str, args)]
+           "--master_port", str(port), str(script), *map(str, args)]
     full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        _remove_shm_buffers(port)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
