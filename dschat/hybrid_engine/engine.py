@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from dschat.hybrid_engine.attention import decode_attention as decode_attention_kernel
+from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache
 from dschat.hybrid_engine.config import HybridEngineConfig
 from dschat.hybrid_engine.decode import generate_tokens, hf_model_of
@@ -65,7 +67,7 @@ class HybridEngine:
     """Wraps the actor's ``DeepSpeedEngine``; generation reads :class:`InferenceWeights` through a static KV cache."""
 
     def __init__(self, ds_engine, config=None, pad_token_id=None, eos_token_id=None, early_exit_interval=8,
-                 log_on_eval=False, compile_decode_step=None):
+                 log_on_eval=False, compile_decode_step=None, decode_attention="auto"):
         if type(ds_engine).__name__ == "DeepSpeedHybridEngine":
             raise ValueError("the actor was built with DeepSpeed's own hybrid engine; pass the DeepSpeed config "
                              "through strip_deepspeed_hybrid_engine() before deepspeed.initialize")
@@ -84,6 +86,9 @@ class HybridEngine:
                                                          tp=self.tp)
         self.kv_cache = KVCache(hf_model_of(self.inference_weights.model).config,
                                 num_kv_heads=self.inference_weights.num_kv_heads)
+        # decode_attention: "triton" runs one-token attention with dschat's flash-decoding kernel (attention.py),
+        # "sdpa" leaves the model's SDPA; "auto" picks triton on CUDA when it is installed.
+        self.decode_attention = resolve_decode_attention(decode_attention, ds_engine.device)
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,
@@ -243,7 +248,7 @@ class HybridEngine:
         was_training = model.training
         model.eval()  # no dropout while sampling, even if the caller skipped eval()
         try:
-            with torch_linear():
+            with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention):
                 result = None
                 if self._graphs_usable(device):
                     result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,

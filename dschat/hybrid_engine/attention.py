@@ -1,0 +1,117 @@
+"""Which attention kernel the decode step uses (``HybridEngine(decode_attention=...)``).
+
+transformers lets a model's attention modules call any function registered in its ``AttentionInterface`` under the
+name in ``config._attn_implementation``. dschat registers ``"dschat_decode"``: for a one-token query over the static
+KV cache it runs the Triton flash-decoding kernel of ``triton_decode.py`` (reads only the cache blocks the mask
+leaves visible); for everything else (prefill, training forwards, features the kernel does not have) it calls
+transformers' SDPA function unchanged. Its mask is SDPA's. The engine switches a model that uses SDPA to it for the
+duration of a generation only (:func:`decode_attention`), so training forwards never see it, and every model family
+whose attention goes through the interface (Llama, Qwen2, Mistral, OPT, GPT-2, ...) gets it without model-specific
+code.
+"""
+import contextlib
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NAME = "dschat_decode"
+MODES = ("auto", "triton", "sdpa")
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreted():
+    """Triton's interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: how the tests exercise it."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_applies(query, key, value, attention_mask, dropout=0.0, **kwargs):
+    """Whether the Triton kernel computes exactly what SDPA would for this call; anything else goes to SDPA."""
+    if query.dim() != 4 or query.shape[2] != 1 or dropout:
+        return False
+    if any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias")):
+        return False
+    if query.device.type != "cuda" and not _interpreted():
+        return False
+    if query.dtype not in _KERNEL_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return False
+    head_dim = query.shape[-1]
+    if key.shape[-1] != head_dim or value.shape[-1] != head_dim or head_dim > 256:
+        return False
+    if key.shape[0] != query.shape[0] or query.shape[1] % key.shape[1]:
+        return False
+    if attention_mask is None:
+        return True
+    # SDPA's mask for a one-token query: boolean (B or 1, 1, 1, L), shared by the heads.
+    return (attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and attention_mask.shape[2] == 1 and attention_mask.shape[3] == key.shape[2]
+            and attention_mask.shape[0] in (1, query.shape[0]))
+
+
+def decode_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """An ``AttentionInterface`` function: the decode kernel where it applies, transformers' SDPA otherwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kernel_applies(query, key, value, attention_mask, dropout, **kwargs):
+        from dschat.hybrid_engine.triton_decode import decode_attention as kernel
+
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        return kernel(query, key, value, attention_mask, scaling), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def register():
+    """Make ``"dschat_decode"`` a valid ``attn_implementation`` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, decode_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    return NAME
+
+
+def resolve_mode(mode, device):
+    """"auto" -> "triton" on CUDA when triton is importable, else "sdpa"; an explicit "triton" without triton is an
+    error (asked for, cannot be had)."""
+    if mode not in MODES:
+        raise ValueError(f"decode_attention must be one of {MODES}, got {mode!r}")
+    if mode == "sdpa":
+        return mode
+    if not triton_available():
+        if mode == "triton":
+            raise ValueError("decode_attention='triton' needs the triton package (pip install triton)")
+        return "sdpa"
+    if mode == "auto" and torch.device(device).type != "cuda":
+        return "sdpa"
+    return "triton"
+
+
+@contextlib.contextmanager
+def decode_attention(hf_model, mode):
+    """For the duration of a generation, route an SDPA model's attention through :func:`decode_attention_forward`
+    (``mode`` "triton"); models configured with another implementation (eager, flash-attention, ...) keep it."""
+    config = hf_model.config
+    current = getattr(config, "_attn_implementation", None)
+    if mode != "triton" or current != "sdpa":
+        yield
+        return
+    config._attn_implementation = register()
+    try:
+        yield
+    finally:
+        config._attn_implementation = current

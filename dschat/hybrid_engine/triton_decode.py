@@ -1,0 +1,152 @@
+"""Flash-decoding attention for one query token over a static KV cache (Triton).
+
+Why: with a static cache, SDPA reads every slot of the cache (B x heads x max_len) each decode step and relies on the
+mask to zero the unfilled tail and the left padding. This kernel reads the mask first, one block of ``BLOCK_N`` slots
+at a time, and skips the keys/values of blocks with no visible slot; with grouped-query attention one program serves
+all query heads of a key/value head, so each key/value block is read once. Work is split along the cache
+(``splits``) when batch x key/value heads alone would leave the GPU's multiprocessors idle; the partial results are
+combined with their log-sum-exp, as in FlashAttention's decoding kernels.
+
+Every launch shape depends only on tensor shapes, never on values, so the kernels can be captured in a CUDA graph.
+Imported only when the kernel is used (it needs ``triton``); ``TRITON_INTERPRET=1`` runs it on the CPU for tests.
+"""
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # cache slots per block: the unit of skipping and of each K/V load
+MIN_PROGRAMS = 264  # aim for about two programs per multiprocessor (an H200 has 132)
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
+                    stride_qb, stride_qh, stride_qd,
+                    stride_kb, stride_kh, stride_kn, stride_kd,
+                    stride_vb, stride_vh, stride_vn, stride_vd,
+                    stride_mb, stride_mn,
+                    num_kv_heads, kv_len, blocks_per_split, scale_log2,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // num_kv_heads
+    kv_head = bh % num_kv_heads
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    q_heads = kv_head * GROUP + g
+    q = tl.load(Q + b * stride_qb + q_heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    k_base = K + b * stride_kb + kv_head * stride_kh
+    v_base = V + b * stride_vb + kv_head * stride_vh
+    first = split * blocks_per_split
+    for blk in range(first, first + blocks_per_split):
+        n = blk * BLOCK + tl.arange(0, BLOCK)
+        visible = n < kv_len
+        if HAS_MASK:
+            visible = visible & (tl.load(Mask + b * stride_mb + n * stride_mn, mask=visible, other=0) != 0)
+        if tl.max(visible.to(tl.int32), axis=0) > 0:  # skip blocks nobody attends to: no K/V traffic
+            kv_mask = visible[:, None] & d_ok[None, :]
+            k = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(visible[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a split that saw nothing: zeros, weight 0 below
+    store_mask = g_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:  # write the final output (B, 1, H, D), contiguous, in the query's dtype
+        tl.store(Final + (b * GROUP * num_kv_heads + q_heads[:, None]) * HEAD_DIM + d[None, :],
+                 out.to(Final.dtype.element_ty), mask=store_mask)
+    else:  # partials: Out (B*H, SPLITS, D_PAD) fp32, Lse (B*H, SPLITS) in log2 units
+        row = b * GROUP * num_kv_heads + q_heads
+        tl.store(Out + (row[:, None] * SPLITS + split) * D_PAD + d[None, :], out, mask=store_mask)
+        tl.store(Lse + row * SPLITS + split, m_i + tl.log2(l_i), mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(Out, Lse, Final, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < SPLITS
+    lse = tl.load(Lse + row * SPLITS + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # nothing visible at all: output zeros, not NaN
+    w = tl.exp2(lse - top)
+    parts = tl.load(Out + (row * SPLITS + s[:, None]) * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(Final + row * HEAD_DIM + d, out.to(Final.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_count(programs, num_blocks, device):
+    """How many parts of the cache each (row, key/value head) is split into, from shapes only."""
+    target = 2 * _multiprocessors(device.index or 0) if device.type == "cuda" else MIN_PROGRAMS
+    splits = max(1, min(num_blocks, math.ceil(target / programs)))
+    blocks_per_split = math.ceil(num_blocks / splits)
+    return math.ceil(num_blocks / blocks_per_split), blocks_per_split
+
+
+def decode_attention(query, key, value, mask, scaling):
+    """softmax(q k^T * scaling + mask) v for q of shape (B, H, 1, D) and k/v of (B, H_kv, L, D); ``mask`` is None or
+    a boolean (B or 1, 1, 1, L) (True: attend). Returns (B, 1, H, D) in the query's dtype, contiguous (the layout
+    transformers' attention functions return)."""
+    batch, num_heads, _, head_dim = query.shape
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
+    group = num_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    num_blocks = triton.cdiv(kv_len, BLOCK_N)
+    programs = batch * num_kv_heads
+    splits, blocks_per_split = split_count(programs, num_blocks, query.device)
+    final = torch.empty((batch, 1, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if splits > 1:
+        out = torch.empty((batch * num_heads, splits, d_pad), dtype=torch.float32, device=query.device)
+        lse = torch.empty((batch * num_heads, splits), dtype=torch.float32, device=query.device)
+    else:
+        out = lse = final  # unused by the kernel
+    has_mask = mask is not None
+    if has_mask:
+        mask_2d = mask[:, 0, 0, :].view(torch.uint8)  # bool as bytes: one load per slot
+        stride_mb = mask_2d.stride(0) if mask_2d.shape[0] > 1 else 0
+        stride_mn = mask_2d.stride(1)
+    else:
+        mask_2d, stride_mb, stride_mn = key, 0, 0  # placeholder pointer, never read
+    _partial_kernel[(programs, splits)](
+        query, key, value, mask_2d, out, lse, final,
+        query.stride(0), query.stride(1), query.stride(3),
+        key.stride(0), key.stride(1), key.stride(2), key.stride(3),
+        value.stride(0), value.stride(1), value.stride(2), value.stride(3),
+        stride_mb, stride_mn,
+        num_kv_heads, kv_len, blocks_per_split, scaling * math.log2(math.e),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK=BLOCK_N, SPLITS=splits, HAS_MASK=has_mask, IEEE=query.dtype == torch.float32,
+        num_warps=4)
+    if splits > 1:
+        _combine_kernel[(batch * num_heads,)](out, lse, final, HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits,
+                                              SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
+    return final

@@ -1,0 +1,149 @@
+"""Checks of the Triton decode-attention kernel on the CPU through Triton's interpreter.
+
+Run as ``TRITON_INTERPRET=1 python decode_attention_check.py CHECK`` (the interpreter must be chosen before triton
+decorates the kernels, hence a separate process); exits non-zero when a check fails.
+"""
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+
+from dschat.hybrid_engine import HybridEngine, HybridEngineConfig, attention, triton_decode  # noqa: E402
+
+
+def reference(q, k, v, mask, scale):
+    """SDPA on fp64 copies, key/value heads repeated for grouped-query attention; (B, 1, H, D)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                           scale=scale)
+    return out.transpose(1, 2)
+
+
+def padded_mask(batch, length, seed):
+    """Left padding of different widths and an unfilled tail, as a static cache during decode has."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
+    for b in range(batch):
+        start = int(torch.randint(0, length // 2, (1,), generator=g))
+        end = length - int(torch.randint(0, length // 3, (1,), generator=g))
+        mask[b, 0, 0, start:end] = True
+    return mask
+
+
+def check_kernel_matches_sdpa():
+    torch.manual_seed(0)
+    cases = [  # batch, query heads, key/value heads, cache length, head dim, dtype, tolerance
+        (3, 4, 2, 100, 16, torch.float32, 1e-5),   # GQA, length not a multiple of the block
+        (2, 28, 4, 192, 128, torch.float32, 1e-5),  # Qwen2.5-7B's head layout
+        (4, 6, 6, 64, 80, torch.float32, 1e-5),    # plain multi-head, head dim padded to 128
+        (2, 8, 1, 130, 64, torch.float16, 2e-3),   # one key/value head
+    ]
+    for min_programs in (triton_decode.MIN_PROGRAMS, 1):  # split along the cache, and one program per head
+        triton_decode.MIN_PROGRAMS = min_programs
+        for batch, heads, kv_heads, length, dim, dtype, tol in cases:
+            # The query as attention modules pass it: a transposed (B, 1, H, D) view.
+            q = torch.randn(batch, 1, heads, dim, dtype=dtype).transpose(1, 2)
+            k, v = (torch.randn(batch, kv_heads, length, dim, dtype=dtype) for _ in range(2))
+            for mask in (padded_mask(batch, length, seed=length), None, padded_mask(1, length, seed=1)):
+                got = triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
+                assert got.shape == (batch, 1, heads, dim) and got.dtype == dtype and got.is_contiguous()
+                error = (got.double() - reference(q, k, v, mask, dim ** -0.5)).abs().max().item()
+                assert error < tol, (batch, heads, kv_heads, length, dim, dtype, mask is None, min_programs, error)
+    triton_decode.MIN_PROGRAMS = 264
+    splits, _ = triton_decode.split_count(programs=8, num_blocks=4, device=torch.device("cpu"))
+    assert splits == 4, "few programs: the cache must be split"
+    print("kernel matches SDPA")
+
+
+def check_masked_blocks_are_not_read():
+    """Keys/values of fully masked blocks are NaN here; if the kernel read them, the output would be NaN."""
+    torch.manual_seed(1)
+    batch, heads, length, dim = 2, 4, 256, 16
+    block = triton_decode.BLOCK_N
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = torch.randn(batch, heads, length, dim), torch.randn(batch, heads, length, dim)
+    mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
+    mask[0, 0, 0, block + 3:2 * block + 10] = True  # row 0 sees parts of blocks 1 and 2
+    mask[1, 0, 0, 5:block] = True  # row 1 sees part of block 0
+    expected = reference(q, k, v, mask, 0.25)
+    for b, seen in ((0, (1, 2)), (1, (0,))):
+        for blk in set(range(length // block)) - set(seen):
+            k[b, :, blk * block:(blk + 1) * block] = float("nan")
+            v[b, :, blk * block:(blk + 1) * block] = float("nan")
+    got = triton_decode.decode_attention(q, k, v, mask, 0.25)
+    assert torch.isfinite(got).all(), "a fully masked block was read"
+    assert (got.double() - expected).abs().max() < 1e-5
+    print("masked blocks skipped")
+
+
+def check_kernel_applies_only_where_it_equals_sdpa():
+    q, k = torch.zeros(2, 4, 1, 16), torch.zeros(2, 2, 8, 16)
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    assert attention.kernel_applies(q, k, k, mask)
+    assert attention.kernel_applies(q, k, k, None)
+    assert not attention.kernel_applies(torch.zeros(2, 4, 3, 16), k, k, None), "prefill goes to SDPA"
+    assert not attention.kernel_applies(q, k, k, mask, dropout=0.1)
+    assert not attention.kernel_applies(q, k, k, mask, softcap=30.0)
+    assert not attention.kernel_applies(q, k, k, mask.float()), "additive float masks go to SDPA"
+    assert not attention.kernel_applies(q, k, k, torch.ones(2, 4, 1, 8, dtype=torch.bool)), "per-head masks"
+    assert not attention.kernel_applies(q, torch.zeros(2, 3, 8, 16), torch.zeros(2, 3, 8, 16), None)
+    print("applies where it should")
+
+
+def check_engine_greedy_equals_hf(family):
+    calls = []
+    kernel = triton_decode.decode_attention
+
+    def counting(*args):
+        calls.append(1)
+        return kernel(*args)
+
+    triton_decode.decode_attention = counting
+    model = tiny_model(family, seed=3)
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32),
+                          pad_token_id=PAD, decode_attention="triton")
+    assert engine.decode_attention == "triton"
+    ids, mask = left_padded_batch([7, 3, 5, 1])
+    no_eos = hf_generate(model, ids, mask, 12)
+    eos = early_token(no_eos[0, ids.shape[1]:])
+    expected = hf_generate(model, ids, mask, 12, eos_token_id=eos)
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
+    assert torch.equal(got, expected), (family, got, expected)
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    assert len(calls) >= layers * (expected.shape[1] - ids.shape[1] - 1), (family, len(calls))
+    assert model.config._attn_implementation == "sdpa", "the switch must end with the generation"
+    print(f"{family}: engine with the kernel == HF generate ({len(calls)} kernel calls)")
+
+
+def check_resolve_mode():
+    assert attention.resolve_mode("auto", "cpu") == "sdpa"
+    assert attention.resolve_mode("triton", "cpu") == "triton"
+    assert attention.resolve_mode("sdpa", "cuda") == "sdpa"
+    try:
+        attention.resolve_mode("flash", "cpu")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an unknown mode must be refused")
+    print("modes resolve")
+
+
+CHECKS = {
+    "kernel": check_kernel_matches_sdpa,
+    "skip": check_masked_blocks_are_not_read,
+    "applies": check_kernel_applies_only_where_it_equals_sdpa,
+    "modes": check_resolve_mode,
+    "llama": lambda: check_engine_greedy_equals_hf("llama"),
+    "opt": lambda: check_engine_greedy_equals_hf("opt"),
+    "gpt2": lambda: check_engine_greedy_equals_hf("gpt2"),
+}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or CHECKS:
+        CHECKS[name]()

@@ -1,0 +1,55 @@
+"""The Triton decode-attention kernel (``hybrid_engine.decode_attention``), run on the CPU by Triton's interpreter.
+
+The interpreter has to be selected before triton decorates the kernels, so each check runs in its own process
+(``tests/scripts/decode_attention_check.py``): the kernel against SDPA (grouped-query, multi-query, padded head dims,
+left-padded masks, split and unsplit cache), fully masked blocks never read, the cases routed to SDPA, and the hybrid
+engine with the kernel giving HF generate's greedy tokens for Llama (GQA), OPT and GPT-2.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dschat.hybrid_engine.attention import decode_attention, resolve_mode
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = SCRIPTS.parents[1]
+
+
+@pytest.mark.parametrize("check", ["kernel", "skip", "applies", "modes", "llama", "opt", "gpt2"])
+def test_decode_attention_check(check):
+    pytest.importorskip("triton", reason="the README's test command installs triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "decode_attention_check.py"), check], cwd=SCRIPTS, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+def test_other_implementations_and_sdpa_mode_are_left_alone():
+    class Config:
+        _attn_implementation = "eager"
+
+    class Model:
+        config = Config()
+
+    model = Model()
+    with decode_attention(model, "triton"):
+        assert model.config._attn_implementation == "eager", "an eager-attention model keeps its implementation"
+    model.config._attn_implementation = "sdpa"
+    with decode_attention(model, "sdpa"):
+        assert model.config._attn_implementation == "sdpa"
+    with decode_attention(model, "triton"):
+        assert model.config._attn_implementation == "dschat_decode"
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_explicit_triton_without_triton_is_an_error(monkeypatch):
+    from dschat.hybrid_engine import attention
+
+    monkeypatch.setattr(attention, "triton_available", lambda: False)
+    assert resolve_mode("auto", "cuda") == "sdpa"
+    with pytest.raises(ValueError, match="needs the triton package"):
+        resolve_mode("triton", "cuda")
