@@ -1,5 +1,6 @@
 """Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3, eager or
-with CUDA graphs: the ``_graph`` variants), against the memory-bandwidth floor measured in the same run. Random-weight
+with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the decode forward; ``_sdpa``: SDPA for the
+decode attention instead of dschat's Triton kernel), against the memory-bandwidth floor measured in the same run. Random-weight
 models built from configs, bf16, sampled, prompts of P tokens, G generated tokens (no early stop), batch B.
 
     python bench/generation.py --models opt-1.3b --batches 64 --variants hf_dynamic,hf_static,dschat_z0,dschat_z3
@@ -113,7 +114,7 @@ def hf_variant(model, prompt, mask, gen, static, repeats):
     return {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape)}
 
 
-def dschat_engine(model, stage, train, graph=False, compile_mode=None):
+def dschat_engine(model, stage, train, graph=False, compile_mode=None, attention="auto"):
     import deepspeed
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
@@ -127,11 +128,12 @@ def dschat_engine(model, stage, train, graph=False, compile_mode=None):
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                       dist_init_required=False)
     return HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024, enable_cuda_graph=graph),
-                        pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode)
+                        pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode, decode_attention=attention)
 
 
-def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False, profile=False, compile_mode=None):
-    he = dschat_engine(model, stage, train, graph, compile_mode)
+def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False, profile=False, compile_mode=None,
+                   attention="auto"):
+    he = dschat_engine(model, stage, train, graph, compile_mode, attention)
     generator = torch.Generator(device="cuda").manual_seed(0)
     kw = dict(max_new_tokens=gen, do_sample=True, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=1,
               generator=generator)
@@ -149,7 +151,8 @@ def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False,
     warm = time.perf_counter() - t0
     seconds, out = timed(one, repeats)
     stats = he.latency_stats() if hasattr(he, "latency_stats") else {}
-    result = {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape), "engine_stats": stats}
+    result = {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape), "engine_stats": stats,
+              "decode_attention": he.decode_attention}
     if graph:
         g = he.graph_decoder
         result.update(graph_captures=g.captures, graph_replays=g.replays, graph_disabled=g.disabled_reason)
@@ -187,12 +190,12 @@ def profile_decode(he, prompt, mask, kw, new_tokens=33):
 
     kernels.sort(key=device_us, reverse=True)
     total_us = sum(device_us(e) for e in kernels)
-    top = [{"kernel": e.key[:120], "count": e.count, "ms": device_us(e) / 1e3} for e in kernels[:20]]
+    top = [{"kernel": e.key[:120], "count": e.count, "ms": device_us(e) / 1e3} for e in kernels[:40]]
     summary = {"new_tokens": new_tokens, "wall_s": wall, "kernel_s": total_us / 1e6,
                "kernel_launches": sum(e.count for e in kernels), "top_kernels": top}
     log(f"profile: {new_tokens} tokens in {wall:.3f} s wall, {total_us / 1e6:.3f} s of kernels, "
         f"{summary['kernel_launches']} kernels")
-    for row in top:
+    for row in top[:20]:
         log(f"  {row['ms']:9.2f} ms {row['count']:7d}x  {row['kernel']}")
     return summary
 
@@ -235,12 +238,16 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:  # dschat_z<stage>[_graph[_compiled]]
-                        stage = int(variant.split("_z")[1].split("_")[0])
-                        graph = "_graph" in variant
-                        compile_mode = args.compile_mode if variant.endswith("_compiled") else None
+                    else:  # dschat_z<stage>[_graph][_compiled][_autotune][_sdpa]
+                        options = variant.split("_")[1:]
+                        stage = int(options[0][1:])
+                        graph = "graph" in options
+                        compile_mode = args.compile_mode if "compiled" in options else None
+                        if "autotune" in options:  # inductor picks each decode GEMM's kernel by timing candidates
+                            compile_mode = "max-autotune-no-cudagraphs"
                         r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step, graph,
-                                           profile=graph and batch == args.profile, compile_mode=compile_mode)
+                                           profile=graph and batch == args.profile, compile_mode=compile_mode,
+                                           attention="sdpa" if "sdpa" in options else "auto")
                     r.update(ok=True)
                 except Exception as ex:  # a failing variant is reported, not fatal
                     r = {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:400]}"}

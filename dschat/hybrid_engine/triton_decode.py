@@ -1,11 +1,11 @@
 """Flash-decoding attention for one query token over a static KV cache (Triton).
 
 Why: with a static cache, SDPA reads every slot of the cache (B x heads x max_len) each decode step and relies on the
-mask to zero the unfilled tail and the left padding. This kernel reads the mask first, one block of ``BLOCK_N`` slots
-at a time, and skips the keys/values of blocks with no visible slot; with grouped-query attention one program serves
-all query heads of a key/value head, so each key/value block is read once. Work is split along the cache
-(``splits``) when batch x key/value heads alone would leave the GPU's multiprocessors idle; the partial results are
-combined with their log-sum-exp, as in FlashAttention's decoding kernels.
+mask to zero the unfilled tail and the left padding. This kernel first scans each row's mask (bytes) for its visible
+span and then loads only the key/value blocks inside it; with grouped-query attention one program serves all query
+heads of a key/value head, so each key/value block is read once. A row's span is split into parts (``splits``) when
+batch x key/value heads alone would leave the GPU's multiprocessors idle; the partial results are combined with their
+log-sum-exp, as in FlashAttention's decoding kernels.
 
 Every launch shape depends only on tensor shapes, never on values, so the kernels can be captured in a CUDA graph.
 Imported only when the kernel is used (it needs ``triton``); ``TRITON_INTERPRET=1`` runs it on the CPU for tests.
@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # cache slots per block: the unit of skipping and of each K/V load
-MIN_PROGRAMS = 264  # aim for about two programs per multiprocessor (an H200 has 132)
+MIN_PROGRAMS = 264  # off the GPU (the interpreter): as if two programs per multiprocessor of an H200 (132)
+MASK_SCAN = 1024  # mask bytes read per step of a row's visible-span scan
+NUM_STAGES = 3  # K/V tiles in flight per program (software pipelining of the block loop)
 
 
 @triton.jit
@@ -27,13 +28,33 @@ def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
                     stride_mb, stride_mn,
-                    num_kv_heads, kv_len, blocks_per_split, scale_log2,
+                    num_kv_heads, kv_len, scale_log2,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                    BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, SCAN: tl.constexpr,
+                    IEEE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
+    # The row's visible span [lo, hi] from its mask: left padding before it and the unfilled cache after it are
+    # never loaded. A loop over whole blocks without per-block branches lets the compiler pipeline the loads.
+    if HAS_MASK:
+        lo = kv_len + 0 * b
+        hi = 0 * b - 1
+        for start in range(0, kv_len, SCAN):
+            n = start + tl.arange(0, SCAN)
+            seen = (n < kv_len) & (tl.load(Mask + b * stride_mb + n * stride_mn, mask=n < kv_len, other=0) != 0)
+            lo = tl.minimum(lo, tl.min(tl.where(seen, n, kv_len), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(seen, n, -1), axis=0))
+    else:
+        lo = 0 * b
+        hi = kv_len - 1 + 0 * b
+    first_block = lo // BLOCK
+    num_blocks = tl.maximum(hi // BLOCK - first_block + 1, 0)  # 0 when nothing is visible
+    per_split = tl.cdiv(num_blocks, SPLITS)
+    begin = first_block + split * per_split
+    end = tl.minimum(begin + per_split, first_block + num_blocks)
+
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     g_ok = g < GROUP
@@ -46,31 +67,30 @@ def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     k_base = K + b * stride_kb + kv_head * stride_kh
     v_base = V + b * stride_vb + kv_head * stride_vh
-    first = split * blocks_per_split
-    for blk in range(first, first + blocks_per_split):
+    for blk in range(begin, end):
         n = blk * BLOCK + tl.arange(0, BLOCK)
         visible = n < kv_len
-        if HAS_MASK:
+        if HAS_MASK:  # holes inside the span (and its ragged ends)
             visible = visible & (tl.load(Mask + b * stride_mb + n * stride_mn, mask=visible, other=0) != 0)
-        if tl.max(visible.to(tl.int32), axis=0) > 0:  # skip blocks nobody attends to: no K/V traffic
-            kv_mask = visible[:, None] & d_ok[None, :]
-            k = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(visible[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        kv_mask = visible[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(visible[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible yet: no NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a split that saw nothing: zeros, weight 0 below
     store_mask = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:  # write the final output (B, 1, H, D), contiguous, in the query's dtype
@@ -104,25 +124,31 @@ def _multiprocessors(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def block_size(d_pad):
+    """Cache slots per K/V tile: 128 for heads of <= 64 dims, 64 for larger ones (the same bytes per tile)."""
+    return 128 if d_pad <= 64 else 64
+
+
 def split_count(programs, num_blocks, device):
-    """How many parts of the cache each (row, key/value head) is split into, from shapes only."""
+    """Into how many parts each (row, key/value head) splits its visible blocks, from shapes only (a graph bakes
+    it in): enough programs to fill the GPU, never more parts than the cache has blocks."""
     target = 2 * _multiprocessors(device.index or 0) if device.type == "cuda" else MIN_PROGRAMS
-    splits = max(1, min(num_blocks, math.ceil(target / programs)))
-    blocks_per_split = math.ceil(num_blocks / splits)
-    return math.ceil(num_blocks / blocks_per_split), blocks_per_split
+    return max(1, min(num_blocks, math.ceil(target / programs)))
 
 
-def decode_attention(query, key, value, mask, scaling):
+@torch.library.custom_op("dschat::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
     """softmax(q k^T * scaling + mask) v for q of shape (B, H, 1, D) and k/v of (B, H_kv, L, D); ``mask`` is None or
     a boolean (B or 1, 1, 1, L) (True: attend). Returns (B, 1, H, D) in the query's dtype, contiguous (the layout
-    transformers' attention functions return)."""
+    transformers' attention functions return). A torch custom op, so ``torch.compile`` keeps it as one opaque call."""
     batch, num_heads, _, head_dim = query.shape
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    num_blocks = triton.cdiv(kv_len, BLOCK_N)
+    block = block_size(d_pad)
     programs = batch * num_kv_heads
-    splits, blocks_per_split = split_count(programs, num_blocks, query.device)
+    splits = split_count(programs, triton.cdiv(kv_len, block), query.device)
     final = torch.empty((batch, 1, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if splits > 1:
         out = torch.empty((batch * num_heads, splits, d_pad), dtype=torch.float32, device=query.device)
@@ -142,11 +168,17 @@ def decode_attention(query, key, value, mask, scaling):
         key.stride(0), key.stride(1), key.stride(2), key.stride(3),
         value.stride(0), value.stride(1), value.stride(2), value.stride(3),
         stride_mb, stride_mn,
-        num_kv_heads, kv_len, blocks_per_split, scaling * math.log2(math.e),
+        num_kv_heads, kv_len, scaling * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK=BLOCK_N, SPLITS=splits, HAS_MASK=has_mask, IEEE=query.dtype == torch.float32,
-        num_warps=4)
+        BLOCK=block, SPLITS=splits, HAS_MASK=has_mask, SCAN=min(MASK_SCAN, triton.next_power_of_2(kv_len)),
+        IEEE=query.dtype == torch.float32, num_warps=4, num_stages=NUM_STAGES)
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](out, lse, final, HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits,
                                               SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
     return final
+
+
+@decode_attention.register_fake
+def _(query, key, value, mask, scaling):
+    batch, num_heads, _, head_dim = query.shape
+    return query.new_empty((batch, 1, num_heads, head_dim))

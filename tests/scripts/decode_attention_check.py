@@ -49,22 +49,26 @@ def check_kernel_matches_sdpa():
             # The query as attention modules pass it: a transposed (B, 1, H, D) view.
             q = torch.randn(batch, 1, heads, dim, dtype=dtype).transpose(1, 2)
             k, v = (torch.randn(batch, kv_heads, length, dim, dtype=dtype) for _ in range(2))
-            for mask in (padded_mask(batch, length, seed=length), None, padded_mask(1, length, seed=1)):
+            holes = padded_mask(batch, length, seed=2) & (torch.rand(batch, 1, 1, length) < 0.7)
+            holes[:, 0, 0, length // 2] = True  # at least one visible slot per row
+            for mask in (padded_mask(batch, length, seed=length), None, padded_mask(1, length, seed=1), holes):
                 got = triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
                 assert got.shape == (batch, 1, heads, dim) and got.dtype == dtype and got.is_contiguous()
                 error = (got.double() - reference(q, k, v, mask, dim ** -0.5)).abs().max().item()
                 assert error < tol, (batch, heads, kv_heads, length, dim, dtype, mask is None, min_programs, error)
     triton_decode.MIN_PROGRAMS = 264
-    splits, _ = triton_decode.split_count(programs=8, num_blocks=4, device=torch.device("cpu"))
-    assert splits == 4, "few programs: the cache must be split"
+    assert triton_decode.split_count(programs=8, num_blocks=4, device=torch.device("cpu")) == 4, \
+        "few programs: the cache must be split"
+    assert triton_decode.split_count(programs=4096, num_blocks=4, device=torch.device("cpu")) == 1
     print("kernel matches SDPA")
 
 
 def check_masked_blocks_are_not_read():
     """Keys/values of fully masked blocks are NaN here; if the kernel read them, the output would be NaN."""
     torch.manual_seed(1)
-    batch, heads, length, dim = 2, 4, 256, 16
-    block = triton_decode.BLOCK_N
+    batch, heads, dim = 2, 4, 16
+    block = triton_decode.block_size(dim)
+    length = 4 * block
     q = torch.randn(batch, heads, 1, dim)
     k, v = torch.randn(batch, heads, length, dim), torch.randn(batch, heads, length, dim)
     mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
