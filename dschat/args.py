@@ -188,6 +188,12 @@ def step3_parser():
     g.add_argument("--inference_tp_size", type=int, default=1)
     g.add_argument("--tp_gather_partition_size", type=int, default=8)
     g.add_argument("--enable_cuda_graph", action="store_true")
+    g.add_argument("--compile_decode_step", default=None, metavar="MODE",
+                   help="torch.compile mode (e.g. default) of the one-token forward inside the CUDA graph: fuses its "
+                        "small kernels; the first generation then compiles (20-40 s).")
+    g.add_argument("--decode_attention", default="auto", choices=["auto", "triton", "sdpa"],
+                   help="Decode-step attention: dschat's Triton flash-decoding kernel (auto: on CUDA with triton) or "
+                        "the model's SDPA.")
     g = p.add_argument_group("deepspeed")
     g.add_argument("--offload", action="store_true")
     g.add_argument("--offload_reference_model", action="store_true")

@@ -10,8 +10,10 @@ log-sum-exp, as in FlashAttention's decoding kernels.
 Every launch shape depends only on tensor shapes, never on values, so the kernels can be captured in a CUDA graph.
 Imported only when the kernel is used (it needs ``triton``); ``TRITON_INTERPRET=1`` runs it on the CPU for tests.
 """
+import dataclasses
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -19,7 +21,6 @@ import triton.language as tl
 
 MIN_PROGRAMS = 264  # off the GPU (the interpreter): as if two programs per multiprocessor of an H200 (132)
 MASK_SCAN = 1024  # mask bytes read per step of a row's visible-span scan
-NUM_STAGES = 3  # K/V tiles in flight per program (software pipelining of the block loop)
 
 
 @triton.jit
@@ -28,7 +29,7 @@ def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
                     stride_mb, stride_mn,
-                    num_kv_heads, kv_len, scale_log2,
+                    batch, num_kv_heads, kv_len, scale_log2,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, SCAN: tl.constexpr,
                     IEEE: tl.constexpr):
@@ -124,11 +125,6 @@ def _multiprocessors(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def block_size(d_pad):
-    """Cache slots per K/V tile: 128 for heads of <= 64 dims, 64 for larger ones (the same bytes per tile)."""
-    return 128 if d_pad <= 64 else 64
-
-
 def split_count(programs, num_blocks, device):
     """Into how many parts each (row, key/value head) splits its visible blocks, from shapes only (a graph bakes
     it in): enough programs to fill the GPU, never more parts than the cache has blocks."""
@@ -136,19 +132,39 @@ def split_count(programs, num_blocks, device):
     return max(1, min(num_blocks, math.ceil(target / programs)))
 
 
-@torch.library.custom_op("dschat::decode_attention", mutates_args=())
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scaling: float) -> torch.Tensor:
-    """softmax(q k^T * scaling + mask) v for q of shape (B, H, 1, D) and k/v of (B, H_kv, L, D); ``mask`` is None or
-    a boolean (B or 1, 1, 1, L) (True: attend). Returns (B, 1, H, D) in the query's dtype, contiguous (the layout
-    transformers' attention functions return). A torch custom op, so ``torch.compile`` keeps it as one opaque call."""
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Explicit launch parameters (tests, ``bench/decode_attention.py``); on the GPU the default is autotuned."""
+
+    block: int = 64  # cache slots per K/V tile
+    num_stages: int = 2  # tiles in flight per program (software pipelining of the block loop)
+    num_warps: int = 4
+
+
+# On the GPU each new shape (cache length, heads, batch) times these once, at its first call (the decode graph's
+# warm-up), each as a CUDA graph of repeated launches so that the timing is the kernel's and not Python's.
+CONFIGS = [triton.Config({"BLOCK": block}, num_stages=stages, num_warps=warps)
+           for block, stages, warps in ((32, 2, 4), (64, 1, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (128, 2, 4),
+                                        (128, 3, 4), (128, 2, 8))]
+_partial_kernel_autotuned = triton.autotune(
+    configs=CONFIGS, key=["batch", "num_kv_heads", "kv_len", "GROUP", "HEAD_DIM", "SPLITS", "HAS_MASK"],
+    do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles),
+)(_partial_kernel)
+
+
+def _autotuned(device):
+    return device.type == "cuda" and not os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def launch(query, key, value, mask, scaling, tuning=None):
+    """The kernels behind :func:`decode_attention`; ``tuning`` None: autotuned on the GPU, ``Tuning()`` elsewhere."""
     batch, num_heads, _, head_dim = query.shape
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    block = block_size(d_pad)
     programs = batch * num_kv_heads
-    splits = split_count(programs, triton.cdiv(kv_len, block), query.device)
+    # From the smallest tile's block count: with larger tiles some parts may get no block (weight 0 in the combine).
+    splits = split_count(programs, triton.cdiv(kv_len, 32), query.device)
     final = torch.empty((batch, 1, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if splits > 1:
         out = torch.empty((batch * num_heads, splits, d_pad), dtype=torch.float32, device=query.device)
@@ -162,20 +178,35 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         stride_mn = mask_2d.stride(1)
     else:
         mask_2d, stride_mb, stride_mn = key, 0, 0  # placeholder pointer, never read
-    _partial_kernel[(programs, splits)](
+    if tuning is None and _autotuned(query.device):
+        kernel, launch_options = _partial_kernel_autotuned, {}
+    else:
+        tuning = tuning or Tuning()
+        kernel = _partial_kernel
+        launch_options = dict(BLOCK=tuning.block, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+    kernel[(programs, splits)](
         query, key, value, mask_2d, out, lse, final,
         query.stride(0), query.stride(1), query.stride(3),
         key.stride(0), key.stride(1), key.stride(2), key.stride(3),
         value.stride(0), value.stride(1), value.stride(2), value.stride(3),
         stride_mb, stride_mn,
-        num_kv_heads, kv_len, scaling * math.log2(math.e),
+        batch, num_kv_heads, kv_len, scaling * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK=block, SPLITS=splits, HAS_MASK=has_mask, SCAN=min(MASK_SCAN, triton.next_power_of_2(kv_len)),
-        IEEE=query.dtype == torch.float32, num_warps=4, num_stages=NUM_STAGES)
+        SPLITS=splits, HAS_MASK=has_mask, SCAN=min(MASK_SCAN, triton.next_power_of_2(kv_len)),
+        IEEE=query.dtype == torch.float32, **launch_options)
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](out, lse, final, HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits,
                                               SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
     return final
+
+
+@torch.library.custom_op("dschat::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """softmax(q k^T * scaling + mask) v for q of shape (B, H, 1, D) and k/v of (B, H_kv, L, D); ``mask`` is None or
+    a boolean (B or 1, 1, 1, L) (True: attend). Returns (B, 1, H, D) in the query's dtype, contiguous (the layout
+    transformers' attention functions return). A torch custom op, so ``torch.compile`` keeps it as one opaque call."""
+    return launch(query, key, value, mask, scaling)
 
 
 @decode_attention.register_fake

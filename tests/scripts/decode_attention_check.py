@@ -35,6 +35,11 @@ def padded_mask(batch, length, seed):
     return mask
 
 
+# the CPU default and two of the GPU autotuner's candidates (tile sizes change the block loop and the span split)
+TUNINGS = (triton_decode.Tuning(), triton_decode.Tuning(block=32, num_stages=1),
+           triton_decode.Tuning(block=128, num_warps=8))
+
+
 def check_kernel_matches_sdpa():
     torch.manual_seed(0)
     cases = [  # batch, query heads, key/value heads, cache length, head dim, dtype, tolerance
@@ -52,10 +57,13 @@ def check_kernel_matches_sdpa():
             holes = padded_mask(batch, length, seed=2) & (torch.rand(batch, 1, 1, length) < 0.7)
             holes[:, 0, 0, length // 2] = True  # at least one visible slot per row
             for mask in (padded_mask(batch, length, seed=length), None, padded_mask(1, length, seed=1), holes):
-                got = triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
-                assert got.shape == (batch, 1, heads, dim) and got.dtype == dtype and got.is_contiguous()
-                error = (got.double() - reference(q, k, v, mask, dim ** -0.5)).abs().max().item()
-                assert error < tol, (batch, heads, kv_heads, length, dim, dtype, mask is None, min_programs, error)
+                expected = reference(q, k, v, mask, dim ** -0.5)
+                for tuning in TUNINGS:
+                    got = triton_decode.launch(q, k, v, mask, dim ** -0.5, tuning)
+                    assert got.shape == (batch, 1, heads, dim) and got.dtype == dtype and got.is_contiguous()
+                    error = (got.double() - expected).abs().max().item()
+                    assert error < tol, (batch, heads, kv_heads, length, dim, dtype, mask is None, min_programs,
+                                         tuning, error)
     triton_decode.MIN_PROGRAMS = 264
     assert triton_decode.split_count(programs=8, num_blocks=4, device=torch.device("cpu")) == 4, \
         "few programs: the cache must be split"
@@ -67,7 +75,7 @@ def check_masked_blocks_are_not_read():
     """Keys/values of fully masked blocks are NaN here; if the kernel read them, the output would be NaN."""
     torch.manual_seed(1)
     batch, heads, dim = 2, 4, 16
-    block = triton_decode.block_size(dim)
+    block = triton_decode.Tuning().block
     length = 4 * block
     q = torch.randn(batch, heads, 1, dim)
     k, v = torch.randn(batch, heads, length, dim), torch.randn(batch, heads, length, dim)

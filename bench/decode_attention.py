@@ -1,0 +1,106 @@
+"""Decode attention alone: dschat's Triton kernel (several launch tunings) against SDPA as transformers calls it, for
+one decode step's attention of one layer over a static cache (batch B, cache of L slots of which F are filled, the
+rest masked, as in the middle of a 256 + 256 generation).
+
+    python bench/decode_attention.py                       # OPT-1.3B and Qwen2.5-7B head layouts, B=64, L=512, F=384
+
+Prints microseconds per call and the bandwidth the visible keys/values were read at; writes JSON to $OUT when set.
+"""
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LAYOUTS = {"opt-1.3b": (32, 32, 64), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
+
+
+def time_us(fn, calls=50, replays=10):
+    """GPU time per call: ``calls`` calls captured in one CUDA graph (as the decode step runs them), replayed, so
+    Python's launch overhead is not what is measured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+def sdpa_as_transformers(q, k, v, mask):
+    """transformers' SDPA path for a one-token query: grouped heads packed onto their key/value head."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        q = q.reshape(q.shape[0], k.shape[1], group, q.shape[-1])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layouts", default="opt-1.3b,qwen2.5-7b")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--cache", type=int, default=512)
+    p.add_argument("--filled", type=int, default=384)
+    p.add_argument("--json", default="decode_attention.json")
+    args = p.parse_args()
+    from dschat.hybrid_engine import triton_decode
+
+    rows = []
+    for name in args.layouts.split(","):
+        heads, kv_heads, dim = LAYOUTS[name]
+        torch.manual_seed(0)
+        q = torch.randn(args.batch, 1, heads, dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        k, v = (torch.randn(args.batch, kv_heads, args.cache, dim, dtype=torch.bfloat16, device="cuda")
+                for _ in range(2))
+        mask = torch.zeros(args.batch, 1, 1, args.cache, dtype=torch.bool, device="cuda")
+        mask[..., :args.filled] = True
+        visible_bytes = 2 * args.batch * kv_heads * args.filled * dim * 2
+        reference = sdpa_as_transformers(q, k, v, mask).reshape(args.batch, heads, 1, dim).transpose(1, 2)
+
+        def record(label, fn, out=None):
+            us = time_us(fn)
+            row = {"layout": name, "variant": label, "us": us, "visible_TBps": visible_bytes / us / 1e6,
+                   "max_abs_error": None if out is None else (out.float() - reference.float()).abs().max().item()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+        record("sdpa", lambda: sdpa_as_transformers(q, k, v, mask))
+        for block, stages, warps in itertools.product((32, 64, 128), (1, 2, 3), (4, 8)):
+            tuning = triton_decode.Tuning(block=block, num_stages=stages, num_warps=warps)
+            try:
+                out = triton_decode.launch(q, k, v, mask, dim ** -0.5, tuning)
+                record(f"triton block={block} stages={stages} warps={warps}",
+                       lambda: triton_decode.launch(q, k, v, mask, dim ** -0.5, tuning), out)
+            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory for a large tile
+                print(f"{name} {tuning}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+        out = triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
+        record("triton autotuned (the engine's)", lambda: triton_decode.decode_attention(q, k, v, mask, dim ** -0.5), out)
+
+    print(f"\n{'layout':<12}{'variant':<48}{'us':>8}{'TB/s':>7}")
+    for name in args.layouts.split(","):
+        mine = sorted((r for r in rows if r["layout"] == name), key=lambda r: r["us"])
+        for r in [x for x in mine if not x["variant"].startswith("triton block")] + mine[:5]:
+            print(f"{r['layout']:<12}{r['variant']:<48}{r['us']:>8.1f}{r['visible_TBps']:>7.2f}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
