@@ -15,6 +15,14 @@ LABELS = {"floor": "bandwidth floor", "hf_static": "HF generate, static cache", 
           "dschat_z3_graph": "dschat ZeRO-3, CUDA graph (gather incl.)",
           "dschat_z0_graph_compiled": "dschat ZeRO-0, graph + compile",
           "dschat_z3_graph_compiled": "dschat ZeRO-3, graph + compile"}
+LABELS.update({f"{variant}+triton": f"{label}, Triton attention" for variant, label in list(LABELS.items())
+               if variant.startswith("dschat")})
+
+
+def variant_key(row):
+    """Rows measured with dschat's Triton decode attention are their own line (older rows have no such field; the
+    ``_sdpa`` variants measured SDPA like them)."""
+    return row["variant"].replace("_sdpa", "") + ("+triton" if row.get("decode_attention") == "triton" else "")
 
 
 def load_rows(paths):
@@ -26,7 +34,7 @@ def load_rows(paths):
         for r in rows:
             if not r.get("ok") or "model" not in r:
                 continue
-            table[r["model"]][r["variant"]][r["batch"]] = r["seconds"]
+            table[r["model"]][variant_key(r)][r["batch"]] = r["seconds"]
             table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
     return table
 
@@ -45,7 +53,7 @@ def plot(table, out):
                                       else len(order)):
             batches = sorted(points)
             # the same colour for a variant in every panel
-            color = f"C{order.index(variant) % 10}" if variant in order else None
+            color = plt.cm.tab20(order.index(variant) % 20) if variant in order else None
             style = dict(linestyle="--", color="black") if variant == "floor" else dict(marker="o", color=color)
             ax.plot(batches, [points[b] for b in batches], label=LABELS.get(variant, variant), **style)
         ax.set_xscale("log", base=2)
