@@ -1,24 +1,26 @@
 """Run a script on 2 CPU ranks through the deepspeed launcher (the way users start multi-rank jobs)."""
-import glob
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from dschat.utils.dist import shm_buffers
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port():
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _remove_shm_buffers(port):
-    """DeepSpeed's CPU all-reduce leaves a ~69 MB /dev/shm buffer per rank and launch (never unlinked); a suite of
-    launches would fill the machine's shared memory, so each launch's buffers go when it ends."""
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+def remove_shm_buffers(port):
+    """DeepSpeed's CPU all-reduce leaves a ~69 MB /dev/shm buffer per rank and launch (never unlinked). dschat's
+    ranks remove their own at exit; a launch that crashed or never called ``ensure_distributed`` may still leave
+    them, and a suite of launches would fill the machine's shared memory, so each launch's buffers go when it ends."""
+    for path in shm_buffers(port):
         try:
             os.unlink(path)
         except OSError:
@@ -27,7 +29,7 @@ def _remove_shm_buffers(port):
 
 def run_deepspeed(script, *args, num_gpus=2, timeout=900, env=None):
     """Launch ``deepspeed --num_gpus N script args``; fail the test with the output if it fails."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),
            "--master_port", str(port), str(script), *map(str, args)]
     full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -35,7 +37,7 @@ def run_deepspeed(script, *args, num_gpus=2, timeout=900, env=None):
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     finally:
-        _remove_shm_buffers(port)
+        remove_shm_buffers(port)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

@@ -1,4 +1,6 @@
 """Process-group set-up that works under the deepspeed launcher and in a plain ``python`` process."""
+import atexit
+import glob
 import os
 import socket
 
@@ -25,7 +27,31 @@ def ensure_distributed():
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         deepspeed.init_distributed()
+        _remove_shm_buffer_at_exit()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def shm_buffers(port, rank="*"):
+    """The /dev/shm all-reduce buffers DeepSpeed's CPU backend creates per rank of a launch on ``port``."""
+    return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}")
+
+
+def _remove_shm_buffer_at_exit():
+    """DeepSpeed's CPU backend maps a ~69 MB /dev/shm buffer per rank and never unlinks it, so every multi-rank CPU
+    run would leave its buffers behind until shared memory fills up. Each rank unlinks its own at exit (the other
+    ranks mapped it when the process group started; unlinking does not unmap)."""
+    port, rank = os.environ.get("MASTER_PORT"), os.environ.get("RANK")
+    if port is None or rank is None:
+        return
+
+    def remove():
+        for path in shm_buffers(port, rank):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    atexit.register(remove)
 
 
 def get_rank():
