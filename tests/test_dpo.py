@@ -149,11 +149,19 @@ def test_answer_log_probs_ignore_padding_and_batch_neighbours(tokenizer, distrib
     items = [{"chosen_input_ids": T([5, 6, 7, 8, 2]), "chosen_attention_mask": T([1] * 5),
               "rejected_input_ids": T([5, 6, 7, 9, 9, 9, 9, 2]), "rejected_attention_mask": T([1] * 8),
               "prompt_length": 3}]
+    head_inputs = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: head_inputs.append(args[0].shape[1]))
     with torch.no_grad():
         padded = dpo.sequence_log_probs(model, DataCollatorDPO(tokenizer.pad_token_id)(items))
+        handle.remove()
         alone = model(input_ids=items[0]["chosen_input_ids"][None]).logits
         expected = torch.log_softmax(alone[0, 2:-1], -1).gather(-1, T([8, 2])[:, None]).sum()
+        rejected = torch.log_softmax(model(input_ids=items[0]["rejected_input_ids"][None]).logits[0, 2:-1], -1)
+        expected_rejected = rejected.gather(-1, T([9, 9, 9, 9, 2])[:, None]).sum()
     assert padded[0].item() == pytest.approx(expected.item(), abs=1e-5)
+    assert padded[1].item() == pytest.approx(expected_rejected.item(), abs=1e-5)
+    # the LM head ran from the position before the first answer token on (8 - 2), not over the prompt
+    assert head_inputs == [6]
 
 
 # --- the step end to end ---

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from dschat.args import step2_dpo_parser
 from dschat.data.samplers import eval_weights
+from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.checkpoint import save_causal_lm
 from dschat.models.loading import create_hf_model
 from dschat.rlhf.dpo import answer_nll, check_dpo_params, dpo_loss, preference_accuracy, response_log_probs
@@ -44,9 +45,21 @@ def build_reference_model(args, tokenizer):
 
 
 def sequence_log_probs(model, batch):
-    """(2B,) answer log-probs of a DPO batch (chosen rows first, then rejected)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    return response_log_probs(logits, batch["input_ids"], batch["response_mask"])
+    """(2B,) answer log-probs of a DPO batch (chosen rows first, then rejected).
+
+    Where the model takes ``logits_to_keep``, its LM head runs only from the position before the batch's earliest
+    answer token on: the prompts' logits are never computed (as step 3's forwards do)."""
+    ids, response_mask = batch["input_ids"], batch["response_mask"]
+    keep = ids.shape[1] - max(first_answer_position(response_mask) - 1, 0)
+    extra = {"logits_to_keep": keep} if forward_spec(getattr(model, "module", model)).takes_logits_to_keep else {}
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False, **extra).logits
+    return response_log_probs(logits[:, -keep:], ids[:, -keep:], response_mask[:, -keep:])
+
+
+def first_answer_position(response_mask):
+    """The earliest column holding an answer token in any row (the sequence length when there is none)."""
+    columns = response_mask.bool().any(0).nonzero()
+    return int(columns[0]) if len(columns) else response_mask.shape[1]
 
 
 def split_pairs(logps):
