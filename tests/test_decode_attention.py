@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dschat.hybrid_engine.attention import decode_attention, resolve_mode
 
 SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
 REPO = SCRIPTS.parents[1]
 
 
@@ -53,3 +55,38 @@ def test_explicit_triton_without_triton_is_an_error(monkeypatch):
     assert resolve_mode("auto", "cuda") == "sdpa"
     with pytest.raises(ValueError, match="needs the triton package"):
         resolve_mode("triton", "cuda")
+
+
+def test_a_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
+    """If Triton cannot run the kernel (e.g. an unsupported GPU), generation continues on SDPA: same tokens as HF, one
+    warning, and the kernel is not tried again."""
+    import types
+
+    from hybrid_common import PAD, hf_generate, left_padded_batch, make_ds_engine, tiny_model
+
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig, attention
+
+    calls = []
+
+    def failing_kernel(*args):
+        calls.append(1)
+        raise RuntimeError("no kernel for this GPU")
+
+    fake = types.ModuleType("dschat.hybrid_engine.triton_decode")
+    fake.decode_attention = failing_kernel
+    monkeypatch.setitem(sys.modules, "dschat.hybrid_engine.triton_decode", fake)
+    monkeypatch.setattr("dschat.hybrid_engine.triton_decode", fake, raising=False)
+    monkeypatch.setattr(attention, "_kernel_failure", [])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets kernel_applies say yes on the CPU
+    model = tiny_model("llama", seed=4)
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=16),
+                          pad_token_id=PAD, decode_attention="sdpa")
+    engine.decode_attention = "triton"  # as resolved on a GPU
+    ids, mask = left_padded_batch([4, 6])
+    engine.eval()
+    with caplog.at_level("WARNING"):
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=8)
+        again = engine.generate(ids, attention_mask=mask, max_new_tokens=8)
+    assert torch.equal(got, hf_generate(model, ids, mask, 8)) and torch.equal(again, got)
+    assert len(calls) == 1, "after the first failure the kernel is not called again"
+    assert sum("decode-attention kernel failed" in r.getMessage() for r in caplog.records) == 1

@@ -60,16 +60,26 @@ def kernel_applies(query, key, value, attention_mask, dropout=0.0, **kwargs):
             and attention_mask.shape[0] in (1, query.shape[0]))
 
 
+_kernel_failure = []  # the first error of the kernel in this process; once set, SDPA serves every call
+
+
 def decode_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """An ``AttentionInterface`` function: the decode kernel where it applies, transformers' SDPA otherwise."""
+    """An ``AttentionInterface`` function: the decode kernel where it applies, transformers' SDPA otherwise.
+
+    If the kernel fails (e.g. Triton cannot compile it for this GPU), that is said once and SDPA takes over for the
+    rest of the process: the generation is slower, not wrong."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if kernel_applies(query, key, value, attention_mask, dropout, **kwargs):
-        from dschat.hybrid_engine.triton_decode import decode_attention as kernel
+    if not _kernel_failure and kernel_applies(query, key, value, attention_mask, dropout, **kwargs):
+        from dschat.hybrid_engine import triton_decode
 
-        if scaling is None:
-            scaling = query.shape[-1] ** -0.5
-        return kernel(query, key, value, attention_mask, scaling), None
+        try:
+            return triton_decode.decode_attention(query, key, value, attention_mask,
+                                                  query.shape[-1] ** -0.5 if scaling is None else scaling), None
+        except Exception as error:  # noqa: BLE001 - any failure of the kernel: fall back to SDPA
+            _kernel_failure.append(error)
+            logger.warning("hybrid engine: the Triton decode-attention kernel failed (%s: %s); using SDPA from now "
+                           "on.", type(error).__name__, error)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
