@@ -251,9 +251,8 @@ class HybridEngine:
             with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention):
                 result = None
                 if self._graphs_usable(device):
-                    result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,
-                                                         max_new_tokens, dtype=hf_model.dtype,
-                                                         return_logprobs=return_logprobs, **sampling)
+                    result = self._graph_generate(input_ids, attention_mask, max_new_tokens, hf_model.dtype,
+                                                  return_logprobs, sampling)
                 if result is None:
                     cache = self.kv_cache.acquire(batch_size, prompt_len + max_new_tokens, hf_model.dtype, device)
                     result = generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens,
@@ -276,10 +275,28 @@ class HybridEngine:
         self._iteration.samples += batch_size
         return (result.sequences, result.logprobs) if return_logprobs else result.sequences
 
+    def _graph_generate(self, input_ids, attention_mask, max_new_tokens, dtype, return_logprobs, sampling):
+        """The graph path's ``Generation``, or None (decode eagerly). In a tensor-parallel group the graphs replay only
+        if every rank has its step captured: a capture that failed on one rank makes the whole group decode eagerly
+        from then on (a rank replaying a graph while another decodes eagerly would mismatch their collectives)."""
+        graphs = self.graph_decoder
+        run_args = {name: sampling[name] for name in ("min_new_tokens", "generator", "early_exit_interval")}
+        prepare_args = {name: value for name, value in sampling.items() if name not in ("generator",
+                                                                                          "early_exit_interval")}
+        decoder = graphs.prepare(self.inference_weights, input_ids, attention_mask, max_new_tokens, dtype=dtype,
+                                 return_logprobs=return_logprobs, **prepare_args)
+        if self.tp is not None and not self.tp.all_agree(decoder is not None, input_ids.device):
+            if decoder is not None:
+                graphs.disable("another rank of the tensor-parallel group could not capture the decode step")
+            return None
+        if decoder is None:
+            return None
+        return graphs.run(decoder, input_ids, attention_mask, max_new_tokens, **run_args)
+
     def _graphs_usable(self, device):
         """Whether this generation may take the graph path; in a tensor-parallel group only if it may on every rank
-        (a rank decoding eagerly while the others replay graphs would mismatch their collectives). A capture that
-        fails on one rank only is not covered: it raises or falls back there alone."""
+        (a rank decoding eagerly while the others replay graphs would mismatch their collectives; ranks agree again
+        after capturing, in ``_graph_generate``)."""
         if self.graph_decoder is None:
             return False
         if self.tp is None:

@@ -303,6 +303,19 @@ class GraphDecoder:
                  top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
                  early_exit_interval=8, return_logprobs=False):
         """A ``Generation`` exactly as ``generate_tokens(..., return_lengths=True)`` makes it, or None (run eagerly)."""
+        decoder = self.prepare(weights, input_ids, attention_mask, max_new_tokens, dtype=dtype, do_sample=do_sample,
+                               temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                               pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
+                               return_logprobs=return_logprobs)
+        if decoder is None:
+            return None
+        return self.run(decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens=min_new_tokens,
+                        generator=generator, early_exit_interval=early_exit_interval)
+
+    @torch.no_grad()
+    def prepare(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
+                top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, return_logprobs=False):
+        """The captured step for this generation (capturing it if it is new), or None: it has to run eagerly."""
         device = input_ids.device
         reason = self.unsupported_reason(weights, device)
         if reason is not None:
@@ -316,8 +329,7 @@ class GraphDecoder:
         cache = self.kv_cache.acquire_rows(bucket, round_up(prompt_len + max_new_tokens, CACHE_LEN_MULTIPLE), dtype,
                                            device)
         if not keeps_length_on_device(cache):
-            self.disabled_reason = "the model's KV cache has sliding-window layers, which count tokens on the host"
-            self.notice(self.disabled_reason)
+            self.disable("the model's KV cache has sliding-window layers, which count tokens on the host")
             return None
         self._drop_if_moved(model)
         key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
@@ -327,12 +339,15 @@ class GraphDecoder:
             try:
                 decoder = self._capture(model, cache, key, input_ids, attention_mask, max_new_tokens, min_new_tokens)
             except Exception as error:  # noqa: BLE001 - any capture failure means: this model decodes eagerly
-                self.drop()
-                self.disabled_reason = f"capturing the decode step failed ({type(error).__name__}: {error})"
-                self.notice(self.disabled_reason)
+                self.disable(f"capturing the decode step failed ({type(error).__name__}: {error})")
                 return None
-        return self._run(decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens, generator,
-                         early_exit_interval)
+        return decoder
+
+    def disable(self, reason):
+        """Every later generation runs eagerly; says why once."""
+        self.drop()
+        self.disabled_reason = reason
+        self.notice(reason)
 
     def _capture(self, model, cache, key, input_ids, attention_mask, max_new_tokens, min_new_tokens):
         device = input_ids.device
@@ -357,7 +372,11 @@ class GraphDecoder:
             self._compiled[id(model)] = torch.compile(model, mode=self.compile_mode, dynamic=False)
         return self._compiled[id(model)]
 
-    def _run(self, decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens, generator, check_every):
+    @torch.no_grad()
+    def run(self, decoder, input_ids, attention_mask, max_new_tokens, *, min_new_tokens=0, generator=None,
+            early_exit_interval=8):
+        """Replay ``decoder`` (from :meth:`prepare`) for this generation; returns its ``Generation``."""
+        check_every = early_exit_interval
         batch_size = input_ids.shape[0]
         ids, mask = decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens)
         caller_rng = generator if generator is not None else default_generator(input_ids.device)

@@ -118,6 +118,33 @@ def check_leader_sampling(engine, ids, mask, rank):
     assert any(changed), "the group leader's seed did not change any sample"
 
 
+def check_group_agrees_on_graphs(engine, ids, mask, eos, expected, rank):
+    """The graph path's logic (``capture_graphs=False``: same buffers and steps, not captured) under TP gives the
+    eager answers; then a capture failing on rank 1 only makes both ranks decode eagerly, still correctly, from then on
+    (without the agreement rank 0 would replay while rank 1 decodes eagerly and their collectives would mismatch)."""
+    from dschat.hybrid_engine.graphs import GraphDecoder
+
+    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, token_sync=engine.tp.share_tokens)
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    assert torch.equal(got, expected) and engine.graph_decoder.replays > 0, (rank, got, expected)
+
+    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, token_sync=engine.tp.share_tokens)
+    if rank == 1:
+        def failing_capture(*args, **kwargs):
+            raise RuntimeError("capture failed on this rank only")
+
+        engine.graph_decoder._capture = failing_capture
+    for _ in range(2):
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+        assert torch.equal(got, expected), (rank, got, expected)
+    reason = engine.graph_decoder.disabled_reason or ""
+    assert ("failed on this rank only" in reason) if rank == 1 else ("another rank" in reason), (rank, reason)
+    assert engine.graph_decoder.replays == 0, "no rank may replay once one rank could not capture"
+    engine.graph_decoder = None
+    engine.train()
+
+
 def run_case(family, stage, rank, world):
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
 
@@ -140,6 +167,10 @@ def run_case(family, stage, rank, world):
     check_refresh_after_step(engine, reference, got, ids, mask, MAX_NEW, eos, expected, world)
 
     check_leader_sampling(engine, ids, mask, rank)
+    if family == "llama":
+        # the reference holds the trained weights since check_refresh_after_step
+        now = hf_generate(reference, ids, mask, MAX_NEW, eos_token_id=eos)
+        check_group_agrees_on_graphs(engine, ids, mask, eos, now, rank)
     print(f"rank {rank} {family} stage={stage}: OK", flush=True)
 
 
