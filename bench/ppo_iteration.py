@@ -77,7 +77,8 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
                 "per_device_training_batch_size": args.batch, "max_prompt_seq_len": args.prompt,
                 "max_answer_seq_len": args.gen, "actor_gradient_checkpointing": True, "num_warmup_steps": 0,
                 "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir,
-                "compile_decode_step": args.compile_decode_step}
+                "compile_decode_step": args.compile_decode_step,
+                "logprobs_from_generation": args.logprobs_from_generation and hybrid}
     engine = DeepSpeedRLHFEngine(actor_model_name_or_path=actor_dir, tokenizer=tokenizer, args=settings)
     trainer = DeepSpeedPPOTrainer(engine=engine, args=settings)
     # answers run to full length, as in the measured baseline: an EOS id no token can take
@@ -122,6 +123,8 @@ def main():
     p.add_argument("--gen", type=int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
     p.add_argument("--compile_decode_step", default=None, help="torch.compile mode of the decode step (e.g. default)")
+    p.add_argument("--logprobs_from_generation", action="store_true",
+                   help="hybrid variants: the actor's old log-probs from the decode step (no actor experience forward)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU): checks the script only")
     p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it

@@ -110,6 +110,31 @@ def test_notebook_api_generates_experience_with_consistent_masks(trained, tmp_pa
     assert not torch.allclose(out2["logprobs"] * out2["action_mask"], out2["ref_logprobs"] * out2["action_mask"])
 
 
+def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, tmp_path):
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=True,
+                                                     logprobs_from_generation=True)
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
+                                      "\n\nHuman: List three colors please, thanks.\n\nAssistant:"])
+    forwarded = []
+    logprobs_of = trainer._logprobs
+    trainer._logprobs = lambda model, *args: forwarded.append(model) or logprobs_of(model, *args)
+    out = trainer.generate_experience(batch)
+    assert forwarded == [trainer.ref_model], "the actor's experience forward must be skipped"
+    amask = out["action_mask"]
+    with torch.no_grad():
+        expected = logprobs_of(trainer.actor_model, out["input_ids"], out["attention_mask"],
+                               batch["prompt"].shape[1] - 1)
+    assert out["logprobs"].shape == expected.shape == amask.shape
+    torch.testing.assert_close(out["logprobs"] * amask, expected * amask, atol=1e-4, rtol=0)
+    actor_loss, _ = trainer.train_rlhf(out)
+    assert torch.isfinite(actor_loss)
+
+
+def test_logprobs_from_generation_needs_the_hybrid_engine(trained, tmp_path):
+    with pytest.raises(ValueError, match="needs --enable_hybrid_engine"):
+        _engine_and_trainer(trained, tmp_path, logprobs_from_generation=True)
+
+
 def test_deepspeed_chat_positional_form(trained, tmp_path):
     from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
     from dschat.models.loading import load_tokenizer

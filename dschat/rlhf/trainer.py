@@ -47,6 +47,9 @@ class DeepSpeedPPOTrainer:
                                                                           args.cliprange_value)
         self.gamma, self.lam = args.gamma, args.lam
         self.hybrid = args.enable_hybrid_engine
+        if args.logprobs_from_generation and not self.hybrid:
+            raise ValueError("--logprobs_from_generation takes the log-probs from the hybrid engine's decode step: "
+                             "it needs --enable_hybrid_engine")
         self.z3_enabled = args.actor_zero_stage == 3
         self.device = next(self.actor_model.module.parameters()).device
         self.generator = torch.Generator(device=self.device)
@@ -62,20 +65,24 @@ class DeepSpeedPPOTrainer:
 
     # --- experience ---------------------------------------------------------------------------------------
     def _generate_sequence(self, prompts, mask):
-        """Answers of the actor, as full sequences (prompt + answer, padded after EOS)."""
+        """Answers of the actor, as full sequences (prompt + answer, padded after EOS), and with
+        ``--logprobs_from_generation`` the decode step's (B, answer length) log-probs of the answer tokens (else None)."""
         a = self.args
         sampling = dict(do_sample=not a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
         with torch.no_grad():
             if self.hybrid:
-                return self.actor_model.generate(prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len,
-                                                 eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-                                                 generator=self.generator, **sampling)
+                out = self.actor_model.generate(prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len,
+                                                eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                                                generator=self.generator, return_logprobs=a.logprobs_from_generation,
+                                                **sampling)
+                return out if a.logprobs_from_generation else (out, None)
             if not sampling["do_sample"]:
                 sampling = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-            return self.actor_model.module.generate(
+            seq = self.actor_model.module.generate(
                 prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len, eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id, synced_gpus=self.z3_enabled and get_world_size() > 1,
                 use_cache=True, **sampling)
+            return seq, None
 
     def generate_experience(self, prompts, mask=None, step=0):
         """Generate answers and score them: log-probs (actor, reference), values, reward-model scores.
@@ -88,7 +95,7 @@ class DeepSpeedPPOTrainer:
         prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
         self.eval()
         t0 = time.time()
-        seq = self._generate_sequence(prompts, mask)
+        seq, decode_logprobs = self._generate_sequence(prompts, mask)
         gen_time = time.time() - t0
         prompt_len = prompts.shape[1]
         answers = seq[:, prompt_len:]
@@ -97,7 +104,8 @@ class DeepSpeedPPOTrainer:
         t1 = time.time()
         with torch.no_grad():
             start = prompt_len - 1
-            logprobs = self._logprobs(self.actor_model, seq, attention_mask, start)
+            logprobs = decode_logprobs if decode_logprobs is not None else \
+                self._logprobs(self.actor_model, seq, attention_mask, start)
             ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask, start)
             values = self._values(self.critic_model, seq, attention_mask)[:, start:] if self.critic_model else None
             scores = self._scores(batch, seq, attention_mask, answers, action_mask)
