@@ -29,7 +29,7 @@ def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
                     stride_mb, stride_mn,
-                    batch, num_kv_heads, kv_len, scale_log2,
+                    batch_bucket, kv_len_bucket, num_kv_heads, kv_len, scale_log2,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, SCAN: tl.constexpr,
                     IEEE: tl.constexpr):
@@ -141,13 +141,14 @@ class Tuning:
     num_warps: int = 4
 
 
-# On the GPU each new shape (cache length, heads, batch) times these once, at its first call (the decode graph's
-# warm-up), each as a CUDA graph of repeated launches so that the timing is the kernel's and not Python's.
+# On the GPU each new shape (cache length and batch rounded up to powers of two, heads) times these once, at its
+# first call (the decode graph's warm-up), each as a CUDA graph of repeated launches so that the timing is the kernel's
+# and not Python's.
 CONFIGS = [triton.Config({"BLOCK": block}, num_stages=stages, num_warps=warps)
            for block, stages, warps in ((32, 2, 4), (64, 1, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (128, 2, 4),
                                         (128, 3, 4), (128, 2, 8))]
 _partial_kernel_autotuned = triton.autotune(
-    configs=CONFIGS, key=["batch", "num_kv_heads", "kv_len", "GROUP", "HEAD_DIM", "SPLITS", "HAS_MASK"],
+    configs=CONFIGS, key=["batch_bucket", "kv_len_bucket", "num_kv_heads", "GROUP", "HEAD_DIM", "SPLITS", "HAS_MASK"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles),
 )(_partial_kernel)
 
@@ -190,7 +191,10 @@ def launch(query, key, value, mask, scaling, tuning=None):
         key.stride(0), key.stride(1), key.stride(2), key.stride(3),
         value.stride(0), value.stride(1), value.stride(2), value.stride(3),
         stride_mb, stride_mn,
-        batch, num_kv_heads, kv_len, scaling * math.log2(math.e),
+        # autotuning keys only: the next powers of two, so that eager decoding with ever new cache lengths or batch
+        # sizes does not time the candidates again for each
+        triton.next_power_of_2(batch), triton.next_power_of_2(kv_len), num_kv_heads, kv_len,
+        scaling * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         SPLITS=splits, HAS_MASK=has_mask, SCAN=min(MASK_SCAN, triton.next_power_of_2(kv_len)),
         IEEE=query.dtype == torch.float32, **launch_options)
