@@ -145,8 +145,8 @@ class Tuning:
 # first call (the decode graph's warm-up), each as a CUDA graph of repeated launches so that the timing is the kernel's
 # and not Python's.
 CONFIGS = [triton.Config({"BLOCK": block}, num_stages=stages, num_warps=warps)
-           for block, stages, warps in ((32, 2, 4), (64, 1, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (128, 2, 4),
-                                        (128, 3, 4), (128, 2, 8))]
+           for block, stages, warps in ((32, 2, 4), (32, 3, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (128, 2, 4),
+                                        (128, 3, 4), (128, 2, 8))]  # the best of bench/decode_attention.py's sweep
 _partial_kernel_autotuned = triton.autotune(
     configs=CONFIGS, key=["batch_bucket", "kv_len_bucket", "num_kv_heads", "GROUP", "HEAD_DIM", "SPLITS", "HAS_MASK"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles),
