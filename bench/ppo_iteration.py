@@ -7,6 +7,10 @@ OPT-1.3B-shaped actor and OPT-350m-shaped critic/reward with random weights, bf1
 gradient checkpointing (as in DeepSpeed-Chat's measured run). Mean of iterations 2..N.
 
     python bench/ppo_iteration.py --variants z2_hybrid,z2_hf,z3_hybrid,z3_hf --iterations 6
+    python bench/ppo_iteration.py --variants z2_hybrid,z2_hybrid_compiled,z2_hybrid_genlogp --cuda_graph
+
+A variant is z<stage>_hybrid or z<stage>_hf, optionally followed by _compiled (``--compile_decode_step default``) and
+_genlogp (``--logprobs_from_generation``); the flags of the same names apply to every hybrid variant.
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
 
 Needs a CUDA GPU; run through the device tool. Prints a table; writes JSON to $OUT when set.
@@ -71,14 +75,16 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
 
     stage = int(name[1])
-    hybrid = name.endswith("hybrid")
+    options = name.split("_")[1:]
+    hybrid = "hybrid" in options
+    compile_mode = "default" if "compiled" in options else args.compile_decode_step
     settings = {"actor_zero_stage": stage, "critic_zero_stage": stage, "enable_hybrid_engine": hybrid,
                 "dtype": "bf16" if torch.cuda.is_available() else "fp32", "per_device_generation_batch_size": args.batch,
                 "per_device_training_batch_size": args.batch, "max_prompt_seq_len": args.prompt,
                 "max_answer_seq_len": args.gen, "actor_gradient_checkpointing": True, "num_warmup_steps": 0,
                 "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir,
-                "compile_decode_step": args.compile_decode_step,
-                "logprobs_from_generation": args.logprobs_from_generation and hybrid}
+                "compile_decode_step": compile_mode if hybrid else None,
+                "logprobs_from_generation": hybrid and (args.logprobs_from_generation or "genlogp" in options)}
     engine = DeepSpeedRLHFEngine(actor_model_name_or_path=actor_dir, tokenizer=tokenizer, args=settings)
     trainer = DeepSpeedPPOTrainer(engine=engine, args=settings)
     # answers run to full length, as in the measured baseline: an EOS id no token can take
@@ -163,12 +169,12 @@ def main():
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     log(f"\nranks: {dist.get_world_size()} (samples/s counts all of them)")
-    log(f"\n{'variant':<12}{'wall s':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}{'peak GB':>9}")
+    log(f"\n{'variant':<22}{'wall s':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}{'peak GB':>9}")
     for r in results:
         if "error" in r:
-            log(f"{r['variant']:<12} FAILED {r['error'][:90]}")
+            log(f"{r['variant']:<22} FAILED {r['error'][:90]}")
             continue
-        log(f"{r['variant']:<12}{r['wall']:>8.2f}{r['generation']:>8.2f}{r['experience']:>8.2f}{r['training']:>9.2f}"
+        log(f"{r['variant']:<22}{r['wall']:>8.2f}{r['generation']:>8.2f}{r['experience']:>8.2f}{r['training']:>9.2f}"
             f"{r['samples_per_s']:>11.1f}{r['peak_gb']:>9.1f}")
     if os.environ.get("OUT") and dist.get_rank() == 0:
         with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
