@@ -4,7 +4,8 @@ transformers lets a model's attention modules call any function registered in it
 name in ``config._attn_implementation``. dschat registers ``"dschat_decode"``: for a one-token query over the static
 KV cache it runs the Triton flash-decoding kernel of ``triton_decode.py`` (reads only the cache blocks the mask
 leaves visible); for everything else (prefill, training forwards, features the kernel does not have) it calls
-transformers' SDPA function unchanged. Its mask is SDPA's. The engine switches a model that uses SDPA to it for the
+transformers' SDPA function unchanged. Its mask is SDPA's. With it, the KV cache writes each new token with one Triton
+kernel too (``cache.TokenWriteLayer``). The engine switches a model that uses SDPA to it for the
 duration of a generation only (:func:`decode_attention`), so training forwards never see it, and every model family
 whose attention goes through the interface (Llama, Qwen2, Mistral, OPT, GPT-2, ...) gets it without model-specific
 code.
@@ -37,13 +38,30 @@ def _interpreted():
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_kernel_failure = []  # the first error of a dschat Triton kernel in this process; once set, torch's ops serve instead
+
+
+def triton_runs_on(tensor):
+    """Whether dschat's Triton kernels may run on this tensor: on a CUDA device (or Triton's interpreter), as long as
+    none of them has failed in this process."""
+    return not _kernel_failure and (tensor.device.type == "cuda" or _interpreted())
+
+
+def report_kernel_failure(error):
+    """A dschat Triton kernel failed (e.g. Triton cannot compile it for this GPU): said once; from then on the
+    decode step uses torch's ops (slower, not wrong)."""
+    _kernel_failure.append(error)
+    logger.warning("hybrid engine: a Triton decode kernel failed (%s: %s); using torch's ops (SDPA) from now on.",
+                   type(error).__name__, error)
+
+
 def kernel_applies(query, key, value, attention_mask, dropout=0.0, **kwargs):
     """Whether the Triton kernel computes exactly what SDPA would for this call; anything else goes to SDPA."""
     if query.dim() != 4 or query.shape[2] != 1 or dropout:
         return False
     if any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias")):
         return False
-    if query.device.type != "cuda" and not _interpreted():
+    if not triton_runs_on(query):
         return False
     if query.dtype not in _KERNEL_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
@@ -60,9 +78,6 @@ def kernel_applies(query, key, value, attention_mask, dropout=0.0, **kwargs):
             and attention_mask.shape[0] in (1, query.shape[0]))
 
 
-_kernel_failure = []  # the first error of the kernel in this process; once set, SDPA serves every call
-
-
 def decode_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """An ``AttentionInterface`` function: the decode kernel where it applies, transformers' SDPA otherwise.
 
@@ -70,16 +85,14 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout=
     rest of the process: the generation is slower, not wrong."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not _kernel_failure and kernel_applies(query, key, value, attention_mask, dropout, **kwargs):
+    if kernel_applies(query, key, value, attention_mask, dropout, **kwargs):
         from dschat.hybrid_engine import triton_decode
 
         try:
             return triton_decode.decode_attention(query, key, value, attention_mask,
                                                   query.shape[-1] ** -0.5 if scaling is None else scaling), None
         except Exception as error:  # noqa: BLE001 - any failure of the kernel: fall back to SDPA
-            _kernel_failure.append(error)
-            logger.warning("hybrid engine: the Triton decode-attention kernel failed (%s: %s); using SDPA from now "
-                           "on.", type(error).__name__, error)
+            report_kernel_failure(error)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 

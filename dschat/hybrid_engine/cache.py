@@ -16,6 +16,8 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from dschat.hybrid_engine.attention import report_kernel_failure, triton_runs_on
+
 
 def _accelerator_empty_cache():
     from deepspeed.accelerator import get_accelerator
@@ -52,18 +54,41 @@ def estimated_bytes(model_config, batch_size, max_len, dtype, num_kv_heads=None)
     return 2 * num_layers * batch_size * num_kv_heads * max_len * head_dim * element_size
 
 
+class TokenWriteLayer(StaticLayer):
+    """A ``StaticLayer`` that writes a decode step's one new token with dschat's Triton kernel (the slot read from the
+    layer's device counter) and one counter add: transformers' update builds an index tensor (arange + add), bumps the
+    counter and runs two ``index_copy_``, slow for one slot. Everything else (prefill, no device counter, no Triton)
+    is ``StaticLayer.update`` unchanged."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        counter = getattr(self, "cumulative_length", None)
+        if key_states.shape[-2] == 1 and self.is_initialized and torch.is_tensor(counter) and \
+                counter.device == key_states.device and triton_runs_on(key_states):
+            from dschat.hybrid_engine import triton_decode
+
+            try:
+                triton_decode.write_token_kv(self.keys, self.values, key_states, value_states, counter)
+            except Exception as error:  # noqa: BLE001 - a kernel that cannot run: transformers' update instead
+                report_kernel_failure(error)
+            else:
+                counter.add_(1)
+                return self.keys, self.values
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
 def keeps_length_on_device(cache):
     """Whether every layer of ``cache`` counts its tokens in a device tensor (plain ``StaticLayer``), as a CUDA graph
     needs: sliding-window layers also count in a Python int, which a captured graph would freeze at capture time."""
-    return all(type(layer) is StaticLayer for layer in cache.layers)
+    return all(type(layer) in (StaticLayer, TokenWriteLayer) for layer in cache.layers)
 
 
 class KVCache:
     """Owns at most one ``StaticCache``; ``acquire`` hands out a reset cache that fits, ``release`` frees it."""
 
-    def __init__(self, model_config, num_kv_heads=None):
+    def __init__(self, model_config, num_kv_heads=None, token_writes=False):
         self.model_config = model_config
         self.num_kv_heads = num_kv_heads  # per rank under inference tensor parallelism (None: the config's)
+        self.token_writes = token_writes  # plain static layers write decode tokens with Triton (TokenWriteLayer)
         self._cache = None
         self._shape = None  # (batch_size, max_len, dtype, device) of the allocated cache
         self._row_views = {}  # batch size -> StaticCache viewing the first rows of the storage (acquire_rows)
@@ -157,7 +182,7 @@ class KVCache:
             return self._cache
         view = self._row_views.get(batch_size)
         if view is None:
-            view = StaticCache(config=self.model_config, max_cache_len=self._shape[1])
+            view = self._new_cache(self._shape[1])
             for layer, base in zip(view.layers, self._cache.layers):
                 if not base.is_initialized:
                     raise RuntimeError("the KV cache's layers were not allocated up front; cannot view their rows")
@@ -170,8 +195,16 @@ class KVCache:
             self._row_views[batch_size] = view
         return view
 
-    def _allocate(self, batch_size, max_len, dtype, device):
+    def _new_cache(self, max_len):
         cache = StaticCache(config=self.model_config, max_cache_len=max_len)
+        if self.token_writes:
+            for layer in cache.layers:
+                if type(layer) is StaticLayer:  # sliding-window and other layer kinds keep their own update
+                    layer.__class__ = TokenWriteLayer
+        return cache
+
+    def _allocate(self, batch_size, max_len, dtype, device):
+        cache = self._new_cache(max_len)
         layout = kv_layout(self.model_config)
         if layout is not None:
             # Allocate now rather than lazily inside the first forward, so memory errors surface here (and are retried)

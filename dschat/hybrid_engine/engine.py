@@ -84,11 +84,13 @@ class HybridEngine:
         self.inference_weights = build_inference_weights(ds_engine.module, self.hybrid_config,
                                                          ds_engine.zero_optimization_stage(), ds_engine.device,
                                                          tp=self.tp)
-        self.kv_cache = KVCache(hf_model_of(self.inference_weights.model).config,
-                                num_kv_heads=self.inference_weights.num_kv_heads)
-        # decode_attention: "triton" runs one-token attention with dschat's flash-decoding kernel (attention.py),
-        # "sdpa" leaves the model's SDPA; "auto" picks triton on CUDA when it is installed.
+        # decode_attention: "triton" runs one-token attention with dschat's flash-decoding kernel (attention.py) and
+        # writes each new token into the KV cache with one kernel; "sdpa" leaves the model's SDPA and transformers'
+        # cache update; "auto" picks triton on CUDA when it is installed.
         self.decode_attention = resolve_decode_attention(decode_attention, ds_engine.device)
+        self.kv_cache = KVCache(hf_model_of(self.inference_weights.model).config,
+                                num_kv_heads=self.inference_weights.num_kv_heads,
+                                token_writes=self.decode_attention == "triton")
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,

@@ -217,3 +217,38 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def _(query, key, value, mask, scaling):
     batch, num_heads, _, head_dim = query.shape
     return query.new_empty((batch, 1, num_heads, head_dim))
+
+
+@triton.jit
+def _write_kernel(Keys, Values, NewKeys, NewValues, Position,
+                  stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd,
+                  stride_nkb, stride_nkh, stride_nkd,
+                  stride_nvb, stride_nvh, stride_nvd,
+                  num_heads, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // num_heads
+    h = bh % num_heads
+    position = tl.load(Position)
+    d = tl.arange(0, D_PAD)
+    ok = d < HEAD_DIM
+    k = tl.load(NewKeys + b * stride_nkb + h * stride_nkh + d * stride_nkd, mask=ok)
+    tl.store(Keys + b * stride_kb + h * stride_kh + position * stride_kn + d * stride_kd, k, mask=ok)
+    v = tl.load(NewValues + b * stride_nvb + h * stride_nvh + d * stride_nvd, mask=ok)
+    tl.store(Values + b * stride_vb + h * stride_vh + position * stride_vn + d * stride_vd, v, mask=ok)
+
+
+@torch.library.custom_op("dschat::write_token_kv", mutates_args=("keys", "values"))
+def write_token_kv(keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
+                   position: torch.Tensor) -> None:
+    """``keys[:, :, position] = new_keys[:, :, 0]`` (and the same for values) for a static cache (B, H, L, D), the
+    slot read from the 0-dim device tensor ``position``: one kernel where ``index_copy_`` takes two slow ones and the
+    index tensor two more."""
+    batch, num_heads, _, head_dim = new_keys.shape
+    _write_kernel[(batch * num_heads,)](
+        keys, values, new_keys, new_values, position,
+        keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
+        values.stride(0), values.stride(1), values.stride(2), values.stride(3),
+        new_keys.stride(0), new_keys.stride(1), new_keys.stride(3),
+        new_values.stride(0), new_values.stride(1), new_values.stride(3),
+        num_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=1)

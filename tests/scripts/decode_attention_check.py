@@ -107,15 +107,26 @@ def check_kernel_applies_only_where_it_equals_sdpa():
     print("applies where it should")
 
 
-def check_engine_greedy_equals_hf(family):
-    calls = []
-    kernel = triton_decode.decode_attention
+def counted(name, calls):
+    """Replace ``triton_decode.<name>`` by a wrapper that records each call in ``calls[name]``."""
+    kernel = getattr(triton_decode, name)
+    calls[name] = 0
 
     def counting(*args):
-        calls.append(1)
+        calls[name] += 1
         return kernel(*args)
 
-    triton_decode.decode_attention = counting
+    setattr(triton_decode, name, counting)
+
+
+def check_engine_greedy_equals_hf(family):
+    """The eager loop and the graph step's logic (not captured on the CPU) with both kernels: HF generate's tokens."""
+    from dschat.hybrid_engine.cache import TokenWriteLayer
+    from dschat.hybrid_engine.graphs import GraphDecoder
+
+    calls = {}
+    counted("decode_attention", calls)
+    counted("write_token_kv", calls)
     model = tiny_model(family, seed=3)
     engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32),
                           pad_token_id=PAD, decode_attention="triton")
@@ -124,13 +135,35 @@ def check_engine_greedy_equals_hf(family):
     no_eos = hf_generate(model, ids, mask, 12)
     eos = early_token(no_eos[0, ids.shape[1]:])
     expected = hf_generate(model, ids, mask, 12, eos_token_id=eos)
-    engine.eval()
-    got = engine.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
-    assert torch.equal(got, expected), (family, got, expected)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    assert len(calls) >= layers * (expected.shape[1] - ids.shape[1] - 1), (family, len(calls))
-    assert model.config._attn_implementation == "sdpa", "the switch must end with the generation"
-    print(f"{family}: engine with the kernel == HF generate ({len(calls)} kernel calls)")
+    steps = expected.shape[1] - ids.shape[1] - 1  # forwards after the prefill
+    for path in ("eager", "graph step"):
+        if path == "graph step":
+            engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False)
+        calls.update(decode_attention=0, write_token_kv=0)
+        engine.eval()
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
+        assert torch.equal(got, expected), (family, path, got, expected)
+        assert calls["decode_attention"] >= layers * steps and calls["write_token_kv"] >= layers * steps, \
+            (family, path, calls)
+        assert model.config._attn_implementation == "sdpa", "the switch must end with the generation"
+    assert engine.graph_decoder.replays > 0
+    assert all(type(layer) is TokenWriteLayer for layer in engine.kv_cache._cache.layers)
+    print(f"{family}: engine with the kernels == HF generate, eager and graph step ({calls})")
+
+
+def check_token_write_equals_index_copy():
+    torch.manual_seed(5)
+    keys, values = torch.randn(4, 3, 10, 80), torch.randn(4, 3, 10, 80)
+    rows_k, rows_v = keys[:2], values[:2]  # a bucket's row view of the storage
+    new_k = torch.randn(2, 1, 3, 80).transpose(1, 2)  # (B, H, 1, D) as attention modules pass it
+    new_v = torch.randn(2, 1, 3, 80).transpose(1, 2)
+    expected_k, expected_v = keys.clone(), values.clone()
+    expected_k[:2].index_copy_(2, torch.tensor([7]), new_k)
+    expected_v[:2].index_copy_(2, torch.tensor([7]), new_v)
+    triton_decode.write_token_kv(rows_k, rows_v, new_k, new_v, torch.tensor(7))
+    assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
+    print("token write == index_copy_")
 
 
 def check_resolve_mode():
@@ -151,6 +184,7 @@ CHECKS = {
     "skip": check_masked_blocks_are_not_read,
     "applies": check_kernel_applies_only_where_it_equals_sdpa,
     "modes": check_resolve_mode,
+    "write": check_token_write_equals_index_copy,
     "llama": lambda: check_engine_greedy_equals_hf("llama"),
     "opt": lambda: check_engine_greedy_equals_hf("opt"),
     "gpt2": lambda: check_engine_greedy_equals_hf("gpt2"),
