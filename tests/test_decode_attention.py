@@ -30,22 +30,52 @@ def test_decode_attention_check(check):
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
-def test_other_implementations_and_sdpa_mode_are_left_alone():
-    class Config:
-        _attn_implementation = "eager"
+def _tiny(config_class, **kwargs):
+    from transformers import AutoModelForCausalLM
 
-    class Model:
-        config = Config()
+    config = config_class(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, **kwargs)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=kwargs.pop("attn", "sdpa"))
 
-    model = Model()
+
+def test_only_sdpa_models_of_the_attention_interface_are_switched_and_restored():
+    from transformers import FalconConfig, LlamaConfig
+
+    llama = _tiny(LlamaConfig, intermediate_size=64)
+    with decode_attention(llama, "triton"):
+        assert llama.config._attn_implementation == "dschat_decode"
+    assert llama.config._attn_implementation == "sdpa"
+    with decode_attention(llama, "sdpa"):
+        assert llama.config._attn_implementation == "sdpa"
+
+    llama.set_attn_implementation("eager")
+    with decode_attention(llama, "triton"):
+        assert llama.config._attn_implementation == "eager", "an eager-attention model keeps its implementation"
+
+    # Falcon dispatches on the string "sdpa" itself: under another name it would run its eager branch with SDPA's
+    # boolean mask (nothing masked), so it is left alone.
+    falcon = _tiny(FalconConfig)
+    assert falcon.config._attn_implementation == "sdpa"
+    with decode_attention(falcon, "triton"):
+        assert falcon.config._attn_implementation == "sdpa"
+
+
+def test_multimodal_sub_configs_are_neither_switched_nor_overwritten():
+    from transformers import LlavaConfig
+
+    config = LlavaConfig()
+    config.text_config._attn_implementation_internal = "sdpa"
+    config.vision_config._attn_implementation_internal = "eager"
+
+    class Multimodal:  # what the context manager reads: the model's config and its class's backend support
+        is_backend_compatible = classmethod(lambda cls: True)
+
+    model = Multimodal()
+    model.config = config
     with decode_attention(model, "triton"):
-        assert model.config._attn_implementation == "eager", "an eager-attention model keeps its implementation"
-    model.config._attn_implementation = "sdpa"
-    with decode_attention(model, "sdpa"):
-        assert model.config._attn_implementation == "sdpa"
-    with decode_attention(model, "triton"):
-        assert model.config._attn_implementation == "dschat_decode"
-    assert model.config._attn_implementation == "sdpa"
+        assert config.text_config._attn_implementation == "dschat_decode"
+        assert config.vision_config._attn_implementation == "eager"
+    assert config.text_config._attn_implementation == "sdpa"
+    assert config.vision_config._attn_implementation == "eager"
 
 
 def test_explicit_triton_without_triton_is_an_error(monkeypatch):

@@ -65,6 +65,8 @@ def kernel_applies(query, key, value, attention_mask, dropout=0.0, **kwargs):
         return False
     if query.dtype not in _KERNEL_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
+    if _interpreted() and query.dtype == torch.bfloat16:
+        return False  # Triton's interpreter gets bf16 dot products wrong
     head_dim = query.shape[-1]
     if key.shape[-1] != head_dim or value.shape[-1] != head_dim or head_dim > 256:
         return False
@@ -91,7 +93,9 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout=
         try:
             return triton_decode.decode_attention(query, key, value, attention_mask,
                                                   query.shape[-1] ** -0.5 if scaling is None else scaling), None
-        except Exception as error:  # noqa: BLE001 - any failure of the kernel: fall back to SDPA
+        except torch.OutOfMemoryError:
+            raise  # transient, and SDPA would need the memory too
+        except Exception as error:  # noqa: BLE001 - the kernel cannot run here (compile, launch): fall back to SDPA
             report_kernel_failure(error)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
@@ -124,17 +128,30 @@ def resolve_mode(mode, device):
     return "triton"
 
 
+def routes_through_interface(hf_model):
+    """Whether the model's attention modules call the ``AttentionInterface`` function named in its config. Models that
+    test for the string "sdpa" themselves (e.g. Falcon) would take another branch under any other name, with SDPA's
+    boolean mask, so they are never switched."""
+    compatible = getattr(type(hf_model), "is_backend_compatible", None)
+    return bool(compatible()) if callable(compatible) else False
+
+
 @contextlib.contextmanager
 def decode_attention(hf_model, mode):
-    """For the duration of a generation, route an SDPA model's attention through :func:`decode_attention_forward`
-    (``mode`` "triton"); models configured with another implementation (eager, flash-attention, ...) keep it."""
+    """For the duration of a generation, route the decoder's attention through :func:`decode_attention_forward`
+    (``mode`` "triton"), if it uses SDPA through transformers' attention interface; models configured with another
+    implementation (eager, flash-attention, ...) or with their own dispatch keep theirs.
+
+    Only the decoder's (text) config is switched, by its stored value, so the sub-configs of a multimodal model (e.g.
+    an eager vision tower) are neither switched nor overwritten when it is restored."""
     config = hf_model.config
-    current = getattr(config, "_attn_implementation", None)
-    if mode != "triton" or current != "sdpa":
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    current = getattr(text_config, "_attn_implementation_internal", None)
+    if mode != "triton" or current != "sdpa" or not routes_through_interface(hf_model):
         yield
         return
-    config._attn_implementation = register()
+    text_config._attn_implementation_internal = register()
     try:
         yield
     finally:
-        config._attn_implementation = current
+        text_config._attn_implementation_internal = current

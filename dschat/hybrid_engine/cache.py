@@ -68,6 +68,8 @@ class TokenWriteLayer(StaticLayer):
 
             try:
                 triton_decode.write_token_kv(self.keys, self.values, key_states, value_states, counter)
+            except torch.OutOfMemoryError:
+                raise
             except Exception as error:  # noqa: BLE001 - a kernel that cannot run: transformers' update instead
                 report_kernel_failure(error)
             else:

@@ -66,8 +66,9 @@ def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    k_base = K + b * stride_kb + kv_head * stride_kh
-    v_base = V + b * stride_vb + kv_head * stride_vh
+    # 64-bit offsets into the cache: one layer's keys may hold more than 2**31 elements
+    k_base = K + b.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     for blk in range(begin, end):
         n = blk * BLOCK + tl.arange(0, BLOCK)
         visible = n < kv_len
@@ -233,8 +234,9 @@ def _write_kernel(Keys, Values, NewKeys, NewValues, Position,
     d = tl.arange(0, D_PAD)
     ok = d < HEAD_DIM
     k = tl.load(NewKeys + b * stride_nkb + h * stride_nkh + d * stride_nkd, mask=ok)
-    tl.store(Keys + b * stride_kb + h * stride_kh + position * stride_kn + d * stride_kd, k, mask=ok)
     v = tl.load(NewValues + b * stride_nvb + h * stride_nvh + d * stride_nvd, mask=ok)
+    b, h = b.to(tl.int64), h.to(tl.int64)  # 64-bit offsets into the cache
+    tl.store(Keys + b * stride_kb + h * stride_kh + position * stride_kn + d * stride_kd, k, mask=ok)
     tl.store(Values + b * stride_vb + h * stride_vh + position * stride_vn + d * stride_vd, v, mask=ok)
 
 

@@ -104,6 +104,8 @@ def check_kernel_applies_only_where_it_equals_sdpa():
     assert not attention.kernel_applies(q, k, k, mask.float()), "additive float masks go to SDPA"
     assert not attention.kernel_applies(q, k, k, torch.ones(2, 4, 1, 8, dtype=torch.bool)), "per-head masks"
     assert not attention.kernel_applies(q, torch.zeros(2, 3, 8, 16), torch.zeros(2, 3, 8, 16), None)
+    assert not attention.kernel_applies(q.bfloat16(), k.bfloat16(), k.bfloat16(), mask), \
+        "the interpreter's bf16 dot products are wrong: no kernel for bf16 off the GPU"
     print("applies where it should")
 
 
@@ -149,6 +151,14 @@ def check_engine_greedy_equals_hf(family):
         assert model.config._attn_implementation == "sdpa", "the switch must end with the generation"
     assert engine.graph_decoder.replays > 0
     assert all(type(layer) is TokenWriteLayer for layer in engine.kv_cache._cache.layers)
+    # equal tokens could hide a small error: the decode step's log-probs must equal SDPA's
+    engine.graph_decoder = None
+    _, with_kernels = engine.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos,
+                                      return_logprobs=True)
+    engine.decode_attention = "sdpa"
+    _, with_sdpa = engine.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos,
+                                   return_logprobs=True)
+    assert (with_kernels - with_sdpa).abs().max() < 1e-5, (family, (with_kernels - with_sdpa).abs().max())
     print(f"{family}: engine with the kernels == HF generate, eager and graph step ({calls})")
 
 
