@@ -193,8 +193,11 @@ def step3_parser():
                         "small kernels; the first generation then compiles (20-40 s).")
     g.add_argument("--logprobs_from_generation", action="store_true",
                    help="Take the actor's old log-probs from the hybrid engine's decode step instead of a forward over "
-                        "the generated sequences (saves that forward; in bf16 the two differ by rounding, mean |delta "
-                        "logp| 0.0094 measured for an OPT-1.3B shape: docs/benchmarks.md). Needs --enable_hybrid_engine.")
+                        "the generated sequences (saves that forward). The decode step runs the inference copy (LoRA "
+                        "merged and rounded to the model dtype, tensor-parallel slices, Triton attention), so the two "
+                        "differ by rounding: mean |delta logp| 0.0094 measured in bf16 for an OPT-1.3B shape without "
+                        "LoRA or TP (docs/benchmarks.md). Batches with a pad token inside an answer use the forward. "
+                        "Needs --enable_hybrid_engine.")
     g.add_argument("--decode_attention", default="auto", choices=["auto", "triton", "sdpa"],
                    help="Decode-step attention: dschat's Triton flash-decoding kernel (auto: on CUDA with triton) or "
                         "the model's SDPA.")

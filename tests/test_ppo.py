@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from dschat.rlhf.trainer import answer_mask
+from dschat.rlhf.trainer import answer_mask, has_interior_gaps
 from dschat.steps import ppo, reward, sft
 from helpers import PPO_FAST, RM_FAST, SFT_FAST
 from launch import REPO, run_deepspeed
@@ -128,6 +128,11 @@ def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, t
     torch.testing.assert_close(out["logprobs"] * amask, expected * amask, atol=1e-4, rtol=0)
     actor_loss, _ = trainer.train_rlhf(out)
     assert torch.isfinite(actor_loss)
+
+
+def test_interior_gaps_of_answer_masks():
+    assert not has_interior_gaps(torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]))
+    assert has_interior_gaps(torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]]))
 
 
 def test_logprobs_from_generation_needs_the_hybrid_engine(trained, tmp_path):

@@ -26,6 +26,12 @@ def answer_mask(answers, eos_token_id, pad_token_id):
     return mask.long()
 
 
+def has_interior_gaps(action_mask):
+    """Whether some row's answer mask has a 0 before a 1 (a masked token inside the answer)."""
+    seen_zero = (action_mask == 0).long().cummax(1).values.bool()
+    return bool((seen_zero & action_mask.bool()).any())
+
+
 class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
 
@@ -104,6 +110,10 @@ class DeepSpeedPPOTrainer:
         t1 = time.time()
         with torch.no_grad():
             start = prompt_len - 1
+            if decode_logprobs is not None and has_interior_gaps(action_mask):
+                # a pad token sampled mid-answer is masked in the forwards but was attended to while decoding: the
+                # decode step's log-probs after it would not be the ones training compares against
+                decode_logprobs = None
             logprobs = decode_logprobs if decode_logprobs is not None else \
                 self._logprobs(self.actor_model, seq, attention_mask, start)
             ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask, start)
