@@ -94,7 +94,8 @@ class HybridEngine:
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,
-                                          token_sync=self.tp.share_tokens if self.tp else None) \
+                                          token_sync=self.tp.share_tokens if self.tp else None,
+                                          group_agrees=self._group_agrees if self.tp else None) \
             if self.hybrid_config.enable_cuda_graph else None
         # Stats
         self._iteration = None  # IterationStats in progress
@@ -277,10 +278,15 @@ class HybridEngine:
         self._iteration.samples += batch_size
         return (result.sequences, result.logprobs) if return_logprobs else result.sequences
 
+    def _group_agrees(self, flag):
+        return self.tp.all_agree(flag, self._engine.device)
+
     def _graph_generate(self, input_ids, attention_mask, max_new_tokens, dtype, return_logprobs, sampling):
-        """The graph path's ``Generation``, or None (decode eagerly). In a tensor-parallel group the graphs replay only
-        if every rank has its step captured: a capture that failed on one rank makes the whole group decode eagerly
-        from then on (a rank replaying a graph while another decodes eagerly would mismatch their collectives)."""
+        """The graph path's ``Generation``, or None (decode eagerly). In a tensor-parallel group the ranks capture
+        together (``GraphDecoder.group_agrees``) and replay only if every rank has its step captured: a capture that
+        failed on one rank makes the whole group decode eagerly from then on (a rank replaying a graph while another
+        decodes eagerly would mismatch their collectives). Not covered: a rank failing during the capture's eager
+        warm-up steps, which run the forward's collectives, leaves the others waiting in them."""
         graphs = self.graph_decoder
         run_args = {name: sampling[name] for name in ("min_new_tokens", "generator", "early_exit_interval")}
         prepare_args = {name: value for name, value in sampling.items() if name not in ("generator",

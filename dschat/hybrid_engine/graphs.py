@@ -245,9 +245,12 @@ class GraphDecoder:
     cache that counts tokens on the host, a failed capture); each reason is logged once.
     """
 
-    def __init__(self, kv_cache, capture_graphs=True, compile_mode=None, token_sync=None):
+    def __init__(self, kv_cache, capture_graphs=True, compile_mode=None, token_sync=None, group_agrees=None):
         self.kv_cache = kv_cache
         self.token_sync = token_sync  # see CapturedDecoder
+        # Inference tensor parallelism: group_agrees(flag) is True on every rank of the group when flag is True on
+        # every rank. The group's ranks capture together (a capture's warm-up steps run the forward's collectives).
+        self.group_agrees = group_agrees
         self.capture_graphs = capture_graphs  # False: same buffers and steps, run eagerly (tests of the logic on CPU)
         # Not None: the one-token forward inside the graph is torch.compile'd with this mode (e.g. "default" or
         # "max-autotune-no-cudagraphs"), fusing the small kernels a graph replays one by one. Compiled during the
@@ -335,6 +338,8 @@ class GraphDecoder:
         key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
                           pad_token_id, min_new_tokens, return_logprobs)
         decoder = self.decoders.get(key)
+        if self.group_agrees is not None and not self.group_agrees(decoder is not None):
+            decoder = None  # another rank of the group has to capture (e.g. its storage moved): capture together
         if decoder is None:
             try:
                 decoder = self._capture(model, cache, key, input_ids, attention_mask, max_new_tokens, min_new_tokens)

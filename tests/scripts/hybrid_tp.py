@@ -120,16 +120,27 @@ def check_leader_sampling(engine, ids, mask, rank):
 
 def check_group_agrees_on_graphs(engine, ids, mask, eos, expected, rank):
     """The graph path's logic (``capture_graphs=False``: same buffers and steps, not captured) under TP gives the
-    eager answers; then a capture failing on rank 1 only makes both ranks decode eagerly, still correctly, from then on
-    (without the agreement rank 0 would replay while rank 1 decodes eagerly and their collectives would mismatch)."""
+    eager answers; when one rank has to capture again, both do; a capture failing on rank 1 only makes both ranks
+    decode eagerly, still correctly, from then on (without the agreements the ranks would run different collectives:
+    warm-up steps against replays, replays against the eager loop)."""
     from dschat.hybrid_engine.graphs import GraphDecoder
 
-    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, token_sync=engine.tp.share_tokens)
+    def graph_decoder():
+        return GraphDecoder(engine.kv_cache, capture_graphs=False, token_sync=engine.tp.share_tokens,
+                            group_agrees=engine._group_agrees)
+
+    engine.graph_decoder = graph_decoder()
     engine.eval()
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
     assert torch.equal(got, expected) and engine.graph_decoder.replays > 0, (rank, got, expected)
+    assert engine.graph_decoder.captures == 1
+    # rank 1 alone has to capture again (as when its storage moved): the whole group captures with it
+    if rank == 1:
+        engine.graph_decoder.decoders.clear()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    assert torch.equal(got, expected) and engine.graph_decoder.captures == 2, (rank, engine.graph_decoder.captures)
 
-    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, token_sync=engine.tp.share_tokens)
+    engine.graph_decoder = graph_decoder()
     if rank == 1:
         def failing_capture(*args, **kwargs):
             raise RuntimeError("capture failed on this rank only")
