@@ -18,8 +18,9 @@ def free_port():
 
 def remove_shm_buffers(port):
     """DeepSpeed's CPU all-reduce leaves a ~69 MB /dev/shm buffer per rank and launch (never unlinked). dschat's
-    ranks remove their own at exit; a launch that crashed or never called ``ensure_distributed`` may still leave
-    them, and a suite of launches would fill the machine's shared memory, so each launch's buffers go when it ends."""
+    ranks unlink their own once the process group has started; a launch that crashed before or never called
+    ``ensure_distributed`` may still leave them, and a suite of launches would fill the machine's shared memory, so
+    each launch's buffers go when it ends."""
     for path in shm_buffers(port):
         try:
             os.unlink(path)

@@ -1,5 +1,4 @@
 """Process-group set-up that works under the deepspeed launcher and in a plain ``python`` process."""
-import atexit
 import glob
 import os
 import socket
@@ -27,7 +26,7 @@ def ensure_distributed():
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         deepspeed.init_distributed()
-        _remove_shm_buffer_at_exit()
+        _unlink_own_shm_buffer()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
@@ -36,22 +35,23 @@ def shm_buffers(port, rank="*"):
     return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}")
 
 
-def _remove_shm_buffer_at_exit():
-    """DeepSpeed's CPU backend maps a ~69 MB /dev/shm buffer per rank and never unlinks it, so every multi-rank CPU
-    run would leave its buffers behind until shared memory fills up. Each rank unlinks its own at exit (the other
-    ranks mapped it when the process group started; unlinking does not unmap)."""
-    port, rank = os.environ.get("MASTER_PORT"), os.environ.get("RANK")
-    if port is None or rank is None:
+def _unlink_own_shm_buffer():
+    """DeepSpeed's CPU backend creates a ~69 MB /dev/shm buffer per rank and never unlinks it, so every multi-rank
+    CPU run would leave its buffers behind until shared memory fills up. Once every rank has mapped every buffer (they
+    do while the process group starts; the barrier makes sure all have), each rank unlinks its own by its exact name:
+    the mappings stay valid, and nothing is left behind even if a rank is killed."""
+    from deepspeed.accelerator import get_accelerator
+
+    addr, port, rank = (os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
+    if torch.distributed.get_world_size() == 1 or get_accelerator().device_name() != "cpu" or \
+            None in (addr, port, rank):
         return
-
-    def remove():
-        for path in shm_buffers(port, rank):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-
-    atexit.register(remove)
+    torch.distributed.barrier()
+    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def get_rank():
