@@ -5,10 +5,10 @@ name in ``config._attn_implementation``. dschat registers ``"dschat_decode"``: f
 KV cache it runs the Triton flash-decoding kernel of ``triton_decode.py`` (reads only the cache blocks the mask
 leaves visible); for everything else (prefill, training forwards, features the kernel does not have) it calls
 transformers' SDPA function unchanged. Its mask is SDPA's. With it, the KV cache writes each new token with one Triton
-kernel too (``cache.TokenWriteLayer``). The engine switches a model that uses SDPA to it for the
-duration of a generation only (:func:`decode_attention`), so training forwards never see it, and every model family
-whose attention goes through the interface (Llama, Qwen2, Mistral, OPT, GPT-2, ...) gets it without model-specific
-code.
+kernel too (``cache.TokenWriteLayer``). The engine switches a model that uses SDPA through the interface to it for the
+duration of a generation only (:func:`decode_attention`), so training forwards never see it, and every such family
+(Llama, Qwen2, Mistral, OPT, GPT-2, ...) gets it without model-specific code. If a kernel fails, that is said once and
+torch's ops serve from then on.
 """
 import contextlib
 import functools

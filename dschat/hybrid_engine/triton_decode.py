@@ -7,6 +7,8 @@ heads of a key/value head, so each key/value block is read once. A row's span is
 batch x key/value heads alone would leave the GPU's multiprocessors idle; the partial results are combined with their
 log-sum-exp, as in FlashAttention's decoding kernels.
 
+Also here: the one-token KV-cache write (:func:`write_token_kv`), the slot read from a device counter.
+
 Every launch shape depends only on tensor shapes, never on values, so the kernels can be captured in a CUDA graph.
 Imported only when the kernel is used (it needs ``triton``); ``TRITON_INTERPRET=1`` runs it on the CPU for tests.
 """
