@@ -57,13 +57,15 @@ def estimated_bytes(model_config, batch_size, max_len, dtype, num_kv_heads=None)
 class TokenWriteLayer(StaticLayer):
     """A ``StaticLayer`` that writes a decode step's one new token with dschat's Triton kernel (the slot read from the
     layer's device counter) and one counter add: transformers' update builds an index tensor (arange + add), bumps the
-    counter and runs two ``index_copy_``, slow for one slot. Everything else (prefill, no device counter, no Triton)
-    is ``StaticLayer.update`` unchanged."""
+    counter and runs two ``index_copy_``, slow for one slot. Everything else (prefill, no device counter, no Triton, a
+    compiled step) is ``StaticLayer.update`` unchanged."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         counter = getattr(self, "cumulative_length", None)
+        # Under torch.compile (compile_decode_step) inductor already fuses transformers' update into one kernel.
         if key_states.shape[-2] == 1 and self.is_initialized and torch.is_tensor(counter) and \
-                counter.device == key_states.device and triton_runs_on(key_states):
+                counter.device == key_states.device and triton_runs_on(key_states) and \
+                not torch.compiler.is_compiling():
             from dschat.hybrid_engine import triton_decode
 
             try:
