@@ -120,3 +120,45 @@ def test_a_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
     assert torch.equal(got, hf_generate(model, ids, mask, 8)) and torch.equal(again, got)
     assert len(calls) == 1, "after the first failure the kernel is not called again"
     assert sum("Triton decode kernel failed" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
+def test_gpu_kernels_in_bf16_autotuned_and_captured_in_a_graph():
+    """What the CPU interpreter cannot check: bf16, the autotuned launch and CUDA-graph capture (a replay with new
+    inputs equals an eager call), for the attention and the token write."""
+    from dschat.hybrid_engine import triton_decode
+
+    torch.manual_seed(0)
+    for batch, heads, kv_heads, length, dim in ((64, 32, 32, 512, 64), (8, 28, 4, 512, 128), (3, 8, 1, 100, 80)):
+        q = torch.randn(batch, 1, heads, dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        k, v = (torch.randn(batch, kv_heads, length, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device="cuda")
+        for b in range(batch):
+            mask[b, ..., (7 * b) % (length // 2):length - (3 * b) % (length // 3)] = True
+        group = heads // kv_heads
+
+        def reference():
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
+                attn_mask=mask, scale=dim ** -0.5).transpose(1, 2)
+
+        got = triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
+        assert (got.float() - reference()).abs().max() < 2e-2, (batch, heads, kv_heads, dim)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.testing.assert_close(captured, triton_decode.decode_attention(q, k, v, mask, dim ** -0.5), atol=0, rtol=0)
+
+    keys, values = (torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    new = torch.randn(4, 1, 2, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    triton_decode.write_token_kv(keys, values, new, new * 2, torch.tensor(5, device="cuda"))
+    assert torch.equal(keys[:, :, 5], new[:, :, 0]) and torch.equal(values[:, :, 5], 2 * new[:, :, 0])
+    assert torch.count_nonzero(keys[:, :, :5]) == 0 and torch.count_nonzero(keys[:, :, 6:]) == 0, "other slots kept"
