@@ -117,6 +117,7 @@ def test_dpo_collator_masks_prompt_and_padding():
     batch = DataCollatorDPO(0)(items)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [7, 8, 0, 0, 0], [1, 2, 4, 5, 6], [7, 9, 9, 0, 0]]
     assert batch["response_mask"].tolist() == [[0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 1, 1], [0, 1, 1, 0, 0]]
+    assert batch["answer_start"] == 1  # the earliest answer column of any row, an int (no device sync later)
 
 
 def write_pairs(path, count, start=0):

@@ -51,14 +51,22 @@ class DataCollatorReward:
 
 class DataCollatorDPO(DataCollatorReward):
     """Phase 2 for DPO: the reward collator's batch plus ``response_mask`` (2B, L), 1 on the answer tokens
-    (after each pair's ``prompt_length``, EOT included) and 0 on the prompt and the padding."""
+    (after each pair's ``prompt_length``, EOT included) and 0 on the prompt and the padding, and ``answer_start``
+    (int): the batch's first answer column, computed here on the CPU so the forward needs no device sync for it."""
 
     def __call__(self, items):
         batch = super().__call__(items)
         prompt_lengths = torch.tensor([int(i["prompt_length"]) for i in items] * 2)
         positions = torch.arange(batch["input_ids"].shape[1])
         batch["response_mask"] = (positions[None, :] >= prompt_lengths[:, None]).long() * batch["attention_mask"]
+        batch["answer_start"] = first_answer_position(batch["response_mask"])
         return batch
+
+
+def first_answer_position(response_mask):
+    """The earliest column holding an answer token in any row (the sequence length when there is none)."""
+    columns = response_mask.bool().any(0).nonzero()
+    return int(columns[0]) if len(columns) else response_mask.shape[1]
 
 
 class DataCollatorRLHF:

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dschat.args import step2_dpo_parser
+from dschat.data.collators import first_answer_position
 from dschat.data.samplers import eval_weights
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.checkpoint import save_causal_lm
@@ -50,16 +51,14 @@ def sequence_log_probs(model, batch):
     Where the model takes ``logits_to_keep``, its LM head runs only from the position before the batch's earliest
     answer token on: the prompts' logits are never computed (as step 3's forwards do)."""
     ids, response_mask = batch["input_ids"], batch["response_mask"]
-    keep = ids.shape[1] - max(first_answer_position(response_mask) - 1, 0)
+    start = batch.get("answer_start")
+    if start is None:  # a batch not built by DataCollatorDPO
+        start = first_answer_position(response_mask)
+    keep = ids.shape[1] - max(start - 1, 0)
     extra = {"logits_to_keep": keep} if forward_spec(getattr(model, "module", model)).takes_logits_to_keep else {}
     logits = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False, **extra).logits
     return response_log_probs(logits[:, -keep:], ids[:, -keep:], response_mask[:, -keep:])
 
-
-def first_answer_position(response_mask):
-    """The earliest column holding an answer token in any row (the sequence length when there is none)."""
-    columns = response_mask.bool().any(0).nonzero()
-    return int(columns[0]) if len(columns) else response_mask.shape[1]
 
 
 def split_pairs(logps):
