@@ -153,8 +153,11 @@ def test_answer_log_probs_ignore_padding_and_batch_neighbours(tokenizer, distrib
     head_inputs = []
     handle = model.lm_head.register_forward_hook(lambda module, args, out: head_inputs.append(args[0].shape[1]))
     with torch.no_grad():
-        padded = dpo.sequence_log_probs(model, DataCollatorDPO(tokenizer.pad_token_id)(items))
+        batch = DataCollatorDPO(tokenizer.pad_token_id)(items)
+        padded = dpo.sequence_log_probs(model, batch)
         handle.remove()
+        without_start = {k: v for k, v in batch.items() if k != "answer_start"}  # a batch from elsewhere
+        torch.testing.assert_close(dpo.sequence_log_probs(model, without_start), padded)
         alone = model(input_ids=items[0]["chosen_input_ids"][None]).logits
         expected = torch.log_softmax(alone[0, 2:-1], -1).gather(-1, T([8, 2])[:, None]).sum()
         rejected = torch.log_softmax(model(input_ids=items[0]["rejected_input_ids"][None]).logits[0, 2:-1], -1)
