@@ -1,19 +1,12 @@
 """Run a script on 2 CPU ranks through the deepspeed launcher (the way users start multi-rank jobs)."""
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from dschat.utils.dist import shm_buffers
+from dschat.utils.dist import free_port, shm_buffers
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def remove_shm_buffers(port):

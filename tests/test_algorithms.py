@@ -1,7 +1,6 @@
 """Tests of dschat.rlhf.algorithms against hand-computed numbers and obviously-correct loops."""
 import math
 import os
-import socket
 import statistics
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dschat.rlhf import algorithms as A
+from dschat.utils.dist import free_port
 
 D = torch.float64
 
@@ -128,15 +128,9 @@ def _whiten_worker(rank, world, port, path):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_masked_whiten_process_group_matches_whole_batch(tmp_path):
     import torch.multiprocessing as mp
-    mp.spawn(_whiten_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_whiten_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     got = torch.cat([torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 5, generator=g, dtype=D) * 3 + 1

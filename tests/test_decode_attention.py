@@ -126,6 +126,8 @@ def test_a_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
 def test_gpu_kernels_in_bf16_autotuned_and_captured_in_a_graph():
     """What the CPU interpreter cannot check: bf16, the autotuned launch and CUDA-graph capture (a replay with new
     inputs equals an eager call), for the attention and the token write."""
+    from hybrid_common import sdpa_reference
+
     from dschat.hybrid_engine import triton_decode
 
     torch.manual_seed(0)
@@ -135,15 +137,9 @@ def test_gpu_kernels_in_bf16_autotuned_and_captured_in_a_graph():
         mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device="cuda")
         for b in range(batch):
             mask[b, ..., (7 * b) % (length // 2):length - (3 * b) % (length // 3)] = True
-        group = heads // kv_heads
-
-        def reference():
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
-                attn_mask=mask, scale=dim ** -0.5).transpose(1, 2)
-
         got = triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
-        assert (got.float() - reference()).abs().max() < 2e-2, (batch, heads, kv_heads, dim)
+        error = (got.double() - sdpa_reference(q, k, v, mask, dim ** -0.5)).abs().max()
+        assert error < 2e-2, (batch, heads, kv_heads, dim, error)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

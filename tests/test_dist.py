@@ -5,9 +5,9 @@ import subprocess
 import sys
 import textwrap
 
-from launch import REPO, free_port, remove_shm_buffers
+from launch import REPO, remove_shm_buffers
 
-from dschat.utils.dist import shm_buffers
+from dschat.utils.dist import free_port, shm_buffers
 
 SCRIPT = textwrap.dedent("""
     import os, sys, torch, deepspeed

@@ -6,7 +6,8 @@ import socket
 import torch
 
 
-def _free_port():
+def free_port():
+    """A TCP port nobody listens on now (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -24,7 +25,7 @@ def ensure_distributed():
     if not torch.distributed.is_initialized():
         if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         deepspeed.init_distributed()
         _unlink_own_shm_buffer()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

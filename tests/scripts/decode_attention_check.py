@@ -10,18 +10,10 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch, make_ds_engine,  # noqa: E402
+                           sdpa_reference as reference, tiny_model)
 
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig, attention, triton_decode  # noqa: E402
-
-
-def reference(q, k, v, mask, scale):
-    """SDPA on fp64 copies, key/value heads repeated for grouped-query attention; (B, 1, H, D)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
-                                                           scale=scale)
-    return out.transpose(1, 2)
 
 
 def padded_mask(batch, length, seed):

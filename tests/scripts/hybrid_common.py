@@ -147,3 +147,13 @@ def gather_into(reference, model):
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
             ref[name].data.copy_(p.data)
+
+
+def sdpa_reference(q, k, v, mask, scale):
+    """One-token attention by SDPA on fp64 copies, key/value heads repeated for grouped-query attention; (B, 1, H, D)
+    as transformers' attention functions return it (the decode-attention kernel's reference)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                           scale=scale)
+    return out.transpose(1, 2)
