@@ -171,33 +171,14 @@ def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False,
 
 
 def profile_decode(he, prompt, mask, kw, new_tokens=33):
-    """Kernel time of a short generation (prefill + 32 decode steps) by kernel, from torch.profiler: says whether the
-    decode step's time is in a few bandwidth-bound kernels (GEMMs, attention) or in many small ones."""
-    from torch.profiler import ProfilerActivity, profile
+    """Kernel time of a short generation (prefill + 32 decode steps) by kernel: says whether the decode step's time
+    is in a few bandwidth-bound kernels (GEMMs, attention) or in many small ones."""
+    from profiling import profile_kernels
 
     kw = dict(kw, max_new_tokens=new_tokens)
     he.generate(prompt, attention_mask=mask, **kw)  # same key as the timed runs: no capture inside the profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        he.generate(prompt, attention_mask=mask, **kw)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-
-    def device_us(e):
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-
-    kernels.sort(key=device_us, reverse=True)
-    total_us = sum(device_us(e) for e in kernels)
-    top = [{"kernel": e.key[:120], "count": e.count, "ms": device_us(e) / 1e3} for e in kernels[:40]]
-    summary = {"new_tokens": new_tokens, "wall_s": wall, "kernel_s": total_us / 1e6,
-               "kernel_launches": sum(e.count for e in kernels), "top_kernels": top}
-    log(f"profile: {new_tokens} tokens in {wall:.3f} s wall, {total_us / 1e6:.3f} s of kernels, "
-        f"{summary['kernel_launches']} kernels")
-    for row in top[:20]:
-        log(f"  {row['ms']:9.2f} ms {row['count']:7d}x  {row['kernel']}")
-    return summary
+    summary = profile_kernels(lambda: he.generate(prompt, attention_mask=mask, **kw), f"{new_tokens} tokens", log)
+    return dict(summary, new_tokens=new_tokens)
 
 
 def write_json(args, bw, rows):

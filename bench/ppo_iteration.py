@@ -4,13 +4,15 @@ on every GPU of a data-parallel job (64 prompts per GPU; the slowest rank sets e
 
 OPT-1.3B-shaped actor and OPT-350m-shaped critic/reward with random weights, bf16, 64 prompts of 256 tokens,
 256 generated tokens (answers never end early), generation batch = training batch = 64, one PPO epoch, actor
-gradient checkpointing (as in DeepSpeed-Chat's measured run). Mean of iterations 2..N.
+gradient checkpointing (as in DeepSpeed-Chat's measured run) unless the variant says nockpt. Mean of iterations 2..N.
 
     python bench/ppo_iteration.py --variants z2_hybrid,z2_hf,z3_hybrid,z3_hf --iterations 6
     python bench/ppo_iteration.py --variants z2_hybrid,z2_hybrid_compiled,z2_hybrid_genlogp --cuda_graph
 
-A variant is z<stage>_hybrid or z<stage>_hf, optionally followed by _compiled (``--compile_decode_step default``) and
-_genlogp (``--logprobs_from_generation``); the flags of the same names apply to every hybrid variant.
+A variant is z<stage>_hybrid or z<stage>_hf, optionally followed by _compiled (``--compile_decode_step default``),
+_genlogp (``--logprobs_from_generation``) and _nockpt (actor gradient checkpointing off); the flags of the same names
+apply to every hybrid variant. ``--profile`` adds one untimed iteration under torch.profiler per variant and prints
+the kernel time of its experience and training phases.
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
 
 Needs a CUDA GPU; run through the device tool. Prints a table; writes JSON to $OUT when set.
@@ -81,7 +83,7 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     settings = {"actor_zero_stage": stage, "critic_zero_stage": stage, "enable_hybrid_engine": hybrid,
                 "dtype": "bf16" if torch.cuda.is_available() else "fp32", "per_device_generation_batch_size": args.batch,
                 "per_device_training_batch_size": args.batch, "max_prompt_seq_len": args.prompt,
-                "max_answer_seq_len": args.gen, "actor_gradient_checkpointing": True, "num_warmup_steps": 0,
+                "max_answer_seq_len": args.gen, "actor_gradient_checkpointing": "nockpt" not in options, "num_warmup_steps": 0,
                 "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir,
                 "compile_decode_step": compile_mode if hybrid else None,
                 "logprobs_from_generation": hybrid and (args.logprobs_from_generation or "genlogp" in options)}
@@ -116,6 +118,14 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     world = dist.get_world_size()
     mean.update(variant=name, world_size=world, samples_per_s=world * args.batch / mean["wall"],
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0)
+    if args.profile and torch.cuda.is_available():  # after the timed iterations, so they are not slowed by it
+        from profiling import profile_kernels
+
+        holder = {}
+        mean["profile"] = [
+            profile_kernels(lambda: holder.update(exp=trainer.generate_experience(batch, step=args.iterations)),
+                            f"{name} generate_experience", log),
+            profile_kernels(lambda: trainer.train_rlhf(holder["exp"]), f"{name} train_rlhf", log)]
     del trainer, engine
     return mean
 
@@ -131,6 +141,7 @@ def main():
     p.add_argument("--compile_decode_step", default=None, help="torch.compile mode of the decode step (e.g. default)")
     p.add_argument("--logprobs_from_generation", action="store_true",
                    help="hybrid variants: the actor's old log-probs from the decode step (no actor experience forward)")
+    p.add_argument("--profile", action="store_true", help="one more iteration per variant under torch.profiler")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU): checks the script only")
     p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
