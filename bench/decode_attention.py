@@ -3,6 +3,9 @@ one decode step's attention of one layer over a static cache (batch B, cache of 
 rest masked, as in the middle of a 256 + 256 generation).
 
     python bench/decode_attention.py                       # OPT-1.3B and Qwen2.5-7B head layouts, B=64, L=512, F=384
+    python bench/decode_attention.py --layouts opt-1.3b --filled 256,384,512     # how each tiling scales with the fill
+
+The autotuned row is the engine's launch: it tunes each shape once, on a 3/4-filled cache, whatever F is.
 
 Prints microseconds per call and the bandwidth the visible keys/values were read at; writes JSON to $OUT when set.
 """
@@ -56,26 +59,27 @@ def main():
     p.add_argument("--layouts", default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cache", type=int, default=512)
-    p.add_argument("--filled", type=int, default=384)
+    p.add_argument("--filled", default="384", help="filled slots, comma-separated")
     p.add_argument("--json", default="decode_attention.json")
     args = p.parse_args()
     from dschat.hybrid_engine import triton_decode
 
     rows = []
-    for name in args.layouts.split(","):
+    cases = [(name, int(filled)) for name in args.layouts.split(",") for filled in args.filled.split(",")]
+    for name, filled in cases:
         heads, kv_heads, dim = LAYOUTS[name]
         torch.manual_seed(0)
         q = torch.randn(args.batch, 1, heads, dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
         k, v = (torch.randn(args.batch, kv_heads, args.cache, dim, dtype=torch.bfloat16, device="cuda")
                 for _ in range(2))
         mask = torch.zeros(args.batch, 1, 1, args.cache, dtype=torch.bool, device="cuda")
-        mask[..., :args.filled] = True
-        visible_bytes = 2 * args.batch * kv_heads * args.filled * dim * 2
+        mask[..., :filled] = True
+        visible_bytes = 2 * args.batch * kv_heads * filled * dim * 2
         reference = sdpa_as_transformers(q, k, v, mask).reshape(args.batch, heads, 1, dim).transpose(1, 2)
 
         def record(label, fn, out=None):
             us = time_us(fn)
-            row = {"layout": name, "variant": label, "us": us, "visible_TBps": visible_bytes / us / 1e6,
+            row = {"layout": name, "filled": filled, "variant": label, "us": us, "visible_TBps": visible_bytes / us / 1e6,
                    "max_abs_error": None if out is None else (out.float() - reference.float()).abs().max().item()}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -92,11 +96,11 @@ def main():
         out = triton_decode.decode_attention(q, k, v, mask, dim ** -0.5)
         record("triton autotuned (the engine's)", lambda: triton_decode.decode_attention(q, k, v, mask, dim ** -0.5), out)
 
-    print(f"\n{'layout':<12}{'variant':<48}{'us':>8}{'TB/s':>7}")
-    for name in args.layouts.split(","):
-        mine = sorted((r for r in rows if r["layout"] == name), key=lambda r: r["us"])
+    print(f"\n{'layout':<12}{'filled':>7}  {'variant':<48}{'us':>8}{'TB/s':>7}")
+    for name, filled in cases:
+        mine = sorted((r for r in rows if (r["layout"], r["filled"]) == (name, filled)), key=lambda r: r["us"])
         for r in [x for x in mine if not x["variant"].startswith("triton block")] + mine[:5]:
-            print(f"{r['layout']:<12}{r['variant']:<48}{r['us']:>8.1f}{r['visible_TBps']:>7.2f}")
+            print(f"{r['layout']:<12}{filled:>7}  {r['variant']:<48}{r['us']:>8.1f}{r['visible_TBps']:>7.2f}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

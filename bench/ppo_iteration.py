@@ -4,7 +4,8 @@ on every GPU of a data-parallel job (64 prompts per GPU; the slowest rank sets e
 
 OPT-1.3B-shaped actor and OPT-350m-shaped critic/reward with random weights, bf16, 64 prompts of 256 tokens,
 256 generated tokens (answers never end early), generation batch = training batch = 64, one PPO epoch, actor
-gradient checkpointing (as in DeepSpeed-Chat's measured run) unless the variant says nockpt. Mean of iterations 2..N.
+gradient checkpointing (as in DeepSpeed-Chat's measured run) unless the variant says nockpt. Mean (and median) of
+iterations 2..N.
 
     python bench/ppo_iteration.py --variants z2_hybrid,z2_hf,z3_hybrid,z3_hf --iterations 6
     python bench/ppo_iteration.py --variants z2_hybrid,z2_hybrid_compiled,z2_hybrid_genlogp --cuda_graph
@@ -20,6 +21,7 @@ Needs a CUDA GPU; run through the device tool. Prints a table; writes JSON to $O
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -117,6 +119,7 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     mean = {k: sum(r[k] for r in steady) / len(steady) for k in steady[0]}
     world = dist.get_world_size()
     mean.update(variant=name, world_size=world, samples_per_s=world * args.batch / mean["wall"],
+                median_wall=statistics.median(r["wall"] for r in steady),
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0)
     if args.profile and torch.cuda.is_available():  # after the timed iterations, so they are not slowed by it
         from profiling import profile_kernels
@@ -176,16 +179,18 @@ def main():
             import traceback
             traceback.print_exc()
             results.append({"variant": name, "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
+        torch._dynamo.reset()  # compiled decode steps hold their models
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     log(f"\nranks: {dist.get_world_size()} (samples/s counts all of them)")
-    log(f"\n{'variant':<22}{'wall s':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}{'peak GB':>9}")
+    log(f"\n{'variant':<34}{'wall s':>8}{'median':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}"
+        f"{'peak GB':>9}")
     for r in results:
         if "error" in r:
-            log(f"{r['variant']:<22} FAILED {r['error'][:90]}")
+            log(f"{r['variant']:<34} FAILED {r['error'][:90]}")
             continue
-        log(f"{r['variant']:<22}{r['wall']:>8.2f}{r['generation']:>8.2f}{r['experience']:>8.2f}{r['training']:>9.2f}"
+        log(f"{r['variant']:<34}{r['wall']:>8.2f}{r['median_wall']:>8.2f}{r['generation']:>8.2f}{r['experience']:>8.2f}{r['training']:>9.2f}"
             f"{r['samples_per_s']:>11.1f}{r['peak_gb']:>9.1f}")
     if os.environ.get("OUT") and dist.get_rank() == 0:
         with open(os.path.join(os.environ["OUT"], args.json), "w") as f:

@@ -14,19 +14,73 @@ def profile_kernels(fn, label, log, top=20):
     kernels by their own device time. Kernel seconds well under wall seconds: the phase waits on the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - t
     kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
     kernels.sort(key=_device_us, reverse=True)
     total_us = sum(_device_us(e) for e in kernels)
     rows = [{"kernel": e.key[:120], "count": e.count, "ms": _device_us(e) / 1e3} for e in kernels[:40]]
-    summary = {"label": label, "wall_s": wall, "kernel_s": total_us / 1e6,
+    busy_s = sum(end - start for start, end in _busy_spans(prof.events())) / 1e6
+    summary = {"label": label, "wall_s": wall, "kernel_s": total_us / 1e6, "gpu_busy_s": busy_s,
                "kernel_launches": sum(e.count for e in kernels), "top_kernels": rows}
-    log(f"profile {label}: {wall:.3f} s wall, {total_us / 1e6:.3f} s of kernels, {summary['kernel_launches']} kernels")
+    log(f"profile {label}: {wall:.3f} s wall, {total_us / 1e6:.3f} s of kernels, GPU busy {busy_s:.3f} s, "
+        f"{summary['kernel_launches']} kernels")
     for row in rows[:top]:
         log(f"  {row['ms']:9.2f} ms {row['count']:7d}x  {row['kernel']}")
+    summary["phases"] = gpu_idle_by_phase(prof, log)
     return summary
+
+
+def _busy_spans(events):
+    """The GPU's busy time as sorted, merged [start, end] spans (microseconds, the profiler's clock)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA and not e.name.startswith("dschat."))
+    merged = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _busy_within(merged, lo, hi):
+    import bisect
+
+    i = max(0, bisect.bisect_right([s for s, _ in merged], lo) - 1)
+    busy = 0.0
+    for start, end in merged[i:]:
+        if start >= hi:
+            break
+        busy += max(0.0, min(end, hi) - max(start, lo))
+    return busy
+
+
+def gpu_idle_by_phase(prof, log):
+    """For each ``dschat.*`` range (trainer phases, see dschat/rlhf/trainer.py): its host time and how much of it
+    the GPU sat idle. Idle time inside a phase means the GPU waited for the host there (Python, launches, syncs)."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    merged = _busy_spans(events)
+    starts = [s for s, _ in merged]
+    table = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU or not e.name.startswith("dschat."):
+            continue
+        lo, hi = e.time_range.start, e.time_range.end
+        row = table.setdefault(e.name, {"phase": e.name, "count": 0, "host_ms": 0.0, "gpu_idle_ms": 0.0})
+        row["count"] += 1
+        row["host_ms"] += (hi - lo) / 1e3
+        row["gpu_idle_ms"] += (hi - lo - _busy_within(merged, lo, hi)) / 1e3 if starts else (hi - lo) / 1e3
+    rows = sorted(table.values(), key=lambda r: r["phase"])
+    for r in rows:
+        log(f"  {r['phase']:<34}{r['count']:>4}x {r['host_ms']:9.1f} ms host, GPU idle {r['gpu_idle_ms']:8.1f} ms")
+    return rows

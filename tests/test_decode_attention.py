@@ -30,6 +30,21 @@ def test_decode_attention_check(check):
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
+def test_autotuning_times_a_three_quarters_filled_cache_once_per_shape():
+    """The first call of a shape (the graph's warm-up, on the prompt-only cache) tunes on a typical fill instead."""
+    pytest.importorskip("triton", reason="the README's test command installs triton")
+    from dschat.hybrid_engine import triton_decode
+
+    seen = []
+    key = ("test-shape", 512)
+    triton_decode._TUNED.discard(key)
+    for _ in range(2):
+        triton_decode._tune_at_typical_fill(seen.append, key, 512, torch.device("cpu"))
+    assert len(seen) == 1, "tuned once per shape"
+    assert seen[0].shape == (1, 512) and seen[0].dtype == torch.uint8
+    assert seen[0][0, :384].all() and not seen[0][0, 384:].any(), "the first 3/4 of the slots visible"
+
+
 def _tiny(config_class, **kwargs):
     from transformers import AutoModelForCausalLM
 
@@ -131,6 +146,7 @@ def test_gpu_kernels_in_bf16_autotuned_and_captured_in_a_graph():
     from dschat.hybrid_engine import triton_decode
 
     torch.manual_seed(0)
+    tuned = len(triton_decode._TUNED)
     for batch, heads, kv_heads, length, dim in ((64, 32, 32, 512, 64), (8, 28, 4, 512, 128), (3, 8, 1, 100, 80)):
         q = torch.randn(batch, 1, heads, dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
         k, v = (torch.randn(batch, kv_heads, length, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
@@ -152,6 +168,7 @@ def test_gpu_kernels_in_bf16_autotuned_and_captured_in_a_graph():
         q.copy_(torch.randn_like(q))
         graph.replay()
         torch.testing.assert_close(captured, triton_decode.decode_attention(q, k, v, mask, dim ** -0.5), atol=0, rtol=0)
+    assert len(triton_decode._TUNED) == tuned + 3, "each shape autotuned on a typical fill, once"
 
     keys, values = (torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     new = torch.randn(4, 1, 2, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)

@@ -160,6 +160,10 @@ def _autotuned(device):
     return device.type == "cuda" and not os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Shapes whose autotuning already ran (see _tune_at_typical_fill).
+_TUNED = set()
+
+
 def launch(query, key, value, mask, scaling, tuning=None):
     """The kernels behind :func:`decode_attention`; ``tuning`` None: autotuned on the GPU, ``Tuning()`` elsewhere."""
     batch, num_heads, _, head_dim = query.shape
@@ -169,42 +173,64 @@ def launch(query, key, value, mask, scaling, tuning=None):
     programs = batch * num_kv_heads
     # From the smallest tile's block count: with larger tiles some parts may get no block (weight 0 in the combine).
     splits = split_count(programs, triton.cdiv(kv_len, 32), query.device)
-    final = torch.empty((batch, 1, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    if splits > 1:
-        out = torch.empty((batch * num_heads, splits, d_pad), dtype=torch.float32, device=query.device)
-        lse = torch.empty((batch * num_heads, splits), dtype=torch.float32, device=query.device)
-    else:
-        out = lse = final  # unused by the kernel
-    has_mask = mask is not None
-    if has_mask:
-        mask_2d = mask[:, 0, 0, :].view(torch.uint8)  # bool as bytes: one load per slot
-        stride_mb = mask_2d.stride(0) if mask_2d.shape[0] > 1 else 0
-        stride_mn = mask_2d.stride(1)
-    else:
-        mask_2d, stride_mb, stride_mn = key, 0, 0  # placeholder pointer, never read
     if tuning is None and _autotuned(query.device):
         kernel, launch_options = _partial_kernel_autotuned, {}
     else:
         tuning = tuning or Tuning()
         kernel = _partial_kernel
         launch_options = dict(BLOCK=tuning.block, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-    kernel[(programs, splits)](
-        query, key, value, mask_2d, out, lse, final,
-        query.stride(0), query.stride(1), query.stride(3),
-        key.stride(0), key.stride(1), key.stride(2), key.stride(3),
-        value.stride(0), value.stride(1), value.stride(2), value.stride(3),
-        stride_mb, stride_mn,
-        # autotuning keys only: the next powers of two, so that eager decoding with ever new cache lengths or batch
-        # sizes does not time the candidates again for each
-        triton.next_power_of_2(batch), triton.next_power_of_2(kv_len), num_kv_heads, kv_len,
-        scaling * math.log2(math.e),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        SPLITS=splits, HAS_MASK=has_mask, SCAN=min(MASK_SCAN, triton.next_power_of_2(kv_len)),
-        IEEE=query.dtype == torch.float32, **launch_options)
+
+    def partial(mask_bytes):
+        """The partial kernel over ``mask_bytes`` (None, or (B or 1, L) uint8); returns its final (or partial)
+        outputs."""
+        final = torch.empty((batch, 1, num_heads, head_dim), dtype=query.dtype, device=query.device)
+        if splits > 1:
+            out = torch.empty((batch * num_heads, splits, d_pad), dtype=torch.float32, device=query.device)
+            lse = torch.empty((batch * num_heads, splits), dtype=torch.float32, device=query.device)
+        else:
+            out = lse = final  # unused by the kernel
+        has_mask = mask_bytes is not None
+        if has_mask:
+            stride_mb = mask_bytes.stride(0) if mask_bytes.shape[0] > 1 else 0
+            stride_mn = mask_bytes.stride(1)
+        else:
+            mask_bytes, stride_mb, stride_mn = key, 0, 0  # placeholder pointer, never read
+        kernel[(programs, splits)](
+            query, key, value, mask_bytes, out, lse, final,
+            query.stride(0), query.stride(1), query.stride(3),
+            key.stride(0), key.stride(1), key.stride(2), key.stride(3),
+            value.stride(0), value.stride(1), value.stride(2), value.stride(3),
+            stride_mb, stride_mn,
+            # autotuning keys only: the next powers of two, so that eager decoding with ever new cache lengths or
+            # batch sizes does not time the candidates again for each
+            triton.next_power_of_2(batch), triton.next_power_of_2(kv_len), num_kv_heads, kv_len,
+            scaling * math.log2(math.e),
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+            SPLITS=splits, HAS_MASK=has_mask, SCAN=min(MASK_SCAN, triton.next_power_of_2(kv_len)),
+            IEEE=query.dtype == torch.float32, **launch_options)
+        return final, out, lse
+
+    mask_bytes = None if mask is None else mask[:, 0, 0, :].view(torch.uint8)  # bool as bytes: one load per slot
+    if kernel is _partial_kernel_autotuned and mask is not None:
+        _tune_at_typical_fill(partial, (triton.next_power_of_2(batch), triton.next_power_of_2(kv_len), num_kv_heads,
+                                        group, head_dim, splits, query.dtype), kv_len, query.device)
+    final, out, lse = partial(mask_bytes)
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](out, lse, final, HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits,
                                               SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
     return final
+
+
+def _tune_at_typical_fill(partial, shape_key, kv_len, device):
+    """Autotune a new shape on a cache 3/4 filled rather than on the caller's mask. The first call of a shape is the
+    decode graph's warm-up, right after the prefill, when the cache holds the prompt only; a generation then fills it
+    to the end, so its mean fill is P + N/2 of P + N slots (3/4 when prompt and answer are as long), and tiles timed
+    on the prompt alone were picked for a quarter less work than the average step does."""
+    if shape_key in _TUNED:
+        return
+    typical = (torch.arange(kv_len, device=device) < (3 * kv_len) // 4).to(torch.uint8)[None]
+    partial(typical)  # times the candidates; the autotuner keeps the best for this key (values are not in the key)
+    _TUNED.add(shape_key)
 
 
 @torch.library.custom_op("dschat::decode_attention", mutates_args=())

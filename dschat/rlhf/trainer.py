@@ -2,6 +2,7 @@
 import time
 
 import torch
+from torch.profiler import record_function as phase  # named ranges in a torch.profiler trace (no cost otherwise)
 
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.reward_model import positions_from_mask
@@ -101,7 +102,8 @@ class DeepSpeedPPOTrainer:
         prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
         self.eval()
         t0 = time.time()
-        seq, decode_logprobs = self._generate_sequence(prompts, mask)
+        with phase("dschat.generate"):
+            seq, decode_logprobs = self._generate_sequence(prompts, mask)
         gen_time = time.time() - t0
         prompt_len = prompts.shape[1]
         answers = seq[:, prompt_len:]
@@ -114,11 +116,15 @@ class DeepSpeedPPOTrainer:
                 # a pad token sampled mid-answer is masked in the forwards but was attended to while decoding: the
                 # decode step's log-probs after it would not be the ones training compares against
                 decode_logprobs = None
-            logprobs = decode_logprobs if decode_logprobs is not None else \
-                self._logprobs(self.actor_model, seq, attention_mask, start)
-            ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask, start)
-            values = self._values(self.critic_model, seq, attention_mask)[:, start:] if self.critic_model else None
-            scores = self._scores(batch, seq, attention_mask, answers, action_mask)
+            with phase("dschat.experience.actor"):
+                logprobs = decode_logprobs if decode_logprobs is not None else \
+                    self._logprobs(self.actor_model, seq, attention_mask, start)
+            with phase("dschat.experience.ref"):
+                ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask, start)
+            with phase("dschat.experience.critic"):
+                values = self._values(self.critic_model, seq, attention_mask)[:, start:] if self.critic_model else None
+            with phase("dschat.experience.reward"):
+                scores = self._scores(batch, seq, attention_mask, answers, action_mask)
         algo.check_finite("reward scores", scores)
         exp_time = time.time() - t1
         empty = (action_mask.sum(1) == 0) | ((action_mask.sum(1) == 1) & self._is_eos(answers[:, 0]))
@@ -215,22 +221,27 @@ class DeepSpeedPPOTrainer:
         start = inputs["prompts"].shape[1] - 1
         old_logp, ref_logp, old_values = inputs["logprobs"], inputs["ref_logprobs"], inputs["value"]
         agg = self._loss_agg(inputs)
-        with torch.no_grad():
+        with torch.no_grad(), phase("dschat.train.advantages"):
             rewards = self.compute_rewards(inputs["prompts"], old_logp, ref_logp, inputs["rewards"], mask)
             if a.advantage_estimator == "gae":
                 advantages, returns = self.get_advantages_and_returns(old_values, rewards, mask)
             else:
                 advantages, returns = self.critic_free_advantages(inputs["rewards"], rewards, mask)
         self.train()
-        actor_loss = self._actor_loss(seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg)
+        with phase("dschat.train.actor_loss"):
+            actor_loss = self._actor_loss(seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg)
         self._backward_and_step_actor(actor_loss)
         if self.critic_model is None:
             return actor_loss.detach(), torch.zeros((), device=actor_loss.device)
-        values = self._values(self.critic_model, seq, attention_mask)[:, start:]
-        critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value, **agg)
-        algo.check_finite("critic loss", critic_loss)
-        self.critic_model.backward(critic_loss)
-        self.critic_model.step()
+        with phase("dschat.train.critic_loss"):
+            values = self._values(self.critic_model, seq, attention_mask)[:, start:]
+            critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value,
+                                                          **agg)
+            algo.check_finite("critic loss", critic_loss)
+        with phase("dschat.train.critic_backward"):
+            self.critic_model.backward(critic_loss)
+        with phase("dschat.train.critic_step"):
+            self.critic_model.step()
         self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
         return actor_loss.detach(), critic_loss.detach()
 
@@ -266,9 +277,11 @@ class DeepSpeedPPOTrainer:
 
     def _backward_and_step_actor(self, loss):
         """Backward and step; the EMA follows each real optimizer step (not each accumulation micro-step)."""
-        self.actor_model.backward(loss)
+        with phase("dschat.train.actor_backward"):
+            self.actor_model.backward(loss)
         boundary = self.actor_model.is_gradient_accumulation_boundary()
-        self.actor_model.step()
+        with phase("dschat.train.actor_step"):
+            self.actor_model.step()
         if boundary:
             self._update_ema()
 
