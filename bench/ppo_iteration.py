@@ -11,7 +11,8 @@ iterations 2..N.
     python bench/ppo_iteration.py --variants z2_hybrid,z2_hybrid_compiled,z2_hybrid_genlogp --cuda_graph
 
 A variant is z<stage>_hybrid or z<stage>_hf, optionally followed by _compiled (``--compile_decode_step default``),
-_genlogp (``--logprobs_from_generation``) and _nockpt (actor gradient checkpointing off); the flags of the same names
+_genlogp (``--logprobs_from_generation``), _nockpt (actor gradient checkpointing off) and _gcfreeze (``gc.freeze()``
+after building the models); the flags of the same names
 apply to every hybrid variant. ``--profile`` adds one untimed iteration under torch.profiler per variant and prints
 the kernel time of its experience and training phases.
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
@@ -19,6 +20,7 @@ the kernel time of its experience and training phases.
 Needs a CUDA GPU; run through the device tool. Prints a table; writes JSON to $OUT when set.
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -91,6 +93,9 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
                 "logprobs_from_generation": hybrid and (args.logprobs_from_generation or "genlogp" in options)}
     engine = DeepSpeedRLHFEngine(actor_model_name_or_path=actor_dir, tokenizer=tokenizer, args=settings)
     trainer = DeepSpeedPPOTrainer(engine=engine, args=settings)
+    if "gcfreeze" in options:  # the models' Python objects out of the collector's reach (see docs/benchmarks.md)
+        gc.collect()
+        gc.freeze()
     # answers run to full length, as in the measured baseline: an EOS id no token can take
     trainer.eos_token_id = vocab
     if hybrid:
@@ -122,14 +127,18 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
                 median_wall=statistics.median(r["wall"] for r in steady),
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0)
     if args.profile and torch.cuda.is_available():  # after the timed iterations, so they are not slowed by it
-        from profiling import profile_kernels
+        from profiling import profile_host, profile_kernels
 
         holder = {}
         mean["profile"] = [
             profile_kernels(lambda: holder.update(exp=trainer.generate_experience(batch, step=args.iterations)),
                             f"{name} generate_experience", log),
-            profile_kernels(lambda: trainer.train_rlhf(holder["exp"]), f"{name} train_rlhf", log)]
+            profile_kernels(lambda: trainer.train_rlhf(holder["exp"]), f"{name} train_rlhf", log),
+            profile_host(lambda: holder.update(exp=trainer.generate_experience(batch, step=args.iterations)),
+                         f"{name} generate_experience", log),
+            profile_host(lambda: trainer.train_rlhf(holder["exp"]), f"{name} train_rlhf", log)]
     del trainer, engine
+    gc.unfreeze()
     return mean
 
 
@@ -149,8 +158,6 @@ def main():
     p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()
-    import gc
-
     from dschat.tiny import load_tiny_tokenizer
     from dschat.utils.dist import ensure_distributed
 

@@ -21,7 +21,8 @@ def profile_kernels(fn, label, log, top=20):
         fn()
         sync()
         wall = time.perf_counter() - t
-    kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kernels = [e for e in prof.key_averages()  # GPU-side copies of the dschat.* ranges are not kernels
+               if str(getattr(e, "device_type", "")).endswith("CUDA") and not e.key.startswith("dschat.")]
     kernels.sort(key=_device_us, reverse=True)
     total_us = sum(_device_us(e) for e in kernels)
     rows = [{"kernel": e.key[:120], "count": e.count, "ms": _device_us(e) / 1e3} for e in kernels[:40]]
@@ -84,3 +85,40 @@ def gpu_idle_by_phase(prof, log):
     for r in rows:
         log(f"  {r['phase']:<34}{r['count']:>4}x {r['host_ms']:9.1f} ms host, GPU idle {r['gpu_idle_ms']:8.1f} ms")
     return rows
+
+
+def profile_host(fn, label, log, top=25):
+    """Run ``fn`` once under cProfile, with Python's garbage-collector pauses timed: where a host-bound phase spends
+    its time (functions by own time; the collector's pauses by generation)."""
+    import cProfile
+    import gc
+    import io
+    import pstats
+
+    pauses, started = {}, {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            gen = info["generation"]
+            count, seconds = pauses.get(gen, (0, 0.0))
+            pauses[gen] = (count + 1, seconds + time.perf_counter() - started.pop("t"))
+
+    gc.callbacks.append(on_gc)
+    profiler = cProfile.Profile()
+    try:
+        t = time.perf_counter()
+        profiler.runcall(fn)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    finally:
+        gc.callbacks.remove(on_gc)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    gc_line = ", ".join(f"gen{g}: {c}x {s * 1e3:.1f} ms" for g, (c, s) in sorted(pauses.items())) or "none"
+    log(f"host profile {label}: {wall:.3f} s wall (under cProfile); garbage-collector pauses: {gc_line}")
+    log("\n".join(text.getvalue().splitlines()[:top + 12]))
+    return {"label": label, "wall_s": wall, "gc_pauses": {str(g): {"count": c, "seconds": s}
+                                                           for g, (c, s) in pauses.items()}}

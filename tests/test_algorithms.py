@@ -371,6 +371,40 @@ def test_gae_skips_masked_gap():
     close(adv, [[0.25, 0.0, 0.5]])  # same as the row [0, 1] / [.5, .5] without the gap token
 
 
+def loop_gae_with_gaps(rewards, values, mask, gamma, lam):
+    """The token-by-token recurrence (masked positions carry the state), as a reference for the doubling scan."""
+    r, v, m = rewards * mask, values * mask, mask
+    adv = torch.zeros_like(r)
+    next_value = torch.zeros(r.shape[0], dtype=r.dtype)
+    last = torch.zeros(r.shape[0], dtype=r.dtype)
+    for k in reversed(range(r.shape[1])):
+        gae = r[:, k] + gamma * next_value - v[:, k] + gamma * lam * last
+        adv[:, k] = gae * m[:, k]
+        next_value = torch.where(m[:, k] > 0, v[:, k], next_value)
+        last = torch.where(m[:, k] > 0, gae, last)
+    return adv
+
+
+def test_gae_and_reinforce_pp_scans_equal_the_token_loop_on_long_rows_with_gaps():
+    g = torch.Generator().manual_seed(11)
+    B, T = 5, 300  # not a power of two: the doubling's last step is partial
+    rewards, values = torch.randn(B, T, generator=g, dtype=D), torch.randn(B, T, generator=g, dtype=D)
+    mask = (torch.rand(B, T, generator=g) > 0.2).to(D)
+    mask[0] = 1
+    mask[1, 200:] = 0
+    mask[2] = 0
+    adv, ret = A.gae_advantages(rewards, values, mask, gamma=0.99, lam=0.95)
+    expected = loop_gae_with_gaps(rewards, values, mask, 0.99, 0.95)
+    close(adv, expected, atol=1e-10)
+    close(ret, (expected + values) * mask, atol=1e-10)
+    _, returns = A.reinforce_pp_advantages(rewards, mask, gamma=0.9)
+    running, want = torch.zeros(B, dtype=D), torch.zeros(B, T, dtype=D)
+    for k in reversed(range(T)):
+        running = rewards[:, k] * mask[:, k] + 0.9 * running
+        want[:, k] = running
+    close(returns, want * mask, atol=1e-10)
+
+
 # ------------------------------------------------------------------------------------------
 # losses
 

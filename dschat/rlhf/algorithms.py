@@ -538,25 +538,35 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     """
     with torch.no_grad():
         dt = _compute_dtype(rewards, values)
-        r = _up(rewards.detach(), dt)
-        v = _up(values.detach(), dt)
-        m = _fmask(mask, r)
-        r = r * m
-        v = v * m
-        B, T = r.shape
-        adv = torch.zeros_like(r)
-        next_value = torch.zeros(B, dtype=dt, device=r.device)
-        last_gae = torch.zeros(B, dtype=dt, device=r.device)
-        for t in reversed(range(T)):
-            mt = m[:, t]
-            delta = r[:, t] + gamma * next_value - v[:, t]
-            gae_t = delta + gamma * lam * last_gae
-            adv[:, t] = gae_t * mt
-            # masked positions: carry the state unchanged
-            next_value = torch.where(mt > 0, v[:, t], next_value)
-            last_gae = torch.where(mt > 0, gae_t, last_gae)
+        m = _fmask(mask, _up(rewards, dt))
+        r = _up(rewards.detach(), dt) * m
+        v = _up(values.detach(), dt) * m
+        # The value of the next real token (0 after the last): carried leftwards over masked positions.
+        next_real_value = reverse_linear_scan(1 - m, m * v)
+        following = torch.cat([next_real_value[:, 1:], torch.zeros_like(next_real_value[:, :1])], dim=1)
+        delta = r + gamma * following - v
+        # gae_t = delta_t + gamma*lam*gae_{next real token}; masked positions carry the state unchanged
+        gae = reverse_linear_scan(m * (gamma * lam) + (1 - m), m * delta)
+        adv = gae * m
         returns = (adv + v) * m
     return adv, returns
+
+
+def reverse_linear_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x_t = a_t * x_{t+1} + b_t`` along dim 1, with ``x`` past the end 0, for ``(B, T)`` tensors.
+
+    In log2(T) doubling steps (Hillis-Steele over the affine maps ``x -> a_t x + b_t``) instead of a Python loop
+    over T: a loop launches a few kernels per token (thousands for 256-token answers) and leaves the GPU waiting
+    on the host; the doubling launches a few per step. Same result up to the order of the floating-point sums.
+    """
+    T = a.shape[1]
+    step = 1
+    while step < T:
+        # (a_t, b_t) becomes the composition of maps t .. t + 2*step - 1 (those past the end are the zero map's)
+        b = torch.cat([b[:, :T - step] + a[:, :T - step] * b[:, step:], b[:, T - step:]], dim=1)
+        a = torch.cat([a[:, :T - step] * a[:, step:], a[:, T - step:]], dim=1)
+        step *= 2
+    return b
 
 
 def _check_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -626,12 +636,7 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
         dt = _compute_dtype(token_rewards)
         m = _fmask(mask, _up(token_rewards, dt))
         r = _up(token_rewards.detach(), dt) * m
-        returns = torch.zeros_like(r)
-        running = torch.zeros(r.shape[0], dtype=dt, device=r.device)
-        for t in reversed(range(r.shape[1])):
-            running = r[:, t] + gamma * running
-            returns[:, t] = running
-        returns = returns * m
+        returns = reverse_linear_scan(torch.full_like(r, gamma), r) * m
         adv = masked_whiten(returns, m, shift_mean=True, process_group=process_group)
     return adv, returns
 
