@@ -11,8 +11,8 @@ iterations 2..N.
     python bench/ppo_iteration.py --variants z2_hybrid,z2_hybrid_compiled,z2_hybrid_genlogp --cuda_graph
 
 A variant is z<stage>_hybrid or z<stage>_hf, optionally followed by _compiled (``--compile_decode_step default``),
-_genlogp (``--logprobs_from_generation``), _nockpt (actor gradient checkpointing off) and _gcfreeze (``gc.freeze()``
-after building the models); the flags of the same names
+_genlogp (``--logprobs_from_generation``), _nockpt (actor gradient checkpointing off), _gcfreeze (``gc.freeze()``
+after building the models) and _overflowcheck (``--check_grad_overflow``); the flags of the same names
 apply to every hybrid variant. ``--profile`` adds one untimed iteration under torch.profiler per variant and prints
 the kernel time of its experience and training phases.
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
@@ -90,7 +90,8 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
                 "max_answer_seq_len": args.gen, "actor_gradient_checkpointing": "nockpt" not in options, "num_warmup_steps": 0,
                 "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir,
                 "compile_decode_step": compile_mode if hybrid else None,
-                "logprobs_from_generation": hybrid and (args.logprobs_from_generation or "genlogp" in options)}
+                "logprobs_from_generation": hybrid and (args.logprobs_from_generation or "genlogp" in options),
+                "check_grad_overflow": "overflowcheck" in options}
     engine = DeepSpeedRLHFEngine(actor_model_name_or_path=actor_dir, tokenizer=tokenizer, args=settings)
     trainer = DeepSpeedPPOTrainer(engine=engine, args=settings)
     if "gcfreeze" in options:  # the models' Python objects out of the collector's reach (see docs/benchmarks.md)

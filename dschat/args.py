@@ -60,6 +60,16 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     return g
 
 
+def add_zero_tuning_args(g):
+    """DeepSpeed knobs that cost host time on every step (shared by all steps)."""
+    g.add_argument("--check_grad_overflow", action="store_true",
+                   help="bf16: check every gradient tensor for inf/NaN before each optimizer step and skip the step "
+                        "if one has any (DeepSpeed 0.19's default). Off in dschat: the check runs a few small kernels "
+                        "per parameter tensor from Python (0.28 s of host time per PPO iteration of an OPT-1.3B actor "
+                        "and OPT-350m critic, docs/benchmarks.md), and dschat already stops on a non-finite loss. "
+                        "fp16 always checks (its loss scaling needs it).")
+
+
 def add_deepspeed_args(parser):
     g = parser.add_argument_group("deepspeed")
     g.add_argument("--offload", action="store_true", help="Offload optimizer (and ZeRO-3 parameters) to CPU.")
@@ -67,6 +77,7 @@ def add_deepspeed_args(parser):
     g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
     g.add_argument("--enable_tensorboard", action="store_true")
     g.add_argument("--tensorboard_path", type=str, default=None)
+    add_zero_tuning_args(g)
     import deepspeed
 
     deepspeed.add_config_arguments(parser)
@@ -213,6 +224,7 @@ def step3_parser():
     g.add_argument("--actor_dropout", type=float, default=None)
     g.add_argument("--critic_dropout", type=float, default=None)
     g.add_argument("--compute_fp32_loss", action="store_true")
+    add_zero_tuning_args(g)
     import deepspeed
 
     deepspeed.add_config_arguments(p)

@@ -57,7 +57,8 @@ class DeepSpeedRLHFEngine:
             release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
             tp_gather_partition_size=a.tp_gather_partition_size,
             max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=a.enable_cuda_graph,
-            enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3")
+            enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3",
+            check_grad_overflow=a.check_grad_overflow)
 
     def _eval_config(self, stage, offload):
         # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3).

@@ -255,7 +255,8 @@ def run_supervised_step(args, recipe):
         offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
         micro_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=get_world_size(),
-        enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=f"{recipe.name}_model")
+        enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=f"{recipe.name}_model",
+        check_grad_overflow=args.check_grad_overflow)
     model = recipe.build_model(args, tokenizer, ds_config)
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
     train_loader, eval_loader = build_dataloaders(train_data, eval_data, recipe.collator(tokenizer),

@@ -3,7 +3,7 @@
 DTYPE_KEYS = {"bf16": "bf16", "fp16": "fp16", "fp32": None}
 
 
-def _precision_block(dtype):
+def _precision_block(dtype, check_grad_overflow=False):
     if dtype not in DTYPE_KEYS:
         raise ValueError(f"--dtype must be one of {sorted(DTYPE_KEYS)}, got {dtype!r}")
     key = DTYPE_KEYS[dtype]
@@ -12,14 +12,17 @@ def _precision_block(dtype):
     block = {"enabled": True}
     if key == "fp16":
         block["loss_scale_window"] = 100
+    else:  # bf16: DeepSpeed's per-tensor overflow scan only when asked (see --check_grad_overflow)
+        block["check_grad_overflow"] = check_grad_overflow
     return {key: block}
+
 
 
 def get_train_ds_config(offload=False, dtype="bf16", stage=2, micro_batch_size=1, gradient_accumulation_steps=1,
                         world_size=1, enable_hybrid_engine=False, inference_tp_size=1,
                         release_inference_cache=False, pin_parameters=True, tp_gather_partition_size=8,
                         max_out_tokens=512, enable_cuda_graph=False, enable_tensorboard=False,
-                        tb_path="", tb_name="", gradient_clipping=1.0):
+                        tb_path="", tb_name="", gradient_clipping=1.0, check_grad_overflow=False):
     """A training config: ZeRO stage, optional CPU offload of optimizer and (stage 3) parameters."""
     device = "cpu" if offload else "none"
     zero = {
@@ -37,7 +40,7 @@ def get_train_ds_config(offload=False, dtype="bf16", stage=2, micro_batch_size=1
         "gradient_accumulation_steps": gradient_accumulation_steps,
         "steps_per_print": 10**9,  # dschat prints its own progress
         "zero_optimization": zero,
-        **_precision_block(dtype),
+        **_precision_block(dtype, check_grad_overflow),
         "gradient_clipping": gradient_clipping,
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
