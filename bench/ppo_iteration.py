@@ -13,8 +13,8 @@ iterations 2..N.
 A variant is z<stage>_hybrid or z<stage>_hf, optionally followed by _compiled (``--compile_decode_step default``),
 _genlogp (``--logprobs_from_generation``), _nockpt (actor gradient checkpointing off), _gcfreeze (``gc.freeze()``
 after building the models) and _overflowcheck (``--check_grad_overflow``); the flags of the same names
-apply to every hybrid variant. ``--profile`` adds one untimed iteration under torch.profiler per variant and prints
-the kernel time of its experience and training phases.
+apply to every hybrid variant. ``--profile`` adds two untimed iterations per variant: one under torch.profiler
+(kernel time, GPU idle time per trainer phase) and one under cProfile (host time by function, GC pauses).
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
 
 Needs a CUDA GPU; run through the device tool. Prints a table; writes JSON to $OUT when set.
@@ -39,8 +39,8 @@ CRITIC = dict(vocab_size=50272, hidden_size=1024, num_hidden_layers=24, ffn_dim=
               max_position_embeddings=2048, word_embed_proj_dim=512, do_layer_norm_before=False, dropout=0.0)
 
 
-SMOKE_ACTOR = dict(ACTOR, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64,
-                   vocab_size=1024)
+SMOKE_ACTOR = dict(ACTOR, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                   word_embed_proj_dim=64, vocab_size=1024)
 SMOKE_CRITIC = dict(CRITIC, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
                     word_embed_proj_dim=32, vocab_size=1024)
 
@@ -85,9 +85,10 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     hybrid = "hybrid" in options
     compile_mode = "default" if "compiled" in options else args.compile_decode_step
     settings = {"actor_zero_stage": stage, "critic_zero_stage": stage, "enable_hybrid_engine": hybrid,
-                "dtype": "bf16" if torch.cuda.is_available() else "fp32", "per_device_generation_batch_size": args.batch,
-                "per_device_training_batch_size": args.batch, "max_prompt_seq_len": args.prompt,
-                "max_answer_seq_len": args.gen, "actor_gradient_checkpointing": "nockpt" not in options, "num_warmup_steps": 0,
+                "dtype": "bf16" if torch.cuda.is_available() else "fp32",
+                "per_device_generation_batch_size": args.batch, "per_device_training_batch_size": args.batch,
+                "max_prompt_seq_len": args.prompt, "max_answer_seq_len": args.gen,
+                "actor_gradient_checkpointing": "nockpt" not in options, "num_warmup_steps": 0,
                 "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir,
                 "compile_decode_step": compile_mode if hybrid else None,
                 "logprobs_from_generation": hybrid and (args.logprobs_from_generation or "genlogp" in options),
@@ -125,7 +126,7 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     mean = {k: sum(r[k] for r in steady) / len(steady) for k in steady[0]}
     world = dist.get_world_size()
     mean.update(variant=name, world_size=world, samples_per_s=world * args.batch / mean["wall"],
-                median_wall=statistics.median(r["wall"] for r in steady),
+                median_wall=statistics.median(r["wall"] for r in steady), iterations=rows,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0)
     if args.profile and torch.cuda.is_available():  # after the timed iterations, so they are not slowed by it
         from profiling import profile_host, profile_kernels
@@ -139,7 +140,6 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
                          f"{name} generate_experience", log),
             profile_host(lambda: trainer.train_rlhf(holder["exp"]), f"{name} train_rlhf", log)]
     del trainer, engine
-    gc.unfreeze()
     return mean
 
 
@@ -187,6 +187,7 @@ def main():
             import traceback
             traceback.print_exc()
             results.append({"variant": name, "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
+        gc.unfreeze()  # a gcfreeze variant, also when it failed
         torch._dynamo.reset()  # compiled decode steps hold their models
         gc.collect()
         if torch.cuda.is_available():
@@ -198,8 +199,8 @@ def main():
         if "error" in r:
             log(f"{r['variant']:<34} FAILED {r['error'][:90]}")
             continue
-        log(f"{r['variant']:<34}{r['wall']:>8.2f}{r['median_wall']:>8.2f}{r['generation']:>8.2f}{r['experience']:>8.2f}{r['training']:>9.2f}"
-            f"{r['samples_per_s']:>11.1f}{r['peak_gb']:>9.1f}")
+        log(f"{r['variant']:<34}{r['wall']:>8.2f}{r['median_wall']:>8.2f}{r['generation']:>8.2f}"
+            f"{r['experience']:>8.2f}{r['training']:>9.2f}{r['samples_per_s']:>11.1f}{r['peak_gb']:>9.1f}")
     if os.environ.get("OUT") and dist.get_rank() == 0:
         with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

@@ -21,8 +21,8 @@ def profile_kernels(fn, label, log, top=20):
         fn()
         sync()
         wall = time.perf_counter() - t
-    kernels = [e for e in prof.key_averages()  # GPU-side copies of the dschat.* ranges are not kernels
-               if str(getattr(e, "device_type", "")).endswith("CUDA") and not e.key.startswith("dschat.")]
+    kernels = [e for e in prof.key_averages()  # GPU-side copies of named ranges (ours, the optimizer's) are not kernels
+               if str(getattr(e, "device_type", "")).endswith("CUDA") and not _is_range(e)]
     kernels.sort(key=_device_us, reverse=True)
     total_us = sum(_device_us(e) for e in kernels)
     rows = [{"kernel": e.key[:120], "count": e.count, "ms": _device_us(e) / 1e3} for e in kernels[:40]]
@@ -37,12 +37,18 @@ def profile_kernels(fn, label, log, top=20):
     return summary
 
 
+def _is_range(event):
+    """A named range (record_function: dschat's phases, ``Optimizer.step#...``), not work the GPU did."""
+    return getattr(event, "is_user_annotation", False) or getattr(event, "key", event.name).startswith(
+        ("dschat.", "Optimizer.step#"))
+
+
 def _busy_spans(events):
     """The GPU's busy time as sorted, merged [start, end] spans (microseconds, the profiler's clock)."""
     from torch.autograd import DeviceType
 
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == DeviceType.CUDA and not e.name.startswith("dschat."))
+                   if e.device_type == DeviceType.CUDA and not _is_range(e))
     merged = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:
@@ -55,6 +61,8 @@ def _busy_spans(events):
 def _busy_within(merged, lo, hi):
     import bisect
 
+    if not merged:
+        return 0.0
     i = max(0, bisect.bisect_right([s for s, _ in merged], lo) - 1)
     busy = 0.0
     for start, end in merged[i:]:
@@ -71,7 +79,6 @@ def gpu_idle_by_phase(prof, log):
 
     events = prof.events()
     merged = _busy_spans(events)
-    starts = [s for s, _ in merged]
     table = {}
     for e in events:
         if e.device_type != DeviceType.CPU or not e.name.startswith("dschat."):
@@ -80,7 +87,7 @@ def gpu_idle_by_phase(prof, log):
         row = table.setdefault(e.name, {"phase": e.name, "count": 0, "host_ms": 0.0, "gpu_idle_ms": 0.0})
         row["count"] += 1
         row["host_ms"] += (hi - lo) / 1e3
-        row["gpu_idle_ms"] += (hi - lo - _busy_within(merged, lo, hi)) / 1e3 if starts else (hi - lo) / 1e3
+        row["gpu_idle_ms"] += (hi - lo - _busy_within(merged, lo, hi)) / 1e3
     rows = sorted(table.values(), key=lambda r: r["phase"])
     for r in rows:
         log(f"  {r['phase']:<34}{r['count']:>4}x {r['host_ms']:9.1f} ms host, GPU idle {r['gpu_idle_ms']:8.1f} ms")

@@ -63,11 +63,11 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
 def add_zero_tuning_args(g):
     """DeepSpeed knobs that cost host time on every step (shared by all steps)."""
     g.add_argument("--check_grad_overflow", action="store_true",
-                   help="bf16: check every gradient tensor for inf/NaN before each optimizer step and skip the step "
-                        "if one has any (DeepSpeed 0.19's default). Off in dschat: the check runs a few small kernels "
-                        "per parameter tensor from Python (0.28 s of host time per PPO iteration of an OPT-1.3B actor "
-                        "and OPT-350m critic, docs/benchmarks.md), and dschat already stops on a non-finite loss. "
-                        "fp16 always checks (its loss scaling needs it).")
+                   help="bf16 at ZeRO-1/2: check every gradient tensor for inf/NaN before each optimizer step and "
+                        "skip the step if one has any (DeepSpeed 0.19's default). Off in dschat: the check runs a few "
+                        "small kernels per parameter tensor from Python (0.28 s of host time per PPO iteration of an "
+                        "OPT-1.3B actor and OPT-350m critic, docs/benchmarks.md); instead dschat stops with an error "
+                        "after a step that applied an inf/NaN gradient norm. ZeRO-0 and fp16 always check.")
 
 
 def add_deepspeed_args(parser):

@@ -397,6 +397,8 @@ def test_gae_and_reinforce_pp_scans_equal_the_token_loop_on_long_rows_with_gaps(
     expected = loop_gae_with_gaps(rewards, values, mask, 0.99, 0.95)
     close(adv, expected, atol=1e-10)
     close(ret, (expected + values) * mask, atol=1e-10)
+    poisoned = rewards.masked_fill(mask == 0, float("inf")), values.masked_fill(mask == 0, float("nan"))
+    close(A.gae_advantages(*poisoned, mask, gamma=0.99, lam=0.95)[0], expected, atol=1e-10)  # masked: never read
     _, returns = A.reinforce_pp_advantages(rewards, mask, gamma=0.9)
     running, want = torch.zeros(B, dtype=D), torch.zeros(B, T, dtype=D)
     for k in reversed(range(T)):

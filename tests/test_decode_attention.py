@@ -45,6 +45,41 @@ def test_autotuning_times_a_three_quarters_filled_cache_once_per_shape():
     assert seen[0][0, :384].all() and not seen[0][0, 384:].any(), "the first 3/4 of the slots visible"
 
 
+def test_launch_tunes_a_new_shape_on_the_typical_fill_then_runs_the_real_mask(monkeypatch):
+    """The wiring inside ``launch``: for a new shape the autotuned kernel is called first with the synthetic 3/4 mask
+    (same key arguments and tensor dtypes as the real call, so the autotuner's cache serves the real call), then
+    with the caller's mask; the same shape again runs the real call only."""
+    pytest.importorskip("triton", reason="the README's test command installs triton")
+    from dschat.hybrid_engine import triton_decode
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((args, kwargs))
+
+    monkeypatch.setattr(triton_decode, "_autotuned", lambda device: True)
+    monkeypatch.setattr(triton_decode, "_partial_kernel_autotuned", Recorder())
+    monkeypatch.setattr(triton_decode, "_TUNED", set())
+    batch, kv_heads, length = 66, 4, 128  # 264 programs: one split, so no combine kernel runs
+    q = torch.randn(batch, 8, 1, 16)
+    k, v = torch.randn(batch, kv_heads, length, 16), torch.randn(batch, kv_heads, length, 16)
+    mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
+    mask[..., 10:40] = True
+    triton_decode.launch(q, k, v, mask, 0.25)
+    assert len(calls) == 2
+    (tune_args, tune_kwargs), (real_args, real_kwargs) = calls
+    assert tune_args[3].shape == (1, length) and tune_args[3].dtype == torch.uint8
+    assert tune_args[3][0, :96].all() and not tune_args[3][0, 96:].any()
+    assert torch.equal(real_args[3], mask[:, 0, 0, :].view(torch.uint8))
+    key_positions = [i for i, x in enumerate(real_args) if not torch.is_tensor(x)][-5:]  # buckets, heads, length, scale
+    assert [tune_args[i] for i in key_positions] == [real_args[i] for i in key_positions]
+    assert [x.dtype for x in tune_args if torch.is_tensor(x)] == [x.dtype for x in real_args if torch.is_tensor(x)]
+    assert tune_kwargs == real_kwargs and real_kwargs["HAS_MASK"]
+    triton_decode.launch(q, k, v, mask, 0.25)
+    assert len(calls) == 3, "a tuned shape is not tuned again"
+
+
 def _tiny(config_class, **kwargs):
     from transformers import AutoModelForCausalLM
 

@@ -28,3 +28,52 @@ def test_check_grad_overflow_flag_reaches_the_step_configs():
                                "check_grad_overflow": flag})
         config = DeepSpeedRLHFEngine._train_config(SimpleNamespace(args=settings, world_size=1), 2)
         assert config["bf16"]["check_grad_overflow"] is flag
+
+
+def test_frozen_copies_are_sharded_only_where_zero3_splits_or_offloads_something():
+    from dschat.rlhf.engine import DeepSpeedRLHFEngine
+    from dschat.utils.ds_config import frozen_copy_stage
+
+    assert frozen_copy_stage(3, world_size=2) == 3
+    assert frozen_copy_stage(3, world_size=1) == 0, "one rank: ZeRO-3 would split nothing"
+    assert frozen_copy_stage(3, world_size=1, offload=True) == 3, "parameter offload needs ZeRO-3"
+    assert frozen_copy_stage(2, world_size=8) == 0 and frozen_copy_stage(2, world_size=1, offload=True) == 0
+
+    settings = step3_args({"actor_model_name_or_path": "a", "critic_model_name_or_path": "c"})
+    for world, offload, stage in ((1, False, 0), (2, False, 3), (1, True, 3)):
+        engine = SimpleNamespace(args=settings, world_size=world)
+        config = DeepSpeedRLHFEngine._eval_config(engine, 3, offload)
+        assert config["zero_optimization"]["stage"] == stage, (world, offload)
+
+
+def _nan_gradient_step(stage, check_grad_overflow):
+    """One bf16 step of a tiny model whose gradient turns NaN while its loss stays finite; returns the weights'
+    finiteness after ``optimizer_step`` (or the error it raised)."""
+    import deepspeed
+    import torch
+
+    from dschat.utils.dist import ensure_distributed
+    from dschat.utils.optim import optimizer_step
+
+    ensure_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model[0].weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    config = get_train_ds_config(dtype="bf16", stage=stage, check_grad_overflow=check_grad_overflow)
+    config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
+    loss = engine(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).mean()
+    assert torch.isfinite(loss)
+    engine.backward(loss)
+    try:
+        optimizer_step(engine, "tiny")
+    except FloatingPointError as error:
+        return error
+    return all(torch.isfinite(p.float()).all() for p in engine.module.parameters())
+
+
+def test_a_step_that_applied_nan_gradients_raises_and_a_skipped_one_does_not():
+    error = _nan_gradient_step(stage=2, check_grad_overflow=False)
+    assert isinstance(error, FloatingPointError) and "check_grad_overflow" in str(error)
+    assert _nan_gradient_step(stage=2, check_grad_overflow=True) is True, "DeepSpeed skipped it: weights finite"
+    assert _nan_gradient_step(stage=0, check_grad_overflow=False) is True, "ZeRO-0 always scans"

@@ -539,16 +539,19 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     with torch.no_grad():
         dt = _compute_dtype(rewards, values)
         m = _fmask(mask, _up(rewards, dt))
-        r = _up(rewards.detach(), dt) * m
-        v = _up(values.detach(), dt) * m
+        real = m > 0
+        # masked entries are set to 0 (not multiplied by it): an inf/NaN there must not reach the real tokens
+        r = torch.where(real, _up(rewards.detach(), dt) * m, 0.0)
+        v = torch.where(real, _up(values.detach(), dt) * m, 0.0)
+        is_real = real.to(dt)
         # The value of the next real token (0 after the last): carried leftwards over masked positions.
-        next_real_value = reverse_linear_scan(1 - m, m * v)
+        next_real_value = reverse_linear_scan(1 - is_real, v)
         following = torch.cat([next_real_value[:, 1:], torch.zeros_like(next_real_value[:, :1])], dim=1)
         delta = r + gamma * following - v
         # gae_t = delta_t + gamma*lam*gae_{next real token}; masked positions carry the state unchanged
-        gae = reverse_linear_scan(m * (gamma * lam) + (1 - m), m * delta)
-        adv = gae * m
-        returns = (adv + v) * m
+        gae = reverse_linear_scan(is_real * (gamma * lam) + (1 - is_real), torch.where(real, delta, 0.0))
+        adv = torch.where(real, gae * m, 0.0)
+        returns = torch.where(real, (adv + v) * m, 0.0)
     return adv, returns
 
 
@@ -564,7 +567,8 @@ def reverse_linear_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     while step < T:
         # (a_t, b_t) becomes the composition of maps t .. t + 2*step - 1 (those past the end are the zero map's)
         b = torch.cat([b[:, :T - step] + a[:, :T - step] * b[:, step:], b[:, T - step:]], dim=1)
-        a = torch.cat([a[:, :T - step] * a[:, step:], a[:, T - step:]], dim=1)
+        if 2 * step < T:  # the last step needs no a
+            a = torch.cat([a[:, :T - step] * a[:, step:], a[:, T - step:]], dim=1)
         step *= 2
     return b
 
@@ -635,7 +639,7 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
     with torch.no_grad():
         dt = _compute_dtype(token_rewards)
         m = _fmask(mask, _up(token_rewards, dt))
-        r = _up(token_rewards.detach(), dt) * m
+        r = torch.where(m > 0, _up(token_rewards.detach(), dt) * m, 0.0)  # an inf/NaN past the end stays there
         returns = reverse_linear_scan(torch.full_like(r, gamma), r) * m
         adv = masked_whiten(returns, m, shift_mean=True, process_group=process_group)
     return adv, returns

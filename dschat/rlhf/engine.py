@@ -13,7 +13,7 @@ from dschat.models.reward_model import create_critic_model
 from dschat.rlhf.config import step3_args
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
 from dschat.utils.dist import get_world_size, print_rank_0
-from dschat.utils.ds_config import get_eval_ds_config, get_train_ds_config
+from dschat.utils.ds_config import frozen_copy_stage, get_eval_ds_config, get_train_ds_config
 
 DEFAULT_TOTAL_ITERS = 10_000
 
@@ -61,8 +61,9 @@ class DeepSpeedRLHFEngine:
             check_grad_overflow=a.check_grad_overflow)
 
     def _eval_config(self, stage, offload):
-        # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3).
-        return get_eval_ds_config(offload=offload, dtype=self.args.dtype, stage=3 if stage == 3 else 0,
+        # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3), on several ranks.
+        return get_eval_ds_config(offload=offload, dtype=self.args.dtype,
+                                  stage=frozen_copy_stage(stage, self.world_size, offload),
                                   micro_batch_size=self.args.per_device_training_batch_size,
                                   world_size=self.world_size)
 

@@ -9,6 +9,7 @@ from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import step3_args
 from dschat.utils.dist import all_reduce, get_world_size
+from dschat.utils.optim import optimizer_step
 
 
 def answer_mask(answers, eos_token_id, pad_token_id):
@@ -241,7 +242,7 @@ class DeepSpeedPPOTrainer:
         with phase("dschat.train.critic_backward"):
             self.critic_model.backward(critic_loss)
         with phase("dschat.train.critic_step"):
-            self.critic_model.step()
+            optimizer_step(self.critic_model, "critic")
         self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
         return actor_loss.detach(), critic_loss.detach()
 
@@ -279,9 +280,8 @@ class DeepSpeedPPOTrainer:
         """Backward and step; the EMA follows each real optimizer step (not each accumulation micro-step)."""
         with phase("dschat.train.actor_backward"):
             self.actor_model.backward(loss)
-        boundary = self.actor_model.is_gradient_accumulation_boundary()
         with phase("dschat.train.actor_step"):
-            self.actor_model.step()
+            boundary = optimizer_step(self.actor_model, "actor")
         if boundary:
             self._update_ema()
 

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0
+from dschat.utils.optim import optimizer_step
 
 
 def setup_run(args):
@@ -173,7 +174,7 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
             batch = to_device(batch, device)
             loss, tokens = loss_fn(engine, batch)
             engine.backward(loss)
-            engine.step()
+            optimizer_step(engine, name)
             micro += 1
             losses.append(loss.item())
             if throughput is not None:

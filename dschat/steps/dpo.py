@@ -18,7 +18,7 @@ from dschat.rlhf.dpo import answer_nll, check_dpo_params, dpo_loss, preference_a
 from dschat.steps.common import StepRecipe, initialize_frozen, run_supervised_step, to_device
 from dschat.steps.sft import build_sft_model
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
-from dschat.utils.ds_config import get_eval_ds_config
+from dschat.utils.ds_config import frozen_copy_stage, get_eval_ds_config
 
 # summed over all ranks in evaluation; the means divide by "pairs"
 EVAL_SUMS = ("loss", "chosen_reward", "rejected_reward", "reward_accuracy", "chosen_logp", "rejected_logp",
@@ -32,9 +32,9 @@ def dpo_collator(tokenizer):
 
 
 def build_reference_model(args, tokenizer):
-    """The frozen reference: the starting weights, sharded when the policy is ZeRO-3 (a full copy per rank
-    would defeat ZeRO-3), a plain copy otherwise."""
-    stage = 3 if args.zero_stage == 3 else 0
+    """The frozen reference: the starting weights, sharded when the policy is ZeRO-3 on several ranks (a full copy
+    per rank would defeat ZeRO-3) or offloaded, a plain copy otherwise."""
+    stage = frozen_copy_stage(args.zero_stage, get_world_size(), args.offload_reference_model)
     offload = args.offload_reference_model and stage == 3  # parameter offload is a ZeRO-3 feature
     ds_config = get_eval_ds_config(offload=offload, dtype=args.dtype, stage=stage,
                                    micro_batch_size=args.per_device_train_batch_size, world_size=get_world_size())
