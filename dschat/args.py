@@ -67,7 +67,8 @@ def add_zero_tuning_args(g):
                         "skip the step if one has any (DeepSpeed 0.19's default). Off in dschat: the check runs a few "
                         "small kernels per parameter tensor from Python (0.28 s of host time per PPO iteration of an "
                         "OPT-1.3B actor and OPT-350m critic, docs/benchmarks.md); instead dschat stops with an error "
-                        "after a step that applied an inf/NaN gradient norm. ZeRO-0 and fp16 always check.")
+                        "after a step that applied an inf/NaN gradient norm. ZeRO-0, ZeRO-3, fp16 and fp32 at "
+                        "ZeRO-1/2 skip such steps in any case.")
 
 
 def add_deepspeed_args(parser):

@@ -44,6 +44,9 @@ def test_frozen_copies_are_sharded_only_where_zero3_splits_or_offloads_something
         engine = SimpleNamespace(args=settings, world_size=world)
         config = DeepSpeedRLHFEngine._eval_config(engine, 3, offload)
         assert config["zero_optimization"]["stage"] == stage, (world, offload)
+        assert config["zero_optimization"]["offload_param"]["device"] == ("cpu" if offload else "none")
+    unsharded = DeepSpeedRLHFEngine._eval_config(SimpleNamespace(args=settings, world_size=4), 2, True)
+    assert unsharded["zero_optimization"]["offload_param"]["device"] == "none", "offload needs ZeRO-3: not asked of it"
 
 
 def _nan_gradient_step(stage, check_grad_overflow):
@@ -52,10 +55,8 @@ def _nan_gradient_step(stage, check_grad_overflow):
     import deepspeed
     import torch
 
-    from dschat.utils.dist import ensure_distributed
     from dschat.utils.optim import optimizer_step
 
-    ensure_distributed()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     model[0].weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
@@ -72,8 +73,11 @@ def _nan_gradient_step(stage, check_grad_overflow):
     return all(torch.isfinite(p.float()).all() for p in engine.module.parameters())
 
 
-def test_a_step_that_applied_nan_gradients_raises_and_a_skipped_one_does_not():
+def test_a_step_that_applied_nan_gradients_raises_and_a_skipped_one_is_reported(distributed, capsys):
     error = _nan_gradient_step(stage=2, check_grad_overflow=False)
     assert isinstance(error, FloatingPointError) and "check_grad_overflow" in str(error)
+    capsys.readouterr()
     assert _nan_gradient_step(stage=2, check_grad_overflow=True) is True, "DeepSpeed skipped it: weights finite"
+    assert "[tiny] optimizer step skipped by DeepSpeed" in capsys.readouterr().out
     assert _nan_gradient_step(stage=0, check_grad_overflow=False) is True, "ZeRO-0 always scans"
+    assert _nan_gradient_step(stage=3, check_grad_overflow=False) is True, "ZeRO-3 checks the norm"

@@ -62,8 +62,10 @@ class DeepSpeedRLHFEngine:
 
     def _eval_config(self, stage, offload):
         # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3), on several ranks.
-        return get_eval_ds_config(offload=offload, dtype=self.args.dtype,
-                                  stage=frozen_copy_stage(stage, self.world_size, offload),
+        frozen_stage = frozen_copy_stage(stage, self.world_size, offload)
+        if offload and frozen_stage != 3:
+            print_rank_0("[step3] parameter offload of a frozen model needs its trained twin at ZeRO-3: not offloaded")
+        return get_eval_ds_config(offload=offload and frozen_stage == 3, dtype=self.args.dtype, stage=frozen_stage,
                                   micro_batch_size=self.args.per_device_training_batch_size,
                                   world_size=self.world_size)
 
