@@ -17,6 +17,8 @@ apply to every hybrid variant. ``--profile`` adds two untimed iterations per var
 (kernel time, GPU idle time per trainer phase) and one under cProfile (host time by function, GC pauses).
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
 
+Without a launcher each variant runs in a fresh process of its own (``--same_process``: all in this one).
+
 Needs a CUDA GPU; run through the device tool. Prints a table; writes JSON to $OUT when set.
 """
 import argparse
@@ -154,11 +156,20 @@ def main():
     p.add_argument("--compile_decode_step", default=None, help="torch.compile mode of the decode step (e.g. default)")
     p.add_argument("--logprobs_from_generation", action="store_true",
                    help="hybrid variants: the actor's old log-probs from the decode step (no actor experience forward)")
-    p.add_argument("--profile", action="store_true", help="one more iteration per variant under torch.profiler")
+    p.add_argument("--profile", action="store_true",
+                   help="two more iterations per variant: under torch.profiler and under cProfile")
+    p.add_argument("--same_process", action="store_true",
+                   help="run all variants in this process (default on one GPU: a fresh process each, so that no "
+                        "variant inherits another's memory, compiled kernels or first-call costs)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU): checks the script only")
     p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()
+    variants = args.variants.split(",")
+    launched = "RANK" in os.environ or "LOCAL_RANK" in os.environ  # torchrun / deepspeed: variants share the ranks
+    if len(variants) > 1 and not args.same_process and not launched:
+        print_table(run_each_in_its_own_process(variants, args), 1)
+        return
     from dschat.tiny import load_tiny_tokenizer
     from dschat.utils.dist import ensure_distributed
 
@@ -178,7 +189,7 @@ def main():
         save_random_model(critic_dir, critic_shape, tokenizer)
     dist.barrier()
     results = []
-    for name in args.variants.split(","):
+    for name in variants:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         try:
@@ -192,7 +203,36 @@ def main():
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    log(f"\nranks: {dist.get_world_size()} (samples/s counts all of them)")
+    print_table(results, dist.get_world_size())
+    if os.environ.get("OUT") and dist.get_rank() == 0:
+        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+def run_each_in_its_own_process(variants, args):
+    """This script once per variant, each in a fresh process; returns their result rows (JSON through a temp dir).
+    Everything each child prints goes to this process's output; the combined JSON goes to $OUT as usual."""
+    import subprocess
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dschat_bench_runs_") as tmp:
+        for name in variants:
+            argv = sys.argv[1:] + ["--variants", name, "--json", f"{name}.json", "--same_process"]  # the last --variants wins
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, "OUT": tmp})
+            path = os.path.join(tmp, f"{name}.json")
+            if proc.returncode == 0 and os.path.exists(path):
+                with open(path) as f:
+                    results += json.load(f)["results"]
+            else:
+                results.append({"variant": name, "error": f"its process exited with {proc.returncode}"})
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return results
+
+
+def print_table(results, world_size):
+    log(f"\nranks: {world_size} (samples/s counts all of them)")
     log(f"\n{'variant':<34}{'wall s':>8}{'median':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}"
         f"{'peak GB':>9}")
     for r in results:
@@ -201,9 +241,6 @@ def main():
             continue
         log(f"{r['variant']:<34}{r['wall']:>8.2f}{r['median_wall']:>8.2f}{r['generation']:>8.2f}"
             f"{r['experience']:>8.2f}{r['training']:>9.2f}{r['samples_per_s']:>11.1f}{r['peak_gb']:>9.1f}")
-    if os.environ.get("OUT") and dist.get_rank() == 0:
-        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

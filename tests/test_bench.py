@@ -1,0 +1,26 @@
+"""The GPU benchmarks' own logic, on the CPU with tiny shapes (``--smoke``): device time is scarce, so a benchmark that
+breaks should break here first."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+
+
+def test_ppo_iteration_runs_each_variant_in_its_own_process_and_keeps_every_iteration(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # not under a launcher
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "ppo_iteration.py"), "--smoke", "--iterations", "2",
+                           "--variants", "z2_hybrid_genlogp_nockpt,z3_hybrid", "--json", "ppo.json"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "ppo.json").read_text())["results"]
+    assert [r["variant"] for r in results] == ["z2_hybrid_genlogp_nockpt", "z3_hybrid"]
+    for r in results:
+        assert "error" not in r, r
+        assert len(r["iterations"]) == 2 and r["wall"] == r["iterations"][1]["wall"], "mean of iterations 2..N"
+        assert r["samples_per_s"] > 0 and r["median_wall"] == r["wall"]
+    assert proc.stdout.count("ranks: 1") == 3, "a table from each variant's own process, then the combined one"
