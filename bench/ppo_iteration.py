@@ -204,9 +204,8 @@ def main():
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print_table(results, dist.get_world_size())
-    if os.environ.get("OUT") and dist.get_rank() == 0:
-        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    if dist.get_rank() == 0:
+        write_json(args, results)
 
 
 def run_each_in_its_own_process(variants, args):
@@ -225,10 +224,14 @@ def run_each_in_its_own_process(variants, args):
                     results += json.load(f)["results"]
             else:
                 results.append({"variant": name, "error": f"its process exited with {proc.returncode}"})
+    write_json(args, results)
+    return results
+
+
+def write_json(args, results):
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
-    return results
 
 
 def print_table(results, world_size):

@@ -26,14 +26,16 @@ def profile_kernels(fn, label, log, top=20):
     kernels.sort(key=_device_us, reverse=True)
     total_us = sum(_device_us(e) for e in kernels)
     rows = [{"kernel": e.key[:120], "count": e.count, "ms": _device_us(e) / 1e3} for e in kernels[:40]]
-    busy_s = sum(end - start for start, end in _busy_spans(prof.events())) / 1e6
+    events = prof.events()
+    merged = _busy_spans(events)
+    busy_s = sum(end - start for start, end in merged) / 1e6
     summary = {"label": label, "wall_s": wall, "kernel_s": total_us / 1e6, "gpu_busy_s": busy_s,
                "kernel_launches": sum(e.count for e in kernels), "top_kernels": rows}
     log(f"profile {label}: {wall:.3f} s wall, {total_us / 1e6:.3f} s of kernels, GPU busy {busy_s:.3f} s, "
         f"{summary['kernel_launches']} kernels")
     for row in rows[:top]:
         log(f"  {row['ms']:9.2f} ms {row['count']:7d}x  {row['kernel']}")
-    summary["phases"] = gpu_idle_by_phase(prof, log)
+    summary["phases"] = gpu_idle_by_phase(events, merged, log)
     return summary
 
 
@@ -58,12 +60,13 @@ def _busy_spans(events):
     return merged
 
 
-def _busy_within(merged, lo, hi):
+def _busy_within(merged, starts, lo, hi):
+    """Microseconds of [lo, hi] inside the merged busy spans (``starts``: their start times)."""
     import bisect
 
     if not merged:
         return 0.0
-    i = max(0, bisect.bisect_right([s for s, _ in merged], lo) - 1)
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
     busy = 0.0
     for start, end in merged[i:]:
         if start >= hi:
@@ -72,13 +75,12 @@ def _busy_within(merged, lo, hi):
     return busy
 
 
-def gpu_idle_by_phase(prof, log):
+def gpu_idle_by_phase(events, merged, log):
     """For each ``dschat.*`` range (trainer phases, see dschat/rlhf/trainer.py): its host time and how much of it
     the GPU sat idle. Idle time inside a phase means the GPU waited for the host there (Python, launches, syncs)."""
     from torch.autograd import DeviceType
 
-    events = prof.events()
-    merged = _busy_spans(events)
+    starts = [start for start, _ in merged]
     table = {}
     for e in events:
         if e.device_type != DeviceType.CPU or not e.name.startswith("dschat."):
@@ -87,7 +89,7 @@ def gpu_idle_by_phase(prof, log):
         row = table.setdefault(e.name, {"phase": e.name, "count": 0, "host_ms": 0.0, "gpu_idle_ms": 0.0})
         row["count"] += 1
         row["host_ms"] += (hi - lo) / 1e3
-        row["gpu_idle_ms"] += (hi - lo - _busy_within(merged, lo, hi)) / 1e3
+        row["gpu_idle_ms"] += (hi - lo - _busy_within(merged, starts, lo, hi)) / 1e3
     rows = sorted(table.values(), key=lambda r: r["phase"])
     for r in rows:
         log(f"  {r['phase']:<34}{r['count']:>4}x {r['host_ms']:9.1f} ms host, GPU idle {r['gpu_idle_ms']:8.1f} ms")

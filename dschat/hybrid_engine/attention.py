@@ -55,6 +55,21 @@ def report_kernel_failure(error):
                    type(error).__name__, error)
 
 
+FAILED = object()  # what call_kernel returns for a kernel that could not run
+
+
+def call_kernel(kernel, *args):
+    """``kernel(*args)``, or ``FAILED`` if a dschat Triton kernel cannot run here (compile, launch): reported once, and
+    torch's ops serve from then on. Out-of-memory is raised: transient, and torch's ops would need the memory too."""
+    try:
+        return kernel(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure of the kernel means: use torch's ops
+        report_kernel_failure(error)
+        return FAILED
+
+
 def kernel_applies(query, key, value, attention_mask, dropout=0.0, **kwargs):
     """Whether the Triton kernel computes exactly what SDPA would for this call; anything else goes to SDPA."""
     if query.dim() != 4 or query.shape[2] != 1 or dropout:
@@ -90,13 +105,10 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout=
     if kernel_applies(query, key, value, attention_mask, dropout, **kwargs):
         from dschat.hybrid_engine import triton_decode
 
-        try:
-            return triton_decode.decode_attention(query, key, value, attention_mask,
-                                                  query.shape[-1] ** -0.5 if scaling is None else scaling), None
-        except torch.OutOfMemoryError:
-            raise  # transient, and SDPA would need the memory too
-        except Exception as error:  # noqa: BLE001 - the kernel cannot run here (compile, launch): fall back to SDPA
-            report_kernel_failure(error)
+        out = call_kernel(triton_decode.decode_attention, query, key, value, attention_mask,
+                          query.shape[-1] ** -0.5 if scaling is None else scaling)
+        if out is not FAILED:
+            return out, None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 

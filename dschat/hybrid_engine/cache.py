@@ -16,7 +16,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from dschat.hybrid_engine.attention import report_kernel_failure, triton_runs_on
+from dschat.hybrid_engine.attention import FAILED, call_kernel, triton_runs_on
 
 
 def _accelerator_empty_cache():
@@ -68,13 +68,8 @@ class TokenWriteLayer(StaticLayer):
                 not torch.compiler.is_compiling():
             from dschat.hybrid_engine import triton_decode
 
-            try:
-                triton_decode.write_token_kv(self.keys, self.values, key_states, value_states, counter)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as error:  # noqa: BLE001 - a kernel that cannot run: transformers' update instead
-                report_kernel_failure(error)
-            else:
+            if call_kernel(triton_decode.write_token_kv, self.keys, self.values, key_states, value_states,
+                           counter) is not FAILED:
                 counter.add_(1)
                 return self.keys, self.values
         return super().update(key_states, value_states, *args, **kwargs)

@@ -254,8 +254,9 @@ class HybridEngine:
             with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention):
                 result = None
                 if self._graphs_usable(device):
-                    result = self._graph_generate(input_ids, attention_mask, max_new_tokens, hf_model.dtype,
-                                                  return_logprobs, sampling)
+                    result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,
+                                                         max_new_tokens, dtype=hf_model.dtype,
+                                                         return_logprobs=return_logprobs, **sampling)
                 if result is None:
                     cache = self.kv_cache.acquire(batch_size, prompt_len + max_new_tokens, hf_model.dtype, device)
                     result = generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens,
@@ -281,30 +282,10 @@ class HybridEngine:
     def _group_agrees(self, flag):
         return self.tp.all_agree(flag, self._engine.device)
 
-    def _graph_generate(self, input_ids, attention_mask, max_new_tokens, dtype, return_logprobs, sampling):
-        """The graph path's ``Generation``, or None (decode eagerly). In a tensor-parallel group the ranks capture
-        together (``GraphDecoder.group_agrees``) and replay only if every rank has its step captured: a capture that
-        failed on one rank makes the whole group decode eagerly from then on (a rank replaying a graph while another
-        decodes eagerly would mismatch their collectives). Not covered: a rank failing during the capture's eager
-        warm-up steps, which run the forward's collectives, leaves the others waiting in them."""
-        graphs = self.graph_decoder
-        run_args = {name: sampling[name] for name in ("min_new_tokens", "generator", "early_exit_interval")}
-        prepare_args = {name: value for name, value in sampling.items() if name not in ("generator",
-                                                                                          "early_exit_interval")}
-        decoder = graphs.prepare(self.inference_weights, input_ids, attention_mask, max_new_tokens, dtype=dtype,
-                                 return_logprobs=return_logprobs, **prepare_args)
-        if self.tp is not None and not self.tp.all_agree(decoder is not None, input_ids.device):
-            if decoder is not None:
-                graphs.disable("another rank of the tensor-parallel group could not capture the decode step")
-            return None
-        if decoder is None:
-            return None
-        return graphs.run(decoder, input_ids, attention_mask, max_new_tokens, **run_args)
-
     def _graphs_usable(self, device):
         """Whether this generation may take the graph path; in a tensor-parallel group only if it may on every rank
         (a rank decoding eagerly while the others replay graphs would mismatch their collectives; ranks agree again
-        after capturing, in ``_graph_generate``)."""
+        after capturing, in ``GraphDecoder.generate``)."""
         if self.graph_decoder is None:
             return False
         if self.tp is None:

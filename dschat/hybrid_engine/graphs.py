@@ -305,18 +305,26 @@ class GraphDecoder:
     def generate(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
                  top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
                  early_exit_interval=8, return_logprobs=False):
-        """A ``Generation`` exactly as ``generate_tokens(..., return_lengths=True)`` makes it, or None (run eagerly)."""
-        decoder = self.prepare(weights, input_ids, attention_mask, max_new_tokens, dtype=dtype, do_sample=do_sample,
+        """A ``Generation`` exactly as ``generate_tokens(..., return_lengths=True)`` makes it, or None (run eagerly).
+
+        In a tensor-parallel group the ranks capture together (see ``_prepare``) and replay only if every rank has its
+        step captured: a capture that failed on one rank makes the whole group decode eagerly from then on (a rank
+        replaying a graph while another decodes eagerly would mismatch their collectives). Not covered: a rank failing
+        during the capture's eager warm-up steps, which run the forward's collectives, leaves the others waiting."""
+        decoder = self._prepare(weights, input_ids, attention_mask, max_new_tokens, dtype=dtype, do_sample=do_sample,
                                temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                                pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
                                return_logprobs=return_logprobs)
+        if self.group_agrees is not None and not self.group_agrees(decoder is not None):
+            if decoder is not None:
+                self.disable("another rank of the tensor-parallel group could not capture the decode step")
+            return None
         if decoder is None:
             return None
-        return self.run(decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens=min_new_tokens,
+        return self._run(decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens=min_new_tokens,
                         generator=generator, early_exit_interval=early_exit_interval)
 
-    @torch.no_grad()
-    def prepare(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
+    def _prepare(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
                 top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, return_logprobs=False):
         """The captured step for this generation (capturing it if it is new), or None: it has to run eagerly."""
         device = input_ids.device
@@ -377,10 +385,9 @@ class GraphDecoder:
             self._compiled[id(model)] = torch.compile(model, mode=self.compile_mode, dynamic=False)
         return self._compiled[id(model)]
 
-    @torch.no_grad()
-    def run(self, decoder, input_ids, attention_mask, max_new_tokens, *, min_new_tokens=0, generator=None,
+    def _run(self, decoder, input_ids, attention_mask, max_new_tokens, *, min_new_tokens=0, generator=None,
             early_exit_interval=8):
-        """Replay ``decoder`` (from :meth:`prepare`) for this generation; returns its ``Generation``."""
+        """Replay ``decoder`` (from :meth:`_prepare`) for this generation; returns its ``Generation``."""
         check_every = early_exit_interval
         batch_size = input_ids.shape[0]
         ids, mask = decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens)

@@ -60,7 +60,6 @@ def sequence_log_probs(model, batch):
     return response_log_probs(logits[:, -keep:], ids[:, -keep:], response_mask[:, -keep:])
 
 
-
 def split_pairs(logps):
     half = logps.shape[0] // 2
     return logps[:half], logps[half:]

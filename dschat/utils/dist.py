@@ -31,9 +31,14 @@ def ensure_distributed():
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+def _shm_buffer(addr, port, rank):
+    """The name of the /dev/shm all-reduce buffer DeepSpeed's CPU backend creates for a rank of a launch."""
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
 def shm_buffers(port, rank="*"):
-    """The /dev/shm all-reduce buffers DeepSpeed's CPU backend creates per rank of a launch on ``port``."""
-    return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}")
+    """The /dev/shm all-reduce buffers of the ranks of a launch on ``port`` (any master address)."""
+    return glob.glob(_shm_buffer("*", port, rank))
 
 
 def _unlink_own_shm_buffer():
@@ -48,9 +53,8 @@ def _unlink_own_shm_buffer():
             None in (addr, port, rank):
         return
     torch.distributed.barrier()
-    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
     try:
-        os.unlink(path)
+        os.unlink(_shm_buffer(addr, port, rank))
     except OSError:
         pass
 
