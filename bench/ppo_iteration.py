@@ -69,6 +69,19 @@ def slowest(times):
     return dict(zip(names, t.tolist()))
 
 
+def profiled(prefix):
+    """fn, label -> fn's result, run under torch.profiler (kernel and host-op tables logged); on the CPU just fn's."""
+    def run(fn, label):
+        if not torch.cuda.is_available():
+            return fn()
+        from profiling import profile_kernels
+
+        result = {}
+        profile_kernels(lambda: result.update(value=fn()), f"{prefix} {label}", log)
+        return result["value"]
+    return run
+
+
 def save_random_model(folder, shape, tokenizer):
     from transformers import AutoModelForCausalLM, OPTConfig
 
@@ -111,11 +124,12 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     for i in range(args.iterations):
         dist.barrier()
         synchronize()
+        run = profiled(f"{name} iteration {i}") if i in args.profile_iteration else (lambda fn, label: fn())
         t0 = time.perf_counter()
-        exp = trainer.generate_experience(batch, step=i)
+        exp = run(lambda: trainer.generate_experience(batch, step=i), "generate_experience")
         synchronize()
         t1 = time.perf_counter()
-        trainer.train_rlhf(exp)
+        run(lambda: trainer.train_rlhf(exp), "train_rlhf")
         synchronize()
         t2 = time.perf_counter()
         # The slowest rank sets the pace of a data-parallel iteration.
@@ -158,6 +172,9 @@ def main():
                    help="hybrid variants: the actor's old log-probs from the decode step (no actor experience forward)")
     p.add_argument("--profile", action="store_true",
                    help="two more iterations per variant: under torch.profiler and under cProfile")
+    p.add_argument("--profile_iteration", type=lambda v: {int(x) for x in v.split(",")}, default=set(),
+                   help="0-based iterations run under torch.profiler, e.g. 1: the first after the warm-up (still "
+                        "timed, profiler overhead included)")
     p.add_argument("--same_process", action="store_true",
                    help="run all variants in this process (default on one GPU: a fresh process each, so that no "
                         "variant inherits another's memory, compiled kernels or first-call costs)")

@@ -35,8 +35,20 @@ def profile_kernels(fn, label, log, top=20):
         f"{summary['kernel_launches']} kernels")
     for row in rows[:top]:
         log(f"  {row['ms']:9.2f} ms {row['count']:7d}x  {row['kernel']}")
+    summary["top_host_ops"] = _top_host_ops(prof, log)
     summary["phases"] = gpu_idle_by_phase(events, merged, log)
     return summary
+
+
+def _top_host_ops(prof, log, top=12):
+    """The operators with the most host time of their own (e.g. a first call that builds a cuDNN plan or compiles)."""
+    ops = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CPU") and not _is_range(e)]
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    rows = [{"op": e.key[:100], "count": e.count, "self_host_ms": e.self_cpu_time_total / 1e3} for e in ops[:top]]
+    log("  host time by operator (own):")
+    for row in rows:
+        log(f"  {row['self_host_ms']:9.2f} ms {row['count']:7d}x  {row['op']}")
+    return rows
 
 
 def _is_range(event):
