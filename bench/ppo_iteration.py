@@ -70,10 +70,8 @@ def slowest(times):
 
 
 def profiled(prefix):
-    """fn, label -> fn's result, run under torch.profiler (kernel and host-op tables logged); on the CPU just fn's."""
+    """fn, label -> fn's result, run under torch.profiler (kernel and host-op tables logged)."""
     def run(fn, label):
-        if not torch.cuda.is_available():
-            return fn()
         from profiling import profile_kernels
 
         result = {}
@@ -172,7 +170,7 @@ def main():
                    help="hybrid variants: the actor's old log-probs from the decode step (no actor experience forward)")
     p.add_argument("--profile", action="store_true",
                    help="two more iterations per variant: under torch.profiler and under cProfile")
-    p.add_argument("--profile_iteration", type=lambda v: {int(x) for x in v.split(",")}, default=set(),
+    p.add_argument("--profile_iteration", type=lambda v: sorted(int(x) for x in v.split(",")), default=[],
                    help="0-based iterations run under torch.profiler, e.g. 1: the first after the warm-up (still "
                         "timed, profiler overhead included)")
     p.add_argument("--same_process", action="store_true",

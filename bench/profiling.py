@@ -53,7 +53,8 @@ def _top_host_ops(prof, log, top=12):
 
 def _is_range(event):
     """A named range (record_function: dschat's phases, ``Optimizer.step#...``), not work the GPU did."""
-    return getattr(event, "is_user_annotation", False) or getattr(event, "key", event.name).startswith(
+    name = event.key if hasattr(event, "key") else event.name  # averaged events have only a key
+    return getattr(event, "is_user_annotation", False) or name.startswith(
         ("dschat.", "Optimizer.step#"))
 
 
