@@ -1,7 +1,8 @@
 """Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3, eager or
 with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the decode forward; ``_sdpa``: SDPA for the
-decode attention instead of dschat's Triton kernel), against the memory-bandwidth floor measured in the same run. Random-weight
-models built from configs, bf16, sampled, prompts of P tokens, G generated tokens (no early stop), batch B.
+decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection its own GEMM, not q/k/v as one),
+against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16, sampled,
+prompts of P tokens, G generated tokens (no early stop), batch B.
 
     python bench/generation.py --models opt-1.3b --batches 64 --variants hf_dynamic,hf_static,dschat_z0,dschat_z3
     python bench/generation.py --batches 1,16,64,128 --variants dschat_z0_graph,dschat_z3_graph --profile 64
@@ -114,7 +115,7 @@ def hf_variant(model, prompt, mask, gen, static, repeats):
     return {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape)}
 
 
-def dschat_engine(model, stage, train, graph=False, compile_mode=None, attention="auto"):
+def dschat_engine(model, stage, train, graph=False, compile_mode=None, attention="auto", fuse="auto"):
     import deepspeed
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
@@ -128,12 +129,13 @@ def dschat_engine(model, stage, train, graph=False, compile_mode=None, attention
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                       dist_init_required=False)
     return HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024, enable_cuda_graph=graph),
-                        pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode, decode_attention=attention)
+                        pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode, decode_attention=attention,
+                        fuse_projections=fuse)
 
 
 def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False, profile=False, compile_mode=None,
-                   attention="auto"):
-    he = dschat_engine(model, stage, train, graph, compile_mode, attention)
+                   attention="auto", fuse="auto"):
+    he = dschat_engine(model, stage, train, graph, compile_mode, attention, fuse)
     generator = torch.Generator(device="cuda").manual_seed(0)
     kw = dict(max_new_tokens=gen, do_sample=True, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=1,
               generator=generator)
@@ -219,7 +221,7 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:  # dschat_z<stage>[_graph][_compiled][_autotune][_sdpa]
+                    else:  # dschat_z<stage>[_graph][_compiled][_autotune][_sdpa][_nofuse]
                         options = variant.split("_")[1:]
                         stage = int(options[0][1:])
                         graph = "graph" in options
@@ -228,7 +230,8 @@ def main():
                             compile_mode = "max-autotune-no-cudagraphs"
                         r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step, graph,
                                            profile=graph and batch == args.profile, compile_mode=compile_mode,
-                                           attention="sdpa" if "sdpa" in options else "auto")
+                                           attention="sdpa" if "sdpa" in options else "auto",
+                                           fuse="off" if "nofuse" in options else "auto")
                     r.update(ok=True)
                 except Exception as ex:  # a failing variant is reported, not fatal
                     r = {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:400]}"}

@@ -17,6 +17,8 @@ from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attent
 from dschat.hybrid_engine.cache import KVCache
 from dschat.hybrid_engine.config import HybridEngineConfig
 from dschat.hybrid_engine.decode import generate_tokens, hf_model_of
+from dschat.hybrid_engine.fusion import ProjectionFusion
+from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   shared_generator)
@@ -67,7 +69,7 @@ class HybridEngine:
     """Wraps the actor's ``DeepSpeedEngine``; generation reads :class:`InferenceWeights` through a static KV cache."""
 
     def __init__(self, ds_engine, config=None, pad_token_id=None, eos_token_id=None, early_exit_interval=8,
-                 log_on_eval=False, compile_decode_step=None, decode_attention="auto"):
+                 log_on_eval=False, compile_decode_step=None, decode_attention="auto", fuse_projections="auto"):
         if type(ds_engine).__name__ == "DeepSpeedHybridEngine":
             raise ValueError("the actor was built with DeepSpeed's own hybrid engine; pass the DeepSpeed config "
                              "through strip_deepspeed_hybrid_engine() before deepspeed.initialize")
@@ -91,6 +93,12 @@ class HybridEngine:
         self.kv_cache = KVCache(hf_model_of(self.inference_weights.model).config,
                                 num_kv_heads=self.inference_weights.num_kv_heads,
                                 token_writes=self.decode_attention == "triton")
+        # fuse_projections: linears that read the same input (q/k/v, ...) run as one GEMM while generating (fusion.py);
+        # "auto": on CUDA. Not with a compiled decode step (not measured there) nor when every forward gathers ZeRO-3
+        # shards (nothing whole to copy).
+        fuse = resolve_fuse_projections(fuse_projections, ds_engine.device) and compile_decode_step is None \
+            and not self.inference_weights.forward_has_collectives
+        self.fusion = ProjectionFusion(hf_model_of(self.inference_weights.model)) if fuse else None
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,
@@ -251,7 +259,7 @@ class HybridEngine:
         was_training = model.training
         model.eval()  # no dropout while sampling, even if the caller skipped eval()
         try:
-            with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention):
+            with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention), self._fused_projections():
                 result = None
                 if self._graphs_usable(device):
                     result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,
@@ -278,6 +286,11 @@ class HybridEngine:
         self._iteration.generated_tokens += int(result.lengths.sum())
         self._iteration.samples += batch_size
         return (result.sequences, result.logprobs) if return_logprobs else result.sequences
+
+    def _fused_projections(self):
+        if self.fusion is None:
+            return contextlib.nullcontext()
+        return self.fusion.active(self.inference_weights.version)
 
     def _group_agrees(self, flag):
         return self.tp.all_agree(flag, self._engine.device)
