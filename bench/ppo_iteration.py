@@ -117,7 +117,11 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
         trainer.actor_model.eos_token_id = trainer.eos_token_id
     g = torch.Generator().manual_seed(dist.get_rank())  # each data-parallel rank has its own prompts
     prompts = torch.randint(4, vocab, (args.batch, args.prompt), generator=g).to(device())
-    batch = {"prompt": prompts, "prompt_att_mask": torch.ones_like(prompts)}
+    mask = torch.ones_like(prompts)
+    if args.left_pad:  # every other prompt shorter, left-padded as a collator does: a padding mask from iteration 1
+        prompts[::2, :args.left_pad] = tokenizer.pad_token_id
+        mask[::2, :args.left_pad] = 0
+    batch = {"prompt": prompts, "prompt_att_mask": mask}
     rows = []
     for i in range(args.iterations):
         dist.barrier()
@@ -165,6 +169,10 @@ def main():
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--gen", type=int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
+    p.add_argument("--left_pad", type=int, default=0,
+                   help="left-pad every other prompt by this many tokens, as real prompts of different lengths are: "
+                        "the forwards see a padding mask from the first iteration (default 0: full-length prompts, "
+                        "the first mask comes with the first pad token sampled inside an answer)")
     p.add_argument("--compile_decode_step", default=None, help="torch.compile mode of the decode step (e.g. default)")
     p.add_argument("--logprobs_from_generation", action="store_true",
                    help="hybrid variants: the actor's old log-probs from the decode step (no actor experience forward)")

@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from dschat.args import (resolve_pad_to_multiple_of, step1_parser, step2_dpo_parser, step2_parser,
+                         step3_parser)
 from dschat.data import (DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, DatasetFormatError,
                          create_prompt_dataset, format_prompt, get_unsupervised_data, pad_sequences)
 
@@ -84,6 +86,77 @@ def test_rlhf_batch_from_the_pipeline_ends_every_row_at_the_generation_point(tmp
     for row, text in enumerate(batch["prompt_text"]):
         assert text == format_prompt(batch["messages"][row], tokenizer)
         assert tokenizer.decode(batch["prompt"][row][batch["prompt_att_mask"][row].bool()]) == text
+
+
+# --- --pad_to_multiple_of: batch lengths rounded up, so few shapes reach the models ---
+
+def test_pad_sequences_rounds_the_longest_up_to_a_multiple():
+    seqs = [T([1, 2, 3, 4, 5]), T([6, 7, 8, 9, 10, 11, 12])]
+    assert pad_sequences(seqs, 0, multiple_of=4).shape == (2, 8)
+    assert pad_sequences(seqs, 0, side="left", multiple_of=4)[0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
+    assert pad_sequences(seqs, 0, multiple_of=7).shape == (2, 7)  # already a multiple
+    assert pad_sequences(seqs, 0).shape == (2, 7)  # default 1: the longest, as before
+    assert pad_sequences(seqs, 0, length=9, multiple_of=4).shape == (2, 9)  # an explicit length wins
+    assert pad_sequences(seqs, 0, multiple_of=4, max_length=7).shape == (2, 7)  # never past the data's limit
+    assert pad_sequences(seqs, 0, multiple_of=4, max_length=6).shape == (2, 7)  # nor shorter than the longest
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive integer"):
+            pad_sequences(seqs, 0, multiple_of=bad)
+
+
+def test_sft_and_reward_collators_pad_to_a_multiple_with_masked_columns():
+    items = [{"input_ids": T([10, 11, 12, 13, 14]), "attention_mask": T([1] * 5), "labels": T([-100, 11, 12, 13, 14])},
+             {"input_ids": T([20] * 7), "attention_mask": T([1] * 7), "labels": T([21] * 7)}]
+    batch = DataCollatorSFT(PAD, pad_to_multiple_of=4)(items)
+    assert {k: v.shape for k, v in batch.items()} == {k: (2, 8) for k in batch}
+    assert batch["input_ids"][:, 7:].eq(PAD).all() and batch["attention_mask"][:, 7:].eq(0).all()
+    assert batch["labels"][:, 7:].eq(-100).all()
+    assert batch["input_ids"][:, :7].tolist() == DataCollatorSFT(PAD)(items)["input_ids"].tolist()
+    capped = DataCollatorSFT(PAD, pad_to_multiple_of=4, max_length=7)(items)  # --max_seq_len 7: position tables
+    assert {k: v.shape for k, v in capped.items()} == {k: (2, 7) for k in capped}
+    pairs = [{"chosen_input_ids": T([1] * 5), "chosen_attention_mask": T([1] * 5),
+              "rejected_input_ids": T([2] * 7), "rejected_attention_mask": T([1] * 7)}]
+    batch = DataCollatorReward(0, pad_to_multiple_of=4)(pairs)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (2, 8)
+    assert batch["attention_mask"].sum(1).tolist() == [5, 7]
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        DataCollatorSFT(PAD, pad_to_multiple_of=0)  # at construction, not at the first batch
+
+
+def test_rlhf_collator_rounds_prompts_up_but_never_past_max_prompt_len():
+    items = [{"prompt_input_ids": T([7, 8, 9, 10, 11])}, {"prompt_input_ids": T([5])}]
+    batch = DataCollatorRLHF(max_prompt_len=16, pad_token_id=PAD, pad_to_multiple_of=4)(items)
+    assert batch["prompt"].tolist() == [[PAD] * 3 + [7, 8, 9, 10, 11], [PAD] * 7 + [5]]
+    assert batch["prompt_att_mask"].tolist() == [[0] * 3 + [1] * 5, [0] * 7 + [1]]
+    # 5 rounds up to 8, but no prompt batch is longer than max_prompt_len
+    capped = DataCollatorRLHF(max_prompt_len=6, pad_token_id=PAD, pad_to_multiple_of=4)(items)
+    assert capped["prompt"].shape == capped["prompt_att_mask"].shape == (2, 6)
+    assert capped["prompt"][:, -1].tolist() == [11, 5]  # still left-padded: every prompt ends in the last column
+    unlimited = DataCollatorRLHF(max_prompt_len=None, pad_token_id=PAD, pad_to_multiple_of=4)(items)
+    assert unlimited["prompt"].shape == (2, 8)
+
+
+@pytest.mark.parametrize("parser", [step1_parser, step2_parser, step2_dpo_parser, step3_parser])
+def test_every_step_takes_pad_to_multiple_of(parser, capsys):
+    assert parser().parse_args([]).pad_to_multiple_of is None  # auto
+    assert parser().parse_args(["--pad_to_multiple_of", "auto"]).pad_to_multiple_of is None
+    assert parser().parse_args(["--pad_to_multiple_of", "8"]).pad_to_multiple_of == 8
+    for bad in ("0", "-8", "x"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--pad_to_multiple_of", bad])
+        assert "argument --pad_to_multiple_of: expected a positive integer or 'auto'" in capsys.readouterr().err
+
+
+def test_pad_to_multiple_of_auto_is_64_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_pad_to_multiple_of(None) == resolve_pad_to_multiple_of("auto") == 64
+    assert resolve_pad_to_multiple_of(8) == 8 and resolve_pad_to_multiple_of(1) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_pad_to_multiple_of(None) == 1  # CPU runs keep their shapes and numbers
+    assert resolve_pad_to_multiple_of(8) == 8
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=r"--pad_to_multiple_of must be a positive integer"):
+            resolve_pad_to_multiple_of(bad)
 
 
 # --- unsupervised data ---

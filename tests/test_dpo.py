@@ -118,6 +118,10 @@ def test_dpo_collator_masks_prompt_and_padding():
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [7, 8, 0, 0, 0], [1, 2, 4, 5, 6], [7, 9, 9, 0, 0]]
     assert batch["response_mask"].tolist() == [[0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 1, 1], [0, 1, 1, 0, 0]]
     assert batch["answer_start"] == 1  # the earliest answer column of any row, an int (no device sync later)
+    padded = DataCollatorDPO(0, pad_to_multiple_of=4)(items)  # --pad_to_multiple_of: 3 more padding columns
+    assert padded["input_ids"].shape == padded["response_mask"].shape == (4, 8)
+    assert padded["response_mask"].tolist() == [row + [0, 0, 0] for row in batch["response_mask"].tolist()]
+    assert padded["attention_mask"][:, 5:].eq(0).all() and padded["answer_start"] == 1
 
 
 def write_pairs(path, count, start=0):
@@ -158,6 +162,10 @@ def test_answer_log_probs_ignore_padding_and_batch_neighbours(tokenizer, distrib
         handle.remove()
         without_start = {k: v for k, v in batch.items() if k != "answer_start"}  # a batch from elsewhere
         torch.testing.assert_close(dpo.sequence_log_probs(model, without_start), padded)
+        # --pad_to_multiple_of's extra columns (8 -> 16) change no answer log-prob
+        rounded = DataCollatorDPO(tokenizer.pad_token_id, pad_to_multiple_of=16)(items)
+        assert rounded["input_ids"].shape == (2, 16)
+        torch.testing.assert_close(dpo.sequence_log_probs(model, rounded), padded)
         alone = model(input_ids=items[0]["chosen_input_ids"][None]).logits
         expected = torch.log_softmax(alone[0, 2:-1], -1).gather(-1, T([8, 2])[:, None]).sum()
         rejected = torch.log_softmax(model(input_ids=items[0]["rejected_input_ids"][None]).logits[0, 2:-1], -1)

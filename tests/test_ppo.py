@@ -112,7 +112,7 @@ def test_notebook_api_generates_experience_with_consistent_masks(trained, tmp_pa
 
 def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, tmp_path):
     engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=True,
-                                                     logprobs_from_generation=True)
+                                                     logprobs_from_generation=True, fuse_projections="on")
     batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
                                       "\n\nHuman: List three colors please, thanks.\n\nAssistant:"])
     forwarded = []
@@ -120,6 +120,7 @@ def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, t
     trainer._logprobs = lambda model, *args: forwarded.append(model) or logprobs_of(model, *args)
     out = trainer.generate_experience(batch)
     assert forwarded == [trainer.ref_model], "the actor's experience forward must be skipped"
+    assert trainer.actor_model.fusion.groups, "--fuse_projections on: the decode step ran q/k/v as one GEMM"
     amask = out["action_mask"]
     with torch.no_grad():
         expected = logprobs_of(trainer.actor_model, out["input_ids"], out["attention_mask"],
@@ -138,6 +139,92 @@ def test_interior_gaps_of_answer_masks():
 def test_logprobs_from_generation_needs_the_hybrid_engine(trained, tmp_path):
     with pytest.raises(ValueError, match="needs --enable_hybrid_engine"):
         _engine_and_trainer(trained, tmp_path, logprobs_from_generation=True)
+
+
+# --- --pad_to_multiple_of: generated sequences right-padded to a multiple (few shapes for cuDNN's plans) ---
+
+PADDED_PROMPTS = ["\n\nHuman: Say hi.\n\nAssistant:", "\n\nHuman: List three colors please, thanks.\n\nAssistant:",
+                  "\n\nHuman: What is two plus two?\n\nAssistant:", "\n\nHuman: Name a fruit.\n\nAssistant:"]
+
+
+def _padded_and_plain_trainers(trained, tmp_path, multiple, variant):
+    """Two trainers over one engine, --pad_to_multiple_of 1 and ``multiple``; learning rates 0 (an update changes no
+    weight, so both train_rlhf calls see the same models), masked whitening and an entropy term (reductions over the
+    padding columns), a reward function on the decoded answers (their texts)."""
+    from argparse import Namespace
+
+    from dschat import DeepSpeedPPOTrainer
+
+    hybrid = variant == "logprobs_from_generation"
+    reward_fn = tmp_path / "length_reward.py"
+    reward_fn.write_text("def score(prompts, answers):\n    return [0.01 * len(a) for a in answers]\n")
+    engine, plain, tokenizer = _engine_and_trainer(
+        trained, tmp_path, enable_hybrid_engine=hybrid, logprobs_from_generation=hybrid,
+        actor_learning_rate=0.0, critic_learning_rate=0.0, whiten_advantages=True, entropy_coef=0.01,
+        reward_fn=f"{reward_fn}:score", pad_to_multiple_of=1)
+    padded = DeepSpeedPPOTrainer(engine=engine, args=Namespace(**{**vars(plain.args), "pad_to_multiple_of": multiple}))
+    if variant == "pad_is_eos":  # a pad column after an answer that never ended must not pass for its EOS
+        for trainer in (plain, padded):
+            trainer.eos_token_id = trainer.pad_token_id
+    return plain, padded, tokenizer
+
+
+def _sampled_experience(trainer, batch):
+    """Experience from sampled answers (greedy ones are all empty after 10 SFT steps), the same for every trainer."""
+    torch.manual_seed(0)  # HF generate samples from the global generator, the hybrid engine from the trainer's
+    trainer.generator.manual_seed(0)
+    return trainer.generate_experience(batch)
+
+
+@pytest.mark.parametrize("variant", ["hf_generate", "logprobs_from_generation", "pad_is_eos"])
+def test_padded_experience_equals_the_unpadded_one_on_real_tokens(trained, tmp_path, variant):
+    multiple = 16
+    plain, padded, tokenizer = _padded_and_plain_trainers(trained, tmp_path, multiple, variant)
+    batch = _prompt_batch(tokenizer, PADDED_PROMPTS)
+    prompt_len = batch["prompt"].shape[1]
+    exp = _sampled_experience(plain, batch)
+    plain_stats = dict(plain.stats)
+    got = _sampled_experience(padded, batch)
+    length, answer_len = exp["input_ids"].shape[1], exp["input_ids"].shape[1] - prompt_len
+    assert length % multiple, "the unpadded length is already a multiple: nothing would be tested"
+    assert got["input_ids"].shape[1] == -(-length // multiple) * multiple
+    amask = exp["action_mask"]
+    ended = amask.sum(1) < answer_len
+    assert amask.sum(1).gt(1).any() and (ended.any() or variant == "pad_is_eos"), "trivial answers: nothing tested"
+    if variant == "pad_is_eos":
+        assert not ended.all(), "every answer ended: a pad column after an unended one is not tested"
+    # the real columns are unchanged, the new ones are padding
+    assert torch.equal(got["input_ids"][:, :length], exp["input_ids"])
+    assert (got["input_ids"][:, length:] == padded.pad_token_id).all()
+    assert torch.equal(got["attention_mask"][:, :length], exp["attention_mask"])
+    assert not got["attention_mask"][:, length:].any() and not got["action_mask"][:, answer_len:].any()
+    assert torch.equal(got["action_mask"][:, :answer_len], amask)
+    for key in ("logprobs", "ref_logprobs", "value"):
+        assert got[key].shape == got["action_mask"].shape, key
+        torch.testing.assert_close(got[key][:, :answer_len] * amask, exp[key] * amask, atol=1e-5, rtol=1e-5)
+    if variant == "logprobs_from_generation":
+        assert not got["logprobs"][:, answer_len:].any()  # the decode step's log-probs, zero-padded
+    torch.testing.assert_close(got["rewards"], exp["rewards"], atol=1e-5, rtol=1e-5)
+    for key in ("answer_length", "generated_tokens", "empty_answers"):
+        assert padded.stats[key] == plain_stats[key], key
+    # the same PPO losses (learning rates 0: the first update changes no weight)
+    for a, b in zip(padded.train_rlhf(got), plain.train_rlhf(exp)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert padded.kl_to_reference(got).item() == pytest.approx(plain.kl_to_reference(exp).item(), abs=1e-6)
+
+
+def test_step3_prompt_batches_are_rounded_up_to_pad_to_multiple_of(trained, tokenizer):
+    args = {"data_output_path": str(trained / "data"), "max_prompt_seq_len": 40, "pad_to_multiple_of": 16,
+            "per_device_generation_batch_size": 4}
+    train, held_out = ppo.prompt_loaders(args, tokenizer)
+    lengths = {batch["prompt"].shape[1] for loader in (train, held_out) for batch in loader}
+    assert lengths <= {16, 32, 40}  # 40: 48 capped at --max_prompt_seq_len
+    assert len(lengths) > 1
+
+
+def test_invalid_pad_to_multiple_of_is_a_clear_error(trained, tmp_path):
+    with pytest.raises(ValueError, match="--pad_to_multiple_of must be a positive integer"):
+        _engine_and_trainer(trained, tmp_path, pad_to_multiple_of=0)
 
 
 def test_deepspeed_chat_positional_form(trained, tmp_path):

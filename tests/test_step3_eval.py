@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader
 
 from dschat.data import DataCollatorRLHF
 from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler, weighted_collator
+from dschat.models.reward_model import last_token_index
 from dschat.rlhf.evaluation import evaluate_policy
 
 PROMPT_ID = 10  # prompt i is the single token PROMPT_ID + i; its reward is i and its rule score 10 * i
@@ -84,3 +85,30 @@ def test_weight_zero_rows_are_left_out_and_missing_weights_count_once(tokenizer)
     # max_prompts counts rows, padding included, so every rank stops after the same batch
     capped = evaluate([collate(weighted[:2]), collate(weighted[2:])], tokenizer, max_prompts=2)
     assert capped["prompts"] == 1
+
+
+class MaskedReward(torch.nn.Module):
+    """FakeReward's score, read where the attention mask ends (as the reward model does); records the lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths = []
+
+    def forward_value(self, seq, mask):
+        self.lengths.append(seq.shape[1])
+        prompt_token = seq.gather(1, (last_token_index(mask) - 2)[:, None]).squeeze(1)
+        return {"chosen_end_scores": (prompt_token - PROMPT_ID).float()}
+
+
+def test_held_out_sequences_are_padded_to_pad_to_multiple_of_without_changing_scores(tokenizer):
+    answer = tokenizer(" ok ok", add_special_tokens=False)["input_ids"][:2]
+    collate = DataCollatorRLHF(8, tokenizer.pad_token_id)
+    batches = [collate(prompts(4))]
+    results, models = [], []
+    for multiple in (1, 8):
+        models.append(MaskedReward())
+        results.append(evaluate_policy(fake_generate(answer), SimpleNamespace(module=models[-1]), tokenizer, batches,
+                                       "cpu", 2, lambda p, t: 10.0 * int(p[1:]), pad_to_multiple_of=multiple))
+    assert models[0].lengths == [3] and models[1].lengths == [8]  # 1 prompt + 2 answer tokens, then 5 padding
+    assert results[0] == results[1]
+    assert results[1]["reward_mean"] == pytest.approx(1.5) and results[1]["rule_score_mean"] == pytest.approx(15.0)

@@ -5,8 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dschat.args import resolve_pad_to_multiple_of
 from dschat.models.reward_model import load_reward_model
-from dschat.steps import reward, sft
+from dschat.steps import common, dpo, reward, sft
 from helpers import RM_FAST, SFT_FAST
 from launch import REPO, run_deepspeed
 
@@ -69,3 +70,29 @@ def test_malformed_dataset_line_names_file_and_line(tmp_path, distributed):
     with pytest.raises(ValueError, match=r"bad\.jsonl.*line 2"):
         sft.main(["--data_path", f"jsonl:{bad}", "--output_dir", str(tmp_path / "sft"),
                   "--data_output_path", str(tmp_path / "data"), *SFT_FAST])
+
+
+class _Collated(Exception):
+    """Stops a step right after its collator made a batch."""
+
+
+@pytest.mark.parametrize("step", [sft, reward, dpo], ids=["sft", "reward", "dpo"])
+@pytest.mark.parametrize("flag", [None, "16"], ids=["auto", "16"])
+def test_steps_pad_batches_to_pad_to_multiple_of(tmp_path, monkeypatch, distributed, step, flag):
+    batches, collators = [], []
+
+    def collate_and_stop(train, evaluation, collator, *args, **kwargs):
+        collators.append(collator)
+        batches.append(collator([train[i] for i in range(8)]))
+        raise _Collated
+
+    monkeypatch.setattr(common, "build_dataloaders", collate_and_stop)
+    argv = ["--output_dir", str(tmp_path / "out"), "--data_output_path", str(tmp_path / "data"), *SFT_FAST]
+    with pytest.raises(_Collated):
+        step.main(argv + (["--pad_to_multiple_of", flag] if flag else []))
+    multiple = int(flag) if flag else resolve_pad_to_multiple_of(None)  # auto: 1 on the CPU, 64 on CUDA
+    mask = batches[0]["attention_mask"]
+    longest = int(mask.sum(1).max())
+    assert mask.shape[1] == -(-longest // multiple) * multiple
+    assert multiple == 1 or longest % multiple, "the batch's longest row is already a multiple: nothing was tested"
+    assert collators[0].max_length == 80  # SFT_FAST's --max_seq_len: rounding never passes it

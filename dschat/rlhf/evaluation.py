@@ -2,7 +2,7 @@
 import torch
 
 from dschat.data.samplers import eval_weights
-from dschat.rlhf.trainer import answer_mask
+from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.utils.dist import all_reduce
 
 
@@ -29,12 +29,13 @@ def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_
 
 @torch.no_grad()
 def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_tokens, rule_scorer=None,
-                    max_prompts=None, keep_examples=4, synced_gpus=False):
+                    max_prompts=None, keep_examples=4, synced_gpus=False, pad_to_multiple_of=1):
     """Mean reward-model score and rule score of greedy answers to the prompts of ``loader`` (all ranks).
 
     ``generate`` is the actor's generate (hybrid engine or HF), ``reward_model`` the frozen reward engine.
     Rows whose ``eval_weight`` is 0 (a rank's padding, see EvalWeighted) are generated for but not counted;
     rows without one count once. ``max_prompts`` counts rows, padding included, so ranks stop together.
+    The reward model scores sequences right-padded to a multiple of ``pad_to_multiple_of`` (as step 3's experience).
     """
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # reward sum, rule sum, count
     examples, seen = [], 0
@@ -44,6 +45,7 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
         prompts, mask = batch["prompt"].to(device), batch["prompt_att_mask"].to(device)
         seq, amask = generate_answers(generate, prompts, mask, max_new_tokens, tokenizer.eos_token_id,
                                       tokenizer.pad_token_id, synced_gpus)
+        seq, amask, _ = pad_answers(seq, amask, tokenizer.pad_token_id, pad_to_multiple_of)
         full_mask = torch.cat([mask.long(), amask], dim=1)
         if reward_model is not None:
             scores = reward_model.module.forward_value(seq, full_mask)["chosen_end_scores"].double()

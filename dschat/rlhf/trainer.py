@@ -2,8 +2,11 @@
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import record_function as phase  # named ranges in a torch.profiler trace (µs each otherwise)
 
+from dschat.args import resolve_pad_to_multiple_of
+from dschat.data.collators import padded_length
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
@@ -26,6 +29,21 @@ def answer_mask(answers, eos_token_id, pad_token_id):
     if pad_token_id not in eos_ids:
         mask &= answers != pad_token_id
     return mask.long()
+
+
+def pad_answers(seq, action_mask, pad_token_id, multiple_of, logprobs=None):
+    """(seq, action_mask, logprobs) right-padded so the sequence length is a multiple of ``multiple_of``.
+
+    Generation stops when every row has ended, so the length of the generated sequences differs from batch to batch;
+    rounding it up leaves few shapes for the forwards and backwards (cuDNN builds an attention plan per new shape).
+    The new columns are padding: pad id, action mask 0, log-prob 0 (``logprobs`` (B, answer length) or None).
+    The masks must be computed before: with pad == EOS a pad column after an unended answer would look like its EOS.
+    """
+    extra = padded_length(seq.shape[1], multiple_of) - seq.shape[1]
+    if not extra:
+        return seq, action_mask, logprobs
+    logprobs = None if logprobs is None else F.pad(logprobs, (0, extra), value=0.0)
+    return F.pad(seq, (0, extra), value=pad_token_id), F.pad(action_mask, (0, extra), value=0), logprobs
 
 
 def has_interior_gaps(action_mask):
@@ -59,6 +77,7 @@ class DeepSpeedPPOTrainer:
             raise ValueError("--logprobs_from_generation takes the log-probs from the hybrid engine's decode step: "
                              "it needs --enable_hybrid_engine")
         self.z3_enabled = args.actor_zero_stage == 3
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
         self.device = next(self.actor_model.module.parameters()).device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * torch.distributed.get_rank())  # independent per rank
@@ -107,8 +126,10 @@ class DeepSpeedPPOTrainer:
             seq, decode_logprobs = self._generate_sequence(prompts, mask)
         gen_time = time.time() - t0
         prompt_len = prompts.shape[1]
+        action_mask = answer_mask(seq[:, prompt_len:], self.eos_token_id, self.pad_token_id)
+        seq, action_mask, decode_logprobs = pad_answers(seq, action_mask, self.pad_token_id, self.pad_to_multiple_of,
+                                                        decode_logprobs)
         answers = seq[:, prompt_len:]
-        action_mask = answer_mask(answers, self.eos_token_id, self.pad_token_id)
         attention_mask = torch.cat([mask.long(), action_mask], dim=1)
         t1 = time.time()
         with torch.no_grad():

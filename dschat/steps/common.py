@@ -226,7 +226,7 @@ class StepRecipe:
     name: str
     phase: int
     build_model: Callable  # (args, tokenizer, ds_config) -> model (LoRA applied)
-    collator: Callable  # (tokenizer) -> collate_fn
+    collator: Callable  # (tokenizer, pad_to_multiple_of, max_length) -> collate_fn
     loss_fn: Callable  # (engine, batch) -> (loss, tokens)
     evaluate_fn: Callable  # (engine, loader, device, max_batches) -> metrics dict
     save_fn: Callable  # (module, tokenizer, output_dir) -> None
@@ -245,6 +245,7 @@ def load_step_data(args, tokenizer, phase):
 
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
+    from dschat.args import resolve_pad_to_multiple_of
     from dschat.models.loading import load_tokenizer
     from dschat.utils.ds_config import get_train_ds_config
 
@@ -260,7 +261,8 @@ def run_supervised_step(args, recipe):
         check_grad_overflow=args.check_grad_overflow)
     model = recipe.build_model(args, tokenizer, ds_config)
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
-    train_loader, eval_loader = build_dataloaders(train_data, eval_data, recipe.collator(tokenizer),
+    collator = recipe.collator(tokenizer, resolve_pad_to_multiple_of(args.pad_to_multiple_of), args.max_seq_len)
+    train_loader, eval_loader = build_dataloaders(train_data, eval_data, collator,
                                                   args.per_device_train_batch_size,
                                                   args.per_device_eval_batch_size, args.seed)
     total_steps = num_update_steps(len(train_loader), args.gradient_accumulation_steps, args.num_train_epochs,

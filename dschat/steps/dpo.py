@@ -25,10 +25,11 @@ EVAL_SUMS = ("loss", "chosen_reward", "rejected_reward", "reward_accuracy", "cho
              "logp_accuracy", "reference_logp_accuracy", "pairs")
 
 
-def dpo_collator(tokenizer):
+def dpo_collator(tokenizer, pad_to_multiple_of=1, max_length=None):
     from dschat.data import DataCollatorDPO
 
-    return DataCollatorDPO(tokenizer.pad_token_id)
+    return DataCollatorDPO(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
+                           max_length=max_length)
 
 
 def build_reference_model(args, tokenizer):

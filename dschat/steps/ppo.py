@@ -7,7 +7,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from dschat.args import step3_parser
+from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.data.samplers import distributed_eval_loader
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
@@ -31,7 +31,8 @@ def prompt_loaders(args, tokenizer):
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
         max_prompt_len=args.max_prompt_seq_len, data_fields=args.data_fields or None)
-    collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id)
+    collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id,
+                                pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     batch = args.per_device_generation_batch_size
     if get_world_size() > 1:
         train_sampler = DistributedSampler(train, shuffle=True, seed=args.seed)
@@ -52,6 +53,7 @@ def unsupervised_loader(args, tokenizer):
     from dschat.data import DataCollatorSFT
 
     data = get_unsupervised_data(args, tokenizer)
+    # no --pad_to_multiple_of here: the blocks all have one length already, rounding it up would only add padding
     loader, _ = build_dataloaders(data, data, DataCollatorSFT(tokenizer.pad_token_id),
                                   args.per_device_generation_batch_size, 1, args.seed, drop_last=True)
     if len(loader) == 0:  # cycle() would never yield
@@ -128,7 +130,8 @@ def held_out_eval(trainer, loader, args, device, scorer):
     trainer.eval()
     result = evaluate_policy(generate, trainer.reward_model, trainer.tokenizer, loader, device,
                              args.eval_max_new_tokens or args.max_answer_seq_len, scorer, args.eval_prompts,
-                             synced_gpus=trainer.z3_enabled and get_world_size() > 1)
+                             synced_gpus=trainer.z3_enabled and get_world_size() > 1,
+                             pad_to_multiple_of=trainer.pad_to_multiple_of)
     return result
 
 

@@ -21,10 +21,11 @@ def build_reward_model(args, tokenizer, ds_config):
     return model
 
 
-def reward_collator(tokenizer):
+def reward_collator(tokenizer, pad_to_multiple_of=1, max_length=None):
     from dschat.data import DataCollatorReward
 
-    return DataCollatorReward(tokenizer.pad_token_id)
+    return DataCollatorReward(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
+                              max_length=max_length)
 
 
 def pairwise_step_loss(engine, batch):

@@ -20,10 +20,11 @@ def build_sft_model(args, tokenizer, ds_config):
                       only_optimize_lora=args.only_optimize_lora)
 
 
-def sft_collator(tokenizer):
+def sft_collator(tokenizer, pad_to_multiple_of=1, max_length=None):
     from dschat.data import DataCollatorSFT
 
-    return DataCollatorSFT(tokenizer.pad_token_id)
+    return DataCollatorSFT(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
+                           max_length=max_length)
 
 
 def lm_loss(engine, batch):

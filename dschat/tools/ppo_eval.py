@@ -1,7 +1,7 @@
 """Step-3 check: held-out reward (and rule score, on the embedded data) of a policy and of a baseline.
 
 The held-out prompts, their loader and the scoring are step 3's own (``prompt_loaders``, ``evaluate_policy``):
-with step 3's data flags (``--data_path --data_split --seed --max_prompt_seq_len``, batch size and
+with step 3's data flags (``--data_path --data_split --seed --max_prompt_seq_len --pad_to_multiple_of``, batch size and
 ``--num_prompts`` = ``--eval_prompts``) the same prompts are scored the same way as step 3's before/after-PPO
 evaluation, here in one plain process (HF ``generate``, the reward model under a trivial engine wrapper).
 """
@@ -10,7 +10,7 @@ import json
 import os
 from types import SimpleNamespace
 
-from dschat.args import add_data_args
+from dschat.args import add_data_args, resolve_pad_to_multiple_of
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.steps.ppo import prompt_loaders
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
@@ -31,7 +31,7 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
     # evaluate_policy expects DeepSpeed engines; for the reward model that is only the ``.module`` attribute
     result = evaluate_policy(model.generate, SimpleNamespace(module=reward_model), tokenizer, held_out, device,
                              args.max_new_tokens, rule_scorer_for(args.data_path), args.num_prompts,
-                             args.num_examples)
+                             args.num_examples, pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     return {"path": path, **result}, reward_model
 
 
