@@ -97,6 +97,8 @@ def train_step(pair, sequences):
     loss = graph_engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
     graph_engine.backward(loss)
     graph_engine.step()
+    # a skipped step (non-finite gradients) would leave nothing for the "after step" checks to see
+    record("optimizer step applied", graph_engine.was_step_applied())
     eager_engine.mark_weights_stale()  # its inference copy (LoRA / ZeRO-3) follows the same training weights
     for engine in pair:
         engine.eval()
@@ -248,7 +250,10 @@ def main():
     if out:
         with open(os.path.join(out, "graph_equality.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
-    print(f"\n{len(RESULTS) - len(FAILURES)}/{len(RESULTS)} checks passed; required failures: {FAILURES or 'none'}")
+    equal = sum(r["ok"] for r in RESULTS)
+    differ = [r["check"] for r in RESULTS if not r["ok"] and not r["required"]]
+    print(f"\n{equal}/{len(RESULTS)} checks hold; reported differences (not required): {len(differ)}; "
+          f"required failures: {FAILURES or 'none'}")
     sys.exit(1 if FAILURES else 0)
 
 

@@ -246,7 +246,7 @@ def step3_parser():
     g.add_argument("--fuse_projections", default="auto", choices=["auto", "on", "off"],
                    help="While generating, run the linears that read the same input (q/k/v; gate/up up to 64 MB) as "
                         "one GEMM (auto: on CUDA, not with --compile_decode_step). Costs a copy of those weights; "
-                        "OPT-1.3B batch 64 on an H200: 0.951 -> 0.900 s per generation (docs/benchmarks.md).")
+                        "measurements in docs/benchmarks.md.")
     g = p.add_argument_group("deepspeed")
     g.add_argument("--offload", action="store_true")
     g.add_argument("--offload_reference_model", action="store_true")

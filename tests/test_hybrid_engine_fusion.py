@@ -49,11 +49,23 @@ def test_fused_generation_equals_hf_generate_before_and_after_a_step(family):
         assert not torch.equal(expected_after, got), "the test cannot see a stale fused weight"
 
 
-def test_fused_outputs_equal_each_projection_and_a_different_input_is_computed_alone():
+def test_weights_changed_outside_step_are_seen_by_the_next_generation():
+    model = tiny_model("llama")
+    engine = _engine(model, fuse_projections="on")
+    ids, mask = left_padded_batch([6, 4])
+    engine.eval()
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    model.load_state_dict(tiny_model("llama", seed=1).state_dict())  # no step(), no mark_weights_stale()
+    expected = hf_generate(model, ids, mask, MAX_NEW)
+    assert not torch.equal(expected, first)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+
+
+def test_fused_outputs_equal_each_projection_whatever_the_order_and_input_of_the_calls():
     model = tiny_model("qwen2")  # q/k/v of different sizes (grouped-query attention), with biases
     fusion = ProjectionFusion(model)
     ids, mask = left_padded_batch([4, 6])
-    with torch.no_grad(), fusion.active(version=0):
+    with torch.no_grad(), fusion.active():
         model(input_ids=ids, attention_mask=mask)  # the first forward finds the groups
         group = fusion.groups[0]
         q, k, v = group.members
@@ -61,8 +73,22 @@ def test_fused_outputs_equal_each_projection_and_a_different_input_is_computed_a
         fused_k = k(x)  # first member called: computes the group
         assert torch.allclose(fused_k, torch.nn.functional.linear(x, k.weight, k.bias), atol=1e-6)
         assert torch.allclose(v(other), torch.nn.functional.linear(other, v.weight, v.bias), atol=1e-6)
-        assert torch.allclose(q(x), torch.nn.functional.linear(x, q.weight, q.bias), atol=1e-6)
+        assert torch.allclose(q(input=x), torch.nn.functional.linear(x, q.weight, q.bias), atol=1e-6)
     assert q.out_features != k.out_features and group.bias is not None
+
+
+def test_a_linear_whose_forward_someone_else_replaced_is_left_alone():
+    model = tiny_model("opt")
+    attention = model.model.decoder.layers[0].self_attn
+    own = attention.k_proj.forward
+    attention.k_proj.forward = own  # e.g. an offloading hook's wrapper
+    fusion = ProjectionFusion(model)
+    ids, mask = left_padded_batch([5])
+    with torch.no_grad(), fusion.active():
+        model(input_ids=ids, attention_mask=mask)
+    members = [m for g in fusion.groups for m in g.members]
+    assert attention.k_proj not in members and attention.v_proj in members
+    assert attention.k_proj.forward is own  # still there after the generation
 
 
 def test_only_groups_up_to_max_bytes_are_fused():
@@ -71,7 +97,7 @@ def test_only_groups_up_to_max_bytes_are_fused():
                     for n in ("q_proj", "k_proj", "v_proj"))
     fusion = ProjectionFusion(model, max_bytes=qkv_bytes)  # gate/up (2 x 64x128) are larger: left alone
     ids, mask = left_padded_batch([5])
-    with torch.no_grad(), fusion.active(version=0):
+    with torch.no_grad(), fusion.active():
         model(input_ids=ids, attention_mask=mask)
     assert _group_names(model, fusion) == [["q_proj", "k_proj", "v_proj"]] * model.config.num_hidden_layers
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from dschat.rlhf.trainer import answer_mask, has_interior_gaps
+from dschat.rlhf.trainer import answer_mask, has_interior_gaps, pad_answers
 from dschat.steps import ppo, reward, sft
 from helpers import PPO_FAST, RM_FAST, SFT_FAST
 from launch import REPO, run_deepspeed
@@ -129,6 +129,15 @@ def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, t
     torch.testing.assert_close(out["logprobs"] * amask, expected * amask, atol=1e-4, rtol=0)
     actor_loss, _ = trainer.train_rlhf(out)
     assert torch.isfinite(actor_loss)
+
+
+def test_pad_answers_rounds_up_with_masked_columns():
+    seq, amask, logprobs = torch.arange(20).view(2, 10), torch.ones(2, 6, dtype=torch.long), torch.ones(2, 6)
+    padded, padded_mask, padded_logprobs = pad_answers(seq, amask, -1, 8, logprobs)
+    assert padded.shape == (2, 16) and padded_mask.shape == padded_logprobs.shape == (2, 12)
+    assert torch.equal(padded[:, :10], seq) and padded[:, 10:].eq(-1).all()
+    assert padded_mask[:, 6:].eq(0).all() and padded_logprobs[:, 6:].eq(0).all()
+    assert pad_answers(seq, amask, -1, 5, logprobs)[0] is seq  # already a multiple: as it was
 
 
 def test_interior_gaps_of_answer_masks():

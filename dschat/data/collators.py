@@ -9,11 +9,17 @@ the models: on CUDA, SDPA's cuDNN backend builds an execution plan per new shape
 import torch
 
 
-def padded_length(length, multiple_of=1):
-    """``length`` rounded up to a multiple of ``multiple_of`` (a positive int)."""
+def check_multiple_of(multiple_of):
     if not isinstance(multiple_of, int) or isinstance(multiple_of, bool) or multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be a positive integer, got {multiple_of!r}")
-    return -(-length // multiple_of) * multiple_of
+
+
+def padded_length(length, multiple_of=1, max_length=None):
+    """``length`` rounded up to a multiple of ``multiple_of`` (a positive int), but not past ``max_length`` (the
+    length the data was cut to: position tables and buffers are sized for it) unless ``length`` already is."""
+    check_multiple_of(multiple_of)
+    rounded = -(-length // multiple_of) * multiple_of
+    return rounded if max_length is None else max(length, min(rounded, max_length))
 
 
 def pad_sequences(sequences, pad_value, side="right", length=None, multiple_of=1, max_length=None):
@@ -23,10 +29,7 @@ def pad_sequences(sequences, pad_value, side="right", length=None, multiple_of=1
     if side not in ("right", "left"):
         raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
     if length is None:
-        longest = max((len(seq) for seq in sequences), default=0)
-        length = padded_length(longest, multiple_of)
-        if max_length is not None:
-            length = max(longest, min(length, max_length))
+        length = padded_length(max((len(seq) for seq in sequences), default=0), multiple_of, max_length)
     out = torch.full((len(sequences), length), pad_value, dtype=torch.long)
     for row, seq in enumerate(sequences):
         if len(seq) > length:
@@ -47,15 +50,13 @@ class DataCollatorSFT:
         self.pad_token_id = pad_token_id
         self.multiple_of = pad_to_multiple_of
         self.max_length = max_length
-        padded_length(0, pad_to_multiple_of)  # a bad value fails here, not at the first batch
+        check_multiple_of(pad_to_multiple_of)  # a bad value fails here, not at the first batch
 
     def __call__(self, items):
-        def pad(key, value):
-            return pad_sequences([i[key] for i in items], value, multiple_of=self.multiple_of,
-                                 max_length=self.max_length)
-
-        return {"input_ids": pad("input_ids", self.pad_token_id), "attention_mask": pad("attention_mask", 0),
-                "labels": pad("labels", -100)}
+        shape = dict(multiple_of=self.multiple_of, max_length=self.max_length)
+        return {"input_ids": pad_sequences([i["input_ids"] for i in items], self.pad_token_id, **shape),
+                "attention_mask": pad_sequences([i["attention_mask"] for i in items], 0, **shape),
+                "labels": pad_sequences([i["labels"] for i in items], -100, **shape)}
 
 
 class DataCollatorReward:
@@ -67,7 +68,7 @@ class DataCollatorReward:
         self.pad_token_id = pad_token_id
         self.multiple_of = pad_to_multiple_of
         self.max_length = max_length
-        padded_length(0, pad_to_multiple_of)  # a bad value fails here, not at the first batch
+        check_multiple_of(pad_to_multiple_of)  # a bad value fails here, not at the first batch
 
     def __call__(self, items):
         ids = [i["chosen_input_ids"] for i in items] + [i["rejected_input_ids"] for i in items]
@@ -110,7 +111,7 @@ class DataCollatorRLHF:
         self.max_prompt_len = max_prompt_len
         self.pad_token_id = pad_token_id
         self.multiple_of = pad_to_multiple_of
-        padded_length(0, pad_to_multiple_of)  # a bad value fails here, not at the first batch
+        check_multiple_of(pad_to_multiple_of)  # a bad value fails here, not at the first batch
 
     def __call__(self, items):
         prompts = [i["prompt_input_ids"] for i in items]

@@ -96,8 +96,13 @@ class HybridEngine:
         # fuse_projections: linears that read the same input (q/k/v, ...) run as one GEMM while generating (fusion.py);
         # "auto": on CUDA. Not with a compiled decode step (not measured there) nor when every forward gathers ZeRO-3
         # shards (nothing whole to copy).
-        fuse = resolve_fuse_projections(fuse_projections, ds_engine.device) and compile_decode_step is None \
+        fuse = resolve_fuse_projections(fuse_projections, ds_engine.device) \
             and not self.inference_weights.forward_has_collectives
+        if fuse and compile_decode_step is not None:
+            fuse = False
+            if fuse_projections in ("on", True):
+                logger.warning("hybrid engine: fuse_projections='on' is not used with compile_decode_step (not "
+                               "measured together); projections run unfused")
         self.fusion = ProjectionFusion(hf_model_of(self.inference_weights.model)) if fuse else None
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
@@ -290,7 +295,7 @@ class HybridEngine:
     def _fused_projections(self):
         if self.fusion is None:
             return contextlib.nullcontext()
-        return self.fusion.active(self.inference_weights.version)
+        return self.fusion.active()
 
     def _group_agrees(self, flag):
         return self.tp.all_agree(flag, self._engine.device)

@@ -5,17 +5,20 @@ memory system busy: on an H200 at 64 rows, OPT-1.3B's three 2048x2048 q/k/v proj
 calls and 7.1 us as one 2048x6144 call (1.5 against 3.5 TB/s; Qwen2.5-7B's q/k/v: 23.7 against 9.3 us), while
 projections of 32 MB or more already run near the copy bandwidth (``bench/decode_gemm.py``, docs/benchmarks.md).
 
-Which projections share an input is found, not declared: during the first forward of a generation (the prefill, run
-eagerly) every candidate ``nn.Linear`` records the input tensor it was called with; linears called one after another
-with the very same tensor object form a group (q/k/v in Llama, Qwen2, Mistral, OPT, ...; gate/up in gated MLPs).
+Which projections share an input is found, not declared: during the first forward of the first generation (run
+eagerly: the prefill, or with CUDA graphs the capture's warm-up step) every candidate ``nn.Linear`` records the input
+tensor it was called with; linears called one after another with the very same tensor object form a group (q/k/v in
+Llama, Qwen2, Mistral, OPT, ...; gate/up in gated MLPs).
 A group is fused when its weights together are at most ``max_bytes``, so only the small projections that gain are
 copied (the fused copy costs their memory once more; Qwen2.5-7B's gate/up, 272 MB, run as fast separately). The fused
-weight is a copy kept in step with the model's weights (refreshed in place before a generation that follows an
-optimizer step, so captured CUDA graphs stay valid). Training forwards never see any of it: the linears' forwards are
-only replaced inside :meth:`ProjectionFusion.active`.
+weight is a copy, rewritten in place from the model's weights at the start of every generation: a fraction of a
+millisecond, and nothing that changes the weights (an optimizer step, ``load_state_dict``, another engine over the same
+model) can leave it stale; captured CUDA graphs stay valid. Training forwards never see any of it: the linears'
+forwards are only replaced inside :meth:`ProjectionFusion.active`.
 
 Whichever member of a group is called first with a new input computes the whole group's output; the others return
-their slice of it when called with that same tensor, and compute their own GEMM otherwise. The slices are views of
+their slice of it when called with that same tensor; a call with another tensor starts over (the group's GEMM for
+that tensor), so the result is right whatever the order of the calls. The slices are views of
 the fused output (last dimension split), which the attention code reshapes per head as it would its own output.
 """
 import contextlib
@@ -44,7 +47,7 @@ def resolve_mode(mode, device):
 def _candidate(module):
     """A plain linear layer with nothing attached: its forward may be replaced by a slice of a fused one."""
     return (type(module) is nn.Linear and module.weight.device.type != "meta" and not module._forward_hooks
-            and not module._forward_pre_hooks)
+            and not module._forward_pre_hooks and "forward" not in module.__dict__)  # not patched by anyone else
 
 
 @dataclasses.dataclass
@@ -74,17 +77,19 @@ class FusedGroup:
             torch.cat([m.bias.detach() for m in self.members], out=self.bias)
 
     def forward_of(self, member):
-        def forward(x):
-            if self.pending_input is x and member in self.pending:
+        index = self.members.index(member)
+        sizes = [m.out_features for m in self.members]
+
+        def forward(input):  # nn.Linear.forward's signature
+            if self.pending_input is input and member in self.pending:
                 out = self.pending.pop(member)
                 if not self.pending:
                     self.pending_input = None
                 return out
-            outputs = torch.nn.functional.linear(x, self.weight, self.bias).split(
-                [m.out_features for m in self.members], dim=-1)
+            outputs = torch.nn.functional.linear(input, self.weight, self.bias).split(sizes, dim=-1)
             self.pending = {m: o for m, o in zip(self.members, outputs) if m is not member}
-            self.pending_input = x
-            return outputs[self.members.index(member)]
+            self.pending_input = input
+            return outputs[index]
         return forward
 
 
@@ -97,13 +102,12 @@ def _fusable(run):
 
 
 class ProjectionFusion:
-    """The fused groups of one model: found during its first generation's prefill, used from then on."""
+    """The fused groups of one model: found during its first generation, used from then on."""
 
     def __init__(self, model, max_bytes=DEFAULT_MAX_BYTES):
         self.model = model
         self.max_bytes = max_bytes
         self.groups = None  # None: not discovered yet
-        self._version = None
         self._patched = []
 
     @property
@@ -111,21 +115,19 @@ class ProjectionFusion:
         return sum(g.nbytes for g in self.groups or ())
 
     @contextlib.contextmanager
-    def active(self, version):
-        """Inside: the model's grouped linears run fused. ``version``: the weights' version (refresh if it moved)."""
+    def active(self):
+        """Inside: the model's grouped linears run fused, from fused weights equal to the model's current ones."""
         try:
             if self.groups is None:
                 with self._discovering():
                     yield
                 return
-            if version != self._version:
-                with torch.no_grad():
-                    for group in self.groups:
-                        group.refresh()
+            with torch.no_grad():
+                for group in self.groups:
+                    group.refresh()
             self._patch()
             yield
         finally:
-            self._version = version if self.groups is not None else None
             self._unpatch()
 
     def _patch(self):

@@ -3,7 +3,8 @@
 Four cases, chosen by :func:`build_inference_weights`:
 
 (a) ZeRO 0-2, no LoRA: the training module itself. Its parameters keep their storage across optimizer steps (DeepSpeed
-    updates them in place), so there is nothing to copy, ever.
+    updates them in place), so there is nothing to copy (the fused projections of ``fusion.py`` are the exception: a
+    copy of a few small matrices, rewritten from these parameters at every generation).
 (b) ZeRO-3, ``pin_parameters=True``: a persistent, unsharded copy of the model (same HF class, built on ``meta`` and
     given real storage once). Before a generation that follows an optimizer step it is refreshed by gathering the
     sharded parameters ``tp_gather_partition_size`` decoder layers at a time, so the extra peak memory is one group.

@@ -32,7 +32,9 @@ def answer_mask(answers, eos_token_id, pad_token_id):
 
 
 def pad_answers(seq, action_mask, pad_token_id, multiple_of, logprobs=None):
-    """(seq, action_mask, logprobs) right-padded so the sequence length is a multiple of ``multiple_of``.
+    """(seq, action_mask, logprobs) right-padded so the sequence length is a multiple of ``multiple_of``: at most
+    ``multiple_of`` - 1 masked columns past prompt + max answer length (the models take positions from the mask, so
+    no position is past what the user sized for).
 
     Generation stops when every row has ended, so the length of the generated sequences differs from batch to batch;
     rounding it up leaves few shapes for the forwards and backwards (cuDNN builds an attention plan per new shape).
