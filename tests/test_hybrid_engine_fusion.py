@@ -108,4 +108,34 @@ def test_fusion_mode():
     with pytest.raises(ValueError, match="fuse_projections"):
         resolve_mode("yes", "cpu")
     assert _engine(tiny_model("llama")).fusion is None  # auto on the CPU
-    assert _engine(tiny_model("llama"), fuse_projections="on", compile_decode_step="default").fusion is None
+    assert _engine(tiny_model("llama"), fuse_projections="on", compile_decode_step="default").fusion is not None
+
+
+def test_a_compiled_forward_finds_the_groups_then_runs_fused_without_recompiling():
+    """compile_decode_step with fuse_projections="on": the first forward (the groups found, forwards replaced) is
+    traced as it runs; from the next call on one graph with the fused GEMMs serves every generation."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    model = tiny_model("qwen2").eval()
+    ids, mask = left_padded_batch([5, 3])
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    fusion = ProjectionFusion(model)
+    backend = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    graphs = []
+    try:
+        for _ in range(3):  # generations
+            with torch.no_grad(), fusion.active():
+                for _ in range(2):  # decode steps
+                    torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits, expected)
+            graphs.append(len(backend.graphs))
+    finally:
+        torch._dynamo.reset()
+    assert len(fusion.groups) == 2 * model.config.num_hidden_layers  # q/k/v and gate/up per layer
+    assert graphs[1] == graphs[2], "the forwards installed again at the next generation forced a recompilation"
+    linear_rows = [node.args[1].meta["example_value"].shape[0] for node in backend.graphs[-1].graph.nodes
+                   if node.target is torch._C._nn.linear]
+    assert linear_rows.count(64 + 2 * 32) == model.config.num_hidden_layers, "q/k/v as one GEMM per layer"
+    assert len(linear_rows) == 4 * model.config.num_hidden_layers + 1, "one graph for the whole forward"
