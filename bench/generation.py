@@ -1,6 +1,7 @@
 """Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3, eager or
 with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the decode forward; ``_sdpa``: SDPA for the
-decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection its own GEMM, not q/k/v as one),
+decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection its own GEMM, not q/k/v as one;
+``_fuse``: fused also with ``_compiled``, where auto leaves them apart),
 against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16, sampled,
 prompts of P tokens, G generated tokens (no early stop), batch B.
 
@@ -221,7 +222,7 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:  # dschat_z<stage>[_graph][_compiled][_autotune][_sdpa][_nofuse]
+                    else:  # dschat_z<stage>[_graph][_compiled][_autotune][_sdpa][_nofuse|_fuse]
                         options = variant.split("_")[1:]
                         stage = int(options[0][1:])
                         graph = "graph" in options
@@ -231,7 +232,8 @@ def main():
                         r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step, graph,
                                            profile=graph and batch == args.profile, compile_mode=compile_mode,
                                            attention="sdpa" if "sdpa" in options else "auto",
-                                           fuse="off" if "nofuse" in options else "auto")
+                                           fuse="off" if "nofuse" in options else "on" if "fuse" in options
+                                           else "auto")
                     r.update(ok=True)
                 except Exception as ex:  # a failing variant is reported, not fatal
                     r = {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:400]}"}

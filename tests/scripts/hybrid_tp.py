@@ -164,8 +164,11 @@ def run_case(family, stage, rank, world):
     eos, expected = expected_answers(reference, ids, mask, world)
 
     ds_engine = build_actor(reference, stage, lora=family.endswith("-lora"))
+    # ZeRO-0 runs also fuse the column-parallel slices that read one input (as "auto" does on CUDA)
+    fuse = "on" if stage == 0 else "off"
     engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32, inference_tp_size=2,
-                                                        tp_gather_partition_size=1), pad_token_id=PAD)
+                                                        tp_gather_partition_size=1), pad_token_id=PAD,
+                          fuse_projections=fuse)
     assert engine.tp is not None and engine.tp.ranks == [0, 1]
     expected_kind = "lora_copy_tp2" if family.endswith("-lora") else "pinned_copy_tp2"
     assert engine.inference_weights.kind == expected_kind, engine.inference_weights.kind
@@ -173,6 +176,10 @@ def run_case(family, stage, rank, world):
     engine.eval()
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
     assert torch.equal(got, expected), (family, stage, rank, got, expected)
+    if fuse == "on":  # the row-parallel projections (all-reduce hooks) stay alone
+        fused = {name.rsplit(".", 1)[-1] for name, module in engine.inference_weights.model.named_modules()
+                 for group in engine.fusion.groups if module in group.members}
+        assert fused >= {"q_proj", "k_proj", "v_proj"} and not fused & {"o_proj", "out_proj", "down_proj", "fc2"}, fused
     check_logprobs(engine, reference, ids, mask, eos, expected)
 
     check_refresh_after_step(engine, reference, got, ids, mask, MAX_NEW, eos, expected, world)
