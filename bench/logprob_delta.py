@@ -47,13 +47,12 @@ def build_engine(args):
 
 def training_logprobs(engine, seq, prompt_len, chunk_size):
     """Old log-probs as step 3 computes them: one forward over the whole sequence (answer positions only)."""
-    from dschat.rlhf.algorithms import gather_log_probs
-    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+    from dschat.rlhf.layout import LeftAligned
+    from dschat.rlhf.trainer import answer_token_stats
 
     mask = torch.ones_like(seq)
     with torch.no_grad():
-        logits = DeepSpeedPPOTrainer._answer_logits(engine, seq, mask, prompt_len - 1)
-        return gather_log_probs(logits, seq[:, prompt_len:], chunk_size)
+        return answer_token_stats(engine, seq, mask, prompt_len - 1, LeftAligned.of(mask), chunk_size)
 
 
 def main():

@@ -38,9 +38,12 @@ def test_answer_mask_when_pad_equals_eos_keeps_the_first_eos():
     assert answer_mask(answers, eos_token_id=2, pad_token_id=2).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
 
 
+@pytest.mark.parametrize("shifted", [False, True], ids=["masked", "shifted"])
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
-def test_answer_logits_run_the_lm_head_on_answer_positions_only(family):
-    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+def test_answer_token_stats_equal_a_full_masked_forward_and_run_the_head_on_answers_only(family, shifted):
+    from dschat.rlhf.algorithms import entropy_from_logits, gather_log_probs
+    from dschat.rlhf.layout import LeftAligned
+    from dschat.rlhf.trainer import answer_token_stats
     sys.path.insert(0, str(REPO / "tests" / "scripts"))
     from hybrid_common import tiny_model
 
@@ -54,16 +57,33 @@ def test_answer_logits_run_the_lm_head_on_answer_positions_only(family):
             return self.module(**kwargs)
 
     model = tiny_model(family).eval()
-    seq = torch.randint(3, 96, (2, 12))
+    seq = torch.randint(3, 96, (3, 12))
     mask = torch.ones_like(seq)
     mask[0, :3] = 0  # left padding
+    mask[1, :1] = 0
+    mask[0, 10:] = 0  # an answer that ended (padding after it)
     engine = Engine(model)
+    layout = LeftAligned.of(mask) if shifted else None
     with torch.no_grad():
-        got = DeepSpeedPPOTrainer._answer_logits(engine, seq, mask, start=7)
+        logp, entropy = answer_token_stats(engine, seq, mask, 7, layout, chunk_size=2, entropy=True)
         full = model(input_ids=seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    assert engine.kwargs["logits_to_keep"] == 5
-    assert got.shape == (2, 4, 96)
-    torch.testing.assert_close(got, full[:, 7:-1])
+    assert engine.kwargs["logits_to_keep"] == 5 + (3 if shifted else 0)  # the answers moved by up to 3 columns
+    assert (engine.kwargs["attention_mask"] is None) == shifted
+    assert logp.shape == entropy.shape == (3, 4)
+    real = mask[:, 8:].bool()  # answer tokens; padding after an answer is masked out of every loss
+    torch.testing.assert_close(logp[real], gather_log_probs(full[:, 7:-1], seq[:, 8:])[real])
+    torch.testing.assert_close(entropy[real], entropy_from_logits(full[:, 7:-1])[real])
+
+
+def test_rows_with_a_gap_are_not_shifted_and_shifting_round_trips():
+    from dschat.rlhf.layout import LeftAligned
+
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]])
+    layout = LeftAligned.of(mask)
+    assert layout.mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6, [1, 1, 1, 0, 0, 0]] and layout.max_lead == 2
+    x = torch.arange(18).view(3, 6)
+    assert layout.align(x)[0, :3].tolist() == [2, 3, 4] and torch.equal(layout.restore(layout.align(x)), x)
+    assert LeftAligned.of(torch.tensor([[1, 1, 0, 1, 1, 0]])) is None  # a pad sampled inside an answer
 
 
 def _engine_and_trainer(trained, tmp_path, **overrides):
@@ -156,10 +176,10 @@ PADDED_PROMPTS = ["\n\nHuman: Say hi.\n\nAssistant:", "\n\nHuman: List three col
                   "\n\nHuman: What is two plus two?\n\nAssistant:", "\n\nHuman: Name a fruit.\n\nAssistant:"]
 
 
-def _padded_and_plain_trainers(trained, tmp_path, multiple, variant):
-    """Two trainers over one engine, --pad_to_multiple_of 1 and ``multiple``; learning rates 0 (an update changes no
-    weight, so both train_rlhf calls see the same models), masked whitening and an entropy term (reductions over the
-    padding columns), a reward function on the decoded answers (their texts)."""
+def _trainer_pair(trained, tmp_path, variant, **second):
+    """Two trainers over one engine, --pad_to_multiple_of 1 and the second with the ``second`` args; learning rates 0
+    (an update changes no weight, so both train_rlhf calls see the same models), masked whitening and an entropy term
+    (reductions over the padding columns), a reward function on the decoded answers (their texts)."""
     from argparse import Namespace
 
     from dschat import DeepSpeedPPOTrainer
@@ -171,7 +191,7 @@ def _padded_and_plain_trainers(trained, tmp_path, multiple, variant):
         trained, tmp_path, enable_hybrid_engine=hybrid, logprobs_from_generation=hybrid,
         actor_learning_rate=0.0, critic_learning_rate=0.0, whiten_advantages=True, entropy_coef=0.01,
         reward_fn=f"{reward_fn}:score", pad_to_multiple_of=1)
-    padded = DeepSpeedPPOTrainer(engine=engine, args=Namespace(**{**vars(plain.args), "pad_to_multiple_of": multiple}))
+    padded = DeepSpeedPPOTrainer(engine=engine, args=Namespace(**{**vars(plain.args), **second}))
     if variant == "pad_is_eos":  # a pad column after an answer that never ended must not pass for its EOS
         for trainer in (plain, padded):
             trainer.eos_token_id = trainer.pad_token_id
@@ -188,7 +208,7 @@ def _sampled_experience(trainer, batch):
 @pytest.mark.parametrize("variant", ["hf_generate", "logprobs_from_generation", "pad_is_eos"])
 def test_padded_experience_equals_the_unpadded_one_on_real_tokens(trained, tmp_path, variant):
     multiple = 16
-    plain, padded, tokenizer = _padded_and_plain_trainers(trained, tmp_path, multiple, variant)
+    plain, padded, tokenizer = _trainer_pair(trained, tmp_path, variant, pad_to_multiple_of=multiple)
     batch = _prompt_batch(tokenizer, PADDED_PROMPTS)
     prompt_len = batch["prompt"].shape[1]
     exp = _sampled_experience(plain, batch)
@@ -220,6 +240,37 @@ def test_padded_experience_equals_the_unpadded_one_on_real_tokens(trained, tmp_p
     for a, b in zip(padded.train_rlhf(got), plain.train_rlhf(exp)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert padded.kl_to_reference(got).item() == pytest.approx(plain.kl_to_reference(exp).item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["hf_generate", "logprobs_from_generation"])
+def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path, variant):
+    """Default: step 3's forwards over rows shifted to column 0 with no attention mask; --padded_forwards: as they
+    are, masked. Same log-probs, values, rewards and losses on the real tokens."""
+    shifted, masked, tokenizer = _trainer_pair(trained, tmp_path, variant, padded_forwards=True)
+    masks = []  # the attention mask of every forward of the experience (not generation: it uses the cache)
+
+    def record(module, args, kwargs):
+        if kwargs.get("use_cache") is False:
+            masks.append(kwargs.get("attention_mask"))
+
+    for backbone in (shifted.actor_model.module, shifted.ref_model.module, shifted.critic_model.module.rwtransformer,
+                     shifted.reward_model.module.rwtransformer):
+        backbone.register_forward_pre_hook(record, with_kwargs=True)
+    batch = _prompt_batch(tokenizer, PADDED_PROMPTS)
+    assert not batch["prompt_att_mask"].all(), "prompts of one length: nothing would be shifted"
+    exp = _sampled_experience(shifted, batch)
+    shifted_calls = len(masks)
+    got = _sampled_experience(masked, batch)
+    assert shifted_calls and all(m is None for m in masks[:shifted_calls]), "the shifted forwards took a mask"
+    assert all(m is not None for m in masks[shifted_calls:]), "--padded_forwards ran without the mask"
+    amask = exp["action_mask"]
+    assert torch.equal(got["input_ids"], exp["input_ids"]) and amask.sum(1).gt(1).any()
+    assert (amask.sum(1) < amask.shape[1]).any(), "no answer ended: no padding after an answer tested"
+    for key in ("logprobs", "ref_logprobs", "value"):
+        torch.testing.assert_close(got[key] * amask, exp[key] * amask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got["rewards"], exp["rewards"], atol=1e-5, rtol=1e-5)
+    for a, b in zip(shifted.train_rlhf(exp), masked.train_rlhf(got)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_step3_prompt_batches_are_rounded_up_to_pad_to_multiple_of(trained, tokenizer):

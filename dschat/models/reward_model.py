@@ -45,10 +45,13 @@ class RewardModel(nn.Module):
     def gradient_checkpointing_disable(self):
         self.rwtransformer.gradient_checkpointing_disable()
 
-    def token_values(self, input_ids, attention_mask, use_cache=False, **kwargs):
-        """Per-token values, shape (B, T)."""
-        out = self.rwtransformer(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=positions_from_mask(attention_mask), use_cache=use_cache, **kwargs)
+    def token_values(self, input_ids, attention_mask, use_cache=False, position_ids=None, **kwargs):
+        """Per-token values, shape (B, T). Positions count real tokens only unless ``position_ids`` are given (needed
+        when ``attention_mask`` is None: rows that start at column 0, see dschat/rlhf/layout.py)."""
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask)
+        out = self.rwtransformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=use_cache, **kwargs)
         hidden = out[0]
         if self.compute_fp32_loss:
             return F.linear(hidden.float(), self.v_head.weight.float()).squeeze(-1)
@@ -70,7 +73,7 @@ class RewardModel(nn.Module):
                       head_mask=None, inputs_embeds=None, return_value_only=False, prompt_length=0,
                       use_cache=False):
         """Per-token values and the score at each row's last real token (DeepSpeed-Chat's critic API)."""
-        values = self.token_values(input_ids, attention_mask, use_cache=use_cache)
+        values = self.token_values(input_ids, attention_mask, use_cache=use_cache, position_ids=position_ids)
         if return_value_only:
             return values
         end = values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)

@@ -8,8 +8,9 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 from dschat.args import resolve_pad_to_multiple_of
 from dschat.data.collators import padded_length
 from dschat.hybrid_engine.decode import forward_spec
-from dschat.models.reward_model import positions_from_mask
+from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
+from dschat.rlhf.layout import LeftAligned
 from dschat.rlhf.config import step3_args
 from dschat.utils.dist import all_reduce, get_world_size
 from dschat.utils.optim import optimizer_step
@@ -46,6 +47,32 @@ def pad_answers(seq, action_mask, pad_token_id, multiple_of, logprobs=None):
         return seq, action_mask, logprobs
     logprobs = None if logprobs is None else F.pad(logprobs, (0, extra), value=0.0)
     return F.pad(seq, (0, extra), value=pad_token_id), F.pad(action_mask, (0, extra), value=0), logprobs
+
+
+def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, entropy=False):
+    """Log-probs (and entropies) of the answer tokens ``seq[:, start + 1:]``, (B, L - start - 1) each, from one
+    forward of ``model`` (an engine: ``model.module`` is the HF model) over the rows as they are (``layout`` None)
+    or shifted (a ``LeftAligned``). Where the model takes ``logits_to_keep`` its LM head runs on the answer positions
+    only (plus, for shifted rows, the ``max_lead`` columns the answers moved by), so the prompt's logits are never
+    computed or stored."""
+    count = seq.shape[1] - start - 1
+    if layout is None:
+        inputs = {"input_ids": seq, "attention_mask": attention_mask,
+                  "position_ids": positions_from_mask(attention_mask)}
+        keep = count + 1
+    else:
+        inputs = layout.model_inputs(seq)
+        keep = count + 1 + layout.max_lead
+    extra = {"logits_to_keep": keep} if forward_spec(model.module).takes_logits_to_keep else {}
+    logits = model(**inputs, use_cache=False, **extra).logits[:, -keep:-1]
+    labels = inputs["input_ids"][:, -keep + 1:]
+    stats = [algo.gather_log_probs(logits, labels, chunk_size)]
+    if entropy:
+        stats.append(algo.entropy_from_logits(logits, chunk_size))
+    if layout is not None:
+        columns = layout.answer_columns(start + 1, count)
+        stats = [x.gather(1, columns) for x in stats]
+    return stats if entropy else stats[0]
 
 
 def has_interior_gaps(action_mask):
@@ -136,19 +163,21 @@ class DeepSpeedPPOTrainer:
         t1 = time.time()
         with torch.no_grad():
             start = prompt_len - 1
+            layout = self._layout(attention_mask, start)
             if decode_logprobs is not None and has_interior_gaps(action_mask):
                 # a pad token sampled mid-answer is masked in the forwards but was attended to while decoding: the
                 # decode step's log-probs after it would not be the ones training compares against
                 decode_logprobs = None
             with phase("dschat.experience.actor"):
                 logprobs = decode_logprobs if decode_logprobs is not None else \
-                    self._logprobs(self.actor_model, seq, attention_mask, start)
+                    self._logprobs(self.actor_model, seq, attention_mask, start, layout)
             with phase("dschat.experience.ref"):
-                ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask, start)
+                ref_logprobs = self._logprobs(self.ref_model, seq, attention_mask, start, layout)
             with phase("dschat.experience.critic"):
-                values = self._values(self.critic_model, seq, attention_mask)[:, start:] if self.critic_model else None
+                values = self._values(self.critic_model, seq, attention_mask, layout)[:, start:] \
+                    if self.critic_model else None
             with phase("dschat.experience.reward"):
-                scores = self._scores(batch, seq, attention_mask, answers, action_mask)
+                scores = self._scores(batch, seq, attention_mask, answers, action_mask, layout)
         algo.check_finite("reward scores", scores)
         exp_time = time.time() - t1
         empty = (action_mask.sum(1) == 0) | ((action_mask.sum(1) == 1) & self._is_eos(answers[:, 0]))
@@ -167,13 +196,17 @@ class DeepSpeedPPOTrainer:
         return {k: (v.repeat_interleave(n, 0) if torch.is_tensor(v) else [x for x in v for _ in range(n)])
                 for k, v in batch.items()}
 
-    def _scores(self, batch, seq, attention_mask, answers, action_mask):
+    def _scores(self, batch, seq, attention_mask, answers, action_mask, layout=None):
         """Weighted sum of the reward model's score and the reward function's, one per answer."""
         a = self.args
         scores = torch.zeros(seq.shape[0], device=seq.device)
         if self.reward_model is not None:
-            rm = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"].float()
-            scores = scores + a.reward_model_weight * rm
+            if layout is None:
+                rm = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"]
+            else:  # the score at each row's last real token, in the shifted columns
+                values = self.reward_model.module.forward_value(**layout.model_inputs(seq), return_value_only=True)
+                rm = values.gather(1, last_token_index(layout.mask)[:, None]).squeeze(1)
+            scores = scores + a.reward_model_weight * rm.float()
         if self.reward_fn is not None:
             from dschat.rlhf.reward_fn import call_reward_fn
 
@@ -192,25 +225,23 @@ class DeepSpeedPPOTrainer:
         eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
         return torch.isin(tokens, torch.tensor(eos, device=tokens.device))
 
-    @staticmethod
-    def _answer_logits(model, seq, attention_mask, start):
-        """The logits that predict the answer tokens, (B, L - start - 1, V): the logits at ``start`` predict the first
-        answer token. Where the model takes ``logits_to_keep`` its LM head runs on those positions only, so the
-        prompt's logits (half of them for 256+256) are never computed or stored."""
-        keep = seq.shape[1] - start
-        extra = {"logits_to_keep": keep} if forward_spec(model.module).takes_logits_to_keep else {}
-        logits = model(input_ids=seq, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask),
-                       use_cache=False, **extra).logits
-        return logits[:, -keep:-1]
+    def _layout(self, attention_mask, start):
+        """How this batch's forwards run: over rows shifted left, with no attention mask (``layout.py``), or, with
+        ``--padded_forwards``, for a row with a gap (a pad sampled inside an answer) or an empty prompt, as they are."""
+        if self.args.padded_forwards:
+            return None
+        layout = LeftAligned.of(attention_mask)
+        return layout if layout is not None and layout.max_lead <= start else None
 
-    def _logprobs(self, model, seq, attention_mask, start):
+    def _logprobs(self, model, seq, attention_mask, start, layout=None):
         """Log-probs of the answer tokens only."""
-        logits = self._answer_logits(model, seq, attention_mask, start)
-        return algo.gather_log_probs(logits, seq[:, start + 1:], self.args.logprob_chunk_size)
+        return answer_token_stats(model, seq, attention_mask, start, layout, self.args.logprob_chunk_size)
 
     @staticmethod
-    def _values(critic, seq, attention_mask):
-        return critic.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+    def _values(critic, seq, attention_mask, layout=None):
+        if layout is None:
+            return critic.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+        return layout.restore(critic.forward_value(**layout.model_inputs(seq), return_value_only=True))[:, :-1]
 
     # --- rewards and advantages ---------------------------------------------------------------------------
     def compute_rewards(self, prompts, log_probs, ref_log_probs, reward_score, action_mask):
@@ -243,6 +274,7 @@ class DeepSpeedPPOTrainer:
         mask = inputs["action_mask"].float()
         seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         start = inputs["prompts"].shape[1] - 1
+        layout = self._layout(attention_mask, start)
         old_logp, ref_logp, old_values = inputs["logprobs"], inputs["ref_logprobs"], inputs["value"]
         agg = self._loss_agg(inputs)
         with torch.no_grad(), phase("dschat.train.advantages"):
@@ -253,12 +285,13 @@ class DeepSpeedPPOTrainer:
                 advantages, returns = self.critic_free_advantages(inputs["rewards"], rewards, mask)
         self.train()
         with phase("dschat.train.actor_loss"):
-            actor_loss = self._actor_loss(seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg)
+            actor_loss = self._actor_loss(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
+                                          agg)
         self._backward_and_step_actor(actor_loss)
         if self.critic_model is None:
             return actor_loss.detach(), torch.zeros((), device=actor_loss.device)
         with phase("dschat.train.critic_loss"):
-            values = self._values(self.critic_model, seq, attention_mask)[:, start:]
+            values = self._values(self.critic_model, seq, attention_mask, layout)[:, start:]
             critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value,
                                                           **agg)
             algo.check_finite("critic loss", critic_loss)
@@ -269,13 +302,13 @@ class DeepSpeedPPOTrainer:
         self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
         return actor_loss.detach(), critic_loss.detach()
 
-    def _actor_loss(self, seq, attention_mask, start, old_logp, ref_logp, advantages, mask, agg):
+    def _actor_loss(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg):
         a = self.args
-        logits = self._answer_logits(self.actor_model, seq, attention_mask, start)
-        logp = algo.gather_log_probs(logits, seq[:, start + 1:], a.logprob_chunk_size)
+        stats = answer_token_stats(self.actor_model, seq, attention_mask, start, layout, a.logprob_chunk_size,
+                                   entropy=bool(a.entropy_coef))
+        logp, entropy = stats if a.entropy_coef else (stats, None)
         loss, pstats = algo.policy_loss_clipped(logp, old_logp, advantages, mask, self.cliprange, **agg)
         if a.entropy_coef:
-            entropy = algo.entropy_from_logits(logits, a.logprob_chunk_size)
             loss = loss - algo.entropy_bonus(entropy, mask, a.entropy_coef, **agg)
         kl_coef, kl_kind = self._kl_loss_settings()
         if kl_coef:
