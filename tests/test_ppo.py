@@ -64,10 +64,13 @@ def test_answer_token_stats_equal_a_full_masked_forward_and_run_the_head_on_answ
     mask[0, 10:] = 0  # an answer that ended (padding after it)
     engine = Engine(model)
     layout = LeftAligned.of(mask) if shifted else None
+    head_rows = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: head_rows.append(out.shape[1]))
     with torch.no_grad():
         logp, entropy = answer_token_stats(engine, seq, mask, 7, layout, chunk_size=2, entropy=True)
         full = model(input_ids=seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     assert engine.kwargs["logits_to_keep"] == 5 + (3 if shifted else 0)  # the answers moved by up to 3 columns
+    assert head_rows[0] == (4 if shifted else 5), "the LM head ran on more than the answer positions"
     assert (engine.kwargs["attention_mask"] is None) == shifted
     assert logp.shape == entropy.shape == (3, 4)
     real = mask[:, 8:].bool()  # answer tokens; padding after an answer is masked out of every loss
@@ -75,14 +78,55 @@ def test_answer_token_stats_equal_a_full_masked_forward_and_run_the_head_on_answ
     torch.testing.assert_close(entropy[real], entropy_from_logits(full[:, 7:-1])[real])
 
 
+def test_shifted_rows_are_cut_to_the_longest_so_positions_stay_in_the_table():
+    """GPT-2's learned positions: 10 of them, rows of 12 columns with at most 9 real tokens (as after rounding up to
+    --pad_to_multiple_of); the shifted forward must not ask for position 10 or 11."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dschat.rlhf.layout import LeftAligned
+    from dschat.rlhf.trainer import answer_token_stats
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=10)).eval()
+    seq = torch.randint(3, 50, (2, 12))
+    mask = torch.zeros_like(seq)
+    mask[0, 3:12] = 1
+    mask[1, 4:10] = 1
+    engine = type("Engine", (), {"module": model, "__call__": lambda self, **kw: model(**kw)})()  # like DeepSpeed's
+    layout = LeftAligned.of(mask)
+    assert layout.width == 9
+    with torch.no_grad():
+        got = answer_token_stats(engine, seq, mask, 5, layout, chunk_size=4)
+        expected = answer_token_stats(engine, seq, mask, 5, None, chunk_size=4)
+    real = mask[:, 6:].bool()
+    torch.testing.assert_close(got[real], expected[real])
+
+
+def test_layout_falls_back_to_the_mask_for_a_gap_an_empty_prompt_or_padded_forwards():
+    from types import SimpleNamespace
+
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    def layout(mask, start, padded=False):
+        return DeepSpeedPPOTrainer._layout(SimpleNamespace(args=SimpleNamespace(padded_forwards=padded)),
+                                          torch.tensor(mask), start)
+
+    assert layout([[0, 1, 1, 1], [1, 1, 1, 0]], start=1) is not None
+    assert layout([[0, 1, 1, 1], [1, 1, 1, 0]], start=1, padded=True) is None
+    assert layout([[0, 0, 1, 1], [1, 1, 1, 0]], start=1) is None  # a prompt of padding only: moved past its start
+    assert layout([[1, 0, 1, 1], [1, 1, 1, 0]], start=1) is None  # a gap
+
+
 def test_rows_with_a_gap_are_not_shifted_and_shifting_round_trips():
     from dschat.rlhf.layout import LeftAligned
 
-    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]])
     layout = LeftAligned.of(mask)
-    assert layout.mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6, [1, 1, 1, 0, 0, 0]] and layout.max_lead == 2
+    assert layout.mask.tolist() == [[1, 1, 1, 0, 0], [1] * 5, [1, 1, 1, 0, 0]] and layout.max_lead == 2
     x = torch.arange(18).view(3, 6)
-    assert layout.align(x)[0, :3].tolist() == [2, 3, 4] and torch.equal(layout.restore(layout.align(x)), x)
+    assert layout.align(x)[0, :3].tolist() == [2, 3, 4] and layout.align(x).shape == (3, 5)  # cut to the longest
+    restored = layout.restore(layout.align(x))
+    assert torch.equal(restored[mask.bool()], x[mask.bool()])
     assert LeftAligned.of(torch.tensor([[1, 1, 0, 1, 1, 0]])) is None  # a pad sampled inside an answer
 
 
@@ -269,8 +313,11 @@ def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path
     for key in ("logprobs", "ref_logprobs", "value"):
         torch.testing.assert_close(got[key] * amask, exp[key] * amask, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["rewards"], exp["rewards"], atol=1e-5, rtol=1e-5)
+    masks.clear()
     for a, b in zip(shifted.train_rlhf(exp), masked.train_rlhf(got)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(masks) == 4 and masks[0] is None and masks[1] is None, "train_rlhf's shifted forwards took a mask"
+    assert masks[2] is not None and masks[3] is not None
 
 
 def test_step3_prompt_batches_are_rounded_up_to_pad_to_multiple_of(trained, tokenizer):

@@ -46,9 +46,9 @@ class RewardModel(nn.Module):
         self.rwtransformer.gradient_checkpointing_disable()
 
     def token_values(self, input_ids, attention_mask, use_cache=False, position_ids=None, **kwargs):
-        """Per-token values, shape (B, T). Positions count real tokens only unless ``position_ids`` are given (needed
-        when ``attention_mask`` is None: rows that start at column 0, see dschat/rlhf/layout.py)."""
-        if position_ids is None:
+        """Per-token values, shape (B, T). Positions count real tokens only; with no ``attention_mask`` (rows that start
+        at column 0, see dschat/rlhf/layout.py) they are the model's default, 0, 1, ..."""
+        if position_ids is None and attention_mask is not None:
             position_ids = positions_from_mask(attention_mask)
         out = self.rwtransformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=use_cache, **kwargs)
@@ -76,6 +76,9 @@ class RewardModel(nn.Module):
         values = self.token_values(input_ids, attention_mask, use_cache=use_cache, position_ids=position_ids)
         if return_value_only:
             return values
+        if attention_mask is None:
+            raise ValueError("forward_value needs the attention_mask to find each row's last token "
+                             "(or return_value_only=True)")
         end = values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
         return {"values": values, "chosen_end_scores": end}
 

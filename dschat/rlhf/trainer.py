@@ -7,10 +7,10 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 
 from dschat.args import resolve_pad_to_multiple_of
 from dschat.data.collators import padded_length
-from dschat.hybrid_engine.decode import forward_spec
+from dschat.hybrid_engine.decode import forward_spec, hf_model_of
 from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
-from dschat.rlhf.layout import LeftAligned
+from dschat.rlhf.layout import LeftAligned, head_reads
 from dschat.rlhf.config import step3_args
 from dschat.utils.dist import all_reduce, get_world_size
 from dschat.utils.optim import optimizer_step
@@ -52,26 +52,24 @@ def pad_answers(seq, action_mask, pad_token_id, multiple_of, logprobs=None):
 def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, entropy=False):
     """Log-probs (and entropies) of the answer tokens ``seq[:, start + 1:]``, (B, L - start - 1) each, from one
     forward of ``model`` (an engine: ``model.module`` is the HF model) over the rows as they are (``layout`` None)
-    or shifted (a ``LeftAligned``). Where the model takes ``logits_to_keep`` its LM head runs on the answer positions
-    only (plus, for shifted rows, the ``max_lead`` columns the answers moved by), so the prompt's logits are never
-    computed or stored."""
+    or shifted (a ``LeftAligned``). The LM head runs on the answer positions only (``logits_to_keep`` where the model
+    takes it; for shifted rows each row's own answer positions, picked before the head), so the prompt's logits are
+    never computed or stored."""
     count = seq.shape[1] - start - 1
+    takes_keep = forward_spec(model.module).takes_logits_to_keep
     if layout is None:
-        inputs = {"input_ids": seq, "attention_mask": attention_mask,
-                  "position_ids": positions_from_mask(attention_mask)}
         keep = count + 1
+        logits = model(input_ids=seq, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask),
+                       use_cache=False, **({"logits_to_keep": keep} if takes_keep else {})).logits[:, -keep:-1]
     else:
-        inputs = layout.model_inputs(seq)
-        keep = count + 1 + layout.max_lead
-    extra = {"logits_to_keep": keep} if forward_spec(model.module).takes_logits_to_keep else {}
-    logits = model(**inputs, use_cache=False, **extra).logits[:, -keep:-1]
-    labels = inputs["input_ids"][:, -keep + 1:]
+        window = layout.answer_window(start)
+        with head_reads(hf_model_of(model.module), layout.answer_columns(start, count), window):
+            logits = model(**layout.model_inputs(seq), use_cache=False,
+                           **({"logits_to_keep": window} if takes_keep else {})).logits
+    labels = seq[:, start + 1:]
     stats = [algo.gather_log_probs(logits, labels, chunk_size)]
     if entropy:
         stats.append(algo.entropy_from_logits(logits, chunk_size))
-    if layout is not None:
-        columns = layout.answer_columns(start + 1, count)
-        stats = [x.gather(1, columns) for x in stats]
     return stats if entropy else stats[0]
 
 
