@@ -78,6 +78,45 @@ def test_answer_token_stats_equal_a_full_masked_forward_and_run_the_head_on_answ
     torch.testing.assert_close(entropy[real], entropy_from_logits(full[:, 7:-1])[real])
 
 
+def _tiny_config(family):
+    import transformers as T
+
+    small = dict(vocab_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return {"mistral_sliding_window": lambda: T.MistralConfig(hidden_size=32, intermediate_size=64,
+                                                              num_key_value_heads=2, sliding_window=4, **small),
+            "gemma2": lambda: T.Gemma2Config(hidden_size=32, intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                                             sliding_window=4, **small),
+            "bloom_alibi": lambda: T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=64),
+            "falcon_alibi": lambda: T.FalconConfig(hidden_size=32, alibi=True, **small),
+            "gpt_neox": lambda: T.GPTNeoXConfig(hidden_size=32, intermediate_size=64, **small),
+            "phi3": lambda: T.Phi3Config(hidden_size=32, intermediate_size=64, num_key_value_heads=2, pad_token_id=0,
+                                         **small)}[family]()
+
+
+@pytest.mark.parametrize("family", ["mistral_sliding_window", "gemma2", "bloom_alibi", "falcon_alibi", "gpt_neox",
+                                    "phi3"])
+def test_shifted_rows_give_the_masked_answer_stats_where_the_mask_does_more_than_mask(family):
+    """Sliding windows and ALiBi depend on distances between columns, which the shift keeps."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.rlhf.layout import LeftAligned
+    from dschat.rlhf.trainer import answer_token_stats
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_config(family)).eval()
+    engine = type("Engine", (), {"module": model, "__call__": lambda self, **kw: model(**kw)})()
+    seq = torch.randint(3, 64, (4, 20))
+    mask = torch.ones_like(seq)
+    mask[0, :5] = mask[1, :2] = mask[2, 16:] = 0
+    mask[3, :7] = mask[3, 18:] = 0
+    with torch.no_grad():
+        expected = answer_token_stats(engine, seq, mask, 9, None, 4, entropy=True)
+        got = answer_token_stats(engine, seq, mask, 9, LeftAligned.of(mask), 4, entropy=True)
+    real = mask[:, 10:].bool()
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a[real], b[real], atol=1e-5, rtol=1e-5)
+
+
 def test_shifted_rows_are_cut_to_the_longest_so_positions_stay_in_the_table():
     """GPT-2's learned positions: 10 of them, rows of 12 columns with at most 9 real tokens (as after rounding up to
     --pad_to_multiple_of); the shifted forward must not ask for position 10 or 11."""
