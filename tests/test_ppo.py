@@ -122,7 +122,7 @@ def test_shifted_rows_are_cut_to_the_longest_so_positions_stay_in_the_table():
     --pad_to_multiple_of); the shifted forward must not ask for position 10 or 11."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dschat.rlhf.layout import LeftAligned
+    from dschat.rlhf.layout import LeftAligned, position_limit
     from dschat.rlhf.trainer import answer_token_stats
 
     torch.manual_seed(0)
@@ -132,13 +132,28 @@ def test_shifted_rows_are_cut_to_the_longest_so_positions_stay_in_the_table():
     mask[0, 3:12] = 1
     mask[1, 4:10] = 1
     engine = type("Engine", (), {"module": model, "__call__": lambda self, **kw: model(**kw)})()  # like DeepSpeed's
-    layout = LeftAligned.of(mask)
-    assert layout.width == 9
+    assert LeftAligned.of(mask).width == 9
+    layout = LeftAligned.of(mask, multiple_of=4, position_limit=position_limit(model))  # 12 rounded, 10 in the table
+    assert layout.width == 10
     with torch.no_grad():
         got = answer_token_stats(engine, seq, mask, 5, layout, chunk_size=4)
         expected = answer_token_stats(engine, seq, mask, 5, None, chunk_size=4)
     real = mask[:, 6:].bool()
     torch.testing.assert_close(got[real], expected[real])
+    assert LeftAligned.of(mask, multiple_of=4).width == 12  # no limit: rounded up to --pad_to_multiple_of, few shapes
+    assert LeftAligned.of(mask, multiple_of=4, position_limit=8).width == 9  # never below the longest row
+
+
+def test_position_limit_reads_position_tables_and_rope_scaling_switch_lengths():
+    from types import SimpleNamespace as NS
+
+    from dschat.rlhf.layout import position_limit
+
+    assert position_limit(NS(config=NS(max_position_embeddings=2048)), NS(config=NS(n_positions=1024))) == 1024
+    longrope = NS(config=NS(max_position_embeddings=131072,
+                            rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096}))
+    assert position_limit(longrope) == 4096
+    assert position_limit(NS(config=NS())) is None
 
 
 def test_layout_falls_back_to_the_mask_for_a_gap_an_empty_prompt_or_padded_forwards():
@@ -147,8 +162,9 @@ def test_layout_falls_back_to_the_mask_for_a_gap_an_empty_prompt_or_padded_forwa
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 
     def layout(mask, start, padded=False):
-        return DeepSpeedPPOTrainer._layout(SimpleNamespace(args=SimpleNamespace(padded_forwards=padded)),
-                                          torch.tensor(mask), start)
+        trainer = SimpleNamespace(args=SimpleNamespace(padded_forwards=padded), pad_to_multiple_of=1,
+                                  _position_limit=[None])
+        return DeepSpeedPPOTrainer._layout(trainer, torch.tensor(mask), start)
 
     assert layout([[0, 1, 1, 1], [1, 1, 1, 0]], start=1) is not None
     assert layout([[0, 1, 1, 1], [1, 1, 1, 0]], start=1, padded=True) is None

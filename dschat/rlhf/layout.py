@@ -7,7 +7,8 @@ docs/benchmarks.md), and a new mask pattern or length costs a new execution plan
 leading pads, each row is one run of real tokens followed by padding; in a causal model no real token attends to a
 later position, so the real tokens' outputs are exactly those of the masked forward, with no padding mask (plain
 causal attention; a model with a sliding window still builds its window's mask) and positions 0, 1, ... . Rows are
-cut to the longest one, so no position is larger than in the masked forward. Per-token outputs are mapped back to the
+cut to the longest one, rounded up to ``--pad_to_multiple_of`` (few shapes) but never past a length at which a model's
+positions would behave differently (its position table, the length its RoPE scaling switches at). Per-token outputs are mapped back to the
 original columns (cheap), and the LM head runs on each row's answer positions only (:func:`head_reads`).
 
 A row with a masked token between real ones (a pad token sampled inside an answer) cannot be shifted this way; for such
@@ -17,6 +18,8 @@ import contextlib
 import dataclasses
 
 import torch
+
+from dschat.data.collators import padded_length
 
 
 @dataclasses.dataclass
@@ -33,8 +36,12 @@ class LeftAligned:
     mask: torch.Tensor  # (B, width) the shifted attention mask: ones, then zeros
 
     @classmethod
-    def of(cls, attention_mask):
-        """The shift for ``attention_mask`` (B, L), or None if some row has a gap between real tokens."""
+    def of(cls, attention_mask, multiple_of=1, position_limit=None):
+        """The shift for ``attention_mask`` (B, L), or None if some row has a gap between real tokens.
+
+        The width (the longest row) is rounded up to a multiple of ``multiple_of`` (``--pad_to_multiple_of``: few
+        shapes, so few cuDNN plans) but not past L nor past ``position_limit`` (the models' position tables and the
+        lengths their RoPE scaling switches at, :func:`position_limit`), so rounding moves no real token's result."""
         length = attention_mask.shape[1]
         columns = torch.arange(length, device=attention_mask.device)
         lead = (attention_mask.long().cumsum(1) == 0).sum(1)
@@ -44,6 +51,7 @@ class LeftAligned:
         prefix, max_lead, width = torch.stack([prefix.long(), lead.max(), mask.sum(1).max()]).tolist()  # one sync
         if not prefix or width == 0:
             return None
+        width = padded_length(width, multiple_of, min(length, position_limit or length))
         inverse = (columns - lead[:, None]) % length
         return cls(index[:, :width], inverse, lead, max_lead, width, mask[:, :width])
 
@@ -73,6 +81,22 @@ class LeftAligned:
         steps = torch.arange(count, device=self.lead.device)
         window = self.answer_window(start)
         return (steps + (self.max_lead - self.lead)[:, None]).clamp(max=window - 1)
+
+
+def position_limit(*models):
+    """The longest run of positions every model takes as it would a shorter one: at most its position table
+    (``max_position_embeddings``, GPT-2's ``n_positions``) and, with a RoPE scaling that depends on the longest
+    position (dynamic NTK, LongRoPE), the length it switches at. None if no model says."""
+    limits = []
+    for model in models:
+        config = getattr(model, "config", None)
+        for name in ("max_position_embeddings", "n_positions"):
+            if isinstance(getattr(config, name, None), int):
+                limits.append(getattr(config, name))
+        rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+        if isinstance(rope, dict) and isinstance(rope.get("original_max_position_embeddings"), int):
+            limits.append(rope["original_max_position_embeddings"])
+    return min(limits) if limits else None
 
 
 @contextlib.contextmanager
