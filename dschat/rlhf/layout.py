@@ -24,15 +24,14 @@ from dschat.data.collators import padded_length
 
 @dataclasses.dataclass
 class LeftAligned:
-    """How one batch's rows are shifted: ``aligned[:, j] = original[:, index[:, j]]``, cut to the longest row (``width``
-    columns), so positions stay those of the masked forward and of generation (learned position tables, RoPE scalings
-    that depend on the longest position)."""
+    """How one batch's rows are shifted: ``aligned[:, j] = original[:, index[:, j]]``, cut to ``width`` columns (the
+    longest row, rounded up within the models' position limits: see :meth:`of`)."""
 
     index: torch.Tensor  # (B, width)
     inverse: torch.Tensor  # (B, L): original[:, p] = aligned[:, inverse[:, p]]; width and over: padding
     lead: torch.Tensor  # (B,) leading pads of each row
     max_lead: int
-    width: int  # the longest row's real tokens
+    width: int  # columns kept: the longest row's real tokens, rounded up
     mask: torch.Tensor  # (B, width) the shifted attention mask: ones, then zeros
 
     @classmethod
