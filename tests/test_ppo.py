@@ -93,9 +93,10 @@ def _tiny_config(family):
                                          **small)}[family]()
 
 
+@pytest.mark.parametrize("multiple_of", [1, 8])
 @pytest.mark.parametrize("family", ["mistral_sliding_window", "gemma2", "bloom_alibi", "falcon_alibi", "gpt_neox",
                                     "phi3"])
-def test_shifted_rows_give_the_masked_answer_stats_where_the_mask_does_more_than_mask(family):
+def test_shifted_rows_give_the_masked_answer_stats_where_the_mask_does_more_than_mask(family, multiple_of):
     """Sliding windows and ALiBi depend on distances between columns, which the shift keeps."""
     from transformers import AutoModelForCausalLM
 
@@ -111,7 +112,9 @@ def test_shifted_rows_give_the_masked_answer_stats_where_the_mask_does_more_than
     mask[3, :7] = mask[3, 18:] = 0
     with torch.no_grad():
         expected = answer_token_stats(engine, seq, mask, 9, None, 4, entropy=True)
-        got = answer_token_stats(engine, seq, mask, 9, LeftAligned.of(mask), 4, entropy=True)
+        layout = LeftAligned.of(mask, multiple_of)
+        got = answer_token_stats(engine, seq, mask, 9, layout, 4, entropy=True)
+    assert layout.width == (18 if multiple_of == 1 else 20)  # rounded up (within the 20 columns) with a multiple
     real = mask[:, 10:].bool()
     for a, b in zip(got, expected):
         torch.testing.assert_close(a[real], b[real], atol=1e-5, rtol=1e-5)
@@ -154,6 +157,34 @@ def test_position_limit_reads_position_tables_and_rope_scaling_switch_lengths():
                             rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096}))
     assert position_limit(longrope) == 4096
     assert position_limit(NS(config=NS())) is None
+    # transformers 5: one RoPE dict per layer type (Gemma-3 style); dynamic NTK keeps its stretched table cached
+    nested = NS(config=NS(max_position_embeddings=32, rope_parameters={
+        "full_attention": {"rope_type": "longrope", "original_max_position_embeddings": 16},
+        "sliding_attention": {"rope_type": "default"}}))
+    assert position_limit(nested) == 16
+    assert position_limit(NS(config=NS(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic"}))) == 15
+    multimodal = NS(config=NS(get_text_config=lambda: NS(max_position_embeddings=64)))
+    assert position_limit(multimodal) == 64
+
+
+def test_an_lm_head_that_runs_twice_is_an_error_not_wrong_log_probs():
+    from dschat.rlhf.layout import head_reads
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(4, 3)
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def forward(self, hidden):
+            return self.head(hidden) + self.head(hidden)
+
+    model = TwoHeads()
+    with pytest.raises(RuntimeError, match="ran 2 times"):
+        with head_reads(model, torch.zeros(2, 1, dtype=torch.long), window=2):
+            model(torch.randn(2, 5, 4))
 
 
 def test_layout_falls_back_to_the_mask_for_a_gap_an_empty_prompt_or_padded_forwards():

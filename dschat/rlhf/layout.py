@@ -85,17 +85,32 @@ class LeftAligned:
 def position_limit(*models):
     """The longest run of positions every model takes as it would a shorter one: at most its position table
     (``max_position_embeddings``, GPT-2's ``n_positions``) and, with a RoPE scaling that depends on the longest
-    position (dynamic NTK, LongRoPE), the length it switches at. None if no model says."""
+    position, the length it switches at (LongRoPE's ``original_max_position_embeddings``; dynamic NTK keeps a
+    stretched table cached up to its table size, so one less). None if no model says."""
     limits = []
     for model in models:
         config = getattr(model, "config", None)
-        for name in ("max_position_embeddings", "n_positions"):
-            if isinstance(getattr(config, name, None), int):
-                limits.append(getattr(config, name))
-        rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-        if isinstance(rope, dict) and isinstance(rope.get("original_max_position_embeddings"), int):
-            limits.append(rope["original_max_position_embeddings"])
+        if hasattr(config, "get_text_config"):  # multimodal configs keep positions in their text config
+            config = config.get_text_config()
+        table = next((getattr(config, name) for name in ("max_position_embeddings", "n_positions")
+                      if isinstance(getattr(config, name, None), int)), None)
+        if table is not None:
+            limits.append(table)
+        for rope in _rope_settings(config):
+            if isinstance(rope.get("original_max_position_embeddings"), int):
+                limits.append(rope["original_max_position_embeddings"])
+            if "dynamic" in str(rope.get("rope_type") or rope.get("type") or "") and table is not None:
+                limits.append(table - 1)
     return min(limits) if limits else None
+
+
+def _rope_settings(config):
+    """The RoPE parameter dicts of ``config``: one, or one per layer type (transformers 5, e.g. Gemma-3)."""
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if not isinstance(rope, dict):
+        return []
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    return nested + [rope]
 
 
 @contextlib.contextmanager
@@ -103,13 +118,23 @@ def head_reads(model, columns, window):
     """Inside: the LM head of ``model`` (an HF model) runs only on the hidden states at ``columns`` (B, count) of the
     rows' last ``window`` positions (what ``logits_to_keep`` gives it, or all positions where the model has no such
     argument), so each row's answer logits come out in the answer's own columns and no others are computed."""
+    calls = []
+
     def gather_rows(module, args):
+        calls.append(1)
         hidden = args[0]
         index = columns + (hidden.shape[1] - window)
         return (hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1])), *args[1:])
 
-    handle = model.get_output_embeddings().register_forward_pre_hook(gather_rows)
+    head = model.get_output_embeddings()
+    if head is None:
+        raise RuntimeError(f"{type(model).__name__} has no output embeddings module; run step 3 with "
+                           "--padded_forwards")
+    handle = head.register_forward_pre_hook(gather_rows)
     try:
         yield
     finally:
         handle.remove()
+    if len(calls) != 1:  # the logits would not be the answers' (a model that computes them another way)
+        raise RuntimeError(f"{type(model).__name__}'s LM head ran {len(calls)} times in one forward; run step 3 with "
+                           "--padded_forwards")
