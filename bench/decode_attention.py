@@ -18,6 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from results import write_json  # noqa: E402
 
 LAYOUTS = {"opt-1.3b": (32, 32, 64), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
 
@@ -101,9 +102,7 @@ def main():
         mine = sorted((r for r in rows if (r["layout"], r["filled"]) == (name, filled)), key=lambda r: r["us"])
         for r in [x for x in mine if not x["variant"].startswith("triton block")] + mine[:5]:
             print(f"{r['layout']:<12}{filled:>7}  {r['variant']:<48}{r['us']:>8.1f}{r['visible_TBps']:>7.2f}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ to decide whether fusing them is worth it. Timed as CUDA graphs (``decode_attent
 Prints microseconds per call and the bandwidth the weights were read at; writes JSON to $OUT when set.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import time_us  # noqa: E402
+from results import write_json  # noqa: E402
 
 # name: (input features, [(output features of each projection sharing that input)], bias)
 SHAPES = {
@@ -54,9 +54,7 @@ def main():
                     rows.append(row)
                     print(f"{model:<12}{batch:>5}  {name:<8}{label:<10}{us:>9.1f} us{nbytes / 1e6:>9.1f} MB"
                           f"{row['TBps']:>7.2f} TB/s", flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results as results_io  # noqa: E402
 
 # DeepSpeed ZeRO-3 replaces torch.nn.functional.linear process-wide (memory_efficient_linear); put torch's back after
 # each variant so that the variants after a ZeRO-3 one are not measured with it.
@@ -185,10 +186,7 @@ def profile_decode(he, prompt, mask, kw, new_tokens=33):
 
 
 def write_json(args, bw, rows):
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, args.json), "w") as f:
-            json.dump({"bandwidth_Bps": bw, "args": vars(args), "rows": rows}, f, indent=1)
+    results_io.write_json(args.json, {"bandwidth_Bps": bw, "args": vars(args), "rows": rows})
 
 
 def main():

@@ -13,7 +13,6 @@ and the host synchronisations of one graph generation. Exits non-zero if a requi
                                                                           names: run only those checks)
 """
 import copy
-import json
 import os
 import sys
 import warnings
@@ -24,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 from hybrid_common import PAD, early_token, hf_generate, left_padded_batch  # noqa: E402
+from results import write_json  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("GRAPH_EQUALITY_DEVICE", "cuda"))  # "cpu": a dry run of the script's flow
 FAMILIES = ["llama", "qwen2", "mistral", "opt", "gpt2"]
@@ -246,10 +246,7 @@ def main():
             check()
         except Exception as error:  # noqa: BLE001
             record(f"{check.__name__} raised", False, error=f"{type(error).__name__}: {str(error)[:300]}")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "graph_equality.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    write_json("graph_equality.json", RESULTS)
     equal = sum(r["ok"] for r in RESULTS)
     differ = [r["check"] for r in RESULTS if not r["ok"] and not r["required"]]
     print(f"\n{equal}/{len(RESULTS)} checks hold; reported differences (not required): {len(differ)}; "

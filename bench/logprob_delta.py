@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, log  # noqa: E402
+from results import write_json  # noqa: E402
 
 
 def build_engine(args):
@@ -83,9 +84,7 @@ def main():
               "mean_abs_delta_logp": delta.mean().item(), "max_abs_delta_logp": delta.max().item(),
               "mean_logp": train_logp.mean().item(), "tokens": delta.numel()}
     log(json.dumps(result))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "logprob_delta.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_json("logprob_delta.json", result)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results as results_io  # noqa: E402
 
 ACTOR = dict(vocab_size=50272, hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
              max_position_embeddings=2048, word_embed_proj_dim=2048, do_layer_norm_before=True, dropout=0.0)
@@ -253,9 +254,7 @@ def run_each_in_its_own_process(variants, args):
 
 
 def write_json(args, results):
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    results_io.write_json(args.json, {"args": vars(args), "results": results})
 
 
 def print_table(results, world_size):

@@ -12,13 +12,13 @@ Prints milliseconds; writes JSON to $OUT when set.
 """
 import argparse
 import contextlib
-import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from results import write_json
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION}
@@ -74,9 +74,7 @@ def main():
             rows.append(row)
             print(f"{backend:<10} {'mask' if masked else 'causal':<7} L={length:<5} first {first:9.1f} ms   "
                   f"steady {steady:7.2f} ms   (default picks {row['default_picks']})", flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

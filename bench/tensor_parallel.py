@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, TORCH_LINEAR, copy_bandwidth, log  # noqa: E402
+from results import write_json  # noqa: E402
 
 
 def per_gpu_floor(inference_model, kv_heads_per_gpu, rows_per_gpu, prompt, gen, bw):
@@ -169,10 +170,9 @@ def main():
                     if rank0:
                         log(json.dumps(row))
                     rows.append(row)
-                    if rank0 and os.environ.get("OUT"):
-                        with open(os.path.join(os.environ["OUT"], args.json), "w") as f:
-                            meta = {**vars(args), "dtype": str(args.dtype)}
-                            json.dump({"bandwidth_Bps": bw, "args": meta, "rows": rows}, f, indent=1)
+                    if rank0:
+                        write_json(args.json, {"bandwidth_Bps": bw, "args": {**vars(args), "dtype": str(args.dtype)},
+                                               "rows": rows})
     if rank0:
         log(f"\n{'B/rank':>6} {'ZeRO':>4} {'graph':>5} {'tp':>3} {'seconds':>8} {'floor/GPU':>9} {'x floor':>7} "
             f"{'gather':>7} {'copy GB':>8} {'peak GB':>8} {'samples/s':>9}")

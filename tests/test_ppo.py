@@ -194,7 +194,7 @@ def test_layout_falls_back_to_the_mask_for_a_gap_an_empty_prompt_or_padded_forwa
 
     def layout(mask, start, padded=False):
         trainer = SimpleNamespace(args=SimpleNamespace(padded_forwards=padded), pad_to_multiple_of=1,
-                                  _position_limit=[None])
+                                  position_limit=None)
         return DeepSpeedPPOTrainer._layout(trainer, torch.tensor(mask), start)
 
     assert layout([[0, 1, 1, 1], [1, 1, 1, 0]], start=1) is not None

@@ -105,7 +105,10 @@ class DeepSpeedPPOTrainer:
                              "it needs --enable_hybrid_engine")
         self.z3_enabled = args.actor_zero_stage == 3
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
-        self._position_limit = None  # [limit] once read from the models (layout.position_limit)
+        # how far shifted rows may be rounded up (layout.position_limit): every model of the experience
+        self.position_limit = position_limit(*(hf_model_of(m.module) for m in
+                                               (self.actor_model, self.ref_model, self.critic_model, self.reward_model)
+                                               if m is not None))
         self.device = next(self.actor_model.module.parameters()).device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * torch.distributed.get_rank())  # independent per rank
@@ -229,10 +232,7 @@ class DeepSpeedPPOTrainer:
         ``--padded_forwards``, for a row with a gap (a pad sampled inside an answer) or an empty prompt, as they are."""
         if self.args.padded_forwards:
             return None
-        if self._position_limit is None:
-            models = [self.actor_model, self.ref_model, self.critic_model, self.reward_model]
-            self._position_limit = [position_limit(*(hf_model_of(m.module) for m in models if m is not None))]
-        layout = LeftAligned.of(attention_mask, self.pad_to_multiple_of, self._position_limit[0])
+        layout = LeftAligned.of(attention_mask, self.pad_to_multiple_of, self.position_limit)
         return layout if layout is not None and layout.max_lead <= start else None
 
     def _logprobs(self, model, seq, attention_mask, start, layout=None):
