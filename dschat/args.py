@@ -99,6 +99,11 @@ def add_zero_tuning_args(g):
                         "OPT-1.3B actor and OPT-350m critic, docs/benchmarks.md); instead dschat stops with an error "
                         "after a step that applied an inf/NaN gradient norm. ZeRO-0, ZeRO-3, fp16 and fp32 at "
                         "ZeRO-1/2 skip such steps in any case.")
+    g.add_argument("--zero3_fetch", default="layer", choices=["layer", "module"],
+                   help="ZeRO-3: the unit whose parameters DeepSpeed gathers and releases with one hook. layer: each "
+                        "decoder layer (dschat's default: a tenth of the hooks, so less host time per forward and "
+                        "backward); module: every submodule (DeepSpeed's default). Same numbers either way; "
+                        "measurements in docs/benchmarks.md.")
 
 
 def add_deepspeed_args(parser):

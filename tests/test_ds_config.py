@@ -1,12 +1,16 @@
 """DeepSpeed configs built by dschat: the bf16 overflow scan (host time on every step) is off unless asked, and
-DeepSpeed's own config model reads dschat's setting."""
+DeepSpeed's own config model reads dschat's setting; ZeRO-3's fetch unit (``--zero3_fetch``)."""
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from deepspeed.runtime.precision_config import get_bfloat16_config
 
 from dschat.args import step1_parser, step3_parser
 from dschat.rlhf.config import step3_args
 from dschat.utils.ds_config import get_train_ds_config
+from tests.launch import run_deepspeed
 
 
 def test_bf16_overflow_scan_is_off_unless_asked_and_deepspeed_reads_it():
@@ -81,3 +85,41 @@ def test_a_step_that_applied_nan_gradients_raises_and_a_skipped_one_is_reported(
     assert "[tiny] optimizer step skipped by DeepSpeed" in capsys.readouterr().out
     assert _nan_gradient_step(stage=0, check_grad_overflow=False) is True, "ZeRO-0 always scans"
     assert _nan_gradient_step(stage=3, check_grad_overflow=False) is True, "ZeRO-3 checks the norm"
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
+def test_zero3_fetch_layer_marks_each_decoder_layer_of_any_family_and_only_under_zero3(family, distributed):
+    import peft
+    from deepspeed.utils import get_z3_leaf_modules
+
+    from dschat.models.reward_model import RewardModel
+    from dschat.steps.common import prepare_zero3_hooks
+    from tests.scripts.hybrid_common import tiny_model
+
+    blocks = {"llama": "LlamaDecoderLayer", "opt": "OPTDecoderLayer", "gpt2": "GPT2Block"}[family]
+    for wrap in (lambda m: m, lambda m: RewardModel(m.base_model, num_padding_at_beginning=0),
+                 lambda m: peft.get_peft_model(m, peft.LoraConfig(r=2, target_modules="all-linear"))):
+        model = wrap(tiny_model(family, num_layers=3))
+        prepare_zero3_hooks(model, {"zero_optimization": {"stage": 2}}, "layer")
+        assert get_z3_leaf_modules(model) == [], "ZeRO-0..2 have no parameter hooks to change"
+        prepare_zero3_hooks(model, {"zero_optimization": {"stage": 3}}, "module")
+        assert get_z3_leaf_modules(model) == []
+        prepare_zero3_hooks(model, {"zero_optimization": {"stage": 3}}, "layer")
+        assert [type(m).__name__ for m in get_z3_leaf_modules(model)] == [blocks] * 3
+    with pytest.raises(ValueError, match="--zero3_fetch"):
+        prepare_zero3_hooks(model, {"zero_optimization": {"stage": 3}}, "block")
+
+
+def test_zero3_fetch_flag_defaults_to_layer_in_every_step():
+    assert step1_parser().parse_args([]).zero3_fetch == "layer"
+    assert step1_parser().parse_args(["--zero3_fetch", "module"]).zero3_fetch == "module"
+    assert step3_args({"actor_model_name_or_path": "a", "critic_model_name_or_path": "c"}).zero3_fetch == "layer"
+
+
+@pytest.mark.multirank
+def test_zero3_layer_fetch_trains_exactly_like_per_module_hooks_on_two_ranks():
+    proc = run_deepspeed(Path(__file__).parent / "scripts" / "zero3_fetch.py", timeout=400)
+    for rank in (0, 1):
+        for family in ("llama", "opt", "gpt2", "llama lora only"):
+            assert f"rank {rank} {family}: layer == module" in proc.stdout
+        assert f"rank {rank} ALL OK" in proc.stdout

@@ -41,7 +41,7 @@ def _plan(family, size=2, rank=1, **config):
     from transformers import AutoModelForCausalLM
 
     from dschat.hybrid_engine.tensor_parallel import ShardPlan
-    from dschat.hybrid_engine.weights import decoder_layer_list
+    from dschat.models.layers import decoder_layer_list
 
     cfg = tiny_config(family)
     for key, value in config.items():
@@ -94,7 +94,7 @@ def test_attention_with_per_head_norms_is_refused():
     from transformers import AutoModelForCausalLM, StableLmConfig
 
     from dschat.hybrid_engine.tensor_parallel import ShardPlan
-    from dschat.hybrid_engine.weights import decoder_layer_list
+    from dschat.models.layers import decoder_layer_list
 
     cfg = StableLmConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=4, qk_layernorm=True)

@@ -9,11 +9,11 @@ SCRIPT = Path(__file__).parent / "scripts" / "hybrid_zero3.py"
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("pin", ["true", "false"])
-def test_zero3_two_ranks_match_unsharded_reference(pin):
+@pytest.mark.parametrize("pin,fetch", [("true", "layer"), ("false", "layer"), ("false", "module")])
+def test_zero3_two_ranks_match_unsharded_reference(pin, fetch):
     # The timeout turns a deadlock (ranks disagreeing on when to stop decoding) into a failure.
-    proc = run_deepspeed(SCRIPT, "--pin", pin, timeout=400)
+    proc = run_deepspeed(SCRIPT, "--pin", pin, "--fetch", fetch, timeout=400)
     for rank in (0, 1):
-        assert f"rank {rank} pin={pin == 'true'} lora=False: OK" in proc.stdout
-        assert f"rank {rank} pin={pin == 'true'} lora=True: OK" in proc.stdout
+        assert f"rank {rank} pin={pin == 'true'} fetch={fetch} lora=False: OK" in proc.stdout
+        assert f"rank {rank} pin={pin == 'true'} fetch={fetch} lora=True: OK" in proc.stdout
         assert f"rank {rank} ALL OK" in proc.stdout

@@ -32,22 +32,12 @@ import torch
 from torch import nn
 
 from dschat.hybrid_engine.decode import hf_model_of
+from dschat.models.layers import decoder_layer_list
 from dschat.models.lora import active_adapters, lora_layers, merged_fp32, plain_named, weight_deltas
 
 
 def is_zero3_param(param):
     return hasattr(param, "ds_id")
-
-
-def decoder_layer_list(model):
-    """(name, ModuleList) of the repeated decoder blocks: the ModuleList holding the most parameters."""
-    best = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            size = sum(p.numel() for p in module.parameters())
-            if best is None or size > best[2]:
-                best = (name, module, size)
-    return (best[0], best[1]) if best else (None, None)
 
 
 def layer_index(param_name, layers_prefix):

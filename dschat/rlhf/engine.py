@@ -83,7 +83,7 @@ class DeepSpeedRLHFEngine:
                                    a.actor_learning_rate, a.actor_weight_decay,
                                    a.actor_lora_learning_rate if a.actor_lora_dim else None, a.offload,
                                    a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
-                                   a.actor_gradient_checkpointing)
+                                   a.actor_gradient_checkpointing, a.zero3_fetch)
         print_rank_0(f"[step3] actor {self.actor_path}: ZeRO-{a.actor_zero_stage}, "
                      f"hybrid engine {'on' if a.enable_hybrid_engine else 'off'}")
         if not a.enable_hybrid_engine:
@@ -100,7 +100,7 @@ class DeepSpeedRLHFEngine:
         """The reference model (and the EMA copy): the SFT weights, frozen, sharded like the actor."""
         ds_config = self._eval_config(self.args.actor_zero_stage, offload)
         model = create_hf_model(AutoModelForCausalLM, self.actor_path, self.tokenizer, ds_config)
-        return initialize_frozen(model, ds_config)
+        return initialize_frozen(model, ds_config, self.args.zero3_fetch)
 
     def _init_critic(self):
         a = self.args
@@ -115,11 +115,11 @@ class DeepSpeedRLHFEngine:
         return initialize_engine(model, ds_config, a.critic_learning_rate, a.critic_weight_decay,
                                  a.critic_lora_learning_rate if a.critic_lora_dim else None, a.offload,
                                  a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
-                                 a.critic_gradient_checkpointing)
+                                 a.critic_gradient_checkpointing, a.zero3_fetch)
 
     def _init_reward(self):
         a = self.args
         ds_config = self._eval_config(a.critic_zero_stage, a.offload_reward_model)
         model = create_critic_model(self.reward_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
                                     compute_fp32_loss=a.compute_fp32_loss)
-        return initialize_frozen(model, ds_config)
+        return initialize_frozen(model, ds_config, a.zero3_fetch)

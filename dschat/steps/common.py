@@ -60,14 +60,30 @@ def num_update_steps(num_batches, gradient_accumulation_steps, epochs, max_steps
     return min(steps, max_steps) if max_steps else steps
 
 
+def prepare_zero3_hooks(model, ds_config, zero3_fetch):
+    """What ZeRO-3's parameter hooks need, set before ``deepspeed.initialize`` registers them: with ``--zero3_fetch
+    layer`` the decoder layers are DeepSpeed's fetch units; with frozen embeddings (LoRA only) their outputs require
+    grad (``frozen_embeddings_pass_gradients``)."""
+    from dschat.models.layers import ZERO3_FETCH_UNITS, frozen_embeddings_pass_gradients, mark_zero3_leaf_layers
+
+    if zero3_fetch not in ZERO3_FETCH_UNITS:
+        raise ValueError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return
+    if zero3_fetch == "layer":
+        mark_zero3_leaf_layers(model)
+    frozen_embeddings_pass_gradients(model)
+
+
 def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, offload, lr_scheduler_type,
-                      num_warmup_steps, total_steps, gradient_checkpointing=False):
+                      num_warmup_steps, total_steps, gradient_checkpointing=False, zero3_fetch="module"):
     """Optimizer, scheduler and ``deepspeed.initialize`` for a trainable model."""
     import deepspeed
     from transformers import get_scheduler
 
     from dschat.models.lora import optimizer_param_groups
 
+    prepare_zero3_hooks(model, ds_config, zero3_fetch)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(optimizer_param_groups(model, weight_decay, lora_learning_rate), lr, offload)
@@ -78,11 +94,12 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, of
     return engine
 
 
-def initialize_frozen(model, ds_config):
+def initialize_frozen(model, ds_config, zero3_fetch="module"):
     """A DeepSpeed engine for a model that is only evaluated (sharded under ZeRO-3, cast to the dtype)."""
     import deepspeed
 
     model.requires_grad_(False)
+    prepare_zero3_hooks(model, ds_config, zero3_fetch)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, dist_init_required=False)
     engine.eval()
     return engine
@@ -270,7 +287,7 @@ def run_supervised_step(args, recipe):
     engine = initialize_engine(model, ds_config, args.learning_rate, args.weight_decay,
                                args.lora_learning_rate if args.lora_dim else None, args.offload,
                                args.lr_scheduler_type, args.num_warmup_steps, total_steps,
-                               args.gradient_checkpointing)
+                               args.gradient_checkpointing, args.zero3_fetch)
     print_rank_0(f"{tag} {len(train_data)} train / {len(eval_data)} eval records, {total_steps} steps, "
                  f"{count_params(model) / 1e6:.2f}M parameters, ZeRO-{args.zero_stage}, {args.dtype}")
 

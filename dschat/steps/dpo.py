@@ -43,7 +43,7 @@ def build_reference_model(args, tokenizer):
     note = ", parameters offloaded to CPU" if offload else (
         " (--offload_reference_model needs --zero_stage 3: not offloaded)" if args.offload_reference_model else "")
     print_rank_0(f"[step2_dpo] reference model {args.model_name_or_path}: frozen, ZeRO-{stage}{note}")
-    return initialize_frozen(model, ds_config)
+    return initialize_frozen(model, ds_config, args.zero3_fetch)
 
 
 def sequence_log_probs(model, batch):

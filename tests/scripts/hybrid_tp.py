@@ -64,7 +64,7 @@ def with_lora(reference):
 
 def build_actor(reference, stage, lora):
     if stage == 3:
-        return build_zero3_actor(reference, lora_config() if lora else None, ds_config(stage=3, lr=5e-2))
+        return build_zero3_actor(reference, lora_config() if lora else None, ds_config(stage=3, lr=5e-2), "layer")
     return make_ds_engine(copy.deepcopy(reference), stage=stage, lr=5e-2)
 
 

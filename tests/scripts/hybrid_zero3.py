@@ -2,7 +2,11 @@
 optimizer step, for a plain and a LoRA actor. Rank 0's answers end within a few steps and rank 1's run to the limit,
 so with ``--pin false`` (a collective in every forward) a rank that stopped on its own would hang the other.
 
-Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher:  hybrid_zero3.py --pin true|false
+``--fetch layer`` makes each decoder layer DeepSpeed's fetch unit (``--zero3_fetch``), as dschat's steps do by default;
+with ``--pin false`` the decode loop's forwards then gather one layer per hook.
+
+Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher:
+    hybrid_zero3.py --pin true|false --fetch layer|module
 """
 import argparse
 import copy
@@ -37,13 +41,14 @@ def load_weights(model, reference):
             p.data.copy_(ref[name].data)
 
 
-def build_zero3_actor(reference, lora_config, config):
+def build_zero3_actor(reference, lora_config, config, fetch):
     """The actor as users build it: base model under ``zero.Init``, LoRA added after, then ``deepspeed.initialize``."""
     import deepspeed
     import peft
     from transformers import AutoModelForCausalLM
 
     from dschat.compat import prepare_for_zero_init
+    from dschat.steps.common import prepare_zero3_hooks
 
     prepare_for_zero_init()
     with deepspeed.zero.Init(config_dict_or_path=config):
@@ -51,6 +56,7 @@ def build_zero3_actor(reference, lora_config, config):
     if lora_config is not None:
         model = peft.get_peft_model(model, copy.deepcopy(lora_config))
     load_weights(model, reference)
+    prepare_zero3_hooks(model, config, fetch)
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     return engine
@@ -79,7 +85,7 @@ def check_gather_is_grouped(weights):
     return peak
 
 
-def run_case(pin, lora, rank, world):
+def run_case(pin, fetch, lora, rank, world):
     import peft
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
@@ -106,7 +112,7 @@ def run_case(pin, lora, rank, world):
     dist.all_gather_object(lengths, expected.shape[1] - ids.shape[1])
     assert lengths[0] <= 4 and lengths[1] == MAX_NEW, lengths  # rank 0 is done long before rank 1
 
-    ds_engine = build_zero3_actor(reference, lora_config, config)
+    ds_engine = build_zero3_actor(reference, lora_config, config, fetch)
     engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32, pin_parameters=pin,
                                                         tp_gather_partition_size=1), pad_token_id=PAD)
     weights = engine.inference_weights
@@ -127,13 +133,14 @@ def run_case(pin, lora, rank, world):
         assert 0 < peak[0] <= largest_group, (peak[0], largest_group)
 
     check_refresh_after_step(engine, reference, got, ids, mask, MAX_NEW, eos, expected, world)
-    print(f"rank {rank} pin={pin} lora={lora}: OK (answer lengths {lengths}, "
+    print(f"rank {rank} pin={pin} fetch={fetch} lora={lora}: OK (answer lengths {lengths}, "
           f"stats {engine.latency_stats()['gather_latency']:.4f}s gather)", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--pin", choices=["true", "false"], required=True)
+    parser.add_argument("--fetch", choices=["layer", "module"], required=True)
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
 
@@ -143,7 +150,7 @@ def main():
     assert world == 2, world
     pin = args.pin == "true"
     for lora in (False, True):
-        run_case(pin, lora, rank, world)
+        run_case(pin, args.fetch, lora, rank, world)
         dist.barrier()
     print(f"rank {rank} ALL OK", flush=True)
 
