@@ -12,8 +12,10 @@ iterations 2..N.
 
 A variant is z<stage>_hybrid or z<stage>_hf, optionally followed by _compiled (``--compile_decode_step default``),
 _genlogp (``--logprobs_from_generation``), _nockpt (actor gradient checkpointing off), _gcfreeze (``gc.freeze()``
-after building the models), _overflowcheck (``--check_grad_overflow``) and _padded (``--padded_forwards``: masked
-forwards over the left-padded rows, as DeepSpeed-Chat); the flags of the same names
+after building the models), _overflowcheck (``--check_grad_overflow``), _padded (``--padded_forwards``: masked
+forwards over the left-padded rows, as DeepSpeed-Chat), _z3module (``--zero3_fetch module``: DeepSpeed's hooks on
+every submodule instead of one per decoder layer), _fuse / _nofuse (``--fuse_projections on`` / ``off``; default
+auto); the flags of the same names
 apply to every hybrid variant. ``--profile`` adds two untimed iterations per variant: one under torch.profiler
 (kernel time, GPU idle time per trainer phase) and one under cProfile (host time by function, GC pauses).
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
@@ -107,7 +109,9 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
                 "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir,
                 "compile_decode_step": compile_mode if hybrid else None,
                 "logprobs_from_generation": hybrid and (args.logprobs_from_generation or "genlogp" in options),
-                "check_grad_overflow": "overflowcheck" in options, "padded_forwards": "padded" in options}
+                "check_grad_overflow": "overflowcheck" in options, "padded_forwards": "padded" in options,
+                "zero3_fetch": "module" if "z3module" in options else "layer",
+                "fuse_projections": "on" if "fuse" in options else "off" if "nofuse" in options else "auto"}
     engine = DeepSpeedRLHFEngine(actor_model_name_or_path=actor_dir, tokenizer=tokenizer, args=settings)
     trainer = DeepSpeedPPOTrainer(engine=engine, args=settings)
     if "gcfreeze" in options:  # the models' Python objects out of the collector's reach (see docs/benchmarks.md)

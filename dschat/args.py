@@ -282,7 +282,7 @@ def step3_parser():
                    help="Run the experience and training forwards over the left-padded rows with an attention mask, "
                         "as DeepSpeed-Chat does. Default: each row shifted to start at column 0, so the forwards need "
                         "no mask (causal attention, same results on real tokens; masked kernels are slower, see "
-                        "dschat/rlhf/layout.py); batches with a pad sampled inside an answer keep the mask anyway.")
+                        "dschat/rlhf/layout.py); prompt masks with holes keep the mask anyway.")
     g.add_argument("--kl_ctl", type=float, default=0.1, help="KL coefficient (initial value if adaptive).")
     g.add_argument("--kl_estimator", type=str, default="k1", choices=["k1", "k2", "k3", "abs"])
     g.add_argument("--kl_in_reward", type=int, default=1, choices=[0, 1],

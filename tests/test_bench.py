@@ -14,17 +14,17 @@ def test_ppo_iteration_runs_each_variant_in_its_own_process_and_keeps_every_iter
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # not under a launcher
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "ppo_iteration.py"), "--smoke", "--iterations", "2",
-                           "--variants", "z2_hybrid_genlogp_nockpt,z3_hybrid", "--json", "ppo.json",
+                           "--variants", "z2_hybrid_genlogp_nockpt_fuse,z3_hybrid_z3module", "--json", "ppo.json",
                            "--profile_iteration", "1"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "ppo.json").read_text())["results"]
-    assert [r["variant"] for r in results] == ["z2_hybrid_genlogp_nockpt", "z3_hybrid"]
+    assert [r["variant"] for r in results] == ["z2_hybrid_genlogp_nockpt_fuse", "z3_hybrid_z3module"]
     for r in results:
         assert "error" not in r, r
         assert len(r["iterations"]) == 2 and r["wall"] == r["iterations"][1]["wall"], "mean of iterations 2..N"
         assert r["samples_per_s"] > 0 and r["median_wall"] == r["wall"]
-    for variant in ("z2_hybrid_genlogp_nockpt", "z3_hybrid"):  # the profiled iteration's tables
+    for variant in ("z2_hybrid_genlogp_nockpt_fuse", "z3_hybrid_z3module"):  # the profiled iteration's tables
         for phase in ("generate_experience", "train_rlhf"):
             assert f"profile {variant} iteration 1 {phase}:" in proc.stdout, proc.stdout[-3000:]
     assert proc.stdout.count("host time by operator") == 4

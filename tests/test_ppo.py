@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from dschat.rlhf.trainer import answer_mask, has_interior_gaps, pad_answers
+from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
 from helpers import PPO_FAST, RM_FAST, SFT_FAST
 from launch import REPO, run_deepspeed
@@ -31,6 +31,12 @@ def test_answer_mask_stops_after_first_eos_when_pad_differs():
     answers = torch.tensor([[5, 6, 2, 0, 0], [5, 2, 0, 0, 0], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0]])
     assert answer_mask(answers, eos_token_id=2, pad_token_id=0).tolist() == [
         [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_answer_mask_keeps_a_pad_token_sampled_before_the_eos():
+    # the decode step attended to it and sampled what follows given it: a real token, no hole in the mask
+    answers = torch.tensor([[5, 0, 6, 2, 0], [0, 0, 7, 8, 9]])
+    assert answer_mask(answers, eos_token_id=2, pad_token_id=0).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
 
 
 def test_answer_mask_when_pad_equals_eos_keeps_the_first_eos():
@@ -213,7 +219,7 @@ def test_rows_with_a_gap_are_not_shifted_and_shifting_round_trips():
     assert layout.align(x)[0, :3].tolist() == [2, 3, 4] and layout.align(x).shape == (3, 5)  # cut to the longest
     restored = layout.restore(layout.align(x))
     assert torch.equal(restored[mask.bool()], x[mask.bool()])
-    assert LeftAligned.of(torch.tensor([[1, 1, 0, 1, 1, 0]])) is None  # a pad sampled inside an answer
+    assert LeftAligned.of(torch.tensor([[1, 1, 0, 1, 1, 0]])) is None  # a hole in the mask
 
 
 def _engine_and_trainer(trained, tmp_path, **overrides):
@@ -288,11 +294,6 @@ def test_pad_answers_rounds_up_with_masked_columns():
     assert torch.equal(padded[:, :10], seq) and padded[:, 10:].eq(-1).all()
     assert padded_mask[:, 6:].eq(0).all() and padded_logprobs[:, 6:].eq(0).all()
     assert pad_answers(seq, amask, -1, 5, logprobs)[0] is seq  # already a multiple: as it was
-
-
-def test_interior_gaps_of_answer_masks():
-    assert not has_interior_gaps(torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]))
-    assert has_interior_gaps(torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]]))
 
 
 def test_logprobs_from_generation_needs_the_hybrid_engine(trained, tmp_path):

@@ -11,8 +11,9 @@ cut to the longest one, rounded up to ``--pad_to_multiple_of`` (few shapes) but 
 positions would behave differently (its position table, the length its RoPE scaling switches at). Per-token outputs are mapped back to the
 original columns (cheap), and the LM head runs on each row's answer positions only (:func:`head_reads`).
 
-A row with a masked token between real ones (a pad token sampled inside an answer) cannot be shifted this way; for such
-a batch :meth:`LeftAligned.of` returns None and the forwards keep the mask.
+A row with a masked token between real ones cannot be shifted this way; for such a batch :meth:`LeftAligned.of` returns
+None and the forwards keep the mask. Step 3 never makes one (a pad token sampled inside an answer is a real token:
+``trainer.answer_mask``), but a caller's prompt mask may have holes.
 """
 import contextlib
 import dataclasses

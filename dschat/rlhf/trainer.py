@@ -16,20 +16,22 @@ from dschat.utils.dist import all_reduce, get_world_size
 from dschat.utils.optim import optimizer_step
 
 
-def answer_mask(answers, eos_token_id, pad_token_id):
-    """1 on the real tokens of each generated answer: up to and including its first EOS.
+def answer_mask(answers, eos_token_id, pad_token_id=None):
+    """1 on the real tokens of each generated answer: up to and including its first EOS; the generator fills the
+    columns after it with padding.
 
-    Works when pad == EOS (the first EOS is real, what follows is padding) and when the answer never ends.
+    Works when pad == EOS (the first EOS is real, what follows is padding) and when the answer never ends. A pad token
+    the model sampled before its EOS is a real token: the decode step attended to it and the tokens after it were
+    sampled given it, so the forwards must see it too. (DeepSpeed-Chat masks every pad id, ``seq.not_equal(pad)``:
+    its forwards then see a hole that generation never had, and the sampled pad's own log-prob is never trained.)
+    ``pad_token_id`` is kept for callers of the old signature.
     """
     eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     is_eos = torch.zeros_like(answers, dtype=torch.bool)
     for e in eos_ids:
         is_eos |= answers == e
     ended_before = (is_eos.long().cumsum(1) - is_eos.long()) > 0
-    mask = ~ended_before
-    if pad_token_id not in eos_ids:
-        mask &= answers != pad_token_id
-    return mask.long()
+    return (~ended_before).long()
 
 
 def pad_answers(seq, action_mask, pad_token_id, multiple_of, logprobs=None):
@@ -71,12 +73,6 @@ def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, en
     if entropy:
         stats.append(algo.entropy_from_logits(logits, chunk_size))
     return stats if entropy else stats[0]
-
-
-def has_interior_gaps(action_mask):
-    """Whether some row's answer mask has a 0 before a 1 (a masked token inside the answer)."""
-    seen_zero = (action_mask == 0).long().cummax(1).values.bool()
-    return bool((seen_zero & action_mask.bool()).any())
 
 
 class DeepSpeedPPOTrainer:
@@ -166,10 +162,6 @@ class DeepSpeedPPOTrainer:
         with torch.no_grad():
             start = prompt_len - 1
             layout = self._layout(attention_mask, start)
-            if decode_logprobs is not None and has_interior_gaps(action_mask):
-                # a pad token sampled mid-answer is masked in the forwards but was attended to while decoding: the
-                # decode step's log-probs after it would not be the ones training compares against
-                decode_logprobs = None
             with phase("dschat.experience.actor"):
                 logprobs = decode_logprobs if decode_logprobs is not None else \
                     self._logprobs(self.actor_model, seq, attention_mask, start, layout)
@@ -229,7 +221,7 @@ class DeepSpeedPPOTrainer:
 
     def _layout(self, attention_mask, start):
         """How this batch's forwards run: over rows shifted left, with no attention mask (``layout.py``), or, with
-        ``--padded_forwards``, for a row with a gap (a pad sampled inside an answer) or an empty prompt, as they are."""
+        ``--padded_forwards``, for a row with a gap (a prompt mask with a hole) or an empty prompt, as they are."""
         if self.args.padded_forwards:
             return None
         layout = LeftAligned.of(attention_mask, self.pad_to_multiple_of, self.position_limit)
