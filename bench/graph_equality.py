@@ -94,11 +94,17 @@ def train_step(pair, sequences):
     graph_engine, eager_engine = pair
     graph_engine.train()
     mask = (sequences != PAD).long()
+    with torch.no_grad():
+        logits = graph_engine(input_ids=sequences, attention_mask=mask).logits
     loss = graph_engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
     graph_engine.backward(loss)
     graph_engine.step()
-    # a skipped step (non-finite gradients) would leave nothing for the "after step" checks to see
-    record("optimizer step applied", graph_engine.was_step_applied())
+    # a skipped step (non-finite gradients) would leave nothing for the "after step" checks to see; what was
+    # non-finite: the loss, the logits at real or at padding positions (fully masked query rows), the gradient norm
+    record("optimizer step applied", graph_engine.was_step_applied(), loss=round(loss.item(), 4),
+           grad_norm=graph_engine.get_global_grad_norm(),
+           nonfinite_logits_real=int((~torch.isfinite(logits[mask.bool()])).sum()),
+           nonfinite_logits_pad=int((~torch.isfinite(logits[~mask.bool()])).sum()))
     eager_engine.mark_weights_stale()  # its inference copy (LoRA / ZeRO-3) follows the same training weights
     for engine in pair:
         engine.eval()
@@ -205,6 +211,53 @@ def zero3_check():
            pair[0].graph_decoder.captures == captures, captures=captures)
 
 
+def zero3_step_after_generation():
+    """Which generation, if any, makes the next ZeRO-3 bf16 step's gradient norm non-finite (reported, not required):
+    a step before any generation, after an eager one, after a graph one (each over the generated sequences)."""
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+
+    ids, mask = prompts([24, 7, 13, 3, 16, 9, 11, 5], seed=1)
+    seqs = torch.cat([ids, torch.randint(3, VOCAB, (ids.shape[0], MAX_NEW), device=DEVICE)], 1)
+    for label, wrap in (("no hybrid engine", None), ("one eager hybrid engine", False),
+                        ("one graph hybrid engine", True)):
+        engine = ds_engine(build_model("llama", torch.bfloat16, seed=4), 3, torch.bfloat16)
+        if wrap is not None:
+            engine = HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=64,
+                                                             enable_cuda_graph=wrap), pad_token_id=PAD)
+        engine.train()
+        attention = (seqs != PAD).long()
+        loss = engine(input_ids=seqs, attention_mask=attention, labels=seqs.masked_fill(attention == 0, -100)).loss
+        engine.backward(loss)
+        engine.step()
+        record(f"ZeRO-3 bf16 first step, {label}: applied", engine.was_step_applied(), required=False,
+               loss=round(loss.item(), 4), grad_norm=float(engine.get_global_grad_norm()))
+    model = build_model("llama", torch.bfloat16, seed=4)
+    graph_engine, eager_engine = pair = hybrid_pair(ds_engine(model, 3, torch.bfloat16))
+
+    def step(label, sequences):
+        graph_engine.train()
+        attention = (sequences != PAD).long()
+        loss = graph_engine(input_ids=sequences, attention_mask=attention,
+                            labels=sequences.masked_fill(attention == 0, -100)).loss
+        graph_engine.backward(loss)
+        graph_engine.step()
+        eager_engine.mark_weights_stale()
+        record(f"ZeRO-3 bf16 step {label}: applied", graph_engine.was_step_applied(), required=False,
+               loss=round(loss.item(), 4), grad_norm=float(graph_engine.get_global_grad_norm()))
+        for engine in pair:
+            engine.eval()
+
+    step("before any generation (random answers)", seqs)
+    for engine in pair:
+        engine.eval()
+    step("after an eager generation (its answers)", eager_engine.generate(ids, attention_mask=mask,
+                                                                          max_new_tokens=MAX_NEW))
+    step("after an eager generation (random answers)", seqs)
+    step("after a graph generation (its answers)", graph_engine.generate(ids, attention_mask=mask,
+                                                                         max_new_tokens=MAX_NEW))
+    step("after a graph generation (random answers)", seqs)
+
+
 def host_syncs():
     model = build_model("llama", torch.bfloat16, seed=5)
     graph_engine, _ = hybrid_pair(ds_engine(model, 0, torch.bfloat16))
@@ -239,7 +292,7 @@ def main():
                 family_checks(family, dtype)
             except Exception as error:  # noqa: BLE001 - report and go on with the other families
                 record(f"{family} {dtype} raised", False, error=f"{type(error).__name__}: {str(error)[:300]}")
-    for check in (lora_check, zero3_check, host_syncs):
+    for check in (lora_check, zero3_check, zero3_step_after_generation, host_syncs):
         if only and check.__name__ not in only:
             continue
         try:
