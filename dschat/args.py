@@ -92,6 +92,8 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
 
 def add_zero_tuning_args(g):
     """DeepSpeed knobs that cost host time on every step (shared by all steps)."""
+    from dschat.models.layers import DEFAULT_ZERO3_FETCH, ZERO3_FETCH_UNITS
+
     g.add_argument("--check_grad_overflow", action="store_true",
                    help="bf16 at ZeRO-1/2: check every gradient tensor for inf/NaN before each optimizer step and "
                         "skip the step if one has any (DeepSpeed 0.19's default). Off in dschat: the check runs a few "
@@ -99,11 +101,12 @@ def add_zero_tuning_args(g):
                         "OPT-1.3B actor and OPT-350m critic, docs/benchmarks.md); instead dschat stops with an error "
                         "after a step that applied an inf/NaN gradient norm. ZeRO-0, ZeRO-3, fp16 and fp32 at "
                         "ZeRO-1/2 skip such steps in any case.")
-    g.add_argument("--zero3_fetch", default="layer", choices=["layer", "module"],
+    g.add_argument("--zero3_fetch", default=DEFAULT_ZERO3_FETCH, choices=ZERO3_FETCH_UNITS,
                    help="ZeRO-3: the unit whose parameters DeepSpeed gathers and releases with one hook. layer: each "
                         "decoder layer (dschat's default: a tenth of the hooks, so less host time per forward and "
-                        "backward); module: every submodule (DeepSpeed's default). Same numbers either way; "
-                        "measurements in docs/benchmarks.md.")
+                        "backward); module: every submodule (DeepSpeed's default). Same numbers either way (to fp32 "
+                        "rounding); measurements in docs/benchmarks.md. Falls back to module, with a message, when "
+                        "the largest ModuleList is not clearly the decoder stack.")
 
 
 def add_deepspeed_args(parser):
@@ -243,8 +246,7 @@ def step3_parser():
                         "the generated sequences (saves that forward). The decode step runs the inference copy (LoRA "
                         "merged and rounded to the model dtype, tensor-parallel slices, Triton attention), so the two "
                         "differ by rounding: mean |delta logp| 0.0094 measured in bf16 for an OPT-1.3B shape without "
-                        "LoRA or TP (docs/benchmarks.md). Batches with a pad token inside an answer use the forward. "
-                        "Needs --enable_hybrid_engine.")
+                        "LoRA or TP (docs/benchmarks.md). Needs --enable_hybrid_engine.")
     g.add_argument("--decode_attention", default="auto", choices=["auto", "triton", "sdpa"],
                    help="Decode-step attention: dschat's Triton flash-decoding kernel (auto: on CUDA with triton) or "
                         "the model's SDPA.")

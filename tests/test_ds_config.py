@@ -4,6 +4,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from deepspeed.runtime.precision_config import get_bfloat16_config
 
@@ -110,6 +111,41 @@ def test_zero3_fetch_layer_marks_each_decoder_layer_of_any_family_and_only_under
         prepare_zero3_hooks(model, {"zero_optimization": {"stage": 3}}, "block")
 
 
+def test_zero3_unit_input_requires_grad_only_when_its_backward_needs_it(distributed):
+    from deepspeed.utils import z3_leaf_module
+
+    from dschat.models.layers import decoder_layer_list, mark_zero3_leaf_layers
+    from tests.scripts.hybrid_common import tiny_model
+
+    model = tiny_model("llama", num_layers=2)
+    assert mark_zero3_leaf_layers(model) == 2 and mark_zero3_leaf_layers(model) == 2
+    layer = decoder_layer_list(model)[1][0]
+    assert z3_leaf_module(layer) and len(layer._forward_pre_hooks) == 1, "marked once, however often called"
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].requires_grad))
+    hidden = torch.randn(1, 3, 64)
+    model.requires_grad_(False)
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)  # only this layer trains (like LoRA)
+    model(inputs_embeds=hidden)
+    with torch.no_grad():
+        model(inputs_embeds=hidden)
+    assert seen == [True, False] and not hidden.requires_grad, "a detached copy, in grad mode only"
+    with pytest.raises(RuntimeError, match="--zero3_fetch module"):
+        layer(hidden_states=hidden, position_embeddings=None, attention_mask=None)
+
+
+def test_zero3_layer_units_only_where_the_largest_module_list_is_the_decoder_stack(distributed):
+    from dschat.models.layers import mark_zero3_leaf_layers
+    from tests.scripts.hybrid_common import tiny_model
+
+    model = tiny_model("opt", num_layers=3)
+    model.config.num_hidden_layers = 4  # the largest ModuleList is not the config's stack
+    assert mark_zero3_leaf_layers(model) == 0
+    heads = torch.nn.Module()
+    heads.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Conv1d(4, 4, 1)])
+    assert mark_zero3_leaf_layers(heads) == 0, "mixed classes"
+
+
 def test_zero3_fetch_flag_defaults_to_layer_in_every_step():
     assert step1_parser().parse_args([]).zero3_fetch == "layer"
     assert step1_parser().parse_args(["--zero3_fetch", "module"]).zero3_fetch == "module"
@@ -117,9 +153,11 @@ def test_zero3_fetch_flag_defaults_to_layer_in_every_step():
 
 
 @pytest.mark.multirank
-def test_zero3_layer_fetch_trains_exactly_like_per_module_hooks_on_two_ranks():
-    proc = run_deepspeed(Path(__file__).parent / "scripts" / "zero3_fetch.py", timeout=400)
+def test_zero3_layer_and_module_fetch_train_like_zero2_on_two_ranks():
+    proc = run_deepspeed(Path(__file__).parent / "scripts" / "zero3_fetch.py", timeout=600)
+    cases = ("llama full checkpointing=True", "opt full checkpointing=True", "gpt2 full checkpointing=True",
+             "llama lora checkpointing=False", "opt lora checkpointing=True", "llama critic_lora checkpointing=False")
     for rank in (0, 1):
-        for family in ("llama", "opt", "gpt2", "llama lora only"):
-            assert f"rank {rank} {family}: layer == module" in proc.stdout
+        for case in cases:
+            assert f"rank {rank} {case}: layer == module == ZeRO-2" in proc.stdout
         assert f"rank {rank} ALL OK" in proc.stdout

@@ -9,7 +9,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "hybrid_zero3.py"
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("pin,fetch", [("true", "layer"), ("false", "layer"), ("false", "module")])
+@pytest.mark.parametrize("pin,fetch", [("true", "layer"), ("true", "module"), ("false", "layer"), ("false", "module")])
 def test_zero3_two_ranks_match_unsharded_reference(pin, fetch):
     # The timeout turns a deadlock (ranks disagreeing on when to stop decoding) into a failure.
     proc = run_deepspeed(SCRIPT, "--pin", pin, "--fetch", fetch, timeout=400)

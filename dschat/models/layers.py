@@ -1,9 +1,10 @@
-"""Where a decoder-only model keeps its repeated blocks, found without per-family tables."""
+"""Where a decoder-only model keeps its repeated blocks, found without per-family tables, and how DeepSpeed ZeRO-3
+can fetch each of them as one unit."""
+import torch
 from torch import nn
 
-
-def _output_requires_grad(module, inputs, output):
-    return output.requires_grad_(True)
+ZERO3_FETCH_UNITS = ("layer", "module")
+DEFAULT_ZERO3_FETCH = "layer"
 
 
 def decoder_layer_list(model):
@@ -17,33 +18,45 @@ def decoder_layer_list(model):
     return (best[0], best[1]) if best else (None, None)
 
 
-ZERO3_FETCH_UNITS = ("layer", "module")
+def _decoder_layers_or_none(model):
+    """The decoder blocks when the largest ModuleList is clearly them: one class, as many as the config's layers."""
+    _, layers = decoder_layer_list(model)
+    if not layers or len({type(layer) for layer in layers}) != 1:
+        return None
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    expected = getattr(config, "num_hidden_layers", None)
+    return layers if expected in (None, len(layers)) else None
+
+
+def _first_input_requires_grad(layer, args):
+    """Forward pre-hook of a ZeRO-3 fetch unit: DeepSpeed reduces a unit's gradients and releases its gathered
+    parameters from a full backward hook, which fires as soon as the unit's output gradient exists when none of its
+    positional inputs requires grad (e.g. the first layer's hidden states when only LoRA adapters train), that is,
+    before the unit's own backward has read those parameters. A detached copy that requires grad keeps the order."""
+    if not torch.is_grad_enabled() or not any(p.requires_grad for p in layer.parameters()):
+        return None
+    if not args or not torch.is_tensor(args[0]) or not args[0].is_floating_point():
+        raise RuntimeError(f"--zero3_fetch layer: {type(layer).__name__} was called without its hidden states as the "
+                           "first positional argument, so DeepSpeed could release its weights before its backward; "
+                           "use --zero3_fetch module")
+    if args[0].requires_grad:
+        return None
+    return (args[0].detach().requires_grad_(True), *args[1:])
 
 
 def mark_zero3_leaf_layers(model):
     """Make each decoder layer one unit for DeepSpeed ZeRO-3's parameter hooks ("z3 leaf modules"): its parameters are
-    gathered and released together by one pre-forward / pre-backward hook, instead of by hooks on every submodule
-    (a layer has ~10). Must run before ``deepspeed.initialize``, which registers the hooks. Returns how many layers
-    were marked (0 when the model has no ModuleList of blocks: DeepSpeed's per-module hooks then stay)."""
+    gathered and released together by one hook pair, instead of by hooks on each of its ~10 submodules. Must run
+    before ``deepspeed.initialize``, which registers the hooks. Returns how many layers were marked: 0 when the
+    largest ModuleList is not clearly the decoder stack (mixed classes, or not the config's number of layers), and
+    DeepSpeed's per-module hooks then stay."""
     from deepspeed.utils import set_z3_leaf_module
 
-    _, layers = decoder_layer_list(model)
+    layers = _decoder_layers_or_none(model)
     for layer in layers or ():
-        set_z3_leaf_module(layer, True)
+        if not getattr(layer, "_dschat_zero3_unit", False):
+            set_z3_leaf_module(layer, True)
+            layer.register_forward_pre_hook(_first_input_requires_grad)
+            layer._dschat_zero3_unit = True
     return len(layers or ())
-
-
-def frozen_embeddings_pass_gradients(model):
-    """When some parameters train but the embeddings are frozen (LoRA only), make the embeddings' outputs require grad,
-    as transformers' ``enable_input_require_grads`` does for the input embeddings (also for position tables and
-    wrappers such as the critic, which have no such method). ZeRO-3 needs it: DeepSpeed releases a module's gathered
-    parameters from a backward hook on its inputs, which fires too early when no input requires grad (the first
-    layer's backward then reads released, empty weights). Returns how many embeddings were hooked."""
-    if not any(p.requires_grad for p in model.parameters()):
-        return 0
-    frozen = [m for m in model.modules() if isinstance(m, nn.Embedding) and not m.weight.requires_grad
-              and not getattr(m, "_dschat_passes_gradients", False)]
-    for embedding in frozen:
-        embedding.register_forward_hook(_output_requires_grad)
-        embedding._dschat_passes_gradients = True
-    return len(frozen)

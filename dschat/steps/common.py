@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from dschat.models.layers import DEFAULT_ZERO3_FETCH
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0
 from dschat.utils.optim import optimizer_step
 
@@ -61,22 +62,19 @@ def num_update_steps(num_batches, gradient_accumulation_steps, epochs, max_steps
 
 
 def prepare_zero3_hooks(model, ds_config, zero3_fetch):
-    """What ZeRO-3's parameter hooks need, set before ``deepspeed.initialize`` registers them: with ``--zero3_fetch
-    layer`` the decoder layers are DeepSpeed's fetch units; with frozen embeddings (LoRA only) their outputs require
-    grad (``frozen_embeddings_pass_gradients``)."""
-    from dschat.models.layers import ZERO3_FETCH_UNITS, frozen_embeddings_pass_gradients, mark_zero3_leaf_layers
+    """Under ZeRO-3 with ``--zero3_fetch layer``, make the decoder layers DeepSpeed's fetch units (before
+    ``deepspeed.initialize`` registers its hooks)."""
+    from dschat.models.layers import ZERO3_FETCH_UNITS, mark_zero3_leaf_layers
 
     if zero3_fetch not in ZERO3_FETCH_UNITS:
         raise ValueError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
-    if ds_config["zero_optimization"]["stage"] != 3:
-        return
-    if zero3_fetch == "layer":
-        mark_zero3_leaf_layers(model)
-    frozen_embeddings_pass_gradients(model)
+    if ds_config["zero_optimization"]["stage"] == 3 and zero3_fetch == "layer" and not mark_zero3_leaf_layers(model):
+        print_rank_0(f"[zero3] {type(model).__name__}: no decoder stack found for --zero3_fetch layer; "
+                     "DeepSpeed's per-module hooks")
 
 
 def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, offload, lr_scheduler_type,
-                      num_warmup_steps, total_steps, gradient_checkpointing=False, zero3_fetch="module"):
+                      num_warmup_steps, total_steps, gradient_checkpointing=False, zero3_fetch=DEFAULT_ZERO3_FETCH):
     """Optimizer, scheduler and ``deepspeed.initialize`` for a trainable model."""
     import deepspeed
     from transformers import get_scheduler
@@ -94,7 +92,7 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, of
     return engine
 
 
-def initialize_frozen(model, ds_config, zero3_fetch="module"):
+def initialize_frozen(model, ds_config, zero3_fetch=DEFAULT_ZERO3_FETCH):
     """A DeepSpeed engine for a model that is only evaluated (sharded under ZeRO-3, cast to the dtype)."""
     import deepspeed
 
