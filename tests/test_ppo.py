@@ -29,19 +29,19 @@ def ppo_args(trained, out, *extra):
 
 def test_answer_mask_stops_after_first_eos_when_pad_differs():
     answers = torch.tensor([[5, 6, 2, 0, 0], [5, 2, 0, 0, 0], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0]])
-    assert answer_mask(answers, eos_token_id=2, pad_token_id=0).tolist() == [
+    assert answer_mask(answers, eos_token_id=2).tolist() == [
         [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
 
 
 def test_answer_mask_keeps_a_pad_token_sampled_before_the_eos():
     # the decode step attended to it and sampled what follows given it: a real token, no hole in the mask
     answers = torch.tensor([[5, 0, 6, 2, 0], [0, 0, 7, 8, 9]])
-    assert answer_mask(answers, eos_token_id=2, pad_token_id=0).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert answer_mask(answers, eos_token_id=2).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
 
 
 def test_answer_mask_when_pad_equals_eos_keeps_the_first_eos():
     answers = torch.tensor([[5, 2, 2, 2], [2, 2, 2, 2]])
-    assert answer_mask(answers, eos_token_id=2, pad_token_id=2).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert answer_mask(answers, eos_token_id=2).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("shifted", [False, True], ids=["masked", "shifted"])

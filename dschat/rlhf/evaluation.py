@@ -24,7 +24,7 @@ def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_
     seq = generate(prompts, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, synced_gpus=synced_gpus)
     answers = seq[:, prompts.shape[1]:]
-    return seq, answer_mask(answers, eos_token_id, pad_token_id)
+    return seq, answer_mask(answers, eos_token_id)
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from dschat.utils.dist import all_reduce, get_world_size
 from dschat.utils.optim import optimizer_step
 
 
-def answer_mask(answers, eos_token_id, pad_token_id=None):
+def answer_mask(answers, eos_token_id):
     """1 on the real tokens of each generated answer: up to and including its first EOS; the generator fills the
     columns after it with padding.
 
@@ -24,7 +24,6 @@ def answer_mask(answers, eos_token_id, pad_token_id=None):
     the model sampled before its EOS is a real token: the decode step attended to it and the tokens after it were
     sampled given it, so the forwards must see it too. (DeepSpeed-Chat masks every pad id, ``seq.not_equal(pad)``:
     its forwards then see a hole that generation never had, and the sampled pad's own log-prob is never trained.)
-    ``pad_token_id`` is kept for callers of the old signature.
     """
     eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     is_eos = torch.zeros_like(answers, dtype=torch.bool)
@@ -153,7 +152,7 @@ class DeepSpeedPPOTrainer:
             seq, decode_logprobs = self._generate_sequence(prompts, mask)
         gen_time = time.time() - t0
         prompt_len = prompts.shape[1]
-        action_mask = answer_mask(seq[:, prompt_len:], self.eos_token_id, self.pad_token_id)
+        action_mask = answer_mask(seq[:, prompt_len:], self.eos_token_id)
         seq, action_mask, decode_logprobs = pad_answers(seq, action_mask, self.pad_token_id, self.pad_to_multiple_of,
                                                         decode_logprobs)
         answers = seq[:, prompt_len:]

@@ -25,7 +25,7 @@ def left_padded(ids_list, pad_token_id, device):
 def decode_answers(tokenizer, answer_ids):
     """Answer texts: generated tokens before the first EOS (the eot token), without it or padding."""
     eos = tokenizer.eos_token_id
-    keep = answer_mask(answer_ids, eos, tokenizer.pad_token_id).bool() & (answer_ids != eos)
+    keep = answer_mask(answer_ids, eos).bool() & (answer_ids != eos)
     return [tokenizer.decode(row[k], skip_special_tokens=True).strip() for row, k in zip(answer_ids, keep)]
 
 
