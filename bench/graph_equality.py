@@ -90,19 +90,28 @@ def prompts(lengths, seed):
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
+def lm_step(engine, sequences):
+    """One optimizer step of a language-modelling loss over ``sequences`` (pad positions ignored); returns what the
+    check records: the loss and the gradient norm (DeepSpeed skips a step whose norm is not finite)."""
+    engine.train()
+    mask = (sequences != PAD).long()
+    loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
+    engine.backward(loss)
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return {"loss": round(loss.item(), 4), "grad_norm": None if norm is None else float(norm)}
+
+
 def train_step(pair, sequences):
     graph_engine, eager_engine = pair
     graph_engine.train()
     mask = (sequences != PAD).long()
     with torch.no_grad():
         logits = graph_engine(input_ids=sequences, attention_mask=mask).logits
-    loss = graph_engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
-    graph_engine.backward(loss)
-    graph_engine.step()
+    stats = lm_step(graph_engine, sequences)
     # a skipped step (non-finite gradients) would leave nothing for the "after step" checks to see; what was
     # non-finite: the loss, the logits at real or at padding positions (fully masked query rows), the gradient norm
-    record("optimizer step applied", graph_engine.was_step_applied(), loss=round(loss.item(), 4),
-           grad_norm=graph_engine.get_global_grad_norm(),
+    record("optimizer step applied", graph_engine.was_step_applied(), **stats,
            nonfinite_logits_real=int((~torch.isfinite(logits[mask.bool()])).sum()),
            nonfinite_logits_pad=int((~torch.isfinite(logits[~mask.bool()])).sum()))
     eager_engine.mark_weights_stale()  # its inference copy (LoRA / ZeRO-3) follows the same training weights
@@ -212,38 +221,29 @@ def zero3_check():
 
 
 def zero3_step_after_generation():
-    """Which generation, if any, makes the next ZeRO-3 bf16 step's gradient norm non-finite (reported, not required):
-    a step before any generation, after an eager one, after a graph one (each over the generated sequences)."""
+    """Whether the ZeRO-3 bf16 step of ``zero3_check`` is skipped (non-finite gradient norm) because of the hybrid
+    engine (reported, not required): a first step with no hybrid engine, with an eager one and with a graph one; then,
+    over one pair of engines, a step before any generation and after an eager and a graph generation, on the
+    generated answers and on random ones."""
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
 
     ids, mask = prompts([24, 7, 13, 3, 16, 9, 11, 5], seed=1)
     seqs = torch.cat([ids, torch.randint(3, VOCAB, (ids.shape[0], MAX_NEW), device=DEVICE)], 1)
-    for label, wrap in (("no hybrid engine", None), ("one eager hybrid engine", False),
-                        ("one graph hybrid engine", True)):
+    for label, graphs in (("no hybrid engine", None), ("one eager hybrid engine", False),
+                          ("one graph hybrid engine", True)):
         engine = ds_engine(build_model("llama", torch.bfloat16, seed=4), 3, torch.bfloat16)
-        if wrap is not None:
+        if graphs is not None:
             engine = HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=64,
-                                                             enable_cuda_graph=wrap), pad_token_id=PAD)
-        engine.train()
-        attention = (seqs != PAD).long()
-        loss = engine(input_ids=seqs, attention_mask=attention, labels=seqs.masked_fill(attention == 0, -100)).loss
-        engine.backward(loss)
-        engine.step()
-        record(f"ZeRO-3 bf16 first step, {label}: applied", engine.was_step_applied(), required=False,
-               loss=round(loss.item(), 4), grad_norm=float(engine.get_global_grad_norm()))
-    model = build_model("llama", torch.bfloat16, seed=4)
-    graph_engine, eager_engine = pair = hybrid_pair(ds_engine(model, 3, torch.bfloat16))
+                                                             enable_cuda_graph=graphs), pad_token_id=PAD)
+        stats = lm_step(engine, seqs)
+        record(f"ZeRO-3 bf16 first step, {label}: applied", engine.was_step_applied(), required=False, **stats)
+    graph_engine, eager_engine = pair = hybrid_pair(ds_engine(build_model("llama", torch.bfloat16, seed=4), 3,
+                                                              torch.bfloat16))
 
     def step(label, sequences):
-        graph_engine.train()
-        attention = (sequences != PAD).long()
-        loss = graph_engine(input_ids=sequences, attention_mask=attention,
-                            labels=sequences.masked_fill(attention == 0, -100)).loss
-        graph_engine.backward(loss)
-        graph_engine.step()
+        stats = lm_step(graph_engine, sequences)
         eager_engine.mark_weights_stale()
-        record(f"ZeRO-3 bf16 step {label}: applied", graph_engine.was_step_applied(), required=False,
-               loss=round(loss.item(), 4), grad_norm=float(graph_engine.get_global_grad_norm()))
+        record(f"ZeRO-3 bf16 step {label}: applied", graph_engine.was_step_applied(), required=False, **stats)
         for engine in pair:
             engine.eval()
 
