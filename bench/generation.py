@@ -245,6 +245,9 @@ def main():
                 write_json(args, bw, rows)  # after every row: a run cut short still leaves its results
                 del model, prompt, mask
                 torch.nn.functional.linear = TORCH_LINEAR
+                # each variant compiles its own decode step: torch.compile's guards accept another instance of the
+                # same class, so the next row would reuse this row's code (traced with or without fused projections)
+                torch._dynamo.reset()
                 gc.collect()
                 torch.cuda.empty_cache()
     log(f"\n{'model':<12}{'B':>5} {'variant':<16}{'seconds':>9}{'x floor':>9}{'tok/s':>9}{'first':>8}{'peak GB':>9}")
