@@ -106,7 +106,7 @@ def add_zero_tuning_args(g):
                         "decoder layer (dschat's default: a tenth of the hooks, so less host time per forward and "
                         "backward); module: every submodule (DeepSpeed's default). Same numbers either way (to fp32 "
                         "rounding); measurements in docs/benchmarks.md. Falls back to module, with a message, when "
-                        "the largest ModuleList is not clearly the decoder stack.")
+                        "the largest ModuleList is not clearly the decoder stack or the model drops layers (layerdrop).")
 
 
 def add_deepspeed_args(parser):

@@ -141,6 +141,10 @@ def test_zero3_layer_units_only_where_the_largest_module_list_is_the_decoder_sta
     model = tiny_model("opt", num_layers=3)
     model.config.num_hidden_layers = 4  # the largest ModuleList is not the config's stack
     assert mark_zero3_leaf_layers(model) == 0
+    model.config.num_hidden_layers, model.config.layerdrop = 3, 0.1  # OPT's layer drop skips units at random
+    assert mark_zero3_leaf_layers(model) == 0
+    model.config.layerdrop = 0.0
+    assert mark_zero3_leaf_layers(model) == 3
     heads = torch.nn.Module()
     heads.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Conv1d(4, 4, 1)])
     assert mark_zero3_leaf_layers(heads) == 0, "mixed classes"

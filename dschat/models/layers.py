@@ -19,12 +19,15 @@ def decoder_layer_list(model):
 
 
 def _decoder_layers_or_none(model):
-    """The decoder blocks when the largest ModuleList is clearly them: one class, as many as the config's layers."""
+    """The decoder blocks when the largest ModuleList is clearly them (one class, as many as the config's layers) and
+    every one runs in every forward (no layer drop: a skipped unit never fires the backward hook DeepSpeed waits for)."""
     _, layers = decoder_layer_list(model)
     if not layers or len({type(layer) for layer in layers}) != 1:
         return None
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "layerdrop", 0) or getattr(config, "decoder_layerdrop", 0):
+        return None
     expected = getattr(config, "num_hidden_layers", None)
     return layers if expected in (None, len(layers)) else None
 
@@ -49,8 +52,8 @@ def mark_zero3_leaf_layers(model):
     """Make each decoder layer one unit for DeepSpeed ZeRO-3's parameter hooks ("z3 leaf modules"): its parameters are
     gathered and released together by one hook pair, instead of by hooks on each of its ~10 submodules. Must run
     before ``deepspeed.initialize``, which registers the hooks. Returns how many layers were marked: 0 when the
-    largest ModuleList is not clearly the decoder stack (mixed classes, or not the config's number of layers), and
-    DeepSpeed's per-module hooks then stay."""
+    largest ModuleList is not clearly the decoder stack (mixed classes, or not the config's number of layers) or the
+    model drops layers at random, and DeepSpeed's per-module hooks then stay."""
     from deepspeed.utils import set_z3_leaf_module
 
     layers = _decoder_layers_or_none(model)
