@@ -69,8 +69,8 @@ def prepare_zero3_hooks(model, ds_config, zero3_fetch):
     if zero3_fetch not in ZERO3_FETCH_UNITS:
         raise ValueError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
     if ds_config["zero_optimization"]["stage"] == 3 and zero3_fetch == "layer" and not mark_zero3_leaf_layers(model):
-        print_rank_0(f"[zero3] {type(model).__name__}: no decoder stack found for --zero3_fetch layer; "
-                     "DeepSpeed's per-module hooks")
+        print_rank_0(f"[zero3] {type(model).__name__}: no decoder stack usable as --zero3_fetch layer units (mixed "
+                     "or miscounted blocks, or layerdrop); DeepSpeed's per-module hooks")
 
 
 def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, offload, lr_scheduler_type,
