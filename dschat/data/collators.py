@@ -42,40 +42,47 @@ def pad_sequences(sequences, pad_value, side="right", length=None, multiple_of=1
     return out
 
 
-class DataCollatorSFT:
+class RoundedPadding:
+    """What every collator does with ``pad_to_multiple_of`` and ``max_length``: pad a batch's rows to the longest,
+    rounded up to a multiple of ``pad_to_multiple_of`` but not past ``max_length``. A bad multiple fails when the
+    collator is built, not at the first batch."""
+
+    def __init__(self, pad_to_multiple_of=1, max_length=None):
+        check_multiple_of(pad_to_multiple_of)
+        self.multiple_of = pad_to_multiple_of
+        self.max_length = max_length
+
+    def pad(self, sequences, pad_value, side="right"):
+        return pad_sequences(sequences, pad_value, side=side, multiple_of=self.multiple_of, max_length=self.max_length)
+
+
+class DataCollatorSFT(RoundedPadding):
     """Phase 1: right-pads input_ids (pad id), attention_mask (0) and labels (-100) to the batch max (rounded up
     to a multiple of ``pad_to_multiple_of``)."""
 
     def __init__(self, pad_token_id, pad_to_multiple_of=1, max_length=None):
+        super().__init__(pad_to_multiple_of, max_length)
         self.pad_token_id = pad_token_id
-        self.multiple_of = pad_to_multiple_of
-        self.max_length = max_length
-        check_multiple_of(pad_to_multiple_of)  # a bad value fails here, not at the first batch
 
     def __call__(self, items):
-        shape = dict(multiple_of=self.multiple_of, max_length=self.max_length)
-        return {"input_ids": pad_sequences([i["input_ids"] for i in items], self.pad_token_id, **shape),
-                "attention_mask": pad_sequences([i["attention_mask"] for i in items], 0, **shape),
-                "labels": pad_sequences([i["labels"] for i in items], -100, **shape)}
+        return {"input_ids": self.pad([i["input_ids"] for i in items], self.pad_token_id),
+                "attention_mask": self.pad([i["attention_mask"] for i in items], 0),
+                "labels": self.pad([i["labels"] for i in items], -100)}
 
 
-class DataCollatorReward:
+class DataCollatorReward(RoundedPadding):
     """Phase 2: (2B, L) input_ids/attention_mask, the B chosen rows first and then the B rejected rows
     (DeepSpeed-Chat's convention: the reward model splits the batch in halves), right-padded together (to a
     multiple of ``pad_to_multiple_of``)."""
 
     def __init__(self, pad_token_id, pad_to_multiple_of=1, max_length=None):
+        super().__init__(pad_to_multiple_of, max_length)
         self.pad_token_id = pad_token_id
-        self.multiple_of = pad_to_multiple_of
-        self.max_length = max_length
-        check_multiple_of(pad_to_multiple_of)  # a bad value fails here, not at the first batch
 
     def __call__(self, items):
         ids = [i["chosen_input_ids"] for i in items] + [i["rejected_input_ids"] for i in items]
         masks = [i["chosen_attention_mask"] for i in items] + [i["rejected_attention_mask"] for i in items]
-        shape = dict(multiple_of=self.multiple_of, max_length=self.max_length)
-        return {"input_ids": pad_sequences(ids, self.pad_token_id, **shape),
-                "attention_mask": pad_sequences(masks, 0, **shape)}
+        return {"input_ids": self.pad(ids, self.pad_token_id), "attention_mask": self.pad(masks, 0)}
 
 
 class DataCollatorDPO(DataCollatorReward):
@@ -99,7 +106,7 @@ def first_answer_position(response_mask):
     return int(columns[0]) if len(columns) else response_mask.shape[1]
 
 
-class DataCollatorRLHF:
+class DataCollatorRLHF(RoundedPadding):
     """Phase 3: ``prompt``/``prompt_att_mask`` left-padded to the batch's longest prompt, rounded up to a multiple
     of ``pad_to_multiple_of`` but never past ``max_prompt_len`` (no prompt batch is longer than the limit, and
     generation's buffers are sized for it); every other item key (prompt_text, messages, extra columns) is passed
@@ -108,10 +115,9 @@ class DataCollatorRLHF:
     TENSOR_KEYS = ("prompt_input_ids",)
 
     def __init__(self, max_prompt_len, pad_token_id, pad_to_multiple_of=1):
+        super().__init__(pad_to_multiple_of, max_length=max_prompt_len)
         self.max_prompt_len = max_prompt_len
         self.pad_token_id = pad_token_id
-        self.multiple_of = pad_to_multiple_of
-        check_multiple_of(pad_to_multiple_of)  # a bad value fails here, not at the first batch
 
     def __call__(self, items):
         prompts = [i["prompt_input_ids"] for i in items]
@@ -119,10 +125,8 @@ class DataCollatorRLHF:
         if self.max_prompt_len is not None and longest > self.max_prompt_len:
             raise ValueError(f"a prompt has {longest} tokens, more than max_prompt_len={self.max_prompt_len}; "
                              "build the dataset with the same max_prompt_len")
-        shape = dict(side="left", multiple_of=self.multiple_of, max_length=self.max_prompt_len)
-        batch = {"prompt": pad_sequences(prompts, self.pad_token_id, **shape),
-                 "prompt_att_mask": pad_sequences([torch.ones(len(p), dtype=torch.long) for p in prompts], 0,
-                                                  **shape)}
+        batch = {"prompt": self.pad(prompts, self.pad_token_id, side="left"),
+                 "prompt_att_mask": self.pad([torch.ones(len(p), dtype=torch.long) for p in prompts], 0, side="left")}
         keys = dict.fromkeys(key for item in items for key in item if key not in self.TENSOR_KEYS)
         for key in keys:
             batch[key] = [item.get(key) for item in items]
