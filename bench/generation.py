@@ -169,13 +169,13 @@ def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False,
         if graph:
             result["graph_captures_after_step"] = he.graph_decoder.captures
     if profile:
-        result["profile"] = profile_decode(he, prompt, mask, kw)
+        result["profile"] = profile_decode(he, prompt, mask, kw, profile)
     del he
     return result
 
 
-def profile_decode(he, prompt, mask, kw, new_tokens=33):
-    """Kernel time of a short generation (prefill + 32 decode steps) by kernel: says whether the decode step's time
+def profile_decode(he, prompt, mask, kw, new_tokens):
+    """Kernel time of a generation (prefill + ``new_tokens`` - 1 decode steps) by kernel: says whether the decode step's time
     is in a few bandwidth-bound kernels (GEMMs, attention) or in many small ones."""
     from profiling import profile_kernels
 
@@ -199,6 +199,9 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--train_step", action="store_true", help="dschat variants: also time after an optimizer step")
     p.add_argument("--profile", type=int, default=0, help="profile the dschat graph variants at this batch size")
+    p.add_argument("--profile_tokens", type=int, default=33,
+                   help="tokens generated under the profiler (the first is the prefill's); the timed runs' --gen "
+                        "gives the whole generation's mix of short and long caches")
     p.add_argument("--compile_mode", default="default", help="torch.compile mode of the *_graph_compiled variants")
     p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
@@ -228,7 +231,8 @@ def main():
                         if "autotune" in options:  # inductor picks each decode GEMM's kernel by timing candidates
                             compile_mode = "max-autotune-no-cudagraphs"
                         r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step, graph,
-                                           profile=graph and batch == args.profile, compile_mode=compile_mode,
+                                           compile_mode=compile_mode,
+                                           profile=args.profile_tokens if graph and batch == args.profile else 0,
                                            attention="sdpa" if "sdpa" in options else "auto",
                                            fuse="off" if "nofuse" in options else "on" if "fuse" in options
                                            else "auto")

@@ -61,14 +61,14 @@ def build_model(family, dtype, seed=0):
     return model
 
 
-def ds_engine(model, stage, dtype):
+def ds_engine(model, stage, dtype, **zero):
     import deepspeed
 
     from dschat.utils.dist import ensure_distributed
 
     ensure_distributed()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero}}
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -258,6 +258,50 @@ def zero3_step_after_generation():
     step("after a graph generation (random answers)", seqs)
 
 
+def nonfinite_grads(named_grads):
+    """Names of the parameters whose gradient has a non-finite entry, and the largest finite |gradient|."""
+    bad, largest = [], 0.0
+    for name, grad in named_grads:
+        if grad is None:
+            continue
+        finite = torch.isfinite(grad)
+        if not bool(finite.all()):
+            bad.append(f"{name} ({int((~finite).sum())} of {grad.numel()})")
+        if bool(finite.any()):
+            largest = max(largest, float(grad.float()[finite].abs().max()))
+    return {"nonfinite_params": bad[:12], "nonfinite_count": len(bad), "max_abs_grad": largest}
+
+
+def zero3_grad_diagnosis():
+    """Where the ZeRO-3 bf16 step of ``zero3_check`` goes non-finite (reported): the gradients of one backward over
+    the same model and batch without DeepSpeed, under ZeRO-0, and under ZeRO-3 with the check's config and with one
+    setting changed at a time (each parameter's full gradient read with ``safe_get_full_grad`` before the step)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    ids, _ = prompts([24, 7, 13, 3, 16, 9, 11, 5], seed=1)
+    seqs = torch.cat([ids, torch.randint(3, VOCAB, (ids.shape[0], MAX_NEW), device=DEVICE)], 1)
+    mask = (seqs != PAD).long()
+    labels = seqs.masked_fill(mask == 0, -100)
+    model = build_model("llama", torch.bfloat16, seed=4)
+    loss = model(input_ids=seqs, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    record("ZeRO-3 diagnosis: plain torch bf16 backward, gradients finite", True, required=False,
+           loss=round(loss.item(), 4), **nonfinite_grads((n, p.grad) for n, p in model.named_parameters()))
+    variants = [("ZeRO-0", 0, {}), ("ZeRO-3, the check's config", 3, {}),
+                ("ZeRO-3, overlap_comm off", 3, {"overlap_comm": False}),
+                ("ZeRO-3, contiguous_gradients off", 3, {"contiguous_gradients": False}),
+                ("ZeRO-3, persistence threshold 1e4 (dschat's)", 3, {"stage3_param_persistence_threshold": 1e4}),
+                ("ZeRO-3, reduce_bucket_size 1e9", 3, {"reduce_bucket_size": 10**9})]
+    for label, stage, zero in variants:
+        engine = ds_engine(build_model("llama", torch.bfloat16, seed=4), stage, torch.bfloat16, **zero)
+        loss = engine(input_ids=seqs, attention_mask=mask, labels=labels).loss
+        engine.backward(loss)
+        grads = nonfinite_grads((n, safe_get_full_grad(p)) for n, p in engine.module.named_parameters())
+        engine.step()
+        record(f"ZeRO-3 diagnosis: {label}: step applied", engine.was_step_applied(), required=False,
+               loss=round(loss.item(), 4), grad_norm=float(engine.get_global_grad_norm()), **grads)
+
+
 def host_syncs():
     model = build_model("llama", torch.bfloat16, seed=5)
     graph_engine, _ = hybrid_pair(ds_engine(model, 0, torch.bfloat16))
@@ -292,7 +336,7 @@ def main():
                 family_checks(family, dtype)
             except Exception as error:  # noqa: BLE001 - report and go on with the other families
                 record(f"{family} {dtype} raised", False, error=f"{type(error).__name__}: {str(error)[:300]}")
-    for check in (lora_check, zero3_check, zero3_step_after_generation, host_syncs):
+    for check in (lora_check, zero3_check, zero3_step_after_generation, zero3_grad_diagnosis, host_syncs):
         if only and check.__name__ not in only:
             continue
         try:

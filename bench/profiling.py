@@ -30,14 +30,35 @@ def profile_kernels(fn, label, log, top=20):
     merged = _busy_spans(events)
     busy_s = sum(end - start for start, end in merged) / 1e6
     summary = {"label": label, "wall_s": wall, "kernel_s": total_us / 1e6, "gpu_busy_s": busy_s,
-               "kernel_launches": sum(e.count for e in kernels), "top_kernels": rows}
+               "kernel_launches": sum(e.count for e in kernels), "top_kernels": rows,
+               "by_class": kernel_classes(kernels)}
     log(f"profile {label}: {wall:.3f} s wall, {total_us / 1e6:.3f} s of kernels, GPU busy {busy_s:.3f} s, "
         f"{summary['kernel_launches']} kernels")
+    log("  by class: " + ", ".join(f"{name} {c['ms']:.2f} ms in {c['count']} kernels"
+                                   for name, c in summary["by_class"].items()))
     for row in rows[:top]:
         log(f"  {row['ms']:9.2f} ms {row['count']:7d}x  {row['kernel']}")
     summary["top_host_ops"] = _top_host_ops(prof, log)
     summary["phases"] = gpu_idle_by_phase(events, merged, log)
     return summary
+
+
+KERNEL_CLASSES = (  # first match wins; a kernel's class is read from its name
+    ("attention", ("attention", "attn", "fmha", "flash", "_partial_kernel", "_combine_kernel", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "matmul", "mm_")),
+    ("copy", ("memcpy", "memset", "direct_copy", "index_copy", "_write_kernel")),
+)
+
+
+def kernel_classes(kernels):
+    """Device time and launches per class of kernel (attention, GEMM, copies, everything else)."""
+    out = {name: {"ms": 0.0, "count": 0} for name, _ in KERNEL_CLASSES + (("other", ()),)}
+    for e in kernels:
+        name = e.key.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+        out[cls]["ms"] += _device_us(e) / 1e3
+        out[cls]["count"] += e.count
+    return out
 
 
 def _top_host_ops(prof, log, top=12):

@@ -28,4 +28,23 @@ def test_ppo_iteration_runs_each_variant_in_its_own_process_and_keeps_every_iter
         for phase in ("generate_experience", "train_rlhf"):
             assert f"profile {variant} iteration 1 {phase}:" in proc.stdout, proc.stdout[-3000:]
     assert proc.stdout.count("host time by operator") == 4
+    assert proc.stdout.count("by class: attention") == 4
     assert proc.stdout.count("ranks: 1") == 3, "a table from each variant's own process, then the combined one"
+
+
+def test_kernel_classes_sort_kernels_by_name_and_sum_their_time():
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from profiling import kernel_classes
+
+    def kernel(key, us, count):
+        return SimpleNamespace(key=key, self_device_time_total=us, count=count)
+
+    out = kernel_classes([kernel("_partial_kernel", 1000, 24), kernel("nvjet_tst_64x8_64x16", 500, 48),
+                          kernel("void cutlass::Kernel2<...>", 250, 24), kernel("triton_poi_fused__to_copy_add_0", 100, 24),
+                          kernel("Memcpy DtoD", 50, 2)])
+    assert out["attention"] == {"ms": 1.0, "count": 24}
+    assert out["gemm"] == {"ms": 0.75, "count": 72}
+    assert out["copy"] == {"ms": 0.05, "count": 2}
+    assert out["other"] == {"ms": 0.1, "count": 24}
