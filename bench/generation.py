@@ -1,7 +1,7 @@
 """Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3, eager or
 with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the decode forward; ``_sdpa``: SDPA for the
 decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection its own GEMM, not q/k/v as one;
-``_fuse``: fused also with ``_compiled``, where auto leaves them apart),
+``_fuse``: ``fuse_projections="on"``, the same as auto on CUDA),
 against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16, sampled,
 prompts of P tokens, G generated tokens (no early stop), batch B.
 

@@ -272,34 +272,68 @@ def nonfinite_grads(named_grads):
     return {"nonfinite_params": bad[:12], "nonfinite_count": len(bad), "max_abs_grad": largest}
 
 
+def sdpa_backend(name, model):
+    """A context in which the model's SDPA calls use one backend, or (the last name) get a mask in which a query row
+    that sees no key (a left pad's) sees every key instead: its output is never read by a real token nor the loss."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "default":
+        return contextlib.nullcontext()
+    if name.startswith("default,"):
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        def rows_never_empty(module, query, key, value, attention_mask, **kwargs):
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                attention_mask = attention_mask | ~attention_mask.any(-1, keepdim=True)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register("rows_never_empty", rows_never_empty)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("rows_never_empty", sdpa_mask)
+        model.config._attn_implementation_internal = "rows_never_empty"
+        return contextlib.nullcontext()
+    return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                         "math": SDPBackend.MATH}[name]])
+
+
 def zero3_grad_diagnosis():
     """Where the ZeRO-3 bf16 step of ``zero3_check`` goes non-finite (reported): the gradients of one backward over
-    the same model and batch without DeepSpeed, under ZeRO-0, and under ZeRO-3 with the check's config and with one
-    setting changed at a time (each parameter's full gradient read with ``safe_get_full_grad`` before the step)."""
+    the same model and batch with plain torch under each SDPA backend, with the check's loss (which, as HF's loss over
+    left-padded rows does, makes the last left pad predict the first real token: a query row that sees no key gets a
+    gradient) and with that target dropped; then as ZeRO-0 and ZeRO-3 engines (each parameter's full gradient read
+    with ``safe_get_full_grad`` before the step)."""
     from deepspeed.utils import safe_get_full_grad
 
     ids, _ = prompts([24, 7, 13, 3, 16, 9, 11, 5], seed=1)
     seqs = torch.cat([ids, torch.randint(3, VOCAB, (ids.shape[0], MAX_NEW), device=DEVICE)], 1)
     mask = (seqs != PAD).long()
     labels = seqs.masked_fill(mask == 0, -100)
-    model = build_model("llama", torch.bfloat16, seed=4)
-    loss = model(input_ids=seqs, attention_mask=mask, labels=labels).loss
-    loss.backward()
-    record("ZeRO-3 diagnosis: plain torch bf16 backward, gradients finite", True, required=False,
-           loss=round(loss.item(), 4), **nonfinite_grads((n, p.grad) for n, p in model.named_parameters()))
-    variants = [("ZeRO-0", 0, {}), ("ZeRO-3, the check's config", 3, {}),
-                ("ZeRO-3, overlap_comm off", 3, {"overlap_comm": False}),
-                ("ZeRO-3, contiguous_gradients off", 3, {"contiguous_gradients": False}),
-                ("ZeRO-3, persistence threshold 1e4 (dschat's)", 3, {"stage3_param_persistence_threshold": 1e4}),
-                ("ZeRO-3, reduce_bucket_size 1e9", 3, {"reduce_bucket_size": 10**9})]
-    for label, stage, zero in variants:
-        engine = ds_engine(build_model("llama", torch.bfloat16, seed=4), stage, torch.bfloat16, **zero)
+    first_real = mask.bool() & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1].bool()
+    losses = {"the check's loss": labels, "no pad predicts a token": labels.masked_fill(first_real, -100)}
+    for backend in ("default", "cudnn", "efficient", "math", "default, no query row fully masked"):
+        for loss_name, targets in losses.items():
+            model = build_model("llama", torch.bfloat16, seed=4)
+            try:
+                with sdpa_backend(backend, model):
+                    loss = model(input_ids=seqs, attention_mask=mask, labels=targets).loss
+                    loss.backward()
+            except RuntimeError as error:  # a backend this device does not have (cuDNN on the CPU)
+                record(f"ZeRO-3 diagnosis: SDPA {backend} unavailable", True, required=False, error=str(error)[:100])
+                break
+            grads = nonfinite_grads((n, p.grad) for n, p in model.named_parameters())
+            record(f"ZeRO-3 diagnosis: plain torch bf16 backward, SDPA {backend}, {loss_name}: gradients finite",
+                   grads["nonfinite_count"] == 0, required=False, loss=round(loss.item(), 4), **grads)
+    for stage in (0, 3):
+        engine = ds_engine(build_model("llama", torch.bfloat16, seed=4), stage, torch.bfloat16)
         loss = engine(input_ids=seqs, attention_mask=mask, labels=labels).loss
         engine.backward(loss)
         grads = nonfinite_grads((n, safe_get_full_grad(p)) for n, p in engine.module.named_parameters())
         engine.step()
-        record(f"ZeRO-3 diagnosis: {label}: step applied", engine.was_step_applied(), required=False,
-               loss=round(loss.item(), 4), grad_norm=float(engine.get_global_grad_norm()), **grads)
+        record(f"ZeRO-3 diagnosis: ZeRO-{stage} engine, the check's loss: step applied", engine.was_step_applied(),
+               required=False, loss=round(loss.item(), 4), grad_norm=float(engine.get_global_grad_norm()), **grads)
 
 
 def host_syncs():

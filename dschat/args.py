@@ -252,7 +252,7 @@ def step3_parser():
                         "the model's SDPA.")
     g.add_argument("--fuse_projections", default="auto", choices=["auto", "on", "off"],
                    help="While generating, run the linears that read the same input (q/k/v; gate/up up to 64 MB) as "
-                        "one GEMM (auto: on CUDA, not with --compile_decode_step; on: also with it). Costs a copy of those weights; "
+                        "one GEMM (auto: on CUDA; on: also on the CPU). Costs a copy of those weights; "
                         "measurements in docs/benchmarks.md.")
     g = p.add_argument_group("deepspeed")
     g.add_argument("--offload", action="store_true")
