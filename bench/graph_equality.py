@@ -93,10 +93,13 @@ def prompts(lengths, seed):
 def lm_step(engine, sequences):
     """One optimizer step of a language-modelling loss over ``sequences`` (pad positions ignored); returns what the
     check records: the loss and the gradient norm (DeepSpeed skips a step whose norm is not finite)."""
+    from dschat.models.attention import no_empty_query_rows
+
     engine.train()
     mask = (sequences != PAD).long()
-    loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
-    engine.backward(loss)
+    with no_empty_query_rows(engine.module):  # left pads: cuDNN's backward gives NaN for a fully masked query row
+        loss = engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
+        engine.backward(loss)
     engine.step()
     norm = engine.get_global_grad_norm()
     return {"loss": round(loss.item(), 4), "grad_norm": None if norm is None else float(norm)}
@@ -273,28 +276,18 @@ def nonfinite_grads(named_grads):
 
 
 def sdpa_backend(name, model):
-    """A context in which the model's SDPA calls use one backend, or (the last name) get a mask in which a query row
-    that sees no key (a left pad's) sees every key instead: its output is never read by a real token nor the loss."""
+    """A context in which the model's SDPA calls use one backend, or (the last name) dschat's SDPA with no fully masked
+    query row (``dschat.models.attention``, what step 3 trains masked rows with)."""
     import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from dschat.models.attention import no_empty_query_rows
+
     if name == "default":
         return contextlib.nullcontext()
     if name.startswith("default,"):
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-        def rows_never_empty(module, query, key, value, attention_mask, **kwargs):
-            if attention_mask is not None and attention_mask.dtype == torch.bool:
-                attention_mask = attention_mask | ~attention_mask.any(-1, keepdim=True)
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-        AttentionInterface.register("rows_never_empty", rows_never_empty)
-        ALL_MASK_ATTENTION_FUNCTIONS.register("rows_never_empty", sdpa_mask)
-        model.config._attn_implementation_internal = "rows_never_empty"
-        return contextlib.nullcontext()
+        return no_empty_query_rows(model)
     return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                          "math": SDPBackend.MATH}[name]])
 

@@ -379,10 +379,12 @@ def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path
     are, masked. Same log-probs, values, rewards and losses on the real tokens."""
     shifted, masked, tokenizer = _trainer_pair(trained, tmp_path, variant, padded_forwards=True)
     masks = []  # the attention mask of every forward of the experience (not generation: it uses the cache)
+    attention = []  # and the attention function each one ran
 
     def record(module, args, kwargs):
         if kwargs.get("use_cache") is False:
             masks.append(kwargs.get("attention_mask"))
+            attention.append(module.config._attn_implementation)
 
     for backbone in (shifted.actor_model.module, shifted.ref_model.module, shifted.critic_model.module.rwtransformer,
                      shifted.reward_model.module.rwtransformer):
@@ -400,11 +402,16 @@ def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path
     for key in ("logprobs", "ref_logprobs", "value"):
         torch.testing.assert_close(got[key] * amask, exp[key] * amask, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["rewards"], exp["rewards"], atol=1e-5, rtol=1e-5)
+    assert set(attention) == {"sdpa"}, "the experience's forwards keep SDPA (no backward through them)"
     masks.clear()
+    attention.clear()
     for a, b in zip(shifted.train_rlhf(exp), masked.train_rlhf(got)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert len(masks) == 4 and masks[0] is None and masks[1] is None, "train_rlhf's shifted forwards took a mask"
     assert masks[2] is not None and masks[3] is not None
+    # the masked actor and critic train with no fully masked query row (cuDNN's backward: NaN for one), then go back
+    assert attention == ["sdpa", "sdpa", "dschat_sdpa_rows", "dschat_sdpa_rows"]
+    assert masked.actor_model.module.config._attn_implementation == "sdpa"
 
 
 def test_step3_prompt_batches_are_rounded_up_to_pad_to_multiple_of(trained, tokenizer):

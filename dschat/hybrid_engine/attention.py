@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from dschat.models.attention import sdpa_replaced
+
 logger = logging.getLogger(__name__)
 
 NAME = "dschat_decode"
@@ -140,30 +142,7 @@ def resolve_mode(mode, device):
     return "triton"
 
 
-def routes_through_interface(hf_model):
-    """Whether the model's attention modules call the ``AttentionInterface`` function named in its config. Models that
-    test for the string "sdpa" themselves (e.g. Falcon) would take another branch under any other name, with SDPA's
-    boolean mask, so they are never switched."""
-    compatible = getattr(type(hf_model), "is_backend_compatible", None)
-    return bool(compatible()) if callable(compatible) else False
-
-
-@contextlib.contextmanager
 def decode_attention(hf_model, mode):
     """For the duration of a generation, route the decoder's attention through :func:`decode_attention_forward`
-    (``mode`` "triton"), if it uses SDPA through transformers' attention interface; models configured with another
-    implementation (eager, flash-attention, ...) or with their own dispatch keep theirs.
-
-    Only the decoder's (text) config is switched, by its stored value, so the sub-configs of a multimodal model (e.g.
-    an eager vision tower) are neither switched nor overwritten when it is restored."""
-    config = hf_model.config
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    current = getattr(text_config, "_attn_implementation_internal", None)
-    if mode != "triton" or current != "sdpa" or not routes_through_interface(hf_model):
-        yield
-        return
-    text_config._attn_implementation_internal = register()
-    try:
-        yield
-    finally:
-        text_config._attn_implementation_internal = current
+    (``mode`` "triton"), if it uses SDPA through transformers' attention interface (``models/attention.py``)."""
+    return sdpa_replaced(hf_model, register()) if mode == "triton" else contextlib.nullcontext()

@@ -1,4 +1,5 @@
 """DeepSpeedPPOTrainer: experience generation and the PPO update (DeepSpeed-Chat's API, dschat's math)."""
+import contextlib
 import time
 
 import torch
@@ -8,6 +9,7 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 from dschat.args import resolve_pad_to_multiple_of
 from dschat.data.collators import padded_length
 from dschat.hybrid_engine.decode import forward_spec, hf_model_of
+from dschat.models.attention import no_empty_query_rows
 from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.layout import LeftAligned, head_reads, position_limit
@@ -277,23 +279,31 @@ class DeepSpeedPPOTrainer:
             else:
                 advantages, returns = self.critic_free_advantages(inputs["rewards"], rewards, mask)
         self.train()
-        with phase("dschat.train.actor_loss"):
-            actor_loss = self._actor_loss(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
-                                          agg)
-        self._backward_and_step_actor(actor_loss)
-        if self.critic_model is None:
-            return actor_loss.detach(), torch.zeros((), device=actor_loss.device)
-        with phase("dschat.train.critic_loss"):
-            values = self._values(self.critic_model, seq, attention_mask, layout)[:, start:]
-            critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value,
-                                                          **agg)
-            algo.check_finite("critic loss", critic_loss)
-        with phase("dschat.train.critic_backward"):
-            self.critic_model.backward(critic_loss)
-        with phase("dschat.train.critic_step"):
-            optimizer_step(self.critic_model, "critic")
-        self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
-        return actor_loss.detach(), critic_loss.detach()
+        with self._masked_training(layout):
+            with phase("dschat.train.actor_loss"):
+                actor_loss = self._actor_loss(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
+                                              agg)
+            self._backward_and_step_actor(actor_loss)
+            if self.critic_model is None:
+                return actor_loss.detach(), torch.zeros((), device=actor_loss.device)
+            with phase("dschat.train.critic_loss"):
+                values = self._values(self.critic_model, seq, attention_mask, layout)[:, start:]
+                critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value,
+                                                              **agg)
+                algo.check_finite("critic loss", critic_loss)
+            with phase("dschat.train.critic_backward"):
+                self.critic_model.backward(critic_loss)
+            with phase("dschat.train.critic_step"):
+                optimizer_step(self.critic_model, "critic")
+            self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
+            return actor_loss.detach(), critic_loss.detach()
+
+    def _masked_training(self, layout):
+        """Training over the rows as they are (``layout`` None: left pads under a padding mask) runs SDPA with no fully
+        masked query row (``models/attention.py``: cuDNN's backward returns NaN gradients for one)."""
+        if layout is not None:
+            return contextlib.nullcontext()
+        return no_empty_query_rows(*(m.module for m in (self.actor_model, self.critic_model) if m is not None))
 
     def _actor_loss(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg):
         a = self.args

@@ -1,0 +1,91 @@
+"""Attention functions dschat plugs into a model for a span of calls, through transformers' ``AttentionInterface``.
+
+transformers lets a model's attention modules call any function registered in its ``AttentionInterface`` under the
+name in ``config._attn_implementation``. :func:`sdpa_replaced` switches a model that uses SDPA through that interface
+to such a function and back; models configured with another implementation (eager, flash-attention, ...) or with their
+own dispatch on the string "sdpa" keep theirs. Two users: the hybrid engine's decode kernel
+(``hybrid_engine/attention.py``) and :func:`no_empty_query_rows` below, for training over left-padded rows.
+"""
+import contextlib
+import functools
+
+import torch
+
+NO_EMPTY_ROWS = "dschat_sdpa_rows"
+
+
+def routes_through_interface(hf_model):
+    """Whether the model's attention modules call the ``AttentionInterface`` function named in its config. Models that
+    test for the string "sdpa" themselves (e.g. Falcon) would take another branch under any other name, with SDPA's
+    boolean mask, so they are never switched."""
+    compatible = getattr(type(hf_model), "is_backend_compatible", None)
+    return bool(compatible()) if callable(compatible) else False
+
+
+@contextlib.contextmanager
+def sdpa_replaced(hf_model, name):
+    """For the duration of the block, route the decoder's SDPA attention through the function registered as ``name``.
+
+    Only the decoder's (text) config is switched, by its stored value, so the sub-configs of a multimodal model (e.g.
+    an eager vision tower) are neither switched nor overwritten when it is restored."""
+    config = hf_model.config
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    current = getattr(text_config, "_attn_implementation_internal", None)
+    if current != "sdpa" or not routes_through_interface(hf_model):
+        yield
+        return
+    text_config._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        text_config._attn_implementation_internal = current
+
+
+def sdpa_no_empty_rows(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA, except that a query row the mask leaves with no key (a left pad's) attends to its own key
+    and its output is then zeroed: the same output as SDPA's for such a row (zeros), and no gradient flows through it.
+
+    Why: on an H200 (torch 2.11), cuDNN's SDPA backward returns NaN query/key gradients when a row is fully masked, even
+    when that row's output gets no gradient; the efficient and math backends do not (bench/graph_equality.py
+    ``zero3_grad_diagnosis``, docs/benchmarks.md). One NaN spreads to every weight below that layer, and the step is
+    skipped."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    q_len, kv_len = attention_mask.shape[-2:]
+    seen = attention_mask.any(-1, keepdim=True)  # (B, 1 or H, q, 1)
+    rows = torch.arange(q_len, device=attention_mask.device)[:, None] + (kv_len - q_len)
+    own = rows == torch.arange(kv_len, device=attention_mask.device)  # query i's own key, past any cached keys
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask | (own & ~seen), **kwargs)
+    return out * seen.transpose(1, 2).to(out.dtype), weights  # out: (B, q, H, D)
+
+
+@functools.lru_cache(maxsize=None)
+def register_no_empty_rows():
+    """Make ``"dschat_sdpa_rows"`` a valid ``attn_implementation`` (idempotent); its masks are SDPA's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NO_EMPTY_ROWS, sdpa_no_empty_rows)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NO_EMPTY_ROWS, sdpa_mask)
+    return NO_EMPTY_ROWS
+
+
+def _attention_owner(model):
+    """The HF model whose config names the attention: under a reward/critic head (``RewardModel``), under PEFT."""
+    model = getattr(model, "rwtransformer", model)
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+@contextlib.contextmanager
+def no_empty_query_rows(*models):
+    """Forwards and backwards (gradient checkpointing recomputes the forward inside the backward, so keep both in the
+    block) of models trained over left-padded rows with a padding mask run :func:`sdpa_no_empty_rows`. ``models``: HF
+    models, PEFT models or ``RewardModel`` heads (a DeepSpeed engine's ``module``)."""
+    name = register_no_empty_rows()
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(sdpa_replaced(_attention_owner(model), name))
+        yield
