@@ -8,13 +8,16 @@ variant and batch, the newest file's row wins); the floor as a dashed line. Runs
 """
 import argparse
 import json
+import os
 from collections import defaultdict
 
 LABELS = {"floor": "bandwidth floor", "hf_static": "HF generate, static cache", "hf_dynamic": "HF generate, dynamic",
           "dschat_z0": "dschat ZeRO-0, eager", "dschat_z0_graph": "dschat ZeRO-0, CUDA graph",
           "dschat_z3_graph": "dschat ZeRO-3, CUDA graph (gather incl.)",
           "dschat_z0_graph_compiled": "dschat ZeRO-0, graph + compile",
-          "dschat_z3_graph_compiled": "dschat ZeRO-3, graph + compile"}
+          "dschat_z3_graph_compiled": "dschat ZeRO-3, graph + compile",
+          "dschat_z0_graph_compiled_fuse": "dschat ZeRO-0, graph + compile, q/k/v fused",
+          "dschat_z0_graph_compiled_nofuse": "dschat ZeRO-0, graph + compile, unfused"}
 LABELS.update({f"{variant}+triton": f"{label}, Triton attention" for variant, label in list(LABELS.items())
                if variant.startswith("dschat")})
 
@@ -25,14 +28,15 @@ def variant_key(row):
     return row["variant"].replace("_sdpa", "") + ("+triton" if row.get("decode_attention") == "triton" else "")
 
 
-def load_rows(paths):
-    """{model: {variant: {batch: seconds}}}, later files overriding earlier ones; floors as variant "floor"."""
+def load_rows(paths, skip=()):
+    """{model: {variant: {batch: seconds}}}, later files overriding earlier ones; floors as variant "floor". ``skip``:
+    "file name:variant" pairs left out (a row whose meaning a later change of defaults altered)."""
     table = defaultdict(lambda: defaultdict(dict))
     for path in sorted(paths):  # dated names: later runs last
         with open(path) as f:
             rows = json.load(f)["rows"]
         for r in rows:
-            if not r.get("ok") or "model" not in r:
+            if not r.get("ok") or "model" not in r or f"{os.path.basename(path)}:{r['variant']}" in skip:
                 continue
             table[r["model"]][variant_key(r)][r["batch"]] = r["seconds"]
             table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
@@ -44,6 +48,7 @@ def plot(table, out):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     models = sorted(table)
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
@@ -57,12 +62,14 @@ def plot(table, out):
             style = dict(linestyle="--", color="black") if variant == "floor" else dict(marker="o", color=color)
             ax.plot(batches, [points[b] for b in batches], label=LABELS.get(variant, variant), **style)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # the eager loop is 10x the others
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xlabel("batch size (256 prompt + 256 sampled tokens)")
         ax.set_ylabel("seconds per generation")
         ax.set_title(f"{model} shape, one H200, bf16")
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
@@ -72,8 +79,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("results", nargs="+", help="JSON files written by bench/generation.py")
     p.add_argument("--out", default="docs/generation_vs_floor.png")
+    p.add_argument("--skip", default="", help="comma-separated file-name:variant pairs to leave out")
     args = p.parse_args()
-    plot(load_rows(args.results), args.out)
+    plot(load_rows(args.results, set(filter(None, args.skip.split(",")))), args.out)
 
 
 if __name__ == "__main__":
