@@ -15,6 +15,22 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from hybrid_common import tiny_config  # noqa: E402
 
 
+@pytest.fixture
+def empty_rows_seen(monkeypatch):
+    """Per call of torch's SDPA: whether its boolean mask had a query row with no key (what cuDNN's backward turns into
+    NaN; on the CPU it gives zeros, so outputs and gradients alone cannot tell a repaired row from one left as is)."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            seen.append(bool((~attn_mask.any(-1)).any()))
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen
+
+
 def _left_padded_mask(batch, length, pads):
     """(B, 1, L, L) boolean causal mask with ``pads[b]`` left pads in row b: its first query rows see no key."""
     keys = torch.arange(length)[None, :] >= torch.tensor(pads)[:, None]
@@ -32,7 +48,7 @@ def _attention(fn, q, k, v, mask, upstream):
     return out.detach(), [t.grad for t in (q, k, v)]
 
 
-def test_same_outputs_and_gradients_as_sdpa_and_none_through_a_repaired_row():
+def test_same_outputs_and_gradients_as_sdpa_and_none_through_a_repaired_row(empty_rows_seen):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     torch.manual_seed(0)
@@ -43,6 +59,7 @@ def test_same_outputs_and_gradients_as_sdpa_and_none_through_a_repaired_row():
     empty = ~mask.any(-1).squeeze(1)  # (B, q)
     assert empty.sum() == 13
     got, got_grads = _attention(sdpa_no_empty_rows, q, k, v, mask, upstream)
+    assert empty_rows_seen == [False], "SDPA itself never sees a query row with no key"
     want, want_grads = _attention(sdpa_attention_forward, q, k, v, mask, upstream * ~empty[..., None, None])
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert not got[empty].any(), "a row with nothing to attend to gives zeros, as SDPA's does"
@@ -65,14 +82,17 @@ def _loss_and_grads(model, ids, mask, context):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
-def test_a_left_padded_model_trains_the_same_with_it(family):
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2", "mistral_sliding"])
+def test_a_left_padded_model_trains_the_same_with_it(family, empty_rows_seen):
     import contextlib
 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="sdpa").eval()  # no dropout
+    config = tiny_config(family.removesuffix("_sliding"))
+    if family.endswith("_sliding"):
+        config.sliding_window = 4  # shorter than the rows: SDPA gets the window's mask
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()  # no dropout
     ids = torch.randint(3, 96, (3, 12))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -81,7 +101,10 @@ def test_a_left_padded_model_trains_the_same_with_it(family):
     model.model.register_forward_pre_hook(lambda m, a: seen.append(m.config._attn_implementation)) \
         if family == "llama" else None
     loss, grads = _loss_and_grads(model, ids, mask, contextlib.nullcontext())
+    assert empty_rows_seen and all(empty_rows_seen), "the batch has left pads whose query rows see no key"
+    empty_rows_seen.clear()
     got_loss, got_grads = _loss_and_grads(model, ids, mask, no_empty_query_rows(model))
+    assert empty_rows_seen and not any(empty_rows_seen), "forwards and backwards: no row without a key reaches SDPA"
     torch.testing.assert_close(got_loss, loss)
     for g, w in zip(got_grads, grads):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
@@ -106,3 +129,14 @@ def test_the_switch_reaches_the_model_under_peft_and_a_reward_head_and_leaves_ea
         assert eager.config._attn_implementation == "eager"
     assert actor.get_base_model().config._attn_implementation == "sdpa"
     assert critic.rwtransformer.config._attn_implementation == "sdpa"
+
+
+def test_models_whose_code_branches_on_the_name_sdpa_are_never_switched():
+    """Gemma-4's KV-shared layers cut the queries to ``logits_to_keep`` unless the implementation is named "sdpa"
+    (under another name a causal SDPA call with no mask then lines up the wrong keys); such models keep "sdpa"."""
+    from transformers import FalconForCausalLM, Gemma4ForCausalLM, LlamaForCausalLM
+
+    from dschat.models.attention import _branches_on_sdpa
+
+    assert _branches_on_sdpa(Gemma4ForCausalLM) and _branches_on_sdpa(FalconForCausalLM)
+    assert not _branches_on_sdpa(LlamaForCausalLM)

@@ -374,7 +374,7 @@ def test_padded_experience_equals_the_unpadded_one_on_real_tokens(trained, tmp_p
 
 
 @pytest.mark.parametrize("variant", ["hf_generate", "logprobs_from_generation"])
-def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path, variant):
+def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path, variant, monkeypatch):
     """Default: step 3's forwards over rows shifted to column 0 with no attention mask; --padded_forwards: as they
     are, masked. Same log-probs, values, rewards and losses on the real tokens."""
     shifted, masked, tokenizer = _trainer_pair(trained, tmp_path, variant, padded_forwards=True)
@@ -393,7 +393,17 @@ def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path
     assert not batch["prompt_att_mask"].all(), "prompts of one length: nothing would be shifted"
     exp = _sampled_experience(shifted, batch)
     shifted_calls = len(masks)
+    empty_rows = []  # per SDPA call with a boolean mask: whether a query row in it sees no key
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            empty_rows.append(bool((~attn_mask.any(-1)).any()))
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     got = _sampled_experience(masked, batch)
+    assert any(empty_rows), "the masked experience forwards have left pads whose query rows see no key"
     assert shifted_calls and all(m is None for m in masks[:shifted_calls]), "the shifted forwards took a mask"
     assert all(m is not None for m in masks[shifted_calls:]), "--padded_forwards ran without the mask"
     amask = exp["action_mask"]
@@ -405,12 +415,14 @@ def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path
     assert set(attention) == {"sdpa"}, "the experience's forwards keep SDPA (no backward through them)"
     masks.clear()
     attention.clear()
+    empty_rows.clear()
     for a, b in zip(shifted.train_rlhf(exp), masked.train_rlhf(got)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert len(masks) == 4 and masks[0] is None and masks[1] is None, "train_rlhf's shifted forwards took a mask"
     assert masks[2] is not None and masks[3] is not None
     # the masked actor and critic train with no fully masked query row (cuDNN's backward: NaN for one), then go back
     assert attention == ["sdpa", "sdpa", "dschat_sdpa_rows", "dschat_sdpa_rows"]
+    assert empty_rows and not any(empty_rows), "a masked training forward or backward ran SDPA with an empty row"
     assert masked.actor_model.module.config._attn_implementation == "sdpa"
 
 

@@ -8,6 +8,8 @@ own dispatch on the string "sdpa" keep theirs. Two users: the hybrid engine's de
 """
 import contextlib
 import functools
+import inspect
+import sys
 
 import torch
 
@@ -17,9 +19,23 @@ NO_EMPTY_ROWS = "dschat_sdpa_rows"
 def routes_through_interface(hf_model):
     """Whether the model's attention modules call the ``AttentionInterface`` function named in its config. Models that
     test for the string "sdpa" themselves (e.g. Falcon) would take another branch under any other name, with SDPA's
-    boolean mask, so they are never switched."""
+    boolean mask, so they are never switched; nor are those whose modeling code otherwise branches on the name
+    (Gemma-4's KV-shared layers slice the queries to ``logits_to_keep`` unless the name is "sdpa" and a mask is None:
+    under another name the causal alignment is lost)."""
     compatible = getattr(type(hf_model), "is_backend_compatible", None)
-    return bool(compatible()) if callable(compatible) else False
+    return callable(compatible) and bool(compatible()) and not _branches_on_sdpa(type(hf_model))
+
+
+@functools.lru_cache(maxsize=None)
+def _branches_on_sdpa(model_class):
+    """Whether transformers' modeling file of ``model_class`` compares its attention implementation with "sdpa"."""
+    if not model_class.__module__.startswith("transformers.models."):
+        return False
+    try:
+        source = inspect.getsource(sys.modules[model_class.__module__])
+    except (OSError, TypeError, KeyError):
+        return False
+    return any(test in source for test in ('_attn_implementation == "sdpa"', '_attn_implementation != "sdpa"'))
 
 
 @contextlib.contextmanager
@@ -58,7 +74,7 @@ def sdpa_no_empty_rows(module, query, key, value, attention_mask, **kwargs):
     rows = torch.arange(q_len, device=attention_mask.device)[:, None] + (kv_len - q_len)
     own = rows == torch.arange(kv_len, device=attention_mask.device)  # query i's own key, past any cached keys
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask | (own & ~seen), **kwargs)
-    return out * seen.transpose(1, 2).to(out.dtype), weights  # out: (B, q, H, D)
+    return torch.where(seen.transpose(1, 2), out, 0.0), weights  # out: (B, q, H, D); exact zeros, zero gradient
 
 
 @functools.lru_cache(maxsize=None)
