@@ -280,23 +280,30 @@ class DeepSpeedPPOTrainer:
                 advantages, returns = self.critic_free_advantages(inputs["rewards"], rewards, mask)
         self.train()
         with self._masked_training(layout):
-            with phase("dschat.train.actor_loss"):
-                actor_loss = self._actor_loss(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
-                                              agg)
-            self._backward_and_step_actor(actor_loss)
+            actor_loss = self._update_actor(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
+                                            agg)
             if self.critic_model is None:
-                return actor_loss.detach(), torch.zeros((), device=actor_loss.device)
-            with phase("dschat.train.critic_loss"):
-                values = self._values(self.critic_model, seq, attention_mask, layout)[:, start:]
-                critic_loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value,
-                                                              **agg)
-                algo.check_finite("critic loss", critic_loss)
-            with phase("dschat.train.critic_backward"):
-                self.critic_model.backward(critic_loss)
-            with phase("dschat.train.critic_step"):
-                optimizer_step(self.critic_model, "critic")
-            self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
-            return actor_loss.detach(), critic_loss.detach()
+                return actor_loss, torch.zeros((), device=actor_loss.device)
+            critic_loss = self._update_critic(seq, attention_mask, start, layout, old_values, returns, mask, agg)
+        return actor_loss, critic_loss
+
+    def _update_actor(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg):
+        with phase("dschat.train.actor_loss"):
+            loss = self._actor_loss(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg)
+        self._backward_and_step_actor(loss)
+        return loss.detach()
+
+    def _update_critic(self, seq, attention_mask, start, layout, old_values, returns, mask, agg):
+        with phase("dschat.train.critic_loss"):
+            values = self._values(self.critic_model, seq, attention_mask, layout)[:, start:]
+            loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value, **agg)
+            algo.check_finite("critic loss", loss)
+        with phase("dschat.train.critic_backward"):
+            self.critic_model.backward(loss)
+        with phase("dschat.train.critic_step"):
+            optimizer_step(self.critic_model, "critic")
+        self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
+        return loss.detach()
 
     def _masked_training(self, layout):
         """Training over the rows as they are (``layout`` None: left pads under a padding mask) runs SDPA with no fully
