@@ -1,6 +1,9 @@
 """The decode step's projections alone (one layer, batch B rows of one token): each projection as the model calls it
 (cuBLAS through ``F.linear``) against the projections that read the same input fused into one GEMM (q/k/v; gate/up),
-to decide whether fusing them is worth it. Timed as CUDA graphs (``decode_attention.time_us``).
+to decide whether fusing them is worth it; also the input as the model has it, (B, 1, K) ("3d"), and split-K done
+by hand for the single projections ("splitS": S batched GEMMs over K/S each, summed in fp32), to see whether the
+skinny GEMMs that read few output tiles (out, fc2, o, down) gain from more parallelism. Timed as CUDA graphs
+(``decode_attention.time_us``).
 
     python bench/decode_gemm.py                      # OPT-1.3B and Qwen2.5-7B shapes, B=64
     python bench/decode_gemm.py --batches 16,64,128
@@ -28,6 +31,19 @@ SHAPES = {
 }
 
 
+def split_k(x, w, b, parts):
+    """x @ w.T (+ b) as ``parts`` GEMMs over slices of K, run as one batched GEMM, summed in fp32."""
+    rows, k = x.shape
+    xs = x.view(rows, parts, k // parts).transpose(0, 1)  # (S, B, K/S)
+    ws = w.view(w.shape[0], parts, k // parts).permute(1, 2, 0)  # (S, K/S, N), a transposed view
+    try:
+        partial = torch.bmm(xs, ws, out_dtype=torch.float32)
+    except (TypeError, NotImplementedError):  # a torch or device without out_dtype
+        partial = torch.bmm(xs, ws).float()
+    out = partial.sum(0)
+    return (out if b is None else out + b).to(x.dtype)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="opt-1.3b,qwen2.5-7b")
@@ -42,7 +58,12 @@ def main():
                 ws = [torch.randn(o, fin, dtype=torch.bfloat16, device="cuda") * 0.02 for o in outs]
                 bs = [torch.randn(o, dtype=torch.bfloat16, device="cuda") if bias else None for o in outs]
                 nbytes = sum(w.numel() for w in ws) * 2
-                variants = {"separate": lambda: [F.linear(x, w, b) for w, b in zip(ws, bs)]}
+                variants = {"separate": lambda: [F.linear(x, w, b) for w, b in zip(ws, bs)],
+                            "3d": lambda: [F.linear(x[:, None], w, b) for w, b in zip(ws, bs)]}
+                if len(ws) == 1 and name != "lm_head":
+                    for parts in (2, 4, 8):
+                        if fin % parts == 0:
+                            variants[f"split{parts}"] = lambda parts=parts: split_k(x, ws[0], bs[0], parts)
                 if len(ws) > 1:
                     w_cat = torch.cat(ws)
                     b_cat = torch.cat(bs) if bias else None
