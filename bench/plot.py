@@ -14,9 +14,8 @@ from collections import defaultdict
 LABELS = {"floor": "bandwidth floor", "hf_static": "HF generate, static cache", "hf_dynamic": "HF generate, dynamic",
           "dschat_z0": "dschat ZeRO-0, eager", "dschat_z0_graph": "dschat ZeRO-0, CUDA graph",
           "dschat_z3_graph": "dschat ZeRO-3, CUDA graph (gather incl.)",
-          "dschat_z0_graph_compiled": "dschat ZeRO-0, graph + compile",
+          "dschat_z0_graph_compiled": "dschat ZeRO-0, graph + compile (fused)",
           "dschat_z3_graph_compiled": "dschat ZeRO-3, graph + compile",
-          "dschat_z0_graph_compiled_fuse": "dschat ZeRO-0, graph + compile, q/k/v fused",
           "dschat_z0_graph_compiled_nofuse": "dschat ZeRO-0, graph + compile, unfused"}
 LABELS.update({f"{variant}+triton": f"{label}, Triton attention" for variant, label in list(LABELS.items())
                if variant.startswith("dschat")})
@@ -24,8 +23,10 @@ LABELS.update({f"{variant}+triton": f"{label}, Triton attention" for variant, la
 
 def variant_key(row):
     """Rows measured with dschat's Triton decode attention are their own line (older rows have no such field; the
-    ``_sdpa`` variants measured SDPA like them)."""
-    return row["variant"].replace("_sdpa", "") + ("+triton" if row.get("decode_attention") == "triton" else "")
+    ``_sdpa`` variants measured SDPA like them). ``_fuse`` is what auto does on CUDA since the seventh session, so it
+    joins the plain variant's line (leave out older unfused ``_compiled`` rows with ``--skip``)."""
+    variant = row["variant"].replace("_sdpa", "").removesuffix("_fuse")
+    return variant + ("+triton" if row.get("decode_attention") == "triton" else "")
 
 
 def load_rows(paths, skip=()):
