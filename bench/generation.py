@@ -175,8 +175,8 @@ def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False,
 
 
 def profile_decode(he, prompt, mask, kw, new_tokens):
-    """Kernel time of a generation (prefill + ``new_tokens`` - 1 decode steps) by kernel: says whether the decode step's time
-    is in a few bandwidth-bound kernels (GEMMs, attention) or in many small ones."""
+    """Kernel time of a generation (prefill + ``new_tokens`` - 1 decode steps) by kernel: says whether the decode
+    step's time is in a few bandwidth-bound kernels (GEMMs, attention) or in many small ones."""
     from profiling import profile_kernels
 
     kw = dict(kw, max_new_tokens=new_tokens)

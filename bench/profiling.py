@@ -50,12 +50,17 @@ KERNEL_CLASSES = (  # first match wins; a kernel's class is read from its name
 )
 
 
+INDUCTOR_FUSED = ("triton_poi_", "triton_red_", "triton_per_")  # pointwise / reduction kernels torch.compile fused
+
+
 def kernel_classes(kernels):
-    """Device time and launches per class of kernel (attention, GEMM, copies, everything else)."""
+    """Device time and launches per class of kernel (attention, GEMM, copies, everything else). torch.compile's fused
+    element-wise kernels are "other" even when their names list the ops they were fused around."""
     out = {name: {"ms": 0.0, "count": 0} for name, _ in KERNEL_CLASSES + (("other", ()),)}
     for e in kernels:
         name = e.key.lower()
-        cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+        cls = "other" if name.startswith(INDUCTOR_FUSED) else next(
+            (c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
         out[cls]["ms"] += _device_us(e) / 1e3
         out[cls]["count"] += e.count
     return out
