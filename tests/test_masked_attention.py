@@ -123,12 +123,30 @@ def test_the_switch_reaches_the_model_under_peft_and_a_reward_head_and_leaves_ea
                            LoraConfig(r=2, target_modules=["q_proj"]))
     critic = RewardModel(AutoModel.from_config(tiny_config("opt"), attn_implementation="sdpa"))
     eager = AutoModelForCausalLM.from_config(tiny_config("gpt2"), attn_implementation="eager")
-    with no_empty_query_rows(actor, critic, eager):
+    with no_empty_query_rows(actor, critic):
         assert actor.get_base_model().config._attn_implementation == NO_EMPTY_ROWS
         assert critic.rwtransformer.config._attn_implementation == NO_EMPTY_ROWS
+        assert torch.backends.cuda.cudnn_sdp_enabled(), "every model switched: cuDNN's kernels stay"
+    with no_empty_query_rows(actor, eager):
         assert eager.config._attn_implementation == "eager"
+        assert torch.backends.cuda.cudnn_sdp_enabled(), "an eager model runs no SDPA: nothing to restrict"
     assert actor.get_base_model().config._attn_implementation == "sdpa"
     assert critic.rwtransformer.config._attn_implementation == "sdpa"
+
+
+def test_a_model_that_cannot_be_switched_trains_without_cudnn_attention():
+    """Falcon calls SDPA itself (and Gemma-4's code branches on the name): not switched, so in the block SDPA may not
+    pick cuDNN, whose backward gives the NaN; afterwards it may again."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    falcon = AutoModelForCausalLM.from_config(FalconConfig(vocab_size=96, hidden_size=64, num_attention_heads=4,
+                                                           num_hidden_layers=2), attn_implementation="sdpa")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with no_empty_query_rows(falcon):
+        assert falcon.config._attn_implementation == "sdpa"
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_models_whose_code_branches_on_the_name_sdpa_are_never_switched():

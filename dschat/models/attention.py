@@ -38,21 +38,30 @@ def _branches_on_sdpa(model_class):
     return any(test in source for test in ('_attn_implementation == "sdpa"', '_attn_implementation != "sdpa"'))
 
 
+def _text_config(hf_model):
+    config = hf_model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _uses_sdpa(hf_model):
+    return getattr(_text_config(hf_model), "_attn_implementation_internal", None) == "sdpa"
+
+
 @contextlib.contextmanager
 def sdpa_replaced(hf_model, name):
-    """For the duration of the block, route the decoder's SDPA attention through the function registered as ``name``.
+    """For the duration of the block, route the decoder's SDPA attention through the function registered as ``name``;
+    yields whether it did.
 
     Only the decoder's (text) config is switched, by its stored value, so the sub-configs of a multimodal model (e.g.
     an eager vision tower) are neither switched nor overwritten when it is restored."""
-    config = hf_model.config
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text_config = _text_config(hf_model)
     current = getattr(text_config, "_attn_implementation_internal", None)
     if current != "sdpa" or not routes_through_interface(hf_model):
-        yield
+        yield False
         return
     text_config._attn_implementation_internal = name
     try:
-        yield
+        yield True
     finally:
         text_config._attn_implementation_internal = current
 
@@ -99,9 +108,16 @@ def _attention_owner(model):
 def no_empty_query_rows(*models):
     """Forwards and backwards (gradient checkpointing recomputes the forward inside the backward, so keep both in the
     block) of models trained over left-padded rows with a padding mask run :func:`sdpa_no_empty_rows`. ``models``: HF
-    models, PEFT models or ``RewardModel`` heads (a DeepSpeed engine's ``module``)."""
+    models, PEFT models or ``RewardModel`` heads (a DeepSpeed engine's ``module``). If one of them cannot be switched
+    (its own SDPA dispatch, or code that branches on the name "sdpa"), SDPA runs without its cuDNN backend in the block
+    instead: slower masked kernels, finite gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     name = register_no_empty_rows()
+    owners = [_attention_owner(model) for model in models]
     with contextlib.ExitStack() as stack:
-        for model in models:
-            stack.enter_context(sdpa_replaced(_attention_owner(model), name))
+        left_as_is = [owner for owner in owners if not stack.enter_context(sdpa_replaced(owner, name))]
+        if any(_uses_sdpa(owner) for owner in left_as_is):
+            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                             SDPBackend.MATH]))
         yield
