@@ -111,6 +111,16 @@ def test_fusion_mode():
     assert _engine(tiny_model("llama"), fuse_projections="on", compile_decode_step="default").fusion is not None
 
 
+def test_auto_fuses_with_a_compiled_decode_step_where_it_fuses_at_all(monkeypatch):
+    """On CUDA "auto" fuses with or without compile (measured faster together, docs/benchmarks.md); the CPU here
+    stands in for CUDA by resolving auto as CUDA would."""
+    from dschat.hybrid_engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "resolve_fuse_projections", lambda mode, device: resolve_mode(mode, "cuda"))
+    assert _engine(tiny_model("llama"), compile_decode_step="default").fusion is not None
+    assert _engine(tiny_model("llama"), fuse_projections="off", compile_decode_step="default").fusion is None
+
+
 def test_a_compiled_forward_finds_the_groups_then_runs_fused_without_recompiling():
     """compile_decode_step with fuse_projections="on": the first forward (the groups found, forwards replaced) is
     traced as it runs; from the next call on one graph with the fused GEMMs serves every generation."""
