@@ -1,6 +1,8 @@
 """Shared settings for end-to-end tests on the embedded tiny default (small and fast on 2 CPU cores)."""
 from pathlib import Path
 
+import torch
+
 SFT_FAST = ["--max_seq_len", "80", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32",
             "--learning_rate", "2e-3", "--dtype", "fp32", "--eval_iters", "2"]
 RM_FAST = SFT_FAST
@@ -12,3 +14,19 @@ PPO_FAST = ["--max_prompt_seq_len", "40", "--max_answer_seq_len", "12", "--per_d
 def step_dirs(root):
     root = Path(root)
     return root / "sft", root / "rm", root / "data"
+
+
+def spy_on_empty_query_rows(monkeypatch):
+    """A list that gets, per call of torch's SDPA with a boolean mask, whether a query row of that mask sees no key
+    (what cuDNN's backward turns into NaN; on the CPU it gives zeros, so outputs and gradients alone cannot tell a
+    repaired row from one left as is)."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            seen.append(bool((~attn_mask.any(-1)).any()))
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen

@@ -12,23 +12,13 @@ import torch
 from dschat.models.attention import NO_EMPTY_ROWS, no_empty_query_rows, sdpa_no_empty_rows
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from helpers import spy_on_empty_query_rows  # noqa: E402
 from hybrid_common import tiny_config  # noqa: E402
 
 
 @pytest.fixture
 def empty_rows_seen(monkeypatch):
-    """Per call of torch's SDPA: whether its boolean mask had a query row with no key (what cuDNN's backward turns into
-    NaN; on the CPU it gives zeros, so outputs and gradients alone cannot tell a repaired row from one left as is)."""
-    seen = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(query, key, value, attn_mask=None, *args, **kwargs):
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            seen.append(bool((~attn_mask.any(-1)).any()))
-        return sdpa(query, key, value, attn_mask, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    return seen
+    return spy_on_empty_query_rows(monkeypatch)
 
 
 def _left_padded_mask(batch, length, pads):

@@ -7,7 +7,7 @@ import torch
 
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
-from helpers import PPO_FAST, RM_FAST, SFT_FAST
+from helpers import PPO_FAST, RM_FAST, SFT_FAST, spy_on_empty_query_rows
 from launch import REPO, run_deepspeed
 
 
@@ -393,15 +393,7 @@ def test_shifted_forwards_equal_the_masked_ones_on_real_tokens(trained, tmp_path
     assert not batch["prompt_att_mask"].all(), "prompts of one length: nothing would be shifted"
     exp = _sampled_experience(shifted, batch)
     shifted_calls = len(masks)
-    empty_rows = []  # per SDPA call with a boolean mask: whether a query row in it sees no key
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(query, key, value, attn_mask=None, *args, **kwargs):
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            empty_rows.append(bool((~attn_mask.any(-1)).any()))
-        return sdpa(query, key, value, attn_mask, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    empty_rows = spy_on_empty_query_rows(monkeypatch)  # per SDPA call: a query row with no key?
     got = _sampled_experience(masked, batch)
     assert any(empty_rows), "the masked experience forwards have left pads whose query rows see no key"
     assert shifted_calls and all(m is None for m in masks[:shifted_calls]), "the shifted forwards took a mask"
