@@ -9,6 +9,14 @@ skinny GEMMs that read few output tiles (out, fc2, o, down) gain from more paral
     python bench/decode_gemm.py --batches 16,64,128
 
 Prints microseconds per call and the bandwidth the weights were read at; writes JSON to $OUT when set.
+
+``--cold``: the weights come from memory, not from the L2 cache, as in the model (a layer's weights are long evicted
+by the other layers when the next step reads them): each timed call runs the projection over enough copies of its
+weights to overflow the L2 several times (the default mode repeats one matrix, and matrices of up to ~40 MB then
+stay in the L2, so it overstates what the model sees). It compares cuBLAS with the skinny Triton GEMM of
+``dschat/hybrid_engine/triton_linear.py`` over a grid of tilings.
+
+    python bench/decode_gemm.py --cold
 """
 import argparse
 import os
@@ -44,13 +52,66 @@ def split_k(x, w, b, parts):
     return (out if b is None else out + b).to(x.dtype)
 
 
+def skinny_tilings():
+    from dschat.hybrid_engine.triton_linear import Tiling
+
+    grid = [Tiling(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=4)
+            for bn in (32, 64, 128) for bk in (64, 128) for split in (1, 2, 4, 8)
+            for warps in ((4, 8) if bn == 128 else (4,))]
+    return {f"skinny_n{t.block_n}_k{t.block_k}_s{t.split_k}_w{t.num_warps}": t for t in grid}
+
+
+def cold_rows(model, batch, name, fin, outs, bias, tilings):
+    """cuBLAS against the skinny GEMM (each tiling), the weights read from memory: see the module's docstring."""
+    from dschat.hybrid_engine.triton_linear import skinny_linear
+
+    n = sum(outs)
+    nbytes = n * fin * 2
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(2, -(-4 * l2 // nbytes))
+    x = torch.randn(batch, fin, dtype=torch.bfloat16, device="cuda")
+    ws = [torch.randn(n, fin, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+    b = torch.randn(n, dtype=torch.bfloat16, device="cuda") if bias else None
+    reference = F.linear(x, ws[0], b)
+    variants = {"cublas_cold": lambda: [F.linear(x, w, b) for w in ws],
+                "cublas_hot": lambda: [F.linear(x, ws[0], b) for _ in ws]}
+    for label, tiling in tilings.items():
+        variants[label] = lambda tiling=tiling: [skinny_linear(x, w, b, tiling) for w in ws]
+    rows = []
+    for label, fn in variants.items():
+        try:
+            err = (fn()[0].float() - reference.float()).abs().max().item()
+            us = time_us(fn, calls=4, replays=5) / copies
+        except Exception as e:  # noqa: BLE001 - a tiling that does not fit (shared memory) is reported, not fatal
+            print(f"{model:<12}{batch:>5}  {name:<8}{label:<26} failed: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        rows.append({"model": model, "batch": batch, "projection": name, "variant": label, "us": us,
+                     "weight_MB": nbytes / 1e6, "TBps": nbytes / us / 1e6, "max_abs_err": err, "copies": copies})
+    best = min((r for r in rows if r["variant"].startswith("skinny")), key=lambda r: r["us"], default=None)
+    for r in rows:
+        if r["variant"].startswith("cublas") or r is best:
+            print(f"{model:<12}{batch:>5}  {name:<8}{r['variant']:<26}{r['us']:>8.1f} us{r['weight_MB']:>8.1f} MB"
+                  f"{r['TBps']:>7.2f} TB/s  err {r['max_abs_err']:.3g}", flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batches", default="64")
+    p.add_argument("--cold", action="store_true", help="weights from memory: cuBLAS against the skinny Triton GEMM")
     p.add_argument("--json", default="decode_gemm.json")
     args = p.parse_args()
     rows = []
+    if args.cold:
+        tilings = skinny_tilings()
+        for model in args.models.split(","):
+            for batch in map(int, args.batches.split(",")):
+                for name, (fin, outs, bias) in SHAPES[model].items():
+                    if name != "lm_head":
+                        rows += cold_rows(model, batch, name, fin, outs, bias, tilings)
+        write_json(args.json, {"args": vars(args), "rows": rows})
+        return
     for model in args.models.split(","):
         for batch in map(int, args.batches.split(",")):
             for name, (fin, outs, bias) in SHAPES[model].items():

@@ -198,7 +198,7 @@ def main():
     p.add_argument("--variants", default="hf_dynamic,hf_static,dschat_z0,dschat_z3")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--train_step", action="store_true", help="dschat variants: also time after an optimizer step")
-    p.add_argument("--profile", type=int, default=0, help="profile the dschat graph variants at this batch size")
+    p.add_argument("--profile", type=int, default=0, help="profile the dschat variants at this batch size")
     p.add_argument("--profile_tokens", type=int, default=33,
                    help="tokens generated under the profiler (the first is the prefill's); the timed runs' --gen "
                         "gives the whole generation's mix of short and long caches")
@@ -232,7 +232,7 @@ def main():
                             compile_mode = "max-autotune-no-cudagraphs"
                         r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step, graph,
                                            compile_mode=compile_mode,
-                                           profile=args.profile_tokens if graph and batch == args.profile else 0,
+                                           profile=args.profile_tokens if batch == args.profile else 0,
                                            attention="sdpa" if "sdpa" in options else "auto",
                                            fuse="off" if "nofuse" in options else "on" if "fuse" in options
                                            else "auto")

@@ -237,7 +237,9 @@ def step3_parser():
     g.add_argument("--release_inference_cache", action="store_true")
     g.add_argument("--inference_tp_size", type=int, default=1)
     g.add_argument("--tp_gather_partition_size", type=int, default=8)
-    g.add_argument("--enable_cuda_graph", action="store_true")
+    g.add_argument("--enable_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="Replay the decode step from CUDA graphs (default: on when training on CUDA; the eager loop "
+                        "is bound by Python's kernel launches, 3-7x slower: docs/benchmarks.md).")
     g.add_argument("--compile_decode_step", default=None, metavar="MODE",
                    help="torch.compile mode (e.g. default) of the one-token forward inside the CUDA graph: fuses its "
                         "small kernels; the first generation then compiles (20-40 s).")

@@ -258,3 +258,22 @@ def test_generation_uses_torchs_linear_even_after_zero3_replaced_it(monkeypatch)
     engine.eval()
     engine.generate(ids, attention_mask=mask, max_new_tokens=3)
     assert not calls and torch.nn.functional.linear is zero3_linear
+
+
+def test_step3_turns_cuda_graphs_on_by_default_only_where_they_can_run(monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    from dschat.args import step3_parser
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.engine import uses_cuda_graph
+
+    parse = step3_parser().parse_args
+    assert parse([]).enable_cuda_graph is None
+    assert parse(["--enable_cuda_graph"]).enable_cuda_graph is True
+    assert parse(["--no-enable_cuda_graph"]).enable_cuda_graph is False
+    assert uses_cuda_graph(step3_args({})) is False  # this CPU accelerator: the eager loop, no notice
+    monkeypatch.setattr(type(get_accelerator()), "device_name", lambda self, *a: "cuda")
+    assert uses_cuda_graph(step3_args({})) is True
+    assert uses_cuda_graph(step3_args({"unpin_actor_parameters": True})) is False  # gathers inside the forward
+    assert uses_cuda_graph(step3_args({"enable_cuda_graph": False})) is False
+    assert uses_cuda_graph(step3_args({"enable_cuda_graph": True, "unpin_actor_parameters": True})) is True

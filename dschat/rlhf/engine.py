@@ -18,6 +18,17 @@ from dschat.utils.ds_config import frozen_copy_stage, get_eval_ds_config, get_tr
 DEFAULT_TOTAL_ITERS = 10_000
 
 
+def uses_cuda_graph(args):
+    """``--enable_cuda_graph`` as given, else on when training on CUDA with the parameters pinned: the eager decode
+    loop is bound by Python's kernel launches (3-7x slower, docs/benchmarks.md), and unpinned ZeRO-3 parameters are
+    gathered inside the forward, which a graph cannot replay."""
+    if args.enable_cuda_graph is not None:
+        return bool(args.enable_cuda_graph)
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cuda" and not args.unpin_actor_parameters
+
+
 class DeepSpeedRLHFEngine:
     """Builds and holds the PPO models.
 
@@ -56,7 +67,7 @@ class DeepSpeedRLHFEngine:
             enable_hybrid_engine=hybrid, inference_tp_size=a.inference_tp_size,
             release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
             tp_gather_partition_size=a.tp_gather_partition_size,
-            max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=a.enable_cuda_graph,
+            max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=uses_cuda_graph(a),
             enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3",
             check_grad_overflow=a.check_grad_overflow)
 
