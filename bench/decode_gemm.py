@@ -14,7 +14,7 @@ Prints microseconds per call and the bandwidth the weights were read at; writes 
 by the other layers when the next step reads them): each timed call runs the projection over enough copies of its
 weights to overflow the L2 several times (the default mode repeats one matrix, and matrices of up to ~40 MB then
 stay in the L2, so it overstates what the model sees). It compares cuBLAS with the skinny Triton GEMM of
-``dschat/hybrid_engine/triton_linear.py`` over a grid of tilings.
+``bench/skinny_gemm.py`` over a grid of tilings.
 
     python bench/decode_gemm.py --cold
 """
@@ -53,7 +53,7 @@ def split_k(x, w, b, parts):
 
 
 def skinny_tilings():
-    from dschat.hybrid_engine.triton_linear import Tiling
+    from skinny_gemm import Tiling
 
     grid = [Tiling(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=4)
             for bn in (32, 64, 128) for bk in (64, 128) for split in (1, 2, 4, 8)
@@ -63,7 +63,7 @@ def skinny_tilings():
 
 def cold_rows(model, batch, name, fin, outs, bias, tilings):
     """cuBLAS against the skinny GEMM (each tiling), the weights read from memory: see the module's docstring."""
-    from dschat.hybrid_engine.triton_linear import skinny_linear
+    from skinny_gemm import skinny_linear
 
     n = sum(outs)
     nbytes = n * fin * 2

@@ -50,3 +50,27 @@ def test_kernel_classes_sort_kernels_by_name_and_sum_their_time():
     assert out["gemm"] == {"ms": 0.75, "count": 72}
     assert out["copy"] == {"ms": 0.05, "count": 2}
     assert out["other"] == {"ms": 0.2, "count": 48}  # inductor's fused element-wise kernels, whatever their names
+
+
+def test_skinny_gemm_equals_linear_with_and_without_split_k():
+    """bench/skinny_gemm.py under Triton's interpreter (chosen before triton is imported, hence a subprocess): split-K
+    parts summed by the last program, its counter reset for the next launch, bias, ragged N/K, a 3-D input."""
+    code = """
+import sys, torch, torch.nn.functional as F
+sys.path.insert(0, sys.argv[1])
+from skinny_gemm import skinny_linear, Tiling
+torch.manual_seed(0)
+for rows, k, n, split, bias in [(64, 256, 96, 1, True), (5, 256, 96, 4, True), (64, 512, 80, 2, False),
+                                (1, 200, 33, 2, True)]:
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    for launch in range(2):
+        y = skinny_linear(x[:, None], w, b, Tiling(block_n=32, block_k=64, split_k=split))
+        assert y.shape == (rows, 1, n)
+        torch.testing.assert_close(y[:, 0], F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "bench")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout[-2000:] + proc.stderr[-2000:]
