@@ -203,8 +203,14 @@ def main():
                    help="tokens generated under the profiler (the first is the prefill's); the timed runs' --gen "
                         "gives the whole generation's mix of short and long caches")
     p.add_argument("--compile_mode", default="default", help="torch.compile mode of the *_graph_compiled variants")
+    p.add_argument("--attention_programs_per_sm", type=int, default=None,
+                   help="the decode attention kernel's split target (dschat.hybrid_engine.triton_decode.PROGRAMS_PER_SM)")
     p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
+    if args.attention_programs_per_sm is not None:
+        from dschat.hybrid_engine import triton_decode
+
+        triton_decode.PROGRAMS_PER_SM = args.attention_programs_per_sm
     import transformers
 
     log(f"torch {torch.__version__} transformers {transformers.__version__} {torch.cuda.get_device_name()}")

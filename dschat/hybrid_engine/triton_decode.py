@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+PROGRAMS_PER_SM = 2  # how many programs a split aims for per multiprocessor (bench/decode_attention.py --splits)
 MIN_PROGRAMS = 264  # off the GPU (the interpreter): as if two programs per multiprocessor of an H200 (132)
 MASK_SCAN = 1024  # mask bytes read per step of a row's visible-span scan
 
@@ -131,7 +132,7 @@ def _multiprocessors(device_index):
 def split_count(programs, num_blocks, device):
     """Into how many parts each (row, key/value head) splits its visible blocks, from shapes only (a graph bakes
     it in): enough programs to fill the GPU, never more parts than the cache has blocks."""
-    target = 2 * _multiprocessors(device.index or 0) if device.type == "cuda" else MIN_PROGRAMS
+    target = PROGRAMS_PER_SM * _multiprocessors(device.index or 0) if device.type == "cuda" else MIN_PROGRAMS
     return max(1, min(num_blocks, math.ceil(target / programs)))
 
 
@@ -142,6 +143,7 @@ class Tuning:
     block: int = 64  # cache slots per K/V tile
     num_stages: int = 2  # tiles in flight per program (software pipelining of the block loop)
     num_warps: int = 4
+    splits: int = None  # parts per (row, key/value head); None: split_count's choice
 
 
 # On the GPU each new shape (cache length and batch rounded up to powers of two, heads) times these once, at its
@@ -173,6 +175,8 @@ def launch(query, key, value, mask, scaling, tuning=None):
     programs = batch * num_kv_heads
     # From the smallest tile's block count: with larger tiles some parts may get no block (weight 0 in the combine).
     splits = split_count(programs, triton.cdiv(kv_len, 32), query.device)
+    if tuning is not None and tuning.splits is not None:
+        splits = tuning.splits
     if tuning is None and _autotuned(query.device):
         kernel, launch_options = _partial_kernel_autotuned, {}
     else:
