@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-PROGRAMS_PER_SM = 2  # how many programs a split aims for per multiprocessor (bench/decode_attention.py --splits)
-MIN_PROGRAMS = 264  # off the GPU (the interpreter): as if two programs per multiprocessor of an H200 (132)
+PROGRAMS_PER_SM = 1  # splitting fills at most this many programs per multiprocessor (see split_count)
+MIN_PROGRAMS = 132  # off the GPU (the interpreter): as if one program per multiprocessor of an H200
 MASK_SCAN = 1024  # mask bytes read per step of a row's visible-span scan
 
 
@@ -131,9 +131,12 @@ def _multiprocessors(device_index):
 
 def split_count(programs, num_blocks, device):
     """Into how many parts each (row, key/value head) splits its visible blocks, from shapes only (a graph bakes
-    it in): enough programs to fill the GPU, never more parts than the cache has blocks."""
+    it in): as many as still fit in one wave of one program per multiprocessor, never more than the cache has
+    blocks. Each part costs a partial write and a share of the combine, so more parts than one wave is slower:
+    on an H200 (cold caches, ``bench/decode_attention.py --cold --splits``) the 7B layout at B=64 (256 programs) takes
+    17.2 us unsplit against 20.7 us in 2 parts, and at B=16 (64 programs) 9.3 us in 2 parts against 11.0 us in 5."""
     target = PROGRAMS_PER_SM * _multiprocessors(device.index or 0) if device.type == "cuda" else MIN_PROGRAMS
-    return max(1, min(num_blocks, math.ceil(target / programs)))
+    return max(1, min(num_blocks, target // programs))
 
 
 @dataclasses.dataclass(frozen=True)

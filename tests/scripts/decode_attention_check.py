@@ -40,7 +40,8 @@ def check_kernel_matches_sdpa():
         (4, 6, 6, 64, 80, torch.float32, 1e-5),    # plain multi-head, head dim padded to 128
         (2, 8, 1, 130, 64, torch.float16, 2e-3),   # one key/value head
     ]
-    for min_programs in (triton_decode.MIN_PROGRAMS, 1):  # split along the cache, and one program per head
+    default_min_programs = triton_decode.MIN_PROGRAMS
+    for min_programs in (default_min_programs, 1):  # split along the cache, and one program per head
         triton_decode.MIN_PROGRAMS = min_programs
         for batch, heads, kv_heads, length, dim, dtype, tol in cases:
             # The query as attention modules pass it: a transposed (B, 1, H, D) view.
@@ -56,10 +57,12 @@ def check_kernel_matches_sdpa():
                     error = (got.double() - expected).abs().max().item()
                     assert error < tol, (batch, heads, kv_heads, length, dim, dtype, mask is None, min_programs,
                                          tuning, error)
-    triton_decode.MIN_PROGRAMS = 264
+    triton_decode.MIN_PROGRAMS = default_min_programs
     assert triton_decode.split_count(programs=8, num_blocks=4, device=torch.device("cpu")) == 4, \
         "few programs: the cache must be split"
     assert triton_decode.split_count(programs=4096, num_blocks=4, device=torch.device("cpu")) == 1
+    assert triton_decode.split_count(programs=64, num_blocks=16, device=torch.device("cpu")) == 2, \
+        "at most one wave of programs"
     print("kernel matches SDPA")
 
 
