@@ -146,7 +146,7 @@ class Tuning:
     block: int = 64  # cache slots per K/V tile
     num_stages: int = 2  # tiles in flight per program (software pipelining of the block loop)
     num_warps: int = 4
-    splits: int = None  # parts per (row, key/value head); None: split_count's choice
+    splits: int | None = None  # parts per (row, key/value head); None: split_count's choice
 
 
 # On the GPU each new shape (cache length and batch rounded up to powers of two, heads) times these once, at its
