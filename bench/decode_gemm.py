@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_attention import time_us  # noqa: E402
+from decode_attention import cold_copies, time_us  # noqa: E402
 from results import write_json  # noqa: E402
 
 # name: (input features, [(output features of each projection sharing that input)], bias)
@@ -67,8 +67,7 @@ def cold_rows(model, batch, name, fin, outs, bias, tilings):
 
     n = sum(outs)
     nbytes = n * fin * 2
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = max(2, -(-4 * l2 // nbytes))
+    copies = cold_copies(nbytes, at_least=2)
     x = torch.randn(batch, fin, dtype=torch.bfloat16, device="cuda")
     ws = [torch.randn(n, fin, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
     b = torch.randn(n, dtype=torch.bfloat16, device="cuda") if bias else None

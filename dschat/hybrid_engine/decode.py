@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dschat.hybrid_engine.sampling import sample_next_token, token_log_probs
+from dschat.models.lora import unwrap_peft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +29,6 @@ class ForwardSpec:
     takes_logits_to_keep: bool
 
 
-def hf_model_of(model):
-    """The HF ``PreTrainedModel`` under wrappers (a PEFT model's base model)."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
 @functools.lru_cache(maxsize=None)
 def _forward_spec_of_class(model_class):
     params = inspect.signature(model_class.forward).parameters
@@ -43,7 +38,7 @@ def _forward_spec_of_class(model_class):
 
 
 def forward_spec(model):
-    return _forward_spec_of_class(type(hf_model_of(model)))
+    return _forward_spec_of_class(type(unwrap_peft(model)))
 
 
 def decode_step(model, spec, input_ids, attention_mask, position_ids, cache_position, cache):

@@ -16,13 +16,14 @@ from dschat.hybrid_engine.attention import decode_attention as decode_attention_
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache
 from dschat.hybrid_engine.config import HybridEngineConfig
-from dschat.hybrid_engine.decode import generate_tokens, hf_model_of
+from dschat.hybrid_engine.decode import generate_tokens
 from dschat.hybrid_engine.fusion import ProjectionFusion
 from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
+from dschat.models.lora import unwrap_peft
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class HybridEngine:
         # writes each new token into the KV cache with one kernel; "sdpa" leaves the model's SDPA and transformers'
         # cache update; "auto" picks triton on CUDA when it is installed.
         self.decode_attention = resolve_decode_attention(decode_attention, ds_engine.device)
-        self.kv_cache = KVCache(hf_model_of(self.inference_weights.model).config,
+        self.kv_cache = KVCache(unwrap_peft(self.inference_weights.model).config,
                                 num_kv_heads=self.inference_weights.num_kv_heads,
                                 token_writes=self.decode_attention == "triton")
         # fuse_projections: linears that read the same input (q/k/v, ...) run as one GEMM while generating (fusion.py);
@@ -99,7 +100,7 @@ class HybridEngine:
         # to copy).
         fuse = resolve_fuse_projections(fuse_projections, ds_engine.device) \
             and not self.inference_weights.forward_has_collectives
-        self.fusion = ProjectionFusion(hf_model_of(self.inference_weights.model)) if fuse else None
+        self.fusion = ProjectionFusion(unwrap_peft(self.inference_weights.model)) if fuse else None
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,
@@ -211,7 +212,7 @@ class HybridEngine:
         self._refresh_weights()
         start = time.perf_counter()
         model = self.inference_weights.model
-        hf_model = hf_model_of(model)
+        hf_model = unwrap_peft(model)
         generation_config = getattr(hf_model, "generation_config", None)
 
         device = self._engine.device

@@ -177,9 +177,8 @@ def launch(query, key, value, mask, scaling, tuning=None):
     d_pad = max(16, triton.next_power_of_2(head_dim))
     programs = batch * num_kv_heads
     # From the smallest tile's block count: with larger tiles some parts may get no block (weight 0 in the combine).
-    splits = split_count(programs, triton.cdiv(kv_len, 32), query.device)
-    if tuning is not None and tuning.splits is not None:
-        splits = tuning.splits
+    splits = tuning.splits if tuning is not None and tuning.splits is not None else \
+        split_count(programs, triton.cdiv(kv_len, 32), query.device)
     if tuning is None and _autotuned(query.device):
         kernel, launch_options = _partial_kernel_autotuned, {}
     else:

@@ -31,9 +31,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from dschat.hybrid_engine.decode import hf_model_of
 from dschat.models.layers import decoder_layer_list
-from dschat.models.lora import active_adapters, lora_layers, merged_fp32, plain_named, weight_deltas
+from dschat.models.lora import active_adapters, lora_layers, merged_fp32, plain_named, unwrap_peft, weight_deltas
 
 
 def is_zero3_param(param):
@@ -136,7 +135,7 @@ class InferenceCopy(InferenceWeights):
     """Cases (b) and (d): a persistent plain HF model refreshed from the training weights, one layer group at a time."""
 
     def __init__(self, training_module, device, gather_group_size, share_unadapted=False, tp=None):
-        base = hf_model_of(training_module)
+        base = unwrap_peft(training_module)
         deltas = weight_deltas(base)  # {weight name: LoRA deltas}, one entry per LoRA layer
         super().__init__(_empty_copy_of(base))
         self.kind = "lora_copy" if deltas else "pinned_copy"
@@ -252,7 +251,7 @@ def _empty_copy_of(base):
 def build_inference_weights(training_module, hybrid_config, zero_stage, device, tp=None):
     """Choose the case (see module docstring) for this training module and configuration; with ``tp`` (a
     ``tensor_parallel.TensorParallelGroup``) always a copy holding this rank's slice."""
-    has_lora = bool(lora_layers(hf_model_of(training_module)))
+    has_lora = bool(lora_layers(unwrap_peft(training_module)))
     if tp is not None:
         if zero_stage == 3 and not hybrid_config.pin_parameters:
             raise ValueError("hybrid_engine.inference_tp_size > 1 needs pin_parameters=true under ZeRO-3 (the "

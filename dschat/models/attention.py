@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from dschat.models.lora import unwrap_peft
+
 NO_EMPTY_ROWS = "dschat_sdpa_rows"
 
 
@@ -99,9 +101,7 @@ def register_no_empty_rows():
 
 def _attention_owner(model):
     """The HF model whose config names the attention: under a reward/critic head (``RewardModel``), under PEFT."""
-    model = getattr(model, "rwtransformer", model)
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
+    return unwrap_peft(getattr(model, "rwtransformer", model))
 
 
 @contextlib.contextmanager

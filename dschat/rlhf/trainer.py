@@ -8,8 +8,9 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 
 from dschat.args import resolve_pad_to_multiple_of
 from dschat.data.collators import padded_length
-from dschat.hybrid_engine.decode import forward_spec, hf_model_of
+from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.attention import no_empty_query_rows
+from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.layout import LeftAligned, head_reads, position_limit
@@ -66,7 +67,7 @@ def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, en
                        use_cache=False, **({"logits_to_keep": keep} if takes_keep else {})).logits[:, -keep:-1]
     else:
         window = layout.answer_window(start)
-        with head_reads(hf_model_of(model.module), layout.answer_columns(start, count), window):
+        with head_reads(unwrap_peft(model.module), layout.answer_columns(start, count), window):
             logits = model(**layout.model_inputs(seq), use_cache=False,
                            **({"logits_to_keep": window} if takes_keep else {})).logits
     labels = seq[:, start + 1:]
@@ -103,7 +104,7 @@ class DeepSpeedPPOTrainer:
         self.z3_enabled = args.actor_zero_stage == 3
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
         # how far shifted rows may be rounded up (layout.position_limit): every model of the experience
-        self.position_limit = position_limit(*(hf_model_of(m.module) for m in
+        self.position_limit = position_limit(*(unwrap_peft(m.module) for m in
                                                (self.actor_model, self.ref_model, self.critic_model, self.reward_model)
                                                if m is not None))
         self.device = next(self.actor_model.module.parameters()).device
