@@ -1,5 +1,6 @@
 """Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3, eager or
-with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the decode forward; ``_sdpa``: SDPA for the
+with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the decode forward and of the prefill;
+``_eagerprefill``: with ``_compiled``, the prefill left eager; ``_sdpa``: SDPA for the
 decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection its own GEMM, not q/k/v as one;
 ``_fuse``: ``fuse_projections="on"``, the same as auto on CUDA),
 against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16, sampled,
@@ -117,7 +118,8 @@ def hf_variant(model, prompt, mask, gen, static, repeats):
     return {"seconds": seconds, "first_call_s": warm, "shape": list(out.shape)}
 
 
-def dschat_engine(model, stage, train, graph=False, compile_mode=None, attention="auto", fuse="auto"):
+def dschat_engine(model, stage, train, graph=False, compile_mode=None, attention="auto", fuse="auto",
+                  compile_prefill=True):
     import deepspeed
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
@@ -130,14 +132,17 @@ def dschat_engine(model, stage, train, graph=False, compile_mode=None, attention
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6) if train else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                       dist_init_required=False)
-    return HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024, enable_cuda_graph=graph),
-                        pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode, decode_attention=attention,
-                        fuse_projections=fuse)
+    he = HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024, enable_cuda_graph=graph),
+                      pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode, decode_attention=attention,
+                      fuse_projections=fuse)
+    if he.graph_decoder is not None:
+        he.graph_decoder.compile_prefill = compile_prefill
+    return he
 
 
 def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False, profile=False, compile_mode=None,
-                   attention="auto", fuse="auto"):
-    he = dschat_engine(model, stage, train, graph, compile_mode, attention, fuse)
+                   attention="auto", fuse="auto", compile_prefill=True):
+    he = dschat_engine(model, stage, train, graph, compile_mode, attention, fuse, compile_prefill)
     generator = torch.Generator(device="cuda").manual_seed(0)
     kw = dict(max_new_tokens=gen, do_sample=True, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=1,
               generator=generator)
@@ -205,8 +210,17 @@ def main():
     p.add_argument("--compile_mode", default="default", help="torch.compile mode of the *_graph_compiled variants")
     p.add_argument("--attention_programs_per_sm", type=int, default=None,
                    help="the decode attention kernel's split target (dschat.hybrid_engine.triton_decode.PROGRAMS_PER_SM)")
+    p.add_argument("--inductor_pdl", action="store_true",
+                   help="inductor's Triton kernels use programmatic dependent launch (Hopper): each kernel's start "
+                        "overlaps the previous one's tail")
     p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
+    if args.inductor_pdl:
+        import torch._inductor.config as inductor_config
+
+        if not hasattr(inductor_config.triton, "enable_pdl"):
+            raise SystemExit(f"--inductor_pdl: torch {torch.__version__}'s inductor has no triton.enable_pdl")
+        inductor_config.triton.enable_pdl = True
     if args.attention_programs_per_sm is not None:
         from dschat.hybrid_engine import triton_decode
 
@@ -229,7 +243,7 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:  # dschat_z<stage>[_graph][_compiled][_autotune][_sdpa][_nofuse|_fuse]
+                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_nofuse|_fuse]
                         options = variant.split("_")[1:]
                         stage = int(options[0][1:])
                         graph = "graph" in options
@@ -241,7 +255,7 @@ def main():
                                            profile=args.profile_tokens if batch == args.profile else 0,
                                            attention="sdpa" if "sdpa" in options else "auto",
                                            fuse="off" if "nofuse" in options else "on" if "fuse" in options
-                                           else "auto")
+                                           else "auto", compile_prefill="eagerprefill" not in options)
                     r.update(ok=True)
                 except Exception as ex:  # a failing variant is reported, not fatal
                     r = {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:400]}"}

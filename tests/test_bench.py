@@ -74,3 +74,20 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code, str(REPO / "bench")], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_the_log_space_race_picks_the_tokens_the_probability_race_picked():
+    """bench/sampling.py's reference (the sampler dschat had before) and dschat's sampler, fed the same exponential
+    noise (same generator state, same shape and dtype), choose the same token in every row, with a temperature."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import torch
+    from sampling import race_on_probabilities
+
+    from dschat.hybrid_engine.sampling import sample_next_token
+
+    logits = (torch.randn(256, 300, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    for temperature in (1.0, 0.7):
+        old = race_on_probabilities(logits, temperature, torch.Generator().manual_seed(5))
+        new = sample_next_token(logits, temperature, do_sample=True, generator=torch.Generator().manual_seed(5))
+        assert torch.equal(old, new), (old != new).sum()
+        assert len(set(new.tolist())) > 50  # a race, not an argmax of the logits

@@ -159,3 +159,53 @@ def test_returned_logprobs_equal_the_training_forward(path, family):
     assert torch.all(logprobs[~live] == 0)  # after a row's EOS
     if path == "graph_logic":  # the graph step recorded them (its key says so), not an eager fallback
         assert [key.logprobs for key in engine.graph_decoder.decoders] == [False, True]
+
+
+def _recording_compile(monkeypatch, fail_prefill=False):
+    """torch.compile as the graph decoder calls it, with dynamo's eager backend (no inductor build on the CPU); records
+    each call's ``dynamic`` and can make the prefill's compiled module raise, as a failed compilation would."""
+    from dschat.hybrid_engine import graphs as graphs_module
+
+    calls = {}  # dynamic -> forwards run through that compiled module
+    real_compile = torch.compile
+
+    def fake_compile(model, mode=None, dynamic=None):
+        calls[dynamic] = 0
+        compiled = real_compile(model, backend="eager", dynamic=dynamic)
+
+        def forward(*args, **kwargs):
+            calls[dynamic] += 1
+            if fail_prefill and dynamic is None:  # the prefill's module (the decode step's is dynamic=False)
+                raise RuntimeError("inductor could not compile this")
+            return compiled(*args, **kwargs)
+        return forward
+
+    monkeypatch.setattr(graphs_module.torch, "compile", fake_compile)
+    return calls
+
+
+@pytest.mark.parametrize("fail_prefill", [False, True])
+def test_compiled_prefill_gives_the_eager_tokens_or_falls_back_once(monkeypatch, caplog, fail_prefill):
+    """With a compile mode the prefill is compiled too, with automatic dynamic shapes (prompt lengths vary, the
+    decode step's shape does not); a prefill that fails to compile is said once and runs eagerly, same tokens."""
+    calls = _recording_compile(monkeypatch, fail_prefill)
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", seed=8)
+    engine = _engine(model)
+    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, compile_mode="default")
+    engine.eval()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dschat.hybrid_engine.graphs"):
+            for lengths in ([6, 4], [9, 3], [5, 5]):  # three prompt lengths, one bucket
+                ids, mask = left_padded_batch(lengths, seed=len(lengths) + max(lengths))
+                got = engine.generate(ids, attention_mask=mask, max_new_tokens=8)
+                assert torch.equal(got, hf_generate(model, ids, mask, 8)), lengths
+    finally:
+        torch._dynamo.reset()
+    # One decode module (static shapes) and one prefill module (automatic dynamic shapes); the prefill module serves
+    # every prefill, or only the failed first one.
+    assert sorted(calls, key=str) == [False, None]
+    assert calls[None] == (1 if fail_prefill else 3) and calls[False] > 3 * 6
+    failures = [r for r in caplog.records if "compiled prefill failed" in r.getMessage()]
+    assert len(failures) == (1 if fail_prefill else 0)
+    assert engine.graph_decoder.compile_prefill is not fail_prefill

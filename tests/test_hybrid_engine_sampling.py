@@ -14,6 +14,7 @@ from dschat.hybrid_engine.sampling import filtered_logits, sample_next_token  # 
 
 SETTINGS = [  # (temperature, top_k, top_p)
     (1.0, 0, 1.0),
+    (0.6, 0, 1.0),  # temperature alone: applied inside the race, not by filtered_logits
     (0.7, 6, 1.0),
     (1.3, 0, 0.8),
     (0.8, 7, 0.9),

@@ -21,8 +21,8 @@ Why a replay is valid:
   each replay draws at the generator's current offset. The caller's generator state is copied in before and back out
   after a generation, so a seed reproduces and per-rank seeds differ, as in eager decode.
 
-Rows are padded up to the bucket with copies of row 0 that start finished. The prefill and the first token run eagerly
-(the prompt length varies); the graph replays tokens 2..n.
+Rows are padded up to the bucket with copies of row 0 that start finished. The prefill and the first token run outside
+the graph (the prompt length varies; with a compile mode the prefill is compiled too); the graph replays tokens 2..n.
 """
 import dataclasses
 import itertools
@@ -128,10 +128,11 @@ class DecodeBuffers:
 class CapturedDecoder:
     """The decode step of one :class:`GraphKey`: its buffers, the cache view it writes, and its graph."""
 
-    def __init__(self, model, cache, key, rng, device, forward=None, token_sync=None):
+    def __init__(self, model, cache, key, rng, device, forward=None, token_sync=None, prefill_forward=None):
         self.model = model
         self.token_sync = token_sync  # inference tensor parallelism: the group leader's tokens on every rank
         self.forward = forward if forward is not None else model  # what feed_token calls (maybe torch.compile'd)
+        self.prefill_forward = prefill_forward if prefill_forward is not None else model  # maybe compiled too
         self.spec = forward_spec(model)
         self.cache = cache
         self.key = key
@@ -176,10 +177,10 @@ class CapturedDecoder:
         self.select_token(self.feed_token())
 
     def prefill(self, ids, mask):
-        """The prompt's forward and the first token, eagerly (the prompt length is not part of the graph)."""
+        """The prompt's forward and the first token, outside the graph (the prompt length is not part of it)."""
         prompt_len = ids.shape[1]
-        logits = decode_step(self.model, self.spec, ids, self.buffers.mask[:, :prompt_len], prompt_position_ids(mask),
-                             torch.arange(prompt_len, device=ids.device), self.cache)
+        logits = decode_step(self.prefill_forward, self.spec, ids, self.buffers.mask[:, :prompt_len],
+                             prompt_position_ids(mask), torch.arange(prompt_len, device=ids.device), self.cache)
         self.select_token(logits)
 
     def capture(self, pool):
@@ -245,7 +246,8 @@ class GraphDecoder:
     cache that counts tokens on the host, a failed capture); each reason is logged once.
     """
 
-    def __init__(self, kv_cache, capture_graphs=True, compile_mode=None, token_sync=None, group_agrees=None):
+    def __init__(self, kv_cache, capture_graphs=True, compile_mode=None, token_sync=None, group_agrees=None,
+                 compile_prefill=True):
         self.kv_cache = kv_cache
         self.token_sync = token_sync  # see CapturedDecoder
         # Inference tensor parallelism: group_agrees(flag) is True on every rank of the group when flag is True on
@@ -256,7 +258,12 @@ class GraphDecoder:
         # "max-autotune-no-cudagraphs"), fusing the small kernels a graph replays one by one. Compiled during the
         # warm-up, before capture.
         self.compile_mode = compile_mode
-        self._compiled = {}  # id(model) -> compiled module
+        # With a compile mode, the prefill is compiled as well (its own torch.compile, with torch's automatic dynamic
+        # shapes: a second prompt length compiles one graph for every length, not one per length). The 7B shape's
+        # eager prefill spends ~0.1 s in unfused element-wise kernels (docs/benchmarks.md). If compiling it fails,
+        # that is said once and the prefill runs eagerly from then on.
+        self.compile_prefill = compile_prefill
+        self._compiled = {}  # (id(model), "decode" | "prefill") -> compiled module
         self.decoders = {}  # GraphKey -> CapturedDecoder
         self.disabled_reason = None  # set by a failed capture: every later generation runs eagerly
         self.captures = 0
@@ -366,7 +373,8 @@ class GraphDecoder:
         device = input_ids.device
         if self._rng is None:
             self._rng = torch.Generator(device=device)
-        decoder = CapturedDecoder(model, cache, key, self._rng, device, self._forward_of(model), self.token_sync)
+        decoder = CapturedDecoder(model, cache, key, self._rng, device, self._forward_of(model), self.token_sync,
+                                  self._prefill_of(model))
         decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens)  # sane values to warm up on
         if self.capture_graphs:
             if self._pool is None:
@@ -379,11 +387,31 @@ class GraphDecoder:
         return decoder
 
     def _forward_of(self, model):
+        return self._compiled_module(model, "decode", dynamic=False)  # one shape per captured graph
+
+    def _prefill_of(self, model):
+        return self._compiled_module(model, "prefill", dynamic=None) if self.compile_prefill else model
+
+    def _compiled_module(self, model, role, dynamic):
         if self.compile_mode is None:
             return model
-        if id(model) not in self._compiled:
-            self._compiled[id(model)] = torch.compile(model, mode=self.compile_mode, dynamic=False)
-        return self._compiled[id(model)]
+        key = (id(model), role)
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(model, mode=self.compile_mode, dynamic=dynamic)
+        return self._compiled[key]
+
+    def _prefill(self, decoder, ids, mask):
+        try:
+            decoder.prefill(ids, mask)
+        except Exception as error:  # noqa: BLE001 - a compiled prefill that fails runs eagerly instead
+            if decoder.prefill_forward is decoder.model:
+                raise
+            logger.warning("hybrid engine: the compiled prefill failed (%s: %s); prefilling eagerly from now on.",
+                           type(error).__name__, error)
+            self.compile_prefill = False
+            for each in self.decoders.values():
+                each.prefill_forward = each.model
+            decoder.prefill(ids, mask)  # its cache columns and buffers are written again from the start
 
     def _run(self, decoder, input_ids, attention_mask, max_new_tokens, *, min_new_tokens=0, generator=None,
             early_exit_interval=8):
@@ -394,7 +422,7 @@ class GraphDecoder:
         caller_rng = generator if generator is not None else default_generator(input_ids.device)
         if decoder.key.do_sample:
             self._rng.set_state(caller_rng.get_state())
-        decoder.prefill(ids, mask)
+        self._prefill(decoder, ids, mask)
         steps = self._replay(decoder, max_new_tokens, check_every if decoder.key.eos else 0)
         if decoder.key.do_sample:
             caller_rng.set_state(self._rng.get_state())  # the caller's generator moves on as in eager decode
