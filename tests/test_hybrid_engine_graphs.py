@@ -162,35 +162,40 @@ def test_returned_logprobs_equal_the_training_forward(path, family):
 
 
 def _recording_compile(monkeypatch, fail_prefill=False):
-    """torch.compile as the graph decoder calls it, with dynamo's eager backend (no inductor build on the CPU); records
-    each call's ``dynamic`` and can make the prefill's compiled module raise, as a failed compilation would."""
+    """torch.compile as the graph decoder calls it, with dynamo's eager backend (no inductor build on the CPU) recording
+    the graphs it traces; returns {dynamic: (forwards run, backend)}. Can make the prefill's compiled module raise, as
+    a failed compilation would."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
     from dschat.hybrid_engine import graphs as graphs_module
 
-    calls = {}  # dynamic -> forwards run through that compiled module
+    compiled_modules = {}
     real_compile = torch.compile
 
     def fake_compile(model, mode=None, dynamic=None):
-        calls[dynamic] = 0
-        compiled = real_compile(model, backend="eager", dynamic=dynamic)
+        backend = EagerAndRecordGraphs()
+        compiled = real_compile(model, backend=backend, dynamic=dynamic)
+        calls = compiled_modules[dynamic] = {"forwards": 0, "backend": backend}
 
         def forward(*args, **kwargs):
-            calls[dynamic] += 1
+            calls["forwards"] += 1
             if fail_prefill and dynamic is None:  # the prefill's module (the decode step's is dynamic=False)
                 raise RuntimeError("inductor could not compile this")
             return compiled(*args, **kwargs)
         return forward
 
     monkeypatch.setattr(graphs_module.torch, "compile", fake_compile)
-    return calls
+    return compiled_modules
 
 
-@pytest.mark.parametrize("fail_prefill", [False, True])
-def test_compiled_prefill_gives_the_eager_tokens_or_falls_back_once(monkeypatch, caplog, fail_prefill):
-    """With a compile mode the prefill is compiled too, with automatic dynamic shapes (prompt lengths vary, the
-    decode step's shape does not); a prefill that fails to compile is said once and runs eagerly, same tokens."""
-    calls = _recording_compile(monkeypatch, fail_prefill)
+@pytest.mark.parametrize("family,fail_prefill", [("qwen2", False), ("opt", False), ("gpt2", False), ("llama", True)])
+def test_compiled_prefill_gives_the_eager_tokens_or_falls_back_once(monkeypatch, caplog, family, fail_prefill):
+    """With a compile mode the prefill is compiled too, with automatic dynamic shapes: three prompt lengths trace two
+    whole-forward graphs (the first length static, then one for every length), the decode step one; a prefill that
+    fails to compile is said once and runs eagerly. The tokens are HF's either way."""
+    modules = _recording_compile(monkeypatch, fail_prefill)
     torch._dynamo.reset()
-    model = tiny_model("qwen2", seed=8)
+    model = tiny_model(family, seed=8)
     engine = _engine(model)
     engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, compile_mode="default")
     engine.eval()
@@ -202,10 +207,12 @@ def test_compiled_prefill_gives_the_eager_tokens_or_falls_back_once(monkeypatch,
                 assert torch.equal(got, hf_generate(model, ids, mask, 8)), lengths
     finally:
         torch._dynamo.reset()
-    # One decode module (static shapes) and one prefill module (automatic dynamic shapes); the prefill module serves
-    # every prefill, or only the failed first one.
-    assert sorted(calls, key=str) == [False, None]
-    assert calls[None] == (1 if fail_prefill else 3) and calls[False] > 3 * 6
+    assert sorted(modules, key=str) == [False, None]  # a decode module (static shapes) and a prefill module
+    prefill, decode = modules[None], modules[False]
+    assert len(decode["backend"].graphs) == 1 and decode["forwards"] > 3 * 6
     failures = [r for r in caplog.records if "compiled prefill failed" in r.getMessage()]
-    assert len(failures) == (1 if fail_prefill else 0)
-    assert engine.graph_decoder.compile_prefill is not fail_prefill
+    if fail_prefill:
+        assert len(failures) == 1 and prefill["forwards"] == 1 and not engine.graph_decoder.compile_prefill
+    else:
+        assert not failures and prefill["forwards"] == 3
+        assert len(prefill["backend"].graphs) == 2, "a recompilation per prompt length"
