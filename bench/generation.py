@@ -132,12 +132,9 @@ def dschat_engine(model, stage, train, graph=False, compile_mode=None, attention
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6) if train else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                       dist_init_required=False)
-    he = HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024, enable_cuda_graph=graph),
-                      pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode, decode_attention=attention,
-                      fuse_projections=fuse)
-    if he.graph_decoder is not None:
-        he.graph_decoder.compile_prefill = compile_prefill
-    return he
+    return HybridEngine(engine, HybridEngineConfig(enabled=True, max_out_tokens=1024, enable_cuda_graph=graph),
+                        pad_token_id=1, eos_token_id=2, compile_decode_step=compile_mode, decode_attention=attention,
+                        fuse_projections=fuse, compile_prefill=compile_prefill)
 
 
 def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False, profile=False, compile_mode=None,
@@ -243,7 +240,7 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_nofuse|_fuse]
+                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse]
                         options = variant.split("_")[1:]
                         stage = int(options[0][1:])
                         graph = "graph" in options

@@ -241,8 +241,9 @@ def step3_parser():
                    help="Replay the decode step from CUDA graphs (default: on when training on CUDA; the eager loop "
                         "is bound by Python's kernel launches, 3-7x slower: docs/benchmarks.md).")
     g.add_argument("--compile_decode_step", default=None, metavar="MODE",
-                   help="torch.compile mode (e.g. default) of the one-token forward inside the CUDA graph and of the "
-                        "prefill: fuses their small kernels; the first generation then compiles (20-150 s).")
+                   help="torch.compile mode without CUDA graphs of its own (default, max-autotune-no-cudagraphs) "
+                        "for the one-token forward inside dschat's CUDA graph and for the prefill: fuses their small "
+                        "kernels; the first generation then compiles (20-150 s).")
     g.add_argument("--logprobs_from_generation", action="store_true",
                    help="Take the actor's old log-probs from the hybrid engine's decode step instead of a forward over "
                         "the generated sequences (saves that forward). The decode step runs the inference copy (LoRA "

@@ -163,8 +163,8 @@ def test_returned_logprobs_equal_the_training_forward(path, family):
 
 def _recording_compile(monkeypatch, fail_prefill=False):
     """torch.compile as the graph decoder calls it, with dynamo's eager backend (no inductor build on the CPU) recording
-    the graphs it traces; returns {dynamic: (forwards run, backend)}. Can make the prefill's compiled module raise, as
-    a failed compilation would."""
+    the graphs it traces; returns {dynamic: (forwards run, backend)}. Can make the prefill's compiled module raise
+    after its forward ran, as a failure late in the forward would."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     from dschat.hybrid_engine import graphs as graphs_module
@@ -179,9 +179,11 @@ def _recording_compile(monkeypatch, fail_prefill=False):
 
         def forward(*args, **kwargs):
             calls["forwards"] += 1
+            out = compiled(*args, **kwargs)
             if fail_prefill and dynamic is None:  # the prefill's module (the decode step's is dynamic=False)
+                # after the whole forward ran, as a failure in a later piece or an OOM would: the cache moved on
                 raise RuntimeError("inductor could not compile this")
-            return compiled(*args, **kwargs)
+            return out
         return forward
 
     monkeypatch.setattr(graphs_module.torch, "compile", fake_compile)
@@ -216,3 +218,11 @@ def test_compiled_prefill_gives_the_eager_tokens_or_falls_back_once(monkeypatch,
     else:
         assert not failures and prefill["forwards"] == 3
         assert len(prefill["backend"].graphs) == 2, "a recompilation per prompt length"
+
+
+def test_no_compiled_prefill_in_a_tensor_parallel_group():
+    """A recompilation failing on one rank only, after some of the forward's all-reduces ran, would mismatch the
+    group's collectives; the group's prefill stays eager."""
+    kv_cache = KVCache(tiny_model("llama").config)
+    assert GraphDecoder(kv_cache, compile_mode="default").compile_prefill
+    assert not GraphDecoder(kv_cache, compile_mode="default", token_sync=lambda tokens: tokens).compile_prefill

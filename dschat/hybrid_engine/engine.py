@@ -70,7 +70,8 @@ class HybridEngine:
     """Wraps the actor's ``DeepSpeedEngine``; generation reads :class:`InferenceWeights` through a static KV cache."""
 
     def __init__(self, ds_engine, config=None, pad_token_id=None, eos_token_id=None, early_exit_interval=8,
-                 log_on_eval=False, compile_decode_step=None, decode_attention="auto", fuse_projections="auto"):
+                 log_on_eval=False, compile_decode_step=None, decode_attention="auto", fuse_projections="auto",
+                 compile_prefill=True):
         if type(ds_engine).__name__ == "DeepSpeedHybridEngine":
             raise ValueError("the actor was built with DeepSpeed's own hybrid engine; pass the DeepSpeed config "
                              "through strip_deepspeed_hybrid_engine() before deepspeed.initialize")
@@ -102,10 +103,12 @@ class HybridEngine:
             and not self.inference_weights.forward_has_collectives
         self.fusion = ProjectionFusion(unwrap_peft(self.inference_weights.model)) if fuse else None
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
-        # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph.
+        # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph and, unless
+        # compile_prefill is False, the prefill.
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,
                                           token_sync=self.tp.share_tokens if self.tp else None,
-                                          group_agrees=self._group_agrees if self.tp else None) \
+                                          group_agrees=self._group_agrees if self.tp else None,
+                                          compile_prefill=compile_prefill) \
             if self.hybrid_config.enable_cuda_graph else None
         # Stats
         self._iteration = None  # IterationStats in progress

@@ -176,12 +176,12 @@ class CapturedDecoder:
     def step(self):
         self.select_token(self.feed_token())
 
-    def prefill(self, ids, mask):
-        """The prompt's forward and the first token, outside the graph (the prompt length is not part of it)."""
+    def prefill_logits(self, ids, mask):
+        """The prompt's forward, outside the graph (the prompt length is not part of it); the first token is then
+        selected from these logits with :meth:`select_token`."""
         prompt_len = ids.shape[1]
-        logits = decode_step(self.prefill_forward, self.spec, ids, self.buffers.mask[:, :prompt_len],
-                             prompt_position_ids(mask), torch.arange(prompt_len, device=ids.device), self.cache)
-        self.select_token(logits)
+        return decode_step(self.prefill_forward, self.spec, ids, self.buffers.mask[:, :prompt_len],
+                           prompt_position_ids(mask), torch.arange(prompt_len, device=ids.device), self.cache)
 
     def capture(self, pool):
         """Warm up on a side stream, then record one step. The buffers must hold a loaded generation; the caller
@@ -259,10 +259,11 @@ class GraphDecoder:
         # warm-up, before capture.
         self.compile_mode = compile_mode
         # With a compile mode, the prefill is compiled as well (its own torch.compile, with torch's automatic dynamic
-        # shapes: a second prompt length compiles one graph for every length, not one per length). The 7B shape's
-        # eager prefill spends ~0.1 s in unfused element-wise kernels (docs/benchmarks.md). If compiling it fails,
-        # that is said once and the prefill runs eagerly from then on.
-        self.compile_prefill = compile_prefill
+        # shapes: a second prompt length compiles one graph for every length, not one per length): 7B shape, B=64,
+        # 1.728 -> 1.690 s (docs/benchmarks.md). If compiling it fails, that is said once and the prefill runs eagerly
+        # from then on. Not in a tensor-parallel group: a recompilation (a new prompt length) failing on one rank
+        # only, after part of the forward's all-reduces ran, would leave the group's collectives mismatched.
+        self.compile_prefill = compile_prefill and token_sync is None
         self._compiled = {}  # (id(model), "decode" | "prefill") -> compiled module
         self.decoders = {}  # GraphKey -> CapturedDecoder
         self.disabled_reason = None  # set by a failed capture: every later generation runs eagerly
@@ -401,8 +402,9 @@ class GraphDecoder:
         return self._compiled[key]
 
     def _prefill(self, decoder, ids, mask):
+        """The prompt's forward and the first token; a compiled prefill that fails is run again eagerly."""
         try:
-            decoder.prefill(ids, mask)
+            logits = decoder.prefill_logits(ids, mask)
         except Exception as error:  # noqa: BLE001 - a compiled prefill that fails runs eagerly instead
             if decoder.prefill_forward is decoder.model:
                 raise
@@ -411,7 +413,9 @@ class GraphDecoder:
             self.compile_prefill = False
             for each in self.decoders.values():
                 each.prefill_forward = each.model
-            decoder.prefill(ids, mask)  # its cache columns and buffers are written again from the start
+            decoder.cache.reset()  # the layers that ran before the failure have moved their write position on
+            logits = decoder.prefill_logits(ids, mask)
+        decoder.select_token(logits)
 
     def _run(self, decoder, input_ids, attention_mask, max_new_tokens, *, min_new_tokens=0, generator=None,
             early_exit_interval=8):

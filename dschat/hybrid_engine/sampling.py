@@ -2,8 +2,8 @@
 
 No ``torch.multinomial`` and no ``.item()``: sampling is an argmax over ``probs / Exponential(1)`` noise (the
 exponential race, equivalent to Gumbel-max; computed in log space), so a decode step has no host synchronisation and
-is captured in a CUDA graph by ``graphs.py``. The noise comes from an explicit ``torch.Generator`` so a fixed seed reproduces the same tokens
-(a graph draws from a generator registered with it, seeded from the caller's).
+is captured in a CUDA graph by ``graphs.py``. The noise comes from an explicit ``torch.Generator`` so a fixed seed
+reproduces the same tokens (a graph draws from a generator registered with it, seeded from the caller's).
 """
 import torch
 
@@ -30,10 +30,14 @@ def filter_top_p(logits, top_p):
     return logits.masked_fill(drop, float("-inf"))
 
 
-def filtered_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
-    """Temperature, then top-k, then top-p (HF's warper order), in fp32 whatever the model dtype."""
+def check_temperature(temperature):
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+
+
+def filtered_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """Temperature, then top-k, then top-p (HF's warper order), in fp32 whatever the model dtype."""
+    check_temperature(temperature)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -49,7 +53,7 @@ def exponential_race(logits, temperature=1.0, generator=None):
     """
     log_noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     log_noise.exponential_(1.0, generator=generator)
-    # exponential_ may return exactly 0 (CPU); log(0) against a filtered -inf logit would make a nan argmax.
+    # exponential_ may return exactly 0; log(0) against a filtered -inf logit would make a nan argmax.
     log_noise.clamp_min_(torch.finfo(log_noise.dtype).tiny).log_()
     return torch.sub(logits, log_noise, alpha=temperature).argmax(dim=-1)
 
@@ -59,8 +63,7 @@ def sample_next_token(logits, temperature=1.0, top_k=0, top_p=1.0, do_sample=Fal
     if not do_sample:
         return logits.argmax(dim=-1)
     if top_k <= 0 and top_p >= 1.0:  # nothing to filter: the race applies the temperature itself
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        check_temperature(temperature)
         return exponential_race(logits, temperature, generator)
     return exponential_race(filtered_logits(logits, temperature, top_k, top_p), 1.0, generator)
 
