@@ -14,7 +14,7 @@ Prints microseconds per call and the bandwidth the weights were read at; writes 
 by the other layers when the next step reads them): each timed call runs the projection over enough copies of its
 weights to overflow the L2 several times (the default mode repeats one matrix, and matrices of up to ~40 MB then
 stay in the L2, so it overstates what the model sees). It compares cuBLAS with the skinny Triton GEMM of
-``bench/skinny_gemm.py`` over a grid of tilings.
+``bench/skinny_gemm.py`` over a grid of tilings, and with cuBLAS on the weights stored transposed ("kn").
 
     python bench/decode_gemm.py --cold
 """
@@ -72,7 +72,11 @@ def cold_rows(model, batch, name, fin, outs, bias, tilings):
     ws = [torch.randn(n, fin, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
     b = torch.randn(n, dtype=torch.bfloat16, device="cuda") if bias else None
     reference = F.linear(x, ws[0], b)
+    # The same weights stored transposed, (K, N) contiguous: cuBLAS then sees the other layout (NN instead of TN) and
+    # its heuristics may pick another kernel (e.g. none with split-K for the 7B shape's down projection).
+    wts = [w.t().contiguous() for w in ws]
     variants = {"cublas_cold": lambda: [F.linear(x, w, b) for w in ws],
+                "cublas_cold_kn": lambda: [torch.addmm(b, x, wt) if b is not None else x @ wt for wt in wts],
                 "cublas_hot": lambda: [F.linear(x, ws[0], b) for _ in ws]}
     for label, tiling in tilings.items():
         variants[label] = lambda tiling=tiling: [skinny_linear(x, w, b, tiling) for w in ws]
