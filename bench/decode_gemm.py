@@ -17,6 +17,7 @@ stay in the L2, so it overstates what the model sees). It compares cuBLAS with t
 ``bench/skinny_gemm.py`` over a grid of tilings, and with cuBLAS on the weights stored transposed ("kn").
 
     python bench/decode_gemm.py --cold
+    python bench/decode_gemm.py --cold --no_skinny   # cuBLAS only: both weight layouts
 """
 import argparse
 import os
@@ -103,11 +104,12 @@ def main():
     p.add_argument("--models", default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batches", default="64")
     p.add_argument("--cold", action="store_true", help="weights from memory: cuBLAS against the skinny Triton GEMM")
+    p.add_argument("--no_skinny", action="store_true", help="with --cold: cuBLAS only (no Triton tilings to build)")
     p.add_argument("--json", default="decode_gemm.json")
     args = p.parse_args()
     rows = []
     if args.cold:
-        tilings = skinny_tilings()
+        tilings = {} if args.no_skinny else skinny_tilings()
         for model in args.models.split(","):
             for batch in map(int, args.batches.split(",")):
                 for name, (fin, outs, bias) in SHAPES[model].items():
