@@ -49,7 +49,7 @@ def exponential_race(logits, temperature=1.0, generator=None):
 
     That is the race ``argmax(probs / E)`` in log space (multiplying by ``temperature > 0`` keeps the argmax), so
     neither the softmax nor a scaled or fp32 copy of the logits is made: bf16 logits are promoted inside the
-    subtraction. At a 152k vocabulary and 64 rows that is ~30% less memory traffic per sampled token.
+    subtraction. At a 152k vocabulary and 64 rows: 117 against 207 us per token on an H200 (``bench/sampling.py``).
     """
     log_noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     log_noise.exponential_(1.0, generator=generator)
