@@ -128,11 +128,10 @@ class DecodeBuffers:
 class CapturedDecoder:
     """The decode step of one :class:`GraphKey`: its buffers, the cache view it writes, and its graph."""
 
-    def __init__(self, model, cache, key, rng, device, forward=None, token_sync=None, prefill_forward=None):
+    def __init__(self, model, cache, key, rng, device, forward=None, token_sync=None):
         self.model = model
         self.token_sync = token_sync  # inference tensor parallelism: the group leader's tokens on every rank
         self.forward = forward if forward is not None else model  # what feed_token calls (maybe torch.compile'd)
-        self.prefill_forward = prefill_forward if prefill_forward is not None else model  # maybe compiled too
         self.spec = forward_spec(model)
         self.cache = cache
         self.key = key
@@ -176,11 +175,11 @@ class CapturedDecoder:
     def step(self):
         self.select_token(self.feed_token())
 
-    def prefill_logits(self, ids, mask):
-        """The prompt's forward, outside the graph (the prompt length is not part of it); the first token is then
-        selected from these logits with :meth:`select_token`."""
+    def prefill_logits(self, forward, ids, mask):
+        """The prompt's forward through ``forward`` (the model or its compiled prefill), outside the graph (the prompt
+        length is not part of it); the first token is then selected from these logits with :meth:`select_token`."""
         prompt_len = ids.shape[1]
-        return decode_step(self.prefill_forward, self.spec, ids, self.buffers.mask[:, :prompt_len],
+        return decode_step(forward, self.spec, ids, self.buffers.mask[:, :prompt_len],
                            prompt_position_ids(mask), torch.arange(prompt_len, device=ids.device), self.cache)
 
     def capture(self, pool):
@@ -374,8 +373,7 @@ class GraphDecoder:
         device = input_ids.device
         if self._rng is None:
             self._rng = torch.Generator(device=device)
-        decoder = CapturedDecoder(model, cache, key, self._rng, device, self._forward_of(model), self.token_sync,
-                                  self._prefill_of(model))
+        decoder = CapturedDecoder(model, cache, key, self._rng, device, self._forward_of(model), self.token_sync)
         decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens)  # sane values to warm up on
         if self.capture_graphs:
             if self._pool is None:
@@ -403,18 +401,17 @@ class GraphDecoder:
 
     def _prefill(self, decoder, ids, mask):
         """The prompt's forward and the first token; a compiled prefill that fails is run again eagerly."""
+        forward = self._prefill_of(decoder.model)
         try:
-            logits = decoder.prefill_logits(ids, mask)
+            logits = decoder.prefill_logits(forward, ids, mask)
         except Exception as error:  # noqa: BLE001 - a compiled prefill that fails runs eagerly instead
-            if decoder.prefill_forward is decoder.model:
+            if forward is decoder.model:
                 raise
             logger.warning("hybrid engine: the compiled prefill failed (%s: %s); prefilling eagerly from now on.",
                            type(error).__name__, error)
             self.compile_prefill = False
-            for each in self.decoders.values():
-                each.prefill_forward = each.model
             decoder.cache.reset()  # the layers that ran before the failure have moved their write position on
-            logits = decoder.prefill_logits(ids, mask)
+            logits = decoder.prefill_logits(decoder.model, ids, mask)
         decoder.select_token(logits)
 
     def _run(self, decoder, input_ids, attention_mask, max_new_tokens, *, min_new_tokens=0, generator=None,
