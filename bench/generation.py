@@ -2,7 +2,9 @@
 with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the decode forward and of the prefill;
 ``_eagerprefill``: with ``_compiled``, the prefill left eager; ``_sdpa``: SDPA for the
 decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection its own GEMM, not q/k/v as one;
-``_fuse``: ``fuse_projections="on"``, the same as auto on CUDA),
+``_fuse``: ``fuse_projections="on"``, the same as auto on CUDA; ``_tilemask``: the decode attention loads the mask
+for every tile, without ``triton_decode.CONTIGUOUS_FAST_PATH``; the tenth session's logs call it ``_holes0``, and the
+default ``_holes2``),
 against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16, sampled,
 prompts of P tokens, G generated tokens (no early stop), batch B.
 
@@ -223,7 +225,9 @@ def main():
 
         triton_decode.PROGRAMS_PER_SM = args.attention_programs_per_sm
     import transformers
+    from dschat.hybrid_engine import triton_decode
 
+    fast_path = triton_decode.CONTIGUOUS_FAST_PATH  # the engine's default, for the rows without _tilemask
     log(f"torch {torch.__version__} transformers {transformers.__version__} {torch.cuda.get_device_name()}")
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -240,8 +244,9 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse]
+                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse][_tilemask]
                         options = variant.split("_")[1:]
+                        triton_decode.CONTIGUOUS_FAST_PATH = fast_path and "tilemask" not in options
                         stage = int(options[0][1:])
                         graph = "graph" in options
                         compile_mode = args.compile_mode if "compiled" in options else None

@@ -3,6 +3,7 @@
 Run as ``TRITON_INTERPRET=1 python decode_attention_check.py CHECK`` (the interpreter must be chosen before triton
 decorates the kernels, hence a separate process); exits non-zero when a check fails.
 """
+import dataclasses
 import os
 import sys
 
@@ -27,9 +28,10 @@ def padded_mask(batch, length, seed):
     return mask
 
 
-# the CPU default and two of the GPU autotuner's candidates (tile sizes change the block loop and the span split)
-TUNINGS = (triton_decode.Tuning(), triton_decode.Tuning(block=32, num_stages=1),
-           triton_decode.Tuning(block=128, num_warps=8))
+# the CPU default and two of the GPU autotuner's candidates (tile sizes change the block loop and the span split), with
+# and without the contiguous span's fast path
+TUNINGS = (triton_decode.Tuning(contiguous_fast_path=True), triton_decode.Tuning(block=32, num_stages=1),
+           triton_decode.Tuning(block=128, num_warps=8, contiguous_fast_path=False))
 
 
 def check_kernel_matches_sdpa():
@@ -67,7 +69,10 @@ def check_kernel_matches_sdpa():
 
 
 def check_masked_blocks_are_not_read():
-    """Keys/values of fully masked blocks are NaN here; if the kernel read them, the output would be NaN."""
+    """Every masked slot's key is inf and its value NaN here: if the kernel loaded one (or counted it), the output would
+    not be finite. Fully masked blocks are skipped; the masked slots of partly visible blocks (left padding, whose
+    keys and values may really be NaN: its rows are fully masked in the prefill) must not be loaded either, whether
+    the row's visible span has holes or not."""
     torch.manual_seed(1)
     batch, heads, dim = 2, 4, 16
     block = triton_decode.Tuning().block
@@ -77,15 +82,19 @@ def check_masked_blocks_are_not_read():
     mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
     mask[0, 0, 0, block + 3:2 * block + 10] = True  # row 0 sees parts of blocks 1 and 2
     mask[1, 0, 0, 5:block] = True  # row 1 sees part of block 0
-    expected = reference(q, k, v, mask, 0.25)
-    for b, seen in ((0, (1, 2)), (1, (0,))):
-        for blk in set(range(length // block)) - set(seen):
-            k[b, :, blk * block:(blk + 1) * block] = float("nan")
-            v[b, :, blk * block:(blk + 1) * block] = float("nan")
-    got = triton_decode.decode_attention(q, k, v, mask, 0.25)
-    assert torch.isfinite(got).all(), "a fully masked block was read"
-    assert (got.double() - expected).abs().max() < 1e-5
-    print("masked blocks skipped")
+    holes = mask.clone()
+    holes[0, 0, 0, block + 7] = False  # row 0's span with a hole
+    for mask in (mask, holes):
+        expected = reference(q, k, v, mask, 0.25)
+        rows, slots = (~mask[:, 0, 0, :]).nonzero(as_tuple=True)
+        poisoned_k, poisoned_v = k.clone(), v.clone()
+        poisoned_k[rows, :, slots] = float("inf")
+        poisoned_v[rows, :, slots] = float("nan")
+        for tuning in TUNINGS:
+            got = triton_decode.launch(q, poisoned_k, poisoned_v, mask, 0.25, dataclasses.replace(tuning, block=block))
+            assert torch.isfinite(got).all(), (tuning, "a masked slot was read")
+            assert (got.double() - expected).abs().max() < 1e-5, tuning
+    print("masked slots never read")
 
 
 def check_kernel_applies_only_where_it_equals_sdpa():
