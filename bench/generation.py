@@ -11,10 +11,12 @@ prompts of P tokens, G generated tokens (no early stop), batch B.
     python bench/generation.py --models opt-1.3b --batches 64 --variants hf_dynamic,hf_static,dschat_z0,dschat_z3
     python bench/generation.py --batches 1,16,64,128 --variants dschat_z0_graph,dschat_z3_graph --profile 64
 
-Prints a table and writes JSON (to $OUT when set). Needs a CUDA GPU; run it through the device tool.
+Each row (model, batch, variant) runs in a fresh process of its own (``--same_process``: all in this one, one after
+another). Prints a table and writes JSON (to $OUT when set). Needs a CUDA GPU; run it through the device tool.
 """
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -212,8 +214,16 @@ def main():
     p.add_argument("--inductor_pdl", action="store_true",
                    help="inductor's Triton kernels use programmatic dependent launch (Hopper): each kernel's start "
                         "overlaps the previous one's tail")
+    p.add_argument("--same_process", action="store_true",
+                   help="all rows in this process, one after another (default: each row in a fresh process of its "
+                        "own, since a row can run slower after others in the same process)")
     p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
+    if not args.same_process:
+        rows, bandwidths = run_rows_in_fresh_processes(args)
+        print_table(rows)
+        results_io.write_json(args.json, {"bandwidth_Bps": bandwidths, "args": vars(args), "rows": rows})
+        return
     if args.inductor_pdl:
         import torch._inductor.config as inductor_config
 
@@ -276,6 +286,10 @@ def main():
                 torch._dynamo.reset()
                 gc.collect()
                 torch.cuda.empty_cache()
+    print_table(rows)
+
+
+def print_table(rows):
     log(f"\n{'model':<12}{'B':>5} {'variant':<16}{'seconds':>9}{'x floor':>9}{'tok/s':>9}{'first':>8}{'peak GB':>9}")
     for r in rows:
         if r["ok"]:
@@ -283,7 +297,34 @@ def main():
                 f"{r['tokens_per_s']:>9.0f}{r['first_call_s']:>8.1f}{r['peak_gb']:>9.1f}")
         else:
             log(f"{r['model']:<12}{r['batch']:>5} {r['variant']:<16} FAILED {r['error'][:80]}")
-        log(f"{'':<17}floor {r['floor_s']:.3f} s")
+        if r.get("floor_s") is not None:
+            log(f"{'':<17}floor {r['floor_s']:.3f} s")
+
+
+def row_runs(args, argv):
+    """One run of this script per (model, batch, variant) row, in that order: ``argv`` with the row's own
+    ``--models``/``--batches``/``--variants`` (argparse keeps the last), its own JSON and ``--same_process``."""
+    rows = itertools.product(args.models.split(","), args.batches.split(","), args.variants.split(","))
+    return [((name, int(batch), variant), argv + ["--models", name, "--batches", batch, "--variants", variant,
+                                                   "--json", f"row{i}.json", "--same_process"])
+            for i, (name, batch, variant) in enumerate(rows)]
+
+
+def run_rows_in_fresh_processes(args):
+    """Each row in a fresh process of its own (results.run_in_fresh_processes says why); their rows and bandwidths."""
+    runs = row_runs(args, sys.argv[1:])
+    keys = dict((f"row{i}", key) for i, (key, _) in enumerate(runs))
+    rows, bandwidths = [], []
+    for label, payload, returncode in results_io.run_in_fresh_processes(
+            __file__, [(f"row{i}", argv) for i, (_, argv) in enumerate(runs)]):
+        if payload is not None and payload["rows"]:
+            rows += payload["rows"]
+            bandwidths.append(payload["bandwidth_Bps"])
+        else:
+            name, batch, variant = keys[label]
+            rows.append({"ok": False, "error": f"its process exited with {returncode} and left no result",
+                         "model": name, "batch": batch, "variant": variant, "floor_s": None})
+    return rows, bandwidths
 
 
 if __name__ == "__main__":

@@ -238,21 +238,16 @@ def main():
 
 
 def run_each_in_its_own_process(variants, args):
-    """This script once per variant, each in a fresh process; returns their result rows (JSON through a temp dir).
-    Everything each child prints goes to this process's output; the combined JSON goes to $OUT as usual."""
-    import subprocess
-
+    """This script once per variant, each in a fresh process; returns their result rows. The combined JSON goes to
+    $OUT as usual."""
     results = []
-    with tempfile.TemporaryDirectory(prefix="dschat_bench_runs_") as tmp:
-        for name in variants:
-            argv = sys.argv[1:] + ["--variants", name, "--json", f"{name}.json", "--same_process"]  # the last --variants wins
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, "OUT": tmp})
-            path = os.path.join(tmp, f"{name}.json")
-            if proc.returncode == 0 and os.path.exists(path):
-                with open(path) as f:
-                    results += json.load(f)["results"]
-            else:
-                results.append({"variant": name, "error": f"its process exited with {proc.returncode}"})
+    runs = [(name, sys.argv[1:] + ["--variants", name, "--json", f"{name}.json", "--same_process"])  # last one wins
+            for name in variants]
+    for name, payload, returncode in results_io.run_in_fresh_processes(__file__, runs):
+        if returncode == 0 and payload is not None:
+            results += payload["results"]
+        else:
+            results.append({"variant": name, "error": f"its process exited with {returncode}"})
     write_json(args, results)
     return results
 

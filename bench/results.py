@@ -1,6 +1,9 @@
 """Where the GPU benchmarks leave their results: JSON files under $OUT (the device tool brings them back)."""
 import json
 import os
+import subprocess
+import sys
+import tempfile
 
 
 def write_json(name, payload):
@@ -9,3 +12,21 @@ def write_json(name, payload):
     if out:
         with open(os.path.join(out, name), "w") as f:
             json.dump(payload, f, indent=1)
+
+
+def run_in_fresh_processes(script, runs):
+    """``script`` once per ``(label, argv)`` of ``runs``, each in a fresh Python process whose $OUT is a temporary
+    folder, one after another; yields ``(label, payload, returncode)`` with the JSON the run wrote to
+    ``$OUT/<label>.json`` (its argv must say ``--json <label>.json``), or None when it wrote none. What each run prints
+    goes to this process's output. Why: a row timed after others in the same process can be slower than the same row
+    alone (docs/benchmarks.md, tenth session), and one row's failure cannot take the others with it."""
+    with tempfile.TemporaryDirectory(prefix="dschat_bench_runs_") as tmp:
+        for label, argv in runs:
+            proc = subprocess.run([sys.executable, os.path.abspath(script), *argv], env={**os.environ, "OUT": tmp})
+            path = os.path.join(tmp, f"{label}.json")
+            payload = None
+            if os.path.exists(path):
+                with open(path) as f:
+                    payload = json.load(f)
+                os.remove(path)
+            yield label, payload, proc.returncode

@@ -91,3 +91,46 @@ def test_the_log_space_race_picks_the_tokens_the_probability_race_picked():
         new = sample_next_token(logits, temperature, do_sample=True, generator=torch.Generator().manual_seed(5))
         assert torch.equal(old, new), (old != new).sum()
         assert len(set(new.tolist())) > 50  # a race, not an argmax of the logits
+
+
+def test_fresh_processes_run_each_row_alone_and_say_which_left_no_result(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from results import run_in_fresh_processes
+
+    script = tmp_path / "row.py"
+    script.write_text("import json, os, sys\n"
+                      "label = sys.argv[1]\n"
+                      "if label == 'broken':\n"
+                      "    sys.exit(3)\n"
+                      "with open(os.path.join(os.environ['OUT'], label + '.json'), 'w') as f:\n"
+                      "    json.dump({'pid': os.getpid(), 'argv': sys.argv[1:]}, f)\n")
+    runs = [("a", ["a", "--x", "1"]), ("broken", ["broken"]), ("b", ["b"])]
+    got = list(run_in_fresh_processes(script, runs))
+    assert [(label, returncode) for label, _, returncode in got] == [("a", 0), ("broken", 3), ("b", 0)]
+    assert got[0][1]["argv"] == ["a", "--x", "1"] and got[1][1] is None
+    assert got[0][1]["pid"] != got[2][1]["pid"] != os.getpid(), "each run in a process of its own"
+
+
+def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from types import SimpleNamespace
+
+    from generation import row_runs
+
+    runs = row_runs(SimpleNamespace(models="opt-1.3b,qwen2.5-7b", batches="1,64", variants="dschat_z0,hf_static"),
+                    ["--repeats", "3", "--variants", "ignored"])
+    assert [key for key, _ in runs] == [(m, b, v) for m in ("opt-1.3b", "qwen2.5-7b") for b in (1, 64)
+                                        for v in ("dschat_z0", "hf_static")]
+    key, argv = runs[5]  # argparse keeps the last occurrence of an option: the row's own
+    assert argv[:4] == ["--repeats", "3", "--variants", "ignored"]
+    assert argv[4:] == ["--models", "qwen2.5-7b", "--batches", "1", "--variants", "hf_static", "--json", "row5.json",
+                        "--same_process"]
+    # On the CPU every row's process fails (no GPU): the parent still reports each row and writes its JSON.
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "generation.py"), "--models", "opt-1.3b",
+                           "--batches", "1,2", "--variants", "dschat_z0", "--json", "gen.json"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert [(r["batch"], r["ok"]) for r in rows] == [(1, False), (2, False)]
+    assert "left no result" in rows[0]["error"] and proc.stdout.count("FAILED") == 2
