@@ -15,6 +15,7 @@ Each row (model, batch, variant) runs in a fresh process of its own (``--same_pr
 another). Prints a table and writes JSON (to $OUT when set). Needs a CUDA GPU; run it through the device tool.
 """
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -216,7 +217,7 @@ def main():
                         "overlaps the previous one's tail")
     p.add_argument("--same_process", action="store_true",
                    help="all rows in this process, one after another (default: each row in a fresh process of its "
-                        "own, since a row can run slower after others in the same process)")
+                        "own, so that nothing one row leaves behind changes the next one's timing)")
     p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
     if not args.same_process:
@@ -235,9 +236,6 @@ def main():
 
         triton_decode.PROGRAMS_PER_SM = args.attention_programs_per_sm
     import transformers
-    from dschat.hybrid_engine import triton_decode
-
-    fast_path = triton_decode.CONTIGUOUS_FAST_PATH  # the engine's default, for the rows without _tilemask
     log(f"torch {torch.__version__} transformers {transformers.__version__} {torch.cuda.get_device_name()}")
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -256,18 +254,18 @@ def main():
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
                     else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse][_tilemask]
                         options = variant.split("_")[1:]
-                        triton_decode.CONTIGUOUS_FAST_PATH = fast_path and "tilemask" not in options
                         stage = int(options[0][1:])
                         graph = "graph" in options
                         compile_mode = args.compile_mode if "compiled" in options else None
                         if "autotune" in options:  # inductor picks each decode GEMM's kernel by timing candidates
                             compile_mode = "max-autotune-no-cudagraphs"
-                        r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step, graph,
-                                           compile_mode=compile_mode,
-                                           profile=args.profile_tokens if batch == args.profile else 0,
-                                           attention="sdpa" if "sdpa" in options else "auto",
-                                           fuse="off" if "nofuse" in options else "on" if "fuse" in options
-                                           else "auto", compile_prefill="eagerprefill" not in options)
+                        with attention_fast_path("tilemask" not in options):
+                            r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step,
+                                               graph, compile_mode=compile_mode,
+                                               profile=args.profile_tokens if batch == args.profile else 0,
+                                               attention="sdpa" if "sdpa" in options else "auto",
+                                               fuse="off" if "nofuse" in options else "on" if "fuse" in options
+                                               else "auto", compile_prefill="eagerprefill" not in options)
                     r.update(ok=True)
                 except Exception as ex:  # a failing variant is reported, not fatal
                     r = {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:400]}"}
@@ -287,6 +285,22 @@ def main():
                 gc.collect()
                 torch.cuda.empty_cache()
     print_table(rows)
+
+
+@contextlib.contextmanager
+def attention_fast_path(enabled):
+    """A ``_tilemask`` row (``enabled`` False): the decode attention without its contiguous-span fast path, for that
+    row only."""
+    if enabled:
+        yield
+        return
+    from dschat.hybrid_engine import triton_decode
+
+    saved, triton_decode.CONTIGUOUS_FAST_PATH = triton_decode.CONTIGUOUS_FAST_PATH, False
+    try:
+        yield
+    finally:
+        triton_decode.CONTIGUOUS_FAST_PATH = saved
 
 
 def print_table(rows):

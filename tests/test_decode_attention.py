@@ -2,8 +2,9 @@
 
 The interpreter has to be selected before triton decorates the kernels, so each check runs in its own process
 (``tests/scripts/decode_attention_check.py``): the kernel against SDPA (grouped-query, multi-query, padded head dims,
-left-padded masks, split and unsplit cache), fully masked blocks never read, the cases routed to SDPA, and the hybrid
-engine with the kernel giving HF generate's greedy tokens for Llama (GQA), OPT and GPT-2.
+left-padded masks, split and unsplit cache), masked slots never read, the contiguous span's fast path taken, the cases
+routed to SDPA, and the hybrid engine with the kernel giving HF generate's greedy tokens for Llama (GQA), OPT and
+GPT-2.
 """
 import os
 import subprocess
@@ -20,7 +21,7 @@ sys.path.insert(0, str(SCRIPTS))
 REPO = SCRIPTS.parents[1]
 
 
-@pytest.mark.parametrize("check", ["kernel", "skip", "applies", "modes", "write", "llama", "opt", "gpt2"])
+@pytest.mark.parametrize("check", ["kernel", "skip", "fast", "applies", "modes", "write", "llama", "opt", "gpt2"])
 def test_decode_attention_check(check):
     pytest.importorskip("triton", reason="the README's test command installs triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
@@ -79,6 +80,10 @@ def test_launch_tunes_a_new_shape_on_the_typical_fill_then_runs_the_real_mask(mo
     assert tune_kwargs == real_kwargs and real_kwargs["HAS_MASK"]
     triton_decode.launch(q, k, v, mask, 0.25)
     assert len(calls) == 3, "a tuned shape is not tuned again"
+    monkeypatch.setattr(triton_decode, "CONTIGUOUS_FAST_PATH", not triton_decode.CONTIGUOUS_FAST_PATH)
+    triton_decode.launch(q, k, v, mask, 0.25)
+    assert len(calls) == 5, "the other path is another kernel for the autotuner: tuned on the typical fill too"
+    assert calls[3][1]["FAST_CONTIGUOUS"] == calls[4][1]["FAST_CONTIGUOUS"] != calls[2][1]["FAST_CONTIGUOUS"]
 
 
 def _tiny(config_class, **kwargs):

@@ -47,14 +47,14 @@ def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
     # The row's visible span [lo, hi] from its mask: left padding before it and the unfilled cache after it are
     # never loaded.
     if HAS_MASK:
-        lo, hi, seen = _visible_span(Mask + b * stride_mb, stride_mn, kv_len, SCAN)
-        holed = seen != hi - lo + 1  # a hole in the span, which alone then does not say which slots are visible
+        lo, hi, count = _visible_span(Mask + b * stride_mb, stride_mn, kv_len, SCAN)
+        unholed = count == hi - lo + 1  # no hole inside [lo, hi]: the span alone says which slots are visible
     else:
         lo = 0 * b
         hi = kv_len - 1 + 0 * b
-        holed = lo != lo
+        unholed = True
     first_block = lo // BLOCK
-    num_blocks = tl.maximum(hi // BLOCK - first_block + 1, 0)  # 0 when nothing is visible
+    num_blocks = tl.where(hi >= lo, hi // BLOCK - first_block + 1, 0)
     per_split = tl.cdiv(num_blocks, SPLITS)
     begin = first_block + split * per_split
     end = tl.minimum(begin + per_split, first_block + num_blocks)
@@ -75,7 +75,7 @@ def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
     row_mask = Mask + b * stride_mb
     # Masked slots are never loaded: a padded slot's keys and values may be NaN (left padding's rows are fully masked
     # in the prefill). Loops over whole blocks without per-block branches let the compiler pipeline the loads.
-    if FAST_CONTIGUOUS & (holed == 0):  # the visible slots from the span: no mask load ahead of each tile's loads
+    if FAST_CONTIGUOUS & unholed:  # the visible slots from the span: no mask load ahead of each tile's loads
         for blk in range(begin, end):
             n = blk * BLOCK + tl.arange(0, BLOCK)
             m_i, l_i, acc = _attend_tile(q, k_base, v_base, n, (n >= lo) & (n <= hi), d, d_ok, stride_kn, stride_kd,
@@ -179,11 +179,7 @@ class Tuning:
     num_stages: int = 2  # tiles in flight per program (software pipelining of the block loop)
     num_warps: int = 4
     splits: int | None = None  # parts per (row, key/value head); None: split_count's choice
-    contiguous_fast_path: bool = None  # None: CONTIGUOUS_FAST_PATH
-
-    def __post_init__(self):
-        if self.contiguous_fast_path is None:
-            object.__setattr__(self, "contiguous_fast_path", CONTIGUOUS_FAST_PATH)
+    contiguous_fast_path: bool | None = None  # None: CONTIGUOUS_FAST_PATH when launched
 
 
 # On the GPU each new shape (cache length and batch rounded up to powers of two, heads) times these once, at its
@@ -222,6 +218,8 @@ def launch(query, key, value, mask, scaling, tuning=None):
     else:
         tuning = tuning or Tuning()
         kernel, fast_contiguous = _partial_kernel, tuning.contiguous_fast_path
+        if fast_contiguous is None:
+            fast_contiguous = CONTIGUOUS_FAST_PATH
         launch_options = dict(BLOCK=tuning.block, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     scan = min(MASK_SCAN, triton.next_power_of_2(kv_len))
 
@@ -258,7 +256,7 @@ def launch(query, key, value, mask, scaling, tuning=None):
     mask_bytes = None if mask is None else mask[:, 0, 0, :].view(torch.uint8)  # bool as bytes: one load per slot
     if kernel is _partial_kernel_autotuned and mask is not None:
         _tune_at_typical_fill(partial, (triton.next_power_of_2(batch), triton.next_power_of_2(kv_len), num_kv_heads,
-                                        group, head_dim, splits, query.dtype), kv_len, query.device)
+                                        group, head_dim, splits, query.dtype, fast_contiguous), kv_len, query.device)
     final, out, lse = partial(mask_bytes)
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](out, lse, final, HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits,

@@ -4,12 +4,14 @@ Run as ``TRITON_INTERPRET=1 python decode_attention_check.py CHECK`` (the interp
 decorates the kernels, hence a separate process); exits non-zero when a check fails.
 """
 import dataclasses
+import itertools
 import os
 import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch, make_ds_engine,  # noqa: E402
                            sdpa_reference as reference, tiny_model)
@@ -30,7 +32,8 @@ def padded_mask(batch, length, seed):
 
 # the CPU default and two of the GPU autotuner's candidates (tile sizes change the block loop and the span split), with
 # and without the contiguous span's fast path
-TUNINGS = (triton_decode.Tuning(contiguous_fast_path=True), triton_decode.Tuning(block=32, num_stages=1),
+TUNINGS = (triton_decode.Tuning(contiguous_fast_path=True), triton_decode.Tuning(block=32, num_stages=1,
+                                                                                contiguous_fast_path=True),
            triton_decode.Tuning(block=128, num_warps=8, contiguous_fast_path=False))
 
 
@@ -72,29 +75,65 @@ def check_masked_blocks_are_not_read():
     """Every masked slot's key is inf and its value NaN here: if the kernel loaded one (or counted it), the output would
     not be finite. Fully masked blocks are skipped; the masked slots of partly visible blocks (left padding, whose
     keys and values may really be NaN: its rows are fully masked in the prefill) must not be loaded either, whether
-    the row's visible span has holes or not."""
+    the row's visible span has holes or not, in one part or several, with a padded head dim and grouped heads, and
+    when a row's scan for its span takes several steps."""
     torch.manual_seed(1)
-    batch, heads, dim = 2, 4, 16
+    batch, heads, kv_heads, dim = 3, 4, 2, 80  # head dim padded to 128: the pad columns must not be loaded either
     block = triton_decode.Tuning().block
     length = 4 * block
     q = torch.randn(batch, heads, 1, dim)
-    k, v = torch.randn(batch, heads, length, dim), torch.randn(batch, heads, length, dim)
+    k, v = torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
     mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
     mask[0, 0, 0, block + 3:2 * block + 10] = True  # row 0 sees parts of blocks 1 and 2
-    mask[1, 0, 0, 5:block] = True  # row 1 sees part of block 0
+    mask[1, 0, 0, 5:block] = True  # row 1 sees part of block 0; row 2 sees nothing (zeros, as SDPA's NaN is not kept)
     holes = mask.clone()
     holes[0, 0, 0, block + 7] = False  # row 0's span with a hole
-    for mask in (mask, holes):
-        expected = reference(q, k, v, mask, 0.25)
+    default_scan = triton_decode.MASK_SCAN
+    for scan, mask in itertools.product((default_scan, 16), (mask, holes)):
+        triton_decode.MASK_SCAN = scan  # 16: each row's span is found over several steps of the scan
+        expected = reference(q, k, v, mask, 0.25).nan_to_num(0.0)
         rows, slots = (~mask[:, 0, 0, :]).nonzero(as_tuple=True)
         poisoned_k, poisoned_v = k.clone(), v.clone()
         poisoned_k[rows, :, slots] = float("inf")
         poisoned_v[rows, :, slots] = float("nan")
-        for tuning in TUNINGS:
-            got = triton_decode.launch(q, poisoned_k, poisoned_v, mask, 0.25, dataclasses.replace(tuning, block=block))
-            assert torch.isfinite(got).all(), (tuning, "a masked slot was read")
-            assert (got.double() - expected).abs().max() < 1e-5, tuning
+        for tuning, splits in itertools.product(TUNINGS, (1, None)):
+            tuning = dataclasses.replace(tuning, block=block, splits=splits)
+            got = triton_decode.launch(q, poisoned_k, poisoned_v, mask, 0.25, tuning)
+            assert torch.isfinite(got).all(), (scan, tuning, "a masked slot was read")
+            assert (got.double() - expected).abs().max() < 1e-5, (scan, tuning)
+    triton_decode.MASK_SCAN = default_scan
     print("masked slots never read")
+
+
+def check_fast_path_is_taken():
+    """A span without holes is read without the per-tile mask loads: count the kernel's loads of mask bytes (the only
+    uint8 loads) through Triton's interpreter."""
+    from triton.runtime import interpreter
+
+    mask_loads = [0]
+    masked_load = interpreter.InterpreterBuilder.create_masked_load
+
+    def counting(self, ptrs, *args, **kwargs):
+        mask_loads[0] += ptrs.get_element_ty() == tl.uint8
+        return masked_load(self, ptrs, *args, **kwargs)
+
+    interpreter.InterpreterBuilder.create_masked_load = counting
+    torch.manual_seed(2)
+    programs, length = 2 * 2, 256  # rows x key/value heads
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, length, 16)
+    contiguous = torch.zeros(2, 1, 1, length, dtype=torch.bool)
+    contiguous[..., 40:200] = True
+    holes = contiguous.clone()
+    holes[..., 100] = False
+    loads = {}
+    for fast, (name, mask) in itertools.product((True, False), (("contiguous", contiguous), ("holes", holes))):
+        mask_loads[0] = 0
+        triton_decode.launch(q, k, k, mask, 0.25, triton_decode.Tuning(splits=1, contiguous_fast_path=fast))
+        loads[fast, name] = mask_loads[0]
+    interpreter.InterpreterBuilder.create_masked_load = masked_load
+    assert loads[True, "contiguous"] == programs, (loads, "one load per program: its span's scan")
+    assert loads[True, "holes"] == loads[False, "holes"] == loads[False, "contiguous"] > programs, loads
+    print("fast path taken", loads)
 
 
 def check_kernel_applies_only_where_it_equals_sdpa():
@@ -196,6 +235,7 @@ def check_resolve_mode():
 CHECKS = {
     "kernel": check_kernel_matches_sdpa,
     "skip": check_masked_blocks_are_not_read,
+    "fast": check_fast_path_is_taken,
     "applies": check_kernel_applies_only_where_it_equals_sdpa,
     "modes": check_resolve_mode,
     "write": check_token_write_equals_index_copy,
