@@ -178,6 +178,53 @@ def test_a_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
     assert sum("Triton decode kernel failed" in r.getMessage() for r in caplog.records) == 1
 
 
+def _hopper_target():
+    """Triton's ahead-of-time compiler for an H100/H200 (sm_90), which works without a GPU; None where this Triton has
+    no CUDA backend or ptxas."""
+    triton = pytest.importorskip("triton", reason="the README's test command installs triton")
+    try:
+        from triton.backends import backends
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        return None
+    return GPUTarget("cuda", 90, 32) if "nvidia" in backends and triton.knobs.nvidia.ptxas.path else None
+
+
+@pytest.mark.parametrize("has_mask,fast_contiguous,splits", [(True, True, 1), (True, False, 2), (False, True, 1)])
+def test_the_attention_kernel_compiles_for_hopper(has_mask, fast_contiguous, splits, tmp_path, monkeypatch):
+    """What the interpreter is lenient about (Triton's typing of constexpr and tensor operands, both loops of the span
+    paths): the partial and combine kernels compiled to sm_90 machine code, on the CPU, for each path."""
+    target = _hopper_target()
+    if target is None:
+        pytest.skip("this Triton cannot compile for CUDA here")
+    import triton
+    from triton.compiler import ASTSource
+
+    from dschat.hybrid_engine import triton_decode
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled, not read from an earlier run's cache
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Mask": "*u8", "Out": "*fp32", "Lse": "*fp32",
+                "Final": "*bf16"}
+    constants = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK=64, SPLITS=splits, HAS_MASK=has_mask,
+                     SCAN=512, FAST_CONTIGUOUS=fast_contiguous, IEEE=False)
+    names = triton_decode._partial_kernel.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n == "scale_log2" else "i32")
+                 for n in names}
+    kernel = triton.compile(ASTSource(triton_decode._partial_kernel, signature,
+                                      {(names.index(n),): v for n, v in constants.items()}),
+                            target=target, options=dict(num_warps=4, num_stages=3))
+    assert kernel.asm["cubin"], "no machine code"
+    combine_names = triton_decode._combine_kernel.arg_names
+    combine = dict(HEAD_DIM=128, D_PAD=128, SPLITS=2, SPLITS_PAD=2)
+    kernel = triton.compile(ASTSource(triton_decode._combine_kernel,
+                                      {n: "constexpr" if n in combine else "*bf16" if n == "Final" else "*fp32"
+                                       for n in combine_names},
+                                      {(combine_names.index(n),): v for n, v in combine.items()}),
+                            target=target, options=dict(num_warps=4))
+    assert kernel.asm["cubin"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
 def test_gpu_kernels_in_bf16_autotuned_and_captured_in_a_graph():
     """What the CPU interpreter cannot check: bf16, the autotuned launch and CUDA-graph capture (a replay with new
