@@ -75,6 +75,19 @@ def step_argv(step, args, tiny):
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache")] + extra
 
 
+def check_step_args(steps, args, tiny):
+    """Every step's arguments parsed before the first step runs: a typo in ``--step3-args`` stops train.py at once,
+    not after steps 1 and 2 have trained (and overwritten their outputs)."""
+    from dschat.args import step1_parser, step2_dpo_parser, step2_parser, step3_parser
+
+    parsers = {1: step1_parser, 2: step2_dpo_parser if getattr(args, "recipe", "ppo") == "dpo" else step2_parser,
+               3: step3_parser}
+    for step in steps:
+        parser = parsers[step]()
+        parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
+        parser.parse_args(step_argv(step, args, tiny))
+
+
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
     from dschat.report import summary_lines, write_report
@@ -96,6 +109,10 @@ def run_pipeline(args):
         steps.remove(2)  # GRPO with a reward function needs no reward model
     if recipe == "dpo" and 3 in steps:
         steps.remove(3)  # DPO replaces the reward model and PPO
+    check_step_args(steps, args, tiny)
+    if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
+        print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "
+                     f"--reward-model {args.reward_model}")
     for step in steps:
         main, name = parsers[step]
         argv = step_argv(step, args, tiny)

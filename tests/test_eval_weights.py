@@ -49,6 +49,12 @@ def test_sft_eval_loss_ignores_padding_repeats_even_in_an_all_padding_batch():
     assert got["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-6)
 
 
+def test_no_eval_records_give_no_score_rather_than_a_perfect_one():
+    assert evaluate_lm(tiny_model("llama", seed=2).eval(), [], "cpu", 0) == {"eval_loss": None, "perplexity": None}
+    got = evaluate_reward(_Scores(), [], "cpu", 0)
+    assert got["accuracy"] is None and got["eval_pairs"] == 0
+
+
 class _Scores(torch.nn.Module):
     """A reward engine whose scores are given by the batch (chosen rows first, then rejected)."""
 

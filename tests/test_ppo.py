@@ -457,6 +457,13 @@ def test_step3_runs_and_reports_held_out_scores(trained, tmp_path):
     assert (tmp_path / "ppo" / "critic" / "value_head.safetensors").exists()
 
 
+def test_step3_with_fewer_prompts_than_one_iteration_is_an_error_not_a_run_that_trains_nothing(trained, tmp_path):
+    with pytest.raises(ValueError, match=r"step3: \d+ training prompts make no iteration: one takes "
+                                         r"--per_device_generation_batch_size 100000"):
+        ppo.main(ppo_args(trained, tmp_path / "ppo", "--per_device_generation_batch_size", "100000"))
+    assert not (tmp_path / "ppo" / "actor").exists()
+
+
 def test_lora_actor_and_critic_with_ema(trained, tmp_path):
     metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--actor_lora_dim", "4",
                                 "--critic_lora_dim", "4", "--enable_ema", "--ema_beta", "0.5",

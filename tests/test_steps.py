@@ -48,6 +48,28 @@ def test_reward_model_trains_and_loads_back_in_one_call(tmp_path, distributed):
     assert model.v_head.weight.abs().sum() > 0
 
 
+def test_a_step_left_without_training_records_says_which_data_and_split(tmp_path, distributed):
+    with pytest.raises(ValueError, match=r"step1: no training records: --data_path tiny with --data_split 0,5,5"):
+        sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                  "--data_split", "0,5,5", *SFT_FAST])
+
+
+def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_path, capsys, distributed,
+                                                                          monkeypatch):
+    import runpy
+
+    from dschat import pipeline
+
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"](
+        ["--step", "2", "3", "--output-dir", str(tmp_path / "out"), "--step2-args", "--max_steps 2",
+         "--step3-args", "--actor_lora_dimm 64"])
+    with pytest.raises(SystemExit):
+        pipeline.run_pipeline(args)
+    assert "train.py --step3-args: error: unrecognized arguments: --actor_lora_dimm 64" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "step2_rm").exists(), "step 2 must not have run"
+
+
 @pytest.mark.multirank
 def test_steps_1_and_2_with_zero3_on_two_ranks(tmp_path):
     out = tmp_path / "out"

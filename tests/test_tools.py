@@ -60,6 +60,16 @@ def test_run_folder_resolves_to_actor_then_sft(models, tmp_path):
     assert find_policy_path(models["policy"]) == models["policy"]
 
 
+def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(models, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model in this folder"):
+        find_policy_path(str(tmp_path))  # e.g. train.py's output folder before any step wrote a model
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        find_policy_path(str(tmp_path / "not_there"))
+    assert find_policy_path("facebook/opt-1.3b") == "facebook/opt-1.3b", "hub names pass through"
+    os.symlink(models["policy"], tmp_path / "step2_dpo")
+    assert find_policy_path(str(tmp_path)) == str(tmp_path / "step2_dpo")
+
+
 def test_answer_text_drops_eot_what_follows_and_padding(session):
     tokenizer = session.tokenizer
     ids = tokenizer(" red, blue", add_special_tokens=False)["input_ids"]

@@ -247,6 +247,14 @@ class StepRecipe:
     save_fn: Callable  # (module, tokenizer, output_dir) -> None
 
 
+def require_training_records(dataset, args, step):
+    """A step left with no training records stops here, saying which data and split, rather than in torch's sampler."""
+    if len(dataset) == 0:
+        raise ValueError(f"{step}: no training records: --data_path {' '.join(args.data_path)} with --data_split "
+                         f"{args.data_split} leaves this step none (or every record was skipped: see the messages "
+                         f"above)")
+
+
 def load_step_data(args, tokenizer, phase):
     """The tokenized train/eval datasets of one phase, from the data flags every step shares."""
     from dschat.data import create_prompt_dataset, get_eot_token
@@ -276,6 +284,7 @@ def run_supervised_step(args, recipe):
         check_grad_overflow=args.check_grad_overflow)
     model = recipe.build_model(args, tokenizer, ds_config)
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
+    require_training_records(train_data, args, recipe.name)
     collator = recipe.collator(tokenizer, resolve_pad_to_multiple_of(args.pad_to_multiple_of), args.max_seq_len)
     train_loader, eval_loader = build_dataloaders(train_data, eval_data, collator,
                                                   args.per_device_train_batch_size,

@@ -16,7 +16,8 @@ from dschat.rlhf.config import step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
-from dschat.steps.common import format_metrics, progress, setup_run, tensorboard_writer, write_metrics
+from dschat.steps.common import (format_metrics, progress, require_training_records, setup_run, tensorboard_writer,
+                                 write_metrics)
 from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_device, print_rank_0
 
 
@@ -31,6 +32,7 @@ def prompt_loaders(args, tokenizer):
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
         max_prompt_len=args.max_prompt_seq_len, data_fields=args.data_fields or None)
+    require_training_records(train, args, "step3")
     collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id,
                                 pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     batch = args.per_device_generation_batch_size
@@ -148,6 +150,11 @@ def main(args=None):
     unsup_loader = unsupervised_loader(args, tokenizer)
     check_accumulation(args, unsup_loader is not None)
     iters_per_epoch = len(train_loader) // args.generation_batches
+    if iters_per_epoch == 0:  # drop_last: fewer prompts than one iteration takes would train nothing
+        raise ValueError(
+            f"step3: {len(train_loader.dataset)} training prompts make no iteration: one takes "
+            f"--per_device_generation_batch_size {args.per_device_generation_batch_size} x --generation_batches "
+            f"{args.generation_batches} x {get_world_size()} rank(s); give more prompts or a smaller batch")
     total_iters = iters_per_epoch * args.num_train_epochs
     if args.max_steps:
         total_iters = min(total_iters, args.max_steps)

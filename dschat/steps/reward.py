@@ -48,9 +48,11 @@ def evaluate_reward(engine, eval_loader, device, max_batches):
         totals += torch.stack([((chosen > rejected).double() * w).sum(), w.sum(), (chosen * w).sum(),
                                (rejected * w).sum()])
     all_reduce(totals)
-    pairs = totals[1].clamp(min=1)
+    pairs = totals[1]
+    if pairs == 0:  # no eval pairs: no score, rather than an accuracy of 0
+        return {"accuracy": None, "chosen_mean_score": None, "rejected_mean_score": None, "eval_pairs": 0}
     return {"accuracy": (totals[0] / pairs).item(), "chosen_mean_score": (totals[2] / pairs).item(),
-            "rejected_mean_score": (totals[3] / pairs).item(), "eval_pairs": int(totals[1].item())}
+            "rejected_mean_score": (totals[3] / pairs).item(), "eval_pairs": int(pairs.item())}
 
 
 REWARD = StepRecipe(name="step2", phase=2, build_model=build_reward_model, collator=reward_collator,

@@ -50,7 +50,9 @@ def evaluate_lm(engine, eval_loader, device, max_batches):
         if n > 0:  # an all-padding batch has a nan loss over no tokens
             totals += torch.stack([loss.double() * n, n.double()])
     all_reduce(totals)
-    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    if totals[1] == 0:  # no eval records (or tokens): no score, rather than a loss of 0 and a perfect perplexity
+        return {"eval_loss": None, "perplexity": None}
+    loss = (totals[0] / totals[1]).item()
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 

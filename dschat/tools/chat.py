@@ -95,8 +95,12 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    path = find_policy_path(args.path)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        path = find_policy_path(args.path)
+    except FileNotFoundError as error:
+        parser.error(f"--path {error}")
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     session = ChatSession(model, tokenizer, generation_kwargs(args))
     if args.prompt is not None:

@@ -4,9 +4,14 @@ import os
 import torch
 
 # Where ``train.py`` puts each step's model under its output folder, best policy first: a run that reached
-# step 3 is chatted with through its PPO actor, otherwise through its SFT model.
-POLICY_SUBFOLDERS = ("step3_ppo/actor", "actor", "step1_sft")
+# step 3 is chatted with through its PPO actor, a DPO run through its DPO policy, otherwise through its SFT model.
+POLICY_SUBFOLDERS = ("step3_ppo/actor", "actor", "step2_dpo", "step1_sft")
 REWARD_SUBFOLDERS = ("step2_rm",)
+
+
+def _looks_local(path):
+    """A path the user meant as a folder here, not a hub name ("org/name" or "name")."""
+    return os.path.isabs(path) or path.startswith(("./", "../", "~")) or path.count("/") > 1
 
 
 def _first_model_folder(path, subfolders):
@@ -14,6 +19,11 @@ def _first_model_folder(path, subfolders):
         candidate = os.path.join(path, sub)
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path}: no model in this folder: expected a model folder (config.json) or a "
+                                f"train.py output folder holding one of {', '.join(subfolders)}")
+    if not os.path.exists(path) and _looks_local(path):
+        raise FileNotFoundError(f"{path}: no such folder")
     return path
 
 
