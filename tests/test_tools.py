@@ -70,6 +70,15 @@ def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(m
     assert find_policy_path(str(tmp_path)) == str(tmp_path / "step2_dpo")
 
 
+def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
+    from dschat.tools.common import load_scoring_reward_model
+
+    tokenizer = load_tokenizer(models["policy"])
+    with pytest.raises(ValueError, match="not a reward model"):  # its value head would be new and random
+        load_scoring_reward_model(str(models["policy"]), tokenizer, device="cpu")
+    assert load_scoring_reward_model(models["rm"], tokenizer, device="cpu").v_head.weight.abs().sum() > 0
+
+
 def test_answer_text_drops_eot_what_follows_and_padding(session):
     tokenizer = session.tokenizer
     ids = tokenizer(" red, blue", add_special_tokens=False)["input_ids"]

@@ -87,8 +87,11 @@ def load_policy(path, device=None, dtype=None, add_eot_token=False):
 
 def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
     """The step-2 reward model in eval mode, its embeddings grown to ``tokenizer`` as in training."""
-    from dschat.models.reward_model import load_reward_model
+    from dschat.models.reward_model import VALUE_HEAD_FILE, is_reward_model_folder, load_reward_model
 
+    if os.path.isdir(path) and not is_reward_model_folder(path):  # scores from a new random head would mean nothing
+        raise ValueError(f"{path}: not a reward model (no {VALUE_HEAD_FILE}): pass step 2's output folder, "
+                         f"e.g. train.py's <output>/step2_rm")
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
     return model.to(device or default_device()).eval()
 
