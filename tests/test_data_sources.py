@@ -117,6 +117,12 @@ def test_field_mapping(tmp_path):
     assert "question" in str(err.value)
 
 
+def test_a_renamed_field_the_records_lack_is_named(tmp_path):
+    path = write_records(RECORDS, tmp_path / "p.jsonl", "jsonl")  # prompt/chosen/rejected
+    with pytest.raises(DatasetFormatError, match=r"no 'question' field, which --data_fields prompt=question names"):
+        raw(path, tmp_path, **parse_field_map("prompt=question"))
+
+
 def test_parse_field_map_rejects_bad_input():
     assert parse_field_map("") == {}
     with pytest.raises(ValueError, match="prompt=question"):
@@ -182,6 +188,13 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     with pytest.raises(DatasetFormatError, match=rf"{path} line 4: invalid JSON"):
         raw(str(path), tmp_path)
     assert issubclass(DatasetFormatError, ValueError)
+
+
+def test_an_empty_jsonl_file_says_so(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path}: no records \(the file is empty\)"):
+        raw(str(path), tmp_path)
 
 
 def test_malformed_json_document_names_line(tmp_path):

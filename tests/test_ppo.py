@@ -584,6 +584,17 @@ def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):
         ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--reward_fn", f"{bad}:score"))
 
 
+def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, monkeypatch):
+    from dschat.rlhf.reward_fn import load_reward_fn
+
+    with pytest.raises(ModuleNotFoundError, match=r"--reward_fn 'no_such_scorer:score': no module 'no_such_scorer'"):
+        load_reward_fn("no_such_scorer:score")
+    (tmp_path / "needs_more.py").write_text("import no_such_dependency\ndef score(p, a):\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="^No module named 'no_such_dependency'"):  # that error says it
+        load_reward_fn("needs_more:score")
+
+
 def test_non_finite_reward_function_value_stops_the_run(tmp_path):
     from dschat.rlhf.reward_fn import call_reward_fn
 

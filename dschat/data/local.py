@@ -230,10 +230,12 @@ def load_file(kind, path):
     elif kind == "json":
         record_lines = check_json_document(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
+    if record_lines == []:  # datasets would fail with an empty StopIteration
+        raise DatasetFormatError(f"{path}: no records (the file is empty)")
     try:
         data = load_dataset(builder, data_files={"train": path}, split="train")
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
-        raise DatasetFormatError(f"{path}: could not be read as {kind}: {err}") from err
+        raise DatasetFormatError(f"{path}: could not be read as {kind}: {str(err) or type(err).__name__}") from err
     return data, record_lines
 
 
@@ -257,7 +259,8 @@ class LocalDataset(PromptRawDataset):
     def __init__(self, source, output_path, seed, local_rank, field_options=None):
         self.source = source
         self.fields = {name: name for name in FIELD_NAMES}
-        self.fields.update(checked_field_options(field_options or {}))
+        self.renamed = checked_field_options(field_options or {})
+        self.fields.update(self.renamed)
         self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
         super().__init__(output_path, seed, local_rank, dataset_name=source.spec, raw_datasets=None)
 
@@ -300,6 +303,12 @@ class LocalDataset(PromptRawDataset):
     # --- record shapes ---
     def _record_shape(self, data, where):
         columns = data.column_names
+        missing = {name: column for name, column in self.renamed.items() if column not in columns}
+        if missing and not any(column in columns for column in self.renamed.values()):
+            # none of the renamed fields is there: the records are not the ones --data_fields was written for
+            raise DatasetFormatError(
+                f"{where}: no {', '.join(repr(c) for c in missing.values())} field, which --data_fields "
+                f"{','.join(f'{k}={v}' for k, v in missing.items())} names; the records have {columns}")
         if self.fields["messages"] in columns:
             return "messages"
         if self.fields["prompt"] in columns:

@@ -26,7 +26,13 @@ def load_reward_fn(spec):
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as error:
+            if error.name is None or not target.startswith(error.name):
+                raise  # the module exists but imports something missing: that error says what
+            raise ModuleNotFoundError(f"--reward_fn {spec!r}: no module {target!r} (a file needs its .py path, "
+                                      f"e.g. path/to/{target}.py:{name})", name=error.name) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise AttributeError(f"--reward_fn: {target} has no function {name!r}")
