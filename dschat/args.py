@@ -206,6 +206,8 @@ def step3_parser():
     g.add_argument("--unsupervised_dataset_name", type=str, default=None)
     g.add_argument("--unsupervised_dataset_config_name", type=str, default=None)
     g.add_argument("--unsup_coef", type=float, default=27.8)
+    g.add_argument("--preprocessing_num_workers", type=int, default=None,
+                   help="Processes that tokenize and group the unsupervised data (datasets' num_proc).")
     g = p.add_argument_group("batching and lengths")
     g.add_argument("--per_device_generation_batch_size", type=int, default=16)
     g.add_argument("--per_device_training_batch_size", type=int, default=16)

@@ -177,6 +177,8 @@ def add_dpo_report(output_dir, report, rule_scores=None):
         report["dpo"]["held_out_rule_score"] = rule_scores
     write_json_atomic(os.path.join(output_dir, "report.json"), report)
     m = report["dpo"]
+    if not m["eval_pairs"]:
+        return ["DPO: no held-out pairs, so no held-out scores"]
     lines = [f"DPO held-out preference accuracy (chosen answer more likely, {m['eval_pairs']} pairs): "
              f"SFT {m['reference_logp_accuracy']:.4f} -> DPO {m['logp_accuracy']:.4f}",
              f"DPO implicit rewards: chosen {m['chosen_reward']:.3f}, rejected {m['rejected_reward']:.3f}, "

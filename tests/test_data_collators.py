@@ -189,6 +189,20 @@ def test_unsupervised_text_file_and_namespace_args(tmp_path, tokenizer):
     assert len(data) > 5 and all(len(data[i]["input_ids"]) == 10 for i in range(len(data)))
 
 
+def test_step3_preprocessing_num_workers_tokenizes_the_unsupervised_data_in_parallel(tmp_path, tokenizer):
+    from dschat.args import step3_parser
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(f"line {i} of plain text here" for i in range(40)) + "\n")
+    args = step3_parser().parse_args(["--unsupervised_dataset_name", f"text:{path}", "--max_prompt_seq_len", "6",
+                                      "--max_answer_seq_len", "4", "--preprocessing_num_workers", "2"])
+    parallel = get_unsupervised_data(args, tokenizer)
+    serial = get_unsupervised_data(argparse.Namespace(**{**vars(args), "preprocessing_num_workers": None}), tokenizer)
+    assert args.preprocessing_num_workers == 2
+    assert [parallel[i]["input_ids"].tolist() for i in range(len(parallel))] == \
+        [serial[i]["input_ids"].tolist() for i in range(len(serial))]
+
+
 def test_unsupervised_local_file_needs_a_text_field(tmp_path, tokenizer):
     path = tmp_path / "notext.jsonl"
     path.write_text(json.dumps({"body": "hello"}) + "\n")

@@ -53,6 +53,9 @@ def test_no_eval_records_give_no_score_rather_than_a_perfect_one():
     assert evaluate_lm(tiny_model("llama", seed=2).eval(), [], "cpu", 0) == {"eval_loss": None, "perplexity": None}
     got = evaluate_reward(_Scores(), [], "cpu", 0)
     assert got["accuracy"] is None and got["eval_pairs"] == 0
+    step = dpo.DPOStep(step2_dpo_parser().parse_args([]))
+    got = step.evaluate(torch.nn.Identity(), [], "cpu", 0)
+    assert got["eval_pairs"] == 0 and got["eval_loss"] is None and got["reward_margin"] is None
 
 
 class _Scores(torch.nn.Module):

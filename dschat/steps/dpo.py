@@ -111,10 +111,11 @@ class DPOStep:
             totals += self.batch_sums(engine, to_device(batch, device))
         all_reduce(totals)
         sums = dict(zip(EVAL_SUMS, totals.tolist()))
-        pairs = max(sums.pop("pairs"), 1.0)
-        metrics = {("eval_loss" if key == "loss" else key): value / pairs for key, value in sums.items()}
-        metrics["reward_margin"] = metrics["chosen_reward"] - metrics["rejected_reward"]
-        metrics["eval_pairs"] = int(totals[-1].item())
+        pairs = sums.pop("pairs")
+        metrics = {("eval_loss" if key == "loss" else key): value / pairs if pairs else None  # no pairs: no score
+                   for key, value in sums.items()}
+        metrics["reward_margin"] = metrics["chosen_reward"] - metrics["rejected_reward"] if pairs else None
+        metrics["eval_pairs"] = int(pairs)
         return metrics
 
     def batch_sums(self, engine, batch):
