@@ -121,6 +121,9 @@ def test_a_renamed_field_the_records_lack_is_named(tmp_path):
     path = write_records(RECORDS, tmp_path / "p.jsonl", "jsonl")  # prompt/chosen/rejected
     with pytest.raises(DatasetFormatError, match=r"no 'question' field, which --data_fields prompt=question names"):
         raw(path, tmp_path, **parse_field_map("prompt=question"))
+    messages = write_records([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+                             tmp_path / "m.jsonl", "jsonl")
+    raw(messages, tmp_path, **parse_field_map("prompt=question"))  # another shape's records: the rename does not apply
 
 
 def test_parse_field_map_rejects_bad_input():

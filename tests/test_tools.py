@@ -60,12 +60,16 @@ def test_run_folder_resolves_to_actor_then_sft(models, tmp_path):
     assert find_policy_path(models["policy"]) == models["policy"]
 
 
-def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(models, tmp_path):
+def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(models, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no model in this folder"):
         find_policy_path(str(tmp_path))  # e.g. train.py's output folder before any step wrote a model
     with pytest.raises(FileNotFoundError, match="no such folder"):
         find_policy_path(str(tmp_path / "not_there"))
     assert find_policy_path("facebook/opt-1.3b") == "facebook/opt-1.3b", "hub names pass through"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run" / "step1_sft").mkdir(parents=True)
+    (tmp_path / "run" / "step1_sft" / "config.json").write_text("{}")
+    assert find_policy_path("~/run") == str(tmp_path / "run" / "step1_sft"), "~ expanded"
     os.symlink(models["policy"], tmp_path / "step2_dpo")
     assert find_policy_path(str(tmp_path)) == str(tmp_path / "step2_dpo")
 
@@ -76,6 +80,8 @@ def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
     tokenizer = load_tokenizer(models["policy"])
     with pytest.raises(ValueError, match="not a reward model"):  # its value head would be new and random
         load_scoring_reward_model(str(models["policy"]), tokenizer, device="cpu")
+    with pytest.raises(ValueError, match="not a reward model"):  # a preset's folder: no value head either
+        load_scoring_reward_model("tiny-llama", tokenizer, device="cpu")
     assert load_scoring_reward_model(models["rm"], tokenizer, device="cpu").v_head.weight.abs().sum() > 0
 
 

@@ -303,16 +303,13 @@ class LocalDataset(PromptRawDataset):
     # --- record shapes ---
     def _record_shape(self, data, where):
         columns = data.column_names
-        missing = {name: column for name, column in self.renamed.items() if column not in columns}
-        if missing and not any(column in columns for column in self.renamed.values()):
-            # none of the renamed fields is there: the records are not the ones --data_fields was written for
-            raise DatasetFormatError(
-                f"{where}: no {', '.join(repr(c) for c in missing.values())} field, which --data_fields "
-                f"{','.join(f'{k}={v}' for k, v in missing.items())} names; the records have {columns}")
         if self.fields["messages"] in columns:
             return "messages"
         if self.fields["prompt"] in columns:
             return "prompt"
+        if "prompt" in self.renamed:  # the prompt field the user named is not there: say so, not what follows
+            raise DatasetFormatError(f"{where}: no {self.fields['prompt']!r} field, which --data_fields "
+                                     f"prompt={self.fields['prompt']} names; the records have {columns}")
         if self.fields["chosen"] in columns:
             return "chosen_messages"
         raise DatasetFormatError(

@@ -29,7 +29,7 @@ def load_reward_fn(spec):
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as error:
-            if error.name is None or not target.startswith(error.name):
+            if error.name is None or not (target == error.name or target.startswith(error.name + ".")):
                 raise  # the module exists but imports something missing: that error says what
             raise ModuleNotFoundError(f"--reward_fn {spec!r}: no module {target!r} (a file needs its .py path, "
                                       f"e.g. path/to/{target}.py:{name})", name=error.name) from None

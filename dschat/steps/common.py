@@ -250,7 +250,8 @@ class StepRecipe:
 def require_training_records(dataset, args, step):
     """A step left with no training records stops here, saying which data and split, rather than in torch's sampler."""
     if len(dataset) == 0:
-        raise ValueError(f"{step}: no training records: --data_path {' '.join(args.data_path)} with --data_split "
+        paths = [args.data_path] if isinstance(args.data_path, str) else args.data_path
+        raise ValueError(f"{step}: no training records: --data_path {' '.join(paths)} with --data_split "
                          f"{args.data_split} leaves this step none (or every record was skipped: see the messages "
                          f"above)")
 

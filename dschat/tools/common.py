@@ -15,6 +15,7 @@ def _looks_local(path):
 
 
 def _first_model_folder(path, subfolders):
+    path = os.path.expanduser(path)  # a --path=~/x the shell left as it is
     for sub in subfolders:
         candidate = os.path.join(path, sub)
         if os.path.isfile(os.path.join(candidate, "config.json")):
@@ -87,9 +88,11 @@ def load_policy(path, device=None, dtype=None, add_eot_token=False):
 
 def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
     """The step-2 reward model in eval mode, its embeddings grown to ``tokenizer`` as in training."""
+    from dschat.models.loading import resolve_model_path
     from dschat.models.reward_model import VALUE_HEAD_FILE, is_reward_model_folder, load_reward_model
 
-    if os.path.isdir(path) and not is_reward_model_folder(path):  # scores from a new random head would mean nothing
+    path = resolve_model_path(path)  # a tiny preset's folder; a hub name stays a name, and gets no value head
+    if not (os.path.isdir(path) and is_reward_model_folder(path)):  # scores from a new random head mean nothing
         raise ValueError(f"{path}: not a reward model (no {VALUE_HEAD_FILE}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
