@@ -75,13 +75,9 @@ def step_argv(step, args, tiny):
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache")] + extra
 
 
-def check_step_args(steps, args, tiny):
-    """Every step's arguments parsed before the first step runs: a typo in ``--step3-args`` stops train.py at once,
-    not after steps 1 and 2 have trained (and overwritten their outputs)."""
-    from dschat.args import step1_parser, step2_dpo_parser, step2_parser, step3_parser
-
-    parsers = {1: step1_parser, 2: step2_dpo_parser if getattr(args, "recipe", "ppo") == "dpo" else step2_parser,
-               3: step3_parser}
+def check_step_args(steps, args, tiny, parsers):
+    """Every step's arguments parsed (``parsers``: step -> its parser factory) before the first step runs: a typo in
+    ``--step3-args`` stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
     for step in steps:
         parser = parsers[step]()
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
@@ -91,6 +87,7 @@ def check_step_args(steps, args, tiny):
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
     from dschat.report import summary_lines, write_report
+    from dschat.args import step1_parser, step2_dpo_parser, step2_parser, step3_parser
     from dschat.steps import dpo, ppo, reward, sft
 
     ensure_distributed()
@@ -100,21 +97,22 @@ def run_pipeline(args):
         resolve_model_path(args.actor_model)
         resolve_model_path(args.reward_model)
     recipe = getattr(args, "recipe", "ppo")
-    parsers = {1: (sft.main, "step1"), 2: (reward.main, "step2"), 3: (ppo.main, "step3")}
+    parsers = {1: (sft.main, "step1", step1_parser), 2: (reward.main, "step2", step2_parser),
+               3: (ppo.main, "step3", step3_parser)}
     if recipe == "dpo":
-        parsers[2] = (dpo.main, DPO_DIR)
+        parsers[2] = (dpo.main, DPO_DIR, step2_dpo_parser)
     timings = {}
     steps = sorted(args.step)
     if recipe == "grpo" and 2 in steps:
         steps.remove(2)  # GRPO with a reward function needs no reward model
     if recipe == "dpo" and 3 in steps:
         steps.remove(3)  # DPO replaces the reward model and PPO
-    check_step_args(steps, args, tiny)
+    check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
     if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
         print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "
                      f"--reward-model {args.reward_model}")
     for step in steps:
-        main, name = parsers[step]
+        main, name, _ = parsers[step]
         argv = step_argv(step, args, tiny)
         print_rank_0(f"==== {name}: {' '.join(shlex.quote(a) for a in argv)}")
         started = time.time()

@@ -10,8 +10,8 @@ REWARD_SUBFOLDERS = ("step2_rm",)
 
 
 def _looks_local(path):
-    """A path the user meant as a folder here, not a hub name ("org/name" or "name")."""
-    return os.path.isabs(path) or path.startswith(("./", "../", "~")) or path.count("/") > 1
+    """A path (``~`` already expanded) the user meant as a folder here, not a hub name ("org/name" or "name")."""
+    return os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
 
 
 def _first_model_folder(path, subfolders):
