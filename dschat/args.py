@@ -117,10 +117,22 @@ def add_deepspeed_args(parser):
     g.add_argument("--enable_tensorboard", action="store_true")
     g.add_argument("--tensorboard_path", type=str, default=None)
     add_zero_tuning_args(g)
-    import deepspeed
-
-    deepspeed.add_config_arguments(parser)
+    add_deepspeed_config_args(g)
     return g
+
+
+def add_deepspeed_config_args(g):
+    """DeepSpeed's config-file flags (what ``deepspeed.add_config_arguments`` adds), with ``--deepspeed`` also taking
+    the file, as HF Trainer and many DeepSpeed-Chat walk-throughs write it (``--deepspeed ds_config.json``)."""
+    g.add_argument("--deepspeed_config", "--deepscale_config", dest="deepspeed_config", default=None, metavar="JSON",
+                   help="A DeepSpeed config file merged over the one dschat builds from its flags: the file wins "
+                        "(e.g. zero_optimization tuning, offload, communication, activation checkpointing), except "
+                        "for the batch sizes, accumulation, ZeRO stage, precision and hybrid-engine switch, which it "
+                        "may only repeat or leave \"auto\" (set those with their flags); no optimizer or scheduler "
+                        "block (dschat builds them from the flags).")
+    g.add_argument("--deepspeed", nargs="?", const=True, default=False, metavar="JSON",
+                   help="Accepted as DeepSpeed's launcher convention; with a file, the same as --deepspeed_config.")
+    g.add_argument("--deepscale", action="store_true", help=argparse.SUPPRESS)  # DeepSpeed's old name
 
 
 def add_lora_args(parser, prefix=""):
@@ -209,9 +221,14 @@ def step3_parser():
     g.add_argument("--preprocessing_num_workers", type=int, default=None,
                    help="Processes that tokenize and group the unsupervised data (datasets' num_proc).")
     g = p.add_argument_group("batching and lengths")
-    g.add_argument("--per_device_generation_batch_size", type=int, default=16)
-    g.add_argument("--per_device_training_batch_size", type=int, default=16)
-    g.add_argument("--generation_batches", type=int, default=1)
+    # The second names are DeepSpeed-Chat's first ones (renamed in 2023), still in many walk-throughs.
+    g.add_argument("--per_device_generation_batch_size", "--per_device_train_batch_size", type=int, default=16,
+                   help="Prompts per rank per generation batch.")
+    g.add_argument("--per_device_training_batch_size", "--per_device_mini_train_batch_size",
+                   "--per_device_mini_batch_size", type=int, default=16,
+                   help="Rows per rank per PPO training micro-batch.")
+    g.add_argument("--generation_batches", "--generation_batch_numbers", type=int, default=1,
+                   help="Generation batches collected before each round of PPO training.")
     g.add_argument("--ppo_epochs", type=int, default=1)
     g.add_argument("--max_prompt_seq_len", type=int, default=256)
     g.add_argument("--max_answer_seq_len", type=int, default=256)
@@ -263,8 +280,13 @@ def step3_parser():
     g.add_argument("--offload", action="store_true")
     g.add_argument("--offload_reference_model", action="store_true")
     g.add_argument("--offload_reward_model", action="store_true")
-    g.add_argument("--actor_zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
-    g.add_argument("--critic_zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
+    g.add_argument("--actor_zero_stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="Default: --zero_stage, else 0.")
+    g.add_argument("--critic_zero_stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="Default: --zero_stage, else 0.")
+    g.add_argument("--zero_stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="The ZeRO stage of actor and critic where --actor_zero_stage / --critic_zero_stage are not "
+                        "given (steps 1 and 2 take this name).")
     g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"])
     g.add_argument("--actor_gradient_checkpointing", action="store_true")
     g.add_argument("--critic_gradient_checkpointing", action="store_true")
@@ -272,9 +294,7 @@ def step3_parser():
     g.add_argument("--critic_dropout", type=float, default=None)
     g.add_argument("--compute_fp32_loss", action="store_true")
     add_zero_tuning_args(g)
-    import deepspeed
-
-    deepspeed.add_config_arguments(p)
+    add_deepspeed_config_args(g)
     g = p.add_argument_group("lora")
     g.add_argument("--actor_lora_dim", type=int, default=0)
     g.add_argument("--actor_lora_module_name", type=str, default="")

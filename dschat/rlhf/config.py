@@ -10,5 +10,15 @@ def step3_args(args=None):
     if args is not None and not isinstance(args, dict):
         args = {k: v for k, v in vars(args).items() if not k.startswith("__")}
     completed = namespace_with_defaults(step3_parser(), args)
+    resolve_zero_stages(completed)
     completed._dschat_complete = True
     return completed
+
+
+def resolve_zero_stages(args):
+    """--actor_zero_stage / --critic_zero_stage left unset take --zero_stage (DeepSpeed-Chat's steps 1 and 2 name),
+    else 0."""
+    shared = getattr(args, "zero_stage", None)
+    for name in ("actor_zero_stage", "critic_zero_stage"):
+        if getattr(args, name, None) is None:
+            setattr(args, name, shared if shared is not None else 0)

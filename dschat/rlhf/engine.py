@@ -13,7 +13,8 @@ from dschat.models.reward_model import create_critic_model
 from dschat.rlhf.config import step3_args
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
 from dschat.utils.dist import get_world_size, print_rank_0
-from dschat.utils.ds_config import frozen_copy_stage, get_eval_ds_config, get_train_ds_config
+from dschat.utils.ds_config import (apply_user_ds_config, frozen_copy_stage, get_eval_ds_config, get_train_ds_config,
+                                    owned_key_flags, user_ds_config_path)
 
 DEFAULT_TOTAL_ITERS = 10_000
 
@@ -59,9 +60,9 @@ class DeepSpeedRLHFEngine:
                      f"{'built' if self.reward else 'not built'}")
 
     # --- configs ------------------------------------------------------------------------------------------
-    def _train_config(self, stage, hybrid=False):
+    def _train_config(self, stage, hybrid=False, role="actor"):
         a = self.args
-        return get_train_ds_config(
+        generated = get_train_ds_config(
             offload=a.offload, dtype=a.dtype, stage=stage, micro_batch_size=a.per_device_training_batch_size,
             gradient_accumulation_steps=a.gradient_accumulation_steps, world_size=self.world_size,
             enable_hybrid_engine=hybrid, inference_tp_size=a.inference_tp_size,
@@ -70,6 +71,11 @@ class DeepSpeedRLHFEngine:
             max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=uses_cuda_graph(a),
             enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3",
             check_grad_overflow=a.check_grad_overflow)
+        # the user's file (--deepspeed_config) tunes both trained models; its hybrid engine block is the actor's
+        flags = owned_key_flags("--per_device_training_batch_size", f"--{role}_zero_stage (or --zero_stage)",
+                                "--enable_hybrid_engine")
+        return apply_user_ds_config(generated, user_ds_config_path(a), flags,
+                                    ignore=() if role == "actor" else ("hybrid_engine",))
 
     def _eval_config(self, stage, offload):
         # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3), on several ranks.
@@ -115,7 +121,7 @@ class DeepSpeedRLHFEngine:
 
     def _init_critic(self):
         a = self.args
-        ds_config = self._train_config(a.critic_zero_stage)
+        ds_config = self._train_config(a.critic_zero_stage, role="critic")
         model = create_critic_model(self.critic_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
                                     rlhf_training=True, dropout=a.critic_dropout, zero_stage=a.critic_zero_stage,
                                     compute_fp32_loss=a.compute_fp32_loss)

@@ -271,7 +271,7 @@ def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
     from dschat.args import resolve_pad_to_multiple_of
     from dschat.models.loading import load_tokenizer
-    from dschat.utils.ds_config import get_train_ds_config
+    from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
 
     started = time.time()
     device = setup_run(args)
@@ -283,6 +283,8 @@ def run_supervised_step(args, recipe):
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=get_world_size(),
         enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=f"{recipe.name}_model",
         check_grad_overflow=args.check_grad_overflow)
+    ds_config = apply_user_ds_config(ds_config, user_ds_config_path(args),
+                                     owned_key_flags("--per_device_train_batch_size", "--zero_stage"))
     model = recipe.build_model(args, tokenizer, ds_config)
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
     require_training_records(train_data, args, recipe.name)

@@ -1,0 +1,148 @@
+"""A user's DeepSpeed config file (--deepspeed_config, or --deepspeed PATH) merged over the config dschat builds,
+and DeepSpeed-Chat's older step-3 flag names: the commands of DeepSpeed-Chat walk-throughs run as written."""
+import json
+import shlex
+from types import SimpleNamespace
+
+import pytest
+
+from dschat.args import step1_parser, step2_parser, step3_parser
+from dschat.rlhf.config import step3_args
+from dschat.steps import common, sft
+from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
+from helpers import SFT_FAST
+
+# As a DeepSpeed-Chat walk-through writes them (../shared/reference/seeds/004_*), flags only.
+WALKTHROUGH = {
+    step1_parser: "--data_path Dahoas/rm-static --model_name_or_path facebook/opt-1.3b --per_device_train_batch_size 8 "
+                  "--per_device_eval_batch_size 8 --max_seq_len 512 --learning_rate 1e-5 --weight_decay 0.1 "
+                  "--num_train_epochs 1 --gradient_accumulation_steps 8 --lr_scheduler_type cosine "
+                  "--num_warmup_steps 100 --seed 42 --gradient_checkpointing --output_dir output/sft "
+                  "--deepspeed training/step1_supervised_finetuning/ds_config.json",
+    step2_parser: "--data_path Dahoas/rm-static --model_name_or_path facebook/opt-350m --num_padding_at_beginning 0 "
+                  "--per_device_train_batch_size 8 --per_device_eval_batch_size 8 --max_seq_len 512 "
+                  "--learning_rate 5e-6 --weight_decay 0.01 --output_dir output/rm "
+                  "--deepspeed training/step2_reward_model_finetuning/ds_config.json",
+    step3_parser: "--actor_model_name_or_path output/sft --critic_model_name_or_path output/rm --num_train_epochs 1 "
+                  "--per_device_train_batch_size 8 --per_device_mini_batch_size 4 --generation_batch_numbers 2 "
+                  "--ppo_epochs 1 --max_answer_seq_len 256 --max_prompt_seq_len 256 --enable_hybrid_engine "
+                  "--inference_tp_size 1 --tp_gather_partition_size 8 --zero_stage 3 --actor_gradient_checkpointing "
+                  "--critic_gradient_checkpointing --output_dir output/ppo "
+                  "--deepspeed training/step3_rlhf_finetuning/ds_config.json",
+}
+
+
+def _write(tmp_path, config, name="ds_config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(config) if not isinstance(config, str) else config)
+    return str(path)
+
+
+@pytest.mark.parametrize("parser", list(WALKTHROUGH), ids=lambda p: p.__name__)
+def test_walkthrough_commands_parse_and_name_their_config_file(parser):
+    args = parser().parse_args(shlex.split(WALKTHROUGH[parser]))
+    assert user_ds_config_path(args).endswith("ds_config.json")
+
+
+def test_old_step3_names_set_the_current_flags_and_zero_stage_fills_both_models():
+    args = step3_args(step3_parser().parse_args(shlex.split(WALKTHROUGH[step3_parser])))
+    assert (args.per_device_generation_batch_size, args.per_device_training_batch_size, args.generation_batches) \
+        == (8, 4, 2)
+    assert (args.actor_zero_stage, args.critic_zero_stage) == (3, 3)
+    mixed = step3_args(step3_parser().parse_args(["--zero_stage", "3", "--critic_zero_stage", "2"]))
+    assert (mixed.actor_zero_stage, mixed.critic_zero_stage) == (3, 2), "an explicit per-model stage wins"
+    assert (step3_args({}).actor_zero_stage, step3_args({}).critic_zero_stage) == (0, 0)
+    assert step3_args({"actor_zero_stage": 2}).actor_zero_stage == 2
+
+
+def test_deepspeed_flag_alone_is_still_a_switch_and_two_different_files_are_an_error():
+    args = step1_parser().parse_args(["--deepspeed"])
+    assert args.deepspeed is True and user_ds_config_path(args) is None
+    same = step1_parser().parse_args(["--deepspeed", "a.json", "--deepspeed_config", "a.json"])
+    assert user_ds_config_path(same) == "a.json"
+    with pytest.raises(ValueError, match="name different files"):
+        user_ds_config_path(step1_parser().parse_args(["--deepspeed", "a.json", "--deepspeed_config", "b.json"]))
+
+
+FLAGS = owned_key_flags("--per_device_train_batch_size", "--zero_stage")
+
+
+def test_the_file_wins_on_tuning_and_auto_or_equal_values_keep_the_flags(tmp_path):
+    generated = get_train_ds_config(stage=2, micro_batch_size=4, gradient_accumulation_steps=2)
+    path = _write(tmp_path, {"gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": "auto",
+                             "gradient_accumulation_steps": 2,
+                             "zero_optimization": {"stage": 2, "reduce_bucket_size": 12345,
+                                                   "offload_optimizer": {"pin_memory": True}},
+                             "communication_data_type": "fp32"})
+    merged = apply_user_ds_config(generated, path, FLAGS)
+    assert merged["gradient_clipping"] == 0.5 and merged["communication_data_type"] == "fp32"
+    assert merged["zero_optimization"]["reduce_bucket_size"] == 12345
+    assert merged["zero_optimization"]["offload_optimizer"] == {"device": "none", "pin_memory": True}, \
+        "nested blocks merge key by key"
+    assert merged["train_micro_batch_size_per_gpu"] == 4 and merged["zero_optimization"]["stage"] == 2
+    assert generated["gradient_clipping"] == 1.0, "the generated config is not changed in place"
+    assert apply_user_ds_config(generated, None, FLAGS) is generated
+
+
+@pytest.mark.parametrize("config, flag", [
+    ({"zero_optimization": {"stage": 3}}, "--zero_stage"),
+    ({"train_micro_batch_size_per_gpu": 8}, "--per_device_train_batch_size"),
+    ({"train_batch_size": 64}, r"--per_device_train_batch_size x --gradient_accumulation_steps x ranks"),
+    ({"fp16": {"enabled": True}}, "--dtype"),
+    ({"bf16": {"enabled": False}}, "--dtype"),
+    ({"hybrid_engine": {"enabled": True}}, "step 3's --enable_hybrid_engine"),
+    ({"optimizer": {"type": "AdamW"}}, "--learning_rate"),
+    ({"scheduler": {"type": "WarmupLR"}}, "--lr_scheduler_type"),
+])
+def test_a_file_contradicting_the_flags_is_an_error_naming_the_file_and_flag(tmp_path, config, flag):
+    path = _write(tmp_path, config)
+    with pytest.raises(ValueError, match=flag) as error:
+        apply_user_ds_config(get_train_ds_config(stage=2, micro_batch_size=4), path, FLAGS)
+    assert path in str(error.value)
+
+
+def test_a_missing_or_malformed_file_is_an_error_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        apply_user_ds_config({}, str(tmp_path / "nope.json"), FLAGS)
+    with pytest.raises(ValueError, match="bad.json.*not valid JSON"):
+        apply_user_ds_config({}, _write(tmp_path, "{stage: 3", "bad.json"), FLAGS)
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        apply_user_ds_config({}, _write(tmp_path, [1, 2], "list.json"), FLAGS)
+
+
+def test_step3_file_reaches_actor_and_critic_and_its_hybrid_block_only_the_actor(tmp_path):
+    from dschat.rlhf.engine import DeepSpeedRLHFEngine
+
+    path = _write(tmp_path, {"gradient_clipping": 0.25,
+                             "hybrid_engine": {"enabled": True, "enable_cuda_graph": False, "max_out_tokens": 300}})
+    settings = step3_args({"deepspeed_config": path, "enable_hybrid_engine": True, "max_prompt_seq_len": 8,
+                           "max_answer_seq_len": 8})
+    engine = SimpleNamespace(args=settings, world_size=1)
+    actor = DeepSpeedRLHFEngine._train_config(engine, 0, hybrid=True)
+    critic = DeepSpeedRLHFEngine._train_config(engine, 0, role="critic")
+    assert actor["gradient_clipping"] == critic["gradient_clipping"] == 0.25
+    assert actor["hybrid_engine"]["max_out_tokens"] == 300 and critic["hybrid_engine"]["enabled"] is False
+    settings.enable_hybrid_engine = False
+    with pytest.raises(ValueError, match="--enable_hybrid_engine"):
+        DeepSpeedRLHFEngine._train_config(engine, 0, hybrid=False)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_sft_hands_deepspeed_the_merged_config(tmp_path, distributed, monkeypatch):
+    """DeepSpeed itself runs with the file's value (not only dschat's dict)."""
+    engines = []
+    initialize = common.initialize_engine
+
+    def initialize_and_stop(*args, **kwargs):
+        engines.append(initialize(*args, **kwargs))
+        raise _Stop
+
+    monkeypatch.setattr(common, "initialize_engine", initialize_and_stop)
+    path = _write(tmp_path, {"gradient_clipping": 0.125, "zero_optimization": {"stage": "auto"}})
+    with pytest.raises(_Stop):
+        sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                  "--max_steps", "1", "--deepspeed", path, *SFT_FAST])
+    assert engines[0].gradient_clipping() == 0.125
