@@ -317,11 +317,11 @@ def print_table(rows):
 
 def row_runs(args, argv):
     """One run of this script per (model, batch, variant) row, in that order: ``argv`` with the row's own
-    ``--models``/``--batches``/``--variants`` (argparse keeps the last), its own JSON and ``--same_process``."""
+    ``--models``/``--batches``/``--variants`` (argparse keeps the last) and ``--same_process``."""
     rows = itertools.product(args.models.split(","), args.batches.split(","), args.variants.split(","))
     return [((name, int(batch), variant), argv + ["--models", name, "--batches", batch, "--variants", variant,
-                                                   "--json", f"row{i}.json", "--same_process"])
-            for i, (name, batch, variant) in enumerate(rows)]
+                                                   "--same_process"])
+            for name, batch, variant in rows]
 
 
 def run_rows_in_fresh_processes(args):

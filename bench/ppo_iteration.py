@@ -241,7 +241,7 @@ def run_each_in_its_own_process(variants, args):
     """This script once per variant, each in a fresh process; returns their result rows. The combined JSON goes to
     $OUT as usual."""
     results = []
-    runs = [(name, sys.argv[1:] + ["--variants", name, "--json", f"{name}.json", "--same_process"])  # last one wins
+    runs = [(name, sys.argv[1:] + ["--variants", name, "--same_process"])  # argparse keeps the last
             for name in variants]
     for name, payload, returncode in results_io.run_in_fresh_processes(__file__, runs):
         if returncode == 0 and payload is not None:

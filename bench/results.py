@@ -17,13 +17,15 @@ def write_json(name, payload):
 def run_in_fresh_processes(script, runs):
     """``script`` once per ``(label, argv)`` of ``runs``, each in a fresh Python process whose $OUT is a temporary
     folder, one after another; yields ``(label, payload, returncode)`` with the JSON the run wrote to
-    ``$OUT/<label>.json`` (its argv must say ``--json <label>.json``), or None when it wrote none. What each run prints
+    ``$OUT/<label>.json`` (``--json <label>.json`` is added to its argv; argparse keeps the last), or None when it
+    wrote none. What each run prints
     goes to this process's output. Why: nothing one run leaves in its process (tuning records, compiled code, memory)
     can change the next one's timing (the tenth session's mistuned second A/B rows, docs/benchmarks.md), and one
     run's failure cannot take the others with it."""
     with tempfile.TemporaryDirectory(prefix="dschat_bench_runs_") as tmp:
         for label, argv in runs:
-            proc = subprocess.run([sys.executable, os.path.abspath(script), *argv], env={**os.environ, "OUT": tmp})
+            proc = subprocess.run([sys.executable, os.path.abspath(script), *argv, "--json", f"{label}.json"],
+                                  env={**os.environ, "OUT": tmp})
             path = os.path.join(tmp, f"{label}.json")
             payload = None
             if os.path.exists(path):

@@ -8,6 +8,7 @@ import shlex
 import time
 
 from dschat.models.loading import resolve_model_path
+from dschat.run_layout import DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0
 
 # Settings that make the embedded tiny default train well in minutes on a CPU. Hub models get the step
@@ -36,7 +37,6 @@ GRPO_RECIPE = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "4", "
 TINY_DPO_RECIPE = ["--data_split", "4,4,2", "--max_seq_len", "96", "--per_device_train_batch_size", "16",
                    "--per_device_eval_batch_size", "32", "--learning_rate", "1e-3", "--num_train_epochs", "2",
                    "--num_warmup_steps", "10", "--dtype", "fp32", "--beta", "0.1", "--rpo_alpha", "1.0"]
-DPO_DIR = "step2_dpo"
 
 
 def is_tiny_run(actor_model, reward_model):
@@ -52,22 +52,22 @@ def step_argv(step, args, tiny):
     dpo = step == 2 and getattr(args, "recipe", "ppo") == "dpo"
     if dpo:
         # the policy and its frozen reference both start from the SFT model, sharded like the actor
-        argv = ["--model_name_or_path", os.path.join(out, "step1_sft"), "--zero_stage", str(args.actor_zero_stage),
+        argv = ["--model_name_or_path", os.path.join(out, SFT_DIR), "--zero_stage", str(args.actor_zero_stage),
                 "--output_dir", os.path.join(out, DPO_DIR)]
     elif step == 1:
         argv = ["--model_name_or_path", args.actor_model, "--zero_stage", str(args.actor_zero_stage),
-                "--output_dir", os.path.join(out, "step1_sft")]
+                "--output_dir", os.path.join(out, SFT_DIR)]
     elif step == 2:
         # The tiny default starts its reward model from the SFT model (as InstructGPT did): a 0.5M-parameter
         # model trained from scratch in seconds only sees an answer's form, the SFT model also knows content.
-        base = os.path.join(out, "step1_sft") if tiny else args.reward_model
+        base = os.path.join(out, SFT_DIR) if tiny else args.reward_model
         argv = ["--model_name_or_path", base, "--zero_stage", str(args.reward_zero_stage),
-                "--output_dir", os.path.join(out, "step2_rm")]
+                "--output_dir", os.path.join(out, RM_DIR)]
     else:
-        argv = ["--actor_model_name_or_path", os.path.join(out, "step1_sft"),
-                "--critic_model_name_or_path", os.path.join(out, "step2_rm"),
+        argv = ["--actor_model_name_or_path", os.path.join(out, SFT_DIR),
+                "--critic_model_name_or_path", os.path.join(out, RM_DIR),
                 "--actor_zero_stage", str(args.actor_zero_stage), "--critic_zero_stage", str(args.reward_zero_stage),
-                "--output_dir", os.path.join(out, "step3_ppo")]
+                "--output_dir", os.path.join(out, PPO_DIR)]
     recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else []
     if step == 3 and getattr(args, "recipe", "ppo") == "grpo":
         recipe = recipe + GRPO_RECIPE
@@ -149,7 +149,7 @@ def held_out_rule_scores(args):
     # step 3's data split, prompt and answer lengths on the tiny default
     step3 = step3_parser().parse_args(TINY_RECIPE[3])
     scores = {}
-    for name, folder in (("sft", "step1_sft"), ("dpo", DPO_DIR)):
+    for name, folder in (("sft", SFT_DIR), ("dpo", DPO_DIR)):
         path = os.path.join(args.output_dir, folder)
         model, tokenizer = load_policy(path, local_device())
         _, held_out = prompt_loaders({"data_split": step3.data_split, "max_prompt_seq_len": step3.max_prompt_seq_len,

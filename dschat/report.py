@@ -2,6 +2,7 @@
 import json
 import os
 
+from dschat.run_layout import PPO_DIR, RM_DIR, SFT_DIR
 from dschat.steps.common import write_json_atomic
 
 
@@ -21,10 +22,10 @@ def read_jsonl(path):
 
 def build_report(output_dir, timings):
     """Collect each step's metrics from its folder under ``output_dir``."""
-    step1 = read_json(os.path.join(output_dir, "step1_sft", "metrics.json")) or {}
-    step2 = read_json(os.path.join(output_dir, "step2_rm", "metrics.json")) or {}
-    step3 = read_json(os.path.join(output_dir, "step3_ppo", "metrics.json")) or {}
-    curve = read_jsonl(os.path.join(output_dir, "step3_ppo", "step3_log.jsonl"))
+    step1 = read_json(os.path.join(output_dir, SFT_DIR, "metrics.json")) or {}
+    step2 = read_json(os.path.join(output_dir, RM_DIR, "metrics.json")) or {}
+    step3 = read_json(os.path.join(output_dir, PPO_DIR, "metrics.json")) or {}
+    curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))
     report = {"timings_s": timings, "sft_eval_loss": step1.get("eval_loss"),
               "sft_perplexity": step1.get("perplexity"), "rm_accuracy": step2.get("accuracy"),
               "rm_chosen_mean_score": step2.get("chosen_mean_score"),

@@ -99,7 +99,7 @@ def test_fresh_processes_run_each_row_alone_and_say_which_left_no_result(tmp_pat
 
     script = tmp_path / "row.py"
     script.write_text("import json, os, sys\n"
-                      "label = sys.argv[1]\n"
+                      "label = sys.argv[sys.argv.index('--json') + 1][:-len('.json')]\n"
                       "if label == 'broken':\n"
                       "    sys.exit(3)\n"
                       "with open(os.path.join(os.environ['OUT'], label + '.json'), 'w') as f:\n"
@@ -107,7 +107,7 @@ def test_fresh_processes_run_each_row_alone_and_say_which_left_no_result(tmp_pat
     runs = [("a", ["a", "--x", "1"]), ("broken", ["broken"]), ("b", ["b"])]
     got = list(run_in_fresh_processes(script, runs))
     assert [(label, returncode) for label, _, returncode in got] == [("a", 0), ("broken", 3), ("b", 0)]
-    assert got[0][1]["argv"] == ["a", "--x", "1"] and got[1][1] is None
+    assert got[0][1]["argv"] == ["a", "--x", "1", "--json", "a.json"] and got[1][1] is None
     assert got[0][1]["pid"] != got[2][1]["pid"] != os.getpid(), "each run in a process of its own"
 
 
@@ -123,8 +123,7 @@ def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(t
                                         for v in ("dschat_z0", "hf_static")]
     key, argv = runs[5]  # argparse keeps the last occurrence of an option: the row's own
     assert argv[:4] == ["--repeats", "3", "--variants", "ignored"]
-    assert argv[4:] == ["--models", "qwen2.5-7b", "--batches", "1", "--variants", "hf_static", "--json", "row5.json",
-                        "--same_process"]
+    assert argv[4:] == ["--models", "qwen2.5-7b", "--batches", "1", "--variants", "hf_static", "--same_process"]
     # On the CPU every row's process fails (no GPU): the parent still reports each row and writes its JSON.
     env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "generation.py"), "--models", "opt-1.3b",

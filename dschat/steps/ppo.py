@@ -16,6 +16,7 @@ from dschat.rlhf.config import step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
+from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (format_metrics, progress, require_training_records, setup_run, tensorboard_writer,
                                  write_metrics)
 from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_device, print_rank_0
@@ -230,11 +231,11 @@ def main(args=None):
 
 
 def save_models(trainer, args):
-    save_causal_lm(trainer.actor_model.module, trainer.tokenizer, os.path.join(args.output_dir, "actor"))
+    save_causal_lm(trainer.actor_model.module, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_DIR))
     if trainer.critic_model is not None:
-        save_reward_model(trainer.critic_model.module, trainer.tokenizer, os.path.join(args.output_dir, "critic"))
+        save_reward_model(trainer.critic_model.module, trainer.tokenizer, os.path.join(args.output_dir, CRITIC_DIR))
     if trainer.actor_ema is not None:
-        save_causal_lm(trainer.actor_ema.module, trainer.tokenizer, os.path.join(args.output_dir, "actor_ema"))
+        save_causal_lm(trainer.actor_ema.module, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_EMA_DIR))
 
 
 def _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss, kl, train_time,

@@ -3,10 +3,12 @@ import os
 
 import torch
 
+from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
+
 # Where ``train.py`` puts each step's model under its output folder, best policy first: a run that reached
 # step 3 is chatted with through its PPO actor, a DPO run through its DPO policy, otherwise through its SFT model.
-POLICY_SUBFOLDERS = ("step3_ppo/actor", "actor", "step2_dpo", "step1_sft")
-REWARD_SUBFOLDERS = ("step2_rm",)
+POLICY_SUBFOLDERS = (f"{PPO_DIR}/{ACTOR_DIR}", ACTOR_DIR, DPO_DIR, SFT_DIR)
+REWARD_SUBFOLDERS = (RM_DIR,)
 
 
 def _looks_local(path):

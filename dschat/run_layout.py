@@ -1,0 +1,11 @@
+"""Where a run keeps its models: ``train.py``'s folder per step under ``--output_dir``, and step 3's own subfolders.
+The pipeline writes these, and the report, ``chat.py`` and the eval tools find a run's models through them."""
+SFT_DIR = "step1_sft"
+RM_DIR = "step2_rm"
+DPO_DIR = "step2_dpo"
+PPO_DIR = "step3_ppo"
+
+# under step 3's --output_dir
+ACTOR_DIR = "actor"
+CRITIC_DIR = "critic"
+ACTOR_EMA_DIR = "actor_ema"
