@@ -9,6 +9,7 @@ variant and batch, the newest file's row wins); the floor as a dashed line. Runs
 import argparse
 import json
 import os
+import re
 from collections import defaultdict
 
 LABELS = {"floor": "bandwidth floor", "hf_static": "HF generate, static cache", "hf_dynamic": "HF generate, dynamic",
@@ -29,11 +30,17 @@ def variant_key(row):
     return variant + ("+triton" if row.get("decode_attention") == "triton" else "")
 
 
+def run_order(path):
+    """Sort key putting later runs last: the date, then the session number as a number (``_s10_`` after ``_s9_``,
+    which a plain string sort gets wrong)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", os.path.basename(path))]
+
+
 def load_rows(paths, skip=()):
     """{model: {variant: {batch: seconds}}}, later files overriding earlier ones; floors as variant "floor". ``skip``:
     "file name:variant" pairs left out (a row whose meaning a later change of defaults altered)."""
     table = defaultdict(lambda: defaultdict(dict))
-    for path in sorted(paths):  # dated names: later runs last
+    for path in sorted(paths, key=run_order):
         with open(path) as f:
             rows = json.load(f)["rows"]
         for r in rows:

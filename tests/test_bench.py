@@ -133,3 +133,18 @@ def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(t
     rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
     assert [(r["batch"], r["ok"]) for r in rows] == [(1, False), (2, False)]
     assert "left no result" in rows[0]["error"] and proc.stdout.count("FAILED") == 2
+
+
+def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot import load_rows
+
+    def row(seconds):
+        return {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": seconds,
+                "floor_s": 0.45}
+
+    paths = []
+    for name, seconds in (("2026-11-30_s10_call1_gen.json", 0.8), ("2026-11-30_s9_call2_gen.json", 0.9)):
+        (tmp_path / name).write_text(json.dumps({"rows": [row(seconds)]}))
+        paths.append(str(tmp_path / name))
+    assert load_rows(paths)["opt-1.3b"]["dschat_z0_graph"][64] == 0.8, "session 10 is later than session 9"
