@@ -33,7 +33,11 @@ def parse_args(argv=None):
     for step in (1, 2, 3):
         p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        from dschat.pipeline import step_flags_hint
+
+        p.error(f"unrecognized arguments: {' '.join(unknown)}{step_flags_hint(unknown)}")
     # DeepSpeed-Chat's defaults: ZeRO-0 on one GPU, ZeRO-3 actor / ZeRO-3 reward when spread over GPUs.
     default_stage = 0 if args.deployment_type == "single_gpu" else 3
     args.actor_zero_stage = default_stage if args.actor_zero_stage is None else args.actor_zero_stage

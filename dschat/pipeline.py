@@ -75,6 +75,32 @@ def step_argv(step, args, tiny):
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache")] + extra
 
 
+# Step flags whose value train.py sets from one of its own.
+TRAIN_PY_NAMES = {"--actor_model_name_or_path": "--actor-model", "--model_name_or_path": "--actor-model",
+                  "--critic_model_name_or_path": "--reward-model", "--reward_model_name_or_path": "--reward-model",
+                  "--actor_zero_stage": "--actor-zero-stage", "--critic_zero_stage": "--reward-zero-stage",
+                  "--zero_stage": "--actor-zero-stage / --reward-zero-stage", "--data_path": "--data-path",
+                  "--output_dir": "--output-dir"}
+
+
+def step_flags_hint(unknown):
+    """For train.py's unrecognized arguments: which of them are flags of the step scripts, and how to pass them."""
+    from dschat.args import step1_parser, step2_parser, step3_parser
+
+    known = {step: parser()._option_string_actions for step, parser in
+             ((1, step1_parser), (2, step2_parser), (3, step3_parser))}
+    lines = []
+    for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
+        steps = [step for step, options in known.items() if flag in options]
+        if flag in TRAIN_PY_NAMES:
+            lines.append(f"  {flag}: train.py's {TRAIN_PY_NAMES[flag]}")
+        elif steps:
+            where = " / ".join(f"--step{step}-args" for step in steps)
+            lines.append(f"  {flag}: a flag of step {', '.join(map(str, steps))}; give it to train.py inside {where} "
+                         f"(one quoted string each), or run the step's training/.../main.py")
+    return "\n" + "\n".join(lines) if lines else ""
+
+
 def check_step_args(steps, args, tiny, parsers):
     """Every step's arguments parsed (``parsers``: step -> its parser factory) before the first step runs: a typo in
     ``--step3-args`` stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""

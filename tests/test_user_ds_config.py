@@ -146,3 +146,20 @@ def test_sft_hands_deepspeed_the_merged_config(tmp_path, distributed, monkeypatc
         sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
                   "--max_steps", "1", "--deepspeed", path, *SFT_FAST])
     assert engines[0].gradient_clipping() == 0.125
+
+
+def test_train_py_says_how_to_pass_step_flags_it_does_not_take(capsys):
+    import runpy
+
+    from launch import REPO
+
+    train = runpy.run_path(str(REPO / "train.py"))  # its functions; __main__ does not run
+    with pytest.raises(SystemExit):
+        train["parse_args"](shlex.split("--actor_model_name_or_path facebook/opt-1.3b --per_device_train_batch_size 4 "
+                                        "--deepspeed_config ds.json --no_such_flag"))
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --actor_model_name_or_path" in err and "--no_such_flag" in err
+    assert "--actor_model_name_or_path: train.py's --actor-model" in err
+    assert "--per_device_train_batch_size: a flag of step 1, 2, 3" in err and "--step3-args" in err
+    assert "--no_such_flag:" not in err, "only the step scripts' flags get a hint"
+    assert train["parse_args"](["--actor-model", "tiny-opt"]).actor_model == "tiny-opt"
