@@ -126,10 +126,10 @@ def add_deepspeed_config_args(g):
     the file, as HF Trainer and many DeepSpeed-Chat walk-throughs write it (``--deepspeed ds_config.json``)."""
     g.add_argument("--deepspeed_config", "--deepscale_config", dest="deepspeed_config", default=None, metavar="JSON",
                    help="A DeepSpeed config file merged over the one dschat builds from its flags: the file wins "
-                        "(e.g. zero_optimization tuning, offload, communication, activation checkpointing), except "
+                        "(e.g. zero_optimization tuning, offload, gradient clipping, communication), except "
                         "for the batch sizes, accumulation, ZeRO stage, precision and hybrid-engine switch, which it "
-                        "may only repeat or leave \"auto\" (set those with their flags); no optimizer or scheduler "
-                        "block (dschat builds them from the flags).")
+                        "may only repeat or leave \"auto\" (set those with their flags). dschat builds the optimizer "
+                        "and scheduler from the flags: such blocks only with \"auto\" parameters (HF's files).")
     g.add_argument("--deepspeed", nargs="?", const=True, default=False, metavar="JSON",
                    help="Accepted as DeepSpeed's launcher convention; with a file, the same as --deepspeed_config.")
     g.add_argument("--deepscale", action="store_true", help=argparse.SUPPRESS)  # DeepSpeed's old name
@@ -197,7 +197,11 @@ def namespace_with_defaults(parser, overrides=None):
     if overrides is None:
         return args
     items = overrides.items() if isinstance(overrides, dict) else vars(overrides).items()
+    # a flag's other names (DeepSpeed-Chat's older ones) reach its value in a dict as on the command line
+    aliases = {option.lstrip("-"): action.dest for action in parser._actions for option in action.option_strings
+               if option.lstrip("-") != action.dest}
     for key, value in items:
+        key = aliases.get(key, key)
         setattr(args, key, value)
     return args
 

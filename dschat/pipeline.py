@@ -50,6 +50,7 @@ def step_argv(step, args, tiny):
     out = args.output_dir
     common = ["--data_path", *args.data_path] if args.data_path else []
     dpo = step == 2 and getattr(args, "recipe", "ppo") == "dpo"
+    extra = shlex.split(getattr(args, f"step{step}_args") or "")
     if dpo:
         # the policy and its frozen reference both start from the SFT model, sharded like the actor
         argv = ["--model_name_or_path", os.path.join(out, SFT_DIR), "--zero_stage", str(args.actor_zero_stage),
@@ -64,14 +65,16 @@ def step_argv(step, args, tiny):
         argv = ["--model_name_or_path", base, "--zero_stage", str(args.reward_zero_stage),
                 "--output_dir", os.path.join(out, RM_DIR)]
     else:
+        # a --zero_stage in --step3-args sets both models: the per-model stages would outrank it
+        gives_stage = any(token.split("=", 1)[0] == "--zero_stage" for token in extra)
+        stages = [] if gives_stage else ["--actor_zero_stage", str(args.actor_zero_stage),
+                                         "--critic_zero_stage", str(args.reward_zero_stage)]
         argv = ["--actor_model_name_or_path", os.path.join(out, SFT_DIR),
-                "--critic_model_name_or_path", os.path.join(out, RM_DIR),
-                "--actor_zero_stage", str(args.actor_zero_stage), "--critic_zero_stage", str(args.reward_zero_stage),
+                "--critic_model_name_or_path", os.path.join(out, RM_DIR), *stages,
                 "--output_dir", os.path.join(out, PPO_DIR)]
     recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else []
     if step == 3 and getattr(args, "recipe", "ppo") == "grpo":
         recipe = recipe + GRPO_RECIPE
-    extra = shlex.split(getattr(args, f"step{step}_args") or "")
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache")] + extra
 
 
@@ -102,12 +105,22 @@ def step_flags_hint(unknown):
 
 
 def check_step_args(steps, args, tiny, parsers):
-    """Every step's arguments parsed (``parsers``: step -> its parser factory) before the first step runs: a typo in
-    ``--step3-args`` stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
+    """Every step's arguments parsed (``parsers``: step -> its parser factory), and its DeepSpeed config built with
+    any config file, before the first step runs: a typo in ``--step3-args`` or a config file at odds with a step's
+    flags stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.engine import check_step3_ds_configs
+    from dschat.steps.common import supervised_ds_config
+    from dschat.utils.dist import get_world_size
+
     for step in steps:
         parser = parsers[step]()
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
-        parser.parse_args(step_argv(step, args, tiny))
+        parsed = parser.parse_args(step_argv(step, args, tiny))
+        if step == 3:
+            check_step3_ds_configs(step3_args(parsed), get_world_size())
+        else:
+            supervised_ds_config(parsed, f"step{step}", quiet=True)
 
 
 def run_pipeline(args):

@@ -58,9 +58,9 @@ def test_old_step3_names_set_the_current_flags_and_zero_stage_fills_both_models(
 def test_deepspeed_flag_alone_is_still_a_switch_and_two_different_files_are_an_error():
     args = step1_parser().parse_args(["--deepspeed"])
     assert args.deepspeed is True and user_ds_config_path(args) is None
-    same = step1_parser().parse_args(["--deepspeed", "a.json", "--deepspeed_config", "a.json"])
+    same = step1_parser().parse_args(["--deepspeed", "./a.json", "--deepspeed_config", "a.json"])
     assert user_ds_config_path(same) == "a.json"
-    with pytest.raises(ValueError, match="name different files"):
+    with pytest.raises(ValueError, match="name different configs"):
         user_ds_config_path(step1_parser().parse_args(["--deepspeed", "a.json", "--deepspeed_config", "b.json"]))
 
 
@@ -90,15 +90,70 @@ def test_the_file_wins_on_tuning_and_auto_or_equal_values_keep_the_flags(tmp_pat
     ({"train_batch_size": 64}, r"--per_device_train_batch_size x --gradient_accumulation_steps x ranks"),
     ({"fp16": {"enabled": True}}, "--dtype"),
     ({"bf16": {"enabled": False}}, "--dtype"),
+    ({"bfloat16": {"enabled": False}}, "--dtype"),
     ({"hybrid_engine": {"enabled": True}}, "step 3's --enable_hybrid_engine"),
-    ({"optimizer": {"type": "AdamW"}}, "--learning_rate"),
-    ({"scheduler": {"type": "WarmupLR"}}, "--lr_scheduler_type"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": "auto"}}}, "--learning_rate"),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, "--learning_rate"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}, "--lr_scheduler_type"),
 ])
 def test_a_file_contradicting_the_flags_is_an_error_naming_the_file_and_flag(tmp_path, config, flag):
     path = _write(tmp_path, config)
     with pytest.raises(ValueError, match=flag) as error:
         apply_user_ds_config(get_train_ds_config(stage=2, micro_batch_size=4), path, FLAGS)
     assert path in str(error.value)
+
+
+def test_hf_trainer_files_with_auto_optimizer_and_scheduler_are_taken_and_overrides_are_said(tmp_path, capsys):
+    hf = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto"}},
+          "bf16": {"enabled": "auto"}, "bfloat16": {"enabled": True}, "train_batch_size": "auto",
+          "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"},
+          "gradient_clipping": 0.5, "amp": {"enabled": "auto", "opt_level": "O1"}}
+    merged = apply_user_ds_config(get_train_ds_config(stage=2, micro_batch_size=4), _write(tmp_path, hf), FLAGS)
+    assert "optimizer" not in merged and "scheduler" not in merged, "dschat hands DeepSpeed its own"
+    assert merged["zero_optimization"]["overlap_comm"] is True and merged["bf16"]["enabled"] is True
+    assert merged["amp"] == {"opt_level": "O1"}, "no literal \"auto\" left in a block dschat did not write"
+    out = capsys.readouterr().out
+    assert "the 'optimizer' block's parameters are \"auto\"" in out
+    assert "gradient_clipping = 0.5 (dschat's flags gave 1.0)" in out
+
+
+def test_the_optimizer_follows_the_files_optimizer_offload(tmp_path, distributed, monkeypatch):
+    """DeepSpeed refuses a torch optimizer under ZeRO-Offload (and CPU Adam without it): the file decides."""
+    picked = []
+
+    def make_optimizer_and_stop(param_groups, lr, offload):
+        picked.append(offload)
+        raise _Stop
+
+    monkeypatch.setattr(common, "make_optimizer", make_optimizer_and_stop)
+    path = _write(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    for extra in (["--deepspeed", path], ["--offload"]):
+        with pytest.raises(_Stop):
+            sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                      "--zero_stage", "2", "--max_steps", "1", *extra, *SFT_FAST])
+    assert picked == [True, True]
+    off = _write(tmp_path, {"zero_optimization": {"offload_optimizer": {"device": "none"}}}, "off.json")
+    with pytest.raises(_Stop):
+        sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                  "--max_steps", "1", "--offload", "--deepspeed_config", off, *SFT_FAST])
+    assert picked[-1] is False
+
+
+def test_steps_1_and_2_leave_the_hybrid_engine_block_to_step_3(tmp_path, distributed):
+    path = _write(tmp_path, {"hybrid_engine": {"enabled": True, "max_out_tokens": 300}})
+    args = step1_parser().parse_args(["--deepspeed", path])
+    assert common.supervised_ds_config(args, "step1")["hybrid_engine"]["enabled"] is False
+
+
+def test_notebook_dicts_take_the_old_names_and_a_config_dict():
+    from dschat.rlhf.engine import step3_train_config
+
+    args = step3_args({"per_device_train_batch_size": 8, "per_device_mini_train_batch_size": 4,
+                       "generation_batch_numbers": 2, "deepspeed_config": {"gradient_clipping": 0.3}})
+    assert (args.per_device_generation_batch_size, args.per_device_training_batch_size, args.generation_batches) \
+        == (8, 4, 2)
+    assert step3_train_config(args, 1, 0)["gradient_clipping"] == 0.3
 
 
 def test_a_missing_or_malformed_file_is_an_error_naming_it(tmp_path):
@@ -163,3 +218,26 @@ def test_train_py_says_how_to_pass_step_flags_it_does_not_take(capsys):
     assert "--per_device_train_batch_size: a flag of step 1, 2, 3" in err and "--step3-args" in err
     assert "--no_such_flag:" not in err, "only the step scripts' flags get a hint"
     assert train["parse_args"](["--actor-model", "tiny-opt"]).actor_model == "tiny-opt"
+
+
+def test_train_py_checks_each_steps_config_file_before_the_first_step_and_zero_stage_reaches_step3(
+        tmp_path, distributed):
+    import runpy
+
+    from dschat import pipeline
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    stage3 = _write(tmp_path, {"zero_optimization": {"stage": 3}})
+    args = parse(["--output-dir", str(tmp_path / "out"), "--step2-args", f"--deepspeed {stage3}"])
+    with pytest.raises(ValueError, match="zero_optimization.stage = 3.*--zero_stage"):
+        pipeline.check_step_args([1, 2, 3], args, True, {1: step1_parser, 2: step2_parser, 3: step3_parser})
+    missing = parse(["--step3-args", "--deepspeed_config /no/such.json"])
+    with pytest.raises(FileNotFoundError, match="/no/such.json"):
+        pipeline.check_step_args([3], missing, True, {3: step3_parser})
+
+    both = parse(["--step3-args", "--zero_stage 2"])
+    settings = step3_args(step3_parser().parse_args(pipeline.step_argv(3, both, True)))
+    assert (settings.actor_zero_stage, settings.critic_zero_stage) == (2, 2)
+    plain = step3_args(step3_parser().parse_args(pipeline.step_argv(3, parse(["--actor-zero-stage", "2"]), True)))
+    assert (plain.actor_zero_stage, plain.critic_zero_stage) == (2, 0)

@@ -30,6 +30,33 @@ def uses_cuda_graph(args):
     return get_accelerator().device_name() == "cuda" and not args.unpin_actor_parameters
 
 
+def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quiet=False):
+    """The training config of step 3's actor or critic: built from the flags, with the user's config file (if any)
+    merged over it; the file's hybrid engine block is the actor's. ``quiet``: no notes (a check before the step)."""
+    a = args
+    generated = get_train_ds_config(
+        offload=a.offload, dtype=a.dtype, stage=stage, micro_batch_size=a.per_device_training_batch_size,
+        gradient_accumulation_steps=a.gradient_accumulation_steps, world_size=world_size,
+        enable_hybrid_engine=hybrid, inference_tp_size=a.inference_tp_size,
+        release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
+        tp_gather_partition_size=a.tp_gather_partition_size,
+        max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=uses_cuda_graph(a),
+        enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3",
+        check_grad_overflow=a.check_grad_overflow)
+    flags = owned_key_flags("--per_device_training_batch_size", f"--{role}_zero_stage (or --zero_stage)",
+                            "--enable_hybrid_engine")
+    return apply_user_ds_config(generated, user_ds_config_path(a), flags,
+                                ignore=() if role == "actor" else ("hybrid_engine",), quiet=quiet)
+
+
+def check_step3_ds_configs(args, world_size):
+    """Build the actor's and critic's training configs once, quietly, so that a config file that contradicts the
+    flags fails before any data or model is loaded."""
+    step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
+    if args.advantage_estimator == "gae":
+        step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
+
+
 class DeepSpeedRLHFEngine:
     """Builds and holds the PPO models.
 
@@ -61,21 +88,7 @@ class DeepSpeedRLHFEngine:
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False, role="actor"):
-        a = self.args
-        generated = get_train_ds_config(
-            offload=a.offload, dtype=a.dtype, stage=stage, micro_batch_size=a.per_device_training_batch_size,
-            gradient_accumulation_steps=a.gradient_accumulation_steps, world_size=self.world_size,
-            enable_hybrid_engine=hybrid, inference_tp_size=a.inference_tp_size,
-            release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
-            tp_gather_partition_size=a.tp_gather_partition_size,
-            max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=uses_cuda_graph(a),
-            enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3",
-            check_grad_overflow=a.check_grad_overflow)
-        # the user's file (--deepspeed_config) tunes both trained models; its hybrid engine block is the actor's
-        flags = owned_key_flags("--per_device_training_batch_size", f"--{role}_zero_stage (or --zero_stage)",
-                                "--enable_hybrid_engine")
-        return apply_user_ds_config(generated, user_ds_config_path(a), flags,
-                                    ignore=() if role == "actor" else ("hybrid_engine",))
+        return step3_train_config(self.args, self.world_size, stage, hybrid, role)
 
     def _eval_config(self, stage, offload):
         # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3), on several ranks.
@@ -98,7 +111,7 @@ class DeepSpeedRLHFEngine:
                            only_optimize_lora=a.only_optimize_lora)
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
                                    a.actor_learning_rate, a.actor_weight_decay,
-                                   a.actor_lora_learning_rate if a.actor_lora_dim else None, a.offload,
+                                   a.actor_lora_learning_rate if a.actor_lora_dim else None,
                                    a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
                                    a.actor_gradient_checkpointing, a.zero3_fetch)
         print_rank_0(f"[step3] actor {self.actor_path}: ZeRO-{a.actor_zero_stage}, "
@@ -130,7 +143,7 @@ class DeepSpeedRLHFEngine:
         if a.critic_lora_dim and a.only_optimize_lora:
             model.v_head.requires_grad_(True)
         return initialize_engine(model, ds_config, a.critic_learning_rate, a.critic_weight_decay,
-                                 a.critic_lora_learning_rate if a.critic_lora_dim else None, a.offload,
+                                 a.critic_lora_learning_rate if a.critic_lora_dim else None,
                                  a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
                                  a.critic_gradient_checkpointing, a.zero3_fetch)
 

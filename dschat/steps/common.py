@@ -73,9 +73,12 @@ def prepare_zero3_hooks(model, ds_config, zero3_fetch):
                      "or miscounted blocks, or layerdrop); DeepSpeed's per-module hooks")
 
 
-def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, offload, lr_scheduler_type,
-                      num_warmup_steps, total_steps, gradient_checkpointing=False, zero3_fetch=DEFAULT_ZERO3_FETCH):
-    """Optimizer, scheduler and ``deepspeed.initialize`` for a trainable model."""
+def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr_scheduler_type, num_warmup_steps,
+                      total_steps, gradient_checkpointing=False, zero3_fetch=DEFAULT_ZERO3_FETCH):
+    """Optimizer, scheduler and ``deepspeed.initialize`` for a trainable model. The optimizer follows the config's
+    optimizer offload (``--offload``, or a user's config file), as DeepSpeed requires."""
+    from dschat.utils.ds_config import optimizer_offloaded
+
     import deepspeed
     from transformers import get_scheduler
 
@@ -84,7 +87,8 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, of
     prepare_zero3_hooks(model, ds_config, zero3_fetch)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = make_optimizer(optimizer_param_groups(model, weight_decay, lora_learning_rate), lr, offload)
+    optimizer = make_optimizer(optimizer_param_groups(model, weight_decay, lora_learning_rate), lr,
+                               optimizer_offloaded(ds_config))
     scheduler = get_scheduler(lr_scheduler_type, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
                               num_training_steps=max(total_steps, 1))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -267,24 +271,32 @@ def load_step_data(args, tokenizer, phase):
         include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False), data_fields=args.data_fields or None)
 
 
+def supervised_ds_config(args, name, quiet=False):
+    """The training config of steps 1, 2 and DPO: built from the flags, with the user's config file (if any) merged
+    over it; its hybrid engine block is step 3's and not read here. ``quiet``: no notes (a check before the step)."""
+    from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
+
+    generated = get_train_ds_config(
+        offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
+        micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=get_world_size(),
+        enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=f"{name}_model",
+        check_grad_overflow=args.check_grad_overflow)
+    return apply_user_ds_config(generated, user_ds_config_path(args),
+                                owned_key_flags("--per_device_train_batch_size", "--zero_stage"),
+                                ignore=("hybrid_engine",), quiet=quiet)
+
+
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
     from dschat.args import resolve_pad_to_multiple_of
     from dschat.models.loading import load_tokenizer
-    from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
 
     started = time.time()
     device = setup_run(args)
     tag = f"[{recipe.name}]"
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token)
-    ds_config = get_train_ds_config(
-        offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
-        micro_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=get_world_size(),
-        enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=f"{recipe.name}_model",
-        check_grad_overflow=args.check_grad_overflow)
-    ds_config = apply_user_ds_config(ds_config, user_ds_config_path(args),
-                                     owned_key_flags("--per_device_train_batch_size", "--zero_stage"))
+    ds_config = supervised_ds_config(args, recipe.name)
     model = recipe.build_model(args, tokenizer, ds_config)
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
     require_training_records(train_data, args, recipe.name)
@@ -295,7 +307,7 @@ def run_supervised_step(args, recipe):
     total_steps = num_update_steps(len(train_loader), args.gradient_accumulation_steps, args.num_train_epochs,
                                    args.max_steps)
     engine = initialize_engine(model, ds_config, args.learning_rate, args.weight_decay,
-                               args.lora_learning_rate if args.lora_dim else None, args.offload,
+                               args.lora_learning_rate if args.lora_dim else None,
                                args.lr_scheduler_type, args.num_warmup_steps, total_steps,
                                args.gradient_checkpointing, args.zero3_fetch)
     print_rank_0(f"{tag} {len(train_data)} train / {len(eval_data)} eval records, {total_steps} steps, "

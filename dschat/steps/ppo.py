@@ -13,7 +13,7 @@ from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import step3_args
-from dschat.rlhf.engine import DeepSpeedRLHFEngine
+from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_ds_configs
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
@@ -145,6 +145,7 @@ def main(args=None):
     args = step3_args(args)
     started = time.time()
     setup_run(args)
+    check_step3_ds_configs(args, get_world_size())  # a config file at odds with the flags fails before data loads
     device = local_device()
     tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token)
     train_loader, eval_loader = prompt_loaders(args, tokenizer)

@@ -85,12 +85,17 @@ def get_eval_ds_config(offload=False, dtype="bf16", stage=0, micro_batch_size=1,
 
 # --- a user's DeepSpeed config file (--deepspeed_config / --deepspeed PATH) ---------------------------------------
 # Config keys that dschat's own flags set: the file may repeat them (or say "auto"), not contradict them, because the
-# data loaders, the model's dtype and the optimizer are built from the flags before DeepSpeed reads the config.
+# data loaders, the model's dtype, the optimizer and the actor's engine are built from the flags before DeepSpeed
+# reads the config.
 FLAG_OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                   "zero_optimization.stage", "bf16.enabled", "fp16.enabled", "hybrid_engine.enabled")
-# Blocks dschat builds itself from flags (it passes DeepSpeed its own optimizer and scheduler).
-REFUSED_BLOCKS = {"optimizer": "--learning_rate / --weight_decay (step 3: --actor_learning_rate, ...)",
-                  "scheduler": "--lr_scheduler_type / --num_warmup_steps"}
+                   "zero_optimization.stage", "bf16.enabled", "bfloat16.enabled", "fp16.enabled",
+                   "hybrid_engine.enabled")
+# Blocks dschat builds itself from flags (it hands DeepSpeed its own optimizer and scheduler). HF Trainer's files
+# write them with "auto" parameters, i.e. "from the flags": such a block is dropped, with a note.
+DROPPED_BLOCKS = {"optimizer": ("--learning_rate / --weight_decay (step 3: --actor_learning_rate, ...)",
+                                {"adam", "adamw", "fusedadam", "cpuadam"}),
+                  "scheduler": ("--lr_scheduler_type / --num_warmup_steps", None)}
+CONFIG_FLAGS = "--deepspeed_config / --deepspeed"
 
 
 def load_user_ds_config(path):
@@ -100,7 +105,7 @@ def load_user_ds_config(path):
 
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"DeepSpeed config {path!r} (--deepspeed_config): no such file")
+        raise FileNotFoundError(f"DeepSpeed config {path!r} ({CONFIG_FLAGS}): no such file")
     with open(path, encoding="utf-8") as f:
         try:
             config = json.load(f)
@@ -116,8 +121,8 @@ def owned_key_flags(micro_batch_flag, stage_flag, hybrid_flag="step 3's --enable
     return {"train_micro_batch_size_per_gpu": micro_batch_flag,
             "gradient_accumulation_steps": "--gradient_accumulation_steps",
             "train_batch_size": f"{micro_batch_flag} x --gradient_accumulation_steps x ranks",
-            "zero_optimization.stage": stage_flag, "bf16.enabled": "--dtype", "fp16.enabled": "--dtype",
-            "hybrid_engine.enabled": hybrid_flag}
+            "zero_optimization.stage": stage_flag, "bf16.enabled": "--dtype", "bfloat16.enabled": "--dtype",
+            "fp16.enabled": "--dtype", "hybrid_engine.enabled": hybrid_flag}
 
 
 def _lookup(config, dotted):
@@ -130,58 +135,107 @@ def _lookup(config, dotted):
 
 
 def _flag_value(generated, dotted):
-    """What dschat's flags made of a flag-owned key (a precision block it did not write is off)."""
-    value = _lookup(generated, dotted)
+    """What dschat's flags made of a flag-owned key (a precision block it did not write is off; DeepSpeed reads
+    "bfloat16" as "bf16")."""
+    value = _lookup(generated, dotted.replace("bfloat16.", "bf16.", 1))
     return False if value is None and dotted.endswith(".enabled") else value
 
 
-def _check_flag_owned(generated, user, path, flags):
+def _check_flag_owned(generated, user, source, flags):
     for dotted in FLAG_OWNED_KEYS:
         wanted = _lookup(user, dotted)
         if wanted is None or wanted == "auto":
             continue
         have = _flag_value(generated, dotted)
         if wanted != have:
-            flag = flags[dotted]
-            raise ValueError(f"DeepSpeed config {path!r}: {dotted} = {wanted!r}, but the flags give {have!r}; "
-                             f"set it with {flag} (or write \"auto\" in the file)")
+            raise ValueError(f"DeepSpeed config {source}: {dotted} = {wanted!r}, but the flags give {have!r}; "
+                             f"set it with {flags[dotted]} (or write \"auto\" in the file)")
 
 
-def _merge(base, override):
-    """``base`` updated from ``override`` recursively; "auto" keeps base's value."""
+def _drop_flag_built_blocks(user, source, say=True):
+    """The file without its optimizer/scheduler blocks where they only say "take it from the flags" ("auto"
+    parameters, an Adam optimizer); any other such block is an error naming the flags to use."""
+    from dschat.utils.dist import print_rank_0
+
+    for block, (use_instead, same_kinds) in DROPPED_BLOCKS.items():
+        if block not in user:
+            continue
+        spec = user[block] if isinstance(user[block], dict) else {}
+        params = spec.get("params", {})
+        kind = str(spec.get("type", "")).lower()
+        auto = isinstance(params, dict) and all(value == "auto" for value in params.values())
+        if not auto or (same_kinds is not None and kind not in same_kinds):
+            raise ValueError(f"DeepSpeed config {source}: dschat builds the {block!r} block itself; set it with "
+                             f"{use_instead} (a block whose params are all \"auto\" is accepted)")
+        if say:
+            print_rank_0(f"[ds_config] {source}: the {block!r} block's parameters are \"auto\": dschat's own "
+                         f"from {use_instead}")
+    return {key: value for key, value in user.items() if key not in DROPPED_BLOCKS}
+
+
+def _without_auto(value):
+    if isinstance(value, dict):
+        return {key: _without_auto(item) for key, item in value.items() if item != "auto"}
+    return value
+
+
+def _merge(base, override, changed, prefix=""):
+    """``base`` updated from ``override`` recursively; "auto" keeps base's value. Appends to ``changed`` each
+    (dotted key, base value, new value) where the file replaced a value dschat had set."""
     merged = dict(base)
     for key, value in override.items():
         if value == "auto":
             continue
+        dotted = f"{prefix}{key}"
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
+            merged[key] = _merge(merged[key], value, changed, dotted + ".")
+            continue
+        if key in merged and merged[key] != value:
+            changed.append((dotted, merged[key], value))
+        merged[key] = _without_auto(value)
     return merged
 
 
-def apply_user_ds_config(generated, path, flags, ignore=()):
-    """``generated`` (a config built from dschat's flags) with the user's file ``path`` merged over it: the file
-    wins on every key except those in FLAG_OWNED_KEYS, which must agree with the flags (``flags`` maps such a key to
-    the flag that sets it, for the error); "auto" keeps dschat's value; top-level blocks in ``ignore`` are not taken
-    from the file (e.g. the hybrid engine block for the critic). ``path`` None returns ``generated``."""
-    if not path:
+def apply_user_ds_config(generated, source, flags, ignore=(), quiet=False):
+    """``generated`` (a config built from dschat's flags) with the user's config merged over it: the file wins on
+    every key except those in FLAG_OWNED_KEYS, which must agree with the flags (``flags`` maps such a key to the flag
+    that sets it, for the error); "auto" keeps dschat's value; top-level blocks in ``ignore`` are not taken from the
+    file (e.g. the hybrid engine block outside step 3's actor). Every value of dschat's that the file replaces is
+    printed (unless ``quiet``). ``source``: a path, a dict (what ``deepspeed.initialize(config=...)`` also takes), or None (returns
+    ``generated``)."""
+    from dschat.utils.dist import print_rank_0
+
+    if not source:
         return generated
-    user = {key: value for key, value in load_user_ds_config(path).items() if key not in ignore}
-    for block, use_instead in REFUSED_BLOCKS.items():
-        if block in user:
-            raise ValueError(f"DeepSpeed config {path!r}: dschat builds the {block!r} block itself; "
-                             f"set it with {use_instead}")
-    _check_flag_owned(generated, user, path, flags)
-    return _merge(generated, user)
+    user, label = (source, "(dict)") if isinstance(source, dict) else (load_user_ds_config(source), repr(source))
+    user = _drop_flag_built_blocks({k: v for k, v in user.items() if k not in ignore}, label, say=not quiet)
+    _check_flag_owned(generated, user, label, flags)
+    changed = []
+    merged = _merge(generated, user, changed)
+    for dotted, old, new in [] if quiet else changed:
+        print_rank_0(f"[ds_config] {label}: {dotted} = {new!r} (dschat's flags gave {old!r})")
+    return merged
+
+
+def optimizer_offloaded(ds_config):
+    """Whether the config puts optimizer states on the CPU/NVMe (then dschat builds DeepSpeed's CPU Adam)."""
+    return _lookup(ds_config, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
 
 
 def user_ds_config_path(args):
-    """The DeepSpeed config file the command line names: --deepspeed_config PATH, or --deepspeed PATH (the form
-    of HF Trainer and of many DeepSpeed-Chat walk-throughs); None when neither names one."""
+    """The DeepSpeed config the arguments name: --deepspeed_config PATH (or a dict, from a notebook), or
+    --deepspeed PATH (the form of HF Trainer and of many DeepSpeed-Chat walk-throughs); None when neither does."""
+    import os
+
     from_config = getattr(args, "deepspeed_config", None)
     from_flag = getattr(args, "deepspeed", None)
-    from_flag = from_flag if isinstance(from_flag, str) else None
-    if from_config and from_flag and from_config != from_flag:
-        raise ValueError(f"--deepspeed {from_flag!r} and --deepspeed_config {from_config!r} name different files")
+    from_flag = from_flag if isinstance(from_flag, (str, dict)) else None
+    if from_config and from_flag and not _same_config(from_config, from_flag, os.path):
+        raise ValueError(f"--deepspeed {from_flag!r} and --deepspeed_config {from_config!r} name different configs")
     return from_config or from_flag
+
+
+def _same_config(a, b, path):
+    if isinstance(a, str) and isinstance(b, str):
+        return path.realpath(path.expanduser(a)) == path.realpath(path.expanduser(b))
+    return a == b

@@ -54,7 +54,7 @@ def train(family, kind, checkpointing, stage, fetch, rank):
     config.pop("optimizer")
     config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * dist.get_world_size()
     model = build(family, kind)
-    engine = initialize_engine(model, config, lr=1e-2, weight_decay=0.0, lora_learning_rate=None, offload=False,
+    engine = initialize_engine(model, config, lr=1e-2, weight_decay=0.0, lora_learning_rate=None,
                                lr_scheduler_type="constant", num_warmup_steps=0, total_steps=STEPS,
                                gradient_checkpointing=checkpointing, zero3_fetch=fetch)
     layers = list(decoder_layer_list(engine.module)[1])
