@@ -297,6 +297,12 @@ def step3_parser():
     g.add_argument("--actor_dropout", type=float, default=None)
     g.add_argument("--critic_dropout", type=float, default=None)
     g.add_argument("--compute_fp32_loss", action="store_true")
+    g.add_argument("--enable_mixed_precision_lora", action="store_true",
+                   help="Mixed Precision ZeRO++ (DeepSpeed-Chat's): the actor's frozen weights are stored, gathered "
+                        "and generated from in int8 (DeepSpeed's zero_quantized_nontrainable_weights; weights of "
+                        "500k elements or fewer stay as they are). Needs --actor_lora_dim, --only_optimize_lora (else "
+                        "nothing is frozen), --actor_zero_stage 3, --dtype fp16 (DeepSpeed quantizes fp16 only) and "
+                        "CUDA.")
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
     g = p.add_argument_group("lora")

@@ -165,3 +165,27 @@ def test_zero3_layer_and_module_fetch_train_like_zero2_on_two_ranks():
         for case in cases:
             assert f"rank {rank} {case}: layer == module == ZeRO-2" in proc.stdout
         assert f"rank {rank} ALL OK" in proc.stdout
+
+
+def test_mixed_precision_lora_quantizes_only_the_actors_frozen_weights_and_says_what_it_needs():
+    from deepspeed.accelerator import get_accelerator
+
+    from dschat.rlhf.engine import check_step3_ds_configs, step3_train_config
+
+    ready = {"enable_mixed_precision_lora": True, "actor_lora_dim": 8, "only_optimize_lora": True,
+             "actor_zero_stage": 3, "critic_zero_stage": 3, "dtype": "fp16"}
+    args = step3_args(ready)
+    actor = step3_train_config(args, 1, 3)
+    assert actor["zero_optimization"]["zero_quantized_nontrainable_weights"] is True
+    critic = step3_train_config(args, 1, 3, role="critic")
+    assert "zero_quantized_nontrainable_weights" not in critic["zero_optimization"]
+    devices = get_accelerator().device_count()
+    spread = step3_train_config(args, devices + 1, 3)["zero_optimization"]
+    assert spread["zero_hpz_partition_size"] == devices, "ranks beyond one node's devices: hierarchical partitions"
+    default = step3_train_config(step3_args({"actor_zero_stage": 3}), 1, 3)["zero_optimization"]
+    assert "zero_quantized_nontrainable_weights" not in default, "off by default"
+    for key, value, flag in (("actor_lora_dim", 0, "--actor_lora_dim > 0"),
+                             ("actor_zero_stage", 2, "--actor_zero_stage 3"), ("dtype", "bf16", "--dtype fp16"),
+                             ("only_optimize_lora", False, "--only_optimize_lora")):
+        with pytest.raises(ValueError, match=flag):
+            check_step3_ds_configs(step3_args({**ready, key: value}), 1)

@@ -42,11 +42,33 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
         tp_gather_partition_size=a.tp_gather_partition_size,
         max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=uses_cuda_graph(a),
         enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3",
-        check_grad_overflow=a.check_grad_overflow)
+        check_grad_overflow=a.check_grad_overflow,
+        enable_mixed_precision_lora=role == "actor" and check_mixed_precision_lora(a))
     flags = owned_key_flags("--per_device_training_batch_size", f"--{role}_zero_stage (or --zero_stage)",
                             "--enable_hybrid_engine")
     return apply_user_ds_config(generated, user_ds_config_path(a), flags,
                                 ignore=() if role == "actor" else ("hybrid_engine",), quiet=quiet)
+
+
+def check_mixed_precision_lora(args):
+    """Whether --enable_mixed_precision_lora is on; an error naming the flag when what it needs is not."""
+    if not args.enable_mixed_precision_lora:
+        return False
+    needs = {"--actor_lora_dim > 0": args.actor_lora_dim > 0, "--only_optimize_lora": args.only_optimize_lora,
+             "--actor_zero_stage 3": args.actor_zero_stage == 3, "--dtype fp16": args.dtype == "fp16"}
+    missing = [flag for flag, ok in needs.items() if not ok]
+    if missing:
+        raise ValueError(f"--enable_mixed_precision_lora quantizes the actor's frozen weights under ZeRO-3; it also "
+                         f"needs {', '.join(missing)} (DeepSpeed quantizes fp16 weights only)")
+    return True
+
+
+def quantize_frozen_weights(engine):
+    """Mixed Precision ZeRO++: store the frozen (non-LoRA) partitions in int8. DeepSpeed decides what to quantize
+    when it partitions the model, before LoRA froze the base weights, hence this second pass (as DeepSpeed-Chat
+    does). Returns how many weights are stored quantized."""
+    engine.optimizer.quantize_nontrainable_params()
+    return sum(hasattr(getattr(p, "ds_tensor", None), "ds_quant_scale") for p in engine.module.parameters())
 
 
 def check_step3_ds_configs(args, world_size):
@@ -114,6 +136,9 @@ class DeepSpeedRLHFEngine:
                                    a.actor_lora_learning_rate if a.actor_lora_dim else None,
                                    a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
                                    a.actor_gradient_checkpointing, a.zero3_fetch)
+        if a.enable_mixed_precision_lora:
+            print_rank_0(f"[step3] mixed precision LoRA: {quantize_frozen_weights(engine)} frozen weights stored "
+                         "in int8")
         print_rank_0(f"[step3] actor {self.actor_path}: ZeRO-{a.actor_zero_stage}, "
                      f"hybrid engine {'on' if a.enable_hybrid_engine else 'off'}")
         if not a.enable_hybrid_engine:

@@ -22,7 +22,8 @@ def get_train_ds_config(offload=False, dtype="bf16", stage=2, micro_batch_size=1
                         world_size=1, enable_hybrid_engine=False, inference_tp_size=1,
                         release_inference_cache=False, pin_parameters=True, tp_gather_partition_size=8,
                         max_out_tokens=512, enable_cuda_graph=False, enable_tensorboard=False,
-                        tb_path="", tb_name="", gradient_clipping=1.0, check_grad_overflow=False):
+                        tb_path="", tb_name="", gradient_clipping=1.0, check_grad_overflow=False,
+                        enable_mixed_precision_lora=False):
     """A training config: ZeRO stage, optional CPU offload of optimizer and (stage 3) parameters."""
     device = "cpu" if offload else "none"
     zero = {
@@ -34,6 +35,13 @@ def get_train_ds_config(offload=False, dtype="bf16", stage=2, micro_batch_size=1
         "stage3_prefetch_bucket_size": 3e7,
         "memory_efficient_linear": False,
     }
+    if enable_mixed_precision_lora:  # Mixed Precision ZeRO++: frozen weights stored and gathered in int8
+        from deepspeed.accelerator import get_accelerator
+
+        zero["zero_quantized_nontrainable_weights"] = True
+        devices = get_accelerator().device_count()
+        if world_size != devices:  # several nodes: secondary partitions within each node (hpZ), as DeepSpeed-Chat
+            zero["zero_hpz_partition_size"] = devices
     return {
         "train_batch_size": micro_batch_size * gradient_accumulation_steps * world_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
