@@ -17,3 +17,19 @@ def prepare_for_zero_init():
     except ImportError:  # older transformers
         pass
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def zero3_single_rank_dequantizer():
+    """Give DeepSpeed's ZeRO-3 ``Init`` class the quantizer its one-rank gather path reads.
+
+    With ``zero_quantized_nontrainable_weights`` (Mixed Precision ZeRO++), DeepSpeed 0.19 sets ``quantizer_module`` on
+    each ``Init`` instance, but with a single rank (nothing to all-gather) ``NoGatherHandle`` and
+    ``NoGatherCoalescedHandle`` dequantize through ``Init.quantizer_module``, a class attribute that is never set:
+    "AttributeError: type object 'Init' has no attribute 'quantizer_module'" at the first gather.
+    """
+    from deepspeed.runtime.zero import partition_parameters
+
+    if not hasattr(partition_parameters.Init, "quantizer_module"):
+        partition_parameters.Init.quantizer_module = partition_parameters.CUDAQuantizer()
+    return True

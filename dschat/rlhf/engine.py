@@ -67,6 +67,9 @@ def quantize_frozen_weights(engine):
     """Mixed Precision ZeRO++: store the frozen (non-LoRA) partitions in int8. DeepSpeed decides what to quantize
     when it partitions the model, before LoRA froze the base weights, hence this second pass (as DeepSpeed-Chat
     does). Returns how many weights are stored quantized."""
+    from dschat.compat import zero3_single_rank_dequantizer
+
+    zero3_single_rank_dequantizer()
     engine.optimizer.quantize_nontrainable_params()
     return sum(hasattr(getattr(p, "ds_tensor", None), "ds_quant_scale") for p in engine.module.parameters())
 
