@@ -9,18 +9,38 @@
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
+
+
+def model_name(text):
+    """A hub name, folder or preset; a bare OPT size ("1.3b", "350m": DeepSpeed-Chat's train.py took only those)
+    means facebook/opt-SIZE."""
+    return f"facebook/opt-{text}" if re.fullmatch(r"\d+(\.\d+)?[mb]", text) else text
+
+
+def zero_stage(text):
+    """0-3, or "" (DeepSpeed-Chat's "the default for this deployment")."""
+    if text == "":
+        return None
+    if text not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"expected 0, 1, 2, 3 or '', got {text!r}")
+    return int(text)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step", type=int, nargs="+", choices=[1, 2, 3], default=[1, 2, 3],
                    help="Which steps to run (e.g. --step 2 3).")
-    p.add_argument("--actor-model", default="tiny-llama", help="Hub name, local folder or tiny preset.")
-    p.add_argument("--reward-model", default="tiny-llama", help="Hub name, local folder or tiny preset.")
-    p.add_argument("--actor-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    p.add_argument("--reward-zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    p.add_argument("--actor-model", type=model_name, default="tiny-llama",
+                   help="Hub name, local folder or tiny preset; a bare OPT size (1.3b) means facebook/opt-1.3b.")
+    p.add_argument("--reward-model", type=model_name, default="tiny-llama",
+                   help="Hub name, local folder or tiny preset; a bare OPT size (350m) means facebook/opt-350m.")
+    p.add_argument("--actor-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
+                   help="Steps 1 and 3's actor (default: 0 with single_gpu, else 3).")
+    p.add_argument("--reward-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
+                   help="Step 2's reward model and step 3's critic (default: 0 with single_gpu, else 3).")
     p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node"])
     p.add_argument("--output-dir", default="./output")
     p.add_argument("--data-path", nargs="*", default=None, help="Datasets for all steps (default: the steps').")
@@ -38,7 +58,7 @@ def parse_args(argv=None):
         from dschat.pipeline import step_flags_hint
 
         p.error(f"unrecognized arguments: {' '.join(unknown)}{step_flags_hint(unknown)}")
-    # DeepSpeed-Chat's defaults: ZeRO-0 on one GPU, ZeRO-3 actor / ZeRO-3 reward when spread over GPUs.
+    # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.
     default_stage = 0 if args.deployment_type == "single_gpu" else 3
     args.actor_zero_stage = default_stage if args.actor_zero_stage is None else args.actor_zero_stage
     args.reward_zero_stage = default_stage if args.reward_zero_stage is None else args.reward_zero_stage

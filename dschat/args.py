@@ -62,8 +62,13 @@ def add_model_args(parser, default_model="tiny-llama"):
                    help="Accepted for DeepSpeed-Chat compatibility; dschat finds sequence ends from the "
                         "attention mask, so it has no effect.")
     g.add_argument("--dropout", type=float, default=None, help="Override every dropout of the model config.")
+    g.add_argument("--disable_dropout", dest="dropout", action="store_const", const=0.0,
+                   help="DeepSpeed-Chat's older spelling of --dropout 0.0.")
     g.add_argument("--add_eot_token", action="store_true",
-                   help="Add <|endoftext|> as the end-of-conversation token when the tokenizer has no EOS.")
+                   help="Add --eot_token as the end-of-conversation (EOS) token when the tokenizer has none; answers "
+                        "always end with the tokenizer's EOS token.")
+    g.add_argument("--eot_token", type=str, default="<|endoftext|>",
+                   help="The end-of-conversation token --add_eot_token adds (DeepSpeed-Chat's).")
     return g
 
 
@@ -112,7 +117,7 @@ def add_zero_tuning_args(g):
 def add_deepspeed_args(parser):
     g = parser.add_argument_group("deepspeed")
     g.add_argument("--offload", action="store_true", help="Offload optimizer (and ZeRO-3 parameters) to CPU.")
-    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"])
+    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"], help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
     g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
     g.add_argument("--enable_tensorboard", action="store_true")
     g.add_argument("--tensorboard_path", type=str, default=None)
@@ -141,7 +146,8 @@ def add_lora_args(parser, prefix=""):
     if not prefix:
         g.add_argument("--lora_module_name", type=str, default="",
                        help="Adapt Linear modules whose path contains this (empty: all but output heads).")
-        g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha (default: = lora_dim).")
+        g.add_argument("--lora_alpha", type=float, default=None,
+                       help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, DeepSpeed-Chat's scaling (PEFT's own default is 8).")
         g.add_argument("--only_optimize_lora", action="store_true", help="Freeze the base weights.")
     g.add_argument(f"--{prefix}lora_learning_rate", type=float, default=5e-4)
     return g
@@ -217,7 +223,10 @@ def step3_parser():
                    help="Reward model (default: the critic's path, as DeepSpeed-Chat does).")
     g.add_argument("--num_padding_at_beginning", type=int, default=1,
                    help="Accepted for DeepSpeed-Chat compatibility; ends come from the attention mask.")
-    g.add_argument("--add_eot_token", action="store_true")
+    g.add_argument("--add_eot_token", action="store_true",
+                   help="Add --eot_token as the end-of-conversation (EOS) token when the tokenizer has none.")
+    g.add_argument("--eot_token", type=str, default="<|endoftext|>",
+                   help="The end-of-conversation token --add_eot_token adds (DeepSpeed-Chat's).")
     g = p.add_argument_group("unsupervised mixing")
     g.add_argument("--unsupervised_dataset_name", type=str, default=None)
     g.add_argument("--unsupervised_dataset_config_name", type=str, default=None)
@@ -291,18 +300,22 @@ def step3_parser():
     g.add_argument("--zero_stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="The ZeRO stage of actor and critic where --actor_zero_stage / --critic_zero_stage are not "
                         "given (steps 1 and 2 take this name).")
-    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"])
+    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"], help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
     g.add_argument("--actor_gradient_checkpointing", action="store_true")
     g.add_argument("--critic_gradient_checkpointing", action="store_true")
-    g.add_argument("--actor_dropout", type=float, default=None)
-    g.add_argument("--critic_dropout", type=float, default=None)
+    g.add_argument("--actor_dropout", type=float, default=None, help="Override every dropout of the actor's config.")
+    g.add_argument("--critic_dropout", type=float, default=None,
+                   help="Override every dropout of the critic's config.")
+    g.add_argument("--disable_actor_dropout", dest="actor_dropout", action="store_const", const=0.0,
+                   help="DeepSpeed-Chat's older spelling of --actor_dropout 0.0.")
+    g.add_argument("--disable_critic_dropout", dest="critic_dropout", action="store_const", const=0.0,
+                   help="DeepSpeed-Chat's older spelling of --critic_dropout 0.0.")
     g.add_argument("--compute_fp32_loss", action="store_true")
     g.add_argument("--enable_mixed_precision_lora", action="store_true",
                    help="Mixed Precision ZeRO++ (DeepSpeed-Chat's): the actor's frozen weights are stored, gathered "
                         "and generated from in int8 (DeepSpeed's zero_quantized_nontrainable_weights; weights of "
-                        "500k elements or fewer stay as they are). Needs --actor_lora_dim, --only_optimize_lora (else "
-                        "nothing is frozen), --actor_zero_stage 3, --dtype fp16 (DeepSpeed quantizes fp16 only) and "
-                        "CUDA.")
+                        "500k elements or fewer stay as they are). Needs --actor_lora_dim (LoRA freezes the adapted "
+                        "weights), --actor_zero_stage 3, --dtype fp16 (DeepSpeed quantizes fp16 only) and CUDA.")
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
     g = p.add_argument_group("lora")
@@ -310,7 +323,7 @@ def step3_parser():
     g.add_argument("--actor_lora_module_name", type=str, default="")
     g.add_argument("--critic_lora_dim", type=int, default=0)
     g.add_argument("--critic_lora_module_name", type=str, default="")
-    g.add_argument("--lora_alpha", type=float, default=None)
+    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, DeepSpeed-Chat's scaling (PEFT's own default is 8).")
     g.add_argument("--only_optimize_lora", action="store_true")
     g.add_argument("--actor_lora_learning_rate", type=float, default=5e-4)
     g.add_argument("--critic_lora_learning_rate", type=float, default=5e-4)

@@ -172,8 +172,7 @@ def test_mixed_precision_lora_quantizes_only_the_actors_frozen_weights_and_says_
 
     from dschat.rlhf.engine import check_step3_ds_configs, step3_train_config
 
-    ready = {"enable_mixed_precision_lora": True, "actor_lora_dim": 8, "only_optimize_lora": True,
-             "actor_zero_stage": 3, "critic_zero_stage": 3, "dtype": "fp16"}
+    ready = {"enable_mixed_precision_lora": True, "actor_lora_dim": 8, "actor_zero_stage": 3, "critic_zero_stage": 3, "dtype": "fp16"}
     args = step3_args(ready)
     actor = step3_train_config(args, 1, 3)
     assert actor["zero_optimization"]["zero_quantized_nontrainable_weights"] is True
@@ -185,7 +184,6 @@ def test_mixed_precision_lora_quantizes_only_the_actors_frozen_weights_and_says_
     default = step3_train_config(step3_args({"actor_zero_stage": 3}), 1, 3)["zero_optimization"]
     assert "zero_quantized_nontrainable_weights" not in default, "off by default"
     for key, value, flag in (("actor_lora_dim", 0, "--actor_lora_dim > 0"),
-                             ("actor_zero_stage", 2, "--actor_zero_stage 3"), ("dtype", "bf16", "--dtype fp16"),
-                             ("only_optimize_lora", False, "--only_optimize_lora")):
+                             ("actor_zero_stage", 2, "--actor_zero_stage 3"), ("dtype", "bf16", "--dtype fp16")):
         with pytest.raises(ValueError, match=flag):
             check_step3_ds_configs(step3_args({**ready, key: value}), 1)

@@ -81,6 +81,23 @@ def test_lora_targets_linear_layers_but_not_heads(family):
     assert trainable and all("lora_" in n for n in trainable)
 
 
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_lora_freezes_only_the_adapted_weights_and_scales_by_one_over_rank_as_deepspeed_chat(family):
+    model = apply_lora(AutoModelForCausalLM.from_config(CONFIGS[family]()), lora_dim=4)
+    params = dict(model.named_parameters())
+    adapted = [n for n in params if n.endswith("base_layer.weight")]
+    assert adapted and not any(params[n].requires_grad for n in adapted), "the adapted layers' weights are frozen"
+    others = [n for n in params if not n.endswith("base_layer.weight")]
+    assert all(params[n].requires_grad for n in others), "biases, embeddings, norms and adapters train"
+    assert any("base_layer.bias" in n for n in others) or family == "llama"
+    def scalings(wrapped):  # PEFT's per-adapter scaling dict (GPT-2's attention has a float of that name)
+        return {m.scaling["default"] for m in wrapped.modules() if isinstance(getattr(m, "scaling", None), dict)}
+
+    assert scalings(model) == {1 / 4}, "DeepSpeed-Chat adds (1 / lora_dim) * B @ A"
+    custom = apply_lora(AutoModelForCausalLM.from_config(CONFIGS[family]()), lora_dim=4, lora_alpha=8)
+    assert scalings(custom) == {2.0}
+
+
 def test_lora_module_name_filters_and_rejects_unknown():
     model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
     assert all("self_attn" in t for t in lora_target_modules(model, "self_attn"))

@@ -33,15 +33,16 @@ def resolve_model_path(name_or_path):
         return create_tiny_model(preset, folder)
 
 
-def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False):
-    """The tokenizer of a model; a missing pad token becomes the EOS token (masks, not ids, mark padding)."""
+def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_token="<|endoftext|>"):
+    """The tokenizer of a model; a missing EOS token becomes ``eot_token`` if ``add_eot_token``; a missing pad token
+    becomes the EOS token (masks, not ids, mark padding)."""
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
     if tokenizer.eos_token is None:
         if not add_eot_token:
             raise ValueError(f"tokenizer of {name_or_path} has no EOS token; pass --add_eot_token to add "
-                             "'<|endoftext|>' as the end-of-conversation token")
-        tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
+                             f"{eot_token!r} (--eot_token) as the end-of-conversation token")
+        tokenizer.add_special_tokens({"eos_token": eot_token})
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side

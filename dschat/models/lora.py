@@ -12,6 +12,8 @@ from torch import nn
 # Output heads are never adapted: they are tied to embeddings in many models or newly initialised.
 HEAD_NAMES = ("lm_head", "v_head", "score", "embed_out")
 PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps its base model
+# DeepSpeed-Chat's LoRA adds (1 / lora_dim) * B @ A, i.e. PEFT's lora_alpha / r with alpha 1.
+DEFAULT_LORA_ALPHA = 1.0
 
 
 def lora_target_modules(model, lora_module_name=""):
@@ -39,18 +41,22 @@ def lora_target_modules(model, lora_module_name=""):
 
 def apply_lora(model, lora_dim, lora_module_name="", lora_alpha=None, lora_dropout=0.0,
                only_optimize_lora=False, modules_to_save=None):
-    """Wrap ``model`` with PEFT LoRA adapters of rank ``lora_dim`` (returns the model unchanged when 0)."""
+    """Wrap ``model`` with PEFT LoRA adapters of rank ``lora_dim`` (returns the model unchanged when 0), with
+    DeepSpeed-Chat's semantics: the adapted layers' weights are frozen; everything else (their biases, embeddings,
+    norms, other layers) trains too unless ``only_optimize_lora``; the update is scaled by lora_alpha / lora_dim with
+    alpha 1 unless given."""
     if not lora_dim:
         return model
     from peft import LoraConfig, get_peft_model
 
     targets = lora_target_modules(model, lora_module_name)
-    config = LoraConfig(r=lora_dim, lora_alpha=lora_alpha or lora_dim, lora_dropout=lora_dropout,
+    alpha = DEFAULT_LORA_ALPHA if lora_alpha is None else lora_alpha
+    config = LoraConfig(r=lora_dim, lora_alpha=alpha, lora_dropout=lora_dropout,
                         target_modules=targets, modules_to_save=modules_to_save, bias="none")
     model = get_peft_model(model, config)
-    if not only_optimize_lora:  # DeepSpeed-Chat trains base weights too unless told otherwise
-        for param in model.parameters():
-            param.requires_grad_(True)
+    if not only_optimize_lora:  # PEFT froze every base parameter; DeepSpeed-Chat freezes only the adapted weights
+        for name, param in model.named_parameters():
+            param.requires_grad_(not name.endswith("base_layer.weight"))
     return model
 
 

@@ -54,8 +54,7 @@ def check_mixed_precision_lora(args):
     """Whether --enable_mixed_precision_lora is on; an error naming the flag when what it needs is not."""
     if not args.enable_mixed_precision_lora:
         return False
-    needs = {"--actor_lora_dim > 0": args.actor_lora_dim > 0, "--only_optimize_lora": args.only_optimize_lora,
-             "--actor_zero_stage 3": args.actor_zero_stage == 3, "--dtype fp16": args.dtype == "fp16"}
+    needs = {"--actor_lora_dim > 0": args.actor_lora_dim > 0, "--actor_zero_stage 3": args.actor_zero_stage == 3, "--dtype fp16": args.dtype == "fp16"}
     missing = [flag for flag, ok in needs.items() if not ok]
     if missing:
         raise ValueError(f"--enable_mixed_precision_lora quantizes the actor's frozen weights under ZeRO-3; it also "
@@ -97,7 +96,8 @@ class DeepSpeedRLHFEngine:
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
         self.critic_path = critic_model_name_or_path or args.critic_model_name_or_path
         self.reward_path = reward_model_name_or_path or args.reward_model_name_or_path or self.critic_path
-        self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token)
+        self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,
+                                                     eot_token=args.eot_token)
         self.num_total_iters = num_total_iters or args.max_steps or DEFAULT_TOTAL_ITERS
         self.world_size = get_world_size()
 

@@ -295,7 +295,8 @@ def run_supervised_step(args, recipe):
     started = time.time()
     device = setup_run(args)
     tag = f"[{recipe.name}]"
-    tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token)
+    tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
+                               eot_token=args.eot_token)
     ds_config = supervised_ds_config(args, recipe.name)
     model = recipe.build_model(args, tokenizer, ds_config)
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)

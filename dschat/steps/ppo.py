@@ -147,7 +147,8 @@ def main(args=None):
     setup_run(args)
     check_step3_ds_configs(args, get_world_size())  # a config file at odds with the flags fails before data loads
     device = local_device()
-    tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token)
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token,
+                               eot_token=args.eot_token)
     train_loader, eval_loader = prompt_loaders(args, tokenizer)
     unsup_loader = unsupervised_loader(args, tokenizer)
     check_accumulation(args, unsup_loader is not None)

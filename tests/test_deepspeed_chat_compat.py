@@ -1,5 +1,6 @@
-"""A user's DeepSpeed config file (--deepspeed_config, or --deepspeed PATH) merged over the config dschat builds,
-and DeepSpeed-Chat's older step-3 flag names: the commands of DeepSpeed-Chat walk-throughs run as written."""
+"""DeepSpeed-Chat's command lines: a user's DeepSpeed config file (--deepspeed_config, or --deepspeed PATH) merged over
+the config dschat builds, DeepSpeed-Chat's older flag names, and train.py's model-size shorthand: the commands of
+DeepSpeed-Chat's scripts and walk-throughs run as written."""
 import json
 import shlex
 from types import SimpleNamespace
@@ -241,3 +242,38 @@ def test_train_py_checks_each_steps_config_file_before_the_first_step_and_zero_s
     assert (settings.actor_zero_stage, settings.critic_zero_stage) == (2, 2)
     plain = step3_args(step3_parser().parse_args(pipeline.step_argv(3, parse(["--actor-zero-stage", "2"]), True)))
     assert (plain.actor_zero_stage, plain.critic_zero_stage) == (2, 0)
+
+
+def test_older_dropout_flags_and_the_eot_token_flag():
+    assert step1_parser().parse_args(["--disable_dropout"]).dropout == 0.0
+    assert step2_parser().parse_args([]).dropout is None
+    args = step3_parser().parse_args(["--disable_actor_dropout", "--disable_critic_dropout"])
+    assert (args.actor_dropout, args.critic_dropout) == (0.0, 0.0)
+    assert step3_parser().parse_args(["--eot_token", "<eot>"]).eot_token == "<eot>"
+
+
+def test_add_eot_token_adds_the_named_token_to_a_tokenizer_without_eos(tmp_path):
+    from dschat.models.loading import load_tokenizer
+    from dschat.tiny import load_tiny_tokenizer
+
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="--add_eot_token"):
+        load_tokenizer(str(tmp_path))
+    assert load_tokenizer(str(tmp_path), add_eot_token=True, eot_token="<|eot|>").eos_token == "<|eot|>"
+
+
+def test_train_py_takes_deepspeed_chat_model_sizes_and_an_empty_zero_stage():
+    import runpy
+
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    args = parse(["--actor-model", "1.3b", "--reward-model", "350m", "--actor-zero-stage", "",
+                  "--deployment-type", "single_node"])
+    assert (args.actor_model, args.reward_model) == ("facebook/opt-1.3b", "facebook/opt-350m")
+    assert args.actor_zero_stage == 3, "'' is the deployment's default"
+    assert parse(["--actor-model", "Qwen/Qwen2.5-0.5B"]).actor_model == "Qwen/Qwen2.5-0.5B"
+    with pytest.raises(SystemExit):
+        parse(["--reward-zero-stage", "4"])
