@@ -39,7 +39,7 @@ def run_step3(model, out, mixed_precision_lora):
             "--data_split", "4,4,2", "--data_output_path", str(out / "data"), "--max_prompt_seq_len", "48",
             "--max_answer_seq_len", "32", "--per_device_generation_batch_size", "8",
             "--per_device_training_batch_size", "8", "--max_steps", "3", "--actor_lora_dim", "8",
-            "--only_optimize_lora", "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--dtype", "fp16",
+            "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--dtype", "fp16",
             "--enable_hybrid_engine", "--eval_prompts", "16", "--output_dir", str(out / "ppo"),
             "--num_warmup_steps", "0"]
     if mixed_precision_lora:
