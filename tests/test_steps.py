@@ -37,6 +37,16 @@ def test_sft_with_lora_and_gradient_checkpointing_saves_merged_model(tmp_path, d
     assert not any("lora" in k for k in state)
 
 
+def test_lora_trains_at_zero3_in_bf16_beside_trainable_base_parameters(tmp_path, distributed):
+    """Adapters in the weights' dtype: ZeRO-3 flattens every trainable partition into one buffer of one dtype, and
+    with DeepSpeed-Chat's LoRA the biases, norms and embeddings train beside the adapters."""
+    metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                        *SFT_FAST, "--max_steps", "2", "--lora_dim", "4", "--zero_stage", "3", "--dtype", "bf16",
+                        "--max_seq_len", "48", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
+                        "--eval_iters", "1"])
+    assert metrics["steps"] == 2 and torch.isfinite(torch.tensor(metrics["train_loss"]))
+
+
 def test_reward_model_trains_and_loads_back_in_one_call(tmp_path, distributed):
     metrics = reward.main(["--output_dir", str(tmp_path / "rm"), "--data_output_path", str(tmp_path / "data"),
                            "--max_steps", "8", *RM_FAST])

@@ -53,7 +53,9 @@ def apply_lora(model, lora_dim, lora_module_name="", lora_alpha=None, lora_dropo
     alpha = DEFAULT_LORA_ALPHA if lora_alpha is None else lora_alpha
     config = LoraConfig(r=lora_dim, lora_alpha=alpha, lora_dropout=lora_dropout,
                         target_modules=targets, modules_to_save=modules_to_save, bias="none")
-    model = get_peft_model(model, config)
+    # adapters in the base weights' dtype: PEFT would make them fp32 beside bf16/fp16 weights, and DeepSpeed's ZeRO-3
+    # flattens all trainable partitions into one buffer of one dtype (DeepSpeed keeps fp32 master copies anyway)
+    model = get_peft_model(model, config, autocast_adapter_dtype=False)
     if not only_optimize_lora:  # PEFT froze every base parameter; DeepSpeed-Chat freezes only the adapted weights
         for name, param in model.named_parameters():
             param.requires_grad_(not name.endswith("base_layer.weight"))
