@@ -17,7 +17,6 @@ def _precision_block(dtype, check_grad_overflow=False):
     return {key: block}
 
 
-
 def get_train_ds_config(offload=False, dtype="bf16", stage=2, micro_batch_size=1, gradient_accumulation_steps=1,
                         world_size=1, enable_hybrid_engine=False, inference_tp_size=1,
                         release_inference_cache=False, pin_parameters=True, tp_gather_partition_size=8,
