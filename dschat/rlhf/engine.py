@@ -54,7 +54,8 @@ def check_mixed_precision_lora(args):
     """Whether --enable_mixed_precision_lora is on; an error naming the flag when what it needs is not."""
     if not args.enable_mixed_precision_lora:
         return False
-    needs = {"--actor_lora_dim > 0": args.actor_lora_dim > 0, "--actor_zero_stage 3": args.actor_zero_stage == 3, "--dtype fp16": args.dtype == "fp16"}
+    needs = {"--actor_lora_dim > 0": args.actor_lora_dim > 0, "--actor_zero_stage 3": args.actor_zero_stage == 3,
+             "--dtype fp16": args.dtype == "fp16"}
     missing = [flag for flag, ok in needs.items() if not ok]
     if missing:
         raise ValueError(f"--enable_mixed_precision_lora quantizes the actor's frozen weights under ZeRO-3; it also "
