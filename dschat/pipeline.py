@@ -109,7 +109,7 @@ def check_step_args(steps, args, tiny, parsers):
     any config file, before the first step runs: a typo in ``--step3-args`` or a config file at odds with a step's
     flags stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
     from dschat.rlhf.config import step3_args
-    from dschat.rlhf.engine import check_step3_ds_configs
+    from dschat.rlhf.engine import check_step3_settings
     from dschat.steps.common import supervised_ds_config
     from dschat.utils.dist import get_world_size
 
@@ -118,7 +118,7 @@ def check_step_args(steps, args, tiny, parsers):
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
         parsed = parser.parse_args(step_argv(step, args, tiny))
         if step == 3:
-            check_step3_ds_configs(step3_args(parsed), get_world_size())
+            check_step3_settings(step3_args(parsed), get_world_size())
         else:
             supervised_ds_config(parsed, f"step{step}", quiet=True)
 

@@ -170,7 +170,7 @@ def test_zero3_layer_and_module_fetch_train_like_zero2_on_two_ranks():
 def test_mixed_precision_lora_quantizes_only_the_actors_frozen_weights_and_says_what_it_needs():
     from deepspeed.accelerator import get_accelerator
 
-    from dschat.rlhf.engine import check_step3_ds_configs, step3_train_config
+    from dschat.rlhf.engine import check_step3_settings, step3_train_config
 
     ready = {"enable_mixed_precision_lora": True, "actor_lora_dim": 8, "actor_zero_stage": 3, "critic_zero_stage": 3, "dtype": "fp16"}
     args = step3_args(ready)
@@ -186,4 +186,4 @@ def test_mixed_precision_lora_quantizes_only_the_actors_frozen_weights_and_says_
     for key, value, flag in (("actor_lora_dim", 0, "--actor_lora_dim > 0"),
                              ("actor_zero_stage", 2, "--actor_zero_stage 3"), ("dtype", "bf16", "--dtype fp16")):
         with pytest.raises(ValueError, match=flag):
-            check_step3_ds_configs(step3_args({**ready, key: value}), 1)
+            check_step3_settings(step3_args({**ready, key: value}), 1)

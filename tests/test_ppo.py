@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from dschat.args import step1_parser, step3_parser
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
 from helpers import PPO_FAST, RM_FAST, SFT_FAST, spy_on_empty_query_rows
@@ -575,6 +576,34 @@ def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path):
     assert metrics["eval_after"]["reward_mean"] is None and "rule_score_mean" in metrics["eval_after"]
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["reward"] <= 1.0 for r in log)  # the rule scorer's range: no reward model added
+
+
+def test_reward_settings_that_cannot_train_fail_before_anything_loads(tmp_path, monkeypatch, distributed):
+    monkeypatch.chdir(tmp_path)  # the defaults output/step1_sft, output/step2_rm do not exist here
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Human: hi Assistant:", "chosen": "a", "rejected": "b"}\n')
+    own_data = ["--data_path", f"jsonl:{tmp_path / 'prompts.jsonl'}"]
+    with pytest.raises(ValueError, match="--reward_fn tiny .* every other one, but --data_path is jsonl:"):
+        ppo.main(["--reward_fn", "tiny", "--reward_model_weight", "0", *own_data])
+    with pytest.raises(ValueError, match="--reward_model_weight 0 without --reward_fn"):
+        ppo.main(["--reward_model_weight", "0", "--actor_model_name_or_path", "tiny-llama"])
+    with pytest.raises(FileNotFoundError, match="the reward model loads from --critic_model_name_or_path "
+                                                "output/step2_rm.*--reward_model_weight 0"):
+        ppo.main(["--actor_model_name_or_path", "tiny-llama", "--advantage_estimator", "grpo", "--reward_fn", "tiny"])
+    with pytest.raises(FileNotFoundError, match="the actor loads from --actor_model_name_or_path output/step1_sft"):
+        ppo.main([])
+
+
+def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distributed):
+    import runpy
+
+    from dschat import pipeline
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    args = parse(["--recipe", "grpo", "--data-path", "jsonl:mine.jsonl", "--output-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--reward_fn tiny .*inside --step3-args"):
+        pipeline.check_step_args([1, 3], args, True, {1: step1_parser, 3: step3_parser})
+    own = parse(["--recipe", "grpo", "--data-path", "jsonl:mine.jsonl", "--step3-args", "--reward_fn mine.py:score"])
+    pipeline.check_step_args([3], own, True, {3: step3_parser})  # the user's function replaces the rule scorer
 
 
 def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):

@@ -1,5 +1,6 @@
 """Step-3 settings: the parsed namespace, a dict or any object, completed with the defaults of every flag."""
 import argparse
+import os
 
 
 def step3_args(args=None):
@@ -22,3 +23,24 @@ def resolve_zero_stages(args):
     for name in ("actor_zero_stage", "critic_zero_stage"):
         if getattr(args, name, None) is None:
             setattr(args, name, shared if shared is not None else 0)
+
+
+def check_earlier_step_outputs(args):
+    """A model flag left at its default (an earlier step's output folder) that does not exist fails here, naming the
+    step that writes it, instead of as a hub lookup of "output/step2_rm" after the data has loaded."""
+    from dschat.args import step3_parser
+
+    parser = step3_parser()
+    needed = [("actor_model_name_or_path", "the actor", "step 1")]
+    if args.advantage_estimator == "gae":
+        needed.append(("critic_model_name_or_path", "the critic", "step 2"))
+    if args.reward_model_weight and not args.reward_model_name_or_path:
+        needed.append(("critic_model_name_or_path", "the reward model", "step 2"))
+    for flag, role, step in needed:
+        path = getattr(args, flag)
+        if path != parser.get_default(flag) or os.path.isdir(path):
+            continue
+        hint = (", or with --reward_fn give --reward_model_weight 0 (the function alone)"
+                if role == "the reward model" else "")
+        raise FileNotFoundError(f"step3: {role} loads from --{flag} {path}, the default ({step}'s output), which "
+                                f"does not exist; run {step} first or give --{flag}{hint}")

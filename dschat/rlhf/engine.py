@@ -11,6 +11,7 @@ from dschat.models.loading import create_hf_model, load_tokenizer
 from dschat.models.lora import apply_lora
 from dschat.models.reward_model import create_critic_model
 from dschat.rlhf.config import step3_args
+from dschat.rlhf.reward_fn import check_reward_sources
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
 from dschat.utils.dist import get_world_size, print_rank_0
 from dschat.utils.ds_config import (apply_user_ds_config, frozen_copy_stage, get_eval_ds_config, get_train_ds_config,
@@ -74,9 +75,10 @@ def quantize_frozen_weights(engine):
     return sum(hasattr(getattr(p, "ds_tensor", None), "ds_quant_scale") for p in engine.module.parameters())
 
 
-def check_step3_ds_configs(args, world_size):
-    """Build the actor's and critic's training configs once, quietly, so that a config file that contradicts the
-    flags fails before any data or model is loaded."""
+def check_step3_settings(args, world_size):
+    """The reward sources checked, and the actor's and critic's training configs built once, quietly, so that a
+    config file that contradicts the flags fails before any data or model is loaded."""
+    check_reward_sources(args)
     step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)

@@ -13,6 +13,18 @@ import os
 ALIASES = {"tiny": "dschat.tiny.scorer:score_batch"}
 
 
+def check_reward_sources(args):
+    """Step 3's rewards make sense before anything loads: some reward is given, and the bundled rule scorer (which
+    gives 0 to any prompt it does not know, i.e. a constant reward and no learning) only scores the embedded data."""
+    if not args.reward_fn and not args.reward_model_weight:
+        raise ValueError("step3: --reward_model_weight 0 without --reward_fn leaves no reward to train on")
+    if args.reward_fn and ALIASES.get(args.reward_fn, args.reward_fn) == ALIASES["tiny"] and \
+            list(args.data_path) != ["tiny"]:
+        raise ValueError(f"step3: --reward_fn tiny (the bundled rule scorer) knows only the embedded 'tiny' prompts "
+                         f"and gives 0 to every other one, but --data_path is {' '.join(args.data_path)}; give your "
+                         f"own function, e.g. --reward_fn my_rewards.py:score (train.py: inside --step3-args)")
+
+
 def load_reward_fn(spec):
     """The callable named by ``spec``; a clear error when the module, file or function is missing."""
     spec = ALIASES.get(spec, spec)

@@ -12,8 +12,8 @@ from dschat.data.samplers import distributed_eval_loader
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
-from dschat.rlhf.config import step3_args
-from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_ds_configs
+from dschat.rlhf.config import check_earlier_step_outputs, step3_args
+from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
@@ -145,7 +145,8 @@ def main(args=None):
     args = step3_args(args)
     started = time.time()
     setup_run(args)
-    check_step3_ds_configs(args, get_world_size())  # a config file at odds with the flags fails before data loads
+    check_step3_settings(args, get_world_size())  # a config file at odds with the flags fails before data loads
+    check_earlier_step_outputs(args)
     device = local_device()
     tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
