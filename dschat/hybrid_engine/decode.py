@@ -5,8 +5,8 @@ in place; the only host synchronisation is the all-finished check every ``early_
 is an EOS to wait for) and one read of the final length.
 
 ``graphs.py`` replays the same step from a CUDA graph (``hybrid_engine.enable_cuda_graph``); it shares
-``decode_step``, ``prompt_position_ids`` and ``generated_lengths`` with this loop and passes the whole fixed-length mask
-buffer where this loop passes a growing view (the same mask once transformers pads it to the static cache's length).
+``decode_step``, ``prompt_position_ids`` and ``generated_lengths`` with this loop, and both pass a mask as long as the
+static cache (0 for the slots not filled yet).
 """
 import dataclasses
 import functools
@@ -85,6 +85,13 @@ def _check_same_across_ranks(value, name, sync_group, device):
                          f"(ZeRO-3 without pinned parameters) must use the same {name}")
 
 
+def cache_length(cache):
+    """Token slots per row of a static cache (0 when it does not say)."""
+    if hasattr(cache, "get_max_length"):
+        return int(cache.get_max_length() or 0)
+    return int(getattr(cache, "max_cache_len", 0) or 0)
+
+
 def generated_lengths(finish_step, steps):
     """Tokens each row generated, its EOS included. HF stops at the step where the last row finished; the early-exit
     check may have run a few steps past it, so the result is trimmed to ``lengths.max()``."""
@@ -122,12 +129,14 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
         return _result(sequences, lengths, logprobs, return_lengths)
 
     spec = forward_spec(model)
-    # The mask grows by one column per step; the full-length buffer is allocated once and viewed.
-    mask = torch.zeros((batch_size, prompt_len + max_new_tokens), dtype=attention_mask.dtype, device=device)
+    # One column per cache slot, 1 where a token has been fed, passed whole to every forward: models that build an
+    # ALiBi bias from the 2-D mask (Bloom, Falcon) need it as long as the cached keys, which the static cache
+    # returns in full at every step.
+    mask = torch.zeros((batch_size, max(cache_length(cache), prompt_len + max_new_tokens)), dtype=attention_mask.dtype,
+                       device=device)
     mask[:, :prompt_len] = attention_mask
     cache_position = torch.arange(prompt_len, device=device)
-    logits = decode_step(model, spec, input_ids, mask[:, :prompt_len], prompt_position_ids(attention_mask),
-                         cache_position, cache)
+    logits = decode_step(model, spec, input_ids, mask, prompt_position_ids(attention_mask), cache_position, cache)
 
     # Decode-loop state, updated in place.
     position_ids = attention_mask.long().sum(-1, keepdim=True)  # next position of each row
@@ -157,8 +166,7 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
                 and _all_finished(finished, sync_group):
             break
         mask[:, prompt_len + step] = 1
-        logits = decode_step(model, spec, tokens[:, None], mask[:, :prompt_len + step + 1], position_ids,
-                             cache_position, cache)
+        logits = decode_step(model, spec, tokens[:, None], mask, position_ids, cache_position, cache)
         position_ids += 1
         cache_position += 1
 

@@ -179,8 +179,8 @@ class CapturedDecoder:
         """The prompt's forward through ``forward`` (the model or its compiled prefill), outside the graph (the prompt
         length is not part of it); the first token is then selected from these logits with :meth:`select_token`."""
         prompt_len = ids.shape[1]
-        return decode_step(forward, self.spec, ids, self.buffers.mask[:, :prompt_len],
-                           prompt_position_ids(mask), torch.arange(prompt_len, device=ids.device), self.cache)
+        return decode_step(forward, self.spec, ids, self.buffers.mask, prompt_position_ids(mask),
+                           torch.arange(prompt_len, device=ids.device), self.cache)
 
     def capture(self, pool):
         """Warm up on a side stream, then record one step. The buffers must hold a loaded generation; the caller

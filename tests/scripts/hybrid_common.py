@@ -1,11 +1,15 @@
 """Tiny models, DeepSpeed configs and reference generation shared by the hybrid-engine tests and 2-rank scripts."""
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config)
+from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, GPT2Config, LlamaConfig, MistralConfig,
+                          OPTConfig, Qwen2Config)
 
 PAD = 0  # never an EOS id in these tests; prompt tokens are drawn from [FIRST_TOKEN, vocab)
 FIRST_TOKEN = 3
 
 _SIZES = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+# Bloom's and Falcon's default init (std 0.02, no per-layer scaling) makes a tiny random model repeat one token, which
+# neither an optimizer step nor a stale weight set would change: a wider init gives tokens that react to both.
+_VARIED = dict(initializer_range=0.2)
 
 
 def tiny_config(family, vocab_size=96, num_layers=2):
@@ -25,6 +29,13 @@ def tiny_config(family, vocab_size=96, num_layers=2):
     if family == "gpt2":
         return GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=num_layers, n_head=4, n_positions=256,
                           **no_special)
+    if family == "bloom":  # ALiBi bias built from the 2-D mask
+        return BloomConfig(vocab_size=vocab_size, hidden_size=64, n_layer=num_layers, n_head=4, **_VARIED, **no_special)
+    if family == "falcon":  # Falcon-7B's layout: multi-query (one KV head), which num_kv_heads does not say
+        return FalconConfig(vocab_size=vocab_size, num_hidden_layers=num_layers, **_SIZES, **_VARIED, **no_special)
+    if family == "falcon_alibi":
+        return FalconConfig(vocab_size=vocab_size, num_hidden_layers=num_layers, multi_query=False, alibi=True,
+                            **_SIZES, **_VARIED, **no_special)
     raise ValueError(family)
 
 
