@@ -1,6 +1,6 @@
 """GPU check of the CUDA-graph decode (hybrid_engine.enable_cuda_graph): tokens with graphs on equal graphs off.
 
-For each family (Llama with GQA, Qwen2, Mistral, OPT, GPT-2), in fp32 and bf16, under DeepSpeed ZeRO-0:
+For each family (Llama with GQA, Qwen2, Mistral, OPT, GPT-2, Bloom, Gemma, Phi-3, GPT-NeoX), in fp32 and bf16, under DeepSpeed ZeRO-0:
   * greedy, 5 left-padded rows (bucket 8: 3 dummy rows), an EOS that ends row 0 early: graph == eager (required),
     graph == HF generate (reported);
   * the same after an optimizer step, with no new capture (the graph is reused);
@@ -26,7 +26,7 @@ from hybrid_common import PAD, early_token, hf_generate, left_padded_batch  # no
 from results import write_json  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("GRAPH_EQUALITY_DEVICE", "cuda"))  # "cpu": a dry run of the script's flow
-FAMILIES = ["llama", "qwen2", "mistral", "opt", "gpt2"]
+FAMILIES = ["llama", "qwen2", "mistral", "opt", "gpt2", "bloom", "gemma", "phi3", "gpt_neox"]
 VOCAB = 2048
 MAX_NEW = 40
 RESULTS = []
@@ -34,7 +34,8 @@ FAILURES = []
 
 
 def config_of(family):
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+    from transformers import (BloomConfig, GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig,
+                              OPTConfig, Phi3Config, Qwen2Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=256, num_attention_heads=8, max_position_embeddings=512,
                   bos_token_id=None, eos_token_id=None)
@@ -47,6 +48,16 @@ def config_of(family):
                              **common)
     if family == "opt":
         return OPTConfig(ffn_dim=512, num_hidden_layers=4, word_embed_proj_dim=256, **common)
+    if family == "bloom":  # ALiBi from the 2-D mask
+        return BloomConfig(vocab_size=VOCAB, hidden_size=256, n_layer=4, n_head=8, bos_token_id=None,
+                           eos_token_id=None)
+    if family == "gemma":
+        return GemmaConfig(intermediate_size=512, num_hidden_layers=4, num_key_value_heads=2, head_dim=32, **common)
+    if family == "phi3":  # q/k/v and gate/up already fused in the checkpoint
+        return Phi3Config(intermediate_size=512, num_hidden_layers=4, num_key_value_heads=2, pad_token_id=None,
+                          **common)
+    if family == "gpt_neox":  # partial rotary
+        return GPTNeoXConfig(intermediate_size=512, num_hidden_layers=4, rotary_pct=0.25, **common)
     return GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=4, n_head=8, n_positions=512, bos_token_id=None,
                       eos_token_id=None)
 
