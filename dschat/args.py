@@ -31,6 +31,27 @@ def _pad_multiple_flag(text):
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
+def positive_int(text):
+    """argparse type: an integer >= 1 (a batch size, a length, a count of epochs), so that 0 or a negative value is
+    an error naming the flag rather than a ZeroDivisionError or a sampler's error later."""
+    return _bounded_int(text, 1, "a positive integer")
+
+
+def non_negative_int(text):
+    """argparse type: an integer >= 0 (flags where 0 means off or no limit)."""
+    return _bounded_int(text, 0, "an integer >= 0")
+
+
+def _bounded_int(text, low, what):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+
 def add_data_args(parser, default_split="2,4,4"):
     g = parser.add_argument_group("data")
     g.add_argument("--data_path", nargs="*", default=["tiny"],
@@ -74,24 +95,24 @@ def add_model_args(parser, default_model="tiny-llama"):
 
 def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16):
     g = parser.add_argument_group("training")
-    g.add_argument("--per_device_train_batch_size", type=int, default=batch)
-    g.add_argument("--per_device_eval_batch_size", type=int, default=eval_batch)
-    g.add_argument("--max_seq_len", type=int, default=max_seq_len)
+    g.add_argument("--per_device_train_batch_size", type=positive_int, default=batch)
+    g.add_argument("--per_device_eval_batch_size", type=positive_int, default=eval_batch)
+    g.add_argument("--max_seq_len", type=positive_int, default=max_seq_len)
     g.add_argument("--learning_rate", type=float, default=lr)
     g.add_argument("--weight_decay", type=float, default=0.0)
-    g.add_argument("--num_train_epochs", type=int, default=1)
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--num_train_epochs", type=positive_int, default=1)
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
     g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS)
-    g.add_argument("--num_warmup_steps", type=int, default=0)
+    g.add_argument("--num_warmup_steps", type=non_negative_int, default=0)
     g.add_argument("--output_dir", type=str, default=None, help="Where the trained model is saved.")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     g.add_argument("--gradient_checkpointing", action="store_true")
     g.add_argument("--compute_fp32_loss", action="store_true", help="Compute the loss in fp32.")
-    g.add_argument("--eval_interval", type=int, default=0, help="Evaluate every N steps (0: at the end only).")
-    g.add_argument("--eval_iters", type=int, default=100, help="Max eval batches per evaluation.")
+    g.add_argument("--eval_interval", type=non_negative_int, default=0, help="Evaluate every N steps (0: at the end only).")
+    g.add_argument("--eval_iters", type=non_negative_int, default=100, help="Max eval batches per evaluation.")
     g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
-    g.add_argument("--max_steps", type=int, default=0, help="Stop after N optimizer steps (0: no limit).")
+    g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N optimizer steps (0: no limit).")
     return g
 
 
@@ -142,7 +163,7 @@ def add_deepspeed_config_args(g):
 
 def add_lora_args(parser, prefix=""):
     g = parser.add_argument_group(f"{prefix}lora")
-    g.add_argument(f"--{prefix}lora_dim", type=int, default=0, help="LoRA rank (0: no LoRA).")
+    g.add_argument(f"--{prefix}lora_dim", type=non_negative_int, default=0, help="LoRA rank (0: no LoRA).")
     if not prefix:
         g.add_argument("--lora_module_name", type=str, default="",
                        help="Adapt Linear modules whose path contains this (empty: all but output heads).")
@@ -235,31 +256,31 @@ def step3_parser():
                    help="Processes that tokenize and group the unsupervised data (datasets' num_proc).")
     g = p.add_argument_group("batching and lengths")
     # The second names are DeepSpeed-Chat's first ones (renamed in 2023), still in many walk-throughs.
-    g.add_argument("--per_device_generation_batch_size", "--per_device_train_batch_size", type=int, default=16,
+    g.add_argument("--per_device_generation_batch_size", "--per_device_train_batch_size", type=positive_int, default=16,
                    help="Prompts per rank per generation batch.")
     g.add_argument("--per_device_training_batch_size", "--per_device_mini_train_batch_size",
-                   "--per_device_mini_batch_size", type=int, default=16,
+                   "--per_device_mini_batch_size", type=positive_int, default=16,
                    help="Rows per rank per PPO training micro-batch.")
-    g.add_argument("--generation_batches", "--generation_batch_numbers", type=int, default=1,
+    g.add_argument("--generation_batches", "--generation_batch_numbers", type=positive_int, default=1,
                    help="Generation batches collected before each round of PPO training.")
-    g.add_argument("--ppo_epochs", type=int, default=1)
-    g.add_argument("--max_prompt_seq_len", type=int, default=256)
-    g.add_argument("--max_answer_seq_len", type=int, default=256)
-    g.add_argument("--num_train_epochs", type=int, default=1)
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    g.add_argument("--max_steps", type=int, default=0, help="Stop after N PPO iterations (0: no limit).")
+    g.add_argument("--ppo_epochs", type=positive_int, default=1)
+    g.add_argument("--max_prompt_seq_len", type=positive_int, default=256)
+    g.add_argument("--max_answer_seq_len", type=positive_int, default=256)
+    g.add_argument("--num_train_epochs", type=positive_int, default=1)
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
+    g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N PPO iterations (0: no limit).")
     g = p.add_argument_group("optimization")
     g.add_argument("--actor_learning_rate", type=float, default=9.65e-6)
     g.add_argument("--critic_learning_rate", type=float, default=5e-6)
     g.add_argument("--actor_weight_decay", type=float, default=0.0)
     g.add_argument("--critic_weight_decay", type=float, default=0.0)
     g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS)
-    g.add_argument("--num_warmup_steps", type=int, default=100)
+    g.add_argument("--num_warmup_steps", type=non_negative_int, default=100)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--local_rank", type=int, default=-1)
     g = p.add_argument_group("generation")
     g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_k", type=int, default=0)
+    g.add_argument("--top_k", type=non_negative_int, default=0)
     g.add_argument("--top_p", type=float, default=1.0)
     g.add_argument("--greedy", action="store_true", help="Greedy answers instead of sampling.")
     g = p.add_argument_group("hybrid engine")
@@ -267,8 +288,8 @@ def step3_parser():
     g.add_argument("--unpin_actor_parameters", action="store_true",
                    help="ZeRO-3: gather layer by layer during generation instead of keeping a full copy.")
     g.add_argument("--release_inference_cache", action="store_true")
-    g.add_argument("--inference_tp_size", type=int, default=1)
-    g.add_argument("--tp_gather_partition_size", type=int, default=8)
+    g.add_argument("--inference_tp_size", type=positive_int, default=1)
+    g.add_argument("--tp_gather_partition_size", type=positive_int, default=8)
     g.add_argument("--enable_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="Replay the decode step from CUDA graphs (default: on when training on CUDA; the eager loop "
                         "is bound by Python's kernel launches, 3-7x slower: docs/benchmarks.md).")
@@ -319,9 +340,9 @@ def step3_parser():
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
     g = p.add_argument_group("lora")
-    g.add_argument("--actor_lora_dim", type=int, default=0)
+    g.add_argument("--actor_lora_dim", type=non_negative_int, default=0)
     g.add_argument("--actor_lora_module_name", type=str, default="")
-    g.add_argument("--critic_lora_dim", type=int, default=0)
+    g.add_argument("--critic_lora_dim", type=non_negative_int, default=0)
     g.add_argument("--critic_lora_module_name", type=str, default="")
     g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, DeepSpeed-Chat's scaling (PEFT's own default is 8).")
     g.add_argument("--only_optimize_lora", action="store_true")
@@ -340,7 +361,7 @@ def step3_parser():
     g.add_argument("--kl_loss_coef", type=float, default=0.0, help="Weight of the KL loss term (kl_in_reward 0).")
     g.add_argument("--adaptive_kl", action="store_true")
     g.add_argument("--kl_target", type=float, default=6.0)
-    g.add_argument("--kl_horizon", type=int, default=10000)
+    g.add_argument("--kl_horizon", type=positive_int, default=10000)
     g.add_argument("--clip_reward_value", type=float, default=5.0)
     g.add_argument("--cliprange", type=float, default=0.2)
     g.add_argument("--cliprange_value", type=float, default=0.2)
@@ -350,12 +371,12 @@ def step3_parser():
     g.add_argument("--entropy_coef", type=float, default=0.0)
     g.add_argument("--loss_agg", type=str, default="token_mean", choices=["token_mean", "global_token_mean"],
                    help="global_token_mean: average over all response tokens of the global batch.")
-    g.add_argument("--logprob_chunk_size", type=int, default=1024,
+    g.add_argument("--logprob_chunk_size", type=positive_int, default=1024,
                    help="Sequence chunk for log-probs, so full fp32 logits are never materialised.")
     g = p.add_argument_group("critic-free estimators and reward functions")
     g.add_argument("--advantage_estimator", type=str, default="gae", choices=["gae", "grpo", "rloo", "reinforce_pp"],
                    help="gae: PPO with a critic (DeepSpeed-Chat); the others build no critic.")
-    g.add_argument("--n_samples_per_prompt", type=int, default=1, help="Answers generated per prompt (one group).")
+    g.add_argument("--n_samples_per_prompt", type=positive_int, default=1, help="Answers generated per prompt (one group).")
     g.add_argument("--grpo_norm_by_std", type=int, default=1, choices=[0, 1])
     g.add_argument("--reward_fn", type=str, default="",
                    help="module:function or path.py:function called with (prompts, answers, **extra columns) "
@@ -370,12 +391,12 @@ def step3_parser():
     g.add_argument("--enable_tensorboard", action="store_true")
     g.add_argument("--tensorboard_path", type=str, default="step3_tensorboard")
     g.add_argument("--print_answers", action="store_true")
-    g.add_argument("--print_answers_interval", type=int, default=1)
+    g.add_argument("--print_answers_interval", type=positive_int, default=1)
     g.add_argument("--enable_test_mode", action="store_true")
-    g.add_argument("--test_stop_step", type=int, default=0)
-    g.add_argument("--save_interval", type=int, default=0, help="Checkpoint every N PPO iterations (0: off).")
+    g.add_argument("--test_stop_step", type=non_negative_int, default=0)
+    g.add_argument("--save_interval", type=non_negative_int, default=0, help="Checkpoint every N PPO iterations (0: off).")
     g.add_argument("--resume", action="store_true", help="Continue from the last checkpoint in output_dir.")
-    g.add_argument("--eval_prompts", type=int, default=64,
+    g.add_argument("--eval_prompts", type=non_negative_int, default=64,
                    help="Held-out prompts scored before and after PPO (reward model and rule scorer).")
     g.add_argument("--eval_max_new_tokens", type=int, default=None)
     return p

@@ -1,6 +1,7 @@
 """Models: reward end index, pairwise loss, LoRA through PEFT, drift-free merge, save/load round trips."""
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
@@ -161,6 +162,24 @@ def test_atomic_folder_leaves_old_contents_when_writing_fails(tmp_path):
             raise RuntimeError("crash while saving")
     assert (target / "weights").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_atomic_writes_get_the_permissions_of_a_plain_mkdir_and_open(tmp_path):
+    import stat
+
+    from dschat.data.cache import ensure_built
+    from dschat.data.splits import _save_npy_atomically
+
+    old = os.umask(0o022)
+    try:
+        with atomic_folder(str(tmp_path / "model")) as tmp:
+            open(os.path.join(tmp, "weights"), "w").write("new")
+        ensure_built(str(tmp_path / "cache"), lambda folder: None)
+        _save_npy_atomically(str(tmp_path / "split.npy"), np.arange(3))
+    finally:
+        os.umask(old)
+    mode = {name: stat.S_IMODE(os.stat(tmp_path / name).st_mode) for name in ("model", "cache", "split.npy")}
+    assert mode == {"model": 0o755, "cache": 0o755, "split.npy": 0o644}  # tempfile's are 0o700 / 0o600
 
 
 def test_embeddings_are_never_shrunk_to_the_tokenizer(tmp_path):

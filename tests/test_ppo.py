@@ -492,11 +492,14 @@ def test_unsupervised_mixing_reports_its_loss(trained, tmp_path):
     assert all("unsup_loss" in r and r["unsup_loss"] > 0 for r in log)
 
 
-def test_resumed_run_matches_uninterrupted_run(trained, tmp_path):
+def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     common = ["--enable_hybrid_engine", "--save_interval", "2"]
-    ppo.main(ppo_args(trained, tmp_path / "full", "--max_steps", "4", *common))
-    ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--enable_test_mode", "--test_stop_step", "2",
+    ppo.main(ppo_args(trained, tmp_path / "full", "--max_steps", "4", "--resume", *common))  # nothing to resume
+    assert "--resume: no complete checkpoint in" in capsys.readouterr().out
+    # stopped after iteration 3, one past the last checkpoint: its log line is dropped and iteration 3 runs again
+    ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--enable_test_mode", "--test_stop_step", "3",
                       *common))
+    assert len((tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()) == 3
     ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--resume", *common))
     full = [json.loads(x) for x in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
     split = [json.loads(x) for x in (tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()]

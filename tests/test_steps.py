@@ -80,6 +80,36 @@ def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_pa
     assert not (tmp_path / "out" / "step2_rm").exists(), "step 2 must not have run"
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size: expected a positive integer, got 0"),
+    (["--gradient_accumulation_steps", "-1"], "--gradient_accumulation_steps: expected a positive integer, got -1"),
+    (["--num_train_epochs", "0"], "--num_train_epochs: expected a positive integer, got 0"),
+    (["--lora_dim", "-4"], "--lora_dim: expected an integer >= 0, got -4"),
+    (["--max_steps", "x"], "--max_steps: expected an integer >= 0, got 'x'")])
+def test_numeric_flags_out_of_range_are_errors_naming_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit):
+        sft.main(flags)
+    assert named in capsys.readouterr().err
+
+
+def test_step3_numeric_flags_and_only_optimize_lora_without_lora_are_errors(tmp_path, capsys, distributed):
+    from dschat.steps import ppo
+
+    for flag in ("--ppo_epochs", "--per_device_training_batch_size", "--n_samples_per_prompt"):
+        with pytest.raises(SystemExit):
+            ppo.main([flag, "0"])
+        err = capsys.readouterr().err  # argparse names a flag with all its aliases
+        assert f"argument {flag}" in err and "expected a positive integer, got 0" in err
+    with pytest.raises(ValueError, match="--only_optimize_lora trains only LoRA adapters, but no model gets any"):
+        sft.main(["--only_optimize_lora", "--output_dir", str(tmp_path / "sft"), *SFT_FAST])
+    with pytest.raises(ValueError, match="--only_optimize_lora"):
+        ppo.main(["--only_optimize_lora", "--actor_model_name_or_path", "tiny-llama"])
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.engine import check_step3_settings
+
+    check_step3_settings(step3_args({"only_optimize_lora": True, "actor_lora_dim": 8}), 1)  # the critic trains whole
+
+
 @pytest.mark.multirank
 def test_steps_1_and_2_with_zero3_on_two_ranks(tmp_path):
     out = tmp_path / "out"

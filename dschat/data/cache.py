@@ -14,6 +14,8 @@ import tempfile
 
 from filelock import FileLock
 
+from dschat.utils.files import temp_folder
+
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
 FORMAT_VERSION = 2  # 2: phase 2 rows carry prompt_length
 CACHE_SUBDIR = "dschat_data_cache"
@@ -56,7 +58,7 @@ def ensure_built(folder, build_into, rebuild_before=None):
     with FileLock(folder + ".lock"):
         if os.path.isdir(folder) and not _written_before(folder, rebuild_before):
             return False
-        tmp = tempfile.mkdtemp(dir=parent, prefix=".building-")
+        tmp = temp_folder(parent, ".building-")
         try:
             build_into(tmp)
             if os.path.isdir(folder):

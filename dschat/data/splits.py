@@ -5,9 +5,10 @@ NumPy RNG and cut it at the cumulative fractions, so the shares are disjoint, co
 identical on every rank and every run with the same seed.
 """
 import os
-import tempfile
 
 import numpy as np
+
+from dschat.utils.files import temp_file
 
 
 def parse_data_split(data_split, num_parts=3):
@@ -71,7 +72,7 @@ def get_raw_dataset_split_index(local_rank, output_path, dataset_name, seed, spl
 
 
 def _save_npy_atomically(path, array):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npy.tmp")
+    fd, tmp = temp_file(os.path.dirname(path), ".npy.tmp")
     with os.fdopen(fd, "wb") as f:
         np.save(f, array)
     os.replace(tmp, path)

@@ -1,11 +1,11 @@
 """Saving trained models as folders ``from_pretrained`` loads, atomically, from any ZeRO stage."""
 import os
 import shutil
-import tempfile
 from contextlib import contextmanager
 
 from dschat.models.lora import check_lora_mergeable, merge_lora_state_dict, unwrap_peft
 from dschat.utils.dist import barrier, is_rank_0
+from dschat.utils.files import temp_folder
 
 
 def _is_zero3_param(param):
@@ -44,7 +44,7 @@ def atomic_folder(output_dir):
     """Write into a temporary sibling folder, then swap it in, so a crash never leaves a half-written folder."""
     parent = os.path.dirname(os.path.abspath(output_dir)) or "."
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
+    tmp = temp_folder(parent, f".{os.path.basename(output_dir)}.tmp-")
     try:
         yield tmp
     except BaseException:

@@ -39,6 +39,14 @@ def lora_target_modules(model, lora_module_name=""):
     return names
 
 
+def check_only_optimize_lora(only_optimize_lora, *lora_dims):
+    """--only_optimize_lora freezes all but the adapters: with no model given LoRA it would silently train everything
+    (the flag then does nothing), so say so."""
+    if only_optimize_lora and not any(lora_dims):
+        raise ValueError("--only_optimize_lora trains only LoRA adapters, but no model gets any: give --lora_dim "
+                         "(step 3: --actor_lora_dim / --critic_lora_dim) > 0, or drop the flag")
+
+
 def apply_lora(model, lora_dim, lora_module_name="", lora_alpha=None, lora_dropout=0.0,
                only_optimize_lora=False, modules_to_save=None):
     """Wrap ``model`` with PEFT LoRA adapters of rank ``lora_dim`` (returns the model unchanged when 0), with

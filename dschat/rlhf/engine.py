@@ -8,7 +8,7 @@ import copy
 from transformers import AutoModelForCausalLM
 
 from dschat.models.loading import create_hf_model, load_tokenizer
-from dschat.models.lora import apply_lora
+from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import create_critic_model
 from dschat.rlhf.config import step3_args
 from dschat.rlhf.reward_fn import check_reward_sources
@@ -79,6 +79,7 @@ def check_step3_settings(args, world_size):
     """The reward sources checked, and the actor's and critic's training configs built once, quietly, so that a
     config file that contradicts the flags fails before any data or model is loaded."""
     check_reward_sources(args)
+    check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
     step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)

@@ -273,9 +273,12 @@ def load_step_data(args, tokenizer, phase):
 
 def supervised_ds_config(args, name, quiet=False):
     """The training config of steps 1, 2 and DPO: built from the flags, with the user's config file (if any) merged
-    over it; its hybrid engine block is step 3's and not read here. ``quiet``: no notes (a check before the step)."""
+    over it; its hybrid engine block is step 3's and not read here. ``quiet``: no notes (a check before the step).
+    Also the place where flags that contradict each other fail before the step loads anything."""
+    from dschat.models.lora import check_only_optimize_lora
     from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
 
+    check_only_optimize_lora(getattr(args, "only_optimize_lora", False), getattr(args, "lora_dim", 0))
     generated = get_train_ds_config(
         offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
         micro_batch_size=args.per_device_train_batch_size,

@@ -176,12 +176,15 @@ def main(args=None):
     position = load_checkpoint(trainer, ckpt_root) if args.resume else None
     log_path = os.path.join(args.output_dir, "step3_log.jsonl")
     if position is None:
+        if args.resume:
+            print_rank_0(f"[step3] --resume: no complete checkpoint in {ckpt_root}; starting from iteration 0")
         position = {"iteration": 0, "epoch": 0, "batch": 0, "unsup_batches": 0}
         before = held_out_eval(trainer, eval_loader, args, device, scorer)
-        _truncate(log_path)
+        _keep_log_until(log_path, 0)
     else:
         print_rank_0(f"[step3] resumed from iteration {position['iteration']}")
         before = position.get("eval_before")
+        _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
     writer = tensorboard_writer(args, "step3")
     iteration = position["iteration"]
@@ -290,10 +293,18 @@ def _eval_line(result):
     return format_metrics({k: v for k, v in result.items() if k != "examples"})
 
 
-def _truncate(path):
-    if is_rank_0():
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        open(path, "w").close()
+def _keep_log_until(path, iteration):
+    """Keep the log's records of iterations 1..``iteration`` (none on a fresh start), rewritten atomically."""
+    if not is_rank_0():
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    kept = []
+    if iteration and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= iteration]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def _to(batch, device):

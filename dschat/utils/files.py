@@ -1,0 +1,25 @@
+"""Temporary files and folders for atomic writes (write aside, then ``os.replace``), with the permissions a plain
+``mkdir`` / ``open`` would give: ``tempfile`` makes them owner-only, and the rename keeps that mode, so saved models
+and data caches on shared storage would be unreadable to other users and services."""
+import os
+import tempfile
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def temp_folder(parent, prefix):
+    """A new folder in ``parent`` with the mode ``os.makedirs`` would give it."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
+def temp_file(parent, suffix):
+    """(fd, path) of a new file in ``parent`` with the mode ``open(path, "w")`` would give it."""
+    fd, path = tempfile.mkstemp(dir=parent, suffix=suffix)
+    os.chmod(path, 0o666 & ~_umask())
+    return fd, path
