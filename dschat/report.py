@@ -20,11 +20,19 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_report(output_dir, timings):
-    """Collect each step's metrics from its folder under ``output_dir``."""
-    step1 = read_json(os.path.join(output_dir, SFT_DIR, "metrics.json")) or {}
-    step2 = read_json(os.path.join(output_dir, RM_DIR, "metrics.json")) or {}
-    step3 = read_json(os.path.join(output_dir, PPO_DIR, "metrics.json")) or {}
+# The step folders whose results belong to a recipe's report. An output folder may also hold another recipe's
+# results (train.py --recipe grpo after a PPO run leaves step2_rm there): those are not this run's.
+RECIPE_FOLDERS = {"ppo": (SFT_DIR, RM_DIR, PPO_DIR), "grpo": (SFT_DIR, PPO_DIR), "dpo": (SFT_DIR,)}
+
+
+def build_report(output_dir, timings, recipe="ppo"):
+    """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``."""
+    def metrics(folder):
+        if folder not in RECIPE_FOLDERS[recipe]:
+            return {}
+        return read_json(os.path.join(output_dir, folder, "metrics.json")) or {}
+
+    step1, step2, step3 = metrics(SFT_DIR), metrics(RM_DIR), metrics(PPO_DIR)
     curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))
     report = {"timings_s": timings, "sft_eval_loss": step1.get("eval_loss"),
               "sft_perplexity": step1.get("perplexity"), "rm_accuracy": step2.get("accuracy"),
@@ -68,8 +76,8 @@ def plot_curves(curve, path):
     return path
 
 
-def write_report(output_dir, timings):
-    report = build_report(output_dir, timings)
+def write_report(output_dir, timings, recipe="ppo"):
+    report = build_report(output_dir, timings, recipe)
     if report.get("step3_curve"):
         report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
     write_json_atomic(os.path.join(output_dir, "report.json"), report)

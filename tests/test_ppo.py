@@ -577,6 +577,7 @@ def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path):
     metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--advantage_estimator", "grpo",
                                 "--n_samples_per_prompt", "2", "--reward_fn", "tiny", "--reward_model_weight", "0"))
     assert metrics["eval_after"]["reward_mean"] is None and "rule_score_mean" in metrics["eval_after"]
+    assert all(e["reward"] is None for e in metrics["eval_after"]["examples"]), "no reward model: no reward, not 0"
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["reward"] <= 1.0 for r in log)  # the rule scorer's range: no reward model added
 

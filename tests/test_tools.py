@@ -50,13 +50,22 @@ def run_chat(*args, stdin=None):
 
 # --- chat ---
 
-def test_run_folder_resolves_to_actor_then_sft(models, tmp_path):
+def test_run_folder_resolves_to_its_newest_policy(models, tmp_path):
     run = tmp_path / "run"
-    (run / "step3_ppo").mkdir(parents=True)
-    os.symlink(models["baseline"], run / "step1_sft")
+
+    def save(folder, when):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+        os.utime(run / folder / "config.json", (when, when))
+
+    save("step1_sft", 1000)
     assert find_policy_path(str(run)) == str(run / "step1_sft")
-    os.symlink(models["policy"], run / "step3_ppo" / "actor")
+    save("step3_ppo/actor", 2000)
     assert find_policy_path(str(run)) == str(run / "step3_ppo" / "actor")
+    save("step2_dpo", 3000)  # train.py --recipe dpo into the same folder after a PPO run
+    assert find_policy_path(str(run)) == str(run / "step2_dpo")
+    os.utime(run / "step1_sft" / "config.json", (3000, 3000))
+    assert find_policy_path(str(run)) == str(run / "step2_dpo"), "a tie goes to the later step"
     assert find_policy_path(models["policy"]) == models["policy"]
 
 
@@ -72,6 +81,21 @@ def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(m
     assert find_policy_path("~/run") == str(tmp_path / "run" / "step1_sft"), "~ expanded"
     os.symlink(models["policy"], tmp_path / "step2_dpo")
     assert find_policy_path(str(tmp_path)) == str(tmp_path / "step2_dpo")
+
+
+def test_the_report_holds_only_the_recipes_steps(tmp_path):
+    from dschat.report import build_report
+
+    for folder, metrics in (("step1_sft", {"eval_loss": 0.7}), ("step2_rm", {"accuracy": 0.9}),
+                            ("step3_ppo", {"eval_before": {"rule_score_mean": 0.5}, "iterations": 4})):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.json").write_text(json.dumps(metrics))
+    ppo = build_report(str(tmp_path), {}, "ppo")
+    assert ppo["rm_accuracy"] == 0.9 and ppo["step3_iterations"] == 4
+    grpo = build_report(str(tmp_path), {}, "grpo")  # a GRPO run after a PPO run: the old reward model is not its
+    assert grpo["rm_accuracy"] is None and grpo["step3_iterations"] == 4
+    dpo = build_report(str(tmp_path), {}, "dpo")
+    assert dpo["sft_eval_loss"] == 0.7 and "held_out" not in dpo and dpo["rm_accuracy"] is None
 
 
 def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):

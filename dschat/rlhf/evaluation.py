@@ -58,7 +58,8 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
         reward_sum = torch.where(w > 0, scores * w, 0.0).sum().item()  # a padding row's nan/inf stays out too
         rule_sum = sum(r * x for r, x in zip(rules, weights) if x > 0)
         totals += torch.tensor([reward_sum, rule_sum, sum(weights)], dtype=torch.float64, device=device)
-        examples += [{"prompt": p, "answer": t, "reward": s, **({"rule_score": r} if rule_scorer else {})}
+        examples += [{"prompt": p, "answer": t, "reward": s if reward_model is not None else None,
+                      **({"rule_score": r} if rule_scorer else {})}
                      for p, t, s, r, x in zip(batch["prompt_text"], texts, scores.tolist(), rules, weights)
                      if x > 0][: keep_examples - len(examples)]
         seen += len(texts)

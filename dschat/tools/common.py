@@ -5,8 +5,8 @@ import torch
 
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
 
-# Where ``train.py`` puts each step's model under its output folder, best policy first: a run that reached
-# step 3 is chatted with through its PPO actor, a DPO run through its DPO policy, otherwise through its SFT model.
+# Where ``train.py`` puts each step's policy under its output folder. The newest one is the run's result: one output
+# folder may hold a PPO actor and a DPO policy trained after it (train.py --recipe dpo), or the reverse.
 POLICY_SUBFOLDERS = (f"{PPO_DIR}/{ACTOR_DIR}", ACTOR_DIR, DPO_DIR, SFT_DIR)
 REWARD_SUBFOLDERS = (RM_DIR,)
 
@@ -16,12 +16,13 @@ def _looks_local(path):
     return os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
 
 
-def _first_model_folder(path, subfolders):
+def _newest_model_folder(path, subfolders):
+    """The most recently saved model among ``path``'s ``subfolders`` (the earlier one on a tie); ``path`` itself
+    when it is a model folder or a hub name."""
     path = os.path.expanduser(path)  # a --path=~/x the shell left as it is
-    for sub in subfolders:
-        candidate = os.path.join(path, sub)
-        if os.path.isfile(os.path.join(candidate, "config.json")):
-            return candidate
+    saved = [os.path.join(path, sub) for sub in subfolders if os.path.isfile(os.path.join(path, sub, "config.json"))]
+    if saved:
+        return max(saved, key=lambda folder: os.path.getmtime(os.path.join(folder, "config.json")))
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path}: no model in this folder: expected a model folder (config.json) or a "
                                 f"train.py output folder holding one of {', '.join(subfolders)}")
@@ -31,13 +32,14 @@ def _first_model_folder(path, subfolders):
 
 
 def find_policy_path(path):
-    """A run's output folder -> its PPO actor (else its SFT model); a model folder or hub name as is."""
-    return _first_model_folder(path, POLICY_SUBFOLDERS)
+    """A run's output folder -> its newest policy (PPO actor, DPO policy or SFT model); a model folder or hub name
+    as is."""
+    return _newest_model_folder(path, POLICY_SUBFOLDERS)
 
 
 def find_reward_model_path(path):
     """A run's output folder -> its step-2 reward model; a model folder or hub name as is."""
-    return _first_model_folder(path, REWARD_SUBFOLDERS)
+    return _newest_model_folder(path, REWARD_SUBFOLDERS)
 
 
 def default_device():
