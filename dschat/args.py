@@ -109,7 +109,8 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     g.add_argument("--gradient_checkpointing", action="store_true")
     g.add_argument("--compute_fp32_loss", action="store_true", help="Compute the loss in fp32.")
-    g.add_argument("--eval_interval", type=non_negative_int, default=0, help="Evaluate every N steps (0: at the end only).")
+    g.add_argument("--eval_interval", type=non_negative_int, default=0,
+                   help="Evaluate every N steps (0: at the end only).")
     g.add_argument("--eval_iters", type=non_negative_int, default=100, help="Max eval batches per evaluation.")
     g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
     g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N optimizer steps (0: no limit).")
@@ -132,13 +133,15 @@ def add_zero_tuning_args(g):
                         "decoder layer (dschat's default: a tenth of the hooks, so less host time per forward and "
                         "backward); module: every submodule (DeepSpeed's default). Same numbers either way (to fp32 "
                         "rounding); measurements in docs/benchmarks.md. Falls back to module, with a message, when "
-                        "the largest ModuleList is not clearly the decoder stack or the model drops layers (layerdrop).")
+                        "the largest ModuleList is not clearly the decoder stack or the model drops layers "
+                        "(layerdrop).")
 
 
 def add_deepspeed_args(parser):
     g = parser.add_argument_group("deepspeed")
     g.add_argument("--offload", action="store_true", help="Offload optimizer (and ZeRO-3 parameters) to CPU.")
-    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"], help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
+    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
     g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
     g.add_argument("--enable_tensorboard", action="store_true")
     g.add_argument("--tensorboard_path", type=str, default=None)
@@ -168,7 +171,8 @@ def add_lora_args(parser, prefix=""):
         g.add_argument("--lora_module_name", type=str, default="",
                        help="Adapt Linear modules whose path contains this (empty: all but output heads).")
         g.add_argument("--lora_alpha", type=float, default=None,
-                       help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, DeepSpeed-Chat's scaling (PEFT's own default is 8).")
+                       help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
+                            "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
         g.add_argument("--only_optimize_lora", action="store_true", help="Freeze the base weights.")
     g.add_argument(f"--{prefix}lora_learning_rate", type=float, default=5e-4)
     return g
@@ -256,7 +260,8 @@ def step3_parser():
                    help="Processes that tokenize and group the unsupervised data (datasets' num_proc).")
     g = p.add_argument_group("batching and lengths")
     # The second names are DeepSpeed-Chat's first ones (renamed in 2023), still in many walk-throughs.
-    g.add_argument("--per_device_generation_batch_size", "--per_device_train_batch_size", type=positive_int, default=16,
+    g.add_argument("--per_device_generation_batch_size", "--per_device_train_batch_size", type=positive_int,
+                   default=16,
                    help="Prompts per rank per generation batch.")
     g.add_argument("--per_device_training_batch_size", "--per_device_mini_train_batch_size",
                    "--per_device_mini_batch_size", type=positive_int, default=16,
@@ -321,7 +326,8 @@ def step3_parser():
     g.add_argument("--zero_stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="The ZeRO stage of actor and critic where --actor_zero_stage / --critic_zero_stage are not "
                         "given (steps 1 and 2 take this name).")
-    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"], help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
+    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
     g.add_argument("--actor_gradient_checkpointing", action="store_true")
     g.add_argument("--critic_gradient_checkpointing", action="store_true")
     g.add_argument("--actor_dropout", type=float, default=None, help="Override every dropout of the actor's config.")
@@ -344,7 +350,9 @@ def step3_parser():
     g.add_argument("--actor_lora_module_name", type=str, default="")
     g.add_argument("--critic_lora_dim", type=non_negative_int, default=0)
     g.add_argument("--critic_lora_module_name", type=str, default="")
-    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, DeepSpeed-Chat's scaling (PEFT's own default is 8).")
+    g.add_argument("--lora_alpha", type=float, default=None,
+                   help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
+                        "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
     g.add_argument("--only_optimize_lora", action="store_true")
     g.add_argument("--actor_lora_learning_rate", type=float, default=5e-4)
     g.add_argument("--critic_lora_learning_rate", type=float, default=5e-4)
@@ -376,7 +384,8 @@ def step3_parser():
     g = p.add_argument_group("critic-free estimators and reward functions")
     g.add_argument("--advantage_estimator", type=str, default="gae", choices=["gae", "grpo", "rloo", "reinforce_pp"],
                    help="gae: PPO with a critic (DeepSpeed-Chat); the others build no critic.")
-    g.add_argument("--n_samples_per_prompt", type=positive_int, default=1, help="Answers generated per prompt (one group).")
+    g.add_argument("--n_samples_per_prompt", type=positive_int, default=1,
+                   help="Answers generated per prompt (one group).")
     g.add_argument("--grpo_norm_by_std", type=int, default=1, choices=[0, 1])
     g.add_argument("--reward_fn", type=str, default="",
                    help="module:function or path.py:function called with (prompts, answers, **extra columns) "
@@ -394,7 +403,8 @@ def step3_parser():
     g.add_argument("--print_answers_interval", type=positive_int, default=1)
     g.add_argument("--enable_test_mode", action="store_true")
     g.add_argument("--test_stop_step", type=non_negative_int, default=0)
-    g.add_argument("--save_interval", type=non_negative_int, default=0, help="Checkpoint every N PPO iterations (0: off).")
+    g.add_argument("--save_interval", type=non_negative_int, default=0,
+                   help="Checkpoint every N PPO iterations (0: off).")
     g.add_argument("--resume", action="store_true", help="Continue from the last checkpoint in output_dir.")
     g.add_argument("--eval_prompts", type=non_negative_int, default=64,
                    help="Held-out prompts scored before and after PPO (reward model and rule scorer), in whole "
