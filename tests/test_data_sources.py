@@ -126,6 +126,22 @@ def test_a_renamed_field_the_records_lack_is_named(tmp_path):
     raw(messages, tmp_path, **parse_field_map("prompt=question"))  # another shape's records: the rename does not apply
 
 
+@pytest.mark.parametrize("mapping, missing", [("prompt=question,chosen=good,rejected=nope", "rejected=nope"),
+                                              ("prompt=question,chosen=nope", "chosen=nope")])
+def test_a_renamed_answer_field_the_records_lack_is_named(tmp_path, mapping, missing):
+    records = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in RECORDS]
+    path = write_records(records, tmp_path / "q.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=rf"no 'nope' field, which --data_fields {missing} names"):
+        raw(path, tmp_path, **parse_field_map(mapping))  # not read as SFT-only / prompt-only data
+    trl = [{"chosen": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "b"}]}]
+    with pytest.raises(DatasetFormatError, match=r"no 'nope' field, which --data_fields rejected=nope names"):
+        raw(write_records(trl, tmp_path / "trl.jsonl", "jsonl"), tmp_path, **parse_field_map("rejected=nope"))
+    messages = write_records([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+                             tmp_path / "m.jsonl", "jsonl")
+    raw(messages, tmp_path, **parse_field_map(mapping))  # another shape's records: the renames do not apply
+
+
 def test_parse_field_map_rejects_bad_input():
     assert parse_field_map("") == {}
     with pytest.raises(ValueError, match="prompt=question"):
@@ -229,6 +245,49 @@ def test_wrong_type_names_file_record_and_field(tmp_path):
     path = write_records(records, tmp_path / "typed.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"line 1 \(record 0\): field 'chosen': expected a string, got int"):
         raw(path, tmp_path)
+
+
+def test_csv_columns_are_text_and_empty_cells_null(tmp_path):
+    path = tmp_path / "numeric.csv"
+    path.write_text("prompt,chosen,rejected\nWhat is 2 plus 3?,5,6\nWhat is 0.5 doubled?,1.0,007\nSay hi.,hi,\n")
+    adapter = raw(f"csv:{path},{path}", tmp_path)
+    data = adapter.get_train_data()
+    assert [(adapter.get_chosen_text(s), adapter.get_rejected_text(s)) for s in data] == \
+        [("5", "6"), ("1.0", "007"), ("hi", None)]  # numbers kept as written; an empty cell is null (SFT-only)
+
+
+def test_a_late_wrongly_typed_json_value_is_reported_at_its_own_line(tmp_path):
+    records = [dict(r) for r in RECORDS]
+    records[2]["chosen"] = "1"  # strings that are valid JSON must stay strings
+    records[3]["prompt"] = "null"
+    records[4]["prompt"] = [{"role": "user", "content": "Hi"}]  # a prompt may be a string or a message list
+    records[5]["task"] = 3  # a mixed extra column is passed through as written
+    path = write_records(records, tmp_path / "mixed.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    data = adapter.get_train_data()
+    assert adapter.get_chosen_text(data[2]) == "1" and adapter.get_conversation(data[3])[0]["content"] == "null"
+    assert adapter.get_conversation(data[4]) == [{"role": "user", "content": "Hi"}]
+    assert [adapter.get_extra(s)["task"] for s in data][4:7] == ["t1", 3, "t0"]
+    records[15]["chosen"] = 42
+    path = write_records(records, tmp_path / "late.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"late.jsonl line 16 \(record 15\): field 'chosen': expected a "
+                                                 r"string, got int"):
+        raw(path, tmp_path)
+
+
+def test_read_errors_name_their_cause(tmp_path):
+    empty_csv = tmp_path / "empty.csv"
+    empty_csv.write_text("")
+    with pytest.raises(DatasetFormatError, match=rf"{empty_csv}: could not be read as csv: No columns to parse"):
+        raw(f"csv:{empty_csv}", tmp_path)
+    jsonl = write_records([*RECORDS[:2], {**RECORDS[2], "more": "x"}], tmp_path / "data.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"could not be read as csv: An error occurred while generating "
+                                                 r"the dataset: Error tokenizing data"):  # the cause, not only that
+        raw(f"csv:{jsonl}", tmp_path)
+    empty_json = tmp_path / "empty.json"
+    empty_json.write_text("\n")
+    with pytest.raises(DatasetFormatError, match=rf"{empty_json}: no records \(the file is empty\)"):
+        raw(str(empty_json), tmp_path)
 
 
 def test_bad_message_list_is_an_error(tmp_path):

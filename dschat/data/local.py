@@ -26,9 +26,11 @@ prompt=question,chosen=good``):
   the last are the prompt and must be the same in both; the last (assistant) turns are the answers.
   ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
 
-Every other column is passed through ``get_extra``. Records are checked when the file is loaded: a
-malformed JSON line raises ``DatasetFormatError("FILE line N: ...")``; a missing/null/empty/wrongly typed
-field raises one naming the file, the record (and line for JSONL) and the field.
+CSV cells are read as text ("5" stays "5"; an empty cell is null); JSON values are kept as written, also in a
+column whose type differs between records. Every other column is passed through ``get_extra``. Records are
+checked when the file is loaded: a malformed JSON line raises ``DatasetFormatError("FILE line N: ...")``; a
+missing/null/empty/wrongly typed field raises one naming the file, the record (and line for JSONL) and the
+field.
 """
 import hashlib
 import json
@@ -200,6 +202,8 @@ def check_json_document(path):
     """A .json file must be one JSON array of objects; DatasetFormatError with the line of a syntax error."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
+    if not text.strip():
+        raise DatasetFormatError(f"{path}: no records (the file is empty)")
     try:
         document = json.loads(text)
     except json.JSONDecodeError as err:
@@ -208,6 +212,8 @@ def check_json_document(path):
         raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(document, list):
         raise DatasetFormatError(f"{path}: expected a JSON array of records, got a {type(document).__name__}")
+    if not document:
+        raise DatasetFormatError(f"{path}: no records (the JSON array is empty)")
     for index, record in enumerate(document):
         if not isinstance(record, dict):
             raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
@@ -233,10 +239,90 @@ def load_file(kind, path):
     if record_lines == []:  # datasets would fail with an empty StopIteration
         raise DatasetFormatError(f"{path}: no records (the file is empty)")
     try:
-        data = load_dataset(builder, data_files={"train": path}, split="train")
+        options = {"features": _csv_text_features(path)} if kind == "csv" else {}
+        data = load_dataset(builder, data_files={"train": path}, split="train", **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
-        raise DatasetFormatError(f"{path}: could not be read as {kind}: {str(err) or type(err).__name__}") from err
+        raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
+    if builder == "json" and any(_has_json_feature(feature) for feature in data.features.values()):
+        data = _exact_json_dataset(kind, path, data.features)
     return data, record_lines
+
+
+def _csv_text_features(path):
+    """Every CSV column as a string (CSV has no types: "5" or "007" is text, not a number).
+
+    Empty cells (and pandas' default NA markers) stay null, as without the features.
+    """
+    import pandas as pd
+    from datasets import Features, Value
+
+    return Features({column: Value("string") for column in pd.read_csv(path, nrows=0).columns})
+
+
+def _error_text(err):
+    """The messages along an exception's cause chain ("An error occurred while generating the dataset" alone
+    says nothing about what is wrong with the file)."""
+    messages, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        message = str(err).strip() or type(err).__name__
+        if message not in messages:
+            messages.append(message)
+        err = err.__cause__ or err.__context__
+    return ": ".join(messages)
+
+
+def _has_json_feature(feature):
+    """Whether a feature is or holds datasets' ``Json`` type (its mixed-type columns; older datasets have no such
+    type and fail on mixed columns themselves)."""
+    try:
+        from datasets import Json
+    except ImportError:
+        return False
+    if isinstance(feature, Json):
+        return True
+    if isinstance(feature, dict):
+        return any(_has_json_feature(value) for value in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_has_json_feature(value) for value in feature)
+    inner = getattr(feature, "feature", None)
+    return inner is not None and _has_json_feature(inner)
+
+
+def _json_records(kind, path):
+    """The records of a JSON/JSONL file as the json module reads them (the file was checked already)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if kind == "json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass  # JSON Lines in a .json file (check_json_document accepted it)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _exact_json_dataset(kind, path, features):
+    """The file's records with every value exactly as written, for a file with mixed-type columns.
+
+    For a column whose values have different types in different records (e.g. a string in most records and
+    a number in one), datasets infers a ``Json`` feature, which stores a string that is itself valid JSON
+    as that JSON: the string "1" comes back as the number 1, "null" as None. Such columns are rebuilt here
+    from the json module's records, each value JSON-encoded, so strings stay strings and a bad value is
+    reported at its own record.
+    """
+    from datasets import Dataset, Features, Json
+
+    records = _json_records(kind, path)
+    columns = {}
+    for record in records:
+        for name in record:
+            columns.setdefault(name, None)
+    mixed = {name for name in columns if name not in features or _has_json_feature(features[name])}
+    data = {name: [record.get(name) for record in records] for name in columns}
+    for name in mixed:
+        data[name] = [None if value is None else json.dumps(value, ensure_ascii=False) for value in data[name]]
+    exact = Features({name: Json() if name in mixed else features[name] for name in columns})
+    return Dataset.from_dict(data, features=exact)
 
 
 def load_saved_dataset(path):
@@ -304,18 +390,29 @@ class LocalDataset(PromptRawDataset):
     def _record_shape(self, data, where):
         columns = data.column_names
         if self.fields["messages"] in columns:
-            return "messages"
+            return "messages"  # the other fields (renamed or not) are not read from messages records
         if self.fields["prompt"] in columns:
+            self._check_renamed(("chosen", "rejected"), columns, where)
             return "prompt"
-        if "prompt" in self.renamed:  # the prompt field the user named is not there: say so, not what follows
-            raise DatasetFormatError(f"{where}: no {self.fields['prompt']!r} field, which --data_fields "
-                                     f"prompt={self.fields['prompt']} names; the records have {columns}")
+        self._check_renamed(("prompt",), columns, where)
         if self.fields["chosen"] in columns:
+            self._check_renamed(("rejected",), columns, where)
             return "chosen_messages"
         raise DatasetFormatError(
             f"{where}: no {self.fields['prompt']!r}, {self.fields['messages']!r} or {self.fields['chosen']!r} "
             f"field; the records have {columns}. Name yours with --data_fields, e.g. "
             "'prompt=question,chosen=answer,rejected=bad_answer'")
+
+    def _check_renamed(self, names, columns, where):
+        """A field the records' shape reads, renamed by --data_fields to a column the records lack, is an error
+        naming it (else a missing answer column reads as prompt-only or SFT-only data and fails later, or
+        not at all). Only the fields of the shape the records have are checked, so records of another shape
+        (e.g. messages data next to the renamed data) are not rejected for a rename that does not apply."""
+        for name in names:
+            if name in self.renamed and self.fields[name] not in columns:
+                # the field the user named is not there: say so, not what follows
+                raise DatasetFormatError(f"{where}: no {self.fields[name]!r} field, which --data_fields "
+                                         f"{name}={self.fields[name]} names; the records have {columns}")
 
     def _shape_fields(self):
         return {"messages": ("messages",), "prompt": ("prompt", "chosen", "rejected"),
