@@ -90,4 +90,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from dschat.utils.cli import run_entry_point
+
+    run_entry_point(main)

@@ -134,6 +134,21 @@ def test_malformed_dataset_line_names_file_and_line(tmp_path, distributed):
                   "--data_output_path", str(tmp_path / "data"), *SFT_FAST])
 
 
+def test_a_step_script_ends_a_data_error_with_its_message_not_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "broken\n')
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "training" / "step2_rm" / "main.py"), "--data_path",
+                           f"jsonl:{bad}", "--output_dir", str(tmp_path / "rm"), "--data_output_path",
+                           str(tmp_path / "data")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: {bad} line 2: invalid JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
 class _Collated(Exception):
     """Stops a step right after its collator made a batch."""
 
