@@ -141,7 +141,10 @@ def test_a_step_script_ends_a_data_error_with_its_message_not_a_traceback(tmp_pa
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "broken\n')
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # a process of its own, not a rank of this test process's world (whose port is taken)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(REPO / "training" / "step2_rm" / "main.py"), "--data_path",
                            f"jsonl:{bad}", "--output_dir", str(tmp_path / "rm"), "--data_output_path",
                            str(tmp_path / "data")], env=env, capture_output=True, text=True, timeout=300)
