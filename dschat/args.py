@@ -285,7 +285,7 @@ def step3_parser():
     g.add_argument("--local_rank", type=int, default=-1)
     g = p.add_argument_group("generation")
     g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_k", type=non_negative_int, default=0)
+    g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
     g.add_argument("--top_p", type=float, default=1.0)
     g.add_argument("--greedy", action="store_true", help="Greedy answers instead of sampling.")
     g = p.add_argument_group("hybrid engine")

@@ -2,7 +2,7 @@
 import json
 import os
 
-from dschat.run_layout import PPO_DIR, RM_DIR, SFT_DIR
+from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
 from dschat.steps.common import write_json_atomic
 
 
@@ -23,6 +23,8 @@ def read_jsonl(path):
 # The step folders whose results belong to a recipe's report. An output folder may also hold another recipe's
 # results (train.py --recipe grpo after a PPO run leaves step2_rm there): those are not this run's.
 RECIPE_FOLDERS = {"ppo": (SFT_DIR, RM_DIR, PPO_DIR), "grpo": (SFT_DIR, PPO_DIR), "dpo": (SFT_DIR,)}
+# The model a recipe produces, which the tools (chat.py, eval) take from the output folder.
+RECIPE_POLICY = {"ppo": f"{PPO_DIR}/{ACTOR_DIR}", "grpo": f"{PPO_DIR}/{ACTOR_DIR}", "dpo": DPO_DIR}
 
 
 def build_report(output_dir, timings, recipe="ppo"):
@@ -37,7 +39,9 @@ def build_report(output_dir, timings, recipe="ppo"):
     report = {"timings_s": timings, "sft_eval_loss": step1.get("eval_loss"),
               "sft_perplexity": step1.get("perplexity"), "rm_accuracy": step2.get("accuracy"),
               "rm_chosen_mean_score": step2.get("chosen_mean_score"),
-              "rm_rejected_mean_score": step2.get("rejected_mean_score")}
+              "rm_rejected_mean_score": step2.get("rejected_mean_score"),
+              "policy": next((sub for sub in (RECIPE_POLICY[recipe], SFT_DIR)
+                              if os.path.isfile(os.path.join(output_dir, sub, "config.json"))), None)}
     if step3:
         before, after = step3.get("eval_before") or {}, step3.get("eval_after") or {}
         report["held_out"] = {

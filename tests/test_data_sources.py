@@ -126,20 +126,19 @@ def test_a_renamed_field_the_records_lack_is_named(tmp_path):
     raw(messages, tmp_path, **parse_field_map("prompt=question"))  # another shape's records: the rename does not apply
 
 
-@pytest.mark.parametrize("mapping, missing", [("prompt=question,chosen=good,rejected=nope", "rejected=nope"),
-                                              ("prompt=question,chosen=nope", "chosen=nope")])
-def test_a_renamed_answer_field_the_records_lack_is_named(tmp_path, mapping, missing):
-    records = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in RECORDS]
-    path = write_records(records, tmp_path / "q.jsonl", "jsonl")
-    with pytest.raises(DatasetFormatError, match=rf"no 'nope' field, which --data_fields {missing} names"):
-        raw(path, tmp_path, **parse_field_map(mapping))  # not read as SFT-only / prompt-only data
-    trl = [{"chosen": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "a"}],
-            "rejected": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "b"}]}]
-    with pytest.raises(DatasetFormatError, match=r"no 'nope' field, which --data_fields rejected=nope names"):
-        raw(write_records(trl, tmp_path / "trl.jsonl", "jsonl"), tmp_path, **parse_field_map("rejected=nope"))
+def test_a_renamed_chosen_field_the_records_lack_is_named_and_answerless_files_still_load(tmp_path):
+    mapping = parse_field_map("prompt=question,chosen=good,rejected=bad")
+    typo = [{"question": r["prompt"], "goood": r["chosen"], "bad": r["rejected"]} for r in RECORDS]
+    with pytest.raises(DatasetFormatError, match=r"no 'good' field, which --data_fields chosen=good names"):
+        raw(write_records(typo, tmp_path / "q.jsonl", "jsonl"), tmp_path, **mapping)  # not read as prompt-only
+    # one --data_fields covers every file: SFT-only and prompt-only files lack the answer columns by design
+    sft_only = [{"question": r["prompt"], "good": r["chosen"]} for r in RECORDS]
+    raw(write_records(sft_only, tmp_path / "sft.jsonl", "jsonl"), tmp_path, **mapping)
+    prompts = [{"question": r["prompt"]} for r in RECORDS]
+    raw(write_records(prompts, tmp_path / "prompts.jsonl", "jsonl"), tmp_path, **mapping)
     messages = write_records([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
                              tmp_path / "m.jsonl", "jsonl")
-    raw(messages, tmp_path, **parse_field_map(mapping))  # another shape's records: the renames do not apply
+    raw(messages, tmp_path, **mapping)  # another shape's records: the renames do not apply
 
 
 def test_parse_field_map_rejects_bad_input():

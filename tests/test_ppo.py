@@ -499,7 +499,9 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     # stopped after iteration 3, one past the last checkpoint: its log line is dropped and iteration 3 runs again
     ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--enable_test_mode", "--test_stop_step", "3",
                       *common))
-    assert len((tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()) == 3
+    log = tmp_path / "split" / "step3_log.jsonl"
+    assert len(log.read_text().splitlines()) == 3
+    log.write_text(log.read_text() + '{"iteration": 4, "rew')  # a line cut off when the run was killed
     ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--resume", *common))
     full = [json.loads(x) for x in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
     split = [json.loads(x) for x in (tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()]
@@ -595,6 +597,10 @@ def test_reward_settings_that_cannot_train_fail_before_anything_loads(tmp_path, 
         ppo.main(["--actor_model_name_or_path", "tiny-llama", "--advantage_estimator", "grpo", "--reward_fn", "tiny"])
     with pytest.raises(FileNotFoundError, match="the actor loads from --actor_model_name_or_path output/step1_sft"):
         ppo.main([])
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.reward_fn import check_reward_sources
+
+    check_reward_sources(step3_args({"reward_fn": "tiny", "reward_model_weight": 0, "data_path": "tiny"}))  # notebook
 
 
 def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distributed):

@@ -50,22 +50,17 @@ def run_chat(*args, stdin=None):
 
 # --- chat ---
 
-def test_run_folder_resolves_to_its_newest_policy(models, tmp_path):
-    run = tmp_path / "run"
+def test_run_folder_resolves_to_the_reported_policy_else_actor_dpo_sft(models, tmp_path):
+    from dschat.report import build_report
 
-    def save(folder, when):
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step3_ppo/actor", "step2_dpo"):
         (run / folder).mkdir(parents=True)
         (run / folder / "config.json").write_text("{}")
-        os.utime(run / folder / "config.json", (when, when))
-
-    save("step1_sft", 1000)
-    assert find_policy_path(str(run)) == str(run / "step1_sft")
-    save("step3_ppo/actor", 2000)
-    assert find_policy_path(str(run)) == str(run / "step3_ppo" / "actor")
-    save("step2_dpo", 3000)  # train.py --recipe dpo into the same folder after a PPO run
-    assert find_policy_path(str(run)) == str(run / "step2_dpo")
-    os.utime(run / "step1_sft" / "config.json", (3000, 3000))
-    assert find_policy_path(str(run)) == str(run / "step2_dpo"), "a tie goes to the later step"
+    assert find_policy_path(str(run)) == str(run / "step3_ppo" / "actor")  # no report: the fixed order
+    for recipe, policy in (("dpo", "step2_dpo"), ("grpo", "step3_ppo/actor")):  # the last train.py run's recipe
+        (run / "report.json").write_text(json.dumps(build_report(str(run), {}, recipe)))
+        assert find_policy_path(str(run)) == str(run / policy)
     assert find_policy_path(models["policy"]) == models["policy"]
 
 

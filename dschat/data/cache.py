@@ -17,7 +17,7 @@ from filelock import FileLock
 from dschat.utils.files import temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 2  # 2: phase 2 rows carry prompt_length
+FORMAT_VERSION = 3  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included)
 CACHE_SUBDIR = "dschat_data_cache"
 
 

@@ -392,11 +392,13 @@ class LocalDataset(PromptRawDataset):
         if self.fields["messages"] in columns:
             return "messages"  # the other fields (renamed or not) are not read from messages records
         if self.fields["prompt"] in columns:
-            self._check_renamed(("chosen", "rejected"), columns, where)
+            # Prompt-only (step 3) and SFT-only files legitimately lack the answer columns, under one --data_fields
+            # for every file; only a rejected answer with no chosen one is a certain typo.
+            if self.fields["rejected"] in columns:
+                self._check_renamed(("chosen",), columns, where)
             return "prompt"
         self._check_renamed(("prompt",), columns, where)
         if self.fields["chosen"] in columns:
-            self._check_renamed(("rejected",), columns, where)
             return "chosen_messages"
         raise DatasetFormatError(
             f"{where}: no {self.fields['prompt']!r}, {self.fields['messages']!r} or {self.fields['chosen']!r} "
@@ -404,10 +406,10 @@ class LocalDataset(PromptRawDataset):
             "'prompt=question,chosen=answer,rejected=bad_answer'")
 
     def _check_renamed(self, names, columns, where):
-        """A field the records' shape reads, renamed by --data_fields to a column the records lack, is an error
-        naming it (else a missing answer column reads as prompt-only or SFT-only data and fails later, or
-        not at all). Only the fields of the shape the records have are checked, so records of another shape
-        (e.g. messages data next to the renamed data) are not rejected for a rename that does not apply."""
+        """A field the records' shape needs, renamed by --data_fields to a column the records lack, is an error
+        naming it (else the records read as another shape and fail later, or not at all). Only fields the shape
+        cannot do without are checked, so records of another shape (e.g. messages data next to the renamed data)
+        are not rejected for a rename that does not apply."""
         for name in names:
             if name in self.renamed and self.fields[name] not in columns:
                 # the field the user named is not there: say so, not what follows

@@ -142,8 +142,8 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     if train_phase not in (1, 2, 3):
         raise ValueError(f"train_phase must be 1, 2 or 3, got {train_phase!r}")
     parse_data_split(data_split)  # fail early on a malformed split
-    data_path = _as_list(data_path)
-    sft_only = _as_list(sft_only_data_path) if train_phase == 1 else []
+    data_path = as_list(data_path)
+    sft_only = as_list(sft_only_data_path) if train_phase == 1 else []
     if not data_path and not sft_only:
         raise ValueError("data_path is empty: give at least one dataset")
     field_options = _field_options(data_fields)
@@ -163,7 +163,8 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     return train, eval_
 
 
-def _as_list(paths):
+def as_list(paths):
+    """--data_path as a list; the notebook API may give one name as a string."""
     if isinstance(paths, str):
         return [paths]
     return list(paths or [])

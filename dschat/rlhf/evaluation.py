@@ -8,7 +8,9 @@ from dschat.utils.dist import all_reduce
 
 def rule_scorer_for(data_path):
     """The bundled rule scorer when the prompts come from the embedded data, else None."""
-    if list(data_path) == ["tiny"]:
+    from dschat.data.pipeline import as_list
+
+    if as_list(data_path) == ["tiny"]:
         from dschat.tiny.scorer import rule_score
 
         return rule_score

@@ -18,11 +18,13 @@ def check_reward_sources(args):
     gives 0 to any prompt it does not know, i.e. a constant reward and no learning) only scores the embedded data."""
     if not args.reward_fn and not args.reward_model_weight:
         raise ValueError("step3: --reward_model_weight 0 without --reward_fn leaves no reward to train on")
-    if args.reward_fn and ALIASES.get(args.reward_fn, args.reward_fn) == ALIASES["tiny"] and \
-            list(args.data_path) != ["tiny"]:
+    from dschat.data.pipeline import as_list
+
+    data = as_list(args.data_path)
+    if args.reward_fn and ALIASES.get(args.reward_fn, args.reward_fn) == ALIASES["tiny"] and data != ["tiny"]:
         raise ValueError(f"step3: --reward_fn tiny (the bundled rule scorer) knows only the embedded 'tiny' prompts "
-                         f"and gives 0 to every other one, but --data_path is {' '.join(args.data_path)}; give your "
-                         f"own function, e.g. --reward_fn my_rewards.py:score (train.py: inside --step3-args)")
+                         f"and gives 0 to every other one, but --data_path is {' '.join(data)}; give your own "
+                         f"function, e.g. --reward_fn my_rewards.py:score (train.py: inside --step3-args)")
 
 
 def load_reward_fn(spec):

@@ -298,10 +298,19 @@ def _keep_log_until(path, iteration):
     if not is_rank_0():
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    kept = []
+    kept, unreadable = [], 0
     if iteration and os.path.exists(path):
         with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= iteration]
+            for line in f:
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:  # the line a killed run was writing
+                    unreadable += 1
+                    continue
+                if isinstance(record, dict) and record.get("iteration", iteration + 1) <= iteration:
+                    kept.append(json.dumps(record) + "\n")
+    if unreadable:
+        print_rank_0(f"[step3] {path}: dropped {unreadable} unreadable line(s) (cut off when the run stopped)")
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)

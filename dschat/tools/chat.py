@@ -86,8 +86,8 @@ def echoing_input(prompt):
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", required=True,
-                        help="A run's output folder (uses its newest policy: step3_ppo/actor, step2_dpo or "
-                             "step1_sft), a model folder, a hub name or a tiny preset.")
+                        help="A run's output folder (uses the policy its last train.py run reported, else "
+                             "step3_ppo/actor, step2_dpo, step1_sft), a model folder, a hub name or a tiny preset.")
     parser.add_argument("--prompt", default=None, help="Answer this one message, print the answer and exit.")
     add_loading_args(parser)
     add_generation_args(parser, sample_by_default=True)

@@ -5,8 +5,9 @@ import torch
 
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
 
-# Where ``train.py`` puts each step's policy under its output folder. The newest one is the run's result: one output
-# folder may hold a PPO actor and a DPO policy trained after it (train.py --recipe dpo), or the reverse.
+# Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
+# actor and a DPO policy trained after it (train.py --recipe dpo), or the reverse: the last run's report.json names
+# its policy ("policy"), and that one is taken when it is there.
 POLICY_SUBFOLDERS = (f"{PPO_DIR}/{ACTOR_DIR}", ACTOR_DIR, DPO_DIR, SFT_DIR)
 REWARD_SUBFOLDERS = (RM_DIR,)
 
@@ -16,13 +17,26 @@ def _looks_local(path):
     return os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
 
 
-def _newest_model_folder(path, subfolders):
-    """The most recently saved model among ``path``'s ``subfolders`` (the earlier one on a tie); ``path`` itself
-    when it is a model folder or a hub name."""
+def _reported_policy(path):
+    """The policy subfolder the last train.py run in ``path`` reported as its result, if any."""
+    report = os.path.join(path, "report.json")
+    if not os.path.isfile(report):
+        return None
+    import json
+
+    with open(report) as f:
+        policy = json.load(f).get("policy")
+    return policy if policy in POLICY_SUBFOLDERS else None
+
+
+def _model_folder(path, subfolders, reported=None):
+    """``path``'s ``reported`` subfolder, else the first of ``subfolders`` that holds a model; ``path`` itself when
+    it is a model folder or a hub name."""
     path = os.path.expanduser(path)  # a --path=~/x the shell left as it is
-    saved = [os.path.join(path, sub) for sub in subfolders if os.path.isfile(os.path.join(path, sub, "config.json"))]
-    if saved:
-        return max(saved, key=lambda folder: os.path.getmtime(os.path.join(folder, "config.json")))
+    for sub in ([reported] if reported else []) + list(subfolders):
+        candidate = os.path.join(path, sub)
+        if os.path.isfile(os.path.join(candidate, "config.json")):
+            return candidate
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path}: no model in this folder: expected a model folder (config.json) or a "
                                 f"train.py output folder holding one of {', '.join(subfolders)}")
@@ -32,14 +46,14 @@ def _newest_model_folder(path, subfolders):
 
 
 def find_policy_path(path):
-    """A run's output folder -> its newest policy (PPO actor, DPO policy or SFT model); a model folder or hub name
-    as is."""
-    return _newest_model_folder(path, POLICY_SUBFOLDERS)
+    """A run's output folder -> the policy its last train.py run reported, else its PPO actor, DPO policy or SFT
+    model, in that order; a model folder or hub name as is."""
+    return _model_folder(path, POLICY_SUBFOLDERS, _reported_policy(os.path.expanduser(path)))
 
 
 def find_reward_model_path(path):
     """A run's output folder -> its step-2 reward model; a model folder or hub name as is."""
-    return _newest_model_folder(path, REWARD_SUBFOLDERS)
+    return _model_folder(path, REWARD_SUBFOLDERS)
 
 
 def default_device():

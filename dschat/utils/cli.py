@@ -10,7 +10,7 @@ def run_entry_point(main):
     try:
         return main()
     except DatasetFormatError as error:
-        if os.environ.get("DSCHAT_TRACEBACK"):
+        if os.environ.get("DSCHAT_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

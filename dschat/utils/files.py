@@ -6,7 +6,16 @@ import tempfile
 
 
 def _umask():
-    mask = os.umask(0)
+    """The process's umask, read from /proc where it can be (os.umask can only read it by setting it, which would
+    briefly give files other threads create mode 0o777/0o666)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)  # the fallback: briefly stricter, never looser
     os.umask(mask)
     return mask
 
