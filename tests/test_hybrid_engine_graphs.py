@@ -55,7 +55,7 @@ def test_on_cpu_graphs_fall_back_to_eager_with_one_notice(caplog):
     assert engine.graph_decoder.captures == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gpt2", "bloom"])  # bloom: ALiBi's mask
 def test_graph_step_logic_equals_hf_with_padding_rows_eos_and_min_new_tokens(family):
     model = tiny_model(family, seed=2)
     engine = _engine(model)
