@@ -2,7 +2,7 @@
 import json
 import os
 
-from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
+from dschat.run_layout import DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RM_DIR, SFT_DIR
 from dschat.steps.common import write_json_atomic
 
 
@@ -24,7 +24,7 @@ def read_jsonl(path):
 # results (train.py --recipe grpo after a PPO run leaves step2_rm there): those are not this run's.
 RECIPE_FOLDERS = {"ppo": (SFT_DIR, RM_DIR, PPO_DIR), "grpo": (SFT_DIR, PPO_DIR), "dpo": (SFT_DIR,)}
 # The model a recipe produces, which the tools (chat.py, eval) take from the output folder.
-RECIPE_POLICY = {"ppo": f"{PPO_DIR}/{ACTOR_DIR}", "grpo": f"{PPO_DIR}/{ACTOR_DIR}", "dpo": DPO_DIR}
+RECIPE_POLICY = {"ppo": PPO_ACTOR_DIR, "grpo": PPO_ACTOR_DIR, "dpo": DPO_DIR}
 
 
 def build_report(output_dir, timings, recipe="ppo"):

@@ -9,3 +9,5 @@ PPO_DIR = "step3_ppo"
 ACTOR_DIR = "actor"
 CRITIC_DIR = "critic"
 ACTOR_EMA_DIR = "actor_ema"
+
+PPO_ACTOR_DIR = f"{PPO_DIR}/{ACTOR_DIR}"  # the PPO/GRPO policy under train.py's --output_dir

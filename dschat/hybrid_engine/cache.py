@@ -32,18 +32,19 @@ def _is_out_of_memory(error):
     return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
-# Config fields of attentions that cache something other than num_key_value_heads x head_dim per token, or name their
-# KV heads otherwise: Falcon's multi-query flag (one KV head whatever num_kv_heads says), compressed latent caches
-# (DeepSeek's MLA). Their layout is left to the cache's own lazy allocation at the first forward.
-NONSTANDARD_KV_FIELDS = ("multi_query", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "kv_lora_rank")
+# Config fields of attentions that name their KV heads otherwise than num_key_value_heads, e.g. Falcon's multi-query
+# flag (one KV head whatever num_kv_heads says). Such caches, and compressed latent ones (DeepSeek's MLA, below),
+# are left to the cache's own lazy allocation at the first forward.
+NONSTANDARD_KV_FIELDS = ("multi_query", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 
 
 def kv_layout(model_config):
     """(num_kv_heads, head_dim) of the decoder, from the standard HF config fields; None when they are not there or
     the config says the attention caches another layout."""
     cfg = model_config.get_text_config(decoder=True)
-    if getattr(cfg, "kv_lora_rank", None) or (getattr(cfg, "num_key_value_heads", None) is None and
-                                              any(getattr(cfg, f, None) for f in NONSTANDARD_KV_FIELDS)):
+    compressed = getattr(cfg, "kv_lora_rank", None)  # MLA caches a latent vector, whatever num_key_value_heads says
+    if compressed or (getattr(cfg, "num_key_value_heads", None) is None and
+                      any(getattr(cfg, f, None) for f in NONSTANDARD_KV_FIELDS)):
         return None
     try:
         num_heads = cfg.num_attention_heads

@@ -1,14 +1,15 @@
 """What the tools share: finding a run's models, the device, loading a policy or reward model, CLI flags."""
+import json
 import os
 
 import torch
 
-from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
+from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, RM_DIR, SFT_DIR
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
 # actor and a DPO policy trained after it (train.py --recipe dpo), or the reverse: the last run's report.json names
 # its policy ("policy"), and that one is taken when it is there.
-POLICY_SUBFOLDERS = (f"{PPO_DIR}/{ACTOR_DIR}", ACTOR_DIR, DPO_DIR, SFT_DIR)
+POLICY_SUBFOLDERS = (PPO_ACTOR_DIR, ACTOR_DIR, DPO_DIR, SFT_DIR)
 REWARD_SUBFOLDERS = (RM_DIR,)
 
 
@@ -22,8 +23,6 @@ def _reported_policy(path):
     report = os.path.join(path, "report.json")
     if not os.path.isfile(report):
         return None
-    import json
-
     with open(report) as f:
         policy = json.load(f).get("policy")
     return policy if policy in POLICY_SUBFOLDERS else None
