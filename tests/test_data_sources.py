@@ -141,6 +141,19 @@ def test_a_renamed_chosen_field_the_records_lack_is_named_and_answerless_files_s
     raw(messages, tmp_path, **mapping)  # another shape's records: the renames do not apply
 
 
+def test_a_renamed_rejected_field_the_records_lack_is_an_error_in_step_2_only(tmp_path):
+    mapping = parse_field_map("prompt=question,chosen=good,rejected=bad")
+    typo = raw(write_records([{"question": r["prompt"], "good": r["chosen"], "baad": r["rejected"]} for r in RECORDS],
+                             tmp_path / "q.jsonl", "jsonl"), tmp_path, **mapping)
+    typo.check_usable(1)  # an SFT file under the same mapping may lack the rejected answers
+    typo.check_usable(3)
+    with pytest.raises(DatasetFormatError, match=r"no 'bad' field, which --data_fields rejected=bad names"):
+        typo.check_usable(2)  # not every record skipped as "no rejected answer"
+    unmapped = raw(write_records([{"prompt": r["prompt"], "chosen": r["chosen"]} for r in RECORDS],
+                                 tmp_path / "sft.jsonl", "jsonl"), tmp_path)
+    unmapped.check_usable(2)  # no rename: an SFT-only source in a step-2 mix is a counted skip
+
+
 def test_parse_field_map_rejects_bad_input():
     assert parse_field_map("") == {}
     with pytest.raises(ValueError, match="prompt=question"):

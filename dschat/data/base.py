@@ -9,7 +9,7 @@ from the structured ones unless an adapter overrides them to reproduce DeepSpeed
 """
 import os
 
-from .errors import RecordError
+from .errors import DatasetFormatError, RecordError
 from .formatting import parse_transcript, render_human_assistant, split_last_answer
 from .splits import get_raw_dataset_split_index
 
@@ -41,6 +41,12 @@ class PromptRawDataset:
         if os.path.isdir(self.dataset_name):
             return load_from_disk(self.dataset_name)
         return load_dataset(self.dataset_name)
+
+    def check_usable(self, train_phase):
+        """Raise DatasetFormatError when this source cannot feed ``train_phase`` at all."""
+        if train_phase in (1, 2) and not self.has_answers:
+            raise DatasetFormatError(f"{self.dataset_name}: has prompts but no answers (no 'chosen' field), so it "
+                                     f"can only be used in step 3, not step {train_phase}")
 
     def get_train_data(self):
         raise NotImplementedError

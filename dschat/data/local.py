@@ -355,6 +355,7 @@ class LocalDataset(PromptRawDataset):
         self.shape = self._record_shape(train, self.source.train)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields())
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
+        self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
         self._validate(train, self.source.train, self._train_lines)
         if eval_data is not None:
             eval_where = self.source.eval or self.source.train
@@ -415,6 +416,12 @@ class LocalDataset(PromptRawDataset):
                 # the field the user named is not there: say so, not what follows
                 raise DatasetFormatError(f"{where}: no {self.fields[name]!r} field, which --data_fields "
                                          f"{name}={self.fields[name]} names; the records have {columns}")
+
+    def check_usable(self, train_phase):
+        super().check_usable(train_phase)
+        if train_phase == 2 and not self.has_rejected and "rejected" in self.renamed:
+            # Other steps' files may lack rejected answers under the same --data_fields; step 2's cannot.
+            self._check_renamed(("rejected",), self.raw_datasets["train"].column_names, self.source.train)
 
     def _shape_fields(self):
         return {"messages": ("messages",), "prompt": ("prompt", "chosen", "rejected"),

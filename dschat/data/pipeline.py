@@ -214,7 +214,7 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
     sources = [(spec, data_split) for spec in data_path] + [(spec, None) for spec in sft_only]
     for spec, split in sources:
         raw = get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
-        _check_usable(raw, spec, settings.train_phase)
+        raw.check_usable(settings.train_phase)
         for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
             records = data if split is None else _phase_share(raw, data, split_name, split, settings,
                                                               output_path, seed, local_rank, reload)
@@ -223,12 +223,6 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
             report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips)})
     save_cache(folder, blend(parts["train"], seed, settings.train_phase),
                blend(parts["eval"], seed, settings.train_phase), report)
-
-
-def _check_usable(raw, spec, train_phase):
-    if train_phase in (1, 2) and not raw.has_answers:
-        raise DatasetFormatError(f"{spec}: has prompts but no answers (no 'chosen' field), so it can only be "
-                                 f"used in step 3, not step {train_phase}")
 
 
 def _phase_share(raw, data, split_name, data_split, settings, output_path, seed, local_rank, reload):
