@@ -4,6 +4,7 @@
 import sys
 
 from dschat.tools.chat import main
+from dschat.utils.cli import run_entry_point
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_entry_point(main))

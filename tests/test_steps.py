@@ -152,6 +152,25 @@ def test_a_step_script_ends_a_data_error_with_its_message_not_a_traceback(tmp_pa
     assert f"error: {bad} line 2: invalid JSON" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsys, monkeypatch):
+    from dschat.errors import UsageError
+    from dschat.utils.cli import run_entry_point
+    from dschat.utils.ds_config import load_user_ds_config
+
+    def bad_flag():
+        load_user_ds_config(__file__)  # not JSON: the user's --deepspeed_config
+
+    monkeypatch.delenv("DSCHAT_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        run_entry_point(bad_flag)
+    assert exit_.value.code == 2 and "error: DeepSpeed config" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="a bug"):  # not a usage error: the traceback stays
+        run_entry_point(lambda: (_ for _ in ()).throw(ValueError("a bug")))
+    monkeypatch.setenv("DSCHAT_TRACEBACK", "1")
+    with pytest.raises(UsageError):
+        run_entry_point(bad_flag)
+
+
 class _Collated(Exception):
     """Stops a step right after its collator made a batch."""
 

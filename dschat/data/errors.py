@@ -1,7 +1,8 @@
 """Errors raised for bad input data."""
+from dschat.errors import UsageError
 
 
-class DatasetFormatError(ValueError):
+class DatasetFormatError(UsageError):
     """A data file or record is malformed; the message names the file and the line or record."""
 
 

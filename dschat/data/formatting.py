@@ -13,6 +13,8 @@ answer is ``answer + EOT`` (the template already ends where the answer starts, s
 """
 import re
 
+from dschat.errors import UsageError
+
 ROLE_BY_SPEAKER = {"Human": "user", "Assistant": "assistant"}
 SPEAKER_BY_ROLE = {"user": "Human", "assistant": "Assistant"}
 HUMAN_PREFIX = "\n\nHuman: "
@@ -33,7 +35,7 @@ def get_eot_token(tokenizer):
     tokenizer's own EOS token is a single known id for every model, and generation stops on it by default.
     """
     if not getattr(tokenizer, "eos_token", None):
-        raise ValueError("the tokenizer has no eos_token to end conversations with; set one, e.g. "
+        raise UsageError("the tokenizer has no eos_token to end conversations with; set one, e.g. "
                          "tokenizer.add_special_tokens({'eos_token': '<|endoftext|>'}) and resize the model")
     return tokenizer.eos_token
 

@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dschat.errors import MissingInputError, UsageError
 from .base import (PromptRawDataset, checked_messages, final_assistant_answer, optional_text, prompt_messages,
                    required_text)
 from .errors import DatasetFormatError, RecordError
@@ -58,7 +59,7 @@ def parse_field_map(text):
     for item in str(text).split(","):
         key, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not key or not value:
-            raise ValueError(f"--data_fields item {item!r} must look like 'prompt=question'")
+            raise UsageError(f"--data_fields item {item!r} must look like 'prompt=question'")
         mapping[key] = value
     return checked_field_options(mapping)
 
@@ -66,7 +67,7 @@ def parse_field_map(text):
 def checked_field_options(field_options):
     unknown = sorted(set(field_options) - set(FIELD_NAMES))
     if unknown:
-        raise ValueError(f"unknown data field(s) {unknown}; the fields that can be renamed are {list(FIELD_NAMES)}")
+        raise UsageError(f"unknown data field(s) {unknown}; the fields that can be renamed are {list(FIELD_NAMES)}")
     return dict(field_options)
 
 
@@ -107,7 +108,7 @@ def tiny_source():
     """The embedded default data (``dschat/tiny/data/{train,eval}.jsonl``)."""
     source = _folder_source("jsonl", str(TINY_DATA_DIR), "tiny")
     if source is None:
-        raise FileNotFoundError(f"the tiny dataset is missing: expected {TINY_DATA_DIR}/train.jsonl")
+        raise MissingInputError(f"the tiny dataset is missing: expected {TINY_DATA_DIR}/train.jsonl")
     return source
 
 
@@ -119,7 +120,7 @@ def resolve_local_spec(spec):
     paths = _split_paths(spec)
     if not os.path.exists(paths[0]):
         if os.path.splitext(paths[0])[1] in EXTENSION_TYPES:
-            raise FileNotFoundError(f"data file not found: {paths[0]}")
+            raise MissingInputError(f"data file not found: {paths[0]}")
         return None
     return _typed_source(_infer_kind(paths[0]), spec, spec)
 
@@ -127,7 +128,7 @@ def resolve_local_spec(spec):
 def _split_paths(text):
     paths = [part.strip() for part in text.split(",")]
     if len(paths) > 2 or not all(paths):
-        raise ValueError(f"local data spec {text!r}: expected PATH or TRAIN_PATH,EVAL_PATH")
+        raise UsageError(f"local data spec {text!r}: expected PATH or TRAIN_PATH,EVAL_PATH")
     return paths
 
 
@@ -138,11 +139,11 @@ def _infer_kind(path):
         for kind in ("jsonl", "json", "parquet", "csv"):
             if os.path.isfile(os.path.join(path, f"train.{kind}")):
                 return kind
-        raise ValueError(f"cannot tell what the folder {path} holds: it is not a save_to_disk folder and has no "
+        raise UsageError(f"cannot tell what the folder {path} holds: it is not a save_to_disk folder and has no "
                          "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
     kind = EXTENSION_TYPES.get(os.path.splitext(path)[1].lower())
     if kind is None:
-        raise ValueError(f"cannot tell the format of {path} from its extension; write jsonl:{path}, "
+        raise UsageError(f"cannot tell the format of {path} from its extension; write jsonl:{path}, "
                          f"json:{path}, parquet:{path} or csv:{path}")
     return kind
 
@@ -155,13 +156,13 @@ def _typed_source(kind, paths_text, spec):
     paths = _split_paths(paths_text)
     for path in paths:
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{spec}: {path} does not exist")
+            raise MissingInputError(f"{spec}: {path} does not exist")
     if kind != "disk" and os.path.isdir(paths[0]):
         if len(paths) > 1:
-            raise ValueError(f"{spec}: give either a folder or TRAIN_PATH,EVAL_PATH files, not both")
+            raise UsageError(f"{spec}: give either a folder or TRAIN_PATH,EVAL_PATH files, not both")
         source = _folder_source(kind, paths[0], spec)
         if source is None:
-            raise FileNotFoundError(f"{spec}: the folder has no train.{kind}")
+            raise MissingInputError(f"{spec}: the folder has no train.{kind}")
         return source
     return LocalSource(kind, paths[0], paths[1] if len(paths) > 1 else None, spec)
 

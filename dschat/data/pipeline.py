@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from dschat.errors import UsageError
 from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
 from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
@@ -145,7 +146,7 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     data_path = as_list(data_path)
     sft_only = as_list(sft_only_data_path) if train_phase == 1 else []
     if not data_path and not sft_only:
-        raise ValueError("data_path is empty: give at least one dataset")
+        raise UsageError("data_path is empty: give at least one dataset")
     field_options = _field_options(data_fields)
     settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
                               end_of_conversation_token or get_eot_token(tokenizer))
@@ -337,7 +338,7 @@ def tokenize_examples(examples, tokenizer, settings):
                              for prompt, ids, answer in zip(prompts, joint, answers)]
     eot = tokenizer(settings.eot_token, add_special_tokens=False)["input_ids"]
     if not eot:
-        raise ValueError(f"the end-of-conversation token {settings.eot_token!r} tokenizes to nothing")
+        raise UsageError(f"the end-of-conversation token {settings.eot_token!r} tokenizes to nothing")
     return [dict({name: values[i] for name, values in columns.items()}, eot=eot) for i in range(len(examples))]
 
 

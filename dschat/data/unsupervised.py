@@ -8,6 +8,7 @@ column, else its first column, as DeepSpeed-Chat does) or a local file with a ``
 """
 import os
 
+from dschat.errors import MissingInputError
 from .errors import DatasetFormatError
 from .local import check_json_document, check_jsonl_lines
 
@@ -74,7 +75,7 @@ def _local_text_source(name):
     kind, sep, rest = name.partition(":")
     if sep and kind in LOCAL_TEXT_TYPES:
         if not os.path.isfile(rest):
-            raise FileNotFoundError(f"unsupervised data file not found: {rest}")
+            raise MissingInputError(f"unsupervised data file not found: {rest}")
         return LOCAL_TEXT_TYPES[kind], rest
     extension = os.path.splitext(name)[1].lstrip(".").lower()
     if extension in LOCAL_TEXT_TYPES and os.path.isfile(name):

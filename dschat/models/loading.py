@@ -4,6 +4,8 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from dschat.errors import UsageError
+
 DROPOUT_FIELDS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
                   "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
 
@@ -40,7 +42,7 @@ def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_
     tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
     if tokenizer.eos_token is None:
         if not add_eot_token:
-            raise ValueError(f"tokenizer of {name_or_path} has no EOS token; pass --add_eot_token to add "
+            raise UsageError(f"tokenizer of {name_or_path} has no EOS token; pass --add_eot_token to add "
                              f"{eot_token!r} (--eot_token) as the end-of-conversation token")
         tokenizer.add_special_tokens({"eos_token": eot_token})
     if tokenizer.pad_token is None:

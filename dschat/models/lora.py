@@ -9,6 +9,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from dschat.errors import UsageError
+
 # Output heads are never adapted: they are tied to embeddings in many models or newly initialised.
 HEAD_NAMES = ("lm_head", "v_head", "score", "embed_out")
 PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps its base model
@@ -34,7 +36,7 @@ def lora_target_modules(model, lora_module_name=""):
             continue
         names.append(name)
     if not names:
-        raise ValueError(f"--lora_module_name {lora_module_name!r} matches no Linear module of "
+        raise UsageError(f"--lora_module_name {lora_module_name!r} matches no Linear module of "
                          f"{type(model).__name__}")
     return names
 
@@ -43,7 +45,7 @@ def check_only_optimize_lora(only_optimize_lora, *lora_dims):
     """--only_optimize_lora freezes all but the adapters: with no model given LoRA it would silently train everything
     (the flag then does nothing), so say so."""
     if only_optimize_lora and not any(lora_dims):
-        raise ValueError("--only_optimize_lora trains only LoRA adapters, but no model gets any: give --lora_dim "
+        raise UsageError("--only_optimize_lora trains only LoRA adapters, but no model gets any: give --lora_dim "
                          "(step 3: --actor_lora_dim / --critic_lora_dim) > 0, or drop the flag")
 
 

@@ -2,6 +2,8 @@
 import argparse
 import os
 
+from dschat.errors import MissingInputError
+
 
 def step3_args(args=None):
     from dschat.args import namespace_with_defaults, step3_parser
@@ -42,5 +44,5 @@ def check_earlier_step_outputs(args):
             continue
         hint = (", or with --reward_fn give --reward_model_weight 0 (the function alone)"
                 if role == "the reward model" else "")
-        raise FileNotFoundError(f"step3: {role} loads from --{flag} {path}, the default ({step}'s output), which "
+        raise MissingInputError(f"step3: {role} loads from --{flag} {path}, the default ({step}'s output), which "
                                 f"does not exist; run {step} first or give --{flag}{hint}")

@@ -7,6 +7,7 @@ import copy
 
 from transformers import AutoModelForCausalLM
 
+from dschat.errors import UsageError
 from dschat.models.loading import create_hf_model, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import create_critic_model
@@ -59,7 +60,7 @@ def check_mixed_precision_lora(args):
              "--dtype fp16": args.dtype == "fp16"}
     missing = [flag for flag, ok in needs.items() if not ok]
     if missing:
-        raise ValueError(f"--enable_mixed_precision_lora quantizes the actor's frozen weights under ZeRO-3; it also "
+        raise UsageError(f"--enable_mixed_precision_lora quantizes the actor's frozen weights under ZeRO-3; it also "
                          f"needs {', '.join(missing)} (DeepSpeed quantizes fp16 weights only)")
     return True
 

@@ -10,6 +10,8 @@ import inspect
 import math
 import os
 
+from dschat.errors import MissingInputError, UsageError
+
 ALIASES = {"tiny": "dschat.tiny.scorer:score_batch"}
 
 
@@ -17,12 +19,12 @@ def check_reward_sources(args):
     """Step 3's rewards make sense before anything loads: some reward is given, and the bundled rule scorer (which
     gives 0 to any prompt it does not know, i.e. a constant reward and no learning) only scores the embedded data."""
     if not args.reward_fn and not args.reward_model_weight:
-        raise ValueError("step3: --reward_model_weight 0 without --reward_fn leaves no reward to train on")
+        raise UsageError("step3: --reward_model_weight 0 without --reward_fn leaves no reward to train on")
     from dschat.data.pipeline import as_list
 
     data = as_list(args.data_path)
     if args.reward_fn and ALIASES.get(args.reward_fn, args.reward_fn) == ALIASES["tiny"] and data != ["tiny"]:
-        raise ValueError(f"step3: --reward_fn tiny (the bundled rule scorer) knows only the embedded 'tiny' prompts "
+        raise UsageError(f"step3: --reward_fn tiny (the bundled rule scorer) knows only the embedded 'tiny' prompts "
                          f"and gives 0 to every other one, but --data_path is {' '.join(data)}; give your own "
                          f"function, e.g. --reward_fn my_rewards.py:score (train.py: inside --step3-args)")
 
@@ -31,11 +33,11 @@ def load_reward_fn(spec):
     """The callable named by ``spec``; a clear error when the module, file or function is missing."""
     spec = ALIASES.get(spec, spec)
     if ":" not in spec:
-        raise ValueError(f"--reward_fn {spec!r} must be 'module:function' or 'path/to/file.py:function'")
+        raise UsageError(f"--reward_fn {spec!r} must be 'module:function' or 'path/to/file.py:function'")
     target, name = spec.rsplit(":", 1)
     if target.endswith(".py"):
         if not os.path.exists(target):
-            raise FileNotFoundError(f"--reward_fn file {target} does not exist")
+            raise MissingInputError(f"--reward_fn file {target} does not exist")
         module_spec = importlib.util.spec_from_file_location(f"dschat_reward_fn_{abs(hash(target))}", target)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)

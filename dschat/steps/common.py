@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0
 from dschat.utils.optim import optimizer_step
@@ -67,7 +68,7 @@ def prepare_zero3_hooks(model, ds_config, zero3_fetch):
     from dschat.models.layers import ZERO3_FETCH_UNITS, mark_zero3_leaf_layers
 
     if zero3_fetch not in ZERO3_FETCH_UNITS:
-        raise ValueError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
+        raise UsageError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
     if ds_config["zero_optimization"]["stage"] == 3 and zero3_fetch == "layer" and not mark_zero3_leaf_layers(model):
         print_rank_0(f"[zero3] {type(model).__name__}: no decoder stack usable as --zero3_fetch layer units (mixed "
                      "or miscounted blocks, or layerdrop); DeepSpeed's per-module hooks")
@@ -255,7 +256,7 @@ def require_training_records(dataset, args, step):
     """A step left with no training records stops here, saying which data and split, rather than in torch's sampler."""
     if len(dataset) == 0:
         paths = [args.data_path] if isinstance(args.data_path, str) else args.data_path
-        raise ValueError(f"{step}: no training records: --data_path {' '.join(paths)} with --data_split "
+        raise UsageError(f"{step}: no training records: --data_path {' '.join(paths)} with --data_split "
                          f"{args.data_split} leaves this step none (or every record was skipped: see the messages "
                          f"above)")
 

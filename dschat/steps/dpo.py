@@ -8,6 +8,7 @@ step 1's, so it is loaded, chatted with and evaluated the same way.
 import torch
 from transformers import AutoModelForCausalLM
 
+from dschat.errors import UsageError
 from dschat.args import step2_dpo_parser
 from dschat.data.collators import first_answer_position
 from dschat.data.samplers import eval_weights
@@ -72,10 +73,10 @@ class DPOStep:
     def __init__(self, args):
         check_dpo_params(args.beta, args.label_smoothing)
         if getattr(args, "include_prompt_in_loss", False):
-            raise ValueError("--include_prompt_in_loss is a step-1 flag: DPO compares answers, so its log-probs "
+            raise UsageError("--include_prompt_in_loss is a step-1 flag: DPO compares answers, so its log-probs "
                              "cover the answer tokens only")
         if args.rpo_alpha < 0:
-            raise ValueError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
+            raise UsageError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
         self.beta, self.label_smoothing, self.rpo_alpha = args.beta, args.label_smoothing, args.rpo_alpha
         self.reference = None
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from dschat.errors import UsageError
 from dschat.tiny import TOKENIZER_FILE, load_tiny_tokenizer
 
 PRESET_PREFIX = "dschat/"
@@ -107,7 +108,7 @@ def create_tiny_model(name, save_dir, seed=1234):
 
     preset = tiny_preset_name(name)
     if preset is None:
-        raise ValueError(f"unknown tiny preset {name!r}; choose from {sorted(TINY_PRESETS)}")
+        raise UsageError(f"unknown tiny preset {name!r}; choose from {sorted(TINY_PRESETS)}")
     save_dir = Path(save_dir)
     marker = _marker(preset, seed)
     if _already_built(save_dir, marker):

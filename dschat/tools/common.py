@@ -4,6 +4,7 @@ import os
 
 import torch
 
+from dschat.errors import MissingInputError, UsageError
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, RM_DIR, SFT_DIR
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
@@ -37,10 +38,10 @@ def _model_folder(path, subfolders, reported=None):
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path}: no model in this folder: expected a model folder (config.json) or a "
+        raise MissingInputError(f"{path}: no model in this folder: expected a model folder (config.json) or a "
                                 f"train.py output folder holding one of {', '.join(subfolders)}")
     if not os.path.exists(path) and _looks_local(path):
-        raise FileNotFoundError(f"{path}: no such folder")
+        raise MissingInputError(f"{path}: no such folder")
     return path
 
 
@@ -110,7 +111,7 @@ def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
 
     path = resolve_model_path(path)  # a tiny preset's folder; a hub name stays a name, and gets no value head
     if not (os.path.isdir(path) and is_reward_model_folder(path)):  # scores from a new random head mean nothing
-        raise ValueError(f"{path}: not a reward model (no {VALUE_HEAD_FILE}): pass step 2's output folder, "
+        raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILE}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
     return model.to(device or default_device()).eval()

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from itertools import islice
 
+from dschat.errors import MissingInputError
 from dschat.data.formatting import parse_transcript
 from dschat.tiny import EVAL_FILE
 
@@ -33,7 +34,7 @@ def load_records(path, data_fields=None, limit=None):
 
     source = resolve_local_spec(str(path))
     if source is None:
-        raise FileNotFoundError(f"no data file at {path}")
+        raise MissingInputError(f"no data file at {path}")
     raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1, field_options=parse_field_map(data_fields))
     splits = [raw.raw_datasets[name] for name in ("train", "eval") if raw.raw_datasets[name] is not None]
     samples = islice((sample for split in splits for sample in split), limit)

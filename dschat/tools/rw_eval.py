@@ -7,6 +7,7 @@ import argparse
 
 import torch
 
+from dschat.errors import UsageError
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
@@ -30,7 +31,7 @@ def scored_sequence(tokens, max_seq_len):
     prompt, eot = tokens["prompt"], tokens["eot"]
     room = max_seq_len - len(prompt) - len(eot)
     if room <= 0:
-        raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room for an answer in --max_seq_len "
+        raise UsageError(f"a prompt of {len(prompt)} tokens leaves no room for an answer in --max_seq_len "
                          f"{max_seq_len}")
     return prompt + tokens["chosen"][:room] + eot
 

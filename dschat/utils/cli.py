@@ -1,15 +1,16 @@
-"""Entry points: a data error (the user's file or record, already named in the message) ends the run with that
-message and exit status 2, not a traceback through datasets and the step code; DSCHAT_TRACEBACK=1 shows it."""
+"""Entry points: a usage error (a flag, file or record of the user's, already named in the message) ends the run
+with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code;
+DSCHAT_TRACEBACK=1 shows the traceback."""
 import os
 import sys
 
 
 def run_entry_point(main):
-    from dschat.data.errors import DatasetFormatError
+    from dschat.errors import UsageError
 
     try:
         return main()
-    except DatasetFormatError as error:
+    except UsageError as error:
         if os.environ.get("DSCHAT_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)

@@ -1,11 +1,12 @@
 """DeepSpeed configs for training and frozen (eval-only) models, with DeepSpeed-Chat's knobs."""
+from dschat.errors import MissingInputError, UsageError
 
 DTYPE_KEYS = {"bf16": "bf16", "fp16": "fp16", "fp32": None}
 
 
 def _precision_block(dtype, check_grad_overflow=False):
     if dtype not in DTYPE_KEYS:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPE_KEYS)}, got {dtype!r}")
+        raise UsageError(f"--dtype must be one of {sorted(DTYPE_KEYS)}, got {dtype!r}")
     key = DTYPE_KEYS[dtype]
     if key is None:
         return {}
@@ -112,14 +113,14 @@ def load_user_ds_config(path):
 
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"DeepSpeed config {path!r} ({CONFIG_FLAGS}): no such file")
+        raise MissingInputError(f"DeepSpeed config {path!r} ({CONFIG_FLAGS}): no such file")
     with open(path, encoding="utf-8") as f:
         try:
             config = json.load(f)
         except json.JSONDecodeError as error:
-            raise ValueError(f"DeepSpeed config {path!r}: not valid JSON ({error})") from None
+            raise UsageError(f"DeepSpeed config {path!r}: not valid JSON ({error})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"DeepSpeed config {path!r}: expected a JSON object, got {type(config).__name__}")
+        raise UsageError(f"DeepSpeed config {path!r}: expected a JSON object, got {type(config).__name__}")
     return config
 
 
@@ -155,7 +156,7 @@ def _check_flag_owned(generated, user, source, flags):
             continue
         have = _flag_value(generated, dotted)
         if wanted != have:
-            raise ValueError(f"DeepSpeed config {source}: {dotted} = {wanted!r}, but the flags give {have!r}; "
+            raise UsageError(f"DeepSpeed config {source}: {dotted} = {wanted!r}, but the flags give {have!r}; "
                              f"set it with {flags[dotted]} (or write \"auto\" in the file)")
 
 
@@ -172,7 +173,7 @@ def _drop_flag_built_blocks(user, source, say=True):
         kind = str(spec.get("type", "")).lower()
         auto = isinstance(params, dict) and all(value == "auto" for value in params.values())
         if not auto or (same_kinds is not None and kind not in same_kinds):
-            raise ValueError(f"DeepSpeed config {source}: dschat builds the {block!r} block itself; set it with "
+            raise UsageError(f"DeepSpeed config {source}: dschat builds the {block!r} block itself; set it with "
                              f"{use_instead} (a block whose params are all \"auto\" is accepted)")
         if say:
             print_rank_0(f"[ds_config] {source}: the {block!r} block's parameters are \"auto\": dschat's own "
