@@ -367,9 +367,13 @@ def step3_parser():
     g.add_argument("--kl_in_reward", type=int, default=1, choices=[0, 1],
                    help="1: KL penalty in the per-token reward (DeepSpeed-Chat); 0: KL as a loss term.")
     g.add_argument("--kl_loss_coef", type=float, default=0.0, help="Weight of the KL loss term (kl_in_reward 0).")
-    g.add_argument("--adaptive_kl", action="store_true")
-    g.add_argument("--kl_target", type=float, default=6.0)
-    g.add_argument("--kl_horizon", type=positive_int, default=10000)
+    g.add_argument("--adaptive_kl", action="store_true",
+                   help="Adapt the KL coefficient towards --kl_target (Ziegler et al. 2019, TRL's rule).")
+    g.add_argument("--kl_target", type=float, default=6.0,
+                   help="The adaptive controller's KL target in nats per answer (summed over its tokens, averaged "
+                        "over answers: TRL's unit and default).")
+    g.add_argument("--kl_horizon", type=positive_int, default=10000,
+                   help="The adaptive controller's horizon, in answers.")
     g.add_argument("--clip_reward_value", type=float, default=5.0)
     g.add_argument("--cliprange", type=float, default=0.2)
     g.add_argument("--cliprange_value", type=float, default=0.2)

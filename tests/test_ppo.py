@@ -639,3 +639,70 @@ def test_non_finite_reward_function_value_stops_the_run(tmp_path):
 
     with pytest.raises(RuntimeError, match="nan for prompt 'p2'"):
         call_reward_fn(lambda p, a: [1.0, float("nan")], ["p1", "p2"], ["a1", "a2"])
+
+
+def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_batch(trained, tmp_path):
+    """REINFORCE++ whitens returns: per micro-batch of one row that would leave no reward signal at all."""
+    from dschat.rlhf import algorithms as algo
+
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="reinforce_pp",
+                                                per_device_training_batch_size=1, actor_learning_rate=0.0)
+    torch.manual_seed(0)
+    rollout = [trainer.generate_experience(_prompt_batch(tokenizer, texts))
+               for texts in (PADDED_PROMPTS[:2], PADDED_PROMPTS[2:5])]
+    for exp in rollout:  # distinct scores, so that whitening has something to keep
+        exp["rewards"] = torch.arange(exp["rewards"].shape[0], dtype=torch.float) * 2.0 - 1.0
+    widths = [e["action_mask"].shape[1] for e in rollout]
+    ppo.ppo_update(trainer, rollout, trainer.args, torch.device("cpu"))
+    width = max(widths)
+    pad = [torch.nn.functional.pad(e[k], (0, width - e[k].shape[1])) for e in rollout for k in ("action_mask",)]
+    mask = torch.cat(pad).float()
+    logp = torch.cat([torch.nn.functional.pad(e["logprobs"], (0, width - e["logprobs"].shape[1])) for e in rollout])
+    ref = torch.cat([torch.nn.functional.pad(e["ref_logprobs"], (0, width - e["ref_logprobs"].shape[1]))
+                     for e in rollout])
+    rewards = algo.kl_penalized_rewards(logp, ref, torch.cat([e["rewards"] for e in rollout]), mask,
+                                        trainer.kl_ctl.value, trainer.clip_reward_value, "k1")
+    expected, _ = algo.reinforce_pp_advantages(rewards, mask, trainer.args.gamma)
+    got = torch.cat([torch.nn.functional.pad(e["advantages"], (0, width - w)) for e, w in zip(rollout, widths)])
+    assert [e["advantages"].shape[1] for e in rollout] == widths
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
+    first_tokens = got[:, 0]
+    assert first_tokens.abs().min() > 0.1  # one row per micro-batch whitened alone would be all zeros
+
+
+def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
+                                                per_device_training_batch_size=4, actor_learning_rate=0.0)
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:2]))  # 6 answers, groups of 3
+    exp["rewards"] = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 6.0])
+    trainer.compute_advantages([exp])  # again, for these scores
+    ppo.ppo_update(trainer, [exp], trainer.args, torch.device("cpu"))  # micro-batches of 4 + 2 rows: no error
+    first = exp["advantages"][:, 0] / exp["action_mask"][:, 0].clamp(min=1)
+    torch.testing.assert_close(first, torch.tensor([-1.0, 0.0, 1.0, -0.57735, -0.57735, 1.1547]), atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_accumulation_groups_may_not_span_ppo_epochs():
+    from argparse import Namespace
+
+    from dschat.errors import UsageError
+
+    args = Namespace(per_device_generation_batch_size=6, n_samples_per_prompt=1, per_device_training_batch_size=2,
+                     generation_batches=1, ppo_epochs=2, gradient_accumulation_steps=2)
+    with pytest.raises(UsageError, match="3 PPO micro-batches per PPO epoch"):
+        ppo.check_accumulation(args, False)  # 6 in all would divide, but one step would mix two epochs
+    args.per_device_training_batch_size = 3
+    ppo.check_accumulation(args, False)
+
+
+def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, monkeypatch):
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    exp = {"logprobs": torch.tensor([[0.5, 0.5, 9.0], [0.25, 0.0, 0.0]]), "ref_logprobs": torch.zeros(2, 3),
+           "action_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
+    assert DeepSpeedPPOTrainer.answer_kl_to_reference(None, exp).item() == pytest.approx((1.0 + 0.25) / 2)
+    # answers 12 nats from the reference, tokens far less: TRL's target of 6 per answer is exceeded, so it rises
+    monkeypatch.setattr(DeepSpeedPPOTrainer, "answer_kl_to_reference", lambda self, e: torch.tensor(12.0))
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--adaptive_kl", "--kl_horizon", "10"))
+    log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
+    assert log[-1]["kl"] < 6 and log[-1]["kl_coef"] > 0.1

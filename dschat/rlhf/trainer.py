@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function as phase  # named ranges in a torch.profiler trace (µs each otherwise)
 
+from dschat.errors import UsageError
 from dschat.args import resolve_pad_to_multiple_of
 from dschat.data.collators import padded_length
 from dschat.hybrid_engine.decode import forward_spec
@@ -99,7 +100,7 @@ class DeepSpeedPPOTrainer:
         self.gamma, self.lam = args.gamma, args.lam
         self.hybrid = args.enable_hybrid_engine
         if args.logprobs_from_generation and not self.hybrid:
-            raise ValueError("--logprobs_from_generation takes the log-probs from the hybrid engine's decode step: "
+            raise UsageError("--logprobs_from_generation takes the log-probs from the hybrid engine's decode step: "
                              "it needs --enable_hybrid_engine")
         self.z3_enabled = args.actor_zero_stage == 3
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
@@ -116,7 +117,7 @@ class DeepSpeedPPOTrainer:
 
             self.reward_fn = load_reward_fn(args.reward_fn)
         if self.reward_model is None and self.reward_fn is None:
-            raise ValueError("step 3 needs a reward: a reward model (--reward_model_weight != 0) or --reward_fn")
+            raise UsageError("step 3 needs a reward: a reward model (--reward_model_weight != 0) or --reward_fn")
         self.stats = {}
 
     # --- experience ---------------------------------------------------------------------------------------
@@ -180,9 +181,10 @@ class DeepSpeedPPOTrainer:
         self.stats.update(generation_time=gen_time, experience_time=exp_time,
                           answer_length=action_mask.sum(1).float().mean().item(),
                           empty_answers=int(empty.sum().item()), generated_tokens=int(action_mask.sum().item()))
-        return {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs,
-                "value": values, "rewards": scores, "input_ids": seq,
-                "attention_mask": attention_mask, "action_mask": action_mask}
+        exp = {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "value": values,
+               "rewards": scores, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask}
+        self.compute_advantages([exp])  # a rollout of one generation batch; ppo_update redoes it over several
+        return exp
 
     def _repeat_for_groups(self, batch):
         """Each prompt ``n_samples_per_prompt`` times in a row, so its answers form one group."""
@@ -249,36 +251,53 @@ class DeepSpeedPPOTrainer:
     def get_advantages_and_returns(self, values, rewards, action_mask):
         adv, returns = algo.gae_advantages(rewards, values, action_mask, self.gamma, self.lam)
         if self.args.whiten_advantages:
-            group = torch.distributed.group.WORLD if get_world_size() > 1 else None
-            adv = algo.masked_whiten(adv, action_mask, process_group=group)
+            adv = algo.masked_whiten(adv, action_mask, process_group=_world_group())
         return adv, returns
 
     def critic_free_advantages(self, scores, token_rewards, mask):
         """GRPO / RLOO: group-relative scores (KL as a loss term); REINFORCE++: whitened returns of token rewards."""
         a = self.args
         if a.advantage_estimator == "reinforce_pp":
-            group = torch.distributed.group.WORLD if get_world_size() > 1 else None
-            return algo.reinforce_pp_advantages(token_rewards, mask, a.gamma, process_group=group)
+            return algo.reinforce_pp_advantages(token_rewards, mask, a.gamma, process_group=_world_group())
         if a.advantage_estimator == "grpo":
             return algo.grpo_advantages(scores.float(), a.n_samples_per_prompt, mask, bool(a.grpo_norm_by_std))
         return algo.rloo_advantages(scores.float(), a.n_samples_per_prompt, mask)
 
+    @torch.no_grad()
+    def compute_advantages(self, experiences):
+        """Per-token rewards, advantages and returns of a whole rollout (the generation batches of one PPO update),
+        stored in each experience as "advantages" and "returns". They are computed once per rollout, not per training
+        micro-batch (as in OpenRLHF and TRL), so whitening (--whiten_advantages, REINFORCE++) takes its statistics
+        over the whole rollout of every rank and GRPO/RLOO groups are never split by the training batch size. The
+        rollout's answer columns are right-padded to the widest generation batch (masked) and cut back after."""
+        with phase("dschat.train.advantages"):
+            widths = [e["action_mask"].shape[1] for e in experiences]
+            rollout = {key: _cat_right_padded([e[key] for e in experiences], max(widths))
+                       for key in ("logprobs", "ref_logprobs", "value", "action_mask")
+                       if experiences[0][key] is not None}
+            mask = rollout["action_mask"].float()
+            scores = torch.cat([e["rewards"] for e in experiences])
+            rewards = self.compute_rewards(None, rollout["logprobs"], rollout["ref_logprobs"], scores, mask)
+            if self.args.advantage_estimator == "gae":
+                advantages, returns = self.get_advantages_and_returns(rollout["value"], rewards, mask)
+            else:
+                advantages, returns = self.critic_free_advantages(scores, rewards, mask)
+            rows = [e["action_mask"].shape[0] for e in experiences]
+            for exp, width, adv, ret in zip(experiences, widths, advantages.split(rows), returns.split(rows)):
+                exp["advantages"], exp["returns"] = adv[:, :width], ret[:, :width]
+
     # --- training -----------------------------------------------------------------------------------------
     def train_rlhf(self, inputs):
         """One PPO update of actor and critic on a micro-batch of experience; returns (actor_loss, critic_loss)."""
-        a = self.args
         mask = inputs["action_mask"].float()
         seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         start = inputs["prompts"].shape[1] - 1
         layout = self._layout(attention_mask, start)
         old_logp, ref_logp, old_values = inputs["logprobs"], inputs["ref_logprobs"], inputs["value"]
         agg = self._loss_agg(inputs)
-        with torch.no_grad(), phase("dschat.train.advantages"):
-            rewards = self.compute_rewards(inputs["prompts"], old_logp, ref_logp, inputs["rewards"], mask)
-            if a.advantage_estimator == "gae":
-                advantages, returns = self.get_advantages_and_returns(old_values, rewards, mask)
-            else:
-                advantages, returns = self.critic_free_advantages(inputs["rewards"], rewards, mask)
+        if "advantages" not in inputs:  # an experience dict built by the caller: its rows are the whole rollout
+            self.compute_advantages([inputs])
+        advantages, returns = inputs["advantages"], inputs["returns"]
         self.train()
         with self._masked_training(layout):
             actor_loss = self._update_actor(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
@@ -364,6 +383,10 @@ class DeepSpeedPPOTrainer:
         """Mean per-token KL (k1) between the policy that generated ``exp`` and the reference."""
         return algo.masked_mean(exp["logprobs"] - exp["ref_logprobs"], exp["action_mask"].float())
 
+    def answer_kl_to_reference(self, exp):
+        """Mean per-answer KL (k1 summed over each answer's tokens): the adaptive controller's unit (TRL's)."""
+        return algo.masked_sum(exp["logprobs"] - exp["ref_logprobs"], exp["action_mask"].float(), dim=1).mean()
+
     def update_kl_controller(self, kl, n_steps):
         self.kl_ctl.update(kl, n_steps)
 
@@ -392,6 +415,15 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
         algo.check_finite("unsupervised loss", loss)
         self._backward_and_step_actor(loss)
         return loss.detach()
+
+
+def _world_group():
+    return torch.distributed.group.WORLD if get_world_size() > 1 else None
+
+
+def _cat_right_padded(tensors, width):
+    """(B, T_i) tensors stacked along rows, each right-padded with zeros to ``width`` columns."""
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
 
 
 def global_token_count(action_masks, device):

@@ -7,6 +7,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from dschat.errors import UsageError
 from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.data.samplers import distributed_eval_loader
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
@@ -60,7 +61,7 @@ def unsupervised_loader(args, tokenizer):
     loader, _ = build_dataloaders(data, data, DataCollatorSFT(tokenizer.pad_token_id),
                                   args.per_device_generation_batch_size, 1, args.seed, drop_last=True)
     if len(loader) == 0:  # cycle() would never yield
-        raise ValueError("the unsupervised data has fewer blocks than one generation batch per rank")
+        raise UsageError("the unsupervised data has fewer blocks than one generation batch per rank")
     return loader
 
 
@@ -87,16 +88,17 @@ def cycle(loader, seed, start=0):
 
 
 def check_accumulation(args, unsupervised):
-    """PPO micro-batches per iteration must fill whole accumulation groups, or optimizer steps mix iterations."""
+    """PPO micro-batches per epoch over the rollout must fill whole accumulation groups, or an optimizer step mixes
+    PPO epochs (or iterations) whose losses were scaled for different token counts."""
     rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
-    micro = math.ceil(rows / args.per_device_training_batch_size)
-    micro *= args.generation_batches * args.ppo_epochs
+    micro = math.ceil(rows / args.per_device_training_batch_size) * args.generation_batches
     gas = args.gradient_accumulation_steps
     if micro % gas:
-        raise ValueError(f"{micro} PPO micro-batches per iteration (generation batch / training batch x "
-                         f"generation_batches x ppo_epochs) is not a multiple of --gradient_accumulation_steps {gas}")
+        raise UsageError(f"{micro} PPO micro-batches per PPO epoch (generation batch x n_samples_per_prompt / "
+                         f"training batch x generation_batches) is not a multiple of --gradient_accumulation_steps "
+                         f"{gas}")
     if unsupervised and gas > 1:
-        raise ValueError("unsupervised mixing with --gradient_accumulation_steps > 1 is not supported yet")
+        raise UsageError("unsupervised mixing with --gradient_accumulation_steps > 1 is not supported yet")
 
 
 def split_experience(exp, micro_batch):
@@ -108,6 +110,8 @@ def split_experience(exp, micro_batch):
 
 def ppo_update(trainer, experiences, args, device):
     """ppo_epochs passes over the buffered experience; returns mean actor and critic losses."""
+    if len(experiences) > 1:
+        trainer.compute_advantages(experiences)  # over the whole rollout, not each generation batch alone
     micro = [m for exp in experiences for m in split_experience(exp, args.per_device_training_batch_size)]
     actor_losses, critic_losses = [], []
     accum = args.gradient_accumulation_steps
@@ -155,7 +159,7 @@ def main(args=None):
     check_accumulation(args, unsup_loader is not None)
     iters_per_epoch = len(train_loader) // args.generation_batches
     if iters_per_epoch == 0:  # drop_last: fewer prompts than one iteration takes would train nothing
-        raise ValueError(
+        raise UsageError(
             f"step3: {len(train_loader.dataset)} training prompts make no iteration: one takes "
             f"--per_device_generation_batch_size {args.per_device_generation_batch_size} x --generation_batches "
             f"{args.generation_batches} x {get_world_size()} rank(s); give more prompts or a smaller batch")
@@ -216,7 +220,10 @@ def main(args=None):
             train_time = time.time() - t1
             # every rank must see the same KL, or adaptive coefficients drift apart
             kl = rank_mean(torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item(), device)
-            trainer.update_kl_controller(kl, sum(e["input_ids"].shape[0] for e in buffer) * get_world_size())
+            if args.adaptive_kl:
+                answer_kl = rank_mean(torch.stack([trainer.answer_kl_to_reference(e) for e in buffer]).mean().item(),
+                                      device)
+                trainer.update_kl_controller(answer_kl, sum(e["input_ids"].shape[0] for e in buffer) * get_world_size())
             record = _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss,
                                        kl, train_time, time.time() - t0, device)
             _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
