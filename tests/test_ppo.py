@@ -492,6 +492,26 @@ def test_unsupervised_mixing_reports_its_loss(trained, tmp_path):
     assert all("unsup_loss" in r and r["unsup_loss"] > 0 for r in log)
 
 
+def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(trained, tmp_path, monkeypatch):
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainerUnsupervised
+
+    text = tmp_path / "unsup.jsonl"
+    text.write_text("".join(json.dumps({"text": f"plain text number {i} for language modelling."}) + "\n"
+                            for i in range(64)))
+    calls = []
+    real_rlhf, real_unsup = DeepSpeedPPOTrainerUnsupervised.train_rlhf, DeepSpeedPPOTrainerUnsupervised.train_unsupervised
+    monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "train_rlhf",
+                        lambda self, m: calls.append(("ppo", m["input_ids"].shape[0])) or real_rlhf(self, m))
+    monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "train_unsupervised", lambda self, b, coef: calls.append(
+        ("lm", b["input_ids"].shape[0], b["input_ids"].data_ptr())) or real_unsup(self, b, coef))
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--unsupervised_dataset_name", f"jsonl:{text}",
+                      "--unsup_coef", "0.5", "--per_device_training_batch_size", "2", "--ppo_epochs", "2"))
+    # 4 prompts, training batches of 2, 2 PPO epochs: each PPO micro-batch is followed by 2 rows of language modelling
+    assert [c[:2] for c in calls] == [("ppo", 2), ("lm", 2)] * 4
+    slices = [c[2] for c in calls if c[0] == "lm"]
+    assert slices[0] != slices[1] and slices[:2] == slices[2:]  # the two halves of one batch, again in epoch 2
+
+
 def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     common = ["--enable_hybrid_engine", "--save_interval", "2"]
     ppo.main(ppo_args(trained, tmp_path / "full", "--max_steps", "4", "--resume", *common))  # nothing to resume

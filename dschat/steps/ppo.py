@@ -101,30 +101,41 @@ def check_accumulation(args, unsupervised):
         raise UsageError("unsupervised mixing with --gradient_accumulation_steps > 1 is not supported yet")
 
 
-def split_experience(exp, micro_batch):
-    """Slices of one generation batch of experience, ``micro_batch`` rows each (DeepSpeed-Chat's MiniDataset)."""
-    rows = exp["input_ids"].shape[0]
-    return [{k: (v[i:i + micro_batch] if torch.is_tensor(v) else v) for k, v in exp.items()}
+def split_rows(batch, micro_batch):
+    """Slices of a batch dict (a generation batch of experience, an unsupervised batch), ``micro_batch`` rows each
+    (DeepSpeed-Chat's MiniDataset)."""
+    rows = batch["input_ids"].shape[0]
+    return [{k: (v[i:i + micro_batch] if torch.is_tensor(v) else v) for k, v in batch.items()}
             for i in range(0, rows, micro_batch)]
 
 
-def ppo_update(trainer, experiences, args, device):
-    """ppo_epochs passes over the buffered experience; returns mean actor and critic losses."""
+def ppo_update(trainer, experiences, args, device, unsup_batches=()):
+    """ppo_epochs passes over the buffered experience; returns the mean actor, critic and unsupervised losses (None
+    without unsupervised data). As in DeepSpeed-Chat's PPO-ptx, each PPO micro-batch is followed by a language-model
+    step on the next training-batch-sized slice of the unsupervised batches fetched with this rollout (cycled when
+    there are fewer slices, e.g. with several answers per prompt)."""
     if len(experiences) > 1:
         trainer.compute_advantages(experiences)  # over the whole rollout, not each generation batch alone
-    micro = [m for exp in experiences for m in split_experience(exp, args.per_device_training_batch_size)]
-    actor_losses, critic_losses = [], []
+    micro = [m for exp in experiences for m in split_rows(exp, args.per_device_training_batch_size)]
+    unsup = [m for batch in unsup_batches for m in split_rows(batch, args.per_device_training_batch_size)]
+    actor_losses, critic_losses, unsup_losses = [], [], []
     accum = args.gradient_accumulation_steps
     for _ in range(args.ppo_epochs):
         for start in range(0, len(micro), accum):
             group = micro[start:start + accum]
             tokens = global_token_count([m["action_mask"] for m in group], device)
-            for m in group:
+            for index, m in enumerate(group, start):
                 m["num_tokens_global"] = tokens
                 actor_loss, critic_loss = trainer.train_rlhf(m)
                 actor_losses.append(actor_loss.item())
                 critic_losses.append(critic_loss.item())
-    return sum(actor_losses) / len(actor_losses), sum(critic_losses) / len(critic_losses)
+                if unsup:
+                    unsup_losses.append(trainer.train_unsupervised(unsup[index % len(unsup)], args.unsup_coef).item())
+    return _mean(actor_losses), _mean(critic_losses), _mean(unsup_losses) if unsup else None
+
+
+def _mean(values):
+    return sum(values) / len(values)
 
 
 def rank_mean(value, device):
@@ -200,7 +211,7 @@ def main(args=None):
     unsup_iter = cycle(unsup_loader, args.seed, unsup_batches) if unsup_loader is not None else None
     for epoch in range(position["epoch"], args.num_train_epochs):
         reseed_epoch(train_loader, args.seed, epoch)
-        buffer = []
+        buffer, unsup_buffer = [], []
         for batch_index, batch in enumerate(train_loader):
             if epoch == position["epoch"] and batch_index < position["batch"]:
                 continue  # consumed before the checkpoint we resumed from
@@ -208,15 +219,14 @@ def main(args=None):
                 break
             t0 = time.time()
             buffer.append(trainer.generate_experience(batch, step=iteration))
+            if unsup_iter is not None:  # one unsupervised batch per generation batch, as in DeepSpeed-Chat
+                unsup_buffer.append(_to(next(unsup_iter), device))
+                unsup_batches += 1
             gen_stats = dict(trainer.stats)
             if len(buffer) < args.generation_batches:
                 continue
             t1 = time.time()
-            actor_loss, critic_loss = ppo_update(trainer, buffer, args, device)
-            unsup_loss = None
-            if unsup_iter is not None:
-                unsup_loss = trainer.train_unsupervised(_to(next(unsup_iter), device), args.unsup_coef).item()
-                unsup_batches += 1
+            actor_loss, critic_loss, unsup_loss = ppo_update(trainer, buffer, args, device, unsup_buffer)
             train_time = time.time() - t1
             # every rank must see the same KL, or adaptive coefficients drift apart
             kl = rank_mean(torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item(), device)
@@ -227,7 +237,7 @@ def main(args=None):
             record = _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss,
                                        kl, train_time, time.time() - t0, device)
             _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
-            buffer = []
+            buffer, unsup_buffer = [], []
             iteration += 1
             if args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch, "batch": batch_index + 1,
