@@ -726,3 +726,26 @@ def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, 
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--adaptive_kl", "--kl_horizon", "10"))
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert log[-1]["kl"] < 6 and log[-1]["kl_coef"] > 0.1
+
+
+def test_a_fresh_run_replaces_an_earlier_runs_checkpoints_and_resumes_its_own(trained, tmp_path, capsys):
+    out = tmp_path / "ppo"
+    ppo.main(ppo_args(trained, out, "--max_steps", "3", "--save_interval", "1"))  # leaves iter 2 and 3
+    ppo.main(ppo_args(trained, out, "--max_steps", "1", "--save_interval", "1"))  # afresh, into the same folder
+    assert "holds an earlier run's checkpoints" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "checkpoints" / "trainer").iterdir()) == ["iter_0000001"]
+    assert json.loads((out / "checkpoints" / "latest").read_text())["tag"] == "iter_0000001"
+    ppo.main(ppo_args(trained, out, "--max_steps", "2", "--save_interval", "1", "--resume"))
+    assert "resumed from iteration 1" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir() if p.is_dir()) == \
+        ["iter_0000001", "iter_0000002"]
+
+
+def test_a_run_killed_before_its_first_checkpoint_does_not_resume_an_earlier_run(trained, tmp_path):
+    from dschat.rlhf.checkpointing import forget_earlier_run, latest_tag
+
+    out = tmp_path / "ppo"
+    ppo.main(ppo_args(trained, out, "--max_steps", "1", "--save_interval", "1"))
+    assert latest_tag(str(out / "checkpoints")) == "iter_0000001"
+    assert forget_earlier_run(str(out / "checkpoints")) and latest_tag(str(out / "checkpoints")) is None
+    assert not forget_earlier_run(str(out / "checkpoints"))

@@ -53,7 +53,7 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     barrier()
     if is_rank_0():
         write_json_atomic(os.path.join(root, LATEST), {"tag": tag})
-        _prune(root, keep_last)
+        _prune(root, tag, keep_last)
     barrier()
     return tag
 
@@ -99,10 +99,25 @@ def _load_ema(module, path):
                 param.data.copy_(state[name])
 
 
-def _prune(root, keep_last):
-    tags = sorted(os.listdir(os.path.join(root, "trainer")))
+def forget_earlier_run(root):
+    """A run that starts afresh drops the ``latest`` pointer an earlier run left in ``root``, so that ``--resume``
+    after an interruption never continues that other run. Its checkpoints stay until this run's first save prunes
+    them. Returns whether there was one."""
+    path = os.path.join(root, LATEST)
+    found = os.path.exists(path)
+    if found and is_rank_0():
+        os.remove(path)
+    barrier()
+    return found
+
+
+def _prune(root, current, keep_last):
+    """Keep the last ``keep_last`` tags up to ``current``. Tags after it belong to an earlier, longer run in the same
+    folder: kept, they would sort after this run's and be pruned in its place (tags sort as iterations)."""
     import shutil
 
-    for tag in tags[:-keep_last]:
+    tags = sorted(os.listdir(os.path.join(root, "trainer")))
+    done = [t for t in tags if t <= current]
+    for tag in done[:-keep_last] + [t for t in tags if t > current]:
         for sub in ("actor", "critic", "trainer"):
             shutil.rmtree(os.path.join(root, sub, tag), ignore_errors=True)

@@ -12,7 +12,7 @@ from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.data.samplers import distributed_eval_loader
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
-from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+from dschat.rlhf.checkpointing import forget_earlier_run, load_checkpoint, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
@@ -193,6 +193,9 @@ def main(args=None):
     if position is None:
         if args.resume:
             print_rank_0(f"[step3] --resume: no complete checkpoint in {ckpt_root}; starting from iteration 0")
+        elif forget_earlier_run(ckpt_root):
+            print_rank_0(f"[step3] starting afresh (no --resume): {ckpt_root} holds an earlier run's checkpoints; "
+                         "this run's first checkpoint replaces them")
         position = {"iteration": 0, "epoch": 0, "batch": 0, "unsup_batches": 0}
         before = held_out_eval(trainer, eval_loader, args, device, scorer)
         _keep_log_until(log_path, 0)
