@@ -5,6 +5,8 @@ with no arguments; every flag of DeepSpeed-Chat's step scripts is accepted.
 """
 import argparse
 
+from dschat.errors import UsageError
+
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 AUTO_PAD_TO_MULTIPLE_OF = 64  # --pad_to_multiple_of on CUDA when not given
 
@@ -223,18 +225,54 @@ def step2_dpo_parser():
 
 
 def namespace_with_defaults(parser, overrides=None):
-    """A parsed namespace with every default, updated from a dict/object (the notebook-friendly form)."""
+    """A parsed namespace with every default, updated from a dict or any object (the notebook-friendly form).
+
+    A key is a flag's destination or any of its option names (DeepSpeed-Chat's older ones too) and means what the flag
+    means on the command line: ``disable_actor_dropout=True`` sets ``actor_dropout`` to 0.0 (False leaves it),
+    ``no-enable_cuda_graph=True`` turns graphs off, and the flags' range checks apply (``ppo_epochs=0`` is an error).
+    An object's attributes are read by those names, class attributes included. Keys that name no flag are an error in
+    a dict (a typo would otherwise be a silent default); an object's are kept and listed once (a DeepSpeed-Chat
+    namespace carries its own, e.g. ``global_rank``)."""
     args = parser.parse_args([])
     if overrides is None:
         return args
-    items = overrides.items() if isinstance(overrides, dict) else vars(overrides).items()
-    # a flag's other names (DeepSpeed-Chat's older ones) reach its value in a dict as on the command line
-    aliases = {option.lstrip("-"): action.dest for action in parser._actions for option in action.option_strings
-               if option.lstrip("-") != action.dest}
-    for key, value in items:
-        key = aliases.get(key, key)
-        setattr(args, key, value)
+    by_name = {option.lstrip("-"): action for action in parser._actions for option in action.option_strings}
+    by_name.update({action.dest: action for action in parser._actions if action.option_strings})
+    if isinstance(overrides, dict):
+        items = overrides
+    else:
+        names = set(vars(overrides)) | {name for name in by_name if hasattr(overrides, name)}
+        items = {name: getattr(overrides, name) for name in sorted(names) if not name.startswith("_")}
+    unknown = sorted(key for key in items if key not in by_name)
+    if unknown and isinstance(overrides, dict):
+        raise UsageError(f"unknown setting(s) {unknown}: not a flag of {parser.prog}; see --help for the names")
+    if unknown:
+        print(f"[dschat] args: {unknown} name no flag of {parser.prog}; kept as attributes, not used by dschat")
+    for key, value in items.items():
+        action = by_name.get(key)
+        if action is None:
+            setattr(args, key, value)
+        else:
+            _set_from_option(args, action, key, value)
     return args
+
+
+def _set_from_option(args, action, name, value):
+    """Set ``action``'s destination as giving option ``name`` with ``value`` would on the command line."""
+    if isinstance(action, argparse._StoreConstAction) and name != action.dest:
+        if value:  # a switch such as disable_actor_dropout: True sets its constant, False changes nothing
+            setattr(args, action.dest, action.const)
+        return
+    if isinstance(action, argparse.BooleanOptionalAction) and name.startswith("no-"):
+        value = None if value is None else not value
+    if action.type in (positive_int, non_negative_int) and value is not None:
+        try:
+            value = action.type(value)
+        except argparse.ArgumentTypeError as err:
+            raise UsageError(f"{name}: {err}") from None
+    if action.choices is not None and value is not None and value not in action.choices:
+        raise UsageError(f"{name}: {value!r} is not one of {list(action.choices)}")
+    setattr(args, action.dest, value)
 
 
 def step3_parser():

@@ -157,6 +157,35 @@ def test_notebook_dicts_take_the_old_names_and_a_config_dict():
     assert step3_train_config(args, 1, 0)["gradient_clipping"] == 0.3
 
 
+def test_notebook_settings_mean_what_the_flags_mean():
+    import argparse
+
+    from dschat.errors import UsageError
+
+    # DeepSpeed-Chat's switches: True sets their constant, False (an old namespace's default) leaves the value
+    assert step3_args({"disable_actor_dropout": True}).actor_dropout == 0.0
+    assert step3_args({"disable_actor_dropout": False}).actor_dropout == step3_args({}).actor_dropout
+    old = argparse.Namespace(dtype="fp32", disable_actor_dropout=False, disable_critic_dropout=True, global_rank=0)
+    settings = step3_args(old)
+    assert (settings.actor_dropout, settings.critic_dropout, settings.dtype) == (None, 0.0, "fp32")
+    assert step3_args({"no-enable_cuda_graph": True}).enable_cuda_graph is False
+    assert step3_args({"enable_cuda_graph": True}).enable_cuda_graph is True
+
+    class Settings:  # class attributes, as a config class is often written
+        dtype = "fp32"
+        max_prompt_seq_len = 48
+        enable_hybrid_engine = True
+
+    settings = step3_args(Settings())
+    assert (settings.dtype, settings.max_prompt_seq_len, settings.enable_hybrid_engine) == ("fp32", 48, True)
+    with pytest.raises(UsageError, match=r"unknown setting\(s\) \['actor_lr'\]"):
+        step3_args({"actor_lr": 1e-3})  # a typo of actor_learning_rate is not a silent default
+    with pytest.raises(UsageError, match="ppo_epochs: expected a positive integer"):
+        step3_args({"ppo_epochs": 0})
+    with pytest.raises(UsageError, match="dtype: 'fp8' is not one of"):
+        step3_args({"dtype": "fp8"})
+
+
 def test_a_missing_or_malformed_file_is_an_error_naming_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.json"):
         apply_user_ds_config({}, str(tmp_path / "nope.json"), FLAGS)

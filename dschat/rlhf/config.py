@@ -10,8 +10,6 @@ def step3_args(args=None):
 
     if isinstance(args, argparse.Namespace) and getattr(args, "_dschat_complete", False):
         return args
-    if args is not None and not isinstance(args, dict):
-        args = {k: v for k, v in vars(args).items() if not k.startswith("__")}
     completed = namespace_with_defaults(step3_parser(), args)
     resolve_zero_stages(completed)
     completed._dschat_complete = True
