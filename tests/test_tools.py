@@ -104,6 +104,17 @@ def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
     assert load_scoring_reward_model(models["rm"], tokenizer, device="cpu").v_head.weight.abs().sum() > 0
 
 
+def test_a_reward_model_where_a_policy_belongs_is_an_error(models):
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_causal_lm
+
+    tokenizer = load_tokenizer(models["policy"])
+    with pytest.raises(UsageError, match="a reward model .*not a policy"):  # it would generate from a random LM head
+        load_policy(models["rm"], device="cpu")
+    with pytest.raises(UsageError, match="not a policy"):  # the steps' loader (SFT base, PPO actor, DPO policy)
+        load_causal_lm(models["rm"], tokenizer)
+
+
 def test_answer_text_drops_eot_what_follows_and_padding(session):
     tokenizer = session.tokenizer
     ids = tokenizer(" red, blue", add_special_tokens=False)["input_ids"]

@@ -121,5 +121,13 @@ def sync_special_tokens(model, tokenizer):
 
 
 def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):
+    """A policy (SFT model, actor, reference, DPO policy). A step-2 reward-model folder is an error: it holds no LM
+    head, so the model would generate from a new random one and still train and be scored."""
+    from dschat.models.reward_model import VALUE_HEAD_FILE, is_reward_model_folder
+
+    path = resolve_model_path(model_name_or_path)
+    if os.path.isdir(path) and is_reward_model_folder(path):
+        raise UsageError(f"{model_name_or_path}: a reward model ({VALUE_HEAD_FILE}), not a policy: pass a language "
+                         "model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
     return create_hf_model(AutoModelForCausalLM, model_name_or_path, tokenizer, ds_config, dropout=dropout,
                            dtype=dtype)

@@ -5,10 +5,9 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
-from transformers import AutoModelForCausalLM
 
 from dschat.errors import UsageError
-from dschat.models.loading import create_hf_model, load_tokenizer
+from dschat.models.loading import load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import create_critic_model
 from dschat.rlhf.config import step3_args
@@ -135,8 +134,7 @@ class DeepSpeedRLHFEngine:
 
         a = self.args
         ds_config = self._train_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
-        model = create_hf_model(AutoModelForCausalLM, self.actor_path, self.tokenizer, ds_config,
-                                dropout=a.actor_dropout)
+        model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
                            only_optimize_lora=a.only_optimize_lora)
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
@@ -162,7 +160,7 @@ class DeepSpeedRLHFEngine:
     def _init_frozen_actor_copy(self, offload):
         """The reference model (and the EMA copy): the SFT weights, frozen, sharded like the actor."""
         ds_config = self._eval_config(self.args.actor_zero_stage, offload)
-        model = create_hf_model(AutoModelForCausalLM, self.actor_path, self.tokenizer, ds_config)
+        model = load_causal_lm(self.actor_path, self.tokenizer, ds_config)
         return initialize_frozen(model, ds_config, self.args.zero3_fetch)
 
     def _init_critic(self):

@@ -6,7 +6,6 @@ DeepSpeed-Chat's). Log-probs are summed over the answer tokens only. The final m
 step 1's, so it is loaded, chatted with and evaluated the same way.
 """
 import torch
-from transformers import AutoModelForCausalLM
 
 from dschat.errors import UsageError
 from dschat.args import step2_dpo_parser
@@ -14,7 +13,7 @@ from dschat.data.collators import first_answer_position
 from dschat.data.samplers import eval_weights
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.checkpoint import save_causal_lm
-from dschat.models.loading import create_hf_model
+from dschat.models.loading import load_causal_lm
 from dschat.rlhf.dpo import answer_nll, check_dpo_params, dpo_loss, preference_accuracy, response_log_probs
 from dschat.steps.common import StepRecipe, initialize_frozen, run_supervised_step, to_device
 from dschat.steps.sft import build_sft_model
@@ -40,7 +39,7 @@ def build_reference_model(args, tokenizer):
     offload = args.offload_reference_model and stage == 3  # parameter offload is a ZeRO-3 feature
     ds_config = get_eval_ds_config(offload=offload, dtype=args.dtype, stage=stage,
                                    micro_batch_size=args.per_device_train_batch_size, world_size=get_world_size())
-    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config)
+    model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config)
     note = ", parameters offloaded to CPU" if offload else (
         " (--offload_reference_model needs --zero_stage 3: not offloaded)" if args.offload_reference_model else "")
     print_rank_0(f"[step2_dpo] reference model {args.model_name_or_path}: frozen, ZeRO-{stage}{note}")

@@ -2,20 +2,18 @@
 import math
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from dschat.args import step1_parser
 from dschat.data.samplers import eval_weights
 from dschat.models.checkpoint import save_causal_lm
-from dschat.models.loading import create_hf_model
+from dschat.models.loading import load_causal_lm
 from dschat.models.lora import apply_lora
 from dschat.steps.common import StepRecipe, run_supervised_step, to_device
 from dschat.utils.dist import all_reduce
 
 
 def build_sft_model(args, tokenizer, ds_config):
-    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config,
-                            dropout=args.dropout)
+    model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, dropout=args.dropout)
     return apply_lora(model, args.lora_dim, args.lora_module_name, args.lora_alpha,
                       only_optimize_lora=args.only_optimize_lora)
 
