@@ -148,6 +148,36 @@ def test_long_chat_forgets_oldest_exchanges_to_fit_the_context(session, monkeypa
     assert messages[-1] == {"role": "user", "content": "now"}
 
 
+def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(session, monkeypatch):
+    from dschat.errors import UsageError
+
+    session.clear()
+    monkeypatch.setattr(session.model.config, "max_position_embeddings", 40)
+    with pytest.raises(UsageError, match="the model's context of 40 tokens"):
+        session.next_prompt("word " * 60)  # generation would run past the last position
+    lines, printed = iter(["word " * 60, "Say tea twice.", "quit"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append)
+    assert any(p.startswith("(not answered: ") for p in printed) and printed[-1].startswith("Assistant: ")
+    assert [m["content"] for m in session.history if m["role"] == "user"] == ["Say tea twice."]
+
+
+def test_generation_flags_are_checked_and_top_k_below_one_is_off():
+    import argparse
+
+    from dschat.errors import UsageError
+    from dschat.tools.common import add_generation_args, generation_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_generation_args(parser, sample_by_default=True)
+    assert generation_kwargs(parser.parse_args(["--top_k", "-1"]))["top_k"] == 0
+    for flags, message in ((["--temperature", "0"], "--greedy"), (["--top_p", "1.5"], r"\(0, 1\]")):
+        with pytest.raises(UsageError, match=message):
+            generation_kwargs(parser.parse_args(flags))
+    assert generation_kwargs(parser.parse_args(["--temperature", "0", "--greedy"]))["do_sample"] is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max_new_tokens", "0"])
+
+
 def test_interactive_loop_clears_and_quits(session):
     session.clear()
     lines, printed = iter(["Name 3 colors.", "clear", "Say tea twice.", "quit", "never read"]), []
@@ -179,13 +209,19 @@ def test_chat_interactive_answers_two_turns_then_quits(models, session):
 
 # --- step 1: prompt_eval ---
 
-def test_prompt_eval_prints_both_models_answers(models, capsys):
+def test_prompt_eval_prints_both_models_answers(models, capsys, tmp_path):
     result = prompt_eval.main(["--model_name_or_path_baseline", models["baseline"], "--model_name_or_path_finetune",
                                models["policy"], "--prompts", "Name 3 colors.", "Say tea twice.",
                                "--max_new_tokens", "6"])
     out = capsys.readouterr().out
     assert len(result["answers"]["baseline"]) == len(result["answers"]["finetune"]) == 2
     assert result["answers"]["baseline"] != result["answers"]["finetune"]  # different weights
+    run = tmp_path / "run"  # a train.py output folder: its policy, as chat.py finds it
+    run.mkdir()
+    os.symlink(models["policy"], run / "step1_sft")
+    again = prompt_eval.main(["--model_name_or_path_baseline", models["baseline"], "--model_name_or_path_finetune",
+                              str(run), "--prompts", "Name 3 colors.", "Say tea twice.", "--max_new_tokens", "6"])
+    assert again["answers"]["finetune"] == result["answers"]["finetune"]
     for role, path in (("baseline", models["baseline"]), ("finetune", models["policy"])):
         assert f"--- {role} ({path}):" in out
         assert all(answer in out for answer in result["answers"][role])

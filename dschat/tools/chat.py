@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from dschat.data.formatting import format_prompt
+from dschat.errors import UsageError
 from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, generation_kwargs,
                                  load_policy)
 from dschat.tools.generation import encode_prompts, generate_answers
@@ -47,14 +48,20 @@ class ChatSession:
 
     def next_prompt(self, user_text):
         """The next prompt, forgetting the oldest exchanges while prompt + answer exceed the model's context
-        (a long chat would otherwise crash generation past the last position)."""
+        (a long chat would otherwise crash generation past the last position). A message that does not fit even
+        alone is a UsageError (the conversation goes on in interactive mode)."""
         limit = context_limit(self.model)
         room = limit - self.generation_kwargs["max_new_tokens"] if limit else None
         history = list(self.history)
         while True:
             messages, prompt = conversation_prompt(history, user_text, self.tokenizer)
-            if room is None or not history or len(encode_prompts(self.tokenizer, [prompt])[0]) <= room:
+            length = len(encode_prompts(self.tokenizer, [prompt])[0])
+            if room is None or length <= room:
                 return messages, prompt
+            if not history:
+                raise UsageError(f"the message takes {length} tokens as a prompt; with --max_new_tokens "
+                                 f"{self.generation_kwargs['max_new_tokens']} the model's context of {limit} tokens "
+                                 f"leaves room for {max(room, 0)}")
             history = history[2:]  # one user message and its answer
 
 
@@ -73,7 +80,10 @@ def run_interactive(session, read=input, write=print):
             session.clear()
             write("(new conversation)")
         elif text:
-            write(f"Assistant: {session.ask(text)}")
+            try:
+                write(f"Assistant: {session.ask(text)}")
+            except UsageError as error:
+                write(f"(not answered: {error})")
 
 
 def echoing_input(prompt):

@@ -4,6 +4,7 @@ import os
 
 import torch
 
+from dschat.args import positive_int
 from dschat.errors import MissingInputError, UsageError
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, RM_DIR, SFT_DIR
 
@@ -70,10 +71,10 @@ def add_loading_args(parser):
 def add_generation_args(parser, sample_by_default, max_new_tokens=128):
     """--max_new_tokens, --temperature, --top_k, --top_p and --greedy/--do_sample (one default per tool)."""
     g = parser.add_argument_group("generation")
-    g.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_k", type=int, default=0, help="0: no top-k filtering.")
-    g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--max_new_tokens", type=positive_int, default=max_new_tokens)
+    g.add_argument("--temperature", type=float, default=1.0, help="> 0 (use --greedy for argmax decoding).")
+    g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
+    g.add_argument("--top_p", type=float, default=1.0, help="In (0, 1]; 1: no nucleus filtering.")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--greedy", dest="do_sample", action="store_false", help="Greedy decoding.")
     mode.add_argument("--do_sample", dest="do_sample", action="store_true", help="Sample (temperature/top-k/top-p).")
@@ -88,7 +89,12 @@ def generation_kwargs(args):
         torch.manual_seed(args.seed)
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     if args.do_sample:
-        kwargs.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        if args.temperature <= 0:
+            raise UsageError(f"--temperature {args.temperature}: sampling needs a temperature > 0; --greedy takes "
+                             "the most likely token")
+        if not 0 < args.top_p <= 1:
+            raise UsageError(f"--top_p {args.top_p}: must be in (0, 1]")
+        kwargs.update(temperature=args.temperature, top_k=max(args.top_k, 0), top_p=args.top_p)
     return kwargs
 
 

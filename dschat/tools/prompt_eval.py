@@ -5,8 +5,10 @@ default from the embedded held-out data, whose answers are also scored with the 
 """
 import argparse
 
+from dschat.args import positive_int
 from dschat.data.formatting import format_prompt, render_human_assistant
-from dschat.tools.common import add_generation_args, add_loading_args, generation_kwargs, load_policy
+from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, generation_kwargs,
+                                 load_policy)
 from dschat.tools.generation import generate_answers
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
@@ -28,7 +30,7 @@ def model_answers(path, records, args):
 
     Models are loaded one at a time, so the two need not fit in memory together.
     """
-    model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
+    model, tokenizer = load_policy(find_policy_path(path), dtype=args.dtype, add_eot_token=args.add_eot_token)
     prompts = [format_prompt(record.messages, tokenizer) for record in records]
     # generation_kwargs re-seeds: with --seed both models sample from the same random stream
     return generate_answers(model, tokenizer, prompts, generation_kwargs(args), args.batch_size)
@@ -60,13 +62,14 @@ def _mean(values):
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path_baseline", required=True, help="E.g. the base model.")
-    parser.add_argument("--model_name_or_path_finetune", required=True, help="E.g. output/step1_sft.")
+    parser.add_argument("--model_name_or_path_finetune", required=True,
+                        help="E.g. output/step1_sft, or a run's output folder (its policy, as chat.py picks it).")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompts", nargs="+", help="User messages (or 'Human: ... Assistant: ...' transcripts).")
     source.add_argument("--prompts_file", help="A local data file (jsonl/json/parquet/csv) with prompts.")
     parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
-    parser.add_argument("--num_prompts", type=int, default=8, help="Prompts taken from a file or the tiny data.")
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--num_prompts", type=positive_int, default=8, help="Prompts taken from a file or the tiny data.")
+    parser.add_argument("--batch_size", type=positive_int, default=8)
     add_loading_args(parser)
     add_generation_args(parser, sample_by_default=False)
     return parser
