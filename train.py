@@ -58,6 +58,12 @@ def parse_args(argv=None):
         from dschat.pipeline import step_flags_hint
 
         p.error(f"unrecognized arguments: {' '.join(unknown)}{step_flags_hint(unknown)}")
+    from dschat.pipeline import recipe_steps
+
+    runs, not_run = recipe_steps(args.recipe, args.step)
+    if not runs:
+        p.error(f"--recipe {args.recipe} --step {' '.join(map(str, args.step))}: nothing to run; the recipe has no "
+                + "; no ".join(not_run))
     # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.
     default_stage = 0 if args.deployment_type == "single_gpu" else 3
     args.actor_zero_stage = default_stage if args.actor_zero_stage is None else args.actor_zero_stage

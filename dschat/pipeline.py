@@ -78,6 +78,17 @@ def step_argv(step, args, tiny):
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache")] + extra
 
 
+# Steps a recipe does not have, and why.
+RECIPE_SKIPS = {"grpo": {2: "step 2 (GRPO is rewarded by --reward_fn: no reward model)"},
+                "dpo": {3: "step 3 (DPO replaces the reward model and PPO)"}}
+
+
+def recipe_steps(recipe, steps):
+    """(the asked-for steps that ``recipe`` has, in order; notes naming the others)."""
+    skips = RECIPE_SKIPS.get(recipe, {})
+    return [s for s in sorted(set(steps)) if s not in skips], [skips[s] for s in sorted(set(steps)) if s in skips]
+
+
 # Step flags whose value train.py sets from one of its own.
 TRAIN_PY_NAMES = {"--actor_model_name_or_path": "--actor-model", "--model_name_or_path": "--actor-model",
                   "--critic_model_name_or_path": "--reward-model", "--reward_model_name_or_path": "--reward-model",
@@ -141,11 +152,9 @@ def run_pipeline(args):
     if recipe == "dpo":
         parsers[2] = (dpo.main, DPO_DIR, step2_dpo_parser)
     timings = {}
-    steps = sorted(args.step)
-    if recipe == "grpo" and 2 in steps:
-        steps.remove(2)  # GRPO with a reward function needs no reward model
-    if recipe == "dpo" and 3 in steps:
-        steps.remove(3)  # DPO replaces the reward model and PPO
+    steps, not_run = recipe_steps(recipe, args.step)
+    for note in not_run:
+        print_rank_0(f"not run: {note}")
     check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
     if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
         print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "

@@ -250,6 +250,22 @@ def test_train_py_says_how_to_pass_step_flags_it_does_not_take(capsys):
     assert train["parse_args"](["--actor-model", "tiny-opt"]).actor_model == "tiny-opt"
 
 
+def test_train_py_refuses_steps_its_recipe_does_not_have(capsys):
+    import runpy
+
+    from dschat import pipeline
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    for flags, missing in (("--recipe grpo --step 2", "no step 2"), ("--recipe dpo --step 3", "no step 3")):
+        with pytest.raises(SystemExit):  # not a run of nothing that reprints the last run's report
+            parse(shlex.split(flags))
+        assert f"nothing to run; the recipe has {missing}" in capsys.readouterr().err
+    assert parse(shlex.split("--recipe grpo --step 2 3")).step == [2, 3]  # step 3 runs (noted at run time)
+    assert pipeline.recipe_steps("grpo", [3, 2, 1]) == ([1, 3], ["step 2 (GRPO is rewarded by --reward_fn: no "
+                                                                 "reward model)"])
+
+
 def test_train_py_checks_each_steps_config_file_before_the_first_step_and_zero_stage_reaches_step3(
         tmp_path, distributed):
     import runpy
