@@ -504,10 +504,15 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
                         lambda self, m: calls.append(("ppo", m["input_ids"].shape[0])) or real_rlhf(self, m))
     monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "train_unsupervised", lambda self, b, coef: calls.append(
         ("lm", b["input_ids"].shape[0], b["input_ids"].data_ptr())) or real_unsup(self, b, coef))
+    from dschat.rlhf import engine
+
+    schedules, real_init = [], engine.initialize_engine
+    monkeypatch.setattr(engine, "initialize_engine", lambda *a, **k: schedules.append(a[7]) or real_init(*a, **k))
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--unsupervised_dataset_name", f"jsonl:{text}",
                       "--unsup_coef", "0.5", "--per_device_training_batch_size", "2", "--ppo_epochs", "2"))
     # 4 prompts, training batches of 2, 2 PPO epochs: each PPO micro-batch is followed by 2 rows of language modelling
     assert [c[:2] for c in calls] == [("ppo", 2), ("lm", 2)] * 4
+    assert schedules == [8, 4]  # the actor's learning-rate schedule counts its language-model steps, the critic's not
     slices = [c[2] for c in calls if c[0] == "lm"]
     assert slices[0] != slices[1] and slices[:2] == slices[2:]  # the two halves of one batch, again in epoch 2
 

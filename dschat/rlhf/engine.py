@@ -94,7 +94,7 @@ class DeepSpeedRLHFEngine:
     """
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
-                 num_total_iters=None, reward_model_name_or_path=None):
+                 num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None):
         self.args = args = step3_args(args)
         setup_run(args)
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
@@ -103,6 +103,8 @@ class DeepSpeedRLHFEngine:
         self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,
                                                      eot_token=args.eot_token)
         self.num_total_iters = num_total_iters or args.max_steps or DEFAULT_TOTAL_ITERS
+        # the actor's learning-rate schedule: more steps than the critic's with unsupervised (PPO-ptx) steps
+        self.actor_total_iters = actor_total_iters or self.num_total_iters
         self.world_size = get_world_size()
 
         self.actor = self._init_actor()
@@ -140,7 +142,7 @@ class DeepSpeedRLHFEngine:
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
                                    a.actor_learning_rate, a.actor_weight_decay,
                                    a.actor_lora_learning_rate if a.actor_lora_dim else None,
-                                   a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
+                                   a.lr_scheduler_type, a.num_warmup_steps, self.actor_total_iters,
                                    a.actor_gradient_checkpointing, a.zero3_fetch)
         if a.enable_mixed_precision_lora:
             print_rank_0(f"[step3] mixed precision LoRA: {quantize_frozen_weights(engine)} frozen weights stored "

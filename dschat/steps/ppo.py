@@ -182,8 +182,10 @@ def main(args=None):
     optimizer_steps = max(1, total_iters * args.ppo_epochs * math.ceil(
         args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
         / args.per_device_training_batch_size) // args.gradient_accumulation_steps)
+    # with unsupervised data the actor also steps after each PPO micro-batch's language-model loss
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
-                                 num_total_iters=optimizer_steps)
+                                 num_total_iters=optimizer_steps,
+                                 actor_total_iters=optimizer_steps * (2 if unsup_loader is not None else 1))
     trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)
