@@ -23,6 +23,32 @@ def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed):
     assert (tmp_path / "sft" / "tokenizer.json").exists()
 
 
+def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_path, distributed, monkeypatch):
+    from dschat.errors import UsageError
+    from dschat.steps import common
+
+    assert common.num_update_steps(75, 4, 1) == 18 and common.num_update_steps(75, 4, 2) == 37  # epochs run on
+    with pytest.raises(UsageError, match="do not fill one optimizer step"):
+        common.num_update_steps(3, 4, 1)
+    losses, logged = [], []
+    real_run, real_log = common.run_training, common._log_step
+
+    def run_recording(engine, loader, loss_fn, *args, **kwargs):
+        def recording(engine, batch):
+            loss, tokens = loss_fn(engine, batch)
+            losses.append(loss.item())
+            return loss, tokens
+        return real_run(engine, loader, recording, *args, **kwargs)
+
+    monkeypatch.setattr(common, "run_training", run_recording)
+    monkeypatch.setattr(common, "_log_step", lambda *a: logged.append(a[3]) or real_log(*a))
+    metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                        "--gradient_accumulation_steps", "4", *SFT_FAST])
+    # no trailing micro-batch whose gradient is never applied; each step logs its micro-batches' mean loss
+    assert len(losses) == 4 * metrics["steps"] == 4 * len(logged)
+    assert logged[0] == pytest.approx(sum(losses[:4]) / 4) and logged[-1] == pytest.approx(sum(losses[-4:]) / 4)
+
+
 def test_sft_loss_decreases(tmp_path, distributed):
     metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
                         "--max_steps", "15", *SFT_FAST])

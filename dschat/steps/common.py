@@ -1,6 +1,5 @@
 """What the training steps share: set-up, data loaders, the DeepSpeed engine, progress and metrics."""
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -58,7 +57,14 @@ def make_optimizer(param_groups, lr, offload):
 
 
 def num_update_steps(num_batches, gradient_accumulation_steps, epochs, max_steps=0):
-    steps = math.ceil(num_batches / gradient_accumulation_steps) * epochs
+    """Optimizer steps the run takes. DeepSpeed's accumulation runs on across epochs, so an epoch's leftover
+    micro-batches join the next epoch's, and only the last ones, short of a whole step, are never applied (the
+    loop stops before them)."""
+    steps = num_batches * epochs // gradient_accumulation_steps
+    if steps == 0:
+        raise UsageError(f"{num_batches} micro-batches per epoch x {epochs} epoch(s) do not fill one optimizer step "
+                         f"of --gradient_accumulation_steps {gradient_accumulation_steps}: give more data, more "
+                         "epochs or a smaller batch")
     return min(steps, max_steps) if max_steps else steps
 
 
@@ -202,7 +208,7 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
             if micro % grad_accum:
                 continue
             step += 1
-            _log_step(args, name, step, losses[-1], engine, writer, throughput, bar)
+            _log_step(args, name, step, sum(losses[-grad_accum:]) / grad_accum, engine, writer, throughput, bar)
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 metrics = evaluate()
                 print_rank_0(f"[{name}] step {step} eval: {format_metrics(metrics)}")
