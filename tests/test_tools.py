@@ -279,6 +279,16 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
                            "--answer", "red, blue, green", "--answer", "red"])
     assert single["scores"] == pytest.approx([chosen[0], rejected[0]], abs=1e-4)
 
+    # a pair step 2 skips (the same text twice, also when truncation makes it so) is skipped here too, and counted
+    tie = {"prompt": "Say hi.", "chosen": "hi", "rejected": "hi"}
+    cut = {"prompt": "Say hi.", "chosen": "hi " * 200 + "one", "rejected": "hi " * 200 + "two"}
+    pairs_file.write_text("".join(json.dumps(p) + "\n" for p in pairs + [tie, cut]))
+    again = rw_eval.main(["--model_name_or_path", models["rm"], "--pairs_file", str(pairs_file),
+                          "--max_seq_len", "64"])
+    assert again["skipped_identical"] == 2 and len(again["pairs"]) == 2
+    assert again["accuracy"] == result["accuracy"]
+    assert "skipped 2 pair(s)" in capsys.readouterr().out
+
 
 # --- step 3: ppo_eval ---
 

@@ -36,10 +36,16 @@ def scored_sequence(tokens, max_seq_len):
     return prompt + tokens["chosen"][:room] + eot
 
 
-@torch.no_grad()
 def score_answers(model, tokenizer, messages_and_answers, max_seq_len=512, batch_size=16):
     """The reward model's score of each (prompt messages, answer)."""
-    sequences = [torch.tensor(ids) for ids in reward_input_ids(tokenizer, messages_and_answers, max_seq_len)]
+    return score_sequences(model, tokenizer, reward_input_ids(tokenizer, messages_and_answers, max_seq_len),
+                           batch_size)
+
+
+@torch.no_grad()
+def score_sequences(model, tokenizer, id_lists, batch_size=16):
+    """The reward model's end score of each token-id list."""
+    sequences = [torch.tensor(ids) for ids in id_lists]
     device = next(model.parameters()).device
     scores = []
     for start in range(0, len(sequences), batch_size):
@@ -51,14 +57,20 @@ def score_answers(model, tokenizer, messages_and_answers, max_seq_len=512, batch
 
 
 def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
-    """Per-pair scores and the accuracy step 2 reports (chosen scored strictly above rejected)."""
-    chosen = score_answers(model, tokenizer, [(r.messages, r.chosen) for r in records], max_seq_len, batch_size)
-    rejected = score_answers(model, tokenizer, [(r.messages, r.rejected) for r in records], max_seq_len, batch_size)
-    pairs = [{"prompt": r.messages, "chosen": r.chosen, "rejected": r.rejected, "chosen_score": c,
-              "rejected_score": s} for r, c, s in zip(records, chosen, rejected)]
+    """Per-pair scores and the accuracy step 2 reports (chosen scored strictly above rejected), over the pairs step 2
+    keeps: pairs whose two sequences are the same token ids (chosen == rejected, also after truncation) are skipped
+    and counted, as step 2 does (they could only count as misses)."""
+    chosen_ids = reward_input_ids(tokenizer, [(r.messages, r.chosen) for r in records], max_seq_len)
+    rejected_ids = reward_input_ids(tokenizer, [(r.messages, r.rejected) for r in records], max_seq_len)
+    kept = [i for i, (c, r) in enumerate(zip(chosen_ids, rejected_ids)) if c != r]
+    chosen = score_sequences(model, tokenizer, [chosen_ids[i] for i in kept], batch_size)
+    rejected = score_sequences(model, tokenizer, [rejected_ids[i] for i in kept], batch_size)
+    pairs = [{"prompt": records[i].messages, "chosen": records[i].chosen, "rejected": records[i].rejected,
+              "chosen_score": c, "rejected_score": s} for i, c, s in zip(kept, chosen, rejected)]
     n = max(len(pairs), 1)
     return {"pairs": pairs, "accuracy": sum(c > s for c, s in zip(chosen, rejected)) / n,
-            "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n}
+            "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n,
+            "skipped_identical": len(records) - len(kept)}
 
 
 def print_pairs(result):
@@ -69,8 +81,11 @@ def print_pairs(result):
         print(f"chosen   {pair['chosen_score']:+.4f}: {pair['chosen']}")
         print(f"rejected {pair['rejected_score']:+.4f}: {pair['rejected']}")
         print(f"higher: {higher}")
+    skipped = result["skipped_identical"]
     print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {len(pairs)} pairs; mean score chosen "
-          f"{result['chosen_mean_score']:+.4f}, rejected {result['rejected_mean_score']:+.4f}")
+          f"{result['chosen_mean_score']:+.4f}, rejected {result['rejected_mean_score']:+.4f}"
+          + (f"; skipped {skipped} pair(s) whose chosen and rejected texts tokenize alike (as step 2 does)"
+             if skipped else ""))
 
 
 def print_answers(messages, answers, scores):
