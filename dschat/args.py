@@ -229,50 +229,65 @@ def namespace_with_defaults(parser, overrides=None):
 
     A key is a flag's destination or any of its option names (DeepSpeed-Chat's older ones too) and means what the flag
     means on the command line: ``disable_actor_dropout=True`` sets ``actor_dropout`` to 0.0 (False leaves it),
-    ``no-enable_cuda_graph=True`` turns graphs off, and the flags' range checks apply (``ppo_epochs=0`` is an error).
-    An object's attributes are read by those names, class attributes included. Keys that name no flag are an error in
-    a dict (a typo would otherwise be a silent default); an object's are kept and listed once (a DeepSpeed-Chat
-    namespace carries its own, e.g. ``global_rank``)."""
+    ``no-enable_cuda_graph=True`` turns graphs off, strings are converted and the flags' checks apply
+    (``ppo_epochs=0`` is an error). An object's attributes are read by those names, class attributes included.
+    Destinations are applied first, then other names that carry a value other than None or the default (a
+    DeepSpeed-Chat namespace holds both ``deepspeed_config=None`` and ``deepscale_config="ds.json"``). Keys that
+    name no flag are an error in a dict (a typo would otherwise be a silent default); an object's are kept and
+    listed once (a DeepSpeed-Chat namespace carries its own, e.g. ``global_rank``)."""
     args = parser.parse_args([])
     if overrides is None:
         return args
     by_name = {option.lstrip("-"): action for action in parser._actions for option in action.option_strings}
     by_name.update({action.dest: action for action in parser._actions if action.option_strings})
-    if isinstance(overrides, dict):
-        items = overrides
-    else:
-        names = set(vars(overrides)) | {name for name in by_name if hasattr(overrides, name)}
-        items = {name: getattr(overrides, name) for name in sorted(names) if not name.startswith("_")}
+    items = overrides if isinstance(overrides, dict) else _attributes(overrides, by_name)
     unknown = sorted(key for key in items if key not in by_name)
     if unknown and isinstance(overrides, dict):
-        raise UsageError(f"unknown setting(s) {unknown}: not a flag of {parser.prog}; see --help for the names")
-    if unknown:
-        print(f"[dschat] args: {unknown} name no flag of {parser.prog}; kept as attributes, not used by dschat")
-    for key, value in items.items():
-        action = by_name.get(key)
+        raise UsageError(f"unknown setting(s) {unknown}: they name no flag (see the step's --help)")
+    if unknown and tuple(unknown) not in _REPORTED_UNKNOWN:
+        _REPORTED_UNKNOWN.add(tuple(unknown))
+        print(f"[dschat] args: {unknown} name no flag; kept as attributes, not used by dschat")
+    for key in sorted(items, key=lambda k: k in by_name and by_name[k].dest != k):  # destinations first
+        action, value = by_name.get(key), items[key]
         if action is None:
             setattr(args, key, value)
-        else:
+        elif action.dest == key or (value is not None and value != parser.get_default(action.dest)):
             _set_from_option(args, action, key, value)
     return args
 
 
+_REPORTED_UNKNOWN = set()
+
+
+def _attributes(obj, by_name):
+    """An object's settings: its instance attributes and whatever flag names it answers (class attributes,
+    properties, slots)."""
+    names = set(getattr(obj, "__dict__", {})) | {name for name in by_name if hasattr(obj, name)}
+    return {name: getattr(obj, name) for name in sorted(names) if not name.startswith("_")}
+
+
 def _set_from_option(args, action, name, value):
     """Set ``action``'s destination as giving option ``name`` with ``value`` would on the command line."""
-    if isinstance(action, argparse._StoreConstAction) and name != action.dest:
-        if value:  # a switch such as disable_actor_dropout: True sets its constant, False changes nothing
-            setattr(args, action.dest, action.const)
+    switch = isinstance(action, argparse._StoreConstAction) and name != action.dest
+    negated = isinstance(action, argparse.BooleanOptionalAction) and name.startswith("no-")
+    if switch or negated:
+        if value:  # disable_actor_dropout / no-enable_cuda_graph: True acts as the flag, False changes nothing
+            setattr(args, action.dest, False if negated else action.const)
         return
-    if isinstance(action, argparse.BooleanOptionalAction) and name.startswith("no-"):
-        value = None if value is None else not value
-    if action.type in (positive_int, non_negative_int) and value is not None:
-        try:
-            value = action.type(value)
-        except argparse.ArgumentTypeError as err:
-            raise UsageError(f"{name}: {err}") from None
+    if isinstance(value, str) and action.type is not None and action.type is not str:
+        value = _converted(action, name, value)  # "3" for an int flag, as on the command line
+    elif action.type in (positive_int, non_negative_int) and value is not None:
+        value = _converted(action, name, value)  # the range check
     if action.choices is not None and value is not None and value not in action.choices:
         raise UsageError(f"{name}: {value!r} is not one of {list(action.choices)}")
     setattr(args, action.dest, value)
+
+
+def _converted(action, name, value):
+    try:
+        return action.type(value)
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as err:
+        raise UsageError(f"{name}: {err}") from None
 
 
 def step3_parser():

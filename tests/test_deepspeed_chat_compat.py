@@ -169,7 +169,13 @@ def test_notebook_settings_mean_what_the_flags_mean():
     settings = step3_args(old)
     assert (settings.actor_dropout, settings.critic_dropout, settings.dtype) == (None, 0.0, "fp32")
     assert step3_args({"no-enable_cuda_graph": True}).enable_cuda_graph is False
+    assert step3_args({"no-enable_cuda_graph": False}).enable_cuda_graph is None  # auto, as without the flag
     assert step3_args({"enable_cuda_graph": True}).enable_cuda_graph is True
+    # deepspeed.add_config_arguments leaves both names; the one that holds the file wins whatever the order
+    ds_namespace = argparse.Namespace(deepspeed_config=None, deepscale_config="ds.json")
+    assert step3_args(ds_namespace).deepspeed_config == "ds.json"
+    converted = step3_args({"actor_zero_stage": "3", "kl_in_reward": "0", "ppo_epochs": "2"})  # as on the command line
+    assert (converted.actor_zero_stage, converted.kl_in_reward, converted.ppo_epochs) == (3, 0, 2)
 
     class Settings:  # class attributes, as a config class is often written
         dtype = "fp32"
@@ -178,6 +184,14 @@ def test_notebook_settings_mean_what_the_flags_mean():
 
     settings = step3_args(Settings())
     assert (settings.dtype, settings.max_prompt_seq_len, settings.enable_hybrid_engine) == ("fp32", 48, True)
+
+    import dataclasses
+
+    @dataclasses.dataclass(slots=True)
+    class Slotted:
+        dtype: str = "fp16"
+
+    assert step3_args(Slotted()).dtype == "fp16"
     with pytest.raises(UsageError, match=r"unknown setting\(s\) \['actor_lr'\]"):
         step3_args({"actor_lr": 1e-3})  # a typo of actor_learning_rate is not a silent default
     with pytest.raises(UsageError, match="ppo_epochs: expected a positive integer"):

@@ -504,15 +504,22 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
                         lambda self, m: calls.append(("ppo", m["input_ids"].shape[0])) or real_rlhf(self, m))
     monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "train_unsupervised", lambda self, b, coef: calls.append(
         ("lm", b["input_ids"].shape[0], b["input_ids"].data_ptr())) or real_unsup(self, b, coef))
-    from dschat.rlhf import engine
+    from dschat.rlhf import engine, trainer
 
-    schedules, real_init = [], engine.initialize_engine
-    monkeypatch.setattr(engine, "initialize_engine", lambda *a, **k: schedules.append(a[7]) or real_init(*a, **k))
+    configs, real_init = [], engine.initialize_engine
+    monkeypatch.setattr(engine, "initialize_engine",
+                        lambda *a, **k: configs.append((a[1]["gradient_accumulation_steps"], a[7])) or real_init(*a, **k))
+    boundaries, real_step = [], trainer.optimizer_step
+    monkeypatch.setattr(trainer, "optimizer_step",
+                        lambda engine_, name: boundaries.append(name) if real_step(engine_, name) else None)
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--unsupervised_dataset_name", f"jsonl:{text}",
                       "--unsup_coef", "0.5", "--per_device_training_batch_size", "2", "--ppo_epochs", "2"))
     # 4 prompts, training batches of 2, 2 PPO epochs: each PPO micro-batch is followed by 2 rows of language modelling
     assert [c[:2] for c in calls] == [("ppo", 2), ("lm", 2)] * 4
-    assert schedules == [8, 4]  # the actor's learning-rate schedule counts its language-model steps, the critic's not
+    # DeepSpeed-Chat's structure: a PPO micro-step and its language-model micro-step make one actor step, so the actor
+    # steps as often as the critic, on the same schedule (4 steps: 2 micro-batches x 2 PPO epochs)
+    assert configs == [(2, 4), (1, 4)]
+    assert boundaries.count("actor") == boundaries.count("critic") == 4
     slices = [c[2] for c in calls if c[0] == "lm"]
     assert slices[0] != slices[1] and slices[:2] == slices[2:]  # the two halves of one batch, again in epoch 2
 
@@ -730,27 +737,27 @@ def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, 
     monkeypatch.setattr(DeepSpeedPPOTrainer, "answer_kl_to_reference", lambda self, e: torch.tensor(12.0))
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--adaptive_kl", "--kl_horizon", "10"))
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
-    assert log[-1]["kl"] < 6 and log[-1]["kl_coef"] > 0.1
+    assert log[-1]["kl_coef"] > 0.1  # fed the per-token KL (logged as "kl", far below 6) it would fall
+    assert log[-1]["kl_per_answer"] == 12.0  # logged in the controller's unit beside the per-token "kl"
 
 
-def test_a_fresh_run_replaces_an_earlier_runs_checkpoints_and_resumes_its_own(trained, tmp_path, capsys):
+def test_a_fresh_run_removes_an_earlier_runs_checkpoints_and_resumes_its_own(trained, tmp_path, capsys):
     out = tmp_path / "ppo"
     ppo.main(ppo_args(trained, out, "--max_steps", "3", "--save_interval", "1"))  # leaves iter 2 and 3
-    ppo.main(ppo_args(trained, out, "--max_steps", "1", "--save_interval", "1"))  # afresh, into the same folder
-    assert "holds an earlier run's checkpoints" in capsys.readouterr().out
-    assert sorted(p.name for p in (out / "checkpoints" / "trainer").iterdir()) == ["iter_0000001"]
-    assert json.loads((out / "checkpoints" / "latest").read_text())["tag"] == "iter_0000001"
-    ppo.main(ppo_args(trained, out, "--max_steps", "2", "--save_interval", "1", "--resume"))
-    assert "resumed from iteration 1" in capsys.readouterr().out
+    ppo.main(ppo_args(trained, out, "--max_steps", "2", "--save_interval", "2"))  # afresh, into the same folder
+    assert "removed an earlier run's checkpoints" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "checkpoints" / "trainer").iterdir()) == ["iter_0000002"]
+    ppo.main(ppo_args(trained, out, "--max_steps", "3", "--save_interval", "1", "--resume"))
+    assert "resumed from iteration 2" in capsys.readouterr().out
     assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir() if p.is_dir()) == \
-        ["iter_0000001", "iter_0000002"]
+        ["iter_0000002", "iter_0000003"]
 
 
-def test_a_run_killed_before_its_first_checkpoint_does_not_resume_an_earlier_run(trained, tmp_path):
-    from dschat.rlhf.checkpointing import forget_earlier_run, latest_tag
-
+def test_a_run_stopped_before_its_first_checkpoint_does_not_resume_an_earlier_run(trained, tmp_path, capsys):
     out = tmp_path / "ppo"
     ppo.main(ppo_args(trained, out, "--max_steps", "1", "--save_interval", "1"))
-    assert latest_tag(str(out / "checkpoints")) == "iter_0000001"
-    assert forget_earlier_run(str(out / "checkpoints")) and latest_tag(str(out / "checkpoints")) is None
-    assert not forget_earlier_run(str(out / "checkpoints"))
+    ppo.main(ppo_args(trained, out, "--max_steps", "3", "--save_interval", "2", "--enable_test_mode",
+                      "--test_stop_step", "1"))  # afresh, stopped after iteration 1: no checkpoint of its own yet
+    capsys.readouterr()
+    ppo.main(ppo_args(trained, out, "--max_steps", "1", "--save_interval", "2", "--resume"))
+    assert "--resume: no complete checkpoint" in capsys.readouterr().out

@@ -282,12 +282,13 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
     # a pair step 2 skips (the same text twice, also when truncation makes it so) is skipped here too, and counted
     tie = {"prompt": "Say hi.", "chosen": "hi", "rejected": "hi"}
     cut = {"prompt": "Say hi.", "chosen": "hi " * 200 + "one", "rejected": "hi " * 200 + "two"}
-    pairs_file.write_text("".join(json.dumps(p) + "\n" for p in pairs + [tie, cut]))
+    long_prompt = {"prompt": "Say hi. " * 100, "chosen": "hi", "rejected": "bye"}
+    pairs_file.write_text("".join(json.dumps(p) + "\n" for p in pairs + [tie, cut, long_prompt]))
     again = rw_eval.main(["--model_name_or_path", models["rm"], "--pairs_file", str(pairs_file),
                           "--max_seq_len", "64"])
-    assert again["skipped_identical"] == 2 and len(again["pairs"]) == 2
+    assert again["skipped"] == {"chosen==rejected": 2, "prompt too long": 1} and len(again["pairs"]) == 2
     assert again["accuracy"] == result["accuracy"]
-    assert "skipped 2 pair(s)" in capsys.readouterr().out
+    assert "skipped as in step 2: 2 chosen==rejected, 1 prompt too long" in capsys.readouterr().out
 
 
 # --- step 3: ppo_eval ---

@@ -99,14 +99,15 @@ def _load_ema(module, path):
                 param.data.copy_(state[name])
 
 
-def forget_earlier_run(root):
-    """A run that starts afresh drops the ``latest`` pointer an earlier run left in ``root``, so that ``--resume``
-    after an interruption never continues that other run. Its checkpoints stay until this run's first save prunes
-    them. Returns whether there was one."""
-    path = os.path.join(root, LATEST)
-    found = os.path.exists(path)
+def clear_earlier_run(root):
+    """A run that starts afresh (no --resume) removes the checkpoints an earlier run left in ``root``, as it replaces
+    that run's log and models: kept, ``--resume`` after an interruption could continue that other run, and its tags
+    would mix with this run's. Returns whether there were any."""
+    import shutil
+
+    found = os.path.isdir(root) and bool(os.listdir(root))
     if found and is_rank_0():
-        os.remove(path)
+        shutil.rmtree(root)
     barrier()
     return found
 

@@ -5,7 +5,6 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
-
 from dschat.errors import UsageError
 from dschat.models.loading import load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
@@ -35,9 +34,12 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
     """The training config of step 3's actor or critic: built from the flags, with the user's config file (if any)
     merged over it; the file's hybrid engine block is the actor's. ``quiet``: no notes (a check before the step)."""
     a = args
+    # PPO-ptx (DeepSpeed-Chat's): the actor's PPO micro-step and the language-model micro-step that follows it
+    # accumulate into one optimizer step, so the actor steps as often as the critic, on one schedule
+    ptx = 2 if role == "actor" and a.unsupervised_dataset_name else 1
     generated = get_train_ds_config(
         offload=a.offload, dtype=a.dtype, stage=stage, micro_batch_size=a.per_device_training_batch_size,
-        gradient_accumulation_steps=a.gradient_accumulation_steps, world_size=world_size,
+        gradient_accumulation_steps=a.gradient_accumulation_steps * ptx, world_size=world_size,
         enable_hybrid_engine=hybrid, inference_tp_size=a.inference_tp_size,
         release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
         tp_gather_partition_size=a.tp_gather_partition_size,
@@ -94,7 +96,7 @@ class DeepSpeedRLHFEngine:
     """
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
-                 num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None):
+                 num_total_iters=None, reward_model_name_or_path=None):
         self.args = args = step3_args(args)
         setup_run(args)
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
@@ -103,8 +105,6 @@ class DeepSpeedRLHFEngine:
         self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,
                                                      eot_token=args.eot_token)
         self.num_total_iters = num_total_iters or args.max_steps or DEFAULT_TOTAL_ITERS
-        # the actor's learning-rate schedule: more steps than the critic's with unsupervised (PPO-ptx) steps
-        self.actor_total_iters = actor_total_iters or self.num_total_iters
         self.world_size = get_world_size()
 
         self.actor = self._init_actor()
@@ -142,7 +142,7 @@ class DeepSpeedRLHFEngine:
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
                                    a.actor_learning_rate, a.actor_weight_decay,
                                    a.actor_lora_learning_rate if a.actor_lora_dim else None,
-                                   a.lr_scheduler_type, a.num_warmup_steps, self.actor_total_iters,
+                                   a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
                                    a.actor_gradient_checkpointing, a.zero3_fetch)
         if a.enable_mixed_precision_lora:
             print_rank_0(f"[step3] mixed precision LoRA: {quantize_frozen_weights(engine)} frozen weights stored "

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function as phase  # named ranges in a torch.profiler trace (µs each otherwise)
 
-from dschat.errors import UsageError
 from dschat.args import resolve_pad_to_multiple_of
 from dschat.data.collators import padded_length
+from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.lora import unwrap_peft
@@ -423,7 +423,7 @@ def _world_group():
 
 def _cat_right_padded(tensors, width):
     """(B, T_i) tensors stacked along rows, each right-padded with zeros to ``width`` columns."""
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
+    return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
 
 
 def global_token_count(action_masks, device):

@@ -7,10 +7,10 @@ step 1's, so it is loaded, chatted with and evaluated the same way.
 """
 import torch
 
-from dschat.errors import UsageError
 from dschat.args import step2_dpo_parser
 from dschat.data.collators import first_answer_position
 from dschat.data.samplers import eval_weights
+from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.checkpoint import save_causal_lm
 from dschat.models.loading import load_causal_lm

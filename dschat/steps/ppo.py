@@ -7,12 +7,12 @@ import time
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from dschat.errors import UsageError
 from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.data.samplers import distributed_eval_loader
+from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
-from dschat.rlhf.checkpointing import forget_earlier_run, load_checkpoint, save_checkpoint
+from dschat.rlhf.checkpointing import clear_earlier_run, load_checkpoint, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
@@ -87,11 +87,16 @@ def cycle(loader, seed, start=0):
         epoch += 1
 
 
+def micro_batches_per_epoch(args):
+    """PPO micro-batches of one PPO epoch over a rollout: each generation batch is sliced on its own."""
+    rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
+    return math.ceil(rows / args.per_device_training_batch_size) * args.generation_batches
+
+
 def check_accumulation(args, unsupervised):
     """PPO micro-batches per epoch over the rollout must fill whole accumulation groups, or an optimizer step mixes
     PPO epochs (or iterations) whose losses were scaled for different token counts."""
-    rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
-    micro = math.ceil(rows / args.per_device_training_batch_size) * args.generation_batches
+    micro = micro_batches_per_epoch(args)
     gas = args.gradient_accumulation_steps
     if micro % gas:
         raise UsageError(f"{micro} PPO micro-batches per PPO epoch (generation batch x n_samples_per_prompt / "
@@ -112,8 +117,9 @@ def split_rows(batch, micro_batch):
 def ppo_update(trainer, experiences, args, device, unsup_batches=()):
     """ppo_epochs passes over the buffered experience; returns the mean actor, critic and unsupervised losses (None
     without unsupervised data). As in DeepSpeed-Chat's PPO-ptx, each PPO micro-batch is followed by a language-model
-    step on the next training-batch-sized slice of the unsupervised batches fetched with this rollout (cycled when
-    there are fewer slices, e.g. with several answers per prompt)."""
+    micro-step on the next training-batch-sized slice of the unsupervised batches fetched with this rollout (cycled
+    when there are fewer slices, e.g. with several answers per prompt); the two accumulate into one actor step
+    (``step3_train_config``)."""
     if len(experiences) > 1:
         trainer.compute_advantages(experiences)  # over the whole rollout, not each generation batch alone
     micro = [m for exp in experiences for m in split_rows(exp, args.per_device_training_batch_size)]
@@ -124,13 +130,14 @@ def ppo_update(trainer, experiences, args, device, unsup_batches=()):
         for start in range(0, len(micro), accum):
             group = micro[start:start + accum]
             tokens = global_token_count([m["action_mask"] for m in group], device)
-            for index, m in enumerate(group, start):
+            for micro_index, m in enumerate(group, start):
                 m["num_tokens_global"] = tokens
                 actor_loss, critic_loss = trainer.train_rlhf(m)
                 actor_losses.append(actor_loss.item())
                 critic_losses.append(critic_loss.item())
                 if unsup:
-                    unsup_losses.append(trainer.train_unsupervised(unsup[index % len(unsup)], args.unsup_coef).item())
+                    unsup_batch = unsup[micro_index % len(unsup)]
+                    unsup_losses.append(trainer.train_unsupervised(unsup_batch, args.unsup_coef).item())
     return _mean(actor_losses), _mean(critic_losses), _mean(unsup_losses) if unsup else None
 
 
@@ -179,13 +186,10 @@ def main(args=None):
         total_iters = min(total_iters, args.max_steps)
     # test mode stops early without changing the schedule (it simulates an interrupted run)
     stop_at = min(total_iters, args.test_stop_step) if args.enable_test_mode and args.test_stop_step else total_iters
-    optimizer_steps = max(1, total_iters * args.ppo_epochs * math.ceil(
-        args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
-        / args.per_device_training_batch_size) // args.gradient_accumulation_steps)
-    # with unsupervised data the actor also steps after each PPO micro-batch's language-model loss
+    optimizer_steps = max(1, total_iters * args.ppo_epochs * micro_batches_per_epoch(args)
+                          // args.gradient_accumulation_steps)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
-                                 num_total_iters=optimizer_steps,
-                                 actor_total_iters=optimizer_steps * (2 if unsup_loader is not None else 1))
+                                 num_total_iters=optimizer_steps)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)
@@ -195,9 +199,9 @@ def main(args=None):
     if position is None:
         if args.resume:
             print_rank_0(f"[step3] --resume: no complete checkpoint in {ckpt_root}; starting from iteration 0")
-        elif forget_earlier_run(ckpt_root):
-            print_rank_0(f"[step3] starting afresh (no --resume): {ckpt_root} holds an earlier run's checkpoints; "
-                         "this run's first checkpoint replaces them")
+        elif clear_earlier_run(ckpt_root):
+            print_rank_0(f"[step3] starting afresh (no --resume): removed an earlier run's checkpoints from "
+                         f"{ckpt_root}")
         position = {"iteration": 0, "epoch": 0, "batch": 0, "unsup_batches": 0}
         before = held_out_eval(trainer, eval_loader, args, device, scorer)
         _keep_log_until(log_path, 0)
@@ -233,12 +237,10 @@ def main(args=None):
             t1 = time.time()
             actor_loss, critic_loss, unsup_loss = ppo_update(trainer, buffer, args, device, unsup_buffer)
             train_time = time.time() - t1
-            # every rank must see the same KL, or adaptive coefficients drift apart
-            kl = rank_mean(torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item(), device)
-            if args.adaptive_kl:
-                answer_kl = rank_mean(torch.stack([trainer.answer_kl_to_reference(e) for e in buffer]).mean().item(),
-                                      device)
-                trainer.update_kl_controller(answer_kl, sum(e["input_ids"].shape[0] for e in buffer) * get_world_size())
+            kl = kl_to_reference(trainer, buffer, device)
+            if args.adaptive_kl:  # in the controller's unit, the same on every rank
+                trainer.update_kl_controller(kl["kl_per_answer"],
+                                             sum(e["input_ids"].shape[0] for e in buffer) * get_world_size())
             record = _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss,
                                        kl, train_time, time.time() - t0, device)
             _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
@@ -266,13 +268,20 @@ def save_models(trainer, args):
         save_causal_lm(trainer.actor_ema.module, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_EMA_DIR))
 
 
+def kl_to_reference(trainer, buffer, device):
+    """The rollout's KL to the reference over all ranks: per answer token ("kl") and per answer, summed over its
+    tokens ("kl_per_answer", the adaptive controller's unit)."""
+    per_token = torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item()
+    per_answer = torch.stack([trainer.answer_kl_to_reference(e) for e in buffer]).mean().item()
+    return {"kl": rank_mean(per_token, device), "kl_per_answer": rank_mean(per_answer, device)}
+
+
 def _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss, kl, train_time,
                       wall, device):
     reward = torch.cat([e["rewards"].float() for e in buffer]).mean().item()
     samples = sum(e["input_ids"].shape[0] for e in buffer) * get_world_size()
     tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
-    record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), "kl": rank_mean(kl, device),
-              "kl_coef": trainer.kl_ctl.value, "actor_loss": rank_mean(actor_loss, device),
+    record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), **kl, "kl_coef": trainer.kl_ctl.value, "actor_loss": rank_mean(actor_loss, device),
               "critic_loss": rank_mean(critic_loss, device),
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": int(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),

@@ -2,8 +2,8 @@
 from dataclasses import dataclass
 from itertools import islice
 
-from dschat.errors import MissingInputError
 from dschat.data.formatting import parse_transcript
+from dschat.errors import MissingInputError
 from dschat.tiny import EVAL_FILE
 
 

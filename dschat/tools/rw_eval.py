@@ -4,25 +4,35 @@ Each answer is scored on exactly the tokens step 2 trained on and step 3 rewards
 then the ``format_answer`` ids (cut to ``--max_seq_len``), then the eot token, read at its last token.
 """
 import argparse
+from collections import Counter
 
 import torch
 
-from dschat.errors import UsageError
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
+from dschat.errors import UsageError
 from dschat.tools.common import add_loading_args, find_reward_model_path, load_scoring_reward_model
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
 
 
-def reward_input_ids(tokenizer, messages_and_answers, max_seq_len):
-    """Token ids of ``prompt + answer + eot`` per (prompt messages, answer), built by step 2's tokenizer code."""
+def reward_input_ids(tokenizer, messages_and_answers, max_seq_len, skip_long=False):
+    """Token ids of ``prompt + answer + eot`` per (prompt messages, answer), built by step 2's tokenizer code.
+    A prompt that leaves no room for an answer is an error, or None with ``skip_long`` (step 2 skips it)."""
     settings = EncodeSettings(train_phase=2, max_seq_len=max_seq_len, max_prompt_len=None,
                               include_prompt_in_loss=False, eot_token=get_eot_token(tokenizer))
     examples = [Example(messages, chosen=answer) for messages, answer in messages_and_answers]
-    return [scored_sequence(tokens, max_seq_len) for tokens in tokenize_examples(examples, tokenizer, settings)]
+    ids = []
+    for tokens in tokenize_examples(examples, tokenizer, settings):
+        try:
+            ids.append(scored_sequence(tokens, max_seq_len))
+        except UsageError:
+            if not skip_long:
+                raise
+            ids.append(None)
+    return ids
 
 
 def scored_sequence(tokens, max_seq_len):
@@ -58,19 +68,21 @@ def score_sequences(model, tokenizer, id_lists, batch_size=16):
 
 def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
     """Per-pair scores and the accuracy step 2 reports (chosen scored strictly above rejected), over the pairs step 2
-    keeps: pairs whose two sequences are the same token ids (chosen == rejected, also after truncation) are skipped
-    and counted, as step 2 does (they could only count as misses)."""
-    chosen_ids = reward_input_ids(tokenizer, [(r.messages, r.chosen) for r in records], max_seq_len)
-    rejected_ids = reward_input_ids(tokenizer, [(r.messages, r.rejected) for r in records], max_seq_len)
-    kept = [i for i, (c, r) in enumerate(zip(chosen_ids, rejected_ids)) if c != r]
+    keeps: a pair whose prompt leaves no room for an answer, or whose two sequences are the same token ids
+    (chosen == rejected, also after truncation: it could only count as a miss), is skipped and counted."""
+    chosen_ids = reward_input_ids(tokenizer, [(r.messages, r.chosen) for r in records], max_seq_len, skip_long=True)
+    rejected_ids = reward_input_ids(tokenizer, [(r.messages, r.rejected) for r in records], max_seq_len,
+                                    skip_long=True)
+    skipped = Counter("prompt too long" if c is None else "chosen==rejected"
+                      for c, r in zip(chosen_ids, rejected_ids) if c is None or c == r)
+    kept = [i for i, (c, r) in enumerate(zip(chosen_ids, rejected_ids)) if c is not None and c != r]
     chosen = score_sequences(model, tokenizer, [chosen_ids[i] for i in kept], batch_size)
     rejected = score_sequences(model, tokenizer, [rejected_ids[i] for i in kept], batch_size)
     pairs = [{"prompt": records[i].messages, "chosen": records[i].chosen, "rejected": records[i].rejected,
               "chosen_score": c, "rejected_score": s} for i, c, s in zip(kept, chosen, rejected)]
     n = max(len(pairs), 1)
     return {"pairs": pairs, "accuracy": sum(c > s for c, s in zip(chosen, rejected)) / n,
-            "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n,
-            "skipped_identical": len(records) - len(kept)}
+            "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n, "skipped": dict(skipped)}
 
 
 def print_pairs(result):
@@ -81,11 +93,10 @@ def print_pairs(result):
         print(f"chosen   {pair['chosen_score']:+.4f}: {pair['chosen']}")
         print(f"rejected {pair['rejected_score']:+.4f}: {pair['rejected']}")
         print(f"higher: {higher}")
-    skipped = result["skipped_identical"]
+    skipped = ", ".join(f"{count} {reason}" for reason, count in result["skipped"].items())
     print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {len(pairs)} pairs; mean score chosen "
           f"{result['chosen_mean_score']:+.4f}, rejected {result['rejected_mean_score']:+.4f}"
-          + (f"; skipped {skipped} pair(s) whose chosen and rejected texts tokenize alike (as step 2 does)"
-             if skipped else ""))
+          + (f"; skipped as in step 2: {skipped}" if skipped else ""))
 
 
 def print_answers(messages, answers, scores):
