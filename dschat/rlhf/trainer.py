@@ -146,6 +146,8 @@ class DeepSpeedPPOTrainer:
 
         ``prompts`` is a left-padded tensor with ``mask``, or the batch dict of ``DataCollatorRLHF``.
         Empty answers stay in the batch (with no reward tokens) on every rank, so ranks never diverge.
+        The returned dict also holds the batch's "advantages" and "returns" (``compute_advantages``): a caller that
+        changes its "rewards" calls ``compute_advantages([exp])`` again.
         """
         batch = prompts if isinstance(prompts, dict) else {"prompt": prompts, "prompt_att_mask": mask}
         batch = self._repeat_for_groups(batch)
