@@ -522,6 +522,13 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
     assert boundaries.count("actor") == boundaries.count("critic") == 4
     slices = [c[2] for c in calls if c[0] == "lm"]
     assert slices[0] != slices[1] and slices[:2] == slices[2:]  # the two halves of one batch, again in epoch 2
+    # with accumulation over 2 PPO micro-batches: the actor's window holds both pairs, both models step once per 2 micro-batches
+    configs.clear(), boundaries.clear()
+    ppo.main(ppo_args(trained, tmp_path / "ppo2", "--max_steps", "1", "--unsupervised_dataset_name", f"jsonl:{text}",
+                      "--unsup_coef", "0.5", "--per_device_training_batch_size", "2", "--ppo_epochs", "2",
+                      "--gradient_accumulation_steps", "2"))
+    assert configs == [(4, 2), (2, 2)]
+    assert boundaries.count("actor") == boundaries.count("critic") == 2
 
 
 def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
@@ -722,9 +729,9 @@ def test_accumulation_groups_may_not_span_ppo_epochs():
     args = Namespace(per_device_generation_batch_size=6, n_samples_per_prompt=1, per_device_training_batch_size=2,
                      generation_batches=1, ppo_epochs=2, gradient_accumulation_steps=2)
     with pytest.raises(UsageError, match="3 PPO micro-batches per PPO epoch"):
-        ppo.check_accumulation(args, False)  # 6 in all would divide, but one step would mix two epochs
+        ppo.check_accumulation(args)  # 6 in all would divide, but one step would mix two epochs
     args.per_device_training_batch_size = 3
-    ppo.check_accumulation(args, False)
+    ppo.check_accumulation(args)
 
 
 def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, monkeypatch):

@@ -93,7 +93,7 @@ def micro_batches_per_epoch(args):
     return math.ceil(rows / args.per_device_training_batch_size) * args.generation_batches
 
 
-def check_accumulation(args, unsupervised):
+def check_accumulation(args):
     """PPO micro-batches per epoch over the rollout must fill whole accumulation groups, or an optimizer step mixes
     PPO epochs (or iterations) whose losses were scaled for different token counts."""
     micro = micro_batches_per_epoch(args)
@@ -102,8 +102,6 @@ def check_accumulation(args, unsupervised):
         raise UsageError(f"{micro} PPO micro-batches per PPO epoch (generation batch x n_samples_per_prompt / "
                          f"training batch x generation_batches) is not a multiple of --gradient_accumulation_steps "
                          f"{gas}")
-    if unsupervised and gas > 1:
-        raise UsageError("unsupervised mixing with --gradient_accumulation_steps > 1 is not supported yet")
 
 
 def split_rows(batch, micro_batch):
@@ -174,7 +172,7 @@ def main(args=None):
                                eot_token=args.eot_token)
     train_loader, eval_loader = prompt_loaders(args, tokenizer)
     unsup_loader = unsupervised_loader(args, tokenizer)
-    check_accumulation(args, unsup_loader is not None)
+    check_accumulation(args)
     iters_per_epoch = len(train_loader) // args.generation_batches
     if iters_per_epoch == 0:  # drop_last: fewer prompts than one iteration takes would train nothing
         raise UsageError(
