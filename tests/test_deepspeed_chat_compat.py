@@ -200,6 +200,16 @@ def test_notebook_settings_mean_what_the_flags_mean():
         step3_args({"dtype": "fp8"})
 
 
+def test_ptx_doubles_the_actors_accumulation_after_a_config_file_that_states_the_flags():
+    from dschat.rlhf.engine import step3_train_config
+
+    args = step3_args({"unsupervised_dataset_name": "jsonl:unsup.jsonl", "per_device_training_batch_size": 4,
+                       "deepspeed_config": {"gradient_accumulation_steps": 1, "train_batch_size": "auto"}})
+    actor, critic = step3_train_config(args, 1, 0), step3_train_config(args, 1, 0, role="critic")
+    assert (actor["gradient_accumulation_steps"], actor["train_batch_size"]) == (2, 8)
+    assert (critic["gradient_accumulation_steps"], critic["train_batch_size"]) == (1, 4)
+
+
 def test_a_missing_or_malformed_file_is_an_error_naming_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.json"):
         apply_user_ds_config({}, str(tmp_path / "nope.json"), FLAGS)

@@ -34,12 +34,9 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
     """The training config of step 3's actor or critic: built from the flags, with the user's config file (if any)
     merged over it; the file's hybrid engine block is the actor's. ``quiet``: no notes (a check before the step)."""
     a = args
-    # PPO-ptx (DeepSpeed-Chat's): the actor's PPO micro-step and the language-model micro-step that follows it
-    # accumulate into one optimizer step, so the actor steps as often as the critic, on one schedule
-    ptx = 2 if role == "actor" and a.unsupervised_dataset_name else 1
     generated = get_train_ds_config(
         offload=a.offload, dtype=a.dtype, stage=stage, micro_batch_size=a.per_device_training_batch_size,
-        gradient_accumulation_steps=a.gradient_accumulation_steps * ptx, world_size=world_size,
+        gradient_accumulation_steps=a.gradient_accumulation_steps, world_size=world_size,
         enable_hybrid_engine=hybrid, inference_tp_size=a.inference_tp_size,
         release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
         tp_gather_partition_size=a.tp_gather_partition_size,
@@ -49,8 +46,15 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
         enable_mixed_precision_lora=role == "actor" and check_mixed_precision_lora(a))
     flags = owned_key_flags("--per_device_training_batch_size", f"--{role}_zero_stage (or --zero_stage)",
                             "--enable_hybrid_engine")
-    return apply_user_ds_config(generated, user_ds_config_path(a), flags,
-                                ignore=() if role == "actor" else ("hybrid_engine",), quiet=quiet)
+    config = apply_user_ds_config(generated, user_ds_config_path(a), flags,
+                                  ignore=() if role == "actor" else ("hybrid_engine",), quiet=quiet)
+    if role == "actor" and a.unsupervised_dataset_name:
+        # PPO-ptx (DeepSpeed-Chat's): the actor's PPO micro-step and the language-model micro-step that follows it
+        # accumulate into one optimizer step, so the actor steps as often as the critic, on one schedule. Doubled
+        # after the user's file is merged, which states the flags' accumulation.
+        for key in ("gradient_accumulation_steps", "train_batch_size"):
+            config[key] *= 2
+    return config
 
 
 def check_mixed_precision_lora(args):
