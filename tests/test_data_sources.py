@@ -259,13 +259,14 @@ def test_wrong_type_names_file_record_and_field(tmp_path):
         raw(path, tmp_path)
 
 
-def test_csv_columns_are_text_and_empty_cells_null(tmp_path):
+def test_csv_columns_are_text_and_only_empty_cells_null(tmp_path):
     path = tmp_path / "numeric.csv"
-    path.write_text("prompt,chosen,rejected\nWhat is 2 plus 3?,5,6\nWhat is 0.5 doubled?,1.0,007\nSay hi.,hi,\n")
+    path.write_text("prompt,chosen,rejected\nWhat is 2 plus 3?,5,6\nWhat is 0.5 doubled?,1.0,007\nSay hi.,hi,\n"
+                    "Abbreviate not applicable.,NA,None\n")
     adapter = raw(f"csv:{path},{path}", tmp_path)
     data = adapter.get_train_data()
     assert [(adapter.get_chosen_text(s), adapter.get_rejected_text(s)) for s in data] == \
-        [("5", "6"), ("1.0", "007"), ("hi", None)]  # numbers kept as written; an empty cell is null (SFT-only)
+        [("5", "6"), ("1.0", "007"), ("hi", None), ("NA", "None")]  # text as written; only an empty cell is null
 
 
 def test_a_late_wrongly_typed_json_value_is_reported_at_its_own_line(tmp_path):

@@ -17,7 +17,8 @@ from filelock import FileLock
 from dschat.utils.files import temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 3  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included)
+FORMAT_VERSION = 4  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+# 4: only empty CSV cells are missing ("NA", "None" are text)
 CACHE_SUBDIR = "dschat_data_cache"
 
 

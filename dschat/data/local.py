@@ -240,7 +240,9 @@ def load_file(kind, path):
     if record_lines == []:  # datasets would fail with an empty StopIteration
         raise DatasetFormatError(f"{path}: no records (the file is empty)")
     try:
-        options = {"features": _csv_text_features(path)} if kind == "csv" else {}
+        # CSV cells are text; only an empty cell is missing (pandas would also read "NA", "None", "nan", ... as null)
+        options = {"features": _csv_text_features(path), "keep_default_na": False, "na_values": [""]} \
+            if kind == "csv" else {}
         data = load_dataset(builder, data_files={"train": path}, split="train", **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
@@ -250,10 +252,7 @@ def load_file(kind, path):
 
 
 def _csv_text_features(path):
-    """Every CSV column as a string (CSV has no types: "5" or "007" is text, not a number).
-
-    Empty cells (and pandas' default NA markers) stay null, as without the features.
-    """
+    """Every CSV column as a string (CSV has no types: "5" or "007" is text, not a number)."""
     import pandas as pd
     from datasets import Features, Value
 
