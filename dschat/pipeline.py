@@ -121,7 +121,7 @@ def check_step_args(steps, args, tiny, parsers):
     flags stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
     from dschat.rlhf.config import step3_args
     from dschat.rlhf.engine import check_step3_settings
-    from dschat.steps.common import supervised_ds_config
+    from dschat.steps.common import check_supervised_settings
     from dschat.utils.dist import get_world_size
 
     for step in steps:
@@ -131,7 +131,7 @@ def check_step_args(steps, args, tiny, parsers):
         if step == 3:
             check_step3_settings(step3_args(parsed), get_world_size())
         else:
-            supervised_ds_config(parsed, f"step{step}", quiet=True)
+            check_supervised_settings(parsed, phase=step)
 
 
 def run_pipeline(args):

@@ -164,6 +164,18 @@ def test_sft_labels_mask_the_prompt_and_train_answer_and_eot(tmp_path, tokenizer
     assert with_prompt[0]["labels"].tolist() == with_prompt[0]["input_ids"].tolist()
 
 
+def test_a_tokenizer_that_appends_eos_gets_it_only_as_the_eot(tmp_path, tokenizer):
+    eos_after = copy.deepcopy(tokenizer)
+    eos_after.add_eos_token = True  # as from_pretrained(..., add_eos_token=True): every encode ends with EOS
+    assert eos_after("x")["input_ids"][-1] == tokenizer.eos_token_id
+    spec = train_eval_spec(tmp_path, "alpha", 10, 2)
+    for phase, key in ((1, "input_ids"), (3, "prompt_input_ids")):
+        train, _ = build(tmp_path, eos_after, [spec], phase, data_split="1,0,0" if phase == 1 else "0,0,1")
+        ids = train[0][key].tolist()
+        eos_at = [i for i, t in enumerate(ids) if t == tokenizer.eos_token_id]
+        assert eos_at == ([len(ids) - 1] if phase == 1 else []), (phase, tokenizer.decode(ids))  # not after the prompt
+
+
 def test_truncation_keeps_eot_in_phase_2_and_drops_it_in_phase_1(tmp_path, tokenizer, capsys):
     long_answer = " ".join(["word"] * 60)
     rows = [{"prompt": "Short record 0.", "chosen": long_answer + " good", "rejected": long_answer + " bad"},
@@ -294,6 +306,23 @@ def test_cache_is_reused_unless_a_parameter_changes(tmp_path, tokenizer):
 
     reloaded, _ = build(tmp_path, tokenizer, **base, reload=True)
     assert reloaded.built and reloaded.cache_path == edited.cache_path
+
+    tokenizer(["a", "a b c"], padding=True, truncation=True, max_length=2)  # leaves padding/truncation state behind
+    after_padded_call, _ = build(tmp_path, tokenizer, **base)
+    assert not after_padded_call.built and after_padded_call.cache_path == edited.cache_path
+
+
+def test_a_killed_builds_leftovers_are_removed_by_the_next_build_of_that_key_only(tmp_path):
+    from dschat.data.cache import ensure_built
+
+    folder, other = tmp_path / "phase1_abc", tmp_path / "phase1_def"
+    for leftover in (tmp_path / "phase1_abc.building-x1", tmp_path / "phase1_abc.old-x2",
+                     tmp_path / "phase1_def.building-x3"):  # the last: another key's build, maybe in progress
+        leftover.mkdir()
+    assert ensure_built(str(folder), lambda tmp: open(os.path.join(tmp, "data"), "w").write("ok"))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == \
+        ["phase1_abc", "phase1_def.building-x3"]
+    assert not other.exists()
 
 
 def _build_in_child(args):

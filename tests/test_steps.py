@@ -84,10 +84,18 @@ def test_reward_model_trains_and_loads_back_in_one_call(tmp_path, distributed):
     assert model.v_head.weight.abs().sum() > 0
 
 
-def test_a_step_left_without_training_records_says_which_data_and_split(tmp_path, distributed):
-    with pytest.raises(ValueError, match=r"step1: no training records: --data_path tiny with --data_split 0,5,5"):
-        sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
-                  "--data_split", "0,5,5", *SFT_FAST])
+def test_a_step_whose_split_leaves_it_no_data_stops_before_loading_anything(tmp_path, distributed, monkeypatch):
+    from dschat.data.splits import check_phase_share
+    from dschat.errors import UsageError
+    from dschat.models import loading
+
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: pytest.fail("loaded before the check"))
+    for split, message in (("0,5,5", r"--data_split 0,5,5 gives phase 1 \(the data of step 1\) no share"),
+                           ("nan,1,1", "finite, non-negative weights")):
+        with pytest.raises(UsageError, match=message):
+            sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                      "--data_split", split, *SFT_FAST])
+    check_phase_share("0,5,5", 1, other_data=True)  # step 1 with --sft_only_data_path has data of its own
 
 
 def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_path, capsys, distributed,
@@ -95,6 +103,7 @@ def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_pa
     import runpy
 
     from dschat import pipeline
+    from dschat.errors import UsageError
 
     monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
     args = runpy.run_path(str(REPO / "train.py"))["parse_args"](
@@ -104,6 +113,11 @@ def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_pa
         pipeline.run_pipeline(args)
     assert "train.py --step3-args: error: unrecognized arguments: --actor_lora_dimm 64" in capsys.readouterr().err
     assert not (tmp_path / "out" / "step2_rm").exists(), "step 2 must not have run"
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"](
+        ["--step", "1", "3", "--output-dir", str(tmp_path / "out"), "--step3-args", "--data_split 10,0,0"])
+    with pytest.raises(UsageError, match="gives phase 3"):
+        pipeline.run_pipeline(args)
+    assert not (tmp_path / "out" / "step1_sft").exists(), "step 1 must not have run"
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -6,6 +6,7 @@ folder next to it and renamed into place (``os.replace``), under a ``FileLock`` 
 jobs sharing ``output_path``) starting at once build it once; the others wait and then load it.
 """
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -17,8 +18,8 @@ from filelock import FileLock
 from dschat.utils.files import temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 4  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
-# 4: only empty CSV cells are missing ("NA", "None" are text)
+FORMAT_VERSION = 5  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+# 4: only empty CSV cells are missing ("NA", "None" are text); 5: prompts get the tokenizer's leading special tokens only
 CACHE_SUBDIR = "dschat_data_cache"
 
 
@@ -26,7 +27,7 @@ def tokenizer_fingerprint(tokenizer):
     """What about the tokenizer changes token ids: its full serialized form (vocab, merges, normalizer,
     added tokens, post-processor) when it is a fast tokenizer, else its vocabulary; and its chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    content = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    content = _encoding_rules(backend) if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return {
         "name_or_path": getattr(tokenizer, "name_or_path", None),
         "class": type(tokenizer).__name__,
@@ -34,6 +35,15 @@ def tokenizer_fingerprint(tokenizer):
         "special_tokens": {name: str(value) for name, value in sorted(tokenizer.special_tokens_map.items())},
         "chat_template": getattr(tokenizer, "chat_template", None),
     }
+
+
+def _encoding_rules(backend):
+    """The serialized fast tokenizer without the padding and truncation settings its last call left behind (every
+    call of the pipeline sets its own), so an earlier padded call in a notebook does not change the key."""
+    state = json.loads(backend.to_str())
+    state.pop("padding", None)
+    state.pop("truncation", None)
+    return json.dumps(state, sort_keys=True)
 
 
 def cache_key(params):
@@ -59,7 +69,8 @@ def ensure_built(folder, build_into, rebuild_before=None):
     with FileLock(folder + ".lock"):
         if os.path.isdir(folder) and not _written_before(folder, rebuild_before):
             return False
-        tmp = temp_folder(parent, ".building-")
+        _remove_leftovers(folder)
+        tmp = temp_folder(parent, os.path.basename(folder) + ".building-")
         try:
             build_into(tmp)
             if os.path.isdir(folder):
@@ -76,9 +87,17 @@ def _written_before(folder, moment):
     return moment is not None and os.path.getmtime(folder) < moment
 
 
+def _remove_leftovers(folder):
+    """Temp folders of this key that a killed build or removal left behind (under the key's lock, so none of them
+    is another process's build in progress)."""
+    for kind in (".building-", ".old-"):
+        for path in glob.glob(os.path.join(glob.escape(folder) + kind + "*")):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove_folder(folder):
     """Rename first so the cache path never points at a half-deleted folder."""
-    trash = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".old-")
+    trash = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=os.path.basename(folder) + ".old-")
     os.replace(folder, os.path.join(trash, "cache"))
     shutil.rmtree(trash, ignore_errors=True)
 

@@ -357,12 +357,25 @@ def answer_ids_after_prompt(tokenizer, prompt_ids, joint_ids, answer_text):
 
 
 def tokenize_texts(tokenizer, texts, add_special_tokens):
+    """Token ids of ``texts``. ``add_special_tokens`` adds only the special tokens the tokenizer puts before a text
+    (BOS): one that also appends EOS (``add_eos_token=True``) would end every prompt there, and the answer would
+    follow an EOS."""
+    prefix = leading_special_ids(tokenizer) if add_special_tokens else []
     ids = []
     for start in range(0, len(texts), TOKENIZE_BATCH):
-        batch = tokenizer(texts[start:start + TOKENIZE_BATCH], add_special_tokens=add_special_tokens,
-                          return_attention_mask=False)
-        ids.extend(batch["input_ids"])
+        batch = tokenizer(texts[start:start + TOKENIZE_BATCH], add_special_tokens=False, return_attention_mask=False)
+        ids.extend(prefix + row for row in batch["input_ids"])
     return ids
+
+
+def leading_special_ids(tokenizer):
+    """The ids the tokenizer's post-processor puts before a text (e.g. [BOS]; [] for GPT-2)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    return []
 
 
 def _check_prompt_limit(prompt, settings):

@@ -4,6 +4,7 @@ The same idea as DeepSpeed-Chat's ``get_raw_dataset_split_index``: shuffle ``ran
 NumPy RNG and cut it at the cumulative fractions, so the shares are disjoint, cover every record and are
 identical on every rank and every run with the same seed.
 """
+import math
 import os
 
 import numpy as np
@@ -20,10 +21,18 @@ def parse_data_split(data_split, num_parts=3):
         raise UsageError(f"data_split {data_split!r} must be comma-separated numbers such as '2,4,4'") from None
     if num_parts is not None and len(weights) != num_parts:
         raise UsageError(f"data_split {data_split!r} must have {num_parts} parts (one per phase), e.g. '2,4,4'")
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise UsageError(f"data_split {data_split!r} needs non-negative weights with a positive sum")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise UsageError(f"data_split {data_split!r} needs finite, non-negative weights with a positive sum")
     total = sum(weights)
     return [w / total for w in weights]
+
+
+def check_phase_share(data_split, phase, other_data=False):
+    """A step whose phase gets no share of --data_split would find no record in --data_path: an error before anything
+    loads (``other_data``: the step has data of its own, step 1's --sft_only_data_path)."""
+    if parse_data_split(data_split)[phase - 1] == 0 and not other_data:
+        raise UsageError(f"--data_split {data_split} gives phase {phase} (the data of step {phase}) no share of "
+                         f"--data_path; give it a weight > 0, e.g. '2,4,4'")
 
 
 def get_shuffle_idx(seed, size):

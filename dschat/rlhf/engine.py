@@ -5,6 +5,7 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
+from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
 from dschat.models.loading import load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
@@ -86,6 +87,7 @@ def check_step3_settings(args, world_size):
     config file that contradicts the flags fails before any data or model is loaded."""
     check_reward_sources(args)
     check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
+    check_phase_share(args.data_split, 3)
     step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)

@@ -278,14 +278,22 @@ def load_step_data(args, tokenizer, phase):
         include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False), data_fields=args.data_fields or None)
 
 
-def supervised_ds_config(args, name, quiet=False):
-    """The training config of steps 1, 2 and DPO: built from the flags, with the user's config file (if any) merged
-    over it; its hybrid engine block is step 3's and not read here. ``quiet``: no notes (a check before the step).
-    Also the place where flags that contradict each other fail before the step loads anything."""
+def check_supervised_settings(args, phase, quiet=True):
+    """Flags of steps 1, 2 and DPO that contradict each other or leave the step no data, and a config file at odds
+    with them, fail here: before the step loads anything, and in train.py before the first step runs."""
+    from dschat.data.splits import check_phase_share
     from dschat.models.lora import check_only_optimize_lora
-    from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
 
     check_only_optimize_lora(getattr(args, "only_optimize_lora", False), getattr(args, "lora_dim", 0))
+    check_phase_share(args.data_split, phase, other_data=phase == 1 and bool(getattr(args, "sft_only_data_path", ())))
+    supervised_ds_config(args, f"step{phase}", quiet=quiet)
+
+
+def supervised_ds_config(args, name, quiet=False):
+    """The training config of steps 1, 2 and DPO: built from the flags, with the user's config file (if any) merged
+    over it; its hybrid engine block is step 3's and not read here. ``quiet``: no notes (a check before the step)."""
+    from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
+
     generated = get_train_ds_config(
         offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
         micro_batch_size=args.per_device_train_batch_size,
@@ -305,6 +313,7 @@ def run_supervised_step(args, recipe):
     started = time.time()
     device = setup_run(args)
     tag = f"[{recipe.name}]"
+    check_supervised_settings(args, recipe.phase)
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
     ds_config = supervised_ds_config(args, recipe.name)
