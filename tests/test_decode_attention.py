@@ -24,7 +24,10 @@ REPO = SCRIPTS.parents[1]
 @pytest.mark.parametrize("check", ["kernel", "skip", "fast", "applies", "modes", "write", "llama", "opt", "gpt2"])
 def test_decode_attention_check(check):
     pytest.importorskip("triton", reason="the README's test command installs triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+    # a process of its own, not a rank of this test process's world (whose port may be taken)
+    own = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env = {**own, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(SCRIPTS / "decode_attention_check.py"), check], cwd=SCRIPTS, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -165,7 +168,7 @@ def test_a_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_kernel_failure", [])  # noqa: this test's failure must not outlive it
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets kernel_applies say yes on the CPU
     model = tiny_model("llama", seed=4)
-    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=16),
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32),
                           pad_token_id=PAD, decode_attention="sdpa")
     engine.decode_attention = "triton"  # as resolved on a GPU
     ids, mask = left_padded_batch([4, 6])

@@ -234,6 +234,12 @@ def test_step3_file_reaches_actor_and_critic_and_its_hybrid_block_only_the_actor
     settings.enable_hybrid_engine = False
     with pytest.raises(ValueError, match="--enable_hybrid_engine"):
         DeepSpeedRLHFEngine._train_config(engine, 0, hybrid=False)
+    from dschat.rlhf.engine import check_step3_settings
+
+    short = step3_args({"deepspeed_config": path, "enable_hybrid_engine": True, "max_prompt_seq_len": 256,
+                        "max_answer_seq_len": 256})
+    with pytest.raises(ValueError, match=r"max_out_tokens 300 .*= 512: prompt \+ answer must fit"):
+        check_step3_settings(short, 1)  # before any model loads, not at the first generation
 
 
 class _Stop(Exception):

@@ -77,7 +77,7 @@ def test_greedy_equals_hf_generate_before_and_after_a_step(family):
 
 def test_all_rows_finishing_stops_early_and_trims_like_hf():
     model = tiny_model("llama", seed=1)
-    engine = _engine(model, max_out_tokens=40)
+    engine = _engine(model, max_out_tokens=48)
     ids, mask = left_padded_batch([5, 5])
     ids[1] = ids[0]  # the same prompt twice: both rows end at the same early step
     no_eos = hf_generate(model, ids, mask, 40)
@@ -100,7 +100,7 @@ def test_eos_list_and_default_pad_token():
     ds_engine = make_ds_engine(model)
     # pad/eos from a tokenizer-like object, as trainers pass them.
     tok = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": None})()
-    engine = wrap_actor(ds_engine, {"hybrid_engine": {"enabled": True, "max_out_tokens": 16}}, tok)
+    engine = wrap_actor(ds_engine, {"hybrid_engine": {"enabled": True, "max_out_tokens": 24}}, tok)
     assert isinstance(engine, HybridEngine)
     ids, mask = left_padded_batch([4, 6, 2], seed=3)
     no_eos = hf_generate(model, ids, mask, 12)
@@ -205,11 +205,37 @@ def test_cache_allocation_retries_once_then_explains():
         cache.acquire(2, 10, torch.float32, "cpu")
 
 
-def test_max_new_tokens_above_max_out_tokens_is_refused():
-    engine = _engine(tiny_model("llama"), max_out_tokens=4)
+def test_max_out_tokens_bounds_prompt_plus_answer_as_in_deepspeed():
+    engine = _engine(tiny_model("llama"), max_out_tokens=8)
     ids, mask = left_padded_batch([3])
-    with pytest.raises(ValueError, match="max_out_tokens"):
-        engine.generate(ids, attention_mask=mask, max_new_tokens=5)
+    assert engine.generate(ids, attention_mask=mask, max_new_tokens=5).shape[1] <= 8  # 3 + 5 fits
+    with pytest.raises(ValueError, match=r"a prompt of 3 tokens \+ max_new_tokens=6 exceeds .*max_out_tokens=8"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+
+
+def test_unset_settings_come_from_the_generation_config_as_in_hf():
+    model = tiny_model("llama", seed=3)
+    engine = _engine(model, max_out_tokens=64)
+    ids, mask = left_padded_batch([3, 5], seed=3)
+    config = model.generation_config
+    config.do_sample, config.top_k, config.max_new_tokens = True, 1, 7  # top-k 1: sampling that is greedy
+    got = engine.generate(ids, attention_mask=mask, eos_token_id=None)
+    expected = hf_generate(model, ids, mask, 7)  # greedy, 7 new tokens
+    assert torch.equal(got, expected)
+    # HF-style None values mean "not given"
+    assert torch.equal(engine.generate(ids, attention_mask=mask, temperature=None, top_k=None, top_p=None,
+                                       eos_token_id=None), expected)
+
+
+def test_hf_kwargs_that_would_change_the_result_are_errors_and_no_ops_pass():
+    engine = _engine(tiny_model("llama"))
+    ids, mask = left_padded_batch([3])
+    for kwargs in ({"num_return_sequences": 2}, {"repetition_penalty": 1.2}, {"return_dict_in_generate": True},
+                   {"num_beams": 2}, {"stop_strings": ["x"]}):
+        with pytest.raises(ValueError, match="does not support"):
+            engine.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
+    engine.generate(ids, attention_mask=mask, max_new_tokens=3, synced_gpus=True, use_cache=True, num_beams=1,
+                    num_return_sequences=1, output_scores=False, streamer=None)
 
 
 # -- contract & stats --------------------------------------------------------------------------------------------
@@ -217,10 +243,10 @@ def test_engine_delegates_and_records_latencies(capsys):
     model = tiny_model("gpt2", seed=8)
     engine = _engine(model)
     assert engine.module is engine.ds_engine.module and engine.optimizer is engine.ds_engine.optimizer
-    assert engine.module.generate == engine.generate
     ids, mask = left_padded_batch([3, 4], seed=8)
     engine.eval()
-    seq = engine.generate(ids, attention_mask=mask, max_new_tokens=5)
+    seq = engine.module.generate(ids, attention_mask=mask, max_new_tokens=5)  # DeepSpeed-Chat's call site
+    assert engine.latency_stats()["samples"] == 2  # went through the engine
     train_step(engine, seq)  # train() ... step()
     engine.eval()  # closes iteration 1
     stats = engine.latency_stats(engine.last_iteration)
@@ -230,7 +256,20 @@ def test_engine_delegates_and_records_latencies(capsys):
     engine.log_stats(engine.last_iteration)
     assert "|E2E latency=" in capsys.readouterr().out
     engine.restore_module_generate()
-    assert engine.module.generate != engine.generate
+    assert engine.module.generate.__func__ is type(engine.module).generate
+
+
+def test_a_deep_copy_of_the_actor_module_is_possible_and_does_not_generate_through_the_engine():
+    import copy
+
+    engine = _engine(tiny_model("llama", seed=2))
+    twin = copy.deepcopy(engine.module)  # e.g. TRL's create_reference_model; it copied the engine's process groups
+    ids, mask = left_padded_batch([3, 4], seed=8)
+    with pytest.raises(RuntimeError, match=r"type\(model\).generate"):
+        twin.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert torch.equal(type(twin).generate(twin, ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                           pad_token_id=PAD),
+                       engine.generate(ids, attention_mask=mask, max_new_tokens=4))
 
 
 def test_generation_uses_torchs_linear_even_after_zero3_replaced_it(monkeypatch):

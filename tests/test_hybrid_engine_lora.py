@@ -152,13 +152,14 @@ def test_unsupported_lora_variants_are_refused():
         InferenceCopy(copy.deepcopy(model), "cpu", gather_group_size=8, share_unadapted=True)
 
 
-def test_embedding_lora_and_modules_to_save_map_generically():
+@pytest.mark.parametrize("family,out_proj", [("llama", "o_proj"), ("opt", "out_proj")])  # OPT ties its head
+def test_embedding_lora_and_modules_to_save_map_generically(family, out_proj):
     from dschat.hybrid_engine.cache import KVCache
     from dschat.hybrid_engine.decode import generate_tokens
 
-    model = tiny_model("llama", seed=7)
+    model = tiny_model(family, seed=7)
     torch.manual_seed(8)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "o_proj"], init_lora_weights=False,
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", out_proj], init_lora_weights=False,
                              modules_to_save=["lm_head"])
     model = peft.get_peft_model(model, config)
     with torch.no_grad():  # make the saved copy differ from the original head
@@ -168,10 +169,12 @@ def test_embedding_lora_and_modules_to_save_map_generically():
     weights.refresh_if_stale()
     inference = dict(weights.model.named_parameters())
     assert torch.equal(inference["lm_head.weight"], model.base_model.model.lm_head.modules_to_save["default"].weight)
-    emb = model.base_model.model.model.embed_tokens
+    emb = model.base_model.model.get_input_embeddings()
     expected_emb = emb.get_base_layer().weight + emb.scaling["default"] * (
         emb.lora_embedding_B["default"] @ emb.lora_embedding_A["default"]).t()
-    assert torch.allclose(inference["model.embed_tokens.weight"], expected_emb, atol=1e-6)
+    copy_embeddings = weights.model.get_input_embeddings().weight
+    emb_name = next(name for name, p in weights.model.named_parameters() if p is copy_embeddings)
+    assert torch.allclose(inference[emb_name], expected_emb, atol=1e-6)
 
     ids, mask = left_padded_batch([5, 3], seed=9)
     expected = hf_generate(model, ids, mask, 10)

@@ -75,7 +75,7 @@ def sampling_engine():
     model = tiny_model("llama", seed=11, vocab_size=24)
     with torch.no_grad():  # a peakier distribution than random init gives, so the filters bite
         model.lm_head.weight.mul_(40)
-    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=16),
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=24),
                           pad_token_id=PAD)
     engine.eval()
     return model, engine

@@ -2,8 +2,8 @@
 
 transformers' ``StaticCache`` is model-agnostic: the HF model's own attention modules write their keys/values into it
 when given ``past_key_values``/``cache`` (and ``cache_position`` on transformers versions that take it). It is sized
-(batch, prompt_len + max_out_tokens) once and reset, not reallocated, while later batches fit, so PPO iterations with
-a fixed prompt length never allocate in the decode path.
+(batch, prompt + new tokens, at most ``max_out_tokens``) once and reset, not reallocated, while later batches fit, so
+PPO iterations with a fixed prompt length never allocate in the decode path.
 
 For CUDA graphs (``graphs.py``) the same storage also serves smaller batches: ``acquire_rows`` hands out a cache whose
 key/value tensors are the first rows of the allocated ones (rows are the outermost dimension, so such a view is

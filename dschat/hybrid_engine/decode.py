@@ -162,8 +162,9 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
         steps = step + 1
         if steps == max_new_tokens:
             break
-        if eos is not None and early_exit_interval and steps % early_exit_interval == 0 \
-                and _all_finished(finished, sync_group):
+        # with a sync_group every rank checks, with or without an EOS of its own: the check is a collective
+        if (eos is not None or sync_group is not None) and early_exit_interval \
+                and steps % early_exit_interval == 0 and _all_finished(finished, sync_group):
             break
         mask[:, prompt_len + step] = 1
         logits = decode_step(model, spec, tokens[:, None], mask, position_ids, cache_position, cache)

@@ -6,8 +6,8 @@
 """
 import contextlib
 import dataclasses
-import logging
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -25,15 +25,13 @@ from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_sam
 from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.lora import unwrap_peft
 
-logger = logging.getLogger(__name__)
-
-# HF generate kwargs that DeepSpeed-Chat-style callers pass and that need nothing here (ranks are kept in step
-# automatically; the static cache is always used). Any other unknown kwarg is ignored with a warning.
-_NO_OP_HF_KWARGS = {"synced_gpus", "use_cache", "num_beams", "num_return_sequences", "repetition_penalty",
-                    "return_dict_in_generate", "output_scores", "output_attentions", "output_hidden_states"}
-_NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
-                 "return_dict_in_generate": False, "output_scores": False, "output_attentions": False,
-                 "output_hidden_states": False}
+# HF generate kwargs that DeepSpeed-Chat-style callers pass and that change nothing here (ranks are kept in step
+# automatically; the static cache is always used), and the values of HF's others that leave its output as this
+# engine's. Any other kwarg or value would change what HF returns, and is an error rather than ignored.
+_NO_OP_HF_KWARGS = {"synced_gpus", "use_cache"}
+_NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "length_penalty": 1.0}
+# HF's sampling defaults where the model's generation_config sets nothing
+_HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 def _synchronize():
@@ -76,7 +74,6 @@ class HybridEngine:
             raise ValueError("the actor was built with DeepSpeed's own hybrid engine; pass the DeepSpeed config "
                              "through strip_deepspeed_hybrid_engine() before deepspeed.initialize")
         self._engine = ds_engine
-        self._warned_kwargs = set()
         self.hybrid_config = config if config is not None else HybridEngineConfig(enabled=True)
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -139,7 +136,7 @@ class HybridEngine:
         if self._module_generate is None:
             self._module_generate = module.__dict__.get("generate")
         # An instance attribute shadows the class's generate; nn.Module stores plain callables in __dict__.
-        object.__setattr__(module, "generate", self.generate)
+        object.__setattr__(module, "generate", _RoutedGenerate(self))
 
     def restore_module_generate(self):
         module = self._engine.module
@@ -198,18 +195,20 @@ class HybridEngine:
                 self._iteration.gather_s += time.perf_counter() - start
 
     # -- generation -------------------------------------------------------------------------------------------------
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, do_sample=None, temperature=1.0, top_k=0,
-                 top_p=1.0, eos_token_id=None, pad_token_id=None, generator=None, min_new_tokens=None,
-                 max_length=None, min_length=None, return_logprobs=False, **ignored_hf_kwargs):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, do_sample=None, temperature=None,
+                 top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, generator=None, min_new_tokens=None,
+                 max_length=None, min_length=None, return_logprobs=False, **hf_kwargs):
         """HF-``generate``-like: LEFT-padded prompts in, (B, P + n) sequences out, EOS'd rows padded with pad.
 
-        ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts.
-        With ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of each generated
-        token under the model's unfiltered distribution (0 after a row's end), computed in the decode step.
-        Other HF kwargs (``synced_gpus``, ``use_cache``, ...) are accepted and ignored: ranks are kept in step
-        automatically when the forward needs it.
+        ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts;
+        prompt + new tokens may not exceed ``hybrid_engine.max_out_tokens``. What is not given comes, as in HF, from
+        the model's generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling). With ``return_logprobs``
+        returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of each generated token under the model's
+        unfiltered distribution (0 after a row's end), computed in the decode step. ``synced_gpus`` and ``use_cache``
+        are accepted and change nothing (ranks are kept in step automatically when the forward needs it); other HF
+        kwargs that would change the result (``num_return_sequences=2``, ``repetition_penalty``, ...) are errors.
         """
-        self._check_ignored_kwargs(ignored_hf_kwargs)
+        self._check_hf_kwargs(hf_kwargs)
         if self._iteration is None:
             self._iteration = IterationStats(start=time.perf_counter())
         self._refresh_weights()
@@ -235,12 +234,15 @@ class HybridEngine:
             raise ValueError("generate needs a pad_token_id (or an eos_token_id to pad with)")
         if do_sample is None:
             do_sample = bool(getattr(generation_config, "do_sample", False))
+        temperature, top_k, top_p = (_from_config(name, value, generation_config) for name, value in
+                                     (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
         if attention_mask is None:
             attention_mask = _default_attention_mask(input_ids, pad_token_id, eos_list)
         attention_mask = attention_mask.to(device)
-        max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len)
+        max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config)
         if min_new_tokens is None:
-            min_new_tokens = max(0, min_length - prompt_len) if min_length is not None else 0
+            min_new_tokens = max(0, min_length - prompt_len) if min_length is not None else \
+                getattr(generation_config, "min_new_tokens", None) or 0
 
         sync_group = dist.group.WORLD if self.inference_weights.forward_has_collectives and _world_size() > 1 \
             else None
@@ -313,22 +315,30 @@ class HybridEngine:
             self.graph_decoder.notice(reason)
         return self.tp.all_agree(reason is None, device)
 
-    def _check_ignored_kwargs(self, kwargs):
+    @staticmethod
+    def _check_hf_kwargs(kwargs):
+        """HF kwargs this decode cannot honour are errors; None, False and the values that change nothing pass."""
         for key, value in kwargs.items():
-            harmless = key in _NO_OP_HF_KWARGS and (key not in _NO_OP_VALUES or value == _NO_OP_VALUES[key])
-            if not harmless and key not in self._warned_kwargs:
-                self._warned_kwargs.add(key)
-                logger.warning("HybridEngine.generate ignores %s=%r (not supported by the hybrid engine's "
-                               "greedy/sampling decode)", key, value)
+            if key in _NO_OP_HF_KWARGS or value is None or value is False or _NO_OP_VALUES.get(key, object()) == value:
+                continue
+            raise ValueError(f"HybridEngine.generate does not support {key}={value!r}: its decode is greedy or "
+                             "sampled (temperature, top-k, top-p), one sequence per prompt; generate with the HF "
+                             "model for this")
 
-    def _resolve_max_new_tokens(self, max_new_tokens, max_length, prompt_len):
+    def _resolve_max_new_tokens(self, max_new_tokens, max_length, prompt_len, generation_config):
+        """New tokens to generate: given, else from ``max_length`` (a total), else as the model's generation_config
+        says (HF's rule); prompt + new tokens may not exceed ``max_out_tokens`` (the KV cache's length)."""
         limit = self.hybrid_config.max_out_tokens
+        if max_new_tokens is None and max_length is None:
+            max_new_tokens = getattr(generation_config, "max_new_tokens", None)
+            max_length = getattr(generation_config, "max_length", None) if max_new_tokens is None else None
         if max_new_tokens is None:
-            max_new_tokens = max_length - prompt_len if max_length is not None else limit
+            max_new_tokens = max_length - prompt_len if max_length is not None else limit - prompt_len
         if max_new_tokens < 0:
             raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
-        if max_new_tokens > limit:
-            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds hybrid_engine.max_out_tokens={limit}")
+        if prompt_len + max_new_tokens > limit:
+            raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "
+                             f"hybrid_engine.max_out_tokens={limit} (prompt + answer)")
         return max_new_tokens
 
     # -- stats ------------------------------------------------------------------------------------------------------
@@ -409,6 +419,38 @@ def torch_linear():
         yield
     finally:
         torch.nn.functional.linear = replaced
+
+
+class _RoutedGenerate:
+    """``module.generate`` routed to a HybridEngine, held weakly. A deep copy of the module (a reference or EMA copy,
+    TRL's ``create_reference_model``) would otherwise copy the engine and its process groups, and fail; the copy's
+    ``generate`` is an error that says how to generate from the copy instead."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, *args, **kwargs):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the hybrid engine this module generated through no longer exists")
+        return engine.generate(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return _CopiedModuleGenerate()
+
+    def __reduce__(self):
+        return _CopiedModuleGenerate, ()
+
+
+class _CopiedModuleGenerate:
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("this module is a copy of a hybrid-engine actor, whose generate went through the engine: "
+                           "generate from the copy with type(model).generate(model, ...), or from the actor")
+
+
+def _from_config(name, value, generation_config):
+    """A sampling setting as HF resolves it: the argument, else the model's generation_config, else HF's default."""
+    return _first_not_none(value, getattr(generation_config, name, None), _HF_SAMPLING_DEFAULTS[name])
 
 
 def _first_not_none(*values):

@@ -241,8 +241,12 @@ def gathered(params):
 
 
 def _empty_copy_of(base):
-    """A plain instance of ``base``'s HF class on the meta device (no memory, no init cost)."""
+    """A plain instance of ``base``'s HF class on the meta device (no memory, no init cost); its output embedding is
+    untied when the training model's no longer is (e.g. PEFT's ``modules_to_save=["lm_head"]`` trains a copy)."""
     config = copy.deepcopy(base.config)
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None and head.weight is not embeddings.weight:
+        config.tie_word_embeddings = False
     with torch.device("meta"):
         model = type(base)(config)
     return model

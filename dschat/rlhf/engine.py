@@ -88,7 +88,12 @@ def check_step3_settings(args, world_size):
     check_reward_sources(args)
     check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
     check_phase_share(args.data_split, 3)
-    step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
+    actor = step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
+    longest = args.max_prompt_seq_len + args.max_answer_seq_len
+    out_tokens = actor.get("hybrid_engine", {}).get("max_out_tokens", longest)
+    if args.enable_hybrid_engine and out_tokens < longest:
+        raise UsageError(f"hybrid_engine.max_out_tokens {out_tokens} (the DeepSpeed config file) is shorter than "
+                         f"--max_prompt_seq_len + --max_answer_seq_len = {longest}: prompt + answer must fit")
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
 

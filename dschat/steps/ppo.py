@@ -279,7 +279,8 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_
     reward = torch.cat([e["rewards"].float() for e in buffer]).mean().item()
     samples = sum(e["input_ids"].shape[0] for e in buffer) * get_world_size()
     tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
-    record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), **kl, "kl_coef": trainer.kl_ctl.value, "actor_loss": rank_mean(actor_loss, device),
+    record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), **kl, "kl_coef": trainer.kl_ctl.value,
+              "actor_loss": rank_mean(actor_loss, device),
               "critic_loss": rank_mean(critic_loss, device),
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": int(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),

@@ -68,7 +68,8 @@ def build_parser():
     source.add_argument("--prompts", nargs="+", help="User messages (or 'Human: ... Assistant: ...' transcripts).")
     source.add_argument("--prompts_file", help="A local data file (jsonl/json/parquet/csv) with prompts.")
     parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
-    parser.add_argument("--num_prompts", type=positive_int, default=8, help="Prompts taken from a file or the tiny data.")
+    parser.add_argument("--num_prompts", type=positive_int, default=8,
+                        help="Prompts taken from a file or the tiny data.")
     parser.add_argument("--batch_size", type=positive_int, default=8)
     add_loading_args(parser)
     add_generation_args(parser, sample_by_default=False)

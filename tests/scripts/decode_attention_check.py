@@ -173,7 +173,7 @@ def check_engine_greedy_equals_hf(family):
     counted("decode_attention", calls)
     counted("write_token_kv", calls)
     model = tiny_model(family, seed=3)
-    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32),
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=64),
                           pad_token_id=PAD, decode_attention="triton")
     assert engine.decode_attention == "triton"
     ids, mask = left_padded_batch([7, 3, 5, 1])

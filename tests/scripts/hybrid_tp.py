@@ -166,7 +166,7 @@ def run_case(family, stage, rank, world):
     ds_engine = build_actor(reference, stage, lora=family.endswith("-lora"))
     # ZeRO-0 runs also fuse the column-parallel slices that read one input (as "auto" does on CUDA)
     fuse = "on" if stage == 0 else "off"
-    engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32, inference_tp_size=2,
+    engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2,
                                                         tp_gather_partition_size=1), pad_token_id=PAD,
                           fuse_projections=fuse)
     assert engine.tp is not None and engine.tp.ranks == [0, 1]

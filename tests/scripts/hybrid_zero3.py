@@ -113,7 +113,7 @@ def run_case(pin, fetch, lora, rank, world):
     assert lengths[0] <= 4 and lengths[1] == MAX_NEW, lengths  # rank 0 is done long before rank 1
 
     ds_engine = build_zero3_actor(reference, lora_config, config, fetch)
-    engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32, pin_parameters=pin,
+    engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, pin_parameters=pin,
                                                         tp_gather_partition_size=1), pad_token_id=PAD)
     weights = engine.inference_weights
     if pin:
@@ -128,6 +128,16 @@ def run_case(pin, fetch, lora, rank, world):
     assert torch.equal(got, expected), (rank, got, expected)
     again = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
     assert torch.equal(again, expected)
+    if not pin:  # a rank with no EOS at all still joins the others' finished-checks (each forward is a collective)
+        from dschat.models.lora import unwrap_peft
+
+        gen_config = unwrap_peft(engine.module).generation_config
+        saved, gen_config.eos_token_id = gen_config.eos_token_id, None
+        one_sided = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW,
+                                    eos_token_id=eos if rank == 0 else None)
+        gen_config.eos_token_id = saved
+        no_eos_expected = hf_generate(reference, ids, mask, MAX_NEW)
+        assert torch.equal(one_sided, expected if rank == 0 else no_eos_expected), rank
     if pin:
         largest_group = max(sum(len(c.training_params()) for c in g) for g in weights.groups)
         assert 0 < peak[0] <= largest_group, (peak[0], largest_group)
