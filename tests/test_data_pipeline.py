@@ -352,3 +352,22 @@ def test_concurrent_builders_produce_one_cache(tmp_path):
     assert results[0][1:] == results[1][1:]
     entries = os.listdir(os.path.join(out_dir, CACHE_SUBDIR))
     assert [e for e in entries if not e.endswith(".lock")] == [os.path.basename(results[0][1])]  # no temp folders
+
+
+def test_leading_special_ids_keep_the_bos_and_drop_a_trailing_eos_whatever_the_vocabulary():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from dschat.data.pipeline import tokenize_texts
+
+    def tokenizer(vocab, single):
+        tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", 0), ("</s>", 1)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+    digits = tokenizer({"<s>": 0, "</s>": 1, **{str(d): d + 2 for d in range(10)}, "+": 12, "=": 13}, "<s> $A")
+    assert digits("a", add_special_tokens=False)["input_ids"] == []  # the first probe has no tokens here
+    assert tokenize_texts(digits, ["1+2="], True) == [[0, 3, 12, 4, 13]]
+    bos_eos = tokenizer({"<s>": 0, "</s>": 1, "a": 2, "b": 3}, "<s> $A </s>")
+    assert tokenize_texts(bos_eos, ["a b"], True) == [[0, 2, 3]]  # the BOS, not the EOS after the prompt

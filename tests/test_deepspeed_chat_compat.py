@@ -238,8 +238,13 @@ def test_step3_file_reaches_actor_and_critic_and_its_hybrid_block_only_the_actor
 
     short = step3_args({"deepspeed_config": path, "enable_hybrid_engine": True, "max_prompt_seq_len": 256,
                         "max_answer_seq_len": 256})
-    with pytest.raises(ValueError, match=r"max_out_tokens 300 .*= 512: prompt \+ answer must fit"):
+    with pytest.raises(ValueError, match=r"max_out_tokens 300 .* generates, 512 .*prompt \+ answer must fit"):
         check_step3_settings(short, 1)  # before any model loads, not at the first generation
+    # the held-out evaluation may generate longer answers than training: the engine's cache is sized for them
+    longer_eval = step3_args({"enable_hybrid_engine": True, "max_prompt_seq_len": 8, "max_answer_seq_len": 8,
+                              "eval_max_new_tokens": 12})
+    assert DeepSpeedRLHFEngine._train_config(SimpleNamespace(args=longer_eval, world_size=1), 0,
+                                             hybrid=True)["hybrid_engine"]["max_out_tokens"] == 20
 
 
 class _Stop(Exception):

@@ -235,7 +235,8 @@ def test_hf_kwargs_that_would_change_the_result_are_errors_and_no_ops_pass():
         with pytest.raises(ValueError, match="does not support"):
             engine.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
     engine.generate(ids, attention_mask=mask, max_new_tokens=3, synced_gpus=True, use_cache=True, num_beams=1,
-                    num_return_sequences=1, output_scores=False, streamer=None)
+                    num_return_sequences=1, output_scores=False, streamer=None, no_repeat_ngram_size=0,
+                    typical_p=1.0, logits_processor=[])
 
 
 # -- contract & stats --------------------------------------------------------------------------------------------

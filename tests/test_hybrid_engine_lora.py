@@ -152,6 +152,15 @@ def test_unsupported_lora_variants_are_refused():
         InferenceCopy(copy.deepcopy(model), "cpu", gather_group_size=8, share_unadapted=True)
 
 
+@pytest.mark.parametrize("peft_options", [{"target_modules": ["embed_tokens", "out_proj"]},
+                                          {"target_modules": ["out_proj"], "modules_to_save": ["embed_tokens"]}],
+                         ids=["embedding_lora", "embedding_saved"])
+def test_a_tied_model_with_adapted_embeddings_is_refused_not_generated_differently(peft_options):
+    model = peft.get_peft_model(tiny_model("opt", seed=7), peft.LoraConfig(r=4, **peft_options))  # OPT ties its head
+    with pytest.raises(ValueError, match="tied input and output embeddings"):
+        InferenceCopy(model, "cpu", gather_group_size=8, share_unadapted=True)
+
+
 @pytest.mark.parametrize("family,out_proj", [("llama", "o_proj"), ("opt", "out_proj")])  # OPT ties its head
 def test_embedding_lora_and_modules_to_save_map_generically(family, out_proj):
     from dschat.hybrid_engine.cache import KVCache

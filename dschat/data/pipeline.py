@@ -369,13 +369,18 @@ def tokenize_texts(tokenizer, texts, add_special_tokens):
 
 
 def leading_special_ids(tokenizer):
-    """The ids the tokenizer's post-processor puts before a text (e.g. [BOS]; [] for GPT-2)."""
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a", add_special_tokens=True)["input_ids"]
-    for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
-            return full[:start]
-    return []
+    """The ids the tokenizer's post-processor puts before a text (e.g. [BOS]; [] for GPT-2), found around a probe
+    text that has tokens of its own (with none, only a leading BOS can be told apart)."""
+    for probe in ("a", "Hello world", "0", "."):
+        plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        if plain:
+            full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+            for start in range(len(full) - len(plain) + 1):
+                if full[start:start + len(plain)] == plain:
+                    return full[:start]
+            return []
+    full = tokenizer("", add_special_tokens=True)["input_ids"]
+    return full[:1] if full and full[0] == tokenizer.bos_token_id else []
 
 
 def _check_prompt_limit(prompt, settings):

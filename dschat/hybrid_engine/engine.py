@@ -29,7 +29,10 @@ from dschat.models.lora import unwrap_peft
 # automatically; the static cache is always used), and the values of HF's others that leave its output as this
 # engine's. Any other kwarg or value would change what HF returns, and is an error rather than ignored.
 _NO_OP_HF_KWARGS = {"synced_gpus", "use_cache"}
-_NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "length_penalty": 1.0}
+_NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "length_penalty": 1.0,
+                 "no_repeat_ngram_size": 0, "typical_p": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0,
+                 "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": 0.0}
+_HF_DEFAULT_NEW_TOKENS = 20  # what HF generates when neither the call nor the generation_config gives a length
 # HF's sampling defaults where the model's generation_config sets nothing
 _HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
@@ -136,7 +139,7 @@ class HybridEngine:
         if self._module_generate is None:
             self._module_generate = module.__dict__.get("generate")
         # An instance attribute shadows the class's generate; nn.Module stores plain callables in __dict__.
-        object.__setattr__(module, "generate", _RoutedGenerate(self))
+        object.__setattr__(module, "generate", _RoutedGenerate(self, module))
 
     def restore_module_generate(self):
         module = self._engine.module
@@ -240,9 +243,11 @@ class HybridEngine:
             attention_mask = _default_attention_mask(input_ids, pad_token_id, eos_list)
         attention_mask = attention_mask.to(device)
         max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config)
+        if min_new_tokens is None and min_length is None:
+            min_new_tokens = getattr(generation_config, "min_new_tokens", None)
+            min_length = getattr(generation_config, "min_length", None) if min_new_tokens is None else None
         if min_new_tokens is None:
-            min_new_tokens = max(0, min_length - prompt_len) if min_length is not None else \
-                getattr(generation_config, "min_new_tokens", None) or 0
+            min_new_tokens = max(0, min_length - prompt_len) if min_length is not None else 0
 
         sync_group = dist.group.WORLD if self.inference_weights.forward_has_collectives and _world_size() > 1 \
             else None
@@ -319,7 +324,8 @@ class HybridEngine:
     def _check_hf_kwargs(kwargs):
         """HF kwargs this decode cannot honour are errors; None, False and the values that change nothing pass."""
         for key, value in kwargs.items():
-            if key in _NO_OP_HF_KWARGS or value is None or value is False or _NO_OP_VALUES.get(key, object()) == value:
+            empty = value is None or value is False or (isinstance(value, (list, tuple, dict)) and not value)
+            if key in _NO_OP_HF_KWARGS or empty or _NO_OP_VALUES.get(key, object()) == value:
                 continue
             raise ValueError(f"HybridEngine.generate does not support {key}={value!r}: its decode is greedy or "
                              "sampled (temperature, top-k, top-p), one sequence per prompt; generate with the HF "
@@ -333,7 +339,7 @@ class HybridEngine:
             max_new_tokens = getattr(generation_config, "max_new_tokens", None)
             max_length = getattr(generation_config, "max_length", None) if max_new_tokens is None else None
         if max_new_tokens is None:
-            max_new_tokens = max_length - prompt_len if max_length is not None else limit - prompt_len
+            max_new_tokens = max_length - prompt_len if max_length is not None else _HF_DEFAULT_NEW_TOKENS
         if max_new_tokens < 0:
             raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
         if prompt_len + max_new_tokens > limit:
@@ -422,17 +428,19 @@ def torch_linear():
 
 
 class _RoutedGenerate:
-    """``module.generate`` routed to a HybridEngine, held weakly. A deep copy of the module (a reference or EMA copy,
-    TRL's ``create_reference_model``) would otherwise copy the engine and its process groups, and fail; the copy's
-    ``generate`` is an error that says how to generate from the copy instead."""
+    """``module.generate`` routed to a HybridEngine, held weakly (once the engine is gone, the model's own generate).
+    A deep copy of the module (a reference or EMA copy, TRL's ``create_reference_model``) would otherwise copy the
+    engine and its process groups, and fail; the copy's ``generate`` is an error that says how to generate from the
+    copy instead."""
 
-    def __init__(self, engine):
-        self._engine = weakref.ref(engine)
+    def __init__(self, engine, module):
+        self._engine, self._module = weakref.ref(engine), weakref.ref(module)
 
     def __call__(self, *args, **kwargs):
         engine = self._engine()
-        if engine is None:
-            raise RuntimeError("the hybrid engine this module generated through no longer exists")
+        if engine is None:  # the engine is gone: the model generates as its class does
+            module = self._module()
+            return type(module).generate(module, *args, **kwargs)
         return engine.generate(*args, **kwargs)
 
     def __deepcopy__(self, memo):

@@ -242,14 +242,32 @@ def gathered(params):
 
 def _empty_copy_of(base):
     """A plain instance of ``base``'s HF class on the meta device (no memory, no init cost); its output embedding is
-    untied when the training model's no longer is (e.g. PEFT's ``modules_to_save=["lm_head"]`` trains a copy)."""
+    untied when the training model's head trains as a copy of its own (see ``_unties_head``)."""
     config = copy.deepcopy(base.config)
-    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
-    if getattr(config, "tie_word_embeddings", False) and head is not None and head.weight is not embeddings.weight:
+    if _unties_head(base, config):
         config.tie_word_embeddings = False
     with torch.device("meta"):
         model = type(base)(config)
     return model
+
+
+def _unties_head(base, config):
+    """Whether a tied model's inference copy must untie its head: PEFT's ``modules_to_save=["lm_head"]`` trains a
+    head of its own (the copy then takes it by name). Adapters or a trained copy on the shared embedding with a
+    still-tied head would make the head read the unmerged weights in training and the merged ones in the copy, so
+    that is refused rather than generated from differently."""
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    if not getattr(config, "tie_word_embeddings", False) or head is None:
+        return False
+    if hasattr(head, "modules_to_save"):
+        return True
+    adapted = {id(layer) for layer in lora_layers(base).values()}
+    if id(head) in adapted or id(embeddings) in adapted or hasattr(embeddings, "modules_to_save"):
+        raise ValueError("the hybrid engine cannot mirror a model with tied input and output embeddings whose "
+                         "embeddings or head carry LoRA adapters or modules_to_save (the tied head would differ "
+                         "between training and generation): leave them out of the adapters, or train the head as "
+                         "modules_to_save=['lm_head']")
+    return False
 
 
 def build_inference_weights(training_module, hybrid_config, zero_stage, device, tp=None):

@@ -41,7 +41,7 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
         enable_hybrid_engine=hybrid, inference_tp_size=a.inference_tp_size,
         release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
         tp_gather_partition_size=a.tp_gather_partition_size,
-        max_out_tokens=a.max_prompt_seq_len + a.max_answer_seq_len, enable_cuda_graph=uses_cuda_graph(a),
+        max_out_tokens=longest_sequence(a), enable_cuda_graph=uses_cuda_graph(a),
         enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3",
         check_grad_overflow=a.check_grad_overflow,
         enable_mixed_precision_lora=role == "actor" and check_mixed_precision_lora(a))
@@ -56,6 +56,11 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
         for key in ("gradient_accumulation_steps", "train_batch_size"):
             config[key] *= 2
     return config
+
+
+def longest_sequence(args):
+    """Prompt + answer of the longest generation step 3 runs: training's, or the held-out evaluation's."""
+    return args.max_prompt_seq_len + max(args.max_answer_seq_len, args.eval_max_new_tokens or 0)
 
 
 def check_mixed_precision_lora(args):
@@ -89,11 +94,12 @@ def check_step3_settings(args, world_size):
     check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
     check_phase_share(args.data_split, 3)
     actor = step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
-    longest = args.max_prompt_seq_len + args.max_answer_seq_len
+    longest = longest_sequence(args)
     out_tokens = actor.get("hybrid_engine", {}).get("max_out_tokens", longest)
     if args.enable_hybrid_engine and out_tokens < longest:
         raise UsageError(f"hybrid_engine.max_out_tokens {out_tokens} (the DeepSpeed config file) is shorter than "
-                         f"--max_prompt_seq_len + --max_answer_seq_len = {longest}: prompt + answer must fit")
+                         f"the longest sequence step 3 generates, {longest} (--max_prompt_seq_len + the longer of "
+                         "--max_answer_seq_len and --eval_max_new_tokens): prompt + answer must fit")
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
 
