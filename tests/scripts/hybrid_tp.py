@@ -108,7 +108,7 @@ def check_leader_sampling(engine, ids, mask, rank):
     """Rank 1's generator does not matter; rank 0's decides, for both ranks' answers."""
     def sample(leader_seed, member_seed):
         generator = torch.Generator().manual_seed(leader_seed if rank == 0 else member_seed)
-        return engine.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=1.0,
+        return engine.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=1.0, top_k=0,
                                generator=generator)
 
     first = sample(5, 100)
