@@ -274,10 +274,10 @@ def _set_from_option(args, action, name, value):
         if value:  # disable_actor_dropout / no-enable_cuda_graph: True acts as the flag, False changes nothing
             setattr(args, action.dest, False if negated else action.const)
         return
-    if isinstance(value, str) and action.type is not None and action.type is not str:
-        value = _converted(action, name, value)  # "3" for an int flag, as on the command line
-    elif action.type in (positive_int, non_negative_int) and value is not None:
-        value = _converted(action, name, value)  # the range check
+    # as on the command line: "3" for an int flag, and the range checks of the bounded ones
+    bounded = action.type in (positive_int, non_negative_int) and value is not None
+    if action.type not in (None, str) and (isinstance(value, str) or bounded):
+        value = _converted(action, name, value)
     if action.choices is not None and value is not None and value not in action.choices:
         raise UsageError(f"{name}: {value!r} is not one of {list(action.choices)}")
     setattr(args, action.dest, value)
@@ -466,5 +466,5 @@ def step3_parser():
     g.add_argument("--eval_prompts", type=non_negative_int, default=64,
                    help="Held-out prompts scored before and after PPO (reward model and rule scorer), in whole "
                         "generation batches: rounded up to a multiple of --per_device_generation_batch_size.")
-    g.add_argument("--eval_max_new_tokens", type=int, default=None)
+    g.add_argument("--eval_max_new_tokens", type=positive_int, default=None)
     return p

@@ -278,15 +278,16 @@ def load_step_data(args, tokenizer, phase):
         include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False), data_fields=args.data_fields or None)
 
 
-def check_supervised_settings(args, phase, quiet=True):
-    """Flags of steps 1, 2 and DPO that contradict each other or leave the step no data, and a config file at odds
-    with them, fail here: before the step loads anything, and in train.py before the first step runs."""
+def check_supervised_settings(args, phase, name=None, quiet=True):
+    """The DeepSpeed config of steps 1, 2 and DPO (``supervised_ds_config``), after the checks that make flags that
+    contradict each other or leave the step no data, and a config file at odds with them, fail here: before the step
+    loads anything, and in train.py before the first step runs."""
     from dschat.data.splits import check_phase_share
     from dschat.models.lora import check_only_optimize_lora
 
     check_only_optimize_lora(getattr(args, "only_optimize_lora", False), getattr(args, "lora_dim", 0))
     check_phase_share(args.data_split, phase, other_data=phase == 1 and bool(getattr(args, "sft_only_data_path", ())))
-    supervised_ds_config(args, f"step{phase}", quiet=quiet)
+    return supervised_ds_config(args, name or f"step{phase}", quiet=quiet)
 
 
 def supervised_ds_config(args, name, quiet=False):
@@ -313,10 +314,9 @@ def run_supervised_step(args, recipe):
     started = time.time()
     device = setup_run(args)
     tag = f"[{recipe.name}]"
-    check_supervised_settings(args, recipe.phase)
+    ds_config = check_supervised_settings(args, recipe.phase, recipe.name, quiet=False)
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
-    ds_config = supervised_ds_config(args, recipe.name)
     model = recipe.build_model(args, tokenizer, ds_config)
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
     require_training_records(train_data, args, recipe.name)
