@@ -76,6 +76,56 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
+def test_pdl_chain_fused_layers_equal_the_torch_layer_and_write_the_cache_slot():
+    """bench/pdl_chain.py's seven-kernel layer under Triton's interpreter (fp32, no PDL or TMA: GPU-only), for each
+    tiling preset: the output of two layers, the k/v written into the cache's slot (and nothing else), a second launch
+    (split-K counters reset) and the engine's attention in place of the chain's."""
+    code = """
+import functools, sys, torch, torch.nn.functional as F
+sys.path.insert(0, sys.argv[1])
+import pdl_chain as pc
+H, FF, NH, D, B, L, filled = 512, 1024, 8, 64, 4, 80, 70
+pc.HIDDEN, pc.FFN, pc.HEADS, pc.HEAD_DIM, pc.LAYERS = H, FF, NH, D, 2
+def make():
+    torch.manual_seed(1)
+    w = lambda n, k: torch.randn(n, k) * 0.05
+    v = lambda n, s=0.05, m=0.0: torch.randn(n) * s + m
+    return [{"ln1": (v(H, .1, 1.), v(H)), "qkv": (w(3 * H, H), v(3 * H)), "out": (w(H, H), v(H)),
+             "ln2": (v(H, .1, 1.), v(H)), "fc1": (w(FF, H), v(FF)), "fc2": (w(H, FF), v(H)),
+             "kv": [torch.randn(B, NH, L, D) for _ in range(2)]} for _ in range(2)]
+def reference(h, layers):
+    for l in layers:
+        kc, vc = l["kv"]
+        q, k, v = (t.view(B, NH, 1, D) for t in F.linear(F.layer_norm(h, (H,), *l["ln1"], 1e-5), *l["qkv"]).split(H, -1))
+        kc[:, :, filled - 1], vc[:, :, filled - 1] = k[:, :, 0], v[:, :, 0]
+        o = F.scaled_dot_product_attention(q, kc[:, :, :filled], vc[:, :, :filled]).reshape(B, H)
+        h = h + F.linear(o, *l["out"])
+        h = h + F.linear(torch.relu(F.linear(F.layer_norm(h, (H,), *l["ln2"], 1e-5), *l["fc1"])), *l["fc2"])
+    return h
+x, position = torch.randn(B, H), torch.tensor(filled - 1)
+mask = torch.zeros(B, 1, 1, L, dtype=torch.bool)
+mask[..., :filled] = True
+expected_layers = make()
+expected = reference(x, expected_layers)
+for tilings, engine_mask in [("base", None), ("wide", None), ("tuned", None), ("base", mask)]:
+    layers = make()
+    chain = pc.FusedLayers(layers, B, position, None, tilings, engine_attention_mask=engine_mask)
+    first, second = chain(x).clone(), chain(x).clone()
+    torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(first, second), tilings
+    for got, want in zip(layers, expected_layers):
+        for i in range(2):
+            torch.testing.assert_close(got["kv"][i], want["kv"][i], rtol=1e-5, atol=1e-5)
+compiled_layer = functools.partial(pc.torch_layer, attention=pc.simple_attention)
+torch.testing.assert_close(pc.torch_step(compiled_layer, x, make(), position, mask), expected, rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "bench")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 def test_the_log_space_race_picks_the_tokens_the_probability_race_picked():
     """bench/sampling.py's reference (the sampler dschat had before) and dschat's sampler, fed the same exponential
     noise (same generator state, same shape and dtype), choose the same token in every row, with a temperature."""
