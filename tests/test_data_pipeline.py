@@ -197,6 +197,24 @@ def test_truncation_keeps_eot_in_phase_2_and_drops_it_in_phase_1(tmp_path, token
     assert "skipped 2 of 3 records" in capsys.readouterr().out
 
 
+def test_phase_2_rows_record_which_answers_were_cut(tmp_path, tokenizer):
+    # DPO must not train the EOT after a cut answer; the reward model's sequences keep it
+    long_answer = " ".join(["word"] * 60)
+    rows = [{"prompt": "Short record 0.", "chosen": long_answer, "rejected": "No."},
+            {"prompt": "Short record 1.", "chosen": "Yes.", "rejected": long_answer},
+            {"prompt": "Short record 2.", "chosen": "Yes.", "rejected": "No."}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    pairs, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0", max_seq_len=24)
+    flags = {record: (pairs[i]["chosen_truncated"], pairs[i]["rejected_truncated"])
+             for i, record in enumerate(record_ids(pairs, tokenizer))}
+    assert flags == {0: (True, False), 1: (False, True), 2: (False, False)}
+    for item in pairs:
+        assert item["eot_length"] == 1
+        for side in ("chosen", "rejected"):
+            assert item[f"{side}_input_ids"][-1].item() == tokenizer.eos_token_id
+            assert (len(item[f"{side}_input_ids"]) == 24) == item[f"{side}_truncated"]
+
+
 def sentencepiece_like_tokenizer():
     """Llama-2-style normalization: a leading space becomes its own "▁" token at the start of a string."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers

@@ -10,6 +10,7 @@ from dschat.data import (HUB_DATASETS, AnthropicHhrlhfDataset, DahoasFullhhrlhfD
                          SkipRecord, StanfordnlpSHPDataset, YitingxieRlhfrewarddatasetsDataset, get_raw_dataset,
                          parse_field_map)
 from dschat.data.errors import RecordError
+from dschat.errors import MissingInputError, UsageError
 
 RECORDS = [{"prompt": f"Question number {i}?", "chosen": f"Good answer {i}.", "rejected": f"Bad answer {i}.",
             "task": f"t{i % 3}"} for i in range(20)]
@@ -303,6 +304,21 @@ def test_read_errors_name_their_cause(tmp_path):
         raw(str(empty_json), tmp_path)
 
 
+def test_jsonl_strings_may_hold_raw_unicode_line_separators(tmp_path):
+    # ensure_ascii=False writes U+2028/U+2029/U+0085 raw inside strings; only "\n" ends a JSONL record
+    records = [{**RECORDS[0], "prompt": "one\u2028two\u2029three\x85four"}, {**RECORDS[1], "task": 5}]
+    path = tmp_path / "separators.jsonl"  # the mixed "task" column is read back record by record
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    adapter = raw(f"{path},{path}", tmp_path)
+    data = adapter.get_train_data()
+    assert [adapter.get_conversation(s)[0]["content"] for s in data] == [r["prompt"] for r in records]
+    assert [adapter.get_extra(s)["task"] for s in data] == ["t0", 5]
+    records[1]["chosen"] = 42  # a bad record after the separators is reported at its own line
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    with pytest.raises(DatasetFormatError, match=r"line 2 \(record 1\): field 'chosen': expected a string, got int"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_bad_message_list_is_an_error(tmp_path):
     records = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "robot", "content": "beep"}]}]
     path = write_records(records, tmp_path / "roles.jsonl", "jsonl")
@@ -334,6 +350,25 @@ def test_missing_local_file_is_a_clear_error(tmp_path):
         raw(f"jsonl:{tmp_path / 'nope.jsonl'}", tmp_path)
     with pytest.raises(FileNotFoundError, match="nope.parquet"):
         raw(str(tmp_path / "nope.parquet"), tmp_path)
+
+
+def test_bad_data_paths_are_usage_errors(tmp_path, monkeypatch):
+    # entry points print a UsageError as "error: ..." and exit 2 instead of a traceback
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match="unknown dataset 'typo.txt'"):
+        raw("typo.txt", tmp_path)
+    folder = tmp_path / "not_saved"  # a folder of files, not a save_to_disk folder
+    folder.mkdir()
+    write_records(RECORDS[:2], folder / "x.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=rf"{folder}: not a save_to_disk folder"):
+        raw(f"disk:{folder}", tmp_path)
+    Dataset.from_list(RECORDS).save_to_disk(str(tmp_path / "partial"))
+    for arrow in (tmp_path / "partial").glob("*.arrow"):
+        arrow.unlink()
+    with pytest.raises(DatasetFormatError, match=r"partial: an incomplete save_to_disk folder: .*\.arrow"):
+        raw(f"disk:{tmp_path / 'partial'}", tmp_path)
+    with pytest.raises(MissingInputError, match="gone"):
+        raw(f"disk:{tmp_path / 'gone'}", tmp_path)
 
 
 # --- hub adapters on hand-made records with each dataset's real schema (no download) ---

@@ -124,6 +124,36 @@ def test_dpo_collator_masks_prompt_and_padding():
     assert padded["attention_mask"][:, 5:].eq(0).all() and padded["answer_start"] == 1
 
 
+def test_dpo_collator_leaves_the_eot_of_a_cut_answer_out_of_the_answer():
+    # training the EOT right after a cut answer would teach the policy to stop mid-sentence (step 1 drops it too)
+    items = [{"chosen_input_ids": T([1, 2, 3, 4, 9]), "chosen_attention_mask": T([1] * 5),
+              "rejected_input_ids": T([1, 2, 5, 9]), "rejected_attention_mask": T([1] * 4), "prompt_length": 2,
+              "chosen_truncated": True, "rejected_truncated": False, "eot_length": 1},
+             {"chosen_input_ids": T([1, 6, 8, 9]), "chosen_attention_mask": T([1] * 4),
+              "rejected_input_ids": T([1, 7, 7, 8, 9]), "rejected_attention_mask": T([1] * 5), "prompt_length": 1,
+              "chosen_truncated": False, "rejected_truncated": True, "eot_length": 2}]  # a two-token EOT
+    batch = DataCollatorDPO(0, pad_to_multiple_of=8)(items)
+    assert batch["input_ids"][:, :5].tolist() == [[1, 2, 3, 4, 9], [1, 6, 8, 9, 0], [1, 2, 5, 9, 0], [1, 7, 7, 8, 9]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0],
+                                               [0, 0, 1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0]]
+    assert batch["attention_mask"][:, :5].tolist() == [[1] * 5, [1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1] * 5]
+
+
+def test_dpo_trains_no_eot_after_an_answer_cut_by_max_seq_len(tmp_path, tokenizer):
+    long_answer = " ".join(["word"] * 60)
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "Count the words.", "chosen": long_answer, "rejected": "No."}) + "\n")
+    train_data, _ = create_prompt_dataset(0, [f"{path},{path}"], "0,1,0", str(tmp_path / "out"), 2, 1234, tokenizer,
+                                          24)
+    item = train_data[0]
+    batch = DataCollatorDPO(tokenizer.pad_token_id)([item])
+    chosen = batch["input_ids"][0][batch["response_mask"][0].bool()]
+    rejected = batch["input_ids"][1][batch["response_mask"][1].bool()]
+    assert item["chosen_input_ids"][-1].item() == tokenizer.eos_token_id  # the reward model's input keeps it
+    assert len(chosen) == 24 - item["prompt_length"] - 1 and tokenizer.eos_token_id not in chosen.tolist()
+    assert tokenizer.decode(rejected) == format_answer("No.", tokenizer)  # a whole answer still ends with EOT
+
+
 def write_pairs(path, count, start=0):
     # the rejected answer is the shorter one, so an untrained model finds it more likely
     rows = [{"prompt": f"Tell me about record {i}.", "chosen": f"Record {i} is fine, thanks.",

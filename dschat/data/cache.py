@@ -18,9 +18,10 @@ from filelock import FileLock
 from dschat.utils.files import temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 5  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+FORMAT_VERSION = 6  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
 # 4: only empty CSV cells are missing ("NA", "None" are text);
-# 5: prompts get only the tokenizer's leading special tokens
+# 5: prompts get only the tokenizer's leading special tokens;
+# 6: phase 2 rows carry chosen_truncated, rejected_truncated and eot_length
 CACHE_SUBDIR = "dschat_data_cache"
 
 

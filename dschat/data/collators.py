@@ -87,17 +87,27 @@ class DataCollatorReward(RoundedPadding):
 
 class DataCollatorDPO(DataCollatorReward):
     """Phase 2 for DPO: the reward collator's batch plus ``response_mask`` (2B, L), 1 on the answer tokens
-    (after each pair's ``prompt_length``, EOT included) and 0 on the prompt and the padding, and ``answer_start``
-    (int): the batch's first answer column, computed here on the CPU so the forward needs no device sync for it.
-    Padding columns (``pad_to_multiple_of``) have attention mask 0, so they are never answer tokens."""
+    (after each pair's ``prompt_length``, EOT included unless max_seq_len cut the answer) and 0 on the prompt and
+    the padding, and ``answer_start`` (int): the batch's first answer column, computed here on the CPU so the
+    forward needs no device sync for it. Padding columns (``pad_to_multiple_of``) have attention mask 0, so they
+    are never answer tokens."""
 
     def __call__(self, items):
         batch = super().__call__(items)
         prompt_lengths = torch.tensor([int(i["prompt_length"]) for i in items] * 2)
-        positions = torch.arange(batch["input_ids"].shape[1])
-        batch["response_mask"] = (positions[None, :] >= prompt_lengths[:, None]).long() * batch["attention_mask"]
+        answer_ends = torch.tensor([answer_end(i, side) for side in ("chosen", "rejected") for i in items])
+        positions = torch.arange(batch["input_ids"].shape[1])[None, :]
+        in_answer = (positions >= prompt_lengths[:, None]) & (positions < answer_ends[:, None])
+        batch["response_mask"] = in_answer.long() * batch["attention_mask"]
         batch["answer_start"] = first_answer_position(batch["response_mask"])
         return batch
+
+
+def answer_end(item, side):
+    """Where ``side``'s trained answer tokens end: the end of its row, or before the EOT of an answer that
+    max_seq_len cut (training that EOT would teach the policy to stop mid-sentence; the reward model keeps it)."""
+    end = len(item[f"{side}_input_ids"])
+    return end - int(item["eot_length"]) if item.get(f"{side}_truncated") else end
 
 
 def first_answer_position(response_mask):

@@ -298,7 +298,9 @@ def _json_records(kind, path):
             return json.loads(text)
         except json.JSONDecodeError:
             pass  # JSON Lines in a .json file (check_json_document accepted it)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    # "\n" only, as check_jsonl_lines reads the file: splitlines() would also split at U+2028, U+0085, ... which
+    # JSON allows raw inside strings (ensure_ascii=False writes them so)
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def _exact_json_dataset(kind, path, features):
@@ -329,7 +331,15 @@ def load_saved_dataset(path):
     """(train, eval or None) from a save_to_disk folder (DatasetDict or a single Dataset)."""
     from datasets import DatasetDict, load_from_disk
 
-    saved = load_from_disk(path)
+    # load_from_disk's FileNotFoundError would end the run in a traceback instead of a usage error
+    if not os.path.exists(path):
+        raise MissingInputError(f"{path} does not exist")
+    if not _is_saved_dataset(path):
+        raise DatasetFormatError(f"{path}: not a save_to_disk folder (it has no dataset_dict.json or state.json)")
+    try:
+        saved = load_from_disk(path)
+    except FileNotFoundError as err:  # e.g. a data file of the save is missing
+        raise DatasetFormatError(f"{path}: an incomplete save_to_disk folder: {_error_text(err)}") from err
     if not isinstance(saved, DatasetDict):
         return saved, None
     if "train" not in saved:

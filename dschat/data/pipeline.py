@@ -13,7 +13,9 @@ the EOT token ids):
   Labels are -100 over the prompt (unless ``include_prompt_in_loss``), so the loss covers answer + EOT.
 * phase 2: ``prompt + answer[:room] + eot`` for chosen and rejected: a long answer is cut but the EOT is
   kept, so the reward model always scores a sequence that ends the way generated answers do. The prompt's
-  length is kept too (``prompt_length``): DPO sums log-probs over the answer tokens only.
+  length is kept too (``prompt_length``): DPO sums log-probs over the answer tokens only. Each pair also
+  records whether max_seq_len cut its answers (``chosen_truncated``, ``rejected_truncated``) and the EOT's
+  length (``eot_length``): DPO leaves a cut answer's EOT out of its answer tokens, as phase 1 drops it.
 * phase 3: the prompt ids alone (``max_prompt_len``, else ``max_seq_len``, is their limit).
 
 The prompt is tokenized alone (the ids step 3 generates from, and the label boundary); the answer ids are
@@ -77,7 +79,8 @@ def phase_features(train_phase):
     ids = List(Value("int32"))
     return Features({
         1: {"input_ids": ids, "label_start": Value("int32")},
-        2: {"chosen_input_ids": ids, "rejected_input_ids": ids, "prompt_length": Value("int32")},
+        2: {"chosen_input_ids": ids, "rejected_input_ids": ids, "prompt_length": Value("int32"),
+            "chosen_truncated": Value("bool"), "rejected_truncated": Value("bool"), "eot_length": Value("int32")},
         3: {"prompt_input_ids": ids, "prompt_text": Value("string"), "messages_json": Value("string"),
             "extra_json": Value("string")},
     }[train_phase])
@@ -88,8 +91,9 @@ class PromptDataset(Dataset):
 
     Items: phase 1 ``input_ids, attention_mask, labels``; phase 2 ``chosen_input_ids,
     chosen_attention_mask, rejected_input_ids, rejected_attention_mask, prompt_length`` (how many prompt ids
-    both sequences start with); phase 3 ``prompt_input_ids, prompt_text, messages`` plus the record's extra
-    columns. Token tensors are 1-D LongTensors, unpadded.
+    both sequences start with), ``chosen_truncated, rejected_truncated`` (whether max_seq_len cut that answer;
+    its sequence still ends with the ``eot_length`` EOT ids); phase 3 ``prompt_input_ids, prompt_text,
+    messages`` plus the record's extra columns. Token tensors are 1-D LongTensors, unpadded.
 
     ``skipped`` (reason -> count), ``skip_report`` (per source), ``cache_path`` and ``built`` (whether this
     process built the cache) describe how it was made.
@@ -122,7 +126,8 @@ class PromptDataset(Dataset):
             rejected = torch.tensor(row["rejected_input_ids"], dtype=torch.long)
             return {"chosen_input_ids": chosen, "chosen_attention_mask": torch.ones_like(chosen),
                     "rejected_input_ids": rejected, "rejected_attention_mask": torch.ones_like(rejected),
-                    "prompt_length": row["prompt_length"]}
+                    "prompt_length": row["prompt_length"], "chosen_truncated": row["chosen_truncated"],
+                    "rejected_truncated": row["rejected_truncated"], "eot_length": row["eot_length"]}
         item = {"prompt_input_ids": torch.tensor(row["prompt_input_ids"], dtype=torch.long),
                 "prompt_text": row["prompt_text"], "messages": json.loads(row["messages_json"])}
         for key, value in json.loads(row["extra_json"]).items():
@@ -407,7 +412,10 @@ def encode_pair(example, tokens, settings):
     rejected = prompt + tokens["rejected"][:room] + eot
     if chosen == rejected:
         raise SkipRecord("chosen==rejected after truncation")
-    return {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "prompt_length": len(prompt)}
+    # the EOT after a cut answer stays for the reward model; DPO leaves it out of the answer (collators.py)
+    return {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "prompt_length": len(prompt),
+            "chosen_truncated": len(tokens["chosen"]) > room, "rejected_truncated": len(tokens["rejected"]) > room,
+            "eot_length": len(eot)}
 
 
 def encode_prompt(example, tokens, settings):

@@ -18,6 +18,8 @@ out of 160k should not stop a run, and the count is printed.
 """
 import re
 
+from dschat.errors import UsageError
+
 from .base import PromptRawDataset, answer_from_transcript, conversation_from_transcript, required_text
 from .errors import RecordError, SkipRecord
 from .formatting import ASSISTANT_PREFIX
@@ -263,7 +265,8 @@ def known_dataset_names():
 
 
 def unknown_dataset_error(dataset_name):
-    return ValueError(
+    """A UsageError: a mistyped --data_path ends in "error: ..." and exit status 2, not a traceback."""
+    return UsageError(
         f"unknown dataset {dataset_name!r}: not a known name and not an existing local path. Known names "
         f"(matched exactly): {', '.join(known_dataset_names())}. Local data: jsonl:PATH, json:PATH, "
         "parquet:PATH, csv:PATH, disk:PATH (a save_to_disk folder), or an existing .jsonl/.json/.parquet/.csv "
@@ -271,7 +274,7 @@ def unknown_dataset_error(dataset_name):
 
 
 def resolve_dataset_spec(dataset_name):
-    """A hub adapter class, or a ``LocalSource`` for tiny/local specs; ValueError for anything else."""
+    """A hub adapter class, or a ``LocalSource`` for tiny/local specs; UsageError for anything else."""
     from .local import resolve_local_spec, tiny_source
 
     if dataset_name in HUB_DATASETS:
