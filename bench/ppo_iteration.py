@@ -94,6 +94,17 @@ def save_random_model(folder, shape, tokenizer):
     return folder
 
 
+def add_value_head(folder):
+    """Make ``folder`` a step-2 reward model (a random value head beside its backbone): step 3 refuses a reward model
+    without a trained head."""
+    from dschat.models.reward_model import RewardModel
+
+    torch.manual_seed(1)
+    model = RewardModel.from_pretrained(folder)
+    model.save_head_and_meta(folder, {"v_head.weight": model.v_head.weight.detach()})
+    return folder
+
+
 def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
     from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
 
@@ -215,7 +226,7 @@ def main():
     actor_dir, critic_dir = os.path.join(root[0], "actor"), os.path.join(root[0], "critic")
     if dist.get_rank() == 0:
         save_random_model(actor_dir, actor_shape, tokenizer)
-        save_random_model(critic_dir, critic_shape, tokenizer)
+        add_value_head(save_random_model(critic_dir, critic_shape, tokenizer))
     dist.barrier()
     results = []
     for name in variants:

@@ -187,3 +187,30 @@ def test_mixed_precision_lora_quantizes_only_the_actors_frozen_weights_and_says_
                              ("actor_zero_stage", 2, "--actor_zero_stage 3"), ("dtype", "bf16", "--dtype fp16")):
         with pytest.raises(ValueError, match=flag):
             check_step3_settings(step3_args({**ready, key: value}), 1)
+
+
+def test_a_config_files_bfloat16_block_is_read_as_bf16():
+    # DeepSpeed reads "bf16" first: beside dschat's own "bf16" block, the file's old-named one was ignored
+    from deepspeed.runtime.precision_config import get_bfloat16_config
+
+    from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags
+
+    merged = apply_user_ds_config(get_train_ds_config(dtype="bf16", stage=2),
+                                  {"bfloat16": {"enabled": True, "check_grad_overflow": True}},
+                                  owned_key_flags("--per_device_train_batch_size", "--zero_stage"), quiet=True)
+    assert "bfloat16" not in merged and get_bfloat16_config(merged).check_grad_overflow is True
+
+
+def test_optimizer_offload_without_zero_is_a_usage_error():
+    # DeepSpeed offloads optimizer states only under ZeRO; at stage 0 its CPU Adam fails on GPU tensors
+    from dschat.errors import UsageError
+    from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags
+
+    flags = owned_key_flags("--per_device_train_batch_size", "--zero_stage")
+    with pytest.raises(UsageError, match="optimizer offload .* needs ZeRO stage 1, 2 or 3"):
+        apply_user_ds_config(get_train_ds_config(offload=True, stage=0), None, flags)
+    with pytest.raises(UsageError, match="needs ZeRO stage"):
+        apply_user_ds_config(get_train_ds_config(stage=0), {"zero_optimization": {
+            "offload_optimizer": {"device": "cpu"}}}, flags, quiet=True)
+    assert apply_user_ds_config(get_train_ds_config(offload=True, stage=2), None, flags)["zero_optimization"][
+        "offload_optimizer"]["device"] == "cpu"

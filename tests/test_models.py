@@ -200,3 +200,102 @@ def test_embeddings_are_never_shrunk_to_the_tokenizer(tmp_path):
     weight.data = torch.empty(0)
     grow_embeddings_for(model, Tok(90))
     assert model.get_input_embeddings().weight.numel() == 0  # not resized
+
+
+class _NoTokenizer:
+    def save_pretrained(self, folder):
+        pass
+
+
+def _zero3_engine(preset, dtype="fp32"):
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.steps.common import initialize_engine
+    from dschat.utils.ds_config import get_train_ds_config
+
+    ds_config = get_train_ds_config(dtype=dtype, stage=3)
+    model = load_causal_lm(preset, load_tokenizer(preset), ds_config)
+    return initialize_engine(model, ds_config, 1e-3, 0.1, None, "constant", 0, 10)
+
+
+@pytest.mark.parametrize("preset", ["tiny-opt", "tiny-gpt2"])
+def test_a_tied_model_saved_under_zero3_loads_with_its_head_tied(preset, tmp_path, distributed):
+    # The head shares the embedding: its second name held this rank's empty ZeRO-3 shard, saved as a 0-element tensor.
+    engine = _zero3_engine(preset)
+    save_causal_lm(engine.module, _NoTokenizer(), str(tmp_path / "out"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    import deepspeed
+
+    embedding = engine.module.get_input_embeddings().weight
+    with deepspeed.zero.GatheredParameters([embedding]):
+        assert torch.equal(loaded.get_input_embeddings().weight, embedding.detach().cpu())
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+
+
+def test_weight_decay_reaches_the_matrices_under_zero3(distributed):
+    # ZeRO-3's local tensors are flat shards (1-D): the full shape is ds_shape
+    engine = _zero3_engine("tiny-llama")
+    assert sorted(g["weight_decay"] for g in engine.optimizer.param_groups) == [0.0, 0.1]
+    groups = optimizer_param_groups(engine.module, 0.1)
+    shapes = {len(p.ds_shape) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert shapes == {2}
+
+
+def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_weights(tmp_path, distributed):
+    # DeepSpeed-Chat's scripts log into --output_dir; an earlier save's shards must not stay beside the new weights
+    out = tmp_path / "output"
+    out.mkdir()
+    (out / "training.log").write_text("step 1 loss 2.0\n")
+    (out / "model-00001-of-00002.safetensors").write_text("old shard")
+    (out / "model.safetensors.index.json").write_text("{}")
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    save_causal_lm(model, _NoTokenizer(), str(out))
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors", "training.log"], names
+    assert (out / "training.log").read_text() == "step 1 loss 2.0\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["output"]  # no temporary folder left
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_bf16_checkpoint_trains_in_the_dtype_asked_for(dtype, tmp_path, distributed):
+    # transformers loads a checkpoint in its stored dtype and DeepSpeed casts only to fp16/bf16: fp32 must be asked
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.steps.common import initialize_engine
+    from dschat.utils.ds_config import get_train_ds_config
+
+    AutoModelForCausalLM.from_config(CONFIGS["llama"]()).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    load_tokenizer("tiny-llama").save_pretrained(tmp_path / "m")
+    ds_config = get_train_ds_config(dtype=dtype, stage=0)
+    model = load_causal_lm(str(tmp_path / "m"), load_tokenizer(str(tmp_path / "m")), ds_config)
+    critic = RewardModel.from_pretrained(str(tmp_path / "m"), ds_config=ds_config)
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    assert {p.dtype for p in model.parameters()} == {want}
+    assert {p.dtype for p in critic.parameters()} == {want}
+    if dtype == "fp32":
+        engine = initialize_engine(model, ds_config, 1e-3, 0.0, None, "constant", 0, 10)
+        assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
+
+
+def test_lora_on_a_head_tied_to_the_embeddings_is_refused_before_saving(distributed):
+    from dschat.errors import UsageError
+
+    from peft import LoraConfig, get_peft_model
+
+    # OPT ties its head to the input embeddings; dschat's apply_lora never adapts heads, a notebook's PEFT model may
+    model = get_peft_model(AutoModelForCausalLM.from_config(CONFIGS["opt"]()), LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(UsageError, match="lm_head.base_layer.weight, a weight tied to another"):
+        save_causal_lm(model, _NoTokenizer(), "unused")
+
+
+def test_sequences_longer_than_a_learned_position_table_are_an_error_and_a_warning_otherwise(capsys):
+    from dschat.errors import UsageError
+    from dschat.models.loading import check_sequence_fits
+
+    gpt2 = AutoModelForCausalLM.from_config(CONFIGS["gpt2"]())
+    limit = gpt2.config.n_positions
+    check_sequence_fits(gpt2, limit, "--max_seq_len")
+    with pytest.raises(UsageError, match=f"--max_seq_len = {limit + 1} tokens, but the model has a table of {limit}"):
+        check_sequence_fits(gpt2, limit + 1, "--max_seq_len")
+    llama = AutoModelForCausalLM.from_config(CONFIGS["llama"]())  # rotary positions: no table to index past
+    check_sequence_fits(llama, llama.config.max_position_embeddings + 1, "--max_seq_len")
+    assert "past the" in capsys.readouterr().out

@@ -768,3 +768,46 @@ def test_a_run_stopped_before_its_first_checkpoint_does_not_resume_an_earlier_ru
     capsys.readouterr()
     ppo.main(ppo_args(trained, out, "--max_steps", "1", "--save_interval", "2", "--resume"))
     assert "--resume: no complete checkpoint" in capsys.readouterr().out
+
+
+def test_a_reward_model_without_a_trained_value_head_is_refused(trained, tmp_path):
+    # a step-1 folder (or any hub model) as reward model: PPO would maximise a random head's score
+    from dschat.errors import UsageError
+
+    with pytest.raises(UsageError, match="has no trained value head"):
+        _engine_and_trainer(trained, tmp_path, reward_model_name_or_path=str(trained / "sft"))
+
+
+def test_a_reward_model_with_another_tokenizer_is_refused(trained, tmp_path):
+    # step 3 feeds the actor's token ids to the reward model: another vocabulary would score other text
+    import json
+    import shutil
+
+    from dschat.errors import UsageError
+
+    other = tmp_path / "rm_other_tokenizer"
+    shutil.copytree(trained / "rm", other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = "a", "b"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # the same tokens, two of them under each other's id
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(UsageError, match="has another tokenizer than the actor .* 2 of the actor's tokens"):
+        _engine_and_trainer(trained, tmp_path, reward_model_name_or_path=str(other))
+
+
+def test_the_ema_copy_is_kept_in_fp32_so_that_its_small_steps_are_not_rounded_away(trained, tmp_path):
+    # in bf16, lerp by 1 - 0.992 rounds back to the old weight: the EMA never moved from the SFT weights
+    from dschat.rlhf.ema import moving_average
+
+    engine, _, _ = _engine_and_trainer(trained, tmp_path, dtype="bf16", enable_ema=True)
+    actor, ema = engine.actor.module, engine.actor_ema.module
+    assert {p.dtype for p in ema.parameters()} == {torch.float32}
+    name, weight = next((n, p) for n, p in actor.named_parameters() if p.ndim == 2)
+    start = dict(ema.named_parameters())[name].detach().clone()
+    with torch.no_grad():
+        weight.mul_(1.5)
+    for _ in range(10):
+        moving_average(actor, ema, beta=0.992)
+    moved = (dict(ema.named_parameters())[name] - start).abs().sum() / (weight.float() - start).abs().sum()
+    assert abs(moved.item() - (1 - 0.992 ** 10)) < 0.01

@@ -1,4 +1,5 @@
 """Saving trained models as folders ``from_pretrained`` loads, atomically, from any ZeRO stage."""
+import fnmatch
 import os
 import shutil
 from contextlib import contextmanager
@@ -13,11 +14,14 @@ def _is_zero3_param(param):
 
 
 def gathered_state_dict(module):
-    """The full state dict on rank 0 (None elsewhere), on CPU; every rank must call it under ZeRO-3."""
+    """The full state dict on rank 0 (None elsewhere), on CPU; every rank must call it under ZeRO-3. A tied weight
+    (e.g. ``lm_head.weight`` sharing the embedding) appears once, under the name ``named_parameters`` gives it:
+    ``from_pretrained`` ties it again, and under ZeRO-3 its other name would only hold this rank's empty shard."""
     import deepspeed
 
-    state = {}
+    state, parameter_ids = {}, set()
     for name, param in module.named_parameters():
+        parameter_ids.add(id(param))
         if _is_zero3_param(param):
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                 if is_rank_0():
@@ -26,9 +30,9 @@ def gathered_state_dict(module):
             state[name] = param.detach().cpu().clone()
     if not is_rank_0():
         return None
-    for name, buffer in module.state_dict().items():  # persistent buffers (parameters are already in)
-        if name not in state:
-            state[name] = buffer.detach().cpu().clone()
+    for name, tensor in module.state_dict(keep_vars=True).items():  # persistent buffers (parameters are already in)
+        if name not in state and id(tensor) not in parameter_ids:
+            state[name] = tensor.detach().cpu().clone()
     return state
 
 
@@ -41,7 +45,8 @@ def plain_model_state_dict(module):
 
 @contextmanager
 def atomic_folder(output_dir):
-    """Write into a temporary sibling folder, then swap it in, so a crash never leaves a half-written folder."""
+    """Write into a temporary sibling folder, then move it in (:func:`install_folder`), so a crash never leaves a
+    half-written model."""
     parent = os.path.dirname(os.path.abspath(output_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = temp_folder(parent, f".{os.path.basename(output_dir)}.tmp-")
@@ -50,7 +55,32 @@ def atomic_folder(output_dir):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    replace_folder(tmp, output_dir)
+    install_folder(tmp, output_dir)
+
+
+# Weight files of an earlier save that the new one may not overwrite (other shard counts, .bin against
+# .safetensors): left beside the new weights, transformers could load them instead.
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def install_folder(new, target):
+    """Move the files of ``new`` into ``target``. A new target is one atomic rename. An existing one keeps every file
+    the save does not write (the step's log, TensorBoard events, a user's notes: DeepSpeed-Chat's scripts log into
+    the output folder), loses the earlier save's weight files, and takes each new file by an atomic rename."""
+    if not os.path.exists(target):
+        os.replace(new, target)
+        return
+    written = set(os.listdir(new))
+    for name in sorted(written):
+        source, destination = os.path.join(new, name), os.path.join(target, name)
+        if os.path.isdir(source):
+            replace_folder(source, destination)
+        else:
+            os.replace(source, destination)
+    for name in os.listdir(target):  # after the new weights are in: a crash never leaves the folder without any
+        if name not in written and any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_FILES):
+            os.remove(os.path.join(target, name))
+    shutil.rmtree(new, ignore_errors=True)
 
 
 def replace_folder(new, target):

@@ -80,6 +80,16 @@ def model_load_context(ds_config):
     return HfDeepSpeedConfig(ds_config)
 
 
+def training_dtype(ds_config):
+    """The dtype a DeepSpeed config trains (or evaluates) in. DeepSpeed casts the module to fp16/bf16 when they are
+    enabled and leaves it as it is otherwise, and transformers loads a checkpoint in the dtype it was stored in: so
+    an fp32 run of a bf16 checkpoint must ask for fp32 itself, or it trains in bf16 with no fp32 master weights."""
+    for key, dtype in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    return "fp32"
+
+
 def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, rlhf_training=False,
                     dropout=None, dtype=None):
     """Build ``model_class`` from a hub name, a folder or a tiny preset (DeepSpeed-Chat's signature).
@@ -89,7 +99,7 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     path = resolve_model_path(model_name_or_path)
     config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
     keep_alive = model_load_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
-    torch_dtype = TORCH_DTYPES.get(dtype, None) if dtype else None
+    torch_dtype = TORCH_DTYPES[dtype or training_dtype(ds_config)] if dtype or ds_config else None
     if rlhf_training:
         model = model_class.from_config(config, dtype=torch_dtype)
     else:
@@ -131,3 +141,26 @@ def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, 
                          "model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
     return create_hf_model(AutoModelForCausalLM, model_name_or_path, tokenizer, ds_config, dropout=dropout,
                            dtype=dtype)
+
+
+# Names of learned absolute position tables (GPT-2's wpe, OPT's embed_positions, GPT-Neo/BioGPT/...'s): an index past
+# them fails (a CUDA device-side assert), where rotary or ALiBi positions only drift from what the model learned.
+LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def check_sequence_fits(model, length, flags):
+    """A clear error when sequences of ``length`` tokens (``flags`` name where it comes from) are longer than the
+    model's learned position table; a warning for other position schemes."""
+    from dschat.rlhf.layout import position_limit
+    from dschat.utils.dist import print_rank_0
+
+    limit = position_limit(model)
+    if limit is None or length <= limit:
+        return
+    learned = any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES
+                  for name, module in model.named_modules())
+    if learned:
+        raise UsageError(f"{flags} = {length} tokens, but the model has a table of {limit} learned positions: "
+                         f"make it at most {limit}")
+    print_rank_0(f"warning: {flags} = {length} tokens is past the {limit} positions the model was configured for")
+

@@ -77,12 +77,14 @@ def is_lora_param(name):
 
 
 def optimizer_param_groups(model, weight_decay, lora_learning_rate=None):
-    """Weight decay on matrices only (biases and norm weights are 1-D); LoRA parameters may get their own lr."""
+    """Weight decay on matrices only (biases and norm weights are 1-D); LoRA parameters may get their own lr. Under
+    ZeRO-3 a parameter's local tensor is a flat (or empty) shard: its full shape is ``ds_shape``."""
     groups = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay = weight_decay if param.ndim >= 2 and not name.endswith(".bias") else 0.0
+        matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
+        decay = weight_decay if matrix and not name.endswith(".bias") else 0.0
         lora = lora_learning_rate is not None and is_lora_param(name)
         key = (decay, lora)
         if key not in groups:
@@ -255,7 +257,22 @@ def check_lora_mergeable(model):
 
     Called on every rank before a collective gather, so that no rank is left waiting for one that raised.
     """
-    weight_deltas(unwrap_peft(model))
+    base = unwrap_peft(model)
+    weight_deltas(base)
+    tied = _tied_parameter_names(base)
+    adapted = sorted(f"{name}.base_layer.weight" for name in lora_layers(base) if f"{name}.base_layer.weight" in tied)
+    if adapted:
+        raise UsageError(f"LoRA on {', '.join(adapted)}, a weight tied to another (the output head and the input "
+                         "embeddings share it): its update cannot be folded into one of them alone; leave it out of "
+                         "--lora_module_name")
+
+
+def _tied_parameter_names(model):
+    """Names of the parameters that share their tensor with another name (tied embeddings)."""
+    names_by_parameter = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_parameter.setdefault(id(param), []).append(name)
+    return {name for names in names_by_parameter.values() if len(names) > 1 for name in names}
 
 
 def merge_lora_state_dict(state_dict, model):

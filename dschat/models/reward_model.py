@@ -31,6 +31,7 @@ class RewardModel(nn.Module):
 
     def __init__(self, base_model, compute_fp32_loss=False, num_padding_at_beginning=0):
         super().__init__()
+        self.value_head_loaded = False  # from_pretrained: whether the folder held a trained head
         self.config = base_model.config
         hidden = getattr(self.config, "word_embed_proj_dim", None) or _hidden_size(self.config)
         self.v_head = nn.Linear(hidden, 1, bias=False)
@@ -88,16 +89,17 @@ class RewardModel(nn.Module):
                         ds_config=None, rlhf_training=False):
         """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made)."""
         from dschat.models.loading import (TORCH_DTYPES, configure_dropout, grow_embeddings_for,
-                                           model_load_context, resolve_model_path)
+                                           model_load_context, resolve_model_path, training_dtype)
 
         path = resolve_model_path(path)
         config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
         keep_alive = model_load_context(ds_config)  # noqa: F841
-        torch_dtype = TORCH_DTYPES.get(dtype) if dtype else None
+        torch_dtype = TORCH_DTYPES[dtype or training_dtype(ds_config)] if dtype or ds_config else None
         backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
         model = cls(backbone, compute_fp32_loss=compute_fp32_loss)
         head_file = os.path.join(path, VALUE_HEAD_FILE)
-        if os.path.exists(head_file):
+        model.value_head_loaded = os.path.exists(head_file)  # else a new random head (a critic may start so)
+        if model.value_head_loaded:
             from safetensors.torch import load_file
 
             model.v_head.load_state_dict({"weight": load_file(head_file)["weight"]})

@@ -7,9 +7,9 @@ import copy
 
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
-from dschat.models.loading import load_causal_lm, load_tokenizer
+from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
-from dschat.models.reward_model import create_critic_model
+from dschat.models.reward_model import VALUE_HEAD_FILE, create_critic_model
 from dschat.rlhf.config import step3_args
 from dschat.rlhf.reward_fn import check_reward_sources
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
@@ -126,7 +126,8 @@ class DeepSpeedRLHFEngine:
 
         self.actor = self._init_actor()
         self.ref = self._init_frozen_actor_copy(offload=args.offload_reference_model)
-        self.actor_ema = self._init_frozen_actor_copy(offload=False) if args.enable_ema else None
+        # fp32: in bf16/fp16 each update of (1 - ema_beta) = 0.8% would round back to the old weight
+        self.actor_ema = self._init_frozen_actor_copy(offload=False, dtype="fp32") if args.enable_ema else None
         # critic-free estimators need no critic; a reward function alone needs no reward model
         self.critic = self._init_critic() if args.advantage_estimator == "gae" else None
         self.reward = self._init_reward() if args.reward_model_weight else None
@@ -138,12 +139,13 @@ class DeepSpeedRLHFEngine:
     def _train_config(self, stage, hybrid=False, role="actor"):
         return step3_train_config(self.args, self.world_size, stage, hybrid, role)
 
-    def _eval_config(self, stage, offload):
+    def _eval_config(self, stage, offload, dtype=None):
         # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3), on several ranks.
         frozen_stage = frozen_copy_stage(stage, self.world_size, offload)
         if offload and frozen_stage != 3:
             print_rank_0("[step3] parameter offload of a frozen model needs its trained twin at ZeRO-3: not offloaded")
-        return get_eval_ds_config(offload=offload and frozen_stage == 3, dtype=self.args.dtype, stage=frozen_stage,
+        return get_eval_ds_config(offload=offload and frozen_stage == 3, dtype=dtype or self.args.dtype,
+                                  stage=frozen_stage,
                                   micro_batch_size=self.args.per_device_training_batch_size,
                                   world_size=self.world_size)
 
@@ -154,6 +156,7 @@ class DeepSpeedRLHFEngine:
         a = self.args
         ds_config = self._train_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
+        self._check_sequence_fits(model)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
                            only_optimize_lora=a.only_optimize_lora)
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
@@ -176,18 +179,39 @@ class DeepSpeedRLHFEngine:
                      + (f", inference tensor-parallel groups of {actor.tp.size} ranks" if actor.tp else ""))
         return actor
 
-    def _init_frozen_actor_copy(self, offload):
+    def _init_frozen_actor_copy(self, offload, dtype=None):
         """The reference model (and the EMA copy): the SFT weights, frozen, sharded like the actor."""
-        ds_config = self._eval_config(self.args.actor_zero_stage, offload)
+        ds_config = self._eval_config(self.args.actor_zero_stage, offload, dtype)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config)
         return initialize_frozen(model, ds_config, self.args.zero3_fetch)
 
+    def _check_sequence_fits(self, model):
+        check_sequence_fits(model, longest_sequence(self.args),
+                            "--max_prompt_seq_len + the longer of --max_answer_seq_len and --eval_max_new_tokens")
+
+    def _check_token_ids(self, path, role):
+        """The critic and the reward model read the actor's token ids: their tokenizer must give every token of the
+        actor's the same id, or they score other text than the actor wrote (and nothing would say so)."""
+        a = self.args
+        theirs = load_tokenizer(path, add_eot_token=a.add_eot_token, eot_token=a.eot_token).get_vocab()
+        differ = [token for token, index in self.tokenizer.get_vocab().items() if theirs.get(token) != index]
+        if differ:
+            raise UsageError(f"step3: {role} {path} has another tokenizer than the actor {self.actor_path}: "
+                             f"{len(differ)} of the actor's tokens have another id or none there (e.g. "
+                             f"{differ[0]!r}); it would score the actor's token ids as other text. Train step 2 from "
+                             "a model with the actor's tokenizer (the same family)")
+
     def _init_critic(self):
         a = self.args
+        self._check_token_ids(self.critic_path, "the critic")
         ds_config = self._train_config(a.critic_zero_stage, role="critic")
         model = create_critic_model(self.critic_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
                                     rlhf_training=True, dropout=a.critic_dropout, zero_stage=a.critic_zero_stage,
                                     compute_fp32_loss=a.compute_fp32_loss)
+        self._check_sequence_fits(model)
+        if not model.value_head_loaded:
+            print_rank_0(f"[step3] the critic {self.critic_path} has no trained value head ({VALUE_HEAD_FILE}): it "
+                         "starts from a new one")
         model.rwtransformer = apply_lora(model.rwtransformer, a.critic_lora_dim, a.critic_lora_module_name,
                                          a.lora_alpha, only_optimize_lora=a.only_optimize_lora)
         if a.critic_lora_dim and a.only_optimize_lora:
@@ -199,7 +223,13 @@ class DeepSpeedRLHFEngine:
 
     def _init_reward(self):
         a = self.args
+        self._check_token_ids(self.reward_path, "the reward model")
         ds_config = self._eval_config(a.critic_zero_stage, a.offload_reward_model)
         model = create_critic_model(self.reward_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
                                     compute_fp32_loss=a.compute_fp32_loss)
+        self._check_sequence_fits(model)
+        if not model.value_head_loaded:
+            raise UsageError(f"step3: the reward model {self.reward_path} has no trained value head ({VALUE_HEAD_FILE}):"
+                             " it is not step 2's output, and PPO would maximise a random score; give step 2's "
+                             "output folder (--reward_model_name_or_path, else --critic_model_name_or_path)")
         return initialize_frozen(model, ds_config, a.zero3_fetch)

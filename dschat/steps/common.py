@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 
 from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
-from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0
+from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.optim import optimizer_step
 
 
@@ -309,7 +309,7 @@ def supervised_ds_config(args, name, quiet=False):
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
     from dschat.args import resolve_pad_to_multiple_of
-    from dschat.models.loading import load_tokenizer
+    from dschat.models.loading import check_sequence_fits, load_tokenizer
 
     started = time.time()
     device = setup_run(args)
@@ -318,6 +318,7 @@ def run_supervised_step(args, recipe):
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
     model = recipe.build_model(args, tokenizer, ds_config)
+    check_sequence_fits(model, args.max_seq_len, "--max_seq_len")
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
     require_training_records(train_data, args, recipe.name)
     collator = recipe.collator(tokenizer, resolve_pad_to_multiple_of(args.pad_to_multiple_of), args.max_seq_len)
@@ -341,7 +342,7 @@ def run_supervised_step(args, recipe):
     writer = tensorboard_writer(args, recipe.name)
     train_loss = run_training(engine, train_loader, recipe.loss_fn, evaluate, args, device, recipe.name,
                               total_steps, writer, throughput)
-    metrics = {**evaluate(), "train_loss": train_loss, **throughput.summary(), "steps": total_steps,
+    metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **throughput.summary(), "steps": total_steps,
                "seconds": time.time() - started}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
     _scalars(writer, f"{recipe.name}/final", metrics, total_steps)

@@ -20,7 +20,7 @@ from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsuperv
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (format_metrics, progress, require_training_records, setup_run, tensorboard_writer,
                                  write_metrics)
-from dschat.utils.dist import all_reduce, get_world_size, is_rank_0, local_device, print_rank_0
+from dschat.utils.dist import get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
 
 def prompt_loaders(args, tokenizer):
@@ -141,11 +141,6 @@ def ppo_update(trainer, experiences, args, device, unsup_batches=()):
 
 def _mean(values):
     return sum(values) / len(values)
-
-
-def rank_mean(value, device):
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    return all_reduce(t).item() / get_world_size()
 
 
 def held_out_eval(trainer, loader, args, device, scorer):

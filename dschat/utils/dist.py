@@ -99,3 +99,9 @@ def all_reduce(tensor, op="sum", group=None):
            "min": torch.distributed.ReduceOp.MIN}
     torch.distributed.all_reduce(tensor, op=ops[op], group=group)
     return tensor
+
+
+def rank_mean(value, device):
+    """The mean of a per-rank number over all ranks (collective)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    return all_reduce(t).item() / get_world_size()

@@ -214,15 +214,37 @@ def apply_user_ds_config(generated, source, flags, ignore=(), quiet=False):
     from dschat.utils.dist import print_rank_0
 
     if not source:
-        return generated
+        return _check_offload_stage(generated)
     user, label = (source, "(dict)") if isinstance(source, dict) else (load_user_ds_config(source), repr(source))
-    user = _drop_flag_built_blocks({k: v for k, v in user.items() if k not in ignore}, label, say=not quiet)
+    user = _drop_flag_built_blocks({k: v for k, v in _bf16_named(user).items() if k not in ignore}, label,
+                                   say=not quiet)
     _check_flag_owned(generated, user, label, flags)
     changed = []
     merged = _merge(generated, user, changed)
     for dotted, old, new in [] if quiet else changed:
         print_rank_0(f"[ds_config] {label}: {dotted} = {new!r} (dschat's flags gave {old!r})")
-    return merged
+    return _check_offload_stage(merged)
+
+
+def _bf16_named(user):
+    """The file's "bfloat16" block (DeepSpeed's old name) as "bf16": DeepSpeed reads "bf16" first, so beside dschat's
+    own "bf16" block the file's settings would be ignored without a word."""
+    if "bfloat16" not in user:
+        return user
+    user = dict(user)
+    old = user.pop("bfloat16")
+    user["bf16"] = {**old, **user["bf16"]} if isinstance(old, dict) and isinstance(user.get("bf16"), dict) else \
+        user.get("bf16", old)
+    return user
+
+
+def _check_offload_stage(config):
+    """DeepSpeed offloads optimizer states only under ZeRO: at stage 0 its fp16/bf16 wrapper keeps the master weights
+    on the GPU, and the CPU Adam that the offload asks for then fails on GPU tensors at the first step."""
+    if optimizer_offloaded(config) and not _lookup(config, "zero_optimization.stage"):
+        raise UsageError("optimizer offload (--offload, or offload_optimizer in the DeepSpeed config) needs ZeRO stage "
+                         "1, 2 or 3 (--zero_stage; step 3: --actor_zero_stage / --critic_zero_stage), not 0")
+    return config
 
 
 def optimizer_offloaded(ds_config):

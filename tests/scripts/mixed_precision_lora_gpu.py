@@ -41,7 +41,7 @@ def run_step3(model, out, mixed_precision_lora):
             "--per_device_training_batch_size", "8", "--max_steps", "3", "--actor_lora_dim", "8",
             "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--dtype", "fp16",
             "--enable_hybrid_engine", "--eval_prompts", "16", "--output_dir", str(out / "ppo"),
-            "--num_warmup_steps", "0"]
+            "--num_warmup_steps", "0", "--reward_model_weight", "0", "--reward_fn", "tiny"]  # no trained reward model
     if mixed_precision_lora:
         argv.append("--enable_mixed_precision_lora")
     captured = io.StringIO()
