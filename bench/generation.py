@@ -4,7 +4,8 @@ with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the d
 decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection its own GEMM, not q/k/v as one;
 ``_fuse``: ``fuse_projections="on"``, the same as auto on CUDA; ``_tilemask``: the decode attention loads the mask
 for every tile, without ``triton_decode.CONTIGUOUS_FAST_PATH``; the tenth session's logs call it ``_holes0``, and the
-default ``_holes2``),
+default ``_holes2``; ``_scan``: every attention program scans its row's mask, without
+``triton_decode.SPANS_PER_FORWARD``, as before the fourteenth session),
 against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16, sampled,
 prompts of P tokens, G generated tokens (no early stop), batch B.
 
@@ -252,14 +253,14 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse][_tilemask]
+                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse][_tilemask][_scan]
                         options = variant.split("_")[1:]
                         stage = int(options[0][1:])
                         graph = "graph" in options
                         compile_mode = args.compile_mode if "compiled" in options else None
                         if "autotune" in options:  # inductor picks each decode GEMM's kernel by timing candidates
                             compile_mode = "max-autotune-no-cudagraphs"
-                        with attention_fast_path("tilemask" not in options):
+                        with attention_paths("tilemask" not in options, "scan" not in options):
                             r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step,
                                                graph, compile_mode=compile_mode,
                                                profile=args.profile_tokens if batch == args.profile else 0,
@@ -288,19 +289,21 @@ def main():
 
 
 @contextlib.contextmanager
-def attention_fast_path(enabled):
-    """A ``_tilemask`` row (``enabled`` False): the decode attention without its contiguous-span fast path, for that
-    row only."""
-    if enabled:
+def attention_paths(fast_path, spans_per_forward):
+    """For one row: the decode attention without its contiguous-span fast path (``_tilemask``) and/or with each
+    program scanning its row's mask (``_scan``)."""
+    if fast_path and spans_per_forward:
         yield
         return
     from dschat.hybrid_engine import triton_decode
 
-    saved, triton_decode.CONTIGUOUS_FAST_PATH = triton_decode.CONTIGUOUS_FAST_PATH, False
+    saved = triton_decode.CONTIGUOUS_FAST_PATH, triton_decode.SPANS_PER_FORWARD
+    triton_decode.CONTIGUOUS_FAST_PATH = saved[0] and fast_path
+    triton_decode.SPANS_PER_FORWARD = saved[1] and spans_per_forward
     try:
         yield
     finally:
-        triton_decode.CONTIGUOUS_FAST_PATH = saved
+        triton_decode.CONTIGUOUS_FAST_PATH, triton_decode.SPANS_PER_FORWARD = saved
 
 
 def print_table(rows):

@@ -156,16 +156,18 @@ def _epilogue(acc, m, n, m_ok, Bias, Res, Y, KC, VC, Position, stride_ym, stride
 
 
 @triton.jit
-def _attention_kernel(QKV, KC, VC, O, Position, stride_qm, stride_cb, stride_ch, stride_cn, stride_om, scale_log2,
-                      HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                      EARLY: tl.constexpr):
-    """One (row, head) per program over slots [0, position]: the engine's unsplit fast path for one query head per
-    key/value head (query padded to 16 rows for tl.dot, as the engine's kernel does)."""
+def _attention_kernel(QKV, KC, VC, O, Position, Lo, stride_qm, stride_cb, stride_ch, stride_cn, stride_om,
+                      scale_log2, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr, EARLY: tl.constexpr, HAS_LO: tl.constexpr = False):
+    """One (row, head) per program over slots [lo, position]: the engine's unsplit fast path for one query head per
+    key/value head (query padded to 16 rows for tl.dot, as the engine's kernel does). ``lo``: the row's first
+    visible slot from ``Lo`` (B,) with HAS_LO (left padding given, instead of the engine's scan of the mask), else 0."""
     bh = tl.program_id(0)
     b = bh // HEADS
     h = bh % HEADS
     _pdl_enter(PDL, EARLY)
     length = tl.load(Position) + 1
+    lo = tl.load(Lo + b) if HAS_LO else 0
     g = tl.arange(0, 16)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(QKV + b * stride_qm + h * HEAD_DIM + g[:, None] * 0 + d[None, :], mask=(g == 0)[:, None], other=0.0)
@@ -173,9 +175,9 @@ def _attention_kernel(QKV, KC, VC, O, Position, stride_qm, stride_cb, stride_ch,
     m_i = tl.full([16], float("-inf"), tl.float32)
     l_i = tl.zeros([16], tl.float32)
     acc = tl.zeros([16, HEAD_DIM], tl.float32)
-    for start in range(0, length, BLOCK):
+    for start in range((lo // BLOCK) * BLOCK, length, BLOCK):
         slot = start + tl.arange(0, BLOCK)
-        ok = slot < length
+        ok = (slot >= lo) & (slot < length)
         offsets = base + slot[:, None] * stride_cn + d[None, :]
         k = tl.load(KC + offsets, mask=ok[:, None], other=0.0)
         v = tl.load(VC + offsets, mask=ok[:, None], other=0.0)
@@ -236,16 +238,48 @@ def _(x, weight, bias, pdl):
 def simple_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """The fused chain's attention kernel (no PDL) on q of (B, HIDDEN): for the compiled layer, to separate the
     attention kernel's share of the fused chain's gain from the fusion's and PDL's."""
+    return _simple_attention(q, keys, values, position, None)
+
+
+def _simple_attention(q, keys, values, position, lo):
     o = torch.empty_like(q)
     _attention_kernel[(q.shape[0] * HEADS,)](
-        q, keys, values, o, position, q.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), o.stride(0),
-        HEAD_DIM ** -0.5 * 1.4426950408889634, HEADS=HEADS, HEAD_DIM=HEAD_DIM, BLOCK=64, num_warps=4, num_stages=3,
-        PDL=False, EARLY=False)
+        q, keys, values, o, position, lo if lo is not None else position, q.stride(0), keys.stride(0),
+        keys.stride(1), keys.stride(2), o.stride(0), HEAD_DIM ** -0.5 * 1.4426950408889634, HEADS=HEADS,
+        HEAD_DIM=HEAD_DIM, BLOCK=64, num_warps=4, num_stages=3, PDL=False, EARLY=False, HAS_LO=lo is not None)
     return o
 
 
 @simple_attention.register_fake
 def _(q, keys, values, position):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("bench::span_attention", mutates_args=())
+def span_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+                   lo: torch.Tensor) -> torch.Tensor:
+    """The chain's attention over [lo[b], position]: each row's left padding given as a (B,) tensor."""
+    return _simple_attention(q, keys, values, position, lo)
+
+
+@span_attention.register_fake
+def _(q, keys, values, position, lo):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("bench::engine_attention_tuned", mutates_args=())
+def engine_attention_tuned(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The engine's attention kernel with the chain's tile (64 slots, 3 stages, 4 warps) instead of its autotuning."""
+    from dschat.hybrid_engine import triton_decode
+
+    batch = q.shape[0]
+    query = q.view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2)
+    return triton_decode.launch(query, keys, values, mask, HEAD_DIM ** -0.5,
+                                triton_decode.Tuning(block=64, num_stages=3, num_warps=4)).reshape(batch, HIDDEN)
+
+
+@engine_attention_tuned.register_fake
+def _(q, keys, values, mask):
     return torch.empty_like(q)
 
 
@@ -321,7 +355,8 @@ class FusedLayers:
         flags, _, launch_pdl = self._flags()
         block, warps, stages = self.attention
         _attention_kernel[(self.batch * HEADS,)](
-            q, kc, vc, o, self.position, q.stride(0), kc.stride(0), kc.stride(1), kc.stride(2), o.stride(0),
+            q, kc, vc, o, self.position, self.position, q.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+            o.stride(0),
             HEAD_DIM ** -0.5 * 1.4426950408889634, HEADS=HEADS, HEAD_DIM=HEAD_DIM, BLOCK=block, num_warps=warps,
             num_stages=stages, launch_pdl=launch_pdl, **flags)
 
@@ -351,7 +386,7 @@ def torch_layer(h, ln1_w, ln1_b, qkv_w, qkv_b, out_w, out_b, ln2_w, ln2_b, fc1_w
     if attention is None:
         o = triton_decode.decode_attention(q, keys, values, mask, HEAD_DIM ** -0.5).reshape(batch, HIDDEN)
     else:
-        o = attention(q.reshape(batch, HIDDEN), keys, values, position)
+        o = attention(q.reshape(batch, HIDDEN), keys, values, position, mask)
     h = h + linear(o, out_w, out_b)
     f = torch.relu(linear(F.layer_norm(h, (HIDDEN,), ln2_w, ln2_b, EPS), fc1_w, fc1_b))
     return h + linear(f, fc2_w, fc2_b)
@@ -407,14 +442,15 @@ def time_step_us(fn, calls, replays):
     return sorted(times)[1]
 
 
-def variants(names, layers, batch, position, mask):
+def variants(names, layers, batch, position, mask, lo):
     """(name, step function) for each requested variant."""
     for name in names:
         if name == "torch_eager":
             yield name, lambda x: torch_step(torch_layer, x, layers, position, mask)
         elif name.startswith("torch_compiled"):
-            # torch_compiled[_pdl][_tmalinear][_simpleattn]: inductor's kernels with PDL; F.linear -> tma_linear (PDL
-            # as inductor's); the engine's attention -> the fused chain's
+            # torch_compiled[_pdl][_tmalinear][_simpleattn|_spanattn|_engtuned][_scan]: inductor's kernels with PDL;
+            # F.linear -> tma_linear (PDL as inductor's); the engine's attention -> the chain's (lo 0 or given per
+            # row) or the engine's kernel with the chain's tile
             import functools
 
             import torch._inductor.config as inductor_config
@@ -427,9 +463,17 @@ def variants(names, layers, batch, position, mask):
             options = {}
             if "tmalinear" in parts:
                 options["linear"] = lambda x, w, b, p=pdl: tma_linear(x, w, b, p)
-            if "simpleattn" in parts:
-                options["attention"] = simple_attention
+            if "simpleattn" in parts:  # slots [0, position]: ignores left padding (timing only when there is some)
+                options["attention"] = lambda q, k, v, p, m: simple_attention(q, k, v, p)
+            if "spanattn" in parts:
+                options["attention"] = lambda q, k, v, p, m, lo=lo: span_attention(q, k, v, p, lo)
+            if "engtuned" in parts:
+                options["attention"] = lambda q, k, v, p, m: engine_attention_tuned(q, k, v, m)
             layer = functools.partial(torch_layer, **options)
+            from dschat.hybrid_engine import triton_decode
+
+            # _scan: the engine's attention scans each row's mask in every program (as before the fourteenth session)
+            triton_decode.SPANS_PER_FORWARD = "scan" not in parts
             torch._dynamo.reset()
             with inductor_config.patch({"triton.enable_pdl": True} if pdl else {}):
                 compiled = torch.compile(layer, fullgraph=True, dynamic=False)
@@ -437,6 +481,7 @@ def variants(names, layers, batch, position, mask):
                     torch_step(compiled, torch.zeros(batch, HIDDEN, dtype=torch.bfloat16, device="cuda"), layers,
                                position, mask)
             yield name, lambda x, c=compiled: torch_step(c, x, layers, position, mask)
+            triton_decode.SPANS_PER_FORWARD = True
         elif name.startswith("sweep:"):
             # sweep:<projection>:<bn>,<bk>,<split>,<warps>,<stages> on the fused PDL + TMA chain
             _, proj, spec = name.split(":")
@@ -472,6 +517,7 @@ def main():
     p.add_argument("--filled", type=int, default=384)
     p.add_argument("--variants", default="torch_eager,torch_compiled,torch_compiled_pdl,fused,fused_pdl_wait,"
                                          "fused_pdl_early,fused_pdl_early_pf2,fused_pdl_early_pf4,fused_pdl_wait_pf2")
+    p.add_argument("--left_pad", type=int, default=0, help="masked slots before every other row's prompt")
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--json", default="pdl_chain.json")
@@ -494,7 +540,10 @@ def main():
     names = args.variants.split(",")
     if args.sweep:
         names += [f"sweep:{proj}:{spec}" for proj, specs in SWEEP.items() for spec in specs]
-    for name, step in variants(names, layers, args.batch, position, mask):
+    lo = torch.zeros(args.batch, dtype=torch.int32, device="cuda")
+    lo[::2] = args.left_pad
+    mask[::2, ..., :args.left_pad] = False  # every other row left-padded, as a collator pads prompts
+    for name, step in variants(names, layers, args.batch, position, mask, lo):
         out = step(x).clone()
         torch.cuda.synchronize()
         if reference is None:
@@ -512,7 +561,7 @@ def main():
     for r in rows:
         print(f"{r['variant']:>30} {r['us_per_step']:9.1f} {r['us_per_layer']:9.2f} {r['x_floor']:8.3f} "
               f"{r['max_abs_err']:8.4f} {r['close']}")
-    write_json(args.json, {"batch": args.batch, "cache": args.cache, "filled": args.filled,
+    write_json(args.json, {"batch": args.batch, "cache": args.cache, "filled": args.filled, "left_pad": args.left_pad,
                            "copy_bandwidth": bandwidth, "floor_us": floor_us, "rows": rows,
                            "torch": torch.__version__, "triton": triton.__version__})
 

@@ -79,7 +79,8 @@ print("ok")
 def test_pdl_chain_fused_layers_equal_the_torch_layer_and_write_the_cache_slot():
     """bench/pdl_chain.py's seven-kernel layer under Triton's interpreter (fp32, no PDL or TMA: GPU-only), for each
     tiling preset: the output of two layers, the k/v written into the cache's slot (and nothing else), a second launch
-    (split-K counters reset) and the engine's attention in place of the chain's."""
+    (split-K counters reset) and the engine's attention in place of the chain's; the compiled layer's attention
+    variants (the chain's kernel, with left padding given per row, and the engine's kernel with a fixed tile)."""
     code = """
 import functools, sys, torch, torch.nn.functional as F
 sys.path.insert(0, sys.argv[1])
@@ -116,8 +117,17 @@ for tilings, engine_mask in [("base", None), ("wide", None), ("tuned", None), ("
     for got, want in zip(layers, expected_layers):
         for i in range(2):
             torch.testing.assert_close(got["kv"][i], want["kv"][i], rtol=1e-5, atol=1e-5)
-compiled_layer = functools.partial(pc.torch_layer, attention=pc.simple_attention)
-torch.testing.assert_close(pc.torch_step(compiled_layer, x, make(), position, mask), expected, rtol=1e-4, atol=1e-4)
+simple_layer = functools.partial(pc.torch_layer, attention=lambda q, k, v, p, m: pc.simple_attention(q, k, v, p))
+torch.testing.assert_close(pc.torch_step(simple_layer, x, make(), position, mask), expected, rtol=1e-4, atol=1e-4)
+lo = torch.tensor([3, 0, 3, 0], dtype=torch.int32)  # left padding: the span kernel and the engine's skip it
+padded = mask.clone()
+padded[::2, ..., :3] = False
+engine = pc.torch_step(pc.torch_layer, x, make(), position, padded)
+span_layer = functools.partial(pc.torch_layer, attention=lambda q, k, v, p, m: pc.span_attention(q, k, v, p, lo))
+tuned_layer = functools.partial(pc.torch_layer, attention=lambda q, k, v, p, m: pc.engine_attention_tuned(q, k, v, m))
+torch.testing.assert_close(pc.torch_step(span_layer, x, make(), position, padded), engine, rtol=1e-4, atol=1e-4)
+torch.testing.assert_close(pc.torch_step(tuned_layer, x, make(), position, padded), engine, rtol=1e-4, atol=1e-4)
+assert not torch.allclose(engine, expected, rtol=1e-4, atol=1e-4)  # the padding changed the result
 print("ok")
 """
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}

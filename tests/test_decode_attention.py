@@ -21,7 +21,7 @@ sys.path.insert(0, str(SCRIPTS))
 REPO = SCRIPTS.parents[1]
 
 
-@pytest.mark.parametrize("check", ["kernel", "skip", "fast", "applies", "modes", "write", "llama", "opt", "gpt2"])
+@pytest.mark.parametrize("check", ["kernel", "skip", "fast", "spans", "applies", "modes", "write", "llama", "opt", "gpt2"])
 def test_decode_attention_check(check):
     pytest.importorskip("triton", reason="the README's test command installs triton")
     # a process of its own, not a rank of this test process's world (whose port may be taken)
@@ -43,7 +43,8 @@ def test_autotuning_times_a_three_quarters_filled_cache_once_per_shape():
     key = ("test-shape", 512)
     triton_decode._TUNED.discard(key)
     for _ in range(2):
-        triton_decode._tune_at_typical_fill(seen.append, key, 512, torch.device("cpu"))
+        triton_decode._tune_at_typical_fill(lambda mask, spans: seen.append(mask), key, 512, torch.device("cpu"),
+                                            spans_given=False)
     assert len(seen) == 1, "tuned once per shape"
     assert seen[0].shape == (1, 512) and seen[0].dtype == torch.uint8
     assert seen[0][0, :384].all() and not seen[0][0, 384:].any(), "the first 3/4 of the slots visible"
@@ -66,6 +67,9 @@ def test_launch_tunes_a_new_shape_on_the_typical_fill_then_runs_the_real_mask(mo
     monkeypatch.setattr(triton_decode, "_partial_kernel_autotuned", Recorder())
     monkeypatch.setattr(triton_decode, "_TUNED", set())
     monkeypatch.setattr(triton_decode, "split_count", lambda *args: 1)  # no combine kernel (it would really run)
+    spans_of = []  # the span kernel would really run too: each mask's spans, recorded
+    monkeypatch.setattr(triton_decode, "row_spans", lambda mask, mask_bytes, kv_len: spans_of.append(mask_bytes) or
+                        torch.zeros(mask_bytes.shape[0], 3, dtype=torch.int32))
     batch, kv_heads, length = 6, 4, 128
     q = torch.randn(batch, 8, 1, 16)
     k, v = torch.randn(batch, kv_heads, length, 16), torch.randn(batch, kv_heads, length, 16)
@@ -87,6 +91,10 @@ def test_launch_tunes_a_new_shape_on_the_typical_fill_then_runs_the_real_mask(mo
     triton_decode.launch(q, k, v, mask, 0.25)
     assert len(calls) == 5, "the other path is another kernel for the autotuner: tuned on the typical fill too"
     assert calls[3][1]["FAST_CONTIGUOUS"] == calls[4][1]["FAST_CONTIGUOUS"] != calls[2][1]["FAST_CONTIGUOUS"]
+    assert all(c[1]["SPANS_GIVEN"] for c in calls) and spans_of[0] is tune_args[3]  # the typical fill's own spans
+    monkeypatch.setattr(triton_decode, "SPANS_PER_FORWARD", False)
+    triton_decode.launch(q, k, v, mask, 0.25)
+    assert len(calls) == 7 and not calls[6][1]["SPANS_GIVEN"], "scanning per program is another kernel: tuned too"
 
 
 def _tiny(config_class, **kwargs):
@@ -194,8 +202,10 @@ def _hopper_target():
     return GPUTarget("cuda", 90, 32) if "nvidia" in backends and triton.knobs.nvidia.ptxas.path else None
 
 
-@pytest.mark.parametrize("has_mask,fast_contiguous,splits", [(True, True, 1), (True, False, 2), (False, True, 1)])
-def test_the_attention_kernel_compiles_for_hopper(has_mask, fast_contiguous, splits, tmp_path, monkeypatch):
+@pytest.mark.parametrize("has_mask,fast_contiguous,splits,spans_given", [
+    (True, True, 1, True), (True, True, 1, False), (True, False, 2, True), (False, True, 1, False)])
+def test_the_attention_kernel_compiles_for_hopper(has_mask, fast_contiguous, splits, spans_given, tmp_path,
+                                                  monkeypatch):
     """What the interpreter is lenient about (Triton's typing of constexpr and tensor operands, both loops of the span
     paths): the partial and combine kernels compiled to sm_90 machine code, on the CPU, for each path."""
     target = _hopper_target()
@@ -207,10 +217,10 @@ def test_the_attention_kernel_compiles_for_hopper(has_mask, fast_contiguous, spl
     from dschat.hybrid_engine import triton_decode
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled, not read from an earlier run's cache
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Mask": "*u8", "Out": "*fp32", "Lse": "*fp32",
-                "Final": "*bf16"}
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Mask": "*u8", "Spans": "*i32", "Out": "*fp32",
+                "Lse": "*fp32", "Final": "*bf16"}
     constants = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK=64, SPLITS=splits, HAS_MASK=has_mask,
-                     SCAN=512, FAST_CONTIGUOUS=fast_contiguous, IEEE=False)
+                     SCAN=512, FAST_CONTIGUOUS=fast_contiguous, IEEE=False, SPANS_GIVEN=spans_given)
     names = triton_decode._partial_kernel.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n == "scale_log2" else "i32")
                  for n in names}
@@ -224,6 +234,12 @@ def test_the_attention_kernel_compiles_for_hopper(has_mask, fast_contiguous, spl
                                       {n: "constexpr" if n in combine else "*bf16" if n == "Final" else "*fp32"
                                        for n in combine_names},
                                       {(combine_names.index(n),): v for n, v in combine.items()}),
+                            target=target, options=dict(num_warps=4))
+    assert kernel.asm["cubin"]
+    span_names = triton_decode._span_kernel.arg_names
+    kernel = triton.compile(ASTSource(triton_decode._span_kernel,
+                                      {"Mask": "*u8", "Spans": "*i32", "stride_mb": "i32", "stride_mn": "i32",
+                                       "kv_len": "i32", "SCAN": "constexpr"}, {(span_names.index("SCAN"),): 512}),
                             target=target, options=dict(num_warps=4))
     assert kernel.asm["cubin"]
 

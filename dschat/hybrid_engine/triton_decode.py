@@ -28,25 +28,34 @@ MASK_SCAN = 1024  # mask bytes read per step of a row's visible-span scan
 # decodes) takes them from the span instead of loading the mask's bytes ahead of each tile's keys and values: OPT-1.3B's
 # layout at B=64 52.9 against 54.6 us per layer (bench/decode_attention.py --cold --probes, H200).
 CONTIGUOUS_FAST_PATH = True
+# Each row's visible span, found once per forward (the first layer's call, :func:`row_spans`) instead of by every
+# program of every layer: the scan is a dependent load ahead of each program's first key/value tiles. In an
+# OPT-1.3B-shaped compiled decode layer at B=64 the kernel without it took ~2.7 us less per layer
+# (bench/pdl_chain.py, fourteenth session).
+SPANS_PER_FORWARD = True
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, Mask, Out, Lse, Final,
+def _partial_kernel(Q, K, V, Mask, Spans, Out, Lse, Final,
                     stride_qb, stride_qh, stride_qd,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
-                    stride_mb, stride_mn,
+                    stride_mb, stride_mn, stride_sb,
                     batch_bucket, kv_len_bucket, num_kv_heads, kv_len, scale_log2,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, SCAN: tl.constexpr,
-                    FAST_CONTIGUOUS: tl.constexpr, IEEE: tl.constexpr):
+                    FAST_CONTIGUOUS: tl.constexpr, IEEE: tl.constexpr, SPANS_GIVEN: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
     kv_head = bh % num_kv_heads
     # The row's visible span [lo, hi] from its mask: left padding before it and the unfilled cache after it are
     # never loaded.
-    if HAS_MASK:
+    if HAS_MASK and SPANS_GIVEN:  # (lo, hi, unholed) of the row, from row_spans
+        lo = tl.load(Spans + b * stride_sb)
+        hi = tl.load(Spans + b * stride_sb + 1)
+        unholed = tl.load(Spans + b * stride_sb + 2) != 0
+    elif HAS_MASK:
         lo, hi, count = _visible_span(Mask + b * stride_mb, stride_mn, kv_len, SCAN)
         unholed = count == hi - lo + 1  # no hole inside [lo, hi]: the span alone says which slots are visible
     else:
@@ -140,6 +149,47 @@ def _visible_span(row_mask, stride_mn, kv_len, SCAN: tl.constexpr):
 
 
 @triton.jit
+def _span_kernel(Mask, Spans, stride_mb, stride_mn, kv_len, SCAN: tl.constexpr):
+    """Per row: its first and last visible slot and whether none between them is masked (row_spans)."""
+    b = tl.program_id(0)
+    lo, hi, count = _visible_span(Mask + b * stride_mb, stride_mn, kv_len, SCAN)
+    tl.store(Spans + b * 3, lo)
+    tl.store(Spans + b * 3 + 1, hi)
+    tl.store(Spans + b * 3 + 2, (count == hi - lo + 1).to(tl.int32))
+
+
+def row_spans(mask, mask_bytes, kv_len):
+    """(rows, 3) int32: each row's (first visible slot, last visible slot, 1 if no slot between them is masked).
+
+    One small kernel at the first call for a ``mask`` object; the other layers of the same forward get the same
+    object (transformers builds the mask once per forward) and reuse its spans, kept on the mask itself with its
+    version counter, so an in-place change of the mask is scanned again. A captured graph replays that one kernel
+    each step. (Inference-mode tensors have no version counter: scanned at every call.)"""
+    # Spans found outside a graph capture are not reused inside one: the graph must replay their kernel each step.
+    state = (_version_of(mask), _capturing(mask_bytes.device))
+    cached = getattr(mask, "_dschat_row_spans", None)
+    if cached is not None and state[0] is not None and cached[0] == state:
+        return cached[1]
+    spans = torch.empty((mask_bytes.shape[0], 3), dtype=torch.int32, device=mask_bytes.device)
+    _span_kernel[(mask_bytes.shape[0],)](mask_bytes, spans, mask_bytes.stride(0), mask_bytes.stride(1), kv_len,
+                                         SCAN=min(MASK_SCAN, triton.next_power_of_2(kv_len)), num_warps=4)
+    if state[0] is not None:
+        mask._dschat_row_spans = (state, spans)
+    return spans
+
+
+def _capturing(device):
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _version_of(tensor):
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor
+        return None
+
+
+@triton.jit
 def _combine_kernel(Out, Lse, Final, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
                     SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0)
@@ -180,6 +230,7 @@ class Tuning:
     num_warps: int = 4
     splits: int | None = None  # parts per (row, key/value head); None: split_count's choice
     contiguous_fast_path: bool | None = None  # None: CONTIGUOUS_FAST_PATH when launched
+    spans_per_forward: bool | None = None  # None: SPANS_PER_FORWARD when launched
 
 
 # On the GPU each new shape (cache length and batch rounded up to powers of two, heads) times these once, at its
@@ -190,7 +241,7 @@ CONFIGS = [triton.Config({"BLOCK": block}, num_stages=stages, num_warps=warps)
                                         (128, 3, 4), (128, 2, 8))]  # the best of bench/decode_attention.py's sweep
 _partial_kernel_autotuned = triton.autotune(
     configs=CONFIGS, key=["batch_bucket", "kv_len_bucket", "num_kv_heads", "GROUP", "HEAD_DIM", "SPLITS", "HAS_MASK",
-                          "FAST_CONTIGUOUS"],
+                          "FAST_CONTIGUOUS", "SPANS_GIVEN"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles),
 )(_partial_kernel)
 
@@ -214,18 +265,19 @@ def launch(query, key, value, mask, scaling, tuning=None):
     splits = tuning.splits if tuning is not None and tuning.splits is not None else \
         split_count(programs, triton.cdiv(kv_len, 32), query.device)
     if tuning is None and _autotuned(query.device):
-        kernel, launch_options, fast_contiguous = _partial_kernel_autotuned, {}, CONTIGUOUS_FAST_PATH
+        kernel, launch_options = _partial_kernel_autotuned, {}
+        fast_contiguous, spans_given = CONTIGUOUS_FAST_PATH, SPANS_PER_FORWARD
     else:
         tuning = tuning or Tuning()
-        kernel, fast_contiguous = _partial_kernel, tuning.contiguous_fast_path
-        if fast_contiguous is None:
-            fast_contiguous = CONTIGUOUS_FAST_PATH
+        kernel = _partial_kernel
+        fast_contiguous = CONTIGUOUS_FAST_PATH if tuning.contiguous_fast_path is None else tuning.contiguous_fast_path
+        spans_given = SPANS_PER_FORWARD if tuning.spans_per_forward is None else tuning.spans_per_forward
         launch_options = dict(BLOCK=tuning.block, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     scan = min(MASK_SCAN, triton.next_power_of_2(kv_len))
 
-    def partial(mask_bytes):
-        """The partial kernel over ``mask_bytes`` (None, or (B or 1, L) uint8); returns its final (or partial)
-        outputs."""
+    def partial(mask_bytes, spans=None):
+        """The partial kernel over ``mask_bytes`` (None, or (B or 1, L) uint8) and, with ``spans_given``, its rows'
+        ``spans`` (row_spans); returns its final (or partial) outputs."""
         final = torch.empty((batch, 1, num_heads, head_dim), dtype=query.dtype, device=query.device)
         if splits > 1:
             out = torch.empty((batch * num_heads, splits, d_pad), dtype=torch.float32, device=query.device)
@@ -238,33 +290,36 @@ def launch(query, key, value, mask, scaling, tuning=None):
             stride_mn = mask_bytes.stride(1)
         else:
             mask_bytes, stride_mb, stride_mn = key, 0, 0  # placeholder pointer, never read
+        stride_sb = 3 if spans is not None and spans.shape[0] > 1 else 0
         kernel[(programs, splits)](
-            query, key, value, mask_bytes, out, lse, final,
+            query, key, value, mask_bytes, spans if spans is not None else mask_bytes, out, lse, final,
             query.stride(0), query.stride(1), query.stride(3),
             key.stride(0), key.stride(1), key.stride(2), key.stride(3),
             value.stride(0), value.stride(1), value.stride(2), value.stride(3),
-            stride_mb, stride_mn,
+            stride_mb, stride_mn, stride_sb,
             # autotuning keys only: the next powers of two, so that eager decoding with ever new cache lengths or
             # batch sizes does not time the candidates again for each
             triton.next_power_of_2(batch), triton.next_power_of_2(kv_len), num_kv_heads, kv_len,
             scaling * math.log2(math.e),
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
             SPLITS=splits, HAS_MASK=has_mask, SCAN=scan, FAST_CONTIGUOUS=fast_contiguous,
-            IEEE=query.dtype == torch.float32, **launch_options)
+            IEEE=query.dtype == torch.float32, SPANS_GIVEN=has_mask and spans is not None, **launch_options)
         return final, out, lse
 
     mask_bytes = None if mask is None else mask[:, 0, 0, :].view(torch.uint8)  # bool as bytes: one load per slot
     if kernel is _partial_kernel_autotuned and mask is not None:
         _tune_at_typical_fill(partial, (triton.next_power_of_2(batch), triton.next_power_of_2(kv_len), num_kv_heads,
-                                        group, head_dim, splits, query.dtype, fast_contiguous), kv_len, query.device)
-    final, out, lse = partial(mask_bytes)
+                                        group, head_dim, splits, query.dtype, fast_contiguous, spans_given), kv_len,
+                              query.device, spans_given)
+    final, out, lse = partial(mask_bytes, row_spans(mask, mask_bytes, kv_len) if spans_given and mask is not None
+                              else None)
     if splits > 1:
         _combine_kernel[(batch * num_heads,)](out, lse, final, HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits,
                                               SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
     return final
 
 
-def _tune_at_typical_fill(partial, shape_key, kv_len, device):
+def _tune_at_typical_fill(partial, shape_key, kv_len, device, spans_given):
     """Autotune a new shape on a cache 3/4 filled rather than on the caller's mask. The first call of a shape is the
     decode graph's warm-up, right after the prefill, when the cache holds the prompt only; a generation then fills it
     to the end, so its mean fill is P + N/2 of P + N slots (3/4 when prompt and answer are as long), and tiles timed
@@ -272,7 +327,8 @@ def _tune_at_typical_fill(partial, shape_key, kv_len, device):
     if shape_key in _TUNED:
         return
     typical = (torch.arange(kv_len, device=device) < (3 * kv_len) // 4).to(torch.uint8)[None]
-    partial(typical)  # times the candidates; the autotuner keeps the best for this key (values are not in the key)
+    # times the candidates; the autotuner keeps the best for this key (values are not in the key)
+    partial(typical, row_spans(typical, typical, kv_len) if spans_given else None)
     _TUNED.add(shape_key)
 
 

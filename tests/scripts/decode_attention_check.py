@@ -125,15 +125,46 @@ def check_fast_path_is_taken():
     contiguous[..., 40:200] = True
     holes = contiguous.clone()
     holes[..., 100] = False
+    rows = 2
     loads = {}
-    for fast, (name, mask) in itertools.product((True, False), (("contiguous", contiguous), ("holes", holes))):
+    for fast, spans, (name, mask) in itertools.product((True, False), (True, False),
+                                                      (("contiguous", contiguous), ("holes", holes))):
         mask_loads[0] = 0
-        triton_decode.launch(q, k, k, mask, 0.25, triton_decode.Tuning(splits=1, contiguous_fast_path=fast))
-        loads[fast, name] = mask_loads[0]
+        # a new mask object each time: spans found for one call are kept on its mask (row_spans)
+        tuning = triton_decode.Tuning(splits=1, contiguous_fast_path=fast, spans_per_forward=spans)
+        triton_decode.launch(q, k, k, mask.clone(), 0.25, tuning)
+        loads[fast, spans, name] = mask_loads[0]
     interpreter.InterpreterBuilder.create_masked_load = masked_load
-    assert loads[True, "contiguous"] == programs, (loads, "one load per program: its span's scan")
-    assert loads[True, "holes"] == loads[False, "holes"] == loads[False, "contiguous"] > programs, loads
+    # the span scanned once per row (row_spans), else once per program; nothing more on the fast path
+    assert loads[True, True, "contiguous"] == rows, (loads, "one scan per row")
+    assert loads[True, False, "contiguous"] == programs, (loads, "one scan per program")
+    tile_loads = {key: n - (rows if key[1] else programs) for key, n in loads.items()}
+    assert len({n for key, n in tile_loads.items() if key != (True, True, "contiguous")
+                and key != (True, False, "contiguous")}) == 1 and tile_loads[False, True, "holes"] > 0, tile_loads
     print("fast path taken", loads)
+
+
+def check_spans_are_found_once_per_mask_object():
+    """The other layers of a forward get the same mask object: its rows' spans come from the first call; an in-place
+    change of the mask is scanned again."""
+    torch.manual_seed(3)
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 64, 16)
+    mask = torch.zeros(2, 1, 1, 64, dtype=torch.bool)
+    mask[0, ..., 5:40] = True
+    mask[1, ..., 0:40] = True
+    first = triton_decode.launch(q, k, k, mask, 0.25)
+    spans = mask._dschat_row_spans[1]
+    assert spans.tolist() == [[5, 39, 1], [0, 39, 1]], spans
+    assert torch.equal(triton_decode.launch(q, k, k, mask, 0.25), first)
+    assert mask._dschat_row_spans[1] is spans  # reused, not scanned again
+    mask[0, ..., 40] = True  # the next decode step's slot
+    mask[1, ..., 20] = False  # and a hole
+    got = triton_decode.launch(q, k, k, mask, 0.25)
+    assert mask._dschat_row_spans[1].tolist() == [[5, 40, 1], [0, 39, 0]]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1),
+                                                                 attn_mask=mask).transpose(1, 2)
+    assert (got - expected).abs().max() < 1e-5
+    print("spans once per mask object")
 
 
 def check_kernel_applies_only_where_it_equals_sdpa():
@@ -236,6 +267,7 @@ CHECKS = {
     "kernel": check_kernel_matches_sdpa,
     "skip": check_masked_blocks_are_not_read,
     "fast": check_fast_path_is_taken,
+    "spans": check_spans_are_found_once_per_mask_object,
     "applies": check_kernel_applies_only_where_it_equals_sdpa,
     "modes": check_resolve_mode,
     "write": check_token_write_equals_index_copy,
