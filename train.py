@@ -4,8 +4,10 @@
     python train.py                                   # the embedded tiny default, offline, CPU or GPU
     python train.py --recipe dpo                      # step 1, then DPO instead of steps 2 and 3
     python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m --deployment-type single_gpu
-    deepspeed train.py --actor-model meta-llama/Llama-3.2-1B --reward-model Qwen/Qwen2.5-0.5B \
+    deepspeed train.py --actor-model Qwen/Qwen2.5-1.5B --reward-model Qwen/Qwen2.5-0.5B \
         --deployment-type single_node --actor-zero-stage 3 --reward-zero-stage 3
+
+The reward model shares the actor's tokenizer (one family): step 3 scores the actor's token ids with it.
 """
 import argparse
 import os
@@ -29,14 +31,34 @@ def zero_stage(text):
     return int(text)
 
 
+STEP_ARGS = ("--step1-args", "--step2-args", "--step3-args")
+
+
+def step_args_as_values(argv):
+    """``--step1-args --check_grad_overflow`` as ``--step1-args=--check_grad_overflow``: argparse would take a lone
+    flag after ``--stepN-args`` for an option of train.py's and say the string is missing."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in STEP_ARGS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step", type=int, nargs="+", choices=[1, 2, 3], default=[1, 2, 3],
                    help="Which steps to run (e.g. --step 2 3).")
     p.add_argument("--actor-model", type=model_name, default="tiny-llama",
                    help="Hub name, local folder or tiny preset; a bare OPT size (1.3b) means facebook/opt-1.3b.")
-    p.add_argument("--reward-model", type=model_name, default="tiny-llama",
-                   help="Hub name, local folder or tiny preset; a bare OPT size (350m) means facebook/opt-350m.")
+    p.add_argument("--reward-model", type=model_name, default=None,
+                   help="Hub name, local folder or tiny preset; a bare OPT size (350m) means facebook/opt-350m. "
+                        "Default: the actor model (it must share the actor's tokenizer).")
     p.add_argument("--actor-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
                    help="Steps 1 and 3's actor (default: 0 with single_gpu, else 3).")
     p.add_argument("--reward-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
@@ -53,7 +75,7 @@ def parse_args(argv=None):
     for step in (1, 2, 3):
         p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    args, unknown = p.parse_known_args(argv)
+    args, unknown = p.parse_known_args(step_args_as_values(argv))
     if unknown:
         from dschat.pipeline import step_flags_hint
 
@@ -64,6 +86,7 @@ def parse_args(argv=None):
     if not runs:
         p.error(f"--recipe {args.recipe} --step {' '.join(map(str, args.step))}: nothing to run; the recipe has no "
                 + "; no ".join(not_run))
+    args.reward_model = args.reward_model or args.actor_model
     # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.
     default_stage = 0 if args.deployment_type == "single_gpu" else 3
     args.actor_zero_stage = default_stage if args.actor_zero_stage is None else args.actor_zero_stage

@@ -11,3 +11,7 @@ class UsageError(ValueError):
 
 class MissingInputError(UsageError, FileNotFoundError):
     """A file or folder the user named (or an earlier step should have written) is not there."""
+
+
+class MissingModuleError(UsageError, ModuleNotFoundError):
+    """A module the user named (e.g. ``--reward_fn module:function``) cannot be found."""

@@ -7,6 +7,7 @@ import os
 import shlex
 import time
 
+from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
 from dschat.run_layout import DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0
@@ -50,7 +51,7 @@ def step_argv(step, args, tiny):
     out = args.output_dir
     common = ["--data_path", *args.data_path] if args.data_path else []
     dpo = step == 2 and getattr(args, "recipe", "ppo") == "dpo"
-    extra = shlex.split(getattr(args, f"step{step}_args") or "")
+    extra = step_extra_args(step, args)
     if dpo:
         # the policy and its frozen reference both start from the SFT model, sharded like the actor
         argv = ["--model_name_or_path", os.path.join(out, SFT_DIR), "--zero_stage", str(args.actor_zero_stage),
@@ -76,6 +77,14 @@ def step_argv(step, args, tiny):
     if step == 3 and getattr(args, "recipe", "ppo") == "grpo":
         recipe = recipe + GRPO_RECIPE
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache")] + extra
+
+
+def step_extra_args(step, args):
+    """The ``--stepN-args`` string as an argument list."""
+    try:
+        return shlex.split(getattr(args, f"step{step}_args") or "")
+    except ValueError as error:  # e.g. "No closing quotation"
+        raise UsageError(f"--step{step}-args {getattr(args, f'step{step}_args')!r}: {error}") from None
 
 
 # Steps a recipe does not have, and why.
@@ -124,14 +133,75 @@ def check_step_args(steps, args, tiny, parsers):
     from dschat.steps.common import check_supervised_settings
     from dschat.utils.dist import get_world_size
 
-    for step in steps:
+    parsed = {}
+    for step in steps:  # every step's flags first: a typo is the first thing to hear about
         parser = parsers[step]()
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
-        parsed = parser.parse_args(step_argv(step, args, tiny))
+        parsed[step] = parser.parse_args(step_argv(step, args, tiny)), parser
+    for step, (flags, parser) in parsed.items():
+        check_folders_are_train_pys(step, args, tiny, flags, parser)
         if step == 3:
-            check_step3_settings(step3_args(parsed), get_world_size())
+            check_step3_settings(step3_args(flags), get_world_size())
         else:
-            check_supervised_settings(parsed, phase=step)
+            check_supervised_settings(flags, phase=step)
+    for step, (flags, _) in parsed.items():
+        check_earlier_outputs(step, steps, args, flags)
+    check_reward_model_tokenizer(steps, args, tiny)
+
+
+# Where each step reads and writes: train.py sets these from its own flags; the later steps and the report read the
+# folders train.py chose, so --stepN-args may not move them.
+FOLDER_DESTS = {"output_dir": "--output-dir", "model_name_or_path": "--actor-model / --reward-model",
+                "actor_model_name_or_path": "--actor-model", "critic_model_name_or_path": "--reward-model"}
+
+
+def check_folders_are_train_pys(step, args, tiny, parsed, parser):
+    """A folder flag inside ``--stepN-args`` (or an abbreviation of one) would make the later steps and the report
+    read other folders than the step wrote: refused."""
+    dests = {action.dest for action in parser._actions}
+    defaults = parser.parse_args(step_argv(step, _without_extra(args, step), tiny))
+    for dest, train_py_flag in FOLDER_DESTS.items():
+        if dest in dests and getattr(parsed, dest) != getattr(defaults, dest):
+            raise UsageError(f"--step{step}-args sets --{dest}, which train.py sets itself from {train_py_flag} (the "
+                             f"later steps and the report read train.py's folders): use {train_py_flag}, or run "
+                             "the step's training/.../main.py")
+
+
+def _without_extra(args, step):
+    import copy
+
+    plain = copy.copy(args)
+    setattr(plain, f"step{step}_args", "")
+    return plain
+
+
+# the output folders of earlier steps that a later step reads, and the step that writes each
+PRODUCED_BY = {SFT_DIR: 1, RM_DIR: 2}
+
+
+def check_earlier_outputs(step, steps, args, parsed):
+    """A model folder an earlier step writes, when that step is not run now, must already be there: otherwise the
+    step would look the folder up on the hub and end in a traceback."""
+    paths = [getattr(parsed, name, None) for name in ("model_name_or_path", "actor_model_name_or_path")]
+    if step == 3 and (parsed.advantage_estimator == "gae" or parsed.reward_model_weight):
+        paths.append(parsed.critic_model_name_or_path)
+    for path in filter(None, paths):
+        for folder, producer in PRODUCED_BY.items():
+            if path == os.path.join(args.output_dir, folder) and producer not in steps and not os.path.isdir(path):
+                raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which does not exist: "
+                                        f"run step {producer} too (--step {producer} {step}) or first")
+
+
+def check_reward_model_tokenizer(steps, args, tiny):
+    """Step 3 feeds the actor's token ids to the reward model (and the critic made from it): a reward model of
+    another family would be refused there, after steps 1 and 2 have trained. Checked before step 1."""
+    if tiny or getattr(args, "recipe", "ppo") != "ppo" or 2 not in steps or args.reward_model == args.actor_model:
+        return
+    from dschat.models.loading import load_tokenizer
+    from dschat.rlhf.engine import check_same_token_ids
+
+    check_same_token_ids(load_tokenizer(args.actor_model), args.actor_model, load_tokenizer(args.reward_model),
+                         args.reward_model, "train.py: --reward-model")
 
 
 def run_pipeline(args):

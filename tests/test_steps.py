@@ -235,3 +235,69 @@ def test_steps_pad_batches_to_pad_to_multiple_of(tmp_path, monkeypatch, distribu
     assert mask.shape[1] == -(-longest // multiple) * multiple
     assert multiple == 1 or longest % multiple, "the batch's longest row is already a multiple: nothing was tested"
     assert collators[0].max_length == 80  # SFT_FAST's --max_seq_len: rounding never passes it
+
+
+def _train_py_args(*argv):
+    import runpy
+
+    return runpy.run_path(str(REPO / "train.py"))["parse_args"](list(argv))
+
+
+def test_train_py_refuses_step_args_that_move_its_folders_and_says_which_flag(tmp_path, distributed):
+    # the later steps and the report read the folders train.py chose: a step may not write or read others
+    from dschat import pipeline
+    from dschat.errors import UsageError
+
+    for step, flag in ((1, "--output_dir elsewhere"), (1, "--output_d elsewhere"), (3, "--actor_model_name_or_path x"),
+                       (2, "--model_name_or_path tiny-gpt2")):
+        args = _train_py_args("--output-dir", str(tmp_path / "out"), f"--step{step}-args", flag)
+        with pytest.raises(UsageError, match=f"--step{step}-args sets --"):
+            pipeline.run_pipeline(args)
+    assert not (tmp_path / "out").exists(), "no step may have run"
+
+
+def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, distributed):
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+
+    out = str(tmp_path / "out")
+    for argv, missing in ((["--step", "3"], "step1_sft"), (["--step", "2", "3"], "step1_sft"),
+                          (["--recipe", "dpo", "--step", "2"], "step1_sft"), (["--recipe", "grpo", "--step", "3"],
+                                                                              "step1_sft")):
+        with pytest.raises(MissingInputError, match=f"reads {out}/{missing}, step 1's output, which does not exist"):
+            pipeline.run_pipeline(_train_py_args("--output-dir", out, *argv))
+    (tmp_path / "out" / "step1_sft").mkdir(parents=True)
+    with pytest.raises(MissingInputError, match="step2_rm, step 2's output"):
+        pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "3"))
+
+
+def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(tmp_path, distributed):
+    from dschat import pipeline
+    from dschat.errors import UsageError
+
+    args = _train_py_args("--step1-args", "--check_grad_overflow", "--step3-args", "--print_answers")
+    assert args.step1_args == "--check_grad_overflow" and args.step3_args == "--print_answers"
+    with pytest.raises(UsageError, match="--step1-args .*No closing quotation"):
+        pipeline.step_argv(1, _train_py_args("--step1-args", "--data_path 'a b"), tiny=True)
+
+
+def test_train_py_reward_model_defaults_to_the_actor_and_another_tokenizer_fails_before_step_1(tmp_path, distributed):
+    import json
+    import shutil
+
+    from dschat import pipeline
+    from dschat.errors import UsageError
+    from dschat.models.loading import resolve_model_path
+
+    assert _train_py_args("--actor-model", "facebook/opt-1.3b").reward_model == "facebook/opt-1.3b"
+    assert _train_py_args().reward_model == "tiny-llama"
+    other = tmp_path / "other"
+    shutil.copytree(resolve_model_path("tiny-gpt2"), other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["a"], spec["model"]["vocab"]["b"] = spec["model"]["vocab"]["b"], spec["model"]["vocab"]["a"]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    args = _train_py_args("--actor-model", str(resolve_model_path("tiny-gpt2")), "--reward-model", str(other),
+                          "--output-dir", str(tmp_path / "out"))
+    with pytest.raises(UsageError, match="train.py: --reward-model .* has another tokenizer than the actor"):
+        pipeline.run_pipeline(args)
+    assert not (tmp_path / "out" / "step1_sft").exists()

@@ -11,7 +11,7 @@ from dschat.models.loading import check_sequence_fits, load_causal_lm, load_toke
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILE, create_critic_model
 from dschat.rlhf.config import step3_args
-from dschat.rlhf.reward_fn import check_reward_sources
+from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
 from dschat.utils.dist import get_world_size, print_rank_0
 from dschat.utils.ds_config import (apply_user_ds_config, frozen_copy_stage, get_eval_ds_config, get_train_ds_config,
@@ -91,6 +91,8 @@ def check_step3_settings(args, world_size):
     """The reward sources checked, and the actor's and critic's training configs built once, quietly, so that a
     config file that contradicts the flags fails before any data or model is loaded."""
     check_reward_sources(args)
+    if args.reward_fn:
+        load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load
     check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
     check_phase_share(args.data_split, 3)
     actor = step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
@@ -102,6 +104,18 @@ def check_step3_settings(args, world_size):
                          "--max_answer_seq_len and --eval_max_new_tokens): prompt + answer must fit")
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
+
+
+def check_same_token_ids(actor_tokenizer, actor_path, other_tokenizer, other_path, role):
+    """The critic and the reward model read the actor's token ids: their tokenizer must give every token of the
+    actor's the same id, or they score other text than the actor wrote (and nothing would say so)."""
+    theirs = other_tokenizer.get_vocab()
+    differ = [token for token, index in actor_tokenizer.get_vocab().items() if theirs.get(token) != index]
+    if differ:
+        raise UsageError(f"{role} {other_path} has another tokenizer than the actor {actor_path}: {len(differ)} of "
+                         f"the actor's tokens have another id or none there (e.g. {differ[0]!r}); it would score the "
+                         "actor's token ids as other text. Train the reward model from a model with the actor's "
+                         "tokenizer (the same family)")
 
 
 class DeepSpeedRLHFEngine:
@@ -190,16 +204,10 @@ class DeepSpeedRLHFEngine:
                             "--max_prompt_seq_len + the longer of --max_answer_seq_len and --eval_max_new_tokens")
 
     def _check_token_ids(self, path, role):
-        """The critic and the reward model read the actor's token ids: their tokenizer must give every token of the
-        actor's the same id, or they score other text than the actor wrote (and nothing would say so)."""
         a = self.args
-        theirs = load_tokenizer(path, add_eot_token=a.add_eot_token, eot_token=a.eot_token).get_vocab()
-        differ = [token for token, index in self.tokenizer.get_vocab().items() if theirs.get(token) != index]
-        if differ:
-            raise UsageError(f"step3: {role} {path} has another tokenizer than the actor {self.actor_path}: "
-                             f"{len(differ)} of the actor's tokens have another id or none there (e.g. "
-                             f"{differ[0]!r}); it would score the actor's token ids as other text. Train step 2 from "
-                             "a model with the actor's tokenizer (the same family)")
+        check_same_token_ids(self.tokenizer, self.actor_path,
+                             load_tokenizer(path, add_eot_token=a.add_eot_token, eot_token=a.eot_token), path,
+                             f"step3: {role}")
 
     def _init_critic(self):
         a = self.args

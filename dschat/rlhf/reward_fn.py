@@ -10,7 +10,7 @@ import inspect
 import math
 import os
 
-from dschat.errors import MissingInputError, UsageError
+from dschat.errors import MissingInputError, MissingModuleError, UsageError
 
 ALIASES = {"tiny": "dschat.tiny.scorer:score_batch"}
 
@@ -47,11 +47,11 @@ def load_reward_fn(spec):
         except ModuleNotFoundError as error:
             if error.name is None or not (target == error.name or target.startswith(error.name + ".")):
                 raise  # the module exists but imports something missing: that error says what
-            raise ModuleNotFoundError(f"--reward_fn {spec!r}: no module {target!r} (a file needs its .py path, "
-                                      f"e.g. path/to/{target}.py:{name})", name=error.name) from None
+            raise MissingModuleError(f"--reward_fn {spec!r}: no module {target!r} (a file needs its .py path, "
+                                     f"e.g. path/to/{target}.py:{name})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise AttributeError(f"--reward_fn: {target} has no function {name!r}")
+        raise UsageError(f"--reward_fn: {target} has no function {name!r}")
     return fn
 
 
