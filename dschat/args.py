@@ -91,7 +91,8 @@ def add_model_args(parser, default_model="tiny-llama"):
                    help="Add --eot_token as the end-of-conversation (EOS) token when the tokenizer has none; answers "
                         "always end with the tokenizer's EOS token.")
     g.add_argument("--eot_token", type=str, default="<|endoftext|>",
-                   help="The end-of-conversation token --add_eot_token adds (DeepSpeed-Chat's).")
+                   help="The end-of-conversation token --add_eot_token adds to a tokenizer without an EOS token "
+                        "(DeepSpeed-Chat appended it to every answer; dschat ends answers with the tokenizer's EOS).")
     return g
 
 
@@ -230,7 +231,9 @@ def namespace_with_defaults(parser, overrides=None):
     A key is a flag's destination or any of its option names (DeepSpeed-Chat's older ones too) and means what the flag
     means on the command line: ``disable_actor_dropout=True`` sets ``actor_dropout`` to 0.0 (False leaves it),
     ``no-enable_cuda_graph=True`` turns graphs off, strings are converted and the flags' checks apply
-    (``ppo_epochs=0`` is an error). An object's attributes are read by those names, class attributes included.
+    (``ppo_epochs=0`` is an error); a switch (``enable_hybrid_engine``, ``disable_actor_dropout``,
+    ``no-enable_cuda_graph``, ...) takes a bool or one of "true"/"1"/"yes"/"on" and "false"/"0"/"no"/"off" in any
+    case, and any other string is an error. An object's attributes are read by those names, class attributes included.
     Destinations are applied first, then other names that carry a value other than None or the default (a
     DeepSpeed-Chat namespace holds both ``deepspeed_config=None`` and ``deepscale_config="ds.json"``). Keys that
     name no flag are an error in a dict (a typo would otherwise be a silent default); an object's are kept and
@@ -238,8 +241,9 @@ def namespace_with_defaults(parser, overrides=None):
     args = parser.parse_args([])
     if overrides is None:
         return args
-    by_name = {option.lstrip("-"): action for action in parser._actions for option in action.option_strings}
-    by_name.update({action.dest: action for action in parser._actions if action.option_strings})
+    # an option name means its own flag: "actor_dropout" is --actor_dropout, not --disable_actor_dropout (same dest)
+    by_name = {action.dest: action for action in parser._actions if action.option_strings}
+    by_name.update({option.lstrip("-"): action for action in parser._actions for option in action.option_strings})
     items = overrides if isinstance(overrides, dict) else _attributes(overrides, by_name)
     unknown = sorted(key for key in items if key not in by_name)
     if unknown and isinstance(overrides, dict):
@@ -270,6 +274,10 @@ def _set_from_option(args, action, name, value):
     """Set ``action``'s destination as giving option ``name`` with ``value`` would on the command line."""
     switch = isinstance(action, argparse._StoreConstAction) and name != action.dest
     negated = isinstance(action, argparse.BooleanOptionalAction) and name.startswith("no-")
+    if isinstance(value, str) and isinstance(action, (argparse._StoreConstAction, argparse.BooleanOptionalAction)):
+        value = _switch_value(name, value)  # "false" is a truthy string: it would act as the flag
+        if type(action) is argparse._StoreConstAction and not switch:  # a store_const's destination: const or default
+            value = action.const if value else action.default
     if switch or negated:
         if value:  # disable_actor_dropout / no-enable_cuda_graph: True acts as the flag, False changes nothing
             setattr(args, action.dest, False if negated else action.const)
@@ -281,6 +289,18 @@ def _set_from_option(args, action, name, value):
     if action.choices is not None and value is not None and value not in action.choices:
         raise UsageError(f"{name}: {value!r} is not one of {list(action.choices)}")
     setattr(args, action.dest, value)
+
+
+_SWITCH_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+                 "off": False}
+
+
+def _switch_value(name, value):
+    """A switch given as a string (a notebook's or a config file's "false"): its bool, or an error naming it."""
+    word = value.strip().lower()
+    if word not in _SWITCH_WORDS:
+        raise UsageError(f"{name}: {value!r} is not a switch value; give true/false (or 1/0, yes/no, on/off)")
+    return _SWITCH_WORDS[word]
 
 
 def _converted(action, name, value):
@@ -304,7 +324,8 @@ def step3_parser():
     g.add_argument("--add_eot_token", action="store_true",
                    help="Add --eot_token as the end-of-conversation (EOS) token when the tokenizer has none.")
     g.add_argument("--eot_token", type=str, default="<|endoftext|>",
-                   help="The end-of-conversation token --add_eot_token adds (DeepSpeed-Chat's).")
+                   help="The end-of-conversation token --add_eot_token adds to a tokenizer without an EOS token "
+                        "(DeepSpeed-Chat appended it to every answer; dschat ends answers with the tokenizer's EOS).")
     g = p.add_argument_group("unsupervised mixing")
     g.add_argument("--unsupervised_dataset_name", type=str, default=None)
     g.add_argument("--unsupervised_dataset_config_name", type=str, default=None)
@@ -416,10 +437,17 @@ def step3_parser():
                         "no mask (causal attention, same results on real tokens; masked kernels are slower, see "
                         "dschat/rlhf/layout.py); prompt masks with holes keep the mask anyway.")
     g.add_argument("--kl_ctl", type=float, default=0.1, help="KL coefficient (initial value if adaptive).")
-    g.add_argument("--kl_estimator", type=str, default="k1", choices=["k1", "k2", "k3", "abs"])
+    g.add_argument("--kl_estimator", type=str, default=None, choices=["k1", "k2", "k3", "abs"],
+                   help="Per-token KL estimator, of the reward penalty and of the KL loss term. Default (None): k3 for "
+                        "the loss term of grpo/rloo, k1 everywhere else (DeepSpeed-Chat's reward penalty).")
     g.add_argument("--kl_in_reward", type=int, default=1, choices=[0, 1],
-                   help="1: KL penalty in the per-token reward (DeepSpeed-Chat); 0: KL as a loss term.")
-    g.add_argument("--kl_loss_coef", type=float, default=0.0, help="Weight of the KL loss term (kl_in_reward 0).")
+                   help="1: KL penalty in the per-token reward (DeepSpeed-Chat); 0: KL as a loss term. grpo/rloo "
+                        "always take the loss term (their advantages ignore per-token rewards).")
+    g.add_argument("--kl_loss_coef", type=float, default=None,
+                   help="Weight of the KL loss term added to the actor loss: with grpo/rloo always (0: no KL term), "
+                        "otherwise only with --kl_in_reward 0. Default (None): 0.001 for grpo/rloo (KL in the loss, "
+                        "k3 unless --kl_estimator: the DeepSeekMath/OpenRLHF style, at verl's default weight), 0 "
+                        "otherwise (gae and reinforce_pp: no loss term).")
     g.add_argument("--adaptive_kl", action="store_true",
                    help="Adapt the KL coefficient towards --kl_target (Ziegler et al. 2019, TRL's rule).")
     g.add_argument("--kl_target", type=float, default=6.0,

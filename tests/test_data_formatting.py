@@ -71,3 +71,19 @@ def test_split_last_answer():
     prompt, answer = split_last_answer(CONVERSATION + [{"role": "assistant", "content": "Apple."}])
     assert prompt == CONVERSATION and answer == "Apple."
     assert split_last_answer(CONVERSATION) == (CONVERSATION, None)
+
+
+def test_eot_flags_that_a_tokenizer_with_an_eos_ignores_print_a_warning(monkeypatch, capsys):
+    # DeepSpeed-Chat appends --eot_token to every answer; dschat only adds it as the EOS of a tokenizer without one
+    from dschat.models import loading
+
+    monkeypatch.setattr(loading, "_WARNED_EOT", set(), raising=False)  # warned once per setting per process
+    tok = loading.load_tokenizer("tiny-llama", add_eot_token=True, eot_token="<|im_end|>")
+    out = capsys.readouterr().out
+    assert get_eot_token(tok) == "<|endoftext|>" and "<|im_end|>" not in tok.get_vocab()
+    assert out.count("warning:") == 1 and "--add_eot_token --eot_token '<|im_end|>' has no effect" in out
+    assert "its own EOS token '<|endoftext|>'" in out
+    loading.load_tokenizer("tiny-llama", add_eot_token=True, eot_token="<|im_end|>")  # step 3 loads it per model
+    loading.load_tokenizer("tiny-llama", add_eot_token=True)  # the flag asks for the token the tokenizer has
+    loading.load_tokenizer("tiny-llama")
+    assert "warning:" not in capsys.readouterr().out

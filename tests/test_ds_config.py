@@ -214,3 +214,19 @@ def test_optimizer_offload_without_zero_is_a_usage_error():
             "offload_optimizer": {"device": "cpu"}}}, flags, quiet=True)
     assert apply_user_ds_config(get_train_ds_config(offload=True, stage=2), None, flags)["zero_optimization"][
         "offload_optimizer"]["device"] == "cpu"
+
+
+def test_notebook_switches_given_as_strings_mean_what_they_say():
+    # "false" is a truthy string: kept raw, {"enable_hybrid_engine": "false"} turned the hybrid engine on
+    from dschat.errors import UsageError
+
+    assert step3_args({"enable_hybrid_engine": "false", "greedy": "OFF"}).enable_hybrid_engine is False
+    assert step3_args({"enable_hybrid_engine": "True", "greedy": "off"}).enable_hybrid_engine is True
+    assert step3_args({"enable_cuda_graph": "no"}).enable_cuda_graph is False
+    assert step3_args({"no-enable_cuda_graph": "yes"}).enable_cuda_graph is False
+    assert step3_args({"no-enable_cuda_graph": "0"}).enable_cuda_graph is None  # False leaves it, as a bool does
+    assert step3_args({"disable_actor_dropout": "false"}).actor_dropout is None
+    assert step3_args({"disable_actor_dropout": "1"}).actor_dropout == 0.0
+    assert step3_args({"actor_dropout": "0.1"}).actor_dropout == 0.1  # the float flag, not --disable_actor_dropout
+    with pytest.raises(UsageError, match="enable_hybrid_engine: 'maybe'"):
+        step3_args({"enable_hybrid_engine": "maybe"})

@@ -651,8 +651,11 @@ def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distribu
     args = parse(["--recipe", "grpo", "--data-path", "jsonl:mine.jsonl", "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--reward_fn tiny .*inside --step3-args"):
         pipeline.check_step_args([1, 3], args, True, {1: step1_parser, 3: step3_parser})
-    own = parse(["--recipe", "grpo", "--data-path", "jsonl:mine.jsonl", "--step3-args", "--reward_fn mine.py:score"])
-    pipeline.check_step_args([3], own, True, {3: step3_parser})  # the user's function replaces the rule scorer
+    (tmp_path / "mine.py").write_text("def score(prompts, answers):\n    return [0.0] * len(prompts)\n")
+    own = parse(["--recipe", "grpo", "--data-path", "jsonl:mine.jsonl", "--output-dir", str(tmp_path),
+                 "--step3-args", f"--reward_fn {tmp_path / 'mine.py'}:score"])
+    pipeline.check_step_args([1, 3], own, True, {1: step1_parser, 3: step3_parser})  # the user's function replaces
+    # the rule scorer
 
 
 def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):
@@ -811,3 +814,34 @@ def test_the_ema_copy_is_kept_in_fp32_so_that_its_small_steps_are_not_rounded_aw
         moving_average(actor, ema, beta=0.992)
     moved = (dict(ema.named_parameters())[name] - start).abs().sum() / (weight.float() - start).abs().sum()
     assert abs(moved.item() - (1 - 0.992 ** 10)) < 0.01
+
+
+def test_a_wrong_reward_function_is_a_usage_error_before_anything_loads(tmp_path):
+    from dschat.errors import MissingModuleError, UsageError
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.engine import check_step3_settings
+
+    (tmp_path / "my_rewards.py").write_text("def score(prompts, answers):\n    return [0.0] * len(prompts)\n")
+    settings = {"reward_model_weight": 0, "actor_model_name_or_path": "tiny-llama"}
+    with pytest.raises(MissingModuleError, match="no module 'my_rewardz'"):
+        check_step3_settings(step3_args({**settings, "reward_fn": "my_rewardz:score"}), 1)
+    with pytest.raises(UsageError, match="has no function 'scor'"):
+        check_step3_settings(step3_args({**settings, "reward_fn": f"{tmp_path / 'my_rewards.py'}:scor"}), 1)
+    check_step3_settings(step3_args({**settings, "reward_fn": f"{tmp_path / 'my_rewards.py'}:score"}), 1)
+
+
+@pytest.mark.parametrize("given, used", [
+    ({"advantage_estimator": "grpo"}, (0.001, "k3")),  # unset: the k3 KL-in-loss default
+    ({"advantage_estimator": "grpo", "kl_loss_coef": 0.0, "kl_estimator": "k1"}, (0.0, "k1")),  # 0: no KL term
+    ({"advantage_estimator": "rloo", "kl_loss_coef": 0.01, "kl_estimator": "k2"}, (0.01, "k2")),
+    ({}, (0.0, "k1")),  # gae: KL in the reward, DeepSpeed-Chat's k1
+    ({"kl_in_reward": 0, "kl_loss_coef": 0.1}, (0.1, "k1")),
+    ({"advantage_estimator": "reinforce_pp", "kl_in_reward": 0}, (0.0, "k1")),
+])
+def test_kl_loss_coef_and_estimator_are_honoured_as_given_for_every_estimator(given, used):
+    from types import SimpleNamespace
+
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    assert DeepSpeedPPOTrainer._kl_loss_settings(SimpleNamespace(args=step3_args(given))) == used

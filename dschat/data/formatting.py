@@ -33,6 +33,8 @@ def get_eot_token(tokenizer):
 
     DeepSpeed-Chat hard-coded "<|endoftext|>", which is a real token only for GPT-2-style vocabularies; the
     tokenizer's own EOS token is a single known id for every model, and generation stops on it by default.
+    ``--eot_token`` only reaches it through ``load_tokenizer``, as the EOS token ``--add_eot_token`` gives a tokenizer
+    that has none.
     """
     if not getattr(tokenizer, "eos_token", None):
         raise UsageError("the tokenizer has no eos_token to end conversations with; set one, e.g. "

@@ -35,9 +35,13 @@ def resolve_model_path(name_or_path):
         return create_tiny_model(preset, folder)
 
 
-def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_token="<|endoftext|>"):
+DEFAULT_EOT_TOKEN = "<|endoftext|>"
+
+
+def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_token=DEFAULT_EOT_TOKEN):
     """The tokenizer of a model; a missing EOS token becomes ``eot_token`` if ``add_eot_token``; a missing pad token
-    becomes the EOS token (masks, not ids, mark padding)."""
+    becomes the EOS token (masks, not ids, mark padding). A tokenizer's own EOS token is kept: it ends every answer
+    (``get_eot_token``), so there --add_eot_token / --eot_token do nothing, and a warning says so."""
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
     if tokenizer.eos_token is None:
@@ -45,10 +49,30 @@ def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_
             raise UsageError(f"tokenizer of {name_or_path} has no EOS token; pass --add_eot_token to add "
                              f"{eot_token!r} (--eot_token) as the end-of-conversation token")
         tokenizer.add_special_tokens({"eos_token": eot_token})
+    elif (add_eot_token or eot_token != DEFAULT_EOT_TOKEN) and eot_token != tokenizer.eos_token:
+        _warn_eot_unused(name_or_path, tokenizer.eos_token, add_eot_token, eot_token)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     return tokenizer
+
+
+_WARNED_EOT = set()
+
+
+def _warn_eot_unused(name_or_path, eos_token, add_eot_token, eot_token):
+    """DeepSpeed-Chat appends --eot_token to every answer; dschat adds it only as the EOS of a tokenizer without one.
+    Warned once per setting (step 3 loads the tokenizer of each model)."""
+    if (eos_token, add_eot_token, eot_token) in _WARNED_EOT:
+        return
+    _WARNED_EOT.add((eos_token, add_eot_token, eot_token))
+    from dschat.utils.dist import print_rank_0
+
+    given = ["--add_eot_token"] if add_eot_token else []
+    given += [f"--eot_token {eot_token!r}"] if eot_token != DEFAULT_EOT_TOKEN else []
+    print_rank_0(f"warning: {' '.join(given)} has no effect: the tokenizer of {name_or_path} has its own EOS token "
+                 f"{eos_token!r}, which ends every answer and stops generation instead of {eot_token!r} (the flags "
+                 f"only add an EOS token to a tokenizer that has none)")
 
 
 def configure_dropout(config, dropout):

@@ -248,7 +248,7 @@ class DeepSpeedPPOTrainer:
         """DeepSpeed-Chat's signature: per-token rewards with the KL penalty and the clipped score."""
         kl_coef = self.kl_ctl.value if self.args.kl_in_reward else 0.0
         return algo.kl_penalized_rewards(log_probs, ref_log_probs, reward_score, action_mask, kl_coef,
-                                         self.clip_reward_value, self.args.kl_estimator)
+                                         self.clip_reward_value, self.args.kl_estimator or "k1")
 
     def get_advantages_and_returns(self, values, rewards, action_mask):
         adv, returns = algo.gae_advantages(rewards, values, action_mask, self.gamma, self.lam)
@@ -350,13 +350,13 @@ class DeepSpeedPPOTrainer:
         return loss
 
     def _kl_loss_settings(self):
-        """(coefficient, estimator) of the KL loss term. GRPO and RLOO always take KL as a k3 loss term (their
-        advantages ignore per-token rewards), 0.001 unless --kl_loss_coef says otherwise; others only with
-        --kl_in_reward 0."""
+        """(coefficient, estimator) of the KL loss term. GRPO and RLOO always take KL as a loss term (their
+        advantages ignore per-token rewards): --kl_loss_coef (unset: 0.001; 0: no term) with --kl_estimator (unset:
+        k3). The others only with --kl_in_reward 0: --kl_loss_coef (unset: 0) with --kl_estimator (unset: k1)."""
         a = self.args
         if a.advantage_estimator in ("grpo", "rloo"):
-            return (a.kl_loss_coef or 0.001), "k3"
-        return (0.0 if a.kl_in_reward else a.kl_loss_coef), a.kl_estimator
+            return (0.001 if a.kl_loss_coef is None else a.kl_loss_coef), a.kl_estimator or "k3"
+        return (0.0 if a.kl_in_reward or a.kl_loss_coef is None else a.kl_loss_coef), a.kl_estimator or "k1"
 
     def _loss_agg(self, inputs):
         if self.args.loss_agg != "global_token_mean":
