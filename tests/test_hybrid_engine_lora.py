@@ -190,3 +190,33 @@ def test_embedding_lora_and_modules_to_save_map_generically(family, out_proj):
     cache = KVCache(weights.model.config).acquire(2, ids.shape[1] + 10, torch.float32, "cpu")
     got = generate_tokens(weights.model, ids, mask, cache, 10, pad_token_id=PAD)
     assert torch.equal(got, expected)
+
+
+def test_the_inference_copy_generates_with_the_checkpoints_generation_config(distributed):
+    # the copy was built from the config alone: its generation_config (lengths, EOS, sampling) was HF's default, so
+    # generate's defaults changed with LoRA (and ZeRO-3's pinned copy)
+    model = lora_model("llama")
+    model.get_base_model().generation_config.max_new_tokens = 5
+    engine = _engine(model)
+    assert engine.inference_weights.kind == "lora_copy"
+    ids, mask = left_padded_batch([6, 2, 4], seed=1)
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask)  # no length given: the generation_config's 5 new tokens
+    assert got.shape == (3, 6 + 5)
+    assert torch.equal(got, hf_generate(model, ids, mask, 5))
+
+
+def test_a_generation_config_setting_the_decode_does_not_apply_is_an_error_unless_the_call_overrides_it(
+        distributed):
+    from dschat.errors import UsageError
+
+    model = tiny_model("llama")
+    model.generation_config.repetition_penalty = 1.05  # as Qwen2.5-Instruct's
+    engine = _engine(model)
+    ids, mask = left_padded_batch([6, 2, 4], seed=1)
+    engine.eval()
+    with pytest.raises(UsageError, match="generation_config sets repetition_penalty=1.05, which HF's generate applies"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=4, repetition_penalty=1.0)
+    model.generation_config.repetition_penalty = 1.0
+    assert torch.equal(got, hf_generate(model, ids, mask, 4))

@@ -23,6 +23,7 @@ from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
+from dschat.errors import UsageError
 from dschat.models.lora import unwrap_peft
 
 # HF generate kwargs that DeepSpeed-Chat-style callers pass and that change nothing here (ranks are kept in step
@@ -212,6 +213,7 @@ class HybridEngine:
         kwargs that would change the result (``num_return_sequences=2``, ``repetition_penalty``, ...) are errors.
         """
         self._check_hf_kwargs(hf_kwargs)
+        self.check_generation_config(hf_kwargs)
         if self._iteration is None:
             self._iteration = IterationStats(start=time.perf_counter())
         self._refresh_weights()
@@ -265,6 +267,7 @@ class HybridEngine:
             if do_sample:
                 generator = shared_generator(generator, default_generator(torch.device(device)), device, self.tp)
             sync_group = self.tp.group  # the group's ranks decode in lock-step: they stop together
+        self._check_fits(prompt_len, max_new_tokens, sync_group, device)
         sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_list or None, pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
                         generator=generator, early_exit_interval=self.early_exit_interval)
@@ -331,10 +334,24 @@ class HybridEngine:
                              "sampled (temperature, top-k, top-p), one sequence per prompt; generate with the HF "
                              "model for this")
 
+    def check_generation_config(self, hf_kwargs=None):
+        """The model's generation_config may set what HF's ``generate`` applies and this decode does not (e.g.
+        Qwen2.5-Instruct's ``repetition_penalty`` 1.05): an error, as for the call's own kwargs, unless the call
+        overrides it (HF's rule: the call's value wins)."""
+        hf_kwargs = hf_kwargs or {}
+        generation_config = getattr(unwrap_peft(self._engine.module), "generation_config", None)
+        for key, no_op in _NO_OP_VALUES.items():
+            value = getattr(generation_config, key, None)
+            if key in hf_kwargs or value is None or value == no_op:
+                continue
+            raise UsageError(f"the model's generation_config sets {key}={value!r}, which HF's generate applies and "
+                             f"the hybrid engine's decode does not: pass {key}={no_op!r} to generate without it, set "
+                             f"it to {no_op!r} in the model's generation_config.json (step 3: in the actor's folder), "
+                             "or generate without the hybrid engine")
+
     def _resolve_max_new_tokens(self, max_new_tokens, max_length, prompt_len, generation_config):
         """New tokens to generate: given, else from ``max_length`` (a total), else as the model's generation_config
-        says (HF's rule); prompt + new tokens may not exceed ``max_out_tokens`` (the KV cache's length)."""
-        limit = self.hybrid_config.max_out_tokens
+        says (HF's rule); ``_check_fits`` holds them to ``max_out_tokens``."""
         if max_new_tokens is None and max_length is None:
             max_new_tokens = getattr(generation_config, "max_new_tokens", None)
             max_length = getattr(generation_config, "max_length", None) if max_new_tokens is None else None
@@ -342,10 +359,21 @@ class HybridEngine:
             max_new_tokens = max_length - prompt_len if max_length is not None else _HF_DEFAULT_NEW_TOKENS
         if max_new_tokens < 0:
             raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
-        if prompt_len + max_new_tokens > limit:
-            raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "
-                             f"hybrid_engine.max_out_tokens={limit} (prompt + answer)")
         return max_new_tokens
+
+    def _check_fits(self, prompt_len, max_new_tokens, group, device):
+        """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length). Ranks that decode in lock-step
+        (``group``) decide together: one rank raising alone would leave the others blocked in the next collective."""
+        limit = self.hybrid_config.max_out_tokens
+        longest = prompt_len + max_new_tokens
+        if group is not None:
+            total = torch.tensor([float(longest)], device=device)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            longest = int(total.item())
+        if longest > limit:
+            raise ValueError(f"a prompt of {longest - max_new_tokens} tokens + max_new_tokens={max_new_tokens} "
+                             f"exceeds hybrid_engine.max_out_tokens={limit} (prompt + answer"
+                             f"{', the longest prompt of the ranks decoding together' if group is not None else ''})")
 
     # -- stats ------------------------------------------------------------------------------------------------------
     def latency_stats(self, iteration=None):

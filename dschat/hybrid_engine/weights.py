@@ -248,6 +248,10 @@ def _empty_copy_of(base):
         config.tie_word_embeddings = False
     with torch.device("meta"):
         model = type(base)(config)
+    if getattr(base, "generation_config", None) is not None:
+        # the checkpoint's generation_config (sampling, lengths, EOS), not one rebuilt from the config: generate's
+        # defaults must not change with the ZeRO stage or LoRA
+        model.generation_config = copy.deepcopy(base.generation_config)
     return model
 
 

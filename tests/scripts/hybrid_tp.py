@@ -41,6 +41,18 @@ def reference_model(family):
         model = AutoModelForCausalLM.from_config(config)
         model.generation_config.eos_token_id = None
         return model.eval()
+    if family == "olmo2":
+        # transformers' plan replicates Olmo2's attention (q/k norms over all heads): only the MLP is split, and the
+        # KV cache holds every key/value head on every rank
+        from transformers import AutoModelForCausalLM, Olmo2Config
+
+        torch.manual_seed(31)
+        config = Olmo2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        model = AutoModelForCausalLM.from_config(config)
+        model.generation_config.eos_token_id = None
+        return model.eval()
     model = tiny_model(family, seed=31, num_layers=NUM_LAYERS)
     # zero.Init's from_config would zero the padding row of an empty embedding shard; the weights are copied in anyway.
     model.config.pad_token_id = None
@@ -156,6 +168,17 @@ def check_group_agrees_on_graphs(engine, ids, mask, eos, expected, rank):
     engine.train()
 
 
+def check_too_long_fails_on_every_rank(engine, ids, mask, eos):
+    """Rank 1's prompts (7 tokens) + 58 new ones exceed max_out_tokens=64, rank 0's (6) do not: the group decides
+    together, or rank 0 would wait forever in the collective rank 1 never reaches."""
+    try:
+        engine.generate(ids, attention_mask=mask, max_new_tokens=58, eos_token_id=eos)
+    except ValueError as error:
+        assert "exceeds hybrid_engine.max_out_tokens=64" in str(error), error
+    else:
+        raise AssertionError("the group's longest prompt + 58 new tokens exceed max_out_tokens: must fail everywhere")
+
+
 def run_case(family, stage, rank, world):
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
 
@@ -173,6 +196,11 @@ def run_case(family, stage, rank, world):
     expected_kind = "lora_copy_tp2" if family.endswith("-lora") else "pinned_copy_tp2"
     assert engine.inference_weights.kind == expected_kind, engine.inference_weights.kind
     check_split(engine, reference)
+    if family == "olmo2":
+        plan = engine.inference_weights.shard_plan
+        assert not plan.splits_attention and not any("self_attn" in name for name in plan.styles), plan.styles
+        assert (plan.local_heads, plan.local_kv_heads) == (4, 2), (plan.local_heads, plan.local_kv_heads)
+        assert engine.kv_cache.num_kv_heads == 2, engine.kv_cache.num_kv_heads
     engine.eval()
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
     assert torch.equal(got, expected), (family, stage, rank, got, expected)
@@ -186,6 +214,7 @@ def run_case(family, stage, rank, world):
 
     check_leader_sampling(engine, ids, mask, rank)
     if family == "llama":
+        check_too_long_fails_on_every_rank(engine, ids, mask, eos)
         # the reference holds the trained weights since check_refresh_after_step
         now = hf_generate(reference, ids, mask, MAX_NEW, eos_token_id=eos)
         check_group_agrees_on_graphs(engine, ids, mask, eos, now, rank)
