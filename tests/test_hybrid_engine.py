@@ -317,3 +317,46 @@ def test_step3_turns_cuda_graphs_on_by_default_only_where_they_can_run(monkeypat
     assert uses_cuda_graph(step3_args({"unpin_actor_parameters": True})) is False  # gathers inside the forward
     assert uses_cuda_graph(step3_args({"enable_cuda_graph": False})) is False
     assert uses_cuda_graph(step3_args({"enable_cuda_graph": True, "unpin_actor_parameters": True})) is True
+
+
+def _gemma4(per_layer_config):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip("this transformers has no Gemma-4")
+    from transformers import AutoModelForCausalLM
+
+    config = transformers.Gemma4TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        per_layer_config=per_layer_config, vocab_size_per_layer_input=96, hidden_size_per_layer_input=8,
+        max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        setattr(model.generation_config, key, None)
+    return model
+
+
+def test_per_layer_head_dim_is_refused_when_the_engine_is_built():
+    # Gemma-4: its full-attention layers have a larger head_dim (a per-layer field transformers refuses to read
+    # globally); one static cache cannot hold both, so the engine says what to do instead of failing at the prefill
+    from dschat.errors import UsageError
+    from dschat.hybrid_engine.cache import kv_layout
+
+    model = _gemma4({"01": {"head_dim": 32}})
+    with pytest.raises(UsageError, match=r"head_dim per layer \(\[16, 32\]\).*one head dim per model.*"
+                                         r"without --enable_hybrid_engine"):
+        _engine(model)
+    with pytest.raises(UsageError, match="one head dim per model"):
+        kv_layout(model.config)
+    with pytest.raises(UsageError, match="one head dim per model"):
+        KVCache(model.config)
+
+
+def test_gemma4_with_one_head_dim_generates_as_hf():
+    model = _gemma4(None)
+    engine = _engine(model)
+    engine.eval()
+    ids, mask = left_padded_batch([9, 3, 7], seed=2)
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(got, hf_generate(model, ids, mask, 10))

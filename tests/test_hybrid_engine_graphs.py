@@ -226,3 +226,50 @@ def test_no_compiled_prefill_in_a_tensor_parallel_group():
     kv_cache = KVCache(tiny_model("llama").config)
     assert GraphDecoder(kv_cache, compile_mode="default").compile_prefill
     assert not GraphDecoder(kv_cache, compile_mode="default", token_sync=lambda tokens: tokens).compile_prefill
+
+
+
+def test_a_larger_bucket_frees_the_old_storage_before_allocating_the_new():
+    import weakref
+
+    model = tiny_model("llama", seed=4)
+    engine = _engine(model, max_out_tokens=64)
+    graphs = _uncaptured(engine)
+    engine.eval()
+    ids, mask = left_padded_batch([5, 3], seed=4)  # bucket 2
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), hf_generate(model, ids, mask, 8))
+    assert graphs.captures == 1
+    old = [weakref.ref(t) for t in engine.kv_cache.storages()]
+    alive_at_allocation = []
+    allocate = engine.kv_cache._allocate
+
+    def spy(*args, **kwargs):
+        alive_at_allocation.append(sum(ref() is not None for ref in old))
+        return allocate(*args, **kwargs)
+
+    engine.kv_cache._allocate = spy
+    ids, mask = left_padded_batch([5, 3, 4, 6, 2], seed=5)  # bucket 8: new storage
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), hf_generate(model, ids, mask, 8))
+    # the captured step of bucket 2 viewed the old storage: it was dropped before the new storage was allocated (else
+    # both are alive at once, and the cache's out-of-memory retry cannot free the old one)
+    assert alive_at_allocation == [0] and len(old) > 0
+    assert engine.kv_cache._shape[0] == 8 and graphs.captures == 2 and graphs.replays > 0
+
+
+def test_graph_cache_length_is_rounded_up_but_not_past_max_out_tokens():
+    model = tiny_model("llama", seed=4)
+    engine = _engine(model, max_out_tokens=40)
+    engine.graph_decoder = graphs = GraphDecoder(engine.kv_cache, capture_graphs=False, max_out_tokens=40)
+    engine.eval()
+    ids, mask = left_padded_batch([5, 3], seed=4)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), hf_generate(model, ids, mask, 8))
+    assert engine.kv_cache.max_len == 40  # 13 tokens, rounded up to 64, capped at 40
+    ids, mask = left_padded_batch([8, 3, 6, 4, 2], seed=5)  # 8 + 32 tokens: exactly the cap
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=32), hf_generate(model, ids, mask, 32))
+    assert engine.kv_cache.max_len == 40 and graphs.replays > 0
+    # within the cap, lengths are still rounded up so that nearby prompt lengths share a graph; never below the
+    # generation's own length; no cap when none is configured
+    assert graphs.cache_len_for(13) == 40 and graphs.cache_len_for(40) == 40
+    assert GraphDecoder(engine.kv_cache, max_out_tokens=200).cache_len_for(70) == 128
+    assert GraphDecoder(engine.kv_cache, max_out_tokens=60).cache_len_for(70) == 70
+    assert GraphDecoder(engine.kv_cache).cache_len_for(70) == 128

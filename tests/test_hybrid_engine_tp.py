@@ -102,3 +102,53 @@ def test_attention_with_per_head_norms_is_refused():
     plan = ShardPlan(model, decoder_layer_list(model)[0], _Rank(2, 0))
     with pytest.raises(NotImplementedError, match="one module per attention head"):
         plan.apply(model.to("meta"))
+
+
+def _olmo2(num_key_value_heads):
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    cfg = Olmo2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=num_key_value_heads, max_position_embeddings=256,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_replicated_attention_keeps_every_head_and_kv_head_on_every_rank(kv_heads):
+    # Olmo2's plan replicates attention (q/k/v colwise_gather_output, o_proj rowwise_split_input, for its q/k norms):
+    # each rank runs the whole attention, so its KV cache needs the config's key/value heads, not kv // tp
+    from dschat.hybrid_engine.tensor_parallel import ShardPlan
+    from dschat.models.layers import decoder_layer_list
+
+    model = _olmo2(kv_heads)
+    plan = ShardPlan(model, decoder_layer_list(model)[0], _Rank(2, 1))
+    assert not plan.splits_attention
+    assert not any("self_attn" in name for name in plan.styles) and plan.styles["model.layers.0.mlp.down_proj"]
+    assert (plan.local_heads, plan.local_kv_heads) == (4, kv_heads)
+    plan.apply(model.to("meta"))
+    attention = model.model.layers[0].self_attn
+    assert attention.num_key_value_groups == 4 // kv_heads and attention.k_proj.weight.shape == (16 * kv_heads, 64)
+
+
+@pytest.mark.multirank
+def test_tp2_with_replicated_attention_on_two_ranks():
+    proc = run_deepspeed(SCRIPT, "--stage", 0, "--families", "olmo2", timeout=300)
+    for rank in (0, 1):
+        assert f"rank {rank} olmo2 stage=0: OK" in proc.stdout
+
+
+def test_per_layer_head_dim_is_a_usage_error_for_the_plan_too():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip("this transformers has no Gemma-4")
+    from dschat.errors import UsageError
+    from dschat.hybrid_engine.tensor_parallel import HeadLayout
+
+    kwargs = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "layer_types": ["sliding_attention", "full_attention"], "vocab_size_per_layer_input": 96,
+              "hidden_size_per_layer_input": 8}
+    config = transformers.Gemma4TextConfig(per_layer_config={"01": {"head_dim": 32}}, **kwargs)
+    with pytest.raises(UsageError, match="one head dim per model"):
+        HeadLayout.of(config)
+    assert HeadLayout.of(transformers.Gemma4TextConfig(per_layer_config=None, **kwargs)) == HeadLayout(4, 2, 16)

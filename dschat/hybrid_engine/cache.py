@@ -16,6 +16,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from dschat.errors import UsageError
 from dschat.hybrid_engine.attention import FAILED, call_kernel, triton_runs_on
 
 
@@ -38,19 +39,59 @@ def _is_out_of_memory(error):
 NONSTANDARD_KV_FIELDS = ("multi_query", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 
 
+# Fields that shape the KV cache: the static cache has one value of each for all the decoder's layers.
+_LAYOUT_FIELDS = ("head_dim", "num_key_value_heads", "num_attention_heads", "hidden_size")
+
+
+def _per_layer_layout_error(cfg, field, values=None):
+    what = "one head dim" if field == "head_dim" else f"one {field}"
+    per_layer = f" ({values})" if values else ""
+    return UsageError(f"{type(cfg).__name__} sets {field} per layer{per_layer}; the hybrid engine's static KV cache "
+                      f"needs {what} per model. Run step 3 without --enable_hybrid_engine for this model (actor "
+                      "generation then uses HF generate).")
+
+
+def layout_field(cfg, field):
+    """``cfg.<field>`` (None when it is not there). transformers' heterogeneous configs (Gemma-4: a larger head_dim
+    on its full-attention layers) refuse the global value of a per-layer field: then the layers' common value, or a
+    ``UsageError`` when they differ, since one static cache cannot hold them."""
+    per_layer_fields = getattr(cfg, "per_layer_attributes", None) or ()
+    if field in per_layer_fields:
+        values = [getattr(layer, field, None) for layer in cfg.per_layer_config]
+        if len(set(values)) > 1:
+            raise _per_layer_layout_error(cfg, field, values)
+        return values[0] if values else None
+    try:
+        return getattr(cfg, field, None)
+    except RuntimeError as error:  # AmbiguousGlobalPerLayerAttributeError (per_layer_attributes not exposed)
+        if type(error).__name__ == "AmbiguousGlobalPerLayerAttributeError":
+            raise _per_layer_layout_error(cfg, field) from error
+        raise
+
+
+def check_one_kv_layout(model_config):
+    """A ``UsageError`` when the decoder's layers differ in a field that shapes the KV cache (see ``layout_field``);
+    the engine checks this when it is built."""
+    cfg = model_config.get_text_config(decoder=True)
+    for field in _LAYOUT_FIELDS:
+        layout_field(cfg, field)
+
+
 def kv_layout(model_config):
     """(num_kv_heads, head_dim) of the decoder, from the standard HF config fields; None when they are not there or
-    the config says the attention caches another layout."""
+    the config says the attention caches another layout. A ``UsageError`` when they vary per layer."""
     cfg = model_config.get_text_config(decoder=True)
     compressed = getattr(cfg, "kv_lora_rank", None)  # MLA caches a latent vector, whatever num_key_value_heads says
-    if compressed or (getattr(cfg, "num_key_value_heads", None) is None and
+    if compressed or (layout_field(cfg, "num_key_value_heads") is None and
                       any(getattr(cfg, f, None) for f in NONSTANDARD_KV_FIELDS)):
         return None
     try:
-        num_heads = cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    except AttributeError:
+        num_heads = layout_field(cfg, "num_attention_heads")
+        if num_heads is None:
+            return None
+        num_kv_heads = layout_field(cfg, "num_key_value_heads") or num_heads
+        head_dim = layout_field(cfg, "head_dim") or layout_field(cfg, "hidden_size") // num_heads
+    except (AttributeError, TypeError):
         return None
     return num_kv_heads, head_dim
 
@@ -96,6 +137,7 @@ class KVCache:
     """Owns at most one ``StaticCache``; ``acquire`` hands out a reset cache that fits, ``release`` frees it."""
 
     def __init__(self, model_config, num_kv_heads=None, token_writes=False):
+        check_one_kv_layout(model_config)  # at the engine's construction, not at the first allocation
         self.model_config = model_config
         self.num_kv_heads = num_kv_heads  # per rank under inference tensor parallelism (None: the config's)
         self.token_writes = token_writes  # plain static layers write decode tokens with Triton (TokenWriteLayer)
@@ -171,7 +213,7 @@ class KVCache:
         CUDA graph captured on it can be replayed in later generations.
         """
         device = torch.device(device)
-        if not self._holds(batch_size, max_len, dtype, device):
+        if not self.holds(batch_size, max_len, dtype, device):
             rows, tokens = batch_size, max_len
             if self._shape is not None and self._shape[2:] == (dtype, device):
                 # Grow to cover both the old and the new request, so every bucket seen so far still fits.
@@ -181,7 +223,10 @@ class KVCache:
         cache.reset()
         return cache
 
-    def _holds(self, batch_size, max_len, dtype, device):
+    def holds(self, batch_size, max_len, dtype, device):
+        """Whether ``acquire_rows`` can serve this request from the current storage (else it allocates new storage,
+        after releasing the old: whoever still holds views of it, e.g. captured graphs, must let go first)."""
+        device = torch.device(device)
         if self._shape is None:
             return False
         have_batch, have_len, have_dtype, have_device = self._shape

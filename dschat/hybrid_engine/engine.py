@@ -109,7 +109,8 @@ class HybridEngine:
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,
                                           token_sync=self.tp.share_tokens if self.tp else None,
                                           group_agrees=self._group_agrees if self.tp else None,
-                                          compile_prefill=compile_prefill) \
+                                          compile_prefill=compile_prefill,
+                                          max_out_tokens=self.hybrid_config.max_out_tokens) \
             if self.hybrid_config.enable_cuda_graph else None
         # Stats
         self._iteration = None  # IterationStats in progress

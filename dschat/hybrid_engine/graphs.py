@@ -246,8 +246,11 @@ class GraphDecoder:
     """
 
     def __init__(self, kv_cache, capture_graphs=True, compile_mode=None, token_sync=None, group_agrees=None,
-                 compile_prefill=True):
+                 compile_prefill=True, max_out_tokens=None):
         self.kv_cache = kv_cache
+        # hybrid_engine.max_out_tokens: the cache length is rounded up to CACHE_LEN_MULTIPLE but never past it (nor
+        # below the generation's own prompt + new tokens). None: no cap.
+        self.max_out_tokens = max_out_tokens
         self.token_sync = token_sync  # see CapturedDecoder
         # Inference tensor parallelism: group_agrees(flag) is True on every rank of the group when flag is True on
         # every rank. The group's ranks capture together (a capture's warm-up steps run the forward's collectives).
@@ -344,8 +347,12 @@ class GraphDecoder:
         model = weights.model
         batch_size, prompt_len = input_ids.shape
         bucket = bucket_for(batch_size)
-        cache = self.kv_cache.acquire_rows(bucket, round_up(prompt_len + max_new_tokens, CACHE_LEN_MULTIPLE), dtype,
-                                           device)
+        cache_len = self.cache_len_for(prompt_len + max_new_tokens)
+        if not self.kv_cache.holds(bucket, cache_len, dtype, device):
+            # New storage: the captured steps hold views of the old one, which must be freed before the new one is
+            # allocated (else both are alive at once, and the cache's out-of-memory retry cannot free the old).
+            self.drop()
+        cache = self.kv_cache.acquire_rows(bucket, cache_len, dtype, device)
         if not keeps_length_on_device(cache):
             self.disable("the model's KV cache has sliding-window layers, which count tokens on the host")
             return None
@@ -362,6 +369,14 @@ class GraphDecoder:
                 self.disable(f"capturing the decode step failed ({type(error).__name__}: {error})")
                 return None
         return decoder
+
+    def cache_len_for(self, tokens):
+        """KV cache length for a generation of ``tokens`` (prompt + new): rounded up so that nearby prompt lengths
+        share a graph, capped at ``max_out_tokens``."""
+        length = round_up(tokens, CACHE_LEN_MULTIPLE)
+        if self.max_out_tokens is not None:
+            length = min(length, max(self.max_out_tokens, tokens))
+        return length
 
     def disable(self, reason):
         """Every later generation runs eagerly; says why once."""

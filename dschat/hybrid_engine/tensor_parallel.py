@@ -6,7 +6,8 @@ the model split across its ranks, Megatron-style, and hands every rank back its 
 * Attention q/k/v and MLP up/gate projections are split by output (whole heads; key/value heads too when their number
   divides by the group size, each rank keeping the one key/value head its query heads use when it does not), attention
   output and MLP down projections by input, followed by an all-reduce over the group (the bias is added once, by the
-  group's first rank). Norms, embeddings and the LM head stay whole on every rank.
+  group's first rank). Norms, embeddings and the LM head stay whole on every rank, and so does attention where the
+  model's plan replicates it (Olmo2's q/k norms): each rank then computes, and caches, every head.
 * Which linear layer is which comes from the model's own tensor-parallel plan (``config.base_model_tp_plan``) where
   transformers provides one, else from the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...).
 * The attention modules are told their local head counts by their usual attribute names (``num_heads``,
@@ -25,6 +26,8 @@ import re
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dschat.hybrid_engine.cache import layout_field
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +103,11 @@ class HeadLayout:
 
     @classmethod
     def of(cls, config):
+        """From the config's fields; a UsageError when they vary per layer (Gemma-4's head dims)."""
         cfg = config.get_text_config(decoder=True)
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        heads = layout_field(cfg, "num_attention_heads")
+        kv = layout_field(cfg, "num_key_value_heads") or heads
+        head_dim = layout_field(cfg, "head_dim") or layout_field(cfg, "hidden_size") // heads
         return cls(heads, kv, head_dim)
 
 
@@ -199,25 +203,45 @@ def _even(n, tp, rank, what):
     return part * rank, part * (rank + 1)
 
 
+def _is_attention(module):
+    return "attention" in type(module).__name__.lower()
+
+
+def local_head_counts(layout, tp_size, splits_attention):
+    """(query heads, key/value heads) of each rank's attention, which its KV cache holds.
+
+    ``splits_attention``: whether the plan splits the attention projections at all. When it does not (the plan
+    replicates attention, e.g. Olmo2's q/k/v ``colwise_gather_output``), every rank keeps the config's head counts.
+    When it does, the query heads are split evenly and the key/value heads too when their number divides by the group
+    size; with fewer key/value heads than ranks each rank keeps one.
+    """
+    heads, kv = layout.num_heads, layout.num_kv_heads
+    if not splits_attention:
+        return heads, kv
+    if heads % tp_size:
+        raise ValueError(f"{heads} attention heads cannot be split over inference_tp_size={tp_size}")
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(f"{kv} key/value heads can be neither split over nor replicated to "
+                         f"inference_tp_size={tp_size} ranks")
+    return heads // tp_size, max(1, kv // tp_size)
+
+
 class ShardPlan:
     """How this rank's inference copy slices each split linear layer, and what its attention modules must be told."""
 
     def __init__(self, model, layers_prefix, tp):
         self.tp = tp
         self.layout = HeadLayout.of(model.config)
-        heads, kv = self.layout.num_heads, self.layout.num_kv_heads
-        if heads % tp.size:
-            raise ValueError(f"{heads} attention heads cannot be split over inference_tp_size={tp.size}")
-        if kv % tp.size and tp.size % kv:
-            raise ValueError(f"{kv} key/value heads can be neither split over nor replicated to "
-                             f"inference_tp_size={tp.size} ranks")
-        self.local_heads = heads // tp.size
-        self.local_kv_heads = max(1, kv // tp.size)
         self.styles = sharded_linears(model, layers_prefix)
+        # Plans such as Olmo2's replicate attention (q/k/v ``colwise_gather_output``, o_proj ``rowwise_split_input``):
+        # then every rank computes, and caches, all the heads.
+        self.splits_attention = any(_is_attention(model.get_submodule(block))
+                                    for block in {name.rpartition(".")[0] for name in self.styles})
+        self.local_heads, self.local_kv_heads = local_head_counts(self.layout, tp.size, self.splits_attention)
         self.slices = {}  # parameter name -> Slice
         for name, style in self.styles.items():
             linear = model.get_submodule(name)
-            attention = "attention" in type(model.get_submodule(name.rpartition(".")[0])).__name__.lower()
+            attention = _is_attention(model.get_submodule(name.rpartition(".")[0]))
             self.slices.update(self._linear_slices(name, linear, style, attention))
 
     def _linear_slices(self, name, linear, style, in_attention):
@@ -257,7 +281,7 @@ class ShardPlan:
                 linear.register_forward_hook(self._all_reduce_output)
         for block_name in {name.rpartition(".")[0] for name in self.styles}:
             block = model.get_submodule(block_name)
-            if "attention" in type(block).__name__.lower():
+            if _is_attention(block):
                 self._refuse_per_head_state(block_name, block)
                 self._localise_heads(block)
 
