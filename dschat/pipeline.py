@@ -240,7 +240,7 @@ def run_pipeline(args):
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None
-    report = write_report(args.output_dir, timings, recipe)
+    report = write_report(args.output_dir, timings, recipe, steps)
     lines = summary_lines(report)
     if recipe == "dpo":
         lines += add_dpo_report(args.output_dir, report, rule_scores)

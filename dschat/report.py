@@ -27,10 +27,27 @@ RECIPE_FOLDERS = {"ppo": (SFT_DIR, RM_DIR, PPO_DIR), "grpo": (SFT_DIR, PPO_DIR),
 RECIPE_POLICY = {"ppo": PPO_ACTOR_DIR, "grpo": PPO_ACTOR_DIR, "dpo": DPO_DIR}
 
 
-def build_report(output_dir, timings, recipe="ppo"):
-    """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``."""
+# Each step's folder, in the order the steps run (the DPO recipe's step 2 writes DPO_DIR).
+STEP_FOLDERS = {1: SFT_DIR, 2: RM_DIR, 3: PPO_DIR}
+
+
+def stale_folders(recipe, steps_run):
+    """Folders of steps that ran before an earlier step of this run: they were made from that step's old output, so
+    they are not this run's results (``train.py --step 1`` after a full run leaves an older PPO actor)."""
+    if not steps_run:
+        return set()
+    first = min(steps_run)
+    folders = dict(STEP_FOLDERS, **({2: DPO_DIR} if recipe == "dpo" else {}))
+    return {folder for step, folder in folders.items() if step > first and step not in steps_run}
+
+
+def build_report(output_dir, timings, recipe="ppo", steps_run=None):
+    """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``; ``steps_run``: the steps
+    of this run (None: all), so that folders left by an earlier run on older inputs are not reported."""
+    stale = stale_folders(recipe, steps_run)
+
     def metrics(folder):
-        if folder not in RECIPE_FOLDERS[recipe]:
+        if folder not in RECIPE_FOLDERS[recipe] or folder in stale:
             return {}
         return read_json(os.path.join(output_dir, folder, "metrics.json")) or {}
 
@@ -41,7 +58,9 @@ def build_report(output_dir, timings, recipe="ppo"):
               "rm_chosen_mean_score": step2.get("chosen_mean_score"),
               "rm_rejected_mean_score": step2.get("rejected_mean_score"),
               "policy": next((sub for sub in (RECIPE_POLICY[recipe], SFT_DIR)
-                              if os.path.isfile(os.path.join(output_dir, sub, "config.json"))), None)}
+                              if sub.split("/")[0] not in stale
+                              and os.path.isfile(os.path.join(output_dir, sub, "config.json"))), None),
+              "not_reported": sorted(stale)}
     if step3:
         before, after = step3.get("eval_before") or {}, step3.get("eval_after") or {}
         report["held_out"] = {
@@ -80,8 +99,8 @@ def plot_curves(curve, path):
     return path
 
 
-def write_report(output_dir, timings, recipe="ppo"):
-    report = build_report(output_dir, timings, recipe)
+def write_report(output_dir, timings, recipe="ppo", steps_run=None):
+    report = build_report(output_dir, timings, recipe, steps_run)
     if report.get("step3_curve"):
         report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
     write_json_atomic(os.path.join(output_dir, "report.json"), report)
@@ -109,4 +128,6 @@ def summary_lines(report):
             lines.append(f"PPO: {report['step3_iterations']} iterations, final KL {curve['kl'][-1]:.4f}")
     if report.get("plot"):
         lines.append(f"plot: {report['plot']}")
+    for folder in report.get("not_reported", []):
+        lines.append(f"not reported: {folder} (an earlier run's, made from an older output of a step run now)")
     return lines

@@ -93,6 +93,26 @@ def test_the_report_holds_only_the_recipes_steps(tmp_path):
     assert dpo["sft_eval_loss"] == 0.7 and "held_out" not in dpo and dpo["rm_accuracy"] is None
 
 
+def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_again(tmp_path):
+    # train.py --step 1 after a full run: the step-2 and step-3 folders were made from the old SFT model
+    from dschat.report import build_report, summary_lines
+
+    for folder, metrics in (("step1_sft", {"eval_loss": 0.7, "perplexity": 2.0}), ("step2_rm", {"accuracy": 0.9}),
+                            ("step3_ppo", {"eval_before": {"rule_score_mean": 0.5}, "iterations": 4})):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.json").write_text(json.dumps(metrics))
+    for policy in ("step1_sft", "step3_ppo/actor"):
+        (tmp_path / policy).mkdir(exist_ok=True)
+        (tmp_path / policy / "config.json").write_text("{}")
+    again = build_report(str(tmp_path), {}, "ppo", steps_run=[1])
+    assert again["sft_eval_loss"] == 0.7 and again["rm_accuracy"] is None and "held_out" not in again
+    assert again["policy"] == "step1_sft" and again["not_reported"] == ["step2_rm", "step3_ppo"]
+    assert any(line.startswith("not reported: step3_ppo") for line in summary_lines(again))
+    later = build_report(str(tmp_path), {}, "ppo", steps_run=[2, 3])  # steps after the ones run stay theirs
+    assert later["rm_accuracy"] == 0.9 and later["policy"] == "step3_ppo/actor" and later["not_reported"] == []
+    assert build_report(str(tmp_path), {}, "ppo", steps_run=[1, 3])["not_reported"] == ["step2_rm"]
+
+
 def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
     from dschat.tools.common import load_scoring_reward_model
 
