@@ -230,13 +230,47 @@ def test_unset_settings_come_from_the_generation_config_as_in_hf():
 def test_hf_kwargs_that_would_change_the_result_are_errors_and_no_ops_pass():
     engine = _engine(tiny_model("llama"))
     ids, mask = left_padded_batch([3])
-    for kwargs in ({"num_return_sequences": 2}, {"repetition_penalty": 1.2}, {"return_dict_in_generate": True},
+    for kwargs in ({"num_return_sequences": 2}, {"no_repeat_ngram_size": 2}, {"return_dict_in_generate": True},
                    {"num_beams": 2}, {"stop_strings": ["x"]}):
         with pytest.raises(ValueError, match="does not support"):
             engine.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
     engine.generate(ids, attention_mask=mask, max_new_tokens=3, synced_gpus=True, use_cache=True, num_beams=1,
                     num_return_sequences=1, output_scores=False, streamer=None, no_repeat_ngram_size=0,
-                    typical_p=1.0, logits_processor=[])
+                    typical_p=1.0, logits_processor=[], repetition_penalty=1.0)
+    for penalty in (0.0, -1.2):  # HF's rule: strictly positive
+        with pytest.raises(ValueError, match="repetition_penalty has to be strictly positive"):
+            engine.generate(ids, attention_mask=mask, max_new_tokens=3, repetition_penalty=penalty)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_repetition_penalty_comes_from_the_generation_config_unless_the_call_gives_one(family):
+    """A generation_config's repetition_penalty (Qwen2.5-Instruct ships 1.05) is applied as HF applies it, greedy or
+    sampled, not refused; the call's value wins. Settings the decode does not apply are still refused."""
+    from dschat.errors import UsageError
+
+    model = tiny_model(family, seed=14)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([7, 3, 5], seed=14)
+    unpenalised = hf_generate(model, ids, mask, 12)
+    model.generation_config.repetition_penalty = 1.3
+    engine.check_generation_config()  # not an error any more
+    engine.eval()
+    expected = hf_generate(model, ids, mask, 12)  # HF reads the generation_config's penalty too
+    assert not torch.equal(expected, unpenalised), "the penalty changed nothing: the test could not see it"
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12), expected)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12, repetition_penalty=None),
+                       expected)  # HF-style None: not given
+    # the call's value wins over the generation_config's
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12, repetition_penalty=1.0),
+                       unpenalised)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12, repetition_penalty=0.8),
+                       hf_generate(model, ids, mask, 12, repetition_penalty=0.8))
+    # with sampling too: a top-k of 1 samples greedily, through the penalised logits
+    model.generation_config.do_sample, model.generation_config.top_k = True, 1
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12), expected)
+    model.generation_config.no_repeat_ngram_size = 2
+    with pytest.raises(UsageError, match="generation_config sets no_repeat_ngram_size=2"):
+        engine.check_generation_config()
 
 
 # -- contract & stats --------------------------------------------------------------------------------------------

@@ -273,3 +273,116 @@ def test_graph_cache_length_is_rounded_up_but_not_past_max_out_tokens():
     assert GraphDecoder(engine.kv_cache, max_out_tokens=200).cache_len_for(70) == 128
     assert GraphDecoder(engine.kv_cache, max_out_tokens=60).cache_len_for(70) == 70
     assert GraphDecoder(engine.kv_cache).cache_len_for(70) == 128
+
+
+# -- repetition penalty ------------------------------------------------------------------------------------------------
+def _eos_ending_row_0_early(answers):
+    """A token row 0 generates in its first steps and another row never does: as EOS, row 0 ends early, that row
+    runs on (finished rows keep feeding pads)."""
+    for token in answers[0, :6].tolist():
+        if token != PAD and any(token not in row for row in answers[1:].tolist()):
+            return token
+    raise AssertionError(f"no such token in {answers}")
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])  # llama: GQA
+@pytest.mark.parametrize("path", ["eager", "graph_logic"])
+def test_repetition_penalty_greedy_equals_hf_with_padding_and_eos(path, family, penalty):
+    """HF's RepetitionPenaltyLogitsProcessor over the prompt and the answer so far, on left-padded prompts of
+    different lengths, with an EOS that ends a row early (its pads are marked seen too) and with min_new_tokens (the
+    penalty comes before the EOS suppression), in the eager loop and in the graph step."""
+    model = tiny_model(family, seed=14)  # a seed where both penalties change every family's answers
+    engine = _engine(model, graphs=path == "graph_logic")
+    graphs = _uncaptured(engine) if path == "graph_logic" else None
+    ids, mask = left_padded_batch([7, 3, 5], seed=14)  # 3 rows -> bucket 4 in the graph path: one dummy row
+    prompt_len = ids.shape[1]
+    unpenalised = hf_generate(model, ids, mask, 16)
+    penalised = hf_generate(model, ids, mask, 16, repetition_penalty=penalty)
+    assert not torch.equal(penalised, unpenalised), "the penalty changed nothing: the test could not see it"
+    eos = _eos_ending_row_0_early(penalised[:, prompt_len:])
+    engine.eval()
+    for kwargs in ({}, {"min_new_tokens": 4}):
+        expected = hf_generate(model, ids, mask, 16, eos_token_id=eos, repetition_penalty=penalty, **kwargs)
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos,
+                              repetition_penalty=penalty, **kwargs)
+        assert torch.equal(got, expected), (kwargs, got, expected)
+        if not kwargs:
+            assert (expected[0, prompt_len:] == PAD).any() and (expected[1:, -1] != PAD).any()
+    if graphs is not None:  # the graph step ran with the penalty in its key and a seen-token buffer
+        assert [key.repetition_penalty for key in graphs.decoders] == [penalty, penalty] and graphs.replays > 0
+        assert all(d.buffers.seen is not None for d in graphs.decoders.values())
+
+
+def test_without_a_repetition_penalty_the_graph_step_keeps_no_seen_tokens():
+    model = tiny_model("llama", seed=12)
+    engine = _engine(model)
+    graphs = _uncaptured(engine)
+    ids, mask = left_padded_batch([5, 3], seed=12)
+    engine.eval()
+    for penalty in (None, 1.0):  # not given (nor in the generation_config), or HF's no-op value
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=6, repetition_penalty=penalty),
+                           hf_generate(model, ids, mask, 6))
+    (key, decoder), = graphs.decoders.items()
+    assert key.repetition_penalty == 1.0 and decoder.buffers.seen is None
+
+
+@pytest.mark.parametrize("path", ["eager", "graph_logic"])
+def test_left_padding_counts_for_the_repetition_penalty_as_in_the_installed_transformers(monkeypatch, path):
+    """transformers >= 5.23 leaves each row's left padding out of the penalty, earlier versions counted its pad
+    tokens as seen. With a pad id the model would generate first, the two rules give different tokens: the engine's
+    are HF's, and not those of the other rule."""
+    from dschat.hybrid_engine import sampling
+
+    model = tiny_model("llama", seed=13)
+    ids, mask = left_padded_batch([7, 2, 4], seed=13)
+    first = hf_generate(model, ids, mask, 1)[:, -1]
+    pad = int(first[1])  # row 1's first token without a penalty: as the pad id, the rules disagree about it
+    assert pad not in ids[1][mask[1] == 1].tolist()
+    ids = ids.masked_fill(mask == 0, pad)
+    expected = hf_generate(model, ids, mask, 8, pad_token_id=pad, repetition_penalty=1.5)
+    results = []
+    for skips in (sampling.hf_penalty_skips_left_padding(), not sampling.hf_penalty_skips_left_padding()):
+        monkeypatch.setattr(sampling, "hf_penalty_skips_left_padding", lambda skips=skips: skips)
+        engine = _engine(model, graphs=path == "graph_logic")
+        if path == "graph_logic":
+            _uncaptured(engine)
+        engine.eval()
+        results.append(engine.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=pad,
+                                       repetition_penalty=1.5))
+    assert torch.equal(results[0], expected), (results[0], expected)
+    assert not torch.equal(results[1], expected), "the other rule gave the same tokens: the test could not see it"
+
+
+def test_repetition_penalty_sampled_tokens_equal_eager_and_logprobs_are_unpenalised():
+    """Sampled with a seed: the graph step's tokens are the eager loop's; ``return_logprobs`` stays the model's
+    unpenalised distribution (what the training forward gives the tokens)."""
+    engines, models = [], []
+    for graphs in (True, False):
+        model = tiny_model("qwen2", seed=6, vocab_size=24)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(5)
+        models.append(model)
+        engines.append(_engine(model, graphs=graphs))
+    _uncaptured(engines[0])
+    ids, mask = left_padded_batch([5, 2, 4, 3], vocab_size=24, seed=6)
+    results = []
+    for engine in engines:
+        engine.eval()
+        generator = torch.Generator().manual_seed(11)
+        kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=8, top_p=0.9, generator=generator,
+                      repetition_penalty=1.4, return_logprobs=True)
+        results.append((engine.generate(ids, **kwargs), engine.generate(ids, **kwargs)))
+    (graph_a, graph_b), (eager_a, eager_b) = results
+    for graph, eager in ((graph_a, eager_a), (graph_b, eager_b)):
+        assert torch.equal(graph[0], eager[0])
+        # the two paths' caches differ in length (rounded up for the graph): the same values up to float rounding
+        torch.testing.assert_close(graph[1], eager[1], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(graph_a[0], graph_b[0])  # the generator advanced between the two calls
+    # the penalty changed the draws (same seed, no penalty)
+    unpenalised = engines[1].generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=8, top_p=0.9,
+                                      generator=torch.Generator().manual_seed(11))
+    assert not torch.equal(unpenalised, eager_a[0])
+    expected, _ = answer_logprobs_and_live(models[1], eager_a[0], mask, eos_token_id=-1)  # no EOS
+    torch.testing.assert_close(eager_a[1], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graph_a[1], expected, atol=1e-4, rtol=1e-4)

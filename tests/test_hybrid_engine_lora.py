@@ -211,12 +211,12 @@ def test_a_generation_config_setting_the_decode_does_not_apply_is_an_error_unles
     from dschat.errors import UsageError
 
     model = tiny_model("llama")
-    model.generation_config.repetition_penalty = 1.05  # as Qwen2.5-Instruct's
+    model.generation_config.no_repeat_ngram_size = 2
     engine = _engine(model)
     ids, mask = left_padded_batch([6, 2, 4], seed=1)
     engine.eval()
-    with pytest.raises(UsageError, match="generation_config sets repetition_penalty=1.05, which HF's generate applies"):
+    with pytest.raises(UsageError, match="generation_config sets no_repeat_ngram_size=2, which HF's generate applies"):
         engine.generate(ids, attention_mask=mask, max_new_tokens=4)
-    got = engine.generate(ids, attention_mask=mask, max_new_tokens=4, repetition_penalty=1.0)
-    model.generation_config.repetition_penalty = 1.0
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=4, no_repeat_ngram_size=0)
+    model.generation_config.no_repeat_ngram_size = 0
     assert torch.equal(got, hf_generate(model, ids, mask, 4))

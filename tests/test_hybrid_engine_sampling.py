@@ -4,13 +4,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from hybrid_common import PAD, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
 
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
-from dschat.hybrid_engine.sampling import filtered_logits, sample_next_token  # noqa: E402
+from dschat.hybrid_engine import sampling  # noqa: E402
+from dschat.hybrid_engine.sampling import (apply_repetition_penalty, filtered_logits, mark_seen,  # noqa: E402
+                                           penalty_start, prompt_seen_tokens, sample_next_token)
 
 SETTINGS = [  # (temperature, top_k, top_p)
     (1.0, 0, 1.0),
@@ -107,3 +110,38 @@ def test_generated_first_token_follows_the_models_distribution(sampling_engine, 
                           do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
                           generator=torch.Generator().manual_seed(99))
     _check_frequencies(out[:, -1], probs, max_tv=0.04)
+
+
+@pytest.mark.parametrize("skips_left_padding", [True, False])  # transformers >= 5.23 / before
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_repetition_penalty_equals_hfs_processor_step_by_step(monkeypatch, penalty, skips_left_padding):
+    """The seen-token record (prompt, then one token per step, ids past the logits' vocabulary included) and the
+    penalty give HF's RepetitionPenaltyLogitsProcessor scores bit for bit, then HF's warpers' filtering."""
+    monkeypatch.setattr(sampling, "hf_penalty_skips_left_padding", lambda: skips_left_padding)
+    vocab, g = 40, torch.Generator().manual_seed(0)
+    ids, mask = left_padded_batch([6, 2, 4, 0], vocab_size=vocab + 3, seed=1)  # a row of padding only; ids >= V
+    ids[1, 0] = vocab + 2  # in the left padding of row 1 (counted only where padding is)
+    padding = (mask != 0).int().argmax(dim=1)
+    hf = RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=padding if skips_left_padding else None)
+    seen = prompt_seen_tokens(ids, penalty_start(mask), vocab)
+    sequence = ids
+    for step in range(5):
+        scores = torch.randn(ids.shape[0], vocab, generator=g) * 3
+        scores[:, :8] = scores[:, :8].abs() * (-1) ** step  # both signs among the seen tokens
+        expected = hf(sequence, scores.clone())
+        assert torch.equal(apply_repetition_penalty(scores, seen, penalty), expected), step
+        assert torch.equal(filtered_logits(apply_repetition_penalty(scores, seen, penalty), 0.7, 6, 0.9),
+                           _hf_filtered(expected, 0.7, 6, 0.9))
+        tokens = torch.randint(0, vocab, (ids.shape[0],), generator=g)
+        tokens[0] = PAD  # a finished row's pad
+        mark_seen(seen, tokens)
+        sequence = torch.cat([sequence, tokens[:, None]], dim=1)
+
+
+def test_penalty_start_of_a_group_batch_is_each_rows_own():
+    """A tensor-parallel group pads every rank's prompts to the longest: a row's penalty starts where HF, on its own
+    rank's batch, would start it (its first attended column, or its own first column)."""
+    _, mask = left_padded_batch([3, 1, 0], seed=2)  # prompt length 3
+    group_mask = torch.cat([torch.zeros(3, 2, dtype=mask.dtype), mask], dim=1)  # padded to 5 in the group
+    own = penalty_start(mask)
+    assert torch.equal(penalty_start(group_mask, torch.full((3,), 2)), own + 2)

@@ -20,6 +20,7 @@ from dschat.hybrid_engine.decode import generate_tokens
 from dschat.hybrid_engine.fusion import ProjectionFusion
 from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
+from dschat.hybrid_engine.sampling import check_repetition_penalty
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
@@ -30,12 +31,13 @@ from dschat.models.lora import unwrap_peft
 # automatically; the static cache is always used), and the values of HF's others that leave its output as this
 # engine's. Any other kwarg or value would change what HF returns, and is an error rather than ignored.
 _NO_OP_HF_KWARGS = {"synced_gpus", "use_cache"}
-_NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "length_penalty": 1.0,
-                 "no_repeat_ngram_size": 0, "typical_p": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0,
-                 "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": 0.0}
+_NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
+                 "typical_p": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0, "epsilon_cutoff": 0.0,
+                 "eta_cutoff": 0.0, "min_p": 0.0}
 _HF_DEFAULT_NEW_TOKENS = 20  # what HF generates when neither the call nor the generation_config gives a length
-# HF's sampling defaults where the model's generation_config sets nothing
-_HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# HF's defaults of the decoding settings where the model's generation_config sets nothing (the repetition penalty
+# applies to greedy decoding too)
+_HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
 def _synchronize():
@@ -202,16 +204,21 @@ class HybridEngine:
     # -- generation -------------------------------------------------------------------------------------------------
     def generate(self, input_ids, attention_mask=None, max_new_tokens=None, do_sample=None, temperature=None,
                  top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, generator=None, min_new_tokens=None,
-                 max_length=None, min_length=None, return_logprobs=False, **hf_kwargs):
+                 max_length=None, min_length=None, return_logprobs=False, repetition_penalty=None, **hf_kwargs):
         """HF-``generate``-like: LEFT-padded prompts in, (B, P + n) sequences out, EOS'd rows padded with pad.
 
         ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts;
         prompt + new tokens may not exceed ``hybrid_engine.max_out_tokens``. What is not given comes, as in HF, from
-        the model's generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling). With ``return_logprobs``
-        returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of each generated token under the model's
-        unfiltered distribution (0 after a row's end), computed in the decode step. ``synced_gpus`` and ``use_cache``
-        are accepted and change nothing (ranks are kept in step automatically when the forward needs it); other HF
-        kwargs that would change the result (``num_return_sequences=2``, ``repetition_penalty``, ...) are errors.
+        the model's generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling). ``repetition_penalty``
+        (e.g. Qwen2.5-Instruct's generation_config sets 1.05) is HF's ``RepetitionPenaltyLogitsProcessor``, greedy or
+        sampled: the logit of every token already in the row (prompt and answer so far; the prompt's left padding
+        only with transformers < 5.23, as HF's own ``generate`` does) is divided by it when positive, multiplied by
+        it when negative, before the ``min_new_tokens`` EOS suppression and temperature / top-k / top-p. With ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of
+        each generated token under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p
+        or EOS suppression: what the training forward scores it with; 0 after a row's end), computed in the decode
+        step. ``synced_gpus`` and ``use_cache`` are accepted and change nothing (ranks are kept in step automatically
+        when the forward needs it); other HF kwargs that would change the result (``num_return_sequences=2``,
+        ``no_repeat_ngram_size``, beams, ...) are errors.
         """
         self._check_hf_kwargs(hf_kwargs)
         self.check_generation_config(hf_kwargs)
@@ -242,6 +249,8 @@ class HybridEngine:
             do_sample = bool(getattr(generation_config, "do_sample", False))
         temperature, top_k, top_p = (_from_config(name, value, generation_config) for name, value in
                                      (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
+        repetition_penalty = float(_from_config("repetition_penalty", repetition_penalty, generation_config))
+        check_repetition_penalty(repetition_penalty)
         if attention_mask is None:
             attention_mask = _default_attention_mask(input_ids, pad_token_id, eos_list)
         attention_mask = attention_mask.to(device)
@@ -261,6 +270,7 @@ class HybridEngine:
             check_same_in_group(self.tp, device, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                 do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                 pad_token_id=pad_token_id, return_logprobs=return_logprobs,
+                                repetition_penalty=repetition_penalty,
                                 eos_token_ids=hash(tuple(sorted(eos_list))) % 2**52)  # ints hash alike everywhere
             group_batch = gather_prompts(input_ids, attention_mask, pad_token_id, self.tp)
             input_ids, attention_mask = group_batch.input_ids, group_batch.attention_mask
@@ -271,7 +281,10 @@ class HybridEngine:
         self._check_fits(prompt_len, max_new_tokens, sync_group, device)
         sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_list or None, pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
-                        generator=generator, early_exit_interval=self.early_exit_interval)
+                        generator=generator, early_exit_interval=self.early_exit_interval,
+                        repetition_penalty=repetition_penalty,
+                        # the group's prompts are padded to the longest: where each row's own prompt begins
+                        prompt_start=group_batch.prompt_start if self.tp is not None else None)
         was_training = model.training
         model.eval()  # no dropout while sampling, even if the caller skipped eval()
         try:
@@ -337,8 +350,8 @@ class HybridEngine:
 
     def check_generation_config(self, hf_kwargs=None):
         """The model's generation_config may set what HF's ``generate`` applies and this decode does not (e.g.
-        Qwen2.5-Instruct's ``repetition_penalty`` 1.05): an error, as for the call's own kwargs, unless the call
-        overrides it (HF's rule: the call's value wins)."""
+        ``no_repeat_ngram_size``; its ``repetition_penalty`` is applied): an error, as for the call's own kwargs,
+        unless the call overrides it (HF's rule: the call's value wins)."""
         hf_kwargs = hf_kwargs or {}
         generation_config = getattr(unwrap_peft(self._engine.module), "generation_config", None)
         for key, no_op in _NO_OP_VALUES.items():

@@ -4,7 +4,7 @@ once per generated token.
 Why: the eager loop (``decode.py``) launches every kernel of every decoder layer from Python for each token, so at
 PPO's batch sizes it is bound by launch overhead, not by memory bandwidth. A graph launches the whole step at once: the
 one-token forward over the static KV cache, sampling, EOS bookkeeping, the position / cache-length counters and the
-attention-mask update.
+attention-mask update (with a repetition penalty, also the record of the tokens seen so far).
 
 Why a replay is valid:
 
@@ -33,7 +33,9 @@ import torch
 from dschat.hybrid_engine.cache import keeps_length_on_device, kv_layout
 from dschat.hybrid_engine.decode import (Generation, as_eos_tensor, decode_step, forward_spec, generated_lengths,
                                          prompt_position_ids)
-from dschat.hybrid_engine.sampling import sample_next_token, token_log_probs
+from dschat.hybrid_engine.sampling import (apply_repetition_penalty, mark_seen, penalty_start, prompt_seen_tokens,
+                                           sample_next_token, token_log_probs)
+from dschat.models.lora import unwrap_peft
 
 logger = logging.getLogger(__name__)
 
@@ -77,22 +79,38 @@ class GraphKey:
     pad_token_id: int
     suppresses_eos: bool  # min_new_tokens > 0 with an EOS: EOS logits are masked while step < min_new_tokens
     logprobs: bool = False  # the step also records the sampled tokens' log-probabilities
+    repetition_penalty: float = 1.0  # != 1.0: the step penalises the tokens seen so far (DecodeBuffers.seen)
 
     @classmethod
     def of(cls, bucket, cache_len, do_sample, temperature, top_k, top_p, eos, pad_token_id, min_new_tokens,
-           logprobs=False):
-        if not do_sample:  # greedy ignores the sampling settings; one graph serves them all
+           logprobs=False, repetition_penalty=1.0):
+        if not do_sample:  # greedy ignores the sampling settings (not the penalty); one graph serves them all
             temperature, top_k, top_p = 1.0, 0, 1.0
         eos = tuple(eos or ())
         return cls(bucket, cache_len, bool(do_sample), float(temperature), int(top_k), float(top_p), eos,
-                   int(pad_token_id), bool(eos) and min_new_tokens > 0, bool(logprobs))
+                   int(pad_token_id), bool(eos) and min_new_tokens > 0, bool(logprobs), float(repetition_penalty))
+
+
+def logits_vocab_size(model):
+    """The width of the model's logits: its output embedding's ``out_features`` (else its weight's rows, else the
+    config's ``vocab_size``)."""
+    hf_model = unwrap_peft(model)
+    head = hf_model.get_output_embeddings()
+    size = getattr(head, "out_features", None)
+    if size is None and getattr(head, "weight", None) is not None and head.weight.dim() == 2:
+        size = head.weight.shape[0]
+    return int(size or hf_model.config.vocab_size)
 
 
 class DecodeBuffers:
     """The step's inputs and outputs, allocated once per graph and refilled in place for each generation."""
 
-    def __init__(self, bucket, cache_len, eos_ids, device, logprobs=False):
+    def __init__(self, bucket, cache_len, eos_ids, device, logprobs=False, vocab_size=None):
         longs = dict(dtype=torch.long, device=device)
+        # with a repetition penalty (vocab_size given): the tokens of each row so far, prompt included (sampling.py);
+        # the last column collects ids past the logits' vocabulary
+        self.seen = torch.zeros((bucket, vocab_size + 1), dtype=torch.bool, device=device) \
+            if vocab_size is not None else None
         self.logprobs = torch.zeros((bucket, cache_len), dtype=torch.float32, device=device) if logprobs else None
         self.mask = torch.zeros((bucket, cache_len), **longs)  # 1 for the prompt's tokens and the tokens fed so far
         self.position_ids = torch.zeros((bucket, 1), **longs)  # position of the token fed next, per row
@@ -109,10 +127,14 @@ class DecodeBuffers:
     def bucket(self):
         return self.tokens.shape[0]
 
-    def load(self, input_ids, attention_mask, max_new_tokens, min_new_tokens):
-        """Copy a generation's prompts in; returns the bucket-padded (ids, mask) for the prefill."""
+    def load(self, input_ids, attention_mask, max_new_tokens, min_new_tokens, prompt_start=None):
+        """Copy a generation's prompts in; returns the bucket-padded (ids, mask) for the prefill. ``prompt_start``:
+        see ``generate_tokens``."""
         batch_size, prompt_len = input_ids.shape
         ids, mask = pad_rows(input_ids, self.bucket), pad_rows(attention_mask, self.bucket)
+        if self.seen is not None:
+            start = penalty_start(mask, pad_rows(prompt_start, self.bucket) if prompt_start is not None else None)
+            self.seen.copy_(prompt_seen_tokens(ids, start, self.seen.shape[1] - 1))
         self.mask.zero_()
         self.mask[:, :prompt_len] = mask
         self.position_ids.copy_(mask.long().sum(-1, keepdim=True))
@@ -136,13 +158,19 @@ class CapturedDecoder:
         self.cache = cache
         self.key = key
         self.rng = rng
-        self.buffers = DecodeBuffers(key.bucket, key.cache_len, key.eos, device, key.logprobs)
+        self.buffers = DecodeBuffers(key.bucket, key.cache_len, key.eos, device, key.logprobs,
+                                     logits_vocab_size(model) if key.repetition_penalty != 1.0 else None)
         self.graph = None  # None: ``replay`` runs the step eagerly (capture disabled, for tests of the logic)
 
     def select_token(self, logits):
         """Sample (or argmax) the next token from ``logits`` and do the bookkeeping the eager loop does."""
         b, key = self.buffers, self.key
         model_logits = logits
+        if b.seen is not None:
+            if b.seen.shape[1] != logits.shape[-1] + 1:  # static shapes: a host check, outside any replay
+                raise ValueError(f"the model's logits have {logits.shape[-1]} columns, the repetition penalty's "
+                                 f"record of seen tokens {b.seen.shape[1] - 1}")
+            logits = apply_repetition_penalty(logits, b.seen, key.repetition_penalty)
         if key.suppresses_eos:
             too_early = (b.step < b.min_new_tokens).view(1, 1)
             logits = torch.where(too_early, logits.index_fill(-1, b.eos, float("-inf")), logits)
@@ -154,6 +182,8 @@ class CapturedDecoder:
             b.logprobs.index_copy_(1, b.step, logp[:, None])
         tokens = torch.where(b.finished, key.pad_token_id, tokens)
         b.generated.index_copy_(1, b.step, tokens[:, None])
+        if b.seen is not None:  # the group's shared tokens, finished rows' pads included (as in HF's input_ids)
+            mark_seen(b.seen, tokens)
         if b.eos is not None:
             newly_finished = (tokens[:, None] == b.eos).any(-1) & ~b.finished
             b.finish_step.copy_(torch.where(newly_finished, b.step, b.finish_step))
@@ -314,7 +344,7 @@ class GraphDecoder:
     @torch.no_grad()
     def generate(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
                  top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
-                 early_exit_interval=8, return_logprobs=False):
+                 early_exit_interval=8, return_logprobs=False, repetition_penalty=1.0, prompt_start=None):
         """A ``Generation`` exactly as ``generate_tokens(..., return_lengths=True)`` makes it, or None (run eagerly).
 
         In a tensor-parallel group the ranks capture together (see ``_prepare``) and replay only if every rank has its
@@ -324,7 +354,7 @@ class GraphDecoder:
         decoder = self._prepare(weights, input_ids, attention_mask, max_new_tokens, dtype=dtype, do_sample=do_sample,
                                temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                                pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
-                               return_logprobs=return_logprobs)
+                               return_logprobs=return_logprobs, repetition_penalty=repetition_penalty)
         if self.group_agrees is not None and not self.group_agrees(decoder is not None):
             if decoder is not None:
                 self.disable("another rank of the tensor-parallel group could not capture the decode step")
@@ -332,10 +362,11 @@ class GraphDecoder:
         if decoder is None:
             return None
         return self._run(decoder, input_ids, attention_mask, max_new_tokens, min_new_tokens=min_new_tokens,
-                        generator=generator, early_exit_interval=early_exit_interval)
+                        generator=generator, early_exit_interval=early_exit_interval, prompt_start=prompt_start)
 
     def _prepare(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
-                top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, return_logprobs=False):
+                top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, return_logprobs=False,
+                repetition_penalty=1.0):
         """The captured step for this generation (capturing it if it is new), or None: it has to run eagerly."""
         device = input_ids.device
         reason = self.unsupported_reason(weights, device)
@@ -358,7 +389,7 @@ class GraphDecoder:
             return None
         self._drop_if_moved(model)
         key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
-                          pad_token_id, min_new_tokens, return_logprobs)
+                          pad_token_id, min_new_tokens, return_logprobs, repetition_penalty)
         decoder = self.decoders.get(key)
         if self.group_agrees is not None and not self.group_agrees(decoder is not None):
             decoder = None  # another rank of the group has to capture (e.g. its storage moved): capture together
@@ -430,11 +461,11 @@ class GraphDecoder:
         decoder.select_token(logits)
 
     def _run(self, decoder, input_ids, attention_mask, max_new_tokens, *, min_new_tokens=0, generator=None,
-            early_exit_interval=8):
+            early_exit_interval=8, prompt_start=None):
         """Replay ``decoder`` (from :meth:`_prepare`) for this generation; returns its ``Generation``."""
         check_every = early_exit_interval
         batch_size = input_ids.shape[0]
-        ids, mask = decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens)
+        ids, mask = decoder.buffers.load(input_ids, attention_mask, max_new_tokens, min_new_tokens, prompt_start)
         caller_rng = generator if generator is not None else default_generator(input_ids.device)
         if decoder.key.do_sample:
             self._rng.set_state(caller_rng.get_state())

@@ -4,7 +4,14 @@ No ``torch.multinomial`` and no ``.item()``: sampling is an argmax over ``probs 
 exponential race, equivalent to Gumbel-max; computed in log space), so a decode step has no host synchronisation and
 is captured in a CUDA graph by ``graphs.py``. The noise comes from an explicit ``torch.Generator`` so a fixed seed
 reproduces the same tokens (a graph draws from a generator registered with it, seeded from the caller's).
+
+``repetition_penalty`` is HF's ``RepetitionPenaltyLogitsProcessor`` over a (B, V + 1) bool "seen" tensor kept on the
+device: filled from the prompts (:func:`prompt_seen_tokens`), marked with every step's tokens (:func:`mark_seen`) and
+applied to the step's fp32 logits (:func:`apply_repetition_penalty`) before the EOS suppression and the sampling
+filters, as in HF's processor order. Column V catches ids the logits do not cover (HF drops them too).
 """
+import functools
+
 import torch
 
 
@@ -72,3 +79,58 @@ def token_log_probs(logits, tokens):
     """``log softmax(logits)[token]`` per row, in fp32, of the unfiltered distribution (no temperature, top-k/p or
     EOS suppression): what the training forward scores the token with, e.g. PPO's old log-probs."""
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_penalty_skips_left_padding():
+    """Whether HF's ``generate`` leaves a row's left padding out of the repetition penalty: from transformers 5.23 it
+    passes each row's first attended position as ``RepetitionPenaltyLogitsProcessor``'s ``prompt_ignore_length``;
+    before, every token of ``input_ids`` (pad tokens included) counted as seen. The decode does as the installed
+    version does."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 23)
+
+
+def check_repetition_penalty(penalty):
+    """HF's rule: a strictly positive penalty (1.0: none)."""
+    if not penalty > 0:
+        raise ValueError(f"repetition_penalty has to be strictly positive, got {penalty}")
+
+
+def penalty_start(attention_mask, prompt_start=None):
+    """(B,) the first prompt column whose tokens count as seen for the repetition penalty, as HF's ``generate`` on
+    each row's own prompt decides it. ``prompt_start`` (B,): where each row's own prompt begins in a batch padded
+    further on the left (a tensor-parallel group's; default 0). With transformers >= 5.23 the row's left padding is
+    skipped (``(mask != 0).argmax``: the first attended column; a row with no attended column skips nothing)."""
+    rows, length = attention_mask.shape
+    if prompt_start is None:
+        prompt_start = torch.zeros(rows, dtype=torch.long, device=attention_mask.device)
+    if not hf_penalty_skips_left_padding():
+        return prompt_start
+    columns = torch.arange(length, device=attention_mask.device)
+    attended = (attention_mask != 0) & (columns >= prompt_start[:, None])
+    return torch.where(attended.any(-1), attended.int().argmax(-1), prompt_start)
+
+
+def prompt_seen_tokens(input_ids, start, vocab_size):
+    """(B, vocab_size + 1) bool: True for the ids of each row's prompt from column ``start`` (B,) on. Ids past the
+    logits' vocabulary land in the last column, which the penalty ignores (HF clamps them there and drops it)."""
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    ids = input_ids.masked_fill(columns < start[:, None], vocab_size).clamp(max=vocab_size)
+    seen = torch.zeros((input_ids.shape[0], vocab_size + 1), dtype=torch.bool, device=input_ids.device)
+    return seen.scatter_(1, ids, True)
+
+
+def mark_seen(seen, tokens):
+    """Add each row's token (B,) to ``seen``, in place (a static-shape scatter: graph-capturable)."""
+    seen.scatter_(1, tokens.clamp(max=seen.shape[1] - 1)[:, None], True)
+
+
+def apply_repetition_penalty(logits, seen, penalty):
+    """HF's ``RepetitionPenaltyLogitsProcessor``: the fp32 logit of every seen token is multiplied by ``penalty`` when
+    negative, else divided by it. Returns new fp32 logits."""
+    logits = logits.float()
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen[:, :logits.shape[-1]], penalised, logits)

@@ -326,6 +326,9 @@ class GroupBatch:
     row_start: int
     rows: int
     prompt_len: int  # this rank's own prompt length
+    # (group rows,) the column where each row's own prompt begins (the longest prompt's length minus its rank's): the
+    # repetition penalty counts a row's tokens as HF would on that rank's own batch
+    prompt_start: torch.Tensor = None
 
     def own_rows(self, generation):
         """This rank's part of the group's ``decode.Generation``: its rows, its own prompt width, trimmed to its own
@@ -362,7 +365,8 @@ def gather_prompts(input_ids, attention_mask, pad_token_id, tp):
     group_ids = torch.cat([part[:r] for part, (r, _) in zip(all_ids, shapes)])
     group_mask = torch.cat([part[:r] for part, (r, _) in zip(all_mask, shapes)])
     row_start = sum(r for r, _ in shapes[:tp.rank])
-    return GroupBatch(group_ids, group_mask, row_start, rows, length)
+    prompt_start = torch.cat([torch.full((r,), max_len - n, dtype=torch.long, device=device) for r, n in shapes])
+    return GroupBatch(group_ids, group_mask, row_start, rows, length, prompt_start)
 
 
 def check_same_in_group(tp, device, **settings):

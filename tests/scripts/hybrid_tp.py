@@ -7,7 +7,8 @@ ZeRO-3:
   batches differ in rows and length and rank 0's answers end long before rank 1's; again after an optimizer step;
 * each rank's copy holds half of the split weights;
 * sampling is the group leader's: rank 1's own generator seed does not change anything, rank 0's does;
-* ``return_logprobs`` gives each rank its rows' log-probabilities, equal to the unsplit model's forward.
+* ``return_logprobs`` gives each rank its rows' log-probabilities, equal to the unsplit model's forward;
+* (GQA Llama) greedy answers with a repetition penalty equal HF's on the unsplit model, eager and in the graph step.
 
 Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher:  hybrid_tp.py --stage 0|3
 """
@@ -168,6 +169,33 @@ def check_group_agrees_on_graphs(engine, ids, mask, eos, expected, rank):
     engine.train()
 
 
+def check_repetition_penalty(engine, reference, ids, mask, rank, world):
+    """HF's repetition penalty in the group (the group's prompts are padded to the longest, the penalty's record of
+    seen tokens is updated with the shared tokens): each rank's answers are HF's on the unsplit model for its own
+    prompts, in the eager loop and in the graph step's logic; ranks asking for different penalties fail together."""
+    from dschat.hybrid_engine.graphs import GraphDecoder
+
+    expected = hf_generate(reference, ids, mask, MAX_NEW, repetition_penalty=1.3)
+    changed = [None] * world
+    dist.all_gather_object(changed, not torch.equal(expected, hf_generate(reference, ids, mask, MAX_NEW)))
+    assert any(changed), "the penalty changed no answer: the check could not see it"
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, repetition_penalty=1.3)
+    assert torch.equal(got, expected), (rank, got, expected)
+    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, token_sync=engine.tp.share_tokens,
+                                        group_agrees=engine._group_agrees)
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, repetition_penalty=1.3)
+    assert torch.equal(got, expected) and engine.graph_decoder.replays > 0, (rank, got, expected)
+    engine.graph_decoder = None
+    try:
+        engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, repetition_penalty=1.3 if rank else 1.2)
+    except ValueError as error:
+        assert "asked for different generations" in str(error) and "repetition_penalty" in str(error), error
+    else:
+        raise AssertionError("ranks of one group asked for different repetition penalties: must fail everywhere")
+    engine.train()
+
+
 def check_too_long_fails_on_every_rank(engine, ids, mask, eos):
     """Rank 1's prompts (7 tokens) + 58 new ones exceed max_out_tokens=64, rank 0's (6) do not: the group decides
     together, or rank 0 would wait forever in the collective rank 1 never reaches."""
@@ -218,6 +246,7 @@ def run_case(family, stage, rank, world):
         # the reference holds the trained weights since check_refresh_after_step
         now = hf_generate(reference, ids, mask, MAX_NEW, eos_token_id=eos)
         check_group_agrees_on_graphs(engine, ids, mask, eos, now, rank)
+        check_repetition_penalty(engine, reference, ids, mask, rank, world)
     print(f"rank {rank} {family} stage={stage}: OK", flush=True)
 
 
