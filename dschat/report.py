@@ -27,8 +27,9 @@ RECIPE_FOLDERS = {"ppo": (SFT_DIR, RM_DIR, PPO_DIR), "grpo": (SFT_DIR, PPO_DIR),
 RECIPE_POLICY = {"ppo": PPO_ACTOR_DIR, "grpo": PPO_ACTOR_DIR, "dpo": DPO_DIR}
 
 
-# Each step's folder, in the order the steps run (the DPO recipe's step 2 writes DPO_DIR).
-STEP_FOLDERS = {1: SFT_DIR, 2: RM_DIR, 3: PPO_DIR}
+# Each recipe's steps and the folder each writes (the DPO recipe's step 2 writes DPO_DIR).
+RECIPE_STEP_FOLDERS = {"ppo": {1: SFT_DIR, 2: RM_DIR, 3: PPO_DIR}, "grpo": {1: SFT_DIR, 3: PPO_DIR},
+                       "dpo": {1: SFT_DIR, 2: DPO_DIR}}
 
 
 def stale_folders(recipe, steps_run):
@@ -37,8 +38,7 @@ def stale_folders(recipe, steps_run):
     if not steps_run:
         return set()
     first = min(steps_run)
-    folders = dict(STEP_FOLDERS, **({2: DPO_DIR} if recipe == "dpo" else {}))
-    return {folder for step, folder in folders.items() if step > first and step not in steps_run}
+    return {folder for step, folder in RECIPE_STEP_FOLDERS[recipe].items() if step > first and step not in steps_run}
 
 
 def build_report(output_dir, timings, recipe="ppo", steps_run=None):

@@ -111,6 +111,9 @@ def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_a
     later = build_report(str(tmp_path), {}, "ppo", steps_run=[2, 3])  # steps after the ones run stay theirs
     assert later["rm_accuracy"] == 0.9 and later["policy"] == "step3_ppo/actor" and later["not_reported"] == []
     assert build_report(str(tmp_path), {}, "ppo", steps_run=[1, 3])["not_reported"] == ["step2_rm"]
+    assert build_report(str(tmp_path), {}, "grpo", steps_run=[1])["not_reported"] == ["step3_ppo"]
+    assert build_report(str(tmp_path), {}, "dpo", steps_run=[1])["not_reported"] == ["step2_dpo"]
+    assert build_report(str(tmp_path), {}, "dpo", steps_run=[1, 2])["not_reported"] == []
 
 
 def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
