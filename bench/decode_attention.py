@@ -39,9 +39,9 @@ from results import write_json  # noqa: E402
 LAYOUTS = {"opt-1.3b": (32, 32, 64), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
 
 
-def time_us(fn, calls=50, replays=10):
+def time_us(fn, calls=50, replays=10, repeats=1):
     """GPU time per call: ``calls`` calls captured in one CUDA graph (as the decode step runs them), replayed, so
-    Python's launch overhead is not what is measured."""
+    Python's launch overhead is not what is measured; the median of ``repeats`` timings of ``replays`` replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -54,13 +54,16 @@ def time_us(fn, calls=50, replays=10):
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (calls * replays))
+    return sorted(times)[len(times) // 2]
 
 
 def cold_copies(nbytes, at_least=1):

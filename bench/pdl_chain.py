@@ -39,6 +39,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from decode_attention import time_us  # noqa: E402
 from results import write_json  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM, LAYERS = 2048, 8192, 32, 64, 24  # OPT-1.3B
@@ -416,32 +417,6 @@ def build_layers(batch, cache):
     return layers
 
 
-def time_step_us(fn, calls, replays):
-    """GPU time per call of ``fn``: ``calls`` calls captured in one CUDA graph, replayed ``replays`` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (calls * replays))
-    return sorted(times)[1]
-
-
 def variants(names, layers, batch, position, mask, lo):
     """(name, step function) for each requested variant."""
     for name in names:
@@ -550,7 +525,7 @@ def main():
             reference = out
         err = (out.float() - reference.float()).abs().max().item()
         scale = reference.float().abs().max().item()
-        us = time_step_us(lambda s=step: s(x), args.calls, args.replays)
+        us = time_us(lambda s=step: s(x), args.calls, args.replays, repeats=3)
         row = {"variant": name, "us_per_step": us, "us_per_layer": us / LAYERS, "x_floor": us / floor_us,
                "max_abs_err": err, "ref_max_abs": scale, "close": bool(err <= 0.02 * scale + 1e-2)}
         rows.append(row)

@@ -9,7 +9,7 @@ import time
 
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
-from dschat.run_layout import DPO_DIR, PPO_DIR, RM_DIR, SFT_DIR
+from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0
 
 # Settings that make the embedded tiny default train well in minutes on a CPU. Hub models get the step
@@ -175,10 +175,6 @@ def _without_extra(args, step):
     return plain
 
 
-# the output folders of earlier steps that a later step reads, and the step that writes each
-PRODUCED_BY = {SFT_DIR: 1, RM_DIR: 2}
-
-
 def check_earlier_outputs(step, steps, args, parsed):
     """A model folder an earlier step writes, when that step is not run now, must already be there: otherwise the
     step would look the folder up on the hub and end in a traceback."""
@@ -186,7 +182,7 @@ def check_earlier_outputs(step, steps, args, parsed):
     if step == 3 and (parsed.advantage_estimator == "gae" or parsed.reward_model_weight):
         paths.append(parsed.critic_model_name_or_path)
     for path in filter(None, paths):
-        for folder, producer in PRODUCED_BY.items():
+        for producer, folder in RECIPE_STEP_FOLDERS[getattr(args, "recipe", "ppo")].items():
             if path == os.path.join(args.output_dir, folder) and producer not in steps and not os.path.isdir(path):
                 raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which does not exist: "
                                         f"run step {producer} too (--step {producer} {step}) or first")

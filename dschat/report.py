@@ -2,7 +2,7 @@
 import json
 import os
 
-from dschat.run_layout import DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RM_DIR, SFT_DIR
+from dschat.run_layout import DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
 from dschat.steps.common import write_json_atomic
 
 
@@ -27,9 +27,6 @@ RECIPE_FOLDERS = {"ppo": (SFT_DIR, RM_DIR, PPO_DIR), "grpo": (SFT_DIR, PPO_DIR),
 RECIPE_POLICY = {"ppo": PPO_ACTOR_DIR, "grpo": PPO_ACTOR_DIR, "dpo": DPO_DIR}
 
 
-# Each recipe's steps and the folder each writes (the DPO recipe's step 2 writes DPO_DIR).
-RECIPE_STEP_FOLDERS = {"ppo": {1: SFT_DIR, 2: RM_DIR, 3: PPO_DIR}, "grpo": {1: SFT_DIR, 3: PPO_DIR},
-                       "dpo": {1: SFT_DIR, 2: DPO_DIR}}
 
 
 def stale_folders(recipe, steps_run):

@@ -5,6 +5,10 @@ RM_DIR = "step2_rm"
 DPO_DIR = "step2_dpo"
 PPO_DIR = "step3_ppo"
 
+# Each recipe's steps and the folder each writes (the DPO recipe's step 2 writes DPO_DIR).
+RECIPE_STEP_FOLDERS = {"ppo": {1: SFT_DIR, 2: RM_DIR, 3: PPO_DIR}, "grpo": {1: SFT_DIR, 3: PPO_DIR},
+                       "dpo": {1: SFT_DIR, 2: DPO_DIR}}
+
 # under step 3's --output_dir
 ACTOR_DIR = "actor"
 CRITIC_DIR = "critic"

@@ -114,6 +114,14 @@ def training_dtype(ds_config):
     return "fp32"
 
 
+def load_dtype(dtype, ds_config):
+    """The torch dtype to load weights in: ``dtype`` ("bf16", ...) if given, else the DeepSpeed config's training
+    dtype; None (the checkpoint's own) for neither, e.g. the tools' inference."""
+    if not dtype and not ds_config:
+        return None
+    return TORCH_DTYPES[dtype or training_dtype(ds_config)]
+
+
 def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, rlhf_training=False,
                     dropout=None, dtype=None):
     """Build ``model_class`` from a hub name, a folder or a tiny preset (DeepSpeed-Chat's signature).
@@ -123,7 +131,7 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     path = resolve_model_path(model_name_or_path)
     config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
     keep_alive = model_load_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
-    torch_dtype = TORCH_DTYPES[dtype or training_dtype(ds_config)] if dtype or ds_config else None
+    torch_dtype = load_dtype(dtype, ds_config)
     if rlhf_training:
         model = model_class.from_config(config, dtype=torch_dtype)
     else:

@@ -88,13 +88,13 @@ class RewardModel(nn.Module):
     def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,
                         ds_config=None, rlhf_training=False):
         """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made)."""
-        from dschat.models.loading import (TORCH_DTYPES, configure_dropout, grow_embeddings_for,
-                                           model_load_context, resolve_model_path, training_dtype)
+        from dschat.models.loading import (configure_dropout, grow_embeddings_for, load_dtype, model_load_context,
+                                           resolve_model_path)
 
         path = resolve_model_path(path)
         config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
         keep_alive = model_load_context(ds_config)  # noqa: F841
-        torch_dtype = TORCH_DTYPES[dtype or training_dtype(ds_config)] if dtype or ds_config else None
+        torch_dtype = load_dtype(dtype, ds_config)
         backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
         model = cls(backbone, compute_fp32_loss=compute_fp32_loss)
         head_file = os.path.join(path, VALUE_HEAD_FILE)
