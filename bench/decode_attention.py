@@ -153,7 +153,7 @@ def probe_rows(record, q, caches, mask, filled, dim, triton_decode, stages):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--layouts", default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cache", type=int, default=512)

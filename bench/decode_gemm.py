@@ -100,7 +100,7 @@ def cold_rows(model, batch, name, fin, outs, bias, tilings):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--models", default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batches", default="64")
     p.add_argument("--cold", action="store_true", help="weights from memory: cuBLAS against the skinny Triton GEMM")

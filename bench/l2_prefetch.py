@@ -129,7 +129,7 @@ def decode_step(x, layers, mask, attention, prefetch, schedule):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cache", type=int, default=512)
     p.add_argument("--filled", type=int, default=384)

@@ -57,7 +57,7 @@ def training_logprobs(engine, seq, prompt_len, chunk_size):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--model", default="opt-1.3b", choices=sorted(SHAPES))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=256)

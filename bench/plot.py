@@ -84,7 +84,7 @@ def plot(table, out):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("results", nargs="+", help="JSON files written by bench/generation.py")
     p.add_argument("--out", default="docs/generation_vs_floor.png")
     p.add_argument("--skip", default="", help="comma-separated file-name:variant pairs to leave out")

@@ -38,7 +38,7 @@ def timed_ms(fn):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=64)

@@ -127,7 +127,7 @@ def run_variant(args, stage, tp, graph, batch, bw):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-7b", choices=sorted(SHAPES))
     p.add_argument("--batches", default="64")
     p.add_argument("--stages", default="0,3")

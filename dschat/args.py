@@ -4,6 +4,7 @@ Defaults point at the embedded tiny default (data ``tiny``, model ``tiny-llama``
 with no arguments; every flag of DeepSpeed-Chat's step scripts is accepted.
 """
 import argparse
+import math
 
 from dschat.errors import UsageError
 
@@ -42,6 +43,18 @@ def positive_int(text):
 def non_negative_int(text):
     """argparse type: an integer >= 0 (flags where 0 means off or no limit)."""
     return _bounded_int(text, 0, "an integer >= 0")
+
+
+def positive_float(text):
+    """argparse type: a finite number > 0 (a learning rate), so that 0 (no training at all) or a negative value is an
+    error naming the flag rather than a silent no-op or the optimizer's traceback later."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
 
 
 def _bounded_int(text, low, what):
@@ -101,7 +114,7 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     g.add_argument("--per_device_train_batch_size", type=positive_int, default=batch)
     g.add_argument("--per_device_eval_batch_size", type=positive_int, default=eval_batch)
     g.add_argument("--max_seq_len", type=positive_int, default=max_seq_len)
-    g.add_argument("--learning_rate", type=float, default=lr)
+    g.add_argument("--learning_rate", type=positive_float, default=lr)
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--num_train_epochs", type=positive_int, default=1)
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
@@ -177,12 +190,18 @@ def add_lora_args(parser, prefix=""):
                        help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
                             "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
         g.add_argument("--only_optimize_lora", action="store_true", help="Freeze the base weights.")
-    g.add_argument(f"--{prefix}lora_learning_rate", type=float, default=5e-4)
+    g.add_argument(f"--{prefix}lora_learning_rate", type=positive_float, default=5e-4)
     return g
 
 
+def new_parser(description):
+    """A step's parser. No abbreviations (``--zero_s 3`` for ``--zero_stage``): flags travel between train.py and the
+    steps, where a prefix would quietly become whichever flag it happens to start."""
+    return argparse.ArgumentParser(description=description, allow_abbrev=False)
+
+
 def step1_parser():
-    p = argparse.ArgumentParser(description="Step 1: supervised fine-tuning of a causal LM.")
+    p = new_parser("Step 1: supervised fine-tuning of a causal LM.")
     add_data_args(p)
     add_model_args(p)
     add_training_args(p, lr=1e-3, batch=16, max_seq_len=512)
@@ -195,7 +214,7 @@ def step1_parser():
 
 
 def step2_parser():
-    p = argparse.ArgumentParser(description="Step 2: reward-model training on preference pairs.")
+    p = new_parser("Step 2: reward-model training on preference pairs.")
     add_data_args(p)
     add_model_args(p)
     add_training_args(p, lr=5e-5, batch=16, max_seq_len=512)
@@ -311,7 +330,7 @@ def _converted(action, name, value):
 
 
 def step3_parser():
-    p = argparse.ArgumentParser(description="Step 3: PPO (RLHF) of the SFT actor against the reward model.")
+    p = new_parser("Step 3: PPO (RLHF) of the SFT actor against the reward model.")
     add_data_args(p)
     g = p.add_argument_group("models")
     g.add_argument("--actor_model_name_or_path", type=str, default="output/step1_sft")
@@ -349,8 +368,8 @@ def step3_parser():
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
     g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N PPO iterations (0: no limit).")
     g = p.add_argument_group("optimization")
-    g.add_argument("--actor_learning_rate", type=float, default=9.65e-6)
-    g.add_argument("--critic_learning_rate", type=float, default=5e-6)
+    g.add_argument("--actor_learning_rate", type=positive_float, default=9.65e-6)
+    g.add_argument("--critic_learning_rate", type=positive_float, default=5e-6)
     g.add_argument("--actor_weight_decay", type=float, default=0.0)
     g.add_argument("--critic_weight_decay", type=float, default=0.0)
     g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS)
@@ -428,8 +447,8 @@ def step3_parser():
                    help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
                         "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
     g.add_argument("--only_optimize_lora", action="store_true")
-    g.add_argument("--actor_lora_learning_rate", type=float, default=5e-4)
-    g.add_argument("--critic_lora_learning_rate", type=float, default=5e-4)
+    g.add_argument("--actor_lora_learning_rate", type=positive_float, default=5e-4)
+    g.add_argument("--critic_lora_learning_rate", type=positive_float, default=5e-4)
     g = p.add_argument_group("PPO")
     g.add_argument("--padded_forwards", action="store_true",
                    help="Run the experience and training forwards over the left-padded rows with an attention mask, "

@@ -98,8 +98,10 @@ def recipe_steps(recipe, steps):
     return [s for s in sorted(set(steps)) if s not in skips], [skips[s] for s in sorted(set(steps)) if s in skips]
 
 
-# Step flags whose value train.py sets from one of its own.
-TRAIN_PY_NAMES = {"--actor_model_name_or_path": "--actor-model", "--model_name_or_path": "--actor-model",
+# Step flags whose value train.py sets from one of its own (step 1's --model_name_or_path from --actor-model, step
+# 2's from --reward-model). The one table of these names: FOLDER_DESTS takes its folder flags from here.
+TRAIN_PY_NAMES = {"--actor_model_name_or_path": "--actor-model",
+                  "--model_name_or_path": "--actor-model / --reward-model",
                   "--critic_model_name_or_path": "--reward-model", "--reward_model_name_or_path": "--reward-model",
                   "--actor_zero_stage": "--actor-zero-stage", "--critic_zero_stage": "--reward-zero-stage",
                   "--zero_stage": "--actor-zero-stage / --reward-zero-stage", "--data_path": "--data-path",
@@ -151,13 +153,13 @@ def check_step_args(steps, args, tiny, parsers):
 
 # Where each step reads and writes: train.py sets these from its own flags; the later steps and the report read the
 # folders train.py chose, so --stepN-args may not move them.
-FOLDER_DESTS = {"output_dir": "--output-dir", "model_name_or_path": "--actor-model / --reward-model",
-                "actor_model_name_or_path": "--actor-model", "critic_model_name_or_path": "--reward-model"}
+FOLDER_FLAGS = ("--output_dir", "--model_name_or_path", "--actor_model_name_or_path", "--critic_model_name_or_path")
+FOLDER_DESTS = {flag[2:]: TRAIN_PY_NAMES[flag] for flag in FOLDER_FLAGS}
 
 
 def check_folders_are_train_pys(step, args, tiny, parsed, parser):
-    """A folder flag inside ``--stepN-args`` (or an abbreviation of one) would make the later steps and the report
-    read other folders than the step wrote: refused."""
+    """A folder flag inside ``--stepN-args`` would make the later steps and the report read other folders than the
+    step wrote: refused (an abbreviation of one is already an unrecognized argument)."""
     dests = {action.dest for action in parser._actions}
     defaults = parser.parse_args(step_argv(step, _without_extra(args, step), tiny))
     for dest, train_py_flag in FOLDER_DESTS.items():

@@ -285,6 +285,48 @@ def test_train_py_says_how_to_pass_step_flags_it_does_not_take(capsys):
     assert train["parse_args"](["--actor-model", "tiny-opt"]).actor_model == "tiny-opt"
 
 
+@pytest.mark.parametrize("parser", [step1_parser, step2_parser, step3_parser], ids=lambda p: p.__name__)
+def test_step_scripts_refuse_abbreviated_flags(parser, capsys):
+    # flags are forwarded between train.py and the steps: a prefix must not quietly become some whole flag
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--zero_s", "3"])
+    assert "unrecognized arguments: --zero_s 3" in capsys.readouterr().err
+    assert parser().parse_args(["--zero_stage", "3"]).zero_stage == 3
+    assert parser().parse_args(["--zero_stage=3"]).zero_stage == 3
+
+
+def test_train_py_refuses_abbreviated_flags_its_own_and_inside_step_args(tmp_path, capsys, distributed):
+    import runpy
+
+    from dschat import pipeline
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    for flags in ("--output x", "--actor-zero 3", "--recipe dpo --deployment single_gpu"):
+        with pytest.raises(SystemExit):
+            parse(shlex.split(flags))
+        assert f"unrecognized arguments: {flags.split()[-2]}" in capsys.readouterr().err
+    assert parse(["--output-dir", "x", "--actor-zero-stage=3"]).actor_zero_stage == 3
+    args = parse(["--output-dir", str(tmp_path / "out"), "--step1-args", "--output_d elsewhere"])
+    with pytest.raises(SystemExit):  # not the folder flag --output_dir, nor a run
+        pipeline.run_pipeline(args)
+    assert "train.py --step1-args: error: unrecognized arguments: --output_d elsewhere" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_py_names_one_table_for_its_hints_and_folder_checks(capsys):
+    import runpy
+
+    from dschat import pipeline
+    from launch import REPO
+
+    for dest, train_py_flag in pipeline.FOLDER_DESTS.items():
+        assert pipeline.TRAIN_PY_NAMES[f"--{dest}"] == train_py_flag
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(REPO / "train.py"))["parse_args"](["--model_name_or_path", "x"])
+    assert "--model_name_or_path: train.py's --actor-model / --reward-model" in capsys.readouterr().err
+
+
 def test_train_py_refuses_steps_its_recipe_does_not_have(capsys):
     import runpy
 

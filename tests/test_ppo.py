@@ -712,6 +712,18 @@ def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_
     assert first_tokens.abs().min() > 0.1  # one row per micro-batch whitened alone would be all zeros
 
 
+@pytest.mark.parametrize("generation_batches", [1, 2])
+def test_advantages_are_computed_once_per_rollout(trained, tmp_path, monkeypatch, generation_batches):
+    """Not once per generation batch too: with --generation_batches > 1 those would be thrown away."""
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    rollouts, real = [], DeepSpeedPPOTrainer.compute_advantages
+    monkeypatch.setattr(DeepSpeedPPOTrainer, "compute_advantages",
+                        lambda self, experiences: rollouts.append(len(experiences)) or real(self, experiences))
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--generation_batches", str(generation_batches)))
+    assert rollouts == [generation_batches]
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)

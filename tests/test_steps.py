@@ -132,6 +132,41 @@ def test_numeric_flags_out_of_range_are_errors_naming_the_flag(flags, named, cap
     assert named in capsys.readouterr().err
 
 
+# argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
+@pytest.mark.parametrize("parser, flag, value", [
+    ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "0"),
+    ("step2_parser", "--learning_rate", "0.0"), ("step2_dpo_parser", "--learning_rate=", "-1e-5"),
+    ("step3_parser", "--actor_learning_rate", "0"), ("step3_parser", "--critic_learning_rate=", "-1e-5"),
+    ("step3_parser", "--actor_lora_learning_rate", "-0.5"), ("step3_parser", "--critic_lora_learning_rate", "0"),
+    ("step3_parser", "--actor_learning_rate", "nan")])
+def test_learning_rates_that_are_not_positive_are_errors_naming_the_flag(parser, flag, value, capsys):
+    from dschat import args
+
+    argv = [flag + value] if flag.endswith("=") else [flag, value]
+    flag = flag.rstrip("=")
+    with pytest.raises(SystemExit):
+        getattr(args, parser)().parse_args(argv)
+    assert f"argument {flag}: expected a positive number, got {value}" in capsys.readouterr().err
+    assert getattr(getattr(args, parser)().parse_args([flag, "2e-5"]), flag[2:]) == 2e-5
+
+
+def test_train_py_refuses_a_learning_rate_that_is_not_positive_before_the_first_step(tmp_path, capsys, distributed,
+                                                                                     monkeypatch):
+    from dschat import pipeline
+    from dschat.steps import ppo
+
+    for module in (sft, reward, ppo):  # a step that starts is already the failure
+        monkeypatch.setattr(module, "main", lambda argv: pytest.fail("a step ran"))
+    for step, flag in ((1, "--learning_rate 0"), (2, "--lora_learning_rate -1"), (3, "--critic_learning_rate=-1e-5")):
+        args = _train_py_args("--output-dir", str(tmp_path / "out"), f"--step{step}-args", flag)
+        with pytest.raises(SystemExit):
+            pipeline.run_pipeline(args)
+        name, value = flag.replace("=", " ").split()
+        assert (f"train.py --step{step}-args: error: argument {name}: expected a positive number, got {value}"
+                in capsys.readouterr().err)
+    assert not (tmp_path / "out" / "step1_sft").exists(), "no step may have run"
+
+
 def test_step3_numeric_flags_and_only_optimize_lora_without_lora_are_errors(tmp_path, capsys, distributed):
     from dschat.steps import ppo
 
@@ -248,7 +283,7 @@ def test_train_py_refuses_step_args_that_move_its_folders_and_says_which_flag(tm
     from dschat import pipeline
     from dschat.errors import UsageError
 
-    for step, flag in ((1, "--output_dir elsewhere"), (1, "--output_d elsewhere"), (3, "--actor_model_name_or_path x"),
+    for step, flag in ((1, "--output_dir elsewhere"), (3, "--actor_model_name_or_path x"),
                        (2, "--model_name_or_path tiny-gpt2")):
         args = _train_py_args("--output-dir", str(tmp_path / "out"), f"--step{step}-args", flag)
         with pytest.raises(UsageError, match=f"--step{step}-args sets --"):

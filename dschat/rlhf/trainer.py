@@ -141,13 +141,14 @@ class DeepSpeedPPOTrainer:
                 use_cache=True, **sampling)
             return seq, None
 
-    def generate_experience(self, prompts, mask=None, step=0):
+    def generate_experience(self, prompts, mask=None, step=0, advantages=True):
         """Generate answers and score them: log-probs (actor, reference), values, reward-model scores.
 
         ``prompts`` is a left-padded tensor with ``mask``, or the batch dict of ``DataCollatorRLHF``.
         Empty answers stay in the batch (with no reward tokens) on every rank, so ranks never diverge.
         The returned dict also holds the batch's "advantages" and "returns" (``compute_advantages``): a caller that
-        changes its "rewards" calls ``compute_advantages([exp])`` again.
+        changes its "rewards" calls ``compute_advantages([exp])`` again. ``advantages=False`` leaves them out, for a
+        caller that computes them over a rollout of several batches (step 3's ``ppo_update``).
         """
         batch = prompts if isinstance(prompts, dict) else {"prompt": prompts, "prompt_att_mask": mask}
         batch = self._repeat_for_groups(batch)
@@ -185,7 +186,8 @@ class DeepSpeedPPOTrainer:
                           empty_answers=int(empty.sum().item()), generated_tokens=int(action_mask.sum().item()))
         exp = {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "value": values,
                "rewards": scores, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask}
-        self.compute_advantages([exp])  # a rollout of one generation batch; ppo_update redoes it over several
+        if advantages:
+            self.compute_advantages([exp])  # a rollout of this one generation batch
         return exp
 
     def _repeat_for_groups(self, batch):

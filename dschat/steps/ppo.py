@@ -118,8 +118,8 @@ def ppo_update(trainer, experiences, args, device, unsup_batches=()):
     micro-step on the next training-batch-sized slice of the unsupervised batches fetched with this rollout (cycled
     when there are fewer slices, e.g. with several answers per prompt); the two accumulate into one actor step
     (``step3_train_config``)."""
-    if len(experiences) > 1:
-        trainer.compute_advantages(experiences)  # over the whole rollout, not each generation batch alone
+    if len(experiences) > 1 or "advantages" not in experiences[0]:
+        trainer.compute_advantages(experiences)  # once, over the whole rollout, not each generation batch alone
     micro = [m for exp in experiences for m in split_rows(exp, args.per_device_training_batch_size)]
     unsup = [m for batch in unsup_batches for m in split_rows(batch, args.per_device_training_batch_size)]
     actor_losses, critic_losses, unsup_losses = [], [], []
@@ -220,7 +220,8 @@ def main(args=None):
             if iteration >= stop_at:
                 break
             t0 = time.time()
-            buffer.append(trainer.generate_experience(batch, step=iteration))
+            # advantages wait for the whole rollout (ppo_update): a generation batch's own would be thrown away
+            buffer.append(trainer.generate_experience(batch, step=iteration, advantages=False))
             if unsup_iter is not None:  # one unsupervised batch per generation batch, as in DeepSpeed-Chat
                 unsup_buffer.append(_to(next(unsup_iter), device))
                 unsup_batches += 1

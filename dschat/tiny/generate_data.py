@@ -366,7 +366,8 @@ def generate(out_dir=TINY_DIR, seed=SEED, num_train=NUM_TRAIN, num_eval=NUM_EVAL
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--out-dir", default=str(TINY_DIR))
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--num-train", type=int, default=NUM_TRAIN)

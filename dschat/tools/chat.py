@@ -94,7 +94,7 @@ def echoing_input(prompt):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--path", required=True,
                         help="A run's output folder (uses the policy its last train.py run reported, else "
                              "step3_ppo/actor, step2_dpo, step1_sft), a model folder, a hub name or a tiny preset.")

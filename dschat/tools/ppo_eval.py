@@ -59,7 +59,7 @@ def write_json(path, payload):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--policy", required=True,
                         help="The PPO actor (a run's output folder uses step3_ppo/actor).")
     parser.add_argument("--baseline", default=None, help="A policy to compare with, e.g. output/step1_sft.")

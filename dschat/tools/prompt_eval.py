@@ -60,7 +60,7 @@ def _mean(values):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path_baseline", required=True, help="E.g. the base model.")
     parser.add_argument("--model_name_or_path_finetune", required=True,
                         help="E.g. output/step1_sft, or a run's output folder (its policy, as chat.py picks it).")

@@ -106,7 +106,7 @@ def print_answers(messages, answers, scores):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path", required=True,
                         help="The step-2 folder (or a run's output folder, which uses its step2_rm).")
     source = parser.add_mutually_exclusive_group()

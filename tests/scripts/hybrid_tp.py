@@ -251,7 +251,7 @@ def run_case(family, stage, rank, world):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--stage", type=int, choices=[0, 3], required=True)
     parser.add_argument("--families", default="llama,llama-mqa,opt,llama-lora")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher

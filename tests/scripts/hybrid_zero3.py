@@ -148,7 +148,7 @@ def run_case(pin, fetch, lora, rank, world):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--pin", choices=["true", "false"], required=True)
     parser.add_argument("--fetch", choices=["layer", "module"], required=True)
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
