@@ -5,7 +5,8 @@ decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection
 ``_fuse``: ``fuse_projections="on"``, the same as auto on CUDA; ``_tilemask``: the decode attention loads the mask
 for every tile, without ``triton_decode.CONTIGUOUS_FAST_PATH``; the tenth session's logs call it ``_holes0``, and the
 default ``_holes2``; ``_scan``: every attention program scans its row's mask, without
-``triton_decode.SPANS_PER_FORWARD``, as before the fourteenth session),
+``triton_decode.SPANS_PER_FORWARD``, as before the fourteenth session; ``_torchsample``: torch's ops choose the tokens,
+without ``triton_sampling``'s one-pass kernel, as before the fifteenth session),
 against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16, sampled,
 prompts of P tokens, G generated tokens (no early stop), batch B.
 
@@ -198,7 +199,7 @@ def write_json(args, bw, rows):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--models", default="opt-1.3b")
     p.add_argument("--batches", default="64")
     p.add_argument("--prompt", type=int, default=256)
@@ -253,14 +254,16 @@ def main():
                 try:
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
-                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse][_tilemask][_scan]
+                    else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse][_tilemask]
+                        # [_scan][_torchsample]
                         options = variant.split("_")[1:]
                         stage = int(options[0][1:])
                         graph = "graph" in options
                         compile_mode = args.compile_mode if "compiled" in options else None
                         if "autotune" in options:  # inductor picks each decode GEMM's kernel by timing candidates
                             compile_mode = "max-autotune-no-cudagraphs"
-                        with attention_paths("tilemask" not in options, "scan" not in options):
+                        with attention_paths("tilemask" not in options, "scan" not in options), \
+                                one_pass_sampling("torchsample" not in options):
                             r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step,
                                                graph, compile_mode=compile_mode,
                                                profile=args.profile_tokens if batch == args.profile else 0,
@@ -304,6 +307,18 @@ def attention_paths(fast_path, spans_per_forward):
         yield
     finally:
         triton_decode.CONTIGUOUS_FAST_PATH, triton_decode.SPANS_PER_FORWARD = saved
+
+
+@contextlib.contextmanager
+def one_pass_sampling(enabled):
+    """For one row: torch's ops choose the tokens instead of the one-pass kernel (``_torchsample``)."""
+    from dschat.hybrid_engine import sampling
+
+    saved, sampling.ONE_PASS = sampling.ONE_PASS, enabled
+    try:
+        yield
+    finally:
+        sampling.ONE_PASS = saved
 
 
 def print_table(rows):

@@ -15,7 +15,7 @@ _genlogp (``--logprobs_from_generation``), _nockpt (actor gradient checkpointing
 after building the models), _overflowcheck (``--check_grad_overflow``), _padded (``--padded_forwards``: masked
 forwards over the left-padded rows, as DeepSpeed-Chat), _z3module (``--zero3_fetch module``: DeepSpeed's hooks on
 every submodule instead of one per decoder layer), _fuse / _nofuse (``--fuse_projections on`` / ``off``; default
-auto); the flags of the same names
+auto), _torchsample (torch's ops choose the tokens, without the one-pass sampling kernel); the flags of the same names
 apply to every hybrid variant. ``--profile`` adds two untimed iterations per variant: one under torch.profiler
 (kernel time, GPU idle time per trainer phase) and one under cProfile (host time by function, GC pauses).
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --variants z2_hybrid,z3_hybrid --cuda_graph   # data-parallel
@@ -123,6 +123,9 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
                 "check_grad_overflow": "overflowcheck" in options, "padded_forwards": "padded" in options,
                 "zero3_fetch": "module" if "z3module" in options else "layer",
                 "fuse_projections": "on" if "fuse" in options else "off" if "nofuse" in options else "auto"}
+    from dschat.hybrid_engine import sampling
+
+    sampling.ONE_PASS = "torchsample" not in options  # a process per variant; with --same_process set for each
     engine = DeepSpeedRLHFEngine(actor_model_name_or_path=actor_dir, tokenizer=tokenizer, args=settings)
     trainer = DeepSpeedPPOTrainer(engine=engine, args=settings)
     if "gcfreeze" in options:  # the models' Python objects out of the collector's reach (see docs/benchmarks.md)
@@ -179,7 +182,7 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--variants", default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--batch", type=int, default=64)

@@ -1,8 +1,16 @@
-"""The decode step's sampling alone: the exponential race as dschat computes it (``argmax(logits - T log E)``, no
-softmax, bf16 logits promoted inside the subtraction) against the race on probabilities it replaced
-(``argmax(softmax(float(logits) / T) / E)``), for B rows of a V-token vocabulary, timed as CUDA graphs.
+"""The decode step's token choice alone, for B rows of a V-token vocabulary, timed as CUDA graphs:
+
+- ``softmax race``: the race on probabilities (``argmax(softmax(float(logits) / T) / E)``), before the ninth session;
+- ``log race``: torch's exponential race in log space (``argmax(logits - T log E)``, ``sampling.exponential_race``);
+- ``log race + logp``: that, then the tokens' log-probs from an fp32 ``log_softmax`` (what a PPO decode step did
+  before the fifteenth session);
+- ``one pass``, ``one pass + logp``: ``triton_sampling.select_tokens`` (tokens; tokens and log-sum-exp, the log-prob
+  gathered from it), as ``sampling.choose_tokens`` runs it.
+
+Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens against softmax(logits / T).
 
     python bench/sampling.py                       # OPT-1.3B's and Qwen2.5-7B's vocabularies, B = 16, 64, 128
+    python bench/sampling.py --sweep               # the one-pass kernel's LANES x PROGRAMS_PER_SM x NUM_WARPS
 
 Prints microseconds per sampled token and the seconds 255 decode steps spend in it; writes JSON to $OUT when set.
 """
@@ -17,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
 from results import write_json  # noqa: E402
 
-from dschat.hybrid_engine.sampling import sample_next_token  # noqa: E402
+from dschat.hybrid_engine import triton_sampling  # noqa: E402
+from dschat.hybrid_engine.sampling import choose_tokens, sample_next_token, token_log_probs  # noqa: E402
 
 VOCABS = {"opt-1.3b": 50272, "qwen2.5-7b": 152064}
 
@@ -30,24 +39,72 @@ def race_on_probabilities(logits, temperature, generator=None):
     return (probs / noise).argmax(dim=-1)
 
 
+def torch_race_and_logp(logits, temperature):
+    tokens = sample_next_token(logits, temperature, do_sample=True)
+    return tokens, token_log_probs(logits, tokens)
+
+
+def one_pass(logits, temperature, logprobs):
+    return choose_tokens(logits, logits, temperature=temperature, do_sample=True, logprobs=logprobs, one_pass=True)
+
+
+def one_pass_fit(temperature, draws=2**20, tokens=16):
+    """Chi-square (tokens - 1 degrees of freedom) of the one-pass kernel's draws from one row's distribution."""
+    logits = torch.linspace(-3, 3, tokens, device="cuda")[None]
+    chosen, _ = triton_sampling.select_tokens(logits.expand(draws, -1).contiguous(), temperature,
+                                              torch.Generator(device="cuda").manual_seed(0))
+    counts = torch.bincount(chosen, minlength=tokens).double()
+    expected = torch.softmax(logits[0].double() / temperature, -1) * draws
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def sweep(args):
+    """``one pass + logp`` under each launch setting of ``triton_sampling`` (module constants), per vocab and B."""
+    settings = list(itertools.product((128, 256, 512, 1024), (2, 4, 8, 16), (4, 8)))
+    cases = list(itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))))
+    default = (triton_sampling.LANES, triton_sampling.PROGRAMS_PER_SM, triton_sampling.NUM_WARPS)
+    rows = []
+    print(f"{'LANES':>6}{'per SM':>7}{'warps':>6}" + "".join(f"{v[:4]}/{b:>3}".rjust(11) for v, b in cases))
+    for lanes, per_sm, warps in settings:
+        triton_sampling.LANES, triton_sampling.PROGRAMS_PER_SM, triton_sampling.NUM_WARPS = lanes, per_sm, warps
+        us = []
+        for name, batch in cases:
+            logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
+            us.append(time_us(lambda: one_pass(logits, args.temperature, True)))
+        rows.append(dict(lanes=lanes, programs_per_sm=per_sm, num_warps=warps, us=us))
+        mark = " (default)" if (lanes, per_sm, warps) == default else ""
+        print(f"{lanes:>6}{per_sm:>7}{warps:>6}" + "".join(f"{u:>11.1f}" for u in us) + mark)
+    triton_sampling.LANES, triton_sampling.PROGRAMS_PER_SM, triton_sampling.NUM_WARPS = default
+    write_json("sampling_sweep.json", {"args": vars(args), "cases": cases, "rows": rows})
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--vocabs", default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batches", default="16,64,128")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=255, help="decode steps a generation samples in (for the seconds)")
+    p.add_argument("--sweep", action="store_true", help="time the one-pass kernel's launch settings instead")
     args = p.parse_args()
+    if args.sweep:
+        return sweep(args)
+    fits = {t: one_pass_fit(t) for t in (1.0, 0.7)}
+    print("one-pass draws, chi-square of 2**20 draws over 16 tokens (15 dof; p=0.001 at 37.7): "
+          + ", ".join(f"T={t}: {v:.1f}" for t, v in fits.items()))
     rows = []
-    print(f"{'vocab':<12}{'B':>5}{'softmax race us':>17}{'log race us':>13}{'saved s / generation':>22}")
+    columns = {"softmax race": lambda x: race_on_probabilities(x, args.temperature),
+               "log race": lambda x: sample_next_token(x, args.temperature, do_sample=True),
+               "log race + logp": lambda x: torch_race_and_logp(x, args.temperature),
+               "one pass": lambda x: one_pass(x, args.temperature, False),
+               "one pass + logp": lambda x: one_pass(x, args.temperature, True)}
+    print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>17}" for c in columns) + f"{'saved s / gen':>15}")
     for name, batch in itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))):
         logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
-        old = time_us(lambda: race_on_probabilities(logits, args.temperature))
-        new = time_us(lambda: sample_next_token(logits, args.temperature, do_sample=True))
-        row = dict(vocab=name, batch=batch, softmax_race_us=old, log_race_us=new,
-                   saved_s_per_generation=(old - new) * args.steps / 1e6)
-        rows.append(row)
-        print(f"{name:<12}{batch:>5}{old:>17.1f}{new:>13.1f}{row['saved_s_per_generation']:>22.4f}")
-    write_json("sampling.json", {"args": vars(args), "rows": rows})
+        us = {c: time_us(lambda: fn(logits)) for c, fn in columns.items()}
+        saved = (us["log race + logp"] - us["one pass + logp"]) * args.steps / 1e6
+        rows.append(dict(vocab=name, batch=batch, us=us, saved_s_per_generation_with_logp=saved))
+        print(f"{name:<12}{batch:>5}" + "".join(f"{v:>17.1f}" for v in us.values()) + f"{saved:>15.4f}")
+    write_json("sampling.json", {"args": vars(args), "one_pass_chi_square": fits, "rows": rows})
 
 
 if __name__ == "__main__":

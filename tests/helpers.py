@@ -30,3 +30,18 @@ def spy_on_empty_query_rows(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     return seen
+
+
+def hopper_target():
+    """Triton's ahead-of-time compiler for an H100/H200 (sm_90), which works without a GPU; None where this Triton has
+    no CUDA backend or ptxas."""
+    import pytest
+
+    triton = pytest.importorskip("triton", reason="the README's test command installs triton")
+    try:
+        from triton.backends import backends
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        return None
+    return GPUTarget("cuda", 90, 32) if "nvidia" in backends and triton.knobs.nvidia.ptxas.path else None

@@ -16,6 +16,8 @@ import torch
 
 from dschat.hybrid_engine.attention import decode_attention, resolve_mode
 
+from helpers import hopper_target  # noqa: E402
+
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 REPO = SCRIPTS.parents[1]
@@ -189,26 +191,13 @@ def test_a_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
     assert sum("Triton decode kernel failed" in r.getMessage() for r in caplog.records) == 1
 
 
-def _hopper_target():
-    """Triton's ahead-of-time compiler for an H100/H200 (sm_90), which works without a GPU; None where this Triton has
-    no CUDA backend or ptxas."""
-    triton = pytest.importorskip("triton", reason="the README's test command installs triton")
-    try:
-        from triton.backends import backends
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        return None
-    return GPUTarget("cuda", 90, 32) if "nvidia" in backends and triton.knobs.nvidia.ptxas.path else None
-
-
 @pytest.mark.parametrize("has_mask,fast_contiguous,splits,spans_given", [
     (True, True, 1, True), (True, True, 1, False), (True, False, 2, True), (False, True, 1, False)])
 def test_the_attention_kernel_compiles_for_hopper(has_mask, fast_contiguous, splits, spans_given, tmp_path,
                                                   monkeypatch):
     """What the interpreter is lenient about (Triton's typing of constexpr and tensor operands, both loops of the span
     paths): the partial and combine kernels compiled to sm_90 machine code, on the CPU, for each path."""
-    target = _hopper_target()
+    target = hopper_target()
     if target is None:
         pytest.skip("this Triton cannot compile for CUDA here")
     import triton

@@ -145,3 +145,118 @@ def test_penalty_start_of_a_group_batch_is_each_rows_own():
     group_mask = torch.cat([torch.zeros(3, 2, dtype=mask.dtype), mask], dim=1)  # padded to 5 in the group
     own = penalty_start(mask)
     assert torch.equal(penalty_start(group_mask, torch.full((3,), 2)), own + 2)
+
+
+# -- the one-pass Triton sampler (hybrid_engine.triton_sampling) ----------------------------------------------------
+@pytest.mark.parametrize("check", ["greedy", "distribution", "seeds", "engine"])
+def test_one_pass_sampler_check(check):
+    """Through Triton's interpreter, in a process of its own (``tests/scripts/sampling_check.py``): greedy is the
+    first argmax with the log-sum-exp, draws follow softmax(logits / T), a seed reproduces whatever the split count,
+    and the engine's eager loop and graph step give the training forward's log-probs with it."""
+    pytest.importorskip("triton", reason="the README's test command installs triton")
+    import os
+    import subprocess
+
+    scripts = Path(__file__).parent / "scripts"
+    own = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env = {**own, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{scripts.parents[1]}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(scripts / "sampling_check.py"), check], cwd=scripts, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("sample,lse", [(True, True), (True, False), (False, True)])
+def test_one_pass_sampler_compiles_for_hopper(sample, lse, tmp_path, monkeypatch):
+    """What the interpreter is lenient about (Triton's typing, rand4x on a loaded seed): both kernels compiled to
+    sm_90 machine code on the CPU."""
+    from helpers import hopper_target
+
+    target = hopper_target()
+    if target is None:
+        pytest.skip("this Triton cannot compile for CUDA here")
+    import triton
+    from triton.compiler import ASTSource
+
+    from dschat.hybrid_engine import triton_sampling
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    pointers = {"Logits": "*bf16", "Seed": "*i64", "PartRace": "*fp32", "PartCol": "*i32", "PartMax": "*fp32",
+                "PartSum": "*fp32", "Tokens": "*i64", "Lse": "*fp32"}
+    for kernel, constants in ((triton_sampling._partial_kernel,
+                               dict(SPLITS=5, LANES=triton_sampling.LANES, SAMPLE=sample, LSE=lse)),
+                              (triton_sampling._combine_kernel, dict(SPLITS=5, SPLITS_PAD=8, LSE=lse))):
+        names = kernel.arg_names
+        signature = {n: pointers.get(n, "constexpr" if n in constants else
+                                     "fp32" if n == "inv_temperature" else "i32") for n in names}
+        compiled = triton.compile(ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}),
+                                  target=target, options=dict(num_warps=4))
+        assert compiled.asm["cubin"], kernel
+
+
+def test_one_pass_applies_only_on_the_models_own_unfiltered_logits():
+    assert sampling.one_pass_applies(True, 0, 1.0, False, 1.0, False)
+    assert not sampling.one_pass_applies(True, 50, 1.0, True, 1.0, False), "top-k: torch's filters"
+    assert not sampling.one_pass_applies(True, 0, 0.9, True, 1.0, False), "top-p: torch's filters"
+    assert not sampling.one_pass_applies(True, 0, 1.0, True, 1.1, False), "a repetition penalty changes the logits"
+    assert not sampling.one_pass_applies(True, 0, 1.0, True, 1.0, True), "EOS suppression changes the logits"
+    assert sampling.one_pass_applies(False, 0, 1.0, True, 1.0, False), "greedy with log-probs: one read"
+    assert not sampling.one_pass_applies(False, 0, 1.0, False, 1.0, False), "greedy alone is one argmax already"
+
+
+def test_choose_tokens_without_one_pass_is_the_torch_path():
+    logits = torch.randn(4, 30)
+    tokens, logp = sampling.choose_tokens(logits, logits, do_sample=True, generator=torch.Generator().manual_seed(3),
+                                          logprobs=True, one_pass=True)  # on the CPU without the interpreter
+    assert torch.equal(tokens, sample_next_token(logits, do_sample=True, generator=torch.Generator().manual_seed(3)))
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
+def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
+    """What the interpreter cannot check: bf16 rows of a real vocabulary, the kernel's draws against softmax(x / T)
+    at 2**20 draws, and a CUDA graph with a registered generator drawing new noise on every replay (a seed
+    reproducing the replays' sequence)."""
+    from dschat.hybrid_engine import triton_sampling
+
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 50272, device="cuda") * 4).to(torch.bfloat16)
+    logits[3, 17] = logits[3].max() + 1
+    logits[3, 40000] = logits[3, 17]
+    tokens, lse = triton_sampling.select_tokens(logits, do_sample=False, with_lse=True)
+    assert torch.equal(tokens, logits.argmax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), -1), atol=1e-4, rtol=0)
+
+    small = torch.linspace(-3, 3, 16, device="cuda")[None]
+    for temperature in (1.0, 0.7):
+        drawn, _ = triton_sampling.select_tokens(small.expand(2**20, -1).contiguous(), temperature,
+                                                 torch.Generator(device="cuda").manual_seed(1))
+        counts = torch.bincount(drawn, minlength=16).double()
+        expected = torch.softmax(small[0].double() / temperature, -1) * 2**20
+        assert float(((counts - expected) ** 2 / expected).sum()) < 37.7, (temperature, counts)  # 15 dof, p=0.001
+
+    def replays(seed, n=3):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        out = torch.empty(64, dtype=torch.long, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            triton_sampling.select_tokens(logits, 1.0, generator)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(generator)
+        with torch.cuda.graph(graph):
+            out.copy_(triton_sampling.select_tokens(logits, 1.0, generator)[0])
+        generator.manual_seed(seed)
+        draws = []
+        for _ in range(n):
+            graph.replay()
+            draws.append(out.clone())
+        return draws
+
+    first = replays(5)
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2]), "new noise per replay"
+    assert all(torch.equal(a, b) for a, b in zip(first, replays(5))), "a seed reproduces the replays"
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    assert torch.equal(first[0], triton_sampling.select_tokens(logits, 1.0, generator)[0]), "graph == eager"

@@ -15,8 +15,8 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from dschat.hybrid_engine.sampling import (apply_repetition_penalty, mark_seen, penalty_start, prompt_seen_tokens,
-                                           sample_next_token, token_log_probs)
+from dschat.hybrid_engine.sampling import (apply_repetition_penalty, choose_tokens, mark_seen, one_pass_applies,
+                                           penalty_start, prompt_seen_tokens)
 from dschat.models.lora import unwrap_peft
 
 
@@ -103,7 +103,7 @@ def generated_lengths(finish_step, steps):
 def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, do_sample=False, temperature=1.0,
                     top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
                     early_exit_interval=8, sync_group=None, return_lengths=False, return_logprobs=False,
-                    token_sync=None, repetition_penalty=1.0, prompt_start=None):
+                    token_sync=None, repetition_penalty=1.0, prompt_start=None, one_pass_sampling=False):
     """Generate up to ``max_new_tokens`` for LEFT-padded prompts; returns (B, P + n) sequences like HF ``generate``.
 
     ``cache`` is a reset ``StaticCache`` with room for P + max_new_tokens. Rows that emitted an EOS continue with
@@ -116,6 +116,7 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     ``repetition_penalty`` != 1.0 applies HF's ``RepetitionPenaltyLogitsProcessor`` to the tokens of the prompts and
     of the answers so far (``sampling.py``); ``prompt_start`` (B,) says where each row's own prompt begins in prompts
     padded further on the left (a tensor-parallel group's), for the columns HF would not see.
+    ``one_pass_sampling`` lets ``triton_sampling``'s kernel choose the tokens where it applies (``sampling.py``).
     """
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
@@ -149,6 +150,8 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     finish_step = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=device)
     seen = prompt_seen_tokens(input_ids, penalty_start(attention_mask, prompt_start), logits.shape[-1]) \
         if repetition_penalty != 1.0 else None
+    one_pass = one_pass_sampling and one_pass_applies(do_sample, top_k, top_p, return_logprobs, repetition_penalty,
+                                                      eos is not None and min_new_tokens > 0)
     steps = 0
     for step in range(max_new_tokens):
         model_logits = logits
@@ -156,11 +159,11 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
             logits = apply_repetition_penalty(logits, seen, repetition_penalty)
         if eos is not None and step < min_new_tokens:
             logits = logits.index_fill(-1, eos, float("-inf"))
-        tokens = sample_next_token(logits, temperature, top_k, top_p, do_sample, generator)
-        if token_sync is not None:
-            tokens = token_sync(tokens)
+        tokens, logp = choose_tokens(logits, model_logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     do_sample=do_sample, generator=generator, logprobs=logprobs is not None,
+                                     one_pass=one_pass, token_sync=token_sync)
         if logprobs is not None:
-            logprobs[:, step] = token_log_probs(model_logits, tokens).masked_fill(finished, 0.0)
+            logprobs[:, step] = logp.masked_fill(finished, 0.0)
         tokens = torch.where(finished, pad_token_id, tokens)
         sequences[:, prompt_len + step] = tokens
         if seen is not None:  # the group's shared tokens, finished rows' pads included (HF's input_ids hold them)

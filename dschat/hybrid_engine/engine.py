@@ -92,8 +92,9 @@ class HybridEngine:
                                                          ds_engine.zero_optimization_stage(), ds_engine.device,
                                                          tp=self.tp)
         # decode_attention: "triton" runs one-token attention with dschat's flash-decoding kernel (attention.py) and
-        # writes each new token into the KV cache with one kernel; "sdpa" leaves the model's SDPA and transformers'
-        # cache update; "auto" picks triton on CUDA when it is installed.
+        # writes each new token into the KV cache with one kernel, and chooses tokens in one pass over the logits where
+        # it can (triton_sampling.py); "sdpa" leaves the model's SDPA, transformers' cache update and torch's
+        # sampling; "auto" picks triton on CUDA when it is installed.
         self.decode_attention = resolve_decode_attention(decode_attention, ds_engine.device)
         self.kv_cache = KVCache(unwrap_peft(self.inference_weights.model).config,
                                 num_kv_heads=self.inference_weights.num_kv_heads,
@@ -283,6 +284,7 @@ class HybridEngine:
                         eos_token_id=eos_list or None, pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
                         generator=generator, early_exit_interval=self.early_exit_interval,
                         repetition_penalty=repetition_penalty,
+                        one_pass_sampling=self.decode_attention == "triton",  # dschat's Triton decode kernels
                         # the group's prompts are padded to the longest: where each row's own prompt begins
                         prompt_start=group_batch.prompt_start if self.tp is not None else None)
         was_training = model.training

@@ -33,8 +33,8 @@ import torch
 from dschat.hybrid_engine.cache import keeps_length_on_device, kv_layout
 from dschat.hybrid_engine.decode import (Generation, as_eos_tensor, decode_step, forward_spec, generated_lengths,
                                          prompt_position_ids)
-from dschat.hybrid_engine.sampling import (apply_repetition_penalty, mark_seen, penalty_start, prompt_seen_tokens,
-                                           sample_next_token, token_log_probs)
+from dschat.hybrid_engine.sampling import (apply_repetition_penalty, choose_tokens, mark_seen, one_pass_applies,
+                                           penalty_start, prompt_seen_tokens)
 from dschat.models.lora import unwrap_peft
 
 logger = logging.getLogger(__name__)
@@ -80,15 +80,19 @@ class GraphKey:
     suppresses_eos: bool  # min_new_tokens > 0 with an EOS: EOS logits are masked while step < min_new_tokens
     logprobs: bool = False  # the step also records the sampled tokens' log-probabilities
     repetition_penalty: float = 1.0  # != 1.0: the step penalises the tokens seen so far (DecodeBuffers.seen)
+    one_pass: bool = False  # the tokens come from triton_sampling's one-pass kernel (sampling.one_pass_applies)
 
     @classmethod
     def of(cls, bucket, cache_len, do_sample, temperature, top_k, top_p, eos, pad_token_id, min_new_tokens,
-           logprobs=False, repetition_penalty=1.0):
+           logprobs=False, repetition_penalty=1.0, one_pass_sampling=False):
         if not do_sample:  # greedy ignores the sampling settings (not the penalty); one graph serves them all
             temperature, top_k, top_p = 1.0, 0, 1.0
         eos = tuple(eos or ())
+        suppresses_eos = bool(eos) and min_new_tokens > 0
+        one_pass = one_pass_sampling and one_pass_applies(do_sample, top_k, top_p, logprobs, repetition_penalty,
+                                                          suppresses_eos)
         return cls(bucket, cache_len, bool(do_sample), float(temperature), int(top_k), float(top_p), eos,
-                   int(pad_token_id), bool(eos) and min_new_tokens > 0, bool(logprobs), float(repetition_penalty))
+                   int(pad_token_id), suppresses_eos, bool(logprobs), float(repetition_penalty), one_pass)
 
 
 def logits_vocab_size(model):
@@ -174,12 +178,12 @@ class CapturedDecoder:
         if key.suppresses_eos:
             too_early = (b.step < b.min_new_tokens).view(1, 1)
             logits = torch.where(too_early, logits.index_fill(-1, b.eos, float("-inf")), logits)
-        tokens = sample_next_token(logits, key.temperature, key.top_k, key.top_p, key.do_sample, self.rng)
-        if self.token_sync is not None:
-            tokens = self.token_sync(tokens)
+        tokens, logp = choose_tokens(logits, model_logits, temperature=key.temperature, top_k=key.top_k,
+                                     top_p=key.top_p, do_sample=key.do_sample, generator=self.rng,
+                                     logprobs=b.logprobs is not None, one_pass=key.one_pass,
+                                     token_sync=self.token_sync)
         if b.logprobs is not None:
-            logp = token_log_probs(model_logits, tokens).masked_fill(b.finished, 0.0)
-            b.logprobs.index_copy_(1, b.step, logp[:, None])
+            b.logprobs.index_copy_(1, b.step, logp.masked_fill(b.finished, 0.0)[:, None])
         tokens = torch.where(b.finished, key.pad_token_id, tokens)
         b.generated.index_copy_(1, b.step, tokens[:, None])
         if b.seen is not None:  # the group's shared tokens, finished rows' pads included (as in HF's input_ids)
@@ -344,7 +348,8 @@ class GraphDecoder:
     @torch.no_grad()
     def generate(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
                  top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
-                 early_exit_interval=8, return_logprobs=False, repetition_penalty=1.0, prompt_start=None):
+                 early_exit_interval=8, return_logprobs=False, repetition_penalty=1.0, prompt_start=None,
+                 one_pass_sampling=False):
         """A ``Generation`` exactly as ``generate_tokens(..., return_lengths=True)`` makes it, or None (run eagerly).
 
         In a tensor-parallel group the ranks capture together (see ``_prepare``) and replay only if every rank has its
@@ -354,7 +359,8 @@ class GraphDecoder:
         decoder = self._prepare(weights, input_ids, attention_mask, max_new_tokens, dtype=dtype, do_sample=do_sample,
                                temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                                pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
-                               return_logprobs=return_logprobs, repetition_penalty=repetition_penalty)
+                               return_logprobs=return_logprobs, repetition_penalty=repetition_penalty,
+                               one_pass_sampling=one_pass_sampling)
         if self.group_agrees is not None and not self.group_agrees(decoder is not None):
             if decoder is not None:
                 self.disable("another rank of the tensor-parallel group could not capture the decode step")
@@ -366,7 +372,7 @@ class GraphDecoder:
 
     def _prepare(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
                 top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, return_logprobs=False,
-                repetition_penalty=1.0):
+                repetition_penalty=1.0, one_pass_sampling=False):
         """The captured step for this generation (capturing it if it is new), or None: it has to run eagerly."""
         device = input_ids.device
         reason = self.unsupported_reason(weights, device)
@@ -389,7 +395,7 @@ class GraphDecoder:
             return None
         self._drop_if_moved(model)
         key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
-                          pad_token_id, min_new_tokens, return_logprobs, repetition_penalty)
+                          pad_token_id, min_new_tokens, return_logprobs, repetition_penalty, one_pass_sampling)
         decoder = self.decoders.get(key)
         if self.group_agrees is not None and not self.group_agrees(decoder is not None):
             decoder = None  # another rank of the group has to capture (e.g. its storage moved): capture together

@@ -9,10 +9,15 @@ reproduces the same tokens (a graph draws from a generator registered with it, s
 device: filled from the prompts (:func:`prompt_seen_tokens`), marked with every step's tokens (:func:`mark_seen`) and
 applied to the step's fp32 logits (:func:`apply_repetition_penalty`) before the EOS suppression and the sampling
 filters, as in HF's processor order. Column V catches ids the logits do not cover (HF drops them too).
+
+On a device Triton runs on, :func:`choose_tokens` may take the one-pass kernel of ``triton_sampling.py`` instead (same
+race, its own Philox noise seeded from the generator, and the log-sum-exp for the log-probs in the same read).
 """
 import functools
 
 import torch
+
+from dschat.hybrid_engine.attention import FAILED, call_kernel, triton_available, triton_runs_on
 
 
 def filter_top_k(logits, top_k):
@@ -79,6 +84,48 @@ def token_log_probs(logits, tokens):
     """``log softmax(logits)[token]`` per row, in fp32, of the unfiltered distribution (no temperature, top-k/p or
     EOS suppression): what the training forward scores the token with, e.g. PPO's old log-probs."""
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# False: torch's ops choose every token (the benchmarks' ``_torchsample`` rows)
+ONE_PASS = True
+
+
+def one_pass_applies(do_sample, top_k, top_p, logprobs, repetition_penalty, suppresses_eos):
+    """Whether a generation's tokens may come from ``triton_sampling``'s one-pass kernel: on the model's own logits
+    (no repetition penalty, no EOS suppression), sampled without top-k/top-p filters, or greedy with log-probs wanted
+    (greedy alone is one argmax already). Decided once per generation, so eager and graph steps draw alike."""
+    if not ONE_PASS or repetition_penalty != 1.0 or suppresses_eos:
+        return False
+    return top_k <= 0 and top_p >= 1.0 if do_sample else logprobs
+
+
+def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, do_sample=False, generator=None,
+                  logprobs=False, one_pass=False, token_sync=None):
+    """A decode step's tokens (B,) and, with ``logprobs``, their fp32 log-probabilities under ``model_logits`` (the
+    unmodified distribution; else None). ``one_pass`` (from :func:`one_pass_applies`): the Triton kernel where it
+    runs, torch's ops otherwise (and after a kernel failure, reported once). ``token_sync`` makes the tokens a
+    tensor-parallel group's shared ones before their log-probs are read."""
+    lse = None
+    chosen = FAILED
+    if one_pass and triton_available() and triton_runs_on(logits):
+        from dschat.hybrid_engine import triton_sampling
+
+        if do_sample:
+            check_temperature(temperature)  # a usage error, not a kernel failure
+
+        chosen = call_kernel(triton_sampling.select_tokens, logits, temperature if do_sample else 1.0, generator,
+                             do_sample, logprobs)
+    if chosen is FAILED:
+        tokens = sample_next_token(logits, temperature, top_k, top_p, do_sample, generator)
+    else:
+        tokens, lse = chosen
+    if token_sync is not None:
+        tokens = token_sync(tokens)
+    if not logprobs:
+        return tokens, None
+    if lse is None:
+        return tokens, token_log_probs(model_logits, tokens)
+    return tokens, model_logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,172 @@
+"""Checks of the one-pass Triton sampler (``hybrid_engine.triton_sampling``) on the CPU through Triton's interpreter.
+
+Run as ``TRITON_INTERPRET=1 python sampling_check.py CHECK`` (the interpreter must be chosen before triton decorates
+the kernels, hence a separate process); exits non-zero when a check fails.
+"""
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from hybrid_common import (PAD, answer_logprobs_and_live, hf_generate, left_padded_batch,  # noqa: E402
+                           make_ds_engine, tiny_model)
+
+from dschat.hybrid_engine import HybridEngine, HybridEngineConfig, triton_sampling  # noqa: E402
+
+# Chi-square critical values at p = 0.001 (a fixed seed: the check is deterministic, the threshold only says how far
+# off an unbiased sampler's counts may land)
+CHI2_999 = {4: 18.47, 5: 20.52}
+
+
+def with_splits(multiprocessors, fn):
+    """``fn()`` with the sampler's split sized as if the device had this many multiprocessors."""
+    saved = triton_sampling.MULTIPROCESSORS_OFF_GPU
+    triton_sampling.MULTIPROCESSORS_OFF_GPU = multiprocessors
+    try:
+        return fn()
+    finally:
+        triton_sampling.MULTIPROCESSORS_OFF_GPU = saved
+
+
+def check_greedy_is_first_argmax_and_lse():
+    torch.manual_seed(0)
+    tile = 4 * triton_sampling.LANES
+    for vocab in (7, tile, tile + 1, 3 * tile - 5):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = (torch.randn(5, vocab) * 3).to(dtype)
+            logits[1, 3] = logits[1].max() + 1
+            logits[1, vocab - 1] = logits[1, 3]  # a tie across tiles: the first column wins, as torch.argmax
+            logits[2, 2] = logits[2].max() + 1
+            logits[2, 1] = logits[2, 2]  # a tie inside a lane vector
+            logits[3, :vocab // 2] = float("-inf")  # filtered columns
+            for programs in (1, 64):  # 1-2 splits per row, and as many as the row's tiles
+                tokens, lse = with_splits(programs, lambda: triton_sampling.select_tokens(
+                    logits, do_sample=False, with_lse=True))
+                assert tokens.dtype == torch.long and torch.equal(tokens, logits.argmax(-1)), (vocab, dtype, tokens)
+                error = (lse - torch.logsumexp(logits.float(), -1)).abs().max()
+                assert error < 1e-5, (vocab, dtype, programs, error)
+    tokens, lse = triton_sampling.select_tokens(torch.randn(3, 50), do_sample=False)
+    assert lse is None
+    print("greedy: first argmax, log-sum-exp")
+
+
+def counts_of(logits, temperature, rows, seed):
+    generator = torch.Generator().manual_seed(seed)
+    lanes, triton_sampling.LANES = triton_sampling.LANES, 2  # 8 columns per tile: fast in the interpreter
+    try:
+        tokens, _ = triton_sampling.select_tokens(logits.expand(rows, -1).contiguous(), temperature, generator)
+    finally:
+        triton_sampling.LANES = lanes
+    return torch.bincount(tokens, minlength=logits.shape[-1]).double()
+
+
+def chi_square(counts, probs):
+    expected = probs.double() * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def check_sampled_distribution():
+    """Counts of 800 (T=1) and 500 (T=0.5) draws against softmax(logits / T), and far from softmax(logits) when T != 1."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 2.5]])
+    for temperature, draws in ((1.0, 800), (0.5, 500)):
+        counts = counts_of(logits, temperature, draws, seed=11)
+        fit = chi_square(counts, torch.softmax(logits[0] / temperature, -1))
+        assert fit < CHI2_999[5], (temperature, counts, fit)
+        if temperature != 1.0:
+            misfit = chi_square(counts, torch.softmax(logits[0], -1))
+            assert misfit > 4 * CHI2_999[5], ("the temperature must change the draws", misfit)
+        print(f"T={temperature}: chi-square {fit:.1f} (5 dof)")
+    # a filtered column (-inf) is never drawn
+    filtered = logits.clone()
+    filtered[0, 5] = float("-inf")
+    assert counts_of(filtered, 1.0, 100, seed=3)[5] == 0
+
+
+def check_seed_reproduces_and_splits_do_not_matter():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 3 * 4 * triton_sampling.LANES + 17)
+
+    def draw(seed, programs):
+        generator = torch.Generator().manual_seed(seed)
+        return with_splits(programs, lambda: triton_sampling.select_tokens(logits, 1.0, generator)[0])
+
+    a = draw(5, 1)
+    assert torch.equal(a, draw(5, 1)), "a seed reproduces"
+    assert torch.equal(a, draw(5, 64)), "the split count never changes a draw"
+    assert not torch.equal(a, draw(6, 1)), "another seed draws other tokens"
+    generator = torch.Generator().manual_seed(5)
+    first = triton_sampling.select_tokens(logits, 1.0, generator)[0]
+    assert not torch.equal(first, triton_sampling.select_tokens(logits, 1.0, generator)[0]), \
+        "the generator moves on: the next call draws new noise"
+    triton_sampling.select_tokens(logits, 1.0, None)  # the device's default generator
+    print("seeds reproduce; split count irrelevant")
+
+
+def check_engine_logprobs_equal_training_forward():
+    """The engine's eager loop and graph step with the one-pass sampler: sampled log-probs equal the training
+    forward's, a seed reproduces, and the kernel runs exactly where it applies."""
+    from dschat.hybrid_engine import attention
+    from dschat.hybrid_engine.graphs import GraphDecoder
+
+    attention.kernel_applies = lambda *args, **kwargs: False  # SDPA's attention: the interpreter's is slow
+    calls = []
+    kernel = triton_sampling.select_tokens
+
+    def counting(*args):
+        calls.append(args[3])  # do_sample
+        return kernel(*args)
+
+    triton_sampling.select_tokens = counting
+    model = tiny_model("opt", seed=3)
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=64),
+                          pad_token_id=PAD, decode_attention="triton")
+    ids, mask = left_padded_batch([7, 3, 5, 1])
+    eos = 5
+    for path in ("eager", "graph step"):
+        if path == "graph step":
+            engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False)
+        engine.eval()
+        calls.clear()
+
+        def sample(seed, **kwargs):
+            return engine.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, eos_token_id=eos,
+                                   generator=torch.Generator().manual_seed(seed), return_logprobs=True,
+                                   top_k=0, **kwargs)
+
+        sequences, logprobs = sample(7)
+        assert calls and all(calls), (path, "the sampled steps go through the kernel")
+        expected, live = answer_logprobs_and_live(model, sequences, mask, eos)
+        error = (logprobs - expected)[live].abs().max()
+        assert error < 1e-4, (path, error)
+        if path == "eager":
+            assert torch.equal(sequences, sample(7)[0]) and not torch.equal(sequences, sample(8)[0]), path
+            calls.clear()
+            sample(7, top_p=0.9)
+        calls.clear()
+        sample(7, repetition_penalty=1.2)
+        assert not calls, (path, "top-p and the repetition penalty take torch's path")
+        greedy, greedy_logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos,
+                                                  return_logprobs=True)
+        assert calls == [False] * len(calls) and calls, (path, "greedy with log-probs: the kernel's argmax")
+        assert torch.equal(greedy, hf_generate(model, ids, mask, 10, eos_token_id=eos)), path
+    assert engine.graph_decoder.replays > 0
+    calls.clear()
+    engine.decode_attention = "sdpa"
+    engine.graph_decoder = None
+    sample(7)
+    assert not calls, "decode_attention='sdpa': torch's ops only"
+    print("engine: one-pass sampling in the eager loop and the graph step")
+
+
+CHECKS = {
+    "greedy": check_greedy_is_first_argmax_and_lse,
+    "distribution": check_sampled_distribution,
+    "seeds": check_seed_reproduces_and_splits_do_not_matter,
+    "engine": check_engine_logprobs_equal_training_forward,
+}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or CHECKS:
+        CHECKS[name]()
