@@ -45,15 +45,15 @@ def non_negative_int(text):
     return _bounded_int(text, 0, "an integer >= 0")
 
 
-def positive_float(text):
-    """argparse type: a finite number > 0 (a learning rate), so that 0 (no training at all) or a negative value is an
-    error naming the flag rather than a silent no-op or the optimizer's traceback later."""
+def non_negative_float(text):
+    """argparse type: a finite number >= 0 (a learning rate; 0 freezes the weights, as torch's optimizers allow), so a
+    negative or infinite value is an error naming the flag rather than the optimizer's traceback later."""
     try:
         value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
 
 
@@ -114,7 +114,7 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     g.add_argument("--per_device_train_batch_size", type=positive_int, default=batch)
     g.add_argument("--per_device_eval_batch_size", type=positive_int, default=eval_batch)
     g.add_argument("--max_seq_len", type=positive_int, default=max_seq_len)
-    g.add_argument("--learning_rate", type=positive_float, default=lr)
+    g.add_argument("--learning_rate", type=non_negative_float, default=lr)
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--num_train_epochs", type=positive_int, default=1)
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
@@ -190,7 +190,7 @@ def add_lora_args(parser, prefix=""):
                        help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
                             "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
         g.add_argument("--only_optimize_lora", action="store_true", help="Freeze the base weights.")
-    g.add_argument(f"--{prefix}lora_learning_rate", type=positive_float, default=5e-4)
+    g.add_argument(f"--{prefix}lora_learning_rate", type=non_negative_float, default=5e-4)
     return g
 
 
@@ -302,7 +302,7 @@ def _set_from_option(args, action, name, value):
             setattr(args, action.dest, False if negated else action.const)
         return
     # as on the command line: "3" for an int flag, and the range checks of the bounded ones
-    bounded = action.type in (positive_int, non_negative_int) and value is not None
+    bounded = action.type in (positive_int, non_negative_int, non_negative_float) and value is not None
     if action.type not in (None, str) and (isinstance(value, str) or bounded):
         value = _converted(action, name, value)
     if action.choices is not None and value is not None and value not in action.choices:
@@ -368,8 +368,8 @@ def step3_parser():
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
     g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N PPO iterations (0: no limit).")
     g = p.add_argument_group("optimization")
-    g.add_argument("--actor_learning_rate", type=positive_float, default=9.65e-6)
-    g.add_argument("--critic_learning_rate", type=positive_float, default=5e-6)
+    g.add_argument("--actor_learning_rate", type=non_negative_float, default=9.65e-6)
+    g.add_argument("--critic_learning_rate", type=non_negative_float, default=5e-6)
     g.add_argument("--actor_weight_decay", type=float, default=0.0)
     g.add_argument("--critic_weight_decay", type=float, default=0.0)
     g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS)
@@ -447,8 +447,8 @@ def step3_parser():
                    help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
                         "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
     g.add_argument("--only_optimize_lora", action="store_true")
-    g.add_argument("--actor_lora_learning_rate", type=positive_float, default=5e-4)
-    g.add_argument("--critic_lora_learning_rate", type=positive_float, default=5e-4)
+    g.add_argument("--actor_lora_learning_rate", type=non_negative_float, default=5e-4)
+    g.add_argument("--critic_lora_learning_rate", type=non_negative_float, default=5e-4)
     g = p.add_argument_group("PPO")
     g.add_argument("--padded_forwards", action="store_true",
                    help="Run the experience and training forwards over the left-padded rows with an attention mask, "

@@ -134,35 +134,46 @@ def test_numeric_flags_out_of_range_are_errors_naming_the_flag(flags, named, cap
 
 # argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
 @pytest.mark.parametrize("parser, flag, value", [
-    ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "0"),
-    ("step2_parser", "--learning_rate", "0.0"), ("step2_dpo_parser", "--learning_rate=", "-1e-5"),
-    ("step3_parser", "--actor_learning_rate", "0"), ("step3_parser", "--critic_learning_rate=", "-1e-5"),
-    ("step3_parser", "--actor_lora_learning_rate", "-0.5"), ("step3_parser", "--critic_lora_learning_rate", "0"),
+    ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "inf"),
+    ("step2_parser", "--learning_rate", "-0.1"), ("step2_dpo_parser", "--learning_rate=", "-1e-5"),
+    ("step3_parser", "--actor_learning_rate", "x"), ("step3_parser", "--critic_learning_rate=", "-1e-5"),
+    ("step3_parser", "--actor_lora_learning_rate", "-0.5"), ("step3_parser", "--critic_lora_learning_rate", "-2"),
     ("step3_parser", "--actor_learning_rate", "nan")])
-def test_learning_rates_that_are_not_positive_are_errors_naming_the_flag(parser, flag, value, capsys):
+def test_negative_learning_rates_are_errors_naming_the_flag(parser, flag, value, capsys):
     from dschat import args
 
     argv = [flag + value] if flag.endswith("=") else [flag, value]
     flag = flag.rstrip("=")
     with pytest.raises(SystemExit):
         getattr(args, parser)().parse_args(argv)
-    assert f"argument {flag}: expected a positive number, got {value}" in capsys.readouterr().err
+    shown = repr(value) if value == "x" else value
+    assert f"argument {flag}: expected a number >= 0, got {shown}" in capsys.readouterr().err
     assert getattr(getattr(args, parser)().parse_args([flag, "2e-5"]), flag[2:]) == 2e-5
+    assert getattr(getattr(args, parser)().parse_args([flag, "0"]), flag[2:]) == 0.0, "0 freezes, as in torch"
 
 
-def test_train_py_refuses_a_learning_rate_that_is_not_positive_before_the_first_step(tmp_path, capsys, distributed,
+def test_a_negative_learning_rate_in_a_settings_dict_is_refused():
+    from dschat import args
+    from dschat.errors import UsageError
+
+    with pytest.raises(UsageError, match="actor_learning_rate"):
+        args.namespace_with_defaults(args.step3_parser(), {"actor_learning_rate": -1e-5})
+    assert args.namespace_with_defaults(args.step3_parser(), {"actor_learning_rate": 0.0}).actor_learning_rate == 0
+
+
+def test_train_py_refuses_a_negative_learning_rate_before_the_first_step(tmp_path, capsys, distributed,
                                                                                      monkeypatch):
     from dschat import pipeline
     from dschat.steps import ppo
 
     for module in (sft, reward, ppo):  # a step that starts is already the failure
         monkeypatch.setattr(module, "main", lambda argv: pytest.fail("a step ran"))
-    for step, flag in ((1, "--learning_rate 0"), (2, "--lora_learning_rate -1"), (3, "--critic_learning_rate=-1e-5")):
+    for step, flag in ((1, "--learning_rate -1"), (2, "--lora_learning_rate -1"), (3, "--critic_learning_rate=-1e-5")):
         args = _train_py_args("--output-dir", str(tmp_path / "out"), f"--step{step}-args", flag)
         with pytest.raises(SystemExit):
             pipeline.run_pipeline(args)
         name, value = flag.replace("=", " ").split()
-        assert (f"train.py --step{step}-args: error: argument {name}: expected a positive number, got {value}"
+        assert (f"train.py --step{step}-args: error: argument {name}: expected a number >= 0, got {value}"
                 in capsys.readouterr().err)
     assert not (tmp_path / "out" / "step1_sft").exists(), "no step may have run"
 
