@@ -58,6 +58,32 @@ def one_pass_fit(temperature, draws=2**20, tokens=16):
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+def wide_fit(vocab=152064, draws=2**22, buckets=64, sampler="one pass", chunk=2**16):
+    """Draws from one bf16 row of a real vocabulary (randn x 4, as the timed rows; column 2, an EOS id, raised to 1%),
+    each draw a row of a stride-0 batch: chi-square over the ``buckets`` - 1 likeliest tokens plus one bucket for the
+    rest (``buckets`` - 1 dof), and column 2's count against its expectation."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, vocab, device="cuda") * 4
+    rest = torch.logsumexp(torch.cat([logits[0, :2], logits[0, 3:]]), 0)
+    logits[0, 2] = rest + torch.log(torch.tensor(0.01 / 0.99))
+    logits = logits.to(torch.bfloat16)
+    probs = torch.softmax(logits[0].double(), -1)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.zeros(vocab, dtype=torch.float64, device="cuda")
+    for _ in range(draws // chunk):
+        batch = logits.expand(chunk, -1)
+        if sampler == "one pass":
+            chosen, _ = triton_sampling.select_tokens(batch, 1.0, generator)
+        else:
+            chosen = sample_next_token(batch, 1.0, do_sample=True, generator=generator)
+        counts += torch.bincount(chosen, minlength=vocab).double()
+    top = torch.topk(probs, buckets - 1).indices
+    observed = torch.cat([counts[top], (draws - counts[top].sum())[None]])
+    expected = torch.cat([probs[top], (1 - probs[top].sum())[None]]) * draws
+    return dict(draws=draws, chi_square=float(((observed - expected) ** 2 / expected).sum()), dof=buckets - 1,
+                column2=int(counts[2]), column2_expected=float(probs[2] * draws))
+
+
 def sweep(args):
     """``one pass + logp`` under each launch setting of ``triton_sampling`` (module constants), per vocab and B."""
     settings = list(itertools.product((128, 256, 512, 1024), (2, 4, 8, 16), (4, 8)))
@@ -91,6 +117,12 @@ def main():
     fits = {t: one_pass_fit(t) for t in (1.0, 0.7)}
     print("one-pass draws, chi-square of 2**20 draws over 16 tokens (15 dof; p=0.001 at 37.7): "
           + ", ".join(f"T={t}: {v:.1f}" for t, v in fits.items()))
+    # torch's race writes fp32 noise for every column: fewer draws, in smaller chunks
+    wide = {"one pass": wide_fit(), "log race": wide_fit(draws=2**18, sampler="log race", chunk=2**12)}
+    for name, fit in wide.items():
+        print(f"{name}: {fit['draws']} draws from a 152064-token row, chi-square {fit['chi_square']:.1f} ({fit['dof']} dof; "
+              f"p=0.001 at 103.4), column 2 drawn {fit['column2']} times, expected {fit['column2_expected']:.0f}")
+    fits = {"16 tokens": fits, "152064 tokens": wide}
     rows = []
     columns = {"softmax race": lambda x: race_on_probabilities(x, args.temperature),
                "log race": lambda x: sample_next_token(x, args.temperature, do_sample=True),

@@ -148,7 +148,7 @@ def test_penalty_start_of_a_group_batch_is_each_rows_own():
 
 
 # -- the one-pass Triton sampler (hybrid_engine.triton_sampling) ----------------------------------------------------
-@pytest.mark.parametrize("check", ["greedy", "distribution", "seeds", "engine"])
+@pytest.mark.parametrize("check", ["greedy", "distribution", "seeds", "sync", "engine"])
 def test_one_pass_sampler_check(check):
     """Through Triton's interpreter, in a process of its own (``tests/scripts/sampling_check.py``): greedy is the
     first argmax with the log-sum-exp, draws follow softmax(logits / T), a seed reproduces whatever the split count,

@@ -104,6 +104,21 @@ def check_seed_reproduces_and_splits_do_not_matter():
     print("seeds reproduce; split count irrelevant")
 
 
+def check_log_probs_are_of_the_shared_tokens():
+    """With a tensor-parallel group's ``token_sync`` the tokens change after the kernel chose them: the log-probs must
+    be those of the shared tokens, read from this rank's logits and the kernel's log-sum-exp."""
+    from dschat.hybrid_engine.sampling import choose_tokens
+
+    torch.manual_seed(2)
+    logits = torch.randn(4, 300)
+    for do_sample in (True, False):
+        tokens, logp = choose_tokens(logits, logits, do_sample=do_sample, generator=torch.Generator().manual_seed(1),
+                                     logprobs=True, one_pass=True, token_sync=lambda t: (t + 1) % 300)
+        expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        assert (logp - expected).abs().max() < 1e-5, (do_sample, logp, expected)
+    print("log-probs of the shared tokens")
+
+
 def check_engine_logprobs_equal_training_forward():
     """The engine's eager loop and graph step with the one-pass sampler: sampled log-probs equal the training
     forward's, a seed reproduces, and the kernel runs exactly where it applies."""
@@ -164,6 +179,7 @@ CHECKS = {
     "greedy": check_greedy_is_first_argmax_and_lse,
     "distribution": check_sampled_distribution,
     "seeds": check_seed_reproduces_and_splits_do_not_matter,
+    "sync": check_log_probs_are_of_the_shared_tokens,
     "engine": check_engine_logprobs_equal_training_forward,
 }
 
