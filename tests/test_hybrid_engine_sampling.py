@@ -1,4 +1,5 @@
 """Sampling: on-device exponential race matches the filtered model distribution; fixed seeds reproduce."""
+import math
 import sys
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def test_penalty_start_of_a_group_batch_is_each_rows_own():
 
 
 # -- the one-pass Triton sampler (hybrid_engine.triton_sampling) ----------------------------------------------------
-@pytest.mark.parametrize("check", ["greedy", "distribution", "seeds", "sync", "engine"])
+@pytest.mark.parametrize("check", ["greedy", "distribution", "seeds", "noise", "sync", "engine"])
 def test_one_pass_sampler_check(check):
     """Through Triton's interpreter, in a process of its own (``tests/scripts/sampling_check.py``): greedy is the
     first argmax with the log-sum-exp, draws follow softmax(logits / T), a seed reproduces whatever the split count,
@@ -185,8 +186,8 @@ def test_one_pass_sampler_compiles_for_hopper(sample, lse, tmp_path, monkeypatch
     pointers = {"Logits": "*bf16", "Seed": "*i64", "PartRace": "*fp32", "PartCol": "*i32", "PartMax": "*fp32",
                 "PartSum": "*fp32", "Tokens": "*i64", "Lse": "*fp32"}
     for kernel, constants in ((triton_sampling._partial_kernel,
-                               dict(SPLITS=5, LANES=triton_sampling.LANES, SAMPLE=sample, LSE=lse)),
-                              (triton_sampling._combine_kernel, dict(SPLITS=5, SPLITS_PAD=8, LSE=lse))):
+                               dict(LANES=triton_sampling.LANES, SAMPLE=sample, LSE=lse)),
+                              (triton_sampling._combine_kernel, dict(SPLITS_PAD=8, LSE=lse))):
         names = kernel.arg_names
         signature = {n: pointers.get(n, "constexpr" if n in constants else
                                      "fp32" if n == "inv_temperature" else "i32") for n in names}
@@ -235,6 +236,18 @@ def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
         counts = torch.bincount(drawn, minlength=16).double()
         expected = torch.softmax(small[0].double() / temperature, -1) * 2**20
         assert float(((counts - expected) ** 2 / expected).sum()) < 37.7, (temperature, counts)  # 15 dof, p=0.001
+
+    # the tail: one token at logit 0 and 4095 at relative probability 1e-7 (a float32 uniform's -log u would draw
+    # them ~0.57x as often as they should be)
+    tail = torch.full((1, 4096), math.log(1e-7), device="cuda")
+    tail[0, 0] = 0.0
+    hits = 0
+    for _ in range(16):
+        drawn, _ = triton_sampling.select_tokens(tail.expand(2**18, -1), 1.0, torch.Generator(device="cuda").manual_seed(
+            _ + 2))
+        hits += int((drawn != 0).sum())
+    expected = 2**22 * 4095e-7 / (1 + 4095e-7)
+    assert abs(hits - expected) < 5 * expected ** 0.5, (hits, expected)
 
     def replays(seed, n=3):
         generator = torch.Generator(device="cuda").manual_seed(seed)

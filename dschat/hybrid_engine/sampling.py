@@ -112,9 +112,9 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
 
         if do_sample:
             check_temperature(temperature)  # a usage error, not a kernel failure
-
-        chosen = call_kernel(triton_sampling.select_tokens, logits, temperature if do_sample else 1.0, generator,
-                             do_sample, logprobs)
+        if triton_sampling.unsupported(logits, generator if do_sample else None) is None:  # else torch, this call
+            chosen = call_kernel(triton_sampling.select_tokens, logits, temperature if do_sample else 1.0,
+                                 generator, do_sample, logprobs)
     if chosen is FAILED:
         tokens = sample_next_token(logits, temperature, top_k, top_p, do_sample, generator)
     else:

@@ -6,11 +6,14 @@ materialise an fp32 ``log_softmax`` of the whole vocabulary to gather B numbers 
 slice of a row's logits once, draws its own noise (Philox, from a seed the caller's ``torch.Generator`` draws on the
 device), and keeps a running race winner and a running log-sum-exp; a second, tiny kernel combines the slices.
 
-The race is the same as ``sampling.exponential_race``: ``argmax(logits / T - log E)``, E ~ Exp(1) (E = -log U). The
-noise depends only on (seed, row, column), not on how the vocabulary is split over programs, so the launch shape never
-changes a draw. Greedy selection is the first maximal column, as ``torch.argmax``. Every launch shape depends only on
-tensor shapes, so both kernels are captured in CUDA graphs; the seed is drawn by a torch op from the generator, which
-a graph registers, so each replay draws new noise. ``TRITON_INTERPRET=1`` runs them on the CPU for tests.
+The race is the same as ``sampling.exponential_race``: ``argmax(logits / T - log E)``, E ~ Exp(1). E is made from
+31 random bits as ``-log1p(-v)``, v = (k + 1/2) / 2**31, so E keeps 2**-31 steps near 0, where a token of tiny
+probability p wins (E < p x the winner's share); ``-log u`` of a float32 uniform u would floor E at 6e-8 and never
+draw such tokens. The noise depends only on (seed, row, column), not on how the vocabulary is split over programs,
+so the launch shape never changes a draw. Greedy selection is the first maximal column, as ``torch.argmax`` (NaN
+logits aside: they never win here). Every launch shape depends only on tensor shapes, so both kernels are captured
+in CUDA graphs; the seed is drawn by a torch op from the generator, which a graph registers, so each replay draws new
+noise. ``TRITON_INTERPRET=1`` runs them on the CPU for tests.
 """
 import functools
 
@@ -21,21 +24,32 @@ import triton.language as tl
 # Launch settings from ``python bench/sampling.py --sweep`` (H200, fifteenth session): with a log-sum-exp, at B = 64,
 # 22.9 us for OPT's 50k vocabulary and 47.4 us for Qwen2.5's 152k, against 26.1 and 58.1 us with 512 / 2 / 4; most
 # settings land within 10% of these.
-LANES = 256  # columns per lane vector; a program reads 4 x LANES columns per Philox call (rand4x)
+LANES = 256  # columns per lane vector; a program reads 4 x LANES columns per Philox call (randint4x)
 PROGRAMS_PER_SM = 8  # the vocabulary is split so that B x splits gives about this many programs per multiprocessor
 NUM_WARPS = 4
 MULTIPROCESSORS_OFF_GPU = 132  # the interpreter sizes the split as if on an H200
 
 
 @triton.jit
-def _lane_update(row_logits, cols, vocab, u, inv_temperature, best, best_col, run_max, run_sum,
+def _exponential(bits):
+    """E ~ Exp(1) from 32 random bits: ``-log1p(-v)`` for v uniform in (0, 1) with 2**-31 steps near 0 (a series
+    there; Triton's interpreter has no log1p). Below 1/16 the series' 7th term is under 1e-8 of E; above it 1 - v is
+    exact to 3e-8. v stops short of 1, so E is finite (at most ~16.6)."""
+    k = bits.to(tl.int32, bitcast=True)
+    k = tl.where(k < 0, ~k, k)  # 31 uniform bits
+    v = tl.minimum((k.to(tl.float32) + 0.5) * 4.656612873077393e-10, 0.99999994)
+    series = v * (1.0 + v * (0.5 + v * (0.3333333333 + v * (0.25 + v * (0.2 + v * 0.1666666667)))))
+    return tl.where(v < 0.0625, series, -tl.log(1.0 - v))
+
+
+@triton.jit
+def _lane_update(row_logits, cols, vocab, bits, inv_temperature, best, best_col, run_max, run_sum,
                  SAMPLE: tl.constexpr, LSE: tl.constexpr):
     """Fold LANES columns into each lane's race winner and online log-sum-exp."""
     ok = cols < vocab
     x = tl.load(row_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
     if SAMPLE:
-        # -log U = E ~ Exp(1); U = 0 gives E = inf: that column loses, as a zero draw of the torch path's noise
-        race = x * inv_temperature - tl.log(-tl.log(u))
+        race = x * inv_temperature - tl.log(_exponential(bits))
     else:
         race = x
     race = tl.where(ok, race, float("-inf"))
@@ -52,8 +66,7 @@ def _lane_update(row_logits, cols, vocab, u, inv_temperature, best, best_col, ru
 
 @triton.jit
 def _partial_kernel(Logits, Seed, PartRace, PartCol, PartMax, PartSum, stride_lb, vocab, inv_temperature,
-                    tiles_per_split, num_tiles, SPLITS: tl.constexpr, LANES: tl.constexpr, SAMPLE: tl.constexpr,
-                    LSE: tl.constexpr):
+                    tiles_per_split, num_tiles, LANES: tl.constexpr, SAMPLE: tl.constexpr, LSE: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     lanes = tl.arange(0, LANES)
@@ -65,14 +78,14 @@ def _partial_kernel(Logits, Seed, PartRace, PartCol, PartMax, PartSum, stride_lb
     seed = tl.load(Seed)  # drawn by the caller when sampling (unused when greedy)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
-    u0 = tl.zeros([LANES], tl.float32)
+    u0 = tl.zeros([LANES], tl.uint32)
     u1 = u0
     u2 = u0
     u3 = u0
     for tile in range(first, last):
         cols = tile * 4 * LANES + lanes
         if SAMPLE:  # one Philox call per 4 columns; its counter names (row, tile, lane): split-independent
-            u0, u1, u2, u3 = tl.rand4x(seed, (row * num_tiles + tile) * LANES + lanes)
+            u0, u1, u2, u3 = tl.randint4x(seed, (row * num_tiles + tile) * LANES + lanes)
         best, best_col, run_max, run_sum = _lane_update(row_logits, cols, vocab, u0, inv_temperature, best, best_col,
                                                         run_max, run_sum, SAMPLE, LSE)
         best, best_col, run_max, run_sum = _lane_update(row_logits, cols + LANES, vocab, u1, inv_temperature, best,
@@ -82,7 +95,7 @@ def _partial_kernel(Logits, Seed, PartRace, PartCol, PartMax, PartSum, stride_lb
         best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 3 * LANES, vocab, u3, inv_temperature,
                                                         best, best_col, run_max, run_sum, SAMPLE, LSE)
     top = tl.max(best, 0)
-    out = row * SPLITS + split
+    out = row * tl.num_programs(1) + split
     tl.store(PartRace + out, top)
     tl.store(PartCol + out, tl.min(tl.where(best == top, best_col, 2147483647), 0))  # the first column of the max
     if LSE:
@@ -93,12 +106,12 @@ def _partial_kernel(Logits, Seed, PartRace, PartCol, PartMax, PartSum, stride_lb
 
 
 @triton.jit
-def _combine_kernel(PartRace, PartCol, PartMax, PartSum, Tokens, Lse, SPLITS: tl.constexpr,
-                    SPLITS_PAD: tl.constexpr, LSE: tl.constexpr):
+def _combine_kernel(PartRace, PartCol, PartMax, PartSum, Tokens, Lse, splits, SPLITS_PAD: tl.constexpr,
+                    LSE: tl.constexpr):
     row = tl.program_id(0)
     parts = tl.arange(0, SPLITS_PAD)
-    ok = parts < SPLITS
-    at = row * SPLITS + parts
+    ok = parts < splits
+    at = row * splits + parts
     race = tl.load(PartRace + at, mask=ok, other=float("-inf"))
     col = tl.load(PartCol + at, mask=ok, other=2147483647)
     token = tl.min(tl.where(race == tl.max(race, 0), col, 2147483647), 0)
@@ -123,23 +136,34 @@ def split_count(rows, num_tiles, device):
     return max(1, min(num_tiles, -(-PROGRAMS_PER_SM * sms // rows)))
 
 
+def unsupported(logits, generator=None):
+    """Why :func:`select_tokens` cannot take these logits (a string), or None. Callers with a fallback check first, so
+    that such a call is not taken for a failing kernel (which would turn every Triton kernel off)."""
+    if logits.dim() != 2 or logits.shape[0] == 0 or logits.stride(-1) != 1:
+        return f"wants (B > 0, V) logits with contiguous rows, got shape {tuple(logits.shape)} strides {logits.stride()}"
+    if generator is not None and generator.device.type != logits.device.type:
+        return f"a {generator.device.type} generator for {logits.device.type} logits"
+    if logits.shape[0] * -(-logits.shape[1] // (4 * LANES)) * LANES >= 2**31:
+        return f"{tuple(logits.shape)} logits overflow the 32-bit Philox counters"
+    return None
+
+
 def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_lse=False):
     """``logits`` (B, V) -> (tokens (B,) int64, log-sum-exp (B,) fp32 of the unscaled logits or None).
 
     Sampled: one draw per row from ``softmax(logits / temperature)``; greedy: the first maximal column. The seed is
     drawn from ``generator`` (the device's default generator when None) on the logits' device, without a host sync."""
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"select_tokens wants (B, V) logits with contiguous rows, got shape {tuple(logits.shape)} "
-                         f"strides {logits.stride()}")
+    reason = unsupported(logits, generator if do_sample else None)
+    if reason is not None:
+        raise ValueError(f"select_tokens: {reason}")
     rows, vocab = logits.shape
     num_tiles = -(-vocab // (4 * LANES))
-    if rows * num_tiles * LANES >= 2**31:
-        raise ValueError(f"{rows} x {vocab} logits overflow the sampler's 32-bit Philox counters")
     splits = split_count(rows, num_tiles, logits.device)
     tiles_per_split = -(-num_tiles // splits)
     splits = -(-num_tiles // tiles_per_split)  # no program without a tile
     device = logits.device
-    seed = torch.empty(1, dtype=torch.int64, device=device)
+    seed = torch.empty(1, dtype=torch.int64, device=device) if do_sample else torch.zeros(1, dtype=torch.int64,
+                                                                                            device=device)
     if do_sample:
         seed.random_(generator=generator)
     part_race = torch.empty((rows, splits), dtype=torch.float32, device=device)
@@ -149,8 +173,8 @@ def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device) if with_lse else None
     _partial_kernel[(rows, splits)](logits, seed, part_race, part_col, part_max, part_sum, logits.stride(0), vocab,
-                                    1.0 / temperature, tiles_per_split, num_tiles, SPLITS=splits, LANES=LANES,
+                                    1.0 / temperature, tiles_per_split, num_tiles, LANES=LANES,
                                     SAMPLE=bool(do_sample), LSE=with_lse, num_warps=NUM_WARPS)
     _combine_kernel[(rows,)](part_race, part_col, part_max, part_sum, tokens, lse if with_lse else part_race,
-                             SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), LSE=with_lse, num_warps=1)
+                             splits, SPLITS_PAD=triton.next_power_of_2(splits), LSE=with_lse, num_warps=1)
     return tokens, lse

@@ -52,6 +52,30 @@ def check_greedy_is_first_argmax_and_lse():
     print("greedy: first argmax, log-sum-exp")
 
 
+def check_noise_keeps_its_resolution_near_zero():
+    """E = -log1p(-v) from 31 random bits, against float64: exact to 1e-6 relative near E = 0, where a token of tiny
+    probability wins (``-log u`` of a float32 uniform would floor E at 6e-8), and finite at the top."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def transform(Bits, E, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(E + i, triton_sampling._exponential(tl.load(Bits + i)))
+
+    small = [0, 1, 2, 5, 100, 2**12, 2**20, 2**26, 2**27 - 1, 2**27, 2**29, 2**30, 2**31 - 2, 7]  # and complements
+    bits = torch.tensor(small + [2**32 - 1 - k for k in small] + [2**31 - 1, 2**31, 2**31 + 1, 3 * 2**30],
+                        dtype=torch.int64).to(torch.int32)
+    got = torch.empty(bits.shape[0])
+    transform[(1,)](bits, got, N=bits.shape[0])
+    k = torch.where(bits < 0, ~bits, bits).double()
+    expected = -torch.log1p(-(k + 0.5) / 2**31)
+    finite = expected < 16
+    assert ((got.double() - expected).abs() / expected)[finite].max() < 1e-6, (got, expected)
+    assert got[0] < 1e-9 and torch.isfinite(got).all() and got.max() < 17, got
+    print("noise: E exact near 0, finite at the top")
+
+
 def counts_of(logits, temperature, rows, seed):
     generator = torch.Generator().manual_seed(seed)
     lanes, triton_sampling.LANES = triton_sampling.LANES, 2  # 8 columns per tile: fast in the interpreter
@@ -179,6 +203,7 @@ CHECKS = {
     "greedy": check_greedy_is_first_argmax_and_lse,
     "distribution": check_sampled_distribution,
     "seeds": check_seed_reproduces_and_splits_do_not_matter,
+    "noise": check_noise_keeps_its_resolution_near_zero,
     "sync": check_log_probs_are_of_the_shared_tokens,
     "engine": check_engine_logprobs_equal_training_forward,
 }
