@@ -58,7 +58,7 @@ def one_pass_fit(temperature, draws=2**20, tokens=16):
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def wide_fit(vocab=152064, draws=2**22, buckets=64, sampler="one pass", chunk=2**16):
+def wide_fit(vocab=152064, draws=2**22, buckets=64, sampler="one pass", chunk=2**13):
     """Draws from one bf16 row of a real vocabulary (randn x 4, as the timed rows; column 2, an EOS id, raised to 1%),
     each draw a row of a stride-0 batch: chi-square over the ``buckets`` - 1 likeliest tokens plus one bucket for the
     rest (``buckets`` - 1 dof), and column 2's count against its expectation."""
