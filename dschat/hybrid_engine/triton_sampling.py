@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch settings from ``python bench/sampling.py --sweep`` (H200, fifteenth session): with a log-sum-exp, at B = 64,
-# 22.9 us for OPT's 50k vocabulary and 47.4 us for Qwen2.5's 152k, against 26.1 and 58.1 us with 512 / 2 / 4; most
-# settings land within 10% of these.
+# Launch settings from ``python bench/sampling.py --sweep`` (H200, fifteenth session; most settings land within 10%
+# of each other). With a log-sum-exp at B = 64: 24.0 us for OPT's 50k vocabulary and 51.5 us for Qwen2.5's 152k,
+# against 66.4 and 208.2 us for torch's path (docs/benchmarks.md).
 LANES = 256  # columns per lane vector; a program reads 4 x LANES columns per Philox call (randint4x)
 PROGRAMS_PER_SM = 8  # the vocabulary is split so that B x splits gives about this many programs per multiprocessor
 NUM_WARPS = 4
