@@ -105,7 +105,7 @@ def sweep(args):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--vocabs", default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batches", default="16,64,128")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -120,8 +120,9 @@ def main():
     # torch's race writes fp32 noise for every column: fewer draws, in smaller chunks
     wide = {"one pass": wide_fit(), "log race": wide_fit(draws=2**18, sampler="log race", chunk=2**12)}
     for name, fit in wide.items():
-        print(f"{name}: {fit['draws']} draws from a 152064-token row, chi-square {fit['chi_square']:.1f} ({fit['dof']} dof; "
-              f"p=0.001 at 103.4), column 2 drawn {fit['column2']} times, expected {fit['column2_expected']:.0f}")
+        print(f"{name}: {fit['draws']} draws from a 152064-token row, chi-square {fit['chi_square']:.1f} "
+              f"({fit['dof']} dof; p=0.001 at 103.4), column 2 drawn {fit['column2']} times, expected "
+              f"{fit['column2_expected']:.0f}")
     fits = {"16 tokens": fits, "152064 tokens": wide}
     rows = []
     columns = {"softmax race": lambda x: race_on_probabilities(x, args.temperature),

@@ -242,9 +242,9 @@ def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
     tail = torch.full((1, 4096), math.log(1e-7), device="cuda")
     tail[0, 0] = 0.0
     hits = 0
-    for _ in range(16):
-        drawn, _ = triton_sampling.select_tokens(tail.expand(2**18, -1), 1.0, torch.Generator(device="cuda").manual_seed(
-            _ + 2))
+    for seed in range(16):
+        generator = torch.Generator(device="cuda").manual_seed(seed + 2)
+        drawn, _ = triton_sampling.select_tokens(tail.expand(2**18, -1), 1.0, generator)
         hits += int((drawn != 0).sum())
     expected = 2**22 * 4095e-7 / (1 + 4095e-7)
     assert abs(hits - expected) < 5 * expected ** 0.5, (hits, expected)

@@ -140,7 +140,8 @@ def unsupported(logits, generator=None):
     """Why :func:`select_tokens` cannot take these logits (a string), or None. Callers with a fallback check first, so
     that such a call is not taken for a failing kernel (which would turn every Triton kernel off)."""
     if logits.dim() != 2 or logits.shape[0] == 0 or logits.stride(-1) != 1:
-        return f"wants (B > 0, V) logits with contiguous rows, got shape {tuple(logits.shape)} strides {logits.stride()}"
+        return (f"wants (B > 0, V) logits with contiguous rows, got shape {tuple(logits.shape)} "
+                f"strides {logits.stride()}")
     if generator is not None and generator.device.type != logits.device.type:
         return f"a {generator.device.type} generator for {logits.device.type} logits"
     if logits.shape[0] * -(-logits.shape[1] // (4 * LANES)) * LANES >= 2**31:

@@ -92,7 +92,8 @@ def chi_square(counts, probs):
 
 
 def check_sampled_distribution():
-    """Counts of 800 (T=1) and 500 (T=0.5) draws against softmax(logits / T), and far from softmax(logits) when T != 1."""
+    """Counts of 800 (T=1) and 500 (T=0.5) draws against softmax(logits / T), and far from softmax(logits) when
+    T != 1."""
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 2.5]])
     for temperature, draws in ((1.0, 800), (0.5, 500)):
         counts = counts_of(logits, temperature, draws, seed=11)
