@@ -45,3 +45,24 @@ def hopper_target():
     except ImportError:
         return None
     return GPUTarget("cuda", 90, 32) if "nvidia" in backends and triton.knobs.nvidia.ptxas.path else None
+
+
+def run_interpreted_check(script, check):
+    """``tests/scripts/<script> <check>`` under Triton's interpreter (chosen before triton decorates the kernels,
+    hence a process of its own, and not a rank of this test process's world, whose port may be taken); fails the
+    test with the script's output if the check fails."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton", reason="the README's test command installs triton")
+    scripts = Path(__file__).parent / "scripts"
+    own = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env = {**own, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{scripts.parent.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(scripts / script), check], cwd=scripts, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"

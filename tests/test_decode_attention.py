@@ -6,8 +6,6 @@ left-padded masks, split and unsplit cache), masked slots never read, the contig
 routed to SDPA, and the hybrid engine with the kernel giving HF generate's greedy tokens for Llama (GQA), OPT and
 GPT-2.
 """
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,24 +14,15 @@ import torch
 
 from dschat.hybrid_engine.attention import decode_attention, resolve_mode
 
-from helpers import hopper_target  # noqa: E402
+from helpers import hopper_target, run_interpreted_check  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-REPO = SCRIPTS.parents[1]
 
 
 @pytest.mark.parametrize("check", ["kernel", "skip", "fast", "spans", "applies", "modes", "write", "llama", "opt", "gpt2"])
 def test_decode_attention_check(check):
-    pytest.importorskip("triton", reason="the README's test command installs triton")
-    # a process of its own, not a rank of this test process's world (whose port may be taken)
-    own = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env = {**own, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "decode_attention_check.py"), check], cwd=SCRIPTS, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    run_interpreted_check("decode_attention_check.py", check)
 
 
 def test_autotuning_times_a_three_quarters_filled_cache_once_per_shape():

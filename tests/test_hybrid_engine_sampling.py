@@ -154,18 +154,9 @@ def test_one_pass_sampler_check(check):
     """Through Triton's interpreter, in a process of its own (``tests/scripts/sampling_check.py``): greedy is the
     first argmax with the log-sum-exp, draws follow softmax(logits / T), a seed reproduces whatever the split count,
     and the engine's eager loop and graph step give the training forward's log-probs with it."""
-    pytest.importorskip("triton", reason="the README's test command installs triton")
-    import os
-    import subprocess
+    from helpers import run_interpreted_check
 
-    scripts = Path(__file__).parent / "scripts"
-    own = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env = {**own, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{scripts.parents[1]}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(scripts / "sampling_check.py"), check], cwd=scripts, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    run_interpreted_check("sampling_check.py", check)
 
 
 @pytest.mark.parametrize("sample,lse", [(True, True), (True, False), (False, True)])
