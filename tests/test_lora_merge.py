@@ -20,6 +20,9 @@ TARGETS = {"llama": (["q_proj", "v_proj", "down_proj"], ["q_proj", "o_proj"]),
            "gpt2": (["c_attn", "c_fc"], ["c_attn", "c_proj"])}
 
 
+TIED_TARGET = {"opt": "out_proj", "gpt2": "c_proj"}
+
+
 class _Tok:
     def save_pretrained(self, folder):
         pass
@@ -74,6 +77,26 @@ def test_embedding_lora_and_modules_to_save_are_saved_as_peft_merges_them(tmp_pa
     save_causal_lm(model, _Tok(), str(tmp_path / "out"))
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).state_dict()
     assert_state_dicts_close(loaded, expected)
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt2"])
+def test_a_trained_head_of_a_tied_model_is_saved_untied(family, tmp_path, distributed):
+    # modules_to_save=["lm_head"] trains a copy of the head; with tie_word_embeddings left true, from_pretrained
+    # would tie the saved head back to the embeddings and lose it
+    model = tiny_model(family, seed=3)
+    assert model.config.tie_word_embeddings and model.get_output_embeddings().weight is \
+        model.get_input_embeddings().weight
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=[TIED_TARGET[family]],
+                                                       modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(-1.5)
+    save_causal_lm(model, _Tok(), str(tmp_path / "out"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.get_output_embeddings().weight, -1.5 * embedding)
+    assert torch.equal(loaded.get_input_embeddings().weight, embedding)
+    assert model.base_model.model.config.tie_word_embeddings  # the training model's config is left as it was
 
 
 def test_zero3_partitioned_lora_model_saves_the_merge_from_the_gathered_state(distributed, monkeypatch):

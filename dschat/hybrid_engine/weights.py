@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from dschat.models.layers import decoder_layer_list
-from dschat.models.lora import active_adapters, lora_layers, merged_fp32, plain_named, unwrap_peft, weight_deltas
+from dschat.models.lora import (active_adapters, head_trains_untied, lora_layers, merged_fp32, plain_named, unwrap_peft,
+                                weight_deltas)
 
 
 def is_zero3_param(param):
@@ -263,7 +264,7 @@ def _unties_head(base, config):
     head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
     if not getattr(config, "tie_word_embeddings", False) or head is None:
         return False
-    if hasattr(head, "modules_to_save"):
+    if head_trains_untied(base):
         return True
     adapted = {id(layer) for layer in lora_layers(base).values()}
     if id(head) in adapted or id(embeddings) in adapted or hasattr(embeddings, "modules_to_save"):

@@ -4,7 +4,7 @@ import os
 import shutil
 from contextlib import contextmanager
 
-from dschat.models.lora import check_lora_mergeable, merge_lora_state_dict, unwrap_peft
+from dschat.models.lora import check_lora_mergeable, head_trains_untied, merge_lora_state_dict, unwrap_peft
 from dschat.utils.dist import barrier, is_rank_0
 from dschat.utils.files import temp_folder
 
@@ -98,7 +98,7 @@ def save_causal_lm(module, tokenizer, output_dir):
     state = plain_model_state_dict(module)
     if is_rank_0():
         model = unwrap_peft(module)
-        with atomic_folder(output_dir) as tmp:
+        with atomic_folder(output_dir) as tmp, _untied_config_if(model, head_trains_untied(module)):
             _save_pretrained(model, state, tmp)
             tokenizer.save_pretrained(tmp)
     barrier()
@@ -117,6 +117,19 @@ def save_reward_model(reward_model, tokenizer, output_dir):
             reward_model.save_head_and_meta(tmp, state)
             tokenizer.save_pretrained(tmp)
     barrier()
+
+
+@contextmanager
+def _untied_config_if(model, untie):
+    """Save a trained head apart from the embeddings it was tied to (see ``head_trains_untied``)."""
+    if not untie:
+        yield
+        return
+    model.config.tie_word_embeddings = False
+    try:
+        yield
+    finally:
+        model.config.tie_word_embeddings = True
 
 
 def _save_pretrained(model, state, folder):

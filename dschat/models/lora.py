@@ -72,6 +72,16 @@ def apply_lora(model, lora_dim, lora_module_name="", lora_alpha=None, lora_dropo
     return model
 
 
+def head_trains_untied(model):
+    """Whether a model configured with tied input and output embeddings trains a head of its own: PEFT's
+    ``modules_to_save=["lm_head"]`` gives the head a trained copy, so a plain model built from it (the hybrid engine's
+    inference copy, a saved checkpoint) must untie the two, or ``from_pretrained`` ties the head back to the
+    embeddings and the trained head is lost."""
+    model = unwrap_peft(model)
+    head = model.get_output_embeddings()
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and hasattr(head, "modules_to_save")
+
+
 def is_lora_param(name):
     return "lora_" in name
 
