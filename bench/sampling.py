@@ -5,11 +5,14 @@
 - ``log race + logp``: that, then the tokens' log-probs from an fp32 ``log_softmax`` (what a PPO decode step did
   before the fifteenth session);
 - ``one pass``, ``one pass + logp``: ``triton_sampling.select_tokens`` (tokens; tokens and log-sum-exp, the log-prob
-  gathered from it), as ``sampling.choose_tokens`` runs it.
+  gathered from it), as ``sampling.choose_tokens`` runs it;
+- with ``--top_p P``, ``top-p torch + logp`` and ``top-p one pass + logp``: the logits filtered by torch's ops, then
+  torch's race or the one-pass kernel's (the log-probs of the unfiltered logits either way).
 
 Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens against softmax(logits / T).
 
     python bench/sampling.py                       # OPT-1.3B's and Qwen2.5-7B's vocabularies, B = 16, 64, 128
+    python bench/sampling.py --top_p 0.9           # also the nucleus-filtered step, torch's race against the kernel's
     python bench/sampling.py --sweep               # the one-pass kernel's LANES x PROGRAMS_PER_SM x NUM_WARPS
 
 Prints microseconds per sampled token and the seconds 255 decode steps spend in it; writes JSON to $OUT when set.
@@ -44,8 +47,13 @@ def torch_race_and_logp(logits, temperature):
     return tokens, token_log_probs(logits, tokens)
 
 
-def one_pass(logits, temperature, logprobs):
-    return choose_tokens(logits, logits, temperature=temperature, do_sample=True, logprobs=logprobs, one_pass=True)
+def one_pass(logits, temperature, logprobs, top_p=1.0):
+    return choose_tokens(logits, logits, temperature=temperature, do_sample=True, logprobs=logprobs, one_pass=True,
+                         top_p=top_p)
+
+
+def filtered_torch_race_and_logp(logits, temperature, top_p):
+    return choose_tokens(logits, logits, temperature=temperature, top_p=top_p, do_sample=True, logprobs=True)
 
 
 def one_pass_fit(temperature, draws=2**20, tokens=16):
@@ -109,6 +117,7 @@ def main():
     p.add_argument("--vocabs", default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batches", default="16,64,128")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top_p", type=float, default=1.0, help="< 1: also time the nucleus-filtered step")
     p.add_argument("--steps", type=int, default=255, help="decode steps a generation samples in (for the seconds)")
     p.add_argument("--sweep", action="store_true", help="time the one-pass kernel's launch settings instead")
     args = p.parse_args()
@@ -130,13 +139,16 @@ def main():
                "log race + logp": lambda x: torch_race_and_logp(x, args.temperature),
                "one pass": lambda x: one_pass(x, args.temperature, False),
                "one pass + logp": lambda x: one_pass(x, args.temperature, True)}
-    print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>17}" for c in columns) + f"{'saved s / gen':>15}")
+    if args.top_p < 1.0:
+        columns["top-p torch + logp"] = lambda x: filtered_torch_race_and_logp(x, args.temperature, args.top_p)
+        columns["top-p one pass + logp"] = lambda x: one_pass(x, args.temperature, True, args.top_p)
+    print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>22}" for c in columns) + f"{'saved s / gen':>15}")
     for name, batch in itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))):
         logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
         us = {c: time_us(lambda: fn(logits)) for c, fn in columns.items()}
         saved = (us["log race + logp"] - us["one pass + logp"]) * args.steps / 1e6
         rows.append(dict(vocab=name, batch=batch, us=us, saved_s_per_generation_with_logp=saved))
-        print(f"{name:<12}{batch:>5}" + "".join(f"{v:>17.1f}" for v in us.values()) + f"{saved:>15.4f}")
+        print(f"{name:<12}{batch:>5}" + "".join(f"{v:>22.1f}" for v in us.values()) + f"{saved:>15.4f}")
     write_json("sampling.json", {"args": vars(args), "one_pass_chi_square": fits, "rows": rows})
 
 

@@ -187,14 +187,12 @@ def test_one_pass_sampler_compiles_for_hopper(sample, lse, tmp_path, monkeypatch
         assert compiled.asm["cubin"], kernel
 
 
-def test_one_pass_applies_only_on_the_models_own_unfiltered_logits():
-    assert sampling.one_pass_applies(True, 0, 1.0, False, 1.0, False)
-    assert not sampling.one_pass_applies(True, 50, 1.0, True, 1.0, False), "top-k: torch's filters"
-    assert not sampling.one_pass_applies(True, 0, 0.9, True, 1.0, False), "top-p: torch's filters"
-    assert not sampling.one_pass_applies(True, 0, 1.0, True, 1.1, False), "a repetition penalty changes the logits"
-    assert not sampling.one_pass_applies(True, 0, 1.0, True, 1.0, True), "EOS suppression changes the logits"
-    assert sampling.one_pass_applies(False, 0, 1.0, True, 1.0, False), "greedy with log-probs: one read"
-    assert not sampling.one_pass_applies(False, 0, 1.0, False, 1.0, False), "greedy alone is one argmax already"
+def test_one_pass_applies_to_sampling_and_to_greedy_log_probs_of_the_models_own_logits():
+    assert sampling.one_pass_applies(True, False, False)
+    assert sampling.one_pass_applies(True, True, True), "the race runs on filtered or penalised logits too"
+    assert sampling.one_pass_applies(False, True, False), "greedy with log-probs: one read"
+    assert not sampling.one_pass_applies(False, True, True), "greedy log-probs must be of the model's own logits"
+    assert not sampling.one_pass_applies(False, False, False), "greedy alone is one argmax already"
 
 
 def test_choose_tokens_without_one_pass_is_the_torch_path():
@@ -227,6 +225,17 @@ def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
         counts = torch.bincount(drawn, minlength=16).double()
         expected = torch.softmax(small[0].double() / temperature, -1) * 2**20
         assert float(((counts - expected) ** 2 / expected).sum()) < 37.7, (temperature, counts)  # 15 dof, p=0.001
+
+    # top-k/top-p filtered fp32 logits go through the race too: draws follow the filtered softmax
+    wide = small.expand(2**20, -1).contiguous()
+    drawn, _ = sampling.choose_tokens(wide, wide, top_k=8, top_p=0.9, do_sample=True, one_pass=True,
+                                      generator=torch.Generator(device="cuda").manual_seed(5))
+    filtered = sampling.filtered_logits(small, 1.0, 8, 0.9)[0]
+    counts = torch.bincount(drawn, minlength=16).double()
+    kept = torch.isfinite(filtered)
+    assert 1 < int(kept.sum()) < 8 and counts[~kept].sum() == 0, counts
+    expected = torch.softmax(filtered.double(), -1)[kept] * 2**20
+    assert float(((counts[kept] - expected) ** 2 / expected).sum()) < 37.7, counts
 
     # the tail: one token at logit 0 and 4095 at relative probability 1e-7 (a float32 uniform's -log u would draw
     # them ~0.57x as often as they should be)

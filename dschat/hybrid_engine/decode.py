@@ -150,8 +150,8 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     finish_step = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=device)
     seen = prompt_seen_tokens(input_ids, penalty_start(attention_mask, prompt_start), logits.shape[-1]) \
         if repetition_penalty != 1.0 else None
-    one_pass = one_pass_sampling and one_pass_applies(do_sample, top_k, top_p, return_logprobs, repetition_penalty,
-                                                      eos is not None and min_new_tokens > 0)
+    one_pass = one_pass_sampling and one_pass_applies(
+        do_sample, return_logprobs, repetition_penalty != 1.0 or (eos is not None and min_new_tokens > 0))
     steps = 0
     for step in range(max_new_tokens):
         model_logits = logits

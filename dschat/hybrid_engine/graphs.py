@@ -89,8 +89,8 @@ class GraphKey:
             temperature, top_k, top_p = 1.0, 0, 1.0
         eos = tuple(eos or ())
         suppresses_eos = bool(eos) and min_new_tokens > 0
-        one_pass = one_pass_sampling and one_pass_applies(do_sample, top_k, top_p, logprobs, repetition_penalty,
-                                                          suppresses_eos)
+        one_pass = one_pass_sampling and one_pass_applies(do_sample, logprobs,
+                                                          repetition_penalty != 1.0 or suppresses_eos)
         return cls(bucket, cache_len, bool(do_sample), float(temperature), int(top_k), float(top_p), eos,
                    int(pad_token_id), suppresses_eos, bool(logprobs), float(repetition_penalty), one_pass)
 

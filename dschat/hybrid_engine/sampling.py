@@ -90,31 +90,27 @@ def token_log_probs(logits, tokens):
 ONE_PASS = True
 
 
-def one_pass_applies(do_sample, top_k, top_p, logprobs, repetition_penalty, suppresses_eos):
-    """Whether a generation's tokens may come from ``triton_sampling``'s one-pass kernel: on the model's own logits
-    (no repetition penalty, no EOS suppression), sampled without top-k/top-p filters, or greedy with log-probs wanted
-    (greedy alone is one argmax already). Decided once per generation, so eager and graph steps draw alike."""
-    if not ONE_PASS or repetition_penalty != 1.0 or suppresses_eos:
+def one_pass_applies(do_sample, logprobs, modifies_logits):
+    """Whether a generation's tokens may come from ``triton_sampling``'s one-pass kernel: whenever it samples (the race
+    runs on whatever the step chooses from: the model's logits, or logits penalised, EOS-suppressed or filtered by
+    top-k/top-p), and greedy only with log-probs wanted from the model's own logits (``modifies_logits`` False;
+    greedy alone is one argmax already). Decided once per generation, so eager and graph steps draw alike."""
+    if not ONE_PASS:
         return False
-    return top_k <= 0 and top_p >= 1.0 if do_sample else logprobs
+    return do_sample or (logprobs and not modifies_logits)
 
 
 def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, do_sample=False, generator=None,
                   logprobs=False, one_pass=False, token_sync=None):
-    """A decode step's tokens (B,) and, with ``logprobs``, their fp32 log-probabilities under ``model_logits`` (the
-    unmodified distribution; else None). ``one_pass`` (from :func:`one_pass_applies`): the Triton kernel where it
-    runs, torch's ops otherwise (and after a kernel failure, reported once). ``token_sync`` makes the tokens a
-    tensor-parallel group's shared ones before their log-probs are read."""
+    """A decode step's tokens (B,) chosen from ``logits`` and, with ``logprobs``, their fp32 log-probabilities under
+    ``model_logits`` (the unmodified distribution; ``logits`` itself when the step changed nothing; else None).
+    ``one_pass`` (from :func:`one_pass_applies`): the Triton kernel where it runs, torch's ops otherwise (and after a
+    kernel failure, reported once); its log-sum-exp gives the log-probs when it read the model's own logits.
+    ``token_sync`` makes the tokens a tensor-parallel group's shared ones before their log-probs are read."""
     lse = None
     chosen = FAILED
     if one_pass and triton_available() and triton_runs_on(logits):
-        from dschat.hybrid_engine import triton_sampling
-
-        if do_sample:
-            check_temperature(temperature)  # a usage error, not a kernel failure
-        if triton_sampling.unsupported(logits, generator if do_sample else None) is None:  # else torch, this call
-            chosen = call_kernel(triton_sampling.select_tokens, logits, temperature if do_sample else 1.0,
-                                 generator, do_sample, logprobs)
+        chosen = _one_pass_tokens(logits, model_logits, temperature, top_k, top_p, do_sample, generator, logprobs)
     if chosen is FAILED:
         tokens = sample_next_token(logits, temperature, top_k, top_p, do_sample, generator)
     else:
@@ -126,6 +122,23 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
     if lse is None:
         return tokens, token_log_probs(model_logits, tokens)
     return tokens, model_logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
+
+
+def _one_pass_tokens(logits, model_logits, temperature, top_k, top_p, do_sample, generator, logprobs):
+    """``triton_sampling.select_tokens`` on the step's logits (filtered first under top-k/top-p), with the log-sum-exp
+    when they are the model's own; FAILED for logits it cannot take (torch's path then runs, for this call only)."""
+    from dschat.hybrid_engine import triton_sampling
+
+    if do_sample:
+        check_temperature(temperature)  # a usage error, not a kernel failure
+        if top_k > 0 or top_p < 1.0:
+            logits, temperature = filtered_logits(logits, temperature, top_k, top_p), 1.0
+    else:
+        temperature = 1.0
+    if triton_sampling.unsupported(logits, generator if do_sample else None) is not None:
+        return FAILED
+    with_lse = logprobs and logits is model_logits
+    return call_kernel(triton_sampling.select_tokens, logits, temperature, generator, do_sample, with_lse)
 
 
 @functools.lru_cache(maxsize=None)

@@ -173,7 +173,7 @@ def check_engine_logprobs_equal_training_forward():
         def sample(seed, **kwargs):
             return engine.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, eos_token_id=eos,
                                    generator=torch.Generator().manual_seed(seed), return_logprobs=True,
-                                   top_k=0, **kwargs)
+                                   **{"top_k": 0, **kwargs})
 
         sequences, logprobs = sample(7)
         assert calls and all(calls), (path, "the sampled steps go through the kernel")
@@ -182,11 +182,14 @@ def check_engine_logprobs_equal_training_forward():
         assert error < 1e-4, (path, error)
         if path == "eager":
             assert torch.equal(sequences, sample(7)[0]) and not torch.equal(sequences, sample(8)[0]), path
+        # the race on filtered, penalised or EOS-suppressed logits; the log-probs stay the model's own
+        for changed in (dict(top_k=6, top_p=0.9), dict(repetition_penalty=1.2), dict(min_new_tokens=4)):
             calls.clear()
-            sample(7, top_p=0.9)
+            sequences, logprobs = sample(7, **changed)
+            assert calls and all(calls), (path, changed, "the sampled steps go through the kernel")
+            expected, live = answer_logprobs_and_live(model, sequences, mask, eos)
+            assert (logprobs - expected)[live].abs().max() < 1e-4, (path, changed)
         calls.clear()
-        sample(7, repetition_penalty=1.2)
-        assert not calls, (path, "top-p and the repetition penalty take torch's path")
         greedy, greedy_logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos,
                                                   return_logprobs=True)
         assert calls == [False] * len(calls) and calls, (path, "greedy with log-probs: the kernel's argmax")
