@@ -6,13 +6,16 @@
   before the fifteenth session);
 - ``one pass``, ``one pass + logp``: ``triton_sampling.select_tokens`` (tokens; tokens and log-sum-exp, the log-prob
   gathered from it), as ``sampling.choose_tokens`` runs it;
-- with ``--top_p P``, ``top-p torch + logp`` and ``top-p one pass + logp``: the logits filtered by torch's ops, then
-  torch's race or the one-pass kernel's (the log-probs of the unfiltered logits either way).
+- with ``--top_p P`` and/or ``--top_k K``, ``filtered torch + logp`` and ``filtered one pass + logp``: the logits
+  filtered by torch's ops (``sampling.filtered_logits``), then torch's race or the one-pass kernel's (the log-probs of
+  the unfiltered logits either way); with both, also ``k then sorted p + logp``: top-p by a sort of the whole
+  vocabulary after the top-k filter (before the sixteenth session), then the one-pass race.
 
 Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens against softmax(logits / T).
 
     python bench/sampling.py                       # OPT-1.3B's and Qwen2.5-7B's vocabularies, B = 16, 64, 128
     python bench/sampling.py --top_p 0.9           # also the nucleus-filtered step, torch's race against the kernel's
+    python bench/sampling.py --top_k 20 --top_p 0.8  # Qwen2.5-Instruct's generation_config
     python bench/sampling.py --sweep               # the one-pass kernel's LANES x PROGRAMS_PER_SM x NUM_WARPS
 
 Prints microseconds per sampled token and the seconds 255 decode steps spend in it; writes JSON to $OUT when set.
@@ -29,7 +32,8 @@ from decode_attention import time_us  # noqa: E402
 from results import write_json  # noqa: E402
 
 from dschat.hybrid_engine import triton_sampling  # noqa: E402
-from dschat.hybrid_engine.sampling import choose_tokens, sample_next_token, token_log_probs  # noqa: E402
+from dschat.hybrid_engine.sampling import (choose_tokens, filter_top_k, filter_top_p, sample_next_token,  # noqa: E402
+                                           token_log_probs)
 
 VOCABS = {"opt-1.3b": 50272, "qwen2.5-7b": 152064}
 
@@ -47,13 +51,21 @@ def torch_race_and_logp(logits, temperature):
     return tokens, token_log_probs(logits, tokens)
 
 
-def one_pass(logits, temperature, logprobs, top_p=1.0):
+def one_pass(logits, temperature, logprobs, top_k=0, top_p=1.0):
     return choose_tokens(logits, logits, temperature=temperature, do_sample=True, logprobs=logprobs, one_pass=True,
-                         top_p=top_p)
+                         top_k=top_k, top_p=top_p)
 
 
-def filtered_torch_race_and_logp(logits, temperature, top_p):
-    return choose_tokens(logits, logits, temperature=temperature, top_p=top_p, do_sample=True, logprobs=True)
+def filtered_torch_race_and_logp(logits, temperature, top_k, top_p):
+    return choose_tokens(logits, logits, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=True,
+                         logprobs=True)
+
+
+def sorted_top_p_after_top_k(logits, temperature, top_k, top_p):
+    """Top-p by a sort of the whole vocabulary after the top-k filter, then the one-pass race."""
+    filtered = filter_top_p(filter_top_k(logits.float() / temperature, top_k), top_p)
+    tokens, _ = choose_tokens(filtered, filtered, do_sample=True, one_pass=True)
+    return tokens, token_log_probs(logits, tokens)
 
 
 def one_pass_fit(temperature, draws=2**20, tokens=16):
@@ -118,6 +130,7 @@ def main():
     p.add_argument("--batches", default="16,64,128")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top_p", type=float, default=1.0, help="< 1: also time the nucleus-filtered step")
+    p.add_argument("--top_k", type=int, default=0, help="> 0: also time the top-k-filtered step")
     p.add_argument("--steps", type=int, default=255, help="decode steps a generation samples in (for the seconds)")
     p.add_argument("--sweep", action="store_true", help="time the one-pass kernel's launch settings instead")
     args = p.parse_args()
@@ -139,16 +152,19 @@ def main():
                "log race + logp": lambda x: torch_race_and_logp(x, args.temperature),
                "one pass": lambda x: one_pass(x, args.temperature, False),
                "one pass + logp": lambda x: one_pass(x, args.temperature, True)}
-    if args.top_p < 1.0:
-        columns["top-p torch + logp"] = lambda x: filtered_torch_race_and_logp(x, args.temperature, args.top_p)
-        columns["top-p one pass + logp"] = lambda x: one_pass(x, args.temperature, True, args.top_p)
-    print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>22}" for c in columns) + f"{'saved s / gen':>15}")
+    filters = dict(top_k=args.top_k, top_p=args.top_p)
+    if args.top_k > 0 or args.top_p < 1.0:
+        columns["filtered torch + logp"] = lambda x: filtered_torch_race_and_logp(x, args.temperature, **filters)
+        columns["filtered one pass + logp"] = lambda x: one_pass(x, args.temperature, True, **filters)
+    if args.top_k > 0 and args.top_p < 1.0:
+        columns["k then sorted p + logp"] = lambda x: sorted_top_p_after_top_k(x, args.temperature, **filters)
+    print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>26}" for c in columns) + f"{'saved s / gen':>15}")
     for name, batch in itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))):
         logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
         us = {c: time_us(lambda: fn(logits)) for c, fn in columns.items()}
         saved = (us["log race + logp"] - us["one pass + logp"]) * args.steps / 1e6
         rows.append(dict(vocab=name, batch=batch, us=us, saved_s_per_generation_with_logp=saved))
-        print(f"{name:<12}{batch:>5}" + "".join(f"{v:>22.1f}" for v in us.values()) + f"{saved:>15.4f}")
+        print(f"{name:<12}{batch:>5}" + "".join(f"{v:>26.1f}" for v in us.values()) + f"{saved:>15.4f}")
     write_json("sampling.json", {"args": vars(args), "one_pass_chi_square": fits, "rows": rows})
 
 

@@ -13,7 +13,8 @@ from hybrid_common import PAD, left_padded_batch, make_ds_engine, tiny_model  # 
 
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
 from dschat.hybrid_engine import sampling  # noqa: E402
-from dschat.hybrid_engine.sampling import (apply_repetition_penalty, filtered_logits, mark_seen,  # noqa: E402
+from dschat.hybrid_engine.sampling import (apply_repetition_penalty, filter_top_k, filter_top_k_top_p,  # noqa: E402
+                                           filter_top_p, filtered_logits, mark_seen,
                                            penalty_start, prompt_seen_tokens, sample_next_token)
 
 SETTINGS = [  # (temperature, top_k, top_p)
@@ -41,6 +42,16 @@ def test_filters_keep_the_same_tokens_as_hf_warpers(temperature, top_k, top_p):
     theirs = _hf_filtered(logits, temperature, top_k, top_p)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
     assert torch.allclose(ours.softmax(-1), theirs.softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 17, 400, 999, 1000, 0])
+def test_top_p_within_the_top_k_equals_the_two_filters_in_turn(top_k):
+    logits = torch.randn(32, 1000, generator=torch.Generator().manual_seed(top_k)) * 2
+    logits[0] = torch.linspace(0, 1e-3, 1000)  # nearly flat: the nucleus is a share of the whole vocabulary
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        expected = filter_top_p(filter_top_k(logits, top_k), top_p)
+        assert torch.equal(filter_top_k_top_p(logits, top_k, top_p), expected), top_p
+        assert torch.equal(torch.isinf(expected), torch.isinf(_hf_filtered(logits, 1.0, top_k, top_p))), top_p
 
 
 def _check_frequencies(tokens, probs, max_tv=0.02):

@@ -24,8 +24,18 @@ def filter_top_k(logits, top_k):
     """Set every logit below the k-th largest to -inf (``top_k <= 0`` keeps all)."""
     if top_k <= 0 or top_k >= logits.shape[-1]:
         return logits
-    kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    kth_largest = torch.topk(logits, top_k).values[..., -1:]
     return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def nucleus(sorted_logits, top_p):
+    """(B, n) bool over descending ``sorted_logits``: the tokens the nucleus keeps. A token is dropped when the tokens
+    ranked above it already reach ``top_p``; the top token is never dropped."""
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = mass_before < top_p
+    keep[..., 0] = True
+    return keep
 
 
 def filter_top_p(logits, top_p):
@@ -33,13 +43,21 @@ def filter_top_p(logits, top_p):
     if top_p >= 1.0:
         return logits
     sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # A token is dropped when the tokens ranked above it already reach top_p; the top token is never dropped.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, sorted_idx, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    keep = torch.zeros_like(sorted_logits, dtype=torch.bool).scatter_(-1, sorted_idx, nucleus(sorted_logits, top_p))
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def filter_top_k_top_p(logits, top_k, top_p):
+    """Top-k, then top-p over the k survivors (HF's order). The nucleus is found among the k largest values (a
+    k-wide ``topk`` instead of a sort of the whole vocabulary): every logit below the last kept value is dropped.
+    Where logits tie with the k-th largest, only k of them count in the nucleus' mass (HF's warpers count them all)."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return filter_top_p(logits, top_p)
+    if top_p >= 1.0:
+        return filter_top_k(logits, top_k)
+    largest = torch.topk(logits, top_k).values  # descending
+    last_kept = largest.masked_fill(~nucleus(largest, top_p), float("inf")).amin(-1, keepdim=True)
+    return logits.masked_fill(logits < last_kept, float("-inf"))
 
 
 def check_temperature(temperature):
@@ -53,7 +71,7 @@ def filtered_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return filter_top_p(filter_top_k(logits, top_k), top_p)
+    return filter_top_k_top_p(logits, top_k, top_p)
 
 
 def exponential_race(logits, temperature=1.0, generator=None):
