@@ -111,8 +111,12 @@ def timed(fn, repeats):
     return sorted(times)[len(times) // 2], out
 
 
+# --top_k / --top_p: the sampling filters of every variant (HF's and dschat's); none by default
+FILTERS = dict(top_k=0, top_p=1.0)
+
+
 def hf_variant(model, prompt, mask, gen, static, repeats):
-    kw = dict(max_new_tokens=gen, min_new_tokens=gen, do_sample=True, top_k=0, top_p=1.0, pad_token_id=1,
+    kw = dict(max_new_tokens=gen, min_new_tokens=gen, do_sample=True, **FILTERS, pad_token_id=1,
               eos_token_id=2)
     if static:
         kw["cache_implementation"] = "static"
@@ -148,7 +152,7 @@ def dschat_variant(model, prompt, mask, gen, stage, repeats, train, graph=False,
                    attention="auto", fuse="auto", compile_prefill=True):
     he = dschat_engine(model, stage, train, graph, compile_mode, attention, fuse, compile_prefill)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    kw = dict(max_new_tokens=gen, do_sample=True, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=1,
+    kw = dict(max_new_tokens=gen, do_sample=True, **FILTERS, eos_token_id=None, pad_token_id=1,
               generator=generator)
 
     def one():  # what a PPO iteration does: switch to generation (gathering under ZeRO-3), generate
@@ -206,6 +210,8 @@ def main():
     p.add_argument("--gen", type=int, default=256)
     p.add_argument("--variants", default="hf_dynamic,hf_static,dschat_z0,dschat_z3")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--top_k", type=int, default=0, help="sampling filter of every variant (0: none)")
+    p.add_argument("--top_p", type=float, default=1.0, help="sampling filter of every variant (1: none)")
     p.add_argument("--train_step", action="store_true", help="dschat variants: also time after an optimizer step")
     p.add_argument("--profile", type=int, default=0, help="profile the dschat variants at this batch size")
     p.add_argument("--profile_tokens", type=int, default=33,
@@ -237,6 +243,7 @@ def main():
         from dschat.hybrid_engine import triton_decode
 
         triton_decode.PROGRAMS_PER_SM = args.attention_programs_per_sm
+    FILTERS.update(top_k=args.top_k, top_p=args.top_p)
     import transformers
     log(f"torch {torch.__version__} transformers {transformers.__version__} {torch.cuda.get_device_name()}")
     bw = copy_bandwidth()

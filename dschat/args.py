@@ -511,7 +511,8 @@ def step3_parser():
                    help="Checkpoint every N PPO iterations (0: off).")
     g.add_argument("--resume", action="store_true", help="Continue from the last checkpoint in output_dir.")
     g.add_argument("--eval_prompts", type=non_negative_int, default=64,
-                   help="Held-out prompts scored before and after PPO (reward model and rule scorer), in whole "
-                        "generation batches: rounded up to a multiple of --per_device_generation_batch_size.")
+                   help="Held-out prompts scored before and after PPO (reward model and rule scorer), counted over "
+                        "all ranks, in whole generation batches: rounded up to a multiple of "
+                        "--per_device_generation_batch_size x the number of ranks (0: all).")
     g.add_argument("--eval_max_new_tokens", type=positive_int, default=None)
     return p

@@ -208,3 +208,36 @@ def test_unsupervised_local_file_needs_a_text_field(tmp_path, tokenizer):
     path.write_text(json.dumps({"body": "hello"}) + "\n")
     with pytest.raises(DatasetFormatError, match=r"notext.jsonl: unsupervised data needs a 'text' field.*body"):
         get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
+
+
+def test_unsupervised_tiny_and_a_saved_folder(tmp_path, tokenizer):
+    from datasets import Dataset, DatasetDict
+
+    from dschat.data.unsupervised import load_unsupervised_train
+    from dschat.tiny import TRAIN_FILE
+
+    tiny, column = load_unsupervised_train("tiny")
+    first = json.loads(TRAIN_FILE.read_text().splitlines()[0])
+    assert column == "text" and tiny[0]["text"] == f"{first['prompt']} {first['chosen']}"
+    assert len(get_unsupervised_data(unsupervised_args("tiny"), tokenizer)) > 100
+    DatasetDict({"train": Dataset.from_dict({"body": ["saved text one", "saved text two"]})}).save_to_disk(
+        str(tmp_path / "saved"))
+    saved, column = load_unsupervised_train(str(tmp_path / "saved"))
+    assert column == "body" and saved["body"] == ["saved text one", "saved text two"]  # the first column, as the hub's
+
+
+@pytest.mark.parametrize("error", [ConnectionError("Couldn't reach 'x' on the Hub"), FileNotFoundError("no such")])
+def test_a_hub_dataset_that_cannot_be_loaded_names_its_flag(monkeypatch, error, tokenizer):
+    import datasets
+
+    from dschat.data.raw_datasets import get_raw_dataset
+    from dschat.errors import MissingInputError
+
+    def unreachable(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(MissingInputError, match="--unsupervised_dataset_name wikitext: could not be loaded"):
+        get_unsupervised_data(unsupervised_args("wikitext"), tokenizer)
+    with pytest.raises(MissingInputError, match="--data_path Dahoas/rm-static: could not be loaded"):
+        get_raw_dataset("Dahoas/rm-static", "/tmp/unused", 0, 0)

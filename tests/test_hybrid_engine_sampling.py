@@ -54,6 +54,23 @@ def test_top_p_within_the_top_k_equals_the_two_filters_in_turn(top_k):
         assert torch.equal(torch.isinf(expected), torch.isinf(_hf_filtered(logits, 1.0, top_k, top_p))), top_p
 
 
+def _kept_values(filtered):
+    return [row[torch.isfinite(row)].sort().values for row in filtered]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (50, 0.95), (5, 0.5), (2, 0.99)])
+def test_top_p_within_the_top_k_keeps_what_hf_keeps_with_bf16_ties(top_k, top_p):
+    # bf16 logits tie often, at the top-p cut and with the k-th value (ties topk leaves out); which of equal logits
+    # survive is arbitrary (HF's sort), how many and their values are not
+    logits = (torch.randn(64, 30000, generator=torch.Generator().manual_seed(top_k)) * 3).bfloat16().float()
+    small = torch.tensor([[5.0, 4, 4, 4, 0], [5.0, 3, 3, 3, 0], [1.0, 1, 1, 1, 1], [2.0, 1, 1, 0, 0]])
+    for x in (logits, small):
+        for k, p in ((top_k, top_p), (2, 0.5), (4, 0.6)):
+            ours, theirs = filter_top_k_top_p(x, k, p), _hf_filtered(x, 1.0, k, p)
+            for row, (a, b) in enumerate(zip(_kept_values(ours), _kept_values(theirs))):
+                assert torch.equal(a, b), (k, p, row, a, b)
+
+
 def _check_frequencies(tokens, probs, max_tv=0.02):
     """Empirical frequencies vs ``probs``: total variation and a per-token 5-sigma bound; none outside the support."""
     counts = torch.bincount(tokens, minlength=probs.numel()).double()

@@ -99,6 +99,19 @@ def test_a_trained_head_of_a_tied_model_is_saved_untied(family, tmp_path, distri
     assert model.base_model.model.config.tie_word_embeddings  # the training model's config is left as it was
 
 
+def test_an_inactive_head_copy_leaves_a_tied_model_tied(tmp_path, distributed):
+    # the head's modules_to_save copy belongs to an adapter that is not active: the saved head is the embedding
+    model = tiny_model("opt", seed=3)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["out_proj"], modules_to_save=["lm_head"]))
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["out_proj"]))
+    model.set_adapter("other")
+    save_causal_lm(model, _Tok(), str(tmp_path / "out"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.get_output_embeddings().weight, embedding)
+
+
 def test_zero3_partitioned_lora_model_saves_the_merge_from_the_gathered_state(distributed, monkeypatch):
     # Under ZeRO-3 the parameters hold no data outside a gather: the adapters must be read from the state dict.
     # The engine swaps torch.nn.functional.linear for the whole process; monkeypatch puts torch's back afterwards.

@@ -857,3 +857,24 @@ def test_kl_loss_coef_and_estimator_are_honoured_as_given_for_every_estimator(gi
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 
     assert DeepSpeedPPOTrainer._kl_loss_settings(SimpleNamespace(args=step3_args(given))) == used
+
+
+@pytest.mark.parametrize("world, given, per_rank", [(1, 8, 8), (2, 8, 4), (2, 9, 5), (4, 0, 0)])
+def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch):
+    # each rank scores its share of the held-out prompts, so that 8 over 2 ranks are the 8 that eval.py scores
+    import inspect
+    from types import SimpleNamespace
+
+    from dschat.steps import ppo
+
+    seen = {}
+    monkeypatch.setattr(ppo, "get_world_size", lambda: world)
+    signature = inspect.signature(ppo.evaluate_policy)
+    monkeypatch.setattr(ppo, "evaluate_policy", lambda *args, **kwargs: seen.update(
+        signature.bind(*args, **kwargs).arguments))
+    trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=SimpleNamespace(generate=None)),
+                              eval=lambda: None, reward_model=None, tokenizer=None, z3_enabled=False,
+                              pad_to_multiple_of=1)
+    args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=given)
+    ppo.held_out_eval(trainer, None, args, "cpu", None)
+    assert seen["max_prompts"] == per_rank

@@ -120,6 +120,21 @@ def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_pa
     assert not (tmp_path / "out" / "step1_sft").exists(), "step 1 must not have run"
 
 
+@pytest.mark.parametrize("step", ["sft", "reward", "dpo", "ppo"])
+def test_a_dtype_the_accelerator_cannot_train_in_is_a_flag_error(step, tmp_path, distributed):
+    from deepspeed.accelerator import get_accelerator
+
+    from dschat.errors import UsageError
+    from dschat.steps import ppo
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this accelerator trains in fp16")
+    main = {"sft": sft.main, "reward": reward.main, "dpo": dpo.main, "ppo": ppo.main}[step]
+    with pytest.raises(UsageError, match="--dtype fp16: DeepSpeed's cpu accelerator cannot train in it; use --dtype"):
+        main(["--dtype", "fp16", "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size: expected a positive integer, got 0"),
     (["--gradient_accumulation_steps", "-1"], "--gradient_accumulation_steps: expected a positive integer, got -1"),

@@ -9,11 +9,24 @@ from the structured ones unless an adapter overrides them to reproduce DeepSpeed
 """
 import os
 
+from dschat.errors import MissingInputError
 from .errors import DatasetFormatError, RecordError
 from .formatting import parse_transcript, render_human_assistant, split_last_answer
 from .splits import get_raw_dataset_split_index
 
 VALID_ROLES = ("system", "user", "assistant")
+
+
+def load_hub_dataset(name, flag, *args, **kwargs):
+    """``datasets.load_dataset(name, ...)``; a hub that cannot be reached (offline) or lacks the dataset is an error
+    in the user's input, named by its flag, instead of a traceback through datasets."""
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(name, *args, **kwargs)
+    except (ConnectionError, FileNotFoundError) as err:
+        raise MissingInputError(f"{flag} {name}: could not be loaded from the hub ({type(err).__name__}: {err}); "
+                                f"without the hub, give a local file or a folder written by save_to_disk") from err
 
 
 class PromptRawDataset:
@@ -36,11 +49,11 @@ class PromptRawDataset:
     def load(self):
         """The hub dataset; a folder at the path of its name is a save_to_disk copy (DeepSpeed-Chat's offline
         convention, e.g. ``./Dahoas/rm-static`` saved with ``save_to_disk``)."""
-        from datasets import load_dataset, load_from_disk
+        from datasets import load_from_disk
 
         if os.path.isdir(self.dataset_name):
             return load_from_disk(self.dataset_name)
-        return load_dataset(self.dataset_name)
+        return load_hub_dataset(self.dataset_name, "--data_path")
 
     def check_usable(self, train_phase):
         """Raise DatasetFormatError when this source cannot feed ``train_phase`` at all."""

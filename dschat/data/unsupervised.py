@@ -1,14 +1,15 @@
 """Unsupervised (pretraining-style) data for step 3's PTX loss, as in DeepSpeed-Chat.
 
 ``unsupervised_dataset_name`` is a hub dataset (``datasets.load_dataset(name, config)``; its ``text``
-column, else its first column, as DeepSpeed-Chat does) or a local file with a ``text`` field:
-``text:PATH`` / a ``.txt`` path (one document per line), ``jsonl:PATH`` / ``.jsonl``, ``json:PATH`` /
-``.json``. The texts are tokenized, concatenated and cut into blocks of
+column, else its first column, as DeepSpeed-Chat does), a folder written by ``save_to_disk`` (its train split), a
+local file with a ``text`` field: ``text:PATH`` / a ``.txt`` path (one document per line), ``jsonl:PATH`` /
+``.jsonl``, ``json:PATH`` / ``.json``, or ``tiny``: the embedded data's prompts and chosen answers as documents. The texts are tokenized, concatenated and cut into blocks of
 ``max_prompt_seq_len + max_answer_seq_len`` tokens (the remainder of each map batch is dropped).
 """
 import os
 
 from dschat.errors import MissingInputError
+from .base import load_hub_dataset
 from .errors import DatasetFormatError
 from .local import check_json_document, check_jsonl_lines
 
@@ -50,12 +51,15 @@ def group_texts(batch, block_size):
 
 
 def load_unsupervised_train(name, config_name=None):
-    """(train Dataset, text column) for a hub name or a local text/JSON file."""
+    """(train Dataset, text column) for a hub name, a save_to_disk folder, a local text/JSON file or ``tiny``."""
     from datasets import load_dataset
 
+    if name == "tiny":
+        return _tiny_documents(), "text"
     local = _local_text_source(name)
     if local is None:
-        train = load_dataset(name, config_name, split="train")
+        train = _saved_train_split(name) if os.path.isdir(name) else \
+            load_hub_dataset(name, "--unsupervised_dataset_name", config_name, split="train")
         return train, "text" if "text" in train.column_names else train.column_names[0]
     builder, path = local
     if builder == "json":
@@ -68,6 +72,29 @@ def load_unsupervised_train(name, config_name=None):
         raise DatasetFormatError(f"{path}: unsupervised data needs a 'text' field; the records have "
                                  f"{train.column_names}")
     return train, "text"
+
+
+def _tiny_documents():
+    import json
+
+    from datasets import Dataset
+
+    from dschat.tiny import TRAIN_FILE
+
+    with open(TRAIN_FILE, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return Dataset.from_dict({"text": [f"{r['prompt']} {r['chosen']}" for r in records]})
+
+
+def _saved_train_split(folder):
+    from datasets import DatasetDict, load_from_disk
+
+    saved = load_from_disk(folder)
+    if not isinstance(saved, DatasetDict):
+        return saved
+    if "train" not in saved:
+        raise DatasetFormatError(f"{folder}: unsupervised data needs a 'train' split; the folder has {list(saved)}")
+    return saved["train"]
 
 
 def _local_text_source(name):

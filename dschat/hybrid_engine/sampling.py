@@ -29,9 +29,12 @@ def filter_top_k(logits, top_k):
 
 
 def nucleus(sorted_logits, top_p):
-    """(B, n) bool over descending ``sorted_logits``: the tokens the nucleus keeps. A token is dropped when the tokens
-    ranked above it already reach ``top_p``; the top token is never dropped."""
-    sorted_probs = sorted_logits.softmax(dim=-1)
+    """(B, n) bool over descending ``sorted_logits``: the tokens the nucleus keeps (see :func:`nucleus_of_probs`)."""
+    return nucleus_of_probs(sorted_logits.softmax(dim=-1), top_p)
+
+
+def nucleus_of_probs(sorted_probs, top_p):
+    """A token is dropped when the tokens ranked above it already reach ``top_p``; the top token is never dropped."""
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = mass_before < top_p
     keep[..., 0] = True
@@ -48,16 +51,29 @@ def filter_top_p(logits, top_p):
 
 
 def filter_top_k_top_p(logits, top_k, top_p):
-    """Top-k, then top-p over the k survivors (HF's order). The nucleus is found among the k largest values (a
-    k-wide ``topk`` instead of a sort of the whole vocabulary): every logit below the last kept value is dropped.
-    Where logits tie with the k-th largest, only k of them count in the nucleus' mass (HF's warpers count them all)."""
+    """Top-k, then top-p over the survivors, as HF's warpers do, without sorting the whole vocabulary.
+
+    The survivors of top-k are the k values ``topk`` returns plus any other logits tied with the k-th (bf16 logits
+    tie often); ranked by value, those left-out ties come last. The nucleus is cut along that order: the first k by
+    their ``topk`` rank, then as many left-out ties as the mass still allows (the first ones by column: among equal
+    logits the order is arbitrary, in HF's sort as here)."""
     if top_k <= 0 or top_k >= logits.shape[-1]:
         return filter_top_p(logits, top_p)
     if top_p >= 1.0:
         return filter_top_k(logits, top_k)
-    largest = torch.topk(logits, top_k).values  # descending
-    last_kept = largest.masked_fill(~nucleus(largest, top_p), float("inf")).amin(-1, keepdim=True)
-    return logits.masked_fill(logits < last_kept, float("-inf"))
+    values, indices = torch.topk(logits, top_k)  # descending
+    kth = values[..., -1:]
+    in_top_k = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, indices, True)
+    left_out_ties = (logits == kth) & ~in_top_k
+    ties = left_out_ties.sum(-1, keepdim=True)
+    weights = (values - values[..., :1]).exp()  # as softmax computes them: exact halves stay exact at a tie
+    mass = weights.sum(-1, keepdim=True) + ties * weights[..., -1:]
+    probs = weights / mass
+    keep = torch.zeros_like(in_top_k).scatter_(-1, indices, nucleus_of_probs(probs, top_p))
+    # the j-th left-out tie (from 0) is kept while the mass ranked above it, top-k's + j of theirs, is below top_p
+    ties_kept = ((top_p - probs.sum(-1, keepdim=True)) / probs[..., -1:]).ceil().clamp(min=0)
+    keep |= left_out_ties & (left_out_ties.cumsum(-1, dtype=torch.int32) <= ties_kept)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def check_temperature(temperature):

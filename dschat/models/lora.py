@@ -79,7 +79,9 @@ def head_trains_untied(model):
     embeddings and the trained head is lost."""
     model = unwrap_peft(model)
     head = model.get_output_embeddings()
-    return bool(getattr(model.config, "tie_word_embeddings", False)) and hasattr(head, "modules_to_save")
+    if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(head, "modules_to_save"):
+        return False
+    return bool(active_adapters(head) & set(head.modules_to_save))  # an inactive copy is not what is saved
 
 
 def is_lora_param(name):

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
+from dschat.utils.ds_config import check_dtype_supported
 from dschat.utils.optim import optimizer_step
 
 
@@ -18,6 +19,7 @@ def setup_run(args):
     """Distributed init, seeds and the device; returns the device."""
     from transformers import set_seed
 
+    check_dtype_supported(args.dtype)
     ensure_distributed()
     set_seed(args.seed)
     return local_device()

@@ -147,7 +147,8 @@ def held_out_eval(trainer, loader, args, device, scorer):
     generate = trainer.actor_model.generate if trainer.hybrid else trainer.actor_model.module.generate
     trainer.eval()
     result = evaluate_policy(generate, trainer.reward_model, trainer.tokenizer, loader, device,
-                             args.eval_max_new_tokens or args.max_answer_seq_len, scorer, args.eval_prompts,
+                             args.eval_max_new_tokens or args.max_answer_seq_len, scorer,
+                             -(-args.eval_prompts // get_world_size()),  # a count over all ranks: each scores its share
                              synced_gpus=trainer.z3_enabled and get_world_size() > 1,
                              pad_to_multiple_of=trainer.pad_to_multiple_of)
     return result

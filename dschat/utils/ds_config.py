@@ -4,6 +4,19 @@ from dschat.errors import MissingInputError, UsageError
 DTYPE_KEYS = {"bf16": "bf16", "fp16": "fp16", "fp32": None}
 
 
+def check_dtype_supported(dtype):
+    """--dtype must be one DeepSpeed's accelerator trains in (its CPU accelerator has no fp16): said before any model
+    loads, not as DeepSpeed's error from deep inside ``deepspeed.initialize``."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = {"fp16": accelerator.is_fp16_supported, "bf16": accelerator.is_bf16_supported}
+    if dtype in supported and not supported[dtype]():
+        usable = [name for name, check in supported.items() if check()] + ["fp32"]
+        raise UsageError(f"--dtype {dtype}: DeepSpeed's {accelerator.device_name()} accelerator cannot train in it; "
+                         f"use --dtype {' or '.join(usable)}")
+
+
 def _precision_block(dtype, check_grad_overflow=False):
     if dtype not in DTYPE_KEYS:
         raise UsageError(f"--dtype must be one of {sorted(DTYPE_KEYS)}, got {dtype!r}")

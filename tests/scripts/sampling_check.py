@@ -17,7 +17,7 @@ from dschat.hybrid_engine import HybridEngine, HybridEngineConfig, triton_sampli
 
 # Chi-square critical values at p = 0.001 (a fixed seed: the check is deterministic, the threshold only says how far
 # off an unbiased sampler's counts may land)
-CHI2_999 = {4: 18.47, 5: 20.52}
+CHI2_999 = {2: 13.82, 4: 18.47, 5: 20.52}
 
 
 def with_splits(multiprocessors, fn):
@@ -107,6 +107,34 @@ def check_sampled_distribution():
     filtered = logits.clone()
     filtered[0, 5] = float("-inf")
     assert counts_of(filtered, 1.0, 100, seed=3)[5] == 0
+    check_filtered_draws()
+
+
+def check_filtered_draws():
+    """``choose_tokens`` under top-k, top-p and T = 0.5 through the kernel: 600 draws land only on the 3 tokens the
+    filters keep, in proportion to softmax(filtered logits) (T applied once: not again by the kernel), and the
+    log-probs are the unfiltered distribution's."""
+    from dschat.hybrid_engine.sampling import choose_tokens, filtered_logits
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 2.5, 1.5, -2.0, 0.2, 1.2, 0.0, -0.5]])
+    rows = logits.expand(600, -1).contiguous()
+    lanes, triton_sampling.LANES = triton_sampling.LANES, 2
+    try:
+        tokens, logp = choose_tokens(rows, rows, temperature=0.5, top_k=5, top_p=0.9, do_sample=True, logprobs=True,
+                                     one_pass=True, generator=torch.Generator().manual_seed(3))
+    finally:
+        triton_sampling.LANES = lanes
+    filtered = filtered_logits(logits, 0.5, 5, 0.9)[0]
+    kept = torch.isfinite(filtered)
+    counts = torch.bincount(tokens, minlength=logits.shape[-1]).double()
+    assert int(kept.sum()) == 3 and counts[~kept].sum() == 0, counts
+    fit = chi_square(counts[kept], torch.softmax(filtered[kept], -1))
+    assert fit < CHI2_999[2], (counts, fit)
+    misfit = chi_square(counts[kept], torch.softmax(filtered[kept] / 0.5, -1))
+    assert misfit > 4 * CHI2_999[2], ("the temperature is applied once", misfit)
+    expected = torch.log_softmax(rows, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert (logp - expected).abs().max() < 1e-6
+    print(f"filtered: chi-square {fit:.1f} (2 dof)")
 
 
 def check_seed_reproduces_and_splits_do_not_matter():
