@@ -15,7 +15,10 @@ def test_ppo_iteration_runs_each_variant_in_its_own_process_and_keeps_every_iter
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "ppo_iteration.py"), "--smoke", "--iterations", "2",
                            "--variants", "z2_hybrid_genlogp_nockpt_fuse,z3_hybrid_z3module", "--json", "ppo.json",
-                           "--profile_iteration", "1"],
+                           "--profile_iteration", "1",
+                           # the script's logic at a CPU-sized workload (its defaults are the GPU run's 64 prompts of
+                           # 256 tokens and 256 answer tokens): more than one early-exit interval of decode steps
+                           "--batch", "8", "--prompt", "32", "--gen", "16"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "ppo.json").read_text())["results"]
@@ -85,7 +88,9 @@ def test_pdl_chain_fused_layers_equal_the_torch_layer_and_write_the_cache_slot()
 import functools, sys, torch, torch.nn.functional as F
 sys.path.insert(0, sys.argv[1])
 import pdl_chain as pc
-H, FF, NH, D, B, L, filled = 512, 1024, 8, 64, 4, 80, 70
+# H: the smallest multiple of 128 x split-K 4 (the presets' widest); FF != H (a swapped projection would not fit);
+# B = 2: one left-padded row and one not below (programs per row: B x heads for the interpreter to run)
+H, FF, NH, D, B, L, filled = 512, 1024, 8, 64, 2, 80, 70
 pc.HIDDEN, pc.FFN, pc.HEADS, pc.HEAD_DIM, pc.LAYERS = H, FF, NH, D, 2
 def make():
     torch.manual_seed(1)
@@ -119,7 +124,7 @@ for tilings, engine_mask in [("base", None), ("wide", None), ("tuned", None), ("
             torch.testing.assert_close(got["kv"][i], want["kv"][i], rtol=1e-5, atol=1e-5)
 simple_layer = functools.partial(pc.torch_layer, attention=lambda q, k, v, p, m: pc.simple_attention(q, k, v, p))
 torch.testing.assert_close(pc.torch_step(simple_layer, x, make(), position, mask), expected, rtol=1e-4, atol=1e-4)
-lo = torch.tensor([3, 0, 3, 0], dtype=torch.int32)  # left padding: the span kernel and the engine's skip it
+lo = torch.tensor([3, 0], dtype=torch.int32)  # left padding: the span kernel and the engine's skip it
 padded = mask.clone()
 padded[::2, ..., :3] = False
 engine = pc.torch_step(pc.torch_layer, x, make(), position, padded)

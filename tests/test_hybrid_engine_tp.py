@@ -9,12 +9,33 @@ from tests.launch import run_deepspeed
 SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
 
 
+FAMILIES = ("llama", "llama-mqa", "opt", "llama-lora")
+
+
+@pytest.fixture(scope="module")
+def tp_launch():
+    """One launch of the script for this module's multi-rank tests: each (stage, families) run in turn, in the same
+    two ranks (the launcher and the ranks' start cost ~20 s per launch). Each test checks its own runs' lines; a
+    failed launch fails every test that needs it, with the script's output."""
+    try:
+        return run_deepspeed(SCRIPT, "--runs", f"0:{','.join(FAMILIES)},olmo2", f"3:{','.join(FAMILIES)}",
+                             timeout=900)
+    except AssertionError as error:
+        return error
+
+
+def launched(tp_launch):
+    if isinstance(tp_launch, AssertionError):
+        raise tp_launch
+    return tp_launch
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage", [0, 3])
-def test_tp2_greedy_equals_unsplit_model_on_two_ranks(stage):
-    proc = run_deepspeed(SCRIPT, "--stage", stage, timeout=600)
+def test_tp2_greedy_equals_unsplit_model_on_two_ranks(stage, tp_launch):
+    proc = launched(tp_launch)
     for rank in (0, 1):
-        for family in ("llama", "llama-mqa", "opt", "llama-lora"):
+        for family in FAMILIES:
             assert f"rank {rank} {family} stage={stage}: OK" in proc.stdout
         assert f"rank {rank} ALL OK" in proc.stdout
 
@@ -131,8 +152,8 @@ def test_replicated_attention_keeps_every_head_and_kv_head_on_every_rank(kv_head
 
 
 @pytest.mark.multirank
-def test_tp2_with_replicated_attention_on_two_ranks():
-    proc = run_deepspeed(SCRIPT, "--stage", 0, "--families", "olmo2", timeout=300)
+def test_tp2_with_replicated_attention_on_two_ranks(tp_launch):
+    proc = launched(tp_launch)
     for rank in (0, 1):
         assert f"rank {rank} olmo2 stage=0: OK" in proc.stdout
 

@@ -10,7 +10,9 @@ ZeRO-3:
 * ``return_logprobs`` gives each rank its rows' log-probabilities, equal to the unsplit model's forward;
 * (GQA Llama) greedy answers with a repetition penalty equal HF's on the unsplit model, eager and in the graph step.
 
-Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher:  hybrid_tp.py --stage 0|3
+Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher:  hybrid_tp.py --stage 0|3 [--families ...],
+or several (stage, families) runs in one launch (the launcher and the ranks' start take ~20 s each time):
+hybrid_tp.py --runs 0:llama,opt 3:llama
 """
 import argparse
 import copy
@@ -252,18 +254,26 @@ def run_case(family, stage, rank, world):
 
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--stage", type=int, choices=[0, 3], required=True)
+    parser.add_argument("--stage", type=int, choices=[0, 3])
     parser.add_argument("--families", default="llama,llama-mqa,opt,llama-lora")
+    parser.add_argument("--runs", nargs="+", default=[], metavar="STAGE:FAMILIES",
+                        help="instead of --stage/--families: each STAGE (0|3) with its comma-separated FAMILIES, in turn")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
+    runs = [(int(stage), families.split(",")) for stage, families in (run.split(":") for run in args.runs)]
+    if args.stage is not None:
+        runs.insert(0, (args.stage, args.families.split(",")))
+    assert runs and all(stage in (0, 3) for stage, _ in runs), "give --stage 0|3 or --runs STAGE:FAMILIES ..."
 
     from dschat.utils.dist import ensure_distributed
 
     rank, world = ensure_distributed()
     assert world == 2, world
-    for family in args.families.split(","):
-        run_case(family, args.stage, rank, world)
-        dist.barrier()
+    for stage, families in runs:
+        for family in families:
+            run_case(family, stage, rank, world)
+            dist.barrier()
+        print(f"rank {rank} stage={stage} {','.join(families)}: ALL OK", flush=True)
     print(f"rank {rank} ALL OK", flush=True)
 
 
