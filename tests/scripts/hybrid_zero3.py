@@ -5,8 +5,8 @@ so with ``--pin false`` (a collective in every forward) a rank that stopped on i
 ``--fetch layer`` makes each decoder layer DeepSpeed's fetch unit (``--zero3_fetch``), as dschat's steps do by default;
 with ``--pin false`` the decode loop's forwards then gather one layer per hook.
 
-Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher:
-    hybrid_zero3.py --pin true|false --fetch layer|module
+Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher, every case in one launch:
+    hybrid_zero3.py --runs true:layer true:module false:layer false:module   (or --pin true|false --fetch layer|module)
 """
 import argparse
 import copy
@@ -149,19 +149,27 @@ def run_case(pin, fetch, lora, rank, world):
 
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--pin", choices=["true", "false"], required=True)
-    parser.add_argument("--fetch", choices=["layer", "module"], required=True)
+    parser.add_argument("--pin", choices=["true", "false"])
+    parser.add_argument("--fetch", choices=["layer", "module"])
+    parser.add_argument("--runs", nargs="+", default=[], metavar="PIN:FETCH",
+                        help="instead of --pin/--fetch: each (true|false):(layer|module) in turn, in one launch (the "
+                             "launcher and the ranks' start take ~20 s each time)")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
+    runs = [tuple(run.split(":")) for run in args.runs]
+    if args.pin is not None or args.fetch is not None:
+        runs.insert(0, (args.pin, args.fetch))
+    assert runs and all(pin in ("true", "false") and fetch in ("layer", "module") for pin, fetch in runs), \
+        "give --pin true|false --fetch layer|module, or --runs PIN:FETCH ..."
 
     from dschat.utils.dist import ensure_distributed
 
     rank, world = ensure_distributed()
     assert world == 2, world
-    pin = args.pin == "true"
-    for lora in (False, True):
-        run_case(pin, args.fetch, lora, rank, world)
-        dist.barrier()
+    for pin, fetch in runs:
+        for lora in (False, True):
+            run_case(pin == "true", fetch, lora, rank, world)
+            dist.barrier()
     print(f"rank {rank} ALL OK", flush=True)
 
 
