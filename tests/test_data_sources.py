@@ -217,7 +217,7 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     lines = [json.dumps(RECORDS[0]), "", json.dumps(RECORDS[1]), '{"prompt": "x", "chosen": ']
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(DatasetFormatError, match=rf"{path} line 4: invalid JSON"):
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 4: invalid JSON \(Expecting value at column 27\)"):
         raw(str(path), tmp_path)
     assert issubclass(DatasetFormatError, ValueError)
 

@@ -188,7 +188,7 @@ def check_jsonl_lines(path):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # a record cut short is at its line's end, not the next
             except json.JSONDecodeError as err:
                 raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({err.msg} at column "
                                          f"{err.colno})") from None
