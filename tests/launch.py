@@ -36,3 +36,20 @@ def run_deepspeed(script, *args, num_gpus=2, timeout=900, env=None):
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def launch_once(script, *args, timeout=900):
+    """One launch shared by a module's tests (a module-scoped fixture returns it; the launcher and the ranks' start
+    cost ~20 s each time): the finished process, or the AssertionError of a failed launch, which :func:`launched`
+    raises again in every test that needs it."""
+    try:
+        return run_deepspeed(script, *args, timeout=timeout)
+    except AssertionError as error:
+        return error
+
+
+def launched(launch):
+    """The process of :func:`launch_once`; its error if the launch failed."""
+    if isinstance(launch, AssertionError):
+        raise launch
+    return launch

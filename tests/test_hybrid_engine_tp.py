@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import run_deepspeed
+from tests.launch import launch_once, launched
 
 SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
 
@@ -14,20 +14,8 @@ FAMILIES = ("llama", "llama-mqa", "opt", "llama-lora")
 
 @pytest.fixture(scope="module")
 def tp_launch():
-    """One launch of the script for this module's multi-rank tests: each (stage, families) run in turn, in the same
-    two ranks (the launcher and the ranks' start cost ~20 s per launch). Each test checks its own runs' lines; a
-    failed launch fails every test that needs it, with the script's output."""
-    try:
-        return run_deepspeed(SCRIPT, "--runs", f"0:{','.join(FAMILIES)},olmo2", f"3:{','.join(FAMILIES)}",
-                             timeout=900)
-    except AssertionError as error:
-        return error
-
-
-def launched(tp_launch):
-    if isinstance(tp_launch, AssertionError):
-        raise tp_launch
-    return tp_launch
+    """Each (stage, families) run in turn, in one launch; each test checks its own runs' lines."""
+    return launch_once(SCRIPT, "--runs", f"0:{','.join(FAMILIES)},olmo2", f"3:{','.join(FAMILIES)}")
 
 
 @pytest.mark.multirank

@@ -104,14 +104,20 @@ def exponential_race(logits, temperature=1.0, generator=None):
     return torch.sub(logits, log_noise, alpha=temperature).argmax(dim=-1)
 
 
+def race_input(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """(what the race draws from, its temperature): the logits themselves when nothing is filtered (the race applies
+    the temperature), else the filtered fp32 logits with the temperature already applied."""
+    check_temperature(temperature)
+    if top_k <= 0 and top_p >= 1.0:
+        return logits, temperature
+    return filtered_logits(logits, temperature, top_k, top_p), 1.0
+
+
 def sample_next_token(logits, temperature=1.0, top_k=0, top_p=1.0, do_sample=False, generator=None):
     """``logits`` (B, V) -> token ids (B,), on the logits' device. Greedy is a plain argmax."""
     if not do_sample:
         return logits.argmax(dim=-1)
-    if top_k <= 0 and top_p >= 1.0:  # nothing to filter: the race applies the temperature itself
-        check_temperature(temperature)
-        return exponential_race(logits, temperature, generator)
-    return exponential_race(filtered_logits(logits, temperature, top_k, top_p), 1.0, generator)
+    return exponential_race(*race_input(logits, temperature, top_k, top_p), generator)
 
 
 def token_log_probs(logits, tokens):
@@ -141,12 +147,13 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
     ``one_pass`` (from :func:`one_pass_applies`): the Triton kernel where it runs, torch's ops otherwise (and after a
     kernel failure, reported once); its log-sum-exp gives the log-probs when it read the model's own logits.
     ``token_sync`` makes the tokens a tensor-parallel group's shared ones before their log-probs are read."""
-    lse = None
+    source, race_temperature = race_input(logits, temperature, top_k, top_p) if do_sample else (logits, 1.0)
     chosen = FAILED
-    if one_pass and triton_available() and triton_runs_on(logits):
-        chosen = _one_pass_tokens(logits, model_logits, temperature, top_k, top_p, do_sample, generator, logprobs)
+    if one_pass and triton_available() and triton_runs_on(source):
+        chosen = _one_pass_tokens(source, race_temperature, do_sample, generator, logprobs and source is model_logits)
     if chosen is FAILED:
-        tokens = sample_next_token(logits, temperature, top_k, top_p, do_sample, generator)
+        tokens = exponential_race(source, race_temperature, generator) if do_sample else source.argmax(dim=-1)
+        lse = None
     else:
         tokens, lse = chosen
     if token_sync is not None:
@@ -158,21 +165,14 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
     return tokens, model_logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
 
 
-def _one_pass_tokens(logits, model_logits, temperature, top_k, top_p, do_sample, generator, logprobs):
-    """``triton_sampling.select_tokens`` on the step's logits (filtered first under top-k/top-p), with the log-sum-exp
-    when they are the model's own; FAILED for logits it cannot take (torch's path then runs, for this call only)."""
+def _one_pass_tokens(source, temperature, do_sample, generator, with_lse):
+    """``triton_sampling.select_tokens`` on what the race draws from; FAILED for logits it cannot take (torch's path
+    then runs, for this call only) or after a kernel failure."""
     from dschat.hybrid_engine import triton_sampling
 
-    if do_sample:
-        check_temperature(temperature)  # a usage error, not a kernel failure
-        if top_k > 0 or top_p < 1.0:
-            logits, temperature = filtered_logits(logits, temperature, top_k, top_p), 1.0
-    else:
-        temperature = 1.0
-    if triton_sampling.unsupported(logits, generator if do_sample else None) is not None:
+    if triton_sampling.unsupported(source, generator if do_sample else None) is not None:
         return FAILED
-    with_lse = logprobs and logits is model_logits
-    return call_kernel(triton_sampling.select_tokens, logits, temperature, generator, do_sample, with_lse)
+    return call_kernel(triton_sampling.select_tokens, source, temperature, generator, do_sample, with_lse)
 
 
 @functools.lru_cache(maxsize=None)

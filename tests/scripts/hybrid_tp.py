@@ -10,9 +10,8 @@ ZeRO-3:
 * ``return_logprobs`` gives each rank its rows' log-probabilities, equal to the unsplit model's forward;
 * (GQA Llama) greedy answers with a repetition penalty equal HF's on the unsplit model, eager and in the graph step.
 
-Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher:  hybrid_tp.py --stage 0|3 [--families ...],
-or several (stage, families) runs in one launch (the launcher and the ranks' start take ~20 s each time):
-hybrid_tp.py --runs 0:llama,opt 3:llama
+Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher, several (stage, families) runs in one launch
+(the launcher and the ranks' start take ~20 s each time):  hybrid_tp.py --runs 0:llama,opt 3:llama
 """
 import argparse
 import copy
@@ -254,16 +253,12 @@ def run_case(family, stage, rank, world):
 
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--stage", type=int, choices=[0, 3])
-    parser.add_argument("--families", default="llama,llama-mqa,opt,llama-lora")
-    parser.add_argument("--runs", nargs="+", default=[], metavar="STAGE:FAMILIES",
-                        help="instead of --stage/--families: each STAGE (0|3) with its comma-separated FAMILIES, in turn")
+    parser.add_argument("--runs", nargs="+", required=True, metavar="STAGE:FAMILIES",
+                        help="each STAGE (0|3) with its comma-separated FAMILIES, in turn, in one launch")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
     runs = [(int(stage), families.split(",")) for stage, families in (run.split(":") for run in args.runs)]
-    if args.stage is not None:
-        runs.insert(0, (args.stage, args.families.split(",")))
-    assert runs and all(stage in (0, 3) for stage, _ in runs), "give --stage 0|3 or --runs STAGE:FAMILIES ..."
+    assert all(stage in (0, 3) for stage, _ in runs), args.runs
 
     from dschat.utils.dist import ensure_distributed
 

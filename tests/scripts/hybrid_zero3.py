@@ -6,7 +6,7 @@ so with ``--pin false`` (a collective in every forward) a rank that stopped on i
 with ``--pin false`` the decode loop's forwards then gather one layer per hook.
 
 Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher, every case in one launch:
-    hybrid_zero3.py --runs true:layer true:module false:layer false:module   (or --pin true|false --fetch layer|module)
+    hybrid_zero3.py --runs true:layer true:module false:layer false:module
 """
 import argparse
 import copy
@@ -147,26 +147,22 @@ def run_case(pin, fetch, lora, rank, world):
           f"stats {engine.latency_stats()['gather_latency']:.4f}s gather)", flush=True)
 
 
+RUNS = [f"{pin}:{fetch}" for pin in ("true", "false") for fetch in ("layer", "module")]
+
+
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--pin", choices=["true", "false"])
-    parser.add_argument("--fetch", choices=["layer", "module"])
-    parser.add_argument("--runs", nargs="+", default=[], metavar="PIN:FETCH",
-                        help="instead of --pin/--fetch: each (true|false):(layer|module) in turn, in one launch (the "
-                             "launcher and the ranks' start take ~20 s each time)")
+    parser.add_argument("--runs", nargs="+", required=True, metavar="PIN:FETCH", choices=RUNS,
+                        help="each (true|false):(layer|module) in turn, in one launch (the launcher and the ranks' "
+                             "start take ~20 s each time)")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
-    runs = [tuple(run.split(":")) for run in args.runs]
-    if args.pin is not None or args.fetch is not None:
-        runs.insert(0, (args.pin, args.fetch))
-    assert runs and all(pin in ("true", "false") and fetch in ("layer", "module") for pin, fetch in runs), \
-        "give --pin true|false --fetch layer|module, or --runs PIN:FETCH ..."
 
     from dschat.utils.dist import ensure_distributed
 
     rank, world = ensure_distributed()
     assert world == 2, world
-    for pin, fetch in runs:
+    for pin, fetch in (run.split(":") for run in args.runs):
         for lora in (False, True):
             run_case(pin == "true", fetch, lora, rank, world)
             dist.barrier()
