@@ -8,8 +8,8 @@
   gathered from it), as ``sampling.choose_tokens`` runs it;
 - with ``--top_p P`` and/or ``--top_k K``, ``filtered torch + logp`` and ``filtered one pass + logp``: the logits
   filtered by torch's ops (``sampling.filtered_logits``), then torch's race or the one-pass kernel's (the log-probs of
-  the unfiltered logits either way); with both, also ``k then sorted p + logp``: top-p by a sort of the whole
-  vocabulary after the top-k filter (before the sixteenth session), then the one-pass race.
+  the unfiltered logits either way); and ``fp32 ranked + logp``: the same filters with the largest values ranked on
+  the scaled fp32 copy of the logits (before the seventeenth session; now the bf16 logits are), then the one-pass race.
 
 Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens against softmax(logits / T).
 
@@ -32,8 +32,8 @@ from decode_attention import time_us  # noqa: E402
 from results import write_json  # noqa: E402
 
 from dschat.hybrid_engine import triton_sampling  # noqa: E402
-from dschat.hybrid_engine.sampling import (choose_tokens, filter_top_k, filter_top_p, sample_next_token,  # noqa: E402
-                                           token_log_probs)
+from dschat.hybrid_engine.sampling import (choose_tokens, filter_top_k_top_p, filtered_logits,  # noqa: E402
+                                           sample_next_token, token_log_probs)
 
 VOCABS = {"opt-1.3b": 50272, "qwen2.5-7b": 152064}
 
@@ -61,9 +61,14 @@ def filtered_torch_race_and_logp(logits, temperature, top_k, top_p):
                          logprobs=True)
 
 
-def sorted_top_p_after_top_k(logits, temperature, top_k, top_p):
-    """Top-p by a sort of the whole vocabulary after the top-k filter, then the one-pass race."""
-    filtered = filter_top_p(filter_top_k(logits.float() / temperature, top_k), top_p)
+def fp32_ranked(logits, temperature, top_k, top_p):
+    """The filters as before the seventeenth session: the largest values ranked on the scaled fp32 copy."""
+    return filter_top_k_top_p(logits.float() / temperature, top_k, top_p)
+
+
+def fp32_ranked_one_pass(logits, temperature, top_k, top_p):
+    """Those filters, then the one-pass race (log-probs of the unfiltered logits)."""
+    filtered = fp32_ranked(logits, temperature, top_k, top_p)
     tokens, _ = choose_tokens(filtered, filtered, do_sample=True, one_pass=True)
     return tokens, token_log_probs(logits, tokens)
 
@@ -156,15 +161,20 @@ def main():
     if args.top_k > 0 or args.top_p < 1.0:
         columns["filtered torch + logp"] = lambda x: filtered_torch_race_and_logp(x, args.temperature, **filters)
         columns["filtered one pass + logp"] = lambda x: one_pass(x, args.temperature, True, **filters)
-    if args.top_k > 0 and args.top_p < 1.0:
-        columns["k then sorted p + logp"] = lambda x: sorted_top_p_after_top_k(x, args.temperature, **filters)
+        columns["fp32 ranked + logp"] = lambda x: fp32_ranked_one_pass(x, args.temperature, **filters)
     print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>26}" for c in columns) + f"{'saved s / gen':>15}")
     for name, batch in itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))):
         logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
         us = {c: time_us(lambda: fn(logits)) for c, fn in columns.items()}
+        same = None
+        if args.top_k > 0 or args.top_p < 1.0:  # both rankings keep as many tokens per row
+            same = torch.equal(*(torch.isfinite(f(logits, args.temperature, **filters)).sum(-1)
+                                 for f in (filtered_logits, fp32_ranked)))
         saved = (us["log race + logp"] - us["one pass + logp"]) * args.steps / 1e6
-        rows.append(dict(vocab=name, batch=batch, us=us, saved_s_per_generation_with_logp=saved))
-        print(f"{name:<12}{batch:>5}" + "".join(f"{v:>26.1f}" for v in us.values()) + f"{saved:>15.4f}")
+        rows.append(dict(vocab=name, batch=batch, us=us, saved_s_per_generation_with_logp=saved,
+                         filters_keep_as_many_as_fp32_ranked=same))
+        print(f"{name:<12}{batch:>5}" + "".join(f"{v:>26.1f}" for v in us.values()) + f"{saved:>15.4f}"
+              + ("" if same is None else f"  kept as fp32 ranked: {same}"))
     write_json("sampling.json", {"args": vars(args), "one_pass_chi_square": fits, "rows": rows})
 
 

@@ -44,21 +44,46 @@ def test_filters_keep_the_same_tokens_as_hf_warpers(temperature, top_k, top_p):
     assert torch.allclose(ours.softmax(-1), theirs.softmax(-1), atol=1e-6)
 
 
+def _sorted_and_scattered(logits, top_k, top_p):
+    """Reference: top-k by its k-th value, then top-p along a full sort in fp64, the keep mask scattered back."""
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[..., -1:], float("-inf"))
+    ranked, order = torch.sort(logits, dim=-1, descending=True)
+    probs = ranked.double().softmax(-1)
+    keep = (probs.cumsum(-1) - probs) < top_p
+    keep[..., 0] = True
+    return logits.masked_fill(~torch.zeros_like(keep).scatter_(-1, order, keep), float("-inf"))
+
+
 @pytest.mark.parametrize("top_k", [1, 2, 17, 400, 999, 1000, 0])
-def test_top_p_within_the_top_k_equals_the_two_filters_in_turn(top_k):
+def test_top_p_within_the_top_k_equals_a_sort_of_the_top_k_survivors(top_k):
     logits = torch.randn(32, 1000, generator=torch.Generator().manual_seed(top_k)) * 2
     logits[0] = torch.linspace(0, 1e-3, 1000)  # nearly flat: the nucleus is a share of the whole vocabulary
+    logits[1, 500:] = float("-inf")  # filtered out before (EOS suppression, a penalty's -inf)
     for top_p in (0.05, 0.5, 0.9, 0.999):
-        expected = filter_top_p(filter_top_k(logits, top_k), top_p)
+        expected = _sorted_and_scattered(logits, top_k, top_p)
         assert torch.equal(filter_top_k_top_p(logits, top_k, top_p), expected), top_p
+        assert torch.equal(filter_top_p(filter_top_k(logits, top_k), top_p), expected), top_p
         assert torch.equal(torch.isinf(expected), torch.isinf(_hf_filtered(logits, 1.0, top_k, top_p))), top_p
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 0, 0.5), (1.3, 20, 0.8), (0.6, 3, 1.0)])
+def test_bf16_logits_are_ranked_before_the_fp32_scaling_with_the_same_result(temperature, top_k, top_p):
+    # filtered_logits sorts (or takes topk of) the model's bf16 logits, then scales the values
+    logits = (torch.randn(16, 3000, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    ours = filtered_logits(logits, temperature, top_k, top_p)
+    scaled = logits.float() / temperature
+    assert torch.equal(torch.isfinite(ours).sum(-1), torch.isfinite(_hf_filtered(scaled, 1.0, top_k, top_p)).sum(-1))
+    assert torch.equal(_kept_values(ours), _kept_values(_sorted_and_scattered(scaled, top_k, top_p)))
+
+
 def _kept_values(filtered):
-    return [row[torch.isfinite(row)].sort().values for row in filtered]
+    """Each row's kept values, ascending, in one tensor (rows padded with inf)."""
+    rows = [row[torch.isfinite(row)].sort().values for row in filtered]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=float("inf"))
 
 
-@pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (50, 0.95), (5, 0.5), (2, 0.99)])
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (50, 0.95), (5, 0.5), (2, 0.99), (0, 0.9), (0, 0.3)])
 def test_top_p_within_the_top_k_keeps_what_hf_keeps_with_bf16_ties(top_k, top_p):
     # bf16 logits tie often, at the top-p cut and with the k-th value (ties topk leaves out); which of equal logits
     # survive is arbitrary (HF's sort), how many and their values are not

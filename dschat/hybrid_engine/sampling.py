@@ -21,16 +21,13 @@ from dschat.hybrid_engine.attention import FAILED, call_kernel, triton_available
 
 
 def filter_top_k(logits, top_k):
-    """Set every logit below the k-th largest to -inf (``top_k <= 0`` keeps all)."""
-    if top_k <= 0 or top_k >= logits.shape[-1]:
-        return logits
-    kth_largest = torch.topk(logits, top_k).values[..., -1:]
-    return logits.masked_fill(logits < kth_largest, float("-inf"))
+    """Set every logit below the k-th largest to -inf (``top_k <= 0`` keeps all; ties with the k-th stay, as HF's)."""
+    return filter_top_k_top_p(logits, top_k, 1.0)
 
 
-def nucleus(sorted_logits, top_p):
-    """(B, n) bool over descending ``sorted_logits``: the tokens the nucleus keeps (see :func:`nucleus_of_probs`)."""
-    return nucleus_of_probs(sorted_logits.softmax(dim=-1), top_p)
+def filter_top_p(logits, top_p):
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus; at least one)."""
+    return filter_top_k_top_p(logits, 0, top_p)
 
 
 def nucleus_of_probs(sorted_probs, top_p):
@@ -41,32 +38,39 @@ def nucleus_of_probs(sorted_probs, top_p):
     return keep
 
 
-def filter_top_p(logits, top_p):
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus; at least one)."""
-    if top_p >= 1.0:
+def ranked(logits, n):
+    """Each row's ``n`` largest values, descending, and their columns (a sort when ``n`` covers the row)."""
+    if n >= logits.shape[-1]:
+        return torch.sort(logits, dim=-1, descending=True)
+    return torch.topk(logits, n)
+
+
+def filter_top_k_top_p(logits, top_k, top_p, ranking=None):
+    """Top-k, then top-p over the survivors, as HF's warpers do; with both, without sorting the whole vocabulary.
+
+    ``ranking``: each row's k largest values, descending, and their columns (:func:`ranked`; :func:`filtered_logits`
+    ranks the model's own bf16 logits instead, which is cheaper and gives the same values in the same order). The
+    survivors of top-k are those k plus any other logits tied with the k-th (bf16 logits tie often); ranked by value,
+    those left-out ties come last. The nucleus is cut along that order: the first k by their rank, then as many
+    left-out ties as the mass still allows (the first ones by column: among equal logits the order is arbitrary, in
+    HF's sort as here)."""
+    vocab = logits.shape[-1]
+    k = top_k if 0 < top_k < vocab else vocab
+    if k == vocab and top_p >= 1.0:
         return logits
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-    keep = torch.zeros_like(sorted_logits, dtype=torch.bool).scatter_(-1, sorted_idx, nucleus(sorted_logits, top_p))
-    return logits.masked_fill(~keep, float("-inf"))
-
-
-def filter_top_k_top_p(logits, top_k, top_p):
-    """Top-k, then top-p over the survivors, as HF's warpers do, without sorting the whole vocabulary.
-
-    The survivors of top-k are the k values ``topk`` returns plus any other logits tied with the k-th (bf16 logits
-    tie often); ranked by value, those left-out ties come last. The nucleus is cut along that order: the first k by
-    their ``topk`` rank, then as many left-out ties as the mass still allows (the first ones by column: among equal
-    logits the order is arbitrary, in HF's sort as here)."""
-    if top_k <= 0 or top_k >= logits.shape[-1]:
-        return filter_top_p(logits, top_p)
-    if top_p >= 1.0:
-        return filter_top_k(logits, top_k)
-    values, indices = torch.topk(logits, top_k)  # descending
+    values, indices = ranking if ranking is not None else ranked(logits, k)
     kth = values[..., -1:]
+    if top_p >= 1.0:
+        return logits.masked_fill(logits < kth, float("-inf"))
+    # the cut compares sums of up to a vocabulary of probabilities with top_p: in fp64, as if exact (fp32 softmax's
+    # rounding, ~4e-6 over 30k bf16 logits, moves the cut by a token when one lands that close to top_p)
+    weights = (values.double() - values[..., :1].double()).exp()
+    if k == vocab:
+        keep = nucleus_of_probs(weights / weights.sum(-1, keepdim=True), top_p)
+        return logits.masked_fill(~torch.zeros_like(keep).scatter_(-1, indices, keep), float("-inf"))
     in_top_k = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, indices, True)
     left_out_ties = (logits == kth) & ~in_top_k
     ties = left_out_ties.sum(-1, keepdim=True)
-    weights = (values - values[..., :1]).exp()  # as softmax computes them: exact halves stay exact at a tie
     mass = weights.sum(-1, keepdim=True) + ties * weights[..., -1:]
     probs = weights / mass
     keep = torch.zeros_like(in_top_k).scatter_(-1, indices, nucleus_of_probs(probs, top_p))
@@ -81,13 +85,25 @@ def check_temperature(temperature):
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
 
 
-def filtered_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
-    """Temperature, then top-k, then top-p (HF's warper order), in fp32 whatever the model dtype."""
-    check_temperature(temperature)
+def _scaled(logits, temperature):
     logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return filter_top_k_top_p(logits, top_k, top_p)
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def filtered_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """Temperature, then top-k, then top-p (HF's warper order), in fp32 whatever the model dtype.
+
+    The largest values are ranked on ``logits`` as given and then scaled: a non-decreasing map gives the same values
+    in the same order, and sorting (or topk of) bf16 logits is cheaper than of their fp32 copy (``bench/sampling.py``:
+    1.5x for the sort)."""
+    check_temperature(temperature)
+    scaled = _scaled(logits, temperature)
+    vocab = logits.shape[-1]
+    k = top_k if 0 < top_k < vocab else vocab
+    if k == vocab and top_p >= 1.0:
+        return scaled
+    values, indices = ranked(logits, k)
+    return filter_top_k_top_p(scaled, k, top_p, (_scaled(values, temperature), indices))
 
 
 def exponential_race(logits, temperature=1.0, generator=None):
