@@ -436,6 +436,12 @@ def step3_parser():
                         "and generated from in int8 (DeepSpeed's zero_quantized_nontrainable_weights; weights of "
                         "500k elements or fewer stay as they are). Needs --actor_lora_dim (LoRA freezes the adapted "
                         "weights), --actor_zero_stage 3, --dtype fp16 (DeepSpeed quantizes fp16 only) and CUDA.")
+    g.add_argument("--align_overflow", action="store_true",
+                   help="fp16 (DeepSpeed-Chat's flag): when the actor's or the critic's gradients overflow, skip both "
+                        "optimizer steps, so the two stay in step; the actor then steps after the critic's backward. "
+                        "The model whose gradients were finite keeps its loss scale as it was. Needs "
+                        "--dtype fp16 and a critic (--advantage_estimator gae); not with --unsupervised_dataset_name "
+                        "(the actor's step follows the language-model micro-step, not aligned).")
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
     g = p.add_argument_group("lora")

@@ -11,6 +11,7 @@ from dschat.models.loading import check_sequence_fits, load_causal_lm, load_toke
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILE, create_critic_model
 from dschat.rlhf.config import step3_args
+from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
 from dschat.utils.dist import get_world_size, print_rank_0
@@ -94,6 +95,7 @@ def check_step3_settings(args, world_size):
     if args.reward_fn:
         load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load
     check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
+    check_align_overflow(args)
     check_phase_share(args.data_split, 3)
     actor = step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
     longest = longest_sequence(args)
@@ -129,6 +131,7 @@ class DeepSpeedRLHFEngine:
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
                  num_total_iters=None, reward_model_name_or_path=None):
         self.args = args = step3_args(args)
+        check_align_overflow(args)  # before any model loads (the trainer, built after, asks again)
         setup_run(args)
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
         self.critic_path = critic_model_name_or_path or args.critic_model_name_or_path

@@ -16,6 +16,7 @@ from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.layout import LeftAligned, head_reads, position_limit
 from dschat.rlhf.config import step3_args
+from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
 from dschat.utils.dist import all_reduce, get_world_size
 from dschat.utils.optim import optimizer_step
 
@@ -103,6 +104,7 @@ class DeepSpeedPPOTrainer:
             raise UsageError("--logprobs_from_generation takes the log-probs from the hybrid engine's decode step: "
                              "it needs --enable_hybrid_engine")
         self.z3_enabled = args.actor_zero_stage == 3
+        self.align_overflow = check_align_overflow(args)
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
         # how far shifted rows may be rounded up (layout.position_limit): every model of the experience
         self.position_limit = position_limit(*(unwrap_peft(m.module) for m in
@@ -303,31 +305,47 @@ class DeepSpeedPPOTrainer:
             self.compute_advantages([inputs])
         advantages, returns = inputs["advantages"], inputs["returns"]
         self.train()
+        # --align_overflow: the actor steps after the critic's backward, both together (DeepSpeed-Chat's order)
+        aligned = self.align_overflow and self.critic_model is not None
         with self._masked_training(layout):
             actor_loss = self._update_actor(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
-                                            agg)
+                                            agg, step=not aligned)
             if self.critic_model is None:
                 return actor_loss, torch.zeros((), device=actor_loss.device)
-            critic_loss = self._update_critic(seq, attention_mask, start, layout, old_values, returns, mask, agg)
+            critic_loss = self._update_critic(seq, attention_mask, start, layout, old_values, returns, mask, agg,
+                                              step=not aligned)
+            if aligned:
+                self._step_actor_and_critic_aligned()
         return actor_loss, critic_loss
 
-    def _update_actor(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg):
+    def _update_actor(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg, step=True):
         with phase("dschat.train.actor_loss"):
             loss = self._actor_loss(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg)
-        self._backward_and_step_actor(loss)
+        self._backward_and_step_actor(loss, step)
         return loss.detach()
 
-    def _update_critic(self, seq, attention_mask, start, layout, old_values, returns, mask, agg):
+    def _update_critic(self, seq, attention_mask, start, layout, old_values, returns, mask, agg, step=True):
         with phase("dschat.train.critic_loss"):
             values = self._values(self.critic_model, seq, attention_mask, layout)[:, start:]
             loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value, **agg)
             algo.check_finite("critic loss", loss)
         with phase("dschat.train.critic_backward"):
             self.critic_model.backward(loss)
-        with phase("dschat.train.critic_step"):
-            optimizer_step(self.critic_model, "critic")
+        if step:
+            self._step_critic()
         self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
         return loss.detach()
+
+    def _step_critic(self):
+        with phase("dschat.train.critic_step"):
+            optimizer_step(self.critic_model, "critic")
+
+    def _step_actor_and_critic_aligned(self):
+        """--align_overflow, after both backwards: the actor's step, then the critic's, both skipped when either's
+        gradients overflowed (``overflow.py``)."""
+        with steps_skipped_together(self.actor_model, self.critic_model):
+            self._step_actor()
+            self._step_critic()
 
     def _masked_training(self, layout):
         """Training over the rows as they are (``layout`` None: left pads under a padding mask) runs SDPA with no fully
@@ -366,10 +384,17 @@ class DeepSpeedPPOTrainer:
         return {"loss_agg": "global_token_mean", "num_tokens_global": inputs["num_tokens_global"],
                 "accum_steps": self.args.gradient_accumulation_steps, "world_size": get_world_size()}
 
-    def _backward_and_step_actor(self, loss):
-        """Backward and step; the EMA follows each real optimizer step (not each accumulation micro-step)."""
+    def _backward_and_step_actor(self, loss, step=True):
+        """Backward and, unless ``step`` is False (--align_overflow steps later, with the critic), step."""
         with phase("dschat.train.actor_backward"):
             self.actor_model.backward(loss)
+        if step:
+            self._step_actor()
+
+    def _step_actor(self):
+        """The actor's step; the EMA follows each real optimizer step (each accumulation boundary, also one skipped
+        for an fp16 overflow, by DeepSpeed or by --align_overflow with the critic's), not each accumulation
+        micro-step."""
         with phase("dschat.train.actor_step"):
             boundary = optimizer_step(self.actor_model, "actor")
         if boundary:
