@@ -62,15 +62,15 @@ def filter_top_k_top_p(logits, top_k, top_p, ranking=None):
     kth = values[..., -1:]
     if top_p >= 1.0:
         return logits.masked_fill(logits < kth, float("-inf"))
-    # the cut compares sums of up to a vocabulary of probabilities with top_p: in fp64, as if exact (fp32 softmax's
-    # rounding, ~4e-6 over 30k bf16 logits, moves the cut by a token when one lands that close to top_p)
-    weights = (values.double() - values[..., :1].double()).exp()
     if k == vocab:
-        keep = nucleus_of_probs(weights / weights.sum(-1, keepdim=True), top_p)
+        # fp32 sums, as HF's: their rounding (~4e-6 over 30k bf16 logits) moves the cut by a token when the mass there
+        # is that close to top_p, in HF's cut as here; fp64 would cost as much as sorting bf16 instead of fp32 saves
+        keep = nucleus_of_probs(values.softmax(-1), top_p)
         return logits.masked_fill(~torch.zeros_like(keep).scatter_(-1, indices, keep), float("-inf"))
     in_top_k = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, indices, True)
     left_out_ties = (logits == kth) & ~in_top_k
     ties = left_out_ties.sum(-1, keepdim=True)
+    weights = (values - values[..., :1]).exp()  # as softmax computes them: exact halves stay exact at a tie
     mass = weights.sum(-1, keepdim=True) + ties * weights[..., -1:]
     probs = weights / mass
     keep = torch.zeros_like(in_top_k).scatter_(-1, indices, nucleus_of_probs(probs, top_p))
