@@ -329,6 +329,31 @@ def _converted(action, name, value):
         raise UsageError(f"{name}: {err}") from None
 
 
+HYBRID_ENGINE_GROUP = "hybrid engine"
+
+
+def hybrid_engine_only_flags(args, parser=None):
+    """The flags of step 3's "hybrid engine" group (but --enable_hybrid_engine itself), which only the hybrid engine
+    reads, that ``args`` sets to other than the parser's default, as they would be written on the command line
+    (``--inference_tp_size 2``, ``--no-enable_cuda_graph``). Defaults given explicitly (DeepSpeed-Chat's scripts
+    pass ``--inference_tp_size 1``) are not listed."""
+    parser = parser or step3_parser()
+    group = next(g for g in parser._action_groups if g.title == HYBRID_ENGINE_GROUP)
+    given = []
+    for action in group._group_actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest == "enable_hybrid_engine" or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            given.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, argparse._StoreConstAction):
+            given.append(flag)
+        else:
+            given.append(f"{flag} {value}")
+    return given
+
+
 def step3_parser():
     p = new_parser("Step 3: PPO (RLHF) of the SFT actor against the reward model.")
     add_data_args(p)
@@ -381,7 +406,7 @@ def step3_parser():
     g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
     g.add_argument("--top_p", type=float, default=1.0)
     g.add_argument("--greedy", action="store_true", help="Greedy answers instead of sampling.")
-    g = p.add_argument_group("hybrid engine")
+    g = p.add_argument_group(HYBRID_ENGINE_GROUP)  # every flag of it but the switch is read by the hybrid engine only
     g.add_argument("--enable_hybrid_engine", action="store_true")
     g.add_argument("--unpin_actor_parameters", action="store_true",
                    help="ZeRO-3: gather layer by layer during generation instead of keeping a full copy.")

@@ -316,6 +316,20 @@ class ShardPlan:
         return output
 
 
+def check_splits(config, tp_size):
+    """Raise what the inference copy's ``ShardPlan`` would for a causal LM of ``config`` split over ``tp_size`` ranks
+    (no plan for the family, a layer it cannot split, head counts that do not divide), before any weight loads: the
+    model is built on the meta device (no memory, no weights), then planned and shrunk as the inference copy is."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.layers import decoder_layer_list
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    group = TensorParallelGroup(tp_size, 0, list(range(tp_size)), None)  # rank 0's plan: every rank's splits alike
+    ShardPlan(model, decoder_layer_list(model)[0], group).apply(model)
+
+
 # -- prompts in, answers out -------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class GroupBatch:

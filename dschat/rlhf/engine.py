@@ -5,6 +5,7 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
+from dschat.args import hybrid_engine_only_flags
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
@@ -88,9 +89,78 @@ def quantize_frozen_weights(engine):
     return sum(hasattr(getattr(p, "ds_tensor", None), "ds_quant_scale") for p in engine.module.parameters())
 
 
+def check_sampling(args):
+    """--temperature and --top_p when answers are sampled (--greedy ignores them): a temperature <= 0 would fail in
+    the first generation, after the models load."""
+    if args.greedy:
+        return
+    if not args.temperature > 0:
+        raise UsageError(f"--temperature {args.temperature}: sampling needs a temperature > 0; --greedy takes the "
+                         "most likely token")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top_p {args.top_p}: must be in (0, 1] (1: no nucleus filtering)")
+
+
+def check_hybrid_engine_flags(args):
+    """Flags only the hybrid engine reads, given other than their defaults without --enable_hybrid_engine: an error
+    (they would change nothing: HF's generate makes the answers). Defaults given explicitly, as DeepSpeed-Chat's
+    scripts do, pass."""
+    if args.enable_hybrid_engine:
+        return
+    given = hybrid_engine_only_flags(args)
+    if given:
+        raise UsageError(f"{', '.join(given)}: read by the hybrid engine only, which is off (step 3 then generates "
+                         f"with HF's generate, which ignores {'it' if len(given) == 1 else 'them'}); add "
+                         f"--enable_hybrid_engine, or leave {'it' if len(given) == 1 else 'them'} out")
+
+
+def _model_config(path, local_only):
+    """The HF config of ``path`` (a folder, hub name or tiny preset), or None where it cannot be read (yet: train.py
+    checks step 3 before step 1 writes the actor; loading the model says what is wrong). ``local_only``: a hub
+    model's config only from the cache (a missing folder would look like a hub name and cost the hub's retries)."""
+    from transformers import AutoConfig
+
+    from dschat.models.loading import resolve_model_path
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(path), local_files_only=local_only)
+    except (OSError, ValueError):
+        return None
+
+
+def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=True):
+    """The hybrid engine's inference tensor parallelism (``hybrid_block``: the actor's merged ``hybrid_engine``
+    config) checked before any weight loads: the group size divides the ranks, ZeRO-3 keeps the actor pinned, and
+    the actor's family can be split (its config, with tensor_parallel's own plan on a meta-device model; a hub
+    actor not in the cache is checked when the engine builds it, ``local_only=False``)."""
+    from dschat.hybrid_engine.tensor_parallel import check_splits
+
+    tp = hybrid_block.get("inference_tp_size", 1)
+    if not args.enable_hybrid_engine or tp == 1:
+        return
+    source = f"--inference_tp_size {tp}" if tp == args.inference_tp_size else \
+        f"hybrid_engine.inference_tp_size {tp} (the DeepSpeed config file)"
+    if world_size % tp:
+        raise UsageError(f"{source}: the run's {world_size} rank(s) do not split into inference groups of {tp}; "
+                         f"give a divisor of {world_size} (1: no inference tensor parallelism)")
+    if args.actor_zero_stage == 3 and not hybrid_block.get("pin_parameters", True):
+        raise UsageError(f"{source} under ZeRO-3 keeps the actor's slices in a persistent inference copy: it cannot "
+                         "run with --unpin_actor_parameters (hybrid_engine.pin_parameters false)")
+    config = _model_config(actor_path, local_only)
+    if config is None:
+        return
+    try:
+        check_splits(config, tp)
+    except (NotImplementedError, ValueError) as error:
+        raise UsageError(f"{source}: the hybrid engine cannot split the actor {actor_path} (model type "
+                         f"{config.model_type!r}) over {tp} ranks: {error}") from None
+
+
 def check_step3_settings(args, world_size):
     """The reward sources checked, and the actor's and critic's training configs built once, quietly, so that a
     config file that contradicts the flags fails before any data or model is loaded."""
+    check_sampling(args)
+    check_hybrid_engine_flags(args)
     check_reward_sources(args)
     if args.reward_fn:
         load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load
@@ -104,8 +174,22 @@ def check_step3_settings(args, world_size):
         raise UsageError(f"hybrid_engine.max_out_tokens {out_tokens} (the DeepSpeed config file) is shorter than "
                          f"the longest sequence step 3 generates, {longest} (--max_prompt_seq_len + the longer of "
                          "--max_answer_seq_len and --eval_max_new_tokens): prompt + answer must fit")
+    check_inference_tp(args, world_size, actor.get("hybrid_engine", {}), args.actor_model_name_or_path)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
+
+
+def frozen_twin(args, role):
+    """(ZeRO stage, the flag that sets it, what it is) of the trained model whose stage a frozen one ("reference",
+    "reward"; the EMA copy is the reference's kind) follows: the actor for the reference; for the reward model the
+    critic, a model of its kind, or the actor when the advantage estimator trains no critic."""
+    if role == "reward" and args.advantage_estimator == "gae":
+        return args.critic_zero_stage, "--critic_zero_stage", "its trained twin, the critic,"
+    if role == "reward":
+        return args.actor_zero_stage, "--actor_zero_stage", (f"the one trained model, the actor "
+                                                             f"(--advantage_estimator {args.advantage_estimator} "
+                                                             "trains no critic),")
+    return args.actor_zero_stage, "--actor_zero_stage", "its trained twin, the actor,"
 
 
 def check_same_token_ids(actor_tokenizer, actor_path, other_tokenizer, other_path, role):
@@ -156,11 +240,16 @@ class DeepSpeedRLHFEngine:
     def _train_config(self, stage, hybrid=False, role="actor"):
         return step3_train_config(self.args, self.world_size, stage, hybrid, role)
 
-    def _eval_config(self, stage, offload, dtype=None):
-        # Frozen copies are sharded when their trainable twin is (a full copy would defeat ZeRO-3), on several ranks.
+    def _eval_config(self, stage, offload, dtype=None, role="reference"):
+        """The config of a frozen ``role`` model whose trained twin (``frozen_twin``) trains at ZeRO ``stage``.
+        Frozen copies are sharded when their twin is (a full copy would defeat ZeRO-3), on several ranks; parameter
+        offload is a ZeRO-3 feature, so it follows the twin's stage too (as in DeepSpeed-Chat)."""
         frozen_stage = frozen_copy_stage(stage, self.world_size, offload)
         if offload and frozen_stage != 3:
-            print_rank_0("[step3] parameter offload of a frozen model needs its trained twin at ZeRO-3: not offloaded")
+            _, stage_flag, twin = frozen_twin(self.args, role)
+            print_rank_0(f"[step3] --offload_{role}_model: parameter offload is a ZeRO-3 feature, and the {role} "
+                         f"model is sharded with ZeRO-3 only when {twin} is ({stage_flag} 3, now {stage}): not "
+                         "offloaded")
         return get_eval_ds_config(offload=offload and frozen_stage == 3, dtype=dtype or self.args.dtype,
                                   stage=frozen_stage,
                                   micro_batch_size=self.args.per_device_training_batch_size,
@@ -172,6 +261,8 @@ class DeepSpeedRLHFEngine:
 
         a = self.args
         ds_config = self._train_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
+        check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path,
+                           local_only=False)  # before its weights load
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         self._check_sequence_fits(model)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
@@ -199,7 +290,7 @@ class DeepSpeedRLHFEngine:
 
     def _init_frozen_actor_copy(self, offload, dtype=None):
         """The reference model (and the EMA copy): the SFT weights, frozen, sharded like the actor."""
-        ds_config = self._eval_config(self.args.actor_zero_stage, offload, dtype)
+        ds_config = self._eval_config(frozen_twin(self.args, "reference")[0], offload, dtype)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config)
         return initialize_frozen(model, ds_config, self.args.zero3_fetch)
 
@@ -236,7 +327,7 @@ class DeepSpeedRLHFEngine:
     def _init_reward(self):
         a = self.args
         self._check_token_ids(self.reward_path, "the reward model")
-        ds_config = self._eval_config(a.critic_zero_stage, a.offload_reward_model)
+        ds_config = self._eval_config(frozen_twin(a, "reward")[0], a.offload_reward_model, role="reward")
         model = create_critic_model(self.reward_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
                                     compute_fp32_loss=a.compute_fp32_loss)
         self._check_sequence_fits(model)

@@ -79,6 +79,18 @@ def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, en
     return stats if entropy else stats[0]
 
 
+def sampling_kwargs(args, hf_generate=False):
+    """The sampling keyword arguments of step 3's generation from --greedy / --temperature / --top_k / --top_p, for
+    the hybrid engine and (``hf_generate``) HF's ``generate``. A non-positive --top_k is no top-k filtering: 0 for
+    both (HF's ``generate`` refuses a negative top_k and reads 0 as off; the hybrid engine, as HF's generate for an
+    argument not given, reads None as the model's generation_config's top_k, else HF's default of 50). Greedy: HF
+    gets no sampling settings, which it would warn about."""
+    if args.greedy and hf_generate:
+        return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    return {"do_sample": not args.greedy, "temperature": args.temperature, "top_k": max(args.top_k, 0),
+            "top_p": args.top_p}
+
+
 class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
 
@@ -127,20 +139,17 @@ class DeepSpeedPPOTrainer:
         """Answers of the actor, as full sequences (prompt + answer, padded after EOS), and with
         ``--logprobs_from_generation`` the decode step's (B, answer length) log-probs of the answer tokens (else None)."""
         a = self.args
-        sampling = dict(do_sample=not a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
         with torch.no_grad():
             if self.hybrid:
                 out = self.actor_model.generate(prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len,
                                                 eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                                                 generator=self.generator, return_logprobs=a.logprobs_from_generation,
-                                                **sampling)
+                                                **sampling_kwargs(a))
                 return out if a.logprobs_from_generation else (out, None)
-            if not sampling["do_sample"]:
-                sampling = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
             seq = self.actor_model.module.generate(
                 prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len, eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id, synced_gpus=self.z3_enabled and get_world_size() > 1,
-                use_cache=True, **sampling)
+                use_cache=True, **sampling_kwargs(a, hf_generate=True))
             return seq, None
 
     def generate_experience(self, prompts, mask=None, step=0, advantages=True):

@@ -1,0 +1,259 @@
+"""Step 3's generation and hybrid-engine flags: what each combination does, and the combinations that are errors
+named by their flag before any data or model loads (``check_step3_settings``), not tracebacks after."""
+import shlex
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dschat.args import step3_parser
+from dschat.errors import UsageError
+from dschat.rlhf.config import step3_args
+from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings, step3_train_config
+from dschat.rlhf.trainer import DeepSpeedPPOTrainer, sampling_kwargs
+
+
+# --- --top_k: 0 or negative is no top-k filtering, on both generation paths -----------------------------------------
+
+def _tiny_policy(vocab=64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    # a checkpoint's own sampling settings: "off" must not fall back to them (nor to HF's default top_k of 50)
+    model.generation_config.top_k = 1
+    return model
+
+
+@pytest.mark.parametrize("top_k", [-1, 0])
+def test_non_positive_top_k_is_no_filtering_for_the_hybrid_engine_and_hf_generate(top_k):
+    args = step3_args({"top_k": top_k})
+    assert sampling_kwargs(args)["top_k"] == 0  # the hybrid engine: None would take the generation_config's
+    assert sampling_kwargs(args, hf_generate=True)["top_k"] == 0  # HF reads 0 as off and refuses a negative top_k
+    assert sampling_kwargs(step3_args({"top_k": 5}))["top_k"] == 5
+    greedy = sampling_kwargs(step3_args({"top_k": top_k, "greedy": True}), hf_generate=True)
+    assert greedy == {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+
+    # the trainer's HF-generate path (no hybrid engine), as step 3 runs it
+    model = _tiny_policy()
+    trainer = SimpleNamespace(args=args, hybrid=False, actor_model=SimpleNamespace(module=model), eos_token_id=1,
+                              pad_token_id=0, z3_enabled=False)
+    prompts = torch.randint(2, 64, (8, 4))
+    mask = torch.ones_like(prompts)
+    args.max_answer_seq_len = 6
+    torch.manual_seed(1)
+    seq, logprobs = DeepSpeedPPOTrainer._generate_sequence(trainer, prompts, mask)
+    assert logprobs is None and seq.shape[0] == 8
+    with torch.no_grad():
+        greedy_seq = model.generate(prompts, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=1,
+                                    pad_token_id=0)
+    # with the checkpoint's top_k=1 applied every sampled first token would be the greedy one
+    assert not torch.equal(seq[:, 4], greedy_seq[:, 4])
+
+
+# --- --temperature / --top_p --------------------------------------------------------------------------------------
+
+def test_temperature_zero_without_greedy_and_top_p_outside_0_1_are_usage_errors():
+    with pytest.raises(UsageError, match=r"--temperature 0(\.0)?: sampling needs a temperature > 0; --greedy"):
+        check_step3_settings(step3_args({"temperature": 0}), 1)
+    with pytest.raises(UsageError, match="--temperature -0.5"):
+        check_step3_settings(step3_args({"temperature": -0.5}), 1)
+    check_step3_settings(step3_args({"temperature": 0, "greedy": True}), 1)  # greedy reads no temperature
+    for top_p in (0, 1.5, -0.1):
+        with pytest.raises(UsageError, match=rf"--top_p {top_p}: must be in \(0, 1\]"):
+            check_step3_settings(step3_args({"top_p": top_p}), 1)
+    check_step3_settings(step3_args({"top_p": 1.0, "temperature": 0.7}), 1)
+    check_step3_settings(step3_args({"top_p": 0.9}), 1)
+
+
+def test_temperature_zero_ends_the_step_with_error_and_status_2_before_loading(tmp_path, capsys):
+    from dschat.steps import ppo
+    from dschat.utils.cli import run_entry_point
+
+    with pytest.raises(SystemExit) as stop:
+        run_entry_point(lambda: ppo.main(["--temperature", "0", "--output_dir", str(tmp_path / "ppo"),
+                                          "--actor_model_name_or_path", str(tmp_path / "no_such_actor")]))
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --temperature 0.0: sampling needs a temperature > 0")
+
+
+# --- --inference_tp_size ------------------------------------------------------------------------------------------
+
+def test_inference_tp_size_must_divide_the_ranks():
+    hybrid = {"enable_hybrid_engine": True, "actor_model_name_or_path": "tiny-llama"}
+    with pytest.raises(UsageError, match=r"--inference_tp_size 2: the run's 1 rank\(s\) do not split into "
+                                         "inference groups of 2; give a divisor of 1"):
+        check_step3_settings(step3_args({**hybrid, "inference_tp_size": 2}), 1)
+    with pytest.raises(UsageError, match="--inference_tp_size 4: the run's 6 rank"):
+        check_step3_settings(step3_args({**hybrid, "inference_tp_size": 4}), 6)
+    check_step3_settings(step3_args({**hybrid, "inference_tp_size": 2}), 2)
+    check_step3_settings(step3_args({**hybrid, "inference_tp_size": 2}), 4)
+
+
+def test_inference_tp_size_from_the_config_file_is_named_as_the_file_key(tmp_path):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"hybrid_engine": {"inference_tp_size": 2}}))
+    with pytest.raises(UsageError, match=r"hybrid_engine.inference_tp_size 2 \(the DeepSpeed config file\)"):
+        check_step3_settings(step3_args({"enable_hybrid_engine": True, "deepspeed_config": str(path)}), 3)
+
+
+def test_inference_tp_under_zero3_needs_the_actor_pinned():
+    settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 2, "actor_zero_stage": 3,
+                           "unpin_actor_parameters": True, "actor_model_name_or_path": "tiny-llama"})
+    with pytest.raises(UsageError, match="--inference_tp_size 2 under ZeRO-3 .* --unpin_actor_parameters"):
+        check_step3_settings(settings, 2)
+
+
+def test_an_actor_family_without_a_tensor_parallel_plan_fails_before_its_weights_load(monkeypatch):
+    settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 2,
+                           "actor_model_name_or_path": "tiny-gpt2"})
+    with pytest.raises(UsageError, match=r"--inference_tp_size 2: .* tiny-gpt2 \(model type 'gpt2'\) over 2 "
+                                         r"ranks: no tensor-parallel plan for GPT2LMHeadModel"):
+        check_step3_settings(settings, 2)
+    # the engine, built directly (the notebook API, no check_step3_settings), says so before loading the actor too
+    from dschat.rlhf import engine as engine_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the actor's weights were loaded before the check")
+
+    monkeypatch.setattr(engine_module, "load_causal_lm", no_loading)
+    engine = SimpleNamespace(args=settings, world_size=2, actor_path="tiny-gpt2", tokenizer=None,
+                             _train_config=lambda stage, hybrid=False: step3_train_config(settings, 2, stage, hybrid))
+    with pytest.raises(UsageError, match="--inference_tp_size 2: .*model type 'gpt2'"):
+        DeepSpeedRLHFEngine._init_actor(engine)
+
+
+def test_head_counts_that_do_not_split_over_the_group_fail_before_loading():
+    settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 8,
+                           "actor_model_name_or_path": "tiny-llama"})  # 4 attention heads
+    with pytest.raises(UsageError, match="--inference_tp_size 8: .*model type 'llama'.* cannot be split over "
+                                         "inference_tp_size=8"):
+        check_step3_settings(settings, 8)
+
+
+def test_an_actor_not_written_yet_is_left_to_the_step_that_loads_it(tmp_path):
+    # train.py checks step 3's flags before step 1 writes the actor: the plan is checked when the engine builds it
+    settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 2,
+                           "actor_model_name_or_path": str(tmp_path / "step1_sft")})
+    check_step3_settings(settings, 2)
+
+
+# --- flags only the hybrid engine reads ---------------------------------------------------------------------------
+
+HYBRID_ONLY = [({"unpin_actor_parameters": True}, "--unpin_actor_parameters"),
+               ({"release_inference_cache": True}, "--release_inference_cache"),
+               ({"inference_tp_size": 2}, "--inference_tp_size 2"),
+               ({"tp_gather_partition_size": 4}, "--tp_gather_partition_size 4"),
+               ({"enable_cuda_graph": True}, "--enable_cuda_graph"),
+               ({"no-enable_cuda_graph": True}, "--no-enable_cuda_graph"),
+               ({"compile_decode_step": "default"}, "--compile_decode_step default"),
+               ({"logprobs_from_generation": True}, "--logprobs_from_generation"),
+               ({"decode_attention": "sdpa"}, "--decode_attention sdpa"),
+               ({"fuse_projections": "on"}, "--fuse_projections on")]
+
+
+@pytest.mark.parametrize("setting,flag", HYBRID_ONLY, ids=[flag for _, flag in HYBRID_ONLY])
+def test_a_hybrid_engine_flag_without_the_hybrid_engine_is_a_usage_error(setting, flag):
+    with pytest.raises(UsageError, match=rf"^{flag}: read by the hybrid engine only, which is off .* add "
+                                         "--enable_hybrid_engine"):
+        check_step3_settings(step3_args(setting), 1)
+    if flag != "--inference_tp_size 2":  # one rank: a group of 2 is its own error
+        check_step3_settings(step3_args({**setting, "enable_hybrid_engine": True}), 1)
+
+
+def test_every_flag_of_the_hybrid_engine_group_is_covered():
+    from dschat.args import hybrid_engine_only_flags
+
+    parser = step3_parser()
+    group = next(g for g in parser._action_groups if g.title == "hybrid engine")
+    dests = {a.dest for a in group._group_actions} - {"enable_hybrid_engine"}
+    assert dests == {next(iter(setting)).removeprefix("no-") for setting, _ in HYBRID_ONLY}
+    several = step3_args({"inference_tp_size": 2, "release_inference_cache": True})
+    assert hybrid_engine_only_flags(several) == ["--release_inference_cache", "--inference_tp_size 2"]
+    with pytest.raises(UsageError, match="^--release_inference_cache, --inference_tp_size 2: .* leave them out"):
+        check_step3_settings(several, 1)
+
+
+# DeepSpeed-Chat's step-3 scripts (training_scripts/opt/single_node/run_13b.sh, opt/multi_node/run_66b.sh,
+# single_node/run_7b_llama.sh, opt/single_node/sweep/run_single.sh without its hybrid engine switch, here with the
+# defaults of two hybrid-engine flags given explicitly), flags only: none gives a hybrid-engine flag a value of its
+# own without --enable_hybrid_engine
+DS_CHAT_STEP3 = {
+    "run_13b": ("--num_padding_at_beginning 1 --per_device_generation_batch_size 16 --per_device_training_batch_size 16 "
+                "--generation_batches 1 --ppo_epochs 1 --max_answer_seq_len 256 --max_prompt_seq_len 256 "
+                "--actor_learning_rate 5e-4 --critic_learning_rate 5e-6 --num_train_epochs 1 --lr_scheduler_type "
+                "cosine --gradient_accumulation_steps 1 --num_warmup_steps 100 --deepspeed --seed 1234 "
+                "--enable_hybrid_engine --inference_tp_size 2 --actor_zero_stage 3 --critic_zero_stage 3 "
+                "--actor_gradient_checkpointing --disable_actor_dropout --actor_lora_dim 128 "
+                "--actor_lora_module_name decoder.layers.", 2),
+    "run_66b": ("--num_padding_at_beginning 1 --per_device_train_batch_size 4 --per_device_mini_train_batch_size 4 "
+                "--generation_batch_numbers 1 --ppo_epochs 1 --max_answer_seq_len 256 --max_prompt_seq_len 256 "
+                "--actor_learning_rate 5e-4 --critic_learning_rate 5e-6 --actor_weight_decay 0.1 "
+                "--critic_weight_decay 0.1 --num_train_epochs 1 --lr_scheduler_type cosine "
+                "--gradient_accumulation_steps 1 --num_warmup_steps 100 --deepspeed --seed 1234 "
+                "--enable_hybrid_engine --inference_tp_size 4 --tp_gather_partition_size 4 --actor_zero_stage 3 "
+                "--critic_zero_stage 3 --actor_gradient_checkpointing --disable_actor_dropout --actor_lora_dim 128 "
+                "--actor_lora_module_name decoder.layers.", 8),  # 8 in the script: tiny-opt has 4 heads
+    "run_7b_llama": ("--num_padding_at_beginning 0 --per_device_train_batch_size 4 --per_device_mini_train_batch_size "
+                     "4 --generation_batch_numbers 1 --ppo_epochs 1 --max_answer_seq_len 256 --max_prompt_seq_len 256 "
+                     "--deepspeed --seed 1234 --offload_reference_model --actor_gradient_checkpointing "
+                     "--critic_gradient_checkpointing --actor_lora_dim 128 --actor_lora_module_name .layers. "
+                     "--critic_lora_dim 128 --critic_lora_module_name .layers. --actor_zero_stage 2 "
+                     "--critic_zero_stage 3 --enable_ema", 4),
+    "sweep_without_hybrid_engine": ("--per_device_generation_batch_size 4 --per_device_training_batch_size 4 "
+                                    "--actor_dropout 0.0 --print_answers --actor_zero_stage 2 --critic_zero_stage 2 "
+                                    "--actor_lora_dim 0 --inference_tp_size 1 --tp_gather_partition_size 8", 1),
+}
+
+
+@pytest.mark.parametrize("name", list(DS_CHAT_STEP3))
+def test_deepspeed_chat_step3_scripts_pass_the_checks(name):
+    flags, world_size = DS_CHAT_STEP3[name]
+    args = step3_args(step3_parser().parse_args(shlex.split(flags) + ["--actor_model_name_or_path", "tiny-opt"]))
+    check_step3_settings(args, world_size)
+
+
+# --- --offload_reward_model with a critic-free advantage estimator ------------------------------------------------
+
+class _Built(Exception):
+    pass
+
+
+def _reward_config(monkeypatch, capsys, **settings):
+    """The DeepSpeed config ``_init_reward`` builds the reward model with, and what it printed."""
+    from dschat.rlhf import engine as engine_module
+
+    def capture(path, tokenizer, ds_config, *args, **kwargs):
+        raise _Built(ds_config)
+
+    monkeypatch.setattr(engine_module, "create_critic_model", capture)
+    engine = SimpleNamespace(args=step3_args({"offload_reward_model": True, **settings}), world_size=1,
+                             reward_path="rm", tokenizer=None, _check_token_ids=lambda *args: None)
+    engine._eval_config = lambda *args, **kwargs: DeepSpeedRLHFEngine._eval_config(engine, *args, **kwargs)
+    capsys.readouterr()
+    with pytest.raises(_Built) as built:
+        DeepSpeedRLHFEngine._init_reward(engine)
+    zero = built.value.args[0]["zero_optimization"]
+    return zero["stage"], zero["offload_param"]["device"], capsys.readouterr().out
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
+def test_reward_model_offload_follows_the_actor_when_no_critic_is_trained(monkeypatch, capsys, estimator):
+    assert _reward_config(monkeypatch, capsys, advantage_estimator=estimator, actor_zero_stage=3)[:2] == (3, "cpu")
+    stage, device, said = _reward_config(monkeypatch, capsys, advantage_estimator=estimator, actor_zero_stage=2,
+                                         critic_zero_stage=3)
+    assert (stage, device) == (0, "none")
+    assert "--offload_reward_model: parameter offload is a ZeRO-3 feature" in said
+    assert f"the actor (--advantage_estimator {estimator} trains no critic), is (--actor_zero_stage 3, now 2)" in said
+    assert "critic_zero_stage" not in said
+
+
+def test_reward_model_offload_follows_the_critic_under_gae(monkeypatch, capsys):
+    assert _reward_config(monkeypatch, capsys, critic_zero_stage=3, actor_zero_stage=2)[:2] == (3, "cpu")
+    stage, device, said = _reward_config(monkeypatch, capsys, critic_zero_stage=2, actor_zero_stage=3)
+    assert (stage, device) == (0, "none")
+    assert "the critic, is (--critic_zero_stage 3, now 2): not offloaded" in said
