@@ -56,15 +56,21 @@ def _world_size():
 
 @dataclasses.dataclass
 class IterationStats:
-    """One PPO iteration, from one ``eval()`` to the next."""
+    """One PPO iteration: its rollout (one generation or more) and the training on it, from the ``eval()`` that
+    begins the rollout to the first ``eval()`` after a train phase. Samples and tokens are this rank's."""
 
     start: float
     gather_s: float = 0.0
     generate_s: float = 0.0
-    training_s: float = 0.0
+    training_s: float = 0.0  # all its train phases (train() to the next eval())
     generated_tokens: int = 0
     samples: int = 0
+    trained: bool = False  # a train phase began in it: the next eval() closes it
     end: float = None
+    # once closed: its number (1, 2, ...) and this rank's samples and the E2E latencies of iterations 1..index
+    index: int = None
+    total_samples: int = 0
+    total_e2e_s: float = 0.0
 
     def e2e_s(self, now):
         return (self.end if self.end is not None else now) - self.start
@@ -116,11 +122,14 @@ class HybridEngine:
                                           max_out_tokens=self.hybrid_config.max_out_tokens) \
             if self.hybrid_config.enable_cuda_graph else None
         # Stats
-        self._iteration = None  # IterationStats in progress
+        self._iteration = None  # IterationStats in progress (inside evaluation(): the evaluation's)
         self.last_iteration = None  # the last completed one
+        self.last_evaluation = None  # the stats of the last evaluation() block
         self._iterations_done = 0
+        self._total_samples = 0  # this rank's, over the completed iterations
         self._total_e2e_s = 0.0
-        self._train_start = None
+        self._train_start = None  # when the train phase in progress began
+        self._evaluating = False
         self._module_generate = None
         self.route_module_generate()
 
@@ -155,28 +164,78 @@ class HybridEngine:
 
     # -- mode switches ----------------------------------------------------------------------------------------------
     def eval(self):
-        """Enter generation mode: close the last iteration's stats and bring the inference weights up to date."""
+        """Enter generation mode and bring the inference weights up to date.
+
+        An iteration is a rollout and the training on it: the first ``eval()`` after a train phase closes it (and
+        logs it with ``log_on_eval``) and begins the next. An ``eval()`` with no train phase since the iteration began
+        (the next generation batch of a rollout, ``--generation_batches``) continues it: generation that no training
+        follows is never an iteration of its own. A held-out evaluation stays out of the iterations in
+        :meth:`evaluation`.
+        """
         now = time.perf_counter()
-        if self._train_start is not None and self._iteration is not None:
-            self._iteration.training_s += now - self._train_start
-        self._train_start = None
-        if self._iteration is not None:
-            self._iteration.end = now
-            self.last_iteration = self._iteration
-            self._iterations_done += 1
-            self._total_e2e_s += self._iteration.e2e_s(now)
-            if self.log_on_eval:
-                self.log_stats(self._iteration)
-        self._iteration = IterationStats(start=now)
+        if not self._evaluating:
+            self._end_train_phase(now)
+            if self._iteration is not None and self._iteration.trained:
+                self._close_iteration(now)
+            if self._iteration is None:
+                self._iteration = IterationStats(start=now)
         self._engine.eval()
         self._refresh_weights()
         return self
 
     def train(self, mode=True):
+        """Enter training mode. A train phase lasts until the next ``eval()`` (or ``train(False)``, or a generation):
+        DeepSpeed-Chat-style trainers call ``train()`` before every PPO micro-batch, and those calls continue the
+        phase, so the iteration's training time is all of its training (DeepSpeed's hybrid engine adds it up in
+        ``step()``)."""
         self._engine.train(mode)
-        if mode:
-            self._train_start = time.perf_counter()
+        now = time.perf_counter()
+        if not mode:
+            self._end_train_phase(now)
+        elif self._train_start is None:
+            self._train_start = now
+            if self._iteration is not None:
+                self._iteration.trained = True
         return self
+
+    def _end_train_phase(self, now):
+        if self._train_start is not None and self._iteration is not None:
+            self._iteration.training_s += now - self._train_start
+        self._train_start = None
+
+    def _close_iteration(self, now):
+        it, self._iteration = self._iteration, None
+        it.end = now
+        self._iterations_done += 1
+        self._total_samples += it.samples
+        self._total_e2e_s += it.e2e_s(now)
+        it.index, it.total_samples, it.total_e2e_s = self._iterations_done, self._total_samples, self._total_e2e_s
+        self.last_iteration = it
+        if self.log_on_eval:
+            self.log_stats(it)
+
+    @contextlib.contextmanager
+    def evaluation(self):
+        """A block whose generations are no part of a PPO iteration (step 3's held-out evaluation): its ``eval()``
+        calls neither close nor begin iterations, its time is left out of the E2E latency of the iteration in
+        progress, and its stats (``latency_stats(engine.last_evaluation)``) count in no iteration or average."""
+        if self._evaluating:
+            yield self
+            return
+        start = time.perf_counter()
+        self._end_train_phase(start)
+        outer, self._iteration = self._iteration, IterationStats(start=start)
+        self._evaluating = True
+        try:
+            yield self
+        finally:
+            end = time.perf_counter()
+            self._end_train_phase(end)
+            self._iteration.end = end
+            self.last_evaluation, self._iteration = self._iteration, outer
+            self._evaluating = False
+            if outer is not None:
+                outer.start += end - start  # the block's time is no part of the iteration's E2E
 
     def step(self, *args, **kwargs):
         """The DeepSpeed step; weights it changed are marked stale so the next generation refreshes them."""
@@ -223,8 +282,10 @@ class HybridEngine:
         """
         self._check_hf_kwargs(hf_kwargs)
         self.check_generation_config(hf_kwargs)
+        now = time.perf_counter()
+        self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
         if self._iteration is None:
-            self._iteration = IterationStats(start=time.perf_counter())
+            self._iteration = IterationStats(start=now)
         self._refresh_weights()
         start = time.perf_counter()
         model = self.inference_weights.model
@@ -313,8 +374,9 @@ class HybridEngine:
                 if self.graph_decoder is not None:
                     self.graph_decoder.drop()  # the graphs hold the cache's storage; they are captured again next time
                 self.kv_cache.release()
+        tokens = int(result.lengths.sum())  # waits for the decode's kernels: they count in the generate time
         self._iteration.generate_s += time.perf_counter() - start
-        self._iteration.generated_tokens += int(result.lengths.sum())
+        self._iteration.generated_tokens += tokens
         self._iteration.samples += batch_size
         return (result.sequences, result.logprobs) if return_logprobs else result.sequences
 
@@ -393,8 +455,15 @@ class HybridEngine:
 
     # -- stats ------------------------------------------------------------------------------------------------------
     def latency_stats(self, iteration=None):
-        """Latencies (s) and throughput of ``iteration`` (default: the current one, up to now; ``last_iteration`` is
-        the last completed one, from one ``eval()`` to the next)."""
+        """Latencies (s) and throughput of ``iteration`` (default: the one in progress, up to now; ``last_iteration``
+        is the last completed one, ``last_evaluation`` the last :meth:`evaluation` block's).
+
+        ``e2e_latency`` = gather + generate + training + others. ``samples`` and ``tokens_per_sec`` (generated tokens
+        per second of generate time) are this rank's; ``samples_per_sec`` and ``avg_samples_per_sec`` count the whole
+        data-parallel batch, as DeepSpeed's CurSamplesPerSec/AvgSamplesPerSec do. ``avg_samples_per_sec``: all samples
+        of iterations 1..this one over their E2E time (with the one in progress up to now); after one iteration it is
+        ``samples_per_sec``. An evaluation block has neither an iteration number nor an average.
+        """
         now = time.perf_counter()
         it = iteration or self._iteration
         if it is None:
@@ -403,9 +472,16 @@ class HybridEngine:
         if it is self._iteration and self._train_start is not None:
             training += now - self._train_start
         e2e = it.e2e_s(now)
+        if it.index is not None:  # completed
+            index, samples_so_far, e2e_so_far = it.index, it.total_samples, it.total_e2e_s
+        elif it is self._iteration and not self._evaluating:  # in progress
+            index = self._iterations_done + 1
+            samples_so_far, e2e_so_far = self._total_samples + it.samples, self._total_e2e_s + e2e
+        else:  # an evaluation block
+            index = samples_so_far = e2e_so_far = None
         total_samples = self._world_samples(it.samples)
         stats = {
-            "iteration": self._iterations_done + (1 if it is self._iteration else 0),
+            "iteration": index,
             "e2e_latency": e2e,
             "gather_latency": it.gather_s,
             "generate_latency": it.generate_s,
@@ -416,9 +492,8 @@ class HybridEngine:
             "tokens_per_sec": it.generated_tokens / it.generate_s if it.generate_s > 0 else 0.0,
             "samples_per_sec": total_samples / e2e if e2e > 0 else 0.0,
         }
-        if self._iterations_done:
-            mean_e2e = self._total_e2e_s / self._iterations_done
-            stats["avg_samples_per_sec"] = total_samples / mean_e2e if mean_e2e > 0 else 0.0
+        if index is not None:
+            stats["avg_samples_per_sec"] = self._world_samples(samples_so_far) / e2e_so_far if e2e_so_far > 0 else 0.0
         return stats
 
     def _world_samples(self, samples):
