@@ -532,7 +532,8 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
 
 
 def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
-    common = ["--enable_hybrid_engine", "--save_interval", "2"]
+    # dropout draws from torch's global RNG even where the hybrid engine samples with its own generator
+    common = ["--enable_hybrid_engine", "--save_interval", "2", "--actor_dropout", "0.1", "--critic_dropout", "0.1"]
     ppo.main(ppo_args(trained, tmp_path / "full", "--max_steps", "4", "--resume", *common))  # nothing to resume
     assert "--resume: no complete checkpoint in" in capsys.readouterr().out
     # stopped after iteration 3, one past the last checkpoint: its log line is dropped and iteration 3 runs again
@@ -548,6 +549,28 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     for a, b in zip(full[2:], split[2:]):
         for key in ("reward", "kl", "actor_loss", "critic_loss", "answer_length"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")
+
+
+def test_resumed_run_matches_uninterrupted_run_with_dropout_hf_sampling_and_ptx(trained, tmp_path):
+    """Dropout in both models, answers sampled by HF generate (no hybrid engine) and PPO-ptx all draw from torch's
+    global RNG, which the checkpoint restores: the resumed run must draw exactly what the uninterrupted one drew (a
+    DataLoader iterator started on resume, for the prompts or the unsupervised stream, must not take a draw of its
+    own)."""
+    common = ["--actor_dropout", "0.1", "--critic_dropout", "0.1", "--unsupervised_dataset_name", "tiny",
+              "--max_steps", "3", "--save_interval", "1"]
+    ppo.main(ppo_args(trained, tmp_path / "full", *common))
+    ppo.main(ppo_args(trained, tmp_path / "split", "--enable_test_mode", "--test_stop_step", "1", *common))
+    ppo.main(ppo_args(trained, tmp_path / "split", "--resume", *common))
+    full = [json.loads(x) for x in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
+    split = [json.loads(x) for x in (tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in split] == [1, 2, 3]
+    for a, b in zip(full, split):
+        assert set(a) == set(b) and "unsup_loss" in a
+        for key in set(a) - set(TIMINGS):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
 
 
 def test_resumed_run_continues_the_unsupervised_data_where_it_stopped(trained, tmp_path):
@@ -724,6 +747,39 @@ def test_advantages_are_computed_once_per_rollout(trained, tmp_path, monkeypatch
     assert rollouts == [generation_batches]
 
 
+def test_rollout_generation_stats_sum_counts_and_times_and_weigh_answer_length_by_answers():
+    batches = [{"generation_time": 1.0, "experience_time": 0.5, "empty_answers": 1, "generated_tokens": 12,
+                "answer_length": 3.0},
+               {"generation_time": 2.0, "experience_time": 0.25, "empty_answers": 0, "generated_tokens": 16,
+                "answer_length": 8.0}]
+    stats = ppo.rollout_generation_stats(batches, [4, 2])
+    assert stats == {"generation_time": 3.0, "experience_time": 0.75, "empty_answers": 1, "generated_tokens": 28,
+                     "answer_length": 28 / 6}
+
+
+def test_iteration_records_of_several_generation_batches_cover_all_of_them(trained, tmp_path, monkeypatch):
+    """Each record is its iteration's: times and counts over every generation batch, not the last one's alone."""
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    batches, real = [], DeepSpeedPPOTrainer.generate_experience
+    monkeypatch.setattr(DeepSpeedPPOTrainer, "generate_experience",
+                        lambda self, *a, **k: (real(self, *a, **k), batches.append(dict(self.stats)))[0])
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--generation_batches", "2"))
+    log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
+    assert len(log) == 2 and len(batches) == 4
+    for record, pair in zip(log, (batches[:2], batches[2:])):
+        samples = 2 * 4  # 2 generation batches of 4 prompts
+        tokens = sum(b["generated_tokens"] for b in pair)
+        for key in ("generation_time", "experience_time"):
+            assert record[key] == pytest.approx(sum(b[key] for b in pair)), key
+        assert record["empty_answers"] == sum(b["empty_answers"] for b in pair)
+        assert record["answer_length"] == pytest.approx(tokens / samples)
+        assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(tokens / samples)
+        # the rate's clock runs over both generation batches and the training that follows them
+        wall = samples / record["samples_per_s"]
+        assert wall >= sum(b["generation_time"] + b["experience_time"] for b in pair) + record["training_time"]
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)
@@ -878,3 +934,31 @@ def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch)
     args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=given)
     ppo.held_out_eval(trainer, None, args, "cpu", None)
     assert seen["max_prompts"] == per_rank
+
+
+def test_the_held_out_evaluation_runs_outside_the_hybrid_engines_iterations(monkeypatch):
+    # the engine's latency line counts PPO iterations; the evaluation's generations must not make one
+    import contextlib
+    import types
+
+    seen = []
+
+    class Actor:
+        inside = False
+
+        @contextlib.contextmanager
+        def evaluation(self):
+            self.inside = True
+            yield self
+            self.inside = False
+
+        def generate(self, *a, **k):
+            pass
+
+    actor = Actor()
+    trainer = types.SimpleNamespace(hybrid=True, actor_model=actor, eval=lambda: seen.append(("eval", actor.inside)),
+                                    reward_model=None, tokenizer=None, z3_enabled=False, pad_to_multiple_of=None)
+    monkeypatch.setattr(ppo, "evaluate_policy", lambda *a, **k: seen.append(("generate", actor.inside)) or "result")
+    args = types.SimpleNamespace(eval_max_new_tokens=4, max_answer_seq_len=4, eval_prompts=2)
+    assert ppo.held_out_eval(trainer, None, args, "cpu", None) == "result"
+    assert seen == [("eval", True), ("generate", True)] and not actor.inside

@@ -55,9 +55,19 @@ def weighted_collator(collator):
     return collate
 
 
+def loader_generator(seed=0):
+    """A DataLoader's own generator (its ``generator=``). Each new iterator of a loader draws a base seed (for worker
+    processes) from it, else from torch's global generator, which dropout and answer sampling share: that draw would
+    shift them, and a resumed run, whose checkpoint restored the global state, would start its loaders' iterators at
+    other points of the stream than the run it continues did. With its own generator, iterating a loader never
+    touches the global state. The data order is the sampler's (its own seeded generator, or DistributedSampler's
+    seed and epoch), as before."""
+    return torch.Generator().manual_seed(seed)
+
+
 def distributed_eval_loader(dataset, batch_size, collator):
     """Every rank's share of ``dataset``, padding repeats marked with ``eval_weight`` 0."""
     from torch.utils.data import DataLoader
 
     return DataLoader(EvalWeighted(dataset), batch_size=batch_size, sampler=PaddingMarkedSampler(dataset, shuffle=False),
-                      collate_fn=weighted_collator(collator))
+                      collate_fn=weighted_collator(collator), generator=loader_generator())

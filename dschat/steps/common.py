@@ -27,18 +27,19 @@ def setup_run(args):
 
 def build_dataloaders(train_dataset, eval_dataset, collator, train_batch_size, eval_batch_size, seed,
                       drop_last=False):
-    if get_world_size() > 1:
-        from dschat.data.samplers import distributed_eval_loader
+    from dschat.data.samplers import distributed_eval_loader, loader_generator
 
+    if get_world_size() > 1:
         train_sampler = DistributedSampler(train_dataset, shuffle=True, seed=seed)
         # the ranks' padding repeats get eval_weight 0, so the evaluation functions count every item once
         evaluation = distributed_eval_loader(eval_dataset, eval_batch_size, collator)
     else:
         train_sampler = RandomSampler(train_dataset, generator=torch.Generator().manual_seed(seed))
         evaluation = DataLoader(eval_dataset, batch_size=eval_batch_size, sampler=SequentialSampler(eval_dataset),
-                                collate_fn=collator)
+                                collate_fn=collator, generator=loader_generator(seed))
+    # the loaders' own generators keep their iterators off torch's global RNG (loader_generator says why)
     train = DataLoader(train_dataset, batch_size=train_batch_size, sampler=train_sampler, collate_fn=collator,
-                       drop_last=drop_last)
+                       drop_last=drop_last, generator=loader_generator(seed))
     return train, evaluation
 
 

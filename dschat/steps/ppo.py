@@ -1,4 +1,5 @@
 """Step 3: PPO of the SFT actor against the step-2 reward model, with held-out evaluation and resume."""
+import contextlib
 import json
 import math
 import os
@@ -8,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from dschat.args import resolve_pad_to_multiple_of, step3_parser
-from dschat.data.samplers import distributed_eval_loader
+from dschat.data.samplers import distributed_eval_loader, loader_generator
 from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
@@ -44,9 +45,12 @@ def prompt_loaders(args, tokenizer):
         evaluation = distributed_eval_loader(held_out, batch, collator)
     else:
         train_sampler = RandomSampler(train, generator=torch.Generator().manual_seed(args.seed))
-        evaluation = DataLoader(held_out, batch_size=batch, sampler=SequentialSampler(held_out), collate_fn=collator)
-    # drop_last keeps every rank's iteration count equal, so collectives line up
-    return DataLoader(train, batch_size=batch, sampler=train_sampler, collate_fn=collator, drop_last=True), evaluation
+        evaluation = DataLoader(held_out, batch_size=batch, sampler=SequentialSampler(held_out), collate_fn=collator,
+                                generator=loader_generator(args.seed))
+    # drop_last keeps every rank's iteration count equal, so collectives line up; the loader's own generator keeps
+    # a resumed run's new iterator from taking a draw of the global RNG that the checkpoint restored
+    return DataLoader(train, batch_size=batch, sampler=train_sampler, collate_fn=collator, drop_last=True,
+                      generator=loader_generator(args.seed)), evaluation
 
 
 def unsupervised_loader(args, tokenizer):
@@ -145,13 +149,15 @@ def _mean(values):
 
 def held_out_eval(trainer, loader, args, device, scorer):
     generate = trainer.actor_model.generate if trainer.hybrid else trainer.actor_model.module.generate
-    trainer.eval()
-    result = evaluate_policy(generate, trainer.reward_model, trainer.tokenizer, loader, device,
-                             args.eval_max_new_tokens or args.max_answer_seq_len, scorer,
-                             -(-args.eval_prompts // get_world_size()),  # a count over all ranks: each scores its share
-                             synced_gpus=trainer.z3_enabled and get_world_size() > 1,
-                             pad_to_multiple_of=trainer.pad_to_multiple_of)
-    return result
+    # the hybrid engine's latency line counts PPO iterations: the evaluation's generations stay out of them
+    outside_iterations = trainer.actor_model.evaluation() if trainer.hybrid else contextlib.nullcontext()
+    with outside_iterations:
+        trainer.eval()
+        return evaluate_policy(generate, trainer.reward_model, trainer.tokenizer, loader, device,
+                               args.eval_max_new_tokens or args.max_answer_seq_len, scorer,
+                               -(-args.eval_prompts // get_world_size()),  # a count over all ranks: each its share
+                               synced_gpus=trainer.z3_enabled and get_world_size() > 1,
+                               pad_to_multiple_of=trainer.pad_to_multiple_of)
 
 
 def main(args=None):
@@ -220,15 +226,17 @@ def main(args=None):
                 continue  # consumed before the checkpoint we resumed from
             if iteration >= stop_at:
                 break
-            t0 = time.time()
+            if not buffer:  # the iteration's clock runs from its first generation batch
+                t0, batch_stats = time.time(), []
             # advantages wait for the whole rollout (ppo_update): a generation batch's own would be thrown away
             buffer.append(trainer.generate_experience(batch, step=iteration, advantages=False))
+            batch_stats.append(dict(trainer.stats))  # this generation batch's alone: the next one overwrites them
             if unsup_iter is not None:  # one unsupervised batch per generation batch, as in DeepSpeed-Chat
                 unsup_buffer.append(_to(next(unsup_iter), device))
                 unsup_batches += 1
-            gen_stats = dict(trainer.stats)
             if len(buffer) < args.generation_batches:
                 continue
+            gen_stats = rollout_generation_stats(batch_stats, [e["input_ids"].shape[0] for e in buffer])
             t1 = time.time()
             actor_loss, critic_loss, unsup_loss = ppo_update(trainer, buffer, args, device, unsup_buffer)
             train_time = time.time() - t1
@@ -236,6 +244,7 @@ def main(args=None):
             if args.adaptive_kl:  # in the controller's unit, the same on every rank
                 trainer.update_kl_controller(kl["kl_per_answer"],
                                              sum(e["input_ids"].shape[0] for e in buffer) * get_world_size())
+            # samples_per_s and tokens_per_s: over the whole iteration, every generation batch's time included
             record = _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss,
                                        kl, train_time, time.time() - t0, device)
             _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
@@ -271,6 +280,20 @@ def kl_to_reference(trainer, buffer, device):
     return {"kl": rank_mean(per_token, device), "kl_per_answer": rank_mean(per_answer, device)}
 
 
+SUMMED_GENERATION_STATS = ("generation_time", "experience_time", "empty_answers", "generated_tokens")
+
+
+def rollout_generation_stats(batch_stats, batch_answers):
+    """One rollout's generation stats from its generation batches' (``trainer.stats`` after each, and the batch's
+    answer count): times and counts add up over the batches; answer_length, a mean over a batch's answers, becomes
+    the mean over all the rollout's answers (each batch weighted by its answers: the rollout's answer tokens over
+    its answers)."""
+    stats = {key: sum(s[key] for s in batch_stats) for key in SUMMED_GENERATION_STATS}
+    weighted = sum(s["answer_length"] * n for s, n in zip(batch_stats, batch_answers))
+    stats["answer_length"] = weighted / sum(batch_answers)
+    return stats
+
+
 def _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss, kl, train_time,
                       wall, device):
     reward = torch.cat([e["rewards"].float() for e in buffer]).mean().item()
@@ -279,8 +302,9 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_
     record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), **kl, "kl_coef": trainer.kl_ctl.value,
               "actor_loss": rank_mean(actor_loss, device),
               "critic_loss": rank_mean(critic_loss, device),
+              # every rank answers as many prompts: the mean of the ranks' means is the mean over all answers
               "answer_length": rank_mean(gen_stats["answer_length"], device),
-              "empty_answers": int(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
+              "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
               "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
               **{k: trainer.stats[k] for k in ("pg_clipfrac", "approx_kl", "vf_clipfrac") if k in trainer.stats}}
