@@ -143,7 +143,8 @@ def check_step_args(steps, args, tiny, parsers):
     for step, (flags, parser) in parsed.items():
         check_folders_are_train_pys(step, args, tiny, flags, parser)
         if step == 3:
-            check_step3_settings(step3_args(flags), get_world_size())
+            # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from
+            check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None)
         else:
             check_supervised_settings(flags, phase=step)
     for step, (flags, _) in parsed.items():

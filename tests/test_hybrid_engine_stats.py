@@ -19,11 +19,10 @@ class Rig:
     """A HybridEngine whose clock moves only when told: a generation takes the seconds it is given, a weight refresh
     ``GATHER_S``."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, ds_engine):
         self.now = 100.0
         monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
-        self.engine = HybridEngine(make_ds_engine(tiny_model("gpt2", seed=8), 0),
-                                   HybridEngineConfig(enabled=True, max_out_tokens=32), pad_token_id=PAD)
+        self.engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32), pad_token_id=PAD)
         self.engine.inference_weights._refresh = lambda: self.advance(GATHER_S)
         self._generate_s = 0.0
         real = engine_module.generate_tokens
@@ -55,9 +54,14 @@ class Rig:
             self.micro_batch(s, seq)
 
 
+@pytest.fixture(scope="module")
+def ds_engine():
+    return make_ds_engine(tiny_model("gpt2", seed=8), 0)  # the slow part; each test wraps it in a new HybridEngine
+
+
 @pytest.fixture
-def rig(monkeypatch):
-    return Rig(monkeypatch)
+def rig(monkeypatch, ds_engine):
+    return Rig(monkeypatch, ds_engine)
 
 
 def _parts_sum(s):

@@ -753,8 +753,7 @@ def test_rollout_generation_stats_sum_counts_and_times_and_weigh_answer_length_b
                {"generation_time": 2.0, "experience_time": 0.25, "empty_answers": 0, "generated_tokens": 16,
                 "answer_length": 8.0}]
     stats = ppo.rollout_generation_stats(batches, [4, 2])
-    assert stats == {"generation_time": 3.0, "experience_time": 0.75, "empty_answers": 1, "generated_tokens": 28,
-                     "answer_length": 28 / 6}
+    assert stats == {"generation_time": 3.0, "experience_time": 0.75, "empty_answers": 1, "answer_length": 28 / 6}
 
 
 def test_iteration_records_of_several_generation_batches_cover_all_of_them(trained, tmp_path, monkeypatch):

@@ -242,18 +242,47 @@ def _reward_config(monkeypatch, capsys, **settings):
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
-def test_reward_model_offload_follows_the_actor_when_no_critic_is_trained(monkeypatch, capsys, estimator):
-    assert _reward_config(monkeypatch, capsys, advantage_estimator=estimator, actor_zero_stage=3)[:2] == (3, "cpu")
-    stage, device, said = _reward_config(monkeypatch, capsys, advantage_estimator=estimator, actor_zero_stage=2,
-                                         critic_zero_stage=3)
+def test_without_a_critic_the_reward_models_stage_and_offload_follow_critic_zero_stage(monkeypatch, capsys, estimator):
+    # --critic_zero_stage is train.py's --reward-zero-stage: it keeps setting the reward model's sharding
+    assert _reward_config(monkeypatch, capsys, advantage_estimator=estimator, critic_zero_stage=3,
+                          actor_zero_stage=2)[:2] == (3, "cpu")
+    stage, device, said = _reward_config(monkeypatch, capsys, advantage_estimator=estimator, actor_zero_stage=3,
+                                         critic_zero_stage=2)
     assert (stage, device) == (0, "none")
     assert "--offload_reward_model: parameter offload is a ZeRO-3 feature" in said
-    assert f"the actor (--advantage_estimator {estimator} trains no critic), is (--actor_zero_stage 3, now 2)" in said
-    assert "critic_zero_stage" not in said
+    assert f"only with --critic_zero_stage 3 (--advantage_estimator {estimator} trains no critic" in said
+    assert "like the critic" not in said
 
 
 def test_reward_model_offload_follows_the_critic_under_gae(monkeypatch, capsys):
     assert _reward_config(monkeypatch, capsys, critic_zero_stage=3, actor_zero_stage=2)[:2] == (3, "cpu")
     stage, device, said = _reward_config(monkeypatch, capsys, critic_zero_stage=2, actor_zero_stage=3)
     assert (stage, device) == (0, "none")
-    assert "the critic, is (--critic_zero_stage 3, now 2): not offloaded" in said
+    assert "only with --critic_zero_stage 3 (it is sharded like the critic; now 2): not offloaded" in said
+
+
+def test_train_py_checks_the_plan_on_the_model_step1_starts_from_not_an_earlier_runs_output(tmp_path, monkeypatch):
+    # before step 1 runs, <output-dir>/step1_sft may hold an earlier run's model (here 4 heads: no split over 8)
+    import runpy
+
+    from transformers import LlamaConfig
+
+    from dschat import pipeline
+    from dschat.args import step1_parser, step2_parser
+    from dschat.utils import dist
+    from launch import REPO
+
+    def llama(folder, heads):
+        LlamaConfig(vocab_size=64, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=heads, num_key_value_heads=heads).save_pretrained(folder)
+
+    llama(tmp_path / "out" / "step1_sft", heads=4)
+    llama(tmp_path / "start", heads=8)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"](
+        ["--actor-model", str(tmp_path / "start"), "--output-dir", str(tmp_path / "out"),
+         "--step3-args", "--enable_hybrid_engine --inference_tp_size 8"])
+    parsers = {1: step1_parser, 2: step2_parser, 3: step3_parser}
+    pipeline.check_step_args([1, 2, 3], args, True, parsers)  # the 8-head model step 1 starts from splits
+    with pytest.raises(UsageError, match="step1_sft .*4 attention heads"):  # step 3 alone reads the folder
+        pipeline.check_step_args([3], args, True, parsers)

@@ -324,8 +324,11 @@ def check_splits(config, tp_size):
 
     from dschat.models.layers import decoder_layer_list
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # a model that cannot be built this way (remote code, no causal-LM class): the engine checks
+        return         # the real one when it builds its inference copy
     group = TensorParallelGroup(tp_size, 0, list(range(tp_size)), None)  # rank 0's plan: every rank's splits alike
     ShardPlan(model, decoder_layer_list(model)[0], group).apply(model)
 

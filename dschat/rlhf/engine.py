@@ -156,9 +156,11 @@ def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=Tr
                          f"{config.model_type!r}) over {tp} ranks: {error}") from None
 
 
-def check_step3_settings(args, world_size):
+def check_step3_settings(args, world_size, actor_architecture=None):
     """The reward sources checked, and the actor's and critic's training configs built once, quietly, so that a
-    config file that contradicts the flags fails before any data or model is loaded."""
+    config file that contradicts the flags fails before any data or model is loaded. ``actor_architecture``: where
+    the actor's config is read for the checks that need it, when not from --actor_model_name_or_path (train.py,
+    before step 1 writes that folder: the model step 1 starts from, whose architecture it keeps)."""
     check_sampling(args)
     check_hybrid_engine_flags(args)
     check_reward_sources(args)
@@ -174,22 +176,22 @@ def check_step3_settings(args, world_size):
         raise UsageError(f"hybrid_engine.max_out_tokens {out_tokens} (the DeepSpeed config file) is shorter than "
                          f"the longest sequence step 3 generates, {longest} (--max_prompt_seq_len + the longer of "
                          "--max_answer_seq_len and --eval_max_new_tokens): prompt + answer must fit")
-    check_inference_tp(args, world_size, actor.get("hybrid_engine", {}), args.actor_model_name_or_path)
+    check_inference_tp(args, world_size, actor.get("hybrid_engine", {}),
+                       actor_architecture or args.actor_model_name_or_path)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
 
 
 def frozen_twin(args, role):
-    """(ZeRO stage, the flag that sets it, what it is) of the trained model whose stage a frozen one ("reference",
-    "reward"; the EMA copy is the reference's kind) follows: the actor for the reference; for the reward model the
-    critic, a model of its kind, or the actor when the advantage estimator trains no critic."""
-    if role == "reward" and args.advantage_estimator == "gae":
-        return args.critic_zero_stage, "--critic_zero_stage", "its trained twin, the critic,"
-    if role == "reward":
-        return args.actor_zero_stage, "--actor_zero_stage", (f"the one trained model, the actor "
-                                                             f"(--advantage_estimator {args.advantage_estimator} "
-                                                             "trains no critic),")
-    return args.actor_zero_stage, "--actor_zero_stage", "its trained twin, the actor,"
+    """(ZeRO stage, the flag that sets it, why) of a frozen model ("reference", "reward"; the EMA copy is the
+    reference's kind): the reference is sharded like the actor; the reward model like the critic, a model of its
+    kind, and by --critic_zero_stage alone (train.py's --reward-zero-stage) when the estimator trains no critic."""
+    if role != "reward":
+        return args.actor_zero_stage, "--actor_zero_stage", "it is sharded like the actor"
+    if args.advantage_estimator == "gae":
+        return args.critic_zero_stage, "--critic_zero_stage", "it is sharded like the critic"
+    return args.critic_zero_stage, "--critic_zero_stage", (f"--advantage_estimator {args.advantage_estimator} trains "
+                                                           "no critic; the flag sets the reward model's stage")
 
 
 def check_same_token_ids(actor_tokenizer, actor_path, other_tokenizer, other_path, role):
@@ -246,10 +248,9 @@ class DeepSpeedRLHFEngine:
         offload is a ZeRO-3 feature, so it follows the twin's stage too (as in DeepSpeed-Chat)."""
         frozen_stage = frozen_copy_stage(stage, self.world_size, offload)
         if offload and frozen_stage != 3:
-            _, stage_flag, twin = frozen_twin(self.args, role)
+            _, stage_flag, why = frozen_twin(self.args, role)
             print_rank_0(f"[step3] --offload_{role}_model: parameter offload is a ZeRO-3 feature, and the {role} "
-                         f"model is sharded with ZeRO-3 only when {twin} is ({stage_flag} 3, now {stage}): not "
-                         "offloaded")
+                         f"model runs at ZeRO-3 only with {stage_flag} 3 ({why}; now {stage}): not offloaded")
         return get_eval_ds_config(offload=offload and frozen_stage == 3, dtype=dtype or self.args.dtype,
                                   stage=frozen_stage,
                                   micro_batch_size=self.args.per_device_training_batch_size,

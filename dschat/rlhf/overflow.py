@@ -34,9 +34,9 @@ def check_align_overflow(args):
                          f"{args.advantage_estimator} trains no critic: drop the flag")
     if args.unsupervised_dataset_name:
         raise UsageError("--align_overflow aligns the actor's PPO step with the critic's; with "
-                         "--unsupervised_dataset_name the actor steps after each language-model micro-step (PPO-ptx "
-                         "accumulates the two into one step), a step DeepSpeed-Chat does not align either, so there "
-                         "would be nothing to align: drop the flag")
+                         "--unsupervised_dataset_name dschat accumulates the actor's PPO and language-model losses "
+                         "into one step, taken after the language-model micro-step, which this alignment does not "
+                         "cover (DeepSpeed-Chat steps them separately and aligns the PPO one): drop one of the two")
     return True
 
 

@@ -280,7 +280,7 @@ def kl_to_reference(trainer, buffer, device):
     return {"kl": rank_mean(per_token, device), "kl_per_answer": rank_mean(per_answer, device)}
 
 
-SUMMED_GENERATION_STATS = ("generation_time", "experience_time", "empty_answers", "generated_tokens")
+SUMMED_GENERATION_STATS = ("generation_time", "experience_time", "empty_answers")
 
 
 def rollout_generation_stats(batch_stats, batch_answers):
