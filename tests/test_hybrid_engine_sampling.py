@@ -351,3 +351,15 @@ def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
     assert all(torch.equal(a, b) for a, b in zip(first, replays(5))), "a seed reproduces the replays"
     generator = torch.Generator(device="cuda").manual_seed(5)
     assert torch.equal(first[0], triton_sampling.select_tokens(logits, 1.0, generator)[0]), "graph == eager"
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 0.8), (12, 1.0)])
+def test_fp32_logits_with_filtered_out_columns_and_a_temperature_keep_what_hf_keeps(top_k, top_p):
+    # what a step hands the filters after a repetition penalty (fp32) and EOS suppression (-inf columns)
+    logits = torch.randn(8, 400, generator=torch.Generator().manual_seed(3)) * 2
+    logits[:, :7] = float("-inf")
+    logits[0, 50:] = float("-inf")  # fewer finite logits than some top-k: the -inf ones stay out
+    ours = filtered_logits(logits, 0.7, top_k, top_p)
+    theirs = _hf_filtered(logits, 0.7, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert torch.equal(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
