@@ -329,6 +329,22 @@ def _converted(action, name, value):
         raise UsageError(f"{name}: {err}") from None
 
 
+def check_sampling_flags(temperature, top_p):
+    """--temperature and --top_p of a sampled generation (step 3, chat.py, prompt_eval.py), checked before any model
+    loads: HF's generate would fail on them in the first generation."""
+    if not temperature > 0:
+        raise UsageError(f"--temperature {temperature}: sampling needs a temperature > 0; --greedy takes the most "
+                         "likely token")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top_p {top_p}: must be in (0, 1] (1: no nucleus filtering)")
+
+
+def top_k_flag(top_k):
+    """--top_k as generate takes it: 0 or negative is no top-k filtering, which is 0 for HF's generate (it refuses
+    a negative one) and for the hybrid engine (which, as HF's generate, reads None as the generation_config's)."""
+    return max(top_k, 0)
+
+
 HYBRID_ENGINE_GROUP = "hybrid engine"
 
 

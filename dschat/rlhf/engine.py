@@ -5,7 +5,7 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
-from dschat.args import hybrid_engine_only_flags
+from dschat.args import check_sampling_flags, hybrid_engine_only_flags
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
@@ -89,18 +89,6 @@ def quantize_frozen_weights(engine):
     return sum(hasattr(getattr(p, "ds_tensor", None), "ds_quant_scale") for p in engine.module.parameters())
 
 
-def check_sampling(args):
-    """--temperature and --top_p when answers are sampled (--greedy ignores them): a temperature <= 0 would fail in
-    the first generation, after the models load."""
-    if args.greedy:
-        return
-    if not args.temperature > 0:
-        raise UsageError(f"--temperature {args.temperature}: sampling needs a temperature > 0; --greedy takes the "
-                         "most likely token")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top_p {args.top_p}: must be in (0, 1] (1: no nucleus filtering)")
-
-
 def check_hybrid_engine_flags(args):
     """Flags only the hybrid engine reads, given other than their defaults without --enable_hybrid_engine: an error
     (they would change nothing: HF's generate makes the answers). Defaults given explicitly, as DeepSpeed-Chat's
@@ -161,7 +149,8 @@ def check_step3_settings(args, world_size, actor_architecture=None):
     config file that contradicts the flags fails before any data or model is loaded. ``actor_architecture``: where
     the actor's config is read for the checks that need it, when not from --actor_model_name_or_path (train.py,
     before step 1 writes that folder: the model step 1 starts from, whose architecture it keeps)."""
-    check_sampling(args)
+    if not args.greedy:  # greedy reads neither temperature nor top_p
+        check_sampling_flags(args.temperature, args.top_p)
     check_hybrid_engine_flags(args)
     check_reward_sources(args)
     if args.reward_fn:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function as phase  # named ranges in a torch.profiler trace (µs each otherwise)
 
-from dschat.args import resolve_pad_to_multiple_of
+from dschat.args import resolve_pad_to_multiple_of, top_k_flag
 from dschat.data.collators import padded_length
 from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
@@ -81,13 +81,11 @@ def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, en
 
 def sampling_kwargs(args, hf_generate=False):
     """The sampling keyword arguments of step 3's generation from --greedy / --temperature / --top_k / --top_p, for
-    the hybrid engine and (``hf_generate``) HF's ``generate``. A non-positive --top_k is no top-k filtering: 0 for
-    both (HF's ``generate`` refuses a negative top_k and reads 0 as off; the hybrid engine, as HF's generate for an
-    argument not given, reads None as the model's generation_config's top_k, else HF's default of 50). Greedy: HF
-    gets no sampling settings, which it would warn about."""
+    the hybrid engine and (``hf_generate``) HF's ``generate`` (``top_k_flag``: a non-positive --top_k is off on both).
+    Greedy: HF gets no sampling settings, which it would warn about."""
     if args.greedy and hf_generate:
         return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-    return {"do_sample": not args.greedy, "temperature": args.temperature, "top_k": max(args.top_k, 0),
+    return {"do_sample": not args.greedy, "temperature": args.temperature, "top_k": top_k_flag(args.top_k),
             "top_p": args.top_p}
 
 

@@ -6,10 +6,8 @@ import os
 import time
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from dschat.args import resolve_pad_to_multiple_of, step3_parser
-from dschat.data.samplers import distributed_eval_loader, loader_generator
 from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
@@ -19,8 +17,8 @@ from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
-from dschat.steps.common import (format_metrics, progress, require_training_records, setup_run, tensorboard_writer,
-                                 write_metrics)
+from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records, setup_run,
+                                 tensorboard_writer, write_metrics)
 from dschat.utils.dist import get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
 
@@ -39,26 +37,15 @@ def prompt_loaders(args, tokenizer):
     collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id,
                                 pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     batch = args.per_device_generation_batch_size
-    if get_world_size() > 1:
-        train_sampler = DistributedSampler(train, shuffle=True, seed=args.seed)
-        # every rank runs as many eval batches (generation may be collective); the repeats weigh 0 in the scores
-        evaluation = distributed_eval_loader(held_out, batch, collator)
-    else:
-        train_sampler = RandomSampler(train, generator=torch.Generator().manual_seed(args.seed))
-        evaluation = DataLoader(held_out, batch_size=batch, sampler=SequentialSampler(held_out), collate_fn=collator,
-                                generator=loader_generator(args.seed))
-    # drop_last keeps every rank's iteration count equal, so collectives line up; the loader's own generator keeps
-    # a resumed run's new iterator from taking a draw of the global RNG that the checkpoint restored
-    return DataLoader(train, batch_size=batch, sampler=train_sampler, collate_fn=collator, drop_last=True,
-                      generator=loader_generator(args.seed)), evaluation
+    # drop_last keeps every rank's iteration count equal, so collectives line up; on several ranks every rank runs
+    # as many eval batches (generation may be collective) and the repeats weigh 0 in the scores
+    return build_dataloaders(train, held_out, collator, batch, batch, args.seed, drop_last=True)
 
 
 def unsupervised_loader(args, tokenizer):
     if not args.unsupervised_dataset_name:
         return None
-    from dschat.data import get_unsupervised_data
-    from dschat.steps.common import build_dataloaders
-    from dschat.data import DataCollatorSFT
+    from dschat.data import DataCollatorSFT, get_unsupervised_data
 
     data = get_unsupervised_data(args, tokenizer)
     # no --pad_to_multiple_of here: the blocks all have one length already, rounding it up would only add padding

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from dschat.args import positive_int
+from dschat.args import check_sampling_flags, positive_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, RM_DIR, SFT_DIR
 
@@ -89,12 +89,8 @@ def generation_kwargs(args):
         torch.manual_seed(args.seed)
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     if args.do_sample:
-        if args.temperature <= 0:
-            raise UsageError(f"--temperature {args.temperature}: sampling needs a temperature > 0; --greedy takes "
-                             "the most likely token")
-        if not 0 < args.top_p <= 1:
-            raise UsageError(f"--top_p {args.top_p}: must be in (0, 1]")
-        kwargs.update(temperature=args.temperature, top_k=max(args.top_k, 0), top_p=args.top_p)
+        check_sampling_flags(args.temperature, args.top_p)
+        kwargs.update(temperature=args.temperature, top_k=top_k_flag(args.top_k), top_p=args.top_p)
     return kwargs
 
 
