@@ -6,10 +6,12 @@
   before the fifteenth session);
 - ``one pass``, ``one pass + logp``: ``triton_sampling.select_tokens`` (tokens; tokens and log-sum-exp, the log-prob
   gathered from it), as ``sampling.choose_tokens`` runs it;
-- with ``--top_p P`` and/or ``--top_k K``, ``filtered torch + logp`` and ``filtered one pass + logp``: the logits
-  filtered by torch's ops (``sampling.filtered_logits``), then torch's race or the one-pass kernel's (the log-probs of
-  the unfiltered logits either way); and ``fp32 ranked + logp``: the same filters with the largest values ranked on
-  the scaled fp32 copy of the logits (before the seventeenth session; now the bf16 logits are), then the one-pass race.
+- with ``--top_p P`` and/or ``--top_k K``: ``filtered torch + logp`` (torch's filters, ``sampling.filtered_logits``,
+  then torch's race), ``sorted + one pass + logp`` (torch's filters, then the one-pass race: the filtered step before
+  the eighteenth session, and what ``sampling.choose_tokens`` runs for top-k now) and ``cut + one pass + logp``
+  (``triton_filters.row_cuts``, then the one-pass race masking by the cut: what it runs for top-p alone); the
+  log-probs are the unfiltered logits' in each. Every row also reports by how many tokens the cut's kept count
+  differs from torch's filters' (0 expected; fp32 sums in another order can move a cut by a token).
 
 Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens against softmax(logits / T).
 
@@ -17,6 +19,7 @@ Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens again
     python bench/sampling.py --top_p 0.9           # also the nucleus-filtered step, torch's race against the kernel's
     python bench/sampling.py --top_k 20 --top_p 0.8  # Qwen2.5-Instruct's generation_config
     python bench/sampling.py --sweep               # the one-pass kernel's LANES x PROGRAMS_PER_SM x NUM_WARPS
+    python bench/sampling.py --cut_sweep --top_p 0.9 --batches 64   # the row cuts' FANOUT x BLOCK x NUM_WARPS
 
 Prints microseconds per sampled token and the seconds 255 decode steps spend in it; writes JSON to $OUT when set.
 """
@@ -31,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
 from results import write_json  # noqa: E402
 
-from dschat.hybrid_engine import triton_sampling  # noqa: E402
-from dschat.hybrid_engine.sampling import (choose_tokens, filter_top_k_top_p, filtered_logits,  # noqa: E402
+from dschat.hybrid_engine import triton_filters, triton_sampling  # noqa: E402
+from dschat.hybrid_engine.sampling import (choose_tokens, filtered_logits,  # noqa: E402
                                            sample_next_token, token_log_probs)
 
 VOCABS = {"opt-1.3b": 50272, "qwen2.5-7b": 152064}
@@ -61,16 +64,28 @@ def filtered_torch_race_and_logp(logits, temperature, top_k, top_p):
                          logprobs=True)
 
 
-def fp32_ranked(logits, temperature, top_k, top_p):
-    """The filters as before the seventeenth session: the largest values ranked on the scaled fp32 copy."""
-    return filter_top_k_top_p(logits.float() / temperature, top_k, top_p)
-
-
-def fp32_ranked_one_pass(logits, temperature, top_k, top_p):
-    """Those filters, then the one-pass race (log-probs of the unfiltered logits)."""
-    filtered = fp32_ranked(logits, temperature, top_k, top_p)
-    tokens, _ = choose_tokens(filtered, filtered, do_sample=True, one_pass=True)
+def sorted_one_pass(logits, temperature, top_k, top_p):
+    """torch's filters (a sort for top-p alone, topk otherwise), then the one-pass race on the filtered fp32 copy
+    (its log-sum-exp is not the model's: the log-probs from a log_softmax), as before the eighteenth session."""
+    filtered = filtered_logits(logits, temperature, top_k, top_p)
+    tokens, _ = triton_sampling.select_tokens(filtered, 1.0)
     return tokens, token_log_probs(logits, tokens)
+
+
+def cut_one_pass(logits, temperature, top_k, top_p):
+    """The row cuts, then the one-pass race masking by them (log-probs from its unfiltered log-sum-exp): what
+    ``sampling.choose_tokens`` runs for top-p alone (top-k goes the ``sorted + one pass`` way)."""
+    cuts = triton_filters.row_cuts(logits, temperature, top_k, top_p)
+    tokens, lse = triton_sampling.select_tokens(logits, temperature, None, True, True, cuts)
+    return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
+
+
+def cut_count_difference(logits, temperature, top_k, top_p):
+    """The most tokens by which the row cuts' kept count differs from torch's filters' in any row (0: the same in
+    every row; fp32 sums in another order can move a cut whose mass lies within rounding of top_p)."""
+    kept = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_k, top_p))
+    theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
+    return int((kept.sum(-1) - theirs.sum(-1)).abs().max())
 
 
 def one_pass_fit(temperature, draws=2**20, tokens=16):
@@ -129,6 +144,27 @@ def sweep(args):
     write_json("sampling_sweep.json", {"args": vars(args), "cases": cases, "rows": rows})
 
 
+def cut_sweep(args):
+    """``cut + one pass + logp`` under each search setting of ``triton_filters`` (FANOUT x BLOCK x NUM_WARPS)."""
+    settings = list(itertools.product((2, 4, 8), (2048, 4096, 8192), (8, 16, 32)))
+    cases = list(itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))))
+    default = (triton_filters.FANOUT, triton_filters.BLOCK, triton_filters.NUM_WARPS)
+    filters = dict(top_k=args.top_k, top_p=args.top_p)
+    rows = []
+    print(f"{'FANOUT':>7}{'BLOCK':>6}{'warps':>6}" + "".join(f"{v[:4]}/{b:>3}".rjust(11) for v, b in cases))
+    for fanout, block, warps in settings:
+        triton_filters.FANOUT, triton_filters.BLOCK, triton_filters.NUM_WARPS = fanout, block, warps
+        us = []
+        for name, batch in cases:
+            logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
+            us.append(time_us(lambda: cut_one_pass(logits, args.temperature, **filters)))
+        rows.append(dict(fanout=fanout, block=block, num_warps=warps, us=us))
+        mark = " (default)" if (fanout, block, warps) == default else ""
+        print(f"{fanout:>7}{block:>6}{warps:>6}" + "".join(f"{u:>11.1f}" for u in us) + mark)
+    triton_filters.FANOUT, triton_filters.BLOCK, triton_filters.NUM_WARPS = default
+    write_json("sampling_cut_sweep.json", {"args": vars(args), "cases": cases, "rows": rows})
+
+
 def main():
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--vocabs", default="opt-1.3b,qwen2.5-7b")
@@ -138,9 +174,12 @@ def main():
     p.add_argument("--top_k", type=int, default=0, help="> 0: also time the top-k-filtered step")
     p.add_argument("--steps", type=int, default=255, help="decode steps a generation samples in (for the seconds)")
     p.add_argument("--sweep", action="store_true", help="time the one-pass kernel's launch settings instead")
+    p.add_argument("--cut_sweep", action="store_true", help="time the row cuts' search settings instead (with filters)")
     args = p.parse_args()
     if args.sweep:
         return sweep(args)
+    if args.cut_sweep:
+        return cut_sweep(args)
     fits = {t: one_pass_fit(t) for t in (1.0, 0.7)}
     print("one-pass draws, chi-square of 2**20 draws over 16 tokens (15 dof; p=0.001 at 37.7): "
           + ", ".join(f"T={t}: {v:.1f}" for t, v in fits.items()))
@@ -158,23 +197,21 @@ def main():
                "one pass": lambda x: one_pass(x, args.temperature, False),
                "one pass + logp": lambda x: one_pass(x, args.temperature, True)}
     filters = dict(top_k=args.top_k, top_p=args.top_p)
-    if args.top_k > 0 or args.top_p < 1.0:
+    filters_on = args.top_k > 0 or args.top_p < 1.0
+    if filters_on:
         columns["filtered torch + logp"] = lambda x: filtered_torch_race_and_logp(x, args.temperature, **filters)
-        columns["filtered one pass + logp"] = lambda x: one_pass(x, args.temperature, True, **filters)
-        columns["fp32 ranked + logp"] = lambda x: fp32_ranked_one_pass(x, args.temperature, **filters)
+        columns["sorted + one pass + logp"] = lambda x: sorted_one_pass(x, args.temperature, **filters)
+        columns["cut + one pass + logp"] = lambda x: cut_one_pass(x, args.temperature, **filters)
     print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>26}" for c in columns) + f"{'saved s / gen':>15}")
     for name, batch in itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))):
         logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
         us = {c: time_us(lambda: fn(logits)) for c, fn in columns.items()}
-        same = None
-        if args.top_k > 0 or args.top_p < 1.0:  # both rankings keep as many tokens per row
-            same = torch.equal(*(torch.isfinite(f(logits, args.temperature, **filters)).sum(-1)
-                                 for f in (filtered_logits, fp32_ranked)))
+        differs = cut_count_difference(logits, args.temperature, **filters) if filters_on else None
         saved = (us["log race + logp"] - us["one pass + logp"]) * args.steps / 1e6
         rows.append(dict(vocab=name, batch=batch, us=us, saved_s_per_generation_with_logp=saved,
-                         filters_keep_as_many_as_fp32_ranked=same))
+                         cut_count_difference=differs))
         print(f"{name:<12}{batch:>5}" + "".join(f"{v:>26.1f}" for v in us.values()) + f"{saved:>15.4f}"
-              + ("" if same is None else f"  kept as fp32 ranked: {same}"))
+              + ("" if differs is None else f"  cut's count differs by {differs}"))
     write_json("sampling.json", {"args": vars(args), "one_pass_chi_square": fits, "rows": rows})
 
 

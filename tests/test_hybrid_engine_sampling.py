@@ -227,7 +227,7 @@ def test_penalty_start_of_a_group_batch_is_each_rows_own():
 
 
 # -- the one-pass Triton sampler (hybrid_engine.triton_sampling) ----------------------------------------------------
-@pytest.mark.parametrize("check", ["greedy", "distribution", "seeds", "noise", "sync", "engine"])
+@pytest.mark.parametrize("check", ["greedy", "distribution", "filters", "seeds", "noise", "sync", "engine"])
 def test_one_pass_sampler_check(check):
     """Through Triton's interpreter, in a process of its own (``tests/scripts/sampling_check.py``): greedy is the
     first argmax with the log-sum-exp, draws follow softmax(logits / T), a seed reproduces whatever the split count,
@@ -237,8 +237,9 @@ def test_one_pass_sampler_check(check):
     run_interpreted_check("sampling_check.py", check)
 
 
-@pytest.mark.parametrize("sample,lse", [(True, True), (True, False), (False, True)])
-def test_one_pass_sampler_compiles_for_hopper(sample, lse, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sample,lse,filtered", [(True, True, False), (True, False, False), (False, True, False),
+                                                 (True, True, True)])
+def test_one_pass_sampler_compiles_for_hopper(sample, lse, filtered, tmp_path, monkeypatch):
     """What the interpreter is lenient about (Triton's typing, rand4x on a loaded seed): both kernels compiled to
     sm_90 machine code on the CPU."""
     from helpers import hopper_target
@@ -252,10 +253,10 @@ def test_one_pass_sampler_compiles_for_hopper(sample, lse, tmp_path, monkeypatch
     from dschat.hybrid_engine import triton_sampling
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    pointers = {"Logits": "*bf16", "Seed": "*i64", "PartRace": "*fp32", "PartCol": "*i32", "PartMax": "*fp32",
-                "PartSum": "*fp32", "Tokens": "*i64", "Lse": "*fp32"}
+    pointers = {"Logits": "*bf16", "Seed": "*i64", "Cut": "*fp32", "LastTie": "*i32", "PartRace": "*fp32",
+                "PartCol": "*i32", "PartMax": "*fp32", "PartSum": "*fp32", "Tokens": "*i64", "Lse": "*fp32"}
     for kernel, constants in ((triton_sampling._partial_kernel,
-                               dict(LANES=triton_sampling.LANES, SAMPLE=sample, LSE=lse)),
+                               dict(LANES=triton_sampling.LANES, SAMPLE=sample, LSE=lse, FILTER=filtered)),
                               (triton_sampling._combine_kernel, dict(SPLITS_PAD=8, LSE=lse))):
         names = kernel.arg_names
         signature = {n: pointers.get(n, "constexpr" if n in constants else
@@ -263,6 +264,33 @@ def test_one_pass_sampler_compiles_for_hopper(sample, lse, tmp_path, monkeypatch
         compiled = triton.compile(ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}),
                                   target=target, options=dict(num_warps=4))
         assert compiled.asm["cubin"], kernel
+
+
+@pytest.mark.parametrize("dtype,top_k,top_p", [("bf16", True, True), ("bf16", False, True), ("fp32", True, False),
+                                               ("fp16", True, True)])
+def test_row_cut_kernel_compiles_for_hopper(dtype, top_k, top_p, tmp_path, monkeypatch):
+    """``triton_filters``' search (a data-dependent loop, bit casts per key width) compiled to sm_90 on the CPU."""
+    from helpers import hopper_target
+
+    target = hopper_target()
+    if target is None:
+        pytest.skip("this Triton cannot compile for CUDA here")
+    import triton
+    from triton.compiler import ASTSource
+
+    from dschat.hybrid_engine import triton_filters
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernel = triton_filters._cut_kernel
+    constants = dict(BLOCK=triton_filters.BLOCK, BITS=32 if dtype == "fp32" else 16, FANOUT=triton_filters.FANOUT,
+                     TOP_K=top_k, TOP_P=top_p)
+    types = {"Logits": f"*{dtype}", "Cut": "*fp32", "LastTie": "*i32", "top_k": "fp32", "top_p": "fp32",
+             "inv_temperature": "fp32"}
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    compiled = triton.compile(ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}),
+                              target=target, options=dict(num_warps=triton_filters.NUM_WARPS))
+    assert compiled.asm["cubin"]
 
 
 def test_one_pass_applies_to_sampling_and_to_greedy_log_probs_of_the_models_own_logits():
@@ -351,6 +379,38 @@ def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
     assert all(torch.equal(a, b) for a, b in zip(first, replays(5))), "a seed reproduces the replays"
     generator = torch.Generator(device="cuda").manual_seed(5)
     assert torch.equal(first[0], triton_sampling.select_tokens(logits, 1.0, generator)[0]), "graph == eager"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
+def test_row_cuts_on_the_gpu_keep_what_torchs_filters_keep():
+    """The compiled search on rows of real vocabularies: per row as many tokens with the same values as torch's
+    sort/topk filters (bf16 rows, rounded rows full of ties, fp32 rows as a penalty leaves them), eager and replayed
+    in a CUDA graph."""
+    from dschat.hybrid_engine import triton_filters
+
+    torch.manual_seed(0)
+    for vocab in (50272, 152064):
+        base = torch.randn(64, vocab, device="cuda") * 4
+        base[1] = base[1].round()
+        base[2] *= 0.05  # flat: a nucleus of thousands
+        for logits in (base.to(torch.bfloat16), base):
+            for temperature, top_k, top_p in ((1.0, 0, 0.9), (0.7, 20, 0.8), (1.0, 50, 1.0), (1.2, 0, 0.5)):
+                ours = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_k, top_p))
+                theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
+                assert torch.equal(ours.sum(-1), theirs.sum(-1)), (vocab, logits.dtype, temperature, top_k, top_p)
+                a = torch.where(ours, logits.float(), float("-inf")).sort(-1).values
+                b = torch.where(theirs, logits.float(), float("-inf")).sort(-1).values
+                assert torch.equal(a, b), (vocab, logits.dtype, temperature, top_k, top_p)
+    logits = base.to(torch.bfloat16)
+    eager = triton_filters.row_cuts(logits, 0.7, 20, 0.8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_filters.row_cuts(logits, 0.7, 20, 0.8)
+    logits.copy_(base.flip(0).to(torch.bfloat16))
+    graph.replay()
+    for got, want in zip(captured, triton_filters.row_cuts(logits, 0.7, 20, 0.8)):
+        assert torch.equal(got, want)
+    assert not torch.equal(captured[0], eager[0]), "a replay reads the new logits"
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 0.8), (12, 1.0)])

@@ -163,11 +163,14 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
     ``one_pass`` (from :func:`one_pass_applies`): the Triton kernel where it runs, torch's ops otherwise (and after a
     kernel failure, reported once); its log-sum-exp gives the log-probs when it read the model's own logits.
     ``token_sync`` makes the tokens a tensor-parallel group's shared ones before their log-probs are read."""
-    source, race_temperature = race_input(logits, temperature, top_k, top_p) if do_sample else (logits, 1.0)
+    if do_sample:
+        check_temperature(temperature)
     chosen = FAILED
-    if one_pass and triton_available() and triton_runs_on(source):
-        chosen = _one_pass_tokens(source, race_temperature, do_sample, generator, logprobs and source is model_logits)
+    if one_pass and triton_available() and triton_runs_on(logits):
+        chosen = _one_pass_tokens(logits, temperature, top_k, top_p, do_sample, generator,
+                                  logprobs and logits is model_logits)
     if chosen is FAILED:
+        source, race_temperature = race_input(logits, temperature, top_k, top_p) if do_sample else (logits, 1.0)
         tokens = exponential_race(source, race_temperature, generator) if do_sample else source.argmax(dim=-1)
         lse = None
     else:
@@ -181,14 +184,25 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
     return tokens, model_logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
 
 
-def _one_pass_tokens(source, temperature, do_sample, generator, with_lse):
-    """``triton_sampling.select_tokens`` on what the race draws from; FAILED for logits it cannot take (torch's path
-    then runs, for this call only) or after a kernel failure."""
-    from dschat.hybrid_engine import triton_sampling
+def _one_pass_tokens(logits, temperature, top_k, top_p, do_sample, generator, with_lse):
+    """``triton_sampling.select_tokens`` on ``logits``; top-p alone as ``triton_filters``' row cuts (no sort, no
+    filtered copy), top-k (with or without top-p) on torch's filtered copy. FAILED for logits the kernels cannot take
+    (torch's path then runs, for this call only) or after a kernel failure."""
+    from dschat.hybrid_engine import triton_filters, triton_sampling
 
-    if triton_sampling.unsupported(source, generator if do_sample else None) is not None:
+    if triton_sampling.unsupported(logits, generator if do_sample else None) is not None:
         return FAILED
-    return call_kernel(triton_sampling.select_tokens, source, temperature, generator, do_sample, with_lse)
+    cuts = None
+    if do_sample and triton_filters.applies(logits.shape[-1], top_k, top_p):
+        if 0 < top_k < logits.shape[-1] or triton_filters.unsupported(logits) is not None:
+            # top-k: torch.topk beats the kernel's count search (bench/sampling.py, eighteenth session)
+            filtered = filtered_logits(logits, temperature, top_k, top_p)
+            return call_kernel(triton_sampling.select_tokens, filtered, 1.0, generator, True, False)
+        cuts = call_kernel(triton_filters.row_cuts, logits, temperature, 0, top_p)
+        if cuts is FAILED:
+            return FAILED
+    return call_kernel(triton_sampling.select_tokens, logits, temperature if do_sample else 1.0, generator, do_sample,
+                       with_lse, cuts)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,15 +43,18 @@ def _exponential(bits):
 
 
 @triton.jit
-def _lane_update(row_logits, cols, vocab, bits, inv_temperature, best, best_col, run_max, run_sum,
-                 SAMPLE: tl.constexpr, LSE: tl.constexpr):
-    """Fold LANES columns into each lane's race winner and online log-sum-exp."""
+def _lane_update(row_logits, cols, vocab, bits, inv_temperature, cut, last_tie, best, best_col, run_max, run_sum,
+                 SAMPLE: tl.constexpr, LSE: tl.constexpr, FILTER: tl.constexpr):
+    """Fold LANES columns into each lane's race winner and online log-sum-exp (of every column: the race alone
+    leaves out what top-k/top-p filter, see ``triton_filters``)."""
     ok = cols < vocab
     x = tl.load(row_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
     if SAMPLE:
         race = x * inv_temperature - tl.log(_exponential(bits))
     else:
         race = x
+    if FILTER:
+        ok = ok & ((x > cut) | ((x == cut) & (cols <= last_tie)))
     race = tl.where(ok, race, float("-inf"))
     better = race > best  # strict: within a lane the earlier column wins a tie
     best = tl.where(better, race, best)
@@ -65,8 +68,9 @@ def _lane_update(row_logits, cols, vocab, bits, inv_temperature, best, best_col,
 
 
 @triton.jit
-def _partial_kernel(Logits, Seed, PartRace, PartCol, PartMax, PartSum, stride_lb, vocab, inv_temperature,
-                    tiles_per_split, num_tiles, LANES: tl.constexpr, SAMPLE: tl.constexpr, LSE: tl.constexpr):
+def _partial_kernel(Logits, Seed, Cut, LastTie, PartRace, PartCol, PartMax, PartSum, stride_lb, vocab,
+                    inv_temperature, tiles_per_split, num_tiles, LANES: tl.constexpr, SAMPLE: tl.constexpr,
+                    LSE: tl.constexpr, FILTER: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     lanes = tl.arange(0, LANES)
@@ -76,6 +80,11 @@ def _partial_kernel(Logits, Seed, PartRace, PartCol, PartMax, PartSum, stride_lb
     run_sum = tl.zeros([LANES], tl.float32)
     row_logits = Logits + row.to(tl.int64) * stride_lb
     seed = tl.load(Seed)  # drawn by the caller when sampling (unused when greedy)
+    cut = 0.0
+    last_tie = 0
+    if FILTER:  # the row's top-k/top-p cut (triton_filters.row_cuts)
+        cut = tl.load(Cut + row)
+        last_tie = tl.load(LastTie + row)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
     u0 = tl.zeros([LANES], tl.uint32)
@@ -86,14 +95,18 @@ def _partial_kernel(Logits, Seed, PartRace, PartCol, PartMax, PartSum, stride_lb
         cols = tile * 4 * LANES + lanes
         if SAMPLE:  # one Philox call per 4 columns; its counter names (row, tile, lane): split-independent
             u0, u1, u2, u3 = tl.randint4x(seed, (row * num_tiles + tile) * LANES + lanes)
-        best, best_col, run_max, run_sum = _lane_update(row_logits, cols, vocab, u0, inv_temperature, best, best_col,
-                                                        run_max, run_sum, SAMPLE, LSE)
-        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + LANES, vocab, u1, inv_temperature, best,
-                                                        best_col, run_max, run_sum, SAMPLE, LSE)
-        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 2 * LANES, vocab, u2, inv_temperature,
-                                                        best, best_col, run_max, run_sum, SAMPLE, LSE)
-        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 3 * LANES, vocab, u3, inv_temperature,
-                                                        best, best_col, run_max, run_sum, SAMPLE, LSE)
+        best, best_col, run_max, run_sum = _lane_update(row_logits, cols, vocab, u0, inv_temperature, cut,
+                                                        last_tie, best, best_col, run_max, run_sum, SAMPLE,
+                                                        LSE, FILTER)
+        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + LANES, vocab, u1, inv_temperature, cut,
+                                                        last_tie, best, best_col, run_max, run_sum, SAMPLE,
+                                                        LSE, FILTER)
+        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 2 * LANES, vocab, u2, inv_temperature, cut,
+                                                        last_tie, best, best_col, run_max, run_sum, SAMPLE,
+                                                        LSE, FILTER)
+        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 3 * LANES, vocab, u3, inv_temperature, cut,
+                                                        last_tie, best, best_col, run_max, run_sum, SAMPLE,
+                                                        LSE, FILTER)
     top = tl.max(best, 0)
     out = row * tl.num_programs(1) + split
     tl.store(PartRace + out, top)
@@ -149,11 +162,13 @@ def unsupported(logits, generator=None):
     return None
 
 
-def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_lse=False):
+def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_lse=False, cuts=None):
     """``logits`` (B, V) -> (tokens (B,) int64, log-sum-exp (B,) fp32 of the unscaled logits or None).
 
-    Sampled: one draw per row from ``softmax(logits / temperature)``; greedy: the first maximal column. The seed is
-    drawn from ``generator`` (the device's default generator when None) on the logits' device, without a host sync."""
+    Sampled: one draw per row from ``softmax(logits / temperature)``, over the columns ``cuts`` keeps when given
+    (``triton_filters.row_cuts``: top-k/top-p; the log-sum-exp stays the unfiltered one); greedy: the first maximal
+    column. The seed is drawn from ``generator`` (the device's default generator when None) on the logits' device,
+    without a host sync."""
     reason = unsupported(logits, generator if do_sample else None)
     if reason is not None:
         raise ValueError(f"select_tokens: {reason}")
@@ -173,9 +188,11 @@ def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_
     part_sum = torch.empty((rows, splits), dtype=torch.float32, device=device) if with_lse else part_race
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device) if with_lse else None
-    _partial_kernel[(rows, splits)](logits, seed, part_race, part_col, part_max, part_sum, logits.stride(0), vocab,
-                                    1.0 / temperature, tiles_per_split, num_tiles, LANES=LANES,
-                                    SAMPLE=bool(do_sample), LSE=with_lse, num_warps=NUM_WARPS)
+    cut, last_tie = cuts if cuts is not None else (part_race, part_col)  # unread without cuts
+    _partial_kernel[(rows, splits)](logits, seed, cut, last_tie, part_race, part_col, part_max, part_sum,
+                                    logits.stride(0), vocab, 1.0 / temperature, tiles_per_split, num_tiles,
+                                    LANES=LANES, SAMPLE=bool(do_sample), LSE=with_lse, FILTER=cuts is not None,
+                                    num_warps=NUM_WARPS)
     _combine_kernel[(rows,)](part_race, part_col, part_max, part_sum, tokens, lse if with_lse else part_race,
                              splits, SPLITS_PAD=triton.next_power_of_2(splits), LSE=with_lse, num_warps=1)
     return tokens, lse

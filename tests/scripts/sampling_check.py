@@ -111,30 +111,67 @@ def check_sampled_distribution():
 
 
 def check_filtered_draws():
-    """``choose_tokens`` under top-k, top-p and T = 0.5 through the kernel: 600 draws land only on the 3 tokens the
-    filters keep, in proportion to softmax(filtered logits) (T applied once: not again by the kernel), and the
+    """``choose_tokens`` through the kernels, T = 0.5: under top-k 5 and top-p 0.9 (torch's filtered copy, then the
+    race) and under top-p 0.85 alone (``triton_filters``' row cuts, then the race masking by them), 600 draws land
+    only on the 3 tokens the filters keep, in proportion to softmax(filtered logits) (T applied once), and the
     log-probs are the unfiltered distribution's."""
     from dschat.hybrid_engine.sampling import choose_tokens, filtered_logits
 
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 2.5, 1.5, -2.0, 0.2, 1.2, 0.0, -0.5]])
     rows = logits.expand(600, -1).contiguous()
-    lanes, triton_sampling.LANES = triton_sampling.LANES, 2
-    try:
-        tokens, logp = choose_tokens(rows, rows, temperature=0.5, top_k=5, top_p=0.9, do_sample=True, logprobs=True,
-                                     one_pass=True, generator=torch.Generator().manual_seed(3))
-    finally:
-        triton_sampling.LANES = lanes
-    filtered = filtered_logits(logits, 0.5, 5, 0.9)[0]
-    kept = torch.isfinite(filtered)
-    counts = torch.bincount(tokens, minlength=logits.shape[-1]).double()
-    assert int(kept.sum()) == 3 and counts[~kept].sum() == 0, counts
-    fit = chi_square(counts[kept], torch.softmax(filtered[kept], -1))
-    assert fit < CHI2_999[2], (counts, fit)
-    misfit = chi_square(counts[kept], torch.softmax(filtered[kept] / 0.5, -1))
-    assert misfit > 4 * CHI2_999[2], ("the temperature is applied once", misfit)
-    expected = torch.log_softmax(rows, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    assert (logp - expected).abs().max() < 1e-6
-    print(f"filtered: chi-square {fit:.1f} (2 dof)")
+    for top_k, top_p in ((5, 0.9), (0, 0.85)):
+        lanes, triton_sampling.LANES = triton_sampling.LANES, 2
+        try:
+            tokens, logp = choose_tokens(rows, rows, temperature=0.5, top_k=top_k, top_p=top_p, do_sample=True,
+                                         logprobs=True, one_pass=True, generator=torch.Generator().manual_seed(3))
+        finally:
+            triton_sampling.LANES = lanes
+        filtered = filtered_logits(logits, 0.5, top_k, top_p)[0]
+        kept = torch.isfinite(filtered)
+        counts = torch.bincount(tokens, minlength=logits.shape[-1]).double()
+        assert int(kept.sum()) == 3 and counts[~kept].sum() == 0, (top_k, counts)
+        fit = chi_square(counts[kept], torch.softmax(filtered[kept], -1))
+        assert fit < CHI2_999[2], (top_k, counts, fit)
+        misfit = chi_square(counts[kept], torch.softmax(filtered[kept] / 0.5, -1))
+        assert misfit > 4 * CHI2_999[2], ("the temperature is applied once", top_k, misfit)
+        expected = torch.log_softmax(rows, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        assert (logp - expected).abs().max() < 1e-6, top_k
+        print(f"filtered, top-k {top_k}: chi-square {fit:.1f} (2 dof)")
+
+
+def check_row_cuts_keep_what_torchs_filters_keep():
+    """``triton_filters.row_cuts`` against ``sampling.filtered_logits`` (torch's sort/topk): per row the same number of
+    tokens with the same values, for bf16/fp16/fp32 logits with ties, -inf columns, a row of zeros and -0.0, top-k 1
+    and top-p 0, over one block and over several (``BLOCK`` shrunk)."""
+    from dschat.hybrid_engine import triton_filters
+    from dschat.hybrid_engine.sampling import filtered_logits
+
+    torch.manual_seed(0)
+    settings = [(1.0, 0, 0.9), (0.7, 0, 0.5), (1.0, 20, 1.0), (0.7, 20, 0.8), (1.3, 5, 0.99), (1.0, 1, 1.0),
+                (1.0, 0, 0.0), (0.5, 3, 0.3)]
+    block = triton_filters.BLOCK
+    cases = 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for vocab, triton_filters.BLOCK in ((7, block), (1000, block), (1000, 64), (301, 32)):
+            for temperature, top_k, top_p in settings:
+                if not triton_filters.applies(vocab, top_k, top_p):
+                    continue
+                logits = (torch.randn(6, vocab) * 3).to(dtype)
+                logits[1] = logits[1].round()  # many ties
+                logits[2, :vocab // 2] = float("-inf")
+                logits[3] = 0.0
+                logits[3, 0] = -0.0
+                logits[4] *= 0.01  # a flat row: a wide nucleus
+                cut, last = triton_filters.row_cuts(logits, temperature, top_k, top_p)
+                ours = triton_filters.kept(logits, cut, last)
+                theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
+                for row in range(logits.shape[0]):
+                    a = logits[row][ours[row]].float().sort().values
+                    b = logits[row][theirs[row]].float().sort().values
+                    assert torch.equal(a, b), (dtype, vocab, temperature, top_k, top_p, row, a.numel(), b.numel())
+                cases += 1
+    triton_filters.BLOCK = block
+    print(f"row cuts: {cases} cases keep what torch's filters keep")
 
 
 def check_seed_reproduces_and_splits_do_not_matter():
@@ -211,7 +248,8 @@ def check_engine_logprobs_equal_training_forward():
         if path == "eager":
             assert torch.equal(sequences, sample(7)[0]) and not torch.equal(sequences, sample(8)[0]), path
         # the race on filtered, penalised or EOS-suppressed logits; the log-probs stay the model's own
-        for changed in (dict(top_k=6, top_p=0.9), dict(repetition_penalty=1.2), dict(min_new_tokens=4)):
+        for changed in (dict(top_k=6, top_p=0.9), dict(top_p=0.8), dict(repetition_penalty=1.2),
+                        dict(min_new_tokens=4), dict(top_p=0.8, repetition_penalty=1.2)):
             calls.clear()
             sequences, logprobs = sample(7, **changed)
             assert calls and all(calls), (path, changed, "the sampled steps go through the kernel")
@@ -234,6 +272,7 @@ def check_engine_logprobs_equal_training_forward():
 CHECKS = {
     "greedy": check_greedy_is_first_argmax_and_lse,
     "distribution": check_sampled_distribution,
+    "filters": check_row_cuts_keep_what_torchs_filters_keep,
     "seeds": check_seed_reproduces_and_splits_do_not_matter,
     "noise": check_noise_keeps_its_resolution_near_zero,
     "sync": check_log_probs_are_of_the_shared_tokens,
