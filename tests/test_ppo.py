@@ -551,6 +551,53 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
+    """The files ``save_checkpoint`` leaves for tag iter_0000002 (contents beside the point)."""
+    from dschat.rlhf.checkpointing import LATEST
+
+    tag = "iter_0000002"
+    state = root / "trainer" / tag
+    state.mkdir(parents=True)
+    for rank in range(ranks):
+        (state / f"rng_rank{rank}.pt").write_bytes(b"")
+    if ema:
+        (state / "ema.pt").write_bytes(b"")
+    for model in ("actor", "critic") if critic else ("actor",):
+        (root / model / tag).mkdir(parents=True)
+    (root / LATEST).write_text(json.dumps({"tag": tag}))
+
+
+@pytest.mark.parametrize("saved, resumed, message", [
+    ({"ema": False}, {"ema": True}, r"has no EMA copy .*--enable_ema"),
+    ({"ranks": 2, "ema": True}, {"ema": True}, r"saved by 2 rank\(s\), this run has 1.*resume on 2 rank"),
+    ({"critic": False}, {"critic": True}, r"has no critic .*--advantage_estimator"),
+])
+def test_resume_from_a_checkpoint_of_another_setup_is_a_usage_error_before_deepspeed_loads(tmp_path, saved, resumed,
+                                                                                         message):
+    """A checkpoint saved without EMA resumed with --enable_ema was a FileNotFoundError traceback on rank 0 while the
+    other ranks waited in a gather; another rank count or a critic the checkpoint lacks were DeepSpeed tracebacks."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    class NotLoaded:
+        def load_checkpoint(self, *args, **kwargs):
+            raise AssertionError("the checks must come before DeepSpeed loads anything")
+
+    _saved_checkpoint(tmp_path, **saved)
+    trainer = SimpleNamespace(actor_model=NotLoaded(), critic_model=NotLoaded() if resumed.get("critic", True) else None,
+                              actor_ema=SimpleNamespace() if resumed.get("ema") else None)
+    with pytest.raises(UsageError, match=message):
+        load_checkpoint(trainer, str(tmp_path))
+    # the same checkpoint resumed by a run set up as the one that saved it passes the checks
+    same = SimpleNamespace(actor_model=NotLoaded(), critic_model=NotLoaded() if saved.get("critic", True) else None,
+                           actor_ema=SimpleNamespace() if saved.get("ema") else None)
+    if saved.get("ranks", 1) == 1:
+        with pytest.raises(AssertionError, match="before DeepSpeed loads"):
+            load_checkpoint(same, str(tmp_path))
+
+
 TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")
 
 

@@ -53,6 +53,23 @@ def test_non_positive_top_k_is_no_filtering_for_the_hybrid_engine_and_hf_generat
     assert not torch.equal(seq[:, 4], greedy_seq[:, 4])
 
 
+# --- --advantage_estimator rloo -----------------------------------------------------------------------------------
+
+def test_rloo_with_one_answer_per_prompt_is_a_usage_error_before_anything_loads():
+    """RLOO's baseline is the other answers to the prompt: with the default --n_samples_per_prompt 1 the run loaded
+    every model, ran the held-out evaluation, then died in its first update with "rloo_advantages needs group_size
+    >= 2" (a ValueError traceback naming no flag)."""
+    for n in (None, 1):
+        settings = {"advantage_estimator": "rloo", "reward_fn": "tiny", "reward_model_weight": 0,
+                    **({"n_samples_per_prompt": n} if n else {})}
+        with pytest.raises(UsageError, match=r"--advantage_estimator rloo .* --n_samples_per_prompt 2 or more, not 1"):
+            check_step3_settings(step3_args(settings), 1)
+        with pytest.raises(UsageError, match=r"--n_samples_per_prompt 2 or more"):  # the notebook API too
+            DeepSpeedRLHFEngine(actor_model_name_or_path="unused", tokenizer=object(), args=settings)
+    check_step3_settings(step3_args({"advantage_estimator": "rloo", "n_samples_per_prompt": 2, "reward_fn": "tiny",
+                                     "reward_model_weight": 0}), 1)
+
+
 # --- --temperature / --top_p --------------------------------------------------------------------------------------
 
 def test_temperature_zero_without_greedy_and_top_p_outside_0_1_are_usage_errors():

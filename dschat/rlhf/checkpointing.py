@@ -10,9 +10,10 @@ import random
 import numpy as np
 import torch
 
+from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict
 from dschat.steps.common import write_json_atomic
-from dschat.utils.dist import barrier, get_rank, is_rank_0
+from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0
 
 LATEST = "latest"
 
@@ -71,6 +72,7 @@ def load_checkpoint(trainer, root):
     tag = latest_tag(root)
     if tag is None:
         return None
+    check_resumable(trainer, root, tag)
     trainer.actor_model.load_checkpoint(os.path.join(root, "actor"), tag=tag)
     if trainer.critic_model is not None:
         trainer.critic_model.load_checkpoint(os.path.join(root, "critic"), tag=tag)
@@ -85,6 +87,24 @@ def load_checkpoint(trainer, root):
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state
+
+
+def check_resumable(trainer, root, tag):
+    """The checkpoint ``tag`` was saved by a run this one can continue: as many ranks (the ZeRO states and the RNG
+    states are per rank), a critic when this run trains one, an EMA copy when this run keeps one. Checked on every
+    rank from the files alone, so all ranks fail together (none waits in a collective) and before DeepSpeed's own
+    errors, which name no flag."""
+    where = os.path.join(root, "trainer", tag)
+    saved_ranks = sum(1 for name in os.listdir(where) if name.startswith("rng_rank") and name.endswith(".pt"))
+    if saved_ranks != get_world_size():
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
+                         f"{get_world_size()}; its ZeRO and RNG states are per rank: resume on {saved_ranks} rank(s)")
+    if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, "critic", tag)):
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
+                         f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")
+    if trainer.actor_ema is not None and not os.path.isfile(os.path.join(where, "ema.pt")):
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has no EMA copy (the run that saved it had no "
+                         f"--enable_ema); resume without --enable_ema, or start afresh without --resume")
 
 
 def _load_ema(module, path):

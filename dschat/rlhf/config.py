@@ -2,7 +2,7 @@
 import argparse
 import os
 
-from dschat.errors import MissingInputError
+from dschat.errors import MissingInputError, UsageError
 
 
 def step3_args(args=None):
@@ -14,6 +14,14 @@ def step3_args(args=None):
     resolve_zero_stages(completed)
     completed._dschat_complete = True
     return completed
+
+
+def check_advantage_estimator(args):
+    """RLOO's baseline is the mean of the other answers to the same prompt: a group of one answer has none, which
+    would fail in the first PPO update, after every model has loaded and the held-out evaluation has run."""
+    if args.advantage_estimator == "rloo" and args.n_samples_per_prompt < 2:
+        raise UsageError(f"--advantage_estimator rloo compares each answer with the other answers to its prompt: it "
+                         f"needs --n_samples_per_prompt 2 or more, not {args.n_samples_per_prompt}")
 
 
 def resolve_zero_stages(args):

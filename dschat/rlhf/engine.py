@@ -11,7 +11,7 @@ from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILE, create_critic_model
-from dschat.rlhf.config import step3_args
+from dschat.rlhf.config import check_advantage_estimator, step3_args
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
@@ -152,6 +152,7 @@ def check_step3_settings(args, world_size, actor_architecture=None):
     if not args.greedy:  # greedy reads neither temperature nor top_p
         check_sampling_flags(args.temperature, args.top_p)
     check_hybrid_engine_flags(args)
+    check_advantage_estimator(args)
     check_reward_sources(args)
     if args.reward_fn:
         load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load
@@ -207,6 +208,7 @@ class DeepSpeedRLHFEngine:
                  num_total_iters=None, reward_model_name_or_path=None):
         self.args = args = step3_args(args)
         check_align_overflow(args)  # before any model loads (the trainer, built after, asks again)
+        check_advantage_estimator(args)
         setup_run(args)
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
         self.critic_path = critic_model_name_or_path or args.critic_model_name_or_path
