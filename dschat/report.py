@@ -61,8 +61,8 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None):
     if step3:
         before, after = step3.get("eval_before") or {}, step3.get("eval_after") or {}
         report["held_out"] = {
-            "sft_policy": {"reward_mean": before.get("reward_mean"), "rule_score_mean": before.get("rule_score_mean")},
-            "ppo_policy": {"reward_mean": after.get("reward_mean"), "rule_score_mean": after.get("rule_score_mean")},
+            **{name: {key: result.get(key) for key in ("reward_mean", "rule_score_mean", "reward_fn_mean")}
+               for name, result in (("sft_policy", before), ("ppo_policy", after))},
             "prompts": after.get("prompts"),
         }
         report["held_out_examples"] = {"sft_policy": before.get("examples", []),
@@ -117,8 +117,8 @@ def summary_lines(report):
     if held:
         for name in ("sft_policy", "ppo_policy"):
             r = held[name]
-            parts = [f"{label} {r[key]:.4f}" for label, key in (("reward", "reward_mean"), ("rule score", "rule_score_mean"))
-                     if r.get(key) is not None]
+            scores = (("reward", "reward_mean"), ("rule score", "rule_score_mean"), ("reward_fn", "reward_fn_mean"))
+            parts = [f"{label} {r[key]:.4f}" for label, key in scores if r.get(key) is not None]
             lines.append(f"held-out {name}: {', '.join(parts)}")
         curve = report.get("step3_curve", {})
         if curve.get("kl"):

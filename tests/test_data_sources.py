@@ -155,6 +155,17 @@ def test_a_renamed_rejected_field_the_records_lack_is_an_error_in_step_2_only(tm
     unmapped.check_usable(2)  # no rename: an SFT-only source in a step-2 mix is a counted skip
 
 
+def test_a_misspelt_chosen_field_without_rejected_answers_is_named_in_steps_1_and_2(tmp_path):
+    """The helper's case: prompt=question,chosen=goo over records with 'good' read as prompt-only records; steps 1
+    and 2 then name the flag's field, not a missing 'chosen' field; step 3 takes the prompts."""
+    typo = raw(write_records([{"question": r["prompt"], "good": r["chosen"]} for r in RECORDS],
+                             tmp_path / "q.jsonl", "jsonl"), tmp_path, **parse_field_map("prompt=question,chosen=goo"))
+    for step in (1, 2):
+        with pytest.raises(DatasetFormatError, match=r"no 'goo' field, which --data_fields chosen=goo names"):
+            typo.check_usable(step)
+    typo.check_usable(3)
+
+
 def test_parse_field_map_rejects_bad_input():
     assert parse_field_map("") == {}
     with pytest.raises(ValueError, match="prompt=question"):

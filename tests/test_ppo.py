@@ -689,6 +689,10 @@ def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path):
                                 "--n_samples_per_prompt", "2", "--reward_fn", "tiny", "--reward_model_weight", "0"))
     assert metrics["eval_after"]["reward_mean"] is None and "rule_score_mean" in metrics["eval_after"]
     assert all(e["reward"] is None for e in metrics["eval_after"]["examples"]), "no reward model: no reward, not 0"
+    for key in ("eval_before", "eval_after"):  # what is trained on is measured: the function's held-out score
+        assert 0.0 <= metrics[key]["reward_fn_mean"] <= 1.0
+        assert metrics[key]["reward_fn_mean"] == pytest.approx(metrics[key]["rule_score_mean"])  # tiny = the rules'
+        assert all(0.0 <= e["reward_fn"] <= 1.0 for e in metrics[key]["examples"])
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["reward"] <= 1.0 for r in log)  # the rule scorer's range: no reward model added
 
@@ -976,7 +980,7 @@ def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch)
         signature.bind(*args, **kwargs).arguments))
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=SimpleNamespace(generate=None)),
                               eval=lambda: None, reward_model=None, tokenizer=None, z3_enabled=False,
-                              pad_to_multiple_of=1)
+                              pad_to_multiple_of=1, reward_fn=None)
     args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=given)
     ppo.held_out_eval(trainer, None, args, "cpu", None)
     assert seen["max_prompts"] == per_rank
@@ -1003,7 +1007,8 @@ def test_the_held_out_evaluation_runs_outside_the_hybrid_engines_iterations(monk
 
     actor = Actor()
     trainer = types.SimpleNamespace(hybrid=True, actor_model=actor, eval=lambda: seen.append(("eval", actor.inside)),
-                                    reward_model=None, tokenizer=None, z3_enabled=False, pad_to_multiple_of=None)
+                                    reward_model=None, tokenizer=None, z3_enabled=False, pad_to_multiple_of=None,
+                                    reward_fn=None)
     monkeypatch.setattr(ppo, "evaluate_policy", lambda *a, **k: seen.append(("generate", actor.inside)) or "result")
     args = types.SimpleNamespace(eval_max_new_tokens=4, max_answer_seq_len=4, eval_prompts=2)
     assert ppo.held_out_eval(trainer, None, args, "cpu", None) == "result"

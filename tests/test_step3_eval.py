@@ -87,6 +87,26 @@ def test_weight_zero_rows_are_left_out_and_missing_weights_count_once(tokenizer)
     assert capped["prompts"] == 1
 
 
+def test_the_reward_function_is_scored_on_the_held_out_answers_without_padding_rows(tokenizer):
+    """Step 3's --reward_fn (e.g. GRPO without a reward model) is reported as reward_fn_mean, unweighted, over the
+    counted rows, and called with the answers and the dataset's extra columns."""
+    calls = []
+
+    def reward_fn(prompts, answers, level):
+        calls.append((list(prompts), list(answers), list(level)))
+        return [float(x) for x in level]
+
+    collate = DataCollatorRLHF(8, tokenizer.pad_token_id)
+    weighted = [{**item, "eval_weight": w} for item, w in zip(prompts(4), (1.0, 0.0, 1.0, 1.0))]
+    batches = [{**collate(weighted[:2]), "level": [3, 100]}, {**collate(weighted[2:]), "level": [5, 7]}]
+    result = evaluate(batches, tokenizer, reward_fn=reward_fn)
+    assert result["reward_fn_mean"] == pytest.approx(5.0)  # rows 0, 2, 3; the padding row's 100 stays out
+    assert result["reward_mean"] == pytest.approx(5 / 3)  # the reward model's score stays its own
+    assert [e["reward_fn"] for e in result["examples"]] == [3.0, 5.0, 7.0]
+    assert calls[0][0] == ["p0", "p1"] and calls[0][1] == [result["examples"][0]["answer"]] * 2
+    assert "reward_fn_mean" not in evaluate(batches, tokenizer)
+
+
 class MaskedReward(torch.nn.Module):
     """FakeReward's score, read where the attention mask ends (as the reward model does); records the lengths."""
 

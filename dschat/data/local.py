@@ -428,6 +428,9 @@ class LocalDataset(PromptRawDataset):
                                          f"{name}={self.fields[name]} names; the records have {columns}")
 
     def check_usable(self, train_phase):
+        if train_phase in (1, 2) and not self.has_answers and "chosen" in self.renamed:
+            # a misspelt chosen=... is why the answers are missing: name it, not "no 'chosen' field"
+            self._check_renamed(("chosen",), self.raw_datasets["train"].column_names, self.source.train)
         super().check_usable(train_phase)
         if train_phase == 2 and not self.has_rejected and "rejected" in self.renamed:
             # Other steps' files may lack rejected answers under the same --data_fields; step 2's cannot.

@@ -2,6 +2,7 @@
 import torch
 
 from dschat.data.samplers import eval_weights
+from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.utils.dist import all_reduce
 
@@ -31,15 +32,18 @@ def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_
 
 @torch.no_grad()
 def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_tokens, rule_scorer=None,
-                    max_prompts=None, keep_examples=4, synced_gpus=False, pad_to_multiple_of=1):
-    """Mean reward-model score and rule score of greedy answers to the prompts of ``loader`` (all ranks).
+                    max_prompts=None, keep_examples=4, synced_gpus=False, pad_to_multiple_of=1, reward_fn=None):
+    """Mean reward-model score, rule score and ``--reward_fn`` score of greedy answers to the prompts of ``loader``
+    (all ranks).
 
-    ``generate`` is the actor's generate (hybrid engine or HF), ``reward_model`` the frozen reward engine.
+    ``generate`` is the actor's generate (hybrid engine or HF), ``reward_model`` the frozen reward engine (or None),
+    ``reward_fn`` step 3's reward function (or None): each reported unweighted, as ``reward_mean`` and
+    ``reward_fn_mean``.
     Rows whose ``eval_weight`` is 0 (a rank's padding, see EvalWeighted) are generated for but not counted;
     rows without one count once. ``max_prompts`` counts rows, padding included, so ranks stop together.
     The reward model scores sequences right-padded to a multiple of ``pad_to_multiple_of`` (as step 3's experience).
     """
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # reward sum, rule sum, count
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # reward sum, rule sum, count, reward_fn sum
     examples, seen = [], 0
     for batch in loader:
         if max_prompts and seen >= max_prompts:
@@ -55,14 +59,18 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
             scores = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
         texts = _answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)
         rules = [rule_scorer(p, t) for p, t in zip(batch["prompt_text"], texts)] if rule_scorer else [0.0] * len(texts)
+        fn_scores = call_reward_fn(reward_fn, batch["prompt_text"], texts, batch_extras(batch)) if reward_fn \
+            else [0.0] * len(texts)
         w = eval_weights(batch, len(texts), device)
         weights = w.tolist()
         reward_sum = torch.where(w > 0, scores * w, 0.0).sum().item()  # a padding row's nan/inf stays out too
         rule_sum = sum(r * x for r, x in zip(rules, weights) if x > 0)
-        totals += torch.tensor([reward_sum, rule_sum, sum(weights)], dtype=torch.float64, device=device)
+        fn_sum = sum(f * x for f, x in zip(fn_scores, weights) if x > 0)
+        totals += torch.tensor([reward_sum, rule_sum, sum(weights), fn_sum], dtype=torch.float64, device=device)
         examples += [{"prompt": p, "answer": t, "reward": s if reward_model is not None else None,
-                      **({"rule_score": r} if rule_scorer else {})}
-                     for p, t, s, r, x in zip(batch["prompt_text"], texts, scores.tolist(), rules, weights)
+                      **({"rule_score": r} if rule_scorer else {}), **({"reward_fn": f} if reward_fn else {})}
+                     for p, t, s, r, f, x in zip(batch["prompt_text"], texts, scores.tolist(), rules, fn_scores,
+                                                 weights)
                      if x > 0][: keep_examples - len(examples)]
         seen += len(texts)
     all_reduce(totals)
@@ -71,6 +79,8 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
               "prompts": int(totals[2].item()), "examples": examples}
     if rule_scorer:
         result["rule_score_mean"] = totals[1].item() / n
+    if reward_fn:
+        result["reward_fn_mean"] = totals[3].item() / n
     return result
 
 

@@ -55,6 +55,13 @@ def load_reward_fn(spec):
     return fn
 
 
+def batch_extras(batch):
+    """The dataset's extra columns of a prompt batch (lists, one value per row): what ``fn`` gets as keywords."""
+    import torch
+
+    return {k: v for k, v in batch.items() if not torch.is_tensor(v) and k not in ("prompt_text", "messages")}
+
+
 def call_reward_fn(fn, prompts, answers, extras=None):
     """One float per answer from ``fn``; raises RuntimeError naming the prompt on any failure."""
     extras = dict(extras or {})

@@ -219,16 +219,14 @@ class DeepSpeedPPOTrainer:
                 rm = values.gather(1, last_token_index(layout.mask)[:, None]).squeeze(1)
             scores = scores + a.reward_model_weight * rm.float()
         if self.reward_fn is not None:
-            from dschat.rlhf.reward_fn import call_reward_fn
+            from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
 
             prompt_len = batch["prompt"].shape[1]
             prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(seq[:, :prompt_len],
                                                                                skip_special_tokens=True)
             texts = [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip()
                      for row, m in zip(answers, action_mask)]
-            extras = {k: v for k, v in batch.items()
-                      if not torch.is_tensor(v) and k not in ("prompt_text", "messages")}
-            fn = call_reward_fn(self.reward_fn, prompts, texts, extras)
+            fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))
             scores = scores + a.reward_fn_weight * torch.tensor(fn, device=seq.device)
         return scores
 
