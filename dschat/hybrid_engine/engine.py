@@ -5,6 +5,7 @@
 ``step()``. Everything it does not define is the wrapped ``DeepSpeedEngine``'s.
 """
 import contextlib
+import copy
 import dataclasses
 import time
 import weakref
@@ -33,7 +34,14 @@ from dschat.models.lora import unwrap_peft
 _NO_OP_HF_KWARGS = {"synced_gpus", "use_cache"}
 _NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
                  "typical_p": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0, "epsilon_cutoff": 0.0,
-                 "eta_cutoff": 0.0, "min_p": 0.0}
+                 "eta_cutoff": 0.0, "min_p": 0.0, "guidance_scale": 1.0, "encoder_repetition_penalty": 1.0}
+# Settings a model's generation_config may carry that HF's generate applies (logits processors, stopping criteria, the
+# output's type) and this decode does not: set (not None, False or empty), they are refused as the call's own are.
+_UNSUPPORTED_GENERATION_CONFIG = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "force_words_ids",
+                                  "constraints", "sequence_bias", "forced_eos_token_id",
+                                  "exponential_decay_length_penalty", "max_time", "stop_strings", "token_healing",
+                                  "watermarking_config", "top_h", "dola_layers", "penalty_alpha",
+                                  "return_dict_in_generate")
 _HF_DEFAULT_NEW_TOKENS = 20  # what HF generates when neither the call nor the generation_config gives a length
 # HF's defaults of the decoding settings where the model's generation_config sets nothing (the repetition penalty
 # applies to greedy decoding too)
@@ -262,7 +270,7 @@ class HybridEngine:
                 self._iteration.gather_s += time.perf_counter() - start
 
     # -- generation -------------------------------------------------------------------------------------------------
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, do_sample=None, temperature=None,
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens=None, do_sample=None, temperature=None,
                  top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, generator=None, min_new_tokens=None,
                  max_length=None, min_length=None, return_logprobs=False, repetition_penalty=None, **hf_kwargs):
         """HF-``generate``-like: LEFT-padded prompts in, (B, P + n) sequences out, EOS'd rows padded with pad.
@@ -273,15 +281,22 @@ class HybridEngine:
         (e.g. Qwen2.5-Instruct's generation_config sets 1.05) is HF's ``RepetitionPenaltyLogitsProcessor``, greedy or
         sampled: the logit of every token already in the row (prompt and answer so far; the prompt's left padding
         only with transformers < 5.23, as HF's own ``generate`` does) is divided by it when positive, multiplied by
-        it when negative, before the ``min_new_tokens`` EOS suppression and temperature / top-k / top-p. With ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of
+        it when negative, before the ``min_new_tokens`` EOS suppression and temperature / top-k / top-p. With
+        ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of
         each generated token under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p
         or EOS suppression: what the training forward scores it with; 0 after a row's end), computed in the decode
         step. ``synced_gpus`` and ``use_cache`` are accepted and change nothing (ranks are kept in step automatically
         when the forward needs it); other HF kwargs that would change the result (``num_return_sequences=2``,
         ``no_repeat_ngram_size``, beams, ...) are errors.
         """
+        if input_ids is None:  # HF's name for the prompts (``generate(inputs=...)``)
+            input_ids = hf_kwargs.pop("inputs", None)
+        if input_ids is None:
+            raise ValueError("generate needs the prompts: input_ids (or inputs), a LEFT-padded (B, P) tensor")
+        # HF's generation_config argument (TRL passes one): its settings over the model's, the call's over both
+        generation_config = self._generation_config(hf_kwargs.pop("generation_config", None))
         self._check_hf_kwargs(hf_kwargs)
-        self.check_generation_config(hf_kwargs)
+        self.check_generation_config(hf_kwargs, generation_config)
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
         if self._iteration is None:
@@ -290,7 +305,6 @@ class HybridEngine:
         start = time.perf_counter()
         model = self.inference_weights.model
         hf_model = unwrap_peft(model)
-        generation_config = getattr(hf_model, "generation_config", None)
 
         device = self._engine.device
         input_ids = input_ids.to(device)
@@ -300,13 +314,14 @@ class HybridEngine:
         batch_size, prompt_len = input_ids.shape
         eos_token_id = _first_not_none(eos_token_id, self.eos_token_id,
                                        getattr(generation_config, "eos_token_id", None))
-        eos_list = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int)
-                                                     else list(eos_token_id))
+        eos_list = _token_id_list(eos_token_id)
         pad_token_id = _first_not_none(pad_token_id, self.pad_token_id,
                                        getattr(generation_config, "pad_token_id", None),
                                        eos_list[0] if eos_list else None)
-        if pad_token_id is None:
-            raise ValueError("generate needs a pad_token_id (or an eos_token_id to pad with)")
+        pad_known = pad_token_id is not None
+        if not pad_known:  # no EOS either: no row ever ends, so nothing is padded (HF generates then too)
+            pad_token_id = 0
+        pad_token_id = int(pad_token_id)
         if do_sample is None:
             do_sample = bool(getattr(generation_config, "do_sample", False))
         temperature, top_k, top_p = (_from_config(name, value, generation_config) for name, value in
@@ -314,7 +329,8 @@ class HybridEngine:
         repetition_penalty = float(_from_config("repetition_penalty", repetition_penalty, generation_config))
         check_repetition_penalty(repetition_penalty)
         if attention_mask is None:
-            attention_mask = _default_attention_mask(input_ids, pad_token_id, eos_list)
+            attention_mask = _default_attention_mask(input_ids, pad_token_id, eos_list) if pad_known \
+                else torch.ones_like(input_ids)
         attention_mask = attention_mask.to(device)
         max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config)
         if min_new_tokens is None and min_length is None:
@@ -412,15 +428,30 @@ class HybridEngine:
                              "sampled (temperature, top-k, top-p), one sequence per prompt; generate with the HF "
                              "model for this")
 
-    def check_generation_config(self, hf_kwargs=None):
+    def _generation_config(self, given=None):
+        """The generation_config HF's ``generate`` would read: the actor's own (the live object, not the inference
+        copy's snapshot: settings changed after the engine was built count), under ``given`` (a call's
+        ``generation_config``) whose set values win, as in HF."""
+        own = getattr(unwrap_peft(self._engine.module), "generation_config", None)
+        if given is None:
+            return own
+        merged = copy.deepcopy(given)
+        if own is not None:
+            merged.update(**own.to_dict(), defaults_only=True, allow_custom_entries=True)
+        return merged
+
+    def check_generation_config(self, hf_kwargs=None, generation_config=None):
         """The model's generation_config may set what HF's ``generate`` applies and this decode does not (e.g.
         ``no_repeat_ngram_size``; its ``repetition_penalty`` is applied): an error, as for the call's own kwargs,
         unless the call overrides it (HF's rule: the call's value wins)."""
         hf_kwargs = hf_kwargs or {}
-        generation_config = getattr(unwrap_peft(self._engine.module), "generation_config", None)
-        for key, no_op in _NO_OP_VALUES.items():
+        if generation_config is None:
+            generation_config = self._generation_config()
+        checks = [*_NO_OP_VALUES.items(), *((key, None) for key in _UNSUPPORTED_GENERATION_CONFIG)]
+        for key, no_op in checks:
             value = getattr(generation_config, key, None)
-            if key in hf_kwargs or value is None or value == no_op:
+            empty = value is None or value is False or (isinstance(value, (list, tuple, dict, str)) and not value)
+            if key in hf_kwargs or empty or value == no_op:
                 continue
             raise UsageError(f"the model's generation_config sets {key}={value!r}, which HF's generate applies and "
                              f"the hybrid engine's decode does not: pass {key}={no_op!r} to generate without it, set "
@@ -585,6 +616,15 @@ def _first_not_none(*values):
         if v is not None:
             return v
     return None
+
+
+def _token_id_list(token_ids):
+    """An EOS setting as HF takes it (an int, a list of ints, a tensor or numpy value of either, or None) as a list."""
+    if token_ids is None:
+        return []
+    if isinstance(token_ids, torch.Tensor) or hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    return [int(t) for t in token_ids] if isinstance(token_ids, (list, tuple)) else [int(token_ids)]
 
 
 def _default_attention_mask(input_ids, pad_token_id, eos_list):

@@ -1,0 +1,84 @@
+"""Hybrid engine generate called as HF's generate is: HF's argument names and types, and the generation_config HF
+reads (the actor's live one, or a call's own), give HF's greedy tokens or a clear error."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+
+from dschat.errors import UsageError  # noqa: E402
+from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
+
+
+def _engine(model, pad_token_id=PAD):
+    return HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32),
+                        pad_token_id=pad_token_id)
+
+
+def test_hf_argument_forms_inputs_keyword_tensor_eos_and_no_pad_at_all():
+    model = tiny_model("llama", seed=2)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([7, 2, 4], seed=2)
+    plain = hf_generate(model, ids, mask, 10)
+    eos = early_token(plain[0, ids.shape[1]:])
+    expected = hf_generate(model, ids, mask, 10, eos_token_id=eos)
+    engine.eval()
+    assert torch.equal(engine.module.generate(inputs=ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos),
+                       expected)  # HF's own name for the prompts
+    for eos_form in (torch.tensor(eos), torch.tensor([eos]), np.int64(eos)):
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos_form),
+                           expected)
+    # neither a pad nor an EOS anywhere: HF generates (nothing is ever padded), and so must the engine
+    bare = _engine(tiny_model("llama", seed=2), pad_token_id=None)
+    bare.eval()
+    assert torch.equal(bare.generate(ids, attention_mask=mask, max_new_tokens=10), plain)
+    assert torch.equal(bare.generate(ids, max_new_tokens=10),
+                       type(model).generate(bare.module, ids, max_new_tokens=10, do_sample=False))
+
+
+def test_the_call_generation_config_argument_is_honoured_as_in_hf():
+    """TRL passes ``generate(input_ids=..., generation_config=GenerationConfig(...))``."""
+    model = tiny_model("opt", seed=3)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([6, 3], seed=3)
+    eos = early_token(hf_generate(model, ids, mask, 9)[1, ids.shape[1]:])
+    model.generation_config.repetition_penalty = 1.4  # the model's, under the call's config
+    expected = hf_generate(model, ids, mask, 9, eos_token_id=eos)
+    engine.eval()
+    config = GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(engine.module.generate(input_ids=ids, attention_mask=mask, generation_config=config), expected)
+    with pytest.raises(UsageError, match="no_repeat_ngram_size"):
+        engine.generate(ids, attention_mask=mask, generation_config=GenerationConfig(no_repeat_ngram_size=2))
+
+
+def test_generation_config_changed_after_the_engine_was_built_counts_with_an_inference_copy():
+    """A LoRA actor generates from a merged copy whose generation_config was a snapshot: HF reads the actor's."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_hybrid_engine_lora import lora_model
+
+    model = lora_model("llama", seed=1)
+    engine = _engine(model)
+    assert engine.inference_weights.model is not engine.module
+    ids, mask = left_padded_batch([5, 3], seed=6)
+    unpenalised = hf_generate(model, ids, mask, 10)
+    model.get_base_model().generation_config.repetition_penalty = 1.5
+    expected = hf_generate(model, ids, mask, 10)
+    assert not torch.equal(expected, unpenalised)
+    engine.eval()
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=10), expected)
+
+
+@pytest.mark.parametrize("key,value", [("suppress_tokens", [5]), ("bad_words_ids", [[5]]), ("forced_eos_token_id", 5),
+                                       ("sequence_bias", {(5,): -9.0}), ("begin_suppress_tokens", [5])])
+def test_generation_config_settings_hf_applies_and_the_decode_does_not_are_refused(key, value):
+    model = tiny_model("gpt2", seed=1)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([3], seed=1)
+    setattr(model.generation_config, key, value)
+    with pytest.raises(UsageError, match=f"generation_config sets {key}="):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=3)
