@@ -9,7 +9,7 @@
 - with ``--top_p P`` and/or ``--top_k K``: ``filtered torch + logp`` (torch's filters, ``sampling.filtered_logits``,
   then torch's race), ``sorted + one pass + logp`` (torch's filters, then the one-pass race: the filtered step before
   the eighteenth session, and what ``sampling.choose_tokens`` runs for top-k now) and ``cut + one pass + logp``
-  (``triton_filters.row_cuts``, then the one-pass race masking by the cut: what it runs for top-p alone); the
+  (top-p alone: ``triton_filters.row_cuts``, then the one-pass race masking by the cut, as it runs now); the
   log-probs are the unfiltered logits' in each. Every row also reports by how many tokens the cut's kept count
   differs from torch's filters' (0 expected; fp32 sums in another order can move a cut by a token).
 
@@ -72,19 +72,19 @@ def sorted_one_pass(logits, temperature, top_k, top_p):
     return tokens, token_log_probs(logits, tokens)
 
 
-def cut_one_pass(logits, temperature, top_k, top_p):
+def cut_one_pass(logits, temperature, top_p):
     """The row cuts, then the one-pass race masking by them (log-probs from its unfiltered log-sum-exp): what
     ``sampling.choose_tokens`` runs for top-p alone (top-k goes the ``sorted + one pass`` way)."""
-    cuts = triton_filters.row_cuts(logits, temperature, top_k, top_p)
+    cuts = triton_filters.row_cuts(logits, temperature, top_p)
     tokens, lse = triton_sampling.select_tokens(logits, temperature, None, True, True, cuts)
     return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
 
 
-def cut_count_difference(logits, temperature, top_k, top_p):
-    """The most tokens by which the row cuts' kept count differs from torch's filters' in any row (0: the same in
+def cut_count_difference(logits, temperature, top_p):
+    """The most tokens by which the row cuts' kept count differs from torch's filter's in any row (0: the same in
     every row; fp32 sums in another order can move a cut whose mass lies within rounding of top_p)."""
-    kept = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_k, top_p))
-    theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
+    kept = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p))
+    theirs = torch.isfinite(filtered_logits(logits, temperature, 0, top_p))
     return int((kept.sum(-1) - theirs.sum(-1)).abs().max())
 
 
@@ -145,11 +145,10 @@ def sweep(args):
 
 
 def cut_sweep(args):
-    """``cut + one pass + logp`` under each search setting of ``triton_filters`` (FANOUT x BLOCK x NUM_WARPS)."""
+    """``cut + one pass + logp`` under each search setting of ``triton_filters`` (FANOUT x BLOCK x NUM_WARPS; top-p)."""
     settings = list(itertools.product((2, 4, 8), (2048, 4096, 8192), (8, 16, 32)))
     cases = list(itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))))
     default = (triton_filters.FANOUT, triton_filters.BLOCK, triton_filters.NUM_WARPS)
-    filters = dict(top_k=args.top_k, top_p=args.top_p)
     rows = []
     print(f"{'FANOUT':>7}{'BLOCK':>6}{'warps':>6}" + "".join(f"{v[:4]}/{b:>3}".rjust(11) for v, b in cases))
     for fanout, block, warps in settings:
@@ -157,7 +156,7 @@ def cut_sweep(args):
         us = []
         for name, batch in cases:
             logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
-            us.append(time_us(lambda: cut_one_pass(logits, args.temperature, **filters)))
+            us.append(time_us(lambda: cut_one_pass(logits, args.temperature, args.top_p)))
         rows.append(dict(fanout=fanout, block=block, num_warps=warps, us=us))
         mark = " (default)" if (fanout, block, warps) == default else ""
         print(f"{fanout:>7}{block:>6}{warps:>6}" + "".join(f"{u:>11.1f}" for u in us) + mark)
@@ -174,7 +173,7 @@ def main():
     p.add_argument("--top_k", type=int, default=0, help="> 0: also time the top-k-filtered step")
     p.add_argument("--steps", type=int, default=255, help="decode steps a generation samples in (for the seconds)")
     p.add_argument("--sweep", action="store_true", help="time the one-pass kernel's launch settings instead")
-    p.add_argument("--cut_sweep", action="store_true", help="time the row cuts' search settings instead (with filters)")
+    p.add_argument("--cut_sweep", action="store_true", help="time the row cuts' search settings instead (with --top_p)")
     args = p.parse_args()
     if args.sweep:
         return sweep(args)
@@ -201,12 +200,14 @@ def main():
     if filters_on:
         columns["filtered torch + logp"] = lambda x: filtered_torch_race_and_logp(x, args.temperature, **filters)
         columns["sorted + one pass + logp"] = lambda x: sorted_one_pass(x, args.temperature, **filters)
-        columns["cut + one pass + logp"] = lambda x: cut_one_pass(x, args.temperature, **filters)
+        if args.top_k <= 0:  # the cut is top-p's alone
+            columns["cut + one pass + logp"] = lambda x: cut_one_pass(x, args.temperature, args.top_p)
     print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>26}" for c in columns) + f"{'saved s / gen':>15}")
     for name, batch in itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))):
         logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
         us = {c: time_us(lambda: fn(logits)) for c, fn in columns.items()}
-        differs = cut_count_difference(logits, args.temperature, **filters) if filters_on else None
+        differs = cut_count_difference(logits, args.temperature, args.top_p) if "cut + one pass + logp" in columns \
+            else None
         saved = (us["log race + logp"] - us["one pass + logp"]) * args.steps / 1e6
         rows.append(dict(vocab=name, batch=batch, us=us, saved_s_per_generation_with_logp=saved,
                          cut_count_difference=differs))

@@ -266,10 +266,9 @@ def test_one_pass_sampler_compiles_for_hopper(sample, lse, filtered, tmp_path, m
         assert compiled.asm["cubin"], kernel
 
 
-@pytest.mark.parametrize("dtype,top_k,top_p", [("bf16", True, True), ("bf16", False, True), ("fp32", True, False),
-                                               ("fp16", True, True)])
-def test_row_cut_kernel_compiles_for_hopper(dtype, top_k, top_p, tmp_path, monkeypatch):
-    """``triton_filters``' search (a data-dependent loop, bit casts per key width) compiled to sm_90 on the CPU."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_row_cut_kernel_compiles_for_hopper(dtype, tmp_path, monkeypatch):
+    """``triton_filters``' search (a data-dependent loop, 16-bit bit casts) compiled to sm_90 on the CPU."""
     from helpers import hopper_target
 
     target = hopper_target()
@@ -282,10 +281,8 @@ def test_row_cut_kernel_compiles_for_hopper(dtype, top_k, top_p, tmp_path, monke
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     kernel = triton_filters._cut_kernel
-    constants = dict(BLOCK=triton_filters.BLOCK, BITS=32 if dtype == "fp32" else 16, FANOUT=triton_filters.FANOUT,
-                     TOP_K=top_k, TOP_P=top_p)
-    types = {"Logits": f"*{dtype}", "Cut": "*fp32", "LastTie": "*i32", "top_k": "fp32", "top_p": "fp32",
-             "inv_temperature": "fp32"}
+    constants = dict(BLOCK=triton_filters.BLOCK, FANOUT=triton_filters.FANOUT)
+    types = {"Logits": f"*{dtype}", "Cut": "*fp32", "LastTie": "*i32", "top_p": "fp32", "inv_temperature": "fp32"}
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     compiled = triton.compile(ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}),
@@ -383,9 +380,8 @@ def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
 def test_row_cuts_on_the_gpu_keep_what_torchs_filters_keep():
-    """The compiled search on rows of real vocabularies: per row as many tokens with the same values as torch's
-    sort/topk filters (bf16 rows, rounded rows full of ties, fp32 rows as a penalty leaves them), eager and replayed
-    in a CUDA graph."""
+    """The compiled search on rows of real vocabularies: per row as many tokens with the same values as torch's sort
+    (bf16 and fp16 rows, rounded rows full of ties, flat rows), eager and replayed in a CUDA graph."""
     from dschat.hybrid_engine import triton_filters
 
     torch.manual_seed(0)
@@ -393,22 +389,22 @@ def test_row_cuts_on_the_gpu_keep_what_torchs_filters_keep():
         base = torch.randn(64, vocab, device="cuda") * 4
         base[1] = base[1].round()
         base[2] *= 0.05  # flat: a nucleus of thousands
-        for logits in (base.to(torch.bfloat16), base):
-            for temperature, top_k, top_p in ((1.0, 0, 0.9), (0.7, 20, 0.8), (1.0, 50, 1.0), (1.2, 0, 0.5)):
-                ours = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_k, top_p))
-                theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
-                assert torch.equal(ours.sum(-1), theirs.sum(-1)), (vocab, logits.dtype, temperature, top_k, top_p)
+        for logits in (base.to(torch.bfloat16), base.to(torch.float16)):
+            for temperature, top_p in ((1.0, 0.9), (0.7, 0.8), (1.2, 0.5), (1.0, 0.0)):
+                ours = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p))
+                theirs = torch.isfinite(filtered_logits(logits, temperature, 0, top_p))
+                assert torch.equal(ours.sum(-1), theirs.sum(-1)), (vocab, logits.dtype, temperature, top_p)
                 a = torch.where(ours, logits.float(), float("-inf")).sort(-1).values
                 b = torch.where(theirs, logits.float(), float("-inf")).sort(-1).values
-                assert torch.equal(a, b), (vocab, logits.dtype, temperature, top_k, top_p)
+                assert torch.equal(a, b), (vocab, logits.dtype, temperature, top_p)
     logits = base.to(torch.bfloat16)
-    eager = triton_filters.row_cuts(logits, 0.7, 20, 0.8)
+    eager = triton_filters.row_cuts(logits, 0.7, 0.8)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = triton_filters.row_cuts(logits, 0.7, 20, 0.8)
+        captured = triton_filters.row_cuts(logits, 0.7, 0.8)
     logits.copy_(base.flip(0).to(torch.bfloat16))
     graph.replay()
-    for got, want in zip(captured, triton_filters.row_cuts(logits, 0.7, 20, 0.8)):
+    for got, want in zip(captured, triton_filters.row_cuts(logits, 0.7, 0.8)):
         assert torch.equal(got, want)
     assert not torch.equal(captured[0], eager[0]), "a replay reads the new logits"
 

@@ -103,7 +103,8 @@ def test_the_reward_function_is_scored_on_the_held_out_answers_without_padding_r
     assert result["reward_fn_mean"] == pytest.approx(5.0)  # rows 0, 2, 3; the padding row's 100 stays out
     assert result["reward_mean"] == pytest.approx(5 / 3)  # the reward model's score stays its own
     assert [e["reward_fn"] for e in result["examples"]] == [3.0, 5.0, 7.0]
-    assert calls[0][0] == ["p0", "p1"] and calls[0][1] == [result["examples"][0]["answer"]] * 2
+    assert calls[0][0] == ["p0"] and calls[0][1] == [result["examples"][0]["answer"]], "not called on padding rows"
+    assert calls[0][2] == [3] and calls[1][2] == [5, 7]
     assert "reward_fn_mean" not in evaluate(batches, tokenizer)
 
 

@@ -120,11 +120,16 @@ def exponential_race(logits, temperature=1.0, generator=None):
     return torch.sub(logits, log_noise, alpha=temperature).argmax(dim=-1)
 
 
+def filters_apply(vocab, top_k, top_p):
+    """Whether top-k and/or top-p leave anything out of a ``vocab``-wide row."""
+    return 0 < top_k < vocab or top_p < 1.0
+
+
 def race_input(logits, temperature=1.0, top_k=0, top_p=1.0):
     """(what the race draws from, its temperature): the logits themselves when nothing is filtered (the race applies
     the temperature), else the filtered fp32 logits with the temperature already applied."""
     check_temperature(temperature)
-    if top_k <= 0 and top_p >= 1.0:
+    if not filters_apply(logits.shape[-1], top_k, top_p):
         return logits, temperature
     return filtered_logits(logits, temperature, top_k, top_p), 1.0
 
@@ -185,20 +190,20 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
 
 
 def _one_pass_tokens(logits, temperature, top_k, top_p, do_sample, generator, with_lse):
-    """``triton_sampling.select_tokens`` on ``logits``; top-p alone as ``triton_filters``' row cuts (no sort, no
-    filtered copy), top-k (with or without top-p) on torch's filtered copy. FAILED for logits the kernels cannot take
-    (torch's path then runs, for this call only) or after a kernel failure."""
+    """``triton_sampling.select_tokens`` on ``logits``; top-p alone on bf16/fp16 logits as ``triton_filters``' row
+    cuts (no sort, no filtered copy), top-k or fp32 logits (e.g. penalised) on torch's filtered copy. FAILED for
+    logits the kernels cannot take (torch's path then runs, for this call only) or after a kernel failure."""
     from dschat.hybrid_engine import triton_filters, triton_sampling
 
     if triton_sampling.unsupported(logits, generator if do_sample else None) is not None:
         return FAILED
     cuts = None
-    if do_sample and triton_filters.applies(logits.shape[-1], top_k, top_p):
+    if do_sample and filters_apply(logits.shape[-1], top_k, top_p):
         if 0 < top_k < logits.shape[-1] or triton_filters.unsupported(logits) is not None:
-            # top-k: torch.topk beats the kernel's count search (bench/sampling.py, eighteenth session)
+            # top-k (torch.topk beat a count search by the kernel), or fp32 logits: torch's filtered copy
             filtered = filtered_logits(logits, temperature, top_k, top_p)
             return call_kernel(triton_sampling.select_tokens, filtered, 1.0, generator, True, False)
-        cuts = call_kernel(triton_filters.row_cuts, logits, temperature, 0, top_p)
+        cuts = call_kernel(triton_filters.row_cuts, logits, temperature, top_p)
         if cuts is FAILED:
             return FAILED
     return call_kernel(triton_sampling.select_tokens, logits, temperature if do_sample else 1.0, generator, do_sample,

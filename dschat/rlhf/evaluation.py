@@ -59,10 +59,9 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
             scores = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
         texts = _answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)
         rules = [rule_scorer(p, t) for p, t in zip(batch["prompt_text"], texts)] if rule_scorer else [0.0] * len(texts)
-        fn_scores = call_reward_fn(reward_fn, batch["prompt_text"], texts, batch_extras(batch)) if reward_fn \
-            else [0.0] * len(texts)
         w = eval_weights(batch, len(texts), device)
         weights = w.tolist()
+        fn_scores = _scored_rows(reward_fn, batch, texts, weights) if reward_fn else [0.0] * len(texts)
         reward_sum = torch.where(w > 0, scores * w, 0.0).sum().item()  # a padding row's nan/inf stays out too
         rule_sum = sum(r * x for r, x in zip(rules, weights) if x > 0)
         fn_sum = sum(f * x for f, x in zip(fn_scores, weights) if x > 0)
@@ -82,6 +81,19 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
     if reward_fn:
         result["reward_fn_mean"] = totals[3].item() / n
     return result
+
+
+def _scored_rows(reward_fn, batch, texts, weights):
+    """``reward_fn``'s scores of the counted rows (0 for a rank's padding rows, which it is not called on: a function
+    may be costly, e.g. a judge model)."""
+    rows = [i for i, x in enumerate(weights) if x > 0]
+    extras = {k: [v[i] for i in rows] for k, v in batch_extras(batch).items()}
+    scores = call_reward_fn(reward_fn, [batch["prompt_text"][i] for i in rows], [texts[i] for i in rows], extras) \
+        if rows else []
+    out = [0.0] * len(texts)
+    for i, score in zip(rows, scores):
+        out[i] = score
+    return out
 
 
 def _answer_texts(tokenizer, answers, amask):

@@ -117,16 +117,23 @@ def check_filtered_draws():
     log-probs are the unfiltered distribution's."""
     from dschat.hybrid_engine.sampling import choose_tokens, filtered_logits
 
+    from dschat.hybrid_engine import triton_filters
+
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 2.5, 1.5, -2.0, 0.2, 1.2, 0.0, -0.5]])
-    rows = logits.expand(600, -1).contiguous()
+    rows = logits.expand(600, -1).contiguous().to(torch.bfloat16)  # the row cuts take the model's 16-bit logits
+    cut_calls = []
+    row_cuts = triton_filters.row_cuts
+    triton_filters.row_cuts = lambda *args: cut_calls.append(args) or row_cuts(*args)
     for top_k, top_p in ((5, 0.9), (0, 0.85)):
         lanes, triton_sampling.LANES = triton_sampling.LANES, 2
+        cut_calls.clear()
         try:
             tokens, logp = choose_tokens(rows, rows, temperature=0.5, top_k=top_k, top_p=top_p, do_sample=True,
                                          logprobs=True, one_pass=True, generator=torch.Generator().manual_seed(3))
         finally:
             triton_sampling.LANES = lanes
-        filtered = filtered_logits(logits, 0.5, top_k, top_p)[0]
+        assert bool(cut_calls) == (top_k == 0), (top_k, "top-p alone goes through the row cuts, top-k through torch")
+        filtered = filtered_logits(rows[:1].float(), 0.5, top_k, top_p)[0]
         kept = torch.isfinite(filtered)
         counts = torch.bincount(tokens, minlength=logits.shape[-1]).double()
         assert int(kept.sum()) == 3 and counts[~kept].sum() == 0, (top_k, counts)
@@ -134,44 +141,48 @@ def check_filtered_draws():
         assert fit < CHI2_999[2], (top_k, counts, fit)
         misfit = chi_square(counts[kept], torch.softmax(filtered[kept] / 0.5, -1))
         assert misfit > 4 * CHI2_999[2], ("the temperature is applied once", top_k, misfit)
-        expected = torch.log_softmax(rows, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        expected = torch.log_softmax(rows.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
         assert (logp - expected).abs().max() < 1e-6, top_k
         print(f"filtered, top-k {top_k}: chi-square {fit:.1f} (2 dof)")
+    triton_filters.row_cuts = row_cuts
 
 
 def check_row_cuts_keep_what_torchs_filters_keep():
-    """``triton_filters.row_cuts`` against ``sampling.filtered_logits`` (torch's sort/topk): per row the same number of
-    tokens with the same values, for bf16/fp16/fp32 logits with ties, -inf columns, a row of zeros and -0.0, top-k 1
-    and top-p 0, over one block and over several (``BLOCK`` shrunk)."""
+    """``triton_filters.row_cuts`` against ``sampling.filtered_logits`` (torch's sort): per row the same number of
+    tokens with the same values, for bf16 and fp16 logits with ties, -inf columns, a row of zeros and -0.0, a flat
+    row, top-p 0, over one block and over several (``BLOCK`` shrunk). (No bf16 denormals: the interpreter flushes
+    them when converting, the GPU does not.)"""
     from dschat.hybrid_engine import triton_filters
     from dschat.hybrid_engine.sampling import filtered_logits
 
     torch.manual_seed(0)
-    settings = [(1.0, 0, 0.9), (0.7, 0, 0.5), (1.0, 20, 1.0), (0.7, 20, 0.8), (1.3, 5, 0.99), (1.0, 1, 1.0),
-                (1.0, 0, 0.0), (0.5, 3, 0.3)]
+    settings = [(1.0, 0.9), (0.7, 0.5), (1.3, 0.99), (1.0, 0.0), (0.5, 0.3)]
     block = triton_filters.BLOCK
     cases = 0
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float16):
         for vocab, triton_filters.BLOCK in ((7, block), (1000, block), (1000, 64), (301, 32)):
-            for temperature, top_k, top_p in settings:
-                if not triton_filters.applies(vocab, top_k, top_p):
-                    continue
+            for temperature, top_p in settings:
                 logits = (torch.randn(6, vocab) * 3).to(dtype)
                 logits[1] = logits[1].round()  # many ties
                 logits[2, :vocab // 2] = float("-inf")
                 logits[3] = 0.0
                 logits[3, 0] = -0.0
                 logits[4] *= 0.01  # a flat row: a wide nucleus
-                cut, last = triton_filters.row_cuts(logits, temperature, top_k, top_p)
+                cut, last = triton_filters.row_cuts(logits, temperature, top_p)
                 ours = triton_filters.kept(logits, cut, last)
-                theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
+                theirs = torch.isfinite(filtered_logits(logits, temperature, 0, top_p))
                 for row in range(logits.shape[0]):
                     a = logits[row][ours[row]].float().sort().values
                     b = logits[row][theirs[row]].float().sort().values
-                    assert torch.equal(a, b), (dtype, vocab, temperature, top_k, top_p, row, a.numel(), b.numel())
+                    assert torch.equal(a, b), (dtype, vocab, temperature, top_p, row, a.numel(), b.numel())
                 cases += 1
     triton_filters.BLOCK = block
-    print(f"row cuts: {cases} cases keep what torch's filters keep")
+    try:
+        triton_filters.row_cuts(torch.randn(2, 9), 1.0, 0.9)
+        raise AssertionError("fp32 logits are torch's to filter")
+    except ValueError:
+        pass
+    print(f"row cuts: {cases} cases keep what torch's filter keeps")
 
 
 def check_seed_reproduces_and_splits_do_not_matter():
