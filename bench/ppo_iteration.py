@@ -28,6 +28,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -231,12 +232,25 @@ def main():
         save_random_model(actor_dir, actor_shape, tokenizer)
         add_value_head(save_random_model(critic_dir, critic_shape, tokenizer))
     dist.barrier()
+    try:
+        results = run_variants(variants, actor_dir, critic_dir, tokenizer, args, actor_shape["vocab_size"])
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:  # the random models: GBs at the real shapes, this run's alone
+            shutil.rmtree(root[0], ignore_errors=True)
+    print_table(results, dist.get_world_size())
+    if dist.get_rank() == 0:
+        write_json(args, results)
+
+
+def run_variants(variants, actor_dir, critic_dir, tokenizer, args, vocab_size):
+    """One result row per variant, run one after another in this process (a failing variant gives an error row)."""
     results = []
     for name in variants:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         try:
-            results.append(run_variant(name, actor_dir, critic_dir, tokenizer, args, actor_shape["vocab_size"]))
+            results.append(run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab_size))
         except Exception as ex:  # report and go on
             import traceback
             traceback.print_exc()
@@ -246,9 +260,7 @@ def main():
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print_table(results, dist.get_world_size())
-    if dist.get_rank() == 0:
-        write_json(args, results)
+    return results
 
 
 def run_each_in_its_own_process(variants, args):

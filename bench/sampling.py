@@ -8,8 +8,8 @@
   gathered from it), as ``sampling.choose_tokens`` runs it;
 - with ``--top_p P`` and/or ``--top_k K``: ``filtered torch + logp`` (torch's filters, ``sampling.filtered_logits``,
   then torch's race), ``sorted + one pass + logp`` (torch's filters, then the one-pass race: the filtered step before
-  the eighteenth session, and what ``sampling.choose_tokens`` runs for top-k now) and ``cut + one pass + logp``
-  (top-p alone: ``triton_filters.row_cuts``, then the one-pass race masking by the cut, as it runs now); the
+  the eighteenth session) and ``cut + one pass + logp`` (``triton_filters.row_cuts``, then the one-pass race
+  masking by the cut, as it runs now for bf16 logits; top-k since the nineteenth session); the
   log-probs are the unfiltered logits' in each. Every row also reports by how many tokens the cut's kept count
   differs from torch's filters' (0 expected; fp32 sums in another order can move a cut by a token).
 
@@ -20,6 +20,7 @@ Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens again
     python bench/sampling.py --top_k 20 --top_p 0.8  # Qwen2.5-Instruct's generation_config
     python bench/sampling.py --sweep               # the one-pass kernel's LANES x PROGRAMS_PER_SM x NUM_WARPS
     python bench/sampling.py --cut_sweep --top_p 0.9 --batches 64   # the row cuts' FANOUT x BLOCK x NUM_WARPS
+    python bench/sampling.py --top_k_sweep --top_k 50 --batches 64  # top-k's TOPK_CHUNK x TOPK_NUM_WARPS
 
 Prints microseconds per sampled token and the seconds 255 decode steps spend in it; writes JSON to $OUT when set.
 """
@@ -72,19 +73,19 @@ def sorted_one_pass(logits, temperature, top_k, top_p):
     return tokens, token_log_probs(logits, tokens)
 
 
-def cut_one_pass(logits, temperature, top_p):
+def cut_one_pass(logits, temperature, top_p, top_k=0):
     """The row cuts, then the one-pass race masking by them (log-probs from its unfiltered log-sum-exp): what
-    ``sampling.choose_tokens`` runs for top-p alone (top-k goes the ``sorted + one pass`` way)."""
-    cuts = triton_filters.row_cuts(logits, temperature, top_p)
+    ``sampling.choose_tokens`` runs for bf16 logits."""
+    cuts = triton_filters.row_cuts(logits, temperature, top_p, top_k)
     tokens, lse = triton_sampling.select_tokens(logits, temperature, None, True, True, cuts)
     return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
 
 
-def cut_count_difference(logits, temperature, top_p):
+def cut_count_difference(logits, temperature, top_p, top_k=0):
     """The most tokens by which the row cuts' kept count differs from torch's filter's in any row (0: the same in
     every row; fp32 sums in another order can move a cut whose mass lies within rounding of top_p)."""
-    kept = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p))
-    theirs = torch.isfinite(filtered_logits(logits, temperature, 0, top_p))
+    kept = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p, top_k))
+    theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
     return int((kept.sum(-1) - theirs.sum(-1)).abs().max())
 
 
@@ -124,44 +125,49 @@ def wide_fit(vocab=152064, draws=2**22, buckets=64, sampler="one pass", chunk=2*
                 column2=int(counts[2]), column2_expected=float(probs[2] * draws))
 
 
+def sweep_settings(module, names, settings, step, args, json_name):
+    """``step(logits)`` timed per vocab and B under each setting of ``module``'s constants ``names`` (restored after)."""
+    cases = list(itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))))
+    default = tuple(getattr(module, name) for name in names)
+    rows = []
+    print("".join(f"{name[:7]:>8}" for name in names) + "".join(f"{v[:4]}/{b:>3}".rjust(11) for v, b in cases))
+    for setting in settings:
+        for name, value in zip(names, setting):
+            setattr(module, name, value)
+        us = []
+        for vocab, batch in cases:
+            logits = torch.randn(batch, VOCABS[vocab], device="cuda", dtype=torch.bfloat16) * 4
+            us.append(time_us(lambda: step(logits)))
+        rows.append({**dict(zip(names, setting)), "us": us})
+        mark = " (default)" if tuple(setting) == default else ""
+        print("".join(f"{value:>8}" for value in setting) + "".join(f"{u:>11.1f}" for u in us) + mark)
+    for name, value in zip(names, default):
+        setattr(module, name, value)
+    write_json(json_name, {"args": vars(args), "cases": cases, "rows": rows})
+
+
 def sweep(args):
     """``one pass + logp`` under each launch setting of ``triton_sampling`` (module constants), per vocab and B."""
-    settings = list(itertools.product((128, 256, 512, 1024), (2, 4, 8, 16), (4, 8)))
-    cases = list(itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))))
-    default = (triton_sampling.LANES, triton_sampling.PROGRAMS_PER_SM, triton_sampling.NUM_WARPS)
-    rows = []
-    print(f"{'LANES':>6}{'per SM':>7}{'warps':>6}" + "".join(f"{v[:4]}/{b:>3}".rjust(11) for v, b in cases))
-    for lanes, per_sm, warps in settings:
-        triton_sampling.LANES, triton_sampling.PROGRAMS_PER_SM, triton_sampling.NUM_WARPS = lanes, per_sm, warps
-        us = []
-        for name, batch in cases:
-            logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
-            us.append(time_us(lambda: one_pass(logits, args.temperature, True)))
-        rows.append(dict(lanes=lanes, programs_per_sm=per_sm, num_warps=warps, us=us))
-        mark = " (default)" if (lanes, per_sm, warps) == default else ""
-        print(f"{lanes:>6}{per_sm:>7}{warps:>6}" + "".join(f"{u:>11.1f}" for u in us) + mark)
-    triton_sampling.LANES, triton_sampling.PROGRAMS_PER_SM, triton_sampling.NUM_WARPS = default
-    write_json("sampling_sweep.json", {"args": vars(args), "cases": cases, "rows": rows})
+    sweep_settings(triton_sampling, ("LANES", "PROGRAMS_PER_SM", "NUM_WARPS"),
+                   itertools.product((128, 256, 512, 1024), (2, 4, 8, 16), (4, 8)),
+                   lambda logits: one_pass(logits, args.temperature, True), args, "sampling_sweep.json")
 
 
 def cut_sweep(args):
     """``cut + one pass + logp`` under each search setting of ``triton_filters`` (FANOUT x BLOCK x NUM_WARPS; top-p)."""
-    settings = list(itertools.product((2, 4, 8), (2048, 4096, 8192), (8, 16, 32)))
-    cases = list(itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))))
-    default = (triton_filters.FANOUT, triton_filters.BLOCK, triton_filters.NUM_WARPS)
-    rows = []
-    print(f"{'FANOUT':>7}{'BLOCK':>6}{'warps':>6}" + "".join(f"{v[:4]}/{b:>3}".rjust(11) for v, b in cases))
-    for fanout, block, warps in settings:
-        triton_filters.FANOUT, triton_filters.BLOCK, triton_filters.NUM_WARPS = fanout, block, warps
-        us = []
-        for name, batch in cases:
-            logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
-            us.append(time_us(lambda: cut_one_pass(logits, args.temperature, args.top_p)))
-        rows.append(dict(fanout=fanout, block=block, num_warps=warps, us=us))
-        mark = " (default)" if (fanout, block, warps) == default else ""
-        print(f"{fanout:>7}{block:>6}{warps:>6}" + "".join(f"{u:>11.1f}" for u in us) + mark)
-    triton_filters.FANOUT, triton_filters.BLOCK, triton_filters.NUM_WARPS = default
-    write_json("sampling_cut_sweep.json", {"args": vars(args), "cases": cases, "rows": rows})
+    sweep_settings(triton_filters, ("FANOUT", "BLOCK", "NUM_WARPS"),
+                   itertools.product((2, 4, 8), (2048, 4096, 8192), (8, 16, 32)),
+                   lambda logits: cut_one_pass(logits, args.temperature, args.top_p), args,
+                   "sampling_cut_sweep.json")
+
+
+def top_k_sweep(args):
+    """``cut + one pass + logp`` under each setting of ``triton_filters``' top-k launches (TOPK_CHUNK x
+    TOPK_NUM_WARPS; with --top_k, and --top_p if wanted)."""
+    sweep_settings(triton_filters, ("TOPK_CHUNK", "TOPK_NUM_WARPS"), itertools.product((1024, 2048, 4096, 8192),
+                                                                                       (4, 8, 16)),
+                   lambda logits: cut_one_pass(logits, args.temperature, args.top_p, args.top_k), args,
+                   "sampling_top_k_sweep.json")
 
 
 def main():
@@ -174,11 +180,14 @@ def main():
     p.add_argument("--steps", type=int, default=255, help="decode steps a generation samples in (for the seconds)")
     p.add_argument("--sweep", action="store_true", help="time the one-pass kernel's launch settings instead")
     p.add_argument("--cut_sweep", action="store_true", help="time the row cuts' search settings instead (with --top_p)")
+    p.add_argument("--top_k_sweep", action="store_true", help="time top-k's cut settings instead (with --top_k)")
     args = p.parse_args()
     if args.sweep:
         return sweep(args)
     if args.cut_sweep:
         return cut_sweep(args)
+    if args.top_k_sweep:
+        return top_k_sweep(args)
     fits = {t: one_pass_fit(t) for t in (1.0, 0.7)}
     print("one-pass draws, chi-square of 2**20 draws over 16 tokens (15 dof; p=0.001 at 37.7): "
           + ", ".join(f"T={t}: {v:.1f}" for t, v in fits.items()))
@@ -200,14 +209,12 @@ def main():
     if filters_on:
         columns["filtered torch + logp"] = lambda x: filtered_torch_race_and_logp(x, args.temperature, **filters)
         columns["sorted + one pass + logp"] = lambda x: sorted_one_pass(x, args.temperature, **filters)
-        if args.top_k <= 0:  # the cut is top-p's alone
-            columns["cut + one pass + logp"] = lambda x: cut_one_pass(x, args.temperature, args.top_p)
+        columns["cut + one pass + logp"] = lambda x: cut_one_pass(x, args.temperature, args.top_p, args.top_k)
     print(f"{'vocab':<12}{'B':>5}" + "".join(f"{c:>26}" for c in columns) + f"{'saved s / gen':>15}")
     for name, batch in itertools.product(args.vocabs.split(","), map(int, args.batches.split(","))):
         logits = torch.randn(batch, VOCABS[name], device="cuda", dtype=torch.bfloat16) * 4
         us = {c: time_us(lambda: fn(logits)) for c, fn in columns.items()}
-        differs = cut_count_difference(logits, args.temperature, args.top_p) if "cut + one pass + logp" in columns \
-            else None
+        differs = cut_count_difference(logits, args.temperature, args.top_p, args.top_k) if filters_on else None
         saved = (us["log race + logp"] - us["one pass + logp"]) * args.steps / 1e6
         rows.append(dict(vocab=name, batch=batch, us=us, saved_s_per_generation_with_logp=saved,
                          cut_count_difference=differs))

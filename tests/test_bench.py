@@ -10,7 +10,9 @@ REPO = Path(__file__).parents[1]
 
 
 def test_ppo_iteration_runs_each_variant_in_its_own_process_and_keeps_every_iteration(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # not under a launcher
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "ppo_iteration.py"), "--smoke", "--iterations", "2",
@@ -33,6 +35,7 @@ def test_ppo_iteration_runs_each_variant_in_its_own_process_and_keeps_every_iter
     assert proc.stdout.count("host time by operator") == 4
     assert proc.stdout.count("by class: attention") == 4
     assert proc.stdout.count("ranks: 1") == 3, "a table from each variant's own process, then the combined one"
+    assert not list(scratch.glob("dschat_bench_*")), "each process removes the random models it wrote"
 
 
 def test_kernel_classes_sort_kernels_by_name_and_sum_their_time():

@@ -290,6 +290,34 @@ def test_row_cut_kernel_compiles_for_hopper(dtype, tmp_path, monkeypatch):
     assert compiled.asm["cubin"]
 
 
+@pytest.mark.parametrize("kernel_name, constants", [
+    ("_chunk_top_kernel", dict(CHUNK=4096, KP=64)),
+    ("_top_k_cut_kernel", dict(CANDIDATES=1024, KP=64, BLOCK=4096, NUCLEUS=True)),
+    ("_top_k_cut_kernel", dict(CANDIDATES=4096, KP=256, BLOCK=4096, NUCLEUS=False)),
+])
+def test_top_k_cut_kernels_compile_for_hopper(kernel_name, constants, tmp_path, monkeypatch):
+    """Top-k's two launches (``tl.topk`` over int64 keys, data-dependent branches) compiled to sm_90 on the CPU."""
+    from helpers import hopper_target
+
+    target = hopper_target()
+    if target is None:
+        pytest.skip("this Triton cannot compile for CUDA here")
+    import triton
+    from triton.compiler import ASTSource
+
+    from dschat.hybrid_engine import triton_filters
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernel = getattr(triton_filters, kernel_name)
+    types = {"Logits": "*bf16", "Keys": "*i64", "Cut": "*fp32", "LastTie": "*i32", "top_p": "fp32",
+             "inv_temperature": "fp32"}
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    compiled = triton.compile(ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}),
+                              target=target, options=dict(num_warps=triton_filters.NUM_WARPS))
+    assert compiled.asm["cubin"]
+
+
 def test_one_pass_applies_to_sampling_and_to_greedy_log_probs_of_the_models_own_logits():
     assert sampling.one_pass_applies(True, False, False)
     assert sampling.one_pass_applies(True, True, True), "the race runs on filtered or penalised logits too"
@@ -380,33 +408,40 @@ def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
 def test_row_cuts_on_the_gpu_keep_what_torchs_filters_keep():
-    """The compiled search on rows of real vocabularies: per row as many tokens with the same values as torch's sort
-    (bf16 and fp16 rows, rounded rows full of ties, flat rows), eager and replayed in a CUDA graph."""
+    """The compiled kernels on rows of real vocabularies: per row as many tokens with the same values as torch's
+    filters (bf16 and fp16 rows, rounded rows full of ties, flat rows), top-p alone and top-k with or without top-p,
+    eager and replayed in a CUDA graph."""
     from dschat.hybrid_engine import triton_filters
 
     torch.manual_seed(0)
+    settings = ((0, 1.0, 0.9), (0, 0.7, 0.8), (0, 1.2, 0.5), (0, 1.0, 0.0),
+                (50, 1.0, 1.0), (20, 1.0, 0.8), (256, 0.7, 0.95), (1, 1.0, 1.0))
     for vocab in (50272, 152064):
         base = torch.randn(64, vocab, device="cuda") * 4
         base[1] = base[1].round()
         base[2] *= 0.05  # flat: a nucleus of thousands
+        base[3] = (base[3] * 0.5).round()  # the k-th ties with hundreds of others
         for logits in (base.to(torch.bfloat16), base.to(torch.float16)):
-            for temperature, top_p in ((1.0, 0.9), (0.7, 0.8), (1.2, 0.5), (1.0, 0.0)):
-                ours = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p))
-                theirs = torch.isfinite(filtered_logits(logits, temperature, 0, top_p))
-                assert torch.equal(ours.sum(-1), theirs.sum(-1)), (vocab, logits.dtype, temperature, top_p)
+            for top_k, temperature, top_p in settings:
+                case = (vocab, logits.dtype, top_k, temperature, top_p)
+                ours = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p, top_k))
+                theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
+                assert torch.equal(ours.sum(-1), theirs.sum(-1)), case
                 a = torch.where(ours, logits.float(), float("-inf")).sort(-1).values
                 b = torch.where(theirs, logits.float(), float("-inf")).sort(-1).values
-                assert torch.equal(a, b), (vocab, logits.dtype, temperature, top_p)
+                assert torch.equal(a, b), case
     logits = base.to(torch.bfloat16)
-    eager = triton_filters.row_cuts(logits, 0.7, 0.8)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = triton_filters.row_cuts(logits, 0.7, 0.8)
-    logits.copy_(base.flip(0).to(torch.bfloat16))
-    graph.replay()
-    for got, want in zip(captured, triton_filters.row_cuts(logits, 0.7, 0.8)):
-        assert torch.equal(got, want)
-    assert not torch.equal(captured[0], eager[0]), "a replay reads the new logits"
+    for top_k in (0, 20):
+        eager = triton_filters.row_cuts(logits, 0.7, 0.8, top_k)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = triton_filters.row_cuts(logits, 0.7, 0.8, top_k)
+        logits.copy_(base.flip(0).to(torch.bfloat16))
+        graph.replay()
+        for got, want in zip(captured, triton_filters.row_cuts(logits, 0.7, 0.8, top_k)):
+            assert torch.equal(got, want), top_k
+        assert not torch.equal(captured[0], eager[0]), "a replay reads the new logits"
+        logits.copy_(base.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 0.8), (12, 1.0)])

@@ -598,6 +598,22 @@ def test_resume_from_a_checkpoint_of_another_setup_is_a_usage_error_before_deeps
             load_checkpoint(same, str(tmp_path))
 
 
+@pytest.mark.parametrize("part", ["actor", "trainer"])
+def test_resume_with_a_checkpoint_folder_missing_names_the_folder(tmp_path, part):
+    """``latest`` naming a tag whose trainer folder was gone was a FileNotFoundError traceback from os.listdir."""
+    import shutil
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _saved_checkpoint(tmp_path, critic=False)
+    shutil.rmtree(tmp_path / part / "iter_0000002")
+    trainer = SimpleNamespace(actor_model=None, critic_model=None, actor_ema=None)
+    with pytest.raises(UsageError, match=rf"no {part}/iter_0000002 folder"):
+        load_checkpoint(trainer, str(tmp_path))
+
+
 TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")
 
 

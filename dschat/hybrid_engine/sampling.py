@@ -190,20 +190,20 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
 
 
 def _one_pass_tokens(logits, temperature, top_k, top_p, do_sample, generator, with_lse):
-    """``triton_sampling.select_tokens`` on ``logits``; top-p alone on bf16/fp16 logits as ``triton_filters``' row
-    cuts (no sort, no filtered copy), top-k or fp32 logits (e.g. penalised) on torch's filtered copy. FAILED for
-    logits the kernels cannot take (torch's path then runs, for this call only) or after a kernel failure."""
+    """``triton_sampling.select_tokens`` on ``logits``; top-k/top-p on bf16/fp16 logits as ``triton_filters``' row
+    cuts (no sort, no filtered copy), on fp32 logits (e.g. penalised) or a top-k above its limit as torch's filtered
+    copy. FAILED for logits the kernels cannot take (torch's path then runs, for this call only) or after a kernel
+    failure."""
     from dschat.hybrid_engine import triton_filters, triton_sampling
 
     if triton_sampling.unsupported(logits, generator if do_sample else None) is not None:
         return FAILED
     cuts = None
     if do_sample and filters_apply(logits.shape[-1], top_k, top_p):
-        if 0 < top_k < logits.shape[-1] or triton_filters.unsupported(logits) is not None:
-            # top-k (torch.topk beat a count search by the kernel), or fp32 logits: torch's filtered copy
+        if triton_filters.unsupported(logits, top_k) is not None:
             filtered = filtered_logits(logits, temperature, top_k, top_p)
             return call_kernel(triton_sampling.select_tokens, filtered, 1.0, generator, True, False)
-        cuts = call_kernel(triton_filters.row_cuts, logits, temperature, top_p)
+        cuts = call_kernel(triton_filters.row_cuts, logits, temperature, top_p, top_k)
         if cuts is FAILED:
             return FAILED
     return call_kernel(triton_sampling.select_tokens, logits, temperature if do_sample else 1.0, generator, do_sample,

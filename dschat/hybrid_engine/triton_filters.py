@@ -26,6 +26,9 @@ import triton.language as tl
 BLOCK = 4096  # columns per loop step
 FANOUT = 2  # candidate keys per pass: each pass shrinks the interval ~3x
 NUM_WARPS = 16  # with BLOCK and FANOUT: the best of bench/sampling.py --cut_sweep (eighteenth session)
+TOPK_CHUNK = 4096  # columns ranked per program of top-k's first launch
+TOPK_NUM_WARPS = 8
+MAX_TOP_K = 256  # larger k: torch.topk (each chunk ranks the next power of two above k)
 
 
 @triton.jit
@@ -115,42 +118,149 @@ def _cut_kernel(Logits, Cut, LastTie, stride_lb, vocab, top_p, inv_temperature, 
     tie_weight = tl.exp((_value(cut, element) - shift) * inv_temperature)
     # ties at the cut are kept while the mass ranked above them (with the ties kept before) is below top_p
     wanted = tl.maximum(tl.ceil((top_p * total - tl.sum(sums, 0)) / tie_weight), 1.0)
+    tl.store(Cut + row, _value(cut, element))
+    tl.store(LastTie + row, _tie_column(row_logits, vocab, cut, wanted.to(tl.int32), BLOCK))
+
+
+@triton.jit
+def _tie_column(row_logits, vocab, key, wanted, BLOCK: tl.constexpr):
+    """The column of the ``wanted``-th (from 1) logit with key ``key``, by column; vocab - 1 when there are fewer
+    (fp32 rounding of the count): all of them."""
+    offs = tl.arange(0, BLOCK)
     seen = tl.full([], 0, tl.int32)
     last = tl.full([], 0, tl.int32) + vocab
     for start in range(0, vocab, BLOCK):
         cols = start + offs
         ok = cols < vocab
-        tie = ok & (_keys(tl.load(row_logits + cols, mask=ok, other=0)) == cut)
+        tie = ok & (_keys(tl.load(row_logits + cols, mask=ok, other=0)) == key)
         rank = seen + tl.cumsum(tie.to(tl.int32), 0)
-        last = tl.minimum(last, tl.min(tl.where(tie & (rank.to(tl.float32) == wanted), cols, vocab), 0))
+        last = tl.minimum(last, tl.min(tl.where(tie & (rank == wanted), cols, vocab), 0))
         seen += tl.sum(tie.to(tl.int32), 0)
-    last = tl.where(last == vocab, vocab - 1, last)  # fewer ties than wanted (fp32 rounding): all of them
-    tl.store(Cut + row, _value(cut, element))
-    tl.store(LastTie + row, last)
+    return tl.where(last == vocab, vocab - 1, last)
 
 
-def unsupported(logits):
+@triton.jit
+def _count_key(row_logits, vocab, key, BLOCK: tl.constexpr):
+    """How many of the row's logits have key ``key``."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + offs
+        ok = cols < vocab
+        count += tl.sum((ok & (_keys(tl.load(row_logits + cols, mask=ok, other=0)) == key)).to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _ranked_keys(raw, cols, ok):
+    """int64 keys in the order top-k ranks: by value (the 16-bit key above), then the smaller column first; the
+    columns past the row's end below every logit."""
+    ranked = (_keys(raw).to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+    return tl.where(ok, ranked, -9223372036854775807 - 1)
+
+
+@triton.jit
+def _chunk_top_kernel(Logits, Keys, stride_lb, vocab, CHUNK: tl.constexpr, KP: tl.constexpr):
+    """Each (row, chunk of CHUNK columns): its KP largest ranked keys, descending. The row's top k (k <= KP) are
+    among its chunks' candidates: a chunk holds at most k of them."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < vocab
+    raw = tl.load(Logits + row.to(tl.int64) * stride_lb + cols, mask=ok, other=0)
+    out = (row * tl.num_programs(1) + chunk) * KP + tl.arange(0, KP)
+    tl.store(Keys + out, tl.topk(_ranked_keys(raw, cols, ok), KP))
+
+
+@triton.jit
+def _top_k_cut_kernel(Logits, Keys, Cut, LastTie, stride_lb, vocab, candidates, top_k, top_p, inv_temperature,
+                      CANDIDATES: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NUCLEUS: tl.constexpr):
+    """A row's cut from its chunks' candidates: top-k keeps every logit tied with the k-th (HF's top-k); with
+    NUCLEUS, top-p then cuts the survivors in rank order (the k ranked, then the other ties with the k-th by
+    column), as ``sampling.filter_top_k_top_p`` does."""
+    row = tl.program_id(0)
+    row_logits = Logits + row.to(tl.int64) * stride_lb
+    offs = tl.arange(0, CANDIDATES)
+    keys = tl.load(Keys + row * candidates + offs, mask=offs < candidates, other=-9223372036854775807 - 1)
+    top = tl.topk(keys, KP)
+    ranks = tl.arange(0, KP)
+    value_keys = (top >> 32).to(tl.int32)
+    kth_key = tl.sum(tl.where(ranks == top_k - 1, value_keys, 0), 0)
+    element = Logits.dtype.element_ty
+    if NUCLEUS:
+        in_k = ranks < top_k
+        values = _value(value_keys, element)
+        shift = tl.max(tl.where(in_k, values, float("-inf")), 0)
+        shift = tl.where(shift == float("-inf"), 0.0, shift)  # an all -inf row: weights 0, not nan
+        weights = tl.where(in_k, tl.exp((values - shift) * inv_temperature), 0.0)
+        kth_weight = tl.exp((_value(kth_key, element) - shift) * inv_temperature)
+        ties = _count_key(row_logits, vocab, kth_key, BLOCK)
+        left_out = ties - tl.sum((in_k & (value_keys == kth_key)).to(tl.int32), 0)
+        in_k_mass = tl.sum(weights, 0)
+        mass = in_k_mass + left_out.to(tl.float32) * kth_weight
+        # a ranked token stays while the mass ranked above it is below top_p (the first always)
+        kept = in_k & ((tl.cumsum(weights, 0) - weights < top_p * mass) | (ranks == 0))
+        kept_in_k = tl.sum(kept.to(tl.int32), 0)
+        # then the left-out ties, the j-th (from 0) while top-k's mass and j of theirs is below top_p
+        extra = tl.ceil((top_p * mass - in_k_mass) / kth_weight).to(tl.int32)
+        extra = tl.where(kept_in_k == top_k, tl.minimum(tl.maximum(extra, 0), left_out), 0)
+        cut_key = tl.sum(tl.where(ranks == kept_in_k - 1, value_keys, 0), 0)
+        wanted = kept_in_k + extra - tl.sum((in_k & (value_keys > cut_key)).to(tl.int32), 0)
+        if cut_key != kth_key:  # above the k-th: all its ties are ranked, by column
+            last = 0x7FFFFFFF - tl.sum(tl.where(ranks == kept_in_k - 1, top & 0x7FFFFFFF, 0), 0).to(tl.int32)
+        elif wanted >= ties:
+            last = vocab - 1
+        else:
+            last = _tie_column(row_logits, vocab, cut_key, wanted, BLOCK)
+        tl.store(Cut + row, _value(cut_key, element))
+        tl.store(LastTie + row, last)
+    else:
+        tl.store(Cut + row, _value(kth_key, element))
+        tl.store(LastTie + row, vocab - 1)
+
+
+def unsupported(logits, top_k=0):
     """Why :func:`row_cuts` should not take these logits (a string), or None: it searches 16-bit keys (bf16/fp16, as
     models give them); fp32 logits (e.g. after a repetition penalty) would take ~16-20 passes over 32-bit keys, which
-    was not measured against the sort they would replace."""
+    was not measured against the sort they would replace. Top-k ranks at most MAX_TOP_K per chunk."""
     if logits.dtype not in (torch.bfloat16, torch.float16):
         return f"searches 16-bit logits, not {logits.dtype}"
+    if top_k > MAX_TOP_K:
+        return f"top_k {top_k} > {MAX_TOP_K}"
     return None
 
 
-def row_cuts(logits, temperature=1.0, top_p=1.0):
-    """``logits`` (B, V), rows contiguous -> (cut (B,) fp32, last (B,) int32): top-p of ``softmax(logits /
-    temperature)`` keeps the columns with ``x > cut`` or ``x == cut and column <= last``."""
-    reason = unsupported(logits)
+def row_cuts(logits, temperature=1.0, top_p=1.0, top_k=0):
+    """``logits`` (B, V), rows contiguous -> (cut (B,) fp32, last (B,) int32): top-k (``0 < top_k < V``), then top-p
+    of ``softmax(logits / temperature)`` over what top-k keeps, keep the columns with ``x > cut`` or ``x == cut and
+    column <= last``."""
+    reason = unsupported(logits, top_k)
     if reason is not None:
         raise ValueError(f"row_cuts: {reason}")
     rows, vocab = logits.shape
     cut = torch.empty(rows, dtype=torch.float32, device=logits.device)
     last = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    _cut_kernel[(rows,)](logits, cut, last, logits.stride(0), vocab, float(min(max(top_p, 0.0), 1.0)),
-                         1.0 / temperature, BLOCK=BLOCK, FANOUT=FANOUT,
-                         num_warps=NUM_WARPS)
+    top_p = float(min(max(top_p, 0.0), 1.0))
+    if 0 < top_k < vocab:
+        _top_k_cuts(logits, temperature, top_p, top_k, cut, last)
+        return cut, last
+    _cut_kernel[(rows,)](logits, cut, last, logits.stride(0), vocab, top_p, 1.0 / temperature, BLOCK=BLOCK,
+                         FANOUT=FANOUT, num_warps=NUM_WARPS)
     return cut, last
+
+
+def _top_k_cuts(logits, temperature, top_p, top_k, cut, last):
+    """Top-k's (and top-p's after it) cuts in two launches: every chunk's candidates, then each row's cut."""
+    rows, vocab = logits.shape
+    ranked = triton.next_power_of_2(top_k)
+    chunk = min(TOPK_CHUNK, max(triton.next_power_of_2(vocab), ranked))
+    chunks = -(-vocab // chunk)
+    keys = torch.empty((rows, chunks * ranked), dtype=torch.int64, device=logits.device)
+    _chunk_top_kernel[(rows, chunks)](logits, keys, logits.stride(0), vocab, CHUNK=chunk, KP=ranked,
+                                      num_warps=TOPK_NUM_WARPS)
+    _top_k_cut_kernel[(rows,)](logits, keys, cut, last, logits.stride(0), vocab, chunks * ranked, top_k, top_p,
+                               1.0 / temperature, CANDIDATES=triton.next_power_of_2(chunks * ranked), KP=ranked,
+                               BLOCK=BLOCK, NUCLEUS=top_p < 1.0, num_warps=NUM_WARPS)
 
 
 def kept(logits, cut, last):

@@ -95,6 +95,11 @@ def check_resumable(trainer, root, tag):
     rank from the files alone, so all ranks fail together (none waits in a collective) and before DeepSpeed's own
     errors, which name no flag."""
     where = os.path.join(root, "trainer", tag)
+    for part in ("actor", "trainer"):
+        if not os.path.isdir(os.path.join(root, part, tag)):
+            raise UsageError(f"--resume: {os.path.join(root, LATEST)} names checkpoint {tag}, but {root} has no "
+                             f"{part}/{tag} folder (removed or copied in part?); restore it, or start afresh "
+                             f"without --resume")
     saved_ranks = sum(1 for name in os.listdir(where) if name.startswith("rng_rank") and name.endswith(".pt"))
     if saved_ranks != get_world_size():
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "

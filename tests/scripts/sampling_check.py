@@ -111,10 +111,11 @@ def check_sampled_distribution():
 
 
 def check_filtered_draws():
-    """``choose_tokens`` through the kernels, T = 0.5: under top-k 5 and top-p 0.9 (torch's filtered copy, then the
-    race) and under top-p 0.85 alone (``triton_filters``' row cuts, then the race masking by them), 600 draws land
-    only on the 3 tokens the filters keep, in proportion to softmax(filtered logits) (T applied once), and the
-    log-probs are the unfiltered distribution's."""
+    """``choose_tokens`` through the kernels, T = 0.5: under top-k 5 and top-p 0.9 and under top-p 0.85 alone
+    (``triton_filters``' row cuts, then the race masking by them), 600 draws land only on the 3 tokens the filters
+    keep, in proportion to softmax(filtered logits) (T applied once), and the log-probs are the unfiltered
+    distribution's. The 600 rows are one row repeated: its cut is computed once and repeated (the interpreter's
+    top-k takes ~1 s per row; the cuts themselves are ``filters``' to check)."""
     from dschat.hybrid_engine.sampling import choose_tokens, filtered_logits
 
     from dschat.hybrid_engine import triton_filters
@@ -123,7 +124,12 @@ def check_filtered_draws():
     rows = logits.expand(600, -1).contiguous().to(torch.bfloat16)  # the row cuts take the model's 16-bit logits
     cut_calls = []
     row_cuts, block = triton_filters.row_cuts, triton_filters.BLOCK
-    triton_filters.row_cuts = lambda *args: cut_calls.append(args) or row_cuts(*args)
+
+    def first_row_cut_repeated(logits, *args):
+        cut_calls.append(args)
+        return tuple(t.expand(logits.shape[0]).contiguous() for t in row_cuts(logits[:1], *args))
+
+    triton_filters.row_cuts = first_row_cut_repeated
     triton_filters.BLOCK = 16  # a 12-token row: small blocks are fast in the interpreter
     for top_k, top_p in ((5, 0.9), (0, 0.85)):
         lanes, triton_sampling.LANES = triton_sampling.LANES, 2
@@ -133,7 +139,7 @@ def check_filtered_draws():
                                          logprobs=True, one_pass=True, generator=torch.Generator().manual_seed(3))
         finally:
             triton_sampling.LANES = lanes
-        assert bool(cut_calls) == (top_k == 0), (top_k, "top-p alone goes through the row cuts, top-k through torch")
+        assert len(cut_calls) == 1, (top_k, "the filters go through the row cuts")
         filtered = filtered_logits(rows[:1].float(), 0.5, top_k, top_p)[0]
         kept = torch.isfinite(filtered)
         counts = torch.bincount(tokens, minlength=logits.shape[-1]).double()
@@ -177,12 +183,46 @@ def check_row_cuts_keep_what_torchs_filters_keep():
                 assert torch.equal(a, b), (dtype, vocab, temperature, top_p, row, a.numel(), b.numel())
             cases += 1
     triton_filters.BLOCK = block
-    try:
-        triton_filters.row_cuts(torch.randn(2, 9), 1.0, 0.9)
-        raise AssertionError("fp32 logits are torch's to filter")
-    except ValueError:
-        pass
+    cases += check_top_k_cuts(filtered_logits)
+    for logits, top_k in ((torch.randn(2, 9), 0), (torch.randn(2, 900).bfloat16(), triton_filters.MAX_TOP_K + 1)):
+        try:
+            triton_filters.row_cuts(logits, 1.0, 0.9, top_k)
+            raise AssertionError("fp32 logits and a top-k above MAX_TOP_K are torch's to filter")
+        except ValueError:
+            pass
     print(f"row cuts: {cases} cases keep what torch's filter keeps")
+
+
+def check_top_k_cuts(filtered_logits):
+    """Top-k's cuts (chunks' candidates, then each row's cut) against torch's filters, as above: rows of ties at the
+    k-th (top-k keeps them all; top-p then cuts into them by column), -inf columns, zeros and -0.0, flat rows; one
+    chunk padded past the row's end, and several."""
+    from dschat.hybrid_engine import triton_filters
+
+    chunk, block = triton_filters.TOPK_CHUNK, triton_filters.BLOCK
+    triton_filters.BLOCK = 64
+    cases = 0
+    for dtype, vocab, triton_filters.TOPK_CHUNK, top_k, temperature, top_p in (
+            (torch.bfloat16, 7, chunk, 3, 1.0, 0.9),
+            (torch.bfloat16, 300, 128, 20, 0.7, 0.8),
+            (torch.float16, 301, 64, 50, 1.0, 0.97),
+            (torch.bfloat16, 300, 128, 5, 1.0, 1.0)):
+        logits = (torch.randn(6, vocab) * 3).to(dtype)
+        logits[1] = logits[1].round()  # the k-th tied with many: some left out of the ranked k
+        logits[2, :vocab // 2] = float("-inf")
+        logits[3] = 0.0
+        logits[3, 0] = -0.0
+        logits[4] = (logits[4] * 0.3).round()  # ties across chunks, a nucleus into them
+        logits[5] *= 0.01  # flat
+        ours = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p, top_k))
+        theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
+        for row in range(logits.shape[0]):
+            a = logits[row][ours[row]].float().sort().values
+            b = logits[row][theirs[row]].float().sort().values
+            assert torch.equal(a, b), (dtype, vocab, top_k, temperature, top_p, row, a.numel(), b.numel())
+        cases += 1
+    triton_filters.TOPK_CHUNK, triton_filters.BLOCK = chunk, block
+    return cases
 
 
 def check_seed_reproduces_and_splits_do_not_matter():
