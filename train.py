@@ -104,6 +104,11 @@ def relaunch_with_deepspeed(args, argv):
     """``python train.py --deployment-type single_node|multi_node``: start the ranks once, via the launcher."""
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if args.deployment_type == "multi_node":
+        if not os.path.isfile(args.hostfile):  # the launcher would run on this node alone, with a warning
+            from dschat.errors import MissingInputError
+
+            raise MissingInputError(f"--hostfile {args.hostfile}: no such file; --deployment-type multi_node starts "
+                                    "the ranks of the nodes it lists (single_node: this node's GPUs)")
         cmd += ["--hostfile", args.hostfile]
     cmd += [os.path.abspath(__file__), *argv]
     print("launching:", " ".join(cmd), flush=True)

@@ -149,6 +149,7 @@ def check_step_args(steps, args, tiny, parsers):
             check_supervised_settings(flags, phase=step)
     for step, (flags, _) in parsed.items():
         check_earlier_outputs(step, steps, args, flags)
+    check_model_folders(steps, args)
     check_reward_model_tokenizer(steps, args, tiny)
 
 
@@ -189,6 +190,17 @@ def check_earlier_outputs(step, steps, args, parsed):
             if path == os.path.join(args.output_dir, folder) and producer not in steps and not os.path.isdir(path):
                 raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which does not exist: "
                                         f"run step {producer} too (--step {producer} {step}) or first")
+
+
+def check_model_folders(steps, args):
+    """--actor-model (step 1 starts from it) and --reward-model (step 2's, recipe ppo) given as folders that are not
+    there: an error naming the flag before step 1 runs, not a hub lookup's traceback."""
+    from dschat.models.loading import check_model_path
+
+    if 1 in steps:
+        check_model_path(args.actor_model, "--actor-model")
+    if 2 in steps and getattr(args, "recipe", "ppo") == "ppo":
+        check_model_path(args.reward_model, "--reward-model")
 
 
 def check_reward_model_tokenizer(steps, args, tiny):
@@ -239,7 +251,7 @@ def run_pipeline(args):
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None
-    report = write_report(args.output_dir, timings, recipe, steps)
+    report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=tiny)
     lines = summary_lines(report)
     if recipe == "dpo":
         lines += add_dpo_report(args.output_dir, report, rule_scores)
@@ -298,7 +310,7 @@ def add_dpo_report(output_dir, report, rule_scores=None):
              f"SFT {m['reference_logp_accuracy']:.4f} -> DPO {m['logp_accuracy']:.4f}",
              f"DPO implicit rewards: chosen {m['chosen_reward']:.3f}, rejected {m['rejected_reward']:.3f}, "
              f"margin {m['reward_margin']:.3f}, accuracy {m['reward_accuracy']:.4f}; eval loss {m['eval_loss']:.4f}"]
-    if rule_scores:
+    if rule_scores and rule_scores["dpo"]["prompts"]:  # no held-out prompts: no score (None)
         lines.append(f"held-out rule score of greedy answers ({rule_scores['dpo']['prompts']} prompts): "
                      f"SFT {rule_scores['sft']['rule_score']:.3f} -> DPO {rule_scores['dpo']['rule_score']:.3f}")
     return lines

@@ -29,19 +29,22 @@ RECIPE_POLICY = {"ppo": PPO_ACTOR_DIR, "grpo": PPO_ACTOR_DIR, "dpo": DPO_DIR}
 
 
 
-def stale_folders(recipe, steps_run):
+def stale_folders(recipe, steps_run, rm_from_sft=True):
     """Folders of steps that ran before an earlier step of this run: they were made from that step's old output, so
-    they are not this run's results (``train.py --step 1`` after a full run leaves an older PPO actor)."""
+    they are not this run's results (``train.py --step 1`` after a full run leaves an older PPO actor).
+    ``rm_from_sft``: step 2's reward model starts from the SFT model (the tiny default, ``pipeline.step_argv``);
+    otherwise it starts from ``--reward-model`` and a new step 1 leaves it this run's."""
     if not steps_run:
         return set()
-    first = min(steps_run)
-    return {folder for step, folder in RECIPE_STEP_FOLDERS[recipe].items() if step > first and step not in steps_run}
+    own_start = {2} if recipe == "ppo" and not rm_from_sft else set()  # steps that start from no earlier step
+    return {folder for step, folder in RECIPE_STEP_FOLDERS[recipe].items()
+            if step > min(steps_run) and step not in steps_run and step not in own_start}
 
 
-def build_report(output_dir, timings, recipe="ppo", steps_run=None):
+def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True):
     """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``; ``steps_run``: the steps
     of this run (None: all), so that folders left by an earlier run on older inputs are not reported."""
-    stale = stale_folders(recipe, steps_run)
+    stale = stale_folders(recipe, steps_run, rm_from_sft)
 
     def metrics(folder):
         if folder not in RECIPE_FOLDERS[recipe] or folder in stale:
@@ -96,8 +99,8 @@ def plot_curves(curve, path):
     return path
 
 
-def write_report(output_dir, timings, recipe="ppo", steps_run=None):
-    report = build_report(output_dir, timings, recipe, steps_run)
+def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True):
+    report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft)
     if report.get("step3_curve"):
         report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
     write_json_atomic(os.path.join(output_dir, "report.json"), report)
@@ -119,7 +122,7 @@ def summary_lines(report):
             r = held[name]
             scores = (("reward", "reward_mean"), ("rule score", "rule_score_mean"), ("reward_fn", "reward_fn_mean"))
             parts = [f"{label} {r[key]:.4f}" for label, key in scores if r.get(key) is not None]
-            lines.append(f"held-out {name}: {', '.join(parts)}")
+            lines.append(f"held-out {name}: {', '.join(parts) or 'no held-out prompts, so no score'}")
         curve = report.get("step3_curve", {})
         if curve.get("kl"):
             lines.append(f"PPO: {report['step3_iterations']} iterations, final KL {curve['kl'][-1]:.4f}")

@@ -100,6 +100,19 @@ def test_tiny_name_is_the_embedded_dataset(tmp_path):
     assert len(adapter.get_eval_data()) > 0
 
 
+def test_deepspeed_chats_local_jsonfile_reads_data_train_and_eval_json(tmp_path, monkeypatch):
+    # DeepSpeed-Chat's --data_path local/jsonfile: data/train.json and data/eval.json where the step runs
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MissingInputError, match="local/jsonfile .*data/train.json and .*data/eval.json not found"):
+        raw("local/jsonfile", tmp_path)
+    (tmp_path / "data").mkdir()
+    write_records(RECORDS[:15], tmp_path / "data" / "train.json", "json")
+    write_records(RECORDS[15:], tmp_path / "data" / "eval.json", "json")
+    adapter = raw("local/jsonfile", tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == [tuple(r.values()) for r in RECORDS[:15]]
+    assert as_tuples(adapter, adapter.get_eval_data()) == [tuple(r.values()) for r in RECORDS[15:]]
+
+
 # --- field names and record shapes ---
 
 def test_field_mapping(tmp_path):
@@ -222,6 +235,23 @@ def test_transcript_prompt_in_a_local_file(tmp_path):
     assert adapter.get_chosen_text(sample) == "Bye!"
 
 
+def test_hh_rlhf_transcripts_in_a_local_file_read_as_the_hub_adapter_reads_them(tmp_path):
+    # Anthropic/hh-rlhf's own jsonl files: chosen and rejected are whole transcripts, no prompt field
+    row = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Name a color.\n\nAssistant: Blue.",
+           "rejected": "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Name a color.\n\nAssistant: Dog."}
+    path = write_records([row], tmp_path / "hh.jsonl", "jsonl")
+    local = raw(f"{path},{path}", tmp_path)
+    hub = adapter_for(AnthropicHhrlhfDataset, tmp_path, {"train": [row], "test": [row]})
+    for adapter in (local, hub):
+        sample = adapter.get_train_data()[0]
+        assert [m["role"] for m in adapter.get_conversation(sample)] == ["user", "assistant", "user"]
+        assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Blue.", "Dog.")
+    plain = write_records([{"question": "Q?", "chosen": "a", "rejected": "b"}], tmp_path / "plain.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 1 \(record 0\): field 'chosen': a string without "
+                                                 r"'Human:'/'Assistant:' turns: without a 'prompt' field"):
+        raw(plain, tmp_path)
+
+
 # --- bad input ---
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
@@ -231,6 +261,18 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     with pytest.raises(DatasetFormatError, match=rf"{path} line 4: invalid JSON \(Expecting value at column 27\)"):
         raw(str(path), tmp_path)
     assert issubclass(DatasetFormatError, ValueError)
+
+
+def test_a_file_that_is_not_utf8_names_file_and_line(tmp_path):
+    # e.g. a Latin-1 export: an error naming the line, not a UnicodeDecodeError traceback
+    lines = [json.dumps(r).encode() for r in RECORDS[:3]]
+    lines[1] = lines[1].replace(b"Question", b"Qu\xe9stion")
+    (tmp_path / "latin1.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DatasetFormatError, match=r"latin1.jsonl line 2: not UTF-8 text \(byte 0xe9 at column 15\)"):
+        raw(str(tmp_path / "latin1.jsonl"), tmp_path)
+    (tmp_path / "latin1.json").write_bytes(b"[\n" + b",\n".join(lines) + b"\n]\n")
+    with pytest.raises(DatasetFormatError, match=r"latin1.json line 3: not UTF-8 text"):
+        raw(str(tmp_path / "latin1.json"), tmp_path)
 
 
 def test_an_empty_jsonl_file_says_so(tmp_path):

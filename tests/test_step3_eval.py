@@ -133,3 +133,14 @@ def test_held_out_sequences_are_padded_to_pad_to_multiple_of_without_changing_sc
     assert models[0].lengths == [3] and models[1].lengths == [8]  # 1 prompt + 2 answer tokens, then 5 padding
     assert results[0] == results[1]
     assert results[1]["reward_mean"] == pytest.approx(1.5) and results[1]["rule_score_mean"] == pytest.approx(15.0)
+
+
+def test_no_held_out_prompts_is_no_score_not_a_mean_of_zero(tokenizer):
+    # a phase-3 share with no eval records: like step 2's accuracy, the means are None, and the report says so
+    from dschat.report import summary_lines
+
+    result = evaluate([], tokenizer, reward_fn=lambda prompts, answers: [1.0] * len(answers))
+    assert result["prompts"] == 0
+    assert result["reward_mean"] is result["rule_score_mean"] is result["reward_fn_mean"] is None
+    held = {"sft_policy": result, "ppo_policy": result, "prompts": 0}
+    assert "held-out ppo_policy: no held-out prompts, so no score" in summary_lines({"timings_s": {}, "held_out": held})

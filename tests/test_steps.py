@@ -362,3 +362,63 @@ def test_train_py_reward_model_defaults_to_the_actor_and_another_tokenizer_fails
     with pytest.raises(UsageError, match="train.py: --reward-model .* has another tokenizer than the actor"):
         pipeline.run_pipeline(args)
     assert not (tmp_path / "out" / "step1_sft").exists()
+
+
+def test_a_model_folder_that_is_not_there_is_an_error_naming_the_flag(tmp_path, distributed):
+    # a typo in a local model path must not end in transformers' "Repo id must be in the form ..." traceback
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import resolve_model_path
+    from dschat.rlhf.config import check_earlier_step_outputs, step3_args
+
+    missing = str(tmp_path / "no_such_model")
+    args = _train_py_args("--actor-model", missing, "--output-dir", str(tmp_path / "out"))
+    with pytest.raises(MissingInputError, match=f"--actor-model {missing}: no such folder"):
+        pipeline.run_pipeline(args)
+    args = _train_py_args("--actor-model", resolve_model_path("tiny-gpt2"), "--reward-model", missing,
+                          "--output-dir", str(tmp_path / "out"))
+    with pytest.raises(MissingInputError, match=f"--reward-model {missing}: no such folder"):
+        pipeline.run_pipeline(args)
+    assert not (tmp_path / "out").exists(), "no step may have run"
+    with pytest.raises(MissingInputError, match=f"--model_name_or_path {missing}: no such folder"):
+        sft.main(["--model_name_or_path", missing, "--output_dir", str(tmp_path / "sft")])
+    with pytest.raises(MissingInputError, match=f"--critic_model_name_or_path {missing}: no such folder"):
+        check_earlier_step_outputs(step3_args({"actor_model_name_or_path": resolve_model_path("tiny-gpt2"),
+                                               "critic_model_name_or_path": missing}))
+
+
+def test_train_py_checks_every_steps_data_paths_before_the_first_step_runs(tmp_path, distributed):
+    # a typo in step 3's (or step 1's --sft_only_data_path) data file must not cost the training of steps 1 and 2
+    from dschat import pipeline
+    from dschat.errors import MissingInputError, UsageError
+
+    out = tmp_path / "out"
+    for argv, error, message in (
+            (["--step3-args", f"--data_path jsonl:{tmp_path}/typo.jsonl"], MissingInputError,
+             "typo.jsonl does not exist"),
+            (["--step1-args", f"--sft_only_data_path {tmp_path}/typo.jsonl"], MissingInputError, "data file not found"),
+            (["--step2-args", "--data_path Dahoas/rm-statc"], UsageError, "unknown dataset 'Dahoas/rm-statc'")):
+        with pytest.raises(error, match=message):
+            pipeline.run_pipeline(_train_py_args("--output-dir", str(out), *argv))
+        assert not out.exists(), "no step may have run"
+
+
+def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_run(tmp_path, monkeypatch):
+    # the deepspeed launcher falls back to this node alone when the hostfile is missing: a typo must not do that
+    import runpy
+    import subprocess
+
+    from dschat.errors import MissingInputError
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    launched = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **kwargs: launched.append(cmd) or 0)
+    main = runpy.run_path(str(REPO / "train.py"))["main"]
+    with pytest.raises(MissingInputError, match=f"--hostfile {tmp_path}/hosts: no such file"):
+        main(["--deployment-type", "multi_node", "--hostfile", str(tmp_path / "hosts")])
+    assert not launched
+    (tmp_path / "hosts").write_text("worker-1 slots=8\n")
+    with pytest.raises(SystemExit):
+        main(["--deployment-type", "multi_node", "--hostfile", str(tmp_path / "hosts")])
+    assert launched and launched[0][launched[0].index("--hostfile") + 1] == str(tmp_path / "hosts")

@@ -114,6 +114,10 @@ def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_a
     assert build_report(str(tmp_path), {}, "grpo", steps_run=[1])["not_reported"] == ["step3_ppo"]
     assert build_report(str(tmp_path), {}, "dpo", steps_run=[1])["not_reported"] == ["step2_dpo"]
     assert build_report(str(tmp_path), {}, "dpo", steps_run=[1, 2])["not_reported"] == []
+    # --reward-model (not the tiny default): step 2 started from it, not from the SFT model, and stays this run's
+    own = build_report(str(tmp_path), {}, "ppo", steps_run=[1], rm_from_sft=False)
+    assert own["rm_accuracy"] == 0.9 and own["not_reported"] == ["step3_ppo"]
+    assert build_report(str(tmp_path), {}, "ppo", steps_run=[1, 3], rm_from_sft=False)["not_reported"] == []
 
 
 def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):

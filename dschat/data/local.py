@@ -22,8 +22,9 @@ prompt=question,chosen=good``):
   Without a ``chosen`` field the data is prompt-only (step 3 only). A null ``rejected`` marks an SFT-only
   record (skipped, and counted, in step 2).
 * ``messages``: a list of {role, content} ending with the assistant answer (SFT data).
-* ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format): the turns before
-  the last are the prompt and must be the same in both; the last (assistant) turns are the answers.
+* ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format), or as whole
+  "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts (Anthropic/hh-rlhf's files): the turns before the last are
+  the prompt and must be the same in both; the last (assistant) turns are the answers.
   ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
 
 CSV cells are read as text ("5" stays "5"; an empty cell is null); JSON values are kept as written, also in a
@@ -35,12 +36,13 @@ field.
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from dschat.errors import MissingInputError, UsageError
-from .base import (PromptRawDataset, checked_messages, final_assistant_answer, optional_text, prompt_messages,
-                   required_text)
+from .base import (PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer, optional_text,
+                   prompt_messages, required_text)
 from .errors import DatasetFormatError, RecordError
 from .formatting import parse_transcript
 
@@ -49,6 +51,7 @@ EXTENSION_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".
 EVAL_SPLIT_NAMES = ("eval", "test", "validation")
 FIELD_NAMES = ("prompt", "chosen", "rejected", "messages")
 TINY_DATA_DIR = Path(__file__).resolve().parents[1] / "tiny" / "data"
+_TRANSCRIPT_TURN = re.compile(r"(?:\A|\s)Assistant:")
 
 
 def parse_field_map(text):
@@ -110,6 +113,22 @@ def tiny_source():
     if source is None:
         raise MissingInputError(f"the tiny dataset is missing: expected {TINY_DATA_DIR}/train.jsonl")
     return source
+
+
+LOCAL_JSONFILE = "local/jsonfile"
+
+
+def local_jsonfile_source():
+    """DeepSpeed-Chat's ``--data_path local/jsonfile``: data/train.json and data/eval.json (JSON arrays of
+    prompt/chosen/rejected records), read under the folder the step runs in, as DeepSpeed-Chat reads them under its
+    application folder."""
+    train, evaluation = (os.path.abspath(os.path.join("data", f"{name}.json")) for name in ("train", "eval"))
+    missing = [path for path in (train, evaluation) if not os.path.isfile(path)]
+    if missing:
+        raise MissingInputError(f"--data_path {LOCAL_JSONFILE} (DeepSpeed-Chat's local data) reads data/train.json "
+                                f"and data/eval.json in the current folder: {' and '.join(missing)} not found; run "
+                                "the step from the folder that holds data/, or give json:TRAIN_PATH,EVAL_PATH")
+    return LocalSource("json", train, evaluation, LOCAL_JSONFILE)
 
 
 def resolve_local_spec(spec):
@@ -183,26 +202,44 @@ def check_jsonl_lines(path):
     datasets/pyarrow report a malformed line without its number, so the file is checked here first.
     """
     record_lines = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.rstrip("\r\n"))  # a record cut short is at its line's end, not the next
-            except json.JSONDecodeError as err:
-                raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({err.msg} at column "
-                                         f"{err.colno})") from None
-            if not isinstance(record, dict):
-                raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
-                                         f"{type(record).__name__}")
-            record_lines.append(line_number)
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.rstrip("\r\n"))  # a record cut short is at its line's end, not the next
+                except json.JSONDecodeError as err:
+                    raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({err.msg} at column "
+                                             f"{err.colno})") from None
+                if not isinstance(record, dict):
+                    raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
+                                             f"{type(record).__name__}")
+                record_lines.append(line_number)
+    except UnicodeDecodeError:
+        raise not_utf8_error(path) from None
     return record_lines
+
+
+def not_utf8_error(path):
+    """A DatasetFormatError naming the first line of ``path`` that is not UTF-8 text (JSON files must be)."""
+    with open(path, "rb") as f:
+        for line_number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return DatasetFormatError(f"{path} line {line_number}: not UTF-8 text (byte 0x{line[err.start]:02x} at "
+                                          f"column {err.start + 1}); save the file as UTF-8")
+    return DatasetFormatError(f"{path}: not UTF-8 text; save the file as UTF-8")
 
 
 def check_json_document(path):
     """A .json file must be one JSON array of objects; DatasetFormatError with the line of a syntax error."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise not_utf8_error(path) from None
     if not text.strip():
         raise DatasetFormatError(f"{path}: no records (the file is empty)")
     try:
@@ -474,7 +511,10 @@ class LocalDataset(PromptRawDataset):
 
     @staticmethod
     def _split_message_list(sample, field):
-        """(prompt turns, answer) of a full conversation whose last message is the assistant's answer."""
+        """(prompt turns, answer) of a full conversation whose last message is the assistant's answer: a message
+        list, or a "Human: ... Assistant: ..." transcript (Anthropic/hh-rlhf's chosen and rejected)."""
+        if isinstance(sample.get(field), str):
+            return _transcript_answer(sample, field)
         prompt, answer = final_assistant_answer(checked_messages(sample.get(field), field), field)
         if not prompt:
             raise RecordError(field, "there must be a user message before the answer")
@@ -497,7 +537,7 @@ class LocalDataset(PromptRawDataset):
         if self.shape == "messages" or sample.get(field) is None:
             return None
         if self.shape == "chosen_messages":
-            prompt, answer = final_assistant_answer(checked_messages(sample[field], field), field)
+            prompt, answer = self._split_message_list(sample, field)
             if prompt != self._split_message_list(sample, self.fields["chosen"])[0]:
                 raise RecordError(field, f"its prompt turns differ from those of {self.fields['chosen']!r}")
             return answer
@@ -509,3 +549,14 @@ class LocalDataset(PromptRawDataset):
         if isinstance(value, (list, tuple)):
             return final_assistant_answer(checked_messages(value, field), field)[1]
         return optional_text(sample, field)
+
+
+def _transcript_answer(sample, field):
+    """(prompt turns, answer) of a "Human:/Assistant:" transcript string; a string with no such turns is an error
+    that says what the field must hold."""
+    text = required_text(sample, field)
+    if not _TRANSCRIPT_TURN.search(text):
+        raise RecordError(field, "a string without 'Human:'/'Assistant:' turns: without a 'prompt' field "
+                                 "(--data_fields prompt=...), chosen and rejected must be whole conversations, as "
+                                 "message lists or \"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts")
+    return answer_from_transcript(text, field)

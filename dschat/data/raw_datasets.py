@@ -275,16 +275,26 @@ def unknown_dataset_error(dataset_name):
 
 def resolve_dataset_spec(dataset_name):
     """A hub adapter class, or a ``LocalSource`` for tiny/local specs; UsageError for anything else."""
-    from .local import resolve_local_spec, tiny_source
+    from .local import LOCAL_JSONFILE, local_jsonfile_source, resolve_local_spec, tiny_source
 
     if dataset_name in HUB_DATASETS:
         return HUB_DATASETS[dataset_name]
     if dataset_name == TINY_NAME:
         return tiny_source()
+    if dataset_name == LOCAL_JSONFILE:
+        return local_jsonfile_source()
     source = resolve_local_spec(dataset_name)
     if source is None:
         raise unknown_dataset_error(dataset_name)
     return source
+
+
+def check_data_paths(*spec_lists):
+    """Every spec names a known dataset or a local file or folder that is there: checked before any model loads (and
+    by train.py before step 1 runs), not when the step reaches its data. Loads nothing."""
+    for specs in spec_lists:
+        for spec in ([specs] if isinstance(specs, str) else specs or []):
+            resolve_dataset_spec(spec)
 
 
 def get_raw_dataset(dataset_name, output_path, seed, local_rank, **field_options):
@@ -298,5 +308,5 @@ def get_raw_dataset(dataset_name, output_path, seed, local_rank, **field_options
     return LocalDataset(resolved, output_path, seed, local_rank, field_options)
 
 
-__all__ = ["PromptRawDataset", "HUB_DATASETS", "TINY_NAME", "get_raw_dataset", "resolve_dataset_spec",
-           "known_dataset_names"] + [cls.__name__ for cls in HUB_DATASETS.values()]
+__all__ = ["PromptRawDataset", "HUB_DATASETS", "TINY_NAME", "check_data_paths", "get_raw_dataset",
+           "resolve_dataset_spec", "known_dataset_names"] + [cls.__name__ for cls in HUB_DATASETS.values()]

@@ -4,7 +4,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dschat.errors import UsageError
+from dschat.errors import MissingInputError, UsageError
 
 DROPOUT_FIELDS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
                   "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
@@ -33,6 +33,15 @@ def resolve_model_path(name_or_path):
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     with FileLock(folder + ".lock"):  # several ranks may start at once
         return create_tiny_model(preset, folder)
+
+
+def check_model_path(name_or_path, flag):
+    """A model given as a local path (absolute, ./ or ../, or deeper than a hub name's ORG/NAME) that is not there:
+    an error naming ``flag``, not transformers' "Repo id must be in the form ..." traceback from a hub lookup."""
+    path = str(name_or_path)
+    local = os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
+    if local and not os.path.exists(path):
+        raise MissingInputError(f"{flag} {path}: no such folder")
 
 
 DEFAULT_EOT_TOKEN = "<|endoftext|>"

@@ -37,8 +37,11 @@ def check_earlier_step_outputs(args):
     """A model flag left at its default (an earlier step's output folder) that does not exist fails here, naming the
     step that writes it, instead of as a hub lookup of "output/step2_rm" after the data has loaded."""
     from dschat.args import step3_parser
+    from dschat.models.loading import check_model_path
 
     parser = step3_parser()
+    if args.reward_model_weight and args.reward_model_name_or_path:
+        check_model_path(args.reward_model_name_or_path, "--reward_model_name_or_path")
     needed = [("actor_model_name_or_path", "the actor", "step 1")]
     if args.advantage_estimator == "gae":
         needed.append(("critic_model_name_or_path", "the critic", "step 2"))
@@ -47,6 +50,7 @@ def check_earlier_step_outputs(args):
     for flag, role, step in needed:
         path = getattr(args, flag)
         if path != parser.get_default(flag) or os.path.isdir(path):
+            check_model_path(path, f"--{flag}")
             continue
         hint = (", or with --reward_fn give --reward_model_weight 0 (the function alone)"
                 if role == "the reward model" else "")

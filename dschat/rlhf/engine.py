@@ -6,6 +6,7 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 import copy
 
 from dschat.args import check_sampling_flags, hybrid_engine_only_flags
+from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
@@ -159,6 +160,7 @@ def check_step3_settings(args, world_size, actor_architecture=None):
     check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
     check_align_overflow(args)
     check_phase_share(args.data_split, 3)
+    check_data_paths(args.data_path)
     actor = step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
     longest = longest_sequence(args)
     out_tokens = actor.get("hybrid_engine", {}).get("max_out_tokens", longest)

@@ -73,13 +73,16 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
                      if x > 0][: keep_examples - len(examples)]
         seen += len(texts)
     all_reduce(totals)
-    n = max(totals[2].item(), 1.0)
-    result = {"reward_mean": totals[0].item() / n if reward_model is not None else None,
-              "prompts": int(totals[2].item()), "examples": examples}
+    count = totals[2].item()
+
+    def mean(index, scored):  # no held-out prompt: no score, rather than a mean of 0 (as step 2's accuracy)
+        return totals[index].item() / count if scored and count else None
+
+    result = {"reward_mean": mean(0, reward_model is not None), "prompts": int(count), "examples": examples}
     if rule_scorer:
-        result["rule_score_mean"] = totals[1].item() / n
+        result["rule_score_mean"] = mean(1, True)
     if reward_fn:
-        result["reward_fn_mean"] = totals[3].item() / n
+        result["reward_fn_mean"] = mean(3, True)
     return result
 
 

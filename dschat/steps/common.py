@@ -285,11 +285,14 @@ def check_supervised_settings(args, phase, name=None, quiet=True):
     """The DeepSpeed config of steps 1, 2 and DPO (``supervised_ds_config``), after the checks that make flags that
     contradict each other or leave the step no data, and a config file at odds with them, fail here: before the step
     loads anything, and in train.py before the first step runs."""
+    from dschat.data.raw_datasets import check_data_paths
     from dschat.data.splits import check_phase_share
     from dschat.models.lora import check_only_optimize_lora
 
     check_only_optimize_lora(getattr(args, "only_optimize_lora", False), getattr(args, "lora_dim", 0))
-    check_phase_share(args.data_split, phase, other_data=phase == 1 and bool(getattr(args, "sft_only_data_path", ())))
+    sft_only = getattr(args, "sft_only_data_path", ()) if phase == 1 else ()
+    check_phase_share(args.data_split, phase, other_data=bool(sft_only))
+    check_data_paths(args.data_path, sft_only)
     return supervised_ds_config(args, name or f"step{phase}", quiet=quiet)
 
 
@@ -312,12 +315,13 @@ def supervised_ds_config(args, name, quiet=False):
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
     from dschat.args import resolve_pad_to_multiple_of
-    from dschat.models.loading import check_sequence_fits, load_tokenizer
+    from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
 
     started = time.time()
     device = setup_run(args)
     tag = f"[{recipe.name}]"
     ds_config = check_supervised_settings(args, recipe.phase, recipe.name, quiet=False)
+    check_model_path(args.model_name_or_path, "--model_name_or_path")
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
     model = recipe.build_model(args, tokenizer, ds_config)

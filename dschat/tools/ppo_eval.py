@@ -36,6 +36,8 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
 
 
 def summary_line(role, result):
+    if not result["prompts"]:
+        return f"{role:8s} no held-out prompts, so no score ({result['path']})"
     rule = f", rule_score_mean {result['rule_score_mean']:.4f}" if "rule_score_mean" in result else ""
     return (f"{role:8s} reward_mean {result['reward_mean']:+.4f}{rule} over {result['prompts']} prompts "
             f"({result['path']})")
