@@ -20,7 +20,7 @@ Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens again
     python bench/sampling.py --top_k 20 --top_p 0.8  # Qwen2.5-Instruct's generation_config
     python bench/sampling.py --sweep               # the one-pass kernel's LANES x PROGRAMS_PER_SM x NUM_WARPS
     python bench/sampling.py --cut_sweep --top_p 0.9 --batches 64   # the row cuts' FANOUT x BLOCK x NUM_WARPS
-    python bench/sampling.py --top_k_sweep --top_k 50 --batches 64  # top-k's TOPK_CHUNK x TOPK_NUM_WARPS
+    python bench/sampling.py --top_k_sweep --top_k 50 --batches 64  # top-k's TOPK_CHUNK x TOPK_NUM_WARPS x TOPK_NARROW_KEYS
 
 Prints microseconds per sampled token and the seconds 255 decode steps spend in it; writes JSON to $OUT when set.
 """
@@ -163,9 +163,9 @@ def cut_sweep(args):
 
 def top_k_sweep(args):
     """``cut + one pass + logp`` under each setting of ``triton_filters``' top-k launches (TOPK_CHUNK x
-    TOPK_NUM_WARPS; with --top_k, and --top_p if wanted)."""
-    sweep_settings(triton_filters, ("TOPK_CHUNK", "TOPK_NUM_WARPS"), itertools.product((1024, 2048, 4096, 8192),
-                                                                                       (4, 8, 16)),
+    TOPK_NUM_WARPS x TOPK_NARROW_KEYS; with --top_k, and --top_p if wanted)."""
+    sweep_settings(triton_filters, ("TOPK_CHUNK", "TOPK_NUM_WARPS", "TOPK_NARROW_KEYS"),
+                   itertools.product((2048, 4096, 8192), (4, 8), (False, True)),
                    lambda logits: cut_one_pass(logits, args.temperature, args.top_p, args.top_k), args,
                    "sampling_top_k_sweep.json")
 
