@@ -1,23 +1,27 @@
-"""Top-p without sorting the vocabulary (Triton): each row's cut, found by a search over the logits' values.
+"""Top-k and top-p without sorting the vocabulary (Triton): each row's cut, raced on the model's own logits.
 
-Why: torch's top-p filter (``sampling.filter_top_k_top_p``) sorts the whole vocabulary: on an H200 that is 416 us per
-decode step at B = 64 over OPT's 50k vocabulary and 1188 us over Qwen2.5's 152k (``bench/sampling.py``), where the
-unfiltered token choice takes 24 and 51 us. Here one program per row finds where the nucleus cuts with a few passes
-over the row's bf16/fp16 logits (188 and 528 us, eighteenth session) and writes two numbers:
+Why: torch's filters (``sampling.filter_top_k_top_p``) sort the whole vocabulary for top-p and run ``torch.topk`` plus
+masks for top-k: on an H200 (``bench/sampling.py``, B = 64, with log-probs) top-p 0.9 took 416 us per decode step
+over OPT's 50k vocabulary and 1188 us over Qwen2.5's 152k, top-k 20 with top-p 0.8 313 and 826 us, where the
+unfiltered token choice takes 24 and 52 us. The kernels here write two numbers per row instead, and the one-pass race
+of ``triton_sampling`` keeps ``x > cut or (x == cut and column <= last)`` while it reads the logits: no filtered copy
+is written, and its log-sum-exp stays that of the unfiltered logits (the log-probs PPO wants).
 
-- Every logit gets a 16-bit integer key in the order of its value (the IEEE bits, negative ones flipped). A search
-  keeps an interval of keys that holds the cut and splits it at FANOUT candidate keys per pass over the row.
-- The cut is the smallest key whose strictly larger logits hold less than ``top_p`` of the ``softmax(logits / T)``
-  mass. Every logit above it is kept, and of the logits tied at it, the first ones by column, as many as the mass
-  still allows. That is the number of tokens HF's sort keeps (a sort orders ties arbitrarily); the masses are fp32
-  sums, as HF's cumulative sum is, in another order (a cut whose mass lies within rounding of top_p may move a token).
+Every logit gets a 16-bit integer key in the order of its value (the IEEE bits, negative ones flipped).
 
-Per row the result is (the cut's value, the last kept column among the ties at it). The one-pass race of
-``triton_sampling`` keeps ``x > cut or (x == cut and column <= last)`` while it reads the logits, so no filtered copy
-of the logits is written, and its log-sum-exp stays that of the unfiltered logits (the log-probs PPO wants). Top-k
-stays with ``torch.topk``: a count search by this kernel measured slower (335 against 312 us with top-p 0.8, OPT,
-B = 64). Every launch shape depends only on tensor shapes (CUDA-graph capturable); ``TRITON_INTERPRET=1`` runs it on
-the CPU.
+- Top-p alone (:func:`_cut_kernel`, 167 and 468 us): one program per row searches the keys for where the nucleus
+  cuts. It keeps an interval of keys that holds the cut and splits it at FANOUT candidate keys per pass over the row.
+  The cut is the smallest key whose strictly larger logits hold less than ``top_p`` of the ``softmax(logits / T)``
+  mass; of the logits tied at it, the first ones by column are kept, as many as the mass still allows.
+- Top-k, and top-p after it (:func:`_top_k_cuts`, 75 and 190 us for top-k 20 with top-p 0.8): each chunk of
+  TOPK_CHUNK columns ranks its logits by (value, then the smaller column) with ``tl.topk`` and keeps its best
+  next-power-of-two-above-k; one program per row ranks those candidates. Top-k keeps every logit tied with the k-th,
+  as HF's does; top-p then cuts the survivors in rank order (the k ranked, then the other ties by column), as
+  ``sampling.filter_top_k_top_p`` does. Up to MAX_TOP_K; beyond it torch's filter runs.
+
+Both keep the number of tokens HF's sort keeps (a sort orders ties arbitrarily); the masses are fp32 sums, as HF's
+cumulative sum is, in another order (a cut whose mass lies within rounding of top_p may move a token). Every launch
+shape depends only on tensor shapes and k (CUDA-graph capturable); ``TRITON_INTERPRET=1`` runs them on the CPU.
 """
 import torch
 import triton
