@@ -208,6 +208,9 @@ def counted(name, calls):
     setattr(triton_decode, name, counting)
 
 
+NEW_TOKENS = 8  # an EOS at step 1-3 ends some rows early; each forward is ~0.5 s in the interpreter
+
+
 def check_engine_greedy_equals_hf(family):
     """The eager loop and the graph step's logic (not captured on the CPU) with both kernels: HF generate's tokens."""
     from dschat.hybrid_engine.cache import TokenWriteLayer
@@ -221,9 +224,9 @@ def check_engine_greedy_equals_hf(family):
                           pad_token_id=PAD, decode_attention="triton")
     assert engine.decode_attention == "triton"
     ids, mask = left_padded_batch([7, 3, 5, 1])
-    no_eos = hf_generate(model, ids, mask, 12)
+    no_eos = hf_generate(model, ids, mask, NEW_TOKENS)
     eos = early_token(no_eos[0, ids.shape[1]:])
-    expected = hf_generate(model, ids, mask, 12, eos_token_id=eos)
+    expected = hf_generate(model, ids, mask, NEW_TOKENS, eos_token_id=eos)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     steps = expected.shape[1] - ids.shape[1] - 1  # forwards after the prefill
     for path in ("eager", "graph step"):
@@ -234,7 +237,7 @@ def check_engine_greedy_equals_hf(family):
         # The graph step's generation also gives the log-probs compared with SDPA's below (its cache, rounded up to
         # the graph's length, is split along the cache: the combine kernel's output feeds them), rather than a third
         # generation with the kernels for them.
-        got = engine.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos,
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                               return_logprobs=path == "graph step")
         if path == "graph step":
             got, with_kernels = got
@@ -247,7 +250,7 @@ def check_engine_greedy_equals_hf(family):
     # equal tokens could hide a small error: the decode step's log-probs must equal SDPA's
     engine.graph_decoder = None
     engine.decode_attention = "sdpa"
-    _, with_sdpa = engine.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos,
+    _, with_sdpa = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                                    return_logprobs=True)
     assert (with_kernels - with_sdpa).abs().max() < 1e-5, (family, (with_kernels - with_sdpa).abs().max())
     print(f"{family}: engine with the kernels == HF generate, eager and graph step ({calls})")

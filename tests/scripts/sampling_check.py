@@ -206,7 +206,7 @@ def check_top_k_cuts(filtered_logits):
     for dtype, vocab, triton_filters.TOPK_CHUNK, top_k, temperature, top_p in (
             (torch.bfloat16, 7, chunk, 3, 1.0, 0.9),
             (torch.bfloat16, 300, 128, 20, 0.7, 0.8),
-            (torch.float16, 301, 64, 50, 1.0, 0.97),
+            (torch.float16, 301, 128, 50, 1.0, 0.97),
             (torch.bfloat16, 300, 128, 5, 1.0, 1.0)):
         logits = (torch.randn(6, vocab) * 3).to(dtype)
         logits[1] = logits[1].round()  # the k-th tied with many: some left out of the ranked k
