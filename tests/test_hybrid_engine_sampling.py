@@ -453,3 +453,14 @@ def test_fp32_logits_with_filtered_out_columns_and_a_temperature_keep_what_hf_ke
     theirs = _hf_filtered(logits, 0.7, top_k, top_p)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
     assert torch.equal(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
+
+
+@pytest.mark.parametrize("high_every,temperature,top_k,top_p", [(1.25, 0.7, 1, 0.3), (2, 1.3, 17, 0.5)])
+def test_top_p_over_ties_at_an_exact_mass_boundary_keeps_hfs_count(high_every, temperature, top_k, top_p):
+    """Rows of two values, the nucleus ending inside the ties with the k-th at a mass of exactly top_p: the count of
+    ties kept comes from unnormalised weights (as ``triton_filters`` counts them). From probabilities, (0.3 - 1/80) /
+    (1/80) was 23.000002 in fp32 and kept a tie more than HF (found by a review of the Triton cut)."""
+    high = torch.arange(100) % high_every < 1  # 80 of 0.0 and 20 of -1.0; 50 of 2.0 and 50 of -1.0
+    logits = torch.where(high, 0.0 if high_every == 1.25 else 2.0, -1.0)[None].to(torch.bfloat16)
+    ours = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p)).sum()
+    assert ours == torch.isfinite(_hf_filtered(logits.float(), temperature, top_k, top_p)).sum()

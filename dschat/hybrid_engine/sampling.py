@@ -75,7 +75,9 @@ def filter_top_k_top_p(logits, top_k, top_p, ranking=None):
     probs = weights / mass
     keep = torch.zeros_like(in_top_k).scatter_(-1, indices, nucleus_of_probs(probs, top_p))
     # the j-th left-out tie (from 0) is kept while the mass ranked above it, top-k's + j of theirs, is below top_p
-    ties_kept = ((top_p - probs.sum(-1, keepdim=True)) / probs[..., -1:]).ceil().clamp(min=0)
+    # (in unnormalised weights, as triton_filters counts them: at an exact boundary, (0.3 - 1/80) / (1/80) gave
+    # 23.000002 in fp32 and kept a 24th tie where HF keeps 23)
+    ties_kept = ((top_p * mass - weights.sum(-1, keepdim=True)) / weights[..., -1:]).ceil().clamp(min=0)
     keep |= left_out_ties & (left_out_ties.cumsum(-1, dtype=torch.int32) <= ties_kept)
     return logits.masked_fill(~keep, float("-inf"))
 

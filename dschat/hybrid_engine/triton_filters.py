@@ -254,7 +254,7 @@ def row_cuts(logits, temperature=1.0, top_p=1.0, top_k=0):
     rows, vocab = logits.shape
     cut = torch.empty(rows, dtype=torch.float32, device=logits.device)
     last = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    top_p = float(min(max(top_p, 0.0), 1.0))
+    top_p = fp32(min(max(top_p, 0.0), 1.0))  # as the kernels compare it: a top_p that rounds to 1 filters nothing
     if 0 < top_k < vocab:
         _top_k_cuts(logits, temperature, top_p, top_k, cut, last)
         return cut, last
@@ -267,7 +267,7 @@ def _top_k_cuts(logits, temperature, top_p, top_k, cut, last):
     """Top-k's (and top-p's after it) cuts in two launches: every chunk's candidates, then each row's cut."""
     rows, vocab = logits.shape
     ranked = max(triton.next_power_of_2(top_k), 16)  # tl.topk of 1 fails to compile on some Triton versions
-    chunk = min(TOPK_CHUNK, max(triton.next_power_of_2(vocab), ranked))
+    chunk = max(min(TOPK_CHUNK, triton.next_power_of_2(vocab)), ranked)  # tl.topk ranks at most its input
     chunks = -(-vocab // chunk)
     keys = torch.empty((rows, chunks * ranked), dtype=torch.int64, device=logits.device)
     _chunk_top_kernel[(rows, chunks)](logits, keys, logits.stride(0), vocab, CHUNK=chunk, KP=ranked,
@@ -277,8 +277,15 @@ def _top_k_cuts(logits, temperature, top_p, top_k, cut, last):
                                BLOCK=BLOCK, NUCLEUS=top_p < 1.0, num_warps=NUM_WARPS)
 
 
+def fp32(value):
+    """A Python float rounded as a kernel's fp32 argument receives it."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 def kept(logits, cut, last):
-    """The (B, V) bool mask the race applies (torch ops; for tests and the benchmark's checks)."""
+    """The (B, V) bool mask of what the race may draw (torch ops; for tests and the benchmark's checks): what the cut
+    keeps, less -inf columns (a row with fewer finite logits than top-k's k cuts at -inf)."""
     columns = torch.arange(logits.shape[-1], device=logits.device)
     values = logits.float()
-    return (values > cut[:, None]) | ((values == cut[:, None]) & (columns <= last[:, None].long()))
+    within = (values > cut[:, None]) | ((values == cut[:, None]) & (columns <= last[:, None].long()))
+    return within & (values > float("-inf"))
