@@ -41,6 +41,33 @@ def test_hf_argument_forms_inputs_keyword_tensor_eos_and_no_pad_at_all():
                        type(model).generate(bare.module, ids, max_new_tokens=10, do_sample=False))
 
 
+def test_right_padded_prompts_are_an_error_not_a_wrong_answer():
+    """A tokenizer pads on the right by default (dschat's load_tokenizer too): the first answer token of a
+    right-padded row would be predicted from a pad, silently (HF's generate only warns)."""
+    engine = _engine(tiny_model("gpt2", seed=1))
+    ids, mask = left_padded_batch([5, 3, 0], seed=1)  # a row of padding only (an empty prompt) passes
+    engine.eval()
+    assert engine.generate(ids, attention_mask=mask, max_new_tokens=3).shape[0] == 3
+    right_ids, right_mask = ids[:2].flip(1), mask[:2].flip(1)
+    with pytest.raises(ValueError, match=r"LEFT-padded, but row\(s\) \[1\].*padding_side='left'"):
+        engine.generate(right_ids, attention_mask=right_mask, max_new_tokens=3)
+    with pytest.raises(ValueError, match="LEFT-padded"):  # the mask HF's rule derives from the pad ids
+        engine.module.generate(right_ids, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"top_k": 5.0}, "top_k has to be an integer"),
+                                             ({"top_k": "5"}, "top_k has to be an integer"),
+                                             ({"top_p": -0.1}, r"top_p has to be in \[0, 1\]")])
+def test_a_top_k_that_is_no_integer_or_a_negative_top_p_is_a_clear_error(kwargs, message):
+    """HF refuses them; unchecked, a float top_k failed inside torch.topk and a negative top_p sampled greedily."""
+    engine = _engine(tiny_model("gpt2", seed=1))
+    ids, mask = left_padded_batch([4, 2], seed=1)
+    engine.eval()
+    with pytest.raises(ValueError, match=message):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=True, **kwargs)
+    assert engine.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **kwargs).shape[0] == 2
+
+
 def test_the_call_generation_config_argument_is_honoured_as_in_hf():
     """TRL passes ``generate(input_ids=..., generation_config=GenerationConfig(...))``."""
     model = tiny_model("opt", seed=3)

@@ -231,6 +231,23 @@ def test_a_tied_model_saved_under_zero3_loads_with_its_head_tied(preset, tmp_pat
     assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
 
 
+def test_an_engine_given_to_the_save_helpers_saves_its_model(tmp_path, distributed):
+    """DeepSpeed-Chat's save_hf_format is given the engine (``rlhf_engine.actor``): its parameter names start with
+    "module.", and the save failed on the engine's dict config."""
+    import deepspeed
+
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+
+    engine = _zero3_engine("tiny-llama")
+    embedding = engine.module.get_input_embeddings().weight
+    with deepspeed.zero.GatheredParameters([embedding]):
+        expected = embedding.detach().cpu().clone()
+    for name, wrapped in [("ds", engine), ("hybrid", HybridEngine(engine, HybridEngineConfig(enabled=True)))]:
+        save_causal_lm(wrapped, _NoTokenizer(), str(tmp_path / name))
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / name).get_input_embeddings().weight,
+                           expected)
+
+
 def test_weight_decay_reaches_the_matrices_under_zero3(distributed):
     # ZeRO-3's local tensors are flat shards (1-D): the full shape is ds_shape
     engine = _zero3_engine("tiny-llama")

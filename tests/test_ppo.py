@@ -447,6 +447,38 @@ def test_deepspeed_chat_positional_form(trained, tmp_path):
     assert out["input_ids"].shape[0] == 2
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
+def test_generate_experience_takes_a_tokenizers_output_and_refuses_right_padding_or_no_mask(trained, tmp_path,
+                                                                                          hybrid):
+    from dschat.models.loading import load_tokenizer
+
+    engine, trainer, left = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=hybrid)
+    texts = ["\n\nHuman: Say hi.\n\nAssistant:", "\n\nHuman: List three colors please, thanks.\n\nAssistant:"]
+    out = trainer.generate_experience(left(texts, return_tensors="pt", padding=True))
+    assert out["input_ids"].shape[0] == 2 and torch.isfinite(out["rewards"]).all()
+    right = load_tokenizer(str(trained / "sft"))(texts, return_tensors="pt", padding=True)  # right: the default
+    with pytest.raises(ValueError, match=r"LEFT-padded, but row\(s\) \[0\].*padding_side='left'"):
+        trainer.generate_experience(right)
+    with pytest.raises(ValueError, match="LEFT-padded"):
+        trainer.generate_experience(right["input_ids"], right["attention_mask"])
+    with pytest.raises(ValueError, match="attention mask is missing; pass it as mask"):
+        trainer.generate_experience(right["input_ids"])
+
+
+def test_notebook_train_rlhf_with_global_token_mean_counts_the_experiences_tokens(trained, tmp_path):
+    """Step 3 sets each micro-batch's "num_tokens_global"; an experience from generate_experience has none."""
+    from dschat.errors import UsageError
+
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, loss_agg="global_token_mean")
+    out = trainer.generate_experience(_prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2))
+    spent = {k: v.clone() for k, v in out.items()}
+    actor_loss, critic_loss = trainer.train_rlhf(out)
+    assert torch.isfinite(actor_loss) and torch.isfinite(critic_loss)
+    trainer.args.gradient_accumulation_steps = 2  # which micro-batches share the step: only the caller knows
+    with pytest.raises(UsageError, match=r"--gradient_accumulation_steps 2: .*num_tokens_global"):
+        trainer.train_rlhf(spent)
+
+
 def test_step3_runs_and_reports_held_out_scores(trained, tmp_path):
     metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--enable_hybrid_engine"))
     assert metrics["iterations"] == 2
@@ -746,6 +778,26 @@ def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distribu
                  "--step3-args", f"--reward_fn {tmp_path / 'mine.py'}:score"])
     pipeline.check_step_args([1, 3], own, True, {1: step1_parser, 3: step3_parser})  # the user's function replaces
     # the rule scorer
+
+
+def test_a_notebooks_reward_function_may_be_the_function_itself(trained, tmp_path):
+    """``args["reward_fn"]`` a Python function, as TRL's reward_funcs: it failed in the trainer, after every model
+    had loaded, with "argument of type 'function' is not iterable"."""
+    seen = []
+
+    def length_score(prompts, answers):
+        seen.append(len(answers))
+        return [float(len(a)) for a in answers]
+
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=True,
+                                                     advantage_estimator="grpo", n_samples_per_prompt=2,
+                                                     reward_fn=length_score, reward_model_weight=0)
+    out = trainer.generate_experience(_prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2))
+    assert seen == [4] and engine.critic is None and engine.reward is None
+    texts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip()
+             for row, m in zip(out["input_ids"][:, out["prompts"].shape[1]:], out["action_mask"])]
+    assert out["rewards"].tolist() == [float(len(t)) for t in texts]
+    assert torch.isfinite(trainer.train_rlhf(out)[0])
 
 
 def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):

@@ -7,6 +7,7 @@
 import contextlib
 import copy
 import dataclasses
+import numbers
 import time
 import weakref
 
@@ -17,7 +18,7 @@ from dschat.hybrid_engine.attention import decode_attention as decode_attention_
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache
 from dschat.hybrid_engine.config import HybridEngineConfig
-from dschat.hybrid_engine.decode import generate_tokens
+from dschat.hybrid_engine.decode import check_left_padded, generate_tokens
 from dschat.hybrid_engine.fusion import ProjectionFusion
 from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
@@ -328,10 +329,13 @@ class HybridEngine:
                                      (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
         repetition_penalty = float(_from_config("repetition_penalty", repetition_penalty, generation_config))
         check_repetition_penalty(repetition_penalty)
+        if do_sample:  # greedy reads neither
+            check_top_k_top_p(top_k, top_p)
         if attention_mask is None:
             attention_mask = _default_attention_mask(input_ids, pad_token_id, eos_list) if pad_known \
                 else torch.ones_like(input_ids)
         attention_mask = attention_mask.to(device)
+        check_left_padded(attention_mask)
         max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config)
         if min_new_tokens is None and min_length is None:
             min_new_tokens = getattr(generation_config, "min_new_tokens", None)
@@ -604,6 +608,17 @@ class _CopiedModuleGenerate:
     def __call__(self, *args, **kwargs):
         raise RuntimeError("this module is a copy of a hybrid-engine actor, whose generate went through the engine: "
                            "generate from the copy with type(model).generate(model, ...), or from the actor")
+
+
+def check_top_k_top_p(top_k, top_p):
+    """A sampled generation's filters, as HF checks them (a top_k <= 0 is no top-k, as the --top_k flag's): top_k an
+    integer (a float or a string failed deep in torch), top_p not negative (it sampled greedily)."""
+    integer = isinstance(top_k, numbers.Integral) or (torch.is_tensor(top_k) and top_k.numel() == 1
+                                                        and not top_k.is_floating_point())
+    if isinstance(top_k, bool) or not integer:
+        raise ValueError(f"top_k has to be an integer (0: no top-k filtering), got {top_k!r}")
+    if not top_p >= 0:
+        raise ValueError(f"top_p has to be in [0, 1] (1: no nucleus filtering), got {top_p!r}")
 
 
 def _from_config(name, value, generation_config):

@@ -93,8 +93,21 @@ def replace_folder(new, target):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def unwrap_engine(model):
+    """The model of a DeepSpeed engine or a hybrid engine (DeepSpeed-Chat's ``save_hf_format`` is given the engine,
+    ``rlhf_engine.actor``); any other model as it is. Saved as the engine, its parameters' names would start with
+    "module." and no model would load from them."""
+    from deepspeed import DeepSpeedEngine
+
+    from dschat.hybrid_engine import HybridEngine
+
+    return model.module if isinstance(model, (DeepSpeedEngine, HybridEngine)) else model
+
+
 def save_causal_lm(module, tokenizer, output_dir):
-    """Save an actor / SFT model (any ZeRO stage, LoRA merged) with its tokenizer. Collective under ZeRO-3."""
+    """Save an actor / SFT model (any ZeRO stage, LoRA merged; or its engine's) with its tokenizer. Collective under
+    ZeRO-3."""
+    module = unwrap_engine(module)
     state = plain_model_state_dict(module)
     if is_rank_0():
         model = unwrap_peft(module)
@@ -105,7 +118,9 @@ def save_causal_lm(module, tokenizer, output_dir):
 
 
 def save_reward_model(reward_model, tokenizer, output_dir):
-    """Save a reward model / critic: backbone as an HF folder plus the value head. Collective under ZeRO-3."""
+    """Save a reward model / critic (or its engine's): backbone as an HF folder plus the value head. Collective under
+    ZeRO-3."""
+    reward_model = unwrap_engine(reward_model)
     backbone = reward_model.rwtransformer
     check_lora_mergeable(backbone)  # on every rank: none may raise alone after the collective gather
     state = gathered_state_dict(reward_model)

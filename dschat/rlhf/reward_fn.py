@@ -1,4 +1,5 @@
-"""User reward functions: ``--reward_fn module:function`` or ``path/to/file.py:function``.
+"""User reward functions: ``--reward_fn module:function`` or ``path/to/file.py:function`` (from Python, also the
+function itself).
 
 The function is called as ``fn(prompts, answers, **extra_columns)`` with lists of strings (and lists of the
 dataset's extra column values) and returns one float per answer. A raised exception or a non-finite value stops
@@ -30,7 +31,10 @@ def check_reward_sources(args):
 
 
 def load_reward_fn(spec):
-    """The callable named by ``spec``; a clear error when the module, file or function is missing."""
+    """The callable named by ``spec``, or ``spec`` itself when it is one (a notebook's ``args["reward_fn"]``); a clear
+    error when the module, file or function is missing."""
+    if callable(spec):
+        return spec
     spec = ALIASES.get(spec, spec)
     if ":" not in spec:
         raise UsageError(f"--reward_fn {spec!r} must be 'module:function' or 'path/to/file.py:function'")

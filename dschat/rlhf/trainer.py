@@ -1,6 +1,7 @@
 """DeepSpeedPPOTrainer: experience generation and the PPO update (DeepSpeed-Chat's API, dschat's math)."""
 import contextlib
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -9,7 +10,7 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 from dschat.args import resolve_pad_to_multiple_of, top_k_flag
 from dschat.data.collators import padded_length
 from dschat.errors import UsageError
-from dschat.hybrid_engine.decode import forward_spec
+from dschat.hybrid_engine.decode import check_left_padded, forward_spec
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import last_token_index, positions_from_mask
@@ -77,6 +78,18 @@ def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, en
     if entropy:
         stats.append(algo.entropy_from_logits(logits, chunk_size))
     return stats if entropy else stats[0]
+
+
+def prompt_batch(prompts, mask=None):
+    """``generate_experience``'s prompts as a batch dict with "prompt" and "prompt_att_mask": a tensor with its
+    ``mask``, the batch dict of ``DataCollatorRLHF``, or a tokenizer's output (``input_ids``, ``attention_mask``)."""
+    if isinstance(prompts, Mapping) and "prompt" not in prompts and "input_ids" in prompts:
+        prompts, mask = prompts["input_ids"], prompts.get("attention_mask", mask)
+    batch = dict(prompts) if isinstance(prompts, Mapping) else {"prompt": prompts, "prompt_att_mask": mask}
+    if batch.get("prompt_att_mask") is None:
+        raise ValueError("generate_experience(prompts, mask): the prompts' attention mask is missing; pass it as "
+                         "mask (or a batch with prompt_att_mask, or a tokenizer's output with attention_mask)")
+    return batch
 
 
 def sampling_kwargs(args, hf_generate=False):
@@ -153,15 +166,16 @@ class DeepSpeedPPOTrainer:
     def generate_experience(self, prompts, mask=None, step=0, advantages=True):
         """Generate answers and score them: log-probs (actor, reference), values, reward-model scores.
 
-        ``prompts`` is a left-padded tensor with ``mask``, or the batch dict of ``DataCollatorRLHF``.
+        ``prompts`` is a left-padded tensor with ``mask``, the batch dict of ``DataCollatorRLHF``, or a tokenizer's
+        output (``input_ids``, ``attention_mask``; tokenized with ``padding_side="left"``: right padding is an error).
         Empty answers stay in the batch (with no reward tokens) on every rank, so ranks never diverge.
         The returned dict also holds the batch's "advantages" and "returns" (``compute_advantages``): a caller that
         changes its "rewards" calls ``compute_advantages([exp])`` again. ``advantages=False`` leaves them out, for a
         caller that computes them over a rollout of several batches (step 3's ``ppo_update``).
         """
-        batch = prompts if isinstance(prompts, dict) else {"prompt": prompts, "prompt_att_mask": mask}
-        batch = self._repeat_for_groups(batch)
+        batch = self._repeat_for_groups(prompt_batch(prompts, mask))
         prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
+        check_left_padded(mask)
         self.eval()
         t0 = time.time()
         with phase("dschat.generate"):
@@ -386,8 +400,21 @@ class DeepSpeedPPOTrainer:
     def _loss_agg(self, inputs):
         if self.args.loss_agg != "global_token_mean":
             return {"loss_agg": "token_mean"}
-        return {"loss_agg": "global_token_mean", "num_tokens_global": inputs["num_tokens_global"],
+        return {"loss_agg": "global_token_mean", "num_tokens_global": self._num_tokens_global(inputs),
                 "accum_steps": self.args.gradient_accumulation_steps, "world_size": get_world_size()}
+
+    def _num_tokens_global(self, inputs):
+        """--loss_agg global_token_mean's divisor: the answer tokens of the optimizer step's micro-batches on all
+        ranks, as step 3 sets it (``inputs["num_tokens_global"]``); a caller's own experience without it is this
+        micro-batch's, all ranks', when each optimizer step takes one micro-batch."""
+        if "num_tokens_global" in inputs:
+            return inputs["num_tokens_global"]
+        if self.args.gradient_accumulation_steps != 1:
+            raise UsageError("--loss_agg global_token_mean with --gradient_accumulation_steps "
+                             f"{self.args.gradient_accumulation_steps}: train_rlhf needs inputs['num_tokens_global'], "
+                             "the answer tokens of the optimizer step's micro-batches on all ranks "
+                             "(dschat.rlhf.trainer.global_token_count of their action masks)")
+        return global_token_count([inputs["action_mask"]], self.device)
 
     def _backward_and_step_actor(self, loss, step=True):
         """Backward and, unless ``step`` is False (--align_overflow steps later, with the critic), step."""
