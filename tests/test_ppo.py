@@ -770,11 +770,13 @@ def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distribu
     from dschat import pipeline
 
     parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
-    args = parse(["--recipe", "grpo", "--data-path", "jsonl:mine.jsonl", "--output-dir", str(tmp_path)])
+    data = tmp_path / "mine.jsonl"  # there: the data paths are checked too
+    data.write_text(json.dumps({"prompt": "Human: hi Assistant:", "chosen": " hello"}) + "\n")
+    args = parse(["--recipe", "grpo", "--data-path", f"jsonl:{data}", "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--reward_fn tiny .*inside --step3-args"):
         pipeline.check_step_args([1, 3], args, True, {1: step1_parser, 3: step3_parser})
     (tmp_path / "mine.py").write_text("def score(prompts, answers):\n    return [0.0] * len(prompts)\n")
-    own = parse(["--recipe", "grpo", "--data-path", "jsonl:mine.jsonl", "--output-dir", str(tmp_path),
+    own = parse(["--recipe", "grpo", "--data-path", f"jsonl:{data}", "--output-dir", str(tmp_path),
                  "--step3-args", f"--reward_fn {tmp_path / 'mine.py'}:score"])
     pipeline.check_step_args([1, 3], own, True, {1: step1_parser, 3: step3_parser})  # the user's function replaces
     # the rule scorer
