@@ -23,6 +23,8 @@ Both keep the number of tokens HF's sort keeps (a sort orders ties arbitrarily);
 cumulative sum is, in another order (a cut whose mass lies within rounding of top_p may move a token). Every launch
 shape depends only on tensor shapes and k (CUDA-graph capturable); ``TRITON_INTERPRET=1`` runs them on the CPU.
 """
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -278,8 +280,8 @@ def _top_k_cuts(logits, temperature, top_p, top_k, cut, last):
 
 
 def fp32(value):
-    """A Python float rounded as a kernel's fp32 argument receives it."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    """A Python float rounded as a kernel's fp32 argument receives it (no tensor: row_cuts runs every eager step)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def kept(logits, cut, last):
