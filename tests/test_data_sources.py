@@ -275,6 +275,25 @@ def test_a_file_that_is_not_utf8_names_file_and_line(tmp_path):
         raw(str(tmp_path / "latin1.json"), tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, kind):
+    # Windows editors save UTF-8 with a BOM; JSON's parser refused the first line, a CSV's first column was misnamed
+    train = tmp_path / f"bom_train.{kind}"
+    train.write_bytes(b"\xef\xbb\xbf" + open(write_records(RECORDS[:15], train, kind), "rb").read())
+    eval_ = write_records(RECORDS[15:], tmp_path / f"eval.{kind}", kind)
+    adapter = raw(f"{kind}:{train},{eval_}", tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+
+
+def test_unsupervised_text_files_with_a_byte_order_mark(tmp_path):
+    from dschat.data.unsupervised import load_unsupervised_train
+
+    (tmp_path / "docs.txt").write_bytes(b"\xef\xbb\xbfFirst line.\nSecond line.\n")
+    (tmp_path / "docs.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "First."}).encode() + b"\n")
+    assert load_unsupervised_train(str(tmp_path / "docs.txt"))[0][0] == {"text": "First line."}
+    assert load_unsupervised_train(str(tmp_path / "docs.jsonl"))[0][0] == {"text": "First."}
+
+
 def test_an_empty_jsonl_file_says_so(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")

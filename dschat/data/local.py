@@ -196,6 +196,13 @@ def _folder_source(kind, folder, spec):
 
 # --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
 
+def text_encoding(path):
+    """"utf-8-sig" for a file that starts with a UTF-8 byte-order mark (Windows editors write one), else "utf-8":
+    the mark is not part of the first record."""
+    with open(path, "rb") as f:
+        return "utf-8-sig" if f.read(3) == b"\xef\xbb\xbf" else "utf-8"
+
+
 def check_jsonl_lines(path):
     """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line.
 
@@ -203,7 +210,7 @@ def check_jsonl_lines(path):
     """
     record_lines = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding=text_encoding(path)) as f:
             for line_number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -236,7 +243,7 @@ def not_utf8_error(path):
 def check_json_document(path):
     """A .json file must be one JSON array of objects; DatasetFormatError with the line of a syntax error."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding=text_encoding(path)) as f:
             text = f.read()
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
@@ -279,7 +286,7 @@ def load_file(kind, path):
     try:
         # CSV cells are text; only an empty cell is missing (pandas would also read "NA", "None", "nan", ... as null)
         options = {"features": _csv_text_features(path), "keep_default_na": False, "na_values": [""]} \
-            if kind == "csv" else {}
+            if kind == "csv" else {"encoding": text_encoding(path)} if builder == "json" else {}
         data = load_dataset(builder, data_files={"train": path}, split="train", **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
@@ -328,7 +335,7 @@ def _has_json_feature(feature):
 
 def _json_records(kind, path):
     """The records of a JSON/JSONL file as the json module reads them (the file was checked already)."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding=text_encoding(path)) as f:
         text = f.read()
     if kind == "json":
         try:

@@ -11,7 +11,7 @@ import os
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import check_json_document, check_jsonl_lines
+from .local import check_json_document, check_jsonl_lines, text_encoding
 
 LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
 
@@ -65,7 +65,7 @@ def load_unsupervised_train(name, config_name=None):
     if builder == "json":
         check_jsonl_lines(path) if path.endswith(".jsonl") else check_json_document(path)
     try:
-        train = load_dataset(builder, data_files={"train": path}, split="train")
+        train = load_dataset(builder, data_files={"train": path}, split="train", encoding=text_encoding(path))
     except Exception as err:  # name the file; pyarrow's messages do not
         raise DatasetFormatError(f"{path}: could not be read as {builder}: {err}") from err
     if "text" not in train.column_names:
