@@ -68,6 +68,21 @@ def test_a_top_k_that_is_no_integer_or_a_negative_top_p_is_a_clear_error(kwargs,
     assert engine.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **kwargs).shape[0] == 2
 
 
+@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 4.0}, {"max_new_tokens": -1}, {"max_length": 9.5},
+                                    {"min_new_tokens": True}, {"min_length": "3"}])
+def test_token_counts_that_are_no_integers_are_a_clear_error(kwargs):
+    """A float failed deep in the decode loop; a negative max_new_tokens was called a max_length shorter than the
+    prompt."""
+    engine = _engine(tiny_model("gpt2", seed=1))
+    ids, mask = left_padded_batch([4, 2], seed=1)
+    engine.eval()
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=rf"{name} has to be an integer >= 0, got {kwargs[name]!r}"):
+        engine.generate(ids, attention_mask=mask, **{"max_new_tokens": 3, **kwargs})
+    counts = {"max_new_tokens": torch.tensor(3), "min_new_tokens": np.int64(1)}  # int-like values are counts
+    assert engine.generate(ids, attention_mask=mask, **counts).shape == (2, ids.shape[1] + 3)
+
+
 def test_the_call_generation_config_argument_is_honoured_as_in_hf():
     """TRL passes ``generate(input_ids=..., generation_config=GenerationConfig(...))``."""
     model = tiny_model("opt", seed=3)

@@ -336,6 +336,8 @@ class HybridEngine:
                 else torch.ones_like(input_ids)
         attention_mask = attention_mask.to(device)
         check_left_padded(attention_mask)
+        max_new_tokens, max_length, min_new_tokens, min_length = token_counts(
+            max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens, min_length=min_length)
         max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config)
         if min_new_tokens is None and min_length is None:
             min_new_tokens = getattr(generation_config, "min_new_tokens", None)
@@ -610,12 +612,27 @@ class _CopiedModuleGenerate:
                            "generate from the copy with type(model).generate(model, ...), or from the actor")
 
 
+def _is_integer(value):
+    """An int-like count (numpy and 0-d integer tensors included; not a bool, not a float such as 4.0)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral) or (torch.is_tensor(value) and value.numel() == 1
+                                                   and not value.is_floating_point() and value.dtype != torch.bool)
+
+
+def token_counts(**counts):
+    """The call's token counts as ints (None stays None), checked: integers, not negative (a float such as 4.0
+    failed deep in the decode loop; a negative max_new_tokens was reported as a max_length shorter than the prompt)."""
+    for name, value in counts.items():
+        if value is not None and (not _is_integer(value) or value < 0):
+            raise ValueError(f"{name} has to be an integer >= 0, got {value!r}")
+    return [None if value is None else int(value) for value in counts.values()]
+
+
 def check_top_k_top_p(top_k, top_p):
     """A sampled generation's filters, as HF checks them (a top_k <= 0 is no top-k, as the --top_k flag's): top_k an
     integer (a float or a string failed deep in torch), top_p not negative (it sampled greedily)."""
-    integer = isinstance(top_k, numbers.Integral) or (torch.is_tensor(top_k) and top_k.numel() == 1
-                                                        and not top_k.is_floating_point())
-    if isinstance(top_k, bool) or not integer:
+    if not _is_integer(top_k):
         raise ValueError(f"top_k has to be an integer (0: no top-k filtering), got {top_k!r}")
     if not top_p >= 0:
         raise ValueError(f"top_p has to be in [0, 1] (1: no nucleus filtering), got {top_p!r}")
