@@ -78,6 +78,20 @@ def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(m
     assert find_policy_path(str(tmp_path)) == str(tmp_path / "step2_dpo")
 
 
+def test_a_peft_adapter_folder_is_an_error_that_says_so(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")  # PEFT's save_pretrained: adapter weights, no config.json
+    with pytest.raises(FileNotFoundError, match="a PEFT adapter folder .*merge"):
+        find_policy_path(str(tmp_path))
+
+
+def gpt2_models(root):
+    """A tiny GPT-2 policy and reward model: learned positions (a table of 512), where a longer sequence is an
+    IndexError in the forward, not a drift."""
+    policy = create_tiny_model("tiny-gpt2", root / "gpt2")
+    save_reward_model(load_reward_model(policy), load_tokenizer(policy), str(root / "gpt2_rm"))
+    return policy, str(root / "gpt2_rm")
+
+
 def test_the_report_holds_only_the_recipes_steps(tmp_path):
     from dschat.report import build_report
 
@@ -205,6 +219,18 @@ def test_generation_flags_are_checked_and_top_k_below_one_is_off():
         parser.parse_args(["--max_new_tokens", "0"])
 
 
+def test_a_prompt_and_answer_past_a_learned_position_table_are_an_error_not_an_index_error(tmp_path):
+    from dschat.errors import UsageError
+    from dschat.tools.generation import generate_answers
+
+    model, tokenizer = load_policy(gpt2_models(tmp_path)[0], device="cpu")
+    for prompt, new_tokens in (("word " * 600, 2), ("Say hi.", 600)):  # prompt_eval's path: no chat history to drop
+        with pytest.raises(UsageError, match="learned positions"):
+            generate_answers(model, tokenizer, [format_prompt([{"role": "user", "content": prompt}], tokenizer)],
+                             {"max_new_tokens": new_tokens, "do_sample": False})
+    assert len(generate_answers(model, tokenizer, ["Say hi."], {"max_new_tokens": 2, "do_sample": False})) == 1
+
+
 def test_interactive_loop_clears_and_quits(session):
     session.clear()
     lines, printed = iter(["Name 3 colors.", "clear", "Say tea twice.", "quit", "never read"]), []
@@ -318,9 +344,40 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
     assert "skipped as in step 2: 2 chosen==rejected, 1 prompt too long" in capsys.readouterr().out
 
 
+def test_rw_eval_counts_records_without_a_rejected_answer_and_checks_its_flags(models, tmp_path, capsys):
+    pairs = [{"prompt": "Name 3 colors.", "chosen": "red, blue, green", "rejected": "red"},
+             {"prompt": "Say hi.", "chosen": "hi"}]  # SFT-only: step 2 skips it and counts it
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    result = rw_eval.main(["--model_name_or_path", models["rm"], "--pairs_file", str(pairs_file),
+                           "--num_padding_at_beginning", "1"])  # DeepSpeed-Chat's rw_eval.py flag
+    assert len(result["pairs"]) == 1 and result["skipped"] == {"no rejected answer": 1}
+    assert "skipped as in step 2: 1 no rejected answer" in capsys.readouterr().out
+    for flags in (["--num_pairs", "-1"], ["--batch_size", "0"], ["--max_seq_len", "0"]):
+        with pytest.raises(SystemExit):
+            rw_eval.build_parser().parse_args(["--model_name_or_path", models["rm"], *flags])
+    from dschat.errors import UsageError
+
+    with pytest.raises(UsageError, match="--max_seq_len = 2000 tokens.*512 learned positions"):
+        rw_eval.main(["--model_name_or_path", gpt2_models(tmp_path)[1], "--prompt", "Say hi.", "--answer", "hi",
+                      "--max_seq_len", "2000"])
+
+
 # --- step 3: ppo_eval ---
 
-def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys):
+def test_ppo_eval_checks_lengths_before_generating(tmp_path):
+    from dschat.errors import UsageError
+
+    policy, reward_model = gpt2_models(tmp_path)
+    args = ["--policy", policy, "--reward_model", reward_model, "--data_output_path", str(tmp_path / "data")]
+    with pytest.raises(SystemExit):  # HF's generate would refuse it after every model and the data loaded
+        ppo_eval.build_parser().parse_args([*args, "--max_new_tokens", "0"])
+    with pytest.raises(UsageError, match=r"--max_prompt_seq_len \+ --max_new_tokens = 856 tokens.*512 learned"):
+        ppo_eval.main([*args, "--max_prompt_seq_len", "256", "--max_new_tokens", "600"])
+
+
+def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("dschat.args._REPORTED_UNKNOWN", set())  # each unknown setting is reported once a process
     out_json = tmp_path / "eval" / "ppo_eval.json"
     results = ppo_eval.main(["--policy", models["policy"], "--baseline", models["baseline"], "--reward_model",
                              models["rm"], "--num_prompts", "4", "--per_device_generation_batch_size", "4",
@@ -339,3 +396,4 @@ def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys):
         assert f"reward_mean {entry['reward_mean']:+.4f}" in out
     assert saved["policy"]["reward_mean"] != saved["baseline"]["reward_mean"]
     assert [e["prompt"] for e in saved["policy"]["examples"]] == [e["prompt"] for e in saved["baseline"]["examples"]]
+    assert "name no flag" not in out  # the tool's own flags (--max_new_tokens, ...) are not step 3's unused settings

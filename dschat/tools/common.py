@@ -39,6 +39,10 @@ def _model_folder(path, subfolders, reported=None):
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):  # what PEFT's save_pretrained writes
+            raise MissingInputError(f"{path}: a PEFT adapter folder (adapter_config.json), not a whole model: merge the "
+                                    "adapter into its base model (PEFT's merge_and_unload(), then save_pretrained with "
+                                    "the tokenizer) and pass that folder (dschat's steps save LoRA models merged)")
         raise MissingInputError(f"{path}: no model in this folder: expected a model folder (config.json) or a "
                                 f"train.py output folder holding one of {', '.join(subfolders)}")
     if not os.path.exists(path) and _looks_local(path):

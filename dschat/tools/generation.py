@@ -4,6 +4,7 @@ import torch
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import uses_chat_template
 from dschat.data.pipeline import tokenize_texts
+from dschat.models.loading import check_sequence_fits
 from dschat.rlhf.trainer import answer_mask
 
 
@@ -36,6 +37,10 @@ def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_si
     for start in range(0, len(prompt_texts), batch_size):
         ids, mask = left_padded(encode_prompts(tokenizer, prompt_texts[start:start + batch_size]),
                                 tokenizer.pad_token_id, model.device)
+        new_tokens = generation_kwargs.get("max_new_tokens")
+        if new_tokens:  # past a learned position table, generate fails with an IndexError (a CUDA assert on GPUs)
+            check_sequence_fits(model, ids.shape[1] + new_tokens,
+                                f"a prompt of {ids.shape[1]} tokens + --max_new_tokens {new_tokens}")
         sequences = model.generate(ids, attention_mask=mask, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id, **generation_kwargs)
         answers += decode_answers(tokenizer, sequences[:, ids.shape[1]:])

@@ -10,7 +10,8 @@ import json
 import os
 from types import SimpleNamespace
 
-from dschat.args import add_data_args, resolve_pad_to_multiple_of
+from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of
+from dschat.models.loading import check_sequence_fits
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.steps.ppo import prompt_loaders
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
@@ -27,12 +28,25 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
     model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
     if reward_model is None:
         reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
-    _, held_out = prompt_loaders(args, tokenizer)  # tokenized with this policy's tokenizer, as in step 3
+    for checked in (model, reward_model):  # as step 3 checks its models: not an IndexError mid-generation
+        check_sequence_fits(checked, args.max_prompt_seq_len + args.max_new_tokens,
+                            "--max_prompt_seq_len + --max_new_tokens")
+    # tokenized with this policy's tokenizer, as in step 3
+    _, held_out = prompt_loaders(step3_settings(args), tokenizer)
     # evaluate_policy expects DeepSpeed engines; for the reward model that is only the ``.module`` attribute
     result = evaluate_policy(model.generate, SimpleNamespace(module=reward_model), tokenizer, held_out, device,
                              args.max_new_tokens, rule_scorer_for(args.data_path), args.num_prompts,
                              args.num_examples, pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     return {"path": path, **result}, reward_model
+
+
+def step3_settings(args):
+    """The flags of ``args`` that step 3 has (data flags, seed, batch size, ...), which ``prompt_loaders`` reads; the
+    tool's own (--policy, --max_new_tokens, ...) would be reported there as flags "not used by dschat"."""
+    from dschat.args import step3_parser
+
+    step3_flags = {action.dest for action in step3_parser()._actions}
+    return {key: value for key, value in vars(args).items() if key in step3_flags}
 
 
 def summary_line(role, result):
@@ -68,14 +82,15 @@ def build_parser():
     parser.add_argument("--reward_model", required=True,
                         help="The step-2 reward model (a run's output folder uses step2_rm).")
     add_data_args(parser)
-    parser.add_argument("--num_prompts", type=int, default=64,
+    parser.add_argument("--num_prompts", type=non_negative_int, default=64,
                         help="Held-out prompts scored (whole batches, as step 3's --eval_prompts).")
-    parser.add_argument("--max_new_tokens", type=int, default=256,
+    parser.add_argument("--max_new_tokens", type=positive_int, default=256,
                         help="Greedy answer length (step 3: --eval_max_new_tokens, else --max_answer_seq_len).")
     parser.add_argument("--max_prompt_seq_len", type=int, default=256, help="As in step 3 (longer prompts skipped).")
     parser.add_argument("--per_device_generation_batch_size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1234, help="Step 3's seed (it chooses the held-out share).")
-    parser.add_argument("--num_examples", type=int, default=3, help="Example answers printed and saved per policy.")
+    parser.add_argument("--num_examples", type=non_negative_int, default=3,
+                        help="Example answers printed and saved per policy.")
     parser.add_argument("--output_json", default=None, help="Write the results here.")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     add_loading_args(parser)

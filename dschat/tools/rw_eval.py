@@ -8,6 +8,7 @@ from collections import Counter
 
 import torch
 
+from dschat.args import non_negative_int, positive_int
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
@@ -69,12 +70,16 @@ def score_sequences(model, tokenizer, id_lists, batch_size=16):
 def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
     """Per-pair scores and the accuracy step 2 reports (chosen scored strictly above rejected), over the pairs step 2
     keeps: a pair whose prompt leaves no room for an answer, or whose two sequences are the same token ids
-    (chosen == rejected, also after truncation: it could only count as a miss), is skipped and counted."""
+    (chosen == rejected, also after truncation: it could only count as a miss), is skipped and counted, as is a record
+    without a chosen or a rejected answer (an SFT-only record)."""
+    missing = Counter("no chosen answer" if r.chosen is None else "no rejected answer"
+                      for r in records if r.chosen is None or r.rejected is None)
+    records = [r for r in records if r.chosen is not None and r.rejected is not None]
     chosen_ids = reward_input_ids(tokenizer, [(r.messages, r.chosen) for r in records], max_seq_len, skip_long=True)
     rejected_ids = reward_input_ids(tokenizer, [(r.messages, r.rejected) for r in records], max_seq_len,
                                     skip_long=True)
-    skipped = Counter("prompt too long" if c is None else "chosen==rejected"
-                      for c, r in zip(chosen_ids, rejected_ids) if c is None or c == r)
+    skipped = missing + Counter("prompt too long" if c is None else "chosen==rejected"
+                                for c, r in zip(chosen_ids, rejected_ids) if c is None or c == r)
     kept = [i for i, (c, r) in enumerate(zip(chosen_ids, rejected_ids)) if c is not None and c != r]
     chosen = score_sequences(model, tokenizer, [chosen_ids[i] for i in kept], batch_size)
     rejected = score_sequences(model, tokenizer, [rejected_ids[i] for i in kept], batch_size)
@@ -115,9 +120,12 @@ def build_parser():
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
-    parser.add_argument("--num_pairs", type=int, default=64, help="At most this many pairs (0: all).")
-    parser.add_argument("--max_seq_len", type=int, default=512, help="As in step 2: answers are cut to fit.")
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--num_pairs", type=non_negative_int, default=64, help="At most this many pairs (0: all).")
+    parser.add_argument("--max_seq_len", type=positive_int, default=512, help="As in step 2: answers are cut to fit.")
+    parser.add_argument("--batch_size", type=positive_int, default=16)
+    parser.add_argument("--num_padding_at_beginning", type=int, default=1,
+                        help="Accepted for DeepSpeed-Chat compatibility (its rw_eval.py flag); the score is read at "
+                             "the last real token found from the attention mask, so it has no effect.")
     add_loading_args(parser)
     return parser
 
@@ -128,11 +136,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if bool(args.prompt) != bool(args.answer):
         parser.error("--prompt and --answer go together")
-    from dschat.models.loading import load_tokenizer
+    from dschat.models.loading import check_sequence_fits, load_tokenizer
 
     path = find_reward_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
     model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
+    check_sequence_fits(model, args.max_seq_len, "--max_seq_len")  # as step 2 checks it: not an IndexError later
     if args.prompt:
         messages = prompt_record(args.prompt).messages
         scores = score_answers(model, tokenizer, [(messages, a) for a in args.answer], args.max_seq_len,
@@ -141,8 +150,7 @@ def main(argv=None):
         return {"scores": scores}
     records = (load_records(args.pairs_file, args.data_fields, args.num_pairs or None) if args.pairs_file
                else tiny_held_out_records(args.num_pairs or None))
-    records = [r for r in records if r.chosen is not None and r.rejected is not None]
-    if not records:
+    if not any(r.chosen is not None and r.rejected is not None for r in records):
         parser.error("no records with both a chosen and a rejected answer")
     result = evaluate_pairs(model, tokenizer, records, args.max_seq_len, args.batch_size)
     print_pairs(result)
