@@ -231,6 +231,23 @@ def test_a_tied_model_saved_under_zero3_loads_with_its_head_tied(preset, tmp_pat
     assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
 
 
+def test_a_zero3_engine_saves_with_parameters_still_prefetched(tmp_path, distributed):
+    """On a GPU, ZeRO-3's prefetch for a forward that never comes (after the last evaluation) left parameters in
+    flight, and the save's gather failed: "Cannot partition a param in flight" (step 2 of a Qwen-shaped train.py run on
+    an H200). Here one is put in flight as DeepSpeed's prefetch does it: an all-gather whose handle waits in the
+    module's registry."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    engine = _zero3_engine("tiny-llama")
+    param = next(p for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+    engine.module.ds_inflight_param_registry[param] = param.all_gather_coalesced([param])
+    assert param.ds_status == ZeroParamStatus.INFLIGHT
+    save_causal_lm(engine, _NoTokenizer(), str(tmp_path / "out"))
+    assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE and not engine.module.ds_inflight_param_registry
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(p.numel() > 0 for p in loaded.parameters())
+
+
 def test_an_engine_given_to_the_save_helpers_saves_its_model(tmp_path, distributed):
     """DeepSpeed-Chat's save_hf_format is given the engine (``rlhf_engine.actor``): its parameter names start with
     "module.", and the save failed on the engine's dict config."""

@@ -14,11 +14,13 @@ def _is_zero3_param(param):
 
 
 def gathered_state_dict(module):
-    """The full state dict on rank 0 (None elsewhere), on CPU; every rank must call it under ZeRO-3. A tied weight
+    """The full state dict of a model or engine (:func:`settled_module`) on rank 0 (None elsewhere), on CPU; every
+    rank must call it under ZeRO-3. A tied weight
     (e.g. ``lm_head.weight`` sharing the embedding) appears once, under the name ``named_parameters`` gives it:
     ``from_pretrained`` ties it again, and under ZeRO-3 its other name would only hold this rank's empty shard."""
     import deepspeed
 
+    module = settled_module(module)
     state, parameter_ids = {}, set()
     for name, param in module.named_parameters():
         parameter_ids.add(id(param))
@@ -93,21 +95,29 @@ def replace_folder(new, target):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def unwrap_engine(model):
+def settled_module(model):
     """The model of a DeepSpeed engine or a hybrid engine (DeepSpeed-Chat's ``save_hf_format`` is given the engine,
     ``rlhf_engine.actor``); any other model as it is. Saved as the engine, its parameters' names would start with
-    "module." and no model would load from them."""
+    "module." and no model would load from them.
+
+    An engine under ZeRO-3 first releases its parameters (DeepSpeed's ``empty_partition_cache``): a no-grad forward
+    (the last evaluation) can leave some prefetched, in flight, for a forward that never comes, and gathering them
+    then fails ("Cannot partition a param in flight"; on a GPU, where the prefetches are asynchronous)."""
     from deepspeed import DeepSpeedEngine
 
     from dschat.hybrid_engine import HybridEngine
 
-    return model.module if isinstance(model, (DeepSpeedEngine, HybridEngine)) else model
+    if not isinstance(model, (DeepSpeedEngine, HybridEngine)):
+        return model
+    if model.zero_optimization_stage() == 3:
+        model.empty_partition_cache()
+    return model.module
 
 
 def save_causal_lm(module, tokenizer, output_dir):
     """Save an actor / SFT model (any ZeRO stage, LoRA merged; or its engine's) with its tokenizer. Collective under
     ZeRO-3."""
-    module = unwrap_engine(module)
+    module = settled_module(module)
     state = plain_model_state_dict(module)
     if is_rank_0():
         model = unwrap_peft(module)
@@ -120,7 +130,7 @@ def save_causal_lm(module, tokenizer, output_dir):
 def save_reward_model(reward_model, tokenizer, output_dir):
     """Save a reward model / critic (or its engine's): backbone as an HF folder plus the value head. Collective under
     ZeRO-3."""
-    reward_model = unwrap_engine(reward_model)
+    reward_model = settled_module(reward_model)
     backbone = reward_model.rwtransformer
     check_lora_mergeable(backbone)  # on every rank: none may raise alone after the collective gather
     state = gathered_state_dict(reward_model)
