@@ -583,6 +583,20 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+def test_a_resumed_runs_tensorboard_curves_hold_each_iteration_once(trained, tmp_path):
+    """The interrupted run's events of the iterations after its last checkpoint stayed beside the ones the resumed run
+    logs for them again: TensorBoard drew two points per such iteration (the jsonl log drops its copies)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common = ["--save_interval", "2", "--max_steps", "4", "--enable_tensorboard", "--tensorboard_path",
+              str(tmp_path / "tb")]
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--enable_test_mode", "--test_stop_step", "3", *common))
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--resume", *common))
+    events = EventAccumulator(str(tmp_path / "tb" / "step3"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step3/reward")] == [1, 2, 3, 4]
+
+
 def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
     """The files ``save_checkpoint`` leaves for tag iter_0000002 (contents beside the point)."""
     from dschat.rlhf.checkpointing import LATEST
@@ -644,6 +658,48 @@ def test_resume_with_a_checkpoint_folder_missing_names_the_folder(tmp_path, part
     trainer = SimpleNamespace(actor_model=None, critic_model=None, actor_ema=None)
     with pytest.raises(UsageError, match=rf"no {part}/iter_0000002 folder"):
         load_checkpoint(trainer, str(tmp_path))
+
+
+@pytest.mark.parametrize("saved, resumed, named", [
+    ([], ["--actor_lora_dim", "4"], r"--actor_lora_dim 0 -> 4"),
+    ([], ["--critic_lora_dim", "2", "--only_optimize_lora"],
+     r"--only_optimize_lora False -> True; --critic_lora_dim 0 -> 2"),
+    ([], ["--actor_zero_stage", "2", "--dtype", "fp32"], r"--actor_zero_stage 0 -> 2; --dtype 'bf16' -> 'fp32'"),
+    (["--zero_stage", "2"], ["--zero_stage", "2", "--offload"], r"--offload False -> True"),
+    ([], ["--per_device_generation_batch_size", "8"], r"--per_device_generation_batch_size 4 -> 8"),
+])
+def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_naming_it(tmp_path, saved, resumed,
+                                                                                         named):
+    """Another LoRA layout, ZeRO stage or dtype was DeepSpeed's traceback (a state-dict key mismatch, a missing
+    optim_states file) after every model had loaded, --offload added a KeyError in the first optimizer step (CPU Adam
+    given AdamW's state); another --per_device_generation_batch_size resumed silently at the saved batch index,
+    skipping prompts the checkpoint had never trained on (or repeating ones it had)."""
+    import re
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.algorithms import get_kl_controller
+    from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+    from dschat.rlhf.config import step3_args
+
+    class Engine:
+        def save_checkpoint(self, folder, tag, save_latest):
+            (tmp_path / folder / tag).mkdir(parents=True)
+
+        def load_checkpoint(self, *args, **kwargs):
+            raise AssertionError("the checks must come before DeepSpeed loads anything")
+
+    def trainer(*given):
+        args = step3_args(step3_parser().parse_args(["--per_device_generation_batch_size", "4", *given]))
+        return SimpleNamespace(actor_model=Engine(), critic_model=Engine(), actor_ema=None, args=args,
+                               generator=torch.Generator(), kl_ctl=get_kl_controller("fixed", 0.1))
+
+    save_checkpoint(trainer(*saved), str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    with pytest.raises(UsageError, match=rf"saved with other settings: {re.escape(named)}\. .*without --resume"):
+        load_checkpoint(trainer(*resumed), str(tmp_path))
+    # flags a checkpoint does not depend on may change
+    with pytest.raises(AssertionError, match="before DeepSpeed loads"):
+        load_checkpoint(trainer(*saved, "--per_device_training_batch_size", "2", "--max_steps", "9"), str(tmp_path))
 
 
 TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")

@@ -303,3 +303,28 @@ def test_train_py_checks_the_plan_on_the_model_step1_starts_from_not_an_earlier_
     pipeline.check_step_args([1, 2, 3], args, True, parsers)  # the 8-head model step 1 starts from splits
     with pytest.raises(UsageError, match="step1_sft .*4 attention heads"):  # step 3 alone reads the folder
         pipeline.check_step_args([3], args, True, parsers)
+
+
+def test_actor_and_critic_write_their_deepspeed_tensorboard_events_to_runs_of_their_own():
+    """Both engines' TensorBoard monitors wrote Train/Samples/lr into one run (job step3_tensorboard), so the actor's
+    and the critic's learning-rate curves interleaved in it; DeepSpeed-Chat names them step3_actor and step3_critic."""
+    args = step3_args({"enable_tensorboard": True, "tensorboard_path": "tb"})
+    runs = {role: step3_train_config(args, 1, 0, role=role, quiet=True)["tensorboard"] for role in ("actor", "critic")}
+    assert all(run["enabled"] for run in runs.values())
+    assert [run["job_name"] for run in runs.values()] == ["step3_actor_tensorboard", "step3_critic_tensorboard"]
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_lora_module_name_that_matches_no_layer_is_an_error_naming_step3s_flag(role):
+    """The error named --lora_module_name, steps 1 and 2's flag, which step 3 does not have (DeepSpeed-Chat's
+    "decoder.layers." of its OPT scripts matches no layer of other families)."""
+    from dschat.models.loading import load_tokenizer
+
+    args = step3_args({f"{role}_lora_dim": 4, f"{role}_lora_module_name": "decoder.layers.", "dtype": "fp32"})
+    engine = SimpleNamespace(args=args, world_size=1, actor_path="tiny-llama", critic_path="tiny-llama",
+                             tokenizer=load_tokenizer("tiny-llama"), _check_token_ids=lambda *given: None,
+                             _check_sequence_fits=lambda model: None)
+    engine._train_config = lambda *given, **kwargs: DeepSpeedRLHFEngine._train_config(engine, *given, **kwargs)
+    build = DeepSpeedRLHFEngine._init_actor if role == "actor" else DeepSpeedRLHFEngine._init_critic
+    with pytest.raises(UsageError, match=rf"^--{role}_lora_module_name 'decoder.layers.' matches no Linear module"):
+        build(engine)

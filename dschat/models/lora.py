@@ -18,8 +18,9 @@ PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps its base model
 DEFAULT_LORA_ALPHA = 1.0
 
 
-def lora_target_modules(model, lora_module_name=""):
-    """Names of the Linear-like modules to adapt: those whose name contains ``lora_module_name`` (all when empty).
+def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
+    """Names of the Linear-like modules to adapt: those whose name contains ``lora_module_name`` (all when empty);
+    ``flag``, the one that gave it, is named when it matches none (step 3's are --actor_/--critic_lora_module_name).
 
     DeepSpeed-Chat matched "decoder.layers." (an OPT path); matching a substring of the module path against the
     model's own Linear modules works for every family (GPT-2's Conv1D included).
@@ -36,7 +37,7 @@ def lora_target_modules(model, lora_module_name=""):
             continue
         names.append(name)
     if not names:
-        raise UsageError(f"--lora_module_name {lora_module_name!r} matches no Linear module of "
+        raise UsageError(f"{flag} {lora_module_name!r} matches no Linear module of "
                          f"{type(model).__name__}")
     return names
 
@@ -50,7 +51,7 @@ def check_only_optimize_lora(only_optimize_lora, *lora_dims):
 
 
 def apply_lora(model, lora_dim, lora_module_name="", lora_alpha=None, lora_dropout=0.0,
-               only_optimize_lora=False, modules_to_save=None):
+               only_optimize_lora=False, modules_to_save=None, module_name_flag="--lora_module_name"):
     """Wrap ``model`` with PEFT LoRA adapters of rank ``lora_dim`` (returns the model unchanged when 0), with
     DeepSpeed-Chat's semantics: the adapted layers' weights are frozen; everything else (their biases, embeddings,
     norms, other layers) trains too unless ``only_optimize_lora``; the update is scaled by lora_alpha / lora_dim with
@@ -59,7 +60,7 @@ def apply_lora(model, lora_dim, lora_module_name="", lora_alpha=None, lora_dropo
         return model
     from peft import LoraConfig, get_peft_model
 
-    targets = lora_target_modules(model, lora_module_name)
+    targets = lora_target_modules(model, lora_module_name, module_name_flag)
     alpha = DEFAULT_LORA_ALPHA if lora_alpha is None else lora_alpha
     config = LoraConfig(r=lora_dim, lora_alpha=alpha, lora_dropout=lora_dropout,
                         target_modules=targets, modules_to_save=modules_to_save, bias="none")

@@ -16,6 +16,14 @@ from dschat.steps.common import write_json_atomic
 from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0
 
 LATEST = "latest"
+# Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
+# have the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them
+# (otherwise DeepSpeed's loading, or the first step after it, fails with a traceback that names no flag), and its data
+# position counts batches of this many prompts in the order this seed draws (otherwise the resumed run silently skips
+# or repeats prompts). The critic's only where the run trains one.
+ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_zero_stage", "dtype",
+                      "offload", "per_device_generation_batch_size", "seed")
+CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_zero_stage")
 
 
 def _rng_state(generator):
@@ -42,7 +50,7 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     trainer.actor_model.save_checkpoint(os.path.join(root, "actor"), tag=tag, save_latest=False)
     if trainer.critic_model is not None:
         trainer.critic_model.save_checkpoint(os.path.join(root, "critic"), tag=tag, save_latest=False)
-    ema_state = gathered_state_dict(trainer.actor_ema.module) if trainer.actor_ema is not None else None
+    ema_state = gathered_state_dict(trainer.actor_ema) if trainer.actor_ema is not None else None
     state_dir = os.path.join(root, "trainer", tag)
     os.makedirs(state_dir, exist_ok=True)
     torch.save(_rng_state(trainer.generator), os.path.join(state_dir, f"rng_rank{get_rank()}.pt"))
@@ -50,7 +58,7 @@ def save_checkpoint(trainer, root, position, keep_last=2):
         if ema_state is not None:
             torch.save(ema_state, os.path.join(state_dir, "ema.pt"))
         write_json_atomic(os.path.join(state_dir, "state.json"),
-                          {**position, "kl_ctl": trainer.kl_ctl.state_dict()})
+                          {**position, "kl_ctl": trainer.kl_ctl.state_dict(), "flags": resume_flags(trainer)})
     barrier()
     if is_rank_0():
         write_json_atomic(os.path.join(root, LATEST), {"tag": tag})
@@ -80,6 +88,7 @@ def load_checkpoint(trainer, root):
     with open(os.path.join(state_dir, "state.json")) as f:
         state = json.load(f)
     trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
+    state.pop("flags", None)
     if trainer.actor_ema is not None:
         _load_ema(trainer.actor_ema.module, os.path.join(state_dir, "ema.pt"))
     _restore_rng(torch.load(os.path.join(state_dir, f"rng_rank{get_rank()}.pt"), weights_only=False),
@@ -110,6 +119,31 @@ def check_resumable(trainer, root, tag):
     if trainer.actor_ema is not None and not os.path.isfile(os.path.join(where, "ema.pt")):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no EMA copy (the run that saved it had no "
                          f"--enable_ema); resume without --enable_ema, or start afresh without --resume")
+    check_same_flags(trainer, os.path.join(where, "state.json"), tag, root)
+
+
+def resume_flags(trainer):
+    """{flag: value} of the flags the checkpoint is bound to (``ACTOR_RESUME_FLAGS``, ``CRITIC_RESUME_FLAGS``)."""
+    names = ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ())
+    return {name: getattr(trainer.args, name) for name in names}
+
+
+def check_same_flags(trainer, state_path, tag, root):
+    """The flags the checkpoint is bound to as it saved them (a checkpoint written before they were stored is not
+    checked)."""
+    if getattr(trainer, "args", None) is None or not os.path.isfile(state_path):
+        return
+    with open(state_path) as f:
+        saved = json.load(f).get("flags", {})
+    now = resume_flags(trainer)
+    changed = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in now
+               if name in saved and saved[name] != now[name]]
+    if changed:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
+                         f"{'; '.join(changed)}. Its model and optimizer states (LoRA layout, ZeRO stage, precision, "
+                         "offload) and its place in the prompts (batches of --per_device_generation_batch_size in "
+                         "--seed's order) hold for its own: resume with the checkpoint's values, or start afresh "
+                         "without --resume")
 
 
 def _load_ema(module, path):

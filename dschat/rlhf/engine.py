@@ -45,7 +45,9 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
         release_inference_cache=a.release_inference_cache, pin_parameters=not a.unpin_actor_parameters,
         tp_gather_partition_size=a.tp_gather_partition_size,
         max_out_tokens=longest_sequence(a), enable_cuda_graph=uses_cuda_graph(a),
-        enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name="step3",
+        # a TensorBoard run of each model's own (DeepSpeed-Chat's step3_actor / step3_critic): in one, the two engines'
+        # monitors write the same tags (Train/Samples/lr) and their curves interleave
+        enable_tensorboard=a.enable_tensorboard, tb_path=a.tensorboard_path, tb_name=f"step3_{role}",
         check_grad_overflow=a.check_grad_overflow,
         enable_mixed_precision_lora=role == "actor" and check_mixed_precision_lora(a))
     flags = owned_key_flags("--per_device_training_batch_size", f"--{role}_zero_stage (or --zero_stage)",
@@ -260,7 +262,7 @@ class DeepSpeedRLHFEngine:
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         self._check_sequence_fits(model)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
-                           only_optimize_lora=a.only_optimize_lora)
+                           only_optimize_lora=a.only_optimize_lora, module_name_flag="--actor_lora_module_name")
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
                                    a.actor_learning_rate, a.actor_weight_decay,
                                    a.actor_lora_learning_rate if a.actor_lora_dim else None,
@@ -310,7 +312,8 @@ class DeepSpeedRLHFEngine:
             print_rank_0(f"[step3] the critic {self.critic_path} has no trained value head ({VALUE_HEAD_FILE}): it "
                          "starts from a new one")
         model.rwtransformer = apply_lora(model.rwtransformer, a.critic_lora_dim, a.critic_lora_module_name,
-                                         a.lora_alpha, only_optimize_lora=a.only_optimize_lora)
+                                         a.lora_alpha, only_optimize_lora=a.only_optimize_lora,
+                                         module_name_flag="--critic_lora_module_name")
         if a.critic_lora_dim and a.only_optimize_lora:
             model.v_head.requires_grad_(True)
         return initialize_engine(model, ds_config, a.critic_learning_rate, a.critic_weight_decay,

@@ -140,12 +140,14 @@ def count_params(model):
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def tensorboard_writer(args, name):
+def tensorboard_writer(args, name, purge_step=None):
+    """The step's SummaryWriter (rank 0, --enable_tensorboard). ``purge_step``: a resumed run's first step; the events
+    an interrupted run wrote from that step on, which the resumed run writes again, are hidden (TensorBoard's purge)."""
     if not getattr(args, "enable_tensorboard", False) or not is_rank_0():
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(os.path.join(args.tensorboard_path or f"{name}_tensorboard", name))
+    return SummaryWriter(os.path.join(args.tensorboard_path or f"{name}_tensorboard", name), purge_step=purge_step)
 
 
 def write_json_atomic(path, data):
@@ -258,7 +260,7 @@ class StepRecipe:
     collator: Callable  # (tokenizer, pad_to_multiple_of, max_length) -> collate_fn
     loss_fn: Callable  # (engine, batch) -> (loss, tokens)
     evaluate_fn: Callable  # (engine, loader, device, max_batches) -> metrics dict
-    save_fn: Callable  # (module, tokenizer, output_dir) -> None
+    save_fn: Callable  # (engine, tokenizer, output_dir) -> None
 
 
 def require_training_records(dataset, args, step):
@@ -353,6 +355,6 @@ def run_supervised_step(args, recipe):
                "seconds": time.time() - started}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
     _scalars(writer, f"{recipe.name}/final", metrics, total_steps)
-    recipe.save_fn(engine.module, tokenizer, args.output_dir)
+    recipe.save_fn(engine, tokenizer, args.output_dir)  # the engine: see checkpoint.settled_module
     write_metrics(args.output_dir, metrics)
     return metrics

@@ -197,7 +197,8 @@ def main(args=None):
         before = position.get("eval_before")
         _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
-    writer = tensorboard_writer(args, "step3")
+    # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again
+    writer = tensorboard_writer(args, "step3", purge_step=position["iteration"] + 1 if position["iteration"] else None)
     iteration = position["iteration"]
     bar = progress(range(total_iters), total_iters, "step3 PPO")
     if is_rank_0():
@@ -252,11 +253,12 @@ def main(args=None):
 
 
 def save_models(trainer, args):
-    save_causal_lm(trainer.actor_model.module, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_DIR))
+    # the engines, not their modules: under ZeRO-3 they release their parameters before the gather (settled_module)
+    save_causal_lm(trainer.actor_model, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_DIR))
     if trainer.critic_model is not None:
-        save_reward_model(trainer.critic_model.module, trainer.tokenizer, os.path.join(args.output_dir, CRITIC_DIR))
+        save_reward_model(trainer.critic_model, trainer.tokenizer, os.path.join(args.output_dir, CRITIC_DIR))
     if trainer.actor_ema is not None:
-        save_causal_lm(trainer.actor_ema.module, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_EMA_DIR))
+        save_causal_lm(trainer.actor_ema, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_EMA_DIR))
 
 
 def kl_to_reference(trainer, buffer, device):
