@@ -9,9 +9,20 @@ def run_entry_point(main):
     from dschat.errors import UsageError
 
     try:
-        return main()
+        result = main()
     except UsageError as error:
         if os.environ.get("DSCHAT_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    _end_distributed()
+    return result
+
+
+def _end_distributed():
+    """A finished run leaves the process group as torch asks (NCCL warns at exit otherwise: "destroy_process_group()
+    was not called before program exit, which can leak resources")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

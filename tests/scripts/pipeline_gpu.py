@@ -13,8 +13,11 @@ Cases:
   single_gpu --data-path tiny`` with a few optimizer steps per step, step 3 with the hybrid engine.
 - ``qwen_z3``: ``deepspeed --num_gpus 1 train.py`` with a Qwen2.5-0.5B-shaped actor and reward model (grouped-query
   attention), ZeRO-3 for both, step 3 with the hybrid engine and LoRA.
+- ``grpo``: ``python train.py --recipe grpo`` on the OPT-1.3B shape (step 1, then GRPO rewarded by the bundled rule
+  scorer of the tiny data).
+- ``dpo``: ``python train.py --recipe dpo`` on the OPT-1.3B shape (step 1, then DPO).
 Each case's log is written to OUT/<case>.log; a table of exit codes, seconds and the reports' metrics is printed, and
-the actor each case saved is loaded with ``from_pretrained`` and asked for a greedy answer. Exits non-zero if a case
+the policy each case saved (its report's ``policy``) is loaded with ``from_pretrained`` and asked for a greedy answer. Exits non-zero if a case
 fails.
 """
 import argparse
@@ -37,6 +40,7 @@ QWEN = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidd
             num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)
 
 FEW_STEPS = "--max_steps 20 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --eval_iters 4"
+CASES = ("tiny", "opt", "qwen_z3", "grpo", "dpo")
 STEP3 = ("--max_steps 3 --per_device_generation_batch_size 8 --per_device_training_batch_size 8 "
          "--max_prompt_seq_len 128 --max_answer_seq_len 64 --enable_hybrid_engine --eval_prompts 32")
 
@@ -87,6 +91,13 @@ def cases(out, wanted, smoke=False):
                           "--reward-zero-stage", "3", "--data-path", "tiny", "--output-dir", str(out / "qwen_z3"),
                           "--step1-args", FEW_STEPS, "--step2-args", FEW_STEPS,
                           "--step3-args", STEP3 + " --actor_lora_dim 16"]
+    if "grpo" in wanted or "dpo" in wanted:
+        actor = save_random_model(models / "opt-1.3b-shape", OPTConfig, shape(OPT_ACTOR, smoke))
+    for recipe in ("grpo", "dpo"):
+        if recipe in wanted:
+            yield recipe, [sys.executable, "train.py", "--recipe", recipe, "--actor-model", str(actor),
+                           "--deployment-type", "single_gpu", "--data-path", "tiny", "--output-dir", str(out / recipe),
+                           "--step1-args", FEW_STEPS, "--step2-args", FEW_STEPS, "--step3-args", STEP3]
 
 
 def answer_of(actor_folder):
@@ -113,11 +124,11 @@ def run_case(name, command, out):
     seconds = time.time() - started
     report_path = out / name / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
-    actor = out / name / "step3_ppo" / "actor"
+    policy = out / name / report["policy"] if report and report.get("policy") else None
     answer = None
-    if rc == 0 and actor.is_dir():
+    if rc == 0 and policy is not None and policy.is_dir():
         try:
-            answer = answer_of(actor)
+            answer = answer_of(policy)
         except Exception as error:  # noqa: BLE001 - reported in the table
             answer = f"LOAD FAILED: {type(error).__name__}: {error}"
     return {"case": name, "rc": rc, "seconds": round(seconds, 1), "report": report, "answer": answer,
@@ -127,13 +138,13 @@ def run_case(name, command, out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/pipeline_gpu")))
-    parser.add_argument("--cases", default="tiny,opt,qwen_z3")
+    parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--smoke", action="store_true", help="2-layer models of the same families: checks the "
                         "script and its commands on the CPU")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = args.cases.split(",")
-    unknown = set(wanted) - {"tiny", "opt", "qwen_z3"}
+    unknown = set(wanted) - set(CASES)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}")
     results = []
@@ -144,10 +155,10 @@ def main():
         if result["log_tail"]:
             print(result["log_tail"], flush=True)
     (args.out / "pipeline_gpu.json").write_text(json.dumps(results, indent=1, default=str))
-    print("\n| case | exit | seconds | answer of the saved actor |\n|---|---|---|---|")
+    print("\n| case | exit | seconds | answer of the saved policy |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['case']} | {r['rc']} | {r['seconds']} | {r['answer']!r} |")
-    failed = [r["case"] for r in results if r["rc"] != 0 or (r["answer"] or "").startswith("LOAD FAILED")]
+    failed = [r["case"] for r in results if r["rc"] != 0 or r["answer"] is None or r["answer"].startswith("LOAD FAILED")]
     if failed:
         print(f"FAILED: {failed}")
         sys.exit(1)
