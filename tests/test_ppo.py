@@ -924,6 +924,25 @@ def test_advantages_are_computed_once_per_rollout(trained, tmp_path, monkeypatch
     assert rollouts == [generation_batches]
 
 
+def test_prompt_batches_that_make_no_whole_iteration_are_skipped_not_generated(trained, tmp_path, monkeypatch,
+                                                                               capsys):
+    """Three batches of prompts with --generation_batches 2, two epochs: the first epoch's third batch was generated,
+    and its rollout thrown away at the epoch's end (the iteration never filled)."""
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    prompts = tmp_path / "prompts.jsonl"
+    # a single file's seeded 90% trains: 12 or 13 prompts, 3 batches of 4
+    prompts.write_text("".join(json.dumps({"prompt": f"Say word {i}."}) + "\n" for i in range(14)))
+    calls, real = [], DeepSpeedPPOTrainer.generate_experience
+    monkeypatch.setattr(DeepSpeedPPOTrainer, "generate_experience",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--data_path", f"jsonl:{prompts}", "--data_split", "0,0,1",
+                                "--generation_batches", "2", "--num_train_epochs", "2", "--eval_prompts", "0"))
+    assert metrics["iterations"] == 2 and len(calls) == 4
+    out = capsys.readouterr().out
+    assert "each epoch trains on 2 of its 3 prompt batches" in out, out[:600]
+
+
 def test_rollout_generation_stats_sum_counts_and_times_and_weigh_answer_length_by_answers():
     batches = [{"generation_time": 1.0, "experience_time": 0.5, "empty_answers": 1, "generated_tokens": 12,
                 "answer_length": 3.0},

@@ -168,6 +168,11 @@ def main(args=None):
             f"step3: {len(train_loader.dataset)} training prompts make no iteration: one takes "
             f"--per_device_generation_batch_size {args.per_device_generation_batch_size} x --generation_batches "
             f"{args.generation_batches} x {get_world_size()} rank(s); give more prompts or a smaller batch")
+    usable_batches = iters_per_epoch * args.generation_batches
+    if usable_batches < len(train_loader):  # said, not generated and then thrown away at the epoch's end
+        print_rank_0(f"[step3] each epoch trains on {usable_batches} of its {len(train_loader)} prompt batches (an "
+                     f"iteration takes --generation_batches {args.generation_batches}); the other "
+                     f"{len(train_loader) - usable_batches}, drawn anew each epoch, are skipped")
     total_iters = iters_per_epoch * args.num_train_epochs
     if args.max_steps:
         total_iters = min(total_iters, args.max_steps)
@@ -212,7 +217,7 @@ def main(args=None):
         for batch_index, batch in enumerate(train_loader):
             if epoch == position["epoch"] and batch_index < position["batch"]:
                 continue  # consumed before the checkpoint we resumed from
-            if iteration >= stop_at:
+            if iteration >= stop_at or batch_index >= usable_batches:
                 break
             if not buffer:  # the iteration's clock runs from its first generation batch
                 t0, batch_stats = time.time(), []
