@@ -702,6 +702,36 @@ def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_
         load_checkpoint(trainer(*saved, "--per_device_training_batch_size", "2", "--max_steps", "9"), str(tmp_path))
 
 
+def test_a_learning_rate_changed_on_resume_is_said_to_change_nothing(tmp_path, capsys):
+    """DeepSpeed restores the optimizer's learning rates and schedule from the checkpoint: a new --actor_learning_rate
+    was silently ignored."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.algorithms import get_kl_controller
+    from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+    from dschat.rlhf.config import step3_args
+
+    class Engine:
+        def save_checkpoint(self, folder, tag, save_latest):
+            (tmp_path / folder / tag).mkdir(parents=True)
+
+        def load_checkpoint(self, *args, **kwargs):
+            raise AssertionError("loaded")
+
+    def trainer(*given):
+        return SimpleNamespace(actor_model=Engine(), critic_model=Engine(), actor_ema=None, generator=torch.Generator(),
+                               args=step3_args(step3_parser().parse_args(list(given))),
+                               kl_ctl=get_kl_controller("fixed", 0.1))
+
+    save_checkpoint(trainer(), str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    with pytest.raises(AssertionError, match="loaded"):  # the checks pass: the run resumes
+        load_checkpoint(trainer("--actor_learning_rate", "3e-6"), str(tmp_path))
+    assert "--actor_learning_rate 3e-06 (the checkpoint's: " in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="loaded"):
+        load_checkpoint(trainer(), str(tmp_path))
+    assert "changes nothing" not in capsys.readouterr().out
+
+
 TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")
 
 

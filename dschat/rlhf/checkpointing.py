@@ -13,7 +13,7 @@ import torch
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict
 from dschat.steps.common import write_json_atomic
-from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0
+from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
 
 LATEST = "latest"
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
@@ -24,6 +24,9 @@ LATEST = "latest"
 ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_zero_stage", "dtype",
                       "offload", "per_device_generation_batch_size", "seed")
 CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_zero_stage")
+# Flags whose saved value DeepSpeed restores with the optimizer and the learning-rate schedule: another value on
+# --resume is said to change nothing, not refused.
+RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate", "lr_scheduler_type", "num_warmup_steps")
 
 
 def _rng_state(generator):
@@ -124,7 +127,7 @@ def check_resumable(trainer, root, tag):
 
 def resume_flags(trainer):
     """{flag: value} of the flags the checkpoint is bound to (``ACTOR_RESUME_FLAGS``, ``CRITIC_RESUME_FLAGS``)."""
-    names = ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ())
+    names = ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ()) + RESTORED_FLAGS
     return {name: getattr(trainer.args, name) for name in names}
 
 
@@ -137,7 +140,12 @@ def check_same_flags(trainer, state_path, tag, root):
         saved = json.load(f).get("flags", {})
     now = resume_flags(trainer)
     changed = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in now
-               if name in saved and saved[name] != now[name]]
+               if name in saved and saved[name] != now[name] and name not in RESTORED_FLAGS]
+    restored = [f"--{name} {now[name]!r} (the checkpoint's: {saved[name]!r})" for name in RESTORED_FLAGS
+                if name in saved and saved[name] != now[name]]
+    if restored and not changed:
+        print_rank_0(f"[step3] --resume: {', '.join(restored)} changes nothing: DeepSpeed restores the optimizer's "
+                     "learning rates and their schedule from the checkpoint")
     if changed:
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
                          f"{'; '.join(changed)}. Its model and optimizer states (LoRA layout, ZeRO stage, precision, "
