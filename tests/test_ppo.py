@@ -660,6 +660,33 @@ def test_resume_with_a_checkpoint_folder_missing_names_the_folder(tmp_path, part
         load_checkpoint(trainer, str(tmp_path))
 
 
+def _flags_trainer(tmp_path, *given):
+    """A trainer as the checkpoint code sees it, with step 3's flags ``given``: engines that save an empty tag folder
+    and raise "loaded" when DeepSpeed would load (so a test sees whether the checks let the run resume)."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.algorithms import get_kl_controller
+    from dschat.rlhf.config import step3_args
+
+    class Engine:
+        def save_checkpoint(self, folder, tag, save_latest):
+            (tmp_path / folder / tag).mkdir(parents=True)
+
+        def load_checkpoint(self, *args, **kwargs):
+            raise AssertionError("loaded")
+
+    return SimpleNamespace(actor_model=Engine(), critic_model=Engine(), actor_ema=None, generator=torch.Generator(),
+                           args=step3_args(step3_parser().parse_args(list(given))),
+                           kl_ctl=get_kl_controller("fixed", 0.1))
+
+
+def _save_flags_checkpoint(tmp_path, *given):
+    from dschat.rlhf.checkpointing import save_checkpoint
+
+    save_checkpoint(_flags_trainer(tmp_path, *given), str(tmp_path),
+                    {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+
+
 @pytest.mark.parametrize("saved, resumed, named", [
     ([], ["--actor_lora_dim", "4"], r"--actor_lora_dim 0 -> 4"),
     ([], ["--critic_lora_dim", "2", "--only_optimize_lora"],
@@ -675,60 +702,31 @@ def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_
     given AdamW's state); another --per_device_generation_batch_size resumed silently at the saved batch index,
     skipping prompts the checkpoint had never trained on (or repeating ones it had)."""
     import re
-    from types import SimpleNamespace
 
     from dschat.errors import UsageError
-    from dschat.rlhf.algorithms import get_kl_controller
-    from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
-    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.checkpointing import load_checkpoint
 
-    class Engine:
-        def save_checkpoint(self, folder, tag, save_latest):
-            (tmp_path / folder / tag).mkdir(parents=True)
-
-        def load_checkpoint(self, *args, **kwargs):
-            raise AssertionError("the checks must come before DeepSpeed loads anything")
-
-    def trainer(*given):
-        args = step3_args(step3_parser().parse_args(["--per_device_generation_batch_size", "4", *given]))
-        return SimpleNamespace(actor_model=Engine(), critic_model=Engine(), actor_ema=None, args=args,
-                               generator=torch.Generator(), kl_ctl=get_kl_controller("fixed", 0.1))
-
-    save_checkpoint(trainer(*saved), str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    batch = ["--per_device_generation_batch_size", "4"]
+    _save_flags_checkpoint(tmp_path, *batch, *saved)
     with pytest.raises(UsageError, match=rf"saved with other settings: {re.escape(named)}\. .*without --resume"):
-        load_checkpoint(trainer(*resumed), str(tmp_path))
-    # flags a checkpoint does not depend on may change
-    with pytest.raises(AssertionError, match="before DeepSpeed loads"):
-        load_checkpoint(trainer(*saved, "--per_device_training_batch_size", "2", "--max_steps", "9"), str(tmp_path))
+        load_checkpoint(_flags_trainer(tmp_path, *batch, *resumed), str(tmp_path))
+    # flags a checkpoint does not depend on may change: the checks pass and DeepSpeed loads
+    with pytest.raises(AssertionError, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, *batch, *saved, "--per_device_training_batch_size", "2",
+                                       "--max_steps", "9"), str(tmp_path))
 
 
 def test_a_learning_rate_changed_on_resume_is_said_to_change_nothing(tmp_path, capsys):
     """DeepSpeed restores the optimizer's learning rates and schedule from the checkpoint: a new --actor_learning_rate
     was silently ignored."""
-    from types import SimpleNamespace
+    from dschat.rlhf.checkpointing import load_checkpoint
 
-    from dschat.rlhf.algorithms import get_kl_controller
-    from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
-    from dschat.rlhf.config import step3_args
-
-    class Engine:
-        def save_checkpoint(self, folder, tag, save_latest):
-            (tmp_path / folder / tag).mkdir(parents=True)
-
-        def load_checkpoint(self, *args, **kwargs):
-            raise AssertionError("loaded")
-
-    def trainer(*given):
-        return SimpleNamespace(actor_model=Engine(), critic_model=Engine(), actor_ema=None, generator=torch.Generator(),
-                               args=step3_args(step3_parser().parse_args(list(given))),
-                               kl_ctl=get_kl_controller("fixed", 0.1))
-
-    save_checkpoint(trainer(), str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    _save_flags_checkpoint(tmp_path)
     with pytest.raises(AssertionError, match="loaded"):  # the checks pass: the run resumes
-        load_checkpoint(trainer("--actor_learning_rate", "3e-6"), str(tmp_path))
+        load_checkpoint(_flags_trainer(tmp_path, "--actor_learning_rate", "3e-6"), str(tmp_path))
     assert "--actor_learning_rate 3e-06 (the checkpoint's: " in capsys.readouterr().out
     with pytest.raises(AssertionError, match="loaded"):
-        load_checkpoint(trainer(), str(tmp_path))
+        load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
     assert "changes nothing" not in capsys.readouterr().out
 
 
