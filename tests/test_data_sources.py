@@ -277,7 +277,7 @@ def test_a_file_that_is_not_utf8_names_file_and_line(tmp_path):
 
 @pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])
 def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, kind):
-    # Windows editors save UTF-8 with a BOM; JSON's parser refused the first line, a CSV's first column was misnamed
+    # Windows editors save UTF-8 with a BOM; JSON's parser refused the first line (CSV: pandas drops it, kept as a guard)
     train = tmp_path / f"bom_train.{kind}"
     train.write_bytes(b"\xef\xbb\xbf" + open(write_records(RECORDS[:15], train, kind), "rb").read())
     eval_ = write_records(RECORDS[15:], tmp_path / f"eval.{kind}", kind)

@@ -595,6 +595,25 @@ def test_a_resumed_runs_tensorboard_curves_hold_each_iteration_once(trained, tmp
     events = EventAccumulator(str(tmp_path / "tb" / "step3"))
     events.Reload()
     assert [e.step for e in events.Scalars("step3/reward")] == [1, 2, 3, 4]
+    # a fresh run into the same folder: the earlier run's curves end where the new one begins
+    ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--max_steps", "2"))
+    events = EventAccumulator(str(tmp_path / "tb" / "step3"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step3/reward")] == [1, 2]
+
+
+def test_step3_hands_its_engines_to_the_save_helpers(trained, tmp_path, monkeypatch):
+    """Under ZeRO-3 only an engine can release the parameters its last evaluation left prefetched
+    (checkpoint.settled_module); given the bare module, the save's gather failed on a GPU."""
+    from dschat.hybrid_engine import HybridEngine
+    from dschat.models import checkpoint
+    from deepspeed import DeepSpeedEngine
+
+    given, real = [], checkpoint.settled_module
+    monkeypatch.setattr(checkpoint, "settled_module", lambda model: given.append(type(model)) or real(model))
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--enable_ema"))
+    # each of the three saves (actor, critic, EMA) is handed an engine, then gathers from its model
+    assert sum(issubclass(t, (DeepSpeedEngine, HybridEngine)) for t in given) == 3, given
 
 
 def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
@@ -716,7 +735,7 @@ def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_
                                        "--max_steps", "9"), str(tmp_path))
 
 
-def test_a_learning_rate_changed_on_resume_is_said_to_change_nothing(tmp_path, capsys):
+def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, capsys):
     """DeepSpeed restores the optimizer's learning rates and schedule from the checkpoint: a new --actor_learning_rate
     was silently ignored."""
     from dschat.rlhf.checkpointing import load_checkpoint
@@ -724,10 +743,10 @@ def test_a_learning_rate_changed_on_resume_is_said_to_change_nothing(tmp_path, c
     _save_flags_checkpoint(tmp_path)
     with pytest.raises(AssertionError, match="loaded"):  # the checks pass: the run resumes
         load_checkpoint(_flags_trainer(tmp_path, "--actor_learning_rate", "3e-6"), str(tmp_path))
-    assert "--actor_learning_rate 3e-06 (the checkpoint's: " in capsys.readouterr().out
+    assert "--actor_learning_rate 3e-06 (the checkpoint's: 9.65e-06): no effect" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
-    assert "changes nothing" not in capsys.readouterr().out
+    assert "no effect" not in capsys.readouterr().out
 
 
 TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")

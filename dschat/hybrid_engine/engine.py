@@ -298,6 +298,8 @@ class HybridEngine:
         generation_config = self._generation_config(hf_kwargs.pop("generation_config", None))
         self._check_hf_kwargs(hf_kwargs)
         self.check_generation_config(hf_kwargs, generation_config)
+        max_new_tokens, max_length, min_new_tokens, min_length = token_counts(
+            max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens, min_length=min_length)
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
         if self._iteration is None:
@@ -336,8 +338,6 @@ class HybridEngine:
                 else torch.ones_like(input_ids)
         attention_mask = attention_mask.to(device)
         check_left_padded(attention_mask)
-        max_new_tokens, max_length, min_new_tokens, min_length = token_counts(
-            max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens, min_length=min_length)
         max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config)
         if min_new_tokens is None and min_length is None:
             min_new_tokens = getattr(generation_config, "min_new_tokens", None)

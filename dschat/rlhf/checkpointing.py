@@ -24,9 +24,10 @@ LATEST = "latest"
 ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_zero_stage", "dtype",
                       "offload", "per_device_generation_batch_size", "seed")
 CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_zero_stage")
-# Flags whose saved value DeepSpeed restores with the optimizer and the learning-rate schedule: another value on
-# --resume is said to change nothing, not refused.
-RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate", "lr_scheduler_type", "num_warmup_steps")
+# Flags whose saved value DeepSpeed restores (the optimizer's and the scheduler's base learning rates): another value
+# on --resume is said to change nothing, not refused. (--lr_scheduler_type and --num_warmup_steps do apply: the
+# restored scheduler keeps its step and base rates, the schedule's shape comes from the flags.)
+RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate")
 
 
 def _rng_state(generator):
@@ -144,8 +145,8 @@ def check_same_flags(trainer, state_path, tag, root):
     restored = [f"--{name} {now[name]!r} (the checkpoint's: {saved[name]!r})" for name in RESTORED_FLAGS
                 if name in saved and saved[name] != now[name]]
     if restored and not changed:
-        print_rank_0(f"[step3] --resume: {', '.join(restored)} changes nothing: DeepSpeed restores the optimizer's "
-                     "learning rates and their schedule from the checkpoint")
+        print_rank_0(f"[step3] --resume: {', '.join(restored)}: no effect, DeepSpeed restores the learning rates "
+                     "from the checkpoint")
     if changed:
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
                          f"{'; '.join(changed)}. Its model and optimizer states (LoRA layout, ZeRO stage, precision, "

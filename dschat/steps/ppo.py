@@ -202,8 +202,9 @@ def main(args=None):
         before = position.get("eval_before")
         _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
-    # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again
-    writer = tensorboard_writer(args, "step3", purge_step=position["iteration"] + 1 if position["iteration"] else None)
+    # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again, a fresh one all
+    # (an earlier run's events in the same folder are hidden from there on, as its jsonl log is cut)
+    writer = tensorboard_writer(args, "step3", purge_step=position["iteration"] + 1)
     iteration = position["iteration"]
     bar = progress(range(total_iters), total_iters, "step3 PPO")
     if is_rank_0():
