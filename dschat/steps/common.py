@@ -141,8 +141,8 @@ def count_params(model):
 
 
 def tensorboard_writer(args, name, purge_step=None):
-    """The step's SummaryWriter (rank 0, --enable_tensorboard). ``purge_step``: a resumed run's first step; the events
-    an interrupted run wrote from that step on, which the resumed run writes again, are hidden (TensorBoard's purge)."""
+    """The step's SummaryWriter (rank 0, --enable_tensorboard). ``purge_step``: the run's first step; events an earlier
+    run wrote to the same folder from that step on, which this run writes again, are hidden (TensorBoard's purge)."""
     if not getattr(args, "enable_tensorboard", False) or not is_rank_0():
         return None
     from torch.utils.tensorboard import SummaryWriter
