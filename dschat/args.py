@@ -244,6 +244,11 @@ def step2_dpo_parser():
     return p
 
 
+def flag_dests(parser):
+    """The attribute names a parser's flags set (``parser._actions``: argparse has no public list)."""
+    return {action.dest for action in parser._actions}
+
+
 def namespace_with_defaults(parser, overrides=None):
     """A parsed namespace with every default, updated from a dict or any object (the notebook-friendly form).
 

@@ -162,7 +162,9 @@ FOLDER_DESTS = {flag[2:]: TRAIN_PY_NAMES[flag] for flag in FOLDER_FLAGS}
 def check_folders_are_train_pys(step, args, tiny, parsed, parser):
     """A folder flag inside ``--stepN-args`` would make the later steps and the report read other folders than the
     step wrote: refused (an abbreviation of one is already an unrecognized argument)."""
-    dests = {action.dest for action in parser._actions}
+    from dschat.args import flag_dests
+
+    dests = flag_dests(parser)
     defaults = parser.parse_args(step_argv(step, _without_extra(args, step), tiny))
     for dest, train_py_flag in FOLDER_DESTS.items():
         if dest in dests and getattr(parsed, dest) != getattr(defaults, dest):

@@ -14,13 +14,12 @@ def _is_zero3_param(param):
 
 
 def gathered_state_dict(module):
-    """The full state dict of a model or engine (:func:`settled_module`) on rank 0 (None elsewhere), on CPU; every
-    rank must call it under ZeRO-3. A tied weight
+    """The full state dict on rank 0 (None elsewhere), on CPU; every rank must call it under ZeRO-3 (an engine's
+    model after :func:`settled_module`). A tied weight
     (e.g. ``lm_head.weight`` sharing the embedding) appears once, under the name ``named_parameters`` gives it:
     ``from_pretrained`` ties it again, and under ZeRO-3 its other name would only hold this rank's empty shard."""
     import deepspeed
 
-    module = settled_module(module)
     state, parameter_ids = {}, set()
     for name, param in module.named_parameters():
         parameter_ids.add(id(param))

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from dschat.errors import UsageError
-from dschat.models.checkpoint import gathered_state_dict
+from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import write_json_atomic
 from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
 
@@ -54,7 +54,7 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     trainer.actor_model.save_checkpoint(os.path.join(root, "actor"), tag=tag, save_latest=False)
     if trainer.critic_model is not None:
         trainer.critic_model.save_checkpoint(os.path.join(root, "critic"), tag=tag, save_latest=False)
-    ema_state = gathered_state_dict(trainer.actor_ema) if trainer.actor_ema is not None else None
+    ema_state = gathered_state_dict(settled_module(trainer.actor_ema)) if trainer.actor_ema is not None else None
     state_dir = os.path.join(root, "trainer", tag)
     os.makedirs(state_dir, exist_ok=True)
     torch.save(_rng_state(trainer.generator), os.path.join(state_dir, f"rng_rank{get_rank()}.pt"))

@@ -157,6 +157,7 @@ class DeepSpeedPPOTrainer:
                                                 generator=self.generator, return_logprobs=a.logprobs_from_generation,
                                                 **sampling_kwargs(a))
                 return out if a.logprobs_from_generation else (out, None)
+            check_left_padded(mask)  # HF's generate only warns (the hybrid engine's generate checks it itself)
             seq = self.actor_model.module.generate(
                 prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len, eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id, synced_gpus=self.z3_enabled and get_world_size() > 1,
@@ -175,7 +176,6 @@ class DeepSpeedPPOTrainer:
         """
         batch = self._repeat_for_groups(prompt_batch(prompts, mask))
         prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
-        check_left_padded(mask)
         self.eval()
         t0 = time.time()
         with phase("dschat.generate"):

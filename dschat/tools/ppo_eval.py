@@ -43,9 +43,9 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
 def step3_settings(args):
     """The flags of ``args`` that step 3 has (data flags, seed, batch size, ...), which ``prompt_loaders`` reads; the
     tool's own (--policy, --max_new_tokens, ...) would be reported there as flags "not used by dschat"."""
-    from dschat.args import step3_parser
+    from dschat.args import flag_dests, step3_parser
 
-    step3_flags = {action.dest for action in step3_parser()._actions}
+    step3_flags = flag_dests(step3_parser())
     return {key: value for key, value in vars(args).items() if key in step3_flags}
 
 
