@@ -488,6 +488,18 @@ def test_step3_runs_and_reports_held_out_scores(trained, tmp_path):
     assert len(log) == 2 and {"reward", "kl", "actor_loss", "critic_loss", "samples_per_s"} <= set(log[0])
     assert (tmp_path / "ppo" / "actor" / "config.json").exists()
     assert (tmp_path / "ppo" / "critic" / "value_head.safetensors").exists()
+    # the step-3 check, given only the models, scores the same held-out prompts the same way: it takes the data
+    # flags, batch, prompt count and answer length from the run's training_args.json (PPO_FAST: 8 prompts of at
+    # most 40 tokens, 12-token answers; the tool's own defaults are 64, 256 and 256)
+    from dschat.tools import ppo_eval
+
+    results = ppo_eval.main(["--policy", str(tmp_path / "ppo"), "--reward_model", str(trained / "rm")])
+    assert results["policy"]["prompts"] == 8
+    assert max(len(e["answer"].split()) for e in results["policy"]["examples"]) <= 12
+    for key in ("reward_mean", "rule_score_mean"):
+        assert results["policy"][key] == pytest.approx(metrics["eval_after"][key], abs=1e-4)
+    given = ppo_eval.parse_args(["--policy", str(tmp_path / "ppo"), "--reward_model", "x", "--num_prompts", "4"])
+    assert (given.num_prompts, given.max_new_tokens, given.data_output_path) == (4, 12, str(trained / "data"))
 
 
 def test_step3_with_fewer_prompts_than_one_iteration_is_an_error_not_a_run_that_trains_nothing(trained, tmp_path):

@@ -150,19 +150,35 @@ def tensorboard_writer(args, name, purge_step=None):
     return SummaryWriter(os.path.join(args.tensorboard_path or f"{name}_tensorboard", name), purge_step=purge_step)
 
 
-def write_json_atomic(path, data):
+def write_json_atomic(path, data, default=None):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
+        json.dump(data, f, indent=2, default=default)
     os.replace(tmp, path)
 
 
-def write_metrics(output_dir, metrics):
-    """``metrics.json`` in the step's output folder (rank 0)."""
+RUN_ARGS_FILE = "training_args.json"
+
+
+def write_results(args, metrics, step):
+    """The step's ``metrics.json`` and ``training_args.json`` (which step, and its flags as it ran: what the tools read
+    to evaluate its output on the same data, e.g. ppo_eval's held-out prompts) in its output folder (rank 0)."""
     if is_rank_0():
-        write_json_atomic(os.path.join(output_dir, "metrics.json"), metrics)
+        write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
+        flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
+        write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE), {"step": step, "flags": flags}, default=str)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
+
+
+def read_run_args(folder, step):
+    """The flags ``step`` ran with when it wrote ``folder`` (its ``training_args.json``), else None."""
+    path = os.path.join(folder, RUN_ARGS_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    return record["flags"] if record.get("step") == step else None
 
 
 def progress(iterable, total, desc):
@@ -356,5 +372,5 @@ def run_supervised_step(args, recipe):
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
     _scalars(writer, f"{recipe.name}/final", metrics, total_steps)
     recipe.save_fn(engine, tokenizer, args.output_dir)  # the engine: see checkpoint.settled_module
-    write_metrics(args.output_dir, metrics)
+    write_results(args, metrics, recipe.name)
     return metrics

@@ -18,7 +18,7 @@ from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records, setup_run,
-                                 tensorboard_writer, write_metrics)
+                                 tensorboard_writer, write_results)
 from dschat.utils.dist import get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
 
@@ -254,7 +254,7 @@ def main(args=None):
     save_models(trainer, args)
     metrics = {"iterations": iteration, "eval_before": before, "eval_after": after,
                "seconds": time.time() - started}
-    write_metrics(args.output_dir, metrics)
+    write_results(args, metrics, "step3")
     return metrics
 
 

@@ -1,9 +1,10 @@
 """Step-3 check: held-out reward (and rule score, on the embedded data) of a policy and of a baseline.
 
 The held-out prompts, their loader and the scoring are step 3's own (``prompt_loaders``, ``evaluate_policy``):
-with step 3's data flags (``--data_path --data_split --seed --max_prompt_seq_len --pad_to_multiple_of``, batch size and
-``--num_prompts`` = ``--eval_prompts``) the same prompts are scored the same way as step 3's before/after-PPO
-evaluation, here in one plain process (HF ``generate``, the reward model under a trivial engine wrapper).
+with step 3's data flags (``--data_path --data_split --seed --max_prompt_seq_len --pad_to_multiple_of``, batch size,
+``--num_prompts`` = ``--eval_prompts`` and the answer length) the same prompts are scored the same way as step 3's
+before/after-PPO evaluation, here in one plain process (HF ``generate``, the reward model under a trivial engine
+wrapper). Those flags default to the values of the step-3 run that trained the policy (its ``training_args.json``).
 """
 import argparse
 import json
@@ -13,6 +14,8 @@ from types import SimpleNamespace
 from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of
 from dschat.models.loading import check_sequence_fits
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+from dschat.run_layout import PPO_DIR
+from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
                                  load_policy, load_scoring_reward_model)
@@ -97,9 +100,45 @@ def build_parser():
     return parser
 
 
+# Step 3's flags that choose and shape its held-out prompts, taken as this tool's defaults from the run that trained
+# the policy; and this tool's flags that stand for step 3's held-out evaluation's own.
+STEP3_DATA_FLAGS = ("data_path", "data_split", "data_output_path", "data_fields", "pad_to_multiple_of", "seed",
+                    "max_prompt_seq_len", "per_device_generation_batch_size", "add_eot_token")
+
+
+def step3_run_defaults(policy_path):
+    """(this tool's defaults from the step-3 run that wrote ``policy_path``, the folder they come from), else
+    (None, None). A run folder's SFT model takes its step 3's, as the same prompts are what it is compared on."""
+    policy_dir = os.path.dirname(os.path.abspath(policy_path))
+    for folder in (os.path.abspath(policy_path), policy_dir, os.path.join(policy_dir, PPO_DIR)):
+        flags = read_run_args(folder, "step3")
+        if flags is not None:
+            break
+    else:
+        return None, None
+    defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
+    defaults["num_prompts"] = flags.get("eval_prompts", 64)
+    defaults["max_new_tokens"] = flags.get("eval_max_new_tokens") or flags.get("max_answer_seq_len", 256)
+    return defaults, folder
+
+
+def parse_args(argv=None):
+    """The flags; those not given default to the policy's step-3 run's (said), so that the same prompts are scored
+    the same way as in its before/after-PPO evaluation."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    defaults, folder = step3_run_defaults(find_policy_path(args.policy))
+    if defaults:
+        parser.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+        print(f"[ppo_eval] defaults from step 3's run ({os.path.join(folder, RUN_ARGS_FILE)}; flags given here win): "
+              + " ".join(f"--{name} {value}" for name, value in sorted(defaults.items())))
+    return args
+
+
 def main(argv=None):
     """Print (and optionally save) the results; returns {"policy": ..., ["baseline": ...]}."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     reward_model_path = find_reward_model_path(args.reward_model)
     paths = {"policy": find_policy_path(args.policy)}
     if args.baseline:
