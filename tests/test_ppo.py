@@ -628,6 +628,26 @@ def test_step3_hands_its_engines_to_the_save_helpers(trained, tmp_path, monkeypa
     assert sum(issubclass(t, (DeepSpeedEngine, HybridEngine)) for t in given) == 3, given
 
 
+def test_step3_removes_the_critic_and_ema_actor_an_earlier_run_left_in_its_folder(tmp_path, monkeypatch, capsys):
+    """A run without EMA (or without a critic: GRPO) into a folder where an earlier run saved them: kept, they would
+    sit beside this run's actor as if this run had written them."""
+    from types import SimpleNamespace
+
+    saved = []
+    monkeypatch.setattr(ppo, "save_causal_lm", lambda engine, tokenizer, path: saved.append((engine, path)))
+    monkeypatch.setattr(ppo, "save_reward_model", lambda engine, tokenizer, path: saved.append((engine, path)))
+    for folder in ("actor", "critic", "actor_ema"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text("{}")
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    ppo.save_models(SimpleNamespace(actor_model="actor", critic_model="critic", actor_ema=None, tokenizer=None), args)
+    assert saved == [("actor", str(tmp_path / "actor")), ("critic", str(tmp_path / "critic"))]
+    assert not (tmp_path / "actor_ema").exists() and (tmp_path / "critic").exists()
+    assert "removed " + str(tmp_path / "actor_ema") in capsys.readouterr().out
+    ppo.save_models(SimpleNamespace(actor_model="actor", critic_model=None, actor_ema=None, tokenizer=None), args)
+    assert not (tmp_path / "critic").exists() and (tmp_path / "actor").exists()
+
+
 def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
     """The files ``save_checkpoint`` leaves for tag iter_0000002 (contents beside the point)."""
     from dschat.rlhf.checkpointing import LATEST

@@ -19,7 +19,7 @@ from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsuperv
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records, setup_run,
                                  tensorboard_writer, write_results)
-from dschat.utils.dist import get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
+from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
 
 def prompt_loaders(args, tokenizer):
@@ -261,10 +261,24 @@ def main(args=None):
 def save_models(trainer, args):
     # the engines, not their modules: under ZeRO-3 they release their parameters before the gather (settled_module)
     save_causal_lm(trainer.actor_model, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_DIR))
-    if trainer.critic_model is not None:
-        save_reward_model(trainer.critic_model, trainer.tokenizer, os.path.join(args.output_dir, CRITIC_DIR))
-    if trainer.actor_ema is not None:
-        save_causal_lm(trainer.actor_ema, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_EMA_DIR))
+    for folder, engine, save in ((CRITIC_DIR, trainer.critic_model, save_reward_model),
+                                 (ACTOR_EMA_DIR, trainer.actor_ema, save_causal_lm)):
+        path = os.path.join(args.output_dir, folder)
+        if engine is not None:
+            save(engine, trainer.tokenizer, path)
+        elif os.path.isdir(path):
+            _remove_earlier_model(path)
+
+
+def _remove_earlier_model(path):
+    """A critic or EMA actor that an earlier run left in this run's folder (this run trains none): kept beside this
+    run's actor, it would pass for this run's."""
+    import shutil
+
+    if is_rank_0():
+        shutil.rmtree(path)
+        print_rank_0(f"[step3] removed {path}: an earlier run's model (this run writes none there)")
+    barrier()
 
 
 def kl_to_reference(trainer, buffer, device):
