@@ -59,19 +59,6 @@ def prompt_position_ids(attention_mask):
     return position_ids.masked_fill(attention_mask == 0, 0)
 
 
-def check_left_padded(attention_mask):
-    """Prompts must be LEFT-padded: a row whose mask ends in 0 (right padding, a tokenizer's default) would have its
-    first answer token predicted from a pad's position, a wrong answer that nothing else reports. A row with no real
-    token (an empty prompt) and a gap inside a row pass."""
-    mask = attention_mask.bool()
-    right_padded = ~mask[:, -1] & mask.any(-1)
-    if bool(right_padded.any()):
-        rows = right_padded.nonzero().flatten().tolist()
-        raise ValueError(f"the prompts must be LEFT-padded, but row(s) {rows[:8]} of the attention mask end with "
-                         "padding (right-padded: the answer would follow a pad token); tokenize them with "
-                         "padding_side='left' (dschat: load_tokenizer(path, padding_side='left'))")
-
-
 def as_eos_tensor(eos_token_id, device):
     if eos_token_id is None:
         return None

@@ -5,9 +5,7 @@
 ``step()``. Everything it does not define is the wrapped ``DeepSpeedEngine``'s.
 """
 import contextlib
-import copy
 import dataclasses
-import numbers
 import time
 import weakref
 
@@ -18,36 +16,16 @@ from dschat.hybrid_engine.attention import decode_attention as decode_attention_
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache
 from dschat.hybrid_engine.config import HybridEngineConfig
-from dschat.hybrid_engine.decode import check_left_padded, generate_tokens
+from dschat.hybrid_engine.decode import generate_tokens
 from dschat.hybrid_engine.fusion import ProjectionFusion
 from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
-from dschat.hybrid_engine.sampling import check_repetition_penalty
+from dschat.hybrid_engine.generate_args import (check_generation_config, check_hf_kwargs, first_not_none,
+                                                merged_generation_config, resolve_settings)
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
-from dschat.errors import UsageError
 from dschat.models.lora import unwrap_peft
-
-# HF generate kwargs that DeepSpeed-Chat-style callers pass and that change nothing here (ranks are kept in step
-# automatically; the static cache is always used), and the values of HF's others that leave its output as this
-# engine's. Any other kwarg or value would change what HF returns, and is an error rather than ignored.
-_NO_OP_HF_KWARGS = {"synced_gpus", "use_cache"}
-_NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
-                 "typical_p": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0, "epsilon_cutoff": 0.0,
-                 "eta_cutoff": 0.0, "min_p": 0.0, "guidance_scale": 1.0, "encoder_repetition_penalty": 1.0}
-# Settings a model's generation_config may carry that HF's generate applies (logits processors, stopping criteria, the
-# output's type) and this decode does not: set (not None, False or empty), they are refused as the call's own are.
-_UNSUPPORTED_GENERATION_CONFIG = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "force_words_ids",
-                                  "constraints", "sequence_bias", "forced_eos_token_id",
-                                  "exponential_decay_length_penalty", "max_time", "stop_strings", "token_healing",
-                                  "watermarking_config", "top_h", "dola_layers", "penalty_alpha",
-                                  "return_dict_in_generate")
-_HF_DEFAULT_NEW_TOKENS = 20  # what HF generates when neither the call nor the generation_config gives a length
-# HF's defaults of the decoding settings where the model's generation_config sets nothing (the repetition penalty
-# applies to greedy decoding too)
-_HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
-
 
 def _synchronize():
     from deepspeed.accelerator import get_accelerator
@@ -296,10 +274,21 @@ class HybridEngine:
             raise ValueError("generate needs the prompts: input_ids (or inputs), a LEFT-padded (B, P) tensor")
         # HF's generation_config argument (TRL passes one): its settings over the model's, the call's over both
         generation_config = self._generation_config(hf_kwargs.pop("generation_config", None))
-        self._check_hf_kwargs(hf_kwargs)
+        check_hf_kwargs(hf_kwargs)
         self.check_generation_config(hf_kwargs, generation_config)
-        max_new_tokens, max_length, min_new_tokens, min_length = token_counts(
-            max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens, min_length=min_length)
+        device = self._engine.device
+        if generator is not None and generator.device.type != torch.device(device).type:
+            raise ValueError(f"the sampling generator is on {generator.device} but generation runs on {device}; "
+                             f"create it with torch.Generator(device={str(device)!r})")
+        input_ids = input_ids.to(device)
+        # every setting resolved and checked before the engine's state changes
+        s = resolve_settings(
+            input_ids, attention_mask, generation_config, max_new_tokens=max_new_tokens, max_length=max_length,
+            min_new_tokens=min_new_tokens, min_length=min_length, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+            eos_token_id=first_not_none(eos_token_id, self.eos_token_id),
+            pad_token_id=first_not_none(pad_token_id, self.pad_token_id))
+        attention_mask = s.attention_mask
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
         if self._iteration is None:
@@ -308,65 +297,31 @@ class HybridEngine:
         start = time.perf_counter()
         model = self.inference_weights.model
         hf_model = unwrap_peft(model)
-
-        device = self._engine.device
-        input_ids = input_ids.to(device)
-        if generator is not None and generator.device.type != torch.device(device).type:
-            raise ValueError(f"the sampling generator is on {generator.device} but generation runs on {device}; "
-                             f"create it with torch.Generator(device={str(device)!r})")
         batch_size, prompt_len = input_ids.shape
-        eos_token_id = _first_not_none(eos_token_id, self.eos_token_id,
-                                       getattr(generation_config, "eos_token_id", None))
-        eos_list = _token_id_list(eos_token_id)
-        pad_token_id = _first_not_none(pad_token_id, self.pad_token_id,
-                                       getattr(generation_config, "pad_token_id", None),
-                                       eos_list[0] if eos_list else None)
-        pad_known = pad_token_id is not None
-        if not pad_known:  # no EOS either: no row ever ends, so nothing is padded (HF generates then too)
-            pad_token_id = 0
-        pad_token_id = int(pad_token_id)
-        if do_sample is None:
-            do_sample = bool(getattr(generation_config, "do_sample", False))
-        temperature, top_k, top_p = (_from_config(name, value, generation_config) for name, value in
-                                     (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
-        repetition_penalty = float(_from_config("repetition_penalty", repetition_penalty, generation_config))
-        check_repetition_penalty(repetition_penalty)
-        if do_sample:  # greedy reads neither
-            check_top_k_top_p(top_k, top_p)
-        if attention_mask is None:
-            attention_mask = _default_attention_mask(input_ids, pad_token_id, eos_list) if pad_known \
-                else torch.ones_like(input_ids)
-        attention_mask = attention_mask.to(device)
-        check_left_padded(attention_mask)
-        max_new_tokens = self._resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config)
-        if min_new_tokens is None and min_length is None:
-            min_new_tokens = getattr(generation_config, "min_new_tokens", None)
-            min_length = getattr(generation_config, "min_length", None) if min_new_tokens is None else None
-        if min_new_tokens is None:
-            min_new_tokens = max(0, min_length - prompt_len) if min_length is not None else 0
 
         sync_group = dist.group.WORLD if self.inference_weights.forward_has_collectives and _world_size() > 1 \
             else None
         own_generator = generator
         if self.tp is not None:
-            if not do_sample:  # greedy ignores them (HF-style callers may pass None)
-                temperature, top_k, top_p = 1.0, 0, 1.0
-            check_same_in_group(self.tp, device, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                pad_token_id=pad_token_id, return_logprobs=return_logprobs,
-                                repetition_penalty=repetition_penalty,
-                                eos_token_ids=hash(tuple(sorted(eos_list))) % 2**52)  # ints hash alike everywhere
-            group_batch = gather_prompts(input_ids, attention_mask, pad_token_id, self.tp)
+            if not s.do_sample:  # greedy ignores them (HF-style callers may pass None)
+                s = dataclasses.replace(s, temperature=1.0, top_k=0, top_p=1.0)
+            check_same_in_group(self.tp, device, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
+                                do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                pad_token_id=s.pad_token_id, return_logprobs=return_logprobs,
+                                repetition_penalty=s.repetition_penalty,
+                                eos_token_ids=hash(tuple(sorted(s.eos_list))) % 2**52)  # ints hash alike everywhere
+            group_batch = gather_prompts(input_ids, attention_mask, s.pad_token_id, self.tp)
             input_ids, attention_mask = group_batch.input_ids, group_batch.attention_mask
             batch_size, prompt_len = input_ids.shape
-            if do_sample:
+            if s.do_sample:
                 generator = shared_generator(generator, default_generator(torch.device(device)), device, self.tp)
             sync_group = self.tp.group  # the group's ranks decode in lock-step: they stop together
+        max_new_tokens = s.max_new_tokens
         self._check_fits(prompt_len, max_new_tokens, sync_group, device)
-        sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_token_id=eos_list or None, pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
+        sampling = dict(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                        eos_token_id=s.eos_list or None, pad_token_id=s.pad_token_id, min_new_tokens=s.min_new_tokens,
                         generator=generator, early_exit_interval=self.early_exit_interval,
-                        repetition_penalty=repetition_penalty,
+                        repetition_penalty=s.repetition_penalty,
                         one_pass_sampling=self.decode_attention == "triton",  # dschat's Triton decode kernels
                         # the group's prompts are padded to the longest: where each row's own prompt begins
                         prompt_start=group_batch.prompt_start if self.tp is not None else None)
@@ -388,7 +343,7 @@ class HybridEngine:
             if self.tp is not None:
                 result = group_batch.own_rows(result)
                 batch_size = group_batch.rows
-                if do_sample and self.tp.is_leader:  # the leader's generator moves on as the shared one did
+                if s.do_sample and self.tp.is_leader:  # the leader's generator moves on as the shared one did
                     (own_generator or default_generator(torch.device(device))).set_state(generator.get_state())
         finally:
             model.train(was_training)
@@ -423,58 +378,16 @@ class HybridEngine:
             self.graph_decoder.notice(reason)
         return self.tp.all_agree(reason is None, device)
 
-    @staticmethod
-    def _check_hf_kwargs(kwargs):
-        """HF kwargs this decode cannot honour are errors; None, False and the values that change nothing pass."""
-        for key, value in kwargs.items():
-            empty = value is None or value is False or (isinstance(value, (list, tuple, dict)) and not value)
-            if key in _NO_OP_HF_KWARGS or empty or _NO_OP_VALUES.get(key, object()) == value:
-                continue
-            raise ValueError(f"HybridEngine.generate does not support {key}={value!r}: its decode is greedy or "
-                             "sampled (temperature, top-k, top-p), one sequence per prompt; generate with the HF "
-                             "model for this")
-
     def _generation_config(self, given=None):
         """The generation_config HF's ``generate`` would read: the actor's own (the live object, not the inference
         copy's snapshot: settings changed after the engine was built count), under ``given`` (a call's
         ``generation_config``) whose set values win, as in HF."""
-        own = getattr(unwrap_peft(self._engine.module), "generation_config", None)
-        if given is None:
-            return own
-        merged = copy.deepcopy(given)
-        if own is not None:
-            merged.update(**own.to_dict(), defaults_only=True, allow_custom_entries=True)
-        return merged
+        return merged_generation_config(getattr(unwrap_peft(self._engine.module), "generation_config", None), given)
 
     def check_generation_config(self, hf_kwargs=None, generation_config=None):
-        """The model's generation_config may set what HF's ``generate`` applies and this decode does not (e.g.
-        ``no_repeat_ngram_size``; its ``repetition_penalty`` is applied): an error, as for the call's own kwargs,
-        unless the call overrides it (HF's rule: the call's value wins)."""
-        hf_kwargs = hf_kwargs or {}
-        if generation_config is None:
-            generation_config = self._generation_config()
-        checks = [*_NO_OP_VALUES.items(), *((key, None) for key in _UNSUPPORTED_GENERATION_CONFIG)]
-        for key, no_op in checks:
-            value = getattr(generation_config, key, None)
-            empty = value is None or value is False or (isinstance(value, (list, tuple, dict, str)) and not value)
-            if key in hf_kwargs or empty or value == no_op:
-                continue
-            raise UsageError(f"the model's generation_config sets {key}={value!r}, which HF's generate applies and "
-                             f"the hybrid engine's decode does not: pass {key}={no_op!r} to generate without it, set "
-                             f"it to {no_op!r} in the model's generation_config.json (step 3: in the actor's folder), "
-                             "or generate without the hybrid engine")
-
-    def _resolve_max_new_tokens(self, max_new_tokens, max_length, prompt_len, generation_config):
-        """New tokens to generate: given, else from ``max_length`` (a total), else as the model's generation_config
-        says (HF's rule); ``_check_fits`` holds them to ``max_out_tokens``."""
-        if max_new_tokens is None and max_length is None:
-            max_new_tokens = getattr(generation_config, "max_new_tokens", None)
-            max_length = getattr(generation_config, "max_length", None) if max_new_tokens is None else None
-        if max_new_tokens is None:
-            max_new_tokens = max_length - prompt_len if max_length is not None else _HF_DEFAULT_NEW_TOKENS
-        if max_new_tokens < 0:
-            raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
-        return max_new_tokens
+        """What the model's generation_config sets that this decode cannot do is an error unless the call overrides
+        it (``generate_args.check_generation_config``)."""
+        check_generation_config(hf_kwargs or {}, generation_config or self._generation_config())
 
     def _check_fits(self, prompt_len, max_new_tokens, group, device):
         """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length). Ranks that decode in lock-step
@@ -610,60 +523,6 @@ class _CopiedModuleGenerate:
     def __call__(self, *args, **kwargs):
         raise RuntimeError("this module is a copy of a hybrid-engine actor, whose generate went through the engine: "
                            "generate from the copy with type(model).generate(model, ...), or from the actor")
-
-
-def _is_integer(value):
-    """An int-like count (numpy and 0-d integer tensors included; not a bool, not a float such as 4.0)."""
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, numbers.Integral) or (torch.is_tensor(value) and value.numel() == 1
-                                                   and not value.is_floating_point() and value.dtype != torch.bool)
-
-
-def token_counts(**counts):
-    """The call's token counts as ints (None stays None), checked: integers, not negative (a float such as 4.0
-    failed deep in the decode loop; a negative max_new_tokens was reported as a max_length shorter than the prompt)."""
-    for name, value in counts.items():
-        if value is not None and (not _is_integer(value) or value < 0):
-            raise ValueError(f"{name} has to be an integer >= 0, got {value!r}")
-    return [None if value is None else int(value) for value in counts.values()]
-
-
-def check_top_k_top_p(top_k, top_p):
-    """A sampled generation's filters, as HF checks them (a top_k <= 0 is no top-k, as the --top_k flag's): top_k an
-    integer (a float or a string failed deep in torch), top_p not negative (it sampled greedily)."""
-    if not _is_integer(top_k):
-        raise ValueError(f"top_k has to be an integer (0: no top-k filtering), got {top_k!r}")
-    if not top_p >= 0:
-        raise ValueError(f"top_p has to be in [0, 1] (1: no nucleus filtering), got {top_p!r}")
-
-
-def _from_config(name, value, generation_config):
-    """A sampling setting as HF resolves it: the argument, else the model's generation_config, else HF's default."""
-    return _first_not_none(value, getattr(generation_config, name, None), _HF_SAMPLING_DEFAULTS[name])
-
-
-def _first_not_none(*values):
-    for v in values:
-        if v is not None:
-            return v
-    return None
-
-
-def _token_id_list(token_ids):
-    """An EOS setting as HF takes it (an int, a list of ints, a tensor or numpy value of either, or None) as a list."""
-    if token_ids is None:
-        return []
-    if isinstance(token_ids, torch.Tensor) or hasattr(token_ids, "tolist"):
-        token_ids = token_ids.tolist()
-    return [int(t) for t in token_ids] if isinstance(token_ids, (list, tuple)) else [int(token_ids)]
-
-
-def _default_attention_mask(input_ids, pad_token_id, eos_list):
-    """HF's rule: mask pad tokens when padding is recognisable (pad present and not an EOS id), else attend to all."""
-    if pad_token_id not in eos_list and bool((input_ids == pad_token_id).any()):
-        return (input_ids != pad_token_id).long()
-    return torch.ones_like(input_ids)
 
 
 def wrap_actor(ds_engine, ds_config, tokenizer_or_ids=None, **kwargs):

@@ -18,6 +18,7 @@ import functools
 import torch
 
 from dschat.hybrid_engine.attention import FAILED, call_kernel, triton_available, triton_runs_on
+from dschat.hybrid_engine.generate_args import check_temperature
 
 
 def filter_top_k(logits, top_k):
@@ -80,11 +81,6 @@ def filter_top_k_top_p(logits, top_k, top_p, ranking=None):
     ties_kept = ((top_p * mass - weights.sum(-1, keepdim=True)) / weights[..., -1:]).ceil().clamp(min=0)
     keep |= left_out_ties & (left_out_ties.cumsum(-1, dtype=torch.int32) <= ties_kept)
     return logits.masked_fill(~keep, float("-inf"))
-
-
-def check_temperature(temperature):
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
 
 
 def _scaled(logits, temperature):
@@ -222,12 +218,6 @@ def hf_penalty_skips_left_padding():
     from packaging.version import Version
 
     return Version(transformers.__version__).release >= (5, 23)
-
-
-def check_repetition_penalty(penalty):
-    """HF's rule: a strictly positive penalty (1.0: none)."""
-    if not penalty > 0:
-        raise ValueError(f"repetition_penalty has to be strictly positive, got {penalty}")
 
 
 def penalty_start(attention_mask, prompt_start=None):

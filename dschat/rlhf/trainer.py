@@ -10,7 +10,8 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 from dschat.args import resolve_pad_to_multiple_of, top_k_flag
 from dschat.data.collators import padded_length
 from dschat.errors import UsageError
-from dschat.hybrid_engine.decode import check_left_padded, forward_spec
+from dschat.hybrid_engine.decode import forward_spec
+from dschat.hybrid_engine.generate_args import check_left_padded
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import last_token_index, positions_from_mask
