@@ -83,6 +83,17 @@ def test_token_counts_that_are_no_integers_are_a_clear_error(kwargs):
     assert engine.generate(ids, attention_mask=mask, **counts).shape == (2, ids.shape[1] + 3)
 
 
+def test_no_new_tokens_is_refused_and_a_beam_search_setting_changes_nothing_as_in_hf():
+    model = tiny_model("gpt2", seed=1)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([4, 2], seed=1)
+    engine.eval()
+    with pytest.raises(ValueError, match="max_new_tokens must be greater than 0"):  # HF's GenerationConfig's check
+        engine.generate(ids, attention_mask=mask, max_new_tokens=0)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=3, early_stopping=True),
+                       hf_generate(model, ids, mask, 3, early_stopping=True))
+
+
 def test_the_call_generation_config_argument_is_honoured_as_in_hf():
     """TRL passes ``generate(input_ids=..., generation_config=GenerationConfig(...))``."""
     model = tiny_model("opt", seed=3)
@@ -96,6 +107,33 @@ def test_the_call_generation_config_argument_is_honoured_as_in_hf():
     assert torch.equal(engine.module.generate(input_ids=ids, attention_mask=mask, generation_config=config), expected)
     with pytest.raises(UsageError, match="no_repeat_ngram_size"):
         engine.generate(ids, attention_mask=mask, generation_config=GenerationConfig(no_repeat_ngram_size=2))
+
+
+def test_eos_and_pad_of_a_generation_config_win_over_the_engines_tokenizer_ids_as_in_hf():
+    """Qwen2.5-Instruct and Llama-3-Instruct list a second EOS id in their generation_config; HF stops on it. The
+    engine's own ids (its tokenizer's, as step 3 builds it) apply only where neither the call nor a config sets one."""
+    model = tiny_model("llama", seed=4)
+    ids, mask = left_padded_batch([6, 3], seed=4)
+    plain = hf_generate(model, ids, mask, 10)
+    own_eos = early_token(plain[0, ids.shape[1]:], steps=(5, 6, 7))
+    extra_eos = early_token(plain[1, ids.shape[1]:], avoid=[own_eos])
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32),
+                          pad_token_id=PAD, eos_token_id=own_eos)
+    engine.eval()
+    # the engine's own ids alone
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=10),
+                       hf_generate(model, ids, mask, 10, eos_token_id=own_eos))
+    # the model's generation_config, and a call's generation_config, list both: HF stops on either, pads with theirs
+    both = hf_generate(model, ids, mask, 10, eos_token_id=[own_eos, extra_eos], pad_token_id=PAD + 1)
+    assert not torch.equal(both, plain)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = [own_eos, extra_eos], PAD + 1
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=10), both)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    config = GenerationConfig(max_new_tokens=10, eos_token_id=[own_eos, extra_eos], pad_token_id=PAD + 1)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, generation_config=config), both)
+    # the call's own keywords win over every config
+    assert torch.equal(engine.generate(ids, attention_mask=mask, generation_config=config, eos_token_id=own_eos,
+                                       pad_token_id=PAD), hf_generate(model, ids, mask, 10, eos_token_id=own_eos))
 
 
 def test_generation_config_changed_after_the_engine_was_built_counts_with_an_inference_copy():

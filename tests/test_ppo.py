@@ -236,6 +236,22 @@ def _engine_and_trainer(trained, tmp_path, **overrides):
     return engine, trainer, tokenizer
 
 
+def test_notebook_engine_with_a_missing_model_folder_fails_before_any_model_loads(trained, tmp_path, monkeypatch):
+    """From Python as from step 3's command line: not transformers' "Repo id must be in the form ..." after the actor
+    and the reference have loaded, nor a minute of hub retries for the README's default output/step1_sft."""
+    from dschat import DeepSpeedRLHFEngine
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import load_tokenizer
+
+    monkeypatch.setattr("dschat.rlhf.engine.load_causal_lm", lambda *given, **kw: pytest.fail("a model loaded"))
+    tokenizer = load_tokenizer(str(trained / "sft"), padding_side="left")
+    with pytest.raises(MissingInputError, match=r"--critic_model_name_or_path .*/rmx: no such folder"):
+        DeepSpeedRLHFEngine(str(trained / "sft"), str(tmp_path / "rmx"), tokenizer, {"dtype": "fp32"})
+    monkeypatch.chdir(tmp_path)  # no output/ here
+    with pytest.raises(MissingInputError, match=r"the actor loads from --actor_model_name_or_path output/step1_sft"):
+        DeepSpeedRLHFEngine(critic_model_name_or_path=str(trained / "rm"), tokenizer=tokenizer, args={})
+
+
 def _prompt_batch(tokenizer, texts):
     from dschat.data import DataCollatorRLHF
 

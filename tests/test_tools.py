@@ -143,6 +143,13 @@ def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
     with pytest.raises(ValueError, match="not a reward model"):  # a preset's folder: no value head either
         load_scoring_reward_model("tiny-llama", tokenizer, device="cpu")
     assert load_scoring_reward_model(models["rm"], tokenizer, device="cpu").v_head.weight.abs().sum() > 0
+    from dschat.tools.common import find_reward_model_path
+
+    # no folder of that name: said at once (was a minute of hub retries, or "not a reward model")
+    for name in ("nope", "output/step2_rm"):
+        with pytest.raises(FileNotFoundError, match=f"{name}: no such folder .*step2_rm"):
+            find_reward_model_path(name)
+    assert find_reward_model_path(models["rm"]) == models["rm"]
 
 
 def test_a_reward_model_where_a_policy_belongs_is_an_error(models):
@@ -229,6 +236,36 @@ def test_a_prompt_and_answer_past_a_learned_position_table_are_an_error_not_an_i
             generate_answers(model, tokenizer, [format_prompt([{"role": "user", "content": prompt}], tokenizer)],
                              {"max_new_tokens": new_tokens, "do_sample": False})
     assert len(generate_answers(model, tokenizer, ["Say hi."], {"max_new_tokens": 2, "do_sample": False})) == 1
+
+
+def test_answers_end_at_any_eos_id_the_model_lists_and_a_saved_model_keeps_them(models, tmp_path):
+    """Qwen2.5-Instruct and Llama-3-Instruct list a second EOS id in their generation_config: HF's generate stops on
+    it, so the tools do, and loading for training (sync_special_tokens) keeps it after the tokenizer's EOS."""
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.tools.generation import generate_answers
+
+    model, tokenizer = load_policy(models["policy"], device="cpu")
+    prompt = [format_prompt([{"role": "user", "content": "Say hi."}], tokenizer)]
+    ids, mask = encode_prompt_batch(tokenizer, prompt)
+    plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6,
+                           pad_token_id=tokenizer.pad_token_id)
+    stop = int(plain[0, -4])  # the third new token: the answer ends before it
+    assert stop != tokenizer.eos_token_id
+    full = generate_answers(model, tokenizer, prompt, dict(GREEDY))[0]
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
+    short = generate_answers(model, tokenizer, prompt, dict(GREEDY))[0]
+    assert short == tokenizer.decode(plain[0, -6:-4], skip_special_tokens=True).strip() and full.startswith(short)
+    assert len(short) < len(full)
+    model.save_pretrained(tmp_path / "instruct")
+    tokenizer.save_pretrained(tmp_path / "instruct")
+    loaded = load_causal_lm(str(tmp_path / "instruct"), load_tokenizer(str(tmp_path / "instruct")))
+    assert loaded.generation_config.eos_token_id == [tokenizer.eos_token_id, stop]
+
+
+def encode_prompt_batch(tokenizer, prompts):
+    from dschat.tools.generation import encode_prompts, left_padded
+
+    return left_padded(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id, "cpu")
 
 
 def test_interactive_loop_clears_and_quits(session):

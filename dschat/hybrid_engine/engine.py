@@ -20,8 +20,8 @@ from dschat.hybrid_engine.decode import generate_tokens
 from dschat.hybrid_engine.fusion import ProjectionFusion
 from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
-from dschat.hybrid_engine.generate_args import (check_generation_config, check_hf_kwargs, first_not_none,
-                                                merged_generation_config, resolve_settings)
+from dschat.hybrid_engine.generate_args import (check_generation_config, check_hf_kwargs, merged_generation_config,
+                                                resolve_settings)
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
@@ -256,7 +256,8 @@ class HybridEngine:
 
         ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts;
         prompt + new tokens may not exceed ``hybrid_engine.max_out_tokens``. What is not given comes, as in HF, from
-        the model's generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling). ``repetition_penalty``
+        the model's generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling); EOS and pad ids from the
+        engine's tokenizer apply where neither the call nor a generation_config gives them. ``repetition_penalty``
         (e.g. Qwen2.5-Instruct's generation_config sets 1.05) is HF's ``RepetitionPenaltyLogitsProcessor``, greedy or
         sampled: the logit of every token already in the row (prompt and answer so far; the prompt's left padding
         only with transformers < 5.23, as HF's own ``generate`` does) is divided by it when positive, multiplied by
@@ -264,7 +265,7 @@ class HybridEngine:
         ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of
         each generated token under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p
         or EOS suppression: what the training forward scores it with; 0 after a row's end), computed in the decode
-        step. ``synced_gpus`` and ``use_cache`` are accepted and change nothing (ranks are kept in step automatically
+        step. ``synced_gpus``, ``use_cache`` and ``early_stopping`` (a beam-search setting) are accepted and change nothing (ranks are kept in step automatically
         when the forward needs it); other HF kwargs that would change the result (``num_return_sequences=2``,
         ``no_repeat_ngram_size``, beams, ...) are errors.
         """
@@ -286,8 +287,8 @@ class HybridEngine:
             input_ids, attention_mask, generation_config, max_new_tokens=max_new_tokens, max_length=max_length,
             min_new_tokens=min_new_tokens, min_length=min_length, do_sample=do_sample, temperature=temperature,
             top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-            eos_token_id=first_not_none(eos_token_id, self.eos_token_id),
-            pad_token_id=first_not_none(pad_token_id, self.pad_token_id))
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, default_eos=self.eos_token_id,
+            default_pad=self.pad_token_id)
         attention_mask = s.attention_mask
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice

@@ -14,7 +14,7 @@ from dschat.errors import UsageError
 # HF generate kwargs that DeepSpeed-Chat-style callers pass and that change nothing here (ranks are kept in step
 # automatically; the static cache is always used), and the values of HF's others that leave its output as this
 # engine's. Any other kwarg or value would change what HF returns, and is an error rather than ignored.
-NO_OP_HF_KWARGS = {"synced_gpus", "use_cache"}
+NO_OP_HF_KWARGS = {"synced_gpus", "use_cache", "early_stopping"}  # early_stopping: a beam-search setting
 NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
                 "typical_p": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0, "epsilon_cutoff": 0.0,
                 "eta_cutoff": 0.0, "min_p": 0.0, "guidance_scale": 1.0, "encoder_repetition_penalty": 1.0}
@@ -49,15 +49,19 @@ class GenerateSettings:
 
 def resolve_settings(input_ids, attention_mask, generation_config, *, max_new_tokens=None, max_length=None,
                      min_new_tokens=None, min_length=None, do_sample=None, temperature=None, top_k=None, top_p=None,
-                     repetition_penalty=None, eos_token_id=None, pad_token_id=None):
+                     repetition_penalty=None, eos_token_id=None, pad_token_id=None, default_eos=None, default_pad=None):
     """The call's settings for LEFT-padded ``input_ids`` (on the decode's device): each given one, else
-    ``generation_config``'s, else HF's default. ``eos_token_id``/``pad_token_id``: the call's, else the engine's own
-    (its tokenizer's), as the caller resolved them."""
+    ``generation_config``'s, else HF's default. EOS and pad ids: the call's, else ``generation_config``'s (e.g.
+    Qwen2.5-Instruct's two EOS ids), else ``default_eos``/``default_pad`` (the engine's tokenizer's), else pad = the
+    first EOS."""
     max_new_tokens, max_length, min_new_tokens, min_length = token_counts(
         max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens, min_length=min_length)
+    if max_new_tokens == 0:  # HF's GenerationConfig refuses it too
+        raise ValueError("max_new_tokens must be greater than 0, got 0")
     prompt_len = input_ids.shape[1]
-    eos_list = token_id_list(first_not_none(eos_token_id, getattr(generation_config, "eos_token_id", None)))
-    pad_token_id = first_not_none(pad_token_id, getattr(generation_config, "pad_token_id", None),
+    eos_list = token_id_list(first_not_none(eos_token_id, getattr(generation_config, "eos_token_id", None),
+                                            default_eos))
+    pad_token_id = first_not_none(pad_token_id, getattr(generation_config, "pad_token_id", None), default_pad,
                                   eos_list[0] if eos_list else None)
     pad_known = pad_token_id is not None
     pad_token_id = int(pad_token_id) if pad_known else 0  # no EOS either: no row ever ends, nothing is padded

@@ -35,13 +35,18 @@ def resolve_model_path(name_or_path):
         return create_tiny_model(preset, folder)
 
 
+def looks_local(path):
+    """A model name (``~`` already expanded) the user meant as a folder here, not a hub name ("ORG/NAME" or "NAME"):
+    absolute, ./ or ../, or deeper than ORG/NAME."""
+    path = str(path)
+    return os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
+
+
 def check_model_path(name_or_path, flag):
-    """A model given as a local path (absolute, ./ or ../, or deeper than a hub name's ORG/NAME) that is not there:
-    an error naming ``flag``, not transformers' "Repo id must be in the form ..." traceback from a hub lookup."""
-    path = str(name_or_path)
-    local = os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
-    if local and not os.path.exists(path):
-        raise MissingInputError(f"{flag} {path}: no such folder")
+    """A model given as a local path (``looks_local``) that is not there: an error naming ``flag``, not transformers'
+    "Repo id must be in the form ..." traceback from a hub lookup."""
+    if looks_local(name_or_path) and not os.path.exists(name_or_path):
+        raise MissingInputError(f"{flag} {name_or_path}: no such folder")
 
 
 DEFAULT_EOT_TOKEN = "<|endoftext|>"
@@ -162,13 +167,19 @@ def grow_embeddings_for(model, tokenizer):
 
 
 def sync_special_tokens(model, tokenizer):
-    """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed."""
+    """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed. Other
+    EOS ids the generation config lists (Qwen2.5-Instruct's <|endoftext|> beside <|im_end|>) are kept after the
+    tokenizer's: HF's generate stops on them too, with the saved model as with the original."""
+    from dschat.hybrid_engine.generate_args import token_id_list
+
     grow_embeddings_for(model, tokenizer)
-    for cfg in (model.config, getattr(model, "generation_config", None)):
-        if cfg is None:
-            continue
-        cfg.pad_token_id = tokenizer.pad_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+        eos = list(dict.fromkeys([tokenizer.eos_token_id, *token_id_list(generation_config.eos_token_id)]))
+        generation_config.eos_token_id = eos if len(eos) > 1 else eos[0]
 
 
 def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):

@@ -33,22 +33,27 @@ def resolve_zero_stages(args):
             setattr(args, name, shared if shared is not None else 0)
 
 
-def check_earlier_step_outputs(args):
-    """A model flag left at its default (an earlier step's output folder) that does not exist fails here, naming the
-    step that writes it, instead of as a hub lookup of "output/step2_rm" after the data has loaded."""
+def check_earlier_step_outputs(args, actor_path=None, critic_path=None, reward_path=None):
+    """A model path left at its default (an earlier step's output folder) that does not exist fails here, naming the
+    step that writes it, and a local path that is not there names its flag: before any data or model loads, instead
+    of as a hub lookup of "output/step2_rm" after the actor has loaded. The paths: the flags', or those a notebook
+    gave ``DeepSpeedRLHFEngine``."""
     from dschat.args import step3_parser
     from dschat.models.loading import check_model_path
 
     parser = step3_parser()
-    if args.reward_model_weight and args.reward_model_name_or_path:
-        check_model_path(args.reward_model_name_or_path, "--reward_model_name_or_path")
+    paths = {"actor_model_name_or_path": actor_path or args.actor_model_name_or_path,
+             "critic_model_name_or_path": critic_path or args.critic_model_name_or_path}
+    reward_path = reward_path or args.reward_model_name_or_path
+    if args.reward_model_weight and reward_path:
+        check_model_path(reward_path, "--reward_model_name_or_path")
     needed = [("actor_model_name_or_path", "the actor", "step 1")]
     if args.advantage_estimator == "gae":
         needed.append(("critic_model_name_or_path", "the critic", "step 2"))
-    if args.reward_model_weight and not args.reward_model_name_or_path:
+    if args.reward_model_weight and not reward_path:
         needed.append(("critic_model_name_or_path", "the reward model", "step 2"))
     for flag, role, step in needed:
-        path = getattr(args, flag)
+        path = paths[flag]
         if path != parser.get_default(flag) or os.path.isdir(path):
             check_model_path(path, f"--{flag}")
             continue

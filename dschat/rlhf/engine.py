@@ -12,7 +12,7 @@ from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILE, create_critic_model
-from dschat.rlhf.config import check_advantage_estimator, step3_args
+from dschat.rlhf.config import check_advantage_estimator, check_earlier_step_outputs, step3_args
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
@@ -217,6 +217,7 @@ class DeepSpeedRLHFEngine:
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
         self.critic_path = critic_model_name_or_path or args.critic_model_name_or_path
         self.reward_path = reward_model_name_or_path or args.reward_model_name_or_path or self.critic_path
+        check_earlier_step_outputs(args, self.actor_path, self.critic_path, reward_model_name_or_path)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,
                                                      eot_token=args.eot_token)
         self.num_total_iters = num_total_iters or args.max_steps or DEFAULT_TOTAL_ITERS

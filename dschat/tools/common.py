@@ -6,6 +6,7 @@ import torch
 
 from dschat.args import check_sampling_flags, positive_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
+from dschat.models.loading import looks_local
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, RM_DIR, SFT_DIR
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
@@ -13,11 +14,6 @@ from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, RM_DIR, SFT_DIR
 # its policy ("policy"), and that one is taken when it is there.
 POLICY_SUBFOLDERS = (PPO_ACTOR_DIR, ACTOR_DIR, DPO_DIR, SFT_DIR)
 REWARD_SUBFOLDERS = (RM_DIR,)
-
-
-def _looks_local(path):
-    """A path (``~`` already expanded) the user meant as a folder here, not a hub name ("org/name" or "name")."""
-    return os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
 
 
 def _reported_policy(path):
@@ -45,7 +41,7 @@ def _model_folder(path, subfolders, reported=None):
                                     "the tokenizer) and pass that folder (dschat's steps save LoRA models merged)")
         raise MissingInputError(f"{path}: no model in this folder: expected a model folder (config.json) or a "
                                 f"train.py output folder holding one of {', '.join(subfolders)}")
-    if not os.path.exists(path) and _looks_local(path):
+    if not os.path.exists(path) and looks_local(path):
         raise MissingInputError(f"{path}: no such folder")
     return path
 
@@ -57,8 +53,13 @@ def find_policy_path(path):
 
 
 def find_reward_model_path(path):
-    """A run's output folder -> its step-2 reward model; a model folder or hub name as is."""
-    return _model_folder(path, REWARD_SUBFOLDERS)
+    """A run's output folder -> its step-2 reward model; a model folder as is. A reward model is a folder step 2
+    wrote (a hub model has no value head), so a name that is no folder here is an error, not a hub lookup."""
+    found = _model_folder(path, REWARD_SUBFOLDERS)
+    if not os.path.isdir(found):
+        raise MissingInputError(f"{found}: no such folder (a reward model is step 2's output folder, e.g. train.py's "
+                                "<output>/step2_rm)")
+    return found
 
 
 def default_device():

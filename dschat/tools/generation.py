@@ -23,17 +23,30 @@ def left_padded(ids_list, pad_token_id, device):
     return ids.to(device), mask.to(device)
 
 
-def decode_answers(tokenizer, answer_ids):
-    """Answer texts: generated tokens before the first EOS (the eot token), without it or padding."""
-    eos = tokenizer.eos_token_id
-    keep = answer_mask(answer_ids, eos).bool() & (answer_ids != eos)
+def stop_token_ids(model, tokenizer):
+    """The ids that end an answer: the tokenizer's EOS (training ends answers with it), then any other EOS id the
+    model's generation_config lists (e.g. Qwen2.5-Instruct's <|endoftext|> beside <|im_end|>), as HF's generate
+    stops on them."""
+    from dschat.hybrid_engine.generate_args import token_id_list
+
+    listed = token_id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
+
+
+def decode_answers(tokenizer, answer_ids, stop_ids=None):
+    """Answer texts: generated tokens before the first stop id (default: the tokenizer's EOS), without it or
+    padding."""
+    stop_ids = stop_ids or [tokenizer.eos_token_id]
+    is_stop = torch.isin(answer_ids, torch.tensor(stop_ids, device=answer_ids.device))
+    keep = answer_mask(answer_ids, stop_ids).bool() & ~is_stop
     return [tokenizer.decode(row[k], skip_special_tokens=True).strip() for row, k in zip(answer_ids, keep)]
 
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_size=8):
-    """One answer per formatted prompt, with HF ``generate`` stopping at the tokenizer's EOS."""
-    answers = []
+    """One answer per formatted prompt, with HF ``generate`` stopping at the tokenizer's EOS (and the model's other
+    EOS ids, ``stop_token_ids``)."""
+    answers, stop_ids = [], stop_token_ids(model, tokenizer)
     for start in range(0, len(prompt_texts), batch_size):
         ids, mask = left_padded(encode_prompts(tokenizer, prompt_texts[start:start + batch_size]),
                                 tokenizer.pad_token_id, model.device)
@@ -41,7 +54,7 @@ def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_si
         if new_tokens:  # past a learned position table, generate fails with an IndexError (a CUDA assert on GPUs)
             check_sequence_fits(model, ids.shape[1] + new_tokens,
                                 f"a prompt of {ids.shape[1]} tokens + --max_new_tokens {new_tokens}")
-        sequences = model.generate(ids, attention_mask=mask, eos_token_id=tokenizer.eos_token_id,
+        sequences = model.generate(ids, attention_mask=mask, eos_token_id=stop_ids,
                                    pad_token_id=tokenizer.pad_token_id, **generation_kwargs)
-        answers += decode_answers(tokenizer, sequences[:, ids.shape[1]:])
+        answers += decode_answers(tokenizer, sequences[:, ids.shape[1]:], stop_ids)
     return answers
