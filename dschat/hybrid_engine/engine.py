@@ -265,9 +265,9 @@ class HybridEngine:
         ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of
         each generated token under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p
         or EOS suppression: what the training forward scores it with; 0 after a row's end), computed in the decode
-        step. ``synced_gpus``, ``use_cache`` and ``early_stopping`` (a beam-search setting) are accepted and change nothing (ranks are kept in step automatically
-        when the forward needs it); other HF kwargs that would change the result (``num_return_sequences=2``,
-        ``no_repeat_ngram_size``, beams, ...) are errors.
+        step. ``synced_gpus``, ``use_cache`` and ``early_stopping`` (a beam-search setting) are accepted and change
+        nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs that would change
+        the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors.
         """
         if input_ids is None:  # HF's name for the prompts (``generate(inputs=...)``)
             input_ids = hf_kwargs.pop("inputs", None)
