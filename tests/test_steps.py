@@ -12,7 +12,7 @@ from helpers import RM_FAST, SFT_FAST
 from launch import REPO, run_deepspeed
 
 
-def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch):
+def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch, capsys):
     from deepspeed import DeepSpeedEngine
 
     from dschat.models import checkpoint
@@ -20,8 +20,13 @@ def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch
     given, settled_module = [], checkpoint.settled_module  # the engine, which can release ZeRO-3 prefetches
     monkeypatch.setattr(checkpoint, "settled_module", lambda model: given.append(model) or settled_module(model))
     metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
-                        "--max_steps", "8", *SFT_FAST])
+                        "--max_steps", "8", "--num_warmup_steps", "16", *SFT_FAST])
     assert len(given) == 1 and isinstance(given[0], DeepSpeedEngine)
+    # a warmup longer than the run is said: the learning rate never reaches the one asked for (2e-3; 16 > 8 steps)
+    assert "--num_warmup_steps 16 >= this run's 8 optimizer steps: the learning rate rises all run long and never " \
+           "reaches 0.002 (at most 0.001)" in capsys.readouterr().out
+    run = json.loads((tmp_path / "sft" / "training_args.json").read_text())  # the step and its flags as run
+    assert run["step"] == "step1" and run["flags"]["max_steps"] == 8 and run["flags"]["learning_rate"] == 2e-3
     saved = json.loads((tmp_path / "sft" / "metrics.json").read_text())
     assert saved["eval_loss"] == pytest.approx(metrics["eval_loss"])
     assert saved["perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-4)

@@ -101,9 +101,23 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
                                optimizer_offloaded(ds_config))
     scheduler = get_scheduler(lr_scheduler_type, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
                               num_training_steps=max(total_steps, 1))
+    notice = warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps)
+    if notice:
+        print_rank_0(notice)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=ds_config, dist_init_required=False)
     return engine
+
+
+def warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps):
+    """What to say when the warmup outlasts the run (step 3's default 100 steps against a short run's few): the
+    learning rate rises all run long and never reaches the one asked for, so the run barely trains."""
+    if lr_scheduler_type == "constant" or not lr or num_warmup_steps < max(total_steps, 1):
+        return None
+    reached = lr * total_steps / num_warmup_steps
+    return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer steps: the "
+            f"learning rate rises all run long and never reaches {lr:g} (at most {reached:.3g}); give fewer warmup "
+            "steps for a short run")
 
 
 def initialize_frozen(model, ds_config, zero3_fetch=DEFAULT_ZERO3_FETCH):
