@@ -274,13 +274,16 @@ def test_weight_decay_reaches_the_matrices_under_zero3(distributed):
     assert shapes == {2}
 
 
-def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_weights(tmp_path, distributed):
-    # DeepSpeed-Chat's scripts log into --output_dir; an earlier save's shards must not stay beside the new weights
+def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_save(tmp_path, distributed):
+    # DeepSpeed-Chat's scripts log into --output_dir; an earlier save's shards must not stay beside the new weights,
+    # nor its tokenizer's files (a chat template left there would change every prompt's format)
     out = tmp_path / "output"
     out.mkdir()
     (out / "training.log").write_text("step 1 loss 2.0\n")
     (out / "model-00001-of-00002.safetensors").write_text("old shard")
     (out / "model.safetensors.index.json").write_text("{}")
+    for earlier in ("chat_template.jinja", "special_tokens_map.json", "tokenizer.model", "reward_model.json"):
+        (out / earlier).write_text("from the earlier save")
     model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
     save_causal_lm(model, _NoTokenizer(), str(out))
     names = sorted(p.name for p in out.iterdir())

@@ -59,15 +59,21 @@ def atomic_folder(output_dir):
     install_folder(tmp, output_dir)
 
 
-# Weight files of an earlier save that the new one may not overwrite (other shard counts, .bin against
-# .safetensors): left beside the new weights, transformers could load them instead.
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+# The files a model save writes: weights, configs, tokenizer files (HF's names), the reward model's note, and a PEFT
+# adapter's config. An earlier save's that the new one does not write go: weights of other shard counts (.bin against
+# .safetensors) that transformers could load instead, or an earlier tokenizer's chat template, which would change the
+# format of every prompt the folder's tokenizer renders.
+SAVE_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "config.json",
+              "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
+              "*.model", "reward_model.json", "adapter_config.json")
 
 
 def install_folder(new, target):
     """Move the files of ``new`` into ``target``. A new target is one atomic rename. An existing one keeps every file
-    the save does not write (the step's log, TensorBoard events, a user's notes: DeepSpeed-Chat's scripts log into
-    the output folder), loses the earlier save's weight files, and takes each new file by an atomic rename."""
+    that is no model save's (the step's log, TensorBoard events, a user's notes: DeepSpeed-Chat's scripts log into
+    the output folder), loses the earlier save's files (``SAVE_FILES``) the new one does not write, and takes each new
+    file by an atomic rename."""
     if not os.path.exists(target):
         os.replace(new, target)
         return
@@ -79,7 +85,7 @@ def install_folder(new, target):
         else:
             os.replace(source, destination)
     for name in os.listdir(target):  # after the new weights are in: a crash never leaves the folder without any
-        if name not in written and any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_FILES):
+        if name not in written and any(fnmatch.fnmatch(name, pattern) for pattern in SAVE_FILES):
             os.remove(os.path.join(target, name))
     shutil.rmtree(new, ignore_errors=True)
 
