@@ -761,13 +761,17 @@ def _save_flags_checkpoint(tmp_path, *given):
     ([], ["--actor_zero_stage", "2", "--dtype", "fp32"], r"--actor_zero_stage 0 -> 2; --dtype 'bf16' -> 'fp32'"),
     (["--zero_stage", "2"], ["--zero_stage", "2", "--offload"], r"--offload False -> True"),
     ([], ["--per_device_generation_batch_size", "8"], r"--per_device_generation_batch_size 4 -> 8"),
+    (["--data_split", "4,4,2"], ["--data_split", "2,4,4", "--max_prompt_seq_len", "40"],
+     r"--data_split '4,4,2' -> '2,4,4'; --max_prompt_seq_len 256 -> 40"),
+    ([], ["--data_path", "tiny", "jsonl:more.jsonl"], r"--data_path ['tiny'] -> ['tiny', 'jsonl:more.jsonl']"),
 ])
 def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_naming_it(tmp_path, saved, resumed,
                                                                                          named):
     """Another LoRA layout, ZeRO stage or dtype was DeepSpeed's traceback (a state-dict key mismatch, a missing
     optim_states file) after every model had loaded, --offload added a KeyError in the first optimizer step (CPU Adam
     given AdamW's state); another --per_device_generation_batch_size resumed silently at the saved batch index,
-    skipping prompts the checkpoint had never trained on (or repeating ones it had)."""
+    skipping prompts the checkpoint had never trained on (or repeating ones it had), and other data flags resumed at
+    that index of another prompt set (its held-out share too)."""
     import re
 
     from dschat.errors import UsageError

@@ -19,10 +19,13 @@ LATEST = "latest"
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
 # have the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them
 # (otherwise DeepSpeed's loading, or the first step after it, fails with a traceback that names no flag), and its data
-# position counts batches of this many prompts in the order this seed draws (otherwise the resumed run silently skips
-# or repeats prompts). The critic's only where the run trains one.
+# position counts batches of this many prompts, of the prompt set (and unsupervised stream) these data flags make, in
+# the order this seed draws (otherwise the resumed run silently skips or repeats prompts, or trains on others, and
+# its held-out scores before and after PPO come from two prompt sets). The critic's only where the run trains one.
+DATA_RESUME_FLAGS = ("data_path", "data_split", "data_fields", "max_prompt_seq_len", "unsupervised_dataset_name",
+                     "unsupervised_dataset_config_name")
 ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_zero_stage", "dtype",
-                      "offload", "per_device_generation_batch_size", "seed")
+                      "offload", "per_device_generation_batch_size", "seed") + DATA_RESUME_FLAGS
 CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_zero_stage")
 # Flags whose saved value DeepSpeed restores (the optimizer's and the scheduler's base learning rates): another value
 # on --resume is said to change nothing, not refused. (--lr_scheduler_type and --num_warmup_steps do apply: the
@@ -150,9 +153,9 @@ def check_same_flags(trainer, state_path, tag, root):
     if changed:
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
                          f"{'; '.join(changed)}. Its model and optimizer states (LoRA layout, ZeRO stage, precision, "
-                         "offload) and its place in the prompts (batches of --per_device_generation_batch_size in "
-                         "--seed's order) hold for its own: resume with the checkpoint's values, or start afresh "
-                         "without --resume")
+                         "offload) and its place in the prompts (batches of --per_device_generation_batch_size of the "
+                         "prompts its data flags make, in --seed's order) hold for its own: resume with the "
+                         "checkpoint's values, or start afresh without --resume")
 
 
 def _load_ema(module, path):
