@@ -229,6 +229,21 @@ def test_dpo_step_trains_saves_and_reports_metrics(tmp_path, data_dir, distribut
     assert not torch.equal(model.lm_head.weight, start.lm_head.weight)
     assert (out / "tokenizer.json").exists()
     assert list((tmp_path / "tb" / "step2_dpo").glob("events.out.tfevents.*"))
+    # a shorter re-run into the same folders: its curves replace the first run's, in dschat's writer and DeepSpeed's
+    dpo.main(["--output_dir", str(out), "--data_output_path", data_dir, "--max_steps", "2",
+              "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb"), *SFT_FAST])
+    assert _event_steps(tmp_path / "tb" / "step2_dpo", "step2_dpo/train/loss") == [1, 2]
+    deepspeed_lr = _event_steps(tmp_path / "tb" / "ds_tensorboard_logs" / "step2_dpo_model_tensorboard",
+                                "Train/Samples/lr")
+    assert len(deepspeed_lr) == 2 and deepspeed_lr == sorted(deepspeed_lr), deepspeed_lr
+
+
+def _event_steps(folder, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
 
 
 def test_dpo_overfits_a_few_pairs(tmp_path, distributed):

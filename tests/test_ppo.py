@@ -623,11 +623,24 @@ def test_a_resumed_runs_tensorboard_curves_hold_each_iteration_once(trained, tmp
     events = EventAccumulator(str(tmp_path / "tb" / "step3"))
     events.Reload()
     assert [e.step for e in events.Scalars("step3/reward")] == [1, 2, 3, 4]
+    # DeepSpeed's own writer (its monitor, at sample counts) too: each optimizer step's learning rate once
+    resumed = _deepspeed_lr_steps(tmp_path / "tb")
+    assert len(resumed) >= 3 and resumed == sorted(set(resumed)), resumed
     # a fresh run into the same folder: the earlier run's curves end where the new one begins
     ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--max_steps", "2"))
     events = EventAccumulator(str(tmp_path / "tb" / "step3"))
     events.Reload()
     assert [e.step for e in events.Scalars("step3/reward")] == [1, 2]
+    fresh = _deepspeed_lr_steps(tmp_path / "tb")
+    assert len(fresh) == 2 and fresh == sorted(set(fresh)) and fresh[0] == resumed[0], (fresh, resumed)
+
+
+def _deepspeed_lr_steps(tb_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_path / "ds_tensorboard_logs" / "step3_actor_tensorboard"))
+    events.Reload()
+    return [e.step for e in events.Scalars("Train/Samples/lr")]
 
 
 def test_step3_hands_its_engines_to_the_save_helpers(trained, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
-from dschat.steps.common import write_json_atomic
+from dschat.steps.common import restart_deepspeed_tensorboard, write_json_atomic
 from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
 
 LATEST = "latest"
@@ -88,9 +88,10 @@ def load_checkpoint(trainer, root):
     if tag is None:
         return None
     check_resumable(trainer, root, tag)
-    trainer.actor_model.load_checkpoint(os.path.join(root, "actor"), tag=tag)
-    if trainer.critic_model is not None:
-        trainer.critic_model.load_checkpoint(os.path.join(root, "critic"), tag=tag)
+    for name, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
+        if engine is not None:
+            engine.load_checkpoint(os.path.join(root, name), tag=tag)
+            restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     state_dir = os.path.join(root, "trainer", tag)
     with open(os.path.join(state_dir, "state.json")) as f:
         state = json.load(f)

@@ -109,6 +109,23 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
     return engine
 
 
+def restart_deepspeed_tensorboard(engine):
+    """DeepSpeed's own TensorBoard writer (its monitor: on with --enable_tensorboard, as in DeepSpeed-Chat) opened
+    again with a purge at the engine's sample count, its event steps: an earlier run's events in the same folder from
+    there on (a re-run's whole curve; after a resume, the iterations that followed the checkpoint) are hidden, not
+    drawn a second time (DeepSpeed logs a step's loss at the count before it and its learning rate at the count after,
+    so the checkpoint's last learning-rate point is hidden with them). Called once a run knows where it starts: from
+    0, or from a resumed checkpoint; rank 0."""
+    monitor = getattr(getattr(engine, "monitor", None), "tb_monitor", None)
+    writer = getattr(monitor, "summary_writer", None)
+    if writer is None:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer.close()
+    monitor.summary_writer = SummaryWriter(log_dir=writer.log_dir, purge_step=engine.global_samples)
+
+
 def warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps):
     """What to say when the warmup outlasts the run (step 3's default 100 steps against a short run's few): the
     learning rate rises all run long and never reaches the one asked for, so the run barely trains."""
@@ -378,7 +395,8 @@ def run_supervised_step(args, recipe):
 
     print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
     throughput = Throughput(count_params(model), args.gradient_checkpointing)
-    writer = tensorboard_writer(args, recipe.name)
+    writer = tensorboard_writer(args, recipe.name, purge_step=0)  # a re-run's curves replace the earlier run's
+    restart_deepspeed_tensorboard(engine)
     train_loss = run_training(engine, train_loader, recipe.loss_fn, evaluate, args, device, recipe.name,
                               total_steps, writer, throughput)
     metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **throughput.summary(), "steps": total_steps,

@@ -17,8 +17,8 @@ from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
-from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records, setup_run,
-                                 tensorboard_writer, write_results)
+from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records,
+                                 restart_deepspeed_tensorboard, setup_run, tensorboard_writer, write_results)
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
 
@@ -195,6 +195,8 @@ def main(args=None):
             print_rank_0(f"[step3] starting afresh (no --resume): removed an earlier run's checkpoints from "
                          f"{ckpt_root}")
         position = {"iteration": 0, "epoch": 0, "batch": 0, "unsup_batches": 0}
+        for engine in (trainer.actor_model, trainer.critic_model):  # (a resume restarts them at its checkpoint)
+            restart_deepspeed_tensorboard(engine)
         before = held_out_eval(trainer, eval_loader, args, device, scorer)
         _keep_log_until(log_path, 0)
     else:
