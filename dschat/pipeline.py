@@ -76,7 +76,10 @@ def step_argv(step, args, tiny):
     recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else []
     if step == 3 and getattr(args, "recipe", "ppo") == "grpo":
         recipe = recipe + GRPO_RECIPE
-    return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache")] + extra
+    # the run's TensorBoard events (with --enable_tensorboard) under its folder, one subfolder per step, as its
+    # models: the steps' own defaults are folders in the working directory, which other runs would share
+    return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache"),
+                                     "--tensorboard_path", os.path.join(out, "tensorboard")] + extra
 
 
 def step_extra_args(step, args):

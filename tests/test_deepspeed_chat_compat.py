@@ -2,6 +2,7 @@
 the config dschat builds, DeepSpeed-Chat's older flag names, and train.py's model-size shorthand: the commands of
 DeepSpeed-Chat's scripts and walk-throughs run as written."""
 import json
+import os
 import shlex
 from types import SimpleNamespace
 
@@ -364,6 +365,13 @@ def test_train_py_checks_each_steps_config_file_before_the_first_step_and_zero_s
     assert (settings.actor_zero_stage, settings.critic_zero_stage) == (2, 2)
     plain = step3_args(step3_parser().parse_args(pipeline.step_argv(3, parse(["--actor-zero-stage", "2"]), True)))
     assert (plain.actor_zero_stage, plain.critic_zero_stage) == (2, 0)
+    # TensorBoard events go under the run's folder (the steps' own default is the working directory), unless given
+    assert plain.tensorboard_path == os.path.join(os.path.dirname(plain.output_dir), "tensorboard")
+    for step, step_parser in ((1, step1_parser), (2, step2_parser)):
+        assert step_parser().parse_args(pipeline.step_argv(step, args, True)).tensorboard_path == \
+            str(tmp_path / "out" / "tensorboard")
+    given = parse(["--step3-args", "--tensorboard_path tb_elsewhere"])
+    assert step3_parser().parse_args(pipeline.step_argv(3, given, True)).tensorboard_path == "tb_elsewhere"
 
 
 def test_older_dropout_flags_and_the_eot_token_flag():
