@@ -171,13 +171,16 @@ def test_unsupervised_jsonl_is_grouped_into_blocks(tmp_path, tokenizer):
     docs = [f"Document number {i} says something about topic {i}." for i in range(12)]
     path.write_text("".join(json.dumps({"text": d, "source": "x"}) + "\n" for d in docs))
     data = get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
-    total = sum(len(tokenizer(d)["input_ids"]) for d in docs)
-    assert len(data) == total // 10 and len(data) > 3
+    lengths = [len(tokenizer(d)["input_ids"]) + 1 for d in docs]  # each document ended by the EOS token
+    assert len(data) == sum(lengths) // 10 and len(data) > 3
     item = data[0]
     assert set(item) == {"input_ids", "attention_mask", "labels"}
     assert item["input_ids"].shape == (10,) and item["input_ids"].dtype == torch.long
     assert torch.equal(item["labels"], item["input_ids"]) and item["attention_mask"].all()
-    blocks_text = "".join(tokenizer.decode(data[i]["input_ids"]) for i in range(len(data)))
+    ids = torch.cat([data[i]["input_ids"] for i in range(len(data))])
+    ends = (ids == tokenizer.eos_token_id).nonzero().flatten().tolist()
+    assert ends == [sum(lengths[:k + 1]) - 1 for k in range(len(ends))] and len(ends) >= len(docs) - 2
+    blocks_text = "".join(tokenizer.decode(data[i]["input_ids"], skip_special_tokens=True) for i in range(len(data)))
     assert "".join(docs).startswith(blocks_text) and len(blocks_text) > len(docs[0])  # in order, only the tail cut
 
 

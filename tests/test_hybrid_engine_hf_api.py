@@ -1,5 +1,6 @@
 """Hybrid engine generate called as HF's generate is: HF's argument names and types, and the generation_config HF
 reads (the actor's live one, or a call's own), give HF's greedy tokens or a clear error."""
+import copy
 import sys
 from pathlib import Path
 
@@ -68,6 +69,21 @@ def test_a_top_k_that_is_no_integer_or_a_negative_top_p_is_a_clear_error(kwargs,
     assert engine.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **kwargs).shape[0] == 2
 
 
+@pytest.mark.parametrize("kwargs", [{"temperature": 0.0}, {"top_k": 2.5}, {"repetition_penalty": 0.0},
+                                    {"max_new_tokens": 0}])
+def test_bad_arguments_fail_before_the_engine_changes_any_state(kwargs):
+    """Checked before the train phase ends and the inference weights refresh (a gather under ZeRO-3): a refused call
+    leaves the engine as it was."""
+    engine = _engine(tiny_model("gpt2", seed=1))
+    ids, mask = left_padded_batch([4, 2], seed=1)
+    engine.eval()
+    engine._refresh_weights = lambda: pytest.fail("the weights refreshed before the arguments were checked")
+    before = copy.deepcopy(vars(engine._iteration))
+    with pytest.raises(ValueError):
+        engine.generate(ids, attention_mask=mask, **{"max_new_tokens": 3, "do_sample": True, **kwargs})
+    assert vars(engine._iteration) == before  # the iteration's clock and counts untouched
+
+
 @pytest.mark.parametrize("kwargs", [{"max_new_tokens": 4.0}, {"max_new_tokens": -1}, {"max_length": 9.5},
                                     {"min_new_tokens": True}, {"min_length": "3"}])
 def test_token_counts_that_are_no_integers_are_a_clear_error(kwargs):
@@ -90,6 +106,8 @@ def test_no_new_tokens_is_refused_and_a_beam_search_setting_changes_nothing_as_i
     engine.eval()
     with pytest.raises(ValueError, match="max_new_tokens must be greater than 0"):  # HF's GenerationConfig's check
         engine.generate(ids, attention_mask=mask, max_new_tokens=0)
+    with pytest.raises(ValueError, match=rf"max_new_tokens must be greater than 0 \(max_length {ids.shape[1]}"):
+        engine.generate(ids, attention_mask=mask, max_length=ids.shape[1])  # a max_length the prompt fills
     assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=3, early_stopping=True),
                        hf_generate(model, ids, mask, 3, early_stopping=True))
 

@@ -675,6 +675,26 @@ def test_step3_removes_the_critic_and_ema_actor_an_earlier_run_left_in_its_folde
     assert "removed " + str(tmp_path / "actor_ema") in capsys.readouterr().out
     ppo.save_models(SimpleNamespace(actor_model="actor", critic_model=None, actor_ema=None, tokenizer=None), args)
     assert not (tmp_path / "critic").exists() and (tmp_path / "actor").exists()
+    # a folder this run loaded a model from stays (GRPO's reward model may default to the critic's path)
+    (tmp_path / "critic").mkdir()
+    loaded = SimpleNamespace(output_dir=str(tmp_path), reward_model_name_or_path=str(tmp_path / "critic"))
+    ppo.save_models(SimpleNamespace(actor_model="actor", critic_model=None, actor_ema=None, tokenizer=None), loaded)
+    assert (tmp_path / "critic").is_dir()
+
+
+def test_every_rank_waits_for_rank_0_to_remove_an_earlier_model_even_where_it_sees_none(tmp_path, monkeypatch):
+    """Rank 0 removes; another rank that looked after the removal (or on node-local storage, never sees the folder)
+    skipped the barrier, and its next collective met rank 0's barrier: a hang or a crash."""
+    from types import SimpleNamespace
+
+    waits = []
+    monkeypatch.setattr(ppo, "save_causal_lm", lambda *given: None)
+    monkeypatch.setattr(ppo, "is_rank_0", lambda: False)
+    monkeypatch.setattr(ppo, "barrier", lambda: waits.append(1))
+    (tmp_path / "actor_ema").mkdir()  # seen by this rank too: still rank 0's to remove
+    ppo.save_models(SimpleNamespace(actor_model="actor", critic_model=None, actor_ema=None, tokenizer=None),
+                    SimpleNamespace(output_dir=str(tmp_path)))
+    assert len(waits) == 2 and (tmp_path / "actor_ema").is_dir()
 
 
 def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
@@ -777,6 +797,9 @@ def _save_flags_checkpoint(tmp_path, *given):
     (["--data_split", "4,4,2"], ["--data_split", "2,4,4", "--max_prompt_seq_len", "40"],
      r"--data_split '4,4,2' -> '2,4,4'; --max_prompt_seq_len 256 -> 40"),
     ([], ["--data_path", "tiny", "jsonl:more.jsonl"], r"--data_path ['tiny'] -> ['tiny', 'jsonl:more.jsonl']"),
+    ([], ["--eval_prompts", "32"], r"--eval_prompts 64 -> 32"),  # "before" is the checkpoint's, on its prompts
+    (["--unsupervised_dataset_name", "tiny"], ["--unsupervised_dataset_name", "tiny", "--max_answer_seq_len", "64"],
+     r"--max_answer_seq_len 256 -> 64"),  # the unsupervised stream's blocks are prompt + answer lengths long
 ])
 def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_naming_it(tmp_path, saved, resumed,
                                                                                          named):

@@ -413,6 +413,14 @@ def test_ppo_eval_checks_lengths_before_generating(tmp_path):
         ppo_eval.main([*args, "--max_prompt_seq_len", "256", "--max_new_tokens", "600"])
 
 
+def test_ppo_eval_scores_as_many_held_out_prompts_as_step3_did_on_its_ranks():
+    """Each of step 3's ranks scores its share of --eval_prompts in whole generation batches, the ranks interleaved
+    over the prompts in order: ppo_eval, one process, takes that many of the first prompts."""
+    assert ppo_eval.step3_eval_prompts(64, 16, 1) == ppo_eval.step3_eval_prompts(64, 16, 2) == 64
+    assert ppo_eval.step3_eval_prompts(64, 16, 8) == 128  # 8 per rank, rounded up to a batch of 16
+    assert ppo_eval.step3_eval_prompts(10, 4, 2) == 16 and ppo_eval.step3_eval_prompts(0, 16, 4) == 0
+
+
 def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("dschat.args._REPORTED_UNKNOWN", set())  # each unknown setting is reported once a process
     out_json = tmp_path / "eval" / "ppo_eval.json"

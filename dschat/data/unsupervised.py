@@ -4,7 +4,8 @@
 column, else its first column, as DeepSpeed-Chat does), a folder written by ``save_to_disk`` (its train split), a
 local file with a ``text`` field: ``text:PATH`` / a ``.txt`` path (one document per line), ``jsonl:PATH`` /
 ``.jsonl``, ``json:PATH`` / ``.json``, or ``tiny``: the embedded data's prompts and chosen answers as documents. The texts are tokenized, concatenated and cut into blocks of
-``max_prompt_seq_len + max_answer_seq_len`` tokens (the remainder of each map batch is dropped).
+``max_prompt_seq_len + max_answer_seq_len`` tokens, each document ended by the EOS token (the remainder of each map
+batch is dropped).
 """
 import os
 
@@ -29,13 +30,26 @@ def get_unsupervised_data(args, tokenizer):
                                                  options.get("unsupervised_dataset_config_name"))
 
     def tokenize(batch):
-        return tokenizer(batch[text_column], return_token_type_ids=False)
+        return with_eos(tokenizer(batch[text_column], return_token_type_ids=False), tokenizer.eos_token_id)
 
     tokenized = train.map(tokenize, batched=True, num_proc=workers, remove_columns=train.column_names,
                           desc="Tokenizing unsupervised data")
     blocks = tokenized.map(lambda batch: group_texts(batch, block_size), batched=True, num_proc=workers,
                            desc=f"Grouping texts in blocks of {block_size}")
     return blocks.with_format("torch")
+
+
+def with_eos(tokenized, eos_token_id):
+    """Each document's tokens ended by the EOS token (unless the tokenizer ended it already), as OpenRLHF's and
+    Megatron's pretraining data do: concatenated into blocks, one document otherwise ran on into the next ("apple
+    doneEnd your reply") and the model learnt to continue across them."""
+    if eos_token_id is None:
+        return tokenized
+    for ids, mask in zip(tokenized["input_ids"], tokenized["attention_mask"]):
+        if not ids or ids[-1] != eos_token_id:
+            ids.append(eos_token_id)
+            mask.append(1)
+    return tokenized
 
 
 def group_texts(batch, block_size):

@@ -56,8 +56,6 @@ def resolve_settings(input_ids, attention_mask, generation_config, *, max_new_to
     first EOS."""
     max_new_tokens, max_length, min_new_tokens, min_length = token_counts(
         max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens, min_length=min_length)
-    if max_new_tokens == 0:  # HF's GenerationConfig refuses it too
-        raise ValueError("max_new_tokens must be greater than 0, got 0")
     prompt_len = input_ids.shape[1]
     eos_list = token_id_list(first_not_none(eos_token_id, getattr(generation_config, "eos_token_id", None),
                                             default_eos))
@@ -71,7 +69,8 @@ def resolve_settings(input_ids, attention_mask, generation_config, *, max_new_to
                                  (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
     repetition_penalty = float(_from_config("repetition_penalty", repetition_penalty, generation_config))
     check_repetition_penalty(repetition_penalty)
-    if do_sample:  # greedy reads neither
+    if do_sample:  # greedy reads none of them
+        check_temperature(temperature)
         check_top_k_top_p(top_k, top_p)
     if attention_mask is None:
         attention_mask = default_attention_mask(input_ids, pad_token_id, eos_list) if pad_known \
@@ -109,6 +108,10 @@ def resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_co
         max_new_tokens = max_length - prompt_len if max_length is not None else HF_DEFAULT_NEW_TOKENS
     if max_new_tokens < 0:
         raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
+    if max_new_tokens == 0:  # HF refuses it too (GenerationConfig's check, or a max_length the prompt fills)
+        raise ValueError(f"no new tokens to generate: max_new_tokens must be greater than 0 (max_length "
+                         f"{max_length}, a prompt of {prompt_len} tokens)" if max_length is not None else
+                         "max_new_tokens must be greater than 0, got 0")
     return max_new_tokens
 
 

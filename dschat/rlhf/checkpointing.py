@@ -23,7 +23,10 @@ LATEST = "latest"
 # the order this seed draws (otherwise the resumed run silently skips or repeats prompts, or trains on others, and
 # its held-out scores before and after PPO come from two prompt sets). The critic's only where the run trains one.
 DATA_RESUME_FLAGS = ("data_path", "data_split", "data_fields", "max_prompt_seq_len", "unsupervised_dataset_name",
-                     "unsupervised_dataset_config_name")
+                     "unsupervised_dataset_config_name", "eval_prompts", "eval_max_new_tokens")
+# The unsupervised stream's blocks are max_prompt_seq_len + max_answer_seq_len tokens: with one, its position counts
+# blocks of that length.
+UNSUPERVISED_RESUME_FLAGS = ("max_answer_seq_len",)
 ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_zero_stage", "dtype",
                       "offload", "per_device_generation_batch_size", "seed") + DATA_RESUME_FLAGS
 CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_zero_stage")
@@ -132,7 +135,8 @@ def check_resumable(trainer, root, tag):
 
 def resume_flags(trainer):
     """{flag: value} of the flags the checkpoint is bound to (``ACTOR_RESUME_FLAGS``, ``CRITIC_RESUME_FLAGS``)."""
-    names = ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ()) + RESTORED_FLAGS
+    names = (ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ()) + RESTORED_FLAGS
+             + (UNSUPERVISED_RESUME_FLAGS if getattr(trainer.args, "unsupervised_dataset_name", None) else ()))
     return {name: getattr(trainer.args, name) for name in names}
 
 

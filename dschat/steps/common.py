@@ -198,18 +198,20 @@ def write_results(args, metrics, step):
     if is_rank_0():
         write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
         flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
-        write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE), {"step": step, "flags": flags}, default=str)
+        write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),
+                          {"step": step, "world_size": get_world_size(), "flags": flags}, default=str)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
 
 
 def read_run_args(folder, step):
-    """The flags ``step`` ran with when it wrote ``folder`` (its ``training_args.json``), else None."""
+    """(the flags ``step`` ran with when it wrote ``folder``, its number of ranks) from its ``training_args.json``, else
+    (None, None)."""
     path = os.path.join(folder, RUN_ARGS_FILE)
     if not os.path.isfile(path):
-        return None
+        return None, None
     with open(path) as f:
         record = json.load(f)
-    return record["flags"] if record.get("step") == step else None
+    return (record["flags"], record.get("world_size", 1)) if record.get("step") == step else (None, None)
 
 
 def progress(iterable, total, desc):

@@ -268,16 +268,20 @@ def save_models(trainer, args):
         path = os.path.join(args.output_dir, folder)
         if engine is not None:
             save(engine, trainer.tokenizer, path)
-        elif os.path.isdir(path):
-            _remove_earlier_model(path)
+        else:
+            _remove_earlier_model(path, args)
 
 
-def _remove_earlier_model(path):
+def _remove_earlier_model(path, args):
     """A critic or EMA actor that an earlier run left in this run's folder (this run trains none): kept beside this
-    run's actor, it would pass for this run's."""
+    run's actor, it would pass for this run's. Rank 0 looks and removes (the other ranks may not see the folder:
+    node-local storage); every rank waits for it. A folder this run loaded a model from stays."""
     import shutil
 
-    if is_rank_0():
+    inputs = [getattr(args, name, None) for name in ("actor_model_name_or_path", "critic_model_name_or_path",
+                                                     "reward_model_name_or_path")]
+    loaded_from = {os.path.abspath(p) for p in inputs if p}
+    if is_rank_0() and os.path.isdir(path) and os.path.abspath(path) not in loaded_from:
         shutil.rmtree(path)
         print_rank_0(f"[step3] removed {path}: an earlier run's model (this run writes none there)")
     barrier()

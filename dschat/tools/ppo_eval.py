@@ -109,17 +109,29 @@ STEP3_DATA_FLAGS = ("data_path", "data_split", "data_output_path", "data_fields"
 def step3_run_defaults(policy_path):
     """(this tool's defaults from the step-3 run that wrote ``policy_path``, the folder they come from), else
     (None, None). A run folder's SFT model takes its step 3's, as the same prompts are what it is compared on."""
+    if not os.path.isdir(policy_path):  # a hub name: no run of ours
+        return None, None
     policy_dir = os.path.dirname(os.path.abspath(policy_path))
     for folder in (os.path.abspath(policy_path), policy_dir, os.path.join(policy_dir, PPO_DIR)):
-        flags = read_run_args(folder, "step3")
+        flags, world_size = read_run_args(folder, "step3")
         if flags is not None:
             break
     else:
         return None, None
     defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
-    defaults["num_prompts"] = flags.get("eval_prompts", 64)
+    defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
+                                                 flags.get("per_device_generation_batch_size", 16), world_size)
     defaults["max_new_tokens"] = flags.get("eval_max_new_tokens") or flags.get("max_answer_seq_len", 256)
     return defaults, folder
+
+
+def step3_eval_prompts(eval_prompts, batch, world_size):
+    """How many held-out prompts step 3 scored: each of its ranks its share of ``eval_prompts`` in whole batches,
+    the ranks interleaved over the prompts in order; so the first that many prompts, in one process (0: all)."""
+    if not eval_prompts:
+        return 0
+    per_rank = -(-eval_prompts // world_size)
+    return -(-per_rank // batch) * batch * world_size
 
 
 def parse_args(argv=None):
