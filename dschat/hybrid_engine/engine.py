@@ -23,7 +23,7 @@ from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
 from dschat.hybrid_engine.generate_args import (check_generation_config, check_hf_kwargs, merged_generation_config,
                                                 resolve_settings)
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
-                                                  shared_generator)
+                                                  ranks_agree, shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.lora import unwrap_peft
 
@@ -273,22 +273,24 @@ class HybridEngine:
             input_ids = hf_kwargs.pop("inputs", None)
         if input_ids is None:
             raise ValueError("generate needs the prompts: input_ids (or inputs), a LEFT-padded (B, P) tensor")
-        # HF's generation_config argument (TRL passes one): its settings over the model's, the call's over both
-        generation_config = self._generation_config(hf_kwargs.pop("generation_config", None))
-        check_hf_kwargs(hf_kwargs)
-        self.check_generation_config(hf_kwargs, generation_config)
         device = self._engine.device
-        if generator is not None and generator.device.type != torch.device(device).type:
-            raise ValueError(f"the sampling generator is on {generator.device} but generation runs on {device}; "
-                             f"create it with torch.Generator(device={str(device)!r})")
-        input_ids = input_ids.to(device)
-        # every setting resolved and checked before the engine's state changes
-        s = resolve_settings(
-            input_ids, attention_mask, generation_config, max_new_tokens=max_new_tokens, max_length=max_length,
-            min_new_tokens=min_new_tokens, min_length=min_length, do_sample=do_sample, temperature=temperature,
-            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, default_eos=self.eos_token_id,
-            default_pad=self.pad_token_id)
+        # every setting resolved and checked before the engine's state changes, on every rank that generates with
+        # this one (a refusal on one rank alone would leave the others waiting in the weight gather or the group)
+        with self._failing_together(device):
+            # HF's generation_config argument (TRL passes one): its settings over the model's, the call's over both
+            generation_config = self._generation_config(hf_kwargs.pop("generation_config", None))
+            check_hf_kwargs(hf_kwargs)
+            self.check_generation_config(hf_kwargs, generation_config)
+            if generator is not None and generator.device.type != torch.device(device).type:
+                raise ValueError(f"the sampling generator is on {generator.device} but generation runs on {device}; "
+                                 f"create it with torch.Generator(device={str(device)!r})")
+            input_ids = input_ids.to(device)
+            s = resolve_settings(
+                input_ids, attention_mask, generation_config, max_new_tokens=max_new_tokens, max_length=max_length,
+                min_new_tokens=min_new_tokens, min_length=min_length, do_sample=do_sample, temperature=temperature,
+                top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                eos_token_id=eos_token_id, pad_token_id=pad_token_id, default_eos=self.eos_token_id,
+                default_pad=self.pad_token_id)
         attention_mask = s.attention_mask
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
@@ -357,6 +359,24 @@ class HybridEngine:
         self._iteration.generated_tokens += tokens
         self._iteration.samples += batch_size
         return (result.sequences, result.logprobs) if return_logprobs else result.sequences
+
+    @contextlib.contextmanager
+    def _failing_together(self, device):
+        """Ranks that generate together (the tensor-parallel group; under ZeRO-3 every rank, whose weights are
+        gathered) learn whether any refused its arguments (a right-padded batch is one rank's data), and all raise."""
+        error = None
+        try:
+            yield
+        except ValueError as e:  # UsageError included
+            error = e
+        together = self.tp is not None or (_world_size() > 1 and self._engine.zero_optimization_stage() == 3)
+        if together:
+            group = self.tp.group if self.tp is not None else None  # None: the world
+            if not ranks_agree(error is None, device, group) and error is None:
+                raise ValueError("generate: another rank refused its arguments (its error says why); every rank "
+                                 "that generates with it stops too")
+        if error is not None:
+            raise error
 
     def _fused_projections(self):
         if self.fusion is None:

@@ -46,6 +46,13 @@ _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
 # -- groups ------------------------------------------------------------------------------------------------------------
+def ranks_agree(flag, device, group=None):
+    """True on every rank when ``flag`` is true on every rank of ``group`` (default: the world; a collective)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
 @dataclasses.dataclass
 class TensorParallelGroup:
     """This rank's inference group: ``size`` consecutive ranks starting at ``ranks[0]``, with its own process group
@@ -74,9 +81,7 @@ class TensorParallelGroup:
 
     def all_agree(self, flag, device):
         """True on every rank when ``flag`` is true on every rank of the group (a collective)."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return ranks_agree(flag, device, self.group)
 
     @classmethod
     def create(cls, size):

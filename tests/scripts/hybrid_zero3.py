@@ -142,9 +142,24 @@ def run_case(pin, fetch, lora, rank, world):
         largest_group = max(sum(len(c.training_params()) for c in g) for g in weights.groups)
         assert 0 < peak[0] <= largest_group, (peak[0], largest_group)
 
+    check_one_rank_refused(engine, ids, mask, eos, expected, rank)
     check_refresh_after_step(engine, reference, got, ids, mask, MAX_NEW, eos, expected, world)
     print(f"rank {rank} pin={pin} fetch={fetch} lora={lora}: OK (answer lengths {lengths}, "
           f"stats {engine.latency_stats()['gather_latency']:.4f}s gather)", flush=True)
+
+
+def check_one_rank_refused(engine, ids, mask, eos, expected, rank):
+    """Rank 1's prompts right-padded (its data alone is wrong): every rank raises, none waits alone in the weight
+    gather or the decode's collectives, and the next generation runs on every rank."""
+    bad_ids, bad_mask = (ids.flip(1), mask.flip(1)) if rank == 1 else (ids, mask)
+    try:
+        engine.generate(bad_ids, attention_mask=bad_mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: a refused generation elsewhere did not stop this rank")
+    assert ("LEFT-padded" if rank == 1 else "another rank refused its arguments") in message, (rank, message)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos), expected)
 
 
 RUNS = [f"{pin}:{fetch}" for pin in ("true", "false") for fetch in ("layer", "module")]
