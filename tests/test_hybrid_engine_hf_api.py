@@ -180,3 +180,34 @@ def test_generation_config_settings_hf_applies_and_the_decode_does_not_are_refus
     setattr(model.generation_config, key, value)
     with pytest.raises(UsageError, match=f"generation_config sets {key}="):
         engine.generate(ids, attention_mask=mask, max_new_tokens=3)
+
+
+def test_ranks_that_generate_together_agree_on_their_arguments_over_the_world_under_zero3(monkeypatch):
+    """Under ZeRO-3 the weight gather spans every rank, so the agreement does too (with tensor-parallel groups as
+    well: a group agreeing alone left the other groups waiting in the gather); otherwise the group's ranks agree. Any
+    error of this rank is agreed on before it is raised."""
+    from types import SimpleNamespace
+
+    from dschat.hybrid_engine import engine as hybrid
+
+    asked = []
+    monkeypatch.setattr(hybrid, "_world_size", lambda: 4)
+    monkeypatch.setattr(hybrid, "ranks_agree", lambda flag, device, group: asked.append((flag, group)) or False)
+
+    def engine_at(stage, tp=None):
+        return SimpleNamespace(tp=tp, _engine=SimpleNamespace(zero_optimization_stage=lambda: stage))
+
+    tp = SimpleNamespace(group="the tp group")
+    for fake, group in ((engine_at(3, tp), None), (engine_at(2, tp), "the tp group"), (engine_at(3), None)):
+        with pytest.raises(ValueError, match="another rank refused its arguments"):
+            with hybrid.HybridEngine._failing_together(fake, "cpu"):
+                pass  # this rank's arguments are fine; another's were not (ranks_agree says False)
+        assert asked[-1] == (True, group)
+    with pytest.raises(TypeError, match="this rank's"):
+        with hybrid.HybridEngine._failing_together(engine_at(3), "cpu"):
+            raise TypeError("this rank's")
+    assert asked[-1] == (False, None)
+    asked.clear()
+    with hybrid.HybridEngine._failing_together(engine_at(2), "cpu"):  # ZeRO 0-2, no group: nothing to agree on
+        pass
+    assert asked == []

@@ -40,16 +40,17 @@ def get_unsupervised_data(args, tokenizer):
 
 
 def with_eos(tokenized, eos_token_id):
-    """Each document's tokens ended by the EOS token (unless the tokenizer ended it already), as OpenRLHF's and
-    Megatron's pretraining data do: concatenated into blocks, one document otherwise ran on into the next ("apple
-    doneEnd your reply") and the model learnt to continue across them."""
-    if eos_token_id is None:
-        return tokenized
-    for ids, mask in zip(tokenized["input_ids"], tokenized["attention_mask"]):
-        if not ids or ids[-1] != eos_token_id:
+    """The documents' ``input_ids`` and ``attention_mask`` (the keys the blocks keep), each non-empty document ended
+    by the EOS token unless the tokenizer ended it already, as OpenRLHF's and Megatron's pretraining data do:
+    concatenated into blocks, one document otherwise ran on into the next ("apple doneEnd your reply") and the model
+    learnt to continue across them."""
+    rows = tokenized["input_ids"]
+    masks = tokenized.get("attention_mask") or [[1] * len(ids) for ids in rows]
+    for ids, mask in zip(rows, masks):
+        if eos_token_id is not None and ids and ids[-1] != eos_token_id:
             ids.append(eos_token_id)
             mask.append(1)
-    return tokenized
+    return {"input_ids": rows, "attention_mask": masks}
 
 
 def group_texts(batch, block_size):

@@ -267,16 +267,18 @@ class HybridEngine:
         or EOS suppression: what the training forward scores it with; 0 after a row's end), computed in the decode
         step. ``synced_gpus``, ``use_cache`` and ``early_stopping`` (a beam-search setting) are accepted and change
         nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs that would change
-        the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors.
+        the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors. Under ZeRO-3 on
+        several ranks (and in a tensor-parallel group) every rank calls ``generate`` together, each with its own
+        prompts: the ranks agree on their arguments first, and a refusal on one stops them all.
         """
-        if input_ids is None:  # HF's name for the prompts (``generate(inputs=...)``)
-            input_ids = hf_kwargs.pop("inputs", None)
-        if input_ids is None:
-            raise ValueError("generate needs the prompts: input_ids (or inputs), a LEFT-padded (B, P) tensor")
         device = self._engine.device
         # every setting resolved and checked before the engine's state changes, on every rank that generates with
         # this one (a refusal on one rank alone would leave the others waiting in the weight gather or the group)
         with self._failing_together(device):
+            if input_ids is None:  # HF's name for the prompts (``generate(inputs=...)``)
+                input_ids = hf_kwargs.pop("inputs", None)
+            if input_ids is None:
+                raise ValueError("generate needs the prompts: input_ids (or inputs), a LEFT-padded (B, P) tensor")
             # HF's generation_config argument (TRL passes one): its settings over the model's, the call's over both
             generation_config = self._generation_config(hf_kwargs.pop("generation_config", None))
             check_hf_kwargs(hf_kwargs)
@@ -291,6 +293,7 @@ class HybridEngine:
                 top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, default_eos=self.eos_token_id,
                 default_pad=self.pad_token_id)
+            self._check_fits(input_ids.shape[1], s.max_new_tokens, None, device)  # this rank's; a group's below
         attention_mask = s.attention_mask
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
@@ -362,16 +365,17 @@ class HybridEngine:
 
     @contextlib.contextmanager
     def _failing_together(self, device):
-        """Ranks that generate together (the tensor-parallel group; under ZeRO-3 every rank, whose weights are
-        gathered) learn whether any refused its arguments (a right-padded batch is one rank's data), and all raise."""
+        """Ranks that generate together (under ZeRO-3 every rank, whose weights are gathered over the world; else the
+        tensor-parallel group) learn whether any refused its arguments (a right-padded batch is one rank's data), and
+        all raise. So there, as the gather already requires, every such rank calls ``generate`` each time."""
         error = None
         try:
             yield
-        except ValueError as e:  # UsageError included
+        except Exception as e:  # not a KeyboardInterrupt
             error = e
-        together = self.tp is not None or (_world_size() > 1 and self._engine.zero_optimization_stage() == 3)
-        if together:
-            group = self.tp.group if self.tp is not None else None  # None: the world
+        zero3 = _world_size() > 1 and self._engine.zero_optimization_stage() == 3
+        if zero3 or self.tp is not None:
+            group = None if zero3 else self.tp.group  # ZeRO-3's gathers span the world, not only the group
             if not ranks_agree(error is None, device, group) and error is None:
                 raise ValueError("generate: another rank refused its arguments (its error says why); every rank "
                                  "that generates with it stops too")
