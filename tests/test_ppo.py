@@ -682,7 +682,8 @@ def test_step3_removes_the_critic_and_ema_actor_an_earlier_run_left_in_its_folde
     assert (tmp_path / "critic").is_dir()
 
 
-def test_every_rank_waits_for_rank_0_to_remove_an_earlier_model_even_where_it_sees_none(tmp_path, monkeypatch):
+def test_every_rank_waits_for_rank_0_to_remove_an_earlier_model_even_where_it_sees_none(tmp_path, monkeypatch,
+                                                                                         capsys):
     """Rank 0 removes; another rank that looked after the removal (or on node-local storage, never sees the folder)
     skipped the barrier, and its next collective met rank 0's barrier: a hang or a crash."""
     from types import SimpleNamespace
@@ -695,6 +696,12 @@ def test_every_rank_waits_for_rank_0_to_remove_an_earlier_model_even_where_it_se
     ppo.save_models(SimpleNamespace(actor_model="actor", critic_model=None, actor_ema=None, tokenizer=None),
                     SimpleNamespace(output_dir=str(tmp_path)))
     assert len(waits) == 2 and (tmp_path / "actor_ema").is_dir()
+    # rank 0 failing to remove it says so and still reaches the barrier
+    monkeypatch.setattr(ppo, "is_rank_0", lambda: True)
+    monkeypatch.setattr("shutil.rmtree", lambda path: (_ for _ in ()).throw(PermissionError("read-only")))
+    ppo.save_models(SimpleNamespace(actor_model="actor", critic_model=None, actor_ema=None, tokenizer=None),
+                    SimpleNamespace(output_dir=str(tmp_path)))
+    assert len(waits) == 4 and "removing it failed (read-only)" in capsys.readouterr().out
 
 
 def _saved_checkpoint(root, ranks=1, critic=True, ema=False):

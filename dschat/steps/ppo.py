@@ -282,8 +282,12 @@ def _remove_earlier_model(path, args):
                                                      "reward_model_name_or_path")]
     loaded_from = {os.path.abspath(p) for p in inputs if p}
     if is_rank_0() and os.path.isdir(path) and os.path.abspath(path) not in loaded_from:
-        shutil.rmtree(path)
-        print_rank_0(f"[step3] removed {path}: an earlier run's model (this run writes none there)")
+        try:
+            shutil.rmtree(path)
+            print_rank_0(f"[step3] removed {path}: an earlier run's model (this run writes none there)")
+        except OSError as error:  # said, not raised: the other ranks wait at the barrier below
+            print_rank_0(f"[step3] WARNING: {path} holds an earlier run's model (this run writes none there), and "
+                         f"removing it failed ({error}); remove it by hand")
     barrier()
 
 
