@@ -293,7 +293,8 @@ class HybridEngine:
                 top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, default_eos=self.eos_token_id,
                 default_pad=self.pad_token_id)
-            self._check_fits(input_ids.shape[1], s.max_new_tokens, None, device)  # this rank's; a group's below
+            # this rank's prompt: a tensor-parallel group's prompts, padded to its longest, then fit as well
+            self._check_fits(input_ids.shape[1], s.max_new_tokens)
         attention_mask = s.attention_mask
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
@@ -323,7 +324,6 @@ class HybridEngine:
                 generator = shared_generator(generator, default_generator(torch.device(device)), device, self.tp)
             sync_group = self.tp.group  # the group's ranks decode in lock-step: they stop together
         max_new_tokens = s.max_new_tokens
-        self._check_fits(prompt_len, max_new_tokens, sync_group, device)
         sampling = dict(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         eos_token_id=s.eos_list or None, pad_token_id=s.pad_token_id, min_new_tokens=s.min_new_tokens,
                         generator=generator, early_exit_interval=self.early_exit_interval,
@@ -414,19 +414,13 @@ class HybridEngine:
         it (``generate_args.check_generation_config``)."""
         check_generation_config(hf_kwargs or {}, generation_config or self._generation_config())
 
-    def _check_fits(self, prompt_len, max_new_tokens, group, device):
-        """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length). Ranks that decode in lock-step
-        (``group``) decide together: one rank raising alone would leave the others blocked in the next collective."""
+    def _check_fits(self, prompt_len, max_new_tokens):
+        """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length); ranks that generate together learn
+        of a refusal through ``_failing_together``."""
         limit = self.hybrid_config.max_out_tokens
-        longest = prompt_len + max_new_tokens
-        if group is not None:
-            total = torch.tensor([float(longest)], device=device)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-            longest = int(total.item())
-        if longest > limit:
-            raise ValueError(f"a prompt of {longest - max_new_tokens} tokens + max_new_tokens={max_new_tokens} "
-                             f"exceeds hybrid_engine.max_out_tokens={limit} (prompt + answer"
-                             f"{', the longest prompt of the ranks decoding together' if group is not None else ''})")
+        if prompt_len + max_new_tokens > limit:
+            raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "
+                             f"hybrid_engine.max_out_tokens={limit} (prompt + answer)")
 
     # -- stats ------------------------------------------------------------------------------------------------------
     def latency_stats(self, iteration=None):

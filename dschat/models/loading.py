@@ -166,19 +166,27 @@ def grow_embeddings_for(model, tokenizer):
         model.resize_token_embeddings(int(8 * ((len(tokenizer) + 7) // 8)))
 
 
-def sync_special_tokens(model, tokenizer):
-    """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed. Other
-    EOS ids the generation config lists (Qwen2.5-Instruct's <|endoftext|> beside <|im_end|>) are kept after the
-    tokenizer's: HF's generate stops on them too, with the saved model as with the original."""
+def stop_token_ids(model, tokenizer):
+    """The ids that end an answer: the tokenizer's EOS (training ends answers with it), then any other EOS id the
+    model's generation_config lists (e.g. Qwen2.5-Instruct's <|endoftext|> beside <|im_end|>), as HF's generate
+    stops on them."""
     from dschat.hybrid_engine.generate_args import token_id_list
 
+    listed = token_id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
+
+
+def sync_special_tokens(model, tokenizer):
+    """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed. Other
+    EOS ids the generation config lists are kept after the tokenizer's (``stop_token_ids``): HF's generate stops on
+    them too, with the saved model as with the original."""
     grow_embeddings_for(model, tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.pad_token_id = tokenizer.pad_token_id
-        eos = list(dict.fromkeys([tokenizer.eos_token_id, *token_id_list(generation_config.eos_token_id)]))
+        eos = stop_token_ids(model, tokenizer)
         generation_config.eos_token_id = eos if len(eos) > 1 else eos[0]
 
 

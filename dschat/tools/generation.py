@@ -4,7 +4,7 @@ import torch
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import uses_chat_template
 from dschat.data.pipeline import tokenize_texts
-from dschat.models.loading import check_sequence_fits
+from dschat.models.loading import check_sequence_fits, stop_token_ids
 from dschat.rlhf.trainer import answer_mask
 
 
@@ -21,16 +21,6 @@ def left_padded(ids_list, pad_token_id, device):
     ids = pad_sequences([torch.tensor(ids) for ids in ids_list], pad_token_id, side="left")
     mask = pad_sequences([torch.ones(len(ids), dtype=torch.long) for ids in ids_list], 0, side="left")
     return ids.to(device), mask.to(device)
-
-
-def stop_token_ids(model, tokenizer):
-    """The ids that end an answer: the tokenizer's EOS (training ends answers with it), then any other EOS id the
-    model's generation_config lists (e.g. Qwen2.5-Instruct's <|endoftext|> beside <|im_end|>), as HF's generate
-    stops on them."""
-    from dschat.hybrid_engine.generate_args import token_id_list
-
-    listed = token_id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
 
 
 def decode_answers(tokenizer, answer_ids, stop_ids=None):

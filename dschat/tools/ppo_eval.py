@@ -101,7 +101,7 @@ def build_parser():
 
 
 # Step 3's flags that choose and shape its held-out prompts, taken as this tool's defaults from the run that trained
-# the policy; and this tool's flags that stand for step 3's held-out evaluation's own.
+# the policy (with --num_prompts and --max_new_tokens, from step 3's evaluation flags: step3_run_defaults).
 STEP3_DATA_FLAGS = ("data_path", "data_split", "data_output_path", "data_fields", "pad_to_multiple_of", "seed",
                     "max_prompt_seq_len", "per_device_generation_batch_size", "add_eot_token")
 
