@@ -450,7 +450,10 @@ def test_invalid_pad_to_multiple_of_is_a_clear_error(trained, tmp_path):
 
 
 def test_deepspeed_chat_positional_form(trained, tmp_path):
-    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+    """DeepSpeed-Chat's module paths and positional arguments."""
+    import dschat
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.models.loading import load_tokenizer
     from dschat.rlhf.config import step3_args
 
@@ -461,6 +464,8 @@ def test_deepspeed_chat_positional_form(trained, tmp_path):
     batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2)
     out = trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"], 0)
     assert out["input_ids"].shape[0] == 2
+    assert (DeepSpeedRLHFEngine, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised) == (
+        dschat.DeepSpeedRLHFEngine, dschat.DeepSpeedPPOTrainer, dschat.DeepSpeedPPOTrainerUnsupervised)
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
@@ -514,6 +519,11 @@ def test_step3_runs_and_reports_held_out_scores(trained, tmp_path):
     assert max(len(e["answer"].split()) for e in results["policy"]["examples"]) <= 12
     for key in ("reward_mean", "rule_score_mean"):
         assert results["policy"][key] == pytest.approx(metrics["eval_after"][key], abs=1e-4)
+    # another batch size scores the same first 8 prompts (the last batch cut), not whole batches of 3 (9)
+    rebatched = ppo_eval.main(["--policy", str(tmp_path / "ppo"), "--reward_model", str(trained / "rm"),
+                               "--per_device_generation_batch_size", "3", "--num_examples", "8"])["policy"]
+    assert rebatched["prompts"] == 8
+    assert rebatched["rule_score_mean"] == pytest.approx(metrics["eval_after"]["rule_score_mean"], abs=1e-4)
     given = ppo_eval.parse_args(["--policy", str(tmp_path / "ppo"), "--reward_model", "x", "--num_prompts", "4"])
     assert (given.num_prompts, given.max_new_tokens, given.data_output_path) == (4, 12, str(trained / "data"))
 

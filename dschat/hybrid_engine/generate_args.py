@@ -10,6 +10,7 @@ import numbers
 import torch
 
 from dschat.errors import UsageError
+from dschat.models.loading import token_id_list
 
 # HF generate kwargs that DeepSpeed-Chat-style callers pass and that change nothing here (ranks are kept in step
 # automatically; the static cache is always used), and the values of HF's others that leave its output as this
@@ -210,15 +211,6 @@ def first_not_none(*values):
         if v is not None:
             return v
     return None
-
-
-def token_id_list(token_ids):
-    """An EOS setting as HF takes it (an int, a list of ints, a tensor or numpy value of either, or None) as a list."""
-    if token_ids is None:
-        return []
-    if isinstance(token_ids, torch.Tensor) or hasattr(token_ids, "tolist"):
-        token_ids = token_ids.tolist()
-    return [int(t) for t in token_ids] if isinstance(token_ids, (list, tuple)) else [int(token_ids)]
 
 
 def default_attention_mask(input_ids, pad_token_id, eos_list):

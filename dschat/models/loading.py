@@ -166,12 +166,19 @@ def grow_embeddings_for(model, tokenizer):
         model.resize_token_embeddings(int(8 * ((len(tokenizer) + 7) // 8)))
 
 
+def token_id_list(token_ids):
+    """An EOS setting as HF takes it (an int, a list of ints, a tensor or numpy value of either, or None) as a list."""
+    if token_ids is None:
+        return []
+    if isinstance(token_ids, torch.Tensor) or hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    return [int(t) for t in token_ids] if isinstance(token_ids, (list, tuple)) else [int(token_ids)]
+
+
 def stop_token_ids(model, tokenizer):
     """The ids that end an answer: the tokenizer's EOS (training ends answers with it), then any other EOS id the
     model's generation_config lists (e.g. Qwen2.5-Instruct's <|endoftext|> beside <|im_end|>), as HF's generate
     stops on them."""
-    from dschat.hybrid_engine.generate_args import token_id_list
-
     listed = token_id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
 

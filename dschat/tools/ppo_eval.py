@@ -36,11 +36,26 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
                             "--max_prompt_seq_len + --max_new_tokens")
     # tokenized with this policy's tokenizer, as in step 3
     _, held_out = prompt_loaders(step3_settings(args), tokenizer)
+    held_out = first_rows(held_out, args.num_prompts) if args.num_prompts else held_out
     # evaluate_policy expects DeepSpeed engines; for the reward model that is only the ``.module`` attribute
     result = evaluate_policy(model.generate, SimpleNamespace(module=reward_model), tokenizer, held_out, device,
-                             args.max_new_tokens, rule_scorer_for(args.data_path), args.num_prompts,
+                             args.max_new_tokens, rule_scorer_for(args.data_path), None,
                              args.num_examples, pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     return {"path": path, **result}, reward_model
+
+
+def first_rows(loader, count):
+    """The batches of ``loader`` cut after its first ``count`` rows: the same prompts whatever the batch size (step 3
+    scores whole batches; its count, ``step3_eval_prompts``, is a whole number of its batches)."""
+    seen = 0
+    for batch in loader:
+        if seen >= count:
+            return
+        keep = count - seen
+        batch = {key: value[:keep] if hasattr(value, "__getitem__") and not isinstance(value, str) else value
+                 for key, value in batch.items()}
+        seen += len(batch["prompt"])
+        yield batch
 
 
 def step3_settings(args):
@@ -86,7 +101,7 @@ def build_parser():
                         help="The step-2 reward model (a run's output folder uses step2_rm).")
     add_data_args(parser)
     parser.add_argument("--num_prompts", type=non_negative_int, default=64,
-                        help="Held-out prompts scored (whole batches, as step 3's --eval_prompts).")
+                        help="Held-out prompts scored: the first this many (0: all).")
     parser.add_argument("--max_new_tokens", type=positive_int, default=256,
                         help="Greedy answer length (step 3: --eval_max_new_tokens, else --max_answer_seq_len).")
     parser.add_argument("--max_prompt_seq_len", type=int, default=256, help="As in step 3 (longer prompts skipped).")
