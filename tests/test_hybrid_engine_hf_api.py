@@ -10,10 +10,26 @@ import torch
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from hybrid_common import PAD, early_token, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+import hybrid_common  # noqa: E402
+from hybrid_common import PAD, early_token, hf_generate, make_ds_engine  # noqa: E402
 
 from dschat.errors import UsageError  # noqa: E402
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
+
+
+def _device():
+    """The accelerator's device: a DeepSpeed engine moves its model there (the GPU, where these tests also run)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def tiny_model(family, seed):
+    return hybrid_common.tiny_model(family, seed=seed).to(_device())
+
+
+def left_padded_batch(lengths, seed):
+    return tuple(t.to(_device()) for t in hybrid_common.left_padded_batch(lengths, seed=seed))
 
 
 def _engine(model, pad_token_id=PAD):
@@ -159,7 +175,7 @@ def test_generation_config_changed_after_the_engine_was_built_counts_with_an_inf
     sys.path.insert(0, str(Path(__file__).parent))
     from test_hybrid_engine_lora import lora_model
 
-    model = lora_model("llama", seed=1)
+    model = lora_model("llama", seed=1).to(_device())
     engine = _engine(model)
     assert engine.inference_weights.model is not engine.module
     ids, mask = left_padded_batch([5, 3], seed=6)
