@@ -167,6 +167,8 @@ def test_atomic_folder_leaves_old_contents_when_writing_fails(tmp_path):
 def test_atomic_writes_get_the_permissions_of_a_plain_mkdir_and_open(tmp_path):
     import stat
 
+    from safetensors.torch import save_file
+
     from dschat.data.cache import ensure_built
     from dschat.data.splits import _save_npy_atomically
 
@@ -174,12 +176,17 @@ def test_atomic_writes_get_the_permissions_of_a_plain_mkdir_and_open(tmp_path):
     try:
         with atomic_folder(str(tmp_path / "model")) as tmp:
             open(os.path.join(tmp, "weights"), "w").write("new")
-        ensure_built(str(tmp_path / "cache"), lambda folder: None)
+            save_file({"w": torch.zeros(2)}, os.path.join(tmp, "model.safetensors"))  # safetensors writes 0o600
+        ensure_built(str(tmp_path / "cache"),
+                     lambda folder: save_file({"w": torch.zeros(2)}, os.path.join(folder, "x.safetensors")))
         _save_npy_atomically(str(tmp_path / "split.npy"), np.arange(3))
     finally:
         os.umask(old)
     mode = {name: stat.S_IMODE(os.stat(tmp_path / name).st_mode) for name in ("model", "cache", "split.npy")}
-    assert mode == {"model": 0o755, "cache": 0o755, "split.npy": 0o644}  # tempfile's are 0o700 / 0o600
+    mode.update({name: stat.S_IMODE(os.stat(tmp_path / name).st_mode)
+                 for name in ("model/model.safetensors", "cache/x.safetensors")})
+    assert mode == {"model": 0o755, "cache": 0o755, "split.npy": 0o644,  # tempfile's are 0o700 / 0o600
+                    "model/model.safetensors": 0o644, "cache/x.safetensors": 0o644}
 
 
 def test_embeddings_are_never_shrunk_to_the_tokenizer(tmp_path):

@@ -15,7 +15,7 @@ import tempfile
 
 from filelock import FileLock
 
-from dschat.utils.files import temp_folder
+from dschat.utils.files import give_plain_modes, temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
 FORMAT_VERSION = 6  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
@@ -75,6 +75,7 @@ def ensure_built(folder, build_into, rebuild_before=None):
         tmp = temp_folder(parent, os.path.basename(folder) + ".building-")
         try:
             build_into(tmp)
+            give_plain_modes(tmp)
             if os.path.isdir(folder):
                 _remove_folder(folder)
             os.replace(tmp, folder)

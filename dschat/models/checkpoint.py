@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 from dschat.models.lora import check_lora_mergeable, head_trains_untied, merge_lora_state_dict, unwrap_peft
 from dschat.utils.dist import barrier, is_rank_0
-from dschat.utils.files import temp_folder
+from dschat.utils.files import give_plain_modes, temp_folder
 
 
 def _is_zero3_param(param):
@@ -56,6 +56,7 @@ def atomic_folder(output_dir):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    give_plain_modes(tmp)
     install_folder(tmp, output_dir)
 
 

@@ -32,3 +32,17 @@ def temp_file(parent, suffix):
     fd, path = tempfile.mkstemp(dir=parent, suffix=suffix)
     os.chmod(path, 0o666 & ~_umask())
     return fd, path
+
+
+def give_plain_modes(folder):
+    """Give every file and folder under ``folder`` the mode a plain ``open`` / ``mkdir`` would: some writers make
+    owner-only files (safetensors' ``save_file``, hence ``save_pretrained``: 0o600), which the folder's other readers
+    (a serving job, a colleague) could not open."""
+    mask = _umask()
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
