@@ -559,8 +559,9 @@ def step3_parser():
     g.add_argument("--print_answers_interval", type=positive_int, default=1)
     g.add_argument("--enable_test_mode", action="store_true")
     g.add_argument("--test_stop_step", type=non_negative_int, default=0)
-    g.add_argument("--save_interval", type=non_negative_int, default=0,
-                   help="Checkpoint every N PPO iterations (0: off).")
+    g.add_argument("--save_interval", type=non_negative_int, default=None,
+                   help="Checkpoint every N PPO iterations (0: off; not given: off, and with --resume the interval "
+                        "of the run resumed).")
     g.add_argument("--resume", action="store_true", help="Continue from the last checkpoint in output_dir.")
     g.add_argument("--eval_prompts", type=non_negative_int, default=64,
                    help="Held-out prompts scored before and after PPO (reward model and rule scorer), counted over "

@@ -1172,10 +1172,11 @@ def test_a_fresh_run_removes_an_earlier_runs_checkpoints_and_resumes_its_own(tra
     ppo.main(ppo_args(trained, out, "--max_steps", "2", "--save_interval", "2"))  # afresh, into the same folder
     assert "removed an earlier run's checkpoints" in capsys.readouterr().out
     assert sorted(p.name for p in (out / "checkpoints" / "trainer").iterdir()) == ["iter_0000002"]
-    ppo.main(ppo_args(trained, out, "--max_steps", "3", "--save_interval", "1", "--resume"))
-    assert "resumed from iteration 2" in capsys.readouterr().out
+    ppo.main(ppo_args(trained, out, "--max_steps", "4", "--resume"))  # no --save_interval: the resumed run's 2
+    printed = capsys.readouterr().out
+    assert "resumed from iteration 2" in printed and "checkpointing every 2 iterations, as the resumed run" in printed
     assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir() if p.is_dir()) == \
-        ["iter_0000002", "iter_0000003"]
+        ["iter_0000002", "iter_0000004"]
 
 
 def test_a_run_stopped_before_its_first_checkpoint_does_not_resume_an_earlier_run(trained, tmp_path, capsys):

@@ -95,6 +95,18 @@ def check_accumulation(args):
                          f"{gas}")
 
 
+def resumed_save_interval(given, position):
+    """--save_interval as given; not given: the interval of the run a resume continues (a resumed run keeps
+    checkpointing as the interrupted one did, so a second interruption loses no more), else 0 (off)."""
+    if given is not None:
+        return given
+    interval = position.get("save_interval", 0)
+    if interval:
+        print_rank_0(f"[step3] checkpointing every {interval} iterations, as the resumed run did (--save_interval "
+                     "changes it, 0 turns it off)")
+    return interval
+
+
 def split_rows(batch, micro_batch):
     """Slices of a batch dict (a generation batch of experience, an unsupervised batch), ``micro_batch`` rows each
     (DeepSpeed-Chat's MiniDataset)."""
@@ -203,6 +215,7 @@ def main(args=None):
         print_rank_0(f"[step3] resumed from iteration {position['iteration']}")
         before = position.get("eval_before")
         _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
+    args.save_interval = resumed_save_interval(args.save_interval, position)
     print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
     # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again, a fresh one all
     # (an earlier run's events in the same folder are hidden from there on, as its jsonl log is cut)
@@ -248,7 +261,8 @@ def main(args=None):
             iteration += 1
             if args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch, "batch": batch_index + 1,
-                                                     "unsup_batches": unsup_batches, "eval_before": before})
+                                                     "unsup_batches": unsup_batches, "eval_before": before,
+                                                     "save_interval": args.save_interval})
         if iteration >= stop_at:
             break
     after = held_out_eval(trainer, eval_loader, args, device, scorer)
