@@ -525,7 +525,7 @@ def test_step3_runs_and_reports_held_out_scores(trained, tmp_path):
     assert rebatched["prompts"] == 8
     assert rebatched["rule_score_mean"] == pytest.approx(metrics["eval_after"]["rule_score_mean"], abs=1e-4)
     given = ppo_eval.parse_args(["--policy", str(tmp_path / "ppo"), "--reward_model", "x", "--num_prompts", "4"])
-    assert (given.num_prompts, given.max_new_tokens, given.data_output_path) == (4, 12, str(trained / "data"))
+    assert (given.num_prompts, given.max_new_tokens, given.data_path) == (4, 12, ["tiny"])
 
 
 def test_step3_with_fewer_prompts_than_one_iteration_is_an_error_not_a_run_that_trains_nothing(trained, tmp_path):

@@ -421,6 +421,31 @@ def test_ppo_eval_scores_as_many_held_out_prompts_as_step3_did_on_its_ranks():
     assert ppo_eval.step3_eval_prompts(10, 4, 2) == 16 and ppo_eval.step3_eval_prompts(0, 16, 4) == 0
 
 
+def test_ppo_eval_reads_step3s_data_files_from_any_folder_and_keeps_its_cache_out_of_the_run(tmp_path, monkeypatch):
+    """training_args.json keeps the data flags as typed, relative to step 3's working directory (recorded): the tool
+    reads the same files from elsewhere (before, it read ./data/... wherever it ran, or failed); its data cache goes
+    where its own --data_output_path says, not into the run's (maybe moved) folder."""
+    from dschat.data.raw_datasets import anchored_spec
+
+    run_cwd, elsewhere, actor = tmp_path / "run", tmp_path / "elsewhere", tmp_path / "run" / "out" / "actor"
+    for folder in (run_cwd / "data", elsewhere / "data", actor):
+        folder.mkdir(parents=True)
+    (run_cwd / "data" / "prompts.jsonl").write_text("{}\n")
+    (actor / "config.json").write_text("{}")
+    (elsewhere / "data" / "prompts.jsonl").write_text("{}\n")  # a file of the same name here is not step 3's
+    specs = ["jsonl:data/prompts.jsonl", "data/prompts.jsonl", "tiny", "Dahoas/rm-static", "local/jsonfile"]
+    (actor.parent / "training_args.json").write_text(json.dumps(
+        {"step": "step3", "world_size": 1, "cwd": str(run_cwd),
+         "flags": {"data_path": specs, "data_output_path": "out/cache", "eval_prompts": 8}}))
+    monkeypatch.chdir(elsewhere)
+    args = ppo_eval.parse_args(["--policy", "../run/out/actor", "--reward_model", "x"])
+    prompts = str(run_cwd / "data" / "prompts.jsonl")
+    assert args.data_path == [f"jsonl:{prompts}", prompts, "tiny", "Dahoas/rm-static",
+                              f"json:{run_cwd / 'data' / 'train.json'},{run_cwd / 'data' / 'eval.json'}"]
+    assert args.data_output_path == ppo_eval.build_parser().get_default("data_output_path")
+    assert anchored_spec("data/prompts.jsonl", str(tmp_path)) == "data/prompts.jsonl"  # names nothing there
+
+
 def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("dschat.args._REPORTED_UNKNOWN", set())  # each unknown setting is reported once a process
     out_json = tmp_path / "eval" / "ppo_eval.json"

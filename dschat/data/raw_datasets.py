@@ -16,6 +16,7 @@ Datasets without an eval split get a seeded 90/10 train/eval split. Hub records 
 (an empty answer, a transcript without a final Human turn) are skipped and counted, not fatal: one bad row
 out of 160k should not stop a run, and the count is printed.
 """
+import os
 import re
 
 from dschat.errors import UsageError
@@ -287,6 +288,25 @@ def resolve_dataset_spec(dataset_name):
     if source is None:
         raise unknown_dataset_error(dataset_name)
     return source
+
+
+def anchored_spec(spec, folder):
+    """``spec`` as a run whose working directory was ``folder`` read it, for use from any other: its relative local
+    paths made absolute (DeepSpeed-Chat's local/jsonfile becomes the two files it read). Names (tiny, hub datasets)
+    and specs naming nothing under ``folder`` come back unchanged."""
+    from .local import LOCAL_JSONFILE, LOCAL_TYPES, _split_paths
+
+    if spec in HUB_DATASETS or spec == TINY_NAME:
+        return spec
+    if spec == LOCAL_JSONFILE:
+        return "json:" + ",".join(os.path.join(folder, "data", f"{name}.json") for name in ("train", "eval"))
+    kind, sep, rest = spec.partition(":")
+    if sep and kind in LOCAL_TYPES:
+        return f"{kind}:" + ",".join(os.path.join(folder, path) for path in _split_paths(rest))
+    paths = [part.strip() for part in spec.split(",")]
+    if os.path.exists(os.path.join(folder, paths[0])):
+        return ",".join(os.path.join(folder, path) for path in paths)
+    return spec
 
 
 def check_data_paths(*spec_lists):

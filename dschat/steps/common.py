@@ -198,20 +198,21 @@ def write_results(args, metrics, step):
     if is_rank_0():
         write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
         flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
-        write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),
-                          {"step": step, "world_size": get_world_size(), "flags": flags}, default=str)
+        write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
+                          {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags},
+                          default=str)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
 
 
 def read_run_args(folder, step):
-    """(the flags ``step`` ran with when it wrote ``folder``, its number of ranks) from its ``training_args.json``, else
-    (None, None)."""
+    """The ``training_args.json`` that ``step`` wrote in ``folder`` ({"flags", "world_size", "cwd"}: its flags, number
+    of ranks and working directory), else None."""
     path = os.path.join(folder, RUN_ARGS_FILE)
     if not os.path.isfile(path):
-        return None, None
+        return None
     with open(path) as f:
         record = json.load(f)
-    return (record["flags"], record.get("world_size", 1)) if record.get("step") == step else (None, None)
+    return record if record.get("step") == step else None
 
 
 def progress(iterable, total, desc):

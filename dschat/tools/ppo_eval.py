@@ -12,6 +12,8 @@ import os
 from types import SimpleNamespace
 
 from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of
+from dschat.data.pipeline import as_list
+from dschat.data.raw_datasets import anchored_spec
 from dschat.models.loading import check_sequence_fits
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.run_layout import PPO_DIR
@@ -117,8 +119,9 @@ def build_parser():
 
 # Step 3's flags that choose and shape its held-out prompts, taken as this tool's defaults from the run that trained
 # the policy (with --num_prompts and --max_new_tokens, from step 3's evaluation flags: step3_run_defaults).
-STEP3_DATA_FLAGS = ("data_path", "data_split", "data_output_path", "data_fields", "pad_to_multiple_of", "seed",
-                    "max_prompt_seq_len", "per_device_generation_batch_size", "add_eot_token")
+# (Not --data_output_path: this tool's cache goes where its own flag says, never into the run's folder.)
+STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_of", "seed", "max_prompt_seq_len",
+                    "per_device_generation_batch_size", "add_eot_token")
 
 
 def step3_run_defaults(policy_path):
@@ -128,14 +131,20 @@ def step3_run_defaults(policy_path):
         return None, None
     policy_dir = os.path.dirname(os.path.abspath(policy_path))
     for folder in (os.path.abspath(policy_path), policy_dir, os.path.join(policy_dir, PPO_DIR)):
-        flags, world_size = read_run_args(folder, "step3")
-        if flags is not None:
+        run = read_run_args(folder, "step3")
+        if run is not None:
             break
     else:
         return None, None
+    flags = run["flags"]
     defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
+    if "data_path" in defaults and run.get("cwd"):  # the files step 3 read, from whatever folder this runs in
+        specs = defaults["data_path"]
+        anchored = [anchored_spec(spec, run["cwd"]) for spec in as_list(specs)]
+        defaults["data_path"] = anchored[0] if isinstance(specs, str) else anchored
     defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
-                                                 flags.get("per_device_generation_batch_size", 16), world_size)
+                                                 flags.get("per_device_generation_batch_size", 16),
+                                                 run.get("world_size", 1))
     defaults["max_new_tokens"] = flags.get("eval_max_new_tokens") or flags.get("max_answer_seq_len", 256)
     return defaults, folder
 
