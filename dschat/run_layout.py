@@ -15,3 +15,6 @@ CRITIC_DIR = "critic"
 ACTOR_EMA_DIR = "actor_ema"
 
 PPO_ACTOR_DIR = f"{PPO_DIR}/{ACTOR_DIR}"  # the PPO/GRPO policy under train.py's --output_dir
+
+# The steps' folders: a model path through one ("out/step1_sft", "step3_ppo/actor") is a run's, never a hub name.
+STEP_FOLDER_NAMES = frozenset({SFT_DIR, RM_DIR, DPO_DIR, PPO_DIR})

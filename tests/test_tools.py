@@ -70,12 +70,24 @@ def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(m
     with pytest.raises(FileNotFoundError, match="no such folder"):
         find_policy_path(str(tmp_path / "not_there"))
     assert find_policy_path("facebook/opt-1.3b") == "facebook/opt-1.3b", "hub names pass through"
+    for typo in ("outptu/step1_sft", "step3_ppo/actor"):  # through a step's folder: a run's, never a hub name
+        with pytest.raises(FileNotFoundError, match=f"{typo}: no such folder"):
+            find_policy_path(typo)
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "run" / "step1_sft").mkdir(parents=True)
     (tmp_path / "run" / "step1_sft" / "config.json").write_text("{}")
     assert find_policy_path("~/run") == str(tmp_path / "run" / "step1_sft"), "~ expanded"
     os.symlink(models["policy"], tmp_path / "step2_dpo")
     assert find_policy_path(str(tmp_path)) == str(tmp_path / "step2_dpo")
+
+
+def test_a_name_that_is_no_folder_and_fails_on_the_hub_is_one_clear_error(monkeypatch):
+    from dschat.models.loading import load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as with no network: the hub client fails (here at once)
+    with pytest.raises(FileNotFoundError, match=r"outptu: no such folder here, and loading it as a Hugging Face hub "
+                                                r"name failed \(.+\); check the path"):
+        load_tokenizer("outptu")
 
 
 def test_a_peft_adapter_folder_is_an_error_that_says_so(tmp_path):

@@ -37,9 +37,25 @@ def resolve_model_path(name_or_path):
 
 def looks_local(path):
     """A model name (``~`` already expanded) the user meant as a folder here, not a hub name ("ORG/NAME" or "NAME"):
-    absolute, ./ or ../, or deeper than ORG/NAME."""
+    absolute, ./ or ../, deeper than ORG/NAME, or through a step's folder of a dschat run ("out/step1_sft")."""
+    from dschat.run_layout import STEP_FOLDER_NAMES
+
     path = str(path)
-    return os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
+    return (os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
+            or not STEP_FOLDER_NAMES.isdisjoint(path.split("/")))
+
+
+def hub_load(loader, name_or_path, **kwargs):
+    """``loader(name_or_path)``; a name that is no folder here and fails as a hub name too is said to be either: a
+    mistyped folder becomes, after the hub client's retries, one clear error instead of a hub traceback."""
+    try:
+        return loader(name_or_path, **kwargs)
+    except OSError as err:
+        if os.path.isdir(name_or_path):
+            raise
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MissingInputError(f"{name_or_path}: no such folder here, and loading it as a Hugging Face hub name "
+                                f"failed ({reason}); check the path, or the hub name and the network") from err
 
 
 def check_model_path(name_or_path, flag):
@@ -57,7 +73,7 @@ def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_
     becomes the EOS token (masks, not ids, mark padding). A tokenizer's own EOS token is kept: it ends every answer
     (``get_eot_token``), so there --add_eot_token / --eot_token do nothing, and a warning says so."""
     path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
+    tokenizer = hub_load(AutoTokenizer.from_pretrained, path, use_fast=True)  # a model's first load: its name checked
     if tokenizer.eos_token is None:
         if not add_eot_token:
             raise UsageError(f"tokenizer of {name_or_path} has no EOS token; pass --add_eot_token to add "
