@@ -164,6 +164,26 @@ def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
     assert find_reward_model_path(models["rm"]) == models["rm"]
 
 
+def test_the_tools_name_the_flag_of_a_missing_model_before_any_model_loads(models, tmp_path, monkeypatch):
+    """Before, a mistyped second model failed after the first had loaded and generated, without naming its flag."""
+    import dschat.tools.common
+
+    monkeypatch.setattr(dschat.tools.common, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(prompt_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    missing = str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=f"--model_name_or_path_finetune {missing}: no such folder"):
+        prompt_eval.main(["--model_name_or_path_baseline", models["policy"], "--model_name_or_path_finetune", missing])
+    with pytest.raises(FileNotFoundError, match=f"--baseline {missing}: no such folder"):
+        ppo_eval.main(["--policy", models["policy"], "--baseline", missing, "--reward_model", models["rm"]])
+    with pytest.raises(FileNotFoundError, match=f"--reward_model {missing}: no such folder"):
+        ppo_eval.main(["--policy", models["policy"], "--reward_model", missing])
+    with pytest.raises(FileNotFoundError, match=f"--model_name_or_path {missing}: no such folder"):
+        rw_eval.main(["--model_name_or_path", missing])
+    with pytest.raises(FileNotFoundError, match="pairs.jsonl"):  # read before the reward model loads
+        monkeypatch.setattr(rw_eval, "load_scoring_reward_model", lambda *a, **k: pytest.fail("the model loaded"))
+        rw_eval.main(["--model_name_or_path", models["rm"], "--pairs_file", str(tmp_path / "pairs.jsonl")])
+
+
 def test_a_reward_model_where_a_policy_belongs_is_an_error(models):
     from dschat.errors import UsageError
     from dschat.models.loading import load_causal_lm

@@ -52,14 +52,21 @@ def find_policy_path(path):
     return _model_folder(path, POLICY_SUBFOLDERS, _reported_policy(os.path.expanduser(path)))
 
 
+def flag_path(flag, find, value):
+    """``find(value)`` (``find_policy_path``, ``find_reward_model_path``); a missing model is said with its flag."""
+    try:
+        return find(value)
+    except MissingInputError as err:
+        raise MissingInputError(f"{flag} {err}") from err
+
+
 def find_reward_model_path(path):
     """A run's output folder -> its step-2 reward model; a model folder as is. A reward model is a folder step 2
     wrote (a hub model has no value head), so a name that is no folder here is an error, not a hub lookup."""
-    found = _model_folder(path, REWARD_SUBFOLDERS)
-    if not os.path.isdir(found):
-        raise MissingInputError(f"{found}: no such folder (a reward model is step 2's output folder, e.g. train.py's "
+    if not os.path.isdir(os.path.expanduser(path)):
+        raise MissingInputError(f"{path}: no such folder (a reward model is step 2's output folder, e.g. train.py's "
                                 "<output>/step2_rm)")
-    return found
+    return _model_folder(path, REWARD_SUBFOLDERS)
 
 
 def default_device():

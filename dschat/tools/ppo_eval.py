@@ -20,7 +20,7 @@ from dschat.run_layout import PPO_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
-                                 load_policy, load_scoring_reward_model)
+                                 flag_path, load_policy, load_scoring_reward_model)
 
 
 def evaluate_model(path, reward_model_path, args, reward_model=None):
@@ -163,7 +163,7 @@ def parse_args(argv=None):
     the same way as in its before/after-PPO evaluation."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults, folder = step3_run_defaults(find_policy_path(args.policy))
+    defaults, folder = step3_run_defaults(flag_path("--policy", find_policy_path, args.policy))
     if defaults:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
@@ -175,10 +175,10 @@ def parse_args(argv=None):
 def main(argv=None):
     """Print (and optionally save) the results; returns {"policy": ..., ["baseline": ...]}."""
     args = parse_args(argv)
-    reward_model_path = find_reward_model_path(args.reward_model)
-    paths = {"policy": find_policy_path(args.policy)}
+    reward_model_path = flag_path("--reward_model", find_reward_model_path, args.reward_model)
+    paths = {"policy": flag_path("--policy", find_policy_path, args.policy)}
     if args.baseline:
-        paths["baseline"] = find_policy_path(args.baseline)
+        paths["baseline"] = flag_path("--baseline", find_policy_path, args.baseline)
     results, reward_model = {}, None
     for role, path in paths.items():
         results[role], reward_model = evaluate_model(path, reward_model_path, args, reward_model)

@@ -7,7 +7,7 @@ import argparse
 
 from dschat.args import positive_int
 from dschat.data.formatting import format_prompt, render_human_assistant
-from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, generation_kwargs,
+from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, flag_path, generation_kwargs,
                                  load_policy)
 from dschat.tools.generation import generate_answers
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
@@ -30,7 +30,7 @@ def model_answers(path, records, args):
 
     Models are loaded one at a time, so the two need not fit in memory together.
     """
-    model, tokenizer = load_policy(find_policy_path(path), dtype=args.dtype, add_eot_token=args.add_eot_token)
+    model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     prompts = [format_prompt(record.messages, tokenizer) for record in records]
     # generation_kwargs re-seeds: with --seed both models sample from the same random stream
     return generate_answers(model, tokenizer, prompts, generation_kwargs(args), args.batch_size)
@@ -80,7 +80,8 @@ def main(argv=None):
     """Print the comparison; returns {"prompts", "answers", and "rule_scores"/"rule_score_means" if scored}."""
     args = build_parser().parse_args(argv)
     records, scorable = select_records(args)
-    paths = {"baseline": args.model_name_or_path_baseline, "finetune": args.model_name_or_path_finetune}
+    paths = {role: flag_path(f"--model_name_or_path_{role}", find_policy_path,  # both before either loads
+                             getattr(args, f"model_name_or_path_{role}")) for role in ROLES}
     answers = {role: model_answers(paths[role], records, args) for role in ROLES}
     scores = {role: rule_scores(records, answers[role]) for role in ROLES} if scorable else None
     print_comparison(records, paths, answers, scores)

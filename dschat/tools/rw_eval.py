@@ -13,7 +13,7 @@ from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
-from dschat.tools.common import add_loading_args, find_reward_model_path, load_scoring_reward_model
+from dschat.tools.common import add_loading_args, find_reward_model_path, flag_path, load_scoring_reward_model
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
@@ -138,7 +138,12 @@ def main(argv=None):
         parser.error("--prompt and --answer go together")
     from dschat.models.loading import check_sequence_fits, load_tokenizer
 
-    path = find_reward_model_path(args.model_name_or_path)
+    path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
+    records = None if args.prompt else (  # read (and checked) before the model loads
+        load_records(args.pairs_file, args.data_fields, args.num_pairs or None) if args.pairs_file
+        else tiny_held_out_records(args.num_pairs or None))
+    if records is not None and not any(r.chosen is not None and r.rejected is not None for r in records):
+        parser.error("no records with both a chosen and a rejected answer")
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
     model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
     check_sequence_fits(model, args.max_seq_len, "--max_seq_len")  # as step 2 checks it: not an IndexError later
@@ -148,10 +153,6 @@ def main(argv=None):
                                args.batch_size)
         print_answers(messages, args.answer, scores)
         return {"scores": scores}
-    records = (load_records(args.pairs_file, args.data_fields, args.num_pairs or None) if args.pairs_file
-               else tiny_held_out_records(args.num_pairs or None))
-    if not any(r.chosen is not None and r.rejected is not None for r in records):
-        parser.error("no records with both a chosen and a rejected answer")
     result = evaluate_pairs(model, tokenizer, records, args.max_seq_len, args.batch_size)
     print_pairs(result)
     return result
