@@ -172,11 +172,14 @@ def test_atomic_writes_get_the_permissions_of_a_plain_mkdir_and_open(tmp_path):
     from dschat.data.cache import ensure_built
     from dschat.data.splits import _save_npy_atomically
 
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
     old = os.umask(0o022)
     try:
         with atomic_folder(str(tmp_path / "model")) as tmp:
             open(os.path.join(tmp, "weights"), "w").write("new")
             save_file({"w": torch.zeros(2)}, os.path.join(tmp, "model.safetensors"))  # safetensors writes 0o600
+            os.symlink(private, os.path.join(tmp, "linked"))  # what a link points to keeps its mode
         ensure_built(str(tmp_path / "cache"),
                      lambda folder: save_file({"w": torch.zeros(2)}, os.path.join(folder, "x.safetensors")))
         _save_npy_atomically(str(tmp_path / "split.npy"), np.arange(3))
@@ -187,6 +190,7 @@ def test_atomic_writes_get_the_permissions_of_a_plain_mkdir_and_open(tmp_path):
                  for name in ("model/model.safetensors", "cache/x.safetensors")})
     assert mode == {"model": 0o755, "cache": 0o755, "split.npy": 0o644,  # tempfile's are 0o700 / 0o600
                     "model/model.safetensors": 0o644, "cache/x.safetensors": 0o644}
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
 
 
 def test_embeddings_are_never_shrunk_to_the_tokenizer(tmp_path):

@@ -1177,6 +1177,9 @@ def test_a_fresh_run_removes_an_earlier_runs_checkpoints_and_resumes_its_own(tra
     assert "resumed from iteration 2" in printed and "checkpointing every 2 iterations, as the resumed run" in printed
     assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir() if p.is_dir()) == \
         ["iter_0000002", "iter_0000004"]
+    ppo.main(ppo_args(trained, out, "--max_steps", "5", "--save_interval", "1", "--resume"))  # a given one wins
+    assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir() if p.is_dir()) == \
+        ["iter_0000004", "iter_0000005"]
 
 
 def test_a_run_stopped_before_its_first_checkpoint_does_not_resume_an_earlier_run(trained, tmp_path, capsys):

@@ -462,10 +462,12 @@ def test_ppo_eval_reads_step3s_data_files_from_any_folder_and_keeps_its_cache_ou
     run_cwd, elsewhere, actor = tmp_path / "run", tmp_path / "elsewhere", tmp_path / "run" / "out" / "actor"
     for folder in (run_cwd / "data", elsewhere / "data", actor):
         folder.mkdir(parents=True)
-    (run_cwd / "data" / "prompts.jsonl").write_text("{}\n")
+    for name in ("prompts.jsonl", "train.json", "eval.json"):
+        (run_cwd / "data" / name).write_text("{}\n")
     (actor / "config.json").write_text("{}")
     (elsewhere / "data" / "prompts.jsonl").write_text("{}\n")  # a file of the same name here is not step 3's
-    specs = ["jsonl:data/prompts.jsonl", "data/prompts.jsonl", "tiny", "Dahoas/rm-static", "local/jsonfile"]
+    specs = ["jsonl:data/prompts.jsonl", "data/prompts.jsonl", "tiny", "Dahoas/rm-static", "local/jsonfile",
+             "jsonl:moved/prompts.jsonl"]  # no longer under the run's folder (a moved project): read here, as typed
     (actor.parent / "training_args.json").write_text(json.dumps(
         {"step": "step3", "world_size": 1, "cwd": str(run_cwd),
          "flags": {"data_path": specs, "data_output_path": "out/cache", "eval_prompts": 8}}))
@@ -473,7 +475,8 @@ def test_ppo_eval_reads_step3s_data_files_from_any_folder_and_keeps_its_cache_ou
     args = ppo_eval.parse_args(["--policy", "../run/out/actor", "--reward_model", "x"])
     prompts = str(run_cwd / "data" / "prompts.jsonl")
     assert args.data_path == [f"jsonl:{prompts}", prompts, "tiny", "Dahoas/rm-static",
-                              f"json:{run_cwd / 'data' / 'train.json'},{run_cwd / 'data' / 'eval.json'}"]
+                              f"json:{run_cwd / 'data' / 'train.json'},{run_cwd / 'data' / 'eval.json'}",
+                              "jsonl:moved/prompts.jsonl"]
     assert args.data_output_path == ppo_eval.build_parser().get_default("data_output_path")
     assert anchored_spec("data/prompts.jsonl", str(tmp_path)) == "data/prompts.jsonl"  # names nothing there
 

@@ -292,21 +292,24 @@ def resolve_dataset_spec(dataset_name):
 
 def anchored_spec(spec, folder):
     """``spec`` as a run whose working directory was ``folder`` read it, for use from any other: its relative local
-    paths made absolute (DeepSpeed-Chat's local/jsonfile becomes the two files it read). Names (tiny, hub datasets)
-    and specs naming nothing under ``folder`` come back unchanged."""
+    paths made absolute where the files are still there (DeepSpeed-Chat's local/jsonfile becomes the two files it
+    read). Names (tiny, hub datasets), and specs whose files are no longer under ``folder`` (a moved project, read
+    from the current folder as typed), come back unchanged."""
     from .local import LOCAL_JSONFILE, LOCAL_TYPES, _split_paths
 
     if spec in HUB_DATASETS or spec == TINY_NAME:
         return spec
     if spec == LOCAL_JSONFILE:
-        return "json:" + ",".join(os.path.join(folder, "data", f"{name}.json") for name in ("train", "eval"))
-    kind, sep, rest = spec.partition(":")
-    if sep and kind in LOCAL_TYPES:
-        return f"{kind}:" + ",".join(os.path.join(folder, path) for path in _split_paths(rest))
-    paths = [part.strip() for part in spec.split(",")]
-    if os.path.exists(os.path.join(folder, paths[0])):
-        return ",".join(os.path.join(folder, path) for path in paths)
-    return spec
+        kind, paths = "json", [os.path.join("data", f"{name}.json") for name in ("train", "eval")]
+    else:
+        kind, sep, rest = spec.partition(":")
+        if not (sep and kind in LOCAL_TYPES):
+            kind, rest = None, spec
+        paths = [part.strip() for part in rest.split(",")] if kind is None else _split_paths(rest)
+    anchored = [os.path.join(folder, path) for path in paths]
+    if not all(os.path.exists(path) for path in anchored):
+        return spec
+    return (f"{kind}:" if kind else "") + ",".join(anchored)
 
 
 def check_data_paths(*spec_lists):

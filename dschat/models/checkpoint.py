@@ -53,10 +53,10 @@ def atomic_folder(output_dir):
     tmp = temp_folder(parent, f".{os.path.basename(output_dir)}.tmp-")
     try:
         yield tmp
+        give_plain_modes(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    give_plain_modes(tmp)
     install_folder(tmp, output_dir)
 
 

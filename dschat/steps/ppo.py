@@ -100,6 +100,9 @@ def resumed_save_interval(given, position):
     checkpointing as the interrupted one did, so a second interruption loses no more), else 0 (off)."""
     if given is not None:
         return given
+    if position.get("iteration") and "save_interval" not in position:  # a checkpoint written before it was kept
+        print_rank_0("[step3] --resume: the checkpoint does not say its run's --save_interval; no further "
+                     "checkpoints unless --save_interval is given")
     interval = position.get("save_interval", 0)
     if interval:
         print_rank_0(f"[step3] checkpointing every {interval} iterations, as the resumed run did (--save_interval "

@@ -41,7 +41,8 @@ def give_plain_modes(folder):
     mask = _umask()
     for root, dirs, files in os.walk(folder):
         for name in dirs:
-            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+            if not os.path.islink(os.path.join(root, name)):  # chmod follows links: leave what they point to alone
+                os.chmod(os.path.join(root, name), 0o777 & ~mask)
         for name in files:
             path = os.path.join(root, name)
             if not os.path.islink(path):
