@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
 from launch import REPO, remove_shm_buffers
 
 from dschat.utils.dist import free_port, shm_buffers
@@ -16,24 +18,44 @@ SCRIPT = textwrap.dedent("""
     left = len(shm_buffers(os.environ["MASTER_PORT"], rank))  # unlinked once every rank has mapped it
     t = torch.ones(4)
     deepspeed.comm.inference_all_reduce(t)  # DeepSpeed's shared-memory all-reduce still works on the mappings
-    assert t[0] == world == 2
+    assert t[0] == world == int(sys.argv[-2])
     with open(os.path.join(sys.argv[-1], f"buffers_of_rank_{rank}"), "w") as f:
         f.write(str(left))
 """)
 
 
-def test_two_rank_cpu_run_removes_its_shm_buffers(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_launched_cpu_run_removes_its_shm_buffers(tmp_path, ranks):
     script = tmp_path / "allreduce.py"
     script.write_text(SCRIPT)
     port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-           str(script), str(tmp_path)]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(port),
+           str(script), str(ranks), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        seen = [(tmp_path / f"buffers_of_rank_{rank}").read_text() for rank in (0, 1)]
-        assert seen == ["0", "0"], "the buffers are unlinked as soon as the process group has started"
+        seen = [(tmp_path / f"buffers_of_rank_{rank}").read_text() for rank in range(ranks)]
+        assert seen == ["0"] * ranks, "the buffers are unlinked as soon as the process group has started"
         assert shm_buffers(port) == [], "the ranks' /dev/shm buffers outlived the run"
     finally:
         remove_shm_buffers(port)
+
+
+def test_ranks_sharing_a_host_share_its_cores_unless_omp_num_threads_says(monkeypatch):
+    from dschat.utils import dist
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    try:
+        for env, expected in (({"LOCAL_SIZE": "2"}, 4), ({"LOCAL_SIZE": "16"}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 2),
+                              ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, before), ({}, before)):
+            torch.set_num_threads(before)
+            for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
+                monkeypatch.delenv(name, raising=False)
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            dist.share_cpu_threads()
+            assert torch.get_num_threads() == expected, env
+    finally:
+        torch.set_num_threads(before)

@@ -23,12 +23,23 @@ def ensure_distributed():
 
     prepare_for_zero_init()
     if not torch.distributed.is_initialized():
+        share_cpu_threads()
         if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
         deepspeed.init_distributed()
         _unlink_own_shm_buffer()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def share_cpu_threads():
+    """Several ranks on this host under a launcher that set no OMP_NUM_THREADS (DeepSpeed's sets none unless it binds
+    cores; torchrun sets 1): each rank takes its share of the cores, as each would otherwise run a thread per core and
+    together oversubscribe them (two CPU ranks on two cores ran 4-5x slower)."""
+    ranks_here = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    if ranks_here > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // ranks_here))
 
 
 def _shm_buffer(addr, port, rank):
@@ -42,15 +53,14 @@ def shm_buffers(port, rank="*"):
 
 
 def _unlink_own_shm_buffer():
-    """DeepSpeed's CPU backend creates a ~69 MB /dev/shm buffer per rank and never unlinks it, so every multi-rank
-    CPU run would leave its buffers behind until shared memory fills up. Once every rank has mapped every buffer (they
+    """DeepSpeed's CPU backend creates a ~69 MB /dev/shm buffer per rank (one rank under the launcher included) and never
+    unlinks it, so every CPU run would leave its buffers behind until shared memory fills up. Once every rank has mapped every buffer (they
     do while the process group starts; the barrier makes sure all have), each rank unlinks its own by its exact name:
     the mappings stay valid, and nothing is left behind even if a rank is killed."""
     from deepspeed.accelerator import get_accelerator
 
     addr, port, rank = (os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
-    if torch.distributed.get_world_size() == 1 or get_accelerator().device_name() != "cpu" or \
-            None in (addr, port, rank):
+    if get_accelerator().device_name() != "cpu" or None in (addr, port, rank):  # one rank under a launcher too
         return
     torch.distributed.barrier()
     try:
