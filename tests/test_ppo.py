@@ -949,6 +949,13 @@ def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path):
         assert 0.0 <= metrics[key]["reward_fn_mean"] <= 1.0
         assert metrics[key]["reward_fn_mean"] == pytest.approx(metrics[key]["rule_score_mean"])  # tiny = the rules'
         assert all(0.0 <= e["reward_fn"] <= 1.0 for e in metrics[key]["examples"])
+    # eval.py on this run, given only the policy: no reward model (the run had none), the run's reward function
+    from dschat.tools import ppo_eval
+
+    results = ppo_eval.main(["--policy", str(tmp_path / "ppo")])["policy"]
+    assert results["reward_mean"] is None and results["prompts"] == 8
+    for key in ("reward_fn_mean", "rule_score_mean"):
+        assert results[key] == pytest.approx(metrics["eval_after"][key], abs=1e-4)
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["reward"] <= 1.0 for r in log)  # the rule scorer's range: no reward model added
 

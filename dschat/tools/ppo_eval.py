@@ -15,7 +15,9 @@ from dschat.args import add_data_args, non_negative_int, positive_int, resolve_p
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_spec
 from dschat.models.loading import check_sequence_fits
+from dschat.errors import UsageError
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.run_layout import PPO_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders
@@ -24,25 +26,30 @@ from dschat.tools.common import (add_loading_args, default_device, find_policy_p
 
 
 def evaluate_model(path, reward_model_path, args, reward_model=None):
-    """(metrics of the policy at ``path``, the reward model used): greedy answers to the held-out prompts.
+    """(metrics of the policy at ``path``, the reward model used): greedy answers to the held-out prompts, scored by
+    the reward model (if any; a critic-free run with --reward_model_weight 0 has none), --reward_fn (if given) and
+    the rule scorer of the embedded data.
 
     The reward model is loaded with the first policy's tokenizer (as step 3 loads it with the actor's) and
     passed back so the next policy reuses it.
     """
     device = default_device()
     model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
-    if reward_model is None:
+    if reward_model is None and reward_model_path:
         reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
     for checked in (model, reward_model):  # as step 3 checks its models: not an IndexError mid-generation
-        check_sequence_fits(checked, args.max_prompt_seq_len + args.max_new_tokens,
-                            "--max_prompt_seq_len + --max_new_tokens")
+        if checked is not None:
+            check_sequence_fits(checked, args.max_prompt_seq_len + args.max_new_tokens,
+                                "--max_prompt_seq_len + --max_new_tokens")
     # tokenized with this policy's tokenizer, as in step 3
     _, held_out = prompt_loaders(step3_settings(args), tokenizer)
     held_out = first_rows(held_out, args.num_prompts) if args.num_prompts else held_out
     # evaluate_policy expects DeepSpeed engines; for the reward model that is only the ``.module`` attribute
-    result = evaluate_policy(model.generate, SimpleNamespace(module=reward_model), tokenizer, held_out, device,
-                             args.max_new_tokens, rule_scorer_for(args.data_path), None,
-                             args.num_examples, pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
+    scoring = SimpleNamespace(module=reward_model) if reward_model is not None else None
+    result = evaluate_policy(model.generate, scoring, tokenizer, held_out, device, args.max_new_tokens,
+                             rule_scorer_for(args.data_path), None, args.num_examples,
+                             pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of),
+                             reward_fn=load_reward_fn(args.reward_fn) if args.reward_fn else None)
     return {"path": path, **result}, reward_model
 
 
@@ -72,17 +79,19 @@ def step3_settings(args):
 def summary_line(role, result):
     if not result["prompts"]:
         return f"{role:8s} no held-out prompts, so no score ({result['path']})"
-    rule = f", rule_score_mean {result['rule_score_mean']:.4f}" if "rule_score_mean" in result else ""
-    return (f"{role:8s} reward_mean {result['reward_mean']:+.4f}{rule} over {result['prompts']} prompts "
-            f"({result['path']})")
+    scores = [f"{key} {result[key]:+.4f}" if key != "rule_score_mean" else f"{key} {result[key]:.4f}"
+              for key in ("reward_mean", "reward_fn_mean", "rule_score_mean") if result.get(key) is not None]
+    return f"{role:8s} {', '.join(scores)} over {result['prompts']} prompts ({result['path']})"
 
 
 def print_results(results):
     for role, result in results.items():
         print(f"=== {role} ({result['path']}): examples")
         for example in result["examples"]:
-            rule = f", rule {example['rule_score']:.2f}" if "rule_score" in example else ""
-            print(f"[reward {example['reward']:+.3f}{rule}] {example['prompt'].strip()!r}")
+            scores = [f"{name} {example[key]:+.3f}" for key, name in (("reward", "reward"), ("reward_fn", "reward_fn"),
+                                                                         ("rule_score", "rule"))
+                      if example.get(key) is not None]
+            print(f"[{', '.join(scores)}] {example['prompt'].strip()!r}")
             print(f"    -> {example['answer']!r}")
     for role, result in results.items():
         print(summary_line(role, result))
@@ -99,8 +108,11 @@ def build_parser():
     parser.add_argument("--policy", required=True,
                         help="The PPO actor (a run's output folder uses step3_ppo/actor).")
     parser.add_argument("--baseline", default=None, help="A policy to compare with, e.g. output/step1_sft.")
-    parser.add_argument("--reward_model", required=True,
-                        help="The step-2 reward model (a run's output folder uses step2_rm).")
+    parser.add_argument("--reward_model", default=None,
+                        help="The step-2 reward model (a run's output folder uses step2_rm); default: the one the "
+                             "policy's step-3 run trained against, none if it had none (--reward_model_weight 0).")
+    parser.add_argument("--reward_fn", default="",
+                        help="Also score with this reward function (step 3's --reward_fn; default: the run's).")
     add_data_args(parser)
     parser.add_argument("--num_prompts", type=non_negative_int, default=64,
                         help="Held-out prompts scored: the first this many (0: all).")
@@ -142,11 +154,30 @@ def step3_run_defaults(policy_path):
         specs = defaults["data_path"]
         anchored = [anchored_spec(spec, run["cwd"]) for spec in as_list(specs)]
         defaults["data_path"] = anchored[0] if isinstance(specs, str) else anchored
+    defaults.update(run_reward_sources(flags, run.get("cwd")))
     defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
                                                  flags.get("per_device_generation_batch_size", 16),
                                                  run.get("world_size", 1))
     defaults["max_new_tokens"] = flags.get("eval_max_new_tokens") or flags.get("max_answer_seq_len", 256)
     return defaults, folder
+
+
+def run_reward_sources(flags, cwd):
+    """The reward model (``--reward_model``) and function (``--reward_fn``) a step-3 run scored with, as paths usable
+    from any folder: the reward model is the critic's path unless given (DeepSpeed-Chat's rule), none with
+    --reward_model_weight 0."""
+    def anchored(path):
+        return os.path.join(cwd, path) if cwd and path and os.path.exists(os.path.join(cwd, path)) else path
+
+    sources = {}
+    if flags.get("reward_model_weight", 1.0):
+        path = flags.get("reward_model_name_or_path") or flags.get("critic_model_name_or_path")
+        if path:
+            sources["reward_model"] = anchored(path)
+    if flags.get("reward_fn"):
+        target, sep, name = flags["reward_fn"].rpartition(":")
+        sources["reward_fn"] = f"{anchored(target)}:{name}" if sep and target.endswith(".py") else flags["reward_fn"]
+    return sources
 
 
 def step3_eval_prompts(eval_prompts, batch, world_size):
@@ -175,7 +206,9 @@ def parse_args(argv=None):
 def main(argv=None):
     """Print (and optionally save) the results; returns {"policy": ..., ["baseline": ...]}."""
     args = parse_args(argv)
-    reward_model_path = flag_path("--reward_model", find_reward_model_path, args.reward_model)
+    if not (args.reward_model or args.reward_fn or rule_scorer_for(args.data_path)):
+        raise UsageError("nothing to score the answers with: give --reward_model (step 2's folder) or --reward_fn")
+    reward_model_path = args.reward_model and flag_path("--reward_model", find_reward_model_path, args.reward_model)
     paths = {"policy": flag_path("--policy", find_policy_path, args.policy)}
     if args.baseline:
         paths["baseline"] = flag_path("--baseline", find_policy_path, args.baseline)
