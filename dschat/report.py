@@ -30,21 +30,26 @@ RECIPE_POLICY = {"ppo": PPO_ACTOR_DIR, "grpo": PPO_ACTOR_DIR, "dpo": DPO_DIR}
 
 
 def stale_folders(recipe, steps_run, rm_from_sft=True):
-    """Folders of steps that ran before an earlier step of this run: they were made from that step's old output, so
-    they are not this run's results (``train.py --step 1`` after a full run leaves an older PPO actor).
+    """Folders of steps (of any recipe) that come after an earlier step this run ran again, and that this run did not
+    write: they were made from that step's old output, so they are not this run's results (``train.py --step 1`` after
+    a full run leaves an older PPO actor; ``--recipe dpo`` after a PPO run leaves its reward model and actor).
     ``rm_from_sft``: step 2's reward model starts from the SFT model (the tiny default, ``pipeline.step_argv``);
     otherwise it starts from ``--reward-model`` and a new step 1 leaves it this run's."""
     if not steps_run:
         return set()
-    own_start = {2} if recipe == "ppo" and not rm_from_sft else set()  # steps that start from no earlier step
-    return {folder for step, folder in RECIPE_STEP_FOLDERS[recipe].items()
-            if step > min(steps_run) and step not in steps_run and step not in own_start}
+    written = {RECIPE_STEP_FOLDERS[recipe][step] for step in steps_run}
+    own_start = set() if rm_from_sft else {RM_DIR}  # folders that start from no earlier step
+    stale = {folder for step, folder in RECIPE_STEP_FOLDERS[recipe].items() if step > min(steps_run)}
+    if 1 in steps_run:  # every other recipe's folders start from the SFT model too
+        stale |= {folder for folders in RECIPE_STEP_FOLDERS.values() for folder in folders.values()}
+    return stale - written - own_start - {SFT_DIR}
 
 
 def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True):
     """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``; ``steps_run``: the steps
     of this run (None: all), so that folders left by an earlier run on older inputs are not reported."""
-    stale = stale_folders(recipe, steps_run, rm_from_sft)
+    stale = {folder for folder in stale_folders(recipe, steps_run, rm_from_sft)
+             if os.path.isdir(os.path.join(output_dir, folder))}
 
     def metrics(folder):
         if folder not in RECIPE_FOLDERS[recipe] or folder in stale:

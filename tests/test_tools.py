@@ -137,9 +137,11 @@ def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_a
     later = build_report(str(tmp_path), {}, "ppo", steps_run=[2, 3])  # steps after the ones run stay theirs
     assert later["rm_accuracy"] == 0.9 and later["policy"] == "step3_ppo/actor" and later["not_reported"] == []
     assert build_report(str(tmp_path), {}, "ppo", steps_run=[1, 3])["not_reported"] == ["step2_rm"]
-    assert build_report(str(tmp_path), {}, "grpo", steps_run=[1])["not_reported"] == ["step3_ppo"]
-    assert build_report(str(tmp_path), {}, "dpo", steps_run=[1])["not_reported"] == ["step2_dpo"]
-    assert build_report(str(tmp_path), {}, "dpo", steps_run=[1, 2])["not_reported"] == []
+    # another recipe's folders made from the old SFT model are said too (only folders that are there)
+    assert build_report(str(tmp_path), {}, "grpo", steps_run=[1])["not_reported"] == ["step2_rm", "step3_ppo"]
+    assert build_report(str(tmp_path), {}, "dpo", steps_run=[1])["not_reported"] == ["step2_rm", "step3_ppo"]
+    assert build_report(str(tmp_path), {}, "dpo", steps_run=[1, 2])["not_reported"] == ["step2_rm", "step3_ppo"]
+    assert build_report(str(tmp_path), {}, "dpo", steps_run=[2])["not_reported"] == []  # the same SFT model
     # --reward-model (not the tiny default): step 2 started from it, not from the SFT model, and stays this run's
     own = build_report(str(tmp_path), {}, "ppo", steps_run=[1], rm_from_sft=False)
     assert own["rm_accuracy"] == 0.9 and own["not_reported"] == ["step3_ppo"]
@@ -479,6 +481,16 @@ def test_ppo_eval_reads_step3s_data_files_from_any_folder_and_keeps_its_cache_ou
                               "jsonl:moved/prompts.jsonl"]
     assert args.data_output_path == ppo_eval.build_parser().get_default("data_output_path")
     assert anchored_spec("data/prompts.jsonl", str(tmp_path)) == "data/prompts.jsonl"  # names nothing there
+    # a run folder's SFT model takes its step 3's flags; a DPO policy beside an older PPO run does not
+    for folder in ("step1_sft", "step2_dpo", "step3_ppo"):
+        (tmp_path / "two" / folder).mkdir(parents=True)
+        (tmp_path / "two" / folder / "config.json").write_text("{}")
+    (tmp_path / "two" / "step3_ppo" / "training_args.json").write_text(json.dumps(
+        {"step": "step3", "world_size": 1, "flags": {"data_path": ["tiny"], "eval_prompts": 8,
+                                                     "per_device_generation_batch_size": 4}}))
+    counts = {folder: ppo_eval.parse_args(["--policy", str(tmp_path / "two" / folder)]).num_prompts
+              for folder in ("step1_sft", "step2_dpo")}
+    assert counts == {"step1_sft": 8, "step2_dpo": ppo_eval.build_parser().get_default("num_prompts")}
 
 
 def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, monkeypatch):

@@ -18,7 +18,7 @@ from dschat.models.loading import check_sequence_fits
 from dschat.errors import UsageError
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
-from dschat.run_layout import PPO_DIR
+from dschat.run_layout import PPO_DIR, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
@@ -141,8 +141,11 @@ def step3_run_defaults(policy_path):
     (None, None). A run folder's SFT model takes its step 3's, as the same prompts are what it is compared on."""
     if not os.path.isdir(policy_path):  # a hub name: no run of ours
         return None, None
-    policy_dir = os.path.dirname(os.path.abspath(policy_path))
-    for folder in (os.path.abspath(policy_path), policy_dir, os.path.join(policy_dir, PPO_DIR)):
+    policy = os.path.abspath(policy_path)
+    policy_dir = os.path.dirname(policy)
+    # (only the SFT model borrows its sibling step 3's: a DPO policy beside an older PPO run was not trained there)
+    sft_sibling = [os.path.join(policy_dir, PPO_DIR)] if os.path.basename(policy) == SFT_DIR else []
+    for folder in (policy, policy_dir, *sft_sibling):
         run = read_run_args(folder, "step3")
         if run is not None:
             break
