@@ -1020,7 +1020,8 @@ def test_a_notebooks_reward_function_may_be_the_function_itself(trained, tmp_pat
 def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def score(prompts, answers):\n    raise ValueError('cannot score this')\n")
-    with pytest.raises(RuntimeError, match=r"cannot score this.*Human:"):
+    with pytest.raises(ValueError, match=r"--reward_fn 'score' failed \(ValueError: cannot score this, at "
+                                         r"bad_reward.py:2\).*Human:"):
         ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--reward_fn", f"{bad}:score"))
 
 
@@ -1035,11 +1036,31 @@ def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, m
         load_reward_fn("needs_more:score")
 
 
-def test_non_finite_reward_function_value_stops_the_run(tmp_path):
+def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp_path):
+    """The user's function needs the fix: one "error:" line and exit status 2 from the entry points (it was a
+    RuntimeError and a traceback through dschat), naming the function, the prompt and where it raised."""
+    from dschat.errors import UsageError
     from dschat.rlhf.reward_fn import call_reward_fn
 
-    with pytest.raises(RuntimeError, match="nan for prompt 'p2'"):
-        call_reward_fn(lambda p, a: [1.0, float("nan")], ["p1", "p2"], ["a1", "a2"])
+    def nan_second(prompts, answers):
+        return [1.0, float("nan")]
+
+    def raises(prompts, answers):
+        return [1 / 0 for _ in answers]
+
+    def strings(prompts, answers):
+        return ["1"] * len(answers)
+
+    cases = ((nan_second, r"--reward_fn 'nan_second' returned nan for prompt 'p2'"),
+             (raises, r"--reward_fn 'raises' failed \(ZeroDivisionError: .*, at test_ppo.py:\d+\) on a batch "
+                      r"starting with prompt 'p1'"),
+             (lambda p, a: [1.0], r"returned 1 scores for 2 answers \(one per answer\) on a batch starting with "
+                                  r"prompt 'p1'"),
+             (strings, r"--reward_fn 'strings' returned '1' for prompt 'p1'.*must be a finite number"))
+    for fn, message in cases:
+        with pytest.raises(UsageError, match=message):
+            call_reward_fn(fn, ["p1", "p2"], ["a1", "a2"])
+    assert call_reward_fn(lambda p, a: [1, torch.tensor(0.5)], ["p1", "p2"], ["a1", "a2"]) == [1.0, 0.5]
 
 
 def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_batch(trained, tmp_path):

@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import math
 import os
+import traceback
 
 from dschat.errors import MissingInputError, MissingModuleError, UsageError
 
@@ -67,19 +68,39 @@ def batch_extras(batch):
 
 
 def call_reward_fn(fn, prompts, answers, extras=None):
-    """One float per answer from ``fn``; raises RuntimeError naming the prompt on any failure."""
+    """One float per answer from ``fn``; a failure is a UsageError naming the function and the prompt (the entry points
+    print it as one line and exit with status 2: it is the user's function, not dschat, that needs the fix)."""
     extras = dict(extras or {})
     accepts = inspect.signature(fn).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in accepts.values()):
         extras = {k: v for k, v in extras.items() if k in accepts}
+    name = f"--reward_fn {getattr(fn, '__name__', fn)!r}"
     try:
-        scores = [float(x) for x in fn(list(prompts), list(answers), **extras)]
+        returned = list(fn(list(prompts), list(answers), **extras))
     except Exception as ex:
-        raise RuntimeError(f"--reward_fn failed ({type(ex).__name__}: {ex}) on a batch starting with prompt "
-                           f"{prompts[0]!r}") from ex
-    if len(scores) != len(answers):
-        raise RuntimeError(f"--reward_fn returned {len(scores)} scores for {len(answers)} answers")
-    for prompt, answer, score in zip(prompts, answers, scores):
-        if not math.isfinite(score):
-            raise RuntimeError(f"--reward_fn returned {score} for prompt {prompt!r} and answer {answer!r}")
+        raise UsageError(f"{name} failed ({type(ex).__name__}: {ex}{_where(ex)}) on a batch starting with prompt "
+                         f"{prompts[0]!r}") from ex
+    if len(returned) != len(answers):
+        raise UsageError(f"{name} returned {len(returned)} scores for {len(answers)} answers (one per answer) on a "
+                         f"batch starting with prompt {prompts[0]!r}")
+    scores = []
+    for prompt, answer, score in zip(prompts, answers, returned):
+        if isinstance(score, (str, bytes)) or not _is_number(score) or not math.isfinite(float(score)):
+            raise UsageError(f"{name} returned {score!r} for prompt {prompt!r} and answer {answer!r}: each score must "
+                             "be a finite number")
+        scores.append(float(score))
     return scores
+
+
+def _is_number(value):
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _where(ex):
+    """", at FILE:LINE" of the innermost frame of the function's exception."""
+    frames = traceback.extract_tb(ex.__traceback__)
+    return f", at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
