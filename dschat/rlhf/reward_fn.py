@@ -83,21 +83,23 @@ def call_reward_fn(fn, prompts, answers, extras=None):
     if len(returned) != len(answers):
         raise UsageError(f"{name} returned {len(returned)} scores for {len(answers)} answers (one per answer) on a "
                          f"batch starting with prompt {prompts[0]!r}")
-    scores = []
-    for prompt, answer, score in zip(prompts, answers, returned):
-        if isinstance(score, (str, bytes)) or not _is_number(score) or not math.isfinite(float(score)):
+    scores = [_finite_number(score) for score in returned]
+    for prompt, answer, score, value in zip(prompts, answers, returned, scores):
+        if value is None:
             raise UsageError(f"{name} returned {score!r} for prompt {prompt!r} and answer {answer!r}: each score must "
                              "be a finite number")
-        scores.append(float(score))
     return scores
 
 
-def _is_number(value):
+def _finite_number(value):
+    """``value`` as a float when it is a finite number (a numpy or 0-d torch one too; not a string), else None."""
+    if isinstance(value, (str, bytes)):
+        return None
     try:
-        float(value)
+        value = float(value)
     except (TypeError, ValueError):
-        return False
-    return True
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _where(ex):

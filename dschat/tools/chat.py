@@ -8,7 +8,7 @@ import sys
 
 from dschat.data.formatting import format_prompt
 from dschat.errors import UsageError
-from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, generation_kwargs,
+from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, flag_path, generation_kwargs,
                                  load_policy)
 from dschat.tools.generation import encode_prompts, generate_answers
 
@@ -107,10 +107,7 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        path = find_policy_path(args.path)
-    except FileNotFoundError as error:
-        parser.error(f"--path {error}")
+    path = flag_path("--path", find_policy_path, args.path)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     session = ChatSession(model, tokenizer, generation_kwargs(args))
     if args.prompt is not None:

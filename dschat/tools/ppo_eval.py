@@ -197,12 +197,14 @@ def parse_args(argv=None):
     the same way as in its before/after-PPO evaluation."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults, folder = step3_run_defaults(flag_path("--policy", find_policy_path, args.policy))
+    policy = flag_path("--policy", find_policy_path, args.policy)
+    defaults, folder = step3_run_defaults(policy)
     if defaults:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
         print(f"[ppo_eval] defaults from step 3's run ({os.path.join(folder, RUN_ARGS_FILE)}; flags given here win): "
               + " ".join(f"--{name} {value}" for name, value in sorted(defaults.items())))
+    args.policy = policy  # the model folder (a run's folder resolved once)
     return args
 
 
@@ -212,7 +214,7 @@ def main(argv=None):
     if not (args.reward_model or args.reward_fn or rule_scorer_for(args.data_path)):
         raise UsageError("nothing to score the answers with: give --reward_model (step 2's folder) or --reward_fn")
     reward_model_path = args.reward_model and flag_path("--reward_model", find_reward_model_path, args.reward_model)
-    paths = {"policy": flag_path("--policy", find_policy_path, args.policy)}
+    paths = {"policy": args.policy}
     if args.baseline:
         paths["baseline"] = flag_path("--baseline", find_policy_path, args.baseline)
     results, reward_model = {}, None
