@@ -76,7 +76,9 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
         report["held_out_examples"] = {"sft_policy": before.get("examples", []),
                                        "ppo_policy": after.get("examples", [])}
         report["step3_iterations"] = step3.get("iterations")
-        report["step3_curve"] = {k: [r.get(k) for r in curve] for k in ("reward", "kl", "actor_loss", "critic_loss")}
+        # a critic-free run (GRPO) logs no critic loss: no curve of nulls, and no plot panel
+        report["step3_curve"] = {k: [r.get(k) for r in curve] for k in ("reward", "kl", "actor_loss", "critic_loss")
+                                 if any(k in r for r in curve)}
     return report
 
 

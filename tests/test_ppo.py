@@ -937,7 +937,8 @@ def test_critic_free_estimators_run_without_a_critic(trained, tmp_path, estimato
     assert metrics["iterations"] == 2
     assert not (tmp_path / "ppo" / "critic").exists()
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
-    assert all(r["critic_loss"] == 0 for r in log) and all(abs(r["actor_loss"]) < 1e3 for r in log)
+    # no critic, so no critic loss: not a 0 that reads as a perfect critic
+    assert all("critic_loss" not in r for r in log) and all(abs(r["actor_loss"]) < 1e3 for r in log)
 
 
 def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path):

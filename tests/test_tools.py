@@ -119,6 +119,22 @@ def test_the_report_holds_only_the_recipes_steps(tmp_path):
     assert dpo["sft_eval_loss"] == 0.7 and "held_out" not in dpo and dpo["rm_accuracy"] is None
 
 
+def test_a_critic_free_run_has_no_critic_loss_curve_or_panel(tmp_path, monkeypatch):
+    from dschat import report
+
+    (tmp_path / "step3_ppo").mkdir()
+    (tmp_path / "step3_ppo" / "metrics.json").write_text(json.dumps({"iterations": 2}))
+    rows = [{"reward": 0.5, "kl": 0.0, "actor_loss": 0.1}, {"reward": 0.6, "kl": 0.01, "actor_loss": 0.2}]
+    (tmp_path / "step3_ppo" / "step3_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    panels = []
+    monkeypatch.setattr(report, "plot_curves", lambda curve, path: panels.append(sorted(curve)) or path)
+    written = report.write_report(str(tmp_path), {}, "grpo")
+    assert set(written["step3_curve"]) == {"reward", "kl", "actor_loss"} == set(panels[0])
+    with_critic = [dict(r, critic_loss=0.3) for r in rows]
+    (tmp_path / "step3_ppo" / "step3_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in with_critic))
+    assert report.build_report(str(tmp_path), {}, "ppo")["step3_curve"]["critic_loss"] == [0.3, 0.3]
+
+
 def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_again(tmp_path):
     # train.py --step 1 after a full run: the step-2 and step-3 folders were made from the old SFT model
     from dschat.report import build_report, summary_lines

@@ -119,8 +119,8 @@ def split_rows(batch, micro_batch):
 
 
 def ppo_update(trainer, experiences, args, device, unsup_batches=()):
-    """ppo_epochs passes over the buffered experience; returns the mean actor, critic and unsupervised losses (None
-    without unsupervised data). As in DeepSpeed-Chat's PPO-ptx, each PPO micro-batch is followed by a language-model
+    """ppo_epochs passes over the buffered experience; returns the mean actor, critic and unsupervised losses (the
+    critic's None without a critic: GRPO, RLOO, REINFORCE++; the unsupervised None without unsupervised data). As in DeepSpeed-Chat's PPO-ptx, each PPO micro-batch is followed by a language-model
     micro-step on the next training-batch-sized slice of the unsupervised batches fetched with this rollout (cycled
     when there are fewer slices, e.g. with several answers per prompt); the two accumulate into one actor step
     (``step3_train_config``)."""
@@ -138,11 +138,12 @@ def ppo_update(trainer, experiences, args, device, unsup_batches=()):
                 m["num_tokens_global"] = tokens
                 actor_loss, critic_loss = trainer.train_rlhf(m)
                 actor_losses.append(actor_loss.item())
-                critic_losses.append(critic_loss.item())
+                if trainer.critic_model is not None:
+                    critic_losses.append(critic_loss.item())
                 if unsup:
                     unsup_batch = unsup[micro_index % len(unsup)]
                     unsup_losses.append(trainer.train_unsupervised(unsup_batch, args.unsup_coef).item())
-    return _mean(actor_losses), _mean(critic_losses), _mean(unsup_losses) if unsup else None
+    return _mean(actor_losses), _mean(critic_losses) if critic_losses else None, _mean(unsup_losses) if unsup else None
 
 
 def _mean(values):
@@ -337,15 +338,15 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_
     tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
     record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), **kl, "kl_coef": trainer.kl_ctl.value,
               "actor_loss": rank_mean(actor_loss, device),
-              "critic_loss": rank_mean(critic_loss, device),
               # every rank answers as many prompts: the mean of the ranks' means is the mean over all answers
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
               "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
               **{k: trainer.stats[k] for k in ("pg_clipfrac", "approx_kl", "vf_clipfrac") if k in trainer.stats}}
-    if unsup_loss is not None:
-        record["unsup_loss"] = rank_mean(unsup_loss, device)
+    for key, loss in (("critic_loss", critic_loss), ("unsup_loss", unsup_loss)):  # none without a critic / ptx data
+        if loss is not None:
+            record[key] = rank_mean(loss, device)
     return record
 
 
@@ -360,7 +361,7 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
     bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['kl']:.3f}")
     keys = ("reward", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers", "generation_time",
             "experience_time", "training_time", "samples_per_s", "tokens_per_s")
-    bar.write(f"[step3] iter {record['iteration']}: " + format_metrics({k: record[k] for k in keys}))
+    bar.write(f"[step3] iter {record['iteration']}: " + format_metrics({k: record[k] for k in keys if k in record}))
     if writer is not None:
         for k, v in record.items():
             if isinstance(v, (int, float)):
