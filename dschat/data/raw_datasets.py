@@ -20,6 +20,7 @@ import os
 import re
 
 from dschat.errors import UsageError
+from dschat.utils.files import path_under
 
 from .base import PromptRawDataset, answer_from_transcript, conversation_from_transcript, required_text
 from .errors import RecordError, SkipRecord
@@ -306,8 +307,8 @@ def anchored_spec(spec, folder):
         if not (sep and kind in LOCAL_TYPES):
             kind, rest = None, spec
         paths = [part.strip() for part in rest.split(",")] if kind is None else _split_paths(rest)
-    anchored = [os.path.join(folder, path) for path in paths]
-    if not all(os.path.exists(path) for path in anchored):
+    anchored = [path_under(folder, path) for path in paths]
+    if None in anchored:
         return spec
     return (f"{kind}:" if kind else "") + ",".join(anchored)
 

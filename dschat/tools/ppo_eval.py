@@ -23,6 +23,7 @@ from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
                                  flag_path, load_policy, load_scoring_reward_model)
+from dschat.utils.files import path_under
 
 
 def evaluate_model(path, reward_model_path, args, reward_model=None):
@@ -169,17 +170,15 @@ def run_reward_sources(flags, cwd):
     """The reward model (``--reward_model``) and function (``--reward_fn``) a step-3 run scored with, as paths usable
     from any folder: the reward model is the critic's path unless given (DeepSpeed-Chat's rule), none with
     --reward_model_weight 0."""
-    def anchored(path):
-        return os.path.join(cwd, path) if cwd and path and os.path.exists(os.path.join(cwd, path)) else path
-
     sources = {}
     if flags.get("reward_model_weight", 1.0):
         path = flags.get("reward_model_name_or_path") or flags.get("critic_model_name_or_path")
         if path:
-            sources["reward_model"] = anchored(path)
+            sources["reward_model"] = path_under(cwd, path) or path
     if flags.get("reward_fn"):
         target, sep, name = flags["reward_fn"].rpartition(":")
-        sources["reward_fn"] = f"{anchored(target)}:{name}" if sep and target.endswith(".py") else flags["reward_fn"]
+        anchored = sep and target.endswith(".py")  # a file (a module name stays as given)
+        sources["reward_fn"] = f"{path_under(cwd, target) or target}:{name}" if anchored else flags["reward_fn"]
     return sources
 
 

@@ -1,6 +1,7 @@
 """Temporary files and folders for atomic writes (write aside, then ``os.replace``), with the permissions a plain
 ``mkdir`` / ``open`` would give: ``tempfile`` makes them owner-only, and the rename keeps that mode, so saved models
-and data caches on shared storage would be unreadable to other users and services."""
+and data caches on shared storage would be unreadable to other users and services. Also: a run's relative paths
+read from another working directory (``path_under``)."""
 import os
 import tempfile
 
@@ -47,3 +48,12 @@ def give_plain_modes(folder):
             path = os.path.join(root, name)
             if not os.path.islink(path):
                 os.chmod(path, 0o666 & ~mask)
+
+
+def path_under(folder, path):
+    """``path`` as a process whose working directory was ``folder`` read it, if it is still there, else None: how
+    the tools read a run's relative paths (data files, reward model, reward function) from any other folder."""
+    if not (folder and path):
+        return None
+    anchored = os.path.join(folder, path)  # (an absolute ``path`` stays itself)
+    return anchored if os.path.exists(anchored) else None
