@@ -301,7 +301,7 @@ def held_out_rule_scores(args):
 def add_dpo_report(output_dir, report, rule_scores=None):
     """Put the DPO step's held-out metrics into report.json (dschat.report covers steps 1-3); the summary lines."""
     from dschat.report import read_json
-    from dschat.steps.common import write_json_atomic
+    from dschat.utils.files import write_json_atomic
 
     metrics = read_json(os.path.join(output_dir, DPO_DIR, "metrics.json"))
     if not metrics:

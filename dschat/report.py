@@ -3,7 +3,7 @@ import json
 import os
 
 from dschat.run_layout import DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
-from dschat.steps.common import write_json_atomic
+from dschat.utils.files import write_json_atomic
 
 
 def read_json(path):

@@ -716,7 +716,7 @@ def test_every_rank_waits_for_rank_0_to_remove_an_earlier_model_even_where_it_se
 
 def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
     """The files ``save_checkpoint`` leaves for tag iter_0000002 (contents beside the point)."""
-    from dschat.rlhf.checkpointing import LATEST
+    from dschat.utils.checkpoints import LATEST
 
     tag = "iter_0000002"
     state = root / "trainer" / tag

@@ -1,21 +1,17 @@
-"""Step-3 checkpoints: models, optimizers, schedulers, EMA, KL controller, data position and RNG, atomically.
-
-Each checkpoint is a tag folder written by every rank; only when all ranks have finished does rank 0 point
-``latest`` at it (an atomic rename), so an interrupted save is never resumed from.
+"""Step-3 checkpoints: models, optimizers, schedulers, EMA, KL controller, data position and RNG, atomically
+(the tag folders, ``latest`` pointer and RNG states of ``dschat.utils.checkpoints``).
 """
-import json
 import os
-import random
 
-import numpy as np
 import torch
 
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
-from dschat.steps.common import restart_deepspeed_tensorboard, write_json_atomic
-from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
+from dschat.steps.common import restart_deepspeed_tensorboard
+from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rng, publish,
+                                      read_trainer_state, save_trainer_state, trainer_folder)
+from dschat.utils.dist import is_rank_0
 
-LATEST = "latest"
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
 # have the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them
 # (otherwise DeepSpeed's loading, or the first step after it, fails with a traceback that names no flag), and its data
@@ -34,23 +30,9 @@ CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_zer
 # on --resume is said to change nothing, not refused. (--lr_scheduler_type and --num_warmup_steps do apply: the
 # restored scheduler keeps its step and base rates, the schedule's shape comes from the flags.)
 RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate")
-
-
-def _rng_state(generator):
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "generator": generator.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _restore_rng(state, generator):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    generator.set_state(state["generator"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+BOUND_WHY = ("Its model and optimizer states (LoRA layout, ZeRO stage, precision, offload) and its place in the prompts "
+             "(batches of --per_device_generation_batch_size of the prompts its data flags make, in --seed's order) "
+             "hold for its own")
 
 
 def save_checkpoint(trainer, root, position, keep_last=2):
@@ -61,28 +43,12 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     if trainer.critic_model is not None:
         trainer.critic_model.save_checkpoint(os.path.join(root, "critic"), tag=tag, save_latest=False)
     ema_state = gathered_state_dict(settled_module(trainer.actor_ema)) if trainer.actor_ema is not None else None
-    state_dir = os.path.join(root, "trainer", tag)
-    os.makedirs(state_dir, exist_ok=True)
-    torch.save(_rng_state(trainer.generator), os.path.join(state_dir, f"rng_rank{get_rank()}.pt"))
-    if is_rank_0():
-        if ema_state is not None:
-            torch.save(ema_state, os.path.join(state_dir, "ema.pt"))
-        write_json_atomic(os.path.join(state_dir, "state.json"),
-                          {**position, "kl_ctl": trainer.kl_ctl.state_dict(), "flags": resume_flags(trainer)})
-    barrier()
-    if is_rank_0():
-        write_json_atomic(os.path.join(root, LATEST), {"tag": tag})
-        _prune(root, tag, keep_last)
-    barrier()
+    state_dir = save_trainer_state(root, tag, {**position, "kl_ctl": trainer.kl_ctl.state_dict(),
+                                               "flags": resume_flags(trainer)}, trainer.generator)
+    if is_rank_0() and ema_state is not None:
+        torch.save(ema_state, os.path.join(state_dir, "ema.pt"))
+    publish(root, tag, keep_last)
     return tag
-
-
-def latest_tag(root):
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)["tag"]
 
 
 def load_checkpoint(trainer, root):
@@ -95,42 +61,30 @@ def load_checkpoint(trainer, root):
         if engine is not None:
             engine.load_checkpoint(os.path.join(root, name), tag=tag)
             restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
-    state_dir = os.path.join(root, "trainer", tag)
-    with open(os.path.join(state_dir, "state.json")) as f:
-        state = json.load(f)
+    state = read_trainer_state(root, tag)
     trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
     state.pop("flags", None)
     if trainer.actor_ema is not None:
-        _load_ema(trainer.actor_ema.module, os.path.join(state_dir, "ema.pt"))
-    _restore_rng(torch.load(os.path.join(state_dir, f"rng_rank{get_rank()}.pt"), weights_only=False),
-                 trainer.generator)
+        _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
+    load_rng(root, tag, trainer.generator)
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state
 
 
 def check_resumable(trainer, root, tag):
-    """The checkpoint ``tag`` was saved by a run this one can continue: as many ranks (the ZeRO states and the RNG
-    states are per rank), a critic when this run trains one, an EMA copy when this run keeps one. Checked on every
-    rank from the files alone, so all ranks fail together (none waits in a collective) and before DeepSpeed's own
-    errors, which name no flag."""
-    where = os.path.join(root, "trainer", tag)
-    for part in ("actor", "trainer"):
-        if not os.path.isdir(os.path.join(root, part, tag)):
-            raise UsageError(f"--resume: {os.path.join(root, LATEST)} names checkpoint {tag}, but {root} has no "
-                             f"{part}/{tag} folder (removed or copied in part?); restore it, or start afresh "
-                             f"without --resume")
-    saved_ranks = sum(1 for name in os.listdir(where) if name.startswith("rng_rank") and name.endswith(".pt"))
-    if saved_ranks != get_world_size():
-        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
-                         f"{get_world_size()}; its ZeRO and RNG states are per rank: resume on {saved_ranks} rank(s)")
+    """The checkpoint ``tag`` was saved by a run this one can continue (``checkpoints.check_complete``): also a
+    critic when this run trains one, an EMA copy when this run keeps one, and the flags it is bound to."""
+    check_complete(root, tag, ("actor",))
     if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, "critic", tag)):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
                          f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")
-    if trainer.actor_ema is not None and not os.path.isfile(os.path.join(where, "ema.pt")):
+    if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no EMA copy (the run that saved it had no "
                          f"--enable_ema); resume without --enable_ema, or start afresh without --resume")
-    check_same_flags(trainer, os.path.join(where, "state.json"), tag, root)
+    if getattr(trainer, "args", None) is not None:
+        saved = read_trainer_state(root, tag).get("flags", {})
+        check_same_flags(saved, resume_flags(trainer), RESTORED_FLAGS, tag, root, "step3", BOUND_WHY)
 
 
 def resume_flags(trainer):
@@ -138,29 +92,6 @@ def resume_flags(trainer):
     names = (ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ()) + RESTORED_FLAGS
              + (UNSUPERVISED_RESUME_FLAGS if getattr(trainer.args, "unsupervised_dataset_name", None) else ()))
     return {name: getattr(trainer.args, name) for name in names}
-
-
-def check_same_flags(trainer, state_path, tag, root):
-    """The flags the checkpoint is bound to as it saved them (a checkpoint written before they were stored is not
-    checked)."""
-    if getattr(trainer, "args", None) is None or not os.path.isfile(state_path):
-        return
-    with open(state_path) as f:
-        saved = json.load(f).get("flags", {})
-    now = resume_flags(trainer)
-    changed = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in now
-               if name in saved and saved[name] != now[name] and name not in RESTORED_FLAGS]
-    restored = [f"--{name} {now[name]!r} (the checkpoint's: {saved[name]!r})" for name in RESTORED_FLAGS
-                if name in saved and saved[name] != now[name]]
-    if restored and not changed:
-        print_rank_0(f"[step3] --resume: {', '.join(restored)}: no effect, DeepSpeed restores the learning rates "
-                     "from the checkpoint")
-    if changed:
-        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
-                         f"{'; '.join(changed)}. Its model and optimizer states (LoRA layout, ZeRO stage, precision, "
-                         "offload) and its place in the prompts (batches of --per_device_generation_batch_size of the "
-                         "prompts its data flags make, in --seed's order) hold for its own: resume with the "
-                         "checkpoint's values, or start afresh without --resume")
 
 
 def _load_ema(module, path):
@@ -173,28 +104,3 @@ def _load_ema(module, path):
         with _gathered([param], modifier_rank=0):
             if state is not None:
                 param.data.copy_(state[name])
-
-
-def clear_earlier_run(root):
-    """A run that starts afresh (no --resume) removes the checkpoints an earlier run left in ``root``, as it replaces
-    that run's log and models: kept, ``--resume`` after an interruption could continue that other run, and its tags
-    would mix with this run's. Returns whether there were any."""
-    import shutil
-
-    found = os.path.isdir(root) and bool(os.listdir(root))
-    if found and is_rank_0():
-        shutil.rmtree(root)
-    barrier()
-    return found
-
-
-def _prune(root, current, keep_last):
-    """Keep the last ``keep_last`` tags up to ``current``. Tags after it belong to an earlier, longer run in the same
-    folder: kept, they would sort after this run's and be pruned in its place (tags sort as iterations)."""
-    import shutil
-
-    tags = sorted(os.listdir(os.path.join(root, "trainer")))
-    done = [t for t in tags if t <= current]
-    for tag in done[:-keep_last] + [t for t in tags if t > current]:
-        for sub in ("actor", "critic", "trainer"):
-            shutil.rmtree(os.path.join(root, sub, tag), ignore_errors=True)

@@ -12,6 +12,7 @@ from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.ds_config import check_dtype_supported
+from dschat.utils.files import write_json_atomic
 from dschat.utils.optim import optimizer_step
 
 
@@ -179,14 +180,6 @@ def tensorboard_writer(args, name, purge_step=None):
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(os.path.join(args.tensorboard_path or f"{name}_tensorboard", name), purge_step=purge_step)
-
-
-def write_json_atomic(path, data, default=None):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=default)
-    os.replace(tmp, path)
 
 
 RUN_ARGS_FILE = "training_args.json"

@@ -11,7 +11,7 @@ from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import load_tokenizer
-from dschat.rlhf.checkpointing import clear_earlier_run, load_checkpoint, save_checkpoint
+from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
@@ -19,6 +19,7 @@ from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsuperv
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records,
                                  restart_deepspeed_tensorboard, setup_run, tensorboard_writer, write_results)
+from dschat.utils.checkpoints import clear_earlier_run
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
 
@@ -120,10 +121,10 @@ def split_rows(batch, micro_batch):
 
 def ppo_update(trainer, experiences, args, device, unsup_batches=()):
     """ppo_epochs passes over the buffered experience; returns the mean actor, critic and unsupervised losses (the
-    critic's None without a critic: GRPO, RLOO, REINFORCE++; the unsupervised None without unsupervised data). As in DeepSpeed-Chat's PPO-ptx, each PPO micro-batch is followed by a language-model
-    micro-step on the next training-batch-sized slice of the unsupervised batches fetched with this rollout (cycled
-    when there are fewer slices, e.g. with several answers per prompt); the two accumulate into one actor step
-    (``step3_train_config``)."""
+    critic's None without a critic: GRPO, RLOO, REINFORCE++; the unsupervised None without unsupervised data). As in
+    DeepSpeed-Chat's PPO-ptx, each PPO micro-batch is followed by a language-model micro-step on the next
+    training-batch-sized slice of the unsupervised batches fetched with this rollout (cycled when there are fewer
+    slices, e.g. with several answers per prompt); the two accumulate into one actor step (``step3_train_config``)."""
     if len(experiences) > 1 or "advantages" not in experiences[0]:
         trainer.compute_advantages(experiences)  # once, over the whole rollout, not each generation batch alone
     micro = [m for exp in experiences for m in split_rows(exp, args.per_device_training_batch_size)]

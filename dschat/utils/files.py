@@ -1,7 +1,8 @@
 """Temporary files and folders for atomic writes (write aside, then ``os.replace``), with the permissions a plain
 ``mkdir`` / ``open`` would give: ``tempfile`` makes them owner-only, and the rename keeps that mode, so saved models
 and data caches on shared storage would be unreadable to other users and services. Also: a run's relative paths
-read from another working directory (``path_under``)."""
+read from another working directory (``path_under``), and JSON written atomically (``write_json_atomic``)."""
+import json
 import os
 import tempfile
 
@@ -57,3 +58,12 @@ def path_under(folder, path):
         return None
     anchored = os.path.join(folder, path)  # (an absolute ``path`` stays itself)
     return anchored if os.path.exists(anchored) else None
+
+
+def write_json_atomic(path, data, default=None):
+    """Write JSON to ``path`` via a temporary file and ``os.replace`` (never a half-written file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=default)
+    os.replace(tmp, path)

@@ -1,0 +1,142 @@
+"""Training checkpoints, the part every step shares.
+
+A checkpoint is a tag folder in each part of ``root``: a DeepSpeed engine's folder per model (``actor/<tag>``,
+``model/<tag>``), and ``trainer/<tag>`` with the run's position and flags (``state.json``, rank 0) and each rank's RNG
+state. Every rank writes its share; only when all have finished does rank 0 point ``latest`` at the tag (an atomic
+rename), so an interrupted save is never resumed from. The last ``keep_last`` tags are kept.
+"""
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+
+from dschat.errors import UsageError
+from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
+from dschat.utils.files import write_json_atomic
+
+LATEST = "latest"
+TRAINER = "trainer"
+
+
+def rng_state(generator=None):
+    """This rank's random states: Python's, NumPy's, torch's (CPU and CUDA) and ``generator``'s."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if generator is not None:
+        state["generator"] = generator.get_state()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state, generator=None):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if generator is not None:
+        generator.set_state(state["generator"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def trainer_folder(root, tag):
+    return os.path.join(root, TRAINER, tag)
+
+
+def save_trainer_state(root, tag, state, generator=None):
+    """Each rank's RNG state, and rank 0's ``state`` (JSON), into ``trainer/<tag>``; returns that folder."""
+    folder = trainer_folder(root, tag)
+    os.makedirs(folder, exist_ok=True)
+    torch.save(rng_state(generator), os.path.join(folder, f"rng_rank{get_rank()}.pt"))
+    if is_rank_0():
+        write_json_atomic(os.path.join(folder, "state.json"), state)
+    return folder
+
+
+def publish(root, tag, keep_last=2):
+    """After every rank has written its share of ``tag``: rank 0 points ``latest`` at it and prunes older tags."""
+    barrier()
+    if is_rank_0():
+        write_json_atomic(os.path.join(root, LATEST), {"tag": tag})
+        _prune(root, tag, keep_last)
+    barrier()
+
+
+def latest_tag(root):
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["tag"]
+
+
+def read_trainer_state(root, tag):
+    """The ``state.json`` rank 0 saved with ``tag``."""
+    with open(os.path.join(trainer_folder(root, tag), "state.json")) as f:
+        state = json.load(f)
+    return state
+
+
+def load_rng(root, tag, generator=None):
+    """This rank's RNG states as saved with ``tag`` (``generator``'s too, if given)."""
+    path = os.path.join(trainer_folder(root, tag), f"rng_rank{get_rank()}.pt")
+    restore_rng(torch.load(path, weights_only=False), generator)
+
+
+def check_complete(root, tag, parts):
+    """The folders of ``tag`` are all there (``parts`` and the trainer's), saved by as many ranks as this run has
+    (the ZeRO and RNG states are per rank). Checked on every rank from the files alone, so all ranks fail together
+    (none waits in a collective) and before DeepSpeed's own errors, which name no flag."""
+    for part in (*parts, TRAINER):
+        if not os.path.isdir(os.path.join(root, part, tag)):
+            raise UsageError(f"--resume: {os.path.join(root, LATEST)} names checkpoint {tag}, but {root} has no "
+                             f"{part}/{tag} folder (removed or copied in part?); restore it, or start afresh "
+                             f"without --resume")
+    where = trainer_folder(root, tag)
+    saved_ranks = sum(1 for name in os.listdir(where) if name.startswith("rng_rank") and name.endswith(".pt"))
+    if saved_ranks != get_world_size():
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
+                         f"{get_world_size()}; its ZeRO and RNG states are per rank: resume on {saved_ranks} rank(s)")
+
+
+def check_same_flags(saved, now, restored, tag, root, step, why):
+    """The flags a checkpoint is bound to (``now``: {flag: value}) as it saved them (``saved``; a checkpoint that
+    stored none is not checked): any other value is a UsageError naming each, with ``why`` they bind it. The
+    ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates): another value is
+    said to change nothing."""
+    changed = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in now
+               if name in saved and saved[name] != now[name] and name not in restored]
+    if changed:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
+                         f"{'; '.join(changed)}. {why}: resume with the checkpoint's values, or start afresh without "
+                         f"--resume")
+    ignored = [f"--{name} {now[name]!r} (the checkpoint's: {saved[name]!r})" for name in restored
+               if name in saved and name in now and saved[name] != now[name]]
+    if ignored:
+        print_rank_0(f"[{step}] --resume: {', '.join(ignored)}: no effect, DeepSpeed restores the learning rates "
+                     "from the checkpoint")
+
+
+def clear_earlier_run(root):
+    """A run that starts afresh (no --resume) removes the checkpoints an earlier run left in ``root``, as it replaces
+    that run's log and models: kept, ``--resume`` after an interruption could continue that other run, and its tags
+    would mix with this run's. Returns whether there were any."""
+    found = os.path.isdir(root) and bool(os.listdir(root))
+    if found and is_rank_0():
+        shutil.rmtree(root)
+    barrier()
+    return found
+
+
+def _prune(root, current, keep_last):
+    """Keep the last ``keep_last`` tags up to ``current``, in every part. Tags after it belong to an earlier, longer
+    run in the same folder: kept, they would sort after this run's and be pruned in its place (tags sort as
+    positions)."""
+    tags = sorted(os.listdir(os.path.join(root, TRAINER)))
+    done = [t for t in tags if t <= current]
+    parts = [name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))]
+    for tag in done[:-keep_last] + [t for t in tags if t > current]:
+        for part in parts:
+            shutil.rmtree(os.path.join(root, part, tag), ignore_errors=True)
