@@ -130,6 +130,12 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     g.add_argument("--eval_iters", type=non_negative_int, default=100, help="Max eval batches per evaluation.")
     g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
     g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N optimizer steps (0: no limit).")
+    g.add_argument("--save_interval", type=non_negative_int, default=None,
+                   help="Checkpoint every N optimizer steps into <output_dir>/checkpoints, the last two kept (0: off; "
+                        "not given: off, and with --resume the interval of the run resumed).")
+    g.add_argument("--resume", action="store_true",
+                   help="Continue from the last checkpoint in <output_dir>/checkpoints (without it, a run removes an "
+                        "earlier run's checkpoints there).")
     return g
 
 

@@ -44,6 +44,32 @@ def build_dataloaders(train_dataset, eval_dataset, collator, train_batch_size, e
     return train, evaluation
 
 
+def reseed_epoch(loader, seed, epoch):
+    """Each epoch's data order depends on (seed, epoch) only, so a resumed run skips exactly what it consumed."""
+    sampler = loader.sampler
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    elif getattr(sampler, "generator", None) is not None:
+        sampler.generator.manual_seed(seed + epoch)
+
+
+def resumed_save_interval(given, checkpoint, step, unit):
+    """--save_interval as given; not given: the interval of the run a resume continues (``checkpoint``: its saved
+    position, None when not resuming), so that a second interruption loses no more, else 0 (off)."""
+    if given is not None:
+        return given
+    if checkpoint is None:
+        return 0
+    if "save_interval" not in checkpoint:  # a step-3 checkpoint written before it was kept
+        print_rank_0(f"[{step}] --resume: the checkpoint does not say its run's --save_interval; no further "
+                     "checkpoints unless --save_interval is given")
+    interval = checkpoint.get("save_interval", 0)
+    if interval:
+        print_rank_0(f"[{step}] checkpointing every {interval} {unit}, as the resumed run did (--save_interval "
+                     "changes it, 0 turns it off)")
+    return interval
+
+
 def make_optimizer(param_groups, lr, offload):
     """DeepSpeed's CPU Adam under offload, its fused Adam on GPUs, torch's AdamW otherwise (no JIT build on CPU)."""
     from deepspeed.accelerator import get_accelerator
@@ -231,40 +257,52 @@ def mean_across_ranks(values, device):
 
 
 def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, total_steps, writer=None,
-                 throughput=None):
-    """The optimizer-step loop shared by steps 1 and 2.
+                 throughput=None, position=None, save=None):
+    """The optimizer-step loop shared by steps 1 and 2 (and DPO).
 
     ``loss_fn(engine, batch) -> (loss, tokens_in_batch)``; ``evaluate() -> dict`` runs every
-    ``args.eval_interval`` optimizer steps (and is the caller's job at the end). Returns the mean train loss.
+    ``args.eval_interval`` optimizer steps (and is the caller's job at the end); ``save(position)`` every
+    ``args.save_interval`` steps. ``position``: where a resumed run continues (``steps.resume``), else the start.
+    Returns the mean train loss (over the whole run's micro-batches, a resumed run's included).
     """
-    step, micro, losses = 0, 0, []
-    grad_accum = args.gradient_accumulation_steps
-    for epoch in range(args.num_train_epochs):
-        if hasattr(train_loader.sampler, "set_epoch"):
-            train_loader.sampler.set_epoch(epoch)
+    position = dict(position or {"step": 0, "epoch": 0, "batch": 0, "loss_sum": 0.0, "loss_count": 0})
+    step, grad_accum = position["step"], args.gradient_accumulation_steps
+    micro = step * grad_accum  # checkpoints fall between steps: no micro-batch of a step is pending
+    loss_sum, loss_count, recent = position["loss_sum"], position["loss_count"], []
+    for epoch in range(position["epoch"], args.num_train_epochs):
+        reseed_epoch(train_loader, args.seed, epoch)
+        consumed = position["batch"] if epoch == position["epoch"] else 0
         engine.train()
         bar = progress(train_loader, len(train_loader), f"{name} epoch {epoch + 1}/{args.num_train_epochs}")
-        for batch in bar:
+        for index, batch in enumerate(bar):
+            if index < consumed:
+                continue  # trained on before the checkpoint this run resumed from
             batch = to_device(batch, device)
             loss, tokens = loss_fn(engine, batch)
             engine.backward(loss)
             optimizer_step(engine, name)
             micro += 1
-            losses.append(loss.item())
+            recent.append(loss.item())
             if throughput is not None:
                 throughput.update(batch["input_ids"].shape[0], tokens)
             if micro % grad_accum:
                 continue
             step += 1
-            _log_step(args, name, step, sum(losses[-grad_accum:]) / grad_accum, engine, writer, throughput, bar)
+            loss_sum, loss_count = loss_sum + sum(recent), loss_count + len(recent)
+            _log_step(args, name, step, sum(recent) / len(recent), engine, writer, throughput, bar)
+            recent = []
+            if save is not None and args.save_interval and step % args.save_interval == 0:
+                save({"step": step, "epoch": epoch, "batch": index + 1, "loss_sum": loss_sum,
+                      "loss_count": loss_count})
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 metrics = evaluate()
                 print_rank_0(f"[{name}] step {step} eval: {format_metrics(metrics)}")
                 _scalars(writer, f"{name}/eval", metrics, step)
                 engine.train()
             if step >= total_steps:
-                return sum(losses) / max(len(losses), 1)
-    return sum(losses) / max(len(losses), 1)
+                return loss_sum / max(loss_count, 1)
+    # (micro-batches short of a whole last step are trained on but never applied: counted as before)
+    return (loss_sum + sum(recent)) / max(loss_count + len(recent), 1)
 
 
 def _log_step(args, name, step, loss, engine, writer, throughput, bar):
@@ -357,10 +395,30 @@ def supervised_ds_config(args, name, quiet=False):
                                 ignore=("hybrid_engine",), quiet=quiet)
 
 
+def resume_or_start(engine, args, name):
+    """--resume: the position of the last checkpoint in the output folder, restored into ``engine`` (None when there
+    is none: the run starts over). Otherwise None, and an earlier run's checkpoints there are removed. Sets
+    ``args.save_interval`` (not given: the resumed run's)."""
+    from dschat.steps.resume import checkpoint_root, load_step_checkpoint
+    from dschat.utils.checkpoints import clear_earlier_run
+
+    root = checkpoint_root(args)
+    position = load_step_checkpoint(engine, args, name) if args.resume else None
+    if position is not None:
+        print_rank_0(f"[{name}] resumed from step {position['step']} ({root})")
+    elif args.resume:
+        print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from step 0")
+    elif clear_earlier_run(root):
+        print_rank_0(f"[{name}] starting afresh (no --resume): removed an earlier run's checkpoints from {root}")
+    args.save_interval = resumed_save_interval(args.save_interval, position, name, "steps")
+    return position
+
+
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
     from dschat.args import resolve_pad_to_multiple_of
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
+    from dschat.steps.resume import save_step_checkpoint
 
     started = time.time()
     device = setup_run(args)
@@ -389,12 +447,17 @@ def run_supervised_step(args, recipe):
     def evaluate():
         return recipe.evaluate_fn(engine, eval_loader, device, args.eval_iters)
 
-    print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
+    position = resume_or_start(engine, args, recipe.name)
+    if position is None:
+        print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
     throughput = Throughput(count_params(model), args.gradient_checkpointing)
-    writer = tensorboard_writer(args, recipe.name, purge_step=0)  # a re-run's curves replace the earlier run's
-    restart_deepspeed_tensorboard(engine)
+    # a re-run's curves replace the earlier run's; a resumed run's, those after its checkpoint
+    writer = tensorboard_writer(args, recipe.name, purge_step=position["step"] + 1 if position else 0)
+    if position is None:
+        restart_deepspeed_tensorboard(engine)
     train_loss = run_training(engine, train_loader, recipe.loss_fn, evaluate, args, device, recipe.name,
-                              total_steps, writer, throughput)
+                              total_steps, writer, throughput, position,
+                              save=lambda at: save_step_checkpoint(engine, args, at))
     metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **throughput.summary(), "steps": total_steps,
                "seconds": time.time() - started}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")

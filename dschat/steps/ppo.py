@@ -17,8 +17,9 @@ from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
-from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records,
-                                 restart_deepspeed_tensorboard, setup_run, tensorboard_writer, write_results)
+from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records, reseed_epoch,
+                                 restart_deepspeed_tensorboard, resumed_save_interval, setup_run, tensorboard_writer,
+                                 write_results)
 from dschat.utils.checkpoints import clear_earlier_run
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
@@ -57,15 +58,6 @@ def unsupervised_loader(args, tokenizer):
     return loader
 
 
-def reseed_epoch(loader, seed, epoch):
-    """Each epoch's prompt order depends on (seed, epoch) only, so a resumed run skips exactly what it consumed."""
-    sampler = loader.sampler
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
-    elif getattr(sampler, "generator", None) is not None:
-        sampler.generator.manual_seed(seed + epoch)
-
-
 def cycle(loader, seed, start=0):
     """Endless batches of the unsupervised data, a new epoch (and order) whenever it runs out, from the
     ``start``-th batch on (a resumed run skips the ones it consumed: the order depends on the seed only)."""
@@ -94,21 +86,6 @@ def check_accumulation(args):
         raise UsageError(f"{micro} PPO micro-batches per PPO epoch (generation batch x n_samples_per_prompt / "
                          f"training batch x generation_batches) is not a multiple of --gradient_accumulation_steps "
                          f"{gas}")
-
-
-def resumed_save_interval(given, position):
-    """--save_interval as given; not given: the interval of the run a resume continues (a resumed run keeps
-    checkpointing as the interrupted one did, so a second interruption loses no more), else 0 (off)."""
-    if given is not None:
-        return given
-    if position.get("iteration") and "save_interval" not in position:  # a checkpoint written before it was kept
-        print_rank_0("[step3] --resume: the checkpoint does not say its run's --save_interval; no further "
-                     "checkpoints unless --save_interval is given")
-    interval = position.get("save_interval", 0)
-    if interval:
-        print_rank_0(f"[step3] checkpointing every {interval} iterations, as the resumed run did (--save_interval "
-                     "changes it, 0 turns it off)")
-    return interval
 
 
 def split_rows(batch, micro_batch):
@@ -203,7 +180,7 @@ def main(args=None):
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)
     ckpt_root = os.path.join(args.output_dir, "checkpoints")
-    position = load_checkpoint(trainer, ckpt_root) if args.resume else None
+    checkpoint = position = load_checkpoint(trainer, ckpt_root) if args.resume else None
     log_path = os.path.join(args.output_dir, "step3_log.jsonl")
     if position is None:
         if args.resume:
@@ -220,7 +197,7 @@ def main(args=None):
         print_rank_0(f"[step3] resumed from iteration {position['iteration']}")
         before = position.get("eval_before")
         _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
-    args.save_interval = resumed_save_interval(args.save_interval, position)
+    args.save_interval = resumed_save_interval(args.save_interval, checkpoint, "step3", "iterations")
     print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
     # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again, a fresh one all
     # (an earlier run's events in the same folder are hidden from there on, as its jsonl log is cut)

@@ -1,0 +1,133 @@
+"""Checkpoints and --resume of steps 1, 2 and DPO (``dschat.steps.resume``): a resumed run ends with the weights and
+losses of the uninterrupted one, on one rank and on two with ZeRO-3."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dschat.errors import UsageError
+from dschat.steps import dpo, resume, reward, sft
+from helpers import SFT_FAST
+from launch import run_deepspeed
+
+# 38 micro-batches an epoch, 2 per step: 19 steps an epoch, and checkpoints every 3 steps fall in the second epoch too
+# (its data order must be drawn again on resume); dropout draws from the RNG the checkpoint restores.
+SFT_RESUME = [*SFT_FAST, "--max_seq_len", "48", "--data_split", "1,8,1", "--num_train_epochs", "2",
+              "--gradient_accumulation_steps", "2", "--dropout", "0.1", "--eval_iters", "1"]
+SMALL = [*SFT_FAST, "--max_seq_len", "48", "--data_split", "1,1,8", "--dropout", "0.1", "--eval_iters", "1",
+         "--per_device_train_batch_size", "8"]
+STEPS = {"sft": (sft.main, SFT_RESUME), "reward": (reward.main, SMALL), "dpo": (dpo.main, SMALL)}
+
+
+def _interrupt_after(monkeypatch, stop_step):
+    """The run stops (as if killed) right after it saved the checkpoint of ``stop_step``."""
+    real = resume.save_step_checkpoint
+
+    def save_then_stop(engine, args, position, *rest):
+        tag = real(engine, args, position, *rest)
+        if position["step"] == stop_step:
+            raise KeyboardInterrupt(tag)
+        return tag
+
+    monkeypatch.setattr(resume, "save_step_checkpoint", save_then_stop)
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+@pytest.mark.parametrize("step, stop_step", [("sft", 21), ("reward", 3), ("dpo", 3)])
+def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(step, stop_step, tmp_path, distributed, monkeypatch,
+                                                             capsys):
+    main, flags = STEPS[step]
+    common = [*flags, "--data_output_path", str(tmp_path / "data")]
+    if step == "sft" or step == "dpo":
+        common = [*common, "--model_name_or_path", "tiny-llama"]
+    if step == "dpo":  # DPO trains a policy against a frozen reference: an SFT-like model
+        common = [*common, "--beta", "0.1"]
+    full = main([*common, "--output_dir", str(tmp_path / "full")])
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, stop_step)
+        with pytest.raises(KeyboardInterrupt):
+            main([*common, "--output_dir", str(tmp_path / "split"), "--save_interval", "3"])
+    assert json.loads((tmp_path / "split" / "checkpoints" / "latest").read_text())["tag"] == f"step_{stop_step:07d}"
+    assert not (tmp_path / "split" / "metrics.json").exists()
+    capsys.readouterr()
+    resumed = main([*common, "--output_dir", str(tmp_path / "split"), "--resume"])
+    printed = capsys.readouterr().out
+    assert f"resumed from step {stop_step}" in printed and "before training" not in printed
+    assert "checkpointing every 3 steps, as the resumed run did" in printed
+    timings = {"samples_per_s", "tokens_per_s", "tflops_per_rank", "seconds"}
+    assert "train_loss" in full and full.keys() == resumed.keys()
+    for key in full.keys() - timings:  # the train loss over the whole run (the resumed part's too), the evaluation
+        assert resumed[key] == pytest.approx(full[key], rel=1e-6, abs=1e-7), key
+    expected, got = _weights(tmp_path / "full"), _weights(tmp_path / "split")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_resuming_with_other_settings_is_an_error_naming_them_before_deepspeed_loads(tmp_path, distributed,
+                                                                                      monkeypatch, capsys):
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+              "--max_steps", "2", "--save_interval", "2"]
+    reward.main(common)
+    loads = []
+    from deepspeed import DeepSpeedEngine
+
+    monkeypatch.setattr(DeepSpeedEngine, "load_checkpoint", lambda self, *a, **k: loads.append(1) or (None, {}))
+    with pytest.raises(UsageError, match=r"saved with other settings: --per_device_train_batch_size 8 -> 4; "
+                                         r"--seed 1234 -> 7\. .*without --resume"):
+        reward.main([*common, "--resume", "--per_device_train_batch_size", "4", "--seed", "7"])
+    assert loads == []
+    # DeepSpeed restores the learning rate: another one is said to change nothing, and the run resumes
+    capsys.readouterr()
+    reward.main([*common, "--resume", "--learning_rate", "1e-4"])
+    assert "--learning_rate 0.0001 (the checkpoint's: 0.002): no effect" in capsys.readouterr().out
+    assert loads == [1]
+
+
+def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_over(tmp_path, distributed, capsys):
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+              "--max_steps", "2"]
+    reward.main([*common, "--save_interval", "1"])
+    assert sorted(p.name for p in (tmp_path / "rm" / "checkpoints" / "model").iterdir()) == \
+        ["step_0000001", "step_0000002"]
+    capsys.readouterr()
+    longer = reward.main([*common[:-1], "3", "--resume"])  # a finished run extended: its last checkpoint goes on
+    assert "resumed from step 2" in capsys.readouterr().out and longer["steps"] == 3
+    reward.main(common)  # no --resume: the earlier run's checkpoints would pass for this run's
+    assert "removed an earlier run's checkpoints" in capsys.readouterr().out
+    assert not (tmp_path / "rm" / "checkpoints").exists()
+    reward.main([*common, "--resume"])
+    assert "--resume: no complete checkpoint in" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp_path):
+    from types import SimpleNamespace
+
+    from dschat.utils.checkpoints import LATEST
+
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    root = tmp_path / "checkpoints"
+    (root / "trainer" / "step_0000002").mkdir(parents=True)
+    (root / LATEST).write_text(json.dumps({"tag": "step_0000002"}))
+    with pytest.raises(UsageError, match=r"no model/step_0000002 folder"):
+        resume.load_step_checkpoint(None, args, "step2")
+    (root / "model" / "step_0000002").mkdir(parents=True)
+    for rank in (0, 1):
+        (root / "trainer" / "step_0000002" / f"rng_rank{rank}.pt").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1"):
+        resume.load_step_checkpoint(None, args, "step2")
+
+
+@pytest.mark.multirank
+def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(tmp_path):
+    script = Path(__file__).parent / "scripts" / "supervised_resume.py"
+    proc = run_deepspeed(script, str(tmp_path), timeout=900)
+    for rank in (0, 1):
+        assert f"rank {rank} resumed from step 4" in proc.stdout
+    assert "ZeRO-3 resume: weights equal the uninterrupted run's" in proc.stdout
