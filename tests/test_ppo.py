@@ -721,6 +721,7 @@ def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
     tag = "iter_0000002"
     state = root / "trainer" / tag
     state.mkdir(parents=True)
+    (state / "state.json").write_text(json.dumps({"iteration": 2, "epoch": 0, "batch": 2}))
     for rank in range(ranks):
         (state / f"rng_rank{rank}.pt").write_bytes(b"")
     if ema:

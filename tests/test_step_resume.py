@@ -82,11 +82,15 @@ def test_resuming_with_other_settings_is_an_error_naming_them_before_deepspeed_l
     with pytest.raises(UsageError, match=r"saved with other settings: --per_device_train_batch_size 8 -> 4; "
                                          r"--seed 1234 -> 7\. .*without --resume"):
         reward.main([*common, "--resume", "--per_device_train_batch_size", "4", "--seed", "7"])
+    with pytest.raises(UsageError, match=r"other settings: --model_name_or_path 'tiny-llama' -> 'tiny-opt'"):
+        reward.main([*common, "--resume", "--model_name_or_path", "tiny-opt"])  # (its tokenizer made the records)
     assert loads == []
     # DeepSpeed restores the learning rate: another one is said to change nothing, and the run resumes
     capsys.readouterr()
-    reward.main([*common, "--resume", "--learning_rate", "1e-4"])
-    assert "--learning_rate 0.0001 (the checkpoint's: 0.002): no effect" in capsys.readouterr().out
+    reward.main([*common, "--resume", "--learning_rate", "1e-4", "--weight_decay", "0.1"])
+    printed = capsys.readouterr().out
+    assert "--learning_rate 0.0001 (the checkpoint's: 0.002), --weight_decay 0.1 (the checkpoint's: 0.0): no " \
+           "effect" in printed
     assert loads == [1]
 
 
@@ -97,8 +101,14 @@ def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_o
     assert sorted(p.name for p in (tmp_path / "rm" / "checkpoints" / "model").iterdir()) == \
         ["step_0000001", "step_0000002"]
     capsys.readouterr()
+    finished = (tmp_path / "rm" / "model.safetensors").read_bytes()
+    again = reward.main([*common, "--resume"])  # the same command again (a requeued job): nothing more is trained
+    assert "resumed from step 2 " in capsys.readouterr().out and again["steps"] == 2
+    assert (tmp_path / "rm" / "model.safetensors").read_bytes() == finished
+    with pytest.raises(UsageError, match=r"at step 2, past this run's 1 steps"):
+        reward.main([*common[:-1], "1", "--resume"])
     longer = reward.main([*common[:-1], "3", "--resume"])  # a finished run extended: its last checkpoint goes on
-    assert "resumed from step 2" in capsys.readouterr().out and longer["steps"] == 3
+    assert "resumed from step 2 " in capsys.readouterr().out and longer["steps"] == 3
     reward.main(common)  # no --resume: the earlier run's checkpoints would pass for this run's
     assert "removed an earlier run's checkpoints" in capsys.readouterr().out
     assert not (tmp_path / "rm" / "checkpoints").exists()
@@ -118,6 +128,9 @@ def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp
     with pytest.raises(UsageError, match=r"no model/step_0000002 folder"):
         resume.load_step_checkpoint(None, args, "step2")
     (root / "model" / "step_0000002").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"no trainer/step_0000002/state.json"):
+        resume.load_step_checkpoint(None, args, "step2")
+    (root / "trainer" / "step_0000002" / "state.json").write_text("{}")
     for rank in (0, 1):
         (root / "trainer" / "step_0000002" / f"rng_rank{rank}.pt").write_bytes(b"")
     with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1"):

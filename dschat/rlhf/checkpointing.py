@@ -10,7 +10,7 @@ from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import restart_deepspeed_tensorboard
 from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rng, publish,
                                       read_trainer_state, save_trainer_state, trainer_folder)
-from dschat.utils.dist import is_rank_0
+from dschat.utils.dist import is_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
 # have the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them
@@ -52,11 +52,11 @@ def save_checkpoint(trainer, root, position, keep_last=2):
 
 
 def load_checkpoint(trainer, root):
-    """Restore the last complete checkpoint under ``root``; returns its position dict (None if none)."""
-    tag = latest_tag(root)
+    """Restore the last complete checkpoint under ``root``; returns its position dict (None if none). Rank 0 picks
+    and checks it for every rank, before DeepSpeed loads anything."""
+    tag = rank_0_decides(lambda: _checked_latest(trainer, root))
     if tag is None:
         return None
-    check_resumable(trainer, root, tag)
     for name, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
         if engine is not None:
             engine.load_checkpoint(os.path.join(root, name), tag=tag)
@@ -70,6 +70,13 @@ def load_checkpoint(trainer, root):
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state
+
+
+def _checked_latest(trainer, root):
+    tag = latest_tag(root)
+    if tag is not None:
+        check_resumable(trainer, root, tag)
+    return tag
 
 
 def check_resumable(trainer, root, tag):

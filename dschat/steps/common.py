@@ -269,6 +269,8 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
     step, grad_accum = position["step"], args.gradient_accumulation_steps
     micro = step * grad_accum  # checkpoints fall between steps: no micro-batch of a step is pending
     loss_sum, loss_count, recent = position["loss_sum"], position["loss_count"], []
+    if step >= total_steps:  # resumed from the last step's checkpoint
+        return loss_sum / max(loss_count, 1)
     for epoch in range(position["epoch"], args.num_train_epochs):
         reseed_epoch(train_loader, args.seed, epoch)
         consumed = position["batch"] if epoch == position["epoch"] else 0
@@ -395,17 +397,23 @@ def supervised_ds_config(args, name, quiet=False):
                                 ignore=("hybrid_engine",), quiet=quiet)
 
 
-def resume_or_start(engine, args, name):
+def resume_or_start(engine, args, name, total_steps):
     """--resume: the position of the last checkpoint in the output folder, restored into ``engine`` (None when there
     is none: the run starts over). Otherwise None, and an earlier run's checkpoints there are removed. Sets
-    ``args.save_interval`` (not given: the resumed run's)."""
+    ``args.save_interval`` (not given: the resumed run's). A checkpoint past this run's ``total_steps`` is an error
+    (the run would train on, past the end of its schedule)."""
     from dschat.steps.resume import checkpoint_root, load_step_checkpoint
     from dschat.utils.checkpoints import clear_earlier_run
 
     root = checkpoint_root(args)
     position = load_step_checkpoint(engine, args, name) if args.resume else None
     if position is not None:
-        print_rank_0(f"[{name}] resumed from step {position['step']} ({root})")
+        if position["step"] > total_steps:
+            raise UsageError(f"--resume: the last checkpoint in {root} is at step {position['step']}, past this run's "
+                             f"{total_steps} steps (--max_steps, --num_train_epochs): give at least as many, or start "
+                             "afresh without --resume")
+        print_rank_0(f"[{name}] resumed from step {position['step']} ({root})"
+                     + (": its last step, nothing left to train" if position["step"] == total_steps else ""))
     elif args.resume:
         print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from step 0")
     elif clear_earlier_run(root):
@@ -447,7 +455,7 @@ def run_supervised_step(args, recipe):
     def evaluate():
         return recipe.evaluate_fn(engine, eval_loader, device, args.eval_iters)
 
-    position = resume_or_start(engine, args, recipe.name)
+    position = resume_or_start(engine, args, recipe.name, total_steps)
     if position is None:
         print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
     throughput = Throughput(count_params(model), args.gradient_checkpointing)

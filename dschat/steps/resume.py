@@ -1,26 +1,30 @@
 """Checkpoints of steps 1, 2 and DPO: ``--save_interval N`` saves every N optimizer steps into
 ``<output_dir>/checkpoints`` the model's DeepSpeed engine (weights, optimizer, scheduler), the position in the data
 (epoch and micro-batches consumed), the train-loss sums and each rank's RNG states (dropout); ``--resume`` continues
-from the last complete one (the tag folders and ``latest`` pointer of ``dschat.utils.checkpoints``, as step 3's)."""
+from the last complete one (the tag folders and ``latest`` pointer of ``dschat.utils.checkpoints``, as step 3's). The
+output folder must be one that every rank sees (shared storage), as for DeepSpeed's own checkpoints."""
 import os
 
 from dschat.steps.common import restart_deepspeed_tensorboard
 from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rng, publish,
-                                      read_trainer_state, save_trainer_state)
+                                      read_rank_state, read_trainer_state, save_trainer_state)
+from dschat.utils.dist import rank_0_decides
 
 MODEL = "model"
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
-# the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them, and
-# its position counts micro-batches of this size, grouped into steps of this many, of the records these data flags
-# make, in the order this seed draws (otherwise a resumed run silently skips or repeats records).
-RESUME_FLAGS = ("lora_dim", "lora_module_name", "only_optimize_lora", "zero_stage", "dtype", "offload",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_path", "data_split",
-                "data_fields", "max_seq_len", "sft_only_data_path")
-# DeepSpeed restores the optimizer's learning rates from the checkpoint: another value is said to change nothing.
-RESTORED_FLAGS = ("learning_rate", "lora_learning_rate")
-BOUND_WHY = ("Its model and optimizer states (LoRA layout, ZeRO stage, precision, offload) and its place in the data "
-             "(micro-batches of --per_device_train_batch_size, steps of --gradient_accumulation_steps, of the records "
-             "its data flags make, in --seed's order) hold for its own")
+# the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them; its
+# records are tokenized by the model's tokenizer (and DPO's frozen reference is that model); and its position counts
+# micro-batches of this size, grouped into steps of this many, of the records these data flags make, in the order
+# this seed draws (otherwise a resumed run silently skips or repeats records).
+RESUME_FLAGS = ("model_name_or_path", "add_eot_token", "eot_token", "lora_dim", "lora_module_name", "lora_alpha",
+                "only_optimize_lora", "zero_stage", "dtype", "offload", "per_device_train_batch_size",
+                "gradient_accumulation_steps", "seed", "data_path", "data_split", "data_fields", "max_seq_len",
+                "sft_only_data_path")
+# Restored by DeepSpeed with the optimizer's state: another value is said to change nothing.
+RESTORED_FLAGS = ("learning_rate", "lora_learning_rate", "weight_decay")
+BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, ZeRO stage, precision, offload) and its place in the "
+             "data (micro-batches of --per_device_train_batch_size, steps of --gradient_accumulation_steps, of the "
+             "records its data flags and tokenizer make, in --seed's order) hold for its own")
 
 
 def checkpoint_root(args):
@@ -28,24 +32,28 @@ def checkpoint_root(args):
 
 
 def resume_flags(args):
-    return {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS}
+    flags = {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS}
+    if flags["model_name_or_path"] and os.path.isdir(flags["model_name_or_path"]):  # the same folder, however named
+        flags["model_name_or_path"] = os.path.abspath(flags["model_name_or_path"])
+    return flags
 
 
 def save_step_checkpoint(engine, args, position, keep_last=2):
-    """Every rank: the engine's states and this rank's RNG under tag ``step_<N>``; ``position``: {"step", "epoch",
-    "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count"}."""
+    """Every rank: the engine's states, this rank's RNG and train-loss sums under tag ``step_<N>``; ``position``:
+    {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's)}."""
     root = checkpoint_root(args)
     tag = f"step_{position['step']:07d}"
     engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
-    save_trainer_state(root, tag, {**position, "save_interval": args.save_interval, "flags": resume_flags(args)})
+    place = {key: position[key] for key in ("step", "epoch", "batch")}
+    sums = {key: position[key] for key in ("loss_sum", "loss_count")}
+    save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args)},
+                       rank_state=sums)
     publish(root, tag, keep_last)
     return tag
 
 
-def load_step_checkpoint(engine, args, step):
-    """Restore the last complete checkpoint of this step's output folder into ``engine`` (weights, optimizer,
-    scheduler) and this rank's RNG; returns its position (None when there is none). The checks come first, on every
-    rank, so a checkpoint of another setup is one error naming the flags, before DeepSpeed loads anything."""
+def _checked_latest(args, step):
+    """(tag, saved position) of the last complete checkpoint that this run may continue, else None."""
     root = checkpoint_root(args)
     tag = latest_tag(root)
     if tag is None:
@@ -53,7 +61,20 @@ def load_step_checkpoint(engine, args, step):
     check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
     check_same_flags(state.pop("flags", {}), resume_flags(args), RESTORED_FLAGS, tag, root, step, BOUND_WHY)
+    return tag, state
+
+
+def load_step_checkpoint(engine, args, step):
+    """Restore the last complete checkpoint of this step's output folder into ``engine`` (weights, optimizer,
+    scheduler), and this rank's RNG; returns its position with this rank's loss sums (None when there is none).
+    Rank 0 picks and checks it for every rank, before DeepSpeed loads anything: a checkpoint of another setup is
+    one error naming the flags, on every rank."""
+    found = rank_0_decides(lambda: _checked_latest(args, step))
+    if found is None:
+        return None
+    tag, position = found
+    root = checkpoint_root(args)
     engine.load_checkpoint(os.path.join(root, MODEL), tag=tag)
     restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     load_rng(root, tag)
-    return state
+    return {**position, **read_rank_state(root, tag)}

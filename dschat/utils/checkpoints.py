@@ -45,11 +45,14 @@ def trainer_folder(root, tag):
     return os.path.join(root, TRAINER, tag)
 
 
-def save_trainer_state(root, tag, state, generator=None):
-    """Each rank's RNG state, and rank 0's ``state`` (JSON), into ``trainer/<tag>``; returns that folder."""
+def save_trainer_state(root, tag, state, generator=None, rank_state=None):
+    """Each rank's RNG state (and ``rank_state``, JSON: what differs between ranks), and rank 0's ``state`` (JSON),
+    into ``trainer/<tag>``; returns that folder."""
     folder = trainer_folder(root, tag)
     os.makedirs(folder, exist_ok=True)
     torch.save(rng_state(generator), os.path.join(folder, f"rng_rank{get_rank()}.pt"))
+    if rank_state is not None:
+        write_json_atomic(os.path.join(folder, f"rank{get_rank()}.json"), rank_state)
     if is_rank_0():
         write_json_atomic(os.path.join(folder, "state.json"), state)
     return folder
@@ -79,6 +82,12 @@ def read_trainer_state(root, tag):
     return state
 
 
+def read_rank_state(root, tag):
+    """This rank's ``rank_state`` saved with ``tag``."""
+    with open(os.path.join(trainer_folder(root, tag), f"rank{get_rank()}.json")) as f:
+        return json.load(f)
+
+
 def load_rng(root, tag, generator=None):
     """This rank's RNG states as saved with ``tag`` (``generator``'s too, if given)."""
     path = os.path.join(trainer_folder(root, tag), f"rng_rank{get_rank()}.pt")
@@ -86,7 +95,7 @@ def load_rng(root, tag, generator=None):
 
 
 def check_complete(root, tag, parts):
-    """The folders of ``tag`` are all there (``parts`` and the trainer's), saved by as many ranks as this run has
+    """The folders of ``tag`` are all there (``parts`` and the trainer's, with its state), saved by as many ranks as this run has
     (the ZeRO and RNG states are per rank). Checked on every rank from the files alone, so all ranks fail together
     (none waits in a collective) and before DeepSpeed's own errors, which name no flag."""
     for part in (*parts, TRAINER):
@@ -95,6 +104,9 @@ def check_complete(root, tag, parts):
                              f"{part}/{tag} folder (removed or copied in part?); restore it, or start afresh "
                              f"without --resume")
     where = trainer_folder(root, tag)
+    if not os.path.isfile(os.path.join(where, "state.json")):
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has no {TRAINER}/{tag}/state.json (removed or copied "
+                         f"in part?); restore it, or start afresh without --resume")
     saved_ranks = sum(1 for name in os.listdir(where) if name.startswith("rng_rank") and name.endswith(".pt"))
     if saved_ranks != get_world_size():
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
@@ -104,8 +116,8 @@ def check_complete(root, tag, parts):
 def check_same_flags(saved, now, restored, tag, root, step, why):
     """The flags a checkpoint is bound to (``now``: {flag: value}) as it saved them (``saved``; a checkpoint that
     stored none is not checked): any other value is a UsageError naming each, with ``why`` they bind it. The
-    ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates): another value is
-    said to change nothing."""
+    ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates and weight decay):
+    another value is said to change nothing."""
     changed = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in now
                if name in saved and saved[name] != now[name] and name not in restored]
     if changed:
@@ -115,8 +127,8 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
     ignored = [f"--{name} {now[name]!r} (the checkpoint's: {saved[name]!r})" for name in restored
                if name in saved and name in now and saved[name] != now[name]]
     if ignored:
-        print_rank_0(f"[{step}] --resume: {', '.join(ignored)}: no effect, DeepSpeed restores the learning rates "
-                     "from the checkpoint")
+        print_rank_0(f"[{step}] --resume: {', '.join(ignored)}: no effect, DeepSpeed restores the optimizer's "
+                     "settings (learning rates, weight decay) from the checkpoint")
 
 
 def clear_earlier_run(root):
@@ -124,6 +136,7 @@ def clear_earlier_run(root):
     that run's log and models: kept, ``--resume`` after an interruption could continue that other run, and its tags
     would mix with this run's. Returns whether there were any."""
     found = os.path.isdir(root) and bool(os.listdir(root))
+    barrier()  # every rank has looked before rank 0 removes
     if found and is_rank_0():
         shutil.rmtree(root)
     barrier()

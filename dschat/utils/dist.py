@@ -91,6 +91,27 @@ def barrier():
         torch.distributed.barrier()
 
 
+def rank_0_decides(decide):
+    """``decide()`` run on rank 0, and its result on every rank (its UsageError raised on every rank): a decision
+    made from files, such as which checkpoint to resume and whether it fits, is made once, so that no rank goes on
+    into a collective (DeepSpeed's loading, an evaluation) while another stops."""
+    from dschat.errors import UsageError
+
+    if get_world_size() == 1:
+        return decide()
+    outcome = [None]
+    if is_rank_0():
+        try:
+            outcome[0] = (True, decide())
+        except UsageError as error:
+            outcome[0] = (False, str(error))
+    torch.distributed.broadcast_object_list(outcome, src=0)
+    decided, value = outcome[0]
+    if not decided:
+        raise UsageError(value)
+    return value
+
+
 def local_device():
     """The accelerator device of this rank (``cpu`` under DeepSpeed's CPU accelerator)."""
     from deepspeed.accelerator import get_accelerator

@@ -1,5 +1,5 @@
-"""2 ranks, ZeRO-3: step 1 interrupted right after its step-4 checkpoint and resumed ends with the weights of the
-uninterrupted run (each rank's partitions and optimizer states, and its RNG, restored).
+"""2 ranks, ZeRO-3: step 1 interrupted right after its step-4 checkpoint and resumed ends with the weights, train loss
+and eval loss of the uninterrupted run (each rank's partitions, optimizer states, RNG and loss sums restored).
 
 Run by tests/test_step_resume.py through the deepspeed launcher: ``supervised_resume.py <scratch folder>``.
 """
@@ -25,7 +25,7 @@ def main():
     common = [*SFT_FAST, "--max_seq_len", "48", "--data_split", "1,8,1", "--zero_stage", "3", "--max_steps", "6",
               "--per_device_train_batch_size", "8", "--dropout", "0.1", "--eval_iters", "1",
               "--data_output_path", str(out / "data")]
-    sft.main([*common, "--output_dir", str(out / "full")])
+    full = sft.main([*common, "--output_dir", str(out / "full")])
 
     real_save, real_load, resumed_at = resume.save_step_checkpoint, resume.load_step_checkpoint, []
 
@@ -46,8 +46,11 @@ def main():
     except KeyboardInterrupt:
         pass
     resume.save_step_checkpoint = real_save
-    sft.main([*common, "--output_dir", str(out / "split"), "--resume"])
+    resumed = sft.main([*common, "--output_dir", str(out / "split"), "--resume"])
     print(f"rank {get_rank()} resumed from step {resumed_at[0]}", flush=True)
+    # the mean over both ranks of each one's train loss: each rank's sums were restored, not rank 0's
+    assert abs(resumed["train_loss"] - full["train_loss"]) < 1e-6, (resumed["train_loss"], full["train_loss"])
+    assert abs(resumed["eval_loss"] - full["eval_loss"]) < 1e-6, (resumed["eval_loss"], full["eval_loss"])
     barrier()
     if get_rank() == 0:
         expected, got = load_file(str(out / "full" / "model.safetensors")), load_file(str(out / "split" /
