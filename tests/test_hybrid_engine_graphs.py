@@ -55,6 +55,46 @@ def test_on_cpu_graphs_fall_back_to_eager_with_one_notice(caplog):
     assert engine.graph_decoder.captures == 0
 
 
+def test_a_failed_capture_decodes_eagerly_and_unmarks_the_generators_it_marked(monkeypatch, caplog):
+    """A failed capture leaves torch's CUDA generators marked as capturing, and every later draw outside a graph
+    (HF generate's sampling in the next step-3 run of the process) raised; the GPU side is
+    tests/scripts/rng_after_graphs.py."""
+    from dschat.hybrid_engine import graphs
+
+    model = tiny_model("llama", seed=1)
+    engine = _engine(model)
+    decoder = _uncaptured(engine)
+    decoder._rng = own = torch.Generator()
+    unmarked = []
+    monkeypatch.setattr(graphs, "unmark_capturing", lambda *gens: unmarked.append(gens))
+    monkeypatch.setattr(GraphDecoder, "_capture", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("invalidated")))
+    ids, mask = left_padded_batch([5, 2], seed=1)
+    engine.eval()
+    with caplog.at_level(logging.WARNING, logger="dschat.hybrid_engine.graphs"):
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=8)
+    assert torch.equal(got, hf_generate(model, ids, mask, 8))
+    assert unmarked == [(torch.default_generator, own)] and decoder._rng is None
+    assert any("capturing the decode step failed (RuntimeError: invalidated)" in r.getMessage() for r in caplog.records)
+
+
+def test_unmark_capturing_gives_cuda_generators_a_fresh_state_of_the_same_seed_and_offset():
+    from dschat.hybrid_engine.graphs import unmark_capturing
+
+    class Generator:
+        def __init__(self, device):
+            self.device, self.calls = torch.device(device), []
+
+        def clone_state(self):
+            return ("clone of", self)
+
+        def graphsafe_set_state(self, state):
+            self.calls.append(state)
+
+    cuda, cpu = Generator("cuda"), Generator("cpu")
+    unmark_capturing(cuda, None, cpu)
+    assert cuda.calls == [("clone of", cuda)] and cpu.calls == []
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gpt2", "bloom"])  # bloom: ALiBi's mask
 def test_graph_step_logic_equals_hf_with_padding_rows_eos_and_min_new_tokens(family):
     model = tiny_model(family, seed=2)

@@ -266,6 +266,17 @@ class FinishedProbe:
         return bool(self.host)
 
 
+def unmark_capturing(*generators):
+    """A capture marks the CUDA generators it may draw from (the device's default one always, and the engine's) as
+    capturing until it ends; one that fails ends without unmarking them (torch's capture_end raises first), and every
+    later draw from them outside a graph raises "Offset increment outside graph capture encountered unexpectedly"
+    (HF generate's sampling, dropout, ``torch.rand``). Each gets a fresh, unmarked state with the same seed and
+    offset."""
+    for generator in generators:
+        if generator is not None and generator.device.type == "cuda":
+            generator.graphsafe_set_state(generator.clone_state())
+
+
 def default_generator(device):
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
@@ -403,6 +414,8 @@ class GraphDecoder:
             try:
                 decoder = self._capture(model, cache, key, input_ids, attention_mask, max_new_tokens, min_new_tokens)
             except Exception as error:  # noqa: BLE001 - any capture failure means: this model decodes eagerly
+                unmark_capturing(default_generator(device), self._rng)
+                self._rng = None
                 self.disable(f"capturing the decode step failed ({type(error).__name__}: {error})")
                 return None
         return decoder
