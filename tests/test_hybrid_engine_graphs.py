@@ -77,6 +77,30 @@ def test_a_failed_capture_decodes_eagerly_and_unmarks_the_generators_it_marked(m
     assert any("capturing the decode step failed (RuntimeError: invalidated)" in r.getMessage() for r in caplog.records)
 
 
+def test_generation_skips_deepspeeds_training_forward_hooks_and_training_keeps_them(monkeypatch):
+    """DeepSpeed's module forward hooks start its throughput timer, which synchronizes the device after two optimizer
+    steps: on the GPU every CUDA-graph capture after the second step (e.g. a resumed step-3 run's first) failed."""
+    from deepspeed import DeepSpeedEngine
+
+    calls = []
+    prologue = DeepSpeedEngine._forward_prologue
+    monkeypatch.setattr(DeepSpeedEngine, "_forward_prologue",
+                        lambda self, *a, **k: calls.append("prologue") or prologue(self, *a, **k))
+    model = tiny_model("llama", seed=4)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([5, 3], seed=4)
+    for _ in range(3):
+        _train_step(engine, ids)
+    assert engine._engine.tput_timer.global_step_count >= 2  # where its start() synchronizes
+    calls.clear()
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+    assert calls == [] and torch.equal(got, hf_generate(model, ids, mask, 6))
+    engine.train()
+    engine(input_ids=ids, attention_mask=mask)  # a training forward: DeepSpeed's hooks run again
+    assert calls and set(calls) == {"prologue"}
+
+
 def test_unmark_capturing_gives_cuda_generators_a_fresh_state_of_the_same_seed_and_offset():
     from dschat.hybrid_engine.graphs import unmark_capturing
 

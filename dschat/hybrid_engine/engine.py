@@ -334,7 +334,8 @@ class HybridEngine:
         was_training = model.training
         model.eval()  # no dropout while sampling, even if the caller skipped eval()
         try:
-            with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention), self._fused_projections():
+            with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention), self._fused_projections(), \
+                    without_training_forward_hooks(self._engine):
                 result = None
                 if self._graphs_usable(device):
                     result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,
@@ -487,6 +488,27 @@ class HybridEngine:
             line += f"|AvgSamplesPerSec={s['avg_samples_per_sec']:.2f}"
         print(line, flush=True)
         return s
+
+
+@contextlib.contextmanager
+def without_training_forward_hooks(ds_engine):
+    """DeepSpeed's hooks on its module's forward belong to the training step: its throughput timer, which synchronizes
+    the device once the engine has taken two optimizer steps, the wall-clock timers and the flops profiler. A decode
+    through the training module ran them on every token, and a CUDA-graph capture after the second optimizer step (a
+    resumed run's first generation, a new batch-size bucket, a cache that grew) failed on that synchronize, so every
+    later generation ran eagerly. While the engine generates, what the hooks call does nothing (the hooks stay, in
+    their order). Under ZeRO-3 they run: they also mark the forward for ZeRO-3's discovery of parameters used outside
+    their module."""
+    partitioned = getattr(ds_engine, "zero_optimization_partition_weights", lambda: True)()
+    if partitioned or not hasattr(ds_engine, "_forward_prologue"):
+        yield
+        return
+    ds_engine._forward_prologue = lambda inputs, kwargs: None  # (instance attributes: the class's methods stay)
+    ds_engine._forward_epilogue = lambda: None
+    try:
+        yield
+    finally:
+        del ds_engine._forward_prologue, ds_engine._forward_epilogue
 
 
 @contextlib.contextmanager
