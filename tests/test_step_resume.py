@@ -84,13 +84,13 @@ def test_resuming_with_other_settings_is_an_error_naming_them_before_deepspeed_l
         reward.main([*common, "--resume", "--per_device_train_batch_size", "4", "--seed", "7"])
     with pytest.raises(UsageError, match=r"other settings: --model_name_or_path 'tiny-llama' -> 'tiny-opt'"):
         reward.main([*common, "--resume", "--model_name_or_path", "tiny-opt"])  # (its tokenizer made the records)
+    with pytest.raises(UsageError, match=r"other settings: --weight_decay 0.0 -> 0.1"):  # (other parameter groups)
+        reward.main([*common, "--resume", "--weight_decay", "0.1"])
     assert loads == []
     # DeepSpeed restores the learning rate: another one is said to change nothing, and the run resumes
     capsys.readouterr()
-    reward.main([*common, "--resume", "--learning_rate", "1e-4", "--weight_decay", "0.1"])
-    printed = capsys.readouterr().out
-    assert "--learning_rate 0.0001 (the checkpoint's: 0.002), --weight_decay 0.1 (the checkpoint's: 0.0): no " \
-           "effect" in printed
+    reward.main([*common, "--resume", "--learning_rate", "1e-4"])
+    assert "--learning_rate 0.0001 (the checkpoint's: 0.002): no effect" in capsys.readouterr().out
     assert loads == [1]
 
 
@@ -131,8 +131,10 @@ def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp
     with pytest.raises(UsageError, match=r"no trainer/step_0000002/state.json"):
         resume.load_step_checkpoint(None, args, "step2")
     (root / "trainer" / "step_0000002" / "state.json").write_text("{}")
-    for rank in (0, 1):
-        (root / "trainer" / "step_0000002" / f"rng_rank{rank}.pt").write_bytes(b"")
+    (root / "trainer" / "step_0000002" / "rng_rank0.pt").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"lacks the train-loss sums of rank\(s\) \[0\]"):
+        resume.load_step_checkpoint(None, args, "step2")
+    (root / "trainer" / "step_0000002" / "rng_rank1.pt").write_bytes(b"")
     with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1"):
         resume.load_step_checkpoint(None, args, "step2")
 
@@ -144,3 +146,25 @@ def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(
     for rank in (0, 1):
         assert f"rank {rank} resumed from step 4" in proc.stdout
     assert "ZeRO-3 resume: weights equal the uninterrupted run's" in proc.stdout
+
+
+def test_pruning_keeps_the_last_complete_checkpoints_and_removes_partial_and_later_ones(tmp_path):
+    """A save killed part-way left its model folder and no trainer state; it was never pruned (a multi-GB leftover)."""
+    from dschat.utils import checkpoints
+
+    def tag(n, model=True, state=True):
+        name = f"step_{n:07d}"
+        if model:
+            (tmp_path / "model" / name).mkdir(parents=True)
+        (tmp_path / "trainer" / name).mkdir(parents=True)
+        if state:
+            (tmp_path / "trainer" / name / "state.json").write_text("{}")
+
+    for n in (1, 2, 4, 9):  # 9: an earlier, longer run's
+        tag(n)
+    tag(3, state=False)  # killed while saving
+    (tmp_path / "model" / "zero_to_fp32.py").write_text("# DeepSpeed's script beside the tags")
+    checkpoints._prune(str(tmp_path), "step_0000004", keep_last=2)
+    for part in ("model", "trainer"):
+        assert sorted(p.name for p in (tmp_path / part).iterdir() if p.is_dir()) == ["step_0000002", "step_0000004"]
+    assert (tmp_path / "model" / "zero_to_fp32.py").is_file()

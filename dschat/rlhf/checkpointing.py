@@ -23,9 +23,11 @@ DATA_RESUME_FLAGS = ("data_path", "data_split", "data_fields", "max_prompt_seq_l
 # The unsupervised stream's blocks are max_prompt_seq_len + max_answer_seq_len tokens: with one, its position counts
 # blocks of that length.
 UNSUPERVISED_RESUME_FLAGS = ("max_answer_seq_len",)
-ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_zero_stage", "dtype",
-                      "offload", "per_device_generation_batch_size", "seed") + DATA_RESUME_FLAGS
-CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_zero_stage")
+# (The weight decays too: the optimizers' parameter groups depend on whether it is 0.)
+ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_weight_decay",
+                      "actor_zero_stage", "dtype", "offload", "per_device_generation_batch_size", "seed") \
+    + DATA_RESUME_FLAGS
+CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_weight_decay", "critic_zero_stage")
 # Flags whose saved value DeepSpeed restores (the optimizer's and the scheduler's base learning rates): another value
 # on --resume is said to change nothing, not refused. (--lr_scheduler_type and --num_warmup_steps do apply: the
 # restored scheduler keeps its step and base rates, the schedule's shape comes from the flags.)

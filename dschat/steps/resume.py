@@ -6,9 +6,10 @@ output folder must be one that every rank sees (shared storage), as for DeepSpee
 import os
 
 from dschat.steps.common import restart_deepspeed_tensorboard
+from dschat.errors import UsageError
 from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rng, publish,
-                                      read_rank_state, read_trainer_state, save_trainer_state)
-from dschat.utils.dist import rank_0_decides
+                                      read_rank_state, read_trainer_state, save_trainer_state, trainer_folder)
+from dschat.utils.dist import get_world_size, rank_0_decides
 
 MODEL = "model"
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -16,13 +17,15 @@ MODEL = "model"
 # records are tokenized by the model's tokenizer (and DPO's frozen reference is that model); and its position counts
 # micro-batches of this size, grouped into steps of this many, of the records these data flags make, in the order
 # this seed draws (otherwise a resumed run silently skips or repeats records).
+# (--weight_decay too: the optimizer's parameter groups depend on whether it is 0.)
 RESUME_FLAGS = ("model_name_or_path", "add_eot_token", "eot_token", "lora_dim", "lora_module_name", "lora_alpha",
-                "only_optimize_lora", "zero_stage", "dtype", "offload", "per_device_train_batch_size",
+                "only_optimize_lora", "weight_decay", "zero_stage", "dtype", "offload", "per_device_train_batch_size",
                 "gradient_accumulation_steps", "seed", "data_path", "data_split", "data_fields", "max_seq_len",
                 "sft_only_data_path")
 # Restored by DeepSpeed with the optimizer's state: another value is said to change nothing.
-RESTORED_FLAGS = ("learning_rate", "lora_learning_rate", "weight_decay")
-BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, ZeRO stage, precision, offload) and its place in the "
+RESTORED_FLAGS = ("learning_rate", "lora_learning_rate")
+BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, weight decay, ZeRO stage, precision, offload) and its "
+             "place in the "
              "data (micro-batches of --per_device_train_batch_size, steps of --gradient_accumulation_steps, of the "
              "records its data flags and tokenizer make, in --seed's order) hold for its own")
 
@@ -59,6 +62,12 @@ def _checked_latest(args, step):
     if tag is None:
         return None
     check_complete(root, tag, (MODEL,))
+    missing = [rank for rank in range(get_world_size())
+               if not os.path.isfile(os.path.join(trainer_folder(root, tag), f"rank{rank}.json"))]
+    if missing:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} lacks the train-loss sums of rank(s) {missing} "
+                         f"(trainer/{tag}/rank<N>.json: removed or copied in part?); restore them, or start afresh "
+                         "without --resume")
     state = read_trainer_state(root, tag)
     check_same_flags(state.pop("flags", {}), resume_flags(args), RESTORED_FLAGS, tag, root, step, BOUND_WHY)
     return tag, state

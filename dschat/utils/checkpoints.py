@@ -64,6 +64,7 @@ def publish(root, tag, keep_last=2):
     if is_rank_0():
         write_json_atomic(os.path.join(root, LATEST), {"tag": tag})
         _prune(root, tag, keep_last)
+        print_rank_0(f"checkpoint {tag} saved in {root} (the last {keep_last} are kept)")
     barrier()
 
 
@@ -116,8 +117,8 @@ def check_complete(root, tag, parts):
 def check_same_flags(saved, now, restored, tag, root, step, why):
     """The flags a checkpoint is bound to (``now``: {flag: value}) as it saved them (``saved``; a checkpoint that
     stored none is not checked): any other value is a UsageError naming each, with ``why`` they bind it. The
-    ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates and weight decay):
-    another value is said to change nothing."""
+    ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates): another value is
+    said to change nothing."""
     changed = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in now
                if name in saved and saved[name] != now[name] and name not in restored]
     if changed:
@@ -127,8 +128,8 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
     ignored = [f"--{name} {now[name]!r} (the checkpoint's: {saved[name]!r})" for name in restored
                if name in saved and name in now and saved[name] != now[name]]
     if ignored:
-        print_rank_0(f"[{step}] --resume: {', '.join(ignored)}: no effect, DeepSpeed restores the optimizer's "
-                     "settings (learning rates, weight decay) from the checkpoint")
+        print_rank_0(f"[{step}] --resume: {', '.join(ignored)}: no effect, DeepSpeed restores the learning rates "
+                     "from the checkpoint")
 
 
 def clear_earlier_run(root):
@@ -144,12 +145,15 @@ def clear_earlier_run(root):
 
 
 def _prune(root, current, keep_last):
-    """Keep the last ``keep_last`` tags up to ``current``, in every part. Tags after it belong to an earlier, longer
-    run in the same folder: kept, they would sort after this run's and be pruned in its place (tags sort as
-    positions)."""
-    tags = sorted(os.listdir(os.path.join(root, TRAINER)))
-    done = [t for t in tags if t <= current]
+    """Keep the last ``keep_last`` complete tags up to ``current`` (those with their trainer state), in every part;
+    remove every other tag: older ones, ones a save killed part-way left, and ones after ``current``, which belong to
+    an earlier, longer run in the same folder (kept, they would sort after this run's and be pruned in its place)."""
     parts = [name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))]
-    for tag in done[:-keep_last] + [t for t in tags if t > current]:
-        for part in parts:
-            shutil.rmtree(os.path.join(root, part, tag), ignore_errors=True)
+    tags = sorted({tag for part in parts for tag in os.listdir(os.path.join(root, part))  # (DeepSpeed puts its
+                   if os.path.isdir(os.path.join(root, part, tag))})  # zero_to_fp32.py beside the tag folders)
+    complete = [t for t in tags if t <= current and os.path.isfile(os.path.join(trainer_folder(root, t), "state.json"))]
+    keep = set(complete[-keep_last:])
+    for tag in tags:
+        if tag not in keep:
+            for part in parts:
+                shutil.rmtree(os.path.join(root, part, tag), ignore_errors=True)
