@@ -32,9 +32,9 @@ CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_wei
 # on --resume is said to change nothing, not refused. (--lr_scheduler_type and --num_warmup_steps do apply: the
 # restored scheduler keeps its step and base rates, the schedule's shape comes from the flags.)
 RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate")
-BOUND_WHY = ("Its model and optimizer states (LoRA layout, ZeRO stage, precision, offload) and its place in the prompts "
-             "(batches of --per_device_generation_batch_size of the prompts its data flags make, in --seed's order) "
-             "hold for its own")
+BOUND_WHY = ("Its model and optimizer states (LoRA layout, weight decay, ZeRO stage, precision, offload) and its place "
+             "in the prompts (batches of --per_device_generation_batch_size of the prompts its data flags make, in "
+             "--seed's order) hold for its own")
 
 
 def save_checkpoint(trainer, root, position, keep_last=2):

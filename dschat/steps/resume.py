@@ -5,8 +5,8 @@ from the last complete one (the tag folders and ``latest`` pointer of ``dschat.u
 output folder must be one that every rank sees (shared storage), as for DeepSpeed's own checkpoints."""
 import os
 
-from dschat.steps.common import restart_deepspeed_tensorboard
 from dschat.errors import UsageError
+from dschat.steps.common import restart_deepspeed_tensorboard
 from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rng, publish,
                                       read_rank_state, read_trainer_state, save_trainer_state, trainer_folder)
 from dschat.utils.dist import get_world_size, rank_0_decides
@@ -25,9 +25,9 @@ RESUME_FLAGS = ("model_name_or_path", "add_eot_token", "eot_token", "lora_dim", 
 # Restored by DeepSpeed with the optimizer's state: another value is said to change nothing.
 RESTORED_FLAGS = ("learning_rate", "lora_learning_rate")
 BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, weight decay, ZeRO stage, precision, offload) and its "
-             "place in the "
-             "data (micro-batches of --per_device_train_batch_size, steps of --gradient_accumulation_steps, of the "
-             "records its data flags and tokenizer make, in --seed's order) hold for its own")
+             "place in the data (micro-batches of --per_device_train_batch_size, steps of "
+             "--gradient_accumulation_steps, of the records its data flags and tokenizer make, in --seed's order) hold "
+             "for its own")
 
 
 def checkpoint_root(args):
