@@ -8,7 +8,7 @@ import torch
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import restart_deepspeed_tensorboard
-from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rng, publish,
+from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rank_state, publish,
                                       read_trainer_state, save_trainer_state, trainer_folder)
 from dschat.utils.dist import is_rank_0, rank_0_decides
 
@@ -56,34 +56,33 @@ def save_checkpoint(trainer, root, position, keep_last=2):
 def load_checkpoint(trainer, root):
     """Restore the last complete checkpoint under ``root``; returns its position dict (None if none). Rank 0 picks
     and checks it for every rank, before DeepSpeed loads anything."""
-    tag = rank_0_decides(lambda: _checked_latest(trainer, root))
-    if tag is None:
+    found = rank_0_decides(lambda: _checked_latest(trainer, root))
+    if found is None:
         return None
+    tag, state = found
     for name, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
         if engine is not None:
             engine.load_checkpoint(os.path.join(root, name), tag=tag)
             restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
-    state = read_trainer_state(root, tag)
     trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
-    state.pop("flags", None)
     if trainer.actor_ema is not None:
         _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
-    load_rng(root, tag, trainer.generator)
+    load_rank_state(root, tag, trainer.generator)
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state
 
 
 def _checked_latest(trainer, root):
+    """(tag, saved state less its flags) of the last complete checkpoint that this run may continue, else None."""
     tag = latest_tag(root)
-    if tag is not None:
-        check_resumable(trainer, root, tag)
-    return tag
+    return None if tag is None else (tag, check_resumable(trainer, root, tag))
 
 
 def check_resumable(trainer, root, tag):
     """The checkpoint ``tag`` was saved by a run this one can continue (``checkpoints.check_complete``): also a
-    critic when this run trains one, an EMA copy when this run keeps one, and the flags it is bound to."""
+    critic when this run trains one, an EMA copy when this run keeps one, and the flags it is bound to. Returns its
+    saved state, less the flags."""
     check_complete(root, tag, ("actor",))
     if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, "critic", tag)):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
@@ -91,9 +90,11 @@ def check_resumable(trainer, root, tag):
     if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no EMA copy (the run that saved it had no "
                          f"--enable_ema); resume without --enable_ema, or start afresh without --resume")
+    state = read_trainer_state(root, tag)
+    saved_flags = state.pop("flags", {})
     if getattr(trainer, "args", None) is not None:
-        saved = read_trainer_state(root, tag).get("flags", {})
-        check_same_flags(saved, resume_flags(trainer), RESTORED_FLAGS, tag, root, "step3", BOUND_WHY)
+        check_same_flags(saved_flags, resume_flags(trainer), RESTORED_FLAGS, tag, root, "step3", BOUND_WHY)
+    return state
 
 
 def resume_flags(trainer):

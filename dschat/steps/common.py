@@ -397,36 +397,11 @@ def supervised_ds_config(args, name, quiet=False):
                                 ignore=("hybrid_engine",), quiet=quiet)
 
 
-def resume_or_start(engine, args, name, total_steps):
-    """--resume: the position of the last checkpoint in the output folder, restored into ``engine`` (None when there
-    is none: the run starts over). Otherwise None, and an earlier run's checkpoints there are removed. Sets
-    ``args.save_interval`` (not given: the resumed run's). A checkpoint past this run's ``total_steps`` is an error
-    (the run would train on, past the end of its schedule)."""
-    from dschat.steps.resume import checkpoint_root, load_step_checkpoint
-    from dschat.utils.checkpoints import clear_earlier_run
-
-    root = checkpoint_root(args)
-    position = load_step_checkpoint(engine, args, name) if args.resume else None
-    if position is not None:
-        if position["step"] > total_steps:
-            raise UsageError(f"--resume: the last checkpoint in {root} is at step {position['step']}, past this run's "
-                             f"{total_steps} steps (--max_steps, --num_train_epochs): give at least as many, or start "
-                             "afresh without --resume")
-        print_rank_0(f"[{name}] resumed from step {position['step']} ({root})"
-                     + (": its last step, nothing left to train" if position["step"] == total_steps else ""))
-    elif args.resume:
-        print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from step 0")
-    elif clear_earlier_run(root):
-        print_rank_0(f"[{name}] starting afresh (no --resume): removed an earlier run's checkpoints from {root}")
-    args.save_interval = resumed_save_interval(args.save_interval, position, name, "steps")
-    return position
-
-
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
     from dschat.args import resolve_pad_to_multiple_of
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
-    from dschat.steps.resume import save_step_checkpoint
+    from dschat.steps.resume import resume_or_start, save_step_checkpoint
 
     started = time.time()
     device = setup_run(args)

@@ -6,10 +6,10 @@ output folder must be one that every rank sees (shared storage), as for DeepSpee
 import os
 
 from dschat.errors import UsageError
-from dschat.steps.common import restart_deepspeed_tensorboard
-from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rng, publish,
-                                      read_rank_state, read_trainer_state, save_trainer_state, trainer_folder)
-from dschat.utils.dist import get_world_size, rank_0_decides
+from dschat.steps.common import restart_deepspeed_tensorboard, resumed_save_interval
+from dschat.utils.checkpoints import (check_complete, check_same_flags, clear_earlier_run, latest_tag, load_rank_state,
+                                      publish, read_trainer_state, save_trainer_state)
+from dschat.utils.dist import print_rank_0, rank_0_decides
 
 MODEL = "model"
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -62,12 +62,6 @@ def _checked_latest(args, step):
     if tag is None:
         return None
     check_complete(root, tag, (MODEL,))
-    missing = [rank for rank in range(get_world_size())
-               if not os.path.isfile(os.path.join(trainer_folder(root, tag), f"rank{rank}.json"))]
-    if missing:
-        raise UsageError(f"--resume: checkpoint {tag} in {root} lacks the train-loss sums of rank(s) {missing} "
-                         f"(trainer/{tag}/rank<N>.json: removed or copied in part?); restore them, or start afresh "
-                         "without --resume")
     state = read_trainer_state(root, tag)
     check_same_flags(state.pop("flags", {}), resume_flags(args), RESTORED_FLAGS, tag, root, step, BOUND_WHY)
     return tag, state
@@ -85,5 +79,26 @@ def load_step_checkpoint(engine, args, step):
     root = checkpoint_root(args)
     engine.load_checkpoint(os.path.join(root, MODEL), tag=tag)
     restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
-    load_rng(root, tag)
-    return {**position, **read_rank_state(root, tag)}
+    return {**position, **load_rank_state(root, tag)}
+
+
+def resume_or_start(engine, args, name, total_steps):
+    """--resume: the position of the last checkpoint in the output folder, restored into ``engine`` (None when there
+    is none: the run starts over). Otherwise None, and an earlier run's checkpoints there are removed. Sets
+    ``args.save_interval`` (not given: the resumed run's). A checkpoint past this run's ``total_steps`` is an error
+    (the run would train on, past the end of its schedule)."""
+    root = checkpoint_root(args)
+    position = load_step_checkpoint(engine, args, name) if args.resume else None
+    if position is not None:
+        if position["step"] > total_steps:
+            raise UsageError(f"--resume: the last checkpoint in {root} is at step {position['step']}, past this run's "
+                             f"{total_steps} steps (--max_steps, --num_train_epochs): give at least as many, or start "
+                             "afresh without --resume")
+        print_rank_0(f"[{name}] resumed from step {position['step']} ({root})"
+                     + (": its last step, nothing left to train" if position["step"] == total_steps else ""))
+    elif args.resume:
+        print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from step 0")
+    elif clear_earlier_run(root):
+        print_rank_0(f"[{name}] starting afresh (no --resume): removed an earlier run's checkpoints from {root}")
+    args.save_interval = resumed_save_interval(args.save_interval, position, name, "steps")
+    return position

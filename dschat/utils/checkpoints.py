@@ -2,7 +2,7 @@
 
 A checkpoint is a tag folder in each part of ``root``: a DeepSpeed engine's folder per model (``actor/<tag>``,
 ``model/<tag>``), and ``trainer/<tag>`` with the run's position and flags (``state.json``, rank 0) and each rank's RNG
-state. Every rank writes its share; only when all have finished does rank 0 point ``latest`` at the tag (an atomic
+states and own counters (``rng_rank<N>.pt``). Every rank writes its share; only when all have finished does rank 0 point ``latest`` at the tag (an atomic
 rename), so an interrupted save is never resumed from. The last ``keep_last`` tags are kept.
 """
 import json
@@ -46,13 +46,11 @@ def trainer_folder(root, tag):
 
 
 def save_trainer_state(root, tag, state, generator=None, rank_state=None):
-    """Each rank's RNG state (and ``rank_state``, JSON: what differs between ranks), and rank 0's ``state`` (JSON),
-    into ``trainer/<tag>``; returns that folder."""
+    """Each rank's file: its RNG states (``generator``'s too) and ``rank_state`` (what differs between ranks); rank
+    0's ``state`` (JSON). Into ``trainer/<tag>``; returns that folder."""
     folder = trainer_folder(root, tag)
     os.makedirs(folder, exist_ok=True)
-    torch.save(rng_state(generator), os.path.join(folder, f"rng_rank{get_rank()}.pt"))
-    if rank_state is not None:
-        write_json_atomic(os.path.join(folder, f"rank{get_rank()}.json"), rank_state)
+    torch.save({**rng_state(generator), "rank_state": rank_state}, os.path.join(folder, f"rng_rank{get_rank()}.pt"))
     if is_rank_0():
         write_json_atomic(os.path.join(folder, "state.json"), state)
     return folder
@@ -83,22 +81,18 @@ def read_trainer_state(root, tag):
     return state
 
 
-def read_rank_state(root, tag):
-    """This rank's ``rank_state`` saved with ``tag``."""
-    with open(os.path.join(trainer_folder(root, tag), f"rank{get_rank()}.json")) as f:
-        return json.load(f)
-
-
-def load_rng(root, tag, generator=None):
-    """This rank's RNG states as saved with ``tag`` (``generator``'s too, if given)."""
-    path = os.path.join(trainer_folder(root, tag), f"rng_rank{get_rank()}.pt")
-    restore_rng(torch.load(path, weights_only=False), generator)
+def load_rank_state(root, tag, generator=None):
+    """This rank's RNG states restored as saved with ``tag`` (``generator``'s too, if given); returns its
+    ``rank_state`` (None if it saved none)."""
+    saved = torch.load(os.path.join(trainer_folder(root, tag), f"rng_rank{get_rank()}.pt"), weights_only=False)
+    restore_rng(saved, generator)
+    return saved.get("rank_state")
 
 
 def check_complete(root, tag, parts):
-    """The folders of ``tag`` are all there (``parts`` and the trainer's, with its state), saved by as many ranks as this run has
-    (the ZeRO and RNG states are per rank). Checked on every rank from the files alone, so all ranks fail together
-    (none waits in a collective) and before DeepSpeed's own errors, which name no flag."""
+    """The folders of ``tag`` are all there (``parts`` and the trainer's, with its state), saved by as many ranks as
+    this run has (the ZeRO, RNG and rank states are per rank). Checked from the files alone, before DeepSpeed's own
+    errors, which name no flag."""
     for part in (*parts, TRAINER):
         if not os.path.isdir(os.path.join(root, part, tag)):
             raise UsageError(f"--resume: {os.path.join(root, LATEST)} names checkpoint {tag}, but {root} has no "
