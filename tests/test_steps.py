@@ -434,3 +434,30 @@ def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_
     with pytest.raises(SystemExit):
         main(["--deployment-type", "multi_node", "--hostfile", str(tmp_path / "hosts")])
     assert launched and launched[0][launched[0].index("--hostfile") + 1] == str(tmp_path / "hosts")
+
+
+def test_a_rerun_in_the_same_second_purges_the_earlier_runs_points(tmp_path):
+    """TensorBoard reads a folder's event files in name order, names starting with their second: a re-run made in the
+    same second as an earlier run's file whose name sorts later (in one process "10" sorts before "9") had its purge
+    read first, and the earlier run's points stayed drawn (a flaky CI failure)."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    earlier = SummaryWriter(str(tmp_path), purge_step=3)
+    for step in (3, 4):
+        earlier.add_scalar("reward", step, step)
+    earlier.close()
+    (made,) = tmp_path.iterdir()
+    second = made.name.split(".")[3]
+    made.rename(tmp_path / f"events.out.tfevents.{second}.~host.1.9")  # sorts after any name of the same second
+    start = time.time()
+    writer = common.purging_writer(str(tmp_path), purge_step=1)
+    for step in (1, 2):
+        writer.add_scalar("reward", step, step)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward")] == [1, 2]
+    assert time.time() - start < 2.5  # it waits for the next second only

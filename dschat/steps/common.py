@@ -147,10 +147,8 @@ def restart_deepspeed_tensorboard(engine):
     writer = getattr(monitor, "summary_writer", None)
     if writer is None:
         return
-    from torch.utils.tensorboard import SummaryWriter
-
     writer.close()
-    monitor.summary_writer = SummaryWriter(log_dir=writer.log_dir, purge_step=engine.global_samples)
+    monitor.summary_writer = purging_writer(writer.log_dir, engine.global_samples)
 
 
 def warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps):
@@ -203,9 +201,32 @@ def tensorboard_writer(args, name, purge_step=None):
     run wrote to the same folder from that step on, which this run writes again, are hidden (TensorBoard's purge)."""
     if not getattr(args, "enable_tensorboard", False) or not is_rank_0():
         return None
+    return purging_writer(os.path.join(args.tensorboard_path or f"{name}_tensorboard", name), purge_step)
+
+
+def purging_writer(log_dir, purge_step):
+    """A SummaryWriter whose purge TensorBoard reads after every earlier run's events in ``log_dir``. TensorBoard reads
+    a folder's event files in name order, and a name starts with the second the file was made: a run started in the
+    same second as the one before it (a quick re-run; in one process the names then sort by a counter, where "10"
+    comes before "9") had its purge read first, and the earlier run's points stayed drawn beside its own."""
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(os.path.join(args.tensorboard_path or f"{name}_tensorboard", name), purge_step=purge_step)
+    newest = max((_event_file_second(name) for name in _listdir(log_dir)), default=-1)
+    deadline = time.time() + 2  # a file from a clock set ahead is not waited for
+    while int(time.time()) <= newest and time.time() < deadline:
+        time.sleep(0.05)
+    return SummaryWriter(log_dir, purge_step=purge_step)
+
+
+def _event_file_second(name):
+    parts = name.split(".")
+    if name.startswith("events.out.tfevents.") and len(parts) > 3 and parts[3].isdigit():
+        return int(parts[3])
+    return -1
+
+
+def _listdir(folder):
+    return os.listdir(folder) if os.path.isdir(folder) else []
 
 
 RUN_ARGS_FILE = "training_args.json"
