@@ -73,6 +73,10 @@ def parse_args(argv=None):
                         "(on the tiny default: the bundled rule scorer), no reward model or critic; dpo: step 1, "
                         "then DPO on the preference pairs as step 2 (--step2-args are its flags; into "
                         "OUTPUT_DIR/step2_dpo), no step 3.")
+    p.add_argument("--resume", action="store_true",
+                   help="Continue an interrupted run in --output-dir: steps finished earlier with the same flags are "
+                        "skipped, the interrupted one resumes from its last checkpoint (steps save them with "
+                        "--save_interval N in their --stepN-args), the later ones run.")
     p.add_argument("--hostfile", default="/job/hostfile", help="multi_node: the deepspeed launcher's hostfile.")
     for step in (1, 2, 3):
         p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")

@@ -9,8 +9,9 @@ import time
 
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
+from dschat.pipeline_resume import FRESH, RESUME, SKIP, describe, plan_steps
 from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
-from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0
+from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
 
 # Settings that make the embedded tiny default train well in minutes on a CPU. Hub models get the step
 # scripts' own defaults (DeepSpeed-Chat's), which the --stepN-args strings can override.
@@ -140,7 +141,7 @@ def check_step_args(steps, args, tiny, parsers):
     from dschat.steps.common import check_supervised_settings
     from dschat.utils.dist import get_world_size
 
-    parsed = {}
+    parsed = {}  # step -> (its flags, its parser)
     for step in steps:  # every step's flags first: a typo is the first thing to hear about
         parser = parsers[step]()
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
@@ -156,6 +157,7 @@ def check_step_args(steps, args, tiny, parsers):
         check_earlier_outputs(step, steps, args, flags)
     check_model_folders(steps, args)
     check_reward_model_tokenizer(steps, args, tiny)
+    return {step: flags for step, (flags, _) in parsed.items()}
 
 
 # Where each step reads and writes: train.py sets these from its own flags; the later steps and the report read the
@@ -222,6 +224,22 @@ def check_reward_model_tokenizer(steps, args, tiny):
                          args.reward_model, "train.py: --reward-model")
 
 
+def resume_plan(steps, args, parsed):
+    """{step: SKIP | RESUME | FRESH}: with ``train.py --resume``, what each step does (decided on rank 0, said);
+    without it, every step runs afresh."""
+    if not getattr(args, "resume", False):
+        return {step: FRESH for step in steps}
+    from dschat.rlhf.config import step3_args
+
+    recipe = getattr(args, "recipe", "ppo")
+    # step 3 records its flags completed with their defaults (its per-model ZeRO stages from --zero_stage)
+    parsed = {step: step3_args(flags) if step == 3 else flags for step, flags in parsed.items()}
+    plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed))
+    for step, action in plan.items():
+        print_rank_0(describe(step, action, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step])))
+    return plan
+
+
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
     from dschat.report import summary_lines, write_report
@@ -243,13 +261,16 @@ def run_pipeline(args):
     steps, not_run = recipe_steps(recipe, args.step)
     for note in not_run:
         print_rank_0(f"not run: {note}")
-    check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
+    parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
+    plan = resume_plan(steps, args, parsed)
     if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
         print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "
                      f"--reward-model {args.reward_model}")
     for step in steps:
         main, name, _ = parsers[step]
-        argv = step_argv(step, args, tiny)
+        if plan[step] == SKIP:
+            continue
+        argv = step_argv(step, args, tiny) + (["--resume"] if plan[step] == RESUME else [])
         print_rank_0(f"==== {name}: {' '.join(shlex.quote(a) for a in argv)}")
         started = time.time()
         main(argv)
