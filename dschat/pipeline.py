@@ -235,8 +235,8 @@ def resume_plan(steps, args, parsed):
     # step 3 records its flags completed with their defaults (its per-model ZeRO stages from --zero_stage)
     parsed = {step: step3_args(flags) if step == 3 else flags for step, flags in parsed.items()}
     plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed))
-    for step, action in plan.items():
-        print_rank_0(describe(step, action, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step])))
+    for step in plan:
+        print_rank_0(describe(step, plan, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step])))
     return plan
 
 

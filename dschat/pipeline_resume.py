@@ -62,8 +62,13 @@ def checkpoint_saved_at(folder):
     return os.path.getmtime(path) if os.path.isfile(path) else None
 
 
-def describe(step, action, folder):
-    return {SKIP: f"step {step}: finished earlier in {folder} with the same flags; skipped (--resume)",
-            RESUME: f"step {step}: resumes from its last checkpoint in {folder}/checkpoints (--resume)",
-            FRESH: f"step {step}: starts afresh (--resume: no finished output or checkpoint of it newer than the "
-                   "step before it)"}[action]
+def describe(step, plan, folder):
+    """The line that says what ``plan`` does with ``step``."""
+    if plan[step] == SKIP:
+        return f"step {step}: finished earlier in {folder} with the same flags; skipped (--resume)"
+    if plan[step] == RESUME:
+        return f"step {step}: resumes from its last checkpoint in {os.path.join(folder, 'checkpoints')} (--resume)"
+    if any(plan[earlier] != SKIP for earlier in plan if earlier < step):
+        return f"step {step}: starts afresh, from the new output of the step before it"
+    return (f"step {step}: starts afresh: {folder} holds no output finished with these flags, nor a checkpoint, "
+            "written after the step before it")

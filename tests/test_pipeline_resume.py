@@ -105,3 +105,13 @@ def pipeline_parser(step):
     from dschat import args
 
     return {1: args.step1_parser, 2: args.step2_parser, 3: args.step3_parser}[step]
+
+
+def test_each_steps_line_says_why(tmp_path):
+    from dschat.pipeline_resume import describe
+
+    finish(tmp_path, 1, 100, learning_rate=2e-3), checkpoint(tmp_path, 3, 300)
+    lines = [describe(step, plan(tmp_path), f"out/{FOLDERS[step]}") for step in (1, 3)]
+    assert lines == ["step 1: starts afresh: out/step1_sft holds no output finished with these flags, nor a "
+                     "checkpoint, written after the step before it",
+                     "step 3: starts afresh, from the new output of the step before it"]
