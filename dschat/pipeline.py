@@ -9,7 +9,7 @@ import time
 
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
-from dschat.pipeline_resume import FRESH, RESUME, SKIP, describe, plan_steps
+from dschat.pipeline_resume import FRESH, RESUME, SKIP, Decision, describe, plan_steps
 from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
 
@@ -224,19 +224,22 @@ def check_reward_model_tokenizer(steps, args, tiny):
                          args.reward_model, "train.py: --reward-model")
 
 
-def resume_plan(steps, args, parsed):
-    """{step: SKIP | RESUME | FRESH}: with ``train.py --resume``, what each step does (decided on rank 0, said);
-    without it, every step runs afresh."""
+def resume_plan(steps, args, parsed, tiny):
+    """{step: Decision}: with ``train.py --resume``, what each step does (decided on rank 0, said); without it, every
+    step runs as asked."""
     if not getattr(args, "resume", False):
-        return {step: FRESH for step in steps}
+        return {step: Decision(FRESH) for step in steps}
     from dschat.rlhf.config import step3_args
 
+    own = [step for step in steps if getattr(parsed[step], "resume", False)]
+    if own:
+        raise UsageError(f"train.py --resume decides which step resumes: leave --resume out of --step{own[0]}-args")
     recipe = getattr(args, "recipe", "ppo")
     # step 3 records its flags completed with their defaults (its per-model ZeRO stages from --zero_stage)
     parsed = {step: step3_args(flags) if step == 3 else flags for step, flags in parsed.items()}
-    plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed))
-    for step in plan:
-        print_rank_0(describe(step, plan, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step])))
+    plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed, rm_from_sft=tiny))
+    for step, decision in plan.items():
+        print_rank_0(describe(step, decision, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step])))
     return plan
 
 
@@ -262,15 +265,15 @@ def run_pipeline(args):
     for note in not_run:
         print_rank_0(f"not run: {note}")
     parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
-    plan = resume_plan(steps, args, parsed)
+    plan = resume_plan(steps, args, parsed, tiny)
     if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
         print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "
                      f"--reward-model {args.reward_model}")
     for step in steps:
         main, name, _ = parsers[step]
-        if plan[step] == SKIP:
+        if plan[step].action == SKIP:
             continue
-        argv = step_argv(step, args, tiny) + (["--resume"] if plan[step] == RESUME else [])
+        argv = step_argv(step, args, tiny) + (["--resume"] if plan[step].action == RESUME else [])
         print_rank_0(f"==== {name}: {' '.join(shlex.quote(a) for a in argv)}")
         started = time.time()
         main(argv)
@@ -279,7 +282,9 @@ def run_pipeline(args):
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None
-    report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=tiny)
+    skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]
+    report = write_report(args.output_dir, timings, recipe, [step for step in steps if plan[step].action != SKIP],
+                          rm_from_sft=tiny, skipped=skipped)
     lines = summary_lines(report)
     if recipe == "dpo":
         lines += add_dpo_report(args.output_dir, report, rule_scores)

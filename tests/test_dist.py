@@ -59,3 +59,46 @@ def test_ranks_sharing_a_host_share_its_cores_unless_omp_num_threads_says(monkey
             assert torch.get_num_threads() == expected, env
     finally:
         torch.set_num_threads(before)
+
+
+DECIDE_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from dschat.errors import UsageError
+    from dschat.utils.dist import ensure_distributed, rank_0_decides
+    rank, world = ensure_distributed()
+
+    def decide(kind):
+        if kind == "usage":
+            raise UsageError("bad flag")
+        if kind == "other":
+            raise ValueError("unreadable record")
+        return {"rank": rank}
+
+    seen = []
+    for kind in ("value", "usage", "other"):
+        try:
+            seen.append(repr(rank_0_decides(lambda: decide(kind))))
+        except Exception as error:
+            seen.append(f"{type(error).__name__}: {error}")
+    with open(os.path.join(sys.argv[-1], f"rank_{rank}"), "w") as f:
+        f.write("\\n".join(seen))
+""")
+
+
+def test_rank_0s_decision_and_any_error_of_it_reach_every_rank(tmp_path):
+    """An error other than a UsageError on rank 0 (an unreadable file) left the other ranks waiting in the broadcast."""
+    script = tmp_path / "decide.py"
+    script.write_text(DECIDE_SCRIPT)
+    port = free_port()
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+           str(script), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finally:
+        remove_shm_buffers(port)
+    assert (tmp_path / "rank_0").read_text().splitlines() == ["{'rank': 0}", "UsageError: bad flag",
+                                                              "ValueError: unreadable record"]
+    assert (tmp_path / "rank_1").read_text().splitlines() == [
+        "{'rank': 0}", "UsageError: bad flag", "RuntimeError: rank 0 failed: ValueError: unreadable record"]

@@ -11,7 +11,7 @@ from dschat.pipeline_resume import FRESH, RESUME, SKIP, plan_steps
 from launch import REPO
 
 TRAIN_PY = runpy.run_path(str(REPO / "train.py"))  # the script's functions (its __main__ block does not run)
-FLAGS = Namespace(learning_rate=1e-3, seed=1, save_interval=None, resume=False)
+FLAGS = Namespace(learning_rate=1e-3, max_steps=0, seed=1, save_interval=None, resume=False)
 FOLDERS = {1: "step1_sft", 2: "step2_rm", 3: "step3_ppo"}
 
 
@@ -32,8 +32,10 @@ def checkpoint(out, step, at):
     os.utime(root / "latest", (at, at))
 
 
-def plan(out, steps=(1, 2, 3), **flags):
-    return plan_steps(list(steps), "ppo", str(out), {s: flags.get(f"step{s}", FLAGS) for s in steps})
+def plan(out, steps=(1, 2, 3), rm_from_sft=True, **flags):
+    decisions = plan_steps(list(steps), "ppo", str(out), {s: flags.get(f"step{s}", FLAGS) for s in steps},
+                           rm_from_sft)
+    return {step: decision.action for step, decision in decisions.items()}
 
 
 def test_finished_steps_are_skipped_and_the_interrupted_one_resumes(tmp_path):
@@ -41,31 +43,56 @@ def test_finished_steps_are_skipped_and_the_interrupted_one_resumes(tmp_path):
     assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: RESUME}
     finish(tmp_path, 3, 400)
     assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: SKIP}
-    assert plan(tmp_path, steps=(2, 3)) == {2: SKIP, 3: SKIP}  # the first step asked for has no step before it
 
 
-def test_outputs_older_than_the_step_before_them_are_an_earlier_runs(tmp_path):
+def test_outputs_older_than_the_steps_they_start_from_are_an_earlier_runs(tmp_path):
     # step 1 ran again (at 500) after a whole run: step 2's output and step 3's checkpoint were made from the old one
     finish(tmp_path, 1, 500), finish(tmp_path, 2, 200), checkpoint(tmp_path, 3, 300), finish(tmp_path, 3, 400)
     assert plan(tmp_path) == {1: SKIP, 2: FRESH, 3: FRESH}
+    assert plan(tmp_path, steps=(2, 3)) == {2: FRESH, 3: FRESH}  # step 1 not asked for: its output still counts
     # step 2 interrupted after its checkpoint (at 600): it resumes; step 3's older checkpoint is not resumed
     checkpoint(tmp_path, 2, 600)
     assert plan(tmp_path) == {1: SKIP, 2: RESUME, 3: FRESH}
+    # a hub reward model starts from --reward-model, not from step 1: a new step 1 leaves step 2's output its own
+    finish(tmp_path, 2, 200)
+    (tmp_path / FOLDERS[2] / "checkpoints" / "latest").unlink()
+    assert plan(tmp_path, rm_from_sft=False) == {1: SKIP, 2: SKIP, 3: FRESH}
 
 
 def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tmp_path):
     finish(tmp_path, 1, 100, learning_rate=2e-3), finish(tmp_path, 2, 200), finish(tmp_path, 3, 300)
     assert plan(tmp_path) == {1: FRESH, 2: FRESH, 3: FRESH}
-    checkpoint(tmp_path, 1, 150)  # its checkpoint resumes: a changed bound flag is the step's own error
+    # the finished run's own last checkpoint (older than its output) is not resumed with another learning rate...
+    checkpoint(tmp_path, 1, 50)
+    assert plan(tmp_path) == {1: FRESH, 2: FRESH, 3: FRESH}
+    # ...but is to train on for longer
+    finish(tmp_path, 1, 100, max_steps=4)
+    assert plan(tmp_path, step1=Namespace(**{**vars(FLAGS), "max_steps": 8})) == {1: RESUME, 2: FRESH, 3: FRESH}
+    # a checkpoint written after the finished output: a later run of the step, interrupted
+    finish(tmp_path, 1, 100, learning_rate=2e-3), checkpoint(tmp_path, 1, 150)
     assert plan(tmp_path) == {1: RESUME, 2: FRESH, 3: FRESH}
     # flags that do not change what a step made are not compared: the resume switches and where it logs
     resumed = Namespace(**{**vars(FLAGS), "resume": True, "save_interval": 5})
-    finish(tmp_path, 1, 100)
+    finish(tmp_path, 1, 100), finish(tmp_path, 1, 175)
     assert plan(tmp_path, step1=resumed) == {1: SKIP, 2: SKIP, 3: SKIP}
+
+
+def test_paths_are_compared_as_the_folders_they_name(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    folder = Namespace(**{**vars(FLAGS), "output_dir": str(out / "step1_sft")})
+    finish(out, 1, 100, output_dir="out/step1_sft")
+    record = json.loads((out / "step1_sft" / "training_args.json").read_text())
+    (out / "step1_sft" / "training_args.json").write_text(json.dumps({**record, "cwd": str(tmp_path)}))
+    monkeypatch.chdir(out)  # another working directory, the same folder
+    assert plan_steps([1], "ppo", str(out), {1: folder})[1].action == SKIP
+    moved = Namespace(**{**vars(FLAGS), "output_dir": str(tmp_path / "elsewhere")})
+    assert plan_steps([1], "ppo", str(out), {1: moved})[1] == (FRESH, f"its finished output in {out / 'step1_sft'} "
+                                                                      "had other values of --output_dir")
 
 
 def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tmp_path, distributed, monkeypatch,
                                                                               capsys):
+    from dschat.errors import UsageError
     from dschat.steps import ppo
 
     monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
@@ -76,11 +103,14 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
     def killed(*args):
         raise KeyboardInterrupt("killed")
 
+    (out / "step3_ppo").mkdir(parents=True)
+    (out / "step3_ppo" / "metrics.json").write_text("{}")  # an earlier run's, finished
     with monkeypatch.context() as patch:  # interrupted after step 3's first iteration and its checkpoint
         patch.setattr(ppo, "save_models", killed)
         with pytest.raises(KeyboardInterrupt):
             pipeline.run_pipeline(TRAIN_PY["parse_args"]([*small, "--step3-args",
                                                           step3 + " --enable_test_mode --test_stop_step 1"]))
+    assert not (out / "step3_ppo" / "metrics.json").exists()  # the interrupted run's output is not finished
     models = {step: out / folder / "model.safetensors" for step, folder in FOLDERS.items() if step < 3}
     written = {step: path.stat().st_mtime_ns for step, path in models.items()}
     capsys.readouterr()
@@ -92,13 +122,21 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
     assert {step: path.stat().st_mtime_ns for step, path in models.items()} == written  # not trained again
     log = [json.loads(line) for line in (out / "step3_ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in log] == [1, 2]
-    assert report["step3_iterations"] == 2 and report["rm_accuracy"] is not None and list(report["timings_s"]) == [
-        "step3"]
+    assert report["step3_iterations"] == 2 and report["rm_accuracy"] is not None
+    assert list(report["timings_s"]) == ["step3"] and report["skipped"] == ["step1", "step2"]
+    assert "step1: finished earlier, skipped (--resume)" in printed
     # step 1 with another flag: it trains again, and the steps after it start afresh from its new output
     args = TRAIN_PY["parse_args"]([*small[:3], "--max_steps 3", *small[4:], "--step3-args", step3, "--resume"])
     parsed = pipeline.check_step_args([1, 2, 3], args, True, {1: pipeline_parser(1), 2: pipeline_parser(2),
                                                               3: pipeline_parser(3)})
-    assert pipeline.resume_plan([1, 2, 3], args, parsed) == {1: FRESH, 2: FRESH, 3: FRESH}
+    decisions = pipeline.resume_plan([1, 2, 3], args, parsed, tiny=True)
+    assert {step: decision.action for step, decision in decisions.items()} == {1: FRESH, 2: FRESH, 3: FRESH}
+    assert "step 1: starts afresh: its finished output in" in capsys.readouterr().out  # said
+    # a --resume of a step's own beside train.py's: the plan decides
+    args = TRAIN_PY["parse_args"]([*small, "--step3-args", step3 + " --resume", "--resume"])
+    with pytest.raises(UsageError, match="train.py --resume decides which step resumes: leave --resume out of "
+                                         "--step3-args"):
+        pipeline.run_pipeline(args)
 
 
 def pipeline_parser(step):
@@ -111,7 +149,9 @@ def test_each_steps_line_says_why(tmp_path):
     from dschat.pipeline_resume import describe
 
     finish(tmp_path, 1, 100, learning_rate=2e-3), checkpoint(tmp_path, 3, 300)
-    lines = [describe(step, plan(tmp_path), f"out/{FOLDERS[step]}") for step in (1, 3)]
-    assert lines == ["step 1: starts afresh: out/step1_sft holds no output finished with these flags, nor a "
-                     "checkpoint, written after the step before it",
-                     "step 3: starts afresh, from the new output of the step before it"]
+    decisions = plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: FLAGS, 3: FLAGS})
+    lines = [describe(step, decisions[step], f"out/{FOLDERS[step]}") for step in (1, 3)]
+    assert lines == [f"step 1: starts afresh: its finished output in {tmp_path / 'step1_sft'} had other values of "
+                     "--learning_rate", "step 3: starts afresh: it starts from step 2's new output"]
+    assert plan_steps([2], "ppo", str(tmp_path), {2: FLAGS})[2] == (
+        FRESH, f"{tmp_path / 'step2_rm'} holds no finished output nor checkpoint written after step 1 finished")

@@ -49,11 +49,14 @@ def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(step, stop_step, tm
     if step == "dpo":  # DPO trains a policy against a frozen reference: an SFT-like model
         common = [*common, "--beta", "0.1"]
     full = main([*common, "--output_dir", str(tmp_path / "full")])
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "metrics.json").write_text("{}")  # an earlier run's, finished
     with monkeypatch.context() as patch:
         _interrupt_after(patch, stop_step)
         with pytest.raises(KeyboardInterrupt):
             main([*common, "--output_dir", str(tmp_path / "split"), "--save_interval", "3"])
     assert json.loads((tmp_path / "split" / "checkpoints" / "latest").read_text())["tag"] == f"step_{stop_step:07d}"
+    # an interrupted run leaves no mark of a finished output (train.py --resume would skip the step)
     assert not (tmp_path / "split" / "metrics.json").exists()
     capsys.readouterr()
     resumed = main([*common, "--output_dir", str(tmp_path / "split"), "--resume"])

@@ -244,6 +244,14 @@ def write_results(args, metrics, step):
         print_rank_0(f"metrics: {json.dumps(metrics)}")
 
 
+def clear_results(args):
+    """A step that starts training removes its folder's metrics.json, the mark of a finished output (``train.py
+    --resume`` skips a step that has one; the report reads it): an interrupted run leaves none (rank 0)."""
+    path = os.path.join(args.output_dir, "metrics.json")
+    if is_rank_0() and os.path.isfile(path):
+        os.remove(path)
+
+
 def read_run_args(folder, step):
     """The ``training_args.json`` that ``step`` wrote in ``folder`` ({"flags", "world_size", "cwd"}: its flags, number
     of ranks and working directory), else None."""
@@ -452,6 +460,7 @@ def run_supervised_step(args, recipe):
         return recipe.evaluate_fn(engine, eval_loader, device, args.eval_iters)
 
     position = resume_or_start(engine, args, recipe.name, total_steps)
+    clear_results(args)
     if position is None:
         print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
     throughput = Throughput(count_params(model), args.gradient_checkpointing)

@@ -17,9 +17,9 @@ from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
-from dschat.steps.common import (build_dataloaders, format_metrics, progress, require_training_records, reseed_epoch,
-                                 restart_deepspeed_tensorboard, resumed_save_interval, setup_run, tensorboard_writer,
-                                 write_results)
+from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
+                                 reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval, setup_run,
+                                 tensorboard_writer, write_results)
 from dschat.utils.checkpoints import clear_earlier_run
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
@@ -198,6 +198,7 @@ def main(args=None):
         before = position.get("eval_before")
         _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     args.save_interval = resumed_save_interval(args.save_interval, checkpoint, "step3", "iterations")
+    clear_results(args)
     print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
     # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again, a fresh one all
     # (an earlier run's events in the same folder are hidden from there on, as its jsonl log is cut)

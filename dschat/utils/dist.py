@@ -92,23 +92,29 @@ def barrier():
 
 
 def rank_0_decides(decide):
-    """``decide()`` run on rank 0, and its result on every rank (its UsageError raised on every rank): a decision
+    """``decide()`` run on rank 0, and its result on every rank (its error raised on every rank): a decision
     made from files, such as which checkpoint to resume and whether it fits, is made once, so that no rank goes on
     into a collective (DeepSpeed's loading, an evaluation) while another stops."""
     from dschat.errors import UsageError
 
     if get_world_size() == 1:
         return decide()
-    outcome = [None]
+    outcome, failed = [None], None
     if is_rank_0():
         try:
-            outcome[0] = (True, decide())
+            outcome[0] = ("decided", decide())
         except UsageError as error:
-            outcome[0] = (False, str(error))
+            outcome[0], failed = ("usage", str(error)), error
+        except Exception as error:  # any other failure stops every rank too, not only rank 0
+            outcome[0], failed = ("failed", f"rank 0 failed: {type(error).__name__}: {error}"), error
     torch.distributed.broadcast_object_list(outcome, src=0)
-    decided, value = outcome[0]
-    if not decided:
+    if failed is not None:
+        raise failed
+    kind, value = outcome[0]
+    if kind == "usage":
         raise UsageError(value)
+    if kind == "failed":
+        raise RuntimeError(value)
     return value
 
 
