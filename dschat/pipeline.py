@@ -243,6 +243,19 @@ def resume_plan(steps, args, parsed, tiny):
     return plan
 
 
+def run_step(main, argv, step, steps, plan):
+    """One step; a step ``train.py --resume`` resumed that cannot resume (its checkpoint's bound flags differ) says
+    how to start it afresh and keep the finished steps before it."""
+    try:
+        main(argv)
+    except UsageError as error:
+        if plan[step].action != RESUME:
+            raise
+        again = " ".join(str(s) for s in steps if s >= step)
+        raise UsageError(f"{error}\n(train.py --resume resumed step {step}: to train it afresh and keep the steps "
+                         f"before it, give --step {again} without --resume)") from None
+
+
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
     from dschat.report import summary_lines, write_report
@@ -276,7 +289,7 @@ def run_pipeline(args):
         argv = step_argv(step, args, tiny) + (["--resume"] if plan[step].action == RESUME else [])
         print_rank_0(f"==== {name}: {' '.join(shlex.quote(a) for a in argv)}")
         started = time.time()
-        main(argv)
+        run_step(main, argv, step, steps, plan)
         timings[name] = time.time() - started
     embedded_data = tiny and not args.data_path  # the rule scorer knows only the embedded data
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None

@@ -113,6 +113,11 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
     assert not (out / "step3_ppo" / "metrics.json").exists()  # the interrupted run's output is not finished
     models = {step: out / folder / "model.safetensors" for step, folder in FOLDERS.items() if step < 3}
     written = {step: path.stat().st_mtime_ns for step, path in models.items()}
+    # a bound flag changed for the step being resumed: how to start it afresh and keep the steps before it
+    with pytest.raises(UsageError, match=r"(?s)saved with other settings: --seed 1234 -> 7.*\(train.py --resume "
+                                         r"resumed step 3: to train it afresh and keep the steps before it, give "
+                                         r"--step 3 without --resume\)"):
+        pipeline.run_pipeline(TRAIN_PY["parse_args"]([*small, "--step3-args", step3 + " --seed 7", "--resume"]))
     capsys.readouterr()
     report = pipeline.run_pipeline(TRAIN_PY["parse_args"]([*small, "--step3-args", step3, "--resume"]))
     printed = capsys.readouterr().out
