@@ -238,6 +238,9 @@ def resume_plan(steps, args, parsed, tiny):
     # step 3 records its flags completed with their defaults (its per-model ZeRO stages from --zero_stage)
     parsed = {step: step3_args(flags) if step == 3 else flags for step, flags in parsed.items()}
     plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed, rm_from_sft=tiny))
+    folders = [os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step]) for step in steps]
+    if not any(os.path.isdir(folder) for folder in folders):  # (a mistyped --output-dir trains everything again)
+        print_rank_0(f"train.py --resume: {args.output_dir} holds no earlier run's steps; every step starts afresh")
     for step, decision in plan.items():
         print_rank_0(describe(step, decision, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step])))
     return plan
@@ -295,9 +298,8 @@ def run_pipeline(args):
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None
-    skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]
-    report = write_report(args.output_dir, timings, recipe, [step for step in steps if plan[step].action != SKIP],
-                          rm_from_sft=tiny, skipped=skipped)
+    skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]  # (finished, so this run's)
+    report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=tiny, skipped=skipped)
     lines = summary_lines(report)
     if recipe == "dpo":
         lines += add_dpo_report(args.output_dir, report, rule_scores)

@@ -4,10 +4,12 @@ Steps run one after another, so an interruption stops one step: the steps it sta
 step after it holds was made from older inputs. A step's output or checkpoint therefore counts only when it was
 written after every step it starts from finished (their metrics.json) and none of those runs now:
 - its finished output of the same flags (metrics.json and training_args.json): the step is skipped;
-- else its last checkpoint (written after its finished output, or that output differs only in how long to train):
-  the step resumes from it (its own ``--resume``);
+- else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
+  finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on;
 - else it starts afresh.
-A step removes its metrics.json when it starts training, so an interrupted run never looks finished.
+A step removes its metrics.json when it starts training, so an interrupted run never looks finished. Which step
+finished first is told by the files' times: a run folder copied elsewhere keeps its plan only when copied with them
+(``cp -a``, ``rsync -a``).
 """
 import json
 import os
@@ -59,17 +61,24 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True):
 
         folder = _folder(output_dir, recipe, step)
         done, changed = finished_time(folder), changed_flags(folder, parsed[step])
-        saved = checkpoint_time(folder)
-        if after_inputs(done) and not changed:
+        current = after_inputs(done)
+        # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
+        # resume only to train on for longer
+        if current and not changed:
             plan[step] = Decision(SKIP)
-        elif after_inputs(saved) and (not after_inputs(done) or saved > done or set(changed) <= EXTENDING):
-            plan[step] = Decision(RESUME)
-        elif after_inputs(done):
+        elif after_inputs(checkpoint_time(folder)) and not current:
+            plan[step] = Decision(RESUME, "it was interrupted")
+        elif current and checkpoint_time(folder) is not None and set(changed) <= EXTENDING:
+            plan[step] = Decision(RESUME, "to train on past its finished output ("
+                                          + ", ".join(f"--{name}" for name in changed) + ")")
+        elif current:
             plan[step] = Decision(FRESH, f"its finished output in {folder} had other values of "
                                          f"{', '.join('--' + name for name in changed)}")
+        elif inputs:
+            plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint written after step "
+                                         f"{', '.join(map(str, inputs))} finished")
         else:
-            plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint written after "
-                                         + (f"step {', '.join(map(str, inputs))} finished" if inputs else "it started"))
+            plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint")
     return plan
 
 
@@ -121,5 +130,6 @@ def describe(step, decision, folder):
     if decision.action == SKIP:
         return f"step {step}: finished earlier in {folder} with the same flags; skipped (--resume)"
     if decision.action == RESUME:
-        return f"step {step}: resumes from its last checkpoint in {os.path.join(folder, 'checkpoints')} (--resume)"
+        return (f"step {step}: resumes from its last checkpoint in {os.path.join(folder, 'checkpoints')} (--resume): "
+                f"{decision.why}")
     return f"step {step}: starts afresh: {decision.why}"

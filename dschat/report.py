@@ -47,8 +47,8 @@ def stale_folders(recipe, steps_run, rm_from_sft=True):
 
 def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=()):
     """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``; ``steps_run``: the steps
-    this run trained (None: all), so that folders left by an earlier run on older inputs are not reported;
-    ``skipped``: the names of the steps ``train.py --resume`` found finished."""
+    of this run (None: all), so that folders left by an earlier run on older inputs are not reported; ``skipped``:
+    the names of those ``train.py --resume`` found finished."""
     stale = {folder for folder in stale_folders(recipe, steps_run, rm_from_sft)
              if os.path.isdir(os.path.join(output_dir, folder))}
 

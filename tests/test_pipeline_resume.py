@@ -62,18 +62,22 @@ def test_outputs_older_than_the_steps_they_start_from_are_an_earlier_runs(tmp_pa
 def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tmp_path):
     finish(tmp_path, 1, 100, learning_rate=2e-3), finish(tmp_path, 2, 200), finish(tmp_path, 3, 300)
     assert plan(tmp_path) == {1: FRESH, 2: FRESH, 3: FRESH}
-    # the finished run's own last checkpoint (older than its output) is not resumed with another learning rate...
-    checkpoint(tmp_path, 1, 50)
+    # the finished run's own checkpoint is not resumed with another learning rate, whatever its time (a folder copied
+    # without its files' times)...
+    checkpoint(tmp_path, 1, 150)
     assert plan(tmp_path) == {1: FRESH, 2: FRESH, 3: FRESH}
     # ...but is to train on for longer
     finish(tmp_path, 1, 100, max_steps=4)
-    assert plan(tmp_path, step1=Namespace(**{**vars(FLAGS), "max_steps": 8})) == {1: RESUME, 2: FRESH, 3: FRESH}
-    # a checkpoint written after the finished output: a later run of the step, interrupted
-    finish(tmp_path, 1, 100, learning_rate=2e-3), checkpoint(tmp_path, 1, 150)
+    longer = Namespace(**{**vars(FLAGS), "max_steps": 8})
+    assert plan(tmp_path, step1=longer) == {1: RESUME, 2: FRESH, 3: FRESH}
+    assert plan_steps([1], "ppo", str(tmp_path), {1: longer})[1].why == \
+        "to train on past its finished output (--max_steps)"
+    # no finished output (a run that trains removes it): a later run of the step, interrupted
+    (tmp_path / FOLDERS[1] / "metrics.json").unlink()
     assert plan(tmp_path) == {1: RESUME, 2: FRESH, 3: FRESH}
     # flags that do not change what a step made are not compared: the resume switches and where it logs
     resumed = Namespace(**{**vars(FLAGS), "resume": True, "save_interval": 5})
-    finish(tmp_path, 1, 100), finish(tmp_path, 1, 175)
+    finish(tmp_path, 1, 175)
     assert plan(tmp_path, step1=resumed) == {1: SKIP, 2: SKIP, 3: SKIP}
 
 
@@ -123,6 +127,7 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
     printed = capsys.readouterr().out
     assert f"step 1: finished earlier in {out / 'step1_sft'} with the same flags; skipped (--resume)" in printed
     assert "step 2: finished earlier" in printed and "step 3: resumes from its last checkpoint" in printed
+    assert "holds no earlier run" not in printed
     assert "[step3] resumed from iteration 1" in printed
     assert {step: path.stat().st_mtime_ns for step, path in models.items()} == written  # not trained again
     log = [json.loads(line) for line in (out / "step3_ppo" / "step3_log.jsonl").read_text().splitlines()]
@@ -131,12 +136,17 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
     assert list(report["timings_s"]) == ["step3"] and report["skipped"] == ["step1", "step2"]
     assert "step1: finished earlier, skipped (--resume)" in printed
     # step 1 with another flag: it trains again, and the steps after it start afresh from its new output
-    args = TRAIN_PY["parse_args"]([*small[:3], "--max_steps 3", *small[4:], "--step3-args", step3, "--resume"])
-    parsed = pipeline.check_step_args([1, 2, 3], args, True, {1: pipeline_parser(1), 2: pipeline_parser(2),
-                                                              3: pipeline_parser(3)})
-    decisions = pipeline.resume_plan([1, 2, 3], args, parsed, tiny=True)
+    parsers = {step: pipeline_parser(step) for step in (1, 2, 3)}
+    args = TRAIN_PY["parse_args"]([*small[:3], "--max_steps 2 --learning_rate 1e-3", *small[4:], "--step3-args", step3,
+                                   "--resume"])
+    decisions = pipeline.resume_plan([1, 2, 3], args, pipeline.check_step_args([1, 2, 3], args, True, parsers), True)
     assert {step: decision.action for step, decision in decisions.items()} == {1: FRESH, 2: FRESH, 3: FRESH}
     assert "step 1: starts afresh: its finished output in" in capsys.readouterr().out  # said
+    # an output folder with no earlier run in it (a mistyped one?) is said
+    args = TRAIN_PY["parse_args"](["--output-dir", str(tmp_path / "typo"), "--resume"])
+    pipeline.resume_plan([1, 2, 3], args, pipeline.check_step_args([1, 2, 3], args, True, parsers), True)
+    assert f"train.py --resume: {tmp_path / 'typo'} holds no earlier run's steps; every step starts afresh" in \
+        capsys.readouterr().out
     # a --resume of a step's own beside train.py's: the plan decides
     args = TRAIN_PY["parse_args"]([*small, "--step3-args", step3 + " --resume", "--resume"])
     with pytest.raises(UsageError, match="train.py --resume decides which step resumes: leave --resume out of "
@@ -160,3 +170,7 @@ def test_each_steps_line_says_why(tmp_path):
                      "--learning_rate", "step 3: starts afresh: it starts from step 2's new output"]
     assert plan_steps([2], "ppo", str(tmp_path), {2: FLAGS})[2] == (
         FRESH, f"{tmp_path / 'step2_rm'} holds no finished output nor checkpoint written after step 1 finished")
+    assert plan_steps([1], "ppo", str(tmp_path / "new"), {1: FLAGS})[1] == (
+        FRESH, f"{tmp_path / 'new' / 'step1_sft'} holds no finished output nor checkpoint")
+    assert describe(3, plan_steps([3], "ppo", str(tmp_path), {3: FLAGS})[3], "out/step3_ppo") == \
+        "step 3: resumes from its last checkpoint in out/step3_ppo/checkpoints (--resume): it was interrupted"

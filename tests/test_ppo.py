@@ -816,6 +816,7 @@ def _save_flags_checkpoint(tmp_path, *given):
      r"--data_split '4,4,2' -> '2,4,4'; --max_prompt_seq_len 256 -> 40"),
     ([], ["--data_path", "tiny", "jsonl:more.jsonl"], r"--data_path ['tiny'] -> ['tiny', 'jsonl:more.jsonl']"),
     ([], ["--eval_prompts", "32"], r"--eval_prompts 64 -> 32"),  # "before" is the checkpoint's, on its prompts
+    ([], ["--advantage_estimator", "grpo"], r"--advantage_estimator 'gae' -> 'grpo'"),  # (a PPO run continued by GRPO)
     (["--unsupervised_dataset_name", "tiny"], ["--unsupervised_dataset_name", "tiny", "--max_answer_seq_len", "64"],
      r"--max_answer_seq_len 256 -> 64"),  # the unsupervised stream's blocks are prompt + answer lengths long
 ])

@@ -94,6 +94,8 @@ def test_resuming_with_other_settings_is_an_error_naming_them_before_deepspeed_l
     capsys.readouterr()
     reward.main([*common, "--resume", "--learning_rate", "1e-4"])
     assert "--learning_rate 0.0001 (the checkpoint's: 0.002): no effect" in capsys.readouterr().out
+    # the run records the learning rate it trained with (train.py --resume compares a finished step's flags)
+    assert json.loads((tmp_path / "rm" / "training_args.json").read_text())["flags"]["learning_rate"] == 2e-3
     assert loads == [1]
 
 

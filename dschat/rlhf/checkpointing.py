@@ -24,17 +24,18 @@ DATA_RESUME_FLAGS = ("data_path", "data_split", "data_fields", "max_prompt_seq_l
 # blocks of that length.
 UNSUPERVISED_RESUME_FLAGS = ("max_answer_seq_len",)
 # (The weight decays too: the optimizers' parameter groups depend on whether it is 0.)
+# (--advantage_estimator too: a run continued by another algorithm would be neither's.)
 ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_weight_decay",
-                      "actor_zero_stage", "dtype", "offload", "per_device_generation_batch_size", "seed") \
-    + DATA_RESUME_FLAGS
+                      "actor_zero_stage", "dtype", "offload", "per_device_generation_batch_size", "seed",
+                      "advantage_estimator") + DATA_RESUME_FLAGS
 CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_weight_decay", "critic_zero_stage")
 # Flags whose saved value DeepSpeed restores (the optimizer's and the scheduler's base learning rates): another value
 # on --resume is said to change nothing, not refused. (--lr_scheduler_type and --num_warmup_steps do apply: the
 # restored scheduler keeps its step and base rates, the schedule's shape comes from the flags.)
 RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate")
-BOUND_WHY = ("Its model and optimizer states (LoRA layout, weight decay, ZeRO stage, precision, offload) and its place "
-             "in the prompts (batches of --per_device_generation_batch_size of the prompts its data flags make, in "
-             "--seed's order) hold for its own")
+BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer states (LoRA layout, weight decay, ZeRO "
+             "stage, precision, offload) and its place in the prompts (batches of --per_device_generation_batch_size "
+             "of the prompts its data flags make, in --seed's order) hold for its own")
 
 
 def save_checkpoint(trainer, root, position, keep_last=2):
@@ -65,6 +66,8 @@ def load_checkpoint(trainer, root):
             engine.load_checkpoint(os.path.join(root, name), tag=tag)
             restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
+    for name, value in state.pop("restored", {}).items():  # what it trains with: its record says so
+        setattr(trainer.args, name, value)
     if trainer.actor_ema is not None:
         _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
     load_rank_state(root, tag, trainer.generator)
@@ -93,7 +96,8 @@ def check_resumable(trainer, root, tag):
     state = read_trainer_state(root, tag)
     saved_flags = state.pop("flags", {})
     if getattr(trainer, "args", None) is not None:
-        check_same_flags(saved_flags, resume_flags(trainer), RESTORED_FLAGS, tag, root, "step3", BOUND_WHY)
+        state["restored"] = check_same_flags(saved_flags, resume_flags(trainer), RESTORED_FLAGS, tag, root, "step3",
+                                             BOUND_WHY)
     return state
 
 

@@ -63,7 +63,8 @@ def _checked_latest(args, step):
         return None
     check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
-    check_same_flags(state.pop("flags", {}), resume_flags(args), RESTORED_FLAGS, tag, root, step, BOUND_WHY)
+    state["restored"] = check_same_flags(state.pop("flags", {}), resume_flags(args), RESTORED_FLAGS, tag, root, step,
+                                         BOUND_WHY)
     return tag, state
 
 
@@ -76,6 +77,8 @@ def load_step_checkpoint(engine, args, step):
     if found is None:
         return None
     tag, position = found
+    for name, value in position.pop("restored").items():  # what it trains with: its record says so
+        setattr(args, name, value)
     root = checkpoint_root(args)
     engine.load_checkpoint(os.path.join(root, MODEL), tag=tag)
     restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again

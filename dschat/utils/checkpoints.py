@@ -112,7 +112,7 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
     """The flags a checkpoint is bound to (``now``: {flag: value}) as it saved them (``saved``; a checkpoint that
     stored none is not checked): any other value is a UsageError naming each, with ``why`` they bind it. The
     ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates): another value is
-    said to change nothing."""
+    said to change nothing; returns {flag: saved value} of those, for the run to record the values it trains with."""
     changed = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in now
                if name in saved and saved[name] != now[name] and name not in restored]
     if changed:
@@ -124,6 +124,7 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
     if ignored:
         print_rank_0(f"[{step}] --resume: {', '.join(ignored)}: no effect, DeepSpeed restores the learning rates "
                      "from the checkpoint")
+    return {name: saved[name] for name in restored if name in saved and name in now and saved[name] != now[name]}
 
 
 def clear_earlier_run(root):
