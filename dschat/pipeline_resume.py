@@ -2,14 +2,13 @@
 
 Steps run one after another, so an interruption stops one step: the steps it starts from finished, and whatever a
 step after it holds was made from older inputs. A step's output or checkpoint therefore counts only when it was
-written after every step it starts from finished (their metrics.json) and none of those runs now:
+made from the present outputs of the steps it starts from, and none of those runs now:
 - its finished output of the same flags (metrics.json and training_args.json): the step is skipped;
 - else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
   finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on;
 - else it starts afresh.
-A step removes its metrics.json when it starts training, so an interrupted run never looks finished. Which step
-finished first is told by the files' times: a run folder copied elsewhere keeps its plan only when copied with them
-(``cp -a``, ``rsync -a``).
+A step removes its metrics.json when it starts training, so an interrupted run never looks finished. What an output
+or checkpoint was made from is read from the run ids it recorded of its inputs (``steps.common.input_runs``).
 """
 import json
 import os
@@ -21,14 +20,16 @@ from dschat.utils.checkpoints import LATEST
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
 
 # Flags that do not change what a finished step made: the resume switches (a step's save interval is rewritten by a
-# resumed run), where it logs and how much it prints. A flag the record lacks (one added since) is taken as unchanged.
-NOT_COMPARED = frozenset({"resume", "save_interval", "local_rank", "enable_tensorboard", "tensorboard_path",
-                          "print_answers", "print_answers_interval", "deepspeed", "deepscale"})
+# resumed run), where it writes (the record is in its output folder, wherever the run folder was moved; the data
+# cache), where it logs and how much it prints. A flag the record lacks (one added since) is taken as unchanged.
+NOT_COMPARED = frozenset({"resume", "save_interval", "local_rank", "output_dir", "data_output_path",
+                          "enable_tensorboard", "tensorboard_path", "print_answers", "print_answers_interval",
+                          "deepspeed", "deepscale"})
 # Flags a resumed run may raise to train on past the end of a finished one.
 EXTENDING = frozenset({"max_steps", "num_train_epochs"})
 # Flags naming files or folders: compared as absolute paths (from the working directory each run had).
-PATH_FLAGS = ("output_dir", "data_output_path", "model_name_or_path", "actor_model_name_or_path",
-              "critic_model_name_or_path", "sft_only_data_path", "data_path")
+PATH_FLAGS = ("model_name_or_path", "actor_model_name_or_path", "critic_model_name_or_path",
+              "reward_model_name_or_path", "sft_only_data_path", "data_path")
 
 
 class Decision(NamedTuple):
@@ -53,33 +54,76 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True):
         if rerun:
             plan[step] = Decision(FRESH, f"it starts from step {rerun[-1]}'s new output")
             continue
-        # when its inputs were finished (None: unknown, no metrics.json of theirs)
-        inputs_done = max(filter(None, (finished_time(_folder(output_dir, recipe, s)) for s in inputs)), default=None)
-
-        def after_inputs(moment):
-            return moment is not None and (inputs_done is None or moment > inputs_done)
-
         folder = _folder(output_dir, recipe, step)
-        done, changed = finished_time(folder), changed_flags(folder, parsed[step])
-        current = after_inputs(done)
+        made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
+        record = read_record(folder)
+        current = made_from.current(finished_time(folder), record)
+        changed = changed_flags(record, parsed[step])
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
         # resume only to train on for longer
+        checkpoint = checkpoint_state(folder)
         if current and not changed:
             plan[step] = Decision(SKIP)
-        elif after_inputs(checkpoint_time(folder)) and not current:
+        elif not current and made_from.current(checkpoint_time(folder), checkpoint):
             plan[step] = Decision(RESUME, "it was interrupted")
-        elif current and checkpoint_time(folder) is not None and set(changed) <= EXTENDING:
+        elif current and checkpoint is not None and set(changed) <= EXTENDING:
             plan[step] = Decision(RESUME, "to train on past its finished output ("
                                           + ", ".join(f"--{name}" for name in changed) + ")")
         elif current:
             plan[step] = Decision(FRESH, f"its finished output in {folder} had other values of "
                                          f"{', '.join('--' + name for name in changed)}")
         elif inputs:
-            plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint written after step "
-                                         f"{', '.join(map(str, inputs))} finished")
+            plural = "s" if len(inputs) > 1 else ""
+            plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint made from the present "
+                                         f"output{plural} of step{plural} {', '.join(map(str, inputs))}")
         else:
             plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint")
     return plan
+
+
+class InputCheck:
+    """Whether an output or checkpoint was made from the present outputs of the steps it starts from (their folders
+    ``inputs``): by the run ids it recorded of them; one saved before dschat recorded them, by file times."""
+
+    def __init__(self, inputs):
+        from dschat.steps.common import finished_run_id
+
+        self.runs = [finished_run_id(folder) for folder in inputs]
+        self.finished = max(filter(None, (finished_time(folder) for folder in inputs)), default=None)
+
+    def current(self, written, record):
+        """``written``: when the output or checkpoint was (None: there is none); ``record``: what it saved (its
+        training_args.json, its checkpoint's state)."""
+        if written is None:
+            return False
+        if record is not None and "inputs" in record:
+            return all(run is not None and run in record["inputs"].values() for run in self.runs)
+        return self.finished is None or written > self.finished
+
+
+def read_record(folder):
+    """The step's training_args.json in ``folder`` (None: none)."""
+    from dschat.steps.common import RUN_ARGS_FILE
+
+    path = os.path.join(folder, RUN_ARGS_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_state(folder):
+    """The state the step's last checkpoint in ``folder`` saved (None: no checkpoint; {} one without its state)."""
+    from dschat.utils.checkpoints import latest_tag, read_trainer_state
+
+    root = os.path.join(folder, "checkpoints")
+    tag = latest_tag(root)
+    if tag is None:
+        return None
+    try:
+        return read_trainer_state(root, tag)
+    except FileNotFoundError:  # (the step's own --resume names what is missing)
+        return {}
 
 
 def _folder(output_dir, recipe, step):
@@ -92,21 +136,22 @@ def finished_time(folder):
     return os.path.getmtime(path) if os.path.isfile(path) else None
 
 
-def changed_flags(folder, flags):
-    """The flags whose value now differs from the one the step recorded in ``folder`` (its training_args.json,
-    written through JSON, anything else as a string); every flag when there is no record."""
-    from dschat.steps.common import RUN_ARGS_FILE
-
+def changed_flags(record, flags):
+    """The flags whose value now differs from the one the step recorded (``record``: its training_args.json, written
+    through JSON, anything else as a string); every flag when there is no record."""
     now = json.loads(json.dumps(vars(flags), default=str))
     names = [name for name in now if name not in NOT_COMPARED and not name.startswith("_")]
-    path = os.path.join(folder, RUN_ARGS_FILE)
-    if not os.path.isfile(path):
+    if record is None:
         return names
-    with open(path) as f:
-        record = json.load(f)
     recorded, then = record.get("flags", {}), record.get("cwd", os.getcwd())
-    return sorted(name for name in names if name in recorded
-                  and _as_path(name, recorded[name], then) != _as_path(name, now[name], os.getcwd()))
+    step_outputs = record.get("inputs", {})  # models that were step outputs: InputCheck compares them by run id
+    changed = []
+    for name in (name for name in names if name in recorded):
+        then_value = _as_path(name, recorded[name], then)
+        if not (isinstance(then_value, str) and then_value in step_outputs) \
+                and then_value != _as_path(name, now[name], os.getcwd()):
+            changed.append(name)
+    return sorted(changed)
 
 
 def _as_path(name, value, cwd):
@@ -116,7 +161,7 @@ def _as_path(name, value, cwd):
     if isinstance(value, list):
         return [_as_path(name, item, cwd) for item in value]
     local = os.path.join(cwd, value)
-    return os.path.normpath(local) if os.path.exists(local) or name == "output_dir" else value
+    return os.path.normpath(local) if os.path.exists(local) else value
 
 
 def checkpoint_time(folder):

@@ -15,12 +15,16 @@ FLAGS = Namespace(learning_rate=1e-3, max_steps=0, seed=1, save_interval=None, r
 FOLDERS = {1: "step1_sft", 2: "step2_rm", 3: "step3_ppo"}
 
 
-def finish(out, step, at, **changed):
-    """A step's finished output: its flags and metrics, written at time ``at``."""
+def finish(out, step, at, run_ids=None, **changed):
+    """A step's finished output: its flags and metrics, written at time ``at``; ``run_ids``: (its run id, those of the
+    outputs it started from) as dschat records them (None: a record from before it did, judged by file times)."""
     folder = out / FOLDERS[step]
     folder.mkdir(parents=True, exist_ok=True)
     flags = {**vars(FLAGS), "save_interval": 0, **changed}  # a run records the save interval it used
-    (folder / "training_args.json").write_text(json.dumps({"step": f"step{step}", "flags": flags}))
+    record = {"step": f"step{step}", "flags": flags}
+    if run_ids is not None:
+        record.update(run_id=run_ids[0], inputs={f"/somewhere/{run}": run for run in run_ids[1]})
+    (folder / "training_args.json").write_text(json.dumps(record))
     (folder / "metrics.json").write_text("{}")
     os.utime(folder / "metrics.json", (at, at))
 
@@ -59,6 +63,27 @@ def test_outputs_older_than_the_steps_they_start_from_are_an_earlier_runs(tmp_pa
     assert plan(tmp_path, rm_from_sft=False) == {1: SKIP, 2: SKIP, 3: FRESH}
 
 
+def test_what_an_output_was_made_from_is_read_from_the_run_ids_it_recorded_not_file_times(tmp_path):
+    # times scrambled (a folder copied without them): the ids still tell which output each was made from
+    finish(tmp_path, 1, 500, ("a", [])), finish(tmp_path, 2, 100, ("b", ["a"]))
+    finish(tmp_path, 3, 300, ("c", ["a", "b"]))
+    assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: SKIP}
+    # step 1 trained again (a new run id): step 2's output and step 3's were made from its old output
+    finish(tmp_path, 1, 50, ("a2", []))
+    assert plan(tmp_path) == {1: SKIP, 2: FRESH, 3: FRESH}
+    assert plan(tmp_path, steps=(2, 3)) == {2: FRESH, 3: FRESH}
+    # step 2 trained again from the new step 1 and step 3 interrupted after a checkpoint made from both: it resumes
+    finish(tmp_path, 2, 60, ("b2", ["a2"]))
+    (tmp_path / FOLDERS[3] / "metrics.json").unlink()
+    state = tmp_path / FOLDERS[3] / "checkpoints" / "trainer" / "iter_0000001"
+    state.mkdir(parents=True)
+    (state / "state.json").write_text(json.dumps({"inputs": {"/x/step1_sft": "a2", "/x/step2_rm": "b2"}}))
+    (tmp_path / FOLDERS[3] / "checkpoints" / "latest").write_text('{"tag": "iter_0000001"}')
+    assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: RESUME}
+    (state / "state.json").write_text(json.dumps({"inputs": {"/x/step1_sft": "a2", "/x/step2_rm": "b"}}))
+    assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: FRESH}  # a checkpoint made from step 2's older output
+
+
 def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tmp_path):
     finish(tmp_path, 1, 100, learning_rate=2e-3), finish(tmp_path, 2, 200), finish(tmp_path, 3, 300)
     assert plan(tmp_path) == {1: FRESH, 2: FRESH, 3: FRESH}
@@ -81,17 +106,23 @@ def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tm
     assert plan(tmp_path, step1=resumed) == {1: SKIP, 2: SKIP, 3: SKIP}
 
 
-def test_paths_are_compared_as_the_folders_they_name(tmp_path, monkeypatch):
+def test_paths_are_compared_as_the_folders_they_name_and_a_moved_run_folder_keeps_its_plan(tmp_path, monkeypatch):
+    (tmp_path / "models" / "base").mkdir(parents=True)
     out = tmp_path / "out"
-    folder = Namespace(**{**vars(FLAGS), "output_dir": str(out / "step1_sft")})
-    finish(out, 1, 100, output_dir="out/step1_sft")
+    finish(out, 1, 100, ("a", []), model_name_or_path="models/base", output_dir="out/step1_sft")
     record = json.loads((out / "step1_sft" / "training_args.json").read_text())
     (out / "step1_sft" / "training_args.json").write_text(json.dumps({**record, "cwd": str(tmp_path)}))
-    monkeypatch.chdir(out)  # another working directory, the same folder
-    assert plan_steps([1], "ppo", str(out), {1: folder})[1].action == SKIP
-    moved = Namespace(**{**vars(FLAGS), "output_dir": str(tmp_path / "elsewhere")})
-    assert plan_steps([1], "ppo", str(out), {1: moved})[1] == (FRESH, f"its finished output in {out / 'step1_sft'} "
-                                                                      "had other values of --output_dir")
+    monkeypatch.chdir(out)  # another working directory: the same folders
+    given = Namespace(**{**vars(FLAGS), "model_name_or_path": str(tmp_path / "models" / "base"),
+                         "output_dir": str(out / "step1_sft")})
+    assert plan_steps([1], "ppo", str(out), {1: given})[1].action == SKIP
+    other = Namespace(**{**vars(given), "model_name_or_path": "tiny-opt"})
+    assert plan_steps([1], "ppo", str(out), {1: other})[1] == (FRESH, f"its finished output in {out / 'step1_sft'} "
+                                                                      "had other values of --model_name_or_path")
+    # the run folder moved: step 2 was made from step 1's output (by its run id), wherever that is now
+    finish(out, 2, 50, ("b", ["a"]), model_name_or_path="/somewhere/a", output_dir="/old/out/step2_rm")
+    step2 = Namespace(**{**vars(FLAGS), "model_name_or_path": str(out / "step1_sft"), "output_dir": "x"})
+    assert plan_steps([1, 2], "ppo", str(out), {1: given, 2: step2}) == {1: (SKIP, ""), 2: (SKIP, "")}
 
 
 def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tmp_path, distributed, monkeypatch,
@@ -115,6 +146,9 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
             pipeline.run_pipeline(TRAIN_PY["parse_args"]([*small, "--step3-args",
                                                           step3 + " --enable_test_mode --test_stop_step 1"]))
     assert not (out / "step3_ppo" / "metrics.json").exists()  # the interrupted run's output is not finished
+    records = {step: json.loads((out / folder / "training_args.json").read_text()) for step, folder in FOLDERS.items()
+               if step < 3}
+    assert records[2]["inputs"] == {str(out / "step1_sft"): records[1]["run_id"]}  # what step 2 was made from
     models = {step: out / folder / "model.safetensors" for step, folder in FOLDERS.items() if step < 3}
     written = {step: path.stat().st_mtime_ns for step, path in models.items()}
     # a bound flag changed for the step being resumed: how to start it afresh and keep the steps before it
@@ -169,7 +203,8 @@ def test_each_steps_line_says_why(tmp_path):
     assert lines == [f"step 1: starts afresh: its finished output in {tmp_path / 'step1_sft'} had other values of "
                      "--learning_rate", "step 3: starts afresh: it starts from step 2's new output"]
     assert plan_steps([2], "ppo", str(tmp_path), {2: FLAGS})[2] == (
-        FRESH, f"{tmp_path / 'step2_rm'} holds no finished output nor checkpoint written after step 1 finished")
+        FRESH, f"{tmp_path / 'step2_rm'} holds no finished output nor checkpoint made from the present output of "
+               "step 1")
     assert plan_steps([1], "ppo", str(tmp_path / "new"), {1: FLAGS})[1] == (
         FRESH, f"{tmp_path / 'new' / 'step1_sft'} holds no finished output nor checkpoint")
     assert describe(3, plan_steps([3], "ppo", str(tmp_path), {3: FLAGS})[3], "out/step3_ppo") == \

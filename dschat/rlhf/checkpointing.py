@@ -7,7 +7,7 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
-from dschat.steps.common import restart_deepspeed_tensorboard
+from dschat.steps.common import input_runs, restart_deepspeed_tensorboard
 from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rank_state, publish,
                                       read_trainer_state, save_trainer_state, trainer_folder)
 from dschat.utils.dist import is_rank_0, rank_0_decides
@@ -47,7 +47,8 @@ def save_checkpoint(trainer, root, position, keep_last=2):
         trainer.critic_model.save_checkpoint(os.path.join(root, "critic"), tag=tag, save_latest=False)
     ema_state = gathered_state_dict(settled_module(trainer.actor_ema)) if trainer.actor_ema is not None else None
     state_dir = save_trainer_state(root, tag, {**position, "kl_ctl": trainer.kl_ctl.state_dict(),
-                                               "flags": resume_flags(trainer)}, trainer.generator)
+                                               "flags": resume_flags(trainer), "inputs": input_runs(trainer.args)},
+                                   trainer.generator)
     if is_rank_0() and ema_state is not None:
         torch.save(ema_state, os.path.join(state_dir, "ema.pt"))
     publish(root, tag, keep_last)

@@ -2,6 +2,7 @@
 import json
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -234,14 +235,41 @@ RUN_ARGS_FILE = "training_args.json"
 
 def write_results(args, metrics, step):
     """The step's ``metrics.json`` and ``training_args.json`` (which step, and its flags as it ran: what the tools read
-    to evaluate its output on the same data, e.g. ppo_eval's held-out prompts) in its output folder (rank 0)."""
+    to evaluate its output on the same data, e.g. ppo_eval's held-out prompts; this output's run id and those of the
+    step outputs it started from: what ``train.py --resume`` reads) in its output folder (rank 0)."""
     if is_rank_0():
         write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
         flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
         write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
-                          {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags},
-                          default=str)
+                          {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
+                           "run_id": uuid.uuid4().hex, "inputs": input_runs(args)}, default=str)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
+
+
+# The flags of the models a step starts from.
+MODEL_PATH_FLAGS = ("model_name_or_path", "actor_model_name_or_path", "critic_model_name_or_path",
+                    "reward_model_name_or_path")
+
+
+def input_runs(args):
+    """{folder: run id} of the finished step outputs among the models this step starts from: kept with its output
+    and its checkpoints, so that ``train.py --resume`` knows which outputs they were made from (not file times)."""
+    runs = {}
+    for name in MODEL_PATH_FLAGS:
+        path = getattr(args, name, None)
+        run = finished_run_id(path) if isinstance(path, str) and os.path.isdir(path) else None
+        if run is not None:
+            runs[os.path.abspath(path)] = run
+    return runs
+
+
+def finished_run_id(folder):
+    """The run id of the finished step output in ``folder`` (None: none, or unfinished: no metrics.json)."""
+    record = os.path.join(folder, RUN_ARGS_FILE)
+    if not (os.path.isfile(os.path.join(folder, "metrics.json")) and os.path.isfile(record)):
+        return None
+    with open(record) as f:
+        return json.load(f).get("run_id")
 
 
 def clear_results(args):

@@ -6,7 +6,7 @@ output folder must be one that every rank sees (shared storage), as for DeepSpee
 import os
 
 from dschat.errors import UsageError
-from dschat.steps.common import restart_deepspeed_tensorboard, resumed_save_interval
+from dschat.steps.common import input_runs, restart_deepspeed_tensorboard, resumed_save_interval
 from dschat.utils.checkpoints import (check_complete, check_same_flags, clear_earlier_run, latest_tag, load_rank_state,
                                       publish, read_trainer_state, save_trainer_state)
 from dschat.utils.dist import print_rank_0, rank_0_decides
@@ -49,8 +49,8 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
     engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
     place = {key: position[key] for key in ("step", "epoch", "batch")}
     sums = {key: position[key] for key in ("loss_sum", "loss_count")}
-    save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args)},
-                       rank_state=sums)
+    save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
+                                   "inputs": input_runs(args)}, rank_state=sums)
     publish(root, tag, keep_last)
     return tag
 
