@@ -15,7 +15,7 @@ import os
 from typing import NamedTuple
 
 from dschat.run_layout import RECIPE_STEP_FOLDERS
-from dschat.utils.checkpoints import LATEST
+from dschat.utils.checkpoints import LATEST, TRAINER
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
 
@@ -83,47 +83,59 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True):
 
 class InputCheck:
     """Whether an output or checkpoint was made from the present outputs of the steps it starts from (their folders
-    ``inputs``): by the run ids it recorded of them; one saved before dschat recorded them, by file times."""
+    ``inputs``): by the run ids it recorded of them; for an input or a record from before dschat kept run ids, by file
+    times (made after that input finished)."""
 
     def __init__(self, inputs):
         from dschat.steps.common import finished_run_id
 
-        self.runs = [finished_run_id(folder) for folder in inputs]
-        self.finished = max(filter(None, (finished_time(folder) for folder in inputs)), default=None)
+        self.inputs = [(finished_run_id(folder), finished_time(folder)) for folder in inputs]
 
     def current(self, written, record):
         """``written``: when the output or checkpoint was (None: there is none); ``record``: what it saved (its
         training_args.json, its checkpoint's state)."""
         if written is None:
             return False
-        if record is not None and "inputs" in record:
-            return all(run is not None and run in record["inputs"].values() for run in self.runs)
-        return self.finished is None or written > self.finished
+        made_from = (record or {}).get("inputs")
+        for run, finished in self.inputs:
+            if run is not None and made_from is not None:
+                if run not in made_from.values():
+                    return False
+            elif finished is not None and written <= finished:
+                return False
+        return True
 
 
 def read_record(folder):
     """The step's training_args.json in ``folder`` (None: none)."""
     from dschat.steps.common import RUN_ARGS_FILE
 
-    path = os.path.join(folder, RUN_ARGS_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return _read_json(os.path.join(folder, RUN_ARGS_FILE))
 
 
 def checkpoint_state(folder):
     """The state the step's last checkpoint in ``folder`` saved (None: no checkpoint; {} one without its state)."""
-    from dschat.utils.checkpoints import latest_tag, read_trainer_state
-
     root = os.path.join(folder, "checkpoints")
-    tag = latest_tag(root)
-    if tag is None:
+    latest = _read_json(os.path.join(root, LATEST))
+    if latest is None:
+        return None
+    return _read_json(os.path.join(root, TRAINER, str(latest.get("tag")), "state.json")) or {}
+
+
+def _read_json(path):
+    """A JSON object from ``path`` (None: no such file); one that is not is an error naming the file."""
+    from dschat.errors import UsageError
+
+    if not os.path.isfile(path):
         return None
     try:
-        return read_trainer_state(root, tag)
-    except FileNotFoundError:  # (the step's own --resume names what is missing)
-        return {}
+        with open(path) as f:
+            value = json.load(f)
+    except ValueError as error:
+        raise UsageError(f"train.py --resume: {path} is not JSON ({error}); restore or remove it") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"train.py --resume: {path} holds no JSON object; restore or remove it")
+    return value
 
 
 def _folder(output_dir, recipe, step):
@@ -138,20 +150,25 @@ def finished_time(folder):
 
 def changed_flags(record, flags):
     """The flags whose value now differs from the one the step recorded (``record``: its training_args.json, written
-    through JSON, anything else as a string); every flag when there is no record."""
+    through JSON, anything else as a string); every flag when there is no record. A model that was a step output is
+    the same while that folder holds the same finished run (by run id), wherever the run folder is now."""
     now = json.loads(json.dumps(vars(flags), default=str))
     names = [name for name in now if name not in NOT_COMPARED and not name.startswith("_")]
     if record is None:
         return names
     recorded, then = record.get("flags", {}), record.get("cwd", os.getcwd())
-    step_outputs = record.get("inputs", {})  # models that were step outputs: InputCheck compares them by run id
-    changed = []
-    for name in (name for name in names if name in recorded):
-        then_value = _as_path(name, recorded[name], then)
-        if not (isinstance(then_value, str) and then_value in step_outputs) \
-                and then_value != _as_path(name, now[name], os.getcwd()):
-            changed.append(name)
-    return sorted(changed)
+    return sorted(name for name in names if name in recorded and _differs(name, recorded[name], now[name], then,
+                                                                           record.get("inputs", {})))
+
+
+def _differs(name, then_value, now_value, then_cwd, made_from):
+    from dschat.steps.common import MODEL_PATH_FLAGS, finished_run_id
+
+    if name in MODEL_PATH_FLAGS and isinstance(then_value, str) and isinstance(now_value, str):
+        run = made_from.get(os.path.normpath(os.path.join(then_cwd, then_value)))
+        if run is not None:
+            return not (os.path.isdir(now_value) and finished_run_id(now_value) == run)
+    return _as_path(name, then_value, then_cwd) != _as_path(name, now_value, os.getcwd())
 
 
 def _as_path(name, value, cwd):

@@ -7,6 +7,7 @@ from argparse import Namespace
 import pytest
 
 from dschat import pipeline
+from dschat.errors import UsageError
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, plan_steps
 from launch import REPO
 
@@ -84,6 +85,45 @@ def test_what_an_output_was_made_from_is_read_from_the_run_ids_it_recorded_not_f
     assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: FRESH}  # a checkpoint made from step 2's older output
 
 
+def test_a_model_that_was_another_runs_output_is_compared_by_its_run_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "other"
+    finish(other, 1, 10, ("x", []))  # another run's SFT model, which this run's step 1 started from
+    record = {"step": "step1", "cwd": str(tmp_path / "old"), "run_id": "a", "inputs": {str(other / "step1_sft"): "x"},
+              "flags": {**vars(FLAGS), "save_interval": 0, "model_name_or_path": str(other / "step1_sft")}}
+    finish(tmp_path, 1, 100)
+    (tmp_path / "step1_sft" / "training_args.json").write_text(json.dumps(record))
+    same = Namespace(**{**vars(FLAGS), "model_name_or_path": "other/step1_sft"})  # (relative, from another cwd)
+    assert plan_steps([1], "ppo", str(tmp_path), {1: same})[1].action == SKIP
+    hub = Namespace(**{**vars(FLAGS), "model_name_or_path": "tiny-opt"})
+    assert plan_steps([1], "ppo", str(tmp_path), {1: hub})[1].why.endswith("had other values of --model_name_or_path")
+    finish(other, 1, 20, ("x2", []))  # that model trained again
+    assert plan_steps([1], "ppo", str(tmp_path), {1: same})[1].why.endswith("had other values of --model_name_or_path")
+
+
+def test_a_relative_output_folder_moved_and_an_input_from_before_run_ids_keep_the_plan(tmp_path, monkeypatch):
+    # step 2 recorded its model as ./output/step1_sft from /old; the run folder is now tmp_path
+    finish(tmp_path, 1, 100, ("a", []))
+    finish(tmp_path, 2, 50, model_name_or_path="./output/step1_sft")
+    record = json.loads((tmp_path / "step2_rm" / "training_args.json").read_text())
+    record.update(cwd="/old", run_id="b", inputs={"/old/output/step1_sft": "a"})
+    (tmp_path / "step2_rm" / "training_args.json").write_text(json.dumps(record))
+    step2 = Namespace(**{**vars(FLAGS), "model_name_or_path": str(tmp_path / "step1_sft")})
+    assert plan_steps([1, 2], "ppo", str(tmp_path), {1: FLAGS, 2: step2}) == {1: (SKIP, ""), 2: (SKIP, "")}
+    # step 1 finished before dschat recorded run ids: step 2 (which recorded none of it) is judged by file times
+    finish(tmp_path, 1, 30)
+    record.update(inputs={}, cwd=str(tmp_path))  # (not moved)
+    record["flags"]["model_name_or_path"] = str(tmp_path / "step1_sft")
+    (tmp_path / "step2_rm" / "training_args.json").write_text(json.dumps(record))
+    assert plan_steps([1, 2], "ppo", str(tmp_path), {1: FLAGS, 2: step2})[2].action == SKIP
+    finish(tmp_path, 1, 60)
+    assert plan_steps([1, 2], "ppo", str(tmp_path), {1: FLAGS, 2: step2})[2].action == FRESH
+    # a record that is not JSON is an error naming it (not a step trained again)
+    (tmp_path / "step2_rm" / "training_args.json").write_text("{cut")
+    with pytest.raises(UsageError, match=r"step2_rm/training_args.json is not JSON"):
+        plan_steps([2], "ppo", str(tmp_path), {2: step2})
+
+
 def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tmp_path):
     finish(tmp_path, 1, 100, learning_rate=2e-3), finish(tmp_path, 2, 200), finish(tmp_path, 3, 300)
     assert plan(tmp_path) == {1: FRESH, 2: FRESH, 3: FRESH}
@@ -127,7 +167,6 @@ def test_paths_are_compared_as_the_folders_they_name_and_a_moved_run_folder_keep
 
 def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tmp_path, distributed, monkeypatch,
                                                                               capsys):
-    from dschat.errors import UsageError
     from dschat.steps import ppo
 
     monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))

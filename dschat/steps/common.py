@@ -246,30 +246,47 @@ def write_results(args, metrics, step):
         print_rank_0(f"metrics: {json.dumps(metrics)}")
 
 
-# The flags of the models a step starts from.
+# The flags of the models a step may start from.
 MODEL_PATH_FLAGS = ("model_name_or_path", "actor_model_name_or_path", "critic_model_name_or_path",
                     "reward_model_name_or_path")
 
 
+def loaded_model_paths(args):
+    """The model folders or names this step loads: step 3's critic only with GAE (or as the reward model), its reward
+    model (else the critic's) only with a reward-model weight."""
+    paths = [getattr(args, "model_name_or_path", None), getattr(args, "actor_model_name_or_path", None)]
+    if hasattr(args, "advantage_estimator"):
+        scored = bool(getattr(args, "reward_model_weight", 1.0))
+        if args.advantage_estimator == "gae" or (scored and not args.reward_model_name_or_path):
+            paths.append(args.critic_model_name_or_path)
+        if scored:
+            paths.append(args.reward_model_name_or_path)
+    return [path for path in paths if isinstance(path, str)]
+
+
 def input_runs(args):
-    """{folder: run id} of the finished step outputs among the models this step starts from: kept with its output
-    and its checkpoints, so that ``train.py --resume`` knows which outputs they were made from (not file times)."""
+    """{folder: run id} of the finished step outputs among the models this step loads: kept with its output and its
+    checkpoints, so that ``train.py --resume`` knows which outputs they were made from (not file times)."""
     runs = {}
-    for name in MODEL_PATH_FLAGS:
-        path = getattr(args, name, None)
-        run = finished_run_id(path) if isinstance(path, str) and os.path.isdir(path) else None
+    for path in loaded_model_paths(args):
+        run = finished_run_id(path) if os.path.isdir(path) else None
         if run is not None:
             runs[os.path.abspath(path)] = run
     return runs
 
 
 def finished_run_id(folder):
-    """The run id of the finished step output in ``folder`` (None: none, or unfinished: no metrics.json)."""
+    """The run id of the finished step output in ``folder`` (None: none, unfinished (no metrics.json), from before
+    dschat recorded them, or unreadable)."""
     record = os.path.join(folder, RUN_ARGS_FILE)
     if not (os.path.isfile(os.path.join(folder, "metrics.json")) and os.path.isfile(record)):
         return None
-    with open(record) as f:
-        return json.load(f).get("run_id")
+    try:
+        with open(record) as f:
+            run = json.load(f).get("run_id")
+    except (ValueError, AttributeError):  # not JSON, or not a record
+        return None
+    return run if isinstance(run, str) else None
 
 
 def clear_results(args):
