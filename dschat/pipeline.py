@@ -341,10 +341,9 @@ def held_out_rule_scores(args):
 
 def add_dpo_report(output_dir, report, rule_scores=None):
     """Put the DPO step's held-out metrics into report.json (dschat.report covers steps 1-3); the summary lines."""
-    from dschat.report import read_json
-    from dschat.utils.files import write_json_atomic
+    from dschat.utils.files import read_json_object, write_json_atomic
 
-    metrics = read_json(os.path.join(output_dir, DPO_DIR, "metrics.json"))
+    metrics = read_json_object(os.path.join(output_dir, DPO_DIR, "metrics.json"))
     if not metrics:
         return []
     report["dpo"] = {key: metrics.get(key) for key in DPO_REPORT_KEYS}

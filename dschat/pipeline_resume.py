@@ -15,7 +15,8 @@ import os
 from typing import NamedTuple
 
 from dschat.run_layout import RECIPE_STEP_FOLDERS
-from dschat.utils.checkpoints import LATEST, TRAINER
+from dschat.steps.common import MODEL_PATH_FLAGS, finished_run_id, read_run_args
+from dschat.utils.checkpoints import LATEST, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
 
@@ -28,8 +29,7 @@ NOT_COMPARED = frozenset({"resume", "save_interval", "local_rank", "output_dir",
 # Flags a resumed run may raise to train on past the end of a finished one.
 EXTENDING = frozenset({"max_steps", "num_train_epochs"})
 # Flags naming files or folders: compared as absolute paths (from the working directory each run had).
-PATH_FLAGS = ("model_name_or_path", "actor_model_name_or_path", "critic_model_name_or_path",
-              "reward_model_name_or_path", "sft_only_data_path", "data_path")
+PATH_FLAGS = MODEL_PATH_FLAGS + ("sft_only_data_path", "data_path")
 
 
 class Decision(NamedTuple):
@@ -56,7 +56,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True):
             continue
         folder = _folder(output_dir, recipe, step)
         made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
-        record = read_record(folder)
+        record = read_run_args(folder)
         current = made_from.current(finished_time(folder), record)
         changed = changed_flags(record, parsed[step])
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
@@ -87,8 +87,6 @@ class InputCheck:
     times (made after that input finished)."""
 
     def __init__(self, inputs):
-        from dschat.steps.common import finished_run_id
-
         self.inputs = [(finished_run_id(folder), finished_time(folder)) for folder in inputs]
 
     def current(self, written, record):
@@ -106,36 +104,11 @@ class InputCheck:
         return True
 
 
-def read_record(folder):
-    """The step's training_args.json in ``folder`` (None: none)."""
-    from dschat.steps.common import RUN_ARGS_FILE
-
-    return _read_json(os.path.join(folder, RUN_ARGS_FILE))
-
-
 def checkpoint_state(folder):
     """The state the step's last checkpoint in ``folder`` saved (None: no checkpoint; {} one without its state)."""
     root = os.path.join(folder, "checkpoints")
-    latest = _read_json(os.path.join(root, LATEST))
-    if latest is None:
-        return None
-    return _read_json(os.path.join(root, TRAINER, str(latest.get("tag")), "state.json")) or {}
-
-
-def _read_json(path):
-    """A JSON object from ``path`` (None: no such file); one that is not is an error naming the file."""
-    from dschat.errors import UsageError
-
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            value = json.load(f)
-    except ValueError as error:
-        raise UsageError(f"train.py --resume: {path} is not JSON ({error}); restore or remove it") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"train.py --resume: {path} holds no JSON object; restore or remove it")
-    return value
+    tag = latest_tag(root)
+    return None if tag is None else read_trainer_state(root, str(tag)) or {}
 
 
 def _folder(output_dir, recipe, step):
@@ -162,8 +135,6 @@ def changed_flags(record, flags):
 
 
 def _differs(name, then_value, now_value, then_cwd, made_from):
-    from dschat.steps.common import MODEL_PATH_FLAGS, finished_run_id
-
     if name in MODEL_PATH_FLAGS and isinstance(then_value, str) and isinstance(now_value, str):
         run = made_from.get(os.path.normpath(os.path.join(then_cwd, then_value)))
         if run is not None:

@@ -3,14 +3,7 @@ import json
 import os
 
 from dschat.run_layout import DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
-from dschat.utils.files import write_json_atomic
-
-
-def read_json(path):
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+from dschat.utils.files import read_json_object, write_json_atomic
 
 
 def read_jsonl(path):
@@ -55,7 +48,7 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
     def metrics(folder):
         if folder not in RECIPE_FOLDERS[recipe] or folder in stale:
             return {}
-        return read_json(os.path.join(output_dir, folder, "metrics.json")) or {}
+        return read_json_object(os.path.join(output_dir, folder, "metrics.json")) or {}
 
     step1, step2, step3 = metrics(SFT_DIR), metrics(RM_DIR), metrics(PPO_DIR)
     curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))

@@ -13,7 +13,7 @@ from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.ds_config import check_dtype_supported
-from dschat.utils.files import write_json_atomic
+from dschat.utils.files import read_json_object, write_json_atomic
 from dschat.utils.optim import optimizer_step
 
 
@@ -278,14 +278,13 @@ def input_runs(args):
 def finished_run_id(folder):
     """The run id of the finished step output in ``folder`` (None: none, unfinished (no metrics.json), from before
     dschat recorded them, or unreadable)."""
-    record = os.path.join(folder, RUN_ARGS_FILE)
-    if not (os.path.isfile(os.path.join(folder, "metrics.json")) and os.path.isfile(record)):
+    if not os.path.isfile(os.path.join(folder, "metrics.json")):
         return None
     try:
-        with open(record) as f:
-            run = json.load(f).get("run_id")
-    except (ValueError, AttributeError):  # not JSON, or not a record
+        record = read_run_args(folder)
+    except UsageError:  # unreadable: no id (a step recording what it started from does not fail on it)
         return None
+    run = record.get("run_id") if record else None
     return run if isinstance(run, str) else None
 
 
@@ -297,15 +296,11 @@ def clear_results(args):
         os.remove(path)
 
 
-def read_run_args(folder, step):
-    """The ``training_args.json`` that ``step`` wrote in ``folder`` ({"flags", "world_size", "cwd"}: its flags, number
-    of ranks and working directory), else None."""
-    path = os.path.join(folder, RUN_ARGS_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        record = json.load(f)
-    return record if record.get("step") == step else None
+def read_run_args(folder, step=None):
+    """The ``training_args.json`` that ``step`` (None: any step) wrote in ``folder`` ({"flags", "world_size", "cwd",
+    "run_id", "inputs"}: its flags, number of ranks, working directory, run ids), else None."""
+    record = read_json_object(os.path.join(folder, RUN_ARGS_FILE))
+    return record if record is not None and step in (None, record.get("step")) else None
 
 
 def progress(iterable, total, desc):

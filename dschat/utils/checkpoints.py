@@ -2,10 +2,10 @@
 
 A checkpoint is a tag folder in each part of ``root``: a DeepSpeed engine's folder per model (``actor/<tag>``,
 ``model/<tag>``), and ``trainer/<tag>`` with the run's position and flags (``state.json``, rank 0) and each rank's RNG
-states and own counters (``rng_rank<N>.pt``). Every rank writes its share; only when all have finished does rank 0 point ``latest`` at the tag (an atomic
-rename), so an interrupted save is never resumed from. The last ``keep_last`` tags are kept.
+states and own counters (``rng_rank<N>.pt``). Every rank writes its share; only when all have finished does rank 0
+point ``latest`` at the tag (an atomic rename), so an interrupted save is never resumed from. The last ``keep_last``
+tags are kept.
 """
-import json
 import os
 import random
 import shutil
@@ -15,7 +15,7 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
-from dschat.utils.files import write_json_atomic
+from dschat.utils.files import read_json_object, write_json_atomic
 
 LATEST = "latest"
 TRAINER = "trainer"
@@ -67,18 +67,13 @@ def publish(root, tag, keep_last=2):
 
 
 def latest_tag(root):
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)["tag"]
+    latest = read_json_object(os.path.join(root, LATEST))
+    return None if latest is None else latest.get("tag")
 
 
 def read_trainer_state(root, tag):
-    """The ``state.json`` rank 0 saved with ``tag``."""
-    with open(os.path.join(trainer_folder(root, tag), "state.json")) as f:
-        state = json.load(f)
-    return state
+    """The ``state.json`` rank 0 saved with ``tag`` (None: there is none)."""
+    return read_json_object(os.path.join(trainer_folder(root, tag), "state.json"))
 
 
 def load_rank_state(root, tag, generator=None):
@@ -119,12 +114,11 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
                          f"{'; '.join(changed)}. {why}: resume with the checkpoint's values, or start afresh without "
                          f"--resume")
-    ignored = [f"--{name} {now[name]!r} (the checkpoint's: {saved[name]!r})" for name in restored
-               if name in saved and name in now and saved[name] != now[name]]
+    ignored = {name: saved[name] for name in restored if name in saved and name in now and saved[name] != now[name]}
     if ignored:
-        print_rank_0(f"[{step}] --resume: {', '.join(ignored)}: no effect, DeepSpeed restores the learning rates "
-                     "from the checkpoint")
-    return {name: saved[name] for name in restored if name in saved and name in now and saved[name] != now[name]}
+        said = ", ".join(f"--{name} {now[name]!r} (the checkpoint's: {value!r})" for name, value in ignored.items())
+        print_rank_0(f"[{step}] --resume: {said}: no effect, DeepSpeed restores the learning rates from the checkpoint")
+    return ignored
 
 
 def clear_earlier_run(root):

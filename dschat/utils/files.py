@@ -1,7 +1,8 @@
 """Temporary files and folders for atomic writes (write aside, then ``os.replace``), with the permissions a plain
 ``mkdir`` / ``open`` would give: ``tempfile`` makes them owner-only, and the rename keeps that mode, so saved models
 and data caches on shared storage would be unreadable to other users and services. Also: a run's relative paths
-read from another working directory (``path_under``), and JSON written atomically (``write_json_atomic``)."""
+read from another working directory (``path_under``), and JSON written atomically (``write_json_atomic``) and read
+back (``read_json_object``)."""
 import json
 import os
 import tempfile
@@ -58,6 +59,22 @@ def path_under(folder, path):
         return None
     anchored = os.path.join(folder, path)  # (an absolute ``path`` stays itself)
     return anchored if os.path.exists(anchored) else None
+
+
+def read_json_object(path):
+    """The JSON object in ``path`` (None: no such file); a file that holds none is a UsageError naming it."""
+    from dschat.errors import UsageError
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except ValueError as error:
+        raise UsageError(f"{path} is not JSON ({error}); restore or remove it") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{path} holds no JSON object; restore or remove it")
+    return value
 
 
 def write_json_atomic(path, data, default=None):
