@@ -19,7 +19,7 @@ Also checks the one-pass draws: a chi-square of 2**20 draws from 16 tokens again
     python bench/sampling.py --top_p 0.9           # also the nucleus-filtered step, torch's race against the kernel's
     python bench/sampling.py --top_k 20 --top_p 0.8  # Qwen2.5-Instruct's generation_config
     python bench/sampling.py --sweep               # the one-pass kernel's LANES x PROGRAMS_PER_SM x NUM_WARPS
-    python bench/sampling.py --cut_sweep --top_p 0.9 --batches 64   # the row cuts' FANOUT x BLOCK x NUM_WARPS
+    python bench/sampling.py --cut_sweep --top_p 0.9 --batches 1,16,64,128   # top-p alone: one program per row, or split how
     python bench/sampling.py --top_k_sweep --top_k 50 --batches 64  # top-k's TOPK_CHUNK x TOPK_NUM_WARPS x TOPK_NARROW_KEYS
 
 Prints microseconds per sampled token and the seconds 255 decode steps spend in it; writes JSON to $OUT when set.
@@ -154,9 +154,11 @@ def sweep(args):
 
 
 def cut_sweep(args):
-    """``cut + one pass + logp`` under each search setting of ``triton_filters`` (FANOUT x BLOCK x NUM_WARPS; top-p)."""
-    sweep_settings(triton_filters, ("FANOUT", "BLOCK", "NUM_WARPS"),
-                   itertools.product((2, 4, 8), (2048, 4096, 8192), (8, 16, 32)),
+    """``cut + one pass + logp`` for top-p alone: one program per row (SPLIT_TOP_P False, the eighteenth session's
+    search) against the rows split over chunks under each SPLIT_CHUNK x SPLIT_FANOUT x SPLIT_NUM_WARPS x SPLIT_SUB."""
+    split = [(True, *setting) for setting in itertools.product((4096, 8192), (4, 8), (8, 16), (512,))]
+    sweep_settings(triton_filters, ("SPLIT_TOP_P", "SPLIT_CHUNK", "SPLIT_FANOUT", "SPLIT_NUM_WARPS", "SPLIT_SUB"),
+                   [(False, 4096, 8, 8, 512), *split],
                    lambda logits: cut_one_pass(logits, args.temperature, args.top_p), args,
                    "sampling_cut_sweep.json")
 

@@ -1,4 +1,5 @@
 """Sampling: on-device exponential race matches the filtered model distribution; fixed seeds reproduce."""
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -290,12 +291,66 @@ def test_row_cut_kernel_compiles_for_hopper(dtype, tmp_path, monkeypatch):
     assert compiled.asm["cubin"]
 
 
+def test_top_p_splits_rows_over_chunks_only_while_rows_leave_the_gpu_half_idle(monkeypatch):
+    """One program per row takes a third of the split search's work, so it is the faster once the rows alone fill
+    the multiprocessors (bench/sampling.py --cut_sweep); SPLIT_TOP_P forces either search."""
+    from dschat.hybrid_engine import triton_filters, triton_sampling
+
+    monkeypatch.setattr(triton_sampling, "MULTIPROCESSORS_OFF_GPU", 132)
+    cpu = torch.device("cpu")
+    assert [triton_filters.split_top_p(rows, cpu) for rows in (1, 16, 66, 67, 128)] == [True] * 3 + [False] * 2
+    monkeypatch.setattr(triton_filters, "SPLIT_TOP_P", False)
+    assert not triton_filters.split_top_p(1, cpu)
+    monkeypatch.setattr(triton_filters, "SPLIT_TOP_P", True)
+    assert triton_filters.split_top_p(128, cpu)
+
+
+@pytest.mark.parametrize("fanout", [2, 8, 16])
+def test_split_top_p_passes_close_any_16_bit_interval(fanout):
+    """The split search's fixed launch count: narrowing the widest interval (lo one below the smallest 16-bit key,
+    hi the largest) as the kernels do (candidates spread as ``_candidates`` spreads them; a candidate at or below
+    the answer has enough weight above it) finds every answer within ``split_passes`` passes, and one pass fewer
+    misses some."""
+    from dschat.hybrid_engine.triton_filters import split_passes
+
+    def passes_to(answer, lo=-32769, hi=32767):
+        count = 0
+        while lo < hi:
+            cands = [lo + ((hi - lo) * s + fanout) // (fanout + 1) for s in range(1, fanout + 1)]
+            lo, hi = max([c for c in cands if c <= answer], default=lo), min([c - 1 for c in cands if c > answer],
+                                                                              default=hi)
+            count += 1
+        assert lo == answer
+        return count
+
+    answers = [-32769, -32768, -1, 0, 1, 32766, 32767, *range(-32769, 32768, 997)]
+    worst = max(passes_to(answer) for answer in answers)
+    assert worst <= split_passes(fanout)
+    assert split_passes(fanout) - 1 < max(passes_to(a) for a in range(-32769, 32768, 7))
+
+
+@pytest.mark.parametrize("kernel_name, constants", [
+    ("_chunk_range_kernel", dict(CHUNK=4096)),
+    ("_split_pass_kernel", dict(CHUNK=4096, CHUNKS=64, SUB=512, FANOUT=16)),
+    ("_split_cut_sums_kernel", dict(CHUNK=4096, CHUNKS=64, SUB=512, FANOUT=16)),
+    ("_split_cut_kernel", dict(CHUNK=4096, CHUNKS=64)),
+])
+def test_split_top_p_kernels_compile_for_hopper(kernel_name, constants, tmp_path, monkeypatch):
+    """Top-p's launches over (row, chunk) (interval narrowing from other programs' sums, 16-bit bit casts) compiled
+    to sm_90 on the CPU."""
+    compile_filter_kernel_for_hopper(kernel_name, constants, tmp_path, monkeypatch, num_warps=4)
+
+
 @pytest.mark.parametrize("kernel_name, constants", [
     ("_chunk_top_kernel", dict(CHUNK=4096, KP=64, NARROW=True)),
     ("_top_k_cut_kernel", dict(CANDIDATES=1024, KP=64, BLOCK=4096, NUCLEUS=True)),
 ])
 def test_top_k_cut_kernels_compile_for_hopper(kernel_name, constants, tmp_path, monkeypatch):
     """Top-k's two launches (``tl.topk`` over int64 keys, data-dependent branches) compiled to sm_90 on the CPU."""
+    compile_filter_kernel_for_hopper(kernel_name, constants, tmp_path, monkeypatch)
+
+
+def compile_filter_kernel_for_hopper(kernel_name, constants, tmp_path, monkeypatch, num_warps=None):
     from helpers import hopper_target
 
     target = hopper_target()
@@ -309,11 +364,12 @@ def test_top_k_cut_kernels_compile_for_hopper(kernel_name, constants, tmp_path, 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     kernel = getattr(triton_filters, kernel_name)
     types = {"Logits": "*bf16", "Keys": "*i64", "Cut": "*fp32", "LastTie": "*i32", "top_p": "fp32",
-             "inv_temperature": "fp32"}
+             "inv_temperature": "fp32", "Range": "*i32", "Above": "*fp32", "Total": "*fp32", "State": "*i32",
+             "CutSums": "*fp32", "CutTies": "*i32"}
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     compiled = triton.compile(ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}),
-                              target=target, options=dict(num_warps=triton_filters.NUM_WARPS))
+                              target=target, options=dict(num_warps=num_warps or triton_filters.NUM_WARPS))
     assert compiled.asm["cubin"]
 
 
@@ -406,10 +462,10 @@ def test_one_pass_sampler_on_the_gpu_in_bf16_and_in_a_graph():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
-def test_row_cuts_on_the_gpu_keep_what_torchs_filters_keep():
+def test_row_cuts_on_the_gpu_keep_what_torchs_filters_keep(monkeypatch):
     """The compiled kernels on rows of real vocabularies: per row as many tokens with the same values as torch's
-    filters (bf16 and fp16 rows, rounded rows full of ties, flat rows), top-p alone and top-k with or without top-p,
-    eager and replayed in a CUDA graph."""
+    filters (bf16 and fp16 rows, rounded rows full of ties, flat rows), top-p alone (split over chunks and one
+    program per row) and top-k with or without top-p, eager and replayed in a CUDA graph."""
     from dschat.hybrid_engine import triton_filters
 
     torch.manual_seed(0)
@@ -421,9 +477,13 @@ def test_row_cuts_on_the_gpu_keep_what_torchs_filters_keep():
         base[2] *= 0.05  # flat: a nucleus of thousands
         base[3] = (base[3] * 0.5).round()  # the k-th ties with hundreds of others
         for logits in (base.to(torch.bfloat16), base.to(torch.float16)):
-            for top_k, temperature, top_p in settings:
-                case = (vocab, logits.dtype, top_k, temperature, top_p)
-                ours = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p, top_k))
+            for (top_k, temperature, top_p), split in itertools.product(settings, (True, False)):
+                if top_k and not split:
+                    continue  # the split is top-p alone's
+                case = (vocab, logits.dtype, top_k, temperature, top_p, split)
+                with monkeypatch.context() as patch:
+                    patch.setattr(triton_filters, "SPLIT_TOP_P", split)
+                    ours = triton_filters.kept(logits, *triton_filters.row_cuts(logits, temperature, top_p, top_k))
                 theirs = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p))
                 assert torch.equal(ours.sum(-1), theirs.sum(-1)), case
                 a = torch.where(ours, logits.float(), float("-inf")).sort(-1).values

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dschat.hybrid_engine import triton_sampling
+
 BLOCK = 4096  # columns per loop step
 FANOUT = 2  # candidate keys per pass: each pass shrinks the interval ~3x
 NUM_WARPS = 16  # with BLOCK and FANOUT: the best of bench/sampling.py --cut_sweep (eighteenth session)
@@ -36,6 +38,12 @@ TOPK_CHUNK = 4096  # columns ranked per program of top-k's first launch
 TOPK_NUM_WARPS = 4
 TOPK_NARROW_KEYS = True  # rank 32-bit keys in the chunks (TOPK_CHUNK <= 32768): ~1.4x faster than 64-bit ones
 MAX_TOP_K = 256  # larger k: torch.topk (each chunk ranks the next power of two above k)
+SPLIT_TOP_P = None  # top-p alone: None splits rows over chunks while there are at most half as many rows as
+# multiprocessors (split_top_p); True / False always / never
+SPLIT_CHUNK = 4096  # columns per program of the split search
+SPLIT_SUB = 512  # columns per loop step
+SPLIT_FANOUT = 8  # candidate keys per pass: split_passes(8) = 6 passes close any 16-bit interval
+SPLIT_NUM_WARPS = 8  # with SPLIT_CHUNK and SPLIT_FANOUT: the best of bench/sampling.py --cut_sweep (25th session)
 
 
 @triton.jit
@@ -235,6 +243,223 @@ def _top_k_cut_kernel(Logits, Keys, Cut, LastTie, stride_lb, vocab, candidates, 
         tl.store(LastTie + row, vocab - 1)
 
 
+# ---- top-p alone, each row split over programs -------------------------------------------------------------------
+# The single-program search above reads a row ~9 times on one multiprocessor: 167 us per step at B = 64 over OPT's
+# vocabulary, 7x the unfiltered token choice. Here each pass is one launch over (row, chunk of SPLIT_CHUNK columns):
+# every program sums its chunk's weights above SPLIT_FANOUT candidate keys, and the next pass's programs each narrow
+# their row's interval from those partial sums (the same sums in the same order, so the same interval in every
+# program). A fixed number of passes (``split_passes``: enough for any 16-bit interval) keeps the launches capturable;
+# a row whose interval has closed returns at once.
+
+
+@triton.jit
+def _chunk_range_kernel(Logits, Range, stride_lb, vocab, CHUNK: tl.constexpr):
+    """Each (row, chunk): its largest and smallest keys."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < vocab
+    key = _keys(tl.load(Logits + row.to(tl.int64) * stride_lb + cols, mask=ok, other=0))
+    out = Range + (row * tl.num_programs(1) + chunk) * 2
+    tl.store(out, tl.max(tl.where(ok, key, -2147483648), 0))
+    tl.store(out + 1, tl.min(tl.where(ok, key, 2147483647), 0))
+
+
+@triton.jit
+def _row_start(Range, row, chunks, vocab, top_p, inv_temperature, ELEMENT: tl.constexpr, CHUNKS: tl.constexpr):
+    """The row's largest key, the shift of its weights (its largest value) and the key the search starts below (as
+    :func:`_cut_kernel`'s)."""
+    offs = tl.arange(0, CHUNKS)
+    ok = offs < chunks
+    at = Range + (row * chunks + offs) * 2
+    top = tl.max(tl.load(at, mask=ok, other=-2147483648), 0)
+    bottom = tl.min(tl.load(at + 1, mask=ok, other=2147483647), 0)
+    shift = _value(top, ELEMENT)
+    shift = tl.where(shift == float("-inf"), 0.0, shift)
+    low = shift + tl.log((1.0 - top_p) / vocab) / inv_temperature
+    low = (low - tl.abs(low) * 0.0078125 - 0.0078125).to(ELEMENT)
+    return top, shift, tl.maximum(bottom, _keys(low)) - 1
+
+
+@triton.jit
+def _candidates(lo, hi, FANOUT: tl.constexpr):
+    """FANOUT keys spread over (lo, hi], ascending (int32)."""
+    steps = tl.arange(0, FANOUT).to(tl.int64) + 1
+    lo = lo.to(tl.int64)
+    return (lo + ((hi.to(tl.int64) - lo) * steps + FANOUT) // (FANOUT + 1)).to(tl.int32)
+
+
+@triton.jit
+def _narrowed(Above, Total, State, Pass, row, chunks, top_p, CHUNKS: tl.constexpr, FANOUT: tl.constexpr):
+    """The row's interval after pass ``Pass``'s sums: the largest candidate with at least ``top_p`` of the weight
+    strictly above it becomes ``lo``, the smallest without, less one, ``hi``."""
+    at = State + (Pass * tl.num_programs(0) + row) * 2
+    lo = tl.load(at)
+    hi = tl.load(at + 1)
+    if lo < hi:
+        offs = tl.arange(0, CHUNKS)
+        ok = offs < chunks
+        base = Pass * tl.num_programs(0) * chunks + row * chunks + offs
+        fans = tl.arange(0, FANOUT)
+        above = tl.sum(tl.load(Above + base[:, None] * FANOUT + fans[None, :], mask=ok[:, None], other=0.0), 0)
+        total = tl.sum(tl.load(Total + base, mask=ok, other=0.0), 0)
+        cands = _candidates(lo, hi, FANOUT)
+        enough = above >= top_p * total
+        new_lo = tl.max(tl.where(enough, cands, lo), 0)
+        hi = tl.min(tl.where(enough, hi, cands - 1), 0)
+        lo = new_lo
+    return lo, hi
+
+
+@triton.jit
+def _chunk_weights(row_logits, chunk, vocab, cands, shift, scale, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """Over one chunk: per candidate key, the weight of the logits with keys strictly above it; the chunk's total
+    weight; and how many of its logits have the first candidate's key."""
+    offs = tl.arange(0, SUB)
+    above = tl.zeros([SUB, cands.shape[0]], tl.float32)
+    total = tl.zeros([SUB], tl.float32)
+    ties = tl.zeros([SUB], tl.int32)
+    first = tl.min(cands, 0)
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, SUB):
+        cols = start + offs
+        ok = cols < vocab
+        raw = tl.load(row_logits + cols, mask=ok, other=0)
+        key = _keys(raw)
+        weight = tl.where(ok, tl.exp((raw.to(tl.float32) - shift) * scale), 0.0)
+        above += tl.where(key[:, None] > cands[None, :], weight[:, None], 0.0)
+        total += weight
+        ties += (ok & (key == first)).to(tl.int32)
+    return tl.sum(above, 0), tl.sum(total, 0), tl.sum(ties, 0)
+
+
+@triton.jit
+def _split_pass_kernel(Logits, Range, Above, Total, State, stride_lb, vocab, chunks, top_p, inv_temperature, PASS,
+                       CHUNK: tl.constexpr, CHUNKS: tl.constexpr, SUB: tl.constexpr, FANOUT: tl.constexpr):
+    """Pass PASS over (row, chunk): the row's interval (from the previous pass's sums), then this chunk's sums above
+    its candidates."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    top, shift, first = _row_start(Range, row, chunks, vocab, top_p, inv_temperature, Logits.dtype.element_ty,
+                                   CHUNKS)
+    if PASS == 0:
+        lo = first
+        hi = top
+    else:
+        lo, hi = _narrowed(Above, Total, State, PASS - 1, row, chunks, top_p, CHUNKS, FANOUT)
+    if chunk == 0:
+        at = State + (PASS * tl.num_programs(0) + row) * 2
+        tl.store(at, lo)
+        tl.store(at + 1, hi)
+    if lo < hi:
+        cands = _candidates(lo, hi, FANOUT)
+        above, total, _ = _chunk_weights(Logits + row.to(tl.int64) * stride_lb, chunk, vocab, cands, shift,
+                                         inv_temperature, CHUNK, SUB)
+        base = (PASS * tl.num_programs(0) + row) * chunks + chunk
+        tl.store(Above + base * FANOUT + tl.arange(0, FANOUT), above)
+        tl.store(Total + base, total)
+
+
+@triton.jit
+def _split_cut_sums_kernel(Logits, Range, Above, Total, State, CutSums, CutTies, stride_lb, vocab, chunks, top_p,
+                           inv_temperature, LAST, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, SUB: tl.constexpr,
+                           FANOUT: tl.constexpr):
+    """Over (row, chunk), after the last pass: the cut (the key after the interval's), this chunk's weight above it,
+    its total and its ties at the cut."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    top, shift, _ = _row_start(Range, row, chunks, vocab, top_p, inv_temperature, Logits.dtype.element_ty, CHUNKS)
+    lo, _ = _narrowed(Above, Total, State, LAST, row, chunks, top_p, CHUNKS, FANOUT)
+    cut = tl.minimum(lo + 1, top)  # top_p = 0 keeps the largest value (HF keeps one token at least)
+    above, total, ties = _chunk_weights(Logits + row.to(tl.int64) * stride_lb, chunk, vocab,
+                                        tl.full([1], 0, tl.int32) + cut, shift, inv_temperature, CHUNK, SUB)
+    base = row * chunks + chunk
+    tl.store(CutSums + base * 2, tl.sum(above, 0))
+    tl.store(CutSums + base * 2 + 1, total)
+    tl.store(CutTies + base, ties)
+    if chunk == 0:
+        tl.store(State + ((LAST + 1) * tl.num_programs(0) + row) * 2, cut)
+
+
+@triton.jit
+def _split_cut_kernel(Logits, Range, State, CutSums, CutTies, Cut, LastTie, stride_lb, vocab, chunks, top_p,
+                      inv_temperature, LAST, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """Each row: its cut, and of the logits tied at it the column of the last one kept (by column: as many as the
+    mass ranked above them still allows below top_p)."""
+    row = tl.program_id(0)
+    element = Logits.dtype.element_ty
+    top, shift, _ = _row_start(Range, row, chunks, vocab, top_p, inv_temperature, element, CHUNKS)
+    cut = tl.load(State + ((LAST + 1) * tl.num_programs(0) + row) * 2)
+    offs = tl.arange(0, CHUNKS)
+    ok = offs < chunks
+    base = row * chunks + offs
+    above = tl.sum(tl.load(CutSums + base * 2, mask=ok, other=0.0), 0)
+    total = tl.sum(tl.load(CutSums + base * 2 + 1, mask=ok, other=0.0), 0)
+    ties = tl.load(CutTies + base, mask=ok, other=0)
+    tie_weight = tl.exp((_value(cut, element) - shift) * inv_temperature)
+    wanted = tl.maximum(tl.ceil((top_p * total - above) / tie_weight), 1.0).to(tl.int32)
+    seen = tl.cumsum(ties, 0)
+    # the chunk holding the wanted-th tie, and the ties before it (none: fp32 rounding of the count, keep all)
+    holder = tl.min(tl.where(ok & (seen >= wanted), offs, chunks), 0)
+    before = tl.sum(tl.where(offs < holder, ties, 0), 0)
+    last = vocab - 1
+    if holder < chunks:
+        cols = holder * CHUNK + tl.arange(0, CHUNK)
+        inside = cols < vocab
+        tie = inside & (_keys(tl.load(Logits + row.to(tl.int64) * stride_lb + cols, mask=inside, other=0)) == cut)
+        rank = before + tl.cumsum(tie.to(tl.int32), 0)
+        last = tl.min(tl.where(tie & (rank == wanted), cols, vocab), 0)
+        last = tl.where(last == vocab, vocab - 1, last)
+    tl.store(Cut + row, _value(cut, element))
+    tl.store(LastTie + row, last)
+
+
+def split_top_p(rows, device):
+    """Whether top-p alone splits each row over chunks (SPLIT_TOP_P; None: while there are at most half as many rows as
+    multiprocessors). On an H200 (bench/sampling.py --cut_sweep --top_p 0.9, 25th session) the split search took 69
+    against 154 us per step at B = 16 over OPT's vocabulary and 158 against 165 at B = 64, but 271 against 180 at
+    B = 128, where one program per row already fills the GPU with a third of the work (two candidates per pass)."""
+    if SPLIT_TOP_P is not None:
+        return SPLIT_TOP_P
+    return 2 * rows <= triton_sampling.multiprocessors(device)
+
+
+def split_passes(fanout):
+    """Passes that close any interval of 16-bit keys (the worst gap between candidates, pass after pass)."""
+    length, passes = 65536, 0  # hi - lo: the search starts at most one below the smallest key
+    while length > 0:
+        offsets = [0, *((length * s + fanout) // (fanout + 1) for s in range(1, fanout + 1)), length + 1]
+        length = max(b - a for a, b in zip(offsets, offsets[1:])) - 1
+        passes += 1
+    return passes
+
+
+def _split_top_p_cuts(logits, temperature, top_p, cut, last):
+    """Top-p alone in ``split_passes`` + 3 launches over (row, chunk): chunk ranges, passes, the cut's sums, the cut."""
+    rows, vocab = logits.shape
+    chunk = min(SPLIT_CHUNK, max(triton.next_power_of_2(vocab), SPLIT_SUB))
+    chunks = -(-vocab // chunk)
+    passes = split_passes(SPLIT_FANOUT)
+    device = logits.device
+    ranges = torch.empty((rows, chunks, 2), dtype=torch.int32, device=device)
+    above = torch.empty((passes, rows, chunks, SPLIT_FANOUT), dtype=torch.float32, device=device)
+    total = torch.empty((passes, rows, chunks), dtype=torch.float32, device=device)
+    state = torch.empty((passes + 1, rows, 2), dtype=torch.int32, device=device)
+    cut_sums = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
+    cut_ties = torch.empty((rows, chunks), dtype=torch.int32, device=device)
+    grid = (rows, chunks)
+    common = dict(CHUNK=chunk, CHUNKS=triton.next_power_of_2(chunks))
+    scale = 1.0 / temperature
+    _chunk_range_kernel[grid](logits, ranges, logits.stride(0), vocab, CHUNK=chunk, num_warps=SPLIT_NUM_WARPS)
+    for index in range(passes):
+        _split_pass_kernel[grid](logits, ranges, above, total, state, logits.stride(0), vocab, chunks, top_p, scale,
+                                 index, SUB=SPLIT_SUB, FANOUT=SPLIT_FANOUT, num_warps=SPLIT_NUM_WARPS, **common)
+    _split_cut_sums_kernel[grid](logits, ranges, above, total, state, cut_sums, cut_ties, logits.stride(0), vocab,
+                                 chunks, top_p, scale, passes - 1, SUB=SPLIT_SUB, FANOUT=SPLIT_FANOUT,
+                                 num_warps=SPLIT_NUM_WARPS, **common)
+    _split_cut_kernel[(rows,)](logits, ranges, state, cut_sums, cut_ties, cut, last, logits.stride(0), vocab, chunks,
+                               top_p, scale, passes - 1, num_warps=SPLIT_NUM_WARPS, **common)
+
+
 def unsupported(logits, top_k=0):
     """Why :func:`row_cuts` should not take these logits (a string), or None: it searches 16-bit keys (bf16/fp16, as
     models give them); fp32 logits (e.g. after a repetition penalty) would take ~16-20 passes over 32-bit keys, which
@@ -260,8 +485,11 @@ def row_cuts(logits, temperature=1.0, top_p=1.0, top_k=0):
     if 0 < top_k < vocab:
         _top_k_cuts(logits, temperature, top_p, top_k, cut, last)
         return cut, last
-    _cut_kernel[(rows,)](logits, cut, last, logits.stride(0), vocab, top_p, 1.0 / temperature, BLOCK=BLOCK,
-                         FANOUT=FANOUT, num_warps=NUM_WARPS)
+    if split_top_p(rows, logits.device):
+        _split_top_p_cuts(logits, temperature, top_p, cut, last)
+    else:
+        _cut_kernel[(rows,)](logits, cut, last, logits.stride(0), vocab, top_p, 1.0 / temperature, BLOCK=BLOCK,
+                             FANOUT=FANOUT, num_warps=NUM_WARPS)
     return cut, last
 
 

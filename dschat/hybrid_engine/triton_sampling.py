@@ -142,11 +142,16 @@ def _multiprocessors(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def multiprocessors(device):
+    """``device``'s multiprocessors (off the GPU: MULTIPROCESSORS_OFF_GPU)."""
+    if device.type != "cuda":
+        return MULTIPROCESSORS_OFF_GPU
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def split_count(rows, num_tiles, device):
     """How many programs share a row: enough for ``rows x splits`` to fill the GPU, at least one tile each."""
-    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else MULTIPROCESSORS_OFF_GPU
-    return max(1, min(num_tiles, -(-PROGRAMS_PER_SM * sms // rows)))
+    return max(1, min(num_tiles, -(-PROGRAMS_PER_SM * multiprocessors(device) // rows)))
 
 
 def unsupported(logits, generator=None):

@@ -3,6 +3,7 @@
 Run as ``TRITON_INTERPRET=1 python sampling_check.py CHECK`` (the interpreter must be chosen before triton decorates
 the kernels, hence a separate process); exits non-zero when a check fails.
 """
+import itertools
 import os
 import sys
 
@@ -124,14 +125,14 @@ def check_filtered_draws():
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 2.5, 1.5, -2.0, 0.2, 1.2, 0.0, -0.5]])
     rows = logits.expand(300, -1).contiguous().to(torch.bfloat16)  # the row cuts take the model's 16-bit logits
     cut_calls = []
-    row_cuts, block = triton_filters.row_cuts, triton_filters.BLOCK
+    row_cuts, block, sub = triton_filters.row_cuts, triton_filters.BLOCK, triton_filters.SPLIT_SUB
 
     def first_row_cut_repeated(logits, *args):
         cut_calls.append(args)
         return tuple(t.expand(logits.shape[0]).contiguous() for t in row_cuts(logits[:1], *args))
 
     triton_filters.row_cuts = first_row_cut_repeated
-    triton_filters.BLOCK = 16  # a 12-token row: small blocks are fast in the interpreter
+    triton_filters.BLOCK = triton_filters.SPLIT_SUB = 16  # a 12-token row: small blocks are fast in the interpreter
     for top_k, top_p in ((5, 0.9), (0, 0.85)):
         lanes, triton_sampling.LANES = triton_sampling.LANES, 2
         cut_calls.clear()
@@ -152,22 +153,25 @@ def check_filtered_draws():
         expected = torch.log_softmax(rows.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
         assert (logp - expected).abs().max() < 1e-6, top_k
         print(f"filtered, top-k {top_k}: chi-square {fit:.1f} (2 dof), {misfit:.1f} with T applied twice")
-    triton_filters.row_cuts, triton_filters.BLOCK = row_cuts, block
+    triton_filters.row_cuts, triton_filters.BLOCK, triton_filters.SPLIT_SUB = row_cuts, block, sub
 
 
 def check_row_cuts_keep_what_torchs_filters_keep():
     """``triton_filters.row_cuts`` against ``sampling.filtered_logits`` (torch's sort): per row the same number of
     tokens with the same values, for bf16 and fp16 logits with ties, -inf columns, a row of zeros and -0.0, a flat
-    row, top-p 0, over one block and over several (``BLOCK`` shrunk). (No bf16 denormals: the interpreter flushes
-    them when converting, the GPU does not.)"""
+    row, top-p 0; top-p alone searched by one program per row over one block and over several (``BLOCK`` shrunk),
+    and split over one chunk per row and over several (``SPLIT_CHUNK`` shrunk). (No bf16 denormals: the interpreter
+    flushes them when converting, the GPU does not.)"""
     from dschat.hybrid_engine import triton_filters
     from dschat.hybrid_engine.sampling import filtered_logits
 
     torch.manual_seed(0)
-    block = triton_filters.BLOCK
+    saved = triton_filters.BLOCK, triton_filters.SPLIT_CHUNK, triton_filters.SPLIT_SUB, triton_filters.SPLIT_TOP_P
     cases = 0
-    for dtype, vocab, triton_filters.BLOCK in ((torch.bfloat16, 7, block), (torch.bfloat16, 1000, 64),
-                                               (torch.float16, 301, 32)):
+    for split, (dtype, vocab, block) in itertools.product(
+            (True, False), ((torch.bfloat16, 7, saved[0]), (torch.bfloat16, 1000, 64), (torch.float16, 301, 32))):
+        triton_filters.SPLIT_TOP_P, triton_filters.BLOCK = split, block
+        triton_filters.SPLIT_CHUNK, triton_filters.SPLIT_SUB = 2 * block, block // 2
         for temperature, top_p in ((1.0, 0.9), (0.7, 0.5), (1.0, 0.0)):
             logits = (torch.randn(6, vocab) * 3).to(dtype)
             logits[1] = logits[1].round()  # many ties
@@ -183,7 +187,7 @@ def check_row_cuts_keep_what_torchs_filters_keep():
                 b = logits[row][theirs[row]].float().sort().values
                 assert torch.equal(a, b), (dtype, vocab, temperature, top_p, row, a.numel(), b.numel())
             cases += 1
-    triton_filters.BLOCK = block
+    triton_filters.BLOCK, triton_filters.SPLIT_CHUNK, triton_filters.SPLIT_SUB, triton_filters.SPLIT_TOP_P = saved
     cases += check_top_k_cuts(filtered_logits)
     for logits, top_k in ((torch.randn(2, 9), 0), (torch.randn(2, 900).bfloat16(), triton_filters.MAX_TOP_K + 1)):
         try:
