@@ -12,7 +12,9 @@ Every logit gets a 16-bit integer key in the order of its value (the IEEE bits, 
 - Top-p alone (:func:`_cut_kernel`, 167 and 468 us): one program per row searches the keys for where the nucleus
   cuts. It keeps an interval of keys that holds the cut and splits it at FANOUT candidate keys per pass over the row.
   The cut is the smallest key whose strictly larger logits hold less than ``top_p`` of the ``softmax(logits / T)``
-  mass; of the logits tied at it, the first ones by column are kept, as many as the mass still allows.
+  mass; of the logits tied at it, the first ones by column are kept, as many as the mass still allows. While the
+  rows leave half the multiprocessors idle (:func:`split_top_p`), the same search runs split over (row, chunk)
+  programs instead (:func:`_split_top_p_cuts`, B = 16: 64 and 109 us against 154 and 430).
 - Top-k, and top-p after it (:func:`_top_k_cuts`, 75 and 190 us for top-k 20 with top-p 0.8): each chunk of
   TOPK_CHUNK columns ranks its logits by (value, then the smaller column) with ``tl.topk`` and keeps its best
   next-power-of-two-above-k; one program per row ranks those candidates. Top-k keeps every logit tied with the k-th,
@@ -42,7 +44,7 @@ SPLIT_TOP_P = None  # top-p alone: None splits rows over chunks while there are 
 # multiprocessors (split_top_p); True / False always / never
 SPLIT_CHUNK = 4096  # columns per program of the split search
 SPLIT_SUB = 512  # columns per loop step
-SPLIT_FANOUT = 8  # candidate keys per pass: split_passes(8) = 6 passes close any 16-bit interval
+SPLIT_FANOUT = 4  # candidate keys per pass: split_passes(4) = 7 passes close any 16-bit interval
 SPLIT_NUM_WARPS = 8  # with SPLIT_CHUNK and SPLIT_FANOUT: the best of bench/sampling.py --cut_sweep (25th session)
 
 
@@ -244,12 +246,12 @@ def _top_k_cut_kernel(Logits, Keys, Cut, LastTie, stride_lb, vocab, candidates, 
 
 
 # ---- top-p alone, each row split over programs -------------------------------------------------------------------
-# The single-program search above reads a row ~9 times on one multiprocessor: 167 us per step at B = 64 over OPT's
-# vocabulary, 7x the unfiltered token choice. Here each pass is one launch over (row, chunk of SPLIT_CHUNK columns):
-# every program sums its chunk's weights above SPLIT_FANOUT candidate keys, and the next pass's programs each narrow
-# their row's interval from those partial sums (the same sums in the same order, so the same interval in every
-# program). A fixed number of passes (``split_passes``: enough for any 16-bit interval) keeps the launches capturable;
-# a row whose interval has closed returns at once.
+# The single-program search above reads a row ~9 times on one multiprocessor, so at small B most of the GPU idles:
+# 154 us per step at B = 16 over OPT's vocabulary, 11x the unfiltered token choice. Here each pass is one launch over
+# (row, chunk of SPLIT_CHUNK columns): every program sums its chunk's weights above SPLIT_FANOUT candidate keys, and
+# the next pass's programs each narrow their row's interval from those partial sums (the same sums in the same order,
+# so the same interval in every program). A fixed number of passes (``split_passes``: enough for any 16-bit interval)
+# keeps the launches capturable; a row whose interval has closed skips its sums.
 
 
 @triton.jit
@@ -415,9 +417,10 @@ def _split_cut_kernel(Logits, Range, State, CutSums, CutTies, Cut, LastTie, stri
 
 def split_top_p(rows, device):
     """Whether top-p alone splits each row over chunks (SPLIT_TOP_P; None: while there are at most half as many rows as
-    multiprocessors). On an H200 (bench/sampling.py --cut_sweep --top_p 0.9, 25th session) the split search took 69
-    against 154 us per step at B = 16 over OPT's vocabulary and 158 against 165 at B = 64, but 271 against 180 at
-    B = 128, where one program per row already fills the GPU with a third of the work (two candidates per pass)."""
+    multiprocessors). On an H200 (bench/sampling.py --cut_sweep --top_p 0.9, 25th session; us per step with the
+    race) the split search took 64 against 154 at B = 16 over OPT's vocabulary, 132 against 165 at B = 64, but 222
+    against 180 at B = 128, where one program per row already fills the GPU with less work in all (two candidates per
+    pass against four)."""
     if SPLIT_TOP_P is not None:
         return SPLIT_TOP_P
     return 2 * rows <= triton_sampling.multiprocessors(device)
