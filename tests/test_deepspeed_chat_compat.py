@@ -118,6 +118,8 @@ def test_hf_trainer_files_with_auto_optimizer_and_scheduler_are_taken_and_overri
     out = capsys.readouterr().out
     assert "the 'optimizer' block's parameters are \"auto\"" in out
     assert "gradient_clipping = 0.5 (dschat's flags gave 1.0)" in out
+    assert "zero_optimization.overlap_comm = True (DeepSpeed's default)" in out, "a key dschat leaves out is said"
+    assert "reduce_bucket_size" not in out and "bf16" not in out, "\"auto\" changes nothing"
 
 
 def test_the_optimizer_follows_the_files_optimizer_offload(tmp_path, distributed, monkeypatch):

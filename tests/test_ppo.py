@@ -1345,3 +1345,20 @@ def test_the_held_out_evaluation_runs_outside_the_hybrid_engines_iterations(monk
     args = types.SimpleNamespace(eval_max_new_tokens=4, max_answer_seq_len=4, eval_prompts=2)
     assert ppo.held_out_eval(trainer, None, args, "cpu", None) == "result"
     assert seen == [("eval", True), ("generate", True)] and not actor.inside
+
+
+def test_the_unsupervised_step_trains_on_the_scaled_loss_and_reports_it_unscaled(monkeypatch):
+    """As DeepSpeed-Chat's ``train_unsupervised``: backward on unsup_coef x the LM loss, the LM loss returned (so the
+    logged unsup_loss compares across coefficients)."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainerUnsupervised
+
+    trainer = DeepSpeedPPOTrainerUnsupervised.__new__(DeepSpeedPPOTrainerUnsupervised)
+    trainer.actor_model = lambda **inputs: SimpleNamespace(loss=torch.tensor(2.5, requires_grad=True))
+    trained_on = []
+    monkeypatch.setattr(trainer, "train", lambda: None)
+    monkeypatch.setattr(trainer, "_backward_and_step_actor", lambda loss: trained_on.append(float(loss)))
+    batch = {name: torch.ones(1, 3, dtype=torch.long) for name in ("input_ids", "attention_mask", "labels")}
+    assert float(trainer.train_unsupervised(batch, 27.8)) == 2.5
+    assert trained_on == [pytest.approx(2.5 * 27.8)]

@@ -461,3 +461,21 @@ def test_a_rerun_in_the_same_second_purges_the_earlier_runs_points(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("reward")] == [1, 2]
     assert time.time() - start < 2.5  # it waits for the next second only
+
+
+@pytest.mark.parametrize("max_steps, shown", [(6, "3/3"), (4, "1/3")])
+def test_the_progress_bar_ends_at_the_micro_batches_trained_on(max_steps, shown, capsys):
+    """The loop returns inside the bar's loop at the last step: the bar still counts that step's micro-batch (a
+    2-rank run's bar stopped at 6/7 with all 14 steps done)."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(train=lambda: None, backward=lambda loss: None, step=lambda: None,
+                             is_gradient_accumulation_boundary=lambda: True, was_step_applied=lambda: True,
+                             get_global_grad_norm=lambda: 1.0, get_lr=lambda: [0.1])
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(2, dtype=torch.long)}] * 3)
+    args = SimpleNamespace(gradient_accumulation_steps=1, num_train_epochs=2, seed=0, save_interval=0,
+                           eval_interval=0, print_loss=False)
+    common.run_training(engine, loader, lambda engine, batch: (torch.tensor(1.0), 2), None, args,
+                        torch.device("cpu"), "step1", max_steps)
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "epoch 2/2" in last and shown in last, last

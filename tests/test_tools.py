@@ -244,6 +244,19 @@ def test_long_chat_forgets_oldest_exchanges_to_fit_the_context(session, monkeypa
     messages, prompt = session.next_prompt("now")
     assert "old" not in prompt and "recent" in prompt
     assert messages[-1] == {"role": "user", "content": "now"}
+    lines, printed = iter(["now", "and now", "quit"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append)
+    notes = [p for p in printed if p.startswith("(the oldest")]
+    assert notes and notes[0].startswith("(the oldest 1 exchange(s) no longer fit"), printed
+    assert printed.index(notes[0]) == 1 and printed[2].startswith("Assistant: "), "said before its answer"
+
+
+def test_chat_refuses_an_empty_prompt_flag(capsys):
+    from dschat.tools.chat import main
+
+    with pytest.raises(SystemExit):
+        main(["--path", "tiny-gpt2", "--prompt", "  "])
+    assert "--prompt: the message is empty" in capsys.readouterr().err
 
 
 def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(session, monkeypatch):
@@ -530,3 +543,15 @@ def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, m
     assert saved["policy"]["reward_mean"] != saved["baseline"]["reward_mean"]
     assert [e["prompt"] for e in saved["policy"]["examples"]] == [e["prompt"] for e in saved["baseline"]["examples"]]
     assert "name no flag" not in out  # the tool's own flags (--max_new_tokens, ...) are not step 3's unused settings
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--prompt", "", "--answer", "x"], "--prompt: the prompt is empty"),
+    (["--prompt", "Hi", "--answer", " "], "--answer: an answer is empty"),
+    (["--prompt", "Hi"], "--prompt and --answer go together"),
+    (["--answer", "x"], "--prompt and --answer go together"),
+])
+def test_rw_eval_says_which_message_flag_is_empty_or_missing(flags, said, capsys):
+    with pytest.raises(SystemExit):
+        rw_eval.main(["--model_name_or_path", "unused", *flags])
+    assert said in capsys.readouterr().err

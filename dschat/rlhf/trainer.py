@@ -470,13 +470,14 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
     """PPO plus a language-modelling loss on unsupervised data (DeepSpeed-Chat's PPO-ptx)."""
 
     def train_unsupervised(self, inputs, unsup_coef):
+        """One actor step on ``unsup_coef`` x the language-modelling loss; returns the loss unscaled (as
+        DeepSpeed-Chat's does, so its curves compare across coefficients)."""
         self.train()
         out = self.actor_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                labels=inputs["labels"], use_cache=False)
-        loss = out.loss * unsup_coef
-        algo.check_finite("unsupervised loss", loss)
-        self._backward_and_step_actor(loss)
-        return loss.detach()
+        algo.check_finite("unsupervised loss", out.loss)
+        self._backward_and_step_actor(out.loss * unsup_coef)
+        return out.loss.detach()
 
 
 def _world_group():

@@ -371,9 +371,18 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
                 _scalars(writer, f"{name}/eval", metrics, step)
                 engine.train()
             if step >= total_steps:
+                _close_at(bar, index + 1)
                 return loss_sum / max(loss_count, 1)
     # (micro-batches short of a whole last step are trained on but never applied: counted as before)
     return (loss_sum + sum(recent)) / max(loss_count + len(recent), 1)
+
+
+def _close_at(bar, done):
+    """Close a bar left inside its loop after ``done`` items (tqdm counts an item only when the next is asked for,
+    so the last step's bar would stop one short)."""
+    if hasattr(bar, "close"):
+        bar.n = done
+        bar.close()
 
 
 def _log_step(args, name, step, loss, engine, writer, throughput, bar):

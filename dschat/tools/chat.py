@@ -36,6 +36,7 @@ class ChatSession:
         self.model, self.tokenizer = model, tokenizer
         self.generation_kwargs = generation_kwargs
         self.history = []
+        self.forgotten = 0  # exchanges the last answered message's prompt left out (the context was full)
 
     def clear(self):
         self.history = []
@@ -43,6 +44,7 @@ class ChatSession:
     def ask(self, user_text):
         messages, prompt = self.next_prompt(user_text)
         answer = generate_answers(self.model, self.tokenizer, [prompt], self.generation_kwargs)[0]
+        self.forgotten = (len(self.history) + 1 - len(messages)) // 2
         self.history = messages + [{"role": "assistant", "content": answer}]
         return answer
 
@@ -81,9 +83,14 @@ def run_interactive(session, read=input, write=print):
             write("(new conversation)")
         elif text:
             try:
-                write(f"Assistant: {session.ask(text)}")
+                answer = session.ask(text)
             except UsageError as error:
                 write(f"(not answered: {error})")
+                continue
+            if session.forgotten:
+                write(f"(the oldest {session.forgotten} exchange(s) no longer fit the model's context with "
+                      f"--max_new_tokens {session.generation_kwargs['max_new_tokens']}: left out from now on)")
+            write(f"Assistant: {answer}")
 
 
 def echoing_input(prompt):
@@ -107,6 +114,8 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("--prompt: the message is empty")
     path = flag_path("--path", find_policy_path, args.path)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     session = ChatSession(model, tokenizer, generation_kwargs(args))

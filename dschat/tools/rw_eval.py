@@ -134,7 +134,11 @@ def main(argv=None):
     """Print the scores; returns {"scores"} for --prompt, else the pair results and accuracy."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if bool(args.prompt) != bool(args.answer):
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("--prompt: the prompt is empty")
+    if any(not answer.strip() for answer in args.answer):
+        parser.error("--answer: an answer is empty")
+    if (args.prompt is None) != (not args.answer):
         parser.error("--prompt and --answer go together")
     from dschat.models.loading import check_sequence_fits, load_tokenizer
 

@@ -5,8 +5,8 @@ DTYPE_KEYS = {"bf16": "bf16", "fp16": "fp16", "fp32": None}
 
 
 def check_dtype_supported(dtype):
-    """--dtype must be one DeepSpeed's accelerator trains in (its CPU accelerator has no fp16): said before any model
-    loads, not as DeepSpeed's error from deep inside ``deepspeed.initialize``."""
+    """--dtype must be one DeepSpeed's accelerator trains in (e.g. no bf16 on a GPU before Ampere): said before any
+    model loads, not as DeepSpeed's error from deep inside ``deepspeed.initialize``."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -200,9 +200,13 @@ def _without_auto(value):
     return value
 
 
+NOT_SET = object()  # a key dschat's config leaves out (DeepSpeed's default applies)
+
+
 def _merge(base, override, changed, prefix=""):
     """``base`` updated from ``override`` recursively; "auto" keeps base's value. Appends to ``changed`` each
-    (dotted key, base value, new value) where the file replaced a value dschat had set."""
+    (dotted key, base value or NOT_SET, new value) where the file replaced a value dschat had set or set one dschat
+    leaves to DeepSpeed's default."""
     merged = dict(base)
     for key, value in override.items():
         if value == "auto":
@@ -211,9 +215,10 @@ def _merge(base, override, changed, prefix=""):
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = _merge(merged[key], value, changed, dotted + ".")
             continue
-        if key in merged and merged[key] != value:
-            changed.append((dotted, merged[key], value))
-        merged[key] = _without_auto(value)
+        value = _without_auto(value)
+        if merged.get(key, NOT_SET) != value:
+            changed.append((dotted, merged.get(key, NOT_SET), value))
+        merged[key] = value
     return merged
 
 
@@ -235,7 +240,8 @@ def apply_user_ds_config(generated, source, flags, ignore=(), quiet=False):
     changed = []
     merged = _merge(generated, user, changed)
     for dotted, old, new in [] if quiet else changed:
-        print_rank_0(f"[ds_config] {label}: {dotted} = {new!r} (dschat's flags gave {old!r})")
+        was = "DeepSpeed's default" if old is NOT_SET else f"dschat's flags gave {old!r}"
+        print_rank_0(f"[ds_config] {label}: {dotted} = {new!r} ({was})")
     return _check_offload_stage(merged)
 
 
