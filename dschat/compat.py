@@ -1,5 +1,7 @@
 """Work-arounds for library interactions, applied once, in one place."""
+import contextlib
 import functools
+import warnings
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,3 +35,57 @@ def zero3_single_rank_dequantizer():
     if not hasattr(partition_parameters.Init, "quantizer_module"):
         partition_parameters.Init.quantizer_module = partition_parameters.CUDAQuantizer()
     return True
+
+
+def enable_activation_checkpointing(model, **kwargs):
+    """Activation (gradient) checkpointing on an HF model: transformers 5.2x renamed ``gradient_checkpointing_enable``
+    to ``activation_checkpointing_enable`` and made the old name warn on every run; earlier 5.x have only the old one.
+    A model of dschat's (the reward model) keeps DeepSpeed-Chat's name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_activation_checkpointing(model):
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+@contextlib.contextmanager
+def peft_reading_checkpointing():
+    """PEFT (0.21) reads the model's ``is_gradient_checkpointing``, which transformers 5.2x deprecated in favour of
+    ``is_activation_checkpointing``: the FutureWarning is PEFT's to act on, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+@contextlib.contextmanager
+def backbone_ignoring_lm_head(config):
+    """Loading a causal LM's folder (a step-1 output) as its backbone (``AutoModel``, the reward model's and critic's),
+    the LM head's weights are left over by design; transformers 5 prints a "LOAD REPORT ... UNEXPECTED ... not ok if
+    you expect identical arch" for them on every step-2/3 run. The backbone class ignores just those keys while it
+    loads (every other unexpected or missing key is still reported)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        backbone = MODEL_MAPPING[type(config)]
+    except KeyError:  # a family transformers does not map (remote code): its report stays as it is
+        yield
+        return
+    saved = backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
+    backbone._keys_to_ignore_on_load_unexpected = [*(backbone._keys_to_ignore_on_load_unexpected or ()),
+                                                   r"^lm_head\."]
+    try:
+        yield
+    finally:
+        if saved is _UNSET:
+            del backbone._keys_to_ignore_on_load_unexpected
+        else:
+            backbone._keys_to_ignore_on_load_unexpected = saved
+
+
+_UNSET = object()

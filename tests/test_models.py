@@ -83,6 +83,26 @@ def test_lora_targets_linear_layers_but_not_heads(family):
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_checkpointing_and_lora_turn_on_without_deprecation_warnings(family):
+    """--gradient_checkpointing with LoRA on an actor and on a reward model: checkpointing is on in every layer, and
+    transformers' deprecated names (``gradient_checkpointing_enable``, ``is_gradient_checkpointing``, read by PEFT)
+    print no FutureWarning into every run's log."""
+    import warnings
+
+    from dschat.compat import enable_activation_checkpointing
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        actor = apply_lora(AutoModelForCausalLM.from_config(CONFIGS[family]()), lora_dim=4)
+        enable_activation_checkpointing(actor, use_reentrant=False)
+        critic = RewardModel(apply_lora(AutoModel.from_config(CONFIGS[family]()), lora_dim=4))
+        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for model in (actor, critic):
+        layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        assert layers and all(m.gradient_checkpointing for m in layers)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_lora_freezes_only_the_adapted_weights_and_scales_by_one_over_rank_as_deepspeed_chat(family):
     model = apply_lora(AutoModelForCausalLM.from_config(CONFIGS[family]()), lora_dim=4)
     params = dict(model.named_parameters())
@@ -144,6 +164,33 @@ def test_reward_model_round_trip_keeps_scores(tmp_path, distributed):
     loaded = load_reward_model(str(tmp_path / "rm")).eval()
     with torch.no_grad():
         assert torch.allclose(loaded.end_scores(ids, torch.ones_like(ids)), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_its_lm_head(family, tmp_path):
+    """A step-1 folder has an LM head the backbone does not: left over by design, so transformers' "LOAD REPORT ...
+    UNEXPECTED" is not logged for it; other keys would still be (the ignore pattern is taken off afterwards)."""
+    import logging
+
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    config = CONFIGS[family]()
+    config.tie_word_embeddings = False  # the head saved as its own weight
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    backbone = MODEL_MAPPING[type(config)]
+    before = backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", "unset")
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        RewardModel.from_pretrained(str(tmp_path))
+        assert not [m for m in logged if "UNEXPECTED" in m], logged
+        assert backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", "unset") == before
+        AutoModel.from_pretrained(str(tmp_path))
+        assert [m for m in logged if "lm_head" in m], "transformers still reports the head outside the reward model"
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
 
 
 def test_plain_model_folder_loads_as_critic_with_new_head(tmp_path):

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel
 
+from dschat.compat import backbone_ignoring_lm_head, disable_activation_checkpointing, enable_activation_checkpointing
+
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_META_FILE = "reward_model.json"
 
@@ -40,11 +42,11 @@ class RewardModel(nn.Module):
         # Kept for DeepSpeed-Chat compatibility; the end token comes from the attention mask instead.
         self.num_padding_at_beginning = num_padding_at_beginning
 
-    def gradient_checkpointing_enable(self, **kwargs):
-        self.rwtransformer.gradient_checkpointing_enable(**kwargs)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        enable_activation_checkpointing(self.rwtransformer, **(gradient_checkpointing_kwargs or {}))
 
     def gradient_checkpointing_disable(self):
-        self.rwtransformer.gradient_checkpointing_disable()
+        disable_activation_checkpointing(self.rwtransformer)
 
     def token_values(self, input_ids, attention_mask, use_cache=False, position_ids=None, **kwargs):
         """Per-token values, shape (B, T). Positions count real tokens only; with no ``attention_mask`` (rows that start
@@ -95,7 +97,8 @@ class RewardModel(nn.Module):
         config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
         keep_alive = model_load_context(ds_config)  # noqa: F841
         torch_dtype = load_dtype(dtype, ds_config)
-        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
+        with backbone_ignoring_lm_head(config):
+            backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
         model = cls(backbone, compute_fp32_loss=compute_fp32_loss)
         head_file = os.path.join(path, VALUE_HEAD_FILE)
         model.value_head_loaded = os.path.exists(head_file)  # else a new random head (a critic may start so)

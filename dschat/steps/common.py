@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from dschat.compat import enable_activation_checkpointing
 from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
@@ -124,7 +125,7 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
 
     prepare_zero3_hooks(model, ds_config, zero3_fetch)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     optimizer = make_optimizer(optimizer_param_groups(model, weight_decay, lora_learning_rate), lr,
                                optimizer_offloaded(ds_config))
     scheduler = get_scheduler(lr_scheduler_type, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
