@@ -6,7 +6,8 @@ decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection
 for every tile, without ``triton_decode.CONTIGUOUS_FAST_PATH``; the tenth session's logs call it ``_holes0``, and the
 default ``_holes2``; ``_scan``: every attention program scans its row's mask, without
 ``triton_decode.SPANS_PER_FORWARD``, as before the fourteenth session; ``_torchsample``: torch's ops choose the tokens,
-without ``triton_sampling``'s one-pass kernel, as before the fifteenth session),
+without ``triton_sampling``'s one-pass kernel, as before the fifteenth session; ``_onecut``: with ``--top_p`` alone,
+each row's cut searched by one program, not split over chunks, as before the twenty-fifth session),
 against the memory-bandwidth floor measured in the same run. Random-weight models built from configs, bf16, sampled,
 prompts of P tokens, G generated tokens (no early stop), batch B.
 
@@ -262,7 +263,7 @@ def main():
                     if variant.startswith("hf_"):
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
                     else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse][_tilemask]
-                        # [_scan][_torchsample]
+                        # [_scan][_torchsample][_onecut]
                         options = variant.split("_")[1:]
                         stage = int(options[0][1:])
                         graph = "graph" in options
@@ -270,7 +271,8 @@ def main():
                         if "autotune" in options:  # inductor picks each decode GEMM's kernel by timing candidates
                             compile_mode = "max-autotune-no-cudagraphs"
                         with attention_paths("tilemask" not in options, "scan" not in options), \
-                                one_pass_sampling("torchsample" not in options):
+                                one_pass_sampling("torchsample" not in options), \
+                                split_top_p(None if "onecut" not in options else False):
                             r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step,
                                                graph, compile_mode=compile_mode,
                                                profile=args.profile_tokens if batch == args.profile else 0,
@@ -326,6 +328,18 @@ def one_pass_sampling(enabled):
         yield
     finally:
         sampling.ONE_PASS = saved
+
+
+@contextlib.contextmanager
+def split_top_p(split):
+    """For one row: top-p alone's cut searched as ``triton_filters.SPLIT_TOP_P = split`` (``_onecut``: False)."""
+    from dschat.hybrid_engine import triton_filters
+
+    saved, triton_filters.SPLIT_TOP_P = triton_filters.SPLIT_TOP_P, split
+    try:
+        yield
+    finally:
+        triton_filters.SPLIT_TOP_P = saved
 
 
 def print_table(rows):
