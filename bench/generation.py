@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -264,6 +265,8 @@ def main():
                         r = hf_variant(model, prompt, mask, args.gen, variant == "hf_static", args.repeats)
                     else:  # dschat_z<stage>[_graph][_compiled][_eagerprefill][_autotune][_sdpa][_[no]fuse][_tilemask]
                         # [_scan][_torchsample][_onecut]
+                        from dschat.hybrid_engine import sampling, triton_filters
+
                         options = variant.split("_")[1:]
                         stage = int(options[0][1:])
                         graph = "graph" in options
@@ -271,8 +274,8 @@ def main():
                         if "autotune" in options:  # inductor picks each decode GEMM's kernel by timing candidates
                             compile_mode = "max-autotune-no-cudagraphs"
                         with attention_paths("tilemask" not in options, "scan" not in options), \
-                                one_pass_sampling("torchsample" not in options), \
-                                split_top_p(None if "onecut" not in options else False):
+                                mock.patch.object(sampling, "ONE_PASS", "torchsample" not in options), \
+                                mock.patch.object(triton_filters, "SPLIT_TOP_P", False if "onecut" in options else None):
                             r = dschat_variant(model, prompt, mask, args.gen, stage, args.repeats, args.train_step,
                                                graph, compile_mode=compile_mode,
                                                profile=args.profile_tokens if batch == args.profile else 0,
@@ -316,30 +319,6 @@ def attention_paths(fast_path, spans_per_forward):
         yield
     finally:
         triton_decode.CONTIGUOUS_FAST_PATH, triton_decode.SPANS_PER_FORWARD = saved
-
-
-@contextlib.contextmanager
-def one_pass_sampling(enabled):
-    """For one row: torch's ops choose the tokens instead of the one-pass kernel (``_torchsample``)."""
-    from dschat.hybrid_engine import sampling
-
-    saved, sampling.ONE_PASS = sampling.ONE_PASS, enabled
-    try:
-        yield
-    finally:
-        sampling.ONE_PASS = saved
-
-
-@contextlib.contextmanager
-def split_top_p(split):
-    """For one row: top-p alone's cut searched as ``triton_filters.SPLIT_TOP_P = split`` (``_onecut``: False)."""
-    from dschat.hybrid_engine import triton_filters
-
-    saved, triton_filters.SPLIT_TOP_P = triton_filters.SPLIT_TOP_P, split
-    try:
-        yield
-    finally:
-        triton_filters.SPLIT_TOP_P = saved
 
 
 def print_table(rows):
