@@ -66,19 +66,21 @@ def peft_reading_checkpointing():
 @contextlib.contextmanager
 def backbone_ignoring_lm_head(config):
     """Loading a causal LM's folder (a step-1 output) as its backbone (``AutoModel``, the reward model's and critic's),
-    the LM head's weights are left over by design; transformers 5 prints a "LOAD REPORT ... UNEXPECTED ... not ok if
-    you expect identical arch" for them on every step-2/3 run. The backbone class ignores just those keys while it
-    loads (every other unexpected or missing key is still reported)."""
+    the head's weights (``lm_head``; GPT-NeoX's ``embed_out``: ``lora.HEAD_NAMES``) are left over by design, and
+    transformers 5 prints a "LOAD REPORT ... UNEXPECTED ... not ok if you expect identical arch" for them on every
+    step-2/3 run. The backbone class ignores just those keys while it loads (every other unexpected or missing key is
+    still reported). dschat loads models from one thread: the class attribute is set and put back around the load."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    try:
-        backbone = MODEL_MAPPING[type(config)]
-    except KeyError:  # a family transformers does not map (remote code): its report stays as it is
+    from dschat.models.lora import HEAD_NAMES
+
+    backbone = MODEL_MAPPING[type(config)] if type(config) in MODEL_MAPPING else None
+    if backbone is None:  # a family transformers does not map (remote code): its report stays as it is
         yield
         return
     saved = backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
     backbone._keys_to_ignore_on_load_unexpected = [*(backbone._keys_to_ignore_on_load_unexpected or ()),
-                                                   r"^lm_head\."]
+                                                   rf"^({'|'.join(HEAD_NAMES)})\."]
     try:
         yield
     finally:

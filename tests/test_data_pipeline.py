@@ -285,6 +285,17 @@ def test_skip_counts_are_printed_and_exposed(tmp_path, tokenizer, capsys):
     assert not cached.built and cached.skipped == expected  # counts survive the cache
 
 
+def test_the_report_says_when_a_phase_trains_on_a_share_of_the_file(tmp_path, tokenizer, capsys):
+    """DeepSpeed-Chat's --data_split gives step 3 a share of a prompts file: "kept all" alone read as the whole file."""
+    spec = train_eval_spec(tmp_path, "alpha", 50, 10)
+    train, _ = build(tmp_path, tokenizer, [spec], 3)
+    out = capsys.readouterr().out
+    assert (f"train: kept all {len(train)} records (this phase's share by --data_split 2,4,4: {len(train)} of the "
+            "source's 50 records)") in out and len(train) < 50
+    whole, _ = build(tmp_path, tokenizer, [spec], 3, data_split="0,0,1")
+    assert len(whole) == 50 and "train: kept all 50 records\n" in capsys.readouterr().out
+
+
 # --- caching ---
 
 def test_cache_is_reused_unless_a_parameter_changes(tmp_path, tokenizer):

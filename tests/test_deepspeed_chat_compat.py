@@ -110,7 +110,7 @@ def test_hf_trainer_files_with_auto_optimizer_and_scheduler_are_taken_and_overri
           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto"}},
           "bf16": {"enabled": "auto"}, "bfloat16": {"enabled": True}, "train_batch_size": "auto",
           "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"},
-          "gradient_clipping": 0.5, "amp": {"enabled": "auto", "opt_level": "O1"}}
+          "gradient_clipping": 0.5, "amp": {"enabled": "auto", "opt_level": "O1"}, "aio": {"block_size": "auto"}}
     merged = apply_user_ds_config(get_train_ds_config(stage=2, micro_batch_size=4), _write(tmp_path, hf), FLAGS)
     assert "optimizer" not in merged and "scheduler" not in merged, "dschat hands DeepSpeed its own"
     assert merged["zero_optimization"]["overlap_comm"] is True and merged["bf16"]["enabled"] is True
@@ -118,8 +118,10 @@ def test_hf_trainer_files_with_auto_optimizer_and_scheduler_are_taken_and_overri
     out = capsys.readouterr().out
     assert "the 'optimizer' block's parameters are \"auto\"" in out
     assert "gradient_clipping = 0.5 (dschat's flags gave 1.0)" in out
-    assert "zero_optimization.overlap_comm = True (DeepSpeed's default)" in out, "a key dschat leaves out is said"
-    assert "reduce_bucket_size" not in out and "bf16" not in out, "\"auto\" changes nothing"
+    assert "zero_optimization.overlap_comm = True (dschat leaves it to DeepSpeed)" in out, "a key dschat leaves out"
+    assert "amp.opt_level = 'O1' (dschat leaves it to DeepSpeed)" in out
+    assert "reduce_bucket_size" not in out and "bf16" not in out and "aio" not in out, "\"auto\" changes nothing"
+    assert "aio" not in merged, "a block of only \"auto\" adds nothing"
 
 
 def test_the_optimizer_follows_the_files_optimizer_offload(tmp_path, distributed, monkeypatch):

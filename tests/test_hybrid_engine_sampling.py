@@ -305,7 +305,7 @@ def test_top_p_splits_rows_over_chunks_only_while_rows_leave_the_gpu_half_idle(m
     assert triton_filters.split_top_p(128, cpu)
 
 
-@pytest.mark.parametrize("fanout", [2, 8, 16])
+@pytest.mark.parametrize("fanout", [2, 4, 8, 16])  # 4: SPLIT_FANOUT
 def test_split_top_p_passes_close_any_16_bit_interval(fanout):
     """The split search's fixed launch count: narrowing the widest interval (lo one below the smallest 16-bit key,
     hi the largest) as the kernels do (candidates spread as ``_candidates`` spreads them; a candidate at or below
@@ -331,14 +331,19 @@ def test_split_top_p_passes_close_any_16_bit_interval(fanout):
 
 @pytest.mark.parametrize("kernel_name, constants", [
     ("_chunk_range_kernel", dict(CHUNK=4096)),
-    ("_split_pass_kernel", dict(CHUNK=4096, CHUNKS=64, SUB=512, FANOUT=16)),
-    ("_split_cut_sums_kernel", dict(CHUNK=4096, CHUNKS=64, SUB=512, FANOUT=16)),
+    ("_split_pass_kernel", dict(CHUNK=4096, CHUNKS=64, SUB=512, FANOUT=4)),  # the shipped settings, 152k columns
+    ("_split_cut_sums_kernel", dict(CHUNK=4096, CHUNKS=64, SUB=512, FANOUT=4)),
     ("_split_cut_kernel", dict(CHUNK=4096, CHUNKS=64)),
 ])
 def test_split_top_p_kernels_compile_for_hopper(kernel_name, constants, tmp_path, monkeypatch):
     """Top-p's launches over (row, chunk) (interval narrowing from other programs' sums, 16-bit bit casts) compiled
     to sm_90 on the CPU."""
-    compile_filter_kernel_for_hopper(kernel_name, constants, tmp_path, monkeypatch, num_warps=4)
+    from dschat.hybrid_engine import triton_filters
+
+    assert (triton_filters.SPLIT_CHUNK, triton_filters.SPLIT_SUB) == (4096, 512)
+    assert constants.get("FANOUT", triton_filters.SPLIT_FANOUT) == triton_filters.SPLIT_FANOUT
+    compile_filter_kernel_for_hopper(kernel_name, constants, tmp_path, monkeypatch,
+                                     num_warps=triton_filters.SPLIT_NUM_WARPS)
 
 
 @pytest.mark.parametrize("kernel_name, constants", [

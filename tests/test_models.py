@@ -166,7 +166,7 @@ def test_reward_model_round_trip_keeps_scores(tmp_path, distributed):
         assert torch.allclose(loaded.end_scores(ids, torch.ones_like(ids)), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", [*sorted(CONFIGS), "gpt_neox"])
 def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_its_lm_head(family, tmp_path):
     """A step-1 folder has an LM head the backbone does not: left over by design, so transformers' "LOAD REPORT ...
     UNEXPECTED" is not logged for it; other keys would still be (the ignore pattern is taken off afterwards)."""
@@ -174,7 +174,11 @@ def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_it
 
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    config = CONFIGS[family]()
+    from transformers import GPTNeoXConfig
+
+    config = CONFIGS[family]() if family in CONFIGS else GPTNeoXConfig(  # its head is `embed_out`
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64)
     config.tie_word_embeddings = False  # the head saved as its own weight
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     backbone = MODEL_MAPPING[type(config)]
@@ -188,7 +192,7 @@ def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_it
         assert not [m for m in logged if "UNEXPECTED" in m], logged
         assert backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", "unset") == before
         AutoModel.from_pretrained(str(tmp_path))
-        assert [m for m in logged if "lm_head" in m], "transformers still reports the head outside the reward model"
+        assert [m for m in logged if "UNEXPECTED" in m], "transformers still reports the head outside the reward model"
     finally:
         logging.getLogger("transformers").removeHandler(handler)
 

@@ -1059,11 +1059,17 @@ def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp
                       r"starting with prompt 'p1'"),
              (lambda p, a: [1.0], r"returned 1 scores for 2 answers \(one per answer\) on a batch starting with "
                                   r"prompt 'p1'"),
-             (strings, r"--reward_fn 'strings' returned '1' for prompt 'p1'.*must be a finite number"))
+             (strings, r"--reward_fn 'strings' returned '1' for prompt 'p1'.*must be a finite number"),
+             (lambda p, a: None, r"returned NoneType None, not a list of 2 numbers \(one score per answer\)"),
+             (lambda p, a: 0.5, r"returned float 0.5, not a list of 2 numbers"),
+             (lambda p, a: {"rewards": [1.0, 0.0], "scores": [1.0, 0.0], "extra_logs": {}},
+              r"returned dict \{'rewards'.*not a list of 2 numbers"))
     for fn, message in cases:
         with pytest.raises(UsageError, match=message):
             call_reward_fn(fn, ["p1", "p2"], ["a1", "a2"])
     assert call_reward_fn(lambda p, a: [1, torch.tensor(0.5)], ["p1", "p2"], ["a1", "a2"]) == [1.0, 0.5]
+    assert call_reward_fn(lambda p, a: torch.tensor([1.0, 0.5]), ["p1", "p2"], ["a1", "a2"]) == [1.0, 0.5]
+    assert call_reward_fn(lambda p, a: (0, 1), ["p1", "p2"], ["a1", "a2"]) == [0.0, 1.0]
 
 
 def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_batch(trained, tmp_path):

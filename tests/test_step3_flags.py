@@ -328,3 +328,20 @@ def test_a_lora_module_name_that_matches_no_layer_is_an_error_naming_step3s_flag
     build = DeepSpeedRLHFEngine._init_actor if role == "actor" else DeepSpeedRLHFEngine._init_critic
     with pytest.raises(UsageError, match=rf"^--{role}_lora_module_name 'decoder.layers.' matches no Linear module"):
         build(engine)
+
+
+@pytest.mark.parametrize("flags, said", [
+    ({"advantage_estimator": "grpo"}, "--advantage_estimator grpo compares each answer .* not 1 .*reinforce_pp"),
+    ({"advantage_estimator": "rloo", "n_samples_per_prompt": 1}, "--advantage_estimator rloo compares each answer"),
+    ({"advantage_estimator": "grpo", "n_samples_per_prompt": 4, "greedy": True},
+     "--greedy with --advantage_estimator grpo: the 4 answers .* every advantage is 0"),
+])
+def test_group_estimators_refuse_groups_that_cannot_train(flags, said):
+    """GRPO / RLOO compare an answer with the other answers to its prompt: one answer (TRL refuses GRPO so too) or
+    greedy answers (all the same text) would train on raw scores or on nothing, silently."""
+    from dschat.rlhf.config import check_advantage_estimator
+
+    with pytest.raises(UsageError, match=said):
+        check_advantage_estimator(step3_args(flags))
+    check_advantage_estimator(step3_args({**flags, "n_samples_per_prompt": 2, "greedy": False}))
+    check_advantage_estimator(step3_args({**flags, "advantage_estimator": "reinforce_pp", "n_samples_per_prompt": 1}))

@@ -226,7 +226,8 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
                                                               output_path, seed, local_rank, reload)
             table, skips = encode_records(raw, records, tokenizer, settings)
             parts[split_name].append(table)
-            report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips)})
+            report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips),
+                           "of": len(data), "data_split": None if split is None else str(split)})
     save_cache(folder, blend(parts["train"], seed, settings.train_phase),
                blend(parts["eval"], seed, settings.train_phase), report)
 
@@ -428,16 +429,22 @@ def encode_prompt(example, tokens, settings):
 # --- reporting ---
 
 def format_skip_line(entry):
-    """ "SOURCE train: skipped 3 of 500 records: 2 chosen==rejected, 1 prompt longer than 256 tokens" """
+    """ "SOURCE train: skipped 3 of 500 records: 2 chosen==rejected, 1 prompt longer than 256 tokens", and when the
+    phase's share is not the whole source, how much of it: " (this phase's share by --data_split 2,4,4: 500 of the
+    source's 1250 records)" """
     skipped = sum(entry["skipped"].values())
     where = f"{entry['source']} {entry['split']}"
+    share = ""
+    if entry.get("data_split") and entry.get("of", entry["total"]) != entry["total"]:
+        share = (f" (this phase's share by --data_split {entry['data_split']}: {entry['total']} of the source's "
+                 f"{entry['of']} records)")
     if not entry["total"]:
-        return f"{where}: no records in this phase's share"
+        return f"{where}: no records in this phase's share{share}"
     if not skipped:
-        return f"{where}: kept all {entry['total']} records"
+        return f"{where}: kept all {entry['total']} records{share}"
     reasons = ", ".join(f"{count} {reason}" for reason, count in
                         sorted(entry["skipped"].items(), key=lambda item: (-item[1], item[0])))
-    return f"{where}: skipped {skipped} of {entry['total']} records: {reasons}"
+    return f"{where}: skipped {skipped} of {entry['total']} records{share}: {reasons}"
 
 
 def _print_skip_report(local_rank, *datasets):

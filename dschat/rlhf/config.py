@@ -16,12 +16,23 @@ def step3_args(args=None):
     return completed
 
 
+GROUP_ESTIMATORS = ("grpo", "rloo")  # an answer's advantage is its score against the other answers to its prompt
+
+
 def check_advantage_estimator(args):
-    """RLOO's baseline is the mean of the other answers to the same prompt: a group of one answer has none, which
-    would fail in the first PPO update, after every model has loaded and the held-out evaluation has run."""
-    if args.advantage_estimator == "rloo" and args.n_samples_per_prompt < 2:
-        raise UsageError(f"--advantage_estimator rloo compares each answer with the other answers to its prompt: it "
-                         f"needs --n_samples_per_prompt 2 or more, not {args.n_samples_per_prompt}")
+    """GRPO and RLOO compare each answer with the other answers to its prompt: a group of one answer has none (RLOO
+    would fail in the first PPO update, after every model has loaded; GRPO would silently train on raw scores, as
+    TRL refuses it), and greedy answers to one prompt are all the same text (every advantage 0: nothing trains)."""
+    estimator = args.advantage_estimator
+    if estimator not in GROUP_ESTIMATORS:
+        return
+    if args.n_samples_per_prompt < 2:
+        raise UsageError(f"--advantage_estimator {estimator} compares each answer with the other answers to its "
+                         f"prompt: it needs --n_samples_per_prompt 2 or more, not {args.n_samples_per_prompt} (one "
+                         f"answer per prompt: --advantage_estimator reinforce_pp)")
+    if getattr(args, "greedy", False):
+        raise UsageError(f"--greedy with --advantage_estimator {estimator}: the {args.n_samples_per_prompt} answers to "
+                         f"a prompt are the same text, so every advantage is 0 and nothing trains; sample them")
 
 
 def resolve_zero_stages(args):

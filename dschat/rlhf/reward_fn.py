@@ -76,10 +76,15 @@ def call_reward_fn(fn, prompts, answers, extras=None):
         extras = {k: v for k, v in extras.items() if k in accepts}
     name = f"--reward_fn {getattr(fn, '__name__', fn)!r}"
     try:
-        returned = list(fn(list(prompts), list(answers), **extras))
+        returned = fn(list(prompts), list(answers), **extras)
     except Exception as ex:
         raise UsageError(f"{name} failed ({type(ex).__name__}: {ex}{_where(ex)}) on a batch starting with prompt "
                          f"{prompts[0]!r}") from ex
+    scores = _score_list(returned)
+    if scores is None:
+        raise UsageError(f"{name} returned {_short(returned)}, not a list of {len(answers)} numbers (one score per "
+                         f"answer), on a batch starting with prompt {prompts[0]!r}")
+    returned = scores
     if len(returned) != len(answers):
         raise UsageError(f"{name} returned {len(returned)} scores for {len(answers)} answers (one per answer) on a "
                          f"batch starting with prompt {prompts[0]!r}")
@@ -89,6 +94,21 @@ def call_reward_fn(fn, prompts, answers, extras=None):
             raise UsageError(f"{name} returned {score!r} for prompt {prompt!r} and answer {answer!r}: each score must "
                              "be a finite number")
     return scores
+
+
+def _score_list(returned):
+    """What a reward function returned as a list of scores: a list, tuple, 1-d array or tensor; else None (None, one
+    number, a string, a dict such as OpenRLHF's {"rewards": ...}, a set)."""
+    if isinstance(returned, (list, tuple)):
+        return list(returned)
+    if getattr(returned, "ndim", None) == 1:  # numpy arrays and torch tensors
+        return list(returned)
+    return None
+
+
+def _short(value):
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 def _finite_number(value):

@@ -194,28 +194,24 @@ def _drop_flag_built_blocks(user, source, say=True):
     return {key: value for key, value in user.items() if key not in DROPPED_BLOCKS}
 
 
-def _without_auto(value):
-    if isinstance(value, dict):
-        return {key: _without_auto(item) for key, item in value.items() if item != "auto"}
-    return value
-
-
 NOT_SET = object()  # a key dschat's config leaves out (DeepSpeed's default applies)
 
 
 def _merge(base, override, changed, prefix=""):
-    """``base`` updated from ``override`` recursively; "auto" keeps base's value. Appends to ``changed`` each
-    (dotted key, base value or NOT_SET, new value) where the file replaced a value dschat had set or set one dschat
-    leaves to DeepSpeed's default."""
+    """``base`` updated from ``override`` recursively; "auto" keeps base's value (a block of only "auto" adds
+    nothing). Appends to ``changed`` each (dotted key, base value or NOT_SET, new value) where the file replaced a
+    value dschat had set or set one dschat leaves to DeepSpeed's default."""
     merged = dict(base)
     for key, value in override.items():
         if value == "auto":
             continue
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value, changed, dotted + ".")
+        if isinstance(value, dict):
+            current = merged.get(key)
+            block = _merge(current if isinstance(current, dict) else {}, value, changed, dotted + ".")
+            if block or key in merged:
+                merged[key] = block
             continue
-        value = _without_auto(value)
         if merged.get(key, NOT_SET) != value:
             changed.append((dotted, merged.get(key, NOT_SET), value))
         merged[key] = value
@@ -240,7 +236,7 @@ def apply_user_ds_config(generated, source, flags, ignore=(), quiet=False):
     changed = []
     merged = _merge(generated, user, changed)
     for dotted, old, new in [] if quiet else changed:
-        was = "DeepSpeed's default" if old is NOT_SET else f"dschat's flags gave {old!r}"
+        was = "dschat leaves it to DeepSpeed" if old is NOT_SET else f"dschat's flags gave {old!r}"
         print_rank_0(f"[ds_config] {label}: {dotted} = {new!r} ({was})")
     return _check_offload_stage(merged)
 
