@@ -537,7 +537,8 @@ def step3_parser():
     g.add_argument("--cliprange_value", type=float, default=0.2)
     g.add_argument("--gamma", type=float, default=1.0)
     g.add_argument("--lam", type=float, default=0.95)
-    g.add_argument("--whiten_advantages", action="store_true")
+    g.add_argument("--whiten_advantages", action="store_true",
+                   help="GAE: whiten the advantages over the whole rollout (every rank's), masked to the answers.")
     g.add_argument("--entropy_coef", type=float, default=0.0)
     g.add_argument("--loss_agg", type=str, default="token_mean", choices=["token_mean", "global_token_mean"],
                    help="global_token_mean: average over all response tokens of the global batch.")
@@ -548,7 +549,9 @@ def step3_parser():
                    help="gae: PPO with a critic (DeepSpeed-Chat); the others build no critic.")
     g.add_argument("--n_samples_per_prompt", type=positive_int, default=1,
                    help="Answers generated per prompt (one group).")
-    g.add_argument("--grpo_norm_by_std", type=int, default=1, choices=[0, 1])
+    g.add_argument("--grpo_norm_by_std", type=int, default=1, choices=[0, 1],
+                   help="GRPO: divide each answer's score minus its group's mean by the group's std (1, GRPO's "
+                        "paper) or not (0, Dr. GRPO).")
     g.add_argument("--reward_fn", type=str, default="",
                    help="module:function or path.py:function called with (prompts, answers, **extra columns) "
                         "returning one float per answer; 'tiny' = the bundled rule scorer.")
@@ -563,8 +566,10 @@ def step3_parser():
     g.add_argument("--tensorboard_path", type=str, default="step3_tensorboard")
     g.add_argument("--print_answers", action="store_true")
     g.add_argument("--print_answers_interval", type=positive_int, default=1)
-    g.add_argument("--enable_test_mode", action="store_true")
-    g.add_argument("--test_stop_step", type=non_negative_int, default=0)
+    g.add_argument("--enable_test_mode", action="store_true",
+                   help="DeepSpeed-Chat's: with --test_stop_step, stop after that many PPO iterations.")
+    g.add_argument("--test_stop_step", type=non_negative_int, default=0,
+                   help="With --enable_test_mode: the iterations to run (0: all).")
     g.add_argument("--save_interval", type=non_negative_int, default=None,
                    help="Checkpoint every N PPO iterations (0: off; not given: off, and with --resume the interval "
                         "of the run resumed).")
