@@ -1070,6 +1070,7 @@ def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp
     assert call_reward_fn(lambda p, a: [1, torch.tensor(0.5)], ["p1", "p2"], ["a1", "a2"]) == [1.0, 0.5]
     assert call_reward_fn(lambda p, a: torch.tensor([1.0, 0.5]), ["p1", "p2"], ["a1", "a2"]) == [1.0, 0.5]
     assert call_reward_fn(lambda p, a: (0, 1), ["p1", "p2"], ["a1", "a2"]) == [0.0, 1.0]
+    assert call_reward_fn(lambda p, a: (len(x) for x in a), ["p1", "p2"], ["a", "bb"]) == [1.0, 2.0]
 
 
 def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_batch(trained, tmp_path):

@@ -5,6 +5,7 @@ The function is called as ``fn(prompts, answers, **extra_columns)`` with lists o
 dataset's extra column values) and returns one float per answer. A raised exception or a non-finite value stops
 the run with the prompt that caused it: a silent 0 would train the policy on a wrong reward.
 """
+import collections.abc
 import importlib
 import importlib.util
 import inspect
@@ -97,13 +98,13 @@ def call_reward_fn(fn, prompts, answers, extras=None):
 
 
 def _score_list(returned):
-    """What a reward function returned as a list of scores: a list, tuple, 1-d array or tensor; else None (None, one
-    number, a string, a dict such as OpenRLHF's {"rewards": ...}, a set)."""
-    if isinstance(returned, (list, tuple)):
-        return list(returned)
-    if getattr(returned, "ndim", None) == 1:  # numpy arrays and torch tensors
-        return list(returned)
-    return None
+    """What a reward function returned as a list of scores: a list, tuple, generator, 1-d array or tensor; else None
+    (None, one number, a string, a dict such as OpenRLHF's {"rewards": ...}, a set: no order of answers)."""
+    if hasattr(returned, "ndim"):  # numpy arrays and torch tensors (a 0-d one is one number)
+        return list(returned) if returned.ndim == 1 else None
+    if isinstance(returned, (str, bytes, collections.abc.Mapping, collections.abc.Set)):
+        return None
+    return list(returned) if isinstance(returned, collections.abc.Iterable) else None
 
 
 def _short(value):
