@@ -816,7 +816,7 @@ def _save_flags_checkpoint(tmp_path, *given):
      r"--data_split '4,4,2' -> '2,4,4'; --max_prompt_seq_len 256 -> 40"),
     ([], ["--data_path", "tiny", "jsonl:more.jsonl"], r"--data_path ['tiny'] -> ['tiny', 'jsonl:more.jsonl']"),
     ([], ["--eval_prompts", "32"], r"--eval_prompts 64 -> 32"),  # "before" is the checkpoint's, on its prompts
-    ([], ["--advantage_estimator", "grpo"], r"--advantage_estimator 'gae' -> 'grpo'"),  # (a PPO run continued by GRPO)
+    ([], ["--advantage_estimator", "reinforce_pp"], r"--advantage_estimator 'gae' -> 'reinforce_pp'"),  # critic-free
     (["--unsupervised_dataset_name", "tiny"], ["--unsupervised_dataset_name", "tiny", "--max_answer_seq_len", "64"],
      r"--max_answer_seq_len 256 -> 64"),  # the unsupervised stream's blocks are prompt + answer lengths long
 ])
@@ -973,7 +973,8 @@ def test_reward_settings_that_cannot_train_fail_before_anything_loads(tmp_path, 
         ppo.main(["--reward_model_weight", "0", "--actor_model_name_or_path", "tiny-llama"])
     with pytest.raises(FileNotFoundError, match="the reward model loads from --critic_model_name_or_path "
                                                 "output/step2_rm.*--reward_model_weight 0"):
-        ppo.main(["--actor_model_name_or_path", "tiny-llama", "--advantage_estimator", "grpo", "--reward_fn", "tiny"])
+        ppo.main(["--actor_model_name_or_path", "tiny-llama", "--advantage_estimator", "grpo", "--n_samples_per_prompt",
+                  "2", "--reward_fn", "tiny"])
     with pytest.raises(FileNotFoundError, match="the actor loads from --actor_model_name_or_path output/step1_sft"):
         ppo.main([])
     from dschat.rlhf.config import step3_args
