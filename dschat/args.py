@@ -111,19 +111,27 @@ def add_model_args(parser, default_model="tiny-llama"):
 
 def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16):
     g = parser.add_argument_group("training")
-    g.add_argument("--per_device_train_batch_size", type=positive_int, default=batch)
-    g.add_argument("--per_device_eval_batch_size", type=positive_int, default=eval_batch)
-    g.add_argument("--max_seq_len", type=positive_int, default=max_seq_len)
-    g.add_argument("--learning_rate", type=non_negative_float, default=lr)
-    g.add_argument("--weight_decay", type=float, default=0.0)
-    g.add_argument("--num_train_epochs", type=positive_int, default=1)
-    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
-    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS)
-    g.add_argument("--num_warmup_steps", type=non_negative_int, default=0)
+    g.add_argument("--per_device_train_batch_size", type=positive_int, default=batch,
+                   help="Micro-batch size per GPU (rank).")
+    g.add_argument("--per_device_eval_batch_size", type=positive_int, default=eval_batch,
+                   help="Evaluation batch size per GPU (rank).")
+    g.add_argument("--max_seq_len", type=positive_int, default=max_seq_len,
+                   help="Longest tokenized sequence (prompt + answer); longer ones are cut, or skipped when nothing of "
+                        "the answer is left.")
+    g.add_argument("--learning_rate", type=non_negative_float, default=lr, help="Peak learning rate.")
+    g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms).")
+    g.add_argument("--num_train_epochs", type=positive_int, default=1, help="Passes over the training data.")
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
+                   help="Micro-batches per optimizer step.")
+    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
+                   help="Learning-rate schedule after the warmup.")
+    g.add_argument("--num_warmup_steps", type=non_negative_int, default=0, help="Optimizer steps of linear warmup.")
     g.add_argument("--output_dir", type=str, default=None, help="Where the trained model is saved.")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="Seed of the data order, the data shares and the model's random initialisations.")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
-    g.add_argument("--gradient_checkpointing", action="store_true")
+    g.add_argument("--gradient_checkpointing", action="store_true",
+                   help="Activation checkpointing: less memory, one more forward per step.")
     g.add_argument("--compute_fp32_loss", action="store_true", help="Compute the loss in fp32.")
     g.add_argument("--eval_interval", type=non_negative_int, default=0,
                    help="Evaluate every N steps (0: at the end only).")
@@ -164,9 +172,11 @@ def add_deepspeed_args(parser):
     g.add_argument("--offload", action="store_true", help="Offload optimizer (and ZeRO-3 parameters) to CPU.")
     g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
-    g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
-    g.add_argument("--enable_tensorboard", action="store_true")
-    g.add_argument("--tensorboard_path", type=str, default=None)
+    g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage.")
+    g.add_argument("--enable_tensorboard", action="store_true",
+                   help="Write TensorBoard scalars (loss, learning rate, throughput, evaluation).")
+    g.add_argument("--tensorboard_path", type=str, default=None,
+                   help="TensorBoard log folder (default: inside --output_dir).")
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
     return g
@@ -196,7 +206,8 @@ def add_lora_args(parser, prefix=""):
                        help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
                             "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
         g.add_argument("--only_optimize_lora", action="store_true", help="Freeze the base weights.")
-    g.add_argument(f"--{prefix}lora_learning_rate", type=non_negative_float, default=5e-4)
+    g.add_argument(f"--{prefix}lora_learning_rate", type=non_negative_float, default=5e-4,
+                   help="Learning rate of the LoRA adapters.")
     return g
 
 
@@ -385,7 +396,8 @@ def step3_parser():
     p = new_parser("Step 3: PPO (RLHF) of the SFT actor against the reward model.")
     add_data_args(p)
     g = p.add_argument_group("models")
-    g.add_argument("--actor_model_name_or_path", type=str, default="output/step1_sft")
+    g.add_argument("--actor_model_name_or_path", type=str, default="output/step1_sft",
+                   help="The actor to train: step 1's output folder, a model folder or a hub name.")
     g.add_argument("--critic_model_name_or_path", type=str, default="output/step2_rm",
                    help="Step-2 folder (value head loaded) or any HF model folder (value head newly made).")
     g.add_argument("--reward_model_name_or_path", type=str, default=None,
@@ -398,9 +410,11 @@ def step3_parser():
                    help="The end-of-conversation token --add_eot_token adds to a tokenizer without an EOS token "
                         "(DeepSpeed-Chat appended it to every answer; dschat ends answers with the tokenizer's EOS).")
     g = p.add_argument_group("unsupervised mixing")
-    g.add_argument("--unsupervised_dataset_name", type=str, default=None)
-    g.add_argument("--unsupervised_dataset_config_name", type=str, default=None)
-    g.add_argument("--unsup_coef", type=float, default=27.8)
+    g.add_argument("--unsupervised_dataset_name", type=str, default=None,
+                   help="Pretraining text mixed into the actor's training (DeepSpeed-Chat's PTX): a hub dataset, a "
+                        "save_to_disk folder, a .txt/.jsonl/.json file or tiny.")
+    g.add_argument("--unsupervised_dataset_config_name", type=str, default=None, help="The hub dataset's config name.")
+    g.add_argument("--unsup_coef", type=float, default=27.8, help="Weight of the pretraining loss in the actor's step.")
     g.add_argument("--preprocessing_num_workers", type=int, default=None,
                    help="Processes that tokenize and group the unsupervised data (datasets' num_proc).")
     g = p.add_argument_group("batching and lengths")
@@ -413,33 +427,45 @@ def step3_parser():
                    help="Rows per rank per PPO training micro-batch.")
     g.add_argument("--generation_batches", "--generation_batch_numbers", type=positive_int, default=1,
                    help="Generation batches collected before each round of PPO training.")
-    g.add_argument("--ppo_epochs", type=positive_int, default=1)
-    g.add_argument("--max_prompt_seq_len", type=positive_int, default=256)
-    g.add_argument("--max_answer_seq_len", type=positive_int, default=256)
-    g.add_argument("--num_train_epochs", type=positive_int, default=1)
-    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
+    g.add_argument("--ppo_epochs", type=positive_int, default=1, help="Passes over each rollout's experience.")
+    g.add_argument("--max_prompt_seq_len", type=positive_int, default=256,
+                   help="Longest prompt in tokens (longer ones are skipped).")
+    g.add_argument("--max_answer_seq_len", type=positive_int, default=256, help="Most new tokens generated per answer.")
+    g.add_argument("--num_train_epochs", type=positive_int, default=1, help="Passes over the training data.")
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
+                   help="Micro-batches per optimizer step.")
     g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N PPO iterations (0: no limit).")
     g = p.add_argument_group("optimization")
-    g.add_argument("--actor_learning_rate", type=non_negative_float, default=9.65e-6)
-    g.add_argument("--critic_learning_rate", type=non_negative_float, default=5e-6)
-    g.add_argument("--actor_weight_decay", type=float, default=0.0)
-    g.add_argument("--critic_weight_decay", type=float, default=0.0)
-    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS)
-    g.add_argument("--num_warmup_steps", type=non_negative_int, default=100)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--local_rank", type=int, default=-1)
+    g.add_argument("--actor_learning_rate", type=non_negative_float, default=9.65e-6,
+                   help="Peak learning rate of the actor.")
+    g.add_argument("--critic_learning_rate", type=non_negative_float, default=5e-6,
+                   help="Peak learning rate of the critic.")
+    g.add_argument("--actor_weight_decay", type=float, default=0.0, help="AdamW weight decay of the actor.")
+    g.add_argument("--critic_weight_decay", type=float, default=0.0, help="AdamW weight decay of the critic.")
+    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
+                   help="Learning-rate schedule after the warmup.")
+    g.add_argument("--num_warmup_steps", type=non_negative_int, default=100, help="Optimizer steps of linear warmup.")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="Seed of the data order, the data shares and the model's random initialisations.")
+    g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     g = p.add_argument_group("generation")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature of the rollouts.")
     g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
-    g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling of the rollouts (1: off).")
     g.add_argument("--greedy", action="store_true", help="Greedy answers instead of sampling.")
     g = p.add_argument_group(HYBRID_ENGINE_GROUP)  # every flag of it but the switch is read by the hybrid engine only
-    g.add_argument("--enable_hybrid_engine", action="store_true")
+    g.add_argument("--enable_hybrid_engine", action="store_true",
+                   help="Generate the rollouts with dschat's hybrid engine (KV cache, CUDA graphs, Triton kernels) "
+                        "instead of HF generate.")
     g.add_argument("--unpin_actor_parameters", action="store_true",
                    help="ZeRO-3: gather layer by layer during generation instead of keeping a full copy.")
-    g.add_argument("--release_inference_cache", action="store_true")
-    g.add_argument("--inference_tp_size", type=positive_int, default=1)
-    g.add_argument("--tp_gather_partition_size", type=positive_int, default=8)
+    g.add_argument("--release_inference_cache", action="store_true",
+                   help="Free the hybrid engine's KV cache after each generation (less memory between generations; a "
+                        "new cache and graph capture each time).")
+    g.add_argument("--inference_tp_size", type=positive_int, default=1,
+                   help="Hybrid engine: tensor-parallel ranks that generate together.")
+    g.add_argument("--tp_gather_partition_size", type=positive_int, default=8,
+                   help="Hybrid engine under ZeRO-3: decoder layers gathered at a time into the inference copy.")
     g.add_argument("--enable_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="Replay the decode step from CUDA graphs (default: on when training on CUDA; the eager loop "
                         "is bound by Python's kernel launches, 3-7x slower: docs/benchmarks.md).")
@@ -461,9 +487,12 @@ def step3_parser():
                         "one GEMM (auto: on CUDA; on: also on the CPU). Costs a copy of those weights; "
                         "measurements in docs/benchmarks.md.")
     g = p.add_argument_group("deepspeed")
-    g.add_argument("--offload", action="store_true")
-    g.add_argument("--offload_reference_model", action="store_true")
-    g.add_argument("--offload_reward_model", action="store_true")
+    g.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload of the trained models' optimizer states (and parameters at ZeRO-3) to the CPU.")
+    g.add_argument("--offload_reference_model", action="store_true",
+                   help="Keep the frozen reference model on the CPU (ZeRO-3 parameter offload).")
+    g.add_argument("--offload_reward_model", action="store_true",
+                   help="Keep the frozen reward model on the CPU (ZeRO-3 parameter offload).")
     g.add_argument("--actor_zero_stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="Default: --zero_stage, else 0.")
     g.add_argument("--critic_zero_stage", type=int, default=None, choices=[0, 1, 2, 3],
@@ -473,8 +502,9 @@ def step3_parser():
                         "given (steps 1 and 2 take this name).")
     g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
-    g.add_argument("--actor_gradient_checkpointing", action="store_true")
-    g.add_argument("--critic_gradient_checkpointing", action="store_true")
+    g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Activation checkpointing in the actor.")
+    g.add_argument("--critic_gradient_checkpointing", action="store_true",
+                   help="Activation checkpointing in the critic.")
     g.add_argument("--actor_dropout", type=float, default=None, help="Override every dropout of the actor's config.")
     g.add_argument("--critic_dropout", type=float, default=None,
                    help="Override every dropout of the critic's config.")
@@ -482,7 +512,7 @@ def step3_parser():
                    help="DeepSpeed-Chat's older spelling of --actor_dropout 0.0.")
     g.add_argument("--disable_critic_dropout", dest="critic_dropout", action="store_const", const=0.0,
                    help="DeepSpeed-Chat's older spelling of --critic_dropout 0.0.")
-    g.add_argument("--compute_fp32_loss", action="store_true")
+    g.add_argument("--compute_fp32_loss", action="store_true", help="Compute the losses in fp32.")
     g.add_argument("--enable_mixed_precision_lora", action="store_true",
                    help="Mixed Precision ZeRO++ (DeepSpeed-Chat's): the actor's frozen weights are stored, gathered "
                         "and generated from in int8 (DeepSpeed's zero_quantized_nontrainable_weights; weights of "
@@ -497,16 +527,21 @@ def step3_parser():
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
     g = p.add_argument_group("lora")
-    g.add_argument("--actor_lora_dim", type=non_negative_int, default=0)
-    g.add_argument("--actor_lora_module_name", type=str, default="")
-    g.add_argument("--critic_lora_dim", type=non_negative_int, default=0)
-    g.add_argument("--critic_lora_module_name", type=str, default="")
+    g.add_argument("--actor_lora_dim", type=non_negative_int, default=0, help="LoRA rank of the actor (0: no LoRA).")
+    g.add_argument("--actor_lora_module_name", type=str, default="",
+                   help="Adapt the actor's Linear modules whose path contains this (empty: all but output heads).")
+    g.add_argument("--critic_lora_dim", type=non_negative_int, default=0, help="LoRA rank of the critic (0: no LoRA).")
+    g.add_argument("--critic_lora_module_name", type=str, default="",
+                   help="Adapt the critic's Linear modules whose path contains this (empty: all but the value head).")
     g.add_argument("--lora_alpha", type=float, default=None,
                    help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
                         "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
-    g.add_argument("--only_optimize_lora", action="store_true")
-    g.add_argument("--actor_lora_learning_rate", type=non_negative_float, default=5e-4)
-    g.add_argument("--critic_lora_learning_rate", type=non_negative_float, default=5e-4)
+    g.add_argument("--only_optimize_lora", action="store_true",
+                   help="Freeze the base weights: train only the LoRA adapters.")
+    g.add_argument("--actor_lora_learning_rate", type=non_negative_float, default=5e-4,
+                   help="Learning rate of the actor's LoRA adapters.")
+    g.add_argument("--critic_lora_learning_rate", type=non_negative_float, default=5e-4,
+                   help="Learning rate of the critic's LoRA adapters.")
     g = p.add_argument_group("PPO")
     g.add_argument("--padded_forwards", action="store_true",
                    help="Run the experience and training forwards over the left-padded rows with an attention mask, "
@@ -532,14 +567,16 @@ def step3_parser():
                         "over answers: TRL's unit and default).")
     g.add_argument("--kl_horizon", type=positive_int, default=10000,
                    help="The adaptive controller's horizon, in answers.")
-    g.add_argument("--clip_reward_value", type=float, default=5.0)
-    g.add_argument("--cliprange", type=float, default=0.2)
-    g.add_argument("--cliprange_value", type=float, default=0.2)
-    g.add_argument("--gamma", type=float, default=1.0)
-    g.add_argument("--lam", type=float, default=0.95)
+    g.add_argument("--clip_reward_value", type=float, default=5.0,
+                   help="Clip the reward model's scores to [-this, this].")
+    g.add_argument("--cliprange", type=float, default=0.2, help="PPO's policy-ratio clip.")
+    g.add_argument("--cliprange_value", type=float, default=0.2, help="PPO's value clip around the old values.")
+    g.add_argument("--gamma", type=float, default=1.0, help="Discount of the returns.")
+    g.add_argument("--lam", type=float, default=0.95, help="GAE's lambda.")
     g.add_argument("--whiten_advantages", action="store_true",
                    help="GAE: whiten the advantages over the whole rollout (every rank's), masked to the answers.")
-    g.add_argument("--entropy_coef", type=float, default=0.0)
+    g.add_argument("--entropy_coef", type=float, default=0.0,
+                   help="Weight of an entropy bonus in the actor's loss (0: none).")
     g.add_argument("--loss_agg", type=str, default="token_mean", choices=["token_mean", "global_token_mean"],
                    help="global_token_mean: average over all response tokens of the global batch.")
     g.add_argument("--logprob_chunk_size", type=positive_int, default=1024,
@@ -555,17 +592,23 @@ def step3_parser():
     g.add_argument("--reward_fn", type=str, default="",
                    help="module:function or path.py:function called with (prompts, answers, **extra columns) "
                         "returning one float per answer; 'tiny' = the bundled rule scorer.")
-    g.add_argument("--reward_fn_weight", type=float, default=1.0)
+    g.add_argument("--reward_fn_weight", type=float, default=1.0, help="Weight of --reward_fn's score in the reward.")
     g.add_argument("--reward_model_weight", type=float, default=1.0,
                    help="Weight of the reward model's score; 0 builds no reward model (reward function only).")
     g = p.add_argument_group("outputs and logging")
-    g.add_argument("--output_dir", type=str, default="output/step3_ppo")
-    g.add_argument("--enable_ema", action="store_true")
-    g.add_argument("--ema_beta", type=float, default=0.992)
-    g.add_argument("--enable_tensorboard", action="store_true")
-    g.add_argument("--tensorboard_path", type=str, default="step3_tensorboard")
-    g.add_argument("--print_answers", action="store_true")
-    g.add_argument("--print_answers_interval", type=positive_int, default=1)
+    g.add_argument("--output_dir", type=str, default="output/step3_ppo",
+                   help="Where the actor (and critic, EMA actor, logs) are saved.")
+    g.add_argument("--enable_ema", action="store_true",
+                   help="Also keep and save an exponential moving average of the actor (actor_ema).")
+    g.add_argument("--ema_beta", type=float, default=0.992, help="The EMA's decay per optimizer step.")
+    g.add_argument("--enable_tensorboard", action="store_true",
+                   help="Write TensorBoard scalars (loss, learning rate, throughput, evaluation).")
+    g.add_argument("--tensorboard_path", type=str, default="step3_tensorboard",
+                   help="TensorBoard log folder (default: inside --output_dir).")
+    g.add_argument("--print_answers", action="store_true",
+                   help="Print a prompt and its generated answer during training.")
+    g.add_argument("--print_answers_interval", type=positive_int, default=1,
+                   help="With --print_answers: every this many iterations.")
     g.add_argument("--enable_test_mode", action="store_true",
                    help="DeepSpeed-Chat's: with --test_stop_step, stop after that many PPO iterations.")
     g.add_argument("--test_stop_step", type=non_negative_int, default=0,
@@ -578,5 +621,6 @@ def step3_parser():
                    help="Held-out prompts scored before and after PPO (reward model and rule scorer), counted over "
                         "all ranks, in whole generation batches: rounded up to a multiple of "
                         "--per_device_generation_batch_size x the number of ranks (0: all).")
-    g.add_argument("--eval_max_new_tokens", type=positive_int, default=None)
+    g.add_argument("--eval_max_new_tokens", type=positive_int, default=None,
+                   help="Greedy answer length of the held-out evaluation (default: --max_answer_seq_len).")
     return p

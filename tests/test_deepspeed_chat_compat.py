@@ -414,3 +414,16 @@ def test_train_py_takes_deepspeed_chat_model_sizes_and_an_empty_zero_stage():
     assert parse(["--actor-model", "Qwen/Qwen2.5-0.5B"]).actor_model == "Qwen/Qwen2.5-0.5B"
     with pytest.raises(SystemExit):
         parse(["--reward-zero-stage", "4"])
+
+
+def test_every_step_flag_says_what_it_does_in_help():
+    """A user reads --help: every flag of every step has a help text (DeepSpeed-Chat's own flags included)."""
+    import argparse
+
+    from dschat import args
+
+    for name in ("step1_parser", "step2_parser", "step2_dpo_parser", "step3_parser"):
+        parser = getattr(args, name)()
+        silent = [action.option_strings[0] for action in parser._actions
+                  if action.option_strings and not action.help and not isinstance(action, argparse._HelpAction)]
+        assert not silent, (name, silent)
