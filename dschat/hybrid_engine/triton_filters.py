@@ -88,16 +88,40 @@ def _last_with_enough_above(row_logits, vocab, lo, hi, shift, scale, share, BLOC
                             FANOUT: tl.constexpr):
     """The largest key c in [lo, hi] with at least ``share`` of the total weight strictly above it (see
     :func:`_sums_above`); that holds at ``lo`` and, the sums falling as c grows, for every key up to the answer."""
-    lo = lo.to(tl.int64)
-    hi = hi.to(tl.int64)
-    steps = tl.arange(0, FANOUT).to(tl.int64) + 1
     while lo < hi:
-        cands = lo + ((hi - lo) * steps + FANOUT) // (FANOUT + 1)  # spread over (lo, hi], ascending
-        above, total = _sums_above(row_logits, vocab, cands.to(tl.int32), shift, scale, BLOCK)
-        enough = above >= share * total
-        lo = tl.max(tl.where(enough, cands, lo), 0)
-        hi = tl.min(tl.where(enough, hi, cands - 1), 0)
-    return lo.to(tl.int32)
+        cands = _candidates(lo, hi, FANOUT)
+        above, total = _sums_above(row_logits, vocab, cands, shift, scale, BLOCK)
+        lo, hi = _narrow(lo, hi, cands, above >= share * total)
+    return lo
+
+
+@triton.jit
+def _candidates(lo, hi, FANOUT: tl.constexpr):
+    """FANOUT keys spread over (lo, hi], ascending (int32)."""
+    steps = tl.arange(0, FANOUT).to(tl.int64) + 1
+    lo = lo.to(tl.int64)
+    return (lo + ((hi.to(tl.int64) - lo) * steps + FANOUT) // (FANOUT + 1)).to(tl.int32)
+
+
+@triton.jit
+def _narrow(lo, hi, cands, enough):
+    """The interval after one pass: the largest candidate with ``enough`` weight above it becomes ``lo``, the smallest
+    without, less one, ``hi``."""
+    return tl.max(tl.where(enough, cands, lo), 0), tl.min(tl.where(enough, hi, cands - 1), 0)
+
+
+@triton.jit
+def _search_start(top, bottom, vocab, top_p, inv_temperature, ELEMENT: tl.constexpr):
+    """The shift of a row's weights (its largest value; 0 for an all -inf row: weights 0, not nan) and the key the
+    search starts below. The largest key with at least top_p of the mass strictly above it is searched for (the cut
+    is the next key). The logits below t = max + T log((1 - top_p) / V) (in the logits' dtype, rounded down) hold less
+    than 1 - top_p of the mass (each weighs under (1 - top_p) / V of the max's), so at least top_p lies at t and
+    above: the search starts just below t instead of at the smallest logit."""
+    shift = _value(top, ELEMENT)
+    shift = tl.where(shift == float("-inf"), 0.0, shift)
+    low = shift + tl.log((1.0 - top_p) / vocab) / inv_temperature
+    low = (low - tl.abs(low) * 0.0078125 - 0.0078125).to(ELEMENT)
+    return shift, tl.maximum(bottom, _keys(low)) - 1
 
 
 @triton.jit
@@ -120,35 +144,33 @@ def _cut_kernel(Logits, Cut, LastTie, stride_lb, vocab, top_p, inv_temperature, 
     top = tl.max(key_max, 0)
     bottom = tl.min(key_min, 0)
     element = Logits.dtype.element_ty
-    shift = _value(top, element)
-    shift = tl.where(shift == float("-inf"), 0.0, shift)  # an all -inf row: weights 0, not nan
-    # The largest key with at least top_p of the mass strictly above it; the cut is the next key. The logits below
-    # t = max + T log((1 - top_p) / V) (in the logits' dtype, rounded down) hold less than 1 - top_p of the mass
-    # (each weighs under (1 - top_p) / V of the max's), so at least top_p lies at t and above: the search starts just
-    # below t instead of at the smallest logit.
-    low = shift + tl.log((1.0 - top_p) / vocab) / inv_temperature
-    low = (low - tl.abs(low) * 0.0078125 - 0.0078125).to(element)
-    first = tl.maximum(bottom, _keys(low)) - 1
+    shift, first = _search_start(top, bottom, vocab, top_p, inv_temperature, element)
     cut = _last_with_enough_above(row_logits, vocab, first, top, shift, inv_temperature, top_p, BLOCK, FANOUT) + 1
     cut = tl.minimum(cut, top)  # top_p = 0 keeps the largest value (HF keeps one token at least)
     sums, total = _sums_above(row_logits, vocab, tl.full([1], 0, tl.int32) + cut, shift, inv_temperature, BLOCK)
-    tie_weight = tl.exp((_value(cut, element) - shift) * inv_temperature)
-    # ties at the cut are kept while the mass ranked above them (with the ties kept before) is below top_p
-    wanted = tl.maximum(tl.ceil((top_p * total - tl.sum(sums, 0)) / tie_weight), 1.0)
+    wanted = _ties_kept(cut, shift, inv_temperature, top_p, tl.sum(sums, 0), total, element)
     tl.store(Cut + row, _value(cut, element))
-    tl.store(LastTie + row, _tie_column(row_logits, vocab, cut, wanted.to(tl.int32), BLOCK))
+    tl.store(LastTie + row, _tie_column(row_logits, 0, vocab, vocab, cut, wanted, BLOCK))
 
 
 @triton.jit
-def _tie_column(row_logits, vocab, key, wanted, BLOCK: tl.constexpr):
-    """The column of the ``wanted``-th (from 1) logit with key ``key``, by column; vocab - 1 when there are fewer
-    (fp32 rounding of the count): all of them."""
+def _ties_kept(cut, shift, scale, share, above, total, ELEMENT: tl.constexpr):
+    """How many of the logits tied at the cut key are kept (the first ones by column): while the weight ranked above
+    them (``above``, and the ties kept before) is below ``share`` of ``total``; at least one."""
+    tie_weight = tl.exp((_value(cut, ELEMENT) - shift) * scale)
+    return tl.maximum(tl.ceil((share * total - above) / tie_weight), 1.0).to(tl.int32)
+
+
+@triton.jit
+def _tie_column(row_logits, first, stop, vocab, key, wanted, BLOCK: tl.constexpr):
+    """The column of the ``wanted``-th (from 1) logit with key ``key`` in columns [first, stop), by column; vocab - 1
+    when there are fewer (fp32 rounding of the count): all of them."""
     offs = tl.arange(0, BLOCK)
     seen = tl.full([], 0, tl.int32)
     last = tl.full([], 0, tl.int32) + vocab
-    for start in range(0, vocab, BLOCK):
+    for start in range(first, stop, BLOCK):
         cols = start + offs
-        ok = cols < vocab
+        ok = cols < stop
         tie = ok & (_keys(tl.load(row_logits + cols, mask=ok, other=0)) == key)
         rank = seen + tl.cumsum(tie.to(tl.int32), 0)
         last = tl.minimum(last, tl.min(tl.where(tie & (rank == wanted), cols, vocab), 0))
@@ -237,7 +259,7 @@ def _top_k_cut_kernel(Logits, Keys, Cut, LastTie, stride_lb, vocab, candidates, 
         elif wanted >= ties:
             last = vocab - 1
         else:
-            last = _tie_column(row_logits, vocab, cut_key, wanted, BLOCK)
+            last = _tie_column(row_logits, 0, vocab, vocab, cut_key, wanted, BLOCK)
         tl.store(Cut + row, _value(cut_key, element))
         tl.store(LastTie + row, last)
     else:
@@ -276,25 +298,13 @@ def _row_start(Range, row, chunks, vocab, top_p, inv_temperature, ELEMENT: tl.co
     at = Range + (row * chunks + offs) * 2
     top = tl.max(tl.load(at, mask=ok, other=-2147483648), 0)
     bottom = tl.min(tl.load(at + 1, mask=ok, other=2147483647), 0)
-    shift = _value(top, ELEMENT)
-    shift = tl.where(shift == float("-inf"), 0.0, shift)
-    low = shift + tl.log((1.0 - top_p) / vocab) / inv_temperature
-    low = (low - tl.abs(low) * 0.0078125 - 0.0078125).to(ELEMENT)
-    return top, shift, tl.maximum(bottom, _keys(low)) - 1
-
-
-@triton.jit
-def _candidates(lo, hi, FANOUT: tl.constexpr):
-    """FANOUT keys spread over (lo, hi], ascending (int32)."""
-    steps = tl.arange(0, FANOUT).to(tl.int64) + 1
-    lo = lo.to(tl.int64)
-    return (lo + ((hi.to(tl.int64) - lo) * steps + FANOUT) // (FANOUT + 1)).to(tl.int32)
+    shift, first = _search_start(top, bottom, vocab, top_p, inv_temperature, ELEMENT)
+    return top, shift, first
 
 
 @triton.jit
 def _narrowed(Above, Total, State, Pass, row, chunks, top_p, CHUNKS: tl.constexpr, FANOUT: tl.constexpr):
-    """The row's interval after pass ``Pass``'s sums: the largest candidate with at least ``top_p`` of the weight
-    strictly above it becomes ``lo``, the smallest without, less one, ``hi``."""
+    """The row's interval after pass ``Pass``'s sums (:func:`_narrow`, at least ``top_p`` of the weight above)."""
     at = State + (Pass * tl.num_programs(0) + row) * 2
     lo = tl.load(at)
     hi = tl.load(at + 1)
@@ -306,10 +316,7 @@ def _narrowed(Above, Total, State, Pass, row, chunks, top_p, CHUNKS: tl.constexp
         above = tl.sum(tl.load(Above + base[:, None] * FANOUT + fans[None, :], mask=ok[:, None], other=0.0), 0)
         total = tl.sum(tl.load(Total + base, mask=ok, other=0.0), 0)
         cands = _candidates(lo, hi, FANOUT)
-        enough = above >= top_p * total
-        new_lo = tl.max(tl.where(enough, cands, lo), 0)
-        hi = tl.min(tl.where(enough, hi, cands - 1), 0)
-        lo = new_lo
+        lo, hi = _narrow(lo, hi, cands, above >= top_p * total)
     return lo, hi
 
 
@@ -397,20 +404,14 @@ def _split_cut_kernel(Logits, Range, State, CutSums, CutTies, Cut, LastTie, stri
     above = tl.sum(tl.load(CutSums + base * 2, mask=ok, other=0.0), 0)
     total = tl.sum(tl.load(CutSums + base * 2 + 1, mask=ok, other=0.0), 0)
     ties = tl.load(CutTies + base, mask=ok, other=0)
-    tie_weight = tl.exp((_value(cut, element) - shift) * inv_temperature)
-    wanted = tl.maximum(tl.ceil((top_p * total - above) / tie_weight), 1.0).to(tl.int32)
-    seen = tl.cumsum(ties, 0)
-    # the chunk holding the wanted-th tie, and the ties before it (none: fp32 rounding of the count, keep all)
-    holder = tl.min(tl.where(ok & (seen >= wanted), offs, chunks), 0)
+    wanted = _ties_kept(cut, shift, inv_temperature, top_p, above, total, element)
+    # the chunk holding the wanted-th tie, and the ties before it (none: fp32 rounding of the count, keep all; the
+    # scan from past the row's end then finds nothing)
+    holder = tl.min(tl.where(ok & (tl.cumsum(ties, 0) >= wanted), offs, chunks), 0)
     before = tl.sum(tl.where(offs < holder, ties, 0), 0)
-    last = vocab - 1
-    if holder < chunks:
-        cols = holder * CHUNK + tl.arange(0, CHUNK)
-        inside = cols < vocab
-        tie = inside & (_keys(tl.load(Logits + row.to(tl.int64) * stride_lb + cols, mask=inside, other=0)) == cut)
-        rank = before + tl.cumsum(tie.to(tl.int32), 0)
-        last = tl.min(tl.where(tie & (rank == wanted), cols, vocab), 0)
-        last = tl.where(last == vocab, vocab - 1, last)
+    first = holder * CHUNK
+    last = _tie_column(Logits + row.to(tl.int64) * stride_lb, first, tl.minimum(first + CHUNK, vocab), vocab, cut,
+                       wanted - before, CHUNK)
     tl.store(Cut + row, _value(cut, element))
     tl.store(LastTie + row, last)
 
