@@ -714,6 +714,10 @@ def test_every_rank_waits_for_rank_0_to_remove_an_earlier_model_even_where_it_se
     assert len(waits) == 4 and "removing it failed (read-only)" in capsys.readouterr().out
 
 
+class Loaded(Exception):
+    """Raised by a test's engine where DeepSpeed would load a checkpoint: the checks let the run resume."""
+
+
 def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
     """The files ``save_checkpoint`` leaves for tag iter_0000002 (contents beside the point)."""
     from dschat.utils.checkpoints import LATEST
@@ -747,7 +751,7 @@ def test_resume_from_a_checkpoint_of_another_setup_is_a_usage_error_before_deeps
 
     class NotLoaded:
         def load_checkpoint(self, *args, **kwargs):
-            raise AssertionError("the checks must come before DeepSpeed loads anything")
+            raise Loaded("the checks must come before DeepSpeed loads anything")
 
     _saved_checkpoint(tmp_path, **saved)
     trainer = SimpleNamespace(actor_model=NotLoaded(), critic_model=NotLoaded() if resumed.get("critic", True) else None,
@@ -758,7 +762,7 @@ def test_resume_from_a_checkpoint_of_another_setup_is_a_usage_error_before_deeps
     same = SimpleNamespace(actor_model=NotLoaded(), critic_model=NotLoaded() if saved.get("critic", True) else None,
                            actor_ema=SimpleNamespace() if saved.get("ema") else None)
     if saved.get("ranks", 1) == 1:
-        with pytest.raises(AssertionError, match="before DeepSpeed loads"):
+        with pytest.raises(Loaded, match="before DeepSpeed loads"):
             load_checkpoint(same, str(tmp_path))
 
 
@@ -778,6 +782,28 @@ def test_resume_with_a_checkpoint_folder_missing_names_the_folder(tmp_path, part
         load_checkpoint(trainer, str(tmp_path))
 
 
+def test_resume_from_an_unreadable_checkpoint_file_names_the_checkpoint(tmp_path):
+    """Step 3's loads (the engines', the EMA copy's, the RNG states') failing on a damaged file: one UsageError naming
+    the checkpoint, with no earlier one to offer here, instead of torch's or DeepSpeed's traceback."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    class Truncated:
+        def load_checkpoint(self, *args, **kwargs):
+            raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory. "
+                               "This is an internal miniz error.")
+
+    _saved_checkpoint(tmp_path, critic=False)
+    trainer = SimpleNamespace(actor_model=Truncated(), critic_model=None, actor_ema=None)
+    with pytest.raises(UsageError, match=r"checkpoint iter_0000002 in .* cannot be loaded \(RuntimeError: "
+                                         r"PytorchStreamReader failed reading zip archive: failed finding central "
+                                         r"directory\); a file of it is damaged or missing .*Restore it, or start "
+                                         r"afresh without --resume"):
+        load_checkpoint(trainer, str(tmp_path))
+
+
 def _flags_trainer(tmp_path, *given):
     """A trainer as the checkpoint code sees it, with step 3's flags ``given``: engines that save an empty tag folder
     and raise "loaded" when DeepSpeed would load (so a test sees whether the checks let the run resume)."""
@@ -791,7 +817,7 @@ def _flags_trainer(tmp_path, *given):
             (tmp_path / folder / tag).mkdir(parents=True)
 
         def load_checkpoint(self, *args, **kwargs):
-            raise AssertionError("loaded")
+            raise Loaded("loaded")
 
     return SimpleNamespace(actor_model=Engine(), critic_model=Engine(), actor_ema=None, generator=torch.Generator(),
                            args=step3_args(step3_parser().parse_args(list(given))),
@@ -837,7 +863,7 @@ def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_
     with pytest.raises(UsageError, match=rf"saved with other settings: {re.escape(named)}\. .*without --resume"):
         load_checkpoint(_flags_trainer(tmp_path, *batch, *resumed), str(tmp_path))
     # flags a checkpoint does not depend on may change: the checks pass and DeepSpeed loads
-    with pytest.raises(AssertionError, match="loaded"):
+    with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path, *batch, *saved, "--per_device_training_batch_size", "2",
                                        "--max_steps", "9"), str(tmp_path))
 
@@ -848,10 +874,10 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
     from dschat.rlhf.checkpointing import load_checkpoint
 
     _save_flags_checkpoint(tmp_path)
-    with pytest.raises(AssertionError, match="loaded"):  # the checks pass: the run resumes
+    with pytest.raises(Loaded, match="loaded"):  # the checks pass: the run resumes
         load_checkpoint(_flags_trainer(tmp_path, "--actor_learning_rate", "3e-6"), str(tmp_path))
     assert "--actor_learning_rate 3e-06 (the checkpoint's: 9.65e-06): no effect" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="loaded"):
+    with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
     assert "no effect" not in capsys.readouterr().out
 

@@ -121,6 +121,31 @@ def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_o
     assert "--resume: no complete checkpoint in" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("damaged", ["model/step_0000002/mp_rank_00_model_states.pt", "trainer/step_0000002/rng_rank0.pt",
+                                     "model/step_0000002/mp_rank_00_model_states.pt:removed"])
+def test_a_damaged_checkpoint_is_an_error_naming_it_and_the_earlier_one_resumes(damaged, tmp_path, distributed,
+                                                                                capsys):
+    """A truncated checkpoint file was a zip-reader traceback from inside torch; DeepSpeed's, when a rank's file was
+    gone, a bare AssertionError. The message's advice (the earlier checkpoint kept) works."""
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+              "--max_steps", "2", "--save_interval", "1"]
+    reward.main(common)
+    root = tmp_path / "rm" / "checkpoints"
+    path, removed = root / damaged.split(":")[0], damaged.endswith(":removed")
+    if removed:
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    with pytest.raises(UsageError, match=r"checkpoint step_0000002 in .* cannot be loaded \(\w+Error: "
+                                         r".*damaged or missing.* resume from the earlier checkpoint "
+                                         r"step_0000001 \(write \{\"tag\": \"step_0000001\"\} into .*latest\)"):
+        reward.main([*common, "--resume"])
+    (root / "latest").write_text(json.dumps({"tag": "step_0000001"}))
+    capsys.readouterr()
+    assert reward.main([*common, "--resume"])["steps"] == 2
+    assert "resumed from step 1 " in capsys.readouterr().out
+
+
 def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp_path):
     from types import SimpleNamespace
 

@@ -9,7 +9,7 @@ from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import input_runs, restart_deepspeed_tensorboard
 from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rank_state, publish,
-                                      read_trainer_state, save_trainer_state, trainer_folder)
+                                      read_trainer_state, reading, save_trainer_state, trainer_folder)
 from dschat.utils.dist import is_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
@@ -62,16 +62,17 @@ def load_checkpoint(trainer, root):
     if found is None:
         return None
     tag, state = found
-    for name, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
-        if engine is not None:
-            engine.load_checkpoint(os.path.join(root, name), tag=tag)
-            restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
+    with reading(root, tag):
+        for name, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
+            if engine is not None:
+                engine.load_checkpoint(os.path.join(root, name), tag=tag)
+                restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
+        if trainer.actor_ema is not None:
+            _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
+        load_rank_state(root, tag, trainer.generator)
     trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
     for name, value in state.pop("restored", {}).items():  # what it trains with: its record says so
         setattr(trainer.args, name, value)
-    if trainer.actor_ema is not None:
-        _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
-    load_rank_state(root, tag, trainer.generator)
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state

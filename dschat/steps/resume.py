@@ -8,7 +8,7 @@ import os
 from dschat.errors import UsageError
 from dschat.steps.common import input_runs, restart_deepspeed_tensorboard, resumed_save_interval
 from dschat.utils.checkpoints import (check_complete, check_same_flags, clear_earlier_run, latest_tag, load_rank_state,
-                                      publish, read_trainer_state, save_trainer_state)
+                                      publish, read_trainer_state, reading, save_trainer_state)
 from dschat.utils.dist import print_rank_0, rank_0_decides
 
 MODEL = "model"
@@ -80,9 +80,11 @@ def load_step_checkpoint(engine, args, step):
     for name, value in position.pop("restored").items():  # what it trains with: its record says so
         setattr(args, name, value)
     root = checkpoint_root(args)
-    engine.load_checkpoint(os.path.join(root, MODEL), tag=tag)
+    with reading(root, tag):
+        engine.load_checkpoint(os.path.join(root, MODEL), tag=tag)
+        rank_state = load_rank_state(root, tag)
     restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
-    return {**position, **load_rank_state(root, tag)}
+    return {**position, **rank_state}
 
 
 def resume_or_start(engine, args, name, total_steps):

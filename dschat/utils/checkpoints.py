@@ -6,7 +6,9 @@ states and own counters (``rng_rank<N>.pt``). Every rank writes its share; only 
 point ``latest`` at the tag (an atomic rename), so an interrupted save is never resumed from. The last ``keep_last``
 tags are kept.
 """
+import contextlib
 import os
+import pickle
 import random
 import shutil
 
@@ -103,6 +105,30 @@ def check_complete(root, tag, parts):
                          f"{get_world_size()}; its ZeRO and RNG states are per rank: resume on {saved_ranks} rank(s)")
 
 
+# How a checkpoint file that is truncated, corrupted or missing fails to load: torch's zip reader and unpickler,
+# DeepSpeed's loaders (a bare assertion when a rank's file is absent, a KeyError for a state without its entries).
+UNREADABLE = (AssertionError, EOFError, KeyError, OSError, RuntimeError, pickle.UnpicklingError)
+
+
+@contextlib.contextmanager
+def reading(root, tag):
+    """Loading checkpoint ``tag`` of ``root``: a file of it that cannot be read is one UsageError naming the
+    checkpoint, what failed and the earlier checkpoint kept, instead of a traceback from inside torch or DeepSpeed
+    that names no file (``DSCHAT_TRACEBACK=1`` shows it)."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except UNREADABLE as error:
+        reason = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else "no message"
+        earlier = [t for t in complete_tags(root) if t < tag]
+        instead = (f", resume from the earlier checkpoint {earlier[-1]} (write {{\"tag\": \"{earlier[-1]}\"}} into "
+                   f"{os.path.join(root, LATEST)})" if earlier else "")
+        raise UsageError(f"--resume: checkpoint {tag} in {root} cannot be loaded ({type(error).__name__}: {reason}); "
+                         f"a file of it is damaged or missing (copied in part?). Restore it{instead}, or start "
+                         f"afresh without --resume") from error
+
+
 def check_same_flags(saved, now, restored, tag, root, step, why):
     """The flags a checkpoint is bound to (``now``: {flag: value}) as it saved them (``saved``; a checkpoint that
     stored none is not checked): any other value is a UsageError naming each, with ``why`` they bind it. The
@@ -133,16 +159,29 @@ def clear_earlier_run(root):
     return found
 
 
+def _parts(root):
+    return [name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))]
+
+
+def _tags(root, parts):
+    return sorted({tag for part in parts for tag in os.listdir(os.path.join(root, part))  # (DeepSpeed puts its
+                   if os.path.isdir(os.path.join(root, part, tag))})  # zero_to_fp32.py beside the tag folders)
+
+
+def complete_tags(root):
+    """The tags in ``root`` whose save got as far as the trainer state, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return [t for t in _tags(root, _parts(root)) if os.path.isfile(os.path.join(trainer_folder(root, t), "state.json"))]
+
+
 def _prune(root, current, keep_last):
     """Keep the last ``keep_last`` complete tags up to ``current`` (those with their trainer state), in every part;
     remove every other tag: older ones, ones a save killed part-way left, and ones after ``current``, which belong to
     an earlier, longer run in the same folder (kept, they would sort after this run's and be pruned in its place)."""
-    parts = [name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))]
-    tags = sorted({tag for part in parts for tag in os.listdir(os.path.join(root, part))  # (DeepSpeed puts its
-                   if os.path.isdir(os.path.join(root, part, tag))})  # zero_to_fp32.py beside the tag folders)
-    complete = [t for t in tags if t <= current and os.path.isfile(os.path.join(trainer_folder(root, t), "state.json"))]
-    keep = set(complete[-keep_last:])
-    for tag in tags:
+    parts = _parts(root)
+    keep = set([t for t in complete_tags(root) if t <= current][-keep_last:])
+    for tag in _tags(root, parts):
         if tag not in keep:
             for part in parts:
                 shutil.rmtree(os.path.join(root, part, tag), ignore_errors=True)
