@@ -9,7 +9,8 @@ from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import input_runs, restart_deepspeed_tensorboard
 from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rank_state, publish,
-                                      read_trainer_state, reading, save_trainer_state, trainer_folder)
+                                      read_trainer_state, reading, save_trainer_state, take_restored_flags,
+                                      trainer_folder)
 from dschat.utils.dist import is_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
@@ -71,8 +72,7 @@ def load_checkpoint(trainer, root):
             _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
         load_rank_state(root, tag, trainer.generator)
     trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
-    for name, value in state.pop("restored", {}).items():  # what it trains with: its record says so
-        setattr(trainer.args, name, value)
+    take_restored_flags(state, getattr(trainer, "args", None))  # (set where the checks had flags to compare)
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state

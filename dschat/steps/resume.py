@@ -8,7 +8,8 @@ import os
 from dschat.errors import UsageError
 from dschat.steps.common import input_runs, restart_deepspeed_tensorboard, resumed_save_interval
 from dschat.utils.checkpoints import (check_complete, check_same_flags, clear_earlier_run, latest_tag, load_rank_state,
-                                      publish, read_trainer_state, reading, save_trainer_state)
+                                      publish, read_trainer_state, reading, save_trainer_state,
+                                      take_restored_flags)
 from dschat.utils.dist import print_rank_0, rank_0_decides
 
 MODEL = "model"
@@ -77,8 +78,7 @@ def load_step_checkpoint(engine, args, step):
     if found is None:
         return None
     tag, position = found
-    for name, value in position.pop("restored").items():  # what it trains with: its record says so
-        setattr(args, name, value)
+    take_restored_flags(position, args)
     root = checkpoint_root(args)
     with reading(root, tag):
         engine.load_checkpoint(os.path.join(root, MODEL), tag=tag)

@@ -147,6 +147,13 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
     return ignored
 
 
+def take_restored_flags(state, args):
+    """The learning rates DeepSpeed restored (``check_same_flags``' return, kept in ``state["restored"]``) set on
+    ``args``: the run trains with them, and its record of flags says so."""
+    for name, value in state.pop("restored", {}).items():
+        setattr(args, name, value)
+
+
 def clear_earlier_run(root):
     """A run that starts afresh (no --resume) removes the checkpoints an earlier run left in ``root``, as it replaces
     that run's log and models: kept, ``--resume`` after an interruption could continue that other run, and its tags
