@@ -377,15 +377,36 @@ def hybrid_engine_only_flags(args, parser=None):
     pass ``--inference_tp_size 1``) are not listed."""
     parser = parser or step3_parser()
     group = next(g for g in parser._action_groups if g.title == HYBRID_ENGINE_GROUP)
+    return _changed_flags(args, [a for a in group._group_actions if a.dest != "enable_hybrid_engine"])
+
+
+# Step 3's flags read only where a critic is trained (--advantage_estimator gae). (--critic_model_name_or_path is
+# also the reward model's default path and --critic_zero_stage its stage, so they are not among them.)
+CRITIC_ONLY_FLAGS = ("critic_learning_rate", "critic_weight_decay", "critic_gradient_checkpointing", "critic_dropout",
+                     "critic_lora_dim", "critic_lora_module_name", "critic_lora_learning_rate")
+
+
+def critic_only_flags(args, parser=None):
+    """The flags of ``CRITIC_ONLY_FLAGS`` that ``args`` sets to other than the parser's default, as written on the
+    command line (``--critic_learning_rate 0.0005``)."""
+    parser = parser or step3_parser()
+    first = {}
+    for action in parser._actions:  # (--disable_critic_dropout shares --critic_dropout's value)
+        if action.dest in CRITIC_ONLY_FLAGS:
+            first.setdefault(action.dest, action)
+    return _changed_flags(args, list(first.values()))
+
+
+def _changed_flags(args, actions):
     given = []
-    for action in group._group_actions:
+    for action in actions:
         value = getattr(args, action.dest, action.default)
-        if action.dest == "enable_hybrid_engine" or value == action.default:
+        if value == action.default:
             continue
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             given.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(action, argparse._StoreConstAction):
+        elif isinstance(action, argparse._StoreConstAction):  # (store_true included)
             given.append(flag)
         else:
             given.append(f"{flag} {value}")

@@ -78,11 +78,17 @@ def step_argv(step, args, tiny):
                 "--output_dir", os.path.join(out, PPO_DIR)]
     recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else []
     if step == 3 and getattr(args, "recipe", "ppo") == "grpo":
-        recipe = recipe + GRPO_RECIPE
+        recipe = _without(recipe, "--critic_learning_rate") + GRPO_RECIPE
     # the run's TensorBoard events (with --enable_tensorboard) under its folder, one subfolder per step, as its
     # models: the steps' own defaults are folders in the working directory, which other runs would share
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache"),
                                      "--tensorboard_path", os.path.join(out, "tensorboard")] + extra
+
+
+def _without(argv, flag):
+    """``argv`` less ``flag`` and its value."""
+    at = argv.index(flag) if flag in argv else None
+    return argv if at is None else argv[:at] + argv[at + 2:]
 
 
 def step_extra_args(step, args):

@@ -346,6 +346,8 @@ def test_train_py_refuses_steps_its_recipe_does_not_have(capsys):
     assert parse(shlex.split("--recipe grpo --step 2 3")).step == [2, 3]  # step 3 runs (noted at run time)
     grpo_step3 = pipeline.step_argv(3, parse(["--recipe", "grpo"]), True)
     assert "--critic_model_name_or_path" not in grpo_step3  # no critic: its record names no step-2 folder
+    assert "--critic_learning_rate" not in grpo_step3  # (the PPO recipe's, which no critic would read)
+    assert "--critic_learning_rate" in pipeline.step_argv(3, parse([]), True)
     assert "--critic_model_name_or_path" in pipeline.step_argv(3, parse([]), True)
     assert pipeline.recipe_steps("grpo", [3, 2, 1]) == ([1, 3], ["step 2 (GRPO is rewarded by --reward_fn: no "
                                                                  "reward model)"])

@@ -969,9 +969,12 @@ def test_critic_free_estimators_run_without_a_critic(trained, tmp_path, estimato
     assert all("critic_loss" not in r for r in log) and all(abs(r["actor_loss"]) < 1e3 for r in log)
 
 
-def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path):
+def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path, capsys):
     metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--advantage_estimator", "grpo",
-                                "--n_samples_per_prompt", "2", "--reward_fn", "tiny", "--reward_model_weight", "0"))
+                                "--n_samples_per_prompt", "2", "--reward_fn", "tiny", "--reward_model_weight", "0",
+                                "--critic_lora_dim", "4", "--critic_learning_rate", "5e-6"))
+    # a critic's flag, which no critic reads, is said to be ignored (a default given explicitly is not)
+    assert "[step3] --critic_lora_dim 4: the critic's only, and no critic is trained; ignored" in capsys.readouterr().out
     assert metrics["eval_after"]["reward_mean"] is None and "rule_score_mean" in metrics["eval_after"]
     assert all(e["reward"] is None for e in metrics["eval_after"]["examples"]), "no reward model: no reward, not 0"
     for key in ("eval_before", "eval_after"):  # what is trained on is measured: the function's held-out score

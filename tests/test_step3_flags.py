@@ -195,6 +195,18 @@ def test_every_flag_of_the_hybrid_engine_group_is_covered():
         check_step3_settings(several, 1)
 
 
+def test_the_critics_own_flags_are_listed_when_set_and_not_when_given_at_their_defaults():
+    from dschat.args import CRITIC_ONLY_FLAGS, critic_only_flags
+
+    parser = step3_parser()
+    assert critic_only_flags(parser.parse_args(["--critic_learning_rate", "5e-6", "--critic_weight_decay", "0"])) == []
+    given = parser.parse_args(["--critic_learning_rate", "1e-4", "--disable_critic_dropout",
+                               "--critic_gradient_checkpointing", "--critic_zero_stage", "3"])
+    assert critic_only_flags(given) == ["--critic_learning_rate 0.0001", "--critic_gradient_checkpointing",
+                                        "--critic_dropout 0.0"]  # (the stage is the reward model's too)
+    assert set(CRITIC_ONLY_FLAGS) <= {a.dest for a in parser._actions}
+
+
 # DeepSpeed-Chat's step-3 scripts (training_scripts/opt/single_node/run_13b.sh, opt/multi_node/run_66b.sh,
 # single_node/run_7b_llama.sh, opt/single_node/sweep/run_single.sh without its hybrid engine switch, here with the
 # defaults of two hybrid-engine flags given explicitly), flags only: none gives a hybrid-engine flag a value of its

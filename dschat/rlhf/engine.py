@@ -5,7 +5,7 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
-from dschat.args import check_sampling_flags, hybrid_engine_only_flags
+from dschat.args import check_sampling_flags, critic_only_flags, hybrid_engine_only_flags
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
@@ -233,6 +233,9 @@ class DeepSpeedRLHFEngine:
         print_rank_0(f"[step3] critic {'built' if self.critic else 'not built'} "
                      f"(advantage estimator {args.advantage_estimator}), reward model "
                      f"{'built' if self.reward else 'not built'}")
+        unread = [] if self.critic else critic_only_flags(args)
+        if unread:  # (a DeepSpeed-Chat script switched to a critic-free estimator keeps them)
+            print_rank_0(f"[step3] {', '.join(unread)}: the critic's only, and no critic is trained; ignored")
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False, role="actor"):
