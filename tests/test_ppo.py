@@ -799,7 +799,7 @@ def test_resume_from_an_unreadable_checkpoint_file_names_the_checkpoint(tmp_path
     trainer = SimpleNamespace(actor_model=Truncated(), critic_model=None, actor_ema=None)
     with pytest.raises(UsageError, match=r"checkpoint iter_0000002 in .* cannot be loaded \(RuntimeError: "
                                          r"PytorchStreamReader failed reading zip archive: failed finding central "
-                                         r"directory\); a file of it is damaged or missing .*Restore it, or start "
+                                         r"directory\); a file of it is damaged or missing .*: restore it; or start "
                                          r"afresh without --resume"):
         load_checkpoint(trainer, str(tmp_path))
 
@@ -1073,7 +1073,7 @@ def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp
     """The user's function needs the fix: one "error:" line and exit status 2 from the entry points (it was a
     RuntimeError and a traceback through dschat), naming the function, the prompt and where it raised."""
     from dschat.errors import UsageError
-    from dschat.rlhf.reward_fn import call_reward_fn
+    from dschat.rlhf.reward_fn import call_reward_fn, load_reward_fn
 
     def nan_second(prompts, answers):
         return [1.0, float("nan")]
@@ -1093,10 +1093,15 @@ def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp
              (lambda p, a: None, r"returned NoneType None, not a list of 2 numbers \(one score per answer\)"),
              (lambda p, a: 0.5, r"returned float 0.5, not a list of 2 numbers"),
              (lambda p, a: {"rewards": [1.0, 0.0], "scores": [1.0, 0.0], "extra_logs": {}},
-              r"returned dict \{'rewards'.*not a list of 2 numbers"))
+              r"returned dict \{'rewards'.*not a list of 2 numbers"),
+             (lambda p, a: torch.ones(2, 1), r"returned Tensor of shape \(2, 1\), not a list of 2 numbers"))
     for fn, message in cases:
-        with pytest.raises(UsageError, match=message):
+        with pytest.raises(UsageError, match=message) as raised:
             call_reward_fn(fn, ["p1", "p2"], ["a1", "a2"])
+        assert "\n" not in str(raised.value)  # printed as one line
+    for several in ([nan_second, raises], (nan_second,)):  # TRL's reward_funcs habit
+        with pytest.raises(UsageError, match=r"reward_fn is a (list|tuple): give one function .*not several"):
+            load_reward_fn(several)
     assert call_reward_fn(lambda p, a: [1, torch.tensor(0.5)], ["p1", "p2"], ["a1", "a2"]) == [1.0, 0.5]
     assert call_reward_fn(lambda p, a: torch.tensor([1.0, 0.5]), ["p1", "p2"], ["a1", "a2"]) == [1.0, 0.5]
     assert call_reward_fn(lambda p, a: (0, 1), ["p1", "p2"], ["a1", "a2"]) == [0.0, 1.0]

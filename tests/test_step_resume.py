@@ -121,12 +121,17 @@ def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_o
     assert "--resume: no complete checkpoint in" in capsys.readouterr().out
 
 
+ADVICE_STEP_1 = r"to resume from checkpoint step_0000001, write \{\"tag\": \"step_0000001\"\} into .*latest"
+
+
 @pytest.mark.parametrize("damaged", ["model/step_0000002/mp_rank_00_model_states.pt", "trainer/step_0000002/rng_rank0.pt",
-                                     "model/step_0000002/mp_rank_00_model_states.pt:removed"])
+                                     "model/step_0000002/mp_rank_00_model_states.pt:removed",
+                                     "trainer/step_0000002/state.json"])
 def test_a_damaged_checkpoint_is_an_error_naming_it_and_the_earlier_one_resumes(damaged, tmp_path, distributed,
                                                                                 capsys):
     """A truncated checkpoint file was a zip-reader traceback from inside torch; DeepSpeed's, when a rank's file was
-    gone, a bare AssertionError. The message's advice (the earlier checkpoint kept) works."""
+    gone, a bare AssertionError; a truncated state.json's advice (remove it) led to another error. The message's
+    advice (the earlier checkpoint kept) works."""
     common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
               "--max_steps", "2", "--save_interval", "1"]
     reward.main(common)
@@ -136,14 +141,35 @@ def test_a_damaged_checkpoint_is_an_error_naming_it_and_the_earlier_one_resumes(
         path.unlink()
     else:
         path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
-    with pytest.raises(UsageError, match=r"checkpoint step_0000002 in .* cannot be loaded \(\w+Error: "
-                                         r".*damaged or missing.* resume from the earlier checkpoint "
-                                         r"step_0000001 \(write \{\"tag\": \"step_0000001\"\} into .*latest\)"):
+    what = (r"has a damaged trainer/step_0000002/state.json" if damaged.endswith("state.json") else
+            r"cannot be loaded \(\w+Error: .*damaged or missing")
+    with pytest.raises(UsageError, match=rf"checkpoint step_0000002 in .*{what}.*{ADVICE_STEP_1}"):
         reward.main([*common, "--resume"])
     (root / "latest").write_text(json.dumps({"tag": "step_0000001"}))
     capsys.readouterr()
     assert reward.main([*common, "--resume"])["steps"] == 2
     assert "resumed from step 1 " in capsys.readouterr().out
+
+
+def test_a_missing_or_damaged_latest_pointer_is_an_error_and_keeps_the_checkpoints(tmp_path, distributed, capsys):
+    """Without its ``latest`` pointer, --resume said "no complete checkpoint; starting from step 0" and the run's
+    first save pruned the checkpoints it could have resumed from."""
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+              "--max_steps", "3", "--save_interval", "1"]
+    reward.main([*common[:-3], "2", *common[-2:]])
+    root = tmp_path / "rm" / "checkpoints"
+    advice = r"to resume from checkpoint step_0000002, write \{\"tag\": \"step_0000002\"\} into .*latest"
+    (root / "latest").unlink()
+    with pytest.raises(UsageError, match=rf"holds checkpoints step_0000001, step_0000002 and no latest pointer.*{advice}"):
+        reward.main([*common, "--resume"])
+    (root / "latest").write_text('{"tag": "step_00')
+    with pytest.raises(UsageError, match=rf"and a damaged latest pointer.*{advice}"):
+        reward.main([*common, "--resume"])
+    assert sorted(p.name for p in (root / "model").iterdir()) == ["step_0000001", "step_0000002"]
+    (root / "latest").write_text(json.dumps({"tag": "step_0000002"}))
+    capsys.readouterr()
+    assert reward.main([*common, "--resume"])["steps"] == 3
+    assert "resumed from step 2 " in capsys.readouterr().out
 
 
 def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp_path):

@@ -37,6 +37,11 @@ def load_reward_fn(spec):
     error when the module, file or function is missing."""
     if callable(spec):
         return spec
+    if not isinstance(spec, str):
+        several = isinstance(spec, (list, tuple))
+        raise UsageError(f"reward_fn is a {type(spec).__name__}: give one function (or 'module:function')"
+                         + (", not several (TRL's reward_funcs): combine them in one that returns their sum per answer"
+                            if several else ""))
     spec = ALIASES.get(spec, spec)
     if ":" not in spec:
         raise UsageError(f"--reward_fn {spec!r} must be 'module:function' or 'path/to/file.py:function'")
@@ -108,7 +113,10 @@ def _score_list(returned):
 
 
 def _short(value):
-    text = repr(value)
+    """``value`` in one short line: an array's shape, else the start of its repr."""
+    if hasattr(value, "shape"):
+        return f"{type(value).__name__} of shape {tuple(value.shape)}"
+    text = " ".join(repr(value).split())
     return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 

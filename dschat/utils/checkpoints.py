@@ -69,13 +69,43 @@ def publish(root, tag, keep_last=2):
 
 
 def latest_tag(root):
-    latest = read_json_object(os.path.join(root, LATEST))
-    return None if latest is None else latest.get("tag")
+    """The tag ``latest`` names (None: ``root`` holds no checkpoint). A pointer that is missing or unreadable while
+    complete checkpoints are there is a UsageError naming the last of them: starting over would prune them."""
+    path = os.path.join(root, LATEST)
+    try:
+        latest = read_json_object(path)
+    except UsageError:
+        latest = {}
+    if latest is not None and isinstance(latest.get("tag"), str) and latest["tag"]:
+        return latest["tag"]
+    complete = complete_tags(root)
+    if latest is None and not complete:
+        return None
+    pointer = f"no {LATEST} pointer" if latest is None else f"a damaged {LATEST} pointer"
+    held = f"checkpoints {', '.join(complete)}" if complete else "no complete checkpoint"
+    restore = f"{_resume_from(root, complete[-1])}" if complete else "restore it"
+    raise UsageError(f"--resume: {root} holds {held} and {pointer} (a save writes it last; removed or copied in "
+                     f"part?): {restore}, or start afresh without --resume (which removes them)")
+
+
+def _resume_from(root, tag):
+    return f"to resume from checkpoint {tag}, write {{\"tag\": \"{tag}\"}} into {os.path.join(root, LATEST)}"
+
+
+def _earlier(root, tag):
+    """", <how to resume from the last complete checkpoint before ``tag``>" ("" if there is none)."""
+    earlier = [t for t in complete_tags(root) if t < tag]
+    return f"; {_resume_from(root, earlier[-1])}" if earlier else ""
 
 
 def read_trainer_state(root, tag):
     """The ``state.json`` rank 0 saved with ``tag`` (None: there is none)."""
-    return read_json_object(os.path.join(trainer_folder(root, tag), "state.json"))
+    try:
+        return read_json_object(os.path.join(trainer_folder(root, tag), "state.json"))
+    except UsageError:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has a damaged {TRAINER}/{tag}/state.json (not a JSON "
+                         f"object; copied in part?): restore it{_earlier(root, tag)}; or start afresh without "
+                         f"--resume") from None
 
 
 def load_rank_state(root, tag, generator=None):
@@ -93,12 +123,12 @@ def check_complete(root, tag, parts):
     for part in (*parts, TRAINER):
         if not os.path.isdir(os.path.join(root, part, tag)):
             raise UsageError(f"--resume: {os.path.join(root, LATEST)} names checkpoint {tag}, but {root} has no "
-                             f"{part}/{tag} folder (removed or copied in part?); restore it, or start afresh "
-                             f"without --resume")
+                             f"{part}/{tag} folder (removed or copied in part?): restore it{_earlier(root, tag)}; "
+                             f"or start afresh without --resume")
     where = trainer_folder(root, tag)
     if not os.path.isfile(os.path.join(where, "state.json")):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no {TRAINER}/{tag}/state.json (removed or copied "
-                         f"in part?); restore it, or start afresh without --resume")
+                         f"in part?): restore it{_earlier(root, tag)}; or start afresh without --resume")
     saved_ranks = sum(1 for name in os.listdir(where) if name.startswith("rng_rank") and name.endswith(".pt"))
     if saved_ranks != get_world_size():
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
@@ -121,12 +151,9 @@ def reading(root, tag):
         raise
     except UNREADABLE as error:
         reason = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else "no message"
-        earlier = [t for t in complete_tags(root) if t < tag]
-        instead = (f", resume from the earlier checkpoint {earlier[-1]} (write {{\"tag\": \"{earlier[-1]}\"}} into "
-                   f"{os.path.join(root, LATEST)})" if earlier else "")
         raise UsageError(f"--resume: checkpoint {tag} in {root} cannot be loaded ({type(error).__name__}: {reason}); "
-                         f"a file of it is damaged or missing (copied in part?). Restore it{instead}, or start "
-                         f"afresh without --resume") from error
+                         f"a file of it is damaged or missing (copied in part?): restore it{_earlier(root, tag)}; or "
+                         f"start afresh without --resume") from error
 
 
 def check_same_flags(saved, now, restored, tag, root, step, why):
