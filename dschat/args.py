@@ -176,7 +176,8 @@ def add_deepspeed_args(parser):
     g.add_argument("--enable_tensorboard", action="store_true",
                    help="Write TensorBoard scalars (loss, learning rate, throughput, evaluation).")
     g.add_argument("--tensorboard_path", type=str, default=None,
-                   help="TensorBoard log folder (default: inside --output_dir).")
+                   help="TensorBoard log folder (default: %(default)s, in the working directory, as DeepSpeed-Chat's; "
+                        "train.py puts it inside its --output-dir).")
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
     return g
@@ -264,6 +265,16 @@ def step2_dpo_parser():
 def flag_dests(parser):
     """The attribute names a parser's flags set (``parser._actions``: argparse has no public list)."""
     return {action.dest for action in parser._actions}
+
+
+def step_settings(parser, args=None):
+    """A step's settings: parsed from a command line (a list; None: ``sys.argv``), or a dict or any object completed
+    with every default (``namespace_with_defaults``), as step 3 takes them; a complete namespace as it is."""
+    if args is None or isinstance(args, (list, tuple)):
+        return parser.parse_args(args)
+    if isinstance(args, argparse.Namespace) and flag_dests(parser) <= set(vars(args)):
+        return args
+    return namespace_with_defaults(parser, args)
 
 
 def namespace_with_defaults(parser, overrides=None):
@@ -569,14 +580,14 @@ def step3_parser():
                         "as DeepSpeed-Chat does. Default: each row shifted to start at column 0, so the forwards need "
                         "no mask (causal attention, same results on real tokens; masked kernels are slower, see "
                         "dschat/rlhf/layout.py); prompt masks with holes keep the mask anyway.")
-    g.add_argument("--kl_ctl", type=float, default=0.1, help="KL coefficient (initial value if adaptive).")
+    g.add_argument("--kl_ctl", type=non_negative_float, default=0.1, help="KL coefficient (initial value if adaptive).")
     g.add_argument("--kl_estimator", type=str, default=None, choices=["k1", "k2", "k3", "abs"],
                    help="Per-token KL estimator, of the reward penalty and of the KL loss term. Default (None): k3 for "
                         "the loss term of grpo/rloo, k1 everywhere else (DeepSpeed-Chat's reward penalty).")
     g.add_argument("--kl_in_reward", type=int, default=1, choices=[0, 1],
                    help="1: KL penalty in the per-token reward (DeepSpeed-Chat); 0: KL as a loss term. grpo/rloo "
                         "always take the loss term (their advantages ignore per-token rewards).")
-    g.add_argument("--kl_loss_coef", type=float, default=None,
+    g.add_argument("--kl_loss_coef", type=non_negative_float, default=None,
                    help="Weight of the KL loss term added to the actor loss: with grpo/rloo always (0: no KL term), "
                         "otherwise only with --kl_in_reward 0. Default (None): 0.001 for grpo/rloo (KL in the loss, "
                         "k3 unless --kl_estimator: the DeepSeekMath/OpenRLHF style, at verl's default weight), 0 "
@@ -625,7 +636,8 @@ def step3_parser():
     g.add_argument("--enable_tensorboard", action="store_true",
                    help="Write TensorBoard scalars (loss, learning rate, throughput, evaluation).")
     g.add_argument("--tensorboard_path", type=str, default="step3_tensorboard",
-                   help="TensorBoard log folder (default: inside --output_dir).")
+                   help="TensorBoard log folder (default: %(default)s, in the working directory, as DeepSpeed-Chat's; "
+                        "train.py puts it inside its --output-dir).")
     g.add_argument("--print_answers", action="store_true",
                    help="Print a prompt and its generated answer during training.")
     g.add_argument("--print_answers_interval", type=positive_int, default=1,

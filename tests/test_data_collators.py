@@ -213,6 +213,19 @@ def test_unsupervised_local_file_needs_a_text_field(tmp_path, tokenizer):
         get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
 
 
+def test_a_mistyped_or_empty_unsupervised_file_is_named_not_looked_up_on_the_hub(tmp_path, tokenizer, monkeypatch):
+    from dschat.data import unsupervised
+    from dschat.errors import MissingInputError
+
+    monkeypatch.setattr(unsupervised, "load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
+    with pytest.raises(MissingInputError, match=r"--unsupervised_dataset_name .*unsupp.txt: unsupervised data file "
+                                                r"not found"):
+        get_unsupervised_data(unsupervised_args(str(tmp_path / "unsupp.txt")), tokenizer)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DatasetFormatError, match=r"--unsupervised_dataset_name .*empty.txt: .*empty.txt is empty"):
+        get_unsupervised_data(unsupervised_args(str(tmp_path / "empty.txt")), tokenizer)
+
+
 def test_unsupervised_tiny_and_a_saved_folder(tmp_path, tokenizer):
     from datasets import Dataset, DatasetDict
 

@@ -187,10 +187,12 @@ def test_truncation_keeps_eot_in_phase_2_and_drops_it_in_phase_1(tmp_path, token
     by_record = {record_ids(sft, tokenizer)[i]: sft[i]["input_ids"] for i in range(len(sft))}
     assert len(by_record[0]) == 24 and by_record[0][-1].item() != tokenizer.eos_token_id  # cut answer: no eot
     assert len(by_record[1]) < 24 and by_record[1][-1].item() == tokenizer.eos_token_id
-    assert sft.skipped == {"answer empty after truncation": 1}  # record 2's prompt fills the sequence
+    room = "prompt leaves no room for an answer in --max_seq_len 24"
+    assert sft.skipped == {room: 1}  # record 2's prompt fills the sequence
+    assert f"skipped 1 of 3 records: 1 {room}; 1 kept with an answer cut at --max_seq_len" in capsys.readouterr().out
 
     pairs, _ = build(tmp_path, tokenizer, [spec], 2, data_split="0,1,0", max_seq_len=24)
-    assert pairs.skipped == {"chosen==rejected after truncation": 1, "answer empty after truncation": 1}
+    assert pairs.skipped == {"chosen==rejected after truncation": 1, room: 1}
     item = pairs[0]
     for side in ("chosen", "rejected"):
         assert item[f"{side}_input_ids"][-1].item() == tokenizer.eos_token_id

@@ -166,6 +166,26 @@ def test_reward_model_round_trip_keeps_scores(tmp_path, distributed):
         assert torch.allclose(loaded.end_scores(ids, torch.ones_like(ids)), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("damaged", ["model.safetensors", "value_head.safetensors"])
+def test_a_truncated_weights_file_is_an_error_naming_the_folder(damaged, tmp_path, distributed):
+    """It was safetensors' traceback ("Error while deserializing header"), naming no folder."""
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_causal_lm
+
+    model = RewardModel(AutoModel.from_config(CONFIGS["opt"]()))
+    save_reward_model(model, _Tok(), str(tmp_path / "rm"))
+    weights = tmp_path / "rm" / damaged
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    message = rf"{tmp_path / 'rm'}: its weights cannot be read \(SafetensorError: .*\); a weights file there is damaged"
+    with pytest.raises(UsageError, match=message):
+        load_reward_model(str(tmp_path / "rm"))
+    AutoModelForCausalLM.from_config(CONFIGS["opt"]()).save_pretrained(tmp_path / "lm")
+    weights = tmp_path / "lm" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(UsageError, match=rf"{tmp_path / 'lm'}: its weights cannot be read"):
+        load_causal_lm(str(tmp_path / "lm"), None)
+
+
 @pytest.mark.parametrize("family", [*sorted(CONFIGS), "gpt_neox"])
 def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_its_lm_head(family, tmp_path):
     """A step-1 folder has an LM head the backbone does not: left over by design, so transformers' "LOAD REPORT ...

@@ -314,7 +314,7 @@ def test_pad_answers_rounds_up_with_masked_columns():
 
 
 def test_logprobs_from_generation_needs_the_hybrid_engine(trained, tmp_path):
-    with pytest.raises(ValueError, match="needs --enable_hybrid_engine"):
+    with pytest.raises(ValueError, match="--logprobs_from_generation: read by the hybrid engine only, which is off"):
         _engine_and_trainer(trained, tmp_path, logprobs_from_generation=True)
 
 
@@ -1033,10 +1033,11 @@ def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distribu
 def test_a_notebooks_reward_function_may_be_the_function_itself(trained, tmp_path):
     """``args["reward_fn"]`` a Python function, as TRL's reward_funcs: it failed in the trainer, after every model
     had loaded, with "argument of type 'function' is not iterable"."""
-    seen = []
+    seen, prompts_seen = [], []
 
     def length_score(prompts, answers):
         seen.append(len(answers))
+        prompts_seen.append(prompts)
         return [float(len(a)) for a in answers]
 
     engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=True,
@@ -1048,6 +1049,16 @@ def test_a_notebooks_reward_function_may_be_the_function_itself(trained, tmp_pat
              for row, m in zip(out["input_ids"][:, out["prompts"].shape[1]:], out["action_mask"])]
     assert out["rewards"].tolist() == [float(len(t)) for t in texts]
     assert torch.isfinite(trainer.train_rlhf(out)[0])
+    # the function gets the same prompt text from a loader's batch, a (prompts, mask) pair and a tokenizer's output,
+    # special tokens (a chat template's markers) kept: the latter two dropped them
+    marked = [f"\n\nHuman: Say hi.{tokenizer.eos_token}\n\nAssistant:", "\n\nHuman: Go on.\n\nAssistant:"]
+    batch = _prompt_batch(tokenizer, marked)
+    tokenizer.padding_side = "left"
+    for given in (batch, (batch["prompt"], batch["prompt_att_mask"]), tokenizer(marked, padding=True,
+                                                                                return_tensors="pt")):
+        prompts_seen.clear()
+        trainer.generate_experience(*given) if isinstance(given, tuple) else trainer.generate_experience(given)
+        assert prompts_seen == [[text for text in marked for _ in range(2)]]
 
 
 def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):
@@ -1056,6 +1067,20 @@ def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):
     with pytest.raises(ValueError, match=r"--reward_fn 'score' failed \(ValueError: cannot score this, at "
                                          r"bad_reward.py:2\).*Human:"):
         ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--reward_fn", f"{bad}:score"))
+
+
+def test_the_notebook_api_checks_its_settings_before_any_model_loads(monkeypatch):
+    """``temperature=0`` from a notebook failed at the first generation, after every model had loaded (the command
+    line refuses it at once); a list of reward functions (TRL's reward_funcs) with "unhashable type: 'list'"."""
+    from dschat.errors import UsageError
+    from dschat.rlhf import engine
+
+    monkeypatch.setattr(engine, "setup_run", lambda *a, **k: pytest.fail("went on past the settings"))
+    for settings, message in (({"temperature": 0}, r"--temperature 0: sampling needs a temperature > 0"),
+                              ({"kl_ctl": -1}, r"kl_ctl: expected a number >= 0, got -1"),
+                              ({"reward_fn": [len, len]}, r"reward_fn is a list: give one function")):
+        with pytest.raises(UsageError, match=message):
+            engine.DeepSpeedRLHFEngine(args={"actor_model_name_or_path": "x", **settings})
 
 
 def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, monkeypatch):

@@ -86,8 +86,10 @@ def test_lora_trains_at_zero3_in_bf16_beside_trainable_base_parameters(tmp_path,
 
 
 def test_reward_model_trains_and_loads_back_in_one_call(tmp_path, distributed):
-    metrics = reward.main(["--output_dir", str(tmp_path / "rm"), "--data_output_path", str(tmp_path / "data"),
-                           "--max_steps", "8", *RM_FAST])
+    """From a notebook's dict of settings, as step 3 takes them (steps 1, 2 and DPO failed: 'dict' has no 'dtype')."""
+    settings = {flag.lstrip("-"): value for flag, value in zip(RM_FAST[::2], RM_FAST[1::2])}
+    metrics = reward.main({"output_dir": str(tmp_path / "rm"), "data_output_path": str(tmp_path / "data"),
+                           "max_steps": 8, **settings})
     assert set(metrics) >= {"accuracy", "chosen_mean_score", "rejected_mean_score"}
     assert 0.0 <= metrics["accuracy"] <= 1.0
     saved = json.loads((tmp_path / "rm" / "metrics.json").read_text())
@@ -107,6 +109,12 @@ def test_a_step_whose_split_leaves_it_no_data_stops_before_loading_anything(tmp_
         with pytest.raises(UsageError, match=message):
             sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
                       "--data_split", split, *SFT_FAST])
+    for main, phase in ((sft.main, 1), (reward.main, 2), (dpo.main, 2)):  # a notebook's dict: the same checks
+        with pytest.raises(UsageError, match=rf"--data_split 5,0,5 gives phase {phase} .*no share|"
+                                             rf"--data_split 0,5,5 gives phase {phase} .*no share"):
+            main({"output_dir": str(tmp_path / "out"), "data_split": "0,5,5" if phase == 1 else "5,0,5"})
+        with pytest.raises(UsageError, match=r"unknown setting\(s\) \['learning_rat'\]"):
+            main({"output_dir": str(tmp_path / "out"), "learning_rat": 1e-3})
     check_phase_share("0,5,5", 1, other_data=True)  # step 1 with --sft_only_data_path has data of its own
 
 

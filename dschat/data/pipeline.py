@@ -23,7 +23,8 @@ those it gets right after the prompt in a joint tokenization (see ``answer_ids_a
 
 Skipped records (never silent; counted per reason, printed on rank 0, kept in ``dataset.skipped``):
 ``prompt longer than N tokens`` (phase 3; phases 1-2 only when ``max_prompt_len`` is given),
-``answer empty after truncation`` (no answer token fits after the prompt), ``chosen==rejected``,
+``prompt leaves no room for an answer in --max_seq_len N`` (phases 1-2), ``answer empty after truncation``,
+``chosen==rejected``,
 ``chosen==rejected after truncation``, ``no rejected answer`` (SFT-only records in phase 2), adapter
 reasons such as ``tied preference scores``, and ``unreadable FIELD`` for malformed hub records. Malformed
 local records are errors instead (``DatasetFormatError``), raised when the file is loaded.
@@ -225,9 +226,9 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
         for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
             records = data if split is None else _phase_share(raw, data, split_name, split, settings,
                                                               output_path, seed, local_rank, reload)
-            table, skips = encode_records(raw, records, tokenizer, settings)
+            table, skips, cut = encode_records(raw, records, tokenizer, settings)
             parts[split_name].append(table)
-            report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips),
+            report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips), "cut": cut,
                            "of": len(data), "data_split": None if split is None else str(split)})
     save_cache(folder, blend(parts["train"], seed, settings.train_phase),
                blend(parts["eval"], seed, settings.train_phase), report)
@@ -276,7 +277,8 @@ def load_cached(folder, train_phase, built):
 # --- encoding ---
 
 def encode_records(raw, records, tokenizer, settings):
-    """(datasets.Dataset of the phase's rows, Counter of skip reasons) for the records of one source."""
+    """(datasets.Dataset of the phase's rows, Counter of skip reasons, how many rows max_seq_len cut an answer of)
+    for the records of one source."""
     from datasets import Dataset
 
     skips = Counter()
@@ -289,7 +291,8 @@ def encode_records(raw, records, tokenizer, settings):
         except SkipRecord as skip:
             skips[skip.reason] += 1
     features = phase_features(settings.train_phase)
-    return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips
+    cut = sum(1 for row in rows if row.get("cut") or row.get("chosen_truncated") or row.get("rejected_truncated"))
+    return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, cut
 
 
 def extract_examples(raw, records, train_phase, skips):
@@ -395,13 +398,22 @@ def _check_prompt_limit(prompt, settings):
         raise SkipRecord(f"prompt longer than {settings.prompt_limit} tokens")
 
 
+def _no_answer_room(settings):
+    return SkipRecord(f"prompt leaves no room for an answer in --max_seq_len {settings.max_seq_len}")
+
+
 def encode_sft(example, tokens, settings):
     prompt = tokens["prompt"]
     _check_prompt_limit(prompt, settings)
-    input_ids = (prompt + tokens["chosen"] + tokens["eot"])[:settings.max_seq_len]
+    if len(prompt) >= settings.max_seq_len:
+        raise _no_answer_room(settings)
+    full = prompt + tokens["chosen"] + tokens["eot"]
+    input_ids = full[:settings.max_seq_len]
     if len(input_ids) <= len(prompt):
         raise SkipRecord("answer empty after truncation")
-    return {"input_ids": input_ids, "label_start": 0 if settings.include_prompt_in_loss else len(prompt)}
+    # ("cut": counted for the report, not stored)
+    return {"input_ids": input_ids, "label_start": 0 if settings.include_prompt_in_loss else len(prompt),
+            "cut": len(full) > settings.max_seq_len}
 
 
 def encode_pair(example, tokens, settings):
@@ -409,7 +421,7 @@ def encode_pair(example, tokens, settings):
     _check_prompt_limit(prompt, settings)
     room = settings.max_seq_len - len(prompt) - len(eot)
     if room <= 0:
-        raise SkipRecord("answer empty after truncation")
+        raise _no_answer_room(settings)
     chosen = prompt + tokens["chosen"][:room] + eot
     rejected = prompt + tokens["rejected"][:room] + eot
     if chosen == rejected:
@@ -432,7 +444,8 @@ def encode_prompt(example, tokens, settings):
 def format_skip_line(entry):
     """ "SOURCE train: skipped 3 of 500 records: 2 chosen==rejected, 1 prompt longer than 256 tokens", and when the
     phase's share is not the whole source, how much of it: " (this phase's share by --data_split 2,4,4: 500 of the
-    source's 1250 records)" """
+    source's 1250 records)"; and how many kept records had an answer cut: "; 4 kept with an answer cut at
+    --max_seq_len" """
     skipped = sum(entry["skipped"].values())
     where = f"{entry['source']} {entry['split']}"
     share = ""
@@ -441,11 +454,12 @@ def format_skip_line(entry):
                  f"{entry['of']} records)")
     if not entry["total"]:
         return f"{where}: no records in this phase's share{share}"
+    cut = f"; {entry['cut']} kept with an answer cut at --max_seq_len" if entry.get("cut") else ""
     if not skipped:
-        return f"{where}: kept all {entry['total']} records{share}"
+        return f"{where}: kept all {entry['total']} records{share}{cut}"
     reasons = ", ".join(f"{count} {reason}" for reason, count in
                         sorted(entry["skipped"].items(), key=lambda item: (-item[1], item[0])))
-    return f"{where}: skipped {skipped} of {entry['total']} records{share}: {reasons}"
+    return f"{where}: skipped {skipped} of {entry['total']} records{share}: {reasons}{cut}"
 
 
 def _print_skip_report(local_rank, *datasets):

@@ -77,6 +77,8 @@ def load_unsupervised_train(name, config_name=None):
             load_hub_dataset(name, "--unsupervised_dataset_name", config_name, split="train")
         return train, "text" if "text" in train.column_names else train.column_names[0]
     builder, path = local
+    if os.path.getsize(path) == 0:  # (datasets' own error for it names neither file nor cause)
+        raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
     if builder == "json":
         check_jsonl_lines(path) if path.endswith(".jsonl") else check_json_document(path)
     try:
@@ -117,9 +119,11 @@ def _local_text_source(name):
     kind, sep, rest = name.partition(":")
     if sep and kind in LOCAL_TEXT_TYPES:
         if not os.path.isfile(rest):
-            raise MissingInputError(f"unsupervised data file not found: {rest}")
+            raise MissingInputError(f"--unsupervised_dataset_name {name}: unsupervised data file not found: {rest}")
         return LOCAL_TEXT_TYPES[kind], rest
     extension = os.path.splitext(name)[1].lstrip(".").lower()
-    if extension in LOCAL_TEXT_TYPES and os.path.isfile(name):
+    if extension in LOCAL_TEXT_TYPES:  # (no hub name ends so: a mistyped path is not looked up on the hub)
+        if not os.path.isfile(name):
+            raise MissingInputError(f"--unsupervised_dataset_name {name}: unsupervised data file not found")
         return LOCAL_TEXT_TYPES[extension], name
     return None

@@ -1,5 +1,7 @@
 """Loading tokenizers and HF causal LMs (hub names, local folders, or dschat's tiny presets)."""
+import contextlib
 import os
+import pickle
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -56,6 +58,21 @@ def hub_load(loader, name_or_path, **kwargs):
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise MissingInputError(f"{name_or_path}: no such folder here, and loading it as a Hugging Face hub name "
                                 f"failed ({reason}); check the path, or the hub name and the network") from err
+
+
+@contextlib.contextmanager
+def readable_weights(folder):
+    """Loading a model's weights from ``folder``: a file of them that is truncated or damaged (a copy cut short, a
+    full disk) is one UsageError naming the folder, instead of safetensors' or torch's traceback that names none."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, EOFError, pickle.UnpicklingError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+        raise UsageError(f"{folder}: its weights cannot be read ({type(error).__name__}: {reason}); a weights file "
+                         f"there is damaged or was copied in part: restore the folder, or save the model again") \
+            from error
 
 
 def check_model_path(name_or_path, flag):
@@ -165,7 +182,8 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     if rlhf_training:
         model = model_class.from_config(config, dtype=torch_dtype)
     else:
-        model = model_class.from_pretrained(path, config=config, dtype=torch_dtype)
+        with readable_weights(path):
+            model = model_class.from_pretrained(path, config=config, dtype=torch_dtype)
     sync_special_tokens(model, tokenizer)
     return model
 

@@ -91,13 +91,13 @@ class RewardModel(nn.Module):
                         ds_config=None, rlhf_training=False):
         """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made)."""
         from dschat.models.loading import (configure_dropout, grow_embeddings_for, load_dtype, model_load_context,
-                                           resolve_model_path)
+                                           readable_weights, resolve_model_path)
 
         path = resolve_model_path(path)
         config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
         keep_alive = model_load_context(ds_config)  # noqa: F841
         torch_dtype = load_dtype(dtype, ds_config)
-        with backbone_ignoring_lm_head(config):
+        with readable_weights(path), backbone_ignoring_lm_head(config):
             backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
         model = cls(backbone, compute_fp32_loss=compute_fp32_loss)
         head_file = os.path.join(path, VALUE_HEAD_FILE)
@@ -105,7 +105,8 @@ class RewardModel(nn.Module):
         if model.value_head_loaded:
             from safetensors.torch import load_file
 
-            model.v_head.load_state_dict({"weight": load_file(head_file)["weight"]})
+            with readable_weights(path):
+                model.v_head.load_state_dict({"weight": load_file(head_file)["weight"]})
         model.v_head.to(backbone.dtype)
         if tokenizer is not None:
             grow_embeddings_for(backbone, tokenizer)

@@ -147,20 +147,27 @@ def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=Tr
                          f"{config.model_type!r}) over {tp} ranks: {error}") from None
 
 
+def check_settings(args):
+    """The checks that read nothing but step 3's settings: run by the entry points and by ``DeepSpeedRLHFEngine``
+    and ``DeepSpeedPPOTrainer`` (a notebook's settings, e.g. ``temperature=0``, fail there, not at the first
+    generation)."""
+    if not args.greedy:  # greedy reads neither temperature nor top_p
+        check_sampling_flags(args.temperature, args.top_p)
+    check_hybrid_engine_flags(args)
+    check_advantage_estimator(args)
+    if args.reward_fn:
+        load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load
+    check_reward_sources(args)
+    check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
+    check_align_overflow(args)
+
+
 def check_step3_settings(args, world_size, actor_architecture=None):
     """The reward sources checked, and the actor's and critic's training configs built once, quietly, so that a
     config file that contradicts the flags fails before any data or model is loaded. ``actor_architecture``: where
     the actor's config is read for the checks that need it, when not from --actor_model_name_or_path (train.py,
     before step 1 writes that folder: the model step 1 starts from, whose architecture it keeps)."""
-    if not args.greedy:  # greedy reads neither temperature nor top_p
-        check_sampling_flags(args.temperature, args.top_p)
-    check_hybrid_engine_flags(args)
-    check_advantage_estimator(args)
-    check_reward_sources(args)
-    if args.reward_fn:
-        load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load
-    check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
-    check_align_overflow(args)
+    check_settings(args)
     check_phase_share(args.data_split, 3)
     check_data_paths(args.data_path)
     actor = step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
@@ -211,8 +218,7 @@ class DeepSpeedRLHFEngine:
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
                  num_total_iters=None, reward_model_name_or_path=None):
         self.args = args = step3_args(args)
-        check_align_overflow(args)  # before any model loads (the trainer, built after, asks again)
-        check_advantage_estimator(args)
+        check_settings(args)  # before any model loads
         setup_run(args)
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path
         self.critic_path = critic_model_name_or_path or args.critic_model_name_or_path

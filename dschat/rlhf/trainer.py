@@ -18,6 +18,7 @@ from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.layout import LeftAligned, head_reads, position_limit
 from dschat.rlhf.config import step3_args
+from dschat.rlhf.engine import check_settings
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
 from dschat.utils.dist import all_reduce, get_world_size
 from dschat.utils.optim import optimizer_step
@@ -103,6 +104,20 @@ def sampling_kwargs(args, hf_generate=False):
             "top_p": args.top_p}
 
 
+def prompt_texts(tokenizer, prompts, mask):
+    """Left-padded prompt ids as the text a loader batch's ``prompt_text`` holds, so that a reward function gets the
+    same prompts whichever way they came: each row's real tokens with their special tokens (a chat template's
+    markers), less those the tokenizer puts before any text (BOS), which ``prompt_text`` has not."""
+    from dschat.data.pipeline import leading_special_ids
+
+    lead = leading_special_ids(tokenizer)
+    texts = []
+    for row, keep in zip(prompts.tolist(), mask.bool().tolist()):
+        ids = [token for token, real in zip(row, keep) if real]
+        texts.append(tokenizer.decode(ids[len(lead):] if lead and ids[:len(lead)] == lead else ids))
+    return texts
+
+
 class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
 
@@ -111,6 +126,7 @@ class DeepSpeedPPOTrainer:
         if self.rlhf_engine is None:
             raise TypeError("DeepSpeedPPOTrainer needs the DeepSpeedRLHFEngine (rlhf_engine= or engine=)")
         self.args = args = step3_args(args if args is not None else self.rlhf_engine.args)
+        check_settings(args)  # (settings of its own: checked as the engine's were)
         e = self.rlhf_engine
         self.actor_model, self.ref_model, self.critic_model, self.reward_model = e.actor, e.ref, e.critic, e.reward
         self.actor_ema = e.actor_ema
@@ -124,9 +140,6 @@ class DeepSpeedPPOTrainer:
                                                                           args.cliprange_value)
         self.gamma, self.lam = args.gamma, args.lam
         self.hybrid = args.enable_hybrid_engine
-        if args.logprobs_from_generation and not self.hybrid:
-            raise UsageError("--logprobs_from_generation takes the log-probs from the hybrid engine's decode step: "
-                             "it needs --enable_hybrid_engine")
         self.z3_enabled = args.actor_zero_stage == 3
         self.align_overflow = check_align_overflow(args)
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
@@ -236,9 +249,7 @@ class DeepSpeedPPOTrainer:
         if self.reward_fn is not None:
             from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
 
-            prompt_len = batch["prompt"].shape[1]
-            prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(seq[:, :prompt_len],
-                                                                               skip_special_tokens=True)
+            prompts = batch.get("prompt_text") or prompt_texts(self.tokenizer, batch["prompt"], batch["prompt_att_mask"])
             texts = [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip()
                      for row, m in zip(answers, action_mask)]
             fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))

@@ -7,7 +7,7 @@ step 1's, so it is loaded, chatted with and evaluated the same way.
 """
 import torch
 
-from dschat.args import step2_dpo_parser
+from dschat.args import step2_dpo_parser, step_settings
 from dschat.data.collators import first_answer_position
 from dschat.data.samplers import eval_weights
 from dschat.errors import UsageError
@@ -134,6 +134,5 @@ class DPOStep:
 
 def main(args=None):
     """Train the policy with DPO; returns the final held-out metrics (see ``DPOStep.evaluate``)."""
-    if args is None or isinstance(args, (list, tuple)):
-        args = step2_dpo_parser().parse_args(args)
+    args = step_settings(step2_dpo_parser(), args)  # (a notebook's dict too)
     return run_supervised_step(args, DPOStep(args).recipe())

@@ -54,7 +54,11 @@ def unsupervised_loader(args, tokenizer):
     loader, _ = build_dataloaders(data, data, DataCollatorSFT(tokenizer.pad_token_id),
                                   args.per_device_generation_batch_size, 1, args.seed, drop_last=True)
     if len(loader) == 0:  # cycle() would never yield
-        raise UsageError("the unsupervised data has fewer blocks than one generation batch per rank")
+        block = args.max_prompt_seq_len + args.max_answer_seq_len
+        raise UsageError(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: its text makes {len(data)} "
+                         f"block(s) of {block} tokens (--max_prompt_seq_len + --max_answer_seq_len), fewer than one "
+                         f"generation batch per rank (--per_device_generation_batch_size "
+                         f"{args.per_device_generation_batch_size}): give more text")
     return loader
 
 

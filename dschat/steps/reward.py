@@ -1,7 +1,7 @@
 """Step 2: reward-model training with the pairwise loss on chosen/rejected answers."""
 import torch
 
-from dschat.args import step2_parser
+from dschat.args import step2_parser, step_settings
 from dschat.data.samplers import eval_weights
 from dschat.models.checkpoint import save_reward_model
 from dschat.models.lora import apply_lora
@@ -61,6 +61,5 @@ REWARD = StepRecipe(name="step2", phase=2, build_model=build_reward_model, colla
 
 def main(args=None):
     """Train a reward model; returns the final metrics (accuracy and mean chosen/rejected scores)."""
-    if args is None or isinstance(args, (list, tuple)):
-        args = step2_parser().parse_args(args)
+    args = step_settings(step2_parser(), args)  # (a notebook's dict too)
     return run_supervised_step(args, REWARD)

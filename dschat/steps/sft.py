@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from dschat.args import step1_parser
+from dschat.args import step1_parser, step_settings
 from dschat.data.samplers import eval_weights
 from dschat.models.checkpoint import save_causal_lm
 from dschat.models.loading import load_causal_lm
@@ -60,6 +60,5 @@ SFT = StepRecipe(name="step1", phase=1, build_model=build_sft_model, collator=sf
 
 def main(args=None):
     """Train an SFT model; returns the final metrics (eval loss and perplexity)."""
-    if args is None or isinstance(args, (list, tuple)):
-        args = step1_parser().parse_args(args)
+    args = step_settings(step1_parser(), args)  # (a notebook's dict too)
     return run_supervised_step(args, SFT)
