@@ -782,7 +782,7 @@ def test_resume_with_a_checkpoint_folder_missing_names_the_folder(tmp_path, part
         load_checkpoint(trainer, str(tmp_path))
 
 
-def test_resume_from_an_unreadable_checkpoint_file_names_the_checkpoint(tmp_path):
+def test_resume_from_an_unreadable_checkpoint_file_names_the_checkpoint(tmp_path, monkeypatch):
     """Step 3's loads (the engines', the EMA copy's, the RNG states') failing on a damaged file: one UsageError naming
     the checkpoint, with no earlier one to offer here, instead of torch's or DeepSpeed's traceback."""
     from types import SimpleNamespace
@@ -802,6 +802,14 @@ def test_resume_from_an_unreadable_checkpoint_file_names_the_checkpoint(tmp_path
                                          r"directory\); a file of it is damaged or missing .*: restore it; or start "
                                          r"afresh without --resume"):
         load_checkpoint(trainer, str(tmp_path))
+    # another rank failing to load (its own error names its file): this rank's collective error is not blamed on the
+    # checkpoint
+    from dschat.utils import checkpoints, dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        with checkpoints.reading(str(tmp_path), "iter_0000002"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:35202")
 
 
 def _flags_trainer(tmp_path, *given):

@@ -287,9 +287,27 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     assert exit_.value.code == 2 and "error: DeepSpeed config" in capsys.readouterr().err
     with pytest.raises(ValueError, match="a bug"):  # not a usage error: the traceback stays
         run_entry_point(lambda: (_ for _ in ()).throw(ValueError("a bug")))
+    # a rank whose collective failed because another rank stopped: one line (it was a ~35-line gloo traceback)
+    from dschat.utils import dist
+
+    def peer_stopped():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:35202. This is "
+                           "typically caused by a remote worker crashing.")
+
+    with pytest.raises(RuntimeError, match="Connection closed"):  # one rank alone: not another rank's failure
+        run_entry_point(peer_stopped)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with pytest.raises(SystemExit) as exit_:
+        run_entry_point(peer_stopped)
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == "error: rank 0 stopped: another rank failed (its error is above)\n"
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_entry_point(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
     monkeypatch.setenv("DSCHAT_TRACEBACK", "1")
     with pytest.raises(UsageError):
         run_entry_point(bad_flag)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        run_entry_point(peer_stopped)
 
 
 class _Collated(Exception):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dschat.errors import UsageError
-from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
+from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, peer_failure, print_rank_0
 from dschat.utils.files import read_json_object, write_json_atomic
 
 LATEST = "latest"
@@ -150,6 +150,8 @@ def reading(root, tag):
     except UsageError:
         raise
     except UNREADABLE as error:
+        if peer_failure(error):  # another rank failed to load: its error names the file
+            raise
         reason = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else "no message"
         raise UsageError(f"--resume: checkpoint {tag} in {root} cannot be loaded ({type(error).__name__}: {reason}); "
                          f"a file of it is damaged or missing (copied in part?): restore it{_earlier(root, tag)}; or "

@@ -1,6 +1,7 @@
 """Entry points: a usage error (a flag, file or record of the user's, already named in the message) ends the run
-with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code;
-DSCHAT_TRACEBACK=1 shows the traceback."""
+with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a rank whose
+collective failed because another rank stopped says so in one line (exit status 1); DSCHAT_TRACEBACK=1 shows the
+tracebacks."""
 import os
 import sys
 
@@ -8,13 +9,22 @@ import sys
 def run_entry_point(main):
     from dschat.errors import UsageError
 
+    from dschat.utils.dist import get_rank, peer_failure
+
+    traceback = os.environ.get("DSCHAT_TRACEBACK", "0") not in ("", "0")
     try:
         result = main()
     except UsageError as error:
-        if os.environ.get("DSCHAT_TRACEBACK", "0") not in ("", "0"):
+        if traceback:
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except RuntimeError as error:  # another rank stopped: its error says why, this rank's traceback would bury it
+        if traceback or not peer_failure(error):
+            raise
+        print(f"error: rank {get_rank()} stopped: another rank failed (its error is above)", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
     _end_distributed()
     return result
 

@@ -142,3 +142,14 @@ def rank_mean(value, device):
     """The mean of a per-rank number over all ranks (collective)."""
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     return all_reduce(t).item() / get_world_size()
+
+
+# What a collective raises on a rank whose peer stopped (its own error printed by that rank): gloo's and NCCL's words.
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+                        "NCCL communicator was aborted", "ProcessGroupNCCL")
+
+
+def peer_failure(error):
+    """Whether ``error`` is a collective failing because another rank stopped (not this rank's own failure)."""
+    return (isinstance(error, RuntimeError) and get_world_size() > 1
+            and any(marker in str(error) for marker in PEER_FAILURE_MARKERS))
