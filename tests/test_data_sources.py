@@ -261,6 +261,9 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     with pytest.raises(DatasetFormatError, match=rf"{path} line 4: invalid JSON \(Expecting value at column 27\)"):
         raw(str(path), tmp_path)
     assert issubclass(DatasetFormatError, ValueError)
+    path.write_text('{"prompt": "x\n')  # json's message ends in "at": said once
+    with pytest.raises(DatasetFormatError, match=rf"line 1: invalid JSON \(Unterminated string starting at column 12\)"):
+        raw(str(path), tmp_path)
 
 
 def test_a_file_that_is_not_utf8_names_file_and_line(tmp_path):

@@ -2,6 +2,7 @@
 import json
 import os
 import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from dschat.data.formatting import format_answer, format_prompt
 from dschat.models.checkpoint import save_reward_model
 from dschat.models.loading import load_tokenizer
 from dschat.models.reward_model import load_reward_model
+from dschat.steps.common import RUN_ARGS_FILE
 from dschat.tiny.presets import create_tiny_model
 from dschat.tiny.scorer import rule_score
 from dschat.tools import ppo_eval, prompt_eval, rw_eval
@@ -442,6 +444,13 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
     assert again["skipped"] == {"chosen==rejected": 2, "prompt too long": 1} and len(again["pairs"]) == 2
     assert again["accuracy"] == result["accuracy"]
     assert "skipped as in step 2: 2 chosen==rejected, 1 prompt too long" in capsys.readouterr().out
+    # not given: the --max_seq_len step 2 trained with (its training_args.json), not 512
+    trained = tmp_path / "step2_rm"
+    shutil.copytree(models["rm"], trained)
+    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "flags": {"max_seq_len": 64}}))
+    recorded = rw_eval.main(["--model_name_or_path", str(trained), "--pairs_file", str(pairs_file)])
+    assert recorded["skipped"] == again["skipped"] and recorded["pairs"] == again["pairs"]
+    assert f"[rw_eval] --max_seq_len 64: step 2's ({trained / RUN_ARGS_FILE}" in capsys.readouterr().out
 
 
 def test_rw_eval_counts_records_without_a_rejected_answer_and_checks_its_flags(models, tmp_path, capsys):

@@ -203,6 +203,11 @@ def text_encoding(path):
         return "utf-8-sig" if f.read(3) == b"\xef\xbb\xbf" else "utf-8"
 
 
+def _json_reason(err):
+    """json's message and column: "Unterminated string starting at column 7" (its message may end in "at")."""
+    return f"{err.msg.removesuffix(' at')} at column {err.colno}"
+
+
 def check_jsonl_lines(path):
     """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line.
 
@@ -217,8 +222,8 @@ def check_jsonl_lines(path):
                 try:
                     record = json.loads(line.rstrip("\r\n"))  # a record cut short is at its line's end, not the next
                 except json.JSONDecodeError as err:
-                    raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({err.msg} at column "
-                                             f"{err.colno})") from None
+                    raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)})") \
+                        from None
                 if not isinstance(record, dict):
                     raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
                                              f"{type(record).__name__}")
@@ -254,7 +259,7 @@ def check_json_document(path):
     except json.JSONDecodeError as err:
         if _is_json_lines(text):
             return check_jsonl_lines(path)
-        raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+        raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({_json_reason(err)})") from None
     if not isinstance(document, list):
         raise DatasetFormatError(f"{path}: expected a JSON array of records, got a {type(document).__name__}")
     if not document:

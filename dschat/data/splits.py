@@ -18,11 +18,11 @@ def parse_data_split(data_split, num_parts=3):
     try:
         weights = [float(part) for part in str(data_split).split(",")]
     except ValueError:
-        raise UsageError(f"data_split {data_split!r} must be comma-separated numbers such as '2,4,4'") from None
+        raise UsageError(f"--data_split {data_split!r} must be comma-separated numbers such as '2,4,4'") from None
     if num_parts is not None and len(weights) != num_parts:
-        raise UsageError(f"data_split {data_split!r} must have {num_parts} parts (one per phase), e.g. '2,4,4'")
+        raise UsageError(f"--data_split {data_split!r} must have {num_parts} parts (one per phase), e.g. '2,4,4'")
     if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-        raise UsageError(f"data_split {data_split!r} needs finite, non-negative weights with a positive sum")
+        raise UsageError(f"--data_split {data_split!r} needs finite, non-negative weights with a positive sum")
     total = sum(weights)
     return [w / total for w in weights]
 

@@ -4,6 +4,7 @@ Each answer is scored on exactly the tokens step 2 trained on and step 3 rewards
 then the ``format_answer`` ids (cut to ``--max_seq_len``), then the eot token, read at its last token.
 """
 import argparse
+import os
 from collections import Counter
 
 import torch
@@ -121,13 +122,32 @@ def build_parser():
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
     parser.add_argument("--num_pairs", type=non_negative_int, default=64, help="At most this many pairs (0: all).")
-    parser.add_argument("--max_seq_len", type=positive_int, default=512, help="As in step 2: answers are cut to fit.")
+    parser.add_argument("--max_seq_len", type=positive_int, default=None,
+                        help="As in step 2: answers are cut to fit (default: the step-2 run's, from the model "
+                             "folder's training_args.json, else 512).")
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--num_padding_at_beginning", type=int, default=1,
                         help="Accepted for DeepSpeed-Chat compatibility (its rw_eval.py flag); the score is read at "
                              "the last real token found from the attention mask, so it has no effect.")
     add_loading_args(parser)
     return parser
+
+
+def take_step2_settings(args, path):
+    """--max_seq_len (not given) and --add_eot_token as the step-2 run that wrote ``path`` trained with (its
+    training_args.json), so that pairs are cut and ended as in training, and said; without a record, 512."""
+    from dschat.steps.common import RUN_ARGS_FILE, read_run_args
+
+    trained = (read_run_args(path, "step2") or {}).get("flags", {})
+    taken = []
+    if args.max_seq_len is None:
+        args.max_seq_len = trained.get("max_seq_len") or 512
+        taken += [f"--max_seq_len {args.max_seq_len}"] if trained.get("max_seq_len") else []
+    if not args.add_eot_token and trained.get("add_eot_token"):
+        args.add_eot_token = True
+        taken.append("--add_eot_token")
+    if taken:
+        print(f"[rw_eval] {' '.join(taken)}: step 2's ({os.path.join(path, RUN_ARGS_FILE)}; flags given here win)")
 
 
 def main(argv=None):
@@ -148,6 +168,7 @@ def main(argv=None):
         else tiny_held_out_records(args.num_pairs or None))
     if records is not None and not any(r.chosen is not None and r.rejected is not None for r in records):
         parser.error("no records with both a chosen and a rejected answer")
+    take_step2_settings(args, path)
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
     model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
     check_sequence_fits(model, args.max_seq_len, "--max_seq_len")  # as step 2 checks it: not an IndexError later
