@@ -118,6 +118,20 @@ def test_a_step_whose_split_leaves_it_no_data_stops_before_loading_anything(tmp_
     check_phase_share("0,5,5", 1, other_data=True)  # step 1 with --sft_only_data_path has data of its own
 
 
+def test_a_step_whose_records_are_all_skipped_says_why(tmp_path, distributed):
+    """The skip counts are in the error: rank 0 alone printed them, at times after another rank's error."""
+    from dschat.errors import UsageError
+
+    rows = [{"prompt": "Tell me a long story " + "please " * 30, "chosen": "No.", "rejected": "Yes."}] * 4
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UsageError, match=r"step1: no training records: --data_path .*long.jsonl with --data_split "
+                                         r"10,0,0: all 4 records of its share were skipped: 4 prompt leaves no room "
+                                         r"for an answer in --max_seq_len 16"):
+        sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                  "--data_path", str(data), "--data_split", "10,0,0", *SFT_FAST, "--max_seq_len", "16"])
+
+
 def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_path, capsys, distributed,
                                                                           monkeypatch):
     import runpy

@@ -426,12 +426,16 @@ class StepRecipe:
 
 
 def require_training_records(dataset, args, step):
-    """A step left with no training records stops here, saying which data and split, rather than in torch's sampler."""
+    """A step left with no training records stops here, saying which data and split and why (the skip counts, which
+    rank 0 alone printed, maybe after another rank's error), rather than in torch's sampler."""
     if len(dataset) == 0:
         paths = [args.data_path] if isinstance(args.data_path, str) else args.data_path
+        skipped = getattr(dataset, "skipped", None)
+        why = (f"all {sum(skipped.values())} records of its share were skipped: "
+               + ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items(), key=lambda i: -i[1]))
+               if skipped else "leaves this step none")
         raise UsageError(f"{step}: no training records: --data_path {' '.join(paths)} with --data_split "
-                         f"{args.data_split} leaves this step none (or every record was skipped: see the messages "
-                         f"above)")
+                         f"{args.data_split}: {why}")
 
 
 def load_step_data(args, tokenizer, phase):
