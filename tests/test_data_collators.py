@@ -214,6 +214,8 @@ def test_unsupervised_local_file_needs_a_text_field(tmp_path, tokenizer):
 
 
 def test_a_mistyped_or_empty_unsupervised_file_is_named_not_looked_up_on_the_hub(tmp_path, tokenizer, monkeypatch):
+    from datasets import Dataset
+
     from dschat.data import unsupervised
     from dschat.errors import MissingInputError
 
@@ -224,6 +226,8 @@ def test_a_mistyped_or_empty_unsupervised_file_is_named_not_looked_up_on_the_hub
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(DatasetFormatError, match=r"--unsupervised_dataset_name .*empty.txt: .*empty.txt is empty"):
         get_unsupervised_data(unsupervised_args(str(tmp_path / "empty.txt")), tokenizer)
+    Dataset.from_dict({"text": ["a saved folder named like a file"] * 4}).save_to_disk(str(tmp_path / "corpus.json"))
+    assert len(get_unsupervised_data(unsupervised_args(str(tmp_path / "corpus.json")), tokenizer)) >= 1
 
 
 def test_unsupervised_tiny_and_a_saved_folder(tmp_path, tokenizer):

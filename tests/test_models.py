@@ -179,10 +179,19 @@ def test_a_truncated_weights_file_is_an_error_naming_the_folder(damaged, tmp_pat
     message = rf"{tmp_path / 'rm'}: its weights cannot be read \(SafetensorError: .*\); a weights file there is damaged"
     with pytest.raises(UsageError, match=message):
         load_reward_model(str(tmp_path / "rm"))
-    AutoModelForCausalLM.from_config(CONFIGS["opt"]()).save_pretrained(tmp_path / "lm")
+    if damaged != "model.safetensors":
+        return
+    model = AutoModelForCausalLM.from_config(CONFIGS["opt"]())
+    model.save_pretrained(tmp_path / "lm")
     weights = tmp_path / "lm" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(UsageError, match=rf"{tmp_path / 'lm'}: its weights cannot be read"):
+        load_causal_lm(str(tmp_path / "lm"), None)
+    weights.unlink()  # DeepSpeed-Chat's format, torch's zip file, cut short
+    weights = tmp_path / "lm" / "pytorch_model.bin"
+    torch.save(model.state_dict(), weights)
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(UsageError, match=rf"{tmp_path / 'lm'}: its weights cannot be read \((OSError|RuntimeError)"):
         load_causal_lm(str(tmp_path / "lm"), None)
 
 

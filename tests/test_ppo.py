@@ -1089,6 +1089,66 @@ def test_the_notebook_api_checks_its_settings_before_any_model_loads(monkeypatch
                               ({"reward_fn": [len, len]}, r"reward_fn is a list: give one function")):
         with pytest.raises(UsageError, match=message):
             engine.DeepSpeedRLHFEngine(args={"actor_model_name_or_path": "x", **settings})
+    from types import SimpleNamespace
+
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    with pytest.raises(UsageError, match=r"--temperature 0: sampling needs"):  # the trainer's settings of its own
+        DeepSpeedPPOTrainer(engine=SimpleNamespace(), args={"temperature": 0})
+
+
+@pytest.mark.parametrize("template", [None, "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
+                                                "{{ m['content'] }}\n{% endfor %}<|assistant|>"], ids=["plain", "chat"])
+def test_prompt_texts_from_ids_are_the_loaders_prompt_text(template):
+    """What the reward function gets from a (prompts, mask) pair equals the loader's prompt_text: the BOS the tokenizer
+    adds is not in it, the one a chat template writes is, and the template's markers are kept."""
+    from tokenizers.processors import TemplateProcessing
+
+    from dschat.data import DataCollatorRLHF
+    from dschat.data.formatting import format_prompt, uses_chat_template
+    from dschat.data.pipeline import tokenize_texts
+    from dschat.rlhf.trainer import prompt_texts
+    from dschat.tiny import load_tiny_tokenizer
+
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                             special_tokens=[("<s>", bos)])
+    tokenizer.chat_template = template
+    texts = [format_prompt([{"role": "user", "content": content}], tokenizer)
+             for content in (f"Say hi.{tokenizer.eos_token}", "Go on.")]
+    ids = tokenize_texts(tokenizer, texts, add_special_tokens=not uses_chat_template(tokenizer))
+    assert all(row[0] == bos for row in ids)
+    batch = DataCollatorRLHF(40, tokenizer.pad_token_id)([{"prompt_input_ids": torch.tensor(row), "prompt_text": text}
+                                                          for row, text in zip(ids, texts)])
+    assert prompt_texts(tokenizer, batch["prompt"], batch["prompt_att_mask"]) == texts
+
+
+def test_reward_function_columns_named_as_its_arguments_and_a_file_run_once(tmp_path):
+    """A column named as the function's positional parameter collided with it ("got multiple values for argument
+    'answers'"); a reward file was run once for each check and load (four times a step-3 run)."""
+    import os
+
+    from dschat.rlhf.reward_fn import call_reward_fn, load_reward_fn
+
+    def trl_style(prompts, completions, **columns):
+        return [float(len(c) + len(ref) + len(other)) for c, ref, other in
+                zip(completions, columns["extra_completions"], columns["answers"])]
+
+    extras = {"completions": ["x", "yyy"], "answers": ["u", "vv"]}
+    assert call_reward_fn(trl_style, ["p1", "p2"], ["a", "bb"], extras) == [3.0, 7.0]
+    assert call_reward_fn(lambda prompts, answers, extra_answers: [len(x) for x in extra_answers], ["p1", "p2"],
+                          ["a", "bb"], extras) == [1.0, 2.0]
+    log = tmp_path / "runs.log"
+    source = tmp_path / "my_rewards.py"
+    source.write_text(f"open({str(log)!r}, 'a').write('run\\n')\ndef score(p, a):\n    return [0.0] * len(a)\n")
+    for _ in range(3):
+        load_reward_fn(f"{source}:score")
+    assert log.read_text() == "run\n"
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))  # edited: run again
+    load_reward_fn(f"{source}:score")
+    assert log.read_text() == "run\nrun\n"
 
 
 def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, monkeypatch):

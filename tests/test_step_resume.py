@@ -1,6 +1,7 @@
 """Checkpoints and --resume of steps 1, 2 and DPO (``dschat.steps.resume``): a resumed run ends with the weights and
 losses of the uninterrupted one, on one rank and on two with ZeRO-3."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,15 @@ def test_a_missing_or_damaged_latest_pointer_is_an_error_and_keeps_the_checkpoin
     capsys.readouterr()
     assert reward.main([*common, "--resume"])["steps"] == 3
     assert "resumed from step 2 " in capsys.readouterr().out
+    # one checkpoint and no pointer: a first save killed before it published; said, and the run starts over (a
+    # requeued job must not stop there)
+    (root / "latest").unlink()
+    for part in ("model", "trainer"):
+        shutil.rmtree(root / part / "step_0000002")
+    assert reward.main([*common, "--resume"])["steps"] == 3
+    out = capsys.readouterr().out
+    assert "holds checkpoint step_0000003 but no latest pointer: its save did not finish" in out
+    assert "--resume: no complete checkpoint in" in out
 
 
 def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp_path):

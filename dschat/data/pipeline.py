@@ -99,9 +99,8 @@ class PromptDataset(Dataset):
     ``skipped`` (reason -> count), ``skip_report`` (per source), ``cache_path`` and ``built`` (whether this
     process built the cache) describe how it was made.
     """
-    # phase-3 item and batch keys that extra columns must not overwrite, and the reward function's positional
-    # arguments, which a keyword of that name would collide with (such extras get an "extra_" prefix)
-    RESERVED_KEYS = ("prompt_input_ids", "prompt_text", "messages", "prompt", "prompt_att_mask", "prompts", "answers")
+    # phase-3 item and batch keys that extra columns must not overwrite (such extras get an "extra_" prefix)
+    RESERVED_KEYS = ("prompt_input_ids", "prompt_text", "messages", "prompt", "prompt_att_mask")
 
     def __init__(self, data, train_phase, skip_report=(), cache_path=None, built=False):
         super().__init__()

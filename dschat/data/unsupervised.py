@@ -122,7 +122,8 @@ def _local_text_source(name):
             raise MissingInputError(f"--unsupervised_dataset_name {name}: unsupervised data file not found: {rest}")
         return LOCAL_TEXT_TYPES[kind], rest
     extension = os.path.splitext(name)[1].lstrip(".").lower()
-    if extension in LOCAL_TEXT_TYPES:  # (no hub name ends so: a mistyped path is not looked up on the hub)
+    # (no hub name ends so: a mistyped file is not looked up on the hub; a save_to_disk folder's name may)
+    if extension in LOCAL_TEXT_TYPES and not os.path.isdir(name):
         if not os.path.isfile(name):
             raise MissingInputError(f"--unsupervised_dataset_name {name}: unsupervised data file not found")
         return LOCAL_TEXT_TYPES[extension], name

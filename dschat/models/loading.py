@@ -1,7 +1,6 @@
 """Loading tokenizers and HF causal LMs (hub names, local folders, or dschat's tiny presets)."""
 import contextlib
 import os
-import pickle
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -66,13 +65,18 @@ def readable_weights(folder):
     full disk) is one UsageError naming the folder, instead of safetensors' or torch's traceback that names none."""
     from safetensors import SafetensorError
 
+    from dschat.utils.files import unreadable_file_reason
+
     try:
         yield
-    except (SafetensorError, EOFError, pickle.UnpicklingError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
-        raise UsageError(f"{folder}: its weights cannot be read ({type(error).__name__}: {reason}); a weights file "
-                         f"there is damaged or was copied in part: restore the folder, or save the model again") \
-            from error
+    except Exception as error:
+        # (an OSError of a local folder's file too: torch's reader of a cut .bin; a hub name's is hub_load's)
+        reason = unreadable_file_reason(error, (SafetensorError, OSError) if os.path.isdir(folder) else
+                                        (SafetensorError,))
+        if reason is None:
+            raise
+        raise UsageError(f"{folder}: its weights cannot be read ({reason}); a weights file there is damaged or was "
+                         f"copied in part: restore the folder, or save the model again") from error
 
 
 def check_model_path(name_or_path, flag):

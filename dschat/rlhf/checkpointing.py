@@ -47,11 +47,11 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     if trainer.critic_model is not None:
         trainer.critic_model.save_checkpoint(os.path.join(root, "critic"), tag=tag, save_latest=False)
     ema_state = gathered_state_dict(settled_module(trainer.actor_ema)) if trainer.actor_ema is not None else None
-    state_dir = save_trainer_state(root, tag, {**position, "kl_ctl": trainer.kl_ctl.state_dict(),
-                                               "flags": resume_flags(trainer), "inputs": input_runs(trainer.args)},
-                                   trainer.generator)
-    if is_rank_0() and ema_state is not None:
-        torch.save(ema_state, os.path.join(state_dir, "ema.pt"))
+    if is_rank_0() and ema_state is not None:  # before the trainer state, which marks a tag complete
+        os.makedirs(trainer_folder(root, tag), exist_ok=True)
+        torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
+    save_trainer_state(root, tag, {**position, "kl_ctl": trainer.kl_ctl.state_dict(), "flags": resume_flags(trainer),
+                                   "inputs": input_runs(trainer.args)}, trainer.generator)
     publish(root, tag, keep_last)
     return tag
 
@@ -63,14 +63,15 @@ def load_checkpoint(trainer, root):
     if found is None:
         return None
     tag, state = found
+    engines = [engine for engine in (trainer.actor_model, trainer.critic_model) if engine is not None]
     with reading(root, tag):
-        for name, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
-            if engine is not None:
-                engine.load_checkpoint(os.path.join(root, name), tag=tag)
-                restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
+        for name, engine in zip(("actor", "critic"), engines):
+            engine.load_checkpoint(os.path.join(root, name), tag=tag)
         if trainer.actor_ema is not None:
             _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
         load_rank_state(root, tag, trainer.generator)
+    for engine in engines:
+        restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
     take_restored_flags(state, getattr(trainer, "args", None))  # (set where the checks had flags to compare)
     if hasattr(trainer.actor_model, "mark_weights_stale"):

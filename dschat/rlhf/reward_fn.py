@@ -2,7 +2,8 @@
 function itself).
 
 The function is called as ``fn(prompts, answers, **extra_columns)`` with lists of strings (and lists of the
-dataset's extra column values) and returns one float per answer. A raised exception or a non-finite value stops
+dataset's extra column values; a column named as one of its two positional parameters comes as ``extra_<name>``) and
+returns one float per answer. A raised exception or a non-finite value stops
 the run with the prompt that caused it: a silent 0 would train the policy on a wrong reward.
 """
 import collections.abc
@@ -26,7 +27,8 @@ def check_reward_sources(args):
     from dschat.data.pipeline import as_list
 
     data = as_list(args.data_path)
-    if args.reward_fn and ALIASES.get(args.reward_fn, args.reward_fn) == ALIASES["tiny"] and data != ["tiny"]:
+    if isinstance(args.reward_fn, str) and ALIASES.get(args.reward_fn, args.reward_fn) == ALIASES["tiny"] \
+            and data != ["tiny"]:
         raise UsageError(f"step3: --reward_fn tiny (the bundled rule scorer) knows only the embedded 'tiny' prompts "
                          f"and gives 0 to every other one, but --data_path is {' '.join(data)}; give your own "
                          f"function, e.g. --reward_fn my_rewards.py:score (train.py: inside --step3-args)")
@@ -49,9 +51,7 @@ def load_reward_fn(spec):
     if target.endswith(".py"):
         if not os.path.exists(target):
             raise MissingInputError(f"--reward_fn file {target} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"dschat_reward_fn_{abs(hash(target))}", target)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = _file_module(target)
     else:
         try:
             module = importlib.import_module(target)
@@ -66,6 +66,19 @@ def load_reward_fn(spec):
     return fn
 
 
+_FILE_MODULES = {}  # (path, modification time) -> module: checked, then loaded, the file runs once (an edit: again)
+
+
+def _file_module(target):
+    key = (os.path.abspath(target), os.stat(target).st_mtime_ns)
+    if key not in _FILE_MODULES:
+        module_spec = importlib.util.spec_from_file_location(f"dschat_reward_fn_{abs(hash(key[0]))}", target)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        _FILE_MODULES[key] = module
+    return _FILE_MODULES[key]
+
+
 def batch_extras(batch):
     """The dataset's extra columns of a prompt batch (lists, one value per row): what ``fn`` gets as keywords."""
     import torch
@@ -76,8 +89,10 @@ def batch_extras(batch):
 def call_reward_fn(fn, prompts, answers, extras=None):
     """One float per answer from ``fn``; a failure is a UsageError naming the function and the prompt (the entry points
     print it as one line and exit with status 2: it is the user's function, not dschat, that needs the fix)."""
-    extras = dict(extras or {})
     accepts = inspect.signature(fn).parameters
+    # a column named as one of the two positional parameters (prompts, answers; TRL's completions) would collide
+    positional = [name for name, p in accepts.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    extras = {f"extra_{k}" if k in positional else k: v for k, v in (extras or {}).items()}
     if not any(p.kind == p.VAR_KEYWORD for p in accepts.values()):
         extras = {k: v for k, v in extras.items() if k in accepts}
     name = f"--reward_fn {getattr(fn, '__name__', fn)!r}"

@@ -107,10 +107,12 @@ def sampling_kwargs(args, hf_generate=False):
 def prompt_texts(tokenizer, prompts, mask):
     """Left-padded prompt ids as the text a loader batch's ``prompt_text`` holds, so that a reward function gets the
     same prompts whichever way they came: each row's real tokens with their special tokens (a chat template's
-    markers), less those the tokenizer puts before any text (BOS), which ``prompt_text`` has not."""
+    markers), less those the tokenizer puts before any text (BOS), which ``prompt_text`` has not (a chat template
+    writes its own, and the prompt is then tokenized without them)."""
+    from dschat.data.formatting import uses_chat_template
     from dschat.data.pipeline import leading_special_ids
 
-    lead = leading_special_ids(tokenizer)
+    lead = [] if uses_chat_template(tokenizer) else leading_special_ids(tokenizer)
     texts = []
     for row, keep in zip(prompts.tolist(), mask.bool().tolist()):
         ids = [token for token, real in zip(row, keep) if real]

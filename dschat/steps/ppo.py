@@ -55,10 +55,11 @@ def unsupervised_loader(args, tokenizer):
                                   args.per_device_generation_batch_size, 1, args.seed, drop_last=True)
     if len(loader) == 0:  # cycle() would never yield
         block = args.max_prompt_seq_len + args.max_answer_seq_len
+        ranks, batch = get_world_size(), args.per_device_generation_batch_size
         raise UsageError(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: its text makes {len(data)} "
                          f"block(s) of {block} tokens (--max_prompt_seq_len + --max_answer_seq_len), fewer than one "
-                         f"generation batch per rank (--per_device_generation_batch_size "
-                         f"{args.per_device_generation_batch_size}): give more text")
+                         f"batch of --per_device_generation_batch_size {batch} on each of {ranks} rank(s) "
+                         f"({batch * ranks} blocks): give more text")
     return loader
 
 

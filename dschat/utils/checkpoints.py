@@ -8,7 +8,6 @@ tags are kept.
 """
 import contextlib
 import os
-import pickle
 import random
 import shutil
 
@@ -17,7 +16,7 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, peer_failure, print_rank_0
-from dschat.utils.files import read_json_object, write_json_atomic
+from dschat.utils.files import read_json_object, unreadable_file_reason, write_json_atomic
 
 LATEST = "latest"
 TRAINER = "trainer"
@@ -69,8 +68,10 @@ def publish(root, tag, keep_last=2):
 
 
 def latest_tag(root):
-    """The tag ``latest`` names (None: ``root`` holds no checkpoint). A pointer that is missing or unreadable while
-    complete checkpoints are there is a UsageError naming the last of them: starting over would prune them."""
+    """The tag ``latest`` names (None: ``root`` holds no checkpoint to resume). Without the pointer, one complete tag
+    is a first save killed before it published (said, not resumed: a requeued job starts over); several mean the
+    pointer was lost, and a damaged one was never written by a save: a UsageError naming the last tag, as starting
+    over would prune them."""
     path = os.path.join(root, LATEST)
     try:
         latest = read_json_object(path)
@@ -79,7 +80,11 @@ def latest_tag(root):
     if latest is not None and isinstance(latest.get("tag"), str) and latest["tag"]:
         return latest["tag"]
     complete = complete_tags(root)
-    if latest is None and not complete:
+    if latest is None and len(complete) <= 1:
+        if complete:
+            print_rank_0(f"--resume: {root} holds checkpoint {complete[0]} but no {LATEST} pointer: its save did not "
+                         f"finish (or the pointer was removed), so it is not resumed from; "
+                         f"{_resume_from(root, complete[0])}")
         return None
     pointer = f"no {LATEST} pointer" if latest is None else f"a damaged {LATEST} pointer"
     held = f"checkpoints {', '.join(complete)}" if complete else "no complete checkpoint"
@@ -135,27 +140,27 @@ def check_complete(root, tag, parts):
                          f"{get_world_size()}; its ZeRO and RNG states are per rank: resume on {saved_ranks} rank(s)")
 
 
-# How a checkpoint file that is truncated, corrupted or missing fails to load: torch's zip reader and unpickler,
-# DeepSpeed's loaders (a bare assertion when a rank's file is absent, a KeyError for a state without its entries).
-UNREADABLE = (AssertionError, EOFError, KeyError, OSError, RuntimeError, pickle.UnpicklingError)
+# How DeepSpeed's loaders fail on a checkpoint file that is missing or cut short: a bare assertion when a rank's file
+# is absent, a KeyError for a state without its entries, an OSError (besides ``unreadable_file_reason``'s own).
+DEEPSPEED_LOAD_FAILURES = (AssertionError, KeyError, OSError)
 
 
 @contextlib.contextmanager
 def reading(root, tag):
     """Loading checkpoint ``tag`` of ``root``: a file of it that cannot be read is one UsageError naming the
     checkpoint, what failed and the earlier checkpoint kept, instead of a traceback from inside torch or DeepSpeed
-    that names no file (``DSCHAT_TRACEBACK=1`` shows it)."""
+    that names no file (``DSCHAT_TRACEBACK=1`` shows it). Other failures (out of memory, another rank's) stay."""
     try:
         yield
     except UsageError:
         raise
-    except UNREADABLE as error:
-        if peer_failure(error):  # another rank failed to load: its error names the file
+    except Exception as error:
+        reason = None if peer_failure(error) else unreadable_file_reason(error, DEEPSPEED_LOAD_FAILURES)
+        if reason is None:
             raise
-        reason = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else "no message"
-        raise UsageError(f"--resume: checkpoint {tag} in {root} cannot be loaded ({type(error).__name__}: {reason}); "
-                         f"a file of it is damaged or missing (copied in part?): restore it{_earlier(root, tag)}; or "
-                         f"start afresh without --resume") from error
+        raise UsageError(f"--resume: checkpoint {tag} in {root} cannot be loaded ({reason}); a file of it is damaged "
+                         f"or missing (copied in part?): restore it{_earlier(root, tag)}; or start afresh without "
+                         f"--resume") from error
 
 
 def check_same_flags(saved, now, restored, tag, root, step, why):

@@ -84,3 +84,24 @@ def write_json_atomic(path, data, default=None):
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2, default=default)
     os.replace(tmp, path)
+
+
+# What torch's zip reader says of a file cut short or corrupted (a RuntimeError, as are a CUDA out-of-memory and a
+# collective's failure, which are not the file's).
+ZIP_READER_MARKERS = ("PytorchStreamReader", "zip archive")
+
+
+def unreadable_file_reason(error, kinds=()):
+    """"Type: first sentence" of ``error`` when it is how a truncated, corrupted or missing file fails to load (an
+    EOFError, an unpickling error, torch's zip reader's RuntimeError, or one of ``kinds``), else None."""
+    import pickle
+
+    import torch
+
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return None
+    zip_reader = isinstance(error, RuntimeError) and any(marker in str(error) for marker in ZIP_READER_MARKERS)
+    if not (zip_reader or isinstance(error, (EOFError, pickle.UnpicklingError, *kinds))):
+        return None
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0].split('. ')[0] if text else 'no message'}"
