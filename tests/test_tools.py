@@ -451,6 +451,19 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
     recorded = rw_eval.main(["--model_name_or_path", str(trained), "--pairs_file", str(pairs_file)])
     assert recorded["skipped"] == again["skipped"] and recorded["pairs"] == again["pairs"]
     assert f"[rw_eval] --max_seq_len 64: step 2's ({trained / RUN_ARGS_FILE}" in capsys.readouterr().out
+    # and its one local --data_path (DeepSpeed-Chat's local/jsonfile, read where step 2 ran): the eval part, not the
+    # embedded pairs
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "train.json").write_text(json.dumps([tie] * 3))
+    (project / "data" / "eval.json").write_text(json.dumps(pairs))
+    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(project),
+                                                     "flags": {"max_seq_len": 64, "data_path": "local/jsonfile"}}))
+    held_out = rw_eval.main(["--model_name_or_path", str(trained)])
+    out = capsys.readouterr().out
+    assert f"--pairs_file json:{project / 'data' / 'train.json'},{project / 'data' / 'eval.json'} (its --data_path)" \
+        in out and "2 records of json:" in out and "(its eval part)" in out
+    assert held_out["pairs"] == result["pairs"]
 
 
 def test_rw_eval_counts_records_without_a_rejected_answer_and_checks_its_flags(models, tmp_path, capsys):

@@ -25,19 +25,25 @@ def prompt_record(text):
 
 
 def load_records(path, data_fields=None, limit=None):
-    """Every record of a local data file, read by the training data's own adapter.
+    """The records of local data, read by the training data's own adapter: its eval part where it has one (two files,
+    a folder or save_to_disk copy with an eval split, DeepSpeed-Chat's ``local/jsonfile``), else the whole file; the
+    first ``limit``. Said on stdout.
 
-    So a file is accepted here exactly when training accepts it (prompt/chosen/rejected strings, message
-    lists, transcripts, TRL's preference format, renamed fields), and is read whole: no train/eval split.
+    So data is accepted here exactly when training accepts it (prompt/chosen/rejected strings, message lists,
+    transcripts, TRL's preference format, renamed fields). ``tiny`` is the embedded held-out data.
     """
-    from dschat.data.local import LocalDataset, parse_field_map, resolve_local_spec
+    from dschat.data.local import (LOCAL_JSONFILE, LocalDataset, local_jsonfile_source, parse_field_map,
+                                   resolve_local_spec)
+    from dschat.data.raw_datasets import TINY_NAME
 
-    source = resolve_local_spec(str(path))
+    spec = EVAL_FILE if str(path) == TINY_NAME else str(path)
+    source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec)
     if source is None:
         raise MissingInputError(f"no data file at {path}")
     raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1, field_options=parse_field_map(data_fields))
-    splits = [raw.raw_datasets[name] for name in ("train", "eval") if raw.raw_datasets[name] is not None]
-    samples = islice((sample for split in splits for sample in split), limit)
+    held_out = raw.raw_datasets["eval"]
+    samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
+    print(f"[dschat] {len(samples)} records of {path}" + (" (its eval part)" if held_out is not None else ""))
     return [Record(raw.get_conversation(s), raw.get_chosen_text(s), raw.get_rejected_text(s)) for s in samples]
 
 

@@ -116,8 +116,9 @@ def build_parser():
     parser.add_argument("--model_name_or_path", required=True,
                         help="The step-2 folder (or a run's output folder, which uses its step2_rm).")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--pairs_file", help="Local data with prompt/chosen/rejected (any format training accepts); "
-                                             "default: the embedded held-out pairs.")
+    source.add_argument("--pairs_file", help="Local data with prompt/chosen/rejected (any format training accepts; "
+                                             "its eval part where it has one; tiny: the embedded held-out pairs). "
+                                             "Default: the step-2 run's local --data_path, else tiny.")
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
@@ -135,10 +136,15 @@ def build_parser():
 
 def take_step2_settings(args, path):
     """--max_seq_len (not given) and --add_eot_token as the step-2 run that wrote ``path`` trained with (its
-    training_args.json), so that pairs are cut and ended as in training, and said; without a record, 512."""
+    training_args.json), so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt,
+    its one local --data_path (its held-out part where it has one), not the embedded pairs. Each said; without a
+    record, 512 and the embedded pairs."""
+    from dschat.data.pipeline import as_list
+    from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME, anchored_spec
     from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 
-    trained = (read_run_args(path, "step2") or {}).get("flags", {})
+    run = read_run_args(path, "step2") or {}
+    trained = run.get("flags", {})
     taken = []
     if args.max_seq_len is None:
         args.max_seq_len = trained.get("max_seq_len") or 512
@@ -146,6 +152,10 @@ def take_step2_settings(args, path):
     if not args.add_eot_token and trained.get("add_eot_token"):
         args.add_eot_token = True
         taken.append("--add_eot_token")
+    data = as_list(trained.get("data_path") or [])
+    if args.pairs_file is None and args.prompt is None and len(data) == 1 and data[0] not in (*HUB_DATASETS, TINY_NAME):
+        args.pairs_file = anchored_spec(data[0], run.get("cwd"))
+        taken.append(f"--pairs_file {args.pairs_file} (its --data_path)")
     if taken:
         print(f"[rw_eval] {' '.join(taken)}: step 2's ({os.path.join(path, RUN_ARGS_FILE)}; flags given here win)")
 
@@ -163,12 +173,12 @@ def main(argv=None):
     from dschat.models.loading import check_sequence_fits, load_tokenizer
 
     path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
+    take_step2_settings(args, path)
     records = None if args.prompt else (  # read (and checked) before the model loads
         load_records(args.pairs_file, args.data_fields, args.num_pairs or None) if args.pairs_file
         else tiny_held_out_records(args.num_pairs or None))
     if records is not None and not any(r.chosen is not None and r.rejected is not None for r in records):
         parser.error("no records with both a chosen and a rejected answer")
-    take_step2_settings(args, path)
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
     model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
     check_sequence_fits(model, args.max_seq_len, "--max_seq_len")  # as step 2 checks it: not an IndexError later
