@@ -168,10 +168,13 @@ def main(args=None):
             f"--per_device_generation_batch_size {args.per_device_generation_batch_size} x --generation_batches "
             f"{args.generation_batches} x {get_world_size()} rank(s); give more prompts or a smaller batch")
     usable_batches = iters_per_epoch * args.generation_batches
-    if usable_batches < len(train_loader):  # said, not generated and then thrown away at the epoch's end
-        print_rank_0(f"[step3] each epoch trains on {usable_batches} of its {len(train_loader)} prompt batches (an "
-                     f"iteration takes --generation_batches {args.generation_batches}); the other "
-                     f"{len(train_loader) - usable_batches}, drawn anew each epoch, are skipped")
+    # the prompts of no whole iteration (batches of the last one, and those short of a batch): said, not generated
+    prompts, used = len(train_loader.dataset), usable_batches * args.per_device_generation_batch_size * get_world_size()
+    if used < prompts:
+        print_rank_0(f"[step3] each epoch trains on {used} of its {prompts} training prompts (an iteration takes "
+                     f"--generation_batches {args.generation_batches} x --per_device_generation_batch_size "
+                     f"{args.per_device_generation_batch_size} x {get_world_size()} rank(s)); the other "
+                     f"{prompts - used}, drawn anew each epoch, are skipped")
     total_iters = iters_per_epoch * args.num_train_epochs
     if args.max_steps:
         total_iters = min(total_iters, args.max_steps)
