@@ -397,13 +397,13 @@ CRITIC_ONLY_FLAGS = ("critic_learning_rate", "critic_weight_decay", "critic_grad
                      "critic_lora_dim", "critic_lora_module_name", "critic_lora_learning_rate")
 
 
-def critic_only_flags(args, parser=None):
-    """The flags of ``CRITIC_ONLY_FLAGS`` that ``args`` sets to other than the parser's default, as written on the
-    command line (``--critic_learning_rate 0.0005``)."""
+def critic_only_flags(args, parser=None, names=CRITIC_ONLY_FLAGS):
+    """The flags ``names`` (default ``CRITIC_ONLY_FLAGS``) that ``args`` sets to other than the parser's default, as
+    written on the command line (``--critic_learning_rate 0.0005``)."""
     parser = parser or step3_parser()
     first = {}
     for action in parser._actions:  # (--disable_critic_dropout shares --critic_dropout's value)
-        if action.dest in CRITIC_ONLY_FLAGS:
+        if action.dest in names:
             first.setdefault(action.dest, action)
     return _changed_flags(args, list(first.values()))
 

@@ -983,7 +983,10 @@ def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path, c
                                 "--n_samples_per_prompt", "2", "--reward_fn", "tiny", "--reward_model_weight", "0",
                                 "--critic_lora_dim", "4", "--critic_learning_rate", "5e-6"))
     # a critic's flag, which no critic reads, is said to be ignored (a default given explicitly is not)
-    assert "[step3] --critic_lora_dim 4: the critic's only, and no critic is trained; ignored" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[step3] --critic_lora_dim 4: the critic's only, and no critic is trained; ignored" in out
+    assert re.search(r"\[step3\] --critic_model_name_or_path \S+: neither a critic nor a reward model is built "
+                     r"\(--advantage_estimator grpo, --reward_model_weight 0\); not loaded", out)
     assert metrics["eval_after"]["reward_mean"] is None and "rule_score_mean" in metrics["eval_after"]
     assert all(e["reward"] is None for e in metrics["eval_after"]["examples"]), "no reward model: no reward, not 0"
     for key in ("eval_before", "eval_after"):  # what is trained on is measured: the function's held-out score

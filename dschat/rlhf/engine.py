@@ -242,6 +242,10 @@ class DeepSpeedRLHFEngine:
         unread = [] if self.critic else critic_only_flags(args)
         if unread:  # (a DeepSpeed-Chat script switched to a critic-free estimator keeps them)
             print_rank_0(f"[step3] {', '.join(unread)}: the critic's only, and no critic is trained; ignored")
+        path = [] if self.critic or self.reward else critic_only_flags(args, names=("critic_model_name_or_path",))
+        if path:  # (the reward model's default path too)
+            print_rank_0(f"[step3] {path[0]}: neither a critic nor a reward model is built (--advantage_estimator "
+                         f"{args.advantage_estimator}, --reward_model_weight 0); not loaded")
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False, role="actor"):
