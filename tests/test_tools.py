@@ -392,7 +392,9 @@ def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monke
 
     monkeypatch.setattr(prompt_eval, "model_answers", canned_answers)
     result = prompt_eval.main(["--model_name_or_path_baseline", "baseline-model", "--model_name_or_path_finetune",
-                               "finetune-model", "--num_prompts", "6"])
+                               "finetune-model", "--num_prompts", "6",  # and DeepSpeed-Chat's flags, accepted
+                               "--num_beams", "1", "--num_beam_groups", "1", "--top_k", "4", "--penalty_alpha", "0.6",
+                               "--num_return_sequences", "1", "--max_new_tokens", "100", "--language", "English"])
     out = capsys.readouterr().out
     records = prompt_eval.tiny_held_out_records(6)
     expected = [rule_score(r.messages[-1]["content"], r.chosen) for r in records]

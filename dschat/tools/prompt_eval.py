@@ -73,6 +73,15 @@ def build_parser():
     parser.add_argument("--batch_size", type=positive_int, default=8)
     add_loading_args(parser)
     add_generation_args(parser, sample_by_default=False)
+    compat = parser.add_argument_group(
+        "DeepSpeed-Chat's prompt_eval.py flags", "Accepted so that its command lines run; no effect: its comparison "
+        "is greedy with one answer per prompt, as here (the other decoding methods are commented out in its script)")
+    for flag, kind in (("--num_beams", int), ("--num_beam_groups", int), ("--penalty_alpha", float),
+                       ("--num_return_sequences", int)):
+        compat.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
+    compat.add_argument("--language", choices=["English"], default=None,
+                        help="Its built-in prompts' language: here the prompts are --prompts, --prompts_file or the "
+                             "embedded English ones.")
     return parser
 
 
