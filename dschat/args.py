@@ -212,10 +212,40 @@ def add_lora_args(parser, prefix=""):
     return g
 
 
+class StepParser(argparse.ArgumentParser):
+    """An unrecognized flag's error names the step's flags it may have meant: the role's flags of another step's
+    (step 3's ``--actor_lora_dim`` and ``--critic_lora_dim`` for ``--lora_dim``; step 1's ``--lora_dim`` for
+    ``--actor_lora_dim``), else the closest spellings."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
+        return parsed
+
+    def hint(self, unknown):
+        import difflib
+
+        flags = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        said = []
+        for given in (arg.split("=")[0] for arg in unknown if arg.startswith("--")):
+            meant = [flag for flag in flags if _with_role(flag, given) or _with_role(given, flag)] or \
+                difflib.get_close_matches(given, flags, n=2, cutoff=0.8)
+            if meant:
+                said.append(f"{given}: did you mean {' or '.join(meant)}?")
+        return f" ({'; '.join(said)})" if said else ""
+
+
+def _with_role(flag, plain):
+    """``flag`` is ``plain`` for one role: ``--actor_lora_dim`` of ``--lora_dim``."""
+    role, sep, rest = flag[2:].partition("_")
+    return bool(sep) and rest == plain[2:] and role in ("actor", "critic")
+
+
 def new_parser(description):
     """A step's parser. No abbreviations (``--zero_s 3`` for ``--zero_stage``): flags travel between train.py and the
     steps, where a prefix would quietly become whichever flag it happens to start."""
-    return argparse.ArgumentParser(description=description, allow_abbrev=False)
+    return StepParser(description=description, allow_abbrev=False)
 
 
 def step1_parser():

@@ -182,6 +182,21 @@ def test_numeric_flags_out_of_range_are_errors_naming_the_flag(flags, named, cap
 
 
 # argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
+def test_a_flag_of_another_step_or_a_misspelling_names_the_flags_meant(capsys):
+    from dschat.args import step1_parser, step3_parser
+
+    for parser, given, meant in ((step3_parser, "--lora_dim", "--actor_lora_dim or --critic_lora_dim"),
+                                 (step3_parser, "--learning_rate", "--actor_learning_rate or --critic_learning_rate"),
+                                 (step1_parser, "--actor_lora_dim", "--lora_dim"),
+                                 (step1_parser, "--max_seq_lne", "--max_seq_len")):
+        with pytest.raises(SystemExit):
+            parser().parse_args([given, "8"])
+        assert f"unrecognized arguments: {given} 8 ({given}: did you mean {meant}?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        step3_parser().parse_args(["--zzz", "1"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --zzz 1")
+
+
 @pytest.mark.parametrize("parser, flag, value", [
     ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "inf"),
     ("step2_parser", "--learning_rate", "-0.1"), ("step2_dpo_parser", "--learning_rate=", "-1e-5"),
