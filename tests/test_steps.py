@@ -181,7 +181,6 @@ def test_numeric_flags_out_of_range_are_errors_naming_the_flag(flags, named, cap
     assert named in capsys.readouterr().err
 
 
-# argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
 def test_a_flag_of_another_step_or_a_misspelling_names_the_flags_meant(capsys):
     from dschat.args import step1_parser, step3_parser
 
@@ -197,6 +196,7 @@ def test_a_flag_of_another_step_or_a_misspelling_names_the_flags_meant(capsys):
     assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --zzz 1")
 
 
+# argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
 @pytest.mark.parametrize("parser, flag, value", [
     ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "inf"),
     ("step2_parser", "--learning_rate", "-0.1"), ("step2_dpo_parser", "--learning_rate=", "-1e-5"),
