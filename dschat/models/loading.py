@@ -82,8 +82,15 @@ def readable_weights(folder):
 def check_model_path(name_or_path, flag):
     """A model given as a local path (``looks_local``) that is not there: an error naming ``flag``, not transformers'
     "Repo id must be in the form ..." traceback from a hub lookup."""
+    from dschat.tiny.presets import PRESET_PREFIX, TINY_PRESETS, is_tiny_preset
+
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {name_or_path}: no such folder")
+    bare = str(name_or_path).removeprefix(PRESET_PREFIX)
+    if bare.startswith("tiny-") and not is_tiny_preset(name_or_path) and not os.path.exists(name_or_path):
+        # (no hub model is named so: a mistyped preset, not a minute of hub retries offline)
+        raise MissingInputError(f"{flag} {name_or_path}: no such tiny preset (they are {', '.join(TINY_PRESETS)}) "
+                                f"nor folder")
 
 
 DEFAULT_EOT_TOKEN = "<|endoftext|>"
