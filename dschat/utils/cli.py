@@ -1,7 +1,7 @@
 """Entry points: a usage error (a flag, file or record of the user's, already named in the message) ends the run
 with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a rank whose
-collective failed because another rank stopped says so in one line (exit status 1); DSCHAT_TRACEBACK=1 shows the
-tracebacks."""
+collective failed because another rank stopped says so in one line (exit status 1), as does Ctrl-C (130);
+DSCHAT_TRACEBACK=1 shows the tracebacks."""
 import os
 import sys
 
@@ -19,6 +19,13 @@ def run_entry_point(main):
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback each
+        if traceback:
+            raise
+        if get_rank() == 0:
+            print("error: interrupted (a training step with --save_interval continues from its last checkpoint with "
+                  "--resume)", file=sys.stderr, flush=True)
+        sys.exit(130)
     except RuntimeError as error:  # another rank stopped: its error says why, this rank's traceback would bury it
         if traceback or not peer_failure(error):
             raise
