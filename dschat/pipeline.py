@@ -288,6 +288,10 @@ def run_pipeline(args):
         print_rank_0(f"not run: {note}")
     parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
     plan = resume_plan(steps, args, parsed, tiny)
+    if tiny and args.data_path and args.data_path != ["tiny"]:
+        print_rank_0("tiny run: the tiny recipe (TINY_RECIPE in dschat/pipeline.py: --data_split 4,4,2, fp32, its "
+                     "batch sizes and learning rates) applies to your --data-path too; --stepN-args flags replace its "
+                     "values (e.g. --step3-args \"--per_device_generation_batch_size 4\" for few prompts)")
     if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
         print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "
                      f"--reward-model {args.reward_model}")

@@ -479,6 +479,24 @@ def test_train_py_checks_every_steps_data_paths_before_the_first_step_runs(tmp_p
         assert not out.exists(), "no step may have run"
 
 
+def test_train_py_says_the_tiny_recipe_applies_to_own_data(tmp_path, distributed, monkeypatch, capsys):
+    from dschat import pipeline
+
+    class Ran(Exception):
+        pass
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": "Yes.", "rejected": "No."}) + "\n"
+                            for i in range(8)))
+    monkeypatch.setattr(pipeline, "run_step", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--data-path", f"jsonl:{data}"))
+    assert "tiny run: the tiny recipe (TINY_RECIPE in dschat/pipeline.py" in capsys.readouterr().out
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out")))
+    assert "tiny recipe" not in capsys.readouterr().out
+
+
 def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_run(tmp_path, monkeypatch):
     # the deepspeed launcher falls back to this node alone when the hostfile is missing: a typo must not do that
     import runpy
