@@ -17,6 +17,8 @@ _LAZY = {
     "load_tokenizer": "dschat.models.loading",
     "prompt_loaders": "dschat.steps.ppo",
     "create_prompt_dataset": "dschat.data",
+    "save_causal_lm": "dschat.models.checkpoint",
+    "save_reward_model": "dschat.models.checkpoint",
 }
 
 

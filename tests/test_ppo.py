@@ -965,6 +965,13 @@ def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch)
                                  "for i, prompt_batch in zip(range(2), prompt_dataloader):"), "README", "exec"),
          namespace)
     assert torch.isfinite(namespace["actor_loss"]) and torch.isfinite(namespace["critic_loss"])
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.lora import unwrap_peft
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "output" / "step3_notebook")  # the trained actor
+    trained_weights = unwrap_peft(namespace["engine"].actor.module).get_input_embeddings().weight
+    assert torch.equal(saved.get_input_embeddings().weight, trained_weights.detach().cpu())
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
@@ -1042,7 +1049,7 @@ def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distribu
     # the rule scorer
 
 
-def test_a_notebooks_reward_function_may_be_the_function_itself(trained, tmp_path):
+def test_a_notebooks_reward_function_may_be_the_function_itself(trained, tmp_path, capsys):
     """``args["reward_fn"]`` a Python function, as TRL's reward_funcs: it failed in the trainer, after every model
     had loaded, with "argument of type 'function' is not iterable"."""
     seen, prompts_seen = [], []
@@ -1057,6 +1064,8 @@ def test_a_notebooks_reward_function_may_be_the_function_itself(trained, tmp_pat
                                                      reward_fn=length_score, reward_model_weight=0)
     out = trainer.generate_experience(_prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2))
     assert seen == [4] and engine.critic is None and engine.reward is None
+    # no num_total_iters nor max_steps: the schedule's assumed length is said (a notebook loop barely decayed it)
+    assert "[step3] the learning-rate schedule spans 10000 iterations" in capsys.readouterr().out
     texts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip()
              for row, m in zip(out["input_ids"][:, out["prompts"].shape[1]:], out["action_mask"])]
     assert out["rewards"].tolist() == [float(len(t)) for t in texts]
@@ -1129,11 +1138,12 @@ def test_prompt_texts_from_ids_are_the_loaders_prompt_text(template):
     assert prompt_texts(tokenizer, batch["prompt"], batch["prompt_att_mask"]) == texts
 
 
-def test_reward_function_columns_named_as_its_arguments_and_a_file_run_once(tmp_path):
+def test_reward_function_columns_named_as_its_arguments_and_a_file_run_once(tmp_path, capsys):
     """A column named as the function's positional parameter collided with it ("got multiple values for argument
     'answers'"); a reward file was run once for each check and load (four times a step-3 run)."""
     import os
 
+    from dschat.errors import UsageError
     from dschat.rlhf.reward_fn import call_reward_fn, load_reward_fn
 
     def trl_style(prompts, completions, **columns):
@@ -1142,8 +1152,21 @@ def test_reward_function_columns_named_as_its_arguments_and_a_file_run_once(tmp_
 
     extras = {"completions": ["x", "yyy"], "answers": ["u", "vv"]}
     assert call_reward_fn(trl_style, ["p1", "p2"], ["a", "bb"], extras) == [3.0, 7.0]
+    call_reward_fn(trl_style, ["p1", "p2"], ["a", "bb"], extras)  # said once, not each batch
+    assert capsys.readouterr().out.count("[reward_fn] the data's column(s) completions come to 'trl_style' as "
+                                         "extra_completions: it is called as fn(prompts=, completions=") == 1
     assert call_reward_fn(lambda prompts, answers, extra_answers: [len(x) for x in extra_answers], ["p1", "p2"],
                           ["a", "bb"], extras) == [1.0, 2.0]
+
+    def accuracy(completions, solution, **kwargs):  # TRL's accuracy_reward: called by keyword, as TRL calls it
+        assert kwargs["prompts"] == ["p1", "p2"]
+        return [float(s in c) for c, s in zip(completions, solution)]
+
+    assert call_reward_fn(accuracy, ["p1", "p2"], ["it is 4", "5"], {"solution": ["4", "6"]}) == [1.0, 0.0]
+    assert call_reward_fn(lambda completions, **kw: [len(c) for c in completions], ["p1"], ["abc"]) == [3.0]
+    with pytest.raises(UsageError, match=r"--reward_fn '<lambda>' cannot be called as fn\(prompts, answers, "
+                                         r"\*\*columns\): too many positional arguments"):
+        call_reward_fn(lambda texts: [0.0] * len(texts), ["p1"], ["abc"])
     log = tmp_path / "runs.log"
     source = tmp_path / "my_rewards.py"
     source.write_text(f"open({str(log)!r}, 'a').write('run\\n')\ndef score(p, a):\n    return [0.0] * len(a)\n")

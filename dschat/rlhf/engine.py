@@ -227,6 +227,10 @@ class DeepSpeedRLHFEngine:
         self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,
                                                      eot_token=args.eot_token)
         self.num_total_iters = num_total_iters or args.max_steps or DEFAULT_TOTAL_ITERS
+        if not (num_total_iters or args.max_steps):  # (step 3's entry point sizes it from its data)
+            print_rank_0(f"[step3] the learning-rate schedule spans {DEFAULT_TOTAL_ITERS} iterations (no "
+                         f"num_total_iters nor max_steps given): pass num_total_iters=len(prompt_dataloader) x epochs "
+                         f"for your loop's length")
         self.world_size = get_world_size()
 
         self.actor = self._init_actor()

@@ -2,8 +2,8 @@
 function itself).
 
 The function is called as ``fn(prompts, answers, **extra_columns)`` with lists of strings (and lists of the
-dataset's extra column values; a column named as one of its two positional parameters comes as ``extra_<name>``) and
-returns one float per answer. A raised exception or a non-finite value stops
+dataset's extra column values), or, when it has a parameter named ``completions``, as TRL calls reward functions:
+``fn(prompts=..., completions=..., **extra_columns)``; it returns one float per answer (``call_arguments``). A raised exception or a non-finite value stops
 the run with the prompt that caused it: a silent 0 would train the policy on a wrong reward.
 """
 import collections.abc
@@ -15,6 +15,7 @@ import os
 import traceback
 
 from dschat.errors import MissingInputError, MissingModuleError, UsageError
+from dschat.utils.dist import print_rank_0
 
 ALIASES = {"tiny": "dschat.tiny.scorer:score_batch"}
 
@@ -89,15 +90,14 @@ def batch_extras(batch):
 def call_reward_fn(fn, prompts, answers, extras=None):
     """One float per answer from ``fn``; a failure is a UsageError naming the function and the prompt (the entry points
     print it as one line and exit with status 2: it is the user's function, not dschat, that needs the fix)."""
-    accepts = inspect.signature(fn).parameters
-    # a column named as one of the two positional parameters (prompts, answers; TRL's completions) would collide
-    positional = [name for name, p in accepts.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
-    extras = {f"extra_{k}" if k in positional else k: v for k, v in (extras or {}).items()}
-    if not any(p.kind == p.VAR_KEYWORD for p in accepts.values()):
-        extras = {k: v for k, v in extras.items() if k in accepts}
     name = f"--reward_fn {getattr(fn, '__name__', fn)!r}"
+    args, kwargs, how = call_arguments(fn, list(prompts), list(answers), extras or {})
     try:
-        returned = fn(list(prompts), list(answers), **extras)
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as ex:
+        raise UsageError(f"{name} cannot be called as {how}: {ex}") from None
+    try:
+        returned = fn(*args, **kwargs)
     except Exception as ex:
         raise UsageError(f"{name} failed ({type(ex).__name__}: {ex}{_where(ex)}) on a batch starting with prompt "
                          f"{prompts[0]!r}") from ex
@@ -115,6 +115,34 @@ def call_reward_fn(fn, prompts, answers, extras=None):
             raise UsageError(f"{name} returned {score!r} for prompt {prompt!r} and answer {answer!r}: each score must "
                              "be a finite number")
     return scores
+
+
+_RENAMED_SAID = set()
+
+
+def call_arguments(fn, prompts, answers, columns):
+    """(args, kwargs, how) ``fn`` is called with. A function with a parameter named ``completions`` is called as TRL
+    calls its reward functions, by keyword: ``fn(prompts=, completions=, **columns)``; any other as DeepSpeed-Chat-style
+    code expects, ``fn(prompts, answers, **columns)``. A column named as one of those two arguments comes as
+    ``extra_<name>`` (said once); columns the function has no parameter for are left out, unless it takes
+    ``**kwargs``."""
+    params = inspect.signature(fn).parameters
+    if "completions" in params:
+        taken, args, how = ("prompts", "completions"), (), "fn(prompts=, completions=, **columns) (TRL's way)"
+    else:
+        taken = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+        args, how = (prompts, answers), "fn(prompts, answers, **columns)"
+    renamed = sorted(set(columns) & set(taken))
+    if renamed and (fn, tuple(renamed)) not in _RENAMED_SAID:
+        _RENAMED_SAID.add((fn, tuple(renamed)))
+        print_rank_0(f"[reward_fn] the data's column(s) {', '.join(renamed)} come to {getattr(fn, '__name__', fn)!r} "
+                     f"as {', '.join('extra_' + n for n in renamed)}: it is called as {how}")
+    kwargs = {f"extra_{k}" if k in renamed else k: v for k, v in columns.items()}
+    if not args:
+        kwargs.update(prompts=prompts, completions=answers)
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return args, kwargs, how
 
 
 def _score_list(returned):
