@@ -5,6 +5,7 @@ with no arguments; every flag of DeepSpeed-Chat's step scripts is accepted.
 """
 import argparse
 import math
+import os
 
 from dschat.errors import UsageError
 
@@ -364,6 +365,7 @@ def _set_from_option(args, action, name, value):
         if value:  # disable_actor_dropout / no-enable_cuda_graph: True acts as the flag, False changes nothing
             setattr(args, action.dest, False if negated else action.const)
         return
+    value = _as_given_on_a_command_line(name, value)
     # as on the command line: "3" for an int flag, and the range checks of the bounded ones
     bounded = action.type in (positive_int, non_negative_int, non_negative_float) and value is not None
     if action.type not in (None, str) and (isinstance(value, str) or bounded):
@@ -371,6 +373,17 @@ def _set_from_option(args, action, name, value):
     if action.choices is not None and value is not None and value not in action.choices:
         raise UsageError(f"{name}: {value!r} is not one of {list(action.choices)}")
     setattr(args, action.dest, value)
+
+
+def _as_given_on_a_command_line(name, value):
+    """A notebook's ``pathlib.Path`` (also in a list) as the string a command line gives; a datasets object (TRL's
+    ``train_dataset=`` habit) is an error saying how to pass it."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if any(hasattr(item, "save_to_disk") for item in items):
+        raise UsageError(f"{name}: a {type(items[0]).__name__} object; the steps read data by name or path: save it "
+                         f"with .save_to_disk(FOLDER) and give the folder (or jsonl:PATH, ...)")
+    plain = [os.fspath(item) if isinstance(item, os.PathLike) else item for item in items]
+    return plain if isinstance(value, (list, tuple)) else plain[0]
 
 
 _SWITCH_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,

@@ -115,6 +115,15 @@ def test_a_step_whose_split_leaves_it_no_data_stops_before_loading_anything(tmp_
             main({"output_dir": str(tmp_path / "out"), "data_split": "0,5,5" if phase == 1 else "5,0,5"})
         with pytest.raises(UsageError, match=r"unknown setting\(s\) \['learning_rat'\]"):
             main({"output_dir": str(tmp_path / "out"), "learning_rat": 1e-3})
+    # TRL's train_dataset= habit: a datasets object is an error saying how to pass it; a pathlib.Path is a path
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    with pytest.raises(UsageError, match=r"data_path: a Dataset object; .*save_to_disk\(FOLDER\)"):
+        sft.main({"output_dir": str(tmp_path / "out"), "data_path": Dataset.from_dict({"prompt": ["a"]})})
+    with pytest.raises(UsageError, match=r"--data_split 0,5,5 gives phase 1"):  # (read past the Path)
+        sft.main({"output_dir": tmp_path / "out", "data_path": [Path("tiny")], "data_split": "0,5,5"})
     check_phase_share("0,5,5", 1, other_data=True)  # step 1 with --sft_only_data_path has data of its own
 
 
