@@ -218,6 +218,22 @@ def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
     assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Red.", "Cat.")
 
 
+def test_trl_prompt_completion_records_read_the_completion_as_the_answer(tmp_path):
+    """TRL's SFT format: it was "has prompts but no answers", usable in step 3 only."""
+    user = {"role": "user", "content": "Name a color."}
+    for name, records in (("plain", [{"prompt": "Name a color.", "completion": " Blue."}] * 2),
+                          ("chat", [{"prompt": [user], "completion": [{"role": "assistant", "content": "Blue."}]}] * 2)):
+        path = write_records(records, tmp_path / f"{name}.jsonl", "jsonl")
+        adapter = raw(f"{path},{path}", tmp_path)
+        adapter.check_usable(1)
+        sample = adapter.get_train_data()[0]
+        assert adapter.get_chosen_text(sample).strip() == "Blue." and adapter.get_rejected_text(sample) is None
+        assert adapter.get_conversation(sample)[-1]["content"] == "Name a color."
+    answerless = write_records([{"prompt": "Name a color."}] * 2, tmp_path / "prompts.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"no 'chosen' or 'completion' field.*--data_fields chosen=NAME"):
+        raw(f"{answerless},{answerless}", tmp_path).check_usable(1)
+
+
 def test_trl_records_with_different_prompts_are_an_error(tmp_path):
     records = [{"chosen": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "a"}],
                 "rejected": [{"role": "user", "content": "B?"}, {"role": "assistant", "content": "b"}]}]

@@ -58,8 +58,9 @@ class PromptRawDataset:
     def check_usable(self, train_phase):
         """Raise DatasetFormatError when this source cannot feed ``train_phase`` at all."""
         if train_phase in (1, 2) and not self.has_answers:
-            raise DatasetFormatError(f"{self.dataset_name}: has prompts but no answers (no 'chosen' field), so it "
-                                     f"can only be used in step 3, not step {train_phase}")
+            raise DatasetFormatError(f"{self.dataset_name}: has prompts but no answers (no 'chosen' or 'completion' "
+                                     f"field), so it can only be used in step 3, not step {train_phase} (an answer "
+                                     f"field of another name: --data_fields chosen=NAME)")
 
     def get_train_data(self):
         raise NotImplementedError

@@ -411,6 +411,8 @@ class LocalDataset(PromptRawDataset):
 
     def load(self):
         train, eval_data = self._load_splits()
+        if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
+            self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
         self.shape = self._record_shape(train, self.source.train)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields())
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
