@@ -199,6 +199,28 @@ def test_messages_records_for_sft(tmp_path):
     assert adapter.get_extra(sample) == {"source": "x"}
 
 
+def test_sharegpt_messages_and_text_content_parts_are_read(tmp_path):
+    """They were "message 0 has role None" and "message 0 has no text content"."""
+    sharegpt = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}] * 2
+    path = write_records(sharegpt, tmp_path / "sharegpt.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("messages=conversations"))
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Hi"}]
+    assert adapter.get_chosen_text(sample) == "Hello"
+    parts = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}]}] * 2
+    path = write_records(parts, tmp_path / "parts.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Name a color."}]
+    assert adapter.get_chosen_text(sample) == "Blue."
+    image = [{"messages": [{"role": "user", "content": [{"type": "image", "text": None}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}] * 2
+    path = write_records(image, tmp_path / "image.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"message 0 has a 'image' content part; only text parts are read"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
     user = {"role": "user", "content": "Name a color."}
     implicit = [{"chosen": [user, {"role": "assistant", "content": "Blue."}],

@@ -151,8 +151,13 @@ def answer_from_transcript(text, field):
     return prompt, answer
 
 
+# ShareGPT's speakers ({"from": "human", "value": ...})
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
+
+
 def checked_messages(value, field):
-    """A list of {role, content} dicts with known roles and non-empty string content."""
+    """A list of {role, content} dicts with known roles and non-empty string content (also read: ShareGPT's
+    {from, value} messages and content given as parts, OpenAI's and HF's [{"type": "text", "text": ...}])."""
     if not isinstance(value, (list, tuple)) or not value:
         raise RecordError(field, f"expected a non-empty list of messages, got {type(value).__name__}")
     messages = []
@@ -160,12 +165,26 @@ def checked_messages(value, field):
         if not isinstance(message, dict):
             raise RecordError(field, f"message {position} is a {type(message).__name__}, not a dict")
         role, content = message.get("role"), message.get("content")
+        if role is None and "from" in message:
+            role, content = SHAREGPT_ROLES.get(message["from"], message["from"]), message.get("value")
+        if isinstance(content, (list, tuple)):
+            content = _text_of_parts(content, field, position)
         if role not in VALID_ROLES:
             raise RecordError(field, f"message {position} has role {role!r}; expected one of {VALID_ROLES}")
         if not isinstance(content, str) or not content.strip():
             raise RecordError(field, f"message {position} has no text content")
         messages.append({"role": role, "content": content.strip()})
     return messages
+
+
+def _text_of_parts(parts, field, position):
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RecordError(field, f"message {position} has a {kind!r} content part; only text parts are read")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def prompt_messages(messages, field):
