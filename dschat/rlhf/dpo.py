@@ -59,6 +59,11 @@ def answer_nll(answer_logps, response_mask):
     return -answer_logps.sum() / tokens
 
 
-def preference_accuracy(chosen_scores, rejected_scores):
-    """Per pair 1.0 where the chosen answer scores strictly higher, else 0.0 (a tie is not a win)."""
-    return (chosen_scores > rejected_scores).to(torch.float32)
+def preference_accuracy(chosen_scores, rejected_scores, tie=0.0):
+    """Per pair 1.0 where the chosen answer scores higher by more than ``tie``, else 0.0 (a tie is not a win)."""
+    return (chosen_scores - rejected_scores > tie).to(torch.float32)
+
+
+# Implicit rewards closer than this many nats of log-ratio are a tie: the policy and the reference forwards of one
+# model differ by rounding, and before training those differences alone decided the "accuracy".
+IMPLICIT_REWARD_TIE_NATS = 1e-3

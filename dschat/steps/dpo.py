@@ -14,7 +14,8 @@ from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.checkpoint import save_causal_lm
 from dschat.models.loading import load_causal_lm
-from dschat.rlhf.dpo import answer_nll, check_dpo_params, dpo_loss, preference_accuracy, response_log_probs
+from dschat.rlhf.dpo import (IMPLICIT_REWARD_TIE_NATS, answer_nll, check_dpo_params, dpo_loss, preference_accuracy,
+                              response_log_probs)
 from dschat.steps.common import StepRecipe, initialize_frozen, run_supervised_step, to_device
 from dschat.steps.sft import build_sft_model
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
@@ -121,7 +122,8 @@ class DPOStep:
     def batch_sums(self, engine, batch):
         policy_chosen, policy_rejected, ref_chosen, ref_rejected = logps = self.pair_log_probs(engine, batch)
         losses, chosen_rewards, rejected_rewards = dpo_loss(*logps, self.beta, self.label_smoothing)
-        values = (losses, chosen_rewards, rejected_rewards, preference_accuracy(chosen_rewards, rejected_rewards),
+        tie = self.beta * IMPLICIT_REWARD_TIE_NATS  # (rewards are beta x the log-ratio)
+        values = (losses, chosen_rewards, rejected_rewards, preference_accuracy(chosen_rewards, rejected_rewards, tie),
                   policy_chosen, policy_rejected, preference_accuracy(policy_chosen, policy_rejected),
                   preference_accuracy(ref_chosen, ref_rejected), torch.ones_like(losses))
         w = eval_weights(batch, losses.shape[0], losses.device)  # 0 for a rank's padding repeats
