@@ -227,8 +227,8 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
                                                               output_path, seed, local_rank, reload)
             table, skips, cut = encode_records(raw, records, tokenizer, settings)
             parts[split_name].append(table)
-            report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips), "cut": cut,
-                           "of": len(data), "data_split": None if split is None else str(split)})
+            report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips),
+                           "cut": cut, "of": len(data), "data_split": None if split is None else str(split)})
     save_cache(folder, blend(parts["train"], seed, settings.train_phase),
                blend(parts["eval"], seed, settings.train_phase), report)
 

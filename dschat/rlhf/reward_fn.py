@@ -3,8 +3,9 @@ function itself).
 
 The function is called as ``fn(prompts, answers, **extra_columns)`` with lists of strings (and lists of the
 dataset's extra column values), or, when it has a parameter named ``completions``, as TRL calls reward functions:
-``fn(prompts=..., completions=..., **extra_columns)``; it returns one float per answer (``call_arguments``). A raised exception or a non-finite value stops
-the run with the prompt that caused it: a silent 0 would train the policy on a wrong reward.
+``fn(prompts=..., completions=..., **extra_columns)`` (``call_arguments``); it returns one float per answer. A raised
+exception or a non-finite value stops the run with the prompt that caused it: a silent 0 would train the policy on a
+wrong reward.
 """
 import collections.abc
 import importlib
@@ -133,8 +134,8 @@ def call_arguments(fn, prompts, answers, columns):
         taken = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
         args, how = (prompts, answers), "fn(prompts, answers, **columns)"
     renamed = sorted(set(columns) & set(taken))
-    if renamed and (fn, tuple(renamed)) not in _RENAMED_SAID:
-        _RENAMED_SAID.add((fn, tuple(renamed)))
+    if renamed and (id(fn), tuple(renamed)) not in _RENAMED_SAID:  # (id: a callable object may be unhashable)
+        _RENAMED_SAID.add((id(fn), tuple(renamed)))
         print_rank_0(f"[reward_fn] the data's column(s) {', '.join(renamed)} come to {getattr(fn, '__name__', fn)!r} "
                      f"as {', '.join('extra_' + n for n in renamed)}: it is called as {how}")
     kwargs = {f"extra_{k}" if k in renamed else k: v for k, v in columns.items()}

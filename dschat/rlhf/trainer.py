@@ -251,7 +251,8 @@ class DeepSpeedPPOTrainer:
         if self.reward_fn is not None:
             from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
 
-            prompts = batch.get("prompt_text") or prompt_texts(self.tokenizer, batch["prompt"], batch["prompt_att_mask"])
+            prompts = batch.get("prompt_text") or prompt_texts(self.tokenizer, batch["prompt"],
+                                                               batch["prompt_att_mask"])
             texts = [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip()
                      for row, m in zip(answers, action_mask)]
             fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))
