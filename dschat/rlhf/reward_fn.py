@@ -94,7 +94,7 @@ def call_reward_fn(fn, prompts, answers, extras=None):
     name = f"--reward_fn {getattr(fn, '__name__', fn)!r}"
     args, kwargs, how = call_arguments(fn, list(prompts), list(answers), extras or {})
     try:
-        inspect.signature(fn).bind(*args, **kwargs)
+        _signature(fn).bind(*args, **kwargs)
     except TypeError as ex:
         raise UsageError(f"{name} cannot be called as {how}: {ex}") from None
     try:
@@ -121,13 +121,22 @@ def call_reward_fn(fn, prompts, answers, extras=None):
 _RENAMED_SAID = set()
 
 
+def _signature(fn):
+    """``fn``'s signature; one that Python cannot read (some C callables) as ``(*args, **kwargs)``: called with all."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                                  inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+
+
 def call_arguments(fn, prompts, answers, columns):
     """(args, kwargs, how) ``fn`` is called with. A function with a parameter named ``completions`` is called as TRL
     calls its reward functions, by keyword: ``fn(prompts=, completions=, **columns)``; any other as DeepSpeed-Chat-style
     code expects, ``fn(prompts, answers, **columns)``. A column named as one of those two arguments comes as
     ``extra_<name>`` (said once); columns the function has no parameter for are left out, unless it takes
     ``**kwargs``."""
-    params = inspect.signature(fn).parameters
+    params = _signature(fn).parameters
     if "completions" in params:
         taken, args, how = ("prompts", "completions"), (), "fn(prompts=, completions=, **columns) (TRL's way)"
     else:
