@@ -243,8 +243,9 @@ def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
 def test_trl_prompt_completion_records_read_the_completion_as_the_answer(tmp_path):
     """TRL's SFT format: it was "has prompts but no answers", usable in step 3 only."""
     user = {"role": "user", "content": "Name a color."}
+    answer = {"role": "assistant", "content": "Blue."}
     for name, records in (("plain", [{"prompt": "Name a color.", "completion": " Blue."}] * 2),
-                          ("chat", [{"prompt": [user], "completion": [{"role": "assistant", "content": "Blue."}]}] * 2)):
+                          ("chat", [{"prompt": [user], "completion": [answer]}] * 2)):
         path = write_records(records, tmp_path / f"{name}.jsonl", "jsonl")
         adapter = raw(f"{path},{path}", tmp_path)
         adapter.check_usable(1)
@@ -300,7 +301,8 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
         raw(str(path), tmp_path)
     assert issubclass(DatasetFormatError, ValueError)
     path.write_text('{"prompt": "x\n')  # json's message ends in "at": said once
-    with pytest.raises(DatasetFormatError, match=rf"line 1: invalid JSON \(Unterminated string starting at column 12\)"):
+    with pytest.raises(DatasetFormatError,
+                       match=r"line 1: invalid JSON \(Unterminated string starting at column 12\)"):
         raw(str(path), tmp_path)
 
 

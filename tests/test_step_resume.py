@@ -125,7 +125,8 @@ def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_o
 ADVICE_STEP_1 = r"to resume from checkpoint step_0000001, write \{\"tag\": \"step_0000001\"\} into .*latest"
 
 
-@pytest.mark.parametrize("damaged", ["model/step_0000002/mp_rank_00_model_states.pt", "trainer/step_0000002/rng_rank0.pt",
+@pytest.mark.parametrize("damaged", ["model/step_0000002/mp_rank_00_model_states.pt",
+                                     "trainer/step_0000002/rng_rank0.pt",
                                      "model/step_0000002/mp_rank_00_model_states.pt:removed",
                                      "trainer/step_0000002/state.json"])
 def test_a_damaged_checkpoint_is_an_error_naming_it_and_the_earlier_one_resumes(damaged, tmp_path, distributed,
@@ -161,7 +162,8 @@ def test_a_missing_or_damaged_latest_pointer_is_an_error_and_keeps_the_checkpoin
     root = tmp_path / "rm" / "checkpoints"
     advice = r"to resume from checkpoint step_0000002, write \{\"tag\": \"step_0000002\"\} into .*latest"
     (root / "latest").unlink()
-    with pytest.raises(UsageError, match=rf"holds checkpoints step_0000001, step_0000002 and no latest pointer.*{advice}"):
+    with pytest.raises(UsageError,
+                       match=rf"holds checkpoints step_0000001, step_0000002 and no latest pointer.*{advice}"):
         reward.main([*common, "--resume"])
     (root / "latest").write_text('{"tag": "step_00')
     with pytest.raises(UsageError, match=rf"and a damaged latest pointer.*{advice}"):

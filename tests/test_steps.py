@@ -461,8 +461,9 @@ def test_a_model_folder_that_is_not_there_is_an_error_naming_the_flag(tmp_path, 
     assert not (tmp_path / "out").exists(), "no step may have run"
     with pytest.raises(MissingInputError, match=f"--model_name_or_path {missing}: no such folder"):
         sft.main(["--model_name_or_path", missing, "--output_dir", str(tmp_path / "sft")])
+    # not a minute of hub retries
     with pytest.raises(MissingInputError, match=r"--model_name_or_path tiny-opt2: no such tiny preset \(they are "
-                                                r"tiny-llama, tiny-opt, .*\) nor folder"):  # not a minute of hub retries
+                                                r"tiny-llama, tiny-opt, .*\) nor folder"):
         sft.main(["--model_name_or_path", "tiny-opt2", "--output_dir", str(tmp_path / "sft")])
     args = _train_py_args("--actor-model", "tiny-lama", "--output-dir", str(tmp_path / "out"))
     with pytest.raises(MissingInputError, match=r"--actor-model tiny-lama: no such tiny preset"):
