@@ -132,4 +132,4 @@ def main(argv=None):
 if __name__ == "__main__":
     from dschat.utils.cli import run_entry_point
 
-    run_entry_point(main)
+    run_entry_point(main, resumable=True)

@@ -379,9 +379,10 @@ def _as_given_on_a_command_line(name, value):
     """A notebook's ``pathlib.Path`` (also in a list) as the string a command line gives; a datasets object (TRL's
     ``train_dataset=`` habit) is an error saying how to pass it."""
     items = value if isinstance(value, (list, tuple)) else [value]
-    if any(hasattr(item, "save_to_disk") for item in items):
-        raise UsageError(f"{name}: a {type(items[0]).__name__} object; the steps read data by name or path: save it "
-                         f"with .save_to_disk(FOLDER) and give the folder (or jsonl:PATH, ...)")
+    datasets = [item for item in items if hasattr(item, "save_to_disk")]
+    if datasets:
+        raise UsageError(f"{name}: a {type(datasets[0]).__name__} object; the steps read data by name or path: save "
+                         f"it with .save_to_disk(FOLDER) and give the folder (or jsonl:PATH, ...)")
     plain = [os.fspath(item) if isinstance(item, os.PathLike) else item for item in items]
     return plain if isinstance(value, (list, tuple)) else plain[0]
 

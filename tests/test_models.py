@@ -193,6 +193,10 @@ def test_a_truncated_weights_file_is_an_error_naming_the_folder(damaged, tmp_pat
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     with pytest.raises(UsageError, match=rf"{tmp_path / 'lm'}: its weights cannot be read \((OSError|RuntimeError)"):
         load_causal_lm(str(tmp_path / "lm"), None)
+    weights.unlink()  # no weights at all: transformers' own error, not "damaged"
+    with pytest.raises(OSError, match="no file named") as raised:
+        load_causal_lm(str(tmp_path / "lm"), None)
+    assert not isinstance(raised.value, UsageError)
 
 
 @pytest.mark.parametrize("family", [*sorted(CONFIGS), "gpt_neox"])

@@ -341,9 +341,11 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     assert capsys.readouterr().err == "error: rank 0 stopped: another rank failed (its error is above)\n"
     with pytest.raises(RuntimeError, match="a bug"):
         run_entry_point(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
-    with pytest.raises(SystemExit) as exit_:  # Ctrl-C: one line (on rank 0), not a traceback on every rank
-        run_entry_point(lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
-    assert exit_.value.code == 130 and capsys.readouterr().err.startswith("error: interrupted (a training step")
+    for resumable, said in ((True, "error: interrupted (with --save_interval, --resume continues from the last "
+                                   "checkpoint)\n"), (False, "error: interrupted\n")):
+        with pytest.raises(SystemExit) as exit_:  # Ctrl-C: one line (on rank 0), not a traceback on every rank
+            run_entry_point(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), resumable=resumable)
+        assert exit_.value.code == 130 and capsys.readouterr().err == said
     monkeypatch.setenv("DSCHAT_TRACEBACK", "1")
     with pytest.raises(UsageError):
         run_entry_point(bad_flag)

@@ -466,6 +466,16 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
     assert f"--pairs_file json:{project / 'data' / 'train.json'},{project / 'data' / 'eval.json'} (its --data_path)" \
         in out and "2 records of json:" in out and "(its eval part)" in out
     assert held_out["pairs"] == result["pairs"]
+    # its field names go with its file; and "tiny" names the embedded pairs
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text("".join(json.dumps({"q": p["prompt"], "good": p["chosen"], "bad": p["rejected"]}) + "\n"
+                               for p in pairs))
+    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "flags": {
+        "data_path": [f"jsonl:{renamed}"], "data_fields": "prompt=q,chosen=good,rejected=bad"}}))
+    assert rw_eval.main(["--model_name_or_path", str(trained)])["pairs"] == result["pairs"]
+    assert "--data_fields prompt=q,chosen=good,rejected=bad" in capsys.readouterr().out
+    embedded = rw_eval.main(["--model_name_or_path", str(trained), "--pairs_file", "tiny", "--num_pairs", "3"])
+    assert len(embedded["pairs"]) == 3
 
 
 def test_rw_eval_counts_records_without_a_rejected_answer_and_checks_its_flags(models, tmp_path, capsys):

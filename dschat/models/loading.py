@@ -73,7 +73,7 @@ def readable_weights(folder):
         # (an OSError of a local folder's file too: torch's reader of a cut .bin; a hub name's is hub_load's)
         reason = unreadable_file_reason(error, (SafetensorError, OSError) if os.path.isdir(folder) else
                                         (SafetensorError,))
-        if reason is None:
+        if reason is None or "no file named" in str(error):  # (no weights at all: transformers says so itself)
             raise
         raise UsageError(f"{folder}: its weights cannot be read ({reason}); a weights file there is damaged or was "
                          f"copied in part: restore the folder, or save the model again") from error

@@ -36,7 +36,7 @@ def load_records(path, data_fields=None, limit=None):
                                    resolve_local_spec)
     from dschat.data.raw_datasets import TINY_NAME
 
-    spec = EVAL_FILE if str(path) == TINY_NAME else str(path)
+    spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
     source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec)
     if source is None:
         raise MissingInputError(f"no data file at {path}")

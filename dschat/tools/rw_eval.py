@@ -117,7 +117,7 @@ def build_parser():
                         help="The step-2 folder (or a run's output folder, which uses its step2_rm).")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--pairs_file", help="Local data with prompt/chosen/rejected (any format training accepts; "
-                                             "its eval part where it has one; tiny: the embedded held-out pairs). "
+                                             "its eval file where it has one, else all of it; tiny: the embedded held-out pairs). "
                                              "Default: the step-2 run's local --data_path, else tiny.")
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
@@ -137,8 +137,8 @@ def build_parser():
 def take_step2_settings(args, path):
     """--max_seq_len (not given) and --add_eot_token as the step-2 run that wrote ``path`` trained with (its
     training_args.json), so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt,
-    its one local --data_path (its held-out part where it has one), not the embedded pairs. Each said; without a
-    record, 512 and the embedded pairs."""
+    its one local --data_path (its eval file where it has one) and --data_fields, not the embedded pairs. Each said;
+    without a record, 512 and the embedded pairs."""
     from dschat.data.pipeline import as_list
     from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME, anchored_spec
     from dschat.steps.common import RUN_ARGS_FILE, read_run_args
@@ -156,6 +156,9 @@ def take_step2_settings(args, path):
     if args.pairs_file is None and args.prompt is None and len(data) == 1 and data[0] not in (*HUB_DATASETS, TINY_NAME):
         args.pairs_file = anchored_spec(data[0], run.get("cwd"))
         taken.append(f"--pairs_file {args.pairs_file} (its --data_path)")
+        if not args.data_fields and trained.get("data_fields"):  # its field names go with its file
+            args.data_fields = trained["data_fields"]
+            taken.append(f"--data_fields {args.data_fields}")
     if taken:
         print(f"[rw_eval] {' '.join(taken)}: step 2's ({os.path.join(path, RUN_ARGS_FILE)}; flags given here win)")
 

@@ -6,7 +6,9 @@ import os
 import sys
 
 
-def run_entry_point(main):
+def run_entry_point(main, resumable=False):
+    """``main()``, its usage errors, another rank's failure and Ctrl-C each ended with one line; ``resumable``: a
+    training entry point, whose Ctrl-C line says how to continue."""
     from dschat.errors import UsageError
 
     from dschat.utils.dist import get_rank, peer_failure
@@ -23,8 +25,8 @@ def run_entry_point(main):
         if traceback:
             raise
         if get_rank() == 0:
-            print("error: interrupted (a training step with --save_interval continues from its last checkpoint with "
-                  "--resume)", file=sys.stderr, flush=True)
+            hint = " (with --save_interval, --resume continues from the last checkpoint)" if resumable else ""
+            print(f"error: interrupted{hint}", file=sys.stderr, flush=True)
         sys.exit(130)
     except RuntimeError as error:  # another rank stopped: its error says why, this rank's traceback would bury it
         if traceback or not peer_failure(error):

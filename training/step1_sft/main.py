@@ -5,4 +5,4 @@ from dschat.steps.sft import main
 from dschat.utils.cli import run_entry_point
 
 if __name__ == "__main__":
-    run_entry_point(main)
+    run_entry_point(main, resumable=True)

@@ -4,4 +4,4 @@ from dschat.steps.reward import main
 from dschat.utils.cli import run_entry_point
 
 if __name__ == "__main__":
-    run_entry_point(main)
+    run_entry_point(main, resumable=True)
