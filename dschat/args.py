@@ -441,9 +441,14 @@ CRITIC_ONLY_FLAGS = ("critic_learning_rate", "critic_weight_decay", "critic_grad
                      "critic_lora_dim", "critic_lora_module_name", "critic_lora_learning_rate")
 
 
-def critic_only_flags(args, parser=None, names=CRITIC_ONLY_FLAGS):
-    """The flags ``names`` (default ``CRITIC_ONLY_FLAGS``) that ``args`` sets to other than the parser's default, as
-    written on the command line (``--critic_learning_rate 0.0005``)."""
+def critic_only_flags(args, parser=None):
+    """``given_flags`` of ``CRITIC_ONLY_FLAGS``."""
+    return given_flags(args, CRITIC_ONLY_FLAGS, parser)
+
+
+def given_flags(args, names, parser=None):
+    """The step-3 flags ``names`` that ``args`` sets to other than the parser's default, as written on the command
+    line (``--critic_learning_rate 0.0005``)."""
     parser = parser or step3_parser()
     first = {}
     for action in parser._actions:  # (--disable_critic_dropout shares --critic_dropout's value)

@@ -5,7 +5,7 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
-from dschat.args import check_sampling_flags, critic_only_flags, hybrid_engine_only_flags
+from dschat.args import check_sampling_flags, critic_only_flags, given_flags, hybrid_engine_only_flags
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
@@ -246,7 +246,7 @@ class DeepSpeedRLHFEngine:
         unread = [] if self.critic else critic_only_flags(args)
         if unread:  # (a DeepSpeed-Chat script switched to a critic-free estimator keeps them)
             print_rank_0(f"[step3] {', '.join(unread)}: the critic's only, and no critic is trained; ignored")
-        path = [] if self.critic or self.reward else critic_only_flags(args, names=("critic_model_name_or_path",))
+        path = [] if self.critic or self.reward else given_flags(args, ("critic_model_name_or_path",))
         if path:  # (the reward model's default path too)
             print_rank_0(f"[step3] {path[0]}: neither a critic nor a reward model is built (--advantage_estimator "
                          f"{args.advantage_estimator}, --reward_model_weight 0); not loaded")

@@ -128,7 +128,8 @@ class DeepSpeedPPOTrainer:
         if self.rlhf_engine is None:
             raise TypeError("DeepSpeedPPOTrainer needs the DeepSpeedRLHFEngine (rlhf_engine= or engine=)")
         self.args = args = step3_args(args if args is not None else self.rlhf_engine.args)
-        check_settings(args)  # (settings of its own: checked as the engine's were)
+        if args is not getattr(self.rlhf_engine, "args", None):  # settings of its own: checked as the engine's were
+            check_settings(args)
         e = self.rlhf_engine
         self.actor_model, self.ref_model, self.critic_model, self.reward_model = e.actor, e.ref, e.critic, e.reward
         self.actor_ema = e.actor_ema

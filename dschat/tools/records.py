@@ -3,6 +3,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from dschat.data.formatting import parse_transcript
+from dschat.data.raw_datasets import TINY_NAME
 from dschat.errors import MissingInputError
 from dschat.tiny import EVAL_FILE
 
@@ -34,7 +35,6 @@ def load_records(path, data_fields=None, limit=None):
     """
     from dschat.data.local import (LOCAL_JSONFILE, LocalDataset, local_jsonfile_source, parse_field_map,
                                    resolve_local_spec)
-    from dschat.data.raw_datasets import TINY_NAME
 
     spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
     source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec)
@@ -49,4 +49,4 @@ def load_records(path, data_fields=None, limit=None):
 
 def tiny_held_out_records(limit=None):
     """The embedded data's held-out records (never trained on by any step)."""
-    return load_records(EVAL_FILE, limit=limit)
+    return load_records(TINY_NAME, limit=limit)

@@ -117,8 +117,9 @@ def build_parser():
                         help="The step-2 folder (or a run's output folder, which uses its step2_rm).")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--pairs_file", help="Local data with prompt/chosen/rejected (any format training accepts; "
-                                             "its eval file where it has one, else all of it; tiny: the embedded held-out pairs). "
-                                             "Default: the step-2 run's local --data_path, else tiny.")
+                                             "its eval file where it has one, else all of it; tiny: the embedded "
+                                             "held-out pairs). Default: the step-2 run's local --data_path, else "
+                                             "tiny.")
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dschat.errors import UsageError
-from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, peer_failure, print_rank_0
+from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
 from dschat.utils.files import read_json_object, unreadable_file_reason, write_json_atomic
 
 LATEST = "latest"
@@ -155,7 +155,7 @@ def reading(root, tag):
     except UsageError:
         raise
     except Exception as error:
-        reason = None if peer_failure(error) else unreadable_file_reason(error, DEEPSPEED_LOAD_FAILURES)
+        reason = unreadable_file_reason(error, DEEPSPEED_LOAD_FAILURES)  # (not another rank's failure: no file's)
         if reason is None:
             raise
         raise UsageError(f"--resume: checkpoint {tag} in {root} cannot be loaded ({reason}); a file of it is damaged "
