@@ -18,7 +18,7 @@ from dschat.tiny.presets import create_tiny_model
 from dschat.tiny.scorer import rule_score
 from dschat.tools import ppo_eval, prompt_eval, rw_eval
 from dschat.tools.chat import ChatSession, conversation_prompt, run_interactive
-from dschat.tools.common import find_policy_path, load_policy
+from dschat.tools.common import find_policy_path, load_policy, parse_with_run_defaults
 from dschat.tools.generation import decode_answers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -452,7 +452,8 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
     (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "flags": {"max_seq_len": 64}}))
     recorded = rw_eval.main(["--model_name_or_path", str(trained), "--pairs_file", str(pairs_file)])
     assert recorded["skipped"] == again["skipped"] and recorded["pairs"] == again["pairs"]
-    assert f"[rw_eval] --max_seq_len 64: step 2's ({trained / RUN_ARGS_FILE}" in capsys.readouterr().out
+    assert f"[rw_eval] from {trained / RUN_ARGS_FILE} (flags given here win): --max_seq_len 64" \
+        in capsys.readouterr().out
     # and its one local --data_path (DeepSpeed-Chat's local/jsonfile, read where step 2 ran): the eval part, not the
     # embedded pairs
     project = tmp_path / "project"
@@ -463,7 +464,7 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
                                                      "flags": {"max_seq_len": 64, "data_path": "local/jsonfile"}}))
     held_out = rw_eval.main(["--model_name_or_path", str(trained)])
     out = capsys.readouterr().out
-    assert f"--pairs_file json:{project / 'data' / 'train.json'},{project / 'data' / 'eval.json'} (its --data_path)" \
+    assert f"--pairs_file json:{project / 'data' / 'train.json'},{project / 'data' / 'eval.json'}" \
         in out and "2 records of json:" in out and "(its eval part)" in out
     assert held_out["pairs"] == result["pairs"]
     # its field names go with its file; and "tiny" names the embedded pairs
@@ -495,6 +496,24 @@ def test_rw_eval_counts_records_without_a_rejected_answer_and_checks_its_flags(m
     with pytest.raises(UsageError, match="--max_seq_len = 2000 tokens.*512 learned positions"):
         rw_eval.main(["--model_name_or_path", gpt2_models(tmp_path)[1], "--prompt", "Say hi.", "--answer", "hi",
                       "--max_seq_len", "2000"])
+
+
+def test_a_tools_run_defaults_fill_only_the_flags_not_given_and_are_said(capsys):
+    """rw_eval and ppo_eval take the settings of the run that wrote the model: flags given win, and the line lists
+    only what was taken (not a run's value that a given flag overrides, nor one equal to the tool's own default)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--a", type=int, default=1)
+    parser.add_argument("--b", default="x")
+    parser.add_argument("--c", action="store_true")
+    parser.add_argument("--d", default="same")
+    run = {"a": 7, "b": "y", "c": True, "d": "same"}
+    args = parse_with_run_defaults(parser, ["--a", "5"], lambda given: (run, "run/training_args.json"), "tool")
+    assert (args.a, args.b, args.c, args.d) == (5, "y", True, "same")
+    assert capsys.readouterr().out == "[tool] from run/training_args.json (flags given here win): --b y --c\n"
+    plain = parse_with_run_defaults(argparse.ArgumentParser(), [], lambda given: ({}, None), "tool")
+    assert vars(plain) == {} and capsys.readouterr().out == ""
 
 
 # --- step 3: ppo_eval ---

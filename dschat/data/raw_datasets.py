@@ -313,6 +313,13 @@ def anchored_spec(spec, folder):
     return (f"{kind}:" if kind else "") + ",".join(anchored)
 
 
+def anchored_data_path(specs, folder):
+    """A run's ``--data_path`` (one spec or a list, kept so) with each spec ``anchored_spec``'d to ``folder``."""
+    if isinstance(specs, str):
+        return anchored_spec(specs, folder)
+    return [anchored_spec(spec, folder) for spec in specs]
+
+
 def check_data_paths(*spec_lists):
     """Every spec names a known dataset or a local file or folder that is there: checked before any model loads (and
     by train.py before step 1 runs), not when the step reaches its data. Loads nothing."""

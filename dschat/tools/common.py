@@ -69,6 +69,22 @@ def find_reward_model_path(path):
     return _model_folder(path, REWARD_SUBFOLDERS)
 
 
+def parse_with_run_defaults(parser, argv, run_defaults, tool):
+    """``argv`` parsed with the settings of the run that wrote the model as the defaults of the flags not given (flags
+    given here win), said in one line. ``run_defaults(args)`` gives ({dest: value}, the training_args.json they come
+    from) for the arguments parsed without them ({} for none)."""
+    args = parser.parse_args(argv)
+    defaults, source = run_defaults(args)
+    taken = {name: value for name, value in defaults.items()
+             if getattr(args, name) == parser.get_default(name) != value}
+    if not taken:
+        return args
+    parser.set_defaults(**taken)
+    flags = [f"--{name}" if value is True else f"--{name} {value}" for name, value in taken.items()]
+    print(f"[{tool}] from {source} (flags given here win): {' '.join(flags)}")
+    return parser.parse_args(argv)
+
+
 def default_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -12,8 +12,7 @@ import os
 from types import SimpleNamespace
 
 from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of
-from dschat.data.pipeline import as_list
-from dschat.data.raw_datasets import anchored_spec
+from dschat.data.raw_datasets import anchored_data_path
 from dschat.models.loading import check_sequence_fits
 from dschat.errors import UsageError
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
@@ -22,7 +21,7 @@ from dschat.run_layout import PPO_DIR, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
-                                 flag_path, load_policy, load_scoring_reward_model)
+                                 flag_path, load_policy, load_scoring_reward_model, parse_with_run_defaults)
 from dschat.utils.files import path_under
 
 
@@ -137,11 +136,12 @@ STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_o
                     "per_device_generation_batch_size", "add_eot_token")
 
 
-def step3_run_defaults(policy_path):
-    """(this tool's defaults from the step-3 run that wrote ``policy_path``, the folder they come from), else
-    (None, None). A run folder's SFT model takes its step 3's, as the same prompts are what it is compared on."""
+def step3_run_defaults(args):
+    """(this tool's defaults from the step-3 run that wrote the policy, the training_args.json they come from), else
+    ({}, None). A run folder's SFT model takes its step 3's, as the same prompts are what it is compared on."""
+    policy_path = flag_path("--policy", find_policy_path, args.policy)
     if not os.path.isdir(policy_path):  # a hub name: no run of ours
-        return None, None
+        return {}, None
     policy = os.path.abspath(policy_path)
     policy_dir = os.path.dirname(policy)
     # (only the SFT model borrows its sibling step 3's: a DPO policy beside an older PPO run was not trained there)
@@ -151,19 +151,17 @@ def step3_run_defaults(policy_path):
         if run is not None:
             break
     else:
-        return None, None
+        return {}, None
     flags = run["flags"]
     defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
-    if "data_path" in defaults and run.get("cwd"):  # the files step 3 read, from whatever folder this runs in
-        specs = defaults["data_path"]
-        anchored = [anchored_spec(spec, run["cwd"]) for spec in as_list(specs)]
-        defaults["data_path"] = anchored[0] if isinstance(specs, str) else anchored
+    if "data_path" in defaults:  # the files step 3 read, from whatever folder this runs in
+        defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
     defaults.update(run_reward_sources(flags, run.get("cwd")))
     defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
                                                  flags.get("per_device_generation_batch_size", 16),
                                                  run.get("world_size", 1))
     defaults["max_new_tokens"] = flags.get("eval_max_new_tokens") or flags.get("max_answer_seq_len", 256)
-    return defaults, folder
+    return defaults, os.path.join(folder, RUN_ARGS_FILE)
 
 
 def run_reward_sources(flags, cwd):
@@ -194,16 +192,8 @@ def step3_eval_prompts(eval_prompts, batch, world_size):
 def parse_args(argv=None):
     """The flags; those not given default to the policy's step-3 run's (said), so that the same prompts are scored
     the same way as in its before/after-PPO evaluation."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    policy = flag_path("--policy", find_policy_path, args.policy)
-    defaults, folder = step3_run_defaults(policy)
-    if defaults:
-        parser.set_defaults(**defaults)
-        args = parser.parse_args(argv)
-        print(f"[ppo_eval] defaults from step 3's run ({os.path.join(folder, RUN_ARGS_FILE)}; flags given here win): "
-              + " ".join(f"--{name} {value}" for name, value in sorted(defaults.items())))
-    args.policy = policy  # the model folder (a run's folder resolved once)
+    args = parse_with_run_defaults(build_parser(), argv, step3_run_defaults, "ppo_eval")
+    args.policy = flag_path("--policy", find_policy_path, args.policy)  # the model folder (a run's folder resolved)
     return args
 
 

@@ -14,7 +14,8 @@ from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
-from dschat.tools.common import add_loading_args, find_reward_model_path, flag_path, load_scoring_reward_model
+from dschat.tools.common import (add_loading_args, find_reward_model_path, flag_path, load_scoring_reward_model,
+                                 parse_with_run_defaults)
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
@@ -135,49 +136,52 @@ def build_parser():
     return parser
 
 
-def take_step2_settings(args, path):
-    """--max_seq_len (not given) and --add_eot_token as the step-2 run that wrote ``path`` trained with (its
-    training_args.json), so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt,
-    its one local --data_path (its eval file where it has one) and --data_fields, not the embedded pairs. Each said;
-    without a record, 512 and the embedded pairs."""
+def step2_run_defaults(args):
+    """--max_seq_len and --add_eot_token as the step-2 run that wrote the model trained with (its training_args.json),
+    so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt, its one local
+    --data_path (its eval file where it has one) with its --data_fields, not the embedded pairs."""
     from dschat.data.pipeline import as_list
-    from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME, anchored_spec
+    from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME, anchored_data_path
     from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 
-    run = read_run_args(path, "step2") or {}
-    trained = run.get("flags", {})
-    taken = []
-    if args.max_seq_len is None:
-        args.max_seq_len = trained.get("max_seq_len") or 512
-        taken += [f"--max_seq_len {args.max_seq_len}"] if trained.get("max_seq_len") else []
-    if not args.add_eot_token and trained.get("add_eot_token"):
-        args.add_eot_token = True
-        taken.append("--add_eot_token")
-    data = as_list(trained.get("data_path") or [])
+    path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
+    run = read_run_args(path, "step2")
+    if run is None:
+        return {}, None
+    trained = run["flags"]
+    defaults = {name: trained[name] for name in ("max_seq_len", "add_eot_token") if trained.get(name)}
+    data = as_list(anchored_data_path(trained.get("data_path") or [], run.get("cwd")))
     if args.pairs_file is None and args.prompt is None and len(data) == 1 and data[0] not in (*HUB_DATASETS, TINY_NAME):
-        args.pairs_file = anchored_spec(data[0], run.get("cwd"))
-        taken.append(f"--pairs_file {args.pairs_file} (its --data_path)")
-        if not args.data_fields and trained.get("data_fields"):  # its field names go with its file
-            args.data_fields = trained["data_fields"]
-            taken.append(f"--data_fields {args.data_fields}")
-    if taken:
-        print(f"[rw_eval] {' '.join(taken)}: step 2's ({os.path.join(path, RUN_ARGS_FILE)}; flags given here win)")
+        defaults["pairs_file"] = data[0]
+        if trained.get("data_fields"):  # its field names go with its file
+            defaults["data_fields"] = trained["data_fields"]
+    return defaults, os.path.join(path, RUN_ARGS_FILE)
 
 
-def main(argv=None):
-    """Print the scores; returns {"scores"} for --prompt, else the pair results and accuracy."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def check_message_flags(parser, args):
     if args.prompt is not None and not args.prompt.strip():
         parser.error("--prompt: the prompt is empty")
     if any(not answer.strip() for answer in args.answer):
         parser.error("--answer: an answer is empty")
     if (args.prompt is None) != (not args.answer):
         parser.error("--prompt and --answer go together")
+
+
+def parse_args(argv=None):
+    """(the flags, those not given as the model's step-2 run trained, the parser)."""
+    parser = build_parser()
+    check_message_flags(parser, parser.parse_args(argv))  # before the model folder is looked at
+    args = parse_with_run_defaults(parser, argv, step2_run_defaults, "rw_eval")
+    args.max_seq_len = args.max_seq_len or 512
+    return args, parser
+
+
+def main(argv=None):
+    """Print the scores; returns {"scores"} for --prompt, else the pair results and accuracy."""
+    args, parser = parse_args(argv)
     from dschat.models.loading import check_sequence_fits, load_tokenizer
 
     path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
-    take_step2_settings(args, path)
     records = None if args.prompt else (  # read (and checked) before the model loads
         load_records(args.pairs_file, args.data_fields, args.num_pairs or None) if args.pairs_file
         else tiny_held_out_records(args.num_pairs or None))
