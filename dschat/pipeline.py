@@ -157,6 +157,8 @@ def check_step_args(steps, args, tiny, parsers):
         if step == 3:
             # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from
             check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None)
+            if steps != [3]:  # step 3 alone counts its prompts at once; after other steps, it would count them late
+                check_step3_prompts(step3_args(flags), get_world_size())
         else:
             check_supervised_settings(flags, phase=step)
     for step, (flags, _) in parsed.items():
@@ -192,6 +194,17 @@ def _without_extra(args, step):
     plain = copy.copy(args)
     setattr(plain, f"step{step}_args", "")
     return plain
+
+
+def check_step3_prompts(flags, world_size):
+    """Step 3's local data makes at least one iteration, read before step 1 trains (its phase-3 share, counted
+    before the encoding skips any record: a bound; hub data is counted by step 3)."""
+    from dschat.data.pipeline import phase_share_bound
+    from dschat.steps.ppo import check_prompts_make_an_iteration
+
+    bound = phase_share_bound(flags.data_path, flags.data_split, flags.seed, 3, flags.data_fields or None)
+    if bound is not None:
+        check_prompts_make_an_iteration(bound, flags, world_size, bound=True)
 
 
 def check_earlier_outputs(step, steps, args, parsed):

@@ -491,6 +491,33 @@ def test_train_py_checks_every_steps_data_paths_before_the_first_step_runs(tmp_p
         assert not out.exists(), "no step may have run"
 
 
+def test_train_py_finds_too_few_step3_prompts_before_step_1(tmp_path, distributed, monkeypatch):
+    """Step 3's share of local data that cannot fill one iteration is found before steps 1 and 2 train (a bound:
+    the records before any is skipped), not after them; enough prompts pass."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": "Yes.", "rejected": "No."}) + "\n"
+                            for i in range(40)))
+    out = tmp_path / "out"
+    # 40 records: 36 train (9:1), a third of them (12) step 3's; an iteration takes 8 x 2
+    argv = ["--output-dir", str(out), "--data-path", f"jsonl:{data}", "--step3-args",
+            "--data_split 1,1,1 --per_device_generation_batch_size 8 --generation_batches 2"]
+    with pytest.raises(UsageError, match=r"step3: at most 12 training prompts make no iteration: one takes "
+                                         r"--per_device_generation_batch_size 8 x --generation_batches 2 x 1 rank"
+                                         r".*found before step 1 runs"):
+        pipeline.run_pipeline(_train_py_args(*argv))
+    assert not out.exists(), "no step may have run"
+
+    class Ran(Exception):
+        pass
+
+    monkeypatch.setattr(pipeline, "run_step", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args(*argv[:-1], argv[-1].replace("--generation_batches 2", "")))
+
+
 def test_train_py_says_the_tiny_recipe_applies_to_own_data(tmp_path, distributed, monkeypatch, capsys):
     from dschat import pipeline
 
@@ -499,7 +526,7 @@ def test_train_py_says_the_tiny_recipe_applies_to_own_data(tmp_path, distributed
 
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": "Yes.", "rejected": "No."}) + "\n"
-                            for i in range(8)))
+                            for i in range(400)))
     monkeypatch.setattr(pipeline, "run_step", lambda *a, **k: (_ for _ in ()).throw(Ran()))
     with pytest.raises(Ran):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--data-path", f"jsonl:{data}"))

@@ -44,7 +44,7 @@ from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
 from .local import LocalSource, checked_field_options, parse_field_map
 from .raw_datasets import get_raw_dataset, resolve_dataset_spec
-from .splits import get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
+from .splits import compute_split_indices, get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
 
 TOKENIZE_BATCH = 1000
 META_FILE = "meta.json"
@@ -168,6 +168,20 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     train, eval_ = load_cached(folder, train_phase, built)
     _print_skip_report(local_rank, train, eval_)
     return train, eval_
+
+
+def phase_share_bound(data_path, data_split, seed, train_phase, data_fields=None):
+    """How many training records ``train_phase``'s share of ``data_path`` holds, read without encoding any (records
+    skipped while encoding come off it: a bound); None when a hub dataset is among them (train.py's pre-flight reads
+    no hub data; the step counts it when it runs)."""
+    specs = as_list(data_path)
+    if any(isinstance(resolve_dataset_spec(spec), type) for spec in specs):
+        return None
+    total = 0
+    for spec in specs:
+        raw = get_raw_dataset(spec, None, seed, -1, **_field_options(data_fields))
+        total += len(compute_split_indices(seed, data_split, len(raw.get_train_data()))[train_phase - 1])
+    return total
 
 
 def as_list(paths):

@@ -44,6 +44,19 @@ def prompt_loaders(args, tokenizer):
     return build_dataloaders(train, held_out, collator, batch, batch, args.seed, drop_last=True)
 
 
+def check_prompts_make_an_iteration(prompts, args, world_size, bound=False):
+    """Each rank's share of ``prompts`` (padded to equal shares, as DistributedSampler does) must fill
+    --generation_batches whole batches (drop_last), or step 3 trains nothing. ``bound``: ``prompts`` is an upper bound
+    read before the data was encoded (train.py's pre-flight, before step 1)."""
+    per_rank = -(-prompts // world_size)
+    if per_rank // args.per_device_generation_batch_size // args.generation_batches == 0:
+        raise UsageError(
+            f"step3: {'at most ' if bound else ''}{prompts} training prompts make no iteration: one takes "
+            f"--per_device_generation_batch_size {args.per_device_generation_batch_size} x --generation_batches "
+            f"{args.generation_batches} x {world_size} rank(s); give more prompts (for step 3: --data_split) or a "
+            "smaller batch" + (" (found before step 1 runs, from the phase-3 share of --data_path)" if bound else ""))
+
+
 def unsupervised_loader(args, tokenizer):
     if not args.unsupervised_dataset_name:
         return None
@@ -161,12 +174,8 @@ def main(args=None):
     train_loader, eval_loader = prompt_loaders(args, tokenizer)
     unsup_loader = unsupervised_loader(args, tokenizer)
     check_accumulation(args)
+    check_prompts_make_an_iteration(len(train_loader.dataset), args, get_world_size())
     iters_per_epoch = len(train_loader) // args.generation_batches
-    if iters_per_epoch == 0:  # drop_last: fewer prompts than one iteration takes would train nothing
-        raise UsageError(
-            f"step3: {len(train_loader.dataset)} training prompts make no iteration: one takes "
-            f"--per_device_generation_batch_size {args.per_device_generation_batch_size} x --generation_batches "
-            f"{args.generation_batches} x {get_world_size()} rank(s); give more prompts or a smaller batch")
     usable_batches = iters_per_epoch * args.generation_batches
     # the prompts of no whole iteration (batches of the last one, and those short of a batch): said, not generated
     prompts, used = len(train_loader.dataset), usable_batches * args.per_device_generation_batch_size * get_world_size()
