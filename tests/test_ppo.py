@@ -613,7 +613,12 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     log = tmp_path / "split" / "step3_log.jsonl"
     assert len(log.read_text().splitlines()) == 3
     log.write_text(log.read_text() + '{"iteration": 4, "rew')  # a line cut off when the run was killed
-    ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--resume", *common))
+    # the step's seconds count every process that ran it: the checkpoint's (made large here) and the resumed one's
+    state_file = tmp_path / "split" / "checkpoints" / "trainer" / "iter_0000002" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["seconds"] > 0
+    state_file.write_text(json.dumps({**state, "seconds": 1000.0}))
+    assert ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--resume", *common))["seconds"] > 1000
     full = [json.loads(x) for x in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
     split = [json.loads(x) for x in (tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in split] == [1, 2, 3, 4]

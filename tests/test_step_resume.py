@@ -60,7 +60,13 @@ def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(step, stop_step, tm
     # an interrupted run leaves no mark of a finished output (train.py --resume would skip the step)
     assert not (tmp_path / "split" / "metrics.json").exists()
     capsys.readouterr()
+    # the step's seconds count every process that ran it: the checkpoint's, made large here, and the resumed one's
+    state_file = tmp_path / "split" / "checkpoints" / "trainer" / f"step_{stop_step:07d}" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["seconds"] > 0
+    state_file.write_text(json.dumps({**state, "seconds": 1000.0}))
     resumed = main([*common, "--output_dir", str(tmp_path / "split"), "--resume"])
+    assert 1000.0 < resumed["seconds"] < 1000.0 + full["seconds"] * 5
     printed = capsys.readouterr().out
     assert f"resumed from step {stop_step}" in printed and "before training" not in printed
     assert "checkpointing every 3 steps, as the resumed run did" in printed

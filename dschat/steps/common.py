@@ -480,6 +480,12 @@ def supervised_ds_config(args, name, quiet=False):
                                 ignore=("hybrid_engine",), quiet=quiet)
 
 
+def seconds_so_far(started, checkpoint=None):
+    """A step's seconds over every process that ran it: this one's since ``started``, plus those counted up to the
+    checkpoint it resumed from (its "seconds"; the work lost after that checkpoint is not counted)."""
+    return (checkpoint or {}).get("seconds", 0.0) + time.time() - started
+
+
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
     from dschat.args import resolve_pad_to_multiple_of
@@ -524,9 +530,10 @@ def run_supervised_step(args, recipe):
         restart_deepspeed_tensorboard(engine)
     train_loss = run_training(engine, train_loader, recipe.loss_fn, evaluate, args, device, recipe.name,
                               total_steps, writer, throughput, position,
-                              save=lambda at: save_step_checkpoint(engine, args, at))
+                              save=lambda at: save_step_checkpoint(
+                                  engine, args, {**at, "seconds": seconds_so_far(started, position)}))
     metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **throughput.summary(), "steps": total_steps,
-               "seconds": time.time() - started}
+               "seconds": seconds_so_far(started, position)}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
     _scalars(writer, f"{recipe.name}/final", metrics, total_steps)
     recipe.save_fn(engine, tokenizer, args.output_dir)  # the engine: see checkpoint.settled_module

@@ -18,8 +18,8 @@ from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
-                                 reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval, setup_run,
-                                 tensorboard_writer, write_results)
+                                 reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval, seconds_so_far,
+                                 setup_run, tensorboard_writer, write_results)
 from dschat.utils.checkpoints import clear_earlier_run
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 
@@ -262,14 +262,15 @@ def main(args=None):
             if args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch, "batch": batch_index + 1,
                                                      "unsup_batches": unsup_batches, "eval_before": before,
-                                                     "save_interval": args.save_interval})
+                                                     "save_interval": args.save_interval,
+                                                     "seconds": seconds_so_far(started, checkpoint)})
         if iteration >= stop_at:
             break
     after = held_out_eval(trainer, eval_loader, args, device, scorer)
     print_rank_0(f"[step3] held-out after PPO: {_eval_line(after)}")
     save_models(trainer, args)
     metrics = {"iterations": iteration, "eval_before": before, "eval_after": after,
-               "seconds": time.time() - started}
+               "seconds": seconds_so_far(started, checkpoint)}
     write_results(args, metrics, "step3")
     return metrics
 

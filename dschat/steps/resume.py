@@ -44,11 +44,12 @@ def resume_flags(args):
 
 def save_step_checkpoint(engine, args, position, keep_last=2):
     """Every rank: the engine's states, this rank's RNG and train-loss sums under tag ``step_<N>``; ``position``:
-    {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's)}."""
+    {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's), and
+    "seconds" (the step's so far)}."""
     root = checkpoint_root(args)
     tag = f"step_{position['step']:07d}"
     engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
-    place = {key: position[key] for key in ("step", "epoch", "batch")}
+    place = {key: position[key] for key in ("step", "epoch", "batch", "seconds") if key in position}
     sums = {key: position[key] for key in ("loss_sum", "loss_count")}
     save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
                                    "inputs": input_runs(args)}, rank_state=sums)
