@@ -475,6 +475,23 @@ def test_a_model_folder_that_is_not_there_is_an_error_naming_the_flag(tmp_path, 
                                                "critic_model_name_or_path": missing}))
 
 
+def test_a_mistyped_step_folder_of_a_run_here_is_local_and_names_the_folder_meant(tmp_path, monkeypatch):
+    """"out/step1_sfft" beside out/step1_sft is a typo of a folder, not the hub model "step1_sfft" of an organisation
+    "out": one error at once (it was a hub lookup's retries, then transformers' error, from the notebook engine)."""
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import check_model_path, load_tokenizer, looks_local
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out" / "step1_sft").mkdir(parents=True)
+    (tmp_path / "org").mkdir()
+    assert looks_local("out/step1_sfft") and not looks_local("org/model")  # a folder named as an org: still a hub id
+    with pytest.raises(MissingInputError, match=r"--actor_model_name_or_path out/step1_sfft: no such folder \(did "
+                                                r"you mean out/step1_sft\?\)"):
+        check_model_path("out/step1_sfft", "--actor_model_name_or_path")
+    with pytest.raises(MissingInputError, match=r"^out/step1_sfft: no such folder \(did you mean out/step1_sft\?\)$"):
+        load_tokenizer("out/step1_sfft")
+
+
 def test_train_py_checks_every_steps_data_paths_before_the_first_step_runs(tmp_path, distributed):
     # a typo in step 3's (or step 1's --sft_only_data_path) data file must not cost the training of steps 1 and 2
     from dschat import pipeline

@@ -1,5 +1,6 @@
 """Loading tokenizers and HF causal LMs (hub names, local folders, or dschat's tiny presets)."""
 import contextlib
+import difflib
 import os
 
 import torch
@@ -43,12 +44,34 @@ def looks_local(path):
 
     path = str(path)
     return (os.path.isabs(path) or path.startswith(("./", "../")) or path.count("/") > 1
-            or not STEP_FOLDER_NAMES.isdisjoint(path.split("/")))
+            or not STEP_FOLDER_NAMES.isdisjoint(path.split("/")) or bool(run_folder_siblings(path)))
+
+
+def run_folder_siblings(path):
+    """The step folders beside ``path`` when its parent is a dschat run's output folder here ("out/step1_sfft": a
+    mistyped step folder, not the hub model "step1_sfft" of an organisation "out"); else []."""
+    from dschat.run_layout import STEP_FOLDER_NAMES
+
+    parent = os.path.dirname(str(path).rstrip("/"))
+    if not (parent and os.path.isdir(parent)):
+        return []
+    return sorted(name for name in STEP_FOLDER_NAMES if os.path.isdir(os.path.join(parent, name)))
+
+
+def missing_folder_message(path):
+    """"PATH: no such folder", with the step folder meant when ``path`` mistypes one beside it."""
+    path = str(path).rstrip("/")
+    close = difflib.get_close_matches(os.path.basename(path), run_folder_siblings(path), n=1)
+    return f"{path}: no such folder" + (f" (did you mean {os.path.join(os.path.dirname(path), close[0])}?)"
+                                        if close else "")
 
 
 def hub_load(loader, name_or_path, **kwargs):
     """``loader(name_or_path)``; a name that is no folder here and fails as a hub name too is said to be either: a
-    mistyped folder becomes, after the hub client's retries, one clear error instead of a hub traceback."""
+    mistyped folder becomes, after the hub client's retries, one clear error instead of a hub traceback (at once for
+    a name that is a local path, ``looks_local``)."""
+    if looks_local(name_or_path) and not os.path.exists(name_or_path):
+        raise MissingInputError(missing_folder_message(name_or_path))
     try:
         return loader(name_or_path, **kwargs)
     except OSError as err:
@@ -85,7 +108,7 @@ def check_model_path(name_or_path, flag):
     from dschat.tiny.presets import PRESET_PREFIX, TINY_PRESETS, is_tiny_preset
 
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
-        raise MissingInputError(f"{flag} {name_or_path}: no such folder")
+        raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
     bare = str(name_or_path).removeprefix(PRESET_PREFIX)
     if bare.startswith("tiny-") and not is_tiny_preset(name_or_path) and not os.path.exists(name_or_path):
         # (no hub model is named so: a mistyped preset, not a minute of hub retries offline)
@@ -187,7 +210,7 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     ``rlhf_training=True`` builds the architecture without loading weights (the caller loads a checkpoint).
     """
     path = resolve_model_path(model_name_or_path)
-    config = configure_dropout(AutoConfig.from_pretrained(path), dropout)
+    config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)  # a typo: one clear error
     keep_alive = model_load_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
     torch_dtype = load_dtype(dtype, ds_config)
     if rlhf_training:
