@@ -518,6 +518,52 @@ def test_a_tools_run_defaults_fill_only_the_flags_not_given_and_are_said(capsys)
 
 # --- step 3: ppo_eval ---
 
+def test_a_notebooks_reward_function_is_recorded_as_a_spec_eval_py_loads(tmp_path, capsys):
+    """training_args.json recorded a function given from Python as its repr ("<function score at 0x...>"), which
+    eval.py then refused as a --reward_fn; now as a spec that loads it again from any folder, or a marker eval.py
+    explains."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.reward_fn import load_reward_fn, reward_fn_spec
+    from dschat.steps.common import read_run_args, write_results
+
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text("def score(prompts, answers):\n    return [1.0 for _ in answers]\n")
+    from_file = load_reward_fn(f"{rewards}:score")
+    assert reward_fn_spec(from_file) == f"{rewards}:score"
+    assert load_reward_fn(reward_fn_spec(from_file))(["p"], ["a"]) == [1.0]
+    from dschat.tiny.scorer import score_batch
+
+    assert reward_fn_spec(score_batch) == "dschat.tiny.scorer:score_batch"
+
+    def nested(prompts, answers):
+        return [0.0] * len(answers)
+
+    assert reward_fn_spec(nested) is None and reward_fn_spec(lambda p, a: a) is None
+    for fn, recorded in ((from_file, f"{rewards}:score"), (nested, "<a Python object: "
+                                                                   "test_a_notebooks_reward_function_is_recorded_as_a_"
+                                                                   "spec_eval_py_loads.<locals>.nested>")):
+        out = tmp_path / fn.__name__
+        write_results(SimpleNamespace(output_dir=str(out), reward_fn=fn), {}, "step3")
+        assert read_run_args(str(out), "step3")["flags"]["reward_fn"] == recorded
+    capsys.readouterr()
+    assert ppo_eval.run_reward_sources({"reward_fn": recorded, "reward_model_weight": 0}, str(tmp_path)) == {}
+    assert "the run's reward function was a Python object: test_a_notebooks" in capsys.readouterr().out
+    ppo_eval.run_reward_sources({"reward_fn": recorded, "reward_model_weight": 0}, str(tmp_path), "x.py:f")
+    assert capsys.readouterr().out == ""  # given here: nothing to say
+
+
+def test_ppo_eval_says_when_the_policy_has_no_step3_record(models, tmp_path, capsys):
+    """A policy saved from a notebook has no training_args.json: the prompts scored are this tool's defaults', said
+    (they may not be the run's held-out prompts)."""
+    policy = tmp_path / "saved"
+    shutil.copytree(models["policy"], policy)
+    args = ppo_eval.parse_args(["--policy", str(policy), "--data_split", "4,4,2"])
+    assert args.data_split == "4,4,2"
+    assert (f"[ppo_eval] no step-3 training_args.json with {policy}: the held-out prompts are those of this tool's "
+            "flags (--data_path tiny --data_split 4,4,2 --seed 1234)") in capsys.readouterr().out
+
+
 def test_ppo_eval_checks_lengths_before_generating(tmp_path):
     from dschat.errors import UsageError
 

@@ -71,6 +71,28 @@ def load_reward_fn(spec):
 _FILE_MODULES = {}  # (path, modification time) -> module: checked, then loaded, the file runs once (an edit: again)
 
 
+def reward_fn_spec(fn):
+    """``fn`` as a ``--reward_fn`` that loads it again from any folder (what training_args.json records for a
+    notebook's function, for eval.py), else None: a lambda, a nested function, a method, a callable object, or a
+    function of the running script or notebook (``__main__``: loading that again would run it)."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not inspect.isfunction(fn) or "." in name or "<" in name or module in (None, "__main__"):
+        return None
+    if "." not in module:  # a module of its own file (my_rewards.py): its path, found from any folder
+        path = inspect.getsourcefile(fn)
+        if path:
+            return f"{os.path.abspath(path)}:{name}"
+    return f"{module}:{name}"
+
+
+def recorded_reward_fn(value):
+    """What a run records as its reward function: the spec as given, a function as ``reward_fn_spec`` gives it, else
+    a marker (starting with "<") that says it was a Python object the tools cannot load."""
+    if not callable(value):
+        return value
+    return reward_fn_spec(value) or f"<a Python object: {getattr(value, '__qualname__', type(value).__name__)}>"
+
+
 def _file_module(target):
     key = (os.path.abspath(target), os.stat(target).st_mtime_ns)
     if key not in _FILE_MODULES:

@@ -240,7 +240,11 @@ def write_results(args, metrics, step):
     step outputs it started from: what ``train.py --resume`` reads) in its output folder (rank 0)."""
     if is_rank_0():
         write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
+        from dschat.rlhf.reward_fn import recorded_reward_fn
+
         flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
+        if "reward_fn" in flags:  # a notebook's function: as a spec the tools can load
+            flags["reward_fn"] = recorded_reward_fn(flags["reward_fn"])
         write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
                           {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
                            "run_id": uuid.uuid4().hex, "inputs": input_runs(args)}, default=str)

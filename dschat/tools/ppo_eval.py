@@ -12,6 +12,7 @@ import os
 from types import SimpleNamespace
 
 from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of
+from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path
 from dschat.models.loading import check_sequence_fits
 from dschat.errors import UsageError
@@ -150,13 +151,16 @@ def step3_run_defaults(args):
         run = read_run_args(folder, "step3")
         if run is not None:
             break
-    else:
+    else:  # e.g. a notebook's save_causal_lm: the prompts scored may not be the run's held-out ones
+        print(f"[ppo_eval] no step-3 {RUN_ARGS_FILE} with {policy_path}: the held-out prompts are those of this tool's "
+              f"flags (--data_path {' '.join(as_list(args.data_path))} --data_split {args.data_split} --seed "
+              f"{args.seed}); give step 3's to score its held-out prompts")
         return {}, None
     flags = run["flags"]
     defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
     if "data_path" in defaults:  # the files step 3 read, from whatever folder this runs in
         defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
-    defaults.update(run_reward_sources(flags, run.get("cwd")))
+    defaults.update(run_reward_sources(flags, run.get("cwd"), args.reward_fn))
     defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
                                                  flags.get("per_device_generation_batch_size", 16),
                                                  run.get("world_size", 1))
@@ -164,16 +168,20 @@ def step3_run_defaults(args):
     return defaults, os.path.join(folder, RUN_ARGS_FILE)
 
 
-def run_reward_sources(flags, cwd):
+def run_reward_sources(flags, cwd, given_fn=""):
     """The reward model (``--reward_model``) and function (``--reward_fn``) a step-3 run scored with, as paths usable
     from any folder: the reward model is the critic's path unless given (DeepSpeed-Chat's rule), none with
-    --reward_model_weight 0."""
+    --reward_model_weight 0. ``given_fn``: this tool's --reward_fn (then a function not recorded goes unsaid)."""
     sources = {}
     if flags.get("reward_model_weight", 1.0):
         path = flags.get("reward_model_name_or_path") or flags.get("critic_model_name_or_path")
         if path:
             sources["reward_model"] = path_under(cwd, path) or path
-    if flags.get("reward_fn"):
+    if str(flags.get("reward_fn") or "").startswith("<"):  # (recorded_reward_fn's marker)
+        if not given_fn:
+            print(f"[ppo_eval] the run's reward function was {flags['reward_fn'][1:-1]}, which cannot be loaded "
+                  "again: give --reward_fn to score with it")
+    elif flags.get("reward_fn"):
         target, sep, name = flags["reward_fn"].rpartition(":")
         anchored = sep and target.endswith(".py")  # a file (a module name stays as given)
         sources["reward_fn"] = f"{path_under(cwd, target) or target}:{name}" if anchored else flags["reward_fn"]
