@@ -1,5 +1,6 @@
 """Step 3: experience shapes and masks, the notebook API, LoRA, EMA, unsupervised mixing, resume, ZeRO-3."""
 import json
+import math
 import re
 import sys
 
@@ -963,13 +964,13 @@ def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch)
     for name, src in (("step1_sft", trained / "sft"), ("step2_rm", trained / "rm")):
         (tmp_path / "output" / name).symlink_to(src)
     monkeypatch.chdir(tmp_path)
-    snippet = snippet.replace('"dtype": "fp32",', '"dtype": "fp32", "data_split": "2,4,4", "max_steps": 2, '
-                                                   f'"data_output_path": "{trained / "data"}",')
+    snippet = snippet.replace('"num_warmup_steps": 2}', '"num_warmup_steps": 2, "data_split": "2,4,4", '
+                                                        f'"max_steps": 2, "data_output_path": "{trained / "data"}"}}')
     namespace = {}
     exec(compile(snippet.replace("for prompt_batch in prompt_dataloader:",
                                  "for i, prompt_batch in zip(range(2), prompt_dataloader):"), "README", "exec"),
          namespace)
-    assert torch.isfinite(namespace["actor_loss"]) and torch.isfinite(namespace["critic_loss"])
+    assert math.isfinite(namespace["trained"]["actor_loss"]) and math.isfinite(namespace["trained"]["critic_loss"])
     from transformers import AutoModelForCausalLM
 
     from dschat.models.lora import unwrap_peft
@@ -1245,7 +1246,7 @@ def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_
     for exp in rollout:  # distinct scores, so that whitening has something to keep
         exp["rewards"] = torch.arange(exp["rewards"].shape[0], dtype=torch.float) * 2.0 - 1.0
     widths = [e["action_mask"].shape[1] for e in rollout]
-    ppo.ppo_update(trainer, rollout, trainer.args, torch.device("cpu"))
+    trainer.train_rollout(rollout)
     width = max(widths)
     pad = [torch.nn.functional.pad(e[k], (0, width - e[k].shape[1])) for e in rollout for k in ("action_mask",)]
     mask = torch.cat(pad).float()
@@ -1326,13 +1327,38 @@ def test_iteration_records_of_several_generation_batches_cover_all_of_them(train
         assert wall >= sum(b["generation_time"] + b["experience_time"] for b in pair) + record["training_time"]
 
 
+def test_train_rollout_is_step3s_iteration_and_a_hand_loop_hears_what_train_rlhf_leaves_out(trained, tmp_path,
+                                                                                              capsys):
+    """A notebook's own loop of train_rlhf(out) neither updates the adaptive KL controller nor runs ppo_epochs or
+    micro-batches (they were checked, then silently unused); train_rollout does all three, as step 3 does."""
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, adaptive_kl=True, kl_target=0.01, ppo_epochs=2,
+                                                per_device_training_batch_size=2, actor_learning_rate=0.0,
+                                                critic_learning_rate=0.0)
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
+    calls = []
+    real = trainer.train_rlhf
+    trainer.train_rlhf = lambda m: calls.append(m["input_ids"].shape[0]) or real(m)
+    coef = trainer.kl_ctl.value
+    trained_once = trainer.train_rollout([exp])
+    assert calls == [2, 2, 2, 2]  # 2 epochs x 2 micro-batches of 2 rows
+    assert trained_once["kl_per_answer"] == pytest.approx(trainer.answer_kl_to_reference(exp).item())
+    assert trainer.kl_ctl.value != coef and set(trained_once) >= {"actor_loss", "critic_loss", "kl"}
+    assert "train_rlhf(out)" not in capsys.readouterr().out
+    real(exp)  # a hand loop's call: what it leaves out is said once
+    real(exp)
+    out = capsys.readouterr().out
+    assert out.count("[step3] train_rlhf(out) is one update on the rows it is given") == 1
+    assert "ppo_epochs 2, adaptive_kl, per_device_training_batch_size 2 (< the 4 rows given) act through " \
+           "trainer.train_rollout([out, ...])" in out
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)
     exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:2]))  # 6 answers, groups of 3
     exp["rewards"] = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 6.0])
     trainer.compute_advantages([exp])  # again, for these scores
-    ppo.ppo_update(trainer, [exp], trainer.args, torch.device("cpu"))  # micro-batches of 4 + 2 rows: no error
+    trainer.train_rollout([exp])  # micro-batches of 4 + 2 rows: no error
     first = exp["advantages"][:, 0] / exp["action_mask"][:, 0].clamp(min=1)
     torch.testing.assert_close(first, torch.tensor([-1.0, 0.0, 1.0, -0.57735, -0.57735, 1.1547]), atol=1e-4,
                                rtol=1e-4)

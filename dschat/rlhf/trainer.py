@@ -20,7 +20,7 @@ from dschat.rlhf.layout import LeftAligned, head_reads, position_limit
 from dschat.rlhf.config import step3_args
 from dschat.rlhf.engine import check_settings
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
-from dschat.utils.dist import all_reduce, get_world_size
+from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
 from dschat.utils.optim import optimizer_step
 
 
@@ -161,6 +161,7 @@ class DeepSpeedPPOTrainer:
         if self.reward_model is None and self.reward_fn is None:
             raise UsageError("step 3 needs a reward: a reward model (--reward_model_weight != 0) or --reward_fn")
         self.stats = {}
+        self._in_rollout = self._said_hand_loop = False
 
     # --- experience ---------------------------------------------------------------------------------------
     def _generate_sequence(self, prompts, mask):
@@ -189,7 +190,7 @@ class DeepSpeedPPOTrainer:
         Empty answers stay in the batch (with no reward tokens) on every rank, so ranks never diverge.
         The returned dict also holds the batch's "advantages" and "returns" (``compute_advantages``): a caller that
         changes its "rewards" calls ``compute_advantages([exp])`` again. ``advantages=False`` leaves them out, for a
-        caller that computes them over a rollout of several batches (step 3's ``ppo_update``).
+        caller that computes them over a rollout of several batches (``train_rollout``).
         """
         batch = self._repeat_for_groups(prompt_batch(prompts, mask))
         prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
@@ -330,6 +331,8 @@ class DeepSpeedPPOTrainer:
     # --- training -----------------------------------------------------------------------------------------
     def train_rlhf(self, inputs):
         """One PPO update of actor and critic on a micro-batch of experience; returns (actor_loss, critic_loss)."""
+        if not self._in_rollout:
+            self._note_hand_loop(inputs)
         mask = inputs["action_mask"].float()
         seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         start = inputs["prompts"].shape[1] - 1
@@ -456,6 +459,76 @@ class DeepSpeedPPOTrainer:
 
         moving_average(self.actor_model.module, self.actor_ema.module, beta=self.args.ema_beta)
 
+    # --- one PPO iteration ---------------------------------------------------------------------------------
+    def train_rollout(self, experiences, unsup_batches=()):
+        """One PPO iteration on a rollout (``generate_experience`` outputs), as step 3 runs it: advantages over the
+        whole rollout; --ppo_epochs passes over micro-batches of --per_device_training_batch_size rows, each optimizer
+        step after --gradient_accumulation_steps of them (the loss normalised by their answer tokens on all ranks);
+        the adaptive KL controller updated with the rollout's KL (--adaptive_kl). As in DeepSpeed-Chat's PPO-ptx, each
+        PPO micro-batch is followed by a language-model micro-step on the next training-batch-sized slice of
+        ``unsup_batches`` (cycled when there are fewer). Returns the mean "actor_loss", "critic_loss" (None without a
+        critic) and "unsup_loss" (None without unsupervised data), and the rollout's KL to the reference over all
+        ranks: per answer token ("kl") and per answer ("kl_per_answer", the controller's unit)."""
+        experiences = list(experiences)
+        if unsup_batches and not hasattr(self, "train_unsupervised"):
+            raise UsageError("unsup_batches need DeepSpeedPPOTrainerUnsupervised (step 3's "
+                             "--unsupervised_dataset_name)")
+        if len(experiences) > 1 or "advantages" not in experiences[0]:
+            self.compute_advantages(experiences)  # once, over the whole rollout, not each generation batch alone
+        batch = self.args.per_device_training_batch_size
+        micro = [m for exp in experiences for m in split_rows(exp, batch)]
+        unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)]
+        losses = {"actor_loss": [], "critic_loss": [], "unsup_loss": []}
+        accum = self.args.gradient_accumulation_steps
+        self._in_rollout = True
+        try:
+            for _ in range(self.args.ppo_epochs):
+                for start in range(0, len(micro), accum):
+                    group = micro[start:start + accum]
+                    tokens = global_token_count([m["action_mask"] for m in group], self.device)
+                    for micro_index, m in enumerate(group, start):
+                        m["num_tokens_global"] = tokens
+                        actor_loss, critic_loss = self.train_rlhf(m)
+                        losses["actor_loss"].append(actor_loss.item())
+                        if self.critic_model is not None:
+                            losses["critic_loss"].append(critic_loss.item())
+                        if unsup:
+                            losses["unsup_loss"].append(
+                                self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
+        finally:
+            self._in_rollout = False
+        kl = self.rollout_kl(experiences)
+        if self.args.adaptive_kl:  # in the controller's unit, the same on every rank
+            self.update_kl_controller(kl["kl_per_answer"],
+                                      sum(e["input_ids"].shape[0] for e in experiences) * get_world_size())
+        return {**{name: sum(values) / len(values) if values else None for name, values in losses.items()}, **kl}
+
+    def _note_hand_loop(self, inputs):
+        """``train_rlhf`` called by a caller's own loop (a notebook's): the settings only ``train_rollout`` applies,
+        said once where they are set."""
+        if self._said_hand_loop:
+            return
+        self._said_hand_loop = True
+        args, rows = self.args, inputs["input_ids"].shape[0]
+        unused = ([f"ppo_epochs {args.ppo_epochs}"] if args.ppo_epochs != 1 else []) + \
+            (["adaptive_kl"] if args.adaptive_kl else []) + \
+            ([f"per_device_training_batch_size {args.per_device_training_batch_size} (< the {rows} rows given)"]
+             if args.per_device_training_batch_size < rows else [])
+        if unused:
+            print_rank_0(f"[step3] train_rlhf(out) is one update on the rows it is given (DeepSpeed-Chat's): "
+                         f"{', '.join(unused)} act through trainer.train_rollout([out, ...]), step 3's PPO "
+                         f"iteration, not here")
+
+    def rollout_kl(self, experiences):
+        """The rollout's KL to the reference over all ranks: per answer token ("kl") and per answer, summed over its
+        tokens ("kl_per_answer", the adaptive controller's unit)."""
+        per_token = torch.stack([self.kl_to_reference(e) for e in experiences]).mean()
+        per_answer = torch.stack([self.answer_kl_to_reference(e) for e in experiences]).mean()
+        means = torch.stack([per_token, per_answer]).double().to(self.device)
+        all_reduce(means)
+        means /= get_world_size()
+        return {"kl": means[0].item(), "kl_per_answer": means[1].item()}
+
     def kl_to_reference(self, exp):
         """Mean per-token KL (k1) between the policy that generated ``exp`` and the reference."""
         return algo.masked_mean(exp["logprobs"] - exp["ref_logprobs"], exp["action_mask"].float())
@@ -502,6 +575,14 @@ def _world_group():
 def _cat_right_padded(tensors, width):
     """(B, T_i) tensors stacked along rows, each right-padded with zeros to ``width`` columns."""
     return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+
+def split_rows(batch, micro_batch):
+    """Slices of a batch dict (a generation batch of experience, an unsupervised batch), ``micro_batch`` rows each
+    (DeepSpeed-Chat's MiniDataset)."""
+    rows = batch["input_ids"].shape[0]
+    return [{k: (v[i:i + micro_batch] if torch.is_tensor(v) else v) for k, v in batch.items()}
+            for i in range(0, rows, micro_batch)]
 
 
 def global_token_count(action_masks, device):

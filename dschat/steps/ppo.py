@@ -15,7 +15,7 @@ from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
-from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, global_token_count
+from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
                                  reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval, seconds_so_far,
@@ -104,46 +104,6 @@ def check_accumulation(args):
         raise UsageError(f"{micro} PPO micro-batches per PPO epoch (generation batch x n_samples_per_prompt / "
                          f"training batch x generation_batches) is not a multiple of --gradient_accumulation_steps "
                          f"{gas}")
-
-
-def split_rows(batch, micro_batch):
-    """Slices of a batch dict (a generation batch of experience, an unsupervised batch), ``micro_batch`` rows each
-    (DeepSpeed-Chat's MiniDataset)."""
-    rows = batch["input_ids"].shape[0]
-    return [{k: (v[i:i + micro_batch] if torch.is_tensor(v) else v) for k, v in batch.items()}
-            for i in range(0, rows, micro_batch)]
-
-
-def ppo_update(trainer, experiences, args, device, unsup_batches=()):
-    """ppo_epochs passes over the buffered experience; returns the mean actor, critic and unsupervised losses (the
-    critic's None without a critic: GRPO, RLOO, REINFORCE++; the unsupervised None without unsupervised data). As in
-    DeepSpeed-Chat's PPO-ptx, each PPO micro-batch is followed by a language-model micro-step on the next
-    training-batch-sized slice of the unsupervised batches fetched with this rollout (cycled when there are fewer
-    slices, e.g. with several answers per prompt); the two accumulate into one actor step (``step3_train_config``)."""
-    if len(experiences) > 1 or "advantages" not in experiences[0]:
-        trainer.compute_advantages(experiences)  # once, over the whole rollout, not each generation batch alone
-    micro = [m for exp in experiences for m in split_rows(exp, args.per_device_training_batch_size)]
-    unsup = [m for batch in unsup_batches for m in split_rows(batch, args.per_device_training_batch_size)]
-    actor_losses, critic_losses, unsup_losses = [], [], []
-    accum = args.gradient_accumulation_steps
-    for _ in range(args.ppo_epochs):
-        for start in range(0, len(micro), accum):
-            group = micro[start:start + accum]
-            tokens = global_token_count([m["action_mask"] for m in group], device)
-            for micro_index, m in enumerate(group, start):
-                m["num_tokens_global"] = tokens
-                actor_loss, critic_loss = trainer.train_rlhf(m)
-                actor_losses.append(actor_loss.item())
-                if trainer.critic_model is not None:
-                    critic_losses.append(critic_loss.item())
-                if unsup:
-                    unsup_batch = unsup[micro_index % len(unsup)]
-                    unsup_losses.append(trainer.train_unsupervised(unsup_batch, args.unsup_coef).item())
-    return _mean(actor_losses), _mean(critic_losses) if critic_losses else None, _mean(unsup_losses) if unsup else None
-
-
-def _mean(values):
-    return sum(values) / len(values)
 
 
 def held_out_eval(trainer, loader, args, device, scorer):
@@ -237,7 +197,7 @@ def main(args=None):
                 break
             if not buffer:  # the iteration's clock runs from its first generation batch
                 t0, batch_stats = time.time(), []
-            # advantages wait for the whole rollout (ppo_update): a generation batch's own would be thrown away
+            # advantages wait for the whole rollout (train_rollout): a generation batch's own would be thrown away
             buffer.append(trainer.generate_experience(batch, step=iteration, advantages=False))
             batch_stats.append(dict(trainer.stats))  # this generation batch's alone: the next one overwrites them
             if unsup_iter is not None:  # one unsupervised batch per generation batch, as in DeepSpeed-Chat
@@ -247,15 +207,11 @@ def main(args=None):
                 continue
             gen_stats = rollout_generation_stats(batch_stats, [e["input_ids"].shape[0] for e in buffer])
             t1 = time.time()
-            actor_loss, critic_loss, unsup_loss = ppo_update(trainer, buffer, args, device, unsup_buffer)
+            trained = trainer.train_rollout(buffer, unsup_buffer)
             train_time = time.time() - t1
-            kl = kl_to_reference(trainer, buffer, device)
-            if args.adaptive_kl:  # in the controller's unit, the same on every rank
-                trainer.update_kl_controller(kl["kl_per_answer"],
-                                             sum(e["input_ids"].shape[0] for e in buffer) * get_world_size())
             # samples_per_s and tokens_per_s: over the whole iteration, every generation batch's time included
-            record = _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss,
-                                       kl, train_time, time.time() - t0, device)
+            record = _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time, time.time() - t0,
+                                       device)
             _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
             buffer, unsup_buffer = [], []
             iteration += 1
@@ -306,14 +262,6 @@ def _remove_earlier_model(path, args):
     barrier()
 
 
-def kl_to_reference(trainer, buffer, device):
-    """The rollout's KL to the reference over all ranks: per answer token ("kl") and per answer, summed over its
-    tokens ("kl_per_answer", the adaptive controller's unit)."""
-    per_token = torch.stack([trainer.kl_to_reference(e) for e in buffer]).mean().item()
-    per_answer = torch.stack([trainer.answer_kl_to_reference(e) for e in buffer]).mean().item()
-    return {"kl": rank_mean(per_token, device), "kl_per_answer": rank_mean(per_answer, device)}
-
-
 SUMMED_GENERATION_STATS = ("generation_time", "experience_time", "empty_answers")
 
 
@@ -328,22 +276,23 @@ def rollout_generation_stats(batch_stats, batch_answers):
     return stats
 
 
-def _iteration_record(iteration, buffer, trainer, gen_stats, actor_loss, critic_loss, unsup_loss, kl, train_time,
-                      wall, device):
+def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time, wall, device):
+    """One iteration's log line; ``trained``: what ``train_rollout`` returned (mean losses, the rollout's KL)."""
     reward = torch.cat([e["rewards"].float() for e in buffer]).mean().item()
     samples = sum(e["input_ids"].shape[0] for e in buffer) * get_world_size()
     tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
-    record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), **kl, "kl_coef": trainer.kl_ctl.value,
-              "actor_loss": rank_mean(actor_loss, device),
+    record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), "kl": trained["kl"],
+              "kl_per_answer": trained["kl_per_answer"], "kl_coef": trainer.kl_ctl.value,
+              "actor_loss": rank_mean(trained["actor_loss"], device),
               # every rank answers as many prompts: the mean of the ranks' means is the mean over all answers
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
               "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
               **{k: trainer.stats[k] for k in ("pg_clipfrac", "approx_kl", "vf_clipfrac") if k in trainer.stats}}
-    for key, loss in (("critic_loss", critic_loss), ("unsup_loss", unsup_loss)):  # none without a critic / ptx data
-        if loss is not None:
-            record[key] = rank_mean(loss, device)
+    for key in ("critic_loss", "unsup_loss"):  # none without a critic / ptx data
+        if trained[key] is not None:
+            record[key] = rank_mean(trained[key], device)
     return record
 
 
