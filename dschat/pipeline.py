@@ -12,6 +12,7 @@ from dschat.models.loading import resolve_model_path
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, Decision, describe, plan_steps
 from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
+from dschat.utils.files import check_writable_folder
 
 # Settings that make the embedded tiny default train well in minutes on a CPU. Hub models get the step
 # scripts' own defaults (DeepSpeed-Chat's), which the --stepN-args strings can override.
@@ -266,10 +267,10 @@ def resume_plan(steps, args, parsed, tiny):
 
 
 def run_step(main, argv, step, steps, plan):
-    """One step; a step ``train.py --resume`` resumed that cannot resume (its checkpoint's bound flags differ) says
-    how to start it afresh and keep the finished steps before it."""
+    """One step (returns its metrics); a step ``train.py --resume`` resumed that cannot resume (its checkpoint's bound
+    flags differ) says how to start it afresh and keep the finished steps before it."""
     try:
-        main(argv)
+        return main(argv)
     except UsageError as error:
         if plan[step].action != RESUME:
             raise
@@ -300,6 +301,7 @@ def run_pipeline(args):
     for note in not_run:
         print_rank_0(f"not run: {note}")
     parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
+    check_writable_folder(args.output_dir, "--output-dir")
     plan = resume_plan(steps, args, parsed, tiny)
     if tiny and args.data_path and args.data_path != ["tiny"]:
         print_rank_0("tiny run: the tiny recipe (TINY_RECIPE in dschat/pipeline.py: --data_split 4,4,2, fp32, its "
@@ -315,14 +317,17 @@ def run_pipeline(args):
         argv = step_argv(step, args, tiny) + (["--resume"] if plan[step].action == RESUME else [])
         print_rank_0(f"==== {name}: {' '.join(shlex.quote(a) for a in argv)}")
         started = time.time()
-        run_step(main, argv, step, steps, plan)
-        timings[name] = time.time() - started
+        metrics = run_step(main, argv, step, steps, plan)
+        # a resumed step's own clock counts its interrupted run's time too (up to the checkpoint it resumed from)
+        timings[name] = metrics["seconds"] if plan[step].action == RESUME and metrics else time.time() - started
     embedded_data = tiny and not args.data_path  # the rule scorer knows only the embedded data
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None
     skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]  # (finished, so this run's)
-    report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=tiny, skipped=skipped)
+    resumed = [parsers[step][1] for step in steps if plan[step].action == RESUME]
+    report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=tiny, skipped=skipped,
+                          resumed=resumed)
     lines = summary_lines(report)
     if recipe == "dpo":
         lines += add_dpo_report(args.output_dir, report, rule_scores)

@@ -38,10 +38,11 @@ def stale_folders(recipe, steps_run, rm_from_sft=True):
     return stale - written - own_start - {SFT_DIR}
 
 
-def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=()):
+def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=()):
     """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``; ``steps_run``: the steps
     of this run (None: all), so that folders left by an earlier run on older inputs are not reported; ``skipped``:
-    the names of those ``train.py --resume`` found finished."""
+    the names of those ``train.py --resume`` found finished; ``resumed``: those it resumed (their seconds count the
+    interrupted run's too)."""
     stale = {folder for folder in stale_folders(recipe, steps_run, rm_from_sft)
              if os.path.isdir(os.path.join(output_dir, folder))}
 
@@ -52,7 +53,8 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
 
     step1, step2, step3 = metrics(SFT_DIR), metrics(RM_DIR), metrics(PPO_DIR)
     curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))
-    report = {"timings_s": timings, "skipped": list(skipped), "sft_eval_loss": step1.get("eval_loss"),
+    report = {"timings_s": timings, "skipped": list(skipped), "resumed": list(resumed),
+              "sft_eval_loss": step1.get("eval_loss"),
               "sft_perplexity": step1.get("perplexity"), "rm_accuracy": step2.get("accuracy"),
               "rm_chosen_mean_score": step2.get("chosen_mean_score"),
               "rm_rejected_mean_score": step2.get("rejected_mean_score"),
@@ -100,8 +102,8 @@ def plot_curves(curve, path):
     return path
 
 
-def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=()):
-    report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft, skipped)
+def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=()):
+    report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft, skipped, resumed)
     if report.get("step3_curve"):
         report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
     write_json_atomic(os.path.join(output_dir, "report.json"), report)
@@ -111,7 +113,8 @@ def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
 def summary_lines(report):
     lines = ["==== dschat report ===="]
     for step, seconds in report["timings_s"].items():
-        lines.append(f"{step}: {seconds:.1f} s")
+        lines.append(f"{step}: {seconds:.1f} s" + (" (resumed: its interrupted run's time included)"
+                                                   if step in report.get("resumed", ()) else ""))
     for step in report.get("skipped", []):
         lines.append(f"{step}: finished earlier, skipped (--resume)")
     if report.get("sft_eval_loss") is not None:

@@ -163,6 +163,27 @@ def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_pa
     assert not (tmp_path / "out" / "step1_sft").exists(), "step 1 must not have run"
 
 
+@pytest.mark.parametrize("step", ["sft", "dpo", "ppo", "train.py"])
+def test_an_output_folder_that_cannot_be_written_is_a_flag_error_before_training(step, tmp_path, distributed,
+                                                                                monkeypatch):
+    """Steps 1, 2 and DPO found out when they saved the trained model (a PermissionError traceback, the run lost);
+    step 3 and train.py failed early, with a traceback."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+    from dschat.steps import ppo
+
+    monkeypatch.setattr(common, "load_step_data", lambda *a, **k: pytest.fail("the step went on to its data"))
+    monkeypatch.setattr(ppo, "prompt_loaders", lambda *a, **k: pytest.fail("the step went on to its data"))
+    (tmp_path / "afile").write_text("")
+    main = {"sft": sft.main, "dpo": dpo.main, "ppo": ppo.main,
+            "train.py": lambda argv: pipeline.run_pipeline(_train_py_args("--output-dir", *argv[1:]))}[step]
+    flag = "--output-dir" if step == "train.py" else "--output_dir"
+    with pytest.raises(UsageError, match=f"^{flag} {tmp_path}/afile/out: cannot write there \\(Not a directory"):
+        main(["--output_dir", str(tmp_path / "afile" / "out")])
+    with pytest.raises(UsageError, match=f"^{flag} {tmp_path}/afile: a file, not a folder$"):
+        main(["--output_dir", str(tmp_path / "afile")])
+
+
 @pytest.mark.parametrize("step", ["sft", "reward", "dpo", "ppo"])
 def test_a_dtype_the_accelerator_cannot_train_in_is_a_flag_error(step, tmp_path, distributed):
     from deepspeed.accelerator import get_accelerator

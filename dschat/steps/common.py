@@ -14,7 +14,7 @@ from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.ds_config import check_dtype_supported
-from dschat.utils.files import read_json_object, write_json_atomic
+from dschat.utils.files import check_writable_folder, read_json_object, write_json_atomic
 from dschat.utils.optim import optimizer_step
 
 
@@ -500,6 +500,7 @@ def run_supervised_step(args, recipe):
     device = setup_run(args)
     tag = f"[{recipe.name}]"
     ds_config = check_supervised_settings(args, recipe.phase, recipe.name, quiet=False)
+    check_writable_folder(args.output_dir, "--output_dir")  # before training, not when the model is saved
     check_model_path(args.model_name_or_path, "--model_name_or_path")
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)

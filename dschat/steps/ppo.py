@@ -22,6 +22,7 @@ from dschat.steps.common import (build_dataloaders, clear_results, format_metric
                                  setup_run, tensorboard_writer, write_results)
 from dschat.utils.checkpoints import clear_earlier_run
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
+from dschat.utils.files import check_writable_folder
 
 
 def prompt_loaders(args, tokenizer):
@@ -127,6 +128,7 @@ def main(args=None):
     started = time.time()
     setup_run(args)
     check_step3_settings(args, get_world_size())  # a config file at odds with the flags fails before data loads
+    check_writable_folder(args.output_dir, "--output_dir")  # before training, not when the models are saved
     check_earlier_step_outputs(args)
     device = local_device()
     tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token,

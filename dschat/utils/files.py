@@ -52,6 +52,23 @@ def give_plain_modes(folder):
                 os.chmod(path, 0o666 & ~mask)
 
 
+def check_writable_folder(path, flag):
+    """``path`` made if need be, and written to, with its parent (where models are written aside before they are
+    moved in): an output folder that cannot be is a UsageError naming ``flag`` before anything trains, not a
+    traceback when the trained model is saved."""
+    from dschat.errors import UsageError
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        for folder in (path, os.path.dirname(os.path.abspath(path))):
+            os.rmdir(tempfile.mkdtemp(prefix=".dschat-write-check-", dir=folder))
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot write there ({error.strerror or error}"
+                         f"{': ' + error.filename if error.filename else ''})") from None
+
+
 def path_under(folder, path):
     """``path`` as a process whose working directory was ``folder`` read it, if it is still there, else None: how
     the tools read a run's relative paths (data files, reward model, reward function) from any other folder."""
