@@ -220,6 +220,17 @@ def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(
     assert "ZeRO-3 resume: weights equal the uninterrupted run's" in proc.stdout
 
 
+@pytest.mark.multirank
+def test_a_checkpoint_one_rank_cannot_load_stops_every_rank_before_any_says_it_resumed(tmp_path):
+    script = Path(__file__).parent / "scripts" / "resume_damaged_rank.py"
+    proc = run_deepspeed(script, str(tmp_path), timeout=900, check=False)
+    assert proc.returncode != 0 and "rank 1's optimizer states cut" in proc.stdout, proc.stdout[-3000:]
+    assert "error: --resume: checkpoint step_0000002 in" in proc.stderr and "cannot be loaded" in proc.stderr
+    assert "error: rank 0 stopped: another rank failed (its error is above)" in proc.stderr, proc.stderr[-3000:]
+    assert "resumed from step" not in proc.stdout
+    assert (tmp_path / "run" / "metrics.json").exists(), "the finished output lost its finished mark"
+
+
 def test_pruning_keeps_the_last_complete_checkpoints_and_removes_partial_and_later_ones(tmp_path):
     """A save killed part-way left its model folder and no trainer state; it was never pruned (a multi-GB leftover)."""
     from dschat.utils import checkpoints

@@ -149,9 +149,12 @@ DEEPSPEED_LOAD_FAILURES = (AssertionError, KeyError, OSError)
 def reading(root, tag):
     """Loading checkpoint ``tag`` of ``root``: a file of it that cannot be read is one UsageError naming the
     checkpoint, what failed and the earlier checkpoint kept, instead of a traceback from inside torch or DeepSpeed
-    that names no file (``DSCHAT_TRACEBACK=1`` shows it). Other failures (out of memory, another rank's) stay."""
+    that names no file (``DSCHAT_TRACEBACK=1`` shows it). Other failures (out of memory, another rank's) stay.
+    Loaded on this rank, it waits for every rank's load: no rank goes on (says it resumed, clears the output's
+    finished mark) while another failed to load its files (that rank stops with its error, and the wait fails)."""
     try:
         yield
+        barrier()
     except UsageError:
         raise
     except Exception as error:
