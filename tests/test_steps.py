@@ -61,6 +61,18 @@ def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_p
     assert logged[0] == pytest.approx(sum(losses[:4]) / 4) and logged[-1] == pytest.approx(sum(losses[-4:]) / 4)
 
 
+def test_the_progress_bar_counts_the_micro_batches_the_epoch_runs(tmp_path, distributed, monkeypatch):
+    """--max_steps 3 of 2 micro-batches: a bar of 6, not of the epoch's whole loader (it ended at 6/75)."""
+    from dschat.steps import common
+
+    totals = []
+    real = common.progress
+    monkeypatch.setattr(common, "progress", lambda it, total, desc: totals.append(total) or real(it, total, desc))
+    sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+              "--gradient_accumulation_steps", "2", "--max_steps", "3", *SFT_FAST])
+    assert totals == [6]
+
+
 def test_sft_loss_decreases(tmp_path, distributed):
     metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
                         "--max_steps", "15", *SFT_FAST])
@@ -359,7 +371,8 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     with pytest.raises(SystemExit) as exit_:
         run_entry_point(peer_stopped)
     assert exit_.value.code == 1
-    assert capsys.readouterr().err == "error: rank 0 stopped: another rank failed (its error is above)\n"
+    assert capsys.readouterr().err == ("error: rank 0 stopped: another rank stopped first (its error, if it printed "
+                                       "one, is above)\n")
     with pytest.raises(RuntimeError, match="a bug"):
         run_entry_point(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
     for resumable, said in ((True, "error: interrupted (with --save_interval, --resume continues from the last "

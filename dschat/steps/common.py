@@ -349,7 +349,9 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
         reseed_epoch(train_loader, args.seed, epoch)
         consumed = position["batch"] if epoch == position["epoch"] else 0
         engine.train()
-        bar = progress(train_loader, len(train_loader), f"{name} epoch {epoch + 1}/{args.num_train_epochs}")
+        # the bar counts the micro-batches this epoch runs: all of them, or up to the last step (--max_steps)
+        batches = min(len(train_loader), consumed + (total_steps - step) * grad_accum)
+        bar = progress(train_loader, batches, f"{name} epoch {epoch + 1}/{args.num_train_epochs}")
         for index, batch in enumerate(bar):
             if index < consumed:
                 continue  # trained on before the checkpoint this run resumed from
@@ -393,7 +395,8 @@ def _close_at(bar, done):
 def _log_step(args, name, step, loss, engine, writer, throughput, bar):
     lr = engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
     if hasattr(bar, "set_postfix"):
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # shown at the bar's own refresh: a
+        # log file gets a line every 2 s, not one per step (each with a stale count)
     if getattr(args, "print_loss", False):
         print_rank_0(f"[{name}] step {step} loss {loss:.4f} lr {lr:.3e}")
     scalars = {"loss": loss, "lr": lr}

@@ -31,8 +31,9 @@ def run_entry_point(main, resumable=False):
     except RuntimeError as error:  # another rank stopped: its error says why, this rank's traceback would bury it
         if traceback or not peer_failure(error):
             raise
-        print(f"error: rank {get_rank()} stopped: another rank failed (its error is above)", file=sys.stderr,
-              flush=True)
+        # (or it was interrupted or killed: the deepspeed launcher kills the ranks on Ctrl-C, some before they print)
+        print(f"error: rank {get_rank()} stopped: another rank stopped first (its error, if it printed one, is "
+              "above)", file=sys.stderr, flush=True)
         sys.exit(1)
     _end_distributed()
     return result
