@@ -300,6 +300,10 @@ def run_pipeline(args):
     steps, not_run = recipe_steps(recipe, args.step)
     for note in not_run:
         print_rank_0(f"not run: {note}")
+    for step in (1, 2, 3):  # flags for a step this run leaves out change nothing: said, not silently dropped
+        given = getattr(args, f"step{step}_args", "")
+        if given and step not in steps:
+            print_rank_0(f"--step{step}-args {given!r}: ignored, step {step} is not run (--step, --recipe)")
     parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
     check_writable_folder(args.output_dir, "--output-dir")
     plan = resume_plan(steps, args, parsed, tiny)

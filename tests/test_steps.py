@@ -569,6 +569,23 @@ def test_train_py_finds_too_few_step3_prompts_before_step_1(tmp_path, distribute
         pipeline.run_pipeline(_train_py_args(*argv[:-1], argv[-1].replace("--generation_batches 2", "")))
 
 
+def test_train_py_says_step_args_of_a_step_it_does_not_run_are_ignored(tmp_path, distributed, monkeypatch, capsys):
+    from dschat import pipeline
+
+    class Ran(Exception):
+        pass
+
+    monkeypatch.setattr(pipeline, "run_step", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--recipe", "dpo",
+                                             "--step3-args", "--ppo_epochs 2"))
+    out = capsys.readouterr().out
+    assert "--step3-args '--ppo_epochs 2': ignored, step 3 is not run (--step, --recipe)" in out
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--step3-args", "--ppo_epochs 2"))
+    assert "ignored" not in capsys.readouterr().out
+
+
 def test_train_py_says_the_tiny_recipe_applies_to_own_data(tmp_path, distributed, monkeypatch, capsys):
     from dschat import pipeline
 
