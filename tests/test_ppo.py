@@ -617,7 +617,7 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     # the step's seconds count every process that ran it: the checkpoint's (made large here) and the resumed one's
     state_file = tmp_path / "split" / "checkpoints" / "trainer" / "iter_0000002" / "state.json"
     state = json.loads(state_file.read_text())
-    assert state["seconds"] > 0
+    assert state["seconds"] > 0 and state["total"] == 4  # (a resume of another length says so)
     state_file.write_text(json.dumps({**state, "seconds": 1000.0}))
     assert ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--resume", *common))["seconds"] > 1000
     full = [json.loads(x) for x in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]

@@ -63,11 +63,12 @@ def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(step, stop_step, tm
     # the step's seconds count every process that ran it: the checkpoint's, made large here, and the resumed one's
     state_file = tmp_path / "split" / "checkpoints" / "trainer" / f"step_{stop_step:07d}" / "state.json"
     state = json.loads(state_file.read_text())
-    assert state["seconds"] > 0
+    assert state["seconds"] > 0 and state["total"] == full["steps"]
     state_file.write_text(json.dumps({**state, "seconds": 1000.0}))
     resumed = main([*common, "--output_dir", str(tmp_path / "split"), "--resume"])
     assert 1000.0 < resumed["seconds"] < 1000.0 + full["seconds"] * 5
     printed = capsys.readouterr().out
+    assert "this run spans" not in printed  # the same schedule
     assert f"resumed from step {stop_step}" in printed and "before training" not in printed
     assert "checkpointing every 3 steps, as the resumed run did" in printed
     timings = {"samples_per_s", "tokens_per_s", "tflops_per_rank", "seconds"}
@@ -218,6 +219,20 @@ def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(
     for rank in (0, 1):
         assert f"rank {rank} resumed from step 4" in proc.stdout
     assert "ZeRO-3 resume: weights equal the uninterrupted run's" in proc.stdout
+
+
+def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):
+    """DeepSpeed restores the scheduler's position; a lowered --max_steps then decays the rates at once (a user saw
+    1.7e-05 where the uninterrupted run had 7.0e-04), silently."""
+    from dschat.steps.common import say_a_changed_schedule
+
+    say_a_changed_schedule("step1", {"total": 30}, 12, "steps")
+    assert capsys.readouterr().out == ("[step1] this run spans 12 steps, its checkpoint's run 30 (--max_steps, "
+                                       "--num_train_epochs): the learning rates from here follow this run's "
+                                       "schedule\n")
+    for checkpoint in ({"total": 12}, {}, None):  # the same length; a checkpoint from before it was recorded
+        say_a_changed_schedule("step1", checkpoint, 12, "steps")
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.multirank

@@ -487,6 +487,15 @@ def supervised_ds_config(args, name, quiet=False):
                                 ignore=("hybrid_engine",), quiet=quiet)
 
 
+def say_a_changed_schedule(name, checkpoint, total, unit):
+    """A resumed run longer or shorter than its checkpoint's run (``checkpoint``'s "total"): DeepSpeed restores the
+    learning-rate scheduler's position, and the rates from there follow this run's schedule length; said."""
+    saved = (checkpoint or {}).get("total")
+    if saved is not None and saved != total:
+        print_rank_0(f"[{name}] this run spans {total} {unit}, its checkpoint's run {saved} (--max_steps, "
+                     f"--num_train_epochs): the learning rates from here follow this run's schedule")
+
+
 def seconds_so_far(started, checkpoint=None):
     """A step's seconds over every process that ran it: this one's since ``started``, plus those counted up to the
     checkpoint it resumed from (its "seconds"; the work lost after that checkpoint is not counted)."""
@@ -539,7 +548,8 @@ def run_supervised_step(args, recipe):
     train_loss = run_training(engine, train_loader, recipe.loss_fn, evaluate, args, device, recipe.name,
                               total_steps, writer, throughput, position,
                               save=lambda at: save_step_checkpoint(
-                                  engine, args, {**at, "seconds": seconds_so_far(started, position)}))
+                                  engine, args, {**at, "seconds": seconds_so_far(started, position),
+                                                 "total": total_steps}))
     metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **throughput.summary(), "steps": total_steps,
                "seconds": seconds_so_far(started, position)}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")

@@ -18,8 +18,8 @@ from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
-                                 reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval, seconds_so_far,
-                                 setup_run, tensorboard_writer, write_results)
+                                 reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval,
+                                 say_a_changed_schedule, seconds_so_far, setup_run, tensorboard_writer, write_results)
 from dschat.utils.checkpoints import clear_earlier_run
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import check_writable_folder
@@ -174,6 +174,7 @@ def main(args=None):
         _keep_log_until(log_path, 0)
     else:
         print_rank_0(f"[step3] resumed from iteration {position['iteration']}")
+        say_a_changed_schedule("step3", position, total_iters, "iterations")
         before = position.get("eval_before")
         _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     args.save_interval = resumed_save_interval(args.save_interval, checkpoint, "step3", "iterations")
@@ -220,7 +221,7 @@ def main(args=None):
             if args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch, "batch": batch_index + 1,
                                                      "unsup_batches": unsup_batches, "eval_before": before,
-                                                     "save_interval": args.save_interval,
+                                                     "save_interval": args.save_interval, "total": total_iters,
                                                      "seconds": seconds_so_far(started, checkpoint)})
         if iteration >= stop_at:
             break

@@ -6,7 +6,8 @@ output folder must be one that every rank sees (shared storage), as for DeepSpee
 import os
 
 from dschat.errors import UsageError
-from dschat.steps.common import input_runs, restart_deepspeed_tensorboard, resumed_save_interval
+from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
+                                 say_a_changed_schedule)
 from dschat.utils.checkpoints import (check_complete, check_same_flags, clear_earlier_run, latest_tag, load_rank_state,
                                       publish, read_trainer_state, reading, save_trainer_state,
                                       take_restored_flags)
@@ -44,12 +45,12 @@ def resume_flags(args):
 
 def save_step_checkpoint(engine, args, position, keep_last=2):
     """Every rank: the engine's states, this rank's RNG and train-loss sums under tag ``step_<N>``; ``position``:
-    {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's), and
-    "seconds" (the step's so far)}."""
+    {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's),
+    "seconds" (the step's so far) and "total" (the run's steps)}."""
     root = checkpoint_root(args)
     tag = f"step_{position['step']:07d}"
     engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
-    place = {key: position[key] for key in ("step", "epoch", "batch", "seconds") if key in position}
+    place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total") if key in position}
     sums = {key: position[key] for key in ("loss_sum", "loss_count")}
     save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
                                    "inputs": input_runs(args)}, rank_state=sums)
@@ -102,6 +103,7 @@ def resume_or_start(engine, args, name, total_steps):
                              "afresh without --resume")
         print_rank_0(f"[{name}] resumed from step {position['step']} ({root})"
                      + (": its last step, nothing left to train" if position["step"] == total_steps else ""))
+        say_a_changed_schedule(name, position, total_steps, "steps")
     elif args.resume:
         print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from step 0")
     elif clear_earlier_run(root):
