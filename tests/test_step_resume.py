@@ -59,7 +59,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(step, stop_step, tm
     assert json.loads((tmp_path / "split" / "checkpoints" / "latest").read_text())["tag"] == f"step_{stop_step:07d}"
     # an interrupted run leaves no mark of a finished output (train.py --resume would skip the step)
     assert not (tmp_path / "split" / "metrics.json").exists()
-    capsys.readouterr()
+    assert f"{tmp_path / 'split'} holds an earlier run's finished output: this run's save replaces its model " \
+           "files" in capsys.readouterr().out
     # the step's seconds count every process that ran it: the checkpoint's, made large here, and the resumed one's
     state_file = tmp_path / "split" / "checkpoints" / "trainer" / f"step_{stop_step:07d}" / "state.json"
     state = json.loads(state_file.read_text())

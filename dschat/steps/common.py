@@ -293,11 +293,15 @@ def finished_run_id(folder):
     return run if isinstance(run, str) else None
 
 
-def clear_results(args):
+def clear_results(args, name, resumed):
     """A step that starts training removes its folder's metrics.json, the mark of a finished output (``train.py
-    --resume`` skips a step that has one; the report reads it): an interrupted run leaves none (rank 0)."""
+    --resume`` skips a step that has one; the report reads it): an interrupted run leaves none (rank 0). A fresh run
+    over an earlier finished output says that its save will replace that output."""
     path = os.path.join(args.output_dir, "metrics.json")
     if is_rank_0() and os.path.isfile(path):
+        if not resumed:
+            print_rank_0(f"[{name}] {args.output_dir} holds an earlier run's finished output: this run's save replaces "
+                         "its model files (other files there stay)")
         os.remove(path)
 
 
@@ -537,7 +541,7 @@ def run_supervised_step(args, recipe):
         return recipe.evaluate_fn(engine, eval_loader, device, args.eval_iters)
 
     position = resume_or_start(engine, args, recipe.name, total_steps)
-    clear_results(args)
+    clear_results(args, recipe.name, resumed=position is not None)
     if position is None:
         print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
     throughput = Throughput(count_params(model), args.gradient_checkpointing)

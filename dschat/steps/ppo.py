@@ -178,7 +178,7 @@ def main(args=None):
         before = position.get("eval_before")
         _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     args.save_interval = resumed_save_interval(args.save_interval, checkpoint, "step3", "iterations")
-    clear_results(args)
+    clear_results(args, "step3", resumed=checkpoint is not None)
     print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
     # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again, a fresh one all
     # (an earlier run's events in the same folder are hidden from there on, as its jsonl log is cut)
