@@ -77,7 +77,8 @@ def add_data_args(parser, default_split="2,4,4"):
                    help="Shares of each dataset for steps 1,2,3, e.g. 2,4,4 (disjoint).")
     g.add_argument("--sft_only_data_path", nargs="*", default=[], help="Datasets used only in step 1.")
     g.add_argument("--data_output_path", type=str, default="/tmp/dschat_data_files/",
-                   help="Where tokenized datasets are cached (shared storage for multi-node).")
+                   help="Where tokenized datasets are cached (default: %(default)s, DeepSpeed-Chat's; storage "
+                        "every node sees for multi-node).")
     g.add_argument("--data_fields", type=str, default="",
                    help="Field names of local data, e.g. prompt=question,chosen=good,rejected=bad.")
     g.add_argument("--reload_data", action="store_true", help="Rebuild the tokenized data cache.")

@@ -203,10 +203,11 @@ def test_sharegpt_messages_and_text_content_parts_are_read(tmp_path):
     """They were "message 0 has role None" and "message 0 has no text content"."""
     sharegpt = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}] * 2
     path = write_records(sharegpt, tmp_path / "sharegpt.jsonl", "jsonl")
-    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("messages=conversations"))
-    sample = adapter.get_train_data()[0]
-    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Hi"}]
-    assert adapter.get_chosen_text(sample) == "Hello"
+    for fields in ("messages=conversations", ""):  # ShareGPT's own column name is read without --data_fields too
+        adapter = raw(f"{path},{path}", tmp_path, **parse_field_map(fields))
+        sample = adapter.get_train_data()[0]
+        assert adapter.get_conversation(sample) == [{"role": "user", "content": "Hi"}]
+        assert adapter.get_chosen_text(sample) == "Hello"
     parts = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
                            {"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}]}] * 2
     path = write_records(parts, tmp_path / "parts.jsonl", "jsonl")
@@ -302,8 +303,13 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     assert issubclass(DatasetFormatError, ValueError)
     path.write_text('{"prompt": "x\n')  # json's message ends in "at": said once
     with pytest.raises(DatasetFormatError,
-                       match=r"line 1: invalid JSON \(Unterminated string starting at column 12\)"):
+                       match=r"line 1: invalid JSON \(Unterminated string starting at column 12\)$"):
         raw(str(path), tmp_path)
+    # a JSON array given as JSON Lines (one line, or pretty-printed): said how to give it
+    for text in (json.dumps(RECORDS[:2]), json.dumps(RECORDS[:2], indent=1)):
+        path.write_text(text + "\n")
+        with pytest.raises(DatasetFormatError, match=r"line 1: .*\(the file is one JSON array: give it as json:PATH\)"):
+            raw(f"jsonl:{path}", tmp_path)
 
 
 def test_a_file_that_is_not_utf8_names_file_and_line(tmp_path):

@@ -123,6 +123,7 @@ def test_zero_0_2_generates_from_training_parameters_whose_storage_is_stable(sta
     assert next(engine.module.parameters()).dtype == dtype
     weights = engine.inference_weights
     assert weights.kind == "training_module" and weights.model is engine.module
+    assert weights.description == "the training module's own weights (no copy)"  # what the run's log says
     ptrs = {n: p.data_ptr() for n, p in engine.module.named_parameters()}
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     ids, mask = left_padded_batch([3, 5], seed=5)

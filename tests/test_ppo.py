@@ -951,7 +951,8 @@ def test_step3_with_zero3_on_two_ranks_and_different_answer_lengths(trained, tmp
     assert all(abs(r["actor_loss"]) < 1e3 and r["kl"] == r["kl"] for r in log)
     assert "held-out after PPO" in proc.stdout
     if tp == 2:
-        assert "pinned_copy_tp2 of the actor, inference tensor-parallel groups of 2 ranks" in proc.stdout
+        assert ("generates from a persistent copy of the weights, refreshed after each optimizer step, each rank its "
+                "slice: inference tensor-parallel groups of 2 ranks") in proc.stdout
 
 
 def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch):

@@ -42,12 +42,12 @@ def session(models):
     return ChatSession(model, tokenizer, dict(GREEDY))
 
 
-def run_chat(*args, stdin=None):
+def run_chat(*args, stdin=None, stderr=False):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(REPO / "chat.py"), *map(str, args)], input=stdin, cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return (proc.stdout, proc.stderr) if stderr else proc.stdout
 
 
 # --- chat ---
@@ -349,8 +349,9 @@ def test_chat_one_shot_prints_the_answer_and_exits(models, session, tmp_path):
     session.clear()
     expected = session.ask("Name 3 colors.")
     assert expected
-    out = run_chat("--path", run, "--prompt", "Name 3 colors.", "--greedy", "--max_new_tokens", 6)
+    out, err = run_chat("--path", run, "--prompt", "Name 3 colors.", "--greedy", "--max_new_tokens", 6, stderr=True)
     assert expected in out and "Human:" not in out and "<|endoftext|>" not in out
+    assert f"[chat] model: {run / 'step1_sft'} on cpu" in err and "[chat]" not in out  # which model the run chose
 
 
 def test_chat_interactive_answers_two_turns_then_quits(models, session):

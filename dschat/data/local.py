@@ -219,14 +219,17 @@ def check_jsonl_lines(path):
             for line_number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
+                # a JSON array given as JSON Lines fails on its first line: said how to give it
+                array = " (the file is one JSON array: give it as json:PATH)" if not record_lines and \
+                    line.lstrip().startswith("[") else ""
                 try:
                     record = json.loads(line.rstrip("\r\n"))  # a record cut short is at its line's end, not the next
                 except json.JSONDecodeError as err:
-                    raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)})") \
+                    raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)}){array}") \
                         from None
                 if not isinstance(record, dict):
                     raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
-                                             f"{type(record).__name__}")
+                                             f"{type(record).__name__}{array}")
                 record_lines.append(line_number)
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
@@ -413,6 +416,9 @@ class LocalDataset(PromptRawDataset):
         train, eval_data = self._load_splits()
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
+        if "conversations" in train.column_names and not any(self.fields[name] in train.column_names
+                                                             for name in FIELD_NAMES):
+            self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
         self.shape = self._record_shape(train, self.source.train)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields())
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names

@@ -96,6 +96,17 @@ class InferenceWeights:
     forward_has_collectives = False  # True when every forward all-gathers (ZeRO-3 without pinned parameters)
     num_kv_heads = None  # key/value heads per rank when the copy is tensor-parallel (None: the config's)
 
+    # What ``kind`` means, for the run's log (a tensor-parallel copy's kind ends in _tp<N>).
+    DESCRIPTIONS = {"base": "the model itself",
+                    "training_module": "the training module's own weights (no copy)",
+                    "training_module_zero3": "the training module, its ZeRO-3 shards gathered in each forward",
+                    "pinned_copy": "a persistent copy of the weights, refreshed after each optimizer step",
+                    "lora_copy": "a persistent copy with the LoRA deltas merged, refreshed after each optimizer step"}
+
+    @property
+    def description(self):
+        return self.DESCRIPTIONS[self.kind.split("_tp")[0]]
+
     def __init__(self, model):
         self.model = model
         self.version = 0  # bumped by each optimizer step that changed the training weights

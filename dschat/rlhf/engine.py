@@ -298,8 +298,9 @@ class DeepSpeedRLHFEngine:
                              compile_decode_step=a.compile_decode_step, decode_attention=a.decode_attention,
                              fuse_projections=a.fuse_projections)
         actor.check_generation_config()  # e.g. a no_repeat_ngram_size the decode would not apply: say so before PPO
-        print_rank_0(f"[step3] hybrid engine generates from a {actor.inference_weights.kind} of the actor"
-                     + (f", inference tensor-parallel groups of {actor.tp.size} ranks" if actor.tp else ""))
+        print_rank_0(f"[step3] hybrid engine generates from {actor.inference_weights.description}"
+                     + (f", each rank its slice: inference tensor-parallel groups of {actor.tp.size} ranks"
+                        if actor.tp else ""))
         return actor
 
     def _init_frozen_actor_copy(self, offload, dtype=None):

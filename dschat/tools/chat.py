@@ -119,9 +119,9 @@ def main(argv=None):
     path = flag_path("--path", find_policy_path, args.path)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     session = ChatSession(model, tokenizer, generation_kwargs(args))
+    print(f"[chat] model: {path} on {model.device}", file=sys.stderr)  # (stdout: the answers alone)
     if args.prompt is not None:
         print(session.ask(args.prompt))
         return 0
-    print(f"[chat] model: {path} on {model.device}", file=sys.stderr)
     run_interactive(session, read=input if sys.stdin.isatty() else echoing_input)
     return 0
