@@ -384,6 +384,10 @@ def tokenize_texts(tokenizer, texts, add_special_tokens):
     (BOS): one that also appends EOS (``add_eos_token=True``) would end every prompt there, and the answer would
     follow an EOS."""
     prefix = leading_special_ids(tokenizer) if add_special_tokens else []
+    # transformers' "Token indices sequence length is longer than the specified maximum" (once per tokenizer): the
+    # steps cut and skip records by their own length flags, and the data report counts them
+    if hasattr(tokenizer, "deprecation_warnings"):
+        tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     ids = []
     for start in range(0, len(texts), TOKENIZE_BATCH):
         batch = tokenizer(texts[start:start + TOKENIZE_BATCH], add_special_tokens=False, return_attention_mask=False)
