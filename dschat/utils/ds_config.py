@@ -163,14 +163,17 @@ def _flag_value(generated, dotted):
 
 
 def _check_flag_owned(generated, user, source, flags):
+    """Every key the flags own that the file sets otherwise, in one error (not one per run)."""
+    wrong = []
     for dotted in FLAG_OWNED_KEYS:
         wanted = _lookup(user, dotted)
         if wanted is None or wanted == "auto":
             continue
         have = _flag_value(generated, dotted)
         if wanted != have:
-            raise UsageError(f"DeepSpeed config {source}: {dotted} = {wanted!r}, but the flags give {have!r}; "
-                             f"set it with {flags[dotted]} (or write \"auto\" in the file)")
+            wrong.append(f"{dotted} = {wanted!r}, but the flags give {have!r}; set it with {flags[dotted]}")
+    if wrong:
+        raise UsageError(f"DeepSpeed config {source}: {'. '.join(wrong)} (or write \"auto\" in the file)")
 
 
 def _drop_flag_built_blocks(user, source, say=True):
