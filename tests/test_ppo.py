@@ -1045,7 +1045,8 @@ def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distribu
 
     parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
     data = tmp_path / "mine.jsonl"  # there: the data paths are checked too
-    data.write_text(json.dumps({"prompt": "Human: hi Assistant:", "chosen": " hello"}) + "\n")
+    data.write_text("".join(json.dumps({"prompt": f"Human: hi {i} Assistant:", "chosen": " hello"}) + "\n"
+                            for i in range(100)))  # (enough for one step-3 iteration: train.py counts them first)
     args = parse(["--recipe", "grpo", "--data-path", f"jsonl:{data}", "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--reward_fn tiny .*inside --step3-args"):
         pipeline.check_step_args([1, 3], args, True, {1: step1_parser, 3: step3_parser})

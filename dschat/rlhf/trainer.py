@@ -123,6 +123,9 @@ def prompt_texts(tokenizer, prompts, mask):
 class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
 
+    _in_rollout = False  # inside train_rollout (its train_rlhf calls are not a hand loop's)
+    _said_hand_loop = False
+
     def __init__(self, rlhf_engine=None, args=None, engine=None):
         self.rlhf_engine = rlhf_engine or engine
         if self.rlhf_engine is None:
@@ -161,7 +164,6 @@ class DeepSpeedPPOTrainer:
         if self.reward_model is None and self.reward_fn is None:
             raise UsageError("step 3 needs a reward: a reward model (--reward_model_weight != 0) or --reward_fn")
         self.stats = {}
-        self._in_rollout = self._said_hand_loop = False
 
     # --- experience ---------------------------------------------------------------------------------------
     def _generate_sequence(self, prompts, mask):
