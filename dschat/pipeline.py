@@ -203,7 +203,8 @@ def check_step3_prompts(flags, world_size):
     from dschat.data.pipeline import phase_share_bound
     from dschat.steps.ppo import check_prompts_make_an_iteration
 
-    bound = phase_share_bound(flags.data_path, flags.data_split, flags.seed, 3, flags.data_fields or None)
+    bound = rank_0_decides(lambda: phase_share_bound(flags.data_path, flags.data_split, flags.seed, 3,
+                                                     flags.data_fields or None))  # (read once, not on every rank)
     if bound is not None:
         check_prompts_make_an_iteration(bound, flags, world_size, bound=True)
 
@@ -216,8 +217,10 @@ def check_earlier_outputs(step, steps, args, parsed):
         paths.append(parsed.critic_model_name_or_path)
     for path in filter(None, paths):
         for producer, folder in RECIPE_STEP_FOLDERS[getattr(args, "recipe", "ppo")].items():
-            if path == os.path.join(args.output_dir, folder) and producer not in steps and not os.path.isdir(path):
-                raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which does not exist: "
+            if path == os.path.join(args.output_dir, folder) and producer not in steps and \
+                    not os.path.isfile(os.path.join(path, "config.json")):
+                state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
+                raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: "
                                         f"run step {producer} too (--step {producer} {step}) or first")
 
 

@@ -238,9 +238,9 @@ def test_every_key_a_config_file_sets_against_the_flags_is_in_one_error():
     from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags
 
     flags = owned_key_flags("--per_device_train_batch_size", "--zero_stage")
-    with pytest.raises(UsageError, match=r"train_micro_batch_size_per_gpu = 99, but the flags give 4; set it with "
-                                         r"--per_device_train_batch_size\. zero_optimization.stage = 3, but the flags "
-                                         r"give 2; set it with --zero_stage \(or write \"auto\" in the file\)"):
+    with pytest.raises(UsageError, match=r"train_micro_batch_size_per_gpu = 99, but the flags give 4 \(set it with "
+                                         r"--per_device_train_batch_size\); zero_optimization.stage = 3, but the "
+                                         r"flags give 2 \(set it with --zero_stage\): the flags set these"):
         apply_user_ds_config(get_train_ds_config(stage=2, micro_batch_size=4),
                              {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 99}, flags,
                              quiet=True)

@@ -71,6 +71,12 @@ def test_the_progress_bar_counts_the_micro_batches_the_epoch_runs(tmp_path, dist
     sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
               "--gradient_accumulation_steps", "2", "--max_steps", "3", *SFT_FAST])
     assert totals == [6]
+    # a step that spans two epochs: the second epoch's bar counts only what it runs (75 batches of 16 a epoch here,
+    # steps of 2: step 38 takes the first epoch's last batch and the second epoch's first)
+    totals.clear()
+    sft.main(["--output_dir", str(tmp_path / "sft2"), "--data_output_path", str(tmp_path / "data"),
+              "--gradient_accumulation_steps", "2", "--max_steps", "39", "--num_train_epochs", "2", *SFT_FAST])
+    assert totals[1] == 2 * 39 - totals[0], totals
 
 
 def test_sft_loss_decreases(tmp_path, distributed):
@@ -194,6 +200,16 @@ def test_an_output_folder_that_cannot_be_written_is_a_flag_error_before_training
         main(["--output_dir", str(tmp_path / "afile" / "out")])
     with pytest.raises(UsageError, match=f"^{flag} {tmp_path}/afile: a file, not a folder$"):
         main(["--output_dir", str(tmp_path / "afile")])
+
+
+def test_the_output_folder_check_makes_nothing_a_failed_step_would_leave(tmp_path, distributed):
+    """An empty step folder, left by a step that failed after the check, passed train.py's check of earlier outputs."""
+    from dschat.errors import MissingInputError
+
+    out = tmp_path / "new" / "step1_sft"
+    with pytest.raises(MissingInputError, match="no such folder"):
+        sft.main(["--output_dir", str(out), "--model_name_or_path", str(tmp_path / "nope")])
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("step", ["sft", "reward", "dpo", "ppo"])
@@ -442,8 +458,14 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
                                                                               "step1_sft")):
         with pytest.raises(MissingInputError, match=f"reads {out}/{missing}, step 1's output, which does not exist"):
             pipeline.run_pipeline(_train_py_args("--output-dir", out, *argv))
-    (tmp_path / "out" / "step1_sft").mkdir(parents=True)
-    with pytest.raises(MissingInputError, match="step2_rm, step 2's output"):
+    (tmp_path / "out" / "step1_sft").mkdir(parents=True)  # empty (a step that failed early): no model
+    with pytest.raises(MissingInputError, match="step1_sft, step 1's output, which holds no model"):
+        pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "3"))
+    (tmp_path / "out" / "step1_sft" / "config.json").write_text("{}")
+    with pytest.raises(MissingInputError, match="step2_rm, step 2's output, which does not exist"):
+        pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "3"))
+    (tmp_path / "out" / "step2_rm").mkdir()
+    with pytest.raises(MissingInputError, match="step2_rm, step 2's output, which holds no model"):
         pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "3"))
 
 
@@ -557,7 +579,7 @@ def test_train_py_finds_too_few_step3_prompts_before_step_1(tmp_path, distribute
             "--data_split 1,1,1 --per_device_generation_batch_size 8 --generation_batches 2"]
     with pytest.raises(UsageError, match=r"step3: at most 12 training prompts make no iteration: one takes "
                                          r"--per_device_generation_batch_size 8 x --generation_batches 2 x 1 rank"
-                                         r".*found before step 1 runs"):
+                                         r".*found before the first step runs"):
         pipeline.run_pipeline(_train_py_args(*argv))
     assert not out.exists(), "no step may have run"
 

@@ -504,15 +504,23 @@ def test_a_tools_run_defaults_fill_only_the_flags_not_given_and_are_said(capsys)
     only what was taken (not a run's value that a given flag overrides, nor one equal to the tool's own default)."""
     import argparse
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--a", type=int, default=1)
-    parser.add_argument("--b", default="x")
-    parser.add_argument("--c", action="store_true")
-    parser.add_argument("--d", default="same")
+    def tool_parser():
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--a", type=int, default=1)
+        parser.add_argument("--b", default="x")
+        parser.add_argument("--c", action="store_true")
+        parser.add_argument("--d", default="same")
+        return parser
+
     run = {"a": 7, "b": "y", "c": True, "d": "same"}
-    args = parse_with_run_defaults(parser, ["--a", "5"], lambda given: (run, "run/training_args.json"), "tool")
+    args = parse_with_run_defaults(tool_parser(), ["--a", "5"], lambda given: (run, "run/training_args.json"), "tool")
     assert (args.a, args.b, args.c, args.d) == (5, "y", True, "same")
     assert capsys.readouterr().out == "[tool] from run/training_args.json (flags given here win): --b y --c\n"
+    # a flag given with the tool's default value wins too, and is not said to be taken
+    args = parse_with_run_defaults(tool_parser(), ["--a", "1", "--b", "x"],
+                                   lambda given: (run, "run/training_args.json"), "tool")
+    assert (args.a, args.b, args.c) == (1, "x", True)
+    assert capsys.readouterr().out == "[tool] from run/training_args.json (flags given here win): --c\n"
     plain = parse_with_run_defaults(argparse.ArgumentParser(), [], lambda given: ({}, None), "tool")
     assert vars(plain) == {} and capsys.readouterr().out == ""
 
@@ -536,6 +544,18 @@ def test_a_notebooks_reward_function_is_recorded_as_a_spec_eval_py_loads(tmp_pat
     from dschat.tiny.scorer import score_batch
 
     assert reward_fn_spec(score_batch) == "dschat.tiny.scorer:score_batch"
+    (tmp_path / "rewardpkg").mkdir()  # a package's own function: by module name (as a file, its imports would fail)
+    (tmp_path / "rewardpkg" / "__init__.py").write_text("def score(prompts, answers):\n    return [2.0] * len(answers)\n")
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        package = importlib.import_module("rewardpkg")
+        assert reward_fn_spec(package.score) == "rewardpkg:score"
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("rewardpkg", None)
 
     def nested(prompts, answers):
         return [0.0] * len(answers)

@@ -416,8 +416,8 @@ class LocalDataset(PromptRawDataset):
         train, eval_data = self._load_splits()
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
-        if "conversations" in train.column_names and not any(self.fields[name] in train.column_names
-                                                             for name in FIELD_NAMES):
+        if "conversations" in train.column_names and not self.renamed and not any(
+                self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
         self.shape = self._record_shape(train, self.source.train)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields())

@@ -72,13 +72,17 @@ _FILE_MODULES = {}  # (path, modification time) -> module: checked, then loaded,
 
 
 def reward_fn_spec(fn):
-    """``fn`` as a ``--reward_fn`` that loads it again from any folder (what training_args.json records for a
-    notebook's function, for eval.py), else None: a lambda, a nested function, a method, a callable object, or a
-    function of the running script or notebook (``__main__``: loading that again would run it)."""
+    """``fn`` as a ``--reward_fn`` that loads it again (what training_args.json records for a notebook's function,
+    for eval.py): a function of a module file of its own by the file's path (found from any folder), one of a package
+    as ``package.module:name`` (found where the package imports); else None: a lambda, a nested function, a method, a
+    callable object, or a function of the running script or notebook (``__main__``: loading that would run it)."""
+    import sys
+
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not inspect.isfunction(fn) or "." in name or "<" in name or module in (None, "__main__"):
         return None
-    if "." not in module:  # a module of its own file (my_rewards.py): its path, found from any folder
+    # (a package's __init__ loaded as a file would lose its relative imports)
+    if "." not in module and not hasattr(sys.modules.get(module), "__path__"):
         path = inspect.getsourcefile(fn)
         if path:
             return f"{os.path.abspath(path)}:{name}"

@@ -353,8 +353,9 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
         reseed_epoch(train_loader, args.seed, epoch)
         consumed = position["batch"] if epoch == position["epoch"] else 0
         engine.train()
-        # the bar counts the micro-batches this epoch runs: all of them, or up to the last step (--max_steps)
-        batches = min(len(train_loader), consumed + (total_steps - step) * grad_accum)
+        # the bar counts the micro-batches this epoch runs: all of them, or up to the last step (--max_steps; a step
+        # begun in the last epoch has some of its micro-batches already)
+        batches = min(len(train_loader), consumed + (total_steps - step) * grad_accum - micro % grad_accum)
         bar = progress(train_loader, batches, f"{name} epoch {epoch + 1}/{args.num_train_epochs}")
         for index, batch in enumerate(bar):
             if index < consumed:
@@ -516,7 +517,8 @@ def run_supervised_step(args, recipe):
     device = setup_run(args)
     tag = f"[{recipe.name}]"
     ds_config = check_supervised_settings(args, recipe.phase, recipe.name, quiet=False)
-    check_writable_folder(args.output_dir, "--output_dir")  # before training, not when the model is saved
+    # before training, not when the model is saved (beside the folder first, then moved in)
+    check_writable_folder(args.output_dir, "--output_dir", parent=True)
     check_model_path(args.model_name_or_path, "--model_name_or_path")
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)

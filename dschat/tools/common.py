@@ -1,4 +1,5 @@
 """What the tools share: finding a run's models, the device, loading a policy or reward model, CLI flags."""
+import argparse
 import json
 import os
 
@@ -75,14 +76,28 @@ def parse_with_run_defaults(parser, argv, run_defaults, tool):
     from) for the arguments parsed without them ({} for none)."""
     args = parser.parse_args(argv)
     defaults, source = run_defaults(args)
-    taken = {name: value for name, value in defaults.items()
-             if getattr(args, name) == parser.get_default(name) != value}
+    given = given_dests(parser, argv)  # (a flag given with its default's value wins too)
+    taken = {name: value for name, value in defaults.items() if name not in given and value != parser.get_default(name)}
     if not taken:
         return args
     parser.set_defaults(**taken)
-    flags = [f"--{name}" if value is True else f"--{name} {value}" for name, value in taken.items()]
+    flags = [f"--{name}" if value is True else
+             f"--{name} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+             for name, value in taken.items()]
     print(f"[{tool}] from {source} (flags given here win): {' '.join(flags)}")
     return parser.parse_args(argv)
+
+
+def given_dests(parser, argv):
+    """The destinations ``argv`` sets, whatever their values: parsed by a copy of ``parser`` that has no defaults."""
+    import copy
+
+    bare = copy.deepcopy(parser)
+    bare._defaults.clear()  # (those of set_defaults)
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    return set(vars(bare.parse_args(argv)))
 
 
 def default_device():

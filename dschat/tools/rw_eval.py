@@ -155,7 +155,7 @@ def step2_run_defaults(args):
         defaults["pairs_file"] = data[0]
         if trained.get("data_fields"):  # its field names go with its file
             defaults["data_fields"] = trained["data_fields"]
-    return defaults, os.path.join(path, RUN_ARGS_FILE)
+    return defaults, os.path.abspath(os.path.join(path, RUN_ARGS_FILE))
 
 
 def check_message_flags(parser, args):

@@ -171,9 +171,10 @@ def _check_flag_owned(generated, user, source, flags):
             continue
         have = _flag_value(generated, dotted)
         if wanted != have:
-            wrong.append(f"{dotted} = {wanted!r}, but the flags give {have!r}; set it with {flags[dotted]}")
+            wrong.append(f"{dotted} = {wanted!r}, but the flags give {have!r} (set it with {flags[dotted]})")
     if wrong:
-        raise UsageError(f"DeepSpeed config {source}: {'. '.join(wrong)} (or write \"auto\" in the file)")
+        raise UsageError(f"DeepSpeed config {source}: {'; '.join(wrong)}: the flags set these (the file may repeat "
+                         f"them or write \"auto\")")
 
 
 def _drop_flag_built_blocks(user, source, say=True):
