@@ -545,7 +545,8 @@ def test_a_notebooks_reward_function_is_recorded_as_a_spec_eval_py_loads(tmp_pat
 
     assert reward_fn_spec(score_batch) == "dschat.tiny.scorer:score_batch"
     (tmp_path / "rewardpkg").mkdir()  # a package's own function: by module name (as a file, its imports would fail)
-    (tmp_path / "rewardpkg" / "__init__.py").write_text("def score(prompts, answers):\n    return [2.0] * len(answers)\n")
+    (tmp_path / "rewardpkg" / "__init__.py").write_text("def score(prompts, answers):\n    return [2.0] * len(answers)"
+                                                        "\n")
     import importlib
     import sys
 

@@ -55,7 +55,8 @@ def check_prompts_make_an_iteration(prompts, args, world_size, bound=False):
             f"step3: {'at most ' if bound else ''}{prompts} training prompts make no iteration: one takes "
             f"--per_device_generation_batch_size {args.per_device_generation_batch_size} x --generation_batches "
             f"{args.generation_batches} x {world_size} rank(s); give more prompts (for step 3: --data_split) or a "
-            "smaller batch" + (" (found before the first step runs, from the phase-3 share of --data_path)" if bound else ""))
+            "smaller batch" + (" (found before the first step runs, from the phase-3 share of --data_path)"
+                               if bound else ""))
 
 
 def unsupervised_loader(args, tokenizer):
