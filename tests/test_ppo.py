@@ -571,8 +571,8 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
     text.write_text("".join(json.dumps({"text": f"plain text number {i} for language modelling."}) + "\n"
                             for i in range(64)))
     calls = []
-    real_rlhf, real_unsup = DeepSpeedPPOTrainerUnsupervised.train_rlhf, DeepSpeedPPOTrainerUnsupervised.train_unsupervised
-    monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "train_rlhf",
+    real_rlhf, real_unsup = DeepSpeedPPOTrainerUnsupervised._ppo_step, DeepSpeedPPOTrainerUnsupervised.train_unsupervised
+    monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "_ppo_step",
                         lambda self, m: calls.append(("ppo", m["input_ids"].shape[0])) or real_rlhf(self, m))
     monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "train_unsupervised", lambda self, b, coef: calls.append(
         ("lm", b["input_ids"].shape[0], b["input_ids"].data_ptr())) or real_unsup(self, b, coef))
@@ -1338,16 +1338,16 @@ def test_train_rollout_is_step3s_iteration_and_a_hand_loop_hears_what_train_rlhf
                                                 critic_learning_rate=0.0)
     exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
     calls = []
-    real = trainer.train_rlhf
-    trainer.train_rlhf = lambda m: calls.append(m["input_ids"].shape[0]) or real(m)
+    real = trainer._ppo_step
+    trainer._ppo_step = lambda m: calls.append(m["input_ids"].shape[0]) or real(m)
     coef = trainer.kl_ctl.value
     trained_once = trainer.train_rollout([exp])
     assert calls == [2, 2, 2, 2]  # 2 epochs x 2 micro-batches of 2 rows
     assert trained_once["kl_per_answer"] == pytest.approx(trainer.answer_kl_to_reference(exp).item())
     assert trainer.kl_ctl.value != coef and set(trained_once) >= {"actor_loss", "critic_loss", "kl"}
     assert "train_rlhf(out)" not in capsys.readouterr().out
-    real(exp)  # a hand loop's call: what it leaves out is said once
-    real(exp)
+    trainer.train_rlhf(exp)  # a hand loop's call: what it leaves out is said once
+    trainer.train_rlhf(exp)
     out = capsys.readouterr().out
     assert out.count("[step3] train_rlhf(out) is one update on the rows it is given") == 1
     assert "ppo_epochs 2, adaptive_kl, per_device_training_batch_size 2 (< the 4 rows given) act through " \

@@ -123,8 +123,7 @@ def prompt_texts(tokenizer, prompts, mask):
 class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
 
-    _in_rollout = False  # inside train_rollout (its train_rlhf calls are not a hand loop's)
-    _said_hand_loop = False
+    _said_hand_loop = False  # (a class default: tests build trainers without __init__)
 
     def __init__(self, rlhf_engine=None, args=None, engine=None):
         self.rlhf_engine = rlhf_engine or engine
@@ -332,9 +331,12 @@ class DeepSpeedPPOTrainer:
 
     # --- training -----------------------------------------------------------------------------------------
     def train_rlhf(self, inputs):
-        """One PPO update of actor and critic on a micro-batch of experience; returns (actor_loss, critic_loss)."""
-        if not self._in_rollout:
-            self._note_hand_loop(inputs)
+        """One PPO update of actor and critic on a micro-batch of experience; returns (actor_loss, critic_loss).
+        DeepSpeed-Chat's call, for a caller's own loop (``train_rollout`` runs step 3's)."""
+        self._note_hand_loop(inputs)
+        return self._ppo_step(inputs)
+
+    def _ppo_step(self, inputs):
         mask = inputs["action_mask"].float()
         seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         start = inputs["prompts"].shape[1] - 1
@@ -482,23 +484,19 @@ class DeepSpeedPPOTrainer:
         unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)]
         losses = {"actor_loss": [], "critic_loss": [], "unsup_loss": []}
         accum = self.args.gradient_accumulation_steps
-        self._in_rollout = True
-        try:
-            for _ in range(self.args.ppo_epochs):
-                for start in range(0, len(micro), accum):
-                    group = micro[start:start + accum]
-                    tokens = global_token_count([m["action_mask"] for m in group], self.device)
-                    for micro_index, m in enumerate(group, start):
-                        m["num_tokens_global"] = tokens
-                        actor_loss, critic_loss = self.train_rlhf(m)
-                        losses["actor_loss"].append(actor_loss.item())
-                        if self.critic_model is not None:
-                            losses["critic_loss"].append(critic_loss.item())
-                        if unsup:
-                            losses["unsup_loss"].append(
-                                self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
-        finally:
-            self._in_rollout = False
+        for _ in range(self.args.ppo_epochs):
+            for start in range(0, len(micro), accum):
+                group = micro[start:start + accum]
+                tokens = global_token_count([m["action_mask"] for m in group], self.device)
+                for micro_index, m in enumerate(group, start):
+                    m["num_tokens_global"] = tokens
+                    actor_loss, critic_loss = self._ppo_step(m)
+                    losses["actor_loss"].append(actor_loss.item())
+                    if self.critic_model is not None:
+                        losses["critic_loss"].append(critic_loss.item())
+                    if unsup:
+                        losses["unsup_loss"].append(
+                            self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
         kl = self.rollout_kl(experiences)
         if self.args.adaptive_kl:  # in the controller's unit, the same on every rank
             self.update_kl_controller(kl["kl_per_answer"],
