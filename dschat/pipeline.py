@@ -42,6 +42,10 @@ TINY_DPO_RECIPE = ["--data_split", "4,4,2", "--max_seq_len", "96", "--per_device
                    "--num_warmup_steps", "10", "--dtype", "fp32", "--beta", "0.1", "--rpo_alpha", "1.0"]
 
 
+# What train.py trains real models on without --data-path: DeepSpeed-Chat's steps' default dataset.
+DEEPSPEED_CHAT_DATA = "Dahoas/rm-static"
+
+
 def is_tiny_run(actor_model, reward_model):
     from dschat.tiny.presets import is_tiny_preset
 
@@ -290,6 +294,10 @@ def run_pipeline(args):
 
     ensure_distributed()
     tiny = is_tiny_run(args.actor_model, args.reward_model)
+    if not tiny and not args.data_path:
+        args.data_path = [DEEPSPEED_CHAT_DATA]
+        print_rank_0(f"--data-path not given: {DEEPSPEED_CHAT_DATA}, DeepSpeed-Chat's default (the embedded tiny data "
+                     "is the tiny presets' default; --data-path tiny trains on it)")
     if tiny:
         # build the presets once, before any step, so every step loads them with from_pretrained
         resolve_model_path(args.actor_model)

@@ -110,6 +110,21 @@ def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
     return report
 
 
+FINAL_KL_ITERATIONS = 10
+
+
+def final_kl_said(kl):
+    """The KL at the end of the run, as the mean over its last iterations: each iteration's is a k1 estimate (the
+    answer tokens' mean log-ratio to the reference) over one rollout's samples, unbiased but noisy, and one of a few
+    prompts' answers can fall below 0."""
+    last = [value for value in kl[-FINAL_KL_ITERATIONS:] if value is not None]
+    if not last:
+        return "no KL logged"
+    if len(last) == 1:
+        return f"final KL {last[0]:.4f}"
+    return f"final KL {sum(last) / len(last):.4f} (mean of the last {len(last)} iterations)"
+
+
 def summary_lines(report):
     lines = ["==== dschat report ===="]
     for step, seconds in report["timings_s"].items():
@@ -131,7 +146,7 @@ def summary_lines(report):
             lines.append(f"held-out {name}: {', '.join(parts) or 'no held-out prompts, so no score'}")
         curve = report.get("step3_curve", {})
         if curve.get("kl"):
-            lines.append(f"PPO: {report['step3_iterations']} iterations, final KL {curve['kl'][-1]:.4f}")
+            lines.append(f"PPO: {report['step3_iterations']} iterations, {final_kl_said(curve['kl'])}")
     if report.get("plot"):
         lines.append(f"plot: {report['plot']}")
     for folder in report.get("not_reported", []):

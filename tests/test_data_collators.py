@@ -79,7 +79,7 @@ def test_rlhf_batch_from_the_pipeline_ends_every_row_at_the_generation_point(tmp
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, _ = create_prompt_dataset(0, [f"{path},{path}"], "0,0,1", str(tmp_path / "out"), 3, 1234, tokenizer, 64)
-    batch = DataCollatorRLHF(64, tokenizer.pad_token_id)([train[i] for i in range(4)])
+    batch = DataCollatorRLHF(64, pad_token_id=tokenizer.pad_token_id)([train[i] for i in range(4)])
     # left padding: every row's prompt ends in the last column, where generation continues
     assert batch["prompt_att_mask"][:, -1].all() and not batch["prompt_att_mask"][:, 0].all()
     assert (batch["prompt"][:, -1] == train[0]["prompt_input_ids"][-1]).all()
@@ -128,6 +128,8 @@ def test_rlhf_collator_rounds_prompts_up_but_never_past_max_prompt_len():
     batch = DataCollatorRLHF(max_prompt_len=16, pad_token_id=PAD, pad_to_multiple_of=4)(items)
     assert batch["prompt"].tolist() == [[PAD] * 3 + [7, 8, 9, 10, 11], [PAD] * 7 + [5]]
     assert batch["prompt_att_mask"].tolist() == [[0] * 3 + [1] * 5, [0] * 7 + [1]]
+    with pytest.raises(TypeError):  # DeepSpeed-Chat's (max_size, inference_tp_size): not taken as the pad id
+        DataCollatorRLHF(16, 1)
     # 5 rounds up to 8, but no prompt batch is longer than max_prompt_len
     capped = DataCollatorRLHF(max_prompt_len=6, pad_token_id=PAD, pad_to_multiple_of=4)(items)
     assert capped["prompt"].shape == capped["prompt_att_mask"].shape == (2, 6)

@@ -236,6 +236,64 @@ def test_plain_model_folder_loads_as_critic_with_new_head(tmp_path):
     assert critic.v_head.weight.shape == (1, 32)
 
 
+def _deepspeed_chat_step2_folder(folder, family="opt"):
+    """A reward model as DeepSpeed-Chat's step 2 saves it: the backbone's config, and the whole RewardModel in one
+    pytorch_model.bin, the backbone under its (misspelt) "rwtranrsformer." and the head as "v_head.weight"."""
+    torch.manual_seed(0)
+    model = RewardModel(AutoModel.from_config(CONFIGS[family]())).eval()
+    torch.nn.init.normal_(model.v_head.weight)
+    os.makedirs(folder)
+    model.config.to_json_file(os.path.join(folder, "config.json"))
+    torch.save({k.replace("rwtransformer.", "rwtranrsformer.", 1): v for k, v in model.state_dict().items()},
+               os.path.join(folder, "pytorch_model.bin"))
+    return model
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_deepspeed_chats_reward_model_folder_loads_with_its_backbone_and_head(zero_stage, tmp_path, distributed):
+    """It loaded as a critic with every backbone weight random and a new head, said only as "no trained value head"
+    (and as a reward model: "not step 2's output")."""
+    import deepspeed
+
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_causal_lm
+    from dschat.models.reward_model import is_reward_model_folder
+    from dschat.tools.common import load_scoring_reward_model
+    from dschat.utils.ds_config import get_train_ds_config
+
+    folder = str(tmp_path / "ds_chat_rm")
+    original = _deepspeed_chat_step2_folder(folder)
+    assert is_reward_model_folder(folder)
+    ds_config = get_train_ds_config(dtype="fp32", stage=zero_stage) if zero_stage else None
+    loaded = load_reward_model(folder, ds_config=ds_config).eval()
+    assert loaded.value_head_loaded
+    ids = torch.randint(3, 96, (3, 6))
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(loaded.parameters()), enabled=zero_stage == 3):
+        assert torch.allclose(loaded.end_scores(ids, torch.ones_like(ids)),
+                              original.end_scores(ids, torch.ones_like(ids)), atol=1e-5)
+    assert load_scoring_reward_model(folder, None, device="cpu").value_head_loaded
+    with pytest.raises(UsageError, match="a reward model .*not a policy"):
+        load_causal_lm(folder, None)
+
+
+def test_a_checkpoint_whose_weights_are_named_for_another_layout_is_an_error(tmp_path):
+    """transformers loads it with every weight new (a "LOAD REPORT ... MISSING"), and it trained from random values."""
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    model.config.save_pretrained(tmp_path)
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(UsageError, match=r"of the \d+ weights of LlamaForCausalLM are not in its checkpoint .*"
+                                         r"named e\.g\. module\..*would train from random values"):
+        load_causal_lm(str(tmp_path), None)
+    with pytest.raises(UsageError, match=r"of the \d+ weights of LlamaModel are not in its checkpoint"):
+        load_reward_model(str(tmp_path))
+    torch.save({k: v for k, v in model.state_dict().items() if "layers.1." not in k}, tmp_path / "pytorch_model.bin")
+    assert load_causal_lm(str(tmp_path), load_tokenizer("tiny-llama")) is not None, \
+        "a part missing stays transformers' warning"
+
+
 def test_atomic_folder_leaves_old_contents_when_writing_fails(tmp_path):
     target = tmp_path / "model"
     target.mkdir()

@@ -258,7 +258,7 @@ def _prompt_batch(tokenizer, texts):
     from dschat.data import DataCollatorRLHF
 
     items = [{"prompt_input_ids": torch.tensor(tokenizer(t)["input_ids"]), "prompt_text": t} for t in texts]
-    return DataCollatorRLHF(40, tokenizer.pad_token_id)(items)
+    return DataCollatorRLHF(40, pad_token_id=tokenizer.pad_token_id)(items)
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
@@ -606,8 +606,11 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
 def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     # dropout draws from torch's global RNG even where the hybrid engine samples with its own generator
     common = ["--enable_hybrid_engine", "--save_interval", "2", "--actor_dropout", "0.1", "--critic_dropout", "0.1"]
-    ppo.main(ppo_args(trained, tmp_path / "full", "--max_steps", "4", "--resume", *common))  # nothing to resume
-    assert "--resume: no complete checkpoint in" in capsys.readouterr().out
+    ppo.main(ppo_args(trained, tmp_path / "full", "--max_steps", "4", "--resume", "--test_stop_step", "2",
+                      *common))  # nothing to resume; and no test mode, so --test_stop_step stops nothing (said)
+    out = capsys.readouterr().out
+    assert "--resume: no complete checkpoint in" in out
+    assert "--test_stop_step 2 has no effect without --enable_test_mode" in out
     # stopped after iteration 3, one past the last checkpoint: its log line is dropped and iteration 3 runs again
     ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--enable_test_mode", "--test_stop_step", "3",
                       *common))
@@ -622,7 +625,7 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     assert ppo.main(ppo_args(trained, tmp_path / "split", "--max_steps", "4", "--resume", *common))["seconds"] > 1000
     full = [json.loads(x) for x in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
     split = [json.loads(x) for x in (tmp_path / "split" / "step3_log.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in split] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in split] == [r["iteration"] for r in full] == [1, 2, 3, 4]
     for a, b in zip(full[2:], split[2:]):
         for key in ("reward", "kl", "actor_loss", "critic_loss", "answer_length"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
@@ -1141,7 +1144,7 @@ def test_prompt_texts_from_ids_are_the_loaders_prompt_text(template):
              for content in (f"Say hi.{tokenizer.eos_token}", "Go on.")]
     ids = tokenize_texts(tokenizer, texts, add_special_tokens=not uses_chat_template(tokenizer))
     assert all(row[0] == bos for row in ids)
-    batch = DataCollatorRLHF(40, tokenizer.pad_token_id)([{"prompt_input_ids": torch.tensor(row), "prompt_text": text}
+    batch = DataCollatorRLHF(40, pad_token_id=tokenizer.pad_token_id)([{"prompt_input_ids": torch.tensor(row), "prompt_text": text}
                                                           for row, text in zip(ids, texts)])
     assert prompt_texts(tokenizer, batch["prompt"], batch["prompt_att_mask"]) == texts
 
@@ -1373,7 +1376,9 @@ def test_accumulation_groups_may_not_span_ppo_epochs():
 
     args = Namespace(per_device_generation_batch_size=6, n_samples_per_prompt=1, per_device_training_batch_size=2,
                      generation_batches=1, ppo_epochs=2, gradient_accumulation_steps=2)
-    with pytest.raises(UsageError, match="3 PPO micro-batches per PPO epoch"):
+    with pytest.raises(UsageError, match="3 PPO micro-batches per PPO epoch .* give --generation_batches 2 or "
+                                         "--per_device_training_batch_size 3, or a --gradient_accumulation_steps "
+                                         "that divides 3"):
         ppo.check_accumulation(args)  # 6 in all would divide, but one step would mix two epochs
     args.per_device_training_batch_size = 3
     ppo.check_accumulation(args)

@@ -39,7 +39,7 @@ def rank_loader(dataset, rank, tokenizer, batch_size=2):
     held_out = EvalWeighted(dataset)
     sampler = PaddingMarkedSampler(held_out, num_replicas=2, rank=rank, shuffle=False)
     return DataLoader(held_out, batch_size=batch_size, sampler=sampler,
-                      collate_fn=weighted_collator(DataCollatorRLHF(8, tokenizer.pad_token_id)))
+                      collate_fn=weighted_collator(DataCollatorRLHF(8, pad_token_id=tokenizer.pad_token_id)))
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -73,7 +73,7 @@ def test_two_ranks_score_each_held_out_prompt_once(tokenizer):
 
 
 def test_weight_zero_rows_are_left_out_and_missing_weights_count_once(tokenizer):
-    collate = DataCollatorRLHF(8, tokenizer.pad_token_id)
+    collate = DataCollatorRLHF(8, pad_token_id=tokenizer.pad_token_id)
     weighted = [{**item, "eval_weight": w} for item, w in zip(prompts(4), (1.0, 0.0, 1.0, 0.0))]
     result = evaluate([collate(weighted[:2]), collate(weighted[2:])], tokenizer)
     assert result["prompts"] == 2
@@ -96,7 +96,7 @@ def test_the_reward_function_is_scored_on_the_held_out_answers_without_padding_r
         calls.append((list(prompts), list(answers), list(level)))
         return [float(x) for x in level]
 
-    collate = DataCollatorRLHF(8, tokenizer.pad_token_id)
+    collate = DataCollatorRLHF(8, pad_token_id=tokenizer.pad_token_id)
     weighted = [{**item, "eval_weight": w} for item, w in zip(prompts(4), (1.0, 0.0, 1.0, 1.0))]
     batches = [{**collate(weighted[:2]), "level": [3, 100]}, {**collate(weighted[2:]), "level": [5, 7]}]
     result = evaluate(batches, tokenizer, reward_fn=reward_fn)
@@ -123,7 +123,7 @@ class MaskedReward(torch.nn.Module):
 
 def test_held_out_sequences_are_padded_to_pad_to_multiple_of_without_changing_scores(tokenizer):
     answer = tokenizer(" ok ok", add_special_tokens=False)["input_ids"][:2]
-    collate = DataCollatorRLHF(8, tokenizer.pad_token_id)
+    collate = DataCollatorRLHF(8, pad_token_id=tokenizer.pad_token_id)
     batches = [collate(prompts(4))]
     results, models = [], []
     for multiple in (1, 8):
@@ -144,3 +144,13 @@ def test_no_held_out_prompts_is_no_score_not_a_mean_of_zero(tokenizer):
     assert result["reward_mean"] is result["rule_score_mean"] is result["reward_fn_mean"] is None
     held = {"sft_policy": result, "ppo_policy": result, "prompts": 0}
     assert "held-out ppo_policy: no held-out prompts, so no score" in summary_lines({"timings_s": {}, "held_out": held})
+
+
+def test_the_report_says_the_final_kl_as_a_mean_of_the_last_iterations():
+    """The last iteration's k1 estimate alone fell below 0 on a GRPO run ("final KL -0.0091")."""
+    from dschat.report import final_kl_said
+
+    kl = [0.5] * 20 + [0.05, 0.03, 0.01, 0.02, 0.04, 0.06, 0.05, 0.03, 0.02, -0.01]
+    assert final_kl_said(kl) == "final KL 0.0300 (mean of the last 10 iterations)"
+    assert final_kl_said([0.012]) == "final KL 0.0120"
+    assert final_kl_said([None]) == "no KL logged"

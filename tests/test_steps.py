@@ -20,11 +20,16 @@ def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch
     given, settled_module = [], checkpoint.settled_module  # the engine, which can release ZeRO-3 prefetches
     monkeypatch.setattr(checkpoint, "settled_module", lambda model: given.append(model) or settled_module(model))
     metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
-                        "--max_steps", "8", "--num_warmup_steps", "16", *SFT_FAST])
+                        "--max_steps", "8", "--num_warmup_steps", "16", "--print_loss", *SFT_FAST])
     assert len(given) == 1 and isinstance(given[0], DeepSpeedEngine)
-    # a warmup longer than the run is said: the learning rate never reaches the one asked for (2e-3; 16 > 8 steps)
+    # a warmup longer than the run is said: the learning rate never reaches the one asked for (2e-3; 16 > 8 steps);
+    # the warmup's step s applies 2e-3 * s / 16 from s = 0, and each step logs the rate it applied
+    out = capsys.readouterr().out
     assert "--num_warmup_steps 16 >= this run's 8 optimizer steps: the learning rate rises all run long and never " \
-           "reaches 0.002 (at most 0.001)" in capsys.readouterr().out
+           "reaches 0.002 (at most 0.000875)" in out
+    assert "[step1] step 1 loss" in out and "lr 0.000e+00" in out.split("[step1] step 1 loss")[1].splitlines()[0]
+    assert "lr 8.750e-04" in out.split("[step1] step 8 loss")[1].splitlines()[0]
+    assert "applies a learning rate of 0" in common.warmup_notice(1e-3, "linear", 1, 1)
     run = json.loads((tmp_path / "sft" / "training_args.json").read_text())  # the step and its flags as run
     assert run["step"] == "step1" and run["flags"]["max_steps"] == 8 and run["flags"]["learning_rate"] == 2e-3
     saved = json.loads((tmp_path / "sft" / "metrics.json").read_text())
@@ -624,6 +629,31 @@ def test_train_py_says_the_tiny_recipe_applies_to_own_data(tmp_path, distributed
     with pytest.raises(Ran):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out")))
     assert "tiny recipe" not in capsys.readouterr().out
+
+
+def test_train_py_trains_real_models_on_deepspeed_chats_data_unless_given_other(tmp_path, distributed, monkeypatch,
+                                                                                capsys):
+    """A real model without --data-path trained on the embedded toy data, said only as "phase 1 tiny train"."""
+    from dschat import pipeline
+    from dschat.models.loading import resolve_model_path
+
+    class Ran(Exception):
+        pass
+
+    argvs = []
+    monkeypatch.setattr(pipeline, "run_step", lambda main, argv, *a: argvs.append(argv) or (_ for _ in ()).throw(Ran()))
+    real = resolve_model_path("tiny-opt")  # a folder: no preset name, so the steps' own defaults apply
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--actor-model", real))
+    assert argvs[-1][:2] == ["--data_path", "Dahoas/rm-static"]
+    assert "--data-path not given: Dahoas/rm-static, DeepSpeed-Chat's default" in capsys.readouterr().out
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--actor-model", real,
+                                             "--data-path", "tiny"))
+    assert argvs[-1][:2] == ["--data_path", "tiny"] and "not given" not in capsys.readouterr().out
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out")))  # the tiny presets: tiny data
+    assert "--data_path" not in argvs[-1] and "not given" not in capsys.readouterr().out
 
 
 def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_run(tmp_path, monkeypatch):

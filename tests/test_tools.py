@@ -376,8 +376,11 @@ def test_prompt_eval_prints_both_models_answers(models, capsys, tmp_path):
     run.mkdir()
     os.symlink(models["policy"], run / "step1_sft")
     again = prompt_eval.main(["--model_name_or_path_baseline", models["baseline"], "--model_name_or_path_finetune",
-                              str(run), "--prompts", "Name 3 colors.", "Say tea twice.", "--max_new_tokens", "6"])
+                              str(run), "--prompts", "Name 3 colors.", "Say tea twice.", "--max_new_tokens", "6",
+                              "--top_k", "4"])
     assert again["answers"]["finetune"] == result["answers"]["finetune"]
+    # a sampling flag on its greedy comparison is said to do nothing, once for both models
+    assert capsys.readouterr().err.count("--top_k 4: no effect on greedy decoding (add --do_sample") == 1
     for role, path in (("baseline", models["baseline"]), ("finetune", models["policy"])):
         assert f"--- {role} ({path}):" in out
         assert all(answer in out for answer in result["answers"][role])

@@ -120,11 +120,12 @@ class DataCollatorRLHF(RoundedPadding):
     """Phase 3: ``prompt``/``prompt_att_mask`` left-padded to the batch's longest prompt, rounded up to a multiple
     of ``pad_to_multiple_of`` but never past ``max_prompt_len`` (no prompt batch is longer than the limit, and
     generation's buffers are sized for it); every other item key (prompt_text, messages, extra columns) is passed
-    through as a list, None where an item lacks it."""
+    through as a list, None where an item lacks it. ``pad_token_id`` is a keyword: DeepSpeed-Chat's collator of this
+    name takes ``(max_size, inference_tp_size)``, and its call would otherwise pad prompts with the tp size."""
 
     TENSOR_KEYS = ("prompt_input_ids",)
 
-    def __init__(self, max_prompt_len, pad_token_id, pad_to_multiple_of=1):
+    def __init__(self, max_prompt_len, *, pad_token_id, pad_to_multiple_of=1):
         super().__init__(pad_to_multiple_of, max_length=max_prompt_len)
         self.max_prompt_len = max_prompt_len
         self.pad_token_id = pad_token_id

@@ -217,9 +217,25 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
         model = model_class.from_config(config, dtype=torch_dtype)
     else:
         with readable_weights(path):
-            model = model_class.from_pretrained(path, config=config, dtype=torch_dtype)
+            model, loading = model_class.from_pretrained(path, config=config, dtype=torch_dtype,
+                                                         output_loading_info=True)
+        check_weights_loaded(model_name_or_path, model, loading)
     sync_special_tokens(model, tokenizer)
     return model
+
+
+def check_weights_loaded(name, model, loading):
+    """Most of ``model``'s weights missing from the checkpoint ``name`` (``loading``: from_pretrained's loading info)
+    is an error: its weights are named for another layout, and the model would train from random values with only
+    transformers' load report to say so. A few missing (a new head) stay transformers' warning."""
+    missing = sorted(loading.get("missing_keys") or ())
+    total = len(model.state_dict())
+    if total and len(missing) > total // 2:
+        unexpected = sorted(loading.get("unexpected_keys") or ())
+        found = f"; the checkpoint's are named e.g. {', '.join(unexpected[:2])}" if unexpected else ""
+        raise UsageError(f"{name}: {len(missing)} of the {total} weights of {type(model).__name__} are not in its "
+                         f"checkpoint (e.g. {', '.join(missing[:2])}){found}: the model would train from random "
+                         "values. Give a folder saved with save_pretrained (or DeepSpeed-Chat's step-1/step-2 output)")
 
 
 def embedding_rows(model):
@@ -268,11 +284,11 @@ def sync_special_tokens(model, tokenizer):
 def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):
     """A policy (SFT model, actor, reference, DPO policy). A step-2 reward-model folder is an error: it holds no LM
     head, so the model would generate from a new random one and still train and be scored."""
-    from dschat.models.reward_model import VALUE_HEAD_FILE, is_reward_model_folder
+    from dschat.models.reward_model import is_reward_model_folder
 
     path = resolve_model_path(model_name_or_path)
     if os.path.isdir(path) and is_reward_model_folder(path):
-        raise UsageError(f"{model_name_or_path}: a reward model ({VALUE_HEAD_FILE}), not a policy: pass a language "
+        raise UsageError(f"{model_name_or_path}: a reward model (step 2's output), not a policy: pass a language "
                          "model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
     return create_hf_model(AutoModelForCausalLM, model_name_or_path, tokenizer, ds_config, dropout=dropout,
                            dtype=dtype)

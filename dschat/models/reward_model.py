@@ -1,7 +1,9 @@
 """Reward model / critic: a value head on a base transformer, scored at each sequence's last real token."""
 import json
 import os
+import re
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel
@@ -10,6 +12,12 @@ from dschat.compat import backbone_ignoring_lm_head, disable_activation_checkpoi
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_META_FILE = "reward_model.json"
+# DeepSpeed-Chat's step 2 saves its RewardModel whole in one pytorch_model.bin: the backbone's weights under its
+# attribute's name (misspelt there), the head as "v_head.weight".
+DS_CHAT_WEIGHTS_FILE = "pytorch_model.bin"
+DS_CHAT_BACKBONE_PREFIX = "rwtranrsformer."
+DS_CHAT_HEAD_KEY = "v_head.weight"
+VALUE_HEAD_FILES = f"{VALUE_HEAD_FILE}, or DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in {DS_CHAT_WEIGHTS_FILE}"
 
 
 def last_token_index(attention_mask):
@@ -93,20 +101,23 @@ class RewardModel(nn.Module):
         from dschat.models.loading import (configure_dropout, grow_embeddings_for, hub_load, load_dtype,
                                            model_load_context, readable_weights, resolve_model_path)
 
-        path = resolve_model_path(path)
+        from dschat.models.loading import check_weights_loaded
+
+        name, path = path, resolve_model_path(path)
         config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)
         keep_alive = model_load_context(ds_config)  # noqa: F841
         torch_dtype = load_dtype(dtype, ds_config)
+        ds_chat_file = ds_chat_reward_weights(path)
+        renamed = {"key_mapping": {f"^{re.escape(DS_CHAT_BACKBONE_PREFIX)}": ""}} if ds_chat_file else {}
         with readable_weights(path), backbone_ignoring_lm_head(config):
-            backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
+            backbone, loading = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype,
+                                                          output_loading_info=True, **renamed)
+        check_weights_loaded(name, backbone, loading)
         model = cls(backbone, compute_fp32_loss=compute_fp32_loss)
-        head_file = os.path.join(path, VALUE_HEAD_FILE)
-        model.value_head_loaded = os.path.exists(head_file)  # else a new random head (a critic may start so)
+        head = trained_value_head(path, ds_chat_file)
+        model.value_head_loaded = head is not None  # else a new random head (a critic may start so)
         if model.value_head_loaded:
-            from safetensors.torch import load_file
-
-            with readable_weights(path):
-                model.v_head.load_state_dict({"weight": load_file(head_file)["weight"]})
+            model.v_head.load_state_dict({"weight": head})
         model.v_head.to(backbone.dtype)
         if tokenizer is not None:
             grow_embeddings_for(backbone, tokenizer)
@@ -121,7 +132,37 @@ class RewardModel(nn.Module):
 
 
 def is_reward_model_folder(path):
-    return os.path.exists(os.path.join(path, VALUE_HEAD_FILE))
+    """A step-2 output: dschat's (backbone + ``value_head.safetensors``) or DeepSpeed-Chat's."""
+    return os.path.exists(os.path.join(path, VALUE_HEAD_FILE)) or ds_chat_reward_weights(path) is not None
+
+
+def ds_chat_reward_weights(path):
+    """DeepSpeed-Chat's step-2 output in the folder ``path``: its weights file, else None (the keys are read, not
+    the tensors: torch maps the file)."""
+    file = os.path.join(path, DS_CHAT_WEIGHTS_FILE)
+    if not os.path.isfile(file) or os.path.exists(os.path.join(path, VALUE_HEAD_FILE)):
+        return None
+    try:
+        keys = torch.load(file, map_location="cpu", mmap=True, weights_only=True).keys()
+    except Exception:  # (a damaged file: loading it as a model says so, naming the folder)
+        return None
+    return file if DS_CHAT_HEAD_KEY in keys and any(k.startswith(DS_CHAT_BACKBONE_PREFIX) for k in keys) else None
+
+
+def trained_value_head(path, ds_chat_file=None):
+    """The value head's weight step 2 saved in ``path`` (dschat's file, or DeepSpeed-Chat's ``ds_chat_file``), else
+    None."""
+    from dschat.models.loading import readable_weights
+
+    head_file = os.path.join(path, VALUE_HEAD_FILE)
+    with readable_weights(path):
+        if os.path.exists(head_file):
+            from safetensors.torch import load_file
+
+            return load_file(head_file)["weight"]
+        if ds_chat_file:
+            return torch.load(ds_chat_file, map_location="cpu", mmap=True, weights_only=True)[DS_CHAT_HEAD_KEY]
+    return None
 
 
 def _hidden_size(config):

@@ -11,7 +11,7 @@ from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
-from dschat.models.reward_model import VALUE_HEAD_FILE, create_critic_model
+from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.rlhf.config import check_advantage_estimator, check_earlier_step_outputs, step3_args
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
@@ -328,7 +328,7 @@ class DeepSpeedRLHFEngine:
                                     compute_fp32_loss=a.compute_fp32_loss)
         self._check_sequence_fits(model)
         if not model.value_head_loaded:
-            print_rank_0(f"[step3] the critic {self.critic_path} has no trained value head ({VALUE_HEAD_FILE}): it "
+            print_rank_0(f"[step3] the critic {self.critic_path} has no trained value head ({VALUE_HEAD_FILES}): it "
                          "starts from a new one")
         model.rwtransformer = apply_lora(model.rwtransformer, a.critic_lora_dim, a.critic_lora_module_name,
                                          a.lora_alpha, only_optimize_lora=a.only_optimize_lora,
@@ -348,7 +348,7 @@ class DeepSpeedRLHFEngine:
                                     compute_fp32_loss=a.compute_fp32_loss)
         self._check_sequence_fits(model)
         if not model.value_head_loaded:
-            raise UsageError(f"step3: the reward model {self.reward_path} has no trained value head ({VALUE_HEAD_FILE}):"
+            raise UsageError(f"step3: the reward model {self.reward_path} has no trained value head ({VALUE_HEAD_FILES}):"
                              " it is not step 2's output, and PPO would maximise a random score; give step 2's "
                              "output folder (--reward_model_name_or_path, else --critic_model_name_or_path)")
         return initialize_frozen(model, ds_config, a.zero3_fetch)

@@ -158,7 +158,11 @@ def warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps):
     learning rate rises all run long and never reaches the one asked for, so the run barely trains."""
     if lr_scheduler_type == "constant" or not lr or num_warmup_steps < max(total_steps, 1):
         return None
-    reached = lr * total_steps / num_warmup_steps
+    reached = lr * (total_steps - 1) / num_warmup_steps  # the warmup's step s applies lr * s / warmup, from s = 0
+    if not reached:
+        return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer step: it "
+                "applies a learning rate of 0 (the warmup's first), so the run leaves the model as it was; give "
+                "fewer warmup steps (0) or more steps")
     return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer steps: the "
             f"learning rate rises all run long and never reaches {lr:g} (at most {reached:.3g}); give fewer warmup "
             "steps for a short run")
@@ -363,6 +367,7 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
             batch = to_device(batch, device)
             loss, tokens = loss_fn(engine, batch)
             engine.backward(loss)
+            lr = applied_lr(engine)  # (the scheduler moves on in the step)
             optimizer_step(engine, name)
             micro += 1
             recent.append(loss.item())
@@ -372,7 +377,7 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
                 continue
             step += 1
             loss_sum, loss_count = loss_sum + sum(recent), loss_count + len(recent)
-            _log_step(args, name, step, sum(recent) / len(recent), engine, writer, throughput, bar)
+            _log_step(args, name, step, sum(recent) / len(recent), lr, writer, throughput, bar)
             recent = []
             if save is not None and args.save_interval and step % args.save_interval == 0:
                 save({"step": step, "epoch": epoch, "batch": index + 1, "loss_sum": loss_sum,
@@ -397,8 +402,13 @@ def _close_at(bar, done):
         bar.close()
 
 
-def _log_step(args, name, step, loss, engine, writer, throughput, bar):
-    lr = engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
+def applied_lr(engine):
+    """The learning rate the engine's next optimizer step applies (read before it: the step moves the scheduler on,
+    and ``get_lr`` then says the following step's)."""
+    return engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
+
+
+def _log_step(args, name, step, loss, lr, writer, throughput, bar):
     if hasattr(bar, "set_postfix"):
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # shown at the bar's own refresh: a
         # log file gets a line every 2 s, not one per step (each with a stale count)

@@ -37,7 +37,7 @@ def prompt_loaders(args, tokenizer):
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
         max_prompt_len=args.max_prompt_seq_len, data_fields=args.data_fields or None)
     require_training_records(train, args, "step3")
-    collator = DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id,
+    collator = DataCollatorRLHF(args.max_prompt_seq_len, pad_token_id=tokenizer.pad_token_id,
                                 pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     batch = args.per_device_generation_batch_size
     # drop_last keeps every rank's iteration count equal, so collectives line up; on several ranks every rank runs
@@ -105,7 +105,20 @@ def check_accumulation(args):
     if micro % gas:
         raise UsageError(f"{micro} PPO micro-batches per PPO epoch (generation batch x n_samples_per_prompt / "
                          f"training batch x generation_batches) is not a multiple of --gradient_accumulation_steps "
-                         f"{gas}")
+                         f"{gas} (DeepSpeed-Chat's step 3 lets an optimizer step span rollouts; dschat's does not): "
+                         f"{accumulation_fixes(args, micro, gas)}")
+
+
+def accumulation_fixes(args, micro, gas):
+    """Flag values that make ``micro`` PPO micro-batches per epoch fill whole groups of ``gas``."""
+    rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
+    fixes = [f"--generation_batches {args.generation_batches * gas // math.gcd(micro, gas)}"]
+    current = args.per_device_training_batch_size
+    fitting = [size for size in range(1, rows + 1)  # even slices of a generation batch, closest to the current
+               if rows % size == 0 and rows // size * args.generation_batches % gas == 0]
+    if fitting:
+        fixes.append(f"--per_device_training_batch_size {min(fitting, key=lambda size: (abs(size - current), -size))}")
+    return f"give {' or '.join(fixes)}, or a --gradient_accumulation_steps that divides {micro}"
 
 
 def held_out_eval(trainer, loader, args, device, scorer):
@@ -152,6 +165,10 @@ def main(args=None):
         total_iters = min(total_iters, args.max_steps)
     # test mode stops early without changing the schedule (it simulates an interrupted run)
     stop_at = min(total_iters, args.test_stop_step) if args.enable_test_mode and args.test_stop_step else total_iters
+    if args.test_stop_step and not args.enable_test_mode:
+        print_rank_0(f"warning: --test_stop_step {args.test_stop_step} has no effect without --enable_test_mode (as in "
+                     f"DeepSpeed-Chat): the run trains all {total_iters} iterations (--max_steps stops it and "
+                     "shortens its schedule)")
     optimizer_steps = max(1, total_iters * args.ppo_epochs * micro_batches_per_epoch(args)
                           // args.gradient_accumulation_steps)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,

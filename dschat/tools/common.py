@@ -2,6 +2,7 @@
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -134,7 +135,22 @@ def generation_kwargs(args):
     if args.do_sample:
         check_sampling_flags(args.temperature, args.top_p)
         kwargs.update(temperature=args.temperature, top_k=top_k_flag(args.top_k), top_p=args.top_p)
+    else:
+        say_unused_sampling_flags(args)
     return kwargs
+
+
+_SAID = set()
+
+
+def say_unused_sampling_flags(args):
+    """Sampling flags given to a greedy decoding (a tool's default, or --greedy) change nothing: said once."""
+    given = [f"--{name} {getattr(args, name)}" for name, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+             if getattr(args, name) != default]
+    notice = f"warning: {', '.join(given)}: no effect on greedy decoding (add --do_sample to sample)" if given else None
+    if notice and notice not in _SAID:
+        _SAID.add(notice)
+        print(notice, file=sys.stderr)
 
 
 def load_policy(path, device=None, dtype=None, add_eot_token=False):
@@ -152,11 +168,11 @@ def load_policy(path, device=None, dtype=None, add_eot_token=False):
 def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
     """The step-2 reward model in eval mode, its embeddings grown to ``tokenizer`` as in training."""
     from dschat.models.loading import resolve_model_path
-    from dschat.models.reward_model import VALUE_HEAD_FILE, is_reward_model_folder, load_reward_model
+    from dschat.models.reward_model import VALUE_HEAD_FILES, is_reward_model_folder, load_reward_model
 
     path = resolve_model_path(path)  # a tiny preset's folder; a hub name stays a name, and gets no value head
     if not (os.path.isdir(path) and is_reward_model_folder(path)):  # scores from a new random head mean nothing
-        raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILE}): pass step 2's output folder, "
+        raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
     return model.to(device or default_device()).eval()
