@@ -240,15 +240,17 @@ def check_model_folders(steps, args):
 
 
 def check_reward_model_tokenizer(steps, args, tiny):
-    """Step 3 feeds the actor's token ids to the reward model (and the critic made from it): a reward model of
-    another family would be refused there, after steps 1 and 2 have trained. Checked before step 1."""
+    """Step 3 feeds the actor's token ids, formatted as the actor formats them, to the reward model (and the critic
+    made from it): a reward model of another family or format would be refused there, after steps 1 and 2 have
+    trained. Checked before step 1."""
     if tiny or getattr(args, "recipe", "ppo") != "ppo" or 2 not in steps or args.reward_model == args.actor_model:
         return
     from dschat.models.loading import load_tokenizer
-    from dschat.rlhf.engine import check_same_token_ids
+    from dschat.rlhf.engine import check_same_format, check_same_token_ids
 
-    check_same_token_ids(load_tokenizer(args.actor_model), args.actor_model, load_tokenizer(args.reward_model),
-                         args.reward_model, "train.py: --reward-model")
+    actor, reward = load_tokenizer(args.actor_model), load_tokenizer(args.reward_model)
+    check_same_token_ids(actor, args.actor_model, reward, args.reward_model, "train.py: --reward-model")
+    check_same_format(actor, args.actor_model, reward, args.reward_model, "train.py: --reward-model")
 
 
 def resume_plan(steps, args, parsed, tiny):

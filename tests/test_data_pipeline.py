@@ -269,6 +269,23 @@ def test_chat_template_tokenizer_formats_with_its_template(tmp_path, tokenizer):
                         text), text
 
 
+def test_a_record_the_chat_template_refuses_is_an_error_naming_the_file_and_record(tmp_path, tokenizer):
+    """Mistral-style templates raise_exception() on a system turn: jinja's TemplateError traceback named no record."""
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                          "{% endif %}" + CHAT_TEMPLATE)
+    rows = records("alpha", 4)
+    rows[2] = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
+                            {"role": "assistant", "content": "Hi."}]}
+    rows = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["chosen"]}]}
+            if "prompt" in r else r for r in rows]
+    path = write_jsonl(tmp_path / "sys.jsonl", rows)
+    with pytest.raises(DatasetFormatError, match=r"sys\.jsonl.*field 'messages': the tokenizer's chat template "
+                                                 r"refuses them \(System role not supported\); the record's first "
+                                                 r"user message: 'Say hi\.'"):
+        build(tmp_path, chat, [f"{path},{path}"], 1, data_split="1,0,0")
+
+
 def test_skip_counts_are_printed_and_exposed(tmp_path, tokenizer, capsys):
     rows = records("alpha", 6)
     rows += [dict(r, rejected=r["chosen"]) for r in records("alpha", 2, start=10)]

@@ -199,6 +199,20 @@ def test_messages_records_for_sft(tmp_path):
     assert adapter.get_extra(sample) == {"source": "x"}
 
 
+def test_preference_records_that_also_carry_messages_read_as_pairs(tmp_path):
+    """ultrafeedback_binarized's columns (prompt, chosen, rejected as conversations, and messages = the chosen one)
+    read as messages records: every rejected answer was lost, and step 2 and DPO had no records."""
+    user = {"role": "user", "content": "Name a color."}
+    chosen = [user, {"role": "assistant", "content": "Blue."}]
+    records = [{"prompt": "Name a color.", "prompt_id": "a1", "chosen": chosen, "messages": chosen,
+                "rejected": [user, {"role": "assistant", "content": "I like cars."}], "score_chosen": 8.0}] * 3
+    path = write_records(records, tmp_path / "uf.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [user]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Blue.", "I like cars.")
+
+
 def test_sharegpt_messages_and_text_content_parts_are_read(tmp_path):
     """They were "message 0 has role None" and "message 0 has no text content"."""
     sharegpt = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}] * 2

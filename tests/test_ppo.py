@@ -1448,6 +1448,18 @@ def test_a_reward_model_with_another_tokenizer_is_refused(trained, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(UsageError, match="has another tokenizer than the actor .* 2 of the actor's tokens"):
         _engine_and_trainer(trained, tmp_path, reward_model_name_or_path=str(other))
+    # the same ids, another chat template: step 2 trained it on other text than the actor writes (a base model's
+    # reward model under an instruct actor), and it scored the actor's text without a word
+    templated = tmp_path / "rm_templated"
+    shutil.copytree(trained / "rm", templated)
+    config = json.loads((templated / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+    (templated / "tokenizer_config.json").write_text(json.dumps(config))
+    said = (".* formats a conversation otherwise than the actor .* trained on text like "
+            + re.escape(repr("<|user|>Name a color.\n<|assistant|>Blue.<|endoftext|>")) + ", and would score the actor's "
+            + re.escape(repr("\n\nHuman: Name a color.\n\nAssistant: Blue.<|endoftext|>")))
+    with pytest.raises(UsageError, match=said):
+        _engine_and_trainer(trained, tmp_path, reward_model_name_or_path=str(templated))
 
 
 def test_the_ema_copy_is_kept_in_fp32_so_that_its_small_steps_are_not_rounded_away(trained, tmp_path):

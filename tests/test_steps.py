@@ -504,6 +504,13 @@ def test_train_py_reward_model_defaults_to_the_actor_and_another_tokenizer_fails
     with pytest.raises(UsageError, match="train.py: --reward-model .* has another tokenizer than the actor"):
         pipeline.run_pipeline(args)
     assert not (tmp_path / "out" / "step1_sft").exists()
+    shutil.rmtree(other)  # the same ids, another format (a chat template): refused before step 1 too
+    shutil.copytree(resolve_model_path("tiny-gpt2"), other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ messages[0]['content'] }}"}))
+    with pytest.raises(UsageError, match="train.py: --reward-model .* formats a conversation otherwise than the actor"):
+        pipeline.run_pipeline(args)
+    assert not (tmp_path / "out" / "step1_sft").exists()
 
 
 def test_a_model_folder_that_is_not_there_is_an_error_naming_the_flag(tmp_path, distributed):

@@ -457,8 +457,11 @@ class LocalDataset(PromptRawDataset):
     # --- record shapes ---
     def _record_shape(self, data, where):
         columns = data.column_names
-        if self.fields["messages"] in columns:
-            return "messages"  # the other fields (renamed or not) are not read from messages records
+        preference = self.fields["chosen"] in columns and self.fields["rejected"] in columns
+        if self.fields["messages"] in columns and not preference:
+            # the other fields (renamed or not) are not read from messages records; preference records that also
+            # carry the chosen conversation as messages (ultrafeedback_binarized's columns) read as preference pairs
+            return "messages"
         if self.fields["prompt"] in columns:
             # Prompt-only (step 3) and SFT-only files legitimately lack the answer columns, under one --data_fields
             # for every file; only a rejected answer with no chosen one is a certain typo.

@@ -72,6 +72,7 @@ class Example:
     chosen: str | None = None
     rejected: str | None = None
     extra: dict | None = None
+    prompt_text: str | None = None  # format_prompt(messages), rendered where a refusal can name the record
 
 
 def phase_features(train_phase):
@@ -295,7 +296,7 @@ def encode_records(raw, records, tokenizer, settings):
     from datasets import Dataset
 
     skips = Counter()
-    examples = extract_examples(raw, records, settings.train_phase, skips)
+    examples = extract_examples(raw, records, settings.train_phase, skips, tokenizer)
     encoder = {1: encode_sft, 2: encode_pair, 3: encode_prompt}[settings.train_phase]
     rows = []
     for example, tokens in zip(examples, tokenize_examples(examples, tokenizer, settings)):
@@ -308,18 +309,33 @@ def encode_records(raw, records, tokenizer, settings):
     return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, cut
 
 
-def extract_examples(raw, records, train_phase, skips):
+def extract_examples(raw, records, train_phase, skips, tokenizer):
     examples = []
     for sample in records:
         try:
-            examples.append(extract_example(raw, sample, train_phase))
+            example = extract_example(raw, sample, train_phase)
+            example.prompt_text = rendered_prompt(example.messages, tokenizer)
+            examples.append(example)
         except SkipRecord as skip:
             skips[skip.reason] += 1
         except RecordError as err:
-            if raw.strict:  # local files are validated on load, so this means an adapter bug; do not hide it
+            if raw.strict:  # a local file's record: an error naming it (its fields were validated on load)
                 raise DatasetFormatError(f"{raw.dataset_name}: {err}") from err
             skips[f"unreadable {err.field}"] += 1
     return examples
+
+
+def rendered_prompt(messages, tokenizer):
+    """``format_prompt``; a chat template that refuses the messages (``raise_exception``: "System role not
+    supported", roles not alternating) is a RecordError of the record, not jinja's traceback."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return format_prompt(messages, tokenizer)
+    except TemplateError as err:
+        first = next((m["content"] for m in messages if m["role"] == "user"), "")
+        raise RecordError("messages", f"the tokenizer's chat template refuses them ({err}); the record's first user "
+                                      f"message: {first[:60]!r}") from err
 
 
 def extract_example(raw, sample, train_phase):
@@ -348,7 +364,7 @@ def tokenize_examples(examples, tokenizer, settings):
     without a template. The EOT ids are appended, not tokenized with the text, so they are always the
     EOT token itself.
     """
-    prompt_texts = [format_prompt(example.messages, tokenizer) for example in examples]
+    prompt_texts = [example.prompt_text or format_prompt(example.messages, tokenizer) for example in examples]
     add_special = not uses_chat_template(tokenizer)
     prompts = tokenize_texts(tokenizer, prompt_texts, add_special)
     columns = {"prompt_text": prompt_texts, "prompt": prompts}

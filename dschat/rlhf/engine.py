@@ -207,6 +207,22 @@ def check_same_token_ids(actor_tokenizer, actor_path, other_tokenizer, other_pat
                          "tokenizer (the same family)")
 
 
+def check_same_format(actor_tokenizer, actor_path, reward_tokenizer, reward_path, role):
+    """The reward model scores the actor's text as the actor formats it (its chat template, its EOS): a reward
+    model whose tokenizer formats a conversation otherwise (one family's base and instruct models) was trained on
+    other text in step 2, and would score off the form it learned, with no word said."""
+    from dschat.data.formatting import format_answer, format_prompt
+
+    probe = [{"role": "user", "content": "Name a color."}]
+    texts = [format_prompt(probe, tokenizer) + format_answer("Blue.", tokenizer)
+             for tokenizer in (actor_tokenizer, reward_tokenizer)]
+    if texts[0] != texts[1]:
+        raise UsageError(f"{role} {reward_path} formats a conversation otherwise than the actor {actor_path} (its "
+                         f"chat template or EOS token): it was trained on text like {texts[1]!r}, and would score the "
+                         f"actor's {texts[0]!r}. Train the reward model from a model with the actor's tokenizer files "
+                         "(tokenizer_config.json's chat_template), or give them the same template")
+
+
 class DeepSpeedRLHFEngine:
     """Builds and holds the PPO models.
 
@@ -315,9 +331,10 @@ class DeepSpeedRLHFEngine:
 
     def _check_token_ids(self, path, role):
         a = self.args
-        check_same_token_ids(self.tokenizer, self.actor_path,
-                             load_tokenizer(path, add_eot_token=a.add_eot_token, eot_token=a.eot_token), path,
-                             f"step3: {role}")
+        theirs = load_tokenizer(path, add_eot_token=a.add_eot_token, eot_token=a.eot_token)
+        check_same_token_ids(self.tokenizer, self.actor_path, theirs, path, f"step3: {role}")
+        if role == "the reward model":  # (a critic learns its values on the actor's text in step 3 itself)
+            check_same_format(self.tokenizer, self.actor_path, theirs, path, f"step3: {role}")
 
     def _init_critic(self):
         a = self.args
