@@ -286,6 +286,21 @@ def test_a_record_the_chat_template_refuses_is_an_error_naming_the_file_and_reco
         build(tmp_path, chat, [f"{path},{path}"], 1, data_split="1,0,0")
 
 
+def test_records_already_formatted_with_special_tokens_are_said(tmp_path, tokenizer, capsys):
+    """A prompt already run through a chat template, or an answer ending in the end token, was formatted a second
+    time (a doubled BOS, template and end token inside the trained labels) without a word."""
+    rows = records("alpha", 6)
+    rows[1] = dict(rows[1], chosen=rows[1]["chosen"] + "<|endoftext|>")
+    rows[3] = dict(rows[3], prompt="<|endoftext|>" + rows[3]["prompt"])
+    path = write_jsonl(tmp_path / "formatted.jsonl", rows)
+    build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")
+    assert ("2 with the tokenizer's special token '<|endoftext|>' in their text: already formatted, they are "
+            "formatted again") in capsys.readouterr().out
+    plain = write_jsonl(tmp_path / "plain.jsonl", records("alpha", 6))
+    build(tmp_path, tokenizer, [f"{plain},{plain}"], 1, data_split="1,0,0")
+    assert "already formatted" not in capsys.readouterr().out
+
+
 def test_skip_counts_are_printed_and_exposed(tmp_path, tokenizer, capsys):
     rows = records("alpha", 6)
     rows += [dict(r, rejected=r["chosen"]) for r in records("alpha", 2, start=10)]

@@ -40,11 +40,16 @@ def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch
     assert (tmp_path / "sft" / "tokenizer.json").exists()
 
 
-def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_path, distributed, monkeypatch):
+def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_path, distributed, monkeypatch,
+                                                                           capsys):
     from dschat.errors import UsageError
     from dschat.steps import common
 
     assert common.num_update_steps(75, 4, 1) == 18 and common.num_update_steps(75, 4, 2) == 37  # epochs run on
+    capsys.readouterr()
+    assert common.num_update_steps(75, 4, 1, max_steps=30) == 18  # it stops a run early, never adds epochs: said
+    assert "--max_steps 30: --num_train_epochs 1 hold 18 optimizer steps, so the run ends there" in \
+        capsys.readouterr().out
     with pytest.raises(UsageError, match="do not fill one optimizer step"):
         common.num_update_steps(3, 4, 1)
     losses, logged = [], []

@@ -240,10 +240,11 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
         for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
             records = data if split is None else _phase_share(raw, data, split_name, split, settings,
                                                               output_path, seed, local_rank, reload)
-            table, skips, cut = encode_records(raw, records, tokenizer, settings)
+            table, skips, cut, formatted = encode_records(raw, records, tokenizer, settings)
             parts[split_name].append(table)
             report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips),
-                           "cut": cut, "of": len(data), "data_split": None if split is None else str(split)})
+                           "cut": cut, "of": len(data), "data_split": None if split is None else str(split),
+                           "formatted": formatted})
     save_cache(folder, blend(parts["train"], seed, settings.train_phase),
                blend(parts["eval"], seed, settings.train_phase), report)
 
@@ -291,8 +292,8 @@ def load_cached(folder, train_phase, built):
 # --- encoding ---
 
 def encode_records(raw, records, tokenizer, settings):
-    """(datasets.Dataset of the phase's rows, Counter of skip reasons, how many rows max_seq_len cut an answer of)
-    for the records of one source."""
+    """(datasets.Dataset of the phase's rows, Counter of skip reasons, how many rows max_seq_len cut an answer of,
+    ``already_formatted(...)``) for the records of one source."""
     from datasets import Dataset
 
     skips = Counter()
@@ -306,7 +307,24 @@ def encode_records(raw, records, tokenizer, settings):
             skips[skip.reason] += 1
     features = phase_features(settings.train_phase)
     cut = sum(1 for row in rows if row.get("cut") or row.get("chosen_truncated") or row.get("rejected_truncated"))
-    return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, cut
+    return (Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, cut,
+            already_formatted(examples, tokenizer))
+
+
+def already_formatted(examples, tokenizer):
+    """[how many records, e.g. which token] whose text holds one of the tokenizer's special tokens: a prompt already
+    run through a chat template (OpenRLHF's data without --apply_chat_template) is formatted again, with a second
+    BOS and template, and an answer ending in the end token gets a second one. Said in the data report."""
+    specials = {token for token in [*tokenizer.all_special_tokens, *(added.content for added in
+                getattr(tokenizer, "added_tokens_decoder", {}).values() if added.special)]
+                if token and token != tokenizer.pad_token}
+    count, example = 0, None
+    for item in examples:
+        texts = [m["content"] for m in item.messages] + [item.chosen or "", item.rejected or ""]
+        found = next((token for token in specials if any(token in text for text in texts)), None)
+        if found:
+            count, example = count + 1, example or found
+    return [count, example] if count else None
 
 
 def extract_examples(raw, records, train_phase, skips, tokenizer):
@@ -488,6 +506,10 @@ def format_skip_line(entry):
     if not entry["total"]:
         return f"{where}: no records in this phase's share{share}"
     cut = f"; {entry['cut']} kept with an answer cut at --max_seq_len" if entry.get("cut") else ""
+    if entry.get("formatted"):
+        count, token = entry["formatted"]
+        cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "
+                "formatted again (give plain text or messages)")
     if not skipped:
         return f"{where}: kept all {entry['total']} records{share}{cut}"
     reasons = ", ".join(f"{count} {reason}" for reason, count in

@@ -97,7 +97,16 @@ def num_update_steps(num_batches, gradient_accumulation_steps, epochs, max_steps
         raise UsageError(f"{num_batches} micro-batches per epoch x {epochs} epoch(s) do not fill one optimizer step "
                          f"of --gradient_accumulation_steps {gradient_accumulation_steps}: give more data, more "
                          "epochs or a smaller batch")
+    say_max_steps_past_the_epochs(max_steps, steps, epochs, "optimizer steps")
     return min(steps, max_steps) if max_steps else steps
+
+
+def say_max_steps_past_the_epochs(max_steps, available, epochs, unit):
+    """--max_steps stops a run early; it never adds epochs (HF's Trainer's does): a larger one is said, not
+    silently cut to what the epochs hold."""
+    if max_steps and max_steps > available:
+        print_rank_0(f"--max_steps {max_steps}: --num_train_epochs {epochs} hold {available} {unit}, so the run ends "
+                     "there (--max_steps only stops a run early; raise --num_train_epochs to train longer)")
 
 
 def prepare_zero3_hooks(model, ds_config, zero3_fetch):

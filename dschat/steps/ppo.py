@@ -19,7 +19,8 @@ from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsuperv
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
                                  reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval,
-                                 say_a_changed_schedule, seconds_so_far, setup_run, tensorboard_writer, write_results)
+                                 say_a_changed_schedule, say_max_steps_past_the_epochs, seconds_so_far, setup_run,
+                                 tensorboard_writer, write_results)
 from dschat.utils.checkpoints import clear_earlier_run
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import check_writable_folder
@@ -161,6 +162,7 @@ def main(args=None):
                      f"{args.per_device_generation_batch_size} x {get_world_size()} rank(s)); the other "
                      f"{prompts - used}, drawn anew each epoch, are skipped")
     total_iters = iters_per_epoch * args.num_train_epochs
+    say_max_steps_past_the_epochs(args.max_steps, total_iters, args.num_train_epochs, "PPO iterations")
     if args.max_steps:
         total_iters = min(total_iters, args.max_steps)
     # test mode stops early without changing the schedule (it simulates an interrupted run)
