@@ -14,9 +14,10 @@ import json
 import os
 from typing import NamedTuple
 
+from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import RECIPE_STEP_FOLDERS
-from dschat.steps.common import MODEL_PATH_FLAGS, finished_run_id, read_run_args
-from dschat.utils.checkpoints import LATEST, latest_tag, read_trainer_state
+from dschat.steps.common import MODEL_PATH_FLAGS, finished_run_id, read_run_args, step_data_files
+from dschat.utils.checkpoints import DATA_FILES, LATEST, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
 
@@ -62,7 +63,11 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True):
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
         # resume only to train on for longer
         checkpoint = checkpoint_state(folder)
-        if current and not changed:
+        edited = edited_data(record if finished_time(folder) else None, checkpoint, parsed[step])
+        if edited:
+            plan[step] = Decision(FRESH, f"its data files changed since its {edited[0]} in {folder} (size or "
+                                         f"modification time): {', '.join(edited[1])}")
+        elif current and not changed:
             plan[step] = Decision(SKIP)
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
             plan[step] = Decision(RESUME, "it was interrupted")
@@ -102,6 +107,19 @@ class InputCheck:
             elif finished is not None and written <= finished:
                 return False
         return True
+
+
+def edited_data(record, checkpoint, flags):
+    """("finished output" or "checkpoint", [paths]) when the local data files the step reads now differ from those
+    its finished output (``record``) or, without one, its last checkpoint recorded; else None. Records from before
+    dschat kept them are not compared."""
+    now = step_data_files(flags)
+    for what, saved in (("finished output", (record or {}).get(DATA_FILES)),
+                        ("checkpoint", ((checkpoint or {}).get("flags") or {}).get(DATA_FILES))):
+        if saved is not None:
+            changed = changed_data_files(saved, now)
+            return (what, changed) if changed else None
+    return None
 
 
 def checkpoint_state(folder):

@@ -146,6 +146,25 @@ def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tm
     assert plan(tmp_path, step1=resumed) == {1: SKIP, 2: SKIP, 3: SKIP}
 
 
+def test_a_step_whose_data_files_were_edited_since_runs_again(tmp_path):
+    """train.py --resume skipped a step whose data file was rewritten since (same flags), keeping the model trained on
+    the old records."""
+    from dschat.steps.common import step_data_files
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    flags = Namespace(**{**vars(FLAGS), "data_path": [f"jsonl:{data}"]})
+    finish(tmp_path, 1, 100, data_path=flags.data_path)
+    record = json.loads((tmp_path / FOLDERS[1] / "training_args.json").read_text())
+    record["data_files"] = step_data_files(flags)
+    (tmp_path / FOLDERS[1] / "training_args.json").write_text(json.dumps(record))
+    assert plan(tmp_path, steps=(1,), step1=flags) == {1: SKIP}
+    data.write_text('{"prompt": "a", "chosen": "other", "rejected": "c"}\n')
+    decision = plan_steps([1], "ppo", str(tmp_path), {1: flags})[1]
+    assert decision.action == FRESH and decision.why.startswith("its data files changed since its finished output")
+    assert str(data) in decision.why
+
+
 def test_paths_are_compared_as_the_folders_they_name_and_a_moved_run_folder_keeps_its_plan(tmp_path, monkeypatch):
     (tmp_path / "models" / "base").mkdir(parents=True)
     out = tmp_path / "out"

@@ -268,3 +268,20 @@ def test_pruning_keeps_the_last_complete_checkpoints_and_removes_partial_and_lat
     for part in ("model", "trainer"):
         assert sorted(p.name for p in (tmp_path / part).iterdir() if p.is_dir()) == ["step_0000002", "step_0000004"]
     assert (tmp_path / "model" / "zero_to_fp32.py").is_file()
+
+
+def test_resuming_after_the_data_file_was_edited_is_an_error_naming_it(tmp_path, distributed):
+    """A record added to the file redrew its train/eval split and shifted what the checkpoint's position counts,
+    and the resumed run went on without a word (held-out records could be trained on)."""
+    rows = [json.loads(line) for line in (Path(sft.__file__).parents[1] / "tiny" / "data" / "train.jsonl")
+            .read_text().splitlines()[:120]]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = [*SMALL, "--data_path", f"jsonl:{data}", "--data_split", "1,0,0", "--data_output_path",
+              str(tmp_path / "data"), "--output_dir", str(tmp_path / "sft"), "--max_steps", "2", "--save_interval", "1"]
+    sft.main(common)
+    with data.open("a") as f:
+        f.write(json.dumps(rows[0]) + "\n")
+    with pytest.raises(UsageError, match=rf"saved with other settings: its data files changed since \(size or "
+                                         rf"modification time\): {data}\. .*without --resume"):
+        sft.main([*common, "--resume"])

@@ -341,3 +341,25 @@ def get_raw_dataset(dataset_name, output_path, seed, local_rank, **field_options
 
 __all__ = ["PromptRawDataset", "HUB_DATASETS", "TINY_NAME", "check_data_paths", "get_raw_dataset",
            "resolve_dataset_spec", "known_dataset_names"] + [cls.__name__ for cls in HUB_DATASETS.values()]
+
+
+def local_data_files(specs):
+    """[[path, size, mtime_ns], ...] of the local files ``specs`` read (hub datasets and the embedded data have
+    none): kept with a step's output and its checkpoints, so that a resume notices data edited since."""
+    files = []
+    for spec in specs or ():
+        if spec in HUB_DATASETS or spec == TINY_NAME:
+            continue
+        try:
+            source = resolve_dataset_spec(spec)
+            files.extend(source.fingerprint()["files"] if not isinstance(source, type) else [])
+        except (UsageError, OSError):  # a hub name; a file gone (the step itself says so)
+            continue
+    return sorted(files)
+
+
+def changed_data_files(saved, now):
+    """The paths whose size or modification time differ between two ``local_data_files`` lists, or that only one
+    has."""
+    before, after = ({path: (size, mtime) for path, size, mtime in files} for files in (saved, now))
+    return sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))

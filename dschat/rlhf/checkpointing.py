@@ -7,8 +7,8 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
-from dschat.steps.common import input_runs, restart_deepspeed_tensorboard
-from dschat.utils.checkpoints import (check_complete, check_same_flags, latest_tag, load_rank_state, publish,
+from dschat.steps.common import input_runs, restart_deepspeed_tensorboard, step_data_files
+from dschat.utils.checkpoints import (DATA_FILES, check_complete, check_same_flags, latest_tag, load_rank_state, publish,
                                       read_trainer_state, reading, save_trainer_state, take_restored_flags,
                                       trainer_folder)
 from dschat.utils.dist import is_rank_0, rank_0_decides
@@ -108,7 +108,8 @@ def resume_flags(trainer):
     """{flag: value} of the flags the checkpoint is bound to (``ACTOR_RESUME_FLAGS``, ``CRITIC_RESUME_FLAGS``)."""
     names = (ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ()) + RESTORED_FLAGS
              + (UNSUPERVISED_RESUME_FLAGS if getattr(trainer.args, "unsupervised_dataset_name", None) else ()))
-    return {name: getattr(trainer.args, name) for name in names}
+    return {**{name: getattr(trainer.args, name) for name in names},
+            DATA_FILES: step_data_files(trainer.args)}  # the same prompt files, unedited: its position counts them
 
 
 def _load_ema(module, path):

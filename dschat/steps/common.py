@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from dschat.compat import enable_activation_checkpointing
 from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
+from dschat.utils.checkpoints import DATA_FILES
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.ds_config import check_dtype_supported
 from dschat.utils.files import check_writable_folder, read_json_object, write_json_atomic
@@ -260,7 +261,8 @@ def write_results(args, metrics, step):
             flags["reward_fn"] = recorded_reward_fn(flags["reward_fn"])
         write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
                           {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
-                           "run_id": uuid.uuid4().hex, "inputs": input_runs(args)}, default=str)
+                           "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
+                           DATA_FILES: step_data_files(args)}, default=str)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
 
 
@@ -280,6 +282,17 @@ def loaded_model_paths(args):
         if scored:
             paths.append(args.reward_model_name_or_path)
     return [path for path in paths if isinstance(path, str)]
+
+
+def step_data_files(args):
+    """``local_data_files`` of the data flags a step reads (its --data_path and --sft_only_data_path)."""
+    from dschat.data.raw_datasets import local_data_files
+
+    specs = []
+    for name in ("data_path", "sft_only_data_path"):
+        value = getattr(args, name, None) or []
+        specs += [value] if isinstance(value, str) else list(value)
+    return local_data_files(specs)
 
 
 def input_runs(args):

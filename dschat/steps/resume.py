@@ -7,9 +7,9 @@ import os
 
 from dschat.errors import UsageError
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
-                                 say_a_changed_schedule)
-from dschat.utils.checkpoints import (check_complete, check_same_flags, clear_earlier_run, latest_tag, load_rank_state,
-                                      publish, read_trainer_state, reading, save_trainer_state,
+                                 say_a_changed_schedule, step_data_files)
+from dschat.utils.checkpoints import (DATA_FILES, check_complete, check_same_flags, clear_earlier_run, latest_tag,
+                                      load_rank_state, publish, read_trainer_state, reading, save_trainer_state,
                                       take_restored_flags)
 from dschat.utils.dist import print_rank_0, rank_0_decides
 
@@ -40,6 +40,7 @@ def resume_flags(args):
     flags = {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS}
     if flags["model_name_or_path"] and os.path.isdir(flags["model_name_or_path"]):  # the same folder, however named
         flags["model_name_or_path"] = os.path.abspath(flags["model_name_or_path"])
+    flags[DATA_FILES] = step_data_files(args)  # the same files, unedited: the records its position counts
     return flags
 
 

@@ -22,6 +22,10 @@ LATEST = "latest"
 TRAINER = "trainer"
 
 
+# The key under which a checkpoint's (and a step output's) bound settings hold its local data files' sizes and times.
+DATA_FILES = "data_files"
+
+
 def rng_state(generator=None):
     """This rank's random states: Python's, NumPy's, torch's (CPU and CUDA) and ``generator``'s."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -171,7 +175,7 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
     stored none is not checked): any other value is a UsageError naming each, with ``why`` they bind it. The
     ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates): another value is
     said to change nothing; returns {flag: saved value} of those, for the run to record the values it trains with."""
-    changed = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in now
+    changed = [_changed_said(name, saved[name], now[name]) for name in now
                if name in saved and saved[name] != now[name] and name not in restored]
     if changed:
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
@@ -182,6 +186,14 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
         said = ", ".join(f"--{name} {now[name]!r} (the checkpoint's: {value!r})" for name, value in ignored.items())
         print_rank_0(f"[{step}] --resume: {said}: no effect, DeepSpeed restores the learning rates from the checkpoint")
     return ignored
+
+
+def _changed_said(name, saved, now):
+    if name == DATA_FILES:
+        from dschat.data.raw_datasets import changed_data_files
+
+        return f"its data files changed since (size or modification time): {', '.join(changed_data_files(saved, now))}"
+    return f"--{name} {saved!r} -> {now!r}"
 
 
 def take_restored_flags(state, args):
