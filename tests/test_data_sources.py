@@ -338,6 +338,9 @@ def test_a_file_that_is_not_utf8_names_file_and_line(tmp_path):
     (tmp_path / "latin1.json").write_bytes(b"[\n" + b",\n".join(lines) + b"\n]\n")
     with pytest.raises(DatasetFormatError, match=r"latin1.json line 3: not UTF-8 text"):
         raw(str(tmp_path / "latin1.json"), tmp_path)
+    (tmp_path / "latin1.csv").write_bytes(b"prompt,chosen,rejected\nHi,yes,no\nQu\xe9stion,yes,no\n")
+    with pytest.raises(DatasetFormatError, match=r"latin1.csv line 3: not UTF-8 text.*save the file as UTF-8"):
+        raw(f"csv:{tmp_path / 'latin1.csv'}", tmp_path)  # (pandas' error named a byte offset, no line)
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])

@@ -1198,6 +1198,12 @@ def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, m
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="^No module named 'needs'"):  # a missing dependency says so itself
         load_reward_fn("needs_more:score")
+    broken = tmp_path / "broken.py"  # a syntax error: one line naming the file and line, not a traceback
+    broken.write_text("def score(p, a):\n    return [0.0 for x in a\n")
+    from dschat.errors import UsageError
+
+    with pytest.raises(UsageError, match=rf"--reward_fn file {broken} line 2: .*'return \[0.0 for x in a'"):
+        load_reward_fn(f"{broken}:score")
 
 
 def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp_path):

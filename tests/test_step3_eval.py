@@ -154,3 +154,11 @@ def test_the_report_says_the_final_kl_as_a_mean_of_the_last_iterations():
     assert final_kl_said(kl) == "final KL 0.0300 (mean of the last 10 iterations)"
     assert final_kl_said([0.012]) == "final KL 0.0120"
     assert final_kl_said([None]) == "no KL logged"
+
+
+def test_the_held_out_line_leaves_out_scores_no_source_gave():
+    """A critic-free run printed "reward_mean=None" beside its reward function's mean."""
+    from dschat.steps.ppo import _eval_line
+
+    line = _eval_line({"reward_mean": None, "reward_fn_mean": 0.5, "prompts": 4, "examples": [{"answer": "x"}]})
+    assert "reward_fn_mean" in line and "prompts" in line and "None" not in line and "reward_mean" not in line

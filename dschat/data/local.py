@@ -236,6 +236,14 @@ def check_jsonl_lines(path):
     return record_lines
 
 
+def _caused_by(error, kind):
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def not_utf8_error(path):
     """A DatasetFormatError naming the first line of ``path`` that is not UTF-8 text (JSON files must be)."""
     with open(path, "rb") as f:
@@ -297,6 +305,8 @@ def load_file(kind, path):
             if kind == "csv" else {"encoding": text_encoding(path)} if builder == "json" else {}
         data = load_dataset(builder, data_files={"train": path}, split="train", **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
+        if kind == "csv" and _caused_by(err, UnicodeDecodeError):
+            raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
     if builder == "json" and any(_has_json_feature(feature) for feature in data.features.values()):
         data = _exact_json_dataset(kind, path, data.features)

@@ -102,7 +102,11 @@ def _file_module(target):
     if key not in _FILE_MODULES:
         module_spec = importlib.util.spec_from_file_location(f"dschat_reward_fn_{abs(hash(key[0]))}", target)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except SyntaxError as error:  # (any other error's traceback says where it is)
+            raise UsageError(f"--reward_fn file {target} line {error.lineno}: {error.msg}: "
+                             f"{(error.text or '').strip()!r}") from None
         _FILE_MODULES[key] = module
     return _FILE_MODULES[key]
 

@@ -347,7 +347,8 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
 def _eval_line(result):
     if not result:
         return "n/a"
-    return format_metrics({k: v for k, v in result.items() if k != "examples"})
+    # (a score no source gave, e.g. a critic-free run's reward_mean, is left out rather than said as None)
+    return format_metrics({k: v for k, v in result.items() if k != "examples" and v is not None})
 
 
 def _keep_log_until(path, iteration):
