@@ -63,10 +63,12 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True):
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
         # resume only to train on for longer
         checkpoint = checkpoint_state(folder)
-        edited = edited_data(record if finished_time(folder) else None, checkpoint, parsed[step])
+        # (another --data_path is a changed flag, said as one below)
+        edited = None if {"data_path", "sft_only_data_path"} & set(changed) else \
+            edited_data(record if finished_time(folder) else None, checkpoint, parsed[step])
         if edited:
-            plan[step] = Decision(FRESH, f"its data files changed since its {edited[0]} in {folder} (size or "
-                                         f"modification time): {', '.join(edited[1])}")
+            plan[step] = Decision(FRESH, f"the content of its data files changed since its {edited[0]} in "
+                                         f"{folder}: {', '.join(edited[1])}")
         elif current and not changed:
             plan[step] = Decision(SKIP)
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):

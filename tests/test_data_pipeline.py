@@ -296,6 +296,10 @@ def test_records_already_formatted_with_special_tokens_are_said(tmp_path, tokeni
     build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")
     assert ("2 with the tokenizer's special token '<|endoftext|>' in their text: already formatted, they are "
             "formatted again") in capsys.readouterr().out
+    padded_as_eos = copy.deepcopy(tokenizer)  # (load_tokenizer pads with EOS where a tokenizer has no pad token)
+    padded_as_eos.pad_token = padded_as_eos.eos_token
+    build(tmp_path, padded_as_eos, [f"{path},{path}"], 1, data_split="1,0,0")
+    assert "2 with the tokenizer's special token '<|endoftext|>'" in capsys.readouterr().out
     plain = write_jsonl(tmp_path / "plain.jsonl", records("alpha", 6))
     build(tmp_path, tokenizer, [f"{plain},{plain}"], 1, data_split="1,0,0")
     assert "already formatted" not in capsys.readouterr().out

@@ -156,13 +156,18 @@ def test_a_step_whose_data_files_were_edited_since_runs_again(tmp_path):
     flags = Namespace(**{**vars(FLAGS), "data_path": [f"jsonl:{data}"]})
     finish(tmp_path, 1, 100, data_path=flags.data_path)
     record = json.loads((tmp_path / FOLDERS[1] / "training_args.json").read_text())
-    record["data_files"] = step_data_files(flags)
+    record["data_files"] = step_data_files(Namespace(data_path=flags.data_path))  # (a run takes them once: a copy)
     (tmp_path / FOLDERS[1] / "training_args.json").write_text(json.dumps(record))
-    assert plan(tmp_path, steps=(1,), step1=flags) == {1: SKIP}
+    assert plan(tmp_path, steps=(1,), step1=Namespace(**vars(flags))) == {1: SKIP}
+    os.utime(data, (1, 1))  # only its times: the same data
+    assert plan(tmp_path, steps=(1,), step1=Namespace(**vars(flags))) == {1: SKIP}
     data.write_text('{"prompt": "a", "chosen": "other", "rejected": "c"}\n')
-    decision = plan_steps([1], "ppo", str(tmp_path), {1: flags})[1]
-    assert decision.action == FRESH and decision.why.startswith("its data files changed since its finished output")
+    decision = plan_steps([1], "ppo", str(tmp_path), {1: Namespace(**vars(flags))})[1]
+    assert decision.action == FRESH and decision.why.startswith("the content of its data files changed since its "
+                                                                "finished output")
     assert str(data) in decision.why
+    other = Namespace(**{**vars(flags), "data_path": [f"jsonl:{tmp_path / 'other.jsonl'}"]})  # another file: a flag
+    assert plan_steps([1], "ppo", str(tmp_path), {1: other})[1].why.endswith("had other values of --data_path")
 
 
 def test_paths_are_compared_as_the_folders_they_name_and_a_moved_run_folder_keeps_its_plan(tmp_path, monkeypatch):

@@ -1202,8 +1202,12 @@ def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, m
     broken.write_text("def score(p, a):\n    return [0.0 for x in a\n")
     from dschat.errors import UsageError
 
-    with pytest.raises(UsageError, match=rf"--reward_fn file {broken} line 2: .*'return \[0.0 for x in a'"):
+    with pytest.raises(UsageError, match=rf"--reward_fn file {broken}: {broken} line 2: .*'return \[0.0 for x in a'"):
         load_reward_fn(f"{broken}:score")
+    importer = tmp_path / "imports_broken.py"  # the error is in the module it imports: that file is named
+    importer.write_text("import broken\ndef score(p, a):\n    return [0.0] * len(a)\n")
+    with pytest.raises(UsageError, match=rf"--reward_fn file {importer}: {broken} line 2"):
+        load_reward_fn(f"{importer}:score")
 
 
 def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp_path):

@@ -1,6 +1,7 @@
 """Checkpoints and --resume of steps 1, 2 and DPO (``dschat.steps.resume``): a resumed run ends with the weights and
 losses of the uninterrupted one, on one rank and on two with ZeRO-3."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -280,8 +281,39 @@ def test_resuming_after_the_data_file_was_edited_is_an_error_naming_it(tmp_path,
     common = [*SMALL, "--data_path", f"jsonl:{data}", "--data_split", "1,0,0", "--data_output_path",
               str(tmp_path / "data"), "--output_dir", str(tmp_path / "sft"), "--max_steps", "2", "--save_interval", "1"]
     sft.main(common)
+    recorded = json.loads((tmp_path / "sft" / "training_args.json").read_text())["data_files"]
+    assert [path for path, _ in recorded] == [str(data)]  # what train.py --resume compares
+    os.utime(data, (1, 1))  # new times, the same content (a copy, a checkout): the same data, resumed
+    sft.main([*common, "--resume"])
     with data.open("a") as f:
         f.write(json.dumps(rows[0]) + "\n")
-    with pytest.raises(UsageError, match=rf"saved with other settings: its data files changed since \(size or "
-                                         rf"modification time\): {data}\. .*without --resume"):
+    with pytest.raises(UsageError, match=rf"saved with other settings: the content of its data files changed since: "
+                                         rf"{data}\. .*without --resume"):
         sft.main([*common, "--resume"])
+
+
+def test_the_data_files_are_taken_when_the_data_is_read_not_at_each_save(tmp_path):
+    """Taken at each save, a file edited while the run trained was recorded as what it trained on."""
+    from argparse import Namespace
+
+    from dschat.steps.common import step_data_files
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b"}\n')
+    args = Namespace(data_path=[f"jsonl:{data}"], sft_only_data_path=[])
+    read = step_data_files(args)
+    data.write_text('{"prompt": "a", "chosen": "edited"}\n')
+    assert step_data_files(args) == read != step_data_files(Namespace(data_path=[f"jsonl:{data}"]))
+
+
+def test_step3_checkpoints_are_bound_to_their_prompt_files_content(tmp_path):
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from dschat.rlhf import checkpointing
+    from dschat.rlhf.config import step3_args
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "a"}\n')
+    trainer = SimpleNamespace(args=step3_args(Namespace(data_path=[f"jsonl:{data}"])), critic_model=None)
+    assert [path for path, _ in checkpointing.resume_flags(trainer)["data_files"]] == [str(data)]

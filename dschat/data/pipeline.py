@@ -317,7 +317,7 @@ def already_formatted(examples, tokenizer):
     BOS and template, and an answer ending in the end token gets a second one. Said in the data report."""
     specials = {token for token in [*tokenizer.all_special_tokens, *(added.content for added in
                 getattr(tokenizer, "added_tokens_decoder", {}).values() if added.special)]
-                if token and token != tokenizer.pad_token}
+                if token and token not in {tokenizer.pad_token} - {tokenizer.eos_token, tokenizer.bos_token}}
     count, example = 0, None
     for item in examples:
         texts = [m["content"] for m in item.messages] + [item.chosen or "", item.rejected or ""]

@@ -344,22 +344,26 @@ __all__ = ["PromptRawDataset", "HUB_DATASETS", "TINY_NAME", "check_data_paths", 
 
 
 def local_data_files(specs):
-    """[[path, size, mtime_ns], ...] of the local files ``specs`` read (hub datasets and the embedded data have
-    none): kept with a step's output and its checkpoints, so that a resume notices data edited since."""
+    """[[path, sha256 of its content], ...] of the local files ``specs`` read (hub datasets and the embedded data
+    have none): kept with a step's output and its checkpoints, so that a resume notices data edited since (by
+    content: a copy or checkout that only gives the files new times is the same data)."""
+    import hashlib
+
     files = []
     for spec in specs or ():
         if spec in HUB_DATASETS or spec == TINY_NAME:
             continue
         try:
             source = resolve_dataset_spec(spec)
-            files.extend(source.fingerprint()["files"] if not isinstance(source, type) else [])
+            for path, *_ in (source.fingerprint()["files"] if not isinstance(source, type) else []):
+                with open(path, "rb") as f:
+                    files.append([path, hashlib.file_digest(f, "sha256").hexdigest()])
         except (UsageError, OSError):  # a hub name; a file gone (the step itself says so)
             continue
     return sorted(files)
 
 
 def changed_data_files(saved, now):
-    """The paths whose size or modification time differ between two ``local_data_files`` lists, or that only one
-    has."""
-    before, after = ({path: (size, mtime) for path, size, mtime in files} for files in (saved, now))
+    """The paths whose content differs between two ``local_data_files`` lists, or that only one has."""
+    before, after = ({path: digest for path, digest, *_ in files} for files in (saved, now))
     return sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))

@@ -218,7 +218,7 @@ def check_same_format(actor_tokenizer, actor_path, reward_tokenizer, reward_path
              for tokenizer in (actor_tokenizer, reward_tokenizer)]
     if texts[0] != texts[1]:
         raise UsageError(f"{role} {reward_path} formats a conversation otherwise than the actor {actor_path} (its "
-                         f"chat template or EOS token): it was trained on text like {texts[1]!r}, and would score the "
+                         f"chat template or EOS token): it trains (or was trained) on text like {texts[1]!r}, and would score the "
                          f"actor's {texts[0]!r}. Train the reward model from a model with the actor's tokenizer files "
                          "(tokenizer_config.json's chat_template), or give them the same template")
 

@@ -105,7 +105,7 @@ def _file_module(target):
         try:
             module_spec.loader.exec_module(module)
         except SyntaxError as error:  # (any other error's traceback says where it is)
-            raise UsageError(f"--reward_fn file {target} line {error.lineno}: {error.msg}: "
+            raise UsageError(f"--reward_fn file {target}: {error.filename or target} line {error.lineno}: {error.msg}: "
                              f"{(error.text or '').strip()!r}") from None
         _FILE_MODULES[key] = module
     return _FILE_MODULES[key]

@@ -285,14 +285,24 @@ def loaded_model_paths(args):
 
 
 def step_data_files(args):
-    """``local_data_files`` of the data flags a step reads (its --data_path and --sft_only_data_path)."""
+    """``local_data_files`` of the data flags a step reads (its --data_path and --sft_only_data_path), taken once per
+    run, when its data is read (``load_step_data``, ``ppo.prompt_loaders``): a file edited later in the run is not
+    what it trained on."""
     from dschat.data.raw_datasets import local_data_files
 
+    taken = getattr(args, "_data_files", None)
+    if taken is not None:
+        return taken
     specs = []
     for name in ("data_path", "sft_only_data_path"):
         value = getattr(args, name, None) or []
         specs += [value] if isinstance(value, str) else list(value)
-    return local_data_files(specs)
+    taken = local_data_files(specs)
+    try:
+        args._data_files = taken
+    except AttributeError:  # (an object that takes no attributes: taken again at each save)
+        pass
+    return taken
 
 
 def input_runs(args):
@@ -485,6 +495,8 @@ def require_training_records(dataset, args, step):
 def load_step_data(args, tokenizer, phase):
     """The tokenized train/eval datasets of one phase, from the data flags every step shares."""
     from dschat.data import create_prompt_dataset, get_eot_token
+
+    step_data_files(args)  # the files as they are read: what the checkpoints and the output record
 
     return create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, phase, args.seed, tokenizer,

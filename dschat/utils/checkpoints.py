@@ -192,7 +192,7 @@ def _changed_said(name, saved, now):
     if name == DATA_FILES:
         from dschat.data.raw_datasets import changed_data_files
 
-        return f"its data files changed since (size or modification time): {', '.join(changed_data_files(saved, now))}"
+        return f"the content of its data files changed since: {', '.join(changed_data_files(saved, now))}"
     return f"--{name} {saved!r} -> {now!r}"
 
 
