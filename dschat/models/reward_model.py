@@ -98,10 +98,9 @@ class RewardModel(nn.Module):
     def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,
                         ds_config=None, rlhf_training=False):
         """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made)."""
-        from dschat.models.loading import (configure_dropout, grow_embeddings_for, hub_load, load_dtype,
-                                           model_load_context, readable_weights, resolve_model_path)
-
-        from dschat.models.loading import check_weights_loaded
+        from dschat.models.loading import (check_weights_loaded, configure_dropout, grow_embeddings_for, hub_load,
+                                           load_dtype, model_load_context, readable_weights,
+                                           resolve_model_path)
 
         name, path = path, resolve_model_path(path)
         config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)
