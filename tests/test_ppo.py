@@ -1465,7 +1465,7 @@ def test_a_reward_model_with_another_tokenizer_is_refused(trained, tmp_path):
     config = json.loads((templated / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
     (templated / "tokenizer_config.json").write_text(json.dumps(config))
-    said = (".* formats a conversation otherwise than the actor .* trained on text like "
+    said = (".* formats a conversation otherwise than the actor .* trains \\(or was trained\\) on text like "
             + re.escape(repr("<|user|>Name a color.\n<|assistant|>Blue.<|endoftext|>")) + ", and would score the actor's "
             + re.escape(repr("\n\nHuman: Name a color.\n\nAssistant: Blue.<|endoftext|>")))
     with pytest.raises(UsageError, match=said):
