@@ -296,11 +296,12 @@ def test_the_data_files_are_taken_when_the_data_is_read_not_at_each_save(tmp_pat
     """Taken at each save, a file edited while the run trained was recorded as what it trained on."""
     from argparse import Namespace
 
-    from dschat.steps.common import step_data_files
+    from dschat.steps.common import step_data_files, take_data_files
 
     data = tmp_path / "mine.jsonl"
     data.write_text('{"prompt": "a", "chosen": "b"}\n')
     args = Namespace(data_path=[f"jsonl:{data}"], sft_only_data_path=[])
+    take_data_files(args)
     read = step_data_files(args)
     data.write_text('{"prompt": "a", "chosen": "edited"}\n')
     assert step_data_files(args) == read != step_data_files(Namespace(data_path=[f"jsonl:{data}"]))

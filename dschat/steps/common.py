@@ -285,9 +285,8 @@ def loaded_model_paths(args):
 
 
 def step_data_files(args):
-    """``local_data_files`` of the data flags a step reads (its --data_path and --sft_only_data_path), taken once per
-    run, when its data is read (``load_step_data``, ``ppo.prompt_loaders``): a file edited later in the run is not
-    what it trained on."""
+    """``local_data_files`` of the data flags a step reads (its --data_path and --sft_only_data_path): as the step read
+    them (``take_data_files``; a file edited later in the run is not what it trained on), else as they are now."""
     from dschat.data.raw_datasets import local_data_files
 
     taken = getattr(args, "_data_files", None)
@@ -297,12 +296,13 @@ def step_data_files(args):
     for name in ("data_path", "sft_only_data_path"):
         value = getattr(args, name, None) or []
         specs += [value] if isinstance(value, str) else list(value)
-    taken = local_data_files(specs)
-    try:
-        args._data_files = taken
-    except AttributeError:  # (an object that takes no attributes: taken again at each save)
-        pass
-    return taken
+    return local_data_files(specs)
+
+
+def take_data_files(args):
+    """Keep on ``args`` the data files as the step reads them: what its checkpoints and its output record."""
+    args._data_files = None
+    args._data_files = step_data_files(args)
 
 
 def input_runs(args):
@@ -496,7 +496,7 @@ def load_step_data(args, tokenizer, phase):
     """The tokenized train/eval datasets of one phase, from the data flags every step shares."""
     from dschat.data import create_prompt_dataset, get_eot_token
 
-    step_data_files(args)  # the files as they are read: what the checkpoints and the output record
+    take_data_files(args)
 
     return create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, phase, args.seed, tokenizer,

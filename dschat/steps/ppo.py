@@ -20,7 +20,7 @@ from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
                                  reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval,
                                  say_a_changed_schedule, say_max_steps_past_the_epochs, seconds_so_far, setup_run,
-                                 step_data_files, tensorboard_writer, write_results)
+                                 take_data_files, tensorboard_writer, write_results)
 from dschat.utils.checkpoints import clear_earlier_run
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import check_writable_folder
@@ -32,7 +32,7 @@ def prompt_loaders(args, tokenizer):
 
     args = step3_args(args)
     setup_run(args)
-    step_data_files(args)  # the files as they are read: what the checkpoints and the output record
+    take_data_files(args)
     train, held_out = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
