@@ -246,11 +246,10 @@ def check_reward_model_tokenizer(steps, args, tiny):
     if tiny or getattr(args, "recipe", "ppo") != "ppo" or 2 not in steps or args.reward_model == args.actor_model:
         return
     from dschat.models.loading import load_tokenizer
-    from dschat.rlhf.engine import check_same_format, check_same_token_ids
+    from dschat.rlhf.engine import check_scores_actor_text
 
-    actor, reward = load_tokenizer(args.actor_model), load_tokenizer(args.reward_model)
-    check_same_token_ids(actor, args.actor_model, reward, args.reward_model, "train.py: --reward-model")
-    check_same_format(actor, args.actor_model, reward, args.reward_model, "train.py: --reward-model")
+    check_scores_actor_text(load_tokenizer(args.actor_model), args.actor_model, load_tokenizer(args.reward_model),
+                            args.reward_model, "train.py: --reward-model")
 
 
 def resume_plan(steps, args, parsed, tiny):

@@ -207,6 +207,14 @@ def check_same_token_ids(actor_tokenizer, actor_path, other_tokenizer, other_pat
                          "tokenizer (the same family)")
 
 
+def check_scores_actor_text(actor_tokenizer, actor_path, other_tokenizer, other_path, role, formats=True):
+    """A critic or reward model reads the actor's token ids (``check_same_token_ids``); a reward model also scores
+    them in the actor's format (``check_same_format``)."""
+    check_same_token_ids(actor_tokenizer, actor_path, other_tokenizer, other_path, role)
+    if formats:
+        check_same_format(actor_tokenizer, actor_path, other_tokenizer, other_path, role)
+
+
 def check_same_format(actor_tokenizer, actor_path, reward_tokenizer, reward_path, role):
     """The reward model scores the actor's text as the actor formats it (its chat template, its EOS): a reward
     model whose tokenizer formats a conversation otherwise (one family's base and instruct models) was trained on
@@ -332,9 +340,9 @@ class DeepSpeedRLHFEngine:
     def _check_token_ids(self, path, role):
         a = self.args
         theirs = load_tokenizer(path, add_eot_token=a.add_eot_token, eot_token=a.eot_token)
-        check_same_token_ids(self.tokenizer, self.actor_path, theirs, path, f"step3: {role}")
-        if role == "the reward model":  # (a critic learns its values on the actor's text in step 3 itself)
-            check_same_format(self.tokenizer, self.actor_path, theirs, path, f"step3: {role}")
+        # (a critic learns its values on the actor's text in step 3 itself: its format is not checked)
+        check_scores_actor_text(self.tokenizer, self.actor_path, theirs, path, f"step3: {role}",
+                                formats=role == "the reward model")
 
     def _init_critic(self):
         a = self.args

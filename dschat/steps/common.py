@@ -301,7 +301,7 @@ def step_data_files(args):
 
 def take_data_files(args):
     """Keep on ``args`` the data files as the step reads them: what its checkpoints and its output record."""
-    args._data_files = None
+    args._data_files = None  # (read them again, not an earlier take's)
     args._data_files = step_data_files(args)
 
 
