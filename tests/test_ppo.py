@@ -1434,12 +1434,22 @@ def test_a_run_stopped_before_its_first_checkpoint_does_not_resume_an_earlier_ru
     assert "--resume: no complete checkpoint" in capsys.readouterr().out
 
 
-def test_a_reward_model_without_a_trained_value_head_is_refused(trained, tmp_path):
+def test_a_reward_model_without_a_trained_value_head_is_refused_before_any_model_loads(trained, tmp_path,
+                                                                                       monkeypatch):
     # a step-1 folder (or any hub model) as reward model: PPO would maximise a random head's score
     from dschat.errors import UsageError
 
+    monkeypatch.setattr("dschat.rlhf.engine.load_causal_lm", lambda *given, **kw: pytest.fail("a model loaded"))
     with pytest.raises(UsageError, match="has no trained value head"):
         _engine_and_trainer(trained, tmp_path, reward_model_name_or_path=str(trained / "sft"))
+    with pytest.raises(UsageError, match="has no trained value head"):  # the critic's folder scores when none is given
+        _engine_and_trainer(trained, tmp_path, critic_model_name_or_path=str(trained / "sft"))
+
+
+def test_a_critic_without_a_trained_value_head_starts_from_a_new_one(trained, tmp_path, capsys):
+    engine, _, _ = _engine_and_trainer(trained, tmp_path, critic_model_name_or_path=str(trained / "sft"),
+                                       reward_model_name_or_path=str(trained / "rm"))
+    assert "has no trained value head" in capsys.readouterr().out and engine.critic is not None
 
 
 def test_a_reward_model_with_another_tokenizer_is_refused(trained, tmp_path):

@@ -72,3 +72,22 @@ def check_earlier_step_outputs(args, actor_path=None, critic_path=None, reward_p
                 if role == "the reward model" else "")
         raise MissingInputError(f"step3: {role} loads from --{flag} {path}, the default ({step}'s output), which "
                                 f"does not exist; run {step} first or give --{flag}{hint}")
+    if args.reward_model_weight:
+        check_reward_model_trained(reward_path or paths["critic_model_name_or_path"])
+
+
+def check_reward_model_trained(path):
+    """A local reward-model folder without step 2's value head (a step-1 folder, a plain model) is refused before
+    any model loads: PPO would maximise a random head's score. (A hub name is checked once it has loaded.)"""
+    from dschat.models.reward_model import is_reward_model_folder
+
+    if os.path.isdir(path) and not is_reward_model_folder(path):
+        raise UsageError(untrained_reward_model_message(path))
+
+
+def untrained_reward_model_message(path):
+    from dschat.models.reward_model import VALUE_HEAD_FILES
+
+    return (f"step3: the reward model {path} has no trained value head ({VALUE_HEAD_FILES}): it is not step 2's "
+            "output, and PPO would maximise a random score; give step 2's output folder "
+            "(--reward_model_name_or_path, else --critic_model_name_or_path)")

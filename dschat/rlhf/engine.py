@@ -12,7 +12,8 @@ from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
-from dschat.rlhf.config import check_advantage_estimator, check_earlier_step_outputs, step3_args
+from dschat.rlhf.config import (check_advantage_estimator, check_earlier_step_outputs, step3_args,
+                                untrained_reward_model_message)
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
@@ -373,7 +374,5 @@ class DeepSpeedRLHFEngine:
                                     compute_fp32_loss=a.compute_fp32_loss)
         self._check_sequence_fits(model)
         if not model.value_head_loaded:
-            raise UsageError(f"step3: the reward model {self.reward_path} has no trained value head ({VALUE_HEAD_FILES}):"
-                             " it is not step 2's output, and PPO would maximise a random score; give step 2's "
-                             "output folder (--reward_model_name_or_path, else --critic_model_name_or_path)")
+            raise UsageError(untrained_reward_model_message(self.reward_path))
         return initialize_frozen(model, ds_config, a.zero3_fetch)
