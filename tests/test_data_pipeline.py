@@ -323,6 +323,19 @@ def test_skip_counts_are_printed_and_exposed(tmp_path, tokenizer, capsys):
     assert not cached.built and cached.skipped == expected  # counts survive the cache
 
 
+def test_unpaired_preference_records_train_only_their_desirable_answers(tmp_path, tokenizer):
+    """TRL's (KTO's) prompt/completion/label records: an answer marked label false is not one to imitate."""
+    rows = [{"prompt": f"Name color {i}.", "completion": f"{'good' if i % 2 else 'bad'} {i}", "label": bool(i % 2)}
+            for i in range(8)]
+    path = write_jsonl(tmp_path / "kto.jsonl", rows)
+    train, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")
+    texts = [tokenizer.decode(item["input_ids"]) for item in train]
+    assert len(train) == 4 and all("good" in text and "bad" not in text for text in texts)
+    assert train.skipped == {"undesirable answer (label false: TRL's unpaired preference data)": 4}
+    prompts, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
+    assert len(prompts) == 8 and sorted(item["label"] for item in prompts) == [False] * 4 + [True] * 4
+
+
 def test_the_report_says_when_a_phase_trains_on_a_share_of_the_file(tmp_path, tokenizer, capsys):
     """DeepSpeed-Chat's --data_split gives step 3 a share of a prompts file: "kept all" alone read as the whole file."""
     spec = train_eval_spec(tmp_path, "alpha", 50, 10)

@@ -78,6 +78,11 @@ class PromptRawDataset:
     def get_rejected_text(self, sample):
         return None
 
+    def is_undesirable(self, sample):
+        """Whether the record's answer is marked as one not to imitate (TRL's unpaired preference data, KTO's
+        ``label: false``): steps 1 and 2 skip it, counted; step 3 reads only its prompt."""
+        return False
+
     def get_extra(self, sample):
         return {key: value for key, value in sample.items() if key not in self.used_columns}
 

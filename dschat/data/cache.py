@@ -18,12 +18,13 @@ from filelock import FileLock
 from dschat.utils.files import give_plain_modes, temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 8  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+FORMAT_VERSION = 9  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
 # 4: only empty CSV cells are missing ("NA", "None" are text);
 # 5: prompts get only the tokenizer's leading special tokens;
 # 6: phase 2 rows carry chosen_truncated, rejected_truncated and eot_length;
 # 7: the report counts the records with an answer cut at max_seq_len; a prompt with no answer room says so;
-# 8: TRL's prompt/completion records: the completion is the answer (no longer an extra column)
+# 8: TRL's prompt/completion records: the completion is the answer (no longer an extra column);
+# 9: steps 1 and 2 skip TRL's unpaired preference records with label false
 CACHE_SUBDIR = "dschat_data_cache"
 
 

@@ -426,6 +426,9 @@ class LocalDataset(PromptRawDataset):
         train, eval_data = self._load_splits()
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
+        # TRL's unpaired preference records (KTO's): prompt, completion, and a bool label saying whether to imitate it
+        self.label_field = "label" if self.fields["chosen"] == "completion" and _is_bool_column(train, "label") \
+            else None
         if "conversations" in train.column_names and not self.renamed and not any(
                 self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
@@ -576,12 +579,20 @@ class LocalDataset(PromptRawDataset):
             return answer
         return self._answer_value(sample, field)
 
+    def is_undesirable(self, sample):
+        return self.label_field is not None and sample.get(self.label_field) is False
+
     def _answer_value(self, sample, field):
         """An answer given as a string, or as a message list whose last message is the assistant's."""
         value = sample[field]
         if isinstance(value, (list, tuple)):
             return final_assistant_answer(checked_messages(value, field), field)[1]
         return optional_text(sample, field)
+
+
+def _is_bool_column(data, name):
+    feature = data.features.get(name)
+    return getattr(feature, "dtype", None) == "bool"
 
 
 def _transcript_answer(sample, field):

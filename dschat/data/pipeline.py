@@ -25,7 +25,8 @@ Skipped records (never silent; counted per reason, printed on rank 0, kept in ``
 ``prompt longer than N tokens`` (phase 3; phases 1-2 only when ``max_prompt_len`` is given),
 ``prompt leaves no room for an answer in --max_seq_len N`` (phases 1-2), ``answer empty after truncation``,
 ``chosen==rejected``,
-``chosen==rejected after truncation``, ``no rejected answer`` (SFT-only records in phase 2), adapter
+``chosen==rejected after truncation``, ``no rejected answer`` (SFT-only records in phase 2), ``undesirable
+answer`` (phases 1-2: TRL's unpaired preference records with ``label: false``), adapter
 reasons such as ``tied preference scores``, and ``unreadable FIELD`` for malformed hub records. Malformed
 local records are errors instead (``DatasetFormatError``), raised when the file is loaded.
 """
@@ -356,11 +357,16 @@ def rendered_prompt(messages, tokenizer):
                                       f"message: {first[:60]!r}") from err
 
 
+UNDESIRABLE = "undesirable answer (label false: TRL's unpaired preference data)"
+
+
 def extract_example(raw, sample, train_phase):
     """Only the accessors a phase needs are called, so e.g. a tie only matters in phase 2."""
     messages = raw.get_conversation(sample)
     if train_phase == 3:
         return Example(messages, extra=raw.get_extra(sample))
+    if raw.is_undesirable(sample):
+        raise SkipRecord(UNDESIRABLE)
     chosen = raw.get_chosen_text(sample)
     if chosen is None:
         raise SkipRecord("no chosen answer")
