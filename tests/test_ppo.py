@@ -1499,6 +1499,17 @@ def test_the_ema_copy_is_kept_in_fp32_so_that_its_small_steps_are_not_rounded_aw
     assert abs(moved.item() - (1 - 0.992 ** 10)) < 0.01
 
 
+def test_the_ema_actor_is_saved_in_the_actors_dtype(trained, tmp_path):
+    # averaged in fp32, but a bf16 run's actor_ema folder is a bf16 model as its actor folder is (not twice its size)
+    from safetensors import safe_open
+
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--enable_ema", "--dtype", "bf16"))
+    for folder in ("actor", "actor_ema"):
+        with safe_open(str(tmp_path / "ppo" / folder / "model.safetensors"), "pt") as weights:
+            assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}, folder
+        assert json.loads((tmp_path / "ppo" / folder / "config.json").read_text())["dtype"] == "bfloat16", folder
+
+
 def test_a_wrong_reward_function_is_a_usage_error_before_anything_loads(tmp_path):
     from dschat.errors import MissingModuleError, UsageError
     from dschat.rlhf.config import step3_args

@@ -1,5 +1,6 @@
 """Saving trained models as folders ``from_pretrained`` loads, atomically, from any ZeRO stage."""
 import fnmatch
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -120,15 +121,19 @@ def settled_module(model):
     return model.module
 
 
-def save_causal_lm(module, tokenizer, output_dir):
+def save_causal_lm(module, tokenizer, output_dir, dtype=None):
     """Save an actor / SFT model (any ZeRO stage, LoRA merged; or its engine's) with its tokenizer. Collective under
-    ZeRO-3."""
+    ZeRO-3. ``dtype``: save in it rather than the weights' own (the fp32 EMA copy is saved as the actor is)."""
     module = settled_module(module)
     state = plain_model_state_dict(module)
     if is_rank_0():
         model = unwrap_peft(module)
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         with atomic_folder(output_dir) as tmp, _untied_config_if(model, head_trains_untied(module)):
             _save_pretrained(model, state, tmp)
+            if dtype is not None:
+                _say_saved_dtype(tmp, dtype)
             tokenizer.save_pretrained(tmp)
     barrier()
 
@@ -148,6 +153,16 @@ def save_reward_model(reward_model, tokenizer, output_dir):
             reward_model.save_head_and_meta(tmp, state)
             tokenizer.save_pretrained(tmp)
     barrier()
+
+
+def _say_saved_dtype(folder, dtype):
+    """The saved config names the dtype the weights were saved in (``save_pretrained`` writes the model's own)."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 @contextmanager

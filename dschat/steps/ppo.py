@@ -10,7 +10,7 @@ import torch
 from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
-from dschat.models.loading import load_tokenizer
+from dschat.models.loading import TORCH_DTYPES, load_tokenizer
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
@@ -257,8 +257,12 @@ def main(args=None):
 def save_models(trainer, args):
     # the engines, not their modules: under ZeRO-3 they release their parameters before the gather (settled_module)
     save_causal_lm(trainer.actor_model, trainer.tokenizer, os.path.join(args.output_dir, ACTOR_DIR))
+
+    def save_ema(engine, tokenizer, path):  # kept in fp32 while it averages; saved as the actor is
+        save_causal_lm(engine, tokenizer, path, dtype=TORCH_DTYPES[args.dtype])
+
     for folder, engine, save in ((CRITIC_DIR, trainer.critic_model, save_reward_model),
-                                 (ACTOR_EMA_DIR, trainer.actor_ema, save_causal_lm)):
+                                 (ACTOR_EMA_DIR, trainer.actor_ema, save_ema)):
         path = os.path.join(args.output_dir, folder)
         if engine is not None:
             save(engine, trainer.tokenizer, path)
