@@ -336,6 +336,19 @@ def test_unpaired_preference_records_train_only_their_desirable_answers(tmp_path
     assert len(prompts) == 8 and sorted(item["label"] for item in prompts) == [False] * 4 + [True] * 4
 
 
+def test_step3_records_carry_a_pairs_answers_for_reward_functions(tmp_path, tokenizer):
+    """As TRL passes a dataset's columns: a reference answer for the reward function to compare with."""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [dict(r, source="web") for r in records("alpha", 4)])
+    items, _ = build(tmp_path, tokenizer, [f"{pairs},{pairs}"], 3, data_split="0,0,1")
+    by_prompt = {r["prompt"]: r for r in records("alpha", 4)}
+    for item in items:
+        record = next(r for p, r in by_prompt.items() if p in item["prompt_text"])
+        assert (item["chosen"], item["rejected"], item["source"]) == (record["chosen"], record["rejected"], "web")
+    completions = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Say hi.", "completion": "Hi."}] * 2)
+    items, _ = build(tmp_path, tokenizer, [f"{completions},{completions}"], 3, data_split="0,0,1")
+    assert not {"chosen", "rejected", "completion"} & set(items[0])  # TRL passes no completion column
+
+
 def test_the_report_says_when_a_phase_trains_on_a_share_of_the_file(tmp_path, tokenizer, capsys):
     """DeepSpeed-Chat's --data_split gives step 3 a share of a prompts file: "kept all" alone read as the whole file."""
     spec = train_eval_spec(tmp_path, "alpha", 50, 10)

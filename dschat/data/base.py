@@ -4,13 +4,13 @@ DeepSpeed-Chat adapters return pre-formatted strings (``get_prompt`` -> "\\n\\nH
 ``get_chosen`` -> " ..."). dschat formats text itself (a chat template when the tokenizer has one), so
 adapters also expose the structured content: ``get_conversation`` (prompt turns as role/content dicts,
 ending with a user turn), ``get_chosen_text`` / ``get_rejected_text`` (bare answers, ``None`` when absent)
-and ``get_extra`` (other columns, passed to step 3 for reward functions). The string methods are derived
+and ``get_extra`` (other columns, passed to step 3 for reward functions, with ``get_reference_answers``). The string methods are derived
 from the structured ones unless an adapter overrides them to reproduce DeepSpeed-Chat exactly.
 """
 import os
 
 from dschat.errors import MissingInputError
-from .errors import DatasetFormatError, RecordError
+from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import parse_transcript, render_human_assistant, split_last_answer
 from .splits import get_raw_dataset_split_index
 
@@ -85,6 +85,18 @@ class PromptRawDataset:
 
     def get_extra(self, sample):
         return {key: value for key, value in sample.items() if key not in self.used_columns}
+
+    def get_reference_answers(self, sample):
+        """A pair's answers as bare text, ``{"chosen": ..., "rejected": ...}`` (those the record has): step 3's
+        reward functions get them as columns, as TRL passes a dataset's columns. A record whose answers do not read
+        keeps its prompt, without them."""
+        answers = {}
+        for name, accessor in (("chosen", self.get_chosen_text), ("rejected", self.get_rejected_text)):
+            try:
+                answers[name] = accessor(sample)
+            except (RecordError, SkipRecord):
+                answers[name] = None
+        return {name: text for name, text in answers.items() if text is not None}
 
     # --- DeepSpeed-Chat's string interface ---
     def get_prompt(self, sample):

@@ -579,6 +579,12 @@ class LocalDataset(PromptRawDataset):
             return answer
         return self._answer_value(sample, field)
 
+    def get_reference_answers(self, sample):
+        # a messages record's last turn, and TRL's completion, are not pairs' answers (TRL passes no completion)
+        if self.shape == "messages" or self.fields["chosen"] == "completion":
+            return {}
+        return super().get_reference_answers(sample)
+
     def is_undesirable(self, sample):
         return self.label_field is not None and sample.get(self.label_field) is False
 

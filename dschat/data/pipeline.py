@@ -364,7 +364,7 @@ def extract_example(raw, sample, train_phase):
     """Only the accessors a phase needs are called, so e.g. a tie only matters in phase 2."""
     messages = raw.get_conversation(sample)
     if train_phase == 3:
-        return Example(messages, extra=raw.get_extra(sample))
+        return Example(messages, extra={**raw.get_extra(sample), **raw.get_reference_answers(sample)})
     if raw.is_undesirable(sample):
         raise SkipRecord(UNDESIRABLE)
     chosen = raw.get_chosen_text(sample)
