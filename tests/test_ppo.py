@@ -1367,6 +1367,23 @@ def test_train_rollout_is_step3s_iteration_and_a_hand_loop_hears_what_train_rlhf
            "trainer.train_rollout([out, ...])" in out
 
 
+def test_train_rollout_refuses_what_would_train_wrongly(trained, tmp_path):
+    """From a notebook as from step 3's flags: an optimizer step may not span rollouts (the first rollout trained
+    nothing and each later step mixed two); one experience given bare, or none, says what train_rollout takes."""
+    from dschat.errors import UsageError
+
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, per_device_training_batch_size=2,
+                                                gradient_accumulation_steps=3)
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
+    with pytest.raises(UsageError, match="makes 2 micro-batches .* not a multiple of gradient_accumulation_steps 3"):
+        trainer.train_rollout([exp])
+    assert trainer.actor_model.global_steps == 0 and trainer.actor_model.micro_steps == 0
+    with pytest.raises(UsageError, match=r"train_rollout\(\[out\]\)"):
+        trainer.train_rollout(exp)
+    with pytest.raises(UsageError, match="no experiences"):
+        trainer.train_rollout([])
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)

@@ -473,7 +473,7 @@ class DeepSpeedPPOTrainer:
         ``unsup_batches`` (cycled when there are fewer). Returns the mean "actor_loss", "critic_loss" (None without a
         critic) and "unsup_loss" (None without unsupervised data), and the rollout's KL to the reference over all
         ranks: per answer token ("kl") and per answer ("kl_per_answer", the controller's unit)."""
-        experiences = list(experiences)
+        experiences = checked_rollout(experiences)
         if unsup_batches and not hasattr(self, "train_unsupervised"):
             raise UsageError("unsup_batches need DeepSpeedPPOTrainerUnsupervised (step 3's "
                              "--unsupervised_dataset_name)")
@@ -484,6 +484,7 @@ class DeepSpeedPPOTrainer:
         unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)]
         losses = {"actor_loss": [], "critic_loss": [], "unsup_loss": []}
         accum = self.args.gradient_accumulation_steps
+        check_whole_accumulation_groups(len(micro), accum, batch)
         for _ in range(self.args.ppo_epochs):
             for start in range(0, len(micro), accum):
                 group = micro[start:start + accum]
@@ -566,6 +567,29 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
         algo.check_finite("unsupervised loss", out.loss)
         self._backward_and_step_actor(out.loss * unsup_coef)
         return out.loss.detach()
+
+
+def checked_rollout(experiences):
+    """``train_rollout``'s experiences as a list; a single one given bare (``train_rlhf``'s way) or none is an error
+    saying what it takes."""
+    if isinstance(experiences, Mapping):
+        raise UsageError("train_rollout takes a list of generate_experience outputs: train_rollout([out]) (or "
+                         "train_rlhf(out), DeepSpeed-Chat's single update)")
+    experiences = list(experiences)
+    if not experiences:
+        raise UsageError("train_rollout([]): no experiences to train on (give generate_experience outputs)")
+    return experiences
+
+
+def check_whole_accumulation_groups(micro_batches, accum, batch):
+    """Each optimizer step takes ``accum`` of this rollout's micro-batches: a remainder would be stepped with the
+    next rollout's (DeepSpeed counts micro-steps across calls), its loss scaled for other token counts."""
+    if micro_batches % accum:
+        raise UsageError(f"train_rollout: the rollout makes {micro_batches} micro-batches of "
+                         f"per_device_training_batch_size {batch} rows, not a multiple of gradient_accumulation_steps "
+                         f"{accum}: an optimizer step would span rollouts; give a training batch size or "
+                         "gradient_accumulation_steps that fits, or more experiences per rollout (step 3's flags: "
+                         "--generation_batches)")
 
 
 def _world_group():
