@@ -59,6 +59,8 @@ def non_negative_float(text):
 
 
 def _bounded_int(text, low, what):
+    if isinstance(text, float) and not text.is_integer():  # a notebook's 8.5: int() would cut it to 8
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     try:
         value = int(text)
     except ValueError:
@@ -325,6 +327,9 @@ def namespace_with_defaults(parser, overrides=None):
     args = parser.parse_args([])
     if overrides is None:
         return args
+    if isinstance(overrides, (str, bytes, int, float, list, tuple)):  # an object without the flags' attributes
+        raise UsageError(f"args is a {type(overrides).__name__}: give a dict of settings (flag names as keys), an "
+                         "object with them as attributes, or the step's parsed namespace")
     # an option name means its own flag: "actor_dropout" is --actor_dropout, not --disable_actor_dropout (same dest)
     by_name = {action.dest: action for action in parser._actions if action.option_strings}
     by_name.update({option.lstrip("-"): action for action in parser._actions for option in action.option_strings})
@@ -367,6 +372,8 @@ def _set_from_option(args, action, name, value):
             setattr(args, action.dest, False if negated else action.const)
         return
     value = _as_given_on_a_command_line(name, value)
+    if action.type is int and isinstance(value, float) and not value.is_integer():
+        raise UsageError(f"{name}: expected an integer, got {value!r}")
     # as on the command line: "3" for an int flag, and the range checks of the bounded ones
     bounded = action.type in (positive_int, non_negative_int, non_negative_float) and value is not None
     if action.type not in (None, str) and (isinstance(value, str) or bounded):

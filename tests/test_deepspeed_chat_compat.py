@@ -203,6 +203,15 @@ def test_notebook_settings_mean_what_the_flags_mean():
         step3_args({"ppo_epochs": 0})
     with pytest.raises(UsageError, match="dtype: 'fp8' is not one of"):
         step3_args({"dtype": "fp8"})
+    # a fraction for a count was cut without a word (8.5 -> 8); a whole float is the number it is
+    with pytest.raises(UsageError, match="max_answer_seq_len: expected a positive integer, got 8.5"):
+        step3_args({"max_answer_seq_len": 8.5})
+    with pytest.raises(UsageError, match="seed: expected an integer, got 1.5"):
+        step3_args({"seed": 1.5})
+    assert step3_args({"max_answer_seq_len": 8.0}).max_answer_seq_len == 8
+    # a command-line-like string has no attributes: every setting was silently the default
+    with pytest.raises(UsageError, match="args is a str: give a dict"):
+        step3_args("max_prompt_seq_len=16 enable_hybrid_engine=True")
 
 
 def test_ptx_doubles_the_actors_accumulation_after_a_config_file_that_states_the_flags():

@@ -1118,7 +1118,7 @@ def test_the_notebook_api_checks_its_settings_before_any_model_loads(monkeypatch
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 
     with pytest.raises(UsageError, match=r"--temperature 0: sampling needs"):  # the trainer's settings of its own
-        DeepSpeedPPOTrainer(engine=SimpleNamespace(), args={"temperature": 0})
+        DeepSpeedPPOTrainer(engine=SimpleNamespace(actor=None), args={"temperature": 0})
 
 
 @pytest.mark.parametrize("template", [None, "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
@@ -1367,7 +1367,7 @@ def test_train_rollout_is_step3s_iteration_and_a_hand_loop_hears_what_train_rlhf
            "trainer.train_rollout([out, ...])" in out
 
 
-def test_train_rollout_refuses_what_would_train_wrongly(trained, tmp_path):
+def test_notebook_calls_that_would_train_wrongly_are_refused(trained, tmp_path):
     """From a notebook as from step 3's flags: an optimizer step may not span rollouts (the first rollout trained
     nothing and each later step mixed two); one experience given bare, or none, says what train_rollout takes."""
     from dschat.errors import UsageError
@@ -1382,6 +1382,17 @@ def test_train_rollout_refuses_what_would_train_wrongly(trained, tmp_path):
         trainer.train_rollout(exp)
     with pytest.raises(UsageError, match="no experiences"):
         trainer.train_rollout([])
+    with pytest.raises(TypeError, match="the engine given is a dict, not a DeepSpeedRLHFEngine"):
+        type(trainer)({"dtype": "fp32"}, None)
+    # prompts beyond max_prompt_seq_len (40) ran past GPT-2's positions or hybrid_engine.max_out_tokens; malformed
+    # ones failed deep in a model
+    long = tokenizer(["word " * 60], return_tensors="pt")
+    with pytest.raises(UsageError, match="a prompt of 6. tokens is longer than max_prompt_seq_len 40"):
+        trainer.generate_experience(long["input_ids"], long["attention_mask"])
+    ids = torch.tensor([[5, 6, 7]])
+    for prompts, mask in ((ids[:0], ids[:0]), (ids[0], ids[0]), (ids, ids[:, :2])):
+        with pytest.raises(UsageError, match="prompts must be \\(rows, tokens\\) ids"):
+            trainer.generate_experience(prompts, torch.ones_like(mask))
 
 
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
@@ -1467,6 +1478,31 @@ def test_a_critic_without_a_trained_value_head_starts_from_a_new_one(trained, tm
     engine, _, _ = _engine_and_trainer(trained, tmp_path, critic_model_name_or_path=str(trained / "sft"),
                                        reward_model_name_or_path=str(trained / "rm"))
     assert "has no trained value head" in capsys.readouterr().out and engine.critic is not None
+
+
+def test_a_notebooks_tokenizer_must_be_the_actors(trained, tmp_path, monkeypatch):
+    """Another tokenizer's ids were read by the actor as other text (and ids past its vocabulary grew it random
+    embedding rows), or were blamed on the critic; a path in its place failed as an AttributeError."""
+    import json
+    import shutil
+
+    from dschat import DeepSpeedRLHFEngine
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_tokenizer
+
+    monkeypatch.setattr("dschat.rlhf.engine.load_causal_lm", lambda *given, **kw: pytest.fail("a model loaded"))
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(trained / "sft", other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    args = {"critic_model_name_or_path": str(trained / "rm"), "dtype": "fp32"}
+    with pytest.raises(UsageError, match=r"the tokenizer given is not the actor's .* 2 of the actor's tokens"):
+        DeepSpeedRLHFEngine(actor_model_name_or_path=str(trained / "sft"),
+                            tokenizer=load_tokenizer(str(other), padding_side="left"), args=args)
+    with pytest.raises(UsageError, match="tokenizer is a str, not a tokenizer"):
+        DeepSpeedRLHFEngine(actor_model_name_or_path=str(trained / "sft"), tokenizer=str(trained / "sft"), args=args)
 
 
 def test_a_reward_model_with_another_tokenizer_is_refused(trained, tmp_path):

@@ -199,13 +199,37 @@ def frozen_twin(args, role):
 def check_same_token_ids(actor_tokenizer, actor_path, other_tokenizer, other_path, role):
     """The critic and the reward model read the actor's token ids: their tokenizer must give every token of the
     actor's the same id, or they score other text than the actor wrote (and nothing would say so)."""
-    theirs = other_tokenizer.get_vocab()
-    differ = [token for token, index in actor_tokenizer.get_vocab().items() if theirs.get(token) != index]
+    differ = tokens_with_other_ids(actor_tokenizer, other_tokenizer)
     if differ:
         raise UsageError(f"{role} {other_path} has another tokenizer than the actor {actor_path}: {len(differ)} of "
                          f"the actor's tokens have another id or none there (e.g. {differ[0]!r}); it would score the "
                          "actor's token ids as other text. Train the reward model from a model with the actor's "
                          "tokenizer (the same family)")
+
+
+def tokens_with_other_ids(reference, other):
+    """The tokens of ``reference``'s vocabulary that ``other`` gives another id, or none."""
+    theirs = other.get_vocab()
+    return [token for token, index in reference.get_vocab().items() if theirs.get(token) != index]
+
+
+def check_given_tokenizer(tokenizer, actor_path):
+    """A notebook's ``tokenizer=`` is the actor's: another one's ids would be read as other text by the actor (and
+    ids past its vocabulary would grow it random embedding rows). The given one may add tokens (an EOT token)."""
+    from transformers import PreTrainedTokenizerBase
+
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise UsageError(f"tokenizer is a {type(tokenizer).__name__}, not a tokenizer: give the actor's, e.g. "
+                         f"load_tokenizer({actor_path!r}, padding_side='left') (from dschat.models.loading), or none")
+    try:
+        own = load_tokenizer(actor_path)
+    except (OSError, ValueError):  # a model folder without tokenizer files: nothing to compare with
+        return
+    differ = tokens_with_other_ids(own, tokenizer)
+    if differ:
+        raise UsageError(f"the tokenizer given is not the actor's ({actor_path}): {len(differ)} of the actor's tokens "
+                         f"have another id or none in it (e.g. {differ[0]!r}), so the actor would read its ids as "
+                         f"other text; give load_tokenizer({actor_path!r}, padding_side='left'), or none")
 
 
 def check_scores_actor_text(actor_tokenizer, actor_path, other_tokenizer, other_path, role, formats=True):
@@ -249,6 +273,8 @@ class DeepSpeedRLHFEngine:
         self.critic_path = critic_model_name_or_path or args.critic_model_name_or_path
         self.reward_path = reward_model_name_or_path or args.reward_model_name_or_path or self.critic_path
         check_earlier_step_outputs(args, self.actor_path, self.critic_path, reward_model_name_or_path)
+        if tokenizer is not None:
+            check_given_tokenizer(tokenizer, self.actor_path)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,
                                                      eot_token=args.eot_token)
         self.num_total_iters = num_total_iters or args.max_steps or DEFAULT_TOTAL_ITERS

@@ -91,7 +91,28 @@ def prompt_batch(prompts, mask=None):
     if batch.get("prompt_att_mask") is None:
         raise ValueError("generate_experience(prompts, mask): the prompts' attention mask is missing; pass it as "
                          "mask (or a batch with prompt_att_mask, or a tokenizer's output with attention_mask)")
+    check_prompt_shapes(batch["prompt"], batch["prompt_att_mask"])
     return batch
+
+
+def check_prompt_shapes(prompts, mask):
+    """Prompts as (rows, tokens) ids with a mask of that shape, at least one row of one token: else a model's
+    reshape or an index error deep in generation."""
+    if not (torch.is_tensor(prompts) and torch.is_tensor(mask)):
+        raise UsageError(f"generate_experience: prompts and mask must be tensors, not {type(prompts).__name__} and "
+                         f"{type(mask).__name__} (a tokenizer's output: return_tensors='pt')")
+    if prompts.ndim != 2 or prompts.shape[0] == 0 or prompts.shape[1] == 0 or mask.shape != prompts.shape:
+        raise UsageError(f"generate_experience: prompts must be (rows, tokens) ids, at least one of each, with a mask "
+                         f"of the same shape; got prompts {tuple(prompts.shape)} and mask {tuple(mask.shape)}")
+
+
+def check_prompt_length(mask, max_prompt_seq_len):
+    """No prompt longer than max_prompt_seq_len: the generation, and the models' positions, are sized for it."""
+    longest = int(mask.sum(1).max())
+    if longest > max_prompt_seq_len:
+        raise UsageError(f"generate_experience: a prompt of {longest} tokens is longer than max_prompt_seq_len "
+                         f"{max_prompt_seq_len}; cut the prompts to it (tokenizer(..., truncation=True, max_length="
+                         f"{max_prompt_seq_len})) or raise max_prompt_seq_len")
 
 
 def sampling_kwargs(args, hf_generate=False):
@@ -129,6 +150,9 @@ class DeepSpeedPPOTrainer:
         self.rlhf_engine = rlhf_engine or engine
         if self.rlhf_engine is None:
             raise TypeError("DeepSpeedPPOTrainer needs the DeepSpeedRLHFEngine (rlhf_engine= or engine=)")
+        if not hasattr(self.rlhf_engine, "actor"):  # e.g. (args, engine) swapped
+            raise TypeError(f"DeepSpeedPPOTrainer(rlhf_engine, args): the engine given is a "
+                            f"{type(self.rlhf_engine).__name__}, not a DeepSpeedRLHFEngine")
         self.args = args = step3_args(args if args is not None else self.rlhf_engine.args)
         if args is not getattr(self.rlhf_engine, "args", None):  # settings of its own: checked as the engine's were
             check_settings(args)
@@ -195,6 +219,7 @@ class DeepSpeedPPOTrainer:
         """
         batch = self._repeat_for_groups(prompt_batch(prompts, mask))
         prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
+        check_prompt_length(mask, self.args.max_prompt_seq_len)
         self.eval()
         t0 = time.time()
         with phase("dschat.generate"):
