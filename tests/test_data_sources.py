@@ -213,6 +213,18 @@ def test_preference_records_that_also_carry_messages_read_as_pairs(tmp_path):
     assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Blue.", "I like cars.")
 
 
+def test_a_prompt_column_beside_messages_is_read_only_when_named(tmp_path):
+    """ultrachat's and no_robots' prompt column is the conversation's first turn: the messages are read. A prompt
+    field named by --data_fields is the user's choice: it was silently replaced by the messages' turns."""
+    messages = [{"role": "user", "content": "msg 1"}, {"role": "assistant", "content": "a1"}]
+    records = [{"prompt": "Real prompt 1.", "question": "Asked 1.", "messages": messages}] * 2
+    path = write_records(records, tmp_path / "both.jsonl", "jsonl")
+    sample = (adapter := raw(f"{path},{path}", tmp_path)).get_train_data()[0]
+    assert adapter.get_conversation(sample) == messages[:1] and adapter.get_chosen_text(sample) == "a1"
+    named = raw(f"{path},{path}", tmp_path, prompt="question")
+    assert named.get_conversation(named.get_train_data()[0]) == [{"role": "user", "content": "Asked 1."}]
+
+
 def test_sharegpt_messages_and_text_content_parts_are_read(tmp_path):
     """They were "message 0 has role None" and "message 0 has no text content"."""
     sharegpt = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}] * 2

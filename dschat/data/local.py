@@ -471,9 +471,12 @@ class LocalDataset(PromptRawDataset):
     def _record_shape(self, data, where):
         columns = data.column_names
         preference = self.fields["chosen"] in columns and self.fields["rejected"] in columns
-        if self.fields["messages"] in columns and not preference:
-            # the other fields (renamed or not) are not read from messages records; preference records that also
-            # carry the chosen conversation as messages (ultrafeedback_binarized's columns) read as preference pairs
+        named_prompt = "prompt" in self.renamed and "messages" not in self.renamed and self.fields["prompt"] in columns
+        if self.fields["messages"] in columns and not preference and not named_prompt:
+            # the other fields are not read from messages records: a prompt column beside them (ultrachat's,
+            # no_robots') is their first turn; preference records that also carry the chosen conversation as messages
+            # (ultrafeedback_binarized's columns) read as preference pairs, and a prompt field named by --data_fields
+            # as prompt records
             return "messages"
         if self.fields["prompt"] in columns:
             # Prompt-only (step 3) and SFT-only files legitimately lack the answer columns, under one --data_fields
