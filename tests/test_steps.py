@@ -30,6 +30,7 @@ def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch
     assert "[step1] step 1 loss" in out and "lr 0.000e+00" in out.split("[step1] step 1 loss")[1].splitlines()[0]
     assert "lr 8.750e-04" in out.split("[step1] step 8 loss")[1].splitlines()[0]
     assert "applies a learning rate of 0" in common.warmup_notice(1e-3, "linear", 1, 1)
+    assert "8 optimizer steps (the critic): the" in common.warmup_notice(1e-3, "linear", 16, 8, "the critic")
     run = json.loads((tmp_path / "sft" / "training_args.json").read_text())  # the step and its flags as run
     assert run["step"] == "step1" and run["flags"]["max_steps"] == 8 and run["flags"]["learning_rate"] == 2e-3
     saved = json.loads((tmp_path / "sft" / "metrics.json").read_text())

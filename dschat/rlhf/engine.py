@@ -336,7 +336,7 @@ class DeepSpeedRLHFEngine:
                                    a.actor_learning_rate, a.actor_weight_decay,
                                    a.actor_lora_learning_rate if a.actor_lora_dim else None,
                                    a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
-                                   a.actor_gradient_checkpointing, a.zero3_fetch)
+                                   a.actor_gradient_checkpointing, a.zero3_fetch, role="the actor")
         if a.enable_mixed_precision_lora:
             print_rank_0(f"[step3] mixed precision LoRA: {quantize_frozen_weights(engine)} frozen weights stored "
                          "in int8")
@@ -390,7 +390,7 @@ class DeepSpeedRLHFEngine:
         return initialize_engine(model, ds_config, a.critic_learning_rate, a.critic_weight_decay,
                                  a.critic_lora_learning_rate if a.critic_lora_dim else None,
                                  a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
-                                 a.critic_gradient_checkpointing, a.zero3_fetch)
+                                 a.critic_gradient_checkpointing, a.zero3_fetch, role="the critic")
 
     def _init_reward(self):
         a = self.args

@@ -123,9 +123,10 @@ def prepare_zero3_hooks(model, ds_config, zero3_fetch):
 
 
 def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr_scheduler_type, num_warmup_steps,
-                      total_steps, gradient_checkpointing=False, zero3_fetch=DEFAULT_ZERO3_FETCH):
+                      total_steps, gradient_checkpointing=False, zero3_fetch=DEFAULT_ZERO3_FETCH, role=None):
     """Optimizer, scheduler and ``deepspeed.initialize`` for a trainable model. The optimizer follows the config's
-    optimizer offload (``--offload``, or a user's config file), as DeepSpeed requires."""
+    optimizer offload (``--offload``, or a user's config file), as DeepSpeed requires. ``role``: the model's name in
+    what is said (step 3 trains two)."""
     from dschat.utils.ds_config import optimizer_offloaded
 
     import deepspeed
@@ -140,7 +141,7 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
                                optimizer_offloaded(ds_config))
     scheduler = get_scheduler(lr_scheduler_type, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
                               num_training_steps=max(total_steps, 1))
-    notice = warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps)
+    notice = warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps, role)
     if notice:
         print_rank_0(notice)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -163,17 +164,18 @@ def restart_deepspeed_tensorboard(engine):
     monitor.summary_writer = purging_writer(writer.log_dir, engine.global_samples)
 
 
-def warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps):
+def warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps, role=None):
     """What to say when the warmup outlasts the run (step 3's default 100 steps against a short run's few): the
     learning rate rises all run long and never reaches the one asked for, so the run barely trains."""
     if lr_scheduler_type == "constant" or not lr or num_warmup_steps < max(total_steps, 1):
         return None
     reached = lr * (total_steps - 1) / num_warmup_steps  # the warmup's step s applies lr * s / warmup, from s = 0
+    who = f" ({role})" if role else ""
     if not reached:
-        return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer step: it "
+        return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer step{who}: it "
                 "applies a learning rate of 0 (the warmup's first), so the run leaves the model as it was; give "
                 "fewer warmup steps (0) or more steps")
-    return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer steps: the "
+    return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer steps{who}: the "
             f"learning rate rises all run long and never reaches {lr:g} (at most {reached:.3g}); give fewer warmup "
             "steps for a short run")
 
