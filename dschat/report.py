@@ -127,11 +127,11 @@ def final_kl_said(kl):
 
 def summary_lines(report):
     lines = ["==== dschat report ===="]
-    for step, seconds in report["timings_s"].items():
-        lines.append(f"{step}: {seconds:.1f} s" + (" (resumed: its interrupted run's time included)"
-                                                   if step in report.get("resumed", ()) else ""))
-    for step in report.get("skipped", []):
-        lines.append(f"{step}: finished earlier, skipped (--resume)")
+    said = {step: f"{step}: {seconds:.1f} s" + (" (resumed: its interrupted run's time included)"
+                                                if step in report.get("resumed", ()) else "")
+            for step, seconds in report["timings_s"].items()}
+    said.update({step: f"{step}: finished earlier, skipped (--resume)" for step in report.get("skipped", [])})
+    lines += [said[step] for step in sorted(said)]  # in step order ("step1", "step2", "step3"), run or skipped
     if report.get("sft_eval_loss") is not None:
         lines.append(f"SFT eval loss: {report['sft_eval_loss']:.4f} (perplexity {report['sft_perplexity']:.2f})")
     if report.get("rm_accuracy") is not None:

@@ -679,3 +679,13 @@ def test_rw_eval_says_which_message_flag_is_empty_or_missing(flags, said, capsys
     with pytest.raises(SystemExit):
         rw_eval.main(["--model_name_or_path", "unused", *flags])
     assert said in capsys.readouterr().err
+
+
+def test_the_report_lists_the_steps_in_order_whether_run_or_skipped():
+    # train.py --resume that resumed step 3 and skipped steps 1 and 2 listed step 3 first
+    from dschat.report import summary_lines
+
+    lines = summary_lines({"timings_s": {"step3_ppo": 19.7}, "skipped": ["step1_sft", "step2_rm"],
+                           "resumed": ["step3_ppo"]})
+    assert [line.split(":")[0] for line in lines[1:4]] == ["step1_sft", "step2_rm", "step3_ppo"]
+    assert lines[3] == "step3_ppo: 19.7 s (resumed: its interrupted run's time included)"
