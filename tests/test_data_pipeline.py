@@ -396,6 +396,15 @@ def test_cache_is_reused_unless_a_parameter_changes(tmp_path, tokenizer):
         f.write(json.dumps(records("alpha", 1, start=500)[0]) + "\n")
     edited, _ = build(tmp_path, tokenizer, **base)
     assert edited.built and edited.cache_path not in paths
+    paths.add(edited.cache_path)
+    # an edit that keeps the file's size and time (a same-length fix restored with touch -r) reused the stale cache
+    stat, text = os.stat(train_file), open(train_file).read()
+    with open(train_file, "w") as f:
+        f.write(text.replace("Record 500 is fine.", "Record 500 is good."))
+    os.utime(train_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    same_stat, _ = build(tmp_path, tokenizer, **base)
+    assert same_stat.built and same_stat.cache_path not in paths
+    edited = same_stat
 
     reloaded, _ = build(tmp_path, tokenizer, **base, reload=True)
     assert reloaded.built and reloaded.cache_path == edited.cache_path

@@ -286,6 +286,35 @@ def test_trl_prompt_completion_records_read_the_completion_as_the_answer(tmp_pat
         raw(f"{answerless},{answerless}", tmp_path).check_usable(1)
 
 
+@pytest.mark.parametrize("kind,labels", [("jsonl", [True, False]), ("parquet", [True, False]),
+                                         ("csv", [True, False]), ("jsonl", ["true", "False"]), ("jsonl", [1, 0])])
+def test_unpaired_preference_labels_are_read_however_the_file_writes_them(tmp_path, kind, labels):
+    """A CSV's label cells are text ("True"/"False"): they were not taken as labels, and every undesirable answer was
+    trained on."""
+    rows = [{"prompt": f"Q{i}?", "completion": f"A{i}", "label": labels[i % 2]} for i in range(4)]
+    path = write_records(rows, tmp_path / f"kto.{kind}", kind)
+    adapter = raw(f"{kind}:{path},{path}", tmp_path)
+    marked = {adapter.get_chosen_text(s): adapter.is_undesirable(s) for s in adapter.get_train_data()}
+    assert marked == {"A0": False, "A1": True, "A2": False, "A3": True}
+    other = write_records([dict(r, label="positive") for r in rows], tmp_path / "other.jsonl", "jsonl")
+    adapter = raw(f"{other},{other}", tmp_path)  # a label column of other values is data, not KTO's
+    assert not any(adapter.is_undesirable(s) for s in adapter.get_train_data())
+
+
+def test_code_answers_keep_their_indentation_and_a_system_preamble_reads_as_a_transcript(tmp_path):
+    """An answer's first-line indentation was stripped (its code no longer lined up); a DeepSpeed-Chat-style prompt
+    after a system message, as dschat itself writes one, was wrapped in a second Human/Assistant pair."""
+    records = [{"prompt": "You are brief.\n\nHuman: Indent this.\n\nAssistant:", "chosen": "    x = 1\n    y = 2\n",
+                "rejected": " Plain."}] * 2
+    path = write_records(records, tmp_path / "code.jsonl", "jsonl")
+    adapter = raw(f"JSONL:{path},{path}", tmp_path)  # (a type prefix in any case)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "system", "content": "You are brief."},
+                                                {"role": "user", "content": "Indent this."}]
+    assert adapter.get_prompt(sample) == records[0]["prompt"]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("    x = 1\n    y = 2", "Plain.")
+
+
 def test_trl_records_with_different_prompts_are_an_error(tmp_path):
     records = [{"chosen": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "a"}],
                 "rejected": [{"role": "user", "content": "B?"}, {"role": "assistant", "content": "b"}]}]

@@ -131,8 +131,18 @@ def _as_answer_string(text):
     return None if text is None else " " + text
 
 
+def trimmed(text):
+    """``text`` without its surrounding whitespace, except the first line's indentation in a text of several lines
+    (code: its lines keep their relative indentation); DeepSpeed-Chat's one leading space (" answer") goes."""
+    lines = text.rstrip().split("\n")
+    while not lines[0].strip():  # (the text is not blank: callers check)
+        lines.pop(0)
+    body = "\n".join(lines)
+    return body if len(lines) > 1 and lines[0].startswith(("  ", "\t")) else body.lstrip()
+
+
 def required_text(sample, field):
-    """The stripped string in ``sample[field]``; RecordError if missing, not a string or empty."""
+    """The string in ``sample[field]``, ``trimmed``; RecordError if missing, not a string or empty."""
     value = sample.get(field)
     if value is None:
         raise RecordError(field, "missing or null")
@@ -140,7 +150,7 @@ def required_text(sample, field):
         raise RecordError(field, f"expected a string, got {type(value).__name__}")
     if not value.strip():
         raise RecordError(field, "empty text")
-    return value.strip()
+    return trimmed(value)
 
 
 def optional_text(sample, field):
@@ -190,7 +200,7 @@ def checked_messages(value, field):
             raise RecordError(field, f"message {position} has role {role!r}; expected one of {VALID_ROLES}")
         if not isinstance(content, str) or not content.strip():
             raise RecordError(field, f"message {position} has no text content")
-        messages.append({"role": role, "content": content.strip()})
+        messages.append({"role": role, "content": trimmed(content)})
     return messages
 
 

@@ -25,7 +25,8 @@ FORMAT_VERSION = 9  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text 
 # 7: the report counts the records with an answer cut at max_seq_len; a prompt with no answer room says so;
 # 8: TRL's prompt/completion records: the completion is the answer (no longer an extra column);
 # 9: steps 1 and 2 skip TRL's unpaired preference records with label false; step 3's records carry the pair's
-#    answers (chosen, rejected) for reward functions
+#    answers (chosen, rejected) for reward functions; a multi-line text keeps its first line's indentation; a
+#    transcript prompt after a system message reads as one; local files are keyed by their content
 CACHE_SUBDIR = "dschat_data_cache"
 
 

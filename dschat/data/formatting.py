@@ -46,16 +46,17 @@ def uses_chat_template(tokenizer):
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def parse_transcript(text):
+def parse_transcript(text, preamble_role="user"):
     """"\\n\\nHuman: a\\n\\nAssistant: b\\n\\nHuman: c\\n\\nAssistant:" -> [user a, assistant b, user c].
 
     Empty turns (the trailing "Assistant:" of a prompt) are dropped and consecutive turns of one role are
     merged, because chat templates require user/assistant alternation and hh-rlhf has repeated speakers.
-    Text before the first marker (or text with no marker at all) is a user turn.
+    Text before the first marker (or text with no marker at all) is a ``preamble_role`` turn ("system": a system
+    message as ``render_human_assistant`` writes it).
     """
     pattern = _PARAGRAPH_MARKER if _HAS_PARAGRAPH_MARKER.search(text) else _INLINE_MARKER
     parts = pattern.split(text)
-    turns = [("user", parts[0])]
+    turns = [(preamble_role, parts[0])]
     turns += [(ROLE_BY_SPEAKER[speaker], content) for speaker, content in zip(parts[1::2], parts[2::2])]
     return merge_consecutive_roles({"role": role, "content": content.strip()} for role, content in turns)
 

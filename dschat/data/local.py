@@ -33,6 +33,7 @@ checked when the file is loaded: a malformed JSON line raises ``DatasetFormatErr
 missing/null/empty/wrongly typed field raises one naming the file, the record (and line for JSONL) and the
 field.
 """
+import functools
 import hashlib
 import json
 import os
@@ -52,6 +53,7 @@ EVAL_SPLIT_NAMES = ("eval", "test", "validation")
 FIELD_NAMES = ("prompt", "chosen", "rejected", "messages")
 TINY_DATA_DIR = Path(__file__).resolve().parents[1] / "tiny" / "data"
 _TRANSCRIPT_TURN = re.compile(r"(?:\A|\s)Assistant:")
+_PROMPT_AFTER_PREAMBLE = re.compile(r"\n\nHuman: ")
 
 
 def parse_field_map(text):
@@ -92,13 +94,27 @@ class LocalSource:
         return f"local_{digest[:16]}"
 
     def fingerprint(self):
-        """Path, size and mtime of every file, so an edited file gets a new cache key."""
+        """Path, size and content hash of every file, so an edited file gets a new cache key (even one whose size and
+        time an edit kept)."""
         stats = []
         for path in self.files:
             for file in _all_files(path):
-                st = os.stat(file)
-                stats.append([os.path.abspath(file), st.st_size, st.st_mtime_ns])
+                file = os.path.abspath(file)
+                stats.append([file, os.stat(file).st_size, file_digest(file)])
         return {"kind": self.kind, "files": stats}
+
+
+def file_digest(path):
+    """The sha256 of a file's content, computed once per process for each (path, size, change time: a write sets it
+    and ``touch`` cannot set it back)."""
+    st = os.stat(path)
+    return _file_digest(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest(path, size, mtime_ns, ctime_ns):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _all_files(path):
@@ -134,8 +150,8 @@ def local_jsonfile_source():
 def resolve_local_spec(spec):
     """A LocalSource for a local spec; None when ``spec`` is neither ``TYPE:...`` nor an existing path."""
     kind, sep, rest = spec.partition(":")
-    if sep and kind in LOCAL_TYPES:
-        return _typed_source(kind, rest, spec)
+    if sep and kind.lower() in LOCAL_TYPES:  # (JSONL:path too)
+        return _typed_source(kind.lower(), rest, spec)
     paths = _split_paths(spec)
     if not os.path.exists(paths[0]):
         if os.path.splitext(paths[0])[1] in EXTENSION_TYPES:
@@ -427,7 +443,7 @@ class LocalDataset(PromptRawDataset):
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
         # TRL's unpaired preference records (KTO's): prompt, completion, and a bool label saying whether to imitate it
-        self.label_field = "label" if self.fields["chosen"] == "completion" and _is_bool_column(train, "label") \
+        self.label_field = "label" if self.fields["chosen"] == "completion" and _is_label_column(train, "label") \
             else None
         if "conversations" in train.column_names and not self.renamed and not any(
                 self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
@@ -541,8 +557,10 @@ class LocalDataset(PromptRawDataset):
         if isinstance(value, (list, tuple)):
             return prompt_messages(checked_messages(value, field), field)
         text = required_text(sample, field)
-        if text.startswith("Human:"):  # a DeepSpeed-Chat-style transcript ("\n\nHuman: ...\n\nAssistant:")
-            messages = parse_transcript(text)
+        # a DeepSpeed-Chat-style transcript ("\n\nHuman: ...\n\nAssistant:"), maybe after a system message as
+        # dschat writes one ("Be brief.\n\nHuman: ...")
+        if text.startswith("Human:") or (_PROMPT_AFTER_PREAMBLE.search(text) and text.endswith("Assistant:")):
+            messages = parse_transcript(text, preamble_role="system")
             if not messages or messages[-1]["role"] != "user":
                 raise RecordError(field, "the transcript must end with a 'Human:' turn")
             return messages
@@ -589,7 +607,7 @@ class LocalDataset(PromptRawDataset):
         return super().get_reference_answers(sample)
 
     def is_undesirable(self, sample):
-        return self.label_field is not None and sample.get(self.label_field) is False
+        return self.label_field is not None and _label_value(sample.get(self.label_field)) is False
 
     def _answer_value(self, sample, field):
         """An answer given as a string, or as a message list whose last message is the assistant's."""
@@ -599,9 +617,23 @@ class LocalDataset(PromptRawDataset):
         return optional_text(sample, field)
 
 
-def _is_bool_column(data, name):
-    feature = data.features.get(name)
-    return getattr(feature, "dtype", None) == "bool"
+_LABEL_WORDS = {"true": True, "false": False}
+
+
+def _label_value(value):
+    """A KTO label as a bool: a bool, the text "true"/"false" (a CSV cell, any case) or 0/1; else None."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return _LABEL_WORDS.get(value.strip().lower())
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    return None
+
+
+def _is_label_column(data, name):
+    """Whether every record's ``name`` is a KTO label (``_label_value``): a column of other values is data."""
+    return name in data.column_names and all(_label_value(value) is not None for value in data[name])
 
 
 def _transcript_answer(sample, field):

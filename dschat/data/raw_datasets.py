@@ -304,6 +304,7 @@ def anchored_spec(spec, folder):
         kind, paths = "json", [os.path.join("data", f"{name}.json") for name in ("train", "eval")]
     else:
         kind, sep, rest = spec.partition(":")
+        kind = kind.lower()
         if not (sep and kind in LOCAL_TYPES):
             kind, rest = None, spec
         paths = [part.strip() for part in rest.split(",")] if kind is None else _split_paths(rest)
@@ -347,17 +348,14 @@ def local_data_files(specs):
     """[[path, sha256 of its content], ...] of the local files ``specs`` read (hub datasets and the embedded data
     have none): kept with a step's output and its checkpoints, so that a resume notices data edited since (by
     content: a copy or checkout that only gives the files new times is the same data)."""
-    import hashlib
-
     files = []
     for spec in specs or ():
         if spec in HUB_DATASETS or spec == TINY_NAME:
             continue
         try:
             source = resolve_dataset_spec(spec)
-            for path, *_ in (source.fingerprint()["files"] if not isinstance(source, type) else []):
-                with open(path, "rb") as f:
-                    files.append([path, hashlib.file_digest(f, "sha256").hexdigest()])
+            files += [[path, digest] for path, _, digest in
+                      (source.fingerprint()["files"] if not isinstance(source, type) else [])]
         except (UsageError, OSError):  # a hub name; a file gone (the step itself says so)
             continue
     return sorted(files)
