@@ -166,6 +166,8 @@ def check_step_args(steps, args, tiny, parsers):
                 check_step3_prompts(step3_args(flags), get_world_size())
         else:
             check_supervised_settings(flags, phase=step)
+            if step == 2 and steps != [2]:  # step 2 alone reads its pairs at once; after step 1, it would be late
+                check_step2_pairs(flags)
     for step, (flags, _) in parsed.items():
         check_earlier_outputs(step, steps, args, flags)
     check_model_folders(steps, args)
@@ -199,6 +201,17 @@ def _without_extra(args, step):
     plain = copy.copy(args)
     setattr(plain, f"step{step}_args", "")
     return plain
+
+
+def check_step2_pairs(flags):
+    """Step 2 (or DPO) trains on preference pairs: local data with no rejected answers is an error before step 1
+    trains, not after."""
+    from dschat.data.pipeline import has_no_pairs
+
+    if rank_0_decides(lambda: has_no_pairs(flags.data_path, flags.seed, flags.data_fields or None)):
+        raise UsageError(f"step 2 trains on preference pairs, and --data_path {' '.join(flags.data_path)} has no "
+                         "rejected answers (prompt/completion, messages or unpaired records): give step 2 pairs data "
+                         "(--step2-args \"--data_path ...\"), or train without it: --recipe grpo")
 
 
 def check_step3_prompts(flags, world_size):

@@ -609,6 +609,24 @@ def test_train_py_finds_too_few_step3_prompts_before_step_1(tmp_path, distribute
         pipeline.run_pipeline(_train_py_args(*argv[:-1], argv[-1].replace("--generation_batches 2", "")))
 
 
+def test_train_py_finds_step2_data_without_pairs_before_step_1(tmp_path, distributed):
+    """SFT or unpaired data for every step: step 1 trained, then step 2 skipped every record ("no rejected answer")."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Q{i}?"},
+                                                     {"role": "assistant", "content": "Yes."}]}) + "\n"
+                            for i in range(40)))
+    out = tmp_path / "out"
+    for recipe in ("ppo", "dpo"):
+        with pytest.raises(UsageError, match=r"step 2 trains on preference pairs, and --data_path jsonl:.* has no "
+                                             r"rejected answers"):
+            pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--data-path", f"jsonl:{data}",
+                                                 "--recipe", recipe))
+        assert not out.exists(), "no step may have run"
+
+
 def test_train_py_says_step_args_of_a_step_it_does_not_run_are_ignored(tmp_path, distributed, monkeypatch, capsys):
     from dschat import pipeline
 

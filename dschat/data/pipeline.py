@@ -186,6 +186,17 @@ def phase_share_bound(data_path, data_split, seed, train_phase, data_fields=None
     return total
 
 
+def has_no_pairs(data_path, seed, data_fields=None):
+    """Whether every source of ``data_path`` is a local file without rejected answers (prompts, SFT or unpaired
+    records), read without encoding: step 2 and DPO would skip all its records. False when a hub dataset is among
+    them (train.py's pre-flight reads no hub data)."""
+    specs = as_list(data_path)
+    if any(isinstance(resolve_dataset_spec(spec), type) for spec in specs):
+        return False
+    return not any(getattr(get_raw_dataset(spec, None, seed, -1, **_field_options(data_fields)), "has_rejected", True)
+                   for spec in specs)
+
+
 def as_list(paths):
     """--data_path as a list; the notebook API may give one name as a string."""
     if isinstance(paths, str):
@@ -200,7 +211,7 @@ def _field_options(data_fields):
 
 
 def _cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer):
-    """Everything that changes the result (the source fingerprints include local files' sizes/mtimes)."""
+    """Everything that changes the result (the source fingerprints include local files' content hashes)."""
     return {
         "datasets": [_source_fingerprint(spec) for spec in data_path],
         "sft_only": [_source_fingerprint(spec) for spec in sft_only],
