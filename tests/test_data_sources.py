@@ -410,6 +410,17 @@ def test_an_empty_jsonl_file_says_so(tmp_path):
         raw(str(path), tmp_path)
 
 
+def test_csv_and_parquet_files_without_rows_say_so(tmp_path):
+    # they failed with datasets' own wording: 'Instruction "train" corresponds to no data!', 'BatchSize must be > 0'
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("prompt,chosen,rejected\n")
+    no_rows = tmp_path / "empty.parquet"
+    pd.DataFrame({"prompt": [], "chosen": []}).to_parquet(no_rows)
+    for path, what in ((header_only, "it has a header but no rows"), (no_rows, "it has no rows")):
+        with pytest.raises(DatasetFormatError, match=rf"{path}: no records \({what}\)"):
+            raw(str(path), tmp_path)
+
+
 def test_malformed_json_document_names_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')
@@ -473,7 +484,7 @@ def test_a_late_wrongly_typed_json_value_is_reported_at_its_own_line(tmp_path):
 def test_read_errors_name_their_cause(tmp_path):
     empty_csv = tmp_path / "empty.csv"
     empty_csv.write_text("")
-    with pytest.raises(DatasetFormatError, match=rf"{empty_csv}: could not be read as csv: No columns to parse"):
+    with pytest.raises(DatasetFormatError, match=rf"{empty_csv}: no records \(the file is empty\)"):
         raw(f"csv:{empty_csv}", tmp_path)
     jsonl = write_records([*RECORDS[:2], {**RECORDS[2], "more": "x"}], tmp_path / "data.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"could not be read as csv: An error occurred while generating "

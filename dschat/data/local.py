@@ -313,8 +313,10 @@ def load_file(kind, path):
     elif kind == "json":
         record_lines = check_json_document(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
-    if record_lines == []:  # datasets would fail with an empty StopIteration
-        raise DatasetFormatError(f"{path}: no records (the file is empty)")
+    if record_lines == [] or _table_rows(kind, path) == 0:  # datasets would fail with its own wording
+        what = {"csv": "it has a header but no rows", "parquet": "it has no rows"}.get(kind, "the file is empty") \
+            if os.path.getsize(path) else "the file is empty"
+        raise DatasetFormatError(f"{path}: no records ({what})")
     try:
         # CSV cells are text; only an empty cell is missing (pandas would also read "NA", "None", "nan", ... as null)
         options = {"features": _csv_text_features(path), "keep_default_na": False, "na_values": [""]} \
@@ -327,6 +329,23 @@ def load_file(kind, path):
     if builder == "json" and any(_has_json_feature(feature) for feature in data.features.values()):
         data = _exact_json_dataset(kind, path, data.features)
     return data, record_lines
+
+
+def _table_rows(kind, path):
+    """The number of records of a CSV or parquet file, or None (another kind, or not readable as this one: the
+    loader says why)."""
+    try:
+        if kind == "csv":
+            import pandas as pd
+
+            return len(pd.read_csv(path, nrows=1, dtype=str, keep_default_na=False))
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # noqa: BLE001 (an empty CSV without a header, a damaged file: left to the loader's error)
+        return 0 if kind == "csv" and os.path.getsize(path) == 0 else None
+    return None
 
 
 def _csv_text_features(path):
