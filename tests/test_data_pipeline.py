@@ -349,6 +349,15 @@ def test_step3_records_carry_a_pairs_answers_for_reward_functions(tmp_path, toke
     assert not {"chosen", "rejected", "completion"} & set(items[0])  # TRL passes no completion column
 
 
+def test_data_given_twice_is_said(tmp_path, tokenizer, capsys):
+    path = write_jsonl(tmp_path / "pairs.jsonl", records("alpha", 6))
+    train, _ = build(tmp_path, tokenizer, [f"{path},{path}", f"jsonl:{path},{path}"], 1, data_split="1,0,0")
+    assert len(train) == 12  # read twice, as given
+    assert "the same data given more than once; each time its records are read again" in capsys.readouterr().out
+    build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")
+    assert "more than once" not in capsys.readouterr().out
+
+
 def test_the_report_says_when_a_phase_trains_on_a_share_of_the_file(tmp_path, tokenizer, capsys):
     """DeepSpeed-Chat's --data_split gives step 3 a share of a prompts file: "kept all" alone read as the whole file."""
     spec = train_eval_spec(tmp_path, "alpha", 50, 10)

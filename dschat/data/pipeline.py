@@ -155,6 +155,7 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     sft_only = as_list(sft_only_data_path) if train_phase == 1 else []
     if not data_path and not sft_only:
         raise UsageError("data_path is empty: give at least one dataset")
+    say_sources_given_twice(data_path + sft_only)
     field_options = _field_options(data_fields)
     settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
                               end_of_conversation_token or get_eot_token(tokenizer))
@@ -170,6 +171,20 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     train, eval_ = load_cached(folder, train_phase, built)
     _print_skip_report(local_rank, train, eval_)
     return train, eval_
+
+
+def say_sources_given_twice(specs):
+    """A source listed twice (in --data_path, or there and in --sft_only_data_path) is read twice: its records count
+    double, and a record may land in one phase's train split and another's eval split. Said, as it may be meant."""
+    from dschat.utils.dist import print_rank_0
+
+    sources = [resolve_dataset_spec(spec) for spec in specs]
+    keys = [tuple(os.path.abspath(path) for path in source.files) if isinstance(source, LocalSource) else source
+            for source in sources]
+    twice = sorted({spec for spec, key in zip(specs, keys) if keys.count(key) > 1})
+    if twice:
+        print_rank_0(f"[dschat.data] {', '.join(twice)}: the same data given more than once; each time its records "
+                     "are read again (they count twice)")
 
 
 def phase_share_bound(data_path, data_split, seed, train_phase, data_fields=None):
