@@ -554,7 +554,7 @@ def test_lora_actor_and_critic_with_ema(trained, tmp_path):
     assert not torch.equal(ema[k], sft_model[k]) and not torch.equal(ema[k], actor[k])
 
 
-def test_unsupervised_mixing_reports_its_loss(trained, tmp_path):
+def test_unsupervised_mixing_reports_its_loss(trained, tmp_path, capsys):
     text = tmp_path / "unsup.jsonl"
     text.write_text("".join(json.dumps({"text": f"plain text number {i} for language modelling."}) + "\n"
                             for i in range(64)))
@@ -562,6 +562,8 @@ def test_unsupervised_mixing_reports_its_loss(trained, tmp_path):
                       f"jsonl:{text}", "--unsup_coef", "0.5"))
     log = [json.loads(line) for line in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert all("unsup_loss" in r and r["unsup_loss"] > 0 for r in log)
+    assert re.search(r"\[step3\] unsupervised data jsonl:.*: \d+ blocks of 52 tokens, \d+ batches per rank",
+                     capsys.readouterr().out)
 
 
 def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(trained, tmp_path, monkeypatch):

@@ -76,6 +76,8 @@ def unsupervised_loader(args, tokenizer):
                          f"block(s) of {block} tokens (--max_prompt_seq_len + --max_answer_seq_len), fewer than one "
                          f"batch of --per_device_generation_batch_size {batch} on each of {ranks} rank(s) "
                          f"({batch * ranks} blocks): give more text")
+    print_rank_0(f"[step3] unsupervised data {args.unsupervised_dataset_name}: {len(data)} blocks of "
+                 f"{args.max_prompt_seq_len + args.max_answer_seq_len} tokens, {len(loader)} batches per rank")
     return loader
 
 
