@@ -6,6 +6,7 @@ with no arguments; every flag of DeepSpeed-Chat's step scripts is accepted.
 import argparse
 import math
 import os
+import sys
 
 from dschat.errors import UsageError
 
@@ -226,6 +227,15 @@ class StepParser(argparse.ArgumentParser):
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
         return parsed
+
+    def error(self, message):
+        """argparse's usage and error, said once on a machine where several ranks parse the same flags."""
+        from dschat.utils.cli import first_to_say
+
+        if first_to_say(message):
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
     def hint(self, unknown):
         import difflib

@@ -102,3 +102,17 @@ def test_rank_0s_decision_and_any_error_of_it_reach_every_rank(tmp_path):
                                                               "ValueError: unreadable record"]
     assert (tmp_path / "rank_1").read_text().splitlines() == [
         "{'rank': 0}", "UsageError: bad flag", "RuntimeError: rank 0 failed: ValueError: unreadable record"]
+
+
+def test_the_ranks_of_a_launch_print_a_shared_error_once():
+    """Every rank runs the same checks: a mistyped flag printed its usage block, and a usage error its line, once per
+    rank."""
+    from launch import run_deepspeed
+
+    step1 = REPO / "training" / "step1_sft" / "main.py"
+    for flags, said in ((["--zero_stagee", "3"], "error: unrecognized arguments: --zero_stagee 3"),
+                        (["--only_optimize_lora"], "error: ")):
+        proc = run_deepspeed(step1, *flags, check=False, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and out.count(said) == 1, out[-3000:]
+    assert out.count("error: ") == 1 and "lora" in out.split("error: ")[1].splitlines()[0]

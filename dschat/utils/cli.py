@@ -2,8 +2,14 @@
 with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a rank whose
 collective failed because another rank stopped says so in one line (exit status 1), as does Ctrl-C (130);
 DSCHAT_TRACEBACK=1 shows the tracebacks."""
+import hashlib
 import os
 import sys
+import tempfile
+import time
+
+
+SAID_WITHIN_S = 120  # the ranks of one launch reach the same check within this; a mark older is an earlier run's
 
 
 def run_entry_point(main, resumable=False):
@@ -19,7 +25,8 @@ def run_entry_point(main, resumable=False):
     except UsageError as error:
         if traceback:
             raise
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        if first_to_say(str(error)):
+            print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback each
         if traceback:
@@ -46,3 +53,35 @@ def _end_distributed():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def first_to_say(message):
+    """Whether this process is the first rank of its launch on this machine to print ``message``: the ranks of a
+    launch run the same checks, and each printed the same error (a 35-line usage block per rank for a mistyped
+    flag); an error of one rank's own (another message) is still printed. One process alone: always."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return True
+    folder = os.path.join(tempfile.gettempdir(), f"dschat-said-{os.getuid()}", _launch_id())
+    mark = os.path.join(folder, hashlib.sha256(message.encode()).hexdigest()[:32])
+    try:
+        os.makedirs(folder, exist_ok=True)
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        if time.time() - os.stat(mark).st_mtime < SAID_WITHIN_S:
+            return False
+        os.utime(mark)  # an earlier run's (the same shell ran the command again): this one says it too
+    except OSError:  # (no writable temp folder: say it)
+        return True
+    return True
+
+
+def _launch_id():
+    """The launcher process the ranks of this machine share (deepspeed's, torchrun's): its pid and start time, which
+    a later launch reusing the pid does not share."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name
+    except (OSError, IndexError):
+        started = ""
+    return f"{parent}-{started}"
