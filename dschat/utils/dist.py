@@ -107,7 +107,8 @@ def rank_0_decides(decide):
             outcome[0], failed = ("usage", str(error)), error
         except Exception as error:  # any other failure stops every rank too, not only rank 0
             outcome[0], failed = ("failed", f"rank 0 failed: {type(error).__name__}: {error}"), error
-    torch.distributed.broadcast_object_list(outcome, src=0)
+    # (the rank's own device: under NCCL, before any engine has set one, torch would take cuda:0 on every rank)
+    torch.distributed.broadcast_object_list(outcome, src=0, device=local_device())
     if failed is not None:
         raise failed
     kind, value = outcome[0]
