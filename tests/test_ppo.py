@@ -1661,3 +1661,18 @@ def test_the_unsupervised_step_trains_on_the_scaled_loss_and_reports_it_unscaled
     batch = {name: torch.ones(1, 3, dtype=torch.long) for name in ("input_ids", "attention_mask", "labels")}
     assert float(trainer.train_unsupervised(batch, 27.8)) == 2.5
     assert trained_on == [pytest.approx(2.5 * 27.8)]
+
+
+def test_shifted_forwards_do_not_warn_of_padding_without_a_mask():
+    # GPT-2 warned "We strongly recommend passing in an `attention_mask`" in every step-3 run: the shifted rows'
+    # padding follows their real tokens, which do not attend to it
+    import logging
+
+    from dschat.rlhf.layout import LeftAligned
+
+    LeftAligned.of(torch.tensor([[0, 1, 1]])).model_inputs(torch.tensor([[0, 5, 6]]))
+    logger = logging.getLogger("transformers.modeling_utils")
+    warned = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "We strongly recommend passing in an "
+                               "`attention_mask` since your input_ids may be padded.", (), None)
+    other = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "Some other warning.", (), None)
+    assert not logger.filter(warned) and logger.filter(other)

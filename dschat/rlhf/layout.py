@@ -17,6 +17,8 @@ None and the forwards keep the mask. Step 3 never makes one (a pad token sampled
 """
 import contextlib
 import dataclasses
+import functools
+import logging
 
 import torch
 
@@ -67,6 +69,7 @@ class LeftAligned:
     def model_inputs(self, seq):
         """Keyword arguments of a forward over the shifted rows: no mask (causal attention) and the models' default
         positions 0, 1, ... (passing them would make transformers look for packed sequences, a host sync)."""
+        _hush_padding_warning()
         return {"input_ids": self.align(seq), "attention_mask": None}
 
     def answer_window(self, start):
@@ -115,6 +118,19 @@ def _rope_settings(config):
 
 
 @contextlib.contextmanager
+class _PaddingWarningFilter(logging.Filter):
+    """GPT-2's forward warns when its input has padding and no mask ("We strongly recommend passing in an
+    `attention_mask`"): the shifted rows' padding follows every real token, which no real token attends to."""
+
+    def filter(self, record):
+        return "strongly recommend passing in an `attention_mask`" not in record.getMessage()
+
+
+@functools.cache
+def _hush_padding_warning():
+    logging.getLogger("transformers.modeling_utils").addFilter(_PaddingWarningFilter())
+
+
 def head_reads(model, columns, window):
     """Inside: the LM head of ``model`` (an HF model) runs only on the hidden states at ``columns`` (B, count) of the
     rows' last ``window`` positions (what ``logits_to_keep`` gives it, or all positions where the model has no such
