@@ -117,7 +117,6 @@ def _rope_settings(config):
     return nested + [rope]
 
 
-@contextlib.contextmanager
 class _PaddingWarningFilter(logging.Filter):
     """GPT-2's forward warns when its input has padding and no mask ("We strongly recommend passing in an
     `attention_mask`"): the shifted rows' padding follows every real token, which no real token attends to."""
@@ -131,6 +130,7 @@ def _hush_padding_warning():
     logging.getLogger("transformers.modeling_utils").addFilter(_PaddingWarningFilter())
 
 
+@contextlib.contextmanager
 def head_reads(model, columns, window):
     """Inside: the LM head of ``model`` (an HF model) runs only on the hidden states at ``columns`` (B, count) of the
     rows' last ``window`` positions (what ``logits_to_keep`` gives it, or all positions where the model has no such
