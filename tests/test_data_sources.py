@@ -421,6 +421,14 @@ def test_csv_and_parquet_files_without_rows_say_so(tmp_path):
             raw(str(path), tmp_path)
 
 
+def test_a_csv_records_error_names_its_line(tmp_path):
+    # it said "record 1": the record is on line 5 (a quoted cell over two lines, a blank line)
+    path = tmp_path / "bad.csv"
+    path.write_text('prompt,chosen,rejected\n"a\nmultiline",b,c\n\nd,,f\n')
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 5 \(record 1\): field 'chosen': missing or null"):
+        raw(str(path), tmp_path)
+
+
 def test_malformed_json_document_names_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')

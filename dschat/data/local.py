@@ -312,6 +312,8 @@ def load_file(kind, path):
         record_lines = check_jsonl_lines(path)
     elif kind == "json":
         record_lines = check_json_document(path)
+    elif kind == "csv":
+        record_lines = csv_record_lines(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
     if record_lines == [] or _table_rows(kind, path) == 0:  # datasets would fail with its own wording
         what = {"csv": "it has a header but no rows", "parquet": "it has no rows"}.get(kind, "the file is empty") \
@@ -328,7 +330,27 @@ def load_file(kind, path):
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
     if builder == "json" and any(_has_json_feature(feature) for feature in data.features.values()):
         data = _exact_json_dataset(kind, path, data.features)
+    if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
+        record_lines = None
     return data, record_lines
+
+
+def csv_record_lines(path):
+    """The lines (1-based) where a CSV file's records start, as pandas reads them: after the header, a quoted cell may
+    span lines, blank lines are skipped. None if the csv module cannot read it (the loader says why)."""
+    import csv
+
+    starts, start = [], 1
+    try:
+        with open(path, newline="", encoding=text_encoding(path)) as f:
+            reader = csv.reader(f)
+            for row in reader:
+                if row:
+                    starts.append(start)
+                start = reader.line_num + 1
+    except (UnicodeDecodeError, csv.Error):
+        return None
+    return starts[1:]
 
 
 def _table_rows(kind, path):
