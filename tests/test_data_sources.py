@@ -429,6 +429,15 @@ def test_a_csv_records_error_names_its_line(tmp_path):
         raw(str(path), tmp_path)
 
 
+def test_messages_in_a_csv_cell_as_json_text_are_read(tmp_path):
+    # a CSV holds no lists: the JSON text was taken for a Human/Assistant transcript and refused
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    path = write_records([{"messages": json.dumps(messages)}] * 2, tmp_path / "chat.csv", "csv")
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert (adapter.get_conversation(sample), adapter.get_chosen_text(sample)) == (messages[:1], "Hello")
+
+
 def test_malformed_json_document_names_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')

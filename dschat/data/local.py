@@ -611,9 +611,10 @@ class LocalDataset(PromptRawDataset):
     def _split_message_list(sample, field):
         """(prompt turns, answer) of a full conversation whose last message is the assistant's answer: a message
         list, or a "Human: ... Assistant: ..." transcript (Anthropic/hh-rlhf's chosen and rejected)."""
-        if isinstance(sample.get(field), str):
+        value = _json_list_text(sample.get(field))
+        if isinstance(value, str):
             return _transcript_answer(sample, field)
-        prompt, answer = final_assistant_answer(checked_messages(sample.get(field), field), field)
+        prompt, answer = final_assistant_answer(checked_messages(value, field), field)
         if not prompt:
             raise RecordError(field, "there must be a user message before the answer")
         return prompt_messages(prompt, field), answer
@@ -675,6 +676,17 @@ def _label_value(value):
 def _is_label_column(data, name):
     """Whether every record's ``name`` is a KTO label (``_label_value``): a column of other values is data."""
     return name in data.column_names and all(_label_value(value) is not None for value in data[name])
+
+
+def _json_list_text(value):
+    """A message list written as JSON text (a CSV cell holds no lists) as the list; any other value as it is."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        return parsed if isinstance(parsed, list) else value
+    return value
 
 
 def _transcript_answer(sample, field):
