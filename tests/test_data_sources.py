@@ -438,6 +438,15 @@ def test_messages_in_a_csv_cell_as_json_text_are_read(tmp_path):
     assert (adapter.get_conversation(sample), adapter.get_chosen_text(sample)) == (messages[:1], "Hello")
 
 
+def test_a_file_mixing_record_shapes_says_so(tmp_path):
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2 + \
+        [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}]
+    path = write_records(rows, tmp_path / "mixed.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 3 \(record 2\): field 'prompt': missing or null \(it has "
+                                                 r"'messages' instead: the file mixes record shapes"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_malformed_json_document_names_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')

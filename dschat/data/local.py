@@ -582,7 +582,22 @@ class LocalDataset(PromptRawDataset):
                 self.get_rejected_text(sample)
             except RecordError as err:
                 where = f"line {record_lines[index]} (record {index})" if record_lines else f"record {index}"
-                raise DatasetFormatError(f"{path} {where}: {err}") from None
+                raise DatasetFormatError(f"{path} {where}: {err}{self._other_shape_hint(sample, err)}") from None
+
+    def _other_shape_hint(self, sample, err):
+        """A record missing a field of the file's shape that has another shape's field instead: the file mixes record
+        shapes."""
+        if err.detail != "missing or null":
+            return ""
+        own = {self.fields[name] for name in self._shape_fields()}
+        other = [self.fields[name] for name in FIELD_NAMES
+                 if self.fields[name] not in own and sample.get(self.fields[name]) is not None]
+        if not other:
+            return ""
+        shape = {"prompt": "prompt/chosen/rejected", "chosen_messages": "chosen/rejected conversation"}.get(
+            self.shape, self.shape)
+        return (f" (it has {other[0]!r} instead: the file mixes record shapes and reads as {shape} records; give each "
+                f"shape a file of its own)")
 
     # --- structured accessors ---
     def get_conversation(self, sample):
