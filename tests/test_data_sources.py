@@ -403,20 +403,17 @@ def test_unsupervised_text_files_with_a_byte_order_mark(tmp_path):
     assert load_unsupervised_train(str(tmp_path / "docs.jsonl"))[0][0] == {"text": "First."}
 
 
-def test_an_empty_jsonl_file_says_so(tmp_path):
-    path = tmp_path / "empty.jsonl"
-    path.write_text("\n")
-    with pytest.raises(DatasetFormatError, match=rf"{path}: no records \(the file is empty\)"):
-        raw(str(path), tmp_path)
-
-
-def test_csv_and_parquet_files_without_rows_say_so(tmp_path):
-    # they failed with datasets' own wording: 'Instruction "train" corresponds to no data!', 'BatchSize must be > 0'
+def test_files_without_records_say_so(tmp_path):
+    # CSV and parquet failed with datasets' own wording: 'Instruction "train" corresponds to no data!', 'BatchSize
+    # must be greater than 0'
+    blank = tmp_path / "empty.jsonl"
+    blank.write_text("\n")
     header_only = tmp_path / "header.csv"
     header_only.write_text("prompt,chosen,rejected\n")
     no_rows = tmp_path / "empty.parquet"
     pd.DataFrame({"prompt": [], "chosen": []}).to_parquet(no_rows)
-    for path, what in ((header_only, "it has a header but no rows"), (no_rows, "it has no rows")):
+    for path, what in ((blank, "the file is empty"), (header_only, "it has a header but no rows"),
+                       (no_rows, "it has no rows")):
         with pytest.raises(DatasetFormatError, match=rf"{path}: no records \({what}\)"):
             raw(str(path), tmp_path)
 
