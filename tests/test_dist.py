@@ -116,3 +116,15 @@ def test_the_ranks_of_a_launch_print_a_shared_error_once():
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and out.count(said) == 1, out[-3000:]
     assert out.count("error: ") == 1 and "lora" in out.split("error: ")[1].splitlines()[0]
+
+
+def test_ranks_started_again_by_the_same_parent_print_the_error_again():
+    # ranks started by hand from one shell (or a notebook) share a parent: the second run's error was not printed
+    step1 = REPO / "training" / "step1_sft" / "main.py"
+    for _ in range(2):
+        procs = [subprocess.Popen([sys.executable, str(step1), "--zero_stagee", "3"], cwd=REPO, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                 for rank in range(2)]
+        said = "".join(proc.communicate(timeout=300)[1] for proc in procs)
+        assert said.count("error: unrecognized arguments: --zero_stagee 3") == 1, said

@@ -12,6 +12,7 @@ from dschat.data.collators import padded_length
 from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.hybrid_engine.generate_args import check_left_padded
+from dschat.hybrid_engine.tensor_parallel import ranks_agree
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import last_token_index, positions_from_mask
@@ -217,9 +218,7 @@ class DeepSpeedPPOTrainer:
         changes its "rewards" calls ``compute_advantages([exp])`` again. ``advantages=False`` leaves them out, for a
         caller that computes them over a rollout of several batches (``train_rollout``).
         """
-        batch = self._repeat_for_groups(prompt_batch(prompts, mask))
-        prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
-        check_prompt_length(mask, self.args.max_prompt_seq_len)
+        batch, prompts, mask = self._checked_prompts(prompts, mask)
         self.eval()
         t0 = time.time()
         with phase("dschat.generate"):
@@ -256,6 +255,24 @@ class DeepSpeedPPOTrainer:
         if advantages:
             self.compute_advantages([exp])  # a rollout of this one generation batch
         return exp
+
+    def _checked_prompts(self, prompts, mask):
+        """(batch, prompts, mask) on this rank's device, repeated for the answer groups; prompts that cannot be
+        generated from stop every rank together (on several ranks, one stopping alone would leave the others
+        waiting in the generation's collectives)."""
+        error = None
+        try:
+            batch = self._repeat_for_groups(prompt_batch(prompts, mask))
+            prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
+            check_prompt_length(mask, self.args.max_prompt_seq_len)
+        except (UsageError, ValueError) as refused:
+            error = refused
+        if get_world_size() > 1 and not ranks_agree(error is None, self.device) and error is None:
+            raise UsageError("generate_experience: another rank refused its prompts (its error says why); every "
+                             "rank stops")
+        if error is not None:
+            raise error
+        return batch, prompts, mask
 
     def _repeat_for_groups(self, batch):
         """Each prompt ``n_samples_per_prompt`` times in a row, so its answers form one group."""
@@ -502,14 +519,13 @@ class DeepSpeedPPOTrainer:
         if unsup_batches and not hasattr(self, "train_unsupervised"):
             raise UsageError("unsup_batches need DeepSpeedPPOTrainerUnsupervised (step 3's "
                              "--unsupervised_dataset_name)")
+        batch, accum = self.args.per_device_training_batch_size, self.args.gradient_accumulation_steps
+        check_whole_accumulation_groups(sum(-(-e["input_ids"].shape[0] // batch) for e in experiences), accum, batch)
         if len(experiences) > 1 or "advantages" not in experiences[0]:
             self.compute_advantages(experiences)  # once, over the whole rollout, not each generation batch alone
-        batch = self.args.per_device_training_batch_size
         micro = [m for exp in experiences for m in split_rows(exp, batch)]
         unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)]
         losses = {"actor_loss": [], "critic_loss": [], "unsup_loss": []}
-        accum = self.args.gradient_accumulation_steps
-        check_whole_accumulation_groups(len(micro), accum, batch)
         for _ in range(self.args.ppo_epochs):
             for start in range(0, len(micro), accum):
                 group = micro[start:start + accum]

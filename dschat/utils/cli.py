@@ -9,7 +9,8 @@ import tempfile
 import time
 
 
-SAID_WITHIN_S = 120  # the ranks of one launch reach the same check within this; a mark older is an earlier run's
+_STARTED = time.time()  # (imported first thing by the entry points: about when this rank started)
+SAID_BEFORE_START_S = 1.0  # a mark this much older than this rank's start is an earlier run's (its ranks start together)
 
 
 def run_entry_point(main, resumable=False):
@@ -67,9 +68,9 @@ def first_to_say(message):
         os.makedirs(folder, exist_ok=True)
         os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
-        if time.time() - os.stat(mark).st_mtime < SAID_WITHIN_S:
-            return False
-        os.utime(mark)  # an earlier run's (the same shell ran the command again): this one says it too
+        if os.stat(mark).st_mtime >= _STARTED - SAID_BEFORE_START_S:
+            return False  # a rank of this launch said it
+        os.utime(mark)  # an earlier run's (the same shell ran the ranks again): this one says it too
     except OSError:  # (no writable temp folder: say it)
         return True
     return True
