@@ -382,8 +382,10 @@ def _set_from_option(args, action, name, value):
             setattr(args, action.dest, False if negated else action.const)
         return
     value = _as_given_on_a_command_line(name, value)
-    if action.type is int and isinstance(value, float) and not value.is_integer():
-        raise UsageError(f"{name}: expected an integer, got {value!r}")
+    if action.type is int and isinstance(value, float):
+        if not value.is_integer():
+            raise UsageError(f"{name}: expected an integer, got {value!r}")
+        value = int(value)  # (2.0 is 2)
     # as on the command line: "3" for an int flag, and the range checks of the bounded ones
     bounded = action.type in (positive_int, non_negative_int, non_negative_float) and value is not None
     if action.type not in (None, str) and (isinstance(value, str) or bounded):

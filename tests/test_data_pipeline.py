@@ -344,6 +344,11 @@ def test_step3_records_carry_a_pairs_answers_for_reward_functions(tmp_path, toke
     for item in items:
         record = next(r for p, r in by_prompt.items() if p in item["prompt_text"])
         assert (item["chosen"], item["rejected"], item["source"]) == (record["chosen"], record["rejected"], "web")
+    renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"prompt": "Say hi.", "good": "Hi.", "bad": "Go.",
+                                                        "chosen": "a column of its own"}] * 2)
+    items, _ = build(tmp_path, tokenizer, [f"{renamed},{renamed}"], 3, data_split="0,0,1",
+                     data_fields="chosen=good,rejected=bad")
+    assert (items[0]["chosen"], items[0]["extra_chosen"]) == ("Hi.", "a column of its own")  # neither lost
     completions = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Say hi.", "completion": "Hi."}] * 2)
     items, _ = build(tmp_path, tokenizer, [f"{completions},{completions}"], 3, data_split="0,0,1")
     assert not {"chosen", "rejected", "completion"} & set(items[0])  # TRL passes no completion column

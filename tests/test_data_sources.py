@@ -287,7 +287,8 @@ def test_trl_prompt_completion_records_read_the_completion_as_the_answer(tmp_pat
 
 
 @pytest.mark.parametrize("kind,labels", [("jsonl", [True, False]), ("parquet", [True, False]),
-                                         ("csv", [True, False]), ("jsonl", ["true", "False"]), ("jsonl", [1, 0])])
+                                         ("csv", [True, False]), ("jsonl", ["true", "False"]), ("jsonl", [1, 0]),
+                                         ("csv", [1, 0]), ("parquet", [1.0, 0.0])])
 def test_unpaired_preference_labels_are_read_however_the_file_writes_them(tmp_path, kind, labels):
     """A CSV's label cells are text ("True"/"False"): they were not taken as labels, and every undesirable answer was
     trained on."""
@@ -299,6 +300,19 @@ def test_unpaired_preference_labels_are_read_however_the_file_writes_them(tmp_pa
     other = write_records([dict(r, label="positive") for r in rows], tmp_path / "other.jsonl", "jsonl")
     adapter = raw(f"{other},{other}", tmp_path)  # a label column of other values is data, not KTO's
     assert not any(adapter.is_undesirable(s) for s in adapter.get_train_data())
+    unlabelled = write_records(rows[:3] + [dict(rows[3], label=None)], tmp_path / "null.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 4 \(record 3\): field 'label': missing or null"):
+        raw(f"{unlabelled},{unlabelled}", tmp_path)  # (it made the whole file read as data without labels)
+
+
+def test_trimmed_keeps_a_code_blocks_indentation_only():
+    from dschat.data.base import trimmed
+
+    assert trimmed("    x = 1\n    y = 2\n") == "    x = 1\n    y = 2"
+    assert trimmed(" x = 1\n    y = 2") == " x = 1\n    y = 2"  # relative indentation kept
+    assert trimmed(" Sure.\n1. a") == "Sure.\n1. a"  # DeepSpeed-Chat's " answer"
+    assert trimmed("  Sure.\nHere is how") == "Sure.\nHere is how"  # prose whose first line alone is indented
+    assert trimmed("\n\n  hi  ") == "hi"
 
 
 def test_code_answers_keep_their_indentation_and_a_system_preamble_reads_as_a_transcript(tmp_path):
@@ -426,22 +440,42 @@ def test_a_csv_records_error_names_its_line(tmp_path):
         raw(str(path), tmp_path)
 
 
-def test_messages_in_a_csv_cell_as_json_text_are_read(tmp_path):
-    # a CSV holds no lists: the JSON text was taken for a Human/Assistant transcript and refused
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    path = write_records([{"messages": json.dumps(messages)}] * 2, tmp_path / "chat.csv", "csv")
+def test_message_lists_in_csv_cells_as_json_text_are_read(tmp_path):
+    # a CSV holds no lists: the JSON text was taken for a Human/Assistant transcript and refused (messages), or
+    # trained on as the raw JSON string (TRL's conversational prompt/chosen/rejected)
+    user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    path = write_records([{"messages": json.dumps([user, answer])}] * 2, tmp_path / "chat.csv", "csv")
     adapter = raw(f"{path},{path}", tmp_path)
     sample = adapter.get_train_data()[0]
-    assert (adapter.get_conversation(sample), adapter.get_chosen_text(sample)) == (messages[:1], "Hello")
+    assert (adapter.get_conversation(sample), adapter.get_chosen_text(sample)) == ([user], "Hello")
+    pairs = write_records([{"prompt": json.dumps([user]), "chosen": json.dumps([answer]),
+                            "rejected": json.dumps([{"role": "assistant", "content": "Bye"}])}] * 2,
+                          tmp_path / "pairs.csv", "csv")
+    adapter = raw(f"{pairs},{pairs}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert (adapter.get_conversation(sample), adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) \
+        == ([user], "Hello", "Bye")
+    plain = write_records([{"prompt": "[1, 2, 3]", "chosen": "6", "rejected": "5"}] * 2, tmp_path / "sum.csv", "csv")
+    adapter = raw(f"{plain},{plain}", tmp_path)  # text that reads as JSON but holds no messages stays text
+    assert adapter.get_conversation(adapter.get_train_data()[0]) == [{"role": "user", "content": "[1, 2, 3]"}]
 
 
 def test_a_file_mixing_record_shapes_says_so(tmp_path):
-    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2 + \
-        [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}]
+    chat = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2 + [chat]
     path = write_records(rows, tmp_path / "mixed.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"line 3 \(record 2\): field 'prompt': missing or null \(it has "
                                                  r"'messages' instead: the file mixes record shapes"):
         raw(f"{path},{path}", tmp_path)
+    sft = write_records([chat] * 2 + [{"prompt": "a", "chosen": "b"}], tmp_path / "sft.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 3 \(record 2\): field 'messages': missing or null \(it has "
+                                                 r"'prompt' instead: the file mixes record shapes"):
+        raw(f"{sft},{sft}", tmp_path)
+    pairs = [{"prompt": "a", "chosen": "b", "rejected": "c", "messages": chat["messages"]}] * 2
+    one_null = write_records(pairs + [dict(pairs[0], chosen=None)], tmp_path / "uf.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError) as refused:  # one shape: no hint of mixed shapes
+        raw(f"{one_null},{one_null}", tmp_path)
+    assert "field 'chosen': missing or null" in str(refused.value) and "mixes" not in str(refused.value)
 
 
 def test_malformed_json_document_names_line(tmp_path):

@@ -209,6 +209,7 @@ def test_notebook_settings_mean_what_the_flags_mean():
     with pytest.raises(UsageError, match="seed: expected an integer, got 1.5"):
         step3_args({"seed": 1.5})
     assert step3_args({"max_answer_seq_len": 8.0}).max_answer_seq_len == 8
+    assert type(step3_args({"seed": 2.0}).seed) is int
     # a command-line-like string has no attributes: every setting was silently the default
     with pytest.raises(UsageError, match="args is a str: give a dict"):
         step3_args("max_prompt_seq_len=16 enable_hybrid_engine=True")

@@ -1665,14 +1665,21 @@ def test_the_unsupervised_step_trains_on_the_scaled_loss_and_reports_it_unscaled
 
 def test_shifted_forwards_do_not_warn_of_padding_without_a_mask():
     # GPT-2 warned "We strongly recommend passing in an `attention_mask`" in every step-3 run: the shifted rows'
-    # padding follows their real tokens, which do not attend to it
+    # padding follows their real tokens, which do not attend to it; other forwards keep the warning
     import logging
 
     from dschat.rlhf.layout import LeftAligned
 
-    LeftAligned.of(torch.tensor([[0, 1, 1]])).model_inputs(torch.tensor([[0, 5, 6]]))
     logger = logging.getLogger("transformers.modeling_utils")
     warned = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "We strongly recommend passing in an "
                                "`attention_mask` since your input_ids may be padded.", (), None)
     other = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "Some other warning.", (), None)
-    assert not logger.filter(warned) and logger.filter(other)
+    seen = []
+
+    def forward(input_ids, attention_mask):
+        seen.append((bool(logger.filter(warned)), bool(logger.filter(other)), input_ids.tolist(), attention_mask))
+        return "out"
+
+    assert LeftAligned.of(torch.tensor([[0, 1, 1]])).forward(forward, torch.tensor([[0, 5, 6]])) == "out"
+    assert seen == [(False, True, [[5, 6]], None)]
+    assert logger.filter(warned)  # outside the shifted forward

@@ -132,13 +132,20 @@ def _as_answer_string(text):
 
 
 def trimmed(text):
-    """``text`` without its surrounding whitespace, except the first line's indentation in a text of several lines
-    (code: its lines keep their relative indentation); DeepSpeed-Chat's one leading space (" answer") goes."""
+    """``text`` without its surrounding whitespace, except the first line's indentation where the lines after it are
+    indented at least as deep (a code block keeps its relative indentation); DeepSpeed-Chat's " answer" and prose
+    whose first line alone is indented lose it."""
     lines = text.rstrip().split("\n")
     while not lines[0].strip():  # (the text is not blank: callers check)
         lines.pop(0)
     body = "\n".join(lines)
-    return body if len(lines) > 1 and lines[0].startswith(("  ", "\t")) else body.lstrip()
+    first = _indent(lines[0])
+    rest = [_indent(line) for line in lines[1:] if line.strip()]
+    return body if first and rest and first <= min(rest) else body.lstrip()
+
+
+def _indent(line):
+    return len(line) - len(line.lstrip())
 
 
 def required_text(sample, field):
@@ -185,6 +192,8 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistan
 def checked_messages(value, field):
     """A list of {role, content} dicts with known roles and non-empty string content (also read: ShareGPT's
     {from, value} messages and content given as parts, OpenAI's and HF's [{"type": "text", "text": ...}])."""
+    if value is None:
+        raise RecordError(field, "missing or null")
     if not isinstance(value, (list, tuple)) or not value:
         raise RecordError(field, f"expected a non-empty list of messages, got {type(value).__name__}")
     messages = []

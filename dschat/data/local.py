@@ -580,6 +580,7 @@ class LocalDataset(PromptRawDataset):
                 self.get_conversation(sample)
                 self.get_chosen_text(sample)
                 self.get_rejected_text(sample)
+                self.is_undesirable(sample)
             except RecordError as err:
                 where = f"line {record_lines[index]} (record {index})" if record_lines else f"record {index}"
                 raise DatasetFormatError(f"{path} {where}: {err}{self._other_shape_hint(sample, err)}") from None
@@ -587,7 +588,8 @@ class LocalDataset(PromptRawDataset):
     def _other_shape_hint(self, sample, err):
         """A record missing a field of the file's shape that has another shape's field instead: the file mixes record
         shapes."""
-        if err.detail != "missing or null":
+        defining = {"prompt": "prompt", "messages": "messages", "chosen_messages": "chosen"}[self.shape]
+        if err.detail != "missing or null" or err.field != self.fields[defining]:
             return ""
         own = {self.fields[name] for name in self._shape_fields()}
         other = [self.fields[name] for name in FIELD_NAMES
@@ -609,7 +611,7 @@ class LocalDataset(PromptRawDataset):
 
     def _prompt_conversation(self, sample):
         field = self.fields["prompt"]
-        value = sample.get(field)
+        value = _json_list_text(sample.get(field))
         if isinstance(value, (list, tuple)):
             return prompt_messages(checked_messages(value, field), field)
         text = required_text(sample, field)
@@ -664,43 +666,55 @@ class LocalDataset(PromptRawDataset):
         return super().get_reference_answers(sample)
 
     def is_undesirable(self, sample):
-        return self.label_field is not None and _label_value(sample.get(self.label_field)) is False
+        if self.label_field is None:
+            return False
+        label = _label_value(sample.get(self.label_field))
+        if label is None:
+            raise RecordError(self.label_field, "missing or null: TRL's unpaired preference records (prompt, "
+                                                "completion, label) each say whether to imitate their answer")
+        return not label
 
     def _answer_value(self, sample, field):
         """An answer given as a string, or as a message list whose last message is the assistant's."""
-        value = sample[field]
+        value = _json_list_text(sample[field])
         if isinstance(value, (list, tuple)):
             return final_assistant_answer(checked_messages(value, field), field)[1]
         return optional_text(sample, field)
 
 
-_LABEL_WORDS = {"true": True, "false": False}
+_LABEL_WORDS = {"true": True, "false": False, "1": True, "0": False}
 
 
 def _label_value(value):
-    """A KTO label as a bool: a bool, the text "true"/"false" (a CSV cell, any case) or 0/1; else None."""
+    """A KTO label as a bool: a bool, 1/0 (also 1.0/0.0), or the text "true"/"false"/"1"/"0" (a CSV cell, any case);
+    else None."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str):
         return _LABEL_WORDS.get(value.strip().lower())
-    if isinstance(value, int) and value in (0, 1):
+    if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
     return None
 
 
 def _is_label_column(data, name):
-    """Whether every record's ``name`` is a KTO label (``_label_value``): a column of other values is data."""
-    return name in data.column_names and all(_label_value(value) is not None for value in data[name])
+    """Whether ``name`` holds KTO labels: every value given is one (``_label_value``; a null one is an error of its
+    record, found when the file is checked); a column of other values is data."""
+    if name not in data.column_names:
+        return False
+    given = [value for value in data[name] if value is not None]
+    return bool(given) and all(_label_value(value) is not None for value in given)
 
 
 def _json_list_text(value):
-    """A message list written as JSON text (a CSV cell holds no lists) as the list; any other value as it is."""
-    if isinstance(value, str) and value.lstrip().startswith("["):
+    """A message list written as JSON text (a CSV cell holds no lists) as the list; any other value (a prompt that
+    happens to read as JSON, "[1, 2, 3]") as it is."""
+    if isinstance(value, str) and value.lstrip().startswith("[{"):
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             return value
-        return parsed if isinstance(parsed, list) else value
+        return parsed if isinstance(parsed, list) and parsed and all(isinstance(m, dict) for m in parsed) else value
     return value
 
 

@@ -390,7 +390,9 @@ def extract_example(raw, sample, train_phase):
     """Only the accessors a phase needs are called, so e.g. a tie only matters in phase 2."""
     messages = raw.get_conversation(sample)
     if train_phase == 3:
-        return Example(messages, extra={**raw.get_extra(sample), **raw.get_reference_answers(sample)})
+        answers = raw.get_reference_answers(sample)  # a data column of the same name (fields renamed) stays extra_
+        return Example(messages, extra={**{("extra_" + k if k in answers else k): v
+                                           for k, v in raw.get_extra(sample).items()}, **answers})
     if raw.is_undesirable(sample):
         raise SkipRecord(UNDESIRABLE)
     chosen = raw.get_chosen_text(sample)

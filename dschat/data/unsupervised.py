@@ -117,10 +117,10 @@ def _saved_train_split(folder):
 def _local_text_source(name):
     """(datasets builder, path) for "TYPE:PATH" or an existing .txt/.jsonl/.json path; None for hub names."""
     kind, sep, rest = name.partition(":")
-    if sep and kind in LOCAL_TEXT_TYPES:
+    if sep and kind.lower() in LOCAL_TEXT_TYPES:  # (TXT:path too)
         if not os.path.isfile(rest):
             raise MissingInputError(f"--unsupervised_dataset_name {name}: unsupervised data file not found: {rest}")
-        return LOCAL_TEXT_TYPES[kind], rest
+        return LOCAL_TEXT_TYPES[kind.lower()], rest
     extension = os.path.splitext(name)[1].lstrip(".").lower()
     # (no hub name ends so: a mistyped file is not looked up on the hub; a save_to_disk folder's name may)
     if extension in LOCAL_TEXT_TYPES and not os.path.isdir(name):

@@ -221,8 +221,12 @@ def check_given_tokenizer(tokenizer, actor_path):
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise UsageError(f"tokenizer is a {type(tokenizer).__name__}, not a tokenizer: give the actor's, e.g. "
                          f"load_tokenizer({actor_path!r}, padding_side='left') (from dschat.models.loading), or none")
-    try:
-        own = load_tokenizer(actor_path)
+    from transformers import AutoTokenizer
+
+    from dschat.models.loading import hub_load, resolve_model_path
+
+    try:  # (as saved: dschat's own loading would refuse a tokenizer without EOS that the given one has added)
+        own = hub_load(AutoTokenizer.from_pretrained, resolve_model_path(actor_path), use_fast=True)
     except (OSError, ValueError):  # a model folder without tokenizer files: nothing to compare with
         return
     differ = tokens_with_other_ids(own, tokenizer)

@@ -17,7 +17,6 @@ None and the forwards keep the mask. Step 3 never makes one (a pad token sampled
 """
 import contextlib
 import dataclasses
-import functools
 import logging
 
 import torch
@@ -69,8 +68,12 @@ class LeftAligned:
     def model_inputs(self, seq):
         """Keyword arguments of a forward over the shifted rows: no mask (causal attention) and the models' default
         positions 0, 1, ... (passing them would make transformers look for packed sequences, a host sync)."""
-        _hush_padding_warning()
         return {"input_ids": self.align(seq), "attention_mask": None}
+
+    def forward(self, fn, seq, **kwargs):
+        """``fn(**model_inputs(seq), **kwargs)``: a model's forward (or ``forward_value``) over the shifted rows."""
+        with quiet_padding_warning():
+            return fn(**self.model_inputs(seq), **kwargs)
 
     def answer_window(self, start):
         """How many of the shifted rows' last columns hold every row's answer predictions: the logits at a row's
@@ -118,16 +121,21 @@ def _rope_settings(config):
 
 
 class _PaddingWarningFilter(logging.Filter):
-    """GPT-2's forward warns when its input has padding and no mask ("We strongly recommend passing in an
-    `attention_mask`"): the shifted rows' padding follows every real token, which no real token attends to."""
-
     def filter(self, record):
         return "strongly recommend passing in an `attention_mask`" not in record.getMessage()
 
 
-@functools.cache
-def _hush_padding_warning():
-    logging.getLogger("transformers.modeling_utils").addFilter(_PaddingWarningFilter())
+@contextlib.contextmanager
+def quiet_padding_warning():
+    """Around a forward over shifted rows: GPT-2's forward warns when its input has padding and no mask ("We strongly
+    recommend passing in an `attention_mask`"), but the shifted rows' padding follows every real token, which no real
+    token attends to. Other forwards of the process keep the warning."""
+    logger, hush = logging.getLogger("transformers.modeling_utils"), _PaddingWarningFilter()
+    logger.addFilter(hush)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hush)
 
 
 @contextlib.contextmanager

@@ -74,8 +74,8 @@ def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, en
     else:
         window = layout.answer_window(start)
         with head_reads(unwrap_peft(model.module), layout.answer_columns(start, count), window):
-            logits = model(**layout.model_inputs(seq), use_cache=False,
-                           **({"logits_to_keep": window} if takes_keep else {})).logits
+            logits = layout.forward(model, seq, use_cache=False,
+                                    **({"logits_to_keep": window} if takes_keep else {})).logits
     labels = seq[:, start + 1:]
     stats = [algo.gather_log_probs(logits, labels, chunk_size)]
     if entropy:
@@ -290,7 +290,7 @@ class DeepSpeedPPOTrainer:
             if layout is None:
                 rm = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"]
             else:  # the score at each row's last real token, in the shifted columns
-                values = self.reward_model.module.forward_value(**layout.model_inputs(seq), return_value_only=True)
+                values = layout.forward(self.reward_model.module.forward_value, seq, return_value_only=True)
                 rm = values.gather(1, last_token_index(layout.mask)[:, None]).squeeze(1)
             scores = scores + a.reward_model_weight * rm.float()
         if self.reward_fn is not None:
@@ -324,7 +324,7 @@ class DeepSpeedPPOTrainer:
     def _values(critic, seq, attention_mask, layout=None):
         if layout is None:
             return critic.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
-        return layout.restore(critic.forward_value(**layout.model_inputs(seq), return_value_only=True))[:, :-1]
+        return layout.restore(layout.forward(critic.forward_value, seq, return_value_only=True))[:, :-1]
 
     # --- rewards and advantages ---------------------------------------------------------------------------
     def compute_rewards(self, prompts, log_probs, ref_log_probs, reward_score, action_mask):
