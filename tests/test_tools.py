@@ -689,3 +689,10 @@ def test_the_report_lists_the_steps_in_order_whether_run_or_skipped():
                            "resumed": ["step3_ppo"]})
     assert [line.split(":")[0] for line in lines[1:4]] == ["step1_sft", "step2_rm", "step3_ppo"]
     assert lines[3] == "step3_ppo: 19.7 s (resumed: its interrupted run's time included)"
+
+
+def test_prompt_eval_help_lists_deepspeed_chats_accepted_decoding_flags():
+    from dschat.tools.prompt_eval import build_parser
+
+    text = build_parser().format_help()
+    assert all(flag in text for flag in ("--num_beams", "--num_beam_groups", "--penalty_alpha", "--language"))
