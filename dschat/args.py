@@ -432,6 +432,8 @@ def check_sampling_flags(temperature, top_p):
     if not temperature > 0:
         raise UsageError(f"--temperature {temperature}: sampling needs a temperature > 0; --greedy takes the most "
                          "likely token")
+    if not math.isfinite(temperature):
+        raise UsageError(f"--temperature {temperature}: an infinite temperature samples every token alike (noise)")
     if not 0 < top_p <= 1:
         raise UsageError(f"--top_p {top_p}: must be in (0, 1] (1: no nucleus filtering)")
 

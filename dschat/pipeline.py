@@ -237,8 +237,9 @@ def check_earlier_outputs(step, steps, args, parsed):
             if path == os.path.join(args.output_dir, folder) and producer not in steps and \
                     not os.path.isfile(os.path.join(path, "config.json")):
                 state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
+                together = " ".join(map(str, sorted({producer, *steps})))
                 raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: "
-                                        f"run step {producer} too (--step {producer} {step}) or first")
+                                        f"run step {producer} too (--step {together}) or first")
 
 
 def check_model_folders(steps, args):

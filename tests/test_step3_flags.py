@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dschat.args import step3_parser
+from dschat.args import check_sampling_flags, step3_parser
 from dschat.errors import UsageError
 from dschat.rlhf.config import step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings, step3_train_config
@@ -73,6 +73,8 @@ def test_rloo_with_one_answer_per_prompt_is_a_usage_error_before_anything_loads(
 # --- --temperature / --top_p --------------------------------------------------------------------------------------
 
 def test_temperature_zero_without_greedy_and_top_p_outside_0_1_are_usage_errors():
+    with pytest.raises(UsageError, match="an infinite temperature"):
+        check_sampling_flags(float("inf"), 1.0)
     with pytest.raises(UsageError, match=r"--temperature 0(\.0)?: sampling needs a temperature > 0; --greedy"):
         check_step3_settings(step3_args({"temperature": 0}), 1)
     with pytest.raises(UsageError, match="--temperature -0.5"):

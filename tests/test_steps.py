@@ -467,7 +467,9 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
     for argv, missing in ((["--step", "3"], "step1_sft"), (["--step", "2", "3"], "step1_sft"),
                           (["--recipe", "dpo", "--step", "2"], "step1_sft"), (["--recipe", "grpo", "--step", "3"],
                                                                               "step1_sft")):
-        with pytest.raises(MissingInputError, match=f"reads {out}/{missing}, step 1's output, which does not exist"):
+        together = " ".join(sorted({"1", *argv[argv.index("--step") + 1:]}))  # the hint keeps the steps asked for
+        with pytest.raises(MissingInputError, match=f"reads {out}/{missing}, step 1's output, which does not exist: "
+                                                    f"run step 1 too \\(--step {together}\\)"):
             pipeline.run_pipeline(_train_py_args("--output-dir", out, *argv))
     (tmp_path / "out" / "step1_sft").mkdir(parents=True)  # empty (a step that failed early): no model
     with pytest.raises(MissingInputError, match="step1_sft, step 1's output, which holds no model"):

@@ -79,7 +79,7 @@ def build_parser():
     for flag, kind in (("--num_beams", int), ("--num_beam_groups", int), ("--penalty_alpha", float),
                        ("--num_return_sequences", int)):
         compat.add_argument(flag, type=kind, default=None, help="Accepted, no effect (see above).")
-    compat.add_argument("--language", choices=["English"], default=None,
+    compat.add_argument("--language", choices=["English", "Chinese", "Japanese"], default=None,
                         help="Its built-in prompts' language: here the prompts are --prompts, --prompts_file or the "
                              "embedded English ones.")
     return parser
