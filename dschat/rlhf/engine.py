@@ -225,6 +225,8 @@ def check_given_tokenizer(tokenizer, actor_path):
 
     from dschat.models.loading import hub_load, resolve_model_path
 
+    if tokenizer.name_or_path == resolve_model_path(actor_path):  # loaded from the actor (step 3's own): no second load
+        return
     try:  # (as saved: dschat's own loading would refuse a tokenizer without EOS that the given one has added)
         own = hub_load(AutoTokenizer.from_pretrained, resolve_model_path(actor_path), use_fast=True)
     except (OSError, ValueError):  # a model folder without tokenizer files: nothing to compare with
