@@ -271,6 +271,9 @@ def step1_parser():
     add_lora_args(p)
     p.add_argument("--include_prompt_in_loss", action="store_true",
                    help="Train on prompt tokens too (DeepSpeed-Chat did); default: answer tokens only.")
+    p.add_argument("--multiturn", action="store_true",
+                   help="Train on every assistant turn of a messages record (OpenRLHF's flag); default: the last "
+                        "one, the earlier turns are prompt.")
     p.set_defaults(tensorboard_path="step1_tensorboard", output_dir="output/step1_sft")
     return p
 

@@ -14,6 +14,7 @@ from dschat.data import DahoasRmstaticDataset, DatasetFormatError, create_prompt
 from dschat.data import pipeline
 from dschat.data.cache import CACHE_SUBDIR
 from dschat.data.splits import get_raw_dataset_split_index, parse_data_split
+from dschat.errors import UsageError
 from dschat.tiny import load_tiny_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -269,6 +270,66 @@ def test_chat_template_tokenizer_formats_with_its_template(tmp_path, tokenizer):
                         text), text
 
 
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there."},
+                {"role": "assistant", "content": "Hello, friend."}, {"role": "user", "content": "How are you?"},
+                {"role": "assistant", "content": "Fine, thanks."}, {"role": "user", "content": "Bye."},
+                {"role": "assistant", "content": "Goodbye!"}]
+
+
+def trained_text(item, tokenizer):
+    """The labelled tokens' text, with "|" between runs of labelled tokens."""
+    runs, previous = [], False
+    for token, label in zip(item["input_ids"].tolist(), item["labels"].tolist()):
+        if label != -100:
+            runs.append(("" if previous or not runs else "|") + tokenizer.decode([token]))
+        previous = label != -100
+    return "".join(runs)
+
+
+def chatml(tokenizer, template_body="{{ m['content'] }}"):
+    chat = copy.deepcopy(tokenizer)
+    chat.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "eos_token": "<|im_end|>"})
+    chat.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n" + template_body + "<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return chat
+
+
+@pytest.mark.parametrize("template", ["human_assistant", "chatml"])
+def test_multiturn_trains_every_assistant_turn_and_only_them(tmp_path, tokenizer, capsys, template):
+    """By default only the last assistant turn has labels; --multiturn labels each earlier one where the prompt
+    that ends at it ends, with the template's end token after it (ChatML), and nothing of the user or system turns."""
+    tok = tokenizer if template == "human_assistant" else chatml(tokenizer)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 3)
+    last_only, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0")
+    every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
+    expected = {"human_assistant": (" Goodbye!<|endoftext|>",
+                                    " Hello, friend.\n\n| Fine, thanks.\n\n| Goodbye!<|endoftext|>"),
+                "chatml": ("Goodbye!<|im_end|>", "Hello, friend.<|im_end|>|Fine, thanks.<|im_end|>|Goodbye!<|im_end|>")}
+    assert trained_text(last_only[0], tok) == expected[template][0]
+    assert trained_text(every[0], tok) == expected[template][1]
+    assert every[0]["input_ids"].tolist() == last_only[0]["input_ids"].tolist()
+    assert "kept all 3 records; 6 earlier assistant turns trained (--multiturn)" in capsys.readouterr().out
+
+
+def test_multiturn_leaves_turns_the_template_rewrites_as_prompt_and_counts_them(tmp_path, tokenizer, capsys):
+    """A template that renders an earlier assistant turn otherwise than its content (here: upper case, as templates
+    that drop an earlier turn's reasoning do) cannot be matched: the turn stays prompt and the report says how many."""
+    tok = chatml(tokenizer, "{{ m['content'] | upper if m['role'] == 'assistant' else m['content'] }}")
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)
+    every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
+    assert trained_text(every[0], tok) == "Goodbye!<|im_end|>"
+    assert ("0 earlier assistant turns trained (--multiturn), 4 left as prompt: the chat template renders them "
+            "otherwise than a prompt ending at them") in capsys.readouterr().out
+
+
+def test_multiturn_needs_offsets_from_a_fast_tokenizer(tmp_path, tokenizer, monkeypatch):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)
+    slow = copy.deepcopy(tokenizer)
+    monkeypatch.setattr(type(slow), "is_fast", property(lambda self: False))
+    with pytest.raises(UsageError, match="--multiturn needs a fast tokenizer"):
+        build(tmp_path, slow, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
+
+
 def test_a_record_the_chat_template_refuses_is_an_error_naming_the_file_and_record(tmp_path, tokenizer):
     """Mistral-style templates raise_exception() on a system turn: jinja's TemplateError traceback named no record."""
     chat = copy.deepcopy(tokenizer)
@@ -392,6 +453,7 @@ def test_cache_is_reused_unless_a_parameter_changes(tmp_path, tokenizer):
     variants = {
         "data_split": dict(data_split="3,4,3"), "seed": dict(seed=7), "max_seq_len": dict(max_seq_len=100),
         "max_prompt_len": dict(max_prompt_len=40), "include_prompt": dict(include_prompt_in_loss=True),
+        "multiturn": dict(multiturn=True),
         "eot": dict(end_of_conversation_token="<pad>"), "fields": dict(data_fields="rejected=task"),
         "chat_template": dict(tok=chat), "vocab": dict(tok=bigger_vocab), "tokenizer_name": dict(tok=renamed),
         "phase": dict(phase=2), "second_dataset": dict(data_path=[spec, train_eval_spec(tmp_path, "beta", 5, 1)]),

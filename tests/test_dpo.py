@@ -80,7 +80,7 @@ def test_dpo_step_loss_adds_rpo_alpha_times_chosen_nll(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--beta", "0"], ["--label_smoothing", "0.5"], ["--include_prompt_in_loss"],
-                                  ["--rpo_alpha", "-1"]])
+                                  ["--multiturn"], ["--rpo_alpha", "-1"]])
 def test_dpo_step_rejects_bad_flags_before_building_anything(argv):
     with pytest.raises(ValueError):
         dpo.DPOStep(step2_dpo_parser().parse_args(argv))

@@ -753,3 +753,14 @@ def test_the_progress_bar_ends_at_the_micro_batches_trained_on(max_steps, shown,
                         torch.device("cpu"), "step1", max_steps)
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "epoch 2/2" in last and shown in last, last
+
+
+@pytest.mark.parametrize("argv, expected", [([], False), (["--multiturn"], True)])
+def test_step1_multiturn_flag_reaches_the_data(monkeypatch, tokenizer, argv, expected):
+    from dschat.args import step1_parser
+
+    given = {}
+    monkeypatch.setattr("dschat.data.create_prompt_dataset", lambda *a, **k: given.update(k) or ((), ()))
+    args = step1_parser().parse_args(["--data_path", "tiny", *argv])
+    common.load_step_data(args, tokenizer, phase=1)
+    assert given["multiturn"] is expected

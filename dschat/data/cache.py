@@ -18,7 +18,7 @@ from filelock import FileLock
 from dschat.utils.files import give_plain_modes, temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 9  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+FORMAT_VERSION = 10  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
 # 4: only empty CSV cells are missing ("NA", "None" are text);
 # 5: prompts get only the tokenizer's leading special tokens;
 # 6: phase 2 rows carry chosen_truncated, rejected_truncated and eot_length;
@@ -27,6 +27,7 @@ FORMAT_VERSION = 9  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text 
 # 9: steps 1 and 2 skip TRL's unpaired preference records with label false; step 3's records carry the pair's
 #    answers (chosen, rejected) for reward functions; a multi-line text keeps its first line's indentation; a
 #    transcript prompt after a system message reads as one; local files are keyed by their content
+# 10: phase 1 rows carry label_spans (--multiturn: the earlier assistant turns)
 CACHE_SUBDIR = "dschat_data_cache"
 
 

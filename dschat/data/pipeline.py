@@ -10,7 +10,8 @@ the EOT token ids):
 
 * phase 1: ``prompt + answer + eot``, cut on the right at ``max_seq_len``. A cut answer loses its EOT on
   purpose: training the model to stop right after a truncated answer would teach it to stop mid-sentence.
-  Labels are -100 over the prompt (unless ``include_prompt_in_loss``), so the loss covers answer + EOT.
+  Labels are -100 over the prompt (unless ``include_prompt_in_loss``), so the loss covers answer + EOT; with
+  ``multiturn`` the earlier assistant turns inside the prompt keep theirs (``label_spans``, ``multiturn.py``).
 * phase 2: ``prompt + answer[:room] + eot`` for chosen and rejected: a long answer is cut but the EOT is
   kept, so the reward model always scores a sequence that ends the way generated answers do. The prompt's
   length is kept too (``prompt_length``): DPO sums log-probs over the answer tokens only. Each pair also
@@ -44,6 +45,7 @@ from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokeni
 from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
 from .local import LocalSource, checked_field_options, parse_field_map
+from .multiturn import earlier_answer_spans
 from .raw_datasets import get_raw_dataset, resolve_dataset_spec
 from .splits import compute_split_indices, get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
 
@@ -58,6 +60,7 @@ class EncodeSettings:
     max_prompt_len: int | None
     include_prompt_in_loss: bool
     eot_token: str
+    multiturn: bool = False  # phase 1: train the earlier assistant turns too (multiturn.py)
 
     @property
     def prompt_limit(self):
@@ -81,7 +84,7 @@ def phase_features(train_phase):
 
     ids = List(Value("int32"))
     return Features({
-        1: {"input_ids": ids, "label_start": Value("int32")},
+        1: {"input_ids": ids, "label_start": Value("int32"), "label_spans": ids},
         2: {"chosen_input_ids": ids, "rejected_input_ids": ids, "prompt_length": Value("int32"),
             "chosen_truncated": Value("bool"), "rejected_truncated": Value("bool"), "eot_length": Value("int32")},
         3: {"prompt_input_ids": ids, "prompt_text": Value("string"), "messages_json": Value("string"),
@@ -123,6 +126,9 @@ class PromptDataset(Dataset):
             input_ids = torch.tensor(row["input_ids"], dtype=torch.long)
             labels = input_ids.clone()
             labels[:row["label_start"]] = -100
+            spans = row["label_spans"]  # --multiturn: the earlier assistant turns, inside the prompt
+            for start, end in zip(spans[::2], spans[1::2]):
+                labels[start:end] = input_ids[start:end]
             return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
         if self.train_phase == 2:
             chosen = torch.tensor(row["chosen_input_ids"], dtype=torch.long)
@@ -140,13 +146,14 @@ class PromptDataset(Dataset):
 
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
                           max_seq_len, end_of_conversation_token=None, sft_only_data_path=(), reload=False,
-                          include_prompt_in_loss=False, max_prompt_len=None, data_fields=None):
+                          include_prompt_in_loss=False, max_prompt_len=None, data_fields=None, multiturn=False):
     """(train_dataset, eval_dataset) for ``train_phase`` (1, 2 or 3), built once and cached.
 
     ``data_path``: dataset names/specs (see ``get_raw_dataset``); ``data_split``: phase shares such as
     "2,4,4"; ``end_of_conversation_token``: defaults to ``get_eot_token(tokenizer)``; ``data_fields``: field
     renames for local data (dict or "prompt=question,chosen=good"); ``reload``: rebuild the cache (done by
-    local rank 0; other ranks wait at a barrier and load the rebuilt data).
+    local rank 0; other ranks wait at a barrier and load the rebuilt data); ``multiturn``: phase 1 also trains the
+    earlier assistant turns of a conversation (``multiturn.py``).
     """
     if train_phase not in (1, 2, 3):
         raise ValueError(f"train_phase must be 1, 2 or 3, got {train_phase!r}")
@@ -158,7 +165,7 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     say_sources_given_twice(data_path + sft_only)
     field_options = _field_options(data_fields)
     settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
-                              end_of_conversation_token or get_eot_token(tokenizer))
+                              end_of_conversation_token or get_eot_token(tokenizer), bool(multiturn))
     key = cache_key(_cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer))
     folder = cache_folder(output_path, train_phase, key)
 
@@ -235,6 +242,7 @@ def _cache_params(data_path, sft_only, data_split, seed, field_options, settings
         "max_prompt_len": settings.max_prompt_len, "eot_token": settings.eot_token,
         # the prompt mask only exists in phase 1; keeping it out of other keys avoids needless rebuilds
         "include_prompt_in_loss": settings.include_prompt_in_loss if settings.train_phase == 1 else None,
+        "multiturn": settings.multiturn if settings.train_phase == 1 else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }
 
@@ -267,11 +275,10 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
         for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
             records = data if split is None else _phase_share(raw, data, split_name, split, settings,
                                                               output_path, seed, local_rank, reload)
-            table, skips, cut, formatted = encode_records(raw, records, tokenizer, settings)
+            table, skips, notes = encode_records(raw, records, tokenizer, settings)
             parts[split_name].append(table)
             report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips),
-                           "cut": cut, "of": len(data), "data_split": None if split is None else str(split),
-                           "formatted": formatted})
+                           "of": len(data), "data_split": None if split is None else str(split), **notes})
     save_cache(folder, blend(parts["train"], seed, settings.train_phase),
                blend(parts["eval"], seed, settings.train_phase), report)
 
@@ -319,8 +326,9 @@ def load_cached(folder, train_phase, built):
 # --- encoding ---
 
 def encode_records(raw, records, tokenizer, settings):
-    """(datasets.Dataset of the phase's rows, Counter of skip reasons, how many rows max_seq_len cut an answer of,
-    ``already_formatted(...)``) for the records of one source."""
+    """(datasets.Dataset of the phase's rows, Counter of skip reasons, the report's notes) for the records of one
+    source. Notes: ``cut`` (how many rows max_seq_len cut an answer of), ``formatted`` (``already_formatted(...)``)
+    and with ``--multiturn`` ``turns`` ([earlier assistant turns trained, not found in the prompt])."""
     from datasets import Dataset
 
     skips = Counter()
@@ -333,9 +341,12 @@ def encode_records(raw, records, tokenizer, settings):
         except SkipRecord as skip:
             skips[skip.reason] += 1
     features = phase_features(settings.train_phase)
-    cut = sum(1 for row in rows if row.get("cut") or row.get("chosen_truncated") or row.get("rejected_truncated"))
-    return (Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, cut,
-            already_formatted(examples, tokenizer))
+    notes = {"cut": sum(1 for row in rows if row.get("cut") or row.get("chosen_truncated")
+                        or row.get("rejected_truncated")),
+             "formatted": already_formatted(examples, tokenizer)}
+    if settings.multiturn and settings.train_phase == 1:
+        notes["turns"] = [sum(len(row["label_spans"]) // 2 for row in rows), sum(row["turns_missed"] for row in rows)]
+    return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, notes
 
 
 def already_formatted(examples, tokenizer):
@@ -427,6 +438,10 @@ def tokenize_examples(examples, tokenizer, settings):
             joint = tokenize_texts(tokenizer, [p + a for p, a in zip(prompt_texts, answers)], add_special)
             columns[side] = [answer_ids_after_prompt(tokenizer, prompt, ids, answer)
                              for prompt, ids, answer in zip(prompts, joint, answers)]
+    if settings.multiturn and settings.train_phase == 1:
+        shift = len(leading_special_ids(tokenizer)) if add_special else 0
+        columns["earlier"] = earlier_answer_spans([example.messages for example in examples], prompt_texts, tokenizer,
+                                                  settings.eot_token, shift)
     eot = tokenizer(settings.eot_token, add_special_tokens=False)["input_ids"]
     if not eot:
         raise UsageError(f"the end-of-conversation token {settings.eot_token!r} tokenizes to nothing")
@@ -496,9 +511,10 @@ def encode_sft(example, tokens, settings):
     input_ids = full[:settings.max_seq_len]
     if len(input_ids) <= len(prompt):
         raise SkipRecord("answer empty after truncation")
-    # ("cut": counted for the report, not stored)
+    spans, missed = tokens.get("earlier", ([], 0))
+    # ("cut", "turns_missed": counted for the report, not stored)
     return {"input_ids": input_ids, "label_start": 0 if settings.include_prompt_in_loss else len(prompt),
-            "cut": len(full) > settings.max_seq_len}
+            "label_spans": spans, "cut": len(full) > settings.max_seq_len, "turns_missed": missed}
 
 
 def encode_pair(example, tokens, settings):
@@ -540,6 +556,12 @@ def format_skip_line(entry):
     if not entry["total"]:
         return f"{where}: no records in this phase's share{share}"
     cut = f"; {entry['cut']} kept with an answer cut at --max_seq_len" if entry.get("cut") else ""
+    if entry.get("turns"):
+        trained, missed = entry["turns"]
+        cut += f"; {trained} earlier assistant turns trained (--multiturn)"
+        if missed:
+            cut += (f", {missed} left as prompt: the chat template renders them otherwise than a prompt ending at "
+                    "them")
     if entry.get("formatted"):
         count, token = entry["formatted"]
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "

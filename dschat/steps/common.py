@@ -504,7 +504,8 @@ def load_step_data(args, tokenizer, phase):
         args.local_rank, args.data_path, args.data_split, args.data_output_path, phase, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=get_eot_token(tokenizer),
         sft_only_data_path=args.sft_only_data_path if phase == 1 else (), reload=args.reload_data,
-        include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False), data_fields=args.data_fields or None)
+        include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False), data_fields=args.data_fields or None,
+        multiturn=getattr(args, "multiturn", False) and phase == 1)
 
 
 def check_supervised_settings(args, phase, name=None, quiet=True):

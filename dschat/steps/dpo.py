@@ -72,9 +72,10 @@ class DPOStep:
 
     def __init__(self, args):
         check_dpo_params(args.beta, args.label_smoothing)
-        if getattr(args, "include_prompt_in_loss", False):
-            raise UsageError("--include_prompt_in_loss is a step-1 flag: DPO compares answers, so its log-probs "
-                             "cover the answer tokens only")
+        for flag in ("include_prompt_in_loss", "multiturn"):
+            if getattr(args, flag, False):
+                raise UsageError(f"--{flag} is a step-1 flag: DPO compares the final answers, so its log-probs "
+                                 "cover their tokens only")
         if args.rpo_alpha < 0:
             raise UsageError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
         self.beta, self.label_smoothing, self.rpo_alpha = args.beta, args.label_smoothing, args.rpo_alpha

@@ -1,0 +1,86 @@
+"""Training on every assistant turn of a conversation (step 1's ``--multiturn``, OpenRLHF's flag of that name).
+
+By default a ``messages`` record trains on its last assistant turn, and the earlier turns are prompt. With
+``--multiturn`` the earlier assistant turns get labels too. Each is found in the rendered prompt right where the
+conversation before it, rendered as a prompt (``format_prompt``), ends: that is the text the model answers from at
+that turn, so the turn is trained exactly as if it were the answer. The end token the template writes after a turn
+(ChatML's ``<|im_end|>``, Llama-3's ``<|eot_id|>``) is trained with it when it is the EOT token, so the model learns
+to stop there; DeepSpeed-Chat's Human/Assistant text writes none between turns.
+
+A template that renders earlier turns otherwise than a prompt ending at them (one dropping an earlier turn's
+reasoning, say) leaves that turn in the prompt; the data report counts those turns.
+"""
+from bisect import bisect_left, bisect_right
+
+from dschat.errors import UsageError
+from .formatting import format_prompt
+
+
+def earlier_answer_spans(messages_list, prompt_texts, tokenizer, eot_token, shift):
+    """Per conversation, ``([start, end, start, end, ...] token spans of its earlier assistant turns in the prompt
+    ids, how many turns were not found)``. ``shift``: how many special ids precede the prompt text's tokens."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise UsageError("--multiturn needs a fast tokenizer (it maps each assistant turn's text to its tokens "
+                         f"through offsets), and {type(tokenizer).__name__} is not one")
+    if not prompt_texts:
+        return []
+    offsets = tokenizer(list(prompt_texts), add_special_tokens=False, return_offsets_mapping=True,
+                        return_attention_mask=False)["offset_mapping"]
+    result = []
+    for messages, text, token_offsets in zip(messages_list, prompt_texts, offsets):
+        spans, missed = answer_char_spans(messages, text, tokenizer, eot_token)
+        result.append((token_spans(spans, token_offsets, shift), missed))
+    return result
+
+
+def answer_char_spans(messages, prompt_text, tokenizer, eot_token):
+    """(character spans [start, end) of the assistant turns of ``messages`` in ``prompt_text``, how many were not
+    found there)."""
+    spans, missed = [], 0
+    for index, message in enumerate(messages):
+        if message["role"] == "assistant":
+            span = turn_span(messages[:index], message["content"], prompt_text, tokenizer, eot_token)
+            if span is None:
+                missed += 1
+            else:
+                spans.append(span)
+    return spans, missed
+
+
+def turn_span(before, content, prompt_text, tokenizer, eot_token):
+    """Where ``content`` follows the rendering of ``before`` in ``prompt_text`` (from the end of that rendering,
+    through the content and an EOT after it), or None."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        prefix = format_prompt(before, tokenizer)
+    except TemplateError:  # e.g. a template that refuses a conversation opening with the assistant
+        return None
+    if not content or not prompt_text.startswith(prefix):
+        return None
+    body = _after_whitespace(prompt_text, len(prefix))
+    if not prompt_text.startswith(content, body):
+        return None
+    end = body + len(content)
+    after = _after_whitespace(prompt_text, end)
+    if eot_token and prompt_text.startswith(eot_token, after):
+        end = after + len(eot_token)
+    return len(prefix), end
+
+
+def _after_whitespace(text, position):
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
+
+
+def token_spans(char_spans, offsets, shift):
+    """Flattened [start, end) token spans (shifted by ``shift``) of the tokens that overlap each character span."""
+    starts = [start for start, _ in offsets]
+    ends = [end for _, end in offsets]
+    flat = []
+    for start, end in char_spans:
+        first, last = bisect_right(ends, start), bisect_left(starts, end)
+        if first < last:
+            flat += [first + shift, last + shift]
+    return flat
