@@ -294,20 +294,34 @@ def chatml(tokenizer, template_body="{{ m['content'] }}"):
     return chat
 
 
-@pytest.mark.parametrize("template", ["human_assistant", "chatml"])
+def with_leading_bos(tokenizer):
+    from tokenizers import processors
+
+    bos = copy.deepcopy(tokenizer)
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos.eos_token} $A", special_tokens=[(bos.eos_token, bos.eos_token_id)])
+    return bos
+
+
+@pytest.mark.parametrize("template", ["human_assistant", "human_assistant_bos", "chatml"])
 def test_multiturn_trains_every_assistant_turn_and_only_them(tmp_path, tokenizer, capsys, template):
     """By default only the last assistant turn has labels; --multiturn labels each earlier one where the prompt
-    that ends at it ends, with the template's end token after it (ChatML), and nothing of the user or system turns."""
-    tok = tokenizer if template == "human_assistant" else chatml(tokenizer)
+    that ends at it ends, with the template's end token after it (ChatML), and nothing of the user or system turns;
+    a BOS the tokenizer puts first shifts nothing."""
+    tok = {"human_assistant": tokenizer, "human_assistant_bos": with_leading_bos(tokenizer),
+           "chatml": chatml(tokenizer)}[template]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 3)
     last_only, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0")
     every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
-    expected = {"human_assistant": (" Goodbye!<|endoftext|>",
+    expected = {"human_assistant_bos": (" Goodbye!<|endoftext|>",
+                                        " Hello, friend.\n\n| Fine, thanks.\n\n| Goodbye!<|endoftext|>"),
+                "human_assistant": (" Goodbye!<|endoftext|>",
                                     " Hello, friend.\n\n| Fine, thanks.\n\n| Goodbye!<|endoftext|>"),
                 "chatml": ("Goodbye!<|im_end|>", "Hello, friend.<|im_end|>|Fine, thanks.<|im_end|>|Goodbye!<|im_end|>")}
     assert trained_text(last_only[0], tok) == expected[template][0]
     assert trained_text(every[0], tok) == expected[template][1]
     assert every[0]["input_ids"].tolist() == last_only[0]["input_ids"].tolist()
+    assert (every[0]["input_ids"][0] == tok.eos_token_id) == (template == "human_assistant_bos")
     assert "kept all 3 records; 6 earlier assistant turns trained (--multiturn)" in capsys.readouterr().out
 
 
