@@ -1,4 +1,5 @@
 """Models: reward end index, pairwise loss, LoRA through PEFT, drift-free merge, save/load round trips."""
+import logging
 import os
 
 import numpy as np
@@ -230,10 +231,21 @@ def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_it
         logging.getLogger("transformers").removeHandler(handler)
 
 
-def test_plain_model_folder_loads_as_critic_with_new_head(tmp_path):
+def test_plain_model_folder_loads_as_critic_with_new_head(tmp_path, caplog):
+    """Step 2 and a critic start from a plain folder with a new head; from_pretrained says so unless that is expected
+    (a notebook's RewardModel.from_pretrained of a step-1 folder scored with a random head without a word), and
+    load_reward_model, the call to get step 2's model, refuses it."""
+    from dschat.errors import UsageError
+    from dschat.models.reward_model import create_critic_model
+
     AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path / "plain")
-    critic = load_reward_model(str(tmp_path / "plain"))
-    assert critic.v_head.weight.shape == (1, 32)
+    with caplog.at_level(logging.WARNING, logger="dschat.models.reward_model"):
+        critic = create_critic_model(str(tmp_path / "plain"), tokenizer=None)
+        assert critic.v_head.weight.shape == (1, 32) and not critic.value_head_loaded and not caplog.records
+        RewardModel.from_pretrained(str(tmp_path / "plain"))
+    assert "has no trained value head" in caplog.text and "the head is new and random" in caplog.text
+    with pytest.raises(UsageError, match="plain: no trained value head .* not a reward model or critic that step 2"):
+        load_reward_model(str(tmp_path / "plain"))
 
 
 def _deepspeed_chat_step2_folder(folder, family="opt"):

@@ -1,5 +1,6 @@
 """Reward model / critic: a value head on a base transformer, scored at each sequence's last real token."""
 import json
+import logging
 import os
 import re
 
@@ -18,6 +19,8 @@ DS_CHAT_WEIGHTS_FILE = "pytorch_model.bin"
 DS_CHAT_BACKBONE_PREFIX = "rwtranrsformer."
 DS_CHAT_HEAD_KEY = "v_head.weight"
 VALUE_HEAD_FILES = f"{VALUE_HEAD_FILE}, or DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in {DS_CHAT_WEIGHTS_FILE}"
+
+logger = logging.getLogger(__name__)
 
 
 def last_token_index(attention_mask):
@@ -96,8 +99,10 @@ class RewardModel(nn.Module):
     # --- saving and loading -------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,
-                        ds_config=None, rlhf_training=False):
-        """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made)."""
+                        ds_config=None, rlhf_training=False, new_head_expected=False):
+        """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made, with a
+        warning unless ``new_head_expected``: as transformers warns of a new classification head, its scores mean
+        nothing until step 2 trains it)."""
         from dschat.models.loading import (check_weights_loaded, configure_dropout, grow_embeddings_for, hub_load,
                                            load_dtype, model_load_context, readable_weights,
                                            resolve_model_path)
@@ -117,6 +122,9 @@ class RewardModel(nn.Module):
         model.value_head_loaded = head is not None  # else a new random head (a critic may start so)
         if model.value_head_loaded:
             model.v_head.load_state_dict({"weight": head})
+        elif not new_head_expected:
+            logger.warning("%s has no trained value head (%s): the head is new and random, so its scores mean nothing "
+                           "until step 2 trains it; to score, load step 2's output folder", name, VALUE_HEAD_FILES)
         model.v_head.to(backbone.dtype)
         if tokenizer is not None:
             grow_embeddings_for(backbone, tokenizer)
@@ -175,11 +183,18 @@ def create_critic_model(model_name_or_path, tokenizer, ds_config=None, num_paddi
                         rlhf_training=False, dropout=None, zero_stage=0, compute_fp32_loss=False, dtype=None):
     """DeepSpeed-Chat's entry point: a reward model / critic from a step-2 folder or any HF model folder."""
     model = RewardModel.from_pretrained(model_name_or_path, tokenizer=tokenizer, compute_fp32_loss=compute_fp32_loss,
-                                        dropout=dropout, dtype=dtype, ds_config=ds_config)
+                                        dropout=dropout, dtype=dtype, ds_config=ds_config, new_head_expected=True)
     model.num_padding_at_beginning = num_padding_at_beginning
     return model
 
 
 def load_reward_model(path, **kwargs):
-    """One call to get the reward model (or critic) that step 2 saved."""
-    return RewardModel.from_pretrained(path, **kwargs)
+    """One call to get the reward model (or critic) that step 2 (or step 3) saved; a folder without its trained value
+    head is an error (``RewardModel.from_pretrained`` makes a new one)."""
+    from dschat.errors import UsageError
+
+    model = RewardModel.from_pretrained(path, new_head_expected=True, **kwargs)
+    if not model.value_head_loaded:
+        raise UsageError(f"{path}: no trained value head ({VALUE_HEAD_FILES}): not a reward model or critic that step "
+                         "2 or 3 saved (RewardModel.from_pretrained makes a new random head for training)")
+    return model
