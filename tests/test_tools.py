@@ -12,7 +12,7 @@ import torch
 from dschat.data.formatting import format_answer, format_prompt
 from dschat.models.checkpoint import save_reward_model
 from dschat.models.loading import load_tokenizer
-from dschat.models.reward_model import load_reward_model
+from dschat.models.reward_model import create_critic_model, load_reward_model
 from dschat.steps.common import RUN_ARGS_FILE
 from dschat.tiny.presets import create_tiny_model
 from dschat.tiny.scorer import rule_score
@@ -32,7 +32,7 @@ def models(tmp_path_factory):
     policy = create_tiny_model("tiny-llama", root / "policy")
     baseline = create_tiny_model("tiny-llama", root / "baseline", seed=7)
     torch.manual_seed(0)  # the value head of a fresh reward model is random
-    save_reward_model(load_reward_model(policy), load_tokenizer(policy), str(root / "rm"))
+    save_reward_model(create_critic_model(policy, None), load_tokenizer(policy), str(root / "rm"))
     return {"policy": policy, "baseline": baseline, "rm": str(root / "rm"), "root": root}
 
 
@@ -102,7 +102,7 @@ def gpt2_models(root):
     """A tiny GPT-2 policy and reward model: learned positions (a table of 512), where a longer sequence is an
     IndexError in the forward, not a drift."""
     policy = create_tiny_model("tiny-gpt2", root / "gpt2")
-    save_reward_model(load_reward_model(policy), load_tokenizer(policy), str(root / "gpt2_rm"))
+    save_reward_model(create_critic_model(policy, None), load_tokenizer(policy), str(root / "gpt2_rm"))
     return policy, str(root / "gpt2_rm")
 
 
