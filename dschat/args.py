@@ -656,18 +656,20 @@ def step3_parser():
                         "dschat/rlhf/layout.py); prompt masks with holes keep the mask anyway.")
     g.add_argument("--kl_ctl", type=non_negative_float, default=0.1, help="KL coefficient (initial value if adaptive).")
     g.add_argument("--kl_estimator", type=str, default=None, choices=["k1", "k2", "k3", "abs"],
-                   help="Per-token KL estimator, of the reward penalty and of the KL loss term. Default (None): k3 for "
-                        "the loss term of grpo/rloo, k1 everywhere else (DeepSpeed-Chat's reward penalty).")
+                   help="Per-token KL estimator, of the reward penalty and of the KL loss term. Default (None): k1 "
+                        "for the reward penalty (DeepSpeed-Chat's), k3 for the loss term (k1's gradient is 0 in "
+                        "expectation there).")
     g.add_argument("--kl_in_reward", type=int, default=1, choices=[0, 1],
-                   help="1: KL penalty in the per-token reward (DeepSpeed-Chat); 0: KL as a loss term. grpo/rloo "
-                        "always take the loss term (their advantages ignore per-token rewards).")
+                   help="1: KL penalty in the per-token reward (DeepSpeed-Chat), weighted by --kl_ctl; 0: KL as a "
+                        "loss term, weighted by --kl_loss_coef. grpo/rloo always take the loss term (their "
+                        "advantages ignore per-token rewards).")
     g.add_argument("--kl_loss_coef", type=non_negative_float, default=None,
-                   help="Weight of the KL loss term added to the actor loss: with grpo/rloo always (0: no KL term), "
-                        "otherwise only with --kl_in_reward 0. Default (None): 0.001 for grpo/rloo (KL in the loss, "
-                        "k3 unless --kl_estimator: the DeepSeekMath/OpenRLHF style, at verl's default weight), 0 "
-                        "otherwise (gae and reinforce_pp: no loss term).")
+                   help="Weight of the KL loss term added to the actor loss, where the KL is a loss term (grpo/rloo, "
+                        "or --kl_in_reward 0; an error elsewhere); 0: no KL term. Default (None): 0.001 (k3 unless "
+                        "--kl_estimator: the DeepSeekMath/OpenRLHF style, at verl's default weight).")
     g.add_argument("--adaptive_kl", action="store_true",
-                   help="Adapt the KL coefficient towards --kl_target (Ziegler et al. 2019, TRL's rule).")
+                   help="Adapt the reward penalty's KL coefficient towards --kl_target (Ziegler et al. 2019, TRL's "
+                        "rule); only where the KL is in the reward.")
     g.add_argument("--kl_target", type=float, default=6.0,
                    help="The adaptive controller's KL target in nats per answer (summed over its tokens, averaged "
                         "over answers: TRL's unit and default).")

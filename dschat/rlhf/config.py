@@ -35,6 +35,27 @@ def check_advantage_estimator(args):
                          f"a prompt are the same text, so every advantage is 0 and nothing trains; sample them")
 
 
+def kl_in_loss(args):
+    """Whether the KL penalty is a term of the actor's loss (GRPO and RLOO always: their advantages ignore per-token
+    rewards; the others with --kl_in_reward 0) rather than part of the per-token reward."""
+    return args.advantage_estimator in GROUP_ESTIMATORS or not args.kl_in_reward
+
+
+def check_kl_settings(args):
+    """A KL flag that the chosen place of the KL penalty does not read is an error, not a run with another KL than
+    asked for (or none)."""
+    if kl_in_loss(args):
+        if args.adaptive_kl:
+            where = ("--kl_in_reward 0" if args.advantage_estimator not in GROUP_ESTIMATORS
+                     else f"--advantage_estimator {args.advantage_estimator}")
+            raise UsageError(f"--adaptive_kl adapts the per-token reward's KL coefficient (--kl_ctl), which "
+                             f"{where} does not use: the KL is a loss term weighted by --kl_loss_coef")
+    elif args.kl_loss_coef is not None:
+        raise UsageError(f"--kl_loss_coef weighs a KL loss term, and --advantage_estimator {args.advantage_estimator} "
+                         "with --kl_in_reward 1 puts the KL in the per-token reward instead (weighted by --kl_ctl); "
+                         "--kl_in_reward 0 makes it a loss term")
+
+
 def resolve_zero_stages(args):
     """--actor_zero_stage / --critic_zero_stage left unset take --zero_stage (DeepSpeed-Chat's steps 1 and 2 name),
     else 0."""

@@ -12,7 +12,7 @@ from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
-from dschat.rlhf.config import (check_advantage_estimator, check_earlier_step_outputs, step3_args,
+from dschat.rlhf.config import (check_advantage_estimator, check_earlier_step_outputs, check_kl_settings, step3_args,
                                 untrained_reward_model_message)
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
@@ -156,6 +156,7 @@ def check_settings(args):
         check_sampling_flags(args.temperature, args.top_p)
     check_hybrid_engine_flags(args)
     check_advantage_estimator(args)
+    check_kl_settings(args)
     if args.reward_fn:
         load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load
     check_reward_sources(args)

@@ -18,7 +18,7 @@ from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.layout import LeftAligned, head_reads, position_limit
-from dschat.rlhf.config import step3_args
+from dschat.rlhf.config import kl_in_loss, step3_args
 from dschat.rlhf.engine import check_settings
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
@@ -454,13 +454,14 @@ class DeepSpeedPPOTrainer:
         return loss
 
     def _kl_loss_settings(self):
-        """(coefficient, estimator) of the KL loss term. GRPO and RLOO always take KL as a loss term (their
-        advantages ignore per-token rewards): --kl_loss_coef (unset: 0.001; 0: no term) with --kl_estimator (unset:
-        k3). The others only with --kl_in_reward 0: --kl_loss_coef (unset: 0) with --kl_estimator (unset: k1)."""
+        """(coefficient, estimator) of the KL loss term: where the KL is a loss term (``kl_in_loss``: GRPO and RLOO
+        always, the others with --kl_in_reward 0), --kl_loss_coef (unset: 0.001, verl's; 0: no term) with
+        --kl_estimator (unset: k3; k1's gradient over sampled tokens is 0 in expectation, so as a loss it pulls
+        nothing towards the reference); else no term."""
         a = self.args
-        if a.advantage_estimator in ("grpo", "rloo"):
-            return (0.001 if a.kl_loss_coef is None else a.kl_loss_coef), a.kl_estimator or "k3"
-        return (0.0 if a.kl_in_reward or a.kl_loss_coef is None else a.kl_loss_coef), a.kl_estimator or "k1"
+        if not kl_in_loss(a):
+            return 0.0, a.kl_estimator or "k1"
+        return (0.001 if a.kl_loss_coef is None else a.kl_loss_coef), a.kl_estimator or "k3"
 
     def _loss_agg(self, inputs):
         if self.args.loss_agg != "global_token_mean":
