@@ -244,3 +244,24 @@ def test_every_key_a_config_file_sets_against_the_flags_is_in_one_error():
         apply_user_ds_config(get_train_ds_config(stage=2, micro_batch_size=4),
                              {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 99}, flags,
                              quiet=True)
+
+
+def test_the_decoder_stack_is_found_by_full_size_under_zero3_partitioning(distributed):
+    """Partitioned parameters have numel() 0 outside a gather: every ModuleList weighed 0 and the first one won, so a
+    model with another ModuleList before its decoder stack (a projector, say) had it taken for the layers."""
+    import deepspeed
+    from torch import nn
+
+    from dschat.models.layers import decoder_layer_list
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+            self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])
+
+    with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
+                                                  "zero_optimization": {"stage": 3}}):
+        sharded = Net()
+    assert sharded.layers[0].weight.numel() == 0, "the parameters are partitioned"
+    assert decoder_layer_list(sharded)[0] == "layers"

@@ -24,7 +24,6 @@ Parameter names are mapped generically (``dschat.models.lora.inference_name``): 
 and ``modules_to_save`` copies replace the original module. No per-model-family tables. The merge itself
 (``dschat.models.lora``) is the one checkpoint saving and the actor EMA use too.
 """
-import contextlib
 import copy
 import dataclasses
 
@@ -34,10 +33,7 @@ from torch import nn
 from dschat.models.layers import decoder_layer_list
 from dschat.models.lora import (active_adapters, head_trains_untied, lora_layers, merged_fp32, plain_named, unwrap_peft,
                                 weight_deltas)
-
-
-def is_zero3_param(param):
-    return hasattr(param, "ds_id")
+from dschat.models.zero3 import gathered, is_zero3_param
 
 
 def layer_index(param_name, layers_prefix):
@@ -241,15 +237,6 @@ class InferenceCopy(InferenceWeights):
     def nbytes(self):
         """Storage owned by the copy (aliased parameters excluded)."""
         return sum(c.target.nbytes for c in self.copies if not c.aliased)
-
-
-def gathered(params):
-    """Context in which ZeRO-3-partitioned ``params`` are whole (read-only); nothing to do for ordinary tensors."""
-    if not any(is_zero3_param(p) for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def _empty_copy_of(base):

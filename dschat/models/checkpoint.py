@@ -6,12 +6,9 @@ import shutil
 from contextlib import contextmanager
 
 from dschat.models.lora import check_lora_mergeable, head_trains_untied, merge_lora_state_dict, unwrap_peft
+from dschat.models.zero3 import is_zero3_param
 from dschat.utils.dist import barrier, is_rank_0
 from dschat.utils.files import give_plain_modes, temp_folder
-
-
-def _is_zero3_param(param):
-    return hasattr(param, "ds_id")
 
 
 def gathered_state_dict(module):
@@ -24,7 +21,7 @@ def gathered_state_dict(module):
     state, parameter_ids = {}, set()
     for name, param in module.named_parameters():
         parameter_ids.add(id(param))
-        if _is_zero3_param(param):
+        if is_zero3_param(param):
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                 if is_rank_0():
                     state[name] = param.detach().cpu().clone()

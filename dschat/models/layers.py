@@ -3,6 +3,8 @@ can fetch each of them as one unit."""
 import torch
 from torch import nn
 
+from dschat.models.zero3 import full_numel
+
 ZERO3_FETCH_UNITS = ("layer", "module")
 DEFAULT_ZERO3_FETCH = "layer"
 
@@ -12,7 +14,7 @@ def decoder_layer_list(model):
     best = None
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
-            size = sum(p.numel() for p in module.parameters())
+            size = sum(full_numel(p) for p in module.parameters())  # (ZeRO-3: numel() is 0 outside a gather)
             if best is None or size > best[2]:
                 best = (name, module, size)
     return (best[0], best[1]) if best else (None, None)

@@ -114,11 +114,11 @@ def resume_flags(trainer):
 
 def _load_ema(module, path):
     """Rank 0 loads into ZeRO-3 gathers (then re-partitioned); unsharded copies load on every rank."""
-    from dschat.rlhf.ema import _gathered
+    from dschat.models.zero3 import gathered, is_zero3_param
 
-    sharded = any(hasattr(p, "ds_id") for p in module.parameters())
+    sharded = any(is_zero3_param(p) for p in module.parameters())
     state = torch.load(path, weights_only=True) if is_rank_0() or not sharded else None
     for name, param in module.named_parameters():
-        with _gathered([param], modifier_rank=0):
+        with gathered([param], modifier_rank=0):
             if state is not None:
                 param.data.copy_(state[name])

@@ -1,19 +1,8 @@
 """Exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), any ZeRO stage, LoRA merged."""
-import contextlib
-
 import torch
 
 from dschat.models.lora import active_adapters, merged_fp32, plain_named, unwrap_peft, weight_deltas
-
-
-def _gathered(params, modifier_rank=None):
-    """Gather ZeRO-3 partitions (a no-op for ordinary parameters)."""
-    import deepspeed
-
-    z3 = [p for p in params if hasattr(p, "ds_id")]
-    if not z3:
-        return contextlib.nullcontext()
-    return deepspeed.zero.GatheredParameters(z3, modifier_rank=modifier_rank)
+from dschat.models.zero3 import gathered
 
 
 @torch.no_grad()
@@ -31,6 +20,6 @@ def moving_average(model, model_ema, beta=0.992):
             raise KeyError(f"EMA parameter {name} has no counterpart in the actor")
         param, adapters = sources[name], deltas.get(name, [])
         fetch = [param] + [t for delta in adapters for t in delta.params()]
-        with _gathered(fetch), _gathered([ema_param], modifier_rank=0):
+        with gathered(fetch), gathered([ema_param], modifier_rank=0):
             value = merged_fp32(param, adapters) if adapters else param.data
             ema_param.data.copy_(torch.lerp(value.to(ema_param.dtype), ema_param.data, beta))

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from dschat.compat import enable_activation_checkpointing
 from dschat.errors import UsageError
 from dschat.models.layers import DEFAULT_ZERO3_FETCH
+from dschat.models.zero3 import full_numel
 from dschat.utils.checkpoints import DATA_FILES
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.ds_config import check_dtype_supported
@@ -211,7 +212,7 @@ class Throughput:
 
 
 def count_params(model):
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return sum(full_numel(p) for p in model.parameters())
 
 
 def tensorboard_writer(args, name, purge_step=None):
