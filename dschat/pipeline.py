@@ -350,7 +350,7 @@ def run_pipeline(args):
         metrics = run_step(main, argv, step, steps, plan)
         # a resumed step's own clock counts its interrupted run's time too (up to the checkpoint it resumed from)
         timings[name] = metrics["seconds"] if plan[step].action == RESUME and metrics else time.time() - started
-    embedded_data = tiny and not args.data_path  # the rule scorer knows only the embedded data
+    embedded_data = tiny and args.data_path in (None, [], ["tiny"])  # the rule scorer knows only the embedded data
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None

@@ -291,7 +291,8 @@ def test_train_py_dpo_recipe_builds_the_dpo_step_arguments(tmp_path):
     assert dpo_args.label_smoothing == 0.0 and not dpo_args.offload_reference_model
 
 
-def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, distributed):
+@pytest.mark.parametrize("data", [[], ["--data-path", "tiny"]])  # named, the embedded data lost its rule score
+def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, distributed, data):
     from dschat.steps import ppo, reward, sft
 
     calls = []
@@ -308,7 +309,7 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
     monkeypatch.setattr(dpo, "main", fake_dpo)
     scores = {"sft": {"rule_score": 0.8, "prompts": 120}, "dpo": {"rule_score": 0.9, "prompts": 120}}
     monkeypatch.setattr(pipeline, "held_out_rule_scores", lambda args: calls.append("rule") or scores)
-    report = pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path)]))
+    report = pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path), *data]))
     assert calls == ["sft", "dpo", "rule"]
     assert json.loads((tmp_path / "report.json").read_text())["dpo"] == report["dpo"]
     assert report["dpo"]["logp_accuracy"] == 0.5
