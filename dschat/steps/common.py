@@ -364,15 +364,6 @@ def to_device(batch, device):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def mean_across_ranks(values, device):
-    """Mean of a list of floats over all ranks' lists (each rank may have a different count)."""
-    from dschat.utils.dist import all_reduce
-
-    t = torch.tensor([sum(values), float(len(values))], dtype=torch.float64, device=device)
-    all_reduce(t)
-    return (t[0] / t[1].clamp(min=1)).item()
-
-
 def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, total_steps, writer=None,
                  throughput=None, position=None, save=None):
     """The optimizer-step loop shared by steps 1 and 2 (and DPO).

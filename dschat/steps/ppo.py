@@ -4,6 +4,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,10 +19,10 @@ from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
-                                 reseed_epoch, restart_deepspeed_tensorboard, resumed_save_interval,
-                                 say_a_changed_schedule, say_max_steps_past_the_epochs, seconds_so_far, setup_run,
-                                 take_data_files, tensorboard_writer, write_results)
-from dschat.utils.checkpoints import clear_earlier_run
+                                 reseed_epoch, restart_deepspeed_tensorboard, say_max_steps_past_the_epochs,
+                                 seconds_so_far, setup_run, take_data_files, tensorboard_writer, to_device,
+                                 write_results)
+from dschat.steps.resume import resume_or_afresh
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import check_writable_folder
 
@@ -137,6 +138,44 @@ def held_out_eval(trainer, loader, args, device, scorer):
                                pad_to_multiple_of=trainer.pad_to_multiple_of, reward_fn=trainer.reward_fn)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """How many PPO iterations the run trains: ``usable_batches`` generation batches of an epoch make its
+    ``iters_per_epoch`` iterations; ``total`` over the run (the learning-rate schedule's); ``stop_at``: where the run
+    stops (test mode stops early without changing the schedule: it simulates an interrupted run)."""
+    iters_per_epoch: int
+    usable_batches: int
+    total: int
+    stop_at: int
+    optimizer_steps: int
+
+
+def plan_iterations(args, train_loader):
+    """The run's ``Schedule``; the prompts of no whole iteration, --max_steps past the epochs and a --test_stop_step
+    without test mode are said."""
+    check_prompts_make_an_iteration(len(train_loader.dataset), args, get_world_size())
+    iters_per_epoch = len(train_loader) // args.generation_batches
+    usable_batches = iters_per_epoch * args.generation_batches
+    # the prompts of no whole iteration (batches of the last one, and those short of a batch): said, not generated
+    prompts, used = len(train_loader.dataset), usable_batches * args.per_device_generation_batch_size * get_world_size()
+    if used < prompts:
+        print_rank_0(f"[step3] each epoch trains on {used} of its {prompts} training prompts (an iteration takes "
+                     f"--generation_batches {args.generation_batches} x --per_device_generation_batch_size "
+                     f"{args.per_device_generation_batch_size} x {get_world_size()} rank(s)); the other "
+                     f"{prompts - used}, drawn anew each epoch, are skipped")
+    total = iters_per_epoch * args.num_train_epochs
+    say_max_steps_past_the_epochs(args.max_steps, total, args.num_train_epochs, "PPO iterations")
+    if args.max_steps:
+        total = min(total, args.max_steps)
+    stop_at = min(total, args.test_stop_step) if args.enable_test_mode and args.test_stop_step else total
+    if args.test_stop_step and not args.enable_test_mode:
+        print_rank_0(f"warning: --test_stop_step {args.test_stop_step} has no effect without --enable_test_mode (as in "
+                     f"DeepSpeed-Chat): the run trains all {total} iterations (--max_steps stops it and "
+                     "shortens its schedule)")
+    optimizer_steps = max(1, total * args.ppo_epochs * micro_batches_per_epoch(args) // args.gradient_accumulation_steps)
+    return Schedule(iters_per_epoch, usable_batches, total, stop_at, optimizer_steps)
+
+
 def main(args=None):
     """Run PPO; returns metrics (held-out reward/rule scores before and after, final iteration stats)."""
     if args is None or isinstance(args, (list, tuple)):
@@ -153,60 +192,50 @@ def main(args=None):
     train_loader, eval_loader = prompt_loaders(args, tokenizer)
     unsup_loader = unsupervised_loader(args, tokenizer)
     check_accumulation(args)
-    check_prompts_make_an_iteration(len(train_loader.dataset), args, get_world_size())
-    iters_per_epoch = len(train_loader) // args.generation_batches
-    usable_batches = iters_per_epoch * args.generation_batches
-    # the prompts of no whole iteration (batches of the last one, and those short of a batch): said, not generated
-    prompts, used = len(train_loader.dataset), usable_batches * args.per_device_generation_batch_size * get_world_size()
-    if used < prompts:
-        print_rank_0(f"[step3] each epoch trains on {used} of its {prompts} training prompts (an iteration takes "
-                     f"--generation_batches {args.generation_batches} x --per_device_generation_batch_size "
-                     f"{args.per_device_generation_batch_size} x {get_world_size()} rank(s)); the other "
-                     f"{prompts - used}, drawn anew each epoch, are skipped")
-    total_iters = iters_per_epoch * args.num_train_epochs
-    say_max_steps_past_the_epochs(args.max_steps, total_iters, args.num_train_epochs, "PPO iterations")
-    if args.max_steps:
-        total_iters = min(total_iters, args.max_steps)
-    # test mode stops early without changing the schedule (it simulates an interrupted run)
-    stop_at = min(total_iters, args.test_stop_step) if args.enable_test_mode and args.test_stop_step else total_iters
-    if args.test_stop_step and not args.enable_test_mode:
-        print_rank_0(f"warning: --test_stop_step {args.test_stop_step} has no effect without --enable_test_mode (as in "
-                     f"DeepSpeed-Chat): the run trains all {total_iters} iterations (--max_steps stops it and "
-                     "shortens its schedule)")
-    optimizer_steps = max(1, total_iters * args.ppo_epochs * micro_batches_per_epoch(args)
-                          // args.gradient_accumulation_steps)
+    schedule = plan_iterations(args, train_loader)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
-                                 num_total_iters=optimizer_steps)
+                                 num_total_iters=schedule.optimizer_steps)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)
     ckpt_root = os.path.join(args.output_dir, "checkpoints")
-    checkpoint = position = load_checkpoint(trainer, ckpt_root) if args.resume else None
-    log_path = os.path.join(args.output_dir, "step3_log.jsonl")
-    if position is None:
-        if args.resume:
-            print_rank_0(f"[step3] --resume: no complete checkpoint in {ckpt_root}; starting from iteration 0")
-        elif clear_earlier_run(ckpt_root):
-            print_rank_0(f"[step3] starting afresh (no --resume): removed an earlier run's checkpoints from "
-                         f"{ckpt_root}")
-        position = {"iteration": 0, "epoch": 0, "batch": 0, "unsup_batches": 0}
-        for engine in (trainer.actor_model, trainer.critic_model):  # (a resume restarts them at its checkpoint)
-            restart_deepspeed_tensorboard(engine)
-        before = held_out_eval(trainer, eval_loader, args, device, scorer)
-        _keep_log_until(log_path, 0)
+    checkpoint = resume_or_afresh(lambda: load_checkpoint(trainer, ckpt_root), ckpt_root, args, "step3",
+                                  schedule.total, unit="iteration")
+    if checkpoint is None:
+        for model in (trainer.actor_model, trainer.critic_model):  # (a resume restarts them at its checkpoint)
+            restart_deepspeed_tensorboard(model)
+        position = {"iteration": 0, "epoch": 0, "batch": 0, "unsup_batches": 0,
+                    "eval_before": held_out_eval(trainer, eval_loader, args, device, scorer)}
     else:
-        print_rank_0(f"[step3] resumed from iteration {position['iteration']}")
-        say_a_changed_schedule("step3", position, total_iters, "iterations")
-        before = position.get("eval_before")
-        _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
-    args.save_interval = resumed_save_interval(args.save_interval, checkpoint, "step3", "iterations")
+        position = checkpoint
+    log_path = os.path.join(args.output_dir, "step3_log.jsonl")
+    _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     clear_results(args, "step3", resumed=checkpoint is not None)
+    before = position.get("eval_before")
     print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
+    iteration = train_iterations(trainer, args, schedule, (train_loader, unsup_loader), position, log_path,
+                                 lambda: seconds_so_far(started, checkpoint))
+    after = held_out_eval(trainer, eval_loader, args, device, scorer)
+    print_rank_0(f"[step3] held-out after PPO: {_eval_line(after)}")
+    save_models(trainer, args)
+    metrics = {"iterations": iteration, "eval_before": before, "eval_after": after,
+               "seconds": seconds_so_far(started, checkpoint)}
+    write_results(args, metrics, "step3")
+    return metrics
+
+
+def train_iterations(trainer, args, schedule, loaders, position, log_path, seconds):
+    """The PPO iterations from ``position`` (a checkpoint's, or the start's) to ``schedule.stop_at``: each generates
+    ``--generation_batches`` batches of experience (and takes as many unsupervised batches), trains on them, is
+    logged, and every ``--save_interval`` iterations checkpointed. Returns the iterations done."""
+    train_loader, unsup_loader = loaders
+    device = local_device()
+    ckpt_root = os.path.join(args.output_dir, "checkpoints")
     # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again, a fresh one all
     # (an earlier run's events in the same folder are hidden from there on, as its jsonl log is cut)
     writer = tensorboard_writer(args, "step3", purge_step=position["iteration"] + 1)
     iteration = position["iteration"]
-    bar = progress(range(total_iters), total_iters, "step3 PPO")
+    bar = progress(range(schedule.total), schedule.total, "step3 PPO")
     if is_rank_0():
         bar.update(iteration)
     # one unsupervised stream for the whole run; a checkpoint stores how many of its batches were consumed
@@ -218,7 +247,7 @@ def main(args=None):
         for batch_index, batch in enumerate(train_loader):
             if epoch == position["epoch"] and batch_index < position["batch"]:
                 continue  # consumed before the checkpoint we resumed from
-            if iteration >= stop_at or batch_index >= usable_batches:
+            if iteration >= schedule.stop_at or batch_index >= schedule.usable_batches:
                 break
             if not buffer:  # the iteration's clock runs from its first generation batch
                 t0, batch_stats = time.time(), []
@@ -226,7 +255,7 @@ def main(args=None):
             buffer.append(trainer.generate_experience(batch, step=iteration, advantages=False))
             batch_stats.append(dict(trainer.stats))  # this generation batch's alone: the next one overwrites them
             if unsup_iter is not None:  # one unsupervised batch per generation batch, as in DeepSpeed-Chat
-                unsup_buffer.append(_to(next(unsup_iter), device))
+                unsup_buffer.append(to_device(next(unsup_iter), device))
                 unsup_batches += 1
             if len(buffer) < args.generation_batches:
                 continue
@@ -242,18 +271,13 @@ def main(args=None):
             iteration += 1
             if args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch, "batch": batch_index + 1,
-                                                     "unsup_batches": unsup_batches, "eval_before": before,
-                                                     "save_interval": args.save_interval, "total": total_iters,
-                                                     "seconds": seconds_so_far(started, checkpoint)})
-        if iteration >= stop_at:
+                                                     "unsup_batches": unsup_batches,
+                                                     "eval_before": position.get("eval_before"),
+                                                     "save_interval": args.save_interval, "total": schedule.total,
+                                                     "seconds": seconds()})
+        if iteration >= schedule.stop_at:
             break
-    after = held_out_eval(trainer, eval_loader, args, device, scorer)
-    print_rank_0(f"[step3] held-out after PPO: {_eval_line(after)}")
-    save_models(trainer, args)
-    metrics = {"iterations": iteration, "eval_before": before, "eval_after": after,
-               "seconds": seconds_so_far(started, checkpoint)}
-    write_results(args, metrics, "step3")
-    return metrics
+    return iteration
 
 
 def save_models(trainer, args):
@@ -379,6 +403,3 @@ def _keep_log_until(path, iteration):
         f.writelines(kept)
     os.replace(path + ".tmp", path)
 
-
-def _to(batch, device):
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -95,19 +95,27 @@ def resume_or_start(engine, args, name, total_steps):
     is none: the run starts over). Otherwise None, and an earlier run's checkpoints there are removed. Sets
     ``args.save_interval`` (not given: the resumed run's). A checkpoint past this run's ``total_steps`` is an error
     (the run would train on, past the end of its schedule)."""
-    root = checkpoint_root(args)
-    position = load_step_checkpoint(engine, args, name) if args.resume else None
+    return resume_or_afresh(lambda: load_step_checkpoint(engine, args, name), checkpoint_root(args), args, name,
+                            total_steps)
+
+
+def resume_or_afresh(load, root, args, name, total, unit="step"):
+    """The loop of every step around its checkpoints in ``root``: with --resume the position ``load()`` restores (its
+    ``unit``, e.g. "step" or "iteration", is its count), checked against the run's ``total`` and said; None when there
+    is none (the run starts over) or without --resume, which removes an earlier run's checkpoints. Sets
+    ``args.save_interval`` (not given: the resumed run's)."""
+    position = load() if args.resume else None
     if position is not None:
-        if position["step"] > total_steps:
-            raise UsageError(f"--resume: the last checkpoint in {root} is at step {position['step']}, past this run's "
-                             f"{total_steps} steps (--max_steps, --num_train_epochs): give at least as many, or start "
+        if position[unit] > total:
+            raise UsageError(f"--resume: the last checkpoint in {root} is at {unit} {position[unit]}, past this run's "
+                             f"{total} {unit}s (--max_steps, --num_train_epochs): give at least as many, or start "
                              "afresh without --resume")
-        print_rank_0(f"[{name}] resumed from step {position['step']} ({root})"
-                     + (": its last step, nothing left to train" if position["step"] == total_steps else ""))
-        say_a_changed_schedule(name, position, total_steps, "steps")
+        print_rank_0(f"[{name}] resumed from {unit} {position[unit]} ({root})"
+                     + (f": its last {unit}, nothing left to train" if position[unit] == total else ""))
+        say_a_changed_schedule(name, position, total, f"{unit}s")
     elif args.resume:
-        print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from step 0")
+        print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from {unit} 0")
     elif clear_earlier_run(root):
         print_rank_0(f"[{name}] starting afresh (no --resume): removed an earlier run's checkpoints from {root}")
-    args.save_interval = resumed_save_interval(args.save_interval, position, name, "steps")
+    args.save_interval = resumed_save_interval(args.save_interval, position, name, f"{unit}s")
     return position
