@@ -1,8 +1,9 @@
 """The tools for trained models: chat.py, step-1 prompt_eval, step-2 rw_eval, step-3 ppo_eval (tiny models)."""
 import json
 import os
-import subprocess
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -598,6 +599,22 @@ def test_ppo_eval_checks_lengths_before_generating(tmp_path):
         ppo_eval.build_parser().parse_args([*args, "--max_new_tokens", "0"])
     with pytest.raises(UsageError, match=r"--max_prompt_seq_len \+ --max_new_tokens = 856 tokens.*512 learned"):
         ppo_eval.main([*args, "--max_prompt_seq_len", "256", "--max_new_tokens", "600"])
+
+
+def test_ppo_eval_refuses_a_policy_whose_token_ids_the_reward_model_reads_as_other_text(models, tmp_path):
+    """The reward model was loaded with the first policy's tokenizer and scored a baseline of another tokenizer's ids
+    as other text (numbers that meant nothing), as step 3 and train.py refuse."""
+    from dschat.errors import UsageError
+
+    other = tmp_path / "other_vocab"
+    shutil.copytree(models["baseline"], other)
+    tokenizer = load_tokenizer(str(other))
+    tokenizer.add_tokens(["<brand_new_token>"])
+    tokenizer.save_pretrained(other)
+    with pytest.raises(UsageError, match=f"the reward model {re.escape(models['rm'])} has another tokenizer than the "
+                                         f"actor {re.escape(str(other))}"):
+        ppo_eval.main(["--policy", models["policy"], "--baseline", str(other), "--reward_model", models["rm"],
+                       "--data_output_path", str(tmp_path / "data"), "--num_prompts", "2", "--max_new_tokens", "2"])
 
 
 def test_ppo_eval_scores_as_many_held_out_prompts_as_step3_did_on_its_ranks():

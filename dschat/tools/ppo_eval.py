@@ -14,8 +14,9 @@ from types import SimpleNamespace
 from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path
-from dschat.models.loading import check_sequence_fits
+from dschat.models.loading import check_sequence_fits, load_tokenizer, resolve_model_path
 from dschat.errors import UsageError
+from dschat.rlhf.engine import check_scores_actor_text
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.run_layout import PPO_DIR, SFT_DIR
@@ -36,6 +37,10 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
     """
     device = default_device()
     model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
+    if reward_model_path:  # each policy: a baseline of another family would be scored as other text
+        check_scores_actor_text(tokenizer, path, load_tokenizer(resolve_model_path(reward_model_path),
+                                                                add_eot_token=args.add_eot_token),
+                                reward_model_path, "the reward model")
     if reward_model is None and reward_model_path:
         reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
     for checked in (model, reward_model):  # as step 3 checks its models: not an IndexError mid-generation
