@@ -663,6 +663,20 @@ def test_ppo_eval_reads_step3s_data_files_from_any_folder_and_keeps_its_cache_ou
     assert counts == {"step1_sft": 8, "step2_dpo": ppo_eval.build_parser().get_default("num_prompts")}
 
 
+def test_ppo_eval_takes_the_runs_field_names_only_with_the_runs_files(tmp_path):
+    """A --data_path of one's own got the run's --data_fields too ("no 'question' field, which --data_fields
+    prompt=question names"): they go with the run's files."""
+    actor = tmp_path / "out" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "config.json").write_text("{}")
+    (actor.parent / "training_args.json").write_text(json.dumps(
+        {"step": "step3", "world_size": 1, "cwd": str(tmp_path),
+         "flags": {"data_path": ["jsonl:q.jsonl"], "data_fields": "prompt=question"}}))
+    assert ppo_eval.parse_args(["--policy", str(actor)]).data_fields == "prompt=question"
+    own = ppo_eval.parse_args(["--policy", str(actor), "--data_path", "jsonl:mine.jsonl"])
+    assert own.data_path == ["jsonl:mine.jsonl"] and own.data_fields == ""
+
+
 def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("dschat.args._REPORTED_UNKNOWN", set())  # each unknown setting is reported once a process
     out_json = tmp_path / "eval" / "ppo_eval.json"

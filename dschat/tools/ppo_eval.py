@@ -163,6 +163,8 @@ def step3_run_defaults(args):
         return {}, None
     flags = run["flags"]
     defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
+    if as_list(args.data_path) != as_list(build_parser().get_default("data_path")):
+        defaults.pop("data_fields", None)  # the run's field names go with its files, not with the --data_path given
     if "data_path" in defaults:  # the files step 3 read, from whatever folder this runs in
         defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
     defaults.update(run_reward_sources(flags, run.get("cwd"), args.reward_fn))
