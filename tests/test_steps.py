@@ -549,6 +549,19 @@ def test_a_model_folder_that_is_not_there_is_an_error_naming_the_flag(tmp_path, 
     with pytest.raises(MissingInputError, match=f"--critic_model_name_or_path {missing}: no such folder"):
         check_earlier_step_outputs(step3_args({"actor_model_name_or_path": resolve_model_path("tiny-gpt2"),
                                                "critic_model_name_or_path": missing}))
+    # a folder without a model (a PEFT adapter's, an empty one): transformers' "Unrecognized model" traceback, in
+    # train.py after step 1 had trained when it was the --reward-model
+    adapter, empty = tmp_path / "adapter", tmp_path / "empty"
+    adapter.mkdir(), empty.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    args = _train_py_args("--actor-model", resolve_model_path("tiny-gpt2"), "--reward-model", str(adapter),
+                          "--output-dir", str(tmp_path / "out"))
+    with pytest.raises(MissingInputError, match=f"--reward-model {adapter}: a PEFT adapter folder .*merge_and_unload"):
+        pipeline.run_pipeline(args)
+    with pytest.raises(MissingInputError, match=rf"--model_name_or_path {empty}: no model in this folder: expected a "
+                                                r"model folder \(config.json\)"):
+        sft.main(["--model_name_or_path", str(empty), "--output_dir", str(tmp_path / "sft")])
+    assert not (tmp_path / "out").exists(), "no step may have run"
 
 
 def test_a_mistyped_step_folder_of_a_run_here_is_local_and_names_the_folder_meant(tmp_path, monkeypatch):

@@ -109,11 +109,25 @@ def check_model_path(name_or_path, flag):
 
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
+    if os.path.isdir(name_or_path) and not_a_model_folder(name_or_path):
+        raise MissingInputError(f"{flag} {not_a_model_folder(name_or_path)}")
     bare = str(name_or_path).removeprefix(PRESET_PREFIX)
     if bare.startswith("tiny-") and not is_tiny_preset(name_or_path) and not os.path.exists(name_or_path):
         # (no hub model is named so: a mistyped preset, not a minute of hub retries offline)
         raise MissingInputError(f"{flag} {name_or_path}: no such tiny preset (they are {', '.join(TINY_PRESETS)}) "
                                 f"nor folder")
+
+
+def not_a_model_folder(path, expected="a model folder (config.json)"):
+    """Why the folder ``path`` holds no model (a PEFT adapter's, or none at all), else None: transformers would fail
+    on it with "Unrecognized model ... Should have a `model_type` key" or a tokenizer backend error."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # what PEFT's save_pretrained writes
+        return (f"{path}: a PEFT adapter folder (adapter_config.json), not a whole model: merge the adapter into its "
+                "base model (PEFT's merge_and_unload(), then save_pretrained with the tokenizer) and pass that folder "
+                "(dschat's steps save LoRA models merged)")
+    return f"{path}: no model in this folder: expected {expected}"
 
 
 DEFAULT_EOT_TOKEN = "<|endoftext|>"

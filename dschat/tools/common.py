@@ -8,7 +8,7 @@ import torch
 
 from dschat.args import check_sampling_flags, positive_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
-from dschat.models.loading import looks_local
+from dschat.models.loading import looks_local, not_a_model_folder
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, RM_DIR, SFT_DIR
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
@@ -36,13 +36,9 @@ def _model_folder(path, subfolders, reported=None):
         candidate = os.path.join(path, sub)
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        if os.path.isfile(os.path.join(path, "adapter_config.json")):  # what PEFT's save_pretrained writes
-            raise MissingInputError(f"{path}: a PEFT adapter folder (adapter_config.json), not a whole model: merge the "
-                                    "adapter into its base model (PEFT's merge_and_unload(), then save_pretrained with "
-                                    "the tokenizer) and pass that folder (dschat's steps save LoRA models merged)")
-        raise MissingInputError(f"{path}: no model in this folder: expected a model folder (config.json) or a "
-                                f"train.py output folder holding one of {', '.join(subfolders)}")
+    if os.path.isdir(path) and not_a_model_folder(path):
+        raise MissingInputError(not_a_model_folder(path, "a model folder (config.json) or a train.py output folder "
+                                                         f"holding one of {', '.join(subfolders)}"))
     if not os.path.exists(path) and looks_local(path):
         raise MissingInputError(f"{path}: no such folder")
     return path
