@@ -66,7 +66,8 @@ def peft_reading_checkpointing():
 @contextlib.contextmanager
 def backbone_ignoring_lm_head(config):
     """Loading a causal LM's folder (a step-1 output) as its backbone (``AutoModel``, the reward model's and critic's),
-    the head's weights (``lm_head``; GPT-NeoX's ``embed_out``: ``lora.HEAD_NAMES``) are left over by design, and
+    the head's weights (``lm_head``; GPT-NeoX's ``embed_out``: ``lora.HEAD_NAMES``; a *ForSequenceClassification's
+    ``score``, read by the reward model itself) are left over by design, and
     transformers 5 prints a "LOAD REPORT ... UNEXPECTED ... not ok if you expect identical arch" for them on every
     step-2/3 run. The backbone class ignores just those keys while it loads (every other unexpected or missing key is
     still reported). dschat loads models from one thread: the class attribute is set and put back around the load."""
@@ -80,7 +81,7 @@ def backbone_ignoring_lm_head(config):
         return
     saved = backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
     backbone._keys_to_ignore_on_load_unexpected = [*(backbone._keys_to_ignore_on_load_unexpected or ()),
-                                                   rf"^({'|'.join(HEAD_NAMES)})\."]
+                                                   rf"^({'|'.join((*HEAD_NAMES, 'score'))})\."]
     try:
         yield
     finally:

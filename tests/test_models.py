@@ -288,6 +288,38 @@ def test_deepspeed_chats_reward_model_folder_loads_with_its_backbone_and_head(ze
         load_causal_lm(folder, None)
 
 
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
+def test_a_one_label_sequence_classification_folder_loads_as_the_reward_model_it_is(family, tmp_path, caplog):
+    """TRL's RewardTrainer and OpenRLHF save reward models as transformers' *ForSequenceClassification with one label
+    (a "score" head): refused as "not a reward model" before. The scores are transformers' own, at the last real
+    token of right-padded rows."""
+    from transformers import AutoModelForSequenceClassification
+
+    from dschat.models.loading import load_causal_lm
+    from dschat.models.reward_model import is_reward_model_folder
+
+    torch.manual_seed(0)
+    config = CONFIGS[family]()
+    config.num_labels, config.pad_token_id = 1, 0
+    original = AutoModelForSequenceClassification.from_config(config).eval()
+    original.save_pretrained(tmp_path / "rm")
+    assert is_reward_model_folder(str(tmp_path / "rm"))
+    with caplog.at_level(logging.WARNING):
+        loaded = load_reward_model(str(tmp_path / "rm")).eval()
+    assert loaded.value_head_loaded and "UNEXPECTED" not in caplog.text, "the score head is the reward model's own"
+    ids = torch.randint(3, 96, (3, 7))
+    mask = torch.ones_like(ids)
+    ids[1, 5:], mask[1, 5:] = 0, 0  # right padding with the pad id, as transformers finds each row's end
+    with torch.no_grad():
+        expected = original(input_ids=ids, attention_mask=mask).logits[:, 0]
+        assert torch.allclose(loaded.end_scores(ids, mask), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="a reward model .*not a policy"):
+        load_causal_lm(str(tmp_path / "rm"), None)
+    config.num_labels = 2  # a classifier of two labels is no reward model
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "two")
+    assert not is_reward_model_folder(str(tmp_path / "two"))
+
+
 def test_a_checkpoint_whose_weights_are_named_for_another_layout_is_an_error(tmp_path):
     """transformers loads it with every weight new (a "LOAD REPORT ... MISSING"), and it trained from random values."""
     from dschat.errors import UsageError

@@ -18,7 +18,11 @@ REWARD_META_FILE = "reward_model.json"
 DS_CHAT_WEIGHTS_FILE = "pytorch_model.bin"
 DS_CHAT_BACKBONE_PREFIX = "rwtranrsformer."
 DS_CHAT_HEAD_KEY = "v_head.weight"
-VALUE_HEAD_FILES = f"{VALUE_HEAD_FILE}, or DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in {DS_CHAT_WEIGHTS_FILE}"
+# transformers' *ForSequenceClassification with one label (TRL's RewardTrainer and OpenRLHF save reward models so; the
+# score of a sequence is its last real token's, as here): the head is "score", a Linear without bias on the backbone.
+SEQ_CLS_HEAD_KEY = "score.weight"
+VALUE_HEAD_FILES = (f"{VALUE_HEAD_FILE}, DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in {DS_CHAT_WEIGHTS_FILE}, or the "
+                    f"{SEQ_CLS_HEAD_KEY} of a one-label *ForSequenceClassification")
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +143,48 @@ class RewardModel(nn.Module):
 
 
 def is_reward_model_folder(path):
-    """A step-2 output: dschat's (backbone + ``value_head.safetensors``) or DeepSpeed-Chat's."""
-    return os.path.exists(os.path.join(path, VALUE_HEAD_FILE)) or ds_chat_reward_weights(path) is not None
+    """A step-2 output: dschat's (backbone + ``value_head.safetensors``) or DeepSpeed-Chat's; or a one-label
+    *ForSequenceClassification (TRL's, OpenRLHF's reward models)."""
+    return (os.path.exists(os.path.join(path, VALUE_HEAD_FILE)) or ds_chat_reward_weights(path) is not None
+            or sequence_classification_file(path) is not None)
+
+
+def sequence_classification_file(path):
+    """The weights file holding the score head of the one-label *ForSequenceClassification saved in ``path``, else
+    None."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        config = json.load(f)
+    architectures = config.get("architectures") or []
+    labels = len(config.get("id2label") or {}) or config.get("num_labels")
+    if labels != 1 or not any(name.endswith("ForSequenceClassification") for name in architectures):
+        return None
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            name = json.load(f).get("weight_map", {}).get(SEQ_CLS_HEAD_KEY)
+        return os.path.join(path, name) if name else None
+    file = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(file):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as f:
+        return file if SEQ_CLS_HEAD_KEY in f.keys() else None
+
+
+def _sequence_classification_head(file, path):
+    from safetensors import safe_open
+
+    from dschat.errors import UsageError
+
+    with safe_open(file, "pt") as f:
+        if "score.bias" in f.keys():  # (transformers' decoder families have none)
+            raise UsageError(f"{path}: its score head has a bias, which dschat's value head (a Linear without bias) "
+                             "cannot hold")
+        return f.get_tensor(SEQ_CLS_HEAD_KEY)
 
 
 def ds_chat_reward_weights(path):
@@ -157,8 +201,8 @@ def ds_chat_reward_weights(path):
 
 
 def trained_value_head(path, ds_chat_file=None):
-    """The value head's weight step 2 saved in ``path`` (dschat's file, or DeepSpeed-Chat's ``ds_chat_file``), else
-    None."""
+    """The value head's weight step 2 saved in ``path`` (dschat's file, or DeepSpeed-Chat's ``ds_chat_file``), or a
+    one-label *ForSequenceClassification's score head, else None."""
     from dschat.models.loading import readable_weights
 
     head_file = os.path.join(path, VALUE_HEAD_FILE)
@@ -169,6 +213,9 @@ def trained_value_head(path, ds_chat_file=None):
             return load_file(head_file)["weight"]
         if ds_chat_file:
             return torch.load(ds_chat_file, map_location="cpu", mmap=True, weights_only=True)[DS_CHAT_HEAD_KEY]
+        seq_cls_file = sequence_classification_file(path) if os.path.isdir(path) else None
+        if seq_cls_file:
+            return _sequence_classification_head(seq_cls_file, path)
     return None
 
 
