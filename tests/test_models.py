@@ -533,3 +533,27 @@ def test_sequences_longer_than_a_learned_position_table_are_an_error_and_a_warni
     llama = AutoModelForCausalLM.from_config(CONFIGS["llama"]())  # rotary positions: no table to index past
     check_sequence_fits(llama, llama.config.max_position_embeddings + 1, "--max_seq_len")
     assert "past the" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source_side", ["left", "right"])
+def test_saved_models_keep_their_folders_padding_side_not_the_steps(source_side, tmp_path, distributed):
+    """Steps pad right to train and left to generate: the step-1 model was saved padding right whatever its folder
+    said (HF's batched generate then warned and answered otherwise), step 3's actor left."""
+    from transformers import AutoTokenizer
+
+    from dschat.models.loading import load_tokenizer
+    from dschat.tiny import load_tiny_tokenizer
+
+    source = tmp_path / "source"
+    model = AutoModelForCausalLM.from_config(CONFIGS["gpt2"]())
+    model.save_pretrained(source)
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.padding_side = source_side
+    tokenizer.save_pretrained(source)
+    for step_side in ("left", "right"):
+        loaded = load_tokenizer(str(source), padding_side=step_side)
+        save_causal_lm(model, loaded, str(tmp_path / "policy"))
+        save_reward_model(RewardModel(AutoModel.from_config(CONFIGS["gpt2"]())), loaded, str(tmp_path / "rm"))
+        assert loaded.padding_side == step_side, "the step's own side is left as it was"
+        for saved in ("policy", "rm"):
+            assert AutoTokenizer.from_pretrained(tmp_path / saved).padding_side == source_side, (step_side, saved)

@@ -131,8 +131,15 @@ def save_causal_lm(module, tokenizer, output_dir, dtype=None):
             _save_pretrained(model, state, tmp)
             if dtype is not None:
                 _say_saved_dtype(tmp, dtype)
-            tokenizer.save_pretrained(tmp)
+            _save_tokenizer(tokenizer, tmp)
     barrier()
+
+
+def _save_tokenizer(tokenizer, folder):
+    from dschat.models.loading import saved_as_loaded
+
+    with saved_as_loaded(tokenizer):
+        tokenizer.save_pretrained(folder)
 
 
 def save_reward_model(reward_model, tokenizer, output_dir):
@@ -148,7 +155,7 @@ def save_reward_model(reward_model, tokenizer, output_dir):
         with atomic_folder(output_dir) as tmp:
             _save_pretrained(unwrap_peft(backbone), backbone_state, tmp)
             reward_model.save_head_and_meta(tmp, state)
-            tokenizer.save_pretrained(tmp)
+            _save_tokenizer(tokenizer, tmp)
     barrier()
 
 

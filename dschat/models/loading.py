@@ -148,8 +148,25 @@ def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_
         _warn_eot_unused(name_or_path, tokenizer.eos_token, add_eot_token, eot_token)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # the step's side (right to train, left to generate); the saved models keep the folder's (``saved_as_loaded``)
+    setattr(tokenizer, SOURCE_PADDING_SIDE, tokenizer.padding_side)
     tokenizer.padding_side = padding_side
     return tokenizer
+
+
+SOURCE_PADDING_SIDE = "dschat_source_padding_side"
+
+
+@contextlib.contextmanager
+def saved_as_loaded(tokenizer):
+    """The tokenizer with the padding side its model folder gave it, while it is saved: the side a step pads with
+    is the step's (a step-1 model saved padding right warned and generated otherwise in batches of HF's generate)."""
+    current = tokenizer.padding_side
+    tokenizer.padding_side = getattr(tokenizer, SOURCE_PADDING_SIDE, current)
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.padding_side = current
 
 
 _WARNED_EOT = set()
