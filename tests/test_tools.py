@@ -727,3 +727,12 @@ def test_prompt_eval_help_lists_deepspeed_chats_accepted_decoding_flags():
 
     text = build_parser().format_help()
     assert all(flag in text for flag in ("--num_beams", "--num_beam_groups", "--penalty_alpha", "--language"))
+
+
+@pytest.mark.parametrize("tool", ["chat", "rw_eval", "ppo_eval", "prompt_eval"])
+def test_each_tool_runs_as_a_module_too(tool):
+    """``python -m dschat.tools.rw_eval ...`` printed nothing and exited 0 whatever it was given."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", f"dschat.tools.{tool}", "--help"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-2000:]

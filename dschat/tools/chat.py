@@ -125,3 +125,11 @@ def main(argv=None):
         return 0
     run_interactive(session, read=input if sys.stdin.isatty() else echoing_input)
     return 0
+
+
+if __name__ == "__main__":  # python -m dschat.tools.chat, as the script that calls it
+    import sys
+
+    from dschat.utils.cli import run_entry_point
+
+    sys.exit(run_entry_point(main))

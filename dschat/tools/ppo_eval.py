@@ -229,3 +229,9 @@ def main(argv=None):
         write_json(args.output_json, {**results, "reward_model": reward_model_path, "data_path": args.data_path,
                                       "max_new_tokens": args.max_new_tokens})
     return results
+
+
+if __name__ == "__main__":  # python -m dschat.tools.ppo_eval, as the script that calls it
+    from dschat.utils.cli import run_entry_point
+
+    run_entry_point(main)

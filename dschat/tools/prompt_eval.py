@@ -98,3 +98,9 @@ def main(argv=None):
     if scores:
         result.update(rule_scores=scores, rule_score_means={role: _mean(scores[role]) for role in ROLES})
     return result
+
+
+if __name__ == "__main__":  # python -m dschat.tools.prompt_eval, as the script that calls it
+    from dschat.utils.cli import run_entry_point
+
+    run_entry_point(main)

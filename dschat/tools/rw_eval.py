@@ -199,3 +199,9 @@ def main(argv=None):
     result = evaluate_pairs(model, tokenizer, records, args.max_seq_len, args.batch_size)
     print_pairs(result)
     return result
+
+
+if __name__ == "__main__":  # python -m dschat.tools.rw_eval, as the script that calls it
+    from dschat.utils.cli import run_entry_point
+
+    run_entry_point(main)
