@@ -172,7 +172,35 @@ def check_step_args(steps, args, tiny, parsers):
         check_earlier_outputs(step, steps, args, flags)
     check_model_folders(steps, args)
     check_reward_model_tokenizer(steps, args, tiny)
-    return {step: flags for step, (flags, _) in parsed.items()}
+    flags = {step: flags for step, (flags, _) in parsed.items()}
+    check_sequence_lengths(args, flags, tiny)
+    return flags
+
+
+def check_sequence_lengths(args, parsed, tiny):
+    """Each step's longest sequence against the learned position table of the models it trains or scores with, before
+    step 1 runs (each step checks its own when its models load: step 3's, after steps 1 and 2 had trained)."""
+    from dschat.models.loading import check_sequence_fits, model_skeleton
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.engine import LONGEST_SEQUENCE_FLAGS, longest_sequence
+
+    recipe = getattr(args, "recipe", "ppo")
+    reward = args.actor_model if tiny else args.reward_model  # (the tiny recipe's reward model starts from the SFT one)
+    checks = []  # (model, length, flags)
+    for step, flags in parsed.items():
+        if step == 3:
+            step3 = step3_args(flags)
+            models = [args.actor_model] + ([reward] if recipe == "ppo" else [])
+            checks += [(model, longest_sequence(step3), f"--step3-args {LONGEST_SEQUENCE_FLAGS}") for model in models]
+        else:
+            model = reward if step == 2 and recipe == "ppo" else args.actor_model
+            checks.append((model, flags.max_seq_len, f"--step{step}-args --max_seq_len"))
+    skeletons = {}
+    for model, length, flags in checks:
+        if model not in skeletons:
+            skeletons[model] = model_skeleton(model)
+        if skeletons[model] is not None:
+            check_sequence_fits(skeletons[model], length, f"{flags} (for {model})", warn=False)
 
 
 # Where each step reads and writes: train.py sets these from its own flags; the later steps and the report read the

@@ -1,5 +1,6 @@
 """Steps 1 and 2 end to end on the embedded tiny default, in one process and on 2 ranks with ZeRO-3."""
 import json
+import re
 
 import pytest
 import torch
@@ -777,3 +778,22 @@ def test_step1_multiturn_flag_reaches_the_data(monkeypatch, tokenizer, argv, exp
     args = step1_parser().parse_args(["--data_path", "tiny", *argv])
     common.load_step_data(args, tokenizer, phase=1)
     assert given["multiturn"] is expected
+
+
+@pytest.mark.parametrize("step_args, said", [
+    (["--step3-args", "--max_answer_seq_len 300"],
+     "--step3-args --max_prompt_seq_len + the longer of --max_answer_seq_len and --eval_max_new_tokens (for "),
+    (["--step1-args", "--max_seq_len 600"], "--step1-args --max_seq_len (for "),
+])
+def test_train_py_checks_each_steps_lengths_against_learned_positions_before_step_1(tmp_path, step_args, said):
+    """Step 3 refused a prompt + answer longer than GPT-2's position table when its models loaded: after steps 1 and
+    2 had trained."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+    from dschat.models.loading import resolve_model_path
+
+    gpt2 = resolve_model_path("tiny-gpt2")  # (a folder: the tiny recipe's lengths are not applied)
+    args = _train_py_args("--actor-model", gpt2, "--output-dir", str(tmp_path / "out"), *step_args)
+    with pytest.raises(UsageError, match=re.escape(said) + r".* tokens, but the model has a table of 512 learned"):
+        pipeline.run_pipeline(args)
+    assert not (tmp_path / "out" / "step1_sft").exists(), "no step may have run"

@@ -330,9 +330,9 @@ def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, 
 LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
-def check_sequence_fits(model, length, flags):
+def check_sequence_fits(model, length, flags, warn=True):
     """A clear error when sequences of ``length`` tokens (``flags`` name where it comes from) are longer than the
-    model's learned position table; a warning for other position schemes."""
+    model's learned position table; a warning for other position schemes (unless not ``warn``)."""
     from dschat.rlhf.layout import position_limit
     from dschat.utils.dist import print_rank_0
 
@@ -344,5 +344,17 @@ def check_sequence_fits(model, length, flags):
     if learned:
         raise UsageError(f"{flags} = {length} tokens, but the model has a table of {limit} learned positions: "
                          f"make it at most {limit}")
-    print_rank_0(f"warning: {flags} = {length} tokens is past the {limit} positions the model was configured for")
+    if warn:
+        print_rank_0(f"warning: {flags} = {length} tokens is past the {limit} positions the model was configured for")
+
+
+def model_skeleton(name_or_path):
+    """The causal LM of a model's config on the meta device (no weights, no memory), for the checks that read its
+    layout before it loads; None when transformers cannot build one from the config alone."""
+    try:
+        config = hub_load(AutoConfig.from_pretrained, resolve_model_path(name_or_path))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
 

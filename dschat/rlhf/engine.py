@@ -69,6 +69,9 @@ def longest_sequence(args):
     return args.max_prompt_seq_len + max(args.max_answer_seq_len, args.eval_max_new_tokens or 0)
 
 
+LONGEST_SEQUENCE_FLAGS = "--max_prompt_seq_len + the longer of --max_answer_seq_len and --eval_max_new_tokens"
+
+
 def check_mixed_precision_lora(args):
     """Whether --enable_mixed_precision_lora is on; an error naming the flag when what it needs is not."""
     if not args.enable_mixed_precision_lora:
@@ -368,8 +371,7 @@ class DeepSpeedRLHFEngine:
         return initialize_frozen(model, ds_config, self.args.zero3_fetch)
 
     def _check_sequence_fits(self, model):
-        check_sequence_fits(model, longest_sequence(self.args),
-                            "--max_prompt_seq_len + the longer of --max_answer_seq_len and --eval_max_new_tokens")
+        check_sequence_fits(model, longest_sequence(self.args), LONGEST_SEQUENCE_FLAGS)
 
     def _check_token_ids(self, path, role):
         a = self.args
