@@ -56,6 +56,7 @@ def step_argv(step, args, tiny):
     """The argument list of one step, from train.py's flags (its own extra args last, so they win)."""
     out = args.output_dir
     common = ["--data_path", *args.data_path] if args.data_path else []
+    common += ["--data_fields", args.data_fields] if getattr(args, "data_fields", None) else []
     dpo = step == 2 and getattr(args, "recipe", "ppo") == "dpo"
     extra = step_extra_args(step, args)
     if dpo:
@@ -122,7 +123,7 @@ TRAIN_PY_NAMES = {"--actor_model_name_or_path": "--actor-model",
                   "--critic_model_name_or_path": "--reward-model", "--reward_model_name_or_path": "--reward-model",
                   "--actor_zero_stage": "--actor-zero-stage", "--critic_zero_stage": "--reward-zero-stage",
                   "--zero_stage": "--actor-zero-stage / --reward-zero-stage", "--data_path": "--data-path",
-                  "--output_dir": "--output-dir"}
+                  "--data_fields": "--data-fields", "--output_dir": "--output-dir"}
 
 
 def step_flags_hint(unknown):

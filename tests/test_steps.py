@@ -797,3 +797,16 @@ def test_train_py_checks_each_steps_lengths_against_learned_positions_before_ste
     with pytest.raises(UsageError, match=re.escape(said) + r".* tokens, but the model has a table of 512 learned"):
         pipeline.run_pipeline(args)
     assert not (tmp_path / "out" / "step1_sft").exists(), "no step may have run"
+
+
+def test_train_py_data_fields_reach_every_step_and_a_steps_own_wins():
+    """Field names were given per step (--stepN-args), and a step without them said "Name yours with --data_fields"."""
+    from dschat import pipeline
+    from dschat.args import step1_parser, step2_parser, step3_parser
+
+    args = _train_py_args("--actor-model", "tiny-llama", "--data-path", "csv:pairs.csv", "--data-fields",
+                          "prompt=question,chosen=good,rejected=bad", "--step3-args", "--data_fields prompt=q")
+    parsed = {step: parser().parse_args(pipeline.step_argv(step, args, tiny=True))
+              for step, parser in ((1, step1_parser), (2, step2_parser), (3, step3_parser))}
+    assert parsed[1].data_fields == parsed[2].data_fields == "prompt=question,chosen=good,rejected=bad"
+    assert parsed[3].data_fields == "prompt=q"
