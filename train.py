@@ -103,10 +103,6 @@ def parse_args(argv=None):
     return args
 
 
-def under_launcher():
-    return "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
-
-
 def relaunch_with_deepspeed(args, argv):
     """``python train.py --deployment-type single_node|multi_node``: start the ranks once, via the launcher."""
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
@@ -125,6 +121,8 @@ def relaunch_with_deepspeed(args, argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    from dschat.utils.dist import under_launcher
+
     if args.deployment_type != "single_gpu" and not under_launcher():
         sys.exit(relaunch_with_deepspeed(args, argv))
     from dschat.pipeline import run_pipeline

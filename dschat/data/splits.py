@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from dschat.errors import UsageError
-from dschat.utils.files import temp_file
+from dschat.utils.files import atomic_file
 
 
 def parse_data_split(data_split, num_parts=3):
@@ -82,7 +82,5 @@ def get_raw_dataset_split_index(local_rank, output_path, dataset_name, seed, spl
 
 
 def _save_npy_atomically(path, array):
-    fd, tmp = temp_file(os.path.dirname(path), ".npy.tmp")
-    with os.fdopen(fd, "wb") as f:
+    with atomic_file(path, "wb") as f:
         np.save(f, array)
-    os.replace(tmp, path)

@@ -1,7 +1,8 @@
 """RLHF math as small pure functions over tensors and masks.
 
 Shaped like verl's ``trainer/ppo/core_algos.py``: KL estimators, advantage estimators, policy/value
-losses and KL controllers are registered by name so the trainer can pick them with a flag.
+losses and KL controllers are registered by name, so code of one's own can add one and call it by name
+(``compute_advantages``, ``kl_estimate``); step 3's flags choose among the built-in ones.
 
 Conventions used throughout
 ---------------------------

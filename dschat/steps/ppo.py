@@ -24,7 +24,7 @@ from dschat.steps.common import (build_dataloaders, clear_results, format_metric
                                  write_results)
 from dschat.steps.resume import resume_or_afresh
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
-from dschat.utils.files import check_writable_folder
+from dschat.utils.files import atomic_file, check_writable_folder
 
 
 def prompt_loaders(args, tokenizer):
@@ -67,7 +67,8 @@ def unsupervised_loader(args, tokenizer):
     from dschat.data import DataCollatorSFT, get_unsupervised_data
 
     data = get_unsupervised_data(args, tokenizer)
-    # no --pad_to_multiple_of here: the blocks all have one length already, rounding it up would only add padding
+    # no --pad_to_multiple_of here: the blocks have one length (but for a short last one of a map batch that held less
+    # than a block), so rounding it up would mostly add padding
     loader, _ = build_dataloaders(data, data, DataCollatorSFT(tokenizer.pad_token_id),
                                   args.per_device_generation_batch_size, 1, args.seed, drop_last=True)
     if len(loader) == 0:  # cycle() would never yield
@@ -385,7 +386,6 @@ def _keep_log_until(path, iteration):
     """Keep the log's records of iterations 1..``iteration`` (none on a fresh start), rewritten atomically."""
     if not is_rank_0():
         return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     kept, unreadable = [], 0
     if iteration and os.path.exists(path):
         with open(path) as f:
@@ -399,7 +399,6 @@ def _keep_log_until(path, iteration):
                     kept.append(json.dumps(record) + "\n")
     if unreadable:
         print_rank_0(f"[step3] {path}: dropped {unreadable} unreadable line(s) (cut off when the run stopped)")
-    with open(path + ".tmp", "w") as f:
+    with atomic_file(path) as f:
         f.writelines(kept)
-    os.replace(path + ".tmp", path)
 

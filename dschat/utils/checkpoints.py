@@ -22,7 +22,8 @@ LATEST = "latest"
 TRAINER = "trainer"
 
 
-# The key under which a checkpoint's (and a step output's) bound settings hold its local data files' sizes and times.
+# The key under which a checkpoint's (and a step output's) bound settings hold its local data files' paths and content
+# hashes (``local_data_files``).
 DATA_FILES = "data_files"
 
 

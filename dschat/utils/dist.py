@@ -24,12 +24,17 @@ def ensure_distributed():
     prepare_for_zero_init()
     if not torch.distributed.is_initialized():
         share_cpu_threads()
-        if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        if not under_launcher():
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
         deepspeed.init_distributed()
         _unlink_own_shm_buffer()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def under_launcher():
+    """Whether a launcher started this process as one of its ranks (deepspeed's, torchrun's, mpirun's)."""
+    return "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
 
 
 def share_cpu_threads():

@@ -3,6 +3,7 @@
 and data caches on shared storage would be unreadable to other users and services. Also: a run's relative paths
 read from another working directory (``path_under``), and JSON written atomically (``write_json_atomic``) and read
 back (``read_json_object``)."""
+import contextlib
 import json
 import os
 import tempfile
@@ -99,13 +100,27 @@ def read_json_object(path):
     return value
 
 
+@contextlib.contextmanager
+def atomic_file(path, mode="w"):
+    """A new file, open in ``mode``, that replaces ``path`` whole when the block ends (``os.replace``): a reader never
+    sees it half-written, and a block that fails leaves ``path`` as it was."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = temp_file(folder, ".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def write_json_atomic(path, data, default=None):
-    """Write JSON to ``path`` via a temporary file and ``os.replace`` (never a half-written file)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    """Write JSON to ``path`` whole (``atomic_file``)."""
+    with atomic_file(path) as f:
         json.dump(data, f, indent=2, default=default)
-    os.replace(tmp, path)
 
 
 # What torch's zip reader says of a file cut short or corrupted (a RuntimeError, as are a CUDA out-of-memory and a
