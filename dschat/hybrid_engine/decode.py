@@ -60,9 +60,9 @@ def prompt_position_ids(attention_mask):
 
 
 def as_eos_tensor(eos_token_id, device):
-    if eos_token_id is None:
-        return None
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    from dschat.models.loading import token_id_list
+
+    ids = token_id_list(eos_token_id)
     return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
 
 

@@ -14,6 +14,7 @@ from dschat.hybrid_engine.decode import forward_spec
 from dschat.hybrid_engine.generate_args import check_left_padded
 from dschat.hybrid_engine.tensor_parallel import ranks_agree
 from dschat.models.attention import no_empty_query_rows
+from dschat.models.loading import token_id_list
 from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
@@ -34,9 +35,8 @@ def answer_mask(answers, eos_token_id):
     sampled given it, so the forwards must see it too. (DeepSpeed-Chat masks every pad id, ``seq.not_equal(pad)``:
     its forwards then see a hole that generation never had, and the sampled pad's own log-prob is never trained.)
     """
-    eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     is_eos = torch.zeros_like(answers, dtype=torch.bool)
-    for e in eos_ids:
+    for e in token_id_list(eos_token_id):
         is_eos |= answers == e
     ended_before = (is_eos.long().cumsum(1) - is_eos.long()) > 0
     return (~ended_before).long()
@@ -305,8 +305,7 @@ class DeepSpeedPPOTrainer:
         return scores
 
     def _is_eos(self, tokens):
-        eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
-        return torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+        return torch.isin(tokens, torch.tensor(token_id_list(self.eos_token_id), device=tokens.device))
 
     def _layout(self, attention_mask, start):
         """How this batch's forwards run: over rows shifted left, with no attention mask (``layout.py``), or, with
