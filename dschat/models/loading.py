@@ -161,8 +161,12 @@ SOURCE_PADDING_SIDE = "dschat_source_padding_side"
 def saved_as_loaded(tokenizer):
     """The tokenizer with the padding side its model folder gave it, while it is saved: the side a step pads with
     is the step's (a step-1 model saved padding right warned and generated otherwise in batches of HF's generate)."""
+    source = getattr(tokenizer, SOURCE_PADDING_SIDE, None)
+    if source is None:  # (not load_tokenizer's: as it is)
+        yield tokenizer
+        return
     current = tokenizer.padding_side
-    tokenizer.padding_side = getattr(tokenizer, SOURCE_PADDING_SIDE, current)
+    tokenizer.padding_side = source
     try:
         yield tokenizer
     finally:

@@ -100,6 +100,17 @@ class RewardModel(nn.Module):
         end = values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
         return {"values": values, "chosen_end_scores": end}
 
+    def apply_lora(self, lora_dim, module_name, lora_alpha, only_optimize_lora, module_name_flag="--lora_module_name"):
+        """LoRA adapters on the backbone (``lora.apply_lora``); the value head trains even when only the adapters do
+        (it is what makes the backbone a reward model, new in step 2)."""
+        from dschat.models.lora import apply_lora
+
+        self.rwtransformer = apply_lora(self.rwtransformer, lora_dim, module_name, lora_alpha,
+                                        only_optimize_lora=only_optimize_lora, module_name_flag=module_name_flag)
+        if lora_dim and only_optimize_lora:
+            self.v_head.requires_grad_(True)
+        return self
+
     # --- saving and loading -------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,

@@ -391,11 +391,8 @@ class DeepSpeedRLHFEngine:
         if not model.value_head_loaded:
             print_rank_0(f"[step3] the critic {self.critic_path} has no trained value head ({VALUE_HEAD_FILES}): it "
                          "starts from a new one")
-        model.rwtransformer = apply_lora(model.rwtransformer, a.critic_lora_dim, a.critic_lora_module_name,
-                                         a.lora_alpha, only_optimize_lora=a.only_optimize_lora,
-                                         module_name_flag="--critic_lora_module_name")
-        if a.critic_lora_dim and a.only_optimize_lora:
-            model.v_head.requires_grad_(True)
+        model.apply_lora(a.critic_lora_dim, a.critic_lora_module_name, a.lora_alpha, a.only_optimize_lora,
+                         module_name_flag="--critic_lora_module_name")
         return initialize_engine(model, ds_config, a.critic_learning_rate, a.critic_weight_decay,
                                  a.critic_lora_learning_rate if a.critic_lora_dim else None,
                                  a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,

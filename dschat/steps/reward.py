@@ -4,7 +4,6 @@ import torch
 from dschat.args import step2_parser, step_settings
 from dschat.data.samplers import eval_weights
 from dschat.models.checkpoint import save_reward_model
-from dschat.models.lora import apply_lora
 from dschat.models.reward_model import create_critic_model
 from dschat.steps.common import StepRecipe, run_supervised_step, to_device
 from dschat.utils.dist import all_reduce
@@ -14,11 +13,7 @@ def build_reward_model(args, tokenizer, ds_config):
     model = create_critic_model(args.model_name_or_path, tokenizer, ds_config, args.num_padding_at_beginning,
                                 dropout=args.dropout, zero_stage=args.zero_stage,
                                 compute_fp32_loss=args.compute_fp32_loss)
-    model.rwtransformer = apply_lora(model.rwtransformer, args.lora_dim, args.lora_module_name, args.lora_alpha,
-                                     only_optimize_lora=args.only_optimize_lora)
-    if args.lora_dim and args.only_optimize_lora:
-        model.v_head.requires_grad_(True)  # the head is new: it must train even when the base is frozen
-    return model
+    return model.apply_lora(args.lora_dim, args.lora_module_name, args.lora_alpha, args.only_optimize_lora)
 
 
 def reward_collator(tokenizer, pad_to_multiple_of=1, max_length=None):
