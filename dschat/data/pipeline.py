@@ -498,15 +498,25 @@ def _check_prompt_limit(prompt, settings):
         raise SkipRecord(f"prompt longer than {settings.prompt_limit} tokens")
 
 
-def _no_answer_room(settings):
-    return SkipRecord(f"prompt leaves no room for an answer in --max_seq_len {settings.max_seq_len}")
+def _no_answer_room(max_seq_len):
+    return SkipRecord(f"prompt leaves no room for an answer in --max_seq_len {max_seq_len}")
+
+
+def scored_sequence(prompt, answer, eot, max_seq_len):
+    """(``prompt + answer[:room] + eot``, whether the answer was cut): step 2's sequence of one answer. A long answer is
+    cut but its EOT kept, so the reward model reads the score where generated answers end too. ``SkipRecord`` when the
+    prompt leaves no room for an answer."""
+    room = max_seq_len - len(prompt) - len(eot)
+    if room <= 0:
+        raise _no_answer_room(max_seq_len)
+    return prompt + answer[:room] + eot, len(answer) > room
 
 
 def encode_sft(example, tokens, settings):
     prompt = tokens["prompt"]
     _check_prompt_limit(prompt, settings)
     if len(prompt) >= settings.max_seq_len:
-        raise _no_answer_room(settings)
+        raise _no_answer_room(settings.max_seq_len)
     full = prompt + tokens["chosen"] + tokens["eot"]
     input_ids = full[:settings.max_seq_len]
     if len(input_ids) <= len(prompt):
@@ -520,17 +530,13 @@ def encode_sft(example, tokens, settings):
 def encode_pair(example, tokens, settings):
     prompt, eot = tokens["prompt"], tokens["eot"]
     _check_prompt_limit(prompt, settings)
-    room = settings.max_seq_len - len(prompt) - len(eot)
-    if room <= 0:
-        raise _no_answer_room(settings)
-    chosen = prompt + tokens["chosen"][:room] + eot
-    rejected = prompt + tokens["rejected"][:room] + eot
+    chosen, chosen_cut = scored_sequence(prompt, tokens["chosen"], eot, settings.max_seq_len)
+    rejected, rejected_cut = scored_sequence(prompt, tokens["rejected"], eot, settings.max_seq_len)
     if chosen == rejected:
         raise SkipRecord("chosen==rejected after truncation")
     # the EOT after a cut answer stays for the reward model; DPO leaves it out of the answer (collators.py)
     return {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "prompt_length": len(prompt),
-            "chosen_truncated": len(tokens["chosen"]) > room, "rejected_truncated": len(tokens["rejected"]) > room,
-            "eot_length": len(eot)}
+            "chosen_truncated": chosen_cut, "rejected_truncated": rejected_cut, "eot_length": len(eot)}
 
 
 def encode_prompt(example, tokens, settings):

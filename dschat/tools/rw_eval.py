@@ -12,6 +12,8 @@ import torch
 from dschat.args import non_negative_int, positive_int
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
+from dschat.data import pipeline
+from dschat.data.errors import SkipRecord
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
 from dschat.tools.common import (add_loading_args, find_reward_model_path, flag_path, load_scoring_reward_model,
@@ -39,14 +41,12 @@ def reward_input_ids(tokenizer, messages_and_answers, max_seq_len, skip_long=Fal
 
 
 def scored_sequence(tokens, max_seq_len):
-    """Step 2's rule (``encode_pair``): a long answer is cut but the eot kept, so the score is read where
-    generated answers end too."""
-    prompt, eot = tokens["prompt"], tokens["eot"]
-    room = max_seq_len - len(prompt) - len(eot)
-    if room <= 0:
-        raise UsageError(f"a prompt of {len(prompt)} tokens leaves no room for an answer in --max_seq_len "
-                         f"{max_seq_len}")
-    return prompt + tokens["chosen"][:room] + eot
+    """Step 2's sequence of the answer (``pipeline.scored_sequence``); no room for it is an error here."""
+    try:
+        return pipeline.scored_sequence(tokens["prompt"], tokens["chosen"], tokens["eot"], max_seq_len)[0]
+    except SkipRecord:
+        raise UsageError(f"a prompt of {len(tokens['prompt'])} tokens leaves no room for an answer in --max_seq_len "
+                         f"{max_seq_len}") from None
 
 
 def score_answers(model, tokenizer, messages_and_answers, max_seq_len=512, batch_size=16):
