@@ -99,19 +99,47 @@ def add_model_args(parser, default_model="tiny-llama"):
     g = parser.add_argument_group("model")
     g.add_argument("--model_name_or_path", type=str, default=default_model,
                    help="Hub name, local folder, or a tiny preset (tiny-llama, tiny-opt, tiny-gpt2, ...).")
-    g.add_argument("--num_padding_at_beginning", type=int, default=1,
-                   help="Accepted for DeepSpeed-Chat compatibility; dschat finds sequence ends from the "
-                        "attention mask, so it has no effect.")
     g.add_argument("--dropout", type=float, default=None, help="Override every dropout of the model config.")
     g.add_argument("--disable_dropout", dest="dropout", action="store_const", const=0.0,
                    help="DeepSpeed-Chat's older spelling of --dropout 0.0.")
+    add_tokenizer_args(g)
+    return g
+
+
+def add_tokenizer_args(g):
+    """The flags every step reads its tokenizer (and the sequence ends) with."""
+    g.add_argument("--num_padding_at_beginning", type=int, default=1,
+                   help="Accepted for DeepSpeed-Chat compatibility; dschat finds sequence ends from the "
+                        "attention mask, so it has no effect.")
     g.add_argument("--add_eot_token", action="store_true",
                    help="Add --eot_token as the end-of-conversation (EOS) token when the tokenizer has none; answers "
                         "always end with the tokenizer's EOS token.")
     g.add_argument("--eot_token", type=str, default="<|endoftext|>",
                    help="The end-of-conversation token --add_eot_token adds to a tokenizer without an EOS token "
                         "(DeepSpeed-Chat appended it to every answer; dschat ends answers with the tokenizer's EOS).")
-    return g
+
+
+def add_precision_args(g):
+    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
+    g.add_argument("--compute_fp32_loss", action="store_true", help="Compute the losses in fp32.")
+
+
+def add_tensorboard_args(g, path):
+    g.add_argument("--enable_tensorboard", action="store_true",
+                   help="Write TensorBoard scalars (loss, learning rate, throughput, evaluation).")
+    g.add_argument("--tensorboard_path", type=str, default=path,
+                   help="TensorBoard log folder (default: %(default)s, in the working directory, as DeepSpeed-Chat's; "
+                        "train.py puts it inside its --output-dir).")
+
+
+def add_lora_scaling_args(g):
+    """How LoRA adapts a model, whichever models the step adapts."""
+    g.add_argument("--lora_alpha", type=float, default=None,
+                   help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
+                        "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
+    g.add_argument("--only_optimize_lora", action="store_true",
+                   help="Freeze the base weights: train only the LoRA adapters.")
 
 
 def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16):
@@ -137,7 +165,6 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="Activation checkpointing: less memory, one more forward per step.")
-    g.add_argument("--compute_fp32_loss", action="store_true", help="Compute the loss in fp32.")
     g.add_argument("--eval_interval", type=non_negative_int, default=0,
                    help="Evaluate every N steps (0: at the end only).")
     g.add_argument("--eval_iters", type=non_negative_int, default=100, help="Max eval batches per evaluation.")
@@ -175,14 +202,9 @@ def add_zero_tuning_args(g):
 def add_deepspeed_args(parser):
     g = parser.add_argument_group("deepspeed")
     g.add_argument("--offload", action="store_true", help="Offload optimizer (and ZeRO-3 parameters) to CPU.")
-    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
-                   help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
+    add_precision_args(g)
     g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage.")
-    g.add_argument("--enable_tensorboard", action="store_true",
-                   help="Write TensorBoard scalars (loss, learning rate, throughput, evaluation).")
-    g.add_argument("--tensorboard_path", type=str, default=None,
-                   help="TensorBoard log folder (default: %(default)s, in the working directory, as DeepSpeed-Chat's; "
-                        "train.py puts it inside its --output-dir).")
+    add_tensorboard_args(g, None)
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
     return g
@@ -202,17 +224,13 @@ def add_deepspeed_config_args(g):
     g.add_argument("--deepscale", action="store_true", help=argparse.SUPPRESS)  # DeepSpeed's old name
 
 
-def add_lora_args(parser, prefix=""):
-    g = parser.add_argument_group(f"{prefix}lora")
-    g.add_argument(f"--{prefix}lora_dim", type=non_negative_int, default=0, help="LoRA rank (0: no LoRA).")
-    if not prefix:
-        g.add_argument("--lora_module_name", type=str, default="",
-                       help="Adapt Linear modules whose path contains this (empty: all but output heads).")
-        g.add_argument("--lora_alpha", type=float, default=None,
-                       help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
-                            "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
-        g.add_argument("--only_optimize_lora", action="store_true", help="Freeze the base weights.")
-    g.add_argument(f"--{prefix}lora_learning_rate", type=non_negative_float, default=5e-4,
+def add_lora_args(parser):
+    g = parser.add_argument_group("lora")
+    g.add_argument("--lora_dim", type=non_negative_int, default=0, help="LoRA rank (0: no LoRA).")
+    g.add_argument("--lora_module_name", type=str, default="",
+                   help="Adapt Linear modules whose path contains this (empty: all but output heads).")
+    add_lora_scaling_args(g)
+    g.add_argument("--lora_learning_rate", type=non_negative_float, default=5e-4,
                    help="Learning rate of the LoRA adapters.")
     return g
 
@@ -508,13 +526,7 @@ def step3_parser():
                    help="Step-2 folder (value head loaded) or any HF model folder (value head newly made).")
     g.add_argument("--reward_model_name_or_path", type=str, default=None,
                    help="Reward model (default: the critic's path, as DeepSpeed-Chat does).")
-    g.add_argument("--num_padding_at_beginning", type=int, default=1,
-                   help="Accepted for DeepSpeed-Chat compatibility; ends come from the attention mask.")
-    g.add_argument("--add_eot_token", action="store_true",
-                   help="Add --eot_token as the end-of-conversation (EOS) token when the tokenizer has none.")
-    g.add_argument("--eot_token", type=str, default="<|endoftext|>",
-                   help="The end-of-conversation token --add_eot_token adds to a tokenizer without an EOS token "
-                        "(DeepSpeed-Chat appended it to every answer; dschat ends answers with the tokenizer's EOS).")
+    add_tokenizer_args(g)
     g = p.add_argument_group("unsupervised mixing")
     g.add_argument("--unsupervised_dataset_name", type=str, default=None,
                    help="Pretraining text mixed into the actor's training (DeepSpeed-Chat's PTX): a hub dataset, a "
@@ -606,8 +618,7 @@ def step3_parser():
     g.add_argument("--zero_stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="The ZeRO stage of actor and critic where --actor_zero_stage / --critic_zero_stage are not "
                         "given (steps 1 and 2 take this name).")
-    g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
-                   help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
+    add_precision_args(g)
     g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Activation checkpointing in the actor.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true",
                    help="Activation checkpointing in the critic.")
@@ -618,7 +629,6 @@ def step3_parser():
                    help="DeepSpeed-Chat's older spelling of --actor_dropout 0.0.")
     g.add_argument("--disable_critic_dropout", dest="critic_dropout", action="store_const", const=0.0,
                    help="DeepSpeed-Chat's older spelling of --critic_dropout 0.0.")
-    g.add_argument("--compute_fp32_loss", action="store_true", help="Compute the losses in fp32.")
     g.add_argument("--enable_mixed_precision_lora", action="store_true",
                    help="Mixed Precision ZeRO++ (DeepSpeed-Chat's): the actor's frozen weights are stored, gathered "
                         "and generated from in int8 (DeepSpeed's zero_quantized_nontrainable_weights; weights of "
@@ -639,11 +649,7 @@ def step3_parser():
     g.add_argument("--critic_lora_dim", type=non_negative_int, default=0, help="LoRA rank of the critic (0: no LoRA).")
     g.add_argument("--critic_lora_module_name", type=str, default="",
                    help="Adapt the critic's Linear modules whose path contains this (empty: all but the value head).")
-    g.add_argument("--lora_alpha", type=float, default=None,
-                   help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
-                        "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
-    g.add_argument("--only_optimize_lora", action="store_true",
-                   help="Freeze the base weights: train only the LoRA adapters.")
+    add_lora_scaling_args(g)
     g.add_argument("--actor_lora_learning_rate", type=non_negative_float, default=5e-4,
                    help="Learning rate of the actor's LoRA adapters.")
     g.add_argument("--critic_lora_learning_rate", type=non_negative_float, default=5e-4,
@@ -709,11 +715,7 @@ def step3_parser():
     g.add_argument("--enable_ema", action="store_true",
                    help="Also keep and save an exponential moving average of the actor (actor_ema).")
     g.add_argument("--ema_beta", type=float, default=0.992, help="The EMA's decay per optimizer step.")
-    g.add_argument("--enable_tensorboard", action="store_true",
-                   help="Write TensorBoard scalars (loss, learning rate, throughput, evaluation).")
-    g.add_argument("--tensorboard_path", type=str, default="step3_tensorboard",
-                   help="TensorBoard log folder (default: %(default)s, in the working directory, as DeepSpeed-Chat's; "
-                        "train.py puts it inside its --output-dir).")
+    add_tensorboard_args(g, "step3_tensorboard")
     g.add_argument("--print_answers", action="store_true",
                    help="Print a prompt and its generated answer during training.")
     g.add_argument("--print_answers_interval", type=positive_int, default=1,
