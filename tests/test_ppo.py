@@ -134,7 +134,8 @@ def test_shifted_rows_are_cut_to_the_longest_so_positions_stay_in_the_table():
     --pad_to_multiple_of); the shifted forward must not ask for position 10 or 11."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dschat.rlhf.layout import LeftAligned, position_limit
+    from dschat.models.positions import position_limit
+    from dschat.rlhf.layout import LeftAligned
     from dschat.rlhf.trainer import answer_token_stats
 
     torch.manual_seed(0)
@@ -159,7 +160,7 @@ def test_shifted_rows_are_cut_to_the_longest_so_positions_stay_in_the_table():
 def test_position_limit_reads_position_tables_and_rope_scaling_switch_lengths():
     from types import SimpleNamespace as NS
 
-    from dschat.rlhf.layout import position_limit
+    from dschat.models.positions import position_limit
 
     assert position_limit(NS(config=NS(max_position_embeddings=2048)), NS(config=NS(n_positions=1024))) == 1024
     longrope = NS(config=NS(max_position_embeddings=131072,

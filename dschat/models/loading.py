@@ -337,7 +337,7 @@ LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 def check_sequence_fits(model, length, flags, warn=True):
     """A clear error when sequences of ``length`` tokens (``flags`` name where it comes from) are longer than the
     model's learned position table; a warning for other position schemes (unless not ``warn``)."""
-    from dschat.rlhf.layout import position_limit
+    from dschat.models.positions import position_limit
     from dschat.utils.dist import print_rank_0
 
     limit = position_limit(model)

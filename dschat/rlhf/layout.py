@@ -8,7 +8,8 @@ leading pads, each row is one run of real tokens followed by padding; in a causa
 later position, so the real tokens' outputs are exactly those of the masked forward, with no padding mask (plain
 causal attention; a model with a sliding window still builds its window's mask) and positions 0, 1, ... . Rows are
 cut to the longest one, rounded up to ``--pad_to_multiple_of`` (few shapes) but never past a length at which a model's
-positions would behave differently (its position table, the length its RoPE scaling switches at). Per-token outputs are mapped back to the
+positions would behave differently (its position table, the length its RoPE scaling switches at:
+``models.positions.position_limit``). Per-token outputs are mapped back to the
 original columns (cheap), and the LM head runs on each row's answer positions only (:func:`head_reads`).
 
 A row with a masked token between real ones cannot be shifted this way; for such a batch :meth:`LeftAligned.of` returns
@@ -42,7 +43,7 @@ class LeftAligned:
 
         The width (the longest row) is rounded up to a multiple of ``multiple_of`` (``--pad_to_multiple_of``: few
         shapes, so few cuDNN plans) but not past L nor past ``position_limit`` (the models' position tables and the
-        lengths their RoPE scaling switches at, :func:`position_limit`), so rounding moves no real token's result."""
+        lengths their RoPE scaling switches at, ``models.positions.position_limit``), so rounding moves no real token's result."""
         length = attention_mask.shape[1]
         columns = torch.arange(length, device=attention_mask.device)
         lead = (attention_mask.long().cumsum(1) == 0).sum(1)
@@ -87,37 +88,6 @@ class LeftAligned:
         steps = torch.arange(count, device=self.lead.device)
         window = self.answer_window(start)
         return (steps + (self.max_lead - self.lead)[:, None]).clamp(max=window - 1)
-
-
-def position_limit(*models):
-    """The longest run of positions every model takes as it would a shorter one: at most its position table
-    (``max_position_embeddings``, GPT-2's ``n_positions``) and, with a RoPE scaling that depends on the longest
-    position, the length it switches at (LongRoPE's ``original_max_position_embeddings``; dynamic NTK keeps a
-    stretched table cached up to its table size, so one less). None if no model says."""
-    limits = []
-    for model in models:
-        config = getattr(model, "config", None)
-        if hasattr(config, "get_text_config"):  # multimodal configs keep positions in their text config
-            config = config.get_text_config()
-        table = next((getattr(config, name) for name in ("max_position_embeddings", "n_positions")
-                      if isinstance(getattr(config, name, None), int)), None)
-        if table is not None:
-            limits.append(table)
-        for rope in _rope_settings(config):
-            if isinstance(rope.get("original_max_position_embeddings"), int):
-                limits.append(rope["original_max_position_embeddings"])
-            if "dynamic" in str(rope.get("rope_type") or rope.get("type") or "") and table is not None:
-                limits.append(table - 1)
-    return min(limits) if limits else None
-
-
-def _rope_settings(config):
-    """The RoPE parameter dicts of ``config``: one, or one per layer type (transformers 5, e.g. Gemma-3)."""
-    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    if not isinstance(rope, dict):
-        return []
-    nested = [value for value in rope.values() if isinstance(value, dict)]
-    return nested + [rope]
 
 
 class _PaddingWarningFilter(logging.Filter):

@@ -18,7 +18,8 @@ from dschat.models.loading import token_id_list
 from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
-from dschat.rlhf.layout import LeftAligned, head_reads, position_limit
+from dschat.models.positions import position_limit
+from dschat.rlhf.layout import LeftAligned, head_reads
 from dschat.rlhf.config import kl_in_loss, step3_args
 from dschat.rlhf.engine import check_settings
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
@@ -173,7 +174,7 @@ class DeepSpeedPPOTrainer:
         self.z3_enabled = args.actor_zero_stage == 3
         self.align_overflow = check_align_overflow(args)
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
-        # how far shifted rows may be rounded up (layout.position_limit): every model of the experience
+        # how far shifted rows may be rounded up (positions.position_limit): every model of the experience
         self.position_limit = position_limit(*(unwrap_peft(m.module) for m in
                                                (self.actor_model, self.ref_model, self.critic_model, self.reward_model)
                                                if m is not None))

@@ -1,0 +1,32 @@
+"""How far a model's positions go: the longest sequence it takes as it would a shorter one."""
+
+
+def position_limit(*models):
+    """The longest run of positions every model takes as it would a shorter one: at most its position table
+    (``max_position_embeddings``, GPT-2's ``n_positions``) and, with a RoPE scaling that depends on the longest
+    position, the length it switches at (LongRoPE's ``original_max_position_embeddings``; dynamic NTK keeps a
+    stretched table cached up to its table size, so one less). None if no model says."""
+    limits = []
+    for model in models:
+        config = getattr(model, "config", None)
+        if hasattr(config, "get_text_config"):  # multimodal configs keep positions in their text config
+            config = config.get_text_config()
+        table = next((getattr(config, name) for name in ("max_position_embeddings", "n_positions")
+                      if isinstance(getattr(config, name, None), int)), None)
+        if table is not None:
+            limits.append(table)
+        for rope in _rope_settings(config):
+            if isinstance(rope.get("original_max_position_embeddings"), int):
+                limits.append(rope["original_max_position_embeddings"])
+            if "dynamic" in str(rope.get("rope_type") or rope.get("type") or "") and table is not None:
+                limits.append(table - 1)
+    return min(limits) if limits else None
+
+
+def _rope_settings(config):
+    """The RoPE parameter dicts of ``config``: one, or one per layer type (transformers 5, e.g. Gemma-3)."""
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if not isinstance(rope, dict):
+        return []
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    return nested + [rope]
