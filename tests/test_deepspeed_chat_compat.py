@@ -10,6 +10,7 @@ import pytest
 
 from dschat.args import step1_parser, step2_parser, step3_parser
 from dschat.rlhf.config import step3_args
+from dschat.models import training_engine
 from dschat.steps import common, sft
 from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
 from helpers import SFT_FAST
@@ -132,7 +133,7 @@ def test_the_optimizer_follows_the_files_optimizer_offload(tmp_path, distributed
         picked.append(offload)
         raise _Stop
 
-    monkeypatch.setattr(common, "make_optimizer", make_optimizer_and_stop)
+    monkeypatch.setattr(training_engine, "make_optimizer", make_optimizer_and_stop)
     path = _write(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     for extra in (["--deepspeed", path], ["--offload"]):
         with pytest.raises(_Stop):

@@ -94,7 +94,7 @@ def test_zero3_fetch_layer_marks_each_decoder_layer_of_any_family_and_only_under
     from deepspeed.utils import get_z3_leaf_modules
 
     from dschat.models.reward_model import RewardModel
-    from dschat.steps.common import prepare_zero3_hooks
+    from dschat.models.training_engine import prepare_zero3_hooks
     from tests.scripts.hybrid_common import tiny_model
 
     blocks = {"llama": "LlamaDecoderLayer", "opt": "OPTDecoderLayer", "gpt2": "GPT2Block"}[family]

@@ -406,7 +406,7 @@ class _NoTokenizer:
 
 def _zero3_engine(preset, dtype="fp32"):
     from dschat.models.loading import load_causal_lm, load_tokenizer
-    from dschat.steps.common import initialize_engine
+    from dschat.models.training_engine import initialize_engine
     from dschat.utils.ds_config import get_train_ds_config
 
     ds_config = get_train_ds_config(dtype=dtype, stage=3)
@@ -494,7 +494,7 @@ def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_save(tmp_p
 def test_a_bf16_checkpoint_trains_in_the_dtype_asked_for(dtype, tmp_path, distributed):
     # transformers loads a checkpoint in its stored dtype and DeepSpeed casts only to fp16/bf16: fp32 must be asked
     from dschat.models.loading import load_causal_lm, load_tokenizer
-    from dschat.steps.common import initialize_engine
+    from dschat.models.training_engine import initialize_engine
     from dschat.utils.ds_config import get_train_ds_config
 
     AutoModelForCausalLM.from_config(CONFIGS["llama"]()).to(torch.bfloat16).save_pretrained(tmp_path / "m")

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dschat.args import resolve_pad_to_multiple_of
+from dschat.models import training_engine
 from dschat.models.reward_model import load_reward_model
 from dschat.steps import common, dpo, reward, sft
 from helpers import RM_FAST, SFT_FAST
@@ -30,8 +31,8 @@ def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch
            "reaches 0.002 (at most 0.000875)" in out
     assert "[step1] step 1 loss" in out and "lr 0.000e+00" in out.split("[step1] step 1 loss")[1].splitlines()[0]
     assert "lr 8.750e-04" in out.split("[step1] step 8 loss")[1].splitlines()[0]
-    assert "applies a learning rate of 0" in common.warmup_notice(1e-3, "linear", 1, 1)
-    assert "8 optimizer steps (the critic): the" in common.warmup_notice(1e-3, "linear", 16, 8, "the critic")
+    assert "applies a learning rate of 0" in training_engine.warmup_notice(1e-3, "linear", 1, 1)
+    assert "8 optimizer steps (the critic): the" in training_engine.warmup_notice(1e-3, "linear", 16, 8, "the critic")
     run = json.loads((tmp_path / "sft" / "training_args.json").read_text())  # the step and its flags as run
     assert run["step"] == "step1" and run["flags"]["max_steps"] == 8 and run["flags"]["learning_rate"] == 2e-3
     saved = json.loads((tmp_path / "sft" / "metrics.json").read_text())

@@ -12,11 +12,12 @@ from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
+from dschat.models.training_engine import initialize_engine, initialize_frozen
 from dschat.rlhf.config import (check_advantage_estimator, check_earlier_step_outputs, check_kl_settings, step3_args,
                                 untrained_reward_model_message)
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
-from dschat.steps.common import initialize_engine, initialize_frozen, setup_run
+from dschat.steps.common import setup_run
 from dschat.utils.dist import get_world_size, print_rank_0
 from dschat.utils.ds_config import (apply_user_ds_config, frozen_copy_stage, get_eval_ds_config, get_train_ds_config,
                                     owned_key_flags, user_ds_config_path)

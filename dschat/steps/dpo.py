@@ -14,9 +14,10 @@ from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.models.checkpoint import save_causal_lm
 from dschat.models.loading import load_causal_lm
+from dschat.models.training_engine import initialize_frozen
 from dschat.rlhf.dpo import (IMPLICIT_REWARD_TIE_NATS, answer_nll, check_dpo_params, dpo_loss, preference_accuracy,
                               response_log_probs)
-from dschat.steps.common import StepRecipe, initialize_frozen, run_supervised_step, to_device
+from dschat.steps.common import StepRecipe, run_supervised_step, to_device
 from dschat.steps.sft import build_sft_model
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
 from dschat.utils.ds_config import frozen_copy_stage, get_eval_ds_config

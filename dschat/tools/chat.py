@@ -128,8 +128,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":  # python -m dschat.tools.chat, as the script that calls it
-    import sys
-
     from dschat.utils.cli import run_entry_point
 
     sys.exit(run_entry_point(main))

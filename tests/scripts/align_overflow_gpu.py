@@ -25,7 +25,7 @@ CASES = ("actor", "critic", "both")  # whose gradients overflow
 
 def build_engine(seed, stage):
     """A tiny Llama as step 3 builds its actor and critic (``initialize_engine``: fused Adam, a linear lr schedule)."""
-    from dschat.steps.common import initialize_engine
+    from dschat.models.training_engine import initialize_engine
     from dschat.utils.ds_config import get_train_ds_config
 
     config = get_train_ds_config(dtype="fp16", stage=stage, micro_batch_size=2)

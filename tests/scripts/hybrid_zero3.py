@@ -48,7 +48,7 @@ def build_zero3_actor(reference, lora_config, config, fetch):
     from transformers import AutoModelForCausalLM
 
     from dschat.compat import prepare_for_zero_init
-    from dschat.steps.common import prepare_zero3_hooks
+    from dschat.models.training_engine import prepare_zero3_hooks
 
     prepare_for_zero_init()
     with deepspeed.zero.Init(config_dict_or_path=config):

@@ -48,7 +48,7 @@ def train(family, kind, checkpointing, stage, fetch, rank):
     from deepspeed.utils import get_z3_leaf_modules
 
     from dschat.models.layers import decoder_layer_list
-    from dschat.steps.common import initialize_engine
+    from dschat.models.training_engine import initialize_engine
 
     config = ds_config(stage=stage)
     config.pop("optimizer")

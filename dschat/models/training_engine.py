@@ -1,0 +1,90 @@
+"""DeepSpeed engines around the models: a trained model's (optimizer, learning-rate schedule, ZeRO-3 fetch units,
+activation checkpointing) and an evaluated-only one's. Steps 1-3 and the RLHF engine build theirs here."""
+import torch
+
+from dschat.compat import enable_activation_checkpointing
+from dschat.errors import UsageError
+from dschat.models.layers import DEFAULT_ZERO3_FETCH
+from dschat.utils.dist import print_rank_0
+
+
+def make_optimizer(param_groups, lr, offload):
+    """DeepSpeed's CPU Adam under offload, its fused Adam on GPUs, torch's AdamW otherwise (no JIT build on CPU)."""
+    from deepspeed.accelerator import get_accelerator
+
+    betas = (0.9, 0.95)  # DeepSpeed-Chat's
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(param_groups, lr=lr, betas=betas)
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(param_groups, lr=lr, betas=betas)
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas)
+
+
+def prepare_zero3_hooks(model, ds_config, zero3_fetch):
+    """Under ZeRO-3 with ``--zero3_fetch layer``, make the decoder layers DeepSpeed's fetch units (before
+    ``deepspeed.initialize`` registers its hooks)."""
+    from dschat.models.layers import ZERO3_FETCH_UNITS, mark_zero3_leaf_layers
+
+    if zero3_fetch not in ZERO3_FETCH_UNITS:
+        raise UsageError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
+    if ds_config["zero_optimization"]["stage"] == 3 and zero3_fetch == "layer" and not mark_zero3_leaf_layers(model):
+        print_rank_0(f"[zero3] {type(model).__name__}: no decoder stack usable as --zero3_fetch layer units (mixed "
+                     "or miscounted blocks, or layerdrop); DeepSpeed's per-module hooks")
+
+
+def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr_scheduler_type, num_warmup_steps,
+                      total_steps, gradient_checkpointing=False, zero3_fetch=DEFAULT_ZERO3_FETCH, role=None):
+    """Optimizer, scheduler and ``deepspeed.initialize`` for a trainable model. The optimizer follows the config's
+    optimizer offload (``--offload``, or a user's config file), as DeepSpeed requires. ``role``: the model's name in
+    what is said (step 3 trains two)."""
+    from dschat.utils.ds_config import optimizer_offloaded
+
+    import deepspeed
+    from transformers import get_scheduler
+
+    from dschat.models.lora import optimizer_param_groups
+
+    prepare_zero3_hooks(model, ds_config, zero3_fetch)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model, use_reentrant=False)
+    optimizer = make_optimizer(optimizer_param_groups(model, weight_decay, lora_learning_rate), lr,
+                               optimizer_offloaded(ds_config))
+    scheduler = get_scheduler(lr_scheduler_type, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
+                              num_training_steps=max(total_steps, 1))
+    notice = warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps, role)
+    if notice:
+        print_rank_0(notice)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=ds_config, dist_init_required=False)
+    return engine
+
+
+def warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps, role=None):
+    """What to say when the warmup outlasts the run (step 3's default 100 steps against a short run's few): the
+    learning rate rises all run long and never reaches the one asked for, so the run barely trains."""
+    if lr_scheduler_type == "constant" or not lr or num_warmup_steps < max(total_steps, 1):
+        return None
+    reached = lr * (total_steps - 1) / num_warmup_steps  # the warmup's step s applies lr * s / warmup, from s = 0
+    who = f" ({role})" if role else ""
+    if not reached:
+        return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer step{who}: it "
+                "applies a learning rate of 0 (the warmup's first), so the run leaves the model as it was; give "
+                "fewer warmup steps (0) or more steps")
+    return (f"[dschat] --num_warmup_steps {num_warmup_steps} >= this run's {total_steps} optimizer steps{who}: the "
+            f"learning rate rises all run long and never reaches {lr:g} (at most {reached:.3g}); give fewer warmup "
+            "steps for a short run")
+
+
+def initialize_frozen(model, ds_config, zero3_fetch=DEFAULT_ZERO3_FETCH):
+    """A DeepSpeed engine for a model that is only evaluated (sharded under ZeRO-3, cast to the dtype)."""
+    import deepspeed
+
+    model.requires_grad_(False)
+    prepare_zero3_hooks(model, ds_config, zero3_fetch)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, dist_init_required=False)
+    engine.eval()
+    return engine
