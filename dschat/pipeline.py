@@ -174,34 +174,45 @@ def check_step_args(steps, args, tiny, parsers):
     check_model_folders(steps, args)
     check_reward_model_tokenizer(steps, args, tiny)
     flags = {step: flags for step, (flags, _) in parsed.items()}
-    check_sequence_lengths(args, flags, tiny)
+    check_sequence_lengths(args, flags)
     return flags
 
 
-def check_sequence_lengths(args, parsed, tiny):
+def check_sequence_lengths(args, parsed):
     """Each step's longest sequence against the learned position table of the models it trains or scores with, before
     step 1 runs (each step checks its own when its models load: step 3's, after steps 1 and 2 had trained)."""
     from dschat.models.loading import check_sequence_fits, model_skeleton
     from dschat.rlhf.config import step3_args
     from dschat.rlhf.engine import LONGEST_SEQUENCE_FLAGS, longest_sequence
 
-    recipe = getattr(args, "recipe", "ppo")
-    reward = args.actor_model if tiny else args.reward_model  # (the tiny recipe's reward model starts from the SFT one)
-    checks = []  # (model, length, flags)
+    checks = []  # (the model's path as the step reads it, length, flags)
     for step, flags in parsed.items():
         if step == 3:
             step3 = step3_args(flags)
-            models = [args.actor_model] + ([reward] if recipe == "ppo" else [])
+            models = [step3.actor_model_name_or_path]
+            if step3.advantage_estimator == "gae":
+                models.append(step3.critic_model_name_or_path)
+            if step3.reward_model_name_or_path:
+                models.append(step3.reward_model_name_or_path)
             checks += [(model, longest_sequence(step3), f"--step3-args {LONGEST_SEQUENCE_FLAGS}") for model in models]
         else:
-            model = reward if step == 2 and recipe == "ppo" else args.actor_model
-            checks.append((model, flags.max_seq_len, f"--step{step}-args --max_seq_len"))
+            checks.append((flags.model_name_or_path, flags.max_seq_len, f"--step{step}-args --max_seq_len"))
     skeletons = {}
-    for model, length, flags in checks:
-        if model not in skeletons:
+    for path, length, flags in checks:
+        model = _model_to_read(path, args, parsed)
+        if model is not None and model not in skeletons:
             skeletons[model] = model_skeleton(model)
-        if skeletons[model] is not None:
+        if skeletons.get(model) is not None:
             check_sequence_fits(skeletons[model], length, f"{flags} (for {model})", warn=False)
+
+
+def _model_to_read(path, args, parsed):
+    """The model whose layout a step reading ``path`` gets: an earlier step's output folder that this run writes first
+    has the layout of the model that step starts from; None when the folder is not there yet."""
+    step = {os.path.join(args.output_dir, SFT_DIR): 1, os.path.join(args.output_dir, RM_DIR): 2}.get(path)
+    if step in parsed and parsed[step].model_name_or_path != path:
+        return _model_to_read(parsed[step].model_name_or_path, args, parsed)
+    return None if step is not None and not os.path.isdir(path) else path
 
 
 # Where each step reads and writes: train.py sets these from its own flags; the later steps and the report read the

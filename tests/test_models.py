@@ -290,7 +290,7 @@ def test_deepspeed_chats_reward_model_folder_loads_with_its_backbone_and_head(ze
 
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
 def test_a_one_label_sequence_classification_folder_loads_as_the_reward_model_it_is(family, tmp_path, caplog):
-    """TRL's RewardTrainer and OpenRLHF save reward models as transformers' *ForSequenceClassification with one label
+    """TRL's RewardTrainer saves reward models as transformers' *ForSequenceClassification with one label
     (a "score" head): refused as "not a reward model" before. The scores are transformers' own, at the last real
     token of right-padded rows."""
     from transformers import AutoModelForSequenceClassification

@@ -1585,6 +1585,7 @@ def test_a_wrong_reward_function_is_a_usage_error_before_anything_loads(tmp_path
     ({"advantage_estimator": "grpo", "kl_loss_coef": 0.0, "kl_estimator": "k1"}, (0.0, "k1")),  # 0: no KL term
     ({"advantage_estimator": "rloo", "kl_loss_coef": 0.01, "kl_estimator": "k2"}, (0.01, "k2")),
     ({}, (0.0, "k1")),  # gae: KL in the reward, DeepSpeed-Chat's k1
+    ({"kl_loss_coef": 0.0}, (0.0, "k1")),  # 0 beside the reward's KL: no loss term, as asked (a sweep's 0 passes)
     ({"kl_in_reward": 0, "kl_loss_coef": 0.1}, (0.1, "k3")),
     ({"kl_in_reward": 0, "kl_loss_coef": 0.1, "kl_estimator": "k2"}, (0.1, "k2")),
     # --kl_in_reward 0 took a weight of 0 unless --kl_loss_coef was given: a run without any KL, said nowhere
@@ -1603,7 +1604,7 @@ def test_kl_loss_coef_and_estimator_are_honoured_as_given_for_every_estimator(gi
 @pytest.mark.parametrize("given, said", [
     ({"kl_loss_coef": 0.1}, "--kl_loss_coef weighs a KL loss term, and --advantage_estimator gae with --kl_in_reward 1 "
                             "puts the KL in the per-token reward instead"),
-    ({"advantage_estimator": "reinforce_pp", "kl_loss_coef": 0.0}, "--advantage_estimator reinforce_pp with"),
+    ({"advantage_estimator": "reinforce_pp", "kl_loss_coef": 0.01}, "--advantage_estimator reinforce_pp with"),
     ({"kl_in_reward": 0, "adaptive_kl": True}, "--adaptive_kl adapts the per-token reward's KL coefficient "
                                                "(--kl_ctl), which --kl_in_reward 0 does not use"),
     ({"advantage_estimator": "grpo", "n_samples_per_prompt": 2, "adaptive_kl": True},

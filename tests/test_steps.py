@@ -811,3 +811,24 @@ def test_train_py_data_fields_reach_every_step_and_a_steps_own_wins():
               for step, parser in ((1, step1_parser), (2, step2_parser), (3, step3_parser))}
     assert parsed[1].data_fields == parsed[2].data_fields == "prompt=question,chosen=good,rejected=bad"
     assert parsed[3].data_fields == "prompt=q"
+
+
+def test_train_py_length_check_reads_the_earlier_steps_output_when_step_1_is_not_run(tmp_path):
+    """Step 3 alone loads <output>/step1_sft (and step2_rm), not --actor-model: the check took the flag's model."""
+    import shutil
+
+    from dschat import pipeline
+    from dschat.args import step3_parser
+    from dschat.errors import UsageError
+    from dschat.models.loading import resolve_model_path
+
+    out = tmp_path / "out"
+    parsed = {3: step3_parser().parse_args(
+        ["--actor_model_name_or_path", str(out / "step1_sft"), "--critic_model_name_or_path", str(out / "step2_rm"),
+         "--max_answer_seq_len", "300"])}
+    args = _train_py_args("--actor-model", "tiny-llama", "--output-dir", str(out), "--step", "3")
+    pipeline.check_sequence_lengths(args, parsed)  # no earlier outputs yet: nothing to read, nothing said
+    shutil.copytree(resolve_model_path("tiny-gpt2"), out / "step1_sft")  # a table of 512 learned positions
+    with pytest.raises(UsageError, match=f"for {re.escape(str(out / 'step1_sft'))}\\) = 556 tokens, but the model "
+                                         "has a table of 512 learned"):
+        pipeline.check_sequence_lengths(args, parsed)

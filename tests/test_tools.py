@@ -675,6 +675,8 @@ def test_ppo_eval_takes_the_runs_field_names_only_with_the_runs_files(tmp_path):
     assert ppo_eval.parse_args(["--policy", str(actor)]).data_fields == "prompt=question"
     own = ppo_eval.parse_args(["--policy", str(actor), "--data_path", "jsonl:mine.jsonl"])
     assert own.data_path == ["jsonl:mine.jsonl"] and own.data_fields == ""
+    embedded = ppo_eval.parse_args(["--policy", str(actor), "--data_path", "tiny"])  # given as its default value
+    assert embedded.data_path == ["tiny"] and embedded.data_fields == ""
 
 
 def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, monkeypatch):

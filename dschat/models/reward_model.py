@@ -18,7 +18,7 @@ REWARD_META_FILE = "reward_model.json"
 DS_CHAT_WEIGHTS_FILE = "pytorch_model.bin"
 DS_CHAT_BACKBONE_PREFIX = "rwtranrsformer."
 DS_CHAT_HEAD_KEY = "v_head.weight"
-# transformers' *ForSequenceClassification with one label (TRL's RewardTrainer and OpenRLHF save reward models so; the
+# transformers' *ForSequenceClassification with one label (TRL's RewardTrainer saves reward models so; the
 # score of a sequence is its last real token's, as here): the head is "score", a Linear without bias on the backbone.
 SEQ_CLS_HEAD_KEY = "score.weight"
 VALUE_HEAD_FILES = (f"{VALUE_HEAD_FILE}, DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in {DS_CHAT_WEIGHTS_FILE}, or the "
@@ -155,7 +155,7 @@ class RewardModel(nn.Module):
 
 def is_reward_model_folder(path):
     """A step-2 output: dschat's (backbone + ``value_head.safetensors``) or DeepSpeed-Chat's; or a one-label
-    *ForSequenceClassification (TRL's, OpenRLHF's reward models)."""
+    *ForSequenceClassification (TRL's reward models)."""
     return (os.path.exists(os.path.join(path, VALUE_HEAD_FILE)) or ds_chat_reward_weights(path) is not None
             or sequence_classification_file(path) is not None)
 

@@ -50,7 +50,7 @@ def check_kl_settings(args):
                      else f"--advantage_estimator {args.advantage_estimator}")
             raise UsageError(f"--adaptive_kl adapts the per-token reward's KL coefficient (--kl_ctl), which "
                              f"{where} does not use: the KL is a loss term weighted by --kl_loss_coef")
-    elif args.kl_loss_coef is not None:
+    elif args.kl_loss_coef:  # (0: no loss term, which is what the reward's KL means)
         raise UsageError(f"--kl_loss_coef weighs a KL loss term, and --advantage_estimator {args.advantage_estimator} "
                          "with --kl_in_reward 1 puts the KL in the per-token reward instead (weighted by --kl_ctl); "
                          "--kl_in_reward 0 makes it a loss term")

@@ -67,14 +67,16 @@ def find_reward_model_path(path):
     return _model_folder(path, REWARD_SUBFOLDERS)
 
 
-def parse_with_run_defaults(parser, argv, run_defaults, tool):
+def parse_with_run_defaults(parser, argv, run_defaults, tool, goes_with=None):
     """``argv`` parsed with the settings of the run that wrote the model as the defaults of the flags not given (flags
     given here win), said in one line. ``run_defaults(args)`` gives ({dest: value}, the training_args.json they come
-    from) for the arguments parsed without them ({} for none)."""
+    from) for the arguments parsed without them ({} for none). ``goes_with``: {dest: other dest} whose run value is
+    taken only when the other is not given here (the run's --data_fields name the run's --data_path's fields)."""
     args = parser.parse_args(argv)
     defaults, source = run_defaults(args)
     given = given_dests(parser, argv)  # (a flag given with its default's value wins too)
-    taken = {name: value for name, value in defaults.items() if name not in given and value != parser.get_default(name)}
+    taken = {name: value for name, value in defaults.items() if name not in given and value != parser.get_default(name)
+             and (goes_with or {}).get(name) not in given}
     if not taken:
         return args
     parser.set_defaults(**taken)

@@ -37,12 +37,12 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
     """
     device = default_device()
     model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
+    if reward_model is None and reward_model_path:
+        reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
     if reward_model_path:  # each policy: a baseline of another family would be scored as other text
         check_scores_actor_text(tokenizer, path, load_tokenizer(resolve_model_path(reward_model_path),
                                                                 add_eot_token=args.add_eot_token),
                                 reward_model_path, "the reward model")
-    if reward_model is None and reward_model_path:
-        reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
     for checked in (model, reward_model):  # as step 3 checks its models: not an IndexError mid-generation
         if checked is not None:
             check_sequence_fits(checked, args.max_prompt_seq_len + args.max_new_tokens,
@@ -163,8 +163,6 @@ def step3_run_defaults(args):
         return {}, None
     flags = run["flags"]
     defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
-    if as_list(args.data_path) != as_list(build_parser().get_default("data_path")):
-        defaults.pop("data_fields", None)  # the run's field names go with its files, not with the --data_path given
     if "data_path" in defaults:  # the files step 3 read, from whatever folder this runs in
         defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
     defaults.update(run_reward_sources(flags, run.get("cwd"), args.reward_fn))
@@ -207,7 +205,8 @@ def step3_eval_prompts(eval_prompts, batch, world_size):
 def parse_args(argv=None):
     """The flags; those not given default to the policy's step-3 run's (said), so that the same prompts are scored
     the same way as in its before/after-PPO evaluation."""
-    args = parse_with_run_defaults(build_parser(), argv, step3_run_defaults, "ppo_eval")
+    args = parse_with_run_defaults(build_parser(), argv, step3_run_defaults, "ppo_eval",
+                                   goes_with={"data_fields": "data_path"})  # its field names go with its files
     args.policy = flag_path("--policy", find_policy_path, args.policy)  # the model folder (a run's folder resolved)
     return args
 
