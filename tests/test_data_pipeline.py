@@ -336,6 +336,18 @@ def test_multiturn_leaves_turns_the_template_rewrites_as_prompt_and_counts_them(
             "otherwise than a prompt ending at them") in capsys.readouterr().out
 
 
+def test_multiturn_leaves_an_opening_assistant_turn_a_template_cannot_render_before_as_prompt(tmp_path, tokenizer,
+                                                                                               capsys):
+    """A conversation that opens with the assistant has no prompt before its first turn: transformers' "Cannot apply
+    chat template to an empty conversation" ended the step with a traceback."""
+    tok = chatml(tokenizer)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION[2:]}])  # assistant, user, ...
+    every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
+    assert trained_text(every[0], tok) == "Fine, thanks.<|im_end|>|Goodbye!<|im_end|>"
+    assert ("1 earlier assistant turn trained (--multiturn), 1 left as prompt: the chat template renders it otherwise "
+            "than a prompt ending at it") in capsys.readouterr().out
+
+
 def test_multiturn_needs_offsets_from_a_fast_tokenizer(tmp_path, tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)
     slow = copy.deepcopy(tokenizer)

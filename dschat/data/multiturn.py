@@ -54,8 +54,8 @@ def turn_span(before, content, prompt_text, tokenizer, eot_token):
 
     try:
         prefix = format_prompt(before, tokenizer)
-    except TemplateError:  # e.g. a template that refuses a conversation opening with the assistant
-        return None
+    except (TemplateError, ValueError):  # a template that refuses a conversation opening with the assistant; an empty
+        return None  # conversation (transformers' "Cannot apply chat template to an empty conversation")
     if not content or not prompt_text.startswith(prefix):
         return None
     body = _after_whitespace(prompt_text, len(prefix))

@@ -564,10 +564,10 @@ def format_skip_line(entry):
     cut = f"; {entry['cut']} kept with an answer cut at --max_seq_len" if entry.get("cut") else ""
     if entry.get("turns"):
         trained, missed = entry["turns"]
-        cut += f"; {trained} earlier assistant turns trained (--multiturn)"
+        cut += f"; {trained} earlier assistant turn{'s' if trained != 1 else ''} trained (--multiturn)"
         if missed:
-            cut += (f", {missed} left as prompt: the chat template renders them otherwise than a prompt ending at "
-                    "them")
+            cut += (f", {missed} left as prompt: the chat template renders {'them' if missed != 1 else 'it'} otherwise "
+                    f"than a prompt ending at {'them' if missed != 1 else 'it'}")
     if entry.get("formatted"):
         count, token = entry["formatted"]
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "
