@@ -167,6 +167,10 @@ def check_step_args(steps, args, tiny, parsers):
                 check_step3_prompts(step3_args(flags), get_world_size())
         else:
             check_supervised_settings(flags, phase=step)
+            if step == 2 and getattr(args, "recipe", "ppo") == "dpo":
+                from dschat.steps.dpo import check_dpo_flags
+
+                check_dpo_flags(flags)
             if step == 2 and steps != [2]:  # step 2 alone reads its pairs at once; after step 1, it would be late
                 check_step2_pairs(flags)
     for step, (flags, _) in parsed.items():

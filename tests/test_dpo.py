@@ -314,3 +314,14 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
     assert json.loads((tmp_path / "report.json").read_text())["dpo"] == report["dpo"]
     assert report["dpo"]["logp_accuracy"] == 0.5
     assert report["dpo"]["held_out_rule_score"] == scores
+
+
+def test_train_py_refuses_a_dpo_flag_combination_before_step_1(tmp_path, distributed):
+    """--step2-args "--multiturn" with --recipe dpo was refused by the DPO step, after step 1 had trained."""
+    from dschat.errors import UsageError
+
+    args = TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path / "out"),
+                                   "--step2-args", "--multiturn"])
+    with pytest.raises(UsageError, match="--multiturn is a step-1 flag"):
+        pipeline.run_pipeline(args)
+    assert not (tmp_path / "out" / "step1_sft").exists()

@@ -68,17 +68,22 @@ def split_pairs(logps):
     return logps[:half], logps[half:]
 
 
+def check_dpo_flags(args):
+    """DPO's flags, and step 1's it shares a parser with but cannot use (train.py checks them before step 1 runs)."""
+    check_dpo_params(args.beta, args.label_smoothing)
+    for flag in ("include_prompt_in_loss", "multiturn"):
+        if getattr(args, flag, False):
+            raise UsageError(f"--{flag} is a step-1 flag: DPO compares the final answers, so its log-probs "
+                             "cover their tokens only")
+    if args.rpo_alpha < 0:
+        raise UsageError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
+
+
 class DPOStep:
     """The DPO loss and evaluation against a reference model that is built together with the policy."""
 
     def __init__(self, args):
-        check_dpo_params(args.beta, args.label_smoothing)
-        for flag in ("include_prompt_in_loss", "multiturn"):
-            if getattr(args, flag, False):
-                raise UsageError(f"--{flag} is a step-1 flag: DPO compares the final answers, so its log-probs "
-                                 "cover their tokens only")
-        if args.rpo_alpha < 0:
-            raise UsageError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
+        check_dpo_flags(args)
         self.beta, self.label_smoothing, self.rpo_alpha = args.beta, args.label_smoothing, args.rpo_alpha
         self.reference = None
 
