@@ -1601,6 +1601,32 @@ def test_kl_loss_coef_and_estimator_are_honoured_as_given_for_every_estimator(gi
     assert DeepSpeedPPOTrainer._kl_loss_settings(SimpleNamespace(args=step3_args(given))) == used
 
 
+def test_the_logged_kl_coefficient_is_the_one_in_use():
+    """A GRPO run logged --kl_ctl (the reward penalty's, unused) as its kl_coef, not the loss term's weight."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    def logged(given):
+        trainer = SimpleNamespace(args=step3_args(given), kl_ctl=SimpleNamespace(value=given.get("kl_ctl", 0.1)))
+        trainer._kl_loss_settings = lambda: DeepSpeedPPOTrainer._kl_loss_settings(trainer)
+        return DeepSpeedPPOTrainer.kl_coef.fget(trainer)
+
+    assert logged({"advantage_estimator": "grpo", "n_samples_per_prompt": 2, "kl_ctl": 0.5}) == 0.001
+    assert logged({"kl_in_reward": 0, "kl_loss_coef": 0.05}) == 0.05
+    assert logged({"kl_ctl": 0.3}) == 0.3
+
+
+def test_k1_as_the_kl_loss_term_is_warned(capsys):
+    from dschat.rlhf.config import check_kl_settings, step3_args
+
+    check_kl_settings(step3_args({"kl_in_reward": 0, "kl_estimator": "k1"}))
+    assert "--kl_estimator k1 as the KL loss term: its gradient" in capsys.readouterr().out
+    check_kl_settings(step3_args({"kl_estimator": "k1"}))  # the reward penalty's estimator: DeepSpeed-Chat's
+    assert "warning" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("given, said", [
     ({"kl_loss_coef": 0.1}, "--kl_loss_coef weighs a KL loss term, and --advantage_estimator gae with --kl_in_reward 1 "
                             "puts the KL in the per-token reward instead"),
@@ -1609,6 +1635,7 @@ def test_kl_loss_coef_and_estimator_are_honoured_as_given_for_every_estimator(gi
                                                "(--kl_ctl), which --kl_in_reward 0 does not use"),
     ({"advantage_estimator": "grpo", "n_samples_per_prompt": 2, "adaptive_kl": True},
      "which --advantage_estimator grpo does not use"),
+    ({"adaptive_kl": True, "kl_ctl": 0.0}, "--adaptive_kl with --kl_ctl 0: the controller scales the coefficient"),
 ])
 def test_kl_flags_the_chosen_kl_does_not_read_are_errors(given, said):
     """They were silently ignored: a run with another KL than asked for."""

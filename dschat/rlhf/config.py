@@ -45,6 +45,11 @@ def check_kl_settings(args):
     """A KL flag that the chosen place of the KL penalty does not read is an error, not a run with another KL than
     asked for (or none)."""
     if kl_in_loss(args):
+        if args.kl_estimator == "k1" and args.kl_loss_coef != 0:
+            from dschat.utils.dist import print_rank_0
+
+            print_rank_0("warning: --kl_estimator k1 as the KL loss term: its gradient over the sampled answers is 0 in "
+                         "expectation, so it pulls the policy nowhere; k3 (the default there) or k2 regularise")
         if args.adaptive_kl:
             where = ("--kl_in_reward 0" if args.advantage_estimator not in GROUP_ESTIMATORS
                      else f"--advantage_estimator {args.advantage_estimator}")
@@ -54,6 +59,9 @@ def check_kl_settings(args):
         raise UsageError(f"--kl_loss_coef weighs a KL loss term, and --advantage_estimator {args.advantage_estimator} "
                          "with --kl_in_reward 1 puts the KL in the per-token reward instead (weighted by --kl_ctl); "
                          "--kl_in_reward 0 makes it a loss term")
+    elif args.adaptive_kl and not args.kl_ctl:
+        raise UsageError("--adaptive_kl with --kl_ctl 0: the controller scales the coefficient, which stays 0; give "
+                         "the starting coefficient (e.g. --kl_ctl 0.1)")
 
 
 def resolve_zero_stages(args):

@@ -453,6 +453,11 @@ class DeepSpeedPPOTrainer:
         self.stats.update(pg_clipfrac=pstats["pg_clipfrac"].item(), approx_kl=pstats["approx_kl"].item())
         return loss
 
+    @property
+    def kl_coef(self):
+        """The KL weight this run trains with: the loss term's where the KL is one, else the reward penalty's."""
+        return self._kl_loss_settings()[0] if kl_in_loss(self.args) else self.kl_ctl.value
+
     def _kl_loss_settings(self):
         """(coefficient, estimator) of the KL loss term: where the KL is a loss term (``kl_in_loss``: GRPO and RLOO
         always, the others with --kl_in_reward 0), --kl_loss_coef (unset: 0.001, verl's; 0: no term) with

@@ -336,7 +336,7 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
     samples = sum(e["input_ids"].shape[0] for e in buffer) * get_world_size()
     tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
     record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), "kl": trained["kl"],
-              "kl_per_answer": trained["kl_per_answer"], "kl_coef": trainer.kl_ctl.value,
+              "kl_per_answer": trained["kl_per_answer"], "kl_coef": trainer.kl_coef,
               "actor_loss": rank_mean(trained["actor_loss"], device),
               # every rank answers as many prompts: the mean of the ranks' means is the mean over all answers
               "answer_length": rank_mean(gen_stats["answer_length"], device),
