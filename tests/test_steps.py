@@ -629,6 +629,7 @@ def test_train_py_finds_too_few_step3_prompts_before_step_1(tmp_path, distribute
 def test_train_py_finds_step2_data_without_pairs_before_step_1(tmp_path, distributed):
     """SFT or unpaired data for every step: step 1 trained, then step 2 skipped every record ("no rejected answer")."""
     from dschat import pipeline
+    from dschat.data import DatasetFormatError
     from dschat.errors import UsageError
 
     data = tmp_path / "sft.jsonl"
@@ -642,6 +643,14 @@ def test_train_py_finds_step2_data_without_pairs_before_step_1(tmp_path, distrib
             pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--data-path", f"jsonl:{data}",
                                                  "--recipe", recipe))
         assert not out.exists(), "no step may have run"
+    # a rejected=... naming a column the file lacks is why: said as such ("no rejected answers" sent one looking)
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("q,a,b\n" + "".join(f"Q{i}?,yes,no\n" for i in range(40)))
+    with pytest.raises(DatasetFormatError, match=r"pairs\.csv: no 'c' field, which --data_fields rejected=c names; "
+                                                 r"the records have \['q', 'a', 'b'\]"):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--data-path", f"csv:{pairs}",
+                                             "--data-fields", "prompt=q,chosen=a,rejected=c"))
+    assert not out.exists(), "no step may have run"
 
 
 def test_train_py_says_step_args_of_a_step_it_does_not_run_are_ignored(tmp_path, distributed, monkeypatch, capsys):

@@ -565,8 +565,13 @@ class LocalDataset(PromptRawDataset):
             # a misspelt chosen=... is why the answers are missing: name it, not "no 'chosen' field"
             self._check_renamed(("chosen",), self.raw_datasets["train"].column_names, self.source.train)
         super().check_usable(train_phase)
-        if train_phase == 2 and not self.has_rejected and "rejected" in self.renamed:
-            # Other steps' files may lack rejected answers under the same --data_fields; step 2's cannot.
+        if train_phase == 2:
+            self.check_rejected_rename()
+
+    def check_rejected_rename(self):
+        """A rejected=... that names a column the records lack is why they have no rejected answers: said as such.
+        (Other steps' files may lack rejected answers under the same --data_fields; step 2's cannot.)"""
+        if not self.has_rejected and "rejected" in self.renamed:
             self._check_renamed(("rejected",), self.raw_datasets["train"].column_names, self.source.train)
 
     def _shape_fields(self):

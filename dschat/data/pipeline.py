@@ -215,8 +215,11 @@ def has_no_pairs(data_path, seed, data_fields=None):
     specs = as_list(data_path)
     if any(isinstance(resolve_dataset_spec(spec), type) for spec in specs):
         return False
-    return not any(getattr(get_raw_dataset(spec, None, seed, -1, **_field_options(data_fields)), "has_rejected", True)
-                   for spec in specs)
+    sources = [get_raw_dataset(spec, None, seed, -1, **_field_options(data_fields)) for spec in specs]
+    for raw in sources:
+        if hasattr(raw, "check_rejected_rename"):  # a misspelt rejected=... is said as such, not as "no pairs"
+            raw.check_rejected_rename()
+    return not any(getattr(raw, "has_rejected", True) for raw in sources)
 
 
 def as_list(paths):
