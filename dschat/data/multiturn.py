@@ -16,20 +16,19 @@ from dschat.errors import UsageError
 from .formatting import format_prompt
 
 
-def earlier_answer_spans(messages_list, prompt_texts, tokenizer, eot_token, shift):
-    """Per conversation, ``([start, end, start, end, ...] token spans of its earlier assistant turns in the prompt
-    ids, how many turns were not found)``. ``shift``: how many special ids precede the prompt text's tokens."""
+def check_offsets_available(tokenizer):
     if not getattr(tokenizer, "is_fast", False):
         raise UsageError("--multiturn needs a fast tokenizer (it maps each assistant turn's text to its tokens "
                          f"through offsets), and {type(tokenizer).__name__} is not one")
-    if not prompt_texts:
-        return []
-    offsets = tokenizer(list(prompt_texts), add_special_tokens=False, return_offsets_mapping=True,
-                        return_attention_mask=False)["offset_mapping"]
+
+
+def earlier_answer_spans(messages_list, prompt_texts, offsets, tokenizer, eot_token):
+    """Per conversation, ``([start, end, start, end, ...] token spans of its earlier assistant turns in the prompt
+    ids, how many turns were not found)``; ``offsets``: each prompt token's (start, end) characters."""
     result = []
     for messages, text, token_offsets in zip(messages_list, prompt_texts, offsets):
         spans, missed = answer_char_spans(messages, text, tokenizer, eot_token)
-        result.append((token_spans(spans, token_offsets, shift), missed))
+        result.append((token_spans(spans, token_offsets), missed))
     return result
 
 
@@ -74,13 +73,14 @@ def _after_whitespace(text, position):
     return position
 
 
-def token_spans(char_spans, offsets, shift):
-    """Flattened [start, end) token spans (shifted by ``shift``) of the tokens that overlap each character span."""
+def token_spans(char_spans, offsets):
+    """Flattened [start, end) token spans of the tokens that overlap each character span (a (0, 0) token, one added
+    before the text, overlaps none)."""
     starts = [start for start, _ in offsets]
     ends = [end for _, end in offsets]
     flat = []
     for start, end in char_spans:
         first, last = bisect_right(ends, start), bisect_left(starts, end)
         if first < last:
-            flat += [first + shift, last + shift]
+            flat += [first, last]
     return flat

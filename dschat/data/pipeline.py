@@ -45,7 +45,7 @@ from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokeni
 from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
 from .local import LocalSource, checked_field_options, parse_field_map
-from .multiturn import earlier_answer_spans
+from .multiturn import check_offsets_available, earlier_answer_spans
 from .raw_datasets import get_raw_dataset, resolve_dataset_spec
 from .splits import compute_split_indices, get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
 
@@ -432,7 +432,12 @@ def tokenize_examples(examples, tokenizer, settings):
     """
     prompt_texts = [example.prompt_text or format_prompt(example.messages, tokenizer) for example in examples]
     add_special = not uses_chat_template(tokenizer)
-    prompts = tokenize_texts(tokenizer, prompt_texts, add_special)
+    multiturn = settings.multiturn and settings.train_phase == 1
+    if multiturn:  # the prompt's token offsets come with its ids: each earlier assistant turn's tokens are found there
+        check_offsets_available(tokenizer)
+        prompts, offsets = tokenize_texts(tokenizer, prompt_texts, add_special, with_offsets=True)
+    else:
+        prompts = tokenize_texts(tokenizer, prompt_texts, add_special)
     columns = {"prompt_text": prompt_texts, "prompt": prompts}
     for side in ("chosen", "rejected"):
         texts = [getattr(example, side) for example in examples]
@@ -441,10 +446,9 @@ def tokenize_examples(examples, tokenizer, settings):
             joint = tokenize_texts(tokenizer, [p + a for p, a in zip(prompt_texts, answers)], add_special)
             columns[side] = [answer_ids_after_prompt(tokenizer, prompt, ids, answer)
                              for prompt, ids, answer in zip(prompts, joint, answers)]
-    if settings.multiturn and settings.train_phase == 1:
-        shift = len(leading_special_ids(tokenizer)) if add_special else 0
-        columns["earlier"] = earlier_answer_spans([example.messages for example in examples], prompt_texts, tokenizer,
-                                                  settings.eot_token, shift)
+    if multiturn:
+        columns["earlier"] = earlier_answer_spans([example.messages for example in examples], prompt_texts, offsets,
+                                                  tokenizer, settings.eot_token)
     eot = tokenizer(settings.eot_token, add_special_tokens=False)["input_ids"]
     if not eot:
         raise UsageError(f"the end-of-conversation token {settings.eot_token!r} tokenizes to nothing")
@@ -465,20 +469,23 @@ def answer_ids_after_prompt(tokenizer, prompt_ids, joint_ids, answer_text):
     return tokenizer(answer_text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_texts(tokenizer, texts, add_special_tokens):
-    """Token ids of ``texts``. ``add_special_tokens`` adds only the special tokens the tokenizer puts before a text
-    (BOS): one that also appends EOS (``add_eos_token=True``) would end every prompt there, and the answer would
-    follow an EOS."""
+def tokenize_texts(tokenizer, texts, add_special_tokens, with_offsets=False):
+    """Token ids of ``texts`` (``with_offsets``: and each token's (start, end) characters, (0, 0) for the added ones).
+    ``add_special_tokens`` adds only the special tokens the tokenizer puts before a text (BOS): one that also appends
+    EOS (``add_eos_token=True``) would end every prompt there, and the answer would follow an EOS."""
     prefix = leading_special_ids(tokenizer) if add_special_tokens else []
     # transformers' "Token indices sequence length is longer than the specified maximum" (once per tokenizer): the
     # steps cut and skip records by their own length flags, and the data report counts them
     if hasattr(tokenizer, "deprecation_warnings"):
         tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
-    ids = []
+    ids, offsets = [], []
     for start in range(0, len(texts), TOKENIZE_BATCH):
-        batch = tokenizer(texts[start:start + TOKENIZE_BATCH], add_special_tokens=False, return_attention_mask=False)
+        batch = tokenizer(texts[start:start + TOKENIZE_BATCH], add_special_tokens=False, return_attention_mask=False,
+                          return_offsets_mapping=with_offsets)
         ids.extend(prefix + row for row in batch["input_ids"])
-    return ids
+        if with_offsets:
+            offsets.extend([(0, 0)] * len(prefix) + list(row) for row in batch["offset_mapping"])
+    return (ids, offsets) if with_offsets else ids
 
 
 def leading_special_ids(tokenizer):

@@ -149,20 +149,17 @@ def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # the step's side (right to train, left to generate); the saved models keep the folder's (``saved_as_loaded``)
-    setattr(tokenizer, SOURCE_PADDING_SIDE, tokenizer.padding_side)
     tokenizer.padding_side = padding_side
     return tokenizer
 
 
-SOURCE_PADDING_SIDE = "dschat_source_padding_side"
-
-
 @contextlib.contextmanager
 def saved_as_loaded(tokenizer):
-    """The tokenizer with the padding side its model folder gave it, while it is saved: the side a step pads with
-    is the step's (a step-1 model saved padding right warned and generated otherwise in batches of HF's generate)."""
-    source = getattr(tokenizer, SOURCE_PADDING_SIDE, None)
-    if source is None:  # (not load_tokenizer's: as it is)
+    """The tokenizer with the padding side its model folder gave it (transformers keeps the folder's settings in
+    ``init_kwargs``), while it is saved: the side a step pads with is the step's (a step-1 model saved padding right
+    warned and generated otherwise in batches of HF's generate)."""
+    source = (getattr(tokenizer, "init_kwargs", None) or {}).get("padding_side")
+    if source is None:  # (a folder that says none: as it is)
         yield tokenizer
         return
     current = tokenizer.padding_side
