@@ -320,6 +320,80 @@ def test_a_one_label_sequence_classification_folder_loads_as_the_reward_model_it
     assert not is_reward_model_folder(str(tmp_path / "two"))
 
 
+def _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix=True):
+    """A reward model in the layout OpenRLHF's save_model writes: transformers' one-label sequence classifier's weights
+    (the backbone under its base_model_prefix, a Linear without bias) with the head named ``prefix``, config.json naming
+    the class "RewardModel" with two labels (transformers' default), the prefix and the normalization."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSequenceClassification
+
+    config = CONFIGS[family]()
+    config.num_labels, config.pad_token_id = 1, 0
+    original = AutoModelForSequenceClassification.from_config(config).eval()
+    original.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    weights[f"{prefix}.weight"] = weights.pop("score.weight")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((folder / "config.json").read_text())
+    saved.update(architectures=["RewardModel"], id2label={"0": "LABEL_0", "1": "LABEL_1"},
+                 label2id={"LABEL_0": 0, "LABEL_1": 1}, normalize_reward=normalization is not None)
+    if record_prefix:
+        saved["value_head_prefix"] = prefix
+    if normalization:
+        saved["mean"], saved["std"] = normalization
+    (folder / "config.json").write_text(json.dumps(saved))
+    return original
+
+
+@pytest.mark.parametrize("family,prefix,normalization,record_prefix", [
+    ("llama", "score", (0.75, 2.5), True), ("opt", "value_head", None, False), ("gpt2", "score", None, True)])
+def test_an_openrlhf_reward_model_scores_as_openrlhf_does(family, prefix, normalization, record_prefix, tmp_path,
+                                                          caplog):
+    """OpenRLHF saves reward models as class "RewardModel" with its value head's name in config.json (older releases:
+    "value_head", not recorded) and, trained with --normalize_reward, the eval scores' mean and std, by which it
+    divides its scores: refused as "not a reward model" before. As a frozen scorer it scores so; trained (a critic,
+    step 2) it starts from the raw scores."""
+    from dschat.models.loading import load_causal_lm
+    from dschat.models.reward_model import create_critic_model, is_reward_model_folder
+
+    torch.manual_seed(0)
+    folder = tmp_path / "rm"
+    original = _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix)
+    assert is_reward_model_folder(str(folder))
+    with caplog.at_level(logging.INFO):
+        scorer = load_reward_model(str(folder)).eval()
+        critic = create_critic_model(str(folder), None).eval()
+    assert scorer.value_head_loaded and critic.value_head_loaded
+    assert "UNEXPECTED" not in caplog.text, "the value head is the reward model's own"
+    ids = torch.randint(3, 96, (3, 7))
+    mask = torch.ones_like(ids)
+    ids[1, 5:], mask[1, 5:] = 0, 0
+    with torch.no_grad():
+        raw = original(input_ids=ids, attention_mask=mask).logits[:, 0]
+        mean, std = normalization or (0.0, 1.0)
+        assert torch.allclose(scorer.end_scores(ids, mask), (raw - mean) / std, atol=1e-5)
+        assert torch.allclose(critic.end_scores(ids, mask), raw, atol=1e-5)
+    assert ("starts from the raw scores" in caplog.text) == (normalization is not None)
+    with pytest.raises(ValueError, match="a reward model .*not a policy"):
+        load_causal_lm(str(folder), None)
+
+
+def test_an_openrlhf_reward_model_whose_head_is_missing_is_no_reward_model(tmp_path):
+    import json
+
+    folder = tmp_path / "rm"
+    _openrlhf_reward_folder("llama", folder, "score", None)
+    saved = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**saved, "value_head_prefix": "reward_head"}))
+    from dschat.models.reward_model import is_reward_model_folder
+
+    assert not is_reward_model_folder(str(folder)), "config.json names a head the weights lack"
+    with pytest.raises(ValueError, match="no trained value head"):
+        load_reward_model(str(folder))
+
+
 def test_a_checkpoint_whose_weights_are_named_for_another_layout_is_an_error(tmp_path):
     """transformers loads it with every weight new (a "LOAD REPORT ... MISSING"), and it trained from random values."""
     from dschat.errors import UsageError

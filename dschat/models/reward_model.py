@@ -21,8 +21,14 @@ DS_CHAT_HEAD_KEY = "v_head.weight"
 # transformers' *ForSequenceClassification with one label (TRL's RewardTrainer saves reward models so; the
 # score of a sequence is its last real token's, as here): the head is "score", a Linear without bias on the backbone.
 SEQ_CLS_HEAD_KEY = "score.weight"
-VALUE_HEAD_FILES = (f"{VALUE_HEAD_FILE}, DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in {DS_CHAT_WEIGHTS_FILE}, or the "
-                    f"{SEQ_CLS_HEAD_KEY} of a one-label *ForSequenceClassification")
+# OpenRLHF's reward models and critics: the backbone under its base_model_prefix, the head a Linear without bias named
+# by config.json's "value_head_prefix" ("score"; "value_head" in older releases, which did not record it); with
+# "normalize_reward", a score is (score - mean) / std, the mean and std of step 2's eval scores, also in config.json.
+OPENRLHF_ARCHITECTURES = ("RewardModel", "CriticModel")
+OPENRLHF_HEAD_KEYS = ("score.weight", "value_head.weight")
+VALUE_HEAD_FILES = (f"{VALUE_HEAD_FILE}, DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in {DS_CHAT_WEIGHTS_FILE}, the "
+                    f"{SEQ_CLS_HEAD_KEY} of a one-label *ForSequenceClassification, or an OpenRLHF reward model's "
+                    "value head")
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,8 @@ class RewardModel(nn.Module):
     def __init__(self, base_model, compute_fp32_loss=False, num_padding_at_beginning=0):
         super().__init__()
         self.value_head_loaded = False  # from_pretrained: whether the folder held a trained head
+        # (mean, std) a frozen scorer's values are normalized by (an OpenRLHF reward model's), else None
+        self.score_normalization = None
         self.config = base_model.config
         hidden = getattr(self.config, "word_embed_proj_dim", None) or _hidden_size(self.config)
         self.v_head = nn.Linear(hidden, 1, bias=False)
@@ -72,8 +80,13 @@ class RewardModel(nn.Module):
                                  use_cache=use_cache, **kwargs)
         hidden = out[0]
         if self.compute_fp32_loss:
-            return F.linear(hidden.float(), self.v_head.weight.float()).squeeze(-1)
-        return self.v_head(hidden).squeeze(-1)
+            values = F.linear(hidden.float(), self.v_head.weight.float()).squeeze(-1)
+        else:
+            values = self.v_head(hidden).squeeze(-1)
+        if self.score_normalization is not None:
+            mean, std = self.score_normalization
+            values = (values - mean) / std
+        return values
 
     def forward(self, input_ids, attention_mask, **kwargs):
         """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected."""
@@ -114,10 +127,11 @@ class RewardModel(nn.Module):
     # --- saving and loading -------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,
-                        ds_config=None, rlhf_training=False, new_head_expected=False):
+                        ds_config=None, rlhf_training=False, new_head_expected=False, normalize_scores=False):
         """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made, with a
         warning unless ``new_head_expected``: as transformers warns of a new classification head, its scores mean
-        nothing until step 2 trains it)."""
+        nothing until step 2 trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's
+        normalization (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
         from dschat.models.loading import (check_weights_loaded, configure_dropout, grow_embeddings_for, hub_load,
                                            load_dtype, model_load_context, readable_weights,
                                            resolve_model_path)
@@ -141,6 +155,12 @@ class RewardModel(nn.Module):
             logger.warning("%s has no trained value head (%s): the head is new and random, so its scores mean nothing "
                            "until step 2 trains it; to score, load step 2's output folder", name, VALUE_HEAD_FILES)
         model.v_head.to(backbone.dtype)
+        normalization = score_normalization(path) if model.value_head_loaded else None
+        if normalization and normalize_scores:
+            model.score_normalization = normalization
+        elif normalization:
+            logger.info("%s: its scores are normalized by mean %.4g and std %.4g when it scores; trained here, it "
+                        "starts from the raw scores", name, *normalization)
         if tokenizer is not None:
             grow_embeddings_for(backbone, tokenizer)
         return model
@@ -154,48 +174,87 @@ class RewardModel(nn.Module):
 
 
 def is_reward_model_folder(path):
-    """A step-2 output: dschat's (backbone + ``value_head.safetensors``) or DeepSpeed-Chat's; or a one-label
-    *ForSequenceClassification (TRL's reward models)."""
+    """A step-2 output: dschat's (backbone + ``value_head.safetensors``) or DeepSpeed-Chat's; a one-label
+    *ForSequenceClassification (TRL's reward models) or an OpenRLHF reward model."""
     return (os.path.exists(os.path.join(path, VALUE_HEAD_FILE)) or ds_chat_reward_weights(path) is not None
-            or sequence_classification_file(path) is not None)
+            or score_head_location(path) is not None)
 
 
-def sequence_classification_file(path):
-    """The weights file holding the score head of the one-label *ForSequenceClassification saved in ``path``, else
-    None."""
+def _config_dict(path):
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        return None
+        return {}
     with open(config_file) as f:
-        config = json.load(f)
+        return json.load(f)
+
+
+def score_head_keys(config):
+    """The weight names a saved score head may have, from a folder's config.json (a dict): a one-label
+    *ForSequenceClassification's "score.weight", an OpenRLHF reward model's or critic's value head; else ()."""
     architectures = config.get("architectures") or []
+    if config.get("value_head_prefix") or any(name in OPENRLHF_ARCHITECTURES for name in architectures):
+        prefix = config.get("value_head_prefix")
+        return (f"{prefix}.weight",) if prefix else OPENRLHF_HEAD_KEYS
     labels = len(config.get("id2label") or {}) or config.get("num_labels")
-    if labels != 1 or not any(name.endswith("ForSequenceClassification") for name in architectures):
+    if labels == 1 and any(name.endswith("ForSequenceClassification") for name in architectures):
+        return (SEQ_CLS_HEAD_KEY,)
+    return ()
+
+
+def score_head_location(path):
+    """(weights file, key) of the score head saved with the whole model in the folder ``path`` (see
+    ``score_head_keys``), else None. Only names are read: an index's weight map, a file's keys."""
+    keys = score_head_keys(_config_dict(path))
+    if not keys:
         return None
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            name = json.load(f).get("weight_map", {}).get(SEQ_CLS_HEAD_KEY)
-        return os.path.join(path, name) if name else None
-    file = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(file):
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if os.path.isfile(os.path.join(path, index)):
+            with open(os.path.join(path, index)) as f:
+                weight_map = json.load(f).get("weight_map", {})
+            return next(((os.path.join(path, weight_map[k]), k) for k in keys if k in weight_map), None)
+    for name in ("model.safetensors", DS_CHAT_WEIGHTS_FILE):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            names = _weight_names(file)
+            return next(((file, k) for k in keys if k in names), None)
+    return None
+
+
+def _weight_names(file):
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(file, "pt") as f:
+            return set(f.keys())
+    return set(torch.load(file, map_location="cpu", mmap=True, weights_only=True).keys())
+
+
+def _read_weight(file, key):
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(file, "pt") as f:
+            return f.get_tensor(key) if key in f.keys() else None
+    return torch.load(file, map_location="cpu", mmap=True, weights_only=True).get(key)
+
+
+def _score_head(location, path):
+    file, key = location
+    bias = key[:-len("weight")] + "bias"
+    if _read_weight(file, bias) is not None:  # (transformers' decoder families and OpenRLHF's heads have none)
+        from dschat.errors import UsageError
+
+        raise UsageError(f"{path}: its score head ({key}) has a bias, which dschat's value head (a Linear without "
+                         "bias) cannot hold")
+    return _read_weight(file, key)
+
+
+def score_normalization(path):
+    """(mean, std) that an OpenRLHF reward model saved with "normalize_reward" divides its scores by, else None."""
+    config = _config_dict(path)
+    if not config.get("normalize_reward") or not score_head_keys(config):
         return None
-    from safetensors import safe_open
-
-    with safe_open(file, "pt") as f:
-        return file if SEQ_CLS_HEAD_KEY in f.keys() else None
-
-
-def _sequence_classification_head(file, path):
-    from safetensors import safe_open
-
-    from dschat.errors import UsageError
-
-    with safe_open(file, "pt") as f:
-        if "score.bias" in f.keys():  # (transformers' decoder families have none)
-            raise UsageError(f"{path}: its score head has a bias, which dschat's value head (a Linear without bias) "
-                             "cannot hold")
-        return f.get_tensor(SEQ_CLS_HEAD_KEY)
+    return float(config.get("mean", 0.0)), float(config.get("std", 1.0))
 
 
 def ds_chat_reward_weights(path):
@@ -212,8 +271,8 @@ def ds_chat_reward_weights(path):
 
 
 def trained_value_head(path, ds_chat_file=None):
-    """The value head's weight step 2 saved in ``path`` (dschat's file, or DeepSpeed-Chat's ``ds_chat_file``), or a
-    one-label *ForSequenceClassification's score head, else None."""
+    """The value head's weight step 2 saved in ``path`` (dschat's file, or DeepSpeed-Chat's ``ds_chat_file``), or the
+    score head of a one-label *ForSequenceClassification or an OpenRLHF reward model, else None."""
     from dschat.models.loading import readable_weights
 
     head_file = os.path.join(path, VALUE_HEAD_FILE)
@@ -224,9 +283,9 @@ def trained_value_head(path, ds_chat_file=None):
             return load_file(head_file)["weight"]
         if ds_chat_file:
             return torch.load(ds_chat_file, map_location="cpu", mmap=True, weights_only=True)[DS_CHAT_HEAD_KEY]
-        seq_cls_file = sequence_classification_file(path) if os.path.isdir(path) else None
-        if seq_cls_file:
-            return _sequence_classification_head(seq_cls_file, path)
+        location = score_head_location(path) if os.path.isdir(path) else None
+        if location:
+            return _score_head(location, path)
     return None
 
 
@@ -238,20 +297,24 @@ def _hidden_size(config):
 
 
 def create_critic_model(model_name_or_path, tokenizer, ds_config=None, num_padding_at_beginning=0,
-                        rlhf_training=False, dropout=None, zero_stage=0, compute_fp32_loss=False, dtype=None):
-    """DeepSpeed-Chat's entry point: a reward model / critic from a step-2 folder or any HF model folder."""
+                        rlhf_training=False, dropout=None, zero_stage=0, compute_fp32_loss=False, dtype=None,
+                        normalize_scores=False):
+    """DeepSpeed-Chat's entry point: a reward model / critic from a step-2 folder or any HF model folder
+    (``normalize_scores``: see ``RewardModel.from_pretrained``)."""
     model = RewardModel.from_pretrained(model_name_or_path, tokenizer=tokenizer, compute_fp32_loss=compute_fp32_loss,
-                                        dropout=dropout, dtype=dtype, ds_config=ds_config, new_head_expected=True)
+                                        dropout=dropout, dtype=dtype, ds_config=ds_config, new_head_expected=True,
+                                        normalize_scores=normalize_scores)
     model.num_padding_at_beginning = num_padding_at_beginning
     return model
 
 
 def load_reward_model(path, **kwargs):
-    """One call to get the reward model (or critic) that step 2 (or step 3) saved; a folder without its trained value
-    head is an error (``RewardModel.from_pretrained`` makes a new one)."""
+    """One call to get the reward model (or critic) that step 2 (or step 3) saved, to score with (an OpenRLHF reward
+    model's scores normalized as it saved them); a folder without its trained value head is an error
+    (``RewardModel.from_pretrained`` makes a new one)."""
     from dschat.errors import UsageError
 
-    model = RewardModel.from_pretrained(path, new_head_expected=True, **kwargs)
+    model = RewardModel.from_pretrained(path, new_head_expected=True, normalize_scores=True, **kwargs)
     if not model.value_head_loaded:
         raise UsageError(f"{path}: no trained value head ({VALUE_HEAD_FILES}): not a reward model or critic that step "
                          "2 or 3 saved (RewardModel.from_pretrained makes a new random head for training)")

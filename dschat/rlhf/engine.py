@@ -404,7 +404,7 @@ class DeepSpeedRLHFEngine:
         self._check_token_ids(self.reward_path, "the reward model")
         ds_config = self._eval_config(frozen_twin(a, "reward")[0], a.offload_reward_model, role="reward")
         model = create_critic_model(self.reward_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
-                                    compute_fp32_loss=a.compute_fp32_loss)
+                                    compute_fp32_loss=a.compute_fp32_loss, normalize_scores=True)
         self._check_sequence_fits(model)
         if not model.value_head_loaded:
             raise UsageError(untrained_reward_model_message(self.reward_path))
