@@ -60,7 +60,10 @@ def parse_args(argv=None):
                    help="Hub name, local folder or tiny preset; a bare OPT size (1.3b) means facebook/opt-1.3b.")
     p.add_argument("--reward-model", type=model_name, default=None,
                    help="Hub name, local folder or tiny preset; a bare OPT size (350m) means facebook/opt-350m. "
-                        "Default: the actor model (it must share the actor's tokenizer).")
+                        "Default: the actor model (it must share the actor's tokenizer). Step 2 trains from it; a "
+                        "trained reward model folder (step 2's, DeepSpeed-Chat's, TRL's, OpenRLHF's) with --step "
+                        "that leaves step 2 out (e.g. --step 1 3) is what step 3 scores with and starts its critic "
+                        "from.")
     p.add_argument("--actor-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
                    help="Steps 1 and 3's actor (default: 0 with single_gpu, else 3).")
     p.add_argument("--reward-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",

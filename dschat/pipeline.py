@@ -46,10 +46,26 @@ TINY_DPO_RECIPE = ["--data_split", "4,4,2", "--max_seq_len", "96", "--per_device
 DEEPSPEED_CHAT_DATA = "Dahoas/rm-static"
 
 
-def is_tiny_run(actor_model, reward_model):
+def is_tiny_run(args):
+    """A tiny preset's actor with a tiny preset's reward model, or with a trained reward model step 3 scores with
+    (``ready_reward_model``): the tiny recipe and data apply."""
     from dschat.tiny.presets import is_tiny_preset
 
-    return is_tiny_preset(actor_model) and is_tiny_preset(reward_model)
+    return is_tiny_preset(args.actor_model) and (is_tiny_preset(args.reward_model)
+                                                 or ready_reward_model(args) is not None)
+
+
+def ready_reward_model(args):
+    """``--reward-model`` when step 3 scores with it and starts its critic from it as it is: a trained reward model
+    (a local folder: step 2's output, DeepSpeed-Chat's, TRL's or OpenRLHF's) given to a PPO run without step 2. Else
+    None: step 2 trains from ``--reward-model``, and step 3 reads step 2's folder."""
+    from dschat.models.reward_model import is_reward_model_folder
+
+    steps = recipe_steps(getattr(args, "recipe", "ppo"), getattr(args, "step", (1, 2, 3)))[0]
+    path = args.reward_model
+    if getattr(args, "recipe", "ppo") != "ppo" or 3 not in steps or 2 in steps or not os.path.isdir(path):
+        return None
+    return path if is_reward_model_folder(path) else None
 
 
 def step_argv(step, args, tiny):
@@ -78,8 +94,8 @@ def step_argv(step, args, tiny):
         stages = [] if gives_stage else ["--actor_zero_stage", str(args.actor_zero_stage),
                                          "--critic_zero_stage", str(args.reward_zero_stage)]
         # GRPO has no critic and no step 2: its run record names no step-2 folder
-        critic = [] if getattr(args, "recipe", "ppo") == "grpo" else ["--critic_model_name_or_path",
-                                                                      os.path.join(out, RM_DIR)]
+        critic = [] if getattr(args, "recipe", "ppo") == "grpo" else [
+            "--critic_model_name_or_path", ready_reward_model(args) or os.path.join(out, RM_DIR)]
         argv = ["--actor_model_name_or_path", os.path.join(out, SFT_DIR), *critic, *stages,
                 "--output_dir", os.path.join(out, PPO_DIR)]
     recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else []
@@ -282,8 +298,10 @@ def check_earlier_outputs(step, steps, args, parsed):
                     not os.path.isfile(os.path.join(path, "config.json")):
                 state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
                 together = " ".join(map(str, sorted({producer, *steps})))
+                instead = (", or give --reward-model a trained reward model folder to score with" if producer == 2
+                           and getattr(args, "recipe", "ppo") == "ppo" else "")
                 raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: "
-                                        f"run step {producer} too (--step {together}) or first")
+                                        f"run step {producer} too (--step {together}) or first{instead}")
 
 
 def check_model_folders(steps, args):
@@ -301,7 +319,10 @@ def check_reward_model_tokenizer(steps, args, tiny):
     """Step 3 feeds the actor's token ids, formatted as the actor formats them, to the reward model (and the critic
     made from it): a reward model of another family or format would be refused there, after steps 1 and 2 have
     trained. Checked before step 1."""
-    if tiny or getattr(args, "recipe", "ppo") != "ppo" or 2 not in steps or args.reward_model == args.actor_model:
+    if getattr(args, "recipe", "ppo") != "ppo" or args.reward_model == args.actor_model:
+        return
+    # step 2 trains from it (the tiny presets share one tokenizer), or step 3 scores with it
+    if not (ready_reward_model(args) or (2 in steps and not tiny)):
         return
     from dschat.models.loading import load_tokenizer
     from dschat.rlhf.engine import check_scores_actor_text
@@ -352,7 +373,7 @@ def run_pipeline(args):
     from dschat.steps import dpo, ppo, reward, sft
 
     ensure_distributed()
-    tiny = is_tiny_run(args.actor_model, args.reward_model)
+    tiny = is_tiny_run(args)
     if not tiny and not args.data_path:
         args.data_path = [DEEPSPEED_CHAT_DATA]
         print_rank_0(f"--data-path not given: {DEEPSPEED_CHAT_DATA}, DeepSpeed-Chat's default (the embedded tiny data "
@@ -381,6 +402,10 @@ def run_pipeline(args):
         print_rank_0("tiny run: the tiny recipe (TINY_RECIPE in dschat/pipeline.py: --data_split 4,4,2, fp32, its "
                      "batch sizes and learning rates) applies to your --data-path too; --stepN-args flags replace its "
                      "values (e.g. --step3-args \"--per_device_generation_batch_size 4\" for few prompts)")
+    ready = ready_reward_model(args)
+    if ready:
+        print_rank_0(f"--reward-model {ready} is a trained reward model: step 3 scores with it and starts its critic "
+                     "from it (no step 2 in this run)")
     if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
         print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "
                      f"--reward-model {args.reward_model}")
@@ -401,7 +426,7 @@ def run_pipeline(args):
     skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]  # (finished, so this run's)
     resumed = [parsers[step][1] for step in steps if plan[step].action == RESUME]
     report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=tiny, skipped=skipped,
-                          resumed=resumed)
+                          resumed=resumed, reward_model=ready)
     lines = summary_lines(report)
     if recipe == "dpo":
         lines += add_dpo_report(args.output_dir, report, rule_scores)

@@ -38,13 +38,16 @@ def stale_folders(recipe, steps_run, rm_from_sft=True):
     return stale - written - own_start - {SFT_DIR}
 
 
-def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=()):
+def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=(),
+                 reward_model=None):
     """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``; ``steps_run``: the steps
     of this run (None: all), so that folders left by an earlier run on older inputs are not reported; ``skipped``:
     the names of those ``train.py --resume`` found finished; ``resumed``: those it resumed (their seconds count the
-    interrupted run's too)."""
+    interrupted run's too); ``reward_model``: the trained reward model step 3 scored with instead of step 2's."""
     stale = {folder for folder in stale_folders(recipe, steps_run, rm_from_sft)
              if os.path.isdir(os.path.join(output_dir, folder))}
+    if reward_model and os.path.isdir(os.path.join(output_dir, RM_DIR)):
+        stale.add(RM_DIR)  # an earlier run's reward model, which this run's step 3 did not score with
 
     def metrics(folder):
         if folder not in RECIPE_FOLDERS[recipe] or folder in stale:
@@ -62,6 +65,8 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
                               if sub.split("/")[0] not in stale
                               and os.path.isfile(os.path.join(output_dir, sub, "config.json"))), None),
               "not_reported": sorted(stale)}
+    if reward_model:
+        report["reward_model"] = os.path.abspath(reward_model)
     if step3:
         before, after = step3.get("eval_before") or {}, step3.get("eval_after") or {}
         report["held_out"] = {
@@ -102,8 +107,9 @@ def plot_curves(curve, path):
     return path
 
 
-def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=()):
-    report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft, skipped, resumed)
+def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=(),
+                 reward_model=None):
+    report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft, skipped, resumed, reward_model)
     if report.get("step3_curve"):
         report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
     write_json_atomic(os.path.join(output_dir, "report.json"), report)
@@ -137,6 +143,8 @@ def summary_lines(report):
     if report.get("rm_accuracy") is not None:
         lines.append(f"RM held-out accuracy: {report['rm_accuracy']:.4f} (chosen {report['rm_chosen_mean_score']:.3f}"
                      f" vs rejected {report['rm_rejected_mean_score']:.3f})")
+    if report.get("reward_model"):
+        lines.append(f"reward model: {report['reward_model']} (given by --reward-model; no step 2 in this run)")
     held = report.get("held_out")
     if held:
         for name in ("sft_policy", "ppo_policy"):
@@ -150,5 +158,7 @@ def summary_lines(report):
     if report.get("plot"):
         lines.append(f"plot: {report['plot']}")
     for folder in report.get("not_reported", []):
-        lines.append(f"not reported: {folder} (an earlier run's, made from an older output of a step run now)")
+        why = ("not the reward model step 3 scored with" if report.get("reward_model") and folder == RM_DIR
+               else "made from an older output of a step run now")
+        lines.append(f"not reported: {folder} (an earlier run's, {why})")
     return lines

@@ -484,6 +484,44 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
         pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "3"))
 
 
+def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_model(tmp_path, distributed, monkeypatch,
+                                                                                    capsys):
+    """train.py had no way to give step 3 a reward model trained elsewhere (TRL's, OpenRLHF's, an earlier run's): without
+    step 2 it read OUTPUT/step2_rm only. A trained reward model as --reward-model now scores step 3 and starts its
+    critic; the report says so and leaves an older step2_rm in the folder out."""
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+    from dschat.tools.common import find_reward_model_path
+
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    rm = tmp_path / "trained_rm"
+    reward.main(["--output_dir", str(rm), "--data_output_path", str(tmp_path / "data"), "--max_steps", "2", *RM_FAST])
+    out = tmp_path / "out"
+    (out / "step2_rm").mkdir(parents=True)  # an earlier run's reward model: not the one scored with now
+    (out / "step2_rm" / "metrics.json").write_text(json.dumps({"accuracy": 0.5}))
+    capsys.readouterr()
+    report = pipeline.run_pipeline(_train_py_args(
+        "--output-dir", str(out), "--step", "1", "3", "--reward-model", str(rm), "--step1-args", "--max_steps 2",
+        "--step3-args", "--max_steps 1 --eval_prompts 8"))
+    printed = capsys.readouterr().out
+    recorded = json.loads((out / "step3_ppo" / "training_args.json").read_text())["flags"]
+    assert recorded["critic_model_name_or_path"] == str(rm)
+    assert f"--reward-model {rm} is a trained reward model: step 3 scores with it" in printed
+    assert report["reward_model"] == str(rm) and report["rm_accuracy"] is None
+    assert report["not_reported"] == ["step2_rm"] and report["held_out"]["ppo_policy"]["reward_mean"] is not None
+    assert f"reward model: {rm} (given by --reward-model; no step 2 in this run)" in printed
+    assert find_reward_model_path(str(out)) == str(rm), "the tools score a run with the reward model it used"
+    # a --reward-model that is no trained reward model: step 3 still needs step 2's output, and the error says both ways
+    with pytest.raises(MissingInputError, match="step2_rm, step 2's output, which does not exist: run step 2 too "
+                                                r"\(--step 2 3\) or first, or give --reward-model a trained reward "
+                                                "model folder"):
+        import shutil
+
+        shutil.rmtree(out / "step2_rm")
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
+                                             str(out / "step1_sft")))
+
+
 def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(tmp_path, distributed):
     from dschat import pipeline
     from dschat.errors import UsageError

@@ -18,13 +18,18 @@ POLICY_SUBFOLDERS = (PPO_ACTOR_DIR, ACTOR_DIR, DPO_DIR, SFT_DIR)
 REWARD_SUBFOLDERS = (RM_DIR,)
 
 
-def _reported_policy(path):
-    """The policy subfolder the last train.py run in ``path`` reported as its result, if any."""
+def _reported(path, key):
+    """``key`` of the report the last train.py run wrote in ``path``, if any."""
     report = os.path.join(path, "report.json")
     if not os.path.isfile(report):
         return None
     with open(report) as f:
-        policy = json.load(f).get("policy")
+        return json.load(f).get(key)
+
+
+def _reported_policy(path):
+    """The policy subfolder the last train.py run in ``path`` reported as its result, if any."""
+    policy = _reported(path, "policy")
     return policy if policy in POLICY_SUBFOLDERS else None
 
 
@@ -59,11 +64,15 @@ def flag_path(flag, find, value):
 
 
 def find_reward_model_path(path):
-    """A run's output folder -> its step-2 reward model; a model folder as is. A reward model is a folder step 2
-    wrote (a hub model has no value head), so a name that is no folder here is an error, not a hub lookup."""
+    """A run's output folder -> the reward model its step 3 scored with (the one train.py was given, else its step-2
+    folder); a model folder as is. A reward model is a folder step 2 wrote (a hub model has no value head), so a name
+    that is no folder here is an error, not a hub lookup."""
     if not os.path.isdir(os.path.expanduser(path)):
         raise MissingInputError(f"{path}: no such folder (a reward model is step 2's output folder, e.g. train.py's "
                                 "<output>/step2_rm)")
+    given = _reported(os.path.expanduser(path), "reward_model")
+    if given and os.path.isfile(os.path.join(given, "config.json")):
+        return given
     return _model_folder(path, REWARD_SUBFOLDERS)
 
 
