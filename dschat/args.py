@@ -660,7 +660,8 @@ def step3_parser():
                         "as DeepSpeed-Chat does. Default: each row shifted to start at column 0, so the forwards need "
                         "no mask (causal attention, same results on real tokens; masked kernels are slower, see "
                         "dschat/rlhf/layout.py); prompt masks with holes keep the mask anyway.")
-    g.add_argument("--kl_ctl", type=non_negative_float, default=0.1, help="KL coefficient (initial value if adaptive).")
+    g.add_argument("--kl_ctl", type=non_negative_float, default=0.1, help="The per-token reward's KL coefficient (initial value if adaptive); where the KL is a loss term "
+                        "(grpo/rloo, --kl_in_reward 0) another value is an error: --kl_loss_coef weighs it there.")
     g.add_argument("--kl_estimator", type=str, default=None, choices=["k1", "k2", "k3", "abs"],
                    help="Per-token KL estimator, of the reward penalty and of the KL loss term. Default (None): k1 "
                         "for the reward penalty (DeepSpeed-Chat's), k3 for the loss term (k1's gradient is 0 in "
@@ -678,9 +679,9 @@ def step3_parser():
                         "rule); only where the KL is in the reward.")
     g.add_argument("--kl_target", type=float, default=6.0,
                    help="The adaptive controller's KL target in nats per answer (summed over its tokens, averaged "
-                        "over answers: TRL's unit and default).")
+                        "over answers: TRL's unit and default); only with --adaptive_kl.")
     g.add_argument("--kl_horizon", type=positive_int, default=10000,
-                   help="The adaptive controller's horizon, in answers.")
+                   help="The adaptive controller's horizon, in answers; only with --adaptive_kl.")
     g.add_argument("--clip_reward_value", type=float, default=5.0,
                    help="Clip the reward model's scores to [-this, this].")
     g.add_argument("--cliprange", type=float, default=0.2, help="PPO's policy-ratio clip.")

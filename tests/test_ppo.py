@@ -1636,6 +1636,12 @@ def test_k1_as_the_kl_loss_term_is_warned(capsys):
     ({"advantage_estimator": "grpo", "n_samples_per_prompt": 2, "adaptive_kl": True},
      "which --advantage_estimator grpo does not use"),
     ({"adaptive_kl": True, "kl_ctl": 0.0}, "--adaptive_kl with --kl_ctl 0: the controller scales the coefficient"),
+    ({"advantage_estimator": "grpo", "n_samples_per_prompt": 2, "kl_ctl": 0.5},
+     "--kl_ctl 0.5 weighs the per-token reward's KL, which --advantage_estimator grpo does not use"),
+    ({"kl_in_reward": 0, "kl_ctl": 0.0}, "--kl_ctl 0.0 weighs the per-token reward's KL, which --kl_in_reward 0"),
+    ({"kl_target": 3.0}, "--kl_target 3.0 sets the adaptive KL controller, which runs only with --adaptive_kl"),
+    ({"kl_horizon": 500, "advantage_estimator": "rloo", "n_samples_per_prompt": 2},
+     "--kl_horizon 500 sets the adaptive KL controller"),
 ])
 def test_kl_flags_the_chosen_kl_does_not_read_are_errors(given, said):
     """They were silently ignored: a run with another KL than asked for."""

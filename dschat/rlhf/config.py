@@ -41,20 +41,23 @@ def kl_in_loss(args):
     return args.advantage_estimator in GROUP_ESTIMATORS or not args.kl_in_reward
 
 
+def _changed(args, name):
+    """Whether step 3's flag ``name`` has a value other than its default (so it was given)."""
+    from dschat.args import step3_parser
+
+    return getattr(args, name) != step3_parser().get_default(name)
+
+
 def check_kl_settings(args):
     """A KL flag that the chosen place of the KL penalty does not read is an error, not a run with another KL than
     asked for (or none)."""
+    if not args.adaptive_kl:
+        for name in ("kl_target", "kl_horizon"):
+            if _changed(args, name):
+                raise UsageError(f"--{name} {getattr(args, name)} sets the adaptive KL controller, which runs only "
+                                 "with --adaptive_kl")
     if kl_in_loss(args):
-        if args.kl_estimator == "k1" and args.kl_loss_coef != 0:
-            from dschat.utils.dist import print_rank_0
-
-            print_rank_0("warning: --kl_estimator k1 as the KL loss term: its gradient over the sampled answers is 0 in "
-                         "expectation, so it pulls the policy nowhere; k3 (the default there) or k2 regularise")
-        if args.adaptive_kl:
-            where = ("--kl_in_reward 0" if args.advantage_estimator not in GROUP_ESTIMATORS
-                     else f"--advantage_estimator {args.advantage_estimator}")
-            raise UsageError(f"--adaptive_kl adapts the per-token reward's KL coefficient (--kl_ctl), which "
-                             f"{where} does not use: the KL is a loss term weighted by --kl_loss_coef")
+        _check_kl_loss_term(args)
     elif args.kl_loss_coef:  # (0: no loss term, which is what the reward's KL means)
         raise UsageError(f"--kl_loss_coef weighs a KL loss term, and --advantage_estimator {args.advantage_estimator} "
                          "with --kl_in_reward 1 puts the KL in the per-token reward instead (weighted by --kl_ctl); "
@@ -62,6 +65,23 @@ def check_kl_settings(args):
     elif args.adaptive_kl and not args.kl_ctl:
         raise UsageError("--adaptive_kl with --kl_ctl 0: the controller scales the coefficient, which stays 0; give "
                          "the starting coefficient (e.g. --kl_ctl 0.1)")
+
+
+def _check_kl_loss_term(args):
+    """Where the KL is a loss term: the reward penalty's flags are not read; k1 is warned."""
+    if args.kl_estimator == "k1" and args.kl_loss_coef != 0:
+        from dschat.utils.dist import print_rank_0
+
+        print_rank_0("warning: --kl_estimator k1 as the KL loss term: its gradient over the sampled answers is 0 in "
+                     "expectation, so it pulls the policy nowhere; k3 (the default there) or k2 regularise")
+    where = ("--kl_in_reward 0" if args.advantage_estimator not in GROUP_ESTIMATORS
+             else f"--advantage_estimator {args.advantage_estimator}")
+    if args.adaptive_kl:
+        raise UsageError(f"--adaptive_kl adapts the per-token reward's KL coefficient (--kl_ctl), which {where} does "
+                         "not use: the KL is a loss term weighted by --kl_loss_coef")
+    if _changed(args, "kl_ctl"):
+        raise UsageError(f"--kl_ctl {args.kl_ctl} weighs the per-token reward's KL, which {where} does not use: the "
+                         "KL is a loss term weighted by --kl_loss_coef")
 
 
 def resolve_zero_stages(args):

@@ -3,7 +3,7 @@ import torch
 
 from dschat.data.samplers import eval_weights
 from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
-from dschat.rlhf.trainer import answer_mask, pad_answers
+from dschat.rlhf.trainer import answer_mask, answer_texts, pad_answers
 from dschat.utils.dist import all_reduce
 
 
@@ -57,7 +57,7 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
             scores = reward_model.module.forward_value(seq, full_mask)["chosen_end_scores"].double()
         else:  # reward function only: no reward-model score to report
             scores = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
-        texts = _answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)
+        texts = answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)
         rules = [rule_scorer(p, t) for p, t in zip(batch["prompt_text"], texts)] if rule_scorer else [0.0] * len(texts)
         w = eval_weights(batch, len(texts), device)
         weights = w.tolist()
@@ -97,7 +97,3 @@ def _scored_rows(reward_fn, batch, texts, weights):
     for i, score in zip(rows, scores):
         out[i] = score
     return out
-
-
-def _answer_texts(tokenizer, answers, amask):
-    return [tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip() for row, m in zip(answers, amask)]

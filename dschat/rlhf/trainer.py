@@ -127,6 +127,12 @@ def sampling_kwargs(args, hf_generate=False):
             "top_p": args.top_p}
 
 
+def answer_texts(tokenizer, answers, mask):
+    """Each answer's text: its tokens where ``mask`` is set, without special tokens, stripped (what a reward function
+    and the examples read)."""
+    return [tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip() for row, m in zip(answers, mask)]
+
+
 def prompt_texts(tokenizer, prompts, mask):
     """Left-padded prompt ids as the text a loader batch's ``prompt_text`` holds, so that a reward function gets the
     same prompts whichever way they came: each row's real tokens with their special tokens (a chat template's
@@ -299,8 +305,7 @@ class DeepSpeedPPOTrainer:
 
             prompts = batch.get("prompt_text") or prompt_texts(self.tokenizer, batch["prompt"],
                                                                batch["prompt_att_mask"])
-            texts = [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip()
-                     for row, m in zip(answers, action_mask)]
+            texts = answer_texts(self.tokenizer, answers, action_mask)
             fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))
             scores = scores + a.reward_fn_weight * torch.tensor(fn, device=seq.device)
         return scores

@@ -5,7 +5,7 @@ from dschat.data.collators import pad_sequences
 from dschat.data.formatting import uses_chat_template
 from dschat.data.pipeline import tokenize_texts
 from dschat.models.loading import check_sequence_fits, stop_token_ids
-from dschat.rlhf.trainer import answer_mask
+from dschat.rlhf.trainer import answer_mask, answer_texts
 
 
 def encode_prompts(tokenizer, prompt_texts):
@@ -29,7 +29,7 @@ def decode_answers(tokenizer, answer_ids, stop_ids=None):
     stop_ids = stop_ids or [tokenizer.eos_token_id]
     is_stop = torch.isin(answer_ids, torch.tensor(stop_ids, device=answer_ids.device))
     keep = answer_mask(answer_ids, stop_ids).bool() & ~is_stop
-    return [tokenizer.decode(row[k], skip_special_tokens=True).strip() for row, k in zip(answer_ids, keep)]
+    return answer_texts(tokenizer, answer_ids, keep)
 
 
 @torch.no_grad()
