@@ -426,18 +426,11 @@ def run_pipeline(args):
     skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]  # (finished, so this run's)
     resumed = [parsers[step][1] for step in steps if plan[step].action == RESUME]
     report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=tiny, skipped=skipped,
-                          resumed=resumed, reward_model=ready)
-    lines = summary_lines(report)
-    if recipe == "dpo":
-        lines += add_dpo_report(args.output_dir, report, rule_scores)
-    for line in lines:
+                          resumed=resumed, reward_model=ready, rule_scores=rule_scores)
+    for line in summary_lines(report):
         print(line, flush=True)
     print(f"report: {os.path.join(args.output_dir, 'report.json')}", flush=True)
     return report
-
-
-DPO_REPORT_KEYS = ("reference_logp_accuracy", "logp_accuracy", "reward_accuracy", "chosen_reward", "rejected_reward",
-                   "reward_margin", "eval_loss", "eval_pairs", "seconds")
 
 
 def held_out_rule_scores(args):
@@ -464,27 +457,3 @@ def held_out_rule_scores(args):
                                  rule_scorer_for(["tiny"]))
         scores[name] = {"rule_score": result["rule_score_mean"], "prompts": result["prompts"]}
     return scores
-
-
-def add_dpo_report(output_dir, report, rule_scores=None):
-    """Put the DPO step's held-out metrics into report.json (dschat.report covers steps 1-3); the summary lines."""
-    from dschat.utils.files import read_json_object, write_json_atomic
-
-    metrics = read_json_object(os.path.join(output_dir, DPO_DIR, "metrics.json"))
-    if not metrics:
-        return []
-    report["dpo"] = {key: metrics.get(key) for key in DPO_REPORT_KEYS}
-    if rule_scores:
-        report["dpo"]["held_out_rule_score"] = rule_scores
-    write_json_atomic(os.path.join(output_dir, "report.json"), report)
-    m = report["dpo"]
-    if not m["eval_pairs"]:
-        return ["DPO: no held-out pairs, so no held-out scores"]
-    lines = [f"DPO held-out preference accuracy (chosen answer more likely, {m['eval_pairs']} pairs): "
-             f"SFT {m['reference_logp_accuracy']:.4f} -> DPO {m['logp_accuracy']:.4f}",
-             f"DPO implicit rewards: chosen {m['chosen_reward']:.3f}, rejected {m['rejected_reward']:.3f}, "
-             f"margin {m['reward_margin']:.3f}, accuracy {m['reward_accuracy']:.4f}; eval loss {m['eval_loss']:.4f}"]
-    if rule_scores and rule_scores["dpo"]["prompts"]:  # no held-out prompts: no score (None)
-        lines.append(f"held-out rule score of greedy answers ({rule_scores['dpo']['prompts']} prompts): "
-                     f"SFT {rule_scores['sft']['rule_score']:.3f} -> DPO {rule_scores['dpo']['rule_score']:.3f}")
-    return lines

@@ -13,13 +13,11 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-# The step folders whose results belong to a recipe's report. An output folder may also hold another recipe's
-# results (train.py --recipe grpo after a PPO run leaves step2_rm there): those are not this run's.
-RECIPE_FOLDERS = {"ppo": (SFT_DIR, RM_DIR, PPO_DIR), "grpo": (SFT_DIR, PPO_DIR), "dpo": (SFT_DIR,)}
 # The model a recipe produces, which the tools (chat.py, eval) take from the output folder.
 RECIPE_POLICY = {"ppo": PPO_ACTOR_DIR, "grpo": PPO_ACTOR_DIR, "dpo": DPO_DIR}
-
-
+# The DPO step's held-out metrics the report keeps.
+DPO_REPORT_KEYS = ("reference_logp_accuracy", "logp_accuracy", "reward_accuracy", "chosen_reward", "rejected_reward",
+                   "reward_margin", "eval_loss", "eval_pairs", "seconds")
 
 
 def stale_folders(recipe, steps_run, rm_from_sft=True):
@@ -39,18 +37,20 @@ def stale_folders(recipe, steps_run, rm_from_sft=True):
 
 
 def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=(),
-                 reward_model=None):
-    """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir``; ``steps_run``: the steps
-    of this run (None: all), so that folders left by an earlier run on older inputs are not reported; ``skipped``:
-    the names of those ``train.py --resume`` found finished; ``resumed``: those it resumed (their seconds count the
-    interrupted run's too); ``reward_model``: the trained reward model step 3 scored with instead of step 2's."""
+                 reward_model=None, rule_scores=None):
+    """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir`` (an output folder may also
+    hold another recipe's results, e.g. a PPO run's step2_rm beside a GRPO run's: those are not this run's);
+    ``steps_run``: the steps of this run (None: all), so that folders left by an earlier run on older inputs are not
+    reported; ``skipped``: the names of those ``train.py --resume`` found finished; ``resumed``: those it resumed
+    (their seconds count the interrupted run's too); ``reward_model``: the trained reward model step 3 scored with
+    instead of step 2's; ``rule_scores``: the DPO recipe's held-out rule scores (``pipeline.held_out_rule_scores``)."""
     stale = {folder for folder in stale_folders(recipe, steps_run, rm_from_sft)
              if os.path.isdir(os.path.join(output_dir, folder))}
     if reward_model and os.path.isdir(os.path.join(output_dir, RM_DIR)):
         stale.add(RM_DIR)  # an earlier run's reward model, which this run's step 3 did not score with
 
     def metrics(folder):
-        if folder not in RECIPE_FOLDERS[recipe] or folder in stale:
+        if folder not in RECIPE_STEP_FOLDERS[recipe].values() or folder in stale:
             return {}
         return read_json_object(os.path.join(output_dir, folder, "metrics.json")) or {}
 
@@ -67,6 +67,11 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
               "not_reported": sorted(stale)}
     if reward_model:
         report["reward_model"] = os.path.abspath(reward_model)
+    dpo = metrics(DPO_DIR)
+    if dpo:
+        report["dpo"] = {key: dpo.get(key) for key in DPO_REPORT_KEYS}
+        if rule_scores:
+            report["dpo"]["held_out_rule_score"] = rule_scores
     if step3:
         before, after = step3.get("eval_before") or {}, step3.get("eval_after") or {}
         report["held_out"] = {
@@ -108,8 +113,9 @@ def plot_curves(curve, path):
 
 
 def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=(),
-                 reward_model=None):
-    report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft, skipped, resumed, reward_model)
+                 reward_model=None, rule_scores=None):
+    report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft, skipped, resumed, reward_model,
+                          rule_scores)
     if report.get("step3_curve"):
         report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
     write_json_atomic(os.path.join(output_dir, "report.json"), report)
@@ -155,10 +161,26 @@ def summary_lines(report):
         curve = report.get("step3_curve", {})
         if curve.get("kl"):
             lines.append(f"PPO: {report['step3_iterations']} iterations, {final_kl_said(curve['kl'])}")
+    if report.get("dpo"):
+        lines += dpo_summary_lines(report["dpo"])
     if report.get("plot"):
         lines.append(f"plot: {report['plot']}")
     for folder in report.get("not_reported", []):
         why = ("not the reward model step 3 scored with" if report.get("reward_model") and folder == RM_DIR
                else "made from an older output of a step run now")
         lines.append(f"not reported: {folder} (an earlier run's, {why})")
+    return lines
+
+
+def dpo_summary_lines(m):
+    if not m["eval_pairs"]:
+        return ["DPO: no held-out pairs, so no held-out scores"]
+    lines = [f"DPO held-out preference accuracy (chosen answer more likely, {m['eval_pairs']} pairs): "
+             f"SFT {m['reference_logp_accuracy']:.4f} -> DPO {m['logp_accuracy']:.4f}",
+             f"DPO implicit rewards: chosen {m['chosen_reward']:.3f}, rejected {m['rejected_reward']:.3f}, "
+             f"margin {m['reward_margin']:.3f}, accuracy {m['reward_accuracy']:.4f}; eval loss {m['eval_loss']:.4f}"]
+    rule_scores = m.get("held_out_rule_score")
+    if rule_scores and rule_scores["dpo"]["prompts"]:  # no held-out prompts: no score (None)
+        lines.append(f"held-out rule score of greedy answers ({rule_scores['dpo']['prompts']} prompts): "
+                     f"SFT {rule_scores['sft']['rule_score']:.3f} -> DPO {rule_scores['dpo']['rule_score']:.3f}")
     return lines

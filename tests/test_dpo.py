@@ -292,7 +292,8 @@ def test_train_py_dpo_recipe_builds_the_dpo_step_arguments(tmp_path):
 
 
 @pytest.mark.parametrize("data", [[], ["--data-path", "tiny"]])  # named, the embedded data lost its rule score
-def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, distributed, data):
+def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, distributed, data, capsys):
+    from dschat.report import DPO_REPORT_KEYS
     from dschat.steps import ppo, reward, sft
 
     calls = []
@@ -302,7 +303,7 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
 
     def fake_dpo(argv):
         calls.append("dpo")
-        metrics = dict.fromkeys(pipeline.DPO_REPORT_KEYS, 0.5)
+        metrics = dict.fromkeys(DPO_REPORT_KEYS, 0.5)
         (tmp_path / "step2_dpo").mkdir()
         (tmp_path / "step2_dpo" / "metrics.json").write_text(json.dumps(metrics))
 
@@ -314,6 +315,9 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
     assert json.loads((tmp_path / "report.json").read_text())["dpo"] == report["dpo"]
     assert report["dpo"]["logp_accuracy"] == 0.5
     assert report["dpo"]["held_out_rule_score"] == scores
+    printed = capsys.readouterr().out
+    assert "DPO held-out preference accuracy (chosen answer more likely, 0.5 pairs): SFT 0.5000 -> DPO 0.5000" in printed
+    assert "held-out rule score of greedy answers (120 prompts): SFT 0.800 -> DPO 0.900" in printed
 
 
 def test_train_py_refuses_a_dpo_flag_combination_before_step_1(tmp_path, distributed):
