@@ -50,6 +50,21 @@ def test_prompt_with_chat_template_uses_apply_chat_template(chat_tokenizer):
     assert format_answer("A pear.", chat_tokenizer) == "A pear.<|endoftext|>"  # no leading space
 
 
+def test_an_answer_with_a_chat_template_is_written_as_the_template_writes_it_up_to_the_eot(chat_tokenizer):
+    """Llama-2's template puts a space on either side of the answer: "[/INST] A pear. </s>". The answer was "A pear."
+    right after "[/INST]", tokens the model never sees at inference after its own template's prompt."""
+    llama2 = copy.deepcopy(chat_tokenizer)
+    llama2.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                            "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}")
+    conversation = CONVERSATION
+    assert format_prompt(conversation, llama2).endswith("[INST] Name a fruit. [/INST]")
+    assert format_answer("A pear.", llama2, messages=conversation) == " A pear. <|endoftext|>"
+    assert format_answer("A pear.", llama2, add_eot=False, messages=conversation) == " A pear. "
+    # no EOT after the answer in the template's rendering (Gemma's <end_of_turn> where the EOS is <eos>): as before
+    assert format_answer("A pear.", chat_tokenizer, messages=conversation) == "A pear.<|endoftext|>"
+    assert format_answer("A pear.", llama2, eot_token="</s>", messages=conversation) == "A pear.</s>"
+
+
 def test_parse_transcript_splits_turns_and_drops_trailing_assistant_marker():
     text = "\n\nHuman: What are cuss words?\n\nAssistant: Here: a list.\n\nHuman: And yours?\n\nAssistant:"
     assert parse_transcript(text) == [{"role": "user", "content": "What are cuss words?"},

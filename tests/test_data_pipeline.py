@@ -294,6 +294,15 @@ def chatml(tokenizer, template_body="{{ m['content'] }}"):
     return chat
 
 
+def llama2_style(tokenizer):
+    """Llama-2-chat's template in short: a space on either side of an assistant turn, the EOS after it."""
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}<<SYS>>{{ m['content'] }}<</SYS>>"
+                          "{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %} {{ m['content'] }} "
+                          "{{ eos_token }}{% endif %}{% endfor %}")
+    return chat
+
+
 def with_leading_bos(tokenizer):
     from tokenizers import processors
 
@@ -303,13 +312,14 @@ def with_leading_bos(tokenizer):
     return bos
 
 
-@pytest.mark.parametrize("template", ["human_assistant", "human_assistant_bos", "chatml"])
+@pytest.mark.parametrize("template", ["human_assistant", "human_assistant_bos", "chatml", "llama2"])
 def test_multiturn_trains_every_assistant_turn_and_only_them(tmp_path, tokenizer, capsys, template):
     """By default only the last assistant turn has labels; --multiturn labels each earlier one where the prompt
     that ends at it ends, with the template's end token after it (ChatML), and nothing of the user or system turns;
-    a BOS the tokenizer puts first shifts nothing."""
+    a BOS the tokenizer puts first shifts nothing. The last turn is trained as the template writes it (Llama-2's
+    spaces), so with a template the ids are those of the whole rendered conversation, as the earlier turns'."""
     tok = {"human_assistant": tokenizer, "human_assistant_bos": with_leading_bos(tokenizer),
-           "chatml": chatml(tokenizer)}[template]
+           "chatml": chatml(tokenizer), "llama2": llama2_style(tokenizer)}[template]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 3)
     last_only, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0")
     every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
@@ -317,9 +327,14 @@ def test_multiturn_trains_every_assistant_turn_and_only_them(tmp_path, tokenizer
                                         " Hello, friend.\n\n| Fine, thanks.\n\n| Goodbye!<|endoftext|>"),
                 "human_assistant": (" Goodbye!<|endoftext|>",
                                     " Hello, friend.\n\n| Fine, thanks.\n\n| Goodbye!<|endoftext|>"),
-                "chatml": ("Goodbye!<|im_end|>", "Hello, friend.<|im_end|>|Fine, thanks.<|im_end|>|Goodbye!<|im_end|>")}
+                "chatml": ("Goodbye!<|im_end|>", "Hello, friend.<|im_end|>|Fine, thanks.<|im_end|>|Goodbye!<|im_end|>"),
+                "llama2": (" Goodbye! <|endoftext|>",
+                           " Hello, friend. <|endoftext|>| Fine, thanks. <|endoftext|>| Goodbye! <|endoftext|>")}
     assert trained_text(last_only[0], tok) == expected[template][0]
     assert trained_text(every[0], tok) == expected[template][1]
+    if tok.chat_template:
+        whole = tok.apply_chat_template(CONVERSATION, tokenize=False).rstrip()
+        assert last_only[0]["input_ids"].tolist() == tok(whole, add_special_tokens=False)["input_ids"]
     assert every[0]["input_ids"].tolist() == last_only[0]["input_ids"].tolist()
     assert (every[0]["input_ids"][0] == tok.eos_token_id) == (template == "human_assistant_bos")
     assert "kept all 3 records; 6 earlier assistant turns trained (--multiturn)" in capsys.readouterr().out

@@ -8,8 +8,12 @@ Without a chat template the text is DeepSpeed-Chat's::
 
     "\\n\\nHuman: {user}\\n\\nAssistant: {assistant}\\n\\nHuman: {user}\\n\\nAssistant:" + " {answer}" + EOT
 
-With ``tokenizer.chat_template`` set, the template renders the prompt (with the generation prompt) and the
-answer is ``answer + EOT`` (the template already ends where the answer starts, so no extra space).
+With ``tokenizer.chat_template`` set, the template renders the prompt (with the generation prompt), and the answer
+is what the template writes after that prompt for the conversation with the answer added, up to its EOT (Llama-2's
+" {answer} " before "</s>"; ChatML's "{answer}" before "<|im_end|>"), then the EOT: the final answer is trained with
+the template's spacing, as OpenRLHF and TRL cut it from the whole rendered conversation, and as the earlier turns of
+a ``--multiturn`` conversation are. A template that writes no EOT after the answer (Gemma's "<end_of_turn>" where the
+EOS is "<eos>"), or renders the prompt otherwise, gives ``answer + EOT``.
 """
 import re
 
@@ -99,9 +103,30 @@ def format_prompt(messages, tokenizer):
     return render_human_assistant(messages)
 
 
-def format_answer(text, tokenizer, add_eot=True, eot_token=None):
-    """The answer as it follows ``format_prompt``: " " + text + EOT, or text + EOT with a chat template."""
-    body = text if uses_chat_template(tokenizer) else " " + text
-    if not add_eot:
-        return body
-    return body + (eot_token if eot_token is not None else get_eot_token(tokenizer))
+def format_answer(text, tokenizer, add_eot=True, eot_token=None, messages=None):
+    """The answer as it follows ``format_prompt(messages)``: " " + text + EOT; with a chat template, the template's
+    rendering of the answer up to its EOT (``templated_answer``, given the prompt's ``messages``), else text + EOT."""
+    eot = eot_token if eot_token is not None else get_eot_token(tokenizer)
+    if not uses_chat_template(tokenizer):
+        body = " " + text
+    else:
+        body = (templated_answer(messages, text, tokenizer, eot) if messages else None) or text
+    return body + eot if add_eot else body
+
+
+def templated_answer(messages, text, tokenizer, eot):
+    """What the chat template writes for the answer ``text`` after ``format_prompt(messages)``, up to the first EOT
+    after the text; None when it writes none there or renders the prompt otherwise."""
+    from jinja2.exceptions import TemplateError
+
+    prompt = format_prompt(messages, tokenizer)
+    try:
+        whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": text}], tokenize=False)
+    except (TemplateError, ValueError):
+        return None
+    if not whole.startswith(prompt):
+        return None
+    rest = whole[len(prompt):]
+    at = rest.find(text)
+    end = rest.find(eot, at + len(text)) if at >= 0 and eot else -1
+    return rest[:end] if end >= 0 else None

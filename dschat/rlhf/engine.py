@@ -258,7 +258,7 @@ def check_same_format(actor_tokenizer, actor_path, reward_tokenizer, reward_path
     from dschat.data.formatting import format_answer, format_prompt
 
     probe = [{"role": "user", "content": "Name a color."}]
-    texts = [format_prompt(probe, tokenizer) + format_answer("Blue.", tokenizer)
+    texts = [format_prompt(probe, tokenizer) + format_answer("Blue.", tokenizer, messages=probe)
              for tokenizer in (actor_tokenizer, reward_tokenizer)]
     if texts[0] != texts[1]:
         raise UsageError(f"{role} {reward_path} formats a conversation otherwise than the actor {actor_path} (its "
