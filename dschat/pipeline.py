@@ -298,8 +298,15 @@ def check_earlier_outputs(step, steps, args, parsed):
                     not os.path.isfile(os.path.join(path, "config.json")):
                 state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
                 together = " ".join(map(str, sorted({producer, *steps})))
-                instead = (", or give --reward-model a trained reward model folder to score with" if producer == 2
-                           and getattr(args, "recipe", "ppo") == "ppo" else "")
+                instead = ""
+                if producer == 2 and getattr(args, "recipe", "ppo") == "ppo":
+                    instead = ", or give --reward-model a trained reward model folder to score with"
+                    from dschat.tiny.presets import is_tiny_preset
+
+                    named = args.reward_model != args.actor_model and not is_tiny_preset(args.reward_model)
+                    if named and not os.path.exists(args.reward_model):  # a hub name: a folder once downloaded
+                        instead += (f" (--reward-model {args.reward_model} is no folder here: a hub reward model "
+                                    f"is one once downloaded, e.g. hf download {args.reward_model} --local-dir DIR)")
                 raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: "
                                         f"run step {producer} too (--step {together}) or first{instead}")
 

@@ -520,6 +520,10 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
         shutil.rmtree(out / "step2_rm")
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                              str(out / "step1_sft")))
+    with pytest.raises(MissingInputError, match=r"--reward-model Skywork/Reward-8B is no folder here: a hub reward "
+                                                r"model is one once downloaded, e.g. hf download Skywork/Reward-8B"):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
+                                             "Skywork/Reward-8B"))
 
 
 def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(tmp_path, distributed):
