@@ -9,8 +9,8 @@ from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, LlamaConfi
 
 from dschat.models.checkpoint import atomic_folder, save_causal_lm, save_reward_model
 from dschat.models.lora import apply_lora, lora_target_modules, optimizer_param_groups
-from dschat.models.reward_model import (RewardModel, last_token_index, load_reward_model, pairwise_loss,
-                                        positions_from_mask)
+from dschat.models.reward_model import (RewardModel, create_critic_model, last_token_index, load_reward_model,
+                                        pairwise_loss, positions_from_mask)
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -320,10 +320,11 @@ def test_a_one_label_sequence_classification_folder_loads_as_the_reward_model_it
     assert not is_reward_model_folder(str(tmp_path / "two"))
 
 
-def _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix=True):
+def _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix=True, weights="safetensors"):
     """A reward model in the layout OpenRLHF's save_model writes: transformers' one-label sequence classifier's weights
     (the backbone under its base_model_prefix, a Linear without bias) with the head named ``prefix``, config.json naming
-    the class "RewardModel" with two labels (transformers' default), the prefix and the normalization."""
+    the class "RewardModel" with two labels (transformers' default), the prefix and the normalization. ``weights``:
+    "bin" and "bin_legacy" save a pytorch_model.bin instead (torch's zip format, its old format)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -333,9 +334,13 @@ def _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix
     config.num_labels, config.pad_token_id = 1, 0
     original = AutoModelForSequenceClassification.from_config(config).eval()
     original.save_pretrained(folder)
-    weights = load_file(folder / "model.safetensors")
-    weights[f"{prefix}.weight"] = weights.pop("score.weight")
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    state = load_file(folder / "model.safetensors")
+    state[f"{prefix}.weight"] = state.pop("score.weight")
+    if weights == "safetensors":
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    else:
+        (folder / "model.safetensors").unlink()
+        torch.save(state, folder / "pytorch_model.bin", _use_new_zipfile_serialization=weights == "bin")
     saved = json.loads((folder / "config.json").read_text())
     saved.update(architectures=["RewardModel"], id2label={"0": "LABEL_0", "1": "LABEL_1"},
                  label2id={"LABEL_0": 0, "LABEL_1": 1}, normalize_reward=normalization is not None)
@@ -347,20 +352,21 @@ def _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix
     return original
 
 
-@pytest.mark.parametrize("family,prefix,normalization,record_prefix", [
-    ("llama", "score", (0.75, 2.5), True), ("opt", "value_head", None, False), ("gpt2", "score", None, True)])
-def test_an_openrlhf_reward_model_scores_as_openrlhf_does(family, prefix, normalization, record_prefix, tmp_path,
-                                                          caplog):
+@pytest.mark.parametrize("family,prefix,normalization,record_prefix,weights", [
+    ("llama", "score", (0.75, 2.5), True, "safetensors"), ("opt", "value_head", None, False, "bin"),
+    ("gpt2", "score", None, True, "safetensors"), ("llama", "value_head", (-1.0, 0.5), True, "bin_legacy")])
+def test_an_openrlhf_reward_model_scores_as_openrlhf_does(family, prefix, normalization, record_prefix, weights,
+                                                          tmp_path, caplog):
     """OpenRLHF saves reward models as class "RewardModel" with its value head's name in config.json (older releases:
     "value_head", not recorded) and, trained with --normalize_reward, the eval scores' mean and std, by which it
     divides its scores: refused as "not a reward model" before. As a frozen scorer it scores so; trained (a critic,
     step 2) it starts from the raw scores."""
     from dschat.models.loading import load_causal_lm
-    from dschat.models.reward_model import create_critic_model, is_reward_model_folder
+    from dschat.models.reward_model import is_reward_model_folder
 
     torch.manual_seed(0)
     folder = tmp_path / "rm"
-    original = _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix)
+    original = _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix, weights)
     assert is_reward_model_folder(str(folder))
     with caplog.at_level(logging.INFO):
         scorer = load_reward_model(str(folder)).eval()
@@ -378,6 +384,26 @@ def test_an_openrlhf_reward_model_scores_as_openrlhf_does(family, prefix, normal
     assert ("starts from the raw scores" in caplog.text) == (normalization is not None)
     with pytest.raises(ValueError, match="a reward model .*not a policy"):
         load_causal_lm(str(folder), None)
+
+
+def test_a_reward_model_trained_from_an_openrlhf_one_scores_raw_once_saved(tmp_path, distributed):
+    """Its config.json kept OpenRLHF's mean and std, by which the scores of the head trained here (on raw scores) were
+    divided again when it scored (step 3 after step 2)."""
+    import json
+
+    torch.manual_seed(0)
+    _openrlhf_reward_folder("llama", tmp_path / "openrlhf", "score", (0.75, 2.5))
+    trained = create_critic_model(str(tmp_path / "openrlhf"), None).eval()
+    torch.nn.init.normal_(trained.v_head.weight)  # as step 2 would leave it
+    save_reward_model(trained, _Tok(), str(tmp_path / "rm"))
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert not {"normalize_reward", "mean", "std", "value_head_prefix"} & set(config)
+    scorer = load_reward_model(str(tmp_path / "rm")).eval()
+    assert scorer.score_normalization is None
+    ids = torch.randint(3, 96, (2, 6))
+    with torch.no_grad():
+        assert torch.allclose(scorer.end_scores(ids, torch.ones_like(ids)),
+                              trained.end_scores(ids, torch.ones_like(ids)), atol=1e-5)
 
 
 def test_an_openrlhf_reward_model_whose_head_is_missing_is_no_reward_model(tmp_path):

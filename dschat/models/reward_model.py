@@ -26,6 +26,7 @@ SEQ_CLS_HEAD_KEY = "score.weight"
 # "normalize_reward", a score is (score - mean) / std, the mean and std of step 2's eval scores, also in config.json.
 OPENRLHF_ARCHITECTURES = ("RewardModel", "CriticModel")
 OPENRLHF_HEAD_KEYS = ("score.weight", "value_head.weight")
+OPENRLHF_CONFIG_KEYS = ("value_head_prefix", "normalize_reward", "mean", "std")
 VALUE_HEAD_FILES = (f"{VALUE_HEAD_FILE}, DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in {DS_CHAT_WEIGHTS_FILE}, the "
                     f"{SEQ_CLS_HEAD_KEY} of a one-label *ForSequenceClassification, or an OpenRLHF reward model's "
                     "value head")
@@ -155,7 +156,10 @@ class RewardModel(nn.Module):
             logger.warning("%s has no trained value head (%s): the head is new and random, so its scores mean nothing "
                            "until step 2 trains it; to score, load step 2's output folder", name, VALUE_HEAD_FILES)
         model.v_head.to(backbone.dtype)
-        normalization = score_normalization(path) if model.value_head_loaded else None
+        # (a head dschat or DeepSpeed-Chat saved was trained here, on raw scores: a config's old statistics are not its)
+        from_score_head = head is not None and not ds_chat_file and not os.path.exists(os.path.join(path,
+                                                                                                 VALUE_HEAD_FILE))
+        normalization = score_normalization(path) if from_score_head else None
         if normalization and normalize_scores:
             model.score_normalization = normalization
         elif normalization:
@@ -166,7 +170,16 @@ class RewardModel(nn.Module):
         return model
 
     def save_head_and_meta(self, folder, state_dict):
+        """The value head and reward_model.json beside the saved backbone; the settings of an OpenRLHF reward model
+        it started from leave its config.json (the head saved here is read first, and its scores are raw)."""
         from safetensors.torch import save_file
+
+        config_file = os.path.join(folder, "config.json")
+        config = _config_dict(folder)
+        if any(key in config for key in OPENRLHF_CONFIG_KEYS):
+            with open(config_file, "w") as f:
+                json.dump({k: v for k, v in config.items() if k not in OPENRLHF_CONFIG_KEYS}, f, indent=2,
+                          sort_keys=True)
 
         save_file({"weight": state_dict["v_head.weight"].contiguous()}, os.path.join(folder, VALUE_HEAD_FILE))
         with open(os.path.join(folder, REWARD_META_FILE), "w") as f:
@@ -205,18 +218,20 @@ def score_head_location(path):
     """(weights file, key) of the score head saved with the whole model in the folder ``path`` (see
     ``score_head_keys``), else None. Only names are read: an index's weight map, a file's keys."""
     keys = score_head_keys(_config_dict(path))
-    if not keys:
-        return None
+    return next(filter(None, (_weight_location(path, key) for key in keys)), None)
+
+
+def _weight_location(path, key):
+    """(the file of the folder's weights that holds ``key``, key), else None."""
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if os.path.isfile(os.path.join(path, index)):
             with open(os.path.join(path, index)) as f:
-                weight_map = json.load(f).get("weight_map", {})
-            return next(((os.path.join(path, weight_map[k]), k) for k in keys if k in weight_map), None)
+                file = json.load(f).get("weight_map", {}).get(key)
+            return (os.path.join(path, file), key) if file else None
     for name in ("model.safetensors", DS_CHAT_WEIGHTS_FILE):
         file = os.path.join(path, name)
         if os.path.isfile(file):
-            names = _weight_names(file)
-            return next(((file, k) for k in keys if k in names), None)
+            return (file, key) if key in _weight_names(file) else None
     return None
 
 
@@ -226,27 +241,39 @@ def _weight_names(file):
 
         with safe_open(file, "pt") as f:
             return set(f.keys())
-    return set(torch.load(file, map_location="cpu", mmap=True, weights_only=True).keys())
+    try:
+        return set(_load_bin(file).keys())
+    except Exception:  # (a damaged file: loading it as a model says so, naming the folder)
+        return set()
 
 
-def _read_weight(file, key):
+def _read_weight(location):
+    file, key = location
     if file.endswith(".safetensors"):
         from safetensors import safe_open
 
         with safe_open(file, "pt") as f:
-            return f.get_tensor(key) if key in f.keys() else None
-    return torch.load(file, map_location="cpu", mmap=True, weights_only=True).get(key)
+            return f.get_tensor(key)
+    return _load_bin(file)[key]
+
+
+def _load_bin(file):
+    """A .bin's state dict, memory-mapped (one in torch's old, non-zip format cannot be and is read whole)."""
+    try:
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:
+        return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def _score_head(location, path):
-    file, key = location
-    bias = key[:-len("weight")] + "bias"
-    if _read_weight(file, bias) is not None:  # (transformers' decoder families and OpenRLHF's heads have none)
+    key = location[1]
+    # (transformers' decoder families and OpenRLHF's heads have no bias)
+    if _weight_location(path, key[:-len("weight")] + "bias"):
         from dschat.errors import UsageError
 
         raise UsageError(f"{path}: its score head ({key}) has a bias, which dschat's value head (a Linear without "
                          "bias) cannot hold")
-    return _read_weight(file, key)
+    return _read_weight(location)
 
 
 def score_normalization(path):
