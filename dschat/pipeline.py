@@ -312,14 +312,23 @@ def check_earlier_outputs(step, steps, args, parsed):
 
 
 def check_model_folders(steps, args):
-    """--actor-model (step 1 starts from it) and --reward-model (step 2's, recipe ppo) given as folders that are not
-    there: an error naming the flag before step 1 runs, not a hub lookup's traceback."""
+    """--actor-model (step 1 starts from it) and --reward-model (step 2's, recipe ppo; or, named for step 3 without
+    step 2, a trained reward model) given as folders that are not there: an error naming the flag before step 1 runs,
+    not a hub lookup's traceback."""
     from dschat.models.loading import check_model_path
+    from dschat.tiny.presets import is_tiny_preset
 
     if 1 in steps:
         check_model_path(args.actor_model, "--actor-model")
-    if 2 in steps and getattr(args, "recipe", "ppo") == "ppo":
+    if getattr(args, "recipe", "ppo") != "ppo":
+        return
+    if 2 in steps:
         check_model_path(args.reward_model, "--reward-model")
+    elif 3 in steps and args.reward_model != args.actor_model and not is_tiny_preset(args.reward_model):
+        check_model_path(args.reward_model, "--reward-model")  # (a mistyped folder would leave step 2's in use)
+        if not ready_reward_model(args):  # DeepSpeed-Chat's train.py --step 3 with the full run's flags
+            print_rank_0(f"--reward-model {args.reward_model} is no trained reward model folder (no value head): "
+                         f"step 3 scores with {os.path.join(args.output_dir, RM_DIR)}, step 2's output")
 
 
 def check_reward_model_tokenizer(steps, args, tiny):
@@ -351,7 +360,9 @@ def resume_plan(steps, args, parsed, tiny):
     recipe = getattr(args, "recipe", "ppo")
     # step 3 records its flags completed with their defaults (its per-model ZeRO stages from --zero_stage)
     parsed = {step: step3_args(flags) if step == 3 else flags for step, flags in parsed.items()}
-    plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed, rm_from_sft=tiny))
+    ready = ready_reward_model(args) is not None
+    plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed, rm_from_sft=tiny,
+                                             ready_reward_model=ready))
     folders = [os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step]) for step in steps]
     if not any(os.path.isdir(folder) for folder in folders):  # (a mistyped --output-dir trains everything again)
         print_rank_0(f"train.py --resume: {args.output_dir} holds no earlier run's steps; every step starts afresh")

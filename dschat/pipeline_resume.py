@@ -38,19 +38,22 @@ class Decision(NamedTuple):
     why: str = ""
 
 
-def step_inputs(recipe, step, rm_from_sft):
-    """The earlier steps of ``recipe`` whose outputs ``step`` starts from (see ``pipeline.step_argv``)."""
+def step_inputs(recipe, step, rm_from_sft, ready_reward_model=False):
+    """The earlier steps of ``recipe`` whose outputs ``step`` starts from (see ``pipeline.step_argv``);
+    ``ready_reward_model``: step 3 scores with a trained reward model given to train.py, not step 2's output."""
     earlier = [s for s in RECIPE_STEP_FOLDERS[recipe] if s < step]
     if recipe == "ppo" and step == 2 and not rm_from_sft:
         return []  # the reward model starts from --reward-model
+    if recipe == "ppo" and step == 3 and ready_reward_model:
+        return [1]  # (the reward model's folder is a flag of step 3's, compared by its run id as the others)
     return earlier
 
 
-def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True):
+def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward_model=False):
     """{step: Decision} for ``steps`` (in order); ``parsed``: step -> its parsed flags now."""
     plan = {}
     for step in steps:
-        inputs = step_inputs(recipe, step, rm_from_sft)
+        inputs = step_inputs(recipe, step, rm_from_sft, ready_reward_model)
         rerun = [s for s in inputs if s in plan and plan[s].action != SKIP]
         if rerun:
             plan[step] = Decision(FRESH, f"it starts from step {rerun[-1]}'s new output")

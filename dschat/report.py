@@ -46,7 +46,8 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
     instead of step 2's; ``rule_scores``: the DPO recipe's held-out rule scores (``pipeline.held_out_rule_scores``)."""
     stale = {folder for folder in stale_folders(recipe, steps_run, rm_from_sft)
              if os.path.isdir(os.path.join(output_dir, folder))}
-    if reward_model and os.path.isdir(os.path.join(output_dir, RM_DIR)):
+    own_rm = os.path.join(output_dir, RM_DIR)
+    if reward_model and os.path.isdir(own_rm) and os.path.realpath(reward_model) != os.path.realpath(own_rm):
         stale.add(RM_DIR)  # an earlier run's reward model, which this run's step 3 did not score with
 
     def metrics(folder):

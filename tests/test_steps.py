@@ -511,7 +511,23 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
     assert report["not_reported"] == ["step2_rm"] and report["held_out"]["ppo_policy"]["reward_mean"] is not None
     assert f"reward model: {rm} (given by --reward-model; no step 2 in this run)" in printed
     assert find_reward_model_path(str(out)) == str(rm), "the tools score a run with the reward model it used"
-    # a --reward-model that is no trained reward model: step 3 still needs step 2's output, and the error says both ways
+    # --resume: step 3 was made from step 1's output and the reward model given, not from the older step2_rm
+    again = pipeline.run_pipeline(_train_py_args(
+        "--output-dir", str(out), "--step", "1", "3", "--reward-model", str(rm), "--step1-args", "--max_steps 2",
+        "--step3-args", "--max_steps 1 --eval_prompts 8", "--resume"))
+    assert again["skipped"] == ["step1", "step3"], capsys.readouterr().out
+    # a --reward-model that is no trained reward model: said, and step 3 scores with step 2's output
+    pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
+                                                     str(out / "step1_sft")))
+    assert f"--reward-model {out / 'step1_sft'} is no trained reward model folder (no value head): step 3 scores " \
+           f"with {out / 'step2_rm'}, step 2's output" in capsys.readouterr().out
+    with pytest.raises(MissingInputError, match="--reward-model .*typo"):  # a mistyped folder: not step 2's instead
+        pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
+                                                         str(tmp_path / "typo")))
+    (rm / "config.json").unlink()
+    with pytest.raises(MissingInputError, match=f"its step 3 scored with the reward model {rm} .*holds no model now"):
+        find_reward_model_path(str(out))
+    # ... and without step 2's output the error says both ways
     with pytest.raises(MissingInputError, match="step2_rm, step 2's output, which does not exist: run step 2 too "
                                                 r"\(--step 2 3\) or first, or give --reward-model a trained reward "
                                                 "model folder"):

@@ -165,6 +165,13 @@ def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_a
     own = build_report(str(tmp_path), {}, "ppo", steps_run=[1], rm_from_sft=False)
     assert own["rm_accuracy"] == 0.9 and own["not_reported"] == ["step3_ppo"]
     assert build_report(str(tmp_path), {}, "ppo", steps_run=[1, 3], rm_from_sft=False)["not_reported"] == []
+    # a trained reward model given to step 3: step2_rm is this run's only when it is that model
+    given = build_report(str(tmp_path), {}, "ppo", steps_run=[3], rm_from_sft=False,
+                         reward_model=str(tmp_path / "elsewhere"))
+    assert given["rm_accuracy"] is None and given["not_reported"] == ["step2_rm"]
+    itself = build_report(str(tmp_path), {}, "ppo", steps_run=[3], rm_from_sft=False,
+                          reward_model=str(tmp_path / "step3_ppo" / ".." / "step2_rm"))
+    assert itself["rm_accuracy"] == 0.9 and itself["not_reported"] == []
 
 
 def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):

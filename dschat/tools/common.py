@@ -71,9 +71,10 @@ def find_reward_model_path(path):
         raise MissingInputError(f"{path}: no such folder (a reward model is step 2's output folder, e.g. train.py's "
                                 "<output>/step2_rm)")
     given = _reported(os.path.expanduser(path), "reward_model")
-    if given and os.path.isfile(os.path.join(given, "config.json")):
-        return given
-    return _model_folder(path, REWARD_SUBFOLDERS)
+    if given and not os.path.isfile(os.path.join(given, "config.json")):
+        raise MissingInputError(f"{path}: its step 3 scored with the reward model {given} (report.json), which holds "
+                                "no model now: give a reward model folder")
+    return given or _model_folder(path, REWARD_SUBFOLDERS)
 
 
 def parse_with_run_defaults(parser, argv, run_defaults, tool, goes_with=None):
