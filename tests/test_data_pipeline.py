@@ -363,6 +363,21 @@ def test_multiturn_leaves_an_opening_assistant_turn_a_template_cannot_render_bef
             "than a prompt ending at it") in capsys.readouterr().out
 
 
+def test_a_conversation_ending_with_a_user_turn_is_a_prompt_for_step_3_and_a_counted_skip_before(tmp_path, tokenizer,
+                                                                                                   capsys):
+    """A messages record whose last message is the user's (a prompt-only messages file; a ShareGPT conversation cut
+    after a question) stopped every step with "the last message must be the assistant's answer"."""
+    awaiting = CONVERSATION[1:4]  # user, assistant, user
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": awaiting}] * 2 + [{"messages": CONVERSATION[1:3]}])
+    prompts, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
+    assert sorted(item["prompt_text"] for item in prompts) == sorted(
+        [format_prompt(awaiting, tokenizer)] * 2 + [format_prompt(CONVERSATION[1:2], tokenizer)])
+    capsys.readouterr()
+    sft, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")
+    assert len(sft) == 1 and sft.skipped == {"no answer (the conversation ends with a user turn)": 2}
+    assert "skipped 2 of 3 records: 2 no answer (the conversation ends with a user turn)" in capsys.readouterr().out
+
+
 def test_multiturn_needs_offsets_from_a_fast_tokenizer(tmp_path, tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)
     slow = copy.deepcopy(tokenizer)

@@ -21,7 +21,8 @@ prompt=question,chosen=good``):
   with "Human:" is read as a "Human:/Assistant:" transcript; ``prompt`` may also be a list of messages.
   Without a ``chosen`` field the data is prompt-only (step 3 only). A null ``rejected`` marks an SFT-only
   record (skipped, and counted, in step 2).
-* ``messages``: a list of {role, content} ending with the assistant answer (SFT data).
+* ``messages``: a list of {role, content} ending with the assistant answer (SFT data); one ending with a user
+  turn is a prompt (step 3), skipped and counted by steps 1 and 2.
 * ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format), or as whole
   "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts (Anthropic/hh-rlhf's files): the turns before the last are
   the prompt and must be the same in both; the last (assistant) turns are the answers.
@@ -44,9 +45,11 @@ from pathlib import Path
 from dschat.errors import MissingInputError, UsageError
 from .base import (PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer, optional_text,
                    prompt_messages, required_text)
-from .errors import DatasetFormatError, RecordError
+from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import parse_transcript
 
+# Why steps 1 and 2 skip a messages record whose last message is the user's (step 3 takes it as its prompt).
+ENDS_WITH_USER = "no answer (the conversation ends with a user turn)"
 LOCAL_TYPES = ("jsonl", "json", "parquet", "csv", "disk")
 EXTENSION_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 EVAL_SPLIT_NAMES = ("eval", "test", "validation")
@@ -586,6 +589,8 @@ class LocalDataset(PromptRawDataset):
                 self.get_chosen_text(sample)
                 self.get_rejected_text(sample)
                 self.is_undesirable(sample)
+            except SkipRecord:  # (counted where the phase reads it)
+                pass
             except RecordError as err:
                 where = f"line {record_lines[index]} (record {index})" if record_lines else f"record {index}"
                 raise DatasetFormatError(f"{path} {where}: {err}{self._other_shape_hint(sample, err)}") from None
@@ -609,6 +614,8 @@ class LocalDataset(PromptRawDataset):
     # --- structured accessors ---
     def get_conversation(self, sample):
         if self.shape == "messages":
+            if self._ends_with_user_turn(sample):  # a conversation awaiting its answer: step 3's prompt
+                return prompt_messages(self._messages(sample), self.fields["messages"])
             return self._split_message_list(sample, self.fields["messages"])[0]
         if self.shape == "chosen_messages":
             return self._split_message_list(sample, self.fields["chosen"])[0]
@@ -629,6 +636,14 @@ class LocalDataset(PromptRawDataset):
             return messages
         return [{"role": "user", "content": text}]
 
+    def _messages(self, sample):
+        return checked_messages(_json_list_text(sample.get(self.fields["messages"])), self.fields["messages"])
+
+    def _ends_with_user_turn(self, sample):
+        """A messages record (a list; a transcript string says its own errors) whose last message is the user's."""
+        value = _json_list_text(sample.get(self.fields["messages"]))
+        return isinstance(value, (list, tuple)) and self._messages(sample)[-1]["role"] == "user"
+
     @staticmethod
     def _split_message_list(sample, field):
         """(prompt turns, answer) of a full conversation whose last message is the assistant's answer: a message
@@ -643,6 +658,8 @@ class LocalDataset(PromptRawDataset):
 
     def get_chosen_text(self, sample):
         if self.shape == "messages":
+            if self._ends_with_user_turn(sample):
+                raise SkipRecord(ENDS_WITH_USER)
             return self._split_message_list(sample, self.fields["messages"])[1]
         if self.shape == "chosen_messages":
             return self._split_message_list(sample, self.fields["chosen"])[1]
