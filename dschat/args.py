@@ -546,6 +546,10 @@ def step3_parser():
     g.add_argument("--generation_batches", "--generation_batch_numbers", type=positive_int, default=1,
                    help="Generation batches collected before each round of PPO training.")
     g.add_argument("--ppo_epochs", type=positive_int, default=1, help="Passes over each rollout's experience.")
+    g.add_argument("--freezing_actor_steps", type=non_negative_int, default=0,
+                   help="The first N PPO iterations train the critic only (OpenRLHF's flag): a critic started from "
+                        "the reward model values every token as the end of an answer, and GAE's first advantages "
+                        "with it are mostly its error. The actor's learning-rate schedule starts after them. GAE only.")
     g.add_argument("--max_prompt_seq_len", type=positive_int, default=256,
                    help="Longest prompt in tokens (longer ones are skipped).")
     g.add_argument("--max_answer_seq_len", type=positive_int, default=256, help="Most new tokens generated per answer.")

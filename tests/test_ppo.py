@@ -1355,7 +1355,7 @@ def test_train_rollout_is_step3s_iteration_and_a_hand_loop_hears_what_train_rlhf
     exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
     calls = []
     real = trainer._ppo_step
-    trainer._ppo_step = lambda m: calls.append(m["input_ids"].shape[0]) or real(m)
+    trainer._ppo_step = lambda m, *rest: calls.append(m["input_ids"].shape[0]) or real(m, *rest)
     coef = trainer.kl_ctl.value
     trained_once = trainer.train_rollout([exp])
     assert calls == [2, 2, 2, 2]  # 2 epochs x 2 micro-batches of 2 rows
@@ -1368,6 +1368,31 @@ def test_train_rollout_is_step3s_iteration_and_a_hand_loop_hears_what_train_rlhf
     assert out.count("[step3] train_rlhf(out) is one update on the rows it is given") == 1
     assert "ppo_epochs 2, adaptive_kl, per_device_training_batch_size 2 (< the 4 rows given) act through " \
            "trainer.train_rollout([out, ...])" in out
+
+
+def test_freezing_actor_steps_train_the_critic_alone_first(trained, tmp_path):
+    """OpenRLHF's --freezing_actor_steps: a critic started from the reward model first learns values while the actor
+    waits; the log says which iterations did so, and critic-free estimators refuse the flag."""
+    from dschat.errors import UsageError
+
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, per_device_training_batch_size=4)
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
+    actor_before = {k: v.clone() for k, v in trainer.actor_model.module.state_dict().items()}
+    critic_before = {k: v.clone() for k, v in trainer.critic_model.module.state_dict().items()}
+    frozen = trainer.train_rollout([exp], train_actor=False)
+    assert frozen["actor_loss"] is None and frozen["critic_loss"] is not None
+    assert trainer.actor_model.global_steps == 0 and trainer.critic_model.global_steps == 1
+    assert all(torch.equal(v, trainer.actor_model.module.state_dict()[k]) for k, v in actor_before.items())
+    assert not all(torch.equal(v, trainer.critic_model.module.state_dict()[k]) for k, v in critic_before.items())
+    assert trainer.train_rollout([exp])["actor_loss"] is not None and trainer.actor_model.global_steps == 1
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--freezing_actor_steps", "1"))
+    log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
+    assert log[0].get("actor_frozen") and "actor_loss" not in log[0] and "critic_loss" in log[0]
+    assert "actor_frozen" not in log[1] and "actor_loss" in log[1]
+    with pytest.raises(UsageError, match="--freezing_actor_steps trains the critic alone first, and "
+                                         "--advantage_estimator grpo has no critic"):
+        ppo.main(ppo_args(trained, tmp_path / "grpo", "--freezing_actor_steps", "1", "--advantage_estimator", "grpo",
+                          "--n_samples_per_prompt", "2"))
 
 
 def test_notebook_calls_that_would_train_wrongly_are_refused(trained, tmp_path):

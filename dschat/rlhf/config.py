@@ -19,6 +19,12 @@ def step3_args(args=None):
 GROUP_ESTIMATORS = ("grpo", "rloo")  # an answer's advantage is its score against the other answers to its prompt
 
 
+def check_freezing_actor_steps(args):
+    if args.freezing_actor_steps and args.advantage_estimator != "gae":
+        raise UsageError(f"--freezing_actor_steps trains the critic alone first, and --advantage_estimator "
+                         f"{args.advantage_estimator} has no critic (GAE's has)")
+
+
 def check_advantage_estimator(args):
     """GRPO and RLOO compare each answer with the other answers to its prompt: a group of one answer has none (RLOO
     would fail in the first PPO update, after every model has loaded; GRPO would silently train on raw scores, as

@@ -13,8 +13,8 @@ from dschat.models.loading import check_sequence_fits, load_causal_lm, load_toke
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import initialize_engine, initialize_frozen
-from dschat.rlhf.config import (check_advantage_estimator, check_earlier_step_outputs, check_kl_settings, step3_args,
-                                untrained_reward_model_message)
+from dschat.rlhf.config import (check_advantage_estimator, check_earlier_step_outputs, check_freezing_actor_steps,
+                                check_kl_settings, step3_args, untrained_reward_model_message)
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import setup_run
@@ -160,6 +160,7 @@ def check_settings(args):
         check_sampling_flags(args.temperature, args.top_p)
     check_hybrid_engine_flags(args)
     check_advantage_estimator(args)
+    check_freezing_actor_steps(args)
     check_kl_settings(args)
     if args.reward_fn:
         load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load

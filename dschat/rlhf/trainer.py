@@ -383,7 +383,7 @@ class DeepSpeedPPOTrainer:
         self._note_hand_loop(inputs)
         return self._ppo_step(inputs)
 
-    def _ppo_step(self, inputs):
+    def _ppo_step(self, inputs, train_actor=True):
         mask = inputs["action_mask"].float()
         seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         start = inputs["prompts"].shape[1] - 1
@@ -395,10 +395,10 @@ class DeepSpeedPPOTrainer:
         advantages, returns = inputs["advantages"], inputs["returns"]
         self.train()
         # --align_overflow: the actor steps after the critic's backward, both together (DeepSpeed-Chat's order)
-        aligned = self.align_overflow and self.critic_model is not None
+        aligned = self.align_overflow and self.critic_model is not None and train_actor
         with self._masked_training(layout):
             actor_loss = self._update_actor(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
-                                            agg, step=not aligned)
+                                            agg, step=not aligned) if train_actor else None
             if self.critic_model is None:
                 return actor_loss, torch.zeros((), device=actor_loss.device)
             critic_loss = self._update_critic(seq, attention_mask, start, layout, old_values, returns, mask, agg,
@@ -517,16 +517,20 @@ class DeepSpeedPPOTrainer:
         moving_average(self.actor_model.module, self.actor_ema.module, beta=self.args.ema_beta)
 
     # --- one PPO iteration ---------------------------------------------------------------------------------
-    def train_rollout(self, experiences, unsup_batches=()):
+    def train_rollout(self, experiences, unsup_batches=(), train_actor=True):
         """One PPO iteration on a rollout (``generate_experience`` outputs), as step 3 runs it: advantages over the
         whole rollout; --ppo_epochs passes over micro-batches of --per_device_training_batch_size rows, each optimizer
         step after --gradient_accumulation_steps of them (the loss normalised by their answer tokens on all ranks);
         the adaptive KL controller updated with the rollout's KL (--adaptive_kl). As in DeepSpeed-Chat's PPO-ptx, each
         PPO micro-batch is followed by a language-model micro-step on the next training-batch-sized slice of
-        ``unsup_batches`` (cycled when there are fewer). Returns the mean "actor_loss", "critic_loss" (None without a
-        critic) and "unsup_loss" (None without unsupervised data), and the rollout's KL to the reference over all
-        ranks: per answer token ("kl") and per answer ("kl_per_answer", the controller's unit)."""
+        ``unsup_batches`` (cycled when there are fewer). ``train_actor`` False: the critic alone trains
+        (--freezing_actor_steps; no unsupervised steps either, they train the actor). Returns the mean "actor_loss"
+        (None when the actor did not train), "critic_loss" (None without a critic) and "unsup_loss" (None without
+        unsupervised data), and the rollout's KL to the reference over all ranks: per answer token ("kl") and per
+        answer ("kl_per_answer", the controller's unit)."""
         experiences = checked_rollout(experiences)
+        if not train_actor and self.critic_model is None:
+            raise UsageError("train_rollout(train_actor=False) trains the critic alone, and this trainer has none")
         if unsup_batches and not hasattr(self, "train_unsupervised"):
             raise UsageError("unsup_batches need DeepSpeedPPOTrainerUnsupervised (step 3's "
                              "--unsupervised_dataset_name)")
@@ -535,7 +539,7 @@ class DeepSpeedPPOTrainer:
         if len(experiences) > 1 or "advantages" not in experiences[0]:
             self.compute_advantages(experiences)  # once, over the whole rollout, not each generation batch alone
         micro = [m for exp in experiences for m in split_rows(exp, batch)]
-        unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)]
+        unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)] if train_actor else []
         losses = {"actor_loss": [], "critic_loss": [], "unsup_loss": []}
         for _ in range(self.args.ppo_epochs):
             for start in range(0, len(micro), accum):
@@ -543,8 +547,9 @@ class DeepSpeedPPOTrainer:
                 tokens = global_token_count([m["action_mask"] for m in group], self.device)
                 for micro_index, m in enumerate(group, start):
                     m["num_tokens_global"] = tokens
-                    actor_loss, critic_loss = self._ppo_step(m)
-                    losses["actor_loss"].append(actor_loss.item())
+                    actor_loss, critic_loss = self._ppo_step(m, train_actor)
+                    if train_actor:
+                        losses["actor_loss"].append(actor_loss.item())
                     if self.critic_model is not None:
                         losses["critic_loss"].append(critic_loss.item())
                     if unsup:

@@ -262,7 +262,8 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
                 continue
             gen_stats = rollout_generation_stats(batch_stats, [e["input_ids"].shape[0] for e in buffer])
             t1 = time.time()
-            trained = trainer.train_rollout(buffer, unsup_buffer)
+            # --freezing_actor_steps: the first iterations train the critic alone
+            trained = trainer.train_rollout(buffer, unsup_buffer, train_actor=iteration >= args.freezing_actor_steps)
             train_time = time.time() - t1
             # samples_per_s and tokens_per_s: over the whole iteration, every generation batch's time included
             record = _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time, time.time() - t0,
@@ -337,14 +338,15 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
     tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
     record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), "kl": trained["kl"],
               "kl_per_answer": trained["kl_per_answer"], "kl_coef": trainer.kl_coef,
-              "actor_loss": rank_mean(trained["actor_loss"], device),
               # every rank answers as many prompts: the mean of the ranks' means is the mean over all answers
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
               "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
               **{k: trainer.stats[k] for k in ("pg_clipfrac", "approx_kl", "vf_clipfrac") if k in trainer.stats}}
-    for key in ("critic_loss", "unsup_loss"):  # none without a critic / ptx data
+    if trained["actor_loss"] is None:  # --freezing_actor_steps: the critic alone trained
+        record["actor_frozen"] = True
+    for key in ("actor_loss", "critic_loss", "unsup_loss"):  # none with the actor frozen / without a critic / ptx data
         if trained[key] is not None:
             record[key] = rank_mean(trained[key], device)
     return record
