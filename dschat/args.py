@@ -664,8 +664,9 @@ def step3_parser():
                         "as DeepSpeed-Chat does. Default: each row shifted to start at column 0, so the forwards need "
                         "no mask (causal attention, same results on real tokens; masked kernels are slower, see "
                         "dschat/rlhf/layout.py); prompt masks with holes keep the mask anyway.")
-    g.add_argument("--kl_ctl", type=non_negative_float, default=0.1, help="The per-token reward's KL coefficient (initial value if adaptive); where the KL is a loss term "
-                        "(grpo/rloo, --kl_in_reward 0) another value is an error: --kl_loss_coef weighs it there.")
+    g.add_argument("--kl_ctl", type=non_negative_float, default=0.1,
+                   help="The per-token reward's KL coefficient (initial value if adaptive); where the KL is a loss "
+                        "term (grpo/rloo, --kl_in_reward 0) another value is an error: --kl_loss_coef weighs it there.")
     g.add_argument("--kl_estimator", type=str, default=None, choices=["k1", "k2", "k3", "abs"],
                    help="Per-token KL estimator, of the reward penalty and of the KL loss term. Default (None): k1 "
                         "for the reward penalty (DeepSpeed-Chat's), k3 for the loss term (k1's gradient is 0 in "

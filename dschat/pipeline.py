@@ -191,7 +191,6 @@ def check_step_args(steps, args, tiny, parsers):
                 check_step2_pairs(flags)
     for step, (flags, _) in parsed.items():
         check_earlier_outputs(step, steps, args, flags)
-    check_model_folders(steps, args)
     check_reward_model_tokenizer(steps, args, tiny)
     flags = {step: flags for step, (flags, _) in parsed.items()}
     check_sequence_lengths(args, flags)
@@ -299,6 +298,9 @@ def check_earlier_outputs(step, steps, args, parsed):
                 state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
                 together = " ".join(map(str, sorted({producer, *steps})))
                 instead = ""
+                if step == 2 and getattr(args, "recipe", "ppo") == "ppo":  # the tiny default's reward model
+                    instead = (" (the tiny default's reward model starts from the SFT model, not from --reward-model;"
+                               " training/step2_rm/main.py trains one from any model)")
                 if producer == 2 and getattr(args, "recipe", "ppo") == "ppo":
                     instead = ", or give --reward-model a trained reward model folder to score with"
                     from dschat.tiny.presets import is_tiny_preset
@@ -391,6 +393,7 @@ def run_pipeline(args):
     from dschat.steps import dpo, ppo, reward, sft
 
     ensure_distributed()
+    check_model_folders(recipe_steps(getattr(args, "recipe", "ppo"), args.step)[0], args)  # (what tiny_run reads)
     tiny = is_tiny_run(args)
     if not tiny and not args.data_path:
         args.data_path = [DEEPSPEED_CHAT_DATA]

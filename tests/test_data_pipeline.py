@@ -298,7 +298,8 @@ def llama2_style(tokenizer):
     """Llama-2-chat's template in short: a space on either side of an assistant turn, the EOS after it."""
     chat = copy.deepcopy(tokenizer)
     chat.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}<<SYS>>{{ m['content'] }}<</SYS>>"
-                          "{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %} {{ m['content'] }} "
+                          "{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                          "{% else %} {{ m['content'] }} "
                           "{{ eos_token }}{% endif %}{% endfor %}")
     return chat
 

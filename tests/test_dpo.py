@@ -316,7 +316,7 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
     assert report["dpo"]["logp_accuracy"] == 0.5
     assert report["dpo"]["held_out_rule_score"] == scores
     printed = capsys.readouterr().out
-    assert "DPO held-out preference accuracy (chosen answer more likely, 0.5 pairs): SFT 0.5000 -> DPO 0.5000" in printed
+    assert "preference accuracy (chosen answer more likely, 0.5 pairs): SFT 0.5000 -> DPO 0.5000" in printed
     assert "held-out rule score of greedy answers (120 prompts): SFT 0.800 -> DPO 0.900" in printed
 
 

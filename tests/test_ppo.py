@@ -576,7 +576,8 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
     calls = []
     real_rlhf, real_unsup = DeepSpeedPPOTrainerUnsupervised._ppo_step, DeepSpeedPPOTrainerUnsupervised.train_unsupervised
     monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "_ppo_step",
-                        lambda self, m: calls.append(("ppo", m["input_ids"].shape[0])) or real_rlhf(self, m))
+                        lambda self, m, *rest: calls.append(("ppo", m["input_ids"].shape[0]))
+                        or real_rlhf(self, m, *rest))
     monkeypatch.setattr(DeepSpeedPPOTrainerUnsupervised, "train_unsupervised", lambda self, b, coef: calls.append(
         ("lm", b["input_ids"].shape[0], b["input_ids"].data_ptr())) or real_unsup(self, b, coef))
     from dschat.rlhf import engine, trainer
@@ -1370,7 +1371,7 @@ def test_train_rollout_is_step3s_iteration_and_a_hand_loop_hears_what_train_rlhf
            "trainer.train_rollout([out, ...])" in out
 
 
-def test_freezing_actor_steps_train_the_critic_alone_first(trained, tmp_path):
+def test_freezing_actor_steps_train_the_critic_alone_first(trained, tmp_path, monkeypatch, capsys):
     """OpenRLHF's --freezing_actor_steps: a critic started from the reward model first learns values while the actor
     waits; the log says which iterations did so, and critic-free estimators refuse the flag."""
     from dschat.errors import UsageError
@@ -1385,10 +1386,16 @@ def test_freezing_actor_steps_train_the_critic_alone_first(trained, tmp_path):
     assert all(torch.equal(v, trainer.actor_model.module.state_dict()[k]) for k, v in actor_before.items())
     assert not all(torch.equal(v, trainer.critic_model.module.state_dict()[k]) for k, v in critic_before.items())
     assert trainer.train_rollout([exp])["actor_loss"] is not None and trainer.actor_model.global_steps == 1
+    sized = []
+    real_engine = ppo.DeepSpeedRLHFEngine
+    monkeypatch.setattr(ppo, "DeepSpeedRLHFEngine", lambda *a, **kw: sized.append(kw) or real_engine(*a, **kw))
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--freezing_actor_steps", "1"))
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert log[0].get("actor_frozen") and "actor_loss" not in log[0] and "critic_loss" in log[0]
     assert "actor_frozen" not in log[1] and "actor_loss" in log[1]
+    assert "(actor frozen: --freezing_actor_steps)" in capsys.readouterr().out
+    # the actor's learning-rate schedule spans the iterations it trains (its warmup would take the frozen ones)
+    assert sized[0]["actor_total_iters"] * 2 == sized[0]["num_total_iters"]
     with pytest.raises(UsageError, match="--freezing_actor_steps trains the critic alone first, and "
                                          "--advantage_estimator grpo has no critic"):
         ppo.main(ppo_args(trained, tmp_path / "grpo", "--freezing_actor_steps", "1", "--advantage_estimator", "grpo",

@@ -486,9 +486,9 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
 
 def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_model(tmp_path, distributed, monkeypatch,
                                                                                     capsys):
-    """train.py had no way to give step 3 a reward model trained elsewhere (TRL's, OpenRLHF's, an earlier run's): without
-    step 2 it read OUTPUT/step2_rm only. A trained reward model as --reward-model now scores step 3 and starts its
-    critic; the report says so and leaves an older step2_rm in the folder out."""
+    """train.py had no way to give step 3 a reward model trained elsewhere (TRL's, OpenRLHF's, an earlier run's):
+    without step 2 it read OUTPUT/step2_rm only. A trained reward model as --reward-model now scores step 3 and starts
+    its critic; the report says so and leaves an older step2_rm in the folder out."""
     from dschat import pipeline
     from dschat.errors import MissingInputError
     from dschat.tools.common import find_reward_model_path

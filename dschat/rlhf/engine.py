@@ -277,7 +277,9 @@ class DeepSpeedRLHFEngine:
     """
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
-                 num_total_iters=None, reward_model_name_or_path=None):
+                 num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None):
+        """``num_total_iters``: the optimizer steps the learning-rate schedules span; ``actor_total_iters``: the
+        actor's, where it trains fewer (--freezing_actor_steps)."""
         self.args = args = step3_args(args)
         check_settings(args)  # before any model loads
         setup_run(args)
@@ -294,6 +296,7 @@ class DeepSpeedRLHFEngine:
             print_rank_0(f"[step3] the learning-rate schedule spans {DEFAULT_TOTAL_ITERS} iterations (no "
                          f"num_total_iters nor max_steps given): pass num_total_iters=len(prompt_dataloader) x epochs "
                          f"for your loop's length")
+        self.actor_total_iters = actor_total_iters or self.num_total_iters
         self.world_size = get_world_size()
 
         self.actor = self._init_actor()
@@ -347,7 +350,7 @@ class DeepSpeedRLHFEngine:
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
                                    a.actor_learning_rate, a.actor_weight_decay,
                                    a.actor_lora_learning_rate if a.actor_lora_dim else None,
-                                   a.lr_scheduler_type, a.num_warmup_steps, self.num_total_iters,
+                                   a.lr_scheduler_type, a.num_warmup_steps, self.actor_total_iters,
                                    a.actor_gradient_checkpointing, a.zero3_fetch, role="the actor")
         if a.enable_mixed_precision_lora:
             print_rank_0(f"[step3] mixed precision LoRA: {quantize_frozen_weights(engine)} frozen weights stored "
@@ -409,4 +412,7 @@ class DeepSpeedRLHFEngine:
         self._check_sequence_fits(model)
         if not model.value_head_loaded:
             raise UsageError(untrained_reward_model_message(self.reward_path))
+        if model.score_normalization:
+            print_rank_0("[step3] the reward model {} scores as it was saved (OpenRLHF's normalize_reward): "
+                         "(score - {:.4g}) / {:.4g}".format(self.reward_path, *model.score_normalization))
         return initialize_frozen(model, ds_config, a.zero3_fetch)

@@ -149,6 +149,7 @@ class Schedule:
     total: int
     stop_at: int
     optimizer_steps: int
+    actor_optimizer_steps: int  # (--freezing_actor_steps: the actor's schedule spans the iterations it trains)
 
 
 def plan_iterations(args, train_loader):
@@ -173,8 +174,14 @@ def plan_iterations(args, train_loader):
         print_rank_0(f"warning: --test_stop_step {args.test_stop_step} has no effect without --enable_test_mode (as in "
                      f"DeepSpeed-Chat): the run trains all {total} iterations (--max_steps stops it and "
                      "shortens its schedule)")
-    optimizer_steps = max(1, total * args.ppo_epochs * micro_batches_per_epoch(args) // args.gradient_accumulation_steps)
-    return Schedule(iters_per_epoch, usable_batches, total, stop_at, optimizer_steps)
+    def optimizer_steps(iterations):
+        return max(1, iterations * args.ppo_epochs * micro_batches_per_epoch(args) // args.gradient_accumulation_steps)
+
+    if args.freezing_actor_steps >= total:
+        print_rank_0(f"warning: --freezing_actor_steps {args.freezing_actor_steps} >= this run's {total} PPO "
+                     "iterations: only the critic trains, and the actor is saved as it started")
+    return Schedule(iters_per_epoch, usable_batches, total, stop_at, optimizer_steps(total),
+                    optimizer_steps(total - min(args.freezing_actor_steps, total)))
 
 
 def main(args=None):
@@ -195,7 +202,8 @@ def main(args=None):
     check_accumulation(args)
     schedule = plan_iterations(args, train_loader)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
-                                 num_total_iters=schedule.optimizer_steps)
+                                 num_total_iters=schedule.optimizer_steps,
+                                 actor_total_iters=schedule.actor_optimizer_steps)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)
@@ -363,7 +371,9 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
     bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['kl']:.3f}")
     keys = ("reward", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers", "generation_time",
             "experience_time", "training_time", "samples_per_s", "tokens_per_s")
-    bar.write(f"[step3] iter {record['iteration']}: " + format_metrics({k: record[k] for k in keys if k in record}))
+    frozen = " (actor frozen: --freezing_actor_steps)" if record.get("actor_frozen") else ""
+    bar.write(f"[step3] iter {record['iteration']}: " + format_metrics({k: record[k] for k in keys if k in record})
+              + frozen)
     if writer is not None:
         for k, v in record.items():
             if isinstance(v, (int, float)):

@@ -155,8 +155,13 @@ def say_unused_sampling_flags(args):
     """Sampling flags given to a greedy decoding (a tool's default, or --greedy) change nothing: said once."""
     given = [f"--{name} {getattr(args, name)}" for name, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
              if getattr(args, name) != default]
-    notice = f"warning: {', '.join(given)}: no effect on greedy decoding (add --do_sample to sample)" if given else None
-    if notice and notice not in _SAID:
+    if given:
+        say_once(f"warning: {', '.join(given)}: no effect on greedy decoding (add --do_sample to sample)")
+
+
+def say_once(notice):
+    """``notice`` on stderr, once per process."""
+    if notice not in _SAID:
         _SAID.add(notice)
         print(notice, file=sys.stderr)
 
@@ -183,5 +188,8 @@ def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
         raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
+    if model.score_normalization:
+        say_once("[dschat] the reward model {} scores as it was saved (OpenRLHF's normalize_reward): (score - {:.4g}) "
+                 "/ {:.4g}".format(path, *model.score_normalization))
     return model.to(device or default_device()).eval()
 
