@@ -81,7 +81,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
                                           + ", ".join(f"--{name}" for name in changed) + ")")
         elif current:
             plan[step] = Decision(FRESH, f"its finished output in {folder} had other values of "
-                                         f"{', '.join('--' + name for name in changed)}")
+                                         f"{', '.join(said_change(name, record, parsed[step]) for name in changed)}")
         elif inputs:
             plural = "s" if len(inputs) > 1 else ""
             plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint made from the present "
@@ -155,6 +155,14 @@ def changed_flags(record, flags):
     recorded, then = record.get("flags", {}), record.get("cwd", os.getcwd())
     return sorted(name for name in names if name in recorded and _differs(name, recorded[name], now[name], then,
                                                                            record.get("inputs", {})))
+
+
+def said_change(name, record, flags):
+    """``--name``, and for a model folder named as before, that the model in it is another since."""
+    then, now = record.get("flags", {}).get(name), getattr(flags, name, None)
+    same_folder = name in MODEL_PATH_FLAGS and isinstance(then, str) and isinstance(now, str) and \
+        _as_path(name, then, record.get("cwd", os.getcwd())) == _as_path(name, now, os.getcwd())
+    return f"--{name} (the model in {now} was trained again since)" if same_folder else f"--{name}"
 
 
 def _differs(name, then_value, now_value, then_cwd, made_from):

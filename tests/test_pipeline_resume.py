@@ -97,8 +97,9 @@ def test_a_model_that_was_another_runs_output_is_compared_by_its_run_id(tmp_path
     assert plan_steps([1], "ppo", str(tmp_path), {1: same})[1].action == SKIP
     hub = Namespace(**{**vars(FLAGS), "model_name_or_path": "tiny-opt"})
     assert plan_steps([1], "ppo", str(tmp_path), {1: hub})[1].why.endswith("had other values of --model_name_or_path")
-    finish(other, 1, 20, ("x2", []))  # that model trained again
-    assert plan_steps([1], "ppo", str(tmp_path), {1: same})[1].why.endswith("had other values of --model_name_or_path")
+    finish(other, 1, 20, ("x2", []))  # that model trained again: said as such (the flag's value is the same)
+    assert plan_steps([1], "ppo", str(tmp_path), {1: same})[1].why.endswith(
+        "had other values of --model_name_or_path (the model in other/step1_sft was trained again since)")
 
 
 def test_a_relative_output_folder_moved_and_an_input_from_before_run_ids_keep_the_plan(tmp_path, monkeypatch):
