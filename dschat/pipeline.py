@@ -297,20 +297,28 @@ def check_earlier_outputs(step, steps, args, parsed):
                     not os.path.isfile(os.path.join(path, "config.json")):
                 state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
                 together = " ".join(map(str, sorted({producer, *steps})))
-                instead = ""
-                if step == 2 and getattr(args, "recipe", "ppo") == "ppo":  # the tiny default's reward model
-                    instead = (" (the tiny default's reward model starts from the SFT model, not from --reward-model;"
-                               " training/step2_rm/main.py trains one from any model)")
-                if producer == 2 and getattr(args, "recipe", "ppo") == "ppo":
-                    instead = ", or give --reward-model a trained reward model folder to score with"
-                    from dschat.tiny.presets import is_tiny_preset
-
-                    named = args.reward_model != args.actor_model and not is_tiny_preset(args.reward_model)
-                    if named and not os.path.exists(args.reward_model):  # a hub name: a folder once downloaded
-                        instead += (f" (--reward-model {args.reward_model} is no folder here: a hub reward model "
-                                    f"is one once downloaded, e.g. hf download {args.reward_model} --local-dir DIR)")
                 raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: "
-                                        f"run step {producer} too (--step {together}) or first{instead}")
+                                        f"run step {producer} too (--step {together}) or first"
+                                        + _other_ways(step, producer, args))
+
+
+def _other_ways(step, producer, args):
+    """What else gives a PPO run's step the model an earlier step would have written."""
+    if getattr(args, "recipe", "ppo") != "ppo":
+        return ""
+    if step == 2:  # (step 2 reads step 1's output only on the tiny default)
+        return (" (the tiny default's reward model starts from the SFT model, not from --reward-model; "
+                "training/step2_rm/main.py trains one from any model)")
+    if producer != 2:
+        return ""
+    from dschat.tiny.presets import is_tiny_preset
+
+    said = ", or give --reward-model a trained reward model folder to score with"
+    named = args.reward_model != args.actor_model and not is_tiny_preset(args.reward_model)
+    if named and not os.path.exists(args.reward_model):  # a hub name: a folder once downloaded
+        said += (f" (--reward-model {args.reward_model} is no folder here: a hub reward model is one once "
+                 f"downloaded, e.g. hf download {args.reward_model} --local-dir DIR)")
+    return said
 
 
 def check_model_folders(steps, args):

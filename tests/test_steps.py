@@ -473,6 +473,9 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
         with pytest.raises(MissingInputError, match=f"reads {out}/{missing}, step 1's output, which does not exist: "
                                                     f"run step 1 too \\(--step {together}\\)"):
             pipeline.run_pipeline(_train_py_args("--output-dir", out, *argv))
+    with pytest.raises(MissingInputError, match="run step 1 too .*the tiny default's reward model starts from the "
+                                                "SFT model, not from --reward-model; training/step2_rm/main.py"):
+        pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "2", "--reward-model", "tiny-llama"))
     (tmp_path / "out" / "step1_sft").mkdir(parents=True)  # empty (a step that failed early): no model
     with pytest.raises(MissingInputError, match="step1_sft, step 1's output, which holds no model"):
         pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "3"))

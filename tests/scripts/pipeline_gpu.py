@@ -16,6 +16,9 @@ Cases:
 - ``grpo``: ``python train.py --recipe grpo`` on the OPT-1.3B shape (step 1, then GRPO rewarded by the bundled rule
   scorer of the tiny data).
 - ``dpo``: ``python train.py --recipe dpo`` on the OPT-1.3B shape (step 1, then DPO).
+- ``ready_rm`` (after ``opt``): ``python train.py --step 1 3 --reward-model OUT/opt/step2_rm`` on the OPT-1.3B shape:
+  step 3 scores with a reward model trained before and starts its critic from it, the first iteration training the
+  critic alone (``--freezing_actor_steps 1``).
 Each case's log is written to OUT/<case>.log; a table of exit codes, seconds and the reports' metrics is printed, and
 the policy each case saved (its report's ``policy``) is loaded with ``from_pretrained`` and asked for a greedy answer. Exits non-zero if a case
 fails.
@@ -40,7 +43,7 @@ QWEN = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidd
             num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)
 
 FEW_STEPS = "--max_steps 20 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --eval_iters 4"
-CASES = ("tiny", "opt", "qwen_z3", "grpo", "dpo")
+CASES = ("tiny", "opt", "qwen_z3", "grpo", "dpo", "ready_rm")
 STEP3 = ("--max_steps 3 --per_device_generation_batch_size 8 --per_device_training_batch_size 8 "
          "--max_prompt_seq_len 128 --max_answer_seq_len 64 --enable_hybrid_engine --eval_prompts 32")
 
@@ -91,13 +94,18 @@ def cases(out, wanted, smoke=False):
                           "--reward-zero-stage", "3", "--data-path", "tiny", "--output-dir", str(out / "qwen_z3"),
                           "--step1-args", FEW_STEPS, "--step2-args", FEW_STEPS,
                           "--step3-args", STEP3 + " --actor_lora_dim 16"]
-    if "grpo" in wanted or "dpo" in wanted:
+    if "grpo" in wanted or "dpo" in wanted or "ready_rm" in wanted:
         actor = save_random_model(models / "opt-1.3b-shape", OPTConfig, shape(OPT_ACTOR, smoke))
     for recipe in ("grpo", "dpo"):
         if recipe in wanted:
             yield recipe, [sys.executable, "train.py", "--recipe", recipe, "--actor-model", str(actor),
                            "--deployment-type", "single_gpu", "--data-path", "tiny", "--output-dir", str(out / recipe),
                            "--step1-args", FEW_STEPS, "--step2-args", FEW_STEPS, "--step3-args", STEP3]
+    if "ready_rm" in wanted:
+        yield "ready_rm", [sys.executable, "train.py", "--step", "1", "3", "--actor-model", str(actor),
+                           "--reward-model", str(out / "opt" / "step2_rm"), "--deployment-type", "single_gpu",
+                           "--data-path", "tiny", "--output-dir", str(out / "ready_rm"), "--step1-args", FEW_STEPS,
+                           "--step3-args", STEP3 + " --freezing_actor_steps 1"]
 
 
 def answer_of(actor_folder):
