@@ -162,7 +162,11 @@ def said_change(name, record, flags):
     then, now = record.get("flags", {}).get(name), getattr(flags, name, None)
     same_folder = name in MODEL_PATH_FLAGS and isinstance(then, str) and isinstance(now, str) and \
         _as_path(name, then, record.get("cwd", os.getcwd())) == _as_path(name, now, os.getcwd())
-    return f"--{name} (the model in {now} was trained again since)" if same_folder else f"--{name}"
+    if not same_folder:
+        return f"--{name}"
+    if not (os.path.isdir(now) and finished_run_id(now)):
+        return f"--{name} (the folder {now} holds no finished model now)"
+    return f"--{name} (the model in {now} was trained again since)"
 
 
 def _differs(name, then_value, now_value, then_cwd, made_from):

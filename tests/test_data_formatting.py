@@ -60,6 +60,10 @@ def test_an_answer_with_a_chat_template_is_written_as_the_template_writes_it_up_
     assert format_prompt(conversation, llama2).endswith("[INST] Name a fruit. [/INST]")
     assert format_answer("A pear.", llama2, messages=conversation) == " A pear. <|endoftext|>"
     assert format_answer("A pear.", llama2, add_eot=False, messages=conversation) == " A pear. "
+    stripping = copy.deepcopy(llama2)  # Llama-2's own template strips the answer: found all the same
+    stripping.chat_template = llama2.chat_template.replace("{{ m['content'] }} {{ eos_token }}",
+                                                           "{{ m['content'] | trim }} {{ eos_token }}")
+    assert format_answer("A pear.\n", stripping, messages=conversation) == " A pear. <|endoftext|>"
     # no EOT after the answer in the template's rendering (Gemma's <end_of_turn> where the EOS is <eos>): as before
     assert format_answer("A pear.", chat_tokenizer, messages=conversation) == "A pear.<|endoftext|>"
     assert format_answer("A pear.", llama2, eot_token="</s>", messages=conversation) == "A pear.</s>"

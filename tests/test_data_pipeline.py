@@ -369,7 +369,9 @@ def test_a_conversation_ending_with_a_user_turn_is_a_prompt_for_step_3_and_a_cou
     """A messages record whose last message is the user's (a prompt-only messages file; a ShareGPT conversation cut
     after a question) stopped every step with "the last message must be the assistant's answer"."""
     awaiting = CONVERSATION[1:4]  # user, assistant, user
-    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": awaiting}] * 2 + [{"messages": CONVERSATION[1:3]}])
+    transcript = "\n\nHuman: Hi there.\n\nAssistant: Hello, friend.\n\nHuman: How are you?\n\nAssistant:"
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": awaiting}, {"messages": transcript},
+                                                 {"messages": CONVERSATION[1:3]}])
     prompts, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
     assert sorted(item["prompt_text"] for item in prompts) == sorted(
         [format_prompt(awaiting, tokenizer)] * 2 + [format_prompt(CONVERSATION[1:2], tokenizer)])
@@ -377,6 +379,12 @@ def test_a_conversation_ending_with_a_user_turn_is_a_prompt_for_step_3_and_a_cou
     sft, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")
     assert len(sft) == 1 and sft.skipped == {"no answer (the conversation ends with a user turn)": 2}
     assert "skipped 2 of 3 records: 2 no answer (the conversation ends with a user turn)" in capsys.readouterr().out
+    # the tools read such a file too: prompts to compare (prompt_eval), no pair to score (rw_eval)
+    from dschat.tools.records import load_records
+
+    records = load_records(path)
+    assert [r.chosen for r in records] == [None, None, "Hello, friend."]
+    assert records[0].messages == awaiting
 
 
 def test_multiturn_needs_offsets_from_a_fast_tokenizer(tmp_path, tokenizer, monkeypatch):

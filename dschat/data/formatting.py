@@ -128,5 +128,8 @@ def templated_answer(messages, text, tokenizer, eot):
         return None
     rest = whole[len(prompt):]
     at = rest.find(text)
+    if at < 0:  # (templates that strip the answer: Llama-2's, Llama-3's, Gemma's)
+        text = text.strip()
+        at = rest.find(text)
     end = rest.find(eot, at + len(text)) if at >= 0 and eot else -1
     return rest[:end] if end >= 0 else None

@@ -614,8 +614,9 @@ class LocalDataset(PromptRawDataset):
     # --- structured accessors ---
     def get_conversation(self, sample):
         if self.shape == "messages":
-            if self._ends_with_user_turn(sample):  # a conversation awaiting its answer: step 3's prompt
-                return prompt_messages(self._messages(sample), self.fields["messages"])
+            awaiting = self._awaiting_answer(sample)
+            if awaiting:  # a conversation awaiting its answer: step 3's prompt
+                return awaiting
             return self._split_message_list(sample, self.fields["messages"])[0]
         if self.shape == "chosen_messages":
             return self._split_message_list(sample, self.fields["chosen"])[0]
@@ -636,13 +637,18 @@ class LocalDataset(PromptRawDataset):
             return messages
         return [{"role": "user", "content": text}]
 
-    def _messages(self, sample):
-        return checked_messages(_json_list_text(sample.get(self.fields["messages"])), self.fields["messages"])
-
-    def _ends_with_user_turn(self, sample):
-        """A messages record (a list; a transcript string says its own errors) whose last message is the user's."""
-        value = _json_list_text(sample.get(self.fields["messages"]))
-        return isinstance(value, (list, tuple)) and self._messages(sample)[-1]["role"] == "user"
+    def _awaiting_answer(self, sample):
+        """The messages of a record whose last message is the user's (a message list, or a "Human: ... Assistant:"
+        transcript ending with an empty assistant turn), else None."""
+        field = self.fields["messages"]
+        value = _json_list_text(sample.get(field))
+        if isinstance(value, (list, tuple)):
+            messages = checked_messages(value, field)
+        elif isinstance(value, str) and _TRANSCRIPT_TURN.search(value):
+            messages = parse_transcript(value)
+        else:
+            return None  # (read as a transcript answer, which says what is wrong)
+        return messages if messages and messages[-1]["role"] == "user" else None
 
     @staticmethod
     def _split_message_list(sample, field):
@@ -658,7 +664,7 @@ class LocalDataset(PromptRawDataset):
 
     def get_chosen_text(self, sample):
         if self.shape == "messages":
-            if self._ends_with_user_turn(sample):
+            if self._awaiting_answer(sample):
                 raise SkipRecord(ENDS_WITH_USER)
             return self._split_message_list(sample, self.fields["messages"])[1]
         if self.shape == "chosen_messages":

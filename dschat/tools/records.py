@@ -44,7 +44,18 @@ def load_records(path, data_fields=None, limit=None):
     held_out = raw.raw_datasets["eval"]
     samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
     print(f"[dschat] {len(samples)} records of {path}" + (" (its eval part)" if held_out is not None else ""))
-    return [Record(raw.get_conversation(s), raw.get_chosen_text(s), raw.get_rejected_text(s)) for s in samples]
+    return [Record(raw.get_conversation(s), _answer(raw.get_chosen_text, s), raw.get_rejected_text(s))
+            for s in samples]
+
+
+def _answer(read, sample):
+    """An answer accessor's value; None for a record it has none for (a conversation awaiting its answer)."""
+    from dschat.data.errors import SkipRecord
+
+    try:
+        return read(sample)
+    except SkipRecord:
+        return None
 
 
 def tiny_held_out_records(limit=None):
