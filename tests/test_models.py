@@ -418,6 +418,9 @@ def test_an_openrlhf_reward_model_whose_head_is_missing_is_no_reward_model(tmp_p
     assert not is_reward_model_folder(str(folder)), "config.json names a head the weights lack"
     with pytest.raises(ValueError, match="no trained value head"):
         load_reward_model(str(folder))
+    (folder / "config.json").write_text(json.dumps({**saved, "normalize_reward": True, "mean": 0.5, "std": 0.0}))
+    with pytest.raises(ValueError, match="divides scores by its std, 0.0, which must be > 0"):
+        load_reward_model(str(folder))
 
 
 def test_a_checkpoint_whose_weights_are_named_for_another_layout_is_an_error(tmp_path):

@@ -281,7 +281,12 @@ def score_normalization(path):
     config = _config_dict(path)
     if not config.get("normalize_reward") or not score_head_keys(config):
         return None
-    return float(config.get("mean", 0.0)), float(config.get("std", 1.0))
+    mean, std = float(config.get("mean", 0.0)), float(config.get("std", 1.0))
+    if not std > 0:
+        from dschat.errors import UsageError
+
+        raise UsageError(f"{path}: config.json's normalize_reward divides scores by its std, {std}, which must be > 0")
+    return mean, std
 
 
 def ds_chat_reward_weights(path):
