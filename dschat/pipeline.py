@@ -3,6 +3,7 @@
 Under the deepspeed launcher every rank runs this same function; nothing here starts processes except the
 single re-launch of a plain ``python train.py`` for multi-GPU deployment types (see ``train.py``).
 """
+import functools
 import os
 import shlex
 import time
@@ -59,13 +60,20 @@ def ready_reward_model(args):
     """``--reward-model`` when step 3 scores with it and starts its critic from it as it is: a trained reward model
     (a local folder: step 2's output, DeepSpeed-Chat's, TRL's or OpenRLHF's) given to a PPO run without step 2. Else
     None: step 2 trains from ``--reward-model``, and step 3 reads step 2's folder."""
-    from dschat.models.reward_model import is_reward_model_folder
-
     steps = recipe_steps(getattr(args, "recipe", "ppo"), getattr(args, "step", (1, 2, 3)))[0]
     path = args.reward_model
     if getattr(args, "recipe", "ppo") != "ppo" or 3 not in steps or 2 in steps or not os.path.isdir(path):
         return None
-    return path if is_reward_model_folder(path) else None
+    return path if _holds_reward_model(os.path.realpath(path), os.stat(path).st_mtime_ns) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _holds_reward_model(folder, modified):
+    """``is_reward_model_folder``, read once per folder state (``modified``): train.py asks at every check, and a
+    weights file may have to be read whole to list its names."""
+    from dschat.models.reward_model import is_reward_model_folder
+
+    return is_reward_model_folder(folder)
 
 
 def step_argv(step, args, tiny):

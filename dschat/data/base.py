@@ -29,6 +29,15 @@ def load_hub_dataset(name, flag, *args, **kwargs):
                                 f"without the hub, give a local file or a folder written by save_to_disk") from err
 
 
+def read_or_none(accessor, sample, errors=(SkipRecord,)):
+    """``accessor(sample)``; None for a record it has nothing for (``errors``: e.g. a conversation awaiting its
+    answer has no chosen one)."""
+    try:
+        return accessor(sample)
+    except errors:
+        return None
+
+
 class PromptRawDataset:
     dataset_name = None        # the exact name get_raw_dataset dispatches on
     dataset_name_clean = None  # file-name-safe form, used for cached split indices
@@ -90,12 +99,8 @@ class PromptRawDataset:
         """A pair's answers as bare text, ``{"chosen": ..., "rejected": ...}`` (those the record has): step 3's
         reward functions get them as columns, as TRL passes a dataset's columns. A record whose answers do not read
         keeps its prompt, without them."""
-        answers = {}
-        for name, accessor in (("chosen", self.get_chosen_text), ("rejected", self.get_rejected_text)):
-            try:
-                answers[name] = accessor(sample)
-            except (RecordError, SkipRecord):
-                answers[name] = None
+        answers = {name: read_or_none(accessor, sample, (RecordError, SkipRecord))
+                   for name, accessor in (("chosen", self.get_chosen_text), ("rejected", self.get_rejected_text))}
         return {name: text for name, text in answers.items() if text is not None}
 
     # --- DeepSpeed-Chat's string interface ---
@@ -236,6 +241,6 @@ def final_assistant_answer(messages, field):
     return prompt, answer
 
 
-__all__ = ["PromptRawDataset", "required_text", "optional_text",
+__all__ = ["PromptRawDataset", "read_or_none", "required_text", "optional_text",
            "conversation_from_transcript", "answer_from_transcript", "checked_messages", "prompt_messages",
            "final_assistant_answer"]

@@ -103,23 +103,24 @@ def format_prompt(messages, tokenizer):
     return render_human_assistant(messages)
 
 
-def format_answer(text, tokenizer, add_eot=True, eot_token=None, messages=None):
-    """The answer as it follows ``format_prompt(messages)``: " " + text + EOT; with a chat template, the template's
-    rendering of the answer up to its EOT (``templated_answer``, given the prompt's ``messages``), else text + EOT."""
+def format_answer(text, tokenizer, add_eot=True, eot_token=None, messages=None, prompt=None):
+    """The answer as it follows ``format_prompt(messages)`` (``prompt``, when the caller has it): " " + text + EOT;
+    with a chat template, the template's rendering of the answer up to its EOT (``templated_answer``, given the
+    prompt's ``messages``), else text + EOT."""
     eot = eot_token if eot_token is not None else get_eot_token(tokenizer)
     if not uses_chat_template(tokenizer):
         body = " " + text
     else:
-        body = (templated_answer(messages, text, tokenizer, eot) if messages else None) or text
+        body = (templated_answer(messages, text, tokenizer, eot, prompt) if messages else None) or text
     return body + eot if add_eot else body
 
 
-def templated_answer(messages, text, tokenizer, eot):
-    """What the chat template writes for the answer ``text`` after ``format_prompt(messages)``, up to the first EOT
-    after the text; None when it writes none there or renders the prompt otherwise."""
+def templated_answer(messages, text, tokenizer, eot, prompt=None):
+    """What the chat template writes for the answer ``text`` after ``format_prompt(messages)`` (``prompt``), up to
+    the first EOT after the text; None when it writes none there or renders the prompt otherwise."""
     from jinja2.exceptions import TemplateError
 
-    prompt = format_prompt(messages, tokenizer)
+    prompt = prompt if prompt is not None else format_prompt(messages, tokenizer)
     try:
         whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": text}], tokenize=False)
     except (TemplateError, ValueError):

@@ -443,7 +443,8 @@ def tokenize_examples(examples, tokenizer, settings):
         texts = [getattr(example, side) for example in examples]
         if texts and all(text is not None for text in texts):
             answers = [format_answer(text, tokenizer, add_eot=False, eot_token=settings.eot_token,
-                                     messages=example.messages) for text, example in zip(texts, examples)]
+                                     messages=example.messages, prompt=prompt)
+                       for text, example, prompt in zip(texts, examples, prompt_texts)]
             joint = tokenize_texts(tokenizer, [p + a for p, a in zip(prompt_texts, answers)], add_special)
             columns[side] = [answer_ids_after_prompt(tokenizer, prompt, ids, answer)
                              for prompt, ids, answer in zip(prompts, joint, answers)]

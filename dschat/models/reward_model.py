@@ -160,6 +160,8 @@ class RewardModel(nn.Module):
         from_score_head = head is not None and not ds_chat_file and not os.path.exists(os.path.join(path,
                                                                                                  VALUE_HEAD_FILE))
         normalization = score_normalization(path) if from_score_head else None
+        for key in OPENRLHF_CONFIG_KEYS:  # (held by ``score_normalization`` if kept: a saved copy scores raw)
+            backbone.config.__dict__.pop(key, None)
         if normalization and normalize_scores:
             model.score_normalization = normalization
         elif normalization:
@@ -170,16 +172,7 @@ class RewardModel(nn.Module):
         return model
 
     def save_head_and_meta(self, folder, state_dict):
-        """The value head and reward_model.json beside the saved backbone; the settings of an OpenRLHF reward model
-        it started from leave its config.json (the head saved here is read first, and its scores are raw)."""
         from safetensors.torch import save_file
-
-        config_file = os.path.join(folder, "config.json")
-        config = _config_dict(folder)
-        if any(key in config for key in OPENRLHF_CONFIG_KEYS):
-            with open(config_file, "w") as f:
-                json.dump({k: v for k, v in config.items() if k not in OPENRLHF_CONFIG_KEYS}, f, indent=2,
-                          sort_keys=True)
 
         save_file({"weight": state_dict["v_head.weight"].contiguous()}, os.path.join(folder, VALUE_HEAD_FILE))
         with open(os.path.join(folder, REWARD_META_FILE), "w") as f:

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from itertools import islice
 
+from dschat.data.base import read_or_none
 from dschat.data.formatting import parse_transcript
 from dschat.data.raw_datasets import TINY_NAME
 from dschat.errors import MissingInputError
@@ -44,18 +45,9 @@ def load_records(path, data_fields=None, limit=None):
     held_out = raw.raw_datasets["eval"]
     samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
     print(f"[dschat] {len(samples)} records of {path}" + (" (its eval part)" if held_out is not None else ""))
-    return [Record(raw.get_conversation(s), _answer(raw.get_chosen_text, s), raw.get_rejected_text(s))
+    # (a conversation awaiting its answer has no chosen one)
+    return [Record(raw.get_conversation(s), read_or_none(raw.get_chosen_text, s), raw.get_rejected_text(s))
             for s in samples]
-
-
-def _answer(read, sample):
-    """An answer accessor's value; None for a record it has none for (a conversation awaiting its answer)."""
-    from dschat.data.errors import SkipRecord
-
-    try:
-        return read(sample)
-    except SkipRecord:
-        return None
 
 
 def tiny_held_out_records(limit=None):
