@@ -1,6 +1,7 @@
 """Work-arounds for library interactions, applied once, in one place."""
 import contextlib
 import functools
+import re
 import warnings
 
 
@@ -64,13 +65,14 @@ def peft_reading_checkpointing():
 
 
 @contextlib.contextmanager
-def backbone_ignoring_lm_head(config):
+def backbone_ignoring_lm_head(config, head_names=()):
     """Loading a causal LM's folder (a step-1 output) as its backbone (``AutoModel``, the reward model's and critic's),
     the head's weights (``lm_head``; GPT-NeoX's ``embed_out``: ``lora.HEAD_NAMES``; a *ForSequenceClassification's
-    ``score``, read by the reward model itself) are left over by design, and
-    transformers 5 prints a "LOAD REPORT ... UNEXPECTED ... not ok if you expect identical arch" for them on every
-    step-2/3 run. The backbone class ignores just those keys while it loads (every other unexpected or missing key is
-    still reported). dschat loads models from one thread: the class attribute is set and put back around the load."""
+    ``score`` and the modules named in ``head_names``, e.g. an OpenRLHF reward model's value head, are read by the
+    reward model itself) are left over by design, and transformers 5 prints a "LOAD REPORT ... UNEXPECTED ... not ok
+    if you expect identical arch" for them on every step-2/3 run. The backbone class ignores just those keys while it
+    loads (every other unexpected or missing key is still reported). dschat loads models from one thread: the class
+    attribute is set and put back around the load."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     from dschat.models.lora import HEAD_NAMES
@@ -80,8 +82,9 @@ def backbone_ignoring_lm_head(config):
         yield
         return
     saved = backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
+    heads = "|".join(map(re.escape, (*HEAD_NAMES, "score", *head_names)))
     backbone._keys_to_ignore_on_load_unexpected = [*(backbone._keys_to_ignore_on_load_unexpected or ()),
-                                                   rf"^({'|'.join((*HEAD_NAMES, 'score'))})\."]
+                                                   rf"^({heads})\."]
     try:
         yield
     finally:

@@ -30,6 +30,20 @@ def isolated_hf_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
+@pytest.fixture
+def transformers_log():
+    """The messages transformers logs during the test (its "LOAD REPORT"s): its library logger does not propagate
+    to the root logger that caplog reads, unless some earlier test in the process turned propagation on."""
+    import logging
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    yield logged
+    logging.getLogger("transformers").removeHandler(handler)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     """The embedded tiny tokenizer (pad != eos)."""

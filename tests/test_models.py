@@ -201,11 +201,10 @@ def test_a_truncated_weights_file_is_an_error_naming_the_folder(damaged, tmp_pat
 
 
 @pytest.mark.parametrize("family", [*sorted(CONFIGS), "gpt_neox"])
-def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_its_lm_head(family, tmp_path):
+def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_its_lm_head(family, tmp_path,
+                                                                                        transformers_log):
     """A step-1 folder has an LM head the backbone does not: left over by design, so transformers' "LOAD REPORT ...
     UNEXPECTED" is not logged for it; other keys would still be (the ignore pattern is taken off afterwards)."""
-    import logging
-
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     from transformers import GPTNeoXConfig
@@ -217,18 +216,12 @@ def test_a_causal_lm_folder_loads_as_a_reward_model_without_a_load_report_for_it
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     backbone = MODEL_MAPPING[type(config)]
     before = backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", "unset")
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("transformers").addHandler(handler)
-    try:
-        RewardModel.from_pretrained(str(tmp_path))
-        assert not [m for m in logged if "UNEXPECTED" in m], logged
-        assert backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", "unset") == before
-        AutoModel.from_pretrained(str(tmp_path))
-        assert [m for m in logged if "UNEXPECTED" in m], "transformers still reports the head outside the reward model"
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
+    RewardModel.from_pretrained(str(tmp_path))
+    assert not [m for m in transformers_log if "UNEXPECTED" in m], transformers_log
+    assert backbone.__dict__.get("_keys_to_ignore_on_load_unexpected", "unset") == before
+    AutoModel.from_pretrained(str(tmp_path))
+    assert [m for m in transformers_log if "UNEXPECTED" in m], \
+        "transformers still reports the head outside the reward model"
 
 
 def test_plain_model_folder_loads_as_critic_with_new_head(tmp_path, caplog):
@@ -289,7 +282,8 @@ def test_deepspeed_chats_reward_model_folder_loads_with_its_backbone_and_head(ze
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
-def test_a_one_label_sequence_classification_folder_loads_as_the_reward_model_it_is(family, tmp_path, caplog):
+def test_a_one_label_sequence_classification_folder_loads_as_the_reward_model_it_is(family, tmp_path,
+                                                                                   transformers_log):
     """TRL's RewardTrainer saves reward models as transformers' *ForSequenceClassification with one label
     (a "score" head): refused as "not a reward model" before. The scores are transformers' own, at the last real
     token of right-padded rows."""
@@ -304,9 +298,9 @@ def test_a_one_label_sequence_classification_folder_loads_as_the_reward_model_it
     original = AutoModelForSequenceClassification.from_config(config).eval()
     original.save_pretrained(tmp_path / "rm")
     assert is_reward_model_folder(str(tmp_path / "rm"))
-    with caplog.at_level(logging.WARNING):
-        loaded = load_reward_model(str(tmp_path / "rm")).eval()
-    assert loaded.value_head_loaded and "UNEXPECTED" not in caplog.text, "the score head is the reward model's own"
+    loaded = load_reward_model(str(tmp_path / "rm")).eval()
+    assert loaded.value_head_loaded
+    assert not [m for m in transformers_log if "UNEXPECTED" in m], "the score head is the reward model's own"
     ids = torch.randint(3, 96, (3, 7))
     mask = torch.ones_like(ids)
     ids[1, 5:], mask[1, 5:] = 0, 0  # right padding with the pad id, as transformers finds each row's end
@@ -356,7 +350,7 @@ def _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix
     ("llama", "score", (0.75, 2.5), True, "safetensors"), ("opt", "value_head", None, False, "bin"),
     ("gpt2", "score", None, True, "safetensors"), ("llama", "value_head", (-1.0, 0.5), True, "bin_legacy")])
 def test_an_openrlhf_reward_model_scores_as_openrlhf_does(family, prefix, normalization, record_prefix, weights,
-                                                          tmp_path, caplog):
+                                                          tmp_path, caplog, transformers_log):
     """OpenRLHF saves reward models as class "RewardModel" with its value head's name in config.json (older releases:
     "value_head", not recorded) and, trained with --normalize_reward, the eval scores' mean and std, by which it
     divides its scores: refused as "not a reward model" before. As a frozen scorer it scores so; trained (a critic,
@@ -372,7 +366,7 @@ def test_an_openrlhf_reward_model_scores_as_openrlhf_does(family, prefix, normal
         scorer = load_reward_model(str(folder)).eval()
         critic = create_critic_model(str(folder), None).eval()
     assert scorer.value_head_loaded and critic.value_head_loaded
-    assert "UNEXPECTED" not in caplog.text, "the value head is the reward model's own"
+    assert not [m for m in transformers_log if "UNEXPECTED" in m], "the value head is the reward model's own"
     ids = torch.randint(3, 96, (3, 7))
     mask = torch.ones_like(ids)
     ids[1, 5:], mask[1, 5:] = 0, 0

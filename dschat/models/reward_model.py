@@ -143,7 +143,8 @@ class RewardModel(nn.Module):
         torch_dtype = load_dtype(dtype, ds_config)
         ds_chat_file = ds_chat_reward_weights(path)
         renamed = {"key_mapping": {f"^{re.escape(DS_CHAT_BACKBONE_PREFIX)}": ""}} if ds_chat_file else {}
-        with readable_weights(path), backbone_ignoring_lm_head(config):
+        score_heads = [key.rsplit(".", 1)[0] for key in score_head_keys(_config_dict(path))]  # (OpenRLHF's)
+        with readable_weights(path), backbone_ignoring_lm_head(config, score_heads):
             backbone, loading = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype,
                                                           output_loading_info=True, **renamed)
         check_weights_loaded(name, backbone, loading)
