@@ -142,9 +142,10 @@ def test_a_model_that_cannot_be_switched_trains_without_cudnn_attention():
 def test_models_whose_code_branches_on_the_name_sdpa_are_never_switched():
     """Gemma-4's KV-shared layers cut the queries to ``logits_to_keep`` unless the implementation is named "sdpa"
     (under another name a causal SDPA call with no mask then lines up the wrong keys); such models keep "sdpa"."""
-    from transformers import FalconForCausalLM, Gemma4ForCausalLM, LlamaForCausalLM
+    from transformers import Gemma4ForCausalLM, LlamaForCausalLM
 
     from dschat.models.attention import _branches_on_sdpa
 
-    assert _branches_on_sdpa(Gemma4ForCausalLM) and _branches_on_sdpa(FalconForCausalLM)
+    # (Falcon's did too before transformers 5.25; it is still not switched: not is_backend_compatible, test above)
+    assert _branches_on_sdpa(Gemma4ForCausalLM)
     assert not _branches_on_sdpa(LlamaForCausalLM)
