@@ -62,9 +62,41 @@ def ready_reward_model(args):
     None: step 2 trains from ``--reward-model``, and step 3 reads step 2's folder."""
     steps = recipe_steps(getattr(args, "recipe", "ppo"), getattr(args, "step", (1, 2, 3)))[0]
     path = args.reward_model
-    if getattr(args, "recipe", "ppo") != "ppo" or 3 not in steps or 2 in steps or not os.path.isdir(path):
+    if getattr(args, "recipe", "ppo") != "ppo" or 3 not in steps or 2 in steps:
         return None
-    return path if _holds_reward_model(os.path.realpath(path), os.stat(path).st_mtime_ns) else None
+    if os.path.isdir(path):
+        return path if _holds_reward_model(os.path.realpath(path), os.stat(path).st_mtime_ns) else None
+    return path if _hub_holds_reward_model(path) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _hub_holds_reward_model(name):
+    """A hub name whose config.json is a reward model's (a one-label *ForSequenceClassification, OpenRLHF's), or that
+    holds dschat's reward-model file; False for a local path, a tiny preset, or a name not found (offline: not in
+    the hub cache). Only those small files are fetched: the weights come when step 3 loads it."""
+    import json
+
+    from transformers.utils.hub import cached_file
+
+    from dschat.models.loading import looks_local
+    from dschat.models.reward_model import REWARD_META_FILE, score_head_keys
+    from dschat.tiny.presets import is_tiny_preset
+
+    if looks_local(name) or is_tiny_preset(name):
+        return False
+
+    def fetch(file):
+        return cached_file(name, file, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+
+    try:
+        config = fetch("config.json")
+    except OSError:  # (an invalid repo id, a gated repo: step 3 is not given it, and the run says so)
+        return False
+    if config is None:
+        return False
+    with open(config) as f:
+        return bool(score_head_keys(json.load(f))) or fetch(REWARD_META_FILE) is not None
 
 
 @functools.lru_cache(maxsize=8)
@@ -323,9 +355,9 @@ def _other_ways(step, producer, args):
 
     said = ", or give --reward-model a trained reward model folder to score with"
     named = args.reward_model != args.actor_model and not is_tiny_preset(args.reward_model)
-    if named and not os.path.exists(args.reward_model):  # a hub name: a folder once downloaded
-        said += (f" (--reward-model {args.reward_model} is no folder here: a hub reward model is one once "
-                 f"downloaded, e.g. hf download {args.reward_model} --local-dir DIR)")
+    if named and not os.path.exists(args.reward_model):
+        said += (f" (--reward-model {args.reward_model} is no folder here, and no hub reward model found under that "
+                 "name: a one-label *ForSequenceClassification, OpenRLHF's or dschat's)")
     return said
 
 

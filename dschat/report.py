@@ -67,7 +67,7 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
                               and os.path.isfile(os.path.join(output_dir, sub, "config.json"))), None),
               "not_reported": sorted(stale)}
     if reward_model:
-        report["reward_model"] = os.path.abspath(reward_model)
+        report["reward_model"] = os.path.abspath(reward_model) if os.path.isdir(reward_model) else reward_model
     dpo = metrics(DPO_DIR)
     if dpo:
         report["dpo"] = {key: dpo.get(key) for key in DPO_REPORT_KEYS}

@@ -44,6 +44,27 @@ def transformers_log():
     logging.getLogger("transformers").removeHandler(handler)
 
 
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A Hugging Face hub cache holding models saved by the test, read offline as the hub client reads a download:
+    ``hub_cache(name, save)`` calls ``save(folder)`` to fill the snapshot of the hub model ``name``."""
+    from huggingface_hub import constants
+
+    root = tmp_path / "hub_cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))  # (train.py's steps in other processes)
+
+    def add(name, save):
+        repo = root / f"models--{name.replace('/', '--')}"
+        commit = "0" * 40
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(commit)
+        save(repo / "snapshots" / commit)
+        return repo / "snapshots" / commit
+
+    return add
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     """The embedded tiny tokenizer (pad != eos)."""

@@ -380,6 +380,52 @@ def test_an_openrlhf_reward_model_scores_as_openrlhf_does(family, prefix, normal
         load_causal_lm(str(folder), None)
 
 
+@pytest.mark.parametrize("layout", ["sequence_classification_sharded", "openrlhf", "dschat"])
+def test_a_hub_reward_model_loads_by_its_name(layout, hub_cache, tmp_path):
+    """A reward model on the hub (Skywork-Reward, a one-label *ForSequenceClassification; OpenRLHF's; dschat's) was "no
+    trained value head" by its name: the head is read from the folder's files, and a hub name had no folder. Its
+    snapshot folder is that folder now, with the weights from_pretrained reads (sharded: every shard)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    name = f"acme/{layout}-rm"
+    if layout == "openrlhf":
+        original = _openrlhf_reward_folder("opt", tmp_path / "saved", "value_head", (0.5, 2.0))
+        hub_cache(name, lambda folder: __import__("shutil").copytree(tmp_path / "saved", folder))
+        mean, std = 0.5, 2.0
+    elif layout == "dschat":
+        original = RewardModel(AutoModel.from_config(CONFIGS["gpt2"]())).eval()
+        torch.nn.init.normal_(original.v_head.weight)
+        hub_cache(name, lambda folder: save_reward_model(original, _Tok(), str(folder)))
+        mean, std = 0.0, 1.0
+    else:
+        config = CONFIGS["llama"]()
+        config.num_labels, config.pad_token_id = 1, 0
+        original = AutoModelForSequenceClassification.from_config(config).eval()
+        snapshot = hub_cache(name, lambda folder: original.save_pretrained(folder, max_shard_size="20KB"))
+        assert (snapshot / "model.safetensors.index.json").is_file(), "the weights should be sharded"
+        mean, std = 0.0, 1.0
+    loaded = load_reward_model(name).eval()
+    assert loaded.value_head_loaded
+    ids = torch.randint(3, 96, (2, 6))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        raw = (original.forward_value(ids, mask)["chosen_end_scores"] if layout == "dschat"
+               else original(input_ids=ids, attention_mask=mask).logits[:, 0])
+        assert torch.allclose(loaded.end_scores(ids, mask), (raw - mean) / std, atol=1e-5)
+
+
+def test_a_hub_model_without_a_value_head_is_no_reward_model_by_its_name(hub_cache):
+    plain = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    hub_cache("acme/plain-lm", plain.save_pretrained)
+    with pytest.raises(ValueError, match="acme/plain-lm: no trained value head"):
+        load_reward_model("acme/plain-lm")
+    assert not create_critic_model("acme/plain-lm", None).value_head_loaded, "a critic starts from it with a new head"
+    with pytest.raises(FileNotFoundError, match="acme/nothing: no such folder here, and loading it as a Hugging Face "
+                                                "hub name failed"):
+        load_reward_model("acme/nothing")
+
+
 def test_a_reward_model_trained_from_an_openrlhf_one_scores_raw_once_saved(tmp_path, distributed):
     """Its config.json kept OpenRLHF's mean and std, by which the scores of the head trained here (on raw scores) were
     divided again when it scored (step 3 after step 2)."""

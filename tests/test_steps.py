@@ -539,10 +539,43 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
         shutil.rmtree(out / "step2_rm")
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                              str(out / "step1_sft")))
-    with pytest.raises(MissingInputError, match=r"--reward-model Skywork/Reward-8B is no folder here: a hub reward "
-                                                r"model is one once downloaded, e.g. hf download Skywork/Reward-8B"):
+    with pytest.raises(MissingInputError, match="--reward-model Skywork/Reward-8B is no folder here, and no hub "
+                                                "reward model found under that name"):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                              "Skywork/Reward-8B"))
+
+
+def test_train_py_step_3_scores_with_a_hub_reward_model_by_its_name(tmp_path, distributed, hub_cache, capsys):
+    """A hub reward model (e.g. Skywork-Reward, a one-label *ForSequenceClassification) as --reward-model had to be
+    downloaded to a folder first: by its name, step 3 read step 2's output instead. Now step 3 scores with it and
+    starts its critic from it, and the tools score the run with it."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from dschat import pipeline
+    from dschat.models.loading import load_tokenizer, resolve_model_path
+    from dschat.tools.common import find_reward_model_path
+
+    def save_reward_model_to_hub(folder):
+        config = AutoConfig.from_pretrained(resolve_model_path("tiny-llama"))
+        config.num_labels, config.pad_token_id = 1, load_tokenizer("tiny-llama").pad_token_id
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+        load_tokenizer("tiny-llama").save_pretrained(folder)
+
+    hub_cache("acme/tiny-reward", save_reward_model_to_hub)
+    hub_cache("acme/tiny-lm", lambda folder: __import__("shutil").copytree(resolve_model_path("tiny-llama"), folder))
+    out = tmp_path / "out"
+    args = ("--output-dir", str(out), "--step", "1", "3", "--step1-args", "--max_steps 1",
+            "--step3-args", "--max_steps 1 --eval_prompts 4")
+    assert pipeline.ready_reward_model(_train_py_args(*args, "--reward-model", "acme/tiny-lm")) is None, \
+        "a hub language model is no reward model"
+    capsys.readouterr()
+    report = pipeline.run_pipeline(_train_py_args(*args, "--reward-model", "acme/tiny-reward"))
+    printed = capsys.readouterr().out
+    recorded = json.loads((out / "step3_ppo" / "training_args.json").read_text())["flags"]
+    assert recorded["critic_model_name_or_path"] == "acme/tiny-reward"
+    assert "--reward-model acme/tiny-reward is a trained reward model: step 3 scores with it" in printed
+    assert report["reward_model"] == "acme/tiny-reward" and report["held_out"]["ppo_policy"]["reward_mean"] is not None
+    assert find_reward_model_path(str(out)) == "acme/tiny-reward"
 
 
 def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(tmp_path, distributed):

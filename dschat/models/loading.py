@@ -82,6 +82,32 @@ def hub_load(loader, name_or_path, **kwargs):
                                 f"failed ({reason}); check the path, or the hub name and the network") from err
 
 
+HUB_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")  # in from_pretrained's order of preference
+
+
+def hub_model_folder(name, extra_files=()):
+    """The local snapshot folder of the hub model ``name`` holding its config and the weights ``from_pretrained``
+    would read (safetensors first; a sharded index's shards), and those of ``extra_files`` that it has: what readers
+    of a folder's files by name (a reward model's value head) need. Fetched once, then read from the hub cache."""
+    from transformers.utils.hub import cached_file, get_checkpoint_shard_files
+
+    def fetch(file):  # (None where the model has no such file)
+        return cached_file(name, file, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+
+    folder = os.path.dirname(hub_load(cached_file, name, filename="config.json"))
+    weights = next(filter(None, map(fetch, HUB_WEIGHT_FILES)), None)
+    if weights is None:
+        raise MissingInputError(f"{name}: the hub model has none of {', '.join(HUB_WEIGHT_FILES)} (or they are not in "
+                                "the hub cache, offline)")
+    if weights.endswith(".index.json"):
+        get_checkpoint_shard_files(name, weights)
+    for file in extra_files:
+        fetch(file)
+    return folder
+
+
 @contextlib.contextmanager
 def readable_weights(folder):
     """Loading a model's weights from ``folder``: a file of them that is truncated or damaged (a copy cut short, a

@@ -134,10 +134,12 @@ class RewardModel(nn.Module):
         nothing until step 2 trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's
         normalization (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
         from dschat.models.loading import (check_weights_loaded, configure_dropout, grow_embeddings_for, hub_load,
-                                           load_dtype, model_load_context, readable_weights,
+                                           hub_model_folder, load_dtype, model_load_context, readable_weights,
                                            resolve_model_path)
 
         name, path = path, resolve_model_path(path)
+        if not os.path.isdir(path):  # a hub name: its head is read from the files, as a folder's
+            path = hub_model_folder(path, extra_files=(VALUE_HEAD_FILE, REWARD_META_FILE))
         config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)
         keep_alive = model_load_context(ds_config)  # noqa: F841
         torch_dtype = load_dtype(dtype, ds_config)

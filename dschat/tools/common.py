@@ -65,13 +65,9 @@ def flag_path(flag, find, value):
 
 def find_reward_model_path(path):
     """A run's output folder -> the reward model its step 3 scored with (the one train.py was given, else its step-2
-    folder); a model folder as is. A reward model is a folder step 2 wrote (a hub model has no value head), so a name
-    that is no folder here is an error, not a hub lookup."""
-    if not os.path.isdir(os.path.expanduser(path)):
-        raise MissingInputError(f"{path}: no such folder (a reward model is step 2's output folder, e.g. train.py's "
-                                "<output>/step2_rm)")
-    given = _reported(os.path.expanduser(path), "reward_model")
-    if given and not os.path.isfile(os.path.join(given, "config.json")):
+    folder); a model folder or a hub name as is (a hub model's value head is checked once it has loaded)."""
+    given = _reported(os.path.expanduser(path), "reward_model")  # (a folder's absolute path, or a hub name)
+    if given and os.path.isabs(given) and not os.path.isfile(os.path.join(given, "config.json")):
         raise MissingInputError(f"{path}: its step 3 scored with the reward model {given} (report.json), which holds "
                                 "no model now: give a reward model folder")
     return given or _model_folder(path, REWARD_SUBFOLDERS)
@@ -183,8 +179,8 @@ def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
     from dschat.models.loading import resolve_model_path
     from dschat.models.reward_model import VALUE_HEAD_FILES, is_reward_model_folder, load_reward_model
 
-    path = resolve_model_path(path)  # a tiny preset's folder; a hub name stays a name, and gets no value head
-    if not (os.path.isdir(path) and is_reward_model_folder(path)):  # scores from a new random head mean nothing
+    path = resolve_model_path(path)  # a tiny preset's folder; a hub name's head is checked once downloaded
+    if os.path.isdir(path) and not is_reward_model_folder(path):  # scores from a new random head mean nothing
         raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
