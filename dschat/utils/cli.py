@@ -9,8 +9,21 @@ import tempfile
 import time
 
 
-_STARTED = time.time()  # (imported first thing by the entry points: about when this rank started)
-SAID_BEFORE_START_S = 1.0  # a mark this much older than this rank's start is an earlier run's (its ranks start together)
+_IMPORTED = time.time()  # (imported first thing by the entry points: when the process started, where /proc is not)
+SAID_BEFORE_START_S = 0.05  # a mark written this long before this rank started is an earlier run's (its ranks start
+# together, and a rank says an error after its imports: a mark of this launch is newer than each of its ranks' start)
+
+
+def _process_started():
+    """When this process started (epoch seconds, to a clock tick): from /proc, the time since it started against
+    the boot clock; the import time of this module elsewhere, which a loaded machine can delay by seconds."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, AttributeError):
+        return _IMPORTED
+    return time.time() - age
 
 
 def run_entry_point(main, resumable=False):
@@ -68,7 +81,7 @@ def first_to_say(message):
         os.makedirs(folder, exist_ok=True)
         os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
-        if os.stat(mark).st_mtime >= _STARTED - SAID_BEFORE_START_S:
+        if os.stat(mark).st_mtime >= _process_started() - SAID_BEFORE_START_S:
             return False  # a rank of this launch said it
         os.utime(mark)  # an earlier run's (the same shell ran the ranks again): this one says it too
     except OSError:  # (no writable temp folder: say it)
