@@ -57,12 +57,14 @@ def is_tiny_run(args):
 
 
 def ready_reward_model(args):
-    """``--reward-model`` when step 3 scores with it and starts its critic from it as it is: a trained reward model
-    (a local folder: step 2's output, DeepSpeed-Chat's, TRL's or OpenRLHF's) given to a PPO run without step 2. Else
-    None: step 2 trains from ``--reward-model``, and step 3 reads step 2's folder."""
-    steps = recipe_steps(getattr(args, "recipe", "ppo"), getattr(args, "step", (1, 2, 3)))[0]
+    """``--reward-model`` when step 3 scores with it as it is: a trained reward model (a folder or a hub name: step
+    2's output, DeepSpeed-Chat's, TRL's or OpenRLHF's) given to a PPO run without step 2, whose critic starts from it,
+    or to a GRPO run. Else None: step 2 trains from ``--reward-model``, and step 3 reads step 2's folder; GRPO is
+    rewarded by its --reward_fn."""
+    recipe = getattr(args, "recipe", "ppo")
+    steps = recipe_steps(recipe, getattr(args, "step", (1, 2, 3)))[0]
     path = args.reward_model
-    if getattr(args, "recipe", "ppo") != "ppo" or 3 not in steps or 2 in steps:
+    if recipe == "dpo" or 3 not in steps or 2 in steps or path == getattr(args, "actor_model", None):
         return None
     if os.path.isdir(path):
         return path if _holds_reward_model(os.path.realpath(path), os.stat(path).st_mtime_ns) else None
@@ -134,13 +136,17 @@ def step_argv(step, args, tiny):
         stages = [] if gives_stage else ["--actor_zero_stage", str(args.actor_zero_stage),
                                          "--critic_zero_stage", str(args.reward_zero_stage)]
         # GRPO has no critic and no step 2: its run record names no step-2 folder
-        critic = [] if getattr(args, "recipe", "ppo") == "grpo" else [
-            "--critic_model_name_or_path", ready_reward_model(args) or os.path.join(out, RM_DIR)]
+        ready = ready_reward_model(args)
+        critic = ([] if not ready else ["--reward_model_name_or_path", ready]) if getattr(args, "recipe", "ppo") == \
+            "grpo" else ["--critic_model_name_or_path", ready or os.path.join(out, RM_DIR)]
         argv = ["--actor_model_name_or_path", os.path.join(out, SFT_DIR), *critic, *stages,
                 "--output_dir", os.path.join(out, PPO_DIR)]
     recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else []
     if step == 3 and getattr(args, "recipe", "ppo") == "grpo":
-        recipe = _without(recipe, "--critic_learning_rate") + GRPO_RECIPE
+        # (with a trained --reward-model, GRPO is rewarded by it instead of the rule scorer)
+        grpo = (_without(_without(GRPO_RECIPE, "--reward_fn"), "--reward_model_weight") if ready_reward_model(args)
+                else GRPO_RECIPE)
+        recipe = _without(recipe, "--critic_learning_rate") + grpo
     # the run's TensorBoard events (with --enable_tensorboard) under its folder, one subfolder per step, as its
     # models: the steps' own defaults are folders in the working directory, which other runs would share
     return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache"),
@@ -162,7 +168,7 @@ def step_extra_args(step, args):
 
 
 # Steps a recipe does not have, and why.
-RECIPE_SKIPS = {"grpo": {2: "step 2 (GRPO is rewarded by --reward_fn: no reward model)"},
+RECIPE_SKIPS = {"grpo": {2: "step 2 (GRPO is rewarded by --reward_fn, or by a trained --reward-model)"},
                 "dpo": {3: "step 3 (DPO replaces the reward model and PPO)"}}
 
 
@@ -370,7 +376,17 @@ def check_model_folders(steps, args):
 
     if 1 in steps:
         check_model_path(args.actor_model, "--actor-model")
-    if getattr(args, "recipe", "ppo") != "ppo":
+    recipe, named = getattr(args, "recipe", "ppo"), args.reward_model != args.actor_model
+    if recipe == "dpo" and named:  # (it would turn the tiny recipe off, or load DeepSpeed-Chat's hub data)
+        raise UsageError(f"--reward-model {args.reward_model}: --recipe dpo scores with no reward model (DPO learns "
+                         "from the preference pairs); leave it out")
+    if recipe == "grpo":
+        if named and 3 in steps:
+            check_model_path(args.reward_model, "--reward-model")
+            if not ready_reward_model(args):
+                raise UsageError(f"--reward-model {args.reward_model} is no trained reward model (no value head), "
+                                 "and --recipe grpo has no step 2 to train one: give one (step 2's output, TRL's, "
+                                 "OpenRLHF's; a folder or a hub name), or leave it out to reward with --reward_fn")
         return
     if 2 in steps:
         check_model_path(args.reward_model, "--reward-model")
@@ -385,7 +401,7 @@ def check_reward_model_tokenizer(steps, args, tiny):
     """Step 3 feeds the actor's token ids, formatted as the actor formats them, to the reward model (and the critic
     made from it): a reward model of another family or format would be refused there, after steps 1 and 2 have
     trained. Checked before step 1."""
-    if getattr(args, "recipe", "ppo") != "ppo" or args.reward_model == args.actor_model:
+    if getattr(args, "recipe", "ppo") == "dpo" or args.reward_model == args.actor_model:
         return
     # step 2 trains from it (the tiny presets share one tokenizer), or step 3 scores with it
     if not (ready_reward_model(args) or (2 in steps and not tiny)):
@@ -473,8 +489,9 @@ def run_pipeline(args):
                      "values (e.g. --step3-args \"--per_device_generation_batch_size 4\" for few prompts)")
     ready = ready_reward_model(args)
     if ready:
-        print_rank_0(f"--reward-model {ready} is a trained reward model: step 3 scores with it and starts its critic "
-                     "from it (no step 2 in this run)")
+        print_rank_0(f"--reward-model {ready} is a trained reward model: step 3 scores with it" +
+                     (" (GRPO: instead of --reward_fn)" if recipe == "grpo" else
+                      " and starts its critic from it (no step 2 in this run)"))
     if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
         print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "
                      f"--reward-model {args.reward_model}")

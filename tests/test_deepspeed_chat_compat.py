@@ -360,8 +360,8 @@ def test_train_py_refuses_steps_its_recipe_does_not_have(capsys):
     assert "--critic_learning_rate" not in grpo_step3  # (the PPO recipe's, which no critic would read)
     assert "--critic_learning_rate" in pipeline.step_argv(3, parse([]), True)
     assert "--critic_model_name_or_path" in pipeline.step_argv(3, parse([]), True)
-    assert pipeline.recipe_steps("grpo", [3, 2, 1]) == ([1, 3], ["step 2 (GRPO is rewarded by --reward_fn: no "
-                                                                 "reward model)"])
+    assert pipeline.recipe_steps("grpo", [3, 2, 1]) == ([1, 3], ["step 2 (GRPO is rewarded by --reward_fn, or by a "
+                                                                 "trained --reward-model)"])
 
 
 def test_train_py_checks_each_steps_config_file_before_the_first_step_and_zero_stage_reaches_step3(

@@ -545,23 +545,27 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
                                              "Skywork/Reward-8B"))
 
 
+def _save_tiny_sequence_classifier(folder):
+    """A reward model as TRL saves one (a one-label *ForSequenceClassification), with tiny-llama's tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from dschat.models.loading import load_tokenizer, resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path("tiny-llama"))
+    config.num_labels, config.pad_token_id = 1, load_tokenizer("tiny-llama").pad_token_id
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    load_tokenizer("tiny-llama").save_pretrained(folder)
+
+
 def test_train_py_step_3_scores_with_a_hub_reward_model_by_its_name(tmp_path, distributed, hub_cache, capsys):
     """A hub reward model (e.g. Skywork-Reward, a one-label *ForSequenceClassification) as --reward-model had to be
     downloaded to a folder first: by its name, step 3 read step 2's output instead. Now step 3 scores with it and
     starts its critic from it, and the tools score the run with it."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     from dschat import pipeline
-    from dschat.models.loading import load_tokenizer, resolve_model_path
+    from dschat.models.loading import resolve_model_path
     from dschat.tools.common import find_reward_model_path
 
-    def save_reward_model_to_hub(folder):
-        config = AutoConfig.from_pretrained(resolve_model_path("tiny-llama"))
-        config.num_labels, config.pad_token_id = 1, load_tokenizer("tiny-llama").pad_token_id
-        AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
-        load_tokenizer("tiny-llama").save_pretrained(folder)
-
-    hub_cache("acme/tiny-reward", save_reward_model_to_hub)
+    hub_cache("acme/tiny-reward", _save_tiny_sequence_classifier)
     hub_cache("acme/tiny-lm", lambda folder: __import__("shutil").copytree(resolve_model_path("tiny-llama"), folder))
     out = tmp_path / "out"
     args = ("--output-dir", str(out), "--step", "1", "3", "--step1-args", "--max_steps 1",
@@ -576,6 +580,36 @@ def test_train_py_step_3_scores_with_a_hub_reward_model_by_its_name(tmp_path, di
     assert "--reward-model acme/tiny-reward is a trained reward model: step 3 scores with it" in printed
     assert report["reward_model"] == "acme/tiny-reward" and report["held_out"]["ppo_policy"]["reward_mean"] is not None
     assert find_reward_model_path(str(out)) == "acme/tiny-reward"
+
+
+def test_train_py_grpo_is_rewarded_by_a_trained_reward_model_and_dpo_refuses_one(tmp_path, distributed, hub_cache,
+                                                                                  capsys):
+    """--reward-model was silently unused by --recipe grpo and dpo, and, as no tiny preset, it turned the tiny recipe
+    off (bf16, default batches) or made the data DeepSpeed-Chat's hub dataset. GRPO is now rewarded by a trained one
+    (not the rule scorer); DPO, which scores with none, refuses it; an untrained one is refused for GRPO."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+    from dschat.models.loading import resolve_model_path
+
+    hub_cache("acme/grpo-reward", _save_tiny_sequence_classifier)
+    out = tmp_path / "grpo"
+    capsys.readouterr()
+    report = pipeline.run_pipeline(_train_py_args(
+        "--recipe", "grpo", "--reward-model", "acme/grpo-reward", "--output-dir", str(out),
+        "--step1-args", "--max_steps 1", "--step3-args", "--max_steps 1 --eval_prompts 4"))
+    printed = capsys.readouterr().out
+    flags = json.loads((out / "step3_ppo" / "training_args.json").read_text())["flags"]
+    assert flags["reward_model_name_or_path"] == "acme/grpo-reward" and flags["reward_model_weight"] == 1.0
+    assert not flags["reward_fn"] and flags["advantage_estimator"] == "grpo"
+    assert flags["data_split"] == "4,4,2" and flags["dtype"] == "fp32", "the tiny recipe still applies"
+    assert "step 3 scores with it (GRPO: instead of --reward_fn)" in printed
+    assert report["reward_model"] == "acme/grpo-reward" and report["held_out"]["ppo_policy"]["reward_mean"] is not None
+    with pytest.raises(UsageError, match="--reward-model acme/grpo-reward: --recipe dpo scores with no reward model"):
+        pipeline.run_pipeline(_train_py_args("--recipe", "dpo", "--reward-model", "acme/grpo-reward",
+                                             "--output-dir", str(tmp_path / "dpo")))
+    with pytest.raises(UsageError, match="is no trained reward model .*--recipe grpo has no step 2 to train one"):
+        pipeline.run_pipeline(_train_py_args("--recipe", "grpo", "--reward-model", resolve_model_path("tiny-opt"),
+                                             "--output-dir", str(tmp_path / "grpo2")))
 
 
 def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(tmp_path, distributed):
