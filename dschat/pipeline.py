@@ -371,11 +371,12 @@ def check_model_folders(steps, args):
     """--actor-model (step 1 starts from it) and --reward-model (step 2's, recipe ppo; or, named for step 3 without
     step 2, a trained reward model) given as folders that are not there: an error naming the flag before step 1 runs,
     not a hub lookup's traceback."""
-    from dschat.models.loading import check_model_path
+    from dschat.models.loading import check_model_path, check_tokenizer_files
     from dschat.tiny.presets import is_tiny_preset
 
     if 1 in steps:
         check_model_path(args.actor_model, "--actor-model")
+        check_tokenizer_files(args.actor_model, "--actor-model")  # (step 1 would fail on it after reading the data)
     recipe, named = getattr(args, "recipe", "ppo"), args.reward_model != args.actor_model
     if recipe == "dpo" and named:  # (it would turn the tiny recipe off, or load DeepSpeed-Chat's hub data)
         raise UsageError(f"--reward-model {args.reward_model}: --recipe dpo scores with no reward model (DPO learns "

@@ -655,7 +655,7 @@ def test_a_model_folder_that_is_not_there_is_an_error_naming_the_flag(tmp_path, 
     # a typo in a local model path must not end in transformers' "Repo id must be in the form ..." traceback
     from dschat import pipeline
     from dschat.errors import MissingInputError
-    from dschat.models.loading import resolve_model_path
+    from dschat.models.loading import load_tokenizer, resolve_model_path
     from dschat.rlhf.config import check_earlier_step_outputs, step3_args
 
     missing = str(tmp_path / "no_such_model")
@@ -691,6 +691,29 @@ def test_a_model_folder_that_is_not_there_is_an_error_naming_the_flag(tmp_path, 
     with pytest.raises(MissingInputError, match=rf"--model_name_or_path {empty}: no model in this folder: expected a "
                                                 r"model folder \(config.json\)"):
         sft.main(["--model_name_or_path", str(empty), "--output_dir", str(tmp_path / "sft")])
+    # a run's output folder given as a model: its models named (the tools take it, train.py's flags do not)
+    (empty / "step2_rm").mkdir()
+    (empty / "step2_rm" / "config.json").write_text("{}")
+    with pytest.raises(MissingInputError, match=rf"no model in this folder: .*\(a run's output folder: its models are "
+                                                rf"{empty / 'step2_rm'}\)"):
+        pipeline.run_pipeline(_train_py_args("--step", "1", "3", "--reward-model", str(empty),
+                                             "--output-dir", str(tmp_path / "out")))
+    # a model saved without its tokenizer, or config.json copied without the weights: transformers' tracebacks (a
+    # tokenizer's said "You need to have sentencepiece or tiktoken installed"), after step 1 had read the data
+    import shutil
+
+    no_tokenizer, no_weights = tmp_path / "no_tokenizer", tmp_path / "no_weights"
+    shutil.copytree(resolve_model_path("tiny-gpt2"), no_tokenizer)
+    shutil.copytree(resolve_model_path("tiny-gpt2"), no_weights)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tokenizer / name).unlink()
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(MissingInputError, match=f"--actor-model {no_tokenizer}: no tokenizer files"):
+        pipeline.run_pipeline(_train_py_args("--actor-model", str(no_tokenizer), "--output-dir", str(tmp_path / "out")))
+    with pytest.raises(MissingInputError, match=f"{no_tokenizer}: no tokenizer files"):  # (chat.py, the tools)
+        load_tokenizer(str(no_tokenizer))
+    with pytest.raises(MissingInputError, match=f"--actor-model {no_weights}: config.json but no weights"):
+        pipeline.run_pipeline(_train_py_args("--actor-model", str(no_weights), "--output-dir", str(tmp_path / "out")))
     assert not (tmp_path / "out").exists(), "no step may have run"
 
 

@@ -122,6 +122,8 @@ def readable_weights(folder):
         # (an OSError of a local folder's file too: torch's reader of a cut .bin; a hub name's is hub_load's)
         reason = unreadable_file_reason(error, (SafetensorError, OSError) if os.path.isdir(folder) else
                                         (SafetensorError,))
+        if "no file named" in str(error) and os.path.isdir(folder) and no_weights_message(folder):
+            raise UsageError(no_weights_message(folder)) from None
         if reason is None or "no file named" in str(error):  # (no weights at all: transformers says so itself)
             raise
         raise UsageError(f"{folder}: its weights cannot be read ({reason}); a weights file there is damaged or was "
@@ -135,8 +137,9 @@ def check_model_path(name_or_path, flag):
 
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
-    if os.path.isdir(name_or_path) and not_a_model_folder(name_or_path):
-        raise MissingInputError(f"{flag} {not_a_model_folder(name_or_path)}")
+    unloadable = os.path.isdir(name_or_path) and (not_a_model_folder(name_or_path) or no_weights_message(name_or_path))
+    if unloadable:
+        raise MissingInputError(f"{flag} {unloadable}")
     bare = str(name_or_path).removeprefix(PRESET_PREFIX)
     if bare.startswith("tiny-") and not is_tiny_preset(name_or_path) and not os.path.exists(name_or_path):
         # (no hub model is named so: a mistyped preset, not a minute of hub retries offline)
@@ -145,15 +148,44 @@ def check_model_path(name_or_path, flag):
 
 
 def not_a_model_folder(path, expected="a model folder (config.json)"):
-    """Why the folder ``path`` holds no model (a PEFT adapter's, or none at all), else None: transformers would fail
-    on it with "Unrecognized model ... Should have a `model_type` key" or a tokenizer backend error."""
+    """Why the folder ``path`` holds no model (a PEFT adapter's, a train.py run's output, or nothing), else None:
+    transformers would fail on it with "Unrecognized model ... Should have a `model_type` key" or a tokenizer backend
+    error."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return None
     if os.path.isfile(os.path.join(path, "adapter_config.json")):  # what PEFT's save_pretrained writes
         return (f"{path}: a PEFT adapter folder (adapter_config.json), not a whole model: merge the adapter into its "
                 "base model (PEFT's merge_and_unload(), then save_pretrained with the tokenizer) and pass that folder "
                 "(dschat's steps save LoRA models merged)")
-    return f"{path}: no model in this folder: expected {expected}"
+    from dschat.run_layout import CRITIC_DIR, DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RM_DIR, SFT_DIR
+
+    run_models = (SFT_DIR, RM_DIR, DPO_DIR, PPO_ACTOR_DIR, f"{PPO_DIR}/{CRITIC_DIR}")
+    inside = [os.path.join(path, sub) for sub in run_models if os.path.isfile(os.path.join(path, sub, "config.json"))]
+    holds = f" (a run's output folder: its models are {', '.join(inside)})" if inside else ""
+    return f"{path}: no model in this folder: expected {expected}{holds}"
+
+
+def no_weights_message(path):
+    """Why the model folder ``path`` cannot load (config.json without transformers' weights files, whole or sharded),
+    else None."""
+    names = os.listdir(path)
+    if "config.json" not in names or any(name.startswith(("model", "pytorch_model"))
+                                         and name.endswith((".safetensors", ".bin", ".index.json")) for name in names):
+        return None
+    return (f"{path}: config.json but no weights (model*.safetensors, pytorch_model*.bin): copy them too, or save the "
+            "model with save_pretrained")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt", "tiktoken.model")
+
+
+def check_tokenizer_files(path, flag=None):
+    """A model folder here without any tokenizer file: one error naming it (and ``flag``), where transformers says
+    "Couldn't instantiate the backend tokenizer ... You need to have sentencepiece or tiktoken installed"."""
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise MissingInputError(f"{flag + ' ' if flag else ''}{path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): save the "
+                                "tokenizer with the model (tokenizer.save_pretrained(folder)) or copy its files there")
 
 
 DEFAULT_EOT_TOKEN = "<|endoftext|>"
@@ -164,6 +196,7 @@ def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_
     becomes the EOS token (masks, not ids, mark padding). A tokenizer's own EOS token is kept: it ends every answer
     (``get_eot_token``), so there --add_eot_token / --eot_token do nothing, and a warning says so."""
     path = resolve_model_path(name_or_path)
+    check_tokenizer_files(path)
     tokenizer = hub_load(AutoTokenizer.from_pretrained, path, use_fast=True)  # a model's first load: its name checked
     if tokenizer.eos_token is None:
         if not add_eot_token:

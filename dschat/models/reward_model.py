@@ -277,10 +277,14 @@ def score_normalization(path):
     config = _config_dict(path)
     if not config.get("normalize_reward") or not score_head_keys(config):
         return None
-    mean, std = float(config.get("mean", 0.0)), float(config.get("std", 1.0))
-    if not std > 0:
-        from dschat.errors import UsageError
+    from dschat.errors import UsageError
 
+    try:
+        mean, std = float(config.get("mean", 0.0)), float(config.get("std", 1.0))
+    except (TypeError, ValueError):
+        raise UsageError(f"{path}: config.json's normalize_reward scores (score - mean) / std, whose mean and std must "
+                         f"be numbers: {config.get('mean')!r}, {config.get('std')!r}") from None
+    if not std > 0:
         raise UsageError(f"{path}: config.json's normalize_reward divides scores by its std, {std}, which must be > 0")
     return mean, std
 
