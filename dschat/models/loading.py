@@ -177,7 +177,7 @@ def no_weights_message(path):
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-                   "vocab.txt", "tiktoken.model")
+                   "vocab.txt", "tiktoken.model", "tekken.json")
 
 
 def check_tokenizer_files(path, flag=None):
