@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import RECIPE_STEP_FOLDERS
-from dschat.steps.common import MODEL_PATH_FLAGS, finished_run_id, read_run_args, step_data_files
+from dschat.steps.common import MODEL_PATH_FLAGS, finished_run_id, model_identity, read_run_args, step_data_files
 from dschat.utils.checkpoints import DATA_FILES, LATEST, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -164,8 +164,10 @@ def said_change(name, record, flags):
         _as_path(name, then, record.get("cwd", os.getcwd())) == _as_path(name, now, os.getcwd())
     if not same_folder:
         return f"--{name}"
-    if not (os.path.isdir(now) and finished_run_id(now)):
+    if not (os.path.isdir(now) and model_identity(now)):
         return f"--{name} (the folder {now} holds no finished model now)"
+    if not finished_run_id(now):  # (a model made elsewhere: its files tell)
+        return f"--{name} (the model files in {now} changed since)"
     return f"--{name} (the model in {now} was trained again since)"
 
 
@@ -173,7 +175,7 @@ def _differs(name, then_value, now_value, then_cwd, made_from):
     if name in MODEL_PATH_FLAGS and isinstance(then_value, str) and isinstance(now_value, str):
         run = made_from.get(os.path.normpath(os.path.join(then_cwd, then_value)))
         if run is not None:
-            return not (os.path.isdir(now_value) and finished_run_id(now_value) == run)
+            return not (os.path.isdir(now_value) and model_identity(now_value) == run)
     return _as_path(name, then_value, then_cwd) != _as_path(name, now_value, os.getcwd())
 
 

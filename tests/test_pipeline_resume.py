@@ -102,6 +102,32 @@ def test_a_model_that_was_another_runs_output_is_compared_by_its_run_id(tmp_path
         "had other values of --model_name_or_path (the model in other/step1_sft was trained again since)")
 
 
+def test_a_model_made_elsewhere_is_compared_by_its_files(tmp_path, monkeypatch):
+    """A reward model of TRL's or OpenRLHF's (no dschat run id) replaced in its folder (retrained, downloaded again,
+    its config edited) was the same model to --resume, which skipped a step that had scored with the old one."""
+    from dschat.steps.common import input_runs, model_identity
+
+    monkeypatch.chdir(tmp_path)
+    external = tmp_path / "openrlhf_rm"
+    external.mkdir()
+    (external / "config.json").write_text('{"normalize_reward": false}')
+    (external / "model.safetensors").write_bytes(b"0" * 64)
+    (external / "README.md").write_text("notes")
+    step = Namespace(**{**vars(FLAGS), "model_name_or_path": str(external)})
+    finish(tmp_path, 1, 100)
+    record = {"step": "step1", "cwd": str(tmp_path), "run_id": "a", "inputs": input_runs(step),
+              "flags": {**vars(FLAGS), "save_interval": 0, "model_name_or_path": str(external)}}
+    assert record["inputs"] == {str(external): model_identity(str(external))}
+    (tmp_path / "step1_sft" / "training_args.json").write_text(json.dumps(record))
+    assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].action == SKIP
+    (external / "README.md").write_text("other notes")  # not the model's files
+    assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].action == SKIP
+    (external / "config.json").write_text('{"normalize_reward": true}')
+    assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].why.endswith(
+        f"had other values of --model_name_or_path (the model files in {external} changed since)")
+    assert model_identity(str(tmp_path / "step1_sft")) == "a", "dschat's own output: its run id"
+
+
 def test_a_relative_output_folder_moved_and_an_input_from_before_run_ids_keep_the_plan(tmp_path, monkeypatch):
     # step 2 recorded its model as ./output/step1_sft from /old; the run folder is now tmp_path
     finish(tmp_path, 1, 100, ("a", []))

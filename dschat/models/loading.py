@@ -165,12 +165,16 @@ def not_a_model_folder(path, expected="a model folder (config.json)"):
     return f"{path}: no model in this folder: expected {expected}{holds}"
 
 
+def is_weights_file(name):
+    """transformers' weights files, whole or sharded (model-00001-of-00002.safetensors), and their index."""
+    return name.startswith(("model", "pytorch_model")) and name.endswith((".safetensors", ".bin", ".index.json"))
+
+
 def no_weights_message(path):
     """Why the model folder ``path`` cannot load (config.json without transformers' weights files, whole or sharded),
     else None."""
     names = os.listdir(path)
-    if "config.json" not in names or any(name.startswith(("model", "pytorch_model"))
-                                         and name.endswith((".safetensors", ".bin", ".index.json")) for name in names):
+    if "config.json" not in names or any(map(is_weights_file, names)):
         return None
     return (f"{path}: config.json but no weights (model*.safetensors, pytorch_model*.bin): copy them too, or save the "
             "model with save_pretrained")

@@ -230,10 +230,29 @@ def input_runs(args):
     checkpoints, so that ``train.py --resume`` knows which outputs they were made from (not file times)."""
     runs = {}
     for path in loaded_model_paths(args):
-        run = finished_run_id(path) if os.path.isdir(path) else None
+        run = model_identity(path) if os.path.isdir(path) else None
         if run is not None:
             runs[os.path.abspath(path)] = run
     return runs
+
+
+def model_identity(folder):
+    """What tells the model in ``folder`` from another saved there later: dschat's finished step output's run id;
+    a model made elsewhere (TRL's, OpenRLHF's, a download) has none, so the names, sizes and modification times of its
+    config and weights files stand for it. None: no finished output, no model files."""
+    import hashlib
+
+    from dschat.models.loading import is_weights_file
+
+    run = finished_run_id(folder)
+    if run is not None or os.path.isfile(os.path.join(folder, RUN_ARGS_FILE)):  # (a dschat step's, unfinished)
+        return run
+    files = sorted(name for name in os.listdir(folder) if name == "config.json" or is_weights_file(name))
+    if "config.json" not in files:
+        return None
+    stats = [(name, os.stat(os.path.join(folder, name)).st_size, os.stat(os.path.join(folder, name)).st_mtime_ns)
+             for name in files]
+    return "files:" + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
 
 
 def finished_run_id(folder):
