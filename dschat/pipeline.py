@@ -234,7 +234,7 @@ def check_step_args(steps, args, tiny, parsers):
 
                 check_dpo_flags(flags)
             if step == 2 and steps != [2]:  # step 2 alone reads its pairs at once; after step 1, it would be late
-                check_step2_pairs(flags)
+                check_step2_pairs(flags, getattr(args, "recipe", "ppo"))
     for step, (flags, _) in parsed.items():
         check_earlier_outputs(step, steps, args, flags)
     check_reward_model_tokenizer(steps, args, tiny)
@@ -308,15 +308,17 @@ def _without_extra(args, step):
     return plain
 
 
-def check_step2_pairs(flags):
+def check_step2_pairs(flags, recipe="ppo"):
     """Step 2 (or DPO) trains on preference pairs: local data with no rejected answers is an error before step 1
     trains, not after."""
     from dschat.data.pipeline import has_no_pairs
 
     if rank_0_decides(lambda: has_no_pairs(flags.data_path, flags.seed, flags.data_fields or None)):
-        raise UsageError(f"step 2 trains on preference pairs, and --data_path {' '.join(flags.data_path)} has no "
+        what = "DPO" if recipe == "dpo" else "step 2"
+        other = "" if recipe == "dpo" else ", or train without it: --recipe grpo"
+        raise UsageError(f"{what} trains on preference pairs, and --data_path {' '.join(flags.data_path)} has no "
                          "rejected answers (prompt/completion, messages or unpaired records): give step 2 pairs data "
-                         "(--step2-args \"--data_path ...\"), or train without it: --recipe grpo")
+                         f"(--step2-args \"--data_path ...\"){other}")
 
 
 def check_step3_prompts(flags, world_size):

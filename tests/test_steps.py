@@ -788,9 +788,9 @@ def test_train_py_finds_step2_data_without_pairs_before_step_1(tmp_path, distrib
                                                      {"role": "assistant", "content": "Yes."}]}) + "\n"
                             for i in range(40)))
     out = tmp_path / "out"
-    for recipe in ("ppo", "dpo"):
-        with pytest.raises(UsageError, match=r"step 2 trains on preference pairs, and --data_path jsonl:.* has no "
-                                             r"rejected answers"):
+    for recipe, what, end in (("ppo", "step 2", ", or train without it: --recipe grpo$"), ("dpo", "DPO", "$")):
+        with pytest.raises(UsageError, match=rf"{what} trains on preference pairs, and --data_path jsonl:.* has no "
+                                             rf"rejected answers.*\.\.\.\"\){end}"):
             pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--data-path", f"jsonl:{data}",
                                                  "--recipe", recipe))
         assert not out.exists(), "no step may have run"
