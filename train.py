@@ -61,9 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--reward-model", type=model_name, default=None,
                    help="Hub name, local folder or tiny preset; a bare OPT size (350m) means facebook/opt-350m. "
                         "Default: the actor model (it must share the actor's tokenizer). Step 2 trains from it; a "
-                        "trained reward model folder (step 2's, DeepSpeed-Chat's, TRL's, OpenRLHF's) with --step "
-                        "that leaves step 2 out (e.g. --step 1 3) is what step 3 scores with and starts its critic "
-                        "from.")
+                        "trained reward model (a folder: step 2's, DeepSpeed-Chat's, TRL's, OpenRLHF's; or a hub "
+                        "name of TRL's, OpenRLHF's or dschat's layout) with --step that leaves step 2 out (e.g. "
+                        "--step 1 3) is what step 3 scores with and starts its critic from; with --recipe grpo, what "
+                        "GRPO is rewarded by instead of --reward_fn. --recipe dpo takes none.")
     p.add_argument("--actor-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
                    help="Steps 1 and 3's actor (default: 0 with single_gpu, else 3).")
     p.add_argument("--reward-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
@@ -76,7 +77,8 @@ def parse_args(argv=None):
                         "(a step's own --data_fields in its --stepN-args wins).")
     p.add_argument("--recipe", default="ppo", choices=["ppo", "grpo", "dpo"],
                    help="ppo: DeepSpeed-Chat's steps 1-3; grpo: step 1, then GRPO rewarded by --reward_fn "
-                        "(on the tiny default: the bundled rule scorer), no reward model or critic; dpo: step 1, "
+                        "(on the tiny default: the bundled rule scorer) or a trained --reward-model, no step 2 or "
+                        "critic; dpo: step 1, "
                         "then DPO on the preference pairs as step 2 (--step2-args are its flags; into "
                         "OUTPUT_DIR/step2_dpo), no step 3.")
     p.add_argument("--resume", action="store_true",

@@ -71,34 +71,24 @@ def ready_reward_model(args):
     return path if _hub_holds_reward_model(path) else None
 
 
-@functools.lru_cache(maxsize=8)
+_HUB_REWARD_MODELS = {}  # name -> whether its config says reward model (a lookup that failed is asked again)
+
+
 def _hub_holds_reward_model(name):
-    """A hub name whose config.json is a reward model's (a one-label *ForSequenceClassification, OpenRLHF's), or that
-    holds dschat's reward-model file; False for a local path, a tiny preset, or a name not found (offline: not in
-    the hub cache). Only those small files are fetched: the weights come when step 3 loads it."""
-    import json
-
-    from transformers.utils.hub import cached_file
-
+    """``hub_holds_reward_model`` decided on rank 0 (a lookup failing on one rank would give the ranks other steps),
+    once per name; False for a local path or a tiny preset."""
     from dschat.models.loading import looks_local
-    from dschat.models.reward_model import REWARD_META_FILE, score_head_keys
+    from dschat.models.reward_model import hub_holds_reward_model
     from dschat.tiny.presets import is_tiny_preset
 
     if looks_local(name) or is_tiny_preset(name):
         return False
-
-    def fetch(file):
-        return cached_file(name, file, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)
-
-    try:
-        config = fetch("config.json")
-    except OSError:  # (an invalid repo id, a gated repo: step 3 is not given it, and the run says so)
-        return False
-    if config is None:
-        return False
-    with open(config) as f:
-        return bool(score_head_keys(json.load(f))) or fetch(REWARD_META_FILE) is not None
+    if name not in _HUB_REWARD_MODELS:
+        found = rank_0_decides(lambda: hub_holds_reward_model(name))
+        if found is None:
+            return False
+        _HUB_REWARD_MODELS[name] = found
+    return _HUB_REWARD_MODELS[name]
 
 
 @functools.lru_cache(maxsize=8)
@@ -364,9 +354,14 @@ def _other_ways(step, producer, args):
     said = ", or give --reward-model a trained reward model folder to score with"
     named = args.reward_model != args.actor_model and not is_tiny_preset(args.reward_model)
     if named and not os.path.exists(args.reward_model):
-        said += (f" (--reward-model {args.reward_model} is no folder here, and no hub reward model found under that "
-                 "name: a one-label *ForSequenceClassification, OpenRLHF's or dschat's)")
+        said += f" (--reward-model {args.reward_model} {NOT_A_HUB_REWARD_MODEL})"
     return said
+
+
+# (said of a --reward-model that is no folder here)
+NOT_A_HUB_REWARD_MODEL = ("is no folder here, and no hub reward model by its config.json (TRL's one-label "
+                          "*ForSequenceClassification, OpenRLHF's, dschat's; DeepSpeed-Chat's is read from a folder: "
+                          "download it first; offline, only the hub cache is read)")
 
 
 def check_model_folders(steps, args):
@@ -387,9 +382,11 @@ def check_model_folders(steps, args):
         if named and 3 in steps:
             check_model_path(args.reward_model, "--reward-model")
             if not ready_reward_model(args):
-                raise UsageError(f"--reward-model {args.reward_model} is no trained reward model (no value head), "
-                                 "and --recipe grpo has no step 2 to train one: give one (step 2's output, TRL's, "
-                                 "OpenRLHF's; a folder or a hub name), or leave it out to reward with --reward_fn")
+                why = "is no trained reward model (no value head)" if os.path.exists(args.reward_model) else \
+                    NOT_A_HUB_REWARD_MODEL
+                raise UsageError(f"--reward-model {args.reward_model} {why}, and --recipe grpo has no step 2 to train "
+                                 "one: give a trained one (a folder or a hub name), or leave it out to reward with "
+                                 "--reward_fn")
         return
     if 2 in steps:
         check_model_path(args.reward_model, "--reward-model")
@@ -409,9 +406,10 @@ def check_reward_model_tokenizer(steps, args, tiny):
     # step 2 trains from it (the tiny presets share one tokenizer), or step 3 scores with it
     if not (ready_reward_model(args) or (2 in steps and not tiny)):
         return
-    from dschat.models.loading import load_tokenizer
+    from dschat.models.loading import check_tokenizer_files, load_tokenizer
     from dschat.rlhf.engine import check_scores_actor_text
 
+    check_tokenizer_files(args.reward_model, "--reward-model")
     check_scores_actor_text(load_tokenizer(args.actor_model), args.actor_model, load_tokenizer(args.reward_model),
                             args.reward_model, "train.py: --reward-model")
 

@@ -460,9 +460,9 @@ def test_an_openrlhf_reward_model_whose_head_is_missing_is_no_reward_model(tmp_p
     (folder / "config.json").write_text(json.dumps({**saved, "normalize_reward": True, "mean": 0.5, "std": 0.0}))
     with pytest.raises(ValueError, match="divides scores by its std, 0.0, which must be > 0"):
         load_reward_model(str(folder))
-    for mean, std in ((None, None), ("abc", 1.0)):  # (were float()'s traceback)
+    for mean, std in ((None, None), ("abc", 1.0), (float("nan"), 1.0), (0.0, float("inf"))):  # (float()'s traceback)
         (folder / "config.json").write_text(json.dumps({**saved, "normalize_reward": True, "mean": mean, "std": std}))
-        with pytest.raises(ValueError, match=r"scores \(score - mean\) / std, whose mean and std must be numbers"):
+        with pytest.raises(ValueError, match=r"scores \(score - mean\) / std, whose mean and std must be finite"):
             load_reward_model(str(folder))
 
 

@@ -539,8 +539,8 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
         shutil.rmtree(out / "step2_rm")
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                              str(out / "step1_sft")))
-    with pytest.raises(MissingInputError, match="--reward-model Skywork/Reward-8B is no folder here, and no hub "
-                                                "reward model found under that name"):
+    with pytest.raises(MissingInputError, match=r"--reward-model Skywork/Reward-8B is no folder here, and no hub "
+                                                r"reward model by its config.json \(TRL's"):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                              "Skywork/Reward-8B"))
 
@@ -610,6 +610,22 @@ def test_train_py_grpo_is_rewarded_by_a_trained_reward_model_and_dpo_refuses_one
     with pytest.raises(UsageError, match="is no trained reward model .*--recipe grpo has no step 2 to train one"):
         pipeline.run_pipeline(_train_py_args("--recipe", "grpo", "--reward-model", resolve_model_path("tiny-opt"),
                                              "--output-dir", str(tmp_path / "grpo2")))
+    # by hub name: a language model, an encoder's one-label classifier (its head is no "score"), no model at all
+    hub_cache("acme/grpo-lm", lambda folder: __import__("shutil").copytree(resolve_model_path("tiny-llama"), folder))
+
+    def save_encoder_classifier(folder):
+        from transformers import BertConfig, BertForSequenceClassification
+
+        BertForSequenceClassification(BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, intermediate_size=64,
+                                                 num_labels=1)).save_pretrained(folder)
+
+    hub_cache("acme/bert-rm", save_encoder_classifier)
+    for name in ("acme/grpo-lm", "acme/bert-rm", "acme/nothing"):
+        with pytest.raises(UsageError, match=f"--reward-model {name} is no folder here, and no hub reward model by its "
+                                             "config.json .*--recipe grpo has no step 2"):
+            pipeline.run_pipeline(_train_py_args("--recipe", "grpo", "--reward-model", name,
+                                                 "--output-dir", str(tmp_path / "grpo2")))
 
 
 def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(tmp_path, distributed):

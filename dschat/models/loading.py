@@ -86,25 +86,30 @@ HUB_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorc
                     "pytorch_model.bin.index.json")  # in from_pretrained's order of preference
 
 
+def hub_file(name, file):
+    """The local path of ``file`` of the hub model ``name`` (fetched once, then read from the hub cache); None where
+    the model has no such file, or it cannot be fetched (offline: not in the hub cache)."""
+    from transformers.utils.hub import cached_file
+
+    return cached_file(name, file, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False)
+
+
 def hub_model_folder(name, extra_files=()):
     """The local snapshot folder of the hub model ``name`` holding its config and the weights ``from_pretrained``
     would read (safetensors first; a sharded index's shards), and those of ``extra_files`` that it has: what readers
-    of a folder's files by name (a reward model's value head) need. Fetched once, then read from the hub cache."""
+    of a folder's files by name (a reward model's value head) need."""
     from transformers.utils.hub import cached_file, get_checkpoint_shard_files
 
-    def fetch(file):  # (None where the model has no such file)
-        return cached_file(name, file, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)
-
     folder = os.path.dirname(hub_load(cached_file, name, filename="config.json"))
-    weights = next(filter(None, map(fetch, HUB_WEIGHT_FILES)), None)
+    weights = next(filter(None, (hub_file(name, file) for file in HUB_WEIGHT_FILES)), None)
     if weights is None:
-        raise MissingInputError(f"{name}: the hub model has none of {', '.join(HUB_WEIGHT_FILES)} (or they are not in "
-                                "the hub cache, offline)")
+        raise MissingInputError(f"{name}: the hub model has none of {', '.join(HUB_WEIGHT_FILES)} (or they cannot be "
+                                "fetched: offline, only the hub cache is read)")
     if weights.endswith(".index.json"):
-        get_checkpoint_shard_files(name, weights)
+        hub_load(get_checkpoint_shard_files, name, index_filename=weights)
     for file in extra_files:
-        fetch(file)
+        hub_file(name, file)
     return folder
 
 
@@ -181,7 +186,7 @@ def no_weights_message(path):
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-                   "vocab.txt", "tiktoken.model", "tekken.json")
+                   "vocab.txt", "tiktoken.model", "tekken.json", "sentencepiece.bpe.model", "spm.model")
 
 
 def check_tokenizer_files(path, flag=None):

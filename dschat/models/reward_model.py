@@ -1,6 +1,7 @@
 """Reward model / critic: a value head on a base transformer, scored at each sequence's last real token."""
 import json
 import logging
+import math
 import os
 import re
 
@@ -210,6 +211,40 @@ def score_head_keys(config):
     return ()
 
 
+def hub_holds_reward_model(name):
+    """Whether the hub model ``name`` is a reward model by its config.json (a one-label *ForSequenceClassification of
+    a decoder family, OpenRLHF's) or dschat's reward-model file, fetched alone (the weights come when it loads); None
+    when its config cannot be fetched (no such model, a gated one; offline: not in the hub cache). DeepSpeed-Chat's
+    layout is told by its weights' names only: a folder of it is read, a hub name is not."""
+    from dschat.models.loading import hub_file
+
+    try:
+        config_file = hub_file(name, "config.json")
+    except OSError:  # (an invalid repo id, a gated repo)
+        return None
+    if config_file is None:
+        return None
+    with open(config_file) as f:
+        config = json.load(f)
+    keys = score_head_keys(config)
+    if keys == (SEQ_CLS_HEAD_KEY,) and not _classifier_has(os.path.dirname(config_file), SEQ_CLS_HEAD_KEY):
+        return False  # (e.g. an encoder's: its head is "classifier")
+    return bool(keys) or hub_file(name, REWARD_META_FILE) is not None
+
+
+def _classifier_has(folder, key):
+    """Whether transformers' *ForSequenceClassification of the config in ``folder`` has the weight ``key``, built on
+    the meta device (no memory, no weights)."""
+    from transformers import AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            return key in AutoModelForSequenceClassification.from_config(config).state_dict()
+    except (ValueError, KeyError, ImportError, OSError):  # (a family transformers does not know)
+        return False
+
+
 def score_head_location(path):
     """(weights file, key) of the score head saved with the whole model in the folder ``path`` (see
     ``score_head_keys``), else None. Only names are read: an index's weight map, a file's keys."""
@@ -279,11 +314,11 @@ def score_normalization(path):
         return None
     from dschat.errors import UsageError
 
-    try:
-        mean, std = float(config.get("mean", 0.0)), float(config.get("std", 1.0))
-    except (TypeError, ValueError):
+    values = config.get("mean", 0.0), config.get("std", 1.0)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
         raise UsageError(f"{path}: config.json's normalize_reward scores (score - mean) / std, whose mean and std must "
-                         f"be numbers: {config.get('mean')!r}, {config.get('std')!r}") from None
+                         f"be finite numbers: {values[0]!r}, {values[1]!r}")  # (NaN: every score NaN)
+    mean, std = map(float, values)
     if not std > 0:
         raise UsageError(f"{path}: config.json's normalize_reward divides scores by its std, {std}, which must be > 0")
     return mean, std

@@ -247,7 +247,10 @@ def model_identity(folder):
     run = finished_run_id(folder)
     if run is not None or os.path.isfile(os.path.join(folder, RUN_ARGS_FILE)):  # (a dschat step's, unfinished)
         return run
-    files = sorted(name for name in os.listdir(folder) if name == "config.json" or is_weights_file(name))
+    from dschat.models.reward_model import VALUE_HEAD_FILE
+
+    files = sorted(name for name in os.listdir(folder) if name in ("config.json", VALUE_HEAD_FILE)
+                   or is_weights_file(name))
     if "config.json" not in files:
         return None
     stats = [(name, os.stat(os.path.join(folder, name)).st_size, os.stat(os.path.join(folder, name)).st_mtime_ns)

@@ -10,20 +10,26 @@ import time
 
 
 _IMPORTED = time.time()  # (imported first thing by the entry points: when the process started, where /proc is not)
-SAID_BEFORE_START_S = 0.05  # a mark written this long before this rank started is an earlier run's (its ranks start
-# together, and a rank says an error after its imports: a mark of this launch is newer than each of its ranks' start)
+
+
+def _started_ticks(pid):
+    """When process ``pid`` started, in clock ticks since boot (/proc/PID/stat's field 22), else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # (counted after the command name)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _process_started():
-    """When this process started (epoch seconds, to a clock tick): from /proc, the time since it started against
-    the boot clock; the import time of this module elsewhere, which a loaded machine can delay by seconds."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError, AttributeError):
-        return _IMPORTED
-    return time.time() - age
+    """(when this process started, in epoch seconds; how much earlier a mark may have been written by a rank of its
+    launch). A rank says an error after its imports, so a mark of its launch is newer than each rank's start: to a
+    clock tick from /proc (the time since the start against the boot clock). Elsewhere the import time of this
+    module, which a loaded machine can delay by a second."""
+    ticks = _started_ticks("self")
+    if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):
+        return _IMPORTED, 1.0
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")), 0.05
 
 
 def run_entry_point(main, resumable=False):
@@ -81,7 +87,8 @@ def first_to_say(message):
         os.makedirs(folder, exist_ok=True)
         os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
-        if os.stat(mark).st_mtime >= _process_started() - SAID_BEFORE_START_S:
+        started, slack = _process_started()
+        if os.stat(mark).st_mtime >= started - slack:
             return False  # a rank of this launch said it
         os.utime(mark)  # an earlier run's (the same shell ran the ranks again): this one says it too
     except OSError:  # (no writable temp folder: say it)
@@ -93,9 +100,5 @@ def _launch_id():
     """The launcher process the ranks of this machine share (deepspeed's, torchrun's): its pid and start time, which
     a later launch reusing the pid does not share."""
     parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name
-    except (OSError, IndexError):
-        started = ""
-    return f"{parent}-{started}"
+    started = _started_ticks(parent)
+    return f"{parent}-{'' if started is None else started}"

@@ -19,6 +19,10 @@ Cases:
 - ``ready_rm`` (after ``opt``): ``python train.py --step 1 3 --reward-model OUT/opt/step2_rm`` on the OPT-1.3B shape:
   step 3 scores with a reward model trained before and starts its critic from it, the first iteration training the
   critic alone (``--freezing_actor_steps 1``).
+- ``grpo_rm`` (after ``opt``): ``python train.py --recipe grpo --reward-model OUT/opt/step2_rm``: GRPO rewarded by
+  that reward model instead of the rule scorer.
+- ``hub_rm``: ``python train.py --step 1 3 --reward-model acme/opt-350m-rm``, a hub name of a one-label
+  OPTForSequenceClassification (OPT-350m shape; TRL's layout) in a hub cache written here (HF_HUB_CACHE; offline).
 Each case's log is written to OUT/<case>.log; a table of exit codes, seconds and the reports' metrics is printed, and
 the policy each case saved (its report's ``policy``) is loaded with ``from_pretrained`` and asked for a greedy answer. Exits non-zero if a case
 fails.
@@ -43,20 +47,32 @@ QWEN = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidd
             num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)
 
 FEW_STEPS = "--max_steps 20 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --eval_iters 4"
-CASES = ("tiny", "opt", "qwen_z3", "grpo", "dpo", "ready_rm")
+CASES = ("tiny", "opt", "qwen_z3", "grpo", "dpo", "ready_rm", "grpo_rm", "hub_rm")
+HUB_REWARD_MODEL = "acme/opt-350m-rm"
 STEP3 = ("--max_steps 3 --per_device_generation_batch_size 8 --per_device_training_batch_size 8 "
          "--max_prompt_seq_len 128 --max_answer_seq_len 64 --enable_hybrid_engine --eval_prompts 32")
 
 
-def save_random_model(folder, config_class, shape):
+def save_random_model(folder, config_class, shape, model_class=None):
     from transformers import AutoModelForCausalLM
 
     from dschat.tiny import load_tiny_tokenizer
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config_class(**shape), dtype=torch.bfloat16).save_pretrained(folder)
-    load_tiny_tokenizer().save_pretrained(folder)
+    tokenizer = load_tiny_tokenizer()
+    config = config_class(**shape, **({"num_labels": 1, "pad_token_id": tokenizer.pad_token_id} if model_class else {}))
+    (model_class or AutoModelForCausalLM).from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_to_hub_cache(cache, name, save):
+    """``save(folder)`` into the snapshot of hub model ``name`` in the hub cache ``cache``, as a download leaves it."""
+    repo = cache / f"models--{name.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    save(repo / "snapshots" / commit)
 
 
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=1024)
@@ -94,7 +110,7 @@ def cases(out, wanted, smoke=False):
                           "--reward-zero-stage", "3", "--data-path", "tiny", "--output-dir", str(out / "qwen_z3"),
                           "--step1-args", FEW_STEPS, "--step2-args", FEW_STEPS,
                           "--step3-args", STEP3 + " --actor_lora_dim 16"]
-    if "grpo" in wanted or "dpo" in wanted or "ready_rm" in wanted:
+    if {"grpo", "dpo", "ready_rm", "grpo_rm", "hub_rm"} & set(wanted):
         actor = save_random_model(models / "opt-1.3b-shape", OPTConfig, shape(OPT_ACTOR, smoke))
     for recipe in ("grpo", "dpo"):
         if recipe in wanted:
@@ -106,6 +122,19 @@ def cases(out, wanted, smoke=False):
                            "--reward-model", str(out / "opt" / "step2_rm"), "--deployment-type", "single_gpu",
                            "--data-path", "tiny", "--output-dir", str(out / "ready_rm"), "--step1-args", FEW_STEPS,
                            "--step3-args", STEP3 + " --freezing_actor_steps 1"]
+    if "grpo_rm" in wanted:
+        yield "grpo_rm", [sys.executable, "train.py", "--recipe", "grpo", "--actor-model", str(actor),
+                          "--reward-model", str(out / "opt" / "step2_rm"), "--deployment-type", "single_gpu",
+                          "--data-path", "tiny", "--output-dir", str(out / "grpo_rm"), "--step1-args", FEW_STEPS,
+                          "--step3-args", STEP3]
+    if "hub_rm" in wanted:
+        from transformers import OPTForSequenceClassification
+
+        save_to_hub_cache(Path(os.environ["HF_HUB_CACHE"]), HUB_REWARD_MODEL, lambda folder: save_random_model(
+            folder, OPTConfig, shape(OPT_REWARD, smoke), OPTForSequenceClassification))
+        yield "hub_rm", [sys.executable, "train.py", "--step", "1", "3", "--actor-model", str(actor),
+                         "--reward-model", HUB_REWARD_MODEL, "--deployment-type", "single_gpu", "--data-path", "tiny",
+                         "--output-dir", str(out / "hub_rm"), "--step1-args", FEW_STEPS, "--step3-args", STEP3]
 
 
 def answer_of(actor_folder):
@@ -155,6 +184,7 @@ def main():
     unknown = set(wanted) - set(CASES)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}")
+    os.environ.update(HF_HUB_CACHE=str(args.out / "hub_cache"), HF_HUB_OFFLINE="1")  # (hub_rm's; the cases' env)
     results = []
     for name, command in cases(args.out, wanted, args.smoke):
         result = run_case(name, command, args.out)
