@@ -61,7 +61,9 @@ def save_random_model(folder, config_class, shape, model_class=None):
     torch.manual_seed(0)
     tokenizer = load_tiny_tokenizer()
     config = config_class(**shape, **({"num_labels": 1, "pad_token_id": tokenizer.pad_token_id} if model_class else {}))
-    (model_class or AutoModelForCausalLM).from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    model = model_class(config).to(torch.bfloat16) if model_class else AutoModelForCausalLM.from_config(
+        config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
