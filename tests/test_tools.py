@@ -427,6 +427,8 @@ def end_score_by_hand(model, tokenizer, prompt, answer):
 
 
 def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, capsys):
+    from dschat.errors import UsageError
+
     pairs = [{"prompt": "Name 3 colors.", "chosen": "red, blue, green", "rejected": "red"},
              {"prompt": "What is 2 plus 4?", "chosen": "6", "rejected": "The answer is five, I think."}]
     pairs_file = tmp_path / "pairs.jsonl"
@@ -489,6 +491,10 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
     assert "--data_fields prompt=q,chosen=good,rejected=bad" in capsys.readouterr().out
     embedded = rw_eval.main(["--model_name_or_path", str(trained), "--pairs_file", "tiny", "--num_pairs", "3"])
     assert len(embedded["pairs"]) == 3
+    renamed.unlink()  # step 2's file gone: said as the run's (it read as a --pairs_file given here)
+    with pytest.raises(UsageError, match=rf"{renamed} does not exist \(the data of step 2, from .*training_args.json\)"
+                                         ": give --pairs_file, or --prompt and --answer"):
+        rw_eval.main(["--model_name_or_path", str(trained)])
 
 
 def test_rw_eval_counts_records_without_a_rejected_answer_and_checks_its_flags(models, tmp_path, capsys):

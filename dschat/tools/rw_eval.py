@@ -141,7 +141,7 @@ def step2_run_defaults(args):
     so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt, its one local
     --data_path (its eval file where it has one) with its --data_fields, not the embedded pairs."""
     from dschat.data.pipeline import as_list
-    from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME, anchored_data_path
+    from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME, anchored_data_path, resolve_dataset_spec
     from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 
     path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
@@ -152,6 +152,11 @@ def step2_run_defaults(args):
     defaults = {name: trained[name] for name in ("max_seq_len", "add_eot_token") if trained.get(name)}
     data = as_list(anchored_data_path(trained.get("data_path") or [], run.get("cwd")))
     if args.pairs_file is None and args.prompt is None and len(data) == 1 and data[0] not in (*HUB_DATASETS, TINY_NAME):
+        try:
+            resolve_dataset_spec(data[0])
+        except UsageError as error:  # (moved or deleted since: said so, not as a flag the user gave)
+            raise UsageError(f"{error} (the data of step 2, from {os.path.join(path, RUN_ARGS_FILE)}): give "
+                             "--pairs_file, or --prompt and --answer") from None
         defaults["pairs_file"] = data[0]
         if trained.get("data_fields"):  # its field names go with its file
             defaults["data_fields"] = trained["data_fields"]
