@@ -125,11 +125,12 @@ def step_argv(step, args, tiny):
         gives_stage = any(token.split("=", 1)[0] == "--zero_stage" for token in extra)
         stages = [] if gives_stage else ["--actor_zero_stage", str(args.actor_zero_stage),
                                          "--critic_zero_stage", str(args.reward_zero_stage)]
-        # GRPO has no critic and no step 2: its run record names no step-2 folder
         ready = ready_reward_model(args)
-        critic = ([] if not ready else ["--reward_model_name_or_path", ready]) if getattr(args, "recipe", "ppo") == \
-            "grpo" else ["--critic_model_name_or_path", ready or os.path.join(out, RM_DIR)]
-        argv = ["--actor_model_name_or_path", os.path.join(out, SFT_DIR), *critic, *stages,
+        if getattr(args, "recipe", "ppo") == "grpo":  # no critic, no step 2: its run record names no step-2 folder
+            scorers = ["--reward_model_name_or_path", ready] if ready else []
+        else:
+            scorers = ["--critic_model_name_or_path", ready or os.path.join(out, RM_DIR)]
+        argv = ["--actor_model_name_or_path", os.path.join(out, SFT_DIR), *scorers, *stages,
                 "--output_dir", os.path.join(out, PPO_DIR)]
     recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else []
     if step == 3 and getattr(args, "recipe", "ppo") == "grpo":

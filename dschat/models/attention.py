@@ -20,8 +20,9 @@ NO_EMPTY_ROWS = "dschat_sdpa_rows"
 
 def routes_through_interface(hf_model):
     """Whether the model's attention modules call the ``AttentionInterface`` function named in its config. Models that
-    test for the string "sdpa" themselves (Falcon before transformers 5.25) would take another branch under any other name, with SDPA's
-    boolean mask, so they are never switched; nor are those whose modeling code otherwise branches on the name
+    test for the string "sdpa" themselves (Falcon before transformers 5.25) would take another branch under any other
+    name, with SDPA's boolean mask, so they are never switched; nor are those whose modeling code otherwise branches on
+    the name
     (Gemma-4's KV-shared layers slice the queries to ``logits_to_keep`` unless the name is "sdpa" and a mask is None:
     under another name the causal alignment is lost)."""
     compatible = getattr(type(hf_model), "is_backend_compatible", None)

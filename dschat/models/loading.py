@@ -127,8 +127,9 @@ def readable_weights(folder):
         # (an OSError of a local folder's file too: torch's reader of a cut .bin; a hub name's is hub_load's)
         reason = unreadable_file_reason(error, (SafetensorError, OSError) if os.path.isdir(folder) else
                                         (SafetensorError,))
-        if "no file named" in str(error) and os.path.isdir(folder) and no_weights_message(folder):
-            raise UsageError(no_weights_message(folder)) from None
+        no_weights = "no file named" in str(error) and os.path.isdir(folder) and no_weights_message(folder)
+        if no_weights:
+            raise UsageError(no_weights) from None
         if reason is None or "no file named" in str(error):  # (no weights at all: transformers says so itself)
             raise
         raise UsageError(f"{folder}: its weights cannot be read ({reason}); a weights file there is damaged or was "
@@ -193,8 +194,9 @@ def check_tokenizer_files(path, flag=None):
     """A model folder here without any tokenizer file: one error naming it (and ``flag``), where transformers says
     "Couldn't instantiate the backend tokenizer ... You need to have sentencepiece or tiktoken installed"."""
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise MissingInputError(f"{flag + ' ' if flag else ''}{path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): save the "
-                                "tokenizer with the model (tokenizer.save_pretrained(folder)) or copy its files there")
+        raise MissingInputError(f"{flag + ' ' if flag else ''}{path}: no tokenizer files (tokenizer.json, "
+                                "tokenizer_config.json, ...): save the tokenizer with the model "
+                                "(tokenizer.save_pretrained(folder)) or copy its files there")
 
 
 DEFAULT_EOT_TOKEN = "<|endoftext|>"

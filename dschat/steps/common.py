@@ -243,18 +243,17 @@ def model_identity(folder):
     import hashlib
 
     from dschat.models.loading import is_weights_file
+    from dschat.models.reward_model import VALUE_HEAD_FILE
 
     run = finished_run_id(folder)
     if run is not None or os.path.isfile(os.path.join(folder, RUN_ARGS_FILE)):  # (a dschat step's, unfinished)
         return run
-    from dschat.models.reward_model import VALUE_HEAD_FILE
-
     files = sorted(name for name in os.listdir(folder) if name in ("config.json", VALUE_HEAD_FILE)
                    or is_weights_file(name))
     if "config.json" not in files:
         return None
-    stats = [(name, os.stat(os.path.join(folder, name)).st_size, os.stat(os.path.join(folder, name)).st_mtime_ns)
-             for name in files]
+    stats = [(name, st.st_size, st.st_mtime_ns) for name, st in
+             ((name, os.stat(os.path.join(folder, name))) for name in files)]
     return "files:" + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
 
 
