@@ -1282,6 +1282,51 @@ def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_
     assert first_tokens.abs().min() > 0.1  # one row per micro-batch whitened alone would be all zeros
 
 
+UPDATE_SETTINGS = {"gae": {"advantage_estimator": "gae"},
+                   "grpo": {"advantage_estimator": "grpo", "n_samples_per_prompt": 2},
+                   "rloo": {"advantage_estimator": "rloo", "n_samples_per_prompt": 2},
+                   "reinforce_pp": {"advantage_estimator": "reinforce_pp"},
+                   "gae_lora": {"advantage_estimator": "gae", "actor_lora_dim": 4, "only_optimize_lora": True,
+                                "actor_lora_learning_rate": 1e-5}}
+
+
+@pytest.mark.parametrize("settings", UPDATE_SETTINGS.values(), ids=UPDATE_SETTINGS.keys())
+def test_an_update_makes_answers_with_positive_advantage_likelier_and_values_nearer_their_returns(trained, tmp_path,
+                                                                                                  settings):
+    """The direction of PPO's step, which no comparison with a formula checks (a flipped sign, advantages on the wrong
+    tokens or a frozen actor would pass those): one small step raises sum_t A_t * log pi(a_t) over the experience, the
+    surrogate's first-order change, for every estimator; answers scored +1 become likelier than those scored -1; the
+    critic's values move toward the returns."""
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, actor_learning_rate=1e-5,
+                                                critic_learning_rate=1e-5, actor_dropout=0.0, critic_dropout=0.0,
+                                                **settings)
+    torch.manual_seed(0)
+    out = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS), advantages=False)
+    rows = out["rewards"].shape[0]
+    out["rewards"] = torch.tensor([1.0, -1.0] * (rows // 2))  # each GRPO/RLOO group of two: one of each
+    seq, mask, amask = out["input_ids"], out["attention_mask"], out["action_mask"].float()
+    start = out["prompts"].shape[1] - 1
+
+    def answer_logprobs():
+        with torch.no_grad():
+            return trainer._logprobs(trainer.actor_model, seq, mask, start) * amask
+
+    def values():
+        with torch.no_grad():
+            return trainer._values(trainer.critic_model, seq, mask)[:, start:] * amask
+
+    before = answer_logprobs()
+    values_before = values() if trainer.critic_model is not None else None
+    trainer.train_rollout([out])
+    change = answer_logprobs() - before
+    assert (out["advantages"] * change).sum() > 0
+    per_answer = change.sum(1)
+    assert per_answer[out["rewards"] > 0].mean() > per_answer[out["rewards"] < 0].mean()
+    if values_before is not None:
+        moved = values() - values_before
+        assert ((out["returns"] - values_before) * amask * moved).sum() > 0
+
+
 @pytest.mark.parametrize("generation_batches", [1, 2])
 def test_advantages_are_computed_once_per_rollout(trained, tmp_path, monkeypatch, generation_batches):
     """Not once per generation batch too: with --generation_batches > 1 those would be thrown away."""
