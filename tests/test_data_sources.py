@@ -305,6 +305,27 @@ def test_unpaired_preference_labels_are_read_however_the_file_writes_them(tmp_pa
         raw(f"{unlabelled},{unlabelled}", tmp_path)  # (it made the whole file read as data without labels)
 
 
+def test_unpaired_preference_labels_hold_under_renamed_fields_and_a_bad_one_is_its_records_error(tmp_path):
+    """The labels were read only beside a field named "completion", and only where every value was one: renamed
+    answers, a "yes"/"no" column or one typo left every undesirable answer to be trained on, without a word."""
+    rows = [{"question": f"Q{i}?", "response": f"A{i}", "label": "yes" if i % 2 == 0 else "no"} for i in range(4)]
+    path = write_records(rows, tmp_path / "kto.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path, prompt="question", chosen="response")
+    assert {adapter.get_chosen_text(s): adapter.is_undesirable(s) for s in adapter.get_train_data()} == \
+        {"A0": False, "A1": True, "A2": False, "A3": True}
+    named = write_records([{"prompt": r["question"], "completion": r["response"], "good": r["label"] == "yes"}
+                           for r in rows], tmp_path / "named.jsonl", "jsonl")
+    adapter = raw(f"{named},{named}", tmp_path, label="good")
+    assert [adapter.is_undesirable(s) for s in adapter.get_train_data()] == [False, True, False, True]
+    with pytest.raises(DatasetFormatError, match=r"no 'goood' field, which --data_fields label=goood names"):
+        raw(f"{named},{named}", tmp_path, label="goood")
+    typo = write_records([dict(r, label=r["label"] == "yes") for r in rows[:3]] + [dict(rows[3], label="flase")],
+                         tmp_path / "typo.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 4 \(record 3\): field 'label': 'flase' is not a label "
+                                                 r"\(true/false, 1/0 or yes/no\)"):
+        raw(f"{typo},{typo}", tmp_path, prompt="question", chosen="response")
+
+
 def test_trimmed_keeps_a_code_blocks_indentation_only():
     from dschat.data.base import trimmed
 

@@ -18,7 +18,7 @@ from filelock import FileLock
 from dschat.utils.files import give_plain_modes, temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 11  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+FORMAT_VERSION = 12  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
 # 4: only empty CSV cells are missing ("NA", "None" are text);
 # 5: prompts get only the tokenizer's leading special tokens;
 # 6: phase 2 rows carry chosen_truncated, rejected_truncated and eot_length;
@@ -29,6 +29,7 @@ FORMAT_VERSION = 11  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text
 #    transcript prompt after a system message reads as one; local files are keyed by their content
 # 10: phase 1 rows carry label_spans (--multiturn: the earlier assistant turns)
 # 11: with a chat template the answer is the template's rendering of it up to the EOT (Llama-2's spaces)
+# 12: a "label" column beside renamed answers (or --data_fields label=NAME) is KTO's; yes/no are labels
 CACHE_SUBDIR = "dschat_data_cache"
 
 

@@ -72,10 +72,15 @@ def parse_field_map(text):
     return checked_field_options(mapping)
 
 
+# Besides the record fields: the column of TRL's unpaired preference labels (KTO's), beside an answer.
+LABEL_FIELD = "label"
+
+
 def checked_field_options(field_options):
-    unknown = sorted(set(field_options) - set(FIELD_NAMES))
+    renamable = [*FIELD_NAMES, LABEL_FIELD]
+    unknown = sorted(set(field_options) - set(renamable))
     if unknown:
-        raise UsageError(f"unknown data field(s) {unknown}; the fields that can be renamed are {list(FIELD_NAMES)}")
+        raise UsageError(f"unknown data field(s) {unknown}; the fields that can be renamed are {renamable}")
     return dict(field_options)
 
 
@@ -476,7 +481,7 @@ class LocalDataset(PromptRawDataset):
 
     def __init__(self, source, output_path, seed, local_rank, field_options=None):
         self.source = source
-        self.fields = {name: name for name in FIELD_NAMES}
+        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD)}
         self.renamed = checked_field_options(field_options or {})
         self.fields.update(self.renamed)
         self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
@@ -486,9 +491,7 @@ class LocalDataset(PromptRawDataset):
         train, eval_data = self._load_splits()
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
-        # TRL's unpaired preference records (KTO's): prompt, completion, and a bool label saying whether to imitate it
-        self.label_field = "label" if self.fields["chosen"] == "completion" and _is_label_column(train, "label") \
-            else None
+        self.label_field = self._label_column(train)
         if "conversations" in train.column_names and not self.renamed and not any(
                 self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
@@ -504,6 +507,19 @@ class LocalDataset(PromptRawDataset):
                                          f"records ({eval_data.column_names} vs {train.column_names})")
             self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
+
+    def _label_column(self, train):
+        """The column of TRL's unpaired preference labels (KTO's records: prompt, completion, and a label saying
+        whether to imitate the answer), else None: ``--data_fields label=NAME``, or a "label" column beside answers
+        without rejected ones (a completion, or a renamed chosen) that holds any label. Each of its values must be one
+        (a typo is its record's error); a column with none (a category) is data."""
+        name, renamed = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed
+        unpaired = self.fields["chosen"] in train.column_names and self.fields["rejected"] not in train.column_names
+        if name not in train.column_names:
+            if renamed and unpaired:  # (records of another shape beside them need no labels)
+                self._check_renamed((LABEL_FIELD,), train.column_names, self.source.train)
+            return None
+        return name if renamed or (unpaired and _holds_a_label(train[name])) else None
 
     def _load_splits(self):
         self._train_lines = self._eval_lines = None
@@ -696,10 +712,12 @@ class LocalDataset(PromptRawDataset):
     def is_undesirable(self, sample):
         if self.label_field is None:
             return False
-        label = _label_value(sample.get(self.label_field))
+        value = sample.get(self.label_field)
+        label = _label_value(value)
         if label is None:
-            raise RecordError(self.label_field, "missing or null: TRL's unpaired preference records (prompt, "
-                                                "completion, label) each say whether to imitate their answer")
+            said = "missing or null" if value is None else f"{value!r} is not a label ({LABEL_SPELLINGS})"
+            raise RecordError(self.label_field, f"{said}: TRL's unpaired preference records (prompt, completion, "
+                                                "label) each say whether to imitate their answer")
         return not label
 
     def _answer_value(self, sample, field):
@@ -710,12 +728,13 @@ class LocalDataset(PromptRawDataset):
         return optional_text(sample, field)
 
 
-_LABEL_WORDS = {"true": True, "false": False, "1": True, "0": False}
+_LABEL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+LABEL_SPELLINGS = "true/false, 1/0 or yes/no"
 
 
 def _label_value(value):
-    """A KTO label as a bool: a bool, 1/0 (also 1.0/0.0), or the text "true"/"false"/"1"/"0" (a CSV cell, any case);
-    else None."""
+    """A KTO label as a bool: a bool, 1/0 (also 1.0/0.0), or the text "true"/"false"/"1"/"0"/"yes"/"no" (a CSV cell,
+    any case); else None."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -725,13 +744,8 @@ def _label_value(value):
     return None
 
 
-def _is_label_column(data, name):
-    """Whether ``name`` holds KTO labels: every value given is one (``_label_value``; a null one is an error of its
-    record, found when the file is checked); a column of other values is data."""
-    if name not in data.column_names:
-        return False
-    given = [value for value in data[name] if value is not None]
-    return bool(given) and all(_label_value(value) is not None for value in given)
+def _holds_a_label(values):
+    return any(_label_value(value) is not None for value in values)
 
 
 def _json_list_text(value):
