@@ -751,3 +751,20 @@ def test_each_tool_runs_as_a_module_too(tool):
     proc = subprocess.run([sys.executable, "-m", f"dschat.tools.{tool}", "--help"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-2000:]
+
+
+def test_a_command_line_prompt_is_read_as_a_prompt_field_is_and_a_question_about_the_markers_stays_whole():
+    """rw_eval's --prompt and prompt_eval's --prompts split any "Human:"/"Assistant:" inside a plain question into
+    turns (and scored a "prompt" that ended with an assistant turn), where training data reads it as one message."""
+    from dschat.errors import UsageError
+    from dschat.tools.records import prompt_record
+
+    question = "In a chat log, what do the labels Human: and Assistant: mean?"
+    assert prompt_record(question).messages == [{"role": "user", "content": question}]
+    assert prompt_record("Assistant: is a word").messages == [{"role": "user", "content": "Assistant: is a word"}]
+    assert prompt_record("\n\nHuman: Hi\n\nAssistant: Hello.\n\nHuman: Bye?\n\nAssistant:").messages == [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
+    assert prompt_record("Be brief.\n\nHuman: Hi\n\nAssistant:").messages[0] == {"role": "system", "content": "Be brief."}
+    with pytest.raises(UsageError, match=r"--prompts 'Human: Hi Assistant: Hello': the transcript must end with a "
+                                         r"'Human:' turn"):
+        prompt_record("Human: Hi Assistant: Hello", "--prompts")

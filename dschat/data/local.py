@@ -644,14 +644,10 @@ class LocalDataset(PromptRawDataset):
         if isinstance(value, (list, tuple)):
             return prompt_messages(checked_messages(value, field), field)
         text = required_text(sample, field)
-        # a DeepSpeed-Chat-style transcript ("\n\nHuman: ...\n\nAssistant:"), maybe after a system message as
-        # dschat writes one ("Be brief.\n\nHuman: ...")
-        if text.startswith("Human:") or (_PROMPT_AFTER_PREAMBLE.search(text) and text.endswith("Assistant:")):
-            messages = parse_transcript(text, preamble_role="system")
-            if not messages or messages[-1]["role"] != "user":
-                raise RecordError(field, "the transcript must end with a 'Human:' turn")
-            return messages
-        return [{"role": "user", "content": text}]
+        try:
+            return text_prompt_messages(text)
+        except ValueError as error:
+            raise RecordError(field, str(error)) from None
 
     def _awaiting_answer(self, sample):
         """The messages of a record whose last message is the user's (a message list, or a "Human: ... Assistant:"
@@ -726,6 +722,18 @@ class LocalDataset(PromptRawDataset):
         if isinstance(value, (list, tuple)):
             return final_assistant_answer(checked_messages(value, field), field)[1]
         return optional_text(sample, field)
+
+
+def text_prompt_messages(text):
+    """The messages of a prompt given as (stripped) text: a DeepSpeed-Chat-style transcript ("Human: ...\n\nAssistant:"),
+    maybe after a system message as dschat writes one ("Be brief.\n\nHuman: ..."), else one user message (whose
+    words "Human:" or "Assistant:" are its own). A transcript that does not end with a Human turn is a ValueError."""
+    if text.startswith("Human:") or (_PROMPT_AFTER_PREAMBLE.search(text) and text.endswith("Assistant:")):
+        messages = parse_transcript(text, preamble_role="system")
+        if not messages or messages[-1]["role"] != "user":
+            raise ValueError("the transcript must end with a 'Human:' turn")
+        return messages
+    return [{"role": "user", "content": text}]
 
 
 _LABEL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}

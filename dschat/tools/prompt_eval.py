@@ -19,7 +19,7 @@ RULE = "=" * 30
 def select_records(args):
     """(records, whether they are the tiny held-out data and so rule-scorable)."""
     if args.prompts:
-        return [prompt_record(p) for p in args.prompts], False
+        return [prompt_record(p, "--prompts") for p in args.prompts], False
     if args.prompts_file:
         return load_records(args.prompts_file, args.data_fields, args.num_prompts), False
     return tiny_held_out_records(args.num_prompts), True

@@ -3,9 +3,8 @@ from dataclasses import dataclass
 from itertools import islice
 
 from dschat.data.base import read_or_none
-from dschat.data.formatting import parse_transcript
 from dschat.data.raw_datasets import TINY_NAME
-from dschat.errors import MissingInputError
+from dschat.errors import MissingInputError, UsageError
 from dschat.tiny import EVAL_FILE
 
 
@@ -21,9 +20,15 @@ class Record:
         return self.messages[-1]["content"]
 
 
-def prompt_record(text):
-    """A command-line prompt: a plain user message or a "Human: ... Assistant: ... Human: ..." transcript."""
-    return Record(parse_transcript(text))
+def prompt_record(text, flag="--prompt"):
+    """A command-line prompt, read as training data reads a prompt field: a "Human: ... Assistant: ... Human: ..."
+    transcript, else one user message (a question about the words "Human:" and "Assistant:" is not split at them)."""
+    from dschat.data.local import text_prompt_messages
+
+    try:
+        return Record(text_prompt_messages(text.strip()))
+    except ValueError as error:
+        raise UsageError(f"{flag} {text!r}: {error}") from None
 
 
 def load_records(path, data_fields=None, limit=None):
