@@ -106,3 +106,13 @@ def test_eot_flags_that_a_tokenizer_with_an_eos_ignores_print_a_warning(monkeypa
     loading.load_tokenizer("tiny-llama", add_eot_token=True)  # the flag asks for the token the tokenizer has
     loading.load_tokenizer("tiny-llama")
     assert "warning:" not in capsys.readouterr().out
+
+
+def test_a_system_message_after_a_turn_is_a_paragraph_of_its_own_without_a_chat_template():
+    """It was glued to the turn before it: "Assistant: Hello.Now answer in French."."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "system", "content": "Now answer in French."}, {"role": "user", "content": "Bye?"}]
+    assert render_human_assistant(messages) == ("\n\nHuman: Hi\n\nAssistant: Hello.\n\nNow answer in French."
+                                                "\n\nHuman: Bye?\n\nAssistant:")
+    assert render_human_assistant([{"role": "system", "content": "Be brief."}, messages[0]]) == \
+        "Be brief.\n\nHuman: Hi\n\nAssistant:"  # first: as dschat writes a system preamble

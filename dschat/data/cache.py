@@ -29,7 +29,8 @@ FORMAT_VERSION = 12  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text
 #    transcript prompt after a system message reads as one; local files are keyed by their content
 # 10: phase 1 rows carry label_spans (--multiturn: the earlier assistant turns)
 # 11: with a chat template the answer is the template's rendering of it up to the EOT (Llama-2's spaces)
-# 12: a "label" column beside renamed answers (or --data_fields label=NAME) is KTO's; yes/no are labels
+# 12: a "label" column beside renamed answers (or --data_fields label=NAME) is KTO's; yes/no are labels;
+#     without a chat template, a system message after a turn is a paragraph of its own
 CACHE_SUBDIR = "dschat_data_cache"
 
 

@@ -86,11 +86,12 @@ def split_last_answer(messages):
 
 
 def render_human_assistant(messages):
-    """DeepSpeed-Chat's prompt text; a system message is put first, without a speaker marker."""
+    """DeepSpeed-Chat's prompt text; a system message is put as it is, without a speaker marker (after an earlier turn,
+    in a paragraph of its own: not glued to that turn's text)."""
     pieces = []
     for message in messages:
         if message["role"] == "system":
-            pieces.append(message["content"])
+            pieces.append(("\n\n" if pieces else "") + message["content"])
         else:
             pieces.append(f"\n\n{SPEAKER_BY_ROLE[message['role']]}: {message['content']}")
     return "".join(pieces) + ASSISTANT_PREFIX
