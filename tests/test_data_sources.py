@@ -326,6 +326,25 @@ def test_unpaired_preference_labels_hold_under_renamed_fields_and_a_bad_one_is_i
         raw(f"{typo},{typo}", tmp_path, prompt="question", chosen="response")
 
 
+def test_answer_lists_that_repeat_the_prompt_are_read_and_ones_with_another_prompt_are_an_error(tmp_path):
+    """ultrafeedback_binarized's chosen/rejected lists repeat the prompt field's turn before the answer; lists with
+    other turns lost them without a word, and their answer was trained after the prompt field's."""
+    def pair(question, lead):
+        return {"prompt": question, "chosen": [{"role": "user", "content": lead}, {"role": "assistant", "content": "7"}],
+                "rejected": [{"role": "user", "content": lead}, {"role": "assistant", "content": "8"}]}
+
+    good = write_records([pair("What is 3+4?", "What is 3+4? ")] * 2, tmp_path / "uf.jsonl", "jsonl")
+    adapter = raw(f"{good},{good}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "What is 3+4?"}]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("7", "8")
+    bad = write_records([pair("What is 3+4?", "What is 3+4?"), pair("Totally different", "What is 3+4?")],
+                        tmp_path / "bad.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 2 \(record 1\): field 'chosen': its turns before the answer "
+                                                 r"are not the prompt of field 'prompt'"):
+        raw(f"{bad},{bad}", tmp_path)
+
+
 def test_trimmed_keeps_a_code_blocks_indentation_only():
     from dschat.data.base import trimmed
 

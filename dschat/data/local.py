@@ -717,11 +717,21 @@ class LocalDataset(PromptRawDataset):
         return not label
 
     def _answer_value(self, sample, field):
-        """An answer given as a string, or as a message list whose last message is the assistant's."""
+        """An answer given as a string, or as a message list whose last message is the assistant's. Turns before it
+        (ultrafeedback_binarized's chosen repeats its prompt) must be the prompt field's: they would be dropped."""
         value = _json_list_text(sample[field])
         if isinstance(value, (list, tuple)):
-            return final_assistant_answer(checked_messages(value, field), field)[1]
+            turns, answer = final_assistant_answer(checked_messages(value, field), field)
+            if turns and _turns_of(turns) != _turns_of(self._prompt_conversation(sample)):
+                raise RecordError(field, f"its turns before the answer are not the prompt of field "
+                                         f"{self.fields['prompt']!r}; give the answer alone, or turns that repeat "
+                                         "that prompt")
+            return answer
         return optional_text(sample, field)
+
+
+def _turns_of(messages):
+    return [(message["role"], message["content"].strip()) for message in messages]
 
 
 def text_prompt_messages(text):
