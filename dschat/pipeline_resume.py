@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import RECIPE_STEP_FOLDERS
-from dschat.steps.common import MODEL_PATH_FLAGS, finished_run_id, model_identity, read_run_args, step_data_files
+from dschat.steps.common import (MODEL_PATH_FLAGS, REWARD_FN_FILE, finished_run_id, model_identity, read_run_args,
+                                 step_data_files)
 from dschat.utils.checkpoints import DATA_FILES, LATEST, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -153,13 +154,29 @@ def changed_flags(record, flags):
     if record is None:
         return names
     recorded, then = record.get("flags", {}), record.get("cwd", os.getcwd())
-    return sorted(name for name in names if name in recorded and _differs(name, recorded[name], now[name], then,
-                                                                           record.get("inputs", {})))
+    return sorted(name for name in names if name in recorded and (
+        _differs(name, recorded[name], now[name], then, record.get("inputs", {}))
+        or (name == "reward_fn" and _edited_reward_fn(record, flags) is not None)))
+
+
+def _edited_reward_fn(record, flags):
+    """The --reward_fn file's path when its content differs from what the run recorded (None: the same, or no file
+    recorded: a module's function, a record from before dschat kept it)."""
+    from dschat.rlhf.reward_fn import reward_fn_file
+
+    saved = record.get(REWARD_FN_FILE)
+    if not saved:
+        return None
+    now = reward_fn_file(getattr(flags, "reward_fn", None))
+    return None if now is not None and now[1] == saved[1] else saved[0]  # (by content, as data files)
 
 
 def said_change(name, record, flags):
     """``--name``, and for a model folder named as before, that the model in it is another since."""
     then, now = record.get("flags", {}).get(name), getattr(flags, name, None)
+    edited = _edited_reward_fn(record, flags) if name == "reward_fn" and then == now else None
+    if edited is not None:
+        return f"--{name} (its file {edited} changed since)"
     same_folder = name in MODEL_PATH_FLAGS and isinstance(then, str) and isinstance(now, str) and \
         _as_path(name, then, record.get("cwd", os.getcwd())) == _as_path(name, now, os.getcwd())
     if not same_folder:

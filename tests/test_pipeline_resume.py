@@ -125,6 +125,12 @@ def test_a_model_made_elsewhere_is_compared_by_its_files(tmp_path, monkeypatch):
     (external / "config.json").write_text('{"normalize_reward": true}')
     assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].why.endswith(
         f"had other values of --model_name_or_path (the model files in {external} changed since)")
+    record["inputs"] = input_runs(step)  # made from the model as it is now
+    (tmp_path / "step1_sft" / "training_args.json").write_text(json.dumps(record))
+    assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].action == SKIP
+    (external / "chat_template.jinja").write_text("{{ messages }}")  # what its data is formatted with: a new one
+    assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].why.endswith(
+        f"had other values of --model_name_or_path (the model files in {external} changed since)")
     assert model_identity(str(tmp_path / "step1_sft")) == "a", "dschat's own output: its run id"
 
 
@@ -302,3 +308,21 @@ def test_each_steps_line_says_why(tmp_path):
         FRESH, f"{tmp_path / 'new' / 'step1_sft'} holds no finished output nor checkpoint")
     assert describe(3, plan_steps([3], "ppo", str(tmp_path), {3: FLAGS})[3], "out/step3_ppo") == \
         "step 3: resumes from its last checkpoint in out/step3_ppo/checkpoints (--resume): it was interrupted"
+
+
+def test_a_reward_function_file_edited_since_a_finished_output_reruns_its_step(tmp_path, monkeypatch):
+    """--resume skipped step 3 after an edit of its --reward_fn file, and the report kept the old function's scores
+    (the flag's value, the file's name, was the same)."""
+    from dschat.steps.common import write_results
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards.py").write_text("def score(prompts, answers):\n    return [0.0 for _ in answers]\n")
+    step = Namespace(**{**vars(FLAGS), "reward_fn": "rewards.py:score"})
+    write_results(Namespace(**vars(step), output_dir=str(tmp_path / FOLDERS[3])), {}, "step3")
+    assert plan_steps([3], "ppo", str(tmp_path), {3: step})[3].action == SKIP
+    os.utime(tmp_path / "rewards.py")  # touched, not edited
+    assert plan_steps([3], "ppo", str(tmp_path), {3: step})[3].action == SKIP
+    (tmp_path / "rewards.py").write_text("def score(prompts, answers):\n    return [0.5 for _ in answers]\n")
+    decision = plan_steps([3], "ppo", str(tmp_path), {3: step})[3]
+    assert decision.action == FRESH and decision.why.endswith(
+        f"had other values of --reward_fn (its file {tmp_path / 'rewards.py'} changed since)")

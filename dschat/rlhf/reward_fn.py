@@ -89,6 +89,17 @@ def reward_fn_spec(fn):
     return f"{module}:{name}"
 
 
+def reward_fn_file(spec):
+    """[absolute path, sha256 of its content] of the file a ``path/to/file.py:function`` spec loads, else None (a
+    module's function, a notebook's, a file gone): what a run records, so that ``train.py --resume`` notices an edit."""
+    from dschat.data.local import file_digest
+
+    target = spec.rsplit(":", 1)[0] if isinstance(spec, str) and ":" in spec else ""
+    if not (target.endswith(".py") and os.path.isfile(target)):
+        return None
+    return [os.path.abspath(target), file_digest(target)]
+
+
 def recorded_reward_fn(value):
     """What a run records as its reward function: the spec as given, a function as ``reward_fn_spec`` gives it, else
     a marker (starting with "<") that says it was a Python object the tools cannot load."""

@@ -166,6 +166,7 @@ def _listdir(folder):
 
 
 RUN_ARGS_FILE = "training_args.json"
+REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path and content hash)
 
 
 def write_results(args, metrics, step):
@@ -174,15 +175,17 @@ def write_results(args, metrics, step):
     step outputs it started from: what ``train.py --resume`` reads) in its output folder (rank 0)."""
     if is_rank_0():
         write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
-        from dschat.rlhf.reward_fn import recorded_reward_fn
+        from dschat.rlhf.reward_fn import recorded_reward_fn, reward_fn_file
 
         flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
+        record = {}
         if "reward_fn" in flags:  # a notebook's function: as a spec the tools can load
             flags["reward_fn"] = recorded_reward_fn(flags["reward_fn"])
+            record[REWARD_FN_FILE] = reward_fn_file(flags["reward_fn"])
         write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
                           {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
                            "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
-                           DATA_FILES: step_data_files(args)}, default=str)
+                           DATA_FILES: step_data_files(args), **record}, default=str)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
 
 
@@ -236,20 +239,26 @@ def input_runs(args):
     return runs
 
 
+# Beside TOKENIZER_FILES: what else a tokenizer reads from its folder.
+TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                         "merges.txt")
+
+
 def model_identity(folder):
     """What tells the model in ``folder`` from another saved there later: dschat's finished step output's run id;
     a model made elsewhere (TRL's, OpenRLHF's, a download) has none, so the names, sizes and modification times of its
-    config and weights files stand for it. None: no finished output, no model files."""
+    config, weights and tokenizer files (its chat template too: what the data is formatted with) stand for it. None: no
+    finished output, no model files."""
     import hashlib
 
-    from dschat.models.loading import is_weights_file
+    from dschat.models.loading import TOKENIZER_FILES, is_weights_file
     from dschat.models.reward_model import VALUE_HEAD_FILE
 
     run = finished_run_id(folder)
     if run is not None or os.path.isfile(os.path.join(folder, RUN_ARGS_FILE)):  # (a dschat step's, unfinished)
         return run
-    files = sorted(name for name in os.listdir(folder) if name in ("config.json", VALUE_HEAD_FILE)
-                   or is_weights_file(name))
+    described = {"config.json", VALUE_HEAD_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRA_FILES}
+    files = sorted(name for name in os.listdir(folder) if name in described or is_weights_file(name))
     if "config.json" not in files:
         return None
     stats = [(name, st.st_size, st.st_mtime_ns) for name, st in
