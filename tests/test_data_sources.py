@@ -166,6 +166,10 @@ def test_a_renamed_rejected_field_the_records_lack_is_an_error_in_step_2_only(tm
     unmapped = raw(write_records([{"prompt": r["prompt"], "chosen": r["chosen"]} for r in RECORDS],
                                  tmp_path / "sft.jsonl", "jsonl"), tmp_path)
     unmapped.check_usable(2)  # no rename: an SFT-only source in a step-2 mix is a counted skip
+    conversations = raw(write_records([{"messages": [{"role": "user", "content": r["prompt"]},
+                                                     {"role": "assistant", "content": r["chosen"]}]} for r in RECORDS],
+                                      tmp_path / "chat.jsonl", "jsonl"), tmp_path, **mapping)
+    conversations.check_usable(2)  # beside the renamed pairs: skipped and counted, as without --data_fields
 
 
 def test_a_misspelt_chosen_field_without_rejected_answers_is_named_in_steps_1_and_2(tmp_path):

@@ -589,8 +589,9 @@ class LocalDataset(PromptRawDataset):
 
     def check_rejected_rename(self):
         """A rejected=... that names a column the records lack is why they have no rejected answers: said as such.
-        (Other steps' files may lack rejected answers under the same --data_fields; step 2's cannot.)"""
-        if not self.has_rejected and "rejected" in self.renamed:
+        (Other steps' files may lack rejected answers under the same --data_fields; step 2's cannot. Conversations
+        beside the renamed data, which have none under any name, are skipped and counted as without --data_fields.)"""
+        if self.shape != "messages" and not self.has_rejected and "rejected" in self.renamed:
             self._check_renamed(("rejected",), self.raw_datasets["train"].column_names, self.source.train)
 
     def _shape_fields(self):
