@@ -60,7 +60,8 @@ def parse_args(argv=None):
                    help="Hub name, local folder or tiny preset; a bare OPT size (1.3b) means facebook/opt-1.3b.")
     p.add_argument("--reward-model", type=model_name, default=None,
                    help="Hub name, local folder or tiny preset; a bare OPT size (350m) means facebook/opt-350m. "
-                        "Default: the actor model (it must share the actor's tokenizer). Step 2 trains from it; a "
+                        "Default: the actor model (it must share the actor's tokenizer). Step 2 trains from it (on the "
+                        "tiny default, where it is the actor's preset, from the SFT model); a "
                         "trained reward model (a folder: step 2's, DeepSpeed-Chat's, TRL's, OpenRLHF's; or a hub "
                         "name of TRL's, OpenRLHF's or dschat's layout) with --step that leaves step 2 out (e.g. "
                         "--step 1 3) is what step 3 scores with and starts its critic from; with --recipe grpo, what "

@@ -56,6 +56,13 @@ def is_tiny_run(args):
                                                  or ready_reward_model(args) is not None)
 
 
+def reward_model_from_sft(args, tiny):
+    """Whether step 2 starts the reward model from the SFT model: on the tiny default, unless --reward-model names
+    another model than the actor. (As InstructGPT's did: a 0.5M-parameter model trained from scratch in seconds only
+    sees an answer's form; the SFT model also knows its content.)"""
+    return tiny and args.reward_model == args.actor_model
+
+
 def ready_reward_model(args):
     """``--reward-model`` when step 3 scores with it as it is: a trained reward model (a folder or a hub name: step
     2's output, DeepSpeed-Chat's, TRL's or OpenRLHF's) given to a PPO run without step 2, whose critic starts from it,
@@ -115,9 +122,7 @@ def step_argv(step, args, tiny):
         argv = ["--model_name_or_path", args.actor_model, "--zero_stage", str(args.actor_zero_stage),
                 "--output_dir", os.path.join(out, SFT_DIR)]
     elif step == 2:
-        # The tiny default starts its reward model from the SFT model (as InstructGPT did): a 0.5M-parameter
-        # model trained from scratch in seconds only sees an answer's form, the SFT model also knows content.
-        base = os.path.join(out, SFT_DIR) if tiny else args.reward_model
+        base = os.path.join(out, SFT_DIR) if reward_model_from_sft(args, tiny) else args.reward_model
         argv = ["--model_name_or_path", base, "--zero_stage", str(args.reward_zero_stage),
                 "--output_dir", os.path.join(out, RM_DIR)]
     else:
@@ -345,9 +350,9 @@ def _other_ways(step, producer, args):
     """What else gives a PPO run's step the model an earlier step would have written."""
     if getattr(args, "recipe", "ppo") != "ppo":
         return ""
-    if step == 2:  # (step 2 reads step 1's output only on the tiny default)
-        return (" (the tiny default's reward model starts from the SFT model, not from --reward-model; "
-                "training/step2_rm/main.py trains one from any model)")
+    if step == 2:  # (step 2 reads step 1's output only on the tiny default: reward_model_from_sft)
+        return (" (the tiny default's reward model starts from the SFT model; --reward-model naming another model "
+                "than --actor-model starts it from that one)")
     if producer != 2:
         return ""
     from dschat.tiny.presets import is_tiny_preset
@@ -405,7 +410,7 @@ def check_reward_model_tokenizer(steps, args, tiny):
     if getattr(args, "recipe", "ppo") == "dpo" or args.reward_model == args.actor_model:
         return
     # step 2 trains from it (the tiny presets share one tokenizer), or step 3 scores with it
-    if not (ready_reward_model(args) or (2 in steps and not tiny)):
+    if not (ready_reward_model(args) or (2 in steps and not reward_model_from_sft(args, tiny))):
         return
     from dschat.models.loading import check_tokenizer_files, load_tokenizer
     from dschat.rlhf.engine import check_scores_actor_text
@@ -429,7 +434,8 @@ def resume_plan(steps, args, parsed, tiny):
     # step 3 records its flags completed with their defaults (its per-model ZeRO stages from --zero_stage)
     parsed = {step: step3_args(flags) if step == 3 else flags for step, flags in parsed.items()}
     ready = ready_reward_model(args) is not None
-    plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed, rm_from_sft=tiny,
+    plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed,
+                                             rm_from_sft=reward_model_from_sft(args, tiny),
                                              ready_reward_model=ready))
     folders = [os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step]) for step in steps]
     if not any(os.path.isdir(folder) for folder in folders):  # (a mistyped --output-dir trains everything again)
@@ -494,9 +500,9 @@ def run_pipeline(args):
         print_rank_0(f"--reward-model {ready} is a trained reward model: step 3 scores with it" +
                      (" (GRPO: instead of --reward_fn)" if recipe == "grpo" else
                       " and starts its critic from it (no step 2 in this run)"))
-    if tiny and 2 in steps and recipe == "ppo" and args.reward_model != args.actor_model:
-        print_rank_0(f"tiny run: the reward model starts from the SFT model (see step_argv), not from "
-                     f"--reward-model {args.reward_model}")
+    if tiny and 2 in steps and recipe == "ppo" and not reward_model_from_sft(args, tiny) and not ready:
+        print_rank_0(f"tiny run: step 2 trains --reward-model {args.reward_model} from its own start (without "
+                     "--reward-model, as the actor's preset, it starts from the SFT model: docs/tiny_default.md)")
     for step in steps:
         main, name, _ = parsers[step]
         if plan[step].action == SKIP:
@@ -513,7 +519,7 @@ def run_pipeline(args):
         return None
     skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]  # (finished, so this run's)
     resumed = [parsers[step][1] for step in steps if plan[step].action == RESUME]
-    report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=tiny, skipped=skipped,
+    report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=reward_model_from_sft(args, tiny), skipped=skipped,
                           resumed=resumed, reward_model=ready, rule_scores=rule_scores)
     for line in summary_lines(report):
         print(line, flush=True)

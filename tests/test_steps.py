@@ -474,8 +474,12 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
                                                     f"run step 1 too \\(--step {together}\\)"):
             pipeline.run_pipeline(_train_py_args("--output-dir", out, *argv))
     with pytest.raises(MissingInputError, match="run step 1 too .*the tiny default's reward model starts from the "
-                                                "SFT model, not from --reward-model; training/step2_rm/main.py"):
+                                                "SFT model; --reward-model naming another model than --actor-model "
+                                                "starts it from that one"):
         pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "2", "--reward-model", "tiny-llama"))
+    # another preset named: step 2 trains it (it was silently the SFT model), and needs no step 1
+    argv = pipeline.step_argv(2, _train_py_args("--output-dir", out, "--reward-model", "tiny-opt"), True)
+    assert argv[argv.index("--model_name_or_path") + 1] == "tiny-opt"
     (tmp_path / "out" / "step1_sft").mkdir(parents=True)  # empty (a step that failed early): no model
     with pytest.raises(MissingInputError, match="step1_sft, step 1's output, which holds no model"):
         pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "3"))
