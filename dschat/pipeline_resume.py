@@ -81,8 +81,12 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
             plan[step] = Decision(RESUME, "to train on past its finished output ("
                                           + ", ".join(f"--{name}" for name in changed) + ")")
         elif current:
+            # (a longer run trains on from a checkpoint only: without one it starts over)
+            extends = ", and it saved no checkpoint to train on from (--save_interval)" if set(changed) <= EXTENDING \
+                else ""
             plan[step] = Decision(FRESH, f"its finished output in {folder} had other values of "
-                                         f"{', '.join(said_change(name, record, parsed[step]) for name in changed)}")
+                                         f"{', '.join(said_change(name, record, parsed[step]) for name in changed)}"
+                                         + extends)
         elif inputs:
             plural = "s" if len(inputs) > 1 else ""
             plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint made from the present "

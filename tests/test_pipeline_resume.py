@@ -2,6 +2,7 @@
 import json
 import os
 import runpy
+import shutil
 from argparse import Namespace
 
 import pytest
@@ -170,6 +171,10 @@ def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tm
     assert plan(tmp_path, step1=longer) == {1: RESUME, 2: FRESH, 3: FRESH}
     assert plan_steps([1], "ppo", str(tmp_path), {1: longer})[1].why == \
         "to train on past its finished output (--max_steps)"
+    shutil.rmtree(tmp_path / FOLDERS[1] / "checkpoints")  # none to train on from: said, not only the flag
+    assert plan_steps([1], "ppo", str(tmp_path), {1: longer})[1].why.endswith(
+        "had other values of --max_steps, and it saved no checkpoint to train on from (--save_interval)")
+    checkpoint(tmp_path, 1, 150)
     # no finished output (a run that trains removes it): a later run of the step, interrupted
     (tmp_path / FOLDERS[1] / "metrics.json").unlink()
     assert plan(tmp_path) == {1: RESUME, 2: FRESH, 3: FRESH}
