@@ -201,6 +201,11 @@ def test_messages_records_for_sft(tmp_path):
     assert adapter.get_conversation(sample) == records[0]["messages"][:-1]
     assert adapter.get_chosen_text(sample) == "4" and adapter.get_rejected_text(sample) is None
     assert adapter.get_extra(sample) == {"source": "x"}
+    doubled = write_records([{"messages": [*records[0]["messages"], {"role": "assistant", "content": "Or 5"}]}] * 2,
+                            tmp_path / "doubled.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 1 \(record 0\): field 'messages': the conversation ends with "
+                                                 r"two assistant messages in a row"):
+        raw(f"{doubled},{doubled}", tmp_path)  # (it said "the prompt messages must end with a user message")
 
 
 def test_preference_records_that_also_carry_messages_read_as_pairs(tmp_path):

@@ -673,6 +673,9 @@ class LocalDataset(PromptRawDataset):
         prompt, answer = final_assistant_answer(checked_messages(value, field), field)
         if not prompt:
             raise RecordError(field, "there must be a user message before the answer")
+        if prompt[-1]["role"] == "assistant":  # (said as such: not "the prompt messages must end with ...")
+            raise RecordError(field, "the conversation ends with two assistant messages in a row; the answer must "
+                                     "follow a user message")
         return prompt_messages(prompt, field), answer
 
     def get_chosen_text(self, sample):
