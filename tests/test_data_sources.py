@@ -328,6 +328,17 @@ def test_unpaired_preference_labels_hold_under_renamed_fields_and_a_bad_one_is_i
     assert [adapter.is_undesirable(s) for s in adapter.get_train_data()] == [False, True, False, True]
     with pytest.raises(DatasetFormatError, match=r"no 'goood' field, which --data_fields label=goood names"):
         raw(f"{named},{named}", tmp_path, label="goood")
+    plain = write_records([{"prompt": "Q?", "completion": "A"}] * 2, tmp_path / "sft.jsonl", "jsonl")
+    assert raw(f"{plain},{plain}", tmp_path, label="good").label_field is None  # an SFT file beside the KTO one
+    # a category or flag column beside a plain chosen answer is data, as a category beside a completion
+    for column in ([0, 1, 0, 1], [0, 1, 2, 3], ["math", "no", "code", "chat"]):
+        flagged = write_records([{"prompt": f"Q{i}?", "chosen": f"A{i}", "label": v} for i, v in enumerate(column)],
+                                tmp_path / "flag.jsonl", "jsonl")
+        assert not any(raw(f"{flagged},{flagged}", tmp_path).is_undesirable(s) for s in
+                       raw(f"{flagged},{flagged}", tmp_path).get_train_data())
+    category = write_records([dict(r, label=v) for r, v in zip(rows, ["math", "no", "code", "chat"])],
+                             tmp_path / "category.jsonl", "jsonl")
+    assert raw(f"{category},{category}", tmp_path, prompt="question", chosen="response").label_field is None
     typo = write_records([dict(r, label=r["label"] == "yes") for r in rows[:3]] + [dict(rows[3], label="flase")],
                          tmp_path / "typo.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"line 4 \(record 3\): field 'label': 'flase' is not a label "

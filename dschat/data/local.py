@@ -510,16 +510,22 @@ class LocalDataset(PromptRawDataset):
 
     def _label_column(self, train):
         """The column of TRL's unpaired preference labels (KTO's records: prompt, completion, and a label saying
-        whether to imitate the answer), else None: ``--data_fields label=NAME``, or a "label" column beside answers
-        without rejected ones (a completion, or a renamed chosen) that holds any label. Each of its values must be one
-        (a typo is its record's error); a column with none (a category) is data."""
-        name, renamed = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed
-        unpaired = self.fields["chosen"] in train.column_names and self.fields["rejected"] not in train.column_names
-        if name not in train.column_names:
-            if renamed and unpaired:  # (records of another shape beside them need no labels)
-                self._check_renamed((LABEL_FIELD,), train.column_names, self.source.train)
+        whether to imitate the answer), else None: ``--data_fields label=NAME``, or a "label" column beside TRL's
+        completion (or a renamed chosen; no rejected) that reads as labels: every value one, or any a true/false (a
+        typo among them is then its record's error, not a reason to train on every answer). A category column (0-3,
+        "math", "no") beside a plain chosen stays data. A renamed label missing from a file whose columns hold no
+        true/false is none of its business (an SFT file in the mix); else it is the rename's error (misspelt)."""
+        name, renamed, columns = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed, train.column_names
+        if name not in columns:
+            if renamed and any(_says_true_or_false(values) for values in train[:100].values()):
+                self._check_renamed((LABEL_FIELD,), columns, self.source.train)
             return None
-        return name if renamed or (unpaired and _holds_a_label(train[name])) else None
+        if renamed:
+            return name
+        answer_is_kto_like = self.fields["chosen"] == "completion" or "chosen" in self.renamed
+        values = [value for value in train[name] if value is not None]
+        labels = values and (all(_label_value(v) is not None for v in values) or _says_true_or_false(values))
+        return name if answer_is_kto_like and self.fields["rejected"] not in columns and labels else None
 
     def _load_splits(self):
         self._train_lines = self._eval_lines = None
@@ -766,8 +772,10 @@ def _label_value(value):
     return None
 
 
-def _holds_a_label(values):
-    return any(_label_value(value) is not None for value in values)
+def _says_true_or_false(values):
+    """Whether any value is a bool or the word true/false: how KTO's labels are written (0/1 and yes/no are also
+    other things)."""
+    return any(isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in ("true", "false")) for v in values)
 
 
 def _json_list_text(value):
