@@ -358,10 +358,18 @@ def test_answer_lists_that_repeat_the_prompt_are_read_and_ones_with_another_prom
     sample = adapter.get_train_data()[0]
     assert adapter.get_conversation(sample) == [{"role": "user", "content": "What is 3+4?"}]
     assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("7", "8")
+    # orca_dpo_pairs': a system message before the prompt in the lists only: the lists' turns are the conversation
+    system = {"role": "system", "content": "Be exact."}
+    orca = [{**pair("What is\r\n3+4?", "What is\n3+4?"), "rejected": "8"}] * 2
+    orca[0]["chosen"] = [system, *orca[0]["chosen"]]
+    adapter = raw(f"{write_records(orca, tmp_path / 'orca.jsonl', 'jsonl')},{tmp_path / 'orca.jsonl'}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [system, {"role": "user", "content": "What is\n3+4?"}]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("7", "8")
     bad = write_records([pair("What is 3+4?", "What is 3+4?"), pair("Totally different", "What is 3+4?")],
                         tmp_path / "bad.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"line 2 \(record 1\): field 'chosen': its turns before the answer "
-                                                 r"are not the prompt of field 'prompt'"):
+                                                 r"do not end with the prompt of field 'prompt'"):
         raw(f"{bad},{bad}", tmp_path)
 
 

@@ -646,6 +646,14 @@ class LocalDataset(PromptRawDataset):
         return self._prompt_conversation(sample)
 
     def _prompt_conversation(self, sample):
+        """The prompt field's messages; or the chosen answer list's turns before its answer, where they end with them
+        (a system message or earlier turns the prompt field leaves out: orca_dpo_pairs', ultrafeedback's)."""
+        prompt = self._prompt_field_messages(sample)
+        chosen = self.fields["chosen"]
+        turns = self._answer_list_turns(sample, chosen) if sample.get(chosen) is not None else None
+        return self._holding_prompt(turns, prompt, chosen) or prompt
+
+    def _prompt_field_messages(self, sample):
         field = self.fields["prompt"]
         value = _json_list_text(sample.get(field))
         if isinstance(value, (list, tuple)):
@@ -655,6 +663,28 @@ class LocalDataset(PromptRawDataset):
             return text_prompt_messages(text)
         except ValueError as error:
             raise RecordError(field, str(error)) from None
+
+    @staticmethod
+    def _answer_list_turns(sample, field):
+        """The turns before the answer of an answer given as a message list, else None (a string answer)."""
+        value = _json_list_text(sample[field])
+        if not isinstance(value, (list, tuple)):
+            return None
+        return final_assistant_answer(checked_messages(value, field), field)[0]
+
+    def _holding_prompt(self, turns, prompt, field):
+        """``turns`` (an answer list's, before its answer) when there are any: they must end with the ``prompt``
+        field's messages (else the answer would be trained after another prompt, its turns dropped)."""
+        if not turns:
+            return None
+        if turns[-1]["role"] == "assistant":
+            raise RecordError(field, "the conversation ends with two assistant messages in a row; the answer must "
+                                     "follow a user message")
+        if len(turns) < len(prompt) or _turns_of(turns[len(turns) - len(prompt):]) != _turns_of(prompt):
+            raise RecordError(field, f"its turns before the answer do not end with the prompt of field "
+                                     f"{self.fields['prompt']!r}; give the answer alone, or turns ending with that "
+                                     "prompt")
+        return list(turns)
 
     def _awaiting_answer(self, sample):
         """The messages of a record whose last message is the user's (a message list, or a "Human: ... Assistant:"
@@ -732,16 +762,14 @@ class LocalDataset(PromptRawDataset):
         value = _json_list_text(sample[field])
         if isinstance(value, (list, tuple)):
             turns, answer = final_assistant_answer(checked_messages(value, field), field)
-            if turns and _turns_of(turns) != _turns_of(self._prompt_conversation(sample)):
-                raise RecordError(field, f"its turns before the answer are not the prompt of field "
-                                         f"{self.fields['prompt']!r}; give the answer alone, or turns that repeat "
-                                         "that prompt")
+            self._holding_prompt(turns, self._prompt_field_messages(sample), field)
             return answer
         return optional_text(sample, field)
 
 
 def _turns_of(messages):
-    return [(message["role"], message["content"].strip()) for message in messages]
+    """(role, text) of each message, its whitespace runs as one space (a file's \r\n is the same prompt)."""
+    return [(message["role"], " ".join(message["content"].split())) for message in messages]
 
 
 def text_prompt_messages(text):
