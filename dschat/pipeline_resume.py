@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import RECIPE_STEP_FOLDERS
-from dschat.steps.common import (MODEL_PATH_FLAGS, REWARD_FN_FILE, finished_run_id, model_identity, read_run_args,
-                                 step_data_files)
+from dschat.steps.common import (MODEL_PATH_FLAGS, REWARD_FN_FILE, finished_run_id, holds_model, model_identity,
+                                 read_run_args, step_data_files)
 from dschat.utils.checkpoints import DATA_FILES, LATEST, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -196,7 +196,7 @@ def _differs(name, then_value, now_value, then_cwd, made_from):
     if name in MODEL_PATH_FLAGS and isinstance(then_value, str) and isinstance(now_value, str):
         run = made_from.get(os.path.normpath(os.path.join(then_cwd, then_value)))
         if run is not None:
-            return not (os.path.isdir(now_value) and model_identity(now_value) == run)
+            return not holds_model(now_value, run)
     return _as_path(name, then_value, then_cwd) != _as_path(name, now_value, os.getcwd())
 
 

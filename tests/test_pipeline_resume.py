@@ -132,6 +132,10 @@ def test_a_model_made_elsewhere_is_compared_by_its_files(tmp_path, monkeypatch):
     (external / "chat_template.jinja").write_text("{{ messages }}")  # what its data is formatted with: a new one
     assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].why.endswith(
         f"had other values of --model_name_or_path (the model files in {external} changed since)")
+    # recorded before the tokenizer files counted (by config and weights): the same model, not a change
+    record["inputs"] = {str(external): model_identity(str(external), tokenizer_files=False)}
+    (tmp_path / "step1_sft" / "training_args.json").write_text(json.dumps(record))
+    assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].action == SKIP
     assert model_identity(str(tmp_path / "step1_sft")) == "a", "dschat's own output: its run id"
 
 

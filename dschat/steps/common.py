@@ -244,7 +244,10 @@ TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_t
                          "merges.txt")
 
 
-def model_identity(folder):
+LEGACY_FILES_IDENTITY = "files:"  # (a model_identity recorded before the tokenizer files counted)
+
+
+def model_identity(folder, tokenizer_files=True):
     """What tells the model in ``folder`` from another saved there later: dschat's finished step output's run id;
     a model made elsewhere (TRL's, OpenRLHF's, a download) has none, so the names, sizes and modification times of its
     config, weights and tokenizer files (its chat template too: what the data is formatted with) stand for it. None: no
@@ -257,13 +260,22 @@ def model_identity(folder):
     run = finished_run_id(folder)
     if run is not None or os.path.isfile(os.path.join(folder, RUN_ARGS_FILE)):  # (a dschat step's, unfinished)
         return run
-    described = {"config.json", VALUE_HEAD_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRA_FILES}
+    described = {"config.json", VALUE_HEAD_FILE, *((*TOKENIZER_FILES, *TOKENIZER_EXTRA_FILES) if tokenizer_files
+                                                   else ())}
     files = sorted(name for name in os.listdir(folder) if name in described or is_weights_file(name))
     if "config.json" not in files:
         return None
     stats = [(name, st.st_size, st.st_mtime_ns) for name, st in
              ((name, os.stat(os.path.join(folder, name))) for name in files)]
-    return "files:" + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+    kind = "files+tokenizer:" if tokenizer_files else LEGACY_FILES_IDENTITY
+    return kind + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+
+
+def holds_model(folder, identity):
+    """Whether ``folder`` holds the model recorded as ``identity`` (``model_identity``; one recorded before dschat
+    counted the tokenizer files, by its config and weights files alone: an upgrade is not a change of model)."""
+    legacy = isinstance(identity, str) and identity.startswith(LEGACY_FILES_IDENTITY)
+    return os.path.isdir(folder) and identity == model_identity(folder, tokenizer_files=not legacy)
 
 
 def finished_run_id(folder):
