@@ -11,6 +11,7 @@ A step removes its metrics.json when it starts training, so an interrupted run n
 or checkpoint was made from is read from the run ids it recorded of its inputs (``steps.common.input_runs``).
 """
 import json
+import math
 import os
 from typing import NamedTuple
 
@@ -82,8 +83,8 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
                                           + ", ".join(f"--{name}" for name in changed) + ")")
         elif current:
             # (a longer run trains on from a checkpoint only: without one it starts over)
-            extends = ", and it saved no checkpoint to train on from (--save_interval)" if set(changed) <= EXTENDING \
-                else ""
+            longer = set(changed) <= EXTENDING and all(_raised(name, record, parsed[step]) for name in changed)
+            extends = ", and it saved no checkpoint to train on from (--save_interval)" if longer else ""
             plan[step] = Decision(FRESH, f"its finished output in {folder} had other values of "
                                          f"{', '.join(said_change(name, record, parsed[step]) for name in changed)}"
                                          + extends)
@@ -161,6 +162,15 @@ def changed_flags(record, flags):
     return sorted(name for name in names if name in recorded and (
         _differs(name, recorded[name], now[name], then, record.get("inputs", {}))
         or (name == "reward_fn" and _edited_reward_fn(record, flags) is not None)))
+
+
+def _raised(name, record, flags):
+    """Whether the flag ``name`` (a count: --max_steps, --num_train_epochs) is now larger than the run recorded."""
+    def count(value):  # (--max_steps 0: no cap, the epochs decide)
+        return math.inf if name == "max_steps" and value == 0 else value
+
+    then, now = record.get("flags", {}).get(name), getattr(flags, name, None)
+    return isinstance(then, (int, float)) and isinstance(now, (int, float)) and count(now) > count(then)
 
 
 def _edited_reward_fn(record, flags):

@@ -178,6 +178,8 @@ def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tm
     shutil.rmtree(tmp_path / FOLDERS[1] / "checkpoints")  # none to train on from: said, not only the flag
     assert plan_steps([1], "ppo", str(tmp_path), {1: longer})[1].why.endswith(
         "had other values of --max_steps, and it saved no checkpoint to train on from (--save_interval)")
+    shorter = Namespace(**{**vars(FLAGS), "max_steps": 2})  # (no checkpoint would make a shorter run continue)
+    assert plan_steps([1], "ppo", str(tmp_path), {1: shorter})[1].why.endswith("had other values of --max_steps")
     checkpoint(tmp_path, 1, 150)
     # no finished output (a run that trains removes it): a later run of the step, interrupted
     (tmp_path / FOLDERS[1] / "metrics.json").unlink()
