@@ -1552,6 +1552,8 @@ def test_a_reward_model_without_a_trained_value_head_is_refused_before_any_model
         _engine_and_trainer(trained, tmp_path, reward_model_name_or_path=str(trained / "sft"))
     with pytest.raises(UsageError, match="has no trained value head"):  # the critic's folder scores when none is given
         _engine_and_trainer(trained, tmp_path, critic_model_name_or_path=str(trained / "sft"))
+    with pytest.raises(UsageError, match="the reward model tiny-gpt2 has no trained value head"):  # a preset: a folder
+        _engine_and_trainer(trained, tmp_path, critic_model_name_or_path="tiny-gpt2")
 
 
 def test_a_critic_without_a_trained_value_head_starts_from_a_new_one(trained, tmp_path, capsys):
