@@ -677,9 +677,7 @@ class LocalDataset(PromptRawDataset):
         field's messages (else the answer would be trained after another prompt, its turns dropped)."""
         if not turns:
             return None
-        if turns[-1]["role"] == "assistant":
-            raise RecordError(field, "the conversation ends with two assistant messages in a row; the answer must "
-                                     "follow a user message")
+        _check_answer_follows_user(turns, field)
         if len(turns) < len(prompt) or _turns_of(turns[len(turns) - len(prompt):]) != _turns_of(prompt):
             raise RecordError(field, f"its turns before the answer do not end with the prompt of field "
                                      f"{self.fields['prompt']!r}; give the answer alone, or turns ending with that "
@@ -709,9 +707,7 @@ class LocalDataset(PromptRawDataset):
         prompt, answer = final_assistant_answer(checked_messages(value, field), field)
         if not prompt:
             raise RecordError(field, "there must be a user message before the answer")
-        if prompt[-1]["role"] == "assistant":  # (said as such: not "the prompt messages must end with ...")
-            raise RecordError(field, "the conversation ends with two assistant messages in a row; the answer must "
-                                     "follow a user message")
+        _check_answer_follows_user(prompt, field)
         return prompt_messages(prompt, field), answer
 
     def get_chosen_text(self, sample):
@@ -767,15 +763,24 @@ class LocalDataset(PromptRawDataset):
         return optional_text(sample, field)
 
 
+def _check_answer_follows_user(turns, field):
+    """The turns before a conversation's answer end with the user's (said as such: not "the prompt messages must end
+    with a user message")."""
+    if turns[-1]["role"] == "assistant":
+        raise RecordError(field, "the conversation ends with two assistant messages in a row; the answer must follow "
+                                 "a user message")
+
+
 def _turns_of(messages):
     """(role, text) of each message, its whitespace runs as one space (a file's \r\n is the same prompt)."""
     return [(message["role"], " ".join(message["content"].split())) for message in messages]
 
 
 def text_prompt_messages(text):
-    """The messages of a prompt given as (stripped) text: a DeepSpeed-Chat-style transcript ("Human: ...\n\nAssistant:"),
-    maybe after a system message as dschat writes one ("Be brief.\n\nHuman: ..."), else one user message (whose
-    words "Human:" or "Assistant:" are its own). A transcript that does not end with a Human turn is a ValueError."""
+    """The messages of a prompt given as (stripped) text: a DeepSpeed-Chat-style transcript ("Human: ...
+    \n\nAssistant:"), maybe after a system message as dschat writes one ("Be brief.\n\nHuman: ..."), else one user
+    message (whose words "Human:" or "Assistant:" are its own). A transcript not ending with a Human turn is a
+    ValueError."""
     if text.startswith("Human:") or (_PROMPT_AFTER_PREAMBLE.search(text) and text.endswith("Assistant:")):
         messages = parse_transcript(text, preamble_role="system")
         if not messages or messages[-1]["role"] != "user":
