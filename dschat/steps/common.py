@@ -239,11 +239,6 @@ def input_runs(args):
     return runs
 
 
-# Beside TOKENIZER_FILES: what else a tokenizer reads from its folder.
-TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                         "merges.txt")
-
-
 LEGACY_FILES_IDENTITY = "files:"  # (a model_identity recorded before the tokenizer files counted)
 
 
@@ -254,7 +249,7 @@ def model_identity(folder, tokenizer_files=True):
     finished output, no model files."""
     import hashlib
 
-    from dschat.models.loading import TOKENIZER_FILES, is_weights_file
+    from dschat.models.loading import TOKENIZER_EXTRA_FILES, TOKENIZER_FILES, is_weights_file
     from dschat.models.reward_model import VALUE_HEAD_FILE
 
     run = finished_run_id(folder)
