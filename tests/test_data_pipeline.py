@@ -386,6 +386,34 @@ def test_a_conversation_ending_with_a_user_turn_is_a_prompt_for_step_3_and_a_cou
     assert [r.chosen for r in records] == [None, None, "Hello, friend."]
     assert records[0].messages == awaiting
 
+@pytest.mark.parametrize("template", ["human_assistant", "chatml"])
+def test_multiturn_trains_a_conversation_ending_with_a_user_turn_up_to_its_last_answer(tmp_path, tokenizer, capsys,
+                                                                                      template):
+    """With --multiturn, a conversation cut after a question (a ShareGPT dump) was skipped whole, its answers lost;
+    TRL's and OpenRLHF's assistant-only losses train them. Its turns after the last answer are left out, and the
+    report counts such conversations. One with no answer at all stays a counted skip."""
+    tok = chatml(tokenizer) if template == "chatml" else tokenizer
+    cut = CONVERSATION[:5] + [{"role": "user", "content": "Bye."}]  # ..., "Fine, thanks.", user
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": cut}, {"messages": CONVERSATION[:2]},
+                                                 {"messages": CONVERSATION}])
+    every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
+    texts = sorted(trained_text(item, tok) for item in every)
+    answers = {"human_assistant": (" Hello, friend.\n\n| Fine, thanks.<|endoftext|>",
+                                   " Hello, friend.\n\n| Fine, thanks.\n\n| Goodbye!<|endoftext|>"),
+               "chatml": ("Hello, friend.<|im_end|>|Fine, thanks.<|im_end|>",
+                          "Hello, friend.<|im_end|>|Fine, thanks.<|im_end|>|Goodbye!<|im_end|>")}[template]
+    assert texts == sorted(answers)
+    assert every.skipped == {"no answer (the conversation ends with a user turn)": 1}
+    shorter = next(item for item in every if trained_text(item, tok) == answers[0])
+    assert "Bye." not in tok.decode(shorter["input_ids"])  # the unanswered question is not in the example
+    out = capsys.readouterr().out
+    assert "skipped 1 of 3 records: 1 no answer (the conversation ends with a user turn)" in out
+    assert "1 conversation ending with a user turn trained up to its last answer (--multiturn)" in out
+    # two answers in a row before the last question: the record's error, as for a conversation ending with them
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATION[:3] + CONVERSATION[2:3] + cut[-1:]}])
+    with pytest.raises(DatasetFormatError, match="two assistant messages in a row"):
+        build(tmp_path, tok, [f"{bad},{bad}"], 1, data_split="1,0,0", multiturn=True)
+
 
 def test_multiturn_needs_offsets_from_a_fast_tokenizer(tmp_path, tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)

@@ -25,3 +25,14 @@ class SkipRecord(Exception):
     def __init__(self, reason):
         super().__init__(reason)
         self.reason = reason
+
+
+class EndsWithUser(SkipRecord):
+    """A conversation record whose last message is the user's: a prompt (step 3), no answer for steps 1 and 2
+    (skipped and counted), except that step 1's ``--multiturn`` trains its assistant turns before it."""
+
+    REASON = "no answer (the conversation ends with a user turn)"
+
+    def __init__(self, messages):
+        super().__init__(self.REASON)
+        self.messages = messages

@@ -22,7 +22,8 @@ prompt=question,chosen=good``):
   Without a ``chosen`` field the data is prompt-only (step 3 only). A null ``rejected`` marks an SFT-only
   record (skipped, and counted, in step 2).
 * ``messages``: a list of {role, content} ending with the assistant answer (SFT data); one ending with a user
-  turn is a prompt (step 3), skipped and counted by steps 1 and 2.
+  turn is a prompt (step 3), skipped and counted by steps 1 and 2 (step 1's ``--multiturn`` trains its assistant
+  turns before it).
 * ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format), or as whole
   "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts (Anthropic/hh-rlhf's files): the turns before the last are
   the prompt and must be the same in both; the last (assistant) turns are the answers.
@@ -45,11 +46,9 @@ from pathlib import Path
 from dschat.errors import MissingInputError, UsageError
 from .base import (PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer, optional_text,
                    prompt_messages, required_text)
-from .errors import DatasetFormatError, RecordError, SkipRecord
+from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord
 from .formatting import parse_transcript
 
-# Why steps 1 and 2 skip a messages record whose last message is the user's (step 3 takes it as its prompt).
-ENDS_WITH_USER = "no answer (the conversation ends with a user turn)"
 LOCAL_TYPES = ("jsonl", "json", "parquet", "csv", "disk")
 EXTENSION_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 EVAL_SPLIT_NAMES = ("eval", "test", "validation")
@@ -712,8 +711,9 @@ class LocalDataset(PromptRawDataset):
 
     def get_chosen_text(self, sample):
         if self.shape == "messages":
-            if self._awaiting_answer(sample):
-                raise SkipRecord(ENDS_WITH_USER)
+            awaiting = self._awaiting_answer(sample)
+            if awaiting:
+                raise EndsWithUser(awaiting)
             return self._split_message_list(sample, self.fields["messages"])[1]
         if self.shape == "chosen_messages":
             return self._split_message_list(sample, self.fields["chosen"])[1]

@@ -7,12 +7,18 @@ that turn, so the turn is trained exactly as if it were the answer. The end toke
 (ChatML's ``<|im_end|>``, Llama-3's ``<|eot_id|>``) is trained with it when it is the EOT token, so the model learns
 to stop there; DeepSpeed-Chat's Human/Assistant text writes none between turns.
 
+A conversation ending with a user turn (a ShareGPT dump cut after a question) has no answer to train by default;
+with ``--multiturn`` its assistant turns before that turn are trained, as TRL's and OpenRLHF's assistant-only losses
+train them, and the data report counts such conversations.
+
 A template that renders earlier turns otherwise than a prompt ending at them (one dropping an earlier turn's
 reasoning, say) leaves that turn in the prompt; the data report counts those turns.
 """
 from bisect import bisect_left, bisect_right
 
 from dschat.errors import UsageError
+from .base import final_assistant_answer, prompt_messages
+from .errors import RecordError
 from .formatting import format_prompt
 
 
@@ -20,6 +26,19 @@ def check_offsets_available(tokenizer):
     if not getattr(tokenizer, "is_fast", False):
         raise UsageError("--multiturn needs a fast tokenizer (it maps each assistant turn's text to its tokens "
                          f"through offsets), and {type(tokenizer).__name__} is not one")
+
+
+def answered_turns(skip):
+    """(prompt turns, answer) of the conversation ``skip`` (an EndsWithUser) holds, up to its last assistant turn;
+    the skip itself when it has none."""
+    messages = skip.messages
+    last = max((i for i, message in enumerate(messages) if message["role"] == "assistant"), default=None)
+    if last is None or not any(message["role"] == "user" for message in messages[:last]):
+        raise skip
+    prompt, answer = final_assistant_answer(messages[:last + 1], "messages")
+    if prompt[-1]["role"] == "assistant":
+        raise RecordError("messages", "two assistant messages in a row; each answer must follow a user message")
+    return prompt_messages(prompt, "messages"), answer
 
 
 def earlier_answer_spans(messages_list, prompt_texts, offsets, tokenizer, eot_token):

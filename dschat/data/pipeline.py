@@ -42,10 +42,10 @@ from torch.utils.data import Dataset
 
 from dschat.errors import UsageError
 from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
-from .errors import DatasetFormatError, RecordError, SkipRecord
+from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord
 from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
 from .local import LocalSource, checked_field_options, parse_field_map
-from .multiturn import check_offsets_available, earlier_answer_spans
+from .multiturn import answered_turns, check_offsets_available, earlier_answer_spans
 from .raw_datasets import get_raw_dataset, resolve_dataset_spec
 from .splits import compute_split_indices, get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
 
@@ -77,6 +77,7 @@ class Example:
     rejected: str | None = None
     extra: dict | None = None
     prompt_text: str | None = None  # format_prompt(messages), rendered where a refusal can name the record
+    unanswered: bool = False  # --multiturn: a conversation ending with a user turn, trained up to its last answer
 
 
 def phase_features(train_phase):
@@ -335,20 +336,23 @@ def encode_records(raw, records, tokenizer, settings):
     from datasets import Dataset
 
     skips = Counter()
-    examples = extract_examples(raw, records, settings.train_phase, skips, tokenizer)
+    multiturn = settings.multiturn and settings.train_phase == 1
+    examples = extract_examples(raw, records, settings.train_phase, skips, tokenizer, multiturn)
     encoder = {1: encode_sft, 2: encode_pair, 3: encode_prompt}[settings.train_phase]
-    rows = []
+    rows, unanswered = [], 0
     for example, tokens in zip(examples, tokenize_examples(examples, tokenizer, settings)):
         try:
             rows.append(encoder(example, tokens, settings))
+            unanswered += example.unanswered
         except SkipRecord as skip:
             skips[skip.reason] += 1
     features = phase_features(settings.train_phase)
     notes = {"cut": sum(1 for row in rows if row.get("cut") or row.get("chosen_truncated")
                         or row.get("rejected_truncated")),
              "formatted": already_formatted(examples, tokenizer)}
-    if settings.multiturn and settings.train_phase == 1:
+    if multiturn:
         notes["turns"] = [sum(len(row["label_spans"]) // 2 for row in rows), sum(row["turns_missed"] for row in rows)]
+        notes["unanswered"] = unanswered
     return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, notes
 
 
@@ -368,11 +372,11 @@ def already_formatted(examples, tokenizer):
     return [count, example] if count else None
 
 
-def extract_examples(raw, records, train_phase, skips, tokenizer):
+def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=False):
     examples = []
     for sample in records:
         try:
-            example = extract_example(raw, sample, train_phase)
+            example = extract_example(raw, sample, train_phase, multiturn)
             example.prompt_text = rendered_prompt(example.messages, tokenizer)
             examples.append(example)
         except SkipRecord as skip:
@@ -400,8 +404,9 @@ def rendered_prompt(messages, tokenizer):
 UNDESIRABLE = "undesirable answer (label false: TRL's unpaired preference data)"
 
 
-def extract_example(raw, sample, train_phase):
-    """Only the accessors a phase needs are called, so e.g. a tie only matters in phase 2."""
+def extract_example(raw, sample, train_phase, multiturn=False):
+    """Only the accessors a phase needs are called, so e.g. a tie only matters in phase 2. ``multiturn``: phase 1
+    trains a conversation ending with a user turn up to its last answer."""
     messages = raw.get_conversation(sample)
     if train_phase == 3:
         answers = raw.get_reference_answers(sample)  # a data column of the same name (fields renamed) stays extra_
@@ -409,7 +414,12 @@ def extract_example(raw, sample, train_phase):
                                            for k, v in raw.get_extra(sample).items()}, **answers})
     if raw.is_undesirable(sample):
         raise SkipRecord(UNDESIRABLE)
-    chosen = raw.get_chosen_text(sample)
+    try:
+        chosen = raw.get_chosen_text(sample)
+    except EndsWithUser as skip:
+        if not multiturn:
+            raise
+        return Example(*answered_turns(skip), unanswered=True)
     if chosen is None:
         raise SkipRecord("no chosen answer")
     if train_phase == 1:
@@ -580,6 +590,10 @@ def format_skip_line(entry):
         if missed:
             cut += (f", {missed} left as prompt: the chat template renders {'them' if missed != 1 else 'it'} otherwise "
                     f"than a prompt ending at {'them' if missed != 1 else 'it'}")
+    if entry.get("unanswered"):
+        count = entry["unanswered"]
+        cut += (f"; {count} conversation{'s' if count != 1 else ''} ending with a user turn trained up to "
+                f"{'their' if count != 1 else 'its'} last answer (--multiturn)")
     if entry.get("formatted"):
         count, token = entry["formatted"]
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "
