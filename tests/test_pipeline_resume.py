@@ -337,3 +337,23 @@ def test_a_reward_function_file_edited_since_a_finished_output_reruns_its_step(t
     decision = plan_steps([3], "ppo", str(tmp_path), {3: step})[3]
     assert decision.action == FRESH and decision.why.endswith(
         f"had other values of --reward_fn (its file {tmp_path / 'rewards.py'} changed since)")
+
+
+def test_a_reward_function_module_edited_since_a_finished_output_reruns_its_step(tmp_path, monkeypatch):
+    """A --reward_fn given as package.module:function (found on the import path) was not tracked: an edit of its
+    module left --resume skipping step 3 with the old function's scores."""
+    from dschat.steps.common import write_results
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "myrewards").mkdir()
+    (tmp_path / "myrewards" / "__init__.py").write_text("")
+    module = tmp_path / "myrewards" / "scoring.py"
+    module.write_text("def score(prompts, answers):\n    return [0.0 for _ in answers]\n")
+    step = Namespace(**{**vars(FLAGS), "reward_fn": "myrewards.scoring:score"})
+    write_results(Namespace(**vars(step), output_dir=str(tmp_path / FOLDERS[3])), {}, "step3")
+    assert plan_steps([3], "ppo", str(tmp_path), {3: step})[3].action == SKIP
+    module.write_text("def score(prompts, answers):\n    return [0.5 for _ in answers]\n")
+    decision = plan_steps([3], "ppo", str(tmp_path), {3: step})[3]
+    assert decision.action == FRESH and decision.why.endswith(
+        f"had other values of --reward_fn (its file {module} changed since)")

@@ -90,14 +90,29 @@ def reward_fn_spec(fn):
 
 
 def reward_fn_file(spec):
-    """[absolute path, sha256 of its content] of the file a ``path/to/file.py:function`` spec loads, else None (a
-    module's function, a notebook's, a file gone): what a run records, so that ``train.py --resume`` notices an edit."""
+    """[absolute path, sha256 of its content] of the file a ``path/to/file.py:function`` or ``package.module:function``
+    spec loads (the module's source file, found as an import would find it), else None (a notebook's function, a
+    builtin, a file or module gone): what a run records, so that ``train.py --resume`` notices an edit."""
     from dschat.data.local import file_digest
 
+    spec = ALIASES.get(spec, spec) if isinstance(spec, str) else spec
     target = spec.rsplit(":", 1)[0] if isinstance(spec, str) and ":" in spec else ""
-    if not (target.endswith(".py") and os.path.isfile(target)):
+    path = target if target.endswith(".py") else _module_source(target)
+    if not (path and os.path.isfile(path)):
         return None
-    return [os.path.abspath(target), file_digest(target)]
+    return [os.path.abspath(path), file_digest(path)]
+
+
+def _module_source(name):
+    """The source file of the module ``name`` (importing its parent packages only), else None."""
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        return None
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(found, "origin", None)
+    return origin if origin and origin.endswith(".py") else None
 
 
 def recorded_reward_fn(value):
