@@ -357,3 +357,27 @@ def test_a_reward_function_module_edited_since_a_finished_output_reruns_its_step
     decision = plan_steps([3], "ppo", str(tmp_path), {3: step})[3]
     assert decision.action == FRESH and decision.why.endswith(
         f"had other values of --reward_fn (its file {module} changed since)")
+
+
+def test_a_step_killed_while_writing_its_results_does_not_look_finished(tmp_path, monkeypatch):
+    """metrics.json (the finished mark) was written before training_args.json: a kill between them left the new model
+    marked finished under the earlier run's flags and run id, and --resume skipped every step."""
+    from dschat.steps import common
+
+    out = tmp_path / FOLDERS[3]
+    common.write_results(Namespace(**vars(FLAGS), output_dir=str(out)), {}, "step3")
+    common.clear_results(Namespace(output_dir=str(out)), "step3", resumed=False)  # the rerun starts
+
+    write = common.write_json_atomic
+
+    def killed_at_the_flags(path, *args, **kwargs):
+        if path.endswith(common.RUN_ARGS_FILE):
+            raise KeyboardInterrupt(path)
+        return write(path, *args, **kwargs)
+
+    monkeypatch.setattr(common, "write_json_atomic", killed_at_the_flags)
+    changed = Namespace(**{**vars(FLAGS), "learning_rate": 1.0})
+    with pytest.raises(KeyboardInterrupt):
+        common.write_results(Namespace(**vars(changed), output_dir=str(out)), {}, "step3")
+    assert not (out / "metrics.json").exists()
+    assert plan_steps([3], "ppo", str(tmp_path), {3: changed})[3].action != SKIP

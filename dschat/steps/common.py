@@ -174,7 +174,6 @@ def write_results(args, metrics, step):
     to evaluate its output on the same data, e.g. ppo_eval's held-out prompts; this output's run id and those of the
     step outputs it started from: what ``train.py --resume`` reads) in its output folder (rank 0)."""
     if is_rank_0():
-        write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
         from dschat.rlhf.reward_fn import recorded_reward_fn, reward_fn_file
 
         flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
@@ -186,6 +185,9 @@ def write_results(args, metrics, step):
                           {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
                            "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
                            DATA_FILES: step_data_files(args), **record}, default=str)
+        # Last: metrics.json marks the output finished (a kill before it must leave it unfinished, not new weights
+        # under the old run's flags and id, which --resume would take as done).
+        write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
 
 
