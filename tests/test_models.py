@@ -617,12 +617,15 @@ def test_weight_decay_reaches_the_matrices_under_zero3(distributed):
     assert shapes == {2}
 
 
-def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_save(tmp_path, distributed):
+def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_save_and_leftovers(tmp_path, distributed):
     # DeepSpeed-Chat's scripts log into --output_dir; an earlier save's shards must not stay beside the new weights,
     # nor its tokenizer's files (a chat template left there would change every prompt's format)
     out = tmp_path / "output"
     out.mkdir()
     (out / "training.log").write_text("step 1 loss 2.0\n")
+    for own in ("my_embeddings.safetensors", "optimizer_notes.bin", "lid.model"):  # a user's: no save writes these
+        (out / own).write_text("the user's")
+    (tmp_path / ".output.tmp-killed").mkdir()  # an interrupted save's copy
     (out / "model-00001-of-00002.safetensors").write_text("old shard")
     (out / "model.safetensors.index.json").write_text("{}")
     for earlier in ("chat_template.jinja", "special_tokens_map.json", "tokenizer.model", "reward_model.json"):
@@ -630,7 +633,8 @@ def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_save(tmp_p
     model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
     save_causal_lm(model, _NoTokenizer(), str(out))
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["config.json", "generation_config.json", "model.safetensors", "training.log"], names
+    assert names == ["config.json", "generation_config.json", "lid.model", "model.safetensors", "my_embeddings."
+                     "safetensors", "optimizer_notes.bin", "training.log"], names
     assert (out / "training.log").read_text() == "step 1 loss 2.0\n"
     assert [p.name for p in tmp_path.iterdir()] == ["output"]  # no temporary folder left
     AutoModelForCausalLM.from_pretrained(out)

@@ -271,6 +271,30 @@ def test_pruning_keeps_the_last_complete_checkpoints_and_removes_partial_and_lat
     assert (tmp_path / "model" / "zero_to_fp32.py").is_file()
 
 
+def test_only_a_checkpoints_own_folders_are_pruned_or_cleared(tmp_path, capsys):
+    """Pruning took every folder under checkpoints/ for a part and every folder in it for a tag, and a fresh run removed
+    the whole folder: a user's notes kept there were deleted."""
+    from dschat.utils import checkpoints
+
+    for tag in ("step_0000001", "step_0000002"):
+        (tmp_path / "model" / tag).mkdir(parents=True)
+        (tmp_path / "trainer" / tag).mkdir(parents=True)
+        (tmp_path / "trainer" / tag / "state.json").write_text("{}")
+    (tmp_path / "model" / "best").mkdir()  # a user's copy among the tags
+    (tmp_path / "notes" / "step_0000001").mkdir(parents=True)  # a user's folder beside the parts
+    (tmp_path / "latest").write_text('{"tag": "step_0000002"}')
+    checkpoints._prune(str(tmp_path), "step_0000002", keep_last=1)
+    assert (tmp_path / "model" / "best").is_dir() and (tmp_path / "notes" / "step_0000001").is_dir()
+    assert not (tmp_path / "model" / "step_0000001").exists()
+    assert checkpoints.clear_earlier_run(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+    assert f"{tmp_path}: kept notes (no checkpoint's)" in capsys.readouterr().out
+    assert not checkpoints.clear_earlier_run(str(tmp_path)), "no checkpoint left to remove"
+    (tmp_path / "notes" / "step_0000001").rmdir(), (tmp_path / "notes").rmdir()
+    (tmp_path / "actor").mkdir()
+    assert checkpoints.clear_earlier_run(str(tmp_path)) and not tmp_path.exists(), "an emptied folder goes"
+
+
 def test_resuming_after_the_data_file_was_edited_is_an_error_naming_it(tmp_path, distributed):
     """A record added to the file redrew its train/eval split and shifted what the checkpoint's position counts,
     and the resumed run went on without a word (held-out records could be trained on)."""

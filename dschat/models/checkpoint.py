@@ -1,13 +1,14 @@
 """Saving trained models as folders ``from_pretrained`` loads, atomically, from any ZeRO stage."""
-import fnmatch
 import json
 import os
 import shutil
 from contextlib import contextmanager
 
+from dschat.models.loading import TOKENIZER_EXTRA_FILES, TOKENIZER_FILES, is_weights_file
 from dschat.models.lora import check_lora_mergeable, head_trains_untied, merge_lora_state_dict, unwrap_peft
+from dschat.models.reward_model import REWARD_META_FILE, VALUE_HEAD_FILE
 from dschat.models.zero3 import is_zero3_param
-from dschat.utils.dist import barrier, is_rank_0
+from dschat.utils.dist import barrier, is_rank_0, print_rank_0
 from dschat.utils.files import give_plain_modes, temp_folder
 
 
@@ -45,10 +46,12 @@ def plain_model_state_dict(module):
 @contextmanager
 def atomic_folder(output_dir):
     """Write into a temporary sibling folder, then move it in (:func:`install_folder`), so a crash never leaves a
-    half-written model."""
+    half-written model. A save killed before it moved its folder in left that folder: it goes."""
     parent = os.path.dirname(os.path.abspath(output_dir)) or "."
     os.makedirs(parent, exist_ok=True)
-    tmp = temp_folder(parent, f".{os.path.basename(output_dir)}.tmp-")
+    prefix = f".{os.path.basename(os.path.abspath(output_dir))}.tmp-"
+    _remove_leftovers(parent, prefix)
+    tmp = temp_folder(parent, prefix)
     try:
         yield tmp
         give_plain_modes(tmp)
@@ -58,21 +61,31 @@ def atomic_folder(output_dir):
     install_folder(tmp, output_dir)
 
 
-# The files a model save writes: weights, configs, tokenizer files (HF's names), the reward model's note, and a PEFT
-# adapter's config. An earlier save's that the new one does not write go: weights of other shard counts (.bin against
-# .safetensors) that transformers could load instead, or an earlier tokenizer's chat template, which would change the
-# format of every prompt the folder's tokenizer renders.
-SAVE_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "config.json",
-              "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
-              "*.model", "reward_model.json", "adapter_config.json")
+def _remove_leftovers(parent, prefix):
+    for name in sorted(os.listdir(parent)):
+        if name.startswith(prefix) and os.path.isdir(os.path.join(parent, name)):
+            print_rank_0(f"removing {os.path.join(parent, name)}: an interrupted save's unfinished copy")
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+# The files a model save writes besides transformers' weights and their index (``is_weights_file``): configs, PEFT's
+# adapter, the reward model's head and note, tokenizer files (HF's names). An earlier save's that the new one does not
+# write go: weights of other shard counts (.bin against .safetensors) that transformers could load instead, or an
+# earlier tokenizer's chat template, which would change the format of every prompt the folder's tokenizer renders.
+# Only these names: a user's own files in the folder (my_notes.bin) stay.
+SAVE_FILES = ("config.json", "generation_config.json", "adapter_config.json", "adapter_model.safetensors",
+              "adapter_model.bin", VALUE_HEAD_FILE, REWARD_META_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRA_FILES)
+
+
+def is_save_file(name):
+    return is_weights_file(name) or name in SAVE_FILES
 
 
 def install_folder(new, target):
     """Move the files of ``new`` into ``target``. A new target is one atomic rename. An existing one keeps every file
     that is no model save's (the step's log, TensorBoard events, a user's notes: DeepSpeed-Chat's scripts log into
-    the output folder), loses the earlier save's files (``SAVE_FILES``) the new one does not write, and takes each new
-    file by an atomic rename."""
+    the output folder), loses the earlier save's files (``is_save_file``) the new one does not write, and takes each
+    new file by an atomic rename."""
     if not os.path.exists(target):
         os.replace(new, target)
         return
@@ -84,7 +97,7 @@ def install_folder(new, target):
         else:
             os.replace(source, destination)
     for name in os.listdir(target):  # after the new weights are in: a crash never leaves the folder without any
-        if name not in written and any(fnmatch.fnmatch(name, pattern) for pattern in SAVE_FILES):
+        if name not in written and is_save_file(name) and os.path.isfile(os.path.join(target, name)):
             os.remove(os.path.join(target, name))
     shutil.rmtree(new, ignore_errors=True)
 

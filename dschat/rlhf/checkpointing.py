@@ -8,8 +8,8 @@ import torch
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import input_runs, restart_deepspeed_tensorboard, step_data_files
-from dschat.utils.checkpoints import (DATA_FILES, check_complete, check_same_flags, latest_tag, load_rank_state, publish,
-                                      read_trainer_state, reading, save_trainer_state, take_restored_flags,
+from dschat.utils.checkpoints import (ACTOR, CRITIC, DATA_FILES, check_complete, check_same_flags, latest_tag, load_rank_state, publish,
+                                      read_trainer_state, reading, save_trainer_state, tag_of, take_restored_flags,
                                       trainer_folder)
 from dschat.utils.dist import is_rank_0, rank_0_decides
 
@@ -42,10 +42,10 @@ BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer sta
 def save_checkpoint(trainer, root, position, keep_last=2):
     """Save everything a resumed run needs; ``position`` = {"iteration", "epoch", "batch"} (next to run) and
     "unsup_batches" (unsupervised batches consumed so far, skipped on resume)."""
-    tag = f"iter_{position['iteration']:07d}"
-    trainer.actor_model.save_checkpoint(os.path.join(root, "actor"), tag=tag, save_latest=False)
+    tag = tag_of("iter", position["iteration"])
+    trainer.actor_model.save_checkpoint(os.path.join(root, ACTOR), tag=tag, save_latest=False)
     if trainer.critic_model is not None:
-        trainer.critic_model.save_checkpoint(os.path.join(root, "critic"), tag=tag, save_latest=False)
+        trainer.critic_model.save_checkpoint(os.path.join(root, CRITIC), tag=tag, save_latest=False)
     ema_state = gathered_state_dict(settled_module(trainer.actor_ema)) if trainer.actor_ema is not None else None
     if is_rank_0() and ema_state is not None:  # before the trainer state, which marks a tag complete
         os.makedirs(trainer_folder(root, tag), exist_ok=True)
@@ -65,7 +65,7 @@ def load_checkpoint(trainer, root):
     tag, state = found
     engines = [engine for engine in (trainer.actor_model, trainer.critic_model) if engine is not None]
     with reading(root, tag):
-        for name, engine in zip(("actor", "critic"), engines):
+        for name, engine in zip((ACTOR, CRITIC), engines):
             engine.load_checkpoint(os.path.join(root, name), tag=tag)
         if trainer.actor_ema is not None:
             _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
@@ -89,8 +89,8 @@ def check_resumable(trainer, root, tag):
     """The checkpoint ``tag`` was saved by a run this one can continue (``checkpoints.check_complete``): also a
     critic when this run trains one, an EMA copy when this run keeps one, and the flags it is bound to. Returns its
     saved state, less the flags."""
-    check_complete(root, tag, ("actor",))
-    if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, "critic", tag)):
+    check_complete(root, tag, (ACTOR,))
+    if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, CRITIC, tag)):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
                          f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")
     if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):

@@ -8,12 +8,11 @@ import os
 from dschat.errors import UsageError
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
                                  say_a_changed_schedule, step_data_files)
-from dschat.utils.checkpoints import (DATA_FILES, check_complete, check_same_flags, clear_earlier_run, latest_tag,
-                                      load_rank_state, publish, read_trainer_state, reading, save_trainer_state,
-                                      take_restored_flags)
+from dschat.utils.checkpoints import (DATA_FILES, MODEL, check_complete, check_same_flags, clear_earlier_run,
+                                      latest_tag, load_rank_state, publish, read_trainer_state, reading,
+                                      save_trainer_state, tag_of, take_restored_flags)
 from dschat.utils.dist import print_rank_0, rank_0_decides
 
-MODEL = "model"
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
 # the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them; its
 # records are tokenized by the model's tokenizer (and DPO's frozen reference is that model); and its position counts
@@ -49,7 +48,7 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
     {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's),
     "seconds" (the step's so far) and "total" (the run's steps)}."""
     root = checkpoint_root(args)
-    tag = f"step_{position['step']:07d}"
+    tag = tag_of("step", position["step"])
     engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
     place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total") if key in position}
     sums = {key: position[key] for key in ("loss_sum", "loss_count")}

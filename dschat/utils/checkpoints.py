@@ -9,6 +9,7 @@ tags are kept.
 import contextlib
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -20,6 +21,17 @@ from dschat.utils.files import read_json_object, unreadable_file_reason, write_j
 
 LATEST = "latest"
 TRAINER = "trainer"
+# The parts a checkpoint writes (a step's model, step 3's actor and critic, the trainer's state) and the names of its
+# tags: all a run removes or prunes in ``root`` (a user's own folder there stays).
+MODEL, ACTOR, CRITIC = "model", "actor", "critic"
+PARTS = (MODEL, ACTOR, CRITIC, TRAINER)
+TAG = re.compile(r"(step|iter)_\d{7}")
+
+
+def tag_of(unit, number):
+    """The tag of the checkpoint at ``number`` of ``unit`` ("step" or "iter"): zero-padded, so name order is number
+    order."""
+    return f"{unit}_{number:07d}"
 
 
 # The key under which a checkpoint's (and a step output's) bound settings hold its local data files' paths and content
@@ -207,22 +219,30 @@ def take_restored_flags(state, args):
 def clear_earlier_run(root):
     """A run that starts afresh (no --resume) removes the checkpoints an earlier run left in ``root``, as it replaces
     that run's log and models: kept, ``--resume`` after an interruption could continue that other run, and its tags
-    would mix with this run's. Returns whether there were any."""
-    found = os.path.isdir(root) and bool(os.listdir(root))
+    would mix with this run's. Only a checkpoint's parts and pointer go; anything else there is named and stays.
+    Returns whether there were any."""
+    found = [name for name in (*PARTS, LATEST) if os.path.exists(os.path.join(root, name))]
     barrier()  # every rank has looked before rank 0 removes
     if found and is_rank_0():
-        shutil.rmtree(root)
+        for name in found:
+            path = os.path.join(root, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        others = sorted(os.listdir(root))
+        if others:
+            print_rank_0(f"{root}: kept {', '.join(others)} (no checkpoint's)")
+        else:
+            os.rmdir(root)
     barrier()
-    return found
+    return bool(found)
 
 
 def _parts(root):
-    return [name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))]
+    return [name for name in PARTS if os.path.isdir(os.path.join(root, name))]
 
 
 def _tags(root, parts):
     return sorted({tag for part in parts for tag in os.listdir(os.path.join(root, part))  # (DeepSpeed puts its
-                   if os.path.isdir(os.path.join(root, part, tag))})  # zero_to_fp32.py beside the tag folders)
+                   if TAG.fullmatch(tag) and os.path.isdir(os.path.join(root, part, tag))})  # zero_to_fp32.py there)
 
 
 def complete_tags(root):
