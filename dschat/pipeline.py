@@ -11,7 +11,7 @@ import time
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, Decision, describe, plan_steps
-from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
+from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
 from dschat.utils.files import check_writable_folder
 
@@ -330,20 +330,27 @@ def check_step3_prompts(flags, world_size):
 
 
 def check_earlier_outputs(step, steps, args, parsed):
-    """A model folder an earlier step writes, when that step is not run now, must already be there: otherwise the
-    step would look the folder up on the hub and end in a traceback."""
+    """A model folder an earlier step writes, when that step is not run now, must already be there and finished:
+    otherwise the step would look the folder up on the hub and end in a traceback, or train from the model files an
+    interrupted run of that step left."""
     paths = [getattr(parsed, name, None) for name in ("model_name_or_path", "actor_model_name_or_path")]
     if step == 3 and (parsed.advantage_estimator == "gae" or parsed.reward_model_weight):
         paths.append(parsed.critic_model_name_or_path)
     for path in filter(None, paths):
         for producer, folder in RECIPE_STEP_FOLDERS[getattr(args, "recipe", "ppo")].items():
-            if path == os.path.join(args.output_dir, folder) and producer not in steps and \
-                    not os.path.isfile(os.path.join(path, "config.json")):
+            if path != os.path.join(args.output_dir, folder) or producer in steps:
+                continue
+            together = " ".join(map(str, sorted({producer, *steps})))
+            if not os.path.isfile(os.path.join(path, "config.json")):
                 state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
-                together = " ".join(map(str, sorted({producer, *steps})))
-                raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: "
-                                        f"run step {producer} too (--step {together}) or first"
-                                        + _other_ways(step, producer, args))
+                run = f"run step {producer} too (--step {together}) or first"
+            elif unfinished_reason(path):
+                state, run = "did not finish", (f"{unfinished_reason(path)}. Run step {producer} again (--step "
+                                                f"{together}; with --resume it goes on from its last checkpoint)")
+            else:
+                continue
+            raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: {run}"
+                                    + _other_ways(step, producer, args))
 
 
 def _other_ways(step, producer, args):
@@ -503,6 +510,7 @@ def run_pipeline(args):
     if tiny and 2 in steps and recipe == "ppo" and not reward_model_from_sft(args, tiny) and not ready:
         print_rank_0(f"tiny run: step 2 trains --reward-model {args.reward_model} from its own start (without "
                      "--reward-model, as the actor's preset, it starts from the SFT model: docs/tiny_default.md)")
+    remove_earlier_report(args.output_dir)
     for step in steps:
         main, name, _ = parsers[step]
         if plan[step].action == SKIP:
@@ -523,8 +531,17 @@ def run_pipeline(args):
                           skipped=skipped, resumed=resumed, reward_model=ready, rule_scores=rule_scores)
     for line in summary_lines(report):
         print(line, flush=True)
-    print(f"report: {os.path.join(args.output_dir, 'report.json')}", flush=True)
+    print(f"report: {os.path.join(args.output_dir, REPORT_FILE)}", flush=True)
     return report
+
+
+def remove_earlier_report(output_dir):
+    """An earlier run's report.json goes before this run's steps (rank 0): if this run is interrupted, none is left
+    that reports the earlier run's results, or names its policy for the tools, over this run's unfinished folders."""
+    path = os.path.join(output_dir, REPORT_FILE)
+    if is_rank_0() and os.path.isfile(path):
+        os.remove(path)
+        print_rank_0(f"removed {path}, an earlier run's report (this run writes its own when it ends)")
 
 
 def held_out_rule_scores(args):

@@ -16,7 +16,7 @@ import os
 from typing import NamedTuple
 
 from dschat.data.raw_datasets import changed_data_files
-from dschat.run_layout import RECIPE_STEP_FOLDERS
+from dschat.run_layout import FINISHED_MARK, RECIPE_STEP_FOLDERS
 from dschat.steps.common import (MODEL_PATH_FLAGS, REWARD_FN_FILE, finished_run_id, holds_model, model_identity,
                                  read_run_args, step_data_files)
 from dschat.utils.checkpoints import DATA_FILES, LATEST, latest_tag, read_trainer_state
@@ -146,7 +146,7 @@ def _folder(output_dir, recipe, step):
 
 def finished_time(folder):
     """When the step's output in ``folder`` was finished (its metrics.json's time), else None."""
-    path = os.path.join(folder, "metrics.json")
+    path = os.path.join(folder, FINISHED_MARK)
     return os.path.getmtime(path) if os.path.isfile(path) else None
 
 

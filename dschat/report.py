@@ -2,7 +2,8 @@
 import json
 import os
 
-from dschat.run_layout import DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, RM_DIR, SFT_DIR
+from dschat.run_layout import (DPO_DIR, FINISHED_MARK, PPO_ACTOR_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR,
+                               SFT_DIR)
 from dschat.utils.files import read_json_object, write_json_atomic
 
 
@@ -53,7 +54,7 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
     def metrics(folder):
         if folder not in RECIPE_STEP_FOLDERS[recipe].values() or folder in stale:
             return {}
-        return read_json_object(os.path.join(output_dir, folder, "metrics.json")) or {}
+        return read_json_object(os.path.join(output_dir, folder, FINISHED_MARK)) or {}
 
     step1, step2, step3 = metrics(SFT_DIR), metrics(RM_DIR), metrics(PPO_DIR)
     curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))
@@ -119,7 +120,7 @@ def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
                           rule_scores)
     if report.get("step3_curve"):
         report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
-    write_json_atomic(os.path.join(output_dir, "report.json"), report)
+    write_json_atomic(os.path.join(output_dir, REPORT_FILE), report)
     return report
 
 

@@ -1,5 +1,7 @@
 """Where a run keeps its models: ``train.py``'s folder per step under ``--output_dir``, and step 3's own subfolders.
 The pipeline writes these, and the report, ``chat.py`` and the eval tools find a run's models through them."""
+import os
+
 SFT_DIR = "step1_sft"
 RM_DIR = "step2_rm"
 DPO_DIR = "step2_dpo"
@@ -18,3 +20,26 @@ PPO_ACTOR_DIR = f"{PPO_DIR}/{ACTOR_DIR}"  # the PPO/GRPO policy under train.py's
 
 # The steps' folders: a model path through one ("out/step1_sft", "step3_ppo/actor") is a run's, never a hub name.
 STEP_FOLDER_NAMES = frozenset({SFT_DIR, RM_DIR, DPO_DIR, PPO_DIR})
+
+# Beside a step's models: its flags and run id, and its metrics. A step that starts training removes its metrics.json
+# and writes it last when it finishes: the mark of a finished output.
+RUN_ARGS_FILE = "training_args.json"
+FINISHED_MARK = "metrics.json"
+REPORT_FILE = "report.json"  # train.py's, in its --output_dir when every step has run
+
+
+def unfinished_reason(model_path):
+    """Why the model in ``model_path`` (a step's folder, or step 3's actor or critic in it) may not be a finished
+    step's output: that step ran again there and did not finish (its training_args.json is there, its metrics.json
+    is not), so its model files may be the earlier run's or part of the interrupted one's. None otherwise (a folder
+    no step wrote too)."""
+    path = os.path.normpath(model_path)
+    folders = [path] + ([os.path.dirname(path)] if os.path.basename(path) in (ACTOR_DIR, CRITIC_DIR, ACTOR_EMA_DIR)
+                        else [])
+    for folder in folders:
+        if os.path.isfile(os.path.join(folder, RUN_ARGS_FILE)):
+            if os.path.isfile(os.path.join(folder, FINISHED_MARK)):
+                return None
+            return (f"{folder} is an unfinished step output: its last training run was interrupted ({RUN_ARGS_FILE} "
+                    f"but no {FINISHED_MARK}), so its model files may be an earlier run's or part of that one's")
+    return None

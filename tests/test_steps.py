@@ -489,6 +489,12 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
     (tmp_path / "out" / "step2_rm").mkdir()
     with pytest.raises(MissingInputError, match="step2_rm, step 2's output, which holds no model"):
         pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "3"))
+    # a step 1 run again and interrupted (its finished mark gone, an earlier run's flags there): not trained from
+    (tmp_path / "out" / "step1_sft" / "training_args.json").write_text("{}")
+    with pytest.raises(MissingInputError, match=r"step1_sft, step 1's output, which did not finish: .*step1_sft is an "
+                                                r"unfinished step output: its last training run was interrupted .*Run "
+                                                r"step 1 again \(--step 1 2 3; with --resume"):
+        pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "2", "3"))
 
 
 def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_model(tmp_path, distributed, monkeypatch,
@@ -1012,3 +1018,23 @@ def test_train_py_length_check_reads_the_earlier_steps_output_when_step_1_is_not
     with pytest.raises(UsageError, match=f"for {re.escape(str(out / 'step1_sft'))}\\) = 556 tokens, but the model "
                                          "has a table of 512 learned"):
         pipeline.check_sequence_lengths(args, parsed)
+
+
+def test_an_interrupted_train_py_run_leaves_no_earlier_report(tmp_path, distributed, monkeypatch, capsys):
+    """An interrupted train.py run left the earlier run's report.json, which still reported that run's results and
+    named its policy to the tools, over this run's unfinished folders."""
+    from dschat import pipeline
+
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text(json.dumps({"policy": "step3_ppo/actor"}))
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "run_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "1"))
+    assert not (out / "report.json").exists()
+    assert f"removed {out / 'report.json'}, an earlier run's report" in capsys.readouterr().out

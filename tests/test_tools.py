@@ -768,3 +768,21 @@ def test_a_command_line_prompt_is_read_as_a_prompt_field_is_and_a_question_about
     with pytest.raises(UsageError, match=r"--prompts 'Human: Hi Assistant: Hello': the transcript must end with a "
                                          r"'Human:' turn"):
         prompt_record("Human: Hi Assistant: Hello", "--prompts")
+
+
+def test_the_tools_warn_of_a_model_an_interrupted_step_left(tmp_path, capsys):
+    """chat.py and the eval tools used the actor of a step 3 run again and interrupted (the earlier run's model, or part
+    of the new one's) without a word."""
+    from dschat.tools.common import find_policy_path, flag_path
+
+    actor = tmp_path / "step3_ppo" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "config.json").write_text("{}")
+    (tmp_path / "step3_ppo" / RUN_ARGS_FILE).write_text("{}")
+    assert flag_path("--path", find_policy_path, str(tmp_path)) == str(actor)
+    assert (f"warning: --path {actor}: {tmp_path / 'step3_ppo'} is an unfinished step output: its last training run "
+            "was interrupted") in capsys.readouterr().err
+    (tmp_path / "step3_ppo" / "metrics.json").write_text("{}")
+    assert flag_path("--path", find_policy_path, str(tmp_path)) == str(actor)
+    assert "warning" not in capsys.readouterr().err
+

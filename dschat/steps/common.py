@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from dschat.errors import UsageError
 from dschat.models.training_engine import initialize_engine
 from dschat.models.zero3 import full_numel
+from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE
 from dschat.utils.checkpoints import DATA_FILES
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.ds_config import check_dtype_supported
@@ -165,7 +166,6 @@ def _listdir(folder):
     return os.listdir(folder) if os.path.isdir(folder) else []
 
 
-RUN_ARGS_FILE = "training_args.json"
 REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path and content hash)
 
 
@@ -187,7 +187,7 @@ def write_results(args, metrics, step):
                            DATA_FILES: step_data_files(args), **record}, default=str)
         # Last: metrics.json marks the output finished (a kill before it must leave it unfinished, not new weights
         # under the old run's flags and id, which --resume would take as done).
-        write_json_atomic(os.path.join(args.output_dir, "metrics.json"), metrics)
+        write_json_atomic(os.path.join(args.output_dir, FINISHED_MARK), metrics)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
 
 
@@ -278,7 +278,7 @@ def holds_model(folder, identity):
 def finished_run_id(folder):
     """The run id of the finished step output in ``folder`` (None: none, unfinished (no metrics.json), from before
     dschat recorded them, or unreadable)."""
-    if not os.path.isfile(os.path.join(folder, "metrics.json")):
+    if not os.path.isfile(os.path.join(folder, FINISHED_MARK)):
         return None
     try:
         record = read_run_args(folder)
@@ -292,7 +292,7 @@ def clear_results(args, name, resumed):
     """A step that starts training removes its folder's metrics.json, the mark of a finished output (``train.py
     --resume`` skips a step that has one; the report reads it): an interrupted run leaves none (rank 0). A fresh run
     over an earlier finished output says that its save will replace that output."""
-    path = os.path.join(args.output_dir, "metrics.json")
+    path = os.path.join(args.output_dir, FINISHED_MARK)
     if is_rank_0() and os.path.isfile(path):
         if not resumed:
             print_rank_0(f"[{name}] {args.output_dir} holds an earlier run's finished output: this run's save replaces "

@@ -9,7 +9,7 @@ import torch
 from dschat.args import check_sampling_flags, positive_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import looks_local, not_a_model_folder
-from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, RM_DIR, SFT_DIR
+from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
 # actor and a DPO policy trained after it (train.py --recipe dpo), or the reverse: the last run's report.json names
@@ -20,7 +20,7 @@ REWARD_SUBFOLDERS = (RM_DIR,)
 
 def _reported(path, key):
     """``key`` of the report the last train.py run wrote in ``path``, if any."""
-    report = os.path.join(path, "report.json")
+    report = os.path.join(path, REPORT_FILE)
     if not os.path.isfile(report):
         return None
     with open(report) as f:
@@ -56,11 +56,15 @@ def find_policy_path(path):
 
 
 def flag_path(flag, find, value):
-    """``find(value)`` (``find_policy_path``, ``find_reward_model_path``); a missing model is said with its flag."""
+    """``find(value)`` (``find_policy_path``, ``find_reward_model_path``); a missing model is said with its flag, an
+    unfinished step's (``unfinished_reason``) is warned of."""
     try:
-        return find(value)
+        path = find(value)
     except MissingInputError as err:
         raise MissingInputError(f"{flag} {err}") from err
+    if unfinished_reason(path):
+        print(f"warning: {flag} {path}: {unfinished_reason(path)}", file=sys.stderr)
+    return path
 
 
 def find_reward_model_path(path):
