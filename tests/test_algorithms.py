@@ -638,3 +638,21 @@ def test_check_finite():
     with pytest.raises(FloatingPointError, match="critic_loss is not finite"):
         A.check_finite("critic_loss", torch.tensor(float("nan")))
     A.check_finite("ids", torch.tensor([1, 2]))  # integer tensors are always finite
+
+
+def test_an_extreme_log_prob_at_a_masked_position_leaves_losses_and_gradients_finite():
+    """A padding position's log-prob overflowed k3's exp (inf * mask 0 = NaN): the KL loss term, the clipped policy
+    loss and their gradients were NaN, and one NaN step ruins the actor."""
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    ref = torch.tensor([[-1.0, -2.0, -1.0]])
+    for extreme in (-95.0, -math.inf):
+        logp = torch.tensor([[-1.1, -2.2, extreme]], requires_grad=True)
+        kl = A.kl_loss_term(logp, ref, mask, "k3")
+        pg, stats = A.policy_loss_clipped(logp, torch.tensor([[-1.0, -2.0, -1.0]]), torch.ones(1, 3) * mask, mask)
+        (kl + pg).backward()
+        assert torch.isfinite(kl) and torch.isfinite(pg) and torch.isfinite(logp.grad).all(), (extreme, logp.grad)
+        assert logp.grad[0, 2] == 0 and all(torch.isfinite(value) for value in stats.values())
+        assert torch.allclose(kl, A.kl_loss_term(logp[:, :2], ref[:, :2], mask[:, :2], "k3")), "the same as unpadded"
+    rewards = A.kl_penalized_rewards(torch.tensor([[-1.0, -math.inf]]), torch.tensor([[-1.0, 5.0]]),
+                                     torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), kl_kind="k3")
+    assert torch.isfinite(rewards).all() and rewards[0, 1] == 0

@@ -60,6 +60,12 @@ def _fmask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.to(device=like.device, dtype=like.dtype)
 
 
+def _masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``x * m`` with an exact 0 where ``m`` is 0, even where ``x`` is inf or NaN there (a padding position's extreme
+    log-prob: ``inf * 0`` is NaN, and one NaN makes the whole loss NaN); no gradient flows to those positions."""
+    return torch.where(m != 0, x * m, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den with 0 where den == 0 (no NaN in the value nor in the gradient)."""
     safe = torch.where(den != 0, den, torch.ones_like(den))
@@ -73,7 +79,7 @@ def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Sum of ``x * mask`` over ``dim`` (all elements when None). ``x``, ``mask``: same shape."""
     m = _fmask(mask, x)
-    return (x * m).sum() if dim is None else (x * m).sum(dim=dim)
+    return _masked(x, m).sum() if dim is None else _masked(x, m).sum(dim=dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -83,8 +89,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """
     m = _fmask(mask, x)
     if dim is None:
-        return _safe_div((x * m).sum(), m.sum())
-    return _safe_div((x * m).sum(dim=dim), m.sum(dim=dim))
+        return _safe_div(_masked(x, m).sum(), m.sum())
+    return _safe_div(_masked(x, m).sum(dim=dim), m.sum(dim=dim))
 
 
 def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
@@ -100,12 +106,12 @@ def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
     dt = _compute_dtype(x)
     x = _up(x.detach(), dt)
     m = _fmask(mask, x)
-    s = torch.stack([(x * m).sum(), m.sum()])
+    s = torch.stack([_masked(x, m).sum(), m.sum()])
     if process_group is not None:
         torch.distributed.all_reduce(s, group=process_group)
     total, count = s[0], s[1]
     mean = _safe_div(total, count)
-    sq = ((x - mean) ** 2 * m).sum()
+    sq = _masked((x - mean) ** 2, m).sum()
     if process_group is not None:
         torch.distributed.all_reduce(sq, group=process_group)
     var = _safe_div(sq, count)
@@ -134,7 +140,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
     out = (xx - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * _fmask(mask, out)
+    return _masked(out, _fmask(mask, out))
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,7 +343,7 @@ def kl_penalized_rewards(logp: torch.Tensor, ref_logp: torch.Tensor, reward_scor
         kl = kl_estimate(logp.detach(), ref_logp.detach(), kl_kind)
         dt = _compute_dtype(kl, reward_score)
         rewards = -float(kl_coef) * _up(kl, dt)
-        rewards = rewards * _fmask(mask, rewards)
+        rewards = _masked(rewards, _fmask(mask, rewards))
         score = _up(reward_score.detach().reshape(-1), dt).to(rewards.device)
         if score.shape[0] != rewards.shape[0]:
             raise ValueError(f"reward_score has {score.shape[0]} entries for a batch of {rewards.shape[0]}")
@@ -391,7 +397,11 @@ def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
     ``kl_loss_coef * kl_loss_term(...)`` to the policy loss (and then usually uses kl_coef=0 in
     :func:`kl_penalized_rewards`). Aggregated like :func:`agg_loss`.
     """
-    kl = kl_estimate(logp, ref_logp.detach(), kind)
+    ref_logp = ref_logp.detach()
+    # A masked position gets the reference's log-prob, so KL 0: an extreme log-prob there (padding after the end)
+    # overflows k3's exp, and its inf gradient times the mask's 0 is NaN.
+    logp = torch.where(mask.to(logp.device) != 0, logp, ref_logp.to(logp.dtype))
+    kl = kl_estimate(logp, ref_logp, kind)
     return agg_loss(kl, mask, loss_agg, num_tokens_global, accum_steps, world_size)
 
 
@@ -446,7 +456,7 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     old_logp = _up(old_logp.detach(), dt)
     adv = _up(advantages.detach(), dt)
     m = _fmask(mask, logp)
-    log_ratio = (logp - old_logp) * m
+    log_ratio = _masked(logp - old_logp, m)
     ratio = torch.exp(log_ratio)
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
