@@ -45,6 +45,17 @@ def test_pairwise_loss_matches_formula():
     assert torch.allclose(pairwise_loss(c, r), expected)
 
 
+def test_reward_model_forward_refuses_a_batch_that_is_not_pairs():
+    """A batch of 3 split into 1 chosen and 2 rejected, and the loss broadcast the one over both: a wrong loss, no
+    error (from a notebook; the steps' collator always pairs)."""
+    model = RewardModel(AutoModel.from_config(CONFIGS["llama"]())).eval()
+    ids = torch.randint(3, 96, (3, 5))
+    with pytest.raises(ValueError, match="a batch of even size \\(this one has 3 rows\\)"):
+        model(ids, torch.ones_like(ids))
+    out = model(ids[:2], torch.ones_like(ids[:2]))
+    assert out["chosen_mean_scores"].shape == out["rejected_mean_scores"].shape == (1,)
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_reward_score_is_independent_of_padding_side(family):
     torch.manual_seed(0)
