@@ -653,6 +653,14 @@ def test_an_extreme_log_prob_at_a_masked_position_leaves_losses_and_gradients_fi
         assert torch.isfinite(kl) and torch.isfinite(pg) and torch.isfinite(logp.grad).all(), (extreme, logp.grad)
         assert logp.grad[0, 2] == 0 and all(torch.isfinite(value) for value in stats.values())
         assert torch.allclose(kl, A.kl_loss_term(logp[:, :2], ref[:, :2], mask[:, :2], "k3")), "the same as unpadded"
+    for extreme in (math.inf, math.nan):
+        values = torch.tensor([[0.5, 0.2, extreme]], requires_grad=True)
+        vf, _ = A.value_loss_clipped(values, torch.tensor([[0.4, 0.1, extreme]]), torch.tensor([[1.0, 0.0, extreme]]),
+                                     mask, clip_range_value=0.2)
+        vf.backward()
+        assert torch.isfinite(vf) and torch.isfinite(values.grad).all() and values.grad[0, 2] == 0, values.grad
+        assert torch.allclose(vf, A.value_loss_clipped(values[:, :2], torch.tensor([[0.4, 0.1]]),
+                                                       torch.tensor([[1.0, 0.0]]), mask[:, :2], 0.2)[0])
     rewards = A.kl_penalized_rewards(torch.tensor([[-1.0, -math.inf]]), torch.tensor([[-1.0, 5.0]]),
                                      torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), kl_kind="k3")
     assert torch.isfinite(rewards).all() and rewards[0, 1] == 0

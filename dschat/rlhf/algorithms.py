@@ -490,10 +490,12 @@ def value_loss_clipped(values: torch.Tensor, old_values: torch.Tensor, returns: 
     where the clipped square is the larger), ``vpred_mean``, ``returns_mean`` (detached).
     """
     dt = _compute_dtype(values, old_values, returns)
-    v = _up(values, dt)
-    old = _up(old_values.detach(), dt)
-    R = _up(returns.detach(), dt)
-    m = _fmask(mask, v)
+    m = _fmask(mask, _up(values, dt))
+    # A masked position predicts its return exactly (loss 0): an inf value there (fp16 overflow on padding) has an
+    # inf gradient, which times the mask's 0 is NaN.
+    R = _masked(_up(returns.detach(), dt), m)
+    v = torch.where(m != 0, _up(values, dt), R)
+    old = torch.where(m != 0, _up(old_values.detach(), dt), R)
     vf1 = (v - R).square()
     if clip_range_value is None:
         vf2 = vf1
