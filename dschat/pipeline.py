@@ -467,7 +467,7 @@ def run_step(main, argv, step, steps, plan):
 
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
-    from dschat.report import summary_lines, write_report
+    from dschat.report import summary_lines, write_report, write_unfinished_report
     from dschat.args import step1_parser, step2_dpo_parser, step2_parser, step3_parser
     from dschat.steps import dpo, ppo, reward, sft
 
@@ -510,7 +510,8 @@ def run_pipeline(args):
     if tiny and 2 in steps and recipe == "ppo" and not reward_model_from_sft(args, tiny) and not ready:
         print_rank_0(f"tiny run: step 2 trains --reward-model {args.reward_model} from its own start (without "
                      "--reward-model, as the actor's preset, it starts from the SFT model: docs/tiny_default.md)")
-    remove_earlier_report(args.output_dir)
+    if is_rank_0():
+        write_unfinished_report(args.output_dir, recipe, steps, ready)
     for step in steps:
         main, name, _ = parsers[step]
         if plan[step].action == SKIP:
@@ -533,15 +534,6 @@ def run_pipeline(args):
         print(line, flush=True)
     print(f"report: {os.path.join(args.output_dir, REPORT_FILE)}", flush=True)
     return report
-
-
-def remove_earlier_report(output_dir):
-    """An earlier run's report.json goes before this run's steps (rank 0): if this run is interrupted, none is left
-    that reports the earlier run's results, or names its policy for the tools, over this run's unfinished folders."""
-    path = os.path.join(output_dir, REPORT_FILE)
-    if is_rank_0() and os.path.isfile(path):
-        os.remove(path)
-        print_rank_0(f"removed {path}, an earlier run's report (this run writes its own when it ends)")
 
 
 def held_out_rule_scores(args):

@@ -67,8 +67,7 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
                               if sub.split("/")[0] not in stale
                               and os.path.isfile(os.path.join(output_dir, sub, "config.json"))), None),
               "not_reported": sorted(stale)}
-    if reward_model:
-        report["reward_model"] = os.path.abspath(reward_model) if os.path.isdir(reward_model) else reward_model
+    report.update(reported_reward_model(reward_model))
     dpo = metrics(DPO_DIR)
     if dpo:
         report["dpo"] = {key: dpo.get(key) for key in DPO_REPORT_KEYS}
@@ -112,6 +111,23 @@ def plot_curves(curve, path):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def reported_reward_model(reward_model):
+    """The report's "reward_model" entry: the trained reward model given to train.py that step 3 scored with (a
+    folder's absolute path, or a hub name), which the tools then score with; none for step 2's own."""
+    if not reward_model:
+        return {}
+    return {"reward_model": os.path.abspath(reward_model) if os.path.isdir(reward_model) else reward_model}
+
+
+def write_unfinished_report(output_dir, recipe, steps_run, reward_model=None):
+    """report.json while a train.py run's steps run: none of the earlier run's results (an interrupted run must not
+    leave them reported over its unfinished folders), marked "unfinished", and naming the policy and reward model
+    this run's report will, so the tools take this run's models (and warn) rather than an earlier run's."""
+    policy = RECIPE_POLICY[recipe] if max(RECIPE_STEP_FOLDERS[recipe]) in steps_run else SFT_DIR
+    write_json_atomic(os.path.join(output_dir, REPORT_FILE),
+                      {"unfinished": True, "policy": policy, **reported_reward_model(reward_model)})
 
 
 def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=(),

@@ -33,7 +33,7 @@ def unfinished_reason(model_path):
     step's output: that step ran again there and did not finish (its training_args.json is there, its metrics.json
     is not), so its model files may be the earlier run's or part of the interrupted one's. None otherwise (a folder
     no step wrote too)."""
-    path = os.path.normpath(model_path)
+    path = os.path.abspath(model_path)  # (a folder given as ".": its parent is then the step's)
     folders = [path] + ([os.path.dirname(path)] if os.path.basename(path) in (ACTOR_DIR, CRITIC_DIR, ACTOR_EMA_DIR)
                         else [])
     for folder in folders:

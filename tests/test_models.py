@@ -641,6 +641,8 @@ def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_save_and_l
     (out / "model.safetensors.index.json").write_text("{}")
     for earlier in ("chat_template.jinja", "special_tokens_map.json", "tokenizer.model", "reward_model.json"):
         (out / earlier).write_text("from the earlier save")
+    (out / "additional_chat_templates").mkdir()  # transformers' named templates: the reloaded tokenizer took them
+    (out / "additional_chat_templates" / "tool_use.jinja").write_text("from the earlier save")
     model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
     save_causal_lm(model, _NoTokenizer(), str(out))
     names = sorted(p.name for p in out.iterdir())

@@ -1024,6 +1024,7 @@ def test_an_interrupted_train_py_run_leaves_no_earlier_report(tmp_path, distribu
     """An interrupted train.py run left the earlier run's report.json, which still reported that run's results and
     named its policy to the tools, over this run's unfinished folders."""
     from dschat import pipeline
+    from dschat.tools.common import find_policy_path, flag_path
 
     monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
@@ -1036,5 +1037,15 @@ def test_an_interrupted_train_py_run_leaves_no_earlier_report(tmp_path, distribu
     monkeypatch.setattr(pipeline, "run_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "1"))
-    assert not (out / "report.json").exists()
-    assert f"removed {out / 'report.json'}, an earlier run's report" in capsys.readouterr().out
+    # its own report's policy, marked unfinished: the tools take this run's model, or warn of an older run's
+    assert json.loads((out / "report.json").read_text()) == {"unfinished": True, "policy": "step1_sft"}
+    (out / "step3_ppo" / "actor").mkdir(parents=True)  # an earlier run's finished actor
+    (out / "step3_ppo" / "actor" / "config.json").write_text("{}")
+    assert flag_path("--path", find_policy_path, str(out)) == str(out / "step3_ppo" / "actor")
+    assert (f"warning: --path {out}: its last train.py run did not finish (report.json says so): "
+            f"{out / 'step3_ppo' / 'actor'} may be from before it") in capsys.readouterr().err
+    from dschat.report import write_unfinished_report
+
+    write_unfinished_report(str(out), "grpo", [3], str(tmp_path))  # a trained reward model given: the tools' too
+    assert json.loads((out / "report.json").read_text()) == {"unfinished": True, "policy": "step3_ppo/actor",
+                                                             "reward_model": str(tmp_path)}

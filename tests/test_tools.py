@@ -770,7 +770,7 @@ def test_a_command_line_prompt_is_read_as_a_prompt_field_is_and_a_question_about
         prompt_record("Human: Hi Assistant: Hello", "--prompts")
 
 
-def test_the_tools_warn_of_a_model_an_interrupted_step_left(tmp_path, capsys):
+def test_the_tools_warn_of_a_model_an_interrupted_step_left(tmp_path, capsys, monkeypatch):
     """chat.py and the eval tools used the actor of a step 3 run again and interrupted (the earlier run's model, or part
     of the new one's) without a word."""
     from dschat.tools.common import find_policy_path, flag_path
@@ -782,6 +782,9 @@ def test_the_tools_warn_of_a_model_an_interrupted_step_left(tmp_path, capsys):
     assert flag_path("--path", find_policy_path, str(tmp_path)) == str(actor)
     assert (f"warning: --path {actor}: {tmp_path / 'step3_ppo'} is an unfinished step output: its last training run "
             "was interrupted") in capsys.readouterr().err
+    monkeypatch.chdir(actor)  # the actor's folder given as "."
+    assert flag_path("--path", find_policy_path, ".") == "."
+    assert "is an unfinished step output" in capsys.readouterr().err
     (tmp_path / "step3_ppo" / "metrics.json").write_text("{}")
     assert flag_path("--path", find_policy_path, str(tmp_path)) == str(actor)
     assert "warning" not in capsys.readouterr().err

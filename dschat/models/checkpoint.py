@@ -69,10 +69,10 @@ def _remove_leftovers(parent, prefix):
 
 
 # The files a model save writes besides transformers' weights and their index (``is_weights_file``): configs, PEFT's
-# adapter, the reward model's head and note, tokenizer files (HF's names). An earlier save's that the new one does not
-# write go: weights of other shard counts (.bin against .safetensors) that transformers could load instead, or an
-# earlier tokenizer's chat template, which would change the format of every prompt the folder's tokenizer renders.
-# Only these names: a user's own files in the folder (my_notes.bin) stay.
+# adapter, the reward model's head and note, tokenizer files (HF's names; its folder of named chat templates too). An
+# earlier save's that the new one does not write go: weights of other shard counts (.bin against .safetensors) that
+# transformers could load instead, or an earlier tokenizer's chat templates, which would change the format of every
+# prompt the folder's tokenizer renders. Only these names: a user's own files in the folder (my_notes.bin) stay.
 SAVE_FILES = ("config.json", "generation_config.json", "adapter_config.json", "adapter_model.safetensors",
               "adapter_model.bin", VALUE_HEAD_FILE, REWARD_META_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRA_FILES)
 
@@ -97,8 +97,9 @@ def install_folder(new, target):
         else:
             os.replace(source, destination)
     for name in os.listdir(target):  # after the new weights are in: a crash never leaves the folder without any
-        if name not in written and is_save_file(name) and os.path.isfile(os.path.join(target, name)):
-            os.remove(os.path.join(target, name))
+        path = os.path.join(target, name)
+        if name not in written and is_save_file(name):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     shutil.rmtree(new, ignore_errors=True)
 
 

@@ -188,9 +188,10 @@ def no_weights_message(path):
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
                    "vocab.txt", "tiktoken.model", "tekken.json", "sentencepiece.bpe.model", "spm.model")
-# Beside them: what else a tokenizer reads from its folder (its chat template among them).
+# Beside them: what else a tokenizer reads from its folder (its chat templates among them: transformers' folder of
+# named ones too).
 TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                         "merges.txt")
+                         "merges.txt", "additional_chat_templates")
 
 
 def check_tokenizer_files(path, flag=None):
