@@ -1491,15 +1491,16 @@ def test_accumulation_groups_may_not_span_ppo_epochs():
     from argparse import Namespace
 
     from dschat.errors import UsageError
+    from dschat.rlhf.config import check_accumulation
 
     args = Namespace(per_device_generation_batch_size=6, n_samples_per_prompt=1, per_device_training_batch_size=2,
                      generation_batches=1, ppo_epochs=2, gradient_accumulation_steps=2)
     with pytest.raises(UsageError, match="3 PPO micro-batches per PPO epoch .* give --generation_batches 2 or "
                                          "--per_device_training_batch_size 3, or a --gradient_accumulation_steps "
                                          "that divides 3"):
-        ppo.check_accumulation(args)  # 6 in all would divide, but one step would mix two epochs
+        check_accumulation(args)  # 6 in all would divide, but one step would mix two epochs
     args.per_device_training_batch_size = 3
-    ppo.check_accumulation(args)
+    check_accumulation(args)
 
 
 def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, monkeypatch):

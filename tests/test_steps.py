@@ -1049,3 +1049,17 @@ def test_an_interrupted_train_py_run_leaves_no_earlier_report(tmp_path, distribu
     write_unfinished_report(str(out), "grpo", [3], str(tmp_path))  # a trained reward model given: the tools' too
     assert json.loads((out / "report.json").read_text()) == {"unfinished": True, "policy": "step3_ppo/actor",
                                                              "reward_model": str(tmp_path)}
+
+
+def test_train_py_checks_step_3s_accumulation_before_step_1(tmp_path, distributed, monkeypatch):
+    """--step3-args "--gradient_accumulation_steps 3" (micro-batches that fill no whole group) was refused only when
+    step 3 started, after steps 1 and 2 had trained."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "run_step", lambda *args: pytest.fail("a step ran"))
+    with pytest.raises(UsageError, match="PPO micro-batches per PPO epoch .* is not a multiple of "
+                                         "--gradient_accumulation_steps 3"):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--step3-args",
+                                             "--gradient_accumulation_steps 3"))

@@ -789,3 +789,19 @@ def test_the_tools_warn_of_a_model_an_interrupted_step_left(tmp_path, capsys, mo
     assert flag_path("--path", find_policy_path, str(tmp_path)) == str(actor)
     assert "warning" not in capsys.readouterr().err
 
+
+
+def test_a_file_given_as_the_model_folder_is_an_error_naming_its_folder(tmp_path, capsys):
+    """chat.py --path OUT/report.json ended in a tokenizer traceback, and --path OUT/step1_sft/model.safetensors in
+    "no such folder here, and loading it as a hub name failed (... not a valid JSON file)"."""
+    from dschat.models.loading import load_tokenizer
+    from dschat.tools import chat
+
+    (tmp_path / "step1_sft").mkdir()
+    for file in (tmp_path / "report.json", tmp_path / "step1_sft" / "model.safetensors"):
+        file.write_text("{}")
+        with pytest.raises(FileNotFoundError, match=f"--path {file}: a file, not a model folder: give the folder that "
+                                                    f"holds the model .*e.g. {file.parent}"):
+            chat.main(["--path", str(file), "--prompt", "hi"])
+        with pytest.raises(FileNotFoundError, match="a file, not a model folder"):
+            load_tokenizer(str(file))

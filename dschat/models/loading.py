@@ -66,10 +66,19 @@ def missing_folder_message(path):
                                         if close else "")
 
 
+def check_not_a_file(path):
+    """A model path that names a file here (its weights, the run's report.json): one error naming the folder meant,
+    where transformers tries it as a folder or a hub name and fails with a message about neither."""
+    if os.path.isfile(path):
+        raise MissingInputError(f"{path}: a file, not a model folder: give the folder that holds the model (the one "
+                                f"with its config.json), e.g. {os.path.dirname(os.path.abspath(path))}")
+
+
 def hub_load(loader, name_or_path, **kwargs):
     """``loader(name_or_path)``; a name that is no folder here and fails as a hub name too is said to be either: a
     mistyped folder becomes, after the hub client's retries, one clear error instead of a hub traceback (at once for
     a name that is a local path, ``looks_local``)."""
+    check_not_a_file(name_or_path)
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(missing_folder_message(name_or_path))
     try:

@@ -1,5 +1,6 @@
 """Step-3 settings: the parsed namespace, a dict or any object, completed with the defaults of every flag."""
 import argparse
+import math
 import os
 
 from dschat.errors import MissingInputError, UsageError
@@ -149,3 +150,33 @@ def untrained_reward_model_message(path):
     return (f"step3: the reward model {path} has no trained value head ({VALUE_HEAD_FILES}): it is not step 2's "
             "output, and PPO would maximise a random score; give step 2's output folder "
             "(--reward_model_name_or_path, else --critic_model_name_or_path)")
+
+
+def micro_batches_per_epoch(args):
+    """PPO micro-batches of one PPO epoch over a rollout: each generation batch is sliced on its own."""
+    rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
+    return math.ceil(rows / args.per_device_training_batch_size) * args.generation_batches
+
+
+def check_accumulation(args):
+    """PPO micro-batches per epoch over the rollout must fill whole accumulation groups, or an optimizer step mixes
+    PPO epochs (or iterations) whose losses were scaled for different token counts."""
+    micro = micro_batches_per_epoch(args)
+    gas = args.gradient_accumulation_steps
+    if micro % gas:
+        raise UsageError(f"{micro} PPO micro-batches per PPO epoch (generation batch x n_samples_per_prompt / "
+                         f"training batch x generation_batches) is not a multiple of --gradient_accumulation_steps "
+                         f"{gas} (DeepSpeed-Chat's step 3 lets an optimizer step span rollouts; dschat's does not): "
+                         f"{accumulation_fixes(args, micro, gas)}")
+
+
+def accumulation_fixes(args, micro, gas):
+    """Flag values that make ``micro`` PPO micro-batches per epoch fill whole groups of ``gas``."""
+    rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
+    fixes = [f"--generation_batches {args.generation_batches * gas // math.gcd(micro, gas)}"]
+    current = args.per_device_training_batch_size
+    fitting = [size for size in range(1, rows + 1)  # even slices of a generation batch, closest to the current
+               if rows % size == 0 and rows // size * args.generation_batches % gas == 0]
+    if fitting:
+        fixes.append(f"--per_device_training_batch_size {min(fitting, key=lambda size: (abs(size - current), -size))}")
+    return f"give {' or '.join(fixes)}, or a --gradient_accumulation_steps that divides {micro}"

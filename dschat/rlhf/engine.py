@@ -13,8 +13,9 @@ from dschat.models.loading import check_sequence_fits, load_causal_lm, load_toke
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import initialize_engine, initialize_frozen
-from dschat.rlhf.config import (check_advantage_estimator, check_earlier_step_outputs, check_freezing_actor_steps,
-                                check_kl_settings, step3_args, untrained_reward_model_message)
+from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, check_earlier_step_outputs,
+                                check_freezing_actor_steps, check_kl_settings, step3_args,
+                                untrained_reward_model_message)
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import setup_run
@@ -186,6 +187,7 @@ def check_step3_settings(args, world_size, actor_architecture=None):
                          "--max_answer_seq_len and --eval_max_new_tokens): prompt + answer must fit")
     check_inference_tp(args, world_size, actor.get("hybrid_engine", {}),
                        actor_architecture or args.actor_model_name_or_path)
+    check_accumulation(args)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
 

@@ -1,7 +1,6 @@
 """Step 3: PPO of the SFT actor against the step-2 reward model, with held-out evaluation and resume."""
 import contextlib
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import TORCH_DTYPES, load_tokenizer
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
-from dschat.rlhf.config import check_earlier_step_outputs, step3_args
+from dschat.rlhf.config import check_earlier_step_outputs, micro_batches_per_epoch, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
@@ -96,36 +95,6 @@ def cycle(loader, seed, start=0):
         epoch += 1
 
 
-def micro_batches_per_epoch(args):
-    """PPO micro-batches of one PPO epoch over a rollout: each generation batch is sliced on its own."""
-    rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
-    return math.ceil(rows / args.per_device_training_batch_size) * args.generation_batches
-
-
-def check_accumulation(args):
-    """PPO micro-batches per epoch over the rollout must fill whole accumulation groups, or an optimizer step mixes
-    PPO epochs (or iterations) whose losses were scaled for different token counts."""
-    micro = micro_batches_per_epoch(args)
-    gas = args.gradient_accumulation_steps
-    if micro % gas:
-        raise UsageError(f"{micro} PPO micro-batches per PPO epoch (generation batch x n_samples_per_prompt / "
-                         f"training batch x generation_batches) is not a multiple of --gradient_accumulation_steps "
-                         f"{gas} (DeepSpeed-Chat's step 3 lets an optimizer step span rollouts; dschat's does not): "
-                         f"{accumulation_fixes(args, micro, gas)}")
-
-
-def accumulation_fixes(args, micro, gas):
-    """Flag values that make ``micro`` PPO micro-batches per epoch fill whole groups of ``gas``."""
-    rows = args.per_device_generation_batch_size * args.n_samples_per_prompt
-    fixes = [f"--generation_batches {args.generation_batches * gas // math.gcd(micro, gas)}"]
-    current = args.per_device_training_batch_size
-    fitting = [size for size in range(1, rows + 1)  # even slices of a generation batch, closest to the current
-               if rows % size == 0 and rows // size * args.generation_batches % gas == 0]
-    if fitting:
-        fixes.append(f"--per_device_training_batch_size {min(fitting, key=lambda size: (abs(size - current), -size))}")
-    return f"give {' or '.join(fixes)}, or a --gradient_accumulation_steps that divides {micro}"
-
-
 def held_out_eval(trainer, loader, args, device, scorer):
     generate = trainer.actor_model.generate if trainer.hybrid else trainer.actor_model.module.generate
     # the hybrid engine's latency line counts PPO iterations: the evaluation's generations stay out of them
@@ -199,7 +168,6 @@ def main(args=None):
                                eot_token=args.eot_token)
     train_loader, eval_loader = prompt_loaders(args, tokenizer)
     unsup_loader = unsupervised_loader(args, tokenizer)
-    check_accumulation(args)
     schedule = plan_iterations(args, train_loader)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
                                  num_total_iters=schedule.optimizer_steps,

@@ -8,7 +8,7 @@ import torch
 
 from dschat.args import check_sampling_flags, positive_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
-from dschat.models.loading import looks_local, not_a_model_folder
+from dschat.models.loading import check_not_a_file, looks_local, not_a_model_folder
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
@@ -37,6 +37,7 @@ def _model_folder(path, subfolders, reported=None):
     """``path``'s ``reported`` subfolder, else the first of ``subfolders`` that holds a model; ``path`` itself when
     it is a model folder or a hub name."""
     path = os.path.expanduser(path)  # a --path=~/x the shell left as it is
+    check_not_a_file(path)
     for sub in ([reported] if reported else []) + list(subfolders):
         candidate = os.path.join(path, sub)
         if os.path.isfile(os.path.join(candidate, "config.json")):
