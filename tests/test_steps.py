@@ -1063,3 +1063,21 @@ def test_train_py_checks_step_3s_accumulation_before_step_1(tmp_path, distribute
                                          "--gradient_accumulation_steps 3"):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--step3-args",
                                              "--gradient_accumulation_steps 3"))
+
+
+def test_a_step_script_starting_from_an_unfinished_output_warns(tmp_path, distributed, capsys):
+    """A step script (or a notebook) given a folder that an interrupted run of its step left trained from it without
+    a word (train.py refuses it)."""
+    from argparse import Namespace
+
+    from dschat.steps.common import setup_run
+
+    sft = tmp_path / "step1_sft"
+    sft.mkdir()
+    (sft / "config.json").write_text("{}")
+    (sft / "training_args.json").write_text("{}")
+    setup_run(Namespace(dtype="fp32", seed=1, model_name_or_path=str(sft)))
+    assert f"warning: {sft} is an unfinished step output" in capsys.readouterr().out
+    (sft / "metrics.json").write_text("{}")
+    setup_run(Namespace(dtype="fp32", seed=1, model_name_or_path=str(sft)))
+    assert "warning" not in capsys.readouterr().out

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from dschat.errors import UsageError
 from dschat.models.training_engine import initialize_engine
 from dschat.models.zero3 import full_numel
-from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE
+from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
 from dschat.utils.checkpoints import DATA_FILES
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.ds_config import check_dtype_supported
@@ -21,12 +21,16 @@ from dschat.utils.optim import optimizer_step
 
 
 def setup_run(args):
-    """Distributed init, seeds and the device; returns the device."""
+    """Distributed init, seeds and the device; returns the device. A model it starts from that an interrupted run of
+    its step left is warned of (train.py refuses one before its steps; a step script or a notebook goes on)."""
     from transformers import set_seed
 
     check_dtype_supported(args.dtype)
     ensure_distributed()
     set_seed(args.seed)
+    for path in loaded_model_paths(args):
+        if unfinished_reason(path):
+            print_rank_0(f"warning: {unfinished_reason(path)}")
     return local_device()
 
 
