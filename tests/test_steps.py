@@ -1067,17 +1067,12 @@ def test_train_py_checks_step_3s_accumulation_before_step_1(tmp_path, distribute
 
 def test_a_step_script_starting_from_an_unfinished_output_warns(tmp_path, distributed, capsys):
     """A step script (or a notebook) given a folder that an interrupted run of its step left trained from it without
-    a word (train.py refuses it)."""
-    from argparse import Namespace
-
-    from dschat.steps.common import setup_run
-
+    a word (train.py refuses it); the warning is said once."""
     sft = tmp_path / "step1_sft"
-    sft.mkdir()
-    (sft / "config.json").write_text("{}")
-    (sft / "training_args.json").write_text("{}")
-    setup_run(Namespace(dtype="fp32", seed=1, model_name_or_path=str(sft)))
-    assert f"warning: {sft} is an unfinished step output" in capsys.readouterr().out
-    (sft / "metrics.json").write_text("{}")
-    setup_run(Namespace(dtype="fp32", seed=1, model_name_or_path=str(sft)))
-    assert "warning" not in capsys.readouterr().out
+    reward.main(["--output_dir", str(sft), "--data_output_path", str(tmp_path / "data"), "--max_steps", "1",
+                 *RM_FAST])  # (any step's output: a model folder with training_args.json)
+    (sft / "metrics.json").unlink()  # its step started again, and was interrupted
+    capsys.readouterr()
+    reward.main(["--model_name_or_path", str(sft), "--output_dir", str(tmp_path / "rm"), "--data_output_path",
+                 str(tmp_path / "data"), "--max_steps", "1", *RM_FAST])
+    assert capsys.readouterr().out.count(f"warning: {sft} is an unfinished step output") == 1

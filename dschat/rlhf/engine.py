@@ -18,7 +18,7 @@ from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, c
                                 untrained_reward_model_message)
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
-from dschat.steps.common import setup_run
+from dschat.steps.common import setup_run, warn_of_unfinished_inputs
 from dschat.utils.dist import get_world_size, print_rank_0
 from dschat.utils.ds_config import (apply_user_ds_config, frozen_copy_stage, get_eval_ds_config, get_train_ds_config,
                                     owned_key_flags, user_ds_config_path)
@@ -289,6 +289,8 @@ class DeepSpeedRLHFEngine:
         self.critic_path = critic_model_name_or_path or args.critic_model_name_or_path
         self.reward_path = reward_model_name_or_path or args.reward_model_name_or_path or self.critic_path
         check_earlier_step_outputs(args, self.actor_path, self.critic_path, reward_model_name_or_path)
+        warn_of_unfinished_inputs([self.actor_path, self.critic_path if args.advantage_estimator == "gae" else None,
+                                   self.reward_path])
         if tokenizer is not None:
             check_given_tokenizer(tokenizer, self.actor_path)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,

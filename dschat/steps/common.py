@@ -21,17 +21,21 @@ from dschat.utils.optim import optimizer_step
 
 
 def setup_run(args):
-    """Distributed init, seeds and the device; returns the device. A model it starts from that an interrupted run of
-    its step left is warned of (train.py refuses one before its steps; a step script or a notebook goes on)."""
+    """Distributed init, seeds and the device; returns the device."""
     from transformers import set_seed
 
     check_dtype_supported(args.dtype)
     ensure_distributed()
     set_seed(args.seed)
-    for path in loaded_model_paths(args):
-        if unfinished_reason(path):
-            print_rank_0(f"warning: {unfinished_reason(path)}")
     return local_device()
+
+
+def warn_of_unfinished_inputs(paths):
+    """Each model of ``paths`` that an interrupted run of its step left (``unfinished_reason``), said: train.py refuses
+    one before its steps; a step script or a notebook goes on with it."""
+    for path in dict.fromkeys(filter(None, paths)):
+        if isinstance(path, str) and unfinished_reason(path):
+            print_rank_0(f"warning: {unfinished_reason(path)}")
 
 
 def build_dataloaders(train_dataset, eval_dataset, collator, train_batch_size, eval_batch_size, seed,
@@ -514,6 +518,7 @@ def run_supervised_step(args, recipe):
 
     started = time.time()
     device = setup_run(args)
+    warn_of_unfinished_inputs(loaded_model_paths(args))
     tag = f"[{recipe.name}]"
     ds_config = check_supervised_settings(args, recipe.phase, recipe.name, quiet=False)
     # before training, not when the model is saved (beside the folder first, then moved in)
