@@ -344,9 +344,9 @@ def check_earlier_outputs(step, steps, args, parsed):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
                 run = f"run step {producer} too (--step {together}) or first"
-            elif unfinished_reason(path):
-                state, run = "did not finish", (f"{unfinished_reason(path)}. Run step {producer} again (--step "
-                                                f"{together}; with --resume it goes on from its last checkpoint)")
+            elif reason := unfinished_reason(path):
+                state, run = "did not finish", (f"{reason}. Run step {producer} again (--step {together}; with "
+                                                "--resume it goes on from its last checkpoint)")
             else:
                 continue
             raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: {run}"

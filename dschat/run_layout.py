@@ -25,7 +25,7 @@ STEP_FOLDER_NAMES = frozenset({SFT_DIR, RM_DIR, DPO_DIR, PPO_DIR})
 # and writes it last when it finishes: the mark of a finished output.
 RUN_ARGS_FILE = "training_args.json"
 FINISHED_MARK = "metrics.json"
-REPORT_FILE = "report.json"  # train.py's, in its --output_dir when every step has run
+REPORT_FILE = "report.json"  # train.py's, in its --output_dir (marked "unfinished" while its steps run)
 
 
 def unfinished_reason(model_path):

@@ -93,9 +93,9 @@ class RewardModel(nn.Module):
     def forward(self, input_ids, attention_mask, **kwargs):
         """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected."""
         if input_ids.shape[0] % 2:
-            raise ValueError(f"RewardModel.forward takes pairs: the chosen answers then as many rejected ones, a batch of "
-                             f"even size (this one has {input_ids.shape[0]} rows); score single answers with "
-                             "end_scores or forward_value")
+            raise ValueError(f"RewardModel.forward takes pairs: the chosen answers then as many rejected ones, a "
+                             f"batch of even size (this one has {input_ids.shape[0]} rows); score single answers "
+                             "with end_scores or forward_value")
         scores = self.end_scores(input_ids, attention_mask, **kwargs)
         half = input_ids.shape[0] // 2
         chosen, rejected = scores[:half], scores[half:]

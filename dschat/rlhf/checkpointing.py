@@ -8,9 +8,9 @@ import torch
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import input_runs, restart_deepspeed_tensorboard, step_data_files
-from dschat.utils.checkpoints import (ACTOR, CRITIC, DATA_FILES, check_complete, check_same_flags, latest_tag, load_rank_state, publish,
-                                      read_trainer_state, reading, save_trainer_state, tag_of, take_restored_flags,
-                                      trainer_folder)
+from dschat.utils.checkpoints import (ACTOR, CRITIC, DATA_FILES, check_complete, check_same_flags, latest_tag,
+                                      load_rank_state, publish, read_trainer_state, reading, save_trainer_state, tag_of,
+                                      take_restored_flags, trainer_folder)
 from dschat.utils.dist import is_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states

@@ -34,8 +34,8 @@ def warn_of_unfinished_inputs(paths):
     """Each model of ``paths`` that an interrupted run of its step left (``unfinished_reason``), said: train.py refuses
     one before its steps; a step script or a notebook goes on with it."""
     for path in dict.fromkeys(filter(None, paths)):
-        if isinstance(path, str) and unfinished_reason(path):
-            print_rank_0(f"warning: {unfinished_reason(path)}")
+        if isinstance(path, str) and (reason := unfinished_reason(path)):
+            print_rank_0(f"warning: {reason}")
 
 
 def build_dataloaders(train_dataset, eval_dataset, collator, train_batch_size, eval_batch_size, seed,

@@ -63,8 +63,8 @@ def flag_path(flag, find, value):
         path = find(value)
     except MissingInputError as err:
         raise MissingInputError(f"{flag} {err}") from err
-    if unfinished_reason(path):
-        print(f"warning: {flag} {path}: {unfinished_reason(path)}", file=sys.stderr)
+    if reason := unfinished_reason(path):
+        print(f"warning: {flag} {path}: {reason}", file=sys.stderr)
     elif os.path.isdir(os.path.expanduser(value)) and _reported(os.path.expanduser(value), "unfinished"):
         print(f"warning: {flag} {value}: its last train.py run did not finish ({REPORT_FILE} says so): {path} may be "
               "from before it", file=sys.stderr)
