@@ -713,6 +713,7 @@ def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, m
     assert saved["policy"]["reward_mean"] != saved["baseline"]["reward_mean"]
     assert [e["prompt"] for e in saved["policy"]["examples"]] == [e["prompt"] for e in saved["baseline"]["examples"]]
     assert "name no flag" not in out  # the tool's own flags (--max_new_tokens, ...) are not step 3's unused settings
+    assert out.count("phase 3 tiny eval:") == 1  # both tokenizers encode alike: the prompts were built (said) once
 
 
 @pytest.mark.parametrize("flags, said", [

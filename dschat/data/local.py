@@ -474,6 +474,10 @@ def load_saved_dataset(path):
     return saved["train"], saved[eval_name] if eval_name else None
 
 
+def _where(path, index, record_lines):
+    return f"{path} line {record_lines[index]} (record {index})" if record_lines else f"{path} record {index}"
+
+
 class LocalDataset(PromptRawDataset):
     """A ``PromptRawDataset`` over local files; records are validated when loaded (``strict``)."""
     strict = True
@@ -614,8 +618,19 @@ class LocalDataset(PromptRawDataset):
             except SkipRecord:  # (counted where the phase reads it)
                 pass
             except RecordError as err:
-                where = f"line {record_lines[index]} (record {index})" if record_lines else f"record {index}"
-                raise DatasetFormatError(f"{path} {where}: {err}{self._other_shape_hint(sample, err)}") from None
+                raise DatasetFormatError(f"{_where(path, index, record_lines)}: {err}"
+                                         f"{self._other_shape_hint(sample, err)}") from None
+
+    def locate(self, sample):
+        """Where a record read later (e.g. one the tokenizer's chat template refuses) is: its file, line and record
+        number, as on load; the source's name if no longer found."""
+        eval_path = self.source.eval or f"{self.source.train} (eval split)"
+        for data, path, lines in ((self.raw_datasets["train"], self.source.train, self._train_lines),
+                                  (self.raw_datasets["eval"], eval_path, self._eval_lines)):
+            for index, record in enumerate(data or ()):
+                if record == sample:
+                    return _where(path, index, lines)
+        return self.dataset_name
 
     def _other_shape_hint(self, sample, err):
         """A record missing a field of the file's shape that has another shape's field instead: the file mixes record

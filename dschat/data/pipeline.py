@@ -383,7 +383,7 @@ def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=Fals
             skips[skip.reason] += 1
         except RecordError as err:
             if raw.strict:  # a local file's record: an error naming it (its fields were validated on load)
-                raise DatasetFormatError(f"{raw.dataset_name}: {err}") from err
+                raise DatasetFormatError(f"{raw.locate(sample)}: {err}") from err
             skips[f"unreadable {err.field}"] += 1
     return examples
 

@@ -12,6 +12,7 @@ import os
 from types import SimpleNamespace
 
 from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of
+from dschat.data.cache import tokenizer_fingerprint
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path
 from dschat.models.loading import check_sequence_fits, load_tokenizer, resolve_model_path
@@ -27,13 +28,14 @@ from dschat.tools.common import (add_loading_args, default_device, find_policy_p
 from dschat.utils.files import path_under
 
 
-def evaluate_model(path, reward_model_path, args, reward_model=None):
+def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by_tokenizer=None):
     """(metrics of the policy at ``path``, the reward model used): greedy answers to the held-out prompts, scored by
     the reward model (if any; a critic-free run with --reward_model_weight 0 has none), --reward_fn (if given) and
     the rule scorer of the embedded data.
 
     The reward model is loaded with the first policy's tokenizer (as step 3 loads it with the actor's) and
-    passed back so the next policy reuses it.
+    passed back so the next policy reuses it. ``held_out_by_tokenizer`` (a dict) keeps the tokenized prompts for the
+    next policy: one whose tokenizer encodes as this one's reuses them (the data report is said once).
     """
     device = default_device()
     model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
@@ -48,7 +50,7 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
             check_sequence_fits(checked, args.max_prompt_seq_len + args.max_new_tokens,
                                 "--max_prompt_seq_len + --max_new_tokens")
     # tokenized with this policy's tokenizer, as in step 3
-    _, held_out = prompt_loaders(step3_settings(args), tokenizer)
+    held_out = held_out_prompts(args, tokenizer, {} if held_out_by_tokenizer is None else held_out_by_tokenizer)
     held_out = first_rows(held_out, args.num_prompts) if args.num_prompts else held_out
     # evaluate_policy expects DeepSpeed engines; for the reward model that is only the ``.module`` attribute
     scoring = SimpleNamespace(module=reward_model) if reward_model is not None else None
@@ -57,6 +59,15 @@ def evaluate_model(path, reward_model_path, args, reward_model=None):
                              pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of),
                              reward_fn=load_reward_fn(args.reward_fn) if args.reward_fn else None)
     return {"path": path, **result}, reward_model
+
+
+def held_out_prompts(args, tokenizer, by_tokenizer):
+    """Step 3's held-out prompt batches in ``tokenizer``'s ids, built once per encoding (its folder aside)."""
+    key = json.dumps({k: v for k, v in tokenizer_fingerprint(tokenizer).items() if k != "name_or_path"},
+                     sort_keys=True)
+    if key not in by_tokenizer:
+        by_tokenizer[key] = prompt_loaders(step3_settings(args), tokenizer)[1]
+    return by_tokenizer[key]
 
 
 def first_rows(loader, count):
@@ -220,9 +231,10 @@ def main(argv=None):
     paths = {"policy": args.policy}
     if args.baseline:
         paths["baseline"] = flag_path("--baseline", find_policy_path, args.baseline)
-    results, reward_model = {}, None
+    results, reward_model, held_out_by_tokenizer = {}, None, {}
     for role, path in paths.items():
-        results[role], reward_model = evaluate_model(path, reward_model_path, args, reward_model)
+        results[role], reward_model = evaluate_model(path, reward_model_path, args, reward_model,
+                                                     held_out_by_tokenizer)
     print_results(results)
     if args.output_json:
         write_json(args.output_json, {**results, "reward_model": reward_model_path, "data_path": args.data_path,
