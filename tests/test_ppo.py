@@ -255,6 +255,34 @@ def test_notebook_engine_with_a_missing_model_folder_fails_before_any_model_load
         DeepSpeedRLHFEngine(critic_model_name_or_path=str(trained / "rm"), tokenizer=tokenizer, args={})
 
 
+def test_notebook_engine_warns_once_of_an_unfinished_model(trained, tmp_path, monkeypatch, capsys):
+    """The notebook API trains from a folder an interrupted run left (training_args.json, no metrics.json): said once,
+    before any model loads, as the step scripts say it."""
+    import shutil
+
+    from dschat import DeepSpeedRLHFEngine
+    from dschat.models.loading import load_tokenizer
+
+    sft = tmp_path / "sft"
+    shutil.copytree(trained / "sft", sft)
+    (sft / "training_args.json").write_text("{}")
+    (sft / "metrics.json").unlink(missing_ok=True)
+
+    class Loaded(Exception):
+        pass
+
+    def load(*given, **kw):
+        raise Loaded
+
+    monkeypatch.setattr("dschat.rlhf.engine.load_causal_lm", load)
+    tokenizer = load_tokenizer(str(sft), padding_side="left")
+    capsys.readouterr()
+    with pytest.raises(Loaded):
+        DeepSpeedRLHFEngine(str(sft), str(trained / "rm"), tokenizer, {"dtype": "fp32"})
+    out = capsys.readouterr().out
+    assert out.count(f"warning: {sft} is an unfinished step output") == 1 and str(trained / "rm") not in out
+
+
 def _prompt_batch(tokenizer, texts):
     from dschat.data import DataCollatorRLHF
 

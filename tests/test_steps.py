@@ -1065,6 +1065,25 @@ def test_train_py_checks_step_3s_accumulation_before_step_1(tmp_path, distribute
                                              "--gradient_accumulation_steps 3"))
 
 
+def test_a_first_run_killed_after_its_save_leaves_its_folder_marked_unfinished(tmp_path, distributed, monkeypatch):
+    """A first run's training_args.json was written only with its results: killed between its save and them, the
+    folder held a model and nothing saying it was unfinished, so train.py started step 2 from it without a word."""
+    from dschat.run_layout import unfinished_reason
+
+    out = tmp_path / "rm"
+
+    def killed(*given):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "write_results", killed)
+    with pytest.raises(KeyboardInterrupt):
+        reward.main(["--output_dir", str(out), "--data_output_path", str(tmp_path / "data"), "--max_steps", "1",
+                     *RM_FAST])
+    assert (out / "model.safetensors").is_file() and not (out / "metrics.json").exists()
+    assert json.loads((out / "training_args.json").read_text())["step"] == "step2"
+    assert "is an unfinished step output" in unfinished_reason(str(out))
+
+
 def test_a_step_script_starting_from_an_unfinished_output_warns(tmp_path, distributed, capsys):
     """A step script (or a notebook) given a folder that an interrupted run of its step left trained from it without
     a word (train.py refuses it); the warning is said once."""

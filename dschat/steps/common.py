@@ -182,21 +182,27 @@ def write_results(args, metrics, step):
     to evaluate its output on the same data, e.g. ppo_eval's held-out prompts; this output's run id and those of the
     step outputs it started from: what ``train.py --resume`` reads) in its output folder (rank 0)."""
     if is_rank_0():
-        from dschat.rlhf.reward_fn import recorded_reward_fn, reward_fn_file
-
-        flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
-        record = {}
-        if "reward_fn" in flags:  # a notebook's function: as a spec the tools can load
-            flags["reward_fn"] = recorded_reward_fn(flags["reward_fn"])
-            record[REWARD_FN_FILE] = reward_fn_file(flags["reward_fn"])
-        write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
-                          {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
-                           "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
-                           DATA_FILES: step_data_files(args), **record}, default=str)
+        write_run_args(args, step)
         # Last: metrics.json marks the output finished (a kill before it must leave it unfinished, not new weights
         # under the old run's flags and id, which --resume would take as done).
         write_json_atomic(os.path.join(args.output_dir, FINISHED_MARK), metrics)
         print_rank_0(f"metrics: {json.dumps(metrics)}")
+
+
+def write_run_args(args, step):
+    """The output folder's training_args.json (see ``write_results``), with a new run id (rank 0)."""
+    from dschat.rlhf.reward_fn import recorded_reward_fn, reward_fn_file
+
+    flags = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_")}
+    record = {}
+    if "reward_fn" in flags:  # a notebook's function: as a spec the tools can load
+        flags["reward_fn"] = recorded_reward_fn(flags["reward_fn"])
+        record[REWARD_FN_FILE] = reward_fn_file(flags["reward_fn"])
+    os.makedirs(args.output_dir, exist_ok=True)
+    write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
+                      {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
+                       "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
+                       DATA_FILES: step_data_files(args), **record}, default=str)
 
 
 # The flags of the models a step may start from.
@@ -299,13 +305,19 @@ def finished_run_id(folder):
 def clear_results(args, name, resumed):
     """A step that starts training removes its folder's metrics.json, the mark of a finished output (``train.py
     --resume`` skips a step that has one; the report reads it): an interrupted run leaves none (rank 0). A fresh run
-    over an earlier finished output says that its save will replace that output."""
+    over an earlier finished output says that its save will replace that output. A first run writes its
+    training_args.json now, so that a kill before its results (after its save, say) also leaves the folder marked
+    unfinished (``unfinished_reason``), not model files that look like another's."""
+    if not is_rank_0():
+        return
     path = os.path.join(args.output_dir, FINISHED_MARK)
-    if is_rank_0() and os.path.isfile(path):
+    if os.path.isfile(path):
         if not resumed:
             print_rank_0(f"[{name}] {args.output_dir} holds an earlier run's finished output: this run's save replaces "
                          "its model files (other files there stay)")
         os.remove(path)
+    if not os.path.isfile(os.path.join(args.output_dir, RUN_ARGS_FILE)):
+        write_run_args(args, name)
 
 
 def read_run_args(folder, step=None):
