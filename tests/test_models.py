@@ -436,6 +436,22 @@ def test_a_hub_model_without_a_value_head_is_no_reward_model_by_its_name(hub_cac
         load_reward_model("acme/nothing")
 
 
+def test_a_hub_model_without_a_value_head_is_refused_as_a_scorer_before_it_loads(hub_cache, monkeypatch):
+    """Step 3 and the eval tools checked a local folder's value head before any model loaded, a hub name's only once
+    it had loaded (step 3: after the actor, the reference and the critic too)."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.config import check_reward_model_trained
+    from dschat.tools.common import load_scoring_reward_model
+
+    plain = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    hub_cache("acme/plain-lm", plain.save_pretrained)
+    monkeypatch.setattr("transformers.AutoModel.from_pretrained", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(UsageError, match="step3: the reward model acme/plain-lm has no trained value head"):
+        check_reward_model_trained("acme/plain-lm")
+    with pytest.raises(UsageError, match="acme/plain-lm: not a reward model"):
+        load_scoring_reward_model("acme/plain-lm", None)
+
+
 def test_a_reward_model_trained_from_an_openrlhf_one_scores_raw_once_saved(tmp_path, distributed):
     """Its config.json kept OpenRLHF's mean and std, by which the scores of the head trained here (on raw scores) were
     divided again when it scored (step 3 after step 2)."""

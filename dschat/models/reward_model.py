@@ -139,12 +139,9 @@ class RewardModel(nn.Module):
         nothing until step 2 trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's
         normalization (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
         from dschat.models.loading import (check_weights_loaded, configure_dropout, grow_embeddings_for, hub_load,
-                                           hub_model_folder, load_dtype, model_load_context, readable_weights,
-                                           resolve_model_path)
+                                           load_dtype, model_load_context, readable_weights)
 
-        name, path = path, resolve_model_path(path)
-        if not os.path.isdir(path):  # a hub name: its head is read from the files, as a folder's
-            path = hub_model_folder(path, extra_files=(VALUE_HEAD_FILE, REWARD_META_FILE))
+        name, path = path, reward_model_folder(path)
         config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)
         keep_alive = model_load_context(ds_config)  # noqa: F841
         torch_dtype = load_dtype(dtype, ds_config)
@@ -185,6 +182,18 @@ class RewardModel(nn.Module):
         save_file({"weight": state_dict["v_head.weight"].contiguous()}, os.path.join(folder, VALUE_HEAD_FILE))
         with open(os.path.join(folder, REWARD_META_FILE), "w") as f:
             json.dump({"format": "dschat-reward-model", "version": 1, "value_head": VALUE_HEAD_FILE}, f)
+
+
+def reward_model_folder(name_or_path):
+    """The folder of a reward model's files: a folder as is, a tiny preset's, or a hub name's snapshot with its config,
+    weights and value-head files (fetched, or read from the hub cache offline): its head can be read, or found
+    missing, before any model loads."""
+    from dschat.models.loading import hub_model_folder, resolve_model_path
+
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return path
+    return hub_model_folder(path, extra_files=(VALUE_HEAD_FILE, REWARD_META_FILE))
 
 
 def is_reward_model_folder(path):

@@ -133,14 +133,13 @@ def check_earlier_step_outputs(args, actor_path=None, critic_path=None, reward_p
 
 
 def check_reward_model_trained(path):
-    """A local reward-model folder without step 2's value head (a step-1 folder, a plain model) is refused before
-    any model loads: PPO would maximise a random head's score. A tiny preset is such a folder once built (it was refused
-    after the actor and critic had loaded); a hub name is checked once it has loaded."""
-    from dschat.models.loading import resolve_model_path
-    from dschat.models.reward_model import is_reward_model_folder
+    """A reward model without step 2's value head (a step-1 folder, a plain model) is refused before any model
+    loads: PPO would maximise a random head's score. A tiny preset is such a folder once built (it was refused after
+    the actor and critic had loaded), and a hub name's files are read from its snapshot (they were checked only once
+    the actor, the reference, the critic and the reward model itself had loaded)."""
+    from dschat.models.reward_model import is_reward_model_folder, reward_model_folder
 
-    folder = resolve_model_path(path)
-    if os.path.isdir(folder) and not is_reward_model_folder(folder):
+    if not is_reward_model_folder(reward_model_folder(path)):
         raise UsageError(untrained_reward_model_message(path))
 
 

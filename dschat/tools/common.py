@@ -184,11 +184,10 @@ def load_policy(path, device=None, dtype=None, add_eot_token=False):
 
 def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
     """The step-2 reward model in eval mode, its embeddings grown to ``tokenizer`` as in training."""
-    from dschat.models.loading import resolve_model_path
-    from dschat.models.reward_model import VALUE_HEAD_FILES, is_reward_model_folder, load_reward_model
+    from dschat.models.reward_model import (VALUE_HEAD_FILES, is_reward_model_folder, load_reward_model,
+                                            reward_model_folder)
 
-    path = resolve_model_path(path)  # a tiny preset's folder; a hub name's head is checked once downloaded
-    if os.path.isdir(path) and not is_reward_model_folder(path):  # scores from a new random head mean nothing
+    if not is_reward_model_folder(reward_model_folder(path)):  # scores from a new random head mean nothing
         raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
