@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import hybrid_common  # noqa: E402
@@ -109,10 +109,61 @@ def test_token_counts_that_are_no_integers_are_a_clear_error(kwargs):
     ids, mask = left_padded_batch([4, 2], seed=1)
     engine.eval()
     name = next(iter(kwargs))
-    with pytest.raises(ValueError, match=rf"{name} has to be an integer >= 0, got {kwargs[name]!r}"):
+    bound = "" if name.startswith("min") else " >= 0"  # (a minimum <= 0 is none, as in HF)
+    with pytest.raises(ValueError, match=rf"{name} has to be an integer{bound}, got {kwargs[name]!r}"):
         engine.generate(ids, attention_mask=mask, **{"max_new_tokens": 3, **kwargs})
     counts = {"max_new_tokens": torch.tensor(3), "min_new_tokens": np.int64(1)}  # int-like values are counts
     assert engine.generate(ids, attention_mask=mask, **counts).shape == (2, ids.shape[1] + 3)
+
+
+def test_trl_ppo_generation_kwargs_and_harmless_hf_kwargs_generate_as_in_hf():
+    """TRL's PPO examples pass min_length=-1 and top_k=0.0 (HF: no minimum, no top-k); bos_token_id (HF's prompt when
+    none is given) and renormalize_logits (its output scores) leave HF's tokens as they are. All were refused."""
+    model = tiny_model("llama", seed=3)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([5, 3], seed=3)
+    expected = hf_generate(model, ids, mask, 6)
+    engine.eval()
+    for kwargs in ({"min_length": -1}, {"min_new_tokens": -2}, {"bos_token_id": 1}, {"renormalize_logits": True}):
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=6, **kwargs), expected), kwargs
+    sampled = {}
+    for top_k in (0, 0.0):
+        torch.manual_seed(11)
+        sampled[top_k] = engine.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=top_k,
+                                         top_p=1.0, min_length=-1)
+    assert torch.equal(sampled[0], sampled[0.0])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_default_length_stays_within_the_models_positions_as_in_hf(family):
+    """No length anywhere: HF generates 20 new tokens, at most up to max_position_embeddings in all. The engine
+    generated 20 past it: a learned position table (GPT-2's) failed with an IndexError, rotary ones ran on."""
+    config = hybrid_common.tiny_config(family)
+    config.max_position_embeddings = 24  # (GPT-2: n_positions)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(_device())
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    engine = _engine(model)
+    ids, mask = left_padded_batch([10, 14], seed=1)
+    expected = type(model).generate(model.eval(), input_ids=ids, attention_mask=mask, pad_token_id=PAD)
+    assert expected.shape[1] == 24
+    engine.eval()
+    assert torch.equal(engine.generate(ids, attention_mask=mask), expected)
+
+
+def test_a_generate_inside_inference_mode_leaves_later_calls_working():
+    """The KV cache allocated in a caller's torch.inference_mode() was an inference tensor: every later generate
+    outside it failed to reset it in place ("Inplace update to inference tensor outside InferenceMode")."""
+    model = tiny_model("llama", seed=4)
+    engine = _engine(model)
+    ids, mask = left_padded_batch([4, 6, 2], seed=9)
+    expected = hf_generate(model, ids, mask, 8)
+    engine.eval()
+    with torch.inference_mode():
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
+    with torch.no_grad():
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), expected)
 
 
 def test_no_new_tokens_is_refused_and_a_beam_search_setting_changes_nothing_as_in_hf():

@@ -249,6 +249,9 @@ class HybridEngine:
                 self._iteration.gather_s += time.perf_counter() - start
 
     # -- generation -------------------------------------------------------------------------------------------------
+    # A caller's inference_mode would make the KV cache and other state kept across calls inference tensors, which
+    # every later call outside it could no longer reset in place: generation never runs in it (it runs under no_grad).
+    @torch.inference_mode(False)
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens=None, do_sample=None, temperature=None,
                  top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, generator=None, min_new_tokens=None,
                  max_length=None, min_length=None, return_logprobs=False, repetition_penalty=None, **hf_kwargs):
@@ -265,8 +268,8 @@ class HybridEngine:
         ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of
         each generated token under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p
         or EOS suppression: what the training forward scores it with; 0 after a row's end), computed in the decode
-        step. ``synced_gpus``, ``use_cache`` and ``early_stopping`` (a beam-search setting) are accepted and change
-        nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs that would change
+        step. ``synced_gpus``, ``use_cache``, ``early_stopping`` (a beam-search setting), ``bos_token_id`` and
+        ``renormalize_logits`` are accepted and change nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs that would change
         the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors. Under ZeRO-3 on
         several ranks (and in a tensor-parallel group) every rank calls ``generate`` together, each with its own
         prompts: the ranks agree on their arguments first, and a refusal on one stops them all.
@@ -292,7 +295,7 @@ class HybridEngine:
                 min_new_tokens=min_new_tokens, min_length=min_length, do_sample=do_sample, temperature=temperature,
                 top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, default_eos=self.eos_token_id,
-                default_pad=self.pad_token_id)
+                default_pad=self.pad_token_id, max_positions=self._max_positions())
             # this rank's prompt: a tensor-parallel group's prompts, padded to its longest, then fit as well
             self._check_fits(input_ids.shape[1], s.max_new_tokens)
         attention_mask = s.attention_mask
@@ -414,6 +417,11 @@ class HybridEngine:
         """What the model's generation_config sets that this decode cannot do is an error unless the call overrides
         it (``generate_args.check_generation_config``)."""
         check_generation_config(hf_kwargs or {}, generation_config or self._generation_config())
+
+    def _max_positions(self):
+        """The model config's ``max_position_embeddings`` (an int), which HF's default length stays within."""
+        limit = getattr(unwrap_peft(self.inference_weights.model).config, "max_position_embeddings", None)
+        return limit if isinstance(limit, int) else None
 
     def _check_fits(self, prompt_len, max_new_tokens):
         """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length); ranks that generate together learn

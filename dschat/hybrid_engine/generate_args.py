@@ -15,7 +15,9 @@ from dschat.models.loading import token_id_list
 # HF generate kwargs that DeepSpeed-Chat-style callers pass and that change nothing here (ranks are kept in step
 # automatically; the static cache is always used), and the values of HF's others that leave its output as this
 # engine's. Any other kwarg or value would change what HF returns, and is an error rather than ignored.
-NO_OP_HF_KWARGS = {"synced_gpus", "use_cache", "early_stopping"}  # early_stopping: a beam-search setting
+# early_stopping: a beam-search setting; bos_token_id: HF's prompt when none is given (here one always is);
+# renormalize_logits: HF's output scores only (its tokens are sampled from the softmax of the processed logits anyway)
+NO_OP_HF_KWARGS = {"synced_gpus", "use_cache", "early_stopping", "bos_token_id", "renormalize_logits"}
 NO_OP_VALUES = {"num_beams": 1, "num_return_sequences": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
                 "typical_p": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0, "epsilon_cutoff": 0.0,
                 "eta_cutoff": 0.0, "min_p": 0.0, "guidance_scale": 1.0, "encoder_repetition_penalty": 1.0}
@@ -50,13 +52,15 @@ class GenerateSettings:
 
 def resolve_settings(input_ids, attention_mask, generation_config, *, max_new_tokens=None, max_length=None,
                      min_new_tokens=None, min_length=None, do_sample=None, temperature=None, top_k=None, top_p=None,
-                     repetition_penalty=None, eos_token_id=None, pad_token_id=None, default_eos=None, default_pad=None):
+                     repetition_penalty=None, eos_token_id=None, pad_token_id=None, default_eos=None, default_pad=None,
+                     max_positions=None):
     """The call's settings for LEFT-padded ``input_ids`` (on the decode's device): each given one, else
     ``generation_config``'s, else HF's default. EOS and pad ids: the call's, else ``generation_config``'s (e.g.
     Qwen2.5-Instruct's two EOS ids), else ``default_eos``/``default_pad`` (the engine's tokenizer's), else pad = the
-    first EOS."""
-    max_new_tokens, max_length, min_new_tokens, min_length = token_counts(
-        max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens, min_length=min_length)
+    first EOS. ``max_positions``: the model config's ``max_position_embeddings``, which caps HF's default length."""
+    max_new_tokens, max_length = token_counts(max_new_tokens=max_new_tokens, max_length=max_length)
+    # HF adds no minimum for a count <= 0: TRL's PPO examples pass min_length=-1
+    min_new_tokens, min_length = token_counts(min_new_tokens=min_new_tokens, min_length=min_length, minimum=None)
     prompt_len = input_ids.shape[1]
     eos_list = token_id_list(first_not_none(eos_token_id, getattr(generation_config, "eos_token_id", None),
                                             default_eos))
@@ -72,6 +76,7 @@ def resolve_settings(input_ids, attention_mask, generation_config, *, max_new_to
     check_repetition_penalty(repetition_penalty)
     if do_sample:  # greedy reads none of them
         check_temperature(temperature)
+        top_k = 0 if _is_zero(top_k) else top_k  # HF's rule: any zero (TRL's PPO examples pass 0.0) is no top-k
         check_top_k_top_p(top_k, top_p)
     if attention_mask is None:
         attention_mask = default_attention_mask(input_ids, pad_token_id, eos_list) if pad_known \
@@ -80,8 +85,9 @@ def resolve_settings(input_ids, attention_mask, generation_config, *, max_new_to
     check_left_padded(attention_mask)
     return GenerateSettings(
         attention_mask=attention_mask,
-        max_new_tokens=resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config),
-        min_new_tokens=resolve_min_new_tokens(min_new_tokens, min_length, prompt_len, generation_config),
+        max_new_tokens=resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config,
+                                              max_positions),
+        min_new_tokens=max(0, resolve_min_new_tokens(min_new_tokens, min_length, prompt_len, generation_config)),
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=repetition_penalty, eos_list=eos_list, pad_token_id=pad_token_id)
 
@@ -99,14 +105,18 @@ def check_left_padded(attention_mask):
                          "padding_side='left' (dschat: load_tokenizer(path, padding_side='left'))")
 
 
-def resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config):
-    """New tokens to generate: given, else from ``max_length`` (a total), else as the model's generation_config says
-    (HF's rule); the engine holds them to ``max_out_tokens``."""
+def resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config, max_positions=None):
+    """New tokens to generate: given, else from ``max_length`` (a total), else as the model's generation_config says,
+    else HF's default of 20, within ``max_positions`` in all (HF's rule); the engine holds them to
+    ``max_out_tokens``."""
     if max_new_tokens is None and max_length is None:
         max_new_tokens = getattr(generation_config, "max_new_tokens", None)
         max_length = getattr(generation_config, "max_length", None) if max_new_tokens is None else None
+    if max_new_tokens is None and max_length is None:
+        max_length = prompt_len + HF_DEFAULT_NEW_TOKENS
+        max_length = min(max_length, max_positions) if max_positions else max_length
     if max_new_tokens is None:
-        max_new_tokens = max_length - prompt_len if max_length is not None else HF_DEFAULT_NEW_TOKENS
+        max_new_tokens = max_length - prompt_len
     if max_new_tokens < 0:
         raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
     if max_new_tokens == 0:  # HF refuses it too (GenerationConfig's check, or a max_length the prompt fills)
@@ -172,13 +182,19 @@ def _is_integer(value):
                                                    and not value.is_floating_point() and value.dtype != torch.bool)
 
 
-def token_counts(**counts):
-    """The call's token counts as ints (None stays None), checked: integers, not negative (a float such as 4.0
-    failed deep in the decode loop; a negative max_new_tokens was reported as a max_length shorter than the prompt)."""
+def token_counts(minimum=0, **counts):
+    """The call's token counts as ints (None stays None), checked: integers, not below ``minimum`` (None: any; a float
+    such as 4.0 failed deep in the decode loop; a negative max_new_tokens was reported as a max_length shorter than
+    the prompt)."""
     for name, value in counts.items():
-        if value is not None and (not _is_integer(value) or value < 0):
-            raise ValueError(f"{name} has to be an integer >= 0, got {value!r}")
+        if value is not None and (not _is_integer(value) or (minimum is not None and value < minimum)):
+            raise ValueError(f"{name} has to be an integer" + (f" >= {minimum}" if minimum is not None else "")
+                             + f", got {value!r}")
     return [None if value is None else int(value) for value in counts.values()]
+
+
+def _is_zero(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0
 
 
 def check_top_k_top_p(top_k, top_p):
