@@ -587,6 +587,30 @@ def _zero3_engine(preset, dtype="fp32"):
     return initialize_engine(model, ds_config, 1e-3, 0.1, None, "constant", 0, 10)
 
 
+def test_compute_fp32_loss_scores_through_a_zero3_partitioned_value_head(distributed):
+    """With --compute_fp32_loss the head was applied to its weight read directly, past the ZeRO-3 hooks that gather it:
+    step 3's critic (called as forward_value, not through its engine's forward) failed with "size mismatch ...
+    vec (0)" at its first experience."""
+    import deepspeed
+
+    from dschat.models.loading import load_tokenizer
+    from dschat.models.reward_model import create_critic_model
+    from dschat.models.training_engine import initialize_engine
+    from dschat.utils.ds_config import get_train_ds_config
+
+    ds_config = get_train_ds_config(dtype="fp32", stage=3)
+    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # the head partitioned, as a big one is
+    critic = create_critic_model("tiny-llama", load_tokenizer("tiny-llama"), ds_config, compute_fp32_loss=True)
+    engine = initialize_engine(critic, ds_config, 1e-3, 0.0, None, "constant", 0, 10)
+    assert engine.module.v_head.weight.numel() == 0  # (partitioned: this rank holds no element until gathered)
+    ids = torch.randint(3, 96, (2, 6))
+    values = engine.module.forward_value(ids, torch.ones_like(ids))["values"]
+    with torch.no_grad(), deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        engine.module.compute_fp32_loss = False
+        expected = engine.module.forward_value(ids, torch.ones_like(ids))["values"]
+    assert values.dtype == torch.float32 and torch.allclose(values, expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-gpt2"])
 def test_a_tied_model_saved_under_zero3_loads_with_its_head_tied(preset, tmp_path, distributed):
     # The head shares the embedding: its second name held this rank's empty ZeRO-3 shard, saved as a 0-element tensor.

@@ -51,6 +51,20 @@ def pairwise_loss(chosen_scores, rejected_scores):
     return -F.logsigmoid(chosen_scores - rejected_scores).mean()
 
 
+class ValueHead(nn.Linear):
+    """Linear(hidden, 1) without bias; ``fp32`` (--compute_fp32_loss) computes it in fp32 from low-precision hidden
+    states. Inside the module's own forward, so that ZeRO-3's hooks have gathered a partitioned weight first."""
+
+    def __init__(self, hidden_size, fp32=False):
+        super().__init__(hidden_size, 1, bias=False)
+        self.fp32 = fp32
+
+    def forward(self, hidden):
+        if self.fp32:
+            return F.linear(hidden.float(), self.weight.float())
+        return super().forward(hidden)
+
+
 class RewardModel(nn.Module):
     """``base_model`` is an HF backbone (``AutoModel``), possibly PEFT-wrapped; the head is Linear(hidden, 1)."""
 
@@ -61,11 +75,18 @@ class RewardModel(nn.Module):
         self.score_normalization = None
         self.config = base_model.config
         hidden = getattr(self.config, "word_embed_proj_dim", None) or _hidden_size(self.config)
-        self.v_head = nn.Linear(hidden, 1, bias=False)
+        self.v_head = ValueHead(hidden, fp32=compute_fp32_loss)
         self.rwtransformer = base_model
-        self.compute_fp32_loss = compute_fp32_loss
         # Kept for DeepSpeed-Chat compatibility; the end token comes from the attention mask instead.
         self.num_padding_at_beginning = num_padding_at_beginning
+
+    @property
+    def compute_fp32_loss(self):
+        return self.v_head.fp32
+
+    @compute_fp32_loss.setter
+    def compute_fp32_loss(self, value):
+        self.v_head.fp32 = value
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
         enable_activation_checkpointing(self.rwtransformer, **(gradient_checkpointing_kwargs or {}))
@@ -80,11 +101,7 @@ class RewardModel(nn.Module):
             position_ids = positions_from_mask(attention_mask)
         out = self.rwtransformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=use_cache, **kwargs)
-        hidden = out[0]
-        if self.compute_fp32_loss:
-            values = F.linear(hidden.float(), self.v_head.weight.float()).squeeze(-1)
-        else:
-            values = self.v_head(hidden).squeeze(-1)
+        values = self.v_head(out[0]).squeeze(-1)
         if self.score_normalization is not None:
             mean, std = self.score_normalization
             values = (values - mean) / std
