@@ -895,6 +895,7 @@ def _save_flags_checkpoint(tmp_path, *given):
     ([], ["--advantage_estimator", "reinforce_pp"], r"--advantage_estimator 'gae' -> 'reinforce_pp'"),  # critic-free
     (["--unsupervised_dataset_name", "tiny"], ["--unsupervised_dataset_name", "tiny", "--max_answer_seq_len", "64"],
      r"--max_answer_seq_len 256 -> 64"),  # the unsupervised stream's blocks are prompt + answer lengths long
+    (["--actor_lora_dim", "4"], ["--actor_lora_dim", "4", "--lora_alpha", "16"], r"--lora_alpha None -> 16.0"),
 ])
 def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_naming_it(tmp_path, saved, resumed,
                                                                                          named):
@@ -930,6 +931,32 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
     assert "no effect" not in capsys.readouterr().out
+    with pytest.raises(Loaded, match="loaded"):  # LoRA's parameter group's rate too
+        load_checkpoint(_flags_trainer(tmp_path, "--actor_lora_learning_rate", "0.05"), str(tmp_path))
+    assert "--actor_lora_learning_rate 0.05 (the checkpoint's: 0.0005): no effect" in capsys.readouterr().out
+
+
+def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp_path):
+    """The actor model is step 3's frozen reference: resuming with another one silently changed what the KL penalty
+    measured against. Compared by the recorded identity of the model, not its path."""
+    import shutil
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    for name, layers in (("sft", 2), ("other_sft", 3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    given = ["--critic_model_name_or_path", str(tmp_path / "sft"), "--reward_model_weight", "0"]
+    _save_flags_checkpoint(tmp_path, "--actor_model_name_or_path", str(tmp_path / "sft"), *given)
+    with pytest.raises(UsageError, match=r"saved by a run whose actor started from another model than "
+                                         r"--actor_model_name_or_path .*other_sft, which is the reference model"):
+        load_checkpoint(_flags_trainer(tmp_path, "--actor_model_name_or_path", str(tmp_path / "other_sft"), *given),
+                        str(tmp_path))
+    shutil.move(tmp_path / "sft", tmp_path / "moved_sft")  # the same model elsewhere (a moved run folder)
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--actor_model_name_or_path", str(tmp_path / "moved_sft"), *given),
+                        str(tmp_path))
 
 
 TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")

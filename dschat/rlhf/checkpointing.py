@@ -7,7 +7,7 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
-from dschat.steps.common import input_runs, restart_deepspeed_tensorboard, step_data_files
+from dschat.steps.common import input_runs, model_identity, restart_deepspeed_tensorboard, step_data_files
 from dschat.utils.checkpoints import (ACTOR, CRITIC, DATA_FILES, check_complete, check_same_flags, latest_tag,
                                       load_rank_state, publish, read_trainer_state, reading, save_trainer_state, tag_of,
                                       take_restored_flags, trainer_folder)
@@ -26,17 +26,22 @@ DATA_RESUME_FLAGS = ("data_path", "data_split", "data_fields", "max_prompt_seq_l
 UNSUPERVISED_RESUME_FLAGS = ("max_answer_seq_len",)
 # (The weight decays too: the optimizers' parameter groups depend on whether it is 0.)
 # (--advantage_estimator too: a run continued by another algorithm would be neither's.)
-ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "only_optimize_lora", "actor_weight_decay",
-                      "actor_zero_stage", "dtype", "offload", "per_device_generation_batch_size", "seed",
-                      "advantage_estimator") + DATA_RESUME_FLAGS
+# (--lora_alpha too: the scale of the adapters' saved weights. The training batch size may change: the position counts
+# generation batches, and the schedule is the resumed run's from its step on.)
+ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "lora_alpha", "only_optimize_lora",
+                      "actor_weight_decay", "actor_zero_stage", "dtype", "offload", "per_device_generation_batch_size",
+                      "seed", "advantage_estimator") + DATA_RESUME_FLAGS
 CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_weight_decay", "critic_zero_stage")
-# Flags whose saved value DeepSpeed restores (the optimizer's and the scheduler's base learning rates): another value
-# on --resume is said to change nothing, not refused. (--lr_scheduler_type and --num_warmup_steps do apply: the
-# restored scheduler keeps its step and base rates, the schedule's shape comes from the flags.)
-RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate")
-BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer states (LoRA layout, weight decay, ZeRO "
-             "stage, precision, offload) and its place in the prompts (batches of --per_device_generation_batch_size "
-             "of the prompts its data flags make, in --seed's order) hold for its own")
+# Flags whose saved value DeepSpeed restores (the optimizer's and the scheduler's base learning rates, LoRA's
+# parameter group's too): another value on --resume is said to change nothing, not refused. (--lr_scheduler_type and
+# --num_warmup_steps do apply: the restored scheduler keeps its step and base rates, the schedule's shape comes from
+# the flags.)
+RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
+                  "critic_lora_learning_rate")
+BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer states (LoRA layout and scale, weight "
+             "decay, ZeRO stage, precision, offload) and its place in the prompts (batches of "
+             "--per_device_generation_batch_size of the prompts its data flags make, in --seed's order) hold for its "
+             "own")
 
 
 def save_checkpoint(trainer, root, position, keep_last=2):
@@ -101,7 +106,22 @@ def check_resumable(trainer, root, tag):
     if getattr(trainer, "args", None) is not None:
         state["restored"] = check_same_flags(saved_flags, resume_flags(trainer), RESTORED_FLAGS, tag, root, "step3",
                                              BOUND_WHY)
+        check_same_reference(state.get("inputs"), trainer.args.actor_model_name_or_path, tag, root)
     return state
+
+
+def check_same_reference(saved_inputs, actor_path, tag, root):
+    """The actor model a checkpoint's run started from is its frozen reference (what the KL penalty measures against;
+    the actor's own weights come from the checkpoint): another one is an error. Compared by the run ids of the models
+    it recorded (``input_runs``), so a moved run folder still resumes; a hub name is not compared."""
+    if not saved_inputs or not os.path.isdir(actor_path):
+        return
+    identity = model_identity(actor_path)
+    if identity is not None and identity not in saved_inputs.values():
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by a run whose actor started from another "
+                         f"model than --actor_model_name_or_path {actor_path}, which is the reference model its KL "
+                         "penalty measures against: resume with that run's actor model, or start afresh without "
+                         "--resume")
 
 
 def resume_flags(trainer):
