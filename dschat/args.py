@@ -490,6 +490,32 @@ def critic_only_flags(args, parser=None):
     return given_flags(args, CRITIC_ONLY_FLAGS, parser)
 
 
+# Step 3's flags read only when another setting is on: (flags, whether it is, the setting said). (A script switched from
+# PPO to GRPO keeps GAE's flags; a critic-free run's critic flags are CRITIC_ONLY_FLAGS'.)
+CONDITIONAL_FLAGS = (
+    (("lam", "cliprange_value", "whiten_advantages"), lambda a: a.advantage_estimator == "gae",
+     "--advantage_estimator gae"),
+    (("gamma",), lambda a: a.advantage_estimator in ("gae", "reinforce_pp"), "--advantage_estimator gae or reinforce_pp"),
+    (("grpo_norm_by_std",), lambda a: a.advantage_estimator == "grpo", "--advantage_estimator grpo"),
+    (("ema_beta",), lambda a: a.enable_ema, "--enable_ema"),
+    (("unsup_coef",), lambda a: a.unsupervised_dataset_name, "--unsupervised_dataset_name"),
+    (("reward_fn_weight",), lambda a: a.reward_fn, "--reward_fn"),
+    (("lora_alpha",), lambda a: a.actor_lora_dim or a.critic_lora_dim, "--actor_lora_dim or --critic_lora_dim"),
+    (("actor_lora_learning_rate",), lambda a: a.actor_lora_dim, "--actor_lora_dim"),
+    (("critic_lora_learning_rate",), lambda a: a.critic_lora_dim or a.advantage_estimator != "gae",
+     "--critic_lora_dim"),
+    (("print_answers_interval",), lambda a: a.print_answers, "--print_answers"),
+)
+
+
+def unread_conditional_flags(args, parser=None):
+    """The ``CONDITIONAL_FLAGS`` that ``args`` sets (``given_flags``) while what reads them is off, each as
+    "FLAG (read only with SETTING)"."""
+    parser = parser or step3_parser()
+    return [f"{flag} (read only with {setting})" for names, on, setting in CONDITIONAL_FLAGS if not on(args)
+            for flag in given_flags(args, names, parser)]
+
+
 def given_flags(args, names, parser=None):
     """The step-3 flags ``names`` that ``args`` sets to other than the parser's default, as written on the command
     line (``--critic_learning_rate 0.0005``)."""

@@ -214,6 +214,11 @@ def test_optimizer_offload_without_zero_is_a_usage_error():
             "offload_optimizer": {"device": "cpu"}}}, flags, quiet=True)
     assert apply_user_ds_config(get_train_ds_config(offload=True, stage=2), None, flags)["zero_optimization"][
         "offload_optimizer"]["device"] == "cpu"
+    # step 3: which model is at stage 0 (--actor_zero_stage 3 left the critic at 0, and the error named neither)
+    from dschat.rlhf.engine import check_step3_settings
+
+    with pytest.raises(UsageError, match=r"--offload: the critic trains at ZeRO stage 0 .*give --critic_zero_stage"):
+        check_step3_settings(step3_args({"offload": True, "actor_zero_stage": 3}), 1)
 
 
 def test_notebook_switches_given_as_strings_mean_what_they_say():

@@ -1057,10 +1057,11 @@ def test_critic_free_estimators_run_without_a_critic(trained, tmp_path, estimato
 def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path, capsys):
     metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--advantage_estimator", "grpo",
                                 "--n_samples_per_prompt", "2", "--reward_fn", "tiny", "--reward_model_weight", "0",
-                                "--critic_lora_dim", "4", "--critic_learning_rate", "5e-6"))
-    # a critic's flag, which no critic reads, is said to be ignored (a default given explicitly is not)
+                                "--critic_lora_dim", "4", "--critic_learning_rate", "5e-6", "--lam", "0.5"))
+    # a critic's flag, which no critic reads, is said to be ignored (a default given explicitly is not), as is GAE's
     out = capsys.readouterr().out
     assert "[step3] --critic_lora_dim 4: the critic's only, and no critic is trained; ignored" in out
+    assert "[step3] --lam 0.5 (read only with --advantage_estimator gae): ignored" in out
     assert re.search(r"\[step3\] --critic_model_name_or_path \S+: neither a critic nor a reward model is built "
                      r"\(--advantage_estimator grpo, --reward_model_weight 0\); not loaded", out)
     assert metrics["eval_after"]["reward_mean"] is None and "rule_score_mean" in metrics["eval_after"]

@@ -209,6 +209,32 @@ def test_the_critics_own_flags_are_listed_when_set_and_not_when_given_at_their_d
     assert set(CRITIC_ONLY_FLAGS) <= {a.dest for a in parser._actions}
 
 
+def test_flags_read_only_when_another_setting_is_on_are_listed_when_it_is_off():
+    """A PPO script switched to GRPO kept GAE's --lam/--whiten_advantages, an --ema_beta without --enable_ema, ...: all
+    silently ignored (the critic's own flags were said)."""
+    from dschat.args import CONDITIONAL_FLAGS, unread_conditional_flags
+
+    parser = step3_parser()
+    grpo = parser.parse_args(["--advantage_estimator", "grpo", "--n_samples_per_prompt", "2", "--lam", "0.5",
+                              "--whiten_advantages", "--grpo_norm_by_std", "0", "--ema_beta", "0.9", "--unsup_coef",
+                              "5", "--lora_alpha", "16", "--print_answers_interval", "5"])
+    assert unread_conditional_flags(grpo) == [
+        "--lam 0.5 (read only with --advantage_estimator gae)",
+        "--whiten_advantages (read only with --advantage_estimator gae)", "--ema_beta 0.9 (read only with --enable_ema)",
+        "--unsup_coef 5.0 (read only with --unsupervised_dataset_name)",
+        "--lora_alpha 16.0 (read only with --actor_lora_dim or --critic_lora_dim)",
+        "--print_answers_interval 5 (read only with --print_answers)"]
+    on = parser.parse_args(["--lam", "0.5", "--whiten_advantages", "--enable_ema", "--ema_beta", "0.9",
+                            "--unsupervised_dataset_name", "tiny", "--unsup_coef", "5", "--actor_lora_dim", "4",
+                            "--lora_alpha", "16", "--print_answers", "--print_answers_interval", "5",
+                            "--reward_fn", "tiny", "--reward_fn_weight", "2"])
+    assert unread_conditional_flags(on) == []
+    assert unread_conditional_flags(parser.parse_args(["--grpo_norm_by_std", "0", "--reward_fn_weight", "2"])) == [
+        "--grpo_norm_by_std 0 (read only with --advantage_estimator grpo)",
+        "--reward_fn_weight 2.0 (read only with --reward_fn)"]
+    assert {name for names, _, _ in CONDITIONAL_FLAGS for name in names} <= {a.dest for a in parser._actions}
+
+
 # DeepSpeed-Chat's step-3 scripts (training_scripts/opt/single_node/run_13b.sh, opt/multi_node/run_66b.sh,
 # single_node/run_7b_llama.sh, opt/single_node/sweep/run_single.sh without its hybrid engine switch, here with the
 # defaults of two hybrid-engine flags given explicitly), flags only: none gives a hybrid-engine flag a value of its

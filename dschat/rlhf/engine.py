@@ -5,7 +5,8 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
-from dschat.args import check_sampling_flags, critic_only_flags, given_flags, hybrid_engine_only_flags
+from dschat.args import (check_sampling_flags, critic_only_flags, given_flags, hybrid_engine_only_flags,
+                         unread_conditional_flags)
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
@@ -41,6 +42,9 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
     """The training config of step 3's actor or critic: built from the flags, with the user's config file (if any)
     merged over it; the file's hybrid engine block is the actor's. ``quiet``: no notes (a check before the step)."""
     a = args
+    if a.offload and not stage:  # (DeepSpeed's check would not say which model: --actor_zero_stage 3 left the critic at 0)
+        raise UsageError(f"--offload: the {role} trains at ZeRO stage 0 (--{role}_zero_stage, else --zero_stage, "
+                         f"else 0), and optimizer offload needs ZeRO stage 1, 2 or 3: give --{role}_zero_stage too")
     generated = get_train_ds_config(
         offload=a.offload, dtype=a.dtype, stage=stage, micro_batch_size=a.per_device_training_batch_size,
         gradient_accumulation_steps=a.gradient_accumulation_steps, world_size=world_size,
@@ -316,6 +320,9 @@ class DeepSpeedRLHFEngine:
         unread = [] if self.critic else critic_only_flags(args)
         if unread:  # (a DeepSpeed-Chat script switched to a critic-free estimator keeps them)
             print_rank_0(f"[step3] {', '.join(unread)}: the critic's only, and no critic is trained; ignored")
+        unread = unread_conditional_flags(args)
+        if unread:
+            print_rank_0(f"[step3] {'; '.join(unread)}: ignored")
         path = [] if self.critic or self.reward else given_flags(args, ("critic_model_name_or_path",))
         if path:  # (the reward model's default path too)
             print_rank_0(f"[step3] {path[0]}: neither a critic nor a reward model is built (--advantage_estimator "
