@@ -491,14 +491,14 @@ def critic_only_flags(args, parser=None):
 
 
 # Step 3's flags read only when another setting is on: (flags, whether it is, the setting said). (A script switched from
-# PPO to GRPO keeps GAE's flags; a critic-free run's critic flags are CRITIC_ONLY_FLAGS'.)
+# PPO to GRPO keeps GAE's flags; a critic-free run's critic flags are CRITIC_ONLY_FLAGS'. --unsup_coef is not among
+# them: a notebook's train_rollout(unsup_batches=...) reads it without --unsupervised_dataset_name.)
 CONDITIONAL_FLAGS = (
     (("lam", "cliprange_value", "whiten_advantages"), lambda a: a.advantage_estimator == "gae",
      "--advantage_estimator gae"),
     (("gamma",), lambda a: a.advantage_estimator in ("gae", "reinforce_pp"), "--advantage_estimator gae or reinforce_pp"),
     (("grpo_norm_by_std",), lambda a: a.advantage_estimator == "grpo", "--advantage_estimator grpo"),
     (("ema_beta",), lambda a: a.enable_ema, "--enable_ema"),
-    (("unsup_coef",), lambda a: a.unsupervised_dataset_name, "--unsupervised_dataset_name"),
     (("reward_fn_weight",), lambda a: a.reward_fn, "--reward_fn"),
     (("lora_alpha",), lambda a: a.actor_lora_dim or a.critic_lora_dim, "--actor_lora_dim or --critic_lora_dim"),
     (("actor_lora_learning_rate",), lambda a: a.actor_lora_dim, "--actor_lora_dim"),

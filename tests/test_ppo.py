@@ -959,6 +959,29 @@ def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp
                         str(tmp_path))
 
 
+def test_a_checkpoint_recording_its_actor_as_dschat_did_before_it_counted_tokenizer_files_resumes(tmp_path):
+    """Checkpoints from before the tokenizer files counted in a model's identity recorded "files:..." for a model made
+    elsewhere: the reference check must read them as holds_model does, not refuse the same model."""
+    from dschat.rlhf.checkpointing import check_same_reference
+    from dschat.steps.common import model_identity
+
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "config.json").write_text("{}")
+    (tmp_path / "sft" / "tokenizer.json").write_text("{}")
+    legacy = model_identity(str(tmp_path / "sft"), tokenizer_files=False)
+    assert legacy.startswith("files:") and legacy != model_identity(str(tmp_path / "sft"))
+    check_same_reference({str(tmp_path / "sft"): legacy}, str(tmp_path / "sft"), "iter_1", str(tmp_path))
+
+
+def test_lora_alpha_binds_a_checkpoint_only_where_lora_reads_it(tmp_path, capsys):
+    """Without LoRA, --lora_alpha is said to be ignored; it must not also refuse the resume."""
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _save_flags_checkpoint(tmp_path)
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--lora_alpha", "16"), str(tmp_path))
+
+
 TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")
 
 

@@ -95,6 +95,10 @@ class PromptRawDataset:
     def get_extra(self, sample):
         return {key: value for key, value in sample.items() if key not in self.used_columns}
 
+    def locate(self, sample):
+        """Where a record is, for a ``strict`` source's error about it (a local file's: its file and line)."""
+        return self.dataset_name
+
     def get_reference_answers(self, sample):
         """A pair's answers as bare text, ``{"chosen": ..., "rejected": ...}`` (those the record has): step 3's
         reward functions get them as columns, as TRL passes a dataset's columns. A record whose answers do not read

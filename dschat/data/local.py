@@ -622,8 +622,8 @@ class LocalDataset(PromptRawDataset):
                                          f"{self._other_shape_hint(sample, err)}") from None
 
     def locate(self, sample):
-        """Where a record read later (e.g. one the tokenizer's chat template refuses) is: its file, line and record
-        number, as on load; the source's name if no longer found."""
+        """Where a record read after loading (e.g. one the tokenizer's chat template refuses) is: its file, line and
+        record number, as on load; the source's name if not found."""
         eval_path = self.source.eval or f"{self.source.train} (eval split)"
         for data, path, lines in ((self.raw_datasets["train"], self.source.train, self._train_lines),
                                   (self.raw_datasets["eval"], eval_path, self._eval_lines)):

@@ -7,7 +7,8 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
-from dschat.steps.common import input_runs, model_identity, restart_deepspeed_tensorboard, step_data_files
+from dschat.steps.common import (holds_model, input_runs, model_identity, restart_deepspeed_tensorboard,
+                                 step_data_files)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, DATA_FILES, check_complete, check_same_flags, latest_tag,
                                       load_rank_state, publish, read_trainer_state, reading, save_trainer_state, tag_of,
                                       take_restored_flags, trainer_folder)
@@ -114,10 +115,10 @@ def check_same_reference(saved_inputs, actor_path, tag, root):
     """The actor model a checkpoint's run started from is its frozen reference (what the KL penalty measures against;
     the actor's own weights come from the checkpoint): another one is an error. Compared by the run ids of the models
     it recorded (``input_runs``), so a moved run folder still resumes; a hub name is not compared."""
-    if not saved_inputs or not os.path.isdir(actor_path):
+    if not saved_inputs or not os.path.isdir(actor_path) or model_identity(actor_path) is None:
         return
-    identity = model_identity(actor_path)
-    if identity is not None and identity not in saved_inputs.values():
+    # (holds_model: also an identity recorded before dschat counted the tokenizer files)
+    if not any(holds_model(actor_path, identity) for identity in saved_inputs.values()):
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by a run whose actor started from another "
                          f"model than --actor_model_name_or_path {actor_path}, which is the reference model its KL "
                          "penalty measures against: resume with that run's actor model, or start afresh without "
@@ -128,8 +129,10 @@ def resume_flags(trainer):
     """{flag: value} of the flags the checkpoint is bound to (``ACTOR_RESUME_FLAGS``, ``CRITIC_RESUME_FLAGS``)."""
     names = (ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ()) + RESTORED_FLAGS
              + (UNSUPERVISED_RESUME_FLAGS if getattr(trainer.args, "unsupervised_dataset_name", None) else ()))
-    return {**{name: getattr(trainer.args, name) for name in names},
-            DATA_FILES: step_data_files(trainer.args)}  # the same prompt files, unedited: its position counts them
+    flags = {name: getattr(trainer.args, name) for name in names}
+    if not (trainer.args.actor_lora_dim or trainer.args.critic_lora_dim):
+        flags["lora_alpha"] = None  # (read by no model: given, it is said to be ignored, and binds nothing)
+    return {**flags, DATA_FILES: step_data_files(trainer.args)}  # the same prompt files, unedited: its position counts
 
 
 def _load_ema(module, path):
