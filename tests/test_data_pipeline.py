@@ -642,3 +642,13 @@ def test_leading_special_ids_keep_the_bos_and_drop_a_trailing_eos_whatever_the_v
     assert tokenize_texts(digits, ["1+2="], True) == [[0, 3, 12, 4, 13]]
     bos_eos = tokenizer({"<s>": 0, "</s>": 1, "a": 2, "b": 3}, "<s> $A </s>")
     assert tokenize_texts(bos_eos, ["a b"], True) == [[0, 2, 3]]  # the BOS, not the EOS after the prompt
+
+
+def test_a_custom_strict_source_names_itself_for_a_record_error():
+    """extract_examples locates a strict source's bad record with raw.locate: a user's PromptRawDataset subclass with
+    strict = True (documented) had no locate, so its record error became an AttributeError."""
+    from dschat.data.base import PromptRawDataset
+
+    raw = object.__new__(PromptRawDataset)
+    raw.dataset_name = "my/source"
+    assert raw.locate({"prompt": "x"}) == "my/source"
