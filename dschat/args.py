@@ -501,18 +501,24 @@ CONDITIONAL_FLAGS = (
     (("ema_beta",), lambda a: a.enable_ema, "--enable_ema"),
     (("reward_fn_weight",), lambda a: a.reward_fn, "--reward_fn"),
     (("lora_alpha",), lambda a: a.actor_lora_dim or a.critic_lora_dim, "--actor_lora_dim or --critic_lora_dim"),
-    (("actor_lora_learning_rate",), lambda a: a.actor_lora_dim, "--actor_lora_dim"),
+    (("actor_lora_learning_rate", "actor_lora_module_name"), lambda a: a.actor_lora_dim, "--actor_lora_dim"),
     (("critic_lora_learning_rate",), lambda a: a.critic_lora_dim or a.advantage_estimator != "gae",
      "--critic_lora_dim"),
     (("print_answers_interval",), lambda a: a.print_answers, "--print_answers"),
 )
 
 
-def unread_conditional_flags(args, parser=None):
-    """The ``CONDITIONAL_FLAGS`` that ``args`` sets (``given_flags``) while what reads them is off, each as
-    "FLAG (read only with SETTING)"."""
+# The same for steps 1, 2 and DPO.
+SUPERVISED_CONDITIONAL_FLAGS = (
+    (("lora_alpha", "lora_learning_rate", "lora_module_name"), lambda a: a.lora_dim, "--lora_dim"),
+)
+
+
+def unread_conditional_flags(args, parser=None, table=CONDITIONAL_FLAGS):
+    """The flags of ``table`` (step 3's ``CONDITIONAL_FLAGS`` by default; ``parser``: the step's) that ``args`` sets
+    (``given_flags``) while what reads them is off, each as "FLAG (read only with SETTING)"."""
     parser = parser or step3_parser()
-    return [f"{flag} (read only with {setting})" for names, on, setting in CONDITIONAL_FLAGS if not on(args)
+    return [f"{flag} (read only with {setting})" for names, on, setting in table if not on(args)
             for flag in given_flags(args, names, parser)]
 
 

@@ -60,7 +60,8 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected_log_probs():
 
 @pytest.mark.parametrize("beta, label_smoothing", [(0.0, 0.0), (-0.1, 0.0), (0.1, 0.5), (0.1, -0.1)])
 def test_invalid_beta_or_label_smoothing_is_rejected(beta, label_smoothing):
-    with pytest.raises(ValueError):
+    flag = "--beta must be > 0" if beta <= 0 else r"--label_smoothing must be in \[0, 0.5\)"  # (named as a flag)
+    with pytest.raises(ValueError, match=flag):
         dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED, beta, label_smoothing)
 
 

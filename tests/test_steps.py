@@ -387,6 +387,10 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     assert exit_.value.code == 2 and "error: DeepSpeed config" in capsys.readouterr().err
     with pytest.raises(ValueError, match="a bug"):  # not a usage error: the traceback stays
         run_entry_point(lambda: (_ for _ in ()).throw(ValueError("a bug")))
+    # a diverged run: its one line says where (it ended in a 16-line traceback)
+    with pytest.raises(SystemExit) as exit_:
+        run_entry_point(lambda: (_ for _ in ()).throw(FloatingPointError("sft: the training loss is not finite")))
+    assert exit_.value.code == 1 and capsys.readouterr().err == "error: sft: the training loss is not finite\n"
     # a rank whose collective failed because another rank stopped: one line (it was a ~35-line gloo traceback)
     from dschat.utils import dist
 
@@ -1082,6 +1086,17 @@ def test_a_first_run_killed_after_its_save_leaves_its_folder_marked_unfinished(t
     assert (out / "model.safetensors").is_file() and not (out / "metrics.json").exists()
     assert json.loads((out / "training_args.json").read_text())["step"] == "step2"
     assert "is an unfinished step output" in unfinished_reason(str(out))
+
+
+def test_a_diverged_supervised_run_stops_at_its_first_non_finite_loss(tmp_path, distributed, capsys):
+    """Steps 1, 2 and DPO trained on through NaN losses (step 3 stops), saved all-NaN weights, exited 0 and wrote NaN
+    into metrics.json; a LoRA flag without --lora_dim was also taken without a word."""
+    with pytest.raises(FloatingPointError, match=r"step2_dpo: the training loss \(step \d+\) is not finite: 1 NaN"):
+        dpo.main(["--model_name_or_path", "tiny-llama", "--dtype", "fp32", "--learning_rate", "1e6", "--max_steps", "6",
+                  "--max_seq_len", "64", "--per_device_train_batch_size", "4", "--lora_alpha", "16",
+                  "--output_dir", str(tmp_path / "dpo"), "--data_output_path", str(tmp_path / "data")])
+    assert not (tmp_path / "dpo" / "metrics.json").exists() and not (tmp_path / "dpo" / "model.safetensors").exists()
+    assert "[step2_dpo] --lora_alpha 16.0 (read only with --lora_dim): ignored" in capsys.readouterr().out
 
 
 def test_a_step_script_starting_from_an_unfinished_output_warns(tmp_path, distributed, capsys):

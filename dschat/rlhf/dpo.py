@@ -25,10 +25,10 @@ def response_log_probs(logits, input_ids, response_mask, chunk_size=None):
 
 def check_dpo_params(beta, label_smoothing):
     if not beta > 0:
-        raise UsageError(f"beta must be > 0, got {beta}")
+        raise UsageError(f"--beta must be > 0, got {beta}")
     # at 0.5 the two terms cancel: the loss is constant and nothing is learned
     if not 0.0 <= label_smoothing < 0.5:
-        raise UsageError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        raise UsageError(f"--label_smoothing must be in [0, 0.5) (at 0.5 nothing is learned), got {label_smoothing}")
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1, label_smoothing=0.0):

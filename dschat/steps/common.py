@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from dschat.errors import UsageError
 from dschat.models.training_engine import initialize_engine
 from dschat.models.zero3 import full_numel
+from dschat.rlhf.algorithms import check_finite
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
 from dschat.utils.checkpoints import DATA_FILES
 from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
@@ -368,6 +369,7 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
                 continue  # trained on before the checkpoint this run resumed from
             batch = to_device(batch, device)
             loss, tokens = loss_fn(engine, batch)
+            check_finite(f"{name}: the training loss (step {step + 1})", loss)  # a diverged run stops, as step 3's
             engine.backward(loss)
             lr = applied_lr(engine)  # (the scheduler moves on in the step)
             optimizer_step(engine, name)
@@ -524,7 +526,8 @@ def seconds_so_far(started, checkpoint=None):
 
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
-    from dschat.args import resolve_pad_to_multiple_of
+    from dschat.args import (SUPERVISED_CONDITIONAL_FLAGS, resolve_pad_to_multiple_of, step1_parser,
+                             unread_conditional_flags)
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
     from dschat.steps.resume import resume_or_start, save_step_checkpoint
 
@@ -533,6 +536,9 @@ def run_supervised_step(args, recipe):
     warn_of_unfinished_inputs(loaded_model_paths(args))
     tag = f"[{recipe.name}]"
     ds_config = check_supervised_settings(args, recipe.phase, recipe.name, quiet=False)
+    unread = unread_conditional_flags(args, step1_parser(), SUPERVISED_CONDITIONAL_FLAGS)
+    if unread:
+        print_rank_0(f"{tag} {'; '.join(unread)}: ignored")
     # before training, not when the model is saved (beside the folder first, then moved in)
     check_writable_folder(args.output_dir, "--output_dir", parent=True)
     check_model_path(args.model_name_or_path, "--model_name_or_path")

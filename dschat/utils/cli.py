@@ -48,6 +48,12 @@ def run_entry_point(main, resumable=False):
         if first_to_say(str(error)):
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except FloatingPointError as error:  # a diverged run (a non-finite loss or gradient norm): its message says where
+        if traceback:
+            raise
+        if first_to_say(str(error)):
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback each
         if traceback:
             raise
