@@ -496,7 +496,8 @@ def critic_only_flags(args, parser=None):
 CONDITIONAL_FLAGS = (
     (("lam", "cliprange_value", "whiten_advantages"), lambda a: a.advantage_estimator == "gae",
      "--advantage_estimator gae"),
-    (("gamma",), lambda a: a.advantage_estimator in ("gae", "reinforce_pp"), "--advantage_estimator gae or reinforce_pp"),
+    (("gamma",), lambda a: a.advantage_estimator in ("gae", "reinforce_pp"),
+     "--advantage_estimator gae or reinforce_pp"),
     (("grpo_norm_by_std",), lambda a: a.advantage_estimator == "grpo", "--advantage_estimator grpo"),
     (("ema_beta",), lambda a: a.enable_ema, "--enable_ema"),
     (("reward_fn_weight",), lambda a: a.reward_fn, "--reward_fn"),

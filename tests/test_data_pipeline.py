@@ -434,9 +434,9 @@ def test_a_record_the_chat_template_refuses_is_an_error_naming_the_file_and_reco
     rows = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["chosen"]}]}
             if "prompt" in r else r for r in rows]
     path = write_jsonl(tmp_path / "sys.jsonl", rows)
-    with pytest.raises(DatasetFormatError, match=r"sys\.jsonl line 3 \(record 2\): field 'messages': the tokenizer's chat template "
-                                                 r"refuses them \(System role not supported\); the record's first "
-                                                 r"user message: 'Say hi\.'"):
+    with pytest.raises(DatasetFormatError, match=r"sys\.jsonl line 3 \(record 2\): field 'messages': the "
+                                                 r"tokenizer's chat template refuses them \(System role not "
+                                                 r"supported\); the record's first user message: 'Say hi\.'"):
         build(tmp_path, chat, [f"{path},{path}"], 1, data_split="1,0,0")
 
 

@@ -221,7 +221,8 @@ def test_flags_read_only_when_another_setting_is_on_are_listed_when_it_is_off():
                               "5", "--lora_alpha", "16", "--print_answers_interval", "5"])
     assert unread_conditional_flags(grpo) == [
         "--lam 0.5 (read only with --advantage_estimator gae)",
-        "--whiten_advantages (read only with --advantage_estimator gae)", "--ema_beta 0.9 (read only with --enable_ema)",
+        "--whiten_advantages (read only with --advantage_estimator gae)",
+        "--ema_beta 0.9 (read only with --enable_ema)",
         "--lora_alpha 16.0 (read only with --actor_lora_dim or --critic_lora_dim)",
         "--print_answers_interval 5 (read only with --print_answers)"]
     on = parser.parse_args(["--lam", "0.5", "--whiten_advantages", "--enable_ema", "--ema_beta", "0.9",

@@ -269,10 +269,11 @@ class HybridEngine:
         each generated token under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p
         or EOS suppression: what the training forward scores it with; 0 after a row's end), computed in the decode
         step. ``synced_gpus``, ``use_cache``, ``early_stopping`` (a beam-search setting), ``bos_token_id`` and
-        ``renormalize_logits`` are accepted and change nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs that would change
-        the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors. Under ZeRO-3 on
-        several ranks (and in a tensor-parallel group) every rank calls ``generate`` together, each with its own
-        prompts: the ranks agree on their arguments first, and a refusal on one stops them all.
+        ``renormalize_logits`` are accepted and change nothing (ranks are kept in step automatically when the forward
+        needs it); other HF kwargs that would change the result (``num_return_sequences=2``,
+        ``no_repeat_ngram_size``, beams, ...) are errors. Under ZeRO-3 on several ranks (and in a tensor-parallel
+        group) every rank calls ``generate`` together, each with its own prompts: the ranks agree on their arguments
+        first, and a refusal on one stops them all.
         """
         device = self._engine.device
         # every setting resolved and checked before the engine's state changes, on every rank that generates with

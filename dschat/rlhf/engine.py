@@ -42,7 +42,8 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
     """The training config of step 3's actor or critic: built from the flags, with the user's config file (if any)
     merged over it; the file's hybrid engine block is the actor's. ``quiet``: no notes (a check before the step)."""
     a = args
-    if a.offload and not stage:  # (DeepSpeed's check would not say which model: --actor_zero_stage 3 left the critic at 0)
+    # (DeepSpeed's check would not say which model: --actor_zero_stage 3 left the critic at 0)
+    if a.offload and not stage:
         raise UsageError(f"--offload: the {role} trains at ZeRO stage 0 (--{role}_zero_stage, else --zero_stage, "
                          f"else 0), and optimizer offload needs ZeRO stage 1, 2 or 3: give --{role}_zero_stage too")
     generated = get_train_ds_config(
