@@ -40,6 +40,7 @@ def unfinished_reason(model_path):
         if os.path.isfile(os.path.join(folder, RUN_ARGS_FILE)):
             if os.path.isfile(os.path.join(folder, FINISHED_MARK)):
                 return None
-            return (f"{folder} is an unfinished step output: its last training run was interrupted ({RUN_ARGS_FILE} "
-                    f"but no {FINISHED_MARK}), so its model files may be an earlier run's or part of that one's")
+            return (f"{folder} is an unfinished step output: its last training run was interrupted, or is still "
+                    f"running ({RUN_ARGS_FILE} but no {FINISHED_MARK}), so its model files may be an earlier run's or "
+                    "part of that one's")
     return None

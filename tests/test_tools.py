@@ -782,7 +782,7 @@ def test_the_tools_warn_of_a_model_an_interrupted_step_left(tmp_path, capsys, mo
     (tmp_path / "step3_ppo" / RUN_ARGS_FILE).write_text("{}")
     assert flag_path("--path", find_policy_path, str(tmp_path)) == str(actor)
     assert (f"warning: --path {actor}: {tmp_path / 'step3_ppo'} is an unfinished step output: its last training run "
-            "was interrupted") in capsys.readouterr().err
+            "was interrupted, or is still running") in capsys.readouterr().err
     monkeypatch.chdir(actor)  # the actor's folder given as "."
     assert flag_path("--path", find_policy_path, ".") == "."
     assert "is an unfinished step output" in capsys.readouterr().err
