@@ -496,7 +496,8 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
     # a step 1 run again and interrupted (its finished mark gone, an earlier run's flags there): not trained from
     (tmp_path / "out" / "step1_sft" / "training_args.json").write_text("{}")
     with pytest.raises(MissingInputError, match=r"step1_sft, step 1's output, which did not finish: .*step1_sft is an "
-                                                r"unfinished step output: its last training run was interrupted .*Run "
+                                                r"unfinished step output: its last training run was interrupted, or is "
+                                                r"still running .*Run "
                                                 r"step 1 again \(--step 1 2 3; with --resume"):
         pipeline.run_pipeline(_train_py_args("--output-dir", out, "--step", "2", "3"))
 
