@@ -87,7 +87,7 @@ def resolve_settings(input_ids, attention_mask, generation_config, *, max_new_to
         attention_mask=attention_mask,
         max_new_tokens=resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config,
                                               max_positions),
-        min_new_tokens=max(0, resolve_min_new_tokens(min_new_tokens, min_length, prompt_len, generation_config)),
+        min_new_tokens=resolve_min_new_tokens(min_new_tokens, min_length, prompt_len, generation_config),
         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=repetition_penalty, eos_list=eos_list, pad_token_id=pad_token_id)
 
@@ -127,13 +127,14 @@ def resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_co
 
 
 def resolve_min_new_tokens(min_new_tokens, min_length, prompt_len, generation_config):
-    """New tokens before EOS may end a row: given, else from ``min_length`` (a total), else the generation_config's."""
+    """New tokens before EOS may end a row: given, else from ``min_length`` (a total), else the generation_config's;
+    at least 0 (HF adds no minimum for a count <= 0)."""
     if min_new_tokens is None and min_length is None:
         min_new_tokens = getattr(generation_config, "min_new_tokens", None)
         min_length = getattr(generation_config, "min_length", None) if min_new_tokens is None else None
     if min_new_tokens is None:
-        min_new_tokens = max(0, min_length - prompt_len) if min_length is not None else 0
-    return min_new_tokens
+        min_new_tokens = min_length - prompt_len if min_length is not None else 0
+    return max(0, min_new_tokens)
 
 
 def check_hf_kwargs(kwargs):

@@ -369,12 +369,14 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
                 continue  # trained on before the checkpoint this run resumed from
             batch = to_device(batch, device)
             loss, tokens = loss_fn(engine, batch)
-            check_finite(f"{name}: the training loss (step {step + 1})", loss)  # a diverged run stops, as step 3's
             engine.backward(loss)
             lr = applied_lr(engine)  # (the scheduler moves on in the step)
             optimizer_step(engine, name)
             micro += 1
             recent.append(loss.item())
+            # a diverged run stops, as step 3's, before anything of it is saved (checked after the item() that waits
+            # for the step anyway: no extra wait on the accelerator)
+            check_finite(f"{name}: the training loss (step {step + 1})", loss)
             if throughput is not None:
                 throughput.update(batch["input_ids"].shape[0], tokens)
             if micro % grad_accum:
