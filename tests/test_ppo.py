@@ -921,7 +921,7 @@ def test_resume_with_a_flag_the_checkpoint_is_bound_to_changed_is_a_usage_error_
 
 def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, capsys):
     """DeepSpeed restores the optimizer's learning rates and schedule from the checkpoint: a new --actor_learning_rate
-    was silently ignored."""
+    was silently ignored. A new dropout was silently taken."""
     from dschat.rlhf.checkpointing import load_checkpoint
 
     _save_flags_checkpoint(tmp_path)
@@ -934,6 +934,11 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
     with pytest.raises(Loaded, match="loaded"):  # LoRA's parameter group's rate too
         load_checkpoint(_flags_trainer(tmp_path, "--actor_lora_learning_rate", "0.05"), str(tmp_path))
     assert "--actor_lora_learning_rate 0.05 (the checkpoint's: 0.0005): no effect" in capsys.readouterr().out
+    # the dropouts bind nothing the checkpoint holds: another one is said, and applies from here
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--actor_dropout", "0.0", "--critic_dropout", "0.2"), str(tmp_path))
+    assert "--actor_dropout None -> 0.0, --critic_dropout None -> 0.2: the rest of the run trains with the new " \
+           "value" in capsys.readouterr().out
 
 
 def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp_path):

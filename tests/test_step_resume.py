@@ -107,6 +107,10 @@ def test_resuming_with_other_settings_is_an_error_naming_them_before_deepspeed_l
     # the run records the learning rate it trained with (train.py --resume compares a finished step's flags)
     assert json.loads((tmp_path / "rm" / "training_args.json").read_text())["flags"]["learning_rate"] == 2e-3
     assert loads == [1]
+    # the dropout binds nothing the checkpoint holds: another one is said, and the run trains with it
+    reward.main([*common, "--resume", "--dropout", "0.0"])
+    assert "--resume: --dropout 0.1 -> 0.0: the rest of the run trains with the new value" in capsys.readouterr().out
+    assert loads == [1, 1]
 
 
 def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_over(tmp_path, distributed, capsys):

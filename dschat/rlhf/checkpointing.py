@@ -39,6 +39,9 @@ CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_wei
 # the flags.)
 RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
                   "critic_lora_learning_rate")
+# Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it.
+FREE_FLAGS = ("actor_dropout",)
+CRITIC_FREE_FLAGS = ("critic_dropout",)
 BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer states (LoRA layout and scale, weight "
              "decay, ZeRO stage, precision, offload) and its place in the prompts (batches of "
              "--per_device_generation_batch_size of the prompts its data flags make, in --seed's order) hold for its "
@@ -106,7 +109,7 @@ def check_resumable(trainer, root, tag):
     saved_flags = state.pop("flags", {})
     if getattr(trainer, "args", None) is not None:
         state["restored"] = check_same_flags(saved_flags, resume_flags(trainer), RESTORED_FLAGS, tag, root, "step3",
-                                             BOUND_WHY)
+                                             BOUND_WHY, FREE_FLAGS + CRITIC_FREE_FLAGS)
         check_same_reference(state.get("inputs"), trainer.args.actor_model_name_or_path, tag, root)
     return state
 
@@ -127,7 +130,8 @@ def check_same_reference(saved_inputs, actor_path, tag, root):
 
 def resume_flags(trainer):
     """{flag: value} of the flags the checkpoint is bound to (``ACTOR_RESUME_FLAGS``, ``CRITIC_RESUME_FLAGS``)."""
-    names = (ACTOR_RESUME_FLAGS + (CRITIC_RESUME_FLAGS if trainer.critic_model is not None else ()) + RESTORED_FLAGS
+    critic = CRITIC_RESUME_FLAGS + CRITIC_FREE_FLAGS if trainer.critic_model is not None else ()
+    names = (ACTOR_RESUME_FLAGS + FREE_FLAGS + critic + RESTORED_FLAGS
              + (UNSUPERVISED_RESUME_FLAGS if getattr(trainer.args, "unsupervised_dataset_name", None) else ()))
     flags = {name: getattr(trainer.args, name) for name in names}
     if not (trainer.args.actor_lora_dim or trainer.args.critic_lora_dim):

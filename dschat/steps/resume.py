@@ -25,6 +25,8 @@ RESUME_FLAGS = ("model_name_or_path", "add_eot_token", "eot_token", "lora_dim", 
                 "sft_only_data_path")
 # Restored by DeepSpeed with the optimizer's state: another value is said to change nothing.
 RESTORED_FLAGS = ("learning_rate", "lora_learning_rate")
+# Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it.
+FREE_FLAGS = ("dropout",)
 BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, weight decay, ZeRO stage, precision, offload) and its "
              "place in the data (micro-batches of --per_device_train_batch_size, steps of "
              "--gradient_accumulation_steps, of the records its data flags and tokenizer make, in --seed's order) hold "
@@ -36,7 +38,7 @@ def checkpoint_root(args):
 
 
 def resume_flags(args):
-    flags = {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS}
+    flags = {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS + FREE_FLAGS}
     if flags["model_name_or_path"] and os.path.isdir(flags["model_name_or_path"]):  # the same folder, however named
         flags["model_name_or_path"] = os.path.abspath(flags["model_name_or_path"])
     flags[DATA_FILES] = step_data_files(args)  # the same files, unedited: the records its position counts
@@ -67,7 +69,7 @@ def _checked_latest(args, step):
     check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
     state["restored"] = check_same_flags(state.pop("flags", {}), resume_flags(args), RESTORED_FLAGS, tag, root, step,
-                                         BOUND_WHY)
+                                         BOUND_WHY, FREE_FLAGS)
     return tag, state
 
 

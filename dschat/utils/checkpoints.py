@@ -183,13 +183,14 @@ def reading(root, tag):
                          f"--resume") from error
 
 
-def check_same_flags(saved, now, restored, tag, root, step, why):
+def check_same_flags(saved, now, restored, tag, root, step, why, free=()):
     """The flags a checkpoint is bound to (``now``: {flag: value}) as it saved them (``saved``; a checkpoint that
     stored none is not checked): any other value is a UsageError naming each, with ``why`` they bind it. The
     ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates): another value is
-    said to change nothing; returns {flag: saved value} of those, for the run to record the values it trains with."""
-    changed = [_changed_said(name, saved[name], now[name]) for name in now
-               if name in saved and saved[name] != now[name] and name not in restored]
+    said to change nothing; returns {flag: saved value} of those, for the run to record the values it trains with.
+    The ``free`` flags (dropout) bind nothing a checkpoint holds: another value is said, and applies from here."""
+    differ = [name for name in now if name in saved and saved[name] != now[name]]
+    changed = [_changed_said(name, saved[name], now[name]) for name in differ if name not in (*restored, *free)]
     if changed:
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
                          f"{'; '.join(changed)}. {why}: resume with the checkpoint's values, or start afresh without "
@@ -198,6 +199,9 @@ def check_same_flags(saved, now, restored, tag, root, step, why):
     if ignored:
         said = ", ".join(f"--{name} {now[name]!r} (the checkpoint's: {value!r})" for name, value in ignored.items())
         print_rank_0(f"[{step}] --resume: {said}: no effect, DeepSpeed restores the learning rates from the checkpoint")
+    applied = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in differ if name in free]
+    if applied:
+        print_rank_0(f"[{step}] --resume: {', '.join(applied)}: the rest of the run trains with the new value")
     return ignored
 
 
