@@ -151,6 +151,25 @@ def test_the_default_length_stays_within_the_models_positions_as_in_hf(family):
     assert torch.equal(engine.generate(ids, attention_mask=mask), expected)
 
 
+@pytest.mark.parametrize("family", ["opt", "gpt2"])
+def test_max_new_tokens_past_a_learned_position_table_is_a_clear_error_and_padding_takes_no_position(family):
+    """An explicit max_new_tokens past GPT-2's or OPT's learned position table failed with an IndexError from inside
+    the model (a device-side assert on CUDA). Positions count a row's tokens, so a left-padded batch may reach the
+    table's end: HF generates it, and so does the engine."""
+    config = hybrid_common.tiny_config(family)
+    config.max_position_embeddings = 24  # (GPT-2: n_positions)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(_device())
+    engine = _engine(model)
+    ids, mask = left_padded_batch([10, 14], seed=1)
+    with pytest.raises(ValueError, match=r"a prompt of 14 tokens \+ max_new_tokens=11 is past the model's table of "
+                                         r"24 learned positions: lower max_new_tokens to at most 10"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=11)
+    ids, mask = ids[:1, -12:], mask[:1, -12:]  # the 10-token row, left-padded by 2: 10 + 14 positions fit
+    engine.eval()
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=14), hf_generate(model, ids, mask, 14))
+
+
 def test_a_generate_inside_inference_mode_leaves_later_calls_working():
     """The KV cache allocated in a caller's torch.inference_mode() was an inference tensor: every later generate
     outside it failed to reset it in place ("Inplace update to inference tensor outside InferenceMode")."""

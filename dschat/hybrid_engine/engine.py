@@ -26,6 +26,7 @@ from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_sam
                                                   ranks_agree, shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.lora import unwrap_peft
+from dschat.models.positions import has_learned_positions, position_limit
 
 def _synchronize():
     from deepspeed.accelerator import get_accelerator
@@ -258,9 +259,10 @@ class HybridEngine:
         """HF-``generate``-like: LEFT-padded prompts in, (B, P + n) sequences out, EOS'd rows padded with pad.
 
         ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts;
-        prompt + new tokens may not exceed ``hybrid_engine.max_out_tokens``. What is not given comes, as in HF, from
-        the model's generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling); EOS and pad ids from the
-        engine's tokenizer apply where neither the call nor a generation_config gives them. ``repetition_penalty``
+        prompt + new tokens may not exceed ``hybrid_engine.max_out_tokens``, nor a learned position table (GPT-2's,
+        OPT's: a row's left padding takes no position). What is not given comes, as in HF, from the model's
+        generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling); EOS and pad ids from the engine's
+        tokenizer apply where neither the call nor a generation_config gives them. ``repetition_penalty``
         (e.g. Qwen2.5-Instruct's generation_config sets 1.05) is HF's ``RepetitionPenaltyLogitsProcessor``, greedy or
         sampled: the logit of every token already in the row (prompt and answer so far; the prompt's left padding
         only with transformers < 5.23, as HF's own ``generate`` does) is divided by it when positive, multiplied by
@@ -299,6 +301,7 @@ class HybridEngine:
                 default_pad=self.pad_token_id, max_positions=self._max_positions())
             # this rank's prompt: a tensor-parallel group's prompts, padded to its longest, then fit as well
             self._check_fits(input_ids.shape[1], s.max_new_tokens)
+            self._check_positions(s.attention_mask, s.max_new_tokens)
         attention_mask = s.attention_mask
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
@@ -423,6 +426,19 @@ class HybridEngine:
         """The model config's ``max_position_embeddings`` (an int), which HF's default length stays within."""
         limit = getattr(unwrap_peft(self.inference_weights.model).config, "max_position_embeddings", None)
         return limit if isinstance(limit, int) else None
+
+    def _check_positions(self, attention_mask, max_new_tokens):
+        """The longest prompt + max_new_tokens within a learned position table (GPT-2's, OPT's): past it, HF's
+        generate fails with an IndexError (a device-side assert on CUDA) from inside the model."""
+        model = unwrap_peft(self.inference_weights.model)
+        limit = position_limit(model)
+        if limit is None or attention_mask.shape[1] + max_new_tokens <= limit or not has_learned_positions(model):
+            return
+        longest = int(attention_mask.sum(-1).max())  # (positions count a row's tokens: left padding takes none)
+        if longest + max_new_tokens > limit:
+            raise ValueError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} is past the model's "
+                             f"table of {limit} learned positions: lower max_new_tokens to at most "
+                             f"{max(limit - longest, 0)}, or shorten the prompt")
 
     def _check_fits(self, prompt_len, max_new_tokens):
         """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length); ranks that generate together learn

@@ -409,23 +409,16 @@ def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, 
                            dtype=dtype)
 
 
-# Names of learned absolute position tables (GPT-2's wpe, OPT's embed_positions, GPT-Neo/BioGPT/...'s): an index past
-# them fails (a CUDA device-side assert), where rotary or ALiBi positions only drift from what the model learned.
-LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
-
-
 def check_sequence_fits(model, length, flags, warn=True):
     """A clear error when sequences of ``length`` tokens (``flags`` name where it comes from) are longer than the
     model's learned position table; a warning for other position schemes (unless not ``warn``)."""
-    from dschat.models.positions import position_limit
+    from dschat.models.positions import has_learned_positions, position_limit
     from dschat.utils.dist import print_rank_0
 
     limit = position_limit(model)
     if limit is None or length <= limit:
         return
-    learned = any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES
-                  for name, module in model.named_modules())
-    if learned:
+    if has_learned_positions(model):
         raise UsageError(f"{flags} = {length} tokens, but the model has a table of {limit} learned positions: "
                          f"make it at most {limit}")
     if warn:

@@ -1,4 +1,10 @@
 """How far a model's positions go: the longest sequence it takes as it would a shorter one."""
+import torch
+
+# Names of learned absolute position tables (GPT-2's wpe, OPT's embed_positions, GPT-Neo/BioGPT/...'s): an index past
+# them fails (an IndexError, a CUDA device-side assert), where rotary or ALiBi positions only drift from what the model
+# learned.
+LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
 def position_limit(*models):
@@ -30,3 +36,9 @@ def _rope_settings(config):
         return []
     nested = [value for value in rope.values() if isinstance(value, dict)]
     return nested + [rope]
+
+
+def has_learned_positions(model):
+    """Whether ``model`` looks positions up in a learned table (which has no row past ``position_limit``)."""
+    return any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES
+               for name, module in model.named_modules())
