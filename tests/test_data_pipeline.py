@@ -415,6 +415,34 @@ def test_multiturn_trains_a_conversation_ending_with_a_user_turn_up_to_its_last_
         build(tmp_path, tok, [f"{bad},{bad}"], 1, data_split="1,0,0", multiturn=True)
 
 
+def test_multiturn_keeps_a_conversation_longer_than_max_seq_len_with_its_turns_within_it(tmp_path, tokenizer, capsys):
+    """With --multiturn, a conversation whose last answer did not fit --max_seq_len was skipped whole ("prompt leaves
+    no room for an answer"), its earlier answers lost; TRL and OpenRLHF truncate it and train what is left. A turn
+    across the cut is trained up to it; one with no assistant turn within the cut stays a counted skip."""
+    tok = chatml(tokenizer)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    whole = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)[0][0]
+    trained = (whole["labels"] != -100).nonzero().flatten().tolist()
+    second_end = [i + 1 for i in trained if i + 1 not in trained][1]  # just after "Fine, thanks.<|im_end|>"
+    capsys.readouterr()
+    for limit, expected in ((second_end + 2, "Hello, friend.<|im_end|>|Fine, thanks.<|im_end|>"),
+                            (second_end - 1, "Hello, friend.<|im_end|>|Fine, thanks.")):
+        kept = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=limit)[0]
+        assert len(kept) == 1 and trained_text(kept[0], tok) == expected
+        assert kept[0]["input_ids"].tolist() == whole["input_ids"][:limit].tolist()
+        out = capsys.readouterr().out
+        assert ("kept all 1 records; 1 kept with an answer cut at --max_seq_len; 2 earlier assistant turns trained "
+                "(--multiturn); 1 conversation longer than --max_seq_len trained on its earlier assistant turns within "
+                "it (--multiturn)") in out
+    # without --multiturn the prompt leaves no room for the (only trained) last answer, as before
+    last_only = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=second_end + 2)[0]
+    assert len(last_only) == 0 and last_only.skipped == {f"prompt leaves no room for an answer in --max_seq_len "
+                                                         f"{second_end + 2}": 1}
+    early = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=trained[0])[0]
+    assert len(early) == 0 and early.skipped == {f"prompt leaves no room for an answer in --max_seq_len "
+                                                 f"{trained[0]}": 1}
+
+
 def test_multiturn_needs_offsets_from_a_fast_tokenizer(tmp_path, tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)
     slow = copy.deepcopy(tokenizer)

@@ -11,7 +11,8 @@ the EOT token ids):
 * phase 1: ``prompt + answer + eot``, cut on the right at ``max_seq_len``. A cut answer loses its EOT on
   purpose: training the model to stop right after a truncated answer would teach it to stop mid-sentence.
   Labels are -100 over the prompt (unless ``include_prompt_in_loss``), so the loss covers answer + EOT; with
-  ``multiturn`` the earlier assistant turns inside the prompt keep theirs (``label_spans``, ``multiturn.py``).
+  ``multiturn`` the earlier assistant turns inside the prompt keep theirs (``label_spans``, ``multiturn.py``), and a
+  conversation whose prompt is longer than ``max_seq_len`` is kept when an earlier turn starts within it.
 * phase 2: ``prompt + answer[:room] + eot`` for chosen and rejected: a long answer is cut but the EOT is
   kept, so the reward model always scores a sequence that ends the way generated answers do. The prompt's
   length is kept too (``prompt_length``): DPO sums log-probs over the answer tokens only. Each pair also
@@ -353,6 +354,7 @@ def encode_records(raw, records, tokenizer, settings):
     if multiturn:
         notes["turns"] = [sum(len(row["label_spans"]) // 2 for row in rows), sum(row["turns_missed"] for row in rows)]
         notes["unanswered"] = unanswered
+        notes["last_turn_cut"] = sum(row["last_turn_cut"] for row in rows)
     return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, notes
 
 
@@ -537,16 +539,29 @@ def scored_sequence(prompt, answer, eot, max_seq_len):
 def encode_sft(example, tokens, settings):
     prompt = tokens["prompt"]
     _check_prompt_limit(prompt, settings)
-    if len(prompt) >= settings.max_seq_len:
-        raise _no_answer_room(settings.max_seq_len)
-    full = prompt + tokens["chosen"] + tokens["eot"]
-    input_ids = full[:settings.max_seq_len]
-    if len(input_ids) <= len(prompt):
-        raise SkipRecord("answer empty after truncation")
+    limit = settings.max_seq_len
     spans, missed = tokens.get("earlier", ([], 0))
-    # ("cut", "turns_missed": counted for the report, not stored)
+    spans = spans_within(spans, limit)
+    # --multiturn: a conversation longer than max_seq_len keeps its turns within it (as TRL and OpenRLHF truncate)
+    if len(prompt) >= limit and not spans:
+        raise _no_answer_room(limit)
+    full = prompt + tokens["chosen"] + tokens["eot"]
+    input_ids = full[:limit]
+    if len(input_ids) <= len(prompt) and not spans:
+        raise SkipRecord("answer empty after truncation")
+    # ("cut", "turns_missed", "last_turn_cut": counted for the report, not stored)
     return {"input_ids": input_ids, "label_start": 0 if settings.include_prompt_in_loss else len(prompt),
-            "label_spans": spans, "cut": len(full) > settings.max_seq_len, "turns_missed": missed}
+            "label_spans": spans, "cut": len(full) > limit, "turns_missed": missed,
+            "last_turn_cut": len(input_ids) <= len(prompt)}
+
+
+def spans_within(spans, limit):
+    """Flattened [start, end) token spans cut at ``limit`` tokens: a span past it goes, one across it ends there."""
+    kept = []
+    for start, end in zip(spans[::2], spans[1::2]):
+        if start < limit:
+            kept += [start, min(end, limit)]
+    return kept
 
 
 def encode_pair(example, tokens, settings):
@@ -590,6 +605,10 @@ def format_skip_line(entry):
         if missed:
             cut += (f", {missed} left as prompt: the chat template renders {'them' if missed != 1 else 'it'} otherwise "
                     f"than a prompt ending at {'them' if missed != 1 else 'it'}")
+    if entry.get("last_turn_cut"):
+        count = entry["last_turn_cut"]
+        cut += (f"; {count} conversation{'s' if count != 1 else ''} longer than --max_seq_len trained on "
+                f"{'their' if count != 1 else 'its'} earlier assistant turns within it (--multiturn)")
     if entry.get("unanswered"):
         count = entry["unanswered"]
         cut += (f"; {count} conversation{'s' if count != 1 else ''} ending with a user turn trained up to "
