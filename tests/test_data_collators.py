@@ -263,3 +263,22 @@ def test_a_hub_dataset_that_cannot_be_loaded_names_its_flag(monkeypatch, error, 
         get_unsupervised_data(unsupervised_args("wikitext"), tokenizer)
     with pytest.raises(MissingInputError, match="--data_path Dahoas/rm-static: could not be loaded"):
         get_raw_dataset("Dahoas/rm-static", "/tmp/unused", 0, 0)
+
+
+def test_an_unsupervised_record_without_text_is_named_not_a_tokenizer_traceback(tmp_path, tokenizer):
+    """A null or non-string ``text`` (a JSONL line with "text": null) is its file and line's error, not the fast
+    tokenizer's TypeError ("TextEncodeInput must be Union[...]"), which names neither."""
+    from datasets import Dataset
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in ["one doc here", None, "another"]))
+    with pytest.raises(DatasetFormatError, match=r"docs.jsonl line 2 \(record 1\): field 'text': missing or null"):
+        get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in ["one doc here", "two", 7]))
+    with pytest.raises(DatasetFormatError, match=r"docs.jsonl line 3 \(record 2\): field 'text': expected a string, "
+                                                 r"got int"):
+        get_unsupervised_data(unsupervised_args(str(path), preprocessing_num_workers=2), tokenizer)
+    Dataset.from_dict({"text": ["a saved document", None]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DatasetFormatError, match=r"--unsupervised_dataset_name .*saved record 1: field 'text': "
+                                                 r"missing or null"):
+        get_unsupervised_data(unsupervised_args(str(tmp_path / "saved")), tokenizer)

@@ -12,7 +12,7 @@ import os
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import check_json_document, check_jsonl_lines, text_encoding
+from .local import _where, check_json_document, check_jsonl_lines, text_encoding
 
 LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
 
@@ -26,14 +26,20 @@ def get_unsupervised_data(args, tokenizer):
     options = vars(args) if not isinstance(args, dict) else args
     block_size = int(options["max_prompt_seq_len"]) + int(options["max_answer_seq_len"])
     workers = options.get("preprocessing_num_workers")
-    train, text_column = load_unsupervised_train(options["unsupervised_dataset_name"],
-                                                 options.get("unsupervised_dataset_config_name"))
+    name = options["unsupervised_dataset_name"]
+    train, text_column = load_unsupervised_train(name, options.get("unsupervised_dataset_config_name"))
+    locate = getattr(train, "locate_record", None) or (lambda index: f"--unsupervised_dataset_name {name} record {index}")
 
-    def tokenize(batch):
-        return with_eos(tokenizer(batch[text_column], return_token_type_ids=False), tokenizer.eos_token_id)
+    def tokenize(batch, indices):
+        texts = batch[text_column]
+        for index, text in zip(indices, texts):  # (the tokenizer's TypeError names neither the file nor the record)
+            if not isinstance(text, str):
+                said = "missing or null" if text is None else f"expected a string, got {type(text).__name__}"
+                raise DatasetFormatError(f"{locate(index)}: field {text_column!r}: {said}")
+        return with_eos(tokenizer(texts, return_token_type_ids=False), tokenizer.eos_token_id)
 
-    tokenized = train.map(tokenize, batched=True, num_proc=workers, remove_columns=train.column_names,
-                          desc="Tokenizing unsupervised data")
+    tokenized = train.map(tokenize, batched=True, with_indices=True, num_proc=workers,
+                          remove_columns=train.column_names, desc="Tokenizing unsupervised data")
     blocks = tokenized.map(lambda batch: group_texts(batch, block_size), batched=True, num_proc=workers,
                            desc=f"Grouping texts in blocks of {block_size}")
     return blocks.with_format("torch")
@@ -79,8 +85,9 @@ def load_unsupervised_train(name, config_name=None):
     builder, path = local
     if os.path.getsize(path) == 0:  # (datasets' own error for it names neither file nor cause)
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
+    record_lines = None
     if builder == "json":
-        check_jsonl_lines(path) if path.endswith(".jsonl") else check_json_document(path)
+        record_lines = check_jsonl_lines(path) if path.endswith(".jsonl") else check_json_document(path)
     try:
         train = load_dataset(builder, data_files={"train": path}, split="train", encoding=text_encoding(path))
     except Exception as err:  # name the file; pyarrow's messages do not
@@ -88,6 +95,9 @@ def load_unsupervised_train(name, config_name=None):
     if "text" not in train.column_names:
         raise DatasetFormatError(f"{path}: unsupervised data needs a 'text' field; the records have "
                                  f"{train.column_names}")
+    if record_lines is not None and len(record_lines) != len(train):
+        record_lines = None
+    train.locate_record = lambda index: _where(path, index, record_lines)
     return train, "text"
 
 
