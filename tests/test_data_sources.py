@@ -528,6 +528,25 @@ def test_message_lists_in_csv_cells_as_json_text_are_read(tmp_path):
     assert adapter.get_conversation(adapter.get_train_data()[0]) == [{"role": "user", "content": "[1, 2, 3]"}]
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "csv"])
+def test_text_of_json_objects_that_are_no_messages_stays_text(tmp_path, kind):
+    """An answer that is JSON objects (a tool call) or a prompt that is a JSON record list is text, not a message list
+    refused for its "role None"; JSON text of messages with a bad role is still its record's error."""
+    call = json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}}])
+    table = json.dumps([{"city": "Paris", "temp": 21}, {"city": "Oslo", "temp": 9}])
+    path = write_records([{"prompt": f"Warmest? {i}", "chosen": call, "rejected": "Paris."} for i in range(2)]
+                         + [{"prompt": table, "chosen": "Paris", "rejected": call}], tmp_path / f"tools.{kind}", kind)
+    adapter = raw(f"{path},{path}", tmp_path)
+    samples = list(adapter.get_train_data())
+    assert [adapter.get_chosen_text(s) for s in samples] == [call, call, "Paris"]
+    assert adapter.get_conversation(samples[2]) == [{"role": "user", "content": table}]
+    assert adapter.get_rejected_text(samples[2]) == call
+    bad = write_records([{"prompt": "Hi", "chosen": json.dumps([{"role": "bot", "content": "Hello"}])}] * 2,
+                        tmp_path / f"bad.{kind}", kind)
+    with pytest.raises(DatasetFormatError, match=r"field 'chosen': message 0 has role 'bot'"):
+        raw(f"{bad},{bad}", tmp_path)
+
+
 def test_a_file_mixing_record_shapes_says_so(tmp_path):
     chat = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
     rows = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2 + [chat]

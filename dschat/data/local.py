@@ -826,15 +826,22 @@ def _says_true_or_false(values):
     return any(isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in ("true", "false")) for v in values)
 
 
+# the keys of a message ({role, content}, ShareGPT's {from, value}): JSON text of objects with none of them is data
+MESSAGE_KEYS = ("role", "content", "from", "value")
+
+
 def _json_list_text(value):
     """A message list written as JSON text (a CSV cell holds no lists) as the list; any other value (a prompt that
-    happens to read as JSON, "[1, 2, 3]") as it is."""
+    happens to read as JSON, "[1, 2, 3]", or an answer that is JSON objects, a tool call's
+    '[{"name": "get_weather", "arguments": ...}]') as it is."""
     if isinstance(value, str) and value.lstrip().startswith("[{"):
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             return value
-        return parsed if isinstance(parsed, list) and parsed and all(isinstance(m, dict) for m in parsed) else value
+        messages = isinstance(parsed, list) and parsed and all(isinstance(m, dict) for m in parsed) and \
+            any(key in m for m in parsed for key in MESSAGE_KEYS)
+        return parsed if messages else value
     return value
 
 
