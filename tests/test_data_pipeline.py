@@ -545,6 +545,21 @@ def test_data_given_twice_is_said(tmp_path, tokenizer, capsys):
     assert "more than once" not in capsys.readouterr().out
 
 
+def test_a_file_given_again_inside_a_folder_or_with_another_eval_file_is_said(tmp_path, tokenizer, capsys):
+    """The same train file read through two specs that differ (its folder and the file; the file with and without an
+    eval file): its records are read twice, and those of one spec's train split may be another's eval records."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    train = write_jsonl(folder / "train.jsonl", records("alpha", 10))
+    other_eval = write_jsonl(tmp_path / "other_eval.jsonl", records("alpha", 2, start=100))
+    for specs in ([str(folder), train], [f"jsonl:{train}", f"{train},{other_eval}"]):
+        build(tmp_path, tokenizer, specs, 1, data_split="1,0,0")
+        said = [line for line in capsys.readouterr().out.splitlines() if "more than once" in line]
+        assert len(said) == 1 and all(spec in said[0] for spec in specs), (specs, said)
+    build(tmp_path, tokenizer, [train, other_eval], 1, data_split="1,0,0")
+    assert "more than once" not in capsys.readouterr().out
+
+
 def test_the_report_says_when_a_phase_trains_on_a_share_of_the_file(tmp_path, tokenizer, capsys):
     """DeepSpeed-Chat's --data_split gives step 3 a share of a prompts file: "kept all" alone read as the whole file."""
     spec = train_eval_spec(tmp_path, "alpha", 50, 10)

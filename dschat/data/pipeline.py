@@ -188,9 +188,11 @@ def say_sources_given_twice(specs):
     from dschat.utils.dist import print_rank_0
 
     sources = [resolve_dataset_spec(spec) for spec in specs]
-    keys = [tuple(os.path.abspath(path) for path in source.files) if isinstance(source, LocalSource) else source
+    # the files each reads: a folder's train file given again as a file (or with another eval file) is read twice too
+    keys = [{os.path.abspath(path) for path in source.files} if isinstance(source, LocalSource) else {source}
             for source in sources]
-    twice = sorted({spec for spec, key in zip(specs, keys) if keys.count(key) > 1})
+    twice = sorted({spec for i, (spec, key) in enumerate(zip(specs, keys))
+                    if any(key & other for j, other in enumerate(keys) if j != i)})
     if twice:
         print_rank_0(f"[dschat.data] {', '.join(twice)}: the same data given more than once; each time its records "
                      "are read again (they count twice)")
