@@ -695,3 +695,14 @@ def test_a_custom_strict_source_names_itself_for_a_record_error():
     raw = object.__new__(PromptRawDataset)
     raw.dataset_name = "my/source"
     assert raw.locate({"prompt": "x"}) == "my/source"
+
+
+def test_a_source_without_a_share_of_the_phase_need_not_suit_it(tmp_path, tokenizer):
+    """Step 1 on --sft_only_data_path alone (--data_split 0,0,1 is allowed with it): --data_path's prompts, step 3's,
+    give it no record, so they are not refused for having no answers."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Prompt {i}."} for i in range(10)])
+    sft = write_jsonl(tmp_path / "sft.jsonl", records("sft", 10))
+    train, _ = build(tmp_path, tokenizer, [prompts], 1, data_split="0,0,1", sft_only_data_path=[sft])
+    assert len(train) == 9  # the SFT file's train part (its 90%), whole
+    with pytest.raises(DatasetFormatError, match="has prompts but no answers"):  # with a share, still refused
+        build(tmp_path, tokenizer, [prompts], 1, data_split="1,0,1", sft_only_data_path=[sft])

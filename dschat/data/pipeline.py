@@ -278,7 +278,10 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
     sources = [(spec, data_split) for spec in data_path] + [(spec, None) for spec in sft_only]
     for spec, split in sources:
         raw = get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
-        raw.check_usable(settings.train_phase)
+        if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
+            # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
+            # --sft_only_data_path under 0,0,1, need not suit it)
+            raw.check_usable(settings.train_phase)
         for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
             records = data if split is None else _phase_share(raw, data, split_name, split, settings,
                                                               output_path, seed, local_rank, reload)
