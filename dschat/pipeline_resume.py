@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import FINISHED_MARK, RECIPE_STEP_FOLDERS
-from dschat.steps.common import (MODEL_PATH_FLAGS, REWARD_FN_FILE, finished_run_id, holds_model, model_identity,
-                                 read_run_args, step_data_files)
+from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, finished_run_id, holds_model,
+                                 model_identity, read_run_args, step_data_files)
 from dschat.utils.checkpoints import DATA_FILES, LATEST, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -198,7 +198,7 @@ def said_change(name, record, flags):
     if not (os.path.isdir(now) and model_identity(now)):
         return f"--{name} (the folder {now} holds no finished model now)"
     if not finished_run_id(now):  # (a model made elsewhere: its files tell)
-        return f"--{name} (the model files in {now} changed since)"
+        return f"--{name} (the model files in {now} changed since: {OUTSIDE_MODEL_IDENTITY})"
     return f"--{name} (the model in {now} was trained again since)"
 
 

@@ -125,13 +125,17 @@ def test_a_model_made_elsewhere_is_compared_by_its_files(tmp_path, monkeypatch):
     assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].action == SKIP
     (external / "config.json").write_text('{"normalize_reward": true}')
     assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].why.endswith(
-        f"had other values of --model_name_or_path (the model files in {external} changed since)")
+        f"had other values of --model_name_or_path (the model files in {external} changed since: a model made "
+        "outside dschat is recognised by its files' names, sizes and modification times, so a copy that does not keep "
+        "the times (plain cp; cp -p keeps them) counts as another)")
     record["inputs"] = input_runs(step)  # made from the model as it is now
     (tmp_path / "step1_sft" / "training_args.json").write_text(json.dumps(record))
     assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].action == SKIP
     (external / "chat_template.jinja").write_text("{{ messages }}")  # what its data is formatted with: a new one
     assert plan_steps([1], "ppo", str(tmp_path), {1: step})[1].why.endswith(
-        f"had other values of --model_name_or_path (the model files in {external} changed since)")
+        f"had other values of --model_name_or_path (the model files in {external} changed since: a model made "
+        "outside dschat is recognised by its files' names, sizes and modification times, so a copy that does not keep "
+        "the times (plain cp; cp -p keeps them) counts as another)")
     # recorded before the tokenizer files counted (by config and weights): the same model, not a change
     record["inputs"] = {str(external): model_identity(str(external), tokenizer_files=False)}
     (tmp_path / "step1_sft" / "training_args.json").write_text(json.dumps(record))

@@ -1,6 +1,7 @@
 """Step 3: experience shapes and masks, the notebook API, LoRA, EMA, unsupervised mixing, resume, ZeRO-3."""
 import json
 import math
+import os
 import re
 import sys
 
@@ -961,6 +962,14 @@ def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp
     shutil.move(tmp_path / "sft", tmp_path / "moved_sft")  # the same model elsewhere (a moved run folder)
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path, "--actor_model_name_or_path", str(tmp_path / "moved_sft"), *given),
+                        str(tmp_path))
+    # a copy with new modification times (plain cp) is refused, and the error says how such a model is recognised
+    (tmp_path / "copied_sft").mkdir()
+    shutil.copyfile(tmp_path / "moved_sft" / "config.json", tmp_path / "copied_sft" / "config.json")
+    os.utime(tmp_path / "copied_sft" / "config.json", ns=(1, 1))
+    with pytest.raises(UsageError, match=r"measures against \(a model made outside dschat is recognised by its files' "
+                                         r"names, sizes and modification times.*cp -p keeps them"):
+        load_checkpoint(_flags_trainer(tmp_path, "--actor_model_name_or_path", str(tmp_path / "copied_sft"), *given),
                         str(tmp_path))
 
 

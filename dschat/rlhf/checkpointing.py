@@ -7,8 +7,8 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
-from dschat.steps.common import (holds_model, input_runs, model_identity, restart_deepspeed_tensorboard,
-                                 step_data_files)
+from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, finished_run_id, holds_model, input_runs, model_identity,
+                                 restart_deepspeed_tensorboard, step_data_files)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, DATA_FILES, check_complete, check_same_flags, latest_tag,
                                       load_rank_state, publish, read_trainer_state, reading, save_trainer_state, tag_of,
                                       take_restored_flags, trainer_folder)
@@ -122,10 +122,11 @@ def check_same_reference(saved_inputs, actor_path, tag, root):
         return
     # (holds_model: also an identity recorded before dschat counted the tokenizer files)
     if not any(holds_model(actor_path, identity) for identity in saved_inputs.values()):
+        outside = "" if finished_run_id(actor_path) else f" ({OUTSIDE_MODEL_IDENTITY})"
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by a run whose actor started from another "
                          f"model than --actor_model_name_or_path {actor_path}, which is the reference model its KL "
-                         "penalty measures against: resume with that run's actor model, or start afresh without "
-                         "--resume")
+                         f"penalty measures against{outside}: resume with that run's actor model, or start afresh "
+                         "without --resume")
 
 
 def resume_flags(trainer):

@@ -259,6 +259,11 @@ def input_runs(args):
 LEGACY_FILES_IDENTITY = "files:"  # (a model_identity recorded before the tokenizer files counted)
 
 
+# How a model made elsewhere is recognised, said where a change of it stops a resume.
+OUTSIDE_MODEL_IDENTITY = ("a model made outside dschat is recognised by its files' names, sizes and modification "
+                          "times, so a copy that does not keep the times (plain cp; cp -p keeps them) counts as another")
+
+
 def model_identity(folder, tokenizer_files=True):
     """What tells the model in ``folder`` from another saved there later: dschat's finished step output's run id;
     a model made elsewhere (TRL's, OpenRLHF's, a download) has none, so the names, sizes and modification times of its
