@@ -128,3 +128,49 @@ def test_ranks_started_again_by_the_same_parent_print_the_error_again():
                  for rank in range(2)]
         said = "".join(proc.communicate(timeout=300)[1] for proc in procs)
         assert said.count("error: unrecognized arguments: --zero_stagee 3") == 1, said
+
+
+SAME_FLAGS_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from dschat.utils.dist import check_same_on_every_rank, ensure_distributed, local_device
+    rank, world = ensure_distributed()
+    seen = []
+    for flags in ({"seed": 1, "data_path": ["a.jsonl"], "tokenizer": object()},  # (an object: not compared)
+                  {"seed": 1 + rank, "data_path": ["a.jsonl"], "lr": 0.1 * (1 + rank)}):
+        try:
+            check_same_on_every_rank(flags, local_device())
+            seen.append("same")
+        except Exception as error:
+            seen.append(f"{type(error).__name__}: {error}")
+    from argparse import Namespace
+    from dschat.steps.common import setup_run
+    try:  # a step's set-up compares its flags, but for --local_rank (each rank's own)
+        setup_run(Namespace(dtype="fp32", seed=1234 + rank, local_rank=rank))
+    except Exception as error:
+        seen.append(f"{type(error).__name__}: {error}")
+    with open(os.path.join(sys.argv[-1], f"rank_{rank}"), "w") as f:
+        f.write("\\n".join(seen))
+""")
+
+
+def test_ranks_given_different_flags_stop_together_with_an_error_naming_them(tmp_path):
+    """Ranks started with different commands (a job launched by hand on each node) waited on each other in
+    collectives they did not share: a hang, or models trained apart."""
+    script = tmp_path / "same.py"
+    script.write_text(SAME_FLAGS_SCRIPT)
+    port = free_port()
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+           str(script), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finally:
+        remove_shm_buffers(port)
+    assert (tmp_path / "rank_0").read_text().splitlines() == [
+        "same", "UsageError: the ranks were given different values of --lr (rank 0: 0.1), --seed (rank 0: 1): give "
+                "every rank the same command",
+        "UsageError: the ranks were given different values of --seed (rank 0: 1234): give every rank the same command"]
+    assert (tmp_path / "rank_1").read_text().splitlines() == [
+        "same", "UsageError: the ranks were given different values of --lr, --seed: give every rank the same command",
+        "UsageError: the ranks were given different values of --seed: give every rank the same command"]

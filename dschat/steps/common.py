@@ -15,7 +15,8 @@ from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
 from dschat.utils.checkpoints import DATA_FILES
-from dschat.utils.dist import ensure_distributed, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
+from dschat.utils.dist import (check_same_on_every_rank, ensure_distributed, get_world_size, is_rank_0, local_device,
+                               print_rank_0, rank_mean)
 from dschat.utils.ds_config import check_dtype_supported
 from dschat.utils.files import check_writable_folder, read_json_object, write_json_atomic
 from dschat.utils.optim import optimizer_step
@@ -27,8 +28,10 @@ def setup_run(args):
 
     check_dtype_supported(args.dtype)
     ensure_distributed()
+    device = local_device()
+    check_same_on_every_rank({name: value for name, value in vars(args).items() if name != "local_rank"}, device)
     set_seed(args.seed)
-    return local_device()
+    return device
 
 
 def warn_of_unfinished_inputs(paths):

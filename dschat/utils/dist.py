@@ -1,5 +1,6 @@
 """Process-group set-up that works under the deepspeed launcher and in a plain ``python`` process."""
 import glob
+import hashlib
 import os
 import socket
 
@@ -122,6 +123,33 @@ def rank_0_decides(decide):
     if kind == "failed":
         raise RuntimeError(value)
     return value
+
+
+def check_same_on_every_rank(flags, device):
+    """``flags`` ({name: value}) the same on every rank, else a UsageError on every rank naming the flags that differ:
+    ranks given different commands (a multi-node job started by hand) would otherwise wait on each other in a
+    collective they do not share, and hang, or train apart. Compares a hash of each plain value (collective)."""
+    from dschat.errors import UsageError
+
+    if get_world_size() == 1:
+        return
+    names = sorted(name for name, value in flags.items() if _plain(value))  # (an object's repr holds its address)
+    count = torch.tensor([len(names)], dtype=torch.int64, device=device)
+    if all_reduce(count.clone(), "max").item() != all_reduce(count.clone(), "min").item():
+        raise UsageError("the ranks run different commands (another number of flags): give every rank the same one")
+    digests = torch.tensor([int.from_bytes(hashlib.sha256(repr((name, flags[name])).encode()).digest()[:7], "big")
+                            for name in names], dtype=torch.int64, device=device)
+    differ = all_reduce(digests.clone(), "max") != all_reduce(digests.clone(), "min")
+    if bool(differ.any()):
+        said = ", ".join(f"--{names[i]} (rank 0: {flags[names[i]]!r})" if is_rank_0() else f"--{names[i]}"
+                         for i in differ.nonzero().flatten().tolist())
+        raise UsageError(f"the ranks were given different values of {said}: give every rank the same command")
+
+
+def _plain(value):
+    if isinstance(value, (list, tuple)):
+        return all(_plain(item) for item in value)
+    return value is None or isinstance(value, (str, int, float, bool))
 
 
 def local_device():
