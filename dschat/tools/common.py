@@ -1,6 +1,5 @@
 """What the tools share: finding a run's models, the device, loading a policy or reward model, CLI flags."""
 import argparse
-import json
 import os
 import sys
 
@@ -20,11 +19,11 @@ REWARD_SUBFOLDERS = (RM_DIR,)
 
 def _reported(path, key):
     """``key`` of the report the last train.py run wrote in ``path``, if any."""
-    report = os.path.join(path, REPORT_FILE)
-    if not os.path.isfile(report):
-        return None
-    with open(report) as f:
-        return json.load(f).get(key)
+    from dschat.utils.files import read_json_object
+
+    # (a damaged or hand-edited file: an error naming it, not json's traceback)
+    report = read_json_object(os.path.join(path, REPORT_FILE))
+    return None if report is None else report.get(key)
 
 
 def _reported_policy(path):
