@@ -22,3 +22,35 @@ def test_a_damaged_report_json_is_an_error_naming_it_not_a_traceback(tmp_path, t
     for find in (find_policy_path, find_reward_model_path):
         with pytest.raises(UsageError, match="report.json"):
             find(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    """A tiny reward model saved the way step 2 saves it."""
+    import torch
+
+    from dschat.models.checkpoint import save_reward_model
+    from dschat.models.loading import load_tokenizer
+    from dschat.models.reward_model import create_critic_model
+    from dschat.tiny.presets import create_tiny_model
+
+    root = tmp_path_factory.mktemp("edge_models")
+    policy = create_tiny_model("tiny-llama", root / "policy")
+    torch.manual_seed(0)
+    save_reward_model(create_critic_model(policy, None), load_tokenizer(policy), str(root / "rm"))
+    return str(root / "rm")
+
+
+def test_rw_eval_with_every_pair_skipped_reports_no_accuracy_rather_than_zero(reward_model, tmp_path, capsys):
+    """Prompts too long for --max_seq_len: every pair is skipped, and rw_eval printed "accuracy 0.000 over 0 pairs;
+    mean score chosen +0.0000, rejected +0.0000", a model that is always wrong; step 2 reports no score then."""
+    from dschat.tools import rw_eval
+
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text(json.dumps({"prompt": "Name three colors. " * 10, "chosen": "RED", "rejected": "red"}) + "\n")
+    result = rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", str(pairs_file),
+                           "--max_seq_len", "16"])
+    assert result["pairs"] == [] and result["skipped"] == {"prompt too long": 1}
+    assert result["accuracy"] is None and result["chosen_mean_score"] is None
+    out = capsys.readouterr().out
+    assert "accuracy 0.000" not in out and "no pairs scored, so no accuracy; skipped as in step 2: 1 prompt too long" in out

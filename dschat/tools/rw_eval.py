@@ -87,7 +87,10 @@ def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
     rejected = score_sequences(model, tokenizer, [rejected_ids[i] for i in kept], batch_size)
     pairs = [{"prompt": records[i].messages, "chosen": records[i].chosen, "rejected": records[i].rejected,
               "chosen_score": c, "rejected_score": s} for i, c, s in zip(kept, chosen, rejected)]
-    n = max(len(pairs), 1)
+    n = len(pairs)
+    if not n:  # every pair skipped: no score, rather than an accuracy of 0 (as step 2 reports no eval pairs)
+        return {"pairs": [], "accuracy": None, "chosen_mean_score": None, "rejected_mean_score": None,
+                "skipped": dict(skipped)}
     return {"pairs": pairs, "accuracy": sum(c > s for c, s in zip(chosen, rejected)) / n,
             "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n, "skipped": dict(skipped)}
 
@@ -101,6 +104,9 @@ def print_pairs(result):
         print(f"rejected {pair['rejected_score']:+.4f}: {pair['rejected']}")
         print(f"higher: {higher}")
     skipped = ", ".join(f"{count} {reason}" for reason, count in result["skipped"].items())
+    if not pairs:
+        print(f"{RULE}\nno pairs scored, so no accuracy; skipped as in step 2: {skipped}")
+        return
     print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {len(pairs)} pairs; mean score chosen "
           f"{result['chosen_mean_score']:+.4f}, rejected {result['rejected_mean_score']:+.4f}"
           + (f"; skipped as in step 2: {skipped}" if skipped else ""))
