@@ -54,3 +54,22 @@ def test_rw_eval_with_every_pair_skipped_reports_no_accuracy_rather_than_zero(re
     assert result["accuracy"] is None and result["chosen_mean_score"] is None
     out = capsys.readouterr().out
     assert "accuracy 0.000" not in out and "no pairs scored, so no accuracy; skipped as in step 2: 1 prompt too long" in out
+
+
+def test_ppo_eval_checks_its_output_json_path_before_any_model_loads(tmp_path, monkeypatch):
+    """--output_json naming a folder (or a path through a file) failed with IsADirectoryError / FileExistsError
+    after every policy had been evaluated, the results unsaved."""
+    from dschat.tools import ppo_eval
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("evaluated before the --output_json path was checked")
+
+    monkeypatch.setattr(ppo_eval, "evaluate_model", no_evaluation)
+    policy = _model_folder(tmp_path / "policy")
+    (tmp_path / "a_file").write_text("")
+    for path, said in ((tmp_path, "a folder; give a file to write"), (tmp_path / "a_file" / "eval.json", "is a file")):
+        with pytest.raises(UsageError, match=f"--output_json .*{said}"):
+            ppo_eval.main(["--policy", str(policy), "--reward_model", str(policy), "--output_json", str(path)])
+    with pytest.raises(AssertionError, match="evaluated before"):  # a new file in new folders is fine
+        ppo_eval.main(["--policy", str(policy), "--reward_model", str(policy),
+                       "--output_json", str(tmp_path / "new" / "eval.json")])

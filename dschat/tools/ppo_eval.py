@@ -120,6 +120,21 @@ def write_json(path, payload):
         json.dump(payload, f, indent=2)
 
 
+def check_output_json(path):
+    """``--output_json``'s path, checked before any model loads: a folder, or a path through a file, failed with
+    IsADirectoryError / FileExistsError after the whole evaluation, its results unsaved."""
+    if os.path.isdir(path):
+        raise UsageError(f"--output_json {path}: a folder; give a file to write, e.g. "
+                         f"{os.path.join(path, 'step3_eval.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # (write_json makes the missing folders)
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"--output_json {path}: {parent} is a file, not a folder")
+    if not os.access(parent if not os.path.exists(path) else path, os.W_OK):
+        raise UsageError(f"--output_json {path}: not writable here")
+
+
 def build_parser():
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--policy", required=True,
@@ -225,6 +240,8 @@ def parse_args(argv=None):
 def main(argv=None):
     """Print (and optionally save) the results; returns {"policy": ..., ["baseline": ...]}."""
     args = parse_args(argv)
+    if args.output_json:
+        check_output_json(args.output_json)
     if not (args.reward_model or args.reward_fn or rule_scorer_for(args.data_path)):
         raise UsageError("nothing to score the answers with: give --reward_model (step 2's folder) or --reward_fn")
     reward_model_path = args.reward_model and flag_path("--reward_model", find_reward_model_path, args.reward_model)
