@@ -73,3 +73,16 @@ def test_ppo_eval_checks_its_output_json_path_before_any_model_loads(tmp_path, m
     with pytest.raises(AssertionError, match="evaluated before"):  # a new file in new folders is fine
         ppo_eval.main(["--policy", str(policy), "--reward_model", str(policy),
                        "--output_json", str(tmp_path / "new" / "eval.json")])
+
+
+def test_a_mistyped_tiny_preset_given_to_a_tool_is_an_error_at_once():
+    """chat.py --path tiny-lama (prompt_eval's, rw_eval's, ppo_eval's model flags too) went to the hub: offline, a
+    minute of retries, then "no such folder here, and loading it as a Hugging Face hub name failed"; the training
+    steps say at once that no preset is named so."""
+    from dschat.tools.common import flag_path
+
+    with pytest.raises(UsageError, match=r"^--path tiny-lama: no such tiny preset \(they are tiny-llama, "):
+        flag_path("--path", find_policy_path, "tiny-lama")
+    with pytest.raises(UsageError, match="dschat/tiny-gtp2: no such tiny preset"):
+        find_reward_model_path("dschat/tiny-gtp2")
+    assert find_policy_path("tiny-llama") == "tiny-llama" and find_policy_path("dschat/tiny-opt") == "dschat/tiny-opt"

@@ -148,18 +148,24 @@ def readable_weights(folder):
 def check_model_path(name_or_path, flag):
     """A model given as a local path (``looks_local``) that is not there: an error naming ``flag``, not transformers'
     "Repo id must be in the form ..." traceback from a hub lookup."""
-    from dschat.tiny.presets import PRESET_PREFIX, TINY_PRESETS, is_tiny_preset
-
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
     unloadable = os.path.isdir(name_or_path) and (not_a_model_folder(name_or_path) or no_weights_message(name_or_path))
     if unloadable:
         raise MissingInputError(f"{flag} {unloadable}")
+    if unknown := unknown_tiny_preset(name_or_path):
+        raise MissingInputError(f"{flag} {unknown}")
+
+
+def unknown_tiny_preset(name_or_path):
+    """"NAME: no such tiny preset ..." for a mistyped preset name ("tiny-lama") that is no folder either, else None:
+    no hub model is named so, and a hub lookup of it takes a minute of retries offline."""
+    from dschat.tiny.presets import PRESET_PREFIX, TINY_PRESETS, is_tiny_preset
+
     bare = str(name_or_path).removeprefix(PRESET_PREFIX)
     if bare.startswith("tiny-") and not is_tiny_preset(name_or_path) and not os.path.exists(name_or_path):
-        # (no hub model is named so: a mistyped preset, not a minute of hub retries offline)
-        raise MissingInputError(f"{flag} {name_or_path}: no such tiny preset (they are {', '.join(TINY_PRESETS)}) "
-                                f"nor folder")
+        return f"{name_or_path}: no such tiny preset (they are {', '.join(TINY_PRESETS)}) nor folder"
+    return None
 
 
 def not_a_model_folder(path, expected="a model folder (config.json)"):
