@@ -86,3 +86,28 @@ def test_a_mistyped_tiny_preset_given_to_a_tool_is_an_error_at_once():
     with pytest.raises(UsageError, match="dschat/tiny-gtp2: no such tiny preset"):
         find_reward_model_path("dschat/tiny-gtp2")
     assert find_policy_path("tiny-llama") == "tiny-llama" and find_policy_path("dschat/tiny-opt") == "dschat/tiny-opt"
+
+
+def test_ppo_eval_scores_a_moved_run_with_the_reward_model_in_its_folder(tmp_path):
+    """A train.py run folder moved elsewhere (as the README allows): eval.py --policy NEW took the reward model at
+    the path step 3 recorded, in the old folder, and stopped with "--reward_model OLD/step2_rm: no such folder", a
+    flag not given; a copy scored with the original's reward model. The run's own step2_rm is used when it is the
+    model step 3 recorded (its run id)."""
+    from dschat.tools import ppo_eval
+
+    old, new = tmp_path / "old_run", tmp_path / "new_run"
+    _model_folder(new / "step3_ppo" / "actor")
+    rm = _model_folder(new / "step2_rm")
+    (rm / "training_args.json").write_text(json.dumps({"step": "step2", "run_id": "rm-run", "flags": {}}))
+    (rm / "metrics.json").write_text("{}")
+
+    def record(rm_run_id):
+        (new / "step3_ppo" / "training_args.json").write_text(json.dumps(
+            {"step": "step3", "world_size": 1, "cwd": str(tmp_path / "elsewhere"),
+             "inputs": {str(old / "step2_rm"): rm_run_id},
+             "flags": {"data_path": ["tiny"], "output_dir": str(old / "step3_ppo"),
+                       "critic_model_name_or_path": str(old / "step2_rm")}}))
+        return ppo_eval.parse_args(["--policy", str(new)]).reward_model
+
+    assert record("rm-run") == str(rm)
+    assert record("another-run") == str(old / "step2_rm")  # (not the model step 3 trained against: as recorded)

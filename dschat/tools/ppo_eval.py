@@ -191,7 +191,7 @@ def step3_run_defaults(args):
     defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
     if "data_path" in defaults:  # the files step 3 read, from whatever folder this runs in
         defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
-    defaults.update(run_reward_sources(flags, run.get("cwd"), args.reward_fn))
+    defaults.update(run_reward_sources(flags, run.get("cwd"), args.reward_fn, folder, run.get("inputs")))
     defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
                                                  flags.get("per_device_generation_batch_size", 16),
                                                  run.get("world_size", 1))
@@ -199,15 +199,19 @@ def step3_run_defaults(args):
     return defaults, os.path.join(folder, RUN_ARGS_FILE)
 
 
-def run_reward_sources(flags, cwd, given_fn=""):
+def run_reward_sources(flags, cwd, given_fn="", record_folder=None, inputs=None):
     """The reward model (``--reward_model``) and function (``--reward_fn``) a step-3 run scored with, as paths usable
     from any folder: the reward model is the critic's path unless given (DeepSpeed-Chat's rule), none with
-    --reward_model_weight 0. ``given_fn``: this tool's --reward_fn (then a function not recorded goes unsaid)."""
+    --reward_model_weight 0. ``given_fn``: this tool's --reward_fn (then a function not recorded goes unsaid).
+    ``record_folder``: where the run's training_args.json is now; a reward model in the run's folder (step 2's,
+    beside step 3's --output_dir) is taken from there, so a moved or copied run folder scores with its own (the
+    model the run recorded in ``inputs``, {folder: run id}, where it recorded one)."""
     sources = {}
     if flags.get("reward_model_weight", 1.0):
         path = flags.get("reward_model_name_or_path") or flags.get("critic_model_name_or_path")
         if path:
-            sources["reward_model"] = path_under(cwd, path) or path
+            sources["reward_model"] = (in_moved_run(path, cwd, flags.get("output_dir"), record_folder, inputs)
+                                       or path_under(cwd, path) or path)
     if str(flags.get("reward_fn") or "").startswith("<"):  # (recorded_reward_fn's marker)
         if not given_fn:
             print(f"[ppo_eval] the run's reward function was {flags['reward_fn'][1:-1]}, which cannot be loaded "
@@ -217,6 +221,25 @@ def run_reward_sources(flags, cwd, given_fn=""):
         anchored = sep and target.endswith(".py")  # a file (a module name stays as given)
         sources["reward_fn"] = f"{path_under(cwd, target) or target}:{name}" if anchored else flags["reward_fn"]
     return sources
+
+
+def in_moved_run(path, cwd, output_dir, record_folder, inputs=None):
+    """``path`` (as the run read it from ``cwd``) where it is now when it was in the run's folder, the parent of
+    step 3's ``output_dir`` (then), and that folder is now the parent of ``record_folder``, if that model is there
+    (the one the run recorded in ``inputs``, where it recorded it); else None."""
+    from dschat.steps.common import model_identity
+
+    then_path, then_out = (os.path.normpath(os.path.join(cwd or "", p)) if p else None for p in (path, output_dir))
+    if not (then_path and then_out and record_folder and os.path.isabs(then_path) and os.path.isabs(then_out)):
+        return None
+    inside = os.path.relpath(then_path, os.path.dirname(then_out))
+    if inside == os.curdir or inside.startswith(os.pardir):
+        return None
+    moved = os.path.join(os.path.dirname(os.path.abspath(record_folder)), inside)
+    if not os.path.isdir(moved):
+        return None
+    recorded = (inputs or {}).get(then_path)
+    return moved if recorded is None or model_identity(moved) == recorded else None
 
 
 def step3_eval_prompts(eval_prompts, batch, world_size):
