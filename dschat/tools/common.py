@@ -65,10 +65,10 @@ def flag_path(flag, find, value):
     except MissingInputError as err:
         raise MissingInputError(f"{flag} {err}") from err
     if reason := unfinished_reason(path):
-        print(f"warning: {flag} {path}: {reason}", file=sys.stderr)
+        say_once(f"warning: {flag} {path}: {reason}")  # (once: rw_eval and ppo_eval look their model up twice)
     elif os.path.isdir(os.path.expanduser(value)) and _reported(os.path.expanduser(value), "unfinished"):
-        print(f"warning: {flag} {value}: its last train.py run did not finish ({REPORT_FILE} says so): {path} may be "
-              "from before it", file=sys.stderr)
+        say_once(f"warning: {flag} {value}: its last train.py run did not finish ({REPORT_FILE} says so): {path} may "
+                 "be from before it")
     return path
 
 
