@@ -1,5 +1,6 @@
 """Edge cases of the tools for trained models (chat.py, rw_eval, ppo_eval) met after training."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,28 @@ def test_the_warning_of_an_unfinished_model_is_said_once(tmp_path, capsys, monke
     (actor.parent / "training_args.json").write_text(json.dumps({"step": "step3", "flags": {"data_path": ["tiny"]}}))
     ppo_eval.parse_args(["--policy", str(tmp_path)])  # (no metrics.json: unfinished)
     assert capsys.readouterr().err.count("is an unfinished step output") == 1
+
+
+def test_text_that_is_not_utf8_is_refused_with_a_message_and_the_chat_goes_on(reward_model, capsys):
+    """A Latin-1 byte ("caf\\xe9", from a terminal or a piped file) reaches Python as a lone surrogate: the tokenizer
+    failed on it with "TypeError: TextEncodeInput must be Union[...]", ending an interactive chat, and chat.py
+    --prompt, rw_eval's --prompt/--answer and prompt_eval's --prompts the same way."""
+    from dschat.tools import chat, prompt_eval, rw_eval
+    from dschat.tools.common import load_policy
+
+    latin1 = b"caf\xe9".decode("utf-8", "surrogateescape")  # (as sys.argv and sys.stdin read it)
+    model, tokenizer = load_policy(str(Path(reward_model).parent / "policy"), "cpu")  # (the fixture's)
+    session = chat.ChatSession(model, tokenizer, {"max_new_tokens": 2, "do_sample": False})
+    said = []
+    lines = iter([latin1, "hello", "quit"])
+    chat.run_interactive(session, read=lambda prompt: next(lines), write=said.append)
+    assert "(not answered: the message is not UTF-8 text (byte 0xe9) at character 4: give it in UTF-8" in said[1]
+    assert said[2].startswith("Assistant:") and [m["content"] for m in session.history[::2]] == ["hello"]
+    with pytest.raises(UsageError, match="^--prompt is not UTF-8 text"):
+        chat.main(["--path", "tiny-llama", "--prompt", latin1])
+    for flags in (["--prompt", latin1, "--answer", "ok"], ["--prompt", "hi", "--answer", latin1]):
+        with pytest.raises(UsageError, match=f"^{flags[flags.index(latin1) - 1]} is not UTF-8 text"):
+            rw_eval.main(["--model_name_or_path", reward_model, *flags])
+    with pytest.raises(UsageError, match="^--prompts is not UTF-8 text"):
+        prompt_eval.main(["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", "tiny-llama",
+                          "--prompts", latin1])

@@ -8,8 +8,8 @@ import sys
 
 from dschat.data.formatting import format_prompt
 from dschat.errors import UsageError
-from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, flag_path, generation_kwargs,
-                                 load_policy)
+from dschat.tools.common import (add_generation_args, add_loading_args, check_utf8, find_policy_path, flag_path,
+                                 generation_kwargs, load_policy)
 from dschat.tools.generation import encode_prompts, generate_answers
 
 QUIT_COMMANDS = ("quit", "exit")
@@ -52,6 +52,7 @@ class ChatSession:
         """The next prompt, forgetting the oldest exchanges while prompt + answer exceed the model's context
         (a long chat would otherwise crash generation past the last position). A message that does not fit even
         alone is a UsageError (the conversation goes on in interactive mode)."""
+        check_utf8(user_text, "the message")
         limit = context_limit(self.model)
         room = limit - self.generation_kwargs["max_new_tokens"] if limit else None
         history = list(self.history)
@@ -116,6 +117,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("--prompt: the message is empty")
+    if args.prompt is not None:
+        check_utf8(args.prompt, "--prompt")  # (before the model loads)
     path = flag_path("--path", find_policy_path, args.path)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     session = ChatSession(model, tokenizer, generation_kwargs(args))

@@ -114,6 +114,20 @@ def given_dests(parser, argv):
     return set(vars(bare.parse_args(argv)))
 
 
+def check_utf8(text, what):
+    """``text`` as given (a flag, a line of stdin), checked to be text the tokenizer can take: bytes that are not UTF-8
+    (a Latin-1 terminal or file) reach Python as lone surrogates, on which the tokenizer failed with "TypeError:
+    TextEncodeInput must be Union[...]" after the model had loaded (ending an interactive chat)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        byte = f" (byte 0x{code - 0xDC00:02x})" if 0xDC80 <= code <= 0xDCFF else ""
+        raise UsageError(f"{what} is not UTF-8 text{byte} at character {error.start + 1}: give it in UTF-8 (e.g. "
+                         "a file converted with iconv -t UTF-8)") from None
+    return text
+
+
 def default_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -24,7 +24,9 @@ def prompt_record(text, flag="--prompt"):
     """A command-line prompt, read as training data reads a prompt field: a "Human: ... Assistant: ... Human: ..."
     transcript, else one user message (a question about the words "Human:" and "Assistant:" is not split at them)."""
     from dschat.data.local import text_prompt_messages
+    from dschat.tools.common import check_utf8
 
+    check_utf8(text, flag)
     try:
         return Record(text_prompt_messages(text.strip()))
     except ValueError as error:

@@ -16,8 +16,8 @@ from dschat.data import pipeline
 from dschat.data.errors import SkipRecord
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
-from dschat.tools.common import (add_loading_args, find_reward_model_path, flag_path, load_scoring_reward_model,
-                                 parse_with_run_defaults)
+from dschat.tools.common import (add_loading_args, check_utf8, find_reward_model_path, flag_path,
+                                 load_scoring_reward_model, parse_with_run_defaults)
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
@@ -174,6 +174,9 @@ def check_message_flags(parser, args):
         parser.error("--prompt: the prompt is empty")
     if any(not answer.strip() for answer in args.answer):
         parser.error("--answer: an answer is empty")
+    for text, flag in [(args.prompt, "--prompt"), *((answer, "--answer") for answer in args.answer)]:
+        if text is not None:
+            check_utf8(text, flag)
     if (args.prompt is None) != (not args.answer):
         parser.error("--prompt and --answer go together")
 
