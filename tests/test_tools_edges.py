@@ -149,3 +149,15 @@ def test_text_that_is_not_utf8_is_refused_with_a_message_and_the_chat_goes_on(re
     with pytest.raises(UsageError, match="^--prompts is not UTF-8 text"):
         prompt_eval.main(["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", "tiny-llama",
                           "--prompts", latin1])
+
+
+def test_prompt_eval_refuses_an_empty_prompt():
+    """prompt_eval --prompts "" (or blanks) answered an empty Human turn, where chat.py and rw_eval refuse it."""
+    from dschat.tools import prompt_eval
+
+    for blank in ("", "   \n"):
+        args = prompt_eval.build_parser().parse_args(["--model_name_or_path_baseline", "tiny-llama",
+                                                      "--model_name_or_path_finetune", "tiny-llama",
+                                                      "--prompts", "Say hi.", blank])
+        with pytest.raises(UsageError, match="^--prompts: a prompt is empty"):
+            prompt_eval.select_records(args)

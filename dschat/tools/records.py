@@ -27,6 +27,8 @@ def prompt_record(text, flag="--prompt"):
     from dschat.tools.common import check_utf8
 
     check_utf8(text, flag)
+    if not text.strip():  # (answered as an empty Human turn; chat.py's and rw_eval's --prompt refuse it too)
+        raise UsageError(f"{flag}: a prompt is empty")
     try:
         return Record(text_prompt_messages(text.strip()))
     except ValueError as error:
