@@ -161,3 +161,15 @@ def test_prompt_eval_refuses_an_empty_prompt():
                                                       "--prompts", "Say hi.", blank])
         with pytest.raises(UsageError, match="^--prompts: a prompt is empty"):
             prompt_eval.select_records(args)
+
+
+@pytest.mark.parametrize("flag", ["--max_prompt_seq_len", "--per_device_generation_batch_size"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_ppo_eval_checks_its_sizes_when_parsing(flag, value, capsys):
+    """--max_prompt_seq_len / --per_device_generation_batch_size 0 or negative were refused by step 3's checks only
+    once every model had loaded ("error: max_prompt_seq_len: expected a positive integer"), without the flag's --."""
+    from dschat.tools import ppo_eval
+
+    with pytest.raises(SystemExit):
+        ppo_eval.build_parser().parse_args(["--policy", "x", flag, value])
+    assert f"argument {flag}: expected a positive integer" in capsys.readouterr().err

@@ -150,8 +150,9 @@ def build_parser():
                         help="Held-out prompts scored: the first this many (0: all).")
     parser.add_argument("--max_new_tokens", type=positive_int, default=256,
                         help="Greedy answer length (step 3: --eval_max_new_tokens, else --max_answer_seq_len).")
-    parser.add_argument("--max_prompt_seq_len", type=int, default=256, help="As in step 3 (longer prompts skipped).")
-    parser.add_argument("--per_device_generation_batch_size", type=int, default=16)
+    parser.add_argument("--max_prompt_seq_len", type=positive_int, default=256,
+                        help="As in step 3 (longer prompts skipped).")
+    parser.add_argument("--per_device_generation_batch_size", type=positive_int, default=16)
     parser.add_argument("--seed", type=int, default=1234, help="Step 3's seed (it chooses the held-out share).")
     parser.add_argument("--num_examples", type=non_negative_int, default=3,
                         help="Example answers printed and saved per policy.")
