@@ -173,3 +173,20 @@ def test_ppo_eval_checks_its_sizes_when_parsing(flag, value, capsys):
     with pytest.raises(SystemExit):
         ppo_eval.build_parser().parse_args(["--policy", "x", flag, value])
     assert f"argument {flag}: expected a positive integer" in capsys.readouterr().err
+
+
+def test_a_training_checkpoint_given_as_the_model_is_said_to_be_one(tmp_path):
+    """chat.py --path out/step1_sft/checkpoints/model/step_0000010 (a --save_interval checkpoint) said only "no model
+    in this folder: expected a model folder (config.json) or a train.py output folder"."""
+    from dschat.tools.common import flag_path
+
+    out = _model_folder(tmp_path / "step1_sft")
+    (out / "training_args.json").write_text(json.dumps({"step": "step1", "flags": {}}))
+    for inside in ("checkpoints", "checkpoints/model/step_0000010"):
+        (out / inside).mkdir(parents=True, exist_ok=True)
+        with pytest.raises(UsageError, match=f"^--path {out / inside}: a training checkpoint .*not a saved model: the "
+                                             f"step saves its model in {out} when it finishes"):
+            flag_path("--path", find_policy_path, str(out / inside))
+    (tmp_path / "elsewhere" / "checkpoints").mkdir(parents=True)  # a folder so named, of no step: as before
+    with pytest.raises(UsageError, match="no model in this folder"):
+        find_policy_path(str(tmp_path / "elsewhere" / "checkpoints"))

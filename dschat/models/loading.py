@@ -168,6 +168,9 @@ def unknown_tiny_preset(name_or_path):
     return None
 
 
+CHECKPOINTS_DIR = "checkpoints"  # a step's --save_interval checkpoints, in its --output_dir (steps.resume)
+
+
 def not_a_model_folder(path, expected="a model folder (config.json)"):
     """Why the folder ``path`` holds no model (a PEFT adapter's, a train.py run's output, or nothing), else None:
     transformers would fail on it with "Unrecognized model ... Should have a `model_type` key" or a tokenizer backend
@@ -178,7 +181,14 @@ def not_a_model_folder(path, expected="a model folder (config.json)"):
         return (f"{path}: a PEFT adapter folder (adapter_config.json), not a whole model: merge the adapter into its "
                 "base model (PEFT's merge_and_unload(), then save_pretrained with the tokenizer) and pass that folder "
                 "(dschat's steps save LoRA models merged)")
-    from dschat.run_layout import CRITIC_DIR, DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RM_DIR, SFT_DIR
+    from dschat.run_layout import CRITIC_DIR, DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RM_DIR, RUN_ARGS_FILE, SFT_DIR
+
+    parts = os.path.abspath(path).split(os.sep)
+    if CHECKPOINTS_DIR in parts:  # (a step's --save_interval states: no config.json, no HF weights)
+        step_output = os.sep.join(parts[:len(parts) - 1 - parts[::-1].index(CHECKPOINTS_DIR)]) or os.sep
+        if os.path.isfile(os.path.join(step_output, RUN_ARGS_FILE)):
+            return (f"{path}: a training checkpoint (DeepSpeed's states, which --resume continues from), not a saved "
+                    f"model: the step saves its model in {step_output} when it finishes")
 
     run_models = (SFT_DIR, RM_DIR, DPO_DIR, PPO_ACTOR_DIR, f"{PPO_DIR}/{CRITIC_DIR}")
     inside = [os.path.join(path, sub) for sub in run_models if os.path.isfile(os.path.join(path, sub, "config.json"))]

@@ -34,7 +34,9 @@ BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, weight decay, 
 
 
 def checkpoint_root(args):
-    return os.path.join(args.output_dir, "checkpoints")
+    from dschat.models.loading import CHECKPOINTS_DIR
+
+    return os.path.join(args.output_dir, CHECKPOINTS_DIR)
 
 
 def resume_flags(args):
