@@ -190,3 +190,11 @@ def test_a_training_checkpoint_given_as_the_model_is_said_to_be_one(tmp_path):
     (tmp_path / "elsewhere" / "checkpoints").mkdir(parents=True)  # a folder so named, of no step: as before
     with pytest.raises(UsageError, match="no model in this folder"):
         find_policy_path(str(tmp_path / "elsewhere" / "checkpoints"))
+
+
+def test_a_mistyped_step_folder_given_to_a_tool_names_the_one_meant(tmp_path):
+    """chat.py --path out/step1_sf said "no such folder", where the steps' own flags add "did you mean
+    out/step1_sft?"."""
+    _model_folder(tmp_path / "step1_sft")
+    with pytest.raises(UsageError, match=f"step1_sf: no such folder \\(did you mean {tmp_path / 'step1_sft'}\\?\\)"):
+        find_policy_path(str(tmp_path / "step1_sf"))
