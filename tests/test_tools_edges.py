@@ -54,7 +54,8 @@ def test_rw_eval_with_every_pair_skipped_reports_no_accuracy_rather_than_zero(re
     assert result["pairs"] == [] and result["skipped"] == {"prompt too long": 1}
     assert result["accuracy"] is None and result["chosen_mean_score"] is None
     out = capsys.readouterr().out
-    assert "accuracy 0.000" not in out and "no pairs scored, so no accuracy; skipped as in step 2: 1 prompt too long" in out
+    assert "accuracy 0.000" not in out
+    assert "no pairs scored, so no accuracy; skipped as in step 2: 1 prompt too long" in out
 
 
 def test_ppo_eval_checks_its_output_json_path_before_any_model_loads(tmp_path, monkeypatch):
