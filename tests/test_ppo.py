@@ -1913,3 +1913,22 @@ def test_shifted_forwards_do_not_warn_of_padding_without_a_mask():
     assert LeftAligned.of(torch.tensor([[0, 1, 1]])).forward(forward, torch.tensor([[0, 5, 6]])) == "out"
     assert seen == [(False, True, [[5, 6]], None)]
     assert logger.filter(warned)  # outside the shifted forward
+
+
+def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkeypatch):
+    """pg_clipfrac, approx_kl and vf_clipfrac in step3_log.jsonl were rank 0's own on several ranks (on 2 CPU ranks
+    approx_kl 4e-05 logged where rank 1 had 5e-05), while every other number of the record is over all ranks."""
+    from types import SimpleNamespace
+
+    ranks_other = {"pg_clipfrac": 0.5, "approx_kl": 0.3, "vf_clipfrac": 0.1}  # what a second rank holds
+    monkeypatch.setattr(ppo, "get_world_size", lambda: 2)
+    monkeypatch.setattr(ppo, "rank_mean", lambda value, device: (value + mean_with.get(value, value)) / 2)
+    own = {"pg_clipfrac": 0.25, "approx_kl": 0.1, "vf_clipfrac": 0.3}
+    mean_with = {own[k]: ranks_other[k] for k in own}
+    trainer = SimpleNamespace(stats=dict(own), kl_coef=0.1)
+    buffer = [{"rewards": torch.zeros(2), "input_ids": torch.zeros(2, 3), "action_mask": torch.ones(2, 2)}]
+    trained = {"kl": 0.0, "kl_per_answer": 0.0, "actor_loss": 0.0, "critic_loss": 0.0, "unsup_loss": None}
+    gen_stats = {"answer_length": 2.0, "empty_answers": 0, "generation_time": 0.1, "experience_time": 0.1}
+    record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
+    for key in own:
+        assert record[key] == pytest.approx((own[key] + ranks_other[key]) / 2), key

@@ -319,7 +319,9 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
               "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
-              **{k: trainer.stats[k] for k in ("pg_clipfrac", "approx_kl", "vf_clipfrac") if k in trainer.stats}}
+              # the last PPO micro-batch's, over all ranks (each rank's own differ; rank 0 writes the record)
+              **{k: rank_mean(trainer.stats[k], device) for k in ("pg_clipfrac", "approx_kl", "vf_clipfrac")
+                 if k in trainer.stats}}
     if trained["actor_loss"] is None:  # --freezing_actor_steps: the critic alone trained
         record["actor_frozen"] = True
     for key in ("actor_loss", "critic_loss", "unsup_loss"):  # none with the actor frozen / without a critic / ptx data
