@@ -4,6 +4,7 @@ Defaults point at the embedded tiny default (data ``tiny``, model ``tiny-llama``
 with no arguments; every flag of DeepSpeed-Chat's step scripts is accepted.
 """
 import argparse
+import functools
 import math
 import os
 import sys
@@ -331,6 +332,15 @@ def step2_dpo_parser():
 def flag_dests(parser):
     """The attribute names a parser's flags set (``parser._actions``: argparse has no public list)."""
     return {action.dest for action in parser._actions}
+
+
+@functools.cache
+def step_flag_dests():
+    """The attribute names every step's flags set, but ``local_rank`` (each rank's own): what the ranks of a launch
+    must agree on (a notebook's namespace may hold other attributes, such as DeepSpeed-Chat's per-rank
+    ``global_rank``)."""
+    parsers = (step1_parser(), step2_parser(), step2_dpo_parser(), step3_parser())
+    return frozenset().union(*map(flag_dests, parsers)) - {"local_rank", "help"}
 
 
 def step_settings(parser, args=None):

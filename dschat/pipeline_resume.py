@@ -16,7 +16,7 @@ import os
 from typing import NamedTuple
 
 from dschat.data.raw_datasets import changed_data_files
-from dschat.run_layout import FINISHED_MARK, RECIPE_STEP_FOLDERS
+from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, finished_run_id, holds_model,
                                  model_identity, read_run_args, step_data_files)
 from dschat.utils.checkpoints import DATA_FILES, LATEST, latest_tag, read_trainer_state
@@ -135,7 +135,7 @@ def edited_data(record, checkpoint, flags):
 
 def checkpoint_state(folder):
     """The state the step's last checkpoint in ``folder`` saved (None: no checkpoint; {} one without its state)."""
-    root = os.path.join(folder, "checkpoints")
+    root = os.path.join(folder, CHECKPOINTS_DIR)
     tag = latest_tag(root)
     return None if tag is None else read_trainer_state(root, str(tag)) or {}
 
@@ -222,7 +222,7 @@ def _as_path(name, value, cwd):
 
 def checkpoint_time(folder):
     """When the step's last checkpoint in ``folder`` was saved (its ``latest`` pointer's time), else None."""
-    path = os.path.join(folder, "checkpoints", LATEST)
+    path = os.path.join(folder, CHECKPOINTS_DIR, LATEST)
     return os.path.getmtime(path) if os.path.isfile(path) else None
 
 
@@ -231,6 +231,6 @@ def describe(step, decision, folder):
     if decision.action == SKIP:
         return f"step {step}: finished earlier in {folder} with the same flags; skipped (--resume)"
     if decision.action == RESUME:
-        return (f"step {step}: resumes from its last checkpoint in {os.path.join(folder, 'checkpoints')} (--resume): "
+        return (f"step {step}: resumes from its last checkpoint in {os.path.join(folder, CHECKPOINTS_DIR)} (--resume): "
                 f"{decision.why}")
     return f"step {step}: starts afresh: {decision.why}"

@@ -24,6 +24,7 @@ STEP_FOLDER_NAMES = frozenset({SFT_DIR, RM_DIR, DPO_DIR, PPO_DIR})
 # Beside a step's models: its flags and run id, and its metrics. A step that starts training removes its metrics.json
 # and writes it last when it finishes: the mark of a finished output.
 RUN_ARGS_FILE = "training_args.json"
+CHECKPOINTS_DIR = "checkpoints"  # a step's --save_interval checkpoints, in its --output_dir
 FINISHED_MARK = "metrics.json"
 REPORT_FILE = "report.json"  # train.py's, in its --output_dir (marked "unfinished" while its steps run)
 

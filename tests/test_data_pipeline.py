@@ -431,9 +431,8 @@ def test_multiturn_keeps_a_conversation_longer_than_max_seq_len_with_its_turns_w
         assert len(kept) == 1 and trained_text(kept[0], tok) == expected
         assert kept[0]["input_ids"].tolist() == whole["input_ids"][:limit].tolist()
         out = capsys.readouterr().out
-        assert ("kept all 1 records; 1 kept with an answer cut at --max_seq_len; 2 earlier assistant turns trained "
-                "(--multiturn); 1 conversation longer than --max_seq_len trained on its earlier assistant turns within "
-                "it (--multiturn)") in out
+        assert ("kept all 1 records; 2 earlier assistant turns trained (--multiturn); 1 conversation longer than "
+                "--max_seq_len trained on its earlier assistant turns within it (--multiturn)") in out
     # without --multiturn the prompt leaves no room for the (only trained) last answer, as before
     last_only = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=second_end + 2)[0]
     assert len(last_only) == 0 and last_only.skipped == {f"prompt leaves no room for an answer in --max_seq_len "

@@ -533,7 +533,7 @@ def test_text_of_json_objects_that_are_no_messages_stays_text(tmp_path, kind):
     """An answer that is JSON objects (a tool call) or a prompt that is a JSON record list is text, not a message list
     refused for its "role None"; JSON text of messages with a bad role is still its record's error."""
     call = json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}}])
-    table = json.dumps([{"city": "Paris", "temp": 21}, {"city": "Oslo", "temp": 9}])
+    table = json.dumps([{"city": "Paris", "temp": 21, "value": 3}, {"city": "Oslo", "temp": 9, "content": "x"}])
     path = write_records([{"prompt": f"Warmest? {i}", "chosen": call, "rejected": "Paris."} for i in range(2)]
                          + [{"prompt": table, "chosen": "Paris", "rejected": call}], tmp_path / f"tools.{kind}", kind)
     adapter = raw(f"{path},{path}", tmp_path)

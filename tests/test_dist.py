@@ -144,8 +144,8 @@ SAME_FLAGS_SCRIPT = textwrap.dedent("""
             seen.append(f"{type(error).__name__}: {error}")
     from argparse import Namespace
     from dschat.steps.common import setup_run
-    try:  # a step's set-up compares its flags, but for --local_rank (each rank's own)
-        setup_run(Namespace(dtype="fp32", seed=1234 + rank, local_rank=rank))
+    try:  # a step's set-up compares its flags, but for --local_rank (each rank's own), and no other attribute
+        setup_run(Namespace(dtype="fp32", seed=1234 + rank, local_rank=rank, global_rank=rank))  # (DeepSpeed-Chat's)
     except Exception as error:
         seen.append(f"{type(error).__name__}: {error}")
     with open(os.path.join(sys.argv[-1], f"rank_{rank}"), "w") as f:

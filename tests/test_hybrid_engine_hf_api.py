@@ -154,20 +154,38 @@ def test_the_default_length_stays_within_the_models_positions_as_in_hf(family):
 @pytest.mark.parametrize("family", ["opt", "gpt2"])
 def test_max_new_tokens_past_a_learned_position_table_is_a_clear_error_and_padding_takes_no_position(family):
     """An explicit max_new_tokens past GPT-2's or OPT's learned position table failed with an IndexError from inside
-    the model (a device-side assert on CUDA). Positions count a row's tokens, so a left-padded batch may reach the
-    table's end: HF generates it, and so does the engine."""
+    the model (a device-side assert on CUDA). The last new token is never fed back, so HF generates one past the
+    table; and positions count a row's tokens, so a left-padded batch may reach the table's end: the engine does as
+    HF."""
     config = hybrid_common.tiny_config(family)
     config.max_position_embeddings = 24  # (GPT-2: n_positions)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(_device())
     engine = _engine(model)
     ids, mask = left_padded_batch([10, 14], seed=1)
-    with pytest.raises(ValueError, match=r"a prompt of 14 tokens \+ max_new_tokens=11 is past the model's table of "
-                                         r"24 learned positions: lower max_new_tokens to at most 10"):
-        engine.generate(ids, attention_mask=mask, max_new_tokens=11)
-    ids, mask = ids[:1, -12:], mask[:1, -12:]  # the 10-token row, left-padded by 2: 10 + 14 positions fit
+    with pytest.raises(ValueError, match=r"a prompt of 14 tokens \+ max_new_tokens=12 is past the model's table of "
+                                         r"24 learned positions: lower max_new_tokens to at most 11"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=12)
     engine.eval()
-    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=14), hf_generate(model, ids, mask, 14))
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=11), hf_generate(model, ids, mask, 11))
+    ids, mask = ids[:1, -12:], mask[:1, -12:]  # the 10-token row, left-padded by 2: 10 + 15 tokens
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=15), hf_generate(model, ids, mask, 15))
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt2"])
+def test_cuda_graph_capture_near_the_end_of_a_learned_position_table_generates_as_hf(family):
+    """The graph capture's warm-up fed the loaded prompts' next two positions whatever max_new_tokens was: past
+    GPT-2's or OPT's table for a prompt at its end (a device-side assert on CUDA, where this test runs the capture; on
+    the CPU the engine decodes eagerly)."""
+    config = hybrid_common.tiny_config(family)
+    config.max_position_embeddings = 24
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(_device())
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32,
+                                                                    enable_cuda_graph=True), pad_token_id=PAD)
+    ids, mask = left_padded_batch([23, 20], seed=3)
+    engine.eval()
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=2), hf_generate(model, ids, mask, 2))
 
 
 def test_a_generate_inside_inference_mode_leaves_later_calls_working():

@@ -938,8 +938,8 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
     # the dropouts bind nothing the checkpoint holds: another one is said, and applies from here
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path, "--actor_dropout", "0.0", "--critic_dropout", "0.2"), str(tmp_path))
-    assert "--actor_dropout None -> 0.0, --critic_dropout None -> 0.2: the rest of the run trains with the new " \
-           "value" in capsys.readouterr().out
+    assert "--actor_dropout (the model's own) -> 0.0, --critic_dropout (the model's own) -> 0.2: the rest of the run " \
+           "trains with the new value" in capsys.readouterr().out
 
 
 def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp_path):

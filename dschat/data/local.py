@@ -474,7 +474,8 @@ def load_saved_dataset(path):
     return saved["train"], saved[eval_name] if eval_name else None
 
 
-def _where(path, index, record_lines):
+def record_where(path, index, record_lines):
+    """"FILE line N (record I)" where the line of record I is known, else "FILE record I"."""
     return f"{path} line {record_lines[index]} (record {index})" if record_lines else f"{path} record {index}"
 
 
@@ -618,7 +619,7 @@ class LocalDataset(PromptRawDataset):
             except SkipRecord:  # (counted where the phase reads it)
                 pass
             except RecordError as err:
-                raise DatasetFormatError(f"{_where(path, index, record_lines)}: {err}"
+                raise DatasetFormatError(f"{record_where(path, index, record_lines)}: {err}"
                                          f"{self._other_shape_hint(sample, err)}") from None
 
     def locate(self, sample):
@@ -629,7 +630,7 @@ class LocalDataset(PromptRawDataset):
                                   (self.raw_datasets["eval"], eval_path, self._eval_lines)):
             for index, record in enumerate(data or ()):
                 if record == sample:
-                    return _where(path, index, lines)
+                    return record_where(path, index, lines)
         return self.dataset_name
 
     def _other_shape_hint(self, sample, err):
@@ -826,8 +827,8 @@ def _says_true_or_false(values):
     return any(isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in ("true", "false")) for v in values)
 
 
-# the keys of a message ({role, content}, ShareGPT's {from, value}): JSON text of objects with none of them is data
-MESSAGE_KEYS = ("role", "content", "from", "value")
+# the speaker key of a message ({role, content}, ShareGPT's {from, value}): JSON text of objects with none is data
+SPEAKER_KEYS = ("role", "from")
 
 
 def _json_list_text(value):
@@ -840,7 +841,7 @@ def _json_list_text(value):
         except json.JSONDecodeError:
             return value
         messages = isinstance(parsed, list) and parsed and all(isinstance(m, dict) for m in parsed) and \
-            any(key in m for m in parsed for key in MESSAGE_KEYS)
+            any(key in m for m in parsed for key in SPEAKER_KEYS)
         return parsed if messages else value
     return value
 

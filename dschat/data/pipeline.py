@@ -556,7 +556,7 @@ def encode_sft(example, tokens, settings):
         raise SkipRecord("answer empty after truncation")
     # ("cut", "turns_missed", "last_turn_cut": counted for the report, not stored)
     return {"input_ids": input_ids, "label_start": 0 if settings.include_prompt_in_loss else len(prompt),
-            "label_spans": spans, "cut": len(full) > limit, "turns_missed": missed,
+            "label_spans": spans, "cut": len(full) > limit and len(input_ids) > len(prompt), "turns_missed": missed,
             "last_turn_cut": len(input_ids) <= len(prompt)}
 
 

@@ -12,7 +12,7 @@ import os
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import _where, check_json_document, check_jsonl_lines, text_encoding
+from .local import check_json_document, check_jsonl_lines, record_where, text_encoding
 
 LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
 
@@ -97,7 +97,7 @@ def load_unsupervised_train(name, config_name=None):
                                  f"{train.column_names}")
     if record_lines is not None and len(record_lines) != len(train):
         record_lines = None
-    train.locate_record = lambda index: _where(path, index, record_lines)
+    train.locate_record = lambda index: record_where(path, index, record_lines)
     return train, "text"
 
 

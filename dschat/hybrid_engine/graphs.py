@@ -219,7 +219,9 @@ class CapturedDecoder:
     def capture(self, pool):
         """Warm up on a side stream, then record one step. The buffers must hold a loaded generation; the caller
         resets the cache and reloads the buffers afterwards (the warm-up writes to both)."""
-        self.buffers.cache_position.zero_()  # keep the warm-up's writes inside the cache whatever the prompt length
+        # keep the warm-up's writes inside the cache, and its positions inside a learned table, whatever the prompt
+        self.buffers.cache_position.zero_()
+        self.buffers.position_ids.zero_()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

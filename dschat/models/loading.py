@@ -168,7 +168,6 @@ def unknown_tiny_preset(name_or_path):
     return None
 
 
-CHECKPOINTS_DIR = "checkpoints"  # a step's --save_interval checkpoints, in its --output_dir (steps.resume)
 
 
 def not_a_model_folder(path, expected="a model folder (config.json)"):
@@ -181,7 +180,8 @@ def not_a_model_folder(path, expected="a model folder (config.json)"):
         return (f"{path}: a PEFT adapter folder (adapter_config.json), not a whole model: merge the adapter into its "
                 "base model (PEFT's merge_and_unload(), then save_pretrained with the tokenizer) and pass that folder "
                 "(dschat's steps save LoRA models merged)")
-    from dschat.run_layout import CRITIC_DIR, DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RM_DIR, RUN_ARGS_FILE, SFT_DIR
+    from dschat.run_layout import (CHECKPOINTS_DIR, CRITIC_DIR, DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, RM_DIR, RUN_ARGS_FILE,
+                                   SFT_DIR)
 
     parts = os.path.abspath(path).split(os.sep)
     if CHECKPOINTS_DIR in parts:  # (a step's --save_interval states: no config.json, no HF weights)

@@ -26,10 +26,12 @@ def setup_run(args):
     """Distributed init, seeds and the device; returns the device."""
     from transformers import set_seed
 
+    from dschat.args import step_flag_dests
+
     check_dtype_supported(args.dtype)
     ensure_distributed()
     device = local_device()
-    check_same_on_every_rank({name: value for name, value in vars(args).items() if name != "local_rank"}, device)
+    check_same_on_every_rank({name: value for name, value in vars(args).items() if name in step_flag_dests()}, device)
     set_seed(args.seed)
     return device
 

@@ -16,7 +16,7 @@ from dschat.rlhf.config import check_earlier_step_outputs, micro_batches_per_epo
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
-from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR
+from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
                                  reseed_epoch, restart_deepspeed_tensorboard, say_max_steps_past_the_epochs,
                                  seconds_so_far, setup_run, take_data_files, tensorboard_writer, to_device,
@@ -175,7 +175,7 @@ def main(args=None):
     trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)
-    ckpt_root = os.path.join(args.output_dir, "checkpoints")
+    ckpt_root = os.path.join(args.output_dir, CHECKPOINTS_DIR)
     checkpoint = resume_or_afresh(lambda: load_checkpoint(trainer, ckpt_root), ckpt_root, args, "step3",
                                   schedule.total, unit="iteration")
     if checkpoint is None:
@@ -207,7 +207,7 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
     logged, and every ``--save_interval`` iterations checkpointed. Returns the iterations done."""
     train_loader, unsup_loader = loaders
     device = local_device()
-    ckpt_root = os.path.join(args.output_dir, "checkpoints")
+    ckpt_root = os.path.join(args.output_dir, CHECKPOINTS_DIR)
     # iterations are logged from 1: a resumed run logs the iterations after its checkpoint's again, a fresh one all
     # (an earlier run's events in the same folder are hidden from there on, as its jsonl log is cut)
     writer = tensorboard_writer(args, "step3", purge_step=position["iteration"] + 1)

@@ -6,6 +6,7 @@ output folder must be one that every rank sees (shared storage), as for DeepSpee
 import os
 
 from dschat.errors import UsageError
+from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
                                  say_a_changed_schedule, step_data_files)
 from dschat.utils.checkpoints import (DATA_FILES, MODEL, check_complete, check_same_flags, clear_earlier_run,
@@ -34,8 +35,6 @@ BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, weight decay, 
 
 
 def checkpoint_root(args):
-    from dschat.models.loading import CHECKPOINTS_DIR
-
     return os.path.join(args.output_dir, CHECKPOINTS_DIR)
 
 

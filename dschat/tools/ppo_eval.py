@@ -227,8 +227,8 @@ def run_reward_sources(flags, cwd, given_fn="", record_folder=None, inputs=None)
 def in_moved_run(path, cwd, output_dir, record_folder, inputs=None):
     """``path`` (as the run read it from ``cwd``) where it is now when it was in the run's folder, the parent of
     step 3's ``output_dir`` (then), and that folder is now the parent of ``record_folder``, if that model is there
-    (the one the run recorded in ``inputs``, where it recorded it); else None."""
-    from dschat.steps.common import model_identity
+    (the one the run recorded in ``inputs``); else None."""
+    from dschat.steps.common import holds_model
 
     then_path, then_out = (os.path.normpath(os.path.join(cwd or "", p)) if p else None for p in (path, output_dir))
     if not (then_path and then_out and record_folder and os.path.isabs(then_path) and os.path.isabs(then_out)):
@@ -239,8 +239,8 @@ def in_moved_run(path, cwd, output_dir, record_folder, inputs=None):
     moved = os.path.join(os.path.dirname(os.path.abspath(record_folder)), inside)
     if not os.path.isdir(moved):
         return None
-    recorded = (inputs or {}).get(then_path)
-    return moved if recorded is None or model_identity(moved) == recorded else None
+    recorded = (inputs or {}).get(then_path)  # (a run that recorded none: the folder's model cannot be told apart)
+    return moved if recorded is not None and holds_model(moved, recorded) else None
 
 
 def step3_eval_prompts(eval_prompts, batch, world_size):

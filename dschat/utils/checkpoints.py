@@ -199,10 +199,15 @@ def check_same_flags(saved, now, restored, tag, root, step, why, free=()):
     if ignored:
         said = ", ".join(f"--{name} {now[name]!r} (the checkpoint's: {value!r})" for name, value in ignored.items())
         print_rank_0(f"[{step}] --resume: {said}: no effect, DeepSpeed restores the learning rates from the checkpoint")
-    applied = [f"--{name} {saved[name]!r} -> {now[name]!r}" for name in differ if name in free]
+    applied = [f"--{name} {_value_or_models(saved[name])} -> {_value_or_models(now[name])}" for name in differ
+               if name in free]
     if applied:
         print_rank_0(f"[{step}] --resume: {', '.join(applied)}: the rest of the run trains with the new value")
     return ignored
+
+
+def _value_or_models(value):
+    return "(the model's own)" if value is None else repr(value)
 
 
 def _changed_said(name, saved, now):
