@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent("""
     assert t[0] == world == int(sys.argv[-2])
     with open(os.path.join(sys.argv[-1], f"buffers_of_rank_{rank}"), "w") as f:
         f.write(str(left))
+    torch.distributed.destroy_process_group()  # (left to the interpreter's exit, gloo aborts a rank now and then)
 """)
 
 
@@ -62,7 +63,7 @@ def test_ranks_sharing_a_host_share_its_cores_unless_omp_num_threads_says(monkey
 
 
 DECIDE_SCRIPT = textwrap.dedent("""
-    import os, sys
+    import os, sys, torch
     from dschat.errors import UsageError
     from dschat.utils.dist import ensure_distributed, rank_0_decides
     rank, world = ensure_distributed()
@@ -82,6 +83,7 @@ DECIDE_SCRIPT = textwrap.dedent("""
             seen.append(f"{type(error).__name__}: {error}")
     with open(os.path.join(sys.argv[-1], f"rank_{rank}"), "w") as f:
         f.write("\\n".join(seen))
+    torch.distributed.destroy_process_group()  # (left to the interpreter's exit, gloo aborts a rank now and then)
 """)
 
 
@@ -131,7 +133,7 @@ def test_ranks_started_again_by_the_same_parent_print_the_error_again():
 
 
 SAME_FLAGS_SCRIPT = textwrap.dedent("""
-    import os, sys
+    import os, sys, torch
     from dschat.utils.dist import check_same_on_every_rank, ensure_distributed, local_device
     rank, world = ensure_distributed()
     seen = []
@@ -150,6 +152,7 @@ SAME_FLAGS_SCRIPT = textwrap.dedent("""
         seen.append(f"{type(error).__name__}: {error}")
     with open(os.path.join(sys.argv[-1], f"rank_{rank}"), "w") as f:
         f.write("\\n".join(seen))
+    torch.distributed.destroy_process_group()  # (left to the interpreter's exit, gloo aborts a rank now and then)
 """)
 
 

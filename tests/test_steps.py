@@ -381,16 +381,21 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     def bad_flag():
         load_user_ds_config(__file__)  # not JSON: the user's --deepspeed_config
 
+    from dschat.utils import cli
+
+    ended = []  # the process group is left before the exit (a gloo group left to the interpreter aborted a rank)
+    monkeypatch.setattr(cli, "_end_distributed", lambda: ended.append(1))
     monkeypatch.delenv("DSCHAT_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exit_:
         run_entry_point(bad_flag)
-    assert exit_.value.code == 2 and "error: DeepSpeed config" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: DeepSpeed config" in capsys.readouterr().err and ended == [1]
     with pytest.raises(ValueError, match="a bug"):  # not a usage error: the traceback stays
         run_entry_point(lambda: (_ for _ in ()).throw(ValueError("a bug")))
     # a diverged run: its one line says where (it ended in a 16-line traceback)
     with pytest.raises(SystemExit) as exit_:
         run_entry_point(lambda: (_ for _ in ()).throw(FloatingPointError("sft: the training loss is not finite")))
     assert exit_.value.code == 1 and capsys.readouterr().err == "error: sft: the training loss is not finite\n"
+    assert ended == [1, 1]
     # a rank whose collective failed because another rank stopped: one line (it was a ~35-line gloo traceback)
     from dschat.utils import dist
 
@@ -406,6 +411,7 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     assert exit_.value.code == 1
     assert capsys.readouterr().err == ("error: rank 0 stopped: another rank stopped first (its error, if it printed "
                                        "one, is above)\n")
+    assert ended == [1, 1], "another rank's failure: a collective may be pending, the teardown could wait on it"
     with pytest.raises(RuntimeError, match="a bug"):
         run_entry_point(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
     for resumable, said in ((True, "error: interrupted (with --save_interval, --resume continues from the last "
