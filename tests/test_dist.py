@@ -87,10 +87,10 @@ DECIDE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_rank_0s_decision_and_any_error_of_it_reach_every_rank(tmp_path):
-    """An error other than a UsageError on rank 0 (an unreadable file) left the other ranks waiting in the broadcast."""
-    script = tmp_path / "decide.py"
-    script.write_text(DECIDE_SCRIPT)
+def _run_on_two_ranks(tmp_path, name, source):
+    """``source`` as a script launched on 2 CPU ranks, given ``tmp_path`` (where its ranks write what they saw)."""
+    script = tmp_path / name
+    script.write_text(source)
     port = free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
            str(script), str(tmp_path)]
@@ -100,6 +100,11 @@ def test_rank_0s_decision_and_any_error_of_it_reach_every_rank(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finally:
         remove_shm_buffers(port)
+
+
+def test_rank_0s_decision_and_any_error_of_it_reach_every_rank(tmp_path):
+    """An error other than a UsageError on rank 0 (an unreadable file) left the other ranks waiting in the broadcast."""
+    _run_on_two_ranks(tmp_path, "decide.py", DECIDE_SCRIPT)
     assert (tmp_path / "rank_0").read_text().splitlines() == ["{'rank': 0}", "UsageError: bad flag",
                                                               "ValueError: unreadable record"]
     assert (tmp_path / "rank_1").read_text().splitlines() == [
@@ -159,17 +164,7 @@ SAME_FLAGS_SCRIPT = textwrap.dedent("""
 def test_ranks_given_different_flags_stop_together_with_an_error_naming_them(tmp_path):
     """Ranks started with different commands (a job launched by hand on each node) waited on each other in
     collectives they did not share: a hang, or models trained apart."""
-    script = tmp_path / "same.py"
-    script.write_text(SAME_FLAGS_SCRIPT)
-    port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-           str(script), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    finally:
-        remove_shm_buffers(port)
+    _run_on_two_ranks(tmp_path, "same.py", SAME_FLAGS_SCRIPT)
     assert (tmp_path / "rank_0").read_text().splitlines() == [
         "same", "UsageError: the ranks were given different values of --lr (rank 0: 0.1), --seed (rank 0: 1): give "
                 "every rank the same command",
