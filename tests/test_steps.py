@@ -373,6 +373,20 @@ def test_a_step_script_ends_a_data_error_with_its_message_not_a_traceback(tmp_pa
     assert f"error: {bad} line 2: invalid JSON" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_usage_error_leaves_a_process_of_one_its_process_group(monkeypatch):
+    """A notebook or a test calling an entry point goes on after its usage error: its group stays (a torn-down one
+    failed every later step of the process with "Default process group has not been initialized")."""
+    from dschat.errors import UsageError
+    from dschat.utils.cli import run_entry_point
+    from dschat.utils.dist import ensure_distributed
+
+    ensure_distributed()
+    monkeypatch.delenv("DSCHAT_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit):
+        run_entry_point(lambda: (_ for _ in ()).throw(UsageError("bad flag")))
+    assert torch.distributed.is_initialized()
+
+
 def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsys, monkeypatch):
     from dschat.errors import UsageError
     from dschat.utils.cli import run_entry_point
@@ -384,18 +398,18 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     from dschat.utils import cli
 
     ended = []  # the process group is left before the exit (a gloo group left to the interpreter aborted a rank)
-    monkeypatch.setattr(cli, "_end_distributed", lambda: ended.append(1))
+    monkeypatch.setattr(cli, "_end_distributed", lambda peers_only=False: ended.append(peers_only))
     monkeypatch.delenv("DSCHAT_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exit_:
         run_entry_point(bad_flag)
-    assert exit_.value.code == 2 and "error: DeepSpeed config" in capsys.readouterr().err and ended == [1]
+    assert exit_.value.code == 2 and "error: DeepSpeed config" in capsys.readouterr().err and ended == [True]
     with pytest.raises(ValueError, match="a bug"):  # not a usage error: the traceback stays
         run_entry_point(lambda: (_ for _ in ()).throw(ValueError("a bug")))
     # a diverged run: its one line says where (it ended in a 16-line traceback)
     with pytest.raises(SystemExit) as exit_:
         run_entry_point(lambda: (_ for _ in ()).throw(FloatingPointError("sft: the training loss is not finite")))
     assert exit_.value.code == 1 and capsys.readouterr().err == "error: sft: the training loss is not finite\n"
-    assert ended == [1, 1]
+    assert ended == [True, True]
     # a rank whose collective failed because another rank stopped: one line (it was a ~35-line gloo traceback)
     from dschat.utils import dist
 
@@ -411,7 +425,7 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     assert exit_.value.code == 1
     assert capsys.readouterr().err == ("error: rank 0 stopped: another rank stopped first (its error, if it printed "
                                        "one, is above)\n")
-    assert ended == [1, 1], "another rank's failure: a collective may be pending, the teardown could wait on it"
+    assert ended == [True, True], "another rank's failure: a collective may be pending, the teardown could wait on it"
     with pytest.raises(RuntimeError, match="a bug"):
         run_entry_point(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
     for resumable, said in ((True, "error: interrupted (with --save_interval, --resume continues from the last "

@@ -47,14 +47,14 @@ def run_entry_point(main, resumable=False):
             raise
         if first_to_say(str(error)):
             print(f"error: {error}", file=sys.stderr, flush=True)
-        _end_distributed()  # (the ranks stop together: no collective is pending)
+        _end_distributed(peers_only=True)  # (the ranks stop together: no collective is pending)
         sys.exit(2)
     except FloatingPointError as error:  # a diverged run (a non-finite loss or gradient norm): its message says where
         if traceback:
             raise
         if first_to_say(str(error)):
             print(f"error: {error}", file=sys.stderr, flush=True)
-        _end_distributed()
+        _end_distributed(peers_only=True)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback each
         if traceback:
@@ -74,15 +74,16 @@ def run_entry_point(main, resumable=False):
     return result
 
 
-def _end_distributed():
+def _end_distributed(peers_only=False):
     """A finished or refused run leaves the process group as torch asks (NCCL warns at exit otherwise:
     "destroy_process_group() was not called before program exit, which can leak resources"; a gloo group left to the
     interpreter's exit aborted a rank now and then, "terminate called without an active exception", and the
     launcher returned 250 instead of the run's status). Not after Ctrl-C or another rank's failure, where a
-    collective may still be pending and the teardown could wait on it."""
+    collective may still be pending and the teardown could wait on it. ``peers_only``: only a group of several ranks
+    (a process of one, such as a notebook or a test calling the entry point, goes on with its group)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and (not peers_only or dist.get_world_size() > 1):
         dist.destroy_process_group()
 
 
