@@ -508,6 +508,15 @@ def test_a_csv_records_error_names_its_line(tmp_path):
         raw(str(path), tmp_path)
 
 
+def test_a_csv_header_naming_a_column_twice_is_an_error(tmp_path):
+    """pandas read the second "chosen" as an extra column "chosen.1": its answers went unread, silently."""
+    path = tmp_path / "twice.csv"
+    path.write_text("\ufeffprompt,chosen,chosen\nq,a,b\nr,c,d\n", encoding="utf-8")
+    with pytest.raises(DatasetFormatError, match=rf"{path}: the header names column 'chosen' twice \(columns 2 and "
+                                                 r"3\); give each column its own name"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_message_lists_in_csv_cells_as_json_text_are_read(tmp_path):
     # a CSV holds no lists: the JSON text was taken for a Human/Assistant transcript and refused (messages), or
     # trained on as the raw JSON string (TRL's conversational prompt/chosen/rejected)

@@ -320,6 +320,7 @@ def load_file(kind, path):
     elif kind == "json":
         record_lines = check_json_document(path)
     elif kind == "csv":
+        check_csv_header(path)
         record_lines = csv_record_lines(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
     if record_lines == [] or _table_rows(kind, path) == 0:  # datasets would fail with its own wording
@@ -340,6 +341,24 @@ def load_file(kind, path):
     if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
         record_lines = None
     return data, record_lines
+
+
+def check_csv_header(path):
+    """A CSV header that names a column twice is an error: pandas reads the second as "NAME.1", an extra column, and
+    that column's text would silently go unread."""
+    import csv
+
+    try:
+        with open(path, newline="", encoding=text_encoding(path)) as f:
+            header = next((row for row in csv.reader(f) if row), [])
+    except (UnicodeDecodeError, csv.Error):
+        return  # (the loader says why it cannot read the file)
+    seen = {}
+    for number, name in enumerate(header, 1):
+        if name in seen:
+            raise DatasetFormatError(f"{path}: the header names column {name!r} twice (columns {seen[name]} and "
+                                     f"{number}); give each column its own name")
+        seen[name] = number
 
 
 def csv_record_lines(path):
