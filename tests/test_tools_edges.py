@@ -199,3 +199,17 @@ def test_a_mistyped_step_folder_given_to_a_tool_names_the_one_meant(tmp_path):
     _model_folder(tmp_path / "step1_sft")
     with pytest.raises(UsageError, match=f"step1_sf: no such folder \\(did you mean {tmp_path / 'step1_sft'}\\?\\)"):
         find_policy_path(str(tmp_path / "step1_sf"))
+
+
+@pytest.mark.parametrize("tool", ["chat", "ppo_eval", "prompt_eval", "rw_eval"])
+def test_a_tool_started_on_several_ranks_is_refused_before_it_loads_anything(tool, monkeypatch):
+    """Under `deepspeed --num_gpus 2 eval.py ...` each rank ran the whole tool, printing (and writing) its results
+    once per rank."""
+    import importlib
+
+    main = importlib.import_module(f"dschat.tools.{tool}").main
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("sys.argv", [f"{tool}.py"])
+    with pytest.raises(UsageError, match=rf"{tool}\.py runs in one process: start it with python, not a launcher of 2 "
+                                         r"ranks \(each would run it whole\)"):
+        main(["--help"])  # (refused before its flags are even read)

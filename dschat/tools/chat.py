@@ -9,7 +9,7 @@ import sys
 from dschat.data.formatting import format_prompt
 from dschat.errors import UsageError
 from dschat.tools.common import (add_generation_args, add_loading_args, check_utf8, find_policy_path, flag_path,
-                                 generation_kwargs, load_policy)
+                                 generation_kwargs, load_policy, one_process)
 from dschat.tools.generation import encode_prompts, generate_answers
 
 QUIT_COMMANDS = ("quit", "exit")
@@ -112,6 +112,7 @@ def build_parser():
     return parser
 
 
+@one_process
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)

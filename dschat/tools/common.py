@@ -1,5 +1,6 @@
 """What the tools share: finding a run's models, the device, loading a policy or reward model, CLI flags."""
 import argparse
+import functools
 import os
 import sys
 
@@ -16,6 +17,19 @@ from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, REPORT_FILE, RM
 # its policy ("policy"), and that one is taken when it is there.
 POLICY_SUBFOLDERS = (PPO_ACTOR_DIR, ACTOR_DIR, DPO_DIR, SFT_DIR)
 REWARD_SUBFOLDERS = (RM_DIR,)
+
+
+def one_process(main):
+    """A tool's ``main``, refused under a launcher of several ranks (``deepspeed --num_gpus 2 eval.py``): the tools do
+    not split their work over ranks, so each rank ran the whole tool and printed (and wrote) its results again."""
+    @functools.wraps(main)
+    def in_one_process(argv=None):
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        if ranks > 1:
+            raise UsageError(f"{os.path.basename(sys.argv[0])} runs in one process: start it with python, not a "
+                             f"launcher of {ranks} ranks (each would run it whole)")
+        return main(argv)
+    return in_one_process
 
 
 def _reported(path, key):

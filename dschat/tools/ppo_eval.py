@@ -23,8 +23,8 @@ from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.run_layout import PPO_DIR, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders
-from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path,
-                                 flag_path, load_policy, load_scoring_reward_model, parse_with_run_defaults)
+from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path, flag_path,
+                                 load_policy, load_scoring_reward_model, one_process, parse_with_run_defaults)
 from dschat.utils.files import path_under
 
 
@@ -261,6 +261,7 @@ def parse_args(argv=None):
     return args
 
 
+@one_process
 def main(argv=None):
     """Print (and optionally save) the results; returns {"policy": ..., ["baseline": ...]}."""
     args = parse_args(argv)

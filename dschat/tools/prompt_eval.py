@@ -8,7 +8,7 @@ import argparse
 from dschat.args import positive_int
 from dschat.data.formatting import format_prompt, render_human_assistant
 from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, flag_path, generation_kwargs,
-                                 load_policy)
+                                 load_policy, one_process)
 from dschat.tools.generation import generate_answers
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
@@ -85,6 +85,7 @@ def build_parser():
     return parser
 
 
+@one_process
 def main(argv=None):
     """Print the comparison; returns {"prompts", "answers", and "rule_scores"/"rule_score_means" if scored}."""
     args = build_parser().parse_args(argv)

@@ -17,7 +17,7 @@ from dschat.data.errors import SkipRecord
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
 from dschat.tools.common import (add_loading_args, check_utf8, find_reward_model_path, flag_path,
-                                 load_scoring_reward_model, parse_with_run_defaults)
+                                 load_scoring_reward_model, one_process, parse_with_run_defaults)
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
@@ -190,6 +190,7 @@ def parse_args(argv=None):
     return args, parser
 
 
+@one_process
 def main(argv=None):
     """Print the scores; returns {"scores"} for --prompt, else the pair results and accuracy."""
     args, parser = parse_args(argv)
