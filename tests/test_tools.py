@@ -716,6 +716,16 @@ def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, m
     assert out.count("phase 3 tiny eval:") == 1  # both tokenizers encode alike: the prompts were built (said) once
 
 
+def test_ppo_eval_with_every_prompt_skipped_says_it_has_no_score(models, tmp_path, capsys):
+    """Every held-out prompt longer than --max_prompt_seq_len: the tool failed with step 3's "step3: no training
+    records", naming training records it does not use."""
+    results = ppo_eval.main(["--policy", models["policy"], "--reward_model", models["rm"], "--max_prompt_seq_len", "3",
+                             "--max_new_tokens", "4", "--data_output_path", str(tmp_path / "data")])
+    assert results["policy"]["prompts"] == 0
+    out = capsys.readouterr().out
+    assert "no held-out prompts, so no score" in out and "prompt longer than 3 tokens" in out
+
+
 @pytest.mark.parametrize("flags, said", [
     (["--prompt", "", "--answer", "x"], "--prompt: the prompt is empty"),
     (["--prompt", "Hi", "--answer", " "], "--answer: an answer is empty"),

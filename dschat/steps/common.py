@@ -46,20 +46,29 @@ def warn_of_unfinished_inputs(paths):
 
 def build_dataloaders(train_dataset, eval_dataset, collator, train_batch_size, eval_batch_size, seed,
                       drop_last=False):
-    from dschat.data.samplers import distributed_eval_loader, loader_generator
+    """(train loader, eval loader); no train loader for ``train_dataset`` None (an evaluation alone)."""
+    from dschat.data.samplers import loader_generator
 
+    evaluation = eval_loader(eval_dataset, eval_batch_size, collator, seed)
+    if train_dataset is None:
+        return None, evaluation
     if get_world_size() > 1:
         train_sampler = DistributedSampler(train_dataset, shuffle=True, seed=seed)
-        # the ranks' padding repeats get eval_weight 0, so the evaluation functions count every item once
-        evaluation = distributed_eval_loader(eval_dataset, eval_batch_size, collator)
     else:
         train_sampler = RandomSampler(train_dataset, generator=torch.Generator().manual_seed(seed))
-        evaluation = DataLoader(eval_dataset, batch_size=eval_batch_size, sampler=SequentialSampler(eval_dataset),
-                                collate_fn=collator, generator=loader_generator(seed))
     # the loaders' own generators keep their iterators off torch's global RNG (loader_generator says why)
     train = DataLoader(train_dataset, batch_size=train_batch_size, sampler=train_sampler, collate_fn=collator,
                        drop_last=drop_last, generator=loader_generator(seed))
     return train, evaluation
+
+
+def eval_loader(eval_dataset, batch_size, collator, seed):
+    from dschat.data.samplers import distributed_eval_loader, loader_generator
+
+    if get_world_size() > 1:  # the ranks' padding repeats get eval_weight 0, so the evaluation counts every item once
+        return distributed_eval_loader(eval_dataset, batch_size, collator)
+    return DataLoader(eval_dataset, batch_size=batch_size, sampler=SequentialSampler(eval_dataset), collate_fn=collator,
+                      generator=loader_generator(seed))
 
 
 def reseed_epoch(loader, seed, epoch):

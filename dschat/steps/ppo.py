@@ -26,8 +26,9 @@ from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, 
 from dschat.utils.files import atomic_file, check_writable_folder
 
 
-def prompt_loaders(args, tokenizer):
-    """Phase-3 prompts (train, and held-out for evaluation), left-padded; ``args`` as for the RLHF engine."""
+def prompt_loaders(args, tokenizer, held_out_only=False):
+    """Phase-3 prompts (train, and held-out for evaluation), left-padded; ``args`` as for the RLHF engine.
+    ``held_out_only``: no train loader (None), and no training prompts needed (an evaluation tool's)."""
     from dschat.data import DataCollatorRLHF, create_prompt_dataset, get_eot_token
 
     args = step3_args(args)
@@ -37,13 +38,15 @@ def prompt_loaders(args, tokenizer):
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
         max_prompt_len=args.max_prompt_seq_len, data_fields=args.data_fields or None)
-    require_training_records(train, args, "step3")
+    if not held_out_only:
+        require_training_records(train, args, "step3")
     collator = DataCollatorRLHF(args.max_prompt_seq_len, pad_token_id=tokenizer.pad_token_id,
                                 pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     batch = args.per_device_generation_batch_size
     # drop_last keeps every rank's iteration count equal, so collectives line up; on several ranks every rank runs
     # as many eval batches (generation may be collective) and the repeats weigh 0 in the scores
-    return build_dataloaders(train, held_out, collator, batch, batch, args.seed, drop_last=True)
+    return build_dataloaders(None if held_out_only else train, held_out, collator, batch, batch, args.seed,
+                             drop_last=True)
 
 
 def check_prompts_make_an_iteration(prompts, args, world_size, bound=False):

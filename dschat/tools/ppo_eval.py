@@ -66,7 +66,7 @@ def held_out_prompts(args, tokenizer, by_tokenizer):
     key = json.dumps({k: v for k, v in tokenizer_fingerprint(tokenizer).items() if k != "name_or_path"},
                      sort_keys=True)
     if key not in by_tokenizer:
-        by_tokenizer[key] = prompt_loaders(step3_settings(args), tokenizer)[1]
+        by_tokenizer[key] = prompt_loaders(step3_settings(args), tokenizer, held_out_only=True)[1]
     return by_tokenizer[key]
 
 
