@@ -213,3 +213,11 @@ def test_a_tool_started_on_several_ranks_is_refused_before_it_loads_anything(too
     with pytest.raises(UsageError, match=rf"{tool}\.py runs in one process: start it with python, not a launcher of 2 "
                                          r"ranks \(each would run it whole\)"):
         main(["--help"])  # (refused before its flags are even read)
+
+
+def test_a_transcript_prompt_ending_with_an_empty_human_turn_is_said_to_be_empty():
+    """ "Human:" alone was refused as "the transcript must end with a 'Human:' turn", which it does."""
+    from dschat.tools.records import prompt_record
+
+    with pytest.raises(UsageError, match="the transcript must end with a non-empty 'Human:' turn"):
+        prompt_record("Human:")

@@ -180,7 +180,7 @@ def conversation_from_transcript(text, field):
     """Prompt turns from a "Human:/Assistant:" transcript that must end with a Human turn."""
     messages = parse_transcript(text)
     if not messages or messages[-1]["role"] != "user":
-        raise RecordError(field, "the transcript must end with a 'Human:' turn")
+        raise RecordError(field, "the transcript must end with a non-empty 'Human:' turn")
     return messages
 
 

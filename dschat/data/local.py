@@ -819,7 +819,7 @@ def text_prompt_messages(text):
     if text.startswith("Human:") or (_PROMPT_AFTER_PREAMBLE.search(text) and text.endswith("Assistant:")):
         messages = parse_transcript(text, preamble_role="system")
         if not messages or messages[-1]["role"] != "user":
-            raise ValueError("the transcript must end with a 'Human:' turn")
+            raise ValueError("the transcript must end with a non-empty 'Human:' turn")
         return messages
     return [{"role": "user", "content": text}]
 
