@@ -777,7 +777,7 @@ def test_a_command_line_prompt_is_read_as_a_prompt_field_is_and_a_question_about
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
     assert prompt_record("Be brief.\n\nHuman: Hi\n\nAssistant:").messages[0] == {"role": "system", "content": "Be brief."}
     with pytest.raises(UsageError, match=r"--prompts 'Human: Hi Assistant: Hello': the transcript must end with a "
-                                         r"'Human:' turn"):
+                                         r"non-empty 'Human:' turn"):
         prompt_record("Human: Hi Assistant: Hello", "--prompts")
 
 
