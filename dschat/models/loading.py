@@ -168,8 +168,6 @@ def unknown_tiny_preset(name_or_path):
     return None
 
 
-
-
 def not_a_model_folder(path, expected="a model folder (config.json)"):
     """Why the folder ``path`` holds no model (a PEFT adapter's, a train.py run's output, or nothing), else None:
     transformers would fail on it with "Unrecognized model ... Should have a `model_type` key" or a tokenizer backend

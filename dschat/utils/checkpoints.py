@@ -195,7 +195,7 @@ def check_same_flags(saved, now, restored, tag, root, step, why, free=()):
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
                          f"{'; '.join(changed)}. {why}: resume with the checkpoint's values, or start afresh without "
                          f"--resume")
-    ignored = {name: saved[name] for name in restored if name in saved and name in now and saved[name] != now[name]}
+    ignored = {name: saved[name] for name in differ if name in restored}
     if ignored:
         said = ", ".join(f"--{name} {now[name]!r} (the checkpoint's: {value!r})" for name, value in ignored.items())
         print_rank_0(f"[{step}] --resume: {said}: no effect, DeepSpeed restores the learning rates from the checkpoint")

@@ -134,16 +134,21 @@ def check_same_on_every_rank(flags, device):
     if get_world_size() == 1:
         return
     names = sorted(name for name, value in flags.items() if _plain(value))  # (an object's repr holds its address)
-    count = torch.tensor([len(names)], dtype=torch.int64, device=device)
-    if all_reduce(count.clone(), "max").item() != all_reduce(count.clone(), "min").item():
+    if _differs_between_ranks(torch.tensor([len(names)], device=device)).item():
         raise UsageError("the ranks run different commands (another number of flags): give every rank the same one")
-    digests = torch.tensor([int.from_bytes(hashlib.sha256(repr((name, flags[name])).encode()).digest()[:7], "big")
-                            for name in names], dtype=torch.int64, device=device)
-    differ = all_reduce(digests.clone(), "max") != all_reduce(digests.clone(), "min")
+    digests = [int.from_bytes(hashlib.sha256(repr((name, flags[name])).encode()).digest()[:7], "big") for name in names]
+    differ = _differs_between_ranks(torch.tensor(digests, dtype=torch.int64, device=device))
     if bool(differ.any()):
         said = ", ".join(f"--{names[i]} (rank 0: {flags[names[i]]!r})" if is_rank_0() else f"--{names[i]}"
                          for i in differ.nonzero().flatten().tolist())
         raise UsageError(f"the ranks were given different values of {said}: give every rank the same command")
+
+
+def _differs_between_ranks(values):
+    """Per element of an int64 tensor of the same shape on every rank: whether the ranks hold different values (one
+    all-reduce: the maximum of the values and of their negations)."""
+    extremes = all_reduce(torch.stack([values, -values]), "max")
+    return extremes[0] != -extremes[1]
 
 
 def _plain(value):
