@@ -1509,6 +1509,24 @@ def test_train_rollout_is_step3s_iteration_and_a_hand_loop_hears_what_train_rlhf
            "trainer.train_rollout([out, ...])" in out
 
 
+def test_train_rollout_reports_its_micro_batches_mean_clip_fractions_and_kl(trained, tmp_path):
+    """pg_clipfrac / approx_kl / vf_clipfrac in step 3's log are the iteration's means over its PPO micro-batches and
+    epochs (they were the last micro-batch's alone: the second epoch's last, after the policy had moved most)."""
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, ppo_epochs=2, per_device_training_batch_size=2,
+                                                actor_learning_rate=5e-3, critic_learning_rate=5e-3)
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
+    seen = []
+    real = trainer._ppo_step
+    trainer._ppo_step = lambda m, *rest: (real(m, *rest), seen.append(dict(trainer.stats)))[0]
+    result = trainer.train_rollout([exp])
+    assert len(seen) == 4
+    for key in ("pg_clipfrac", "approx_kl", "vf_clipfrac"):
+        assert result[key] == pytest.approx(sum(s[key] for s in seen) / len(seen))
+    assert len({s["approx_kl"] for s in seen}) > 1  # the steps differ, so the mean is not the last step's
+    frozen = trainer.train_rollout([exp], train_actor=False)
+    assert frozen["pg_clipfrac"] is None and frozen["approx_kl"] is None and frozen["vf_clipfrac"] is not None
+
+
 def test_freezing_actor_steps_train_the_critic_alone_first(trained, tmp_path, monkeypatch, capsys):
     """OpenRLHF's --freezing_actor_steps: a critic started from the reward model first learns values while the actor
     waits; the log says which iterations did so, and critic-free estimators refuse the flag."""
@@ -1925,9 +1943,9 @@ def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkey
     monkeypatch.setattr(ppo, "rank_mean", lambda value, device: (value + mean_with.get(value, value)) / 2)
     own = {"pg_clipfrac": 0.25, "approx_kl": 0.1, "vf_clipfrac": 0.3}
     mean_with = {own[k]: ranks_other[k] for k in own}
-    trainer = SimpleNamespace(stats=dict(own), kl_coef=0.1)
+    trainer = SimpleNamespace(stats={}, kl_coef=0.1)
     buffer = [{"rewards": torch.zeros(2), "input_ids": torch.zeros(2, 3), "action_mask": torch.ones(2, 2)}]
-    trained = {"kl": 0.0, "kl_per_answer": 0.0, "actor_loss": 0.0, "critic_loss": 0.0, "unsup_loss": None}
+    trained = {"kl": 0.0, "kl_per_answer": 0.0, "actor_loss": 0.0, "critic_loss": 0.0, "unsup_loss": None, **own}
     gen_stats = {"answer_length": 2.0, "empty_answers": 0, "generation_time": 0.1, "experience_time": 0.1}
     record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
     for key in own:

@@ -26,6 +26,9 @@ from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
 from dschat.utils.optim import optimizer_step
 
+# the PPO step's diagnostics that train_rollout returns as means over its micro-batches
+PPO_STEP_STATS = ("pg_clipfrac", "approx_kl", "vf_clipfrac")
+
 
 def answer_mask(answers, eos_token_id):
     """1 on the real tokens of each generated answer: up to and including its first EOS; the generator fills the
@@ -526,7 +529,8 @@ class DeepSpeedPPOTrainer:
         ``unsup_batches`` (cycled when there are fewer). ``train_actor`` False: the critic alone trains
         (--freezing_actor_steps; no unsupervised steps either, they train the actor). Returns the mean "actor_loss"
         (None when the actor did not train), "critic_loss" (None without a critic) and "unsup_loss" (None without
-        unsupervised data), and the rollout's KL to the reference over all ranks: per answer token ("kl") and per
+        unsupervised data), the mean "pg_clipfrac" and "approx_kl" (None when the actor did not train) and "vf_clipfrac"
+        (None without a critic) over the micro-batches, and the rollout's KL to the reference over all ranks: per answer token ("kl") and per
         answer ("kl_per_answer", the controller's unit)."""
         experiences = checked_rollout(experiences)
         if not train_actor and self.critic_model is None:
@@ -541,6 +545,7 @@ class DeepSpeedPPOTrainer:
         micro = [m for exp in experiences for m in split_rows(exp, batch)]
         unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)] if train_actor else []
         losses = {"actor_loss": [], "critic_loss": [], "unsup_loss": []}
+        ppo_stats = {key: [] for key in PPO_STEP_STATS}
         for _ in range(self.args.ppo_epochs):
             for start in range(0, len(micro), accum):
                 group = micro[start:start + accum]
@@ -552,6 +557,7 @@ class DeepSpeedPPOTrainer:
                         losses["actor_loss"].append(actor_loss.item())
                     if self.critic_model is not None:
                         losses["critic_loss"].append(critic_loss.item())
+                    self._collect_step_stats(ppo_stats, train_actor)
                     if unsup:
                         losses["unsup_loss"].append(
                             self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
@@ -559,7 +565,16 @@ class DeepSpeedPPOTrainer:
         if self.args.adaptive_kl:  # in the controller's unit, the same on every rank
             self.update_kl_controller(kl["kl_per_answer"],
                                       sum(e["input_ids"].shape[0] for e in experiences) * get_world_size())
-        return {**{name: sum(values) / len(values) if values else None for name, values in losses.items()}, **kl}
+        return {**{name: sum(values) / len(values) if values else None
+                   for name, values in {**losses, **ppo_stats}.items()}, **kl}
+
+    def _collect_step_stats(self, ppo_stats, train_actor):
+        """The PPO step's clip fractions and KL estimate (``self.stats`` holds the last micro-batch's), kept so that
+        the iteration reports their mean over all its micro-batches and epochs."""
+        trained = (("pg_clipfrac", "approx_kl") if train_actor else ()) + \
+            (("vf_clipfrac",) if self.critic_model is not None else ())
+        for key in trained:
+            ppo_stats[key].append(self.stats[key])
 
     def _note_hand_loop(self, inputs):
         """``train_rlhf`` called by a caller's own loop (a notebook's): the settings only ``train_rollout`` applies,

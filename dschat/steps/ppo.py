@@ -15,7 +15,7 @@ from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, micro_batches_per_epoch, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
-from dschat.rlhf.trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
+from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
                                  reseed_epoch, restart_deepspeed_tensorboard, say_max_steps_past_the_epochs,
@@ -321,13 +321,12 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
-              "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
-              # the last PPO micro-batch's, over all ranks (each rank's own differ; rank 0 writes the record)
-              **{k: rank_mean(trainer.stats[k], device) for k in ("pg_clipfrac", "approx_kl", "vf_clipfrac")
-                 if k in trainer.stats}}
+              "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall}
     if trained["actor_loss"] is None:  # --freezing_actor_steps: the critic alone trained
         record["actor_frozen"] = True
-    for key in ("actor_loss", "critic_loss", "unsup_loss"):  # none with the actor frozen / without a critic / ptx data
+    # none with the actor frozen / without a critic / without ptx data; means over the iteration's micro-batches, then
+    # over the ranks (each rank's own differ; rank 0 writes the record)
+    for key in ("actor_loss", "critic_loss", "unsup_loss") + PPO_STEP_STATS:
         if trained[key] is not None:
             record[key] = rank_mean(trained[key], device)
     return record
