@@ -581,6 +581,23 @@ def test_malformed_json_document_names_line(tmp_path):
         raw(str(path), tmp_path)
 
 
+def test_a_json_file_of_one_json_lines_record_is_that_record(tmp_path):
+    """A .json file holding one record on one line is JSON Lines of one record, as datasets reads it (it was refused
+    as "expected a JSON array", while two such lines were read); a pretty-printed lone object is told to be an
+    array."""
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"prompt": "Is it one?", "chosen": "Yes.", "rejected": "No."}) + "\n")
+    adapter = raw(str(path), tmp_path)
+    records = list(adapter.get_train_data())
+    assert len(records) == 1 and "Is it one?" in adapter.get_prompt(records[0])
+    assert adapter.get_chosen(records[0]).strip() == "Yes."
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps({"prompt": "Is it one?", "chosen": "Yes."}, indent=1))
+    with pytest.raises(DatasetFormatError, match=r"expected a JSON array of records, got a dict \(one record\? put "
+                                                 r"it in a JSON array"):
+        raw(str(pretty), tmp_path)
+
+
 def test_empty_text_names_file_line_record_and_field(tmp_path):
     records = [dict(r) for r in RECORDS[:4]]
     records[2]["chosen"] = "   "

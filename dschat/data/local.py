@@ -294,8 +294,11 @@ def check_json_document(path):
         if _is_json_lines(text):
             return check_jsonl_lines(path)
         raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({_json_reason(err)})") from None
+    if isinstance(document, dict) and "\n" not in text.strip():  # JSON Lines of one record, as datasets reads it
+        return check_jsonl_lines(path)
     if not isinstance(document, list):
-        raise DatasetFormatError(f"{path}: expected a JSON array of records, got a {type(document).__name__}")
+        one = " (one record? put it in a JSON array, [...])" if isinstance(document, dict) else ""
+        raise DatasetFormatError(f"{path}: expected a JSON array of records, got a {type(document).__name__}{one}")
     if not document:
         raise DatasetFormatError(f"{path}: no records (the JSON array is empty)")
     for index, record in enumerate(document):
@@ -440,7 +443,8 @@ def _json_records(kind, path):
         text = f.read()
     if kind == "json":
         try:
-            return json.loads(text)
+            document = json.loads(text)
+            return [document] if isinstance(document, dict) else document  # one JSON Lines record
         except json.JSONDecodeError:
             pass  # JSON Lines in a .json file (check_json_document accepted it)
     # "\n" only, as check_jsonl_lines reads the file: splitlines() would also split at U+2028, U+0085, ... which
