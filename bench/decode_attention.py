@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from results import write_json  # noqa: E402
+from results import require_cuda, write_json  # noqa: E402
 
 LAYOUTS = {"opt-1.3b": (32, 32, 64), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
 
@@ -165,6 +165,7 @@ def main():
     p.add_argument("--probes", action="store_true", help="lower bounds: no mask, plain reads (see above)")
     p.add_argument("--json", default="decode_attention.json")
     args = p.parse_args()
+    require_cuda()
     from dschat.hybrid_engine import triton_decode
 
     rows = []

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import cold_copies, time_us  # noqa: E402
-from results import write_json  # noqa: E402
+from results import require_cuda, write_json  # noqa: E402
 
 # name: (input features, [(output features of each projection sharing that input)], bias)
 SHAPES = {
@@ -107,6 +107,7 @@ def main():
     p.add_argument("--no_skinny", action="store_true", help="with --cold: cuBLAS only (no Triton tilings to build)")
     p.add_argument("--json", default="decode_gemm.json")
     args = p.parse_args()
+    require_cuda()
     rows = []
     if args.cold:
         tilings = {} if args.no_skinny else skinny_tilings()

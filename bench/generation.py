@@ -230,6 +230,7 @@ def main():
                         "own, so that nothing one row leaves behind changes the next one's timing)")
     p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
+    results_io.require_cuda()  # (before each row's process fails alike)
     if not args.same_process:
         rows, bandwidths = run_rows_in_fresh_processes(args)
         print_table(rows)

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, log  # noqa: E402
-from results import write_json  # noqa: E402
+from results import require_cuda, write_json  # noqa: E402
 
 
 def build_engine(args):
@@ -65,6 +65,8 @@ def main():
     p.add_argument("--cuda_graph", action="store_true")
     p.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU: checks the script only")
     args = p.parse_args()
+    if not args.smoke:
+        require_cuda("--smoke checks the script on the CPU")
     args.device = "cpu" if args.smoke else "cuda"
     args.dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:

@@ -40,7 +40,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
-from results import write_json  # noqa: E402
+from results import require_cuda, write_json  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM, LAYERS = 2048, 8192, 32, 64, 24  # OPT-1.3B
 EPS = 1e-5
@@ -498,6 +498,7 @@ def main():
     p.add_argument("--json", default="pdl_chain.json")
     p.add_argument("--sweep", action="store_true", help="after the variants: each projection's tiling in turn")
     args = p.parse_args()
+    require_cuda()
     from generation import copy_bandwidth
 
     torch.manual_seed(0)

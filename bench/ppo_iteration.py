@@ -209,6 +209,8 @@ def main():
     p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()
+    if not args.smoke:  # (the GPU shapes would build on the CPU, each variant failing later)
+        results_io.require_cuda("--smoke checks the script on the CPU")
     variants = args.variants.split(",")
     launched = "RANK" in os.environ or "LOCAL_RANK" in os.environ  # torchrun / deepspeed: variants share the ranks
     if len(variants) > 1 and not args.same_process and not launched:

@@ -6,6 +6,18 @@ import sys
 import tempfile
 
 
+def require_cuda(cpu_alternative=None):
+    """Stop with one line when torch sees no CUDA GPU (a CPU machine, a CPU build of torch): a GPU benchmark otherwise
+    fails deep inside its first CUDA call ("Torch not compiled with CUDA enabled"). ``cpu_alternative``: what runs
+    on the CPU instead, e.g. "--smoke checks the script on the CPU"."""
+    import torch
+
+    if not torch.cuda.is_available():
+        hint = f"; {cpu_alternative}" if cpu_alternative else ""
+        raise SystemExit(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU, and torch {torch.__version__} sees none "
+                         f"(run it through the device tool){hint}")
+
+
 def write_json(name, payload):
     """``payload`` as $OUT/``name``; nothing when $OUT is not set (a run by hand prints its table only)."""
     out = os.environ.get("OUT")

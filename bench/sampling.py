@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
-from results import write_json  # noqa: E402
+from results import require_cuda, write_json  # noqa: E402
 
 from dschat.hybrid_engine import triton_filters, triton_sampling  # noqa: E402
 from dschat.hybrid_engine.sampling import (choose_tokens, filtered_logits,  # noqa: E402
@@ -184,6 +184,7 @@ def main():
     p.add_argument("--cut_sweep", action="store_true", help="time the row cuts' search settings instead (with --top_p)")
     p.add_argument("--top_k_sweep", action="store_true", help="time top-k's cut settings instead (with --top_k)")
     args = p.parse_args()
+    require_cuda()
     if args.sweep:
         return sweep(args)
     if args.cut_sweep:

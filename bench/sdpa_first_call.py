@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from results import write_json
+from results import require_cuda, write_json
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION}
@@ -45,6 +45,7 @@ def main():
     p.add_argument("--lengths", default="448,480,512")
     p.add_argument("--json", default="sdpa_first_call.json")
     args = p.parse_args()
+    require_cuda()
     warm = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     fwd_bwd(warm, warm, warm, None)  # CUDA context, cuBLAS handles: not any backend's first-call cost
     rows = []

@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, TORCH_LINEAR, copy_bandwidth, log  # noqa: E402
-from results import write_json  # noqa: E402
+from results import require_cuda, write_json  # noqa: E402
 
 
 def per_gpu_floor(inference_model, kv_heads_per_gpu, rows_per_gpu, prompt, gen, bw):
@@ -140,6 +140,8 @@ def main():
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU ranks (gloo): checks the script only")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()
+    if not args.smoke:
+        require_cuda("--smoke checks the script on the CPU")
     args.device = "cpu" if args.smoke else "cuda"
     args.dtype = torch.float32 if args.smoke else torch.bfloat16
     if not args.smoke:

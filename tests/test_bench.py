@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[1]
 
 
@@ -179,7 +181,7 @@ def test_fresh_processes_run_each_row_alone_and_say_which_left_no_result(tmp_pat
     assert got[0][1]["pid"] != got[2][1]["pid"] != os.getpid(), "each run in a process of its own"
 
 
-def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(tmp_path):
+def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "bench"))
     from types import SimpleNamespace
 
@@ -192,15 +194,36 @@ def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(t
     key, argv = runs[5]  # argparse keeps the last occurrence of an option: the row's own
     assert argv[:4] == ["--repeats", "3", "--variants", "ignored"]
     assert argv[4:] == ["--models", "qwen2.5-7b", "--batches", "1", "--variants", "hf_static", "--same_process"]
-    # On the CPU every row's process fails (no GPU): the parent still reports each row and writes its JSON.
-    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "generation.py"), "--models", "opt-1.3b",
-                           "--batches", "1,2", "--variants", "dschat_z0", "--json", "gen.json"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    # Without a GPU every row's process fails (the script stops before the rows when it is started that way): the
+    # parent still reports each row.
+    import generation
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(sys, "argv", ["generation.py", "--models", "opt-1.3b", "--batches", "1,2",
+                                      "--variants", "dschat_z0"])
+    rows, _ = generation.run_rows_in_fresh_processes(SimpleNamespace(models="opt-1.3b", batches="1,2",
+                                                                     variants="dschat_z0"))
     assert [(r["batch"], r["ok"]) for r in rows] == [(1, False), (2, False)]
-    assert "left no result" in rows[0]["error"] and proc.stdout.count("FAILED") == 2
+    assert "left no result" in rows[0]["error"]
+
+
+GPU_ONLY = [["decode_attention.py"], ["decode_gemm.py"], ["generation.py", "--models", "opt-1.3b"], ["l2_prefetch.py"],
+            ["logprob_delta.py"], ["pdl_chain.py"], ["sampling.py"], ["sdpa_first_call.py"], ["tensor_parallel.py"],
+            ["ppo_iteration.py", "--variants", "z2_hybrid"]]
+
+
+@pytest.mark.parametrize("argv", GPU_ONLY, ids=[argv[0] for argv in GPU_ONLY])
+def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(tmp_path, argv):
+    """Each failed deep inside its first CUDA call ("Torch not compiled with CUDA enabled"); ppo_iteration built its
+    GPU-sized models on the CPU first."""
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / argv[0]), *argv[1:]], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{argv[0]} needs a CUDA GPU" in proc.stderr
+    assert ("--smoke" in proc.stderr) == (argv[0] in ("logprob_delta.py", "tensor_parallel.py", "ppo_iteration.py"))
 
 
 def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_path):
