@@ -12,6 +12,7 @@ and the host synchronisations of one graph generation. Exits non-zero if a requi
     python bench/graph_equality.py [zero3_check lora_check host_syncs]   (needs a CUDA GPU, DeepSpeed and peft;
                                                                           names: run only those checks)
 """
+import argparse
 import copy
 import os
 import sys
@@ -23,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 from hybrid_common import PAD, early_token, hf_generate, left_padded_batch  # noqa: E402
-from results import write_json  # noqa: E402
+from results import require_cuda, write_json  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("GRAPH_EQUALITY_DEVICE", "cuda"))  # "cpu": a dry run of the script's flow
 FAMILIES = ["llama", "qwen2", "mistral", "opt", "gpt2", "bloom", "gemma", "phi3", "gpt_neox"]
@@ -358,7 +359,26 @@ def host_syncs():
            syncs=len(syncs), kinds=sorted(set(syncs))[:4])
 
 
+def parse_checks(argv):
+    """The checks named on the command line (none: every family's and these); a name that is no check is an error,
+    not a run of nothing that reports no failure."""
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("checks", nargs="*", metavar="CHECK",
+                   help=f"run only these checks, of {', '.join(c.__name__ for c in NAMED_CHECKS)}")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.checks) - {check.__name__ for check in NAMED_CHECKS})
+    if unknown:
+        p.error(f"no check named {', '.join(unknown)} (checks: {', '.join(c.__name__ for c in NAMED_CHECKS)})")
+    return args.checks
+
+
+NAMED_CHECKS = (lora_check, zero3_check, zero3_step_after_generation, zero3_grad_diagnosis, host_syncs)
+
+
 def main():
+    only = parse_checks(sys.argv[1:])  # e.g. "zero3_check": run only the named checks
+    if DEVICE.type == "cuda":
+        require_cuda("GRAPH_EQUALITY_DEVICE=cpu is a dry run of the script's flow")
     import transformers
 
     name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
@@ -367,14 +387,13 @@ def main():
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    only = sys.argv[1:]  # e.g. "zero3_check": run only the named checks
     for family in FAMILIES if not only else []:
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 family_checks(family, dtype)
             except Exception as error:  # noqa: BLE001 - report and go on with the other families
                 record(f"{family} {dtype} raised", False, error=f"{type(error).__name__}: {str(error)[:300]}")
-    for check in (lora_check, zero3_check, zero3_step_after_generation, zero3_grad_diagnosis, host_syncs):
+    for check in NAMED_CHECKS:
         if only and check.__name__ not in only:
             continue
         try:

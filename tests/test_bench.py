@@ -239,3 +239,18 @@ def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_p
         (tmp_path / name).write_text(json.dumps({"rows": [row(seconds)]}))
         paths.append(str(tmp_path / name))
     assert load_rows(paths)["opt-1.3b"]["dschat_z0_graph"][64] == 0.8, "session 10 is later than session 9"
+
+
+def run_bench(script, *argv, **env):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run([sys.executable, str(REPO / "bench" / script), *argv], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_graph_equality_prints_its_help_and_refuses_a_check_it_does_not_have():
+    """--help failed inside torch.cuda (without a GPU); a mistyped check name ran no check and exited 0 ("0/0 checks
+    hold ... required failures: none")."""
+    helped = run_bench("graph_equality.py", "--help")
+    assert helped.returncode == 0 and "zero3_check" in helped.stdout, helped.stderr[-2000:]
+    typo = run_bench("graph_equality.py", "zero3_chek", GRAPH_EQUALITY_DEVICE="cpu")
+    assert typo.returncode == 2 and "no check named zero3_chek" in typo.stderr, typo.stdout[-2000:]
