@@ -8,6 +8,7 @@ without the left padding (that check's ZeRO-3 step had an infinite gradient norm
 
     python bench/masked_rows_backward.py        (needs a CUDA GPU; prints a table; JSON to $OUT)
 """
+import argparse
 import contextlib
 import os
 import sys
@@ -94,6 +95,8 @@ def deepspeed_grad_norms(device):
 
 
 def main():
+    # no flags; parsed so that --help (or a mistyped flag) does not run the benchmark
+    argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0]).parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for head_dim in (16, 32, 64, 128):

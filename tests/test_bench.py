@@ -254,3 +254,10 @@ def test_graph_equality_prints_its_help_and_refuses_a_check_it_does_not_have():
     assert helped.returncode == 0 and "zero3_check" in helped.stdout, helped.stderr[-2000:]
     typo = run_bench("graph_equality.py", "zero3_chek", GRAPH_EQUALITY_DEVICE="cpu")
     assert typo.returncode == 2 and "no check named zero3_chek" in typo.stderr, typo.stdout[-2000:]
+
+
+def test_masked_rows_backward_help_prints_its_usage_without_running_the_benchmark():
+    """The script read no flags: --help ran the whole benchmark (DeepSpeed engines included)."""
+    helped = run_bench("masked_rows_backward.py", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage:"), helped.stdout[-2000:]
+    assert run_bench("masked_rows_backward.py", "--head_dim", "64").returncode == 2
