@@ -52,6 +52,35 @@ SMOKE_CRITIC = dict(CRITIC, hidden_size=64, num_hidden_layers=2, ffn_dim=128, nu
                     word_embed_proj_dim=32, vocab_size=1024)
 
 
+VARIANT_OPTIONS = ("compiled", "genlogp", "nockpt", "gcfreeze", "overflowcheck", "padded", "z3module", "fuse", "nofuse",
+                   "torchsample")
+
+
+def variants_flag(value):
+    """--variants: each z<stage>_hybrid or z<stage>_hf with options of VARIANT_OPTIONS (see above). A misspelled
+    option was left out, and the row labelled with it measured another variant; a name without a stage failed only
+    after the models were built."""
+    variants = value.split(",")
+    for name in variants:
+        stage, _, options = name.partition("_")
+        kind, *extra = options.split("_")
+        unknown = [option for option in extra if option not in VARIANT_OPTIONS]
+        if stage not in ("z0", "z1", "z2", "z3") or kind not in ("hybrid", "hf") or unknown:
+            raise argparse.ArgumentTypeError(
+                f"{name!r}: a variant is z<stage 0-3>_hybrid or z<stage>_hf, optionally followed by _<option>, "
+                f"of {', '.join(VARIANT_OPTIONS)}")
+    return variants
+
+
+def iterations_flag(value):
+    """--iterations: at least 2 (the first is the warm-up; the means are over the others)."""
+    count = int(value)
+    if count < 2:
+        raise argparse.ArgumentTypeError(f"{value}: at least 2 (the first iteration is the warm-up, left out of the "
+                                         "means)")
+    return count
+
+
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -184,8 +213,8 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
 
 def main():
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--variants", default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
-    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--variants", type=variants_flag, default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
+    p.add_argument("--iterations", type=iterations_flag, default=6)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--gen", type=int, default=256)
@@ -211,7 +240,7 @@ def main():
     args = p.parse_args()
     if not args.smoke:  # (the GPU shapes would build on the CPU, each variant failing later)
         results_io.require_cuda("--smoke checks the script on the CPU")
-    variants = args.variants.split(",")
+    variants = args.variants
     launched = "RANK" in os.environ or "LOCAL_RANK" in os.environ  # torchrun / deepspeed: variants share the ranks
     if len(variants) > 1 and not args.same_process and not launched:
         print_table(run_each_in_its_own_process(variants, args), 1)

@@ -261,3 +261,13 @@ def test_masked_rows_backward_help_prints_its_usage_without_running_the_benchmar
     helped = run_bench("masked_rows_backward.py", "--help")
     assert helped.returncode == 0 and helped.stdout.startswith("usage:"), helped.stdout[-2000:]
     assert run_bench("masked_rows_backward.py", "--head_dim", "64").returncode == 2
+
+
+@pytest.mark.parametrize("argv, said", [(["--variants", "z2_hybrid,z2_hybird"], "'z2_hybird': a variant is"),
+                                        (["--variants", "bogus"], "'bogus': a variant is"),
+                                        (["--variants", "z2_hybrid_nockpt_fuse", "--iterations", "1"], "at least 2")])
+def test_ppo_iteration_refuses_a_variant_it_does_not_know_and_too_few_iterations(argv, said):
+    """A misspelled option was dropped (the row labelled z2_hybird measured z2_hf), "bogus" failed after the models were
+    built, and one iteration failed with an IndexError after it ran (the means leave the warm-up out)."""
+    proc = run_bench("ppo_iteration.py", "--smoke", *argv)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
