@@ -271,3 +271,14 @@ def test_ppo_iteration_refuses_a_variant_it_does_not_know_and_too_few_iterations
     built, and one iteration failed with an IndexError after it ran (the means leave the warm-up out)."""
     proc = run_bench("ppo_iteration.py", "--smoke", *argv)
     assert proc.returncode == 2 and said in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, said", [(["--variants", "dschat_z0_grpah"], "'dschat_z0_grpah': a variant is"),
+                                        (["--variants", "hf_dynamic,hf_statc"], "'hf_statc': a variant is"),
+                                        (["--batches", "1,x"], "'x': a batch size is a positive integer"),
+                                        (["--models", "opt-13b"], "'opt-13b': no such model shape")])
+def test_generation_refuses_a_variant_model_or_batch_it_cannot_run_at_parsing(argv, said):
+    """A misspelled option was dropped and its row measured another variant (hf_statc: HF's dynamic cache), an unknown
+    model failed in each row's process, a batch that is no number with a traceback."""
+    proc = run_bench("generation.py", *argv)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
