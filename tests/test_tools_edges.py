@@ -221,3 +221,35 @@ def test_a_transcript_prompt_ending_with_an_empty_human_turn_is_said_to_be_empty
 
     with pytest.raises(UsageError, match="the transcript must end with a non-empty 'Human:' turn"):
         prompt_record("Human:")
+
+
+NO_SYSTEM_TEMPLATE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                      "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_prompt_the_models_chat_template_refuses_is_an_error_naming_it_not_jinjas_traceback(tmp_path):
+    """A system message (a transcript "Be brief.\\n\\nHuman: ...") to a model whose template refuses one (Gemma's):
+    prompt_eval failed with jinja's TemplateError traceback after the baseline had answered, rw_eval once the reward
+    model had loaded; training data names such a record."""
+    import torch
+
+    from dschat.models.checkpoint import save_reward_model
+    from dschat.models.loading import load_tokenizer
+    from dschat.models.reward_model import create_critic_model
+    from dschat.tiny.presets import create_tiny_model
+    from dschat.tools import prompt_eval, rw_eval
+
+    policy = create_tiny_model("tiny-llama", tmp_path / "policy")
+    tokenizer = load_tokenizer(policy)
+    tokenizer.chat_template = NO_SYSTEM_TEMPLATE
+    tokenizer.save_pretrained(policy)
+    torch.manual_seed(0)
+    save_reward_model(create_critic_model(policy, None), load_tokenizer(policy), str(tmp_path / "rm"))
+    prompt = "Be brief.\n\nHuman: Name a color.\n\nAssistant:"
+    said = r"chat template refuses the prompt of turns system, user \(first user message 'Name a color.'\): System role"
+    with pytest.raises(UsageError, match=said):
+        prompt_eval.main(["--model_name_or_path_baseline", policy, "--model_name_or_path_finetune", policy,
+                          "--prompts", prompt, "--max_new_tokens", "2"])
+    with pytest.raises(UsageError, match=said):
+        rw_eval.main(["--model_name_or_path", str(tmp_path / "rm"), "--prompt", prompt, "--answer", "Red."])

@@ -6,9 +6,9 @@ default from the embedded held-out data, whose answers are also scored with the 
 import argparse
 
 from dschat.args import positive_int
-from dschat.data.formatting import format_prompt, render_human_assistant
+from dschat.data.formatting import render_human_assistant
 from dschat.tools.common import (add_generation_args, add_loading_args, find_policy_path, flag_path, generation_kwargs,
-                                 load_policy, one_process)
+                                 load_policy, one_process, tool_prompt)
 from dschat.tools.generation import generate_answers
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
@@ -31,7 +31,7 @@ def model_answers(path, records, args):
     Models are loaded one at a time, so the two need not fit in memory together.
     """
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
-    prompts = [format_prompt(record.messages, tokenizer) for record in records]
+    prompts = [tool_prompt(record.messages, tokenizer, f"{path}'s") for record in records]
     # generation_kwargs re-seeds: with --seed both models sample from the same random stream
     return generate_answers(model, tokenizer, prompts, generation_kwargs(args), args.batch_size)
 

@@ -17,7 +17,7 @@ from dschat.data.errors import SkipRecord
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
 from dschat.tools.common import (add_loading_args, check_utf8, find_reward_model_path, flag_path,
-                                 load_scoring_reward_model, one_process, parse_with_run_defaults)
+                                 load_scoring_reward_model, one_process, parse_with_run_defaults, tool_prompt)
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
@@ -28,7 +28,8 @@ def reward_input_ids(tokenizer, messages_and_answers, max_seq_len, skip_long=Fal
     A prompt that leaves no room for an answer is an error, or None with ``skip_long`` (step 2 skips it)."""
     settings = EncodeSettings(train_phase=2, max_seq_len=max_seq_len, max_prompt_len=None,
                               include_prompt_in_loss=False, eot_token=get_eot_token(tokenizer))
-    examples = [Example(messages, chosen=answer) for messages, answer in messages_and_answers]
+    examples = [Example(messages, chosen=answer, prompt_text=tool_prompt(messages, tokenizer, "the reward model's"))
+                for messages, answer in messages_and_answers]
     ids = []
     for tokens in tokenize_examples(examples, tokenizer, settings):
         try:
