@@ -41,14 +41,25 @@ def load_rows(paths, skip=()):
     "file name:variant" pairs left out (a row whose meaning a later change of defaults altered)."""
     table = defaultdict(lambda: defaultdict(dict))
     for path in sorted(paths, key=run_order):
-        with open(path) as f:
-            rows = json.load(f)["rows"]
-        for r in rows:
+        for r in generation_rows(path):
             if not r.get("ok") or "model" not in r or f"{os.path.basename(path)}:{r['variant']}" in skip:
                 continue
             table[r["model"]][variant_key(r)][r["batch"]] = r["seconds"]
             table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
     return table
+
+
+def generation_rows(path):
+    """The rows of one bench/generation.py result file. A missing file, or another benchmark's JSON (a glob over
+    docs/results/ takes ppo_iteration's and graph_equality's too), is an error naming the file, not a traceback."""
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{path}: {error}") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list):
+        raise SystemExit(f"{path}: not a bench/generation.py result (no list of \"rows\")")
+    return payload["rows"]
 
 
 def plot(table, out):
@@ -89,7 +100,10 @@ def main():
     p.add_argument("--out", default="docs/generation_vs_floor.png")
     p.add_argument("--skip", default="", help="comma-separated file-name:variant pairs to leave out")
     args = p.parse_args()
-    plot(load_rows(args.results, set(filter(None, args.skip.split(",")))), args.out)
+    table = load_rows(args.results, set(filter(None, args.skip.split(","))))
+    if not table:  # (matplotlib's "Number of columns must be a positive integer" otherwise)
+        raise SystemExit("no measured row to plot in " + ", ".join(args.results))
+    plot(table, args.out)
 
 
 if __name__ == "__main__":

@@ -282,3 +282,17 @@ def test_generation_refuses_a_variant_model_or_batch_it_cannot_run_at_parsing(ar
     model failed in each row's process, a batch that is no number with a traceback."""
     proc = run_bench("generation.py", *argv)
     assert proc.returncode == 2 and said in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_plot_names_a_file_that_is_no_generation_result_and_says_when_nothing_is_left_to_plot(tmp_path):
+    """A glob over docs/results/ takes other benchmarks' JSON: plot.py failed with KeyError: 'rows'; files whose rows
+    all failed gave matplotlib's "Number of columns must be a positive integer"."""
+    other = tmp_path / "ppo_iteration.json"
+    other.write_text(json.dumps({"args": {}, "results": []}))
+    failed = tmp_path / "generation.json"
+    failed.write_text(json.dumps({"rows": [{"ok": False, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0"}]}))
+    out = str(tmp_path / "plot.png")
+    proc = run_bench("plot.py", str(other), "--out", out)
+    assert proc.returncode == 1 and f"{other}: not a bench/generation.py result" in proc.stderr, proc.stderr[-2000:]
+    proc = run_bench("plot.py", str(failed), "--out", out)
+    assert proc.returncode == 1 and "no measured row to plot" in proc.stderr, proc.stderr[-2000:]
