@@ -237,13 +237,15 @@ def variant_error(variant):
 
 
 def main():
+    from dschat.args import positive_int  # (sizes of 0 failed deep inside the model or engine)
+
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--models", type=list_flag(model_error), default="opt-1.3b")
     p.add_argument("--batches", type=list_flag(batch_error), default="64")
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--prompt", type=positive_int, default=256)
+    p.add_argument("--gen", type=positive_int, default=256)
     p.add_argument("--variants", type=list_flag(variant_error), default="hf_dynamic,hf_static,dschat_z0,dschat_z3")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=positive_int, default=2)
     p.add_argument("--top_k", type=int, default=0, help="sampling filter of every variant (0: none)")
     p.add_argument("--top_p", type=float, default=1.0, help="sampling filter of every variant (1: none)")
     p.add_argument("--train_step", action="store_true", help="dschat variants: also time after an optimizer step")

@@ -57,11 +57,13 @@ def training_logprobs(engine, seq, prompt_len, chunk_size):
 
 
 def main():
+    from dschat.args import positive_int  # (sizes of 0 failed deep inside the model or engine)
+
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--model", default="opt-1.3b", choices=sorted(SHAPES))
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--prompt", type=positive_int, default=256)
+    p.add_argument("--gen", type=positive_int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
     p.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU: checks the script only")
     args = p.parse_args()

@@ -212,12 +212,14 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
 
 
 def main():
+    from dschat.args import positive_int  # (sizes of 0 failed deep inside the model or engine)
+
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--variants", type=variants_flag, default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
     p.add_argument("--iterations", type=iterations_flag, default=6)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--prompt", type=positive_int, default=256)
+    p.add_argument("--gen", type=positive_int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
     p.add_argument("--left_pad", type=int, default=0,
                    help="left-pad every other prompt by this many tokens, as real prompts of different lengths are: "

@@ -127,15 +127,17 @@ def run_variant(args, stage, tp, graph, batch, bw):
 
 
 def main():
+    from dschat.args import positive_int  # (sizes of 0 failed deep inside the model or engine)
+
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-7b", choices=sorted(SHAPES))
     p.add_argument("--batches", default="64")
     p.add_argument("--stages", default="0,3")
     p.add_argument("--tp", default="1,2")
     p.add_argument("--graph", default="1", help="comma list of 0/1: CUDA graphs off/on")
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--gen", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt", type=positive_int, default=256)
+    p.add_argument("--gen", type=positive_int, default=256)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--json", default="tensor_parallel.json")
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU ranks (gloo): checks the script only")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it

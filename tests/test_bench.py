@@ -296,3 +296,14 @@ def test_plot_names_a_file_that_is_no_generation_result_and_says_when_nothing_is
     assert proc.returncode == 1 and f"{other}: not a bench/generation.py result" in proc.stderr, proc.stderr[-2000:]
     proc = run_bench("plot.py", str(failed), "--out", out)
     assert proc.returncode == 1 and "no measured row to plot" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv", [["logprob_delta.py", "--smoke", "--batch", "0"],
+                                  ["logprob_delta.py", "--smoke", "--gen", "0"],
+                                  ["ppo_iteration.py", "--smoke", "--variants", "z2_hybrid", "--gen", "0"]],
+                         ids=["logprob_delta_batch", "logprob_delta_gen", "ppo_iteration_gen"])
+def test_a_size_of_zero_is_a_flag_error_not_a_failure_inside_the_model(argv):
+    """--batch 0 failed in the model's reshape, --gen 0 in the engine's generate (once the models were built)."""
+    proc = run_bench(*argv)
+    assert proc.returncode == 2 and f"argument {argv[-2]}: expected a positive integer, got 0" in proc.stderr, \
+        proc.stderr[-2000:]
