@@ -1,4 +1,5 @@
 """The tools for trained models: chat.py, step-1 prompt_eval, step-2 rw_eval, step-3 ppo_eval (tiny models)."""
+import copy
 import json
 import os
 import re
@@ -816,3 +817,17 @@ def test_a_file_given_as_the_model_folder_is_an_error_naming_its_folder(tmp_path
             chat.main(["--path", str(file), "--prompt", "hi"])
         with pytest.raises(FileNotFoundError, match="a file, not a model folder"):
             load_tokenizer(str(file))
+
+
+def test_chat_cuts_an_answer_at_the_next_human_turn_the_model_wrote_on_with(session, monkeypatch):
+    """Without a chat template a model that does not stop at its EOS writes the user's next turn too: chat.py showed it
+    as the assistant's answer and kept it in the history as the assistant's words (DeepSpeed-Chat's chatbot cuts it)."""
+    from dschat.tools import chat
+
+    monkeypatch.setattr(chat, "generate_answers", lambda *a: ["Red, blue.\n\nHuman: And green?\n\nAssistant: Green."])
+    session.clear()
+    assert session.ask("Name two colors.") == "Red, blue."
+    assert session.history[-1] == {"role": "assistant", "content": "Red, blue."}
+    templated = copy.deepcopy(session.tokenizer)  # a chat template's answer is kept as generated
+    templated.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    assert chat.own_turn("A.\n\nHuman: B", templated) == "A.\n\nHuman: B"

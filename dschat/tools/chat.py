@@ -6,7 +6,7 @@ the same text format it was trained on (its chat template, else "Human:/Assistan
 import argparse
 import sys
 
-from dschat.data.formatting import format_prompt
+from dschat.data.formatting import HUMAN_PREFIX, format_prompt, uses_chat_template
 from dschat.errors import UsageError
 from dschat.tools.common import (add_generation_args, add_loading_args, check_utf8, find_policy_path, flag_path,
                                  generation_kwargs, load_policy, one_process)
@@ -22,6 +22,16 @@ def conversation_prompt(history, user_text, tokenizer):
     """(messages, prompt text) of the next turn: the history plus the new user message."""
     messages = list(history) + [{"role": "user", "content": user_text}]
     return messages, format_prompt(messages, tokenizer)
+
+
+def own_turn(answer, tokenizer):
+    """The answer up to a next "Human:" turn the model wrote on with (without a chat template, a model that does not
+    stop at its EOS goes on with the user's next message, as its "Human:/Assistant:" training text does): shown and
+    kept in the history, that made-up message passed for the assistant's words. DeepSpeed-Chat's chatbot cuts its
+    answers there too. With a chat template the answer is as generated."""
+    if uses_chat_template(tokenizer):
+        return answer
+    return answer.split(HUMAN_PREFIX.rstrip(" "), 1)[0].rstrip()
 
 
 def context_limit(model):
@@ -43,7 +53,8 @@ class ChatSession:
 
     def ask(self, user_text):
         messages, prompt = self.next_prompt(user_text)
-        answer = generate_answers(self.model, self.tokenizer, [prompt], self.generation_kwargs)[0]
+        answer = own_turn(generate_answers(self.model, self.tokenizer, [prompt], self.generation_kwargs)[0],
+                          self.tokenizer)
         self.forgotten = (len(self.history) + 1 - len(messages)) // 2
         self.history = messages + [{"role": "assistant", "content": answer}]
         return answer
