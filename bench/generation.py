@@ -264,6 +264,9 @@ def main():
                         "own, so that nothing one row leaves behind changes the next one's timing)")
     p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
+    # (checked here, not in the rows' processes, each of which runs one of the batches)
+    if args.profile and not args.same_process and args.profile not in map(int, args.batches.split(",")):
+        p.error(f"--profile {args.profile}: no such batch in --batches {args.batches} (nothing would be profiled)")
     results_io.require_cuda()  # (before each row's process fails alike)
     if not args.same_process:
         rows, bandwidths = run_rows_in_fresh_processes(args)

@@ -240,6 +240,9 @@ def main():
     p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()
+    if any(i >= args.iterations for i in args.profile_iteration):  # (else silently not profiled)
+        p.error(f"--profile_iteration {','.join(map(str, args.profile_iteration))}: the iterations are 0-based, "
+                f"0 to {args.iterations - 1} with --iterations {args.iterations}")
     if not args.smoke:  # (the GPU shapes would build on the CPU, each variant failing later)
         results_io.require_cuda("--smoke checks the script on the CPU")
     variants = args.variants

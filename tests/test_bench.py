@@ -307,3 +307,14 @@ def test_a_size_of_zero_is_a_flag_error_not_a_failure_inside_the_model(argv):
     proc = run_bench(*argv)
     assert proc.returncode == 2 and f"argument {argv[-2]}: expected a positive integer, got 0" in proc.stderr, \
         proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["ppo_iteration.py", "--smoke", "--variants", "z2_hybrid", "--iterations", "3", "--profile_iteration", "3"],
+     "--profile_iteration 3: the iterations are 0-based, 0 to 2"),
+    (["generation.py", "--batches", "1,16", "--profile", "64"], "--profile 64: no such batch in --batches 1,16")],
+    ids=["ppo_iteration", "generation"])
+def test_a_profile_of_an_iteration_or_batch_the_run_does_not_have_is_a_flag_error(argv, said):
+    """Both ran without profiling anything, and said nothing."""
+    proc = run_bench(*argv)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
