@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from results import require_cuda, write_json  # noqa: E402
+from results import batch_error, list_flag, require_cuda, unknown_name, write_json  # noqa: E402
 
 LAYOUTS = {"opt-1.3b": (32, 32, 64), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
 
@@ -154,7 +154,7 @@ def probe_rows(record, q, caches, mask, filled, dim, triton_decode, stages):
 
 def main():
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--layouts", default="opt-1.3b,qwen2.5-7b")
+    p.add_argument("--layouts", type=list_flag(unknown_name(LAYOUTS, "layout")), default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cache", type=int, default=512)
     p.add_argument("--filled", default="384", help="filled slots, comma-separated")

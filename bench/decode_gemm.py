@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import cold_copies, time_us  # noqa: E402
-from results import require_cuda, write_json  # noqa: E402
+from results import batch_error, list_flag, require_cuda, unknown_name, write_json  # noqa: E402
 
 # name: (input features, [(output features of each projection sharing that input)], bias)
 SHAPES = {
@@ -101,8 +101,8 @@ def cold_rows(model, batch, name, fin, outs, bias, tilings):
 
 def main():
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--models", default="opt-1.3b,qwen2.5-7b")
-    p.add_argument("--batches", default="64")
+    p.add_argument("--models", type=list_flag(unknown_name(SHAPES, "model shape")), default="opt-1.3b,qwen2.5-7b")
+    p.add_argument("--batches", type=list_flag(batch_error), default="64")
     p.add_argument("--cold", action="store_true", help="weights from memory: cuBLAS against the skinny Triton GEMM")
     p.add_argument("--no_skinny", action="store_true", help="with --cold: cuBLAS only (no Triton tilings to build)")
     p.add_argument("--json", default="decode_gemm.json")

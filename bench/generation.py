@@ -208,26 +208,8 @@ DSCHAT_OPTIONS = ("graph", "compiled", "eagerprefill", "autotune", "sdpa", "fuse
                   "torchsample", "onecut")
 
 
-def list_flag(check):
-    """An argparse type: the comma-separated value as given, each item checked by ``check`` (None when it is valid,
-    else what is wrong). Checked at parsing: a misspelled variant option was dropped and its row measured another
-    variant ("hf_statc" HF's dynamic cache), an unknown model or a batch that is no number failed in each row."""
-    def parse(value):
-        for item in value.split(","):
-            if wrong := check(item):
-                raise argparse.ArgumentTypeError(f"{item!r}: {wrong}")
-        return value
-    return parse
-
-
-def model_error(name):
-    return None if name in SHAPES else f"no such model shape (shapes: {', '.join(SHAPES)})"
-
-
-def batch_error(batch):
-    return None if batch.isdigit() and int(batch) > 0 else "a batch size is a positive integer"
-
-
+# Checked at parsing: a misspelled variant option was dropped and its row measured another variant ("hf_statc" HF's
+# dynamic cache), an unknown model or a batch that is no number failed in each row.
 def variant_error(variant):
     stage, _, options = variant.removeprefix("dschat_").partition("_")
     if variant in ("hf_dynamic", "hf_static") or (variant.startswith("dschat_") and stage in ("z0", "z1", "z2", "z3")
@@ -240,11 +222,13 @@ def main():
     from dschat.args import positive_int  # (sizes of 0 failed deep inside the model or engine)
 
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--models", type=list_flag(model_error), default="opt-1.3b")
-    p.add_argument("--batches", type=list_flag(batch_error), default="64")
+    p.add_argument("--models", type=results_io.list_flag(results_io.unknown_name(SHAPES, "model shape")),
+                   default="opt-1.3b")
+    p.add_argument("--batches", type=results_io.list_flag(results_io.batch_error), default="64")
     p.add_argument("--prompt", type=positive_int, default=256)
     p.add_argument("--gen", type=positive_int, default=256)
-    p.add_argument("--variants", type=list_flag(variant_error), default="hf_dynamic,hf_static,dschat_z0,dschat_z3")
+    p.add_argument("--variants", type=results_io.list_flag(variant_error),
+                   default="hf_dynamic,hf_static,dschat_z0,dschat_z3")
     p.add_argument("--repeats", type=positive_int, default=2)
     p.add_argument("--top_k", type=int, default=0, help="sampling filter of every variant (0: none)")
     p.add_argument("--top_p", type=float, default=1.0, help="sampling filter of every variant (1: none)")

@@ -1,4 +1,5 @@
 """Where the GPU benchmarks leave their results: JSON files under $OUT (the device tool brings them back)."""
+import argparse
 import json
 import os
 import subprocess
@@ -16,6 +17,27 @@ def require_cuda(cpu_alternative=None):
         hint = f"; {cpu_alternative}" if cpu_alternative else ""
         raise SystemExit(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU, and torch {torch.__version__} sees none "
                          f"(run it through the device tool){hint}")
+
+
+def list_flag(check):
+    """An argparse type: the comma-separated value as given, each item checked by ``check`` (None when it is valid,
+    else what is wrong): a name a benchmark has no entry for is a flag error, not a KeyError once the GPU work began."""
+    def parse(value):
+        for item in value.split(","):
+            if wrong := check(item):
+                raise argparse.ArgumentTypeError(f"{item!r}: {wrong}")
+        return value
+    return parse
+
+
+def unknown_name(known, what):
+    """A ``list_flag`` check: the item is a key of ``known``."""
+    return lambda name: None if name in known else f"no such {what} (of {', '.join(known)})"
+
+
+def batch_error(batch):
+    """A ``list_flag`` check: the item is a positive integer."""
+    return None if batch.isdigit() and int(batch) > 0 else "a batch size is a positive integer"
 
 
 def write_json(name, payload):

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
-from results import require_cuda, write_json  # noqa: E402
+from results import batch_error, list_flag, require_cuda, unknown_name, write_json  # noqa: E402
 
 from dschat.hybrid_engine import triton_filters, triton_sampling  # noqa: E402
 from dschat.hybrid_engine.sampling import (choose_tokens, filtered_logits,  # noqa: E402
@@ -174,8 +174,8 @@ def top_k_sweep(args):
 
 def main():
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--vocabs", default="opt-1.3b,qwen2.5-7b")
-    p.add_argument("--batches", default="16,64,128")
+    p.add_argument("--vocabs", type=list_flag(unknown_name(VOCABS, "vocabulary")), default="opt-1.3b,qwen2.5-7b")
+    p.add_argument("--batches", type=list_flag(batch_error), default="16,64,128")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top_p", type=float, default=1.0, help="< 1: also time the nucleus-filtered step")
     p.add_argument("--top_k", type=int, default=0, help="> 0: also time the top-k-filtered step")

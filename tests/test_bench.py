@@ -318,3 +318,13 @@ def test_a_profile_of_an_iteration_or_batch_the_run_does_not_have_is_a_flag_erro
     """Both ran without profiling anything, and said nothing."""
     proc = run_bench(*argv)
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, said", [(["decode_attention.py", "--layouts", "opt-13b"], "'opt-13b': no such layout"),
+                                        (["decode_gemm.py", "--batches", "64,0"], "'0': a batch size is a positive"),
+                                        (["sampling.py", "--vocabs", "gpt2"], "'gpt2': no such vocabulary")],
+                         ids=["decode_attention", "decode_gemm", "sampling"])
+def test_a_gpu_microbenchmarks_unknown_shape_or_batch_is_a_flag_error(argv, said):
+    """Each failed with a KeyError (or a tensor of no rows) once its GPU work had begun."""
+    proc = run_bench(*argv)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
