@@ -116,3 +116,22 @@ def test_a_system_message_after_a_turn_is_a_paragraph_of_its_own_without_a_chat_
                                                 "\n\nHuman: Bye?\n\nAssistant:")
     assert render_human_assistant([{"role": "system", "content": "Be brief."}, messages[0]]) == \
         "Be brief.\n\nHuman: Hi\n\nAssistant:"  # first: as dschat writes a system preamble
+
+
+def test_named_chat_templates_without_a_default_are_refused_at_load(tmp_path):
+    """A tokenizer saved with named templates only (tool_use, rag) failed in apply_chat_template on every record as
+    data was built; it is refused where it is loaded, naming the folder and its templates. With a "default" it is
+    the one conversations are formatted with."""
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_tokenizer
+
+    tok = copy.deepcopy(load_tiny_tokenizer())
+    tok.chat_template = {"tool_use": CHAT_TEMPLATE, "rag": CHAT_TEMPLATE}
+    tok.save_pretrained(tmp_path / "named")
+    with pytest.raises(UsageError, match=r"named.* has named chat templates \(rag, tool_use\) and none called "
+                                         r"'default'"):
+        load_tokenizer(str(tmp_path / "named"))
+    tok.chat_template = {"default": CHAT_TEMPLATE, "tool_use": "unused"}
+    tok.save_pretrained(tmp_path / "with_default")
+    assert format_prompt(CONVERSATION, load_tokenizer(str(tmp_path / "with_default"))).endswith(
+        "<|user|>Name a fruit.\n<|assistant|>")

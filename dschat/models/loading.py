@@ -245,9 +245,20 @@ def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_
         _warn_eot_unused(name_or_path, tokenizer.eos_token, add_eot_token, eot_token)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_default_chat_template(tokenizer, name_or_path)
     # the step's side (right to train, left to generate); the saved models keep the folder's (``saved_as_loaded``)
     tokenizer.padding_side = padding_side
     return tokenizer
+
+
+def check_default_chat_template(tokenizer, name_or_path):
+    """Named chat templates (``chat_templates/*.jinja``: tool_use, rag, ...) need one called "default" for dschat's
+    plain conversations; without it every record failed in transformers' apply_chat_template, as data was built."""
+    templates = getattr(tokenizer, "chat_template", None)
+    if isinstance(templates, dict) and "default" not in templates:
+        raise UsageError(f"the tokenizer of {name_or_path} has named chat templates ({', '.join(sorted(templates))}) "
+                         "and none called 'default', which dschat formats conversations with; save the one to use as "
+                         "chat_template.jinja (or name it default)")
 
 
 @contextlib.contextmanager
