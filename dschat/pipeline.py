@@ -528,7 +528,10 @@ def run_pipeline(args):
         return None
     skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]  # (finished, so this run's)
     resumed = [parsers[step][1] for step in steps if plan[step].action == RESUME]
-    report = write_report(args.output_dir, timings, recipe, steps, rm_from_sft=reward_model_from_sft(args, tiny),
+    # a skipped step's output is the one the later steps' folders were made from: only the steps that trained now
+    # leave those an older output's
+    trained = [step for step in steps if plan[step].action != SKIP]
+    report = write_report(args.output_dir, timings, recipe, trained, rm_from_sft=reward_model_from_sft(args, tiny),
                           skipped=skipped, resumed=resumed, reward_model=ready, rule_scores=rule_scores)
     for line in summary_lines(report):
         print(line, flush=True)

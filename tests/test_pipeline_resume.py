@@ -385,3 +385,22 @@ def test_a_step_killed_while_writing_its_results_does_not_look_finished(tmp_path
         common.write_results(Namespace(**vars(changed), output_dir=str(out)), {}, "step3")
     assert not (out / "metrics.json").exists()
     assert plan_steps([3], "ppo", str(tmp_path), {3: changed})[3].action != SKIP
+
+
+def test_a_step_resume_skipped_leaves_the_later_steps_outputs_reported(tmp_path, distributed, monkeypatch, capsys):
+    """train.py --step 1 --resume after a full run skipped step 1, and the report still said the step-2 and step-3
+    folders were "made from an older output of a step run now" and named the SFT model as the policy."""
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    small = ["--output-dir", str(out), "--step", "1", "--step1-args", "--max_steps 1 --eval_iters 1"]
+    pipeline.run_pipeline(TRAIN_PY["parse_args"](small))
+    for folder, metrics in (("step2_rm", {"accuracy": 0.9, "chosen_mean_score": 1.0, "rejected_mean_score": -1.0}),
+                            ("step3_ppo", {"iterations": 4})):  # a full run's
+        (out / folder).mkdir()
+        (out / folder / "metrics.json").write_text(json.dumps(metrics))
+    (out / "step3_ppo" / "actor").mkdir()
+    (out / "step3_ppo" / "actor" / "config.json").write_text("{}")
+    report = pipeline.run_pipeline(TRAIN_PY["parse_args"]([*small, "--resume"]))
+    assert report["skipped"] == ["step1"] and report["not_reported"] == []
+    assert report["rm_accuracy"] == 0.9 and report["policy"] == "step3_ppo/actor"
+    assert "not reported" not in capsys.readouterr().out
