@@ -12,6 +12,7 @@ The reward model shares the actor's tokenizer (one family): step 3 scores the ac
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -120,7 +121,7 @@ def relaunch_with_deepspeed(args, argv):
                                     "the ranks of the nodes it lists (single_node: this node's GPUs)")
         cmd += ["--hostfile", args.hostfile]
     cmd += [os.path.abspath(__file__), *argv]
-    print("launching:", " ".join(cmd), flush=True)
+    print("launching:", shlex.join(cmd), flush=True)  # (quoted: a --stepN-args string is one argument)
     return subprocess.call(cmd)
 
 

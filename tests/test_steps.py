@@ -936,6 +936,24 @@ def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_
     assert launched and launched[0][launched[0].index("--hostfile") + 1] == str(tmp_path / "hosts")
 
 
+def test_train_py_prints_the_launch_command_as_it_runs_it(monkeypatch, capsys):
+    """The "launching:" line joined the arguments with spaces: a --stepN-args string of several flags came out as
+    separate words, so the command copied from it failed ("unrecognized arguments")."""
+    import runpy
+    import shlex
+    import subprocess
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    launched = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **kwargs: launched.append(cmd) or 0)
+    main = runpy.run_path(str(REPO / "train.py"))["main"]
+    with pytest.raises(SystemExit):
+        main(["--deployment-type", "single_node", "--step1-args", "--max_steps 2 --learning_rate 1e-3"])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("launching: ")]
+    assert shlex.split(printed[0].removeprefix("launching: ")) == launched[0]
+
+
 def test_a_rerun_in_the_same_second_purges_the_earlier_runs_points(tmp_path):
     """TensorBoard reads a folder's event files in name order, names starting with their second: a re-run made in the
     same second as an earlier run's file whose name sorts later (in one process "10" sorts before "9") had its purge
