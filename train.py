@@ -102,6 +102,8 @@ def parse_args(argv=None):
     if not runs:
         p.error(f"--recipe {args.recipe} --step {' '.join(map(str, args.step))}: nothing to run; the recipe has no "
                 + "; no ".join(not_run))
+    if not args.actor_model:  # (an unset shell variable: step 1 looked '' up on the hub, after the report was reset)
+        p.error("argument --actor-model: expected a hub name, local folder or tiny preset, got ''")
     args.reward_model = args.reward_model or args.actor_model
     # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.
     default_stage = 0 if args.deployment_type == "single_gpu" else 3

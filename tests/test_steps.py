@@ -673,6 +673,15 @@ def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(
         pipeline.step_argv(1, _train_py_args("--step1-args", "--data_path 'a b"), tiny=True)
 
 
+def test_train_py_refuses_an_empty_actor_model_naming_the_flag(capsys):
+    """--actor-model '' (an unset shell variable) got past every check: train.py replaced the output folder's report
+    with an unfinished one, then step 1 failed with "error: : no such folder here, and loading it as a Hugging Face
+    hub name failed"."""
+    with pytest.raises(SystemExit):
+        _train_py_args("--actor-model", "")
+    assert "argument --actor-model: expected a hub name, local folder or tiny preset, got ''" in capsys.readouterr().err
+
+
 def test_train_py_reward_model_defaults_to_the_actor_and_another_tokenizer_fails_before_step_1(tmp_path, distributed):
     import json
     import shutil
