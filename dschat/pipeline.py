@@ -277,8 +277,10 @@ def _model_to_read(path, args, parsed):
 
 
 # Where each step reads and writes: train.py sets these from its own flags; the later steps and the report read the
-# folders train.py chose, so --stepN-args may not move them.
-FOLDER_FLAGS = ("--output_dir", "--model_name_or_path", "--actor_model_name_or_path", "--critic_model_name_or_path")
+# folders train.py chose, so --stepN-args may not move them. (Step 3's reward model too: the report and the tools name
+# --reward-model's, or step 2's, as the one it scored with.)
+FOLDER_FLAGS = ("--output_dir", "--model_name_or_path", "--actor_model_name_or_path", "--critic_model_name_or_path",
+                "--reward_model_name_or_path")
 FOLDER_DESTS = {flag[2:]: TRAIN_PY_NAMES[flag] for flag in FOLDER_FLAGS}
 
 

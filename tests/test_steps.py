@@ -477,8 +477,9 @@ def test_train_py_refuses_step_args_that_move_its_folders_and_says_which_flag(tm
     from dschat import pipeline
     from dschat.errors import UsageError
 
+    # (step 3's reward model: the report and the tools named --reward-model's or step 2's, not the one it scored with)
     for step, flag in ((1, "--output_dir elsewhere"), (3, "--actor_model_name_or_path x"),
-                       (2, "--model_name_or_path tiny-gpt2")):
+                       (2, "--model_name_or_path tiny-gpt2"), (3, "--reward_model_name_or_path x")):
         args = _train_py_args("--output-dir", str(tmp_path / "out"), f"--step{step}-args", flag)
         with pytest.raises(UsageError, match=f"--step{step}-args sets --"):
             pipeline.run_pipeline(args)
