@@ -124,7 +124,9 @@ def relaunch_with_deepspeed(args, argv):
         cmd += ["--hostfile", args.hostfile]
     cmd += [os.path.abspath(__file__), *argv]
     print("launching:", shlex.join(cmd), flush=True)  # (quoted: a --stepN-args string is one argument)
-    return subprocess.call(cmd)
+    status = subprocess.call(cmd)
+    # a launcher killed by a signal (-N here) ends train.py as the shell says it: 128 + N (sys.exit(-9) gave 247)
+    return 128 - status if status < 0 else status
 
 
 def main(argv=None):

@@ -964,6 +964,22 @@ def test_train_py_prints_the_launch_command_as_it_runs_it(monkeypatch, capsys):
     assert shlex.split(printed[0].removeprefix("launching: ")) == launched[0]
 
 
+def test_train_py_ends_with_the_shells_status_of_a_launcher_killed_by_a_signal(monkeypatch):
+    """subprocess.call gives -9 for a launcher killed by SIGKILL (out of memory): sys.exit(-9) ended train.py with
+    status 247, not 137."""
+    import runpy
+    import subprocess
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    main = runpy.run_path(str(REPO / "train.py"))["main"]
+    for status, said in ((-9, 137), (2, 2), (0, 0)):
+        monkeypatch.setattr(subprocess, "call", lambda cmd, **kwargs: status)
+        with pytest.raises(SystemExit) as ended:
+            main(["--deployment-type", "single_node"])
+        assert ended.value.code == said
+
+
 def test_a_rerun_in_the_same_second_purges_the_earlier_runs_points(tmp_path):
     """TensorBoard reads a folder's event files in name order, names starting with their second: a re-run made in the
     same second as an earlier run's file whose name sorts later (in one process "10" sorts before "9") had its purge
