@@ -384,7 +384,6 @@ def check_model_folders(steps, args):
     step 2, a trained reward model) given as folders that are not there: an error naming the flag before step 1 runs,
     not a hub lookup's traceback."""
     from dschat.models.loading import check_model_path, check_tokenizer_files
-    from dschat.tiny.presets import is_tiny_preset
 
     if 1 in steps:
         check_model_path(args.actor_model, "--actor-model")
@@ -405,7 +404,7 @@ def check_model_folders(steps, args):
         return
     if 2 in steps:
         check_model_path(args.reward_model, "--reward-model")
-    elif 3 in steps and args.reward_model != args.actor_model and not is_tiny_preset(args.reward_model):
+    elif 3 in steps and args.reward_model != args.actor_model:  # (a tiny preset too: untrained, it is said)
         check_model_path(args.reward_model, "--reward-model")  # (a mistyped folder would leave step 2's in use)
         if not ready_reward_model(args):  # DeepSpeed-Chat's train.py --step 3 with the full run's flags
             print_rank_0(f"--reward-model {args.reward_model} is no trained reward model folder (no value head): "

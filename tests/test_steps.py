@@ -674,6 +674,20 @@ def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(
         pipeline.step_argv(1, _train_py_args("--step1-args", "--data_path 'a b"), tiny=True)
 
 
+def test_train_py_step_3_says_a_tiny_preset_reward_model_is_not_what_it_scores_with(tmp_path, distributed, capsys):
+    """--step 3 --reward-model tiny-opt (an untrained preset, not the actor's) was silently unused: step 3 scored with
+    step 2's output, as it says for any other --reward-model that is no trained reward model."""
+    from dschat import pipeline
+
+    out = tmp_path / "out"
+    pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
+                                                     "tiny-opt"))
+    assert f"--reward-model tiny-opt is no trained reward model folder (no value head): step 3 scores with " \
+           f"{out / 'step2_rm'}, step 2's output" in capsys.readouterr().out
+    pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3"))  # the actor's: no note
+    assert capsys.readouterr().out == ""
+
+
 def test_train_py_refuses_an_empty_actor_model_naming_the_flag(capsys):
     """--actor-model '' (an unset shell variable) got past every check: train.py replaced the output folder's report
     with an unfinished one, then step 1 failed with "error: : no such folder here, and loading it as a Hugging Face
