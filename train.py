@@ -52,9 +52,10 @@ def step_args_as_values(argv):
 
 
 def parse_args(argv=None):
+    from dschat.args import SaidOnceParser
+
     # whole flag names only, as in the step scripts: a prefix (--output for --output-dir) is an error, not a guess
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = SaidOnceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--step", type=int, nargs="+", choices=[1, 2, 3], default=[1, 2, 3],
                    help="Which steps to run (e.g. --step 2 3).")
     p.add_argument("--actor-model", type=model_name, default="tiny-llama",

@@ -237,7 +237,20 @@ def add_lora_args(parser):
     return g
 
 
-class StepParser(argparse.ArgumentParser):
+class SaidOnceParser(argparse.ArgumentParser):
+    """argparse's usage and error, said once on a machine where several ranks parse the same flags (the steps', and
+    train.py's under ``deepspeed train.py``)."""
+
+    def error(self, message):
+        from dschat.utils.cli import first_to_say
+
+        if first_to_say(message):
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class StepParser(SaidOnceParser):
     """An unrecognized flag's error names the step's flags it may have meant: the role's flags of another step's
     (step 3's ``--actor_lora_dim`` and ``--critic_lora_dim`` for ``--lora_dim``; step 1's ``--lora_dim`` for
     ``--actor_lora_dim``), else the closest spellings."""
@@ -247,15 +260,6 @@ class StepParser(argparse.ArgumentParser):
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
         return parsed
-
-    def error(self, message):
-        """argparse's usage and error, said once on a machine where several ranks parse the same flags."""
-        from dschat.utils.cli import first_to_say
-
-        if first_to_say(message):
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
 
     def hint(self, unknown):
         import difflib

@@ -1,6 +1,8 @@
 """Steps 1 and 2 end to end on the embedded tiny default, in one process and on 2 ranks with ZeRO-3."""
 import json
+import os
 import re
+import time
 
 import pytest
 import torch
@@ -686,6 +688,17 @@ def test_train_py_step_3_says_a_tiny_preset_reward_model_is_not_what_it_scores_w
            f"{out / 'step2_rm'}, step 2's output" in capsys.readouterr().out
     pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3"))  # the actor's: no note
     assert capsys.readouterr().out == ""
+
+
+def test_train_py_says_its_own_flag_error_once_on_a_machine_of_several_ranks(monkeypatch, capsys):
+    """`deepspeed --num_gpus 2 train.py --bogus` printed train.py's usage block and error once per rank (the step
+    scripts' parsers say theirs once); two parses in one process stand for two ranks of one launch."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flag = f"--bogus-{os.getpid()}-{time.time_ns()}"  # (a message no earlier run said)
+    for _ in range(2):
+        with pytest.raises(SystemExit):
+            _train_py_args(flag)
+    assert capsys.readouterr().err.count(f"error: unrecognized arguments: {flag}") == 1
 
 
 def test_train_py_refuses_an_empty_actor_model_naming_the_flag(capsys):
