@@ -105,6 +105,8 @@ def parse_args(argv=None):
                 + "; no ".join(not_run))
     if not args.actor_model:  # (an unset shell variable: step 1 looked '' up on the hub, after the report was reset)
         p.error("argument --actor-model: expected a hub name, local folder or tiny preset, got ''")
+    if not args.output_dir:  # (an unset shell variable: the steps wrote their folders into the working directory)
+        p.error("argument --output-dir: expected a folder, got '' (the working directory is '.')")
     args.reward_model = args.reward_model or args.actor_model
     # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.
     default_stage = 0 if args.deployment_type == "single_gpu" else 3

@@ -710,6 +710,14 @@ def test_train_py_refuses_an_empty_actor_model_naming_the_flag(capsys):
     assert "argument --actor-model: expected a hub name, local folder or tiny preset, got ''" in capsys.readouterr().err
 
 
+def test_train_py_refuses_an_empty_output_dir_naming_the_flag(capsys):
+    """--output-dir '' (an unset shell variable) put the steps' folders, data cache and report.json in the working
+    directory."""
+    with pytest.raises(SystemExit):
+        _train_py_args("--output-dir", "")
+    assert "argument --output-dir: expected a folder, got '' (the working directory is '.')" in capsys.readouterr().err
+
+
 def test_train_py_reward_model_defaults_to_the_actor_and_another_tokenizer_fails_before_step_1(tmp_path, distributed):
     import json
     import shutil
