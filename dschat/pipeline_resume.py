@@ -68,6 +68,10 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
         # resume only to train on for longer
         checkpoint = checkpoint_state(folder)
+        # a raised --max_steps / --num_train_epochs (only those changed): the same run made longer (a lowered one
+        # would resume past its new end)
+        longer = bool(changed) and set(changed) <= EXTENDING and \
+            all(_raised(name, record, parsed[step]) for name in changed)
         # (another --data_path is a changed flag, said as one below)
         edited = None if {"data_path", "sft_only_data_path"} & set(changed) else \
             edited_data(record if finished_time(folder) else None, checkpoint, parsed[step])
@@ -78,12 +82,11 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
             plan[step] = Decision(SKIP)
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
             plan[step] = Decision(RESUME, "it was interrupted")
-        elif current and checkpoint is not None and set(changed) <= EXTENDING:
+        elif current and checkpoint is not None and longer:
             plan[step] = Decision(RESUME, "to train on past its finished output ("
                                           + ", ".join(f"--{name}" for name in changed) + ")")
         elif current:
             # (a longer run trains on from a checkpoint only: without one it starts over)
-            longer = set(changed) <= EXTENDING and all(_raised(name, record, parsed[step]) for name in changed)
             extends = ", and it saved no checkpoint to train on from (--save_interval)" if longer else ""
             plan[step] = Decision(FRESH, f"its finished output in {folder} had other values of "
                                          f"{', '.join(said_change(name, record, parsed[step]) for name in changed)}"

@@ -185,6 +185,9 @@ def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tm
     shorter = Namespace(**{**vars(FLAGS), "max_steps": 2})  # (no checkpoint would make a shorter run continue)
     assert plan_steps([1], "ppo", str(tmp_path), {1: shorter})[1].why.endswith("had other values of --max_steps")
     checkpoint(tmp_path, 1, 150)
+    # a shorter run does not resume the longer run's checkpoint (past its new end: the step refused it)
+    assert plan_steps([1], "ppo", str(tmp_path), {1: shorter})[1] == (
+        FRESH, f"its finished output in {tmp_path / FOLDERS[1]} had other values of --max_steps")
     # no finished output (a run that trains removes it): a later run of the step, interrupted
     (tmp_path / FOLDERS[1] / "metrics.json").unlink()
     assert plan(tmp_path) == {1: RESUME, 2: FRESH, 3: FRESH}
