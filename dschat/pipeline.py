@@ -49,11 +49,16 @@ DEEPSPEED_CHAT_DATA = "Dahoas/rm-static"
 
 def is_tiny_run(args):
     """A tiny preset's actor with a tiny preset's reward model, or with a trained reward model step 3 scores with
-    (``ready_reward_model``): the tiny recipe and data apply."""
+    (``ready_reward_model``): the tiny recipe and data apply. A run without step 3 is judged as with it: ``--step 1``
+    then ``--step 3`` trains step 1 as ``--step 1 3`` does."""
+    import copy
+
     from dschat.tiny.presets import is_tiny_preset
 
+    with_step_3 = copy.copy(args)
+    with_step_3.step = sorted({*getattr(args, "step", (1, 2, 3)), 3})
     return is_tiny_preset(args.actor_model) and (is_tiny_preset(args.reward_model)
-                                                 or ready_reward_model(args) is not None)
+                                                 or ready_reward_model(with_step_3) is not None)
 
 
 def reward_model_from_sft(args, tiny):

@@ -701,6 +701,22 @@ def test_train_py_says_its_own_flag_error_once_on_a_machine_of_several_ranks(mon
     assert capsys.readouterr().err.count(f"error: unrecognized arguments: {flag}") == 1
 
 
+@pytest.mark.parametrize("recipe", ["ppo", "grpo"])
+def test_train_py_step_1_alone_with_a_trained_reward_model_is_the_tiny_run_step_3_makes_it(recipe, tmp_path):
+    """--step 1 --reward-model RM (a trained reward model, tiny actor) trained step 1 on DeepSpeed-Chat's hub data with
+    the steps' defaults, while --step 1 3 with the same flags trains it with the tiny recipe on the tiny data."""
+    from dschat import pipeline
+
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text("{}")
+    (rm / "value_head.safetensors").write_bytes(b"")  # (what marks a trained reward model folder)
+    for steps in (["1", "3"], ["1"]):
+        args = _train_py_args("--recipe", recipe, "--step", *steps, "--reward-model", str(rm))
+        assert pipeline.is_tiny_run(args), steps
+    assert not pipeline.is_tiny_run(_train_py_args("--step", "1", "--reward-model", str(tmp_path)))  # an untrained one
+
+
 def test_train_py_refuses_an_empty_actor_model_naming_the_flag(capsys):
     """--actor-model '' (an unset shell variable) got past every check: train.py replaced the output folder's report
     with an unfinished one, then step 1 failed with "error: : no such folder here, and loading it as a Hugging Face
