@@ -211,6 +211,7 @@ def check_step_args(steps, args, tiny, parsers):
     """Every step's arguments parsed (``parsers``: step -> its parser factory), and its DeepSpeed config built with
     any config file, before the first step runs: a typo in ``--step3-args`` or a config file at odds with a step's
     flags stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
+    from dschat.data.local import parse_field_map
     from dschat.rlhf.config import step3_args
     from dschat.rlhf.engine import check_step3_settings
     from dschat.steps.common import check_supervised_settings
@@ -223,6 +224,7 @@ def check_step_args(steps, args, tiny, parsers):
         parsed[step] = parser.parse_args(step_argv(step, args, tiny)), parser
     for step, (flags, parser) in parsed.items():
         check_folders_are_train_pys(step, args, tiny, flags, parser)
+        parse_field_map(flags.data_fields)  # (a step reads it with its data: after train.py has reset the report)
         if step == 3:
             # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from
             check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None)

@@ -1119,6 +1119,18 @@ def test_train_py_data_fields_reach_every_step_and_a_steps_own_wins():
     assert parsed[3].data_fields == "prompt=q"
 
 
+def test_train_py_refuses_malformed_data_fields_before_the_first_step(tmp_path, distributed):
+    """--step 1 --data-fields bogus failed inside step 1 on reading its data, after train.py had replaced the output
+    folder's report with an unfinished one (--step 1 2 found it before: step 2's pairs are read first)."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+
+    for given in (["--data-fields", "bogus"], ["--step1-args", "--data_fields prompt=q,answer=a"]):
+        with pytest.raises(UsageError, match="--data_fields item 'bogus' must look like|unknown data field"):
+            pipeline.run_pipeline(_train_py_args("--step", "1", "--output-dir", str(tmp_path / "out"), *given))
+    assert not (tmp_path / "out").exists(), "no step may have run"
+
+
 def test_train_py_length_check_reads_the_earlier_steps_output_when_step_1_is_not_run(tmp_path):
     """Step 3 alone loads <output>/step1_sft (and step2_rm), not --actor-model: the check took the flag's model."""
     import shutil
