@@ -157,7 +157,7 @@ def final_kl_said(kl):
 
 def summary_lines(report):
     lines = ["==== dschat report ===="]
-    said = {step: f"{step}: {seconds:.1f} s" + (" (resumed: its interrupted run's time included)"
+    said = {step: f"{step}: {seconds:.1f} s" + (" (resumed: the earlier run's time up to its checkpoint included)"
                                                 if step in report.get("resumed", ()) else "")
             for step, seconds in report["timings_s"].items()}
     said.update({step: f"{step}: finished earlier, skipped (--resume)" for step in report.get("skipped", [])})

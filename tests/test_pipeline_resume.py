@@ -285,7 +285,7 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
     assert report["resumed"] == ["step3"]  # its seconds: the step's own clock, over the interrupted run too
     assert report["timings_s"]["step3"] == json.loads((out / "step3_ppo" / "metrics.json").read_text())["seconds"]
     assert "step1: finished earlier, skipped (--resume)" in printed
-    assert "step3: " in printed and "s (resumed: its interrupted run's time included)" in printed
+    assert "step3: " in printed and "s (resumed: the earlier run's time up to its checkpoint included)" in printed
     # step 1 with another flag: it trains again, and the steps after it start afresh from its new output
     parsers = {step: pipeline_parser(step) for step in (1, 2, 3)}
     args = TRAIN_PY["parse_args"]([*small[:3], "--max_steps 2 --learning_rate 1e-3", *small[4:], "--step3-args", step3,

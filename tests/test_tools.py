@@ -746,7 +746,7 @@ def test_the_report_lists_the_steps_in_order_whether_run_or_skipped():
     lines = summary_lines({"timings_s": {"step3_ppo": 19.7}, "skipped": ["step1_sft", "step2_rm"],
                            "resumed": ["step3_ppo"]})
     assert [line.split(":")[0] for line in lines[1:4]] == ["step1_sft", "step2_rm", "step3_ppo"]
-    assert lines[3] == "step3_ppo: 19.7 s (resumed: its interrupted run's time included)"
+    assert lines[3] == "step3_ppo: 19.7 s (resumed: the earlier run's time up to its checkpoint included)"
 
 
 def test_prompt_eval_help_lists_deepspeed_chats_accepted_decoding_flags():
