@@ -88,7 +88,7 @@ def parse_args(argv=None):
                    help="Continue an interrupted run in --output-dir: steps finished earlier with the same flags are "
                         "skipped, the interrupted one resumes from its last checkpoint (steps save them with "
                         "--save_interval N in their --stepN-args), the later ones run.")
-    p.add_argument("--hostfile", default="/job/hostfile", help="multi_node: the deepspeed launcher's hostfile.")
+    p.add_argument("--hostfile", help="multi_node: the deepspeed launcher's hostfile (default /job/hostfile).")
     for step in (1, 2, 3):
         p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -107,6 +107,9 @@ def parse_args(argv=None):
         p.error("argument --actor-model: expected a hub name, local folder or tiny preset, got ''")
     if not args.output_dir:  # (an unset shell variable: the steps wrote their folders into the working directory)
         p.error("argument --output-dir: expected a folder, got '' (the working directory is '.')")
+    if args.hostfile is not None and args.deployment_type != "multi_node":  # (it would go unused: one node's GPUs)
+        p.error(f"argument --hostfile: only --deployment-type multi_node reads it (this is {args.deployment_type})")
+    args.hostfile = args.hostfile or "/job/hostfile"
     args.reward_model = args.reward_model or args.actor_model
     # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.
     default_stage = 0 if args.deployment_type == "single_gpu" else 3

@@ -995,6 +995,10 @@ def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_
     with pytest.raises(SystemExit):
         main(["--deployment-type", "multi_node", "--hostfile", str(tmp_path / "hosts")])
     assert launched and launched[0][launched[0].index("--hostfile") + 1] == str(tmp_path / "hosts")
+    launched.clear()
+    with pytest.raises(SystemExit) as refused:  # one node's GPUs: a hostfile would go unused, silently
+        main(["--deployment-type", "single_node", "--hostfile", str(tmp_path / "hosts")])
+    assert refused.value.code == 2 and not launched
 
 
 def test_train_py_prints_the_launch_command_as_it_runs_it(monkeypatch, capsys):
