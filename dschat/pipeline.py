@@ -10,7 +10,7 @@ import time
 
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
-from dschat.pipeline_resume import FRESH, RESUME, SKIP, Decision, describe, plan_steps
+from dschat.pipeline_resume import FRESH, RESUME, SKIP, Decision, describe, outdated_outputs, plan_steps
 from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
 from dschat.utils.files import check_writable_folder
@@ -536,11 +536,13 @@ def run_pipeline(args):
         return None
     skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]  # (finished, so this run's)
     resumed = [parsers[step][1] for step in steps if plan[step].action == RESUME]
-    # a skipped step's output is the one the later steps' folders were made from: only the steps that trained now
-    # leave those an older output's
+    # the steps that trained now leave the later steps' folders an older output's; a skipped step's output is the
+    # present one, and a left-out step's folder counts if it was made from the present outputs
     trained = [step for step in steps if plan[step].action != SKIP]
-    report = write_report(args.output_dir, timings, recipe, trained, rm_from_sft=reward_model_from_sft(args, tiny),
-                          skipped=skipped, resumed=resumed, reward_model=ready, rule_scores=rule_scores)
+    rm_from_sft = reward_model_from_sft(args, tiny)
+    outdated = outdated_outputs(steps, recipe, args.output_dir, rm_from_sft, bool(ready))
+    report = write_report(args.output_dir, timings, recipe, trained, rm_from_sft=rm_from_sft, skipped=skipped,
+                          resumed=resumed, reward_model=ready, rule_scores=rule_scores, outdated=outdated)
     for line in summary_lines(report):
         print(line, flush=True)
     print(f"report: {os.path.join(args.output_dir, REPORT_FILE)}", flush=True)

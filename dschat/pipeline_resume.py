@@ -100,6 +100,21 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
     return plan
 
 
+def outdated_outputs(steps, recipe, output_dir, rm_from_sft=True, ready_reward_model=False):
+    """Folders of ``recipe``'s steps that this run leaves out (``steps``: those it ran or skipped) and that were not
+    made from the present outputs of the steps they start from: a full run, then ``--step 1`` with other flags, then
+    ``--step 1 --resume`` (skipped) leaves step 2's and 3's folders the first step-1 output's."""
+    outdated = []
+    for step, name in RECIPE_STEP_FOLDERS[recipe].items():
+        folder = os.path.join(output_dir, name)
+        if step in steps or not os.path.isdir(folder):
+            continue
+        inputs = [_folder(output_dir, recipe, s) for s in step_inputs(recipe, step, rm_from_sft, ready_reward_model)]
+        if not InputCheck(inputs).current(finished_time(folder), read_run_args(folder)):
+            outdated.append(name)
+    return outdated
+
+
 class InputCheck:
     """Whether an output or checkpoint was made from the present outputs of the steps it starts from (their folders
     ``inputs``): by the run ids it recorded of them; for an input or a record from before dschat kept run ids, by file

@@ -38,15 +38,17 @@ def stale_folders(recipe, steps_run, rm_from_sft=True):
 
 
 def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=(),
-                 reward_model=None, rule_scores=None):
+                 reward_model=None, rule_scores=None, outdated=()):
     """Collect the metrics of ``recipe``'s steps from their folders under ``output_dir`` (an output folder may also
     hold another recipe's results, e.g. a PPO run's step2_rm beside a GRPO run's: those are not this run's);
     ``steps_run``: the steps of this run (None: all), so that folders left by an earlier run on older inputs are not
     reported; ``skipped``: the names of those ``train.py --resume`` found finished; ``resumed``: those it resumed
-    (their seconds count the interrupted run's too); ``reward_model``: the trained reward model step 3 scored with
-    instead of step 2's; ``rule_scores``: the DPO recipe's held-out rule scores (``pipeline.held_out_rule_scores``)."""
+    (their seconds count the earlier run's too); ``reward_model``: the trained reward model step 3 scored with
+    instead of step 2's; ``rule_scores``: the DPO recipe's held-out rule scores (``pipeline.held_out_rule_scores``);
+    ``outdated``: folders of steps this run left out that were made from older outputs
+    (``pipeline_resume.outdated_outputs``)."""
     stale = {folder for folder in stale_folders(recipe, steps_run, rm_from_sft)
-             if os.path.isdir(os.path.join(output_dir, folder))}
+             if os.path.isdir(os.path.join(output_dir, folder))} | set(outdated)
     own_rm = os.path.join(output_dir, RM_DIR)
     if reward_model and os.path.isdir(own_rm) and os.path.realpath(reward_model) != os.path.realpath(own_rm):
         stale.add(RM_DIR)  # an earlier run's reward model, which this run's step 3 did not score with
@@ -131,9 +133,9 @@ def write_unfinished_report(output_dir, recipe, steps_run, reward_model=None):
 
 
 def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=(),
-                 reward_model=None, rule_scores=None):
+                 reward_model=None, rule_scores=None, outdated=()):
     report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft, skipped, resumed, reward_model,
-                          rule_scores)
+                          rule_scores, outdated)
     if report.get("step3_curve"):
         report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
     write_json_atomic(os.path.join(output_dir, REPORT_FILE), report)

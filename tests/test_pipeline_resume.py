@@ -392,7 +392,8 @@ def test_a_step_killed_while_writing_its_results_does_not_look_finished(tmp_path
 
 def test_a_step_resume_skipped_leaves_the_later_steps_outputs_reported(tmp_path, distributed, monkeypatch, capsys):
     """train.py --step 1 --resume after a full run skipped step 1, and the report still said the step-2 and step-3
-    folders were "made from an older output of a step run now" and named the SFT model as the policy."""
+    folders were "made from an older output of a step run now" and named the SFT model as the policy; after step 1
+    ran again with other flags, a resume that skips it leaves them not reported (what they were made from decides)."""
     monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     small = ["--output-dir", str(out), "--step", "1", "--step1-args", "--max_steps 1 --eval_iters 1"]
@@ -407,3 +408,9 @@ def test_a_step_resume_skipped_leaves_the_later_steps_outputs_reported(tmp_path,
     assert report["skipped"] == ["step1"] and report["not_reported"] == []
     assert report["rm_accuracy"] == 0.9 and report["policy"] == "step3_ppo/actor"
     assert "not reported" not in capsys.readouterr().out
+    # step 1 trained again with other flags, then skipped by a resume: the later folders stay an older output's
+    again = ["--output-dir", str(out), "--step", "1", "--step1-args", "--max_steps 2 --eval_iters 1"]
+    assert pipeline.run_pipeline(TRAIN_PY["parse_args"](again))["not_reported"] == ["step2_rm", "step3_ppo"]
+    report = pipeline.run_pipeline(TRAIN_PY["parse_args"]([*again, "--resume"]))
+    assert report["skipped"] == ["step1"] and report["not_reported"] == ["step2_rm", "step3_ppo"]
+    assert report["rm_accuracy"] is None and report["policy"] == "step1_sft"
