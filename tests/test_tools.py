@@ -400,9 +400,10 @@ def test_prompt_eval_prints_both_models_answers(models, capsys, tmp_path):
 def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monkeypatch):
     # Stand-in models that answer with the data's chosen (finetune) or rejected (baseline) answers, so the
     # rule scores are known to differ.
-    def canned_answers(path, records, args):
+    def canned_answers(path, records, args):  # (given the records themselves as the prompts, below)
         return [r.chosen if path == "finetune-model" else r.rejected for r in records]
 
+    monkeypatch.setattr(prompt_eval, "model_prompts", lambda path, records, args: records)
     monkeypatch.setattr(prompt_eval, "model_answers", canned_answers)
     result = prompt_eval.main(["--model_name_or_path_baseline", "baseline-model", "--model_name_or_path_finetune",
                                "finetune-model", "--num_prompts", "6",  # and DeepSpeed-Chat's flags, accepted

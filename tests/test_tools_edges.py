@@ -1,6 +1,7 @@
 """Edge cases of the tools for trained models (chat.py, rw_eval, ppo_eval) met after training."""
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -247,8 +248,10 @@ def test_a_prompt_the_models_chat_template_refuses_is_an_error_naming_it_not_jin
     torch.manual_seed(0)
     save_reward_model(create_critic_model(policy, None), load_tokenizer(policy), str(tmp_path / "rm"))
     prompt = "Be brief.\n\nHuman: Name a color.\n\nAssistant:"
-    said = r"chat template refuses the prompt of turns system, user \(first user message 'Name a color.'\): System role"
-    with pytest.raises(UsageError, match=said):
+    said = r"the prompt of turns system, user, for .*: the tokenizer's chat template refuses them \(System role.*first " \
+           r"user message: 'Name a color.'"
+    with pytest.raises(UsageError, match=said), \
+            mock.patch.object(prompt_eval, "load_policy", side_effect=AssertionError("a model loaded first")):
         prompt_eval.main(["--model_name_or_path_baseline", policy, "--model_name_or_path_finetune", policy,
                           "--prompts", prompt, "--max_new_tokens", "2"])
     with pytest.raises(UsageError, match=said):

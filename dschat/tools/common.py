@@ -143,21 +143,18 @@ def check_utf8(text, what):
     return text
 
 
-def tool_prompt(messages, tokenizer, whose):
-    """``format_prompt`` of a prompt given to a tool; one that ``whose`` chat template refuses (``raise_exception``:
-    Gemma's "System role not supported", roles that do not alternate) is a UsageError naming the prompt, as a training
-    record's is (``pipeline.rendered_prompt``), not jinja's traceback once the models have loaded (and answered)."""
-    from jinja2.exceptions import TemplateError
-
-    from dschat.data.formatting import format_prompt
+def tool_prompt(messages, tokenizer, model):
+    """``format_prompt`` of a prompt given to a tool; one that ``model``'s chat template refuses (Gemma's "System role
+    not supported", roles that do not alternate) is a UsageError naming the prompt, as a training record is named
+    (``data.pipeline.rendered_prompt``), not jinja's traceback once the models have loaded (and answered)."""
+    from dschat.data.errors import RecordError
+    from dschat.data.pipeline import rendered_prompt
 
     try:
-        return format_prompt(messages, tokenizer)
-    except TemplateError as err:
+        return rendered_prompt(messages, tokenizer)
+    except RecordError as err:
         roles = ", ".join(message["role"] for message in messages)
-        first = next((message["content"] for message in messages if message["role"] == "user"), "")
-        raise UsageError(f"{whose} chat template refuses the prompt of turns {roles} (first user message "
-                         f"{first[:60]!r}): {err}") from None
+        raise UsageError(f"the prompt of turns {roles}, for {model}: {err.detail}") from None
 
 
 def default_device():

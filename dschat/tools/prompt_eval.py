@@ -25,13 +25,19 @@ def select_records(args):
     return tiny_held_out_records(args.num_prompts), True
 
 
-def model_answers(path, records, args):
-    """One model's answers, each prompt formatted with that model's own tokenizer (its chat template or not).
+def model_prompts(path, records, args):
+    """The prompts as the model at ``path`` reads them: formatted with its own tokenizer (its chat template or not).
+    Both models' are formatted before either loads: a prompt one template refuses is said at once."""
+    from dschat.models.loading import load_tokenizer
 
-    Models are loaded one at a time, so the two need not fit in memory together.
-    """
+    tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
+    return [tool_prompt(record.messages, tokenizer, path) for record in records]
+
+
+def model_answers(path, prompts, args):
+    """One model's answers to its ``prompts``. Models are loaded one at a time, so the two need not fit in memory
+    together."""
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
-    prompts = [tool_prompt(record.messages, tokenizer, f"{path}'s") for record in records]
     # generation_kwargs re-seeds: with --seed both models sample from the same random stream
     return generate_answers(model, tokenizer, prompts, generation_kwargs(args), args.batch_size)
 
@@ -92,7 +98,8 @@ def main(argv=None):
     records, scorable = select_records(args)
     paths = {role: flag_path(f"--model_name_or_path_{role}", find_policy_path,  # both before either loads
                              getattr(args, f"model_name_or_path_{role}")) for role in ROLES}
-    answers = {role: model_answers(paths[role], records, args) for role in ROLES}
+    prompts = {role: model_prompts(paths[role], records, args) for role in ROLES}
+    answers = {role: model_answers(paths[role], prompts[role], args) for role in ROLES}
     scores = {role: rule_scores(records, answers[role]) for role in ROLES} if scorable else None
     print_comparison(records, paths, answers, scores)
     result = {"prompts": [record.messages for record in records], "answers": answers}

@@ -28,7 +28,7 @@ def reward_input_ids(tokenizer, messages_and_answers, max_seq_len, skip_long=Fal
     A prompt that leaves no room for an answer is an error, or None with ``skip_long`` (step 2 skips it)."""
     settings = EncodeSettings(train_phase=2, max_seq_len=max_seq_len, max_prompt_len=None,
                               include_prompt_in_loss=False, eot_token=get_eot_token(tokenizer))
-    examples = [Example(messages, chosen=answer, prompt_text=tool_prompt(messages, tokenizer, "the reward model's"))
+    examples = [Example(messages, chosen=answer, prompt_text=tool_prompt(messages, tokenizer, "the reward model"))
                 for messages, answer in messages_and_answers]
     ids = []
     for tokens in tokenize_examples(examples, tokenizer, settings):
