@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from results import batch_error, list_flag, require_cuda, unknown_name, write_json  # noqa: E402
+from results import list_flag, require_cuda, unknown_name, write_json  # noqa: E402
 
 LAYOUTS = {"opt-1.3b": (32, 32, 64), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
 

@@ -208,6 +208,10 @@ DSCHAT_OPTIONS = ("graph", "compiled", "eagerprefill", "autotune", "sdpa", "fuse
                   "torchsample", "onecut")
 
 
+# the tenth session's option names (docs/benchmarks.md's commands of then)
+RENAMED_OPTIONS = {"holes0": "_tilemask", "holes2": "the default (no option)"}
+
+
 # Checked at parsing: a misspelled variant option was dropped and its row measured another variant ("hf_statc" HF's
 # dynamic cache), an unknown model or a batch that is no number failed in each row.
 def variant_error(variant):
@@ -215,7 +219,9 @@ def variant_error(variant):
     if variant in ("hf_dynamic", "hf_static") or (variant.startswith("dschat_") and stage in ("z0", "z1", "z2", "z3")
                                                    and all(o in DSCHAT_OPTIONS for o in options.split("_") if options)):
         return None
-    return f"a variant is hf_dynamic, hf_static or dschat_z<stage 0-3> with _<option>s of {', '.join(DSCHAT_OPTIONS)}"
+    renamed = [f"_{old} is now {new}" for old, new in RENAMED_OPTIONS.items() if old in options.split("_")]
+    return f"a variant is hf_dynamic, hf_static or dschat_z<stage 0-3> with _<option>s of {', '.join(DSCHAT_OPTIONS)}" \
+        + (f" ({'; '.join(renamed)})" if renamed else "")
 
 
 def main():
@@ -249,7 +255,7 @@ def main():
     p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
     args = p.parse_args()
     # (checked here, not in the rows' processes, each of which runs one of the batches)
-    if args.profile and not args.same_process and args.profile not in map(int, args.batches.split(",")):
+    if args.profile and not results_io.in_row_process() and args.profile not in map(int, args.batches.split(",")):
         p.error(f"--profile {args.profile}: no such batch in --batches {args.batches} (nothing would be profiled)")
     results_io.require_cuda()  # (before each row's process fails alike)
     if not args.same_process:

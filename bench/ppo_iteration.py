@@ -56,29 +56,16 @@ VARIANT_OPTIONS = ("compiled", "genlogp", "nockpt", "gcfreeze", "overflowcheck",
                    "torchsample")
 
 
-def variants_flag(value):
-    """--variants: each z<stage>_hybrid or z<stage>_hf with options of VARIANT_OPTIONS (see above). A misspelled
-    option was left out, and the row labelled with it measured another variant; a name without a stage failed only
-    after the models were built."""
-    variants = value.split(",")
-    for name in variants:
-        stage, _, options = name.partition("_")
-        kind, *extra = options.split("_")
-        unknown = [option for option in extra if option not in VARIANT_OPTIONS]
-        if stage not in ("z0", "z1", "z2", "z3") or kind not in ("hybrid", "hf") or unknown:
-            raise argparse.ArgumentTypeError(
-                f"{name!r}: a variant is z<stage 0-3>_hybrid or z<stage>_hf, optionally followed by _<option>, "
-                f"of {', '.join(VARIANT_OPTIONS)}")
-    return variants
-
-
-def iterations_flag(value):
-    """--iterations: at least 2 (the first is the warm-up; the means are over the others)."""
-    count = int(value)
-    if count < 2:
-        raise argparse.ArgumentTypeError(f"{value}: at least 2 (the first iteration is the warm-up, left out of the "
-                                         "means)")
-    return count
+def variant_error(name):
+    """A ``results.list_flag`` check of --variants: z<stage>_hybrid or z<stage>_hf with options of VARIANT_OPTIONS
+    (see above). A misspelled option was left out, and the row labelled with it measured another variant; a name
+    without a stage failed only after the models were built."""
+    stage, _, options = name.partition("_")
+    kind, *extra = options.split("_")
+    if stage in ("z0", "z1", "z2", "z3") and kind in ("hybrid", "hf") and all(o in VARIANT_OPTIONS for o in extra):
+        return None
+    return f"a variant is z<stage 0-3>_hybrid or z<stage>_hf, optionally followed by _<option>, of " \
+        f"{', '.join(VARIANT_OPTIONS)}"
 
 
 def device():
@@ -215,8 +202,9 @@ def main():
     from dschat.args import positive_int  # (sizes of 0 failed deep inside the model or engine)
 
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--variants", type=variants_flag, default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
-    p.add_argument("--iterations", type=iterations_flag, default=6)
+    p.add_argument("--variants", type=results_io.list_flag(variant_error), default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
+    p.add_argument("--iterations", type=positive_int, default=6, help="at least 2: the first is the warm-up, left "
+                                                                        "out of the means")
     p.add_argument("--batch", type=positive_int, default=64)
     p.add_argument("--prompt", type=positive_int, default=256)
     p.add_argument("--gen", type=positive_int, default=256)
@@ -240,12 +228,15 @@ def main():
     p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()
-    if any(i >= args.iterations for i in args.profile_iteration):  # (else silently not profiled)
+    if args.iterations < 2:  # (one ran, then failed with an IndexError: the means leave the warm-up out)
+        p.error(f"--iterations {args.iterations}: at least 2 (the first iteration is the warm-up, left out of the "
+                "means)")
+    if any(not 0 <= i < args.iterations for i in args.profile_iteration):  # (else silently not profiled)
         p.error(f"--profile_iteration {','.join(map(str, args.profile_iteration))}: the iterations are 0-based, "
                 f"0 to {args.iterations - 1} with --iterations {args.iterations}")
     if not args.smoke:  # (the GPU shapes would build on the CPU, each variant failing later)
         results_io.require_cuda("--smoke checks the script on the CPU")
-    variants = args.variants
+    variants = args.variants.split(",")
     launched = "RANK" in os.environ or "LOCAL_RANK" in os.environ  # torchrun / deepspeed: variants share the ranks
     if len(variants) > 1 and not args.same_process and not launched:
         print_table(run_each_in_its_own_process(variants, args), 1)

@@ -36,8 +36,23 @@ def unknown_name(known, what):
 
 
 def batch_error(batch):
-    """A ``list_flag`` check: the item is a positive integer."""
-    return None if batch.isdigit() and int(batch) > 0 else "a batch size is a positive integer"
+    """A ``list_flag`` check: the item is a positive integer (``dschat.args.positive_int``)."""
+    from dschat.args import positive_int
+
+    try:
+        positive_int(batch)
+    except argparse.ArgumentTypeError as error:
+        return f"a batch size: {error}"
+    return None
+
+
+# set in the processes run_in_fresh_processes starts: each runs one row of its parent's flags (a check of the whole
+# command, e.g. that --profile names one of --batches, is the parent's)
+ROW_PROCESS_ENV = "DSCHAT_BENCH_ROW_PROCESS"
+
+
+def in_row_process():
+    return os.environ.get(ROW_PROCESS_ENV) == "1"
 
 
 def write_json(name, payload):
@@ -59,7 +74,7 @@ def run_in_fresh_processes(script, runs):
     with tempfile.TemporaryDirectory(prefix="dschat_bench_runs_") as tmp:
         for label, argv in runs:
             proc = subprocess.run([sys.executable, os.path.abspath(script), *argv, "--json", f"{label}.json"],
-                                  env={**os.environ, "OUT": tmp})
+                                  env={**os.environ, "OUT": tmp, ROW_PROCESS_ENV: "1"})
             path = os.path.join(tmp, f"{label}.json")
             payload = None
             if os.path.exists(path):

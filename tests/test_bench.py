@@ -181,7 +181,7 @@ def test_fresh_processes_run_each_row_alone_and_say_which_left_no_result(tmp_pat
     assert got[0][1]["pid"] != got[2][1]["pid"] != os.getpid(), "each run in a process of its own"
 
 
-def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(tmp_path, monkeypatch):
+def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(tmp_path, monkeypatch, capsys):
     sys.path.insert(0, str(REPO / "bench"))
     from types import SimpleNamespace
 
@@ -194,17 +194,19 @@ def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(t
     key, argv = runs[5]  # argparse keeps the last occurrence of an option: the row's own
     assert argv[:4] == ["--repeats", "3", "--variants", "ignored"]
     assert argv[4:] == ["--models", "qwen2.5-7b", "--batches", "1", "--variants", "hf_static", "--same_process"]
-    # Without a GPU every row's process fails (the script stops before the rows when it is started that way): the
-    # parent still reports each row.
+    # Without a GPU every row's process fails (their parent, here, is let past its own GPU check): the parent still
+    # reports each row, as FAILED, and writes its JSON.
     import generation
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(generation.results_io, "require_cuda", lambda *a: None)
     monkeypatch.setattr(sys, "argv", ["generation.py", "--models", "opt-1.3b", "--batches", "1,2",
-                                      "--variants", "dschat_z0"])
-    rows, _ = generation.run_rows_in_fresh_processes(SimpleNamespace(models="opt-1.3b", batches="1,2",
-                                                                     variants="dschat_z0"))
+                                      "--variants", "dschat_z0", "--json", "gen.json"])
+    generation.main()
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
     assert [(r["batch"], r["ok"]) for r in rows] == [(1, False), (2, False)]
-    assert "left no result" in rows[0]["error"]
+    assert "left no result" in rows[0]["error"] and capsys.readouterr().out.count("FAILED") == 2
 
 
 GPU_ONLY = [["decode_attention.py"], ["decode_gemm.py"], ["generation.py", "--models", "opt-1.3b"], ["l2_prefetch.py"],
@@ -226,6 +228,9 @@ def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(tmp_path, argv):
     assert ("--smoke" in proc.stderr) == (argv[0] in ("logprob_delta.py", "tensor_parallel.py", "ppo_iteration.py"))
 
 
+GENERATION_ARGS = {"models": "opt-1.3b", "variants": "dschat_z0_graph", "batches": "64"}  # (what plot.py recognises)
+
+
 def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from plot import load_rows
@@ -236,7 +241,7 @@ def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_p
 
     paths = []
     for name, seconds in (("2026-11-30_s10_call1_gen.json", 0.8), ("2026-11-30_s9_call2_gen.json", 0.9)):
-        (tmp_path / name).write_text(json.dumps({"rows": [row(seconds)]}))
+        (tmp_path / name).write_text(json.dumps({"args": GENERATION_ARGS, "rows": [row(seconds)]}))
         paths.append(str(tmp_path / name))
     assert load_rows(paths)["opt-1.3b"]["dschat_z0_graph"][64] == 0.8, "session 10 is later than session 9"
 
@@ -275,7 +280,8 @@ def test_ppo_iteration_refuses_a_variant_it_does_not_know_and_too_few_iterations
 
 @pytest.mark.parametrize("argv, said", [(["--variants", "dschat_z0_grpah"], "'dschat_z0_grpah': a variant is"),
                                         (["--variants", "hf_dynamic,hf_statc"], "'hf_statc': a variant is"),
-                                        (["--batches", "1,x"], "'x': a batch size is a positive integer"),
+                                        (["--batches", "1,x"], "'x': a batch size: expected a positive integer"),
+                                        (["--variants", "dschat_z0_graph_holes0"], "_holes0 is now _tilemask"),
                                         (["--models", "opt-13b"], "'opt-13b': no such model shape")])
 def test_generation_refuses_a_variant_model_or_batch_it_cannot_run_at_parsing(argv, said):
     """A misspelled option was dropped and its row measured another variant (hf_statc: HF's dynamic cache), an unknown
@@ -289,11 +295,16 @@ def test_plot_names_a_file_that_is_no_generation_result_and_says_when_nothing_is
     all failed gave matplotlib's "Number of columns must be a positive integer"."""
     other = tmp_path / "ppo_iteration.json"
     other.write_text(json.dumps({"args": {}, "results": []}))
+    rows_too = tmp_path / "decode_attention.json"  # rows, of another benchmark's
+    rows_too.write_text(json.dumps({"args": {"layouts": "opt-1.3b"}, "rows": [{"ok": True, "us": 50.0}]}))
     failed = tmp_path / "generation.json"
-    failed.write_text(json.dumps({"rows": [{"ok": False, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0"}]}))
+    failed.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [{"ok": False, "model": "opt-1.3b", "batch": 64,
+                                                                  "variant": "dschat_z0"}]}))
     out = str(tmp_path / "plot.png")
     proc = run_bench("plot.py", str(other), "--out", out)
     assert proc.returncode == 1 and f"{other}: not a bench/generation.py result" in proc.stderr, proc.stderr[-2000:]
+    proc = run_bench("plot.py", str(rows_too), "--out", out)
+    assert proc.returncode == 1 and f"{rows_too}: not a bench/generation.py result" in proc.stderr, proc.stderr[-2000:]
     proc = run_bench("plot.py", str(failed), "--out", out)
     assert proc.returncode == 1 and "no measured row to plot" in proc.stderr, proc.stderr[-2000:]
 
@@ -312,8 +323,11 @@ def test_a_size_of_zero_is_a_flag_error_not_a_failure_inside_the_model(argv):
 @pytest.mark.parametrize("argv, said", [
     (["ppo_iteration.py", "--smoke", "--variants", "z2_hybrid", "--iterations", "3", "--profile_iteration", "3"],
      "--profile_iteration 3: the iterations are 0-based, 0 to 2"),
-    (["generation.py", "--batches", "1,16", "--profile", "64"], "--profile 64: no such batch in --batches 1,16")],
-    ids=["ppo_iteration", "generation"])
+    (["ppo_iteration.py", "--smoke", "--variants", "z2_hybrid", "--profile_iteration", "-1"],
+     "--profile_iteration -1: the iterations are 0-based"),
+    (["generation.py", "--batches", "1,16", "--profile", "64"], "--profile 64: no such batch in --batches 1,16"),
+    (["generation.py", "--same_process", "--batches", "1,16", "--profile", "64"], "--profile 64: no such batch")],
+    ids=["ppo_iteration", "ppo_iteration_negative", "generation", "generation_same_process"])
 def test_a_profile_of_an_iteration_or_batch_the_run_does_not_have_is_a_flag_error(argv, said):
     """Both ran without profiling anything, and said nothing."""
     proc = run_bench(*argv)
@@ -321,7 +335,7 @@ def test_a_profile_of_an_iteration_or_batch_the_run_does_not_have_is_a_flag_erro
 
 
 @pytest.mark.parametrize("argv, said", [(["decode_attention.py", "--layouts", "opt-13b"], "'opt-13b': no such layout"),
-                                        (["decode_gemm.py", "--batches", "64,0"], "'0': a batch size is a positive"),
+                                        (["decode_gemm.py", "--batches", "64,0"], "'0': a batch size: expected a positive"),
                                         (["sampling.py", "--vocabs", "gpt2"], "'gpt2': no such vocabulary")],
                          ids=["decode_attention", "decode_gemm", "sampling"])
 def test_a_gpu_microbenchmarks_unknown_shape_or_batch_is_a_flag_error(argv, said):
