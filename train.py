@@ -19,7 +19,10 @@ import sys
 
 def model_name(text):
     """A hub name, folder or preset; a bare OPT size ("1.3b", "350m": DeepSpeed-Chat's train.py took only those)
-    means facebook/opt-SIZE."""
+    means facebook/opt-SIZE. An empty one (an unset shell variable) is an error: it was looked up on the hub after
+    the report was reset (--actor-model), or silently became the actor's (--reward-model)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a hub name, local folder or tiny preset, got ''")
     return f"facebook/opt-{text}" if re.fullmatch(r"\d+(\.\d+)?[mb]", text) else text
 
 
@@ -103,10 +106,8 @@ def parse_args(argv=None):
     if not runs:
         p.error(f"--recipe {args.recipe} --step {' '.join(map(str, args.step))}: nothing to run; the recipe has no "
                 + "; no ".join(not_run))
-    if not args.actor_model:  # (an unset shell variable: step 1 looked '' up on the hub, after the report was reset)
-        p.error("argument --actor-model: expected a hub name, local folder or tiny preset, got ''")
     if not args.output_dir:  # (an unset shell variable: the steps wrote their folders into the working directory)
-        p.error("argument --output-dir: expected a folder, got '' (the working directory is '.')")
+        p.error("argument --output-dir: expected a folder, got '' (give . for the working directory)")
     if args.hostfile is not None and args.deployment_type != "multi_node":  # (it would go unused: one node's GPUs)
         p.error(f"argument --hostfile: only --deployment-type multi_node reads it (this is {args.deployment_type})")
     args.hostfile = args.hostfile or "/job/hostfile"

@@ -59,7 +59,8 @@ def generation_rows(path):
         raise SystemExit(f"{path}: {error}") from None
     args = payload.get("args") if isinstance(payload, dict) else None
     # (the other benchmarks' results have rows too; generation.py's alone were run with --models and --variants)
-    if not isinstance(args, dict) or not {"models", "variants"} <= set(args) or not isinstance(payload.get("rows"), list):
+    if not isinstance(args, dict) or not {"models", "variants"} <= set(args) \
+            or not isinstance(payload.get("rows"), list):
         raise SystemExit(f"{path}: not a bench/generation.py result (no \"rows\" of a run with --models and "
                          "--variants)")
     return payload["rows"]

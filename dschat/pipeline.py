@@ -414,7 +414,7 @@ def check_model_folders(steps, args):
     elif 3 in steps and args.reward_model != args.actor_model:  # (a tiny preset too: untrained, it is said)
         check_model_path(args.reward_model, "--reward-model")  # (a mistyped folder would leave step 2's in use)
         if not ready_reward_model(args):  # DeepSpeed-Chat's train.py --step 3 with the full run's flags
-            print_rank_0(f"--reward-model {args.reward_model} is no trained reward model folder (no value head): "
+            print_rank_0(f"--reward-model {args.reward_model} is no trained reward model (no value head): "
                          f"step 3 scores with {os.path.join(args.output_dir, RM_DIR)}, step 2's output")
 
 

@@ -560,7 +560,7 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
     # a --reward-model that is no trained reward model: said, and step 3 scores with step 2's output
     pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                                      str(out / "step1_sft")))
-    assert f"--reward-model {out / 'step1_sft'} is no trained reward model folder (no value head): step 3 scores " \
+    assert f"--reward-model {out / 'step1_sft'} is no trained reward model (no value head): step 3 scores " \
            f"with {out / 'step2_rm'}, step 2's output" in capsys.readouterr().out
     with pytest.raises(MissingInputError, match="--reward-model .*typo"):  # a mistyped folder: not step 2's instead
         pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
@@ -684,7 +684,7 @@ def test_train_py_step_3_says_a_tiny_preset_reward_model_is_not_what_it_scores_w
     out = tmp_path / "out"
     pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                                      "tiny-opt"))
-    assert f"--reward-model tiny-opt is no trained reward model folder (no value head): step 3 scores with " \
+    assert f"--reward-model tiny-opt is no trained reward model (no value head): step 3 scores with " \
            f"{out / 'step2_rm'}, step 2's output" in capsys.readouterr().out
     pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3"))  # the actor's: no note
     assert capsys.readouterr().out == ""
@@ -717,13 +717,14 @@ def test_train_py_step_1_alone_with_a_trained_reward_model_is_the_tiny_run_step_
     assert not pipeline.is_tiny_run(_train_py_args("--step", "1", "--reward-model", str(tmp_path)))  # an untrained one
 
 
-def test_train_py_refuses_an_empty_actor_model_naming_the_flag(capsys):
+@pytest.mark.parametrize("flag", ["--actor-model", "--reward-model"])
+def test_train_py_refuses_an_empty_model_naming_the_flag(capsys, flag):
     """--actor-model '' (an unset shell variable) got past every check: train.py replaced the output folder's report
     with an unfinished one, then step 1 failed with "error: : no such folder here, and loading it as a Hugging Face
-    hub name failed"."""
+    hub name failed"; --reward-model '' silently became the actor's."""
     with pytest.raises(SystemExit):
-        _train_py_args("--actor-model", "")
-    assert "argument --actor-model: expected a hub name, local folder or tiny preset, got ''" in capsys.readouterr().err
+        _train_py_args(flag, "")
+    assert f"argument {flag}: expected a hub name, local folder or tiny preset, got ''" in capsys.readouterr().err
 
 
 def test_train_py_refuses_an_empty_output_dir_naming_the_flag(capsys):
@@ -731,7 +732,7 @@ def test_train_py_refuses_an_empty_output_dir_naming_the_flag(capsys):
     directory."""
     with pytest.raises(SystemExit):
         _train_py_args("--output-dir", "")
-    assert "argument --output-dir: expected a folder, got '' (the working directory is '.')" in capsys.readouterr().err
+    assert "argument --output-dir: expected a folder, got '' (give . for the working directory)" in capsys.readouterr().err
 
 
 def test_train_py_reward_model_defaults_to_the_actor_and_another_tokenizer_fails_before_step_1(tmp_path, distributed):

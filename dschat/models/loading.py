@@ -252,8 +252,9 @@ def load_tokenizer(name_or_path, padding_side="right", add_eot_token=False, eot_
 
 
 def check_default_chat_template(tokenizer, name_or_path):
-    """Named chat templates (``chat_templates/*.jinja``: tool_use, rag, ...) need one called "default" for dschat's
-    plain conversations; without it every record failed in transformers' apply_chat_template, as data was built."""
+    """Named chat templates (``additional_chat_templates/*.jinja``: tool_use, rag, ...) need one called "default" for
+    dschat's plain conversations; without it every record failed in transformers' apply_chat_template, as data was
+    built."""
     templates = getattr(tokenizer, "chat_template", None)
     if isinstance(templates, dict) and "default" not in templates:
         raise UsageError(f"the tokenizer of {name_or_path} has named chat templates ({', '.join(sorted(templates))}) "

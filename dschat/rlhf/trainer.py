@@ -529,9 +529,9 @@ class DeepSpeedPPOTrainer:
         ``unsup_batches`` (cycled when there are fewer). ``train_actor`` False: the critic alone trains
         (--freezing_actor_steps; no unsupervised steps either, they train the actor). Returns the mean "actor_loss"
         (None when the actor did not train), "critic_loss" (None without a critic) and "unsup_loss" (None without
-        unsupervised data), the mean "pg_clipfrac" and "approx_kl" (None when the actor did not train) and "vf_clipfrac"
-        (None without a critic) over the micro-batches, and the rollout's KL to the reference over all ranks: per answer token ("kl") and per
-        answer ("kl_per_answer", the controller's unit)."""
+        unsupervised data), the mean "pg_clipfrac" and "approx_kl" (None when the actor did not train) and
+        "vf_clipfrac" (None without a critic) over the micro-batches, and the rollout's KL to the reference over all
+        ranks: per answer token ("kl") and per answer ("kl_per_answer", the controller's unit)."""
         experiences = checked_rollout(experiences)
         if not train_actor and self.critic_model is None:
             raise UsageError("train_rollout(train_actor=False) trains the critic alone, and this trainer has none")
