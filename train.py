@@ -131,9 +131,34 @@ def relaunch_with_deepspeed(args, argv):
         cmd += ["--hostfile", args.hostfile]
     cmd += [os.path.abspath(__file__), *argv]
     print("launching:", shlex.join(cmd), flush=True)  # (quoted: a --stepN-args string is one argument)
-    status = subprocess.call(cmd)
+    status = run_launcher(cmd)
     # a launcher killed by a signal (-N here) ends train.py as the shell says it: 128 + N (sys.exit(-9) gave 247)
     return 128 - status if status < 0 else status
+
+
+FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def run_launcher(cmd):
+    """The launcher's exit status. It runs in a process group of its own, and train.py passes a SIGINT, SIGTERM or
+    SIGHUP on to the whole group: the local deepspeed launcher passes none on to its ranks, so a signal to train.py
+    alone (a container's stop, a job's `kill PID`) ended train.py and left the ranks training (Ctrl-C in a terminal
+    reached them only as the terminal's process group)."""
+    import signal
+
+    with subprocess.Popen(cmd, start_new_session=True) as launcher:
+        def forward(signum, frame):
+            try:
+                os.killpg(launcher.pid, signum)
+            except ProcessLookupError:  # (the group has ended already)
+                pass
+
+        previous = {name: signal.signal(getattr(signal, name), forward) for name in FORWARDED_SIGNALS}
+        try:
+            return launcher.wait()  # (a forwarded signal ends the ranks, then the launcher: its status is returned)
+        finally:
+            for name, handler in previous.items():
+                signal.signal(getattr(signal, name), handler)
 
 
 def main(argv=None):

@@ -977,6 +977,67 @@ def test_train_py_trains_real_models_on_deepspeed_chats_data_unless_given_other(
     assert "--data_path" not in argvs[-1] and "not given" not in capsys.readouterr().out
 
 
+def fake_launcher(monkeypatch, launched, status):
+    """train.py's launcher process, faked: it records the command and ends with ``status``."""
+    import subprocess
+    from types import SimpleNamespace
+
+    class Launcher(SimpleNamespace):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(subprocess, "Popen",
+                        lambda cmd, **kw: launched.append(cmd) or Launcher(pid=-1, wait=lambda: status))
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_signal_to_train_py_reaches_the_ranks_of_the_launcher_it_started(tmp_path):
+    """The local deepspeed launcher passes no signal on to its ranks: a SIGTERM to train.py alone (a container's stop,
+    a job's kill PID) ended train.py and the launcher, and the ranks trained on, orphaned."""
+    import signal
+    import subprocess
+    import sys
+
+    launcher = tmp_path / "launcher.py"  # as deepspeed's: starts a rank, passes nothing on, waits
+    launcher.write_text("import subprocess, sys\n"
+                        "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                        f"open({str(tmp_path / 'rank.pid')!r}, 'w').write(str(rank.pid))\n"
+                        "rank.wait()\n")
+    driver = subprocess.Popen([sys.executable, "-c", "import runpy, sys; run = runpy.run_path(sys.argv[1])"
+                               "['run_launcher']; sys.exit(run([sys.executable, sys.argv[2]]))",
+                               str(REPO / "train.py"), str(launcher)])
+    pid_file = tmp_path / "rank.pid"
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    rank = int(pid_file.read_text())
+    driver.send_signal(signal.SIGTERM)
+    try:
+        driver.wait(timeout=30)
+        for _ in range(200):  # the rank ends (a zombie until init reaps it, once its launcher has ended)
+            if not _running(rank):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the rank still runs after train.py was stopped")
+    finally:
+        try:
+            os.kill(rank, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_run(tmp_path, monkeypatch):
     # the deepspeed launcher falls back to this node alone when the hostfile is missing: a typo must not do that
     import runpy
@@ -987,7 +1048,7 @@ def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(name, raising=False)
     launched = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, **kwargs: launched.append(cmd) or 0)
+    fake_launcher(monkeypatch, launched, 0)
     main = runpy.run_path(str(REPO / "train.py"))["main"]
     with pytest.raises(MissingInputError, match=f"--hostfile {tmp_path}/hosts: no such file"):
         main(["--deployment-type", "multi_node", "--hostfile", str(tmp_path / "hosts")])
@@ -1012,7 +1073,7 @@ def test_train_py_prints_the_launch_command_as_it_runs_it(monkeypatch, capsys):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(name, raising=False)
     launched = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, **kwargs: launched.append(cmd) or 0)
+    fake_launcher(monkeypatch, launched, 0)
     main = runpy.run_path(str(REPO / "train.py"))["main"]
     with pytest.raises(SystemExit):
         main(["--deployment-type", "single_node", "--step1-args", "--max_steps 2 --learning_rate 1e-3"])
@@ -1030,7 +1091,7 @@ def test_train_py_ends_with_the_shells_status_of_a_launcher_killed_by_a_signal(m
         monkeypatch.delenv(name, raising=False)
     main = runpy.run_path(str(REPO / "train.py"))["main"]
     for status, said in ((-9, 137), (2, 2), (0, 0)):
-        monkeypatch.setattr(subprocess, "call", lambda cmd, **kwargs: status)
+        fake_launcher(monkeypatch, [], status)
         with pytest.raises(SystemExit) as ended:
             main(["--deployment-type", "single_node"])
         assert ended.value.code == said
