@@ -472,6 +472,23 @@ def test_a_reward_model_trained_from_an_openrlhf_one_scores_raw_once_saved(tmp_p
                               trained.end_scores(ids, torch.ones_like(ids)), atol=1e-5)
 
 
+def test_a_normalizing_scorer_saved_as_loaded_scores_as_before(tmp_path, distributed):
+    """An OpenRLHF reward model loaded to score divides its scores by its mean and std (score_normalization):
+    save_reward_model dropped them with its config's keys, so the saved copy scored raw, silently other scores.
+    A critic started from the saved copy still starts from the raw scores."""
+    torch.manual_seed(0)
+    _openrlhf_reward_folder("llama", tmp_path / "openrlhf", "score", (0.75, 2.5))
+    scorer = load_reward_model(str(tmp_path / "openrlhf")).eval()
+    save_reward_model(scorer, _Tok(), str(tmp_path / "rm"))
+    again = load_reward_model(str(tmp_path / "rm")).eval()
+    assert again.score_normalization == (0.75, 2.5)
+    ids = torch.randint(3, 96, (2, 6))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        assert torch.allclose(again.end_scores(ids, mask), scorer.end_scores(ids, mask), atol=1e-5)
+    assert create_critic_model(str(tmp_path / "rm"), None).score_normalization is None
+
+
 def test_an_openrlhf_reward_model_whose_head_is_missing_is_no_reward_model(tmp_path):
     import json
 

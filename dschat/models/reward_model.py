@@ -14,6 +14,8 @@ from dschat.compat import backbone_ignoring_lm_head, disable_activation_checkpoi
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_META_FILE = "reward_model.json"
+# Its key for the (mean, std) a saved scorer divides its scores by (``RewardModel.score_normalization``).
+SCORE_NORMALIZATION_KEY = "score_normalization"
 # DeepSpeed-Chat's step 2 saves its RewardModel whole in one pytorch_model.bin: the backbone's weights under its
 # attribute's name (misspelt there), the head as "v_head.weight".
 DS_CHAT_WEIGHTS_FILE = "pytorch_model.bin"
@@ -178,11 +180,12 @@ class RewardModel(nn.Module):
             logger.warning("%s has no trained value head (%s): the head is new and random, so its scores mean nothing "
                            "until step 2 trains it; to score, load step 2's output folder", name, VALUE_HEAD_FILES)
         model.v_head.to(backbone.dtype)
-        # (a head dschat or DeepSpeed-Chat saved was trained here, on raw scores: a config's old statistics are not its)
+        # (a head dschat or DeepSpeed-Chat saved was trained here, on raw scores: a config's old statistics are not its;
+        # a normalizing scorer dschat saved as it was loaded keeps its own, in reward_model.json)
         from_score_head = head is not None and not ds_chat_file and not os.path.exists(os.path.join(path,
                                                                                                  VALUE_HEAD_FILE))
-        normalization = score_normalization(path) if from_score_head else None
-        for key in OPENRLHF_CONFIG_KEYS:  # (held by ``score_normalization`` if kept: a saved copy scores raw)
+        normalization = score_normalization(path) if from_score_head else saved_score_normalization(path)
+        for key in OPENRLHF_CONFIG_KEYS:  # (held by ``score_normalization`` if kept: not in a saved copy's config)
             backbone.config.__dict__.pop(key, None)
         if normalization and normalize_scores:
             model.score_normalization = normalization
@@ -197,8 +200,12 @@ class RewardModel(nn.Module):
         from safetensors.torch import save_file
 
         save_file({"weight": state_dict["v_head.weight"].contiguous()}, os.path.join(folder, VALUE_HEAD_FILE))
+        meta = {"format": "dschat-reward-model", "version": 1, "value_head": VALUE_HEAD_FILE}
+        if self.score_normalization is not None:  # (a scorer loaded so: saved without it, it would score raw)
+            mean, std = self.score_normalization
+            meta[SCORE_NORMALIZATION_KEY] = {"mean": mean, "std": std}
         with open(os.path.join(folder, REWARD_META_FILE), "w") as f:
-            json.dump({"format": "dschat-reward-model", "version": 1, "value_head": VALUE_HEAD_FILE}, f)
+            json.dump(meta, f)
 
 
 def reward_model_folder(name_or_path):
@@ -352,6 +359,15 @@ def score_normalization(path):
     if not std > 0:
         raise UsageError(f"{path}: config.json's normalize_reward divides scores by its std, {std}, which must be > 0")
     return mean, std
+
+
+def saved_score_normalization(path):
+    """(mean, std) that a normalizing scorer (an OpenRLHF reward model loaded to score) was saved with by
+    ``save_reward_model``, in its ``reward_model.json``, else None."""
+    from dschat.utils.files import read_json_object
+
+    saved = (read_json_object(os.path.join(path, REWARD_META_FILE)) or {}).get(SCORE_NORMALIZATION_KEY)
+    return None if saved is None else (float(saved["mean"]), float(saved["std"]))
 
 
 def ds_chat_reward_weights(path):
