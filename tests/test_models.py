@@ -710,6 +710,35 @@ def test_saving_into_a_folder_keeps_its_other_files_and_drops_the_old_save_and_l
     AutoModelForCausalLM.from_pretrained(out)
 
 
+def test_a_save_into_an_output_folder_on_another_filesystem_moves_in(tmp_path, monkeypatch, distributed):
+    """An output folder that is a mount point (a container's volume, a network share) is another filesystem than the
+    folder beside it, which a rename cannot cross (EXDEV, simulated here as the kernel answers it): the save was
+    written beside it and failed at its end to move in, leaving the model in a temporary folder that the next save
+    removed."""
+    import errno
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "training.log").write_text("the run's log\n")
+    rename = os.replace
+
+    def on_volume(path):
+        return os.path.abspath(path) == str(volume) or os.path.abspath(path).startswith(str(volume) + os.sep)
+
+    def replace(source, destination):
+        if on_volume(source) != on_volume(destination):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(source))
+        return rename(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    save_causal_lm(model, _NoTokenizer(), str(volume))
+    assert sorted(p.name for p in volume.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                       "training.log"]
+    assert [p.name for p in tmp_path.iterdir()] == ["volume"]  # no temporary folder left beside it
+    AutoModelForCausalLM.from_pretrained(volume)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_bf16_checkpoint_trains_in_the_dtype_asked_for(dtype, tmp_path, distributed):
     # transformers loads a checkpoint in its stored dtype and DeepSpeed casts only to fp16/bf16: fp32 must be asked

@@ -45,13 +45,15 @@ def plain_model_state_dict(module):
 
 @contextmanager
 def atomic_folder(output_dir):
-    """Write into a temporary sibling folder, then move it in (:func:`install_folder`), so a crash never leaves a
-    half-written model. A save killed before it moved its folder in left that folder: it goes."""
+    """Write into a temporary folder (:func:`staging_parent`), then move it in (:func:`install_folder`), so a crash
+    never leaves a half-written model. A save killed before it moved its folder in left that folder: it goes."""
     parent = os.path.dirname(os.path.abspath(output_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     prefix = f".{os.path.basename(os.path.abspath(output_dir))}.tmp-"
-    _remove_leftovers(parent, prefix)
-    tmp = temp_folder(parent, prefix)
+    staging = staging_parent(output_dir)
+    for folder in dict.fromkeys((parent, staging)):  # (an earlier save's may be in either)
+        _remove_leftovers(folder, prefix)
+    tmp = temp_folder(staging, prefix)
     try:
         yield tmp
         give_plain_modes(tmp)
@@ -59,6 +61,15 @@ def atomic_folder(output_dir):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     install_folder(tmp, output_dir)
+
+
+def staging_parent(output_dir):
+    """Where a save writes its temporary folder: in an existing ``output_dir`` itself, whose files it replaces one
+    rename at a time (``install_folder``), else beside it. A rename cannot cross filesystems: staged beside an output
+    folder that is a mount point (a container's volume, a network share) or a link to another disk, the finished
+    save failed to move in ("Invalid cross-device link") and left the model in the temporary folder, which the next
+    save removed."""
+    return output_dir if os.path.isdir(output_dir) else os.path.dirname(os.path.abspath(output_dir)) or "."
 
 
 def _remove_leftovers(parent, prefix):

@@ -560,8 +560,8 @@ def run_supervised_step(args, recipe):
     unread = unread_conditional_flags(args, step1_parser(), SUPERVISED_CONDITIONAL_FLAGS)
     if unread:
         print_rank_0(f"{tag} {'; '.join(unread)}: ignored")
-    # before training, not when the model is saved (beside the folder first, then moved in)
-    check_writable_folder(args.output_dir, "--output_dir", parent=True)
+    # before training, not when the model is saved
+    check_writable_folder(args.output_dir, "--output_dir")
     check_model_path(args.model_name_or_path, "--model_name_or_path")
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)

@@ -53,26 +53,24 @@ def give_plain_modes(folder):
                 os.chmod(path, 0o666 & ~mask)
 
 
-def check_writable_folder(path, flag, parent=False):
-    """An output folder this process can make (if need be) and write in, and with ``parent`` its parent folder too
-    (where steps 1, 2 and DPO write a model aside before they move it in): one that cannot be is a UsageError naming
-    ``flag`` before anything trains, not a traceback when the trained model is saved. Makes nothing (a run that fails
-    later leaves no empty output folder, which would pass for a step's output)."""
+def check_writable_folder(path, flag):
+    """An output folder this process can make (if need be) and write in (a model save is staged in it too:
+    ``checkpoint.staging_parent``): one that cannot be is a UsageError naming ``flag`` before anything trains, not a
+    traceback when the trained model is saved. Makes nothing (a run that fails later leaves no empty output folder,
+    which would pass for a step's output)."""
     from dschat.errors import UsageError
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{flag} {path}: a file, not a folder")
-    folders = [os.path.abspath(path)] + ([os.path.dirname(os.path.abspath(path))] if parent else [])
-    for folder in folders:
-        existing = folder
-        while not os.path.exists(existing):  # the folder a new one would be made in
-            existing = os.path.dirname(existing)
-        try:
-            if not os.path.isdir(existing):
-                raise NotADirectoryError(20, "Not a directory", existing)
-            os.rmdir(tempfile.mkdtemp(prefix=".dschat-write-check-", dir=existing))
-        except OSError as error:
-            raise UsageError(f"{flag} {path}: cannot write there ({error.strerror or error}: {existing})") from None
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # the folder a new one would be made in
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, "Not a directory", existing)
+        os.rmdir(tempfile.mkdtemp(prefix=".dschat-write-check-", dir=existing))
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot write there ({error.strerror or error}: {existing})") from None
 
 
 def path_under(folder, path):
