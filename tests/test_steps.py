@@ -217,6 +217,29 @@ def test_an_output_folder_that_cannot_be_written_is_a_flag_error_before_training
         main(["--output_dir", str(tmp_path / "afile")])
 
 
+def test_a_model_folder_with_a_peft_adapter_beside_it_is_a_flag_error_before_training(tmp_path, distributed,
+                                                                                       monkeypatch):
+    """A merged model saved into its adapter's folder: transformers loads the adapter onto the model and freezes its
+    weights, and the step failed with DeepSpeed's "optimizer got an empty parameter list" (with --lora_dim: a PEFT
+    version error), naming neither the folder nor the adapter."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import resolve_model_path
+
+    monkeypatch.setattr(common, "load_step_data", lambda *a, **k: pytest.fail("the step went on to its data"))
+    folder = tmp_path / "merged"
+    shutil.copytree(resolve_model_path("tiny-llama"), folder)
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(folder)
+    for lora in ([], ["--lora_dim", "4"]):
+        with pytest.raises(MissingInputError, match=f"--model_name_or_path {folder}: a whole model .* beside a PEFT "
+                                                    "adapter .*move the adapter's files"):
+            sft.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "sft"), *lora])
+
+
 def test_the_output_folder_check_makes_nothing_a_failed_step_would_leave(tmp_path, distributed):
     """An empty step folder, left by a step that failed after the check, passed train.py's check of earlier outputs."""
     from dschat.errors import MissingInputError

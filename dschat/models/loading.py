@@ -150,7 +150,8 @@ def check_model_path(name_or_path, flag):
     "Repo id must be in the form ..." traceback from a hub lookup."""
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
-    unloadable = os.path.isdir(name_or_path) and (not_a_model_folder(name_or_path) or no_weights_message(name_or_path))
+    unloadable = os.path.isdir(name_or_path) and (not_a_model_folder(name_or_path) or no_weights_message(name_or_path)
+                                                  or adapter_beside_model_message(name_or_path))
     if unloadable:
         raise MissingInputError(f"{flag} {unloadable}")
     if unknown := unknown_tiny_preset(name_or_path):
@@ -192,6 +193,19 @@ def not_a_model_folder(path, expected="a model folder (config.json)"):
     inside = [os.path.join(path, sub) for sub in run_models if os.path.isfile(os.path.join(path, sub, "config.json"))]
     holds = f" (a run's output folder: its models are {', '.join(inside)})" if inside else ""
     return f"{path}: no model in this folder: expected {expected}{holds}"
+
+
+def adapter_beside_model_message(path):
+    """Why the model folder ``path`` cannot train: a PEFT adapter saved beside its whole model (a merged model saved
+    into the adapter's folder), else None. transformers then loads the adapter onto the model and freezes every weight
+    of it (a step failed with "optimizer got an empty parameter list", or with LoRA a PEFT version error), and a
+    merged adapter would count twice."""
+    if not (os.path.isfile(os.path.join(path, "config.json"))
+            and os.path.isfile(os.path.join(path, "adapter_config.json"))):
+        return None
+    return (f"{path}: a whole model (config.json) beside a PEFT adapter (adapter_config.json), which transformers "
+            "would load onto it, freezing the model's weights (and applying the adapter twice if they have it "
+            "merged): move the adapter's files (adapter_config.json, adapter_model.*) out of the folder")
 
 
 def is_weights_file(name):
