@@ -238,6 +238,11 @@ def test_a_model_folder_with_a_peft_adapter_beside_it_is_a_flag_error_before_tra
         with pytest.raises(MissingInputError, match=f"--model_name_or_path {folder}: a whole model .* beside a PEFT "
                                                     "adapter .*move the adapter's files"):
             sft.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "sft"), *lora])
+    from dschat.errors import UsageError
+    from dschat.tools.common import load_policy
+
+    with pytest.raises(UsageError, match="a whole model .* beside a PEFT adapter"):  # the tools (chat.py, eval.py)
+        load_policy(str(folder))  # (transformers applied the adapter on loading: a merged one twice)
 
 
 def test_the_output_folder_check_makes_nothing_a_failed_step_would_leave(tmp_path, distributed):

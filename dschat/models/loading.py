@@ -365,6 +365,8 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     ``rlhf_training=True`` builds the architecture without loading weights (the caller loads a checkpoint).
     """
     path = resolve_model_path(model_name_or_path)
+    if os.path.isdir(path) and (adapter_beside := adapter_beside_model_message(path)):  # (the tools load here too)
+        raise UsageError(adapter_beside)
     config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)  # a typo: one clear error
     keep_alive = model_load_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
     torch_dtype = load_dtype(dtype, ds_config)
