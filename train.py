@@ -136,29 +136,75 @@ def relaunch_with_deepspeed(args, argv):
     return 128 - status if status < 0 else status
 
 
-FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+# A supervisor's stop (a container's, a job's `kill PID`) reaches train.py alone; the local deepspeed launcher passes
+# no signal on to its ranks, which trained on, orphaned. (Ctrl-C and Ctrl-\ reach every process of the terminal's
+# process group, the ranks included, so SIGINT and SIGQUIT are left as they are.)
+FORWARDED_SIGNALS = ("SIGTERM", "SIGHUP")
+RANKS_GRACE_S = 60  # how long the ranks have to end on the forwarded signal before they are killed
 
 
 def run_launcher(cmd):
-    """The launcher's exit status. It runs in a process group of its own, and train.py passes a SIGINT, SIGTERM or
-    SIGHUP on to the whole group: the local deepspeed launcher passes none on to its ranks, so a signal to train.py
-    alone (a container's stop, a job's `kill PID`) ended train.py and left the ranks training (Ctrl-C in a terminal
-    reached them only as the terminal's process group)."""
+    """The launcher's exit status. A SIGTERM or SIGHUP to train.py goes on to the launcher and every process under
+    it; train.py waits until they have ended, then ends by that signal itself (a signal train.py ignores, as under
+    nohup, stays ignored)."""
     import signal
 
-    with subprocess.Popen(cmd, start_new_session=True) as launcher:
-        def forward(signum, frame):
-            try:
-                os.killpg(launcher.pid, signum)
-            except ProcessLookupError:  # (the group has ended already)
-                pass
+    running = {}
 
-        previous = {name: signal.signal(getattr(signal, name), forward) for name in FORWARDED_SIGNALS}
+    def stop(signum, frame):
+        if "launcher" in running:
+            end_process_tree(running["launcher"].pid, signum, RANKS_GRACE_S)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    previous = {}
+    for name in FORWARDED_SIGNALS:  # (before the launcher starts: a signal in between is not lost)
+        number = getattr(signal, name)
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            previous[number] = signal.signal(number, stop)
+    try:
+        with subprocess.Popen(cmd) as launcher:
+            running["launcher"] = launcher
+            return launcher.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def end_process_tree(pid, signum, grace_s):
+    """``signum`` to process ``pid`` and every process under it; returns once they have all ended (a zombie has),
+    killing any still running after ``grace_s`` seconds."""
+    import time
+
+    import psutil  # (DeepSpeed's own dependency)
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
         try:
-            return launcher.wait()  # (a forwarded signal ends the ranks, then the launcher: its status is returned)
-        finally:
-            for name, handler in previous.items():
-                signal.signal(getattr(signal, name), handler)
+            process.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + grace_s
+    while (alive := [p for p in processes if _still_running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _still_running(process):
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def main(argv=None):
