@@ -243,6 +243,16 @@ def test_a_model_folder_with_a_peft_adapter_beside_it_is_a_flag_error_before_tra
 
     with pytest.raises(UsageError, match="a whole model .* beside a PEFT adapter"):  # the tools (chat.py, eval.py)
         load_policy(str(folder))  # (transformers applied the adapter on loading: a merged one twice)
+    from dschat.models.reward_model import load_reward_model
+
+    with pytest.raises(UsageError, match="a whole model .* beside a PEFT adapter"):  # (rw_eval, eval.py's scoring)
+        load_reward_model(str(folder))
+    for weights in folder.glob("model*.safetensors"):  # OpenRLHF's LoRA save: the adapter and the base's config.json
+        weights.unlink()
+    with pytest.raises(MissingInputError, match="a PEFT adapter folder .*not a whole model: merge the adapter"):
+        sft.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "sft")])
+    with pytest.raises(UsageError, match="a PEFT adapter folder .*not a whole model"):
+        load_policy(str(folder))
 
 
 def test_the_output_folder_check_makes_nothing_a_failed_step_would_leave(tmp_path, distributed):

@@ -173,9 +173,11 @@ def not_a_model_folder(path, expected="a model folder (config.json)"):
     """Why the folder ``path`` holds no model (a PEFT adapter's, a train.py run's output, or nothing), else None:
     transformers would fail on it with "Unrecognized model ... Should have a `model_type` key" or a tokenizer backend
     error."""
-    if os.path.isfile(os.path.join(path, "config.json")):
+    # what PEFT's save_pretrained writes (OpenRLHF's LoRA saves add the base model's config.json, without its weights)
+    adapter_only = os.path.isfile(os.path.join(path, "adapter_config.json")) and not holds_weights(path)
+    if os.path.isfile(os.path.join(path, "config.json")) and not adapter_only:
         return None
-    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # what PEFT's save_pretrained writes
+    if adapter_only:
         return (f"{path}: a PEFT adapter folder (adapter_config.json), not a whole model: merge the adapter into its "
                 "base model (PEFT's merge_and_unload(), then save_pretrained with the tokenizer) and pass that folder "
                 "(dschat's steps save LoRA models merged)")
@@ -200,12 +202,23 @@ def adapter_beside_model_message(path):
     into the adapter's folder), else None. transformers then loads the adapter onto the model and freezes every weight
     of it (a step failed with "optimizer got an empty parameter list", or with LoRA a PEFT version error), and a
     merged adapter would count twice."""
-    if not (os.path.isfile(os.path.join(path, "config.json"))
-            and os.path.isfile(os.path.join(path, "adapter_config.json"))):
+    if not (os.path.isfile(os.path.join(path, "adapter_config.json")) and holds_weights(path)):
         return None
     return (f"{path}: a whole model (config.json) beside a PEFT adapter (adapter_config.json), which transformers "
             "would load onto it, freezing the model's weights (and applying the adapter twice if they have it "
             "merged): move the adapter's files (adapter_config.json, adapter_model.*) out of the folder")
+
+
+def adapter_message(path):
+    """Why a folder holding a PEFT adapter does not load as a model (an adapter alone, or beside a whole model), else
+    None: checked wherever a model loads (``create_hf_model``, the reward model's), the tools' loads included."""
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return None
+    return adapter_beside_model_message(path) or not_a_model_folder(path)
+
+
+def holds_weights(path):
+    return any(is_weights_file(name) for name in os.listdir(path))
 
 
 def is_weights_file(name):
@@ -365,8 +378,8 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     ``rlhf_training=True`` builds the architecture without loading weights (the caller loads a checkpoint).
     """
     path = resolve_model_path(model_name_or_path)
-    if os.path.isdir(path) and (adapter_beside := adapter_beside_model_message(path)):  # (the tools load here too)
-        raise UsageError(adapter_beside)
+    if os.path.isdir(path) and (adapter := adapter_message(path)):  # (the tools load here too)
+        raise UsageError(adapter)
     config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)  # a typo: one clear error
     keep_alive = model_load_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
     torch_dtype = load_dtype(dtype, ds_config)

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel
 
 from dschat.compat import backbone_ignoring_lm_head, disable_activation_checkpointing, enable_activation_checkpointing
+from dschat.errors import UsageError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_META_FILE = "reward_model.json"
@@ -157,10 +158,13 @@ class RewardModel(nn.Module):
         warning unless ``new_head_expected``: as transformers warns of a new classification head, its scores mean
         nothing until step 2 trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's
         normalization (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
-        from dschat.models.loading import (check_weights_loaded, configure_dropout, grow_embeddings_for, hub_load,
-                                           load_dtype, model_load_context, readable_weights)
+        from dschat.models.loading import (adapter_message, check_weights_loaded, configure_dropout,
+                                           grow_embeddings_for, hub_load, load_dtype, model_load_context,
+                                           readable_weights)
 
         name, path = path, reward_model_folder(path)
+        if os.path.isdir(path) and (adapter := adapter_message(path)):  # (transformers would load the adapter on it)
+            raise UsageError(adapter)
         config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)
         keep_alive = model_load_context(ds_config)  # noqa: F841
         torch_dtype = load_dtype(dtype, ds_config)
@@ -337,7 +341,6 @@ def _score_head(location, path):
     key = location[1]
     # (transformers' decoder families and OpenRLHF's heads have no bias)
     if _weight_location(path, key[:-len("weight")] + "bias"):
-        from dschat.errors import UsageError
 
         raise UsageError(f"{path}: its score head ({key}) has a bias, which dschat's value head (a Linear without "
                          "bias) cannot hold")
