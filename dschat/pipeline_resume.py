@@ -107,7 +107,7 @@ def outdated_outputs(steps, recipe, output_dir, rm_from_sft=True, ready_reward_m
     outdated = []
     for step, name in RECIPE_STEP_FOLDERS[recipe].items():
         folder = os.path.join(output_dir, name)
-        if step in steps or not os.path.isdir(folder):
+        if step in steps or finished_time(folder) is None:  # (an unfinished output has nothing to report)
             continue
         inputs = [_folder(output_dir, recipe, s) for s in step_inputs(recipe, step, rm_from_sft, ready_reward_model)]
         if not InputCheck(inputs).current(finished_time(folder), read_run_args(folder)):

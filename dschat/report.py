@@ -187,7 +187,7 @@ def summary_lines(report):
         lines.append(f"plot: {report['plot']}")
     for folder in report.get("not_reported", []):
         why = ("not the reward model step 3 scored with" if report.get("reward_model") and folder == RM_DIR
-               else "made from an older output of a step run now")
+               else "made from an older output of a step before it")
         lines.append(f"not reported: {folder} (an earlier run's, {why})")
     return lines
 

@@ -414,3 +414,5 @@ def test_a_step_resume_skipped_leaves_the_later_steps_outputs_reported(tmp_path,
     report = pipeline.run_pipeline(TRAIN_PY["parse_args"]([*again, "--resume"]))
     assert report["skipped"] == ["step1"] and report["not_reported"] == ["step2_rm", "step3_ppo"]
     assert report["rm_accuracy"] is None and report["policy"] == "step1_sft"
+    (out / "step3_ppo" / "metrics.json").unlink()  # an interrupted step 3: nothing of it to report, nor to leave out
+    assert pipeline.run_pipeline(TRAIN_PY["parse_args"]([*again, "--resume"]))["not_reported"] == ["step2_rm"]
