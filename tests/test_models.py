@@ -487,6 +487,16 @@ def test_a_normalizing_scorer_saved_as_loaded_scores_as_before(tmp_path, distrib
     with torch.no_grad():
         assert torch.allclose(again.end_scores(ids, mask), scorer.end_scores(ids, mask), atol=1e-5)
     assert create_critic_model(str(tmp_path / "rm"), None).score_normalization is None
+    import json
+
+    meta = tmp_path / "rm" / "reward_model.json"  # a damaged copy: an error naming it, not a traceback or inf scores
+    recorded = json.loads(meta.read_text())
+    key = "score_normalization"
+    for damaged, said in (({"mean": 0.75, "std": 0}, "divides scores by its std, 0.0"),
+                          ({"mean": "x", "std": 2.5}, "must be finite numbers"), ([0.75, 2.5], "expected")):
+        meta.write_text(json.dumps({**recorded, key: damaged}))
+        with pytest.raises(ValueError, match=f"reward_model.json's {key}.*{said}"):
+            load_reward_model(str(tmp_path / "rm"))
 
 
 def test_an_openrlhf_reward_model_whose_head_is_missing_is_no_reward_model(tmp_path):

@@ -352,16 +352,19 @@ def score_normalization(path):
     config = _config_dict(path)
     if not config.get("normalize_reward") or not score_head_keys(config):
         return None
-    from dschat.errors import UsageError
+    return checked_normalization(config.get("mean", 0.0), config.get("std", 1.0), f"{path}: config.json's "
+                                 "normalize_reward")
 
-    values = config.get("mean", 0.0), config.get("std", 1.0)
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        raise UsageError(f"{path}: config.json's normalize_reward scores (score - mean) / std, whose mean and std must "
-                         f"be finite numbers: {values[0]!r}, {values[1]!r}")  # (NaN: every score NaN)
-    mean, std = map(float, values)
+
+def checked_normalization(mean, std, where):
+    """(mean, std) as floats; a UsageError naming ``where`` unless both are finite numbers and std > 0 (NaN: every
+    score NaN; 0: every score infinite)."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (mean, std)):
+        raise UsageError(f"{where} scores (score - mean) / std, whose mean and std must be finite numbers: {mean!r}, "
+                         f"{std!r}")
     if not std > 0:
-        raise UsageError(f"{path}: config.json's normalize_reward divides scores by its std, {std}, which must be > 0")
-    return mean, std
+        raise UsageError(f"{where} divides scores by its std, {float(std)}, which must be > 0")
+    return float(mean), float(std)
 
 
 def saved_score_normalization(path):
@@ -370,7 +373,12 @@ def saved_score_normalization(path):
     from dschat.utils.files import read_json_object
 
     saved = (read_json_object(os.path.join(path, REWARD_META_FILE)) or {}).get(SCORE_NORMALIZATION_KEY)
-    return None if saved is None else (float(saved["mean"]), float(saved["std"]))
+    if saved is None:
+        return None
+    where = f"{os.path.join(path, REWARD_META_FILE)}'s {SCORE_NORMALIZATION_KEY}"
+    if not isinstance(saved, dict):
+        raise UsageError(f"{where}: expected {{\"mean\": ..., \"std\": ...}}, got {saved!r}")
+    return checked_normalization(saved.get("mean"), saved.get("std"), where)
 
 
 def ds_chat_reward_weights(path):

@@ -236,7 +236,7 @@ def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
                          f"e.g. train.py's <output>/step2_rm")
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
     if model.score_normalization:
-        say_once("[dschat] the reward model {} scores as it was saved (OpenRLHF's normalize_reward): (score - {:.4g}) "
+        say_once("[dschat] the reward model {} scores as it was saved (normalized, as OpenRLHF's normalize_reward): (score - {:.4g}) "
                  "/ {:.4g}".format(path, *model.score_normalization))
     return model.to(device or default_device()).eval()
 
