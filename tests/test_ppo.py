@@ -1307,6 +1307,24 @@ def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, m
         load_reward_fn(f"{importer}:score")
 
 
+def test_a_reward_function_file_loads_as_an_imported_module_would(tmp_path):
+    """A file's module was in no sys.modules: a dataclass under `from __future__ import annotations` failed to load
+    ("'NoneType' object has no attribute '__dict__'"), and pickling the file's functions (a multiprocessing pool of a
+    math checker) failed in the function."""
+    import pickle
+
+    from dschat.rlhf.reward_fn import call_reward_fn, load_reward_fn
+
+    source = tmp_path / "typed_rewards.py"
+    source.write_text("from __future__ import annotations\nimport dataclasses, pickle\n\n\n@dataclasses.dataclass\n"
+                      "class Weights:\n    length: float = 0.5\n\n\ndef check(answer):\n    return len(answer)\n\n\n"
+                      "def score(prompts, answers):\n    check_again = pickle.loads(pickle.dumps(check))\n"
+                      "    return [Weights().length * check_again(a) for a in answers]\n")
+    fn = load_reward_fn(f"{source}:score")
+    assert call_reward_fn(fn, ["p1", "p2"], ["ab", "abcd"]) == [1.0, 2.0]
+    assert pickle.loads(pickle.dumps(fn)) is fn
+
+
 def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp_path):
     """The user's function needs the fix: one "error:" line and exit status 2 from the entry points (it was a
     RuntimeError and a traceback through dschat), naming the function, the prompt and where it raised."""

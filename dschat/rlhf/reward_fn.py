@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import math
 import os
+import sys
 import traceback
 
 from dschat.errors import MissingInputError, MissingModuleError, UsageError
@@ -76,8 +77,6 @@ def reward_fn_spec(fn):
     for eval.py): a function of a module file of its own by the file's path (found from any folder), one of a package
     as ``package.module:name`` (found where the package imports); else None: a lambda, a nested function, a method, a
     callable object, or a function of the running script or notebook (``__main__``: loading that would run it)."""
-    import sys
-
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not inspect.isfunction(fn) or "." in name or "<" in name or module in (None, "__main__"):
         return None
@@ -128,9 +127,16 @@ def _file_module(target):
     if key not in _FILE_MODULES:
         module_spec = importlib.util.spec_from_file_location(f"dschat_reward_fn_{abs(hash(key[0]))}", target)
         module = importlib.util.module_from_spec(module_spec)
+        # registered under its name while it runs and after, as an import would: a dataclass of the file (under
+        # `from __future__ import annotations`) looks its module up there, and pickle (a multiprocessing pool of
+        # the function's helpers) finds the file's functions by it
+        sys.modules[module_spec.name] = module
         try:
             module_spec.loader.exec_module(module)
-        except SyntaxError as error:  # (any other error's traceback says where it is)
+        except BaseException as error:
+            sys.modules.pop(module_spec.name, None)
+            if not isinstance(error, SyntaxError):  # (any other error's traceback says where it is)
+                raise
             raise UsageError(f"--reward_fn file {target}: {error.filename or target} line {error.lineno}: {error.msg}: "
                              f"{(error.text or '').strip()!r}") from None
         _FILE_MODULES[key] = module
