@@ -1364,6 +1364,16 @@ def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp
     assert call_reward_fn(lambda p, a: (len(x) for x in a), ["p1", "p2"], ["a", "bb"]) == [1.0, 2.0]
 
 
+def test_a_reward_too_large_for_a_float_is_refused_as_not_finite():
+    """An int past float's range raised a bare OverflowError from dschat, naming neither the function nor the answer."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import call_reward_fn
+
+    with pytest.raises(UsageError, match=r"returned 1000\d+ for prompt 'p2' and answer 'a2': each score must be a "
+                                         r"finite number"):
+        call_reward_fn(lambda p, a: [1, 10 ** 400], ["p1", "p2"], ["a1", "a2"])
+
+
 def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_batch(trained, tmp_path):
     """REINFORCE++ whitens returns: per micro-batch of one row that would leave no reward signal at all."""
     from dschat.rlhf import algorithms as algo

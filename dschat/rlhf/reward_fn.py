@@ -241,7 +241,7 @@ def _finite_number(value):
         return None
     try:
         value = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (an int past float's range, e.g. 10**400, overflows)
         return None
     return value if math.isfinite(value) else None
 
