@@ -510,7 +510,8 @@ def critic_only_flags(args, parser=None):
 CONDITIONAL_FLAGS = (
     (("lam", "cliprange_value", "whiten_advantages"), lambda a: a.advantage_estimator == "gae",
      "--advantage_estimator gae"),
-    (("gamma",), lambda a: a.advantage_estimator in ("gae", "reinforce_pp"),
+    # (GRPO and RLOO compare each answer's raw score with its group's: no per-token reward, no clip)
+    (("gamma", "clip_reward_value"), lambda a: a.advantage_estimator in ("gae", "reinforce_pp"),
      "--advantage_estimator gae or reinforce_pp"),
     (("grpo_norm_by_std",), lambda a: a.advantage_estimator == "grpo", "--advantage_estimator grpo"),
     (("ema_beta",), lambda a: a.enable_ema, "--enable_ema"),
@@ -736,7 +737,8 @@ def step3_parser():
     g.add_argument("--kl_horizon", type=positive_int, default=10000,
                    help="The adaptive controller's horizon, in answers; only with --adaptive_kl.")
     g.add_argument("--clip_reward_value", type=float, default=5.0,
-                   help="Clip the reward model's scores to [-this, this].")
+                   help="Clip each answer's score (the reward model's and --reward_fn's, weighted) to "
+                        "[-this, this]; GAE and REINFORCE++ only (GRPO and RLOO compare raw scores).")
     g.add_argument("--cliprange", type=float, default=0.2, help="PPO's policy-ratio clip.")
     g.add_argument("--cliprange_value", type=float, default=0.2, help="PPO's value clip around the old values.")
     g.add_argument("--gamma", type=float, default=1.0, help="Discount of the returns.")

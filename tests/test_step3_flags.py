@@ -236,6 +236,22 @@ def test_flags_read_only_when_another_setting_is_on_are_listed_when_it_is_off():
     assert {name for names, _, _ in CONDITIONAL_FLAGS for name in names} <= {a.dest for a in parser._actions}
 
 
+def test_a_reward_clip_is_said_to_be_ignored_where_the_group_compares_raw_scores():
+    """GRPO and RLOO take each answer's raw score (the clipped per-token rewards are not read): a --clip_reward_value
+    given with them was silently ignored."""
+    from dschat.args import unread_conditional_flags
+
+    parser = step3_parser()
+    for estimator in ("grpo", "rloo"):
+        args = parser.parse_args(["--advantage_estimator", estimator, "--n_samples_per_prompt", "2",
+                                  "--clip_reward_value", "1"])
+        assert unread_conditional_flags(args) == [
+            "--clip_reward_value 1.0 (read only with --advantage_estimator gae or reinforce_pp)"]
+    for estimator in ("gae", "reinforce_pp"):
+        args = parser.parse_args(["--advantage_estimator", estimator, "--clip_reward_value", "1"])
+        assert unread_conditional_flags(args) == []
+
+
 # DeepSpeed-Chat's step-3 scripts (training_scripts/opt/single_node/run_13b.sh, opt/multi_node/run_66b.sh,
 # single_node/run_7b_llama.sh, opt/single_node/sweep/run_single.sh without its hybrid engine switch, here with the
 # defaults of two hybrid-engine flags given explicitly), flags only: none gives a hybrid-engine flag a value of its
