@@ -1138,6 +1138,18 @@ def test_reward_settings_that_cannot_train_fail_before_anything_loads(tmp_path, 
     check_reward_sources(step3_args({"reward_fn": "tiny", "reward_model_weight": 0, "data_path": "tiny"}))  # notebook
 
 
+def test_a_reward_function_weighted_0_without_a_reward_model_is_refused():
+    """Every score 0, so every advantage 0: the run trained nothing, silently, calling the function each batch."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.reward_fn import check_reward_sources
+
+    with pytest.raises(UsageError, match="--reward_fn_weight 0 with --reward_model_weight 0 leaves no reward"):
+        check_reward_sources(step3_args({"reward_fn": "tiny", "reward_fn_weight": 0, "reward_model_weight": 0,
+                                         "data_path": "tiny"}))
+    check_reward_sources(step3_args({"reward_fn": "tiny", "reward_fn_weight": 0, "data_path": "tiny"}))  # monitored
+
+
 def test_train_py_grpo_on_own_data_asks_for_a_reward_function(tmp_path, distributed):
     import runpy
 

@@ -27,6 +27,9 @@ def check_reward_sources(args):
     gives 0 to any prompt it does not know, i.e. a constant reward and no learning) only scores the embedded data."""
     if not args.reward_fn and not args.reward_model_weight:
         raise UsageError("step3: --reward_model_weight 0 without --reward_fn leaves no reward to train on")
+    if not args.reward_fn_weight and not args.reward_model_weight:  # (every score 0: every advantage too)
+        raise UsageError("step3: --reward_fn_weight 0 with --reward_model_weight 0 leaves no reward to train on: "
+                         "every score is 0 (the held-out evaluation still reports the function's, unweighted)")
     from dschat.data.pipeline import as_list
 
     data = as_list(args.data_path)
