@@ -664,6 +664,27 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+def test_a_resume_with_another_reward_function_leaves_its_score_before_ppo_out(trained, tmp_path, capsys):
+    """The held-out reward_fn_mean before PPO came from the checkpoint, scored by the interrupted run's function: it
+    was reported beside the resumed run's score after PPO, by another function, as if comparable."""
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text("def score(prompts, answers):\n    return [5.0] * len(answers)\n")
+    second.write_text("def score(prompts, answers):\n    return [1.0] * len(answers)\n")
+    grpo = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "2", "--reward_model_weight", "0",
+            "--save_interval", "1"]
+    out = tmp_path / "ppo"
+    assert ppo.main(ppo_args(trained, out, *grpo, "--reward_fn", f"{first}:score", "--max_steps", "1"))[
+        "eval_before"]["reward_fn_mean"] == 5.0
+    same = ppo.main(ppo_args(trained, out, *grpo, "--reward_fn", f"{first}:score", "--max_steps", "2", "--resume"))
+    assert same["eval_before"]["reward_fn_mean"] == 5.0 and "left out" not in capsys.readouterr().out
+    metrics = ppo.main(ppo_args(trained, out, *grpo, "--reward_fn", f"{second}:score", "--max_steps", "3",
+                                "--resume"))
+    assert metrics["eval_before"]["reward_fn_mean"] is None and metrics["eval_after"]["reward_fn_mean"] == 1.0
+    assert all("reward_fn" not in example for example in metrics["eval_before"]["examples"])
+    assert "[step3] the held-out reward_fn_mean before PPO was scored by the checkpoint's run's reward function" in \
+        capsys.readouterr().out
+
+
 def test_a_resumed_runs_tensorboard_curves_hold_each_iteration_once(trained, tmp_path):
     """The interrupted run's events of the iterations after its last checkpoint stayed beside the ones the resumed run
     logs for them again: TensorBoard drew two points per such iteration (the jsonl log drops its copies)."""

@@ -185,9 +185,10 @@ def main(args=None):
         for model in (trainer.actor_model, trainer.critic_model):  # (a resume restarts them at its checkpoint)
             restart_deepspeed_tensorboard(model)
         position = {"iteration": 0, "epoch": 0, "batch": 0, "unsup_batches": 0,
-                    "eval_before": held_out_eval(trainer, eval_loader, args, device, scorer)}
+                    "eval_before": held_out_eval(trainer, eval_loader, args, device, scorer),
+                    "eval_reward_fn": reward_fn_identity(args)}
     else:
-        position = checkpoint
+        position = before_scored_alike(checkpoint, args)
     log_path = os.path.join(args.output_dir, "step3_log.jsonl")
     _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     clear_results(args, "step3", resumed=checkpoint is not None)
@@ -254,6 +255,7 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
                 save_checkpoint(trainer, ckpt_root, {"iteration": iteration, "epoch": epoch, "batch": batch_index + 1,
                                                      "unsup_batches": unsup_batches,
                                                      "eval_before": position.get("eval_before"),
+                                                     "eval_reward_fn": position.get("eval_reward_fn"),
                                                      "save_interval": args.save_interval, "total": schedule.total,
                                                      "seconds": seconds()})
         if iteration >= schedule.stop_at:
@@ -357,6 +359,33 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
         answer = exp["input_ids"][0, prompt_len:][exp["action_mask"][0].bool()]
         bar.write(f"  prompt: {trainer.tokenizer.decode(exp['prompts'][0], skip_special_tokens=True)!r}\n"
                   f"  answer: {trainer.tokenizer.decode(answer, skip_special_tokens=True)!r}")
+
+
+def reward_fn_identity(args):
+    """What a held-out reward_fn_mean was scored by: [the function's name, its file's content hash (else its spec)];
+    None without --reward_fn."""
+    from dschat.rlhf.reward_fn import recorded_reward_fn, reward_fn_file
+
+    if not args.reward_fn:
+        return None
+    spec = recorded_reward_fn(args.reward_fn)
+    found = reward_fn_file(spec)
+    return [spec.rpartition(":")[2], found[1] if found else spec]
+
+
+def before_scored_alike(position, args):
+    """A checkpoint's ``position`` whose held-out scores before PPO are this run's function's: those of another
+    function (a --resume with another or an edited --reward_fn) are left out and said, not set beside this run's
+    after PPO as if comparable. (A checkpoint from before dschat kept the identity is taken as it is.)"""
+    before, now = position.get("eval_before"), reward_fn_identity(args)
+    if "eval_reward_fn" not in position or position["eval_reward_fn"] == now or not before \
+            or before.get("reward_fn_mean") is None:
+        return position
+    print_rank_0("[step3] the held-out reward_fn_mean before PPO was scored by the checkpoint's run's reward function, "
+                 "another than this run's --reward_fn (or its file was edited since): left out")
+    before = {**before, "reward_fn_mean": None,
+              "examples": [{k: v for k, v in e.items() if k != "reward_fn"} for e in before.get("examples", [])]}
+    return {**position, "eval_before": before, "eval_reward_fn": now}
 
 
 def _eval_line(result):
