@@ -1137,6 +1137,19 @@ def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path, c
         assert results[key] == pytest.approx(metrics["eval_after"][key], abs=1e-4)
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["reward"] <= 1.0 for r in log)  # the rule scorer's range: no reward model added
+    # the groups whose two answers scored alike (no advantage): logged, and printed
+    assert all(0.0 <= r["frac_reward_zero_std"] <= 1.0 for r in log) and "frac_reward_zero_std=" in out
+
+
+def test_the_fraction_of_groups_scored_alike_is_what_grpo_cannot_learn_from():
+    """TRL's frac_reward_zero_std: a GRPO run whose every group scored alike trained nothing, silently."""
+    from dschat.rlhf.algorithms import grpo_advantages, zero_std_fraction
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 2.0, 3.0, 3.0, 0.5, 0.5])
+    assert zero_std_fraction(scores, 2) == 0.75 and zero_std_fraction(scores, 4) == 0.0
+    advantages, _ = grpo_advantages(scores, 2, torch.ones(8, 3))
+    alike = torch.tensor([True, True, False, False, True, True, True, True])
+    assert torch.all(advantages[alike] == 0) and torch.all(advantages[~alike] != 0)
 
 
 def test_reward_settings_that_cannot_train_fail_before_anything_loads(tmp_path, monkeypatch, distributed):

@@ -593,6 +593,13 @@ def _check_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size)
 
 
+def zero_std_fraction(scores: torch.Tensor, group_size: int) -> float:
+    """The fraction of groups (consecutive runs of ``group_size`` scores, one prompt's answers) whose answers all
+    scored the same: their group-relative advantages are 0, so they train nothing (TRL's ``frac_reward_zero_std``)."""
+    g = _check_groups(scores.detach().float(), group_size)
+    return (g == g[:, :1]).all(dim=1).float().mean().item()
+
+
 @register_adv_estimator("grpo")
 def grpo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor, norm_by_std: bool = True,
                     eps: float = 1e-6) -> Tuple[torch.Tensor, torch.Tensor]:

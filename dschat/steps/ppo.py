@@ -324,6 +324,8 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
               "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall}
+    if "frac_reward_zero_std" in trainer.stats:  # GRPO / RLOO: the groups whose answers all scored alike
+        record["frac_reward_zero_std"] = rank_mean(trainer.stats["frac_reward_zero_std"], device)
     if trained["actor_loss"] is None:  # --freezing_actor_steps: the critic alone trained
         record["actor_frozen"] = True
     # none with the actor frozen / without a critic / without ptx data; means over the iteration's micro-batches, then
@@ -343,11 +345,13 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
         f.write(json.dumps(record) + "\n")
     bar.update(1)
     bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['kl']:.3f}")
-    keys = ("reward", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers", "generation_time",
-            "experience_time", "training_time", "samples_per_s", "tokens_per_s")
+    keys = ("reward", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers", "frac_reward_zero_std",
+            "generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")
     frozen = " (actor frozen: --freezing_actor_steps)" if record.get("actor_frozen") else ""
+    alike = " (every group's answers scored alike: every advantage is 0)" \
+        if record.get("frac_reward_zero_std") == 1.0 else ""
     bar.write(f"[step3] iter {record['iteration']}: " + format_metrics({k: record[k] for k in keys if k in record})
-              + frozen)
+              + frozen + alike)
     if writer is not None:
         for k, v in record.items():
             if isinstance(v, (int, float)):
