@@ -1244,6 +1244,34 @@ def test_failing_reward_function_stops_with_the_prompt(trained, tmp_path):
         ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--reward_fn", f"{bad}:score"))
 
 
+def test_a_reward_function_failing_on_one_rank_stops_every_rank(trained, tmp_path, monkeypatch):
+    """A function that raised on one rank stopped that rank alone, and the others waited in the next collective: the
+    ranks now agree after each call (as on refused prompts), and the others say another rank's function failed."""
+    from dschat.errors import UsageError
+    from dschat.rlhf import trainer as trainer_module
+
+    def score(prompts, answers):
+        if fail:
+            raise ValueError("cannot score this")
+        return [1.0] * len(answers)
+
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=2,
+                                                reward_fn=score, reward_model_weight=0)
+    agreed = []  # what this rank told the others after each reward-function call (the prompt check's too)
+    monkeypatch.setattr(trainer_module, "get_world_size", lambda: 2)
+    scoring = lambda: len(agreed) % 2 == 0  # noqa: E731 (each batch: the prompts' check, then the scores')
+    monkeypatch.setattr(trainer_module, "ranks_agree",
+                        lambda ok, device: agreed.append(ok) or (ok and not (other_failed and scoring())))
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2)
+    fail, other_failed = False, True
+    with pytest.raises(UsageError, match="the reward function failed on another rank .* every rank stops"):
+        trainer.generate_experience(batch)
+    fail, other_failed = True, False
+    with pytest.raises(UsageError, match=r"'score' failed \(ValueError: cannot score this"):
+        trainer.generate_experience(batch)
+    assert agreed == [True, True, True, False]  # (prompts, scores) twice: this rank's failure was told the others
+
+
 def test_the_notebook_api_checks_its_settings_before_any_model_loads(monkeypatch):
     """``temperature=0`` from a notebook failed at the first generation, after every model had loaded (the command
     line refuses it at once); a list of reward functions (TRL's reward_funcs) with "unhashable type: 'list'"."""

@@ -277,12 +277,16 @@ class DeepSpeedPPOTrainer:
             check_prompt_length(mask, self.args.max_prompt_seq_len)
         except (UsageError, ValueError) as refused:
             error = refused
+        self._stop_together(error, "another rank refused its prompts")
+        return batch, prompts, mask
+
+    def _stop_together(self, error, elsewhere):
+        """Raise ``error`` (None: this rank went on) on every rank if any rank had one: on several ranks, one stopping
+        alone would leave the others waiting in the next collective. The others say ``elsewhere``."""
         if get_world_size() > 1 and not ranks_agree(error is None, self.device) and error is None:
-            raise UsageError("generate_experience: another rank refused its prompts (its error says why); every "
-                             "rank stops")
+            raise UsageError(f"generate_experience: {elsewhere} (its error says why); every rank stops")
         if error is not None:
             raise error
-        return batch, prompts, mask
 
     def _repeat_for_groups(self, batch):
         """Each prompt ``n_samples_per_prompt`` times in a row, so its answers form one group."""
@@ -309,7 +313,12 @@ class DeepSpeedPPOTrainer:
             prompts = batch.get("prompt_text") or prompt_texts(self.tokenizer, batch["prompt"],
                                                                batch["prompt_att_mask"])
             texts = answer_texts(self.tokenizer, answers, action_mask)
-            fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))
+            fn, error = None, None
+            try:
+                fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))
+            except UsageError as failed:  # (the function raised, or returned no score per answer)
+                error = failed
+            self._stop_together(error, "the reward function failed on another rank")
             scores = scores + a.reward_fn_weight * torch.tensor(fn, device=seq.device)
         return scores
 
