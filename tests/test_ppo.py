@@ -2052,3 +2052,42 @@ def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkey
     record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
     for key in own:
         assert record[key] == pytest.approx((own[key] + ranks_other[key]) / 2), key
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
+def test_step3_answers_stop_at_every_eos_id_of_the_actors_generation_config(tmp_path, distributed, hybrid):
+    """A generation_config listing a second EOS id (Llama-3-Instruct's <|end_of_text|> beside <|eot_id|>): step 3's
+    rollouts and held-out answers end there, as HF's generate and the tools' answers do; they ran on past it."""
+    from argparse import Namespace
+
+    from transformers import AutoModelForCausalLM
+
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+    from dschat.models.loading import load_tokenizer
+    from dschat.steps.ppo import held_out_eval
+    from dschat.tiny.presets import create_tiny_model
+
+    folder = str(tmp_path / "actor")
+    create_tiny_model("tiny-gpt2", folder)
+    tokenizer = load_tokenizer(folder, padding_side="left")
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    first = int(model.generate(batch["prompt"], attention_mask=batch["prompt_att_mask"], max_new_tokens=1,
+                               do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, -1])
+    assert first != tokenizer.eos_token_id
+    config_file = tmp_path / "actor" / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "eos_token_id": [tokenizer.eos_token_id, first]}))
+    reward_fn = tmp_path / "zero.py"
+    reward_fn.write_text("def score(prompts, answers):\n    return [0.0] * len(answers)\n")
+    args = {"critic_model_name_or_path": folder, "dtype": "fp32", "max_prompt_seq_len": 40, "max_answer_seq_len": 6,
+            "per_device_training_batch_size": 2, "num_warmup_steps": 0, "greedy": True, "reward_model_weight": 0,
+            "reward_fn": f"{reward_fn}:score", "enable_hybrid_engine": hybrid}
+    engine = DeepSpeedRLHFEngine(actor_model_name_or_path=folder, tokenizer=tokenizer, args=args)
+    trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
+    exp = trainer.generate_experience(batch)
+    answers = exp["input_ids"][:, batch["prompt"].shape[1]:]
+    assert answers[:, 0].tolist() == [first, first]
+    assert exp["action_mask"].sum(1).tolist() == [1, 1]  # the answer is its EOS
+    held_out = held_out_eval(trainer, [batch], Namespace(**{**vars(trainer.args), "eval_prompts": 2}), "cpu", None)
+    assert [e["answer"] for e in held_out["examples"]] == [tokenizer.decode([first]).strip()] * 2

@@ -32,7 +32,8 @@ def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_
 
 @torch.no_grad()
 def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_tokens, rule_scorer=None,
-                    max_prompts=None, keep_examples=4, synced_gpus=False, pad_to_multiple_of=1, reward_fn=None):
+                    max_prompts=None, keep_examples=4, synced_gpus=False, pad_to_multiple_of=1, reward_fn=None,
+                    eos_token_id=None):
     """Mean reward-model score, rule score and ``--reward_fn`` score of greedy answers to the prompts of ``loader``
     (all ranks).
 
@@ -42,14 +43,16 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
     Rows whose ``eval_weight`` is 0 (a rank's padding, see EvalWeighted) are generated for but not counted;
     rows without one count once. ``max_prompts`` counts rows, padding included, so ranks stop together.
     The reward model scores sequences right-padded to a multiple of ``pad_to_multiple_of`` (as step 3's experience).
+    ``eos_token_id``: the id(s) answers stop at (step 3's ``answer_stop_ids``); default the tokenizer's EOS.
     """
+    eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # reward sum, rule sum, count, reward_fn sum
     examples, seen = [], 0
     for batch in loader:
         if max_prompts and seen >= max_prompts:
             break
         prompts, mask = batch["prompt"].to(device), batch["prompt_att_mask"].to(device)
-        seq, amask = generate_answers(generate, prompts, mask, max_new_tokens, tokenizer.eos_token_id,
+        seq, amask = generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id,
                                       tokenizer.pad_token_id, synced_gpus)
         seq, amask, _ = pad_answers(seq, amask, tokenizer.pad_token_id, pad_to_multiple_of)
         full_mask = torch.cat([mask.long(), amask], dim=1)

@@ -14,7 +14,7 @@ from dschat.hybrid_engine.decode import forward_spec
 from dschat.hybrid_engine.generate_args import check_left_padded
 from dschat.hybrid_engine.tensor_parallel import ranks_agree
 from dschat.models.attention import no_empty_query_rows
-from dschat.models.loading import token_id_list
+from dschat.models.loading import stop_token_ids, token_id_list
 from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.rlhf import algorithms as algo
@@ -130,6 +130,14 @@ def sampling_kwargs(args, hf_generate=False):
             "top_p": args.top_p}
 
 
+def answer_stop_ids(actor, tokenizer):
+    """The EOS id(s) that end the actor's answers: the tokenizer's, then any other its generation_config lists
+    (Llama-3-Instruct's <|end_of_text|> beside <|eot_id|>), as the tools and HF's generate stop on them
+    (``stop_token_ids``). An int when there is one, as ``tokenizer.eos_token_id``."""
+    ids = stop_token_ids(unwrap_peft(actor.module), tokenizer)
+    return ids if len(ids) > 1 else ids[0]
+
+
 def answer_texts(tokenizer, answers, mask):
     """Each answer's text: its tokens where ``mask`` is set, without special tokens, stripped (what a reward function
     and the examples read)."""
@@ -173,7 +181,7 @@ class DeepSpeedPPOTrainer:
         self.tokenizer = e.tokenizer
         self.max_answer_seq_len = args.max_answer_seq_len
         self.pad_token_id = self.tokenizer.pad_token_id
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_id = answer_stop_ids(self.actor_model, self.tokenizer)
         self.kl_ctl = algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl,
                                              args.kl_target, args.kl_horizon)
         self.clip_reward_value, self.cliprange, self.cliprange_value = (args.clip_reward_value, args.cliprange,

@@ -15,7 +15,7 @@ from dschat.args import add_data_args, non_negative_int, positive_int, resolve_p
 from dschat.data.cache import tokenizer_fingerprint
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path
-from dschat.models.loading import check_sequence_fits, load_tokenizer, resolve_model_path
+from dschat.models.loading import check_sequence_fits, load_tokenizer, resolve_model_path, stop_token_ids
 from dschat.errors import UsageError
 from dschat.rlhf.engine import check_scores_actor_text
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
@@ -57,7 +57,8 @@ def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by
     result = evaluate_policy(model.generate, scoring, tokenizer, held_out, device, args.max_new_tokens,
                              rule_scorer_for(args.data_path), None, args.num_examples,
                              pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of),
-                             reward_fn=load_reward_fn(args.reward_fn) if args.reward_fn else None)
+                             reward_fn=load_reward_fn(args.reward_fn) if args.reward_fn else None,
+                             eos_token_id=stop_token_ids(model, tokenizer))  # (as step 3 and the other tools stop)
     return {"path": path, **result}, reward_model
 
 
