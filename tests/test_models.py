@@ -816,3 +816,27 @@ def test_saved_models_keep_their_folders_padding_side_not_the_steps(source_side,
         assert loaded.padding_side == step_side, "the step's own side is left as it was"
         for saved in ("policy", "rm"):
             assert AutoTokenizer.from_pretrained(tmp_path / saved).padding_side == source_side, (step_side, saved)
+
+
+def test_a_reward_models_config_says_its_tokenizers_pad_and_eos_ids_as_a_policys_does(tmp_path):
+    """A tokenizer without pad and EOS tokens (--add_eot_token adds one; pad = EOS): step 1's saved config says their
+    ids; step 2's kept the base model's (EOS 0, pad 1: other tokens than its tokenizer's)."""
+    import json
+
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.models.reward_model import create_critic_model
+    from dschat.tiny.presets import create_tiny_model
+
+    folder = tmp_path / "base"
+    create_tiny_model("tiny-gpt2", str(folder))
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "bos_token", "pad_token"):
+        settings.pop(key)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = load_tokenizer(str(folder), add_eot_token=True, eot_token="<|eot|>")
+    ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    assert ids == (len(tokenizer) - 1,) * 2  # the new token
+    policy = load_causal_lm(str(folder), tokenizer)
+    reward_model = create_critic_model(str(folder), tokenizer)
+    for config in (policy.config, reward_model.config):
+        assert (config.pad_token_id, config.eos_token_id, config.vocab_size) == (*ids, 1016)

@@ -158,9 +158,8 @@ class RewardModel(nn.Module):
         warning unless ``new_head_expected``: as transformers warns of a new classification head, its scores mean
         nothing until step 2 trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's
         normalization (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
-        from dschat.models.loading import (adapter_message, check_weights_loaded, configure_dropout,
-                                           grow_embeddings_for, hub_load, load_dtype, model_load_context,
-                                           readable_weights)
+        from dschat.models.loading import (adapter_message, check_weights_loaded, configure_dropout, hub_load,
+                                           load_dtype, model_load_context, readable_weights, sync_special_tokens)
 
         name, path = path, reward_model_folder(path)
         if os.path.isdir(path) and (adapter := adapter_message(path)):  # (transformers would load the adapter on it)
@@ -196,8 +195,8 @@ class RewardModel(nn.Module):
         elif normalization:
             logger.info("%s: its scores are normalized by mean %.4g and std %.4g when it scores; trained here, it "
                         "starts from the raw scores", name, *normalization)
-        if tokenizer is not None:
-            grow_embeddings_for(backbone, tokenizer)
+        if tokenizer is not None:  # (its saved config says the tokenizer's pad and EOS ids, as a policy's does)
+            sync_special_tokens(backbone, tokenizer)
         return model
 
     def save_head_and_meta(self, folder, state_dict):
