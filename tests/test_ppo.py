@@ -664,6 +664,27 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+def test_the_score_before_ppo_is_kept_across_resumes_by_the_same_function():
+    """A checkpoint from before the function's identity was kept: its score is taken, and the resumed run's identity
+    saved with its next checkpoints (it was saved as None, and the next resume left the score out as another
+    function's); "tiny" and its module path are one function; a notebook's function cannot be compared."""
+    from types import SimpleNamespace
+
+    before = {"reward_fn_mean": 0.5, "examples": [{"reward_fn": 0.5}]}
+    tiny = SimpleNamespace(reward_fn="tiny")
+    resumed = ppo.before_scored_alike({"eval_before": before}, tiny)
+    assert resumed["eval_before"] == before and resumed["eval_reward_fn"] == ppo.reward_fn_identity(tiny)
+    again = ppo.before_scored_alike(resumed, SimpleNamespace(reward_fn="dschat.tiny.scorer:score_batch"))
+    assert again["eval_before"]["reward_fn_mean"] == 0.5
+
+    def notebook_score(prompts, answers):
+        return [0.0] * len(answers)
+
+    assert ppo.reward_fn_identity(SimpleNamespace(reward_fn=notebook_score)) == "unknown"
+    kept = ppo.before_scored_alike(resumed, SimpleNamespace(reward_fn=notebook_score))
+    assert kept["eval_before"]["reward_fn_mean"] == 0.5
+
+
 def test_a_resume_with_another_reward_function_leaves_its_score_before_ppo_out(trained, tmp_path, capsys):
     """The held-out reward_fn_mean before PPO came from the checkpoint, scored by the interrupted run's function: it
     was reported beside the resumed run's score after PPO, by another function, as if comparable."""
@@ -1145,11 +1166,10 @@ def test_the_fraction_of_groups_scored_alike_is_what_grpo_cannot_learn_from():
     """TRL's frac_reward_zero_std: a GRPO run whose every group scored alike trained nothing, silently."""
     from dschat.rlhf.algorithms import grpo_advantages, zero_std_fraction
 
-    scores = torch.tensor([1.0, 1.0, 0.0, 2.0, 3.0, 3.0, 0.5, 0.5])
+    scores = torch.tensor([1.0, 1.0, 0.0, 2.0, 3.0, 3.0000002, 0.5, 0.5])  # (3.0000002: a reward model's last bits)
     assert zero_std_fraction(scores, 2) == 0.75 and zero_std_fraction(scores, 4) == 0.0
     advantages, _ = grpo_advantages(scores, 2, torch.ones(8, 3))
-    alike = torch.tensor([True, True, False, False, True, True, True, True])
-    assert torch.all(advantages[alike] == 0) and torch.all(advantages[~alike] != 0)
+    assert torch.all(advantages[[0, 1, 6, 7]] == 0) and torch.all(advantages[[2, 3]] != 0)  # (exactly alike: 0)
 
 
 def test_reward_settings_that_cannot_train_fail_before_anything_loads(tmp_path, monkeypatch, distributed):
@@ -1248,7 +1268,7 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(trained, tmp_pat
     """A function that raised on one rank stopped that rank alone, and the others waited in the next collective: the
     ranks now agree after each call (as on refused prompts), and the others say another rank's function failed."""
     from dschat.errors import UsageError
-    from dschat.rlhf import trainer as trainer_module
+    from dschat.hybrid_engine import tensor_parallel
 
     def score(prompts, answers):
         if fail:
@@ -1258,9 +1278,9 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(trained, tmp_pat
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=2,
                                                 reward_fn=score, reward_model_weight=0)
     agreed = []  # what this rank told the others after each reward-function call (the prompt check's too)
-    monkeypatch.setattr(trainer_module, "get_world_size", lambda: 2)
+    monkeypatch.setattr(tensor_parallel, "world_size", lambda: 2)
     scoring = lambda: len(agreed) % 2 == 0  # noqa: E731 (each batch: the prompts' check, then the scores')
-    monkeypatch.setattr(trainer_module, "ranks_agree",
+    monkeypatch.setattr(tensor_parallel, "ranks_agree",
                         lambda ok, device: agreed.append(ok) or (ok and not (other_failed and scoring())))
     batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2)
     fail, other_failed = False, True
@@ -1270,6 +1290,29 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(trained, tmp_pat
     with pytest.raises(UsageError, match=r"'score' failed \(ValueError: cannot score this"):
         trainer.generate_experience(batch)
     assert agreed == [True, True, True, False]  # (prompts, scores) twice: this rank's failure was told the others
+    # the held-out evaluation's calls too (a fresh run's first call), a rank of padding rows alone included
+    from dschat.rlhf.evaluation import _agreed_scored_rows
+
+    agreed.clear()
+    monkeypatch.setattr(tensor_parallel, "ranks_agree", lambda ok, device: agreed.append(ok) or (ok and not other_failed))
+    batch = {"prompt_text": ["p1", "p2"]}
+    fail, other_failed = False, True
+    with pytest.raises(UsageError, match="held-out evaluation: the reward function failed on another rank"):
+        _agreed_scored_rows(score, batch, ["a", "b"], [0.0, 0.0], "cpu")  # (padding rows: not called, still agrees)
+    fail, other_failed = True, False
+    with pytest.raises(UsageError, match=r"'score' failed \(ValueError"):
+        _agreed_scored_rows(score, batch, ["a", "b"], [1.0, 1.0], "cpu")
+    assert agreed == [True, False]
+    # a generator's body runs when its scores are read: its failure is the function's, said as such
+    with pytest.raises(UsageError, match=r"'lazy' failed \(ZeroDivisionError"):
+        _agreed_scored_rows(lambda_free_lazy, batch, ["a", "b"], [1.0, 1.0], "cpu")
+
+
+def lambda_free_lazy(prompts, answers):
+    return (1 / 0 for _ in answers)
+
+
+lambda_free_lazy.__name__ = "lazy"
 
 
 def test_the_notebook_api_checks_its_settings_before_any_model_loads(monkeypatch):

@@ -2,6 +2,7 @@
 import torch
 
 from dschat.data.samplers import eval_weights
+from dschat.errors import UsageError
 from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
 from dschat.rlhf.trainer import answer_mask, answer_texts, pad_answers
 from dschat.utils.dist import all_reduce
@@ -64,7 +65,7 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
         rules = [rule_scorer(p, t) for p, t in zip(batch["prompt_text"], texts)] if rule_scorer else [0.0] * len(texts)
         w = eval_weights(batch, len(texts), device)
         weights = w.tolist()
-        fn_scores = _scored_rows(reward_fn, batch, texts, weights) if reward_fn else [0.0] * len(texts)
+        fn_scores = _agreed_scored_rows(reward_fn, batch, texts, weights, device) if reward_fn else [0.0] * len(texts)
         reward_sum = torch.where(w > 0, scores * w, 0.0).sum().item()  # a padding row's nan/inf stays out too
         rule_sum = sum(r * x for r, x in zip(rules, weights) if x > 0)
         fn_sum = sum(f * x for f, x in zip(fn_scores, weights) if x > 0)
@@ -87,6 +88,20 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
     if reward_fn:
         result["reward_fn_mean"] = mean(3, True)
     return result
+
+
+def _agreed_scored_rows(reward_fn, batch, texts, weights, device):
+    """``_scored_rows``, with every rank told when the function failed on one (each runs as many batches, padding
+    included; a rank of padding rows alone does not call the function, but agrees all the same)."""
+    from dschat.hybrid_engine.tensor_parallel import stop_together
+
+    scores, error = None, None
+    try:
+        scores = _scored_rows(reward_fn, batch, texts, weights)
+    except UsageError as failed:
+        error = failed
+    stop_together(error, device, "held-out evaluation: the reward function failed on another rank")
+    return scores
 
 
 def _scored_rows(reward_fn, batch, texts, weights):

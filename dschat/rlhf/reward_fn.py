@@ -164,10 +164,10 @@ def call_reward_fn(fn, prompts, answers, extras=None):
         raise UsageError(f"{name} cannot be called as {how}: {ex}") from None
     try:
         returned = fn(*args, **kwargs)
+        scores = _score_list(returned)  # (a generator's body runs here)
     except Exception as ex:
         raise UsageError(f"{name} failed ({type(ex).__name__}: {ex}{_where(ex)}) on a batch starting with prompt "
                          f"{prompts[0]!r}") from ex
-    scores = _score_list(returned)
     if scores is None:
         raise UsageError(f"{name} returned {_short(returned)}, not a list of {len(answers)} numbers (one score per "
                          f"answer), on a batch starting with prompt {prompts[0]!r}")

@@ -12,7 +12,7 @@ from dschat.data.collators import padded_length
 from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.hybrid_engine.generate_args import check_left_padded
-from dschat.hybrid_engine.tensor_parallel import ranks_agree
+from dschat.hybrid_engine.tensor_parallel import stop_together
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.loading import stop_token_ids, token_id_list
 from dschat.models.lora import unwrap_peft
@@ -285,16 +285,8 @@ class DeepSpeedPPOTrainer:
             check_prompt_length(mask, self.args.max_prompt_seq_len)
         except (UsageError, ValueError) as refused:
             error = refused
-        self._stop_together(error, "another rank refused its prompts")
+        stop_together(error, self.device, "generate_experience: another rank refused its prompts")
         return batch, prompts, mask
-
-    def _stop_together(self, error, elsewhere):
-        """Raise ``error`` (None: this rank went on) on every rank if any rank had one: on several ranks, one stopping
-        alone would leave the others waiting in the next collective. The others say ``elsewhere``."""
-        if get_world_size() > 1 and not ranks_agree(error is None, self.device) and error is None:
-            raise UsageError(f"generate_experience: {elsewhere} (its error says why); every rank stops")
-        if error is not None:
-            raise error
 
     def _repeat_for_groups(self, batch):
         """Each prompt ``n_samples_per_prompt`` times in a row, so its answers form one group."""
@@ -326,7 +318,7 @@ class DeepSpeedPPOTrainer:
                 fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))
             except UsageError as failed:  # (the function raised, or returned no score per answer)
                 error = failed
-            self._stop_together(error, "the reward function failed on another rank")
+            stop_together(error, self.device, "generate_experience: the reward function failed on another rank")
             scores = scores + a.reward_fn_weight * torch.tensor(fn, device=seq.device)
         return scores
 

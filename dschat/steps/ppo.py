@@ -368,12 +368,16 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
 
 def reward_fn_identity(args):
     """What a held-out reward_fn_mean was scored by: [the function's name, its file's content hash (else its spec)];
-    None without --reward_fn."""
-    from dschat.rlhf.reward_fn import recorded_reward_fn, reward_fn_file
+    None without --reward_fn, and "unknown" for a function of a notebook or script (``__main__``: no file to hash,
+    so a change of it goes unseen)."""
+    from dschat.rlhf.reward_fn import ALIASES, recorded_reward_fn, reward_fn_file
 
     if not args.reward_fn:
         return None
     spec = recorded_reward_fn(args.reward_fn)
+    if spec.startswith("<"):  # (recorded_reward_fn's marker of a Python object)
+        return "unknown"
+    spec = ALIASES.get(spec, spec)  # ("tiny" and its module path are one function)
     found = reward_fn_file(spec)
     return [spec.rpartition(":")[2], found[1] if found else spec]
 
@@ -381,9 +385,12 @@ def reward_fn_identity(args):
 def before_scored_alike(position, args):
     """A checkpoint's ``position`` whose held-out scores before PPO are this run's function's: those of another
     function (a --resume with another or an edited --reward_fn) are left out and said, not set beside this run's
-    after PPO as if comparable. (A checkpoint from before dschat kept the identity is taken as it is.)"""
+    after PPO as if comparable. (A checkpoint from before dschat kept the identity is taken as it is, and given this
+    run's; a notebook's function, "unknown", cannot be compared.)"""
     before, now = position.get("eval_before"), reward_fn_identity(args)
-    if "eval_reward_fn" not in position or position["eval_reward_fn"] == now or not before \
+    if "eval_reward_fn" not in position or position["eval_reward_fn"] is None:  # (an older checkpoint: taken as is,
+        return {**position, "eval_reward_fn": now}  # and this run's identity saved with its next checkpoints)
+    if position["eval_reward_fn"] in (now, "unknown") or now == "unknown" or not before \
             or before.get("reward_fn_mean") is None:
         return position
     print_rank_0("[step3] the held-out reward_fn_mean before PPO was scored by the checkpoint's run's reward function, "
