@@ -132,7 +132,8 @@ def _file_module(target):
         module = importlib.util.module_from_spec(module_spec)
         # registered under its name while it runs and after, as an import would: a dataclass of the file (under
         # `from __future__ import annotations`) looks its module up there, and pickle (a multiprocessing pool of
-        # the function's helpers) finds the file's functions by it
+        # the function's helpers) finds the file's functions by it. (Only in this process and its forks: a pool
+        # started with "spawn" or "forkserver" cannot import that name; give such a function as module:function.)
         sys.modules[module_spec.name] = module
         try:
             module_spec.loader.exec_module(module)
