@@ -2004,7 +2004,7 @@ def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch)
         signature.bind(*args, **kwargs).arguments))
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=SimpleNamespace(generate=None)),
                               eval=lambda: None, reward_model=None, tokenizer=None, z3_enabled=False,
-                              pad_to_multiple_of=1, reward_fn=None)
+                              pad_to_multiple_of=1, reward_fn=None, eos_token_id=0)
     args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=given)
     ppo.held_out_eval(trainer, None, args, "cpu", None)
     assert seen["max_prompts"] == per_rank
