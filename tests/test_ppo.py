@@ -2032,7 +2032,7 @@ def test_the_held_out_evaluation_runs_outside_the_hybrid_engines_iterations(monk
     actor = Actor()
     trainer = types.SimpleNamespace(hybrid=True, actor_model=actor, eval=lambda: seen.append(("eval", actor.inside)),
                                     reward_model=None, tokenizer=None, z3_enabled=False, pad_to_multiple_of=None,
-                                    reward_fn=None)
+                                    reward_fn=None, eos_token_id=0)
     monkeypatch.setattr(ppo, "evaluate_policy", lambda *a, **k: seen.append(("generate", actor.inside)) or "result")
     args = types.SimpleNamespace(eval_max_new_tokens=4, max_answer_seq_len=4, eval_prompts=2)
     assert ppo.held_out_eval(trainer, None, args, "cpu", None) == "result"
