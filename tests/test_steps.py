@@ -438,7 +438,7 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
     from dschat.utils import cli
 
     ended = []  # the process group is left before the exit (a gloo group left to the interpreter aborted a rank)
-    monkeypatch.setattr(cli, "_end_distributed", lambda peers_only=False: ended.append(peers_only))
+    monkeypatch.setattr(cli, "end_distributed", lambda peers_only=False: ended.append(peers_only))
     monkeypatch.delenv("DSCHAT_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exit_:
         run_entry_point(bad_flag)

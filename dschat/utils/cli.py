@@ -47,14 +47,14 @@ def run_entry_point(main, resumable=False):
             raise
         if first_to_say(str(error)):
             print(f"error: {error}", file=sys.stderr, flush=True)
-        _end_distributed(peers_only=True)  # (the ranks stop together: no collective is pending)
+        end_distributed(peers_only=True)  # (the ranks stop together: no collective is pending)
         sys.exit(2)
     except FloatingPointError as error:  # a diverged run (a non-finite loss or gradient norm): its message says where
         if traceback:
             raise
         if first_to_say(str(error)):
             print(f"error: {error}", file=sys.stderr, flush=True)
-        _end_distributed(peers_only=True)
+        end_distributed(peers_only=True)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback each
         if traceback:
@@ -70,11 +70,11 @@ def run_entry_point(main, resumable=False):
         print(f"error: rank {get_rank()} stopped: another rank stopped first (its error, if it printed one, is "
               "above)", file=sys.stderr, flush=True)
         sys.exit(1)
-    _end_distributed()
+    end_distributed()
     return result
 
 
-def _end_distributed(peers_only=False):
+def end_distributed(peers_only=False):
     """A finished or refused run leaves the process group as torch asks (NCCL warns at exit otherwise:
     "destroy_process_group() was not called before program exit, which can leak resources"; a gloo group left to the
     interpreter's exit aborted a rank now and then, "terminate called without an active exception", and the
