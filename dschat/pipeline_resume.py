@@ -106,11 +106,11 @@ def outdated_outputs(steps, recipe, output_dir, rm_from_sft=True, ready_reward_m
     ``--step 1 --resume`` (skipped) leaves step 2's and 3's folders the first step-1 output's."""
     outdated = []
     for step, name in RECIPE_STEP_FOLDERS[recipe].items():
-        folder = os.path.join(output_dir, name)
-        if step in steps or finished_time(folder) is None:  # (an unfinished output has nothing to report)
+        finished = finished_time(os.path.join(output_dir, name))
+        if step in steps or finished is None:  # (an unfinished output has nothing to report)
             continue
         inputs = [_folder(output_dir, recipe, s) for s in step_inputs(recipe, step, rm_from_sft, ready_reward_model)]
-        if not InputCheck(inputs).current(finished_time(folder), read_run_args(folder)):
+        if not InputCheck(inputs).current(finished, read_run_args(os.path.join(output_dir, name))):
             outdated.append(name)
     return outdated
 

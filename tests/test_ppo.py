@@ -1269,6 +1269,7 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(trained, tmp_pat
     ranks now agree after each call (as on refused prompts), and the others say another rank's function failed."""
     from dschat.errors import UsageError
     from dschat.hybrid_engine import tensor_parallel
+    from dschat.utils import dist as dist_utils
 
     def score(prompts, answers):
         if fail:
@@ -1278,7 +1279,7 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(trained, tmp_pat
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=2,
                                                 reward_fn=score, reward_model_weight=0)
     agreed = []  # what this rank told the others after each reward-function call (the prompt check's too)
-    monkeypatch.setattr(tensor_parallel, "world_size", lambda: 2)
+    monkeypatch.setattr(dist_utils, "get_world_size", lambda: 2)  # (read by tensor_parallel.together)
     scoring = lambda: len(agreed) % 2 == 0  # noqa: E731 (each batch: the prompts' check, then the scores')
     monkeypatch.setattr(tensor_parallel, "ranks_agree",
                         lambda ok, device: agreed.append(ok) or (ok and not (other_failed and scoring())))

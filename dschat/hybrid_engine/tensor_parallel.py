@@ -53,20 +53,23 @@ def ranks_agree(flag, device, group=None):
     return bool(t.item())
 
 
-def world_size():
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def stop_together(error, device, elsewhere):
-    """Raise ``error`` (None: this rank went on) on every rank of the world if any rank had one: on several ranks, one
-    stopping alone would leave the others waiting in the next collective. The others raise a UsageError saying
-    ``elsewhere`` (e.g. "another rank refused its prompts"). A collective: every rank calls it."""
+def together(work, device, elsewhere, errors):
+    """``work()``'s result; when it raises one of ``errors`` on any rank, every rank raises: that rank its error, the
+    others a UsageError saying ``elsewhere`` (e.g. "another rank refused its prompts"). On several ranks, one
+    stopping alone would leave the others waiting in the next collective. A collective: every rank calls it."""
     from dschat.errors import UsageError
+    from dschat.utils.dist import get_world_size
 
-    if world_size() > 1 and not ranks_agree(error is None, device) and error is None:
+    result, error = None, None
+    try:
+        result = work()
+    except errors as failed:
+        error = failed
+    if get_world_size() > 1 and not ranks_agree(error is None, device) and error is None:
         raise UsageError(f"{elsewhere} (its error says why); every rank stops")
     if error is not None:
         raise error
+    return result
 
 
 @dataclasses.dataclass

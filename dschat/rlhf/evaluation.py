@@ -93,15 +93,10 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
 def _agreed_scored_rows(reward_fn, batch, texts, weights, device):
     """``_scored_rows``, with every rank told when the function failed on one (each runs as many batches, padding
     included; a rank of padding rows alone does not call the function, but agrees all the same)."""
-    from dschat.hybrid_engine.tensor_parallel import stop_together
+    from dschat.hybrid_engine.tensor_parallel import together
 
-    scores, error = None, None
-    try:
-        scores = _scored_rows(reward_fn, batch, texts, weights)
-    except UsageError as failed:
-        error = failed
-    stop_together(error, device, "held-out evaluation: the reward function failed on another rank")
-    return scores
+    return together(lambda: _scored_rows(reward_fn, batch, texts, weights), device,
+                    "held-out evaluation: the reward function failed on another rank", UsageError)
 
 
 def _scored_rows(reward_fn, batch, texts, weights):

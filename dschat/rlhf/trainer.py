@@ -12,7 +12,7 @@ from dschat.data.collators import padded_length
 from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.hybrid_engine.generate_args import check_left_padded
-from dschat.hybrid_engine.tensor_parallel import stop_together
+from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.loading import stop_token_ids, token_id_list
 from dschat.models.lora import unwrap_peft
@@ -278,15 +278,14 @@ class DeepSpeedPPOTrainer:
         """(batch, prompts, mask) on this rank's device, repeated for the answer groups; prompts that cannot be
         generated from stop every rank together (on several ranks, one stopping alone would leave the others
         waiting in the generation's collectives)."""
-        error = None
-        try:
+        def checked():
             batch = self._repeat_for_groups(prompt_batch(prompts, mask))
-            prompts, mask = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
-            check_prompt_length(mask, self.args.max_prompt_seq_len)
-        except (UsageError, ValueError) as refused:
-            error = refused
-        stop_together(error, self.device, "generate_experience: another rank refused its prompts")
-        return batch, prompts, mask
+            on_device = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
+            check_prompt_length(on_device[1], self.args.max_prompt_seq_len)
+            return batch, *on_device
+
+        return together(checked, self.device, "generate_experience: another rank refused its prompts",
+                        (UsageError, ValueError))
 
     def _repeat_for_groups(self, batch):
         """Each prompt ``n_samples_per_prompt`` times in a row, so its answers form one group."""
@@ -313,12 +312,8 @@ class DeepSpeedPPOTrainer:
             prompts = batch.get("prompt_text") or prompt_texts(self.tokenizer, batch["prompt"],
                                                                batch["prompt_att_mask"])
             texts = answer_texts(self.tokenizer, answers, action_mask)
-            fn, error = None, None
-            try:
-                fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))
-            except UsageError as failed:  # (the function raised, or returned no score per answer)
-                error = failed
-            stop_together(error, self.device, "generate_experience: the reward function failed on another rank")
+            fn = together(lambda: call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch)), self.device,
+                          "generate_experience: the reward function failed on another rank", UsageError)
             scores = scores + a.reward_fn_weight * torch.tensor(fn, device=seq.device)
         return scores
 
