@@ -85,6 +85,7 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
         report["held_out_examples"] = {"sft_policy": before.get("examples", []),
                                        "ppo_policy": after.get("examples", [])}
         report["step3_iterations"] = step3.get("iterations")
+        report["step3_algorithm"] = step3.get("algorithm", "PPO")  # (an earlier version's step 3 names none)
         # a critic-free run (GRPO) logs no critic loss: no curve of nulls, and no plot panel
         report["step3_curve"] = {k: [r.get(k) for r in curve] for k in ("reward", "kl", "actor_loss", "critic_loss")
                                  if any(k in r for r in curve)}
@@ -173,14 +174,16 @@ def summary_lines(report):
         lines.append(f"reward model: {report['reward_model']} (given by --reward-model; no step 2 in this run)")
     held = report.get("held_out")
     if held:
-        for name in ("sft_policy", "ppo_policy"):
+        algorithm = report.get("step3_algorithm", "PPO")
+        # (report.json keys them "sft_policy" and "ppo_policy" whatever step 3's algorithm)
+        for name, said_as in (("sft_policy", "SFT policy"), ("ppo_policy", f"{algorithm} policy")):
             r = held[name]
             scores = (("reward", "reward_mean"), ("rule score", "rule_score_mean"), ("reward_fn", "reward_fn_mean"))
             parts = [f"{label} {r[key]:.4f}" for label, key in scores if r.get(key) is not None]
-            lines.append(f"held-out {name}: {', '.join(parts) or 'no held-out prompts, so no score'}")
+            lines.append(f"held-out {said_as}: {', '.join(parts) or 'no held-out prompts, so no score'}")
         curve = report.get("step3_curve", {})
         if curve.get("kl"):
-            lines.append(f"PPO: {report['step3_iterations']} iterations, {final_kl_said(curve['kl'])}")
+            lines.append(f"{algorithm}: {report['step3_iterations']} iterations, {final_kl_said(curve['kl'])}")
     if report.get("dpo"):
         lines += dpo_summary_lines(report["dpo"])
     if report.get("plot"):

@@ -1,4 +1,6 @@
 """Step 3's held-out evaluation over several ranks: the sampler's padding repeats are run but not counted."""
+import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -143,7 +145,24 @@ def test_no_held_out_prompts_is_no_score_not_a_mean_of_zero(tokenizer):
     assert result["prompts"] == 0
     assert result["reward_mean"] is result["rule_score_mean"] is result["reward_fn_mean"] is None
     held = {"sft_policy": result, "ppo_policy": result, "prompts": 0}
-    assert "held-out ppo_policy: no held-out prompts, so no score" in summary_lines({"timings_s": {}, "held_out": held})
+    assert "held-out PPO policy: no held-out prompts, so no score" in summary_lines({"timings_s": {}, "held_out": held})
+
+
+def test_the_summary_names_step_3s_algorithm(tmp_path):
+    """A GRPO run's summary said "held-out ppo_policy" and "PPO: 3 iterations"."""
+    from dschat.report import build_report, summary_lines
+    from dschat.run_layout import FINISHED_MARK, PPO_DIR
+
+    os.makedirs(tmp_path / PPO_DIR)
+    result = {"reward_mean": None, "rule_score_mean": 0.5, "reward_fn_mean": 0.25}
+    with open(tmp_path / PPO_DIR / FINISHED_MARK, "w") as f:
+        json.dump({"iterations": 3, "algorithm": "GRPO", "eval_before": result, "eval_after": result}, f)
+    with open(tmp_path / PPO_DIR / "step3_log.jsonl", "w") as f:
+        f.write(json.dumps({"reward": 0.5, "kl": 0.001}) + "\n")
+    lines = summary_lines(build_report(str(tmp_path), {}, recipe="grpo"))
+    assert "held-out SFT policy: rule score 0.5000, reward_fn 0.2500" in lines
+    assert "held-out GRPO policy: rule score 0.5000, reward_fn 0.2500" in lines
+    assert "GRPO: 3 iterations, final KL 0.0010" in lines
 
 
 def test_the_report_says_the_final_kl_as_a_mean_of_the_last_iterations():

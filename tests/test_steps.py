@@ -680,6 +680,7 @@ def test_train_py_grpo_is_rewarded_by_a_trained_reward_model_and_dpo_refuses_one
     assert flags["data_split"] == "4,4,2" and flags["dtype"] == "fp32", "the tiny recipe still applies"
     assert "step 3 scores with it (GRPO: instead of --reward_fn)" in printed
     assert report["reward_model"] == "acme/grpo-reward" and report["held_out"]["ppo_policy"]["reward_mean"] is not None
+    assert report["step3_algorithm"] == "GRPO" and "held-out GRPO policy: reward" in printed
     with pytest.raises(UsageError, match="--reward-model acme/grpo-reward: --recipe dpo scores with no reward model"):
         pipeline.run_pipeline(_train_py_args("--recipe", "dpo", "--reward-model", "acme/grpo-reward",
                                              "--output-dir", str(tmp_path / "dpo")))

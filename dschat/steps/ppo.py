@@ -200,10 +200,14 @@ def main(args=None):
     after = held_out_eval(trainer, eval_loader, args, device, scorer)
     print_rank_0(f"[step3] held-out after PPO: {_eval_line(after)}")
     save_models(trainer, args)
-    metrics = {"iterations": iteration, "eval_before": before, "eval_after": after,
-               "seconds": seconds_so_far(started, checkpoint)}
+    metrics = {"iterations": iteration, "algorithm": ALGORITHM_NAMES[args.advantage_estimator],
+               "eval_before": before, "eval_after": after, "seconds": seconds_so_far(started, checkpoint)}
     write_results(args, metrics, "step3")
     return metrics
+
+
+# What the report calls each --advantage_estimator's training (GRPO's run is no PPO run).
+ALGORITHM_NAMES = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
 
 
 def train_iterations(trainer, args, schedule, loaders, position, log_path, seconds):
