@@ -129,6 +129,8 @@ def relaunch_with_deepspeed(args, argv):
             raise MissingInputError(f"--hostfile {args.hostfile}: no such file; --deployment-type multi_node starts "
                                     "the ranks of the nodes it lists (single_node: this node's GPUs)")
         cmd += ["--hostfile", args.hostfile]
+    else:  # the launcher's default hostfile (/job/hostfile) would spread a single_node run over the nodes it lists
+        cmd += ["--hostfile", os.devnull]  # no file: this node's GPUs ("Unable to find hostfile ... local resources")
     cmd += [os.path.abspath(__file__), *argv]
     print("launching:", shlex.join(cmd), flush=True)  # (quoted: a --stepN-args string is one argument)
     status = run_launcher(cmd)

@@ -1096,6 +1096,9 @@ def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_
     with pytest.raises(SystemExit) as refused:  # one node's GPUs: a hostfile would go unused, silently
         main(["--deployment-type", "single_node", "--hostfile", str(tmp_path / "hosts")])
     assert refused.value.code == 2 and not launched
+    with pytest.raises(SystemExit):  # nor the launcher's default one (/job/hostfile on a cluster's node)
+        main(["--deployment-type", "single_node"])
+    assert launched and launched[0][launched[0].index("--hostfile") + 1] == os.devnull
 
 
 def test_train_py_prints_the_launch_command_as_it_runs_it(monkeypatch, capsys):
