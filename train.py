@@ -110,6 +110,12 @@ def parse_args(argv=None):
         p.error("argument --output-dir: expected a folder, got '' (give . for the working directory)")
     if args.hostfile is not None and args.deployment_type != "multi_node":  # (it would go unused: one node's GPUs)
         p.error(f"argument --hostfile: only --deployment-type multi_node reads it (this is {args.deployment_type})")
+    if args.reward_zero_stage is not None and args.recipe == "dpo":  # (DPO's two models are sharded like the actor)
+        p.error("argument --reward-zero-stage: --recipe dpo has no reward model or critic; its policy and reference "
+                "model take --actor-zero-stage")
+    if args.reward_zero_stage is not None and args.recipe == "grpo" and args.reward_model is None:
+        p.error("argument --reward-zero-stage: --recipe grpo without --reward-model has no reward model or critic "
+                "(--reward_fn scores the answers)")
     args.hostfile = args.hostfile or "/job/hostfile"
     args.reward_model = args.reward_model or args.actor_model
     # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.

@@ -1101,6 +1101,18 @@ def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_
     assert launched and launched[0][launched[0].index("--hostfile") + 1] == os.devnull
 
 
+def test_train_py_refuses_a_reward_zero_stage_dpo_would_not_use(capsys):
+    import runpy
+
+    main = runpy.run_path(str(REPO / "train.py"))["main"]
+    with pytest.raises(SystemExit) as refused:  # DPO shards its policy and reference as the actor
+        main(["--recipe", "dpo", "--reward-zero-stage", "2"])
+    assert refused.value.code == 2 and "--recipe dpo has no reward model or critic" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # GRPO rewarded by --reward_fn has no model for it
+        main(["--recipe", "grpo", "--reward-zero-stage", "2"])
+    assert refused.value.code == 2 and "grpo without --reward-model has no reward model" in capsys.readouterr().err
+
+
 def test_train_py_prints_the_launch_command_as_it_runs_it(monkeypatch, capsys):
     """The "launching:" line joined the arguments with spaces: a --stepN-args string of several flags came out as
     separate words, so the command copied from it failed ("unrecognized arguments")."""
