@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU checks a session runs after changes it could test on the CPU only, in two device calls of under 10 minutes:
+#
+#   bash bench/gpu_verify.sh correctness   # train.py end to end (tiny, Qwen ZeRO-3, GRPO), HF-API tests, graph equality
+#   bash bench/gpu_verify.sh speed         # issue 7's numbers: OPT-1.3B decode ZeRO-0/3, PPO iteration ZeRO-2/3
+#
+# Run on the device machine from the repository root, with .whl/ carried (bash ../shared/tools/gpu-wheels.sh here
+# first). Each check's log and JSON go to $OUT; one check failing does not stop the others; the last lines are a
+# table of each check's exit status and seconds. Record the numbers in docs/benchmarks.md with the commit.
+set -u
+part=${1:?usage: bash bench/gpu_verify.sh correctness|speed}
+out=${OUT:?no \$OUT: run it through the device tool}
+[[ $part == correctness || $part == speed ]] || { echo "unknown part $part: correctness or speed" >&2; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TQDM_DISABLE=1
+git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+
+summary=()
+check() {  # check NAME LIMIT_S COMMAND...: the command's output in $out/NAME.log
+    local name=$1 limit=$2 started status
+    shift 2
+    started=$(date +%s)
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    status=$?
+    summary+=("$(printf '%-28s exit %3d  %4d s' "$name" "$status" $(( $(date +%s) - started )))")
+    tail -3 "$out/$name.log"
+}
+
+case $part in
+correctness)
+    check pipeline 330 python tests/scripts/pipeline_gpu.py --cases tiny,qwen_z3,grpo --out "$out/pipe"
+    check hf_api_tests 90 python -m pytest tests/test_hybrid_engine_hf_api.py -q
+    check graph_equality 120 python bench/graph_equality.py
+    ;;
+speed)
+    check ppo_iteration 300 python bench/ppo_iteration.py --variants z2_hybrid_genlogp_nockpt,z3_hybrid_genlogp_nockpt \
+        --iterations 6 --cuda_graph --left_pad 8 --json ppo_iteration.json
+    check generation 240 python bench/generation.py --models opt-1.3b --batches 64 \
+        --variants dschat_z0_graph_compiled,dschat_z3_graph_compiled --repeats 3 --json generation.json
+    ;;
+esac
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
