@@ -194,6 +194,21 @@ def test_unsupervised_text_file_and_namespace_args(tmp_path, tokenizer):
     assert len(data) > 5 and all(len(data[i]["input_ids"]) == 10 for i in range(len(data)))
 
 
+def test_an_unsupervised_file_edited_with_its_time_kept_is_read_again(tmp_path, tokenizer):
+    """datasets keys its Arrow cache of a local file by path and time: an edit that kept them read the old text."""
+    import os
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(f"line {i} of plain text here" for i in range(20)) + "\n")
+    get_unsupervised_data(unsupervised_args(f"text:{path}"), tokenizer)
+    stat = os.stat(path)
+    path.write_text(path.read_text().replace("plain", "PLAIN"))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    data = get_unsupervised_data(unsupervised_args(f"text:{path}"), tokenizer)
+    text = "".join(tokenizer.decode(data[i]["input_ids"]) for i in range(len(data)))
+    assert "PLAIN" in text and "plain" not in text
+
+
 def test_step3_preprocessing_num_workers_tokenizes_the_unsupervised_data_in_parallel(tmp_path, tokenizer):
     from dschat.args import step3_parser
 

@@ -611,10 +611,13 @@ def test_cache_is_reused_unless_a_parameter_changes(tmp_path, tokenizer):
     # an edit that keeps the file's size and time (a same-length fix restored with touch -r) reused the stale cache
     stat, text = os.stat(train_file), open(train_file).read()
     with open(train_file, "w") as f:
-        f.write(text.replace("Record 500 is fine.", "Record 500 is good."))
+        f.write(text.replace(" is fine.", " is good."))
     os.utime(train_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     same_stat, _ = build(tmp_path, tokenizer, **base)
     assert same_stat.built and same_stat.cache_path not in paths
+    # ... and its rebuild read the old records from datasets' Arrow cache of the file (keyed by path and time)
+    texts = [tokenizer.decode(same_stat[i]["input_ids"]) for i in range(len(same_stat))]
+    assert texts and all(" is good." in text for text in texts), texts
     edited = same_stat
 
     reloaded, _ = build(tmp_path, tokenizer, **base, reload=True)

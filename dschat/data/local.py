@@ -315,8 +315,6 @@ def _is_json_lines(text):
 
 def load_file(kind, path):
     """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder."""
-    from datasets import load_dataset
-
     record_lines = None
     if kind == "jsonl":
         record_lines = check_jsonl_lines(path)
@@ -334,7 +332,7 @@ def load_file(kind, path):
         # CSV cells are text; only an empty cell is missing (pandas would also read "NA", "None", "nan", ... as null)
         options = {"features": _csv_text_features(path), "keep_default_na": False, "na_values": [""]} \
             if kind == "csv" else {"encoding": text_encoding(path)} if builder == "json" else {}
-        data = load_dataset(builder, data_files={"train": path}, split="train", **options)
+        data = load_content_keyed(builder, path, **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
         if kind == "csv" and _caused_by(err, UnicodeDecodeError):
             raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
@@ -344,6 +342,19 @@ def load_file(kind, path):
     if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
         record_lines = None
     return data, record_lines
+
+
+def load_content_keyed(builder, path, **options):
+    """``load_dataset(builder)``'s train split of the file at ``path``, its Arrow cache keyed by the file's content.
+
+    datasets keys the Arrow cache of a local file by its path and modification time only: a file edited with its
+    time kept (``touch -r``, ``cp -p``, a rewrite within the file system's time resolution) was read back as its
+    old records, under a tokenized-data cache key made from the new content. The content hash as the config name
+    gives each content a cache of its own."""
+    from datasets import load_dataset
+
+    return load_dataset(builder, name=f"content-{file_digest(path)[:16]}", data_files={"train": path}, split="train",
+                        **options)
 
 
 def check_csv_header(path):

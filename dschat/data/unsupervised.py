@@ -12,7 +12,7 @@ import os
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import check_json_document, check_jsonl_lines, record_where, text_encoding
+from .local import check_json_document, check_jsonl_lines, load_content_keyed, record_where, text_encoding
 
 LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
 
@@ -73,8 +73,6 @@ def group_texts(batch, block_size):
 
 def load_unsupervised_train(name, config_name=None):
     """(train Dataset, text column) for a hub name, a save_to_disk folder, a local text/JSON file or ``tiny``."""
-    from datasets import load_dataset
-
     if name == "tiny":
         return _tiny_documents(), "text"
     local = _local_text_source(name)
@@ -89,7 +87,7 @@ def load_unsupervised_train(name, config_name=None):
     if builder == "json":
         record_lines = check_jsonl_lines(path) if path.endswith(".jsonl") else check_json_document(path)
     try:
-        train = load_dataset(builder, data_files={"train": path}, split="train", encoding=text_encoding(path))
+        train = load_content_keyed(builder, path, encoding=text_encoding(path))
     except Exception as err:  # name the file; pyarrow's messages do not
         raise DatasetFormatError(f"{path}: could not be read as {builder}: {err}") from err
     if "text" not in train.column_names:
