@@ -373,6 +373,31 @@ def test_answer_lists_that_repeat_the_prompt_are_read_and_ones_with_another_prom
         raw(f"{bad},{bad}", tmp_path)
 
 
+def test_a_rejected_list_after_other_turns_than_the_chosen_answers_is_an_error(tmp_path):
+    """Beside a prompt field, a rejected list whose turns before the prompt differ from the chosen list's (another
+    system message, another earlier exchange) was trained after the chosen list's turns, its own dropped."""
+    def message(role, content):
+        return {"role": role, "content": content}
+
+    def pair(chosen_lead, rejected_lead):
+        question = message("user", "What is up?")
+        return {"prompt": "What is up?", "chosen": [*chosen_lead, question, message("assistant", "Good.")],
+                "rejected": [*rejected_lead, question, message("assistant", "Bad.")]}
+
+    history = [message("user", "Hi"), message("assistant", "Hello")]
+    same = write_records([pair(history, history)] * 2, tmp_path / "same.jsonl", "jsonl")
+    adapter = raw(f"{same},{same}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [*history, message("user", "What is up?")]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Good.", "Bad.")
+    for name, rejected_lead in (("history", [message("user", "Bye"), message("assistant", "Ciao")]),
+                                ("system", [message("system", "Be rude."), *history]), ("none", [])):
+        bad = write_records([pair(history, history), pair(history, rejected_lead)], tmp_path / f"{name}.jsonl", "jsonl")
+        with pytest.raises(DatasetFormatError, match=r"line 2 \(record 1\): field 'rejected': its turns before the "
+                                                     r"answer differ from those the chosen answer follows"):
+            raw(f"{bad},{bad}", tmp_path)
+
+
 def test_trimmed_keeps_a_code_blocks_indentation_only():
     from dschat.data.base import trimmed
 

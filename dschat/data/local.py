@@ -783,7 +783,18 @@ class LocalDataset(PromptRawDataset):
             if prompt != self._split_message_list(sample, self.fields["chosen"])[0]:
                 raise RecordError(field, f"its prompt turns differ from those of {self.fields['chosen']!r}")
             return answer
-        return self._answer_value(sample, field)
+        answer = self._answer_value(sample, field)
+        self._check_follows_conversation(sample, field)
+        return answer
+
+    def _check_follows_conversation(self, sample, field):
+        """A rejected answer given as a list with turns before it answered those turns: they must be the conversation's
+        (the chosen list's turns, else the prompt field's), which both answers are trained after. Turns before the
+        prompt that differ (another system message, another earlier exchange) were dropped without a word."""
+        turns = self._answer_list_turns(sample, field)
+        if turns and _turns_of(turns) != _turns_of(self.get_conversation(sample)):
+            raise RecordError(field, "its turns before the answer differ from those the chosen answer follows; a "
+                                     "pair's answers must answer the same conversation")
 
     def get_reference_answers(self, sample):
         # a messages record's last turn, and TRL's completion, are not pairs' answers (TRL passes no completion)
