@@ -504,6 +504,10 @@ def critic_only_flags(args, parser=None):
     return given_flags(args, CRITIC_ONLY_FLAGS, parser)
 
 
+# A flag every step parses (add_data_args) that only step 1 reads; the other steps' tables list it as never on.
+STEP1_ONLY_FLAGS = (("sft_only_data_path",), lambda a: False, "step 1")
+
+
 # Step 3's flags read only when another setting is on: (flags, whether it is, the setting said). (A script switched from
 # PPO to GRPO keeps GAE's flags; a critic-free run's critic flags are CRITIC_ONLY_FLAGS'. --unsup_coef is not among
 # them: a notebook's train_rollout(unsup_batches=...) reads it without --unsupervised_dataset_name.)
@@ -521,13 +525,19 @@ CONDITIONAL_FLAGS = (
     (("critic_lora_learning_rate",), lambda a: a.critic_lora_dim or a.advantage_estimator != "gae",
      "--critic_lora_dim"),
     (("print_answers_interval",), lambda a: a.print_answers, "--print_answers"),
+    STEP1_ONLY_FLAGS,
 )
 
 
-# The same for steps 1, 2 and DPO.
+# The same for steps 1, 2 and DPO (``supervised_conditional_flags``).
 SUPERVISED_CONDITIONAL_FLAGS = (
     (("lora_alpha", "lora_learning_rate", "lora_module_name"), lambda a: a.lora_dim, "--lora_dim"),
 )
+
+
+def supervised_conditional_flags(phase):
+    """The table of ``unread_conditional_flags`` for the supervised step of data ``phase``."""
+    return SUPERVISED_CONDITIONAL_FLAGS + (() if phase == 1 else (STEP1_ONLY_FLAGS,))
 
 
 def unread_conditional_flags(args, parser=None, table=CONDITIONAL_FLAGS):
@@ -560,8 +570,8 @@ def _changed_flags(args, actions):
             given.append(flag if value else "--no-" + flag[2:])
         elif isinstance(action, argparse._StoreConstAction):  # (store_true included)
             given.append(flag)
-        else:
-            given.append(f"{flag} {value}")
+        else:  # (a list of several values as the command line gives them)
+            given.append(f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}")
     return given
 
 

@@ -236,6 +236,21 @@ def test_flags_read_only_when_another_setting_is_on_are_listed_when_it_is_off():
     assert {name for names, _, _ in CONDITIONAL_FLAGS for name in names} <= {a.dest for a in parser._actions}
 
 
+def test_step_1s_own_data_flag_is_said_to_be_ignored_by_the_other_steps():
+    """Every step parses --sft_only_data_path (its data flags are one group); steps 2, 3 and DPO ignored it silently."""
+    from dschat.args import (step1_parser, step2_dpo_parser, step2_parser, supervised_conditional_flags,
+                             unread_conditional_flags)
+
+    said = ["--sft_only_data_path jsonl:extra.jsonl tiny (read only with step 1)"]
+    given = ["--sft_only_data_path", "jsonl:extra.jsonl", "tiny"]
+    assert unread_conditional_flags(step3_parser().parse_args(given)) == said
+    for parser, phase in ((step2_parser(), 2), (step2_dpo_parser(), 2)):
+        assert unread_conditional_flags(parser.parse_args(given), step1_parser(),
+                                        supervised_conditional_flags(phase)) == said
+    assert unread_conditional_flags(step1_parser().parse_args(given), step1_parser(),
+                                    supervised_conditional_flags(1)) == []
+
+
 def test_a_reward_clip_is_said_to_be_ignored_where_the_group_compares_raw_scores():
     """GRPO and RLOO take each answer's raw score (the clipped per-token rewards are not read): a --clip_reward_value
     given with them was silently ignored."""

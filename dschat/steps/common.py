@@ -547,7 +547,7 @@ def seconds_so_far(started, checkpoint=None):
 
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
-    from dschat.args import (SUPERVISED_CONDITIONAL_FLAGS, resolve_pad_to_multiple_of, step1_parser,
+    from dschat.args import (resolve_pad_to_multiple_of, step1_parser, supervised_conditional_flags,
                              unread_conditional_flags)
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
     from dschat.steps.resume import resume_or_start, save_step_checkpoint
@@ -557,7 +557,7 @@ def run_supervised_step(args, recipe):
     warn_of_unfinished_inputs(loaded_model_paths(args))
     tag = f"[{recipe.name}]"
     ds_config = check_supervised_settings(args, recipe.phase, recipe.name, quiet=False)
-    unread = unread_conditional_flags(args, step1_parser(), SUPERVISED_CONDITIONAL_FLAGS)
+    unread = unread_conditional_flags(args, step1_parser(), supervised_conditional_flags(recipe.phase))
     if unread:
         print_rank_0(f"{tag} {'; '.join(unread)}: ignored")
     # before training, not when the model is saved
