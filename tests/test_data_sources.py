@@ -428,6 +428,10 @@ def test_trl_records_with_different_prompts_are_an_error(tmp_path):
     path = write_records(records, tmp_path / "bad.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"line 1 \(record 0\).*'rejected'.*prompt turns differ"):
         raw(path, tmp_path)
+    # the same prompt, one copy written with \r\n: as with a prompt field, whitespace runs compare as one space
+    records[0]["chosen"][0]["content"], records[0]["rejected"][0]["content"] = "Why\r\nnot?", "Why\nnot?"
+    adapter = raw(write_records(records, tmp_path / "crlf.jsonl", "jsonl"), tmp_path)
+    assert adapter.get_rejected_text(adapter.get_train_data()[0]) == "b"
 
 
 def test_transcript_prompt_in_a_local_file(tmp_path):

@@ -780,7 +780,7 @@ class LocalDataset(PromptRawDataset):
             return None
         if self.shape == "chosen_messages":
             prompt, answer = self._split_message_list(sample, field)
-            if prompt != self._split_message_list(sample, self.fields["chosen"])[0]:
+            if _turns_of(prompt) != _turns_of(self._split_message_list(sample, self.fields["chosen"])[0]):
                 raise RecordError(field, f"its prompt turns differ from those of {self.fields['chosen']!r}")
             return answer
         answer = self._answer_value(sample, field)
