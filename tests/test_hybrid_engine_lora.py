@@ -152,6 +152,26 @@ def test_unsupported_lora_variants_are_refused():
         InferenceCopy(copy.deepcopy(model), "cpu", gather_group_size=8, share_unadapted=True)
 
 
+def test_lora_on_moe_expert_parameters_is_refused_not_left_out_of_generation():
+    # PEFT's target_parameters adapts the experts' 3-D gate_up_proj with a per-expert delta: the copy generated from
+    # the base experts (the delta was keyed "experts.weight", which no parameter is) and saving failed with a KeyError
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from dschat.models.lora import check_lora_mergeable
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MixtralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None))
+    config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["experts.gate_up_proj"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(model, config)
+    with pytest.raises(NotImplementedError, match="'gate_up_proj' \\(4 experts; PEFT's target_parameters\\)"):
+        InferenceCopy(model, "cpu", gather_group_size=8, share_unadapted=True)
+    with pytest.raises(NotImplementedError, match="target_parameters"):
+        check_lora_mergeable(model)  # (what saving checks on every rank before its gather)
+
+
 @pytest.mark.parametrize("peft_options", [{"target_modules": ["embed_tokens", "out_proj"]},
                                           {"target_modules": ["out_proj"], "modules_to_save": ["embed_tokens"]}],
                          ids=["embedding_lora", "embedding_saved"])

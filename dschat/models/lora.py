@@ -2,7 +2,8 @@
 
 The merge (``W + sum over active adapters of scaling * B @ A``, in fp32, rounded once) is shared by the hybrid engine's
 inference copy, checkpoint saving and the actor EMA. It only reads the training tensors: PEFT's merge/unmerge is never
-called, and LoRA variants whose merge differs (DoRA, lora_bias, non-Linear LoRA) are refused rather than folded wrongly.
+called, and LoRA variants whose merge differs (DoRA, lora_bias, non-Linear LoRA, MoE expert parameters) are refused
+rather than folded wrongly.
 """
 import dataclasses
 
@@ -239,6 +240,7 @@ def lora_deltas(layer, read):
             raise NotImplementedError("LoRA with lora_bias=True is not supported by the LoRA merge (hybrid engine, "
                                       "saving, EMA)")
         if adapter in layer.lora_A:
+            _check_adapts_a_weight(layer)
             if not isinstance(layer.lora_A[adapter], nn.Linear):
                 raise NotImplementedError(f"LoRA on {type(layer.get_base_layer()).__name__} layers is not supported "
                                           "by the LoRA merge (hybrid engine, saving, EMA)")
@@ -249,6 +251,16 @@ def lora_deltas(layer, read):
                                     float(layer.scaling[adapter]), True))
         # else: the adapter does not adapt this layer
     return deltas
+
+
+def _check_adapts_a_weight(layer):
+    """PEFT's ``target_parameters`` LoRA (``ParamWrapper``) adapts a parameter by its name, and a 3-D one (MoE
+    experts) by a delta per expert: only a 2-D ``weight`` is ``W + s*B@A`` of the layer's ``weight``. Others would be
+    left out of the inference copy and the EMA (no ``.weight`` of that name to add to) and fail saving."""
+    parameter, experts = getattr(layer, "parameter_name", "weight"), getattr(layer, "num_experts", 1)
+    if parameter != "weight" or experts > 1:
+        raise NotImplementedError(f"LoRA on the parameter {parameter!r} ({experts} experts; PEFT's target_parameters) "
+                                  "is not supported by the LoRA merge (hybrid engine, saving, EMA)")
 
 
 def weight_deltas(base, read=None):
