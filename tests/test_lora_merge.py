@@ -124,7 +124,9 @@ def test_zero3_partitioned_lora_model_saves_the_merge_from_the_gathered_state(di
 
 
 @pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
-@pytest.mark.parametrize("variant,message", [({"use_dora": True}, "DoRA"), ({"lora_bias": True}, "lora_bias")])
+@pytest.mark.parametrize("variant,message", [({"use_dora": True}, "DoRA"), ({"lora_bias": True}, "lora_bias"),
+                                             # (saved without its embeddings: from_pretrained made random ones)
+                                             ({"trainable_token_indices": [5, 7]}, "trainable_token_indices")])
 def test_saving_an_unsupported_lora_variant_raises_instead_of_saving_wrong_weights(variant, message, tmp_path,
                                                                                    distributed):
     model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"], **variant))

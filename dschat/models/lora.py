@@ -2,8 +2,8 @@
 
 The merge (``W + sum over active adapters of scaling * B @ A``, in fp32, rounded once) is shared by the hybrid engine's
 inference copy, checkpoint saving and the actor EMA. It only reads the training tensors: PEFT's merge/unmerge is never
-called, and LoRA variants whose merge differs (DoRA, lora_bias, non-Linear LoRA, MoE expert parameters) are refused
-rather than folded wrongly.
+called, and LoRA variants whose merge differs (DoRA, lora_bias, non-Linear LoRA, MoE expert parameters, trainable
+tokens) are refused rather than folded wrongly.
 """
 import dataclasses
 
@@ -268,10 +268,25 @@ def weight_deltas(base, read=None):
 
     ``read(name)`` gives the tensor of ``base``'s parameter ``name``; by default the parameter itself.
     """
+    _check_no_trainable_tokens(base)
     read = read or base.get_parameter
     active = active_adapters(base)
     return {f"{inference_name(name, active)}.weight": lora_deltas(layer, _reader_under(read, name))
             for name, layer in lora_layers(base).items()}
+
+
+def _check_no_trainable_tokens(base):
+    """PEFT's ``trainable_token_indices`` (a ``TrainableTokensWrapper``) trains new values of some embedding rows: no
+    LoRA delta, and its weight is named ``embed_tokens.token_adapter.weight``, so a saved model was written without
+    its embeddings (``from_pretrained`` then made random ones). Refused, as the other merges this one cannot do."""
+    try:
+        from peft.utils.other import TrainableTokensWrapper
+    except ImportError:
+        return
+    wrapped = [name for name, module in base.named_modules() if isinstance(module, TrainableTokensWrapper)]
+    if wrapped:
+        raise NotImplementedError(f"PEFT's trainable_token_indices ({', '.join(wrapped)}) is not supported by the "
+                                  "LoRA merge (hybrid engine, saving, EMA)")
 
 
 def _reader_under(read, prefix):
