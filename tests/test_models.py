@@ -136,6 +136,8 @@ def test_lora_module_name_filters_and_rejects_unknown():
     assert all("self_attn" in t for t in lora_target_modules(model, "self_attn"))
     with pytest.raises(ValueError, match="matches no Linear"):
         lora_target_modules(model, "decoder.layers.")
+    with pytest.raises(ValueError, match=r"'lm_head' matches no Linear .*\(output heads are never adapted"):
+        lora_target_modules(model, "lm_head")  # (a Linear, which is why the bare "matches no Linear" misled)
 
 
 def test_optimizer_groups_skip_decay_on_biases_and_norms_and_set_lora_lr():
