@@ -1774,6 +1774,27 @@ def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, 
     assert log[-1]["kl_per_answer"] == 12.0  # logged in the controller's unit beside the per-token "kl"
 
 
+def test_each_iteration_logs_the_kl_coefficient_its_rewards_took(trained, tmp_path, monkeypatch):
+    """With --adaptive_kl, step3_log.jsonl's kl_coef was read after the iteration's controller update: each record
+    gave the next iteration's coefficient (iteration 1 not --kl_ctl's), not the one its rewards were penalized with."""
+    from dschat.rlhf import algorithms
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    used = []
+    penalized = algorithms.kl_penalized_rewards
+
+    def spy(log_probs, ref_log_probs, reward_score, action_mask, kl_coef, *args, **kwargs):
+        used.append(kl_coef)
+        return penalized(log_probs, ref_log_probs, reward_score, action_mask, kl_coef, *args, **kwargs)
+
+    monkeypatch.setattr(algorithms, "kl_penalized_rewards", spy)
+    monkeypatch.setattr(DeepSpeedPPOTrainer, "answer_kl_to_reference", lambda self, e: torch.tensor(12.0))
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "3", "--adaptive_kl", "--kl_horizon", "10"))
+    log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
+    assert len(used) == 3 and used[0] == 0.1 and used[1] > 0.1  # one rollout per iteration; the controller moved
+    assert [record["kl_coef"] for record in log] == used
+
+
 def test_a_fresh_run_removes_an_earlier_runs_checkpoints_and_resumes_its_own(trained, tmp_path, capsys):
     out = tmp_path / "ppo"
     ppo.main(ppo_args(trained, out, "--max_steps", "3", "--save_interval", "1"))  # leaves iter 2 and 3
@@ -2091,7 +2112,8 @@ def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkey
     mean_with = {own[k]: ranks_other[k] for k in own}
     trainer = SimpleNamespace(stats={}, kl_coef=0.1)
     buffer = [{"rewards": torch.zeros(2), "input_ids": torch.zeros(2, 3), "action_mask": torch.ones(2, 2)}]
-    trained = {"kl": 0.0, "kl_per_answer": 0.0, "actor_loss": 0.0, "critic_loss": 0.0, "unsup_loss": None, **own}
+    trained = {"kl": 0.0, "kl_per_answer": 0.0, "kl_coef": 0.1, "actor_loss": 0.0, "critic_loss": 0.0,
+               "unsup_loss": None, **own}
     gen_stats = {"answer_length": 2.0, "empty_answers": 0, "generation_time": 0.1, "experience_time": 0.1}
     record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
     for key in own:

@@ -247,12 +247,14 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
                 continue
             gen_stats = rollout_generation_stats(batch_stats, [e["input_ids"].shape[0] for e in buffer])
             t1 = time.time()
+            # the KL coefficient this rollout's rewards take: train_rollout's --adaptive_kl update sets the next one's
+            kl_coef = trainer.kl_coef
             # --freezing_actor_steps: the first iterations train the critic alone
             trained = trainer.train_rollout(buffer, unsup_buffer, train_actor=iteration >= args.freezing_actor_steps)
             train_time = time.time() - t1
             # samples_per_s and tokens_per_s: over the whole iteration, every generation batch's time included
-            record = _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time, time.time() - t0,
-                                       device)
+            record = _iteration_record(iteration, buffer, trainer, gen_stats, {**trained, "kl_coef": kl_coef},
+                                       train_time, time.time() - t0, device)
             _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
             buffer, unsup_buffer = [], []
             iteration += 1
@@ -318,12 +320,13 @@ def rollout_generation_stats(batch_stats, batch_answers):
 
 
 def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time, wall, device):
-    """One iteration's log line; ``trained``: what ``train_rollout`` returned (mean losses, the rollout's KL)."""
+    """One iteration's log line; ``trained``: what ``train_rollout`` returned (mean losses, the rollout's KL), and the
+    "kl_coef" its rewards took."""
     reward = torch.cat([e["rewards"].float() for e in buffer]).mean().item()
     samples = sum(e["input_ids"].shape[0] for e in buffer) * get_world_size()
     tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
     record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), "kl": trained["kl"],
-              "kl_per_answer": trained["kl_per_answer"], "kl_coef": trainer.kl_coef,
+              "kl_per_answer": trained["kl_per_answer"], "kl_coef": trained["kl_coef"],
               # every rank answers as many prompts: the mean of the ranks' means is the mean over all answers
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
