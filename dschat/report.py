@@ -59,7 +59,6 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
         return read_json_object(os.path.join(output_dir, folder, FINISHED_MARK)) or {}
 
     step1, step2, step3 = metrics(SFT_DIR), metrics(RM_DIR), metrics(PPO_DIR)
-    curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))
     report = {"timings_s": timings, "skipped": list(skipped), "resumed": list(resumed),
               "sft_eval_loss": step1.get("eval_loss"),
               "sft_perplexity": step1.get("perplexity"), "rm_accuracy": step2.get("accuracy"),
@@ -86,6 +85,9 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
                                        "ppo_policy": after.get("examples", [])}
         report["step3_iterations"] = step3.get("iterations")
         report["step3_algorithm"] = step3.get("algorithm", "PPO")  # (an earlier version's step 3 names none)
+        # read only for a reported step 3: another run's log, e.g. an interrupted one's with its last line cut off,
+        # is none of this report's
+        curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))
         # a critic-free run (GRPO) logs no critic loss: no curve of nulls, and no plot panel
         report["step3_curve"] = {k: [r.get(k) for r in curve] for k in ("reward", "kl", "actor_loss", "critic_loss")
                                  if any(k in r for r in curve)}

@@ -139,6 +139,20 @@ def test_a_critic_free_run_has_no_critic_loss_curve_or_panel(tmp_path, monkeypat
     assert report.build_report(str(tmp_path), {}, "ppo")["step3_curve"]["critic_loss"] == [0.3, 0.3]
 
 
+def test_a_report_without_step_3_does_not_read_an_interrupted_step_3s_log(tmp_path):
+    """A DPO run (or --step 1 2) into a folder where a PPO run's step 3 was killed while writing a log line failed
+    at its report with a JSONDecodeError: the report read step3_log.jsonl though it reports no step 3."""
+    from dschat.report import build_report
+
+    (tmp_path / "step1_sft").mkdir()
+    (tmp_path / "step1_sft" / "metrics.json").write_text(json.dumps({"eval_loss": 0.7, "perplexity": 2.0}))
+    (tmp_path / "step3_ppo").mkdir()  # no metrics.json: unfinished
+    (tmp_path / "step3_ppo" / "step3_log.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n{"iteration": 2, "re')
+    for recipe, steps in (("dpo", [1, 2]), ("ppo", [1, 2])):
+        report = build_report(str(tmp_path), {}, recipe, steps_run=steps)
+        assert report["sft_eval_loss"] == 0.7 and "step3_curve" not in report
+
+
 def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_again(tmp_path):
     # train.py --step 1 after a full run: the step-2 and step-3 folders were made from the old SFT model
     from dschat.report import build_report, summary_lines
