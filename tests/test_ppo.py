@@ -1760,6 +1760,24 @@ def test_accumulation_groups_may_not_span_ppo_epochs():
     check_accumulation(args)
 
 
+def test_the_rollouts_kl_per_token_is_the_mean_over_all_its_answer_tokens():
+    """A rollout of several generation batches logged as its "kl" the mean of the batches' own token means: the one
+    token of a batch of short answers weighed as much as all the tokens of another batch."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    short = {"logprobs": torch.tensor([[1.0, 5.0], [0.0, 5.0]]), "ref_logprobs": torch.zeros(2, 2),
+             "action_mask": torch.tensor([[1, 0], [0, 0]])}  # one answer token, log-ratio 1
+    long = {"logprobs": torch.zeros(2, 2), "ref_logprobs": torch.zeros(2, 2), "action_mask": torch.ones(2, 2)}
+    trainer = SimpleNamespace(device="cpu")
+    for name in ("kl_to_reference", "answer_kl_to_reference"):
+        setattr(trainer, name, getattr(DeepSpeedPPOTrainer, name).__get__(trainer))
+    kl = DeepSpeedPPOTrainer.rollout_kl(trainer, [short, long])
+    assert kl["kl"] == pytest.approx(1.0 / 5)  # 5 answer tokens, one of them 1 nat from the reference
+    assert kl["kl_per_answer"] == pytest.approx(1.0 / 4)  # 4 answers
+
+
 def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, monkeypatch):
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 

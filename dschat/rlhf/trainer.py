@@ -599,14 +599,18 @@ class DeepSpeedPPOTrainer:
                          f"iteration, not here")
 
     def rollout_kl(self, experiences):
-        """The rollout's KL to the reference over all ranks: per answer token ("kl") and per answer, summed over its
-        tokens ("kl_per_answer", the adaptive controller's unit)."""
-        per_token = torch.stack([self.kl_to_reference(e) for e in experiences]).mean()
+        """The rollout's KL to the reference over all ranks: per answer token ("kl": the mean over all the rollout's
+        answer tokens, each weighing alike, not a mean of its generation batches' and ranks' own means, which weighed
+        a batch of short answers' tokens more) and per answer, summed over its tokens ("kl_per_answer", the adaptive
+        controller's unit; every batch holds as many answers)."""
+        log_ratio = torch.stack([algo.masked_sum(e["logprobs"].double() - e["ref_logprobs"].double(), e["action_mask"])
+                                 for e in experiences]).sum()
+        tokens = sum(e["action_mask"].sum() for e in experiences)
         per_answer = torch.stack([self.answer_kl_to_reference(e) for e in experiences]).mean()
-        means = torch.stack([per_token, per_answer]).double().to(self.device)
-        all_reduce(means)
-        means /= get_world_size()
-        return {"kl": means[0].item(), "kl_per_answer": means[1].item()}
+        sums = torch.stack([log_ratio, tokens.double(), per_answer.double()]).to(self.device)
+        all_reduce(sums)
+        kl = (sums[0] / sums[1]).item() if sums[1] else 0.0  # (no answer token: 0, as masked_mean gives)
+        return {"kl": kl, "kl_per_answer": sums[2].item() / get_world_size()}
 
     def kl_to_reference(self, exp):
         """Mean per-token KL (k1) between the policy that generated ``exp`` and the reference."""
