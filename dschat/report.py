@@ -135,12 +135,18 @@ def write_unfinished_report(output_dir, recipe, steps_run, reward_model=None):
                       {"unfinished": True, "policy": policy, **reported_reward_model(reward_model)})
 
 
+CURVES_FILE = "step3_curves.png"  # (in train.py's --output_dir, beside report.json)
+
+
 def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=True, skipped=(), resumed=(),
                  reward_model=None, rule_scores=None, outdated=()):
     report = build_report(output_dir, timings, recipe, steps_run, rm_from_sft, skipped, resumed, reward_model,
                           rule_scores, outdated)
+    plot = os.path.join(output_dir, CURVES_FILE)
     if report.get("step3_curve"):
-        report["plot"] = plot_curves(report["step3_curve"], os.path.join(output_dir, "step3_curves.png"))
+        report["plot"] = plot_curves(report["step3_curve"], plot)
+    if not report.get("plot") and os.path.isfile(plot):
+        os.remove(plot)  # an earlier run's curves (this run reports no step 3): not left beside this run's report
     write_json_atomic(os.path.join(output_dir, REPORT_FILE), report)
     return report
 

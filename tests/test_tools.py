@@ -153,6 +153,20 @@ def test_a_report_without_step_3_does_not_read_an_interrupted_step_3s_log(tmp_pa
         assert report["sft_eval_loss"] == 0.7 and "step3_curve" not in report
 
 
+def test_a_report_without_step_3_removes_an_earlier_runs_curves(tmp_path):
+    """train.py --recipe dpo (or --step 1) after a PPO run into the same folder left that run's step3_curves.png
+    beside a report that holds no step 3, where it passed for this run's curves."""
+    from dschat import report
+
+    (tmp_path / "step3_ppo").mkdir()
+    (tmp_path / "step3_ppo" / "metrics.json").write_text(json.dumps({"iterations": 1}))
+    (tmp_path / "step3_ppo" / "step3_log.jsonl").write_text(json.dumps({"reward": 0.5, "kl": 0.0}) + "\n")
+    assert report.write_report(str(tmp_path), {}, "ppo")["plot"] == str(tmp_path / "step3_curves.png")
+    assert (tmp_path / "step3_curves.png").is_file()
+    written = report.write_report(str(tmp_path), {}, "dpo", steps_run=[1, 2])
+    assert "plot" not in written and not (tmp_path / "step3_curves.png").exists()
+
+
 def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_again(tmp_path):
     # train.py --step 1 after a full run: the step-2 and step-3 folders were made from the old SFT model
     from dschat.report import build_report, summary_lines
