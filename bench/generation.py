@@ -259,9 +259,8 @@ def main():
         p.error(f"--profile {args.profile}: no such batch in --batches {args.batches} (nothing would be profiled)")
     results_io.require_cuda()  # (before each row's process fails alike)
     if not args.same_process:
-        rows, bandwidths = run_rows_in_fresh_processes(args)
+        rows, _ = run_rows_in_fresh_processes(args)  # (which writes the JSON)
         print_table(rows)
-        results_io.write_json(args.json, {"bandwidth_Bps": bandwidths, "args": vars(args), "rows": rows})
         return
     if args.inductor_pdl:
         import torch._inductor.config as inductor_config
@@ -384,6 +383,9 @@ def run_rows_in_fresh_processes(args):
             name, batch, variant = keys[label]
             rows.append({"ok": False, "error": f"its process exited with {returncode} and left no result",
                          "model": name, "batch": batch, "variant": variant, "floor_s": None})
+        # after every row, as --same_process writes: a run cut short (the device tool's time limit) leaves the rows
+        # done, not nothing (the rows' own files are in a temporary folder)
+        results_io.write_json(args.json, {"bandwidth_Bps": bandwidths, "args": vars(args), "rows": rows})
     return rows, bandwidths
 
 

@@ -56,11 +56,14 @@ def in_row_process():
 
 
 def write_json(name, payload):
-    """``payload`` as $OUT/``name``; nothing when $OUT is not set (a run by hand prints its table only)."""
+    """``payload`` as $OUT/``name``; nothing when $OUT is not set (a run by hand prints its table only). Written aside
+    and renamed: a run killed while writing (its time limit) leaves the file it wrote last whole, not cut off."""
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, name), "w") as f:
+        path = os.path.join(out, name)
+        with open(path + ".tmp", "w") as f:
             json.dump(payload, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def run_in_fresh_processes(script, runs):

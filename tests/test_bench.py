@@ -209,6 +209,29 @@ def test_generation_runs_each_row_in_its_own_process_and_keeps_the_failed_rows(t
     assert "left no result" in rows[0]["error"] and capsys.readouterr().out.count("FAILED") == 2
 
 
+def test_generation_cut_short_leaves_the_rows_its_fresh_processes_finished(tmp_path, monkeypatch):
+    """In its default mode (each row in a fresh process) generation.py wrote its JSON only after the last row: a run
+    cut short by the device tool's time limit left no result at all, though each finished row's process had one."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import generation
+
+    def first_row_then_killed(script, runs):
+        yield runs[0][0], {"bandwidth_Bps": 3e12, "rows": [{"ok": True, "model": "opt-1.3b", "batch": 1,
+                                                            "variant": "dschat_z0", "seconds": 1.0, "floor_s": 0.5}]}, 0
+        raise KeyboardInterrupt  # (the limit's signal, in the second row)
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(generation.results_io, "require_cuda", lambda *a: None)
+    monkeypatch.setattr(generation.results_io, "run_in_fresh_processes", first_row_then_killed)
+    monkeypatch.setattr(sys, "argv", ["generation.py", "--models", "opt-1.3b", "--batches", "1,2",
+                                      "--variants", "dschat_z0", "--json", "gen.json"])
+    with pytest.raises(KeyboardInterrupt):
+        generation.main()
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert [(r["batch"], r["seconds"]) for r in rows] == [(1, 1.0)]
+    assert [p.name for p in tmp_path.iterdir()] == ["gen.json"]  # (written aside, then renamed)
+
+
 GPU_ONLY = [["decode_attention.py"], ["decode_gemm.py"], ["generation.py", "--models", "opt-1.3b"], ["l2_prefetch.py"],
             ["logprob_delta.py"], ["pdl_chain.py"], ["sampling.py"], ["sdpa_first_call.py"], ["tensor_parallel.py"],
             ["ppo_iteration.py", "--variants", "z2_hybrid"]]
