@@ -346,3 +346,14 @@ def test_step3_checkpoints_are_bound_to_their_prompt_files_content(tmp_path):
     data.write_text('{"prompt": "a"}\n')
     trainer = SimpleNamespace(args=step3_args(Namespace(data_path=[f"jsonl:{data}"])), critic_model=None)
     assert [path for path, _ in checkpointing.resume_flags(trainer)["data_files"]] == [str(data)]
+
+
+def test_a_resume_that_trains_nothing_reports_no_rates_rather_than_zero():
+    """Resumed from its last step's checkpoint (killed while saving the model), a step trained nothing and wrote
+    samples_per_s 0.0 to metrics.json and TensorBoard, as if it had measured a stall."""
+    from dschat.steps.common import Throughput
+
+    idle = Throughput(num_params=1000)
+    assert idle.summary() == {"samples_per_s": None, "tokens_per_s": None, "tflops_per_rank": None}
+    idle.update(samples=4, tokens=64)
+    assert all(value > 0 for value in idle.summary().values())

@@ -146,6 +146,10 @@ class Throughput:
         self.tokens += tokens
 
     def summary(self):
+        """The rates; None for a run that trained nothing (a resume from its last step's checkpoint): 0 samples/s
+        would be a measurement of no work."""
+        if not self.samples:
+            return dict.fromkeys(("samples_per_s", "tokens_per_s", "tflops_per_rank"))
         elapsed = max(time.time() - self.start, 1e-9)
         world = get_world_size()
         return {"samples_per_s": self.samples * world / elapsed, "tokens_per_s": self.tokens * world / elapsed,
