@@ -301,7 +301,7 @@ def run_each_in_its_own_process(variants, args):
             results += payload["results"]
         else:
             results.append({"variant": name, "error": f"its process exited with {returncode}"})
-    write_json(args, results)
+        write_json(args, results)  # after every variant: a run cut short by a time limit keeps those done
     return results
 
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -230,6 +231,24 @@ def test_generation_cut_short_leaves_the_rows_its_fresh_processes_finished(tmp_p
     rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
     assert [(r["batch"], r["seconds"]) for r in rows] == [(1, 1.0)]
     assert [p.name for p in tmp_path.iterdir()] == ["gen.json"]  # (written aside, then renamed)
+
+
+def test_ppo_iteration_cut_short_leaves_the_variants_its_fresh_processes_finished(tmp_path, monkeypatch):
+    """The same for ppo_iteration.py's variants, each in a process of its own."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import ppo_iteration
+
+    def first_variant_then_killed(script, runs):
+        yield runs[0][0], {"results": [{"variant": runs[0][0], "samples_per_s": 36.0}]}, 0
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(ppo_iteration.results_io, "run_in_fresh_processes", first_variant_then_killed)
+    args = SimpleNamespace(json="ppo.json")
+    with pytest.raises(KeyboardInterrupt):
+        ppo_iteration.run_each_in_its_own_process(["z2_hybrid", "z3_hybrid"], args)
+    results = json.loads((tmp_path / "ppo.json").read_text())["results"]
+    assert results == [{"variant": "z2_hybrid", "samples_per_s": 36.0}]
 
 
 GPU_ONLY = [["decode_attention.py"], ["decode_gemm.py"], ["generation.py", "--models", "opt-1.3b"], ["l2_prefetch.py"],
