@@ -395,3 +395,23 @@ def test_gemma4_with_one_head_dim_generates_as_hf():
     ids, mask = left_padded_batch([9, 3, 7], seed=2)
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=10)
     assert torch.equal(got, hf_generate(model, ids, mask, 10))
+
+
+def test_gpt_neo_local_attention_generates_as_hf_within_its_window_and_is_refused_past_it():
+    # GPT-Neo's local layers take their window from the causal table's rows at the cache's length, not at the token's
+    # position: a static cache longer than window_size gave other tokens than HF's generate, silently
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    config = GPTNeoConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+                          attention_types=[[["global", "local"], 1]], window_size=12, bos_token_id=None,
+                          eos_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    engine = _engine(model)
+    engine.eval()
+    ids, mask = left_padded_batch([7, 3, 5, 1])
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=5)  # 7 + 5 slots: the window sees them all
+    assert torch.equal(got, hf_generate(model, ids, mask, 5))
+    with pytest.raises(ValueError, match=r"longer than the model's local attention window \(12 tokens\).*"
+                                         r"without --enable_hybrid_engine"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=6)

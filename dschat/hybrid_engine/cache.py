@@ -96,6 +96,16 @@ def kv_layout(model_config):
     return num_kv_heads, head_dim
 
 
+def longest_cache(model_config):
+    """The most slots a static cache may have for this model to attend as it does without one, or None (no bound).
+    GPT-Neo's local layers cut their window out of a causal table at the cache's length, not at each token's position
+    (transformers: "needs a hybrid cache"): in a cache longer than ``window_size`` a token loses keys of its window."""
+    cfg = model_config.get_text_config(decoder=True)
+    if "local" in (getattr(cfg, "attention_layers", None) or ()):
+        return cfg.window_size
+    return None
+
+
 def estimated_bytes(model_config, batch_size, max_len, dtype, num_kv_heads=None):
     layout = kv_layout(model_config)
     if layout is None:

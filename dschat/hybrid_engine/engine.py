@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dschat.hybrid_engine.attention import decode_attention as decode_attention_kernel
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
-from dschat.hybrid_engine.cache import KVCache
+from dschat.hybrid_engine.cache import KVCache, longest_cache
 from dschat.hybrid_engine.config import HybridEngineConfig
 from dschat.hybrid_engine.decode import generate_tokens
 from dschat.hybrid_engine.fusion import ProjectionFusion
@@ -90,9 +90,10 @@ class HybridEngine:
         # it can (triton_sampling.py); "sdpa" leaves the model's SDPA, transformers' cache update and torch's
         # sampling; "auto" picks triton on CUDA when it is installed.
         self.decode_attention = resolve_decode_attention(decode_attention, ds_engine.device)
-        self.kv_cache = KVCache(unwrap_peft(self.inference_weights.model).config,
-                                num_kv_heads=self.inference_weights.num_kv_heads,
+        model_config = unwrap_peft(self.inference_weights.model).config
+        self.kv_cache = KVCache(model_config, num_kv_heads=self.inference_weights.num_kv_heads,
                                 token_writes=self.decode_attention == "triton")
+        self.longest_cache = longest_cache(model_config)  # (GPT-Neo's local window; None for most models)
         # fuse_projections: linears that read the same input (q/k/v, ...) run as one GEMM while generating (fusion.py);
         # "auto": on CUDA, with or without a compiled decode step (OPT-1.3B, batch 64: 0.839 s compiled and fused,
         # 0.893 s compiled alone; docs/benchmarks.md). Never when every forward gathers ZeRO-3 shards (nothing whole
@@ -103,11 +104,12 @@ class HybridEngine:
         # enable_cuda_graph: decode steps replayed from CUDA graphs; falls back to the eager loop where it cannot.
         # compile_decode_step (a torch.compile mode) also compiles the forward inside the graph and, unless
         # compile_prefill is False, the prefill.
+        # (the graphs round the cache's length up, but never past max_out_tokens or the model's longest cache)
+        cache_cap = min(filter(None, (self.hybrid_config.max_out_tokens, self.longest_cache)), default=None)
         self.graph_decoder = GraphDecoder(self.kv_cache, compile_mode=compile_decode_step,
                                           token_sync=self.tp.share_tokens if self.tp else None,
                                           group_agrees=self._group_agrees if self.tp else None,
-                                          compile_prefill=compile_prefill,
-                                          max_out_tokens=self.hybrid_config.max_out_tokens) \
+                                          compile_prefill=compile_prefill, max_out_tokens=cache_cap) \
             if self.hybrid_config.enable_cuda_graph else None
         # Stats
         self._iteration = None  # IterationStats in progress (inside evaluation(): the evaluation's)
@@ -448,6 +450,12 @@ class HybridEngine:
         if prompt_len + max_new_tokens > limit:
             raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"hybrid_engine.max_out_tokens={limit} (prompt + answer)")
+        if self.longest_cache is not None and prompt_len + max_new_tokens > self.longest_cache:
+            raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} is longer than the "
+                             f"model's local attention window ({self.longest_cache} tokens), which its layers cut "
+                             "from the KV cache's length: the hybrid engine's static cache would give other tokens "
+                             "than HF's generate. Generate at most that many tokens (prompt + answer), or run step 3 "
+                             "without --enable_hybrid_engine (actor generation then uses HF generate).")
 
     # -- stats ------------------------------------------------------------------------------------------------------
     def latency_stats(self, iteration=None):
