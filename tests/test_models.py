@@ -45,6 +45,34 @@ def test_pairwise_loss_matches_formula():
     assert torch.allclose(pairwise_loss(c, r), expected)
 
 
+def _gemma3_multimodal_config():
+    from transformers import Gemma3Config
+
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=64)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95,
+                        boi_token_index=94, eoi_token_index=93)
+
+
+def test_a_multimodal_backbone_scores_from_its_text_config(tmp_path):
+    """Gemma-3 4B and up are Gemma3ForConditionalGeneration checkpoints: their config holds the decoder's sizes in
+    text_config, and the reward model (step 2, the critic) failed: 'cannot find the hidden size in Gemma3Config'."""
+    torch.manual_seed(0)
+    sft = AutoModelForCausalLM.from_config(_gemma3_multimodal_config()).eval()
+    save_causal_lm(sft, _Tok(), str(tmp_path / "sft"))
+    critic = create_critic_model(str(tmp_path / "sft"), None).eval()
+    ids = torch.randint(3, 93, (2, 6))
+    left, mask = ids.clone(), torch.ones_like(ids)
+    left[1, :2], mask[1, :2] = 0, 0
+    with torch.no_grad():
+        hidden = sft.model(input_ids=left, attention_mask=mask, position_ids=positions_from_mask(mask))[0]
+        expected = critic.v_head(hidden)[:, -1, 0]
+        assert torch.allclose(critic.end_scores(left, mask), expected)
+        assert torch.allclose(critic.end_scores(ids[1:, 2:], mask[1:, 2:]), expected[1:], atol=1e-6)
+
+
 def test_reward_model_forward_refuses_a_batch_that_is_not_pairs():
     """A batch of 3 split into 1 chosen and 2 rejected, and the loss broadcast the one over both: a wrong loss, no
     error (from a notebook; the steps' collator always pairs)."""

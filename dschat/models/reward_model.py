@@ -77,7 +77,9 @@ class RewardModel(nn.Module):
         # (mean, std) a frozen scorer's values are normalized by (an OpenRLHF reward model's), else None
         self.score_normalization = None
         self.config = base_model.config
-        hidden = getattr(self.config, "word_embed_proj_dim", None) or _hidden_size(self.config)
+        # (a multimodal backbone, e.g. Gemma-3 4B and up, keeps its decoder's sizes in its text config)
+        text_config = self.config.get_text_config(decoder=True)
+        hidden = getattr(text_config, "word_embed_proj_dim", None) or _hidden_size(text_config)
         self.v_head = ValueHead(hidden, fp32=compute_fp32_loss)
         self.rwtransformer = base_model
         # Kept for DeepSpeed-Chat compatibility; the end token comes from the attention mask instead.
