@@ -8,8 +8,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch, make_ds_engine,  # noqa: E402
-                           tiny_model, train_step)
+from hybrid_common import (PAD, answer_logprobs_and_live, early_token, hf_generate, left_padded_batch,  # noqa: E402
+                           make_ds_engine, tiny_model, train_step)
 
 from dschat.hybrid_engine import (HybridEngine, HybridEngineConfig, strip_deepspeed_hybrid_engine,  # noqa: E402
                                   wrap_actor)
@@ -415,3 +415,24 @@ def test_gpt_neo_local_attention_generates_as_hf_within_its_window_and_is_refuse
     with pytest.raises(ValueError, match=r"longer than the model's local attention window \(12 tokens\).*"
                                          r"without --enable_hybrid_engine"):
         engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+
+
+def test_hybrid_recurrent_models_prefill_with_their_prompts_mask():
+    # Mamba / short-convolution layers (Bamba, Granite-4, LFM2, Qwen3-Next, ...) mask padded inputs with the 2-D mask's
+    # last columns: the prefill's cache-long mask zeroed the prompts' last tokens there, as if they were padding
+    from transformers import AutoModelForCausalLM, BambaConfig
+
+
+    config = BambaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                         mamba_d_state=8, mamba_n_groups=1, max_position_embeddings=64, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    engine = _engine(model)
+    engine.eval()
+    ids, mask = left_padded_batch([7, 3, 5, 1])
+    got, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=8, return_logprobs=True)
+    assert torch.equal(got, hf_generate(model, ids, mask, 8))
+    expected, _ = answer_logprobs_and_live(model, got, mask, eos_token_id=-1)
+    assert torch.allclose(logprobs, expected, atol=1e-5)

@@ -93,6 +93,20 @@ def cache_length(cache):
     return int(getattr(cache, "max_cache_len", 0) or 0)
 
 
+def keeps_recurrent_state(cache):
+    """Whether a layer of ``cache`` holds a recurrent state rather than keys alone: the Mamba, short-convolution and
+    linear-attention layers of hybrid models (LFM2, Jamba, Qwen3-Next, Granite-4, ...)."""
+    return any(hasattr(layer, "has_previous_state") for layer in getattr(cache, "layers", ()))
+
+
+def prefill_mask(mask, prompt_len, cache):
+    """The prefill's mask: as long as the cache (see ``generate_tokens``), or the prompt's own columns where a layer
+    keeps a recurrent state: transformers masks such a layer's padded inputs with the mask's LAST columns, one per
+    input token (``create_recurrent_attention_mask``), which in a cache-long mask are the empty slots, so the
+    prompt's last tokens were zeroed as if they were padding."""
+    return mask[:, :prompt_len] if keeps_recurrent_state(cache) else mask
+
+
 def generated_lengths(finish_step, steps):
     """Tokens each row generated, its EOS included. HF stops at the step where the last row finished; the early-exit
     check may have run a few steps past it, so the result is trimmed to ``lengths.max()``."""
@@ -141,7 +155,8 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
                        device=device)
     mask[:, :prompt_len] = attention_mask
     cache_position = torch.arange(prompt_len, device=device)
-    logits = decode_step(model, spec, input_ids, mask, prompt_position_ids(attention_mask), cache_position, cache)
+    logits = decode_step(model, spec, input_ids, prefill_mask(mask, prompt_len, cache),
+                         prompt_position_ids(attention_mask), cache_position, cache)
 
     # Decode-loop state, updated in place.
     position_ids = attention_mask.long().sum(-1, keepdim=True)  # next position of each row
