@@ -417,18 +417,32 @@ def test_gpt_neo_local_attention_generates_as_hf_within_its_window_and_is_refuse
         engine.generate(ids, attention_mask=mask, max_new_tokens=6)
 
 
-def test_hybrid_recurrent_models_prefill_with_their_prompts_mask():
-    # Mamba / short-convolution layers (Bamba, Granite-4, LFM2, Qwen3-Next, ...) mask padded inputs with the 2-D mask's
-    # last columns: the prefill's cache-long mask zeroed the prompts' last tokens there, as if they were padding
-    from transformers import AutoModelForCausalLM, BambaConfig
+def _bamba_config():  # a Mamba-2 layer and an attention layer
+    from transformers import BambaConfig
+
+    return BambaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                       mamba_d_state=8, mamba_n_groups=1, max_position_embeddings=64, bos_token_id=None,
+                       eos_token_id=None, pad_token_id=None)
 
 
-    config = BambaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
-                         mamba_d_state=8, mamba_n_groups=1, max_position_embeddings=64, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None)
+def _mamba_config():  # recurrent layers only
+    from transformers import MambaConfig
+
+    return MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, bos_token_id=None,
+                       eos_token_id=None, pad_token_id=None)
+
+
+@pytest.mark.parametrize("config", [_bamba_config, _mamba_config], ids=["bamba", "mamba"])
+def test_recurrent_models_generate_as_hf(config):
+    """Mamba / short-convolution layers (Bamba, Granite-4, LFM2, Qwen3-Next, ...) mask padded inputs with the 2-D
+    mask's last columns: the prefill's cache-long mask zeroed the prompts' last tokens there, as if they were padding.
+    Mamba-1 multiplies its inputs by the mask as given: a decode step's cache-long mask spread its one token over every
+    slot (log-probs 0.38 off; HF passes no mask after the prefill)."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config()).eval()
     engine = _engine(model)
     engine.eval()
     ids, mask = left_padded_batch([7, 3, 5, 1])

@@ -96,6 +96,12 @@ def kv_layout(model_config):
     return num_kv_heads, head_dim
 
 
+def recurrent_layers(cache):
+    """Which layers of ``cache`` hold a recurrent state rather than keys alone (bools): Mamba's, and the
+    short-convolution and linear-attention layers of hybrid models (LFM2, Jamba, Qwen3-Next, Granite-4, ...)."""
+    return [hasattr(layer, "has_previous_state") for layer in getattr(cache, "layers", ())]
+
+
 def longest_cache(model_config):
     """The most slots a static cache may have for this model to attend as it does without one, or None (no bound).
     GPT-Neo's local layers cut their window out of a causal table at the cache's length, not at each token's position

@@ -15,6 +15,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from dschat.hybrid_engine.cache import recurrent_layers
 from dschat.hybrid_engine.sampling import (apply_repetition_penalty, choose_tokens, mark_seen, one_pass_applies,
                                            penalty_start, prompt_seen_tokens)
 from dschat.models.lora import unwrap_peft
@@ -93,10 +94,13 @@ def cache_length(cache):
     return int(getattr(cache, "max_cache_len", 0) or 0)
 
 
-def keeps_recurrent_state(cache):
-    """Whether a layer of ``cache`` holds a recurrent state rather than keys alone: the Mamba, short-convolution and
-    linear-attention layers of hybrid models (LFM2, Jamba, Qwen3-Next, Granite-4, ...)."""
-    return any(hasattr(layer, "has_previous_state") for layer in getattr(cache, "layers", ()))
+def decode_step_mask(mask, cache):
+    """A decode step's mask: the cache-long one, or none where every layer is recurrent (Mamba-1). Such a model hands
+    the 2-D mask to its mixers as it is, which multiply the step's one new token by it: a cache-long mask spread that
+    token over every slot (log-probs 0.38 off HF's); HF's generate passes no mask after the prefill. (A hybrid model
+    masks its recurrent layers by the mask's last columns, and a step's one token is never padding.)"""
+    layers = recurrent_layers(cache)
+    return None if layers and all(layers) else mask
 
 
 def prefill_mask(mask, prompt_len, cache):
@@ -104,7 +108,7 @@ def prefill_mask(mask, prompt_len, cache):
     keeps a recurrent state: transformers masks such a layer's padded inputs with the mask's LAST columns, one per
     input token (``create_recurrent_attention_mask``), which in a cache-long mask are the empty slots, so the
     prompt's last tokens were zeroed as if they were padding."""
-    return mask[:, :prompt_len] if keeps_recurrent_state(cache) else mask
+    return mask[:, :prompt_len] if any(recurrent_layers(cache)) else mask
 
 
 def generated_lengths(finish_step, steps):
@@ -161,6 +165,7 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     # Decode-loop state, updated in place.
     position_ids = attention_mask.long().sum(-1, keepdim=True)  # next position of each row
     cache_position = torch.tensor([prompt_len], dtype=torch.long, device=device)
+    step_mask = decode_step_mask(mask, cache)  # (``mask`` itself, which each step extends in place, or None)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     finish_step = torch.full((batch_size,), max_new_tokens, dtype=torch.long, device=device)
     seen = prompt_seen_tokens(input_ids, penalty_start(attention_mask, prompt_start), logits.shape[-1]) \
@@ -195,7 +200,7 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
                 and steps % early_exit_interval == 0 and _all_finished(finished, sync_group):
             break
         mask[:, prompt_len + step] = 1
-        logits = decode_step(model, spec, tokens[:, None], mask, position_ids, cache_position, cache)
+        logits = decode_step(model, spec, tokens[:, None], step_mask, position_ids, cache_position, cache)
         position_ids += 1
         cache_position += 1
 

@@ -404,7 +404,8 @@ class GraphDecoder:
             self.drop()
         cache = self.kv_cache.acquire_rows(bucket, cache_len, dtype, device)
         if not keeps_length_on_device(cache):
-            self.disable("the model's KV cache has sliding-window layers, which count tokens on the host")
+            self.disable("the model's KV cache has sliding-window or recurrent (Mamba) layers, which count tokens "
+                         "on the host")
             return None
         self._drop_if_moved(model)
         key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
