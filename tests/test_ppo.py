@@ -1704,6 +1704,19 @@ def test_freezing_actor_steps_train_the_critic_alone_first(trained, tmp_path, mo
                           "--n_samples_per_prompt", "2"))
 
 
+def test_a_notebook_engines_max_steps_sizes_the_schedule_in_optimizer_steps(trained, tmp_path):
+    """Without num_total_iters, max_steps (PPO iterations) sizes the learning-rate schedules: an iteration of 2 PPO
+    epochs over 2 micro-batches takes 4 optimizer steps, so 2 iterations span 8 (taken as 2 steps, a linear schedule
+    reached 0 halfway through the first iteration and the second trained nothing)."""
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, max_steps=2, ppo_epochs=2,
+                                                     per_device_generation_batch_size=4,
+                                                     per_device_training_batch_size=2, lr_scheduler_type="linear")
+    assert engine.num_total_iters == engine.actor_total_iters == 8
+    trainer.train_rollout([trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS))])
+    for model in (engine.actor, engine.critic):
+        assert model.global_steps == 4 and model.get_lr() == [pytest.approx(5e-5)]
+
+
 def test_notebook_calls_that_would_train_wrongly_are_refused(trained, tmp_path):
     """From a notebook as from step 3's flags: an optimizer step may not span rollouts (the first rollout trained
     nothing and each later step mixed two); one experience given bare, or none, says what train_rollout takes."""

@@ -157,6 +157,12 @@ def micro_batches_per_epoch(args):
     return math.ceil(rows / args.per_device_training_batch_size) * args.generation_batches
 
 
+def optimizer_steps_per_iteration(args):
+    """Optimizer steps the actor and the critic each take in one PPO iteration: --ppo_epochs passes over the rollout's
+    micro-batches, one step per --gradient_accumulation_steps of them (``check_accumulation``: whole groups)."""
+    return args.ppo_epochs * micro_batches_per_epoch(args) // args.gradient_accumulation_steps
+
+
 def check_accumulation(args):
     """PPO micro-batches per epoch over the rollout must fill whole accumulation groups, or an optimizer step mixes
     PPO epochs (or iterations) whose losses were scaled for different token counts."""

@@ -15,8 +15,8 @@ from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import initialize_engine, initialize_frozen
 from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, check_earlier_step_outputs,
-                                check_freezing_actor_steps, check_kl_settings, step3_args,
-                                untrained_reward_model_message)
+                                check_freezing_actor_steps, check_kl_settings, optimizer_steps_per_iteration,
+                                step3_args, untrained_reward_model_message)
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import setup_run, warn_of_unfinished_inputs
@@ -300,7 +300,10 @@ class DeepSpeedRLHFEngine:
             check_given_tokenizer(tokenizer, self.actor_path)
         self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,
                                                      eot_token=args.eot_token)
-        self.num_total_iters = num_total_iters or args.max_steps or DEFAULT_TOTAL_ITERS
+        # max_steps counts PPO iterations, each of optimizer_steps_per_iteration steps (taken as steps, a schedule
+        # ran out within the first iterations: a linear one trained the rest at 0, a cosine one rose again)
+        self.num_total_iters = (num_total_iters or args.max_steps * optimizer_steps_per_iteration(args)
+                                or DEFAULT_TOTAL_ITERS)
         if not (num_total_iters or args.max_steps):  # (step 3's entry point sizes it from its data)
             print_rank_0(f"[step3] the learning-rate schedule spans {DEFAULT_TOTAL_ITERS} iterations (no "
                          f"num_total_iters nor max_steps given): pass num_total_iters=len(prompt_dataloader) x epochs "

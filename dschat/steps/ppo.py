@@ -12,7 +12,7 @@ from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import TORCH_DTYPES, load_tokenizer
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
-from dschat.rlhf.config import check_earlier_step_outputs, micro_batches_per_epoch, step3_args
+from dschat.rlhf.config import check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
@@ -148,7 +148,7 @@ def plan_iterations(args, train_loader):
                      f"DeepSpeed-Chat): the run trains all {total} iterations (--max_steps stops it and "
                      "shortens its schedule)")
     def optimizer_steps(iterations):
-        return max(1, iterations * args.ppo_epochs * micro_batches_per_epoch(args) // args.gradient_accumulation_steps)
+        return max(1, iterations * optimizer_steps_per_iteration(args))
 
     if args.freezing_actor_steps >= total:
         print_rank_0(f"warning: --freezing_actor_steps {args.freezing_actor_steps} >= this run's {total} PPO "
