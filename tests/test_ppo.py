@@ -664,6 +664,25 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+def test_a_resume_whose_iterations_take_other_step_counts_ends_its_schedules_at_their_end(trained, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """A checkpoint after 1 of 3 iterations of 2 PPO epochs (schedules of 6 steps, 2 taken), resumed with 1 PPO epoch
+    (schedules of 3 steps): the schedulers are moved to step 1 of 3, so the last iteration applies a third of the rate
+    (restored at step 2, they reached the linear schedule's end, 0, before the last iteration)."""
+    from dschat.rlhf import trainer
+
+    common = ["--max_steps", "3", "--save_interval", "1", "--lr_scheduler_type", "linear"]
+    ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--ppo_epochs", "2", "--enable_test_mode",
+                      "--test_stop_step", "1"))
+    applied, real_step = [], trainer.optimizer_step
+    monkeypatch.setattr(trainer, "optimizer_step", lambda engine, name: applied.append((name, engine.get_lr()[0]))
+                        or real_step(engine, name))
+    ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--ppo_epochs", "1", "--resume"))
+    for name in ("actor", "critic"):
+        assert [lr for model, lr in applied if model == name] == [pytest.approx(2e-4 / 3), pytest.approx(1e-4 / 3)]
+    assert "an iteration of this run takes 1 optimizer steps, its checkpoint's run's 2" in capsys.readouterr().out
+
+
 def test_the_score_before_ppo_is_kept_across_resumes_by_the_same_function():
     """A checkpoint from before the function's identity was kept: its score is taken, and the resumed run's identity
     saved with its next checkpoints (it was saved as None, and the next resume left the score out as another

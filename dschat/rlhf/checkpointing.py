@@ -28,7 +28,8 @@ UNSUPERVISED_RESUME_FLAGS = ("max_answer_seq_len",)
 # (The weight decays too: the optimizers' parameter groups depend on whether it is 0.)
 # (--advantage_estimator too: a run continued by another algorithm would be neither's.)
 # (--lora_alpha too: the scale of the adapters' saved weights. The training batch size may change: the position counts
-# generation batches, and the schedule is the resumed run's from its step on.)
+# generation batches, and the schedules are moved to where this run's stand at the checkpoint's iteration,
+# ppo.realign_schedules.)
 ACTOR_RESUME_FLAGS = ("actor_lora_dim", "actor_lora_module_name", "lora_alpha", "only_optimize_lora",
                       "actor_weight_decay", "actor_zero_stage", "dtype", "offload", "per_device_generation_batch_size",
                       "seed", "advantage_estimator") + DATA_RESUME_FLAGS

@@ -189,6 +189,7 @@ def main(args=None):
                     "eval_before": held_out_eval(trainer, eval_loader, args, device, scorer),
                     "eval_reward_fn": reward_fn_identity(args)}
     else:
+        realign_schedules(trainer, checkpoint, args)
         position = before_scored_alike(checkpoint, args)
     log_path = os.path.join(args.output_dir, "step3_log.jsonl")
     _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
@@ -264,6 +265,7 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
                                                      "eval_before": position.get("eval_before"),
                                                      "eval_reward_fn": position.get("eval_reward_fn"),
                                                      "save_interval": args.save_interval, "total": schedule.total,
+                                                     "steps_per_iteration": optimizer_steps_per_iteration(args),
                                                      "seconds": seconds()})
         if iteration >= schedule.stop_at:
             break
@@ -387,6 +389,33 @@ def reward_fn_identity(args):
     spec = ALIASES.get(spec, spec)  # ("tiny" and its module path are one function)
     found = reward_fn_file(spec)
     return [spec.rpartition(":")[2], found[1] if found else spec]
+
+
+def realign_schedules(trainer, checkpoint, args):
+    """A resumed run whose iterations take another number of optimizer steps than its checkpoint's run's (--ppo_epochs,
+    the training batch size, --gradient_accumulation_steps, --n_samples_per_prompt, --generation_batches): DeepSpeed
+    restores each learning-rate scheduler at the step that run had taken, and this run's schedules, sized by its own
+    steps per iteration, would then end before the run (a linear one applied 0 for the rest of it, a cosine one rose
+    again) or stop short of their end. Each scheduler is moved to the step this run's schedule has at the checkpoint's
+    iteration, and that is said. (A checkpoint from before dschat recorded the steps per iteration: left as it is.)"""
+    saved, now = checkpoint.get("steps_per_iteration"), optimizer_steps_per_iteration(args)
+    if saved is None or saved == now:
+        return
+    iteration = checkpoint["iteration"]
+    trained = {"actor": iteration - min(args.freezing_actor_steps, iteration), "critic": iteration}
+    for name, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
+        if engine is not None:
+            move_scheduler(engine.lr_scheduler, trained[name] * now)
+    print_rank_0(f"[step3] an iteration of this run takes {now} optimizer steps, its checkpoint's run's {saved} "
+                 f"(--ppo_epochs, the batch sizes, --gradient_accumulation_steps, --n_samples_per_prompt, "
+                 f"--generation_batches): the learning-rate schedules continue from where this run's stand at "
+                 f"iteration {iteration}")
+
+
+def move_scheduler(scheduler, step):
+    """A learning-rate scheduler set to ``step`` optimizer steps done, its rates those of that step."""
+    scheduler.last_epoch = step - 1
+    scheduler.step()
 
 
 def before_scored_alike(position, args):
