@@ -70,6 +70,23 @@ def test_rloo_with_one_answer_per_prompt_is_a_usage_error_before_anything_loads(
                                      "reward_model_weight": 0}), 1)
 
 
+def test_a_polynomial_schedule_with_a_rate_at_its_end_is_refused_before_anything_loads():
+    """transformers' polynomial schedule refuses a base rate at or below its lr_end (1e-7): --actor_learning_rate 0 (the
+    critic trained alone) failed with its ValueError after every model had loaded."""
+    from dschat.args import step1_parser
+    from dschat.steps.common import check_supervised_settings
+
+    with pytest.raises(UsageError, match=r"polynomial decays the learning rate to 1e-07 .*\(--actor_learning_rate 0\)"):
+        check_step3_settings(step3_args({"lr_scheduler_type": "polynomial", "actor_learning_rate": 0}), 1)
+    # GRPO trains no critic: its rate is not read
+    check_step3_settings(step3_args({"lr_scheduler_type": "polynomial", "critic_learning_rate": 0, "reward_fn": "tiny",
+                                     "advantage_estimator": "grpo", "n_samples_per_prompt": 2,
+                                     "reward_model_weight": 0}), 1)
+    step1 = step1_parser().parse_args(["--lr_scheduler_type", "polynomial", "--learning_rate", "1e-8"])
+    with pytest.raises(UsageError, match=r"\(--learning_rate 1e-08\)"):
+        check_supervised_settings(step1, 1)
+
+
 # --- --temperature / --top_p --------------------------------------------------------------------------------------
 
 def test_temperature_zero_without_greedy_and_top_p_outside_0_1_are_usage_errors():

@@ -63,6 +63,22 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
     return engine
 
 
+# transformers' polynomial schedule decays every rate to this (its default lr_end) and refuses a base rate not above it
+POLYNOMIAL_LR_END = 1e-7
+
+
+def check_schedule_reaches_its_end(lr_scheduler_type, rates):
+    """``rates``: {flag: base learning rate} of the models a step trains. --lr_scheduler_type polynomial with a rate at
+    or below its end (e.g. --actor_learning_rate 0 to train the critic alone) failed in transformers after the models
+    had loaded ("lr_end (1e-07) must be smaller than initial lr"); said before anything loads."""
+    low = {flag: rate for flag, rate in rates.items() if rate <= POLYNOMIAL_LR_END}
+    if lr_scheduler_type == "polynomial" and low:
+        said = ", ".join(f"{flag} {rate:g}" for flag, rate in low.items())
+        raise UsageError(f"--lr_scheduler_type polynomial decays the learning rate to {POLYNOMIAL_LR_END:g} and needs "
+                         f"a rate above it ({said}): give a larger rate, or another --lr_scheduler_type (constant, "
+                         "linear)")
+
+
 def warmup_notice(lr, lr_scheduler_type, num_warmup_steps, total_steps, role=None):
     """What to say when the warmup outlasts the run (step 3's default 100 steps against a short run's few): the
     learning rate rises all run long and never reaches the one asked for, so the run barely trains."""

@@ -13,7 +13,7 @@ from dschat.errors import UsageError
 from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
-from dschat.models.training_engine import initialize_engine, initialize_frozen
+from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine, initialize_frozen
 from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, check_earlier_step_outputs,
                                 check_freezing_actor_steps, check_kl_settings, optimizer_steps_per_iteration,
                                 step3_args, untrained_reward_model_message)
@@ -173,6 +173,10 @@ def check_settings(args):
     check_reward_sources(args)
     check_only_optimize_lora(args.only_optimize_lora, args.actor_lora_dim, args.critic_lora_dim)
     check_align_overflow(args)
+    trained = {"--actor_learning_rate": args.actor_learning_rate}
+    if args.advantage_estimator == "gae":  # (only GAE trains a critic)
+        trained["--critic_learning_rate"] = args.critic_learning_rate
+    check_schedule_reaches_its_end(args.lr_scheduler_type, trained)
 
 
 def check_step3_settings(args, world_size, actor_architecture=None):

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from dschat.errors import UsageError
-from dschat.models.training_engine import initialize_engine
+from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine
 from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
@@ -512,6 +512,7 @@ def check_supervised_settings(args, phase, name=None, quiet=True):
     from dschat.models.lora import check_only_optimize_lora
 
     check_only_optimize_lora(getattr(args, "only_optimize_lora", False), getattr(args, "lora_dim", 0))
+    check_schedule_reaches_its_end(args.lr_scheduler_type, {"--learning_rate": args.learning_rate})
     sft_only = getattr(args, "sft_only_data_path", ()) if phase == 1 else ()
     check_phase_share(args.data_split, phase, other_data=bool(sft_only))
     check_data_paths(args.data_path, sft_only)
