@@ -1258,7 +1258,7 @@ def test_a_notebooks_reward_function_may_be_the_function_itself(trained, tmp_pat
     out = trainer.generate_experience(_prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2))
     assert seen == [4] and engine.critic is None and engine.reward is None
     # no num_total_iters nor max_steps: the schedule's assumed length is said (a notebook loop barely decayed it)
-    assert "[step3] the learning-rate schedule spans 10000 iterations" in capsys.readouterr().out
+    assert "[step3] the learning-rate schedule spans 10000 optimizer steps" in capsys.readouterr().out
     texts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True).strip()
              for row, m in zip(out["input_ids"][:, out["prompts"].shape[1]:], out["action_mask"])]
     assert out["rewards"].tolist() == [float(len(t)) for t in texts]

@@ -309,9 +309,10 @@ class DeepSpeedRLHFEngine:
         self.num_total_iters = (num_total_iters or args.max_steps * optimizer_steps_per_iteration(args)
                                 or DEFAULT_TOTAL_ITERS)
         if not (num_total_iters or args.max_steps):  # (step 3's entry point sizes it from its data)
-            print_rank_0(f"[step3] the learning-rate schedule spans {DEFAULT_TOTAL_ITERS} iterations (no "
-                         f"num_total_iters nor max_steps given): pass num_total_iters=len(prompt_dataloader) x epochs "
-                         f"for your loop's length")
+            print_rank_0(f"[step3] the learning-rate schedule spans {DEFAULT_TOTAL_ITERS} optimizer steps (no "
+                         "num_total_iters nor max_steps given): pass max_steps=your loop's PPO iterations, or "
+                         "num_total_iters=those iterations x the optimizer steps of each "
+                         "(dschat.rlhf.config.optimizer_steps_per_iteration(args))")
         self.actor_total_iters = actor_total_iters or self.num_total_iters
         self.world_size = get_world_size()
 
