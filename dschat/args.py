@@ -506,6 +506,9 @@ def critic_only_flags(args, parser=None):
 
 # A flag every step parses (add_data_args) that only step 1 reads; the other steps' tables list it as never on.
 STEP1_ONLY_FLAGS = (("sft_only_data_path",), lambda a: False, "step 1")
+# (transformers' "constant" schedule takes no warmup: constant_with_warmup does)
+WARMUP_FLAGS = (("num_warmup_steps",), lambda a: a.lr_scheduler_type != "constant",
+                "--lr_scheduler_type other than constant")
 
 
 # Step 3's flags read only when another setting is on: (flags, whether it is, the setting said). (A script switched from
@@ -526,12 +529,14 @@ CONDITIONAL_FLAGS = (
      "--critic_lora_dim"),
     (("print_answers_interval",), lambda a: a.print_answers, "--print_answers"),
     STEP1_ONLY_FLAGS,
+    WARMUP_FLAGS,
 )
 
 
 # The same for steps 1, 2 and DPO (``supervised_conditional_flags``).
 SUPERVISED_CONDITIONAL_FLAGS = (
     (("lora_alpha", "lora_learning_rate", "lora_module_name"), lambda a: a.lora_dim, "--lora_dim"),
+    WARMUP_FLAGS,
 )
 
 

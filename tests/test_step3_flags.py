@@ -253,6 +253,19 @@ def test_flags_read_only_when_another_setting_is_on_are_listed_when_it_is_off():
     assert {name for names, _, _ in CONDITIONAL_FLAGS for name in names} <= {a.dest for a in parser._actions}
 
 
+def test_a_warmup_is_said_to_be_ignored_by_the_constant_schedule():
+    """transformers' "constant" schedule takes no warmup (constant_with_warmup does): --num_warmup_steps went unread."""
+    from dschat.args import step1_parser, supervised_conditional_flags, unread_conditional_flags
+
+    said = ["--num_warmup_steps 5 (read only with --lr_scheduler_type other than constant)"]
+    given = ["--lr_scheduler_type", "constant", "--num_warmup_steps", "5"]
+    assert unread_conditional_flags(step3_parser().parse_args(given)) == said
+    assert unread_conditional_flags(step1_parser().parse_args(given), step1_parser(),
+                                    supervised_conditional_flags(1)) == said
+    warmed = ["--lr_scheduler_type", "constant_with_warmup", "--num_warmup_steps", "5"]
+    assert unread_conditional_flags(step3_parser().parse_args(warmed)) == []
+
+
 def test_step_1s_own_data_flag_is_said_to_be_ignored_by_the_other_steps():
     """Every step parses --sft_only_data_path (its data flags are one group); steps 2, 3 and DPO ignored it silently."""
     from dschat.args import (step1_parser, step2_dpo_parser, step2_parser, supervised_conditional_flags,
