@@ -433,12 +433,23 @@ def _mamba_config():  # recurrent layers only
                        eos_token_id=None, pad_token_id=None)
 
 
-@pytest.mark.parametrize("config", [_bamba_config, _mamba_config], ids=["bamba", "mamba"])
+def _falcon_h1_config():  # attention beside Mamba-2 in every layer: cache layers of keys and a recurrent state
+    from transformers import FalconH1Config
+
+    return FalconH1Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=32, mamba_n_heads=4,
+                          mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16,
+                          max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+@pytest.mark.parametrize("config", [_bamba_config, _mamba_config, _falcon_h1_config],
+                         ids=["bamba", "mamba", "falcon_h1"])
 def test_recurrent_models_generate_as_hf(config):
     """Mamba / short-convolution layers (Bamba, Granite-4, LFM2, Qwen3-Next, ...) mask padded inputs with the 2-D
     mask's last columns: the prefill's cache-long mask zeroed the prompts' last tokens there, as if they were padding.
     Mamba-1 multiplies its inputs by the mask as given: a decode step's cache-long mask spread its one token over every
-    slot (log-probs 0.38 off; HF passes no mask after the prefill)."""
+    slot (log-probs 0.38 off; HF passes no mask after the prefill). Falcon-H1's layers also attend: without a mask
+    its decode steps attended to the prompts' left padding."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

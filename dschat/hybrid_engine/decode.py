@@ -95,12 +95,17 @@ def cache_length(cache):
 
 
 def decode_step_mask(mask, cache):
-    """A decode step's mask: the cache-long one, or none where every layer is recurrent (Mamba-1). Such a model hands
-    the 2-D mask to its mixers as it is, which multiply the step's one new token by it: a cache-long mask spread that
-    token over every slot (log-probs 0.38 off HF's); HF's generate passes no mask after the prefill. (A hybrid model
-    masks its recurrent layers by the mask's last columns, and a step's one token is never padding.)"""
-    layers = recurrent_layers(cache)
-    return None if layers and all(layers) else mask
+    """A decode step's mask: the cache-long one, or none where every layer is recurrent and none attends (Mamba-1).
+    Such a model hands the 2-D mask to its mixers as it is, which multiply the step's one new token by it: a
+    cache-long mask spread that token over every slot (log-probs 0.38 off HF's); HF's generate passes no mask after
+    the prefill. (A hybrid model masks its recurrent layers by the mask's last columns, and a step's one token is never
+    padding.) A layer that also attends (Falcon-H1's: attention beside Mamba in every layer, each cache layer keeping
+    keys and a recurrent state) needs the mask to leave out its prompts' left padding. Called after the prefill, which
+    stored the attention layers' keys."""
+    layers = getattr(cache, "layers", ())
+    recurrent = recurrent_layers(cache)
+    attends = any(getattr(layer, "keys", None) is not None for layer in layers)
+    return None if recurrent and all(recurrent) and not attends else mask
 
 
 def prefill_mask(mask, prompt_len, cache):
