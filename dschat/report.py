@@ -3,7 +3,7 @@ import json
 import os
 
 from dschat.run_layout import (DPO_DIR, FINISHED_MARK, PPO_ACTOR_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR,
-                               SFT_DIR)
+                               RUN_ARGS_FILE, SFT_DIR)
 from dschat.utils.files import read_json_object, write_json_atomic
 
 
@@ -84,7 +84,7 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
         report["held_out_examples"] = {"sft_policy": before.get("examples", []),
                                        "ppo_policy": after.get("examples", [])}
         report["step3_iterations"] = step3.get("iterations")
-        report["step3_algorithm"] = step3.get("algorithm", "PPO")  # (an earlier version's step 3 names none)
+        report["step3_algorithm"] = step3.get("algorithm") or step3_algorithm_of_flags(output_dir)
         # read only for a reported step 3: another run's log, e.g. an interrupted one's with its last line cut off,
         # is none of this report's
         curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))
@@ -92,6 +92,17 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
         report["step3_curve"] = {k: [r.get(k) for r in curve] for k in ("reward", "kl", "actor_loss", "critic_loss")
                                  if any(k in r for r in curve)}
     return report
+
+
+# What the report calls each step-3 --advantage_estimator's training (GRPO's run is no PPO run).
+ALGORITHM_NAMES = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
+
+
+def step3_algorithm_of_flags(output_dir):
+    """The algorithm of a step 3 whose metrics.json names none (written before it recorded one): its
+    training_args.json's --advantage_estimator; PPO where that says nothing."""
+    run_args = read_json_object(os.path.join(output_dir, PPO_DIR, RUN_ARGS_FILE)) or {}
+    return ALGORITHM_NAMES.get((run_args.get("flags") or {}).get("advantage_estimator"), "PPO")
 
 
 def plot_curves(curve, path):

@@ -163,6 +163,16 @@ def test_the_summary_names_step_3s_algorithm(tmp_path):
     assert "held-out SFT policy: rule score 0.5000, reward_fn 0.2500" in lines
     assert "held-out GRPO policy: rule score 0.5000, reward_fn 0.2500" in lines
     assert "GRPO: 3 iterations, final KL 0.0010" in lines
+    # a step 3 written before metrics.json named its algorithm: its training_args.json's --advantage_estimator
+    from dschat.run_layout import RUN_ARGS_FILE
+
+    with open(tmp_path / PPO_DIR / FINISHED_MARK, "w") as f:
+        json.dump({"iterations": 3, "eval_before": result, "eval_after": result}, f)
+    with open(tmp_path / PPO_DIR / RUN_ARGS_FILE, "w") as f:
+        json.dump({"step": "step3", "flags": {"advantage_estimator": "grpo"}}, f)
+    assert build_report(str(tmp_path), {}, recipe="grpo")["step3_algorithm"] == "GRPO"
+    os.remove(tmp_path / PPO_DIR / RUN_ARGS_FILE)
+    assert build_report(str(tmp_path), {}, recipe="grpo")["step3_algorithm"] == "PPO"  # (nothing says otherwise)
 
 
 def test_the_report_says_the_final_kl_as_a_mean_of_the_last_iterations():

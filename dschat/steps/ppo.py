@@ -15,6 +15,7 @@ from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+from dschat.report import ALGORITHM_NAMES
 from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
@@ -205,10 +206,6 @@ def main(args=None):
                "eval_before": before, "eval_after": after, "seconds": seconds_so_far(started, checkpoint)}
     write_results(args, metrics, "step3")
     return metrics
-
-
-# What the report calls each --advantage_estimator's training (GRPO's run is no PPO run).
-ALGORITHM_NAMES = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
 
 
 def train_iterations(trainer, args, schedule, loaders, position, log_path, seconds):
