@@ -11,11 +11,11 @@ from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import TORCH_DTYPES, load_tokenizer
+from dschat.report import ALGORITHM_NAMES
 from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
-from dschat.report import ALGORITHM_NAMES
 from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, clear_results, format_metrics, progress, require_training_records,
