@@ -70,6 +70,21 @@ def test_rloo_with_one_answer_per_prompt_is_a_usage_error_before_anything_loads(
                                      "reward_model_weight": 0}), 1)
 
 
+def test_a_generation_past_the_actors_local_window_is_refused_before_anything_loads(tmp_path):
+    """GPT-Neo's local layers bound the hybrid engine's cache (125M: a 256-token window, against DeepSpeed-Chat's
+    256 + 256): refused at the first generation, after every model had loaded."""
+    from transformers import GPTNeoConfig
+
+    GPTNeoConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+                 attention_types=[[["global", "local"], 1]], window_size=12).save_pretrained(tmp_path / "neo")
+    settings = {"actor_model_name_or_path": str(tmp_path / "neo"), "enable_hybrid_engine": True,
+                "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
+    with pytest.raises(UsageError, match=r"local window of 12 tokens.* is 16: generate at most the window"):
+        check_step3_settings(step3_args(settings), 1)
+    check_step3_settings(step3_args({**settings, "max_answer_seq_len": 4}), 1)
+    check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1)  # (HF's generate)
+
+
 def test_a_polynomial_schedule_with_a_rate_at_its_end_is_refused_before_anything_loads():
     """transformers' polynomial schedule refuses a base rate at or below its lr_end (1e-7): --actor_learning_rate 0 (the
     critic trained alone) failed with its ValueError after every model had loaded."""

@@ -158,6 +158,19 @@ def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=Tr
                          f"{config.model_type!r}) over {tp} ranks: {error}") from None
 
 
+def check_local_window(args, actor_path, local_only=True):
+    """A model whose local attention window bounds the hybrid engine's cache (GPT-Neo, ``longest_cache``) against the
+    longest sequence step 3 generates: refused before any weight loads, not at the first generation."""
+    from dschat.hybrid_engine.cache import longest_cache
+
+    config = _model_config(actor_path, local_only) if args.enable_hybrid_engine else None
+    window = longest_cache(config) if config is not None else None
+    if window is not None and longest_sequence(args) > window:
+        raise UsageError(f"the actor {actor_path} attends within a local window of {window} tokens, which the hybrid "
+                         f"engine's KV cache cannot exceed; {LONGEST_SEQUENCE_FLAGS} is {longest_sequence(args)}: "
+                         "generate at most the window, or leave out --enable_hybrid_engine (HF's generate)")
+
+
 def check_settings(args):
     """The checks that read nothing but step 3's settings: run by the entry points and by ``DeepSpeedRLHFEngine``
     and ``DeepSpeedPPOTrainer`` (a notebook's settings, e.g. ``temperature=0``, fail there, not at the first
@@ -196,6 +209,7 @@ def check_step3_settings(args, world_size, actor_architecture=None):
                          "--max_answer_seq_len and --eval_max_new_tokens): prompt + answer must fit")
     check_inference_tp(args, world_size, actor.get("hybrid_engine", {}),
                        actor_architecture or args.actor_model_name_or_path)
+    check_local_window(args, actor_architecture or args.actor_model_name_or_path)
     check_accumulation(args)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
