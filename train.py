@@ -7,7 +7,9 @@
     deepspeed train.py --actor-model Qwen/Qwen2.5-1.5B --reward-model Qwen/Qwen2.5-0.5B \
         --deployment-type single_node --actor-zero-stage 3 --reward-zero-stage 3
 
-The reward model shares the actor's tokenizer (one family): step 3 scores the actor's token ids with it.
+The reward model shares the actor's tokenizer (one family): step 3 scores the actor's token ids with it. (A
+``deepspeed`` launcher started by hand reads /job/hostfile where there is one and starts the nodes it lists;
+``python train.py --deployment-type single_node`` starts it with no hostfile: this node's GPUs.)
 """
 import argparse
 import os
