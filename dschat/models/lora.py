@@ -40,7 +40,7 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
         names.append(name)
     if not names:
         heads = " (output heads are never adapted: " + ", ".join(HEAD_NAMES) + ")" \
-            if any(part in HEAD_NAMES for part in lora_module_name.split(".")) else ""
+            if any(part in HEAD_NAMES for part in (lora_module_name or "").split(".")) else ""
         raise UsageError(f"{flag} {lora_module_name!r} matches no Linear module of "
                          f"{type(model).__name__}{heads}")
     return names
