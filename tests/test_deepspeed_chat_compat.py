@@ -263,6 +263,26 @@ def test_step3_file_reaches_actor_and_critic_and_its_hybrid_block_only_the_actor
                                              hybrid=True)["hybrid_engine"]["max_out_tokens"] == 20
 
 
+def test_a_hybrid_engine_block_the_engine_cannot_read_fails_before_any_model_loads(tmp_path):
+    """The block never reaches DeepSpeed: a typo'd option passed every check and failed once the actor had loaded,
+    naming no file; a string value failed in a TypeError of a comparison (or, "false", switched the setting on)."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.engine import check_step3_settings
+
+    flags = {"enable_hybrid_engine": True, "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
+    for block, said in (({"release_cache": True}, r"unknown hybrid_engine option\(s\) \['release_cache'\]"),
+                        ({"max_out_tokens": "64"}, r"hybrid_engine: max_out_tokens = '64' \(not int\)"),
+                        ({"pin_parameters": "false"}, r"hybrid_engine: pin_parameters = 'false' \(not bool\)")):
+        path = _write(tmp_path, {"hybrid_engine": block})
+        with pytest.raises(UsageError, match=f"DeepSpeed config '.*ds_config.json': {said}"):
+            check_step3_settings(step3_args({**flags, "deepspeed_config": path}), 1)
+    check_step3_settings(step3_args({**flags, "deepspeed_config": _write(tmp_path, {"hybrid_engine": {
+        "enabled": True, "max_out_tokens": 64, "inference_tp_size": 1, "release_inference_cache": False,
+        "pin_parameters": True, "tp_gather_partition_size": 8}})}), 1)  # DeepSpeed-Chat's block as it writes it
+    # a notebook's switches given as 1: the config dschat builds from them holds bools
+    check_step3_settings(step3_args({**flags, "enable_hybrid_engine": 1, "release_inference_cache": 1}), 1)
+
+
 class _Stop(Exception):
     pass
 

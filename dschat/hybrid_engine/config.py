@@ -28,13 +28,23 @@ class HybridEngineConfig:
 
     @classmethod
     def from_ds_config(cls, ds_config):
-        """Read the ``hybrid_engine`` block (absent block -> defaults); unknown keys are an error, as in DeepSpeed."""
+        """Read the ``hybrid_engine`` block (absent block -> defaults); unknown keys are an error, as in DeepSpeed, and
+        so are values of another type (a config file's "64" or "false": a string "false" would switch a setting on)."""
         block = dict((ds_config or {}).get(HYBRID_ENGINE) or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(block) - known)
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(block) - set(fields))
         if unknown:
-            raise ValueError(f"unknown hybrid_engine option(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"unknown hybrid_engine option(s) {unknown}; known: {sorted(fields)}")
+        wrong = [f"{key} = {value!r} (not {fields[key].__name__})" for key, value in block.items()
+                 if not _is_a(value, fields[key])]
+        if wrong:
+            raise ValueError(f"hybrid_engine: {'; '.join(wrong)}")
         return cls(**block)
+
+
+def _is_a(value, kind):
+    """Whether ``value`` is of ``kind`` (a bool is no int here, though Python's bool is one)."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 def strip_deepspeed_hybrid_engine(ds_config):

@@ -62,6 +62,8 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
                             "--enable_hybrid_engine")
     config = apply_user_ds_config(generated, user_ds_config_path(a), flags,
                                   ignore=() if role == "actor" else ("hybrid_engine",), quiet=quiet)
+    if hybrid:
+        check_hybrid_block(config, user_ds_config_path(a))
     if role == "actor" and a.unsupervised_dataset_name:
         # PPO-ptx (DeepSpeed-Chat's): the actor's PPO micro-step and the language-model micro-step that follows it
         # accumulate into one optimizer step, so the actor steps as often as the critic, on one schedule. Doubled
@@ -69,6 +71,19 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
         for key in ("gradient_accumulation_steps", "train_batch_size"):
             config[key] *= 2
     return config
+
+
+def check_hybrid_block(config, source):
+    """The actor's merged ``hybrid_engine`` block read as dschat's engine reads it, when the config is built: the block
+    never reaches DeepSpeed, so an option of the user's file the engine does not know (a typo) or of another type
+    failed only once the actor had loaded, in an error that named no file."""
+    from dschat.hybrid_engine.config import HybridEngineConfig
+
+    try:
+        HybridEngineConfig.from_ds_config(config)
+    except (TypeError, ValueError) as error:
+        where = f"DeepSpeed config {source!r}" if isinstance(source, str) else "the DeepSpeed config"
+        raise UsageError(f"{where}: {error}") from None
 
 
 def longest_sequence(args):

@@ -65,15 +65,16 @@ def get_train_ds_config(offload=False, dtype="bf16", stage=2, micro_batch_size=1
         "gradient_clipping": gradient_clipping,
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
-        # dschat's own hybrid engine reads this block; DeepSpeed's is never enabled (see hybrid_engine.config)
+        # dschat's own hybrid engine reads this block; DeepSpeed's is never enabled (see hybrid_engine.config). Its
+        # switches as bools: the engine checks the block's types, and a notebook's release_inference_cache=1 stays 1
         "hybrid_engine": {
-            "enabled": enable_hybrid_engine,
+            "enabled": bool(enable_hybrid_engine),
             "max_out_tokens": max_out_tokens,
             "inference_tp_size": inference_tp_size,
-            "release_inference_cache": release_inference_cache,
-            "pin_parameters": pin_parameters,
+            "release_inference_cache": bool(release_inference_cache),
+            "pin_parameters": bool(pin_parameters),
             "tp_gather_partition_size": tp_gather_partition_size,
-            "enable_cuda_graph": enable_cuda_graph,
+            "enable_cuda_graph": bool(enable_cuda_graph),
         },
         "tensorboard": {"enabled": enable_tensorboard, "output_path": f"{tb_path}/ds_tensorboard_logs/",
                         "job_name": f"{tb_name}_tensorboard"},
