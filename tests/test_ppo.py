@@ -1736,6 +1736,13 @@ def test_a_notebook_engines_max_steps_sizes_the_schedule_in_optimizer_steps(trai
         assert model.global_steps == 4 and model.get_lr() == [pytest.approx(5e-5)]
 
 
+def test_a_notebook_engines_max_steps_of_none_is_no_limit(trained, tmp_path):
+    """max_steps=None (no limit, as 0) leaves the schedules at their default length: sized in optimizer steps
+    (0e24882), None x the steps of an iteration was a TypeError before any model loaded."""
+    engine, _, _ = _engine_and_trainer(trained, tmp_path, max_steps=None)
+    assert engine.num_total_iters == engine.actor_total_iters == 10000
+
+
 def test_notebook_calls_that_would_train_wrongly_are_refused(trained, tmp_path):
     """From a notebook as from step 3's flags: an optimizer step may not span rollouts (the first rollout trained
     nothing and each later step mixed two); one experience given bare, or none, says what train_rollout takes."""

@@ -335,7 +335,7 @@ class DeepSpeedRLHFEngine:
                                                      eot_token=args.eot_token)
         # max_steps counts PPO iterations, each of optimizer_steps_per_iteration steps (taken as steps, a schedule
         # ran out within the first iterations: a linear one trained the rest at 0, a cosine one rose again)
-        self.num_total_iters = (num_total_iters or args.max_steps * optimizer_steps_per_iteration(args)
+        self.num_total_iters = (num_total_iters or (args.max_steps or 0) * optimizer_steps_per_iteration(args)
                                 or DEFAULT_TOTAL_ITERS)
         if not (num_total_iters or args.max_steps):  # (step 3's entry point sizes it from its data)
             print_rank_0(f"[step3] the learning-rate schedule spans {DEFAULT_TOTAL_ITERS} optimizer steps (no "
