@@ -240,6 +240,29 @@ def _engine_and_trainer(trained, tmp_path, **overrides):
     return engine, trainer, tokenizer
 
 
+def test_notebook_engine_refuses_a_generation_past_the_actors_local_window_before_any_model_loads(trained, tmp_path,
+                                                                                                 monkeypatch):
+    """GPT-Neo's local window bounds the hybrid engine's cache: step 3's settings check refuses a longer generation
+    (87a8ae2), but a notebook's engine (and step 3 with a hub actor not yet in the cache) loaded every model and failed
+    at the first generation."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from dschat import DeepSpeedRLHFEngine
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_tokenizer
+
+    neo = tmp_path / "neo"
+    GPTNeoForCausalLM(GPTNeoConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
+                                   max_position_embeddings=64, attention_types=[[["global", "local"], 1]],
+                                   window_size=12)).save_pretrained(neo)
+    load_tokenizer(str(trained / "sft")).save_pretrained(neo)
+    monkeypatch.setattr("dschat.rlhf.engine.load_causal_lm", lambda *given, **kw: pytest.fail("a model loaded"))
+    with pytest.raises(UsageError, match=r"local window of 12 tokens.* is 16"):
+        DeepSpeedRLHFEngine(str(neo), str(trained / "rm"), None,
+                            {"dtype": "fp32", "enable_hybrid_engine": True, "max_prompt_seq_len": 8,
+                             "max_answer_seq_len": 8})
+
+
 def test_notebook_engine_with_a_missing_model_folder_fails_before_any_model_loads(trained, tmp_path, monkeypatch):
     """From Python as from step 3's command line: not transformers' "Repo id must be in the form ..." after the actor
     and the reference have loaded, nor a minute of hub retries for the README's default output/step1_sft."""

@@ -392,6 +392,7 @@ class DeepSpeedRLHFEngine:
         ds_config = self._train_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
         check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path,
                            local_only=False)  # before its weights load
+        check_local_window(a, self.actor_path, local_only=False)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         self._check_sequence_fits(model)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
