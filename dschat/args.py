@@ -507,7 +507,7 @@ def critic_only_flags(args, parser=None):
 # A flag every step parses (add_data_args) that only step 1 reads; the other steps' tables list it as never on.
 STEP1_ONLY_FLAGS = (("sft_only_data_path",), lambda a: False, "step 1")
 # (transformers' "constant" schedule takes no warmup: constant_with_warmup does)
-WARMUP_FLAGS = (("num_warmup_steps",), lambda a: a.lr_scheduler_type != "constant",
+WARMUP_FLAGS = (("num_warmup_steps",), lambda a: a.lr_scheduler_type != "constant" or not a.num_warmup_steps,
                 "--lr_scheduler_type other than constant")
 
 

@@ -279,6 +279,8 @@ def test_a_warmup_is_said_to_be_ignored_by_the_constant_schedule():
                                     supervised_conditional_flags(1)) == said
     warmed = ["--lr_scheduler_type", "constant_with_warmup", "--num_warmup_steps", "5"]
     assert unread_conditional_flags(step3_parser().parse_args(warmed)) == []
+    # (an explicit 0 with constant asks for no warmup: nothing to say)
+    assert unread_conditional_flags(step3_parser().parse_args(given[:2] + ["--num_warmup_steps", "0"])) == []
 
 
 def test_step_1s_own_data_flag_is_said_to_be_ignored_by_the_other_steps():

@@ -404,7 +404,7 @@ def realign_schedules(trainer, checkpoint, args):
         if engine is not None:
             move_scheduler(engine.lr_scheduler, trained[name] * now)
     print_rank_0(f"[step3] an iteration of this run takes {now} optimizer steps, its checkpoint's run's {saved} "
-                 f"(--ppo_epochs, the batch sizes, --gradient_accumulation_steps, --n_samples_per_prompt, "
+                 f"(--ppo_epochs, the training batch size, --gradient_accumulation_steps, --n_samples_per_prompt, "
                  f"--generation_batches): the learning-rate schedules continue from where this run's stand at "
                  f"iteration {iteration}")
 
