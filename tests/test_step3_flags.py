@@ -119,6 +119,16 @@ def test_temperature_zero_without_greedy_and_top_p_outside_0_1_are_usage_errors(
     check_step3_settings(step3_args({"top_p": 0.9}), 1)
 
 
+def test_an_ema_beta_outside_0_1_is_a_usage_error_before_anything_loads():
+    # 1.5 made each update 1.5 x EMA - 0.5 x actor: the saved actor_ema drifted without bound, silently
+    for beta in ("1.5", "-0.2", "nan"):
+        with pytest.raises(UsageError, match=rf"--ema_beta {beta}: the EMA's decay per optimizer step must be in"):
+            check_step3_settings(step3_args(step3_parser().parse_args(["--enable_ema", "--ema_beta", beta])), 1)
+    for beta in (0.0, 0.992, 1.0):
+        check_step3_settings(step3_args({"enable_ema": True, "ema_beta": beta}), 1)
+    check_step3_settings(step3_args({"ema_beta": 1.5}), 1)  # no EMA: not read (said to be ignored)
+
+
 def test_temperature_zero_ends_the_step_with_error_and_status_2_before_loading(tmp_path, capsys):
     from dschat.steps import ppo
     from dschat.utils.cli import run_entry_point

@@ -26,6 +26,14 @@ def check_freezing_actor_steps(args):
                          f"{args.advantage_estimator} has no critic (GAE's has)")
 
 
+def check_ema_beta(args):
+    """--ema_beta is the EMA's decay, in [0, 1]: outside it each update extrapolates away from the actor (1.5 makes
+    1.5 x EMA - 0.5 x actor) and the saved actor_ema drifts without bound; NaN makes every weight NaN."""
+    if args.enable_ema and not 0.0 <= args.ema_beta <= 1.0:
+        raise UsageError(f"--ema_beta {args.ema_beta}: the EMA's decay per optimizer step must be in [0, 1] "
+                         "(DeepSpeed-Chat's and OpenRLHF's default 0.992)")
+
+
 def check_advantage_estimator(args):
     """GRPO and RLOO compare each answer with the other answers to its prompt: a group of one answer has none (RLOO
     would fail in the first PPO update, after every model has loaded; GRPO would silently train on raw scores, as

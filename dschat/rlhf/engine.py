@@ -15,8 +15,8 @@ from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine, initialize_frozen
 from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, check_earlier_step_outputs,
-                                check_freezing_actor_steps, check_kl_settings, optimizer_steps_per_iteration,
-                                step3_args, untrained_reward_model_message)
+                                check_ema_beta, check_freezing_actor_steps, check_kl_settings,
+                                optimizer_steps_per_iteration, step3_args, untrained_reward_model_message)
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import setup_run, warn_of_unfinished_inputs
@@ -195,6 +195,7 @@ def check_settings(args):
     check_hybrid_engine_flags(args)
     check_advantage_estimator(args)
     check_freezing_actor_steps(args)
+    check_ema_beta(args)
     check_kl_settings(args)
     if args.reward_fn:
         load_reward_fn(args.reward_fn)  # a missing module, file or function fails now, not after the models load
