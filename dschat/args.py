@@ -596,7 +596,9 @@ def step3_parser():
                    help="Pretraining text mixed into the actor's training (DeepSpeed-Chat's PTX): a hub dataset, a "
                         "save_to_disk folder, a .txt/.jsonl/.json file or tiny.")
     g.add_argument("--unsupervised_dataset_config_name", type=str, default=None, help="The hub dataset's config name.")
-    g.add_argument("--unsup_coef", type=float, default=27.8, help="Weight of the pretraining loss in the actor's step.")
+    # (>= 0: a negative weight trained the actor to unlearn the text, a NaN one made its weights NaN)
+    g.add_argument("--unsup_coef", type=non_negative_float, default=27.8,
+                   help="Weight of the pretraining loss in the actor's step.")
     g.add_argument("--preprocessing_num_workers", type=int, default=None,
                    help="Processes that tokenize and group the unsupervised data (datasets' num_proc).")
     g = p.add_argument_group("batching and lengths")

@@ -129,6 +129,16 @@ def test_an_ema_beta_outside_0_1_is_a_usage_error_before_anything_loads():
     check_step3_settings(step3_args({"ema_beta": 1.5}), 1)  # no EMA: not read (said to be ignored)
 
 
+def test_a_negative_or_non_finite_unsup_coef_is_an_error_naming_the_flag():
+    # -1 was gradient ascent on the pretraining text, silently; NaN made the actor's weights NaN at its first step
+    for coef in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            step3_parser().parse_args(["--unsup_coef", coef])
+        with pytest.raises(UsageError, match=rf"unsup_coef: expected a number >= 0, got {coef}"):
+            step3_args({"unsup_coef": float(coef)})
+    assert step3_args({"unsup_coef": 0}).unsup_coef == 0.0
+
+
 def test_temperature_zero_ends_the_step_with_error_and_status_2_before_loading(tmp_path, capsys):
     from dschat.steps import ppo
     from dschat.utils.cli import run_entry_point
