@@ -2004,6 +2004,14 @@ def test_the_ema_actor_is_saved_in_the_actors_dtype(trained, tmp_path):
         assert json.loads((tmp_path / "ppo" / folder / "config.json").read_text())["dtype"] == "bfloat16", folder
 
 
+def test_the_ema_actor_is_saved_with_the_actors_config_its_dropout_too(trained, tmp_path):
+    # the EMA copy was loaded without --actor_dropout: its folder said the SFT model's dropout beside the actor's
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--enable_ema", "--actor_dropout", "0.1"))
+    configs = [json.loads((tmp_path / "ppo" / folder / "config.json").read_text()) for folder in ("actor", "actor_ema")]
+    assert configs[0]["attention_dropout"] == 0.1
+    assert configs[1] == configs[0]
+
+
 def test_a_wrong_reward_function_is_a_usage_error_before_anything_loads(tmp_path):
     from dschat.errors import MissingModuleError, UsageError
     from dschat.rlhf.config import step3_args

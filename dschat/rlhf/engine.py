@@ -348,8 +348,10 @@ class DeepSpeedRLHFEngine:
 
         self.actor = self._init_actor()
         self.ref = self._init_frozen_actor_copy(offload=args.offload_reference_model)
-        # fp32: in bf16/fp16 each update of (1 - ema_beta) = 0.8% would round back to the old weight
-        self.actor_ema = self._init_frozen_actor_copy(offload=False, dtype="fp32") if args.enable_ema else None
+        # fp32: in bf16/fp16 each update of (1 - ema_beta) = 0.8% would round back to the old weight. The actor's
+        # dropout (only evaluated, it draws none): the saved actor_ema's config is the actor's, as in DeepSpeed-Chat
+        self.actor_ema = self._init_frozen_actor_copy(offload=False, dtype="fp32", dropout=args.actor_dropout) \
+            if args.enable_ema else None
         # critic-free estimators need no critic; a reward function alone needs no reward model
         self.critic = self._init_critic() if args.advantage_estimator == "gae" else None
         self.reward = self._init_reward() if args.reward_model_weight else None
@@ -420,10 +422,10 @@ class DeepSpeedRLHFEngine:
                         if actor.tp else ""))
         return actor
 
-    def _init_frozen_actor_copy(self, offload, dtype=None):
+    def _init_frozen_actor_copy(self, offload, dtype=None, dropout=None):
         """The reference model (and the EMA copy): the SFT weights, frozen, sharded like the actor."""
         ds_config = self._eval_config(frozen_twin(self.args, "reference")[0], offload, dtype)
-        model = load_causal_lm(self.actor_path, self.tokenizer, ds_config)
+        model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=dropout)
         return initialize_frozen(model, ds_config, self.args.zero3_fetch)
 
     def _check_sequence_fits(self, model):
