@@ -14,8 +14,8 @@ from hybrid_common import PAD, left_padded_batch, make_ds_engine, tiny_model  # 
 
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
 from dschat.hybrid_engine import sampling  # noqa: E402
-from dschat.hybrid_engine.sampling import (apply_repetition_penalty, filter_top_k, filter_top_k_top_p,  # noqa: E402
-                                           filter_top_p, filtered_logits, mark_seen,
+from dschat.hybrid_engine.sampling import (apply_repetition_penalty, filter_top_k_top_p,  # noqa: E402
+                                           filtered_logits, mark_seen,
                                            penalty_start, prompt_seen_tokens, sample_next_token)
 
 SETTINGS = [  # (temperature, top_k, top_p)
@@ -64,7 +64,6 @@ def test_top_p_within_the_top_k_equals_a_sort_of_the_top_k_survivors(top_k):
     for top_p in (0.05, 0.5, 0.9, 0.999):
         expected = _sorted_and_scattered(logits, top_k, top_p)
         assert torch.equal(filter_top_k_top_p(logits, top_k, top_p), expected), top_p
-        assert torch.equal(filter_top_p(filter_top_k(logits, top_k), top_p), expected), top_p
         assert torch.equal(torch.isinf(expected), torch.isinf(_hf_filtered(logits, 1.0, top_k, top_p))), top_p
 
 

@@ -21,16 +21,6 @@ from dschat.hybrid_engine.attention import FAILED, call_kernel, triton_available
 from dschat.hybrid_engine.generate_args import check_temperature
 
 
-def filter_top_k(logits, top_k):
-    """Set every logit below the k-th largest to -inf (``top_k <= 0`` keeps all; ties with the k-th stay, as HF's)."""
-    return filter_top_k_top_p(logits, top_k, 1.0)
-
-
-def filter_top_p(logits, top_p):
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus; at least one)."""
-    return filter_top_k_top_p(logits, 0, top_p)
-
-
 def nucleus_of_probs(sorted_probs, top_p):
     """A token is dropped when the tokens ranked above it already reach ``top_p``; the top token is never dropped."""
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
