@@ -120,7 +120,6 @@ class HybridEngine:
         self._total_e2e_s = 0.0
         self._train_start = None  # when the train phase in progress began
         self._evaluating = False
-        self._module_generate = None
         self.route_module_generate()
 
     # -- delegation to the DeepSpeed engine -------------------------------------------------------------------------
@@ -140,17 +139,8 @@ class HybridEngine:
     def route_module_generate(self):
         """Make ``engine.module.generate`` (DeepSpeed-Chat's call site) this engine's ``generate``."""
         module = self._engine.module
-        if self._module_generate is None:
-            self._module_generate = module.__dict__.get("generate")
         # An instance attribute shadows the class's generate; nn.Module stores plain callables in __dict__.
         object.__setattr__(module, "generate", _RoutedGenerate(self, module))
-
-    def restore_module_generate(self):
-        module = self._engine.module
-        if self._module_generate is None:
-            module.__dict__.pop("generate", None)
-        else:
-            object.__setattr__(module, "generate", self._module_generate)
 
     # -- mode switches ----------------------------------------------------------------------------------------------
     def eval(self):
