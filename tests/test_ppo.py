@@ -442,7 +442,6 @@ def test_padded_experience_equals_the_unpadded_one_on_real_tokens(trained, tmp_p
     # the same PPO losses (learning rates 0: the first update changes no weight)
     for a, b in zip(padded.train_rlhf(got), plain.train_rlhf(exp)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert padded.kl_to_reference(got).item() == pytest.approx(plain.kl_to_reference(exp).item(), abs=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["hf_generate", "logprobs_from_generation"])
@@ -1833,8 +1832,7 @@ def test_the_rollouts_kl_per_token_is_the_mean_over_all_its_answer_tokens():
              "action_mask": torch.tensor([[1, 0], [0, 0]])}  # one answer token, log-ratio 1
     long = {"logprobs": torch.zeros(2, 2), "ref_logprobs": torch.zeros(2, 2), "action_mask": torch.ones(2, 2)}
     trainer = SimpleNamespace(device="cpu")
-    for name in ("kl_to_reference", "answer_kl_to_reference"):
-        setattr(trainer, name, getattr(DeepSpeedPPOTrainer, name).__get__(trainer))
+    trainer.answer_kl_to_reference = DeepSpeedPPOTrainer.answer_kl_to_reference.__get__(trainer)
     kl = DeepSpeedPPOTrainer.rollout_kl(trainer, [short, long])
     assert kl["kl"] == pytest.approx(1.0 / 5)  # 5 answer tokens, one of them 1 nat from the reference
     assert kl["kl_per_answer"] == pytest.approx(1.0 / 4)  # 4 answers

@@ -612,10 +612,6 @@ class DeepSpeedPPOTrainer:
         kl = (sums[0] / sums[1]).item() if sums[1] else 0.0  # (no answer token: 0, as masked_mean gives)
         return {"kl": kl, "kl_per_answer": sums[2].item() / get_world_size()}
 
-    def kl_to_reference(self, exp):
-        """Mean per-token KL (k1) between the policy that generated ``exp`` and the reference."""
-        return algo.masked_mean(exp["logprobs"] - exp["ref_logprobs"], exp["action_mask"].float())
-
     def answer_kl_to_reference(self, exp):
         """Mean per-answer KL (k1 summed over each answer's tokens): the adaptive controller's unit (TRL's)."""
         return algo.masked_sum(exp["logprobs"] - exp["ref_logprobs"], exp["action_mask"].float(), dim=1).mean()
