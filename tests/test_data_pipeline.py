@@ -495,7 +495,7 @@ def test_skip_counts_are_printed_and_exposed(tmp_path, tokenizer, capsys):
     eval_path = write_jsonl(tmp_path / "skips_eval.jsonl", records("alpha", 2, start=40))
     train, eval_ = build(tmp_path, tokenizer, [f"{path},{eval_path}"], 2, data_split="0,1,0", max_prompt_len=32)
     expected = {"chosen==rejected": 2, "no rejected answer": 1, "prompt longer than 32 tokens": 1}
-    assert train.skipped == expected and len(train) == 6 and train.num_source_records == 10
+    assert train.skipped == expected and len(train) == 6
     assert eval_.skipped == {} and len(eval_) == 2
     out = capsys.readouterr().out
     assert ("skipped 4 of 10 records: 2 chosen==rejected, 1 no rejected answer, 1 prompt longer than 32 tokens"

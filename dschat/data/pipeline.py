@@ -115,7 +115,6 @@ class PromptDataset(Dataset):
         self.train_phase = train_phase
         self.skip_report = list(skip_report)
         self.skipped = dict(sum((Counter(entry["skipped"]) for entry in self.skip_report), Counter()))
-        self.num_source_records = sum(entry["total"] for entry in self.skip_report)
         self.cache_path = cache_path
         self.built = built
 
