@@ -708,3 +708,56 @@ def test_a_source_without_a_share_of_the_phase_need_not_suit_it(tmp_path, tokeni
     assert len(train) == 9  # the SFT file's train part (its 90%), whole
     with pytest.raises(DatasetFormatError, match="has prompts but no answers"):  # with a share, still refused
         build(tmp_path, tokenizer, [prompts], 1, data_split="1,0,1", sft_only_data_path=[sft])
+
+
+TWO_NODES_SCRIPT = """
+import os, sys, torch
+from dschat.data import create_prompt_dataset
+from dschat.tiny import load_tiny_tokenizer
+from dschat.utils.dist import ensure_distributed
+rank, _ = ensure_distributed()
+seen = []
+for name in ("same.jsonl", "other.jsonl"):  # each 'node' reads its own copy in its working directory
+    try:
+        train, eval_ = create_prompt_dataset(0, [name], "10,0,0", sys.argv[1], 1, 1234, load_tiny_tokenizer(), 128)
+        seen.append(f"{len(train)} {len(eval_)}")
+    except Exception as error:
+        seen.append(f"{type(error).__name__}: {error}")
+with open("seen", "w") as f:
+    f.write("\\n".join(seen))
+torch.distributed.destroy_process_group()  # (left to the interpreter's exit, gloo aborts a rank now and then)
+"""
+
+
+def test_nodes_reading_copies_of_the_data_that_differ_stop_with_an_error_naming_it(tmp_path):
+    """Two nodes (one rank each, both local rank 0), each reading --data_path from its own disk: a copy that differs
+    (more records) gave the ranks datasets of other sizes, and the rank with fewer batches left the epoch while the
+    other waited for it in a collective (a hang)."""
+    import subprocess
+    import sys
+
+    from launch import REPO
+
+    from dschat.utils.dist import free_port
+
+    script = tmp_path / "nodes.py"
+    script.write_text(TWO_NODES_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+           "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    nodes = [tmp_path / f"node{rank}" for rank in range(2)]
+    for rank, node in enumerate(nodes):
+        node.mkdir()
+        write_jsonl(node / "same.jsonl", records("same", 20))
+        write_jsonl(node / "other.jsonl", records("other", 20 + 10 * rank))
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache")], cwd=node, text=True,
+                              env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank, node in enumerate(nodes)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)[-6000:]
+    for node, (train, eval_) in zip(nodes, ((18, 2), (27, 3))):
+        same, other = (node / "seen").read_text().splitlines()
+        assert same == "18 2"  # (identical copies at other paths: the same data)
+        assert other == (f"UsageError: the ranks read different phase-1 data: other.jsonl (its content), the record "
+                         f"counts (here {train} train / {eval_} eval) differ between them (each node's own copy of a "
+                         f"file, or of a hub dataset or model in its cache, that is not the same): give every node "
+                         f"the same files")

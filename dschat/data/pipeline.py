@@ -177,8 +177,42 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     built = ensure_built(folder, build_into, rebuild_before=time.time() if reload and local_rank <= 0 else None)
     _barrier()
     train, eval_ = load_cached(folder, train_phase, built)
+    check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_)
     _print_skip_report(local_rank, train, eval_)
     return train, eval_
+
+
+def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_):
+    """Every rank read the same data: on several nodes, each reading its own copy of a data file (or of a hub dataset
+    or model in its own cache), copies that differ gave the ranks datasets of other sizes, and the rank with fewer
+    batches left its epoch while the others waited for it in a collective (a hang); of one size, the ranks drew their
+    shares from different records. Compares the sources' content (not their paths), the tokenizer and the record
+    counts (collective); a UsageError on every rank naming what differs."""
+    from dschat.utils.dist import get_world_size, local_device, names_differing_between_ranks
+
+    if get_world_size() == 1:
+        return
+    values = {f"source {i:04d}": _content_fingerprint(spec) for i, spec in enumerate(specs)}
+    values["tokenizer"] = {key: value for key, value in tokenizer_fingerprint(tokenizer).items()
+                           if key != "name_or_path"}  # (a folder's path may differ between nodes)
+    values["records"] = [len(train), len(eval_)]
+    differ = names_differing_between_ranks(values, local_device())
+    if not differ:
+        return
+    said = [f"{specs[int(name.split()[1])]} (its content)" if name.startswith("source ") else
+            "the tokenizer" if name == "tokenizer" else
+            f"the record counts (here {len(train)} train / {len(eval_)} eval)" for name in values if name in differ]
+    raise UsageError(f"the ranks read different phase-{train_phase} data: {', '.join(said)} differ between them "
+                     "(each node's own copy of a file, or of a hub dataset or model in its cache, that is not the "
+                     "same): give every node the same files")
+
+
+def _content_fingerprint(spec):
+    """``_source_fingerprint`` without the files' paths: their sizes and content hashes."""
+    fingerprint = _source_fingerprint(spec)
+    if "files" in fingerprint:
+        fingerprint = {**fingerprint, "files": [stat[1:] for stat in fingerprint["files"]]}
+    return fingerprint
 
 
 def say_sources_given_twice(specs):

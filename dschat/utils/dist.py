@@ -136,12 +136,19 @@ def check_same_on_every_rank(flags, device):
     names = sorted(name for name, value in flags.items() if _plain(value))  # (an object's repr holds its address)
     if _differs_between_ranks(torch.tensor([len(names)], device=device)).item():
         raise UsageError("the ranks run different commands (another number of flags): give every rank the same one")
-    digests = [int.from_bytes(hashlib.sha256(repr((name, flags[name])).encode()).digest()[:7], "big") for name in names]
-    differ = _differs_between_ranks(torch.tensor(digests, dtype=torch.int64, device=device))
-    if bool(differ.any()):
-        said = ", ".join(f"--{names[i]} (rank 0: {flags[names[i]]!r})" if is_rank_0() else f"--{names[i]}"
-                         for i in differ.nonzero().flatten().tolist())
+    differ = names_differing_between_ranks({name: flags[name] for name in names}, device)
+    if differ:
+        said = ", ".join(f"--{name} (rank 0: {flags[name]!r})" if is_rank_0() else f"--{name}" for name in differ)
         raise UsageError(f"the ranks were given different values of {said}: give every rank the same command")
+
+
+def names_differing_between_ranks(values, device):
+    """The names of ``values`` ({name: plain value}, the same names on every rank) whose values differ between ranks,
+    sorted. Compares a hash of each value (collective)."""
+    names = sorted(values)
+    digests = [int.from_bytes(hashlib.sha256(repr((name, values[name])).encode()).digest()[:7], "big") for name in names]
+    differ = _differs_between_ranks(torch.tensor(digests, dtype=torch.int64, device=device))
+    return [names[i] for i in differ.nonzero().flatten().tolist()]
 
 
 def _differs_between_ranks(values):
