@@ -34,6 +34,7 @@ FORMAT_VERSION = 14  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text
 # 13: --multiturn trains a conversation ending with a user turn up to its last answer (it was skipped)
 # 14: --multiturn keeps a conversation longer than max_seq_len with its assistant turns within it (it was skipped)
 CACHE_SUBDIR = "dschat_data_cache"
+REBUILD_FILE = "rebuild_token"  # (in a cache folder a forced rebuild wrote: its token, see ensure_built)
 
 
 def tokenizer_fingerprint(tokenizer):
@@ -69,23 +70,28 @@ def cache_folder(output_path, train_phase, key):
     return os.path.join(output_path, CACHE_SUBDIR, f"phase{train_phase}_{key[:32]}")
 
 
-def ensure_built(folder, build_into, rebuild_before=None):
+def ensure_built(folder, build_into, rebuild=None):
     """Build ``folder`` with ``build_into(tmp_folder)`` unless it exists; True if built here.
 
-    ``rebuild_before`` (a time.time() value) also rebuilds a folder last written before that time: a forced
-    rebuild that another process already did while this one waited for the lock is not done twice.
+    ``rebuild`` (a token, the same in every process of a run) also rebuilds a folder that was not built under it: a
+    forced rebuild that another process of the run already did (a rank of another node, on storage both see) while
+    this one waited for the lock, or before it got here, is not done twice. (Not by file times: the nodes' clocks,
+    and a file server's, differ.)
     The lock makes concurrent callers build once; the temp folder + rename makes a crash mid-build leave no
     half-written cache behind.
     """
     parent = os.path.dirname(folder)
     os.makedirs(parent, exist_ok=True)
     with FileLock(folder + ".lock"):
-        if os.path.isdir(folder) and not _written_before(folder, rebuild_before):
+        if os.path.isdir(folder) and rebuild in (None, _rebuild_token(folder)):
             return False
         _remove_leftovers(folder)
         tmp = temp_folder(parent, os.path.basename(folder) + ".building-")
         try:
             build_into(tmp)
+            if rebuild is not None:
+                with open(os.path.join(tmp, REBUILD_FILE), "w") as f:
+                    f.write(rebuild)
             give_plain_modes(tmp)
             if os.path.isdir(folder):
                 _remove_folder(folder)
@@ -96,9 +102,13 @@ def ensure_built(folder, build_into, rebuild_before=None):
         return True
 
 
-def _written_before(folder, moment):
-    # a folder's mtime is when its last entry was created: the end of its build
-    return moment is not None and os.path.getmtime(folder) < moment
+def _rebuild_token(folder):
+    """The token of the forced rebuild that wrote ``folder`` (None: none)."""
+    try:
+        with open(os.path.join(folder, REBUILD_FILE)) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _remove_leftovers(folder):

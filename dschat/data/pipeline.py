@@ -34,7 +34,7 @@ local records are errors instead (``DatasetFormatError``), raised when the file 
 """
 import json
 import os
-import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 
@@ -152,9 +152,9 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
 
     ``data_path``: dataset names/specs (see ``get_raw_dataset``); ``data_split``: phase shares such as
     "2,4,4"; ``end_of_conversation_token``: defaults to ``get_eot_token(tokenizer)``; ``data_fields``: field
-    renames for local data (dict or "prompt=question,chosen=good"); ``reload``: rebuild the cache (done by
-    local rank 0; other ranks wait at a barrier and load the rebuilt data); ``multiturn``: phase 1 also trains the
-    earlier assistant turns of a conversation (``multiturn.py``).
+    renames for local data (dict or "prompt=question,chosen=good"); ``reload``: rebuild the cache (once on
+    each storage the ranks write to, by the first rank there; the others wait at a barrier and load the rebuilt data);
+    ``multiturn``: phase 1 also trains the earlier assistant turns of a conversation (``multiturn.py``).
     """
     if train_phase not in (1, 2, 3):
         raise ValueError(f"train_phase must be 1, 2 or 3, got {train_phase!r}")
@@ -174,7 +174,12 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
         build_and_save(tmp, data_path, sft_only, data_split, output_path, seed, local_rank, tokenizer,
                        settings, field_options, reload)
 
-    built = ensure_built(folder, build_into, rebuild_before=time.time() if reload and local_rank <= 0 else None)
+    from dschat.utils.dist import rank_0_decides
+
+    # one token for every rank (rank 0's): the cache is rebuilt once on each storage the ranks write to, whichever rank
+    # (of whichever node) gets there first
+    rebuild = rank_0_decides(lambda: uuid.uuid4().hex) if reload else None
+    built = ensure_built(folder, build_into, rebuild=rebuild)
     _barrier()
     train, eval_ = load_cached(folder, train_phase, built)
     check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_)
