@@ -53,3 +53,17 @@ def launched(launch):
     if isinstance(launch, AssertionError):
         raise launch
     return launch
+
+
+def run_as_two_nodes(tmp_path, source, nodes, timeout=300):
+    """``source`` run as a script by two ranks started by hand, as on two nodes of one rank each (both local rank 0),
+    each in its folder of ``nodes`` (its working directory); given the folder ``tmp_path / "cache"``."""
+    script = tmp_path / "nodes.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+           "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache")], cwd=node, text=True,
+                              env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank, node in enumerate(nodes)]
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)[-6000:]

@@ -16,6 +16,7 @@ from dschat.data.cache import CACHE_SUBDIR
 from dschat.data.splits import get_raw_dataset_split_index, parse_data_split
 from dschat.errors import UsageError
 from dschat.tiny import load_tiny_tokenizer
+from launch import run_as_two_nodes
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -710,27 +711,6 @@ def test_a_source_without_a_share_of_the_phase_need_not_suit_it(tmp_path, tokeni
         build(tmp_path, tokenizer, [prompts], 1, data_split="1,0,1", sft_only_data_path=[sft])
 
 
-def _run_as_two_nodes(tmp_path, source, nodes):
-    """``source`` run as a script by two ranks started by hand, as on two nodes of one rank each (both local rank 0),
-    each in its folder of ``nodes`` (its working directory); given the folder ``tmp_path / "cache"``."""
-    import subprocess
-    import sys
-
-    from launch import REPO
-
-    from dschat.utils.dist import free_port
-
-    script = tmp_path / "nodes.py"
-    script.write_text(source)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
-           "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache")], cwd=node, text=True,
-                              env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for rank, node in enumerate(nodes)]
-    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)[-6000:]
-
-
 TWO_NODES_SCRIPT = """
 import os, sys, torch
 from dschat.data import create_prompt_dataset
@@ -759,7 +739,7 @@ def test_nodes_reading_copies_of_the_data_that_differ_stop_with_an_error_naming_
         node.mkdir()
         write_jsonl(node / "same.jsonl", records("same", 20))
         write_jsonl(node / "other.jsonl", records("other", 20 + 10 * rank))
-    _run_as_two_nodes(tmp_path, TWO_NODES_SCRIPT, nodes)
+    run_as_two_nodes(tmp_path, TWO_NODES_SCRIPT, nodes)
     for node, (train, eval_) in zip(nodes, ((18, 2), (27, 3))):
         same, other = (node / "seen").read_text().splitlines()
         assert same == "18 2"  # (identical copies at other paths: the same data)
@@ -793,8 +773,9 @@ torch.distributed.destroy_process_group()
 
 def test_a_forced_rebuild_is_done_once_on_each_storage_the_nodes_write_to(tmp_path):
     """--reload_data rebuilt the cache on each local rank 0: on storage two nodes share, the later node's built it a
-    second time (on each node's own storage, each node rebuilds its cache) (and under train.py, whose steps have no --local_rank, every rank that came after the build did)."""
+    second time (and under train.py, whose steps have no --local_rank, every rank that came after the build did). On
+    each node's own storage, each node rebuilds its cache."""
     write_jsonl(tmp_path / "data.jsonl", records("data", 20))
-    _run_as_two_nodes(tmp_path, RELOAD_SCRIPT, [tmp_path, tmp_path])
+    run_as_two_nodes(tmp_path, RELOAD_SCRIPT, [tmp_path, tmp_path])
     # shared: built by the first node there; each node's own: by each
     assert [(tmp_path / f"built_{rank}").read_text() for rank in range(2)] == ["True True", "False True"]

@@ -485,3 +485,38 @@ def test_group_estimators_refuse_groups_that_cannot_train(flags, said):
         check_advantage_estimator(step3_args(flags))
     check_advantage_estimator(step3_args({**flags, "n_samples_per_prompt": 2, "greedy": False}))
     check_advantage_estimator(step3_args({**flags, "advantage_estimator": "reinforce_pp", "n_samples_per_prompt": 1}))
+
+
+REWARD_FN_NODES_SCRIPT = """
+import os, sys, torch
+from types import SimpleNamespace
+from dschat.steps.ppo import check_same_reward_fn_on_every_rank
+from dschat.utils.dist import ensure_distributed
+rank, _ = ensure_distributed()
+seen = []
+for name in ("same.py", "other.py"):  # each 'node' reads its own copy in its working directory
+    try:
+        check_same_reward_fn_on_every_rank(SimpleNamespace(reward_fn=os.path.abspath(name) + ":score"), "cpu")
+        seen.append("ok")
+    except Exception as error:
+        seen.append(type(error).__name__ + ": " + str(error).split(": ", 1)[1])
+with open("seen", "w") as f:
+    f.write("\\n".join(seen))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_nodes_reading_copies_of_a_reward_function_that_differ_stop_with_an_error(tmp_path):
+    """Each node reads a --reward_fn file from its own disk: a copy that differs rewarded the ranks' answers by
+    different functions, silently (the ranks compare their flags, not the files)."""
+    from launch import run_as_two_nodes
+
+    nodes = [tmp_path / f"node{rank}" for rank in range(2)]
+    for rank, node in enumerate(nodes):
+        node.mkdir()
+        (node / "same.py").write_text("def score(prompts, answers):\n    return [1.0] * len(answers)\n")
+        (node / "other.py").write_text(f"def score(prompts, answers):\n    return [{rank}.0] * len(answers)\n")
+    run_as_two_nodes(tmp_path, REWARD_FN_NODES_SCRIPT, nodes)
+    for node in nodes:
+        assert (node / "seen").read_text().splitlines() == [
+            "ok", "UsageError: its file differs between the ranks (each node's own copy): give every node the same file"]

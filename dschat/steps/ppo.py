@@ -169,6 +169,7 @@ def main(args=None):
     check_writable_folder(args.output_dir, "--output_dir")  # before training, not when the models are saved
     check_earlier_step_outputs(args)
     device = local_device()
+    check_same_reward_fn_on_every_rank(args, device)
     tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
     train_loader, eval_loader = prompt_loaders(args, tokenizer)
@@ -386,6 +387,17 @@ def reward_fn_identity(args):
     spec = ALIASES.get(spec, spec)  # ("tiny" and its module path are one function)
     found = reward_fn_file(spec)
     return [spec.rpartition(":")[2], found[1] if found else spec]
+
+
+def check_same_reward_fn_on_every_rank(args, device):
+    """A --reward_fn file each node reads from its own disk: copies that differ would reward the ranks' answers by
+    different functions, silently (the ranks compare the same flags, not the files). Collective."""
+    from dschat.utils.dist import names_differing_between_ranks
+
+    if get_world_size() > 1 and args.reward_fn and \
+            names_differing_between_ranks({"reward_fn": reward_fn_identity(args)}, device):
+        raise UsageError(f"--reward_fn {args.reward_fn}: its file differs between the ranks (each node's own copy): "
+                         "give every node the same file")
 
 
 def realign_schedules(trainer, checkpoint, args):
