@@ -168,15 +168,15 @@ class KVCache:
 
     @property
     def nbytes(self):
-        if self._cache is None:
-            return 0
-        return sum(t.nbytes for layer in self._cache.layers for t in (layer.keys, layer.values) if t is not None)
+        return sum(t.nbytes for t in self.storages())
 
     def storages(self):
-        """The allocated key/value tensors (for memory accounting and tests)."""
+        """The allocated key/value tensors (for memory accounting and tests); a recurrent layer's (Mamba's) holds no
+        keys."""
         if self._cache is None:
             return []
-        return [t for layer in self._cache.layers for t in (layer.keys, layer.values) if t is not None]
+        return [t for layer in self._cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                if t is not None]
 
     def _fits(self, batch_size, max_len, dtype, device):
         if self._shape is None:
