@@ -11,6 +11,8 @@ and the host synchronisations of one graph generation. Exits non-zero if a requi
 
     python bench/graph_equality.py [zero3_check lora_check host_syncs]   (needs a CUDA GPU, DeepSpeed and peft;
                                                                           names: run only those checks)
+    python bench/graph_equality.py --families gpt2,bloom [CHECK ...]    (these families' checks, then the named
+                                                                          checks: none named, none run)
 """
 import argparse
 import copy
@@ -360,23 +362,30 @@ def host_syncs():
 
 
 def parse_checks(argv):
-    """The checks named on the command line (none: every family's and these); a name that is no check is an error,
-    not a run of nothing that reports no failure."""
+    """(families, checks) named on the command line (neither: every family's and every check); a name that is no
+    family or check is an error, not a run of nothing that reports no failure."""
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("checks", nargs="*", metavar="CHECK",
                    help=f"run only these checks, of {', '.join(c.__name__ for c in NAMED_CHECKS)}")
+    p.add_argument("--families", type=lambda text: text.split(","),
+                   help=f"comma-separated, of {','.join(FAMILIES)} (default: all when no check is named, else none)")
     args = p.parse_args(argv)
     unknown = sorted(set(args.checks) - {check.__name__ for check in NAMED_CHECKS})
     if unknown:
         p.error(f"no check named {', '.join(unknown)} (checks: {', '.join(c.__name__ for c in NAMED_CHECKS)})")
-    return args.checks
+    unknown = sorted(set(args.families or ()) - set(FAMILIES))
+    if unknown:
+        p.error(f"no family {', '.join(unknown)} (families: {', '.join(FAMILIES)})")
+    if args.families is None and not args.checks:  # nothing named: everything
+        return FAMILIES, [check.__name__ for check in NAMED_CHECKS]
+    return args.families or [], args.checks
 
 
 NAMED_CHECKS = (lora_check, zero3_check, zero3_step_after_generation, zero3_grad_diagnosis, host_syncs)
 
 
 def main():
-    only = parse_checks(sys.argv[1:])  # e.g. "zero3_check": run only the named checks
+    families, checks = parse_checks(sys.argv[1:])
     if DEVICE.type == "cuda":
         require_cuda("GRAPH_EQUALITY_DEVICE=cpu is a dry run of the script's flow")
     import transformers
@@ -387,14 +396,14 @@ def main():
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    for family in FAMILIES if not only else []:
+    for family in families:
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 family_checks(family, dtype)
             except Exception as error:  # noqa: BLE001 - report and go on with the other families
                 record(f"{family} {dtype} raised", False, error=f"{type(error).__name__}: {str(error)[:300]}")
     for check in NAMED_CHECKS:
-        if only and check.__name__ not in only:
+        if check.__name__ not in checks:
             continue
         try:
             check()

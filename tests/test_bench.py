@@ -301,6 +301,21 @@ def test_graph_equality_prints_its_help_and_refuses_a_check_it_does_not_have():
     assert helped.returncode == 0 and "zero3_check" in helped.stdout, helped.stderr[-2000:]
     typo = run_bench("graph_equality.py", "zero3_chek", GRAPH_EQUALITY_DEVICE="cpu")
     assert typo.returncode == 2 and "no check named zero3_chek" in typo.stderr, typo.stdout[-2000:]
+    typo = run_bench("graph_equality.py", "--families", "gpt2,gtp2", GRAPH_EQUALITY_DEVICE="cpu")
+    assert typo.returncode == 2 and "no family gtp2" in typo.stderr, typo.stdout[-2000:]
+
+
+def test_graph_equality_runs_the_families_and_checks_named_and_everything_when_none_is():
+    """--families splits the checks over device calls of under 10 minutes (bench/gpu_verify.sh): a family list alone
+    runs no named check, a check name alone runs no family, and neither runs them all."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    import graph_equality
+
+    every_check = [check.__name__ for check in graph_equality.NAMED_CHECKS]
+    assert graph_equality.parse_checks([]) == (graph_equality.FAMILIES, every_check)
+    assert graph_equality.parse_checks(["--families", "gpt2,bloom"]) == (["gpt2", "bloom"], [])
+    assert graph_equality.parse_checks(["--families", "opt", "lora_check"]) == (["opt"], ["lora_check"])
+    assert graph_equality.parse_checks(["host_syncs"]) == ([], ["host_syncs"])
 
 
 def test_masked_rows_backward_help_prints_its_usage_without_running_the_benchmark():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from hybrid_common import (PAD, answer_logprobs_and_live, early_token, hf_generate, left_padded_batch,  # noqa: E402
+from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch,  # noqa: E402
                            make_ds_engine, tiny_model, train_step)
 
 from dschat.hybrid_engine import (HybridEngine, HybridEngineConfig, strip_deepspeed_hybrid_engine,  # noqa: E402
@@ -395,68 +395,3 @@ def test_gemma4_with_one_head_dim_generates_as_hf():
     assert torch.equal(got, hf_generate(model, ids, mask, 10))
 
 
-def test_gpt_neo_local_attention_generates_as_hf_within_its_window_and_is_refused_past_it():
-    # GPT-Neo's local layers take their window from the causal table's rows at the cache's length, not at the token's
-    # position: a static cache longer than window_size gave other tokens than HF's generate, silently
-    from transformers import AutoModelForCausalLM, GPTNeoConfig
-
-    config = GPTNeoConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
-                          attention_types=[[["global", "local"], 1]], window_size=12, bos_token_id=None,
-                          eos_token_id=None)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    engine = _engine(model)
-    engine.eval()
-    ids, mask = left_padded_batch([7, 3, 5, 1])
-    got = engine.generate(ids, attention_mask=mask, max_new_tokens=5)  # 7 + 5 slots: the window sees them all
-    assert torch.equal(got, hf_generate(model, ids, mask, 5))
-    with pytest.raises(ValueError, match=r"longer than the model's local attention window \(12 tokens\).*"
-                                         r"without --enable_hybrid_engine"):
-        engine.generate(ids, attention_mask=mask, max_new_tokens=6)
-
-
-def _bamba_config():  # a Mamba-2 layer and an attention layer
-    from transformers import BambaConfig
-
-    return BambaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
-                       mamba_d_state=8, mamba_n_groups=1, max_position_embeddings=64, bos_token_id=None,
-                       eos_token_id=None, pad_token_id=None)
-
-
-def _mamba_config():  # recurrent layers only
-    from transformers import MambaConfig
-
-    return MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, bos_token_id=None,
-                       eos_token_id=None, pad_token_id=None)
-
-
-def _falcon_h1_config():  # attention beside Mamba-2 in every layer: cache layers of keys and a recurrent state
-    from transformers import FalconH1Config
-
-    return FalconH1Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=32, mamba_n_heads=4,
-                          mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16,
-                          max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-
-@pytest.mark.parametrize("config", [_bamba_config, _mamba_config, _falcon_h1_config],
-                         ids=["bamba", "mamba", "falcon_h1"])
-def test_recurrent_models_generate_as_hf(config):
-    """Mamba / short-convolution layers (Bamba, Granite-4, LFM2, Qwen3-Next, ...) mask padded inputs with the 2-D
-    mask's last columns: the prefill's cache-long mask zeroed the prompts' last tokens there, as if they were padding.
-    Mamba-1 multiplies its inputs by the mask as given: a decode step's cache-long mask spread its one token over every
-    slot (log-probs 0.38 off; HF passes no mask after the prefill). Falcon-H1's layers also attend: without a mask
-    its decode steps attended to the prompts' left padding."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config()).eval()
-    engine = _engine(model)
-    engine.eval()
-    ids, mask = left_padded_batch([7, 3, 5, 1])
-    got, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=8, return_logprobs=True)
-    assert torch.equal(got, hf_generate(model, ids, mask, 8))
-    expected, _ = answer_logprobs_and_live(model, got, mask, eos_token_id=-1)
-    assert torch.allclose(logprobs, expected, atol=1e-5)
-    assert engine.kv_cache.nbytes >= 0  # (a recurrent layer holds no keys: read as none, not an AttributeError)
