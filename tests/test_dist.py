@@ -62,6 +62,53 @@ def test_ranks_sharing_a_host_share_its_cores_unless_omp_num_threads_says(monkey
         torch.set_num_threads(before)
 
 
+# What each launcher sets in a rank's environment, but RANK (a rank of two; rank 1), and two that start no ranks.
+RANKS_OF_LAUNCHERS = {
+    "mvapich (mpirun_rsh)": {"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "1"},
+    "mvapich/mpich (hydra)": {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"},
+    "slurm (srun)": {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2"},
+}
+NO_RANKS = {
+    "an sbatch script": {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8"},
+    "srun --pty bash": {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1", "PMI_RANK": "0",
+                        "PMI_SIZE": "1"},
+}
+
+
+def launched_as(monkeypatch, env):
+    """This process's environment as ``env`` alone of the launchers' variables."""
+    from dschat.utils.dist import LAUNCHER_RANK_VARIABLES
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 *(name for pair in LAUNCHER_RANK_VARIABLES for name in pair), *env):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("launcher", [*RANKS_OF_LAUNCHERS, *NO_RANKS])
+def test_ranks_of_a_launcher_that_sets_no_rank_are_left_to_deepspeeds_discovery(launcher, monkeypatch):
+    """DeepSpeed's mvapich and slurm launchers set no RANK (DeepSpeed finds the world from MPI): their ranks were taken
+    for plain processes and each made a world of one of its own (RANK 0, WORLD_SIZE 1): every rank trained alone on
+    the first GPU and wrote the same output."""
+    import deepspeed
+
+    from dschat.utils import dist
+
+    launched_as(monkeypatch, {**RANKS_OF_LAUNCHERS, **NO_RANKS}[launcher])
+    seen = []
+
+    def init_distributed(*args, **kwargs):
+        seen.append((os.environ.get("RANK"), os.environ.get("WORLD_SIZE")))
+        raise InterruptedError  # (no process group started)
+
+    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(InterruptedError):
+        dist.ensure_distributed()
+    assert seen == [(None, None) if launcher in RANKS_OF_LAUNCHERS else ("0", "1")]
+
+
 DECIDE_SCRIPT = textwrap.dedent("""
     import os, sys, torch
     from dschat.errors import UsageError

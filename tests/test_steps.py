@@ -1101,6 +1101,23 @@ def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_
     assert launched and launched[0][launched[0].index("--hostfile") + 1] == os.devnull
 
 
+@pytest.mark.parametrize("launcher", ["mvapich (mpirun_rsh)", "mvapich/mpich (hydra)", "slurm (srun)"])
+def test_train_py_on_the_ranks_of_a_launcher_that_sets_no_rank_runs_its_steps_there(launcher, monkeypatch):
+    """Under `deepspeed --launcher slurm|mvapich train.py --deployment-type single_node` (no RANK in the ranks'
+    environment) every rank started a deepspeed launch of its own, of all the node's GPUs."""
+    import runpy
+
+    import dschat.pipeline
+    from test_dist import RANKS_OF_LAUNCHERS, launched_as
+
+    launched_as(monkeypatch, RANKS_OF_LAUNCHERS[launcher])
+    launched, ran = [], []
+    fake_launcher(monkeypatch, launched, 0)
+    monkeypatch.setattr(dschat.pipeline, "run_pipeline", ran.append)
+    runpy.run_path(str(REPO / "train.py"))["main"](["--deployment-type", "single_node"])
+    assert not launched and len(ran) == 1
+
+
 def test_train_py_refuses_a_reward_zero_stage_dpo_would_not_use(capsys):
     import runpy
 

@@ -33,9 +33,22 @@ def ensure_distributed():
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+# Launchers that set no RANK, with each rank's variables for its rank and the number of ranks; DeepSpeed's
+# init_distributed finds their world itself (its MPI discovery, through mpi4py). Open MPI's mpirun; MPICH's, MVAPICH's
+# and Cray's (PMI); MVAPICH's mpirun_rsh; srun (DeepSpeed's slurm launcher). Only a launch of several ranks counts: an
+# sbatch script (no step) and `srun --pty bash` (a step of one task; PMI_SIZE 1 where an MPI plugin is on) are plain
+# processes. (deepspeed's own launcher, torchrun and DeepSpeed's mpich and impi launchers set RANK.)
+LAUNCHER_RANK_VARIABLES = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                           ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"), ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"))
+
+
 def under_launcher():
-    """Whether a launcher started this process as one of its ranks (deepspeed's, torchrun's, mpirun's)."""
-    return "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+    """Whether a launcher started this process as one of its ranks (deepspeed's, torchrun's, mpirun's, srun's). Ranks
+    of one that sets no RANK (DeepSpeed's mvapich and slurm launchers) were taken for a plain process: each trained
+    alone, as rank 0 of a world of one on the first GPU, and train.py started a launch of its own on each."""
+    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        return True
+    return any(rank in os.environ and int(os.environ.get(size) or 1) > 1 for rank, size in LAUNCHER_RANK_VARIABLES)
 
 
 def share_cpu_threads():
