@@ -64,6 +64,7 @@ def test_ranks_sharing_a_host_share_its_cores_unless_omp_num_threads_says(monkey
 
 # What each launcher sets in a rank's environment, but RANK (a rank of two; rank 1), and two that start no ranks.
 RANKS_OF_LAUNCHERS = {
+    "openmpi (mpirun)": {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
     "mvapich (mpirun_rsh)": {"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "1"},
     "mvapich/mpich (hydra)": {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"},
     "slurm (srun)": {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2"},
@@ -107,6 +108,19 @@ def test_ranks_of_a_launcher_that_sets_no_rank_are_left_to_deepspeeds_discovery(
     with pytest.raises(InterruptedError):
         dist.ensure_distributed()
     assert seen == [(None, None) if launcher in RANKS_OF_LAUNCHERS else ("0", "1")]
+
+
+@pytest.mark.parametrize("launcher", [*RANKS_OF_LAUNCHERS, *NO_RANKS])
+def test_the_ranks_of_a_launcher_that_sets_no_world_size_say_a_shared_error_once(launcher, monkeypatch):
+    """mpirun's and srun's ranks have no WORLD_SIZE before the process group starts: each printed a mistyped flag's
+    usage block."""
+    import uuid
+
+    from dschat.utils.cli import first_to_say
+
+    launched_as(monkeypatch, {**RANKS_OF_LAUNCHERS, **NO_RANKS}[launcher])
+    message = f"error {uuid.uuid4()}"  # (this process plays both ranks of its launch: one parent, one start)
+    assert [first_to_say(message), first_to_say(message)] == [True, launcher in NO_RANKS]
 
 
 DECIDE_SCRIPT = textwrap.dedent("""

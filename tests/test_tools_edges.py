@@ -216,6 +216,20 @@ def test_a_tool_started_on_several_ranks_is_refused_before_it_loads_anything(too
         main(["--help"])  # (refused before its flags are even read)
 
 
+@pytest.mark.parametrize("launcher", ["openmpi (mpirun)", "mvapich/mpich (hydra)", "slurm (srun)"])
+def test_a_tool_started_by_a_launcher_that_sets_no_world_size_is_refused_too(launcher, monkeypatch):
+    """`mpirun -np 2 eval.py`, or `srun eval.py` in a job of several tasks: no WORLD_SIZE, and each rank ran the
+    whole tool."""
+    from dschat.tools.prompt_eval import main
+    from test_dist import RANKS_OF_LAUNCHERS, launched_as
+
+    launched_as(monkeypatch, RANKS_OF_LAUNCHERS[launcher])
+    monkeypatch.setattr("sys.argv", ["prompt_eval.py"])
+    with pytest.raises(UsageError, match=r"prompt_eval\.py runs in one process: start it with python, not a launcher "
+                                         r"of 2 ranks"):
+        main(["--help"])
+
+
 def test_a_transcript_prompt_ending_with_an_empty_human_turn_is_said_to_be_empty():
     """ "Human:" alone was refused as "the transcript must end with a 'Human:' turn", which it does."""
     from dschat.tools.records import prompt_record

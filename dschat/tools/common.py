@@ -24,7 +24,9 @@ def one_process(main):
     not split their work over ranks, so each rank ran the whole tool and printed (and wrote) its results again."""
     @functools.wraps(main)
     def in_one_process(argv=None):
-        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        from dschat.utils.dist import launched_ranks
+
+        ranks = launched_ranks()  # (mpirun's and srun's ranks have no WORLD_SIZE: each ran the tool whole)
         if ranks > 1:
             raise UsageError(f"{os.path.basename(sys.argv[0])} runs in one process: start it with python, not a "
                              f"launcher of {ranks} ranks (each would run it whole)")

@@ -91,7 +91,9 @@ def first_to_say(message):
     """Whether this process is the first rank of its launch on this machine to print ``message``: the ranks of a
     launch run the same checks, and each printed the same error (a 35-line usage block per rank for a mistyped
     flag); an error of one rank's own (another message) is still printed. One process alone: always."""
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    from dschat.utils.dist import launched_ranks
+
+    if launched_ranks() < 2:  # (mpirun's and srun's ranks have no WORLD_SIZE before the process group: each said it)
         return True
     folder = os.path.join(tempfile.gettempdir(), f"dschat-said-{os.getuid()}", _launch_id())
     mark = os.path.join(folder, hashlib.sha256(message.encode()).hexdigest()[:32])

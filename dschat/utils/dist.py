@@ -51,6 +51,18 @@ def under_launcher():
     return any(rank in os.environ and int(os.environ.get(size) or 1) > 1 for rank, size in LAUNCHER_RANK_VARIABLES)
 
 
+def launched_ranks():
+    """How many ranks the launcher that started this process started (1: a plain process), known before any process
+    group: WORLD_SIZE, else the variables of a launcher that sets none (mpirun's, srun's), which DeepSpeed sets it
+    from only as the process group starts."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    for rank, size in LAUNCHER_RANK_VARIABLES:
+        if rank in os.environ and os.environ.get(size):
+            return int(os.environ[size])
+    return 1
+
+
 def share_cpu_threads():
     """Several ranks on this host under a launcher that set no OMP_NUM_THREADS (DeepSpeed's sets none unless it binds
     cores; torchrun sets 1): each rank takes its share of the cores, as each would otherwise run a thread per core and
