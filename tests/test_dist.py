@@ -50,9 +50,10 @@ def test_ranks_sharing_a_host_share_its_cores_unless_omp_num_threads_says(monkey
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     try:
         for env, expected in (({"LOCAL_SIZE": "2"}, 4), ({"LOCAL_SIZE": "16"}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 2),
+                              ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 4), ({"MV2_COMM_WORLD_LOCAL_SIZE": "8"}, 1),
                               ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, before), ({}, before)):
             torch.set_num_threads(before)
-            for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
+            for name in (*dist.LOCAL_SIZE_VARIABLES, "OMP_NUM_THREADS"):
                 monkeypatch.delenv(name, raising=False)
             for name, value in env.items():
                 monkeypatch.setenv(name, value)
@@ -78,9 +79,9 @@ NO_RANKS = {
 
 def launched_as(monkeypatch, env):
     """This process's environment as ``env`` alone of the launchers' variables."""
-    from dschat.utils.dist import LAUNCHER_RANK_VARIABLES
+    from dschat.utils.dist import LAUNCHER_RANK_VARIABLES, LOCAL_SIZE_VARIABLES
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", *LOCAL_SIZE_VARIABLES,
                  *(name for pair in LAUNCHER_RANK_VARIABLES for name in pair), *env):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():

@@ -63,11 +63,16 @@ def launched_ranks():
     return 1
 
 
+LOCAL_SIZE_VARIABLES = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
 def share_cpu_threads():
     """Several ranks on this host under a launcher that set no OMP_NUM_THREADS (DeepSpeed's sets none unless it binds
     cores; torchrun sets 1): each rank takes its share of the cores, as each would otherwise run a thread per core and
-    together oversubscribe them (two CPU ranks on two cores ran 4-5x slower)."""
-    ranks_here = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    together oversubscribe them (two CPU ranks on two cores ran 4-5x slower). The ranks here as each launcher says:
+    DeepSpeed's openmpi and mvapich launchers set no LOCAL_SIZE (every rank took every core); srun's are left as they
+    are (it commonly binds each task to CPUs of its own, which a share would cut again)."""
+    ranks_here = int(next((os.environ[name] for name in LOCAL_SIZE_VARIABLES if os.environ.get(name)), 1))
     if ranks_here > 1 and "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // ranks_here))
