@@ -250,24 +250,23 @@ class HybridEngine:
                  max_length=None, min_length=None, return_logprobs=False, repetition_penalty=None, **hf_kwargs):
         """HF-``generate``-like: LEFT-padded prompts in, (B, P + n) sequences out, EOS'd rows padded with pad.
 
-        ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts;
-        prompt + new tokens may not exceed ``hybrid_engine.max_out_tokens``, nor a learned position table (GPT-2's,
-        OPT's: a row's left padding takes no position). What is not given comes, as in HF, from the model's
-        generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling); EOS and pad ids from the engine's
-        tokenizer apply where neither the call nor a generation_config gives them. ``repetition_penalty``
-        (e.g. Qwen2.5-Instruct's generation_config sets 1.05) is HF's ``RepetitionPenaltyLogitsProcessor``, greedy or
-        sampled: the logit of every token already in the row (prompt and answer so far; the prompt's left padding
-        only with transformers < 5.23, as HF's own ``generate`` does) is divided by it when positive, multiplied by
-        it when negative, before the ``min_new_tokens`` EOS suppression and temperature / top-k / top-p. With
-        ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of
-        each generated token under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p
-        or EOS suppression: what the training forward scores it with; 0 after a row's end), computed in the decode
-        step. ``synced_gpus``, ``use_cache``, ``early_stopping`` (a beam-search setting), ``bos_token_id`` and
-        ``renormalize_logits`` are accepted and change nothing (ranks are kept in step automatically when the forward
-        needs it); other HF kwargs that would change the result (``num_return_sequences=2``,
-        ``no_repeat_ngram_size``, beams, ...) are errors. Under ZeRO-3 on several ranks (and in a tensor-parallel
-        group) every rank calls ``generate`` together, each with its own prompts: the ranks agree on their arguments
-        first, and a refusal on one stops them all.
+        ``max_length``/``min_length`` (totals, as DeepSpeed-Chat passes them) are converted to new-token counts; prompt
+        + new tokens may not exceed ``hybrid_engine.max_out_tokens``, GPT-Neo's local attention window, nor a learned
+        position table (GPT-2's, OPT's: a row's left padding takes no position). What is not given comes, as in HF, from
+        the model's generation_config, then HF's defaults (e.g. ``top_k`` 50 when sampling); EOS and pad ids from the
+        engine's tokenizer apply where neither the call nor a generation_config gives them. ``repetition_penalty`` (e.g.
+        Qwen2.5-Instruct's generation_config sets 1.05) is HF's ``RepetitionPenaltyLogitsProcessor``, greedy or sampled:
+        the logit of every token already in the row (prompt and answer so far; the prompt's left padding only with
+        transformers < 5.23, as HF's own ``generate`` does) is divided by it when positive, multiplied by it when
+        negative, before the ``min_new_tokens`` EOS suppression and temperature / top-k / top-p. With
+        ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of each generated token
+        under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p or EOS suppression: what
+        the training forward scores it with; 0 after a row's end), computed in the decode step. ``synced_gpus``,
+        ``use_cache``, ``early_stopping`` (a beam-search setting), ``bos_token_id`` and ``renormalize_logits`` are
+        accepted and change nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs
+        that would change the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors.
+        Under ZeRO-3 on several ranks (and in a tensor-parallel group) every rank calls ``generate`` together, each with
+        its own prompts: the ranks agree on their arguments first, and a refusal on one stops them all.
         """
         device = self._engine.device
         # every setting resolved and checked before the engine's state changes, on every rank that generates with
@@ -434,8 +433,9 @@ class HybridEngine:
                              f"{max(limit + 1 - longest, 0)}, or shorten the prompt")
 
     def _check_fits(self, prompt_len, max_new_tokens):
-        """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length); ranks that generate together learn
-        of a refusal through ``_failing_together``."""
+        """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length) and the model's local attention
+        window (``longest_cache``: GPT-Neo's); ranks that generate together learn of a refusal through
+        ``_failing_together``."""
         limit = self.hybrid_config.max_out_tokens
         if prompt_len + max_new_tokens > limit:
             raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "

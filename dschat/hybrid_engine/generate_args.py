@@ -107,7 +107,7 @@ def check_left_padded(attention_mask):
 
 def resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config, max_positions=None):
     """New tokens to generate: given, else from ``max_length`` (a total), else as the model's generation_config says,
-    else HF's default of 20, within ``max_positions`` in all (HF's rule); the engine holds them to
+    else HF's default of 20 (prompt + 20 cut at ``max_positions``, HF's rule); the engine holds them to
     ``max_out_tokens``."""
     if max_new_tokens is None and max_length is None:
         max_new_tokens = getattr(generation_config, "max_new_tokens", None)
