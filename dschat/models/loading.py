@@ -146,8 +146,10 @@ def readable_weights(folder):
 
 
 def check_model_path(name_or_path, flag):
-    """A model given as a local path (``looks_local``) that is not there: an error naming ``flag``, not transformers'
-    "Repo id must be in the form ..." traceback from a hub lookup."""
+    """A model that cannot load, as an error naming ``flag`` before anything loads: a local path (``looks_local``)
+    that is not there (not transformers' "Repo id must be in the form ..." traceback from a hub lookup), a folder
+    without a loadable model (``not_a_model_folder``, ``no_weights_message``, ``adapter_beside_model_message``), a
+    mistyped tiny preset."""
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
     unloadable = os.path.isdir(name_or_path) and (not_a_model_folder(name_or_path) or no_weights_message(name_or_path)
@@ -170,9 +172,9 @@ def unknown_tiny_preset(name_or_path):
 
 
 def not_a_model_folder(path, expected="a model folder (config.json)"):
-    """Why the folder ``path`` holds no model (a PEFT adapter's, a train.py run's output, or nothing), else None:
-    transformers would fail on it with "Unrecognized model ... Should have a `model_type` key" or a tokenizer backend
-    error."""
+    """Why the folder ``path`` holds no model (a PEFT adapter's, a step's training checkpoint, a train.py run's
+    output, or nothing), else None: transformers would fail on it with "Unrecognized model ... Should have a
+    `model_type` key" or a tokenizer backend error."""
     # what PEFT's save_pretrained writes (OpenRLHF's LoRA saves add the base model's config.json, without its weights)
     adapter_only = os.path.isfile(os.path.join(path, "adapter_config.json")) and not holds_weights(path)
     if os.path.isfile(os.path.join(path, "config.json")) and not adapter_only:

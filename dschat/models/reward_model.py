@@ -156,10 +156,11 @@ class RewardModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,
                         ds_config=None, rlhf_training=False, new_head_expected=False, normalize_scores=False):
-        """Load a step-2 folder (backbone + value head) or a plain HF model folder (value head newly made, with a
-        warning unless ``new_head_expected``: as transformers warns of a new classification head, its scores mean
-        nothing until step 2 trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's
-        normalization (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
+        """Load a trained reward model (a folder or hub name of a layout ``is_reward_model_folder`` knows: step 2's,
+        DeepSpeed-Chat's, TRL's, OpenRLHF's) or a plain HF model (value head newly made, with a warning unless
+        ``new_head_expected``: as transformers warns of a new classification head, its scores mean nothing until step 2
+        trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's normalization
+        (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
         from dschat.models.loading import (adapter_message, check_weights_loaded, configure_dropout, hub_load,
                                            load_dtype, model_load_context, readable_weights, sync_special_tokens)
 
