@@ -554,8 +554,8 @@ def unread_conditional_flags(args, parser=None, table=CONDITIONAL_FLAGS):
 
 
 def given_flags(args, names, parser=None):
-    """The step-3 flags ``names`` that ``args`` sets to other than the parser's default, as written on the command
-    line (``--critic_learning_rate 0.0005``)."""
+    """The flags ``names`` (of ``parser``, step 3's by default) that ``args`` sets to other than the parser's default,
+    as written on the command line (``--critic_learning_rate 0.0005``)."""
     parser = parser or step3_parser()
     first = {}
     for action in parser._actions:  # (--disable_critic_dropout shares --critic_dropout's value)

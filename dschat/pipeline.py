@@ -31,7 +31,8 @@ TINY_RECIPE = {
 }
 
 
-# `train.py --recipe grpo`: critic-free GRPO rewarded by the bundled rule scorer, no reward model (steps 1 and 3).
+# `train.py --recipe grpo`: critic-free GRPO rewarded by the bundled rule scorer, no reward model (steps 1 and 3);
+# step_argv drops its scorer flags when a trained --reward-model rewards it instead.
 GRPO_RECIPE = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "4", "--per_device_generation_batch_size",
                "8", "--reward_fn", "tiny", "--reward_model_weight", "0", "--actor_learning_rate", "1e-4"]
 
@@ -388,8 +389,9 @@ NOT_A_HUB_REWARD_MODEL = ("is no folder here, and no hub reward model by its con
 
 def check_model_folders(steps, args):
     """--actor-model (step 1 starts from it) and --reward-model (step 2's, recipe ppo; or, named for step 3 without
-    step 2, a trained reward model) given as folders that are not there: an error naming the flag before step 1 runs,
-    not a hub lookup's traceback."""
+    step 2, a trained reward model) that cannot load (``check_model_path``): an error naming the flag before step 1
+    runs, not a hub lookup's traceback. Also an error: --reward-model with --recipe dpo, or one that is no trained
+    reward model with --recipe grpo; PPO's step 3 alone says it scores with step 2's output instead."""
     from dschat.models.loading import check_model_path, check_tokenizer_files
 
     if 1 in steps:
@@ -480,7 +482,7 @@ def run_pipeline(args):
     from dschat.steps import dpo, ppo, reward, sft
 
     ensure_distributed()
-    check_model_folders(recipe_steps(getattr(args, "recipe", "ppo"), args.step)[0], args)  # (what tiny_run reads)
+    check_model_folders(recipe_steps(getattr(args, "recipe", "ppo"), args.step)[0], args)  # (what is_tiny_run reads)
     tiny = is_tiny_run(args)
     if not tiny and not args.data_path:
         args.data_path = [DEEPSPEED_CHAT_DATA]

@@ -204,7 +204,8 @@ def _edited_reward_fn(record, flags):
 
 
 def said_change(name, record, flags):
-    """``--name``, and for a model folder named as before, that the model in it is another since."""
+    """``--name``, and why when its value is as before: a --reward_fn file edited since, or a model folder whose
+    model is another since."""
     then, now = record.get("flags", {}).get(name), getattr(flags, name, None)
     edited = _edited_reward_fn(record, flags) if name == "reward_fn" and then == now else None
     if edited is not None:

@@ -131,7 +131,8 @@ def check_same_reference(saved_inputs, actor_path, tag, root):
 
 
 def resume_flags(trainer):
-    """{flag: value} of the flags the checkpoint is bound to (``ACTOR_RESUME_FLAGS``, ``CRITIC_RESUME_FLAGS``)."""
+    """{flag: value} of the flags a checkpoint stores and --resume compares (the bound ``ACTOR_RESUME_FLAGS`` and
+    ``CRITIC_RESUME_FLAGS``, the ``RESTORED_FLAGS`` and ``FREE_FLAGS`` said when changed), and its data files."""
     critic = CRITIC_RESUME_FLAGS + CRITIC_FREE_FLAGS if trainer.critic_model is not None else ()
     names = (ACTOR_RESUME_FLAGS + FREE_FLAGS + critic + RESTORED_FLAGS
              + (UNSUPERVISED_RESUME_FLAGS if getattr(trainer.args, "unsupervised_dataset_name", None) else ()))

@@ -209,10 +209,12 @@ def check_settings(args):
 
 
 def check_step3_settings(args, world_size, actor_architecture=None):
-    """The reward sources checked, and the actor's and critic's training configs built once, quietly, so that a
-    config file that contradicts the flags fails before any data or model is loaded. ``actor_architecture``: where
-    the actor's config is read for the checks that need it, when not from --actor_model_name_or_path (train.py,
-    before step 1 writes that folder: the model step 1 starts from, whose architecture it keeps)."""
+    """Every check of step 3's flags before any data or model loads: ``check_settings``, the data split and paths,
+    gradient accumulation, the actor's config against the lengths and the hybrid engine (tensor parallelism, local
+    attention window), and the actor's and critic's training configs built once, quietly, so that a config file that
+    contradicts the flags fails now. ``actor_architecture``: where the actor's config is read for the checks that need
+    it, when not from --actor_model_name_or_path (train.py, before step 1 writes that folder: the model step 1 starts
+    from, whose architecture it keeps)."""
     check_settings(args)
     check_phase_share(args.data_split, 3)
     check_data_paths(args.data_path)

@@ -9,8 +9,8 @@ later position, so the real tokens' outputs are exactly those of the masked forw
 causal attention; a model with a sliding window still builds its window's mask) and positions 0, 1, ... . Rows are
 cut to the longest one, rounded up to ``--pad_to_multiple_of`` (few shapes) but never past a length at which a model's
 positions would behave differently (its position table, the length its RoPE scaling switches at:
-``models.positions.position_limit``). Per-token outputs are mapped back to the
-original columns (cheap), and the LM head runs on each row's answer positions only (:func:`head_reads`).
+``models.positions.position_limit``). Per-token outputs are mapped back to the original columns (cheap), and the LM
+head runs on each row's answer positions only (:func:`head_reads`).
 
 A row with a masked token between real ones cannot be shifted this way; for such a batch :meth:`LeftAligned.of` returns
 None and the forwards keep the mask. Step 3 never makes one (a pad token sampled inside an answer is a real token:
@@ -43,7 +43,8 @@ class LeftAligned:
 
         The width (the longest row) is rounded up to a multiple of ``multiple_of`` (``--pad_to_multiple_of``: few
         shapes, so few cuDNN plans) but not past L nor past ``position_limit`` (the models' position tables and the
-        lengths their RoPE scaling switches at, ``models.positions.position_limit``), so rounding moves no real token's result."""
+        lengths their RoPE scaling switches at, ``models.positions.position_limit``), so rounding moves no real
+        token's result."""
         length = attention_mask.shape[1]
         columns = torch.arange(length, device=attention_mask.device)
         lead = (attention_mask.long().cumsum(1) == 0).sum(1)

@@ -1,7 +1,7 @@
 """Entry points: a usage error (a flag, file or record of the user's, already named in the message) ends the run
-with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a rank whose
-collective failed because another rank stopped says so in one line (exit status 1), as does Ctrl-C (130);
-DSCHAT_TRACEBACK=1 shows the tracebacks."""
+with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a diverged run
+(a non-finite loss or gradient norm: exit status 1), a rank whose collective failed because another rank stopped (1)
+and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks."""
 import hashlib
 import os
 import sys
@@ -33,8 +33,8 @@ def _process_started():
 
 
 def run_entry_point(main, resumable=False):
-    """``main()``, its usage errors, another rank's failure and Ctrl-C each ended with one line; ``resumable``: a
-    training entry point, whose Ctrl-C line says how to continue."""
+    """``main()``, its usage errors, a diverged run (``FloatingPointError``), another rank's failure and Ctrl-C each
+    ended with one line; ``resumable``: a training entry point, whose Ctrl-C line says how to continue."""
     from dschat.errors import UsageError
 
     from dschat.utils.dist import get_rank, peer_failure
