@@ -20,10 +20,11 @@ prompt=question,chosen=good``):
 * ``prompt`` + ``chosen`` [+ ``rejected``]: strings. ``prompt`` is the user message; a prompt that starts
   with "Human:" is read as a "Human:/Assistant:" transcript; ``prompt`` may also be a list of messages.
   Without a ``chosen`` field the data is prompt-only (step 3 only). A null ``rejected`` marks an SFT-only
-  record (skipped, and counted, in step 2).
-* ``messages``: a list of {role, content} ending with the assistant answer (SFT data); one ending with a user
-  turn is a prompt (step 3), skipped and counted by steps 1 and 2 (step 1's ``--multiturn`` trains its assistant
-  turns before it).
+  record (skipped, and counted, in step 2). TRL's ``completion`` is the ``chosen`` answer; a ``label`` column
+  beside it (TRL's unpaired preference records, KTO's) marks the answers not to imitate, which steps 1 and 2 skip.
+* ``messages``: a list of {role, content} ending with the assistant answer (SFT data; ShareGPT's
+  ``conversations`` of {from, value} too); one ending with a user turn is a prompt (step 3), skipped and counted by
+  steps 1 and 2 (step 1's ``--multiturn`` trains its assistant turns before it).
 * ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format), or as whole
   "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts (Anthropic/hh-rlhf's files): the turns before the last are
   the prompt and must be the same in both; the last (assistant) turns are the answers.
@@ -32,8 +33,8 @@ prompt=question,chosen=good``):
 CSV cells are read as text ("5" stays "5"; an empty cell is null); JSON values are kept as written, also in a
 column whose type differs between records. Every other column is passed through ``get_extra``. Records are
 checked when the file is loaded: a malformed JSON line raises ``DatasetFormatError("FILE line N: ...")``; a
-missing/null/empty/wrongly typed field raises one naming the file, the record (and line for JSONL) and the
-field.
+missing/null/empty/wrongly typed field raises one naming the file, the record (and its line where known: JSON
+Lines, CSV) and the field.
 """
 import functools
 import hashlib
@@ -280,7 +281,8 @@ def not_utf8_error(path):
 
 
 def check_json_document(path):
-    """A .json file must be one JSON array of objects; DatasetFormatError with the line of a syntax error."""
+    """A .json file must be one JSON array of objects (None returned) or JSON Lines (its record lines returned, as
+    ``check_jsonl_lines``); DatasetFormatError with the line of a syntax error."""
     try:
         with open(path, encoding=text_encoding(path)) as f:
             text = f.read()
@@ -547,12 +549,11 @@ class LocalDataset(PromptRawDataset):
         return {"train": train, "eval": eval_data}
 
     def _label_column(self, train):
-        """The column of TRL's unpaired preference labels (KTO's records: prompt, completion, and a label saying
-        whether to imitate the answer), else None: ``--data_fields label=NAME``, or a "label" column beside TRL's
-        completion (or a renamed chosen; no rejected) that reads as labels: every value one, or any a true/false (a
-        typo among them is then its record's error, not a reason to train on every answer). A category column (0-3,
-        "math", "no") beside a plain chosen stays data. A renamed label missing from a file whose columns hold no
-        true/false is none of its business (an SFT file in the mix); else it is the rename's error (misspelt)."""
+        """The column of TRL's unpaired preference labels (KTO's prompt/completion/label records), else None: the one
+        ``--data_fields label=NAME`` names, or a "label" column that reads as labels (every value one, or any a
+        true/false: a typo among them is then its record's error) beside TRL's completion or a renamed chosen, with no
+        rejected; a category column beside a plain chosen stays data. A renamed label a file lacks is an error only
+        where its columns hold true/false (an SFT file in the mix has no labels)."""
         name, renamed, columns = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed, train.column_names
         if name not in columns:
             if renamed and any(_says_true_or_false(values) for values in train[:100].values()):

@@ -23,14 +23,13 @@ the EOT token ids):
 The prompt is tokenized alone (the ids step 3 generates from, and the label boundary); the answer ids are
 those it gets right after the prompt in a joint tokenization (see ``answer_ids_after_prompt``).
 
-Skipped records (never silent; counted per reason, printed on rank 0, kept in ``dataset.skipped``):
-``prompt longer than N tokens`` (phase 3; phases 1-2 only when ``max_prompt_len`` is given),
-``prompt leaves no room for an answer in --max_seq_len N`` (phases 1-2), ``answer empty after truncation``,
-``chosen==rejected``,
-``chosen==rejected after truncation``, ``no rejected answer`` (SFT-only records in phase 2), ``undesirable
-answer`` (phases 1-2: TRL's unpaired preference records with ``label: false``), adapter
-reasons such as ``tied preference scores``, and ``unreadable FIELD`` for malformed hub records. Malformed
-local records are errors instead (``DatasetFormatError``), raised when the file is loaded.
+Skipped records (never silent; counted per reason, printed on rank 0, kept in ``dataset.skipped``): ``prompt longer than
+N tokens`` (phase 3; phases 1-2 only when ``max_prompt_len`` is given), ``prompt leaves no room for an answer in
+--max_seq_len N`` (phases 1-2), ``answer empty after truncation``, ``chosen==rejected``, ``chosen==rejected after
+truncation``, ``no rejected answer`` (SFT-only records in phase 2), ``no answer (the conversation ends with a user
+turn)`` (phases 1-2), ``undesirable answer`` (phases 1-2: TRL's unpaired preference records with ``label: false``),
+adapter reasons such as ``tied preference scores``, and ``unreadable FIELD`` for malformed hub records. Malformed local
+records are errors instead (``DatasetFormatError``), raised when the file is loaded.
 """
 import json
 import os
@@ -376,7 +375,9 @@ def load_cached(folder, train_phase, built):
 def encode_records(raw, records, tokenizer, settings):
     """(datasets.Dataset of the phase's rows, Counter of skip reasons, the report's notes) for the records of one
     source. Notes: ``cut`` (how many rows max_seq_len cut an answer of), ``formatted`` (``already_formatted(...)``)
-    and with ``--multiturn`` ``turns`` ([earlier assistant turns trained, not found in the prompt])."""
+    and with ``--multiturn`` ``turns`` ([earlier assistant turns trained, not found in the prompt]), ``unanswered``
+    and ``last_turn_cut`` (conversations trained on their earlier turns only: ending with a user turn, longer than
+    max_seq_len)."""
     from datasets import Dataset
 
     skips = Counter()

@@ -123,7 +123,8 @@ def _saved_train_split(folder):
 
 
 def _local_text_source(name):
-    """(datasets builder, path) for "TYPE:PATH" or an existing .txt/.jsonl/.json path; None for hub names."""
+    """(datasets builder, path) for "TYPE:PATH" or a .txt/.jsonl/.json path (one not there: MissingInputError); None
+    for hub names and save_to_disk folders."""
     kind, sep, rest = name.partition(":")
     if sep and kind.lower() in LOCAL_TEXT_TYPES:  # (TXT:path too)
         if not os.path.isfile(rest):
