@@ -1,6 +1,7 @@
 """Generation benchmark: HF generate (dynamic / static cache) vs dschat's hybrid engine (ZeRO-0 / ZeRO-3, eager or
 with CUDA graphs: the ``_graph`` variants; ``_compiled``: torch.compile of the decode forward and of the prefill;
-``_eagerprefill``: with ``_compiled``, the prefill left eager; ``_sdpa``: SDPA for the
+``_eagerprefill``: with ``_compiled``, the prefill left eager; ``_autotune``: compiled in inductor's
+max-autotune-no-cudagraphs mode (each decode GEMM's kernel picked by timing); ``_sdpa``: SDPA for the
 decode attention instead of dschat's Triton kernel; ``_nofuse``: each projection its own GEMM, not q/k/v as one;
 ``_fuse``: ``fuse_projections="on"``, the same as auto on CUDA; ``_tilemask``: the decode attention loads the mask
 for every tile, without ``triton_decode.CONTIGUOUS_FAST_PATH``; the tenth session's logs call it ``_holes0``, and the

@@ -25,10 +25,10 @@ def conversation_prompt(history, user_text, tokenizer):
 
 
 def own_turn(answer, tokenizer):
-    """The answer up to a next "Human:" turn the model wrote on with (without a chat template, a model that does not
-    stop at its EOS goes on with the user's next message, as its "Human:/Assistant:" training text does): shown and
-    kept in the history, that made-up message passed for the assistant's words. DeepSpeed-Chat's chatbot cuts its
-    answers there too. With a chat template the answer is as generated."""
+    """The answer up to a "Human:" turn the model went on to write: without a chat template, a model that does not
+    stop at its EOS continues with a made-up user message, as its "Human:/Assistant:" training text does, which shown
+    and kept in the history would pass for the assistant's words. DeepSpeed-Chat's chatbot cuts its answers there
+    too. With a chat template the answer is as generated."""
     if uses_chat_template(tokenizer):
         return answer
     return answer.split(HUMAN_PREFIX.rstrip(" "), 1)[0].rstrip()

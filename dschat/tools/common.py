@@ -229,7 +229,8 @@ def load_policy(path, device=None, dtype=None, add_eot_token=False):
 
 
 def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
-    """The step-2 reward model in eval mode, its embeddings grown to ``tokenizer`` as in training."""
+    """The trained reward model at ``path`` (a folder or hub name of a layout ``is_reward_model_folder`` knows) in
+    eval mode, its embeddings grown to ``tokenizer`` as in training; an OpenRLHF model's scores normalized as saved."""
     from dschat.models.reward_model import (VALUE_HEAD_FILES, is_reward_model_folder, load_reward_model,
                                             reward_model_folder)
 

@@ -142,8 +142,9 @@ def build_parser():
                         help="The PPO actor (a run's output folder uses step3_ppo/actor).")
     parser.add_argument("--baseline", default=None, help="A policy to compare with, e.g. output/step1_sft.")
     parser.add_argument("--reward_model", default=None,
-                        help="The step-2 reward model (a run's output folder uses step2_rm); default: the one the "
-                             "policy's step-3 run trained against, none if it had none (--reward_model_weight 0).")
+                        help="The reward model, a folder or hub name (a run's output folder uses the one its step 3 "
+                             "scored with: train.py's --reward-model, else step2_rm); default: the one the policy's "
+                             "step-3 run trained against, none if it had none (--reward_model_weight 0).")
     parser.add_argument("--reward_fn", default="",
                         help="Also score with this reward function (step 3's --reward_fn; default: the run's).")
     add_data_args(parser)

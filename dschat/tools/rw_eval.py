@@ -122,7 +122,8 @@ def print_answers(messages, answers, scores):
 def build_parser():
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path", required=True,
-                        help="The step-2 folder (or a run's output folder, which uses its step2_rm).")
+                        help="The reward model: step 2's folder, another trained one (a folder or hub name), or a "
+                             "run's output folder, which uses the one its step 3 scored with (else its step2_rm).")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--pairs_file", help="Local data with prompt/chosen/rejected (any format training accepts; "
                                              "its eval file where it has one, else all of it; tiny: the embedded "
