@@ -43,5 +43,31 @@ def unfinished_reason(model_path):
                 return None
             return (f"{folder} is an unfinished step output: its last training run was interrupted, or is still "
                     f"running ({RUN_ARGS_FILE} but no {FINISHED_MARK}), so its model files may be an earlier run's or "
-                    "part of that one's")
+                    "part of that one's" + "".join(f"; {leftover}" for leftover in save_leftovers(path)))
     return None
+
+
+def save_leftovers(model_path):
+    """The unfinished copy a save of ``model_path`` killed before it moved in left (``checkpoint.atomic_folder``
+    stages it as ``.NAME.tmp-*`` in the model folder, else beside it), said with its size. No reader takes it for the
+    model (it is a subfolder); it only holds disk space until the next save there removes it."""
+    name = os.path.basename(model_path)
+    said = []
+    for parent in dict.fromkeys((model_path, os.path.dirname(model_path))):
+        found = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+        for leftover in (os.path.join(parent, n) for n in found if n.startswith(f".{name}.tmp-")):
+            if os.path.isdir(leftover):
+                said.append(f"{leftover} ({_size(leftover)}) is an unfinished save's copy, interrupted or still being "
+                            "written: it only takes disk space, and the next save there removes it")
+    return said
+
+
+def _size(folder):
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:  # (a save still writing there)
+                pass
+    return f"{total / 2**30:.1f} GiB" if total >= 2**30 else f"{total / 2**20:.1f} MiB"

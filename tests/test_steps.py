@@ -1349,6 +1349,32 @@ def test_a_first_run_killed_after_its_save_leaves_its_folder_marked_unfinished(t
     assert "is an unfinished step output" in unfinished_reason(str(out))
 
 
+def test_a_save_killed_before_it_moved_in_leaves_a_copy_that_readers_skip_and_the_warning_names(tmp_path, distributed,
+                                                                                               monkeypatch):
+    """Its hidden copy in the model folder held the whole model until the next save, unsaid: the unfinished output's
+    warning now names it and its size. Loading the folder still reads the earlier save, not the copy."""
+    from dschat.models import checkpoint
+    from dschat.run_layout import unfinished_reason
+
+    out = tmp_path / "rm"
+    flags = ["--output_dir", str(out), "--data_output_path", str(tmp_path / "data"), "--max_steps", "1", *RM_FAST]
+    reward.main(flags)
+    before = (out / "value_head.safetensors").read_bytes()
+
+    def killed(*given):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "install_folder", killed)
+    with pytest.raises(KeyboardInterrupt):
+        reward.main([*flags, "--seed", "7"])
+    copies = list(out.glob(".rm.tmp-*"))
+    assert len(copies) == 1 and (copies[0] / "model.safetensors").is_file()
+    assert re.search(rf"; {re.escape(str(copies[0]))} \(\d+\.\d MiB\) is an unfinished save's copy",
+                     unfinished_reason(str(out))), unfinished_reason(str(out))
+    assert (out / "value_head.safetensors").read_bytes() == before
+    load_reward_model(str(out))
+
+
 def test_a_diverged_supervised_run_stops_at_its_first_non_finite_loss(tmp_path, distributed, capsys):
     """Steps 1, 2 and DPO trained on through NaN losses (step 3 stops), saved all-NaN weights, exited 0 and wrote NaN
     into metrics.json; a LoRA flag without --lora_dim was also taken without a word."""
