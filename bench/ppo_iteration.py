@@ -237,16 +237,17 @@ def main():
     if not args.smoke:  # (the GPU shapes would build on the CPU, each variant failing later)
         results_io.require_cuda("--smoke checks the script on the CPU")
     variants = args.variants.split(",")
-    launched = "RANK" in os.environ or "LOCAL_RANK" in os.environ  # torchrun / deepspeed: variants share the ranks
-    if len(variants) > 1 and not args.same_process and not launched:
+    from dschat.utils.dist import ensure_distributed, local_device, under_launcher
+
+    # under a launcher (deepspeed's, torchrun, mpirun, srun) the variants share its ranks
+    if len(variants) > 1 and not args.same_process and not under_launcher():
         print_table(run_each_in_its_own_process(variants, args), 1)
         return
     from dschat.tiny import load_tiny_tokenizer
-    from dschat.utils.dist import ensure_distributed
 
-    if torch.cuda.is_available():  # one GPU per rank under torchrun / the deepspeed launcher
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     ensure_distributed()
+    if torch.cuda.is_available():  # one GPU per rank, known with the process group (mpirun, srun set no LOCAL_RANK)
+        torch.cuda.set_device(local_device())
 
     tokenizer = load_tiny_tokenizer()
     tokenizer.padding_side = "left"

@@ -146,11 +146,11 @@ def main():
         require_cuda("--smoke checks the script on the CPU")
     args.device = "cpu" if args.smoke else "cuda"
     args.dtype = torch.float32 if args.smoke else torch.bfloat16
-    if not args.smoke:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    from dschat.utils.dist import ensure_distributed
+    from dschat.utils.dist import ensure_distributed, local_device
 
     ensure_distributed()
+    if not args.smoke:  # the rank's GPU once the process group knows it (mpirun and srun set no LOCAL_RANK)
+        torch.cuda.set_device(local_device())
     rank0 = dist.get_rank() == 0
     bw = 1e10 if args.smoke else copy_bandwidth()
     if rank0:

@@ -251,6 +251,52 @@ def test_ppo_iteration_cut_short_leaves_the_variants_its_fresh_processes_finishe
     assert results == [{"variant": "z2_hybrid", "samples_per_s": 36.0}]
 
 
+@pytest.mark.parametrize("script", ["ppo_iteration", "tensor_parallel"])
+def test_a_benchmark_under_mpirun_shares_its_ranks_and_takes_each_ranks_own_gpu(script, monkeypatch):
+    """mpirun and srun set no RANK or LOCAL_RANK (DeepSpeed's MPI discovery sets them as the process group starts):
+    every rank set cuda:0 before that, and ppo_iteration.py took its ranks for plain processes, each running every
+    variant in fresh processes of its own."""
+    import importlib
+
+    import torch
+
+    from dschat.utils import dist as dschat_dist
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    bench = importlib.import_module(script)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in (("OMPI_COMM_WORLD_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "4"),
+                       ("OMPI_COMM_WORLD_LOCAL_RANK", "1")):
+        monkeypatch.setenv(key, value)
+
+    def process_group_started():  # as DeepSpeed's init_distributed sets them from mpirun's
+        monkeypatch.setenv("RANK", "3")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        return 3, 4
+
+    class GpuSet(Exception):
+        pass
+
+    def set_device(device):
+        raise GpuSet(device)
+
+    monkeypatch.setattr(dschat_dist, "ensure_distributed", process_group_started)
+    monkeypatch.setattr(dschat_dist, "local_device", lambda: torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    if script == "ppo_iteration":
+        monkeypatch.setattr(bench, "run_each_in_its_own_process",
+                            lambda *given: pytest.fail("a rank ran the variants in processes of its own"))
+        monkeypatch.setattr(sys, "argv", [script, "--smoke", "--variants", "z2_hybrid,z3_hybrid"])
+    else:
+        monkeypatch.setattr(bench, "require_cuda", lambda *given: None)
+        monkeypatch.setattr(sys, "argv", [script])
+    with pytest.raises(GpuSet) as set_to:
+        bench.main()
+    assert set_to.value.args == (torch.device("cuda", 1),)
+
+
 GPU_ONLY = [["decode_attention.py"], ["decode_gemm.py"], ["generation.py", "--models", "opt-1.3b"], ["l2_prefetch.py"],
             ["logprob_delta.py"], ["pdl_chain.py"], ["sampling.py"], ["sdpa_first_call.py"], ["tensor_parallel.py"],
             ["ppo_iteration.py", "--variants", "z2_hybrid"]]
