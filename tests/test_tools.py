@@ -328,6 +328,22 @@ def test_generation_flags_are_checked_and_top_k_below_one_is_off():
         parser.parse_args(["--max_new_tokens", "0"])
 
 
+def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample(capsys, monkeypatch):
+    """--top_k -1 is no top-k filtering, as the default 0 is: a greedy run was warned that it did nothing."""
+    import argparse
+
+    from dschat.tools.common import add_generation_args, generation_kwargs
+
+    monkeypatch.setattr("dschat.tools.common._SAID", set())
+    parser = argparse.ArgumentParser()
+    add_generation_args(parser, sample_by_default=False)
+    for flags in ([], ["--top_k", "-1"], ["--top_k", "0", "--top_p", "1", "--temperature", "1"]):
+        generation_kwargs(parser.parse_args(flags))
+    assert capsys.readouterr().err == ""
+    generation_kwargs(parser.parse_args(["--top_k", "4", "--top_p", "0.9"]))
+    assert "--top_k 4, --top_p 0.9: no effect on greedy decoding" in capsys.readouterr().err
+
+
 def test_a_prompt_and_answer_past_a_learned_position_table_are_an_error_not_an_index_error(tmp_path):
     from dschat.errors import UsageError
     from dschat.tools.generation import generate_answers

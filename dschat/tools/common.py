@@ -202,9 +202,11 @@ _SAID = set()
 
 
 def say_unused_sampling_flags(args):
-    """Sampling flags given to a greedy decoding (a tool's default, or --greedy) change nothing: said once."""
-    given = [f"--{name} {getattr(args, name)}" for name, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
-             if getattr(args, name) != default]
+    """Sampling flags given to a greedy decoding (a tool's default, or --greedy) change nothing: said once. A --top_k
+    of 0 or below is no filtering (``top_k_flag``), as is the default: nothing to say."""
+    sampling = {"temperature": args.temperature != 1.0, "top_k": top_k_flag(args.top_k) != 0,
+                "top_p": args.top_p != 1.0}
+    given = [f"--{name} {getattr(args, name)}" for name, changes in sampling.items() if changes]
     if given:
         say_once(f"warning: {', '.join(given)}: no effect on greedy decoding (add --do_sample to sample)")
 
