@@ -545,6 +545,30 @@ def test_data_given_twice_is_said(tmp_path, tokenizer, capsys):
     assert "more than once" not in capsys.readouterr().out
 
 
+def test_records_repeated_in_a_file_or_across_files_are_counted_kept_and_said(tmp_path, tokenizer, capsys):
+    """DeepSpeed-Chat and TRL train a repeated record again, as dschat does; it was not said at all."""
+    rows = records("alpha", 6)
+    first = write_jsonl(tmp_path / "first.jsonl", rows + [rows[0], rows[1], rows[1]])
+    second = write_jsonl(tmp_path / "second.jsonl", [rows[2], dict(rows[3], rejected="Another bad one.")]
+                         + records("beta", 2))
+    eval_ = write_jsonl(tmp_path / "eval.jsonl", rows[:2])  # (the train files' records: each split is apart)
+    other_eval = write_jsonl(tmp_path / "other_eval.jsonl", records("beta", 2, start=100))
+    train, _ = build(tmp_path, tokenizer, [f"{first},{eval_}", f"{second},{other_eval}"], 2, data_split="0,1,0")
+    assert len(train) == 13  # all kept
+    out = capsys.readouterr().out
+    assert f"{first},{eval_} train: kept all 9 records; 3 kept are exact copies of earlier records: trained again\n" \
+        in out
+    # (the pair with another rejected answer is another record)
+    assert (f"{second},{other_eval} train: kept all 4 records; 1 kept is an exact copy of an earlier record (1 of "
+            "another source's): trained again\n") in out
+    assert f"{first},{eval_} eval: kept all 2 records\n" in out
+    both = write_jsonl(tmp_path / "both.jsonl", [rows[3], dict(rows[3], rejected="Another bad one.")])
+    build(tmp_path, tokenizer, [f"{both},{other_eval}"], 1, data_split="1,0,0")
+    assert "kept all 2 records; 1 kept is an exact copy" in capsys.readouterr().out  # what SFT reads of them
+    build(tmp_path, tokenizer, [f"{other_eval},{other_eval}"], 1, data_split="1,0,0")
+    assert "exact cop" not in capsys.readouterr().out
+
+
 def test_a_file_given_again_inside_a_folder_or_with_another_eval_file_is_said(tmp_path, tokenizer, capsys):
     """The same train file read through two specs that differ (its folder and the file; the file with and without an
     eval file): its records are read twice, and those of one spec's train split may be another's eval records."""

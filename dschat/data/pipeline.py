@@ -311,9 +311,10 @@ def _barrier():
 def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, local_rank, tokenizer,
                    settings, field_options, reload):
     parts = {"train": [], "eval": []}
+    seen = {"train": {}, "eval": {}}  # each split's records so far, across sources (``count_duplicates``)
     report = []
     sources = [(spec, data_split) for spec in data_path] + [(spec, None) for spec in sft_only]
-    for spec, split in sources:
+    for index, (spec, split) in enumerate(sources):
         raw = get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
         if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
             # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
@@ -322,7 +323,7 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
         for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
             records = data if split is None else _phase_share(raw, data, split_name, split, settings,
                                                               output_path, seed, local_rank, reload)
-            table, skips, notes = encode_records(raw, records, tokenizer, settings)
+            table, skips, notes = encode_records(raw, records, tokenizer, settings, seen[split_name], index)
             parts[split_name].append(table)
             report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips),
                            "of": len(data), "data_split": None if split is None else str(split), **notes})
@@ -372,11 +373,12 @@ def load_cached(folder, train_phase, built):
 
 # --- encoding ---
 
-def encode_records(raw, records, tokenizer, settings):
+def encode_records(raw, records, tokenizer, settings, seen=None, source=0):
     """(datasets.Dataset of the phase's rows, Counter of skip reasons, the report's notes) for the records of one
-    source. Notes: ``cut`` (how many rows max_seq_len cut an answer of), ``formatted`` (``already_formatted(...)``)
-    and with ``--multiturn`` ``turns`` ([earlier assistant turns trained, not found in the prompt]), ``unanswered``
-    and ``last_turn_cut`` (conversations trained on their earlier turns only: ending with a user turn, longer than
+    source. Notes: ``cut`` (how many rows max_seq_len cut an answer of), ``formatted`` (``already_formatted(...)``),
+    ``duplicates`` (``count_duplicates``, given the split's ``seen`` records and this ``source``'s number) and with
+    ``--multiturn`` ``turns`` ([earlier assistant turns trained, not found in the prompt]), ``unanswered`` and
+    ``last_turn_cut`` (conversations trained on their earlier turns only: ending with a user turn, longer than
     max_seq_len)."""
     from datasets import Dataset
 
@@ -384,22 +386,44 @@ def encode_records(raw, records, tokenizer, settings):
     multiturn = settings.multiturn and settings.train_phase == 1
     examples = extract_examples(raw, records, settings.train_phase, skips, tokenizer, multiturn)
     encoder = {1: encode_sft, 2: encode_pair, 3: encode_prompt}[settings.train_phase]
-    rows, unanswered = [], 0
+    rows, kept, unanswered = [], [], 0
     for example, tokens in zip(examples, tokenize_examples(examples, tokenizer, settings)):
         try:
             rows.append(encoder(example, tokens, settings))
+            kept.append(example)
             unanswered += example.unanswered
         except SkipRecord as skip:
             skips[skip.reason] += 1
     features = phase_features(settings.train_phase)
     notes = {"cut": sum(1 for row in rows if row.get("cut") or row.get("chosen_truncated")
                         or row.get("rejected_truncated")),
-             "formatted": already_formatted(examples, tokenizer)}
+             "formatted": already_formatted(examples, tokenizer),
+             "duplicates": count_duplicates(kept, {} if seen is None else seen, source)}
     if multiturn:
         notes["turns"] = [sum(len(row["label_spans"]) // 2 for row in rows), sum(row["turns_missed"] for row in rows)]
         notes["unanswered"] = unanswered
         notes["last_turn_cut"] = sum(row["last_turn_cut"] for row in rows)
     return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, notes
+
+
+def count_duplicates(examples, seen, source):
+    """[how many kept records repeat an earlier one exactly (what the phase reads of them: messages, answers, extra
+    fields), how many of those first came from another source], else None. ``seen`` (record hash -> source number)
+    carries over between the sources of a split: the same pair in two --data_path files counts too. Kept, as
+    DeepSpeed-Chat and TRL keep them (a repeated record trains twice); said in the data report."""
+    import hashlib
+
+    again = elsewhere = 0
+    for example in examples:
+        text = json.dumps([example.messages, example.chosen, example.rejected, example.extra], sort_keys=True,
+                          ensure_ascii=False, default=str)
+        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        if key in seen:
+            again += 1
+            elsewhere += seen[key] != source
+        else:
+            seen[key] = source
+    return [again, elsewhere] if again else None
 
 
 def already_formatted(examples, tokenizer):
@@ -657,6 +681,11 @@ def format_skip_line(entry):
         count = entry["unanswered"]
         cut += (f"; {count} conversation{'s' if count != 1 else ''} ending with a user turn trained up to "
                 f"{'their' if count != 1 else 'its'} last answer (--multiturn)")
+    if entry.get("duplicates"):
+        count, elsewhere = entry["duplicates"]
+        cut += (f"; {count} kept {'is an exact copy' if count == 1 else 'are exact copies'} of "
+                f"{'an earlier record' if count == 1 else 'earlier records'}"
+                + (f" ({elsewhere} of another source's)" if elsewhere else "") + ": trained again")
     if entry.get("formatted"):
         count, token = entry["formatted"]
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "
