@@ -189,6 +189,22 @@ def test_mixed_precision_lora_quantizes_only_the_actors_frozen_weights_and_says_
             check_step3_settings(step3_args({**ready, key: value}), 1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
+def test_mixed_precision_lora_trains_and_saves_the_merged_actor_on_the_gpu(tmp_path):
+    """``tests/scripts/mixed_precision_lora_gpu.py`` in a process of its own (a world of one): step 3 with int8 frozen
+    weights, then its saved actor loaded with ``from_pretrained`` against the trained weights, LoRA merged."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parent / "scripts" / "mixed_precision_lora_gpu.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+
+
 def test_a_config_files_bfloat16_block_is_read_as_bf16():
     # DeepSpeed reads "bf16" first: beside dschat's own "bf16" block, the file's old-named one was ignored
     from deepspeed.runtime.precision_config import get_bfloat16_config

@@ -2,10 +2,16 @@
 frozen weights stored in int8, generating through the hybrid engine. DeepSpeed's quantizer is a CUDA op, so this runs
 on a GPU only (the CPU tests check the config and the flag's requirements).
 
+Then the saved actor: ``from_pretrained`` must load the trained model, LoRA merged into the int8-stored weights as
+they were dequantized in training, and answer as the engine did (nothing else saves a model whose frozen weights are
+stored quantized).
+
 The model is a Llama shape with 1024-wide layers: DeepSpeed leaves weights of 500k elements or fewer unquantized,
 which would be every weight of the tiny presets.
 
 Usage: python tests/scripts/mixed_precision_lora_gpu.py OUT_DIR   (exits non-zero when the check fails)
+DeepSpeed 0.19 builds its quantizer for TORCH_CUDA_ARCH_LIST and fails on an entry like 9.0a ("invalid literal for
+int()"); on the device machine, where it did, give TORCH_CUDA_ARCH_LIST=9.0.
 """
 import contextlib
 import io
@@ -34,6 +40,61 @@ def build_model(folder):
     return str(folder)
 
 
+PROBE = torch.tensor([[5, 17, 40, 3, 99, 23, 61, 8, 12, 77, 31, 4]])
+
+
+def trained_reference(trainer):
+    """What the trained actor is, read from its engine before the save: the logits of ``PROBE`` (ZeRO-3's forward,
+    int8 frozen weights dequantized in it), and each weight merged here by PEFT's formula (``W + scaling * B @ A``)."""
+    import deepspeed
+
+    module = trainer.actor_model.module
+    module.eval()
+    with torch.no_grad():
+        logits = module(input_ids=PROBE.to(torch.cuda.current_device())).logits.float().cpu()
+    merged = {}
+    for name, layer in module.named_modules():
+        if not hasattr(layer, "lora_A") or "default" not in layer.lora_A:
+            continue
+        weights = [layer.base_layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+        with deepspeed.zero.GatheredParameters(weights):
+            base, a, b = (w.detach().float().cpu().clone() for w in weights)
+        plain = name.removeprefix("base_model.model.") + ".weight"
+        merged[plain] = (base, base + layer.scaling["default"] * (b @ a))
+    return {"logits": logits, "merged": merged}
+
+
+def check_saved_actor(folder, reference):
+    """The saved actor loaded with ``from_pretrained`` against ``reference`` (``trained_reference``): problems, listed."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder).cuda().eval()
+    problems, moved = [], 0
+    state = loaded.state_dict()
+    dtypes = {str(t.dtype) for t in state.values() if t.is_floating_point()}
+    if dtypes != {"torch.float16"}:
+        problems.append(f"saved in {dtypes}, not the training dtype float16")
+    for name, (base, merged) in reference["merged"].items():
+        saved = state[name].float().cpu()
+        if not torch.allclose(saved, merged, rtol=1e-3, atol=1e-6):  # (rounded once to fp16: within one unit)
+            problems.append(f"{name}: saved differs from the merged trained weight by "
+                            f"{(saved - merged).abs().max().item():.3g}")
+        moved += not torch.equal(saved, base.half().float())
+    if not reference["merged"]:
+        problems.append("no LoRA layer found in the engine")
+    elif not moved:
+        problems.append("no saved weight differs from its base weight: the LoRA deltas were not merged")
+    with torch.no_grad():
+        logits = loaded(input_ids=PROBE.cuda()).logits.float().cpu()
+    gap = (logits - reference["logits"]).abs().max().item()
+    scale = reference["logits"].abs().max().item()
+    if not gap <= 0.02 * scale:
+        problems.append(f"the loaded model's logits differ from the engine's by {gap:.3g} (largest logit {scale:.3g})")
+    print(f"saved actor: {len(reference['merged'])} merged weights, {moved} moved by LoRA, logits gap {gap:.3g} "
+          f"(largest {scale:.3g})")
+    return problems
+
+
 def run_step3(model, out, mixed_precision_lora):
     argv = ["--actor_model_name_or_path", model, "--critic_model_name_or_path", model, "--data_path", "tiny",
             "--data_split", "4,4,2", "--data_output_path", str(out / "data"), "--max_prompt_seq_len", "48",
@@ -44,15 +105,26 @@ def run_step3(model, out, mixed_precision_lora):
             "--num_warmup_steps", "0", "--reward_model_weight", "0", "--reward_fn", "tiny"]  # no trained reward model
     if mixed_precision_lora:
         argv.append("--enable_mixed_precision_lora")
-    captured = io.StringIO()
+    captured, reference = io.StringIO(), {}
+    save_models = ppo.save_models
+
+    def save_after_reading(trainer, args):
+        reference.update(trained_reference(trainer))
+        save_models(trainer, args)
+
     torch.cuda.reset_peak_memory_stats()
-    with contextlib.redirect_stdout(captured):
-        metrics = ppo.main(argv)
+    ppo.save_models = save_after_reading
+    try:
+        with contextlib.redirect_stdout(captured):
+            metrics = ppo.main(argv)
+    finally:
+        ppo.save_models = save_models
     text = captured.getvalue()
     print(text[-3000:])
     quantized = re.search(r"mixed precision LoRA: (\d+) frozen weights stored in int8", text)
     return {"quantized_weights": int(quantized.group(1)) if quantized else 0, "iterations": metrics["iterations"],
-            "eval_after": metrics["eval_after"], "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+            "eval_after": metrics["eval_after"], "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "saved_actor_problems": check_saved_actor(str(out / "ppo" / "actor"), reference)}
 
 
 def main():
@@ -62,7 +134,8 @@ def main():
     print(json.dumps(result, indent=1, default=str))
     (out / "mixed_precision_lora.json").write_text(json.dumps(result, indent=1, default=str))
     scores = [v for v in (result["eval_after"] or {}).values() if isinstance(v, (int, float))]
-    ok = result["quantized_weights"] > 0 and result["iterations"] == 3 and all(math.isfinite(v) for v in scores)
+    ok = (result["quantized_weights"] > 0 and result["iterations"] == 3 and all(math.isfinite(v) for v in scores)
+          and not result["saved_actor_problems"])
     print("mixed precision LoRA check:", "OK" if ok else "FAILED")
     sys.exit(0 if ok else 1)
 
