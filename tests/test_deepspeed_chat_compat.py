@@ -272,7 +272,9 @@ def test_a_hybrid_engine_block_the_engine_cannot_read_fails_before_any_model_loa
     flags = {"enable_hybrid_engine": True, "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
     for block, said in (({"release_cache": True}, r"unknown hybrid_engine option\(s\) \['release_cache'\]"),
                         ({"max_out_tokens": "64"}, r"hybrid_engine: max_out_tokens = '64' \(not int\)"),
-                        ({"pin_parameters": "false"}, r"hybrid_engine: pin_parameters = 'false' \(not bool\)")):
+                        ({"pin_parameters": "false"}, r"hybrid_engine: pin_parameters = 'false' \(not bool\)"),
+                        # (a bool is no int here, though Python's bool is one: true would be read as 1 token)
+                        ({"max_out_tokens": True}, r"hybrid_engine: max_out_tokens = True \(not int\)")):
         path = _write(tmp_path, {"hybrid_engine": block})
         with pytest.raises(UsageError, match=f"DeepSpeed config '.*ds_config.json': {said}"):
             check_step3_settings(step3_args({**flags, "deepspeed_config": path}), 1)
