@@ -231,6 +231,16 @@ def test_generation_cut_short_leaves_the_rows_its_fresh_processes_finished(tmp_p
     rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
     assert [(r["batch"], r["seconds"]) for r in rows] == [(1, 1.0)]
     assert [p.name for p in tmp_path.iterdir()] == ["gen.json"]  # (written aside, then renamed)
+    # cut short while writing the next row's JSON: the file written last stays whole (written aside, then renamed)
+
+    def cut_while_writing(payload, f, **options):
+        f.write('{"rows": [')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generation.results_io, "json", SimpleNamespace(dump=cut_while_writing))
+    with pytest.raises(KeyboardInterrupt):
+        generation.results_io.write_json("gen.json", {"rows": rows * 2})
+    assert json.loads((tmp_path / "gen.json").read_text())["rows"] == rows
 
 
 def test_ppo_iteration_cut_short_leaves_the_variants_its_fresh_processes_finished(tmp_path, monkeypatch):
@@ -351,7 +361,7 @@ def test_graph_equality_prints_its_help_and_refuses_a_check_it_does_not_have():
     assert typo.returncode == 2 and "no family gtp2" in typo.stderr, typo.stdout[-2000:]
 
 
-def test_graph_equality_runs_the_families_and_checks_named_and_everything_when_none_is():
+def test_graph_equality_runs_the_families_and_checks_named_and_everything_when_none_is(monkeypatch):
     """--families splits the checks over device calls of under 10 minutes (bench/gpu_verify.sh): a family list alone
     runs no named check, a check name alone runs no family, and neither runs them all."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
@@ -362,6 +372,31 @@ def test_graph_equality_runs_the_families_and_checks_named_and_everything_when_n
     assert graph_equality.parse_checks(["--families", "gpt2,bloom"]) == (["gpt2", "bloom"], [])
     assert graph_equality.parse_checks(["--families", "opt", "lora_check"]) == (["opt"], ["lora_check"])
     assert graph_equality.parse_checks(["host_syncs"]) == ([], ["host_syncs"])
+    # main runs what was named: these families' checks (in both dtypes) and the named checks, no other
+    import torch
+
+    ran = []
+
+    def named(name):
+        def check():
+            ran.append(name)
+        check.__name__ = name
+        return check
+
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(graph_equality, "DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(graph_equality, "family_checks", lambda family, dtype: ran.append((family, dtype)))
+    monkeypatch.setattr(graph_equality, "NAMED_CHECKS", tuple(named(name) for name in every_check))
+    for argv, expected in ((["--families", "opt,gpt2", "host_syncs"],
+                            [("opt", torch.float32), ("opt", torch.bfloat16), ("gpt2", torch.float32),
+                             ("gpt2", torch.bfloat16), "host_syncs"]),
+                           (["--families", "bloom"], [("bloom", torch.float32), ("bloom", torch.bfloat16)]),
+                           (["lora_check"], ["lora_check"])):
+        ran.clear()
+        monkeypatch.setattr(sys, "argv", ["graph_equality.py", *argv])
+        with pytest.raises(SystemExit) as ended:
+            graph_equality.main()
+        assert ended.value.code == 0 and ran == expected, (argv, ran)
 
 
 def test_masked_rows_backward_help_prints_its_usage_without_running_the_benchmark():
