@@ -305,6 +305,15 @@ def test_notebook_engine_warns_once_of_an_unfinished_model(trained, tmp_path, mo
         DeepSpeedRLHFEngine(str(sft), str(trained / "rm"), tokenizer, {"dtype": "fp32"})
     out = capsys.readouterr().out
     assert out.count(f"warning: {sft} is an unfinished step output") == 1 and str(trained / "rm") not in out
+    # an unfinished critic folder, which is also the reward model (read from the critic's folder): said once too
+    rm = tmp_path / "rm"
+    shutil.copytree(trained / "rm", rm)
+    (rm / "training_args.json").write_text("{}")
+    (rm / "metrics.json").unlink(missing_ok=True)
+    with pytest.raises(Loaded):
+        DeepSpeedRLHFEngine(str(trained / "sft"), str(rm), tokenizer, {"dtype": "fp32"})
+    out = capsys.readouterr().out
+    assert out.count(f"warning: {rm} is an unfinished step output") == 1 and "warning: " + str(trained) not in out
 
 
 def _prompt_batch(tokenizer, texts):
@@ -1821,7 +1830,7 @@ def test_accumulation_groups_may_not_span_ppo_epochs():
     check_accumulation(args)
 
 
-def test_the_rollouts_kl_per_token_is_the_mean_over_all_its_answer_tokens():
+def test_the_rollouts_kl_per_token_is_the_mean_over_all_its_answer_tokens(monkeypatch):
     """A rollout of several generation batches logged as its "kl" the mean of the batches' own token means: the one
     token of a batch of short answers weighed as much as all the tokens of another batch."""
     from types import SimpleNamespace
@@ -1836,6 +1845,24 @@ def test_the_rollouts_kl_per_token_is_the_mean_over_all_its_answer_tokens():
     kl = DeepSpeedPPOTrainer.rollout_kl(trainer, [short, long])
     assert kl["kl"] == pytest.approx(1.0 / 5)  # 5 answer tokens, one of them 1 nat from the reference
     assert kl["kl_per_answer"] == pytest.approx(1.0 / 4)  # 4 answers
+    # the same batches on two ranks (rank 1's long, rank 0's short): the tokens of every rank weigh alike, not each
+    # rank's own mean (the all-reduce sums rank 1's tensor into rank 0's)
+    from dschat.rlhf import trainer as trainer_module
+
+    held = []
+
+    def two_ranks(tensor):
+        if not held:  # rank 1's call: what it holds
+            held.append(tensor.clone())
+        else:
+            tensor += held[0]
+        return tensor
+
+    monkeypatch.setattr(trainer_module, "all_reduce", two_ranks)
+    monkeypatch.setattr(trainer_module, "get_world_size", lambda: 2)
+    DeepSpeedPPOTrainer.rollout_kl(trainer, [long])
+    kl = DeepSpeedPPOTrainer.rollout_kl(trainer, [short])
+    assert kl["kl"] == pytest.approx(1.0 / 5) and kl["kl_per_answer"] == pytest.approx(1.0 / 4)
 
 
 def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, monkeypatch):
