@@ -93,6 +93,10 @@ def test_a_polynomial_schedule_with_a_rate_at_its_end_is_refused_before_anything
 
     with pytest.raises(UsageError, match=r"polynomial decays the learning rate to 1e-07 .*\(--actor_learning_rate 0\)"):
         check_step3_settings(step3_args({"lr_scheduler_type": "polynomial", "actor_learning_rate": 0}), 1)
+    # a rate at its end exactly (transformers needs one above it), and one just above it, which is taken
+    with pytest.raises(UsageError, match=r"decays the learning rate to 1e-07 .*\(--actor_learning_rate 1e-07\)"):
+        check_step3_settings(step3_args({"lr_scheduler_type": "polynomial", "actor_learning_rate": 1e-7}), 1)
+    check_step3_settings(step3_args({"lr_scheduler_type": "polynomial", "actor_learning_rate": 2e-7}), 1)
     # GRPO trains no critic: its rate is not read
     check_step3_settings(step3_args({"lr_scheduler_type": "polynomial", "critic_learning_rate": 0, "reward_fn": "tiny",
                                      "advantage_estimator": "grpo", "n_samples_per_prompt": 2,
@@ -303,7 +307,7 @@ def test_a_warmup_is_said_to_be_ignored_by_the_constant_schedule():
     assert unread_conditional_flags(step3_parser().parse_args(given[:2] + ["--num_warmup_steps", "0"])) == []
 
 
-def test_step_1s_own_data_flag_is_said_to_be_ignored_by_the_other_steps():
+def test_step_1s_own_data_flag_is_said_to_be_ignored_by_the_other_steps(tmp_path, distributed, monkeypatch, capsys):
     """Every step parses --sft_only_data_path (its data flags are one group); steps 2, 3 and DPO ignored it silently."""
     from dschat.args import (step1_parser, step2_dpo_parser, step2_parser, supervised_conditional_flags,
                              unread_conditional_flags)
@@ -316,6 +320,24 @@ def test_step_1s_own_data_flag_is_said_to_be_ignored_by_the_other_steps():
                                         supervised_conditional_flags(phase)) == said
     assert unread_conditional_flags(step1_parser().parse_args(given), step1_parser(),
                                     supervised_conditional_flags(1)) == []
+    # and the steps say it: step 2 (its run stopped once it has said what it ignores) and DPO, not step 1
+    from dschat.steps import common, dpo, reward, sft
+
+    class Said(Exception):
+        pass
+
+    def stop(*given):
+        raise Said
+
+    monkeypatch.setattr(common, "check_writable_folder", stop)
+    for step, main in (("step2", reward.main), ("step2_dpo", dpo.main), ("step1", sft.main)):
+        capsys.readouterr()
+        with pytest.raises(Said):
+            main(["--model_name_or_path", "tiny-llama", "--dtype", "fp32", "--sft_only_data_path", "tiny",
+                  "--output_dir", str(tmp_path / step), "--data_output_path", str(tmp_path / "data")])
+        out = capsys.readouterr().out
+        assert (f"[{step}] --sft_only_data_path tiny (read only with step 1): ignored" in out) == (step != "step1"), \
+            (step, out)
 
 
 def test_a_reward_clip_is_said_to_be_ignored_where_the_group_compares_raw_scores():
@@ -500,6 +522,28 @@ for name in ("same.py", "other.py"):  # each 'node' reads its own copy in its wo
         seen.append("ok")
     except Exception as error:
         seen.append(type(error).__name__ + ": " + str(error).split(": ", 1)[1])
+# step 3 checks them before it loads anything (the tokenizer first)
+from dschat.steps import ppo
+
+
+class Loaded(Exception):
+    pass
+
+
+def loaded(*given, **kw):
+    raise Loaded
+
+
+ppo.load_tokenizer = loaded
+for name in ("same.py", "other.py"):
+    try:
+        ppo.main(["--actor_model_name_or_path", "tiny-llama", "--advantage_estimator", "grpo", "--n_samples_per_prompt",
+                  "2", "--reward_model_weight", "0", "--reward_fn", name + ":score", "--dtype", "fp32", "--output_dir",
+                  "out"])
+    except Loaded:
+        seen.append("loaded")
+    except Exception as error:
+        seen.append(type(error).__name__ + ": " + str(error).split(": ", 1)[1])
 with open("seen", "w") as f:
     f.write("\\n".join(seen))
 torch.distributed.destroy_process_group()
@@ -518,5 +562,5 @@ def test_nodes_reading_copies_of_a_reward_function_that_differ_stop_with_an_erro
         (node / "other.py").write_text(f"def score(prompts, answers):\n    return [{rank}.0] * len(answers)\n")
     run_as_two_nodes(tmp_path, REWARD_FN_NODES_SCRIPT, nodes)
     for node in nodes:
-        assert (node / "seen").read_text().splitlines() == [
-            "ok", "UsageError: its file differs between the ranks (each node's own copy): give every node the same file"]
+        differ = "UsageError: its file differs between the ranks (each node's own copy): give every node the same file"
+        assert (node / "seen").read_text().splitlines() == ["ok", differ, "loaded", differ]
