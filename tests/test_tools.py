@@ -843,6 +843,7 @@ def test_the_tools_warn_of_a_model_an_interrupted_step_left(tmp_path, capsys, mo
     assert flag_path("--path", find_policy_path, ".") == "."
     assert "is an unfinished step output" in capsys.readouterr().err
     (tmp_path / "step3_ppo" / "metrics.json").write_text("{}")
+    monkeypatch.setattr("dschat.tools.common._SAID", set())  # (said once: the same warning again would not be)
     assert flag_path("--path", find_policy_path, str(tmp_path)) == str(actor)
     assert "warning" not in capsys.readouterr().err
 
