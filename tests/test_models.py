@@ -168,6 +168,20 @@ def test_lora_module_name_filters_and_rejects_unknown():
         lora_target_modules(model, "lm_head")  # (a Linear, which is why the bare "matches no Linear" misled)
 
 
+def test_a_lora_module_name_of_none_on_a_model_with_only_output_heads_is_refused_not_crashed():
+    """A notebook's lora_module_name=None reads as empty (every Linear): a model whose only Linear is its output head
+    matches none, and says so (a UsageError, no head hint), where None.split raised an AttributeError."""
+    import torch.nn as nn
+
+    class HeadOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match=r"None matches no Linear module of HeadOnly$"):
+        lora_target_modules(HeadOnly(), None)
+
+
 def test_optimizer_groups_skip_decay_on_biases_and_norms_and_set_lora_lr():
     model = apply_lora(AutoModelForCausalLM.from_config(CONFIGS["opt"]()), lora_dim=4)
     groups = optimizer_param_groups(model, weight_decay=0.1, lora_learning_rate=1e-2)
