@@ -2233,6 +2233,39 @@ def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkey
         assert record[key] == pytest.approx((own[key] + ranks_other[key]) / 2), key
 
 
+def test_the_iteration_line_says_when_every_groups_answers_scored_alike(tmp_path):
+    """GRPO / RLOO: an iteration whose every group scored alike (frac_reward_zero_std 1.0) trained nothing, and its
+    line says so; a part of the groups alike, or no groups (PPO), adds nothing to the line."""
+    from types import SimpleNamespace
+
+    class Bar:
+        def __init__(self):
+            self.lines = []
+
+        def update(self, n):
+            pass
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def write(self, line):
+            self.lines.append(line)
+
+    trainer = SimpleNamespace(actor_model=object())
+    args = SimpleNamespace(print_answers=False)
+    notice = "every group's answers scored alike: every advantage is 0"
+    said = {}
+    for name, extra in {"all": {"frac_reward_zero_std": 1.0}, "half": {"frac_reward_zero_std": 0.5},
+                        "ppo": {}}.items():
+        bar = Bar()
+        record = {"iteration": 0, "reward": 0.5, "kl": 0.0, **extra}
+        ppo._log_iteration(record, str(tmp_path / "step3_log.jsonl"), None, bar, args, trainer, [])
+        said[name] = bar.lines[0]
+    assert said["all"].endswith(f"({notice})") and "frac_reward_zero_std=" in said["all"]
+    assert notice not in said["half"] and "frac_reward_zero_std=" in said["half"]
+    assert notice not in said["ppo"] and "frac_reward_zero_std" not in said["ppo"]
+
+
 @pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
 def test_step3_answers_stop_at_every_eos_id_of_the_actors_generation_config(tmp_path, distributed, hybrid):
     """A generation_config listing a second EOS id (Llama-3-Instruct's <|end_of_text|> beside <|eot_id|>): step 3's
