@@ -638,6 +638,32 @@ def test_a_notebooks_reward_function_is_recorded_as_a_spec_eval_py_loads(tmp_pat
     assert capsys.readouterr().out == ""  # given here: nothing to say
 
 
+def test_ppo_eval_answers_stop_at_every_eos_id_the_policys_generation_config_lists(models, tmp_path, monkeypatch):
+    """Llama-3-Instruct's <|end_of_text|> beside <|eot_id|>: ppo_eval's answers stop at each EOS id the policy's
+    generation_config lists, as step 3 and the other tools stop; they stopped at the tokenizer's EOS alone (passed
+    explicitly, overriding the config) and scored what followed."""
+    seen = []
+
+    def policy_listing_a_second_eos(*args, **kwargs):
+        model, tokenizer = load_policy(*args, **kwargs)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, 5]
+        generate = model.generate
+
+        def spy(*a, **kw):
+            seen.append(kw["eos_token_id"])
+            return generate(*a, **kw)
+
+        model.generate = spy
+        return model, tokenizer
+
+    monkeypatch.setattr(ppo_eval, "load_policy", policy_listing_a_second_eos)
+    args = ppo_eval.parse_args(["--policy", models["policy"], "--num_prompts", "2", "--max_new_tokens", "3",
+                                "--data_output_path", str(tmp_path / "cache"), "--num_examples", "0"])
+    tokenizer = load_tokenizer(models["policy"])
+    ppo_eval.evaluate_model(models["policy"], None, args)
+    assert seen and all(ids == [tokenizer.eos_token_id, 5] for ids in seen), seen
+
+
 def test_ppo_eval_says_when_the_policy_has_no_step3_record(models, tmp_path, capsys):
     """A policy saved from a notebook has no training_args.json: the prompts scored are this tool's defaults', said
     (they may not be the run's held-out prompts)."""
