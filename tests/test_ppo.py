@@ -1493,6 +1493,24 @@ def test_a_reward_function_file_loads_as_an_imported_module_would(tmp_path):
     assert pickle.loads(pickle.dumps(fn)) is fn
 
 
+def test_a_reward_function_file_that_fails_to_load_leaves_no_module_in_sys_modules(tmp_path):
+    """A file's module is registered in sys.modules while it runs: one that raised (or did not parse) is taken out
+    again, as a failed import's is, so no half-run module is left for pickle or a later lookup to find."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import load_reward_fn
+
+    before = set(sys.modules)
+    raising = tmp_path / "raising_rewards.py"
+    raising.write_text("raise RuntimeError('no scorer here')\ndef score(p, a):\n    return [0.0] * len(a)\n")
+    with pytest.raises(RuntimeError, match="no scorer here"):
+        load_reward_fn(f"{raising}:score")
+    unparsed = tmp_path / "unparsed_rewards.py"
+    unparsed.write_text("def score(p, a):\n    return [0.0 for x in a\n")
+    with pytest.raises(UsageError, match="line 2"):
+        load_reward_fn(f"{unparsed}:score")
+    assert not [name for name in set(sys.modules) - before if name.startswith("dschat_reward_fn_")]
+
+
 def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp_path):
     """The user's function needs the fix: one "error:" line and exit status 2 from the entry points (it was a
     RuntimeError and a traceback through dschat), naming the function, the prompt and where it raised."""
