@@ -46,9 +46,7 @@ def under_launcher():
     """Whether a launcher started this process as one of its ranks (deepspeed's, torchrun's, mpirun's, srun's). Ranks
     of one that sets no RANK (DeepSpeed's mvapich and slurm launchers) were taken for a plain process: each trained
     alone, as rank 0 of a world of one on the first GPU, and train.py started a launch of its own on each."""
-    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
-        return True
-    return any(rank in os.environ and int(os.environ.get(size) or 1) > 1 for rank, size in LAUNCHER_RANK_VARIABLES)
+    return "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ or _ranks_without_world_size() > 1
 
 
 def launched_ranks():
@@ -57,10 +55,13 @@ def launched_ranks():
     from only as the process group starts."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    for rank, size in LAUNCHER_RANK_VARIABLES:
-        if rank in os.environ and os.environ.get(size):
-            return int(os.environ[size])
-    return 1
+    return _ranks_without_world_size()
+
+
+def _ranks_without_world_size():
+    """The number of ranks a launcher that sets no WORLD_SIZE says it started (``LAUNCHER_RANK_VARIABLES``), else 1."""
+    return max((int(os.environ[size]) for rank, size in LAUNCHER_RANK_VARIABLES
+                if rank in os.environ and os.environ.get(size)), default=1)
 
 
 LOCAL_SIZE_VARIABLES = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
