@@ -47,15 +47,20 @@ def unfinished_reason(model_path):
     return None
 
 
+def save_staging_prefix(model_path):
+    """The name prefix of the temporary folder a save of ``model_path`` writes before it moves in."""
+    return f".{os.path.basename(os.path.abspath(model_path))}.tmp-"
+
+
 def save_leftovers(model_path):
     """The unfinished copy a save of ``model_path`` killed before it moved in left (``checkpoint.atomic_folder``
     stages it as ``.NAME.tmp-*`` in the model folder, else beside it), said with its size. No reader takes it for the
     model (it is a subfolder); it only holds disk space until the next save there removes it."""
-    name = os.path.basename(model_path)
+    prefix = save_staging_prefix(model_path)
     said = []
-    for parent in dict.fromkeys((model_path, os.path.dirname(model_path))):
+    for parent in dict.fromkeys((model_path, os.path.dirname(os.path.abspath(model_path)))):
         found = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
-        for leftover in (os.path.join(parent, n) for n in found if n.startswith(f".{name}.tmp-")):
+        for leftover in (os.path.join(parent, n) for n in found if n.startswith(prefix)):
             if os.path.isdir(leftover):
                 said.append(f"{leftover} ({_size(leftover)}) is an unfinished save's copy, interrupted or still being "
                             "written: it only takes disk space, and the next save there removes it")

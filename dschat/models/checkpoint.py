@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dschat.models.loading import TOKENIZER_EXTRA_FILES, TOKENIZER_FILES, is_weights_file
 from dschat.models.lora import check_lora_mergeable, head_trains_untied, merge_lora_state_dict, unwrap_peft
 from dschat.models.reward_model import REWARD_META_FILE, VALUE_HEAD_FILE
+from dschat.run_layout import save_staging_prefix
 from dschat.models.zero3 import is_zero3_param
 from dschat.utils.dist import barrier, is_rank_0, print_rank_0
 from dschat.utils.files import give_plain_modes, temp_folder
@@ -49,7 +50,7 @@ def atomic_folder(output_dir):
     never leaves a half-written model. A save killed before it moved its folder in left that folder: it goes."""
     parent = os.path.dirname(os.path.abspath(output_dir)) or "."
     os.makedirs(parent, exist_ok=True)
-    prefix = f".{os.path.basename(os.path.abspath(output_dir))}.tmp-"
+    prefix = save_staging_prefix(output_dir)
     staging = staging_parent(output_dir)
     for folder in dict.fromkeys((parent, staging)):  # (an earlier save's may be in either)
         _remove_leftovers(folder, prefix)
