@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import subprocess
 import time
 
 import pytest
@@ -397,7 +398,6 @@ def test_malformed_dataset_line_names_file_and_line(tmp_path, distributed):
 
 def test_a_step_script_ends_a_data_error_with_its_message_not_a_traceback(tmp_path):
     import os
-    import subprocess
     import sys
 
     bad = tmp_path / "bad.jsonl"
@@ -1018,7 +1018,6 @@ def test_train_py_trains_real_models_on_deepspeed_chats_data_unless_given_other(
 
 def fake_launcher(monkeypatch, launched, status):
     """train.py's launcher process, faked: it records the command and ends with ``status``."""
-    import subprocess
     from types import SimpleNamespace
 
     class Launcher(SimpleNamespace):
@@ -1045,7 +1044,6 @@ def test_a_signal_to_train_py_reaches_the_ranks_of_the_launcher_it_started(tmp_p
     a job's kill PID) ended train.py and the launcher, and the ranks trained on, orphaned. train.py now ends, by the
     signal, once the rank has."""
     import signal
-    import subprocess
     import sys
 
     launcher = tmp_path / "launcher.py"  # as deepspeed's: starts a rank, passes nothing on, waits
@@ -1076,7 +1074,6 @@ def test_a_signal_to_train_py_reaches_the_ranks_of_the_launcher_it_started(tmp_p
 def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_run(tmp_path, monkeypatch):
     # the deepspeed launcher falls back to this node alone when the hostfile is missing: a typo must not do that
     import runpy
-    import subprocess
 
     from dschat.errors import MissingInputError
 
@@ -1135,7 +1132,6 @@ def test_train_py_prints_the_launch_command_as_it_runs_it(monkeypatch, capsys):
     separate words, so the command copied from it failed ("unrecognized arguments")."""
     import runpy
     import shlex
-    import subprocess
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -1152,7 +1148,6 @@ def test_train_py_ends_with_the_shells_status_of_a_launcher_killed_by_a_signal(m
     """subprocess.call gives -9 for a launcher killed by SIGKILL (out of memory): sys.exit(-9) ended train.py with
     status 247, not 137."""
     import runpy
-    import subprocess
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(name, raising=False)
