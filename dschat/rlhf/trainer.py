@@ -603,8 +603,7 @@ class DeepSpeedPPOTrainer:
         answer tokens, each weighing alike, not a mean of its generation batches' and ranks' own means, which weighed
         a batch of short answers' tokens more) and per answer, summed over its tokens ("kl_per_answer", the adaptive
         controller's unit; every batch holds as many answers)."""
-        log_ratio = torch.stack([algo.masked_sum(e["logprobs"].double() - e["ref_logprobs"].double(), e["action_mask"])
-                                 for e in experiences]).sum()
+        log_ratio = torch.stack([answer_log_ratios(e).sum() for e in experiences]).sum()
         tokens = sum(e["action_mask"].sum() for e in experiences)
         per_answer = torch.stack([self.answer_kl_to_reference(e) for e in experiences]).mean()
         sums = torch.stack([log_ratio, tokens.double(), per_answer.double()]).to(self.device)
@@ -614,7 +613,7 @@ class DeepSpeedPPOTrainer:
 
     def answer_kl_to_reference(self, exp):
         """Mean per-answer KL (k1 summed over each answer's tokens): the adaptive controller's unit (TRL's)."""
-        return algo.masked_sum(exp["logprobs"] - exp["ref_logprobs"], exp["action_mask"].float(), dim=1).mean()
+        return answer_log_ratios(exp).mean()
 
     def update_kl_controller(self, kl, n_steps):
         self.kl_ctl.update(kl, n_steps)
@@ -631,6 +630,12 @@ class DeepSpeedPPOTrainer:
         self.ref_model.eval()
         if self.reward_model is not None:
             self.reward_model.eval()
+
+
+def answer_log_ratios(exp):
+    """Each answer's log-ratio to the reference summed over its tokens (k1 KL), in float64: the one formula behind the
+    rollout's per-token and per-answer KL."""
+    return algo.masked_sum(exp["logprobs"].double() - exp["ref_logprobs"].double(), exp["action_mask"].double(), dim=1)
 
 
 class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
