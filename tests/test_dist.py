@@ -106,9 +106,41 @@ def test_ranks_of_a_launcher_that_sets_no_rank_are_left_to_deepspeeds_discovery(
 
     monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "_mpi4py_installed", lambda: True)
     with pytest.raises(InterruptedError):
         dist.ensure_distributed()
     assert seen == [(None, None) if launcher in RANKS_OF_LAUNCHERS else ("0", "1")]
+
+
+@pytest.mark.parametrize("launcher", [*RANKS_OF_LAUNCHERS, *NO_RANKS])
+def test_ranks_of_a_launcher_that_sets_no_rank_without_mpi4py_stop_with_a_usage_error(launcher, monkeypatch):
+    """DeepSpeed's MPI discovery imports mpi4py: srun's or mpirun's ranks without it stopped with a bare
+    ModuleNotFoundError from inside DeepSpeed. Plain processes (sbatch, srun --pty) need no MPI and still start."""
+    import deepspeed
+
+    from dschat.errors import UsageError
+    from dschat.utils import dist
+
+    env = {**RANKS_OF_LAUNCHERS, **NO_RANKS}[launcher]
+    launched_as(monkeypatch, env)
+    started = []
+
+    def init_distributed(*args, **kwargs):
+        started.append(True)
+        raise InterruptedError  # (no process group started)
+
+    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "_mpi4py_installed", lambda: False)
+    if launcher in NO_RANKS:
+        with pytest.raises(InterruptedError):
+            dist.ensure_distributed()
+        assert started
+        return
+    with pytest.raises(UsageError, match="mpi4py") as error:
+        dist.ensure_distributed()
+    rank_variable = next(iter(env))
+    assert f"{rank_variable}=1" in str(error.value) and "RANK, WORLD_SIZE" in str(error.value) and not started
 
 
 @pytest.mark.parametrize("launcher", [*RANKS_OF_LAUNCHERS, *NO_RANKS])

@@ -1,10 +1,13 @@
 """Process-group set-up that works under the deepspeed launcher and in a plain ``python`` process."""
 import glob
 import hashlib
+import importlib.util
 import os
 import socket
 
 import torch
+
+from dschat.errors import UsageError
 
 
 def free_port():
@@ -28,6 +31,7 @@ def ensure_distributed():
         if not under_launcher():
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
+        check_world_discoverable()
         deepspeed.init_distributed()
         _unlink_own_shm_buffer()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -62,6 +66,32 @@ def _ranks_without_world_size():
     """The number of ranks a launcher that sets no WORLD_SIZE says it started (``LAUNCHER_RANK_VARIABLES``), else 1."""
     return max((int(os.environ[size]) for rank, size in LAUNCHER_RANK_VARIABLES
                 if rank in os.environ and os.environ.get(size)), default=1)
+
+
+# What torch.distributed's env:// start reads; without them DeepSpeed asks MPI (mpi4py) for the world.
+PROCESS_GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def check_world_discoverable():
+    """Ranks of a launcher that sets no RANK (srun, mpirun) without mpi4py stopped in DeepSpeed's MPI discovery with
+    a bare ``No module named 'mpi4py'``: a UsageError naming the launcher's variable and the ways out instead."""
+    missing = [name for name in PROCESS_GROUP_VARIABLES if name not in os.environ]
+    if not missing or _mpi4py_installed():
+        return
+    from deepspeed.comm.comm import in_aml, in_aws_sm, in_dlts
+
+    if in_aml() or in_aws_sm() or in_dlts():  # DeepSpeed reads these platforms' own variables
+        return
+    seen = ", ".join(f"{name}={os.environ[name]}" for pair in LAUNCHER_RANK_VARIABLES for name in pair
+                     if name in os.environ)
+    raise UsageError(f"this process was started as one of several ranks ({seen or 'RANK=' + os.environ['RANK']}) by "
+                     f"a launcher that does not set {', '.join(missing)}: DeepSpeed then finds the ranks' world "
+                     "through MPI, with mpi4py, which is not installed. Install it (`pip install mpi4py`, built "
+                     "against the launcher's MPI), or start the ranks with the deepspeed launcher or torchrun")
+
+
+def _mpi4py_installed():
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 LOCAL_SIZE_VARIABLES = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
