@@ -678,7 +678,8 @@ def step3_parser():
     g.add_argument("--offload", action="store_true",
                    help="ZeRO-Offload of the trained models' optimizer states (and parameters at ZeRO-3) to the CPU.")
     g.add_argument("--offload_reference_model", action="store_true",
-                   help="Keep the frozen reference model on the CPU (ZeRO-3 parameter offload).")
+                   help="Keep the frozen reference model, and the EMA copy of --enable_ema, on the CPU (ZeRO-3 "
+                        "parameter offload; DeepSpeed-Chat's).")
     g.add_argument("--offload_reward_model", action="store_true",
                    help="Keep the frozen reward model on the CPU (ZeRO-3 parameter offload).")
     g.add_argument("--actor_zero_stage", type=int, default=None, choices=[0, 1, 2, 3],

@@ -2321,3 +2321,24 @@ def test_step3_answers_stop_at_every_eos_id_of_the_actors_generation_config(tmp_
     assert exp["action_mask"].sum(1).tolist() == [1, 1]  # the answer is its EOS
     held_out = held_out_eval(trainer, [batch], Namespace(**{**vars(trainer.args), "eval_prompts": 2}), "cpu", None)
     assert [e["answer"] for e in held_out["examples"]] == [tokenizer.decode([first]).strip()] * 2
+
+
+def test_offload_reference_model_puts_the_ema_copy_on_the_cpu_too_and_it_still_averages(trained, tmp_path):
+    """DeepSpeed-Chat's EMA copy follows --offload_reference_model; ours was never offloaded: a full fp32 copy of the
+    actor stayed on the GPU beside an offloaded reference."""
+    from dschat.rlhf.ema import moving_average
+    from dschat.models.zero3 import gathered
+
+    engine, _, _ = _engine_and_trainer(trained, tmp_path, actor_zero_stage=3, offload_reference_model=True,
+                                       enable_ema=True)
+    for copy in (engine.ref, engine.actor_ema):
+        assert copy.zero_optimization_stage() == 3 and copy.zero_offload_param().device == "cpu"
+    actor, ema = engine.actor.module, engine.actor_ema.module
+    name, weight = next((n, p) for n, p in actor.named_parameters() if len(p.ds_shape) == 2)  # (ZeRO-3: partitioned)
+    with gathered([weight], modifier_rank=0):
+        start = weight.detach().clone()
+        weight.data.mul_(2.0)
+    moving_average(actor, ema, beta=0.5)
+    ema_weight = dict(ema.named_parameters())[name]
+    with gathered([ema_weight]):
+        assert torch.allclose(ema_weight.data.float(), 1.5 * start.float(), atol=1e-6)

@@ -351,8 +351,10 @@ class DeepSpeedRLHFEngine:
         self.actor = self._init_actor()
         self.ref = self._init_frozen_actor_copy(offload=args.offload_reference_model)
         # fp32: in bf16/fp16 each update of (1 - ema_beta) = 0.8% would round back to the old weight. The actor's
-        # dropout (only evaluated, it draws none): the saved actor_ema's config is the actor's, as in DeepSpeed-Chat
-        self.actor_ema = self._init_frozen_actor_copy(offload=False, dtype="fp32", dropout=args.actor_dropout) \
+        # dropout (only evaluated, it draws none): the saved actor_ema's config is the actor's, as in DeepSpeed-Chat,
+        # whose EMA goes to the CPU with the reference (--offload_reference_model; the reference said if it cannot)
+        self.actor_ema = self._init_frozen_actor_copy(offload=args.offload_reference_model, dtype="fp32",
+                                                      dropout=args.actor_dropout, say=False) \
             if args.enable_ema else None
         # critic-free estimators need no critic; a reward function alone needs no reward model
         self.critic = self._init_critic() if args.advantage_estimator == "gae" else None
@@ -375,12 +377,12 @@ class DeepSpeedRLHFEngine:
     def _train_config(self, stage, hybrid=False, role="actor"):
         return step3_train_config(self.args, self.world_size, stage, hybrid, role)
 
-    def _eval_config(self, stage, offload, dtype=None, role="reference"):
+    def _eval_config(self, stage, offload, dtype=None, role="reference", say=True):
         """The config of a frozen ``role`` model whose trained twin (``frozen_twin``) trains at ZeRO ``stage``.
         Frozen copies are sharded when their twin is (a full copy would defeat ZeRO-3), on several ranks; parameter
         offload is a ZeRO-3 feature, so it follows the twin's stage too (as in DeepSpeed-Chat)."""
         frozen_stage = frozen_copy_stage(stage, self.world_size, offload)
-        if offload and frozen_stage != 3:
+        if offload and frozen_stage != 3 and say:
             _, stage_flag, why = frozen_twin(self.args, role)
             print_rank_0(f"[step3] --offload_{role}_model: parameter offload is a ZeRO-3 feature, and the {role} "
                          f"model runs at ZeRO-3 only with {stage_flag} 3 ({why}; now {stage}): not offloaded")
@@ -424,9 +426,9 @@ class DeepSpeedRLHFEngine:
                         if actor.tp else ""))
         return actor
 
-    def _init_frozen_actor_copy(self, offload, dtype=None, dropout=None):
+    def _init_frozen_actor_copy(self, offload, dtype=None, dropout=None, say=True):
         """The reference model (and the EMA copy): the SFT weights, frozen, sharded like the actor."""
-        ds_config = self._eval_config(frozen_twin(self.args, "reference")[0], offload, dtype)
+        ds_config = self._eval_config(frozen_twin(self.args, "reference")[0], offload, dtype, say=say)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=dropout)
         return initialize_frozen(model, ds_config, self.args.zero3_fetch)
 
