@@ -266,3 +266,48 @@ def test_ranks_given_different_flags_stop_together_with_an_error_naming_them(tmp
     assert (tmp_path / "rank_1").read_text().splitlines() == [
         "same", "UsageError: the ranks were given different values of --lr, --seed: give every rank the same command",
         "UsageError: the ranks were given different values of --seed: give every rank the same command"]
+
+
+SHARED_OUTPUT_SCRIPT = textwrap.dedent("""
+    import os, socket, sys, torch
+    from dschat.steps.common import check_output_dir_shared
+    from dschat.utils.dist import ensure_distributed, local_device
+    rank, world = ensure_distributed()
+    out = sys.argv[-1]
+    check_output_dir_shared(os.path.join(out, "one_host"), local_device())  # one machine: nothing written
+    seen = [str(os.path.exists(os.path.join(out, "one_host")))]
+    socket.gethostname = lambda: f"node{rank}"  # two nodes
+    for folder in ("shared", f"own_{rank}"):  # one folder both see; each node's own copy of the path
+        try:
+            check_output_dir_shared(os.path.join(out, folder), local_device())
+            seen.append("shared")
+        except Exception as error:
+            seen.append(f"{type(error).__name__}: {error}")
+    seen.append(repr(os.listdir(os.path.join(out, "shared"))))  # the probe removed
+    with open(os.path.join(out, f"rank_{rank}"), "w") as f:
+        f.write("\\n".join(seen))
+    torch.distributed.destroy_process_group()
+""")
+
+
+def test_an_output_dir_the_nodes_do_not_share_is_an_error_at_the_start(tmp_path):
+    """Several nodes save, resume and pass models to the next step through --output_dir: each node's own copy of it
+    failed late (step 2's ranks on the other nodes found no step-1 model, after step 1 had trained)."""
+    _run_on_two_ranks(tmp_path, "shared.py", SHARED_OUTPUT_SCRIPT)
+    for rank in (0, 1):
+        said = (tmp_path / f"rank_{rank}").read_text().splitlines()
+        assert said[:2] == ["False", "shared"] and said[3] == "[]", said
+        assert said[2].startswith(f"UsageError: --output_dir {tmp_path / f'own_{rank}'}: rank 1 (node1) cannot see "
+                                  "the file rank 0 (node0) wrote there"), said
+
+
+def test_every_steps_set_up_checks_its_output_dir_is_shared(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from dschat.steps import common
+
+    checked = []
+    monkeypatch.setattr(common, "check_output_dir_shared", lambda folder, device: checked.append(folder))
+    common.setup_run(Namespace(dtype="fp32", seed=1, output_dir=str(tmp_path / "out")))
+    common.setup_run(Namespace(dtype="fp32", seed=1))  # (a DeepSpeed-Chat-style namespace without one)
+    assert checked == [str(tmp_path / "out")]

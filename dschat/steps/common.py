@@ -1,6 +1,7 @@
 """What the training steps share: set-up, data loaders, the DeepSpeed engine, progress and metrics."""
 import json
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
 from dschat.utils.checkpoints import DATA_FILES
-from dschat.utils.dist import (check_same_on_every_rank, ensure_distributed, get_world_size, is_rank_0, local_device,
-                               print_rank_0, rank_mean)
+from dschat.utils.dist import (barrier, check_same_on_every_rank, ensure_distributed, gathered_objects, get_world_size,
+                               is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
 from dschat.utils.ds_config import check_dtype_supported
 from dschat.utils.files import check_writable_folder, read_json_object, write_json_atomic
 from dschat.utils.optim import optimizer_step
@@ -32,8 +33,40 @@ def setup_run(args):
     ensure_distributed()
     device = local_device()
     check_same_on_every_rank({name: value for name, value in vars(args).items() if name in step_flag_dests()}, device)
+    if getattr(args, "output_dir", None):  # (a DeepSpeed-Chat-style namespace may have none)
+        check_output_dir_shared(args.output_dir, device)
     set_seed(args.seed)
     return device
+
+
+def check_output_dir_shared(folder, device):
+    """The ranks of several hosts save, resume and hand models to the next step through ``folder``: one that each node
+    has its own copy of failed late (step 2's ranks on other nodes found no step-1 model; a resume found other
+    ranks' checkpoint shards missing). Said at the start instead: rank 0 writes a file there, every rank looks."""
+    if get_world_size() == 1:
+        return
+    hosts = gathered_objects(socket.gethostname(), device)
+    if len(set(hosts)) == 1:  # (one machine: one file system)
+        return
+    probe = os.path.join(folder, rank_0_decides(lambda: _write_probe(folder)))
+    seen = gathered_objects(os.path.exists(probe), device)
+    barrier()
+    if is_rank_0():
+        os.remove(probe)
+    blind = [f"rank {rank} ({host})" for rank, (host, saw) in enumerate(zip(hosts, seen)) if not saw]
+    if blind:
+        raise UsageError(f"--output_dir {folder}: {', '.join(blind)} cannot see the file rank 0 ({hosts[0]}) wrote "
+                         "there: the ranks of several nodes save, resume and pass models to the next step through "
+                         "it, so it must be storage every node sees (a shared file system), under the same path")
+
+
+def _write_probe(folder):
+    """An empty file of a new name in ``folder``; its name."""
+    os.makedirs(folder, exist_ok=True)
+    name = f".shared-check-{uuid.uuid4().hex}"
+    with open(os.path.join(folder, name), "w"):
+        pass
+    return name
 
 
 def warn_of_unfinished_inputs(paths):

@@ -1,4 +1,5 @@
 """Process-group set-up that works under the deepspeed launcher and in a plain ``python`` process."""
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -210,6 +211,15 @@ def names_differing_between_ranks(values, device):
     digests = [int.from_bytes(hashlib.sha256(repr((name, values[name])).encode()).digest()[:7], "big") for name in names]
     differ = _differs_between_ranks(torch.tensor(digests, dtype=torch.int64, device=device))
     return [names[i] for i in differ.nonzero().flatten().tolist()]
+
+
+def gathered_objects(value, device):
+    """``value`` (picklable) of every rank, in rank order (collective; the rank's own device: under NCCL torch would
+    take the current device, cuda:0 on every rank before an engine has set one)."""
+    values = [None] * get_world_size()
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        torch.distributed.all_gather_object(values, value)
+    return values
 
 
 def _differs_between_ranks(values):
