@@ -83,6 +83,44 @@ def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(step, stop_step, tm
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_resumed_runs_deepspeed_curves_hold_each_step_once_as_the_uninterrupted_runs(tmp_path, distributed,
+                                                                                        monkeypatch):
+    """DeepSpeed's own writer was restarted with a purge at the checkpoint's sample count, where DeepSpeed had logged
+    the checkpoint's last step's learning rate (at the count after a step): the resumed run does not log it again,
+    and that point was gone from the curve. (One helper restarts it for steps 1, 2, DPO and 3.)"""
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--max_steps", "5", "--enable_tensorboard"]
+    reward.main([*common, "--output_dir", str(tmp_path / "full"), "--tensorboard_path", str(tmp_path / "tb_full")])
+    split = [*common, "--output_dir", str(tmp_path / "split"), "--tensorboard_path", str(tmp_path / "tb_split"),
+             "--save_interval", "2"]
+    real = resume.save_step_checkpoint
+
+    def killed_before_saving_step_4(engine, args, position, *rest):  # steps 3 and 4 logged, the checkpoint of 2 kept
+        if position["step"] == 4:
+            raise KeyboardInterrupt
+        return real(engine, args, position, *rest)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(resume, "save_step_checkpoint", killed_before_saving_step_4)
+        with pytest.raises(KeyboardInterrupt):
+            reward.main(split)
+    reward.main([*split, "--resume"])
+    full, resumed = _deepspeed_curves(tmp_path / "tb_full"), _deepspeed_curves(tmp_path / "tb_split")
+    assert full.keys() == resumed.keys() and len(full["Train/Samples/lr"]) == 5, full
+    for tag, points in full.items():
+        assert [step for step, _ in resumed[tag]] == [step for step, _ in points], tag
+        assert [value for _, value in resumed[tag]] == pytest.approx([value for _, value in points]), tag
+
+
+def _deepspeed_curves(tb_path):
+    """{tag: [(step, value)]} of step 2's DeepSpeed writer as TensorBoard draws it (an earlier run's purged points
+    left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_path / "ds_tensorboard_logs" / "step2_model_tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def test_resuming_with_other_settings_is_an_error_naming_them_before_deepspeed_loads(tmp_path, distributed,
                                                                                       monkeypatch, capsys):
     common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),

@@ -153,17 +153,18 @@ def say_max_steps_past_the_epochs(max_steps, available, epochs, unit):
 
 def restart_deepspeed_tensorboard(engine):
     """DeepSpeed's own TensorBoard writer (its monitor: on with --enable_tensorboard, as in DeepSpeed-Chat) opened
-    again with a purge at the engine's sample count, its event steps: an earlier run's events in the same folder from
-    there on (a re-run's whole curve; after a resume, the iterations that followed the checkpoint) are hidden, not
-    drawn a second time (DeepSpeed logs a step's loss at the count before it and its learning rate at the count after,
-    so the checkpoint's last learning-rate point is hidden with them). Called once a run knows where it starts: from
-    0, or from a resumed checkpoint; rank 0."""
+    again with a purge just past the engine's sample count, its event steps: an earlier run's events in the same
+    folder after that count (a re-run's whole curve; after a resume, the steps that followed the checkpoint) are
+    hidden, not drawn a second time. Called once a run knows where it starts: from 0, or from a resumed checkpoint;
+    rank 0."""
     monitor = getattr(getattr(engine, "monitor", None), "tb_monitor", None)
     writer = getattr(monitor, "summary_writer", None)
     if writer is None:
         return
     writer.close()
-    monitor.summary_writer = purging_writer(writer.log_dir, engine.global_samples)
+    # DeepSpeed logs a step's events (learning rate, loss scale, timers) at the count after the step: those at the
+    # checkpoint's count are its last step's, which the resumed run does not log again (a purge at the count hid them)
+    monitor.summary_writer = purging_writer(writer.log_dir, engine.global_samples + 1)
 
 
 class Throughput:
