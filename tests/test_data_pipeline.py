@@ -653,6 +653,64 @@ def test_cache_is_reused_unless_a_parameter_changes(tmp_path, tokenizer):
     assert not after_padded_call.built and after_padded_call.cache_path == edited.cache_path
 
 
+def hub_rows(answer, count=5):
+    """Dahoas/rm-static records (its columns) whose chosen answer is ``answer``."""
+    return [{"prompt": f"\n\nHuman: Hi record {i}.\n\nAssistant:", "response": answer, "chosen": answer,
+             "rejected": " Go away."} for i in range(count)]
+
+
+def decoded(dataset, tokenizer):
+    return [tokenizer.decode(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+def test_a_hub_dataset_is_keyed_by_the_data_it_loaded(tmp_path, tokenizer, monkeypatch):
+    """A hub dataset was keyed by its name alone: once another version of it was loaded (a new revision in the HF
+    cache), the steps went on training on the tokens of the old one, silently."""
+    version = {}
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: DatasetDict(
+        {"train": Dataset.from_list(version["rows"]), "test": Dataset.from_list(version["rows"][:2])}))
+    version["rows"] = hub_rows(" Hello.")
+    first, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    version["rows"] = hub_rows(" Hello again.")
+    newer, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    assert newer.built and newer.cache_path != first.cache_path
+    assert len(newer) == 5 and all(text.endswith(" Hello again.<|endoftext|>") for text in decoded(newer, tokenizer))
+    same, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    assert not same.built and same.cache_path == newer.cache_path
+
+
+def write_hub_revision(hf_cache, commit, rows):
+    """``rows`` as revision ``commit`` of Dahoas/rm-static in datasets' cache, in the folder a load from the hub
+    leaves (Dahoas___rm-static/default/0.0.0/COMMIT); built from a local file, so the builder is told the repository
+    after it is made (it refuses data files that are not the repository's)."""
+    from datasets.packaged_modules.json.json import Json
+
+    files = {split: write_jsonl(hf_cache.parent / f"{commit}_{split}.jsonl", part)
+             for split, part in (("train", rows), ("test", rows[:2]))}
+    builder = Json(cache_dir=str(hf_cache), config_id="default", hash=commit, data_files=files)
+    builder.repo_id, builder.dataset_name = "Dahoas/rm-static", "rm-static"
+    builder._cache_dir = builder._build_cache_dir()
+    builder.download_and_prepare()
+
+
+def test_a_new_hub_revision_in_the_hf_cache_is_tokenized_again_offline(tmp_path, tokenizer, monkeypatch):
+    """With HF_HUB_OFFLINE=1 datasets loads the latest revision its cache holds: a revision downloaded since (here
+    written into the cache) gets a new key, and the same one keeps it, with no network."""
+    hf_cache = tmp_path / "hf_cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(hf_cache))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # (the tests' environment is offline already)
+    write_hub_revision(hf_cache, "aaaa", hub_rows(" Hello."))
+    first, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    again, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    assert first.built and not again.built and again.cache_path == first.cache_path
+    older = hf_cache / "Dahoas___rm-static" / "default" / "0.0.0" / "aaaa"
+    os.utime(older, (time.time() - 60,) * 2)  # (datasets picks the latest cached revision by its folder's time)
+    write_hub_revision(hf_cache, "bbbb", hub_rows(" Hello again."))
+    newer, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    assert newer.built and newer.cache_path != first.cache_path
+    assert all(text.endswith(" Hello again.<|endoftext|>") for text in decoded(newer, tokenizer))
+
+
 def test_a_killed_builds_leftovers_are_removed_by_the_next_build_of_that_key_only(tmp_path):
     from dschat.data.cache import ensure_built
 

@@ -166,12 +166,13 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     field_options = _field_options(data_fields)
     settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
                               end_of_conversation_token or get_eot_token(tokenizer), bool(multiturn))
-    key = cache_key(_cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer))
+    hub = load_hub_sources(data_path + sft_only, output_path, seed, local_rank)
+    key = cache_key(_cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub))
     folder = cache_folder(output_path, train_phase, key)
 
     def build_into(tmp):
         build_and_save(tmp, data_path, sft_only, data_split, output_path, seed, local_rank, tokenizer,
-                       settings, field_options, reload)
+                       settings, field_options, reload, hub)
 
     from dschat.utils.dist import rank_0_decides
 
@@ -181,12 +182,12 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     built = ensure_built(folder, build_into, rebuild=rebuild)
     _barrier()
     train, eval_ = load_cached(folder, train_phase, built)
-    check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_)
+    check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_, hub)
     _print_skip_report(local_rank, train, eval_)
     return train, eval_
 
 
-def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_):
+def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_, hub):
     """Every rank read the same data: on several nodes, each reading its own copy of a data file (or of a hub dataset
     or model in its own cache), copies that differ gave the ranks datasets of other sizes, and the rank with fewer
     batches left its epoch while the others waited for it in a collective (a hang); of one size, the ranks drew their
@@ -196,7 +197,7 @@ def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_):
 
     if get_world_size() == 1:
         return
-    values = {f"source {i:04d}": _content_fingerprint(spec) for i, spec in enumerate(specs)}
+    values = {f"source {i:04d}": _content_fingerprint(spec, hub) for i, spec in enumerate(specs)}
     values["tokenizer"] = {key: value for key, value in tokenizer_fingerprint(tokenizer).items()
                            if key != "name_or_path"}  # (a folder's path may differ between nodes)
     values["records"] = [len(train), len(eval_)]
@@ -211,9 +212,9 @@ def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_):
                      "same): give every node the same files")
 
 
-def _content_fingerprint(spec):
+def _content_fingerprint(spec, hub):
     """``_source_fingerprint`` without the files' paths: their sizes and content hashes."""
-    fingerprint = _source_fingerprint(spec)
+    fingerprint = _source_fingerprint(spec, hub)
     if "files" in fingerprint:
         fingerprint = {**fingerprint, "files": [stat[1:] for stat in fingerprint["files"]]}
     return fingerprint
@@ -276,11 +277,12 @@ def _field_options(data_fields):
     return checked_field_options(dict(data_fields))
 
 
-def _cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer):
-    """Everything that changes the result (the source fingerprints include local files' content hashes)."""
+def _cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub):
+    """Everything that changes the result (the source fingerprints include local files' content hashes and what the
+    ``hub`` datasets loaded)."""
     return {
-        "datasets": [_source_fingerprint(spec) for spec in data_path],
-        "sft_only": [_source_fingerprint(spec) for spec in sft_only],
+        "datasets": [_source_fingerprint(spec, hub) for spec in data_path],
+        "sft_only": [_source_fingerprint(spec, hub) for spec in sft_only],
         "data_split": str(data_split), "seed": seed, "field_options": field_options,
         "train_phase": settings.train_phase, "max_seq_len": settings.max_seq_len,
         "max_prompt_len": settings.max_prompt_len, "eot_token": settings.eot_token,
@@ -291,13 +293,30 @@ def _cache_params(data_path, sft_only, data_split, seed, field_options, settings
     }
 
 
-def _source_fingerprint(spec):
+def _source_fingerprint(spec, hub):
+    """``hub``: the loaded hub datasets (``load_hub_sources``)."""
     resolved = resolve_dataset_spec(spec)
     if isinstance(resolved, type):
         if os.path.isdir(spec):  # a save_to_disk copy under the hub name (see PromptRawDataset.load)
             return {"hub": spec, **LocalSource("disk", spec, None, spec).fingerprint()}
-        return {"hub": spec}
+        return {"hub": spec, "data": hub_data_fingerprint(hub[spec].raw_datasets)}
     return {"local": spec, **resolved.fingerprint()}
+
+
+def load_hub_sources(specs, output_path, seed, local_rank):
+    """{spec: adapter} of the hub datasets among ``specs``, loaded before the cache key, which holds what they loaded
+    (``hub_data_fingerprint``); the build reads them without loading them again. A save_to_disk copy under a hub name is
+    keyed by its files, as local data is, and loaded only by a build."""
+    return {spec: get_raw_dataset(spec, output_path, seed, local_rank) for spec in dict.fromkeys(specs)
+            if isinstance(resolve_dataset_spec(spec), type) and not os.path.isdir(spec)}
+
+
+def hub_data_fingerprint(raw_datasets):
+    """Each split's datasets fingerprint, which datasets keys its own cache by: for hub data the hash of its folder in
+    the HF datasets cache (name, config, version and the commit of the hub revision it holds). A new revision
+    downloaded, or another one in the HF cache, gets a new key; the same copy keeps it, online or offline (with
+    HF_HUB_OFFLINE=1 datasets loads the latest copy it has, with that folder's fingerprint)."""
+    return {name: split._fingerprint for name, split in sorted(raw_datasets.items())}
 
 
 def _barrier():
@@ -309,13 +328,14 @@ def _barrier():
 # --- building ---
 
 def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, local_rank, tokenizer,
-                   settings, field_options, reload):
+                   settings, field_options, reload, hub):
+    """``hub``: the hub datasets already loaded (``load_hub_sources``); the other sources are loaded here."""
     parts = {"train": [], "eval": []}
     seen = {"train": {}, "eval": {}}  # each split's records so far, across sources (``count_duplicates``)
     report = []
     sources = [(spec, data_split) for spec in data_path] + [(spec, None) for spec in sft_only]
     for index, (spec, split) in enumerate(sources):
-        raw = get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
+        raw = hub.get(spec) or get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
         if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
             # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
             # --sft_only_data_path under 0,0,1, need not suit it)
