@@ -335,7 +335,7 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
     report = []
     sources = [(spec, data_split) for spec in data_path] + [(spec, None) for spec in sft_only]
     for index, (spec, split) in enumerate(sources):
-        raw = hub.get(spec) or get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
+        raw = hub[spec] if spec in hub else get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
         if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
             # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
             # --sft_only_data_path under 0,0,1, need not suit it)
