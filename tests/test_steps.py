@@ -1374,7 +1374,7 @@ def test_a_diverged_supervised_run_stops_at_its_first_non_finite_loss(tmp_path, 
     """Steps 1, 2 and DPO trained on through NaN losses (step 3 stops), saved all-NaN weights, exited 0 and wrote NaN
     into metrics.json; a LoRA flag without --lora_dim was also taken without a word."""
     with pytest.raises(FloatingPointError, match=r"step2_dpo: the training loss \(step \d+\) is not finite: 1 NaN"):
-        dpo.main(["--model_name_or_path", "tiny-llama", "--dtype", "fp32", "--learning_rate", "1e6", "--max_steps", "6",
+        dpo.main(["--model_name_or_path", "tiny-llama", "--dtype", "fp32", "--learning_rate", "1e30", "--max_steps", "6",
                   "--max_seq_len", "64", "--per_device_train_batch_size", "4", "--lora_alpha", "16",
                   "--output_dir", str(tmp_path / "dpo"), "--data_output_path", str(tmp_path / "data")])
     assert not (tmp_path / "dpo" / "metrics.json").exists() and not (tmp_path / "dpo" / "model.safetensors").exists()
