@@ -311,3 +311,27 @@ def test_every_steps_set_up_checks_its_output_dir_is_shared(tmp_path, monkeypatc
     common.setup_run(Namespace(dtype="fp32", seed=1, output_dir=str(tmp_path / "out")))
     common.setup_run(Namespace(dtype="fp32", seed=1))  # (a DeepSpeed-Chat-style namespace without one)
     assert checked == [str(tmp_path / "out")]
+
+
+@pytest.mark.parametrize("platform, asks_mpi", [({"AZUREML_EXPERIMENT_ID": "x"}, False),
+                                                ({"SM_TRAINING_ENV": "{}"}, False),
+                                                ({"DLTS_JOB_ID": "x"}, True),
+                                                ({"AZUREML_EXPERIMENT_ID": "x", "DLTS_JOB_ID": "x"}, True)])
+def test_only_the_platforms_deepspeed_reads_without_mpi_skip_the_mpi4py_error(platform, asks_mpi, monkeypatch):
+    """DeepSpeed reads AzureML's variables (not on DLTS) and SageMaker's; on DLTS it asks MPI (mpi4py) as elsewhere:
+    there mpirun's ranks without mpi4py still stopped with DeepSpeed's bare ModuleNotFoundError."""
+    import deepspeed
+
+    from dschat.errors import UsageError
+    from dschat.utils import dist
+
+    launched_as(monkeypatch, RANKS_OF_LAUNCHERS["openmpi (mpirun)"])
+    for name in ("AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV", "DLTS_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in platform.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: (_ for _ in ()).throw(InterruptedError()))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "_mpi4py_installed", lambda: False)
+    with pytest.raises(UsageError if asks_mpi else InterruptedError):
+        dist.ensure_distributed()

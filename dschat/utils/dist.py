@@ -81,7 +81,8 @@ def check_world_discoverable():
         return
     from deepspeed.comm.comm import in_aml, in_aws_sm, in_dlts
 
-    if in_aml() or in_aws_sm() or in_dlts():  # DeepSpeed reads these platforms' own variables
+    # DeepSpeed reads AzureML's and SageMaker's own variables (AzureML's not on DLTS, where it asks MPI as elsewhere)
+    if (in_aml() and not in_dlts()) or in_aws_sm():
         return
     seen = ", ".join(f"{name}={os.environ[name]}" for pair in LAUNCHER_RANK_VARIABLES for name in pair
                      if name in os.environ)
