@@ -301,16 +301,39 @@ def test_an_output_dir_the_nodes_do_not_share_is_an_error_at_the_start(tmp_path)
                                   "the file rank 0 (node0) wrote there"), said
 
 
-def test_every_steps_set_up_checks_its_output_dir_is_shared(tmp_path, monkeypatch):
-    from argparse import Namespace
+class OutputDirChecked(Exception):
+    pass
 
-    from dschat.steps import common
+
+def test_the_steps_that_write_their_output_dir_check_it_and_step_3s_readers_do_not(tmp_path, distributed,
+                                                                                   monkeypatch):
+    """The check ran at set-up, which the RLHF engine and step 3's prompt loaders (train.py's DPO report, ppo_eval)
+    share: with no --output_dir of theirs, they probed step 3's default, output/step3_ppo under the working
+    directory, which they never write (on several nodes: made it there, or stopped naming an --output_dir nobody
+    gave). The steps check theirs, after the check that it is writable (whose error names the flag)."""
+    from dschat.steps import common, ppo, sft
+    from dschat.tiny import load_tiny_tokenizer
+    from helpers import SFT_FAST
 
     checked = []
-    monkeypatch.setattr(common, "check_output_dir_shared", lambda folder, device: checked.append(folder))
-    common.setup_run(Namespace(dtype="fp32", seed=1, output_dir=str(tmp_path / "out")))
-    common.setup_run(Namespace(dtype="fp32", seed=1))  # (a DeepSpeed-Chat-style namespace without one)
-    assert checked == [str(tmp_path / "out")]
+
+    def check(folder, device):
+        checked.append(folder)
+        raise OutputDirChecked
+
+    monkeypatch.setattr(common, "check_output_dir_shared", check)
+    monkeypatch.setattr(ppo, "check_output_dir_shared", check, raising=False)
+    monkeypatch.chdir(tmp_path)
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    ppo.prompt_loaders({"data_path": ["tiny"], "data_output_path": str(tmp_path / "data")}, tokenizer,
+                       held_out_only=True)
+    assert checked == []
+    for main, out in ((sft.main, tmp_path / "sft"), (ppo.main, tmp_path / "ppo")):
+        with pytest.raises(OutputDirChecked):
+            main(["--output_dir", str(out), "--data_output_path", str(tmp_path / "data"),
+                  *(SFT_FAST if main is sft.main else [])])
+    assert checked == [str(tmp_path / "sft"), str(tmp_path / "ppo")]
 
 
 @pytest.mark.parametrize("platform, asks_mpi", [({"AZUREML_EXPERIMENT_ID": "x"}, False),

@@ -33,8 +33,6 @@ def setup_run(args):
     ensure_distributed()
     device = local_device()
     check_same_on_every_rank({name: value for name, value in vars(args).items() if name in step_flag_dests()}, device)
-    if getattr(args, "output_dir", None):  # (a DeepSpeed-Chat-style namespace may have none)
-        check_output_dir_shared(args.output_dir, device)
     set_seed(args.seed)
     return device
 
@@ -42,7 +40,9 @@ def setup_run(args):
 def check_output_dir_shared(folder, device):
     """The ranks of several hosts save, resume and hand models to the next step through ``folder``: one that each node
     has its own copy of failed late (step 2's ranks on other nodes found no step-1 model; a resume found other
-    ranks' checkpoint shards missing). Said at the start instead: rank 0 writes a file there, every rank looks."""
+    ranks' checkpoint shards missing). Said at the start instead: rank 0 writes a file there, every rank looks.
+    Called by the steps that write ``folder``, after ``check_writable_folder``; not at set-up, which the RLHF engine,
+    the prompt loaders and the evaluation tools share: they write no --output_dir (step 3's default is not theirs)."""
     if get_world_size() == 1:
         return
     hosts = gathered_objects(socket.gethostname(), device)
@@ -601,6 +601,7 @@ def run_supervised_step(args, recipe):
         print_rank_0(f"{tag} {'; '.join(unread)}: ignored")
     # before training, not when the model is saved
     check_writable_folder(args.output_dir, "--output_dir")
+    check_output_dir_shared(args.output_dir, device)
     check_model_path(args.model_name_or_path, "--model_name_or_path")
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
