@@ -145,8 +145,8 @@ def settled_module(model):
 
 
 def save_causal_lm(module, tokenizer, output_dir, dtype=None):
-    """Save an actor / SFT model (any ZeRO stage, LoRA merged; or its engine's) with its tokenizer. Collective under
-    ZeRO-3. ``dtype``: save in it rather than the weights' own (the fp32 EMA copy is saved as the actor is)."""
+    """Save an actor / SFT model (any ZeRO stage, LoRA merged; or its engine's) with its tokenizer. Collective (a
+    gather under ZeRO-3, a barrier at any stage). ``dtype``: save in it rather than the weights' own (the fp32 EMA copy is saved as the actor is)."""
     module = settled_module(module)
     state = plain_model_state_dict(module)
     if is_rank_0():
@@ -169,8 +169,8 @@ def _save_tokenizer(tokenizer, folder):
 
 
 def save_reward_model(reward_model, tokenizer, output_dir):
-    """Save a reward model / critic (or its engine's): backbone as an HF folder plus the value head. Collective under
-    ZeRO-3."""
+    """Save a reward model / critic (or its engine's): backbone as an HF folder plus the value head. Collective (a
+    gather under ZeRO-3, a barrier at any stage)."""
     reward_model = settled_module(reward_model)
     backbone = reward_model.rwtransformer
     check_lora_mergeable(backbone)  # on every rank: none may raise alone after the collective gather
