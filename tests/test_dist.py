@@ -358,3 +358,21 @@ def test_only_the_platforms_deepspeed_reads_without_mpi_skip_the_mpi4py_error(pl
     monkeypatch.setattr(dist, "_mpi4py_installed", lambda: False)
     with pytest.raises(UsageError if asks_mpi else InterruptedError):
         dist.ensure_distributed()
+
+
+def test_the_mpi4py_error_does_not_send_deepspeeds_own_mpi_launches_back_to_the_deepspeed_launcher(monkeypatch):
+    """`deepspeed --launcher slurm` (or openmpi, mvapich) starts its ranks through srun/mpirun, which set no RANK: the
+    error told those users to "start the ranks with the deepspeed launcher", which they had done."""
+    import deepspeed
+
+    from dschat.errors import UsageError
+    from dschat.utils import dist
+
+    launched_as(monkeypatch, RANKS_OF_LAUNCHERS["slurm (srun)"])
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: pytest.fail("no error"))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "_mpi4py_installed", lambda: False)
+    with pytest.raises(UsageError) as error:
+        dist.ensure_distributed()
+    said = str(error.value)
+    assert "torchrun" in said and "default (pdsh)" in said and "--launcher openmpi, mvapich and slurm" in said, said

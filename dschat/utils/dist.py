@@ -89,7 +89,9 @@ def check_world_discoverable():
     raise UsageError(f"this process was started as one of several ranks ({seen or 'RANK=' + os.environ['RANK']}) by "
                      f"a launcher that does not set {', '.join(missing)}: DeepSpeed then finds the ranks' world "
                      "through MPI, with mpi4py, which is not installed. Install it (`pip install mpi4py`, built "
-                     "against the launcher's MPI), or start the ranks with the deepspeed launcher or torchrun")
+                     "against the launcher's MPI), or start the ranks with a launcher that sets them: torchrun, or "
+                     "the deepspeed launcher's default (pdsh), mpich or impi launcher (its --launcher openmpi, "
+                     "mvapich and slurm set none either)")
 
 
 def _mpi4py_installed():
