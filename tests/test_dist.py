@@ -283,7 +283,7 @@ SHARED_OUTPUT_SCRIPT = textwrap.dedent("""
             seen.append("shared")
         except Exception as error:
             seen.append(f"{type(error).__name__}: {error}")
-    seen.append(repr(os.listdir(os.path.join(out, "shared"))))  # the probe removed
+    seen.append(str(os.path.exists(os.path.join(out, "shared"))))  # the probe removed, and the folder it made
     with open(os.path.join(out, f"rank_{rank}"), "w") as f:
         f.write("\\n".join(seen))
     torch.distributed.destroy_process_group()
@@ -296,7 +296,7 @@ def test_an_output_dir_the_nodes_do_not_share_is_an_error_at_the_start(tmp_path)
     _run_on_two_ranks(tmp_path, "shared.py", SHARED_OUTPUT_SCRIPT)
     for rank in (0, 1):
         said = (tmp_path / f"rank_{rank}").read_text().splitlines()
-        assert said[:2] == ["False", "shared"] and said[3] == "[]", said
+        assert said[:2] == ["False", "shared"] and said[3] == "False", said
         assert said[2].startswith(f"UsageError: --output_dir {tmp_path / f'own_{rank}'}: rank 1 (node1) cannot see "
                                   "the file rank 0 (node0) wrote there"), said
 
@@ -376,3 +376,21 @@ def test_the_mpi4py_error_does_not_send_deepspeeds_own_mpi_launches_back_to_the_
         dist.ensure_distributed()
     said = str(error.value)
     assert "torchrun" in said and "default (pdsh)" in said and "--launcher openmpi, mvapich and slurm" in said, said
+
+
+def test_the_shared_output_check_leaves_no_folder_it_made(tmp_path, monkeypatch):
+    """check_writable_folder makes nothing (a step failing after it left an empty output folder); the probe of several
+    nodes made --output_dir, and its parents, and left them. Two nodes faked in one process (rank 0's view)."""
+    from dschat.steps import common
+
+    answers = iter([["node0", "node1"], [True, True]])  # the ranks' hosts, then whether each saw the probe
+    monkeypatch.setattr(common, "get_world_size", lambda: 2)
+    monkeypatch.setattr(common, "gathered_objects", lambda value, device: next(answers))
+    (tmp_path / "kept").mkdir()
+    common.check_output_dir_shared(str(tmp_path / "kept" / "new" / "step1_sft"), torch.device("cpu"))
+    assert os.listdir(tmp_path / "kept") == []
+    (tmp_path / "kept" / "out").mkdir()
+    (tmp_path / "kept" / "out" / "model.bin").write_text("")
+    answers = iter([["node0", "node1"], [True, True]])
+    common.check_output_dir_shared(str(tmp_path / "kept" / "out"), torch.device("cpu"))
+    assert os.listdir(tmp_path / "kept" / "out") == ["model.bin"]

@@ -48,11 +48,17 @@ def check_output_dir_shared(folder, device):
     hosts = gathered_objects(socket.gethostname(), device)
     if len(set(hosts)) == 1:  # (one machine: one file system)
         return
-    probe = os.path.join(folder, rank_0_decides(lambda: _write_probe(folder)))
+    name, made = rank_0_decides(lambda: _write_probe(folder))
+    probe = os.path.join(folder, name)
     seen = gathered_objects(os.path.exists(probe), device)
     barrier()
     if is_rank_0():
         os.remove(probe)
+        for path in made:  # as check_writable_folder, it leaves no folder (a step failing later left an empty one)
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
     blind = [f"rank {rank} ({host})" for rank, (host, saw) in enumerate(zip(hosts, seen)) if not saw]
     if blind:
         raise UsageError(f"--output_dir {folder}: {', '.join(blind)} cannot see the file rank 0 ({hosts[0]}) wrote "
@@ -61,12 +67,16 @@ def check_output_dir_shared(folder, device):
 
 
 def _write_probe(folder):
-    """An empty file of a new name in ``folder``; its name."""
+    """An empty file of a new name in ``folder``: its name, and the folders made for it, innermost first."""
+    made, missing = [], os.path.abspath(folder)
+    while not os.path.exists(missing):
+        made.append(missing)
+        missing = os.path.dirname(missing)
     os.makedirs(folder, exist_ok=True)
     name = f".shared-check-{uuid.uuid4().hex}"
     with open(os.path.join(folder, name), "w"):
         pass
-    return name
+    return name, made
 
 
 def warn_of_unfinished_inputs(paths):
