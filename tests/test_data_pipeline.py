@@ -679,6 +679,28 @@ def test_a_hub_dataset_is_keyed_by_the_data_it_loaded(tmp_path, tokenizer, monke
     assert not same.built and same.cache_path == newer.cache_path
 
 
+def test_only_rank_0_loads_a_hub_dataset_the_other_ranks_key_by_what_it_loaded(tmp_path, tokenizer, monkeypatch):
+    """Every rank of every node loaded the hub dataset for the cache key: as many hub requests as ranks, and each node
+    needed its own HF cache copy even with the tokens cached. Now rank 0 loads it and the others take its fingerprint."""
+    from dschat.utils import dist
+
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: DatasetDict(
+        {"train": Dataset.from_list(hub_rows(" Hello.")), "test": Dataset.from_list(hub_rows(" Hello.")[:2])}))
+    decided, own = [], dist.rank_0_decides
+    monkeypatch.setattr(dist, "rank_0_decides", lambda decide: decided.append(own(decide)) or decided[-1])
+    first, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    fingerprints = decided[0]
+    assert list(fingerprints) == ["Dahoas/rm-static"] and set(fingerprints["Dahoas/rm-static"]) == {"train", "test"}
+
+    def no_hub(self):
+        raise AssertionError("a rank other than 0 loaded the hub dataset")
+
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", no_hub)
+    monkeypatch.setattr(dist, "rank_0_decides", lambda decide: fingerprints)  # rank 1: rank 0 decided
+    again, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    assert not again.built and again.cache_path == first.cache_path
+
+
 def write_hub_revision(hf_cache, commit, rows):
     """``rows`` as revision ``commit`` of Dahoas/rm-static in datasets' cache, in the folder a load from the hub
     leaves (Dahoas___rm-static/default/0.0.0/COMMIT); built from a local file, so the builder is told the repository

@@ -166,8 +166,8 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     field_options = _field_options(data_fields)
     settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
                               end_of_conversation_token or get_eot_token(tokenizer), bool(multiturn))
-    hub = load_hub_sources(data_path + sft_only, output_path, seed, local_rank)
-    key = cache_key(_cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub))
+    hub, hub_data = hub_sources_on_rank_0(data_path + sft_only, output_path, seed, local_rank)
+    key = cache_key(_cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub_data))
     folder = cache_folder(output_path, train_phase, key)
 
     def build_into(tmp):
@@ -182,12 +182,12 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     built = ensure_built(folder, build_into, rebuild=rebuild)
     _barrier()
     train, eval_ = load_cached(folder, train_phase, built)
-    check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_, hub)
+    check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_, hub_data)
     _print_skip_report(local_rank, train, eval_)
     return train, eval_
 
 
-def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_, hub):
+def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_, hub_data):
     """Every rank read the same data: on several nodes, each reading its own copy of a data file (or of a hub dataset
     or model in its own cache), copies that differ gave the ranks datasets of other sizes, and the rank with fewer
     batches left its epoch while the others waited for it in a collective (a hang); of one size, the ranks drew their
@@ -197,7 +197,7 @@ def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_, h
 
     if get_world_size() == 1:
         return
-    values = {f"source {i:04d}": _content_fingerprint(spec, hub) for i, spec in enumerate(specs)}
+    values = {f"source {i:04d}": _content_fingerprint(spec, hub_data) for i, spec in enumerate(specs)}
     values["tokenizer"] = {key: value for key, value in tokenizer_fingerprint(tokenizer).items()
                            if key != "name_or_path"}  # (a folder's path may differ between nodes)
     values["records"] = [len(train), len(eval_)]
@@ -212,9 +212,9 @@ def check_same_data_on_every_rank(train_phase, specs, tokenizer, train, eval_, h
                      "same): give every node the same files")
 
 
-def _content_fingerprint(spec, hub):
+def _content_fingerprint(spec, hub_data):
     """``_source_fingerprint`` without the files' paths: their sizes and content hashes."""
-    fingerprint = _source_fingerprint(spec, hub)
+    fingerprint = _source_fingerprint(spec, hub_data)
     if "files" in fingerprint:
         fingerprint = {**fingerprint, "files": [stat[1:] for stat in fingerprint["files"]]}
     return fingerprint
@@ -277,12 +277,12 @@ def _field_options(data_fields):
     return checked_field_options(dict(data_fields))
 
 
-def _cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub):
+def _cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub_data):
     """Everything that changes the result (the source fingerprints include local files' content hashes and what the
-    ``hub`` datasets loaded)."""
+    hub datasets loaded, ``hub_data``)."""
     return {
-        "datasets": [_source_fingerprint(spec, hub) for spec in data_path],
-        "sft_only": [_source_fingerprint(spec, hub) for spec in sft_only],
+        "datasets": [_source_fingerprint(spec, hub_data) for spec in data_path],
+        "sft_only": [_source_fingerprint(spec, hub_data) for spec in sft_only],
         "data_split": str(data_split), "seed": seed, "field_options": field_options,
         "train_phase": settings.train_phase, "max_seq_len": settings.max_seq_len,
         "max_prompt_len": settings.max_prompt_len, "eot_token": settings.eot_token,
@@ -293,14 +293,30 @@ def _cache_params(data_path, sft_only, data_split, seed, field_options, settings
     }
 
 
-def _source_fingerprint(spec, hub):
-    """``hub``: the loaded hub datasets (``load_hub_sources``)."""
+def _source_fingerprint(spec, hub_data):
+    """``hub_data``: {spec: ``hub_data_fingerprint``} of the hub datasets (``hub_sources_on_rank_0``)."""
     resolved = resolve_dataset_spec(spec)
     if isinstance(resolved, type):
         if os.path.isdir(spec):  # a save_to_disk copy under the hub name (see PromptRawDataset.load)
             return {"hub": spec, **LocalSource("disk", spec, None, spec).fingerprint()}
-        return {"hub": spec, "data": hub_data_fingerprint(hub[spec].raw_datasets)}
+        return {"hub": spec, "data": hub_data[spec]}
     return {"local": spec, **resolved.fingerprint()}
+
+
+def hub_sources_on_rank_0(specs, output_path, seed, local_rank):
+    """The hub datasets among ``specs`` loaded by rank 0 alone, as DeepSpeed-Chat's builds do: ({spec: adapter} on rank
+    0, {} on the others, whose builds load their own), and {spec: ``hub_data_fingerprint``} on every rank, for the
+    key. (Every rank asked the hub, and every node needed the dataset in its own HF cache even with its tokens
+    cached.)"""
+    from dschat.utils.dist import rank_0_decides
+
+    loaded = {}
+
+    def load():
+        loaded.update(load_hub_sources(specs, output_path, seed, local_rank))
+        return {spec: hub_data_fingerprint(adapter.raw_datasets) for spec, adapter in loaded.items()}
+
+    return loaded, rank_0_decides(load)
 
 
 def load_hub_sources(specs, output_path, seed, local_rank):
