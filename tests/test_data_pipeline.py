@@ -701,6 +701,27 @@ def test_only_rank_0_loads_a_hub_dataset_the_other_ranks_key_by_what_it_loaded(t
     assert not again.built and again.cache_path == first.cache_path
 
 
+def test_the_tokenized_data_says_which_data_of_a_hub_dataset_it_holds(tmp_path, tokenizer, monkeypatch):
+    """What a step's checkpoints record (``PromptDataset.hub_data``), so that a resume notices a new revision: the
+    fingerprints the cache is keyed by, also when a rank other than 0 built the cache (it loads the hub data itself);
+    local data has none."""
+    from dschat.utils import dist
+
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: DatasetDict(
+        {"train": Dataset.from_list(hub_rows(" Hello.")), "test": Dataset.from_list(hub_rows(" Hello.")[:2])}))
+    decided, own = [], dist.rank_0_decides
+    monkeypatch.setattr(dist, "rank_0_decides", lambda decide: decided.append(own(decide)) or decided[-1])
+    local = write_jsonl(tmp_path / "local.jsonl", [{"prompt": f"Hi record {i}.", "chosen": " Hello."}
+                                                   for i in range(5)])
+    train, eval_ = build(tmp_path, tokenizer, ["Dahoas/rm-static", f"jsonl:{local}"], 1, data_split="1,0,0")
+    assert train.built and train.hub_data == eval_.hub_data == decided[0] and list(decided[0]) == ["Dahoas/rm-static"]
+    real_hub_sources = pipeline.hub_sources_on_rank_0
+    monkeypatch.setattr(pipeline, "hub_sources_on_rank_0",  # rank 1: no adapters, rank 0's fingerprints
+                        lambda *args: ({}, real_hub_sources(*args)[1]))
+    other, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static", f"jsonl:{local}"], 1, data_split="1,0,0", reload=True)
+    assert other.built and other.hub_data == decided[0]
+
+
 def write_hub_revision(hf_cache, commit, rows):
     """``rows`` as revision ``commit`` of Dahoas/rm-static in datasets' cache, in the folder a load from the hub
     leaves (Dahoas___rm-static/default/0.0.0/COMMIT); built from a local file, so the builder is told the repository

@@ -358,6 +358,40 @@ def test_resuming_after_the_data_file_was_edited_is_an_error_naming_it(tmp_path,
         sft.main([*common, "--resume"])
 
 
+def test_resuming_after_a_new_revision_of_a_hub_dataset_is_an_error_naming_it(tmp_path, distributed, monkeypatch):
+    """Hub data was not recorded with a checkpoint: after a new revision of Dahoas/rm-static came into the HF datasets
+    cache, the resumed run trained the rest of its epoch on other records without a word (an edited local file is
+    an error). Here the revisions are faked: other rows, so other datasets fingerprints."""
+    from datasets import Dataset, DatasetDict
+
+    from dschat.data import DahoasRmstaticDataset
+
+    def revision(answer):
+        rows = [{"prompt": f"\n\nHuman: Hi record {i}.\n\nAssistant:", "response": answer, "chosen": answer,
+                 "rejected": " Go away."} for i in range(40)]
+        return DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:8])})
+
+    loaded = {"version": revision(" Hello.")}
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: loaded["version"])
+    common = [*SMALL, "--data_path", "Dahoas/rm-static", "--data_split", "0,1,0", "--data_output_path",
+              str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"), "--max_steps", "2", "--save_interval", "1"]
+    reward.main(common)
+    recorded = json.loads((tmp_path / "rm" / "training_args.json").read_text())["hub_data"]
+    assert list(recorded) == ["Dahoas/rm-static"] and sorted(recorded["Dahoas/rm-static"]) == ["test", "train"]
+    loaded["version"] = revision(" Hello.")  # loaded again, the same data: resumed
+    reward.main([*common, "--resume"])
+    loaded["version"] = revision(" Hello again.")
+    with pytest.raises(UsageError, match=r"saved with other settings: the content of its data files changed since: "
+                                         r"Dahoas/rm-static \(.*\)\. .*without --resume"):
+        reward.main([*common, "--resume"])
+    # a checkpoint from before dschat recorded hub data: not compared, resumed
+    state_file = tmp_path / "rm" / "checkpoints" / "trainer" / "step_0000002" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["flags"]["hub_data"]
+    state_file.write_text(json.dumps(state))
+    reward.main([*common, "--resume"])
+
+
 def test_the_data_files_are_taken_when_the_data_is_read_not_at_each_save(tmp_path):
     """Taken at each save, a file edited while the run trained was recorded as what it trained on."""
     from argparse import Namespace
@@ -384,6 +418,29 @@ def test_step3_checkpoints_are_bound_to_their_prompt_files_content(tmp_path):
     data.write_text('{"prompt": "a"}\n')
     trainer = SimpleNamespace(args=step3_args(Namespace(data_path=[f"jsonl:{data}"])), critic_model=None)
     assert [path for path, _ in checkpointing.resume_flags(trainer)["data_files"]] == [str(data)]
+
+
+def test_step3_checkpoints_are_bound_to_the_hub_data_its_prompts_came_from(tmp_path, distributed, monkeypatch):
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from datasets import Dataset, DatasetDict
+
+    from dschat.data import DahoasRmstaticDataset
+    from dschat.rlhf import checkpointing
+    from dschat.rlhf.config import step3_args
+    from dschat.steps.ppo import prompt_loaders
+    from dschat.tiny import load_tiny_tokenizer
+
+    rows = [{"prompt": f"\n\nHuman: Hi record {i}.\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+             "rejected": " Go away."} for i in range(8)]
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: DatasetDict(
+        {"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:4])}))
+    args = step3_args(Namespace(data_path=["Dahoas/rm-static"], data_split="0,0,1",
+                                data_output_path=str(tmp_path / "data"), output_dir=str(tmp_path / "step3")))
+    prompt_loaders(args, load_tiny_tokenizer(), held_out_only=True)
+    flags = checkpointing.resume_flags(SimpleNamespace(args=args, critic_model=None))
+    assert list(flags["hub_data"]) == ["Dahoas/rm-static"] and flags["data_files"] == []
 
 
 def test_a_resume_that_trains_nothing_reports_no_rates_rather_than_zero():

@@ -103,7 +103,8 @@ class PromptDataset(Dataset):
     messages`` plus the record's extra columns. Token tensors are 1-D LongTensors, unpadded.
 
     ``skipped`` (reason -> count), ``skip_report`` (per source), ``cache_path`` and ``built`` (whether this
-    process built the cache) describe how it was made.
+    process built the cache) describe how it was made; ``hub_data`` ({hub dataset: ``hub_data_fingerprint``}) which
+    data of each hub dataset it holds (what a step's checkpoints record of it, as they record local files' hashes).
     """
     # phase-3 item and batch keys that extra columns must not overwrite (such extras get an "extra_" prefix)
     RESERVED_KEYS = ("prompt_input_ids", "prompt_text", "messages", "prompt", "prompt_att_mask")
@@ -114,6 +115,7 @@ class PromptDataset(Dataset):
         self.train_phase = train_phase
         self.skip_report = list(skip_report)
         self.skipped = dict(sum((Counter(entry["skipped"]) for entry in self.skip_report), Counter()))
+        self.hub_data = {entry["source"]: entry["hub_data"] for entry in self.skip_report if "hub_data" in entry}
         self.cache_path = cache_path
         self.built = built
 
@@ -324,7 +326,12 @@ def load_hub_sources(specs, output_path, seed, local_rank):
     (``hub_data_fingerprint``); the build reads them without loading them again. A save_to_disk copy under a hub name is
     keyed by its files, as local data is, and loaded only by a build."""
     return {spec: get_raw_dataset(spec, output_path, seed, local_rank) for spec in dict.fromkeys(specs)
-            if isinstance(resolve_dataset_spec(spec), type) and not os.path.isdir(spec)}
+            if loads_from_the_hub(spec)}
+
+
+def loads_from_the_hub(spec):
+    """A hub dataset read through the HF datasets cache (not a save_to_disk copy under its name, or local data)."""
+    return isinstance(resolve_dataset_spec(spec), type) and not os.path.isdir(spec)
 
 
 def hub_data_fingerprint(raw_datasets):
@@ -356,13 +363,15 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
             # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
             # --sft_only_data_path under 0,0,1, need not suit it)
             raw.check_usable(settings.train_phase)
+        # which data of a hub dataset these tokens hold (PromptDataset.hub_data): rank 0's load, or this rank's own
+        loaded = {"hub_data": hub_data_fingerprint(raw.raw_datasets)} if loads_from_the_hub(spec) else {}
         for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
             records = data if split is None else _phase_share(raw, data, split_name, split, settings,
                                                               output_path, seed, local_rank, reload)
             table, skips, notes = encode_records(raw, records, tokenizer, settings, seen[split_name], index)
             parts[split_name].append(table)
             report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips),
-                           "of": len(data), "data_split": None if split is None else str(split), **notes})
+                           "of": len(data), "data_split": None if split is None else str(split), **notes, **loaded})
     save_cache(folder, blend(parts["train"], seed, settings.train_phase),
                blend(parts["eval"], seed, settings.train_phase), report)
 

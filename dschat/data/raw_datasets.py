@@ -365,3 +365,8 @@ def changed_data_files(saved, now):
     """The paths whose content differs between two ``local_data_files`` lists, or that only one has."""
     before, after = ({path: digest for path, digest, *_ in files} for files in (saved, now))
     return sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
+
+
+def changed_hub_data(saved, now):
+    """The hub datasets whose data (``PromptDataset.hub_data``) differs between two records, or that only one has."""
+    return sorted(name for name in saved.keys() | now.keys() if saved.get(name) != now.get(name))

@@ -8,8 +8,8 @@ import torch
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, finished_run_id, holds_model, input_runs, model_identity,
-                                 restart_deepspeed_tensorboard, step_data_files)
-from dschat.utils.checkpoints import (ACTOR, CRITIC, DATA_FILES, check_complete, check_same_flags, latest_tag,
+                                 restart_deepspeed_tensorboard, step_data_records)
+from dschat.utils.checkpoints import (ACTOR, CRITIC, check_complete, check_same_flags, latest_tag,
                                       load_rank_state, publish, read_trainer_state, reading, save_trainer_state, tag_of,
                                       take_restored_flags, trainer_folder)
 from dschat.utils.dist import is_rank_0, rank_0_decides
@@ -139,7 +139,7 @@ def resume_flags(trainer):
     flags = {name: getattr(trainer.args, name) for name in names}
     if not (trainer.args.actor_lora_dim or trainer.args.critic_lora_dim):
         flags["lora_alpha"] = None  # (read by no model: given, it is said to be ignored, and binds nothing)
-    return {**flags, DATA_FILES: step_data_files(trainer.args)}  # the same prompt files, unedited: its position counts
+    return {**flags, **step_data_records(trainer.args)}  # the same prompt data, unedited: its position counts
 
 
 def _load_ema(module, path):

@@ -15,7 +15,7 @@ from dschat.models.training_engine import check_schedule_reaches_its_end, initia
 from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
-from dschat.utils.checkpoints import DATA_FILES
+from dschat.utils.checkpoints import DATA_FILES, HUB_DATA
 from dschat.utils.dist import (barrier, check_same_on_every_rank, ensure_distributed, gathered_objects, get_world_size,
                                is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
 from dschat.utils.ds_config import check_dtype_supported
@@ -265,7 +265,7 @@ def write_run_args(args, step):
     write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
                       {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
                        "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
-                       DATA_FILES: step_data_files(args), **record}, default=str)
+                       **step_data_records(args), **record}, default=str)
 
 
 # The flags of the models a step may start from.
@@ -305,6 +305,23 @@ def take_data_files(args):
     """Keep on ``args`` the data files as the step reads them: what its checkpoints and its output record."""
     args._data_files = None  # (read them again, not an earlier take's)
     args._data_files = step_data_files(args)
+    args._hub_data = None  # (``take_hub_data`` once the data is read)
+
+
+def take_hub_data(args, dataset):
+    """Keep on ``args`` which data of each hub dataset the step read (``dataset.hub_data``: the data the hub load gave,
+    which the tokenized data was keyed by): what its checkpoints and its output record beside the local files."""
+    args._hub_data = dataset.hub_data
+
+
+def step_data_records(args):
+    """{DATA_FILES: ``step_data_files``, HUB_DATA: ``take_hub_data``'s} of a step's data: kept with its checkpoints
+    and its output, and compared on --resume. No HUB_DATA before the step read its data (not compared then)."""
+    records = {DATA_FILES: step_data_files(args)}
+    hub_data = getattr(args, "_hub_data", None)
+    if hub_data is not None:
+        records[HUB_DATA] = hub_data
+    return records
 
 
 def input_runs(args):
@@ -539,12 +556,14 @@ def load_step_data(args, tokenizer, phase):
 
     take_data_files(args)
 
-    return create_prompt_dataset(
+    train, eval_ = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, phase, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=get_eot_token(tokenizer),
         sft_only_data_path=args.sft_only_data_path if phase == 1 else (), reload=args.reload_data,
         include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False), data_fields=args.data_fields or None,
         multiturn=getattr(args, "multiturn", False) and phase == 1)
+    take_hub_data(args, train)
+    return train, eval_
 
 
 def check_supervised_settings(args, phase, name=None, quiet=True):

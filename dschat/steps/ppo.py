@@ -21,7 +21,7 @@ from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_
 from dschat.steps.common import (build_dataloaders, check_output_dir_shared, clear_results, format_metrics, progress,
                                  require_training_records, reseed_epoch, restart_deepspeed_tensorboard,
                                  say_max_steps_past_the_epochs, seconds_so_far, setup_run, take_data_files,
-                                 tensorboard_writer, to_device, write_results)
+                                 take_hub_data, tensorboard_writer, to_device, write_results)
 from dschat.steps.resume import resume_or_afresh
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import atomic_file, check_writable_folder
@@ -39,6 +39,7 @@ def prompt_loaders(args, tokenizer, held_out_only=False):
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,
         max_prompt_len=args.max_prompt_seq_len, data_fields=args.data_fields or None)
+    take_hub_data(args, train)
     if not held_out_only:
         require_training_records(train, args, "step3")
     collator = DataCollatorRLHF(args.max_prompt_seq_len, pad_token_id=tokenizer.pad_token_id,

@@ -8,10 +8,10 @@ import os
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
-                                 say_a_changed_schedule, step_data_files)
-from dschat.utils.checkpoints import (DATA_FILES, MODEL, check_complete, check_same_flags, clear_earlier_run,
-                                      latest_tag, load_rank_state, publish, read_trainer_state, reading,
-                                      save_trainer_state, tag_of, take_restored_flags)
+                                 say_a_changed_schedule, step_data_records)
+from dschat.utils.checkpoints import (MODEL, check_complete, check_same_flags, clear_earlier_run, latest_tag,
+                                      load_rank_state, publish, read_trainer_state, reading, save_trainer_state, tag_of,
+                                      take_restored_flags)
 from dschat.utils.dist import print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -42,8 +42,7 @@ def resume_flags(args):
     flags = {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS + FREE_FLAGS}
     if flags["model_name_or_path"] and os.path.isdir(flags["model_name_or_path"]):  # the same folder, however named
         flags["model_name_or_path"] = os.path.abspath(flags["model_name_or_path"])
-    flags[DATA_FILES] = step_data_files(args)  # the same files, unedited: the records its position counts
-    return flags
+    return {**flags, **step_data_records(args)}  # the same data, unedited: the records its position counts
 
 
 def save_step_checkpoint(engine, args, position, keep_last=2):

@@ -37,6 +37,9 @@ def tag_of(unit, number):
 # The key under which a checkpoint's (and a step output's) bound settings hold its local data files' paths and content
 # hashes (``local_data_files``).
 DATA_FILES = "data_files"
+# ... and which data of each hub dataset they read (``PromptDataset.hub_data``: each split's datasets fingerprint, which
+# a new revision of it in the HF datasets cache changes). Records from before dschat kept it are not compared.
+HUB_DATA = "hub_data"
 
 
 def rng_state(generator=None):
@@ -215,6 +218,11 @@ def _changed_said(name, saved, now):
         from dschat.data.raw_datasets import changed_data_files
 
         return f"the content of its data files changed since: {', '.join(changed_data_files(saved, now))}"
+    if name == HUB_DATA:
+        from dschat.data.raw_datasets import changed_hub_data
+
+        return (f"the content of its data files changed since: {', '.join(changed_hub_data(saved, now))} (another "
+                f"revision of the hub dataset in the HF datasets cache)")
     return f"--{name} {saved!r} -> {now!r}"
 
 
