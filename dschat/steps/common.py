@@ -310,8 +310,9 @@ def take_data_files(args):
 
 def take_hub_data(args, dataset):
     """Keep on ``args`` which data of each hub dataset the step read (``dataset.hub_data``: the data the hub load gave,
-    which the tokenized data was keyed by): what its checkpoints and its output record beside the local files."""
-    args._hub_data = dataset.hub_data
+    which the tokenized data was keyed by): what its checkpoints and its output record beside the local files. A
+    dataset that says nothing of it (not ``create_prompt_dataset``'s: a test's or a caller's stand-in) records none."""
+    args._hub_data = getattr(dataset, "hub_data", None)
 
 
 def step_data_records(args):
