@@ -722,6 +722,24 @@ def test_the_tokenized_data_says_which_data_of_a_hub_dataset_it_holds(tmp_path, 
     assert other.built and other.hub_data == decided[0]
 
 
+def test_a_cache_built_before_hub_data_was_reported_still_says_which_hub_data_it_holds(tmp_path, tokenizer,
+                                                                                       monkeypatch):
+    """A cache built before its report kept ``hub_data`` has the same key (the key held the hub fingerprints then too)
+    and is reused: its dataset said {} of the hub data, a checkpoint recorded {}, and the resume after the cache was
+    built again (--reload_data, another --data_path_output) was refused as another revision of the same data."""
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: DatasetDict(
+        {"train": Dataset.from_list(hub_rows(" Hello.")), "test": Dataset.from_list(hub_rows(" Hello.")[:2])}))
+    fresh, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    assert list(fresh.hub_data) == ["Dahoas/rm-static"]
+    meta = os.path.join(fresh.cache_path, pipeline.META_FILE)
+    with open(meta) as f:
+        report = json.load(f)["report"]
+    with open(meta, "w") as f:
+        json.dump({"report": [{k: v for k, v in entry.items() if k != "hub_data"} for entry in report]}, f)
+    old, old_eval = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 1, data_split="1,0,0")
+    assert not old.built and old.hub_data == old_eval.hub_data == fresh.hub_data
+
+
 def write_hub_revision(hf_cache, commit, rows):
     """``rows`` as revision ``commit`` of Dahoas/rm-static in datasets' cache, in the folder a load from the hub
     leaves (Dahoas___rm-static/default/0.0.0/COMMIT); built from a local file, so the builder is told the repository

@@ -184,6 +184,8 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     built = ensure_built(folder, build_into, rebuild=rebuild)
     _barrier()
     train, eval_ = load_cached(folder, train_phase, built)
+    for dataset in (train, eval_):  # a cache built before its report kept it: the data its key holds
+        dataset.hub_data = {**hub_data, **dataset.hub_data}
     check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_, hub_data)
     _print_skip_report(local_rank, train, eval_)
     return train, eval_
