@@ -892,6 +892,41 @@ def test_nodes_reading_copies_of_the_data_that_differ_stop_with_an_error_naming_
                          f"the same files")
 
 
+TWO_HUB_COPIES_SCRIPT = """
+import torch
+from datasets import Dataset, DatasetDict
+from dschat.data import DahoasRmstaticDataset, create_prompt_dataset
+from dschat.tiny import load_tiny_tokenizer
+from dschat.utils.dist import ensure_distributed
+rank, _ = ensure_distributed()
+answer = " Hello." if rank == 0 else " Goodbye."  # each node's HF cache: another revision, as many records
+rows = [{"prompt": f"\\n\\nHuman: Hi record {i}.\\n\\nAssistant:", "response": answer, "chosen": answer,
+         "rejected": " Go away."} for i in range(5)]
+DahoasRmstaticDataset.load = lambda self: DatasetDict({"train": Dataset.from_list(rows),
+                                                       "test": Dataset.from_list(rows[:2])})
+try:
+    create_prompt_dataset(0, ["Dahoas/rm-static"], "1,0,0", "own_cache", 1, 1234, load_tiny_tokenizer(), 128)
+    seen = "same"
+except Exception as error:
+    seen = f"{type(error).__name__}: {error}"
+with open("seen", "w") as f:
+    f.write(seen)
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_nodes_whose_hub_caches_hold_other_revisions_stop_with_an_error_naming_the_dataset(tmp_path):
+    """Rank 0 alone loads a hub dataset for the cache key: a node building its own cache from another revision in its
+    own HF cache (as many records) trained on other data under rank 0's key, unnoticed."""
+    nodes = [tmp_path / f"node{rank}" for rank in range(2)]
+    for node in nodes:
+        node.mkdir()
+    run_as_two_nodes(tmp_path, TWO_HUB_COPIES_SCRIPT, nodes)
+    for node in nodes:
+        assert (node / "seen").read_text().startswith(
+            "UsageError: the ranks read different phase-1 data: Dahoas/rm-static (its content) differ"), node
+
+
 RELOAD_SCRIPT = """
 import sys, time, torch
 from dschat.data import create_prompt_dataset

@@ -186,7 +186,8 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     train, eval_ = load_cached(folder, train_phase, built)
     for dataset in (train, eval_):  # a cache built before its report kept it: the data its key holds
         dataset.hub_data = {**hub_data, **dataset.hub_data}
-    check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_, hub_data)
+    # (the hub data this rank's cache holds: a node that built from another revision in its own HF cache differs)
+    check_same_data_on_every_rank(train_phase, data_path + sft_only, tokenizer, train, eval_, train.hub_data)
     _print_skip_report(local_rank, train, eval_)
     return train, eval_
 
@@ -303,7 +304,7 @@ def _source_fingerprint(spec, hub_data):
     if isinstance(resolved, type):
         if os.path.isdir(spec):  # a save_to_disk copy under the hub name (see PromptRawDataset.load)
             return {"hub": spec, **LocalSource("disk", spec, None, spec).fingerprint()}
-        return {"hub": spec, "data": hub_data[spec]}
+        return {"hub": spec, "data": hub_data.get(spec)}  # (none: a save_to_disk folder only rank 0's node has)
     return {"local": spec, **resolved.fingerprint()}
 
 
