@@ -381,8 +381,9 @@ def test_resuming_after_a_new_revision_of_a_hub_dataset_is_an_error_naming_it(tm
     loaded["version"] = revision(" Hello.")  # loaded again, the same data: resumed
     reward.main([*common, "--resume"])
     loaded["version"] = revision(" Hello again.")
-    with pytest.raises(UsageError, match=r"saved with other settings: the content of its data files changed since: "
-                                         r"Dahoas/rm-static \(.*\)\. .*without --resume"):
+    with pytest.raises(UsageError, match=r"saved with other settings: the data of its hub datasets changed since: "
+                                         r"Dahoas/rm-static \(another revision in the HF datasets cache\)\. "
+                                         r".*without --resume"):
         reward.main([*common, "--resume"])
     # a checkpoint from before dschat recorded hub data: not compared, resumed
     state_file = tmp_path / "rm" / "checkpoints" / "trainer" / "step_0000002" / "state.json"

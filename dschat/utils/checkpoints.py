@@ -221,8 +221,8 @@ def _changed_said(name, saved, now):
     if name == HUB_DATA:
         from dschat.data.raw_datasets import changed_hub_data
 
-        return (f"the content of its data files changed since: {', '.join(changed_hub_data(saved, now))} (another "
-                f"revision of the hub dataset in the HF datasets cache)")
+        return (f"the data of its hub datasets changed since: {', '.join(changed_hub_data(saved, now))} (another "
+                f"revision in the HF datasets cache)")
     return f"--{name} {saved!r} -> {now!r}"
 
 
