@@ -19,7 +19,7 @@ from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, finished_run_id, holds_model,
                                  model_identity, read_run_args, step_data_files)
-from dschat.utils.checkpoints import DATA_FILES, LATEST, latest_tag, read_trainer_state
+from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
 
@@ -139,16 +139,34 @@ class InputCheck:
 
 
 def edited_data(record, checkpoint, flags):
-    """("finished output" or "checkpoint", [paths]) when the local data files the step reads now differ from those
-    its finished output (``record``) or, without one, its last checkpoint recorded; else None. Records from before
-    dschat kept them are not compared."""
-    now = step_data_files(flags)
-    for what, saved in (("finished output", (record or {}).get(DATA_FILES)),
-                        ("checkpoint", ((checkpoint or {}).get("flags") or {}).get(DATA_FILES))):
-        if saved is not None:
-            changed = changed_data_files(saved, now)
+    """("finished output" or "checkpoint", [paths and hub datasets]) when the local data files the step reads now, or
+    the data of its hub datasets, differ from what its finished output (``record``) or, without one, its last
+    checkpoint recorded; else None. Records from before dschat kept them are not compared."""
+    for what, saved in (("finished output", record or {}), ("checkpoint", (checkpoint or {}).get("flags") or {})):
+        if saved.get(DATA_FILES) is not None:
+            changed = changed_data_files(saved[DATA_FILES], step_data_files(flags)) + \
+                changed_hub_revisions(saved.get(HUB_DATA), flags)
             return (what, changed) if changed else None
     return None
+
+
+def changed_hub_revisions(saved, flags):
+    """The hub datasets of ``saved`` (a record's HUB_DATA) whose data in the HF datasets cache is other now, each said
+    as such. One that cannot be loaded here (not in this machine's cache, offline) is left to the step's own check."""
+    from dschat.data.pipeline import hub_data_fingerprint
+    from dschat.data.raw_datasets import get_raw_dataset
+
+    if not saved:
+        return []
+    changed, output_path, seed = [], flags.data_output_path, flags.seed
+    for spec, fingerprint in saved.items():
+        try:
+            now = hub_data_fingerprint(get_raw_dataset(spec, output_path, seed, 0).raw_datasets)
+        except Exception:  # (any failure to read it: the step compares it again when it runs)
+            continue
+        if now != fingerprint:
+            changed.append(f"{spec} (another revision in the HF datasets cache)")
+    return changed
 
 
 def checkpoint_state(folder):

@@ -221,6 +221,39 @@ def test_a_step_whose_data_files_were_edited_since_runs_again(tmp_path):
     assert plan_steps([1], "ppo", str(tmp_path), {1: other})[1].why.endswith("had other values of --data_path")
 
 
+def test_a_step_whose_hub_dataset_has_another_revision_since_runs_again(tmp_path, monkeypatch):
+    """train.py --resume compared a finished step's local data files only: one trained on a hub dataset of which the
+    HF cache now holds another revision was skipped, keeping the model trained on the old records."""
+    from datasets import Dataset, DatasetDict
+
+    from dschat.data import DahoasRmstaticDataset
+    from dschat.data.pipeline import hub_data_fingerprint
+
+    def revision(answer):
+        rows = [{"prompt": f"\n\nHuman: Hi {i}.\n\nAssistant:", "response": answer, "chosen": answer,
+                 "rejected": " No."} for i in range(4)]
+        return DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:2])})
+
+    flags = Namespace(**{**vars(FLAGS), "data_path": ["Dahoas/rm-static"], "data_output_path": str(tmp_path / "data")})
+    finish(tmp_path, 1, 100, data_path=flags.data_path, data_output_path=flags.data_output_path)
+    record = json.loads((tmp_path / FOLDERS[1] / "training_args.json").read_text())
+    record.update(data_files=[], hub_data={"Dahoas/rm-static": hub_data_fingerprint(revision(" Hello."))})
+    (tmp_path / FOLDERS[1] / "training_args.json").write_text(json.dumps(record))
+    hub = {"now": revision(" Hello.")}
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: hub["now"])
+    assert plan(tmp_path, steps=(1,), step1=Namespace(**vars(flags))) == {1: SKIP}
+    hub["now"] = revision(" Hello again.")
+    decision = plan_steps([1], "ppo", str(tmp_path), {1: Namespace(**vars(flags))})[1]
+    assert decision.action == FRESH and decision.why.endswith(
+        "Dahoas/rm-static (another revision in the HF datasets cache)"), decision.why
+
+    def offline(self):
+        raise ConnectionError("no network and not in the HF cache")
+
+    monkeypatch.setattr(DahoasRmstaticDataset, "load", offline)  # not readable here: left to the step's own check
+    assert plan(tmp_path, steps=(1,), step1=Namespace(**vars(flags))) == {1: SKIP}
+
+
 def test_paths_are_compared_as_the_folders_they_name_and_a_moved_run_folder_keeps_its_plan(tmp_path, monkeypatch):
     (tmp_path / "models" / "base").mkdir(parents=True)
     out = tmp_path / "out"
