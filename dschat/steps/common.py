@@ -37,11 +37,18 @@ def setup_run(args):
     return device
 
 
+def check_output_dir(folder, device):
+    """A step's --output_dir, checked before training, not when its models are saved: writable, and on several hosts
+    storage they all see."""
+    check_writable_folder(folder, "--output_dir")
+    check_output_dir_shared(folder, device)
+
+
 def check_output_dir_shared(folder, device):
     """The ranks of several hosts save, resume and hand models to the next step through ``folder``: one that each node
     has its own copy of failed late (step 2's ranks on other nodes found no step-1 model; a resume found other
     ranks' checkpoint shards missing). Said at the start instead: rank 0 writes a file there, every rank looks.
-    Called by the steps that write ``folder``, after ``check_writable_folder``; not at set-up, which the RLHF engine,
+    Called by the steps that write ``folder`` (``check_output_dir``); not at set-up, which the RLHF engine,
     the prompt loaders and the evaluation tools share: they write no --output_dir (step 3's default is not theirs)."""
     if get_world_size() == 1:
         return
@@ -629,9 +636,7 @@ def run_supervised_step(args, recipe):
     unread = unread_conditional_flags(args, step1_parser(), supervised_conditional_flags(recipe.phase))
     if unread:
         print_rank_0(f"{tag} {'; '.join(unread)}: ignored")
-    # before training, not when the model is saved
-    check_writable_folder(args.output_dir, "--output_dir")
-    check_output_dir_shared(args.output_dir, device)
+    check_output_dir(args.output_dir, device)
     check_model_path(args.model_name_or_path, "--model_name_or_path")
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)

@@ -18,13 +18,13 @@ from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
-from dschat.steps.common import (build_dataloaders, check_output_dir_shared, clear_results, format_metrics, progress,
+from dschat.steps.common import (build_dataloaders, check_output_dir, clear_results, format_metrics, progress,
                                  require_training_records, reseed_epoch, restart_deepspeed_tensorboard,
                                  say_max_steps_past_the_epochs, seconds_so_far, setup_run, take_data_files,
                                  take_hub_data, tensorboard_writer, to_device, write_results)
 from dschat.steps.resume import resume_or_afresh
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
-from dschat.utils.files import atomic_file, check_writable_folder
+from dschat.utils.files import atomic_file
 
 
 def prompt_loaders(args, tokenizer, held_out_only=False):
@@ -167,10 +167,9 @@ def main(args=None):
     started = time.time()
     setup_run(args)
     check_step3_settings(args, get_world_size())  # a config file at odds with the flags fails before data loads
-    check_writable_folder(args.output_dir, "--output_dir")  # before training, not when the models are saved
-    check_output_dir_shared(args.output_dir, local_device())
-    check_earlier_step_outputs(args)
     device = local_device()
+    check_output_dir(args.output_dir, device)
+    check_earlier_step_outputs(args)
     check_same_reward_fn_on_every_rank(args, device)
     tokenizer = load_tokenizer(args.actor_model_name_or_path, padding_side="left", add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
