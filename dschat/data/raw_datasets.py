@@ -363,10 +363,10 @@ def local_data_files(specs):
 
 def changed_data_files(saved, now):
     """The paths whose content differs between two ``local_data_files`` lists, or that only one has."""
-    before, after = ({path: digest for path, digest, *_ in files} for files in (saved, now))
-    return sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
+    return changed_names(*({path: digest for path, digest, *_ in files} for files in (saved, now)))
 
 
-def changed_hub_data(saved, now):
-    """The hub datasets whose data (``PromptDataset.hub_data``) differs between two records, or that only one has."""
+def changed_names(saved, now):
+    """The names whose value differs between two {name: value} records, or that only one has: files whose content
+    changed (``changed_data_files``); hub datasets whose data did (``PromptDataset.hub_data``)."""
     return sorted(name for name in saved.keys() | now.keys() if saved.get(name) != now.get(name))

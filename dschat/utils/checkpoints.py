@@ -219,9 +219,9 @@ def _changed_said(name, saved, now):
 
         return f"the content of its data files changed since: {', '.join(changed_data_files(saved, now))}"
     if name == HUB_DATA:
-        from dschat.data.raw_datasets import changed_hub_data
+        from dschat.data.raw_datasets import changed_names
 
-        return (f"the data of its hub datasets changed since: {', '.join(changed_hub_data(saved, now))} (another "
+        return (f"the data of its hub datasets changed since: {', '.join(changed_names(saved, now))} (another "
                 f"revision in the HF datasets cache)")
     return f"--{name} {saved!r} -> {now!r}"
 
