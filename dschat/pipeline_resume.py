@@ -19,7 +19,7 @@ from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, finished_run_id, holds_model,
                                  model_identity, read_run_args, step_data_files)
-from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, latest_tag, read_trainer_state
+from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_DATA, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
 
@@ -140,14 +140,31 @@ class InputCheck:
 
 def edited_data(record, checkpoint, flags):
     """("finished output" or "checkpoint", [paths and hub datasets]) when the local data files the step reads now, or
-    the data of its hub datasets, differ from what its finished output (``record``) or, without one, its last
-    checkpoint recorded; else None. Records from before dschat kept them are not compared."""
+    the data of its hub datasets (step 3: or its unsupervised data), differ from what its finished output
+    (``record``) or, without one, its last checkpoint recorded; else None. Records from before dschat kept them are
+    not compared."""
     for what, saved in (("finished output", record or {}), ("checkpoint", (checkpoint or {}).get("flags") or {})):
         if saved.get(DATA_FILES) is not None:
             changed = changed_data_files(saved[DATA_FILES], step_data_files(flags)) + \
-                changed_hub_revisions(saved.get(HUB_DATA), flags)
+                changed_hub_revisions(saved.get(HUB_DATA), flags) + \
+                changed_unsupervised_data_now(saved.get(UNSUPERVISED_DATA), flags)
             return (what, changed) if changed else None
     return None
+
+
+def changed_unsupervised_data_now(saved, flags):
+    """The files or hub dataset of step 3's unsupervised data (``saved``: a record's UNSUPERVISED_DATA) that differ
+    now. Data that cannot be read here (a file gone, a hub dataset offline) is left to the step's own check."""
+    from dschat.data.unsupervised import changed_unsupervised_data, unsupervised_data_record
+
+    name = getattr(flags, "unsupervised_dataset_name", None)
+    if saved is None or not name:  # (another name, or none now: a changed flag, compared as such)
+        return []
+    try:
+        now = unsupervised_data_record(name, getattr(flags, "unsupervised_dataset_config_name", None))
+    except Exception:  # (any failure to read it: the step compares it again when it runs)
+        return []
+    return changed_unsupervised_data(saved, now)
 
 
 def changed_hub_revisions(saved, flags):

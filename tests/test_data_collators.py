@@ -263,6 +263,40 @@ def test_unsupervised_tiny_and_a_saved_folder(tmp_path, tokenizer):
     assert column == "body" and saved["body"] == ["saved text one", "saved text two"]  # the first column, as the hub's
 
 
+def test_the_unsupervised_data_record_says_which_content_or_hub_revision_was_read(tmp_path, tokenizer, monkeypatch):
+    """What step 3's checkpoints record of --unsupervised_dataset_name, so that a resume notices other data: a local
+    file's content, a save_to_disk folder's files (not the cache files the tokenizing itself writes there), a hub
+    dataset's train split fingerprint (another revision in the HF cache: another one), nothing for ``tiny``."""
+    import os
+
+    from datasets import Dataset
+
+    from dschat.data import unsupervised
+    from dschat.data.unsupervised import changed_unsupervised_data, unsupervised_data_record
+
+    text = tmp_path / "docs.txt"
+    text.write_text("one document\nanother document\n")
+    data = get_unsupervised_data(unsupervised_args(str(text)), tokenizer)
+    assert data.data_record == unsupervised_data_record(str(text)) and list(data.data_record["files"]) == [str(text)]
+    text.write_text("one document\nan edited document\n")
+    assert changed_unsupervised_data(data.data_record, unsupervised_data_record(str(text))) == [str(text)]
+
+    Dataset.from_dict({"text": ["saved text number %d" % i for i in range(8)]}).save_to_disk(str(tmp_path / "saved"))
+    before = unsupervised_data_record(str(tmp_path / "saved"))
+    get_unsupervised_data(unsupervised_args(str(tmp_path / "saved")), tokenizer)
+    assert any(name.startswith("cache-") for name in os.listdir(tmp_path / "saved")), "datasets' map cache (the case)"
+    assert unsupervised_data_record(str(tmp_path / "saved")) == before and before["files"]
+
+    revisions = {"now": Dataset.from_dict({"text": ["revision one"] * 8})}
+    monkeypatch.setattr(unsupervised, "load_hub_dataset", lambda *a, **k: revisions["now"])
+    saved = get_unsupervised_data(unsupervised_args("wikitext"), tokenizer).data_record
+    assert saved == unsupervised_data_record("wikitext") and saved["files"] == {}
+    revisions["now"] = Dataset.from_dict({"text": ["revision two"] * 8})
+    assert changed_unsupervised_data(saved, unsupervised_data_record("wikitext")) == [
+        "wikitext (another revision in the HF datasets cache)"]
+    assert unsupervised_data_record("tiny") == {"files": {}, "hub": {}}
+
+
 @pytest.mark.parametrize("error", [ConnectionError("Couldn't reach 'x' on the Hub"), FileNotFoundError("no such")])
 def test_a_hub_dataset_that_cannot_be_loaded_names_its_flag(monkeypatch, error, tokenizer):
     import datasets

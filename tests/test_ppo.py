@@ -616,15 +616,29 @@ def test_lora_actor_and_critic_with_ema(trained, tmp_path):
 
 
 def test_unsupervised_mixing_reports_its_loss(trained, tmp_path, capsys):
+    from dschat.errors import UsageError
+
     text = tmp_path / "unsup.jsonl"
     text.write_text("".join(json.dumps({"text": f"plain text number {i} for language modelling."}) + "\n"
                             for i in range(64)))
-    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--unsupervised_dataset_name",
-                      f"jsonl:{text}", "--unsup_coef", "0.5"))
+    args = ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--unsupervised_dataset_name", f"jsonl:{text}",
+                    "--unsup_coef", "0.5", "--save_interval", "1")
+    ppo.main(args)
     log = [json.loads(line) for line in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert all("unsup_loss" in r and r["unsup_loss"] > 0 for r in log)
     assert re.search(r"\[step3\] unsupervised data jsonl:.*: \d+ blocks of 52 tokens, \d+ batches per rank",
                      capsys.readouterr().out)
+    # its checkpoints count unsupervised batches of this text: an edited file resumed at that count of other blocks
+    # without a word (the prompt files were compared, this one not)
+    recorded = json.loads((tmp_path / "ppo" / "training_args.json").read_text())["unsupervised_data"]
+    assert list(recorded["files"]) == [str(text)] and recorded["hub"] == {}
+    os.utime(text, (1, 1))  # new times, the same content: resumed
+    assert ppo.main([*args, "--resume"])["iterations"] == 2
+    with text.open("a") as f:
+        f.write(json.dumps({"text": "one more document"}) + "\n")
+    with pytest.raises(UsageError, match=rf"saved with other settings: its unsupervised data changed since: {text}\. "
+                                         rf".*without --resume"):
+        ppo.main([*args, "--resume"])
 
 
 def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(trained, tmp_path, monkeypatch):

@@ -106,7 +106,7 @@ class LocalSource:
         time an edit kept)."""
         stats = []
         for path in self.files:
-            for file in _all_files(path):
+            for file in all_files(path):
                 file = os.path.abspath(file)
                 stats.append([file, os.stat(file).st_size, file_digest(file)])
         return {"kind": self.kind, "files": stats}
@@ -125,7 +125,7 @@ def _file_digest(path, size, mtime_ns, ctime_ns):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _all_files(path):
+def all_files(path):
     if os.path.isfile(path):
         return [path]
     return sorted(str(p) for p in Path(path).rglob("*") if p.is_file())

@@ -12,7 +12,8 @@ import os
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import check_json_document, check_jsonl_lines, load_content_keyed, record_where, text_encoding
+from .local import (all_files, check_json_document, check_jsonl_lines, file_digest, load_content_keyed, record_where,
+                    text_encoding)
 
 LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
 
@@ -27,7 +28,9 @@ def get_unsupervised_data(args, tokenizer):
     block_size = int(options["max_prompt_seq_len"]) + int(options["max_answer_seq_len"])
     workers = options.get("preprocessing_num_workers")
     name = options["unsupervised_dataset_name"]
-    train, text_column = load_unsupervised_train(name, options.get("unsupervised_dataset_config_name"))
+    config_name = options.get("unsupervised_dataset_config_name")
+    train, text_column = load_unsupervised_train(name, config_name)
+    record = unsupervised_data_record(name, config_name, train)
     locate = getattr(train, "locate_record", None) or (lambda index: f"--unsupervised_dataset_name {name} record {index}")
 
     def tokenize(batch, indices):
@@ -41,8 +44,36 @@ def get_unsupervised_data(args, tokenizer):
     tokenized = train.map(tokenize, batched=True, with_indices=True, num_proc=workers,
                           remove_columns=train.column_names, desc="Tokenizing unsupervised data")
     blocks = tokenized.map(lambda batch: group_texts(batch, block_size), batched=True, num_proc=workers,
-                           desc=f"Grouping texts in blocks of {block_size}")
-    return blocks.with_format("torch")
+                           desc=f"Grouping texts in blocks of {block_size}").with_format("torch")
+    blocks.data_record = record  # (what step 3's checkpoints record of it)
+    return blocks
+
+
+def unsupervised_data_record(name, config_name=None, train=None):
+    """What ``--unsupervised_dataset_name name`` reads, for step 3's checkpoints and output to record and a resume to
+    compare, as the prompt data's files and hub data are: {"files": {path: sha256} of a local file or save_to_disk
+    folder, "hub": {name: datasets fingerprint of its train split} (which another revision in the HF datasets cache
+    changes)}; the embedded ``tiny`` documents hold neither. ``train``: the hub split already loaded (else loaded)."""
+    if name == "tiny":
+        return {"files": {}, "hub": {}}
+    local = _local_text_source(name)
+    if local is not None or os.path.isdir(name):
+        # (not the cache files datasets' map writes into a save_to_disk folder: the tokenizing of this very run)
+        paths = [path for path in all_files(local[1] if local is not None else name)
+                 if local is not None or not os.path.basename(path).startswith("cache-")]
+        return {"files": {os.path.abspath(path): file_digest(path) for path in paths}, "hub": {}}
+    if train is None:
+        train, _ = load_unsupervised_train(name, config_name)
+    return {"files": {}, "hub": {name: train._fingerprint}}
+
+
+def changed_unsupervised_data(saved, now):
+    """The files and hub dataset of two ``unsupervised_data_record``s that differ, as a resume says them."""
+    from .raw_datasets import changed_names
+
+    return changed_names(saved.get("files", {}), now.get("files", {})) + \
+        [f"{name} (another revision in the HF datasets cache)"
+         for name in changed_names(saved.get("hub", {}), now.get("hub", {}))]
 
 
 def with_eos(tokenized, eos_token_id):

@@ -15,7 +15,7 @@ from dschat.models.training_engine import check_schedule_reaches_its_end, initia
 from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
-from dschat.utils.checkpoints import DATA_FILES, HUB_DATA
+from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, UNSUPERVISED_DATA
 from dschat.utils.dist import (barrier, check_same_on_every_rank, ensure_distributed, gathered_objects, get_world_size,
                                is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
 from dschat.utils.ds_config import check_dtype_supported
@@ -313,6 +313,7 @@ def take_data_files(args):
     args._data_files = None  # (read them again, not an earlier take's)
     args._data_files = step_data_files(args)
     args._hub_data = None  # (``take_hub_data`` once the data is read)
+    args._unsupervised_data = None  # (step 3's ``take_unsupervised_data``)
 
 
 def take_hub_data(args, dataset):
@@ -322,13 +323,20 @@ def take_hub_data(args, dataset):
     args._hub_data = getattr(dataset, "hub_data", None)
 
 
+def take_unsupervised_data(args, data):
+    """Keep on ``args`` what step 3's unsupervised data was read from (``get_unsupervised_data``'s ``data_record``),
+    recorded beside the prompt data's files: a checkpoint counts how many of its batches were trained on."""
+    args._unsupervised_data = getattr(data, "data_record", None)
+
+
 def step_data_records(args):
-    """{DATA_FILES: ``step_data_files``, HUB_DATA: ``take_hub_data``'s} of a step's data: kept with its checkpoints
-    and its output, and compared on --resume. No HUB_DATA before the step read its data (not compared then)."""
+    """{DATA_FILES: ``step_data_files``, HUB_DATA: ``take_hub_data``'s, UNSUPERVISED_DATA:
+    ``take_unsupervised_data``'s} of a step's data: kept with its checkpoints and its output, and compared on --resume.
+    Neither of the last two before the step read its data (not compared then)."""
     records = {DATA_FILES: step_data_files(args)}
-    hub_data = getattr(args, "_hub_data", None)
-    if hub_data is not None:
-        records[HUB_DATA] = hub_data
+    for key, taken in ((HUB_DATA, "_hub_data"), (UNSUPERVISED_DATA, "_unsupervised_data")):
+        if getattr(args, taken, None) is not None:
+            records[key] = getattr(args, taken)
     return records
 
 

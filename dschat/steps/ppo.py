@@ -21,7 +21,8 @@ from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_
 from dschat.steps.common import (build_dataloaders, check_output_dir, clear_results, format_metrics, progress,
                                  require_training_records, reseed_epoch, restart_deepspeed_tensorboard,
                                  say_max_steps_past_the_epochs, seconds_so_far, setup_run, take_data_files,
-                                 take_hub_data, tensorboard_writer, to_device, write_results)
+                                 take_hub_data, take_unsupervised_data, tensorboard_writer, to_device,
+                                 write_results)
 from dschat.steps.resume import resume_or_afresh
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import atomic_file
@@ -71,6 +72,7 @@ def unsupervised_loader(args, tokenizer):
     from dschat.data import DataCollatorSFT, get_unsupervised_data
 
     data = get_unsupervised_data(args, tokenizer)
+    take_unsupervised_data(args, data)
     # no --pad_to_multiple_of here: the blocks have one length (but for a short last one of a map batch that held less
     # than a block), so rounding it up would mostly add padding
     loader, _ = build_dataloaders(data, data, DataCollatorSFT(tokenizer.pad_token_id),

@@ -40,6 +40,9 @@ DATA_FILES = "data_files"
 # ... and which data of each hub dataset they read (``PromptDataset.hub_data``: each split's datasets fingerprint, which
 # a new revision of it in the HF datasets cache changes). Records from before dschat kept it are not compared.
 HUB_DATA = "hub_data"
+# ... and what step 3's --unsupervised_dataset_name read (``unsupervised_data_record``: its files' content hashes or its
+# hub revision), whose position in the unsupervised stream a checkpoint counts. Not compared where not recorded.
+UNSUPERVISED_DATA = "unsupervised_data"
 
 
 def rng_state(generator=None):
@@ -223,6 +226,10 @@ def _changed_said(name, saved, now):
 
         return (f"the data of its hub datasets changed since: {', '.join(changed_names(saved, now))} (another "
                 f"revision in the HF datasets cache)")
+    if name == UNSUPERVISED_DATA:
+        from dschat.data.unsupervised import changed_unsupervised_data
+
+        return f"its unsupervised data changed since: {', '.join(changed_unsupervised_data(saved, now))}"
     return f"--{name} {saved!r} -> {now!r}"
 
 
