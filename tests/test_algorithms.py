@@ -584,6 +584,22 @@ def test_grpo_two_groups():
         A.grpo_advantages(scores, 4, mask)
 
 
+def test_grpo_group_scored_alike_gets_exactly_zero_advantage_whatever_the_score():
+    """A group whose answers all scored the same trains nothing (zero_std_fraction counts it so). The group's mean in
+    float32 may round off the common score (0.7 eight times: by 6e-8), and the division by std + eps made that an
+    advantage of up to 0.8 for every answer of the group, all of one sign (30.7: 0.63; 100.3: 0.83)."""
+    for value in (0.7, 2.7, 30.7, 100.3, -0.9, 1 / 3):
+        for n in (3, 6, 7, 8, 16):
+            scores = torch.full((2 * n,), value, dtype=torch.float32)
+            scores[n:] = torch.arange(n, dtype=torch.float32)  # a second group whose scores differ
+            adv, _ = A.grpo_advantages(scores, n, torch.ones(2 * n, 2))
+            assert torch.all(adv[:n] == 0), (value, n, adv[:n, 0])
+            assert adv[n:, 0].abs().sum() > 1  # (trained: not zeroed)
+            assert A.zero_std_fraction(scores, n) == 0.5, (value, n)
+    # a reward model's large scores: the rounding (std 7e-5) exceeded the eps itself, and the group was not counted
+    assert A.zero_std_fraction(torch.full((7,), 1e3 + 0.1), 7) == 1.0
+
+
 def test_rloo_two_groups():
     scores = t([1., 2., 3., 0., 10., 5.])
     mask = suffix_mask([3, 1, 2, 0, 3, 3], 3)

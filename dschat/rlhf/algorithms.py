@@ -593,10 +593,18 @@ def _check_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size)
 
 
+def _from_first(groups: torch.Tensor) -> torch.Tensor:
+    """``(G, n)`` groups of scores less each group's first: the same deviations from the group's mean and the same
+    std, but a group whose scores are all alike becomes exactly 0. Its mean in floating point may round off the
+    common score (0.7 eight times: by 6e-8), and GRPO's division by std + eps scales that rounding up to an
+    advantage of 0.06 to 0.8 for every answer of the group, all of one sign."""
+    return groups - groups[:, :1]
+
+
 def zero_std_fraction(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> float:
     """The fraction of groups (consecutive runs of ``group_size`` scores, one prompt's answers) whose answers all
     scored the same: their group-relative advantages are 0, so they train nothing (TRL's ``frac_reward_zero_std``)."""
-    g = _check_groups(scores.detach().float(), group_size)
+    g = _from_first(_check_groups(scores.detach().float(), group_size))
     # (within GRPO's eps: a reward model's scores of like answers may differ in their last bits)
     return (g.std(dim=1) <= eps).float().mean().item()
 
@@ -619,6 +627,7 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor, n
         if group_size == 1:
             a = g
         else:
+            g = _from_first(g)  # (a group scored alike: exactly 0, not its mean's rounding over std + eps)
             a = g - g.mean(dim=1, keepdim=True)
             if norm_by_std:
                 a = a / (g.std(dim=1, keepdim=True) + eps)
