@@ -412,8 +412,8 @@ def _trainer_pair(trained, tmp_path, variant, **second):
 
 def _sampled_experience(trainer, batch):
     """Experience from sampled answers (greedy ones are all empty after 10 SFT steps), the same for every trainer."""
-    torch.manual_seed(0)  # HF generate samples from the global generator, the hybrid engine from the trainer's
-    trainer.generator.manual_seed(0)
+    torch.manual_seed(0)
+    trainer.generator.manual_seed(0)  # HF generate and the hybrid engine both sample from the trainer's generator
     return trainer.generate_experience(batch)
 
 
@@ -1845,6 +1845,36 @@ def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     first = exp["advantages"][:, 0] / exp["action_mask"][:, 0].clamp(min=1)
     torch.testing.assert_close(first, torch.tensor([-1.0, 0.0, 1.0, -0.57735, -0.57735, 1.1547]), atol=1e-4,
                                rtol=1e-4)
+
+
+def test_hf_generate_samples_from_the_trainers_per_rank_generator(tmp_path, distributed):
+    """Without the hybrid engine, HF's generate drew from torch's global generator, which set_seed seeds alike on every
+    rank: on 2 ranks each rank's answers took the same noise (a prompt on both ranks, e.g. a sampler's padding repeat,
+    was answered alike token for token). It now samples from the trainer's generator (seed + 1000 x rank), as the
+    hybrid engine does, and leaves torch's global generator where it was."""
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+
+    args = {"actor_model_name_or_path": "tiny-llama", "dtype": "fp32", "max_prompt_seq_len": 40,
+            "max_answer_seq_len": 8, "per_device_training_batch_size": 4, "num_warmup_steps": 0, "max_steps": 1,
+            "advantage_estimator": "grpo", "n_samples_per_prompt": 4, "reward_model_weight": 0,
+            "reward_fn": lambda prompts, answers: [0.0] * len(answers)}
+    engine = DeepSpeedRLHFEngine(args=args)
+    engine.tokenizer.padding_side = "left"
+    trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
+    batch = engine.tokenizer(["\n\nHuman: Say hi.\n\nAssistant:"], return_tensors="pt")
+
+    def answers(rank):
+        torch.manual_seed(1234)  # the global generator as set_seed leaves it, alike on every rank
+        trainer.generator.manual_seed(1234 + 1000 * rank)  # the trainer's, as __init__ seeds it on that rank
+        out = trainer.generate_experience(batch)["input_ids"]
+        return out, torch.get_rng_state()
+
+    (rank0, after), (rank1, _) = answers(0), answers(1)
+    assert len({tuple(row.tolist()) for row in rank0}) == 4  # the group's answers differ
+    assert not torch.equal(rank0, rank1)  # and the ranks'
+    assert torch.equal(answers(0)[0], rank0)  # the trainer's seed reproduces them
+    torch.manual_seed(1234)
+    assert torch.equal(after, torch.get_rng_state())  # (dropout and the rest draw as without the generation)
 
 
 def test_accumulation_groups_may_not_span_ppo_epochs():

@@ -12,6 +12,7 @@ from dschat.data.collators import padded_length
 from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.hybrid_engine.generate_args import check_left_padded
+from dschat.hybrid_engine.graphs import default_generator
 from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.loading import stop_token_ids, token_id_list
@@ -85,6 +86,26 @@ def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, en
     if entropy:
         stats.append(algo.entropy_from_logits(logits, chunk_size))
     return stats if entropy else stats[0]
+
+
+@contextlib.contextmanager
+def sampling_from(generator):
+    """HF's ``generate`` samples from the device's default generator, which every rank seeds alike (``setup_run``:
+    ``set_seed(args.seed)``), so on several ranks each rank's answers drew the same noise (a prompt that two ranks
+    got was answered alike, token for token, on both). Within this block the default generator holds ``generator``'s
+    state (the trainer's, seeded per rank, which the hybrid engine samples from) and ``generator`` takes the state it
+    reached; torch's own state is restored after. (Another accelerator's generator: left as it was.)"""
+    device = generator.device
+    if device.type not in ("cpu", "cuda"):
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        default = default_generator(device)
+        default.set_state(generator.get_state())
+        try:
+            yield
+        finally:
+            generator.set_state(default.get_state())
 
 
 def prompt_batch(prompts, mask=None):
@@ -220,10 +241,11 @@ class DeepSpeedPPOTrainer:
                                                 **sampling_kwargs(a))
                 return out if a.logprobs_from_generation else (out, None)
             check_left_padded(mask)  # HF's generate only warns (the hybrid engine's generate checks it itself)
-            seq = self.actor_model.module.generate(
-                prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len, eos_token_id=self.eos_token_id,
-                pad_token_id=self.pad_token_id, synced_gpus=self.z3_enabled and get_world_size() > 1,
-                use_cache=True, **sampling_kwargs(a, hf_generate=True))
+            with sampling_from(self.generator):
+                seq = self.actor_model.module.generate(
+                    prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len, eos_token_id=self.eos_token_id,
+                    pad_token_id=self.pad_token_id, synced_gpus=self.z3_enabled and get_world_size() > 1,
+                    use_cache=True, **sampling_kwargs(a, hf_generate=True))
             return seq, None
 
     def generate_experience(self, prompts, mask=None, step=0, advantages=True):
