@@ -79,7 +79,8 @@ def main():
     prompt = torch.randint(4, vocab, (args.batch, args.prompt), device=args.device, generator=g)
     engine.eval()
     seq, decode_logp = engine.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.gen,
-                                       do_sample=True, top_k=0, eos_token_id=None, generator=g, return_logprobs=True)
+                                       do_sample=True, temperature=1.0, top_k=0, eos_token_id=None, generator=g,
+                                       return_logprobs=True)  # (at the temperature training_logprobs scores at)
     engine.train()
     train_logp = training_logprobs(engine, seq, args.prompt, chunk_size=None)
     delta = (decode_logp - train_logp).abs()

@@ -193,6 +193,29 @@ def test_gather_log_probs_gradient_equals_naive():
     torch.testing.assert_close(c.grad.float(), b.grad.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_log_probs_and_entropy_at_a_temperature_and_their_gradients_equal_naive():
+    """Step 3 scores its answers at the temperature it sampled them at: ``softmax(logits / T)``, values and gradients
+    (through the chunked backward's own formula, scaled by 1 / T)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 5, 7, generator=g, dtype=D) * 3
+    labels = torch.randint(0, 7, (2, 5), generator=g)
+    up = torch.randn(2, 5, generator=g, dtype=D)
+    for temperature in (0.6, 1.7):
+        a = logits.clone().requires_grad_()
+        b = logits.clone().requires_grad_()
+        ours = A.gather_log_probs(a, labels, 2, temperature=temperature) + \
+            A.entropy_from_logits(a, 3, temperature=temperature)
+        naive = F.log_softmax(b / temperature, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1) + \
+            naive_entropy(b / temperature)
+        close(ours, naive, atol=1e-12)
+        (ours * up).sum().backward()
+        (naive * up).sum().backward()
+        close(a.grad, b.grad, atol=1e-12)
+    assert not torch.allclose(A.gather_log_probs(logits, labels, temperature=0.6), A.gather_log_probs(logits, labels))
+    assert torch.autograd.gradcheck(lambda z: A.entropy_from_logits(z, 2, temperature=0.6),
+                                    (logits.clone().requires_grad_(),))
+
+
 class _RecordFp32(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -203,7 +203,8 @@ def test_row_views_share_one_storage():
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_returned_logprobs_equal_the_training_forward(path, family):
     """``return_logprobs``: the decode step's log-probabilities of the sampled tokens are what a full forward over
-    the finished sequences gives them (the unfiltered distribution), and 0 after a row's end."""
+    the finished sequences gives them (the unfiltered distribution at the sampling temperature, which step 3 scores
+    them at), and 0 after a row's end."""
     model = tiny_model(family, seed=5)
     engine = _engine(model, graphs=path == "graph_logic")
     if path == "graph_logic":
@@ -216,7 +217,7 @@ def test_returned_logprobs_equal_the_training_forward(path, family):
     eos = early_token(no_eos[0, ids.shape[1]:].tolist(), avoid=no_eos[1:, ids.shape[1]:].flatten().tolist())
     seq, logprobs = engine.generate(ids, attention_mask=mask, eos_token_id=eos, return_logprobs=True,
                                     generator=torch.Generator().manual_seed(3), **sampling)
-    expected, live = answer_logprobs_and_live(model, seq, mask, eos)
+    expected, live = answer_logprobs_and_live(model, seq, mask, eos, temperature=0.7)
     assert logprobs.shape == expected.shape and logprobs.dtype == torch.float32
     assert not live[0].all(), "row 0 should end early with this EOS"
     torch.testing.assert_close(logprobs[live], expected[live], atol=1e-4, rtol=1e-4)

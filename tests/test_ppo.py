@@ -347,9 +347,16 @@ def test_notebook_api_generates_experience_with_consistent_masks(trained, tmp_pa
     assert not torch.allclose(out2["logprobs"] * out2["action_mask"], out2["ref_logprobs"] * out2["action_mask"])
 
 
-def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, tmp_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, tmp_path, temperature):
+    """At --temperature T the decode step's log-probs and the training forward's are both of softmax(logits / T), the
+    distribution the answers were drawn from (TRL's, OpenRLHF's, verl's; scored at 1, PPO trained another policy
+    than the one that sampled)."""
+    from dschat.models.reward_model import positions_from_mask
+
     engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=True,
-                                                     logprobs_from_generation=True, fuse_projections="on")
+                                                     logprobs_from_generation=True, fuse_projections="on",
+                                                     temperature=temperature)
     batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
                                       "\n\nHuman: List three colors please, thanks.\n\nAssistant:"])
     forwarded = []
@@ -364,6 +371,12 @@ def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, t
                                batch["prompt"].shape[1] - 1)
     assert out["logprobs"].shape == expected.shape == amask.shape
     torch.testing.assert_close(out["logprobs"] * amask, expected * amask, atol=1e-4, rtol=0)
+    seq, mask, start = out["input_ids"], out["attention_mask"], batch["prompt"].shape[1] - 1
+    with torch.no_grad():
+        logits = trainer.actor_model.module(input_ids=seq, attention_mask=mask,
+                                            position_ids=positions_from_mask(mask)).logits[:, start:-1].float()
+    naive = torch.log_softmax(logits / temperature, -1).gather(-1, seq[:, start + 1:, None]).squeeze(-1)
+    torch.testing.assert_close(expected * amask, naive * amask, atol=1e-4, rtol=0)
     actor_loss, _ = trainer.train_rlhf(out)
     assert torch.isfinite(actor_loss)
 

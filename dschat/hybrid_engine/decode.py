@@ -135,7 +135,8 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     trimmed to the step where the last row finished, as HF does. ``token_sync`` (inference tensor parallelism) makes
     the sampled tokens of every rank of a group the leader's. With ``return_lengths`` also returns the generated
     length of each row (EOS included), on the device; with ``return_logprobs`` also the (B, n) fp32 log-probability
-    of each generated token under the model's unfiltered distribution (0 after a row's end): see ``Generation``.
+    of each generated token under the model's unfiltered distribution at the sampling temperature (0 after a row's
+    end): see ``Generation``.
     ``repetition_penalty`` != 1.0 applies HF's ``RepetitionPenaltyLogitsProcessor`` to the tokens of the prompts and
     of the answers so far (``sampling.py``); ``prompt_start`` (B,) says where each row's own prompt begins in prompts
     padded further on the left (a tensor-parallel group's), for the columns HF would not see.

@@ -260,8 +260,9 @@ class HybridEngine:
         transformers < 5.23, as HF's own ``generate`` does) is divided by it when positive, multiplied by it when
         negative, before the ``min_new_tokens`` EOS suppression and temperature / top-k / top-p. With
         ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of each generated token
-        under the model's unfiltered distribution (no repetition penalty, temperature, top-k/p or EOS suppression: what
-        the training forward scores it with; 0 after a row's end), computed in the decode step. ``synced_gpus``,
+        under the model's unfiltered distribution at the sampling temperature (greedy: 1; no repetition penalty, top-k/p
+        or EOS suppression: what step 3's training forward scores it with; 0 after a row's end), computed in the
+        decode step. ``synced_gpus``,
         ``use_cache``, ``early_stopping`` (a beam-search setting), ``bos_token_id`` and ``renormalize_logits`` are
         accepted and change nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs
         that would change the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors.

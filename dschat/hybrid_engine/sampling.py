@@ -129,10 +129,10 @@ def sample_next_token(logits, temperature=1.0, top_k=0, top_p=1.0, do_sample=Fal
     return exponential_race(*race_input(logits, temperature, top_k, top_p), generator)
 
 
-def token_log_probs(logits, tokens):
-    """``log softmax(logits)[token]`` per row, in fp32, of the unfiltered distribution (no temperature, top-k/p or
-    EOS suppression): what the training forward scores the token with, e.g. PPO's old log-probs."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+def token_log_probs(logits, tokens, temperature=1.0):
+    """``log softmax(logits / temperature)[token]`` per row, in fp32, of the unfiltered distribution (no top-k/p or
+    EOS suppression): what step 3's training forward scores the token with, e.g. PPO's old log-probs."""
+    return torch.log_softmax(_scaled(logits.float(), temperature), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 # False: torch's ops choose every token (the benchmarks' ``_torchsample`` rows)
@@ -152,7 +152,8 @@ def one_pass_applies(do_sample, logprobs, modifies_logits):
 def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, do_sample=False, generator=None,
                   logprobs=False, one_pass=False, token_sync=None):
     """A decode step's tokens (B,) chosen from ``logits`` and, with ``logprobs``, their fp32 log-probabilities under
-    ``model_logits`` (the unmodified distribution; ``logits`` itself when the step changed nothing; else None).
+    ``model_logits`` (the unmodified distribution; ``logits`` itself when the step changed nothing; else None) at the
+    sampling temperature (greedy: 1).
     ``one_pass`` (from :func:`one_pass_applies`): the Triton kernel where it runs, torch's ops otherwise (and after a
     kernel failure, reported once); its log-sum-exp gives the log-probs when it read the model's own logits.
     ``token_sync`` makes the tokens a tensor-parallel group's shared ones before their log-probs are read."""
@@ -172,9 +173,10 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
         tokens = token_sync(tokens)
     if not logprobs:
         return tokens, None
+    scale = temperature if do_sample else 1.0
     if lse is None:
-        return tokens, token_log_probs(model_logits, tokens)
-    return tokens, model_logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
+        return tokens, token_log_probs(model_logits, tokens, scale)
+    return tokens, model_logits.gather(-1, tokens[:, None]).squeeze(-1).float() * (1.0 / scale) - lse
 
 
 def _one_pass_tokens(logits, temperature, top_k, top_p, do_sample, generator, with_lse):

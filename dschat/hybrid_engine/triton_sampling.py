@@ -45,8 +45,8 @@ def _exponential(bits):
 @triton.jit
 def _lane_update(row_logits, cols, vocab, bits, inv_temperature, cut, last_tie, best, best_col, run_max, run_sum,
                  SAMPLE: tl.constexpr, LSE: tl.constexpr, FILTER: tl.constexpr):
-    """Fold LANES columns into each lane's race winner and online log-sum-exp (of every column: the race alone
-    leaves out what top-k/top-p filter, see ``triton_filters``)."""
+    """Fold LANES columns into each lane's race winner and online log-sum-exp of the logits over the temperature (of
+    every column: the race alone leaves out what top-k/top-p filter, see ``triton_filters``)."""
     ok = cols < vocab
     x = tl.load(row_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
     if SAMPLE:
@@ -60,9 +60,10 @@ def _lane_update(row_logits, cols, vocab, bits, inv_temperature, cut, last_tie, 
     best = tl.where(better, race, best)
     best_col = tl.where(better, cols, best_col)
     if LSE:
-        new_max = tl.maximum(run_max, x)
+        scaled = x * inv_temperature
+        new_max = tl.maximum(run_max, scaled)
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: keep the sum at 0, not nan
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.exp(x - shift)
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.exp(scaled - shift)
         run_max = new_max
     return best, best_col, run_max, run_sum
 
@@ -168,7 +169,7 @@ def unsupported(logits, generator=None):
 
 
 def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_lse=False, cuts=None):
-    """``logits`` (B, V) -> (tokens (B,) int64, log-sum-exp (B,) fp32 of the unscaled logits or None).
+    """``logits`` (B, V) -> (tokens (B,) int64, log-sum-exp (B,) fp32 of ``logits / temperature`` or None).
 
     Sampled: one draw per row from ``softmax(logits / temperature)``, over the columns ``cuts`` keeps when given
     (``triton_filters.row_cuts``: top-k/top-p; the log-sum-exp stays the unfiltered one); greedy: the first maximal

@@ -160,6 +160,12 @@ def _chunk_len(logits: torch.Tensor, chunk_size: Optional[int]) -> int:
     return max(1, min(int(chunk_size), T))
 
 
+def _chunk_at(logits: torch.Tensor, start: int, chunk: int, dt: torch.dtype, temperature: float) -> torch.Tensor:
+    """Positions ``start:start + chunk`` of ``logits`` in ``dt``, divided by ``temperature`` (1: as they are)."""
+    x = logits[..., start:start + chunk, :].to(dt)
+    return x / temperature if temperature != 1.0 else x
+
+
 class _GatherLogProbs(torch.autograd.Function):
     """log_softmax(logits)[label], fp32 per chunk; backward recomputes softmax chunk by chunk.
 
@@ -168,47 +174,47 @@ class _GatherLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, chunk):
+    def forward(ctx, logits, labels, chunk, temperature):
         dt = _compute_dtype(logits)
         T = logits.shape[-2]
         out = torch.empty(labels.shape, dtype=dt, device=logits.device)
         lse = torch.empty(labels.shape, dtype=dt, device=logits.device)
         for s in range(0, T, chunk):
-            x = logits[..., s:s + chunk, :].to(dt)
+            x = _chunk_at(logits, s, chunk, dt, temperature)
             l = torch.logsumexp(x, dim=-1)
             picked = x.gather(-1, labels[..., s:s + chunk].unsqueeze(-1)).squeeze(-1)
             out[..., s:s + chunk] = picked - l
             lse[..., s:s + chunk] = l
         ctx.save_for_backward(logits, labels, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, labels, lse = ctx.saved_tensors
-        chunk, dt = ctx.chunk, lse.dtype
+        chunk, dt, temperature = ctx.chunk, lse.dtype, ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for s in range(0, logits.shape[-2], chunk):
-            x = logits[..., s:s + chunk, :].to(dt)
-            g = grad_out[..., s:s + chunk].to(dt).unsqueeze(-1)
+            x = _chunk_at(logits, s, chunk, dt, temperature)
+            g = grad_out[..., s:s + chunk].to(dt).unsqueeze(-1) / temperature  # (d(l / T) / dl)
             p = torch.exp(x - lse[..., s:s + chunk].unsqueeze(-1))
             gl = p.mul_(-g)
             gl.scatter_add_(-1, labels[..., s:s + chunk].unsqueeze(-1), g)
             grad[..., s:s + chunk, :] = gl
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _EntropyFromLogits(torch.autograd.Function):
     """H = -sum_v p log p per position, fp32 per chunk; dH/dl = -p (log p + H)."""
 
     @staticmethod
-    def forward(ctx, logits, chunk):
+    def forward(ctx, logits, chunk, temperature):
         dt = _compute_dtype(logits)
         T = logits.shape[-2]
         H = torch.empty(logits.shape[:-1], dtype=dt, device=logits.device)
         lse = torch.empty_like(H)
         for s in range(0, T, chunk):
-            x = logits[..., s:s + chunk, :].to(dt)
+            x = _chunk_at(logits, s, chunk, dt, temperature)
             l = torch.logsumexp(x, dim=-1, keepdim=True)
             logp = x - l
             p = torch.exp(logp)
@@ -216,25 +222,26 @@ class _EntropyFromLogits(torch.autograd.Function):
             H[..., s:s + chunk] = -plogp.sum(-1)
             lse[..., s:s + chunk] = l.squeeze(-1)
         ctx.save_for_backward(logits, lse, H)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return H
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, lse, H = ctx.saved_tensors
-        chunk, dt = ctx.chunk, H.dtype
+        chunk, dt, temperature = ctx.chunk, H.dtype, ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for s in range(0, logits.shape[-2], chunk):
-            x = logits[..., s:s + chunk, :].to(dt)
+            x = _chunk_at(logits, s, chunk, dt, temperature)
             logp = x - lse[..., s:s + chunk].unsqueeze(-1)
             p = torch.exp(logp)
             d = torch.where(p > 0, p * (logp + H[..., s:s + chunk].unsqueeze(-1)), torch.zeros_like(p))
-            grad[..., s:s + chunk, :] = -d * grad_out[..., s:s + chunk].to(dt).unsqueeze(-1)
-        return grad, None
+            grad[..., s:s + chunk, :] = -d * (grad_out[..., s:s + chunk].to(dt) / temperature).unsqueeze(-1)
+        return grad, None, None
 
 
-def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
-    """``log_softmax(logits, -1)`` gathered at ``labels``.
+def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: Optional[int] = None,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature, -1)`` gathered at ``labels``.
 
     ``logits``: ``(B, T, V)`` (any leading dims; the sequence is dim -2), any float dtype, may be a
     non-contiguous view such as ``logits[:, :-1]``; ``labels``: ``(B, T)`` int64. Returns ``(B, T)`` in
@@ -242,23 +249,25 @@ def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: Opt
     fp32, so the full fp32 ``(B, T, V)`` tensor never exists, neither in forward nor in backward
     (custom autograd function; the gradient w.r.t. ``logits`` is ``g * (onehot - softmax)`` in the
     logits' dtype). ``chunk_size=None`` picks a chunk of about ``DEFAULT_CHUNK_ELEMENTS`` elements.
-    Equals the naive ``log_softmax(logits.float()).gather(...)``.
+    Equals the naive ``log_softmax(logits.float() / temperature).gather(...)``. ``temperature``: the distribution
+    step 3 samples its answers from (TRL's, OpenRLHF's and verl's PPO/GRPO score them at it too).
     """
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels shape {tuple(labels.shape)} != logits shape[:-1] {tuple(logits.shape[:-1])}")
     if logits.shape[-2] == 0:
         return torch.empty(labels.shape, dtype=_compute_dtype(logits), device=logits.device)
-    return _GatherLogProbs.apply(logits, labels.long(), _chunk_len(logits, chunk_size))
+    return _GatherLogProbs.apply(logits, labels.long(), _chunk_len(logits, chunk_size), float(temperature))
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` per position: ``(B, T, V)`` -> ``(B, T)`` in fp32 (fp64 for fp64).
+def entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per position: ``(B, T, V)`` -> ``(B, T)`` in fp32 (fp64 for fp64).
 
     Chunked and fp32 per chunk exactly like :func:`gather_log_probs`; differentiable.
     """
     if logits.shape[-2] == 0:
         return torch.empty(logits.shape[:-1], dtype=_compute_dtype(logits), device=logits.device)
-    return _EntropyFromLogits.apply(logits, _chunk_len(logits, chunk_size))
+    return _EntropyFromLogits.apply(logits, _chunk_len(logits, chunk_size), float(temperature))
 
 
 # --------------------------------------------------------------------------------------------

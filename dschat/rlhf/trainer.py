@@ -64,12 +64,12 @@ def pad_answers(seq, action_mask, pad_token_id, multiple_of, logprobs=None):
     return F.pad(seq, (0, extra), value=pad_token_id), F.pad(action_mask, (0, extra), value=0), logprobs
 
 
-def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, entropy=False):
+def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, entropy=False, temperature=1.0):
     """Log-probs (and entropies) of the answer tokens ``seq[:, start + 1:]``, (B, L - start - 1) each, from one
     forward of ``model`` (an engine: ``model.module`` is the HF model) over the rows as they are (``layout`` None)
-    or shifted (a ``LeftAligned``). The LM head runs on the answer positions only (``logits_to_keep`` where the model
-    takes it; for shifted rows each row's own answer positions, picked before the head), so the prompt's logits are
-    never computed or stored."""
+    or shifted (a ``LeftAligned``), under ``softmax(logits / temperature)`` (``scoring_temperature``). The LM head
+    runs on the answer positions only (``logits_to_keep`` where the model takes it; for shifted rows each row's own
+    answer positions, picked before the head), so the prompt's logits are never computed or stored."""
     count = seq.shape[1] - start - 1
     takes_keep = forward_spec(model.module).takes_logits_to_keep
     if layout is None:
@@ -82,9 +82,9 @@ def answer_token_stats(model, seq, attention_mask, start, layout, chunk_size, en
             logits = layout.forward(model, seq, use_cache=False,
                                     **({"logits_to_keep": window} if takes_keep else {})).logits
     labels = seq[:, start + 1:]
-    stats = [algo.gather_log_probs(logits, labels, chunk_size)]
+    stats = [algo.gather_log_probs(logits, labels, chunk_size, temperature)]
     if entropy:
-        stats.append(algo.entropy_from_logits(logits, chunk_size))
+        stats.append(algo.entropy_from_logits(logits, chunk_size, temperature))
     return stats if entropy else stats[0]
 
 
@@ -149,6 +149,14 @@ def sampling_kwargs(args, hf_generate=False):
         return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     return {"do_sample": not args.greedy, "temperature": args.temperature, "top_k": top_k_flag(args.top_k),
             "top_p": args.top_p}
+
+
+def scoring_temperature(args):
+    """The temperature step 3 scores its answers at (old, new and reference log-probs, entropy): the one they were
+    sampled at, as TRL's, OpenRLHF's and verl's PPO/GRPO do, so that the policy PPO's ratio and KL measure is the one
+    that drew the answers (scored at 1 instead, a --temperature 0.7 rollout trained another policy than the one it
+    sampled). Greedy answers: 1. (top-k / top-p filters are not taken into the scores, as in those libraries.)"""
+    return 1.0 if args.greedy else float(args.temperature)
 
 
 def answer_stop_ids(actor, tokenizer):
@@ -352,7 +360,8 @@ class DeepSpeedPPOTrainer:
 
     def _logprobs(self, model, seq, attention_mask, start, layout=None):
         """Log-probs of the answer tokens only."""
-        return answer_token_stats(model, seq, attention_mask, start, layout, self.args.logprob_chunk_size)
+        return answer_token_stats(model, seq, attention_mask, start, layout, self.args.logprob_chunk_size,
+                                  temperature=scoring_temperature(self.args))
 
     @staticmethod
     def _values(critic, seq, attention_mask, layout=None):
@@ -477,7 +486,7 @@ class DeepSpeedPPOTrainer:
     def _actor_loss(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg):
         a = self.args
         stats = answer_token_stats(self.actor_model, seq, attention_mask, start, layout, a.logprob_chunk_size,
-                                   entropy=bool(a.entropy_coef))
+                                   entropy=bool(a.entropy_coef), temperature=scoring_temperature(a))
         logp, entropy = stats if a.entropy_coef else (stats, None)
         loss, pstats = algo.policy_loss_clipped(logp, old_logp, advantages, mask, self.cliprange, **agg)
         if a.entropy_coef:

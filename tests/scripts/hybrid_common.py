@@ -117,9 +117,10 @@ def train_step(engine, sequences):
     engine.step()
 
 
-def answer_logprobs_and_live(model, sequences, prompt_mask, eos_token_id):
-    """(log-probs a full forward of ``model`` gives each answer token of ``sequences``, mask of the answer positions
-    up to and including each row's first EOS): what the decode step's ``return_logprobs`` must reproduce."""
+def answer_logprobs_and_live(model, sequences, prompt_mask, eos_token_id, temperature=1.0):
+    """(log-probs a full forward of ``model`` gives each answer token of ``sequences`` at ``temperature``, mask of the
+    answer positions up to and including each row's first EOS): what the decode step's ``return_logprobs`` must
+    reproduce (at the sampling temperature)."""
     from dschat.models.reward_model import positions_from_mask
 
     prompt_len = prompt_mask.shape[1]
@@ -128,7 +129,8 @@ def answer_logprobs_and_live(model, sequences, prompt_mask, eos_token_id):
     with torch.no_grad():
         logits = model(input_ids=sequences, attention_mask=full_mask,
                        position_ids=positions_from_mask(full_mask)).logits.float()
-    logprobs = torch.log_softmax(logits[:, prompt_len - 1:-1], -1).gather(-1, answers[..., None]).squeeze(-1)
+    logprobs = torch.log_softmax(logits[:, prompt_len - 1:-1] / temperature, -1).gather(-1, answers[..., None])
+    logprobs = logprobs.squeeze(-1)
     live = torch.ones_like(answers, dtype=torch.bool)
     live[:, 1:] = (answers[:, :-1] == eos_token_id).cumsum(-1) == 0
     return logprobs, live

@@ -150,7 +150,8 @@ def check_filtered_draws():
         assert fit < CHI2_999[2], (top_k, counts, fit)
         misfit = chi_square(counts[kept], torch.softmax(filtered[kept] / 0.5, -1))
         assert misfit > 4 * CHI2_999[2], ("the temperature is applied once", top_k, misfit)
-        expected = torch.log_softmax(rows.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+        # the log-probs: the unfiltered distribution at the sampling temperature (step 3 scores answers at it)
+        expected = torch.log_softmax(rows.float() / 0.5, -1).gather(-1, tokens[:, None]).squeeze(-1)
         assert (logp - expected).abs().max() < 1e-6, top_k
         print(f"filtered, top-k {top_k}: chi-square {fit:.1f} (2 dof), {misfit:.1f} with T applied twice")
     triton_filters.row_cuts, triton_filters.BLOCK, triton_filters.SPLIT_SUB = row_cuts, block, sub
@@ -303,13 +304,15 @@ def check_engine_logprobs_equal_training_forward():
         assert error < 1e-4, (path, error)
         if path == "eager":
             assert torch.equal(sequences, sample(7)[0]) and not torch.equal(sequences, sample(8)[0]), path
-        # the race on filtered, penalised or EOS-suppressed logits; the log-probs stay the model's own
+        # the race on filtered, penalised or EOS-suppressed logits; the log-probs stay the model's own, at the
+        # sampling temperature (the kernel's log-sum-exp of the logits over it)
         for changed in (dict(top_k=6, top_p=0.9), dict(top_p=0.8), dict(repetition_penalty=1.2),
-                        dict(min_new_tokens=4)):
+                        dict(min_new_tokens=4), dict(temperature=0.6), dict(temperature=1.5, top_k=6)):
             calls.clear()
             sequences, logprobs = sample(7, **changed)
             assert calls and all(calls), (path, changed, "the sampled steps go through the kernel")
-            expected, live = answer_logprobs_and_live(model, sequences, mask, eos)
+            expected, live = answer_logprobs_and_live(model, sequences, mask, eos,
+                                                      temperature=changed.get("temperature", 1.0))
             assert (logprobs - expected)[live].abs().max() < 1e-4, (path, changed)
         calls.clear()
         greedy, greedy_logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos,
