@@ -240,29 +240,138 @@ def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp
 
     from dschat.utils.checkpoints import LATEST
 
-    args = SimpleNamespace(output_dir=str(tmp_path))
+    args = SimpleNamespace(output_dir=str(tmp_path), resume=True, per_device_train_batch_size=8,
+                           gradient_accumulation_steps=1)
     root = tmp_path / "checkpoints"
     (root / "trainer" / "step_0000002").mkdir(parents=True)
     (root / LATEST).write_text(json.dumps({"tag": "step_0000002"}))
     with pytest.raises(UsageError, match=r"no model/step_0000002 folder"):
-        resume.load_step_checkpoint(None, args, "step2")
+        resume.plan_resume(args, "step2")
     (root / "model" / "step_0000002").mkdir(parents=True)
     with pytest.raises(UsageError, match=r"no trainer/step_0000002/state.json"):
-        resume.load_step_checkpoint(None, args, "step2")
+        resume.plan_resume(args, "step2")
     (root / "trainer" / "step_0000002" / "state.json").write_text("{}")
     for rank in (0, 1):  # (each rank's file holds its RNG states and its train-loss sums)
         (root / "trainer" / "step_0000002" / f"rng_rank{rank}.pt").write_bytes(b"")
-    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1"):
-        resume.load_step_checkpoint(None, args, "step2")
+    # a checkpoint that does not say how many samples its steps took (its place in the data counts them)
+    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; it does not record its batch sizes.*"
+                                         r"resume on 2 rank\(s\)"):
+        resume.plan_resume(args, "step2")
+
+
+def test_a_checkpoint_of_another_rank_count_resumes_only_with_as_many_samples_a_step(tmp_path):
+    """On another number of ranks, the batch flags may change as long as a step takes the checkpoint's samples (its
+    step count, schedule and data position count those); otherwise the error says which flag to give."""
+    from types import SimpleNamespace
+
+    root = tmp_path / "checkpoints"
+    for part in ("model", "trainer"):
+        (root / part / "step_0000002").mkdir(parents=True)
+    (root / "latest").write_text(json.dumps({"tag": "step_0000002"}))
+    state = {"step": 2, "epoch": 0, "batch": 2, "flags": {"per_device_train_batch_size": 8,
+                                                          "gradient_accumulation_steps": 1}}
+    (root / "trainer" / "step_0000002" / "state.json").write_text(json.dumps(state))
+    for rank in (0, 1):
+        (root / "trainer" / "step_0000002" / f"rng_rank{rank}.pt").write_bytes(b"")
+
+    def plan(micro, accumulation):
+        args = SimpleNamespace(output_dir=str(tmp_path), resume=True, per_device_train_batch_size=micro,
+                               gradient_accumulation_steps=accumulation)
+        return resume.plan_resume(args, "step2", {}, None)
+
+    said = r"saved by 2 rank\(s\), this run has 1: its optimizer steps took 8 x 1 x 2 = 16 samples"
+    with pytest.raises(UsageError, match=rf"{said} .*this run's 8 x 1 x 1 = 8; .*resume with "
+                                         r"--gradient_accumulation_steps 2$"):
+        plan(8, 1)
+    with pytest.raises(UsageError, match=r"this run's 5 x 1 x 1 = 5; .*resume with --per_device_train_batch_size 16$"):
+        plan(5, 1)
+    with pytest.raises(UsageError, match=r"this run's 5 x 3 x 1 = 15; .*resume with --per_device_train_batch_size and "
+                                         r"--gradient_accumulation_steps whose product is 16$"):
+        plan(5, 3)
+    # as many samples a step: on to what the engine needs before it is made (here: missing)
+    with pytest.raises(UsageError, match=r"plan_resume\(args, step, ds_config, train_loader\) before the engine"):
+        plan(16, 1)
+
+
+def test_the_data_position_on_another_number_of_ranks_skips_what_was_trained_on(capsys):
+    """The checkpoint's ranks consumed a prefix of the epoch's order: this run skips the whole micro-batches of its
+    own that it covers, and says how many records it trains on again where they do not divide."""
+    from types import SimpleNamespace
+
+    loader = type("Loader", (), {"dataset": range(600), "__len__": lambda self: 19})()
+    args = SimpleNamespace(per_device_train_batch_size=16)
+    # 2 ranks x 5 micro-batches of 8 = 80 records: 5 of this run's 16
+    skipped, said = resume._position_on_these_ranks({"batch": 5, "epoch": 1, "saved_micro_batch": 8}, 2, loader, args)
+    assert skipped == 5 and said == ("the data position: the first 80 of epoch 2's 600 records (in its order) were "
+                                     "trained on, this run skips 5 micro-batches of 16 on each rank")
+    args.per_device_train_batch_size = 32  # 80 = 2 x 32 + 16
+    skipped, said = resume._position_on_these_ranks({"batch": 5, "epoch": 1, "saved_micro_batch": 8}, 2, loader, args)
+    assert skipped == 2 and said.endswith("skips 2 micro-batches of 32 on each rank, 64 records: the last 16 are "
+                                          "trained on again (80 is not a multiple of --per_device_train_batch_size 32 "
+                                          "x 1 rank(s))")
+    # its epoch was done (300 records a rank: 38 micro-batches of 8, the last short): so is this run's
+    skipped, said = resume._position_on_these_ranks({"batch": 38, "epoch": 0, "saved_micro_batch": 8}, 2, loader, args)
+    assert skipped == 19 and said == "the data position: epoch 1 was done, training goes on from the next"
+
+
+OTHER_RANKS = Path(__file__).parent / "scripts" / "other_ranks.py"
+
+
+def _other_ranks():
+    """tests/scripts/other_ranks.py as a module: its ``run`` is the one-rank side of a resume on other ranks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("other_ranks", OTHER_RANKS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _seen(folder, name, ranks):
+    return [json.loads((folder / f"{name}_rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def _records(*seen):
+    """The records the ranks of runs trained on, with how many times."""
+    from collections import Counter
+
+    return Counter(tuple(sample) for ranks in seen for rank in ranks for sample in rank["samples"])
 
 
 @pytest.mark.multirank
-def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(tmp_path):
-    script = Path(__file__).parent / "scripts" / "supervised_resume.py"
-    proc = run_deepspeed(script, str(tmp_path), timeout=900)
-    for rank in (0, 1):
-        assert f"rank {rank} resumed from step 4" in proc.stdout
-    assert "ZeRO-3 resume: weights equal the uninterrupted run's" in proc.stdout
+def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path, distributed, capsys):
+    """A job rescheduled on fewer GPUs: step 1's ZeRO-2 checkpoint of 2 ranks was refused on 1 ("resume on 2
+    rank(s)"). It resumes through DeepSpeed's universal checkpoint, with the checkpoint's weights, the run's last
+    steps, and every record of the uninterrupted run's trained on once; a second resume reuses the copy."""
+    common = [*SFT_FAST, "--max_seq_len", "48", "--data_split", "1,8,1", "--zero_stage", "2", "--max_steps", "6",
+              "--per_device_train_batch_size", "8", "--eval_iters", "1", "--save_interval", "2",
+              "--data_output_path", str(tmp_path / "data")]
+    run_deepspeed(OTHER_RANKS, "sft", tmp_path, "full:full:0,before:split:4", *common)
+    other_ranks, split = _other_ranks(), tmp_path / "split"
+    capsys.readouterr()
+    # 16 samples a step, as on 2 ranks: 8 x 2 accumulated
+    resumed = [*common, "--output_dir", str(split), "--resume", "--gradient_accumulation_steps", "2"]
+    metrics = other_ranks.run("sft", tmp_path, "after", None, resumed)
+    out = capsys.readouterr().out
+    assert ("[step1] --resume: checkpoint step_0000004 saved by 2 rank(s), this run has 1: its ZeRO-2 states load "
+            "from DeepSpeed's universal copy model/step_0000004_universal (made now); the data position: the first 64 "
+            "of epoch 1's 600 records (in its order) were trained on, this run skips 8 micro-batches of 8 on each "
+            "rank; rank 0 restores its own RNG states; the train-loss sums of its ranks are pooled") in out
+    assert "resumed from step 4 " in out and "before training" not in out and "this run spans" not in out
+    after, = _seen(tmp_path, "after", 1)
+    assert after["resumed_at"] == 4 and after["loaded_weights_difference"] == 0.0
+    assert metrics["steps"] == 6 and len(after["samples"]) == 2 * 2 * 8  # steps 5 and 6: 2 micro-batches of 8 each
+    assert _records(_seen(tmp_path, "before", 2), [after]) == _records(_seen(tmp_path, "full", 2))
+    assert sorted(p.name for p in (split / "checkpoints" / "model").iterdir() if p.is_dir()) == \
+        ["step_0000004", "step_0000004_universal", "step_0000006"]
+    assert json.loads((split / "checkpoints" / "latest").read_text())["tag"] == "step_0000006"
+    # again from step 4 (a second interruption before the next save): the copy is reused, the run ends the same
+    first = _weights(split)
+    (split / "checkpoints" / "latest").write_text(json.dumps({"tag": "step_0000004"}))
+    sft.main(resumed)
+    assert "model/step_0000004_universal (made by an earlier resume)" in capsys.readouterr().out
+    for name, tensor in _weights(split).items():
+        torch.testing.assert_close(tensor, first[name], rtol=0, atol=0, msg=name)
 
 
 def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):
@@ -311,6 +420,28 @@ def test_pruning_keeps_the_last_complete_checkpoints_and_removes_partial_and_lat
     for part in ("model", "trainer"):
         assert sorted(p.name for p in (tmp_path / part).iterdir() if p.is_dir()) == ["step_0000002", "step_0000004"]
     assert (tmp_path / "model" / "zero_to_fp32.py").is_file()
+
+
+def test_a_universal_copy_is_no_checkpoint_and_goes_with_its_own(tmp_path):
+    """A resume on another number of ranks leaves DeepSpeed's universal copy of its checkpoint beside it: never a tag
+    to resume from, pruned with its checkpoint, and with a new save of the same tag (made from the files it
+    replaced); a conversion killed part-way leaves a partial folder, which goes too."""
+    from dschat.utils import checkpoints
+
+    for n in (2, 4, 6):
+        tag = f"step_{n:07d}"
+        (tmp_path / "model" / tag).mkdir(parents=True)
+        (tmp_path / "model" / f"{tag}_universal").mkdir()
+        (tmp_path / "trainer" / tag).mkdir(parents=True)
+        (tmp_path / "trainer" / tag / "state.json").write_text("{}")
+    (tmp_path / "model" / "step_0000004_universal.partial").mkdir()
+    assert checkpoints.complete_tags(str(tmp_path)) == ["step_0000002", "step_0000004", "step_0000006"]
+    (tmp_path / "latest").unlink(missing_ok=True)
+    with pytest.raises(UsageError, match=r"holds checkpoints step_0000002, step_0000004, step_0000006 and no latest"):
+        checkpoints.latest_tag(str(tmp_path))
+    checkpoints._prune(str(tmp_path), "step_0000006", keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == \
+        ["step_0000004", "step_0000004_universal", "step_0000006"]
 
 
 def test_only_a_checkpoints_own_folders_are_pruned_or_cleared(tmp_path, capsys):

@@ -10,9 +10,9 @@ from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, finished_run_id, holds_model, input_runs, model_identity,
                                  restart_deepspeed_tensorboard, step_data_records)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, check_complete, check_same_flags, latest_tag,
-                                      load_rank_state, publish, read_trainer_state, reading, save_trainer_state, tag_of,
-                                      take_restored_flags, trainer_folder)
-from dschat.utils.dist import is_rank_0, rank_0_decides
+                                      load_rank_state, publish, read_trainer_state, reading, refuse_other_rank_count,
+                                      save_trainer_state, tag_of, take_restored_flags, trainer_folder)
+from dschat.utils.dist import get_world_size, is_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
 # have the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them
@@ -43,6 +43,11 @@ RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate", "actor_lora_lea
 # Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it.
 FREE_FLAGS = ("actor_dropout",)
 CRITIC_FREE_FLAGS = ("critic_dropout",)
+# (Steps 1, 2 and DPO resume on another number of ranks, dschat.steps.resume; step 3 does not.)
+OTHER_RANKS_WHY = ("step 3 resumes only on as many ranks as saved its checkpoint (its actor's and critic's ZeRO "
+                   "partitions, each rank's generation RNG, and its place in the prompts, counted in batches of "
+                   "--per_device_generation_batch_size on each rank, are not converted for another number; steps 1, "
+                   "2 and DPO are)")
 BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer states (LoRA layout and scale, weight "
              "decay, ZeRO stage, precision, offload) and its place in the prompts (batches of "
              "--per_device_generation_batch_size of the prompts its data flags make, in --seed's order) hold for its "
@@ -99,7 +104,9 @@ def check_resumable(trainer, root, tag):
     """The checkpoint ``tag`` was saved by a run this one can continue (``checkpoints.check_complete``): also a
     critic when this run trains one, an EMA copy when this run keeps one, and the flags it is bound to. Returns its
     saved state, less the flags."""
-    check_complete(root, tag, (ACTOR,))
+    saved = check_complete(root, tag, (ACTOR,))
+    if saved != get_world_size():
+        refuse_other_rank_count(root, tag, saved, OTHER_RANKS_WHY)
     if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, CRITIC, tag)):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
                          f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")

@@ -619,8 +619,11 @@ def say_a_changed_schedule(name, checkpoint, total, unit):
     learning-rate scheduler's position, and the rates from there follow this run's schedule length; said."""
     saved = (checkpoint or {}).get("total")
     if saved is not None and saved != total:
+        ranks = (checkpoint or {}).get("world_size", get_world_size())
+        why = "" if ranks == get_world_size() else \
+            f", or its epochs' last micro-batches on {get_world_size()} rank(s) instead of {ranks}"
         print_rank_0(f"[{name}] this run spans {total} {unit}, its checkpoint's run {saved} (--max_steps, "
-                     f"--num_train_epochs): the learning rates from here follow this run's schedule")
+                     f"--num_train_epochs{why}): the learning rates from here follow this run's schedule")
 
 
 def seconds_so_far(started, checkpoint=None):
@@ -634,7 +637,7 @@ def run_supervised_step(args, recipe):
     from dschat.args import (resolve_pad_to_multiple_of, step1_parser, supervised_conditional_flags,
                              unread_conditional_flags)
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
-    from dschat.steps.resume import resume_or_start, save_step_checkpoint
+    from dschat.steps.resume import plan_resume, resume_or_start, save_step_checkpoint
 
     started = time.time()
     device = setup_run(args)
@@ -658,6 +661,8 @@ def run_supervised_step(args, recipe):
                                                   args.per_device_eval_batch_size, args.seed)
     total_steps = num_update_steps(len(train_loader), args.gradient_accumulation_steps, args.num_train_epochs,
                                    args.max_steps)
+    # (before the engine: a checkpoint of another number of ranks sets DeepSpeed's universal loading in ds_config)
+    plan = plan_resume(args, recipe.name, ds_config, train_loader)
     engine = initialize_engine(model, ds_config, args.learning_rate, args.weight_decay,
                                args.lora_learning_rate if args.lora_dim else None,
                                args.lr_scheduler_type, args.num_warmup_steps, total_steps,
@@ -668,7 +673,7 @@ def run_supervised_step(args, recipe):
     def evaluate():
         return recipe.evaluate_fn(engine, eval_loader, device, args.eval_iters)
 
-    position = resume_or_start(engine, args, recipe.name, total_steps)
+    position = resume_or_start(engine, args, recipe.name, total_steps, plan)
     clear_results(args, recipe.name, resumed=position is not None)
     if position is None:
         print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")

@@ -2,17 +2,27 @@
 ``<output_dir>/checkpoints`` the model's DeepSpeed engine (weights, optimizer, scheduler), the position in the data
 (epoch and micro-batches consumed), the train-loss sums and each rank's RNG states (dropout); ``--resume`` continues
 from the last complete one (the tag folders and ``latest`` pointer of ``dschat.utils.checkpoints``, as step 3's). The
-output folder must be one that every rank sees (shared storage), as for DeepSpeed's own checkpoints."""
+output folder must be one that every rank sees (shared storage), as for DeepSpeed's own checkpoints.
+
+A checkpoint resumes on another number of ranks than saved it when each optimizer step takes as many samples
+(--per_device_train_batch_size x --gradient_accumulation_steps x ranks): its steps, learning-rate schedule and data
+position are the same. ZeRO-1/2/3 partitions load through DeepSpeed's universal checkpoint (``plan_resume`` decides it
+from the files, before ``deepspeed.initialize``, and rank 0 makes the copy once); the data position skips the samples
+of the epoch trained on (each epoch's order is one permutation of (seed, epoch), which the ranks' samplers deal out in
+turn, so what N ranks consumed is a prefix of it); each rank's RNG is its own where the checkpoint has it."""
+import math
 import os
+from dataclasses import dataclass, field
 
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
                                  say_a_changed_schedule, step_data_records)
 from dschat.utils.checkpoints import (MODEL, check_complete, check_same_flags, clear_earlier_run, latest_tag,
-                                      load_rank_state, publish, read_trainer_state, reading, save_trainer_state, tag_of,
-                                      take_restored_flags)
-from dschat.utils.dist import print_rank_0, rank_0_decides
+                                      load_rank_state, load_rank_state_of_others, publish, read_trainer_state, reading,
+                                      refuse_other_rank_count, save_trainer_state, tag_of, take_restored_flags,
+                                      universal_copy, zero_partitioned)
+from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
 # the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them; its
@@ -55,48 +65,200 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
     place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total") if key in position}
     sums = {key: position[key] for key in ("loss_sum", "loss_count")}
     save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
-                                   "inputs": input_runs(args)}, rank_state=sums)
+                                   "inputs": input_runs(args), "world_size": get_world_size()}, rank_state=sums)
     publish(root, tag, keep_last)
     return tag
 
 
+# The flags whose product with the number of ranks is an optimizer step's samples: on another number of ranks they may
+# change, as long as the product does not.
+BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+
+
+@dataclass
+class ResumePlan:
+    """What ``--resume`` continues, decided from the files before the engine exists: the checkpoint's ``tag`` (None:
+    there is none) and saved ``state`` (its position, less its flags), the number of ranks that saved it, and the tag
+    DeepSpeed loads (its universal copy's, on another number of ranks with ZeRO partitions)."""
+
+    tag: str = None
+    state: dict = field(default_factory=dict)
+    saved_ranks: int = 0
+    load_tag: str = None
+    notice: str = None  # (what a resume on another number of ranks does, said when it loads)
+
+    @property
+    def other_ranks(self):
+        return self.tag is not None and self.saved_ranks != get_world_size()
+
+
 def _checked_latest(args, step):
-    """(tag, saved position) of the last complete checkpoint that this run may continue, else None."""
+    """(tag, saved position, ranks that saved it) of the last complete checkpoint that this run may continue, else
+    None. On another number of ranks, the samples of an optimizer step must be the checkpoint's (``BATCH_FLAGS``)."""
     root = checkpoint_root(args)
     tag = latest_tag(root)
     if tag is None:
         return None
-    check_complete(root, tag, (MODEL,))
+    saved_ranks = check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
-    state["restored"] = check_same_flags(state.pop("flags", {}), resume_flags(args), RESTORED_FLAGS, tag, root, step,
-                                         BOUND_WHY, FREE_FLAGS)
-    return tag, state
+    saved = state.pop("flags", {})
+    if saved_ranks != get_world_size():
+        _check_other_ranks(root, tag, saved, saved_ranks, args)
+        state["saved_micro_batch"] = saved["per_device_train_batch_size"]
+    now = resume_flags(args)
+    if saved_ranks != get_world_size():
+        now = {name: value for name, value in now.items() if name not in BATCH_FLAGS}  # (their product: compared)
+    state["restored"] = check_same_flags(saved, now, RESTORED_FLAGS, tag, root, step, BOUND_WHY, FREE_FLAGS)
+    return tag, state, saved_ranks
 
 
-def load_step_checkpoint(engine, args, step):
-    """Restore the last complete checkpoint of this step's output folder into ``engine`` (weights, optimizer,
-    scheduler), and this rank's RNG; returns its position with this rank's loss sums (None when there is none).
-    Rank 0 picks and checks it for every rank, before DeepSpeed loads anything: a checkpoint of another setup is
-    one error naming the flags, on every rank."""
+def _check_other_ranks(root, tag, saved, saved_ranks, args):
+    """A checkpoint of ``saved_ranks`` ranks that this run of another number may continue: not one of DeepSpeed's
+    NVMe-offloaded optimizers (per rank, not converted), and the same samples per optimizer step."""
+    folder = os.path.join(root, MODEL, tag)
+    if os.path.isdir(os.path.join(folder, "offloaded_tensors")):
+        refuse_other_rank_count(root, tag, saved_ranks, "its optimizer states were offloaded to NVMe, one folder per "
+                                "rank, which DeepSpeed's universal checkpoint does not convert")
+    if any(name not in saved for name in BATCH_FLAGS):
+        refuse_other_rank_count(root, tag, saved_ranks, "it does not record its batch sizes, so the samples of its "
+                                "optimizer steps (and its place in the data) are not known")
+    micro, accumulation = (saved[name] for name in BATCH_FLAGS)
+    then, ranks = micro * accumulation * saved_ranks, get_world_size()
+    now = args.per_device_train_batch_size * args.gradient_accumulation_steps * ranks
+    if now != then:
+        raise UsageError(
+            f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has {ranks}: its "
+            f"optimizer steps took {micro} x {accumulation} x {saved_ranks} = {then} samples (--per_device_train_"
+            f"batch_size x --gradient_accumulation_steps x ranks), this run's {args.per_device_train_batch_size} x "
+            f"{args.gradient_accumulation_steps} x {ranks} = {now}; its step count, learning-rate schedule and place "
+            f"in the data count steps of {then} samples: {_same_step_advice(then, args, ranks)}")
+
+
+def _same_step_advice(samples, args, ranks):
+    """How this run of ``ranks`` ranks takes ``samples`` per optimizer step (a flag to change), if it can."""
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if samples % (micro * ranks) == 0:
+        return f"resume with --gradient_accumulation_steps {samples // (micro * ranks)}"
+    if samples % (accumulation * ranks) == 0:
+        return f"resume with --per_device_train_batch_size {samples // (accumulation * ranks)}"
+    if samples % ranks == 0:
+        return (f"resume with --per_device_train_batch_size and --gradient_accumulation_steps whose product is "
+                f"{samples // ranks}")
+    return f"{samples} samples do not split over {ranks} ranks: resume on another number of ranks"
+
+
+def plan_resume(args, step, ds_config=None, train_loader=None):
+    """--resume: the checkpoint to continue (``ResumePlan``; its tag None when there is none), picked and checked by
+    rank 0 for every rank before DeepSpeed loads anything, so a checkpoint of another setup is one error naming the
+    flags, on every rank. Called before ``deepspeed.initialize``: a checkpoint of another number of ranks with ZeRO
+    partitions gets its universal copy (rank 0 makes it, every rank waits) and ``ds_config`` DeepSpeed's
+    ``checkpoint.load_universal``; that is said once, with what it does to the data position (``train_loader``: this
+    run's)."""
+    if not args.resume:
+        return ResumePlan()
     found = rank_0_decides(lambda: _checked_latest(args, step))
     if found is None:
+        return ResumePlan()
+    tag, state, saved_ranks = found
+    plan = ResumePlan(tag, state, saved_ranks, tag)
+    if not plan.other_ranks:
+        return plan
+    root = checkpoint_root(args)
+    if ds_config is None or train_loader is None:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
+                         f"{get_world_size()}: its ZeRO states load through a universal copy, which DeepSpeed's config "
+                         "asks for before deepspeed.initialize, and its data position is converted for this run's "
+                         "loader (plan_resume(args, step, ds_config, train_loader) before the engine is made)")
+    said = []
+    if rank_0_decides(lambda: zero_partitioned(os.path.join(root, MODEL, tag))):
+        plan.load_tag, made = rank_0_decides(lambda: universal_copy(root, MODEL, tag, saved_ranks))
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        said.append(f"its ZeRO-{ds_config.get('zero_optimization', {}).get('stage', '?')} states load from "
+                    f"DeepSpeed's universal copy {MODEL}/{plan.load_tag} ("
+                    + ("made now" if made else "made by an earlier resume") + ")")
+    else:
+        said.append("its DeepSpeed states are not partitioned over the ranks (no ZeRO) and load as saved")
+    plan.state["batch"], data_said = _position_on_these_ranks(plan.state, saved_ranks, train_loader, args)
+    said.append(data_said)
+    ranks = get_world_size()
+    own = min(saved_ranks, ranks)
+    said.append(("rank 0 restores its own RNG states" if ranks == 1 else
+                 "each rank restores its own RNG states" if own == ranks else
+                 f"{_ranks(0, own - 1)} restore{'s' if own == 1 else ''} {'its' if own == 1 else 'their'} own RNG "
+                 f"states, {_ranks(own, ranks - 1)} (none saved) draw{'s' if own == ranks - 1 else ''} "
+                 f"{'its' if own == ranks - 1 else 'theirs'} from (--seed, rank, step)")
+                + "; the train-loss sums of its ranks are pooled")
+    plan.notice = (f"[{step}] --resume: checkpoint {tag} saved by {saved_ranks} rank(s), this run has {ranks}: "
+                   f"{'; '.join(said)}")
+    return plan
+
+
+def _ranks(first, last):
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def _position_on_these_ranks(state, saved_ranks, loader, args):
+    """(micro-batches of the checkpoint's epoch this run skips on each rank, what it says of that). The checkpoint's
+    ranks consumed the first ``batch`` x micro-batch x ranks samples of the epoch's order (all of it, at its end); this
+    run skips as many whole micro-batches of its own on every rank as those cover. Where they do not divide into this
+    run's micro-batches x ranks, it skips fewer: the rest are trained on a second time (said, with how many)."""
+    batch, epoch, micro = state["batch"], state["epoch"], state["saved_micro_batch"]
+    records = len(loader.dataset)
+    per_rank = math.ceil(records / saved_ranks)  # (DistributedSampler's share, padded)
+    if batch >= math.ceil(per_rank / micro):  # the checkpoint's epoch was done: so is this run's
+        return len(loader), f"the data position: epoch {epoch + 1} was done, training goes on from the next"
+    consumed, step_samples = batch * micro * saved_ranks, args.per_device_train_batch_size * get_world_size()
+    skipped = consumed // step_samples
+    again = consumed - skipped * step_samples
+    said = (f"the data position: the first {consumed} of epoch {epoch + 1}'s {records} records (in its order) were "
+            f"trained on, this run skips {skipped} micro-batches of {args.per_device_train_batch_size} on each rank")
+    if again:
+        said += (f", {skipped * step_samples} records: the last {again} are trained on again ({consumed} is not a "
+                 f"multiple of --per_device_train_batch_size {args.per_device_train_batch_size} x {get_world_size()} "
+                 f"rank(s))")
+    return skipped, said
+
+
+def load_step_checkpoint(engine, args, step, plan=None):
+    """Restore the checkpoint of ``plan`` (``plan_resume``'s; None: planned now, which a checkpoint of another number
+    of ranks with ZeRO partitions refuses: its engine was made without DeepSpeed's universal loading) into ``engine``
+    (weights, optimizer, scheduler), and this rank's RNG; returns its position with this rank's loss sums (None when
+    there is none)."""
+    if plan is None:
+        plan = plan_resume(args, step)
+    if plan.tag is None:
         return None
-    tag, position = found
+    position = dict(plan.state)
     take_restored_flags(position, args)
     root = checkpoint_root(args)
-    with reading(root, tag):
-        engine.load_checkpoint(os.path.join(root, MODEL), tag=tag)
-        rank_state = load_rank_state(root, tag)
+    if plan.notice:
+        print_rank_0(plan.notice)
+    with reading(root, plan.tag):
+        engine.load_checkpoint(os.path.join(root, MODEL), tag=plan.load_tag)
+        if plan.other_ranks:
+            rank_state = _pooled_rank_state(root, plan, args, position["step"])
+        else:
+            rank_state = load_rank_state(root, plan.tag)
     restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
+    position.pop("saved_micro_batch", None)
     return {**position, **rank_state}
 
 
-def resume_or_start(engine, args, name, total_steps):
-    """--resume: the position of the last checkpoint in the output folder, restored into ``engine`` (None when there
-    is none: the run starts over). Otherwise None, and an earlier run's checkpoints there are removed. Sets
-    ``args.save_interval`` (not given: the resumed run's). A checkpoint past this run's ``total_steps`` is an error
-    (the run would train on, past the end of its schedule)."""
-    return resume_or_afresh(lambda: load_step_checkpoint(engine, args, name), checkpoint_root(args), args, name,
+def _pooled_rank_state(root, plan, args, step):
+    """This rank's RNG (``load_rank_state_of_others``) and its share of the train-loss sums of every rank that saved
+    the checkpoint: each of this run's ranks takes 1/ranks of their totals, so the mean over ranks of each rank's mean
+    loss, which the run reports, pools the checkpoint's micro-batches with this run's."""
+    _, saved = load_rank_state_of_others(root, plan.tag, args.seed, step)
+    scale = 1 / get_world_size()
+    return {key: sum(state[key] for state in saved.values()) * scale for key in ("loss_sum", "loss_count")}
+
+
+def resume_or_start(engine, args, name, total_steps, plan=None):
+    """--resume: the position of the last checkpoint in the output folder (``plan``: ``plan_resume``'s), restored into
+    ``engine`` (None when there is none: the run starts over). Otherwise None, and an earlier run's checkpoints there
+    are removed. Sets ``args.save_interval`` (not given: the resumed run's). A checkpoint past this run's
+    ``total_steps`` is an error (the run would train on, past the end of its schedule)."""
+    return resume_or_afresh(lambda: load_step_checkpoint(engine, args, name, plan), checkpoint_root(args), args, name,
                             total_steps)
 
 

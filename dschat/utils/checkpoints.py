@@ -5,8 +5,15 @@ A checkpoint is a tag folder in each part of ``root``: a DeepSpeed engine's fold
 states and own counters (``rng_rank<N>.pt``). Every rank writes its share; only when all have finished does rank 0
 point ``latest`` at the tag (an atomic rename), so an interrupted save is never resumed from. The last ``keep_last``
 tags are kept.
+
+A checkpoint of steps 1, 2 or DPO resumes on another number of ranks (``dschat.steps.resume``): its ZeRO partitions
+through a universal copy that DeepSpeed's ``ds_to_universal`` makes beside the tag (``model/<tag>_universal``, see
+``universal_copy``; pruned with its tag), each rank's RNG states from its own file where the checkpoint has one.
 """
+import argparse
 import contextlib
+import hashlib
+import io
 import os
 import random
 import re
@@ -26,6 +33,11 @@ TRAINER = "trainer"
 MODEL, ACTOR, CRITIC = "model", "actor", "critic"
 PARTS = (MODEL, ACTOR, CRITIC, TRAINER)
 TAG = re.compile(r"(step|iter)_\d{7}")
+# DeepSpeed's universal copy of a tag's ZeRO states (made to resume on another number of ranks), and the folder it is
+# made in before the rename that completes it. Neither is a tag: ``latest`` never names one, and each goes with its tag.
+UNIVERSAL = "_universal"
+UNIVERSAL_PARTIAL = ".partial"
+UNIVERSAL_COPY = re.compile(rf"(?P<tag>{TAG.pattern}){UNIVERSAL}(?:{re.escape(UNIVERSAL_PARTIAL)})?")
 
 
 def tag_of(unit, number):
@@ -145,9 +157,8 @@ def load_rank_state(root, tag, generator=None):
 
 
 def check_complete(root, tag, parts):
-    """The folders of ``tag`` are all there (``parts`` and the trainer's, with its state), saved by as many ranks as
-    this run has (the ZeRO, RNG and rank states are per rank). Checked from the files alone, before DeepSpeed's own
-    errors, which name no flag."""
+    """The folders of ``tag`` are all there (``parts`` and the trainer's, with its state). Checked from the files alone,
+    before DeepSpeed's own errors, which name no flag. Returns the number of ranks that saved it (``saved_ranks``)."""
     for part in (*parts, TRAINER):
         if not os.path.isdir(os.path.join(root, part, tag)):
             raise UsageError(f"--resume: {os.path.join(root, LATEST)} names checkpoint {tag}, but {root} has no "
@@ -157,10 +168,105 @@ def check_complete(root, tag, parts):
     if not os.path.isfile(os.path.join(where, "state.json")):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no {TRAINER}/{tag}/state.json (removed or copied "
                          f"in part?): restore it{_earlier(root, tag)}; or start afresh without --resume")
-    saved_ranks = sum(1 for name in os.listdir(where) if name.startswith("rng_rank") and name.endswith(".pt"))
-    if saved_ranks != get_world_size():
-        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
-                         f"{get_world_size()}; its ZeRO and RNG states are per rank: resume on {saved_ranks} rank(s)")
+    return saved_ranks(root, tag)
+
+
+def saved_ranks(root, tag):
+    """How many ranks saved checkpoint ``tag``: one RNG file each."""
+    return len(rank_files(root, tag))
+
+
+def rank_files(root, tag):
+    """{rank: its RNG file} of checkpoint ``tag``."""
+    found = {}
+    for name in os.listdir(trainer_folder(root, tag)):
+        match = re.fullmatch(r"rng_rank(\d+)\.pt", name)
+        if match:
+            found[int(match.group(1))] = os.path.join(trainer_folder(root, tag), name)
+    return found
+
+
+def refuse_other_rank_count(root, tag, saved, why):
+    """A checkpoint of ``saved`` ranks that this run, of another number, cannot continue: a UsageError saying
+    ``why``."""
+    raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved} rank(s), this run has "
+                     f"{get_world_size()}; {why}: resume on {saved} rank(s)")
+
+
+def universal_tag(tag):
+    return f"{tag}{UNIVERSAL}"
+
+
+def zero_partitioned(folder):
+    """Whether the DeepSpeed checkpoint in ``folder`` (one tag of one engine) holds per-rank ZeRO partitions (its
+    ``*optim_states.pt`` files: ZeRO-1, 2, 3), which another number of ranks loads only through a universal copy;
+    without them (no ZeRO: the whole optimizer is in ``mp_rank_00_model_states.pt``) any number of ranks loads it."""
+    return any(name.endswith("optim_states.pt") for name in os.listdir(folder))
+
+
+def universal_copy(root, part, tag, saved):
+    """The universal copy of ``part``'s checkpoint ``tag`` (saved by ``saved`` ranks): (its tag, whether it was made
+    now). Rank 0; made once by DeepSpeed's ``ds_to_universal`` into ``<tag>_universal.partial`` and renamed into place
+    when complete, so a conversion killed part-way is made again, never loaded; a complete one is reused by a later
+    resume. Removed with its tag (``_prune``), and by a new save of the same tag. A conversion DeepSpeed fails is a
+    UsageError naming its error."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    folder = os.path.join(root, part)
+    final = os.path.join(folder, universal_tag(tag))
+    if os.path.isdir(final):
+        return universal_tag(tag), False
+    scratch = final + UNIVERSAL_PARTIAL
+    shutil.rmtree(scratch, ignore_errors=True)
+    # its folder one level down: ds_to_universal writes a ``latest_universal`` pointer beside the folder it makes,
+    # which would name the partial folder in ``part``
+    made = os.path.join(scratch, universal_tag(tag))
+    # no worker processes: this rank's process group has threads that a forked worker would copy in any state;
+    # inject_missing_state: dschat's models carry no universal_checkpoint_info (no tensor or pipeline parallelism:
+    # the defaults are theirs)
+    options = argparse.Namespace(input_folder=os.path.join(folder, tag), output_folder=made, num_extract_workers=1,
+                                 num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            ds_to_universal.main(options)
+    except Exception as error:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved} rank(s), this run has "
+                         f"{get_world_size()}, and DeepSpeed could not convert its {part} states for another number "
+                         f"of ranks (ds_to_universal: {type(error).__name__}: {error}): resume on {saved} rank(s)"
+                         ) from error
+    os.rename(made, final)
+    shutil.rmtree(scratch)
+    return universal_tag(tag), True
+
+
+def load_rank_state_of_others(root, tag, seed, step, generator=None):
+    """On a run of another number of ranks than checkpoint ``tag``'s: this rank's RNG states restored from its own
+    file where the checkpoint has one (its rank was among those that saved it), else drawn from (``seed``, rank,
+    ``step``), the same on every resume. Returns (whether its own were restored, the ``rank_state`` of every rank
+    that saved it, by rank)."""
+    files = rank_files(root, tag)
+    saved = {rank: torch.load(path, weights_only=False) for rank, path in sorted(files.items())}
+    own = saved.get(get_rank())
+    if own is not None:
+        restore_rng(own, generator)
+    else:
+        seed_rng(derived_seed(seed, get_rank(), step), generator)
+    return own is not None, {rank: state.get("rank_state") for rank, state in saved.items()}
+
+
+def derived_seed(seed, rank, step):
+    """A seed of (``seed``, ``rank``, ``step``), for a rank that has no saved RNG states to restore."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{rank}/{step}".encode()).digest()[:4], "little")
+
+
+def seed_rng(value, generator=None):
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # (CUDA's too)
+    if generator is not None:
+        generator.manual_seed(value)
 
 
 # How DeepSpeed's loaders fail on a checkpoint file that is missing or cut short: a bare assertion when a rank's file
@@ -279,10 +385,18 @@ def complete_tags(root):
 def _prune(root, current, keep_last):
     """Keep the last ``keep_last`` complete tags up to ``current`` (those with their trainer state), in every part;
     remove every other tag: older ones, ones a save killed part-way left, and ones after ``current``, which belong to
-    an earlier, longer run in the same folder (kept, they would sort after this run's and be pruned in its place)."""
+    an earlier, longer run in the same folder (kept, they would sort after this run's and be pruned in its place). A
+    universal copy goes with its tag, and ``current``'s too: it was made from the files this save replaced; one a
+    conversion killed part-way left (``.partial``) goes too."""
     parts = _parts(root)
     keep = set([t for t in complete_tags(root) if t <= current][-keep_last:])
     for tag in _tags(root, parts):
         if tag not in keep:
             for part in parts:
                 shutil.rmtree(os.path.join(root, part, tag), ignore_errors=True)
+    for part in parts:
+        for name in os.listdir(os.path.join(root, part)):
+            copy = UNIVERSAL_COPY.fullmatch(name)
+            if copy and (name.endswith(UNIVERSAL_PARTIAL) or copy.group("tag") not in keep
+                         or copy.group("tag") == current):
+                shutil.rmtree(os.path.join(root, part, name), ignore_errors=True)
