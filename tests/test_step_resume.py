@@ -374,6 +374,44 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path, distributed, capsys)
         torch.testing.assert_close(tensor, first[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.multirank
+def test_a_zero3_checkpoint_of_one_rank_resumes_on_two(tmp_path, distributed):
+    """A job rescheduled on more GPUs: step 2's ZeRO-3 checkpoint of 1 rank resumes on 2, each rank with the
+    checkpoint's weights and the parameter groups' own weight decay (DeepSpeed's ZeRO-3 universal load gives every
+    group the first one's), and every record of the uninterrupted run's trained on once."""
+    common = [*SMALL, "--zero_stage", "3", "--max_steps", "5", "--weight_decay", "0.1", "--dropout", "0.0",
+              "--save_interval", "2", "--data_output_path", str(tmp_path / "data")]
+    other_ranks = _other_ranks()
+    one = [*common, "--per_device_train_batch_size", "16"]
+    full = other_ranks.run("reward", tmp_path, "full", None, [*one, "--output_dir", str(tmp_path / "full")])
+    other_ranks.run("reward", tmp_path, "before", 2, [*one, "--output_dir", str(tmp_path / "split")])
+    proc = run_deepspeed(OTHER_RANKS, "reward", tmp_path, "after:split:0", *common, "--per_device_train_batch_size",
+                         "8", "--resume")
+    assert ("[step2] --resume: checkpoint step_0000002 saved by 1 rank(s), this run has 2: its ZeRO-3 states load "
+            "from DeepSpeed's universal copy model/step_0000002_universal (made now); the data position: the first 32 "
+            "of epoch 1's 600 records (in its order) were trained on, this run skips 2 micro-batches of 8 on each "
+            "rank; rank 0 restores its own RNG states, rank 1 (none saved) draws its from (--seed, rank, step)") \
+        in proc.stdout, proc.stdout[-3000:]
+    after = _seen(tmp_path, "after", 2)
+    for rank in after:
+        assert rank["resumed_at"] == 2 and rank["loaded_weights_difference"] == 0.0
+        assert [group["weight_decay"] for group in rank["param_groups"]] == [0.1, 0.0]
+        assert len(rank["samples"]) == 3 * 2 * 8  # steps 3-5: 8 pairs (chosen and rejected rows) a step on each rank
+    assert after[0]["metrics"]["steps"] == 5
+    assert _records(_seen(tmp_path, "before", 1), after) == _records(_seen(tmp_path, "full", 1))
+    # the train loss pools the checkpoint's micro-batches of 16 with the ranks' of 8, sample for sample
+    assert after[0]["metrics"]["train_loss"] == pytest.approx(full["train_loss"], rel=1e-3)
+
+
+@pytest.mark.multirank
+def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(tmp_path):
+    script = Path(__file__).parent / "scripts" / "supervised_resume.py"
+    proc = run_deepspeed(script, str(tmp_path), timeout=900)
+    for rank in (0, 1):
+        assert f"rank {rank} resumed from step 4" in proc.stdout
+    assert "ZeRO-3 resume: weights equal the uninterrupted run's" in proc.stdout
+
+
 def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):
     """DeepSpeed restores the scheduler's position; a lowered --max_steps then decays the rates at once (a user saw
     1.7e-05 where the uninterrupted run had 7.0e-04), silently."""

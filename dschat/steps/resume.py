@@ -234,7 +234,10 @@ def load_step_checkpoint(engine, args, step, plan=None):
     if plan.notice:
         print_rank_0(plan.notice)
     with reading(root, plan.tag):
+        groups = _param_group_settings(engine)
         engine.load_checkpoint(os.path.join(root, MODEL), tag=plan.load_tag)
+        if plan.load_tag != plan.tag:
+            _restore_param_group_settings(engine, groups)
         if plan.other_ranks:
             rank_state = _pooled_rank_state(root, plan, args, position["step"])
         else:
@@ -246,11 +249,33 @@ def load_step_checkpoint(engine, args, step, plan=None):
 
 def _pooled_rank_state(root, plan, args, step):
     """This rank's RNG (``load_rank_state_of_others``) and its share of the train-loss sums of every rank that saved
-    the checkpoint: each of this run's ranks takes 1/ranks of their totals, so the mean over ranks of each rank's mean
-    loss, which the run reports, pools the checkpoint's micro-batches with this run's."""
+    the checkpoint. The sums count micro-batch mean losses: the checkpoint's, of its micro-batch size, count as that
+    many of this run's micro-batches, and each of this run's ranks takes 1/ranks of the totals, so the mean over
+    ranks of each rank's mean loss, which the run reports, weighs every sample of the run alike, as the uninterrupted
+    run's does."""
     _, saved = load_rank_state_of_others(root, plan.tag, args.seed, step)
-    scale = 1 / get_world_size()
+    scale = plan.state["saved_micro_batch"] / args.per_device_train_batch_size / get_world_size()
     return {key: sum(state[key] for state in saved.values()) * scale for key in ("loss_sum", "loss_count")}
+
+
+def _param_group_settings(engine):
+    """The optimizer's parameter groups' settings (weight decay, betas, ...), less their parameters."""
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def _restore_param_group_settings(engine, groups):
+    """After a universal load: the parameter groups' settings as this run made them, and their learning rates where
+    the restored scheduler left them, as a load of the checkpoint itself restores them. DeepSpeed's ZeRO-3 universal
+    load (0.19.8, ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) gives every group the first group's (its
+    weight decay to the no-decay group, the base learning rate to LoRA's). The flags that make them are bound, so
+    these are the checkpoint's."""
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    rates = engine.lr_scheduler.get_last_lr() if engine.lr_scheduler is not None else None
+    for index, (group, settings) in enumerate(zip(optimizer.param_groups, groups)):
+        group.update({key: value for key, value in settings.items() if key != "lr"})
+        if rates is not None:
+            group["lr"] = rates[index]
 
 
 def resume_or_start(engine, args, name, total_steps, plan=None):
