@@ -462,3 +462,22 @@ def test_every_step_flag_says_what_it_does_in_help():
         silent = [action.option_strings[0] for action in parser._actions
                   if action.option_strings and not action.help and not isinstance(action, argparse._HelpAction)]
         assert not silent, (name, silent)
+
+
+def test_reward_model_takes_deepspeed_chats_arguments_in_its_order():
+    """DeepSpeed-Chat's ``RewardModel(base_model, tokenizer, num_padding_at_beginning=0, compute_fp32_loss=False)``:
+    dschat's took ``compute_fp32_loss`` second, so a call ported from it passed the tokenizer as that flag (true: the
+    head computed in fp32 unasked)."""
+    from transformers import AutoModel, OPTConfig
+
+    from dschat import RewardModel
+    from dschat.tiny import load_tiny_tokenizer
+
+    def backbone():
+        return AutoModel.from_config(OPTConfig(vocab_size=96, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                               num_attention_heads=2, word_embed_proj_dim=16))
+
+    tokenizer = load_tiny_tokenizer()
+    ported = RewardModel(backbone(), tokenizer, 1)
+    assert ported.compute_fp32_loss is False and ported.num_padding_at_beginning == 1
+    assert RewardModel(backbone(), tokenizer, 1, True).compute_fp32_loss is True

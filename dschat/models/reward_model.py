@@ -69,9 +69,12 @@ class ValueHead(nn.Linear):
 
 
 class RewardModel(nn.Module):
-    """``base_model`` is an HF backbone (``AutoModel``), possibly PEFT-wrapped; the head is Linear(hidden, 1)."""
+    """``base_model`` is an HF backbone (``AutoModel``), possibly PEFT-wrapped; the head is Linear(hidden, 1).
+    DeepSpeed-Chat's arguments, in its order: ``tokenizer`` is taken and not read (DeepSpeed-Chat finds each
+    sequence's end by its pad id; dschat by the attention mask), so ``RewardModel(base, tokenizer)`` ported from it
+    does not pass the tokenizer as ``compute_fp32_loss``."""
 
-    def __init__(self, base_model, compute_fp32_loss=False, num_padding_at_beginning=0):
+    def __init__(self, base_model, tokenizer=None, num_padding_at_beginning=0, compute_fp32_loss=False):
         super().__init__()
         self.value_head_loaded = False  # from_pretrained: whether the folder held a trained head
         # (mean, std) a frozen scorer's values are normalized by (an OpenRLHF reward model's), else None
