@@ -124,7 +124,9 @@ def add_tokenizer_args(g):
 def add_precision_args(g):
     g.add_argument("--dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="Training precision (default bf16; DeepSpeed-Chat's default was fp16).")
-    g.add_argument("--compute_fp32_loss", action="store_true", help="Compute the losses in fp32.")
+    g.add_argument("--compute_fp32_loss", action="store_true",
+                   help="The value head of the reward model and critic computes in fp32 (steps 2 and 3; "
+                        "DeepSpeed-Chat's flag). The losses and log-probs are computed in fp32 in any case.")
 
 
 def add_tensorboard_args(g, path):
