@@ -1,8 +1,8 @@
 """Step 2 (DPO): direct preference optimization of the SFT model, DeepSpeed-Chat's alternative to steps 2+3.
 
 The policy trains like step 1 (same flags: LoRA, ZeRO 0-3, gradient checkpointing, ...) on phase 2's
-chosen/rejected pairs; a frozen copy of the starting model is the reference (ZeRO-3 when the policy is, as
-DeepSpeed-Chat's). Log-probs are summed over the answer tokens only. The final model is an HF causal LM like
+chosen/rejected pairs; a frozen copy of the starting model is the reference (ZeRO-3 when the policy is on several
+ranks or it is offloaded, ``build_reference_model``). Log-probs are summed over the answer tokens only. The final model is an HF causal LM like
 step 1's, so it is loaded, chatted with and evaluated the same way.
 """
 import torch
