@@ -60,7 +60,7 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected_log_probs():
 
 @pytest.mark.parametrize("beta, label_smoothing", [(0.0, 0.0), (-0.1, 0.0), (0.1, 0.5), (0.1, -0.1)])
 def test_invalid_beta_or_label_smoothing_is_rejected(beta, label_smoothing):
-    flag = "--beta must be > 0" if beta <= 0 else r"--label_smoothing must be in \[0, 0.5\)"  # (named as a flag)
+    flag = "--beta must be a finite number > 0" if beta <= 0 else r"--label_smoothing must be in \[0, 0.5\)"  # (named as a flag)
     with pytest.raises(ValueError, match=flag):
         dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED, beta, label_smoothing)
 
@@ -81,7 +81,8 @@ def test_dpo_step_loss_adds_rpo_alpha_times_chosen_nll(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--beta", "0"], ["--label_smoothing", "0.5"], ["--include_prompt_in_loss"],
-                                  ["--multiturn"], ["--rpo_alpha", "-1"]])
+                                  ["--multiturn"], ["--rpo_alpha", "-1"], ["--beta", "inf"], ["--rpo_alpha", "nan"],
+                                  ["--rpo_alpha", "inf"]])
 def test_dpo_step_rejects_bad_flags_before_building_anything(argv):
     with pytest.raises(ValueError):
         dpo.DPOStep(step2_dpo_parser().parse_args(argv))

@@ -5,6 +5,8 @@ The inputs are per-sequence log-probabilities summed over the answer tokens
 (:func:`response_log_probs`), of the policy and of the frozen reference, for the chosen and the rejected
 answer of each pair.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -24,8 +26,8 @@ def response_log_probs(logits, input_ids, response_mask, chunk_size=None):
 
 
 def check_dpo_params(beta, label_smoothing):
-    if not beta > 0:
-        raise UsageError(f"--beta must be > 0, got {beta}")
+    if not (beta > 0 and math.isfinite(beta)):  # (inf: the first loss is not finite, after every model loaded)
+        raise UsageError(f"--beta must be a finite number > 0, got {beta}")
     # at 0.5 the two terms cancel: the loss is constant and nothing is learned
     if not 0.0 <= label_smoothing < 0.5:
         raise UsageError(f"--label_smoothing must be in [0, 0.5) (at 0.5 nothing is learned), got {label_smoothing}")

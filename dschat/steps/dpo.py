@@ -2,9 +2,11 @@
 
 The policy trains like step 1 (same flags: LoRA, ZeRO 0-3, gradient checkpointing, ...) on phase 2's
 chosen/rejected pairs; a frozen copy of the starting model is the reference (ZeRO-3 when the policy is on several
-ranks or it is offloaded, ``build_reference_model``). Log-probs are summed over the answer tokens only. The final model is an HF causal LM like
-step 1's, so it is loaded, chatted with and evaluated the same way.
+ranks or it is offloaded, ``build_reference_model``). Log-probs are summed over the answer tokens only. The final
+model is an HF causal LM like step 1's, so it is loaded, chatted with and evaluated the same way.
 """
+import math
+
 import torch
 
 from dschat.args import step2_dpo_parser, step_settings
@@ -75,8 +77,8 @@ def check_dpo_flags(args):
         if getattr(args, flag, False):
             raise UsageError(f"--{flag} is a step-1 flag: DPO compares the final answers, so its log-probs "
                              "cover their tokens only")
-    if args.rpo_alpha < 0:
-        raise UsageError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
+    if not (args.rpo_alpha >= 0 and math.isfinite(args.rpo_alpha)):  # (nan, inf: the first loss is not finite)
+        raise UsageError(f"--rpo_alpha must be a finite number >= 0, got {args.rpo_alpha}")
 
 
 class DPOStep:
