@@ -368,6 +368,55 @@ def test_a_one_label_sequence_classification_folder_loads_as_the_reward_model_it
     assert not is_reward_model_folder(str(tmp_path / "two"))
 
 
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
+def test_a_sequence_classifier_whose_pad_is_its_eos_scores_where_transformers_and_trl_score(family, tmp_path):
+    """TRL trains a reward model through transformers' *ForSequenceClassification, which scores a row at its last
+    token that is not the config's pad id: with pad == EOS (a common setting), the token before the answer's EOS.
+    dschat scored the EOS itself, a position the head was never trained on, so step 3's rewards (and rw_eval's,
+    eval.py's) were another function of the text than the model's. Scored as transformers does, on the masked
+    forward and on step 3's shifted rows; a frozen scorer saved and loaded again keeps it; a critic started from it
+    trains at the last token as dschat's heads do."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForSequenceClassification
+
+    from dschat.rlhf.layout import LeftAligned
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+    from dschat.tiny import load_tiny_tokenizer
+
+    eos = 2
+    torch.manual_seed(0)
+    config = CONFIGS[family]()
+    config.num_labels, config.pad_token_id, config.eos_token_id = 1, eos, eos
+    original = AutoModelForSequenceClassification.from_config(config).eval()
+    original.save_pretrained(tmp_path / "rm")
+    ids = torch.randint(3, 96, (3, 8))
+    mask = torch.ones_like(ids)
+    ids[0, 7] = eos  # an answer ended by its EOS
+    ids[1, 5], ids[1, 6:], mask[1, 6:] = eos, eos, 0  # ... then right padding with the pad (== EOS) id
+    ids[2, :2], mask[2, :2], ids[2, 7] = eos, 0, eos  # left padding, as step 3's prompts
+    with torch.no_grad():
+        expected = original(input_ids=ids, attention_mask=mask).logits[:, 0]
+        # (the left-padded row as it is alone: GPT-2's own forward gives left padding positions, dschat's does not)
+        expected[2] = original(input_ids=ids[2:, 2:]).logits[0, 0]
+    scorer = load_reward_model(str(tmp_path / "rm")).eval()
+    with torch.no_grad():
+        assert torch.allclose(scorer.end_scores(ids, mask), expected, atol=1e-5)
+        assert torch.allclose(scorer.forward_value(ids, mask)["chosen_end_scores"], expected, atol=1e-5)
+        stand_in = SimpleNamespace(reward_model=SimpleNamespace(module=scorer), reward_fn=None,
+                                   args=SimpleNamespace(reward_model_weight=1.0))
+        layout = LeftAligned.of(mask)
+        assert layout is not None
+        shifted = DeepSpeedPPOTrainer._scores(stand_in, {}, ids, mask, None, None, layout)
+        assert torch.allclose(shifted, expected, atol=1e-5)
+    save_reward_model(scorer, load_tiny_tokenizer(), str(tmp_path / "saved"))
+    with torch.no_grad():
+        again = load_reward_model(str(tmp_path / "saved")).eval().end_scores(ids, mask)
+    assert torch.allclose(again, expected, atol=1e-5)
+    critic = create_critic_model(str(tmp_path / "rm"), None, rlhf_training=True)
+    assert critic.score_skips_token_id is None
+
+
 def _openrlhf_reward_folder(family, folder, prefix, normalization, record_prefix=True, weights="safetensors"):
     """A reward model in the layout OpenRLHF's save_model writes: transformers' one-label sequence classifier's weights
     (the backbone under its base_model_prefix, a Linear without bias) with the head named ``prefix``, config.json naming

@@ -17,6 +17,8 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_META_FILE = "reward_model.json"
 # Its key for the (mean, std) a saved scorer divides its scores by (``RewardModel.score_normalization``).
 SCORE_NORMALIZATION_KEY = "score_normalization"
+# ... and for the pad id a *ForSequenceClassification scorer skips at the end of a row (``RewardModel.score_index``).
+SCORE_SKIPS_KEY = "score_skips_token_id"
 # DeepSpeed-Chat's step 2 saves its RewardModel whole in one pytorch_model.bin: the backbone's weights under its
 # attribute's name (misspelt there), the head as "v_head.weight".
 DS_CHAT_WEIGHTS_FILE = "pytorch_model.bin"
@@ -79,6 +81,9 @@ class RewardModel(nn.Module):
         self.value_head_loaded = False  # from_pretrained: whether the folder held a trained head
         # (mean, std) a frozen scorer's values are normalized by (an OpenRLHF reward model's), else None
         self.score_normalization = None
+        # the pad id transformers' *ForSequenceClassification skips to find the scored token (a TRL reward model loaded
+        # to score: ``score_index``), else None
+        self.score_skips_token_id = None
         self.config = base_model.config
         # (a multimodal backbone, e.g. Gemma-3 4B and up, keeps its decoder's sizes in its text config)
         text_config = self.config.get_text_config(decoder=True)
@@ -129,7 +134,18 @@ class RewardModel(nn.Module):
 
     def end_scores(self, input_ids, attention_mask, **kwargs):
         values = self.token_values(input_ids, attention_mask, **kwargs)
-        return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+        return values.gather(1, self.score_index(input_ids, attention_mask)[:, None]).squeeze(1)
+
+    def score_index(self, input_ids, attention_mask):
+        """The position each row is scored at: its last real token (``last_token_index``: the answer's EOS, where
+        dschat, DeepSpeed-Chat and OpenRLHF train the head). A *ForSequenceClassification loaded to score (TRL's reward
+        models) scores where transformers does, at the last real token that is not its pad id
+        (``score_skips_token_id``): with pad == EOS, the token before the answer's EOS, where TRL trained it."""
+        if self.score_skips_token_id is None or input_ids is None:
+            return last_token_index(attention_mask)
+        kept = attention_mask.bool() & (input_ids != self.score_skips_token_id)
+        kept = torch.where(kept.any(1, keepdim=True), kept, attention_mask.bool())  # (a row of pads alone)
+        return last_token_index(kept)
 
     def forward_value(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
                       head_mask=None, inputs_embeds=None, return_value_only=False, prompt_length=0,
@@ -141,7 +157,7 @@ class RewardModel(nn.Module):
         if attention_mask is None:
             raise ValueError("forward_value needs the attention_mask to find each row's last token "
                              "(or return_value_only=True)")
-        end = values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+        end = values.gather(1, self.score_index(input_ids, attention_mask)[:, None]).squeeze(1)
         return {"values": values, "chosen_end_scores": end}
 
     def apply_lora(self, lora_dim, module_name, lora_alpha, only_optimize_lora, module_name_flag="--lora_module_name"):
@@ -201,6 +217,13 @@ class RewardModel(nn.Module):
         elif normalization:
             logger.info("%s: its scores are normalized by mean %.4g and std %.4g when it scores; trained here, it "
                         "starts from the raw scores", name, *normalization)
+        skips = sequence_classification_pad_id(path, config) if from_score_head else saved_score_skips(path)
+        if skips is not None and normalize_scores:
+            model.score_skips_token_id = skips
+        elif skips is not None:
+            logger.info("%s: it scores a row at its last token that is not its pad id %d when it scores "
+                        "(transformers' *ForSequenceClassification); trained here, at each row's last token", name,
+                        skips)
         if tokenizer is not None:  # (its saved config says the tokenizer's pad and EOS ids, as a policy's does)
             sync_special_tokens(backbone, tokenizer)
         return model
@@ -213,6 +236,8 @@ class RewardModel(nn.Module):
         if self.score_normalization is not None:  # (a scorer loaded so: saved without it, it would score raw)
             mean, std = self.score_normalization
             meta[SCORE_NORMALIZATION_KEY] = {"mean": mean, "std": std}
+        if self.score_skips_token_id is not None:  # (likewise: saved without it, it would score another token)
+            meta[SCORE_SKIPS_KEY] = self.score_skips_token_id
         with open(os.path.join(folder, REWARD_META_FILE), "w") as f:
             json.dump(meta, f)
 
@@ -384,6 +409,26 @@ def saved_score_normalization(path):
     if not isinstance(saved, dict):
         raise UsageError(f"{where}: expected {{\"mean\": ..., \"std\": ...}}, got {saved!r}")
     return checked_normalization(saved.get("mean"), saved.get("std"), where)
+
+
+def sequence_classification_pad_id(path, config):
+    """The pad id a one-label *ForSequenceClassification in ``path`` skips to find the token it scores (its config's,
+    as saved: transformers scores the last token that is not it), else None (another layout, or no pad id)."""
+    if score_head_keys(_config_dict(path)) != (SEQ_CLS_HEAD_KEY,):
+        return None
+    return config.get_text_config(decoder=True).pad_token_id
+
+
+def saved_score_skips(path):
+    """The pad id a scorer loaded from a *ForSequenceClassification was saved with by ``save_reward_model``, in its
+    ``reward_model.json``, else None."""
+    from dschat.utils.files import read_json_object
+
+    saved = (read_json_object(os.path.join(path, REWARD_META_FILE)) or {}).get(SCORE_SKIPS_KEY)
+    if saved is not None and (not isinstance(saved, int) or isinstance(saved, bool) or saved < 0):
+        raise UsageError(f"{os.path.join(path, REWARD_META_FILE)}'s {SCORE_SKIPS_KEY}: expected a token id, got "
+                         f"{saved!r}")
+    return saved
 
 
 def ds_chat_reward_weights(path):

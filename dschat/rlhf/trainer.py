@@ -17,7 +17,7 @@ from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.loading import stop_token_ids, token_id_list
 from dschat.models.lora import unwrap_peft
-from dschat.models.reward_model import last_token_index, positions_from_mask
+from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.models.positions import position_limit
 from dschat.rlhf.layout import LeftAligned, head_reads
@@ -332,9 +332,10 @@ class DeepSpeedPPOTrainer:
         if self.reward_model is not None:
             if layout is None:
                 rm = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"]
-            else:  # the score at each row's last real token, in the shifted columns
-                values = layout.forward(self.reward_model.module.forward_value, seq, return_value_only=True)
-                rm = values.gather(1, last_token_index(layout.mask)[:, None]).squeeze(1)
+            else:  # the score at each row's scored token (its last real one), in the shifted columns
+                scorer = self.reward_model.module
+                values = layout.forward(scorer.forward_value, seq, return_value_only=True)
+                rm = values.gather(1, scorer.score_index(layout.align(seq), layout.mask)[:, None]).squeeze(1)
             scores = scores + a.reward_model_weight * rm.float()
         if self.reward_fn is not None:
             from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
