@@ -621,7 +621,7 @@ def say_a_changed_schedule(name, checkpoint, total, unit):
     if saved is not None and saved != total:
         ranks = (checkpoint or {}).get("world_size", get_world_size())
         why = "" if ranks == get_world_size() else \
-            f", or its epochs' last micro-batches on {get_world_size()} rank(s) instead of {ranks}"
+            f", or its epochs' last batches on {get_world_size()} rank(s) instead of {ranks}"
         print_rank_0(f"[{name}] this run spans {total} {unit}, its checkpoint's run {saved} (--max_steps, "
                      f"--num_train_epochs{why}): the learning rates from here follow this run's schedule")
 

@@ -12,16 +12,16 @@ of the epoch trained on (each epoch's order is one permutation of (seed, epoch),
 turn, so what N ranks consumed is a prefix of it); each rank's RNG is its own where the checkpoint has it."""
 import math
 import os
-from dataclasses import dataclass, field
 
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
                                  say_a_changed_schedule, step_data_records)
-from dschat.utils.checkpoints import (MODEL, check_complete, check_same_flags, clear_earlier_run, latest_tag,
-                                      load_rank_state, load_rank_state_of_others, publish, read_trainer_state, reading,
-                                      refuse_other_rank_count, save_trainer_state, tag_of, take_restored_flags,
-                                      universal_copy, zero_partitioned)
+from dschat.utils.checkpoints import (MODEL, ResumePlan, check_complete, check_convertible, check_same_flags,
+                                      clear_earlier_run, latest_tag, load_rank_state, load_rank_state_of_others,
+                                      loading_universal, publish, read_trainer_state, reading, refuse_other_rank_count,
+                                      rng_said, same_product_advice, save_trainer_state, tag_of, take_restored_flags,
+                                      universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -75,23 +75,6 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
 BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 
-@dataclass
-class ResumePlan:
-    """What ``--resume`` continues, decided from the files before the engine exists: the checkpoint's ``tag`` (None:
-    there is none) and saved ``state`` (its position, less its flags), the number of ranks that saved it, and the tag
-    DeepSpeed loads (its universal copy's, on another number of ranks with ZeRO partitions)."""
-
-    tag: str = None
-    state: dict = field(default_factory=dict)
-    saved_ranks: int = 0
-    load_tag: str = None
-    notice: str = None  # (what a resume on another number of ranks does, said when it loads)
-
-    @property
-    def other_ranks(self):
-        return self.tag is not None and self.saved_ranks != get_world_size()
-
-
 def _checked_latest(args, step):
     """(tag, saved position, ranks that saved it) of the last complete checkpoint that this run may continue, else
     None. On another number of ranks, the samples of an optimizer step must be the checkpoint's (``BATCH_FLAGS``)."""
@@ -115,10 +98,7 @@ def _checked_latest(args, step):
 def _check_other_ranks(root, tag, saved, saved_ranks, args):
     """A checkpoint of ``saved_ranks`` ranks that this run of another number may continue: not one of DeepSpeed's
     NVMe-offloaded optimizers (per rank, not converted), and the same samples per optimizer step."""
-    folder = os.path.join(root, MODEL, tag)
-    if os.path.isdir(os.path.join(folder, "offloaded_tensors")):
-        refuse_other_rank_count(root, tag, saved_ranks, "its optimizer states were offloaded to NVMe, one folder per "
-                                "rank, which DeepSpeed's universal checkpoint does not convert")
+    check_convertible(root, (MODEL,), tag, saved_ranks)
     if any(name not in saved for name in BATCH_FLAGS):
         refuse_other_rank_count(root, tag, saved_ranks, "it does not record its batch sizes, so the samples of its "
                                 "optimizer steps (and its place in the data) are not known")
@@ -131,20 +111,8 @@ def _check_other_ranks(root, tag, saved, saved_ranks, args):
             f"optimizer steps took {micro} x {accumulation} x {saved_ranks} = {then} samples (--per_device_train_"
             f"batch_size x --gradient_accumulation_steps x ranks), this run's {args.per_device_train_batch_size} x "
             f"{args.gradient_accumulation_steps} x {ranks} = {now}; its step count, learning-rate schedule and place "
-            f"in the data count steps of {then} samples: {_same_step_advice(then, args, ranks)}")
-
-
-def _same_step_advice(samples, args, ranks):
-    """How this run of ``ranks`` ranks takes ``samples`` per optimizer step (a flag to change), if it can."""
-    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    if samples % (micro * ranks) == 0:
-        return f"resume with --gradient_accumulation_steps {samples // (micro * ranks)}"
-    if samples % (accumulation * ranks) == 0:
-        return f"resume with --per_device_train_batch_size {samples // (accumulation * ranks)}"
-    if samples % ranks == 0:
-        return (f"resume with --per_device_train_batch_size and --gradient_accumulation_steps whose product is "
-                f"{samples // ranks}")
-    return f"{samples} samples do not split over {ranks} ranks: resume on another number of ranks"
+            f"in the data count steps of {then} samples: "
+            + same_product_advice(then, *((name, getattr(args, name)) for name in BATCH_FLAGS), ranks))
 
 
 def plan_resume(args, step, ds_config=None, train_loader=None):
@@ -160,7 +128,7 @@ def plan_resume(args, step, ds_config=None, train_loader=None):
     if found is None:
         return ResumePlan()
     tag, state, saved_ranks = found
-    plan = ResumePlan(tag, state, saved_ranks, tag)
+    plan = ResumePlan(tag, state, saved_ranks)
     if not plan.other_ranks:
         return plan
     root = checkpoint_root(args)
@@ -169,32 +137,16 @@ def plan_resume(args, step, ds_config=None, train_loader=None):
                          f"{get_world_size()}: its ZeRO states load through a universal copy, which DeepSpeed's config "
                          "asks for before deepspeed.initialize, and its data position is converted for this run's "
                          "loader (plan_resume(args, step, ds_config, train_loader) before the engine is made)")
-    said = []
-    if rank_0_decides(lambda: zero_partitioned(os.path.join(root, MODEL, tag))):
-        plan.load_tag, made = rank_0_decides(lambda: universal_copy(root, MODEL, tag, saved_ranks))
+    load_tag, said = universal_load(root, MODEL, tag, saved_ranks,
+                                    ds_config.get("zero_optimization", {}).get("stage", "?"))
+    plan.load_tags[MODEL] = load_tag
+    if MODEL in plan.universal:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
-        said.append(f"its ZeRO-{ds_config.get('zero_optimization', {}).get('stage', '?')} states load from "
-                    f"DeepSpeed's universal copy {MODEL}/{plan.load_tag} ("
-                    + ("made now" if made else "made by an earlier resume") + ")")
-    else:
-        said.append("its DeepSpeed states are not partitioned over the ranks (no ZeRO) and load as saved")
     plan.state["batch"], data_said = _position_on_these_ranks(plan.state, saved_ranks, train_loader, args)
-    said.append(data_said)
-    ranks = get_world_size()
-    own = min(saved_ranks, ranks)
-    said.append(("rank 0 restores its own RNG states" if ranks == 1 else
-                 "each rank restores its own RNG states" if own == ranks else
-                 f"{_ranks(0, own - 1)} restore{'s' if own == 1 else ''} {'its' if own == 1 else 'their'} own RNG "
-                 f"states, {_ranks(own, ranks - 1)} (none saved) draw{'s' if own == ranks - 1 else ''} "
-                 f"{'its' if own == ranks - 1 else 'theirs'} from (--seed, rank, step)")
-                + "; the train-loss sums of its ranks are pooled")
-    plan.notice = (f"[{step}] --resume: checkpoint {tag} saved by {saved_ranks} rank(s), this run has {ranks}: "
-                   f"{'; '.join(said)}")
+    said = [said, data_said, rng_said(saved_ranks) + "; the train-loss sums of its ranks are pooled"]
+    plan.notice = (f"[{step}] --resume: checkpoint {tag} saved by {saved_ranks} rank(s), this run has "
+                   f"{get_world_size()}: {'; '.join(said)}")
     return plan
-
-
-def _ranks(first, last):
-    return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
 def _position_on_these_ranks(state, saved_ranks, loader, args):
@@ -234,10 +186,8 @@ def load_step_checkpoint(engine, args, step, plan=None):
     if plan.notice:
         print_rank_0(plan.notice)
     with reading(root, plan.tag):
-        groups = _param_group_settings(engine)
-        engine.load_checkpoint(os.path.join(root, MODEL), tag=plan.load_tag)
-        if plan.load_tag != plan.tag:
-            _restore_param_group_settings(engine, groups)
+        with loading_universal(engine, plan, MODEL):
+            engine.load_checkpoint(os.path.join(root, MODEL), tag=plan.load_tag(MODEL))
         if plan.other_ranks:
             rank_state = _pooled_rank_state(root, plan, args, position["step"])
         else:
@@ -256,26 +206,6 @@ def _pooled_rank_state(root, plan, args, step):
     _, saved = load_rank_state_of_others(root, plan.tag, args.seed, step)
     scale = plan.state["saved_micro_batch"] / args.per_device_train_batch_size / get_world_size()
     return {key: sum(state[key] for state in saved.values()) * scale for key in ("loss_sum", "loss_count")}
-
-
-def _param_group_settings(engine):
-    """The optimizer's parameter groups' settings (weight decay, betas, ...), less their parameters."""
-    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-
-
-def _restore_param_group_settings(engine, groups):
-    """After a universal load: the parameter groups' settings as this run made them, and their learning rates where
-    the restored scheduler left them, as a load of the checkpoint itself restores them. DeepSpeed's ZeRO-3 universal
-    load (0.19.8, ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) gives every group the first group's (its
-    weight decay to the no-decay group, the base learning rate to LoRA's). The flags that make them are bound, so
-    these are the checkpoint's."""
-    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    rates = engine.lr_scheduler.get_last_lr() if engine.lr_scheduler is not None else None
-    for index, (group, settings) in enumerate(zip(optimizer.param_groups, groups)):
-        group.update({key: value for key, value in settings.items() if key != "lr"})
-        if rates is not None:
-            group["lr"] = rates[index]
 
 
 def resume_or_start(engine, args, name, total_steps, plan=None):

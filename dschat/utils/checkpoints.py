@@ -6,9 +6,11 @@ states and own counters (``rng_rank<N>.pt``). Every rank writes its share; only 
 point ``latest`` at the tag (an atomic rename), so an interrupted save is never resumed from. The last ``keep_last``
 tags are kept.
 
-A checkpoint of steps 1, 2 or DPO resumes on another number of ranks (``dschat.steps.resume``): its ZeRO partitions
-through a universal copy that DeepSpeed's ``ds_to_universal`` makes beside the tag (``model/<tag>_universal``, see
-``universal_copy``; pruned with its tag), each rank's RNG states from its own file where the checkpoint has one.
+A checkpoint resumes on another number of ranks (steps 1, 2 and DPO: ``dschat.steps.resume``; step 3:
+``dschat.rlhf.checkpointing``), decided before ``deepspeed.initialize`` (``ResumePlan``): its ZeRO partitions through a
+universal copy that DeepSpeed's ``ds_to_universal`` makes beside the tag (``<part>/<tag>_universal``, see
+``universal_copy`` and ``universal_load``; pruned with its tag), each rank's RNG states from its own file where the
+checkpoint has one (``load_rank_state_of_others``).
 """
 import argparse
 import contextlib
@@ -18,12 +20,13 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dschat.errors import UsageError
-from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0
+from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0, rank_0_decides
 from dschat.utils.files import read_json_object, unreadable_file_reason, write_json_atomic
 
 LATEST = "latest"
@@ -193,6 +196,115 @@ def refuse_other_rank_count(root, tag, saved, why):
                      f"{get_world_size()}; {why}: resume on {saved} rank(s)")
 
 
+@dataclass
+class ResumePlan:
+    """What ``--resume`` continues, decided from the files before the engines exist: the checkpoint's ``tag`` (None:
+    there is none) and saved ``state`` (its position, less its flags), the number of ranks that saved it, and the tag
+    each part's DeepSpeed engine loads (``load_tags``; its universal copy's, on another number of ranks with ZeRO
+    partitions, ``universal_load``; a part not named loads ``tag``)."""
+
+    tag: str = None
+    state: dict = field(default_factory=dict)
+    saved_ranks: int = 0
+    load_tags: dict = field(default_factory=dict)
+    notice: str = None  # (what a resume on another number of ranks does, said when it loads)
+
+    @property
+    def other_ranks(self):
+        return self.tag is not None and self.saved_ranks != get_world_size()
+
+    def load_tag(self, part):
+        return self.load_tags.get(part, self.tag)
+
+    @property
+    def universal(self):
+        """The parts whose engines load a universal copy: their DeepSpeed configs need ``checkpoint.load_universal``
+        before ``deepspeed.initialize``."""
+        return frozenset(part for part, tag in self.load_tags.items() if tag != self.tag)
+
+
+def check_convertible(root, parts, tag, saved_ranks):
+    """The DeepSpeed states of ``parts`` of checkpoint ``tag`` (saved by ``saved_ranks`` ranks) that another number of
+    ranks can load: none of DeepSpeed's NVMe-offloaded optimizers (per rank, not converted)."""
+    for part in parts:
+        if os.path.isdir(os.path.join(root, part, tag, "offloaded_tensors")):
+            refuse_other_rank_count(root, tag, saved_ranks, f"its {part}'s optimizer states were offloaded to NVMe, "
+                                    "one folder per rank, which DeepSpeed's universal checkpoint does not convert")
+
+
+def universal_load(root, part, tag, saved_ranks, stage, whose="its"):
+    """(the tag ``part``'s engine loads, what is said of it) on a run of another number of ranks than checkpoint
+    ``tag``'s (``saved_ranks``): ZeRO-1/2/3 partitions (``zero_partitioned``) through their universal copy, which
+    rank 0 makes (``universal_copy``) while every rank waits (its engine's config then needs DeepSpeed's
+    ``checkpoint.load_universal``); states of no ZeRO (``stage`` 0) as saved."""
+    if not rank_0_decides(lambda: zero_partitioned(os.path.join(root, part, tag))):
+        return tag, f"{whose} DeepSpeed states are not partitioned over the ranks (no ZeRO) and load as saved"
+    load_tag, made = rank_0_decides(lambda: universal_copy(root, part, tag, saved_ranks))
+    return load_tag, (f"{whose} ZeRO-{stage} states load from DeepSpeed's universal copy {part}/{load_tag} ("
+                      + ("made now" if made else "made by an earlier resume") + ")")
+
+
+def same_product_advice(total, first, second, ranks, unit="samples"):
+    """How this run of ``ranks`` ranks takes ``total`` ``unit`` (the samples of an optimizer step, the prompts of an
+    iteration) as ``first`` x ``second`` x ranks, each a (flag, its value now) pair: the flag to change, if it can."""
+    (first_flag, first_value), (second_flag, second_value) = first, second
+    if total % (first_value * ranks) == 0:
+        return f"resume with --{second_flag} {total // (first_value * ranks)}"
+    if total % (second_value * ranks) == 0:
+        return f"resume with --{first_flag} {total // (second_value * ranks)}"
+    if total % ranks == 0:
+        return f"resume with --{first_flag} and --{second_flag} whose product is {total // ranks}"
+    return f"{total} {unit} do not split over {ranks} ranks: resume on another number of ranks"
+
+
+def rng_said(saved_ranks, states="RNG states", unit="step"):
+    """What a run of another number of ranks than the checkpoint's (``saved_ranks``) does with each rank's
+    ``states`` (``load_rank_state_of_others``): its own where saved, else drawn from (--seed, rank, ``unit``)."""
+    ranks = get_world_size()
+    own = min(saved_ranks, ranks)
+    if ranks == 1:
+        return f"rank 0 restores its own {states}"
+    if own == ranks:
+        return f"each rank restores its own {states}"
+    return (f"{_ranks(0, own - 1)} restore{'s' if own == 1 else ''} {'its' if own == 1 else 'their'} own {states}, "
+            f"{_ranks(own, ranks - 1)} (none saved) draw{'s' if own == ranks - 1 else ''} "
+            f"{'its' if own == ranks - 1 else 'theirs'} from (--seed, rank, {unit})")
+
+
+def _ranks(first, last):
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def param_group_settings(engine):
+    """The optimizer's parameter groups' settings (weight decay, betas, ...), less their parameters."""
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def restore_param_group_settings(engine, groups):
+    """After a universal load: the parameter groups' settings as this run made them (``param_group_settings`` before
+    the load), and their learning rates where the restored scheduler left them, as a load of the checkpoint itself
+    restores them. DeepSpeed's ZeRO-3 universal load (0.19.8, ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``)
+    gives every group the first group's (its weight decay to the no-decay group, the base learning rate to LoRA's).
+    The flags that make them are bound, so these are the checkpoint's."""
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    rates = engine.lr_scheduler.get_last_lr() if engine.lr_scheduler is not None else None
+    for index, (group, settings) in enumerate(zip(optimizer.param_groups, groups)):
+        group.update({key: value for key, value in settings.items() if key != "lr"})
+        if rates is not None:
+            group["lr"] = rates[index]
+
+
+@contextlib.contextmanager
+def loading_universal(engine, plan, part):
+    """Around ``engine.load_checkpoint`` of ``plan``'s ``part``: after a universal load, the parameter groups'
+    settings put back (``restore_param_group_settings``)."""
+    groups = param_group_settings(engine) if part in plan.universal else None
+    yield
+    if groups is not None:
+        restore_param_group_settings(engine, groups)
+
+
 def universal_tag(tag):
     return f"{tag}{UNIVERSAL}"
 
@@ -252,21 +364,23 @@ def load_rank_state_of_others(root, tag, seed, step, generator=None):
     if own is not None:
         restore_rng(own, generator)
     else:
-        seed_rng(derived_seed(seed, get_rank(), step), generator)
+        seed_rng(derived_seed(seed, get_rank(), step))
+        if generator is not None:  # (a seed of its own: seeded alike, it would draw what torch's global RNG draws)
+            generator.manual_seed(derived_seed(seed, get_rank(), step, "generator"))
     return own is not None, {rank: state.get("rank_state") for rank, state in saved.items()}
 
 
-def derived_seed(seed, rank, step):
-    """A seed of (``seed``, ``rank``, ``step``), for a rank that has no saved RNG states to restore."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{rank}/{step}".encode()).digest()[:4], "little")
+def derived_seed(seed, rank, step, stream=None):
+    """A seed of (``seed``, ``rank``, ``step``) (and ``stream``: a generator's own), for a rank that has no saved RNG
+    states to restore."""
+    key = f"{seed}/{rank}/{step}" + (f"/{stream}" if stream else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
 
 
-def seed_rng(value, generator=None):
+def seed_rng(value):
     random.seed(value)
     np.random.seed(value)
     torch.manual_seed(value)  # (CUDA's too)
-    if generator is not None:
-        generator.manual_seed(value)
 
 
 # How DeepSpeed's loaders fail on a checkpoint file that is missing or cut short: a bare assertion when a rank's file
