@@ -314,6 +314,85 @@ def test_the_data_position_on_another_number_of_ranks_skips_what_was_trained_on(
     assert skipped == 19 and said == "the data position: epoch 1 was done, training goes on from the next"
 
 
+def _step3_checkpoint(root, ranks, batches, position):
+    """The files of step 3's checkpoint iter_0000002 of ``ranks`` ranks, as the checks read them (engine folders
+    without ZeRO partitions, empty RNG files): its ``batches`` (None: not recorded) and ``position``."""
+    tag = "iter_0000002"
+    for part in ("actor", "critic", "trainer"):
+        (root / part / tag).mkdir(parents=True, exist_ok=True)
+    state = {"iteration": 2, "kl_ctl": {}, **position, **({"batches": batches} if batches else {})}
+    (root / "trainer" / tag / "state.json").write_text(json.dumps(state))
+    for rank in range(ranks):
+        (root / "trainer" / tag / f"rng_rank{rank}.pt").write_bytes(b"")
+    (root / "latest").write_text(json.dumps({"tag": tag}))
+
+
+def _loader(items, batches):
+    return type("Loader", (), {"dataset": range(items), "__len__": lambda self: batches})()
+
+
+def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration_of_its_shape(tmp_path, capsys):
+    """On another number of ranks, step 3's batch flags may change as long as an iteration takes the checkpoint's
+    prompts and an optimizer step its rows (its iteration count, schedules and place in the prompts count those);
+    otherwise the error says which flag to give (it was refused whatever the flags: "resume on 2 rank(s)")."""
+    from dschat.args import step3_parser
+    from dschat.rlhf import checkpointing
+    from dschat.rlhf.config import step3_args
+
+    root = tmp_path / "checkpoints"
+    saved = {"per_device_generation_batch_size": 4, "generation_batches": 2, "per_device_training_batch_size": 4,
+             "gradient_accumulation_steps": 1}
+    # 2 ranks: iterations of 4 x 2 x 2 = 16 prompts, optimizer steps of 4 x 1 x 2 = 8 rows; 1 iteration done, and 3
+    # batches of the unsupervised stream's second pass (12 a pass: 100 blocks, 50 a rank)
+    _step3_checkpoint(root, 2, saved, {"epoch": 1, "batch": 2, "unsup_batches": 15})
+
+    def plan(*flags, unsup=True):  # (this run's loaders, on 1 rank: 40 prompts, 100 blocks)
+        args = step3_args(step3_parser().parse_args(["--resume", "--output_dir", str(tmp_path), *flags]))
+        batch = args.per_device_generation_batch_size
+        return checkpointing.plan_resume(args, str(root), _loader(40, 40 // batch),
+                                         _loader(100, 100 // batch) if unsup else None)
+
+    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1: its iterations took 4 x 2 x 2 = 16 "
+                                         r"prompts \(--per_device_generation_batch_size x --generation_batches x "
+                                         r"ranks\), this run's 4 x 2 x 1 = 8; .* count iterations of 16 prompts: "
+                                         r"resume with --generation_batches 4$"):
+        plan("--per_device_generation_batch_size", "4", "--generation_batches", "2")
+    with pytest.raises(UsageError, match=r"its optimizer steps took 4 x 1 x 2 = 8 rows \(--per_device_training_"
+                                         r"batch_size x --gradient_accumulation_steps x ranks\), this run's 4 x 1 x 1 "
+                                         r"= 4; .*: resume with --gradient_accumulation_steps 2$"):
+        plan("--per_device_generation_batch_size", "8", "--generation_batches", "2",
+             "--per_device_training_batch_size", "4")
+    with pytest.raises(UsageError, match=r"this run's 3 x 1 x 1 = 3; .*: resume with --per_device_training_batch_size "
+                                         r"8$"):
+        plan("--per_device_generation_batch_size", "8", "--generation_batches", "2",
+             "--per_device_training_batch_size", "3")
+    # as many prompts an iteration, but batches of 16 do not cover the unsupervised stream's 3 x 8 blocks taken
+    one_rank = ["--per_device_training_batch_size", "8"]
+    with pytest.raises(UsageError, match=r"its place in the unsupervised stream, 3 batches of 4 blocks on 2 rank\(s\) "
+                                         r"into pass 2 \(24 blocks\), is not a whole number of this run's batches of "
+                                         r"16 on 1, so this run would skip or repeat some: resume with "
+                                         r"--per_device_generation_batch_size 8 --generation_batches 2$"):
+        plan("--per_device_generation_batch_size", "16", "--generation_batches", "1", *one_rank)
+    # without the stream, its place in the prompts (16 of epoch 2's) is one batch of 16
+    resumed = plan("--per_device_generation_batch_size", "16", "--generation_batches", "1", *one_rank, unsup=False)
+    assert resumed.state["batch"] == 1 and resumed.universal == frozenset()
+    # batches of 8 on 1 rank: 2 batches; the stream's pass of 100 blocks is 12 batches of 8 too, 3 into the second
+    resumed = plan("--per_device_generation_batch_size", "8", "--generation_batches", "2", *one_rank)
+    assert (resumed.state["batch"], resumed.state["unsup_batches"]) == (2, 12 + 3)
+    assert resumed.notice == (
+        "[step3] --resume: checkpoint iter_0000002 saved by 2 rank(s), this run has 1: its actor's DeepSpeed states "
+        "are not partitioned over the ranks (no ZeRO) and load as saved; its critic's DeepSpeed states are not "
+        "partitioned over the ranks (no ZeRO) and load as saved; the prompt position: the first 16 of epoch 2's 40 "
+        "prompts (in its order) were trained on, this run skips 2 batches of 8 on each rank; the unsupervised stream: "
+        "24 of its 100 blocks into pass 2, this run skips 15 batches of 8 on each rank; rank 0 restores its own RNG "
+        "states and answer sampler; its KL controller and held-out scores before PPO load as saved")
+    # a checkpoint from before step 3 recorded its batches
+    _step3_checkpoint(root, 2, None, {"epoch": 1, "batch": 2, "unsup_batches": 15})
+    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; it does not record its batch sizes "
+                                         r".*: resume on 2 rank\(s\)$"):
+        plan("--per_device_generation_batch_size", "8", "--generation_batches", "2", *one_rank)
+
+
 OTHER_RANKS = Path(__file__).parent / "scripts" / "other_ranks.py"
 
 
@@ -410,6 +489,87 @@ def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(
     for rank in (0, 1):
         assert f"rank {rank} resumed from step 4" in proc.stdout
     assert "ZeRO-3 resume: weights equal the uninterrupted run's" in proc.stdout
+
+
+# Step 3 on the tiny presets: 24 prompts, 3 iterations of 8 an epoch, 2 epochs; the bundled scorer as the reward, a
+# critic from a new value head, the hybrid engine, the unsupervised stream (PPO-ptx) and weight decay (the parameter
+# groups DeepSpeed's ZeRO-3 universal load mixes up).
+PPO_OTHER_RANKS = ["--actor_model_name_or_path", "tiny-llama", "--critic_model_name_or_path", "tiny-llama",
+                   "--reward_model_weight", "0", "--reward_fn", "tiny", "--data_split", "1000,1000,8",
+                   "--max_prompt_seq_len", "40", "--max_answer_seq_len", "8", "--dtype", "fp32",
+                   "--num_warmup_steps", "0", "--eval_prompts", "8", "--num_train_epochs", "2",
+                   "--enable_hybrid_engine", "--save_interval", "2", "--unsupervised_dataset_name", "tiny",
+                   "--unsup_coef", "0.5", "--per_device_training_batch_size", "4", "--actor_weight_decay", "0.1",
+                   "--critic_weight_decay", "0.1"]
+# an iteration's 8 prompts and an optimizer step's 8 rows on 2 ranks and on 1
+PPO_TWO_RANKS = ["--per_device_generation_batch_size", "4"]
+PPO_ONE_RANK = ["--per_device_generation_batch_size", "8", "--gradient_accumulation_steps", "2"]
+
+
+def _prompts(*seen):
+    """The prompts the ranks of runs generated from, by epoch (3 iterations each), with how many times."""
+    from collections import Counter
+
+    return Counter((iteration // 3, tuple(prompt)) for ranks in seen for rank in ranks
+                   for iteration, prompt in rank["prompts"])
+
+
+def _blocks(*seen):
+    from collections import Counter
+
+    return Counter(tuple(block) for ranks in seen for rank in ranks for block in rank["blocks"])
+
+
+@pytest.mark.multirank
+def test_a_step3_checkpoint_resumes_on_another_number_of_ranks(tmp_path, distributed, capsys):
+    """A job rescheduled on fewer or more GPUs: step 3's ZeRO-3 checkpoints (actor and critic) were refused on another
+    number of ranks ("resume on 2 rank(s)"). Saved by 1 rank and resumed on 2, and saved by 2 and resumed on 1, each
+    resumes at its iteration with the checkpoint's weights and the parameter groups' own weight decay, trains the
+    run's remaining iterations, and every prompt (and unsupervised block) of the uninterrupted 2-rank run's is trained
+    on once, in its epoch."""
+    common = [*PPO_OTHER_RANKS, "--zero_stage", "3", "--data_output_path", str(tmp_path / "data")]
+    other_ranks = _other_ranks()
+    other_ranks.run("ppo", tmp_path, "one_before", 2, [*common, *PPO_ONE_RANK, "--output_dir", str(tmp_path / "one")])
+    # the uninterrupted run (--resume: it has no checkpoint, and starts from iteration 0), and the resume on 2 ranks
+    proc = run_deepspeed(OTHER_RANKS, "ppo", tmp_path, "full:full:0,two_after:one:0", *common, *PPO_TWO_RANKS,
+                         "--resume")
+    # the uninterrupted run's checkpoint of iteration 4 (its save is what an interrupted run leaves), on 1 rank
+    (tmp_path / "full" / "checkpoints" / "latest").write_text(json.dumps({"tag": "iter_0000004"}))
+    capsys.readouterr()
+    metrics = other_ranks.run("ppo", tmp_path, "one_after", None,
+                              [*common, *PPO_ONE_RANK, "--output_dir", str(tmp_path / "full"), "--resume"])
+    out = capsys.readouterr().out
+    universal = ("its actor's ZeRO-3 states load from DeepSpeed's universal copy actor/{tag}_universal (made now); its "
+                 "critic's ZeRO-3 states load from DeepSpeed's universal copy critic/{tag}_universal (made now)")
+    assert ("[step3] --resume: checkpoint iter_0000002 saved by 1 rank(s), this run has 2: "
+            + universal.format(tag="iter_0000002") + "; the prompt position: the first 16 of epoch 1's 24 prompts (in "
+            "its order) were trained on, this run skips 2 batches of 4 on each rank; the unsupervised stream: 16 of "
+            "its 2428 blocks into pass 1, this run skips 2 batches of 4 on each rank; rank 0 restores its own RNG "
+            "states and answer sampler, rank 1 (none saved) draws its from (--seed, rank, iteration); its KL "
+            "controller and held-out scores before PPO load as saved") in proc.stdout, proc.stdout[-3000:]
+    assert ("[step3] --resume: checkpoint iter_0000004 saved by 2 rank(s), this run has 1: "
+            + universal.format(tag="iter_0000004") + "; the prompt position: the first 8 of epoch 2's 24 prompts (in "
+            "its order) were trained on, this run skips 1 batches of 8 on each rank; the unsupervised stream: 32 of "
+            "its 2428 blocks into pass 1, this run skips 4 batches of 8 on each rank; rank 0 restores its own RNG "
+            "states and answer sampler; its KL controller and held-out scores before PPO load as saved") in out, out
+    assert "resumed from iteration 4 " in out and "this run spans" not in out
+    full, two_after = _seen(tmp_path, "full", 2), _seen(tmp_path, "two_after", 2)
+    one_before, one_after = _seen(tmp_path, "one_before", 1), _seen(tmp_path, "one_after", 1)
+    for resumed, at, iterations in ((two_after, 2, [2, 3, 4, 5]), (one_after, 4, [4, 5])):
+        for rank in resumed:
+            assert rank["resumed_at"] == at
+            assert rank["loaded_actor_difference"] == 0.0 and rank["loaded_critic_difference"] == 0.0
+            assert rank["actor_weight_decays"] == rank["critic_weight_decays"] == [0.1, 0.0]
+            assert sorted({iteration for iteration, _ in rank["prompts"]}) == iterations
+    assert metrics["iterations"] == two_after[0]["metrics"]["iterations"] == 6
+    uninterrupted = _prompts(full)
+    assert set(uninterrupted.values()) == {1} and len(uninterrupted) == 2 * 24  # every prompt once in each epoch
+    assert _prompts(one_before, two_after) == uninterrupted
+    # (the first 4 iterations of the uninterrupted run's, on its 2 ranks, and the resumed run's last 2)
+    before = [{"prompts": [p for p in rank["prompts"] if p[0] < 4]} for rank in full]
+    assert _prompts(before, one_after) == uninterrupted
+    assert _blocks(one_before, two_after) == _blocks(full)
+    assert _blocks([{"blocks": rank["blocks"][:16]} for rank in full], one_after) == _blocks(full)
 
 
 def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):

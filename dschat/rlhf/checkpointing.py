@@ -1,7 +1,18 @@
 """Step-3 checkpoints: models, optimizers, schedulers, EMA, KL controller, data position and RNG, atomically
 (the tag folders, ``latest`` pointer and RNG states of ``dschat.utils.checkpoints``).
+
+A checkpoint resumes on another number of ranks than saved it when a PPO iteration keeps its global shape: as many
+prompts (--per_device_generation_batch_size x --generation_batches x ranks) and optimizer steps of as many rows
+(--per_device_training_batch_size x --gradient_accumulation_steps x ranks). ``plan_resume`` decides it from the files
+before the engines are made: the actor's and critic's ZeRO partitions load through DeepSpeed's universal checkpoint
+(``dschat.utils.checkpoints.universal_load``), the place in the prompts and in the unsupervised stream is converted
+into this run's batches (what N ranks consumed is a prefix of the epoch's order), each rank's RNG states and answer
+sampler are its own where the checkpoint has them. The EMA copy (a full state dict), the KL controller and the
+held-out scores before PPO load as saved.
 """
+import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -9,10 +20,12 @@ from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, finished_run_id, holds_model, input_runs, model_identity,
                                  restart_deepspeed_tensorboard, step_data_records)
-from dschat.utils.checkpoints import (ACTOR, CRITIC, check_complete, check_same_flags, latest_tag,
-                                      load_rank_state, publish, read_trainer_state, reading, refuse_other_rank_count,
-                                      save_trainer_state, tag_of, take_restored_flags, trainer_folder)
-from dschat.utils.dist import get_world_size, is_rank_0, rank_0_decides
+from dschat.utils.checkpoints import (ACTOR, CRITIC, ResumePlan, check_complete, check_convertible, check_same_flags,
+                                      latest_tag, load_rank_state, load_rank_state_of_others, loading_universal,
+                                      publish, read_trainer_state, reading, refuse_other_rank_count, rng_said,
+                                      same_product_advice, save_trainer_state, tag_of, take_restored_flags,
+                                      trainer_folder, universal_load)
+from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
 # have the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them
@@ -43,11 +56,16 @@ RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate", "actor_lora_lea
 # Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it.
 FREE_FLAGS = ("actor_dropout",)
 CRITIC_FREE_FLAGS = ("critic_dropout",)
-# (Steps 1, 2 and DPO resume on another number of ranks, dschat.steps.resume; step 3 does not.)
-OTHER_RANKS_WHY = ("step 3 resumes only on as many ranks as saved its checkpoint (its actor's and critic's ZeRO "
-                   "partitions, each rank's generation RNG, and its place in the prompts, counted in batches of "
-                   "--per_device_generation_batch_size on each rank, are not converted for another number; steps 1, "
-                   "2 and DPO are)")
+# On another number of ranks, these may change as long as each pair's product with the ranks does not: the prompts of
+# an iteration, and the rows of an optimizer step (checkpoints record them, ``iteration_batches``).
+ITERATION_PROMPTS = ("per_device_generation_batch_size", "generation_batches")
+STEP_ROWS = ("per_device_training_batch_size", "gradient_accumulation_steps")
+# Without a plan made before the engines (``plan_resume``: step 3's entry point makes one), a checkpoint of another
+# number of ranks is refused: its engines were made without DeepSpeed's universal loading, its position unconverted.
+OTHER_RANKS_WHY = ("on another number of ranks, its actor's and critic's ZeRO partitions load through DeepSpeed's "
+                   "universal checkpoint, which their DeepSpeed configs ask for before deepspeed.initialize, and its "
+                   "place in the prompts is converted for this run's loaders: step 3's entry point does that "
+                   "(dschat.rlhf.checkpointing.plan_resume before DeepSpeedRLHFEngine)")
 BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer states (LoRA layout and scale, weight "
              "decay, ZeRO stage, precision, offload) and its place in the prompts (batches of "
              "--per_device_generation_batch_size of the prompts its data flags make, in --seed's order) hold for its "
@@ -66,25 +84,43 @@ def save_checkpoint(trainer, root, position, keep_last=2):
         os.makedirs(trainer_folder(root, tag), exist_ok=True)
         torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
     save_trainer_state(root, tag, {**position, "kl_ctl": trainer.kl_ctl.state_dict(), "flags": resume_flags(trainer),
-                                   "inputs": input_runs(trainer.args)}, trainer.generator)
+                                   "inputs": input_runs(trainer.args), "world_size": get_world_size(),
+                                   "batches": iteration_batches(trainer.args)}, trainer.generator)
     publish(root, tag, keep_last)
     return tag
 
 
-def load_checkpoint(trainer, root):
-    """Restore the last complete checkpoint under ``root``; returns its position dict (None if none). Rank 0 picks
-    and checks it for every rank, before DeepSpeed loads anything."""
-    found = rank_0_decides(lambda: _checked_latest(trainer, root))
-    if found is None:
+def iteration_batches(args):
+    """The batch flags of an iteration's global shape (``ITERATION_PROMPTS``, ``STEP_ROWS``), which a checkpoint
+    records: on another number of ranks, their products with the ranks must stay the same."""
+    return {name: getattr(args, name) for name in ITERATION_PROMPTS + STEP_ROWS}
+
+
+def load_checkpoint(trainer, root, plan=None):
+    """Restore the last complete checkpoint under ``root`` (``plan``: ``plan_resume``'s, made before the engines;
+    None: rank 0 picks and checks it for every rank now, before DeepSpeed loads anything, and one of another number of
+    ranks is refused); returns its position dict (None if none)."""
+    if plan is None:
+        found = rank_0_decides(lambda: _checked_latest(trainer, root))
+        if found is None:
+            return None
+        plan = ResumePlan(found[0], found[1], get_world_size())
+    if plan.tag is None:
         return None
-    tag, state = found
+    tag, state = plan.tag, dict(plan.state)
+    if plan.notice:
+        print_rank_0(plan.notice)
     engines = [engine for engine in (trainer.actor_model, trainer.critic_model) if engine is not None]
     with reading(root, tag):
         for name, engine in zip((ACTOR, CRITIC), engines):
-            engine.load_checkpoint(os.path.join(root, name), tag=tag)
+            with loading_universal(engine, plan, name):
+                engine.load_checkpoint(os.path.join(root, name), tag=plan.load_tag(name))
         if trainer.actor_ema is not None:
             _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
-        load_rank_state(root, tag, trainer.generator)
+        if plan.other_ranks:
+            load_rank_state_of_others(root, tag, trainer.args.seed, state["iteration"], trainer.generator)
+        else:
+            load_rank_state(root, tag, trainer.generator)
     for engine in engines:
         restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
@@ -94,19 +130,113 @@ def load_checkpoint(trainer, root):
     return state
 
 
-def _checked_latest(trainer, root):
-    """(tag, saved state less its flags) of the last complete checkpoint that this run may continue, else None."""
+def _checked_latest(trainer, root, planned=False):
+    """(tag, saved state less its flags, ranks that saved it) of the last complete checkpoint that this run may
+    continue, else None (``check_resumable``)."""
     tag = latest_tag(root)
-    return None if tag is None else (tag, check_resumable(trainer, root, tag))
+    return None if tag is None else (tag, *check_resumable(trainer, root, tag, planned))
 
 
-def check_resumable(trainer, root, tag):
+def planned_models(args):
+    """What ``check_resumable`` reads of a trainer, from step 3's flags, before its engines are made: a critic where
+    the estimator trains one (GAE: ``DeepSpeedRLHFEngine`` builds it then), an EMA copy with --enable_ema."""
+    return SimpleNamespace(args=args, critic_model=CRITIC if args.advantage_estimator == "gae" else None,
+                           actor_ema="ema" if args.enable_ema else None)
+
+
+def plan_resume(args, root, train_loader, unsup_loader=None):
+    """--resume of step 3: the checkpoint to continue (a ``ResumePlan``; its tag None when there is none), picked and
+    checked by rank 0 for every rank. Called before ``DeepSpeedRLHFEngine``: on another number of ranks, the actor's
+    and critic's ZeRO partitions get their universal copies (rank 0 makes them, every rank waits; the engine's
+    configs then need ``checkpoint.load_universal`` for ``plan.universal``), and the position is converted for this
+    run's loaders (``train_loader``, ``unsup_loader``: the unsupervised stream's, None without one); that is said once,
+    when it loads."""
+    if not args.resume:
+        return ResumePlan()
+    found = rank_0_decides(lambda: _checked_latest(planned_models(args), root, planned=True))
+    if found is None:
+        return ResumePlan()
+    plan = ResumePlan(*found)
+    if not plan.other_ranks:
+        return plan
+    where = f"checkpoint {plan.tag} in {root}"
+    position_said = rank_0_decides(lambda: _convert_position(plan.state, plan.saved_ranks, train_loader, unsup_loader,
+                                                             args, where))
+    said = []
+    for part, stage in ((ACTOR, args.actor_zero_stage), (CRITIC, args.critic_zero_stage)):
+        if part == ACTOR or args.advantage_estimator == "gae":
+            plan.load_tags[part], part_said = universal_load(root, part, plan.tag, plan.saved_ranks, stage,
+                                                             f"its {part}'s")
+            said.append(part_said)
+    said += position_said
+    said.append(rng_said(plan.saved_ranks, "RNG states and answer sampler", "iteration") + "; its KL controller"
+                + (", EMA copy" if args.enable_ema else "") + " and held-out scores before PPO load as saved")
+    plan.notice = (f"[step3] --resume: checkpoint {plan.tag} saved by {plan.saved_ranks} rank(s), this run has "
+                   f"{get_world_size()}: {'; '.join(said)}")
+    return plan
+
+
+def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, where):
+    """The checkpoint's position (``state``: "batch", generation batches of its epoch on each of its ranks, and
+    "unsup_batches", the unsupervised stream's batches each rank took) set in this run's batches; returns what is said
+    of it. Each epoch's order of the prompts (and each pass's over the unsupervised blocks) is one permutation of
+    (seed, epoch), which the ranks' samplers deal out in turn, so what the checkpoint's ranks took is a prefix of it:
+    this run skips the batches of its own that cover that prefix. Where they do not cover it exactly (it would skip
+    or repeat some), a UsageError says what to give."""
+    saved = state["batches"]
+    saved_batch, batch, ranks = saved["per_device_generation_batch_size"], args.per_device_generation_batch_size, \
+        get_world_size()
+    prompts, epoch = len(train_loader.dataset), state["epoch"]
+    consumed = state["batch"] * saved_batch * saved_ranks
+    if consumed % (batch * ranks):  # (whole iterations of as many prompts divide; a batch index of an earlier resume
+        _refuse_position(where, state, saved_ranks,  # with another --generation_batches may not)
+                         f"its place in epoch {epoch + 1}, {state['batch']} batches of {saved_batch} prompts on "
+                         f"{saved_ranks} rank(s) ({consumed} prompts), is not a whole number of this run's batches of "
+                         f"{batch} on {ranks}", saved_batch * saved_ranks)
+    state["batch"] = consumed // (batch * ranks)
+    usable = len(train_loader) // args.generation_batches * args.generation_batches
+    said = [f"the prompt position: epoch {epoch + 1} was done, training goes on from the next"
+            if state["batch"] >= usable else
+            f"the prompt position: the first {consumed} of epoch {epoch + 1}'s {prompts} prompts (in its order) were "
+            f"trained on, this run skips {state['batch']} batches of {batch} on each rank"]
+    if unsup_loader is not None:
+        blocks = len(unsup_loader.dataset)
+        saved_pass = math.ceil(blocks / saved_ranks) // saved_batch  # (the checkpoint's loader: drop_last)
+        passes, into = divmod(state["unsup_batches"], saved_pass)
+        taken = into * saved_batch * saved_ranks
+        if taken % (batch * ranks):
+            _refuse_position(where, state, saved_ranks, f"its place in the unsupervised stream, {into} batches of "
+                             f"{saved_batch} blocks on {saved_ranks} rank(s) into pass {passes + 1} ({taken} blocks), "
+                             f"is not a whole number of this run's batches of {batch} on {ranks}",
+                             saved_batch * saved_ranks)
+        # (a pass of this run's that ends before ``taken``: the blocks in between are its pass's dropped last ones)
+        state["unsup_batches"] = passes * len(unsup_loader) + min(taken // (batch * ranks), len(unsup_loader))
+        said.append(f"the unsupervised stream: {taken} of its {blocks} blocks into pass {passes + 1}, this run "
+                    f"skips {state['unsup_batches']} batches of {batch} on each rank")
+    return said
+
+
+def _refuse_position(where, state, saved_ranks, why, generation_batch):
+    """A place of the checkpoint's (``why`` it is not one of this run's) that this run would reach only by skipping or
+    repeating some of its prompts or blocks: a UsageError with the flags that make it one (the checkpoint's prompts
+    per batch over all ranks, ``generation_batch``)."""
+    ranks, saved = get_world_size(), state["batches"]
+    advice = (f"resume with --per_device_generation_batch_size {generation_batch // ranks} --generation_batches "
+              f"{saved['generation_batches']}" if generation_batch % ranks == 0 else f"resume on {saved_ranks} rank(s)")
+    raise UsageError(f"--resume: {where} was saved by {saved_ranks} rank(s), this run has {ranks}: {why}, so this "
+                     f"run would skip or repeat some: {advice}")
+
+
+def check_resumable(trainer, root, tag, planned=False):
     """The checkpoint ``tag`` was saved by a run this one can continue (``checkpoints.check_complete``): also a
-    critic when this run trains one, an EMA copy when this run keeps one, and the flags it is bound to. Returns its
-    saved state, less the flags."""
-    saved = check_complete(root, tag, (ACTOR,))
-    if saved != get_world_size():
-        refuse_other_rank_count(root, tag, saved, OTHER_RANKS_WHY)
+    critic when this run trains one, an EMA copy when this run keeps one, and the flags it is bound to. On another
+    number of ranks (``planned``: the engines are not made yet, ``plan_resume``; else refused), its DeepSpeed states
+    convertible and an iteration of the same global shape (``check_iteration_shape``). Returns (its saved state, less
+    the flags; the number of ranks that saved it)."""
+    saved_ranks = check_complete(root, tag, (ACTOR,))
+    other_ranks = saved_ranks != get_world_size()
+    if other_ranks and not planned:
+        refuse_other_rank_count(root, tag, saved_ranks, OTHER_RANKS_WHY)
     if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, CRITIC, tag)):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
                          f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")
@@ -115,11 +245,44 @@ def check_resumable(trainer, root, tag):
                          f"--enable_ema); resume without --enable_ema, or start afresh without --resume")
     state = read_trainer_state(root, tag)
     saved_flags = state.pop("flags", {})
-    if getattr(trainer, "args", None) is not None:
-        state["restored"] = check_same_flags(saved_flags, resume_flags(trainer), RESTORED_FLAGS, tag, root, "step3",
-                                             BOUND_WHY, FREE_FLAGS + CRITIC_FREE_FLAGS)
-        check_same_reference(state.get("inputs"), trainer.args.actor_model_name_or_path, tag, root)
-    return state
+    args = getattr(trainer, "args", None)
+    if other_ranks:
+        check_convertible(root, (ACTOR, CRITIC) if trainer.critic_model is not None else (ACTOR,), tag, saved_ranks)
+        check_iteration_shape(root, tag, state.get("batches"), saved_ranks, args)
+    if args is not None:
+        now = resume_flags(trainer)
+        if other_ranks:  # (its product with the ranks: compared)
+            now.pop("per_device_generation_batch_size")
+        state["restored"] = check_same_flags(saved_flags, now, RESTORED_FLAGS, tag, root, "step3", BOUND_WHY,
+                                             FREE_FLAGS + CRITIC_FREE_FLAGS)
+        check_same_reference(state.get("inputs"), args.actor_model_name_or_path, tag, root)
+    return state, saved_ranks
+
+
+def check_iteration_shape(root, tag, saved, saved_ranks, args):
+    """A checkpoint of ``saved_ranks`` ranks (``saved``: its ``iteration_batches``) that this run of another number
+    continues: an iteration takes as many prompts, and an optimizer step as many rows, as the checkpoint's (its
+    iteration count, learning-rate schedules, and place in the prompts count those); else a UsageError naming the
+    flag and value to give."""
+    if not saved or any(name not in saved for name in ITERATION_PROMPTS + STEP_ROWS):
+        refuse_other_rank_count(root, tag, saved_ranks, "it does not record its batch sizes (saved before step 3 "
+                                "resumed on another number of ranks), so the prompts of its iterations and the rows of "
+                                "its optimizer steps are not known")
+    ranks = get_world_size()
+    for flags, took, unit, counts in ((ITERATION_PROMPTS, "its iterations took", "prompts",
+                                       "its iteration count, learning-rate schedules and place in the prompts count "
+                                       "iterations of"),
+                                      (STEP_ROWS, "its optimizer steps took", "rows",
+                                       "each of its optimizer steps averaged the gradients of")):
+        then = saved[flags[0]] * saved[flags[1]] * saved_ranks
+        now = getattr(args, flags[0]) * getattr(args, flags[1]) * ranks
+        if now != then:
+            raise UsageError(
+                f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has {ranks}: "
+                f"{took} {saved[flags[0]]} x {saved[flags[1]]} x {saved_ranks} = {then} {unit} (--{flags[0]} x "
+                f"--{flags[1]} x ranks), this run's {getattr(args, flags[0])} x {getattr(args, flags[1])} x {ranks} = "
+                f"{now}; {counts} {then} {unit}: "
+                + same_product_advice(then, *((name, getattr(args, name)) for name in flags), ranks, unit))
 
 
 def check_same_reference(saved_inputs, actor_path, tag, root):

@@ -320,9 +320,12 @@ class DeepSpeedRLHFEngine:
     """
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
-                 num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None):
+                 num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None, load_universal=()):
         """``num_total_iters``: the optimizer steps the learning-rate schedules span; ``actor_total_iters``: the
-        actor's, where it trains fewer (--freezing_actor_steps)."""
+        actor's, where it trains fewer (--freezing_actor_steps). ``load_universal``: the trained models ("actor",
+        "critic") whose engines load a DeepSpeed universal checkpoint (a resume on another number of ranks,
+        ``dschat.rlhf.checkpointing.plan_resume``): their configs say so before ``deepspeed.initialize``."""
+        self.load_universal = frozenset(load_universal)
         self.args = args = step3_args(args)
         check_settings(args)  # before any model loads
         setup_run(args)
@@ -375,7 +378,10 @@ class DeepSpeedRLHFEngine:
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False, role="actor"):
-        return step3_train_config(self.args, self.world_size, stage, hybrid, role)
+        config = step3_train_config(self.args, self.world_size, stage, hybrid, role)
+        if role in self.load_universal:
+            config.setdefault("checkpoint", {})["load_universal"] = True
+        return config
 
     def _eval_config(self, stage, offload, dtype=None, role="reference", say=True):
         """The config of a frozen ``role`` model whose trained twin (``frozen_twin``) trains at ZeRO ``stage``.

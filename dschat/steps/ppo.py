@@ -12,7 +12,7 @@ from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import TORCH_DTYPES, load_tokenizer
 from dschat.report import ALGORITHM_NAMES
-from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+from dschat.rlhf.checkpointing import load_checkpoint, plan_resume, save_checkpoint
 from dschat.rlhf.config import check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
@@ -178,14 +178,16 @@ def main(args=None):
     train_loader, eval_loader = prompt_loaders(args, tokenizer)
     unsup_loader = unsupervised_loader(args, tokenizer)
     schedule = plan_iterations(args, train_loader)
+    ckpt_root = os.path.join(args.output_dir, CHECKPOINTS_DIR)
+    # (before the engines: a checkpoint of another number of ranks sets DeepSpeed's universal loading in their configs)
+    plan = plan_resume(args, ckpt_root, train_loader, unsup_loader)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
                                  num_total_iters=schedule.optimizer_steps,
-                                 actor_total_iters=schedule.actor_optimizer_steps)
+                                 actor_total_iters=schedule.actor_optimizer_steps, load_universal=plan.universal)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)
-    ckpt_root = os.path.join(args.output_dir, CHECKPOINTS_DIR)
-    checkpoint = resume_or_afresh(lambda: load_checkpoint(trainer, ckpt_root), ckpt_root, args, "step3",
+    checkpoint = resume_or_afresh(lambda: load_checkpoint(trainer, ckpt_root, plan), ckpt_root, args, "step3",
                                   schedule.total, unit="iteration")
     if checkpoint is None:
         for model in (trainer.actor_model, trainer.critic_model):  # (a resume restarts them at its checkpoint)

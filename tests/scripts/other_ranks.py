@@ -2,7 +2,9 @@
 its checkpoint of a given step, or resuming) and writes what each rank saw to ``<out>/<name>_rank<N>.json``: the
 records of every micro-batch it trained on (their tokens), the step it resumed from, how far the weights right after
 the load are from the checkpoint's (DeepSpeed's own zero_to_fp32 consolidation of it), the optimizer's parameter
-groups then, and the step's metrics.
+groups then, and the step's metrics. Step 3 ("ppo", ``run_ppo``): the prompts of every generation batch (with their
+iteration) and the unsupervised blocks it trained on, the iteration it resumed from, and how far the actor's and the
+critic's weights right after the load are from the checkpoint's.
 
 Run by tests/test_step_resume.py through the deepspeed launcher, ``other_ranks.py <step> <out> <runs> <flags>``:
 ``<runs>`` is ``name:folder:stop,...``, each a run of ``<flags>`` with ``--output_dir <out>/<folder>`` (stop 0: to the
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dschat.steps import resume, reward, sft  # noqa: E402
+from dschat.steps import ppo, resume, reward, sft  # noqa: E402
 from dschat.utils.dist import barrier, ensure_distributed, get_rank  # noqa: E402
 
 STEPS = {"sft": (sft.main, sft.SFT), "reward": (reward.main, reward.REWARD)}
@@ -47,6 +49,8 @@ def loaded_weights_difference(engine, folder, tag):
 def run(step, out, name, stop, flags):
     """Train ``step`` with ``flags`` (stopping right after its checkpoint of step ``stop``, if given), recording what
     this rank trains on and loads; returns the step's metrics (None when stopped)."""
+    if step == "ppo":
+        return run_ppo(out, name, stop, flags)
     main, recipe = STEPS[step]
     seen = {"samples": [], "resumed_at": None}
     real_loss, real_save, real_load = recipe.loss_fn, resume.save_step_checkpoint, resume.load_step_checkpoint
@@ -84,6 +88,60 @@ def run(step, out, name, stop, flags):
             raise
     finally:
         recipe.loss_fn, resume.save_step_checkpoint, resume.load_step_checkpoint = real_loss, real_save, real_load
+    seen["metrics"] = metrics
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"{name}_rank{get_rank()}.json").write_text(json.dumps(seen))
+    return metrics
+
+
+def run_ppo(out, name, stop, flags):
+    """``run`` of step 3: records the prompts of each generation batch ("prompts": [iteration, tokens]), the
+    unsupervised blocks taken ("blocks"), and, on a resume, its iteration and the loaded weights' differences."""
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    seen = {"prompts": [], "blocks": [], "resumed_at": None}
+    real_generate, real_cycle = DeepSpeedPPOTrainer.generate_experience, ppo.cycle
+    real_save, real_load = ppo.save_checkpoint, ppo.load_checkpoint
+
+    def recording_generate(self, prompts, mask=None, step=0, **kwargs):
+        for ids, keep in zip(prompts["prompt"].tolist(), prompts["prompt_att_mask"].tolist()):
+            seen["prompts"].append([step, [token for token, kept in zip(ids, keep) if kept]])
+        return real_generate(self, prompts, mask, step=step, **kwargs)
+
+    def recording_cycle(*args, **kwargs):
+        for batch in real_cycle(*args, **kwargs):
+            for ids, keep in zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist()):
+                seen["blocks"].append([token for token, kept in zip(ids, keep) if kept])
+            yield batch
+
+    def save_then_stop(trainer, root, position, *rest):
+        tag = real_save(trainer, root, position, *rest)
+        if position["iteration"] == stop:
+            raise KeyboardInterrupt(tag)
+        return tag
+
+    def load_recording(trainer, root, *rest):
+        position = real_load(trainer, root, *rest)
+        if position is not None:
+            seen["resumed_at"] = tag = position["iteration"]
+            for part, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
+                seen[f"loaded_{part}_difference"] = loaded_weights_difference(engine, Path(root) / part,
+                                                                              f"iter_{tag:07d}")
+                optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+                seen[f"{part}_weight_decays"] = [group["weight_decay"] for group in optimizer.param_groups]
+        return position
+
+    DeepSpeedPPOTrainer.generate_experience, ppo.cycle = recording_generate, recording_cycle
+    ppo.save_checkpoint, ppo.load_checkpoint = save_then_stop, load_recording
+    metrics = None
+    try:
+        metrics = ppo.main(flags)
+    except KeyboardInterrupt:
+        if not stop:
+            raise
+    finally:
+        DeepSpeedPPOTrainer.generate_experience, ppo.cycle = real_generate, real_cycle
+        ppo.save_checkpoint, ppo.load_checkpoint = real_save, real_load
     seen["metrics"] = metrics
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"{name}_rank{get_rank()}.json").write_text(json.dumps(seen))
