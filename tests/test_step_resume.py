@@ -499,11 +499,13 @@ PPO_OTHER_RANKS = ["--actor_model_name_or_path", "tiny-llama", "--critic_model_n
                    "--max_prompt_seq_len", "40", "--max_answer_seq_len", "8", "--dtype", "fp32",
                    "--num_warmup_steps", "0", "--eval_prompts", "8", "--num_train_epochs", "2",
                    "--enable_hybrid_engine", "--save_interval", "2", "--unsupervised_dataset_name", "tiny",
-                   "--unsup_coef", "0.5", "--per_device_training_batch_size", "4", "--actor_weight_decay", "0.1",
+                   "--unsup_coef", "0.5", "--gradient_accumulation_steps", "2", "--actor_weight_decay", "0.1",
                    "--critic_weight_decay", "0.1"]
-# an iteration's 8 prompts and an optimizer step's 8 rows on 2 ranks and on 1
-PPO_TWO_RANKS = ["--per_device_generation_batch_size", "4"]
-PPO_ONE_RANK = ["--per_device_generation_batch_size", "8", "--gradient_accumulation_steps", "2"]
+# an iteration's 8 prompts and an optimizer step's 8 rows on 2 ranks and on 1, in other batches (the batch indices of
+# the prompts and of the unsupervised stream are converted)
+PPO_TWO_RANKS = ["--per_device_generation_batch_size", "2", "--generation_batches", "2",
+                 "--per_device_training_batch_size", "2"]
+PPO_ONE_RANK = ["--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "4"]
 
 
 def _prompts(*seen):
@@ -543,8 +545,8 @@ def test_a_step3_checkpoint_resumes_on_another_number_of_ranks(tmp_path, distrib
                  "critic's ZeRO-3 states load from DeepSpeed's universal copy critic/{tag}_universal (made now)")
     assert ("[step3] --resume: checkpoint iter_0000002 saved by 1 rank(s), this run has 2: "
             + universal.format(tag="iter_0000002") + "; the prompt position: the first 16 of epoch 1's 24 prompts (in "
-            "its order) were trained on, this run skips 2 batches of 4 on each rank; the unsupervised stream: 16 of "
-            "its 2428 blocks into pass 1, this run skips 2 batches of 4 on each rank; rank 0 restores its own RNG "
+            "its order) were trained on, this run skips 4 batches of 2 on each rank; the unsupervised stream: 16 of "
+            "its 2428 blocks into pass 1, this run skips 4 batches of 2 on each rank; rank 0 restores its own RNG "
             "states and answer sampler, rank 1 (none saved) draws its from (--seed, rank, iteration); its KL "
             "controller and held-out scores before PPO load as saved") in proc.stdout, proc.stdout[-3000:]
     assert ("[step3] --resume: checkpoint iter_0000004 saved by 2 rank(s), this run has 1: "

@@ -160,8 +160,10 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
     if not plan.other_ranks:
         return plan
     where = f"checkpoint {plan.tag} in {root}"
-    position_said = rank_0_decides(lambda: _convert_position(plan.state, plan.saved_ranks, train_loader, unsup_loader,
-                                                             args, where))
+    # (decided on rank 0, set on every rank)
+    converted, position_said = rank_0_decides(lambda: _convert_position(plan.state, plan.saved_ranks, train_loader,
+                                                                        unsup_loader, args, where))
+    plan.state.update(converted)
     said = []
     for part, stage in ((ACTOR, args.actor_zero_stage), (CRITIC, args.critic_zero_stage)):
         if part == ACTOR or args.advantage_estimator == "gae":
@@ -178,11 +180,11 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
 
 def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, where):
     """The checkpoint's position (``state``: "batch", generation batches of its epoch on each of its ranks, and
-    "unsup_batches", the unsupervised stream's batches each rank took) set in this run's batches; returns what is said
-    of it. Each epoch's order of the prompts (and each pass's over the unsupervised blocks) is one permutation of
-    (seed, epoch), which the ranks' samplers deal out in turn, so what the checkpoint's ranks took is a prefix of it:
-    this run skips the batches of its own that cover that prefix. Where they do not cover it exactly (it would skip
-    or repeat some), a UsageError says what to give."""
+    "unsup_batches", the unsupervised stream's batches each rank took) in this run's batches: returns ({"batch",
+    "unsup_batches"} of this run's, what is said of them). Each epoch's order of the prompts (and each pass's over the
+    unsupervised blocks) is one permutation of (seed, epoch), which the ranks' samplers deal out in turn, so what the
+    checkpoint's ranks took is a prefix of it: this run skips the batches of its own that cover that prefix. Where
+    they do not cover it exactly (it would skip or repeat some), a UsageError says what to give."""
     saved = state["batches"]
     saved_batch, batch, ranks = saved["per_device_generation_batch_size"], args.per_device_generation_batch_size, \
         get_world_size()
@@ -193,12 +195,12 @@ def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, wher
                          f"its place in epoch {epoch + 1}, {state['batch']} batches of {saved_batch} prompts on "
                          f"{saved_ranks} rank(s) ({consumed} prompts), is not a whole number of this run's batches of "
                          f"{batch} on {ranks}", saved_batch * saved_ranks)
-    state["batch"] = consumed // (batch * ranks)
+    converted = {"batch": consumed // (batch * ranks)}
     usable = len(train_loader) // args.generation_batches * args.generation_batches
     said = [f"the prompt position: epoch {epoch + 1} was done, training goes on from the next"
-            if state["batch"] >= usable else
+            if converted["batch"] >= usable else
             f"the prompt position: the first {consumed} of epoch {epoch + 1}'s {prompts} prompts (in its order) were "
-            f"trained on, this run skips {state['batch']} batches of {batch} on each rank"]
+            f"trained on, this run skips {converted['batch']} batches of {batch} on each rank"]
     if unsup_loader is not None:
         blocks = len(unsup_loader.dataset)
         saved_pass = math.ceil(blocks / saved_ranks) // saved_batch  # (the checkpoint's loader: drop_last)
@@ -210,10 +212,10 @@ def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, wher
                              f"is not a whole number of this run's batches of {batch} on {ranks}",
                              saved_batch * saved_ranks)
         # (a pass of this run's that ends before ``taken``: the blocks in between are its pass's dropped last ones)
-        state["unsup_batches"] = passes * len(unsup_loader) + min(taken // (batch * ranks), len(unsup_loader))
+        converted["unsup_batches"] = passes * len(unsup_loader) + min(taken // (batch * ranks), len(unsup_loader))
         said.append(f"the unsupervised stream: {taken} of its {blocks} blocks into pass {passes + 1}, this run "
-                    f"skips {state['unsup_batches']} batches of {batch} on each rank")
-    return said
+                    f"skips {converted['unsup_batches']} batches of {batch} on each rank")
+    return converted, said
 
 
 def _refuse_position(where, state, saved_ranks, why, generation_batch):
