@@ -492,15 +492,15 @@ def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(
 
 
 # Step 3 on the tiny presets: 24 prompts, 3 iterations of 8 an epoch, 2 epochs; the bundled scorer as the reward, a
-# critic from a new value head, the hybrid engine, the unsupervised stream (PPO-ptx) and weight decay (the parameter
-# groups DeepSpeed's ZeRO-3 universal load mixes up).
+# critic from a new value head, the hybrid engine, the unsupervised stream (PPO-ptx), an EMA copy, the adaptive KL
+# controller and weight decay (the parameter groups DeepSpeed's ZeRO-3 universal load mixes up).
 PPO_OTHER_RANKS = ["--actor_model_name_or_path", "tiny-llama", "--critic_model_name_or_path", "tiny-llama",
                    "--reward_model_weight", "0", "--reward_fn", "tiny", "--data_split", "1000,1000,8",
                    "--max_prompt_seq_len", "40", "--max_answer_seq_len", "8", "--dtype", "fp32",
                    "--num_warmup_steps", "0", "--eval_prompts", "8", "--num_train_epochs", "2",
                    "--enable_hybrid_engine", "--save_interval", "2", "--unsupervised_dataset_name", "tiny",
                    "--unsup_coef", "0.5", "--gradient_accumulation_steps", "2", "--actor_weight_decay", "0.1",
-                   "--critic_weight_decay", "0.1"]
+                   "--critic_weight_decay", "0.1", "--enable_ema", "--adaptive_kl"]
 # an iteration's 8 prompts and an optimizer step's 8 rows on 2 ranks and on 1, in other batches (the batch indices of
 # the prompts and of the unsupervised stream are converted)
 PPO_TWO_RANKS = ["--per_device_generation_batch_size", "2", "--generation_batches", "2",
@@ -548,19 +548,23 @@ def test_a_step3_checkpoint_resumes_on_another_number_of_ranks(tmp_path, distrib
             "its order) were trained on, this run skips 4 batches of 2 on each rank; the unsupervised stream: 16 of "
             "its 2428 blocks into pass 1, this run skips 4 batches of 2 on each rank; rank 0 restores its own RNG "
             "states and answer sampler, rank 1 (none saved) draws its from (--seed, rank, iteration); its KL "
-            "controller and held-out scores before PPO load as saved") in proc.stdout, proc.stdout[-3000:]
+            "controller, EMA copy and held-out scores before PPO load as saved") in proc.stdout, proc.stdout[-3000:]
     assert ("[step3] --resume: checkpoint iter_0000004 saved by 2 rank(s), this run has 1: "
             + universal.format(tag="iter_0000004") + "; the prompt position: the first 8 of epoch 2's 24 prompts (in "
             "its order) were trained on, this run skips 1 batches of 8 on each rank; the unsupervised stream: 32 of "
             "its 2428 blocks into pass 1, this run skips 4 batches of 8 on each rank; rank 0 restores its own RNG "
-            "states and answer sampler; its KL controller and held-out scores before PPO load as saved") in out, out
+            "states and answer sampler; its KL controller, EMA copy and held-out scores before PPO load as saved") \
+        in out, out
     assert "resumed from iteration 4 " in out and "this run spans" not in out
     full, two_after = _seen(tmp_path, "full", 2), _seen(tmp_path, "two_after", 2)
     one_before, one_after = _seen(tmp_path, "one_before", 1), _seen(tmp_path, "one_after", 1)
-    for resumed, at, iterations in ((two_after, 2, [2, 3, 4, 5]), (one_after, 4, [4, 5])):
+    for resumed, saved, at, iterations in ((two_after, one_before[0], 2, [2, 3, 4, 5]),
+                                           (one_after, full[0], 4, [4, 5])):
         for rank in resumed:
             assert rank["resumed_at"] == at
-            assert rank["loaded_actor_difference"] == 0.0 and rank["loaded_critic_difference"] == 0.0
+            assert rank["kl_coef"] == saved["saved_kl_coef"][str(at)] != 0.1  # (adapted from --kl_ctl's 0.1)
+            assert rank["loaded_actor_difference"] == rank["loaded_critic_difference"] == 0.0
+            assert rank["loaded_ema_difference"] == 0.0
             assert rank["actor_weight_decays"] == rank["critic_weight_decays"] == [0.1, 0.0]
             assert sorted({iteration for iteration, _ in rank["prompts"]}) == iterations
     assert metrics["iterations"] == two_after[0]["metrics"]["iterations"] == 6

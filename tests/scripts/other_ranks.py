@@ -3,8 +3,8 @@ its checkpoint of a given step, or resuming) and writes what each rank saw to ``
 records of every micro-batch it trained on (their tokens), the step it resumed from, how far the weights right after
 the load are from the checkpoint's (DeepSpeed's own zero_to_fp32 consolidation of it), the optimizer's parameter
 groups then, and the step's metrics. Step 3 ("ppo", ``run_ppo``): the prompts of every generation batch (with their
-iteration) and the unsupervised blocks it trained on, the iteration it resumed from, and how far the actor's and the
-critic's weights right after the load are from the checkpoint's.
+iteration) and the unsupervised blocks it trained on, the iteration it resumed from, and how far the actor's, the
+critic's and the EMA copy's weights right after the load are from the checkpoint's.
 
 Run by tests/test_step_resume.py through the deepspeed launcher, ``other_ranks.py <step> <out> <runs> <flags>``:
 ``<runs>`` is ``name:folder:stop,...``, each a run of ``<flags>`` with ``--output_dir <out>/<folder>`` (stop 0: to the
@@ -33,11 +33,12 @@ def checkpoint_weights(folder, tag):
     return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag)
 
 
-def loaded_weights_difference(engine, folder, tag):
-    """The largest difference between the engine's weights and the checkpoint's (None: some parameter is missing)."""
+def loaded_weights_difference(engine, folder, tag, saved=None):
+    """The largest difference between the engine's weights and the checkpoint's (``saved``: those weights, else
+    DeepSpeed's of ``folder``/``tag``; None: some parameter is missing)."""
     from dschat.models.zero3 import gathered
 
-    saved, worst = checkpoint_weights(folder, tag), 0.0
+    saved, worst = checkpoint_weights(folder, tag) if saved is None else saved, 0.0
     for name, param in engine.module.named_parameters():
         if name not in saved:
             return None
@@ -96,7 +97,8 @@ def run(step, out, name, stop, flags):
 
 def run_ppo(out, name, stop, flags):
     """``run`` of step 3: records the prompts of each generation batch ("prompts": [iteration, tokens]), the
-    unsupervised blocks taken ("blocks"), and, on a resume, its iteration and the loaded weights' differences."""
+    unsupervised blocks taken ("blocks"), the KL coefficient of each checkpoint saved, and, on a resume, its
+    iteration, the loaded weights' differences and KL coefficient."""
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 
     seen = {"prompts": [], "blocks": [], "resumed_at": None}
@@ -116,6 +118,7 @@ def run_ppo(out, name, stop, flags):
 
     def save_then_stop(trainer, root, position, *rest):
         tag = real_save(trainer, root, position, *rest)
+        seen.setdefault("saved_kl_coef", {})[position["iteration"]] = trainer.kl_ctl.value
         if position["iteration"] == stop:
             raise KeyboardInterrupt(tag)
         return tag
@@ -124,11 +127,15 @@ def run_ppo(out, name, stop, flags):
         position = real_load(trainer, root, *rest)
         if position is not None:
             seen["resumed_at"] = tag = position["iteration"]
+            seen["kl_coef"] = trainer.kl_ctl.value
             for part, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
                 seen[f"loaded_{part}_difference"] = loaded_weights_difference(engine, Path(root) / part,
                                                                               f"iter_{tag:07d}")
                 optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
                 seen[f"{part}_weight_decays"] = [group["weight_decay"] for group in optimizer.param_groups]
+            if trainer.actor_ema is not None:  # (saved whole, by rank 0)
+                seen["loaded_ema_difference"] = loaded_weights_difference(
+                    trainer.actor_ema, None, None, torch.load(Path(root) / "trainer" / f"iter_{tag:07d}" / "ema.pt"))
         return position
 
     DeepSpeedPPOTrainer.generate_experience, ppo.cycle = recording_generate, recording_cycle
