@@ -1,6 +1,7 @@
 """Collators (padding sides, label masks, reward layout) and step 3's unsupervised data."""
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -295,6 +296,30 @@ def test_the_unsupervised_data_record_says_which_content_or_hub_revision_was_rea
     assert changed_unsupervised_data(saved, unsupervised_data_record("wikitext")) == [
         "wikitext (another revision in the HF datasets cache)"]
     assert unsupervised_data_record("tiny") == {"files": {}, "hub": {}}
+
+
+def test_a_saved_folders_record_leaves_out_the_file_another_ranks_map_is_writing(tmp_path):
+    """Every rank reads --unsupervised_dataset_name's save_to_disk folder and tokenizes it with datasets' map, which
+    writes its cache file there through a temporary file (tempfile's ``tmpXXXXXXXX``) until it is complete. A rank that
+    recorded the folder while another rank's map ran listed that file: rank 0's checkpoints then named a file gone by
+    the resume (refused: "its unsupervised data changed since: .../tmp..."; train.py --resume ran step 3 afresh), or
+    the file was renamed between the listing and its hashing (FileNotFoundError at the start of step 3)."""
+    from datasets import Dataset, load_from_disk
+
+    from dschat.data.unsupervised import unsupervised_data_record
+
+    folder = str(tmp_path / "saved")
+    Dataset.from_dict({"text": ["saved text number %d" % i for i in range(8)]}).save_to_disk(folder)
+    before = unsupervised_data_record(folder)
+    during = []
+
+    def tokenize(batch):  # (another rank's map: this rank records the folder meanwhile)
+        during.append((sorted(os.listdir(folder)), unsupervised_data_record(folder)))
+        return {"n": [len(text) for text in batch["text"]]}
+
+    load_from_disk(folder).map(tokenize, batched=True, batch_size=2)
+    assert any(name.startswith("tmp") for names, _ in during for name in names), "datasets' temporary file (the case)"
+    assert all(record == before for _, record in during)
 
 
 @pytest.mark.parametrize("error", [ConnectionError("Couldn't reach 'x' on the Hub"), FileNotFoundError("no such")])

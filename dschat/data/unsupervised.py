@@ -8,6 +8,7 @@ local file with a ``text`` field: ``text:PATH`` / a ``.txt`` path (one document 
 batch is dropped).
 """
 import os
+import re
 
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
@@ -58,13 +59,21 @@ def unsupervised_data_record(name, config_name=None, train=None):
         return {"files": {}, "hub": {}}
     local = _local_text_source(name)
     if local is not None or os.path.isdir(name):
-        # (not the cache files datasets' map writes into a save_to_disk folder: the tokenizing of this very run)
+        # (not the files datasets' map writes into a save_to_disk folder: the tokenizing of this very run or another
+        # rank's)
         paths = [path for path in all_files(local[1] if local is not None else name)
-                 if local is not None or not os.path.basename(path).startswith("cache-")]
+                 if local is not None or not written_by_map(os.path.basename(path))]
         return {"files": {os.path.abspath(path): file_digest(path) for path in paths}, "hub": {}}
     if train is None:
         train, _ = load_unsupervised_train(name, config_name)
     return {"files": {}, "hub": {name: train._fingerprint}}
+
+
+def written_by_map(file_name):
+    """Whether a file of a save_to_disk folder is one datasets' ``map`` writes there: its cache files (``cache-*``)
+    and the temporary file it writes each through (``tempfile``'s ``tmp`` and 8 characters), which lies there while a
+    map runs, e.g. another rank's tokenizing of the same folder (or stays after one was killed)."""
+    return file_name.startswith("cache-") or re.fullmatch(r"tmp[a-z0-9_]{8}", file_name) is not None
 
 
 def changed_unsupervised_data(saved, now):
