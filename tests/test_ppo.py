@@ -692,6 +692,15 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
                       "--gradient_accumulation_steps", "2"))
     assert configs == [(4, 2), (2, 2)]
     assert boundaries.count("actor") == boundaries.count("critic") == 2
+    # --n_samples_per_prompt 2: twice the PPO micro-batches, each followed by blocks of its own (one batch was cycled,
+    # each block trained twice per PPO epoch)
+    calls.clear()
+    ppo.main(ppo_args(trained, tmp_path / "ppo3", "--max_steps", "1", "--unsupervised_dataset_name", f"jsonl:{text}",
+                      "--unsup_coef", "0.5", "--per_device_training_batch_size", "2", "--ppo_epochs", "2",
+                      "--n_samples_per_prompt", "2", "--advantage_estimator", "grpo"))
+    assert [c[:2] for c in calls] == [("ppo", 2), ("lm", 2)] * 8
+    slices = [c[2] for c in calls if c[0] == "lm"]
+    assert len(set(slices[:4])) == 4 and slices[:4] == slices[4:]  # 4 slices of 2 batches, again in epoch 2
 
 
 def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):

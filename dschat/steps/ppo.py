@@ -244,7 +244,10 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
             # advantages wait for the whole rollout (train_rollout): a generation batch's own would be thrown away
             buffer.append(trainer.generate_experience(batch, step=iteration, advantages=False))
             batch_stats.append(dict(trainer.stats))  # this generation batch's alone: the next one overwrites them
-            if unsup_iter is not None:  # one unsupervised batch per generation batch, as in DeepSpeed-Chat
+            # one unsupervised batch per generation batch's prompts, as in DeepSpeed-Chat, and per answer to them:
+            # --n_samples_per_prompt n answers make n times the PPO micro-batches, each followed by a language-model
+            # micro-step on blocks of its own (a single batch was cycled, each block trained n times per epoch)
+            for _ in range(args.n_samples_per_prompt if unsup_iter is not None else 0):
                 unsup_buffer.append(to_device(next(unsup_iter), device))
                 unsup_batches += 1
             if len(buffer) < args.generation_batches:
