@@ -551,7 +551,7 @@ def test_a_step3_checkpoint_resumes_on_another_number_of_ranks(tmp_path, distrib
             "controller, EMA copy and held-out scores before PPO load as saved") in proc.stdout, proc.stdout[-3000:]
     assert ("[step3] --resume: checkpoint iter_0000004 saved by 2 rank(s), this run has 1: "
             + universal.format(tag="iter_0000004") + "; the prompt position: the first 8 of epoch 2's 24 prompts (in "
-            "its order) were trained on, this run skips 1 batches of 8 on each rank; the unsupervised stream: 32 of "
+            "its order) were trained on, this run skips 1 batch of 8 on each rank; the unsupervised stream: 32 of "
             "its 2428 blocks into pass 1, this run skips 4 batches of 8 on each rank; rank 0 restores its own RNG "
             "states and answer sampler; its KL controller, EMA copy and held-out scores before PPO load as saved") \
         in out, out

@@ -200,7 +200,7 @@ def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, wher
     said = [f"the prompt position: epoch {epoch + 1} was done, training goes on from the next"
             if converted["batch"] >= usable else
             f"the prompt position: the first {consumed} of epoch {epoch + 1}'s {prompts} prompts (in its order) were "
-            f"trained on, this run skips {converted['batch']} batches of {batch} on each rank"]
+            f"trained on, this run skips {_batches(converted['batch'])} of {batch} on each rank"]
     if unsup_loader is not None:
         blocks = len(unsup_loader.dataset)
         saved_pass = math.ceil(blocks / saved_ranks) // saved_batch  # (the checkpoint's loader: drop_last)
@@ -214,8 +214,12 @@ def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, wher
         # (a pass of this run's that ends before ``taken``: the blocks in between are its pass's dropped last ones)
         converted["unsup_batches"] = passes * len(unsup_loader) + min(taken // (batch * ranks), len(unsup_loader))
         said.append(f"the unsupervised stream: {taken} of its {blocks} blocks into pass {passes + 1}, this run "
-                    f"skips {converted['unsup_batches']} batches of {batch} on each rank")
+                    f"skips {_batches(converted['unsup_batches'])} of {batch} on each rank")
     return converted, said
+
+
+def _batches(count):
+    return f"{count} batch" if count == 1 else f"{count} batches"
 
 
 def _refuse_position(where, state, saved_ranks, why, generation_batch):

@@ -163,7 +163,8 @@ def _position_on_these_ranks(state, saved_ranks, loader, args):
     skipped = consumed // step_samples
     again = consumed - skipped * step_samples
     said = (f"the data position: the first {consumed} of epoch {epoch + 1}'s {records} records (in its order) were "
-            f"trained on, this run skips {skipped} micro-batches of {args.per_device_train_batch_size} on each rank")
+            f"trained on, this run skips {skipped} micro-batch{'' if skipped == 1 else 'es'} of "
+            f"{args.per_device_train_batch_size} on each rank")
     if again:
         said += (f", {skipped * step_samples} records: the last {again} are trained on again ({consumed} is not a "
                  f"multiple of --per_device_train_batch_size {args.per_device_train_batch_size} x {get_world_size()} "
