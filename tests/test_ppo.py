@@ -1069,6 +1069,11 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
         load_checkpoint(_flags_trainer(tmp_path, "--actor_dropout", "0.0", "--critic_dropout", "0.2"), str(tmp_path))
     assert "--actor_dropout (the model's own) -> 0.0, --critic_dropout (the model's own) -> 0.2: the rest of the run " \
            "trains with the new value" in capsys.readouterr().out
+    # so do the loss coefficients and the sampling settings (they went unsaid: another objective than the log said)
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--cliprange", "0.1", "--temperature", "0.7"), str(tmp_path))
+    assert "--cliprange 0.2 -> 0.1, --temperature 1.0 -> 0.7: the rest of the run trains with the new value" in \
+        capsys.readouterr().out
 
 
 def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp_path):

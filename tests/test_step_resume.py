@@ -788,3 +788,18 @@ def test_a_resume_that_trains_nothing_reports_no_rates_rather_than_zero():
     assert idle.summary() == {"samples_per_s": None, "tokens_per_s": None, "tflops_per_rank": None}
     idle.update(samples=4, tokens=64)
     assert all(value > 0 for value in idle.summary().values())
+
+
+def test_dpo_loss_coefficients_changed_on_resume_are_said(capsys):
+    """DPO's --beta, --label_smoothing and --rpo_alpha bind nothing a checkpoint holds, but a resume that changed them
+    went unsaid: the run's log claimed one objective and trained another. Said, as another dropout is."""
+    from dschat.args import step2_dpo_parser
+    from dschat.steps.resume import BOUND_WHY, FREE_FLAGS, RESTORED_FLAGS, resume_flags
+    from dschat.utils.checkpoints import check_same_flags
+
+    saved = resume_flags(step2_dpo_parser().parse_args(["--beta", "0.1"]))
+    now = resume_flags(step2_dpo_parser().parse_args(["--beta", "0.3", "--rpo_alpha", "1.0"]))
+    assert check_same_flags(saved, now, RESTORED_FLAGS, "step_0000001", "out", "step2_dpo", BOUND_WHY,
+                            FREE_FLAGS) == {}
+    assert "[step2_dpo] --resume: --beta 0.1 -> 0.3, --rpo_alpha 0.0 -> 1.0: the rest of the run trains with the new " \
+           "value" in capsys.readouterr().out

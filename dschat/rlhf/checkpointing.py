@@ -53,8 +53,12 @@ CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_wei
 # the flags.)
 RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
                   "critic_lora_learning_rate")
-# Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it.
-FREE_FLAGS = ("actor_dropout",)
+# Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it
+# (the loss and reward coefficients and the sampling settings too: changed silently, a resumed run trained another
+# objective than its log said).
+FREE_FLAGS = ("actor_dropout", "cliprange", "cliprange_value", "gamma", "lam", "entropy_coef", "kl_loss_coef",
+              "kl_estimator", "unsup_coef", "clip_reward_value", "reward_model_weight", "reward_fn_weight",
+              "temperature", "top_k", "top_p", "greedy")
 CRITIC_FREE_FLAGS = ("critic_dropout",)
 # On another number of ranks, these may change as long as each pair's product with the ranks does not: the prompts of
 # an iteration, and the rows of an optimizer step (checkpoints record them, ``iteration_batches``).

@@ -36,8 +36,9 @@ RESUME_FLAGS = ("model_name_or_path", "add_eot_token", "eot_token", "lora_dim", 
                 "sft_only_data_path")
 # Restored by DeepSpeed with the optimizer's state: another value is said to change nothing.
 RESTORED_FLAGS = ("learning_rate", "lora_learning_rate")
-# Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it.
-FREE_FLAGS = ("dropout",)
+# Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it
+# (DPO's loss coefficients too: changed silently, a resumed run trained another objective than its log said).
+FREE_FLAGS = ("dropout", "beta", "label_smoothing", "rpo_alpha")
 BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, weight decay, ZeRO stage, precision, offload) and its "
              "place in the data (micro-batches of --per_device_train_batch_size, steps of "
              "--gradient_accumulation_steps, of the records its data flags and tokenizer make, in --seed's order) hold "
