@@ -1076,6 +1076,25 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
         capsys.readouterr().out
 
 
+def test_a_resumed_kl_controller_goes_on_from_its_coefficient_with_this_runs_settings(tmp_path, capsys):
+    """The checkpoint's controller state overrode the flags: a fixed --kl_ctl changed on resume, and an adaptive
+    controller's --kl_target or --kl_horizon, were silently the checkpoint's. An adaptive controller goes on from the
+    coefficient it had come to; the settings are this run's, and a change is said."""
+    from dschat.rlhf.algorithms import get_kl_controller
+    from dschat.rlhf.checkpointing import load_checkpoint, restore_kl_controller
+
+    fixed = get_kl_controller("fixed", 0.2)
+    restore_kl_controller(fixed, {"value": 0.1})
+    assert fixed.value == 0.2
+    adaptive = get_kl_controller("adaptive", 0.1, 6.0, 10000)
+    restore_kl_controller(adaptive, {"value": 0.137, "target": 3.0, "horizon": 500})
+    assert (adaptive.value, adaptive.target, adaptive.horizon) == (0.137, 6.0, 10000)
+    _save_flags_checkpoint(tmp_path)
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--kl_ctl", "0.2"), str(tmp_path))
+    assert "--kl_ctl 0.1 -> 0.2: the rest of the run trains with the new value" in capsys.readouterr().out
+
+
 def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp_path):
     """The actor model is step 3's frozen reference: resuming with another one silently changed what the KL penalty
     measured against. Compared by the recorded identity of the model, not its path."""

@@ -18,6 +18,7 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
+from dschat.rlhf import algorithms as algo
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, finished_run_id, holds_model, input_runs, model_identity,
                                  restart_deepspeed_tensorboard, step_data_records)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, ResumePlan, check_complete, check_convertible, check_same_flags,
@@ -53,12 +54,15 @@ CRITIC_RESUME_FLAGS = ("critic_lora_dim", "critic_lora_module_name", "critic_wei
 # the flags.)
 RESTORED_FLAGS = ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
                   "critic_lora_learning_rate")
+# The KL controller's settings: a checkpoint restores an adaptive controller's coefficient where it had come, and this
+# run's flags apply from there (``restore_kl_controller``); the starting coefficient of an adaptive one is not compared.
+KL_CONTROLLER_FLAGS = ("adaptive_kl", "kl_ctl", "kl_target", "kl_horizon")
 # Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it
 # (the loss and reward coefficients and the sampling settings too: changed silently, a resumed run trained another
 # objective than its log said).
 FREE_FLAGS = ("actor_dropout", "cliprange", "cliprange_value", "gamma", "lam", "entropy_coef", "kl_loss_coef",
               "kl_estimator", "unsup_coef", "clip_reward_value", "reward_model_weight", "reward_fn_weight",
-              "temperature", "top_k", "top_p", "greedy")
+              "temperature", "top_k", "top_p", "greedy") + KL_CONTROLLER_FLAGS
 CRITIC_FREE_FLAGS = ("critic_dropout",)
 # On another number of ranks, these may change as long as each pair's product with the ranks does not: the prompts of
 # an iteration, and the rows of an optimizer step (checkpoints record them, ``iteration_batches``).
@@ -127,11 +131,24 @@ def load_checkpoint(trainer, root, plan=None):
             load_rank_state(root, tag, trainer.generator)
     for engine in engines:
         restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
-    trainer.kl_ctl.load_state_dict(state.pop("kl_ctl"))
+    restore_kl_controller(trainer.kl_ctl, state.pop("kl_ctl"))
     take_restored_flags(state, getattr(trainer, "args", None))  # (set where the checks had flags to compare)
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state
+
+
+def restore_kl_controller(controller, saved):
+    """The checkpoint's KL controller state (``saved``) into ``controller``, made from this run's flags: an adaptive
+    controller goes on from the coefficient it had come to, toward this run's --kl_target over its --kl_horizon; a
+    fixed one's coefficient is this run's --kl_ctl (a changed flag is said by the resume's check, and applies)."""
+    settings = {key: value for key, value in controller.state_dict().items() if key != "value"}
+    fixed = controller.value
+    controller.load_state_dict(saved)
+    if isinstance(controller, algo.FixedKLController):
+        controller.value = fixed
+    else:
+        controller.load_state_dict({"value": controller.value, **settings})
 
 
 def _checked_latest(trainer, root, planned=False):
@@ -317,6 +334,8 @@ def resume_flags(trainer):
     names = (ACTOR_RESUME_FLAGS + FREE_FLAGS + critic + RESTORED_FLAGS
              + (UNSUPERVISED_RESUME_FLAGS if getattr(trainer.args, "unsupervised_dataset_name", None) else ()))
     flags = {name: getattr(trainer.args, name) for name in names}
+    if trainer.args.adaptive_kl:
+        del flags["kl_ctl"]  # (an adaptive controller's start: it goes on from the checkpoint's coefficient)
     if not (trainer.args.actor_lora_dim or trainer.args.critic_lora_dim):
         flags["lora_alpha"] = None  # (read by no model: given, it is said to be ignored, and binds nothing)
     return {**flags, **step_data_records(trainer.args)}  # the same prompt data, unedited: its position counts
