@@ -484,7 +484,7 @@ def test_a_lora_module_name_that_matches_no_layer_is_an_error_naming_step3s_flag
     args = step3_args({f"{role}_lora_dim": 4, f"{role}_lora_module_name": "decoder.layers.", "dtype": "fp32"})
     engine = SimpleNamespace(args=args, world_size=1, actor_path="tiny-llama", critic_path="tiny-llama",
                              tokenizer=load_tokenizer("tiny-llama"), _check_token_ids=lambda *given: None,
-                             _check_sequence_fits=lambda model: None)
+                             _check_sequence_fits=lambda model: None, load_universal=frozenset())
     engine._train_config = lambda *given, **kwargs: DeepSpeedRLHFEngine._train_config(engine, *given, **kwargs)
     build = DeepSpeedRLHFEngine._init_actor if role == "actor" else DeepSpeedRLHFEngine._init_critic
     with pytest.raises(UsageError, match=rf"^--{role}_lora_module_name 'decoder.layers.' matches no Linear module"):
