@@ -576,6 +576,11 @@ def test_a_step3_checkpoint_resumes_on_another_number_of_ranks(tmp_path, distrib
     assert _prompts(before, one_after) == uninterrupted
     assert _blocks(one_before, two_after) == _blocks(full)
     assert _blocks([{"blocks": rank["blocks"][:16]} for rank in full], one_after) == _blocks(full)
+    # its save of iteration 6 over the 2-rank run's keeps none of that run's rank 1 files
+    from dschat.utils.checkpoints import saved_ranks
+
+    assert saved_ranks(str(tmp_path / "full" / "checkpoints"), "iter_0000006") == 1
+    assert not list((tmp_path / "full" / "checkpoints" / "actor" / "iter_0000006").glob("*rank_1_*"))
 
 
 def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):
@@ -602,6 +607,30 @@ def test_a_checkpoint_one_rank_cannot_load_stops_every_rank_before_any_says_it_r
         in proc.stderr, proc.stderr[-3000:]
     assert "resumed from step" not in proc.stdout
     assert (tmp_path / "run" / "metrics.json").exists(), "the finished output lost its finished mark"
+
+
+def test_a_save_over_a_tag_an_earlier_save_left_keeps_none_of_its_files(tmp_path, distributed, capsys):
+    """A run of 2 ranks killed while saving step 4 (or an earlier, longer one) leaves rank 1's files in step_0000004;
+    resumed on 1 rank from step 2, the run saved step 4 over them and kept them: the checkpoint then counted 2 RNG
+    files ("saved by 2 rank(s)"), so resuming it on 1 rank was refused asking for twice the batch, and DeepSpeed's
+    partitions of the other run's rank 1 went into its universal copy, or were loaded by a rank 1 as its own."""
+    from dschat.utils.checkpoints import saved_ranks
+
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+              "--zero_stage", "2", "--save_interval", "2"]
+    reward.main([*common, "--max_steps", "4"])
+    root = tmp_path / "rm" / "checkpoints"
+    model, trainer = root / "model" / "step_0000004", root / "trainer" / "step_0000004"
+    left = [model / "zero_pp_rank_1_mp_rank_00_optim_states.pt", trainer / "rng_rank1.pt"]  # (rank 1's, as saved)
+    shutil.copy(model / "zero_pp_rank_0_mp_rank_00_optim_states.pt", left[0])
+    shutil.copy(trainer / "rng_rank0.pt", left[1])
+    (root / "latest").write_text(json.dumps({"tag": "step_0000002"}))
+    reward.main([*common, "--max_steps", "4", "--resume"])
+    assert not any(path.exists() for path in left) and saved_ranks(str(root), "step_0000004") == 1
+    capsys.readouterr()
+    assert reward.main([*common, "--max_steps", "6", "--resume"])["steps"] == 6
+    out = capsys.readouterr().out
+    assert "resumed from step 4 " in out and "saved by" not in out
 
 
 def test_pruning_keeps_the_last_complete_checkpoints_and_removes_partial_and_later_ones(tmp_path):

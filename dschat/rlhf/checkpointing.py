@@ -22,9 +22,9 @@ from dschat.rlhf import algorithms as algo
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, finished_run_id, holds_model, input_runs, model_identity,
                                  restart_deepspeed_tensorboard, step_data_records)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, ResumePlan, check_complete, check_convertible, check_same_flags,
-                                      latest_tag, load_rank_state, load_rank_state_of_others, loading_universal,
-                                      publish, read_trainer_state, reading, refuse_other_rank_count, rng_said,
-                                      same_product_advice, save_trainer_state, tag_of, take_restored_flags,
+                                      clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
+                                      loading_universal, publish, read_trainer_state, reading, refuse_other_rank_count,
+                                      rng_said, same_product_advice, save_trainer_state, tag_of, take_restored_flags,
                                       trainer_folder, universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 
@@ -84,6 +84,7 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     """Save everything a resumed run needs; ``position`` = {"iteration", "epoch", "batch"} (next to run) and
     "unsup_batches" (unsupervised batches consumed so far, skipped on resume)."""
     tag = tag_of("iter", position["iteration"])
+    clear_tag(root, tag)
     trainer.actor_model.save_checkpoint(os.path.join(root, ACTOR), tag=tag, save_latest=False)
     if trainer.critic_model is not None:
         trainer.critic_model.save_checkpoint(os.path.join(root, CRITIC), tag=tag, save_latest=False)

@@ -18,10 +18,10 @@ from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
                                  say_a_changed_schedule, step_data_records)
 from dschat.utils.checkpoints import (MODEL, ResumePlan, check_complete, check_convertible, check_same_flags,
-                                      clear_earlier_run, latest_tag, load_rank_state, load_rank_state_of_others,
-                                      loading_universal, publish, read_trainer_state, reading, refuse_other_rank_count,
-                                      rng_said, same_product_advice, save_trainer_state, tag_of, take_restored_flags,
-                                      universal_load)
+                                      clear_earlier_run, clear_tag, latest_tag, load_rank_state,
+                                      load_rank_state_of_others, loading_universal, publish, read_trainer_state,
+                                      reading, refuse_other_rank_count, rng_said, same_product_advice,
+                                      save_trainer_state, tag_of, take_restored_flags, universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -62,6 +62,7 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
     "seconds" (the step's so far) and "total" (the run's steps)}."""
     root = checkpoint_root(args)
     tag = tag_of("step", position["step"])
+    clear_tag(root, tag)
     engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
     place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total") if key in position}
     sums = {key: position[key] for key in ("loss_sum", "loss_count")}

@@ -95,6 +95,20 @@ def save_trainer_state(root, tag, state, generator=None, rank_state=None):
     return folder
 
 
+def clear_tag(root, tag):
+    """Before every rank saves ``tag``: rank 0 removes what an earlier save of it left in each part (a save killed
+    before it published, or an earlier, longer run's tag, which the resumed run reaches again), its universal copies
+    too, and every rank waits. Saved over, its files of ranks this run does not have stayed (another number of ranks
+    than the earlier save's): one rank's RNG file too many made the checkpoint "saved by 2 rank(s)" (a 1-rank resume
+    of it refused, naming another batch size to give), and DeepSpeed's partitions of the other run's ranks went into
+    its universal copy or were loaded as its own."""
+    if is_rank_0():
+        for part in _parts(root):
+            for name in (tag, universal_tag(tag), universal_tag(tag) + UNIVERSAL_PARTIAL):
+                shutil.rmtree(os.path.join(root, part, name), ignore_errors=True)
+    barrier()
+
+
 def publish(root, tag, keep_last=2):
     """After every rank has written its share of ``tag``: rank 0 points ``latest`` at it and prunes older tags."""
     barrier()
