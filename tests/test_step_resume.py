@@ -633,6 +633,42 @@ def test_a_save_over_a_tag_an_earlier_save_left_keeps_none_of_its_files(tmp_path
     assert "resumed from step 4 " in out and "saved by" not in out
 
 
+# Two ranks whose process group times out after 3 s; rank 0's conversion of a part takes 6 s (a large model's takes
+# longer than DeepSpeed's 10-minute default).
+SLOW_CONVERSION = """
+import datetime, os, sys, time
+import torch
+torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+from dschat.utils import checkpoints
+tag = os.path.join(sys.argv[1], "model", "step_0000002")
+os.makedirs(tag, exist_ok=True)
+open(os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), "w").close()
+def converting(root, part, tag, saved):
+    time.sleep(6)
+    return checkpoints.universal_tag(tag), True
+checkpoints.universal_copy = converting
+said = checkpoints.universal_load(sys.argv[1], "model", "step_0000002", 1, 3)
+assert said == ("step_0000002_universal", "its ZeRO-3 states load from DeepSpeed's universal copy "
+                "model/step_0000002_universal (made now)"), said
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.multirank
+def test_the_other_ranks_wait_for_a_conversion_longer_than_the_process_groups_timeout(tmp_path):
+    """Rank 0 converts a checkpoint of another number of ranks while the others wait for it: they waited in a
+    collective of the process group, which failed once its timeout passed (DeepSpeed's default: 10 minutes, less than
+    a large model's conversion takes: "Timed out waiting 600000ms"), and the launcher stopped rank 0's conversion,
+    which the next try began again."""
+    from launch import run_as_two_nodes
+
+    nodes = [tmp_path / "a", tmp_path / "b"]
+    for node in nodes:
+        node.mkdir()
+    run_as_two_nodes(tmp_path, SLOW_CONVERSION, nodes, timeout=120)
+
+
 def test_pruning_keeps_the_last_complete_checkpoints_and_removes_partial_and_later_ones(tmp_path):
     """A save killed part-way left its model folder and no trainer state; it was never pruned (a multi-GB leftover)."""
     from dschat.utils import checkpoints

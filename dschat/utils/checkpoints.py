@@ -14,6 +14,7 @@ checkpoint has one (``load_rank_state_of_others``).
 """
 import argparse
 import contextlib
+import datetime
 import hashlib
 import io
 import os
@@ -246,6 +247,11 @@ def check_convertible(root, parts, tag, saved_ranks):
                                     "one folder per rank, which DeepSpeed's universal checkpoint does not convert")
 
 
+# How long the other ranks wait for rank 0's conversion of a part (``universal_copy``; a large model's states take well
+# over the process group's timeout).
+CONVERSION_PATIENCE = datetime.timedelta(hours=24)
+
+
 def universal_load(root, part, tag, saved_ranks, stage, whose="its"):
     """(the tag ``part``'s engine loads, what is said of it) on a run of another number of ranks than checkpoint
     ``tag``'s (``saved_ranks``): ZeRO-1/2/3 partitions (``zero_partitioned``) through their universal copy, which
@@ -253,7 +259,7 @@ def universal_load(root, part, tag, saved_ranks, stage, whose="its"):
     ``checkpoint.load_universal``); states of no ZeRO (``stage`` 0) as saved."""
     if not rank_0_decides(lambda: zero_partitioned(os.path.join(root, part, tag))):
         return tag, f"{whose} DeepSpeed states are not partitioned over the ranks (no ZeRO) and load as saved"
-    load_tag, made = rank_0_decides(lambda: universal_copy(root, part, tag, saved_ranks))
+    load_tag, made = rank_0_decides(lambda: universal_copy(root, part, tag, saved_ranks), CONVERSION_PATIENCE)
     return load_tag, (f"{whose} ZeRO-{stage} states load from DeepSpeed's universal copy {part}/{load_tag} ("
                       + ("made now" if made else "made by an earlier resume") + ")")
 

@@ -162,14 +162,18 @@ def barrier():
         torch.distributed.barrier()
 
 
-def rank_0_decides(decide):
+def rank_0_decides(decide, patience=None):
     """``decide()`` run on rank 0, and its result on every rank (its error raised on every rank): a decision
     made from files, such as which checkpoint to resume and whether it fits, is made once, so that no rank goes on
-    into a collective (DeepSpeed's loading, an evaluation) while another stops."""
+    into a collective (DeepSpeed's loading, an evaluation) while another stops. ``patience`` (a timedelta): how long
+    the other ranks wait for a long one (rank 0 converting a checkpoint), on a gloo group of its own with that
+    timeout; in the process group's collective they failed once its timeout passed (DeepSpeed's default: 10
+    minutes), and a retry converted again from the start."""
     from dschat.errors import UsageError
 
     if get_world_size() == 1:
         return decide()
+    group = torch.distributed.new_group(backend="gloo", timeout=patience) if patience is not None else None
     outcome, failed = [None], None
     if is_rank_0():
         try:
@@ -179,7 +183,12 @@ def rank_0_decides(decide):
         except Exception as error:  # any other failure stops every rank too, not only rank 0
             outcome[0], failed = ("failed", f"rank 0 failed: {type(error).__name__}: {error}"), error
     # (the rank's own device: under NCCL, before any engine has set one, torch would take cuda:0 on every rank)
-    torch.distributed.broadcast_object_list(outcome, src=0, device=local_device())
+    try:
+        torch.distributed.broadcast_object_list(outcome, src=0, group=group,
+                                                device=local_device() if group is None else torch.device("cpu"))
+    finally:
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
     if failed is not None:
         raise failed
     kind, value = outcome[0]
