@@ -196,7 +196,7 @@ def test_an_actor_family_without_a_tensor_parallel_plan_fails_before_its_weights
 
     monkeypatch.setattr(engine_module, "load_causal_lm", no_loading)
     engine = SimpleNamespace(args=settings, world_size=2, actor_path="tiny-gpt2", tokenizer=None,
-                             _train_config=lambda stage, hybrid=False: step3_train_config(settings, 2, stage, hybrid))
+                             _trained_config=lambda stage, hybrid=False: step3_train_config(settings, 2, stage, hybrid))
     with pytest.raises(UsageError, match="--inference_tp_size 2: .*model type 'gpt2'"):
         DeepSpeedRLHFEngine._init_actor(engine)
 
@@ -486,6 +486,7 @@ def test_a_lora_module_name_that_matches_no_layer_is_an_error_naming_step3s_flag
                              tokenizer=load_tokenizer("tiny-llama"), _check_token_ids=lambda *given: None,
                              _check_sequence_fits=lambda model: None, load_universal=frozenset())
     engine._train_config = lambda *given, **kwargs: DeepSpeedRLHFEngine._train_config(engine, *given, **kwargs)
+    engine._trained_config = lambda *given, **kwargs: DeepSpeedRLHFEngine._trained_config(engine, *given, **kwargs)
     build = DeepSpeedRLHFEngine._init_actor if role == "actor" else DeepSpeedRLHFEngine._init_critic
     with pytest.raises(UsageError, match=rf"^--{role}_lora_module_name 'decoder.layers.' matches no Linear module"):
         build(engine)

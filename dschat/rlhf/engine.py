@@ -378,7 +378,12 @@ class DeepSpeedRLHFEngine:
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False, role="actor"):
-        config = step3_train_config(self.args, self.world_size, stage, hybrid, role)
+        return step3_train_config(self.args, self.world_size, stage, hybrid, role)
+
+    def _trained_config(self, stage, hybrid=False, role="actor"):
+        """The DeepSpeed config ``role``'s engine is made with: its training config, loading DeepSpeed's universal
+        checkpoint where ``load_universal`` says (a resume on another number of ranks)."""
+        config = self._train_config(stage, hybrid, role)
         if role in self.load_universal:
             config.setdefault("checkpoint", {})["load_universal"] = True
         return config
@@ -402,7 +407,7 @@ class DeepSpeedRLHFEngine:
         from dschat.hybrid_engine import HybridEngine, HybridEngineConfig, strip_deepspeed_hybrid_engine
 
         a = self.args
-        ds_config = self._train_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
+        ds_config = self._trained_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
         check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path,
                            local_only=False)  # before its weights load
         check_local_window(a, self.actor_path, local_only=False)
@@ -451,7 +456,7 @@ class DeepSpeedRLHFEngine:
     def _init_critic(self):
         a = self.args
         self._check_token_ids(self.critic_path, "the critic")
-        ds_config = self._train_config(a.critic_zero_stage, role="critic")
+        ds_config = self._trained_config(a.critic_zero_stage, role="critic")
         model = create_critic_model(self.critic_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
                                     rlhf_training=True, dropout=a.critic_dropout, zero_stage=a.critic_zero_stage,
                                     compute_fp32_loss=a.compute_fp32_loss)
