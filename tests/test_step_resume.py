@@ -385,7 +385,7 @@ def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration
         "partitioned over the ranks (no ZeRO) and load as saved; the prompt position: the first 16 of epoch 2's 40 "
         "prompts (in its order) were trained on, this run skips 2 batches of 8 on each rank; the unsupervised stream: "
         "24 of its 100 blocks into pass 2, this run skips 15 batches of 8 on each rank; rank 0 restores its own RNG "
-        "states and answer sampler; its KL controller and held-out scores before PPO load as saved")
+        "states and answer sampler; its held-out scores before PPO load as saved")
     # a checkpoint from before step 3 recorded its batches
     _step3_checkpoint(root, 2, None, {"epoch": 1, "batch": 2, "unsup_batches": 15})
     with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; it does not record its batch sizes "
@@ -547,13 +547,14 @@ def test_a_step3_checkpoint_resumes_on_another_number_of_ranks(tmp_path, distrib
             + universal.format(tag="iter_0000002") + "; the prompt position: the first 16 of epoch 1's 24 prompts (in "
             "its order) were trained on, this run skips 4 batches of 2 on each rank; the unsupervised stream: 16 of "
             "its 2428 blocks into pass 1, this run skips 4 batches of 2 on each rank; rank 0 restores its own RNG "
-            "states and answer sampler, rank 1 (none saved) draws its from (--seed, rank, iteration); its KL "
-            "controller, EMA copy and held-out scores before PPO load as saved") in proc.stdout, proc.stdout[-3000:]
+            "states and answer sampler, rank 1 (none saved) draws its from (--seed, rank, iteration); its adaptive "
+            "KL coefficient, EMA copy and held-out scores before PPO load as saved") in proc.stdout, proc.stdout[-3000:]
     assert ("[step3] --resume: checkpoint iter_0000004 saved by 2 rank(s), this run has 1: "
             + universal.format(tag="iter_0000004") + "; the prompt position: the first 8 of epoch 2's 24 prompts (in "
             "its order) were trained on, this run skips 1 batch of 8 on each rank; the unsupervised stream: 32 of "
             "its 2428 blocks into pass 1, this run skips 4 batches of 8 on each rank; rank 0 restores its own RNG "
-            "states and answer sampler; its KL controller, EMA copy and held-out scores before PPO load as saved") \
+            "states and answer sampler; its adaptive KL coefficient, EMA copy and held-out scores before PPO load "
+            "as saved") \
         in out, out
     assert "resumed from iteration 4 " in out and "this run spans" not in out
     full, two_after = _seen(tmp_path, "full", 2), _seen(tmp_path, "two_after", 2)

@@ -193,8 +193,10 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
                                                              f"its {part}'s")
             said.append(part_said)
     said += position_said
-    said.append(rng_said(plan.saved_ranks, "RNG states and answer sampler", "iteration") + "; its KL controller"
-                + (", EMA copy" if args.enable_ema else "") + " and held-out scores before PPO load as saved")
+    kept = (["adaptive KL coefficient"] if args.adaptive_kl else []) + (["EMA copy"] if args.enable_ema else []) \
+        + ["held-out scores before PPO"]
+    said.append(rng_said(plan.saved_ranks, "RNG states and answer sampler", "iteration") + "; its "
+                + (", ".join(kept[:-1]) + " and " if len(kept) > 1 else "") + kept[-1] + " load as saved")
     plan.notice = (f"[step3] --resume: checkpoint {plan.tag} saved by {plan.saved_ranks} rank(s), this run has "
                    f"{get_world_size()}: {'; '.join(said)}")
     return plan
