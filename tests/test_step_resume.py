@@ -357,6 +357,10 @@ def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration
                                          r"ranks\), this run's 4 x 2 x 1 = 8; .* count iterations of 16 prompts: "
                                          r"resume with --generation_batches 4$"):
         plan("--per_device_generation_batch_size", "4", "--generation_batches", "2")
+    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; its ZeRO-3 actor had not trained yet "
+                                         r"\(iteration 2, --freezing_actor_steps 3\), .*: resume on 2 rank\(s\)$"):
+        plan("--per_device_generation_batch_size", "8", "--generation_batches", "2", "--actor_zero_stage", "3",
+             "--freezing_actor_steps", "3", "--per_device_training_batch_size", "8")
     with pytest.raises(UsageError, match=r"its optimizer steps took 4 x 1 x 2 = 8 rows \(--per_device_training_"
                                          r"batch_size x --gradient_accumulation_steps x ranks\), this run's 4 x 1 x 1 "
                                          r"= 4; .*: resume with --gradient_accumulation_steps 2$"):

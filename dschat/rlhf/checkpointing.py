@@ -186,6 +186,12 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
     converted, position_said = rank_0_decides(lambda: _convert_position(plan.state, plan.saved_ranks, train_loader,
                                                                         unsup_loader, args, where))
     plan.state.update(converted)
+    if args.actor_zero_stage == 3 and plan.state["iteration"] < args.freezing_actor_steps:
+        # (DeepSpeed's ds_to_universal then fails with a bare KeyError: 0)
+        refuse_other_rank_count(root, plan.tag, plan.saved_ranks, f"its ZeRO-3 actor had not trained yet (iteration "
+                                f"{plan.state['iteration']}, --freezing_actor_steps {args.freezing_actor_steps}), and "
+                                "DeepSpeed's universal checkpoint converts a ZeRO-3 optimizer only once it holds "
+                                "Adam's moments, after its first step")
     said = []
     for part, stage in ((ACTOR, args.actor_zero_stage), (CRITIC, args.critic_zero_stage)):
         if part == ACTOR or args.advantage_estimator == "gae":
