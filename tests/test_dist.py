@@ -156,6 +156,36 @@ def test_the_ranks_of_a_launcher_that_sets_no_world_size_say_a_shared_error_once
     assert [first_to_say(message), first_to_say(message)] == [True, launcher in NO_RANKS]
 
 
+def test_two_ranks_that_find_an_earlier_runs_mark_say_the_error_once(tmp_path, monkeypatch):
+    """Ranks started again by the same shell find the earlier run's mark: both could find it old before either
+    touched it, and both printed the error (test_ranks_started_again_by_the_same_parent_print_the_error_again failed
+    so under load). One rank claims the old mark's turn."""
+    import tempfile
+    import time
+
+    from dschat.utils import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli, "_launch_id", lambda: "one-shell")
+    assert cli.first_to_say("error: bad flag")  # the earlier run's rank that said it
+    mark = next((tmp_path / f"dschat-said-{os.getuid()}" / "one-shell").iterdir())
+    os.utime(mark, (1, 1))
+    monkeypatch.setattr(cli, "_process_started", lambda: (time.time(), 1.0))
+    said, real_stat = [], os.stat
+
+    def other_rank_between_look_and_touch(path, *args, **kwargs):  # rank B runs whole after rank A looked
+        result = real_stat(path, *args, **kwargs)
+        if str(path) == str(mark) and not said:
+            said.append(None)
+            said.append(cli.first_to_say("error: bad flag"))
+        return result
+
+    monkeypatch.setattr(os, "stat", other_rank_between_look_and_touch)
+    said.append(cli.first_to_say("error: bad flag"))
+    assert said[1:].count(True) == 1, said
+
+
 DECIDE_SCRIPT = textwrap.dedent("""
     import os, sys, torch
     from dschat.errors import UsageError

@@ -102,9 +102,16 @@ def first_to_say(message):
         os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         started, slack = _process_started()
-        if os.stat(mark).st_mtime >= started - slack:
+        seen = os.stat(mark).st_mtime_ns
+        if seen / 1e9 >= started - slack:
             return False  # a rank of this launch said it
-        os.utime(mark)  # an earlier run's (the same shell ran the ranks again): this one says it too
+        # an earlier run's (the same shell ran the ranks again): one rank of this run claims its turn and says it (two
+        # ranks that both found it old and touched it both said it)
+        try:
+            os.close(os.open(f"{mark}.after-{seen}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        os.utime(mark)
     except OSError:  # (no writable temp folder: say it)
         return True
     return True
