@@ -22,10 +22,10 @@ from dschat.rlhf import algorithms as algo
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, finished_run_id, holds_model, input_runs, model_identity,
                                  restart_deepspeed_tensorboard, step_data_records)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, ResumePlan, check_complete, check_convertible, check_same_flags,
-                                      clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
-                                      loading_universal, publish, read_trainer_state, reading, refuse_other_rank_count,
-                                      rng_said, same_product_advice, save_trainer_state, tag_of, take_restored_flags,
-                                      trainer_folder, universal_load)
+                                      check_same_products, clear_tag, latest_tag, load_rank_state,
+                                      load_rank_state_of_others, loading_universal, publish, read_trainer_state,
+                                      reading, refuse_other_rank_count, rng_said, save_trainer_state, tag_of,
+                                      take_restored_flags, trainer_folder, universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
@@ -300,25 +300,12 @@ def check_iteration_shape(root, tag, saved, saved_ranks, args):
     continues: an iteration takes as many prompts, and an optimizer step as many rows, as the checkpoint's (its
     iteration count, learning-rate schedules, and place in the prompts count those); else a UsageError naming the
     flag and value to give."""
-    if not saved or any(name not in saved for name in ITERATION_PROMPTS + STEP_ROWS):
-        refuse_other_rank_count(root, tag, saved_ranks, "it does not record its batch sizes (saved before step 3 "
-                                "resumed on another number of ranks), so the prompts of its iterations and the rows of "
-                                "its optimizer steps are not known")
-    ranks = get_world_size()
-    for flags, took, unit, counts in ((ITERATION_PROMPTS, "its iterations took", "prompts",
-                                       "its iteration count, learning-rate schedules and place in the prompts count "
-                                       "iterations of"),
-                                      (STEP_ROWS, "its optimizer steps took", "rows",
-                                       "each of its optimizer steps averaged the gradients of")):
-        then = saved[flags[0]] * saved[flags[1]] * saved_ranks
-        now = getattr(args, flags[0]) * getattr(args, flags[1]) * ranks
-        if now != then:
-            raise UsageError(
-                f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has {ranks}: "
-                f"{took} {saved[flags[0]]} x {saved[flags[1]]} x {saved_ranks} = {then} {unit} (--{flags[0]} x "
-                f"--{flags[1]} x ranks), this run's {getattr(args, flags[0])} x {getattr(args, flags[1])} x {ranks} = "
-                f"{now}; {counts} {then} {unit}: "
-                + same_product_advice(then, *((name, getattr(args, name)) for name in flags), ranks, unit))
+    check_same_products(root, tag, saved, saved_ranks, args, (
+        (ITERATION_PROMPTS, "its iterations took", "prompts",
+         "its iteration count, learning-rate schedules and place in the prompts count iterations of"),
+        (STEP_ROWS, "its optimizer steps took", "rows", "each of its optimizer steps averaged the gradients of")),
+        "it does not record its batch sizes (saved before step 3 resumed on another number of ranks), so the prompts "
+        "of its iterations and the rows of its optimizer steps are not known")
 
 
 def check_same_reference(saved_inputs, actor_path, tag, root):

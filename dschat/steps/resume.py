@@ -18,10 +18,10 @@ from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
                                  say_a_changed_schedule, step_data_records)
 from dschat.utils.checkpoints import (MODEL, ResumePlan, check_complete, check_convertible, check_same_flags,
-                                      clear_earlier_run, clear_tag, latest_tag, load_rank_state,
+                                      check_same_products, clear_earlier_run, clear_tag, latest_tag, load_rank_state,
                                       load_rank_state_of_others, loading_universal, publish, read_trainer_state,
-                                      reading, refuse_other_rank_count, rng_said, same_product_advice,
-                                      save_trainer_state, tag_of, take_restored_flags, universal_load)
+                                      reading, rng_said, save_trainer_state, tag_of, take_restored_flags,
+                                      universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -101,20 +101,11 @@ def _check_other_ranks(root, tag, saved, saved_ranks, args):
     """A checkpoint of ``saved_ranks`` ranks that this run of another number may continue: not one of DeepSpeed's
     NVMe-offloaded optimizers (per rank, not converted), and the same samples per optimizer step."""
     check_convertible(root, (MODEL,), tag, saved_ranks)
-    if any(name not in saved for name in BATCH_FLAGS):
-        refuse_other_rank_count(root, tag, saved_ranks, "it does not record its batch sizes, so the samples of its "
-                                "optimizer steps (and its place in the data) are not known")
-    micro, accumulation = (saved[name] for name in BATCH_FLAGS)
-    then, ranks = micro * accumulation * saved_ranks, get_world_size()
-    now = args.per_device_train_batch_size * args.gradient_accumulation_steps * ranks
-    if now != then:
-        raise UsageError(
-            f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has {ranks}: its "
-            f"optimizer steps took {micro} x {accumulation} x {saved_ranks} = {then} samples (--per_device_train_"
-            f"batch_size x --gradient_accumulation_steps x ranks), this run's {args.per_device_train_batch_size} x "
-            f"{args.gradient_accumulation_steps} x {ranks} = {now}; its step count, learning-rate schedule and place "
-            f"in the data count steps of {then} samples: "
-            + same_product_advice(then, *((name, getattr(args, name)) for name in BATCH_FLAGS), ranks))
+    check_same_products(root, tag, saved, saved_ranks, args, (
+        (BATCH_FLAGS, "its optimizer steps took", "samples",
+         "its step count, learning-rate schedule and place in the data count steps of"),),
+        "it does not record its batch sizes, so the samples of its optimizer steps (and its place in the data) are not "
+        "known")
 
 
 def plan_resume(args, step, ds_config=None, train_loader=None):
