@@ -4,6 +4,8 @@
 #   bash bench/gpu_verify.sh pipeline [CASES]       # train.py end to end: tiny, Qwen ZeRO-3, GRPO (pipeline_gpu.py's)
 #   bash bench/gpu_verify.sh equality [FAMILIES]    # HF-API tests (recurrent models, GPT-Neo), graph equality
 #   bash bench/gpu_verify.sh speed                  # issue 7's numbers: OPT-1.3B decode ZeRO-0/3, PPO iteration ZeRO-2/3
+#   bash bench/gpu_verify.sh named                  # GPU-only tests, decode log-probs at T=1 and 0.7, graph_equality's
+#                                                   # named checks (LoRA, ZeRO-3, step after generation, host syncs)
 #
 # CASES and FAMILIES are comma-separated subsets (pipeline_gpu.py --cases, graph_equality.py --families; a family list
 # runs no named check): for finishing what a call cut short. Session 41's first cold call ran the first two parts
@@ -12,11 +14,11 @@
 # first). Each check's log and JSON go to $OUT; one check failing does not stop the others; the last lines are a
 # table of each check's exit status and seconds. Record the numbers in docs/benchmarks.md with the commit.
 set -u
-part=${1:?usage: bash bench/gpu_verify.sh pipeline|equality|speed [subset]}
+part=${1:?usage: bash bench/gpu_verify.sh pipeline|equality|speed|named [subset]}
 subset=${2:-}
 out=${OUT:?no \$OUT: run it through the device tool}
-[[ $part == pipeline || $part == equality || $part == speed ]] \
-    || { echo "unknown part $part: pipeline, equality or speed" >&2; exit 2; }
+[[ $part == pipeline || $part == equality || $part == speed || $part == named ]] \
+    || { echo "unknown part $part: pipeline, equality, speed or named" >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
@@ -48,6 +50,13 @@ speed)
         --iterations 6 --cuda_graph --left_pad 8 --json ppo_iteration.json
     check generation 240 python bench/generation.py --models opt-1.3b --batches 64 \
         --variants dschat_z0_graph_compiled,dschat_z3_graph_compiled --repeats 3 --json generation.json
+    ;;
+named)
+    check gpu_tests 120 python -m pytest -q -rs -k "gpu or cuda" tests/test_hybrid_engine_sampling.py \
+        tests/test_decode_attention.py tests/test_align_overflow.py tests/test_ds_config.py
+    check logprob_delta_t1 100 python bench/logprob_delta.py --cuda_graph
+    check logprob_delta_t0.7 100 python bench/logprob_delta.py --cuda_graph --temperature 0.7
+    check named_checks 240 python bench/graph_equality.py lora_check zero3_check zero3_step_after_generation host_syncs
     ;;
 esac
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

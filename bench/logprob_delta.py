@@ -4,7 +4,7 @@ training forward's, as PPO would compute its old log-probs from the generated se
 The two differ only by kernels and rounding: the decode step reads a KV cache one token at a time (and, with
 ``--cuda_graph``, from a captured graph); the training forward runs the whole sequence at once. Prints mean and max
 |delta logp| over the answer tokens, and the mean log-prob itself for scale. Random-weight model from a config,
-sampled (temperature 1), P prompt + G generated tokens, batch B.
+sampled (--temperature, 1 by default), P prompt + G generated tokens, batch B.
 
     python bench/logprob_delta.py --model opt-1.3b --batch 64 --cuda_graph      # on the GPU (bf16)
     python bench/logprob_delta.py --smoke                                        # tiny fp32 model on the CPU
@@ -46,14 +46,16 @@ def build_engine(args):
                                                    enable_cuda_graph=args.cuda_graph), pad_token_id=1, eos_token_id=2)
 
 
-def training_logprobs(engine, seq, prompt_len, chunk_size):
-    """Old log-probs as step 3 computes them: one forward over the whole sequence (answer positions only)."""
+def training_logprobs(engine, seq, prompt_len, chunk_size, temperature):
+    """Old log-probs as step 3 computes them: one forward over the whole sequence (answer positions only), under
+    softmax(logits / temperature) as step 3 scores a sampled rollout."""
     from dschat.rlhf.layout import LeftAligned
     from dschat.rlhf.trainer import answer_token_stats
 
     mask = torch.ones_like(seq)
     with torch.no_grad():
-        return answer_token_stats(engine, seq, mask, prompt_len - 1, LeftAligned.of(mask), chunk_size)
+        return answer_token_stats(engine, seq, mask, prompt_len - 1, LeftAligned.of(mask), chunk_size,
+                                  temperature=temperature)
 
 
 def main():
@@ -65,6 +67,8 @@ def main():
     p.add_argument("--prompt", type=positive_int, default=256)
     p.add_argument("--gen", type=positive_int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; both sides score at it (step 3's scoring_temperature)")
     p.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU: checks the script only")
     args = p.parse_args()
     if not args.smoke:
@@ -79,17 +83,18 @@ def main():
     prompt = torch.randint(4, vocab, (args.batch, args.prompt), device=args.device, generator=g)
     engine.eval()
     seq, decode_logp = engine.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.gen,
-                                       do_sample=True, temperature=1.0, top_k=0, eos_token_id=None, generator=g,
-                                       return_logprobs=True)  # (at the temperature training_logprobs scores at)
+                                       do_sample=True, temperature=args.temperature, top_k=0, eos_token_id=None,
+                                       generator=g, return_logprobs=True)
     engine.train()
-    train_logp = training_logprobs(engine, seq, args.prompt, chunk_size=None)
+    train_logp = training_logprobs(engine, seq, args.prompt, chunk_size=None, temperature=args.temperature)
     delta = (decode_logp - train_logp).abs()
     result = {"model": "smoke" if args.smoke else args.model, "batch": args.batch, "prompt": args.prompt,
               "gen": args.gen, "dtype": str(args.dtype), "cuda_graph": args.cuda_graph,
+              "temperature": args.temperature,
               "mean_abs_delta_logp": delta.mean().item(), "max_abs_delta_logp": delta.max().item(),
               "mean_logp": train_logp.mean().item(), "tokens": delta.numel()}
     log(json.dumps(result))
-    write_json("logprob_delta.json", result)
+    write_json(f"logprob_delta_t{args.temperature:g}.json", result)
 
 
 if __name__ == "__main__":
