@@ -634,6 +634,22 @@ def test_rloo_two_groups():
         A.rloo_advantages(scores, 1, mask)
 
 
+def test_rloo_group_scored_alike_gets_exactly_zero_advantage_whatever_the_score():
+    """As GRPO's: a group scored alike trains nothing. The leave-one-out sums in float32 rounded off the common
+    score, so each answer kept an advantage of up to 8e-6 (these cases), all of one sign."""
+    found_rounding = False
+    for value in (0.7, 2.7, 30.7, 100.3, -0.9, 1 / 3):
+        for n in (3, 6, 7, 8, 16):
+            scores = torch.full((2 * n,), value, dtype=torch.float32)
+            scores[n:] = torch.arange(n, dtype=torch.float32)
+            g = scores[:n].view(1, n)
+            found_rounding |= bool((g - (g.sum(1, keepdim=True) - g) / (n - 1)).abs().max() > 0)
+            adv, _ = A.rloo_advantages(scores, n, torch.ones(2 * n, 2))
+            assert torch.all(adv[:n] == 0), (value, n, adv[:n, 0])
+            assert adv[n:, 0].abs().sum() > 1
+    assert found_rounding  # (the cases do round off without the shift)
+
+
 def test_reinforce_pp():
     rewards = t([[0., 0., 1.], [0., 2., 9.]])
     mask = t([[1, 1, 1], [1, 1, 0]])

@@ -656,7 +656,7 @@ def rloo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor) -
         raise ValueError("rloo_advantages needs group_size >= 2")
     with torch.no_grad():
         dt = _compute_dtype(scores)
-        g = _up(_check_groups(scores.detach(), group_size), dt)
+        g = _from_first(_up(_check_groups(scores.detach(), group_size), dt))  # (alike: exactly 0, as in GRPO)
         baseline = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
         a = g - baseline
         adv = a.reshape(-1, 1).to(mask.device) * _fmask(mask, a)
