@@ -20,6 +20,7 @@ from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, c
 from dschat.rlhf.overflow import check_align_overflow
 from dschat.rlhf.reward_fn import check_reward_sources, load_reward_fn
 from dschat.steps.common import setup_run, warn_of_unfinished_inputs
+from dschat.utils.checkpoints import with_universal_load
 from dschat.utils.dist import get_world_size, print_rank_0
 from dschat.utils.ds_config import (apply_user_ds_config, frozen_copy_stage, get_eval_ds_config, get_train_ds_config,
                                     owned_key_flags, user_ds_config_path)
@@ -384,9 +385,7 @@ class DeepSpeedRLHFEngine:
         """The DeepSpeed config ``role``'s engine is made with: its training config, loading DeepSpeed's universal
         checkpoint where ``load_universal`` says (a resume on another number of ranks)."""
         config = self._train_config(stage, hybrid, role)
-        if role in self.load_universal:
-            config.setdefault("checkpoint", {})["load_universal"] = True
-        return config
+        return with_universal_load(config) if role in self.load_universal else config
 
     def _eval_config(self, stage, offload, dtype=None, role="reference", say=True):
         """The config of a frozen ``role`` model whose trained twin (``frozen_twin``) trains at ZeRO ``stage``.

@@ -21,7 +21,7 @@ from dschat.utils.checkpoints import (MODEL, ResumePlan, check_complete, check_c
                                       check_same_products, clear_earlier_run, clear_tag, latest_tag, load_rank_state,
                                       load_rank_state_of_others, loading_universal, publish, read_trainer_state,
                                       reading, rng_said, save_trainer_state, tag_of, take_restored_flags,
-                                      universal_load)
+                                      universal_load, with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -134,7 +134,7 @@ def plan_resume(args, step, ds_config=None, train_loader=None):
                                     ds_config.get("zero_optimization", {}).get("stage", "?"))
     plan.load_tags[MODEL] = load_tag
     if MODEL in plan.universal:
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        with_universal_load(ds_config)
     plan.state["batch"], data_said = _position_on_these_ranks(plan.state, saved_ranks, train_loader, args)
     said = [said, data_said, rng_said(saved_ranks) + "; the train-loss sums of its ranks are pooled"]
     plan.notice = (f"[{step}] --resume: checkpoint {tag} saved by {saved_ranks} rank(s), this run has "

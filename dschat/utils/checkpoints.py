@@ -238,6 +238,13 @@ class ResumePlan:
         return frozenset(part for part, tag in self.load_tags.items() if tag != self.tag)
 
 
+def with_universal_load(ds_config):
+    """``ds_config`` asking DeepSpeed to load its checkpoint from a universal copy (``universal_load``'s tag): set
+    before ``deepspeed.initialize``, which builds the engine's loader from it."""
+    ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    return ds_config
+
+
 def check_convertible(root, parts, tag, saved_ranks):
     """The DeepSpeed states of ``parts`` of checkpoint ``tag`` (saved by ``saved_ranks`` ranks) that another number of
     ranks can load: none of DeepSpeed's NVMe-offloaded optimizers (per rank, not converted)."""
