@@ -357,10 +357,14 @@ def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration
                                          r"ranks\), this run's 4 x 2 x 1 = 8; .* count iterations of 16 prompts: "
                                          r"resume with --generation_batches 4$"):
         plan("--per_device_generation_batch_size", "4", "--generation_batches", "2")
-    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; its ZeRO-3 actor had not trained yet "
-                                         r"\(iteration 2, --freezing_actor_steps 3\), .*: resume on 2 rank\(s\)$"):
+    # an actor that had taken no step (--freezing_actor_steps) starts from its model again, but LoRA's adapters were
+    # drawn at random
+    torch.save({"global_steps": 0}, root / "actor" / "iter_0000002" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; its ZeRO-3 actor had taken no "
+                                         r"optimizer step yet .* \(--actor_lora_dim\) .*: resume on 2 rank\(s\)$"):
         plan("--per_device_generation_batch_size", "8", "--generation_batches", "2", "--actor_zero_stage", "3",
-             "--freezing_actor_steps", "3", "--per_device_training_batch_size", "8")
+             "--freezing_actor_steps", "3", "--per_device_training_batch_size", "8", "--actor_lora_dim", "8")
+    (root / "actor" / "iter_0000002" / "zero_pp_rank_0_mp_rank_00_model_states.pt").unlink()
     with pytest.raises(UsageError, match=r"its optimizer steps took 4 x 1 x 2 = 8 rows \(--per_device_training_"
                                          r"batch_size x --gradient_accumulation_steps x ranks\), this run's 4 x 1 x 1 "
                                          r"= 4; .*: resume with --gradient_accumulation_steps 2$"):
@@ -586,6 +590,31 @@ def test_a_step3_checkpoint_resumes_on_another_number_of_ranks(tmp_path, distrib
 
     assert saved_ranks(str(tmp_path / "full" / "checkpoints"), "iter_0000006") == 1
     assert not list((tmp_path / "full" / "checkpoints" / "actor" / "iter_0000006").glob("*rank_1_*"))
+
+
+@pytest.mark.multirank
+def test_a_step3_checkpoint_of_a_frozen_zero3_actor_resumes_on_another_number_of_ranks(tmp_path, distributed, capsys):
+    """--freezing_actor_steps: a ZeRO-3 actor checkpointed before its first step was refused on another number of
+    ranks (DeepSpeed's universal checkpoint cannot convert an optimizer without Adam's moments: a bare KeyError). Its
+    engine is the one a fresh start makes, so it starts from its model again (its weights the checkpoint's), the
+    critic loads from its universal copy, and the actor trains from the iteration its freezing ends."""
+    common = [*PPO_OTHER_RANKS, "--zero_stage", "3", "--num_train_epochs", "1", "--freezing_actor_steps", "2",
+              "--data_output_path", str(tmp_path / "data")]
+    run_deepspeed(OTHER_RANKS, "ppo", tmp_path, "before:split:2", *common, *PPO_TWO_RANKS)
+    capsys.readouterr()
+    metrics = _other_ranks().run("ppo", tmp_path, "after", None,
+                                 [*common, *PPO_ONE_RANK, "--output_dir", str(tmp_path / "split"), "--resume"])
+    out = capsys.readouterr().out
+    assert ("[step3] --resume: checkpoint iter_0000002 saved by 2 rank(s), this run has 1: its actor had taken no "
+            "optimizer step yet (--freezing_actor_steps), so it starts from --actor_model_name_or_path as the "
+            "checkpoint's did; its critic's ZeRO-3 states load from DeepSpeed's universal copy "
+            "critic/iter_0000002_universal (made now);") in out, out[-3000:]
+    after, = _seen(tmp_path, "after", 1)
+    assert after["resumed_at"] == 2 and metrics["iterations"] == 3
+    assert after["loaded_actor_difference"] == after["loaded_critic_difference"] == 0.0
+    assert after["actor_weight_decays"] == after["critic_weight_decays"] == [0.1, 0.0]
+    assert "[step3] iter 3: reward" in out and "actor_loss=" in out.split("[step3] iter 3:")[1].split("\n")[0]
+    assert not (tmp_path / "split" / "checkpoints" / "actor" / "iter_0000002_universal").exists()
 
 
 def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):

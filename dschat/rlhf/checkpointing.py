@@ -122,6 +122,8 @@ def load_checkpoint(trainer, root, plan=None):
     engines = [engine for engine in (trainer.actor_model, trainer.critic_model) if engine is not None]
     with reading(root, tag):
         for name, engine in zip((ACTOR, CRITIC), engines):
+            if plan.load_tag(name) is None:  # (an actor that had not trained: as the engine was made, ``plan_resume``)
+                continue
             with loading_universal(engine, plan, name):
                 engine.load_checkpoint(os.path.join(root, name), tag=plan.load_tag(name))
         if trainer.actor_ema is not None:
@@ -186,14 +188,15 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
     converted, position_said = rank_0_decides(lambda: _convert_position(plan.state, plan.saved_ranks, train_loader,
                                                                         unsup_loader, args, where))
     plan.state.update(converted)
-    if args.actor_zero_stage == 3 and plan.state["iteration"] < args.freezing_actor_steps:
-        # (DeepSpeed's ds_to_universal then fails with a bare KeyError: 0)
-        refuse_other_rank_count(root, plan.tag, plan.saved_ranks, f"its ZeRO-3 actor had not trained yet (iteration "
-                                f"{plan.state['iteration']}, --freezing_actor_steps {args.freezing_actor_steps}), and "
-                                "DeepSpeed's universal checkpoint converts a ZeRO-3 optimizer only once it holds "
-                                "Adam's moments, after its first step")
     said = []
+    if args.actor_zero_stage == 3 and rank_0_decides(lambda: _untrained(root, ACTOR, plan.tag)):
+        _refuse_untrained_lora_actor(root, plan, args)
+        plan.load_tags[ACTOR] = None  # (the engine as made: what the checkpoint's engine was)
+        said.append("its actor had taken no optimizer step yet (--freezing_actor_steps), so it starts from "
+                    "--actor_model_name_or_path as the checkpoint's did")
     for part, stage in ((ACTOR, args.actor_zero_stage), (CRITIC, args.critic_zero_stage)):
+        if part == ACTOR and ACTOR in plan.load_tags:
+            continue
         if part == ACTOR or args.advantage_estimator == "gae":
             plan.load_tags[part], part_said = universal_load(root, part, plan.tag, plan.saved_ranks, stage,
                                                              f"its {part}'s")
@@ -206,6 +209,30 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
     plan.notice = (f"[step3] --resume: checkpoint {plan.tag} saved by {plan.saved_ranks} rank(s), this run has "
                    f"{get_world_size()}: {'; '.join(said)}")
     return plan
+
+
+def _untrained(root, part, tag):
+    """Whether ``part``'s DeepSpeed engine had taken no optimizer step when it saved checkpoint ``tag`` (its
+    ``global_steps``, which count fp16 steps skipped on overflow too): its weights, optimizer, scheduler and loss
+    scaler are then the ones its engine was made with. DeepSpeed's universal checkpoint cannot convert such a ZeRO-3
+    optimizer (ds_to_universal reads Adam's moments, made by the first step: a bare KeyError: 0)."""
+    folder = os.path.join(root, part, tag)
+    names = sorted(name for name in os.listdir(folder) if name.endswith("model_states.pt"))
+    if not names:
+        return False
+    # (ZeRO-3: the module in it is placeholders, the weights are in the optimizer's files)
+    state = torch.load(os.path.join(folder, names[0]), map_location="cpu", weights_only=False)
+    return state.get("global_steps") == 0
+
+
+def _refuse_untrained_lora_actor(root, plan, args):
+    """An untrained actor starts again from its model only where that makes the checkpoint's weights: LoRA's
+    adapters were drawn at random when it started (on other ranks, this run draws others)."""
+    if args.actor_lora_dim:
+        refuse_other_rank_count(root, plan.tag, plan.saved_ranks, "its ZeRO-3 actor had taken no optimizer step yet "
+                                "(--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot convert, and "
+                                "its LoRA adapters (--actor_lora_dim) were drawn at random when it started, so this "
+                                "run cannot make them again")
 
 
 def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, where):

@@ -216,7 +216,7 @@ class ResumePlan:
     """What ``--resume`` continues, decided from the files before the engines exist: the checkpoint's ``tag`` (None:
     there is none) and saved ``state`` (its position, less its flags), the number of ranks that saved it, and the tag
     each part's DeepSpeed engine loads (``load_tags``; its universal copy's, on another number of ranks with ZeRO
-    partitions, ``universal_load``; a part not named loads ``tag``)."""
+    partitions, ``universal_load``; a part not named loads ``tag``; None: nothing, its engine is as made)."""
 
     tag: str = None
     state: dict = field(default_factory=dict)
@@ -235,7 +235,7 @@ class ResumePlan:
     def universal(self):
         """The parts whose engines load a universal copy: their DeepSpeed configs need ``checkpoint.load_universal``
         before ``deepspeed.initialize``."""
-        return frozenset(part for part, tag in self.load_tags.items() if tag != self.tag)
+        return frozenset(part for part, tag in self.load_tags.items() if tag not in (self.tag, None))
 
 
 def with_universal_load(ds_config):
