@@ -902,3 +902,25 @@ def test_dpo_loss_coefficients_changed_on_resume_are_said(capsys):
                             FREE_FLAGS) == {}
     assert "[step2_dpo] --resume: --beta 0.1 -> 0.3, --rpo_alpha 0.0 -> 1.0: the rest of the run trains with the new " \
            "value" in capsys.readouterr().out
+
+
+def test_a_zero3_optimizer_no_step_has_updated_fails_conversion_saying_why(tmp_path, distributed):
+    """DeepSpeed converts a ZeRO-3 optimizer only once a step has made Adam's moments: before, ds_to_universal stops
+    on a bare "KeyError: 0", which the refusal passed on without a word of what it means (a critic whose first fp16
+    steps all overflowed and were skipped, on 2 CPU ranks). The refusal says it; no partial copy is left."""
+    import deepspeed
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dschat.utils import checkpoints
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.save_checkpoint(str(tmp_path / "model"), tag="step_0000002")  # (no step taken)
+    with pytest.raises(UsageError) as raised:
+        checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2)
+    assert "(ds_to_universal: KeyError" in str(raised.value), str(raised.value)
+    assert "DeepSpeed converts an optimizer only once a step has updated it" in str(raised.value)
+    assert "resume on 2 rank(s)" in str(raised.value)
+    assert not [p.name for p in (tmp_path / "model").iterdir() if "universal" in p.name]

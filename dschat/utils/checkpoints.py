@@ -393,11 +393,20 @@ def universal_copy(root, part, tag, saved):
         shutil.rmtree(scratch, ignore_errors=True)
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved} rank(s), this run has "
                          f"{get_world_size()}, and DeepSpeed could not convert its {part} states for another number "
-                         f"of ranks (ds_to_universal: {type(error).__name__}: {error}): resume on {saved} rank(s)"
-                         ) from error
+                         f"of ranks (ds_to_universal: {type(error).__name__}: {error}{_conversion_hint(error)}): "
+                         f"resume on {saved} rank(s)") from error
     os.rename(made, final)
     shutil.rmtree(scratch)
     return universal_tag(tag), True
+
+
+def _conversion_hint(error):
+    """Why ds_to_universal fails as it does where that is known: it reads Adam's moments, which a ZeRO optimizer
+    holds only after a step has updated it (a bare KeyError: 0 before)."""
+    if isinstance(error, KeyError):
+        return ("; DeepSpeed converts an optimizer only once a step has updated it: every step of this part so far "
+                "may have been skipped, e.g. on fp16 overflows")
+    return ""
 
 
 def load_rank_state_of_others(root, tag, seed, step, generator=None):
