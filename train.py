@@ -4,7 +4,7 @@
     python train.py                                   # the embedded tiny default, offline, CPU or GPU
     python train.py --recipe dpo                      # step 1, then DPO instead of steps 2 and 3
     python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m --deployment-type single_gpu
-    deepspeed train.py --actor-model Qwen/Qwen2.5-1.5B --reward-model Qwen/Qwen2.5-0.5B \
+    deepspeed train.py --actor-model Qwen/Qwen2.5-1.5B --reward-model Qwen/Qwen2.5-0.5B \\
         --deployment-type single_node --actor-zero-stage 3 --reward-zero-stage 3
 
 The reward model shares the actor's tokenizer (one family): step 3 scores the actor's token ids with it. (A

@@ -323,6 +323,19 @@ def test_train_py_says_how_to_pass_step_flags_it_does_not_take(capsys):
     assert train["parse_args"](["--actor-model", "tiny-opt"]).actor_model == "tiny-opt"
 
 
+def test_train_py_help_prints_its_example_commands_as_written(capsys):
+    """The help's two-line deepspeed example lost its backslash and newline (a "\\" at a line's end inside the
+    docstring joins the lines), printing one line with a run of spaces in it."""
+    import runpy
+
+    from launch import REPO
+
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(REPO / "train.py"))["parse_args"](["--help"])
+    out = capsys.readouterr().out
+    assert "--reward-model Qwen/Qwen2.5-0.5B \\\n        --deployment-type single_node" in out
+
+
 @pytest.mark.parametrize("parser", [step1_parser, step2_parser, step3_parser], ids=lambda p: p.__name__)
 def test_step_scripts_refuse_abbreviated_flags(parser, capsys):
     # flags are forwarded between train.py and the steps: a prefix must not quietly become some whole flag
