@@ -4,11 +4,9 @@ fp16 does not train on DeepSpeed's CPU accelerator, so the decision logic runs a
 ``step`` follows DeepSpeed 0.19's code (the optimizer's overflow check, its ``_update_scale``, the engine's
 ``_take_model_step`` bookkeeping); the override itself also runs against a real DeepSpeed ZeRO-2 engine, whose
 optimizer class is the one fp16 uses at ZeRO-1/2 (bf16 with ``check_grad_overflow`` runs the same overflow check).
-``tests/scripts/align_overflow_gpu.py`` checks real fp16 engines at ZeRO-0/2/3 on a GPU.
+``tests/scripts/align_overflow_fp16.py`` checks real fp16 engines at ZeRO-0/2/3, launched on 2 ranks where the
+accelerator trains in fp16.
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -358,11 +356,21 @@ def test_a_real_zero2_engine_is_asked_and_made_to_skip_like_an_overflowed_step(d
         assert not all(torch.equal(a, b) for a, b in zip(weights, _weights(engine))), "a normal update moves both"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
-def test_real_fp16_engines_at_zero_0_2_3_skip_together_on_the_gpu():
-    """``tests/scripts/align_overflow_gpu.py`` in a process of its own (a world of one, not this process's)."""
-    script = Path(__file__).parent / "scripts" / "align_overflow_gpu.py"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+@pytest.mark.multirank
+def test_real_fp16_engines_at_zero_0_2_3_skip_together_on_every_rank():
+    """``tests/scripts/align_overflow_fp16.py`` through the deepspeed launcher: 2 ranks on the CPU (gloo), one per GPU
+    (at most 2) on GPUs; the overflow is made on the last rank alone."""
+    from deepspeed.accelerator import get_accelerator
+
+    from launch import run_deepspeed
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        pytest.skip(f"DeepSpeed's {accelerator.device_name()} accelerator cannot train in fp16 (a CPU needs "
+                    "AVX512-FP16 or AMX-FP16)")
+    ranks = 2 if accelerator.device_name() == "cpu" else min(2, accelerator.device_count())
+    proc = run_deepspeed(Path(__file__).parent / "scripts" / "align_overflow_fp16.py", num_gpus=ranks, timeout=600)
+    for rank in range(ranks):
+        assert f"rank {rank} of {ranks} on {accelerator.device_name()}: all passed" in proc.stdout, proc.stdout[-6000:]
+    # every stage and case ran all its checks on every rank: the query, 5 per model after the skip, 3 after the next
+    assert proc.stdout.count("PASS rank ") == ranks * 3 * 3 * (1 + 2 * 5 + 2 * 3)

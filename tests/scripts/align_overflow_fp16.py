@@ -1,11 +1,13 @@
-"""GPU check of --align_overflow: real fp16 DeepSpeed engines (loss scaling; DeepSpeed's CPU accelerator has no fp16) at
-ZeRO-0, 2 and 3. For each stage, one model's gradients (the actor's, the critic's, or both) are made to overflow (its
-loss times inf); the trainer's aligned step (``DeepSpeedPPOTrainer._step_actor_and_critic_aligned``) must then leave
+"""Check of --align_overflow on real fp16 DeepSpeed engines (loss scaling) at ZeRO-0, 2 and 3, on any accelerator that
+trains in fp16: a GPU, or DeepSpeed's CPU accelerator on a CPU with AVX512-FP16 or AMX-FP16. For each stage, one
+model's gradients (the actor's, the critic's, or both) are made to overflow (its loss times inf) on the last rank only;
+the trainer's aligned step (``DeepSpeedPPOTrainer._step_actor_and_critic_aligned``) must then, on every rank, leave
 both models' weights as they were, both engines must report the step not applied, neither lr scheduler may advance,
 and only the overflowed model's loss scaler may react (the other's stays as it was); a following finite update must
 then change both.
 
-Usage: python tests/scripts/align_overflow_gpu.py   (one process; prints PASS/FAIL lines, exits non-zero on a FAIL)
+Usage: deepspeed --num_gpus N tests/scripts/align_overflow_fp16.py   (or python ... for a world of one; prints
+PASS/FAIL lines, exits non-zero on a FAIL or where the accelerator cannot train in fp16)
 """
 import os
 import re
@@ -28,7 +30,8 @@ def build_engine(seed, stage):
     from dschat.models.training_engine import initialize_engine
     from dschat.utils.ds_config import get_train_ds_config
 
-    config = get_train_ds_config(dtype="fp16", stage=stage, micro_batch_size=2)
+    config = get_train_ds_config(dtype="fp16", stage=stage, micro_batch_size=2,
+                                 world_size=torch.distributed.get_world_size())
     config["fp16"]["initial_scale_power"] = 8  # a scale the finite updates never overflow on their own
     return initialize_engine(tiny_model("llama", seed=seed, vocab_size=VOCAB), config, lr=1e-2, weight_decay=0.0,
                              lora_learning_rate=None, lr_scheduler_type="linear", num_warmup_steps=0, total_steps=100)
@@ -46,10 +49,13 @@ def aligned_trainer(actor, critic):
 
 
 def backward(engine, overflow, seed):
+    """A step's backward on this rank; ``overflow``: its loss times inf on the last rank only (the others' gradients
+    stay finite: the overflow check must still answer True on every rank, or the ranks would step apart)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(FIRST_TOKEN, VOCAB, (2, 12), generator=generator).to(engine.device)
     loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
-    engine.backward(loss * float("inf") if overflow else loss)
+    engine.backward(loss * float("inf") if overflow and rank == world - 1 else loss)
 
 
 def weights(engine):
@@ -74,12 +80,19 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def say(line):
+    """One line in one write (the launcher runs the ranks unbuffered into one pipe: print's text and newline, written
+    apart, let another rank's line in between)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class Checks:
-    def __init__(self):
-        self.failed = 0
+    def __init__(self, rank):
+        self.failed, self.rank = 0, rank
 
     def __call__(self, label, ok, detail=""):
-        print(f"{'PASS' if ok else 'FAIL'} {label}" + (f": {detail}" if detail and not ok else ""), flush=True)
+        say(f"{'PASS' if ok else 'FAIL'} rank {self.rank} {label}" + (f": {detail}" if detail and not ok else ""))
         self.failed += not ok
 
 
@@ -124,18 +137,22 @@ def run_case(check, stage, case):
 
 
 def main():
+    from deepspeed.accelerator import get_accelerator
+
     from dschat.utils.dist import ensure_distributed
 
-    if not torch.cuda.is_available():
-        print("FAIL needs a CUDA GPU (fp16 loss scaling)")
-        sys.exit(1)
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        say(f"FAIL DeepSpeed's {accelerator.device_name()} accelerator cannot train in fp16 (a CPU needs AVX512-FP16 "
+            "or AMX-FP16)")
+        return 1
     # DeepSpeed's op builder reads TORCH_CUDA_ARCH_LIST as numbers: "9.0a" (the H200 image's) fails its JIT build of
     # fused Adam with "invalid literal for int()"; the plain architecture builds the same kernels for this test
     os.environ["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]\b", r"\1", os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
     if not os.environ["TORCH_CUDA_ARCH_LIST"]:
         del os.environ["TORCH_CUDA_ARCH_LIST"]
-    ensure_distributed()  # a world of one
-    check = Checks()
+    rank, world = ensure_distributed()  # the launcher's ranks, or a world of one
+    check = Checks(rank)
     for stage in STAGES:
         for case in CASES:
             try:
@@ -143,13 +160,15 @@ def main():
             except Exception as error:  # noqa: BLE001 (a crash is a FAIL of that case; the others still run)
                 traceback.print_exc()
                 check(f"ZeRO-{stage} {case} overflow: ran", False, f"{type(error).__name__}: {error}")
-            torch.cuda.empty_cache()
-    print(f"align_overflow GPU check: {'FAILED ' + str(check.failed) if check.failed else 'all passed'}")
-    sys.exit(1 if check.failed else 0)
+            accelerator.empty_cache()
+    say(f"align_overflow fp16 check, rank {rank} of {world} on {accelerator.device_name()}: "
+        f"{'FAILED ' + str(check.failed) if check.failed else 'all passed'}")
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":
     from dschat.utils.cli import end_distributed
 
-    main()
+    status = main()
     end_distributed()  # (a gloo group left to the interpreter's exit aborted a rank now and then: exit 250)
+    sys.exit(status)
