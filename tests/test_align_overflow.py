@@ -1,11 +1,12 @@
 """--align_overflow: when the actor's or the critic's fp16 gradients overflow, both optimizer steps are skipped.
 
-fp16 does not train on DeepSpeed's CPU accelerator, so the decision logic runs against small fake engines whose
-``step`` follows DeepSpeed 0.19's code (the optimizer's overflow check, its ``_update_scale``, the engine's
-``_take_model_step`` bookkeeping); the override itself also runs against a real DeepSpeed ZeRO-2 engine, whose
-optimizer class is the one fp16 uses at ZeRO-1/2 (bf16 with ``check_grad_overflow`` runs the same overflow check).
-``tests/scripts/align_overflow_fp16.py`` checks real fp16 engines at ZeRO-0/2/3, launched on 2 ranks where the
-accelerator trains in fp16.
+The decision logic runs against small fake engines whose ``step`` follows DeepSpeed 0.19's code (the optimizer's
+overflow check, its ``_update_scale``, the engine's ``_take_model_step`` bookkeeping): every case, order and failure
+in milliseconds, on any machine. The override also runs against a real DeepSpeed ZeRO-2 engine in bf16 with
+``check_grad_overflow`` (the overflow check fp16 runs at ZeRO-1/2, in the same optimizer class), which needs no fp16.
+``tests/scripts/align_overflow_fp16.py`` checks real fp16 engines (loss scaling) at ZeRO-0/2/3 on 2 CPU ranks or up to
+2 GPUs, where DeepSpeed's accelerator trains in fp16: a GPU, or its CPU accelerator on a CPU with AVX512-FP16 or
+AMX-FP16 (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``); skipped elsewhere.
 """
 from pathlib import Path
 
