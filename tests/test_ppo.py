@@ -731,6 +731,55 @@ def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+def _record_fp16_steps(monkeypatch):
+    """{"actor"/"critic": [(applied, skipped steps, loss scaler state) after each of its optimizer steps]}."""
+    import deepspeed
+
+    steps, real_step = {"actor": [], "critic": []}, deepspeed.DeepSpeedEngine.step
+
+    def recorded(engine, *args, **kwargs):
+        result = real_step(engine, *args, **kwargs)
+        scaler = engine.optimizer.loss_scaler
+        steps["critic" if hasattr(engine.module, "v_head") else "actor"].append(
+            (engine.was_step_applied(), engine.skipped_steps,
+             (scaler.cur_scale, scaler.cur_iter, scaler.last_overflow_iter, scaler.cur_hysteresis)))
+        return result
+
+    monkeypatch.setattr(deepspeed.DeepSpeedEngine, "step", recorded)
+    return steps
+
+
+def test_fp16_overflows_skip_both_models_and_a_resume_keeps_the_loss_scalers(trained, tmp_path, monkeypatch, capsys):
+    """Step 3 in fp16 (DeepSpeed's CPU accelerator trains it on CPUs with AVX512-FP16 or AMX-FP16) at ZeRO-2: the
+    critic's gradients overflow at the default scale (2**16) from iteration 2 on, --align_overflow skips the actor's
+    steps with them, and a run resumed from iteration 2's checkpoint goes on with the loss scalers it had (the scale,
+    hysteresis and last overflow the overflows left), as the uninterrupted run does."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        pytest.skip(f"DeepSpeed's {get_accelerator().device_name()} accelerator cannot train in fp16 (a CPU needs "
+                    "AVX512-FP16 or AMX-FP16)")
+    common = ["--dtype", "fp16", "--align_overflow", "--actor_zero_stage", "2", "--critic_zero_stage", "2",
+              "--max_steps", "3", "--save_interval", "1"]
+    steps = _record_fp16_steps(monkeypatch)
+    ppo.main(ppo_args(trained, tmp_path / "full", *common))
+    full = {name: list(records) for name, records in steps.items()}
+    assert [applied for applied, *_ in full["critic"]] == [True, False, False], "the premise: the critic overflows"
+    assert "OVERFLOW: critic overflow, skipping both actor and critic steps" in capsys.readouterr().out
+    for actor, critic in zip(full["actor"], full["critic"]):
+        assert actor[:2] == critic[:2], "both models step, or skip, together"
+    assert full["critic"][1][2] != full["critic"][0][2] != full["critic"][2][2], "each overflow moved the scaler"
+    ppo.main(ppo_args(trained, tmp_path / "split", *common, "--enable_test_mode", "--test_stop_step", "2"))
+    for records in steps.values():
+        records.clear()
+    ppo.main(ppo_args(trained, tmp_path / "split", *common, "--resume"))
+    assert steps == {name: records[2:] for name, records in full.items()}, "iteration 3 as in the uninterrupted run"
+    logs = [[json.loads(line) for line in (tmp_path / run / "step3_log.jsonl").read_text().splitlines()]
+            for run in ("full", "split")]
+    for key in ("reward", "kl", "actor_loss", "critic_loss"):
+        assert logs[1][2][key] == pytest.approx(logs[0][2][key], rel=1e-4, abs=1e-6), key
+
+
 def test_a_resume_whose_iterations_take_other_step_counts_ends_its_schedules_at_their_end(trained, tmp_path,
                                                                                        monkeypatch, capsys):
     """A checkpoint after 1 of 3 iterations of 2 PPO epochs (schedules of 6 steps, 2 taken), resumed with 1 PPO epoch
