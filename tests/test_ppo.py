@@ -765,7 +765,12 @@ def test_fp16_overflows_skip_both_models_and_a_resume_keeps_the_loss_scalers(tra
     ppo.main(ppo_args(trained, tmp_path / "full", *common))
     full = {name: list(records) for name, records in steps.items()}
     assert [applied for applied, *_ in full["critic"]] == [True, False, False], "the premise: the critic overflows"
-    assert "OVERFLOW: critic overflow, skipping both actor and critic steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "OVERFLOW: critic overflow, skipping both actor and critic steps" in out
+    # each iteration's skipped steps, logged and said (the loss scaler's own skips print nothing)
+    logged = [json.loads(line) for line in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
+    assert [(r["actor_skipped_steps"], r["critic_skipped_steps"]) for r in logged] == [(0, 0), (1, 1), (1, 1)]
+    assert out.count("(optimizer steps skipped on inf/NaN gradients: actor 1 of 1, critic 1 of 1)") == 2
     for actor, critic in zip(full["actor"], full["critic"]):
         assert actor[:2] == critic[:2], "both models step, or skip, together"
     assert full["critic"][1][2] != full["critic"][0][2] != full["critic"][2][2], "each overflow moved the scaler"

@@ -569,7 +569,9 @@ class DeepSpeedPPOTrainer:
         (None when the actor did not train), "critic_loss" (None without a critic) and "unsup_loss" (None without
         unsupervised data), the mean "pg_clipfrac" and "approx_kl" (None when the actor did not train) and
         "vf_clipfrac" (None without a critic) over the micro-batches, and the rollout's KL to the reference over all
-        ranks: per answer token ("kl") and per answer ("kl_per_answer", the controller's unit)."""
+        ranks: per answer token ("kl") and per answer ("kl_per_answer", the controller's unit), and the optimizer steps
+        that DeepSpeed skipped on inf/NaN gradients ("actor_skipped_steps", "critic_skipped_steps"; None for a model
+        that did not train)."""
         experiences = checked_rollout(experiences)
         if not train_actor and self.critic_model is None:
             raise UsageError("train_rollout(train_actor=False) trains the critic alone, and this trainer has none")
@@ -584,6 +586,7 @@ class DeepSpeedPPOTrainer:
         unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)] if train_actor else []
         losses = {"actor_loss": [], "critic_loss": [], "unsup_loss": []}
         ppo_stats = {key: [] for key in PPO_STEP_STATS}
+        skipped_before = self._skipped_steps(train_actor)
         for _ in range(self.args.ppo_epochs):
             for start in range(0, len(micro), accum):
                 group = micro[start:start + accum]
@@ -599,12 +602,21 @@ class DeepSpeedPPOTrainer:
                     if unsup:
                         losses["unsup_loss"].append(
                             self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
+        skipped = {f"{name}_skipped_steps": None if before is None else count - before
+                   for (name, before), count in zip(skipped_before.items(), self._skipped_steps(train_actor).values())}
         kl = self.rollout_kl(experiences)
         if self.args.adaptive_kl:  # in the controller's unit, the same on every rank
             self.update_kl_controller(kl["kl_per_answer"],
                                       sum(e["input_ids"].shape[0] for e in experiences) * get_world_size())
         return {**{name: sum(values) / len(values) if values else None
-                   for name, values in {**losses, **ppo_stats}.items()}, **kl}
+                   for name, values in {**losses, **ppo_stats}.items()}, **kl, **skipped}
+
+    def _skipped_steps(self, train_actor):
+        """{"actor", "critic": the optimizer steps its DeepSpeed engine has skipped so far (inf/NaN gradients: an fp16
+        overflow, which its loss scaler answers silently by design, or --align_overflow's forced skip; the same on
+        every rank), None for a model that does not train now}."""
+        return {"actor": self.actor_model.skipped_steps if train_actor else None,
+                "critic": None if self.critic_model is None else self.critic_model.skipped_steps}
 
     def _collect_step_stats(self, ppo_stats, train_actor):
         """The PPO step's clip fractions and KL estimate (``self.stats`` holds the last micro-batch's), kept so that

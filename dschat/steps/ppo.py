@@ -349,7 +349,21 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
     for key in ("actor_loss", "critic_loss", "unsup_loss") + PPO_STEP_STATS:
         if trained[key] is not None:
             record[key] = rank_mean(trained[key], device)
+    for key in SKIPPED_STEPS:  # (the same on every rank: DeepSpeed agrees on an overflow over the ranks)
+        if trained.get(key) is not None:
+            record[key] = trained[key]
     return record
+
+
+SKIPPED_STEPS = ("actor_skipped_steps", "critic_skipped_steps")
+
+
+def skipped_steps_said(record, args):
+    """The iteration's optimizer steps DeepSpeed skipped (fp16's loss scaler skips overflowing steps without a word),
+    said where there were any: a run that keeps skipping trains nothing."""
+    skipped = [f"{key.split('_')[0]} {record[key]} of {optimizer_steps_per_iteration(args)}" for key in SKIPPED_STEPS
+               if record.get(key)]
+    return f" (optimizer steps skipped on inf/NaN gradients: {', '.join(skipped)})" if skipped else ""
 
 
 def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
@@ -367,7 +381,7 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
     alike = " (every group's answers scored alike: every advantage is 0)" \
         if record.get("frac_reward_zero_std") == 1.0 else ""
     bar.write(f"[step3] iter {record['iteration']}: " + format_metrics({k: record[k] for k in keys if k in record})
-              + frozen + alike)
+              + frozen + alike + skipped_steps_said(record, args))
     if writer is not None:
         for k, v in record.items():
             if isinstance(v, (int, float)):
