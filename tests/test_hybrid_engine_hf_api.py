@@ -85,8 +85,8 @@ def test_a_top_k_that_is_no_integer_or_a_negative_top_p_is_a_clear_error(kwargs,
     assert engine.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **kwargs).shape[0] == 2
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": 0.0}, {"top_k": 2.5}, {"repetition_penalty": 0.0},
-                                    {"max_new_tokens": 0}])
+@pytest.mark.parametrize("kwargs", [{"temperature": 0.0}, {"temperature": float("nan")}, {"top_k": 2.5},
+                                    {"repetition_penalty": 0.0}, {"max_new_tokens": 0}])
 def test_bad_arguments_fail_before_the_engine_changes_any_state(kwargs):
     """Checked before the train phase ends and the inference weights refresh (a gather under ZeRO-3): a refused call
     leaves the engine as it was."""

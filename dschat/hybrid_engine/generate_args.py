@@ -208,7 +208,8 @@ def check_top_k_top_p(top_k, top_p):
 
 
 def check_temperature(temperature):
-    if temperature <= 0:
+    """HF's rule: strictly positive (NaN too is refused: it sampled token 0 at every step, with NaN log-probs)."""
+    if not temperature > 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
 
 
