@@ -216,6 +216,17 @@ def test_log_probs_and_entropy_at_a_temperature_and_their_gradients_equal_naive(
                                     (logits.clone().requires_grad_(),))
 
 
+@pytest.mark.parametrize("temperature", [0.0, -0.7, float("nan"), float("inf")])
+def test_log_probs_and_entropy_refuse_a_temperature_that_is_not_finite_and_positive(temperature):
+    """0 and NaN gave NaN log-probs, inf a uniform distribution, without a word (public functions: a notebook's own
+    temperature reaches them unchecked by step 3's flags)."""
+    logits, labels = torch.randn(1, 3, 5, dtype=D), torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        A.gather_log_probs(logits, labels, temperature=temperature)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        A.entropy_from_logits(logits, temperature=temperature)
+
+
 class _RecordFp32(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()

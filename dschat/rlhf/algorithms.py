@@ -166,6 +166,14 @@ def _chunk_at(logits: torch.Tensor, start: int, chunk: int, dt: torch.dtype, tem
     return x / temperature if temperature != 1.0 else x
 
 
+def _checked_temperature(temperature) -> float:
+    """A scoring temperature as a float: finite and > 0 (0 or NaN made every log-prob NaN without a word)."""
+    temperature = float(temperature)
+    if not 0.0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return temperature
+
+
 class _GatherLogProbs(torch.autograd.Function):
     """log_softmax(logits)[label], fp32 per chunk; backward recomputes softmax chunk by chunk.
 
@@ -254,9 +262,10 @@ def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: Opt
     """
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels shape {tuple(labels.shape)} != logits shape[:-1] {tuple(logits.shape[:-1])}")
+    temperature = _checked_temperature(temperature)
     if logits.shape[-2] == 0:
         return torch.empty(labels.shape, dtype=_compute_dtype(logits), device=logits.device)
-    return _GatherLogProbs.apply(logits, labels.long(), _chunk_len(logits, chunk_size), float(temperature))
+    return _GatherLogProbs.apply(logits, labels.long(), _chunk_len(logits, chunk_size), temperature)
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None,
@@ -265,9 +274,10 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None,
 
     Chunked and fp32 per chunk exactly like :func:`gather_log_probs`; differentiable.
     """
+    temperature = _checked_temperature(temperature)
     if logits.shape[-2] == 0:
         return torch.empty(logits.shape[:-1], dtype=_compute_dtype(logits), device=logits.device)
-    return _EntropyFromLogits.apply(logits, _chunk_len(logits, chunk_size), float(temperature))
+    return _EntropyFromLogits.apply(logits, _chunk_len(logits, chunk_size), temperature)
 
 
 # --------------------------------------------------------------------------------------------
