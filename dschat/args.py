@@ -530,6 +530,8 @@ CONDITIONAL_FLAGS = (
     (("critic_lora_learning_rate",), lambda a: a.critic_lora_dim or a.advantage_estimator != "gae",
      "--critic_lora_dim"),
     (("print_answers_interval",), lambda a: a.print_answers, "--print_answers"),
+    # (neither drawn nor scored with: greedy answers are scored at temperature 1, trainer.scoring_temperature)
+    (("temperature", "top_k", "top_p"), lambda a: not a.greedy, "sampled answers, not --greedy"),
     STEP1_ONLY_FLAGS,
     WARMUP_FLAGS,
 )

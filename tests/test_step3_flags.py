@@ -288,6 +288,13 @@ def test_flags_read_only_when_another_setting_is_on_are_listed_when_it_is_off():
     assert unread_conditional_flags(parser.parse_args(["--grpo_norm_by_std", "0", "--reward_fn_weight", "2"])) == [
         "--grpo_norm_by_std 0 (read only with --advantage_estimator grpo)",
         "--reward_fn_weight 2.0 (read only with --reward_fn)"]
+    # greedy answers are neither drawn nor scored at --temperature (scored at 1): it went unsaid
+    greedy = ["--temperature", "0.7", "--top_k", "5", "--top_p", "0.9"]
+    assert unread_conditional_flags(parser.parse_args(["--greedy", *greedy])) == [
+        "--temperature 0.7 (read only with sampled answers, not --greedy)",
+        "--top_k 5 (read only with sampled answers, not --greedy)",
+        "--top_p 0.9 (read only with sampled answers, not --greedy)"]
+    assert unread_conditional_flags(parser.parse_args(greedy)) == []
     assert {name for names, _, _ in CONDITIONAL_FLAGS for name in names} <= {a.dest for a in parser._actions}
 
 
