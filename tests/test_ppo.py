@@ -356,7 +356,7 @@ def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, t
 
     engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=True,
                                                      logprobs_from_generation=True, fuse_projections="on",
-                                                     temperature=temperature)
+                                                     temperature=temperature, actor_dropout=0.0)
     batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
                                       "\n\nHuman: List three colors please, thanks.\n\nAssistant:"])
     forwarded = []
@@ -377,8 +377,16 @@ def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, t
                                             position_ids=positions_from_mask(mask)).logits[:, start:-1].float()
     naive = torch.log_softmax(logits / temperature, -1).gather(-1, seq[:, start + 1:, None]).squeeze(-1)
     torch.testing.assert_close(expected * amask, naive * amask, atol=1e-4, rtol=0)
+    # the reference's too: the KL (reward penalty, loss term, the logged KL) is between the tempered distributions
+    with torch.no_grad():
+        ref_logits = trainer.ref_model.module(input_ids=seq, attention_mask=mask,
+                                              position_ids=positions_from_mask(mask)).logits[:, start:-1].float()
+    ref_naive = torch.log_softmax(ref_logits / temperature, -1).gather(-1, seq[:, start + 1:, None]).squeeze(-1)
+    torch.testing.assert_close(out["ref_logprobs"] * amask, ref_naive * amask, atol=1e-4, rtol=0)
     actor_loss, _ = trainer.train_rlhf(out)
     assert torch.isfinite(actor_loss)
+    # the training forward scores at T as well: before any step the ratio to the old log-probs is 1
+    assert trainer.stats["approx_kl"] < 1e-6 and trainer.stats["pg_clipfrac"] == 0, trainer.stats
 
 
 def test_pad_answers_rounds_up_with_masked_columns():
