@@ -7,7 +7,8 @@ ZeRO-3:
   batches differ in rows and length and rank 0's answers end long before rank 1's; again after an optimizer step;
 * each rank's copy holds half of the split weights;
 * sampling is the group leader's: rank 1's own generator seed does not change anything, rank 0's does;
-* ``return_logprobs`` gives each rank its rows' log-probabilities, equal to the unsplit model's forward;
+* ``return_logprobs`` gives each rank its rows' log-probabilities, equal to the unsplit model's forward (greedy, and
+  sampled at temperature 0.7: of softmax(logits / 0.7));
 * (GQA Llama) greedy answers with a repetition penalty equal HF's on the unsplit model, eager and in the graph step.
 
 Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher, several (stage, families) runs in one launch
@@ -115,6 +116,12 @@ def check_logprobs(engine, reference, ids, mask, eos, expected):
     assert torch.equal(seq, expected)
     full, live = answer_logprobs_and_live(reference, seq, mask, eos)
     assert logprobs.shape == full.shape, (logprobs.shape, full.shape)
+    torch.testing.assert_close(logprobs[live], full[live], atol=1e-4, rtol=1e-4)
+    # sampled at 0.7 (the group leader's draws): at the sampling temperature, as step 3 scores them
+    seq, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                    do_sample=True, temperature=0.7, top_k=0, return_logprobs=True,
+                                    generator=torch.Generator().manual_seed(11))
+    full, live = answer_logprobs_and_live(reference, seq, mask, eos, temperature=0.7)
     torch.testing.assert_close(logprobs[live], full[live], atol=1e-4, rtol=1e-4)
 
 
