@@ -390,6 +390,8 @@ def namespace_with_defaults(parser, overrides=None):
         print(f"[dschat] args: {unknown} name no flag; kept as attributes, not used by dschat")
     for key in sorted(items, key=lambda k: k in by_name and by_name[k].dest != k):  # destinations first
         action, value = by_name.get(key), items[key]
+        if isinstance(overrides, dict):
+            _check_not_none(parser, action, key, value)
         if action is None:
             setattr(args, key, value)
         elif action.dest == key or (value is not None and value != parser.get_default(action.dest)):
@@ -398,6 +400,15 @@ def namespace_with_defaults(parser, overrides=None):
 
 
 _REPORTED_UNKNOWN = set()
+
+
+def _check_not_none(parser, action, name, value):
+    """A dict's None for a flag that takes a value and has one by default (``temperature=None``): no command line
+    gives it, and it failed later with a TypeError deep in a check or a model (None keys of an object, a
+    DeepSpeed-Chat namespace's, stay as they are)."""
+    default = parser.get_default(action.dest) if action is not None else None
+    if value is None and type(action) is argparse._StoreAction and default is not None:
+        raise UsageError(f"{name}: None; give a value, or leave the key out for its default ({default!r})")
 
 
 def _attributes(obj, by_name):
