@@ -371,7 +371,8 @@ def namespace_with_defaults(parser, overrides=None):
     Destinations are applied first, then other names that carry a value other than None or the default (a
     DeepSpeed-Chat namespace holds both ``deepspeed_config=None`` and ``deepscale_config="ds.json"``). Keys that
     name no flag are an error in a dict (a typo would otherwise be a silent default); an object's are kept and
-    listed once (a DeepSpeed-Chat namespace carries its own, e.g. ``global_rank``)."""
+    listed once (a DeepSpeed-Chat namespace carries its own, e.g. ``global_rank``). A dict's None for a flag with a
+    default leaves the default (``_none_for_a_default``)."""
     args = parser.parse_args([])
     if overrides is None:
         return args
@@ -390,8 +391,8 @@ def namespace_with_defaults(parser, overrides=None):
         print(f"[dschat] args: {unknown} name no flag; kept as attributes, not used by dschat")
     for key in sorted(items, key=lambda k: k in by_name and by_name[k].dest != k):  # destinations first
         action, value = by_name.get(key), items[key]
-        if isinstance(overrides, dict):
-            _check_not_none(parser, action, key, value)
+        if isinstance(overrides, dict) and _none_for_a_default(parser, action, value):
+            continue
         if action is None:
             setattr(args, key, value)
         elif action.dest == key or (value is not None and value != parser.get_default(action.dest)):
@@ -402,13 +403,11 @@ def namespace_with_defaults(parser, overrides=None):
 _REPORTED_UNKNOWN = set()
 
 
-def _check_not_none(parser, action, name, value):
-    """A dict's None for a flag that takes a value and has one by default (``temperature=None``): no command line
-    gives it, and it failed later with a TypeError deep in a check or a model (None keys of an object, a
-    DeepSpeed-Chat namespace's, stay as they are)."""
-    default = parser.get_default(action.dest) if action is not None else None
-    if value is None and type(action) is argparse._StoreAction and default is not None:
-        raise UsageError(f"{name}: None; give a value, or leave the key out for its default ({default!r})")
+def _none_for_a_default(parser, action, value):
+    """A dict's None for a flag that takes a value and has one by default (``temperature=None``, a tool's unset
+    ``dtype``): unset, so the default, as None means in HF's configs (set, it reached the checks and failed there
+    with a TypeError). A DeepSpeed-Chat namespace's None attributes are read as they are."""
+    return value is None and type(action) is argparse._StoreAction and parser.get_default(action.dest) is not None
 
 
 def _attributes(obj, by_name):
@@ -485,6 +484,7 @@ def check_sampling_flags(temperature, top_p):
         raise UsageError(f"--temperature {temperature}: an infinite temperature samples every token alike (noise)")
     if not 0 < top_p <= 1:
         raise UsageError(f"--top_p {top_p}: must be in (0, 1] (1: no nucleus filtering)")
+
 
 
 def top_k_flag(top_k):

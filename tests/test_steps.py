@@ -337,17 +337,17 @@ def test_a_negative_learning_rate_in_a_settings_dict_is_refused():
     assert args.namespace_with_defaults(args.step3_parser(), {"actor_learning_rate": 0.0}).actor_learning_rate == 0
 
 
-def test_a_none_in_a_settings_dict_for_a_flag_with_a_default_is_refused_naming_it():
-    """A notebook's ``temperature=None`` reached check_sampling_flags as None: a TypeError ("'>' not supported")."""
+def test_a_none_in_a_settings_dict_for_a_flag_with_a_default_leaves_the_default():
+    """A notebook's ``temperature=None`` (HF's configs' "unset") reached check_sampling_flags as None: a TypeError
+    ("'>' not supported")."""
     from dschat import args
-    from dschat.errors import UsageError
+    from dschat.rlhf.engine import check_settings
 
-    for key, default in (("temperature", "1.0"), ("ppo_epochs", "1"), ("lr_scheduler_type", "'cosine'")):
-        with pytest.raises(UsageError, match=rf"^{key}: None; give a value, or leave the key out for its default "
-                                             rf"\({default}\)"):
-            args.namespace_with_defaults(args.step3_parser(), {key: None})
-    kept = args.namespace_with_defaults(args.step3_parser(), {"actor_dropout": None, "unsupervised_dataset_name": None})
-    assert kept.actor_dropout is None  # (None is its default: "the config's")
+    given = {"temperature": None, "ppo_epochs": None, "lr_scheduler_type": None, "actor_dropout": None}
+    settings = args.namespace_with_defaults(args.step3_parser(), given)
+    assert (settings.temperature, settings.ppo_epochs, settings.lr_scheduler_type) == (1.0, 1, "cosine")
+    assert settings.actor_dropout is None  # (None is its default: the config's dropout)
+    check_settings(settings)
 
 
 def test_train_py_refuses_a_negative_learning_rate_before_the_first_step(tmp_path, capsys, distributed,
