@@ -486,6 +486,11 @@ def check_sampling_flags(temperature, top_p):
         raise UsageError(f"--top_p {top_p}: must be in (0, 1] (1: no nucleus filtering)")
 
 
+def check_repetition_penalty_flag(penalty):
+    """--repetition_penalty: finite and > 0 (HF's generate refuses 0 or less at the first generation)."""
+    if not 0 < penalty < math.inf:
+        raise UsageError(f"--repetition_penalty {penalty}: must be a finite number > 0 (1: no penalty)")
+
 
 def top_k_flag(top_k):
     """--top_k as generate takes it: 0 or negative is no top-k filtering, which is 0 for HF's generate (it refuses
@@ -656,6 +661,9 @@ def step3_parser():
     g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
     g.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling of the rollouts (1: off).")
     g.add_argument("--greedy", action="store_true", help="Greedy answers instead of sampling.")
+    g.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="HF's repetition penalty of the rollouts (1: off, whatever the actor's generation_config "
+                        "asks; > 0). The log-probs PPO trains on do not include it, as in OpenRLHF.")
     g = p.add_argument_group(HYBRID_ENGINE_GROUP)  # every flag of it but the switch is read by the hybrid engine only
     g.add_argument("--enable_hybrid_engine", action="store_true",
                    help="Generate the rollouts with dschat's hybrid engine (KV cache, CUDA graphs, Triton kernels) "

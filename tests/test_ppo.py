@@ -324,6 +324,48 @@ def _prompt_batch(tokenizer, texts):
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
+def test_rollouts_sample_without_the_actors_generation_config_repetition_penalty(trained, tmp_path, hybrid, capsys):
+    """An actor whose generation_config asks for a repetition penalty (chat models' do) had it applied to every
+    rollout by HF's generate and the hybrid engine alike, while PPO scores the answers without it: the answers came
+    from another policy than the one trained. Step 3 samples at --repetition_penalty (1 unless given) and says so."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+    from dschat.models.loading import load_tokenizer
+
+    actor = tmp_path / "actor"
+    shutil.copytree(trained / "sft", actor)
+    torch.manual_seed(0)  # random weights: greedy answers that run to their length and repeat tokens
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(actor)).save_pretrained(actor)
+    config = GenerationConfig.from_pretrained(actor) if (actor / "generation_config.json").exists() \
+        else GenerationConfig()
+    config.repetition_penalty = 50.0
+    config.save_pretrained(actor)
+    args = {"critic_model_name_or_path": str(trained / "rm"), "dtype": "fp32", "max_prompt_seq_len": 40,
+            "max_answer_seq_len": 12, "per_device_training_batch_size": 2, "greedy": True,
+            "enable_hybrid_engine": hybrid}
+    tokenizer = load_tokenizer(str(actor), padding_side="left")
+    trainer = DeepSpeedPPOTrainer(engine=DeepSpeedRLHFEngine(str(actor), tokenizer=tokenizer, args=args), args=args)
+    assert ("the actor's generation_config asks for repetition_penalty 50.0; the rollouts are sampled at "
+            "--repetition_penalty 1.0") in capsys.readouterr().out
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
+                                      "\n\nHuman: List three colors please, thanks.\n\nAssistant:"])
+    seq = trainer.generate_experience(batch)["input_ids"]
+    model = trainer.actor_model.module
+    with torch.no_grad():
+        def greedy(penalty):
+            return model.generate(batch["prompt"], attention_mask=batch["prompt_att_mask"], max_new_tokens=12,
+                                  do_sample=False, repetition_penalty=penalty, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id)
+        unpenalized, penalized = greedy(1.0), greedy(50.0)
+    assert not torch.equal(unpenalized, penalized), "the premise: the penalty changes these answers"
+    width = min(seq.shape[1], unpenalized.shape[1])
+    assert torch.equal(seq[:, :width], unpenalized[:, :width])
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
 def test_notebook_api_generates_experience_with_consistent_masks(trained, tmp_path, hybrid):
     engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=hybrid)
     batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
@@ -1498,6 +1540,8 @@ def test_the_notebook_api_checks_its_settings_before_any_model_loads(monkeypatch
     monkeypatch.setattr(engine, "setup_run", lambda *a, **k: pytest.fail("went on past the settings"))
     for settings, message in (({"temperature": 0}, r"--temperature 0: sampling needs a temperature > 0"),
                               ({"kl_ctl": -1}, r"kl_ctl: expected a number >= 0, got -1"),
+                              ({"repetition_penalty": 0}, r"--repetition_penalty 0: must be a finite number > 0"),
+                              ({"repetition_penalty": float("nan")}, r"--repetition_penalty nan: must be"),
                               ({"reward_fn": [len, len]}, r"reward_fn is a list: give one function")):
         with pytest.raises(UsageError, match=message):
             engine.DeepSpeedRLHFEngine(args={"actor_model_name_or_path": "x", **settings})

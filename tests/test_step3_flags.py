@@ -34,7 +34,7 @@ def test_non_positive_top_k_is_no_filtering_for_the_hybrid_engine_and_hf_generat
     assert sampling_kwargs(args, hf_generate=True)["top_k"] == 0  # HF reads 0 as off and refuses a negative top_k
     assert sampling_kwargs(step3_args({"top_k": 5}))["top_k"] == 5
     greedy = sampling_kwargs(step3_args({"top_k": top_k, "greedy": True}), hf_generate=True)
-    assert greedy == {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    assert greedy == {"do_sample": False, "temperature": None, "top_k": None, "top_p": None, "repetition_penalty": 1.0}
 
     # the trainer's HF-generate path (no hybrid engine), as step 3 runs it
     model = _tiny_policy()

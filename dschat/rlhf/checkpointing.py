@@ -62,7 +62,7 @@ KL_CONTROLLER_FLAGS = ("adaptive_kl", "kl_ctl", "kl_target", "kl_horizon")
 # objective than its log said).
 FREE_FLAGS = ("actor_dropout", "cliprange", "cliprange_value", "gamma", "lam", "entropy_coef", "kl_loss_coef",
               "kl_estimator", "unsup_coef", "clip_reward_value", "reward_model_weight", "reward_fn_weight",
-              "temperature", "top_k", "top_p", "greedy") + KL_CONTROLLER_FLAGS
+              "temperature", "top_k", "top_p", "greedy", "repetition_penalty") + KL_CONTROLLER_FLAGS
 CRITIC_FREE_FLAGS = ("critic_dropout",)
 # On another number of ranks, these may change as long as each pair's product with the ranks does not: the prompts of
 # an iteration, and the rows of an optimizer step (checkpoints record them, ``iteration_batches``).

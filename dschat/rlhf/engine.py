@@ -5,8 +5,8 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import copy
 
-from dschat.args import (check_sampling_flags, critic_only_flags, given_flags, hybrid_engine_only_flags,
-                         unread_conditional_flags)
+from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, critic_only_flags, given_flags,
+                         hybrid_engine_only_flags, unread_conditional_flags)
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
@@ -187,12 +187,23 @@ def check_local_window(args, actor_path, local_only=True):
                          "generate at most the window, or leave out --enable_hybrid_engine (HF's generate)")
 
 
+def say_an_unapplied_repetition_penalty(model, penalty):
+    """The actor's generation_config asks for a repetition penalty that step 3 samples without (it samples at
+    --repetition_penalty, 1 by default, so that its answers come from the policy PPO scores): said, with the flag."""
+    asked = getattr(getattr(model, "generation_config", None), "repetition_penalty", None)
+    if isinstance(asked, (int, float)) and asked != penalty:
+        print_rank_0(f"[step3] the actor's generation_config asks for repetition_penalty {asked}; the rollouts are "
+                     f"sampled at --repetition_penalty {penalty} (the log-probs PPO trains on include no penalty: "
+                     f"give --repetition_penalty {asked} to sample with it anyway)")
+
+
 def check_settings(args):
     """The checks that read nothing but step 3's settings: run by the entry points and by ``DeepSpeedRLHFEngine``
     and ``DeepSpeedPPOTrainer`` (a notebook's settings, e.g. ``temperature=0``, fail there, not at the first
     generation)."""
     if not args.greedy:  # greedy reads neither temperature nor top_p
         check_sampling_flags(args.temperature, args.top_p)
+    check_repetition_penalty_flag(args.repetition_penalty)
     check_hybrid_engine_flags(args)
     check_advantage_estimator(args)
     check_freezing_actor_steps(args)
@@ -412,6 +423,7 @@ class DeepSpeedRLHFEngine:
         check_local_window(a, self.actor_path, local_only=False)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         self._check_sequence_fits(model)
+        say_an_unapplied_repetition_penalty(model, a.repetition_penalty)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
                            only_optimize_lora=a.only_optimize_lora, module_name_flag="--actor_lora_module_name")
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),

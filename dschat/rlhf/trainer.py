@@ -144,11 +144,13 @@ def check_prompt_length(mask, max_prompt_seq_len):
 def sampling_kwargs(args, hf_generate=False):
     """The sampling keyword arguments of step 3's generation from --greedy / --temperature / --top_k / --top_p, for
     the hybrid engine and (``hf_generate``) HF's ``generate`` (``top_k_flag``: a non-positive --top_k is off on both).
-    Greedy: HF gets no sampling settings, which it would warn about."""
+    Greedy: HF gets no sampling settings, which it would warn about. --repetition_penalty is always given: the actor's
+    generation_config's (a chat model's may ask for one) would otherwise change what is sampled, not what is scored."""
+    penalty = {"repetition_penalty": args.repetition_penalty}  # (given: else the generation_config's would apply)
     if args.greedy and hf_generate:
-        return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None, **penalty}
     return {"do_sample": not args.greedy, "temperature": args.temperature, "top_k": top_k_flag(args.top_k),
-            "top_p": args.top_p}
+            "top_p": args.top_p, **penalty}
 
 
 def scoring_temperature(args):
