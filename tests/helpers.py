@@ -66,3 +66,43 @@ def run_interpreted_check(script, check):
     proc = subprocess.run([sys.executable, str(scripts / script), check], cwd=scripts, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+def skip_without_fp16():
+    """Skip a test that trains in fp16 where DeepSpeed's accelerator cannot (a CPU needs AVX512-FP16 or AMX-FP16)."""
+    import pytest
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        pytest.skip(f"DeepSpeed's {get_accelerator().device_name()} accelerator cannot train in fp16 (a CPU needs "
+                    "AVX512-FP16 or AMX-FP16)")
+
+
+def fp16_flags(folder, **loss_scale):
+    """The flags of an fp16 run at ZeRO-2 whose --deepspeed_config file (written to ``folder``) sets the fp16 loss
+    scale (``initial_scale_power`` or a fixed ``loss_scale``): a high one makes the scaled gradients overflow for
+    real. ZeRO-2: DeepSpeed 0.19's engine.backward scales no loss at ZeRO-0 (deepspeedai/DeepSpeed#8393), so no
+    scale overflows there."""
+    import json
+
+    config = Path(folder) / "fp16_ds_config.json"
+    config.write_text(json.dumps({"fp16": {"enabled": True, **loss_scale}}))
+    return ["--dtype", "fp16", "--zero_stage", "2", "--deepspeed_config", str(config)]
+
+
+def record_applied_steps(monkeypatch):
+    """A list that gets, per optimizer step of a DeepSpeed engine (an accumulation boundary), whether it applied it
+    (False: skipped on inf/NaN gradients)."""
+    import deepspeed
+
+    applied, real_step = [], deepspeed.DeepSpeedEngine.step
+
+    def recorded(engine, *args, **kwargs):
+        boundary = engine.is_gradient_accumulation_boundary()
+        result = real_step(engine, *args, **kwargs)
+        if boundary:
+            applied.append(engine.was_step_applied())
+        return result
+
+    monkeypatch.setattr(deepspeed.DeepSpeedEngine, "step", recorded)
+    return applied

@@ -10,7 +10,7 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.steps import dpo, resume, reward, sft
-from helpers import SFT_FAST
+from helpers import SFT_FAST, fp16_flags, record_applied_steps, skip_without_fp16
 from launch import run_deepspeed
 
 # 38 micro-batches an epoch, 2 per step: 19 steps an epoch, and checkpoints every 3 steps fall in the second epoch too
@@ -109,6 +109,32 @@ def test_a_resumed_runs_deepspeed_curves_hold_each_step_once_as_the_uninterrupte
     for tag, points in full.items():
         assert [step for step, _ in resumed[tag]] == [step for step, _ in points], tag
         assert [value for _, value in resumed[tag]] == pytest.approx([value for _, value in points]), tag
+
+
+def test_a_resumed_fp16_runs_skipped_steps_count_the_whole_run_as_the_uninterrupted_runs(tmp_path, distributed,
+                                                                                          monkeypatch, capsys):
+    """metrics.json's "skipped_steps" counts the whole run's (DeepSpeed's checkpoint keeps the engine's count): a run
+    resumed after the overflows of its first steps (a start at a loss scale of 2**18) counts them, as the
+    uninterrupted run does, and does not say them again."""
+    skip_without_fp16()
+    common = [*SFT_FAST, *fp16_flags(tmp_path, initial_scale_power=18), "--max_steps", "6", "--print_loss",
+              "--data_output_path", str(tmp_path / "data")]
+    applied = record_applied_steps(monkeypatch)
+    full = sft.main([*common, "--output_dir", str(tmp_path / "full")])
+    skipped = [not step_applied for step_applied in applied]
+    assert len(skipped) == 6 and sum(skipped[:3]), f"the premise: steps before the checkpoint overflow ({applied})"
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, 3)
+        with pytest.raises(KeyboardInterrupt):
+            sft.main([*common, "--output_dir", str(tmp_path / "split"), "--save_interval", "3"])
+    applied.clear()
+    capsys.readouterr()
+    resumed = sft.main([*common, "--output_dir", str(tmp_path / "split"), "--resume"])
+    assert applied == [not step_skipped for step_skipped in skipped[3:]], "the loss scaler goes on as it was"
+    assert resumed["skipped_steps"] == full["skipped_steps"] == sum(skipped)
+    said = [line for line in capsys.readouterr().out.splitlines() if "optimizer step skipped by DeepSpeed" in line]
+    assert [int(line.split(" step ")[1].split()[0]) for line in said] == \
+        [step for step, step_skipped in enumerate(skipped, 1) if step_skipped and step > 3]
 
 
 def _deepspeed_curves(tb_path):

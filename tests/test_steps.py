@@ -13,7 +13,7 @@ from dschat.args import resolve_pad_to_multiple_of
 from dschat.models import training_engine
 from dschat.models.reward_model import load_reward_model
 from dschat.steps import common, dpo, reward, sft
-from helpers import RM_FAST, SFT_FAST
+from helpers import RM_FAST, SFT_FAST, fp16_flags, record_applied_steps, skip_without_fp16
 from launch import REPO, run_deepspeed
 
 
@@ -1405,3 +1405,55 @@ def test_a_step_script_starting_from_an_unfinished_output_warns(tmp_path, distri
     reward.main(["--model_name_or_path", str(sft), "--output_dir", str(tmp_path / "rm"), "--data_output_path",
                  str(tmp_path / "data"), "--max_steps", "1", *RM_FAST])
     assert capsys.readouterr().out.count(f"warning: {sft} is an unfinished step output") == 1
+
+
+SKIPPED_STEP = "(optimizer step skipped by DeepSpeed: inf/NaN gradients)"
+
+
+def test_fp16_steps_deepspeed_skips_are_said_logged_and_counted(tmp_path, distributed, monkeypatch, capsys):
+    """fp16's loss scaler skips an optimizer step whose scaled gradients overflow without a word: a step-1 run started
+    at a scale of 2**18 (real overflows on the CPU's fp16) says each skipped step on its loss line, the skips since the
+    last evaluation on the evaluation's line, and the run's count on TensorBoard and in metrics.json."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    skip_without_fp16()
+    applied = record_applied_steps(monkeypatch)
+    metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                        *SFT_FAST, *fp16_flags(tmp_path, initial_scale_power=18), "--max_steps", "6", "--print_loss",
+                        "--eval_interval", "2", "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb")])
+    skipped = [not step_applied for step_applied in applied]
+    assert len(skipped) == 6 and 0 < sum(skipped) < 6, f"the premise: some steps overflow, not all ({applied})"
+    assert sum(skipped[:2]) and not sum(skipped[2:4]), f"the premise: steps 1-2 overflow, 3-4 not ({applied})"
+    out = capsys.readouterr().out
+    for step, step_skipped in enumerate(skipped, 1):
+        line = out.split(f"[step1] step {step} loss ")[1].splitlines()[0]
+        assert (SKIPPED_STEP in line) == step_skipped, line
+    # the evaluations of steps 2 and 4: each says the skips since the one before (step 4's: none)
+    assert f"({sum(skipped[:2])} of the last 2 optimizer steps skipped by DeepSpeed: inf/NaN gradients)" in \
+        out.split("[step1] step 2 eval:")[1].splitlines()[0]
+    assert "skipped" not in out.split("[step1] step 4 eval:")[1].splitlines()[0]
+    assert metrics["skipped_steps"] == sum(skipped)
+    assert json.loads((tmp_path / "sft" / "metrics.json").read_text())["skipped_steps"] == sum(skipped)
+    assert f"steps=6, skipped_steps={sum(skipped)}," in out.split("[step1] after training:")[1]
+    assert ("warning: [step1] DeepSpeed skipped" in out) == (sum(skipped) * 2 > 6)  # more than half: warned of
+    events = EventAccumulator(str(tmp_path / "tb" / "step1"))
+    events.Reload()
+    counts = [(e.step, e.value) for e in events.Scalars("step1/train/skipped_steps")]
+    assert counts == [(step, sum(skipped[:step])) for step in range(1, 7)]
+
+
+def test_a_run_deepspeed_skipped_every_step_of_ends_with_a_warning_naming_the_loss_scale(tmp_path, distributed,
+                                                                                        monkeypatch, capsys):
+    """A fixed fp16 loss scale that overflows skips every step of a step-2 run: it trained nothing, said at its end
+    with the cause and what to change."""
+    skip_without_fp16()
+    applied = record_applied_steps(monkeypatch)
+    metrics = reward.main(["--output_dir", str(tmp_path / "rm"), "--data_output_path", str(tmp_path / "data"),
+                           *RM_FAST, *fp16_flags(tmp_path, loss_scale=2 ** 20), "--max_steps", "2",
+                           "--eval_iters", "1"])
+    assert applied == [False, False], "the premise: every step overflows"
+    assert metrics["skipped_steps"] == 2
+    out = capsys.readouterr().out
+    assert "warning: [step2] DeepSpeed skipped 2 of the run's 2 optimizer steps on inf/NaN gradients: it applied " \
+           "none of them. fp16's loss scale is fixed at 1048576 (fp16.loss_scale in the DeepSpeed config)" in out
+    assert "Lower it (0: DeepSpeed's dynamic scale), lower --learning_rate, or train in --dtype bf16" in out

@@ -448,12 +448,14 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
     ``loss_fn(engine, batch) -> (loss, tokens_in_batch)``; ``evaluate() -> dict`` runs every
     ``args.eval_interval`` optimizer steps (and is the caller's job at the end); ``save(position)`` every
     ``args.save_interval`` steps. ``position``: where a resumed run continues (``steps.resume``), else the start.
+    The optimizer steps DeepSpeed skips are said on the step's and the evaluation's lines (``SkippedSteps``).
     Returns the mean train loss (over the whole run's micro-batches, a resumed run's included).
     """
     position = dict(position or {"step": 0, "epoch": 0, "batch": 0, "loss_sum": 0.0, "loss_count": 0})
     step, grad_accum = position["step"], args.gradient_accumulation_steps
     micro = step * grad_accum  # checkpoints fall between steps: no micro-batch of a step is pending
     loss_sum, loss_count, recent = position["loss_sum"], position["loss_count"], []
+    skipped = SkippedSteps(engine, step)
     if step >= total_steps:  # resumed from the last step's checkpoint
         return loss_sum / max(loss_count, 1)
     for epoch in range(position["epoch"], args.num_train_epochs):
@@ -483,14 +485,14 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
                 continue
             step += 1
             loss_sum, loss_count = loss_sum + sum(recent), loss_count + len(recent)
-            _log_step(args, name, step, sum(recent) / len(recent), lr, writer, throughput, bar)
+            _log_step(args, name, step, sum(recent) / len(recent), lr, writer, throughput, bar, skipped)
             recent = []
             if save is not None and args.save_interval and step % args.save_interval == 0:
                 save({"step": step, "epoch": epoch, "batch": index + 1, "loss_sum": loss_sum,
                       "loss_count": loss_count})
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 metrics = evaluate()
-                print_rank_0(f"[{name}] step {step} eval: {format_metrics(metrics)}")
+                print_rank_0(f"[{name}] step {step} eval: {format_metrics(metrics)}{skipped.said_since_report(step)}")
                 _scalars(writer, f"{name}/eval", metrics, step)
                 engine.train()
             if step >= total_steps:
@@ -514,16 +516,83 @@ def applied_lr(engine):
     return engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
 
 
-def _log_step(args, name, step, loss, lr, writer, throughput, bar):
+def _log_step(args, name, step, loss, lr, writer, throughput, bar, skipped):
+    step_skipped = skipped.last_step_skipped()
     if hasattr(bar, "set_postfix"):
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # shown at the bar's own refresh: a
-        # log file gets a line every 2 s, not one per step (each with a stale count)
+        shown = {"skipped": skipped.total} if skipped.total else {}
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", **shown, refresh=False)  # shown at the bar's own refresh:
+        # a log file gets a line every 2 s, not one per step (each with a stale count)
     if getattr(args, "print_loss", False):
-        print_rank_0(f"[{name}] step {step} loss {loss:.4f} lr {lr:.3e}")
-    scalars = {"loss": loss, "lr": lr}
+        print_rank_0(f"[{name}] step {step} loss {loss:.4f} lr {lr:.3e}"
+                     + (f" ({SKIPPED_STEP_SAID})" if step_skipped else ""))
+    scalars = {"loss": loss, "lr": lr, "skipped_steps": skipped.total}
     if throughput is not None:
         scalars.update(throughput.summary())
     _scalars(writer, f"{name}/train", scalars, step)
+
+
+SKIPPED_STEP_SAID = "optimizer step skipped by DeepSpeed: inf/NaN gradients"
+
+
+def skipped_steps(engine):
+    """The optimizer steps ``engine`` skipped on inf/NaN gradients over the whole run: DeepSpeed's checkpoint keeps its
+    count, so a resumed run's include those skipped before its checkpoint. 0 for an engine that keeps no count (a
+    test's stand-in)."""
+    return getattr(engine, "skipped_steps", 0)
+
+
+class SkippedSteps:
+    """Says the optimizer steps DeepSpeed skipped (``skipped_steps``) where the training loop reports: fp16's loss
+    scaler skips each step whose gradients overflow without a word (``optimizer_step``), and a run whose steps keep
+    overflowing trains nothing."""
+
+    def __init__(self, engine, step):
+        self.engine = engine
+        self.seen = self.reported = self.total  # (a resumed run's earlier skips were the earlier process's to say)
+        self.reported_step = step
+
+    @property
+    def total(self):
+        return skipped_steps(self.engine)
+
+    def last_step_skipped(self):
+        """Whether the optimizer step taken since the last call was skipped."""
+        step_skipped, self.seen = self.total > self.seen, self.total
+        return step_skipped
+
+    def said_since_report(self, step):
+        """The steps skipped since the last report (or the run's start), at optimizer step ``step``, as the end of a
+        report's line; "" when none was."""
+        count, steps = self.total - self.reported, step - self.reported_step
+        self.reported, self.reported_step = self.total, step
+        if not count:
+            return ""
+        return f" ({count} of the last {steps} optimizer steps skipped by DeepSpeed: inf/NaN gradients)"
+
+
+def warn_of_skipped_steps(engine, name, steps):
+    """A warning at the end of a run whose optimizer steps DeepSpeed skipped more than half of (it trained on few of
+    its batches), naming the likely cause and what to change."""
+    skipped = skipped_steps(engine)
+    if skipped * 2 <= steps:
+        return
+    trained = "none" if skipped >= steps else f"only {steps - skipped}"
+    print_rank_0(f"warning: [{name}] DeepSpeed skipped {skipped} of the run's {steps} optimizer steps on inf/NaN "
+                 f"gradients: it applied {trained} of them. {_skipped_steps_cause(engine)}")
+
+
+def _skipped_steps_cause(engine):
+    if not engine.fp16_enabled():
+        return "The gradients themselves were not finite: lower --learning_rate, or train in --dtype fp32."
+    if not engine.dynamic_loss_scale():
+        scale = engine.loss_scale()
+        scale = int(scale) if float(scale).is_integer() else scale
+        return (f"fp16's loss scale is fixed at {scale} (fp16.loss_scale in the DeepSpeed config): every step whose "
+                "scaled gradients overflow is skipped. Lower it (0: DeepSpeed's dynamic scale), lower "
+                "--learning_rate, or train in --dtype bf16 (or fp32).")
+    return ("fp16's loss scaler skips each step whose scaled gradients overflow, and lowers its scale: lower "
+            "--learning_rate, train in --dtype bf16 (or fp32), or start from a lower scale (fp16.initial_scale_power "
+            "in a --deepspeed_config file; DeepSpeed's default is 16, a scale of 2**16).")
 
 
 def _scalars(writer, prefix, values, step):
@@ -688,8 +757,9 @@ def run_supervised_step(args, recipe):
                                   engine, args, {**at, "seconds": seconds_so_far(started, position),
                                                  "total": total_steps}))
     metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **throughput.summary(), "steps": total_steps,
-               "seconds": seconds_so_far(started, position)}
+               "skipped_steps": skipped_steps(engine), "seconds": seconds_so_far(started, position)}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
+    warn_of_skipped_steps(engine, recipe.name, total_steps)
     _scalars(writer, f"{recipe.name}/final", metrics, total_steps)
     recipe.save_fn(engine, tokenizer, args.output_dir)  # the engine: see checkpoint.settled_module
     write_results(args, metrics, recipe.name)

@@ -12,7 +12,8 @@ def optimizer_step(engine, name):
     (dschat's default: the per-tensor scan costs host time every step) applies them and the weights become NaN; the
     gradient norm DeepSpeed computes for clipping shows it, so stop right there, before the EMA, an evaluation or a
     checkpoint uses those weights. fp32 at ZeRO-0 reports no norm (a plain torch optimizer): unchecked, as in DeepSpeed.
-    A skipped step (other than fp16's) is reported, so training that keeps skipping does not stall silently.
+    A skipped step (other than fp16's, whose loss scaler skips early steps as a matter of course) is reported here,
+    so training that keeps skipping does not stall silently; the step loops count all of them (``skipped_steps``).
     Returns whether the step was an accumulation boundary (a real optimizer step).
     """
     boundary = engine.is_gradient_accumulation_boundary()
