@@ -81,8 +81,8 @@ def skip_without_fp16():
 def fp16_flags(folder, **loss_scale):
     """The flags of an fp16 run at ZeRO-2 whose --deepspeed_config file (written to ``folder``) sets the fp16 loss
     scale (``initial_scale_power`` or a fixed ``loss_scale``): a high one makes the scaled gradients overflow for
-    real. ZeRO-2: DeepSpeed 0.19's engine.backward scales no loss at ZeRO-0 (deepspeedai/DeepSpeed#8393), so no
-    scale overflows there."""
+    real. ZeRO-2: there DeepSpeed scales the loss itself (at ZeRO-0 dschat does, ``scale_fp16_loss_at_zero_0``:
+    DeepSpeed 0.19 does not, deepspeedai/DeepSpeed#8393)."""
     import json
 
     config = Path(folder) / "fp16_ds_config.json"

@@ -933,3 +933,62 @@ def test_a_reward_models_config_says_its_tokenizers_pad_and_eos_ids_as_a_policys
     reward_model = create_critic_model(str(folder), tokenizer)
     for config in (policy.config, reward_model.config):
         assert (config.pad_token_id, config.eos_token_id, config.vocab_size) == (*ids, 1016)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_fp16_without_zero_scales_the_loss_as_its_optimizer_unscales_the_gradients(distributed, accumulation):
+    """fp16 at ZeRO-0 (dschat's default stage): DeepSpeed 0.19's engine.backward scales the loss for ZeRO optimizers
+    only, and its FP16 optimizer divides the gradients by the scale (2**16) all the same (deepspeedai/DeepSpeed#8393):
+    the gradients it stepped with were 2**16 times too small (Adam's update shrank towards its eps), and no overflow
+    could be seen. The gradients it steps with are now fp32 training's."""
+    from helpers import skip_without_fp16
+
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.models.training_engine import initialize_engine
+    from dschat.utils.ds_config import get_train_ds_config
+
+    skip_without_fp16()
+    tokenizer = load_tokenizer("tiny-gpt2")
+    ids = torch.tensor([tokenizer("a short text to learn from, twice over")["input_ids"]] * 2)
+    grads = {}
+    for dtype in ("fp32", "fp16"):
+        ds_config = get_train_ds_config(dtype=dtype, stage=0, gradient_accumulation_steps=accumulation)
+        torch.manual_seed(0)
+        engine = initialize_engine(load_causal_lm("tiny-gpt2", tokenizer, ds_config), ds_config, 1e-3, 0.0, None,
+                                   "constant", 0, 10)
+        for micro in range(accumulation):
+            loss = engine(input_ids=ids, labels=ids).loss
+            assert engine.backward(loss).item() == pytest.approx(loss.item() / accumulation, rel=1e-3)
+            if micro < accumulation - 1:
+                engine.step()  # (within the accumulation: no optimizer step)
+        # the gradients the optimizer steps with: its fp16 ones over its loss scale (fp32: 1)
+        scale = getattr(engine.optimizer, "loss_scale", None) or 1.0
+        grads[dtype] = torch.cat([p.grad.float().flatten() / scale for p in engine.module.parameters()])
+        engine.step()
+        assert engine.was_step_applied()
+    assert engine.optimizer.loss_scale == 2 ** 16  # (the premise: a scale that matters)
+    torch.testing.assert_close(grads["fp16"], grads["fp32"], atol=1e-4, rtol=0.02)
+
+
+def test_fp16_without_zero_stops_where_deepspeed_scales_the_loss_itself(distributed, monkeypatch):
+    """A DeepSpeed that fixes #8393 scales the loss at ZeRO-0 too: dschat's scaling on top of it would square the
+    scale (every step an overflow); its first backward says so instead."""
+    from deepspeed import DeepSpeedEngine
+    from helpers import skip_without_fp16
+
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.models.training_engine import initialize_engine
+    from dschat.utils.ds_config import get_train_ds_config
+
+    skip_without_fp16()
+    backward = DeepSpeedEngine.backward
+    monkeypatch.setattr(DeepSpeedEngine, "backward", lambda self, loss, **kwargs: backward(
+        self, loss * self.optimizer.loss_scale, **kwargs))  # (the fixed DeepSpeed's)
+    tokenizer = load_tokenizer("tiny-gpt2")
+    ds_config = get_train_ds_config(dtype="fp16", stage=0)
+    engine = initialize_engine(load_causal_lm("tiny-gpt2", tokenizer, ds_config), ds_config, 1e-3, 0.0, None,
+                               "constant", 0, 10)
+    ids = torch.tensor([tokenizer("a short text")["input_ids"]])
+    with pytest.raises(RuntimeError, match=r"fp16 at ZeRO-0: the loss's gradient is 4\.29\d*e\+09, not the loss "
+                                           r"scale over the accumulation steps \(65536\)"):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)

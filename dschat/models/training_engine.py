@@ -1,5 +1,8 @@
 """DeepSpeed engines around the models: a trained model's (optimizer, learning-rate schedule, ZeRO-3 fetch units,
 activation checkpointing) and an evaluated-only one's. Steps 1-3 and the RLHF engine build theirs here."""
+import contextlib
+import math
+
 import torch
 
 from dschat.compat import enable_activation_checkpointing
@@ -60,7 +63,49 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
         print_rank_0(notice)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=ds_config, dist_init_required=False)
+    scale_fp16_loss_at_zero_0(engine)
     return engine
+
+
+def scale_fp16_loss_at_zero_0(engine):
+    """fp16 without ZeRO: DeepSpeed 0.19's ``engine.backward`` scales the loss for ZeRO optimizers only, while its
+    FP16 optimizer still divides the gradients by the loss scale at ``step`` (deepspeedai/DeepSpeed#8393, open): every
+    update came out 2**16 times too small, and no overflow was ever seen. The loss is scaled here, as that optimizer's
+    own ``backward`` does; a DeepSpeed that scales it too is caught at the first backward (``_loss_scaled_once``)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    optimizer = engine.optimizer
+    if not engine.fp16_enabled() or isinstance(optimizer, ZeROOptimizer) or not hasattr(optimizer, "loss_scale") \
+            or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+        return
+    backward, checked = engine.backward, []
+
+    def backward_of_the_scaled_loss(loss, retain_graph=False, scale_wrt_gas=True):
+        scale = optimizer.loss_scale or 1.0
+        expected = scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
+        with contextlib.nullcontext() if checked else _loss_scaled_once(loss, expected):
+            out = backward(loss.float() * scale, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas) / scale
+        checked.append(True)  # (once: the check reads the gradient on the host)
+        return out
+
+    engine.backward = backward_of_the_scaled_loss
+
+
+@contextlib.contextmanager
+def _loss_scaled_once(loss, expected):
+    """Around the backward of ``loss``: the gradient that reaches it is ``expected`` (the loss scale over the
+    accumulation steps), not that times the scale again (a DeepSpeed that fixed #8393 would scale it twice)."""
+    seen = []
+    handle = loss.register_hook(lambda grad: seen.append(float(grad))) if loss.requires_grad else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+    if seen and not math.isclose(seen[0], expected, rel_tol=1e-3):
+        raise RuntimeError(f"fp16 at ZeRO-0: the loss's gradient is {seen[0]:g}, not the loss scale over the "
+                           f"accumulation steps ({expected:g}): this DeepSpeed scales the loss itself, and dschat's "
+                           "scaling for DeepSpeed 0.19 (scale_fp16_loss_at_zero_0) must go")
 
 
 # transformers' polynomial schedule decays every rate to this (its default lr_end) and refuses a base rate not above it
