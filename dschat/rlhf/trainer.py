@@ -25,7 +25,7 @@ from dschat.rlhf.config import kl_in_loss, step3_args
 from dschat.rlhf.engine import check_settings
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
-from dschat.utils.optim import optimizer_step
+from dschat.utils.optim import optimizer_step, skipped_steps
 
 # the PPO step's diagnostics that train_rollout returns as means over its micro-batches
 PPO_STEP_STATS = ("pg_clipfrac", "approx_kl", "vf_clipfrac")
@@ -617,8 +617,8 @@ class DeepSpeedPPOTrainer:
         """{"actor", "critic": the optimizer steps its DeepSpeed engine has skipped so far (inf/NaN gradients: an fp16
         overflow, which its loss scaler answers silently by design, or --align_overflow's forced skip; the same on
         every rank), None for a model that does not train now}."""
-        return {"actor": self.actor_model.skipped_steps if train_actor else None,
-                "critic": None if self.critic_model is None else self.critic_model.skipped_steps}
+        return {"actor": skipped_steps(self.actor_model) if train_actor else None,
+                "critic": None if self.critic_model is None else skipped_steps(self.critic_model)}
 
     def _collect_step_stats(self, ppo_stats, train_actor):
         """The PPO step's clip fractions and KL estimate (``self.stats`` holds the last micro-batch's), kept so that

@@ -20,7 +20,7 @@ from dschat.utils.dist import (barrier, check_same_on_every_rank, ensure_distrib
                                is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
 from dschat.utils.ds_config import check_dtype_supported
 from dschat.utils.files import check_writable_folder, read_json_object, write_json_atomic
-from dschat.utils.optim import optimizer_step
+from dschat.utils.optim import optimizer_step, skipped_steps
 
 
 def setup_run(args):
@@ -532,13 +532,6 @@ def _log_step(args, name, step, loss, lr, writer, throughput, bar, skipped):
 
 
 SKIPPED_STEP_SAID = "optimizer step skipped by DeepSpeed: inf/NaN gradients"
-
-
-def skipped_steps(engine):
-    """The optimizer steps ``engine`` skipped on inf/NaN gradients over the whole run: DeepSpeed's checkpoint keeps its
-    count, so a resumed run's include those skipped before its checkpoint. 0 for an engine that keeps no count (a
-    test's stand-in)."""
-    return getattr(engine, "skipped_steps", 0)
 
 
 class SkippedSteps:

@@ -30,3 +30,10 @@ def optimizer_step(engine, name):
             f"{name}: the optimizer step applied gradients whose norm is {float(norm)}: the weights are no longer "
             "finite. With bf16 at ZeRO-1/2, --check_grad_overflow makes DeepSpeed skip such steps instead.")
     return True
+
+
+def skipped_steps(engine):
+    """The optimizer steps ``engine`` skipped on inf/NaN gradients over the whole run: DeepSpeed's checkpoint keeps its
+    count, so a resumed run's include those skipped before its checkpoint. 0 for an engine that keeps no count (a
+    test's stand-in)."""
+    return getattr(engine, "skipped_steps", 0)
