@@ -821,6 +821,10 @@ def test_fp16_overflows_skip_both_models_and_a_resume_keeps_the_loss_scalers(tra
     logged = [json.loads(line) for line in (tmp_path / "full" / "step3_log.jsonl").read_text().splitlines()]
     assert [(r["actor_skipped_steps"], r["critic_skipped_steps"]) for r in logged] == [(0, 0), (1, 1), (1, 1)]
     assert out.count("(optimizer steps skipped on inf/NaN gradients: actor 1 of 1, critic 1 of 1)") == 2
+    for role in ("actor", "critic"):  # 2 of 3 skipped: the warning of steps 1 and 2, with the model's flag
+        assert f"warning: [step3 {role}] DeepSpeed skipped 2 of the run's 3 optimizer steps on inf/NaN gradients: " \
+               f"it applied only 1 of them. fp16's loss scaler skips each step whose scaled gradients overflow, and " \
+               f"lowers its scale: lower --{role}_learning_rate" in out
     for actor, critic in zip(full["actor"], full["critic"]):
         assert actor[:2] == critic[:2], "both models step, or skip, together"
     assert full["critic"][1][2] != full["critic"][0][2] != full["critic"][2][2], "each overflow moved the scaler"

@@ -563,29 +563,29 @@ class SkippedSteps:
         return f" ({count} of the last {steps} optimizer steps skipped by DeepSpeed: inf/NaN gradients)"
 
 
-def warn_of_skipped_steps(engine, name, steps):
+def warn_of_skipped_steps(engine, name, steps, lr_flag="--learning_rate"):
     """A warning at the end of a run whose optimizer steps DeepSpeed skipped more than half of (it trained on few of
-    its batches), naming the likely cause and what to change."""
+    its batches), naming the likely cause and what to change (``lr_flag``: the model's learning-rate flag)."""
     skipped = skipped_steps(engine)
     if skipped * 2 <= steps:
         return
     trained = "none" if skipped >= steps else f"only {steps - skipped}"
     print_rank_0(f"warning: [{name}] DeepSpeed skipped {skipped} of the run's {steps} optimizer steps on inf/NaN "
-                 f"gradients: it applied {trained} of them. {_skipped_steps_cause(engine)}")
+                 f"gradients: it applied {trained} of them. {_skipped_steps_cause(engine, lr_flag)}")
 
 
-def _skipped_steps_cause(engine):
+def _skipped_steps_cause(engine, lr_flag):
     if not engine.fp16_enabled():
-        return "The gradients themselves were not finite: lower --learning_rate, or train in --dtype fp32."
+        return f"The gradients themselves were not finite: lower {lr_flag}, or train in --dtype fp32."
     if not engine.dynamic_loss_scale():
         scale = engine.loss_scale()
         scale = int(scale) if float(scale).is_integer() else scale
         return (f"fp16's loss scale is fixed at {scale} (fp16.loss_scale in the DeepSpeed config): every step whose "
-                "scaled gradients overflow is skipped. Lower it (0: DeepSpeed's dynamic scale), lower "
-                "--learning_rate, or train in --dtype bf16 (or fp32).")
-    return ("fp16's loss scaler skips each step whose scaled gradients overflow, and lowers its scale: lower "
-            "--learning_rate, train in --dtype bf16 (or fp32), or start from a lower scale (fp16.initial_scale_power "
-            "in a --deepspeed_config file; DeepSpeed's default is 16, a scale of 2**16).")
+                f"scaled gradients overflow is skipped. Lower it (0: DeepSpeed's dynamic scale), lower {lr_flag}, or "
+                "train in --dtype bf16 (or fp32).")
+    return (f"fp16's loss scaler skips each step whose scaled gradients overflow, and lowers its scale: lower "
+            f"{lr_flag}, train in --dtype bf16 (or fp32), or start from a lower scale (fp16.initial_scale_power in a "
+            "--deepspeed_config file; DeepSpeed's default is 16, a scale of 2**16).")
 
 
 def _scalars(writer, prefix, values, step):

@@ -22,7 +22,7 @@ from dschat.steps.common import (build_dataloaders, check_output_dir, clear_resu
                                  require_training_records, reseed_epoch, restart_deepspeed_tensorboard,
                                  say_max_steps_past_the_epochs, seconds_so_far, setup_run, take_data_files,
                                  take_hub_data, take_unsupervised_data, tensorboard_writer, to_device,
-                                 write_results)
+                                 warn_of_skipped_steps, write_results)
 from dschat.steps.resume import resume_or_afresh
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import atomic_file
@@ -207,11 +207,23 @@ def main(args=None):
                                  lambda: seconds_so_far(started, checkpoint))
     after = held_out_eval(trainer, eval_loader, args, device, scorer)
     print_rank_0(f"[step3] held-out after PPO: {_eval_line(after)}")
+    warn_of_skipped_ppo_steps(trainer, args, iteration)
     save_models(trainer, args)
     metrics = {"iterations": iteration, "algorithm": ALGORITHM_NAMES[args.advantage_estimator],
                "eval_before": before, "eval_after": after, "seconds": seconds_so_far(started, checkpoint)}
     write_results(args, metrics, "step3")
     return metrics
+
+
+def warn_of_skipped_ppo_steps(trainer, args, iterations):
+    """Steps 1 and 2's warning for the actor and the critic: DeepSpeed skipped more than half of the optimizer steps
+    of the ``iterations`` the run has trained (the actor's: those after --freezing_actor_steps)."""
+    per_iteration = optimizer_steps_per_iteration(args)
+    models = (("actor", trainer.actor_model, iterations - min(args.freezing_actor_steps, iterations)),
+              ("critic", trainer.critic_model, iterations))
+    for role, model, trained in models:
+        if model is not None and trained:
+            warn_of_skipped_steps(model, f"step3 {role}", trained * per_iteration, f"--{role}_learning_rate")
 
 
 def train_iterations(trainer, args, schedule, loaders, position, log_path, seconds):
