@@ -52,10 +52,11 @@ speed)
         --variants dschat_z0_graph_compiled,dschat_z3_graph_compiled --repeats 3 --json generation.json
     ;;
 named)
-    check gpu_tests 120 python -m pytest -q -rs -k "gpu or cuda" tests/test_hybrid_engine_sampling.py \
+    # (session 44: these tests passed 4 in the first 100 s, Triton's autotuning included)
+    check gpu_tests 220 python -m pytest -v -rs -k "gpu or cuda" tests/test_hybrid_engine_sampling.py \
         tests/test_decode_attention.py tests/test_align_overflow.py tests/test_ds_config.py
-    check logprob_delta_t1 100 python bench/logprob_delta.py --cuda_graph
-    check logprob_delta_t0.7 100 python bench/logprob_delta.py --cuda_graph --temperature 0.7
+    check logprob_delta_t1 60 python bench/logprob_delta.py --cuda_graph
+    check logprob_delta_t0.7 60 python bench/logprob_delta.py --cuda_graph --temperature 0.7
     check named_checks 240 python bench/graph_equality.py lora_check zero3_check zero3_step_after_generation host_syncs
     ;;
 esac
