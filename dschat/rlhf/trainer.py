@@ -604,8 +604,9 @@ class DeepSpeedPPOTrainer:
                     if unsup:
                         losses["unsup_loss"].append(
                             self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
-        skipped = {f"{name}_skipped_steps": None if before is None else count - before
-                   for (name, before), count in zip(skipped_before.items(), self._skipped_steps(train_actor).values())}
+        skipped_after = self._skipped_steps(train_actor)
+        skipped = {f"{name}_skipped_steps": None if before is None else skipped_after[name] - before
+                   for name, before in skipped_before.items()}
         kl = self.rollout_kl(experiences)
         if self.args.adaptive_kl:  # in the controller's unit, the same on every rank
             self.update_kl_controller(kl["kl_per_answer"],
