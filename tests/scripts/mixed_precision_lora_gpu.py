@@ -95,6 +95,19 @@ def check_saved_actor(folder, reference):
     return problems
 
 
+class _Tee(io.StringIO):
+    """Step 3's output kept for the checks below and shown as it comes: a run cut off by a time limit says where."""
+
+    def __init__(self, shown):
+        super().__init__()
+        self.shown = shown
+
+    def write(self, text):
+        self.shown.write(text)
+        self.shown.flush()
+        return super().write(text)
+
+
 def run_step3(model, out, mixed_precision_lora):
     argv = ["--actor_model_name_or_path", model, "--critic_model_name_or_path", model, "--data_path", "tiny",
             "--data_split", "4,4,2", "--data_output_path", str(out / "data"), "--max_prompt_seq_len", "48",
@@ -105,7 +118,7 @@ def run_step3(model, out, mixed_precision_lora):
             "--num_warmup_steps", "0", "--reward_model_weight", "0", "--reward_fn", "tiny"]  # no trained reward model
     if mixed_precision_lora:
         argv.append("--enable_mixed_precision_lora")
-    captured, reference = io.StringIO(), {}
+    captured, reference = _Tee(sys.stdout), {}
     save_models = ppo.save_models
 
     def save_after_reading(trainer, args):
@@ -120,7 +133,6 @@ def run_step3(model, out, mixed_precision_lora):
     finally:
         ppo.save_models = save_models
     text = captured.getvalue()
-    print(text[-3000:])
     quantized = re.search(r"mixed precision LoRA: (\d+) frozen weights stored in int8", text)
     return {"quantized_weights": int(quantized.group(1)) if quantized else 0, "iterations": metrics["iterations"],
             "eval_after": metrics["eval_after"], "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
