@@ -81,8 +81,8 @@ def add_data_args(parser, default_split="2,4,4"):
                    help="Shares of each dataset for steps 1,2,3, e.g. 2,4,4 (disjoint).")
     g.add_argument("--sft_only_data_path", nargs="*", default=[], help="Datasets used only in step 1.")
     g.add_argument("--data_output_path", type=str, default="/tmp/dschat_data_files/",
-                   help="Where tokenized datasets are cached (default: %(default)s, DeepSpeed-Chat's; storage "
-                        "every node sees for multi-node).")
+                   help="Where tokenized datasets are cached (default: %(default)s; DeepSpeed-Chat's is "
+                        "/tmp/data_files/; storage every node sees for multi-node).")
     g.add_argument("--data_fields", type=str, default="",
                    help="Field names of local data, e.g. prompt=question,chosen=good,rejected=bad (also messages=, "
                         "and label= for TRL's unpaired-preference labels).")
@@ -665,9 +665,9 @@ def step3_parser():
                    help="HF's repetition penalty of the rollouts (1: off, whatever the actor's generation_config "
                         "asks; > 0). The log-probs PPO trains on do not include it, as in OpenRLHF.")
     g = p.add_argument_group(HYBRID_ENGINE_GROUP)  # every flag of it but the switch is read by the hybrid engine only
-    g.add_argument("--enable_hybrid_engine", action="store_true",
+    g.add_argument("--enable_hybrid_engine", action=argparse.BooleanOptionalAction, default=False,
                    help="Generate the rollouts with dschat's hybrid engine (KV cache, CUDA graphs, Triton kernels) "
-                        "instead of HF generate.")
+                        "instead of HF generate (train.py gives it; --no-enable_hybrid_engine there: HF generate).")
     g.add_argument("--unpin_actor_parameters", action="store_true",
                    help="ZeRO-3: gather layer by layer during generation instead of keeping a full copy.")
     g.add_argument("--release_inference_cache", action="store_true",

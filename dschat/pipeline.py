@@ -16,7 +16,7 @@ from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print
 from dschat.utils.files import check_writable_folder
 
 # Settings that make the embedded tiny default train well in minutes on a CPU. Hub models get the step
-# scripts' own defaults (DeepSpeed-Chat's), which the --stepN-args strings can override.
+# scripts' own defaults (DeepSpeed-Chat's main.py's) plus HUB_RECIPE; --stepN-args override either.
 TINY_RECIPE = {
     1: ["--data_split", "4,4,2", "--max_seq_len", "96", "--per_device_train_batch_size", "16",
         "--per_device_eval_batch_size", "32", "--learning_rate", "2e-3", "--num_train_epochs", "5",
@@ -43,6 +43,18 @@ TINY_DPO_RECIPE = ["--data_split", "4,4,2", "--max_seq_len", "96", "--per_device
                    "--per_device_eval_batch_size", "32", "--learning_rate", "1e-3", "--num_train_epochs", "2",
                    "--num_warmup_steps", "10", "--dtype", "fp32", "--beta", "0.1", "--rpo_alpha", "1.0"]
 
+
+# Dropout off where DeepSpeed-Chat's training scripts (which its train.py runs) turn it off: the reward model and
+# DPO (--disable_dropout, --dropout 0.0) and the PPO actor (--actor_dropout 0.0), whose ratio would otherwise measure
+# dropout noise against the rollout's eval-mode log-probs; the critic too here (a --reward-model's config may have
+# some). Step 1 keeps the model's own, as there. For every model; --stepN-args may set another.
+NO_DROPOUT = {2: ["--dropout", "0.0"], 3: ["--actor_dropout", "0.0", "--critic_dropout", "0.0"]}
+GRPO_NO_DROPOUT = ["--actor_dropout", "0.0"]  # (no critic)
+
+# The other flags those scripts give whatever the model's size (opt/ and llama2/, single_gpu and single_node): weight
+# decay 0.1 for the reward model and DPO, and step 3 through the hybrid engine. Their size-specific settings (LoRA,
+# gradient accumulation, batch sizes, learning rates, epochs) are not taken: README "Real models" lists them.
+HUB_RECIPE = {2: ["--weight_decay", "0.1"], 3: ["--enable_hybrid_engine"]}
 
 # What train.py trains real models on without --data-path: DeepSpeed-Chat's steps' default dataset.
 DEEPSPEED_CHAT_DATA = "Dahoas/rm-static"
@@ -143,8 +155,10 @@ def step_argv(step, args, tiny):
             scorers = ["--critic_model_name_or_path", ready or os.path.join(out, RM_DIR)]
         argv = ["--actor_model_name_or_path", os.path.join(out, SFT_DIR), *scorers, *stages,
                 "--output_dir", os.path.join(out, PPO_DIR)]
-    recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else []
-    if step == 3 and getattr(args, "recipe", "ppo") == "grpo":
+    grpo_step = step == 3 and getattr(args, "recipe", "ppo") == "grpo"
+    argv += GRPO_NO_DROPOUT if grpo_step else NO_DROPOUT.get(step, [])
+    recipe = (TINY_DPO_RECIPE if dpo else TINY_RECIPE[step]) if tiny else HUB_RECIPE.get(step, [])
+    if grpo_step:
         # (with a trained --reward-model, GRPO is rewarded by it instead of the rule scorer)
         grpo = (_without(_without(GRPO_RECIPE, "--reward_fn"), "--reward_model_weight") if ready_reward_model(args)
                 else GRPO_RECIPE)

@@ -399,6 +399,37 @@ def test_train_py_refuses_steps_its_recipe_does_not_have(capsys):
                                                                  "trained --reward-model)"])
 
 
+def test_train_py_turns_dropout_off_and_gives_hub_models_deepspeed_chats_script_flags():
+    """As DeepSpeed-Chat's train.py (its training scripts): no dropout in the reward model, DPO and the PPO actor (and
+    critic); weight decay 0.1 in step 2 and DPO and the hybrid engine in step 3 for hub models; --stepN-args win."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.args import step2_dpo_parser
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    hub = ["--actor-model", "facebook/opt-1.3b", "--reward-model", "facebook/opt-350m"]
+
+    def parsed(step, flags, parser, tiny):
+        return parser().parse_args(pipeline.step_argv(step, parse(flags), tiny))
+
+    for tiny, flags in ((True, []), (False, hub)):
+        assert parsed(1, flags, step1_parser, tiny).dropout is None  # step 1 keeps the model's own, as there
+        step2 = parsed(2, flags, step2_parser, tiny)
+        step3 = parsed(3, flags, step3_parser, tiny)
+        assert (step2.dropout, step3.actor_dropout, step3.critic_dropout) == (0.0, 0.0, 0.0)
+        assert step3.enable_hybrid_engine  # (the tiny recipe's, the hub recipe's)
+        assert step2.weight_decay == (0.0 if tiny else 0.1)  # (the tiny recipe keeps its tuned settings)
+        dpo = parsed(2, flags + ["--recipe", "dpo"], step2_dpo_parser, tiny)
+        assert (dpo.dropout, dpo.weight_decay) == (0.0, 0.0 if tiny else 0.1)
+        grpo = parsed(3, flags + ["--recipe", "grpo"], step3_parser, tiny)
+        assert grpo.actor_dropout == 0.0 and grpo.enable_hybrid_engine
+    chosen = parsed(3, hub + ["--step3-args", "--actor_dropout 0.1 --no-enable_hybrid_engine"], step3_parser, False)
+    assert chosen.actor_dropout == 0.1 and not chosen.enable_hybrid_engine
+    assert parsed(2, hub + ["--step2-args", "--weight_decay 0"], step2_parser, False).weight_decay == 0.0
+
+
 def test_train_py_checks_each_steps_config_file_before_the_first_step_and_zero_stage_reaches_step3(
         tmp_path, distributed):
     import runpy

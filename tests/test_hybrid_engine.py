@@ -378,7 +378,7 @@ def test_per_layer_head_dim_is_refused_when_the_engine_is_built():
 
     model = _gemma4({"01": {"head_dim": 32}})
     with pytest.raises(UsageError, match=r"head_dim per layer \(\[16, 32\]\).*one head dim per model.*"
-                                         r"without --enable_hybrid_engine"):
+                                         r"without the hybrid engine.*--no-enable_hybrid_engine"):
         _engine(model)
     with pytest.raises(UsageError, match="one head dim per model"):
         kv_layout(model.config)

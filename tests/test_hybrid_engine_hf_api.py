@@ -334,7 +334,7 @@ def test_gpt_neo_local_attention_generates_as_hf_within_its_window_and_is_refuse
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=5)  # 7 + 5 slots: the window sees them all
     assert torch.equal(got, hf_generate(model, ids, mask, 5))
     with pytest.raises(ValueError, match=r"longer than the model's local attention window \(12 tokens\).*"
-                                         r"without --enable_hybrid_engine"):
+                                         r"without the hybrid engine.*--no-enable_hybrid_engine"):
         engine.generate(ids, attention_mask=mask, max_new_tokens=6)
 
 

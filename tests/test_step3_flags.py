@@ -499,6 +499,35 @@ def test_a_lora_module_name_that_matches_no_layer_is_an_error_naming_step3s_flag
         build(engine)
 
 
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_an_actor_or_critic_training_with_its_configs_dropout_is_said(role, monkeypatch, capsys):
+    """OPT's config has dropout 0.1: the rollout's log-probs and values come from eval-mode forwards, the PPO step's
+    from training-mode ones, so the ratio / value clip would measure dropout noise. Said unless the flag is given."""
+    from dschat.models.loading import load_tokenizer
+    from dschat.rlhf import engine as rlhf_engine
+
+    def stop(*given, **kwargs):
+        raise RuntimeError("stopped before DeepSpeed")
+
+    monkeypatch.setattr(rlhf_engine, "initialize_engine", stop)
+    for flag, said in ((None, True), (0.0, False), (0.1, False)):
+        args = step3_args({f"{role}_dropout": flag, "dtype": "fp32"})
+        engine = SimpleNamespace(args=args, world_size=1, actor_path="tiny-opt", critic_path="tiny-opt",
+                                 tokenizer=load_tokenizer("tiny-opt"), _check_token_ids=lambda *given: None,
+                                 _check_sequence_fits=lambda model: None, load_universal=frozenset(),
+                                 actor_total_iters=1, num_total_iters=1)
+        engine._train_config = lambda *given, **kwargs: DeepSpeedRLHFEngine._train_config(engine, *given, **kwargs)
+        engine._trained_config = lambda *given, **kwargs: DeepSpeedRLHFEngine._trained_config(engine, *given,
+                                                                                               **kwargs)
+        build = DeepSpeedRLHFEngine._init_actor if role == "actor" else DeepSpeedRLHFEngine._init_critic
+        with pytest.raises(RuntimeError, match="stopped before DeepSpeed"):
+            build(engine)
+        out = capsys.readouterr().out
+        assert (f"the {role} trains with its config's dropout (dropout 0.1)" in out) is said, (flag, out)
+        if said:
+            assert f"give --{role}_dropout 0.0" in out and ("ratio" if role == "actor" else "value clip") in out
+
+
 @pytest.mark.parametrize("flags, said", [
     ({"advantage_estimator": "grpo"}, "--advantage_estimator grpo compares each answer .* not 1 .*reinforce_pp"),
     ({"advantage_estimator": "rloo", "n_samples_per_prompt": 1}, "--advantage_estimator rloo compares each answer"),

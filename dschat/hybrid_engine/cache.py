@@ -47,8 +47,8 @@ def _per_layer_layout_error(cfg, field, values=None):
     what = "one head dim" if field == "head_dim" else f"one {field}"
     per_layer = f" ({values})" if values else ""
     return UsageError(f"{type(cfg).__name__} sets {field} per layer{per_layer}; the hybrid engine's static KV cache "
-                      f"needs {what} per model. Run step 3 without --enable_hybrid_engine for this model (actor "
-                      "generation then uses HF generate).")
+                      f"needs {what} per model. Run step 3 without the hybrid engine for this model "
+                      "(--no-enable_hybrid_engine: actor generation then uses HF generate).")
 
 
 def layout_field(cfg, field):

@@ -446,7 +446,8 @@ class HybridEngine:
                              f"model's local attention window ({self.longest_cache} tokens), which its layers cut "
                              "from the KV cache's length: the hybrid engine's static cache would give other tokens "
                              "than HF's generate. Generate at most that many tokens (prompt + answer), or run step 3 "
-                             "without --enable_hybrid_engine (actor generation then uses HF generate).")
+                             "without the hybrid engine (--no-enable_hybrid_engine: actor generation then uses HF "
+                             "generate).")
 
     # -- stats ------------------------------------------------------------------------------------------------------
     def latency_stats(self, iteration=None):

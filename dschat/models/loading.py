@@ -336,6 +336,13 @@ def configure_dropout(config, dropout):
     return config
 
 
+def config_dropouts(config):
+    """The dropout probabilities above zero that ``config`` sets, by field name (``configure_dropout``'s fields)."""
+    values = {field: getattr(config, field, None) for field in DROPOUT_FIELDS}
+    return {field: value for field, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0}
+
+
 def zero3_enabled(ds_config):
     return bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage", 0) == 3
 

@@ -10,7 +10,7 @@ from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, cr
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
-from dschat.models.loading import check_sequence_fits, load_causal_lm, load_tokenizer
+from dschat.models.loading import check_sequence_fits, config_dropouts, load_causal_lm, load_tokenizer
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine, initialize_frozen
@@ -184,7 +184,8 @@ def check_local_window(args, actor_path, local_only=True):
     if window is not None and longest_sequence(args) > window:
         raise UsageError(f"the actor {actor_path} attends within a local window of {window} tokens, which the hybrid "
                          f"engine's KV cache cannot exceed; {LONGEST_SEQUENCE_FLAGS} is {longest_sequence(args)}: "
-                         "generate at most the window, or leave out --enable_hybrid_engine (HF's generate)")
+                         "generate at most the window, or run without the hybrid engine (--no-enable_hybrid_engine: HF's "
+                         "generate)")
 
 
 def say_an_unapplied_repetition_penalty(model, penalty):
@@ -195,6 +196,20 @@ def say_an_unapplied_repetition_penalty(model, penalty):
         print_rank_0(f"[step3] the actor's generation_config asks for repetition_penalty {asked}; the rollouts are "
                      f"sampled at --repetition_penalty {penalty} (the log-probs PPO trains on include no penalty: "
                      f"give --repetition_penalty {asked} to sample with it anyway)")
+
+
+def say_a_dropout_in_training(model, dropout_flag, role, flag):
+    """The actor or critic trains with its config's dropout (``flag`` not given): said. The rollout's log-probs and
+    values come from eval-mode forwards (no dropout), the PPO step's from training-mode ones, so PPO's ratio and
+    value clip measure dropout noise on data that is on-policy. DeepSpeed-Chat's step-3 scripts, and train.py here,
+    give --actor_dropout 0.0; TRL's PPO turns dropout off in its policy and value models."""
+    active = config_dropouts(model.config) if dropout_flag is None else {}
+    if active:
+        said = ", ".join(f"{field} {value}" for field, value in active.items())
+        print_rank_0(f"[step3] the {role} trains with its config's dropout ({said}), which its rollout forwards "
+                     f"run without: PPO's {'ratio' if role == 'actor' else 'value clip'} then sees the dropout's "
+                     f"noise from the first step on; give {flag} 0.0 to train without it (as DeepSpeed-Chat's "
+                     f"scripts do for the actor), or {flag} P to keep P without this note")
 
 
 def check_settings(args):
@@ -423,6 +438,7 @@ class DeepSpeedRLHFEngine:
         check_local_window(a, self.actor_path, local_only=False)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         self._check_sequence_fits(model)
+        say_a_dropout_in_training(model, a.actor_dropout, "actor", "--actor_dropout")
         say_an_unapplied_repetition_penalty(model, a.repetition_penalty)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
                            only_optimize_lora=a.only_optimize_lora, module_name_flag="--actor_lora_module_name")
@@ -472,6 +488,7 @@ class DeepSpeedRLHFEngine:
                                     rlhf_training=True, dropout=a.critic_dropout, zero_stage=a.critic_zero_stage,
                                     compute_fp32_loss=a.compute_fp32_loss)
         self._check_sequence_fits(model)
+        say_a_dropout_in_training(model, a.critic_dropout, "critic", "--critic_dropout")
         if not model.value_head_loaded:
             print_rank_0(f"[step3] the critic {self.critic_path} has no trained value head ({VALUE_HEAD_FILES}): it "
                          "starts from a new one")
