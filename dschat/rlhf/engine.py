@@ -184,8 +184,8 @@ def check_local_window(args, actor_path, local_only=True):
     if window is not None and longest_sequence(args) > window:
         raise UsageError(f"the actor {actor_path} attends within a local window of {window} tokens, which the hybrid "
                          f"engine's KV cache cannot exceed; {LONGEST_SEQUENCE_FLAGS} is {longest_sequence(args)}: "
-                         "generate at most the window, or run without the hybrid engine (--no-enable_hybrid_engine: HF's "
-                         "generate)")
+                         "generate at most the window, or run without the hybrid engine "
+                         "(--no-enable_hybrid_engine: HF's generate)")
 
 
 def say_an_unapplied_repetition_penalty(model, penalty):
