@@ -1,6 +1,7 @@
 """Checkpoints and --resume of steps 1, 2 and DPO (``dschat.steps.resume``): a resumed run ends with the weights and
 losses of the uninterrupted one, on one rank and on two with ZeRO-3."""
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -655,6 +656,26 @@ def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_
     for checkpoint in ({"total": 12}, {}, None):  # the same length; a checkpoint from before it was recorded
         say_a_changed_schedule("step1", checkpoint, 12, "steps")
     assert capsys.readouterr().out == ""
+
+
+def test_a_resumed_run_of_another_length_trains_its_first_step_at_its_own_schedules_rate(tmp_path, distributed,
+                                                                                          capsys):
+    """DeepSpeed's load restores the optimizer's rates as the checkpoint's run left them, and the scheduler sets this
+    run's only after the next step: a 4-step run's checkpoint at its last step, resumed with --max_steps 8, trained
+    step 5 at 0.0 (the ended cosine's rate) while saying that its rates follow its own schedule."""
+    common = [*SMALL, "--model_name_or_path", "tiny-llama", "--data_output_path", str(tmp_path / "data"),
+              "--output_dir", str(tmp_path / "sft"), "--print_loss", "--learning_rate", "1e-3",
+              "--per_device_train_batch_size", "4"]
+    sft.main([*common, "--max_steps", "4", "--save_interval", "4"])
+    capsys.readouterr()
+    sft.main([*common, "--max_steps", "8", "--resume"])
+    printed = capsys.readouterr().out
+    assert "this run spans 8 steps, its checkpoint's run 4" in printed
+    rates = {int(line.split()[2]): float(line.split()[-1]) for line in printed.splitlines()
+             if line.startswith("[step1] step ") and " lr " in line}
+    assert sorted(rates) == [5, 6, 7, 8]
+    for step, rate in rates.items():  # an 8-step cosine without warmup, printed to 4 digits
+        assert rate == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 8)), rel=1e-3), step
 
 
 @pytest.mark.multirank

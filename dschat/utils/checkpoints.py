@@ -342,14 +342,33 @@ def restore_param_group_settings(engine, groups):
             group["lr"] = rates[index]
 
 
+def follow_this_runs_schedule(engine):
+    """After ``engine.load_checkpoint``: the learning rates the next optimizer step applies, from this run's schedule
+    at the restored position. DeepSpeed restores the scheduler's step count and the optimizer's rates as the
+    checkpoint's run had set them, and the scheduler sets new ones only after the next step: a run of another length
+    than its checkpoint's (--max_steps, --num_train_epochs) took that step at the old schedule's rate (0.0 after a
+    schedule that had ended) although it said the rates follow its own. The restored base rates are kept (another
+    --learning_rate has no effect on resume); the same length gives the same rates."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    lambdas = getattr(scheduler, "lr_lambdas", None)  # transformers' schedules are LambdaLRs
+    if not lambdas:
+        return
+    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, lambdas)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+
+
 @contextlib.contextmanager
 def loading_universal(engine, plan, part):
     """Around ``engine.load_checkpoint`` of ``plan``'s ``part``: after a universal load, the parameter groups'
-    settings put back (``restore_param_group_settings``)."""
+    settings put back (``restore_param_group_settings``); after any load, the learning rates of this run's schedule
+    at the restored position (``follow_this_runs_schedule``)."""
     groups = param_group_settings(engine) if part in plan.universal else None
     yield
     if groups is not None:
         restore_param_group_settings(engine, groups)
+    follow_this_runs_schedule(engine)
 
 
 def universal_tag(tag):
