@@ -139,7 +139,9 @@ def check_output_json(path):
 def build_parser():
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--policy", required=True,
-                        help="The PPO actor (a run's output folder uses step3_ppo/actor).")
+                        help="The policy to score, e.g. the PPO actor: a model folder, or a run's output folder, "
+                             "which uses the policy its last train.py run reported (else step3_ppo/actor, "
+                             "step2_dpo, step1_sft), as chat.py picks it.")
     parser.add_argument("--baseline", default=None, help="A policy to compare with, e.g. output/step1_sft.")
     parser.add_argument("--reward_model", default=None,
                         help="The reward model, a folder or hub name (a run's output folder uses the one its step 3 "
