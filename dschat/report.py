@@ -165,6 +165,11 @@ def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
 FINAL_KL_ITERATIONS = 10
 
 
+def counted(number, noun):
+    """``number`` ``noun``, in the plural but for one: "1 iteration", "74 iterations"."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def final_kl_said(kl):
     """The KL at the end of the run, as the mean over its last iterations: each iteration's is a k1 estimate (the
     answer tokens' mean log-ratio to the reference) over one rollout's samples, unbiased but noisy, and one of a few
@@ -202,7 +207,8 @@ def summary_lines(report):
             lines.append(f"held-out {said_as}: {', '.join(parts) or 'no held-out prompts, so no score'}")
         curve = report.get("step3_curve", {})
         if curve.get("kl"):
-            lines.append(f"{algorithm}: {report['step3_iterations']} iterations, {final_kl_said(curve['kl'])}")
+            lines.append(f"{algorithm}: {counted(report['step3_iterations'], 'iteration')}, "
+                         f"{final_kl_said(curve['kl'])}")
     if report.get("dpo"):
         lines += dpo_summary_lines(report["dpo"])
     if report.get("plot"):

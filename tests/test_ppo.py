@@ -1360,6 +1360,7 @@ def test_grpo_with_rule_reward_function_and_no_reward_model(trained, tmp_path, c
     out = capsys.readouterr().out
     assert "[step3] --critic_lora_dim 4: the critic's only, and no critic is trained; ignored" in out
     assert "[step3] --lam 0.5 (read only with --advantage_estimator gae): ignored" in out
+    assert "[step3] held-out before GRPO:" in out and "[step3] held-out after GRPO:" in out  # (not "PPO")
     assert re.search(r"\[step3\] --critic_model_name_or_path \S+: neither a critic nor a reward model is built "
                      r"\(--advantage_estimator grpo, --reward_model_weight 0\); not loaded", out)
     assert metrics["eval_after"]["reward_mean"] is None and "rule_score_mean" in metrics["eval_after"]

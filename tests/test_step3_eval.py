@@ -163,6 +163,9 @@ def test_the_summary_names_step_3s_algorithm(tmp_path):
     assert "held-out SFT policy: rule score 0.5000, reward_fn 0.2500" in lines
     assert "held-out GRPO policy: rule score 0.5000, reward_fn 0.2500" in lines
     assert "GRPO: 3 iterations, final KL 0.0010" in lines
+    with open(tmp_path / PPO_DIR / FINISHED_MARK, "w") as f:
+        json.dump({"iterations": 1, "algorithm": "GRPO", "eval_before": result, "eval_after": result}, f)
+    assert "GRPO: 1 iteration, final KL 0.0010" in summary_lines(build_report(str(tmp_path), {}, recipe="grpo"))
     # a step 3 written before metrics.json named its algorithm: its training_args.json's --advantage_estimator
     from dschat.run_layout import RUN_ARGS_FILE
 

@@ -14,6 +14,7 @@ from dschat.errors import UsageError
 from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine
 from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
+from dschat.report import counted
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, UNSUPERVISED_DATA
 from dschat.utils.dist import (barrier, check_same_on_every_rank, ensure_distributed, gathered_objects, get_world_size,
@@ -729,7 +730,7 @@ def run_supervised_step(args, recipe):
                                args.lora_learning_rate if args.lora_dim else None,
                                args.lr_scheduler_type, args.num_warmup_steps, total_steps,
                                args.gradient_checkpointing, args.zero3_fetch)
-    print_rank_0(f"{tag} {len(train_data)} train / {len(eval_data)} eval records, {total_steps} steps, "
+    print_rank_0(f"{tag} {len(train_data)} train / {len(eval_data)} eval records, {counted(total_steps, 'step')}, "
                  f"{count_params(model) / 1e6:.2f}M parameters, ZeRO-{args.zero_stage}, {args.dtype}")
 
     def evaluate():

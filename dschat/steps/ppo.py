@@ -202,14 +202,15 @@ def main(args=None):
     _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     clear_results(args, "step3", resumed=checkpoint is not None)
     before = position.get("eval_before")
-    print_rank_0(f"[step3] held-out before PPO: {_eval_line(before)}")
+    algorithm = ALGORITHM_NAMES[args.advantage_estimator]
+    print_rank_0(f"[step3] held-out before {algorithm}: {_eval_line(before)}")
     iteration = train_iterations(trainer, args, schedule, (train_loader, unsup_loader), position, log_path,
                                  lambda: seconds_so_far(started, checkpoint))
     after = held_out_eval(trainer, eval_loader, args, device, scorer)
-    print_rank_0(f"[step3] held-out after PPO: {_eval_line(after)}")
+    print_rank_0(f"[step3] held-out after {algorithm}: {_eval_line(after)}")
     warn_of_skipped_ppo_steps(trainer, args, iteration)
     save_models(trainer, args)
-    metrics = {"iterations": iteration, "algorithm": ALGORITHM_NAMES[args.advantage_estimator],
+    metrics = {"iterations": iteration, "algorithm": algorithm,
                "eval_before": before, "eval_after": after, "seconds": seconds_so_far(started, checkpoint)}
     write_results(args, metrics, "step3")
     return metrics
@@ -237,7 +238,7 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
     # (an earlier run's events in the same folder are hidden from there on, as its jsonl log is cut)
     writer = tensorboard_writer(args, "step3", purge_step=position["iteration"] + 1)
     iteration = position["iteration"]
-    bar = progress(range(schedule.total), schedule.total, "step3 PPO")
+    bar = progress(range(schedule.total), schedule.total, f"step3 {ALGORITHM_NAMES[args.advantage_estimator]}")
     if is_rank_0():
         bar.update(iteration)
     # one unsupervised stream for the whole run; a checkpoint stores how many of its batches were consumed
