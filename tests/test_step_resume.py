@@ -678,6 +678,31 @@ def test_a_resumed_run_of_another_length_trains_its_first_step_at_its_own_schedu
         assert rate == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 8)), rel=1e-3), step
 
 
+@pytest.mark.parametrize("zero_stage", ["1", "2"])
+def test_a_resumed_run_clips_its_gradients_at_its_own_configs_value(zero_stage, tmp_path, distributed, monkeypatch,
+                                                                     capsys):
+    """DeepSpeed's ZeRO-1/2 optimizer saves its gradient clipping with its state and its load puts that back: a
+    resume whose DeepSpeed config file gave gradient_clipping 0.01 said so, and clipped at the checkpoint's 1.0."""
+    import deepspeed
+
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"gradient_clipping": 0.01}))
+    common = [*SMALL, "--model_name_or_path", "tiny-llama", "--data_output_path", str(tmp_path / "data"),
+              "--output_dir", str(tmp_path / "sft"), "--per_device_train_batch_size", "4", "--zero_stage", zero_stage]
+    sft.main([*common, "--max_steps", "2", "--save_interval", "2"])  # (dschat's default: 1.0)
+    clipped_at, real_step = [], deepspeed.DeepSpeedEngine.step
+
+    def step(engine, *args, **kwargs):
+        clipped_at.append(engine.optimizer.clip_grad)
+        return real_step(engine, *args, **kwargs)
+
+    monkeypatch.setattr(deepspeed.DeepSpeedEngine, "step", step)
+    capsys.readouterr()
+    sft.main([*common, "--max_steps", "4", "--resume", "--deepspeed_config", str(config)])
+    assert "gradient_clipping = 0.01 (dschat's flags gave 1.0)" in capsys.readouterr().out
+    assert clipped_at == [0.01, 0.01]
+
+
 @pytest.mark.multirank
 def test_a_checkpoint_one_rank_cannot_load_stops_every_rank_before_any_says_it_resumed(tmp_path):
     script = Path(__file__).parent / "scripts" / "resume_damaged_rank.py"

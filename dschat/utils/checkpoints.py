@@ -363,12 +363,25 @@ def follow_this_runs_schedule(engine):
 def loading_universal(engine, plan, part):
     """Around ``engine.load_checkpoint`` of ``plan``'s ``part``: after a universal load, the parameter groups'
     settings put back (``restore_param_group_settings``); after any load, the learning rates of this run's schedule
-    at the restored position (``follow_this_runs_schedule``)."""
+    at the restored position (``follow_this_runs_schedule``) and this run's gradient clipping
+    (``keep_this_runs_clipping``)."""
     groups = param_group_settings(engine) if part in plan.universal else None
+    clipping = getattr(getattr(engine, "optimizer", None), "clip_grad", None)
     yield
     if groups is not None:
         restore_param_group_settings(engine, groups)
     follow_this_runs_schedule(engine)
+    keep_this_runs_clipping(engine, clipping)
+
+
+def keep_this_runs_clipping(engine, clipping):
+    """After ``engine.load_checkpoint``: the optimizer clips gradients at ``clipping``, the DeepSpeed config's
+    ``gradient_clipping`` it was made with (None: an optimizer that keeps none, e.g. torch's at ZeRO-0 in fp32, which
+    the engine clips at its config's). DeepSpeed's ZeRO-1/2 optimizer (and its bf16 and fp16 ones) put back the
+    checkpoint's run's value with its state: a resume whose config file gave another clipped at the old one, while
+    its config (and the ``[ds_config]`` line) said the new one, and ZeRO-0 and ZeRO-3 applied the new one."""
+    if clipping is not None:
+        engine.optimizer.clip_grad = clipping
 
 
 def universal_tag(tag):
