@@ -178,6 +178,28 @@ def test_resuming_with_other_settings_is_an_error_naming_them_before_deepspeed_l
     assert loads == [1, 1]
 
 
+def test_step1s_multiturn_binds_a_checkpoint_and_its_include_prompt_in_loss_is_said(tmp_path, distributed, capsys):
+    """--multiturn keeps the conversations that end with a user turn, which are skipped without it: a resume that
+    dropped it trained on 72 records instead of 108 from the checkpoint's place in them, silently; and
+    --include_prompt_in_loss, another loss on the same records, changed silently."""
+    conversations = tmp_path / "conversations.jsonl"
+    with conversations.open("w") as f:
+        for i in range(60):
+            turns = [("user", f"hi {i}"), ("assistant", "hello"), ("user", f"count to {i % 7 + 1}")]
+            turns += [("assistant", " ".join(str(n) for n in range(i % 7 + 1)))] if i % 3 else []
+            f.write(json.dumps({"messages": [{"role": role, "content": text} for role, text in turns]}) + "\n")
+    common = [*SFT_FAST, "--model_name_or_path", "tiny-llama", "--data_path", str(conversations), "--data_split",
+              "10,0,0", "--max_seq_len", "48", "--per_device_train_batch_size", "4", "--eval_iters", "1",
+              "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "sft"), "--max_steps", "4"]
+    sft.main([*common, "--multiturn", "--max_steps", "2", "--save_interval", "2"])
+    assert "54 train / 6 eval records" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=r"saved with other settings: --multiturn True -> False\. .*without --resume"):
+        sft.main([*common, "--resume"])
+    sft.main([*common, "--multiturn", "--resume", "--include_prompt_in_loss"])
+    assert "--resume: --include_prompt_in_loss False -> True: the rest of the run trains with the new value" \
+        in capsys.readouterr().out
+
+
 def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_over(tmp_path, distributed, capsys):
     common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
               "--max_steps", "2"]

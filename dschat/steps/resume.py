@@ -30,15 +30,18 @@ from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 # micro-batches of this size, grouped into steps of this many, of the records these data flags make, in the order
 # this seed draws (otherwise a resumed run silently skips or repeats records).
 # (--weight_decay too: the optimizer's parameter groups depend on whether it is 0.)
+# (step 1's --multiturn too: it keeps conversations that end with a user turn, or are longer than --max_seq_len,
+# which are skipped without it, so the records, their order and what the position counts differ.)
 RESUME_FLAGS = ("model_name_or_path", "add_eot_token", "eot_token", "lora_dim", "lora_module_name", "lora_alpha",
                 "only_optimize_lora", "weight_decay", "zero_stage", "dtype", "offload", "per_device_train_batch_size",
                 "gradient_accumulation_steps", "seed", "data_path", "data_split", "data_fields", "max_seq_len",
-                "sft_only_data_path")
+                "sft_only_data_path", "multiturn")
 # Restored by DeepSpeed with the optimizer's state: another value is said to change nothing.
 RESTORED_FLAGS = ("learning_rate", "lora_learning_rate")
 # Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it
-# (DPO's loss coefficients too: changed silently, a resumed run trained another objective than its log said).
-FREE_FLAGS = ("dropout", "beta", "label_smoothing", "rpo_alpha")
+# (DPO's loss coefficients and step 1's --include_prompt_in_loss too, which labels the same records otherwise: changed
+# silently, a resumed run trained another objective than its log said).
+FREE_FLAGS = ("dropout", "beta", "label_smoothing", "rpo_alpha", "include_prompt_in_loss")
 BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, weight decay, ZeRO stage, precision, offload) and its "
              "place in the data (micro-batches of --per_device_train_batch_size, steps of "
              "--gradient_accumulation_steps, of the records its data flags and tokenizer make, in --seed's order) hold "
