@@ -1182,6 +1182,16 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
         load_checkpoint(_flags_trainer(tmp_path, "--cliprange", "0.1", "--temperature", "0.7"), str(tmp_path))
     assert "--cliprange 0.2 -> 0.1, --temperature 1.0 -> 0.7: the rest of the run trains with the new value" in \
         capsys.readouterr().out
+    # and where the KL goes, how the advantages are normalized, the loss aggregated, the EMA decays (unsaid too)
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--kl_in_reward", "0", "--whiten_advantages", "--loss_agg",
+                                       "global_token_mean", "--ema_beta", "0.9"), str(tmp_path))
+    assert "--kl_in_reward 1 -> 0, --whiten_advantages False -> True, --loss_agg 'token_mean' -> " \
+           "'global_token_mean', --ema_beta 0.992 -> 0.9: the rest of the run trains with the new value" in \
+        capsys.readouterr().out
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--grpo_norm_by_std", "0"), str(tmp_path))
+    assert "--grpo_norm_by_std 1 -> 0: the rest of the run trains with the new value" in capsys.readouterr().out
 
 
 def test_a_resumed_kl_controller_goes_on_from_its_coefficient_with_this_runs_settings(tmp_path, capsys):
