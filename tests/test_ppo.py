@@ -879,6 +879,31 @@ def test_the_score_before_ppo_is_kept_across_resumes_by_the_same_function():
     assert kept["eval_before"]["reward_fn_mean"] == 0.5
 
 
+def test_a_resume_scored_by_another_reward_model_is_said_and_leaves_its_score_before_ppo_out(tmp_path, capsys):
+    """A --resume with another reward model folder trained the rest of the run on its rewards without a word, and the
+    held-out reward_mean before PPO (the checkpoint run's model's) was set beside this run's after PPO."""
+    from dschat.steps.common import model_identity
+
+    models = {}
+    for name in ("rm_a", "rm_b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "name": name}))
+        (folder / "model.safetensors").write_bytes(name.encode() * 8)
+        models[name] = str(folder)
+    before = {"reward_mean": 1.5, "rule_score_mean": 0.5, "examples": [{"reward": 1.5, "rule_score": 0.5}]}
+    position = {"eval_before": before, "inputs": {models["rm_a"]: model_identity(models["rm_a"])}}
+    assert ppo.reward_model_scored_alike(position, models["rm_a"]) == position
+    assert ppo.reward_model_scored_alike(position, "org/hub-model") == position  # (not compared)
+    assert ppo.reward_model_scored_alike(position, None) == position  # (--reward_model_weight 0: none scores)
+    assert "reward model" not in capsys.readouterr().out
+    other = ppo.reward_model_scored_alike(position, models["rm_b"])
+    assert other["eval_before"]["reward_mean"] is None and other["eval_before"]["rule_score_mean"] == 0.5
+    assert other["eval_before"]["examples"] == [{"rule_score": 0.5}]
+    assert f"the reward model {models['rm_b']} is none of the models the checkpoint's run loaded" in \
+        capsys.readouterr().out
+
+
 def test_a_resume_with_another_reward_function_leaves_its_score_before_ppo_out(trained, tmp_path, capsys):
     """The held-out reward_fn_mean before PPO came from the checkpoint, scored by the interrupted run's function: it
     was reported beside the resumed run's score after PPO, by another function, as if comparable."""

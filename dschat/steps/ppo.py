@@ -198,6 +198,7 @@ def main(args=None):
     else:
         realign_schedules(trainer, checkpoint, args)
         position = before_scored_alike(checkpoint, args)
+        position = reward_model_scored_alike(position, engine.reward_path if args.reward_model_weight else None)
     log_path = os.path.join(args.output_dir, "step3_log.jsonl")
     _keep_log_until(log_path, position["iteration"])  # iterations run after the checkpoint are run again
     clear_results(args, "step3", resumed=checkpoint is not None)
@@ -478,6 +479,28 @@ def before_scored_alike(position, args):
     before = {**before, "reward_fn_mean": None,
               "examples": [{k: v for k, v in e.items() if k != "reward_fn"} for e in before.get("examples", [])]}
     return {**position, "eval_before": before, "eval_reward_fn": now}
+
+
+def reward_model_scored_alike(position, reward_path):
+    """A checkpoint's ``position`` whose held-out reward_mean before PPO is this run's reward model's: a --resume
+    scored by a reward model folder that none of the checkpoint's run's models were (the run ids, or file stats, of
+    ``input_runs``) is said (its rewards train the rest of the run) and that score is left out, not set beside this
+    run's after PPO as if comparable. A hub name, or a checkpoint without the record, is taken as it is."""
+    from dschat.steps.common import holds_model, model_identity
+
+    saved, before = position.get("inputs"), position.get("eval_before")
+    if not saved or not reward_path or not os.path.isdir(reward_path) or model_identity(reward_path) is None:
+        return position
+    if any(holds_model(reward_path, identity) for identity in saved.values()):
+        return position
+    print_rank_0(f"[step3] the reward model {reward_path} is none of the models the checkpoint's run loaded: its "
+                 "rewards train the rest of the run, and the held-out reward_mean before PPO (the other model's) is "
+                 "left out")
+    if not before or before.get("reward_mean") is None:
+        return position
+    before = {**before, "reward_mean": None,
+              "examples": [{k: v for k, v in e.items() if k != "reward"} for e in before.get("examples", [])]}
+    return {**position, "eval_before": before}
 
 
 def _eval_line(result):
