@@ -992,3 +992,26 @@ def test_fp16_without_zero_stops_where_deepspeed_scales_the_loss_itself(distribu
     with pytest.raises(RuntimeError, match=r"fp16 at ZeRO-0: the loss's gradient is 4\.29\d*e\+09, not the loss "
                                            r"scale over the accumulation steps \(65536\)"):
         engine.backward(engine(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neo", "starcoder2"])
+def test_dropout_zero_turns_off_every_dropout_module_of_families_with_their_own_field_names(model_type):
+    """--dropout 0.0 / --actor_dropout 0.0 (train.py gives them for every model): GPT-Neo's embed_dropout and
+    resid_dropout and Starcoder2's embedding_dropout and residual_dropout were left as the config had them."""
+    from transformers import AutoConfig
+
+    from dschat.models.loading import config_dropouts, configure_dropout
+
+    small = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_heads=4, num_layers=2,
+                 num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2, max_position_embeddings=64,
+                 window_size=16, attention_types=[[["global", "local"], 1]])
+    config = AutoConfig.for_model(model_type, **small)
+    for field in ("attention_dropout", "embed_dropout", "resid_dropout", "embedding_dropout", "residual_dropout"):
+        if hasattr(config, field):
+            setattr(config, field, 0.1)
+    assert set(config_dropouts(config)) >= {f for f in ("embed_dropout", "resid_dropout", "embedding_dropout",
+                                                         "residual_dropout") if hasattr(config, f)}
+    model = AutoModelForCausalLM.from_config(configure_dropout(config, 0.0))
+    active = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout) and module.p > 0]
+    assert active == []
+    assert config_dropouts(config) == {}

@@ -9,7 +9,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from dschat.errors import MissingInputError, UsageError
 
 DROPOUT_FIELDS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
-                  "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
+                  "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                  # GPT-Neo's, Starcoder2's and MPT's names for the embedding and residual dropouts
+                  "embed_dropout", "resid_dropout", "embedding_dropout", "residual_dropout", "emb_pdrop")
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
