@@ -19,11 +19,11 @@ import torch
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
-from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, finished_run_id, holds_model, input_runs, model_identity,
+from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, among_inputs, finished_run_id, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, ResumePlan, check_complete, check_convertible, check_same_flags,
                                       check_same_products, clear_tag, latest_tag, load_rank_state,
-                                      load_rank_state_of_others, loading_universal, publish, read_trainer_state,
+                                      load_rank_state_of_others, loading_checkpoint, publish, read_trainer_state,
                                       reading, refuse_other_rank_count, rng_said, save_trainer_state, tag_of,
                                       take_restored_flags, trainer_folder, universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
@@ -126,7 +126,7 @@ def load_checkpoint(trainer, root, plan=None):
         for name, engine in zip((ACTOR, CRITIC), engines):
             if plan.load_tag(name) is None:  # (an actor that had not trained: as the engine was made, ``plan_resume``)
                 continue
-            with loading_universal(engine, plan, name):
+            with loading_checkpoint(engine, plan, name):
                 engine.load_checkpoint(os.path.join(root, name), tag=plan.load_tag(name))
         if trainer.actor_ema is not None:
             _load_ema(trainer.actor_ema.module, os.path.join(trainer_folder(root, tag), "ema.pt"))
@@ -341,10 +341,7 @@ def check_same_reference(saved_inputs, actor_path, tag, root):
     """The actor model a checkpoint's run started from is its frozen reference (what the KL penalty measures against;
     the actor's own weights come from the checkpoint): another one is an error. Compared by the run ids of the models
     it recorded (``input_runs``), so a moved run folder still resumes; a hub name is not compared."""
-    if not saved_inputs or not os.path.isdir(actor_path) or model_identity(actor_path) is None:
-        return
-    # (holds_model: also an identity recorded before dschat counted the tokenizer files)
-    if not any(holds_model(actor_path, identity) for identity in saved_inputs.values()):
+    if among_inputs(actor_path, saved_inputs) is False:
         outside = "" if finished_run_id(actor_path) else f" ({OUTSIDE_MODEL_IDENTITY})"
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by a run whose actor started from another "
                          f"model than --actor_model_name_or_path {actor_path}, which is the reference model its KL "

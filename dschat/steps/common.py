@@ -391,6 +391,15 @@ def holds_model(folder, identity):
     return os.path.isdir(folder) and identity == model_identity(folder, tokenizer_files=not legacy)
 
 
+def among_inputs(path, inputs):
+    """Whether the model folder ``path`` is one of a checkpoint's or output's recorded ``inputs`` (``input_runs``);
+    None where that cannot be told: no record, a hub name, a folder without a model or finished output."""
+    if not inputs or not os.path.isdir(path) or model_identity(path) is None:
+        return None
+    # (holds_model: also an identity recorded before dschat counted the tokenizer files)
+    return any(holds_model(path, identity) for identity in inputs.values())
+
+
 def finished_run_id(folder):
     """The run id of the finished step output in ``folder`` (None: none, unfinished (no metrics.json), from before
     dschat recorded them, or unreadable)."""

@@ -476,9 +476,7 @@ def before_scored_alike(position, args):
         return position
     print_rank_0("[step3] the held-out reward_fn_mean before PPO was scored by the checkpoint's run's reward function, "
                  "another than this run's --reward_fn (or its file was edited since): left out")
-    before = {**before, "reward_fn_mean": None,
-              "examples": [{k: v for k, v in e.items() if k != "reward_fn"} for e in before.get("examples", [])]}
-    return {**position, "eval_before": before, "eval_reward_fn": now}
+    return {**position, "eval_before": _score_left_out(before, "reward_fn_mean", "reward_fn"), "eval_reward_fn": now}
 
 
 def reward_model_scored_alike(position, reward_path):
@@ -486,21 +484,23 @@ def reward_model_scored_alike(position, reward_path):
     scored by a reward model folder that none of the checkpoint's run's models were (the run ids, or file stats, of
     ``input_runs``) is said (its rewards train the rest of the run) and that score is left out, not set beside this
     run's after PPO as if comparable. A hub name, or a checkpoint without the record, is taken as it is."""
-    from dschat.steps.common import holds_model, model_identity
+    from dschat.steps.common import among_inputs
 
-    saved, before = position.get("inputs"), position.get("eval_before")
-    if not saved or not reward_path or not os.path.isdir(reward_path) or model_identity(reward_path) is None:
-        return position
-    if any(holds_model(reward_path, identity) for identity in saved.values()):
+    if not reward_path or among_inputs(reward_path, position.get("inputs")) is not False:
         return position
     print_rank_0(f"[step3] the reward model {reward_path} is none of the models the checkpoint's run loaded: its "
                  "rewards train the rest of the run, and the held-out reward_mean before PPO (the other model's) is "
                  "left out")
+    before = position.get("eval_before")
     if not before or before.get("reward_mean") is None:
         return position
-    before = {**before, "reward_mean": None,
-              "examples": [{k: v for k, v in e.items() if k != "reward"} for e in before.get("examples", [])]}
-    return {**position, "eval_before": before}
+    return {**position, "eval_before": _score_left_out(before, "reward_mean", "reward")}
+
+
+def _score_left_out(before, mean, example_key):
+    """The held-out scores ``before`` PPO less one source's: its ``mean`` and each example's ``example_key``."""
+    return {**before, mean: None,
+            "examples": [{k: v for k, v in e.items() if k != example_key} for e in before.get("examples", [])]}
 
 
 def _eval_line(result):

@@ -19,7 +19,7 @@ from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resu
                                  say_a_changed_schedule, step_data_records)
 from dschat.utils.checkpoints import (MODEL, ResumePlan, check_complete, check_convertible, check_same_flags,
                                       check_same_products, clear_earlier_run, clear_tag, latest_tag, load_rank_state,
-                                      load_rank_state_of_others, loading_universal, publish, read_trainer_state,
+                                      load_rank_state_of_others, loading_checkpoint, publish, read_trainer_state,
                                       reading, rng_said, save_trainer_state, tag_of, take_restored_flags,
                                       universal_load, with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
@@ -183,7 +183,7 @@ def load_step_checkpoint(engine, args, step, plan=None):
     if plan.notice:
         print_rank_0(plan.notice)
     with reading(root, plan.tag):
-        with loading_universal(engine, plan, MODEL):
+        with loading_checkpoint(engine, plan, MODEL):
             engine.load_checkpoint(os.path.join(root, MODEL), tag=plan.load_tag(MODEL))
         if plan.other_ranks:
             rank_state = _pooled_rank_state(root, plan, args, position["step"])

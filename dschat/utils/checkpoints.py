@@ -360,9 +360,9 @@ def follow_this_runs_schedule(engine):
 
 
 @contextlib.contextmanager
-def loading_universal(engine, plan, part):
-    """Around ``engine.load_checkpoint`` of ``plan``'s ``part``: after a universal load, the parameter groups'
-    settings put back (``restore_param_group_settings``); after any load, the learning rates of this run's schedule
+def loading_checkpoint(engine, plan, part):
+    """Around ``engine.load_checkpoint`` of ``plan``'s ``part``, what DeepSpeed's load would otherwise take from the
+    checkpoint's run instead of this one: after a universal load, the parameter groups' settings put back (``restore_param_group_settings``); after any load, the learning rates of this run's schedule
     at the restored position (``follow_this_runs_schedule``) and this run's gradient clipping
     (``keep_this_runs_clipping``)."""
     groups = param_group_settings(engine) if part in plan.universal else None
