@@ -270,30 +270,12 @@ class HybridEngine:
         its own prompts: the ranks agree on their arguments first, and a refusal on one stops them all.
         """
         device = self._engine.device
-        # every setting resolved and checked before the engine's state changes, on every rank that generates with
-        # this one (a refusal on one rank alone would leave the others waiting in the weight gather or the group)
-        with self._failing_together(device):
-            if input_ids is None:  # HF's name for the prompts (``generate(inputs=...)``)
-                input_ids = hf_kwargs.pop("inputs", None)
-            if input_ids is None:
-                raise ValueError("generate needs the prompts: input_ids (or inputs), a LEFT-padded (B, P) tensor")
-            # HF's generation_config argument (TRL passes one): its settings over the model's, the call's over both
-            generation_config = self._generation_config(hf_kwargs.pop("generation_config", None))
-            check_hf_kwargs(hf_kwargs)
-            self.check_generation_config(hf_kwargs, generation_config)
-            if generator is not None and generator.device.type != torch.device(device).type:
-                raise ValueError(f"the sampling generator is on {generator.device} but generation runs on {device}; "
-                                 f"create it with torch.Generator(device={str(device)!r})")
-            input_ids = input_ids.to(device)
-            s = resolve_settings(
-                input_ids, attention_mask, generation_config, max_new_tokens=max_new_tokens, max_length=max_length,
-                min_new_tokens=min_new_tokens, min_length=min_length, do_sample=do_sample, temperature=temperature,
-                top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                eos_token_id=eos_token_id, pad_token_id=pad_token_id, default_eos=self.eos_token_id,
-                default_pad=self.pad_token_id, max_positions=self._max_positions())
-            # this rank's prompt: a tensor-parallel group's prompts, padded to its longest, then fit as well
-            self._check_fits(input_ids.shape[1], s.max_new_tokens)
-            self._check_positions(s.attention_mask, s.max_new_tokens)
+        input_ids, s = self._resolved_call(device, input_ids, attention_mask, generator, hf_kwargs,
+                                           max_new_tokens=max_new_tokens, max_length=max_length,
+                                           min_new_tokens=min_new_tokens, min_length=min_length, do_sample=do_sample,
+                                           temperature=temperature, top_k=top_k, top_p=top_p,
+                                           repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
+                                           pad_token_id=pad_token_id)
         attention_mask = s.attention_mask
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
@@ -302,51 +284,27 @@ class HybridEngine:
         self._refresh_weights()
         start = time.perf_counter()
         model = self.inference_weights.model
-        hf_model = unwrap_peft(model)
-        batch_size, prompt_len = input_ids.shape
-
+        batch_size = input_ids.shape[0]
         sync_group = dist.group.WORLD if self.inference_weights.forward_has_collectives and _world_size() > 1 \
             else None
-        own_generator = generator
+        own_generator, group_batch = generator, None
         if self.tp is not None:
-            if not s.do_sample:  # greedy ignores them (HF-style callers may pass None)
-                s = dataclasses.replace(s, temperature=1.0, top_k=0, top_p=1.0)
-            check_same_in_group(self.tp, device, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
-                                do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                pad_token_id=s.pad_token_id, return_logprobs=return_logprobs,
-                                repetition_penalty=s.repetition_penalty,
-                                eos_token_ids=hash(tuple(sorted(s.eos_list))) % 2**52)  # ints hash alike everywhere
-            group_batch = gather_prompts(input_ids, attention_mask, s.pad_token_id, self.tp)
+            s, group_batch, generator = self._group_call(s, input_ids, generator, return_logprobs, device)
             input_ids, attention_mask = group_batch.input_ids, group_batch.attention_mask
-            batch_size, prompt_len = input_ids.shape
-            if s.do_sample:
-                generator = shared_generator(generator, default_generator(torch.device(device)), device, self.tp)
             sync_group = self.tp.group  # the group's ranks decode in lock-step: they stop together
-        max_new_tokens = s.max_new_tokens
         sampling = dict(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         eos_token_id=s.eos_list or None, pad_token_id=s.pad_token_id, min_new_tokens=s.min_new_tokens,
                         generator=generator, early_exit_interval=self.early_exit_interval,
                         repetition_penalty=s.repetition_penalty,
                         one_pass_sampling=self.decode_attention == "triton",  # dschat's Triton decode kernels
                         # the group's prompts are padded to the longest: where each row's own prompt begins
-                        prompt_start=group_batch.prompt_start if self.tp is not None else None)
+                        prompt_start=group_batch.prompt_start if group_batch is not None else None)
         was_training = model.training
         model.eval()  # no dropout while sampling, even if the caller skipped eval()
         try:
-            with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention), self._fused_projections(), \
-                    without_training_forward_hooks(self._engine):
-                result = None
-                if self._graphs_usable(device):
-                    result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,
-                                                         max_new_tokens, dtype=hf_model.dtype,
-                                                         return_logprobs=return_logprobs, **sampling)
-                if result is None:
-                    cache = self.kv_cache.acquire(batch_size, prompt_len + max_new_tokens, hf_model.dtype, device)
-                    result = generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens,
-                                             sync_group=sync_group, return_lengths=True,
-                                             return_logprobs=return_logprobs,
-                                             token_sync=self.tp.share_tokens if self.tp else None, **sampling)
-            if self.tp is not None:
+            result = self._decode(model, input_ids, attention_mask, s.max_new_tokens, device, sync_group,
+                                  return_logprobs, sampling)
+            if group_batch is not None:
                 result = group_batch.own_rows(result)
                 batch_size = group_batch.rows
                 if s.do_sample and self.tp.is_leader:  # the leader's generator moves on as the shared one did
@@ -362,6 +320,64 @@ class HybridEngine:
         self._iteration.generated_tokens += tokens
         self._iteration.samples += batch_size
         return (result.sequences, result.logprobs) if return_logprobs else result.sequences
+
+    def _resolved_call(self, device, input_ids, attention_mask, generator, hf_kwargs, **settings):
+        """(the prompts on ``device``, the call's settings resolved as HF's ``generate`` resolves them), or an error,
+        before the engine's state changes; on every rank that generates with this one, since a refusal on one rank
+        alone would leave the others waiting in the weight gather or the group."""
+        with self._failing_together(device):
+            if input_ids is None:  # HF's name for the prompts (``generate(inputs=...)``)
+                input_ids = hf_kwargs.pop("inputs", None)
+            if input_ids is None:
+                raise ValueError("generate needs the prompts: input_ids (or inputs), a LEFT-padded (B, P) tensor")
+            # HF's generation_config argument (TRL passes one): its settings over the model's, the call's over both
+            generation_config = self._generation_config(hf_kwargs.pop("generation_config", None))
+            check_hf_kwargs(hf_kwargs)
+            self.check_generation_config(hf_kwargs, generation_config)
+            if generator is not None and generator.device.type != torch.device(device).type:
+                raise ValueError(f"the sampling generator is on {generator.device} but generation runs on {device}; "
+                                 f"create it with torch.Generator(device={str(device)!r})")
+            input_ids = input_ids.to(device)
+            s = resolve_settings(input_ids, attention_mask, generation_config, default_eos=self.eos_token_id,
+                                 default_pad=self.pad_token_id, max_positions=self._max_positions(), **settings)
+            # this rank's prompt: a tensor-parallel group's prompts, padded to its longest, then fit as well
+            self._check_fits(input_ids.shape[1], s.max_new_tokens)
+            self._check_positions(s.attention_mask, s.max_new_tokens)
+        return input_ids, s
+
+    def _group_call(self, s, input_ids, generator, return_logprobs, device):
+        """A tensor-parallel group generates as one: (its settings, checked alike on every rank; the group's prompts,
+        gathered; the sampling generator the group shares)."""
+        if not s.do_sample:  # greedy ignores them (HF-style callers may pass None)
+            s = dataclasses.replace(s, temperature=1.0, top_k=0, top_p=1.0)
+        check_same_in_group(self.tp, device, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
+                            do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                            pad_token_id=s.pad_token_id, return_logprobs=return_logprobs,
+                            repetition_penalty=s.repetition_penalty,
+                            eos_token_ids=hash(tuple(sorted(s.eos_list))) % 2**52)  # ints hash alike everywhere
+        group_batch = gather_prompts(input_ids, s.attention_mask, s.pad_token_id, self.tp)
+        if s.do_sample:
+            generator = shared_generator(generator, default_generator(torch.device(device)), device, self.tp)
+        return s, group_batch, generator
+
+    def _decode(self, model, input_ids, attention_mask, max_new_tokens, device, sync_group, return_logprobs,
+                sampling):
+        """The decode loop over the inference weights: the captured graph step where it can run, else the eager
+        loop over the engine's KV cache."""
+        hf_model = unwrap_peft(model)
+        with torch_linear(), decode_attention_kernel(hf_model, self.decode_attention), self._fused_projections(), \
+                without_training_forward_hooks(self._engine):
+            if self._graphs_usable(device):
+                result = self.graph_decoder.generate(self.inference_weights, input_ids, attention_mask,
+                                                     max_new_tokens, dtype=hf_model.dtype,
+                                                     return_logprobs=return_logprobs, **sampling)
+                if result is not None:
+                    return result
+            batch_size, prompt_len = input_ids.shape
+            cache = self.kv_cache.acquire(batch_size, prompt_len + max_new_tokens, hf_model.dtype, device)
+            return generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, sync_group=sync_group,
+                                   return_lengths=True, return_logprobs=return_logprobs,
+                                   token_sync=self.tp.share_tokens if self.tp else None, **sampling)
 
     @contextlib.contextmanager
     def _failing_together(self, device):
