@@ -603,7 +603,22 @@ def _changed_flags(args, actions):
 def step3_parser():
     p = new_parser("Step 3: PPO (RLHF) of the SFT actor against the reward model.")
     add_data_args(p)
-    g = p.add_argument_group("models")
+    _add_step3_models_args(p.add_argument_group("models"))
+    _add_step3_unsupervised_mixing_args(p.add_argument_group("unsupervised mixing"))
+    _add_step3_batching_args(p.add_argument_group("batching and lengths"))
+    _add_step3_optimization_args(p.add_argument_group("optimization"))
+    _add_step3_generation_args(p.add_argument_group("generation"))
+    # every flag of this group but the switch is read by the hybrid engine only
+    _add_step3_hybrid_engine_args(p.add_argument_group(HYBRID_ENGINE_GROUP))
+    _add_step3_deepspeed_args(p.add_argument_group("deepspeed"))
+    _add_step3_lora_args(p.add_argument_group("lora"))
+    _add_step3_ppo_args(p.add_argument_group("PPO"))
+    _add_step3_critic_free_args(p.add_argument_group("critic-free estimators and reward functions"))
+    _add_step3_outputs_args(p.add_argument_group("outputs and logging"))
+    return p
+
+
+def _add_step3_models_args(g):
     g.add_argument("--actor_model_name_or_path", type=str, default="output/step1_sft",
                    help="The actor to train: step 1's output folder, a model folder or a hub name.")
     g.add_argument("--critic_model_name_or_path", type=str, default="output/step2_rm",
@@ -611,7 +626,9 @@ def step3_parser():
     g.add_argument("--reward_model_name_or_path", type=str, default=None,
                    help="Reward model (default: the critic's path, as DeepSpeed-Chat does).")
     add_tokenizer_args(g)
-    g = p.add_argument_group("unsupervised mixing")
+
+
+def _add_step3_unsupervised_mixing_args(g):
     g.add_argument("--unsupervised_dataset_name", type=str, default=None,
                    help="Pretraining text mixed into the actor's training (DeepSpeed-Chat's PTX): a hub dataset, a "
                         "save_to_disk folder, a .txt/.jsonl/.json file or tiny.")
@@ -621,7 +638,9 @@ def step3_parser():
                    help="Weight of the pretraining loss in the actor's step.")
     g.add_argument("--preprocessing_num_workers", type=int, default=None,
                    help="Processes that tokenize and group the unsupervised data (datasets' num_proc).")
-    g = p.add_argument_group("batching and lengths")
+
+
+def _add_step3_batching_args(g):
     # The second names are DeepSpeed-Chat's first ones (renamed in 2023), still in many walk-throughs.
     g.add_argument("--per_device_generation_batch_size", "--per_device_train_batch_size", type=positive_int,
                    default=16,
@@ -643,7 +662,9 @@ def step3_parser():
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
                    help="Micro-batches per optimizer step.")
     g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N PPO iterations (0: no limit).")
-    g = p.add_argument_group("optimization")
+
+
+def _add_step3_optimization_args(g):
     g.add_argument("--actor_learning_rate", type=non_negative_float, default=9.65e-6,
                    help="Peak learning rate of the actor.")
     g.add_argument("--critic_learning_rate", type=non_negative_float, default=5e-6,
@@ -656,7 +677,9 @@ def step3_parser():
     g.add_argument("--seed", type=int, default=1234,
                    help="Seed of the data order, the data shares and the model's random initialisations.")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
-    g = p.add_argument_group("generation")
+
+
+def _add_step3_generation_args(g):
     g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature of the rollouts.")
     g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
     g.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling of the rollouts (1: off).")
@@ -664,7 +687,9 @@ def step3_parser():
     g.add_argument("--repetition_penalty", type=float, default=1.0,
                    help="HF's repetition penalty of the rollouts (1: off, whatever the actor's generation_config "
                         "asks; > 0). The log-probs PPO trains on do not include it, as in OpenRLHF.")
-    g = p.add_argument_group(HYBRID_ENGINE_GROUP)  # every flag of it but the switch is read by the hybrid engine only
+
+
+def _add_step3_hybrid_engine_args(g):
     g.add_argument("--enable_hybrid_engine", action=argparse.BooleanOptionalAction, default=False,
                    help="Generate the rollouts with dschat's hybrid engine (KV cache, CUDA graphs, Triton kernels) "
                         "instead of HF generate (train.py gives it; --no-enable_hybrid_engine there: HF generate).")
@@ -697,7 +722,9 @@ def step3_parser():
                    help="While generating, run the linears that read the same input (q/k/v; gate/up up to 64 MB) as "
                         "one GEMM (auto: on CUDA; on: also on the CPU). Costs a copy of those weights; "
                         "measurements in docs/benchmarks.md.")
-    g = p.add_argument_group("deepspeed")
+
+
+def _add_step3_deepspeed_args(g):
     g.add_argument("--offload", action="store_true",
                    help="ZeRO-Offload of the trained models' optimizer states (and parameters at ZeRO-3) to the CPU.")
     g.add_argument("--offload_reference_model", action="store_true",
@@ -736,7 +763,9 @@ def step3_parser():
                         "(the actor's step follows the language-model micro-step, not aligned).")
     add_zero_tuning_args(g)
     add_deepspeed_config_args(g)
-    g = p.add_argument_group("lora")
+
+
+def _add_step3_lora_args(g):
     g.add_argument("--actor_lora_dim", type=non_negative_int, default=0, help="LoRA rank of the actor (0: no LoRA).")
     g.add_argument("--actor_lora_module_name", type=str, default="",
                    help="Adapt the actor's Linear modules whose path contains this (empty: all but output heads).")
@@ -748,7 +777,9 @@ def step3_parser():
                    help="Learning rate of the actor's LoRA adapters.")
     g.add_argument("--critic_lora_learning_rate", type=non_negative_float, default=5e-4,
                    help="Learning rate of the critic's LoRA adapters.")
-    g = p.add_argument_group("PPO")
+
+
+def _add_step3_ppo_args(g):
     g.add_argument("--padded_forwards", action="store_true",
                    help="Run the experience and training forwards over the left-padded rows with an attention mask, "
                         "as DeepSpeed-Chat does. Default: each row shifted to start at column 0, so the forwards need "
@@ -792,7 +823,9 @@ def step3_parser():
                    help="global_token_mean: average over all response tokens of the global batch.")
     g.add_argument("--logprob_chunk_size", type=positive_int, default=1024,
                    help="Sequence chunk for log-probs, so full fp32 logits are never materialised.")
-    g = p.add_argument_group("critic-free estimators and reward functions")
+
+
+def _add_step3_critic_free_args(g):
     g.add_argument("--advantage_estimator", type=str, default="gae", choices=["gae", "grpo", "rloo", "reinforce_pp"],
                    help="gae: PPO with a critic (DeepSpeed-Chat); the others build no critic.")
     g.add_argument("--n_samples_per_prompt", type=positive_int, default=1,
@@ -806,7 +839,9 @@ def step3_parser():
     g.add_argument("--reward_fn_weight", type=float, default=1.0, help="Weight of --reward_fn's score in the reward.")
     g.add_argument("--reward_model_weight", type=float, default=1.0,
                    help="Weight of the reward model's score; 0 builds no reward model (reward function only).")
-    g = p.add_argument_group("outputs and logging")
+
+
+def _add_step3_outputs_args(g):
     g.add_argument("--output_dir", type=str, default="output/step3_ppo",
                    help="Where the actor (and critic, EMA actor, logs) are saved.")
     g.add_argument("--enable_ema", action="store_true",
@@ -831,4 +866,3 @@ def step3_parser():
                         "--per_device_generation_batch_size x the number of ranks (0: all).")
     g.add_argument("--eval_max_new_tokens", type=positive_int, default=None,
                    help="Greedy answer length of the held-out evaluation (default: --max_answer_seq_len).")
-    return p
