@@ -491,7 +491,7 @@ def run_step(main, argv, step, steps, plan):
 
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
-    from dschat.report import summary_lines, write_report, write_unfinished_report
+    from dschat.report import write_unfinished_report
     from dschat.args import step1_parser, step2_dpo_parser, step2_parser, step3_parser
     from dschat.steps import dpo, ppo, reward, sft
 
@@ -511,22 +511,39 @@ def run_pipeline(args):
                3: (ppo.main, "step3", step3_parser)}
     if recipe == "dpo":
         parsers[2] = (dpo.main, DPO_DIR, step2_dpo_parser)
-    timings = {}
     steps, not_run = recipe_steps(recipe, args.step)
-    for note in not_run:
-        print_rank_0(f"not run: {note}")
-    for step in (1, 2, 3):  # flags for a step this run leaves out change nothing: said, not silently dropped
-        given = getattr(args, f"step{step}_args", "")
-        if given and step not in steps:
-            print_rank_0(f"--step{step}-args {given!r}: ignored, step {step} is not run (--step, --recipe)")
+    say_left_out_steps(args, steps, not_run)
     parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
     check_writable_folder(args.output_dir, "--output-dir")
     plan = resume_plan(steps, args, parsed, tiny)
+    ready = ready_reward_model(args)
+    say_recipe_notes(args, recipe, steps, tiny, ready)
+    if is_rank_0():
+        write_unfinished_report(args.output_dir, recipe, steps, ready)
+    timings = run_steps(args, steps, plan, parsers, tiny)
+    embedded_data = tiny and args.data_path in (None, [], ["tiny"])  # the rule scorer knows only the embedded data
+    rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
+    if not is_rank_0():
+        return None
+    return final_report(args, recipe, steps, plan, parsers, timings, tiny, ready, rule_scores)
+
+
+def say_left_out_steps(args, steps, not_run):
+    """What the recipe and --step leave out, and --stepN-args given for a step not run: said, not silently dropped."""
+    for note in not_run:
+        print_rank_0(f"not run: {note}")
+    for step in (1, 2, 3):
+        given = getattr(args, f"step{step}_args", "")
+        if given and step not in steps:
+            print_rank_0(f"--step{step}-args {given!r}: ignored, step {step} is not run (--step, --recipe)")
+
+
+def say_recipe_notes(args, recipe, steps, tiny, ready):
+    """What a tiny run's recipe does to the user's data, and where step 3's reward model comes from."""
     if tiny and args.data_path and args.data_path != ["tiny"]:
         print_rank_0("tiny run: the tiny recipe (TINY_RECIPE in dschat/pipeline.py: --data_split 4,4,2, fp32, its "
                      "batch sizes and learning rates) applies to your --data-path too; --stepN-args flags replace its "
                      "values (e.g. --step3-args \"--per_device_generation_batch_size 4\" for few prompts)")
-    ready = ready_reward_model(args)
     if ready:
         print_rank_0(f"--reward-model {ready} is a trained reward model: step 3 scores with it" +
                      (" (GRPO: instead of --reward_fn)" if recipe == "grpo" else
@@ -534,8 +551,11 @@ def run_pipeline(args):
     if tiny and 2 in steps and recipe == "ppo" and not reward_model_from_sft(args, tiny) and not ready:
         print_rank_0(f"tiny run: step 2 trains --reward-model {args.reward_model} from its own start (without "
                      "--reward-model, as the actor's preset, it starts from the SFT model: docs/tiny_default.md)")
-    if is_rank_0():
-        write_unfinished_report(args.output_dir, recipe, steps, ready)
+
+
+def run_steps(args, steps, plan, parsers, tiny):
+    """Each step of the plan not skipped, in order (resumed where the plan says); returns {step name: seconds}."""
+    timings = {}
     for step in steps:
         main, name, _ = parsers[step]
         if plan[step].action == SKIP:
@@ -546,10 +566,13 @@ def run_pipeline(args):
         metrics = run_step(main, argv, step, steps, plan)
         # a resumed step's own clock counts its interrupted run's time too (up to the checkpoint it resumed from)
         timings[name] = metrics["seconds"] if plan[step].action == RESUME and metrics else time.time() - started
-    embedded_data = tiny and args.data_path in (None, [], ["tiny"])  # the rule scorer knows only the embedded data
-    rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
-    if not is_rank_0():
-        return None
+    return timings
+
+
+def final_report(args, recipe, steps, plan, parsers, timings, tiny, ready, rule_scores):
+    """Rank 0: the run's report written and its summary printed; returns the report dict."""
+    from dschat.report import summary_lines, write_report
+
     skipped = [parsers[step][1] for step in steps if plan[step].action == SKIP]  # (finished, so this run's)
     resumed = [parsers[step][1] for step in steps if plan[step].action == RESUME]
     # the steps that trained now leave the later steps' folders an older output's; a skipped step's output is the
