@@ -3,6 +3,7 @@ losses of the uninterrupted one, on one rank and on two with ZeRO-3."""
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -1018,3 +1019,31 @@ def test_a_zero3_optimizer_no_step_has_updated_fails_conversion_saying_why(tmp_p
     assert "DeepSpeed converts an optimizer only once a step has updated it" in str(raised.value)
     assert "resume on 2 rank(s)" in str(raised.value)
     assert not [p.name for p in (tmp_path / "model").iterdir() if "universal" in p.name]
+
+
+def test_a_conversion_is_said_when_it_starts_and_with_its_seconds(tmp_path, distributed, capsys):
+    """Rank 0's conversion for another number of ranks took 48 s for an OPT-350m-shaped model's ZeRO-3 states on a
+    CPU machine (README), and grows with the states, in silence: nothing was said before the resume's line after
+    it. It is said when it starts and when it is made, with its seconds; a copy a later resume reuses says nothing."""
+    import deepspeed
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dschat.utils import checkpoints
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    ids = torch.arange(8)[None]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "model"), tag="step_0000002")
+    capsys.readouterr()
+    assert checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2) == ("step_0000002_universal", True)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--resume:")]
+    assert said[0] == ("--resume: converting model/step_0000002 (saved by 2 rank(s)) into DeepSpeed's universal copy "
+                       "model/step_0000002_universal for 1 rank(s) (ds_to_universal, once; the other ranks wait)")
+    assert re.fullmatch(r"--resume: model/step_0000002_universal made in \d+ s", said[1]), said
+    assert len(said) == 2
+    assert checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2) == ("step_0000002_universal", False)
+    assert "--resume:" not in capsys.readouterr().out

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -400,7 +401,8 @@ def universal_copy(root, part, tag, saved):
     now). Rank 0; made once by DeepSpeed's ``ds_to_universal`` into ``<tag>_universal.partial`` and renamed into place
     when complete, so a conversion killed part-way is made again, never loaded; a complete one is reused by a later
     resume. Removed with its tag (``_prune``), and by a new save of the same tag. A conversion DeepSpeed fails is a
-    UsageError naming its error."""
+    UsageError naming its error. Said when it starts, and with its seconds when done: it grows with the states' size
+    (an OPT-350m-shaped model's took 19-48 s on a CPU machine, README), time the run otherwise spent in silence."""
     from deepspeed.checkpoint import ds_to_universal
 
     folder = os.path.join(root, part)
@@ -417,6 +419,10 @@ def universal_copy(root, part, tag, saved):
     # the defaults are theirs)
     options = argparse.Namespace(input_folder=os.path.join(folder, tag), output_folder=made, num_extract_workers=1,
                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    print_rank_0(f"--resume: converting {part}/{tag} (saved by {saved} rank(s)) into DeepSpeed's universal copy "
+                 f"{part}/{universal_tag(tag)} for {get_world_size()} rank(s) (ds_to_universal, once; the other "
+                 "ranks wait)")
+    started = time.time()
     said = io.StringIO()
     try:
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
@@ -429,6 +435,7 @@ def universal_copy(root, part, tag, saved):
                          f"resume on {saved} rank(s)") from error
     os.rename(made, final)
     shutil.rmtree(scratch)
+    print_rank_0(f"--resume: {part}/{universal_tag(tag)} made in {time.time() - started:.0f} s")
     return universal_tag(tag), True
 
 
