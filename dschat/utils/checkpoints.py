@@ -402,7 +402,7 @@ def universal_copy(root, part, tag, saved):
     when complete, so a conversion killed part-way is made again, never loaded; a complete one is reused by a later
     resume. Removed with its tag (``_prune``), and by a new save of the same tag. A conversion DeepSpeed fails is a
     UsageError naming its error. Said when it starts, and with its seconds when done: it grows with the states' size
-    (an OPT-350m-shaped model's took 19-48 s on a CPU machine, README), time the run otherwise spent in silence."""
+    (an OPT-350m-shaped model's took 19-53 s on a CPU machine: docs/rank_change_resume.md), time the run otherwise spent in silence."""
     from deepspeed.checkpoint import ds_to_universal
 
     folder = os.path.join(root, part)
