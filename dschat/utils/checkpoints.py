@@ -363,9 +363,9 @@ def follow_this_runs_schedule(engine):
 @contextlib.contextmanager
 def loading_checkpoint(engine, plan, part):
     """Around ``engine.load_checkpoint`` of ``plan``'s ``part``, what DeepSpeed's load would otherwise take from the
-    checkpoint's run instead of this one: after a universal load, the parameter groups' settings put back (``restore_param_group_settings``); after any load, the learning rates of this run's schedule
-    at the restored position (``follow_this_runs_schedule``) and this run's gradient clipping
-    (``keep_this_runs_clipping``)."""
+    checkpoint's run instead of this one: after a universal load, the parameter groups' settings put back
+    (``restore_param_group_settings``); after any load, the learning rates of this run's schedule at the restored
+    position (``follow_this_runs_schedule``) and this run's gradient clipping (``keep_this_runs_clipping``)."""
     groups = param_group_settings(engine) if part in plan.universal else None
     clipping = getattr(getattr(engine, "optimizer", None), "clip_grad", None)
     yield
@@ -402,7 +402,8 @@ def universal_copy(root, part, tag, saved):
     when complete, so a conversion killed part-way is made again, never loaded; a complete one is reused by a later
     resume. Removed with its tag (``_prune``), and by a new save of the same tag. A conversion DeepSpeed fails is a
     UsageError naming its error. Said when it starts, and with its seconds when done: it grows with the states' size
-    (an OPT-350m-shaped model's took 19-53 s on a CPU machine: docs/rank_change_resume.md), time the run otherwise spent in silence."""
+    (an OPT-350m-shaped model's took 19-53 s on a CPU machine: docs/rank_change_resume.md), time the run otherwise
+    spent in silence."""
     from deepspeed.checkpoint import ds_to_universal
 
     folder = os.path.join(root, part)
