@@ -1015,3 +1015,38 @@ def test_dropout_zero_turns_off_every_dropout_module_of_families_with_their_own_
     active = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout) and module.p > 0]
     assert active == []
     assert config_dropouts(config) == {}
+
+
+def tiny_mpt_config(attn_pdrop):
+    """A tiny MPT config whose attention dropout, nested as attn_config.attn_pdrop, is ``attn_pdrop``. This
+    transformers types the field as an int and refuses a fraction, which earlier ones took: set past its check."""
+    from transformers import MptConfig
+
+    config = MptConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=64)
+    object.__setattr__(config.attn_config, "attn_pdrop", attn_pdrop)
+    return config
+
+
+def test_dropout_zero_turns_off_mpt_attention_dropout_nested_in_its_attn_config():
+    """--dropout 0.0 / --actor_dropout 0.0 left MPT's attn_config.attn_pdrop (its attention, MLP and residual
+    dropout) as the config had it, and step 3's note of a config dropout in training did not see it."""
+    from dschat.models.loading import config_dropouts, configure_dropout
+
+    config = tiny_mpt_config(0.1)
+    assert config_dropouts(config) == {"attn_config.attn_pdrop": 0.1}
+    model = AutoModelForCausalLM.from_config(configure_dropout(config, 0.0))
+    assert config.attn_config.attn_pdrop == 0
+    active = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout) and module.p > 0]
+    assert active == []
+    assert [module.attn_dropout_p for module in model.modules() if hasattr(module, "attn_dropout_p")] == [0, 0]
+    assert config_dropouts(config) == {}
+
+
+def test_a_fraction_of_dropout_leaves_mpt_int_typed_attention_dropout_with_a_warning(capsys):
+    """This transformers' MptAttentionConfig takes an int attn_pdrop only: --dropout 0.1 sets MPT's other dropouts and
+    says it leaves that one, instead of failing in the config's type check."""
+    from dschat.models.loading import config_dropouts, configure_dropout
+
+    config = configure_dropout(tiny_mpt_config(0), 0.1)
+    assert config_dropouts(config) == {"resid_pdrop": 0.1, "emb_pdrop": 0.1}
+    assert "warning: dropout 0.1 leaves MptAttentionConfig's attn_pdrop at 0" in capsys.readouterr().out

@@ -4,7 +4,7 @@ import difflib
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from dschat.errors import MissingInputError, UsageError
 
@@ -329,19 +329,50 @@ def _warn_eot_unused(name_or_path, eos_token, add_eot_token, eot_token):
 
 
 def configure_dropout(config, dropout):
-    """Set every dropout probability the config has (names differ between model families)."""
+    """Set every dropout probability the config has (names differ between model families), in its sub-configs too
+    (MPT's attention dropout is ``attn_config.attn_pdrop``)."""
     if dropout is None:
         return config
-    for field in DROPOUT_FIELDS:
-        if hasattr(config, field):
-            setattr(config, field, dropout)
+    for owner, field, _ in dropout_fields(config):
+        set_dropout_field(owner, field, dropout)
     return config
 
 
+def dropout_fields(config, prefix=""):
+    """(config or sub-config, field name, dotted name) for every ``DROPOUT_FIELDS`` field of ``config`` and of the
+    configs nested in it (transformers' ``sub_configs``: MPT's ``attn_config``, a multimodal model's
+    ``text_config``)."""
+    found = [(config, field, prefix + field) for field in DROPOUT_FIELDS if hasattr(config, field)]
+    for name, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            found += dropout_fields(value, f"{prefix}{name}.")
+    return found
+
+
+def set_dropout_field(config, field, dropout):
+    """``config.field = dropout``; a field that transformers types as an int (MPT's ``attn_config.attn_pdrop``, whose
+    strict config refuses 0.0 and would not load a saved 0.1) takes a whole ``dropout`` as an int, and keeps its value
+    otherwise, with a warning."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        setattr(config, field, dropout)
+    except StrictDataclassError:
+        if float(dropout).is_integer():
+            setattr(config, field, int(dropout))
+            return
+        from dschat.utils.dist import print_rank_0
+
+        print_rank_0(f"warning: dropout {dropout} leaves {type(config).__name__}'s {field} at "
+                     f"{getattr(config, field)}: transformers types it as an int (a config saved with a fraction there "
+                     "would not load)")
+
+
 def config_dropouts(config):
-    """The dropout probabilities above zero that ``config`` sets, by field name (``configure_dropout``'s fields)."""
-    values = {field: getattr(config, field, None) for field in DROPOUT_FIELDS}
-    return {field: value for field, value in values.items()
+    """The dropout probabilities above zero that ``config`` sets, by field name (``configure_dropout``'s fields; a
+    sub-config's by dotted name, "attn_config.attn_pdrop")."""
+    values = {name: getattr(owner, field, None) for owner, field, name in dropout_fields(config)}
+    return {name: value for name, value in values.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0}
 
 
