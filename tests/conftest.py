@@ -71,3 +71,20 @@ def tokenizer():
     from dschat.tiny import load_tiny_tokenizer
 
     return load_tiny_tokenizer()
+
+
+@pytest.fixture
+def reachable_hub(monkeypatch):
+    """The hub client online (HF_HUB_OFFLINE unset, the tests' 1 undone) and the hub answering dschat's one short
+    request (``hub_probe_failure``); nothing else of the hub's is mocked."""
+    from types import SimpleNamespace
+
+    from huggingface_hub import constants
+
+    from dschat.models.loading import hub_probe_failure
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.utils.get_session", lambda: SimpleNamespace(head=lambda url, **kw: None))
+    hub_probe_failure.cache_clear()
+    yield
+    hub_probe_failure.cache_clear()

@@ -1050,3 +1050,53 @@ def test_a_fraction_of_dropout_leaves_mpt_int_typed_attention_dropout_with_a_war
     config = configure_dropout(tiny_mpt_config(0), 0.1)
     assert config_dropouts(config) == {"resid_pdrop": 0.1, "emb_pdrop": 0.1}
     assert "warning: dropout 0.1 leaves MptAttentionConfig's attn_pdrop at 0" in capsys.readouterr().out
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """The hub client online (HF_HUB_OFFLINE unset) with no network: each request fails at once, counted."""
+    from huggingface_hub import constants
+
+    from dschat.models.loading import hub_probe_failure
+
+    requests = []
+
+    class NoNetwork:
+        def head(self, url, **kwargs):
+            requests.append(url)
+            raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.utils.get_session", NoNetwork)
+    hub_probe_failure.cache_clear()
+    yield requests
+    hub_probe_failure.cache_clear()
+
+
+def test_a_hub_name_not_in_the_cache_fails_at_once_when_the_hub_cannot_be_reached(unreachable_hub, hub_cache):
+    """train.py --actor-model facebook/opt-1.3bb (a typo) with no network and HF_HUB_OFFLINE unset waited 86 s
+    through the hub client's retries (half a minute per file looked up) before its error."""
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import check_model_path
+
+    hub_cache("acme/cached-lm", GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained)
+    check_model_path("acme/cached-lm", "--actor-model")  # (from the cache: the hub not asked)
+    assert unreachable_hub == []
+    for _ in range(2):
+        with pytest.raises(MissingInputError, match=r"--actor-model acme/opt-1\.3bb: no such folder here, nor a model "
+                                                    r"of that name in the Hugging Face hub cache, and the hub cannot "
+                                                    r"be reached \(\[Errno -2\] Name or service not known\): "
+                                                    r"check the name or path, or the network \(HF_HUB_OFFLINE=1"):
+            check_model_path("acme/opt-1.3bb", "--actor-model")
+    from huggingface_hub import constants
+
+    assert unreachable_hub == [constants.ENDPOINT]  # one decision per process
+
+
+def test_a_hub_name_not_in_the_cache_fails_at_once_offline(hub_cache):
+    """HF_HUB_OFFLINE=1 (the tests' setting): the name and the flag said before anything loads."""
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import check_model_path
+
+    with pytest.raises(MissingInputError, match=r"--model_name_or_path acme/opt-1\.3bb: .*HF_HUB_OFFLINE is set"):
+        check_model_path("acme/opt-1.3bb", "--model_name_or_path")

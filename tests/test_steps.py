@@ -628,8 +628,9 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
         shutil.rmtree(out / "step2_rm")
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                              str(out / "step1_sft")))
-    with pytest.raises(MissingInputError, match=r"--reward-model Skywork/Reward-8B is no folder here, and no hub "
-                                                r"reward model by its config.json \(TRL's"):
+    # (a hub name not in the hub cache, offline: said before anything runs, not looked up)
+    with pytest.raises(MissingInputError, match=r"--reward-model Skywork/Reward-8B: no such folder here, nor a model "
+                                                r"of that name in the Hugging Face hub cache, and HF_HUB_OFFLINE"):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                              "Skywork/Reward-8B"))
 
@@ -711,11 +712,15 @@ def test_train_py_grpo_is_rewarded_by_a_trained_reward_model_and_dpo_refuses_one
                                                  num_labels=1)).save_pretrained(folder)
 
     hub_cache("acme/bert-rm", save_encoder_classifier)
-    for name in ("acme/grpo-lm", "acme/bert-rm", "acme/nothing"):
+    for name in ("acme/grpo-lm", "acme/bert-rm"):
         with pytest.raises(UsageError, match=f"--reward-model {name} is no folder here, and no hub reward model by its "
                                              "config.json .*--recipe grpo has no step 2"):
             pipeline.run_pipeline(_train_py_args("--recipe", "grpo", "--reward-model", name,
                                                  "--output-dir", str(tmp_path / "grpo2")))
+    with pytest.raises(UsageError, match="--reward-model acme/nothing: no such folder here, nor a model of that name "
+                                         "in the Hugging Face hub cache"):  # (offline: not looked up)
+        pipeline.run_pipeline(_train_py_args("--recipe", "grpo", "--reward-model", "acme/nothing",
+                                             "--output-dir", str(tmp_path / "grpo2")))
 
 
 def test_train_py_step_args_take_a_single_flag_and_bad_quoting_is_a_usage_error(tmp_path, distributed):

@@ -68,12 +68,13 @@ def test_run_folder_resolves_to_the_reported_policy_else_actor_dpo_sft(models, t
     assert find_policy_path(models["policy"]) == models["policy"]
 
 
-def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(models, tmp_path, monkeypatch):
+def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(models, tmp_path, monkeypatch,
+                                                                               reachable_hub):
     with pytest.raises(FileNotFoundError, match="no model in this folder"):
         find_policy_path(str(tmp_path))  # e.g. train.py's output folder before any step wrote a model
     with pytest.raises(FileNotFoundError, match="no such folder"):
         find_policy_path(str(tmp_path / "not_there"))
-    assert find_policy_path("facebook/opt-1.3b") == "facebook/opt-1.3b", "hub names pass through"
+    assert find_policy_path("facebook/opt-1.3b") == "facebook/opt-1.3b", "hub names pass through (the hub answers)"
     for typo in ("outptu/step1_sft", "step3_ppo/actor"):  # through a step's folder: a run's, never a hub name
         with pytest.raises(FileNotFoundError, match=f"{typo}: no such folder"):
             find_policy_path(typo)
@@ -203,7 +204,7 @@ def test_the_report_leaves_out_later_steps_an_earlier_run_made_from_a_step_run_a
     assert itself["rm_accuracy"] == 0.9 and itself["not_reported"] == []
 
 
-def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
+def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models, reachable_hub):
     from dschat.tools.common import load_scoring_reward_model
 
     tokenizer = load_tokenizer(models["policy"])
@@ -217,7 +218,7 @@ def test_scoring_with_a_folder_that_is_not_a_reward_model_is_an_error(models):
     # a path that is no folder: said at once (was a minute of hub retries, or "not a reward model")
     with pytest.raises(FileNotFoundError, match="output/step2_rm: no such folder"):
         find_reward_model_path("output/step2_rm")
-    assert find_reward_model_path("acme/rm") == "acme/rm", "a hub name is loaded as one"
+    assert find_reward_model_path("acme/rm") == "acme/rm", "a hub name is loaded as one (the hub answers)"
     assert find_reward_model_path(models["rm"]) == models["rm"]
 
 
@@ -441,7 +442,7 @@ def test_prompt_eval_prints_both_models_answers(models, capsys, tmp_path):
     assert "rule_scores" not in result  # not the tiny data
 
 
-def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monkeypatch):
+def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monkeypatch, reachable_hub):
     # Stand-in models that answer with the data's chosen (finetune) or rejected (baseline) answers, so the
     # rule scores are known to differ.
     def canned_answers(path, records, args):  # (given the records themselves as the prompts, below)

@@ -91,6 +91,18 @@ def test_a_mistyped_tiny_preset_given_to_a_tool_is_an_error_at_once():
     assert find_policy_path("tiny-llama") == "tiny-llama" and find_policy_path("dschat/tiny-opt") == "dschat/tiny-opt"
 
 
+def test_a_hub_name_not_in_the_cache_given_to_a_tool_offline_is_an_error_at_once():
+    """chat.py --path facebook/opt-1.3bb (a typo) with no network and HF_HUB_OFFLINE unset waited 48 s through the hub
+    client's retries; offline (HF_HUB_OFFLINE=1, the tests'), the name is said with the flag before anything loads."""
+    from dschat.tools.common import flag_path
+
+    with pytest.raises(UsageError, match=r"^--path acme/opt-1\.3bb: no such folder here, nor a model of that name in "
+                                         r"the Hugging Face hub cache, and HF_HUB_OFFLINE is set"):
+        flag_path("--path", find_policy_path, "acme/opt-1.3bb")
+    with pytest.raises(UsageError, match=r"^--reward_model acme/rm: no such folder here"):
+        flag_path("--reward_model", find_reward_model_path, "acme/rm")
+
+
 def test_ppo_eval_scores_a_moved_run_with_the_reward_model_in_its_folder(tmp_path):
     """A train.py run folder moved elsewhere (as the README allows): eval.py --policy NEW took the reward model at
     the path step 3 recorded, in the old folder, and stopped with "--reward_model OLD/step2_rm: no such folder", a

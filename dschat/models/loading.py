@@ -1,6 +1,7 @@
 """Loading tokenizers and HF causal LMs (hub names, local folders, or dschat's tiny presets)."""
 import contextlib
 import difflib
+import functools
 import os
 
 import torch
@@ -151,7 +152,7 @@ def check_model_path(name_or_path, flag):
     """A model that cannot load, as an error naming ``flag`` before anything loads: a local path (``looks_local``)
     that is not there (not transformers' "Repo id must be in the form ..." traceback from a hub lookup), a folder
     without a loadable model (``not_a_model_folder``, ``no_weights_message``, ``adapter_beside_model_message``), a
-    mistyped tiny preset."""
+    mistyped tiny preset, a hub name that cannot be fetched (``unfetchable_hub_name``)."""
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
     unloadable = os.path.isdir(name_or_path) and (not_a_model_folder(name_or_path) or no_weights_message(name_or_path)
@@ -160,6 +161,64 @@ def check_model_path(name_or_path, flag):
         raise MissingInputError(f"{flag} {unloadable}")
     if unknown := unknown_tiny_preset(name_or_path):
         raise MissingInputError(f"{flag} {unknown}")
+    if unfetchable := unfetchable_hub_name(name_or_path):
+        raise MissingInputError(f"{flag} {unfetchable}")
+
+
+HUB_PROBE_TIMEOUT_S = 5
+
+
+def unfetchable_hub_name(name_or_path):
+    """"NAME: no such folder here, nor in the hub cache, and ..." for a hub name (a mistyped one most often) that is
+    not in the hub cache while the hub cannot be reached or is not to be asked (HF_HUB_OFFLINE), else None: decided at
+    once, where the hub client retries each file it looks up for half a minute before it fails."""
+    from huggingface_hub import constants
+
+    why = hub_name_not_cached(name_or_path) and hub_unavailable()
+    if not why:
+        return None
+    advice = ("or download the model first" if constants.HF_HUB_OFFLINE else
+              "or the network (HF_HUB_OFFLINE=1 reads the hub cache without asking the hub)")
+    return (f"{name_or_path}: no such folder here, nor a model of that name in the Hugging Face hub cache, and {why}: "
+            f"check the name or path, {advice}")
+
+
+def hub_unavailable():
+    """Why no file can be fetched from the hub now (HF_HUB_OFFLINE; the hub not answering one short request), else
+    None."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set, so the hub is not asked"
+    probe_failure = hub_probe_failure(constants.ENDPOINT)
+    return f"the hub cannot be reached ({probe_failure})" if probe_failure else None
+
+
+def hub_name_not_cached(name_or_path):
+    """Whether ``name_or_path`` names a hub model (no path here, no tiny preset) whose config the hub cache lacks."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from dschat.tiny.presets import is_tiny_preset
+
+    if os.path.exists(name_or_path) or looks_local(name_or_path) or is_tiny_preset(name_or_path):
+        return False
+    try:
+        return not isinstance(try_to_load_from_cache(str(name_or_path), "config.json"), str)
+    except ValueError:  # no valid hub name either: transformers' error says so at once
+        return False
+
+
+@functools.cache
+def hub_probe_failure(endpoint):
+    """Why one short request to the hub at ``endpoint`` got no answer (any HTTP status is one), else None; asked once
+    per process, through the hub client's own session (its proxy settings)."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=HUB_PROBE_TIMEOUT_S)
+    except Exception as error:  # (the hub client's transport errors: httpx's, or requests' in older clients)
+        return str(error) or type(error).__name__
+    return None
 
 
 def unknown_tiny_preset(name_or_path):
