@@ -84,6 +84,55 @@ def test_a_generation_past_the_actors_local_window_is_refused_before_anything_lo
     check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1)  # (HF's generate)
 
 
+def _small_neo_config():
+    from transformers import GPTNeoConfig
+
+    return GPTNeoConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+                        attention_types=[[["global", "local"], 1]], window_size=12)
+
+
+@pytest.fixture
+def online_hub(monkeypatch, hub_cache, reachable_hub):
+    """The hub answering, its downloads mocked: ``hf_hub_download`` of a model the test put in ``online_hub``'s first
+    (name -> save(folder)) fills the hub cache; every download is recorded in its second."""
+    hub, downloads = {}, []
+
+    def download(repo_id, filename, **kwargs):
+        downloads.append((repo_id, filename))
+        return str(hub_cache(repo_id, hub[repo_id]) / filename)
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", download)
+    return hub, downloads
+
+
+def test_a_hub_actor_not_in_the_cache_has_its_local_window_checked_before_anything_trains(online_hub):
+    """train.py checks step 3's actor before step 1; a hub actor not in the hub cache yet (the first run of a model)
+    passed the check read from the cache alone, and step 3 refused its window after steps 1 and 2 had trained."""
+    hub, downloads = online_hub
+    hub["acme/neo"] = _small_neo_config().save_pretrained
+    settings = {"enable_hybrid_engine": True, "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
+    with pytest.raises(UsageError, match=r"the actor acme/neo attends within a local window of 12 tokens"):
+        check_step3_settings(step3_args(settings), 1, "acme/neo")
+    assert downloads == [("acme/neo", "config.json")]  # (its config alone: the weights come with step 1)
+
+
+def test_a_hub_actor_whose_config_cannot_be_fetched_is_said_to_be_unchecked(capsys, online_hub, monkeypatch):
+    """Offline (or the hub unreachable, or a gated model): the window check cannot be made before step 1, and a
+    warning says so with the flag that makes it unneeded, instead of passing in silence."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    settings = {"enable_hybrid_engine": True, "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
+    check_step3_settings(step3_args(settings), 1, "acme/neo")
+    out = capsys.readouterr().out
+    assert ("warning: the config of the actor acme/neo could not be fetched (HF_HUB_OFFLINE is set, so the hub is "
+            "not asked): it was not checked for a local attention window (GPT-Neo's)") in out
+    assert "--step3-args --no-enable_hybrid_engine (step 3's --no-enable_hybrid_engine) generates with HF's" in out
+    check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1, "acme/neo")  # (nothing to check)
+    assert "warning" not in capsys.readouterr().out
+    assert online_hub[1] == []
+
+
 def test_a_polynomial_schedule_with_a_rate_at_its_end_is_refused_before_anything_loads():
     """transformers' polynomial schedule refuses a base rate at or below its lr_end (1e-7): --actor_learning_rate 0 (the
     critic trained alone) failed with its ValueError after every model had loaded."""

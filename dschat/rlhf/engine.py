@@ -146,6 +146,32 @@ def _model_config(path, local_only):
         return None
 
 
+def _fetched_hub_config(path, checked):
+    """The config of the hub model ``path`` that is not in the hub cache yet, fetched (its config.json alone) for a
+    check of step 3's before anything trains; None where ``path`` is no such name (a folder step 1 writes later). One
+    that cannot be had (offline, the hub unreachable, a gated model) is said to leave ``checked`` unchecked: the
+    check is made again when step 3 loads the actor, after train.py's steps 1 and 2 have trained."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from dschat.models.loading import hub_name_not_cached, hub_unavailable
+
+    if not hub_name_not_cached(path):
+        return None
+    reason = hub_unavailable()
+    if reason is None:
+        try:
+            hf_hub_download(path, "config.json")  # (the weights come when step 1 or step 3 loads the model)
+            return _model_config(path, local_only=True)
+        except (OSError, ValueError, EntryNotFoundError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print_rank_0(f"warning: the config of the actor {path} could not be fetched ({reason}): it was not checked "
+                 f"{checked} before training; step 3 checks it when it loads the actor (with train.py, after steps 1 "
+                 "and 2). --step3-args --no-enable_hybrid_engine (step 3's --no-enable_hybrid_engine) generates with "
+                 "HF's generate, which needs no such check")
+    return None
+
+
 def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=True):
     """The hybrid engine's inference tensor parallelism (``hybrid_block``: the actor's merged ``hybrid_engine``
     config) checked before any weight loads: the group size divides the ranks, ZeRO-3 keeps the actor pinned, and
@@ -176,10 +202,16 @@ def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=Tr
 
 def check_local_window(args, actor_path, local_only=True):
     """A model whose local attention window bounds the hybrid engine's cache (GPT-Neo, ``longest_cache``) against the
-    longest sequence step 3 generates: refused before any weight loads, not at the first generation."""
+    longest sequence step 3 generates: refused before any weight loads, not at the first generation. A hub actor not
+    in the hub cache has its config fetched for it (``_fetched_hub_config``)."""
     from dschat.hybrid_engine.cache import longest_cache
 
-    config = _model_config(actor_path, local_only) if args.enable_hybrid_engine else None
+    if not args.enable_hybrid_engine:
+        return
+    config = _model_config(actor_path, local_only)
+    if config is None and local_only:  # (train.py, before step 1: a hub actor's config fetched now, not at step 3)
+        config = _fetched_hub_config(actor_path, "for a local attention window (GPT-Neo's), which the hybrid "
+                                                 "engine's cache cannot go past")
     window = longest_cache(config) if config is not None else None
     if window is not None and longest_sequence(args) > window:
         raise UsageError(f"the actor {actor_path} attends within a local window of {window} tokens, which the hybrid "
