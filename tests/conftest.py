@@ -88,3 +88,30 @@ def reachable_hub(monkeypatch):
     hub_probe_failure.cache_clear()
     yield
     hub_probe_failure.cache_clear()
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """The hub client online (HF_HUB_OFFLINE unset) with no network: each request fails at once, counted. The offline
+    mode dschat then turns on (``read_hub_cache_only_if_unreachable``) is undone after the test."""
+    import datasets
+    from huggingface_hub import constants
+
+    from dschat.models.loading import HUB_UNREACHABLE_ENV, hub_probe_failure
+
+    requests = []
+
+    class NoNetwork:
+        def head(self, url, **kwargs):
+            requests.append(url)
+            raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # (set, not deleted: monkeypatch undoes a later setting of a set one)
+    monkeypatch.setenv(HUB_UNREACHABLE_ENV, "")
+    monkeypatch.setattr("huggingface_hub.utils.get_session", NoNetwork)
+    hub_probe_failure.cache_clear()
+    yield requests
+    hub_probe_failure.cache_clear()

@@ -1052,27 +1052,6 @@ def test_a_fraction_of_dropout_leaves_mpt_int_typed_attention_dropout_with_a_war
     assert "warning: dropout 0.1 leaves MptAttentionConfig's attn_pdrop at 0" in capsys.readouterr().out
 
 
-@pytest.fixture
-def unreachable_hub(monkeypatch):
-    """The hub client online (HF_HUB_OFFLINE unset) with no network: each request fails at once, counted."""
-    from huggingface_hub import constants
-
-    from dschat.models.loading import hub_probe_failure
-
-    requests = []
-
-    class NoNetwork:
-        def head(self, url, **kwargs):
-            requests.append(url)
-            raise OSError("[Errno -2] Name or service not known")
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("huggingface_hub.utils.get_session", NoNetwork)
-    hub_probe_failure.cache_clear()
-    yield requests
-    hub_probe_failure.cache_clear()
-
-
 def test_a_hub_name_not_in_the_cache_fails_at_once_when_the_hub_cannot_be_reached(unreachable_hub, hub_cache):
     """train.py --actor-model facebook/opt-1.3bb (a typo) with no network and HF_HUB_OFFLINE unset waited 86 s
     through the hub client's retries (half a minute per file looked up) before its error."""
@@ -1080,8 +1059,7 @@ def test_a_hub_name_not_in_the_cache_fails_at_once_when_the_hub_cannot_be_reache
     from dschat.models.loading import check_model_path
 
     hub_cache("acme/cached-lm", GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained)
-    check_model_path("acme/cached-lm", "--actor-model")  # (from the cache: the hub not asked)
-    assert unreachable_hub == []
+    check_model_path("acme/cached-lm", "--actor-model")  # (from the cache: the hub's offline mode turned on)
     for _ in range(2):
         with pytest.raises(MissingInputError, match=r"--actor-model acme/opt-1\.3bb: no such folder here, nor a model "
                                                     r"of that name in the Hugging Face hub cache, and the hub cannot "
@@ -1100,3 +1078,48 @@ def test_a_hub_name_not_in_the_cache_fails_at_once_offline(hub_cache):
 
     with pytest.raises(MissingInputError, match=r"--model_name_or_path acme/opt-1\.3bb: .*HF_HUB_OFFLINE is set"):
         check_model_path("acme/opt-1.3bb", "--model_name_or_path")
+
+
+def test_a_hub_model_in_the_cache_turns_offline_mode_on_when_the_hub_cannot_be_reached(unreachable_hub, hub_cache,
+                                                                                          capsys):
+    """train.py --actor-model acme/tiny --step 1, the model in the hub cache, no network and HF_HUB_OFFLINE unset,
+    waited 214 s through the hub client's retries of each file the cache lacks: after one failed probe the run reads
+    the hub cache only, in every library and in the processes it starts."""
+    import datasets
+    from huggingface_hub import constants, is_offline_mode
+
+    from dschat.models.loading import check_model_path
+
+    hub_cache("acme/cached-lm", GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained)
+    check_model_path("tiny-llama", "--actor-model")  # (a tiny preset and a local folder ask nothing of the hub)
+    small = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    folder = hub_cache("acme/other", AutoModelForCausalLM.from_config(small).save_pretrained)
+    check_model_path(str(folder), "--actor-model")
+    assert unreachable_hub == [] and not is_offline_mode()
+    for _ in range(2):
+        check_model_path("acme/cached-lm", "--actor-model")
+    assert unreachable_hub == [constants.ENDPOINT]
+    assert is_offline_mode() and datasets.config.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
+    assert capsys.readouterr().out.count("the hub cannot be reached ([Errno -2] Name or service not known): this run "
+                                         "reads the hub cache only, as with HF_HUB_OFFLINE=1") == 1
+
+
+def test_a_hub_dataset_turns_offline_mode_on_when_the_hub_cannot_be_reached(unreachable_hub):
+    from huggingface_hub import is_offline_mode
+
+    from dschat.data.raw_datasets import check_data_paths
+
+    check_data_paths(["tiny"])
+    assert unreachable_hub == [] and not is_offline_mode()
+    check_data_paths(["Dahoas/rm-static"])
+    assert is_offline_mode() and len(unreachable_hub) == 1
+
+
+def test_a_reachable_hub_leaves_offline_mode_off(reachable_hub, hub_cache):
+    from huggingface_hub import is_offline_mode
+
+    from dschat.models.loading import check_model_path
+
+    hub_cache("acme/cached-lm", GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained)
+    check_model_path("acme/cached-lm", "--actor-model")
+    assert not is_offline_mode()

@@ -19,9 +19,13 @@ VALID_ROLES = ("system", "user", "assistant")
 
 def load_hub_dataset(name, flag, *args, **kwargs):
     """``datasets.load_dataset(name, ...)``; a hub that cannot be reached (offline) or lacks the dataset is an error
-    in the user's input, named by its flag, instead of a traceback through datasets."""
+    in the user's input, named by its flag, instead of a traceback through datasets. The hub unreachable: read from
+    datasets' cache alone (``read_hub_cache_only_if_unreachable``), not after each lookup's retries."""
     from datasets import load_dataset
 
+    from dschat.models.loading import read_hub_cache_only_if_unreachable
+
+    read_hub_cache_only_if_unreachable()
     try:
         return load_dataset(name, *args, **kwargs)
     except (ConnectionError, FileNotFoundError) as err:

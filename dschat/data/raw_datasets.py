@@ -323,10 +323,15 @@ def anchored_data_path(specs, folder):
 
 def check_data_paths(*spec_lists):
     """Every spec names a known dataset or a local file or folder that is there: checked before any model loads (and
-    by train.py before step 1 runs), not when the step reaches its data. Loads nothing."""
+    by train.py before step 1 runs), not when the step reaches its data. Loads nothing; a hub dataset's, with the hub
+    unreachable, turns offline mode on (``read_hub_cache_only_if_unreachable``)."""
     for specs in spec_lists:
         for spec in ([specs] if isinstance(specs, str) else specs or []):
             resolve_dataset_spec(spec)
+            if spec in HUB_DATASETS and not os.path.isdir(spec):  # (a folder there is a save_to_disk copy)
+                from dschat.models.loading import read_hub_cache_only_if_unreachable
+
+                read_hub_cache_only_if_unreachable()
 
 
 def get_raw_dataset(dataset_name, output_path, seed, local_rank, **field_options):

@@ -161,11 +161,15 @@ def check_model_path(name_or_path, flag):
         raise MissingInputError(f"{flag} {unloadable}")
     if unknown := unknown_tiny_preset(name_or_path):
         raise MissingInputError(f"{flag} {unknown}")
+    if is_hub_name(name_or_path):
+        read_hub_cache_only_if_unreachable()
     if unfetchable := unfetchable_hub_name(name_or_path):
         raise MissingInputError(f"{flag} {unfetchable}")
 
 
 HUB_PROBE_TIMEOUT_S = 5
+# Set (to the probe's failure) where dschat turned offline mode on itself: the processes a run starts inherit it
+HUB_UNREACHABLE_ENV = "DSCHAT_HUB_UNREACHABLE"
 
 
 def unfetchable_hub_name(name_or_path):
@@ -177,7 +181,8 @@ def unfetchable_hub_name(name_or_path):
     why = hub_name_not_cached(name_or_path) and hub_unavailable()
     if not why:
         return None
-    advice = ("or download the model first" if constants.HF_HUB_OFFLINE else
+    offline_by_choice = constants.HF_HUB_OFFLINE and not os.environ.get(HUB_UNREACHABLE_ENV)
+    advice = ("or download the model first" if offline_by_choice else
               "or the network (HF_HUB_OFFLINE=1 reads the hub cache without asking the hub)")
     return (f"{name_or_path}: no such folder here, nor a model of that name in the Hugging Face hub cache, and {why}: "
             f"check the name or path, {advice}")
@@ -188,19 +193,61 @@ def hub_unavailable():
     None."""
     from huggingface_hub import constants
 
+    if reason := os.environ.get(HUB_UNREACHABLE_ENV):  # (offline since dschat's probe, here or in a parent process)
+        return f"the hub cannot be reached ({reason})"
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set, so the hub is not asked"
     probe_failure = hub_probe_failure(constants.ENDPOINT)
     return f"the hub cannot be reached ({probe_failure})" if probe_failure else None
 
 
+def read_hub_cache_only_if_unreachable():
+    """Before a hub model or dataset is read, with HF_HUB_OFFLINE unset: where the hub does not answer one short
+    request (``hub_probe_failure``), offline mode for this process and those it starts (the launcher's ranks,
+    datasets' workers), said once. Without it each file the hub cache lacks (a tokenizer's optional files, a chat
+    template, a dataset's lookups) costs the hub client's half a minute of retries: 214 s before step 1 started."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    failure = hub_probe_failure(constants.ENDPOINT)
+    if failure is None:
+        return
+    use_hub_cache_only(failure)
+    from dschat.utils.dist import print_rank_0
+
+    print_rank_0(f"the hub cannot be reached ({failure}): this run reads the hub cache only, as with "
+                 "HF_HUB_OFFLINE=1")
+
+
+def use_hub_cache_only(reason):
+    """Offline mode where each library reads it: huggingface_hub's constant (transformers asks its
+    ``is_offline_mode()``, which returns it), datasets' own copy (read at its import), and the environment of the
+    processes started from here."""
+    import sys
+
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = True
+    if (datasets_config := sys.modules.get("datasets.config")) is not None:
+        datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = True
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.pop("HF_DATASETS_OFFLINE", None)  # (an HF_DATASETS_OFFLINE=0 would turn datasets online again)
+    os.environ[HUB_UNREACHABLE_ENV] = reason
+
+
+def is_hub_name(name_or_path):
+    """Whether ``name_or_path`` is read from the hub: no path here (nor meant as one), no tiny preset."""
+    from dschat.tiny.presets import is_tiny_preset
+
+    return not (os.path.exists(name_or_path) or looks_local(name_or_path) or is_tiny_preset(name_or_path))
+
+
 def hub_name_not_cached(name_or_path):
     """Whether ``name_or_path`` names a hub model (no path here, no tiny preset) whose config the hub cache lacks."""
     from huggingface_hub import try_to_load_from_cache
 
-    from dschat.tiny.presets import is_tiny_preset
-
-    if os.path.exists(name_or_path) or looks_local(name_or_path) or is_tiny_preset(name_or_path):
+    if not is_hub_name(name_or_path):
         return False
     try:
         return not isinstance(try_to_load_from_cache(str(name_or_path), "config.json"), str)
