@@ -223,6 +223,9 @@ def main(argv=None):
     from dschat.utils.dist import under_launcher
 
     if args.deployment_type != "single_gpu" and not under_launcher():
+        from dschat.pipeline import read_hub_cache_only_if_unreachable_for
+
+        read_hub_cache_only_if_unreachable_for(args)  # (decided once here: the ranks inherit it)
         sys.exit(relaunch_with_deepspeed(args, argv))
     from dschat.pipeline import run_pipeline
 

@@ -401,6 +401,18 @@ NOT_A_HUB_REWARD_MODEL = ("is no folder here, and no hub reward model by its con
                           "download it first; offline, only the hub cache is read)")
 
 
+def read_hub_cache_only_if_unreachable_for(args):
+    """Before train.py starts the launcher: where --actor-model, --reward-model or --data-path names the hub and the
+    hub cannot be reached, offline mode (``read_hub_cache_only_if_unreachable``) for the ranks too, which inherit
+    it, instead of a probe and a message of each rank's."""
+    from dschat.data.raw_datasets import HUB_DATASETS
+    from dschat.models.loading import is_hub_name, read_hub_cache_only_if_unreachable
+
+    hub_data = any(spec in HUB_DATASETS and not os.path.isdir(spec) for spec in args.data_path or ())
+    if hub_data or is_hub_name(args.actor_model) or is_hub_name(args.reward_model):
+        read_hub_cache_only_if_unreachable()
+
+
 def check_model_folders(steps, args):
     """--actor-model (step 1 starts from it) and --reward-model (step 2's, recipe ppo; or, named for step 3 without
     step 2, a trained reward model) that cannot load (``check_model_path``): an error naming the flag before step 1

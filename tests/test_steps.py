@@ -1462,3 +1462,24 @@ def test_a_run_deepspeed_skipped_every_step_of_ends_with_a_warning_naming_the_lo
     assert "warning: [step2] DeepSpeed skipped 2 of the run's 2 optimizer steps on inf/NaN gradients: it applied " \
            "none of them. fp16's loss scale is fixed at 1048576 (fp16.loss_scale in the DeepSpeed config)" in out
     assert "Lower it (0: DeepSpeed's dynamic scale), lower --learning_rate, or train in --dtype bf16" in out
+
+
+def test_train_py_turns_offline_mode_on_once_for_the_ranks_it_starts(unreachable_hub, monkeypatch, capsys):
+    """python train.py --deployment-type single_node --actor-model ORG/NAME with no network: the ranks the launcher
+    starts inherit the offline mode train.py turned on, with one probe and one message (none for the tiny default)."""
+    import runpy
+
+    main = runpy.run_path(str(REPO / "train.py"))["main"]
+    environments = []
+
+    def launcher(cmd):
+        environments.append(os.environ.get("HF_HUB_OFFLINE"))
+        return 0
+
+    monkeypatch.setitem(main.__globals__, "run_launcher", launcher)
+    monkeypatch.setattr("dschat.utils.dist.under_launcher", lambda: False)  # (an earlier test's RANK)
+    for actor in ("tiny-llama", "acme/tiny"):
+        with pytest.raises(SystemExit):
+            main(["--actor-model", actor, "--deployment-type", "single_node", "--step", "1"])
+    assert environments == ["0", "1"] and len(unreachable_hub) == 1
+    assert capsys.readouterr().out.count("the hub cannot be reached") == 1
