@@ -405,10 +405,10 @@ def read_hub_cache_only_if_unreachable_for(args):
     """Before train.py starts the launcher: where --actor-model, --reward-model or --data-path names the hub and the
     hub cannot be reached, offline mode (``read_hub_cache_only_if_unreachable``) for the ranks too, which inherit
     it, instead of a probe and a message of each rank's."""
-    from dschat.data.raw_datasets import HUB_DATASETS
+    from dschat.data.raw_datasets import reads_the_hub
     from dschat.models.loading import is_hub_name, read_hub_cache_only_if_unreachable
 
-    hub_data = any(spec in HUB_DATASETS and not os.path.isdir(spec) for spec in args.data_path or ())
+    hub_data = any(reads_the_hub(spec) for spec in args.data_path or ())
     if hub_data or is_hub_name(args.actor_model) or is_hub_name(args.reward_model):
         read_hub_cache_only_if_unreachable()
 

@@ -321,6 +321,12 @@ def anchored_data_path(specs, folder):
     return [anchored_spec(spec, folder) for spec in specs]
 
 
+def reads_the_hub(spec):
+    """Whether the data spec ``spec`` is a hub dataset read from the hub (a folder of that name here is a
+    save_to_disk copy)."""
+    return spec in HUB_DATASETS and not os.path.isdir(spec)
+
+
 def check_data_paths(*spec_lists):
     """Every spec names a known dataset or a local file or folder that is there: checked before any model loads (and
     by train.py before step 1 runs), not when the step reaches its data. Loads nothing; a hub dataset's, with the hub
@@ -328,7 +334,7 @@ def check_data_paths(*spec_lists):
     for specs in spec_lists:
         for spec in ([specs] if isinstance(specs, str) else specs or []):
             resolve_dataset_spec(spec)
-            if spec in HUB_DATASETS and not os.path.isdir(spec):  # (a folder there is a save_to_disk copy)
+            if reads_the_hub(spec):
                 from dschat.models.loading import read_hub_cache_only_if_unreachable
 
                 read_hub_cache_only_if_unreachable()
