@@ -676,6 +676,25 @@ def test_ppo_eval_says_when_the_policy_has_no_step3_record(models, tmp_path, cap
             "flags (--data_path tiny --data_split 4,4,2 --seed 1234)") in capsys.readouterr().out
 
 
+def test_ppo_eval_scores_a_dpo_policy_on_phase_3_of_its_runs_own_data_split(models, tmp_path, capsys):
+    """A DPO policy (train.py --recipe dpo's step2_dpo, no step 3) was scored on phase 3 of this tool's own
+    --data_split 2,4,4, which for a run of 4,4,2 takes records DPO trained on; now on phase 3 of the DPO run's split,
+    with its data files and seed, said."""
+    policy = tmp_path / "run" / "step2_dpo"
+    shutil.copytree(models["policy"], policy)
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
+    (policy / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2_dpo", "world_size": 1, "cwd": str(tmp_path),
+                                        "flags": {"data_path": ["pairs.jsonl"], "data_split": "4,4,2", "seed": 7,
+                                                  "max_seq_len": 64}}))
+    args = ppo_eval.parse_args(["--policy", str(policy)])
+    assert (args.data_split, args.seed, args.data_path) == ("4,4,2", 7, [str(tmp_path / "pairs.jsonl")])
+    out = capsys.readouterr().out
+    assert f"[ppo_eval] from {policy / RUN_ARGS_FILE} (flags given here win): --data_path" in out
+    assert "no step-3" not in out
+    given = ppo_eval.parse_args(["--policy", str(policy), "--data_split", "2,4,4", "--data_path", "tiny"])
+    assert (given.data_split, given.data_path, given.seed) == ("2,4,4", ["tiny"], 7)
+
+
 def test_ppo_eval_checks_lengths_before_generating(tmp_path):
     from dschat.errors import UsageError
 

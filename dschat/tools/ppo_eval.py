@@ -20,7 +20,7 @@ from dschat.errors import UsageError
 from dschat.rlhf.engine import check_scores_actor_text
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
-from dschat.run_layout import PPO_DIR, SFT_DIR
+from dschat.run_layout import DPO_DIR, PPO_DIR, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path, flag_path,
@@ -187,21 +187,36 @@ def step3_run_defaults(args):
         run = read_run_args(folder, "step3")
         if run is not None:
             break
-    else:  # e.g. a notebook's save_causal_lm: the prompts scored may not be the run's held-out ones
+    else:
+        if (dpo_run := read_run_args(policy, DPO_DIR)) is not None:
+            return run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(policy, RUN_ARGS_FILE)
+        # e.g. a notebook's save_causal_lm: the prompts scored may not be the run's held-out ones
         print(f"[ppo_eval] no step-3 {RUN_ARGS_FILE} with {policy_path}: the held-out prompts are those of this tool's "
               f"flags (--data_path {' '.join(as_list(args.data_path))} --data_split {args.data_split} --seed "
               f"{args.seed}); give step 3's to score its held-out prompts")
         return {}, None
     flags = run["flags"]
-    defaults = {name: flags[name] for name in STEP3_DATA_FLAGS if name in flags}
-    if "data_path" in defaults:  # the files step 3 read, from whatever folder this runs in
-        defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
+    defaults = run_data_defaults(run, STEP3_DATA_FLAGS)
     defaults.update(run_reward_sources(flags, run.get("cwd"), args.reward_fn, folder, run.get("inputs")))
     defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
                                                  flags.get("per_device_generation_batch_size", 16),
                                                  run.get("world_size", 1))
     defaults["max_new_tokens"] = flags.get("eval_max_new_tokens") or flags.get("max_answer_seq_len", 256)
     return defaults, os.path.join(folder, RUN_ARGS_FILE)
+
+
+# A DPO run's flags that choose its data's phases: with them the held-out prompts are phase 3 of its own split, which
+# neither its SFT model nor DPO trained on (this tool's --data_split phase 3 would take some of DPO's phase-2 records).
+DPO_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_of", "seed", "add_eot_token")
+
+
+def run_data_defaults(run, names):
+    """The flags ``names`` that the run recorded in ``run`` (read_run_args'), its --data_path as paths that name the
+    files it read from whatever folder this tool runs in."""
+    defaults = {name: run["flags"][name] for name in names if name in run["flags"]}
+    if "data_path" in defaults:
+        defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
+    return defaults
 
 
 def run_reward_sources(flags, cwd, given_fn="", record_folder=None, inputs=None):
