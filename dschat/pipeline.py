@@ -408,7 +408,9 @@ def read_hub_cache_only_if_unreachable_for(args):
     from dschat.data.raw_datasets import reads_the_hub
     from dschat.models.loading import is_hub_name, read_hub_cache_only_if_unreachable
 
-    hub_data = any(reads_the_hub(spec) for spec in args.data_path or ())
+    # (without --data-path a run of real models trains on DeepSpeed-Chat's hub default: run_pipeline's)
+    data_path = args.data_path or ([] if is_tiny_run(args) else [DEEPSPEED_CHAT_DATA])
+    hub_data = any(reads_the_hub(spec) for spec in data_path)
     if hub_data or is_hub_name(args.actor_model) or is_hub_name(args.reward_model):
         read_hub_cache_only_if_unreachable()
 

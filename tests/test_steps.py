@@ -1483,3 +1483,21 @@ def test_train_py_turns_offline_mode_on_once_for_the_ranks_it_starts(unreachable
             main(["--actor-model", actor, "--deployment-type", "single_node", "--step", "1"])
     assert environments == ["0", "1"] and len(unreachable_hub) == 1
     assert capsys.readouterr().out.count("the hub cannot be reached") == 1
+
+
+def test_train_py_decides_offline_mode_for_the_default_hub_data_of_local_models(unreachable_hub, monkeypatch, tmp_path):
+    """Local models and no --data-path train on DeepSpeed-Chat's hub dataset: train.py decided offline mode before the
+    launcher from the models alone, so each rank probed the unreachable hub itself."""
+    import runpy
+
+    from dschat.tiny.presets import create_tiny_model
+
+    main = runpy.run_path(str(REPO / "train.py"))["main"]
+    environments = []
+    monkeypatch.setitem(main.__globals__, "run_launcher",
+                        lambda cmd: environments.append(os.environ.get("HF_HUB_OFFLINE")) or 0)
+    monkeypatch.setattr("dschat.utils.dist.under_launcher", lambda: False)  # (an earlier test's RANK)
+    actor = create_tiny_model("tiny-llama", str(tmp_path / "actor"))
+    with pytest.raises(SystemExit):
+        main(["--actor-model", actor, "--deployment-type", "single_node", "--step", "1"])
+    assert environments == ["1"] and len(unreachable_hub) == 1
