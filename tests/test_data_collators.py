@@ -323,7 +323,7 @@ def test_a_saved_folders_record_leaves_out_the_file_another_ranks_map_is_writing
 
 
 @pytest.mark.parametrize("error", [ConnectionError("Couldn't reach 'x' on the Hub"), FileNotFoundError("no such")])
-def test_a_hub_dataset_that_cannot_be_loaded_names_its_flag(monkeypatch, error, tokenizer):
+def test_a_hub_dataset_that_cannot_be_loaded_names_its_flag(monkeypatch, error, tokenizer, reachable_hub):
     import datasets
 
     from dschat.data.raw_datasets import get_raw_dataset
@@ -336,6 +336,24 @@ def test_a_hub_dataset_that_cannot_be_loaded_names_its_flag(monkeypatch, error, 
     with pytest.raises(MissingInputError, match="--unsupervised_dataset_name wikitext: could not be loaded"):
         get_unsupervised_data(unsupervised_args("wikitext"), tokenizer)
     with pytest.raises(MissingInputError, match="--data_path Dahoas/rm-static: could not be loaded"):
+        get_raw_dataset("Dahoas/rm-static", "/tmp/unused", 0, 0)
+
+
+def test_a_hub_dataset_not_in_the_cache_offline_says_so(monkeypatch, tokenizer):
+    """Offline (HF_HUB_OFFLINE, or the hub unreachable), a hub dataset the datasets cache lacks was "could not be
+    loaded from the hub (ConnectionError: Couldn't reach ... (OfflineModeIsEnabled))"; now it says the cache lacks it
+    and why the hub was not asked."""
+    import datasets
+
+    from dschat.data.raw_datasets import get_raw_dataset
+    from dschat.errors import MissingInputError
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'Dahoas/rm-static' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(MissingInputError, match=r"--data_path Dahoas/rm-static: not in the datasets cache, and "
+                                                r"HF_HUB_OFFLINE is set, so the hub is not asked; download it where"):
         get_raw_dataset("Dahoas/rm-static", "/tmp/unused", 0, 0)
 
 

@@ -23,12 +23,16 @@ def load_hub_dataset(name, flag, *args, **kwargs):
     datasets' cache alone (``read_hub_cache_only_if_unreachable``), not after each lookup's retries."""
     from datasets import load_dataset
 
-    from dschat.models.loading import read_hub_cache_only_if_unreachable
+    from dschat.models.loading import hub_unavailable, read_hub_cache_only_if_unreachable
 
     read_hub_cache_only_if_unreachable()
     try:
         return load_dataset(name, *args, **kwargs)
     except (ConnectionError, FileNotFoundError) as err:
+        why = hub_unavailable()
+        if why:  # (datasets says "Couldn't reach ... (OfflineModeIsEnabled)": the cache lacks it)
+            raise MissingInputError(f"{flag} {name}: not in the datasets cache, and {why}; download it where the hub "
+                                    "can be reached, or give a local file or a folder written by save_to_disk") from err
         raise MissingInputError(f"{flag} {name}: could not be loaded from the hub ({type(err).__name__}: {err}); "
                                 f"without the hub, give a local file or a folder written by save_to_disk") from err
 
