@@ -175,7 +175,8 @@ STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_o
 
 def step3_run_defaults(args):
     """(this tool's defaults from the step-3 run that wrote the policy, the training_args.json they come from), else
-    ({}, None). A run folder's SFT model takes its step 3's, as the same prompts are what it is compared on."""
+    ({}, None). A run folder's SFT model takes its step 3's, as the same prompts are what it is compared on; a DPO
+    policy takes its DPO run's data flags (``DPO_DATA_FLAGS``)."""
     policy_path = flag_path("--policy", find_policy_path, args.policy)
     if not os.path.isdir(policy_path):  # a hub name: no run of ours
         return {}, None
