@@ -161,8 +161,6 @@ def check_model_path(name_or_path, flag):
         raise MissingInputError(f"{flag} {unloadable}")
     if unknown := unknown_tiny_preset(name_or_path):
         raise MissingInputError(f"{flag} {unknown}")
-    if is_hub_name(name_or_path):
-        read_hub_cache_only_if_unreachable()
     if unfetchable := unfetchable_hub_name(name_or_path):
         raise MissingInputError(f"{flag} {unfetchable}")
 
@@ -175,9 +173,13 @@ HUB_UNREACHABLE_ENV = "DSCHAT_HUB_UNREACHABLE"
 def unfetchable_hub_name(name_or_path):
     """"NAME: no such folder here, nor in the hub cache, and ..." for a hub name (a mistyped one most often) that is
     not in the hub cache while the hub cannot be reached or is not to be asked (HF_HUB_OFFLINE), else None: decided at
-    once, where the hub client retries each file it looks up for half a minute before it fails."""
+    once, where the hub client retries each file it looks up for half a minute before it fails. For any hub name,
+    offline mode is decided first (``read_hub_cache_only_if_unreachable``): a cached model then loads from the cache
+    without the hub client's retries."""
     from huggingface_hub import constants
 
+    if is_hub_name(name_or_path):
+        read_hub_cache_only_if_unreachable()
     why = hub_name_not_cached(name_or_path) and hub_unavailable()
     if not why:
         return None

@@ -8,9 +8,8 @@ import torch
 
 from dschat.args import check_sampling_flags, positive_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
-from dschat.models.loading import (check_not_a_file, is_hub_name, looks_local, missing_folder_message,
-                                   not_a_model_folder, read_hub_cache_only_if_unreachable, unfetchable_hub_name,
-                                   unknown_tiny_preset)
+from dschat.models.loading import (check_not_a_file, looks_local, missing_folder_message, not_a_model_folder,
+                                   unfetchable_hub_name, unknown_tiny_preset)
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
@@ -66,8 +65,6 @@ def _model_folder(path, subfolders, reported=None):
         raise MissingInputError(missing_folder_message(path))  # ("did you mean ...?" for a mistyped step folder)
     if unknown := unknown_tiny_preset(path):  # (not a minute of hub retries offline, then the hub's error)
         raise MissingInputError(unknown)
-    if is_hub_name(path):
-        read_hub_cache_only_if_unreachable()
     if unfetchable := unfetchable_hub_name(path):  # (a mistyped hub name, the hub unreachable: likewise)
         raise MissingInputError(unfetchable)
     return path
