@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Chat with a trained model: ``python chat.py --path output`` (interactive; 'clear' starts a new conversation,
 'quit' exits) or ``python chat.py --path output --prompt "Name 3 colors."`` (one answer, then exit)."""
-import sys
 
 from dschat.tools.chat import main
-from dschat.utils.cli import run_entry_point
+from dschat.utils.cli import run_script
 
 if __name__ == "__main__":
-    sys.exit(run_entry_point(main))
+    run_script(main)

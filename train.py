@@ -233,6 +233,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dschat.utils.cli import run_entry_point
+    from dschat.utils.cli import run_script
 
-    run_entry_point(main, resumable=True)
+    run_script(main, resumable=True)

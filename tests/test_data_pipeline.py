@@ -869,7 +869,8 @@ for name in ("same.jsonl", "other.jsonl"):  # each 'node' reads its own copy in 
         seen.append(f"{type(error).__name__}: {error}")
 with open("seen", "w") as f:
     f.write("\\n".join(seen))
-torch.distributed.destroy_process_group()  # (left to the interpreter's exit, gloo aborts a rank now and then)
+from dschat.utils.cli import end_script
+end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
 """
 
 
@@ -911,7 +912,8 @@ except Exception as error:
     seen = f"{type(error).__name__}: {error}"
 with open("seen", "w") as f:
     f.write(seen)
-torch.distributed.destroy_process_group()
+from dschat.utils.cli import end_script
+end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
 """
 
 
@@ -945,7 +947,8 @@ for cache in (sys.argv[1], "cache_of_rank_%d" % rank):  # on storage both nodes 
     built.append(str(build(cache, reload=True)))
 with open(f"built_{rank}", "w") as f:
     f.write(" ".join(built))
-torch.distributed.destroy_process_group()
+from dschat.utils.cli import end_script
+end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
 """
 
 

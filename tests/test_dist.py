@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent("""
     assert t[0] == world == int(sys.argv[-2])
     with open(os.path.join(sys.argv[-1], f"buffers_of_rank_{rank}"), "w") as f:
         f.write(str(left))
-    torch.distributed.destroy_process_group()  # (left to the interpreter's exit, gloo aborts a rank now and then)
+    from dschat.utils.cli import end_script
+    end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
 """)
 
 
@@ -207,7 +208,8 @@ DECIDE_SCRIPT = textwrap.dedent("""
             seen.append(f"{type(error).__name__}: {error}")
     with open(os.path.join(sys.argv[-1], f"rank_{rank}"), "w") as f:
         f.write("\\n".join(seen))
-    torch.distributed.destroy_process_group()  # (left to the interpreter's exit, gloo aborts a rank now and then)
+    from dschat.utils.cli import end_script
+    end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
 """)
 
 
@@ -281,7 +283,8 @@ SAME_FLAGS_SCRIPT = textwrap.dedent("""
         seen.append(f"{type(error).__name__}: {error}")
     with open(os.path.join(sys.argv[-1], f"rank_{rank}"), "w") as f:
         f.write("\\n".join(seen))
-    torch.distributed.destroy_process_group()  # (left to the interpreter's exit, gloo aborts a rank now and then)
+    from dschat.utils.cli import end_script
+    end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
 """)
 
 
@@ -316,7 +319,8 @@ SHARED_OUTPUT_SCRIPT = textwrap.dedent("""
     seen.append(str(os.path.exists(os.path.join(out, "shared"))))  # the probe removed, and the folder it made
     with open(os.path.join(out, f"rank_{rank}"), "w") as f:
         f.write("\\n".join(seen))
-    torch.distributed.destroy_process_group()
+    from dschat.utils.cli import end_script
+    end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
 """)
 
 

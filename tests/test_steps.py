@@ -3,6 +3,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -491,6 +492,63 @@ def test_entry_points_end_usage_errors_with_the_message_and_let_bugs_raise(capsy
         run_entry_point(bad_flag)
     with pytest.raises(RuntimeError, match="Connection closed"):
         run_entry_point(peer_stopped)
+
+
+TEARDOWN_SCRIPT = """
+import atexit, os, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from dschat.errors import UsageError
+from dschat.utils.cli import run_script
+
+
+class AbortsInTeardown:  # as a gloo rank did now and then: a C++ thread destroyed while running, in the teardown
+    def __del__(self, abort=os.abort):  # (bound now: the teardown may have cleared the module os first)
+        abort()
+
+
+kept = AbortsInTeardown()
+atexit.register(lambda: print("atexit handler ran"))  # (no flush: stdout is a pipe, block-buffered)
+
+
+def late():
+    time.sleep(0.5)
+    print("thread finished")
+
+
+def main():
+    threading.Thread(target=late).start()
+    ThreadPoolExecutor(1).submit(print, "pool task ran")  # (its idle worker waits until told the process ends)
+    print("main returned")
+    if sys.argv[1] == "usage":
+        raise UsageError("bad flag")
+    if sys.argv[1] == "bug":
+        raise ValueError("a bug")
+
+
+if sys.argv[-1] == "plain":
+    main()  # the interpreter's own exit: its teardown runs
+else:
+    run_script(main)
+"""
+
+
+@pytest.mark.parametrize("case,status,said", [("finished", 0, ""), ("usage", 2, "error: bad flag\n"),
+                                              ("bug", 1, "ValueError: a bug")])
+def test_scripts_end_with_their_status_without_the_interpreters_teardown(tmp_path, case, status, said):
+    """A rank that had finished aborted in the interpreter's teardown now and then ("terminate called without an
+    active exception" in gloo, after destroy_process_group), and the launcher returned 250: the entry points end the
+    process with the run's status once its threads, atexit handlers and output are done, and skip the teardown."""
+    script = tmp_path / "script.py"
+    script.write_text(TEARDOWN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DSCHAT_TRACEBACK": "0"}
+    proc = subprocess.run([sys.executable, str(script), case], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr[-2000:]
+    said_out = proc.stdout.splitlines()  # (the threads' lines in any order, the atexit handler's after them)
+    assert sorted(said_out[:-1]) == ["main returned", "pool task ran", "thread finished"], proc.stdout
+    assert said_out[-1] == "atexit handler ran" and said in proc.stderr, proc.stderr[-2000:]
+    plain = subprocess.run([sys.executable, str(script), "finished", "plain"], env=env, capture_output=True,
+                           timeout=120)
+    assert plain.returncode != 0, "the teardown this test stands in for did not run: the test checks nothing"
 
 
 class _Collated(Exception):

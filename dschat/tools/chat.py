@@ -143,6 +143,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":  # python -m dschat.tools.chat, as the script that calls it
-    from dschat.utils.cli import run_entry_point
+    from dschat.utils.cli import run_script
 
-    sys.exit(run_entry_point(main))
+    run_script(main)

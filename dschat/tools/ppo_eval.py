@@ -305,6 +305,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":  # python -m dschat.tools.ppo_eval, as the script that calls it
-    from dschat.utils.cli import run_entry_point
+    from dschat.utils.cli import run_script
 
-    run_entry_point(main)
+    run_script(main)

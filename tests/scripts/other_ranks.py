@@ -166,7 +166,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from dschat.utils.cli import end_distributed
+    from dschat.utils.cli import end_script
 
     main()
-    end_distributed()  # (a gloo group left to the interpreter's exit aborted a rank now and then: exit 250)
+    end_script()  # (a gloo rank aborted in the interpreter's teardown now and then: exit 250)

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import SFT_FAST  # noqa: E402
 
 from dschat.steps import sft  # noqa: E402
-from dschat.utils.cli import run_entry_point  # noqa: E402
+from dschat.utils.cli import run_script  # noqa: E402
 from dschat.utils.dist import barrier, ensure_distributed, get_rank  # noqa: E402
 
 
@@ -29,11 +29,11 @@ def main():
         optim.write_bytes(optim.read_bytes()[:1000])
         print("finished; rank 1's optimizer states cut", flush=True)
     barrier()
-    run_entry_point(lambda: sft.main([*common, "--resume"]), resumable=True)
+    run_script(lambda: sft.main([*common, "--resume"]), resumable=True)  # (ends the process with its status)
 
 
 if __name__ == "__main__":
-    from dschat.utils.cli import end_distributed
+    from dschat.utils.cli import end_script
 
     main()
-    end_distributed()  # (a gloo group left to the interpreter's exit aborted a rank now and then: exit 250)
+    end_script()  # (a gloo rank aborted in the interpreter's teardown now and then: exit 250)

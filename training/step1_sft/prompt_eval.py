@@ -3,7 +3,7 @@
 ``python training/step1_sft/prompt_eval.py --model_name_or_path_baseline tiny-llama
 --model_name_or_path_finetune output/step1_sft``."""
 from dschat.tools.prompt_eval import main
-from dschat.utils.cli import run_entry_point
+from dschat.utils.cli import run_script
 
 if __name__ == "__main__":
-    run_entry_point(main)
+    run_script(main)
