@@ -900,8 +900,13 @@ def test_a_resume_scored_by_another_reward_model_is_said_and_leaves_its_score_be
     other = ppo.reward_model_scored_alike(position, models["rm_b"])
     assert other["eval_before"]["reward_mean"] is None and other["eval_before"]["rule_score_mean"] == 0.5
     assert other["eval_before"]["examples"] == [{"rule_score": 0.5}]
-    assert f"the reward model {models['rm_b']} is none of the models the checkpoint's run loaded" in \
-        capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"the reward model {models['rm_b']} is none of the models the checkpoint's run loaded" in said
+    assert "reward_mean before PPO (the other model's) is left out" in said
+    unscored = {**position, "eval_before": None}  # (no held-out evaluation before PPO: no score to leave out)
+    assert ppo.reward_model_scored_alike(unscored, models["rm_b"]) == unscored
+    said = capsys.readouterr().out
+    assert "rewards train the rest of the run\n" in said and "left out" not in said, said
 
 
 def test_a_resume_with_another_reward_function_leaves_its_score_before_ppo_out(trained, tmp_path, capsys):

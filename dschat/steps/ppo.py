@@ -488,11 +488,12 @@ def reward_model_scored_alike(position, reward_path):
 
     if not reward_path or among_inputs(reward_path, position.get("inputs")) is not False:
         return position
-    print_rank_0(f"[step3] the reward model {reward_path} is none of the models the checkpoint's run loaded: its "
-                 "rewards train the rest of the run, and the held-out reward_mean before PPO (the other model's) is "
-                 "left out")
     before = position.get("eval_before")
-    if not before or before.get("reward_mean") is None:
+    scored = bool(before) and before.get("reward_mean") is not None  # (none without a held-out evaluation)
+    print_rank_0(f"[step3] the reward model {reward_path} is none of the models the checkpoint's run loaded: its "
+                 "rewards train the rest of the run" + (", and the held-out reward_mean before PPO (the other "
+                                                        "model's) is left out" if scored else ""))
+    if not scored:
         return position
     return {**position, "eval_before": _score_left_out(before, "reward_mean", "reward")}
 
