@@ -278,6 +278,24 @@ def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
     assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Red.", "Cat.")
 
 
+def test_trl_string_pairs_with_an_implicit_prompt_read_the_words_both_begin_with_as_the_prompt(tmp_path):
+    """TRL's standard preference format with an implicit prompt ({"chosen": "The sky is blue.", "rejected": "The sky
+    is green."}) was refused: "a string without 'Human:'/'Assistant:' turns"."""
+    rows = [{"chosen": "The sky is blue.", "rejected": "The sky is green."},
+            {"chosen": "Pick a color:\nblue", "rejected": "Pick a color:\nblack"},  # (not "ue" and "ack")
+            {"chosen": "Say yes. Yes", "rejected": "Say yes. Yes!"}]  # (one the other's beginning)
+    path = write_records(rows, tmp_path / "implicit.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    read = [(adapter.get_conversation(sample), adapter.get_chosen_text(sample), adapter.get_rejected_text(sample))
+            for sample in adapter.get_train_data()]
+    user = [{"role": "user", "content": text} for text in ("The sky is", "Pick a color:", "Say yes.")]
+    assert read == [([user[0]], "blue.", "green."), ([user[1]], "blue", "black"), ([user[2]], "Yes", "Yes!")]
+    apart = write_records([{"chosen": "Blue.", "rejected": "Green."}], tmp_path / "apart.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"field 'chosen': a string without 'Human:'/'Assistant:' turns that "
+                                                 r"shares no beginning with 'rejected'"):
+        raw(apart, tmp_path)
+
+
 def test_trl_prompt_completion_records_read_the_completion_as_the_answer(tmp_path):
     """TRL's SFT format: it was "has prompts but no answers", usable in step 3 only."""
     user = {"role": "user", "content": "Name a color."}
@@ -456,7 +474,8 @@ def test_hh_rlhf_transcripts_in_a_local_file_read_as_the_hub_adapter_reads_them(
         assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Blue.", "Dog.")
     plain = write_records([{"question": "Q?", "chosen": "a", "rejected": "b"}], tmp_path / "plain.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"line 1 \(record 0\): field 'chosen': a string without "
-                                                 r"'Human:'/'Assistant:' turns: without a 'prompt' field"):
+                                                 r"'Human:'/'Assistant:' turns that shares no beginning with "
+                                                 r"'rejected': without a 'prompt' field"):
         raw(plain, tmp_path)
 
 

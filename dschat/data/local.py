@@ -27,7 +27,8 @@ prompt=question,chosen=good``):
   steps 1 and 2 (step 1's ``--multiturn`` trains its assistant turns before it).
 * ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format), or as whole
   "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts (Anthropic/hh-rlhf's files): the turns before the last are
-  the prompt and must be the same in both; the last (assistant) turns are the answers.
+  the prompt and must be the same in both; the last (assistant) turns are the answers. Plain strings are TRL's
+  implicit prompt: the words both begin with are the prompt ("The sky is" of "The sky is blue." and "... green.").
   ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
 
 CSV cells are read as text ("5" stays "5"; an empty cell is null); JSON values are kept as written, also in a
@@ -747,18 +748,25 @@ class LocalDataset(PromptRawDataset):
             return None  # (read as a transcript answer, which says what is wrong)
         return messages if messages and messages[-1]["role"] == "user" else None
 
-    @staticmethod
-    def _split_message_list(sample, field):
+    def _split_message_list(self, sample, field):
         """(prompt turns, answer) of a full conversation whose last message is the assistant's answer: a message
-        list, or a "Human: ... Assistant: ..." transcript (Anthropic/hh-rlhf's chosen and rejected)."""
+        list, or a "Human: ... Assistant: ..." transcript (Anthropic/hh-rlhf's chosen and rejected); a chosen and
+        rejected pair of plain strings, TRL's implicit prompt: the words both begin with, then each one's answer."""
         value = _json_list_text(sample.get(field))
         if isinstance(value, str):
+            if self.shape == "chosen_messages" and self._plain_string_pair(sample):
+                return _split_at_shared_prompt(sample, field, self.fields["chosen"], self.fields["rejected"])
             return _transcript_answer(sample, field)
         prompt, answer = final_assistant_answer(checked_messages(value, field), field)
         if not prompt:
             raise RecordError(field, "there must be a user message before the answer")
         _check_answer_follows_user(prompt, field)
         return prompt_messages(prompt, field), answer
+
+    def _plain_string_pair(self, sample):
+        """Whether the record's chosen and rejected are both strings, neither a transcript nor a message list."""
+        values = [_json_list_text(sample.get(self.fields[name])) for name in ("chosen", "rejected")]
+        return all(isinstance(v, str) and not _TRANSCRIPT_TURN.search(v) for v in values)
 
     def get_chosen_text(self, sample):
         if self.shape == "messages":
@@ -892,12 +900,33 @@ def _json_list_text(value):
     return value
 
 
+# what chosen and rejected must hold without a prompt field: said where a record holds something else
+WHOLE_CONVERSATIONS = ("without a 'prompt' field (--data_fields prompt=...), chosen and rejected must be whole "
+                       "conversations, as message lists or \"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts, or "
+                       "strings that begin with the same prompt (TRL's implicit prompt)")
+
+
 def _transcript_answer(sample, field):
     """(prompt turns, answer) of a "Human:/Assistant:" transcript string; a string with no such turns is an error
     that says what the field must hold."""
     text = required_text(sample, field)
     if not _TRANSCRIPT_TURN.search(text):
-        raise RecordError(field, "a string without 'Human:'/'Assistant:' turns: without a 'prompt' field "
-                                 "(--data_fields prompt=...), chosen and rejected must be whole conversations, as "
-                                 "message lists or \"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts")
+        raise RecordError(field, f"a string without 'Human:'/'Assistant:' turns: {WHOLE_CONVERSATIONS}")
     return answer_from_transcript(text, field)
+
+
+def _split_at_shared_prompt(sample, field, chosen_field, rejected_field):
+    """(prompt turns, answer) of ``field`` in a pair of plain strings with TRL's implicit prompt ("The sky is blue."
+    and "The sky is green."): the prompt is the words both begin with (the start of the word they part in, "bl" of
+    "blue" and "black", stays with the answers), the answer the rest."""
+    chosen, rejected = required_text(sample, chosen_field), required_text(sample, rejected_field)
+    shared = re.sub(r"\S+\Z", "", os.path.commonprefix([chosen, rejected]))
+    if not shared.strip():
+        other = rejected_field if field == chosen_field else chosen_field
+        raise RecordError(field, f"a string without 'Human:'/'Assistant:' turns that shares no beginning with "
+                                 f"{other!r}: {WHOLE_CONVERSATIONS}")
+    try:
+        prompt = text_prompt_messages(shared.strip())
+    except ValueError as error:
+        raise RecordError(field, f"the prompt it shares with the other answer: {error}") from None
+    return prompt, (chosen if field == chosen_field else rejected)[len(shared):].strip()
