@@ -51,8 +51,12 @@ def step_inputs(recipe, step, rm_from_sft, ready_reward_model=False):
     return earlier
 
 
-def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward_model=False):
-    """{step: Decision} for ``steps`` (in order); ``parsed``: step -> its parsed flags now."""
+def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward_model=False, world_size=None):
+    """{step: Decision} for ``steps`` (in order); ``parsed``: step -> its parsed flags now; ``world_size``: the ranks
+    of this run (None: the process group's)."""
+    from dschat.utils.dist import get_world_size
+
+    world_size = get_world_size() if world_size is None else world_size
     plan = {}
     for step in steps:
         inputs = step_inputs(recipe, step, rm_from_sft, ready_reward_model)
@@ -64,7 +68,8 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
         record = read_run_args(folder)
         current = made_from.current(finished_time(folder), record)
-        changed = changed_flags(record, parsed[step])
+        reshaped = same_batches_on_other_ranks(step, record, parsed[step], world_size)
+        changed = [name for name in changed_flags(record, parsed[step]) if name not in reshaped]
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
         # resume only to train on for longer
         checkpoint = checkpoint_state(folder)
@@ -215,6 +220,27 @@ def changed_flags(record, flags):
     return sorted(name for name in names if name in recorded and (
         _differs(name, recorded[name], now[name], then, record.get("inputs", {}))
         or (name == "reward_fn" and _edited_reward_fn(record, flags) is not None)))
+
+
+def same_batches_on_other_ranks(step, record, flags, world_size):
+    """The batch flags of ``step`` when its recorded run had another number of ranks and each product of them with
+    the ranks (an optimizer step's samples; step 3's: an iteration's prompts, an optimizer step's rows) is the
+    recorded run's: set for the new ranks, the same batches train the same output, and its checkpoint resumes (the
+    step's --resume checks the products too); else none."""
+    from dschat.rlhf.checkpointing import ITERATION_PROMPTS, STEP_ROWS
+    from dschat.steps.resume import BATCH_FLAGS
+
+    then_ranks = (record or {}).get("world_size")
+    if not isinstance(then_ranks, int) or then_ranks == world_size:
+        return set()
+    groups = (ITERATION_PROMPTS, STEP_ROWS) if step == 3 else (BATCH_FLAGS,)
+    then, now = record.get("flags", {}), vars(flags)
+    for names in groups:
+        counts = [[values.get(name) for name in names] for values in (then, now)]
+        if not all(isinstance(c, int) for side in counts for c in side) or \
+                math.prod(counts[0]) * then_ranks != math.prod(counts[1]) * world_size:
+            return set()
+    return {name for names in groups for name in names}
 
 
 def _raised(name, record, flags):

@@ -197,6 +197,38 @@ def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tm
     assert plan(tmp_path, step1=resumed) == {1: SKIP, 2: SKIP, 3: SKIP}
 
 
+def test_batch_flags_set_for_another_number_of_ranks_with_the_same_batches_keep_the_plan(tmp_path):
+    """A finished step of 2 ranks, planned again on 1 with its batch flags set to keep an optimizer step's samples
+    (step 3: an iteration's prompts and an optimizer step's rows), ran again from the start: "had other values of
+    --per_device_train_batch_size"; and a longer run of it could not train on from its checkpoint."""
+    batches = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 4}
+    step3 = {"per_device_generation_batch_size": 4, "generation_batches": 2, "per_device_training_batch_size": 4,
+             "gradient_accumulation_steps": 1}
+    finish(tmp_path, 1, 100, **batches), finish(tmp_path, 3, 300, **step3)
+    for step in (1, 3):
+        record = tmp_path / FOLDERS[step] / "training_args.json"
+        record.write_text(json.dumps({**json.loads(record.read_text()), "world_size": 2}))
+
+    def decide(step, world_size, **changed):
+        flags = Namespace(**{**vars(FLAGS), **(batches if step == 1 else step3), **changed})
+        return plan_steps([step], "ppo", str(tmp_path), {step: flags}, world_size=world_size)[step]
+
+    assert decide(1, 1, per_device_train_batch_size=16) == (SKIP, "")
+    assert decide(1, 1, gradient_accumulation_steps=2) == (SKIP, "")
+    assert decide(1, 4, per_device_train_batch_size=4) == (SKIP, "")
+    assert decide(1, 1) == (SKIP, "")  # (the same flags: as before, whatever the ranks)
+    for world_size, micro in ((1, 4), (2, 16)):  # other samples a step; or other flags on the run's own ranks
+        assert decide(1, world_size, per_device_train_batch_size=micro)[1].endswith(
+            "had other values of --per_device_train_batch_size")
+    checkpoint(tmp_path, 1, 150)
+    assert decide(1, 1, per_device_train_batch_size=16, max_steps=8) == (
+        RESUME, "to train on past its finished output (--max_steps)")
+    assert decide(3, 1, per_device_generation_batch_size=8, per_device_training_batch_size=8) == (SKIP, "")
+    assert decide(3, 1, generation_batches=4, gradient_accumulation_steps=2) == (SKIP, "")
+    assert decide(3, 1, per_device_generation_batch_size=8)[1].endswith(  # (an optimizer step's rows halved)
+        "had other values of --per_device_generation_batch_size")
+
+
 def test_a_step_whose_data_files_were_edited_since_runs_again(tmp_path):
     """train.py --resume skipped a step whose data file was rewritten since (same flags), keeping the model trained on
     the old records."""
