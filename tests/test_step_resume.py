@@ -515,7 +515,9 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path, distributed, capsys)
 def test_a_zero3_checkpoint_of_one_rank_resumes_on_two(tmp_path, distributed):
     """A job rescheduled on more GPUs: step 2's ZeRO-3 checkpoint of 1 rank resumes on 2, each rank with the
     checkpoint's weights and the parameter groups' own weight decay (DeepSpeed's ZeRO-3 universal load gives every
-    group the first one's), and every record of the uninterrupted run's trained on once."""
+    group the first one's), and every record of the uninterrupted run's trained on once. Adam counts each step once
+    in each group (that load gave the groups one shared step tensor, which torch's AdamW added 1 to per group: steps
+    3-5 counted twice, 8 at the end)."""
     common = [*SMALL, "--zero_stage", "3", "--max_steps", "5", "--weight_decay", "0.1", "--dropout", "0.0",
               "--save_interval", "2", "--data_output_path", str(tmp_path / "data")]
     other_ranks = _other_ranks()
@@ -534,6 +536,7 @@ def test_a_zero3_checkpoint_of_one_rank_resumes_on_two(tmp_path, distributed):
         assert rank["resumed_at"] == 2 and rank["loaded_weights_difference"] == 0.0
         assert [group["weight_decay"] for group in rank["param_groups"]] == [0.1, 0.0]
         assert len(rank["samples"]) == 3 * 2 * 8  # steps 3-5: 8 pairs (chosen and rejected rows) a step on each rank
+        assert rank["adam_steps"] == [5.0, 5.0]  # (the weight-decay group's and the no-decay group's)
     assert after[0]["metrics"]["steps"] == 5
     assert _records(_seen(tmp_path, "before", 1), after) == _records(_seen(tmp_path, "full", 1))
     # the train loss pools the checkpoint's micro-batches of 16 with the ranks' of 8, sample for sample

@@ -341,6 +341,18 @@ def restore_param_group_settings(engine, groups):
         group.update({key: value for key, value in settings.items() if key != "lr"})
         if rates is not None:
             group["lr"] = rates[index]
+    own_step_counts(optimizer)
+
+
+def own_step_counts(optimizer):
+    """After a universal load: each optimizer state its own Adam step count. DeepSpeed's ZeRO-3 universal load (0.19.8)
+    gives every sub-group the one step tensor of the checkpoint's first state; torch's AdamW (the CPU's optimizer)
+    adds 1 to it in place for each sub-group, so with two (weight decay and none, LoRA's own learning rate, a model
+    past ``sub_group_size``) every step after the resume counted as two or more in Adam's bias corrections, and the
+    run drifted from the uninterrupted one's (and saved the inflated count in its next checkpoints)."""
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def follow_this_runs_schedule(engine):

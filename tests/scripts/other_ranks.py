@@ -2,9 +2,10 @@
 its checkpoint of a given step, or resuming) and writes what each rank saw to ``<out>/<name>_rank<N>.json``: the
 records of every micro-batch it trained on (their tokens), the step it resumed from, how far the weights right after
 the load are from the checkpoint's (DeepSpeed's own zero_to_fp32 consolidation of it), the optimizer's parameter
-groups then, and the step's metrics. Step 3 ("ppo", ``run_ppo``): the prompts of every generation batch (with their
-iteration) and the unsupervised blocks it trained on, the iteration it resumed from, and how far the actor's, the
-critic's and the EMA copy's weights right after the load are from the checkpoint's.
+groups then, the step's metrics, and a resumed run's Adam step count of each optimizer state at its end. Step 3
+("ppo", ``run_ppo``): the prompts of every generation batch (with their iteration) and the unsupervised blocks it
+trained on, the iteration it resumed from, and how far the actor's, the critic's and the EMA copy's weights right
+after the load are from the checkpoint's.
 
 Run by tests/test_step_resume.py through the deepspeed launcher, ``other_ranks.py <step> <out> <runs> <flags>``:
 ``<runs>`` is ``name:folder:stop,...``, each a run of ``<flags>`` with ``--output_dir <out>/<folder>`` (stop 0: to the
@@ -53,7 +54,7 @@ def run(step, out, name, stop, flags):
     if step == "ppo":
         return run_ppo(out, name, stop, flags)
     main, recipe = STEPS[step]
-    seen = {"samples": [], "resumed_at": None}
+    seen, loaded = {"samples": [], "resumed_at": None}, []
     real_loss, real_save, real_load = recipe.loss_fn, resume.save_step_checkpoint, resume.load_step_checkpoint
 
     def recording_loss(engine, batch):
@@ -77,6 +78,7 @@ def run(step, out, name, stop, flags):
             optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
             seen["param_groups"] = [{"lr": g["lr"], "weight_decay": g["weight_decay"]}
                                     for g in optimizer.param_groups]
+            loaded.append(optimizer)
         return position
 
     recipe.loss_fn, resume.save_step_checkpoint, resume.load_step_checkpoint = \
@@ -90,6 +92,8 @@ def run(step, out, name, stop, flags):
     finally:
         recipe.loss_fn, resume.save_step_checkpoint, resume.load_step_checkpoint = real_loss, real_save, real_load
     seen["metrics"] = metrics
+    if loaded:  # Adam's step count of each optimizer state at the end of a resumed run
+        seen["adam_steps"] = [float(state["step"]) for state in loaded[0].state.values() if "step" in state]
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"{name}_rank{get_rank()}.json").write_text(json.dumps(seen))
     return metrics
