@@ -524,6 +524,8 @@ def main():
         raise UsageError("bad flag")
     if sys.argv[1] == "bug":
         raise ValueError("a bug")
+    if sys.argv[1] == "interrupted":
+        raise KeyboardInterrupt
 
 
 if sys.argv[-1] == "plain":
@@ -534,14 +536,15 @@ else:
 
 
 @pytest.mark.parametrize("case,status,said", [("finished", 0, ""), ("usage", 2, "error: bad flag\n"),
-                                              ("bug", 1, "ValueError: a bug")])
+                                              ("bug", 1, "ValueError: a bug"),
+                                              ("interrupted", 130, "KeyboardInterrupt")])  # (DSCHAT_TRACEBACK=1)
 def test_scripts_end_with_their_status_without_the_interpreters_teardown(tmp_path, case, status, said):
     """A rank that had finished aborted in the interpreter's teardown now and then ("terminate called without an
     active exception" in gloo, after destroy_process_group), and the launcher returned 250: the entry points end the
     process with the run's status once its threads, atexit handlers and output are done, and skip the teardown."""
     script = tmp_path / "script.py"
     script.write_text(TEARDOWN_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DSCHAT_TRACEBACK": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DSCHAT_TRACEBACK": "1" if case == "interrupted" else "0"}
     proc = subprocess.run([sys.executable, str(script), case], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == status, proc.stderr[-2000:]
     assert proc.stdout == "main returned\natexit handler ran after: pool thread\n" and said in proc.stderr, \

@@ -85,9 +85,9 @@ def run_script(main, resumable=False):
         status = 0
     except SystemExit as stop:
         status = exit_status(stop.code)
-    except BaseException:  # noqa: BLE001 (a bug: its traceback, then the same status the interpreter gives it)
+    except BaseException as error:  # noqa: BLE001 (a bug, or DSCHAT_TRACEBACK=1: the traceback the interpreter prints)
         traceback.print_exc()
-        status = 1
+        status = 130 if isinstance(error, KeyboardInterrupt) else 1  # (the shell's status for Ctrl-C)
     leave_process(status)
 
 
