@@ -2405,6 +2405,46 @@ def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch)
     assert seen["max_prompts"] == per_rank
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_resume_on_other_ranks_scores_after_ppo_the_prompts_scored_before(weighted, distributed, monkeypatch, capsys):
+    """Each rank scores its share of --eval_prompts in whole generation batches: a checkpoint of 2 ranks scored the
+    first 8 held-out prompts before PPO (--eval_prompts 8 --per_device_generation_batch_size 32 in the tiny run: 64),
+    and its resume on 1 rank scored the first 4 (32) after PPO; the report set the two side by side as the SFT and
+    PPO policies' scores of the same prompts."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler, weighted_collator
+
+    prompts = [{"id": i} for i in range(20)]
+    ids = lambda items: {"id": [item["id"] for item in items]}  # noqa: E731
+    batch, eval_prompts = 4, 2
+    # the checkpoint's 2 ranks: each its first whole batch covering its share (1 prompt), interleaved
+    scored_before = set()
+    for rank in range(2):
+        for position, (index, _) in enumerate(PaddingMarkedSampler(prompts, num_replicas=2, rank=rank,
+                                                                   shuffle=False)):
+            if position < ppo.held_out_count(20, eval_prompts, batch, 2) // 2:
+                scored_before.add(index)
+    assert scored_before == set(range(8)) and ppo.held_out_count(20, eval_prompts, batch, 1) == 4
+    if weighted:
+        loader = DataLoader(EvalWeighted(prompts), batch_size=batch,
+                            sampler=PaddingMarkedSampler(prompts, shuffle=False), collate_fn=weighted_collator(ids))
+    else:
+        loader = DataLoader(prompts, batch_size=batch, sampler=SequentialSampler(prompts), collate_fn=ids)
+    args = SimpleNamespace(eval_prompts=eval_prompts, advantage_estimator="gae")
+    after, flags = ppo.held_out_as_before(loader, {"prompts": 8}, args, 1)
+    scored_after = [i for b in after for i in b["id"]]
+    assert scored_after == list(range(8)) and flags.eval_prompts == 0 and args.eval_prompts == eval_prompts
+    assert "[step3] held-out after PPO: the first 8 held-out prompts, as the checkpoint's run scored before PPO on " \
+           "its ranks (--eval_prompts 2 on 1 rank(s) would score 4)" in capsys.readouterr().out
+    # as many as this run scores (the same ranks), or no held-out scores before: as it was
+    assert ppo.held_out_as_before(loader, {"prompts": 4}, args, 1) == (loader, args)
+    assert ppo.held_out_as_before(loader, None, args, 1) == (loader, args)
+    assert ppo.held_out_as_before(loader, {"prompts": 8}, args, 2) == (loader, args)
+
+
 def test_the_held_out_evaluation_runs_outside_the_hybrid_engines_iterations(monkeypatch):
     # the engine's latency line counts PPO iterations; the evaluation's generations must not make one
     import contextlib

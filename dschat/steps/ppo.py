@@ -1,5 +1,6 @@
 """Step 3: PPO of the SFT actor against the step-2 reward model, with held-out evaluation and resume."""
 import contextlib
+import copy
 import json
 import os
 import time
@@ -116,6 +117,47 @@ def held_out_eval(trainer, loader, args, device, scorer):
                                eos_token_id=trainer.eos_token_id)  # (the stops of its rollouts)
 
 
+def held_out_count(prompts, eval_prompts, batch, world_size):
+    """How many of the ``prompts`` held-out prompts ``held_out_eval`` scores: each rank its share of ``eval_prompts``
+    (0: all) in whole batches of ``batch``, the ranks interleaved over the prompts in order: the first that many."""
+    if not eval_prompts:
+        return prompts
+    per_rank = -(-eval_prompts // world_size)
+    return min(prompts, -(-per_rank // batch) * batch * world_size)
+
+
+def held_out_as_before(eval_loader, before, args, world_size):
+    """(loader, flags) for a resumed run's held-out evaluation after PPO, on the prompts its checkpoint's scores
+    ``before`` PPO are of. Each rank scores its share of --eval_prompts in whole generation batches, so a checkpoint of
+    another number of ranks scored another count of the held-out prompts (the first that many, in order): this run
+    then scores that first count (said), not set beside them as if comparable. Else ``eval_loader`` and ``args``."""
+    from torch.utils.data import DataLoader, SequentialSampler, Subset
+
+    from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler, loader_generator
+
+    weighted = isinstance(eval_loader.dataset, EvalWeighted)  # (several ranks: padding rows weigh 0)
+    prompts = eval_loader.dataset.dataset if weighted else eval_loader.dataset
+    saved = (before or {}).get("prompts")
+    now = held_out_count(len(prompts), args.eval_prompts, eval_loader.batch_size, world_size)
+    if not isinstance(saved, int) or not 0 < saved <= len(prompts) or saved == now:
+        return eval_loader, args
+    algorithm = ALGORITHM_NAMES[args.advantage_estimator]
+    print_rank_0(f"[step3] held-out after {algorithm}: the first {saved} held-out prompts, as the checkpoint's run "
+                 f"scored before {algorithm} on its ranks (--eval_prompts {args.eval_prompts} on {world_size} "
+                 f"rank(s) would score {now})")
+    first = Subset(prompts, range(saved))
+    if weighted:
+        loader = DataLoader(EvalWeighted(first), batch_size=eval_loader.batch_size,
+                            sampler=PaddingMarkedSampler(first, shuffle=False), collate_fn=eval_loader.collate_fn,
+                            generator=loader_generator())
+    else:
+        loader = DataLoader(first, batch_size=eval_loader.batch_size, sampler=SequentialSampler(first),
+                            collate_fn=eval_loader.collate_fn, generator=loader_generator())
+    every = copy.copy(args)
+    every.eval_prompts = 0  # (every prompt of the loader)
+    return loader, every
+
+
 @dataclass(frozen=True)
 class Schedule:
     """How many PPO iterations the run trains: ``usable_batches`` generation batches of an epoch make its
@@ -207,7 +249,9 @@ def main(args=None):
     print_rank_0(f"[step3] held-out before {algorithm}: {_eval_line(before)}")
     iteration = train_iterations(trainer, args, schedule, (train_loader, unsup_loader), position, log_path,
                                  lambda: seconds_so_far(started, checkpoint))
-    after = held_out_eval(trainer, eval_loader, args, device, scorer)
+    after_loader, after_args = (eval_loader, args) if checkpoint is None else \
+        held_out_as_before(eval_loader, before, args, get_world_size())
+    after = held_out_eval(trainer, after_loader, after_args, device, scorer)
     print_rank_0(f"[step3] held-out after {algorithm}: {_eval_line(after)}")
     warn_of_skipped_ppo_steps(trainer, args, iteration)
     save_models(trainer, args)
