@@ -2433,7 +2433,7 @@ def test_a_resume_on_other_ranks_scores_after_ppo_the_prompts_scored_before(weig
                             sampler=PaddingMarkedSampler(prompts, shuffle=False), collate_fn=weighted_collator(ids))
     else:
         loader = DataLoader(prompts, batch_size=batch, sampler=SequentialSampler(prompts), collate_fn=ids)
-    args = SimpleNamespace(eval_prompts=eval_prompts, advantage_estimator="gae")
+    args = SimpleNamespace(eval_prompts=eval_prompts, advantage_estimator="gae", seed=1234)
     after, flags = ppo.held_out_as_before(loader, {"prompts": 8}, args, 1)
     scored_after = [i for b in after for i in b["id"]]
     assert scored_after == list(range(8)) and flags.eval_prompts == 0 and args.eval_prompts == eval_prompts

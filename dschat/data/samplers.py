@@ -52,6 +52,7 @@ def weighted_collator(collator):
         batch["eval_weight"] = torch.tensor(weights, dtype=torch.float64)
         return batch
 
+    collate.collator = collator  # (a loader made again of other items takes the one it wraps: eval_loader_of_first)
     return collate
 
 

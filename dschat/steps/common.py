@@ -122,6 +122,17 @@ def eval_loader(eval_dataset, batch_size, collator, seed):
                       generator=loader_generator(seed))
 
 
+def eval_loader_of_first(loader, count, seed):
+    """``eval_loader``'s ``loader`` made again of the first ``count`` items of its dataset alone."""
+    from torch.utils.data import Subset
+
+    from dschat.data.samplers import EvalWeighted
+
+    dataset = loader.dataset.dataset if isinstance(loader.dataset, EvalWeighted) else loader.dataset
+    collator = getattr(loader.collate_fn, "collator", loader.collate_fn)  # (the one weighted_collator wraps)
+    return eval_loader(Subset(dataset, range(count)), loader.batch_size, collator, seed)
+
+
 def reseed_epoch(loader, seed, epoch):
     """Each epoch's data order depends on (seed, epoch) only, so a resumed run skips exactly what it consumed."""
     sampler = loader.sampler

@@ -19,11 +19,11 @@ from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
-from dschat.steps.common import (build_dataloaders, check_output_dir, clear_results, format_metrics, progress,
-                                 require_training_records, reseed_epoch, restart_deepspeed_tensorboard,
-                                 say_max_steps_past_the_epochs, seconds_so_far, setup_run, take_data_files,
-                                 take_hub_data, take_unsupervised_data, tensorboard_writer, to_device,
-                                 warn_of_skipped_steps, write_results)
+from dschat.steps.common import (build_dataloaders, check_output_dir, clear_results, eval_loader_of_first,
+                                 format_metrics, progress, require_training_records, reseed_epoch,
+                                 restart_deepspeed_tensorboard, say_max_steps_past_the_epochs, seconds_so_far,
+                                 setup_run, take_data_files, take_hub_data, take_unsupervised_data, tensorboard_writer,
+                                 to_device, warn_of_skipped_steps, write_results)
 from dschat.steps.resume import resume_or_afresh
 from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import atomic_file
@@ -131,31 +131,17 @@ def held_out_as_before(eval_loader, before, args, world_size):
     ``before`` PPO are of. Each rank scores its share of --eval_prompts in whole generation batches, so a checkpoint of
     another number of ranks scored another count of the held-out prompts (the first that many, in order): this run
     then scores that first count (said), not set beside them as if comparable. Else ``eval_loader`` and ``args``."""
-    from torch.utils.data import DataLoader, SequentialSampler, Subset
-
-    from dschat.data.samplers import EvalWeighted, PaddingMarkedSampler, loader_generator
-
-    weighted = isinstance(eval_loader.dataset, EvalWeighted)  # (several ranks: padding rows weigh 0)
-    prompts = eval_loader.dataset.dataset if weighted else eval_loader.dataset
-    saved = (before or {}).get("prompts")
-    now = held_out_count(len(prompts), args.eval_prompts, eval_loader.batch_size, world_size)
-    if not isinstance(saved, int) or not 0 < saved <= len(prompts) or saved == now:
+    saved, prompts = (before or {}).get("prompts"), len(eval_loader.dataset)
+    now = held_out_count(prompts, args.eval_prompts, eval_loader.batch_size, world_size)
+    if not isinstance(saved, int) or not 0 < saved <= prompts or saved == now:
         return eval_loader, args
     algorithm = ALGORITHM_NAMES[args.advantage_estimator]
     print_rank_0(f"[step3] held-out after {algorithm}: the first {saved} held-out prompts, as the checkpoint's run "
                  f"scored before {algorithm} on its ranks (--eval_prompts {args.eval_prompts} on {world_size} "
                  f"rank(s) would score {now})")
-    first = Subset(prompts, range(saved))
-    if weighted:
-        loader = DataLoader(EvalWeighted(first), batch_size=eval_loader.batch_size,
-                            sampler=PaddingMarkedSampler(first, shuffle=False), collate_fn=eval_loader.collate_fn,
-                            generator=loader_generator())
-    else:
-        loader = DataLoader(first, batch_size=eval_loader.batch_size, sampler=SequentialSampler(first),
-                            collate_fn=eval_loader.collate_fn, generator=loader_generator())
     every = copy.copy(args)
     every.eval_prompts = 0  # (every prompt of the loader)
-    return loader, every
+    return eval_loader_of_first(eval_loader, saved, args.seed), every
 
 
 @dataclass(frozen=True)
