@@ -405,7 +405,10 @@ def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration
     with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1: its iterations took 4 x 2 x 2 = 16 "
                                          r"prompts \(--per_device_generation_batch_size x --generation_batches x "
                                          r"ranks\), this run's 4 x 2 x 1 = 8; .* count iterations of 16 prompts: "
-                                         r"resume with --generation_batches 4$"):
+                                         r"resume with --generation_batches 4; and its optimizer steps took 4 x 1 x 2 "
+                                         r"= 8 rows .*this run's 16 x 1 x 1 = 16; .*: resume with "
+                                         r"--per_device_training_batch_size 8$"):
+        # (both products differ: both said at once, where the first alone made the user try twice)
         plan("--per_device_generation_batch_size", "4", "--generation_batches", "2")
     # an actor that had taken no step (--freezing_actor_steps) starts from its model again, but LoRA's adapters were
     # drawn at random

@@ -276,20 +276,24 @@ def check_same_products(root, tag, saved, saved_ranks, args, products, unrecorde
     """A checkpoint of ``saved_ranks`` ranks that this run of another number continues: for each (flag pair, what it
     took, unit, what counts it) of ``products``, the pair's product with the ranks is the checkpoint's (``saved``: its
     recorded values of the flags; a pair not recorded is refused, saying ``unrecorded``); else a UsageError naming the
-    flag and value to give (``same_product_advice``)."""
+    flag and value to give (``same_product_advice``), for every pair that differs at once (one error per try made
+    step 3's resume on half the ranks take two)."""
     if not saved or any(name not in saved for flags, *_ in products for name in flags):
         refuse_other_rank_count(root, tag, saved_ranks, unrecorded)
     ranks = get_world_size()
+    differing = []
     for flags, took, unit, counts in products:
         then = saved[flags[0]] * saved[flags[1]] * saved_ranks
         now = getattr(args, flags[0]) * getattr(args, flags[1]) * ranks
         if now != then:
-            raise UsageError(
-                f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has {ranks}: "
+            differing.append(
                 f"{took} {saved[flags[0]]} x {saved[flags[1]]} x {saved_ranks} = {then} {unit} (--{flags[0]} x "
                 f"--{flags[1]} x ranks), this run's {getattr(args, flags[0])} x {getattr(args, flags[1])} x {ranks} = "
                 f"{now}; {counts} {then} {unit}: "
                 + same_product_advice(then, *((name, getattr(args, name)) for name in flags), ranks, unit))
+    if differing:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
+                         f"{ranks}: " + "; and ".join(differing))
 
 
 def same_product_advice(total, first, second, ranks, unit="samples"):
