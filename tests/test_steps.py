@@ -526,6 +526,9 @@ def main():
         raise ValueError("a bug")
     if sys.argv[1] == "interrupted":
         raise KeyboardInterrupt
+    if sys.argv[1] == "printf":  # (C's stdout buffer: compiled code's output, DeepSpeed's CPU Adam's)
+        import ctypes
+        ctypes.CDLL(None).printf(b"said by C\\n")
 
 
 if sys.argv[-1] == "plain":
@@ -552,6 +555,25 @@ def test_scripts_end_with_their_status_without_the_interpreters_teardown(tmp_pat
     plain = subprocess.run([sys.executable, str(script), "finished", "plain"], env=env, capture_output=True,
                            timeout=120)
     assert plain.returncode != 0, "the teardown this test stands in for did not run: the test checks nothing"
+
+
+def test_scripts_flush_their_output_as_the_interpreters_exit_does(tmp_path):
+    """Ending without the teardown (above) must not lose output: C's buffered printf lines were dropped (DeepSpeed's
+    CPU Adam's in a redirected log), a full disk exited 0 where Python's exit gives 120, and a run started with its
+    stdout closed ended in a traceback."""
+    script = tmp_path / "script.py"
+    script.write_text(TEARDOWN_SCRIPT)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}  # (C's stdout: buffered)
+    env.update(PYTHONPATH=str(REPO), DSCHAT_TRACEBACK="0")
+    said = subprocess.run([sys.executable, str(script), "printf"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert said.returncode == 0 and "said by C" in said.stdout, said.stdout + said.stderr[-2000:]
+    with open("/dev/full", "w") as full:
+        assert subprocess.run([sys.executable, str(script), "finished"], env=env, stdout=full, timeout=120,
+                              stderr=subprocess.DEVNULL).returncode == 120
+    closed = subprocess.run(f"{sys.executable} {script} finished >&-", shell=True, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert closed.returncode == 0 and "Traceback" not in closed.stderr, closed.stderr[-2000:]
 
 
 class _Collated(Exception):

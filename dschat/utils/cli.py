@@ -110,12 +110,29 @@ def leave_process(status):
 
     threading._shutdown()  # (the interpreter's first step at exit: idle thread pools told to stop, threads joined)
     atexit._run_exitfuncs()
+    os._exit(flushed(status))
+
+
+def flushed(status):
+    """``status`` once Python's output streams and C's (printf of compiled code: DeepSpeed's CPU Adam says its
+    configuration so) are flushed, as the interpreter's exit flushes them; output a stream could not take fails a run
+    that had succeeded with 120, as the interpreter's exit does (a full disk), where a closed pipe or stream does not."""
+    import ctypes
+
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # (started with the descriptor closed)
+            continue
         try:
             stream.flush()
-        except (OSError, ValueError):  # (a closed pipe or stream: nothing more can be said on it)
+        except (BrokenPipeError, ValueError):  # (the reader has gone, or the stream was closed)
             pass
-    os._exit(status)
+        except OSError:
+            status = status or 120
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # (no C library to ask: nothing buffered there)
+        pass
+    return status
 
 
 def end_script(status=0):
