@@ -2425,9 +2425,9 @@ def test_a_resume_on_other_ranks_scores_after_ppo_the_prompts_scored_before(weig
     for rank in range(2):
         for position, (index, _) in enumerate(PaddingMarkedSampler(prompts, num_replicas=2, rank=rank,
                                                                    shuffle=False)):
-            if position < ppo.held_out_count(20, eval_prompts, batch, 2) // 2:
+            if position < ppo.step3_eval_prompts(eval_prompts, batch, 2) // 2:
                 scored_before.add(index)
-    assert scored_before == set(range(8)) and ppo.held_out_count(20, eval_prompts, batch, 1) == 4
+    assert scored_before == set(range(8)) and ppo.step3_eval_prompts(eval_prompts, batch, 1) == 4
     if weighted:
         loader = DataLoader(EvalWeighted(prompts), batch_size=batch,
                             sampler=PaddingMarkedSampler(prompts, shuffle=False), collate_fn=weighted_collator(ids))

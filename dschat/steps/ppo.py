@@ -117,13 +117,14 @@ def held_out_eval(trainer, loader, args, device, scorer):
                                eos_token_id=trainer.eos_token_id)  # (the stops of its rollouts)
 
 
-def held_out_count(prompts, eval_prompts, batch, world_size):
-    """How many of the ``prompts`` held-out prompts ``held_out_eval`` scores: each rank its share of ``eval_prompts``
-    (0: all) in whole batches of ``batch``, the ranks interleaved over the prompts in order: the first that many."""
+def step3_eval_prompts(eval_prompts, batch, world_size):
+    """How many held-out prompts step 3 scores (``held_out_eval``): each of its ranks its share of ``eval_prompts`` in
+    whole batches, the ranks interleaved over the prompts in order; so the first that many prompts, in one process
+    (0: all)."""
     if not eval_prompts:
-        return prompts
+        return 0
     per_rank = -(-eval_prompts // world_size)
-    return min(prompts, -(-per_rank // batch) * batch * world_size)
+    return -(-per_rank // batch) * batch * world_size
 
 
 def held_out_as_before(eval_loader, before, args, world_size):
@@ -132,7 +133,7 @@ def held_out_as_before(eval_loader, before, args, world_size):
     another number of ranks scored another count of the held-out prompts (the first that many, in order): this run
     then scores that first count (said), not set beside them as if comparable. Else ``eval_loader`` and ``args``."""
     saved, prompts = (before or {}).get("prompts"), len(eval_loader.dataset)
-    now = held_out_count(prompts, args.eval_prompts, eval_loader.batch_size, world_size)
+    now = min(step3_eval_prompts(args.eval_prompts, eval_loader.batch_size, world_size) or prompts, prompts)
     if not isinstance(saved, int) or not 0 < saved <= prompts or saved == now:
         return eval_loader, args
     algorithm = ALGORITHM_NAMES[args.advantage_estimator]

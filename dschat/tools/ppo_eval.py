@@ -22,7 +22,7 @@ from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.run_layout import DPO_DIR, PPO_DIR, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
-from dschat.steps.ppo import prompt_loaders
+from dschat.steps.ppo import prompt_loaders, step3_eval_prompts
 from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path, flag_path,
                                  load_policy, load_scoring_reward_model, one_process, parse_with_run_defaults)
 from dschat.utils.files import path_under
@@ -261,15 +261,6 @@ def in_moved_run(path, cwd, output_dir, record_folder, inputs=None):
         return None
     recorded = (inputs or {}).get(then_path)  # (a run that recorded none: the folder's model cannot be told apart)
     return moved if recorded is not None and holds_model(moved, recorded) else None
-
-
-def step3_eval_prompts(eval_prompts, batch, world_size):
-    """How many held-out prompts step 3 scored: each of its ranks its share of ``eval_prompts`` in whole batches,
-    the ranks interleaved over the prompts in order; so the first that many prompts, in one process (0: all)."""
-    if not eval_prompts:
-        return 0
-    per_rank = -(-eval_prompts // world_size)
-    return -(-per_rank // batch) * batch * world_size
 
 
 def parse_args(argv=None):
