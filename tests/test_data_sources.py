@@ -585,6 +585,18 @@ def test_message_lists_in_csv_cells_as_json_text_are_read(tmp_path):
     assert adapter.get_conversation(adapter.get_train_data()[0]) == [{"role": "user", "content": "[1, 2, 3]"}]
 
 
+def test_message_lists_in_csv_cells_as_indented_json_text_are_read(tmp_path):
+    # json.dumps(indent=...) writes "[\n {": such a cell was read as the raw JSON string, a prompt and answers of text
+    user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    pairs = write_records([{"prompt": json.dumps([user], indent=1), "chosen": json.dumps([answer], indent=2),
+                            "rejected": json.dumps([{"role": "assistant", "content": "Bye"}], indent=1)}] * 2,
+                          tmp_path / "pairs.csv", "csv")
+    adapter = raw(f"{pairs},{pairs}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert (adapter.get_conversation(sample), adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) \
+        == ([user], "Hello", "Bye")
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "csv"])
 def test_text_of_json_objects_that_are_no_messages_stays_text(tmp_path, kind):
     """An answer that is JSON objects (a tool call) or a prompt that is a JSON record list is text, not a message list

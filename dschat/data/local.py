@@ -883,13 +883,15 @@ def _says_true_or_false(values):
 
 # the speaker key of a message ({role, content}, ShareGPT's {from, value}): JSON text of objects with none is data
 SPEAKER_KEYS = ("role", "from")
+# JSON text of a list of objects, also as json.dumps(indent=...) writes it ("[\n {")
+_LIST_OF_OBJECTS = re.compile(r"\s*\[\s*\{")
 
 
 def _json_list_text(value):
     """A message list written as JSON text (a CSV cell holds no lists) as the list; any other value (a prompt that
     happens to read as JSON, "[1, 2, 3]", or an answer that is JSON objects, a tool call's
     '[{"name": "get_weather", "arguments": ...}]') as it is."""
-    if isinstance(value, str) and value.lstrip().startswith("[{"):
+    if isinstance(value, str) and _LIST_OF_OBJECTS.match(value):
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
