@@ -597,6 +597,25 @@ def test_message_lists_in_csv_cells_as_indented_json_text_are_read(tmp_path):
         == ([user], "Hello", "Bye")
 
 
+def test_message_lists_in_csv_cells_written_as_python_are_an_error(tmp_path):
+    # pandas' to_csv writes a list column as Python ("[{'role': 'user', ...}]"): it was trained on as text
+    user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    pairs = tmp_path / "pairs.csv"
+    pd.DataFrame([{"prompt": [user], "chosen": [answer], "rejected": [answer | {"content": "Bye"}]}] * 2).to_csv(
+        pairs, index=False)
+    with pytest.raises(DatasetFormatError, match=r"pairs.csv line 2 \(record 0\): field 'prompt': a message list "
+                                                 r"written as Python, not JSON"):
+        raw(f"{pairs},{pairs}", tmp_path)
+    chat = tmp_path / "chat.csv"
+    pd.DataFrame([{"messages": [user, answer]}] * 2).to_csv(chat, index=False)
+    with pytest.raises(DatasetFormatError, match=r"field 'messages': a message list written as Python"):
+        raw(f"{chat},{chat}", tmp_path)
+    plain = write_records([{"prompt": "[{'city': 'Paris'}] or [{'city': 'Oslo'}]?", "chosen": "Paris",
+                            "rejected": "Oslo"}] * 2, tmp_path / "cities.csv", "csv")
+    adapter = raw(f"{plain},{plain}", tmp_path)  # Python text that holds no messages stays text
+    assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Paris"
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "csv"])
 def test_text_of_json_objects_that_are_no_messages_stays_text(tmp_path, kind):
     """An answer that is JSON objects (a tool call) or a prompt that is a JSON record list is text, not a message list

@@ -706,7 +706,7 @@ class LocalDataset(PromptRawDataset):
 
     def _prompt_field_messages(self, sample):
         field = self.fields["prompt"]
-        value = _json_list_text(sample.get(field))
+        value = _json_list_text(sample.get(field), field)
         if isinstance(value, (list, tuple)):
             return prompt_messages(checked_messages(value, field), field)
         text = required_text(sample, field)
@@ -718,7 +718,7 @@ class LocalDataset(PromptRawDataset):
     @staticmethod
     def _answer_list_turns(sample, field):
         """The turns before the answer of an answer given as a message list, else None (a string answer)."""
-        value = _json_list_text(sample[field])
+        value = _json_list_text(sample[field], field)
         if not isinstance(value, (list, tuple)):
             return None
         return final_assistant_answer(checked_messages(value, field), field)[0]
@@ -739,7 +739,7 @@ class LocalDataset(PromptRawDataset):
         """The messages of a record whose last message is the user's (a message list, or a "Human: ... Assistant:"
         transcript ending with an empty assistant turn), else None."""
         field = self.fields["messages"]
-        value = _json_list_text(sample.get(field))
+        value = _json_list_text(sample.get(field), field)
         if isinstance(value, (list, tuple)):
             messages = checked_messages(value, field)
         elif isinstance(value, str) and _TRANSCRIPT_TURN.search(value):
@@ -752,7 +752,7 @@ class LocalDataset(PromptRawDataset):
         """(prompt turns, answer) of a full conversation whose last message is the assistant's answer: a message
         list, or a "Human: ... Assistant: ..." transcript (Anthropic/hh-rlhf's chosen and rejected); a chosen and
         rejected pair of plain strings, TRL's implicit prompt: the words both begin with, then each one's answer."""
-        value = _json_list_text(sample.get(field))
+        value = _json_list_text(sample.get(field), field)
         if isinstance(value, str):
             if self.shape == "chosen_messages" and self._plain_string_pair(sample):
                 return _split_at_shared_prompt(sample, field, self.fields["chosen"], self.fields["rejected"])
@@ -765,7 +765,7 @@ class LocalDataset(PromptRawDataset):
 
     def _plain_string_pair(self, sample):
         """Whether the record's chosen and rejected are both strings, neither a transcript nor a message list."""
-        values = [_json_list_text(sample.get(self.fields[name])) for name in ("chosen", "rejected")]
+        values = [_json_list_text(sample.get(self.fields[name]), self.fields[name]) for name in ("chosen", "rejected")]
         return all(isinstance(v, str) and not _TRANSCRIPT_TURN.search(v) for v in values)
 
     def get_chosen_text(self, sample):
@@ -825,7 +825,7 @@ class LocalDataset(PromptRawDataset):
     def _answer_value(self, sample, field):
         """An answer given as a string, or as a message list whose last message is the assistant's. Turns before it
         (ultrafeedback_binarized's chosen repeats its prompt) must be the prompt field's: they would be dropped."""
-        value = _json_list_text(sample[field])
+        value = _json_list_text(sample[field], field)
         if isinstance(value, (list, tuple)):
             turns, answer = final_assistant_answer(checked_messages(value, field), field)
             self._holding_prompt(turns, self._prompt_field_messages(sample), field)
@@ -887,19 +887,37 @@ SPEAKER_KEYS = ("role", "from")
 _LIST_OF_OBJECTS = re.compile(r"\s*\[\s*\{")
 
 
-def _json_list_text(value):
+def _json_list_text(value, field):
     """A message list written as JSON text (a CSV cell holds no lists) as the list; any other value (a prompt that
     happens to read as JSON, "[1, 2, 3]", or an answer that is JSON objects, a tool call's
-    '[{"name": "get_weather", "arguments": ...}]') as it is."""
+    '[{"name": "get_weather", "arguments": ...}]') as it is. A message list written as Python, as pandas' to_csv writes
+    a list column, is its record's error (it was trained on as text)."""
     if isinstance(value, str) and _LIST_OF_OBJECTS.match(value):
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
+            if _are_messages(_python_literal(value)):
+                raise RecordError(field, "a message list written as Python, not JSON (pandas' to_csv writes a list "
+                                         "column so); write it as JSON text (json.dumps) or save the file as JSON "
+                                         "Lines or parquet") from None
             return value
-        messages = isinstance(parsed, list) and parsed and all(isinstance(m, dict) for m in parsed) and \
-            any(key in m for m in parsed for key in SPEAKER_KEYS)
-        return parsed if messages else value
+        return parsed if _are_messages(parsed) else value
     return value
+
+
+def _are_messages(value):
+    return isinstance(value, list) and value and all(isinstance(m, dict) for m in value) and \
+        any(key in m for m in value for key in SPEAKER_KEYS)
+
+
+def _python_literal(text):
+    """``text`` read as a Python literal, else None."""
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
 
 
 # what chosen and rejected must hold without a prompt field: said where a record holds something else
