@@ -481,6 +481,16 @@ def test_hh_rlhf_transcripts_in_a_local_file_read_as_the_hub_adapter_reads_them(
 
 # --- bad input ---
 
+def test_a_messages_string_that_is_no_transcript_says_what_a_conversation_is(tmp_path):
+    # it said "without a 'prompt' field, chosen and rejected must be whole conversations", of a record with neither
+    path = write_records([{"messages": "Hello there"}], tmp_path / "chat.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 1 \(record 0\): field 'messages': a string without "
+                                                 r"'Human:'/'Assistant:' turns: a conversation must be a list of "
+                                                 r"messages") as error:
+        raw(path, tmp_path)
+    assert "chosen and rejected" not in str(error.value)
+
+
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     lines = [json.dumps(RECORDS[0]), "", json.dumps(RECORDS[1]), '{"prompt": "x", "chosen": ']

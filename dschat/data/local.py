@@ -756,7 +756,8 @@ class LocalDataset(PromptRawDataset):
         if isinstance(value, str):
             if self.shape == "chosen_messages" and self._plain_string_pair(sample):
                 return _split_at_shared_prompt(sample, field, self.fields["chosen"], self.fields["rejected"])
-            return _transcript_answer(sample, field)
+            return _transcript_answer(sample, field, WHOLE_CONVERSATIONS if self.shape == "chosen_messages" else
+                                      CONVERSATION)
         prompt, answer = final_assistant_answer(checked_messages(value, field), field)
         if not prompt:
             raise RecordError(field, "there must be a user message before the answer")
@@ -926,12 +927,17 @@ WHOLE_CONVERSATIONS = ("without a 'prompt' field (--data_fields prompt=...), cho
                        "strings that begin with the same prompt (TRL's implicit prompt)")
 
 
-def _transcript_answer(sample, field):
+# what a messages field must hold (the explanation above is about chosen and rejected)
+CONVERSATION = ("a conversation must be a list of messages ({role, content}) or a "
+                "\"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcript")
+
+
+def _transcript_answer(sample, field, must_hold):
     """(prompt turns, answer) of a "Human:/Assistant:" transcript string; a string with no such turns is an error
-    that says what the field must hold."""
+    that says what the field must hold (``must_hold``)."""
     text = required_text(sample, field)
     if not _TRANSCRIPT_TURN.search(text):
-        raise RecordError(field, f"a string without 'Human:'/'Assistant:' turns: {WHOLE_CONVERSATIONS}")
+        raise RecordError(field, f"a string without 'Human:'/'Assistant:' turns: {must_hold}")
     return answer_from_transcript(text, field)
 
 
