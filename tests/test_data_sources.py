@@ -481,6 +481,21 @@ def test_hh_rlhf_transcripts_in_a_local_file_read_as_the_hub_adapter_reads_them(
 
 # --- bad input ---
 
+def test_a_json_object_holding_the_records_under_a_key_says_so(tmp_path):
+    # {"data": [...]} (load_dataset's field= layout) was "one record? put it in a JSON array", or on one line a record
+    # of one column 'data', to be named with --data_fields
+    records = [{"prompt": f"Q{i}?", "chosen": "Yes.", "rejected": "No."} for i in range(3)]
+    for name, text in (("one_line.json", json.dumps({"data": records})),
+                       ("indented.json", json.dumps({"version": "1.0", "data": records}, indent=1))):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DatasetFormatError, match=rf"{name}: the records are in the list under 'data' of a JSON "
+                                                     r"object; give a file that is that list"):
+            raw(f"json:{tmp_path / name}", tmp_path)
+    (tmp_path / "record.json").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                                   {"role": "assistant", "content": "Yo"}]}))
+    assert len(raw(f"json:{tmp_path / 'record.json'}", tmp_path).raw_datasets["train"]) == 1  # a record of its own
+
+
 def test_a_messages_string_that_is_no_transcript_says_what_a_conversation_is(tmp_path):
     # it said "without a 'prompt' field, chosen and rejected must be whole conversations", of a record with neither
     path = write_records([{"messages": "Hello there"}], tmp_path / "chat.jsonl", "jsonl")

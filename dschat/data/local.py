@@ -297,6 +297,10 @@ def check_json_document(path):
         if _is_json_lines(text):
             return check_jsonl_lines(path)
         raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({_json_reason(err)})") from None
+    key = _records_key(document)
+    if key is not None and (len(document) == 1 or "\n" in text.strip()):  # (a one-key object is never a record)
+        raise DatasetFormatError(f"{path}: the records are in the list under {key!r} of a JSON object; give a file "
+                                 "that is that list (a JSON array of records) or JSON Lines")
     if isinstance(document, dict) and "\n" not in text.strip():  # JSON Lines of one record, as datasets reads it
         return check_jsonl_lines(path)
     if not isinstance(document, list):
@@ -308,6 +312,16 @@ def check_json_document(path):
         if not isinstance(record, dict):
             raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
     return None
+
+
+def _records_key(document):
+    """The key of a JSON object whose value is a list of records ({"data": [...]}, as load_dataset's field= reads
+    it), else None; a list of messages ({"messages": [{"role": ...}]}, a record's own) holds no records."""
+    if not isinstance(document, dict):
+        return None
+    return next((key for key, value in document.items() if isinstance(value, list) and value and
+                 all(isinstance(item, dict) for item in value) and
+                 not any(speaker in item for item in value for speaker in SPEAKER_KEYS)), None)
 
 
 def _is_json_lines(text):
