@@ -283,13 +283,17 @@ def test_trl_string_pairs_with_an_implicit_prompt_read_the_words_both_begin_with
     is green."}) was refused: "a string without 'Human:'/'Assistant:' turns"."""
     rows = [{"chosen": "The sky is blue.", "rejected": "The sky is green."},
             {"chosen": "Pick a color:\nblue", "rejected": "Pick a color:\nblack"},  # (not "ue" and "ack")
-            {"chosen": "Say yes. Yes", "rejected": "Say yes. Yes!"}]  # (one the other's beginning)
+            {"chosen": "Say yes. Yes", "rejected": "Say yes. Yes!"},  # (one the other's beginning)
+            {"chosen": "2+2=4", "rejected": "2+2=5"}, {"chosen": "x=12", "rejected": "x=13"},  # (no space: TRL's cut)
+            {"chosen": "天空是蓝色的", "rejected": "天空是绿色的"}]  # (no word boundary at all)
     path = write_records(rows, tmp_path / "implicit.jsonl", "jsonl")
     adapter = raw(f"{path},{path}", tmp_path)
     read = [(adapter.get_conversation(sample), adapter.get_chosen_text(sample), adapter.get_rejected_text(sample))
             for sample in adapter.get_train_data()]
-    user = [{"role": "user", "content": text} for text in ("The sky is", "Pick a color:", "Say yes.")]
-    assert read == [([user[0]], "blue.", "green."), ([user[1]], "blue", "black"), ([user[2]], "Yes", "Yes!")]
+    user = [{"role": "user", "content": text} for text in ("The sky is", "Pick a color:", "Say yes.", "2+2=", "x=",
+                                                            "天空是")]
+    assert read == [([user[0]], "blue.", "green."), ([user[1]], "blue", "black"), ([user[2]], "Yes", "Yes!"),
+                    ([user[3]], "4", "5"), ([user[4]], "12", "13"), ([user[5]], "蓝色的", "绿色的")]
     apart = write_records([{"chosen": "Blue.", "rejected": "Green."}], tmp_path / "apart.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"field 'chosen': a string without 'Human:'/'Assistant:' turns that "
                                                  r"shares no beginning with 'rejected'"):

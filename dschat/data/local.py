@@ -37,6 +37,7 @@ checked when the file is loaded: a malformed JSON line raises ``DatasetFormatErr
 missing/null/empty/wrongly typed field raises one naming the file, the record (and its line where known: JSON
 Lines, CSV) and the field.
 """
+import ast
 import functools
 import hashlib
 import json
@@ -927,8 +928,6 @@ def _are_messages(value):
 
 def _python_literal(text):
     """``text`` read as a Python literal, else None."""
-    import ast
-
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
@@ -957,10 +956,15 @@ def _transcript_answer(sample, field, must_hold):
 
 def _split_at_shared_prompt(sample, field, chosen_field, rejected_field):
     """(prompt turns, answer) of ``field`` in a pair of plain strings with TRL's implicit prompt ("The sky is blue."
-    and "The sky is green."): the prompt is the words both begin with (the start of the word they part in, "bl" of
-    "blue" and "black", stays with the answers), the answer the rest."""
+    and "The sky is green."): the prompt is what both begin with up to the last word boundary (the start of the word
+    they part in, "bl" of "blue" and "black", stays with the answers; "2+2=4" and "2+2=5" part after "2+2=", as TRL
+    cuts them), the answer the rest. Text without word boundaries ("天空是蓝色的") is cut where the two part, as TRL
+    cuts every pair."""
     chosen, rejected = required_text(sample, chosen_field), required_text(sample, rejected_field)
-    shared = re.sub(r"\S+\Z", "", os.path.commonprefix([chosen, rejected]))
+    common = os.path.commonprefix([chosen, rejected])
+    shared = re.sub(r"\w+\Z", "", common)
+    if not shared.strip():
+        shared = common
     if not shared.strip():
         other = rejected_field if field == chosen_field else chosen_field
         raise RecordError(field, f"a string without 'Human:'/'Assistant:' turns that shares no beginning with "
