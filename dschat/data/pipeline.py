@@ -360,23 +360,32 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
     seen = {"train": {}, "eval": {}}  # each split's records so far, across sources (``count_duplicates``)
     report = []
     sources = [(spec, data_split) for spec in data_path] + [(spec, None) for spec in sft_only]
-    for index, (spec, split) in enumerate(sources):
-        raw = hub[spec] if spec in hub else get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
-        if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
-            # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
-            # --sft_only_data_path under 0,0,1, need not suit it)
-            raw.check_usable(settings.train_phase)
-        # which data of a hub dataset these tokens hold (PromptDataset.hub_data): rank 0's load, or this rank's own
-        loaded = {"hub_data": hub_data_fingerprint(raw.raw_datasets)} if loads_from_the_hub(spec) else {}
-        for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
+    raws = [_usable_source(spec, split, hub, output_path, seed, local_rank, settings, field_options)
+            for spec, split in sources]
+    for split_name in ("train", "eval"):  # (every train record is seen before the eval records that repeat one)
+        for index, ((spec, split), raw) in enumerate(zip(sources, raws)):
+            data = raw.get_train_data() if split_name == "train" else raw.get_eval_data()
             records = data if split is None else _phase_share(raw, data, split_name, split, settings,
                                                               output_path, seed, local_rank, reload)
-            table, skips, notes = encode_records(raw, records, tokenizer, settings, seen[split_name], index)
+            table, skips, notes = encode_records(raw, records, tokenizer, settings, seen[split_name], index,
+                                                 seen["train"] if split_name == "eval" else None)
             parts[split_name].append(table)
+            # which data of a hub dataset these tokens hold (PromptDataset.hub_data): rank 0's load, or this rank's own
+            loaded = {"hub_data": hub_data_fingerprint(raw.raw_datasets)} if loads_from_the_hub(spec) else {}
             report.append({"source": spec, "split": split_name, "total": len(records), "skipped": dict(skips),
                            "of": len(data), "data_split": None if split is None else str(split), **notes, **loaded})
     save_cache(folder, blend(parts["train"], seed, settings.train_phase),
                blend(parts["eval"], seed, settings.train_phase), report)
+
+
+def _usable_source(spec, split, hub, output_path, seed, local_rank, settings, field_options):
+    """The raw dataset of one --data_path / --sft_only_data_path source, checked to suit the phase."""
+    raw = hub[spec] if spec in hub else get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
+    if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
+        # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
+        # --sft_only_data_path under 0,0,1, need not suit it)
+        raw.check_usable(settings.train_phase)
+    return raw
 
 
 def _phase_share(raw, data, split_name, data_split, settings, output_path, seed, local_rank, reload):
@@ -421,10 +430,11 @@ def load_cached(folder, train_phase, built):
 
 # --- encoding ---
 
-def encode_records(raw, records, tokenizer, settings, seen=None, source=0):
+def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train_seen=None):
     """(datasets.Dataset of the phase's rows, Counter of skip reasons, the report's notes) for the records of one
     source. Notes: ``cut`` (how many rows max_seq_len cut an answer of), ``formatted`` (``already_formatted(...)``),
-    ``duplicates`` (``count_duplicates``, given the split's ``seen`` records and this ``source``'s number) and with
+    ``duplicates`` (``count_duplicates``, given the split's ``seen`` records and this ``source``'s number),
+    ``in_train`` (for eval records, given every train record in ``train_seen``: how many repeat one) and with
     ``--multiturn`` ``turns`` ([earlier assistant turns trained, not found in the prompt]), ``unanswered`` and
     ``last_turn_cut`` (conversations trained on their earlier turns only: ending with a user turn, longer than
     max_seq_len)."""
@@ -446,7 +456,8 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0):
     notes = {"cut": sum(1 for row in rows if row.get("cut") or row.get("chosen_truncated")
                         or row.get("rejected_truncated")),
              "formatted": already_formatted(examples, tokenizer),
-             "duplicates": count_duplicates(kept, {} if seen is None else seen, source)}
+             "duplicates": count_duplicates(kept, {} if seen is None else seen, source),
+             "in_train": sum(record_key(example) in train_seen for example in kept) if train_seen else 0}
     if multiturn:
         notes["turns"] = [sum(len(row["label_spans"]) // 2 for row in rows), sum(row["turns_missed"] for row in rows)]
         notes["unanswered"] = unanswered
@@ -459,19 +470,24 @@ def count_duplicates(examples, seen, source):
     fields), how many of those first came from another source], else None. ``seen`` (record hash -> source number)
     carries over between the sources of a split: the same pair in two --data_path files counts too. Kept, as
     DeepSpeed-Chat and TRL keep them (a repeated record trains twice); said in the data report."""
-    import hashlib
-
     again = elsewhere = 0
     for example in examples:
-        text = json.dumps([example.messages, example.chosen, example.rejected, example.extra], sort_keys=True,
-                          ensure_ascii=False, default=str)
-        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        key = record_key(example)
         if key in seen:
             again += 1
             elsewhere += seen[key] != source
         else:
             seen[key] = source
     return [again, elsewhere] if again else None
+
+
+def record_key(example):
+    """A hash of what the phase reads of a record (messages, answers, extra fields): equal for exact copies."""
+    import hashlib
+
+    text = json.dumps([example.messages, example.chosen, example.rejected, example.extra], sort_keys=True,
+                      ensure_ascii=False, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def already_formatted(examples, tokenizer):
@@ -734,6 +750,10 @@ def format_skip_line(entry):
         cut += (f"; {count} kept {'is an exact copy' if count == 1 else 'are exact copies'} of "
                 f"{'an earlier record' if count == 1 else 'earlier records'}"
                 + (f" ({elsewhere} of another source's)" if elsewhere else "") + ": trained again")
+    if entry.get("in_train"):
+        count = entry["in_train"]
+        cut += (f"; {count} {'is an exact copy of a train record' if count == 1 else 'are exact copies of train records'}"
+                ": the held-out numbers are partly on trained data")
     if entry.get("formatted"):
         count, token = entry["formatted"]
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "
