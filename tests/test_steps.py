@@ -529,6 +529,9 @@ def main():
     if sys.argv[1] == "printf":  # (C's stdout buffer: compiled code's output, DeepSpeed's CPU Adam's)
         import ctypes
         ctypes.CDLL(None).printf(b"said by C\\n")
+    if sys.argv[1] == "endless":  # (until the reader goes: `| head`)
+        while True:
+            print("more", flush=True)
 
 
 if sys.argv[-1] == "plain":
@@ -574,6 +577,20 @@ def test_scripts_flush_their_output_as_the_interpreters_exit_does(tmp_path):
     closed = subprocess.run(f"{sys.executable} {script} finished >&-", shell=True, env=env, capture_output=True,
                             text=True, timeout=120)
     assert closed.returncode == 0 and "Traceback" not in closed.stderr, closed.stderr[-2000:]
+
+
+def test_scripts_end_quietly_when_the_reader_of_their_output_goes(tmp_path):
+    """`tool.py | head`: the reader closing the pipe ended a finished tool's printing with a BrokenPipeError
+    traceback and status 1; it ends as the pipe's signal ends a C program, 141 (128 + SIGPIPE), without one."""
+    script = tmp_path / "script.py"
+    script.write_text(TEARDOWN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DSCHAT_TRACEBACK": "0"}
+    proc = subprocess.Popen([sys.executable, str(script), "endless"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "main returned\n"
+    proc.stdout.close()  # (as head does once it has its lines)
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in stderr, stderr[-2000:]
 
 
 class _Collated(Exception):

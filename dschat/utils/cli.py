@@ -86,9 +86,34 @@ def run_script(main, resumable=False):
     except SystemExit as stop:
         status = exit_status(stop.code)
     except BaseException as error:  # noqa: BLE001 (a bug, or DSCHAT_TRACEBACK=1: the traceback the interpreter prints)
-        traceback.print_exc()
-        status = 130 if isinstance(error, KeyboardInterrupt) else 1  # (the shell's status for Ctrl-C)
+        if isinstance(error, BrokenPipeError) and output_reader_gone():
+            status = 141  # (`| head` has its lines: the status SIGPIPE gives a C program, 128 + 13, no traceback)
+        else:
+            traceback.print_exc()
+            status = 130 if isinstance(error, KeyboardInterrupt) else 1  # (the shell's status for Ctrl-C)
     leave_process(status)
+
+
+def output_reader_gone():
+    """Whether stdout or stderr is a pipe whose reader has closed it (a BrokenPipeError of another pipe is a bug's);
+    such a stream is pointed at /dev/null, as Python's documentation advises, so that what is still written (atexit
+    handlers, the flush at exit) goes nowhere instead of raising again."""
+    import select
+
+    gone = False
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            poller = select.poll()
+            poller.register(stream.fileno(), select.POLLOUT)
+            if not any(events & select.POLLERR for _, events in poller.poll(0)):  # (a pipe without its reader)
+                continue
+        except (AttributeError, ValueError, OSError):  # (no descriptor, closed, or no poll on this system)
+            continue
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+        gone = True
+    return gone
 
 
 def exit_status(code):
