@@ -612,6 +612,18 @@ def test_generate_experience_takes_a_tokenizers_output_and_refuses_right_padding
         trainer.generate_experience(right["input_ids"])
 
 
+def test_generate_experience_names_the_callers_right_padded_rows_under_answer_groups(trained, tmp_path):
+    """With --n_samples_per_prompt 2 the refusal named the rows of the repeated batch ([0, 1] for the caller's row 0,
+    [2, 3] for its row 1): the rows named are the caller's."""
+    from dschat.models.loading import load_tokenizer
+
+    _, trainer, _ = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=2)
+    texts = ["\n\nHuman: List three colors please, thanks.\n\nAssistant:", "\n\nHuman: Say hi.\n\nAssistant:"]
+    right = load_tokenizer(str(trained / "sft"))(texts, return_tensors="pt", padding=True)  # row 1 alone is padded
+    with pytest.raises(ValueError, match=r"LEFT-padded, but row\(s\) \[1\] of"):
+        trainer.generate_experience(right)
+
+
 def test_notebook_train_rlhf_with_global_token_mean_counts_the_experiences_tokens(trained, tmp_path):
     """Step 3 sets each micro-batch's "num_tokens_global"; an experience from generate_experience has none."""
     from dschat.errors import UsageError

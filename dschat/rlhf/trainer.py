@@ -311,7 +311,9 @@ class DeepSpeedPPOTrainer:
         generated from stop every rank together (on several ranks, one stopping alone would leave the others
         waiting in the generation's collectives)."""
         def checked():
-            batch = self._repeat_for_groups(prompt_batch(prompts, mask))
+            given = prompt_batch(prompts, mask)
+            check_left_padded(given["prompt_att_mask"])  # (before the groups' repeat: the rows named are the caller's)
+            batch = self._repeat_for_groups(given)
             on_device = batch["prompt"].to(self.device), batch["prompt_att_mask"].to(self.device)
             check_prompt_length(on_device[1], self.args.max_prompt_seq_len)
             return batch, *on_device
