@@ -253,6 +253,21 @@ def test_a_reward_model_where_a_policy_belongs_is_an_error(models):
         load_causal_lm(models["rm"], tokenizer)
 
 
+def test_a_reward_model_as_the_second_policy_is_refused_with_its_flag_before_any_model_loads(models, monkeypatch):
+    """ppo_eval's --baseline and prompt_eval's --model_name_or_path_finetune were refused only once that model loaded,
+    after the first one had answered every prompt (a long wait with real models), and without their flag."""
+    from dschat.errors import UsageError
+
+    fail = lambda *a, **k: pytest.fail("a model loaded before the reward model was refused")  # noqa: E731
+    monkeypatch.setattr(ppo_eval, "load_policy", fail)
+    monkeypatch.setattr(prompt_eval, "load_policy", fail)
+    with pytest.raises(UsageError, match=f"--baseline {re.escape(models['rm'])}: a reward model .*not a policy"):
+        ppo_eval.main(["--policy", models["policy"], "--baseline", models["rm"], "--reward_model", models["rm"]])
+    with pytest.raises(UsageError, match="--model_name_or_path_finetune .*: a reward model .*not a policy"):
+        prompt_eval.main(["--model_name_or_path_baseline", models["policy"], "--model_name_or_path_finetune",
+                          models["rm"], "--prompts", "Say hi."])
+
+
 def test_answer_text_drops_eot_what_follows_and_padding(session):
     tokenizer = session.tokenizer
     ids = tokenizer(" red, blue", add_special_tokens=False)["input_ids"]

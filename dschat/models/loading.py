@@ -601,15 +601,20 @@ def sync_special_tokens(model, tokenizer):
         generation_config.eos_token_id = eos if len(eos) > 1 else eos[0]
 
 
-def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):
-    """A policy (SFT model, actor, reference, DPO policy). A step-2 reward-model folder is an error: it holds no LM
-    head, so the model would generate from a new random one and still train and be scored."""
+def check_not_a_reward_model(model_name_or_path):
+    """A step-2 reward-model folder given as a policy is an error: it holds no LM head, so the model would generate
+    from a new random one and still train and be scored."""
     from dschat.models.reward_model import is_reward_model_folder
 
     path = resolve_model_path(model_name_or_path)
     if os.path.isdir(path) and is_reward_model_folder(path):
         raise UsageError(f"{model_name_or_path}: a reward model (step 2's output), not a policy: pass a language "
                          "model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
+
+
+def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):
+    """A policy (SFT model, actor, reference, DPO policy); not a reward model (``check_not_a_reward_model``)."""
+    check_not_a_reward_model(model_name_or_path)
     return create_hf_model(AutoModelForCausalLM, model_name_or_path, tokenizer, ds_config, dropout=dropout,
                            dtype=dtype)
 

@@ -8,8 +8,8 @@ import torch
 
 from dschat.args import check_sampling_flags, positive_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
-from dschat.models.loading import (check_not_a_file, looks_local, missing_folder_message, not_a_model_folder,
-                                   unfetchable_hub_name, unknown_tiny_preset)
+from dschat.models.loading import (check_not_a_file, check_not_a_reward_model, looks_local, missing_folder_message,
+                                   not_a_model_folder, unfetchable_hub_name, unknown_tiny_preset)
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
@@ -72,17 +72,20 @@ def _model_folder(path, subfolders, reported=None):
 
 def find_policy_path(path):
     """A run's output folder -> the policy its last train.py run reported, else its PPO actor, DPO policy or SFT
-    model, in that order; a model folder or hub name as is."""
-    return _model_folder(path, POLICY_SUBFOLDERS, _reported_policy(os.path.expanduser(path)))
+    model, in that order; a model folder or hub name as is. A reward model is refused here, before any model loads:
+    ppo_eval and prompt_eval refused one given as their second model only after the first one's answers."""
+    found = _model_folder(path, POLICY_SUBFOLDERS, _reported_policy(os.path.expanduser(path)))
+    check_not_a_reward_model(found)
+    return found
 
 
 def flag_path(flag, find, value):
-    """``find(value)`` (``find_policy_path``, ``find_reward_model_path``); a missing model is said with its flag, an
-    unfinished step's (``unfinished_reason``) is warned of."""
+    """``find(value)`` (``find_policy_path``, ``find_reward_model_path``); a model it refuses (missing, a reward model
+    for a policy) is said with its flag, an unfinished step's (``unfinished_reason``) is warned of."""
     try:
         path = find(value)
-    except MissingInputError as err:
-        raise MissingInputError(f"{flag} {err}") from err
+    except UsageError as err:  # (a missing folder, a reward model given as a policy, ...)
+        raise type(err)(f"{flag} {err}") from err
     if reason := unfinished_reason(path):
         say_once(f"warning: {flag} {path}: {reason}")  # (once: rw_eval and ppo_eval look their model up twice)
     elif os.path.isdir(os.path.expanduser(value)) and _reported(os.path.expanduser(value), "unfinished"):
