@@ -268,6 +268,24 @@ def test_a_reward_model_as_the_second_policy_is_refused_with_its_flag_before_any
                           models["rm"], "--prompts", "Say hi."])
 
 
+def test_ppo_eval_refuses_a_baseline_the_reward_model_cannot_read_before_any_model_loads(models, tmp_path,
+                                                                                        monkeypatch):
+    """A baseline whose tokenizer formats text otherwise than the reward model's was refused only after the policy
+    had answered and been scored on every held-out prompt."""
+    from dschat.errors import UsageError
+
+    baseline = tmp_path / "templated"
+    shutil.copytree(models["baseline"], baseline)
+    config_file = baseline / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    config_file.write_text(json.dumps(config))
+    monkeypatch.setattr(ppo_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    with pytest.raises(UsageError, match=f"{re.escape(str(baseline))} .*chat template"):
+        ppo_eval.main(["--policy", models["policy"], "--baseline", str(baseline), "--reward_model", models["rm"]])
+
+
 def test_answer_text_drops_eot_what_follows_and_padding(session):
     tokenizer = session.tokenizer
     ids = tokenizer(" red, blue", add_special_tokens=False)["input_ids"]

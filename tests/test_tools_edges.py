@@ -68,6 +68,7 @@ def test_ppo_eval_checks_its_output_json_path_before_any_model_loads(tmp_path, m
         raise AssertionError("evaluated before the --output_json path was checked")
 
     monkeypatch.setattr(ppo_eval, "evaluate_model", no_evaluation)
+    monkeypatch.setattr(ppo_eval, "check_reward_model_reads", lambda *a: None)  # (the stub folders hold no tokenizer)
     policy = _model_folder(tmp_path / "policy")
     (tmp_path / "a_file").write_text("")
     for path, said in ((tmp_path, "a folder; give a file to write"), (tmp_path / "a_file" / "eval.json", "is a file")):

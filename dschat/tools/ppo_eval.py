@@ -41,10 +41,6 @@ def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by
     model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
     if reward_model is None and reward_model_path:
         reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
-    if reward_model_path:  # each policy: a baseline of another family would be scored as other text
-        check_scores_actor_text(tokenizer, path, load_tokenizer(resolve_model_path(reward_model_path),
-                                                                add_eot_token=args.add_eot_token),
-                                reward_model_path, "the reward model")
     for checked in (model, reward_model):  # as step 3 checks its models: not an IndexError mid-generation
         if checked is not None:
             check_sequence_fits(checked, args.max_prompt_seq_len + args.max_new_tokens,
@@ -60,6 +56,15 @@ def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by
                              reward_fn=load_reward_fn(args.reward_fn) if args.reward_fn else None,
                              eos_token_id=stop_token_ids(model, tokenizer))  # (as step 3 and the other tools stop)
     return {"path": path, **result}, reward_model
+
+
+def check_reward_model_reads(paths, reward_model_path, args):
+    """The reward model reads each policy's text (``check_scores_actor_text``), checked on their tokenizers before
+    any model loads: a baseline of another family was refused only after the policy had answered every prompt."""
+    reward_tokenizer = load_tokenizer(resolve_model_path(reward_model_path), add_eot_token=args.add_eot_token)
+    for path in paths.values():
+        check_scores_actor_text(load_tokenizer(resolve_model_path(path), add_eot_token=args.add_eot_token), path,
+                                reward_tokenizer, reward_model_path, "the reward model")
 
 
 def held_out_prompts(args, tokenizer, by_tokenizer):
@@ -284,6 +289,8 @@ def main(argv=None):
     paths = {"policy": args.policy}
     if args.baseline:
         paths["baseline"] = flag_path("--baseline", find_policy_path, args.baseline)
+    if reward_model_path:
+        check_reward_model_reads(paths, reward_model_path, args)
     results, reward_model, held_out_by_tokenizer = {}, None, {}
     for role, path in paths.items():
         results[role], reward_model = evaluate_model(path, reward_model_path, args, reward_model,
