@@ -4,6 +4,7 @@ with that message and exit status 2, not a traceback through DeepSpeed, datasets
 and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks."""
 import hashlib
 import os
+import select
 import sys
 import tempfile
 import time
@@ -98,8 +99,6 @@ def output_reader_gone():
     """Whether stdout or stderr is a pipe whose reader has closed it (a BrokenPipeError of another pipe is a bug's);
     such a stream is pointed at /dev/null, as Python's documentation advises, so that what is still written (atexit
     handlers, the flush at exit) goes nowhere instead of raising again."""
-    import select
-
     gone = False
     for stream in (sys.stdout, sys.stderr):
         try:
