@@ -420,11 +420,15 @@ def check_model_folders(steps, args):
     step 2, a trained reward model) that cannot load (``check_model_path``): an error naming the flag before step 1
     runs, not a hub lookup's traceback. Also an error: --reward-model with --recipe dpo, or one that is no trained
     reward model with --recipe grpo; PPO's step 3 alone says it scores with step 2's output instead."""
-    from dschat.models.loading import check_model_path, check_tokenizer_files
+    from dschat.models.loading import check_model_path, check_not_a_reward_model, check_tokenizer_files
 
     if 1 in steps:
         check_model_path(args.actor_model, "--actor-model")
         check_tokenizer_files(args.actor_model, "--actor-model")  # (step 1 would fail on it after reading the data)
+        try:  # (step 1 refused it only after loading its data, a hub dataset's included, without the flag)
+            check_not_a_reward_model(args.actor_model)
+        except UsageError as error:
+            raise UsageError(f"--actor-model {error}") from None
     recipe, named = getattr(args, "recipe", "ppo"), args.reward_model != args.actor_model
     if recipe == "dpo" and named:  # (it would turn the tiny recipe off, or load DeepSpeed-Chat's hub data)
         raise UsageError(f"--reward-model {args.reward_model}: --recipe dpo scores with no reward model (DPO learns "

@@ -682,7 +682,7 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
     without step 2 it read OUTPUT/step2_rm only. A trained reward model as --reward-model now scores step 3 and starts
     its critic; the report says so and leaves an older step2_rm in the folder out."""
     from dschat import pipeline
-    from dschat.errors import MissingInputError
+    from dschat.errors import MissingInputError, UsageError
     from dschat.tools.common import find_reward_model_path
 
     monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
@@ -716,6 +716,9 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
     with pytest.raises(MissingInputError, match="--reward-model .*typo"):  # a mistyped folder: not step 2's instead
         pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                                          str(tmp_path / "typo")))
+    # a reward model to start step 1 from: refused with its flag before any data loads (it was step 1's error)
+    with pytest.raises(UsageError, match=f"--actor-model {rm}: a reward model .*not a policy"):
+        pipeline.check_model_folders([1, 3], _train_py_args("--output-dir", str(out), "--actor-model", str(rm)))
     (rm / "config.json").unlink()
     with pytest.raises(MissingInputError, match=f"its step 3 scored with the reward model {rm} .*holds no model now"):
         find_reward_model_path(str(out))

@@ -242,6 +242,20 @@ def test_the_tools_name_the_flag_of_a_missing_model_before_any_model_loads(model
         rw_eval.main(["--model_name_or_path", models["rm"], "--pairs_file", str(tmp_path / "pairs.jsonl")])
 
 
+def test_a_policy_where_a_reward_model_belongs_is_refused_with_its_flag_before_any_model_loads(models, monkeypatch):
+    """ppo_eval --reward_model and rw_eval --model_name_or_path given an SFT folder were refused without their flag,
+    ppo_eval's after the policy had loaded."""
+    import dschat.tools.common
+    from dschat.errors import UsageError
+
+    monkeypatch.setattr(dschat.tools.common, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    policy = models["policy"]
+    with pytest.raises(UsageError, match=f"--reward_model {policy}: not a reward model"):
+        ppo_eval.main(["--policy", policy, "--reward_model", policy])
+    with pytest.raises(UsageError, match=f"--model_name_or_path {policy}: not a reward model"):
+        rw_eval.main(["--model_name_or_path", policy])
+
+
 def test_a_reward_model_where_a_policy_belongs_is_an_error(models):
     from dschat.errors import UsageError
     from dschat.models.loading import load_causal_lm

@@ -101,7 +101,20 @@ def find_reward_model_path(path):
     if given and os.path.isabs(given) and not os.path.isfile(os.path.join(given, "config.json")):
         raise MissingInputError(f"{path}: its step 3 scored with the reward model {given} (report.json), which holds "
                                 "no model now: give a reward model folder")
-    return given or _model_folder(path, REWARD_SUBFOLDERS)
+    found = given or _model_folder(path, REWARD_SUBFOLDERS)
+    if os.path.isdir(os.path.expanduser(found)):  # (a hub model's head is checked once it has loaded)
+        check_reward_model(found)
+    return found
+
+
+def check_reward_model(path):
+    """A folder or hub name without a trained value head is an error: its scores, from a new random head, mean
+    nothing."""
+    from dschat.models.reward_model import VALUE_HEAD_FILES, is_reward_model_folder, reward_model_folder
+
+    if not is_reward_model_folder(reward_model_folder(path)):
+        raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
+                         f"e.g. train.py's <output>/step2_rm")
 
 
 def parse_with_run_defaults(parser, argv, run_defaults, tool, goes_with=None):
@@ -238,12 +251,9 @@ def load_policy(path, device=None, dtype=None, add_eot_token=False):
 def load_scoring_reward_model(path, tokenizer, device=None, dtype=None):
     """The trained reward model at ``path`` (a folder or hub name of a layout ``is_reward_model_folder`` knows) in
     eval mode, its embeddings grown to ``tokenizer`` as in training; an OpenRLHF model's scores normalized as saved."""
-    from dschat.models.reward_model import (VALUE_HEAD_FILES, is_reward_model_folder, load_reward_model,
-                                            reward_model_folder)
+    from dschat.models.reward_model import load_reward_model
 
-    if not is_reward_model_folder(reward_model_folder(path)):  # scores from a new random head mean nothing
-        raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
-                         f"e.g. train.py's <output>/step2_rm")
+    check_reward_model(path)
     model = load_reward_model(path, tokenizer=tokenizer, dtype=dtype)
     if model.score_normalization:
         say_once("[dschat] the reward model {} scores as it was saved (normalized, as OpenRLHF's normalize_reward): (score - {:.4g}) "
