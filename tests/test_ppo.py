@@ -1384,6 +1384,15 @@ def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch)
                                  "for i, prompt_batch in zip(range(2), prompt_dataloader):"), "README", "exec"),
          namespace)
     assert math.isfinite(namespace["trained"]["actor_loss"]) and math.isfinite(namespace["trained"]["critic_loss"])
+    # the snippet sets what the demo's step 3 sets, with the demo's values (without its rates the critic hardly learnt)
+    from dschat.pipeline import TINY_RECIPE
+
+    given = dict(zip(TINY_RECIPE[3][::2], TINY_RECIPE[3][1::2]))
+    written = eval(re.search(r"args = (\{.*?\})\n", readme, re.S).group(1))  # (as the README has it)
+    for name in ("actor_learning_rate", "critic_learning_rate", "max_prompt_seq_len", "max_answer_seq_len",
+                 "per_device_generation_batch_size", "per_device_training_batch_size"):
+        assert float(written[name]) == float(given["--" + name]), name
+    assert written["data_split"] == given["--data_split"]
     from transformers import AutoModelForCausalLM
 
     from dschat.models.lora import unwrap_peft
