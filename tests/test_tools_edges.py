@@ -69,13 +69,14 @@ def test_ppo_eval_checks_its_output_json_path_before_any_model_loads(tmp_path, m
 
     monkeypatch.setattr(ppo_eval, "evaluate_model", no_evaluation)
     monkeypatch.setattr(ppo_eval, "check_reward_model_reads", lambda *a: None)  # (the stub folders hold no tokenizer)
-    policy = _model_folder(tmp_path / "policy")
+    policy, rm = _model_folder(tmp_path / "policy"), _model_folder(tmp_path / "rm")
+    (rm / "value_head.safetensors").write_bytes(b"")  # (what marks a reward model's folder)
     (tmp_path / "a_file").write_text("")
     for path, said in ((tmp_path, "a folder; give a file to write"), (tmp_path / "a_file" / "eval.json", "is a file")):
         with pytest.raises(UsageError, match=f"--output_json .*{said}"):
-            ppo_eval.main(["--policy", str(policy), "--reward_model", str(policy), "--output_json", str(path)])
+            ppo_eval.main(["--policy", str(policy), "--reward_model", str(rm), "--output_json", str(path)])
     with pytest.raises(AssertionError, match="evaluated before"):  # a new file in new folders is fine
-        ppo_eval.main(["--policy", str(policy), "--reward_model", str(policy),
+        ppo_eval.main(["--policy", str(policy), "--reward_model", str(rm),
                        "--output_json", str(tmp_path / "new" / "eval.json")])
 
 
