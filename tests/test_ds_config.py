@@ -189,6 +189,24 @@ def test_mixed_precision_lora_quantizes_only_the_actors_frozen_weights_and_says_
             check_step3_settings(step3_args({**ready, key: value}), 1)
 
 
+def test_mixed_precision_lora_on_an_accelerator_without_deepspeeds_quantizer_is_an_error_naming_the_flag(monkeypatch):
+    # the CPU accelerator builds no quantizer op: the flag ended in DeepSpeed's "This op had not been implemented on
+    # CPU backend." traceback from inside the actor's load, after the data and the tokenizer had loaded
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder
+
+    from dschat.rlhf.engine import check_step3_settings
+
+    accelerator = get_accelerator()
+    own = accelerator.get_op_builder
+    monkeypatch.setattr(accelerator, "get_op_builder",
+                        lambda name: NotImplementedBuilder if name == "QuantizerBuilder" else own(name))
+    ready = {"enable_mixed_precision_lora": True, "actor_lora_dim": 8, "actor_zero_stage": 3, "critic_zero_stage": 3,
+             "dtype": "fp16", "actor_model_name_or_path": "tiny-llama"}
+    with pytest.raises(ValueError, match="--enable_mixed_precision_lora: DeepSpeed's .* accelerator has no quantizer"):
+        check_step3_settings(step3_args(ready), 1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run it on the device machine")
 def test_mixed_precision_lora_trains_and_saves_the_merged_actor_on_the_gpu(tmp_path):
     """``tests/scripts/mixed_precision_lora_gpu.py`` in a process of its own (a world of one): step 3 with int8 frozen

@@ -108,6 +108,21 @@ def check_mixed_precision_lora(args):
     return True
 
 
+def check_quantizer_available(args):
+    """--enable_mixed_precision_lora stores the frozen weights with DeepSpeed's quantizer op, which some accelerators
+    do not build (the CPU's): said before anything loads, not as DeepSpeed's "not implemented" traceback from inside
+    the actor's load."""
+    if not args.enable_mixed_precision_lora:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    builder = accelerator.get_op_builder("QuantizerBuilder")
+    if builder is None or builder.__name__ == "NotImplementedBuilder":
+        raise UsageError(f"--enable_mixed_precision_lora: DeepSpeed's {accelerator.device_name()} accelerator has no "
+                         "quantizer op to store the frozen weights in int8 (it needs a GPU); drop the flag")
+
+
 def quantize_frozen_weights(engine):
     """Mixed Precision ZeRO++: store the frozen (non-LoRA) partitions in int8. DeepSpeed decides what to quantize
     when it partitions the model, before LoRA froze the base weights, hence this second pass (as DeepSpeed-Chat
@@ -278,6 +293,7 @@ def check_step3_settings(args, world_size, actor_architecture=None):
     check_phase_share(args.data_split, 3)
     check_data_paths(args.data_path)
     actor = step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine, quiet=True)
+    check_quantizer_available(args)
     longest = longest_sequence(args)
     out_tokens = actor.get("hybrid_engine", {}).get("max_out_tokens", longest)
     if args.enable_hybrid_engine and out_tokens < longest:
