@@ -242,7 +242,9 @@ def check_step_args(steps, args, tiny, parsers):
         parse_field_map(flags.data_fields)  # (a step reads it with its data: after train.py has reset the report)
         if step == 3:
             # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from
-            check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None)
+            # (and step 2's may hold an earlier run's reward model: the critic is checked when step 3 loads it)
+            check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None,
+                                 critic_made_later=2 in steps)
             if steps != [3]:  # step 3 alone counts its prompts at once; after other steps, it would count them late
                 check_step3_prompts(step3_args(flags), get_world_size())
         else:

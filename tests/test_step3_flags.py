@@ -549,6 +549,24 @@ def test_a_lora_module_name_that_matches_no_layer_is_an_error_naming_step3s_flag
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_lora_module_name_that_matches_no_layer_fails_before_any_model_loads(role):
+    # the name was only checked as the model loaded: after an actor of billions of parameters had loaded, and under
+    # train.py after steps 1 and 2 had trained (DeepSpeed-Chat's OPT scripts' "decoder.layers." on a Llama actor)
+    settings = {f"{role}_lora_dim": 4, "actor_model_name_or_path": "tiny-llama", "critic_model_name_or_path": "tiny-llama"}
+    with pytest.raises(UsageError, match=rf"^--{role}_lora_module_name 'decoder.layers.' matches no Linear module"):
+        check_step3_settings(step3_args({**settings, f"{role}_lora_module_name": "decoder.layers."}), 1)
+    check_step3_settings(step3_args({**settings, f"{role}_lora_module_name": "layers."}), 1)
+
+
+def test_a_lora_module_name_is_checked_on_the_model_step1_starts_from_under_train_py():
+    args = step3_args({"actor_lora_dim": 4, "actor_lora_module_name": "decoder.layers.",
+                       "actor_model_name_or_path": "/no/step1_sft/yet"})
+    check_step3_settings(args, 1)  # the actor step 1 writes later: checked when step 3 loads it
+    with pytest.raises(UsageError, match="^--actor_lora_module_name 'decoder.layers.' matches no Linear module"):
+        check_step3_settings(args, 1, actor_architecture="tiny-llama")
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
 def test_an_actor_or_critic_training_with_its_configs_dropout_is_said(role, monkeypatch, capsys):
     """OPT's config has dropout 0.1: the rollout's log-probs and values come from eval-mode forwards, the PPO step's
     from training-mode ones, so the ratio / value clip would measure dropout noise. Said unless the flag is given."""

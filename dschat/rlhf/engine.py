@@ -215,6 +215,31 @@ def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=Tr
                          f"{config.model_type!r}) over {tp} ranks: {error}") from None
 
 
+def check_lora_module_names(args, actor_path, critic_path):
+    """--actor_/--critic_lora_module_name against the models' configs (built on the meta device: no weights) before
+    anything loads; they were said only as each model loaded (after the actor, and under train.py after steps 1 and 2
+    had trained). A model not readable yet (``critic_path`` None: train.py's step 2 writes it later) or of a family
+    transformers' auto classes cannot build is checked when it loads."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from dschat.models.lora import lora_target_modules
+
+    models = [("actor", args.actor_lora_dim, args.actor_lora_module_name, actor_path, AutoModelForCausalLM)]
+    if args.advantage_estimator == "gae" and critic_path is not None:  # the critic's backbone: a base model
+        models.append(("critic", args.critic_lora_dim, args.critic_lora_module_name, critic_path, AutoModel))
+    for role, dim, module_name, path, auto_class in models:
+        config = _model_config(path, local_only=True) if dim and module_name else None
+        if config is None:
+            continue
+        try:
+            with torch.device("meta"):
+                model = auto_class.from_config(config)
+        except (ValueError, ImportError, KeyError, TypeError):
+            continue
+        lora_target_modules(model, module_name, f"--{role}_lora_module_name")
+
+
 def check_local_window(args, actor_path, local_only=True):
     """A model whose local attention window bounds the hybrid engine's cache (GPT-Neo, ``longest_cache``) against the
     longest sequence step 3 generates: refused before any weight loads, not at the first generation. A hub actor not
@@ -282,13 +307,14 @@ def check_settings(args):
     check_schedule_reaches_its_end(args.lr_scheduler_type, trained)
 
 
-def check_step3_settings(args, world_size, actor_architecture=None):
+def check_step3_settings(args, world_size, actor_architecture=None, critic_made_later=False):
     """Every check of step 3's flags before any data or model loads: ``check_settings``, the data split and paths,
     gradient accumulation, the actor's config against the lengths and the hybrid engine (tensor parallelism, local
     attention window), and the actor's and critic's training configs built once, quietly, so that a config file that
     contradicts the flags fails now. ``actor_architecture``: where the actor's config is read for the checks that need
     it, when not from --actor_model_name_or_path (train.py, before step 1 writes that folder: the model step 1 starts
-    from, whose architecture it keeps)."""
+    from, whose architecture it keeps); ``critic_made_later``: train.py's step 2 writes the critic's folder (its LoRA
+    module name is checked when step 3 loads it)."""
     check_settings(args)
     check_phase_share(args.data_split, 3)
     check_data_paths(args.data_path)
@@ -303,6 +329,8 @@ def check_step3_settings(args, world_size, actor_architecture=None):
     check_inference_tp(args, world_size, actor.get("hybrid_engine", {}),
                        actor_architecture or args.actor_model_name_or_path)
     check_local_window(args, actor_architecture or args.actor_model_name_or_path)
+    check_lora_module_names(args, actor_architecture or args.actor_model_name_or_path,
+                            None if critic_made_later else args.critic_model_name_or_path)
     check_accumulation(args)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
