@@ -300,6 +300,26 @@ def test_trl_string_pairs_with_an_implicit_prompt_read_the_words_both_begin_with
         raw(apart, tmp_path)
 
 
+def test_trl_string_pairs_whose_first_words_merely_begin_alike_share_no_prompt(tmp_path):
+    # "Blue."/"Black." were read with the prompt "Bl", "Sure, ..."/"Sorry, ..." with the prompt "S" (the cut where
+    # two texts part, meant for text without spaces, was taken for any pair parting in its first word); a shared
+    # beginning in an unspaced script after a spaced one keeps its characters
+    for pair in ({"chosen": "Blue.", "rejected": "Black."},
+                 {"chosen": "Sure, here it is.", "rejected": "Sorry, I cannot help."}):
+        path = write_records([pair], tmp_path / "apart.jsonl", "jsonl")
+        with pytest.raises(DatasetFormatError, match=r"field 'chosen': a string without 'Human:'/'Assistant:' turns "
+                                                     r"that shares no beginning with 'rejected'"):
+            adapter = raw(f"{path},{path}", tmp_path)
+            adapter.get_conversation(adapter.get_train_data()[0])
+    rows = [{"chosen": "答：天空是蓝色的", "rejected": "答：天空是绿色的"}, {"chosen": "Q: 空は青い", "rejected": "Q: 空は赤い"}]
+    path = write_records(rows, tmp_path / "mixed.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    read = [(adapter.get_conversation(sample), adapter.get_chosen_text(sample), adapter.get_rejected_text(sample))
+            for sample in adapter.get_train_data()]
+    assert read == [([{"role": "user", "content": "答：天空是"}], "蓝色的", "绿色的"),
+                    ([{"role": "user", "content": "Q: 空は"}], "青い", "赤い")]
+
+
 def test_trl_prompt_completion_records_read_the_completion_as_the_answer(tmp_path):
     """TRL's SFT format: it was "has prompts but no answers", usable in step 3 only."""
     user = {"role": "user", "content": "Name a color."}

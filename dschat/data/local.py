@@ -954,17 +954,23 @@ def _transcript_answer(sample, field, must_hold):
     return answer_from_transcript(text, field)
 
 
+# scripts written without spaces between words (Han, kana, Thai, Lao, Khmer, Myanmar, Tibetan): each character is a
+# word boundary's side, so a shared beginning in them ends where the two part
+_UNSPACED_SCRIPTS = ("\u0e00-\u0eff\u0f00-\u0fff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+                     "\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003ffff")
+# the end of a shared beginning that is the start of a word of a spaced script: it stays with the answers
+_SPACED_WORD_TAIL = re.compile(rf"[^\W{_UNSPACED_SCRIPTS}]+\Z")
+
+
 def _split_at_shared_prompt(sample, field, chosen_field, rejected_field):
     """(prompt turns, answer) of ``field`` in a pair of plain strings with TRL's implicit prompt ("The sky is blue."
     and "The sky is green."): the prompt is what both begin with up to the last word boundary (the start of the word
     they part in, "bl" of "blue" and "black", stays with the answers; "2+2=4" and "2+2=5" part after "2+2=", as TRL
     cuts them), the answer the rest. Text without word boundaries ("天空是蓝色的") is cut where the two part, as TRL
-    cuts every pair."""
+    cuts every pair: each of its characters is a word). Words of a spaced script that merely begin alike ("Blue."
+    and "Black.", "Sure, ..." and "Sorry, ...") share no prompt: "Bl" or "S" is no prompt."""
     chosen, rejected = required_text(sample, chosen_field), required_text(sample, rejected_field)
-    common = os.path.commonprefix([chosen, rejected])
-    shared = re.sub(r"\w+\Z", "", common)
-    if not shared.strip():
-        shared = common
+    shared = _SPACED_WORD_TAIL.sub("", os.path.commonprefix([chosen, rejected]))
     if not shared.strip():
         other = rejected_field if field == chosen_field else chosen_field
         raise RecordError(field, f"a string without 'Human:'/'Assistant:' turns that shares no beginning with "
