@@ -509,15 +509,36 @@ def test_a_json_object_holding_the_records_under_a_key_says_so(tmp_path):
     # {"data": [...]} (load_dataset's field= layout) was "one record? put it in a JSON array", or on one line a record
     # of one column 'data', to be named with --data_fields
     records = [{"prompt": f"Q{i}?", "chosen": "Yes.", "rejected": "No."} for i in range(3)]
-    for name, text in (("one_line.json", json.dumps({"data": records})),
-                       ("indented.json", json.dumps({"version": "1.0", "data": records}, indent=1))):
+    for name, text, said in (("one_line.json", json.dumps({"data": records}),
+                              "the records are in the list under 'data' of a JSON object; give a file that is that "
+                              "list"),
+                             ("indented.json", json.dumps({"version": "1.0", "data": records}, indent=1),
+                              r"expected a JSON array of records, got a JSON object: if the records are the list "
+                              r"under 'data', give a file that is that list \(or JSON Lines\); one record\? put it in a "
+                              r"JSON array")):
         (tmp_path / name).write_text(text)
-        with pytest.raises(DatasetFormatError, match=rf"{name}: the records are in the list under 'data' of a JSON "
-                                                     r"object; give a file that is that list"):
+        with pytest.raises(DatasetFormatError, match=rf"{name}: {said}"):
             raw(f"json:{tmp_path / name}", tmp_path)
     (tmp_path / "record.json").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                                    {"role": "assistant", "content": "Yo"}]}))
     assert len(raw(f"json:{tmp_path / 'record.json'}", tmp_path).raw_datasets["train"]) == 1  # a record of its own
+
+
+def test_one_indented_record_with_a_list_of_objects_is_not_said_to_hold_records_under_it(tmp_path):
+    # a record with a tool list ({"messages": [...], "tools": [{"type": "function", ...}]}, TRL's tool-calling data),
+    # written with json.dumps(indent=...), was said to hold "the records in the list under 'tools'"
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    chat = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}],
+            "tools": [tool]}
+    (tmp_path / "chat.json").write_text(json.dumps(chat, indent=2))
+    with pytest.raises(DatasetFormatError, match=r"chat.json: expected a JSON array of records, got a dict \(one "
+                                                 r"record\? put it in a JSON array"):
+        raw(f"json:{tmp_path / 'chat.json'}", tmp_path)
+    pair = {"prompt": "Weather?", "chosen": "Sunny.", "rejected": "Rainy.", "tools": [tool]}
+    (tmp_path / "pair.json").write_text(json.dumps(pair, indent=2))
+    with pytest.raises(DatasetFormatError, match=r"pair.json: .*one record\? put it in a JSON array") as error:
+        raw(f"json:{tmp_path / 'pair.json'}", tmp_path)
+    assert "the records are in the list under 'tools'" not in str(error.value)
 
 
 def test_a_messages_string_that_is_no_transcript_says_what_a_conversation_is(tmp_path):

@@ -299,9 +299,13 @@ def check_json_document(path):
             return check_jsonl_lines(path)
         raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({_json_reason(err)})") from None
     key = _records_key(document)
-    if key is not None and (len(document) == 1 or "\n" in text.strip()):  # (a one-key object is never a record)
+    if key is not None and len(document) == 1:  # (a one-key object is never a record)
         raise DatasetFormatError(f"{path}: the records are in the list under {key!r} of a JSON object; give a file "
                                  "that is that list (a JSON array of records) or JSON Lines")
+    if key is not None and "\n" in text.strip():  # (or one record with a list of objects: a tool list, say)
+        raise DatasetFormatError(f"{path}: expected a JSON array of records, got a JSON object: if the records are "
+                                 f"the list under {key!r}, give a file that is that list (or JSON Lines); one record? "
+                                 "put it in a JSON array, [...]")
     if isinstance(document, dict) and "\n" not in text.strip():  # JSON Lines of one record, as datasets reads it
         return check_jsonl_lines(path)
     if not isinstance(document, list):
@@ -318,8 +322,8 @@ def check_json_document(path):
 def _records_key(document):
     """The key of a JSON object whose value is a list of records ({"data": [...]}, as load_dataset's field= reads
     it), else None; a list of messages ({"messages": [{"role": ...}]}, a record's own) holds no records."""
-    if not isinstance(document, dict):
-        return None
+    if not isinstance(document, dict) or any(_are_messages(value) for value in document.values()):
+        return None  # (an object with a message list of its own is a record)
     return next((key for key, value in document.items() if isinstance(value, list) and value and
                  all(isinstance(item, dict) for item in value) and
                  not any(speaker in item for item in value for speaker in SPEAKER_KEYS)), None)
