@@ -558,6 +558,19 @@ def test_a_lora_module_name_that_matches_no_layer_fails_before_any_model_loads(r
     check_step3_settings(step3_args({**settings, f"{role}_lora_module_name": "layers."}), 1)
 
 
+def test_a_model_that_cannot_be_built_on_the_meta_device_leaves_its_lora_name_to_its_load(monkeypatch):
+    """DBRX's and Emu3's default configs raise AttributeError, Reformer's AssertionError when built on the meta
+    device: the early check, a convenience, stopped step 3 with that traceback."""
+    from transformers import AutoModelForCausalLM
+
+    def unbuildable(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'ffn_hidden_size'")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", unbuildable)
+    check_step3_settings(step3_args({"actor_lora_dim": 4, "actor_lora_module_name": "decoder.layers.",
+                                     "actor_model_name_or_path": "tiny-llama"}), 1)
+
+
 def test_a_lora_module_name_is_checked_on_the_model_step1_starts_from_under_train_py():
     args = step3_args({"actor_lora_dim": 4, "actor_lora_module_name": "decoder.layers.",
                        "actor_model_name_or_path": "/no/step1_sft/yet"})
