@@ -60,6 +60,19 @@ def non_negative_float(text):
     return value
 
 
+def dropout_probability(text):
+    """argparse type of the dropout flags: a number in [0, 1), so that 1.5 or nan is an error naming the flag rather
+    than torch's "dropout probability has to be between 0 and 1" traceback at the first forward (1 drops everything:
+    the model would train on zeros)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:  # (nan too)
+        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text}")
+    return value
+
+
 def _bounded_int(text, low, what):
     if isinstance(text, float) and not text.is_integer():  # a notebook's 8.5: int() would cut it to 8
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
@@ -101,7 +114,8 @@ def add_model_args(parser, default_model="tiny-llama"):
     g = parser.add_argument_group("model")
     g.add_argument("--model_name_or_path", type=str, default=default_model,
                    help="Hub name, local folder, or a tiny preset (tiny-llama, tiny-opt, tiny-gpt2, ...).")
-    g.add_argument("--dropout", type=float, default=None, help="Override every dropout of the model config.")
+    g.add_argument("--dropout", type=dropout_probability, default=None,
+                   help="Override every dropout of the model config.")
     g.add_argument("--disable_dropout", dest="dropout", action="store_const", const=0.0,
                    help="DeepSpeed-Chat's older spelling of --dropout 0.0.")
     add_tokenizer_args(g)
@@ -435,7 +449,8 @@ def _set_from_option(args, action, name, value):
             raise UsageError(f"{name}: expected an integer, got {value!r}")
         value = int(value)  # (2.0 is 2)
     # as on the command line: "3" for an int flag, and the range checks of the bounded ones
-    bounded = action.type in (positive_int, non_negative_int, non_negative_float) and value is not None
+    bounded = action.type in (positive_int, non_negative_int, non_negative_float, dropout_probability) \
+        and value is not None
     if action.type not in (None, str) and (isinstance(value, str) or bounded):
         value = _converted(action, name, value)
     if action.choices is not None and value is not None and value not in action.choices:
@@ -743,8 +758,9 @@ def _add_step3_deepspeed_args(g):
     g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Activation checkpointing in the actor.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true",
                    help="Activation checkpointing in the critic.")
-    g.add_argument("--actor_dropout", type=float, default=None, help="Override every dropout of the actor's config.")
-    g.add_argument("--critic_dropout", type=float, default=None,
+    g.add_argument("--actor_dropout", type=dropout_probability, default=None,
+                   help="Override every dropout of the actor's config.")
+    g.add_argument("--critic_dropout", type=dropout_probability, default=None,
                    help="Override every dropout of the critic's config.")
     g.add_argument("--disable_actor_dropout", dest="actor_dropout", action="store_const", const=0.0,
                    help="DeepSpeed-Chat's older spelling of --actor_dropout 0.0.")

@@ -1604,3 +1604,22 @@ def test_train_py_decides_offline_mode_for_the_default_hub_data_of_local_models(
     with pytest.raises(SystemExit):
         main(["--actor-model", actor, "--deployment-type", "single_node", "--step", "1"])
     assert environments == ["1"] and len(unreachable_hub) == 1
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "1", "nan"])
+def test_a_dropout_outside_0_1_is_an_error_naming_the_flag(value, capsys):
+    """--dropout 1.5 trained on until torch's "dropout probability has to be between 0 and 1" traceback at the first
+    forward (exit 1); the notebook's dict got the same. Step 3's --actor_dropout / --critic_dropout too."""
+    from dschat.args import step1_parser, step3_parser, step_settings
+    from dschat.errors import UsageError
+
+    for parser, flag in ((step1_parser(), "--dropout"), (step3_parser(), "--actor_dropout"),
+                         (step3_parser(), "--critic_dropout")):
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args([flag, value])
+        assert stop.value.code == 2
+        assert f"argument {flag}: expected a dropout probability in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(UsageError, match=r"dropout: expected a dropout probability in \[0, 1\)"):
+        step_settings(step1_parser(), {"dropout": float(value)})
+    assert step_settings(step1_parser(), {"dropout": 0.1}).dropout == 0.1
+    assert step_settings(step1_parser(), {"disable_dropout": True}).dropout == 0.0
