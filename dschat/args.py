@@ -49,14 +49,27 @@ def non_negative_int(text):
 
 
 def non_negative_float(text):
-    """argparse type: a finite number >= 0 (a learning rate; 0 freezes the weights, as torch's optimizers allow), so a
-    negative or infinite value is an error naming the flag rather than the optimizer's traceback later."""
+    """argparse type: a finite number >= 0 (a learning rate; 0 freezes the weights, as torch's optimizers allow; a
+    weight decay, which torch's AdamW refuses below 0 and DeepSpeed's Adam took), so a negative or infinite value is an
+    error naming the flag rather than the optimizer's traceback, or a loss gone nan, later."""
     try:
         value = float(text)
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def positive_float(text):
+    """argparse type: a finite number > 0 (LoRA's alpha: at 0 the adapters' update is scaled to nothing, so they and,
+    with --only_optimize_lora, the whole model train nothing; nan made the first loss nan)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
     return value
 
 
@@ -71,6 +84,10 @@ def dropout_probability(text):
     if not 0 <= value < 1:  # (nan too)
         raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text}")
     return value
+
+
+# the argparse types whose range a notebook's value is checked against too
+BOUNDED_TYPES = (positive_int, non_negative_int, non_negative_float, positive_float, dropout_probability)
 
 
 def _bounded_int(text, low, what):
@@ -153,7 +170,7 @@ def add_tensorboard_args(g, path):
 
 def add_lora_scaling_args(g):
     """How LoRA adapts a model, whichever models the step adapts."""
-    g.add_argument("--lora_alpha", type=float, default=None,
+    g.add_argument("--lora_alpha", type=positive_float, default=None,
                    help="LoRA alpha: the update is scaled by alpha / lora_dim. Default 1, i.e. 1 / lora_dim, "
                         "DeepSpeed-Chat's scaling (PEFT's own default is 8).")
     g.add_argument("--only_optimize_lora", action="store_true",
@@ -170,7 +187,8 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
                    help="Longest tokenized sequence (prompt + answer); longer ones are cut, or skipped when nothing of "
                         "the answer is left.")
     g.add_argument("--learning_rate", type=non_negative_float, default=lr, help="Peak learning rate.")
-    g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay (not on biases and norms).")
+    g.add_argument("--weight_decay", type=non_negative_float, default=0.0,
+                   help="AdamW weight decay (not on biases and norms).")
     g.add_argument("--num_train_epochs", type=positive_int, default=1, help="Passes over the training data.")
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
                    help="Micro-batches per optimizer step.")
@@ -449,8 +467,7 @@ def _set_from_option(args, action, name, value):
             raise UsageError(f"{name}: expected an integer, got {value!r}")
         value = int(value)  # (2.0 is 2)
     # as on the command line: "3" for an int flag, and the range checks of the bounded ones
-    bounded = action.type in (positive_int, non_negative_int, non_negative_float, dropout_probability) \
-        and value is not None
+    bounded = action.type in BOUNDED_TYPES and value is not None
     if action.type not in (None, str) and (isinstance(value, str) or bounded):
         value = _converted(action, name, value)
     if action.choices is not None and value is not None and value not in action.choices:
@@ -684,8 +701,10 @@ def _add_step3_optimization_args(g):
                    help="Peak learning rate of the actor.")
     g.add_argument("--critic_learning_rate", type=non_negative_float, default=5e-6,
                    help="Peak learning rate of the critic.")
-    g.add_argument("--actor_weight_decay", type=float, default=0.0, help="AdamW weight decay of the actor.")
-    g.add_argument("--critic_weight_decay", type=float, default=0.0, help="AdamW weight decay of the critic.")
+    g.add_argument("--actor_weight_decay", type=non_negative_float, default=0.0,
+                   help="AdamW weight decay of the actor.")
+    g.add_argument("--critic_weight_decay", type=non_negative_float, default=0.0,
+                   help="AdamW weight decay of the critic.")
     g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
                    help="Learning-rate schedule after the warmup.")
     g.add_argument("--num_warmup_steps", type=non_negative_int, default=100, help="Optimizer steps of linear warmup.")

@@ -1623,3 +1623,26 @@ def test_a_dropout_outside_0_1_is_an_error_naming_the_flag(value, capsys):
         step_settings(step1_parser(), {"dropout": float(value)})
     assert step_settings(step1_parser(), {"dropout": 0.1}).dropout == 0.1
     assert step_settings(step1_parser(), {"disable_dropout": True}).dropout == 0.0
+
+
+@pytest.mark.parametrize("flag, value", [("--weight_decay", "-0.1"), ("--weight_decay", "nan"),
+                                         ("--weight_decay", "inf"), ("--lora_alpha", "0"), ("--lora_alpha", "nan"),
+                                         ("--lora_alpha", "-4")])
+def test_a_weight_decay_or_lora_alpha_that_cannot_train_is_an_error_naming_the_flag(flag, value, capsys):
+    """--weight_decay nan/inf and --lora_alpha nan trained until "the training loss is not finite" (exit 1, not naming
+    the flag); --weight_decay -0.1 (which torch's AdamW refuses) and --lora_alpha 0 (adapters scaled to nothing: with
+    --only_optimize_lora nothing trains) ran without a word. Step 3's weight decays too."""
+    from dschat.args import step1_parser, step3_parser, step_settings
+    from dschat.errors import UsageError
+
+    flags = [(step1_parser(), flag)] + ([(step3_parser(), "--actor_weight_decay"),
+                                         (step3_parser(), "--critic_weight_decay")] if flag == "--weight_decay"
+                                        else [(step3_parser(), flag)])
+    for parser, name in flags:
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args([name, value])
+        assert stop.value.code == 2
+        assert f"argument {name}: expected a number" in capsys.readouterr().err
+    with pytest.raises(UsageError, match=f"{flag[2:]}: expected a number"):
+        step_settings(step1_parser(), {flag[2:]: float(value), "lora_dim": 4})
+    assert step_settings(step1_parser(), {"weight_decay": 0.1, "lora_alpha": 16}).lora_alpha == 16.0
