@@ -720,7 +720,7 @@ def run_supervised_step(args, recipe):
     from dschat.args import (resolve_pad_to_multiple_of, step1_parser, supervised_conditional_flags,
                              unread_conditional_flags)
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
-    from dschat.steps.resume import plan_resume, resume_or_start, save_step_checkpoint
+    from dschat.steps.resume import STEP_NAME, plan_resume, resume_or_start, save_step_checkpoint
 
     started = time.time()
     device = setup_run(args)
@@ -769,7 +769,7 @@ def run_supervised_step(args, recipe):
                               total_steps, writer, throughput, position,
                               save=lambda at: save_step_checkpoint(
                                   engine, args, {**at, "seconds": seconds_so_far(started, position),
-                                                 "total": total_steps}))
+                                                 "total": total_steps, STEP_NAME: recipe.name}))
     metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **throughput.summary(), "steps": total_steps,
                "skipped_steps": skipped_steps(engine), "seconds": seconds_so_far(started, position)}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")

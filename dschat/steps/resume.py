@@ -59,15 +59,20 @@ def resume_flags(args):
     return {**flags, **step_data_records(args)}  # the same data, unedited: the records its position counts
 
 
+# (the trainer state's key for the step that saved a checkpoint: "step" is its optimizer-step count)
+STEP_NAME = "step_name"
+
+
 def save_step_checkpoint(engine, args, position, keep_last=2):
     """Every rank: the engine's states, this rank's RNG and train-loss sums under tag ``step_<N>``; ``position``:
     {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's),
-    "seconds" (the step's so far) and "total" (the run's steps)}."""
+    "seconds" (the step's so far), "total" (the run's steps) and STEP_NAME (the step's name, "step1", ...: which step
+    a resume may continue it, ``_check_same_step``)}."""
     root = checkpoint_root(args)
     tag = tag_of("step", position["step"])
     clear_tag(root, tag)
     engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
-    place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total") if key in position}
+    place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total", STEP_NAME) if key in position}
     sums = {key: position[key] for key in ("loss_sum", "loss_count")}
     save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
                                    "inputs": input_runs(args), "world_size": get_world_size()}, rank_state=sums)
@@ -80,6 +85,17 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
 BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 
+def _check_same_step(state, step, root, tag):
+    """A checkpoint another step saved in the same --output_dir (step 1's, found by DPO or step 2 given that folder) is
+    not this step's to continue: DPO resumed step 1's weights, optimizer and data position as its own when their
+    flags matched (both default to tiny-llama), and step 2 was refused for a flag ("--multiturn False -> None")."""
+    saved = state.get(STEP_NAME)
+    if saved is not None and step is not None and saved != step:  # (an older checkpoint names none: unchecked)
+        raise UsageError(f"--resume: the last checkpoint in {root} ({tag}) was saved by {saved}, not {step}: give "
+                         f"{step} its own --output_dir, or start afresh there without --resume (which removes "
+                         f"{saved}'s checkpoints)")
+
+
 def _checked_latest(args, step):
     """(tag, saved position, ranks that saved it) of the last complete checkpoint that this run may continue, else
     None. On another number of ranks, the samples of an optimizer step must be the checkpoint's (``BATCH_FLAGS``)."""
@@ -89,6 +105,7 @@ def _checked_latest(args, step):
         return None
     saved_ranks = check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
+    _check_same_step(state, step, root, tag)
     saved = state.pop("flags", {})
     if saved_ranks != get_world_size():
         _check_other_ranks(root, tag, saved, saved_ranks, args)
