@@ -52,37 +52,29 @@ def non_negative_float(text):
     """argparse type: a finite number >= 0 (a learning rate; 0 freezes the weights, as torch's optimizers allow; a
     weight decay, which torch's AdamW refuses below 0 and DeepSpeed's Adam took), so a negative or infinite value is an
     error naming the flag rather than the optimizer's traceback, or a loss gone nan, later."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+    return _bounded_float(text, lambda value: value >= 0 and math.isfinite(value), "a number >= 0")
 
 
 def positive_float(text):
     """argparse type: a finite number > 0 (LoRA's alpha: at 0 the adapters' update is scaled to nothing, so they and,
     with --only_optimize_lora, the whole model train nothing; nan made the first loss nan)."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
+    return _bounded_float(text, lambda value: value > 0 and math.isfinite(value), "a number > 0")
 
 
 def dropout_probability(text):
     """argparse type of the dropout flags: a number in [0, 1), so that 1.5 or nan is an error naming the flag rather
     than torch's "dropout probability has to be between 0 and 1" traceback at the first forward (1 drops everything:
     the model would train on zeros)."""
+    return _bounded_float(text, lambda value: 0 <= value < 1, "a dropout probability in [0, 1)")  # (nan fails too)
+
+
+def _bounded_float(text, within, what):
     try:
         value = float(text)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:  # (nan too)
-        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not within(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
     return value
 
 

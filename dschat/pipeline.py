@@ -427,10 +427,7 @@ def check_model_folders(steps, args):
     if 1 in steps:
         check_model_path(args.actor_model, "--actor-model")
         check_tokenizer_files(args.actor_model, "--actor-model")  # (step 1 would fail on it after reading the data)
-        try:  # (step 1 refused it only after loading its data, a hub dataset's included, without the flag)
-            check_not_a_reward_model(args.actor_model)
-        except UsageError as error:
-            raise UsageError(f"--actor-model {error}") from None
+        check_not_a_reward_model(args.actor_model, "--actor-model")  # (step 1's refusal came after loading its data)
     recipe, named = getattr(args, "recipe", "ppo"), args.reward_model != args.actor_model
     if recipe == "dpo" and named:  # (it would turn the tiny recipe off, or load DeepSpeed-Chat's hub data)
         raise UsageError(f"--reward-model {args.reward_model}: --recipe dpo scores with no reward model (DPO learns "

@@ -601,14 +601,14 @@ def sync_special_tokens(model, tokenizer):
         generation_config.eos_token_id = eos if len(eos) > 1 else eos[0]
 
 
-def check_not_a_reward_model(model_name_or_path):
-    """A step-2 reward-model folder given as a policy is an error: it holds no LM head, so the model would generate
-    from a new random one and still train and be scored."""
+def check_not_a_reward_model(model_name_or_path, flag=None):
+    """A step-2 reward-model folder given as a policy is an error (naming ``flag``, if given): it holds no LM head, so
+    the model would generate from a new random one and still train and be scored."""
     from dschat.models.reward_model import is_reward_model_folder
 
     path = resolve_model_path(model_name_or_path)
     if os.path.isdir(path) and is_reward_model_folder(path):
-        raise UsageError(f"{model_name_or_path}: a reward model (step 2's output), not a policy: pass a language "
+        raise UsageError(f"{flag + ' ' if flag else ''}{model_name_or_path}: a reward model (step 2's output), not a policy: pass a language "
                          "model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
 
 
