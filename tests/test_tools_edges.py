@@ -26,6 +26,15 @@ def test_a_damaged_report_json_is_an_error_naming_it_not_a_traceback(tmp_path, t
             find(str(tmp_path))
 
 
+@pytest.mark.parametrize("value", [3, ["/tmp/rm"], {"path": "/tmp/rm"}])
+def test_a_report_json_whose_reward_model_is_no_string_is_an_error_naming_it(tmp_path, value):
+    """A hand-edited report.json whose "reward_model" is a number, list or object ended in os.path's TypeError."""
+    _model_folder(tmp_path / "step2_rm")
+    (tmp_path / "report.json").write_text(json.dumps({"reward_model": value}))
+    with pytest.raises(UsageError, match=r'report.json: its "reward_model" is'):
+        find_reward_model_path(str(tmp_path))
+
+
 @pytest.fixture(scope="module")
 def reward_model(tmp_path_factory):
     """A tiny reward model saved the way step 2 saves it."""

@@ -254,6 +254,12 @@ def reward_model_folder(name_or_path):
     return hub_model_folder(path, extra_files=(VALUE_HEAD_FILE, REWARD_META_FILE))
 
 
+def has_trained_value_head(name_or_path):
+    """Whether a folder, tiny preset or hub name holds a trained reward model (its files read before any model loads):
+    without one, its scores would come from a new random head and mean nothing."""
+    return is_reward_model_folder(reward_model_folder(name_or_path))
+
+
 def is_reward_model_folder(path):
     """A step-2 output: dschat's (backbone + ``value_head.safetensors``) or DeepSpeed-Chat's; a one-label
     *ForSequenceClassification (TRL's reward models) or an OpenRLHF reward model."""

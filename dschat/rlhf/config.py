@@ -145,9 +145,9 @@ def check_reward_model_trained(path):
     loads: PPO would maximise a random head's score. A tiny preset is such a folder once built (it was refused after
     the actor and critic had loaded), and a hub name's files are read from its snapshot (they were checked only once
     the actor, the reference, the critic and the reward model itself had loaded)."""
-    from dschat.models.reward_model import is_reward_model_folder, reward_model_folder
+    from dschat.models.reward_model import has_trained_value_head
 
-    if not is_reward_model_folder(reward_model_folder(path)):
+    if not has_trained_value_head(path):
         raise UsageError(untrained_reward_model_message(path))
 
 

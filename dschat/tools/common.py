@@ -98,6 +98,9 @@ def find_reward_model_path(path):
     """A run's output folder -> the reward model its step 3 scored with (the one train.py was given, else its step-2
     folder); a model folder or a hub name as is (a hub model's value head is checked once it has loaded)."""
     given = _reported(os.path.expanduser(path), "reward_model")  # (a folder's absolute path, or a hub name)
+    if given is not None and not isinstance(given, str):  # (a hand-edited file: not os.path's TypeError)
+        raise UsageError(f"{os.path.join(path, REPORT_FILE)}: its \"reward_model\" is {given!r}, not a path or hub "
+                         "name: mend it, or give the reward model's folder")
     if given and os.path.isabs(given) and not os.path.isfile(os.path.join(given, "config.json")):
         raise MissingInputError(f"{path}: its step 3 scored with the reward model {given} (report.json), which holds "
                                 "no model now: give a reward model folder")
@@ -110,9 +113,9 @@ def find_reward_model_path(path):
 def check_reward_model(path):
     """A folder or hub name without a trained value head is an error: its scores, from a new random head, mean
     nothing."""
-    from dschat.models.reward_model import VALUE_HEAD_FILES, is_reward_model_folder, reward_model_folder
+    from dschat.models.reward_model import VALUE_HEAD_FILES, has_trained_value_head
 
-    if not is_reward_model_folder(reward_model_folder(path)):
+    if not has_trained_value_head(path):
         raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
 
