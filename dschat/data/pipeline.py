@@ -453,11 +453,12 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
         except SkipRecord as skip:
             skips[skip.reason] += 1
     features = phase_features(settings.train_phase)
+    keys = [record_key(example) for example in kept]  # (hashed once for the duplicate and in-train counts)
     notes = {"cut": sum(1 for row in rows if row.get("cut") or row.get("chosen_truncated")
                         or row.get("rejected_truncated")),
              "formatted": already_formatted(examples, tokenizer),
-             "duplicates": count_duplicates(kept, {} if seen is None else seen, source),
-             "in_train": sum(record_key(example) in train_seen for example in kept) if train_seen else 0}
+             "duplicates": count_duplicates(keys, {} if seen is None else seen, source),
+             "in_train": sum(key in train_seen for key in keys) if train_seen else 0}
     if multiturn:
         notes["turns"] = [sum(len(row["label_spans"]) // 2 for row in rows), sum(row["turns_missed"] for row in rows)]
         notes["unanswered"] = unanswered
@@ -465,14 +466,13 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
     return Dataset.from_dict({name: [row[name] for row in rows] for name in features}, features=features), skips, notes
 
 
-def count_duplicates(examples, seen, source):
-    """[how many kept records repeat an earlier one exactly (what the phase reads of them: messages, answers, extra
+def count_duplicates(keys, seen, source):
+    """[how many kept records (their ``record_key``s) repeat an earlier one exactly (what the phase reads of them: messages, answers, extra
     fields), how many of those first came from another source], else None. ``seen`` (record hash -> source number)
     carries over between the sources of a split: the same pair in two --data_path files counts too. Kept, as
     DeepSpeed-Chat and TRL keep them (a repeated record trains twice); said in the data report."""
     again = elsewhere = 0
-    for example in examples:
-        key = record_key(example)
+    for key in keys:
         if key in seen:
             again += 1
             elsewhere += seen[key] != source
