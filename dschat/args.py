@@ -61,6 +61,15 @@ def positive_float(text):
     return _bounded_float(text, lambda value: value > 0 and math.isfinite(value), "a number > 0")
 
 
+def clip_range(text):
+    """argparse type of step 3's clip flags (--clip_reward_value, --cliprange, --cliprange_value): a number > 0, inf
+    for no clipping. torch.clamp with bounds crossed does not clip but flattens: --clip_reward_value -5 clamped every
+    score to [5, -5], i.e. made each one -5 (0: each 0), so PPO trained on the KL penalty alone; a --cliprange or
+    --cliprange_value of 0 or below held the ratio or the value at the old one's edge, where the tokens with a positive
+    advantage (the values below their return) took no gradient."""
+    return _bounded_float(text, lambda value: value > 0, "a number > 0 (inf: no clipping)")  # (nan fails too)
+
+
 def dropout_probability(text):
     """argparse type of the dropout flags: a number in [0, 1), so that 1.5 or nan is an error naming the flag rather
     than torch's "dropout probability has to be between 0 and 1" traceback at the first forward (1 drops everything:
@@ -79,7 +88,7 @@ def _bounded_float(text, within, what):
 
 
 # the argparse types whose range a notebook's value is checked against too
-BOUNDED_TYPES = (positive_int, non_negative_int, non_negative_float, positive_float, dropout_probability)
+BOUNDED_TYPES = (positive_int, non_negative_int, non_negative_float, positive_float, clip_range, dropout_probability)
 
 
 def _bounded_int(text, low, what):
@@ -835,11 +844,12 @@ def _add_step3_ppo_args(g):
                         "over answers: TRL's unit and default); only with --adaptive_kl.")
     g.add_argument("--kl_horizon", type=positive_int, default=10000,
                    help="The adaptive controller's horizon, in answers; only with --adaptive_kl.")
-    g.add_argument("--clip_reward_value", type=float, default=5.0,
+    g.add_argument("--clip_reward_value", type=clip_range, default=5.0,
                    help="Clip each answer's score (the reward model's and --reward_fn's, weighted) to "
-                        "[-this, this]; GAE and REINFORCE++ only (GRPO and RLOO compare raw scores).")
-    g.add_argument("--cliprange", type=float, default=0.2, help="PPO's policy-ratio clip.")
-    g.add_argument("--cliprange_value", type=float, default=0.2, help="PPO's value clip around the old values.")
+                        "[-this, this] (inf: no clip); GAE and REINFORCE++ only (GRPO and RLOO compare raw scores).")
+    g.add_argument("--cliprange", type=clip_range, default=0.2, help="PPO's policy-ratio clip (inf: none).")
+    g.add_argument("--cliprange_value", type=clip_range, default=0.2,
+                   help="PPO's value clip around the old values (inf: none).")
     g.add_argument("--gamma", type=float, default=1.0, help="Discount of the returns.")
     g.add_argument("--lam", type=float, default=0.95, help="GAE's lambda.")
     g.add_argument("--whiten_advantages", action="store_true",

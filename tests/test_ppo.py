@@ -2405,6 +2405,23 @@ def test_kl_flags_the_chosen_kl_does_not_read_are_errors(given, said):
         check_settings(step3_args(given))
 
 
+@pytest.mark.parametrize("flag", ["clip_reward_value", "cliprange", "cliprange_value"])
+def test_a_clip_bound_of_0_or_below_is_an_error_not_a_clamp_that_flattens(flag, capsys):
+    """torch.clamp with crossed bounds flattens: --clip_reward_value -5 made every score -5 (PPO trained on the KL
+    alone), --cliprange -0.2 gave the tokens with a positive advantage no gradient."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.config import step3_args
+
+    for value in ("-5", "0", "nan"):
+        with pytest.raises(SystemExit):
+            step3_parser().parse_args([f"--{flag}", value])
+        assert f"--{flag}: expected a number > 0 (inf: no clipping), got {value}" in capsys.readouterr().err
+        with pytest.raises(UsageError, match=f"{flag}: expected a number > 0"):
+            step3_args({flag: float(value)})
+    assert getattr(step3_parser().parse_args([f"--{flag}", "inf"]), flag) == math.inf  # no clipping
+    assert getattr(step3_args({flag: 0.5}), flag) == 0.5
+
+
 @pytest.mark.parametrize("world, given, per_rank", [(1, 8, 8), (2, 8, 4), (2, 9, 5), (4, 0, 0)])
 def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch):
     # each rank scores its share of the held-out prompts, so that 8 over 2 ranks are the 8 that eval.py scores
