@@ -70,6 +70,15 @@ def clip_range(text):
     return _bounded_float(text, lambda value: value > 0, "a number > 0 (inf: no clipping)")  # (nan fails too)
 
 
+def unit_interval(text):
+    """argparse type of step 3's --gamma and --lam: a number in [0, 1], the range a discount and GAE's lambda have
+    meaning in. Outside it the returns grow or flip sign along the answer: --lam 9.5 (0.95 mistyped) made the first
+    token's advantage of an 8-token answer scored 1 (values 0) 9.5^7 = 6983373 instead of 0.95^7 = 0.698, and
+    --gamma -1 gave REINFORCE++'s tokens returns of -1, 1, -1, ... for a score of 1 (every other token trained
+    against the reward)."""
+    return _bounded_float(text, lambda value: 0 <= value <= 1, "a number in [0, 1]")  # (nan fails too)
+
+
 def dropout_probability(text):
     """argparse type of the dropout flags: a number in [0, 1), so that 1.5 or nan is an error naming the flag rather
     than torch's "dropout probability has to be between 0 and 1" traceback at the first forward (1 drops everything:
@@ -88,7 +97,8 @@ def _bounded_float(text, within, what):
 
 
 # the argparse types whose range a notebook's value is checked against too
-BOUNDED_TYPES = (positive_int, non_negative_int, non_negative_float, positive_float, clip_range, dropout_probability)
+BOUNDED_TYPES = (positive_int, non_negative_int, non_negative_float, positive_float, clip_range, unit_interval,
+                 dropout_probability)
 
 
 def _bounded_int(text, low, what):
@@ -850,8 +860,8 @@ def _add_step3_ppo_args(g):
     g.add_argument("--cliprange", type=clip_range, default=0.2, help="PPO's policy-ratio clip (inf: none).")
     g.add_argument("--cliprange_value", type=clip_range, default=0.2,
                    help="PPO's value clip around the old values (inf: none).")
-    g.add_argument("--gamma", type=float, default=1.0, help="Discount of the returns.")
-    g.add_argument("--lam", type=float, default=0.95, help="GAE's lambda.")
+    g.add_argument("--gamma", type=unit_interval, default=1.0, help="Discount of the returns, in [0, 1].")
+    g.add_argument("--lam", type=unit_interval, default=0.95, help="GAE's lambda, in [0, 1].")
     g.add_argument("--whiten_advantages", action="store_true",
                    help="GAE: whiten the advantages over the whole rollout (every rank's), masked to the answers.")
     g.add_argument("--entropy_coef", type=float, default=0.0,

@@ -2422,6 +2422,23 @@ def test_a_clip_bound_of_0_or_below_is_an_error_not_a_clamp_that_flattens(flag, 
     assert getattr(step3_args({flag: 0.5}), flag) == 0.5
 
 
+@pytest.mark.parametrize("flag", ["gamma", "lam"])
+def test_a_discount_or_gae_lambda_outside_0_1_is_an_error(flag, capsys):
+    """--lam 9.5 (0.95 mistyped) made an 8-token answer's first advantage 9.5^7 = 6983373; --gamma -1 flipped the sign
+    of every other token's return."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.config import step3_args
+
+    for value in ("9.5", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            step3_parser().parse_args([f"--{flag}", value])
+        assert f"--{flag}: expected a number in [0, 1], got {value}" in capsys.readouterr().err
+        with pytest.raises(UsageError, match=rf"{flag}: expected a number in \[0, 1\]"):
+            step3_args({flag: float(value)})
+    for value in (0.0, 0.9, 1.0):
+        assert getattr(step3_args({flag: value}), flag) == value
+
+
 @pytest.mark.parametrize("world, given, per_rank", [(1, 8, 8), (2, 8, 4), (2, 9, 5), (4, 0, 0)])
 def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch):
     # each rank scores its share of the held-out prompts, so that 8 over 2 ranks are the 8 that eval.py scores
