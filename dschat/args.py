@@ -849,7 +849,7 @@ def _add_step3_ppo_args(g):
     g.add_argument("--adaptive_kl", action="store_true",
                    help="Adapt the reward penalty's KL coefficient towards --kl_target (Ziegler et al. 2019, TRL's "
                         "rule); only where the KL is in the reward.")
-    g.add_argument("--kl_target", type=float, default=6.0,
+    g.add_argument("--kl_target", type=positive_float, default=6.0,
                    help="The adaptive controller's KL target in nats per answer (summed over its tokens, averaged "
                         "over answers: TRL's unit and default); only with --adaptive_kl.")
     g.add_argument("--kl_horizon", type=positive_int, default=10000,

@@ -2439,6 +2439,21 @@ def test_a_discount_or_gae_lambda_outside_0_1_is_an_error(flag, capsys):
         assert getattr(step3_args({flag: value}), flag) == value
 
 
+def test_an_adaptive_kl_target_of_0_or_below_is_an_error_before_any_model_loads(capsys):
+    """It passed the settings checks: 0 or -6 failed once all four models had loaded, in the controller's ValueError
+    that named no flag, and nan made the KL coefficient nan after the first update."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.config import step3_args
+
+    for value in ("0", "-6", "nan"):
+        with pytest.raises(SystemExit):
+            step3_parser().parse_args(["--adaptive_kl", "--kl_target", value])
+        assert f"--kl_target: expected a number > 0, got {value}" in capsys.readouterr().err
+        with pytest.raises(UsageError, match="kl_target: expected a number > 0"):
+            step3_args({"adaptive_kl": True, "kl_target": float(value)})
+    assert step3_args({"adaptive_kl": True, "kl_target": 3.0}).kl_target == 3.0
+
+
 @pytest.mark.parametrize("world, given, per_rank", [(1, 8, 8), (2, 8, 4), (2, 9, 5), (4, 0, 0)])
 def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch):
     # each rank scores its share of the held-out prompts, so that 8 over 2 ranks are the 8 that eval.py scores
