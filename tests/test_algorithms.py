@@ -29,6 +29,8 @@ def close(a, b, atol=1e-9, rtol=1e-7):
 def dsc_compute_rewards(log_probs, ref_log_probs, reward_score, action_mask, kl_ctl=0.1, clip_reward_value=5):
     rewards = -kl_ctl * (log_probs - ref_log_probs)
     start = 0
+    # (DeepSpeed-Chat adds 1 here, putting the score one past the end token: dschat puts it on the end token, as
+    # OpenRLHF and verl do; algorithms.py's docstring)
     ends = start + action_mask[:, start:].sum(1).long()
     reward_clip = torch.clamp(reward_score, -clip_reward_value, clip_reward_value)
     for j in range(log_probs.shape[0]):
@@ -632,6 +634,20 @@ def test_grpo_group_scored_alike_gets_exactly_zero_advantage_whatever_the_score(
             assert A.zero_std_fraction(scores, n) == 0.5, (value, n)
     # a reward model's large scores: the rounding (std 7e-5) exceeded the eps itself, and the group was not counted
     assert A.zero_std_fraction(torch.full((7,), 1e3 + 0.1), 7) == 1.0
+
+
+def test_grpo_group_within_eps_of_alike_trains_nothing_as_zero_std_fraction_counts_it():
+    """Scores of like answers that differ in their last bits ([3, 3 + 1 ulp, 3, 3]): zero_std_fraction counted the
+    group as scored alike, yet GRPO's division by std + eps made the noise advantages of -0.053 and +0.160."""
+    three = torch.tensor(3.0)
+    ulp = torch.nextafter(three, torch.tensor(4.0)) - three
+    scores = torch.stack([three, three + ulp, three, three, three, three + 1, three - 1, three + 2])
+    adv, _ = A.grpo_advantages(scores, 4, torch.ones(8, 2))
+    assert A.zero_std_fraction(scores, 4) == 0.5
+    assert torch.all(adv[:4] == 0), adv[:4, 0]
+    assert adv[4:, 0].abs().min() > 0.1  # (a group that differs is still normalised)
+    unnormalised, _ = A.grpo_advantages(scores, 4, torch.ones(8, 2), norm_by_std=False)
+    assert unnormalised[:4].abs().max() < 1e-6  # (Dr. GRPO's: the noise itself, no division to scale it)
 
 
 def test_rloo_two_groups():

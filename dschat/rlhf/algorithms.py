@@ -14,7 +14,10 @@ Conventions used throughout
 * With the default arguments the results are DeepSpeed-Chat's step-3 math
   (``training/step3_rlhf_finetuning/ppo_trainer.py``: ``gather_log_probs``, ``compute_rewards``,
   ``get_advantages_and_returns``, ``actor_loss_fn``, ``critic_loss_fn``; kl_ctl=0.1,
-  clip_reward_value=5, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95).
+  clip_reward_value=5, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95), with one difference: the score
+  lands on the answer's last real token (its end token), as in OpenRLHF and verl. DeepSpeed-Chat's
+  ``compute_rewards`` takes ``ends = start + n + 1`` and puts it one position further, on padding for an answer
+  that stopped before the length limit (DeepSpeedExamples PR #672), where GAE then reads it one token late.
 """
 from __future__ import annotations
 
@@ -356,7 +359,8 @@ def kl_penalized_rewards(logp: torch.Tensor, ref_logp: torch.Tensor, reward_scor
     answer. The score is clamped to ``[-clip_reward_value, clip_reward_value]`` (None = no clamp) and
     added at the LAST position where ``mask`` is nonzero in each row; a row with an all-zero mask gets
     no score. Positions where ``mask`` is 0 get reward 0. Returns ``(B, T)``, detached, >= fp32.
-    DeepSpeed-Chat ``compute_rewards`` with kl_ctl=0.1, clip_reward_value=5 and the k1 estimator.
+    DeepSpeed-Chat ``compute_rewards`` with kl_ctl=0.1, clip_reward_value=5 and the k1 estimator, but for where
+    the score lands (the module's docstring: on the end token, not one past it).
     """
     with torch.no_grad():
         kl = kl_estimate(logp.detach(), ref_logp.detach(), kl_kind)
@@ -636,7 +640,7 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor, n
     ``scores``: ``(B,)`` one scalar reward per answer, where consecutive runs of ``group_size`` answers
     belong to the same prompt (B % group_size == 0); ``mask``: ``(B, T)``. Per answer
     ``(s - mean_group) / (std_group + eps)`` (``std`` Bessel-corrected like ``torch.std``, as in verl;
-    ``norm_by_std=False``: ``s - mean_group`` only, Dr. GRPO), broadcast over that answer's tokens and
+    ``norm_by_std=False``: ``s - mean_group`` only, Dr. GRPO's advantage), broadcast over that answer's tokens and
     zeroed where ``mask`` is 0. ``group_size == 1``: the advantage is the raw score (verl's convention).
     Returns ``(advantages, returns)`` with ``returns = advantages`` (no critic), both ``(B, T)``.
     """
@@ -649,7 +653,11 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor, n
             g = _from_first(g)  # (a group scored alike: exactly 0, not its mean's rounding over std + eps)
             a = g - g.mean(dim=1, keepdim=True)
             if norm_by_std:
-                a = a / (g.std(dim=1, keepdim=True) + eps)
+                std = g.std(dim=1, keepdim=True)
+                # A group within eps of alike (a reward model's scores of like answers differing in their last
+                # bits) trains nothing, as zero_std_fraction counts it: dividing by std + eps would scale that
+                # noise to advantages of 0.05-0.5.
+                a = torch.where(std > eps, a / (std + eps), 0.0)
         adv = a.reshape(-1, 1).to(mask.device) * _fmask(mask, a)
     return adv, adv.clone()
 

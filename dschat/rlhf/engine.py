@@ -68,7 +68,8 @@ def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quie
     if role == "actor" and a.unsupervised_dataset_name:
         # PPO-ptx (DeepSpeed-Chat's): the actor's PPO micro-step and the language-model micro-step that follows it
         # accumulate into one optimizer step, so the actor steps as often as the critic, on one schedule. Doubled
-        # after the user's file is merged, which states the flags' accumulation.
+        # after the user's file is merged, which states the flags' accumulation. So one step's gradient is
+        # (PPO + unsup_coef x LM) / 2, clipped together (DeepSpeed-Chat takes two steps, each clipped on its own).
         for key in ("gradient_accumulation_steps", "train_batch_size"):
             config[key] *= 2
     return config
