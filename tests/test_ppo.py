@@ -2197,6 +2197,34 @@ def test_a_fresh_run_removes_an_earlier_runs_checkpoints_and_resumes_its_own(tra
         ["iter_0000004", "iter_0000005"]
 
 
+def test_step_3_and_step_1_refuse_each_others_checkpoints_in_one_output_dir(trained, tmp_path, capsys):
+    """Every step keeps its checkpoints in <output_dir>/checkpoints: step 3 --resume in step 1's folder was refused
+    for "no actor/step_0000001 folder (removed or copied in part?)", and step 1 in step 3's for "no model/iter_0000001
+    folder", as if the checkpoint were damaged; step 3 recorded no step name, so steps 1, 2 and DPO could not tell."""
+    from dschat.errors import UsageError
+
+    sft_flags = ["--data_output_path", str(trained / "data"), "--max_steps", "1", *SFT_FAST]
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--save_interval", "1"))
+    state = json.loads((tmp_path / "ppo" / "checkpoints" / "trainer" / "iter_0000001" / "state.json").read_text())
+    assert state["step_name"] == "step3"
+    with pytest.raises(UsageError, match=r"\(iter_0000001\) was saved by step3, not step1: give step1 its own "):
+        sft.main(["--output_dir", str(tmp_path / "ppo"), "--resume", *sft_flags])
+    sft.main(["--output_dir", str(tmp_path / "sft"), "--save_interval", "1", *sft_flags])
+    with pytest.raises(UsageError, match=r"\(step_0000001\) was saved by step1, not step3: give step3 its own "):
+        ppo.main(ppo_args(trained, tmp_path / "sft", "--max_steps", "1", "--resume"))
+    for name in ("ppo", "sft"):  # a checkpoint from before steps were recorded: told by its tag's unit
+        state_file = next((tmp_path / name / "checkpoints" / "trainer").iterdir()) / "state.json"
+        state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items()
+                                          if k != "step_name"}))
+    with pytest.raises(UsageError, match=r"was saved by step3, not step1"):
+        sft.main(["--output_dir", str(tmp_path / "ppo"), "--resume", *sft_flags])
+    with pytest.raises(UsageError, match=r"was saved by step 1, 2 or DPO, not step3"):
+        ppo.main(ppo_args(trained, tmp_path / "sft", "--max_steps", "1", "--resume"))
+    capsys.readouterr()
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--resume"))  # its own, older, still resumes
+    assert "resumed from iteration 1" in capsys.readouterr().out
+
+
 def test_a_run_stopped_before_its_first_checkpoint_does_not_resume_an_earlier_run(trained, tmp_path, capsys):
     out = tmp_path / "ppo"
     ppo.main(ppo_args(trained, out, "--max_steps", "1", "--save_interval", "1"))

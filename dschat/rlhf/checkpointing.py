@@ -21,11 +21,11 @@ from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, among_inputs, finished_run_id, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records)
-from dschat.utils.checkpoints import (ACTOR, CRITIC, ResumePlan, check_complete, check_convertible, check_same_flags,
-                                      check_same_products, clear_tag, latest_tag, load_rank_state,
-                                      load_rank_state_of_others, loading_checkpoint, publish, read_trainer_state,
-                                      reading, refuse_other_rank_count, rng_said, save_trainer_state, tag_of,
-                                      take_restored_flags, trainer_folder, universal_load)
+from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, ResumePlan, check_complete, check_convertible,
+                                      check_same_flags, check_same_products, check_same_step, clear_tag, latest_tag,
+                                      load_rank_state, load_rank_state_of_others, loading_checkpoint, publish,
+                                      read_trainer_state, reading, refuse_other_rank_count, rng_said,
+                                      save_trainer_state, tag_of, take_restored_flags, trainer_folder, universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
@@ -82,6 +82,10 @@ BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer sta
              "own")
 
 
+# The name step 3's checkpoints record (``STEP_NAME``): another step's resume refuses them, and step 3's theirs.
+STEP = "step3"
+
+
 def save_checkpoint(trainer, root, position, keep_last=2):
     """Save everything a resumed run needs; ``position`` = {"iteration", "epoch", "batch"} (next to run) and
     "unsup_batches" (unsupervised batches consumed so far, skipped on resume)."""
@@ -94,9 +98,10 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     if is_rank_0() and ema_state is not None:  # before the trainer state, which marks a tag complete
         os.makedirs(trainer_folder(root, tag), exist_ok=True)
         torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
-    save_trainer_state(root, tag, {**position, "kl_ctl": trainer.kl_ctl.state_dict(), "flags": resume_flags(trainer),
-                                   "inputs": input_runs(trainer.args), "world_size": get_world_size(),
-                                   "batches": iteration_batches(trainer.args)}, trainer.generator)
+    save_trainer_state(root, tag, {**position, STEP_NAME: STEP, "kl_ctl": trainer.kl_ctl.state_dict(),
+                                   "flags": resume_flags(trainer), "inputs": input_runs(trainer.args),
+                                   "world_size": get_world_size(), "batches": iteration_batches(trainer.args)},
+                       trainer.generator)
     publish(root, tag, keep_last)
     return tag
 
@@ -298,6 +303,7 @@ def check_resumable(trainer, root, tag, planned=False):
     number of ranks (``planned``: the engines are not made yet, ``plan_resume``; else refused), its DeepSpeed states
     convertible and an iteration of the same global shape (``check_iteration_shape``). Returns (its saved state, less
     the flags; the number of ranks that saved it)."""
+    check_same_step(root, tag, STEP)
     saved_ranks = check_complete(root, tag, (ACTOR,))
     other_ranks = saved_ranks != get_world_size()
     if other_ranks and not planned:
@@ -318,7 +324,7 @@ def check_resumable(trainer, root, tag, planned=False):
         now = resume_flags(trainer)
         if other_ranks:  # (its product with the ranks: compared)
             now.pop("per_device_generation_batch_size")
-        state["restored"] = check_same_flags(saved_flags, now, RESTORED_FLAGS, tag, root, "step3", BOUND_WHY,
+        state["restored"] = check_same_flags(saved_flags, now, RESTORED_FLAGS, tag, root, STEP, BOUND_WHY,
                                              FREE_FLAGS + CRITIC_FREE_FLAGS)
         check_same_reference(state.get("inputs"), args.actor_model_name_or_path, tag, root)
     return state, saved_ranks

@@ -17,11 +17,12 @@ from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
                                  say_a_changed_schedule, step_data_records)
-from dschat.utils.checkpoints import (MODEL, ResumePlan, check_complete, check_convertible, check_same_flags,
-                                      check_same_products, clear_earlier_run, clear_tag, latest_tag, load_rank_state,
-                                      load_rank_state_of_others, loading_checkpoint, publish, read_trainer_state,
-                                      reading, rng_said, save_trainer_state, tag_of, take_restored_flags,
-                                      universal_load, with_universal_load)
+from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
+                                      check_same_flags, check_same_products, check_same_step, clear_earlier_run,
+                                      clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
+                                      loading_checkpoint, publish, read_trainer_state, reading, rng_said,
+                                      save_trainer_state, tag_of, take_restored_flags, universal_load,
+                                      with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -59,15 +60,11 @@ def resume_flags(args):
     return {**flags, **step_data_records(args)}  # the same data, unedited: the records its position counts
 
 
-# (the trainer state's key for the step that saved a checkpoint: "step" is its optimizer-step count)
-STEP_NAME = "step_name"
-
-
 def save_step_checkpoint(engine, args, position, keep_last=2):
     """Every rank: the engine's states, this rank's RNG and train-loss sums under tag ``step_<N>``; ``position``:
     {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's),
     "seconds" (the step's so far), "total" (the run's steps) and STEP_NAME (the step's name, "step1", ...: which step
-    a resume may continue it, ``_check_same_step``)}."""
+    a resume may continue it, ``check_same_step``)}."""
     root = checkpoint_root(args)
     tag = tag_of("step", position["step"])
     clear_tag(root, tag)
@@ -85,17 +82,6 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
 BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 
-def _check_same_step(state, step, root, tag):
-    """A checkpoint another step saved in the same --output_dir (step 1's, found by DPO or step 2 given that folder) is
-    not this step's to continue: DPO resumed step 1's weights, optimizer and data position as its own when their
-    flags matched (both default to tiny-llama), and step 2 was refused for a flag ("--multiturn False -> None")."""
-    saved = state.get(STEP_NAME)
-    if saved is not None and step is not None and saved != step:  # (an older checkpoint names none: unchecked)
-        raise UsageError(f"--resume: the last checkpoint in {root} ({tag}) was saved by {saved}, not {step}: give "
-                         f"{step} its own --output_dir, or start afresh there without --resume (which removes "
-                         f"{saved}'s checkpoints)")
-
-
 def _checked_latest(args, step):
     """(tag, saved position, ranks that saved it) of the last complete checkpoint that this run may continue, else
     None. On another number of ranks, the samples of an optimizer step must be the checkpoint's (``BATCH_FLAGS``)."""
@@ -103,9 +89,9 @@ def _checked_latest(args, step):
     tag = latest_tag(root)
     if tag is None:
         return None
+    check_same_step(root, tag, step)
     saved_ranks = check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
-    _check_same_step(state, step, root, tag)
     saved = state.pop("flags", {})
     if saved_ranks != get_world_size():
         _check_other_ranks(root, tag, saved, saved_ranks, args)

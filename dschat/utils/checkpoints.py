@@ -167,6 +167,30 @@ def read_trainer_state(root, tag):
                          f"--resume") from None
 
 
+# (the trainer state's key for the step that saved a checkpoint, "step1", "step2", "step2_dpo" or "step3": every step
+# keeps its checkpoints in <output_dir>/checkpoints, so another step's may be found there)
+STEP_NAME = "step_name"
+
+
+def check_same_step(root, tag, step):
+    """Checkpoint ``tag`` was saved by ``step`` (its trainer state's ``STEP_NAME``), checked before its folders are: a
+    checkpoint another step saved in the same --output_dir (step 1's, found by DPO or step 2 given that folder; step
+    1's found by step 3, or step 3's by step 1) is not this step's to continue. DPO resumed step 1's weights,
+    optimizer and data position as its own when their flags matched (both default to tiny-llama), step 2 was refused
+    for a flag ("--multiturn False -> None"), and steps 1 and 3 for a folder "removed or copied in part?" of the
+    other's. A checkpoint from before the step was recorded is told by its tags (step 3's count iterations); else
+    unchecked."""
+    saved = (read_trainer_state(root, tag) or {}).get(STEP_NAME)
+    if saved is None and TAG.fullmatch(tag):
+        saved = "step3" if tag.startswith("iter_") else "step 1, 2 or DPO"
+        if (step == "step3") == (saved == "step3"):  # (one of them, unrecorded: not told apart)
+            return
+    if saved is not None and step is not None and saved != step:
+        raise UsageError(f"--resume: the last checkpoint in {root} ({tag}) was saved by {saved}, not {step}: give "
+                         f"{step} its own --output_dir, or start afresh there without --resume (which removes "
+                         f"{saved}'s checkpoints)")
+
+
 def load_rank_state(root, tag, generator=None):
     """This rank's RNG states restored as saved with ``tag`` (``generator``'s too, if given); returns its
     ``rank_state`` (None if it saved none)."""
