@@ -870,6 +870,45 @@ def test_a_resume_whose_iterations_take_other_step_counts_ends_its_schedules_at_
     assert "an iteration of this run takes 1 optimizer steps, its checkpoint's run's 2" in capsys.readouterr().out
 
 
+def test_a_resume_whose_iterations_count_other_prompts_is_refused_naming_the_flag(trained, tmp_path, capsys):
+    """A checkpoint after iteration 1 of --generation_batches 2 (its place: batch 2 of the epoch) resumed with 1 went
+    on as iteration 2 from batch 2, an iteration count behind its prompts: its schedules, sized for twice the
+    iterations, never reached their end, and resumed with more batches an iteration, the run stopped before the
+    epoch's last prompts."""
+    from dschat.errors import UsageError
+
+    common = ["--max_steps", "2", "--save_interval", "1"]
+    ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--generation_batches", "2", "--enable_test_mode",
+                      "--test_stop_step", "1"))
+    with pytest.raises(UsageError, match=r"iter_0000001 in .* is at iteration 1, and its place in the prompts "
+                                         r"\(epoch 1's generation batch 2 on each rank\) is iteration 2 of this run: "
+                                         r"its iterations took --generation_batches 2, this run's 1\..*resume with "
+                                         r"--generation_batches 2$"):
+        ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--generation_batches", "1", "--resume"))
+    capsys.readouterr()
+    ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--generation_batches", "2", "--resume"))
+    assert "resumed from iteration 1" in capsys.readouterr().out
+
+
+def test_a_resume_on_other_ranks_whose_epochs_make_other_iteration_counts_is_refused(distributed):
+    """39 prompts in iterations of 8 (batches of 4 x 1 on 2 ranks, of 4 x 2 on 1): DistributedSampler pads them to 40
+    on 2 ranks, 5 iterations an epoch, and 1 rank makes 4; resumed at the end of epoch 1, iteration 5 would have been
+    this run's iteration 4 (its schedules spanned 4 an epoch, and it stopped 1 iteration before the end
+    of the next epoch). Within the first epoch the counts agree."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import check_iteration_count
+
+    args = SimpleNamespace(generation_batches=2)
+    batches = {"per_device_generation_batch_size": 4, "generation_batches": 1}
+    with pytest.raises(UsageError, match=r"is at iteration 5, and its place in the prompts \(the end of epoch 1 on "
+                                         r"each rank\) is iteration 4 of this run: an epoch of its 2 rank\(s\) made "
+                                         r"another number .*: resume on 2 rank\(s\)$"):
+        check_iteration_count({"iteration": 5, "epoch": 0, "batch": 10, "batches": batches}, 2, 9, args, "x")
+    check_iteration_count({"iteration": 3, "epoch": 0, "batch": 6, "batches": batches}, 2, 9, args, "x")
+
+
 def test_the_score_before_ppo_is_kept_across_resumes_by_the_same_function():
     """A checkpoint from before the function's identity was kept: its score is taken, and the resumed run's identity
     saved with its next checkpoints (it was saved as None, and the next resume left the score out as another

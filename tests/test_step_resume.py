@@ -412,9 +412,10 @@ def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration
     root = tmp_path / "checkpoints"
     saved = {"per_device_generation_batch_size": 4, "generation_batches": 2, "per_device_training_batch_size": 4,
              "gradient_accumulation_steps": 1}
-    # 2 ranks: iterations of 4 x 2 x 2 = 16 prompts, optimizer steps of 4 x 1 x 2 = 8 rows; 1 iteration done, and 3
-    # batches of the unsupervised stream's second pass (12 a pass: 100 blocks, 50 a rank)
-    _step3_checkpoint(root, 2, saved, {"epoch": 1, "batch": 2, "unsup_batches": 15})
+    # 2 ranks: iterations of 4 x 2 x 2 = 16 prompts, optimizer steps of 4 x 1 x 2 = 8 rows; 1 iteration of the second
+    # epoch done (iteration 3: 2 an epoch of 40 prompts), and 3 batches of the unsupervised stream's second pass (12 a
+    # pass: 100 blocks, 50 a rank)
+    _step3_checkpoint(root, 2, saved, {"iteration": 3, "epoch": 1, "batch": 2, "unsup_batches": 15})
 
     def plan(*flags, unsup=True):  # (this run's loaders, on 1 rank: 40 prompts, 100 blocks)
         args = step3_args(step3_parser().parse_args(["--resume", "--output_dir", str(tmp_path), *flags]))
@@ -468,7 +469,7 @@ def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration
         "24 of its 100 blocks into pass 2, this run skips 15 batches of 8 on each rank; rank 0 restores its own RNG "
         "states and answer sampler; its held-out scores before PPO load as saved")
     # a checkpoint from before step 3 recorded its batches
-    _step3_checkpoint(root, 2, None, {"epoch": 1, "batch": 2, "unsup_batches": 15})
+    _step3_checkpoint(root, 2, None, {"iteration": 3, "epoch": 1, "batch": 2, "unsup_batches": 15})
     with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; it does not record its batch sizes "
                                          r".*: resume on 2 rank\(s\)$"):
         plan("--per_device_generation_batch_size", "8", "--generation_batches", "2", *one_rank)

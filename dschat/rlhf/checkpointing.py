@@ -188,13 +188,14 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
     if found is None:
         return ResumePlan()
     plan = ResumePlan(*found)
+    where = f"checkpoint {plan.tag} in {root}"
+    if plan.other_ranks:  # (decided on rank 0, set on every rank)
+        converted, position_said = rank_0_decides(lambda: _convert_position(plan.state, plan.saved_ranks,
+                                                                            train_loader, unsup_loader, args, where))
+        plan.state.update(converted)
+    check_iteration_count(plan.state, plan.saved_ranks, len(train_loader), args, where)
     if not plan.other_ranks:
         return plan
-    where = f"checkpoint {plan.tag} in {root}"
-    # (decided on rank 0, set on every rank)
-    converted, position_said = rank_0_decides(lambda: _convert_position(plan.state, plan.saved_ranks, train_loader,
-                                                                        unsup_loader, args, where))
-    plan.state.update(converted)
     said = []
     if args.actor_zero_stage == 3 and rank_0_decides(lambda: _untrained(root, ACTOR, plan.tag)):
         _refuse_untrained_lora_actor(root, plan, args)
@@ -280,6 +281,39 @@ def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, wher
         said.append(f"the unsupervised stream: {taken} of its {blocks} blocks into pass {passes + 1}, this run "
                     f"skips {_batches(converted['unsup_batches'])} of {batch} on each rank")
     return converted, said
+
+
+def check_iteration_count(state, saved_ranks, batches, args, where):
+    """The checkpoint's iteration count (``state``: its position, in this run's generation batches of the epoch,
+    ``batches`` of them per epoch) is the one this run has at that place in the prompts: else the resumed run would
+    count its iterations, size its learning-rate schedules and stop (--max_steps, the epochs' end) by one count while
+    training on the prompts of another. Another --generation_batches on as many ranks made it so (fewer: the schedules
+    never reached their end; more: the run stopped before the epoch's last prompts), and so did, on another number of
+    ranks, epochs of another number of whole iterations (DistributedSampler pads the prompts to a multiple of the
+    ranks). A UsageError naming what to give."""
+    per_epoch = batches // args.generation_batches
+    epoch, batch = state["epoch"], state["batch"]
+    if batch >= per_epoch * args.generation_batches:  # (the checkpoint's epoch was done)
+        here = (epoch + 1) * per_epoch
+    else:
+        here = epoch * per_epoch + batch / args.generation_batches
+    if here == state["iteration"]:
+        return
+    saved, ranks = state.get("batches") or {}, get_world_size()
+    if saved_ranks == ranks:
+        then = saved.get("generation_batches", "of the checkpoint's run")
+        why = f"its iterations took --generation_batches {then}, this run's {args.generation_batches}"
+        advice = f"resume with --generation_batches {then}"
+    else:
+        why = (f"an epoch of its {saved_ranks} rank(s) made another number of whole iterations than one of this run's "
+               f"{ranks} ({per_epoch}; DistributedSampler pads an epoch's prompts to a multiple of the ranks)")
+        advice = f"resume on {saved_ranks} rank(s)"
+    place = f"epoch {epoch + 1}'s generation batch {batch}" if batch < per_epoch * args.generation_batches else \
+        f"the end of epoch {epoch + 1}"
+    raise UsageError(f"--resume: {where} is at iteration {state['iteration']}, and its place in the prompts ({place} "
+                     f"on each rank) is {'within an iteration' if here != int(here) else f'iteration {int(here)}'} "
+                     f"of this run: {why}. The resumed run would count its iterations, learning-rate schedules and "
+                     f"--max_steps by one and train on the prompts of another: {advice}")
 
 
 def _batches(count):
