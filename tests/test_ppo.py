@@ -1275,6 +1275,18 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
     assert "--grpo_norm_by_std 1 -> 0: the rest of the run trains with the new value" in capsys.readouterr().out
 
 
+def test_a_resume_without_enable_ema_says_it_leaves_the_checkpoints_ema_copy_behind(tmp_path, capsys):
+    """A checkpoint of an --enable_ema run resumed without the flag went on without its EMA copy, unsaid: the run's
+    output had no actor_ema (an earlier one in the folder was removed as "an earlier run's model"). The other way, a
+    checkpoint without an EMA copy resumed with --enable_ema, is refused (``check_resumable``)."""
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _save_flags_checkpoint(tmp_path, "--enable_ema")
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
+    assert "--enable_ema True -> False: the rest of the run trains with the new value" in capsys.readouterr().out
+
+
 def test_a_resumed_kl_controller_goes_on_from_its_coefficient_with_this_runs_settings(tmp_path, capsys):
     """The checkpoint's controller state overrode the flags: a fixed --kl_ctl changed on resume, and an adaptive
     controller's --kl_target or --kl_horizon, were silently the checkpoint's. An adaptive controller goes on from the

@@ -60,10 +60,11 @@ KL_CONTROLLER_FLAGS = ("adaptive_kl", "kl_ctl", "kl_target", "kl_horizon")
 # Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it
 # (the loss and reward coefficients and the sampling settings too: changed silently, a resumed run trained another
 # objective than its log said; so did one with another place of the KL (--kl_in_reward), advantages (whitened, GRPO's
-# std), loss aggregation or EMA decay).
+# std), loss aggregation or EMA decay; and one without --enable_ema left the checkpoint's EMA copy behind unsaid. The
+# other way, a checkpoint without one is refused, ``check_resumable``).
 FREE_FLAGS = ("actor_dropout", "cliprange", "cliprange_value", "gamma", "lam", "entropy_coef", "kl_loss_coef",
-              "kl_estimator", "kl_in_reward", "whiten_advantages", "grpo_norm_by_std", "loss_agg", "ema_beta",
-              "unsup_coef", "clip_reward_value", "reward_model_weight", "reward_fn_weight",
+              "kl_estimator", "kl_in_reward", "whiten_advantages", "grpo_norm_by_std", "loss_agg", "enable_ema",
+              "ema_beta", "unsup_coef", "clip_reward_value", "reward_model_weight", "reward_fn_weight",
               "temperature", "top_k", "top_p", "greedy", "repetition_penalty") + KL_CONTROLLER_FLAGS
 CRITIC_FREE_FLAGS = ("critic_dropout",)
 # On another number of ranks, these may change as long as each pair's product with the ranks does not: the prompts of
