@@ -356,6 +356,24 @@ def test_unpaired_preference_labels_are_read_however_the_file_writes_them(tmp_pa
         raw(f"{unlabelled},{unlabelled}", tmp_path)  # (it made the whole file read as data without labels)
 
 
+def test_csv_labels_written_as_floats_or_words_are_labels_and_a_bad_cell_names_its_line(tmp_path):
+    """pandas writes a label column holding a null (NaN) as floats, "1.0"/"0.0": the column was read as data, not
+    labels, and every undesirable answer was trained on without a word."""
+    for labels in (["1.0", "0.0"], ["True", "False"], ["true", "false"], [" TRUE ", "0"]):
+        path = tmp_path / "kto.csv"
+        path.write_text("prompt,completion,label\n" + "".join(f"Q{i}?,A{i},{labels[i % 2]}\n" for i in range(4)))
+        adapter = raw(f"csv:{path},{path}", tmp_path)
+        assert [adapter.is_undesirable(s) for s in adapter.get_train_data()] == [False, True, False, True], labels
+    floats = write_records([{"prompt": f"Q{i}?", "completion": f"A{i}", "label": [1.0, 0.0, None][i % 3]}
+                            for i in range(4)], tmp_path / "nan.csv", "csv")
+    with pytest.raises(DatasetFormatError, match=rf"{floats} line 4 \(record 2\): field 'label': missing or null"):
+        raw(f"csv:{floats},{floats}", tmp_path)
+    path.write_text("prompt,completion,label\nQ0?,A0,1.0\nQ1?,A1,False\nQ2?,A2,maybe\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 4 \(record 2\): field 'label': 'maybe' is not a "
+                                                 r"label"):
+        raw(f"csv:{path},{path}", tmp_path)
+
+
 def test_unpaired_preference_labels_hold_under_renamed_fields_and_a_bad_one_is_its_records_error(tmp_path):
     """The labels were read only beside a field named "completion", and only where every value was one: renamed
     answers, a "yes"/"no" column or one typo left every undesirable answer to be trained on, without a word."""

@@ -881,18 +881,26 @@ def text_prompt_messages(text):
 
 _LABEL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 LABEL_SPELLINGS = "true/false, 1/0 or yes/no"
+# 1/0 written as a float: pandas' to_csv writes a label column holding a null (NaN) as a float column, "1.0"/"0.0"
+_NUMBER_LABEL = re.compile(r"([01])\.0*")
 
 
 def _label_value(value):
-    """A KTO label as a bool: a bool, 1/0 (also 1.0/0.0), or the text "true"/"false"/"1"/"0"/"yes"/"no" (a CSV cell,
-    any case); else None."""
+    """A KTO label as a bool: a bool, 1/0 (also 1.0/0.0), or the text "true"/"false"/"1"/"0"/"yes"/"no"/"1.0"/"0.0" (a
+    CSV cell, any case); else None."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str):
-        return _LABEL_WORDS.get(value.strip().lower())
+        return _label_text_value(value.strip().lower())
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
     return None
+
+
+def _label_text_value(text):
+    """The label a (stripped, lower-case) text spells, else None."""
+    number = _NUMBER_LABEL.fullmatch(text)
+    return number.group(1) == "1" if number else _LABEL_WORDS.get(text)
 
 
 def _says_true_or_false(values):
