@@ -644,6 +644,26 @@ def test_a_csv_records_error_names_its_line(tmp_path):
         raw(str(path), tmp_path)
 
 
+def test_a_csv_written_with_crlf_line_ends_reads_as_the_lf_one(tmp_path):
+    """A cell of a Windows CSV keeps its "\\r\\n"s: a prompt with a system message read as one user message (the
+    transcript as its text), a transcript whose turn says "Human:" was cut there, and answers kept their "\\r"s."""
+    records = [{"prompt": "Be brief.\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: What is 2+2?\n\nAssistant:",
+                "chosen": "Four:\n2+2=4", "rejected": "Five"},
+               {"prompt": "Human: Say 'Human: hi'\n\nAssistant: Human: hi\n\nHuman: Thanks\n\nAssistant:",
+                "chosen": "You are welcome.", "rejected": "No"}]
+    read = {}
+    for line_end in ("\n", "\r\n"):
+        path = tmp_path / f"{len(line_end)}.csv"
+        pd.DataFrame([{k: v.replace("\n", line_end) for k, v in r.items()} for r in records]).to_csv(
+            path, index=False, lineterminator=line_end)
+        adapter = raw(f"{path},{path}", tmp_path)
+        read[line_end] = [(adapter.get_conversation(s), adapter.get_chosen_text(s), adapter.get_rejected_text(s))
+                          for s in adapter.get_train_data()]
+    assert read["\r\n"] == read["\n"]
+    assert read["\n"][0][0] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2+2?"}]
+
+
 def test_a_csv_header_naming_a_column_twice_is_an_error(tmp_path):
     """pandas read the second "chosen" as an extra column "chosen.1": its answers went unread, silently."""
     path = tmp_path / "twice.csv"

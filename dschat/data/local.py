@@ -31,7 +31,8 @@ prompt=question,chosen=good``):
   implicit prompt: the words both begin with are the prompt ("The sky is" of "The sky is blue." and "... green.").
   ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
 
-CSV cells are read as text ("5" stays "5"; an empty cell is null); JSON values are kept as written, also in a
+CSV cells are read as text ("5" stays "5"; an empty cell is null; a Windows file's "\\r\\n" line ends in a cell as
+"\\n"); JSON values are kept as written, also in a
 column whose type differs between records. Every other column is passed through ``get_extra``. Records are
 checked when the file is loaded: a malformed JSON line raises ``DatasetFormatError("FILE line N: ...")``; a
 missing/null/empty/wrongly typed field raises one naming the file, the record (and its line where known: JSON
@@ -361,6 +362,8 @@ def load_file(kind, path):
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
     if builder == "json" and any(_has_json_feature(feature) for feature in data.features.values()):
         data = _exact_json_dataset(kind, path, data.features)
+    if kind == "csv":
+        data = _with_lf_line_ends(data)
     if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
         record_lines = None
     return data, record_lines
@@ -438,6 +441,21 @@ def _csv_text_features(path):
     from datasets import Features, Value
 
     return Features({column: Value("string") for column in pd.read_csv(path, nrows=0).columns})
+
+
+def _with_lf_line_ends(data):
+    """A CSV's text cells with "\\n" line ends: a quoted cell of a file written on Windows (Excel, ``to_csv`` there)
+    keeps the file's "\\r\\n" inside it, which made a "Be brief.\\r\\n\\r\\nHuman: ..." prompt one user message (its
+    system message and turns read as its text), cut a transcript's turns wherever a turn's text says "Human:" and
+    trained the "\\r"s."""
+    columns = [name for name in data.column_names if any(value and "\r\n" in value for value in data[name])]
+    if not columns:
+        return data
+    return data.map(_lf_cells, batched=True, fn_kwargs={"columns": columns}, desc="Reading CRLF line ends as LF")
+
+
+def _lf_cells(batch, columns):
+    return {name: [value.replace("\r\n", "\n") if value else value for value in batch[name]] for name in columns}
 
 
 def _error_text(err):
