@@ -195,6 +195,21 @@ def test_unsupervised_text_file_and_namespace_args(tmp_path, tokenizer):
     assert len(data) > 5 and all(len(data[i]["input_ids"]) == 10 for i in range(len(data)))
 
 
+def test_blank_lines_of_an_unsupervised_text_file_are_skipped_and_counted(tmp_path, tokenizer, capsys):
+    """A whitespace-only line was a document of its own: its spaces and an EOS were trained on, without a word."""
+    lines = [f"line {i} of plain text here" for i in range(20)]
+    plain, blanks = tmp_path / "plain.txt", tmp_path / "blanks.txt"
+    plain.write_text("\n".join(lines) + "\n")
+    blanks.write_text("\n".join(line + "\n   \n\t" if i % 5 == 0 else line for i, line in enumerate(lines)) + "\n\n")
+    expected = get_unsupervised_data(unsupervised_args(str(plain)), tokenizer)
+    data = get_unsupervised_data(unsupervised_args(str(blanks)), tokenizer)
+    assert [data[i]["input_ids"].tolist() for i in range(len(data))] == \
+        [expected[i]["input_ids"].tolist() for i in range(len(expected))]
+    assert data.skip_report[0]["skipped"] == {"blank text (empty or whitespace only)": 9}
+    assert (f"[dschat.data] phase 3 --unsupervised_dataset_name {blanks} train: skipped 9 of 29 records: 9 blank "
+            "text (empty or whitespace only)") in capsys.readouterr().out
+
+
 def test_an_unsupervised_file_edited_with_its_time_kept_is_read_again(tmp_path, tokenizer):
     """datasets keys its Arrow cache of a local file by path and time: an edit that kept them read the old text."""
     import os

@@ -766,10 +766,15 @@ def format_skip_line(entry):
 
 
 def _print_skip_report(local_rank, *datasets):
+    for dataset in datasets:
+        print_skip_lines(local_rank, dataset.train_phase, dataset.skip_report)
+
+
+def print_skip_lines(local_rank, train_phase, entries):
+    """Each report entry's ``format_skip_line``, on rank 0 (also step 3's unsupervised data's)."""
     from dschat.utils.dist import is_rank_0
 
     if local_rank > 0 or not is_rank_0():
         return
-    for dataset in datasets:
-        for entry in dataset.skip_report:
-            print(f"[dschat.data] phase {dataset.train_phase} {format_skip_line(entry)}", flush=True)
+    for entry in entries:
+        print(f"[dschat.data] phase {train_phase} {format_skip_line(entry)}", flush=True)

@@ -5,7 +5,8 @@ column, else its first column, as DeepSpeed-Chat does), a folder written by ``sa
 local file with a ``text`` field: ``text:PATH`` / a ``.txt`` path (one document per line), ``jsonl:PATH`` /
 ``.jsonl``, ``json:PATH`` / ``.json``, or ``tiny``: the embedded data's prompts and chosen answers as documents. The texts are tokenized, concatenated and cut into blocks of
 ``max_prompt_seq_len + max_answer_seq_len`` tokens, each document ended by the EOS token (the remainder of each map
-batch is dropped).
+batch is dropped). Blank documents (empty or whitespace-only lines of a .txt file, say) are skipped, and counted in
+the data report as the prompt data's skipped records are.
 """
 import os
 import re
@@ -15,6 +16,7 @@ from .base import load_hub_dataset
 from .errors import DatasetFormatError
 from .local import (all_files, check_json_document, check_jsonl_lines, file_digest, load_content_keyed, record_where,
                     text_encoding)
+from .pipeline import print_skip_lines
 
 LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
 
@@ -33,21 +35,40 @@ def get_unsupervised_data(args, tokenizer):
     train, text_column = load_unsupervised_train(name, config_name)
     record = unsupervised_data_record(name, config_name, train)
     locate = getattr(train, "locate_record", None) or (lambda index: f"--unsupervised_dataset_name {name} record {index}")
+    documents = without_blank_documents(train, text_column, locate, workers)
+    blank = len(train) - len(documents)
+    report = [{"source": f"--unsupervised_dataset_name {name}", "split": "train", "total": len(train),
+               "skipped": {BLANK_DOCUMENT: blank} if blank else {}}]
 
-    def tokenize(batch, indices):
-        texts = batch[text_column]
-        for index, text in zip(indices, texts):  # (the tokenizer's TypeError names neither the file nor the record)
-            if not isinstance(text, str):
-                said = "missing or null" if text is None else f"expected a string, got {type(text).__name__}"
-                raise DatasetFormatError(f"{locate(index)}: field {text_column!r}: {said}")
-        return with_eos(tokenizer(texts, return_token_type_ids=False), tokenizer.eos_token_id)
+    def tokenize(batch):
+        return with_eos(tokenizer(batch[text_column], return_token_type_ids=False), tokenizer.eos_token_id)
 
-    tokenized = train.map(tokenize, batched=True, with_indices=True, num_proc=workers,
-                          remove_columns=train.column_names, desc="Tokenizing unsupervised data")
+    tokenized = documents.map(tokenize, batched=True, num_proc=workers, remove_columns=documents.column_names,
+                              desc="Tokenizing unsupervised data")
     blocks = tokenized.map(lambda batch: group_texts(batch, block_size), batched=True, num_proc=workers,
                            desc=f"Grouping texts in blocks of {block_size}").with_format("torch")
     blocks.data_record = record  # (what step 3's checkpoints record of it)
+    blocks.skip_report = report
+    print_skip_lines(options.get("local_rank") or 0, 3, report)
     return blocks
+
+
+BLANK_DOCUMENT = "blank text (empty or whitespace only)"
+
+
+def without_blank_documents(train, text_column, locate, workers=None):
+    """``train`` without its blank documents: a whitespace-only line of a .txt file was a document of its own (its
+    spaces and an EOS trained on). A text that is no string is its record's error (the tokenizer's TypeError names
+    neither the file nor the record)."""
+    def keep(batch, indices):
+        texts = batch[text_column]
+        for index, text in zip(indices, texts):
+            if not isinstance(text, str):
+                said = "missing or null" if text is None else f"expected a string, got {type(text).__name__}"
+                raise DatasetFormatError(f"{locate(index)}: field {text_column!r}: {said}")
+        return [bool(text.strip()) for text in texts]
+
+    return train.filter(keep, batched=True, with_indices=True, num_proc=workers, desc="Skipping blank documents")
 
 
 def unsupervised_data_record(name, config_name=None, train=None):
