@@ -263,6 +263,15 @@ def test_a_mistyped_or_empty_unsupervised_file_is_named_not_looked_up_on_the_hub
     assert len(get_unsupervised_data(unsupervised_args(str(tmp_path / "corpus.json")), tokenizer)) >= 1
 
 
+def test_an_unsupervised_text_file_that_is_not_utf8_names_its_line(tmp_path, tokenizer):
+    """A Latin-1 .txt said only "could not be read as text: An error occurred while generating the dataset"."""
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"first line\ncaf\xe9 au lait\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 2: not UTF-8 text \(byte 0xe9 at column 4\); save the "
+                                                 "file as UTF-8"):
+        get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
+
+
 def test_unsupervised_tiny_and_a_saved_folder(tmp_path, tokenizer):
     from datasets import Dataset, DatasetDict
 

@@ -263,7 +263,7 @@ def check_jsonl_lines(path):
     return record_lines
 
 
-def _caused_by(error, kind):
+def caused_by(error, kind):
     while error is not None:
         if isinstance(error, kind):
             return True
@@ -357,7 +357,7 @@ def load_file(kind, path):
             if kind == "csv" else {"encoding": text_encoding(path)} if builder == "json" else {}
         data = load_content_keyed(builder, path, **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
-        if kind == "csv" and _caused_by(err, UnicodeDecodeError):
+        if kind == "csv" and caused_by(err, UnicodeDecodeError):
             raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
     if builder == "json" and any(_has_json_feature(feature) for feature in data.features.values()):

@@ -14,8 +14,8 @@ import re
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import (all_files, check_json_document, check_jsonl_lines, file_digest, load_content_keyed, record_where,
-                    text_encoding)
+from .local import (all_files, caused_by, check_json_document, check_jsonl_lines, file_digest, load_content_keyed,
+                    not_utf8_error, record_where, text_encoding)
 from .pipeline import print_skip_lines
 
 LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
@@ -150,6 +150,8 @@ def load_unsupervised_train(name, config_name=None):
     try:
         train = load_content_keyed(builder, path, encoding=text_encoding(path))
     except Exception as err:  # name the file; pyarrow's messages do not
+        if caused_by(err, UnicodeDecodeError):  # (datasets says only "An error occurred while generating the dataset")
+            raise not_utf8_error(path) from err
         raise DatasetFormatError(f"{path}: could not be read as {builder}: {err}") from err
     if "text" not in train.column_names:
         raise DatasetFormatError(f"{path}: unsupervised data needs a 'text' field; the records have "
