@@ -263,6 +263,19 @@ def test_a_mistyped_or_empty_unsupervised_file_is_named_not_looked_up_on_the_hub
     assert len(get_unsupervised_data(unsupervised_args(str(tmp_path / "corpus.json")), tokenizer)) >= 1
 
 
+def test_unsupervised_json_text_that_reads_as_json_stays_text_and_the_bad_record_is_named(tmp_path, tokenizer):
+    """In a "text" column of mixed types datasets decoded the strings that are valid JSON: "null" was said to be
+    missing at its record, and the number further on, the bad record, went unnamed."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in ("null", "[1, 2]", "a document", 5)))
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 4 \(record 3\): field 'text': expected a string, got "
+                                                 "int"):
+        get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
+    path.write_text("".join(json.dumps({"text": text, "n": n}) + "\n" for text, n in (("null", 1), ("[1, 2]", "x"))))
+    data = get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
+    assert tokenizer.decode(data[0]["input_ids"], skip_special_tokens=True).startswith("null")
+
+
 def test_an_unsupervised_text_file_that_is_not_utf8_names_its_line(tmp_path, tokenizer):
     """A Latin-1 .txt said only "could not be read as text: An error occurred while generating the dataset"."""
     path = tmp_path / "latin1.txt"

@@ -14,11 +14,11 @@ import re
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import (all_files, caused_by, check_json_document, check_jsonl_lines, file_digest, load_content_keyed,
-                    not_utf8_error, record_where, text_encoding)
+from .local import (all_files, caused_by, file_digest, load_content_keyed, load_file, not_utf8_error, record_where,
+                    text_encoding)
 from .pipeline import print_skip_lines
 
-LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "json", "json": "json"}
+LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "jsonl", "json": "json"}
 
 
 def get_unsupervised_data(args, tokenizer):
@@ -141,25 +141,27 @@ def load_unsupervised_train(name, config_name=None):
         train = _saved_train_split(name) if os.path.isdir(name) else \
             load_hub_dataset(name, "--unsupervised_dataset_name", config_name, split="train")
         return train, "text" if "text" in train.column_names else train.column_names[0]
-    builder, path = local
+    kind, path = local
     if os.path.getsize(path) == 0:  # (datasets' own error for it names neither file nor cause)
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
-    record_lines = None
-    if builder == "json":
-        record_lines = check_jsonl_lines(path) if path.endswith(".jsonl") else check_json_document(path)
-    try:
-        train = load_content_keyed(builder, path, encoding=text_encoding(path))
-    except Exception as err:  # name the file; pyarrow's messages do not
-        if caused_by(err, UnicodeDecodeError):  # (datasets says only "An error occurred while generating the dataset")
-            raise not_utf8_error(path) from err
-        raise DatasetFormatError(f"{path}: could not be read as {builder}: {err}") from err
+    # JSON as the prompt data's files are read: a string that is valid JSON ("null", "[1, 2]") in a column of mixed
+    # types stays a string (datasets' Json feature decoded it, and blamed its record for the one of another type)
+    train, record_lines = _text_file_lines(path) if kind == "text" else load_file(kind, path)
     if "text" not in train.column_names:
         raise DatasetFormatError(f"{path}: unsupervised data needs a 'text' field; the records have "
                                  f"{train.column_names}")
-    if record_lines is not None and len(record_lines) != len(train):
-        record_lines = None
     train.locate_record = lambda index: record_where(path, index, record_lines)
     return train, "text"
+
+
+def _text_file_lines(path):
+    """(Dataset of a text file's lines as its "text" column, None: no record lines to say)."""
+    try:
+        return load_content_keyed("text", path, encoding=text_encoding(path)), None
+    except Exception as err:  # name the file; pyarrow's messages do not
+        if caused_by(err, UnicodeDecodeError):  # (datasets says only "An error occurred while generating the dataset")
+            raise not_utf8_error(path) from err
+        raise DatasetFormatError(f"{path}: could not be read as text: {err}") from err
 
 
 def _tiny_documents():
@@ -186,8 +188,8 @@ def _saved_train_split(folder):
 
 
 def _local_text_source(name):
-    """(datasets builder, path) for "TYPE:PATH" or a .txt/.jsonl/.json path (one not there: MissingInputError); None
-    for hub names and save_to_disk folders."""
+    """(kind: "text", "jsonl" or "json", path) for "TYPE:PATH" or a .txt/.jsonl/.json path (one not there:
+    MissingInputError); None for hub names and save_to_disk folders."""
     kind, sep, rest = name.partition(":")
     if sep and kind.lower() in LOCAL_TEXT_TYPES:  # (TXT:path too)
         if not os.path.isfile(rest):
