@@ -674,7 +674,7 @@ def _add_step3_models_args(g):
 def _add_step3_unsupervised_mixing_args(g):
     g.add_argument("--unsupervised_dataset_name", type=str, default=None,
                    help="Pretraining text mixed into the actor's training (DeepSpeed-Chat's PTX): a hub dataset, a "
-                        "save_to_disk folder, a .txt/.jsonl/.json file or tiny.")
+                        "save_to_disk folder, a .txt/.jsonl/.json/.csv/.parquet file or tiny.")
     g.add_argument("--unsupervised_dataset_config_name", type=str, default=None, help="The hub dataset's config name.")
     # (>= 0: a negative weight trained the actor to unlearn the text, a NaN one made its weights NaN)
     g.add_argument("--unsup_coef", type=non_negative_float, default=27.8,

@@ -3,6 +3,7 @@ import argparse
 import json
 import os
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -274,6 +275,26 @@ def test_unsupervised_json_text_that_reads_as_json_stays_text_and_the_bad_record
     path.write_text("".join(json.dumps({"text": text, "n": n}) + "\n" for text, n in (("null", 1), ("[1, 2]", "x"))))
     data = get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
     assert tokenizer.decode(data[0]["input_ids"], skip_special_tokens=True).startswith("null")
+
+
+def test_unsupervised_csv_and_parquet_files_are_read_as_local_files(tmp_path, tokenizer, monkeypatch):
+    """A .csv or .parquet path was looked up on the hub: "not in the datasets cache, and the hub cannot be reached"."""
+    from dschat.data import unsupervised
+
+    monkeypatch.setattr(unsupervised, "load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
+    docs = [f"line {i} of plain text here" for i in range(20)]
+    (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n")
+    expected = get_unsupervised_data(unsupervised_args(str(tmp_path / "docs.txt")), tokenizer)
+    frame = pd.DataFrame({"id": range(20), "text": docs})
+    frame.to_csv(tmp_path / "docs.csv", index=False)
+    frame.to_parquet(tmp_path / "docs.parquet")
+    for name in (str(tmp_path / "docs.csv"), f"parquet:{tmp_path / 'docs.parquet'}"):
+        data = get_unsupervised_data(unsupervised_args(name), tokenizer)
+        assert [data[i]["input_ids"].tolist() for i in range(len(data))] == \
+            [expected[i]["input_ids"].tolist() for i in range(len(expected))]
+    (tmp_path / "gap.csv").write_text("id,text\n1,first document\n2,\n")
+    with pytest.raises(DatasetFormatError, match=r"gap.csv line 3 \(record 1\): field 'text': missing or null"):
+        get_unsupervised_data(unsupervised_args(str(tmp_path / "gap.csv")), tokenizer)
 
 
 def test_an_unsupervised_text_file_that_is_not_utf8_names_its_line(tmp_path, tokenizer):

@@ -3,7 +3,8 @@
 ``unsupervised_dataset_name`` is a hub dataset (``datasets.load_dataset(name, config)``; its ``text``
 column, else its first column, as DeepSpeed-Chat does), a folder written by ``save_to_disk`` (its train split), a
 local file with a ``text`` field: ``text:PATH`` / a ``.txt`` path (one document per line), ``jsonl:PATH`` /
-``.jsonl``, ``json:PATH`` / ``.json``, or ``tiny``: the embedded data's prompts and chosen answers as documents. The texts are tokenized, concatenated and cut into blocks of
+``.jsonl``, ``json:PATH`` / ``.json``, ``csv:PATH`` / ``.csv``, ``parquet:PATH`` / ``.parquet``, or ``tiny``: the
+embedded data's prompts and chosen answers as documents. The texts are tokenized, concatenated and cut into blocks of
 ``max_prompt_seq_len + max_answer_seq_len`` tokens, each document ended by the EOS token (the remainder of each map
 batch is dropped). Blank documents (empty or whitespace-only lines of a .txt file, say) are skipped, and counted in
 the data report as the prompt data's skipped records are.
@@ -18,7 +19,8 @@ from .local import (all_files, caused_by, file_digest, load_content_keyed, load_
                     text_encoding)
 from .pipeline import print_skip_lines
 
-LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "jsonl", "json": "json"}
+# (CSV and parquet as the prompt data's files: a .csv or .parquet path was looked up on the hub)
+LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "jsonl", "json": "json", "csv": "csv", "parquet": "parquet"}
 
 
 def get_unsupervised_data(args, tokenizer):
@@ -144,7 +146,7 @@ def load_unsupervised_train(name, config_name=None):
     kind, path = local
     if os.path.getsize(path) == 0:  # (datasets' own error for it names neither file nor cause)
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
-    # JSON as the prompt data's files are read: a string that is valid JSON ("null", "[1, 2]") in a column of mixed
+    # read as the prompt data's files are: a JSON string that is valid JSON ("null", "[1, 2]") in a column of mixed
     # types stays a string (datasets' Json feature decoded it, and blamed its record for the one of another type)
     train, record_lines = _text_file_lines(path) if kind == "text" else load_file(kind, path)
     if "text" not in train.column_names:
@@ -188,8 +190,8 @@ def _saved_train_split(folder):
 
 
 def _local_text_source(name):
-    """(kind: "text", "jsonl" or "json", path) for "TYPE:PATH" or a .txt/.jsonl/.json path (one not there:
-    MissingInputError); None for hub names and save_to_disk folders."""
+    """(kind: "text" or one of local.LOCAL_TYPES, path) for "TYPE:PATH" or a .txt/.jsonl/.json/.csv/.parquet path (one
+    not there: MissingInputError); None for hub names and save_to_disk folders."""
     kind, sep, rest = name.partition(":")
     if sep and kind.lower() in LOCAL_TEXT_TYPES:  # (TXT:path too)
         if not os.path.isfile(rest):
