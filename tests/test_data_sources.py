@@ -664,6 +664,21 @@ def test_a_csv_written_with_crlf_line_ends_reads_as_the_lf_one(tmp_path):
                                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2+2?"}]
 
 
+def test_a_csv_header_with_spaces_around_its_names_names_the_fields(tmp_path):
+    """A header written "prompt, chosen, rejected" named the columns " chosen" and " rejected": step 1 said the file
+    "has prompts but no answers", and "prompt ,chosen" made the records read as chosen/rejected conversations."""
+    for header in ("prompt, chosen, rejected", "prompt ,chosen,rejected ", " prompt,\tchosen,rejected"):
+        path = tmp_path / "spaced.csv"
+        path.write_text(f"{header}\nQ?,A.,B.\nQ2?,A2.,B2.\n")
+        adapter = raw(f"{path},{path}", tmp_path)
+        adapter.check_usable(2)
+        assert [(adapter.get_conversation(s)[0]["content"], adapter.get_chosen_text(s), adapter.get_rejected_text(s))
+                for s in adapter.get_train_data()] == [("Q?", "A.", "B."), ("Q2?", "A2.", "B2.")], header
+    path.write_text("prompt,chosen, chosen\nq,a,b\n")
+    with pytest.raises(DatasetFormatError, match=r"the header names column 'chosen' twice \(columns 2 and 3\)"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_a_csv_header_naming_a_column_twice_is_an_error(tmp_path):
     """pandas read the second "chosen" as an extra column "chosen.1": its answers went unread, silently."""
     path = tmp_path / "twice.csv"

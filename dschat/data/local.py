@@ -32,8 +32,8 @@ prompt=question,chosen=good``):
   ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
 
 CSV cells are read as text ("5" stays "5"; an empty cell is null; a Windows file's "\\r\\n" line ends in a cell as
-"\\n"); JSON values are kept as written, also in a
-column whose type differs between records. Every other column is passed through ``get_extra``. Records are
+"\\n"), the header's names without the spaces around them; JSON values are kept as written, also in a column whose
+type differs between records. Every other column is passed through ``get_extra``. Records are
 checked when the file is loaded: a malformed JSON line raises ``DatasetFormatError("FILE line N: ...")``; a
 missing/null/empty/wrongly typed field raises one naming the file, the record (and its line where known: JSON
 Lines, CSV) and the field.
@@ -352,9 +352,8 @@ def load_file(kind, path):
             if os.path.getsize(path) else "the file is empty"
         raise DatasetFormatError(f"{path}: no records ({what})")
     try:
-        # CSV cells are text; only an empty cell is missing (pandas would also read "NA", "None", "nan", ... as null)
-        options = {"features": _csv_text_features(path), "keep_default_na": False, "na_values": [""]} \
-            if kind == "csv" else {"encoding": text_encoding(path)} if builder == "json" else {}
+        options = _csv_options(path) if kind == "csv" else \
+            {"encoding": text_encoding(path)} if builder == "json" else {}
         data = load_content_keyed(builder, path, **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
         if kind == "csv" and caused_by(err, UnicodeDecodeError):
@@ -393,7 +392,7 @@ def check_csv_header(path):
     except (UnicodeDecodeError, csv.Error):
         return  # (the loader says why it cannot read the file)
     seen = {}
-    for number, name in enumerate(header, 1):
+    for number, name in enumerate(map(_column_name, header), 1):
         if name in seen:
             raise DatasetFormatError(f"{path}: the header names column {name!r} twice (columns {seen[name]} and "
                                      f"{number}); give each column its own name")
@@ -435,12 +434,28 @@ def _table_rows(kind, path):
     return None
 
 
-def _csv_text_features(path):
-    """Every CSV column as a string (CSV has no types: "5" or "007" is text, not a number)."""
+def _csv_options(path):
+    """load_dataset's options for a CSV file: its cells are text, only an empty cell is missing (pandas would also read
+    "NA", "None", "nan", ... as null), and its columns are named as ``_column_name`` reads the header."""
     import pandas as pd
+
+    names = [_column_name(column) for column in pd.read_csv(path, nrows=0).columns]
+    return {"features": _csv_text_features(names), "keep_default_na": False, "na_values": [""], "names": names,
+            "header": 0}
+
+
+def _column_name(header_cell):
+    """A CSV header cell's column name, without the spaces around it: a header written "prompt, chosen, rejected"
+    named its columns " chosen" and " rejected", which no field is (and --data_fields cannot name), so its answers
+    went unread ("has prompts but no answers")."""
+    return header_cell.strip() or header_cell
+
+
+def _csv_text_features(names):
+    """Every CSV column as a string (CSV has no types: "5" or "007" is text, not a number)."""
     from datasets import Features, Value
 
-    return Features({column: Value("string") for column in pd.read_csv(path, nrows=0).columns})
+    return Features({name: Value("string") for name in names})
 
 
 def _with_lf_line_ends(data):
