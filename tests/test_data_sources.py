@@ -569,6 +569,19 @@ def test_a_messages_string_that_is_no_transcript_says_what_a_conversation_is(tmp
     assert "chosen and rejected" not in str(error.value)
 
 
+def test_a_message_list_that_is_empty_or_holds_a_number_says_so(tmp_path):
+    """They said "expected a non-empty list of messages, got list" (of an empty one) and "message 0 has no text
+    content" (of a 7)."""
+    answer = {"role": "assistant", "content": "A."}
+    for messages, said in (([], "expected a non-empty list of messages, got an empty list"),
+                           ([{"role": "user", "content": 7}, answer], r"message 0's content is not text \(int\)"),
+                           ([{"role": "user", "content": " "}, answer], "message 0 has no text content")):
+        path = write_records([{"messages": [{"role": "user", "content": "Q?"}, answer]}, {"messages": messages}],
+                             tmp_path / "chat.jsonl", "jsonl")
+        with pytest.raises(DatasetFormatError, match=rf"line 2 \(record 1\): field 'messages': {said}$"):
+            raw(f"{path},{path}", tmp_path)
+
+
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     lines = [json.dumps(RECORDS[0]), "", json.dumps(RECORDS[1]), '{"prompt": "x", "chosen": ']

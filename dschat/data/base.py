@@ -212,7 +212,8 @@ def checked_messages(value, field):
     if value is None:
         raise RecordError(field, "missing or null")
     if not isinstance(value, (list, tuple)) or not value:
-        raise RecordError(field, f"expected a non-empty list of messages, got {type(value).__name__}")
+        got = "an empty list" if isinstance(value, (list, tuple)) else type(value).__name__
+        raise RecordError(field, f"expected a non-empty list of messages, got {got}")
     messages = []
     for position, message in enumerate(value):
         if not isinstance(message, dict):
@@ -224,6 +225,8 @@ def checked_messages(value, field):
             content = _text_of_parts(content, field, position)
         if role not in VALID_ROLES:
             raise RecordError(field, f"message {position} has role {role!r}; expected one of {VALID_ROLES}")
+        if content is not None and not isinstance(content, str):  # (a number is no text to train on either)
+            raise RecordError(field, f"message {position}'s content is not text ({type(content).__name__})")
         if not isinstance(content, str) or not content.strip():
             raise RecordError(field, f"message {position} has no text content")
         messages.append({"role": role, "content": trimmed(content)})
