@@ -677,6 +677,29 @@ def test_a_csv_written_with_crlf_line_ends_reads_as_the_lf_one(tmp_path):
                                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2+2?"}]
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_transcripts_written_with_crlf_line_ends_read_as_the_lf_ones(tmp_path, kind):
+    """A JSON string or parquet cell holding a "\\r\\n" transcript: a system message before its first turn made the
+    prompt one user message (the transcript as its text), and hh-rlhf's turns were cut where a turn says "Human:"."""
+    records = [{"prompt": "Be brief.\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: What is 2+2?\n\nAssistant:",
+                "chosen": "4", "rejected": "5"},
+               {"prompt": "Human: Say 'Human: hi'\n\nAssistant: Human: hi\n\nHuman: Thanks\n\nAssistant:",
+                "chosen": "You are welcome.", "rejected": "No"}]
+    hh = [{"chosen": "\n\nHuman: Say 'Human: hi'\n\nAssistant: Human: hi",
+           "rejected": "\n\nHuman: Say 'Human: hi'\n\nAssistant: Hi"}] * 2
+    read = {}
+    for line_end in ("\n", "\r\n"):
+        read[line_end] = []
+        for name, rows in (("prompts", records), ("hh", hh)):
+            rows = [{k: v.replace("\n", line_end) for k, v in r.items()} for r in rows]
+            path = write_records(rows, tmp_path / f"{name}{len(line_end)}.{kind}", kind)
+            adapter = raw(f"{path},{path}", tmp_path)
+            read[line_end] += [(adapter.get_conversation(s), adapter.get_chosen_text(s), adapter.get_rejected_text(s))
+                               for s in adapter.get_train_data()]
+    assert read["\r\n"] == read["\n"]
+    assert read["\n"][0][0][0] == {"role": "system", "content": "Be brief."}
+
+
 def test_a_csv_header_with_spaces_around_its_names_names_the_fields(tmp_path):
     """A header written "prompt, chosen, rejected" named the columns " chosen" and " rejected": step 1 said the file
     "has prompts but no answers", and "prompt ,chosen" made the records read as chosen/rejected conversations."""

@@ -56,13 +56,21 @@ def parse_transcript(text, preamble_role="user"):
     Empty turns (the trailing "Assistant:" of a prompt) are dropped and consecutive turns of one role are
     merged, because chat templates require user/assistant alternation and hh-rlhf has repeated speakers.
     Text before the first marker (or text with no marker at all) is a ``preamble_role`` turn ("system": a system
-    message as ``render_human_assistant`` writes it).
+    message as ``render_human_assistant`` writes it). "\\r\\n" line ends are read as "\\n" (text written on Windows).
     """
+    text = with_lf_line_ends(text)
     pattern = _PARAGRAPH_MARKER if _HAS_PARAGRAPH_MARKER.search(text) else _INLINE_MARKER
     parts = pattern.split(text)
     turns = [(preamble_role, parts[0])]
     turns += [(ROLE_BY_SPEAKER[speaker], content) for speaker, content in zip(parts[1::2], parts[2::2])]
     return merge_consecutive_roles({"role": role, "content": content.strip()} for role, content in turns)
+
+
+def with_lf_line_ends(text):
+    """``text`` with its "\\r\\n" line ends as "\\n": a transcript's blank-line markers ("\\n\\nHuman:") were not found
+    in "\\r\\n\\r\\nHuman:", so a system message before the first turn went unread and the turns were cut wherever a
+    turn's text says "Human:"."""
+    return text.replace("\r\n", "\n")
 
 
 def merge_consecutive_roles(messages):

@@ -51,7 +51,7 @@ from dschat.errors import MissingInputError, UsageError
 from .base import (PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer, optional_text,
                    prompt_messages, required_text)
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord
-from .formatting import parse_transcript
+from .formatting import parse_transcript, with_lf_line_ends
 
 LOCAL_TYPES = ("jsonl", "json", "parquet", "csv", "disk")
 EXTENSION_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -470,7 +470,7 @@ def _with_lf_line_ends(data):
 
 
 def _lf_cells(batch, columns):
-    return {name: [value.replace("\r\n", "\n") if value else value for value in batch[name]] for name in columns}
+    return {name: [with_lf_line_ends(value) if value else value for value in batch[name]] for name in columns}
 
 
 def _error_text(err):
@@ -904,8 +904,10 @@ def text_prompt_messages(text):
     \n\nAssistant:"), maybe after a system message as dschat writes one ("Be brief.\n\nHuman: ..."), else one user
     message (whose words "Human:" or "Assistant:" are its own). A transcript not ending with a Human turn is a
     ValueError."""
-    if text.startswith("Human:") or (_PROMPT_AFTER_PREAMBLE.search(text) and text.endswith("Assistant:")):
-        messages = parse_transcript(text, preamble_role="system")
+    transcript = with_lf_line_ends(text)
+    if transcript.startswith("Human:") or (_PROMPT_AFTER_PREAMBLE.search(transcript) and
+                                           transcript.endswith("Assistant:")):
+        messages = parse_transcript(transcript, preamble_role="system")
         if not messages or messages[-1]["role"] != "user":
             raise ValueError("the transcript must end with a non-empty 'Human:' turn")
         return messages
