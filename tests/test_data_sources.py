@@ -374,6 +374,14 @@ def test_csv_labels_written_as_floats_or_words_are_labels_and_a_bad_cell_names_i
         raw(f"csv:{path},{path}", tmp_path)
 
 
+def test_a_value_that_is_no_label_among_a_csvs_1_0_and_0_0_labels_names_its_line(tmp_path):
+    """A "0.5" among them made the column data: every answer, those labelled 0.0 too, was trained on without a word."""
+    path = tmp_path / "kto.csv"
+    path.write_text("prompt,completion,label\nQ0?,A0,1.0\nQ1?,A1,0.0\nQ2?,A2,0.5\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 4 \(record 2\): field 'label': '0.5' is not a label"):
+        raw(f"csv:{path},{path}", tmp_path)
+
+
 def test_unpaired_preference_labels_hold_under_renamed_fields_and_a_bad_one_is_its_records_error(tmp_path):
     """The labels were read only beside a field named "completion", and only where every value was one: renamed
     answers, a "yes"/"no" column or one typo left every undesirable answer to be trained on, without a word."""

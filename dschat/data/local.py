@@ -604,7 +604,7 @@ class LocalDataset(PromptRawDataset):
     def _label_column(self, train):
         """The column of TRL's unpaired preference labels (KTO's prompt/completion/label records), else None: the one
         ``--data_fields label=NAME`` names, or a "label" column that reads as labels (every value one, or any a
-        true/false: a typo among them is then its record's error) beside TRL's completion or a renamed chosen, with no
+        true/false or a CSV's 1.0/0.0: a typo among them is then its record's error) beside TRL's completion or a renamed chosen, with no
         rejected; a category column beside a plain chosen stays data. A renamed label a file lacks is an error only
         where its columns hold true/false (an SFT file in the mix has no labels)."""
         name, renamed, columns = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed, train.column_names
@@ -939,9 +939,13 @@ def _label_text_value(text):
 
 
 def _says_true_or_false(values):
-    """Whether any value is a bool or the word true/false: how KTO's labels are written (0/1 and yes/no are also
-    other things)."""
-    return any(isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in ("true", "false")) for v in values)
+    """Whether any value is a bool, the word true/false or the text 1.0/0.0 (a CSV's float column of labels): how
+    KTO's labels are written (0/1 and yes/no are also other things)."""
+    return any(isinstance(v, bool) or (isinstance(v, str) and _spells_true_or_false(v.strip().lower())) for v in values)
+
+
+def _spells_true_or_false(text):
+    return text in ("true", "false") or _NUMBER_LABEL.fullmatch(text) is not None
 
 
 # the speaker key of a message ({role, content}, ShareGPT's {from, value}): JSON text of objects with none is data
