@@ -723,6 +723,17 @@ def test_a_csv_header_with_spaces_around_its_names_names_the_fields(tmp_path):
         raw(f"{path},{path}", tmp_path)
 
 
+def test_a_csv_row_that_repeats_the_header_names_its_line(tmp_path):
+    """Two CSV files joined with ``cat`` put the second one's header among the records: it was trained on as a record,
+    "prompt" answered with "chosen"."""
+    part = "prompt,chosen,rejected\nQ?,A.,B.\nQ2?,A2.,B2.\n"
+    path = tmp_path / "joined.csv"
+    path.write_text(part + "\ufeff" + part.replace("\n", "\r\n"))  # (the second written on Windows)
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 4: the row repeats the header "
+                                                 r"\(prompt,chosen,rejected\); CSV files joined with their headers\?"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_a_csv_header_naming_a_column_twice_is_an_error(tmp_path):
     """pandas read the second "chosen" as an extra column "chosen.1": its answers went unread, silently."""
     path = tmp_path / "twice.csv"

@@ -401,20 +401,32 @@ def check_csv_header(path):
 
 def csv_record_lines(path):
     """The lines (1-based) where a CSV file's records start, as pandas reads them: after the header, a quoted cell may
-    span lines, blank lines are skipped. None if the csv module cannot read it (the loader says why)."""
+    span lines, blank lines are skipped. None if the csv module cannot read it (the loader says why). A row that
+    repeats the header is an error (``check_not_a_header``)."""
     import csv
 
-    starts, start = [], 1
+    starts, start, header = [], 1, None
     try:
         with open(path, newline="", encoding=text_encoding(path)) as f:
             reader = csv.reader(f)
             for row in reader:
                 if row:
                     starts.append(start)
+                    header = header or row
+                    if len(starts) > 1:
+                        check_not_a_header(path, start, row, header)
                 start = reader.line_num + 1
     except (UnicodeDecodeError, csv.Error):
         return None
     return starts[1:]
+
+
+def check_not_a_header(path, line, row, header):
+    """A record that is the header again is an error: CSV files joined as they are (``cat a.csv b.csv``) put the second
+    one's header among the records, where it was trained on as a record ("prompt" answered with "chosen")."""
+    if [_column_name(cell.lstrip("\ufeff")) for cell in row] == [_column_name(cell) for cell in header]:  # (its BOM)
+        raise DatasetFormatError(f"{path} line {line}: the row repeats the header ({','.join(header)}); CSV files "
+                                 "joined with their headers? remove it")
 
 
 def _table_rows(kind, path):
