@@ -723,6 +723,21 @@ def test_a_csv_header_with_spaces_around_its_names_names_the_fields(tmp_path):
         raw(f"{path},{path}", tmp_path)
 
 
+def test_a_csv_written_with_comma_space_reads_its_quoted_cells(tmp_path):
+    """A quoted cell after ", " was read up to its next comma, quotes and all: 'Q, "Yes, sure"' was the chosen answer
+    '"Yes' and the rejected one 'sure"', without a word (a row of another count of commas: pandas' "Expected 3 fields in
+    line 3, saw 4")."""
+    path = tmp_path / "spaced.csv"
+    rows = 'prompt, chosen, rejected\nQ1?, "Yes, sure.", "No, never."\nQ2?, "Yes, sure"\nQ3?, "Two\nlines", No\n'
+    path.write_text(rows)
+    adapter = raw(f"{path},{path}", tmp_path)
+    assert [(adapter.get_chosen_text(s), adapter.get_rejected_text(s)) for s in adapter.get_train_data()] == \
+        [("Yes, sure.", "No, never."), ("Yes, sure", None), ("Two\nlines", "No")]
+    path.write_text(rows + "\nQ4?, , No\n")  # (its line counted after the quoted cell of two lines)
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 7 \(record 3\): field 'chosen': missing or null"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_a_csv_row_that_repeats_the_header_names_its_line(tmp_path):
     """Two CSV files joined with ``cat`` put the second one's header among the records: it was trained on as a record,
     "prompt" answered with "chosen"."""

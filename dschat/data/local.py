@@ -381,6 +381,12 @@ def load_content_keyed(builder, path, **options):
                         **options)
 
 
+# A CSV written with ", " between its cells (by hand): a quoted cell after the space was read as text up to its next
+# comma, quotes and all, so 'Q, "Yes, sure"' was the chosen answer '"Yes' and the rejected one 'sure"' (or a line of
+# too many fields)
+CSV_SPACING = {"skipinitialspace": True}
+
+
 def check_csv_header(path):
     """A CSV header that names a column twice is an error: pandas reads the second as "NAME.1", an extra column, and
     that column's text would silently go unread."""
@@ -388,7 +394,7 @@ def check_csv_header(path):
 
     try:
         with open(path, newline="", encoding=text_encoding(path)) as f:
-            header = next((row for row in csv.reader(f) if row), [])
+            header = next((row for row in csv.reader(f, **CSV_SPACING) if row), [])
     except (UnicodeDecodeError, csv.Error):
         return  # (the loader says why it cannot read the file)
     seen = {}
@@ -408,7 +414,7 @@ def csv_record_lines(path):
     starts, start, header = [], 1, None
     try:
         with open(path, newline="", encoding=text_encoding(path)) as f:
-            reader = csv.reader(f)
+            reader = csv.reader(f, **CSV_SPACING)
             for row in reader:
                 if row:
                     starts.append(start)
@@ -436,7 +442,7 @@ def _table_rows(kind, path):
         if kind == "csv":
             import pandas as pd
 
-            return len(pd.read_csv(path, nrows=1, dtype=str, keep_default_na=False))
+            return len(pd.read_csv(path, nrows=1, dtype=str, keep_default_na=False, **CSV_SPACING))
         if kind == "parquet":
             import pyarrow.parquet as pq
 
@@ -448,12 +454,14 @@ def _table_rows(kind, path):
 
 def _csv_options(path):
     """load_dataset's options for a CSV file: its cells are text, only an empty cell is missing (pandas would also read
-    "NA", "None", "nan", ... as null), and its columns are named as ``_column_name`` reads the header."""
+    "NA", "None", "nan", ... as null), its columns are named as ``_column_name`` reads the header, and the spaces after
+    a comma are not the next cell's (``CSV_SPACING``)."""
     import pandas as pd
 
-    names = [_column_name(column) for column in pd.read_csv(path, nrows=0).columns]
+    names = [_column_name(column) for column in pd.read_csv(path, nrows=0, **CSV_SPACING).columns]
     return {"features": _csv_text_features(names), "keep_default_na": False, "na_values": [""], "names": names,
-            "header": 0}
+            "header": 0, **CSV_SPACING}
+
 
 
 def _column_name(header_cell):
