@@ -738,6 +738,21 @@ def test_a_csv_written_with_comma_space_reads_its_quoted_cells(tmp_path):
         raw(f"{path},{path}", tmp_path)
 
 
+def test_a_first_csv_record_with_more_cells_than_the_header_names_its_line(tmp_path):
+    """pandas took the first record's extra cell for an index column: an unquoted comma in the first record, or a comma
+    ending every line, read each record's cells under the next names (its chosen answer as its prompt), silently (a
+    later record's extra cell is pandas' own error, "Expected 3 fields in line 5, saw 4")."""
+    path = tmp_path / "cells.csv"
+    path.write_text("prompt,chosen,rejected\n\nQ1, with a comma,A1,B1\nQ2,A2,B2\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 3: 4 cells, where the header names 3 columns; quote a "
+                                                 r"cell holding a comma"):
+        raw(f"{path},{path}", tmp_path)
+    path.write_text("prompt,chosen,rejected\nQ1,A1,B1,\nQ2,A2,B2, \n")  # (a comma ending each line: no cell)
+    adapter = raw(f"{path},{path}", tmp_path)
+    assert [(adapter.get_conversation(s)[0]["content"], adapter.get_chosen_text(s), adapter.get_rejected_text(s))
+            for s in adapter.get_train_data()] == [("Q1", "A1", "B1"), ("Q2", "A2", "B2")]
+
+
 def test_a_csv_row_that_repeats_the_header_names_its_line(tmp_path):
     """Two CSV files joined with ``cat`` put the second one's header among the records: it was trained on as a record,
     "prompt" answered with "chosen"."""

@@ -408,7 +408,8 @@ def check_csv_header(path):
 def csv_record_lines(path):
     """The lines (1-based) where a CSV file's records start, as pandas reads them: after the header, a quoted cell may
     span lines, blank lines are skipped. None if the csv module cannot read it (the loader says why). A row that
-    repeats the header is an error (``check_not_a_header``)."""
+    repeats the header, or a first record with more cells than it, is an error (``check_not_a_header``,
+    ``check_no_extra_cells``)."""
     import csv
 
     starts, start, header = [], 1, None
@@ -421,6 +422,8 @@ def csv_record_lines(path):
                     header = header or row
                     if len(starts) > 1:
                         check_not_a_header(path, start, row, header)
+                    if len(starts) == 2:  # (pandas says so of a later record: "Expected 3 fields in line 5, saw 4")
+                        check_no_extra_cells(path, start, row, header)
                 start = reader.line_num + 1
     except (UnicodeDecodeError, csv.Error):
         return None
@@ -433,6 +436,16 @@ def check_not_a_header(path, line, row, header):
     if [_column_name(cell.lstrip("\ufeff")) for cell in row] == [_column_name(cell) for cell in header]:  # (its BOM)
         raise DatasetFormatError(f"{path} line {line}: the row repeats the header ({','.join(header)}); CSV files "
                                  "joined with their headers? remove it")
+
+
+def check_no_extra_cells(path, line, row, header):
+    """The first record with more cells than the header names is an error: pandas took its extra cells for an index
+    column and read every record's cells under the next names (an unquoted comma in the first record made each prompt
+    its chosen answer's text, without a word). Empty cells after the last (a delimiter ending each line) are no cells
+    (``index_col=False`` leaves them out)."""
+    if len(row) > len(header) and any(cell.strip() for cell in row[len(header):]):
+        raise DatasetFormatError(f"{path} line {line}: {len(row)} cells, where the header names {len(header)} columns; "
+                                 "quote a cell holding a comma (\"a, b\")")
 
 
 def _table_rows(kind, path):
@@ -460,7 +473,7 @@ def _csv_options(path):
 
     names = [_column_name(column) for column in pd.read_csv(path, nrows=0, **CSV_SPACING).columns]
     return {"features": _csv_text_features(names), "keep_default_na": False, "na_values": [""], "names": names,
-            "header": 0, **CSV_SPACING}
+            "header": 0, "index_col": False, **CSV_SPACING}
 
 
 
