@@ -861,6 +861,23 @@ def test_a_file_mixing_record_shapes_says_so(tmp_path):
     assert "field 'chosen': missing or null" in str(refused.value) and "mixes" not in str(refused.value)
 
 
+def test_a_json_object_writing_a_key_twice_names_its_record(tmp_path):
+    """json keeps a key's last value: a .json record's first "prompt" was lost without a word, and pyarrow refused a
+    JSON Lines message writing "content" twice with "field 'messages': expected a non-empty list of messages"."""
+    path = tmp_path / "twice.json"
+    path.write_text(json.dumps(RECORDS[:2], indent=1).replace('"chosen": "Good answer 1."',
+                                                              '"prompt": "Another question?", "chosen": "Good answer 1."'))
+    with pytest.raises(DatasetFormatError, match=rf"{path} record 1: an object writes the key 'prompt' twice \(JSON "
+                                                 r"keeps only its last value\); write each key once"):
+        raw(f"{path},{path}", tmp_path)
+    path = tmp_path / "twice.jsonl"
+    user = '{"role": "user", "content": "Hi", "content": "Hello"}'
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]})
+                    + f'\n{{"messages": [{user}, {{"role": "assistant", "content": "A"}}]}}\n')
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 2: an object writes the key 'content' twice"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_malformed_json_document_names_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')

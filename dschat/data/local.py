@@ -235,12 +235,40 @@ def _json_reason(err):
     return f"{err.msg.removesuffix(' at')} at column {err.colno}"
 
 
+class _KeysWrittenTwice:
+    """json's ``object_pairs_hook`` that notes each object that writes a key twice (json keeps its last value, and the
+    first was lost without a word; pyarrow refused a JSON Lines file's with an unrelated error)."""
+
+    def __init__(self):
+        self.twice = {}  # id of such an object -> the key
+
+    def hook(self, pairs):
+        obj = dict(pairs)
+        if len(obj) < len(pairs):
+            seen = set()
+            self.twice[id(obj)] = next(key for key, _ in pairs if key in seen or seen.add(key))
+        return obj
+
+    def key_in(self, value):
+        """The key written twice in ``value`` or an object inside it, else None."""
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        if isinstance(value, dict) and id(value) in self.twice:
+            return self.twice[id(value)]
+        return next((key for key in map(self.key_in, children) if key is not None), None)
+
+    def check(self, record, where):
+        key = self.key_in(record) if self.twice else None
+        if key is not None:
+            raise DatasetFormatError(f"{where}: an object writes the key {key!r} twice (JSON keeps only its last "
+                                     "value); write each key once")
+
+
 def check_jsonl_lines(path):
     """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line.
 
     datasets/pyarrow report a malformed line without its number, so the file is checked here first.
     """
-    record_lines = []
+    record_lines, keys = [], _KeysWrittenTwice()
     try:
         with open(path, encoding=text_encoding(path)) as f:
             for line_number, line in enumerate(f, start=1):
@@ -249,14 +277,15 @@ def check_jsonl_lines(path):
                 # a JSON array given as JSON Lines fails on its first line: said how to give it
                 array = " (the file is one JSON array: give it as json:PATH)" if not record_lines and \
                     line.lstrip().startswith("[") else ""
-                try:
-                    record = json.loads(line.rstrip("\r\n"))  # a record cut short is at its line's end, not the next
+                try:  # (a record cut short is at its line's end, not the next)
+                    record = json.loads(line.rstrip("\r\n"), object_pairs_hook=keys.hook)
                 except json.JSONDecodeError as err:
                     raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)}){array}") \
                         from None
                 if not isinstance(record, dict):
                     raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
                                              f"{type(record).__name__}{array}")
+                keys.check(record, f"{path} line {line_number}")
                 record_lines.append(line_number)
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
@@ -293,8 +322,9 @@ def check_json_document(path):
         raise not_utf8_error(path) from None
     if not text.strip():
         raise DatasetFormatError(f"{path}: no records (the file is empty)")
+    keys = _KeysWrittenTwice()
     try:
-        document = json.loads(text)
+        document = json.loads(text, object_pairs_hook=keys.hook)
     except json.JSONDecodeError as err:
         if _is_json_lines(text):
             return check_jsonl_lines(path)
@@ -317,6 +347,7 @@ def check_json_document(path):
     for index, record in enumerate(document):
         if not isinstance(record, dict):
             raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
+        keys.check(record, f"{path} record {index}")
     return None
 
 
