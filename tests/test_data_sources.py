@@ -1,5 +1,6 @@
 """Raw data sources: local files (formats, fields, record shapes, errors), name dispatch, hub adapters."""
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -762,6 +763,17 @@ def test_a_csv_row_that_repeats_the_header_names_its_line(tmp_path):
     with pytest.raises(DatasetFormatError, match=rf"{path} line 4: the row repeats the header "
                                                  r"\(prompt,chosen,rejected\); CSV files joined with their headers\?"):
         raw(f"{path},{path}", tmp_path)
+
+
+def test_a_csv_separated_by_semicolons_or_tabs_says_so(tmp_path):
+    """It read as one column, and the error said to name the fields with --data_fields."""
+    path = tmp_path / "excel.csv"
+    for separator in (";", "\t"):
+        path.write_text(separator.join(["prompt", "chosen", "rejected"]) + "\n" + separator.join("QAB") + "\n")
+        with pytest.raises(DatasetFormatError, match=rf"{path}: the header is one column, .*: the file is separated by "
+                                                     rf"{re.escape(repr(separator))}, not commas; save it as "
+                                                     "comma-separated CSV"):
+            raw(f"{path},{path}", tmp_path)
 
 
 def test_a_csv_header_naming_a_column_twice_is_an_error(tmp_path):

@@ -428,12 +428,22 @@ def check_csv_header(path):
             header = next((row for row in csv.reader(f, **CSV_SPACING) if row), [])
     except (UnicodeDecodeError, csv.Error):
         return  # (the loader says why it cannot read the file)
+    check_separated_by_commas(path, header)
     seen = {}
     for number, name in enumerate(map(_column_name, header), 1):
         if name in seen:
             raise DatasetFormatError(f"{path}: the header names column {name!r} twice (columns {seen[name]} and "
                                      f"{number}); give each column its own name")
         seen[name] = number
+
+
+def check_separated_by_commas(path, header):
+    """A header that is one column holding ";" or a tab is an error: a file separated by them (Excel's CSV where the
+    decimal mark is a comma) read as one column, and the error said to name the fields with --data_fields."""
+    separator = next((mark for mark in (";", "\t") if len(header) == 1 and mark in header[0]), None)
+    if separator is not None:
+        raise DatasetFormatError(f"{path}: the header is one column, {header[0]!r}: the file is separated by "
+                                 f"{separator!r}, not commas; save it as comma-separated CSV")
 
 
 def csv_record_lines(path):
