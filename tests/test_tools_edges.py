@@ -176,6 +176,25 @@ def test_text_that_is_not_utf8_is_refused_with_a_message_and_the_chat_goes_on(re
                           "--prompts", latin1])
 
 
+def test_a_line_that_is_not_utf8_under_a_strict_utf8_locale_is_refused_and_the_chat_goes_on(reward_model):
+    """Under a UTF-8 locale (en_US.UTF-8; here PYTHONIOENCODING=utf-8) stdin decodes strictly: a Latin-1 line raised
+    UnicodeDecodeError in input(), a traceback (exit 1) that ended the chat. Only the C/POSIX locale read it as
+    surrogates, which the chat refuses with a message."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, str(repo / "chat.py"), "--path", str(Path(reward_model).parent / "policy"),
+                           "--greedy", "--max_new_tokens", "2"], input=b"caf\xe9\nhello\nquit\n", cwd=repo, env=env,
+                          capture_output=True, timeout=180)
+    out = proc.stdout.decode("utf-8", "replace")
+    assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-2000:]
+    assert "(not answered: the message is not UTF-8 text (byte 0xe9) at character 4" in out
+    assert "Human: hello\nAssistant:" in out
+
+
 def test_prompt_eval_refuses_an_empty_prompt():
     """prompt_eval --prompts "" (or blanks) answered an empty Human turn, where chat.py and rw_eval refuse it."""
     from dschat.tools import prompt_eval

@@ -105,6 +105,16 @@ def run_interactive(session, read=input, write=print):
             write(f"Assistant: {answer}")
 
 
+def read_bytes_that_are_not_utf8_as_surrogates(*streams):
+    """Each text stream (stdin, stdout) decoding (encoding) bytes that are not UTF-8 as lone surrogates, as Python's
+    C/POSIX locale does: under a UTF-8 locale (en_US.UTF-8, PYTHONIOENCODING=utf-8) stdin is strict, and a Latin-1
+    line raised UnicodeDecodeError in input(), a traceback that ended the chat, instead of ``check_utf8``'s message
+    (and the echo of such a line failed to print). Before the first read: a stream cannot change it after."""
+    for stream in streams:
+        if hasattr(stream, "reconfigure"):  # (a TextIOWrapper: not a test's replacement)
+            stream.reconfigure(errors="surrogateescape")
+
+
 def echoing_input(prompt):
     """``input`` for piped stdin: echo the message so the printed transcript shows both sides."""
     text = input(prompt)
@@ -138,6 +148,7 @@ def main(argv=None):
     if args.prompt is not None:
         print(session.ask(args.prompt))
         return 0
+    read_bytes_that_are_not_utf8_as_surrogates(sys.stdin, sys.stdout)
     run_interactive(session, read=input if sys.stdin.isatty() else echoing_input)
     return 0
 
