@@ -970,3 +970,16 @@ def test_chat_cuts_an_answer_at_the_next_human_turn_the_model_wrote_on_with(sess
     templated = copy.deepcopy(session.tokenizer)  # a chat template's answer is kept as generated
     templated.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     assert chat.own_turn("A.\n\nHuman: B", templated) == "A.\n\nHuman: B"
+
+
+def test_chat_keeps_no_answer_that_is_only_a_human_turn_the_model_wrote(session, monkeypatch):
+    """A model that answers with nothing but the user's next turn (" \n\nHuman: And green?", stripped to "Human: And
+    green?"): the cut looked for "\n\nHuman:" in the stripped text, so chat.py showed the made-up turn as the answer
+    and kept it in the history as the assistant's words."""
+    from dschat.tools import chat
+
+    monkeypatch.setattr(chat, "generate_answers", lambda *a: ["Human: And green?\n\nAssistant: Green."])
+    session.clear()
+    assert session.ask("Name two colors.") == ""
+    assert session.history[-1] == {"role": "assistant", "content": ""}
+    assert chat.own_turn("A Human: wrote this.", session.tokenizer) == "A Human: wrote this."  # (words of the answer)

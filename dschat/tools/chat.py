@@ -31,7 +31,8 @@ def own_turn(answer, tokenizer):
     too. With a chat template the answer is as generated."""
     if uses_chat_template(tokenizer):
         return answer
-    return answer.split(HUMAN_PREFIX.rstrip(" "), 1)[0].rstrip()
+    # (the answer arrives stripped: one that is the made-up turn alone, "\n\nHuman: ...", starts with "Human:")
+    return ("\n\n" + answer).split(HUMAN_PREFIX.rstrip(" "), 1)[0].strip()
 
 
 def context_limit(model):
