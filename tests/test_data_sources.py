@@ -1004,6 +1004,24 @@ def test_bad_message_list_is_an_error(tmp_path):
         raw(path, tmp_path)
 
 
+@pytest.mark.parametrize("call", [{"content": "Let me look.", "tool_calls": [{"type": "function", "function": {
+    "name": "weather", "arguments": "{}"}}]}, {"content": None, "function_call": {"name": "weather", "arguments": "{}"}}])
+def test_a_message_with_tool_calls_is_an_error_not_trained_without_them(tmp_path, call):
+    """An assistant message with text and tool_calls was read as its text alone: step 1 trained the turn to end where
+    the call was, without a word; one with no text was "message 1 has no text content". A null or empty tool_calls
+    column (a fixed schema's) is no call."""
+    records = [{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", **call}]}]
+    path = write_records(records, tmp_path / "calls.jsonl", "jsonl")
+    key = next(k for k in call if k != "content")
+    with pytest.raises(DatasetFormatError, match=rf"record 0\): field 'messages': message 1 has {key}, which is not read"):
+        raw(path, tmp_path)
+    plain = [{"messages": [{"role": "user", "content": "Weather?", "tool_calls": None},
+                           {"role": "assistant", "content": "Sunny.", "tool_calls": []}]}] * 2
+    path = write_records(plain, tmp_path / "plain.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Sunny."
+
+
 # --- name dispatch ---
 
 @pytest.mark.parametrize("name", ["Dahoas/rm-static-typo", "rm-static", "dahoas/rm-static", "Dahoas/rm-static ",

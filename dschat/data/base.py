@@ -225,12 +225,22 @@ def checked_messages(value, field):
             content = _text_of_parts(content, field, position)
         if role not in VALID_ROLES:
             raise RecordError(field, f"message {position} has role {role!r}; expected one of {VALID_ROLES}")
+        if calls := _tool_call_key(message):
+            raise RecordError(field, f"message {position} has {calls}, which is not read (only text is): its text "
+                                     "would be trained without them; remove the record or its calls")
         if content is not None and not isinstance(content, str):  # (a number is no text to train on either)
             raise RecordError(field, f"message {position}'s content is not text ({type(content).__name__})")
         if not isinstance(content, str) or not content.strip():
             raise RecordError(field, f"message {position} has no text content")
         messages.append({"role": role, "content": trimmed(content)})
     return messages
+
+
+def _tool_call_key(message):
+    """The key of a message's tool calls (OpenAI's and HF's ``tool_calls``, OpenAI's older ``function_call``), else
+    None. Messages with their own text were read without them: an assistant turn that calls a tool was trained to
+    stop where the call was. (A column holding null or [] for every message is no call.)"""
+    return next((key for key in ("tool_calls", "function_call") if message.get(key)), None)
 
 
 def _text_of_parts(parts, field, position):
