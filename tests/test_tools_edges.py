@@ -195,6 +195,20 @@ def test_a_line_that_is_not_utf8_under_a_strict_utf8_locale_is_refused_and_the_c
     assert "Human: hello\nAssistant:" in out
 
 
+def test_chat_with_its_standard_input_closed_says_so_before_the_model_loads(monkeypatch, capsys):
+    """chat.py started with stdin closed (`<&-`) loaded the model, then ended in "AttributeError: 'NoneType' object has
+    no attribute 'isatty'"."""
+    import sys
+
+    import dschat.tools.chat as chat
+
+    monkeypatch.setattr(sys, "stdin", None)
+    monkeypatch.setattr(chat, "load_policy", lambda *a, **k: pytest.fail("the model loaded first"))
+    with pytest.raises(SystemExit) as ended:
+        chat.main(["--path", "tiny-llama"])
+    assert ended.value.code == 2 and "no standard input to read messages from" in capsys.readouterr().err
+
+
 def test_prompt_eval_refuses_an_empty_prompt():
     """prompt_eval --prompts "" (or blanks) answered an empty Human turn, where chat.py and rw_eval refuse it."""
     from dschat.tools import prompt_eval

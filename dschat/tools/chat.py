@@ -142,6 +142,8 @@ def main(argv=None):
         parser.error("--prompt: the message is empty")
     if args.prompt is not None:
         check_utf8(args.prompt, "--prompt")  # (before the model loads)
+    elif sys.stdin is None:  # (started with stdin closed, `<&-`: an AttributeError once the model had loaded)
+        parser.error("no standard input to read messages from (it is closed): give --prompt, or pipe the messages")
     path = flag_path("--path", find_policy_path, args.path)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     session = ChatSession(model, tokenizer, generation_kwargs(args))
