@@ -48,6 +48,20 @@ def non_negative_int(text):
     return _bounded_int(text, 0, "an integer >= 0")
 
 
+SEED_RANGE = 2 ** 32  # numpy's, which transformers' set_seed and the data shares seed (torch's is wider)
+
+
+def seed_int(text):
+    """argparse type: a seed, an integer in [0, 2**32 - 1], so -1 or 2**32 is an error naming the flag rather than
+    numpy's "Seed must be between 0 and 2**32 - 1" traceback (or torch's "Overflow when unpacking long long" in the
+    tools, once the model had loaded)."""
+    what = f"a seed in [0, {SEED_RANGE - 1}]"
+    value = _bounded_int(text, 0, what)
+    if value >= SEED_RANGE:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+
 def non_negative_float(text):
     """argparse type: a finite number >= 0 (a learning rate; 0 freezes the weights, as torch's optimizers allow; a
     weight decay, which torch's AdamW refuses below 0 and DeepSpeed's Adam took), so a negative or infinite value is an
@@ -97,8 +111,8 @@ def _bounded_float(text, within, what):
 
 
 # the argparse types whose range a notebook's value is checked against too
-BOUNDED_TYPES = (positive_int, non_negative_int, non_negative_float, positive_float, clip_range, unit_interval,
-                 dropout_probability)
+BOUNDED_TYPES = (positive_int, non_negative_int, seed_int, non_negative_float, positive_float, clip_range,
+                 unit_interval, dropout_probability)
 
 
 def _bounded_int(text, low, what):
@@ -207,7 +221,7 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
                    help="Learning-rate schedule after the warmup.")
     g.add_argument("--num_warmup_steps", type=non_negative_int, default=0, help="Optimizer steps of linear warmup.")
     g.add_argument("--output_dir", type=str, default=None, help="Where the trained model is saved.")
-    g.add_argument("--seed", type=int, default=1234,
+    g.add_argument("--seed", type=seed_int, default=1234,
                    help="Seed of the data order, the data shares and the model's random initialisations.")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     g.add_argument("--gradient_checkpointing", action="store_true",
@@ -719,7 +733,7 @@ def _add_step3_optimization_args(g):
     g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
                    help="Learning-rate schedule after the warmup.")
     g.add_argument("--num_warmup_steps", type=non_negative_int, default=100, help="Optimizer steps of linear warmup.")
-    g.add_argument("--seed", type=int, default=1234,
+    g.add_argument("--seed", type=seed_int, default=1234,
                    help="Seed of the data order, the data shares and the model's random initialisations.")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
 

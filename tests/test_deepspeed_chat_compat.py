@@ -207,7 +207,7 @@ def test_notebook_settings_mean_what_the_flags_mean():
     # a fraction for a count was cut without a word (8.5 -> 8); a whole float is the number it is
     with pytest.raises(UsageError, match="max_answer_seq_len: expected a positive integer, got 8.5"):
         step3_args({"max_answer_seq_len": 8.5})
-    with pytest.raises(UsageError, match="seed: expected an integer, got 1.5"):
+    with pytest.raises(UsageError, match=r"seed: expected a seed in \[0, 4294967295\], got 1.5"):
         step3_args({"seed": 1.5})
     assert step3_args({"max_answer_seq_len": 8.0}).max_answer_seq_len == 8
     assert type(step3_args({"seed": 2.0}).seed) is int

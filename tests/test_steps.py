@@ -1625,6 +1625,23 @@ def test_a_dropout_outside_0_1_is_an_error_naming_the_flag(value, capsys):
     assert step_settings(step1_parser(), {"disable_dropout": True}).dropout == 0.0
 
 
+@pytest.mark.parametrize("value", ["-1", "4294967296"])
+def test_a_seed_outside_numpys_range_is_an_error_naming_the_flag(value, capsys):
+    """--seed -1 or 2**32 loaded the model, then ended in numpy's "Seed must be between 0 and 2**32 - 1" traceback from
+    transformers' set_seed (exit 1); the notebook's dict got the same. Every step's --seed."""
+    from dschat.args import step1_parser, step2_dpo_parser, step2_parser, step3_parser, step_settings
+    from dschat.errors import UsageError
+
+    for parser in (step1_parser(), step2_parser(), step2_dpo_parser(), step3_parser()):
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args(["--seed", value])
+        assert stop.value.code == 2
+        assert "argument --seed: expected a seed in [0, 4294967295]" in capsys.readouterr().err
+    with pytest.raises(UsageError, match=r"seed: expected a seed in \[0, 4294967295\]"):
+        step_settings(step1_parser(), {"seed": int(value)})
+    assert step_settings(step1_parser(), {"seed": 2 ** 32 - 1}).seed == 2 ** 32 - 1
+
+
 @pytest.mark.parametrize("flag, value", [("--weight_decay", "-0.1"), ("--weight_decay", "nan"),
                                          ("--weight_decay", "inf"), ("--lora_alpha", "0"), ("--lora_alpha", "nan"),
                                          ("--lora_alpha", "-4")])

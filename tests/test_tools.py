@@ -376,6 +376,20 @@ def test_generation_flags_are_checked_and_top_k_below_one_is_off():
         parser.parse_args(["--max_new_tokens", "0"])
 
 
+def test_a_seed_outside_the_seedable_range_is_an_error_naming_the_flag_before_any_model_loads(monkeypatch, capsys):
+    """chat.py --seed 99999999999999999999 loaded the model, then ended in torch's "Overflow when unpacking long long"
+    traceback (exit 1); ppo_eval's --seed (step 3's, which draws the held-out share with numpy) took -1 too."""
+    from dschat.tools import chat
+
+    monkeypatch.setattr(chat, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    for main, flags in ((chat.main, ["--path", "tiny-llama", "--prompt", "hi"]), (ppo_eval.main, ["--policy", "x"])):
+        for value in ("99999999999999999999", "-1"):
+            with pytest.raises(SystemExit) as stop:
+                main([*flags, "--seed", value])
+            assert stop.value.code == 2
+            assert "argument --seed: expected a seed in [0, 4294967295]" in capsys.readouterr().err
+
+
 def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample(capsys, monkeypatch):
     """--top_k -1 is no top-k filtering, as the default 0 is: a greedy run was warned that it did nothing."""
     import argparse

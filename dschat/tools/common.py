@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from dschat.args import check_sampling_flags, positive_int, top_k_flag
+from dschat.args import check_sampling_flags, positive_int, seed_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import (check_not_a_file, check_not_a_reward_model, looks_local, missing_folder_message,
                                    not_a_model_folder, unfetchable_hub_name, unknown_tiny_preset)
@@ -201,7 +201,7 @@ def add_generation_args(parser, sample_by_default, max_new_tokens=128):
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--greedy", dest="do_sample", action="store_false", help="Greedy decoding.")
     mode.add_argument("--do_sample", dest="do_sample", action="store_true", help="Sample (temperature/top-k/top-p).")
-    g.add_argument("--seed", type=int, default=None, help="Seed for sampling.")
+    g.add_argument("--seed", type=seed_int, default=None, help="Seed for sampling.")
     parser.set_defaults(do_sample=sample_by_default)
     return g
 

@@ -11,7 +11,7 @@ import json
 import os
 from types import SimpleNamespace
 
-from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of
+from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of, seed_int
 from dschat.data.cache import tokenizer_fingerprint
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path
@@ -162,7 +162,7 @@ def build_parser():
     parser.add_argument("--max_prompt_seq_len", type=positive_int, default=256,
                         help="As in step 3 (longer prompts skipped).")
     parser.add_argument("--per_device_generation_batch_size", type=positive_int, default=16)
-    parser.add_argument("--seed", type=int, default=1234, help="Step 3's seed (it chooses the held-out share).")
+    parser.add_argument("--seed", type=seed_int, default=1234, help="Step 3's seed (it chooses the held-out share).")
     parser.add_argument("--num_examples", type=non_negative_int, default=3,
                         help="Example answers printed and saved per policy.")
     parser.add_argument("--output_json", default=None, help="Write the results here.")
