@@ -390,6 +390,21 @@ def test_a_seed_outside_the_seedable_range_is_an_error_naming_the_flag_before_an
             assert "argument --seed: expected a seed in [0, 4294967295]" in capsys.readouterr().err
 
 
+def test_sampling_flags_are_checked_before_any_model_loads(monkeypatch):
+    """chat.py --temperature 0 (and prompt_eval's --do_sample --top_p 1.5) loaded the model (minutes for a large one)
+    before the flag was refused, though check_sampling_flags is there to refuse it first."""
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    for tool in (chat, prompt_eval):
+        monkeypatch.setattr(tool, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    with pytest.raises(UsageError, match="--temperature 0.0: sampling needs a temperature > 0"):
+        chat.main(["--path", "tiny-llama", "--prompt", "hi", "--temperature", "0"])
+    with pytest.raises(UsageError, match=r"--top_p 1.5: must be in \(0, 1\]"):
+        prompt_eval.main(["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", "tiny-llama",
+                          "--prompts", "hi", "--do_sample", "--top_p", "1.5"])
+
+
 def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample(capsys, monkeypatch):
     """--top_k -1 is no top-k filtering, as the default 0 is: a greedy run was warned that it did nothing."""
     import argparse

@@ -8,8 +8,8 @@ import sys
 
 from dschat.data.formatting import HUMAN_PREFIX, format_prompt, uses_chat_template
 from dschat.errors import UsageError
-from dschat.tools.common import (add_generation_args, add_loading_args, check_utf8, find_policy_path, flag_path,
-                                 generation_kwargs, load_policy, one_process)
+from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags, check_utf8,
+                                 find_policy_path, flag_path, generation_kwargs, load_policy, one_process)
 from dschat.tools.generation import encode_prompts, generate_answers
 
 QUIT_COMMANDS = ("quit", "exit")
@@ -144,6 +144,7 @@ def main(argv=None):
         check_utf8(args.prompt, "--prompt")  # (before the model loads)
     elif sys.stdin is None:  # (started with stdin closed, `<&-`: an AttributeError once the model had loaded)
         parser.error("no standard input to read messages from (it is closed): give --prompt, or pipe the messages")
+    check_generation_flags(args)  # (before the model loads)
     path = flag_path("--path", find_policy_path, args.path)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     session = ChatSession(model, tokenizer, generation_kwargs(args))

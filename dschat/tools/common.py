@@ -206,16 +206,23 @@ def add_generation_args(parser, sample_by_default, max_new_tokens=128):
     return g
 
 
+def check_generation_flags(args):
+    """The sampling flags checked (a greedy decoding's unused ones said): a tool calls this before any model loads, as
+    chat.py's --temperature 0 was refused only once the model had loaded (minutes for a large one)."""
+    if args.do_sample:
+        check_sampling_flags(args.temperature, args.top_p)
+    else:
+        say_unused_sampling_flags(args)
+
+
 def generation_kwargs(args):
     """HF ``generate`` keyword arguments from the generation flags."""
+    check_generation_flags(args)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     if args.do_sample:
-        check_sampling_flags(args.temperature, args.top_p)
         kwargs.update(temperature=args.temperature, top_k=top_k_flag(args.top_k), top_p=args.top_p)
-    else:
-        say_unused_sampling_flags(args)
     return kwargs
 
 
