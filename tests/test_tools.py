@@ -338,6 +338,37 @@ def test_long_chat_forgets_oldest_exchanges_to_fit_the_context(session, monkeypa
     assert printed.index(notes[0]) == 1 and printed[2].startswith("Assistant: "), "said before its answer"
 
 
+def test_chat_prompt_flag_reads_a_transcript_as_prompt_eval_does(session, models, monkeypatch, capsys):
+    """chat.py --prompt "Human: ... Assistant: ... Human: ..." was one user message ("\n\nHuman: Human: ..."), where
+    prompt_eval's --prompts and rw_eval's --prompt read the turns: the same text gave the tools other prompts. A
+    transcript's system message stays when the oldest exchanges are forgotten."""
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    prompts = []
+    monkeypatch.setattr(chat, "generate_answers", lambda *args: prompts.extend(args[2]) or ["ok"])
+    chat.main(["--path", models["policy"], "--greedy", "--prompt",
+               "Human: Name 3 colors.\n\nAssistant: red, blue, green\n\nHuman: Three more?"])
+    assert prompts == ["\n\nHuman: Name 3 colors.\n\nAssistant: red, blue, green\n\nHuman: Three more?\n\nAssistant:"]
+    assert capsys.readouterr().out == "ok\n"
+    monkeypatch.setattr(chat, "load_policy", lambda *a, **k: (session.model, session.tokenizer))
+    monkeypatch.setattr(session.model.config, "max_position_embeddings", 40)
+    chat.main(["--path", models["policy"], "--greedy", "--max_new_tokens", "6", "--prompt",
+               f"Human: {'old ' * 20}\n\nAssistant: x\n\nHuman: now"])
+    assert prompts[-1] == "\n\nHuman: now\n\nAssistant:"
+    said = capsys.readouterr()
+    assert said.out == "ok\n" and "(the oldest 1 exchange(s) no longer fit the model's context" in said.err
+    session.clear()
+    monkeypatch.setattr(session.model.config, "max_position_embeddings", 40)
+    session.history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "old " * 60},
+                       {"role": "assistant", "content": "x"}]
+    messages, prompt = session.next_prompt("now")
+    assert prompt == "Be brief.\n\nHuman: now\n\nAssistant:" and messages[0]["role"] == "system"
+    session.history = [{"role": "system", "content": "Be brief. " * 60}]
+    with pytest.raises(UsageError, match="the model's context of 40 tokens"):
+        session.next_prompt("now")
+
+
 def test_chat_refuses_an_empty_prompt_flag(capsys):
     from dschat.tools.chat import main
 

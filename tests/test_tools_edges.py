@@ -302,14 +302,14 @@ NO_SYSTEM_TEMPLATE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exceptio
 def test_a_prompt_the_models_chat_template_refuses_is_an_error_naming_it_not_jinjas_traceback(tmp_path):
     """A system message (a transcript "Be brief.\\n\\nHuman: ...") to a model whose template refuses one (Gemma's):
     prompt_eval failed with jinja's TemplateError traceback after the baseline had answered, rw_eval once the reward
-    model had loaded; training data names such a record."""
+    model had loaded, chat.py --prompt once its model had; training data names such a record."""
     import torch
 
     from dschat.models.checkpoint import save_reward_model
     from dschat.models.loading import load_tokenizer
     from dschat.models.reward_model import create_critic_model
     from dschat.tiny.presets import create_tiny_model
-    from dschat.tools import prompt_eval, rw_eval
+    from dschat.tools import chat, prompt_eval, rw_eval
 
     policy = create_tiny_model("tiny-llama", tmp_path / "policy")
     tokenizer = load_tokenizer(policy)
@@ -326,3 +326,6 @@ def test_a_prompt_the_models_chat_template_refuses_is_an_error_naming_it_not_jin
                           "--prompts", prompt, "--max_new_tokens", "2"])
     with pytest.raises(UsageError, match=said):
         rw_eval.main(["--model_name_or_path", str(tmp_path / "rm"), "--prompt", prompt, "--answer", "Red."])
+    with pytest.raises(UsageError, match=said), \
+            mock.patch.object(chat, "load_policy", side_effect=AssertionError("a model loaded first")):
+        chat.main(["--path", policy, "--prompt", prompt])

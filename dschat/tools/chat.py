@@ -6,11 +6,12 @@ the same text format it was trained on (its chat template, else "Human:/Assistan
 import argparse
 import sys
 
-from dschat.data.formatting import HUMAN_PREFIX, format_prompt, uses_chat_template
+from dschat.data.formatting import HUMAN_PREFIX, uses_chat_template
 from dschat.errors import UsageError
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags, check_utf8,
-                                 find_policy_path, flag_path, generation_kwargs, load_policy, one_process)
+                                 find_policy_path, flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers
+from dschat.tools.records import prompt_record
 
 QUIT_COMMANDS = ("quit", "exit")
 CLEAR_COMMAND = "clear"
@@ -18,10 +19,17 @@ CLEAR_COMMAND = "clear"
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def conversation_prompt(history, user_text, tokenizer):
-    """(messages, prompt text) of the next turn: the history plus the new user message."""
+def conversation_prompt(history, user_text, tokenizer, model="the model"):
+    """(messages, prompt text) of the next turn: the history plus the new user message. Turns the chat template
+    refuses (a --prompt transcript's system message, for Gemma's) are a UsageError naming ``model``."""
     messages = list(history) + [{"role": "user", "content": user_text}]
-    return messages, format_prompt(messages, tokenizer)
+    return messages, tool_prompt(messages, tokenizer, model)
+
+
+def without_oldest_exchange(history):
+    """``history`` less its oldest user message and the answer to it; a system message before them stays."""
+    first = next((i for i, message in enumerate(history) if message["role"] != "system"), len(history))
+    return history[:first] + history[first + 2:]
 
 
 def own_turn(answer, tokenizer):
@@ -52,6 +60,12 @@ class ChatSession:
     def clear(self):
         self.history = []
 
+    def ask_after(self, messages):
+        """The answer to ``messages`` (a --prompt transcript's turns, ending with the user's), its earlier turns as the
+        history."""
+        self.history = list(messages[:-1])
+        return self.ask(messages[-1]["content"])
+
     def ask(self, user_text):
         messages, prompt = self.next_prompt(user_text)
         answer = own_turn(generate_answers(self.model, self.tokenizer, [prompt], self.generation_kwargs)[0],
@@ -69,15 +83,21 @@ class ChatSession:
         room = limit - self.generation_kwargs["max_new_tokens"] if limit else None
         history = list(self.history)
         while True:
-            messages, prompt = conversation_prompt(history, user_text, self.tokenizer)
+            messages, prompt = conversation_prompt(history, user_text, self.tokenizer,
+                                                   getattr(self.model, "name_or_path", None) or "the model")
             length = len(encode_prompts(self.tokenizer, [prompt])[0])
             if room is None or length <= room:
                 return messages, prompt
-            if not history:
+            if history == without_oldest_exchange(history):  # (nothing left to forget but a system message)
                 raise UsageError(f"the message takes {length} tokens as a prompt; with --max_new_tokens "
                                  f"{self.generation_kwargs['max_new_tokens']} the model's context of {limit} tokens "
                                  f"leaves room for {max(room, 0)}")
-            history = history[2:]  # one user message and its answer
+            history = without_oldest_exchange(history)
+
+
+def forgotten_note(session):
+    return (f"(the oldest {session.forgotten} exchange(s) no longer fit the model's context with --max_new_tokens "
+            f"{session.generation_kwargs['max_new_tokens']}: left out from now on)")
 
 
 def run_interactive(session, read=input, write=print):
@@ -101,8 +121,7 @@ def run_interactive(session, read=input, write=print):
                 write(f"(not answered: {error})")
                 continue
             if session.forgotten:
-                write(f"(the oldest {session.forgotten} exchange(s) no longer fit the model's context with "
-                      f"--max_new_tokens {session.generation_kwargs['max_new_tokens']}: left out from now on)")
+                write(forgotten_note(session))
             write(f"Assistant: {answer}")
 
 
@@ -128,10 +147,19 @@ def build_parser():
     parser.add_argument("--path", required=True,
                         help="A run's output folder (uses the policy its last train.py run reported, else "
                              "step3_ppo/actor, step2_dpo, step1_sft), a model folder, a hub name or a tiny preset.")
-    parser.add_argument("--prompt", default=None, help="Answer this one message, print the answer and exit.")
+    parser.add_argument("--prompt", default=None,
+                        help="Answer this one message (or the last of a 'Human: ... Assistant: ... Human: ...' "
+                             "transcript, as prompt_eval and rw_eval read it), print the answer and exit.")
     add_loading_args(parser)
     add_generation_args(parser, sample_by_default=True)
     return parser
+
+
+def check_prompt_renders(turns, path, args):
+    """``turns`` formatted with the tokenizer of ``path`` before its model loads, as prompt_eval formats its prompts."""
+    from dschat.models.loading import load_tokenizer
+
+    tool_prompt(turns, load_tokenizer(path, add_eot_token=args.add_eot_token), path)
 
 
 @one_process
@@ -140,17 +168,22 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("--prompt: the message is empty")
-    if args.prompt is not None:
-        check_utf8(args.prompt, "--prompt")  # (before the model loads)
+    if args.prompt is not None:  # (before the model loads: its text, a transcript's turns as prompt_eval reads them)
+        turns = prompt_record(args.prompt, "--prompt").messages
     elif sys.stdin is None:  # (started with stdin closed, `<&-`: an AttributeError once the model had loaded)
         parser.error("no standard input to read messages from (it is closed): give --prompt, or pipe the messages")
     check_generation_flags(args)  # (before the model loads)
     path = flag_path("--path", find_policy_path, args.path)
+    if args.prompt is not None:  # turns its chat template refuses (a transcript's system turn, for Gemma's): said first
+        check_prompt_renders(turns, path, args)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     session = ChatSession(model, tokenizer, generation_kwargs(args))
     print(f"[chat] model: {path} on {model.device}", file=sys.stderr)  # (stdout: the answers alone)
     if args.prompt is not None:
-        print(session.ask(args.prompt))
+        answer = session.ask_after(turns)
+        if session.forgotten:  # (a transcript too long for the context: said on stderr, the answer alone on stdout)
+            print(forgotten_note(session), file=sys.stderr)
+        print(answer)
         return 0
     read_bytes_that_are_not_utf8_as_surrogates(sys.stdin, sys.stdout)
     run_interactive(session, read=input if sys.stdin.isatty() else echoing_input)
