@@ -69,6 +69,35 @@ def test_bare_path_and_folder_forms(tmp_path, kind):
     assert len(single.get_train_data()) + len(single.get_eval_data()) == 15
 
 
+def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path):
+    # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_records(RECORDS[:15], folder / "train.jsonl", "jsonl")
+    write_records(RECORDS[15:], folder / "eval.json", "json")
+    for spec in (str(folder), f"jsonl:{folder}"):
+        adapter = raw(spec, tmp_path)
+        assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+        assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+    # test and validation both there: test was read, validation not, without a word
+    (folder / "eval.json").unlink()
+    write_records(RECORDS[15:17], folder / "test.jsonl", "jsonl")
+    write_records(RECORDS[17:], folder / "validation.csv", "csv")
+    with pytest.raises(UsageError, match=r"holds test\.jsonl and validation\.csv, and one file is the eval data"):
+        raw(str(folder), tmp_path)
+    write_records(RECORDS[:15], folder / "train.csv", "csv")  # two train files: the same
+    with pytest.raises(UsageError, match=r"holds train\.jsonl and train\.csv: which is the train data"):
+        raw(str(folder), tmp_path)
+
+
+def test_save_to_disk_dataset_dict_with_test_and_validation_says_which_is_read(tmp_path, capsys):
+    DatasetDict({"train": Dataset.from_list(RECORDS[:15]), "validation": Dataset.from_list(RECORDS[15:17]),
+                 "test": Dataset.from_list(RECORDS[17:])}).save_to_disk(str(tmp_path / "dd"))
+    adapter = raw(f"disk:{tmp_path / 'dd'}", tmp_path)
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[17:])
+    assert "evaluating on its 'test' split; 'validation' not read" in capsys.readouterr().out
+
+
 def test_save_to_disk_dataset_dict_and_single_dataset(tmp_path):
     DatasetDict({"train": Dataset.from_list(RECORDS[:15]), "test": Dataset.from_list(RECORDS[15:])}).save_to_disk(
         str(tmp_path / "dd"))

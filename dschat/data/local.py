@@ -4,7 +4,9 @@ Spec forms (one string per dataset in ``--data_path``)::
 
     jsonl:PATH  json:PATH  parquet:PATH  csv:PATH     one file
     TYPE:TRAIN_PATH,EVAL_PATH                         explicit eval file (same type)
-    TYPE:DIR                                          DIR/train.EXT plus DIR/eval.EXT (or test/validation)
+    TYPE:DIR                                          DIR/train.EXT plus DIR/eval.EXT, test.EXT or validation.EXT
+                                                      (its own extension: train.jsonl with eval.json; two of them, an
+                                                      error naming them)
     disk:PATH                                         a save_to_disk folder: a DatasetDict (train plus
                                                       eval/test/validation) or a single Dataset
     PATH                                              a bare existing path; the extension (.jsonl, .json,
@@ -89,11 +91,17 @@ def checked_field_options(field_options):
 
 @dataclass(frozen=True)
 class LocalSource:
-    """Where a local dataset's data lives: ``kind`` is one of LOCAL_TYPES; ``eval`` may be None."""
+    """Where a local dataset's data lives: ``kind`` is one of LOCAL_TYPES; ``eval`` may be None, ``eval_kind`` its
+    type where it differs (a folder's train.jsonl beside eval.json)."""
     kind: str
     train: str
     eval: str | None
     spec: str
+    eval_kind: str | None = None
+
+    @property
+    def eval_type(self):
+        return self.eval_kind or self.kind
 
     @property
     def files(self):
@@ -112,7 +120,7 @@ class LocalSource:
             for file in all_files(path):
                 file = os.path.abspath(file)
                 stats.append([file, os.stat(file).st_size, file_digest(file)])
-        return {"kind": self.kind, "files": stats}
+        return {"kind": self.kind, "files": stats, **({"eval_kind": self.eval_kind} if self.eval_kind else {})}
 
 
 def file_digest(path):
@@ -182,9 +190,13 @@ def _infer_kind(path):
     if os.path.isdir(path):
         if _is_saved_dataset(path):
             return "disk"
-        for kind in ("jsonl", "json", "parquet", "csv"):
-            if os.path.isfile(os.path.join(path, f"train.{kind}")):
-                return kind
+        kinds = [kind for kind in ("jsonl", "json", "parquet", "csv")
+                 if os.path.isfile(os.path.join(path, f"train.{kind}"))]
+        if len(kinds) > 1:  # (the first was read, the others not, without a word)
+            raise UsageError(f"the folder {path} holds {' and '.join(f'train.{kind}' for kind in kinds)}: which is the "
+                             f"train data? keep one, or give TYPE:PATH ({kinds[0]}:{path})")
+        if kinds:
+            return kinds[0]
         raise UsageError(f"cannot tell what the folder {path} holds: it is not a save_to_disk folder and has no "
                          "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
     kind = EXTENSION_TYPES.get(os.path.splitext(path)[1].lower())
@@ -217,8 +229,23 @@ def _folder_source(kind, folder, spec):
     train = os.path.join(folder, f"train.{kind}")
     if not os.path.isfile(train):
         return None
-    evals = [os.path.join(folder, f"{name}.{kind}") for name in EVAL_SPLIT_NAMES]
-    return LocalSource(kind, train, next((p for p in evals if os.path.isfile(p)), None), spec)
+    evaluation = _folder_eval_file(folder, spec)
+    eval_kind = evaluation and EXTENSION_TYPES[os.path.splitext(evaluation)[1]]
+    return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None)
+
+
+def _folder_eval_file(folder, spec):
+    """A folder's eval file: eval, test or validation with any of the file extensions (train.jsonl beside eval.json:
+    the eval file was not looked for, and the train file was split 90/10). Two of them (test.jsonl and
+    validation.jsonl, eval.jsonl and eval.json) are an error naming them: the first was read, the others not, without
+    a word."""
+    found = [os.path.join(folder, name + extension) for name in EVAL_SPLIT_NAMES for extension in EXTENSION_TYPES
+             if os.path.isfile(os.path.join(folder, name + extension))]
+    if len(found) > 1:
+        names = " and ".join(os.path.basename(path) for path in found)
+        raise UsageError(f"{spec}: the folder holds {names}, and one file is the eval data: give it as "
+                         f"TYPE:TRAIN_PATH,EVAL_PATH, or keep one of them in the folder")
+    return found[0] if found else None
 
 
 # --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
@@ -633,8 +660,13 @@ def load_saved_dataset(path):
         return saved, None
     if "train" not in saved:
         raise DatasetFormatError(f"{path}: the saved DatasetDict has no 'train' split (it has {list(saved)})")
-    eval_name = next((name for name in EVAL_SPLIT_NAMES if name in saved), None)
-    return saved["train"], saved[eval_name] if eval_name else None
+    eval_names = [name for name in EVAL_SPLIT_NAMES if name in saved]
+    if len(eval_names) > 1:  # (a hub dataset's train/validation/test: the others were left out without a word)
+        from dschat.utils.dist import print_rank_0
+
+        print_rank_0(f"[dschat.data] {path}: evaluating on its {eval_names[0]!r} split; "
+                     f"{' and '.join(map(repr, eval_names[1:]))} not read")
+    return saved["train"], saved[eval_names[0]] if eval_names else None
 
 
 def record_where(path, index, record_lines):
@@ -702,7 +734,7 @@ class LocalDataset(PromptRawDataset):
         train, self._train_lines = load_file(self.source.kind, self.source.train)
         if not self.source.eval:
             return train, None
-        eval_data, self._eval_lines = load_file(self.source.kind, self.source.eval)
+        eval_data, self._eval_lines = load_file(self.source.eval_type, self.source.eval)
         return train, eval_data
 
     def get_train_data(self):
