@@ -919,6 +919,27 @@ def test_a_json_object_writing_a_key_twice_names_its_record(tmp_path):
         raw(f"{path},{path}", tmp_path)
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_in_a_json_record_names_file_record_and_field(tmp_path, constant):
+    """Python's json.dumps writes a float NaN as NaN, which is no JSON: JSON Lines read it as a float ("expected a
+    string, got float"), a JSON array as null ("missing or null"). Both now say what it is, at its record and field."""
+    records = [dict(RECORDS[0]), dict(RECORDS[1], rejected=float(constant.replace("Infinity", "inf")))]
+    said = (rf"field 'rejected': {constant} is not a JSON value \(Python's json.dumps writes a float NaN or infinity "
+            r"so\); write null for a missing value, or text")
+    path = tmp_path / "nan.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 2 \(record 1\): {said}"):
+        raw(f"{path},{path}", tmp_path)
+    path = tmp_path / "nan.json"
+    path.write_text(json.dumps(records, indent=1))
+    with pytest.raises(DatasetFormatError, match=rf"{path} record 1: {said}"):
+        raw(f"{path},{path}", tmp_path)
+    path.write_text(json.dumps([{"messages": [{"role": "user", "content": "Q"},
+                                              {"role": "assistant", "content": float("nan")}]}]))
+    with pytest.raises(DatasetFormatError, match=rf"{path} record 0: field 'messages': NaN is not a JSON value"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_malformed_json_document_names_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')

@@ -290,6 +290,28 @@ class _KeysWrittenTwice:
                                      "value); write each key once")
 
 
+class NotJsonNumber(str):
+    """NaN, Infinity or -Infinity as json's ``parse_constant`` reads them (Python's json.dumps writes a float NaN so):
+    no JSON value, reported by ``check_json_numbers`` with the field that holds it."""
+
+
+def check_json_numbers(record, where):
+    """A record holding NaN or Infinity is an error naming its field: JSON Lines read it as a float ("expected a
+    string, got float"), a JSON array as null ("missing or null"), and an extra column kept either."""
+    for field, value in record.items():
+        constant = _not_json_number_in(value)
+        if constant is not None:
+            raise DatasetFormatError(f"{where}: field {field!r}: {constant} is not a JSON value (Python's json.dumps "
+                                     "writes a float NaN or infinity so); write null for a missing value, or text")
+
+
+def _not_json_number_in(value):
+    if isinstance(value, NotJsonNumber):
+        return value
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for found in map(_not_json_number_in, children) if found is not None), None)
+
+
 def check_jsonl_lines(path):
     """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line.
 
@@ -305,7 +327,8 @@ def check_jsonl_lines(path):
                 array = " (the file is one JSON array: give it as json:PATH)" if not record_lines and \
                     line.lstrip().startswith("[") else ""
                 try:  # (a record cut short is at its line's end, not the next)
-                    record = json.loads(line.rstrip("\r\n"), object_pairs_hook=keys.hook)
+                    record = json.loads(line.rstrip("\r\n"), object_pairs_hook=keys.hook,
+                                        parse_constant=NotJsonNumber)
                 except json.JSONDecodeError as err:
                     raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)}){array}") \
                         from None
@@ -313,6 +336,7 @@ def check_jsonl_lines(path):
                     raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
                                              f"{type(record).__name__}{array}")
                 keys.check(record, f"{path} line {line_number}")
+                check_json_numbers(record, f"{path} line {line_number} (record {len(record_lines)})")
                 record_lines.append(line_number)
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
@@ -351,7 +375,7 @@ def check_json_document(path):
         raise DatasetFormatError(f"{path}: no records (the file is empty)")
     keys = _KeysWrittenTwice()
     try:
-        document = json.loads(text, object_pairs_hook=keys.hook)
+        document = json.loads(text, object_pairs_hook=keys.hook, parse_constant=NotJsonNumber)
     except json.JSONDecodeError as err:
         if _is_json_lines(text):
             return check_jsonl_lines(path)
@@ -375,6 +399,7 @@ def check_json_document(path):
         if not isinstance(record, dict):
             raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
         keys.check(record, f"{path} record {index}")
+        check_json_numbers(record, f"{path} record {index}")
     return None
 
 
