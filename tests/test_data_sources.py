@@ -768,10 +768,11 @@ def test_a_csv_written_with_comma_space_reads_its_quoted_cells(tmp_path):
         raw(f"{path},{path}", tmp_path)
 
 
-def test_a_first_csv_record_with_more_cells_than_the_header_names_its_line(tmp_path):
+def test_a_csv_record_with_more_cells_than_the_header_names_its_line(tmp_path):
     """pandas took the first record's extra cell for an index column: an unquoted comma in the first record, or a comma
-    ending every line, read each record's cells under the next names (its chosen answer as its prompt), silently (a
-    later record's extra cell is pandas' own error, "Expected 3 fields in line 5, saw 4")."""
+    ending every line, read each record's cells under the next names (its chosen answer as its prompt), silently; a
+    later record's extra cell was pandas' own error, "Expected 3 fields in line 5, saw 4", also for a comma ending
+    that line alone, which the first line may end with."""
     path = tmp_path / "cells.csv"
     path.write_text("prompt,chosen,rejected\n\nQ1, with a comma,A1,B1\nQ2,A2,B2\n")
     with pytest.raises(DatasetFormatError, match=rf"{path} line 3: 4 cells, where the header names 3 columns; quote a "
@@ -781,6 +782,15 @@ def test_a_first_csv_record_with_more_cells_than_the_header_names_its_line(tmp_p
     adapter = raw(f"{path},{path}", tmp_path)
     assert [(adapter.get_conversation(s)[0]["content"], adapter.get_chosen_text(s), adapter.get_rejected_text(s))
             for s in adapter.get_train_data()] == [("Q1", "A1", "B1"), ("Q2", "A2", "B2")]
+    for rows in ("Q1,A1,B1\nQ2,A2,B2,\nQ3,A3,B3\n", "Q1,A1,B1,\nQ2,A2,B2\nQ3,A3,B3,,\n"):  # (on some lines only)
+        path.write_text("prompt,chosen,rejected\n" + rows)
+        adapter = raw(f"{path},{path}", tmp_path)
+        assert [(adapter.get_conversation(s)[0]["content"], adapter.get_chosen_text(s), adapter.get_rejected_text(s))
+                for s in adapter.get_train_data()] == [("Q1", "A1", "B1"), ("Q2", "A2", "B2"), ("Q3", "A3", "B3")]
+    path.write_text("prompt,chosen,rejected\nQ1,A1,B1\nQ2,A2,B2\n\nQ3, with a comma,A3,B3\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 5: 4 cells, where the header names 3 columns; quote a "
+                                                 r"cell holding a comma"):
+        raw(f"{path},{path}", tmp_path)
 
 
 def test_a_csv_row_that_repeats_the_header_names_its_line(tmp_path):
@@ -1023,9 +1033,13 @@ def test_read_errors_name_their_cause(tmp_path):
     with pytest.raises(DatasetFormatError, match=rf"{empty_csv}: no records \(the file is empty\)"):
         raw(f"csv:{empty_csv}", tmp_path)
     jsonl = write_records([*RECORDS[:2], {**RECORDS[2], "more": "x"}], tmp_path / "data.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=rf"{jsonl} line 3: 5 cells, where the header names 4 columns"):
+        raw(f"csv:{jsonl}", tmp_path)
+    unclosed = tmp_path / "unclosed.csv"
+    unclosed.write_text('prompt,chosen,rejected\nQ,A,B\nQ2,"A2,B2\n')
     with pytest.raises(DatasetFormatError, match=r"could not be read as csv: An error occurred while generating "
                                                  r"the dataset: Error tokenizing data"):  # the cause, not only that
-        raw(f"csv:{jsonl}", tmp_path)
+        raw(f"csv:{unclosed}", tmp_path)
     empty_json = tmp_path / "empty.json"
     empty_json.write_text("\n")
     with pytest.raises(DatasetFormatError, match=rf"{empty_json}: no records \(the file is empty\)"):

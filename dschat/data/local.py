@@ -501,7 +501,7 @@ def check_separated_by_commas(path, header):
 def csv_record_lines(path):
     """The lines (1-based) where a CSV file's records start, as pandas reads them: after the header, a quoted cell may
     span lines, blank lines are skipped. None if the csv module cannot read it (the loader says why). A row that
-    repeats the header, or a first record with more cells than it, is an error (``check_not_a_header``,
+    repeats the header, or a record with more cells than it, is an error (``check_not_a_header``,
     ``check_no_extra_cells``)."""
     import csv
 
@@ -515,7 +515,6 @@ def csv_record_lines(path):
                     header = header or row
                     if len(starts) > 1:
                         check_not_a_header(path, start, row, header)
-                    if len(starts) == 2:  # (pandas says so of a later record: "Expected 3 fields in line 5, saw 4")
                         check_no_extra_cells(path, start, row, header)
                 start = reader.line_num + 1
     except (UnicodeDecodeError, csv.Error):
@@ -532,10 +531,11 @@ def check_not_a_header(path, line, row, header):
 
 
 def check_no_extra_cells(path, line, row, header):
-    """The first record with more cells than the header names is an error: pandas took its extra cells for an index
-    column and read every record's cells under the next names (an unquoted comma in the first record made each prompt
-    its chosen answer's text, without a word). Empty cells after the last (a delimiter ending each line) are no cells
-    (``index_col=False`` leaves them out)."""
+    """A record with more cells than the header names is an error: pandas took the first record's extra cells for an
+    index column and read every record's cells under the next names (an unquoted comma in the first record made each
+    prompt its chosen answer's text, without a word), and refused a later record's with "Expected 3 fields in line 5,
+    saw 4" (no file named). Empty cells after the last (a delimiter ending a line) are no cells, on any line
+    (``_csv_options`` reads the header's columns alone)."""
     if len(row) > len(header) and any(cell.strip() for cell in row[len(header):]):
         raise DatasetFormatError(f"{path} line {line}: {len(row)} cells, where the header names {len(header)} columns; "
                                  "quote a cell holding a comma (\"a, b\")")
@@ -565,8 +565,10 @@ def _csv_options(path):
     import pandas as pd
 
     names = [_column_name(column) for column in pd.read_csv(path, nrows=0, **CSV_SPACING).columns]
+    # (usecols: a later line's empty cells after the last column, a comma ending it, are left out as the first
+    # line's are; csv_record_lines refused non-empty ones)
     return {"features": _csv_text_features(names), "keep_default_na": False, "na_values": [""], "names": names,
-            "header": 0, "index_col": False, **CSV_SPACING}
+            "header": 0, "index_col": False, "usecols": list(range(len(names))), **CSV_SPACING}
 
 
 
