@@ -670,6 +670,10 @@ def test_unsupervised_text_files_with_a_byte_order_mark(tmp_path):
     (tmp_path / "docs.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "First."}).encode() + b"\n")
     assert load_unsupervised_train(str(tmp_path / "docs.txt"))[0][0] == {"text": "First line."}
     assert load_unsupervised_train(str(tmp_path / "docs.jsonl"))[0][0] == {"text": "First."}
+    # text files joined with cat: the second one's mark began its first line's document, and was trained on
+    (tmp_path / "joined.txt").write_bytes(b"\xef\xbb\xbfFirst line.\n\xef\xbb\xbfSecond file.\nThird \xef\xbb\xbfline.\n")
+    assert load_unsupervised_train(str(tmp_path / "joined.txt"))[0]["text"] == \
+        ["First line.", "Second file.", "Third \ufeffline."]
 
 
 def test_files_without_records_say_so(tmp_path):

@@ -159,11 +159,24 @@ def load_unsupervised_train(name, config_name=None):
 def _text_file_lines(path):
     """(Dataset of a text file's lines as its "text" column, None: no record lines to say)."""
     try:
-        return load_content_keyed("text", path, encoding=text_encoding(path)), None
+        return _without_line_start_marks(load_content_keyed("text", path, encoding=text_encoding(path))), None
     except Exception as err:  # name the file; pyarrow's messages do not
         if caused_by(err, UnicodeDecodeError):  # (datasets says only "An error occurred while generating the dataset")
             raise not_utf8_error(path) from err
         raise DatasetFormatError(f"{path}: could not be read as text: {err}") from err
+
+
+BYTE_ORDER_MARK = "\ufeff"
+
+
+def _without_line_start_marks(lines):
+    """A text file's lines without a UTF-8 byte-order mark at their start: files joined with ``cat`` keep each later
+    file's mark at the start of its first line, which was trained on as that document's text (the file's own first
+    mark is read as the encoding's)."""
+    if not any(text.startswith(BYTE_ORDER_MARK) for text in lines["text"] if text):
+        return lines
+    return lines.map(lambda batch: {"text": [text.lstrip(BYTE_ORDER_MARK) if text else text for text in batch["text"]]},
+                     batched=True, desc="Removing byte-order marks")
 
 
 def _tiny_documents():
