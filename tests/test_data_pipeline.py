@@ -416,6 +416,38 @@ def test_multiturn_trains_a_conversation_ending_with_a_user_turn_up_to_its_last_
         build(tmp_path, tok, [f"{bad},{bad}"], 1, data_split="1,0,0", multiturn=True)
 
 
+@pytest.mark.parametrize("template", ["human_assistant", "chatml"])
+def test_an_assistant_turn_of_weight_0_is_not_trained(tmp_path, tokenizer, capsys, template):
+    """OpenAI's chat fine-tuning format marks an assistant turn not to train with "weight": 0. It was read as 1:
+    --multiturn trained such a turn, and without it a last turn of weight 0 was the answer trained. Now such a turn
+    stays prompt; a record whose last turn has it trains up to the turn before with --multiturn, and is skipped and
+    counted without (nothing to train), as one ending with a user turn is."""
+    tok = chatml(tokenizer) if template == "chatml" else tokenizer
+    middle = [dict(m, weight=0) if m["content"] == "Fine, thanks." else dict(m, weight=1) if m["role"] == "assistant"
+              else m for m in CONVERSATION]
+    last = [dict(m, weight=0) if m["content"] == "Goodbye!" else m for m in CONVERSATION]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": middle}, {"messages": last}])
+    every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
+    answers = {"human_assistant": (" Hello, friend.\n\n| Goodbye!<|endoftext|>",
+                                   " Hello, friend.\n\n| Fine, thanks.<|endoftext|>"),
+               "chatml": ("Hello, friend.<|im_end|>|Goodbye!<|im_end|>",
+                          "Hello, friend.<|im_end|>|Fine, thanks.<|im_end|>")}[template]
+    assert sorted(trained_text(item, tok) for item in every) == sorted(answers)
+    assert "kept all 2 records; 2 earlier assistant turns trained (--multiturn)" in capsys.readouterr().out
+    last_only, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0")
+    assert [trained_text(item, tok) for item in last_only] == \
+        [{"human_assistant": " Goodbye!<|endoftext|>", "chatml": "Goodbye!<|im_end|>"}[template]]
+    assert last_only.skipped == {"no answer to train (the last assistant turn has weight 0)": 1}
+    assert "skipped 1 of 2 records: 1 no answer to train (the last assistant turn has weight 0)" in \
+        capsys.readouterr().out
+    # a weight other than 0 or 1 (or null: 1) is its record's error
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, {"messages": [
+        dict(m, weight=0.5) if m["content"] == "Hello, friend." else m for m in CONVERSATION]}])
+    with pytest.raises(DatasetFormatError, match=rf"{bad} line 2 \(record 1\): field 'messages': message 2 has weight "
+                                                 r"0\.5: a weight is 0 \(the turn is not trained\) or 1"):
+        build(tmp_path, tok, [f"{bad},{bad}"], 1, data_split="1,0,0")
+
+
 def test_multiturn_keeps_a_conversation_longer_than_max_seq_len_with_its_turns_within_it(tmp_path, tokenizer, capsys):
     """With --multiturn, a conversation whose last answer did not fit --max_seq_len was skipped whole ("prompt leaves
     no room for an answer"), its earlier answers lost; TRL and OpenRLHF truncate it and train what is left. A turn

@@ -954,6 +954,26 @@ def test_nan_in_a_json_record_names_file_record_and_field(tmp_path, constant):
         raw(f"{path},{path}", tmp_path)
 
 
+def test_a_pair_answer_of_weight_0_is_an_error(tmp_path):
+    """OpenAI's "weight": 0 says which turns of a conversation not to train; on a pair's answer (TRL's preference lists)
+    it was read without a word, the answer trained on as any other."""
+    prompt = [{"role": "user", "content": "Q?"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"chosen": prompt + [{"role": "assistant", "content": "A.", "weight": 1}],
+                                "rejected": prompt + [{"role": "assistant", "content": "B."}]}) + "\n" +
+                    json.dumps({"chosen": prompt + [{"role": "assistant", "content": "A."}],
+                                "rejected": prompt + [{"role": "assistant", "content": "B.", "weight": 0}]}) + "\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 2 \(record 1\): field 'rejected': its answer \(message "
+                                                 r"1\) has weight 0: a weight says which turns of a 'messages' "
+                                                 "conversation to train"):
+        raw(f"{path},{path}", tmp_path)
+    path.write_text(json.dumps({"prompt": "Q?", "chosen": [{"role": "assistant", "content": "A.", "weight": "0"}],
+                                "rejected": "B."}) + "\n")
+    with pytest.raises(DatasetFormatError, match=r"field 'chosen': message 0 has weight '0': a weight is 0 \(the turn "
+                                                 r"is not trained\) or 1, as in OpenAI's fine-tuning format"):
+        raw(f"{path},{path}", tmp_path)
+
+
 def test_malformed_json_document_names_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')

@@ -95,6 +95,11 @@ class PromptRawDataset:
     def get_rejected_text(self, sample):
         return None
 
+    def get_untrained_turns(self, sample):
+        """The positions of the conversation's assistant turns not to train (weight 0 in OpenAI's fine-tuning format):
+        with step 1's ``--multiturn`` they stay prompt."""
+        return frozenset()
+
     def is_undesirable(self, sample):
         """Whether the record's answer is marked as one not to imitate (TRL's unpaired preference data, KTO's
         ``label: false``): steps 1 and 2 skip it, counted; step 3 reads only its prompt."""
@@ -232,8 +237,27 @@ def checked_messages(value, field):
             raise RecordError(field, f"message {position}'s content is not text ({type(content).__name__})")
         if not isinstance(content, str) or not content.strip():
             raise RecordError(field, f"message {position} has no text content")
+        message_weight(message, field, position)
         messages.append({"role": role, "content": trimmed(content)})
     return messages
+
+
+def message_weight(message, field, position):
+    """A message's ``weight`` (OpenAI's chat fine-tuning format: 0, an assistant turn not trained, or 1, the default
+    where it is missing or null); another value is its record's error (it was read as 1, without a word)."""
+    weight = message.get("weight")
+    if weight is None:
+        return 1
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight not in (0, 1):
+        raise RecordError(field, f"message {position} has weight {weight!r}: a weight is 0 (the turn is not trained) "
+                                 "or 1, as in OpenAI's fine-tuning format")
+    return int(weight)
+
+
+def untrained_turns(value, messages):
+    """The positions of the assistant turns of weight 0 in a message list ``value`` (``messages``: it checked)."""
+    return frozenset(position for position, (raw, message) in enumerate(zip(value, messages))
+                     if message["role"] == "assistant" and raw.get("weight") == 0)
 
 
 def _tool_call_key(message):
@@ -267,5 +291,5 @@ def final_assistant_answer(messages, field):
 
 
 __all__ = ["PromptRawDataset", "read_or_none", "required_text", "optional_text",
-           "conversation_from_transcript", "answer_from_transcript", "checked_messages", "prompt_messages",
-           "final_assistant_answer"]
+           "conversation_from_transcript", "answer_from_transcript", "checked_messages", "untrained_turns",
+           "prompt_messages", "final_assistant_answer"]

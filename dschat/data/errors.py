@@ -36,3 +36,15 @@ class EndsWithUser(SkipRecord):
     def __init__(self, messages):
         super().__init__(self.REASON)
         self.messages = messages
+
+
+class UntrainedAnswer(SkipRecord):
+    """A conversation record whose last assistant turn has weight 0 (OpenAI's fine-tuning format: a turn not trained):
+    no answer for steps 1 and 2 (skipped and counted), except that step 1's ``--multiturn`` trains its assistant turns
+    of weight 1 before it."""
+
+    REASON = "no answer to train (the last assistant turn has weight 0)"
+
+    def __init__(self, messages):
+        super().__init__(self.REASON)
+        self.messages = messages

@@ -26,7 +26,9 @@ prompt=question,chosen=good``):
   beside it (TRL's unpaired preference records, KTO's) marks the answers not to imitate, which steps 1 and 2 skip.
 * ``messages``: a list of {role, content} ending with the assistant answer (SFT data; ShareGPT's
   ``conversations`` of {from, value} too); one ending with a user turn is a prompt (step 3), skipped and counted by
-  steps 1 and 2 (step 1's ``--multiturn`` trains its assistant turns before it).
+  steps 1 and 2 (step 1's ``--multiturn`` trains its assistant turns before it). An assistant message's ``weight``
+  (OpenAI's chat fine-tuning format) is 0 or 1: a turn of weight 0 is not trained (``--multiturn`` leaves it prompt;
+  one that is the last turn makes the record a counted skip without ``--multiturn``).
 * ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format), or as whole
   "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts (Anthropic/hh-rlhf's files): the turns before the last are
   the prompt and must be the same in both; the last (assistant) turns are the answers. Plain strings are TRL's
@@ -51,8 +53,8 @@ from pathlib import Path
 
 from dschat.errors import MissingInputError, UsageError
 from .base import (PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer, optional_text,
-                   prompt_messages, required_text)
-from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord
+                   prompt_messages, required_text, untrained_turns)
+from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import parse_transcript, with_lf_line_ends
 
 LOCAL_TYPES = ("jsonl", "json", "parquet", "csv", "disk")
@@ -944,6 +946,8 @@ class LocalDataset(PromptRawDataset):
             return _transcript_answer(sample, field, WHOLE_CONVERSATIONS if self.shape == "chosen_messages" else
                                       CONVERSATION)
         prompt, answer = final_assistant_answer(checked_messages(value, field), field)
+        if self.shape != "messages":
+            _check_answer_weighted(value, field)
         if not prompt:
             raise RecordError(field, "there must be a user message before the answer")
         _check_answer_follows_user(prompt, field)
@@ -959,7 +963,11 @@ class LocalDataset(PromptRawDataset):
             awaiting = self._awaiting_answer(sample)
             if awaiting:
                 raise EndsWithUser(awaiting)
-            return self._split_message_list(sample, self.fields["messages"])[1]
+            answer = self._split_message_list(sample, self.fields["messages"])[1]
+            messages, untrained = self._weighted_messages(sample)
+            if len(messages) - 1 in untrained:
+                raise UntrainedAnswer(messages)
+            return answer
         if self.shape == "chosen_messages":
             return self._split_message_list(sample, self.fields["chosen"])[1]
         field = self.fields["chosen"]
@@ -968,6 +976,19 @@ class LocalDataset(PromptRawDataset):
         if sample[field] is None:
             raise RecordError(field, "missing or null")
         return self._answer_value(sample, field)
+
+    def get_untrained_turns(self, sample):
+        return self._weighted_messages(sample)[1] if self.shape == "messages" else frozenset()
+
+    def _weighted_messages(self, sample):
+        """(messages, positions of the assistant turns of weight 0) of a conversation record ((None, none) for a
+        transcript: it has no weights)."""
+        field = self.fields["messages"]
+        value = _json_list_text(sample.get(field), field)
+        if not isinstance(value, (list, tuple)):
+            return None, frozenset()
+        messages = checked_messages(value, field)
+        return messages, untrained_turns(value, messages)
 
     def get_rejected_text(self, sample):
         field = self.fields["rejected"]
@@ -1014,9 +1035,18 @@ class LocalDataset(PromptRawDataset):
         value = _json_list_text(sample[field], field)
         if isinstance(value, (list, tuple)):
             turns, answer = final_assistant_answer(checked_messages(value, field), field)
+            _check_answer_weighted(value, field)
             self._holding_prompt(turns, self._prompt_field_messages(sample), field)
             return answer
         return optional_text(sample, field)
+
+
+def _check_answer_weighted(value, field):
+    """A pair's answer (a chosen or rejected list's last message) of weight 0 is an error: a weight says which turns
+    of a conversation (``messages``) step 1 trains, and a pair's answers are both read (it was, without a word)."""
+    if value[-1].get("weight") == 0:
+        raise RecordError(field, f"its answer (message {len(value) - 1}) has weight 0: a weight says which turns of a "
+                                 "'messages' conversation to train, and a pair's answers are both read; remove it")
 
 
 def _check_answer_follows_user(turns, field):

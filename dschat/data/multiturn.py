@@ -11,6 +11,9 @@ A conversation ending with a user turn (a ShareGPT dump cut after a question) ha
 with ``--multiturn`` its assistant turns before that turn are trained, as TRL's and OpenRLHF's assistant-only losses
 train them, and the data report counts such conversations.
 
+An assistant turn of weight 0 (OpenAI's chat fine-tuning format: ``"weight": 0``) is not trained: it stays prompt, and
+a conversation whose last turn has it is trained up to its last turn of weight 1.
+
 A template that renders earlier turns otherwise than a prompt ending at them (one dropping an earlier turn's
 reasoning, say) leaves that turn in the prompt; the data report counts those turns.
 """
@@ -28,11 +31,13 @@ def check_offsets_available(tokenizer):
                          f"through offsets), and {type(tokenizer).__name__} is not one")
 
 
-def answered_turns(skip):
-    """(prompt turns, answer) of the conversation ``skip`` (an EndsWithUser) holds, up to its last assistant turn;
-    the skip itself when it has none."""
+def answered_turns(skip, untrained=frozenset()):
+    """(prompt turns, answer) of the conversation ``skip`` (an EndsWithUser, or an UntrainedAnswer: its last turn has
+    weight 0) holds, up to its last assistant turn to train (not one of the positions ``untrained``); the skip itself
+    when it has none."""
     messages = skip.messages
-    last = max((i for i, message in enumerate(messages) if message["role"] == "assistant"), default=None)
+    last = max((i for i, message in enumerate(messages) if message["role"] == "assistant" and i not in untrained),
+               default=None)
     if last is None or not any(message["role"] == "user" for message in messages[:last]):
         raise skip
     prompt, answer = final_assistant_answer(messages[:last + 1], "messages")
@@ -41,22 +46,24 @@ def answered_turns(skip):
     return prompt_messages(prompt, "messages"), answer
 
 
-def earlier_answer_spans(messages_list, prompt_texts, offsets, tokenizer, eot_token):
+def earlier_answer_spans(messages_list, prompt_texts, offsets, tokenizer, eot_token, untrained_list=None):
     """Per conversation, ``([start, end, start, end, ...] token spans of its earlier assistant turns in the prompt
-    ids, how many turns were not found)``; ``offsets``: each prompt token's (start, end) characters."""
+    ids, how many turns were not found)``; ``offsets``: each prompt token's (start, end) characters;
+    ``untrained_list``: per conversation, the positions of its turns not to train (weight 0)."""
     result = []
-    for messages, text, token_offsets in zip(messages_list, prompt_texts, offsets):
-        spans, missed = answer_char_spans(messages, text, tokenizer, eot_token)
+    for messages, text, token_offsets, untrained in zip(messages_list, prompt_texts, offsets,
+                                                        untrained_list or [frozenset()] * len(messages_list)):
+        spans, missed = answer_char_spans(messages, text, tokenizer, eot_token, untrained)
         result.append((token_spans(spans, token_offsets), missed))
     return result
 
 
-def answer_char_spans(messages, prompt_text, tokenizer, eot_token):
-    """(character spans [start, end) of the assistant turns of ``messages`` in ``prompt_text``, how many were not
-    found there)."""
+def answer_char_spans(messages, prompt_text, tokenizer, eot_token, untrained=frozenset()):
+    """(character spans [start, end) of the assistant turns of ``messages`` in ``prompt_text``, but those at the
+    positions ``untrained`` (weight 0: they stay prompt), how many were not found there)."""
     spans, missed = [], 0
     for index, message in enumerate(messages):
-        if message["role"] == "assistant":
+        if message["role"] == "assistant" and index not in untrained:
             span = turn_span(messages[:index], message["content"], prompt_text, tokenizer, eot_token)
             if span is None:
                 missed += 1

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 
 from dschat.errors import UsageError
 from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
-from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord
+from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
 from .local import LocalSource, checked_field_options, parse_field_map
 from .multiturn import answered_turns, check_offsets_available, earlier_answer_spans
@@ -78,6 +78,7 @@ class Example:
     extra: dict | None = None
     prompt_text: str | None = None  # format_prompt(messages), rendered where a refusal can name the record
     unanswered: bool = False  # --multiturn: a conversation ending with a user turn, trained up to its last answer
+    untrained: frozenset = frozenset()  # --multiturn: positions of the assistant turns of weight 0 (stay prompt)
 
 
 def phase_features(train_phase):
@@ -548,16 +549,18 @@ def extract_example(raw, sample, train_phase, multiturn=False):
                                            for k, v in raw.get_extra(sample).items()}, **answers})
     if raw.is_undesirable(sample):
         raise SkipRecord(UNDESIRABLE)
+    untrained = raw.get_untrained_turns(sample) if multiturn else frozenset()
     try:
         chosen = raw.get_chosen_text(sample)
-    except EndsWithUser as skip:
+    except (EndsWithUser, UntrainedAnswer) as skip:  # (a last turn of weight 0: trained up to the one before)
         if not multiturn:
             raise
-        return Example(*answered_turns(skip), unanswered=True)
+        return Example(*answered_turns(skip, untrained), unanswered=isinstance(skip, EndsWithUser),
+                       untrained=untrained)
     if chosen is None:
         raise SkipRecord("no chosen answer")
     if train_phase == 1:
-        return Example(messages, chosen)
+        return Example(messages, chosen, untrained=untrained)
     rejected = raw.get_rejected_text(sample)
     if rejected is None:
         raise SkipRecord("no rejected answer")
@@ -594,7 +597,8 @@ def tokenize_examples(examples, tokenizer, settings):
                              for prompt, ids, answer in zip(prompts, joint, answers)]
     if multiturn:
         columns["earlier"] = earlier_answer_spans([example.messages for example in examples], prompt_texts, offsets,
-                                                  tokenizer, settings.eot_token)
+                                                  tokenizer, settings.eot_token,
+                                                  [example.untrained for example in examples])
     eot = tokenizer(settings.eot_token, add_special_tokens=False)["input_ids"]
     if not eot:
         raise UsageError(f"the end-of-conversation token {settings.eot_token!r} tokenizes to nothing")
