@@ -531,6 +531,13 @@ def _converted(action, name, value):
         raise UsageError(f"{name}: {err}") from None
 
 
+# The temperatures sampling can take: HF's generate and the hybrid engine scale the logits in fp32 whatever the
+# model's dtype, and logits / T (or logits * (1 / T)) overflows fp32 (max 3.4e38) once T is near 1e-36: the softmax
+# then held nan ("probability tensor contains inf/nan" mid-generation). Within these bounds logits up to 1e8 scale
+# to finite values, and 1 / T is a normal fp32 number (a larger T, e.g. 1e300, was inf in fp32: uniform noise).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-30, 1e30
+
+
 def check_sampling_flags(temperature, top_p):
     """--temperature and --top_p of a sampled generation (step 3, chat.py, prompt_eval.py), checked before any model
     loads: HF's generate would fail on them in the first generation."""
@@ -539,8 +546,20 @@ def check_sampling_flags(temperature, top_p):
                          "likely token")
     if not math.isfinite(temperature):
         raise UsageError(f"--temperature {temperature}: an infinite temperature samples every token alike (noise)")
+    check_temperature_in_fp32(temperature)
     if not 0 < top_p <= 1:
         raise UsageError(f"--top_p {top_p}: must be in (0, 1] (1: no nucleus filtering)")
+
+
+def check_temperature_in_fp32(temperature):
+    """A temperature the fp32 sampling cannot scale the logits by, refused with the flag's name (HF's generate crashed
+    mid-generation; vLLM raises any temperature below 0.01 to 0.01 with a warning, sampling at one not given)."""
+    if temperature < MIN_TEMPERATURE:
+        raise UsageError(f"--temperature {temperature}: below {MIN_TEMPERATURE:g} the logits / temperature overflow "
+                         "the sampling's fp32 (nan mid-generation); --greedy takes the most likely token")
+    if temperature > MAX_TEMPERATURE:
+        raise UsageError(f"--temperature {temperature}: above {MAX_TEMPERATURE:g} the logits / temperature vanish in "
+                         "the sampling's fp32: every token is sampled alike (noise)")
 
 
 def check_repetition_penalty_flag(penalty):

@@ -436,6 +436,21 @@ def test_sampling_flags_are_checked_before_any_model_loads(monkeypatch):
                           "--prompts", "hi", "--do_sample", "--top_p", "1.5"])
 
 
+def test_a_temperature_the_fp32_sampling_cannot_scale_by_is_an_error_before_any_model_loads(monkeypatch):
+    """chat.py --temperature 1e-45 loaded the model, then crashed mid-generation ("probability tensor contains
+    either inf, nan"); 1e300 (inf in fp32) sampled noise. Step 3 shares the check (check_sampling_flags)."""
+    from dschat.args import check_sampling_flags
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    monkeypatch.setattr(chat, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    for value, message in (("1e-45", r"1e-45: below 1e-30 .*--greedy"), ("1e300", r"1e\+300: above 1e\+30 .*noise")):
+        with pytest.raises(UsageError, match=f"--temperature {message}"):
+            chat.main(["--path", "tiny-llama", "--prompt", "hi", "--temperature", value])
+    for value in (1e-30, 1e-3, 1e30):  # (within the bounds: a near-greedy sample and a near-uniform one)
+        check_sampling_flags(value, 1.0)
+
+
 def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample(capsys, monkeypatch):
     """--top_k -1 is no top-k filtering, as the default 0 is: a greedy run was warned that it did nothing."""
     import argparse

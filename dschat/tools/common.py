@@ -195,7 +195,7 @@ def add_generation_args(parser, sample_by_default, max_new_tokens=128):
     """--max_new_tokens, --temperature, --top_k, --top_p and --greedy/--do_sample (one default per tool)."""
     g = parser.add_argument_group("generation")
     g.add_argument("--max_new_tokens", type=positive_int, default=max_new_tokens)
-    g.add_argument("--temperature", type=float, default=1.0, help="> 0 (use --greedy for argmax decoding).")
+    g.add_argument("--temperature", type=float, default=1.0, help="In [1e-30, 1e30] (--greedy: argmax decoding).")
     g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
     g.add_argument("--top_p", type=float, default=1.0, help="In (0, 1]; 1: no nucleus filtering.")
     mode = g.add_mutually_exclusive_group()
