@@ -195,6 +195,23 @@ def test_a_line_that_is_not_utf8_under_a_strict_utf8_locale_is_refused_and_the_c
     assert "Human: hello\nAssistant:" in out
 
 
+def test_a_byte_order_mark_at_the_start_of_piped_input_is_not_part_of_the_first_message(reward_model):
+    """A file saved with a UTF-8 byte-order mark (Notepad, PowerShell) kept it in the first message: its first line
+    'quit' did not quit (the chat answered it, and the next line), and the model saw the mark."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, str(repo / "chat.py"), "--path", str(Path(reward_model).parent / "policy"),
+                           "--greedy", "--max_new_tokens", "2"], input=b"\xef\xbb\xbfquit\nhello\n", cwd=repo, env=env,
+                          capture_output=True, timeout=180)
+    out = proc.stdout.decode("utf-8", "replace")
+    assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-2000:]
+    assert out.endswith("Human: quit\n") and "Assistant:" not in out
+
+
 def test_chat_with_its_standard_input_closed_says_so_before_the_model_loads(monkeypatch, capsys):
     """chat.py started with stdin closed (`<&-`) loaded the model, then ended in "AttributeError: 'NoneType' object has
     no attribute 'isatty'"."""

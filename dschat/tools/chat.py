@@ -135,6 +135,17 @@ def read_bytes_that_are_not_utf8_as_surrogates(*streams):
             stream.reconfigure(errors="surrogateescape")
 
 
+def read_past_a_byte_order_mark(stream):
+    """``stream`` (stdin, UTF-8) decoding a byte-order mark at its start as nothing (utf-8-sig; one later on stays): a
+    file saved with one (Notepad, PowerShell's redirection) kept it in the first message, so a first line 'quit' did
+    not quit and the model saw the mark. Before the first read, keeping the stream's errors handler."""
+    import codecs
+
+    encoding = getattr(stream, "encoding", None)
+    if hasattr(stream, "reconfigure") and encoding and codecs.lookup(encoding).name == "utf-8":
+        stream.reconfigure(encoding="utf-8-sig", errors=stream.errors)
+
+
 def echoing_input(prompt):
     """``input`` for piped stdin: echo the message so the printed transcript shows both sides."""
     text = input(prompt)
@@ -185,6 +196,7 @@ def main(argv=None):
             print(forgotten_note(session), file=sys.stderr)
         print(answer)
         return 0
+    read_past_a_byte_order_mark(sys.stdin)
     read_bytes_that_are_not_utf8_as_surrogates(sys.stdin, sys.stdout)
     run_interactive(session, read=input if sys.stdin.isatty() else echoing_input)
     return 0
