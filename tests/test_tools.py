@@ -338,6 +338,33 @@ def test_long_chat_forgets_oldest_exchanges_to_fit_the_context(session, monkeypa
     assert printed.index(notes[0]) == 1 and printed[2].startswith("Assistant: "), "said before its answer"
 
 
+def test_ctrl_c_during_an_answer_stops_that_answer_and_the_chat_goes_on(session, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) while the model answered ended the whole chat (exit 130); at a terminal it now stops
+    that answer, leaves the message out of the conversation and reads the next one. Piped input still ends."""
+    from dschat.tools import chat
+
+    answers = chat.generate_answers
+    calls = []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return answers(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "generate_answers", interrupted_once)
+    session.clear()
+    lines, printed = iter(["first", "second", "quit"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append, interrupt_stops_answer=True)
+    assert printed[1] == "(answer stopped: the message is left out of the conversation)"
+    assert printed[2].startswith("Assistant: ") and len(calls) == 2
+    assert [m["content"] for m in session.history if m["role"] == "user"] == ["second"]
+    calls.clear()
+    lines = iter(["first", "second", "quit"])
+    with pytest.raises(KeyboardInterrupt):  # (piped input: no one to go on with)
+        run_interactive(session, read=lambda _: next(lines), write=printed.append)
+
+
 def test_chat_prompt_flag_reads_a_transcript_as_prompt_eval_does(session, models, monkeypatch, capsys):
     """chat.py --prompt "Human: ... Assistant: ... Human: ..." was one user message ("\n\nHuman: Human: ..."), where
     prompt_eval's --prompts and rw_eval's --prompt read the turns: the same text gave the tools other prompts. A

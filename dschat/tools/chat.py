@@ -100,8 +100,10 @@ def forgotten_note(session):
             f"{session.generation_kwargs['max_new_tokens']}: left out from now on)")
 
 
-def run_interactive(session, read=input, write=print):
-    """Read user messages until 'quit' (or end of input); 'clear' starts a new conversation."""
+def run_interactive(session, read=input, write=print, interrupt_stops_answer=False):
+    """Read user messages until 'quit' (or end of input); 'clear' starts a new conversation. With
+    ``interrupt_stops_answer`` (a terminal), Ctrl-C during an answer stops that answer alone, as chat CLIs do (it
+    ended the chat); Ctrl-C at the prompt still quits. Piped input ends at it: no one is there to go on."""
     write(f"Chat with the model. '{CLEAR_COMMAND}' starts a new conversation, '{QUIT_COMMANDS[0]}' exits.")
     while True:
         try:
@@ -119,6 +121,12 @@ def run_interactive(session, read=input, write=print):
                 answer = session.ask(text)
             except UsageError as error:
                 write(f"(not answered: {error})")
+                continue
+            except KeyboardInterrupt:
+                if not interrupt_stops_answer:
+                    raise
+                # (ask keeps the history only once the answer is whole: the conversation is as before the message)
+                write("(answer stopped: the message is left out of the conversation)")
                 continue
             if session.forgotten:
                 write(forgotten_note(session))
@@ -198,7 +206,8 @@ def main(argv=None):
         return 0
     read_past_a_byte_order_mark(sys.stdin)
     read_bytes_that_are_not_utf8_as_surrogates(sys.stdin, sys.stdout)
-    run_interactive(session, read=input if sys.stdin.isatty() else echoing_input)
+    terminal = sys.stdin.isatty()
+    run_interactive(session, read=input if terminal else echoing_input, interrupt_stops_answer=terminal)
     return 0
 
 
