@@ -365,6 +365,22 @@ def test_ctrl_c_during_an_answer_stops_that_answer_and_the_chat_goes_on(session,
         run_interactive(session, read=lambda _: next(lines), write=printed.append)
 
 
+def test_max_new_tokens_filling_the_context_is_refused_once_before_the_model_loads(models, monkeypatch):
+    """--max_new_tokens at the model's context length (or more) left no room for any prompt: interactive mode loaded
+    the model, then refused each message in turn ("leaves room for 0"), and --prompt said so after the load."""
+    import io
+
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    context = json.loads(Path(models["policy"], "config.json").read_text())["max_position_embeddings"]
+    monkeypatch.setattr(chat, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhello\n"))
+    for flags in ([], ["--prompt", "hi"]):
+        with pytest.raises(UsageError, match=f"^--max_new_tokens {context}: the model's context is {context} tokens"):
+            chat.main(["--path", models["policy"], "--max_new_tokens", str(context), *flags])
+
+
 def test_chat_prompt_flag_reads_a_transcript_as_prompt_eval_does(session, models, monkeypatch, capsys):
     """chat.py --prompt "Human: ... Assistant: ... Human: ..." was one user message ("\n\nHuman: Human: ..."), where
     prompt_eval's --prompts and rw_eval's --prompt read the turns: the same text gave the tools other prompts. A

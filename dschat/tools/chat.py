@@ -43,9 +43,30 @@ def own_turn(answer, tokenizer):
     return ("\n\n" + answer).split(HUMAN_PREFIX.rstrip(" "), 1)[0].strip()
 
 
-def context_limit(model):
-    config = model.config
+def context_limit(config):
     return next((getattr(config, f) for f in CONTEXT_FIELDS if getattr(config, f, None)), None)
+
+
+def check_room_for_a_prompt(config, max_new_tokens):
+    """--max_new_tokens that fill the model's whole context leave no room for any prompt: refused once, where
+    interactive mode refused each message in turn (the same "leaves room for 0")."""
+    limit = context_limit(config) if config is not None else None
+    if limit and max_new_tokens >= limit:
+        raise UsageError(f"--max_new_tokens {max_new_tokens}: the model's context is {limit} tokens, which leaves no "
+                         f"room for a message: give well under {limit}")
+
+
+def config_before_loading(path):
+    """The HF config of ``path`` (a folder, hub name or tiny preset) before its model loads; None where transformers
+    cannot read it alone (the loaded model's is read then)."""
+    from transformers import AutoConfig
+
+    from dschat.models.loading import resolve_model_path
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(path))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class ChatSession:
@@ -79,7 +100,7 @@ class ChatSession:
         (a long chat would otherwise crash generation past the last position). A message that does not fit even
         alone is a UsageError (the conversation goes on in interactive mode)."""
         check_utf8(user_text, "the message")
-        limit = context_limit(self.model)
+        limit = context_limit(self.model.config)
         room = limit - self.generation_kwargs["max_new_tokens"] if limit else None
         history = list(self.history)
         while True:
@@ -195,7 +216,9 @@ def main(argv=None):
     path = flag_path("--path", find_policy_path, args.path)
     if args.prompt is not None:  # turns its chat template refuses (a transcript's system turn, for Gemma's): said first
         check_prompt_renders(turns, path, args)
+    check_room_for_a_prompt(config_before_loading(path), args.max_new_tokens)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
+    check_room_for_a_prompt(model.config, args.max_new_tokens)  # (a config transformers could not read alone)
     session = ChatSession(model, tokenizer, generation_kwargs(args))
     print(f"[chat] model: {path} on {model.device}", file=sys.stderr)  # (stdout: the answers alone)
     if args.prompt is not None:
