@@ -267,6 +267,21 @@ def test_a_reward_model_where_a_policy_belongs_is_an_error(models):
         load_causal_lm(models["rm"], tokenizer)
 
 
+def test_a_step3_critic_given_as_the_policy_is_said_to_be_the_critic(models, tmp_path):
+    """chat.py --path <run>/step3_ppo/critic was refused as "a reward model (step 2's output)": step 3 saves its
+    critic with the same files, so it is known by its place beside the actor."""
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    step3 = tmp_path / "step3_ppo"
+    shutil.copytree(models["rm"], step3 / "critic")
+    (step3 / RUN_ARGS_FILE).write_text("{}")
+    with pytest.raises(UsageError, match=f"^--path {re.escape(str(step3 / 'critic'))}: step 3's critic .*not a policy"):
+        chat.main(["--path", str(step3 / "critic"), "--prompt", "hi"])
+    with pytest.raises(UsageError, match=r"a reward model \(step 2's output\), not a policy"):  # (as before)
+        chat.main(["--path", models["rm"], "--prompt", "hi"])
+
+
 def test_a_reward_model_as_the_second_policy_is_refused_with_its_flag_before_any_model_loads(models, monkeypatch):
     """ppo_eval's --baseline and prompt_eval's --model_name_or_path_finetune were refused only once that model loaded,
     after the first one had answered every prompt (a long wait with real models), and without their flag."""

@@ -608,8 +608,22 @@ def check_not_a_reward_model(model_name_or_path, flag=None):
 
     path = resolve_model_path(model_name_or_path)
     if os.path.isdir(path) and is_reward_model_folder(path):
-        raise UsageError(f"{flag + ' ' if flag else ''}{model_name_or_path}: a reward model (step 2's output), not a policy: pass a language "
-                         "model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
+        raise UsageError(f"{flag + ' ' if flag else ''}{model_name_or_path}: {value_model_kind(path)}, not a policy: "
+                         "pass a language model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
+
+
+def value_model_kind(path):
+    """What the value-head folder ``path`` is, in words: step 3 saves its critic as step 2 saves a reward model (the
+    same files), so a critic is known by its place, the critic folder of a step-3 output (its actor, or its
+    training_args.json, beside it); it was called "a reward model (step 2's output)"."""
+    from dschat.run_layout import ACTOR_DIR, CRITIC_DIR, RUN_ARGS_FILE
+
+    folder = os.path.abspath(path)
+    step_output = os.path.dirname(folder)
+    if os.path.basename(folder) == CRITIC_DIR and any(os.path.exists(os.path.join(step_output, name))
+                                                      for name in (ACTOR_DIR, RUN_ARGS_FILE)):
+        return "step 3's critic (the value model PPO trains beside the actor)"
+    return "a reward model (step 2's output)"
 
 
 def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):
