@@ -1263,16 +1263,38 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
         load_checkpoint(_flags_trainer(tmp_path, "--cliprange", "0.1", "--temperature", "0.7"), str(tmp_path))
     assert "--cliprange 0.2 -> 0.1, --temperature 1.0 -> 0.7: the rest of the run trains with the new value" in \
         capsys.readouterr().out
-    # and where the KL goes, how the advantages are normalized, the loss aggregated, the EMA decays (unsaid too)
+    # and where the KL goes, how the advantages are normalized, the loss aggregated (unsaid too; the EMA's decay:
+    # test_an_ema_beta_changed_on_resume_is_said_only_where_an_ema_copy_uses_it)
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path, "--kl_in_reward", "0", "--whiten_advantages", "--loss_agg",
-                                       "global_token_mean", "--ema_beta", "0.9"), str(tmp_path))
+                                       "global_token_mean"), str(tmp_path))
     assert "--kl_in_reward 1 -> 0, --whiten_advantages False -> True, --loss_agg 'token_mean' -> " \
-           "'global_token_mean', --ema_beta 0.992 -> 0.9: the rest of the run trains with the new value" in \
-        capsys.readouterr().out
+           "'global_token_mean': the rest of the run trains with the new value" in capsys.readouterr().out
+
+
+def test_an_ema_beta_changed_on_resume_is_said_only_where_an_ema_copy_uses_it(tmp_path, capsys):
+    """--ema_beta changed on a resume of a run without --enable_ema was said ("--ema_beta 0.992 -> 0.9: the rest of
+    the run trains with the new value") although no EMA copy reads it, in either run; so were the other flags this
+    run's settings leave unread (GRPO's --grpo_norm_by_std under GAE, the sampling settings with --greedy)."""
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _save_flags_checkpoint(tmp_path)
     with pytest.raises(Loaded, match="loaded"):
-        load_checkpoint(_flags_trainer(tmp_path, "--grpo_norm_by_std", "0"), str(tmp_path))
+        load_checkpoint(_flags_trainer(tmp_path, "--ema_beta", "0.9", "--grpo_norm_by_std", "0"), str(tmp_path))
+    assert "the rest of the run trains with the new value" not in capsys.readouterr().out
+    _save_flags_checkpoint(tmp_path, "--greedy")
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--greedy", "--temperature", "0.7"), str(tmp_path))
+    assert "the rest of the run trains with the new value" not in capsys.readouterr().out
+    _save_flags_checkpoint(tmp_path, "--advantage_estimator", "grpo")
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--advantage_estimator", "grpo", "--grpo_norm_by_std", "0"),
+                        str(tmp_path))
     assert "--grpo_norm_by_std 1 -> 0: the rest of the run trains with the new value" in capsys.readouterr().out
+    _save_flags_checkpoint(tmp_path, "--enable_ema")
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--enable_ema", "--ema_beta", "0.9"), str(tmp_path))
+    assert "--ema_beta 0.992 -> 0.9: the rest of the run trains with the new value" in capsys.readouterr().out
 
 
 def test_a_resume_without_enable_ema_says_it_leaves_the_checkpoints_ema_copy_behind(tmp_path, capsys):

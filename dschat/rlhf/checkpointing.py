@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dschat.args import CONDITIONAL_FLAGS
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
@@ -401,7 +402,17 @@ def resume_flags(trainer):
         del flags["kl_ctl"]  # (an adaptive controller's start: it goes on from the checkpoint's coefficient)
     if not (trainer.args.actor_lora_dim or trainer.args.critic_lora_dim):
         flags["lora_alpha"] = None  # (read by no model: given, it is said to be ignored, and binds nothing)
+    for name in _unread_free_flags(trainer.args):  # (another value changes nothing: not compared, not said)
+        flags.pop(name, None)
     return {**flags, **step_data_records(trainer.args)}  # the same prompt data, unedited: its position counts
+
+
+def _unread_free_flags(args):
+    """The ``FREE_FLAGS`` that this run's settings leave unread (``CONDITIONAL_FLAGS``: --ema_beta without
+    --enable_ema, GAE's --lam under GRPO, the sampling settings with --greedy): said when changed, they were said to
+    train the rest of the run, which they do not."""
+    free = FREE_FLAGS + CRITIC_FREE_FLAGS
+    return {name for names, read, _ in CONDITIONAL_FLAGS if not read(args) for name in names if name in free}
 
 
 def _load_ema(module, path):
