@@ -890,6 +890,31 @@ def test_a_resume_whose_iterations_count_other_prompts_is_refused_naming_the_fla
     assert "resumed from iteration 1" in capsys.readouterr().out
 
 
+def test_a_refused_iteration_count_of_a_checkpoint_without_its_batches_names_the_flag_that_fits(distributed):
+    """A checkpoint saved before step 3 recorded its batch sizes, at another --generation_batches on as many ranks, was
+    refused saying "its iterations took --generation_batches of the checkpoint's run ... resume with
+    --generation_batches of the checkpoint's run": the count that puts it at its iteration is named instead (9
+    generation batches an epoch: batch 2 is iteration 1 with 2 an iteration alone), or the counts that do."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import check_iteration_count
+
+    args = SimpleNamespace(generation_batches=1)
+    with pytest.raises(UsageError, match=r"is at iteration 1, and its place in the prompts \(epoch 1's generation "
+                                         r"batch 2 on each rank\) is iteration 2 of this run: its iterations took "
+                                         r"another --generation_batches than this run's 1 \(the checkpoint, saved "
+                                         r"before step 3 recorded its batch sizes, does not say which\)\. .*: resume "
+                                         r"with --generation_batches 2, the one that puts it at iteration 1$"):
+        check_iteration_count({"iteration": 1, "epoch": 0, "batch": 2}, 1, 9, args, "x")
+    # the end of epoch 1 is iteration 1 with 5 to 9 batches an iteration
+    with pytest.raises(UsageError, match=r"resume with the --generation_batches its run was given \(5 or 6 or 7 or 8 "
+                                         r"or 9 put it at iteration 1\)$"):
+        check_iteration_count({"iteration": 1, "epoch": 0, "batch": 9}, 1, 9, args, "x")
+    with pytest.raises(UsageError, match=r"\. .*: resume with the --generation_batches its run was given$"):
+        check_iteration_count({"iteration": 7, "epoch": 0, "batch": 3}, 1, 9, args, "x")  # (no count fits)
+
+
 def test_a_resume_on_other_ranks_whose_epochs_make_other_iteration_counts_is_refused(distributed):
     """39 prompts in iterations of 8 (batches of 4 x 1 on 2 ranks, of 4 x 2 on 1): DistributedSampler pads them to 40
     on 2 ranks, 5 iterations an epoch, and 1 rank makes 4; resumed at the end of epoch 1, iteration 5 would have been

@@ -295,17 +295,25 @@ def check_iteration_count(state, saved_ranks, batches, args, where):
     ranks). A UsageError naming what to give."""
     per_epoch = batches // args.generation_batches
     epoch, batch = state["epoch"], state["batch"]
-    if batch >= per_epoch * args.generation_batches:  # (the checkpoint's epoch was done)
-        here = (epoch + 1) * per_epoch
-    else:
-        here = epoch * per_epoch + batch / args.generation_batches
+    here = _iteration_at(epoch, batch, batches, args.generation_batches)
     if here == state["iteration"]:
         return
     saved, ranks = state.get("batches") or {}, get_world_size()
     if saved_ranks == ranks:
-        then = saved.get("generation_batches", "of the checkpoint's run")
-        why = f"its iterations took --generation_batches {then}, this run's {args.generation_batches}"
-        advice = f"resume with --generation_batches {then}"
+        then = saved.get("generation_batches")
+        if then is not None:
+            why = f"its iterations took --generation_batches {then}, this run's {args.generation_batches}"
+            advice = f"resume with --generation_batches {then}"
+        else:  # (a checkpoint from before step 3 recorded its batches: the counts that put it where it is)
+            fits = [count for count in range(1, batches + 1)
+                    if _iteration_at(epoch, batch, batches, count) == state["iteration"]]
+            why = (f"its iterations took another --generation_batches than this run's {args.generation_batches} (the "
+                   "checkpoint, saved before step 3 recorded its batch sizes, does not say which)")
+            advice = (f"resume with --generation_batches {fits[0]}, the one that puts it at iteration "
+                      f"{state['iteration']}" if len(fits) == 1 else
+                      f"resume with the --generation_batches its run was given ({' or '.join(map(str, fits))} put "
+                      f"it at iteration {state['iteration']})" if fits else
+                      "resume with the --generation_batches its run was given")
     else:
         why = (f"an epoch of its {saved_ranks} rank(s) made another number of whole iterations than one of this run's "
                f"{ranks} ({per_epoch}; DistributedSampler pads an epoch's prompts to a multiple of the ranks)")
@@ -316,6 +324,15 @@ def check_iteration_count(state, saved_ranks, batches, args, where):
                      f"on each rank) is {'within an iteration' if here != int(here) else f'iteration {int(here)}'} "
                      f"of this run: {why}. The resumed run would count its iterations, learning-rate schedules and "
                      f"--max_steps by one and train on the prompts of another: {advice}")
+
+
+def _iteration_at(epoch, batch, batches, generation_batches):
+    """The iteration count at generation batch ``batch`` of epoch ``epoch`` (``batches`` of them an epoch) of a run
+    whose iterations take ``generation_batches``: a fraction within an iteration."""
+    per_epoch = batches // generation_batches
+    if batch >= per_epoch * generation_batches:  # (the epoch was done)
+        return (epoch + 1) * per_epoch
+    return epoch * per_epoch + batch / generation_batches
 
 
 def _batches(count):
