@@ -229,7 +229,9 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     g.add_argument("--eval_interval", type=non_negative_int, default=0,
                    help="Evaluate every N steps (0: at the end only).")
     g.add_argument("--eval_iters", type=non_negative_int, default=100, help="Max eval batches per evaluation.")
-    g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
+    g.add_argument("--print_loss", action="store_true",
+                   help="Print the loss of every step: the mean of its micro-batches' losses; on several ranks, rank "
+                        "0's (its line says so).")
     g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N optimizer steps (0: no limit).")
     g.add_argument("--save_interval", type=non_negative_int, default=None,
                    help="Checkpoint every N optimizer steps into <output_dir>/checkpoints, the last two kept (0: off; "

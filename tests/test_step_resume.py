@@ -708,6 +708,24 @@ def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_
     assert capsys.readouterr().out == ""
 
 
+def test_print_loss_on_several_ranks_says_its_loss_is_rank_0s(monkeypatch, capsys):
+    """--print_loss on several ranks prints rank 0's mean loss (docs/rank_change_resume.md compares those): its line
+    said "loss 9.2283" as if it were the step's, over every rank's records. DeepSpeed-Chat prints each rank's with its
+    rank; dschat's line now says whose it is. On one rank it is the step's, and the line is as before."""
+    from types import SimpleNamespace
+
+    from dschat.steps import common
+
+    skipped = SimpleNamespace(last_step_skipped=lambda: False, total=0)
+    args = SimpleNamespace(print_loss=True)
+    common._log_step(args, "step1", 4, 9.22834, 1e-4, None, None, None, skipped)
+    assert capsys.readouterr().out == "[step1] step 4 loss 9.2283 lr 1.000e-04\n"
+    monkeypatch.setattr(common, "get_world_size", lambda: 2)
+    common._log_step(args, "step1", 4, 9.22834, 1e-4, None, None, None, skipped)
+    assert capsys.readouterr().out == ("[step1] step 4 loss 9.2283 (rank 0's micro-batches, 1 of 2 ranks) lr "
+                                       "1.000e-04\n")
+
+
 def test_a_resumed_run_of_another_length_trains_its_first_step_at_its_own_schedules_rate(tmp_path, distributed,
                                                                                           capsys):
     """DeepSpeed's load restores the optimizer's rates as the checkpoint's run left them, and the scheduler sets this

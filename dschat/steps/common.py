@@ -543,8 +543,9 @@ def _log_step(args, name, step, loss, lr, writer, throughput, bar, skipped):
         shown = {"skipped": skipped.total} if skipped.total else {}
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", **shown, refresh=False)  # shown at the bar's own refresh:
         # a log file gets a line every 2 s, not one per step (each with a stale count)
-    if getattr(args, "print_loss", False):
-        print_rank_0(f"[{name}] step {step} loss {loss:.4f} lr {lr:.3e}"
+    if getattr(args, "print_loss", False):  # (on several ranks rank 0's mean: said, as it is not the step's)
+        whose = f" (rank 0's micro-batches, 1 of {get_world_size()} ranks)" if get_world_size() > 1 else ""
+        print_rank_0(f"[{name}] step {step} loss {loss:.4f}{whose} lr {lr:.3e}"
                      + (f" ({SKIPPED_STEP_SAID})" if step_skipped else ""))
     scalars = {"loss": loss, "lr": lr, "skipped_steps": skipped.total}
     if throughput is not None:
