@@ -915,6 +915,25 @@ def test_a_refused_iteration_count_of_a_checkpoint_without_its_batches_names_the
         check_iteration_count({"iteration": 7, "epoch": 0, "batch": 3}, 1, 9, args, "x")  # (no count fits)
 
 
+def test_a_notebooks_resume_checks_the_iteration_count_as_step_3s_does(tmp_path):
+    """A notebook resuming step 3's checkpoint with ``load_checkpoint(trainer, root)`` (no plan: step 3's entry point
+    alone makes one) was never checked for its iteration count: a checkpoint of --generation_batches 1 (iteration 1,
+    batch 1) resumed with 2 loaded, half an iteration into its prompts. Given the prompts' loader, it is checked as
+    ``plan_resume`` checks step 3's, before DeepSpeed loads anything."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _save_flags_checkpoint(tmp_path)
+    loader = type("Loader", (), {"dataset": range(36), "__len__": lambda self: 9})()
+    with pytest.raises(UsageError, match=r"iter_0000001 in .* is at iteration 1, and its place in the prompts \(epoch "
+                                         r"1's generation batch 1 on each rank\) is within an iteration of this run: "
+                                         r"its iterations took --generation_batches 1, this run's 2\..*resume with "
+                                         r"--generation_batches 1$"):
+        load_checkpoint(_flags_trainer(tmp_path, "--generation_batches", "2"), str(tmp_path), train_loader=loader)
+    with pytest.raises(Loaded, match="loaded"):  # the checkpoint's count: the checks pass and DeepSpeed loads
+        load_checkpoint(_flags_trainer(tmp_path), str(tmp_path), train_loader=loader)
+
+
 def test_a_resume_on_other_ranks_whose_epochs_make_other_iteration_counts_is_refused(distributed):
     """39 prompts in iterations of 8 (batches of 4 x 1 on 2 ranks, of 4 x 2 on 1): DistributedSampler pads them to 40
     on 2 ranks, 5 iterations an epoch, and 1 rank makes 4; resumed at the end of epoch 1, iteration 5 would have been

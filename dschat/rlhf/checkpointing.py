@@ -114,12 +114,13 @@ def iteration_batches(args):
     return {name: getattr(args, name) for name in ITERATION_PROMPTS + STEP_ROWS}
 
 
-def load_checkpoint(trainer, root, plan=None):
+def load_checkpoint(trainer, root, plan=None, train_loader=None):
     """Restore the last complete checkpoint under ``root`` (``plan``: ``plan_resume``'s, made before the engines;
     None: rank 0 picks and checks it for every rank now, before DeepSpeed loads anything, and one of another number of
-    ranks is refused); returns its position dict (None if none)."""
+    ranks is refused; a notebook's ``train_loader``, the prompts' loader the run goes on with, has its iteration count
+    checked too, as ``plan_resume`` checks step 3's); returns its position dict (None if none)."""
     if plan is None:
-        found = rank_0_decides(lambda: _checked_latest(trainer, root))
+        found = rank_0_decides(lambda: _checked_latest(trainer, root, loaders=(train_loader, None)))
         if found is None:
             return None
         plan = ResumePlan(found[0], found[1], get_world_size())
@@ -163,11 +164,25 @@ def restore_kl_controller(controller, saved):
         controller.load_state_dict({"value": controller.value, **settings})
 
 
-def _checked_latest(trainer, root, planned=False):
-    """(tag, saved state less its flags, ranks that saved it) of the last complete checkpoint that this run may
-    continue, else None (``check_resumable``)."""
+def _checked_latest(trainer, root, planned=False, loaders=(None, None)):
+    """(tag, saved state less its flags, ranks that saved it, what is said of its position) of the last complete
+    checkpoint that this run may continue, else None (``check_resumable``). With this run's ``loaders`` (the
+    prompts', the unsupervised stream's or None), its position on another number of ranks (``planned``) is converted
+    into their batches (``_convert_position``), and its iteration count checked (``check_iteration_count``)."""
     tag = latest_tag(root)
-    return None if tag is None else (tag, *check_resumable(trainer, root, tag, planned))
+    if tag is None:
+        return None
+    state, saved_ranks = check_resumable(trainer, root, tag, planned)
+    train_loader, unsup_loader = loaders
+    position_said = []
+    if train_loader is not None:
+        where = f"checkpoint {tag} in {root}"
+        if saved_ranks != get_world_size():
+            converted, position_said = _convert_position(state, saved_ranks, train_loader, unsup_loader,
+                                                         trainer.args, where)
+            state.update(converted)
+        check_iteration_count(state, saved_ranks, len(train_loader), trainer.args, where)
+    return tag, state, saved_ranks, position_said
 
 
 def planned_models(args):
@@ -186,16 +201,12 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
     when it loads."""
     if not args.resume:
         return ResumePlan()
-    found = rank_0_decides(lambda: _checked_latest(planned_models(args), root, planned=True))
+    found = rank_0_decides(lambda: _checked_latest(planned_models(args), root, planned=True,
+                                                   loaders=(train_loader, unsup_loader)))
     if found is None:
         return ResumePlan()
+    *found, position_said = found
     plan = ResumePlan(*found)
-    where = f"checkpoint {plan.tag} in {root}"
-    if plan.other_ranks:  # (decided on rank 0, set on every rank)
-        converted, position_said = rank_0_decides(lambda: _convert_position(plan.state, plan.saved_ranks,
-                                                                            train_loader, unsup_loader, args, where))
-        plan.state.update(converted)
-    check_iteration_count(plan.state, plan.saved_ranks, len(train_loader), args, where)
     if not plan.other_ranks:
         return plan
     said = []
