@@ -533,6 +533,13 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path, distributed, capsys)
     assert "model/step_0000004_universal (made by an earlier resume)" in capsys.readouterr().out
     for name, tensor in _weights(split).items():
         torch.testing.assert_close(tensor, first[name], rtol=0, atol=0, msg=name)
+    # the finished 2-rank run resumed on 1: nothing to train, and its checkpoint's universal copy is not left behind
+    full = tmp_path / "full"
+    sft.main([*common, "--output_dir", str(full), "--resume", "--gradient_accumulation_steps", "2"])
+    out = capsys.readouterr().out
+    assert "resumed from step 6 " in out and "nothing left to train" in out, out[-3000:]
+    assert "removed DeepSpeed's universal copy model/step_0000006_universal of checkpoint step_0000006" in out
+    assert not [p.name for p in (full / "checkpoints" / "model").iterdir() if "universal" in p.name]
 
 
 @pytest.mark.multirank
@@ -667,6 +674,15 @@ def test_a_step3_checkpoint_resumes_on_another_number_of_ranks(tmp_path, distrib
 
     assert saved_ranks(str(tmp_path / "full" / "checkpoints"), "iter_0000006") == 1
     assert not list((tmp_path / "full" / "checkpoints" / "actor" / "iter_0000006").glob("*rank_1_*"))
+    # the finished 2-rank resume's last checkpoint on 1 rank: nothing to train, and no universal copy left behind
+    # (the actor's and the critic's, each a full copy of its optimizer states)
+    other_ranks.run("ppo", tmp_path, "one_end", None,
+                    [*common, *PPO_ONE_RANK, "--output_dir", str(tmp_path / "one"), "--resume"])
+    out = capsys.readouterr().out
+    assert "resumed from iteration 6 " in out and "nothing left to train" in out, out[-3000:]
+    assert ("removed DeepSpeed's universal copies actor/iter_0000006_universal, critic/iter_0000006_universal of "
+            "checkpoint iter_0000006") in out
+    assert not [p for p in (tmp_path / "one" / "checkpoints").glob("*/*") if "universal" in p.name]
 
 
 @pytest.mark.multirank
@@ -886,6 +902,28 @@ def test_a_universal_copy_is_no_checkpoint_and_goes_with_its_own(tmp_path):
     checkpoints._prune(str(tmp_path), "step_0000006", keep_last=2)
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == \
         ["step_0000004", "step_0000004_universal", "step_0000006"]
+
+
+def test_a_resume_on_other_ranks_that_trains_nothing_leaves_no_universal_copy(tmp_path, capsys):
+    """A finished run's checkpoint resumed on another number of ranks ("nothing left to train") left its universal
+    copy (a full copy of the optimizer states) beside it, which only a later save prunes: none comes. A resume that
+    trains on keeps it (its next save prunes it), as one of as many ranks has none to remove."""
+    from types import SimpleNamespace
+
+    from dschat.utils.checkpoints import ResumePlan
+
+    for part in ("actor", "critic"):
+        (tmp_path / part / "iter_0000004_universal").mkdir(parents=True)
+    plan = ResumePlan("iter_0000004", {}, 2, {"actor": "iter_0000004_universal", "critic": "iter_0000004_universal"})
+    args = SimpleNamespace(resume=True, save_interval=None)
+    resume.resume_or_afresh(lambda: {"iteration": 4}, str(tmp_path), args, "step3", 6, "iteration", plan)
+    assert (tmp_path / "actor" / "iter_0000004_universal").is_dir()  # (training goes on from it)
+    assert "removed" not in capsys.readouterr().out
+    resume.resume_or_afresh(lambda: {"iteration": 4}, str(tmp_path), args, "step3", 4, "iteration", plan)
+    assert not [p for p in tmp_path.glob("*/*") if "universal" in p.name]
+    assert ("[step3] --resume: removed DeepSpeed's universal copies actor/iter_0000004_universal, "
+            "critic/iter_0000004_universal of checkpoint iter_0000004, loaded on 1 rank(s): nothing is left to train "
+            "from it") in capsys.readouterr().out
 
 
 def test_only_a_checkpoints_own_folders_are_pruned_or_cleared(tmp_path, capsys):

@@ -217,7 +217,7 @@ def main(args=None):
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)
     checkpoint = resume_or_afresh(lambda: load_checkpoint(trainer, ckpt_root, plan), ckpt_root, args, "step3",
-                                  schedule.total, unit="iteration")
+                                  schedule.total, unit="iteration", plan=plan)
     if checkpoint is None:
         for model in (trainer.actor_model, trainer.critic_model):  # (a resume restarts them at its checkpoint)
             restart_deepspeed_tensorboard(model)

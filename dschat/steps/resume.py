@@ -20,9 +20,9 @@ from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resu
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_same_flags, check_same_products, check_same_step, clear_earlier_run,
                                       clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
-                                      loading_checkpoint, publish, read_trainer_state, reading, rng_said,
-                                      save_trainer_state, tag_of, take_restored_flags, universal_load,
-                                      with_universal_load)
+                                      loading_checkpoint, publish, read_trainer_state, reading,
+                                      remove_universal_copies, rng_said, save_trainer_state, tag_of,
+                                      take_restored_flags, universal_load, with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
@@ -214,14 +214,15 @@ def resume_or_start(engine, args, name, total_steps, plan=None):
     are removed. Sets ``args.save_interval`` (not given: the resumed run's). A checkpoint past this run's
     ``total_steps`` is an error (the run would train on, past the end of its schedule)."""
     return resume_or_afresh(lambda: load_step_checkpoint(engine, args, name, plan), checkpoint_root(args), args, name,
-                            total_steps)
+                            total_steps, plan=plan)
 
 
-def resume_or_afresh(load, root, args, name, total, unit="step"):
+def resume_or_afresh(load, root, args, name, total, unit="step", plan=None):
     """The loop of every step around its checkpoints in ``root``: with --resume the position ``load()`` restores (its
     ``unit``, e.g. "step" or "iteration", is its count), checked against the run's ``total`` and said; None when there
     is none (the run starts over) or without --resume, which removes an earlier run's checkpoints. Sets
-    ``args.save_interval`` (not given: the resumed run's)."""
+    ``args.save_interval`` (not given: the resumed run's). A resume that trains nothing removes the universal copies
+    ``plan`` (the ``ResumePlan`` ``load`` restored) loaded on another number of ranks (``remove_universal_copies``)."""
     position = load() if args.resume else None
     if position is not None:
         if position[unit] > total:
@@ -230,6 +231,8 @@ def resume_or_afresh(load, root, args, name, total, unit="step"):
                              "afresh without --resume")
         print_rank_0(f"[{name}] resumed from {unit} {position[unit]} ({root})"
                      + (f": its last {unit}, nothing left to train" if position[unit] == total else ""))
+        if position[unit] == total and plan is not None:
+            remove_universal_copies(root, plan, name)
         say_a_changed_schedule(name, position, total, f"{unit}s")
     elif args.resume:
         print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from {unit} 0")

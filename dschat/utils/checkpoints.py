@@ -9,8 +9,8 @@ tags are kept.
 A checkpoint resumes on another number of ranks (steps 1, 2 and DPO: ``dschat.steps.resume``; step 3:
 ``dschat.rlhf.checkpointing``), decided before ``deepspeed.initialize`` (``ResumePlan``): its ZeRO partitions through a
 universal copy that DeepSpeed's ``ds_to_universal`` makes beside the tag (``<part>/<tag>_universal``, see
-``universal_copy`` and ``universal_load``; pruned with its tag), each rank's RNG states from its own file where the
-checkpoint has one (``load_rank_state_of_others``).
+``universal_copy`` and ``universal_load``; pruned with its tag, and removed by a resume that trains nothing), each
+rank's RNG states from its own file where the checkpoint has one (``load_rank_state_of_others``).
 """
 import argparse
 import contextlib
@@ -296,6 +296,21 @@ def universal_load(root, part, tag, saved_ranks, stage, whose="its"):
                       + ("made now" if made else "made by an earlier resume") + ")")
 
 
+def remove_universal_copies(root, plan, step):
+    """After a resume on another number of ranks that trains nothing (``plan``'s checkpoint at the run's last step):
+    rank 0 removes the universal copies its engines loaded (``plan.universal``), and says so. Each is a full copy of
+    the checkpoint's optimizer states, made for this number of ranks to go on from, which only a later save pruned
+    (``_prune``): a finished run resumed on other ranks left one beside its checkpoints for good."""
+    copies = [f"{part}/{plan.load_tag(part)}" for part in sorted(plan.universal)]
+    if not copies or not is_rank_0():
+        return
+    for copy in copies:
+        shutil.rmtree(os.path.join(root, copy), ignore_errors=True)
+    print_rank_0(f"[{step}] --resume: removed DeepSpeed's universal {'copy' if len(copies) == 1 else 'copies'} "
+                 f"{', '.join(copies)} of checkpoint {plan.tag}, loaded on {get_world_size()} rank(s): nothing is "
+                 "left to train from it")
+
+
 def check_same_products(root, tag, saved, saved_ranks, args, products, unrecorded):
     """A checkpoint of ``saved_ranks`` ranks that this run of another number continues: for each (flag pair, what it
     took, unit, what counts it) of ``products``, the pair's product with the ranks is the checkpoint's (``saved``: its
@@ -440,10 +455,10 @@ def universal_copy(root, part, tag, saved):
     """The universal copy of ``part``'s checkpoint ``tag`` (saved by ``saved`` ranks): (its tag, whether it was made
     now). Rank 0; made once by DeepSpeed's ``ds_to_universal`` into ``<tag>_universal.partial`` and renamed into place
     when complete, so a conversion killed part-way is made again, never loaded; a complete one is reused by a later
-    resume. Removed with its tag (``_prune``), and by a new save of the same tag. A conversion DeepSpeed fails is a
-    UsageError naming its error. Said when it starts, and with its seconds when done: it grows with the states' size
-    (an OPT-350m-shaped model's took 19-53 s on a CPU machine: docs/rank_change_resume.md), time the run otherwise
-    spent in silence."""
+    resume. Removed with its tag (``_prune``), by a new save of the same tag, and by a resume that trains nothing
+    (``remove_universal_copies``). A conversion DeepSpeed fails is a UsageError naming its error. Said when it
+    starts, and with its seconds when done: it grows with the states' size (an OPT-350m-shaped model's took 19-53 s
+    on a CPU machine: docs/rank_change_resume.md), time the run otherwise spent in silence."""
     from deepspeed.checkpoint import ds_to_universal
 
     folder = os.path.join(root, part)
