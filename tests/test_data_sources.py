@@ -719,6 +719,27 @@ def test_a_csv_written_with_crlf_line_ends_reads_as_the_lf_one(tmp_path):
                                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2+2?"}]
 
 
+def test_a_csv_is_searched_for_crlf_line_ends_without_reading_each_cell_into_python(tmp_path, monkeypatch):
+    """The search for "\\r\\n" read every column as Python strings, row by row (``data[name]``): a 300,000-record CSV
+    took 7 s to load instead of 1, most often to find none."""
+    from dschat.data.local import load_file
+
+    def no_column_reads(self, key):
+        assert not isinstance(key, str), f"column {key!r} read into Python"
+        return original(self, key)
+
+    original = Dataset.__getitem__
+    monkeypatch.setattr(Dataset, "__getitem__", no_column_reads)
+    for line_end in ("\n", "\r\n"):
+        path = tmp_path / f"{len(line_end)}.csv"
+        pd.DataFrame([{"prompt": f"Q{i}{line_end}more", "chosen": "A", "rejected": None} for i in range(3)]).to_csv(
+            path, index=False, lineterminator=line_end)
+        data, _ = load_file("csv", str(path))
+        rows = data.to_list()
+        assert [row["prompt"] for row in rows] == [f"Q{i}\nmore" for i in range(3)]
+        assert [row["rejected"] for row in rows] == [None] * 3
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
 def test_transcripts_written_with_crlf_line_ends_read_as_the_lf_ones(tmp_path, kind):
     """A JSON string or parquet cell holding a "\\r\\n" transcript: a system message before its first turn made the
