@@ -975,6 +975,25 @@ def test_nan_in_a_json_record_names_file_record_and_field(tmp_path, constant):
         raw(f"{path},{path}", tmp_path)
 
 
+def test_json_records_are_walked_for_nan_only_where_the_file_holds_one(tmp_path, monkeypatch):
+    """Every value of every record was walked in Python for a NaN: checking a 300,000-line JSON Lines file took 2.2 s,
+    its parse 0.6 s."""
+    from dschat.data import local
+
+    walked = []
+    walk = local._not_json_number_in
+    monkeypatch.setattr(local, "_not_json_number_in", lambda value: walked.append(value) or walk(value))
+    clean = [dict(RECORDS[0]), dict(RECORDS[1])]
+    (tmp_path / "clean.jsonl").write_text("".join(json.dumps(r) + "\n" for r in clean))
+    (tmp_path / "clean.json").write_text(json.dumps(clean))
+    assert local.check_jsonl_lines(str(tmp_path / "clean.jsonl")) == [1, 2]
+    assert local.check_json_document(str(tmp_path / "clean.json")) is None
+    assert walked == []
+    (tmp_path / "nan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in clean + [dict(RECORDS[2], task=float("nan"))]))
+    with pytest.raises(DatasetFormatError, match=r"line 3 \(record 2\): field 'task': NaN is not a JSON value"):
+        local.check_jsonl_lines(str(tmp_path / "nan.jsonl"))
+
+
 def test_a_pair_answer_of_weight_0_is_an_error(tmp_path):
     """OpenAI's "weight": 0 says which turns of a conversation not to train; on a pair's answer (TRL's preference lists)
     it was read without a word, the answer trained on as any other."""

@@ -307,6 +307,22 @@ def check_json_numbers(record, where):
                                      "writes a float NaN or infinity so); write null for a missing value, or text")
 
 
+class _NotJsonNumbers:
+    """json's ``parse_constant`` noting that NaN or Infinity was read: only then are the records walked for the field
+    that holds it (walking every value of every record took longer than parsing them)."""
+
+    def __init__(self):
+        self.seen = False
+
+    def parse(self, text):
+        self.seen = True
+        return NotJsonNumber(text)
+
+    def check(self, record, where):
+        if self.seen:
+            check_json_numbers(record, where)
+
+
 def _not_json_number_in(value):
     if isinstance(value, NotJsonNumber):
         return value
@@ -319,7 +335,7 @@ def check_jsonl_lines(path):
 
     datasets/pyarrow report a malformed line without its number, so the file is checked here first.
     """
-    record_lines, keys = [], _KeysWrittenTwice()
+    record_lines, keys, constants = [], _KeysWrittenTwice(), _NotJsonNumbers()
     try:
         with open(path, encoding=text_encoding(path)) as f:
             for line_number, line in enumerate(f, start=1):
@@ -330,7 +346,7 @@ def check_jsonl_lines(path):
                     line.lstrip().startswith("[") else ""
                 try:  # (a record cut short is at its line's end, not the next)
                     record = json.loads(line.rstrip("\r\n"), object_pairs_hook=keys.hook,
-                                        parse_constant=NotJsonNumber)
+                                        parse_constant=constants.parse)
                 except json.JSONDecodeError as err:
                     raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)}){array}") \
                         from None
@@ -338,7 +354,7 @@ def check_jsonl_lines(path):
                     raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
                                              f"{type(record).__name__}{array}")
                 keys.check(record, f"{path} line {line_number}")
-                check_json_numbers(record, f"{path} line {line_number} (record {len(record_lines)})")
+                constants.check(record, f"{path} line {line_number} (record {len(record_lines)})")
                 record_lines.append(line_number)
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
@@ -375,9 +391,9 @@ def check_json_document(path):
         raise not_utf8_error(path) from None
     if not text.strip():
         raise DatasetFormatError(f"{path}: no records (the file is empty)")
-    keys = _KeysWrittenTwice()
+    keys, constants = _KeysWrittenTwice(), _NotJsonNumbers()
     try:
-        document = json.loads(text, object_pairs_hook=keys.hook, parse_constant=NotJsonNumber)
+        document = json.loads(text, object_pairs_hook=keys.hook, parse_constant=constants.parse)
     except json.JSONDecodeError as err:
         if _is_json_lines(text):
             return check_jsonl_lines(path)
@@ -401,7 +417,7 @@ def check_json_document(path):
         if not isinstance(record, dict):
             raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
         keys.check(record, f"{path} record {index}")
-        check_json_numbers(record, f"{path} record {index}")
+        constants.check(record, f"{path} record {index}")
     return None
 
 
