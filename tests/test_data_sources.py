@@ -69,7 +69,7 @@ def test_bare_path_and_folder_forms(tmp_path, kind):
     assert len(single.get_train_data()) + len(single.get_eval_data()) == 15
 
 
-def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path):
+def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"
     folder.mkdir()
@@ -79,12 +79,19 @@ def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_fil
         adapter = raw(spec, tmp_path)
         assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
         assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
-    # test and validation both there: test was read, validation not, without a word
+    # one eval split under two extensions: either may be the eval data
+    write_records(RECORDS[15:], folder / "eval.jsonl", "jsonl")
+    with pytest.raises(UsageError, match=r"holds eval\.jsonl and eval\.json, and one file is the eval data"):
+        raw(str(folder), tmp_path)
     (folder / "eval.json").unlink()
+    (folder / "eval.jsonl").unlink()
+    # test and validation both there (a hub dataset's splits written out): test is read, as a save_to_disk
+    # DatasetDict's is, and the note says so (it was refused)
     write_records(RECORDS[15:17], folder / "test.jsonl", "jsonl")
     write_records(RECORDS[17:], folder / "validation.csv", "csv")
-    with pytest.raises(UsageError, match=r"holds test\.jsonl and validation\.csv, and one file is the eval data"):
-        raw(str(folder), tmp_path)
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:17])
+    assert "evaluating on test.jsonl; validation.csv not read" in capsys.readouterr().out
     write_records(RECORDS[:15], folder / "train.csv", "csv")  # two train files: the same
     with pytest.raises(UsageError, match=r"holds train\.jsonl and train\.csv: which is the train data"):
         raw(str(folder), tmp_path)

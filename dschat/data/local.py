@@ -5,8 +5,9 @@ Spec forms (one string per dataset in ``--data_path``)::
     jsonl:PATH  json:PATH  parquet:PATH  csv:PATH     one file
     TYPE:TRAIN_PATH,EVAL_PATH                         explicit eval file (same type)
     TYPE:DIR                                          DIR/train.EXT plus DIR/eval.EXT, test.EXT or validation.EXT
-                                                      (its own extension: train.jsonl with eval.json; two of them, an
-                                                      error naming them)
+                                                      (its own extension: train.jsonl with eval.json; the first of
+                                                      them there, the others said unread; eval.jsonl beside
+                                                      eval.json, an error naming them)
     disk:PATH                                         a save_to_disk folder: a DatasetDict (train plus
                                                       eval/test/validation) or a single Dataset
     PATH                                              a bare existing path; the extension (.jsonl, .json,
@@ -100,6 +101,7 @@ class LocalSource:
     eval: str | None
     spec: str
     eval_kind: str | None = None
+    unread_evals: tuple = ()  # (a folder's other eval files: test.jsonl read, validation.jsonl not; said on loading)
 
     @property
     def eval_type(self):
@@ -231,23 +233,31 @@ def _folder_source(kind, folder, spec):
     train = os.path.join(folder, f"train.{kind}")
     if not os.path.isfile(train):
         return None
-    evaluation = _folder_eval_file(folder, spec)
+    evaluation, unread = _folder_eval_file(folder, spec)
     eval_kind = evaluation and EXTENSION_TYPES[os.path.splitext(evaluation)[1]]
-    return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None)
+    return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None, unread)
 
 
 def _folder_eval_file(folder, spec):
-    """A folder's eval file: eval, test or validation with any of the file extensions (train.jsonl beside eval.json:
-    the eval file was not looked for, and the train file was split 90/10). Two of them (test.jsonl and
-    validation.jsonl, eval.jsonl and eval.json) are an error naming them: the first was read, the others not, without
-    a word."""
-    found = [os.path.join(folder, name + extension) for name in EVAL_SPLIT_NAMES for extension in EXTENSION_TYPES
-             if os.path.isfile(os.path.join(folder, name + extension))]
-    if len(found) > 1:
-        names = " and ".join(os.path.basename(path) for path in found)
-        raise UsageError(f"{spec}: the folder holds {names}, and one file is the eval data: give it as "
-                         f"TYPE:TRAIN_PATH,EVAL_PATH, or keep one of them in the folder")
-    return found[0] if found else None
+    """(the folder's eval file, the other eval files it holds, not read): eval, test or validation, the first of them
+    there, with any of the file extensions (train.jsonl beside eval.json: the eval file was not looked for, and the
+    train file was split 90/10). A folder of train, validation and test files (a hub dataset's splits written out)
+    evaluates on test, as a save_to_disk DatasetDict of them does, and says so (``LocalDataset`` on loading); one
+    name with two extensions (eval.jsonl and eval.json) is an error naming them: either may be the eval data."""
+    for name in EVAL_SPLIT_NAMES:
+        found = [os.path.join(folder, name + extension) for extension in EXTENSION_TYPES
+                 if os.path.isfile(os.path.join(folder, name + extension))]
+        if len(found) > 1:
+            names = " and ".join(os.path.basename(path) for path in found)
+            raise UsageError(f"{spec}: the folder holds {names}, and one file is the eval data: give it as "
+                             f"TYPE:TRAIN_PATH,EVAL_PATH, or keep one of them in the folder")
+        if found:
+            later = EVAL_SPLIT_NAMES[EVAL_SPLIT_NAMES.index(name) + 1:]
+            unread = tuple(os.path.basename(path) for path in (os.path.join(folder, other + extension)
+                                                                for other in later for extension in EXTENSION_TYPES)
+                           if os.path.isfile(path))
+            return found[0], unread
+    return None, ()
 
 
 # --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
@@ -784,6 +794,11 @@ class LocalDataset(PromptRawDataset):
         if not self.source.eval:
             return train, None
         eval_data, self._eval_lines = load_file(self.source.eval_type, self.source.eval)
+        if self.source.unread_evals:
+            from dschat.utils.dist import print_rank_0
+
+            print_rank_0(f"[dschat.data] {self.source.spec}: evaluating on {os.path.basename(self.source.eval)}; "
+                         f"{' and '.join(self.source.unread_evals)} not read")
         return train, eval_data
 
     def get_train_data(self):
