@@ -683,6 +683,25 @@ def test_unsupervised_text_files_with_a_byte_order_mark(tmp_path):
         ["First line.", "Second file.", "Third \ufeffline."]
 
 
+def test_an_unsupervised_text_file_is_searched_for_marks_without_reading_each_line_into_python(tmp_path, monkeypatch):
+    """The search for byte-order marks read every line as a Python string, row by row (``lines["text"]``): a text file
+    of a million lines took 6.9 s to load instead of 0.8, most often to find none."""
+    from dschat.data.unsupervised import load_unsupervised_train
+
+    def no_column_reads(self, key):
+        assert not isinstance(key, str), f"column {key!r} read into Python"
+        return original(self, key)
+
+    (tmp_path / "plain.txt").write_text("First line.\nSecond line.\n")
+    (tmp_path / "joined.txt").write_bytes(b"\xef\xbb\xbfFirst line.\n\xef\xbb\xbfSecond file.\n")
+    original = Dataset.__getitem__
+    monkeypatch.setattr(Dataset, "__getitem__", no_column_reads)
+    plain, joined = (load_unsupervised_train(str(tmp_path / name))[0] for name in ("plain.txt", "joined.txt"))
+    monkeypatch.undo()
+    assert plain["text"] == ["First line.", "Second line."]
+    assert joined["text"] == ["First line.", "Second file."]
+
+
 def test_files_without_records_say_so(tmp_path):
     # CSV and parquet failed with datasets' own wording: 'Instruction "train" corresponds to no data!', 'BatchSize
     # must be greater than 0'

@@ -172,8 +172,11 @@ BYTE_ORDER_MARK = "\ufeff"
 def _without_line_start_marks(lines):
     """A text file's lines without a UTF-8 byte-order mark at their start: files joined with ``cat`` keep each later
     file's mark at the start of its first line, which was trained on as that document's text (the file's own first
-    mark is read as the encoding's)."""
-    if not any(text.startswith(BYTE_ORDER_MARK) for text in lines["text"] if text):
+    mark is read as the encoding's). The lines are searched by arrow's vectorised starts_with: reading each one into
+    Python (``lines["text"]``, row by row) took 6 s a million lines, most often to find none."""
+    import pyarrow.compute as pc
+
+    if not pc.any(pc.starts_with(lines.data.column("text"), BYTE_ORDER_MARK)).as_py():
         return lines
     return lines.map(lambda batch: {"text": [text.lstrip(BYTE_ORDER_MARK) if text else text for text in batch["text"]]},
                      batched=True, desc="Removing byte-order marks")
