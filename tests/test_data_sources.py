@@ -855,6 +855,23 @@ def test_a_csv_row_that_repeats_the_header_names_its_line(tmp_path):
         raw(f"{path},{path}", tmp_path)
 
 
+def test_a_csvs_records_are_compared_with_its_header_only_where_they_could_repeat_it(tmp_path, monkeypatch):
+    """Each cell of each record was stripped and compared with the header's names, a Python loop over every cell of
+    a large file: a record is compared only where it has the header's length and first name."""
+    from dschat.data import local
+
+    calls = []
+    name = local._column_name
+    monkeypatch.setattr(local, "_column_name", lambda cell: calls.append(cell) or name(cell))
+    path = tmp_path / "big.csv"
+    path.write_text("prompt,chosen,rejected\n" + "".join(f"Q{i}?,A{i}.,B{i}.\n" for i in range(100)))
+    assert local.csv_record_lines(str(path)) == list(range(2, 102))
+    assert len(calls) <= 2 * 100 + 10  # (the first cell of each and its header name; it was 6 a record)
+    path.write_text("prompt,chosen,rejected\nQ?,A.,B.\n prompt , chosen,rejected\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 3: the row repeats the header"):
+        local.csv_record_lines(str(path))
+
+
 def test_a_csv_separated_by_semicolons_or_tabs_says_so(tmp_path):
     """It read as one column, and the error said to name the fields with --data_fields."""
     path = tmp_path / "excel.csv"

@@ -552,7 +552,11 @@ def csv_record_lines(path):
 
 def check_not_a_header(path, line, row, header):
     """A record that is the header again is an error: CSV files joined as they are (``cat a.csv b.csv``) put the second
-    one's header among the records, where it was trained on as a record ("prompt" answered with "chosen")."""
+    one's header among the records, where it was trained on as a record ("prompt" answered with "chosen"). Called for
+    every record: its cells are compared only where it has the header's length and first name (each cell of each
+    record was stripped and compared, a Python loop over every cell of a large file)."""
+    if len(row) != len(header) or _column_name(row[0].lstrip("\ufeff")) != _column_name(header[0]):
+        return
     if [_column_name(cell.lstrip("\ufeff")) for cell in row] == [_column_name(cell) for cell in header]:  # (its BOM)
         raise DatasetFormatError(f"{path} line {line}: the row repeats the header ({','.join(header)}); CSV files "
                                  "joined with their headers? remove it")
