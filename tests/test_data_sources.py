@@ -415,7 +415,8 @@ def test_a_value_that_is_no_label_among_a_csvs_1_0_and_0_0_labels_names_its_line
     """A "0.5" among them made the column data: every answer, those labelled 0.0 too, was trained on without a word."""
     path = tmp_path / "kto.csv"
     path.write_text("prompt,completion,label\nQ0?,A0,1.0\nQ1?,A1,0.0\nQ2?,A2,0.5\n")
-    with pytest.raises(DatasetFormatError, match=rf"{path} line 4 \(record 2\): field 'label': '0.5' is not a label"):
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 4 \(record 2\): field 'label': '0.5' is not a label "
+                                                 r"\(true/false, 1/0, 1\.0/0\.0 or yes/no\)"):  # (1.0/0.0 said too)
         raw(f"csv:{path},{path}", tmp_path)
 
 
@@ -447,7 +448,7 @@ def test_unpaired_preference_labels_hold_under_renamed_fields_and_a_bad_one_is_i
     typo = write_records([dict(r, label=r["label"] == "yes") for r in rows[:3]] + [dict(rows[3], label="flase")],
                          tmp_path / "typo.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"line 4 \(record 3\): field 'label': 'flase' is not a label "
-                                                 r"\(true/false, 1/0 or yes/no\)"):
+                                                 r"\(true/false, 1/0, 1\.0/0\.0 or yes/no\)"):
         raw(f"{typo},{typo}", tmp_path, prompt="question", chosen="response")
 
 

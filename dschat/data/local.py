@@ -1117,7 +1117,7 @@ def text_prompt_messages(text):
 
 
 _LABEL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
-LABEL_SPELLINGS = "true/false, 1/0 or yes/no"
+LABEL_SPELLINGS = "true/false, 1/0, 1.0/0.0 or yes/no"  # (every spelling _label_value reads)
 # 1/0 written as a float: pandas' to_csv writes a label column holding a null (NaN) as a float column, "1.0"/"0.0"
 _NUMBER_LABEL = re.compile(r"([01])\.0*")
 
