@@ -648,6 +648,12 @@ def test_grpo_group_within_eps_of_alike_trains_nothing_as_zero_std_fraction_coun
     assert adv[4:, 0].abs().min() > 0.1  # (a group that differs is still normalised)
     unnormalised, _ = A.grpo_advantages(scores, 4, torch.ones(8, 2), norm_by_std=False)
     assert unnormalised[:4].abs().max() < 1e-6  # (Dr. GRPO's: the noise itself, no division to scale it)
+    # the noise grows with the scores: at 1000 one ulp (6e-5) gave advantages of -0.48/+1.45
+    large = scores + 997
+    large[1] = torch.nextafter(large[0], torch.tensor(2000.0))
+    adv, _ = A.grpo_advantages(large, 4, torch.ones(8, 2))
+    assert A.zero_std_fraction(large, 4) == 0.5
+    assert torch.all(adv[:4] == 0), adv[:4, 0]
 
 
 def test_rloo_two_groups():

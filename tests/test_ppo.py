@@ -1350,7 +1350,9 @@ def test_a_resume_without_enable_ema_says_it_leaves_the_checkpoints_ema_copy_beh
     _save_flags_checkpoint(tmp_path, "--enable_ema")
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
-    assert "--enable_ema True -> False: the rest of the run trains with the new value" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--enable_ema True -> False: the rest of the run trains with the new value" in out
+    assert "the EMA copy in " in out and "is not loaded, and this run saves no actor_ema" in out
 
 
 def test_a_resumed_kl_controller_goes_on_from_its_coefficient_with_this_runs_settings(tmp_path, capsys):

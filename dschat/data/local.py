@@ -290,10 +290,7 @@ class _KeysWrittenTwice:
 
     def key_in(self, value):
         """The key written twice in ``value`` or an object inside it, else None."""
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        if isinstance(value, dict) and id(value) in self.twice:
-            return self.twice[id(value)]
-        return next((key for key in map(self.key_in, children) if key is not None), None)
+        return _first_inside(value, lambda item: self.twice.get(id(item)) if isinstance(item, dict) else None)
 
     def check(self, record, where):
         key = self.key_in(record) if self.twice else None
@@ -334,10 +331,16 @@ class _NotJsonNumbers:
 
 
 def _not_json_number_in(value):
-    if isinstance(value, NotJsonNumber):
-        return value
+    return _first_inside(value, lambda item: item if isinstance(item, NotJsonNumber) else None)
+
+
+def _first_inside(value, find):
+    """The first of ``find(item)`` that is not None, over a JSON value and every value inside it (depth first)."""
+    found = find(value)
+    if found is not None:
+        return found
     children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    return next((found for found in map(_not_json_number_in, children) if found is not None), None)
+    return next((found for found in (_first_inside(child, find) for child in children) if found is not None), None)
 
 
 def check_jsonl_lines(path):

@@ -624,12 +624,18 @@ def _from_first(groups: torch.Tensor) -> torch.Tensor:
     return groups - groups[:, :1]
 
 
+def _scored_alike(groups: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(G, 1)`` bool: the groups whose scores' std is within ``eps`` of 0, relative to the scores' size (at least
+    1): a reward model's fp32 scores of like answers differ in their last bits, ~1e-7 of the score (6e-5 at 1000)."""
+    scale = groups.abs().amax(dim=1, keepdim=True).clamp(min=1)
+    return _from_first(groups).std(dim=1, keepdim=True) <= eps * scale
+
+
 def zero_std_fraction(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> float:
     """The fraction of groups (consecutive runs of ``group_size`` scores, one prompt's answers) whose answers all
-    scored the same: their group-relative advantages are 0, so they train nothing (TRL's ``frac_reward_zero_std``)."""
-    g = _from_first(_check_groups(scores.detach().float(), group_size))
-    # (within GRPO's eps: a reward model's scores of like answers may differ in their last bits)
-    return (g.std(dim=1) <= eps).float().mean().item()
+    scored the same (``_scored_alike``): their group-relative advantages are 0, so they train nothing (TRL's
+    ``frac_reward_zero_std``)."""
+    return _scored_alike(_check_groups(scores.detach().float(), group_size), eps).float().mean().item()
 
 
 @register_adv_estimator("grpo")
@@ -650,14 +656,13 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor, n
         if group_size == 1:
             a = g
         else:
+            alike = _scored_alike(g, eps)
             g = _from_first(g)  # (a group scored alike: exactly 0, not its mean's rounding over std + eps)
             a = g - g.mean(dim=1, keepdim=True)
             if norm_by_std:
-                std = g.std(dim=1, keepdim=True)
-                # A group within eps of alike (a reward model's scores of like answers differing in their last
-                # bits) trains nothing, as zero_std_fraction counts it: dividing by std + eps would scale that
-                # noise to advantages of 0.05-0.5.
-                a = torch.where(std > eps, a / (std + eps), 0.0)
+                # A group scored alike but for its last bits trains nothing, as zero_std_fraction counts it: the
+                # division by std + eps would scale that noise to advantages of 0.05-1.5.
+                a = torch.where(alike, 0.0, a / (g.std(dim=1, keepdim=True) + eps))
         adv = a.reshape(-1, 1).to(mask.device) * _fmask(mask, a)
     return adv, adv.clone()
 

@@ -390,6 +390,8 @@ def check_resumable(trainer, root, tag, planned=False):
             now.pop("per_device_generation_batch_size")
         state["restored"] = check_same_flags(saved_flags, now, RESTORED_FLAGS, tag, root, STEP, BOUND_WHY,
                                              FREE_FLAGS + CRITIC_FREE_FLAGS)
+        if saved_flags.get("enable_ema") and not args.enable_ema:  # (what "trains with the new value" means here)
+            print_rank_0(f"[{STEP}] --resume: the EMA copy in {tag} is not loaded, and this run saves no actor_ema")
         check_same_reference(state.get("inputs"), args.actor_model_name_or_path, tag, root)
     return state, saved_ranks
 
