@@ -180,6 +180,14 @@ def test_a_line_that_is_not_utf8_under_a_strict_utf8_locale_is_refused_and_the_c
     """Under a UTF-8 locale (en_US.UTF-8; here PYTHONIOENCODING=utf-8) stdin decodes strictly: a Latin-1 line raised
     UnicodeDecodeError in input(), a traceback (exit 1) that ended the chat. Only the C/POSIX locale read it as
     surrogates, which the chat refuses with a message."""
+    out = _chat_utf8_piped(reward_model, b"caf\xe9\nhello\nquit\n")
+    assert "(not answered: the message is not UTF-8 text (byte 0xe9) at character 4" in out
+    assert "Human: hello\nAssistant:" in out
+
+
+def _chat_utf8_piped(reward_model, stdin):
+    """chat.py's output for ``stdin`` piped under a UTF-8 locale (PYTHONIOENCODING=utf-8), with the tiny policy beside
+    ``reward_model``; it must exit 0."""
     import os
     import subprocess
     import sys
@@ -187,28 +195,16 @@ def test_a_line_that_is_not_utf8_under_a_strict_utf8_locale_is_refused_and_the_c
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
     proc = subprocess.run([sys.executable, str(repo / "chat.py"), "--path", str(Path(reward_model).parent / "policy"),
-                           "--greedy", "--max_new_tokens", "2"], input=b"caf\xe9\nhello\nquit\n", cwd=repo, env=env,
-                          capture_output=True, timeout=180)
-    out = proc.stdout.decode("utf-8", "replace")
+                           "--greedy", "--max_new_tokens", "2"], input=stdin, cwd=repo, env=env, capture_output=True,
+                          timeout=180)
     assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-2000:]
-    assert "(not answered: the message is not UTF-8 text (byte 0xe9) at character 4" in out
-    assert "Human: hello\nAssistant:" in out
+    return proc.stdout.decode("utf-8", "replace")
 
 
 def test_a_byte_order_mark_at_the_start_of_piped_input_is_not_part_of_the_first_message(reward_model):
     """A file saved with a UTF-8 byte-order mark (Notepad, PowerShell) kept it in the first message: its first line
     'quit' did not quit (the chat answered it, and the next line), and the model saw the mark."""
-    import os
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
-    proc = subprocess.run([sys.executable, str(repo / "chat.py"), "--path", str(Path(reward_model).parent / "policy"),
-                           "--greedy", "--max_new_tokens", "2"], input=b"\xef\xbb\xbfquit\nhello\n", cwd=repo, env=env,
-                          capture_output=True, timeout=180)
-    out = proc.stdout.decode("utf-8", "replace")
-    assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-2000:]
+    out = _chat_utf8_piped(reward_model, b"\xef\xbb\xbfquit\nhello\n")
     assert out.endswith("Human: quit\n") and "Assistant:" not in out
 
 
