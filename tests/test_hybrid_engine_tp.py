@@ -98,6 +98,26 @@ def test_models_that_cannot_be_split_say_why():
         _plan("llama", num_attention_heads=3, num_key_value_heads=3, head_dim=16)
 
 
+def test_a_plan_that_splits_no_projection_is_refused_without_saying_the_config_has_none():
+    """Phi-3's plan gathers its packed qkv_proj / gate_up_proj outputs (nothing to split): --inference_tp_size 2 said
+    'its config has no base_model_tp_plan', which it has; now the refusal says the plan splits no projection."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    from dschat.hybrid_engine.tensor_parallel import ShardPlan
+    from dschat.models.layers import decoder_layer_list
+
+    cfg = Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, pad_token_id=0)
+    assert cfg.base_model_tp_plan
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(NotImplementedError) as refused:
+        ShardPlan(model, decoder_layer_list(model)[0], _Rank(2, 0))
+    message = str(refused.value)
+    assert "has no base_model_tp_plan" not in message
+    assert "base_model_tp_plan splits none of its decoder layers' linear projections" in message
+    assert "colwise_gather_output" in message and "inference_tp_size=1" in message
+
+
 def test_attention_with_per_head_norms_is_refused():
     # StableLM's qk_layernorm keeps one LayerNorm per head: splitting the heads would pair them with the wrong norms
     from transformers import AutoModelForCausalLM, StableLmConfig

@@ -177,12 +177,20 @@ def sharded_linears(model, layers_prefix):
                 styles[name] = COLWISE
             elif leaf in _ROWWISE_NAMES:
                 styles[name] = ROWWISE
-    _check_plan(model, styles, in_layers)
+    _check_plan(model, styles, in_layers, plan)
     return styles
 
 
-def _check_plan(model, styles, modules):
+def _check_plan(model, styles, modules, plan=None):
     """Every split block (attention, MLP) needs both halves, or a partial result would go on un-reduced."""
+    if not styles and plan is not None:
+        # transformers' plan is there, but none of its styles splits a decoder layer's projection (e.g. Phi-3's packed
+        # qkv_proj/gate_up_proj are 'colwise_gather_output'/'rowwise_split_input', gpt-oss's plan only holds its
+        # embedding): say so, rather than that the config has no plan
+        raise NotImplementedError(f"no tensor-parallel plan for {type(model).__name__}: its config's "
+                                  f"base_model_tp_plan splits none of its decoder layers' linear projections (styles "
+                                  f"{sorted(set(plan.values()))}, which each rank would compute whole); use "
+                                  "inference_tp_size=1")
     if not styles:
         raise NotImplementedError(f"no tensor-parallel plan for {type(model).__name__}: its config has no "
                                   "base_model_tp_plan and its projections have none of the usual names "
