@@ -151,12 +151,12 @@ def test_the_default_length_stays_within_the_models_positions_as_in_hf(family):
     assert torch.equal(engine.generate(ids, attention_mask=mask), expected)
 
 
-@pytest.mark.parametrize("family", ["opt", "gpt2"])
+@pytest.mark.parametrize("family", ["opt", "gpt2", "gptj"])
 def test_max_new_tokens_past_a_learned_position_table_is_a_clear_error_and_padding_takes_no_position(family):
     """An explicit max_new_tokens past GPT-2's or OPT's learned position table failed with an IndexError from inside
-    the model (a device-side assert on CUDA). The last new token is never fed back, so HF generates one past the
-    table; and positions count a row's tokens, so a left-padded batch may reach the table's end: the engine does as
-    HF."""
+    the model (a device-side assert on CUDA); so did GPT-J's past its precomputed rotary table (a buffer of
+    n_positions rows). The last new token is never fed back, so HF generates one past the table; and positions count
+    a row's tokens, so a left-padded batch may reach the table's end: the engine does as HF."""
     config = hybrid_common.tiny_config(family)
     config.max_position_embeddings = 24  # (GPT-2: n_positions)
     torch.manual_seed(0)
@@ -170,6 +170,22 @@ def test_max_new_tokens_past_a_learned_position_table_is_a_clear_error_and_paddi
     assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=11), hf_generate(model, ids, mask, 11))
     ids, mask = ids[:1, -12:], mask[:1, -12:]  # the 10-token row, left-padded by 2: 10 + 15 tokens
     assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=15), hf_generate(model, ids, mask, 15))
+
+
+def test_step_flags_past_gpt_js_rotary_position_table_are_a_flag_error_not_a_warning():
+    """Step 3 with a GPT-J actor and --max_prompt_seq_len + --max_answer_seq_len past its n_positions printed a warning
+    ('past the 32 positions the model was configured for') and then failed with 'IndexError: index 32 is out of bounds
+    for dimension 0 with size 32' from the rotary table (a device-side assert on CUDA); it is a flag error now, as for
+    GPT-2's learned table."""
+    from dschat.models.loading import check_sequence_fits
+
+    config = hybrid_common.tiny_config("gptj")
+    config.max_position_embeddings = 32  # (n_positions)
+    with torch.device("meta"):  # as step 3's early checks build the actor (model_skeleton)
+        model = AutoModelForCausalLM.from_config(config)
+    check_sequence_fits(model, 32, "--max_prompt_seq_len + --max_answer_seq_len")
+    with pytest.raises(UsageError, match=r"= 33 tokens, but the model has a table of 32 learned positions"):
+        check_sequence_fits(model, 33, "--max_prompt_seq_len + --max_answer_seq_len")
 
 
 @pytest.mark.parametrize("family", ["opt", "gpt2"])

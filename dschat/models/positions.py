@@ -39,6 +39,9 @@ def _rope_settings(config):
 
 
 def has_learned_positions(model):
-    """Whether ``model`` looks positions up in a learned table (which has no row past ``position_limit``)."""
+    """Whether ``model`` looks positions up in a table (which has no row past ``position_limit``): a learned one, or
+    one precomputed into a buffer of the same name (GPT-J's and CodeGen's sinusoidal ``rotary_emb.embed_positions``, a
+    row per position up to ``n_positions``: past it, an IndexError too)."""
     return any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES
-               for name, module in model.named_modules())
+               for name, module in model.named_modules()) or \
+        any(name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES for name, _ in model.named_buffers())

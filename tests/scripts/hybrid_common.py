@@ -1,7 +1,7 @@
 """Tiny models, DeepSpeed configs and reference generation shared by the hybrid-engine tests and 2-rank scripts."""
 import torch
-from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, GPT2Config, LlamaConfig, MistralConfig,
-                          OPTConfig, Qwen2Config)
+from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, GPT2Config, GPTJConfig, LlamaConfig,
+                          MistralConfig, OPTConfig, Qwen2Config)
 
 PAD = 0  # never an EOS id in these tests; prompt tokens are drawn from [FIRST_TOKEN, vocab)
 FIRST_TOKEN = 3
@@ -28,6 +28,9 @@ def tiny_config(family, vocab_size=96, num_layers=2):
                          **_SIZES, **no_special)
     if family == "gpt2":
         return GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=num_layers, n_head=4, n_positions=256,
+                          **no_special)
+    if family == "gptj":  # rotary positions from a precomputed table of n_positions rows (rotary_emb.embed_positions)
+        return GPTJConfig(vocab_size=vocab_size, n_embd=64, n_layer=num_layers, n_head=4, rotary_dim=8, n_positions=256,
                           **no_special)
     if family == "bloom":  # ALiBi bias built from the 2-D mask
         return BloomConfig(vocab_size=vocab_size, hidden_size=64, n_layer=num_layers, n_head=4, **_VARIED, **no_special)
