@@ -65,6 +65,32 @@ def peft_reading_checkpointing():
 
 
 @contextlib.contextmanager
+def peft_targets_as_named():
+    """PEFT (0.21, with transformers 5) rewrites a LoRA config's ``target_modules`` for MoE families whose experts
+    transformers 5 fused into 3-D parameters (DeepSeek-V2/V3, GLM-4-MoE, ...: those of transformers' checkpoint
+    conversion mapping), so that an adapter written against transformers 4's module names still loads: every target
+    ending in ``down_proj`` (``gate_proj`` + ``up_proj``) becomes ``target_parameters=['down_proj']``
+    (``gate_up_proj``). dschat's targets are the full names of this model's own Linear modules (a dense layer's
+    ``mlp.down_proj``, the shared experts'), so the rewrite took the adapters off those layers and put them on every
+    routed expert's parameter, which the LoRA merge refuses. For new adapters on a transformers-5 model the rewrite is
+    off: the targets are taken as named."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a PEFT without the rewrite
+        yield
+        return
+    convert = getattr(conversion, "convert_peft_config_for_transformers", None)
+    if convert is None:
+        yield
+        return
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = convert
+
+
+@contextlib.contextmanager
 def backbone_ignoring_lm_head(config, head_names=()):
     """Loading a causal LM's folder (a step-1 output) as its backbone (``AutoModel``, the reward model's and critic's),
     the head's weights (``lm_head``; GPT-NeoX's ``embed_out``: ``lora.HEAD_NAMES``; a *ForSequenceClassification's

@@ -240,3 +240,44 @@ def test_a_generation_config_setting_the_decode_does_not_apply_is_an_error_unles
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=4, no_repeat_ngram_size=0)
     model.generation_config.no_repeat_ngram_size = 0
     assert torch.equal(got, hf_generate(model, ids, mask, 4))
+
+
+def test_lora_on_a_moe_model_with_dense_and_shared_expert_mlps_adapts_the_linears_it_names_and_generates():
+    """DeepSeek-V3-style MoE (a dense first layer, shared experts beside fused routed experts): --actor_lora_dim put no
+    adapter on the dense and shared MLPs' Linear modules it targeted, because PEFT (with transformers 5) rewrote every
+    target ending in down_proj / gate_proj + up_proj into LoRA on the routed experts' 3-D parameters, and the hybrid
+    engine then refused the actor ("LoRA on the parameter 'down_proj' (4 experts; PEFT's target_parameters) is not
+    supported by the LoRA merge"). Now the named Linear modules get the adapters, and the engine generates as PEFT's
+    model does."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from dschat.models.lora import apply_lora, lora_target_modules
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                              qk_nope_head_dim=16, v_head_dim=16, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=4, max_position_embeddings=256, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=None)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = None
+    targets = lora_target_modules(model)
+    assert "model.layers.0.mlp.down_proj" in targets and "model.layers.1.mlp.shared_experts.down_proj" in targets
+    model = apply_lora(model, 4, lora_alpha=16)
+    adapted = set(lora_layers(model.get_base_model()))
+    assert adapted == set(targets), sorted(set(targets) ^ adapted)
+    assert not any(type(m).__name__ == "ParamWrapper" for m in model.modules())
+    torch.manual_seed(1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.3)  # non-zero adapters, so that they change the answers
+
+    engine = _engine(model)
+    assert engine.inference_weights.kind == "lora_copy"
+    ids, mask = left_padded_batch([6, 2, 4], seed=1)
+    expected = hf_generate(model, ids, mask, 8)
+    with model.disable_adapter():
+        assert not torch.equal(hf_generate(model, ids, mask, 8), expected)
+    engine.eval()
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), expected)

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from dschat.compat import peft_reading_checkpointing
+from dschat.compat import peft_reading_checkpointing, peft_targets_as_named
 from dschat.errors import UsageError
 
 # Output heads are never adapted: they are tied to embeddings in many models or newly initialised.
@@ -70,7 +70,7 @@ def apply_lora(model, lora_dim, lora_module_name="", lora_alpha=None, lora_dropo
                         target_modules=targets, modules_to_save=modules_to_save, bias="none")
     # adapters in the base weights' dtype: PEFT would make them fp32 beside bf16/fp16 weights, and DeepSpeed's ZeRO-3
     # flattens all trainable partitions into one buffer of one dtype (DeepSpeed keeps fp32 master copies anyway)
-    with peft_reading_checkpointing():
+    with peft_reading_checkpointing(), peft_targets_as_named():
         model = get_peft_model(model, config, autocast_adapter_dtype=False)
     if not only_optimize_lora:  # PEFT froze every base parameter; DeepSpeed-Chat freezes only the adapted weights
         for name, param in model.named_parameters():
