@@ -396,6 +396,19 @@ def test_max_new_tokens_filling_the_context_is_refused_once_before_the_model_loa
             chat.main(["--path", models["policy"], "--max_new_tokens", str(context), *flags])
 
 
+def test_prompt_eval_max_new_tokens_filling_a_models_context_is_refused_before_any_model_loads(models, monkeypatch):
+    """prompt_eval --max_new_tokens at a model's context length (or more) was refused only once both models had loaded
+    and the first batch was encoded."""
+    from dschat.errors import UsageError
+
+    context = json.loads(Path(models["policy"], "config.json").read_text())["max_position_embeddings"]
+    monkeypatch.setattr(prompt_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    with pytest.raises(UsageError, match=f"^--max_new_tokens {context}: the baseline model's context is {context} "
+                                         "tokens"):
+        prompt_eval.main(["--model_name_or_path_baseline", models["policy"], "--model_name_or_path_finetune",
+                          models["policy"], "--max_new_tokens", str(context), "--prompts", "hi"])
+
+
 def test_chat_prompt_flag_reads_a_transcript_as_prompt_eval_does(session, models, monkeypatch, capsys):
     """chat.py --prompt "Human: ... Assistant: ... Human: ..." was one user message ("\n\nHuman: Human: ..."), where
     prompt_eval's --prompts and rw_eval's --prompt read the turns: the same text gave the tools other prompts. A

@@ -8,15 +8,14 @@ import sys
 
 from dschat.data.formatting import HUMAN_PREFIX, uses_chat_template
 from dschat.errors import UsageError
-from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags, check_utf8,
+from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
+                                 check_room_for_a_prompt, check_utf8, config_before_loading, context_limit,
                                  find_policy_path, flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers
 from dschat.tools.records import prompt_record
 
 QUIT_COMMANDS = ("quit", "exit")
 CLEAR_COMMAND = "clear"
-# Config fields that hold a model's longest sequence, per family (Llama/OPT, GPT-2, others).
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def conversation_prompt(history, user_text, tokenizer, model="the model"):
@@ -41,32 +40,6 @@ def own_turn(answer, tokenizer):
         return answer
     # (the answer arrives stripped: one that is the made-up turn alone, "\n\nHuman: ...", starts with "Human:")
     return ("\n\n" + answer).split(HUMAN_PREFIX.rstrip(" "), 1)[0].strip()
-
-
-def context_limit(config):
-    return next((getattr(config, f) for f in CONTEXT_FIELDS if getattr(config, f, None)), None)
-
-
-def check_room_for_a_prompt(config, max_new_tokens):
-    """--max_new_tokens that fill the model's whole context leave no room for any prompt: refused once, where
-    interactive mode refused each message in turn (the same "leaves room for 0")."""
-    limit = context_limit(config) if config is not None else None
-    if limit and max_new_tokens >= limit:
-        raise UsageError(f"--max_new_tokens {max_new_tokens}: the model's context is {limit} tokens, which leaves no "
-                         f"room for a message: give well under {limit}")
-
-
-def config_before_loading(path):
-    """The HF config of ``path`` (a folder, hub name or tiny preset) before its model loads; None where transformers
-    cannot read it alone (the loaded model's is read then)."""
-    from transformers import AutoConfig
-
-    from dschat.models.loading import resolve_model_path
-
-    try:
-        return AutoConfig.from_pretrained(resolve_model_path(path))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 class ChatSession:

@@ -120,6 +120,37 @@ def check_reward_model(path):
                          f"e.g. train.py's <output>/step2_rm")
 
 
+# Config fields that hold a model's longest sequence, per family (Llama/OPT, GPT-2, others).
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_limit(config):
+    return next((getattr(config, f) for f in CONTEXT_FIELDS if getattr(config, f, None)), None)
+
+
+def check_room_for_a_prompt(config, max_new_tokens, model="the model"):
+    """--max_new_tokens that fill the model's whole context leave no room for any prompt: refused once, before the
+    model loads where its config can be read alone (chat.py's interactive mode refused each message in turn, the
+    same "leaves room for 0", and prompt_eval said so after loading its models)."""
+    limit = context_limit(config) if config is not None else None
+    if limit and max_new_tokens >= limit:
+        raise UsageError(f"--max_new_tokens {max_new_tokens}: {model}'s context is {limit} tokens, which leaves no "
+                         f"room for a message: give well under {limit}")
+
+
+def config_before_loading(path):
+    """The HF config of ``path`` (a folder, hub name or tiny preset) before its model loads; None where transformers
+    cannot read it alone (the loaded model's is read then)."""
+    from transformers import AutoConfig
+
+    from dschat.models.loading import resolve_model_path
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(path))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def parse_with_run_defaults(parser, argv, run_defaults, tool, goes_with=None):
     """``argv`` parsed with the settings of the run that wrote the model as the defaults of the flags not given (flags
     given here win), said in one line. ``run_defaults(args)`` gives ({dest: value}, the training_args.json they come

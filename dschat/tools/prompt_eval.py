@@ -7,8 +7,9 @@ import argparse
 
 from dschat.args import positive_int
 from dschat.data.formatting import render_human_assistant
-from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags, find_policy_path,
-                                 flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
+from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
+                                 check_room_for_a_prompt, config_before_loading, find_policy_path, flag_path,
+                                 generation_kwargs, load_policy, one_process, tool_prompt)
 from dschat.tools.generation import generate_answers
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
@@ -99,6 +100,8 @@ def main(argv=None):
     records, scorable = select_records(args)
     paths = {role: flag_path(f"--model_name_or_path_{role}", find_policy_path,  # both before either loads
                              getattr(args, f"model_name_or_path_{role}")) for role in ROLES}
+    for role in ROLES:  # (its answers would have no room, said after both models had loaded)
+        check_room_for_a_prompt(config_before_loading(paths[role]), args.max_new_tokens, f"the {role} model")
     prompts = {role: model_prompts(paths[role], records, args) for role in ROLES}
     answers = {role: model_answers(paths[role], prompts[role], args) for role in ROLES}
     scores = {role: rule_scores(records, answers[role]) for role in ROLES} if scorable else None
