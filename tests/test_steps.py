@@ -529,6 +529,8 @@ def main():
     if sys.argv[1] == "printf":  # (C's stdout buffer: compiled code's output, DeepSpeed's CPU Adam's)
         import ctypes
         ctypes.CDLL(None).printf(b"said by C\\n")
+    if sys.argv[1] == "held":  # (its lines still in the buffer when the reader goes)
+        sys.stdin.readline()
     if sys.argv[1] == "endless":  # (until the reader goes: `| head`)
         while True:
             print("more", flush=True)
@@ -589,6 +591,22 @@ def test_scripts_end_quietly_when_the_reader_of_their_output_goes(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "main returned\n"
     proc.stdout.close()  # (as head does once it has its lines)
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in stderr, stderr[-2000:]
+
+
+def test_scripts_whose_reader_went_before_their_last_lines_do_not_exit_0(tmp_path):
+    """The reader of a pipe closing it before the exit's flush lost the buffered lines, and the run exited 0 as if they
+    had been read; it exits 141, as when the reader goes mid-run (above)."""
+    script = tmp_path / "script.py"
+    script.write_text(TEARDOWN_SCRIPT)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}  # (stdout: buffered)
+    env.update(PYTHONPATH=str(REPO), DSCHAT_TRACEBACK="0")
+    proc = subprocess.Popen([sys.executable, str(script), "held"], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # (before the script's "main returned" left its buffer)
+    proc.stdin.write("go\n")
+    proc.stdin.close()
     stderr = proc.stderr.read()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in stderr, stderr[-2000:]
 

@@ -140,7 +140,8 @@ def leave_process(status):
 def flushed(status):
     """``status`` once Python's output streams and C's (printf of compiled code: DeepSpeed's CPU Adam says its
     configuration so) are flushed, as the interpreter's exit flushes them; output a stream could not take fails a run
-    that had succeeded with 120, as the interpreter's exit does (a full disk), where a closed pipe or stream does not."""
+    that had succeeded: with 120 as the interpreter's exit does (a full disk), with 141 where the pipe's reader had gone
+    (`| head`: the status a pipe's reader leaving mid-run gives, ``run_script``), where a closed stream does not."""
     import ctypes
 
     for stream in (sys.stdout, sys.stderr):
@@ -148,7 +149,9 @@ def flushed(status):
             continue
         try:
             stream.flush()
-        except (BrokenPipeError, ValueError):  # (the reader has gone, or the stream was closed)
+        except BrokenPipeError:  # (its lines were lost: the reader has gone)
+            status = status or 141
+        except ValueError:  # (the stream was closed: nothing to say it to)
             pass
         except OSError:
             status = status or 120
