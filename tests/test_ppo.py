@@ -934,6 +934,24 @@ def test_a_notebooks_resume_checks_the_iteration_count_as_step_3s_does(tmp_path)
         load_checkpoint(_flags_trainer(tmp_path), str(tmp_path), train_loader=loader)
 
 
+def test_a_notebooks_resume_without_the_prompts_loader_refuses_another_generation_batches(tmp_path):
+    """Without ``train_loader=`` the iteration count was not checked at all: a checkpoint of --generation_batches 1
+    resumed with 2 loaded, half an iteration into its prompts. The count cannot be known without the loader's batches,
+    so another --generation_batches than the checkpoint's is refused, saying how to have it checked; the checkpoint's
+    own loads as before."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _save_flags_checkpoint(tmp_path)
+    with pytest.raises(UsageError, match=r"iter_0000001 in .* is at iteration 1 of iterations of --generation_batches "
+                                         r"1, this run's take 2: .*\(train_loader=None\); pass train_loader=<the "
+                                         r"prompts' loader> to have it checked, or resume with --generation_batches "
+                                         r"1$"):
+        load_checkpoint(_flags_trainer(tmp_path, "--generation_batches", "2"), str(tmp_path))
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
+
+
 def test_a_resume_on_other_ranks_whose_epochs_make_other_iteration_counts_is_refused(distributed):
     """39 prompts in iterations of 8 (batches of 4 x 1 on 2 ranks, of 4 x 2 on 1): DistributedSampler pads them to 40
     on 2 ranks, 5 iterations an epoch, and 1 rank makes 4; resumed at the end of epoch 1, iteration 5 would have been

@@ -118,7 +118,8 @@ def load_checkpoint(trainer, root, plan=None, train_loader=None):
     """Restore the last complete checkpoint under ``root`` (``plan``: ``plan_resume``'s, made before the engines;
     None: rank 0 picks and checks it for every rank now, before DeepSpeed loads anything, and one of another number of
     ranks is refused; a notebook's ``train_loader``, the prompts' loader the run goes on with, has its iteration count
-    checked too, as ``plan_resume`` checks step 3's); returns its position dict (None if none)."""
+    checked too, as ``plan_resume`` checks step 3's; without it, another --generation_batches than the checkpoint's is
+    refused, ``_refuse_unchecked_generation_batches``); returns its position dict (None if none)."""
     if plan is None:
         found = rank_0_decides(lambda: _checked_latest(trainer, root, loaders=(train_loader, None)))
         if found is None:
@@ -182,7 +183,24 @@ def _checked_latest(trainer, root, planned=False, loaders=(None, None)):
                                                          trainer.args, where)
             state.update(converted)
         check_iteration_count(state, saved_ranks, len(train_loader), trainer.args, where)
+    elif getattr(trainer, "args", None) is not None:
+        _refuse_unchecked_generation_batches(state, trainer.args, f"checkpoint {tag} in {root}")
     return tag, state, saved_ranks, position_said
+
+
+def _refuse_unchecked_generation_batches(state, args, where):
+    """A notebook's ``load_checkpoint`` without the prompts' loader: its iteration count can be checked only against
+    the loader's batches (``check_iteration_count``). On as many ranks with the checkpoint's --generation_batches
+    (and the bound flags: as many prompts a batch, of the same data) it is this run's; with another it may not be
+    (mostly is not), so that is refused, saying how to have it checked, rather than loaded unchecked."""
+    then = (state.get("batches") or {}).get("generation_batches")
+    if then is None or then == args.generation_batches:  # (a checkpoint that does not record it: not known)
+        return
+    raise UsageError(f"--resume: {where} is at iteration {state['iteration']} of iterations of --generation_batches "
+                     f"{then}, this run's take {args.generation_batches}: whether that is this run's iteration count at "
+                     "its place in the prompts depends on the prompts' batches an epoch, which load_checkpoint was not "
+                     "given (train_loader=None); pass train_loader=<the prompts' loader> to have it checked, or resume "
+                     f"with --generation_batches {then}")
 
 
 def planned_models(args):
