@@ -20,6 +20,7 @@ from dschat.args import CONDITIONAL_FLAGS
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
+from dschat.rlhf.config import whole_iterations
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, among_inputs, finished_run_id, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, ResumePlan, check_complete, check_convertible,
@@ -292,7 +293,7 @@ def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, wher
                          f"{saved_ranks} rank(s) ({consumed} prompts), is not a whole number of this run's batches of "
                          f"{batch} on {ranks}", saved_batch * saved_ranks)
     converted = {"batch": consumed // (batch * ranks)}
-    usable = len(train_loader) // args.generation_batches * args.generation_batches
+    _, usable = whole_iterations(len(train_loader), args.generation_batches)
     said = [f"the prompt position: epoch {epoch + 1} was done, training goes on from the next"
             if converted["batch"] >= usable else
             f"the prompt position: the first {consumed} of epoch {epoch + 1}'s {prompts} prompts (in its order) were "
@@ -322,7 +323,7 @@ def check_iteration_count(state, saved_ranks, batches, args, where):
     never reached their end; more: the run stopped before the epoch's last prompts), and so did, on another number of
     ranks, epochs of another number of whole iterations (DistributedSampler pads the prompts to a multiple of the
     ranks). A UsageError naming what to give."""
-    per_epoch = batches // args.generation_batches
+    per_epoch, usable = whole_iterations(batches, args.generation_batches)
     epoch, batch = state["epoch"], state["batch"]
     here = _iteration_at(epoch, batch, batches, args.generation_batches)
     if here == state["iteration"]:
@@ -347,7 +348,7 @@ def check_iteration_count(state, saved_ranks, batches, args, where):
         why = (f"an epoch of its {saved_ranks} rank(s) made another number of whole iterations than one of this run's "
                f"{ranks} ({per_epoch}; DistributedSampler pads an epoch's prompts to a multiple of the ranks)")
         advice = f"resume on {saved_ranks} rank(s)"
-    place = f"epoch {epoch + 1}'s generation batch {batch}" if batch < per_epoch * args.generation_batches else \
+    place = f"epoch {epoch + 1}'s generation batch {batch}" if batch < usable else \
         f"the end of epoch {epoch + 1}"
     raise UsageError(f"--resume: {where} is at iteration {state['iteration']}, and its place in the prompts ({place} "
                      f"on each rank) is {'within an iteration' if here != int(here) else f'iteration {int(here)}'} "
@@ -358,8 +359,8 @@ def check_iteration_count(state, saved_ranks, batches, args, where):
 def _iteration_at(epoch, batch, batches, generation_batches):
     """The iteration count at generation batch ``batch`` of epoch ``epoch`` (``batches`` of them an epoch) of a run
     whose iterations take ``generation_batches``: a fraction within an iteration."""
-    per_epoch = batches // generation_batches
-    if batch >= per_epoch * generation_batches:  # (the epoch was done)
+    per_epoch, usable = whole_iterations(batches, generation_batches)
+    if batch >= usable:  # (the epoch was done)
         return (epoch + 1) * per_epoch
     return epoch * per_epoch + batch / generation_batches
 

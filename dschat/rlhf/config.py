@@ -159,6 +159,13 @@ def untrained_reward_model_message(path):
             "(--reward_model_name_or_path, else --critic_model_name_or_path)")
 
 
+def whole_iterations(batches, generation_batches):
+    """(PPO iterations, the generation batches they take) of an epoch of ``batches`` generation batches, each iteration
+    taking ``generation_batches`` (--generation_batches): the batches of no whole iteration are not trained on."""
+    iterations = batches // generation_batches
+    return iterations, iterations * generation_batches
+
+
 def micro_batches_per_epoch(args):
     """PPO micro-batches of one PPO epoch over a rollout: each generation batch is sliced on its own."""
     rows = args.per_device_generation_batch_size * args.n_samples_per_prompt

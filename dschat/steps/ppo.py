@@ -14,7 +14,8 @@ from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import TORCH_DTYPES, load_tokenizer
 from dschat.report import ALGORITHM_NAMES
 from dschat.rlhf.checkpointing import load_checkpoint, plan_resume, save_checkpoint
-from dschat.rlhf.config import check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args
+from dschat.rlhf.config import (check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args,
+                                whole_iterations)
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
 from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
@@ -162,8 +163,7 @@ def plan_iterations(args, train_loader):
     """The run's ``Schedule``; the prompts of no whole iteration, --max_steps past the epochs and a --test_stop_step
     without test mode are said."""
     check_prompts_make_an_iteration(len(train_loader.dataset), args, get_world_size())
-    iters_per_epoch = len(train_loader) // args.generation_batches
-    usable_batches = iters_per_epoch * args.generation_batches
+    iters_per_epoch, usable_batches = whole_iterations(len(train_loader), args.generation_batches)
     # the prompts of no whole iteration (batches of the last one, and those short of a batch): said, not generated
     prompts, used = len(train_loader.dataset), usable_batches * args.per_device_generation_batch_size * get_world_size()
     if used < prompts:
