@@ -156,15 +156,17 @@ def test_max_new_tokens_past_a_learned_position_table_is_a_clear_error_and_paddi
     """An explicit max_new_tokens past GPT-2's or OPT's learned position table failed with an IndexError from inside
     the model (a device-side assert on CUDA); so did GPT-J's past its precomputed rotary table (a buffer of
     n_positions rows). The last new token is never fed back, so HF generates one past the table; and positions count
-    a row's tokens, so a left-padded batch may reach the table's end: the engine does as HF."""
+    a row's tokens, so a left-padded batch may reach the table's end: the engine does as HF. GPT-J's table is said to be
+    precomputed (it was called learned)."""
     config = hybrid_common.tiny_config(family)
     config.max_position_embeddings = 24  # (GPT-2: n_positions)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(_device())
     engine = _engine(model)
     ids, mask = left_padded_batch([10, 14], seed=1)
-    with pytest.raises(ValueError, match=r"a prompt of 14 tokens \+ max_new_tokens=12 is past the model's table of "
-                                         r"24 learned positions: lower max_new_tokens to at most 11"):
+    table = "precomputed" if family == "gptj" else "learned"
+    with pytest.raises(ValueError, match=rf"a prompt of 14 tokens \+ max_new_tokens=12 is past the model's table of "
+                                         rf"24 {table} positions: lower max_new_tokens to at most 11"):
         engine.generate(ids, attention_mask=mask, max_new_tokens=12)
     engine.eval()
     assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=11), hf_generate(model, ids, mask, 11))
@@ -176,7 +178,7 @@ def test_step_flags_past_gpt_js_rotary_position_table_are_a_flag_error_not_a_war
     """Step 3 with a GPT-J actor and --max_prompt_seq_len + --max_answer_seq_len past its n_positions printed a warning
     ('past the 32 positions the model was configured for') and then failed with 'IndexError: index 32 is out of bounds
     for dimension 0 with size 32' from the rotary table (a device-side assert on CUDA); it is a flag error now, as for
-    GPT-2's learned table."""
+    GPT-2's learned table (the table is said to be precomputed: it was called learned)."""
     from dschat.models.loading import check_sequence_fits
 
     config = hybrid_common.tiny_config("gptj")
@@ -184,7 +186,7 @@ def test_step_flags_past_gpt_js_rotary_position_table_are_a_flag_error_not_a_war
     with torch.device("meta"):  # as step 3's early checks build the actor (model_skeleton)
         model = AutoModelForCausalLM.from_config(config)
     check_sequence_fits(model, 32, "--max_prompt_seq_len + --max_answer_seq_len")
-    with pytest.raises(UsageError, match=r"= 33 tokens, but the model has a table of 32 learned positions"):
+    with pytest.raises(UsageError, match=r"= 33 tokens, but the model has a table of 32 precomputed positions"):
         check_sequence_fits(model, 33, "--max_prompt_seq_len + --max_answer_seq_len")
 
 

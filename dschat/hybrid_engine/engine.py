@@ -26,7 +26,7 @@ from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_sam
                                                   ranks_agree, shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.lora import unwrap_peft
-from dschat.models.positions import has_learned_positions, position_limit
+from dschat.models.positions import position_limit, position_table
 
 def _synchronize():
     from deepspeed.accelerator import get_accelerator
@@ -436,17 +436,21 @@ class HybridEngine:
         return limit if isinstance(limit, int) else None
 
     def _check_positions(self, attention_mask, max_new_tokens):
-        """The positions a generation feeds the model within a learned position table (GPT-2's, OPT's): past it, HF's
-        generate fails with an IndexError (a device-side assert on CUDA) from inside the model. The last new token is
-        never fed back, so HF generates up to one token past the table, as this allows."""
+        """The positions a generation feeds the model within a position table (GPT-2's and OPT's learned one, GPT-J's
+        precomputed rotary one, ``position_table``): past it, HF's generate fails with an IndexError (a device-side
+        assert on CUDA) from inside the model. The last new token is never fed back, so HF generates up to one token
+        past the table, as this allows."""
         model = unwrap_peft(self.inference_weights.model)
         limit = position_limit(model)
-        if limit is None or attention_mask.shape[1] + max_new_tokens - 1 <= limit or not has_learned_positions(model):
+        if limit is None or attention_mask.shape[1] + max_new_tokens - 1 <= limit:
+            return
+        table = position_table(model)
+        if table is None:
             return
         longest = int(attention_mask.sum(-1).max())  # (positions count a row's tokens: left padding takes none)
         if longest + max_new_tokens - 1 > limit:
             raise ValueError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} is past the model's "
-                             f"table of {limit} learned positions: lower max_new_tokens to at most "
+                             f"table of {limit} {table} positions: lower max_new_tokens to at most "
                              f"{max(limit + 1 - longest, 0)}, or shorten the prompt")
 
     def _check_fits(self, prompt_len, max_new_tokens):

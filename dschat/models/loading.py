@@ -635,15 +635,16 @@ def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, 
 
 def check_sequence_fits(model, length, flags, warn=True):
     """A clear error when sequences of ``length`` tokens (``flags`` name where it comes from) are longer than the
-    model's learned position table; a warning for other position schemes (unless not ``warn``)."""
-    from dschat.models.positions import has_learned_positions, position_limit
+    model's position table (learned or precomputed); a warning for other position schemes (unless not ``warn``)."""
+    from dschat.models.positions import position_limit, position_table
     from dschat.utils.dist import print_rank_0
 
     limit = position_limit(model)
     if limit is None or length <= limit:
         return
-    if has_learned_positions(model):
-        raise UsageError(f"{flags} = {length} tokens, but the model has a table of {limit} learned positions: "
+    table = position_table(model)
+    if table is not None:
+        raise UsageError(f"{flags} = {length} tokens, but the model has a table of {limit} {table} positions: "
                          f"make it at most {limit}")
     if warn:
         print_rank_0(f"warning: {flags} = {length} tokens is past the {limit} positions the model was configured for")

@@ -38,10 +38,15 @@ def _rope_settings(config):
     return nested + [rope]
 
 
-def has_learned_positions(model):
-    """Whether ``model`` looks positions up in a table (which has no row past ``position_limit``): a learned one, or
-    one precomputed into a buffer of the same name (GPT-J's and CodeGen's sinusoidal ``rotary_emb.embed_positions``, a
-    row per position up to ``n_positions``: past it, an IndexError too)."""
-    return any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES
-               for name, module in model.named_modules()) or \
-        any(name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES for name, _ in model.named_buffers())
+def position_table(model):
+    """What ``model`` looks positions up in, a table with no row past ``position_limit`` (past it, an IndexError): "a
+    table of N learned positions" (an embedding, ``LEARNED_POSITION_TABLES``), "a table of N precomputed positions" (a
+    buffer of such a name: GPT-J's and CodeGen's sinusoidal ``rotary_emb.embed_positions``, a row per position up to
+    ``n_positions``) or None (positions computed as needed, rotary or ALiBi: past the limit they only drift). Returns
+    "learned", "precomputed" or None, for those messages."""
+    if any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES
+           for name, module in model.named_modules()):
+        return "learned"
+    if any(name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES for name, _ in model.named_buffers()):
+        return "precomputed"
+    return None
