@@ -866,7 +866,7 @@ def test_a_csvs_records_are_compared_with_its_header_only_where_they_could_repea
     monkeypatch.setattr(local, "_column_name", lambda cell: calls.append(cell) or name(cell))
     path = tmp_path / "big.csv"
     path.write_text("prompt,chosen,rejected\n" + "".join(f"Q{i}?,A{i}.,B{i}.\n" for i in range(100)))
-    assert local.csv_record_lines(str(path)) == list(range(2, 102))
+    assert local.csv_record_lines(str(path))[1] == list(range(2, 102))
     assert len(calls) <= 2 * 100 + 10  # (the first cell of each and its header name; it was 6 a record)
     path.write_text("prompt,chosen,rejected\nQ?,A.,B.\n prompt , chosen,rejected\n")
     with pytest.raises(DatasetFormatError, match=rf"{path} line 3: the row repeats the header"):

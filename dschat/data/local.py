@@ -452,21 +452,21 @@ def _is_json_lines(text):
 
 def load_file(kind, path):
     """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder."""
-    record_lines = None
+    record_lines = header = None
     if kind == "jsonl":
         record_lines = check_jsonl_lines(path)
     elif kind == "json":
         record_lines = check_json_document(path)
     elif kind == "csv":
-        check_csv_header(path)
-        record_lines = csv_record_lines(path)
+        header, record_lines = csv_record_lines(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
-    if record_lines == [] or _table_rows(kind, path) == 0:  # datasets would fail with its own wording
+    # (datasets would fail with its own wording; a CSV's rows are counted where the csv module could not read it)
+    if record_lines == [] or (record_lines is None and _table_rows(kind, path) == 0):
         what = {"csv": "it has a header but no rows", "parquet": "it has no rows"}.get(kind, "the file is empty") \
             if os.path.getsize(path) else "the file is empty"
         raise DatasetFormatError(f"{path}: no records ({what})")
     try:
-        options = _csv_options(path) if kind == "csv" else \
+        options = _csv_options(path, header) if kind == "csv" else \
             {"encoding": text_encoding(path)} if builder == "json" else {}
         data = load_content_keyed(builder, path, **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
@@ -501,16 +501,9 @@ def load_content_keyed(builder, path, **options):
 CSV_SPACING = {"skipinitialspace": True}
 
 
-def check_csv_header(path):
-    """A CSV header that names a column twice is an error: pandas reads the second as "NAME.1", an extra column, and
-    that column's text would silently go unread."""
-    import csv
-
-    try:
-        with open(path, newline="", encoding=text_encoding(path)) as f:
-            header = next((row for row in csv.reader(f, **CSV_SPACING) if row), [])
-    except (UnicodeDecodeError, csv.Error):
-        return  # (the loader says why it cannot read the file)
+def check_csv_header(path, header):
+    """A CSV header (``header``: its cells) that names a column twice is an error: pandas reads the second as
+    "NAME.1", an extra column, and that column's text would silently go unread."""
     check_separated_by_commas(path, header)
     seen = {}
     for number, name in enumerate(map(_column_name, header), 1):
@@ -530,10 +523,11 @@ def check_separated_by_commas(path, header):
 
 
 def csv_record_lines(path):
-    """The lines (1-based) where a CSV file's records start, as pandas reads them: after the header, a quoted cell may
-    span lines, blank lines are skipped. None if the csv module cannot read it (the loader says why). A row that
-    repeats the header, or a record with more cells than it, is an error (``check_not_a_header``,
-    ``check_no_extra_cells``)."""
+    """(the header's cells, the lines (1-based) where its records start) of a CSV file, read once, as pandas reads
+    them: after the header, a quoted cell may span lines, blank lines are skipped. The header is checked as soon as it
+    is read (``check_csv_header``); a row that repeats it, or a record with more cells than it, is an error
+    (``check_not_a_header``, ``check_no_extra_cells``). The lines are None, and the header where it was not reached,
+    if the csv module cannot read the file (the loader says why)."""
     import csv
 
     starts, start, header = [], 1, None
@@ -543,14 +537,16 @@ def csv_record_lines(path):
             for row in reader:
                 if row:
                     starts.append(start)
-                    header = header or row
-                    if len(starts) > 1:
+                    if header is None:
+                        header = row
+                        check_csv_header(path, header)
+                    else:
                         check_not_a_header(path, start, row, header)
                         check_no_extra_cells(path, start, row, header)
                 start = reader.line_num + 1
     except (UnicodeDecodeError, csv.Error):
-        return None
-    return starts[1:]
+        return header, None
+    return header, starts[1:]
 
 
 def check_not_a_header(path, line, row, header):
@@ -593,13 +589,17 @@ def _table_rows(kind, path):
     return None
 
 
-def _csv_options(path):
+def _csv_options(path, header):
     """load_dataset's options for a CSV file: its cells are text, only an empty cell is missing (pandas would also read
-    "NA", "None", "nan", ... as null), its columns are named as ``_column_name`` reads the header, and the spaces after
-    a comma are not the next cell's (``CSV_SPACING``)."""
+    "NA", "None", "nan", ... as null), its columns are named as ``_column_name`` reads the header (``header``: its
+    cells as ``csv_record_lines`` read them; None where the csv module could not, and pandas reads it), and the spaces
+    after a comma are not the next cell's (``CSV_SPACING``)."""
     import pandas as pd
 
-    names = [_column_name(column) for column in pd.read_csv(path, nrows=0, **CSV_SPACING).columns]
+    if header is None:
+        header = pd.read_csv(path, nrows=0, **CSV_SPACING).columns
+    # (an empty header cell: named as pandas names it)
+    names = [_column_name(cell) or f"Unnamed: {number}" for number, cell in enumerate(header)]
     # (usecols: a later line's empty cells after the last column, a comma ending it, are left out as the first
     # line's are; csv_record_lines refused non-empty ones)
     return {"features": _csv_text_features(names), "keep_default_na": False, "na_values": [""], "names": names,
