@@ -420,6 +420,20 @@ def test_a_value_that_is_no_label_among_a_csvs_1_0_and_0_0_labels_names_its_line
         raw(f"csv:{path},{path}", tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv"])
+@pytest.mark.parametrize("score", [0.7, 2.0])
+def test_a_score_among_a_float_columns_1_0_and_0_0_labels_is_its_records_error_in_any_file(tmp_path, kind, score):
+    """A float label column (as pandas writes one holding a null) with a score among its 1.0/0.0: from CSV its record's
+    error, but from JSON Lines or parquet the column was read as data, and every answer, those labelled 0.0 too, was
+    trained on without a word."""
+    rows = [{"prompt": f"Q{i}?", "completion": f"A{i}", "label": label} for i, label in enumerate([1.0, 0.0, score])]
+    path = write_records(rows, tmp_path / f"kto.{kind}", kind)
+    where = rf"{path} line 4 \(record 2\)" if kind == "csv" else rf"{path} line 3 \(record 2\)" if kind == "jsonl" \
+        else rf"{path} record 2"
+    with pytest.raises(DatasetFormatError, match=rf"{where}: field 'label': '?{score}'? is not a label"):
+        raw(f"{kind}:{path},{path}", tmp_path)
+
+
 def test_unpaired_preference_labels_hold_under_renamed_fields_and_a_bad_one_is_its_records_error(tmp_path):
     """The labels were read only beside a field named "completion", and only where every value was one: renamed
     answers, a "yes"/"no" column or one typo left every undesirable answer to be trained on, without a word."""

@@ -776,7 +776,7 @@ class LocalDataset(PromptRawDataset):
     def _label_column(self, train):
         """The column of TRL's unpaired preference labels (KTO's prompt/completion/label records), else None: the one
         ``--data_fields label=NAME`` names, or a "label" column that reads as labels (every value one, or any a
-        true/false or a CSV's 1.0/0.0: a typo among them is then its record's error) beside TRL's completion or a renamed chosen, with no
+        true/false or a float column's 1.0/0.0: a typo among them is then its record's error) beside TRL's completion or a renamed chosen, with no
         rejected; a category column beside a plain chosen stays data. A renamed label a file lacks is an error only
         where its columns hold true/false (an SFT file in the mix has no labels)."""
         name, renamed, columns = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed, train.column_names
@@ -1144,9 +1144,12 @@ def _label_text_value(text):
 
 
 def _says_true_or_false(values):
-    """Whether any value is a bool, the word true/false or the text 1.0/0.0 (a CSV's float column of labels): how
-    KTO's labels are written (0/1 and yes/no are also other things)."""
-    return any(isinstance(v, bool) or (isinstance(v, str) and _spells_true_or_false(v.strip().lower())) for v in values)
+    """Whether any value is a bool, the word true/false, or 1.0/0.0 as a float or its text (a float column of labels,
+    as pandas writes one holding a null, to CSV or JSON): how KTO's labels are written (0/1 and yes/no are also other
+    things). A float column was read as data where a CSV's text was labels: one score among 1.0/0.0 (0.7) left every
+    answer trained from JSON Lines or parquet, and was its record's error from CSV."""
+    return any(isinstance(v, bool) or (isinstance(v, float) and v in (0.0, 1.0))
+               or (isinstance(v, str) and _spells_true_or_false(v.strip().lower())) for v in values)
 
 
 def _spells_true_or_false(text):
