@@ -440,6 +440,14 @@ def test_an_assistant_turn_of_weight_0_is_not_trained(tmp_path, tokenizer, capsy
     assert last_only.skipped == {"no answer to train (the last assistant turn has weight 0)": 1}
     assert "skipped 1 of 2 records: 1 no answer to train (the last assistant turn has weight 0)" in \
         capsys.readouterr().out
+    # the same conversation with another turn of weight 0 trains other turns: no copy (it was counted 'trained again');
+    # without --multiturn only the last turn trains, and the same last turn is a copy
+    every_weight = [dict(m, weight=1) if m["role"] == "assistant" else m for m in CONVERSATION]
+    path = write_jsonl(tmp_path / "weights.jsonl", [{"messages": middle}, {"messages": every_weight}])
+    build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
+    assert "of an earlier record" not in capsys.readouterr().out
+    build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0")
+    assert "1 kept is an exact copy of an earlier record: trained again" in capsys.readouterr().out
     # a weight other than 0 or 1 (or null: 1) is its record's error
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, {"messages": [
         dict(m, weight=0.5) if m["content"] == "Hello, friend." else m for m in CONVERSATION]}])

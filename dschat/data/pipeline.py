@@ -468,8 +468,8 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
 
 
 def count_duplicates(keys, seen, source):
-    """[how many kept records (their ``record_key``s) repeat an earlier one exactly (what the phase reads of them: messages, answers, extra
-    fields), how many of those first came from another source], else None. ``seen`` (record hash -> source number)
+    """[how many kept records (their ``record_key``s) repeat an earlier one exactly (what the phase reads of them:
+    messages, answers, extra fields, the turns it trains), how many of those first came from another source], else None. ``seen`` (record hash -> source number)
     carries over between the sources of a split: the same pair in two --data_path files counts too. Kept, as
     DeepSpeed-Chat and TRL keep them (a repeated record trains twice); said in the data report."""
     again = elsewhere = 0
@@ -483,11 +483,13 @@ def count_duplicates(keys, seen, source):
 
 
 def record_key(example):
-    """A hash of what the phase reads of a record (messages, answers, extra fields): equal for exact copies."""
+    """A hash of what the phase reads of a record (messages, answers, extra fields, the turns it does not train):
+    equal for exact copies. (The same conversation with another assistant turn of weight 0 trains other turns with
+    --multiturn: it was counted as a copy, 'trained again'.)"""
     import hashlib
 
-    text = json.dumps([example.messages, example.chosen, example.rejected, example.extra], sort_keys=True,
-                      ensure_ascii=False, default=str)
+    text = json.dumps([example.messages, example.chosen, example.rejected, example.extra, sorted(example.untrained)],
+                      sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
