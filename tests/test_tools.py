@@ -396,6 +396,29 @@ def test_max_new_tokens_filling_the_context_is_refused_once_before_the_model_loa
             chat.main(["--path", models["policy"], "--max_new_tokens", str(context), *flags])
 
 
+def test_a_multimodal_configs_context_is_its_text_configs(monkeypatch):
+    """A multimodal config (Gemma-3's, which AutoModelForCausalLM loads whole) keeps its positions in its text config:
+    chat.py and prompt_eval read no context from it, so --max_new_tokens filling it was not refused and a long chat
+    forgot no exchange before generating past its positions. The tools' context is ``models.positions``' now, read as
+    ``position_limit`` reads a model's table (which stops at a RoPE scaling's switch too, where the context does not)."""
+    from types import SimpleNamespace as NS
+
+    from transformers import Gemma3Config
+
+    from dschat.errors import UsageError
+    from dschat.models.positions import position_limit
+    from dschat.tools.common import check_room_for_a_prompt, context_limit
+
+    config = Gemma3Config()
+    context = config.get_text_config().max_position_embeddings
+    with pytest.raises(UsageError, match=f"^--max_new_tokens {context}: the model's context is {context} tokens"):
+        check_room_for_a_prompt(config, context)
+    assert context_limit(config) == position_limit(NS(config=config)) == context
+    longrope = NS(max_position_embeddings=131072, rope_scaling={"rope_type": "longrope",
+                                                                "original_max_position_embeddings": 4096})
+    assert (context_limit(longrope), position_limit(NS(config=longrope))) == (131072, 4096)
+
+
 def test_prompt_eval_max_new_tokens_filling_a_models_context_is_refused_before_any_model_loads(models, monkeypatch):
     """prompt_eval --max_new_tokens at a model's context length (or more) was refused only once both models had loaded
     and the first batch was encoded."""

@@ -5,20 +5,28 @@ import torch
 # them fails (an IndexError, a CUDA device-side assert), where rotary or ALiBi positions only drift from what the model
 # learned.
 LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+# Config fields that hold a model's longest sequence, per family (Llama/OPT, GPT-2, others).
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_limit(config):
+    """The longest sequence a model of ``config`` is made for, its context (the first of ``CONTEXT_FIELDS`` it sets;
+    a multimodal config's text config's), else None. ``position_limit`` may be shorter (a RoPE scaling's switch)."""
+    config = _text_config(config)
+    return next((value for value in (getattr(config, name, None) for name in CONTEXT_FIELDS)
+                 if isinstance(value, int) and not isinstance(value, bool) and value > 0), None)
 
 
 def position_limit(*models):
-    """The longest run of positions every model takes as it would a shorter one: at most its position table
-    (``max_position_embeddings``, GPT-2's ``n_positions``) and, with a RoPE scaling that depends on the longest
-    position, the length it switches at (LongRoPE's ``original_max_position_embeddings``; dynamic NTK keeps a
-    stretched table cached up to its table size, so one less). None if no model says."""
+    """The longest run of positions every model takes as it would a shorter one: at most its context
+    (``context_limit``: its position table, ``max_position_embeddings``, GPT-2's ``n_positions``) and, with a RoPE
+    scaling that depends on the longest position, the length it switches at (LongRoPE's
+    ``original_max_position_embeddings``; dynamic NTK keeps a stretched table cached up to its table size, so one
+    less). None if no model says."""
     limits = []
     for model in models:
-        config = getattr(model, "config", None)
-        if hasattr(config, "get_text_config"):  # multimodal configs keep positions in their text config
-            config = config.get_text_config()
-        table = next((getattr(config, name) for name in ("max_position_embeddings", "n_positions")
-                      if isinstance(getattr(config, name, None), int)), None)
+        config = _text_config(getattr(model, "config", None))
+        table = context_limit(config)
         if table is not None:
             limits.append(table)
         for rope in _rope_settings(config):
@@ -27,6 +35,11 @@ def position_limit(*models):
             if "dynamic" in str(rope.get("rope_type") or rope.get("type") or "") and table is not None:
                 limits.append(table - 1)
     return min(limits) if limits else None
+
+
+def _text_config(config):
+    """A multimodal config's text config, where it keeps its positions; else ``config``."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _rope_settings(config):

@@ -8,9 +8,10 @@ import sys
 
 from dschat.data.formatting import HUMAN_PREFIX, uses_chat_template
 from dschat.errors import UsageError
+from dschat.models.positions import context_limit
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
-                                 check_room_for_a_prompt, check_utf8, config_before_loading, context_limit,
-                                 find_policy_path, flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
+                                 check_room_for_a_prompt, check_utf8, config_before_loading, find_policy_path,
+                                 flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers
 from dschat.tools.records import prompt_record
 

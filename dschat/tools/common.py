@@ -10,6 +10,7 @@ from dschat.args import check_sampling_flags, positive_int, seed_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import (check_not_a_file, check_not_a_reward_model, looks_local, missing_folder_message,
                                    not_a_model_folder, unfetchable_hub_name, unknown_tiny_preset)
+from dschat.models.positions import context_limit
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
@@ -118,14 +119,6 @@ def check_reward_model(path):
     if not has_trained_value_head(path):
         raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
-
-
-# Config fields that hold a model's longest sequence, per family (Llama/OPT, GPT-2, others).
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
-def context_limit(config):
-    return next((getattr(config, f) for f in CONTEXT_FIELDS if getattr(config, f, None)), None)
 
 
 def check_room_for_a_prompt(config, max_new_tokens, model="the model"):
