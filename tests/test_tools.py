@@ -399,8 +399,9 @@ def test_max_new_tokens_filling_the_context_is_refused_once_before_the_model_loa
 def test_a_multimodal_configs_context_is_its_text_configs(monkeypatch):
     """A multimodal config (Gemma-3's, which AutoModelForCausalLM loads whole) keeps its positions in its text config:
     chat.py and prompt_eval read no context from it, so --max_new_tokens filling it was not refused and a long chat
-    forgot no exchange before generating past its positions. The tools' context is ``models.positions``' now, read as
-    ``position_limit`` reads a model's table (which stops at a RoPE scaling's switch too, where the context does not)."""
+    forgot no exchange before generating past its positions. The tools' context is ``models.positions``' now, read
+    as ``position_limit`` reads a model's table (which stops at a RoPE scaling's switch too, where the context does
+    not)."""
     from types import SimpleNamespace as NS
 
     from transformers import Gemma3Config

@@ -776,9 +776,9 @@ class LocalDataset(PromptRawDataset):
     def _label_column(self, train):
         """The column of TRL's unpaired preference labels (KTO's prompt/completion/label records), else None: the one
         ``--data_fields label=NAME`` names, or a "label" column that reads as labels (every value one, or any a
-        true/false or a float column's 1.0/0.0: a typo among them is then its record's error) beside TRL's completion or a renamed chosen, with no
-        rejected; a category column beside a plain chosen stays data. A renamed label a file lacks is an error only
-        where its columns hold true/false (an SFT file in the mix has no labels)."""
+        true/false or a float column's 1.0/0.0: a typo among them is then its record's error) beside TRL's completion
+        or a renamed chosen, with no rejected; a category column beside a plain chosen stays data. A renamed label a
+        file lacks is an error only where its columns hold true/false (an SFT file in the mix has no labels)."""
         name, renamed, columns = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed, train.column_names
         if name not in columns:
             if renamed and any(_says_true_or_false(values) for values in train[:100].values()):

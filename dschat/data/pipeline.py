@@ -469,9 +469,10 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
 
 def count_duplicates(keys, seen, source):
     """[how many kept records (their ``record_key``s) repeat an earlier one exactly (what the phase reads of them:
-    messages, answers, extra fields, the turns it trains), how many of those first came from another source], else None. ``seen`` (record hash -> source number)
-    carries over between the sources of a split: the same pair in two --data_path files counts too. Kept, as
-    DeepSpeed-Chat and TRL keep them (a repeated record trains twice); said in the data report."""
+    messages, answers, extra fields, the turns it trains), how many of those first came from another source], else
+    None. ``seen`` (record hash -> source number) carries over between the sources of a split: the same pair in two
+    --data_path files counts too. Kept, as DeepSpeed-Chat and TRL keep them (a repeated record trains twice); said in
+    the data report."""
     again = elsewhere = 0
     for key in keys:
         if key in seen:

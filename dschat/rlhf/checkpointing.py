@@ -198,10 +198,10 @@ def _refuse_unchecked_generation_batches(state, args, where):
     if then is None or then == args.generation_batches:  # (a checkpoint that does not record it: not known)
         return
     raise UsageError(f"--resume: {where} is at iteration {state['iteration']} of iterations of --generation_batches "
-                     f"{then}, this run's take {args.generation_batches}: whether that is this run's iteration count at "
-                     "its place in the prompts depends on the prompts' batches an epoch, which load_checkpoint was not "
-                     "given (train_loader=None); pass train_loader=<the prompts' loader> to have it checked, or resume "
-                     f"with --generation_batches {then}")
+                     f"{then}, this run's take {args.generation_batches}: whether that is this run's iteration count "
+                     "at its place in the prompts depends on the prompts' batches an epoch, which load_checkpoint was "
+                     "not given (train_loader=None); pass train_loader=<the prompts' loader> to have it checked, or "
+                     f"resume with --generation_batches {then}")
 
 
 def planned_models(args):
