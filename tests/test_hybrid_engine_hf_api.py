@@ -356,6 +356,24 @@ def test_gpt_neo_local_attention_generates_as_hf_within_its_window_and_is_refuse
         engine.generate(ids, attention_mask=mask, max_new_tokens=6)
 
 
+def test_mpt_generates_as_hf_within_its_position_bias_and_is_refused_past_it():
+    # MPT adds an ALiBi bias built max_seq_len keys long to its scores: a longer KV cache (prompt columns + new tokens)
+    # failed inside the model with "The size of tensor a (17) must match the size of tensor b (16)"
+    from transformers import MptConfig
+
+    config = MptConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=96, max_seq_len=16, bos_token_id=None,
+                       eos_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval().to(_device())
+    engine = _engine(model)
+    engine.eval()
+    ids, mask = left_padded_batch([7, 3, 5, 1], seed=0)
+    with pytest.raises(ValueError, match=r"a prompt of 7 tokens \(left padding included\) \+ max_new_tokens=10 is "
+                                         r"past the model's position bias of 16 keys"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=9), hf_generate(model, ids, mask, 9))
+
+
 def _bamba_config():  # a Mamba-2 layer and an attention layer
     from transformers import BambaConfig
 

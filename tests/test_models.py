@@ -882,6 +882,10 @@ def test_sequences_longer_than_a_learned_position_table_are_an_error_and_a_warni
     check_sequence_fits(gpt2, limit, "--max_seq_len")
     with pytest.raises(UsageError, match=f"--max_seq_len = {limit + 1} tokens, but the model has a table of {limit}"):
         check_sequence_fits(gpt2, limit + 1, "--max_seq_len")
+    mpt = AutoModelForCausalLM.from_config(tiny_mpt_config(0.0))  # its ALiBi bias: max_seq_len keys, built each forward
+    check_sequence_fits(mpt, 64, "--max_seq_len")
+    with pytest.raises(UsageError, match="--max_seq_len = 65 tokens, but the model has a table of 64 precomputed"):
+        check_sequence_fits(mpt, 65, "--max_seq_len")
     llama = AutoModelForCausalLM.from_config(CONFIGS["llama"]())  # rotary positions: no table to index past
     check_sequence_fits(llama, llama.config.max_position_embeddings + 1, "--max_seq_len")
     assert "past the" in capsys.readouterr().out

@@ -18,6 +18,7 @@ from transformers.cache_utils import StaticLayer
 
 from dschat.errors import UsageError
 from dschat.hybrid_engine.attention import FAILED, call_kernel, triton_runs_on
+from dschat.models.positions import bias_counts_key_slots
 
 
 def _accelerator_empty_cache():
@@ -105,10 +106,13 @@ def recurrent_layers(cache):
 def longest_cache(model_config):
     """The most slots a static cache may have for this model to attend as it does without one, or None (no bound).
     GPT-Neo's local layers cut their window out of a causal table at the cache's length, not at each token's position
-    (transformers: "needs a hybrid cache"): in a cache longer than ``window_size`` a token loses keys of its window."""
+    (transformers: "needs a hybrid cache"): in a cache longer than ``window_size`` a token loses keys of its window.
+    MPT's ALiBi bias is ``max_seq_len`` keys long, and every slot of the cache is a key (``bias_counts_key_slots``)."""
     cfg = model_config.get_text_config(decoder=True)
     if "local" in (getattr(cfg, "attention_layers", None) or ()):
         return cfg.window_size
+    if bias_counts_key_slots(cfg):
+        return cfg.max_seq_len
     return None
 
 

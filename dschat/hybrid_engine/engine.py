@@ -26,7 +26,7 @@ from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_sam
                                                   ranks_agree, shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.lora import unwrap_peft
-from dschat.models.positions import position_limit, position_table
+from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
 
 def _synchronize():
     from deepspeed.accelerator import get_accelerator
@@ -454,20 +454,27 @@ class HybridEngine:
                              f"{max(limit + 1 - longest, 0)}, or shorten the prompt")
 
     def _check_fits(self, prompt_len, max_new_tokens):
-        """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length) and the model's local attention
-        window (``longest_cache``: GPT-Neo's); ranks that generate together learn of a refusal through
-        ``_failing_together``."""
+        """Prompt + new tokens within ``max_out_tokens`` (the KV cache's length) and the most slots the model's cache
+        may have (``longest_cache``: GPT-Neo's local attention window, MPT's position bias); ranks that generate
+        together learn of a refusal through ``_failing_together``."""
         limit = self.hybrid_config.max_out_tokens
         if prompt_len + max_new_tokens > limit:
             raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"hybrid_engine.max_out_tokens={limit} (prompt + answer)")
-        if self.longest_cache is not None and prompt_len + max_new_tokens > self.longest_cache:
-            raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} is longer than the "
-                             f"model's local attention window ({self.longest_cache} tokens), which its layers cut "
-                             "from the KV cache's length: the hybrid engine's static cache would give other tokens "
-                             "than HF's generate. Generate at most that many tokens (prompt + answer), or run step 3 "
-                             "without the hybrid engine (--no-enable_hybrid_engine: actor generation then uses HF "
-                             "generate).")
+        if self.longest_cache is None or prompt_len + max_new_tokens <= self.longest_cache:
+            return
+        model_config = unwrap_peft(self.inference_weights.model).config
+        if bias_counts_key_slots(model_config):
+            raise ValueError(f"a prompt of {prompt_len} tokens (left padding included) + max_new_tokens="
+                             f"{max_new_tokens} is past the model's position bias of {self.longest_cache} keys "
+                             "(max_seq_len), which spans every slot of the KV cache: generate at most that many "
+                             "tokens (prompt + answer)")
+        raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} is longer than the "
+                         f"model's local attention window ({self.longest_cache} tokens), which its layers cut "
+                         "from the KV cache's length: the hybrid engine's static cache would give other tokens "
+                         "than HF's generate. Generate at most that many tokens (prompt + answer), or run step 3 "
+                         "without the hybrid engine (--no-enable_hybrid_engine: actor generation then uses HF "
+                         "generate).")
 
     # -- stats ------------------------------------------------------------------------------------------------------
     def latency_stats(self, iteration=None):

@@ -5,8 +5,8 @@ import torch
 # them fails (an IndexError, a CUDA device-side assert), where rotary or ALiBi positions only drift from what the model
 # learned.
 LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
-# Config fields that hold a model's longest sequence, per family (Llama/OPT, GPT-2, others).
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+# Config fields that hold a model's longest sequence, per family (Llama/OPT, GPT-2, others; MPT's max_seq_len).
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len")
 
 
 def context_limit(config):
@@ -60,6 +60,16 @@ def position_table(model):
     if any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES
            for name, module in model.named_modules()):
         return "learned"
-    if any(name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES for name, _ in model.named_buffers()):
+    if any(name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES for name, _ in model.named_buffers()) or \
+            bias_counts_key_slots(getattr(model, "config", None)):
         return "precomputed"
     return None
+
+
+def bias_counts_key_slots(config):
+    """Whether a model of ``config`` adds a position bias built ``context_limit`` keys long to its attention scores
+    (MPT's ALiBi, made at every forward from ``max_seq_len``): more keys than that fail inside the model with a size
+    mismatch, and every key slot counts, left padding and a static KV cache's unfilled slots included."""
+    config = _text_config(config)
+    return bool(getattr(getattr(config, "attn_config", None), "alibi", False)) and \
+        isinstance(getattr(config, "max_seq_len", None), int)
