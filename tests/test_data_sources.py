@@ -357,6 +357,25 @@ def test_trl_string_pairs_whose_first_words_merely_begin_alike_share_no_prompt(t
                     ([{"role": "user", "content": "Q: 空は"}], "青い", "赤い")]
 
 
+def test_trl_string_pairs_where_one_is_the_others_beginning_keep_an_answer_on_both_sides(tmp_path):
+    # "The sky is blue." and "The sky is blue. Really." were read with the prompt "The sky is blue." and an empty chosen
+    # answer, trained as DPO's preferred answer (a chosen field "" is an error); the shorter one's last word is its answer
+    rows = [{"chosen": "The sky is blue.", "rejected": "The sky is blue. Really."},
+            {"chosen": "The sky is blue. Really!", "rejected": "The sky is blue."},
+            {"chosen": "2+2=4", "rejected": "2+2=45"}, {"chosen": "天空是蓝色的", "rejected": "天空是蓝色的吗"}]
+    path = write_records(rows, tmp_path / "implicit.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    read = [(adapter.get_conversation(sample)[0]["content"], adapter.get_chosen_text(sample),
+             adapter.get_rejected_text(sample)) for sample in adapter.get_train_data()]
+    assert read == [("The sky is", "blue.", "blue. Really."), ("The sky is", "blue. Really!", "blue."),
+                    ("2+2=", "4", "45"), ("天空是蓝色", "的", "的吗")]
+    alone = write_records([{"chosen": "Blue.", "rejected": "Blue. Really."}], tmp_path / "alone.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"field 'chosen': a string without 'Human:'/'Assistant:' turns that "
+                                                 r"shares no beginning with 'rejected'"):
+        adapter = raw(f"{alone},{alone}", tmp_path)
+        adapter.get_conversation(adapter.get_train_data()[0])
+
+
 def test_trl_prompt_completion_records_read_the_completion_as_the_answer(tmp_path):
     """TRL's SFT format: it was "has prompts but no answers", usable in step 3 only."""
     user = {"role": "user", "content": "Name a color."}

@@ -1219,6 +1219,8 @@ _UNSPACED_SCRIPTS = ("\u0e00-\u0eff\u0f00-\u0fff\u1000-\u109f\u1780-\u17ff\u3040
                      "\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003ffff")
 # the end of a shared beginning that is the start of a word of a spaced script: it stays with the answers
 _SPACED_WORD_TAIL = re.compile(rf"[^\W{_UNSPACED_SCRIPTS}]+\Z")
+# the last word of a text (a character of an unspaced script), with the spaces after it
+_LAST_WORD = re.compile(rf"(?:[{_UNSPACED_SCRIPTS}]|[^\s{_UNSPACED_SCRIPTS}]+)\s*\Z")
 
 
 def _split_at_shared_prompt(sample, field, chosen_field, rejected_field):
@@ -1227,9 +1229,13 @@ def _split_at_shared_prompt(sample, field, chosen_field, rejected_field):
     they part in, "bl" of "blue" and "black", stays with the answers; "2+2=4" and "2+2=5" part after "2+2=", as TRL
     cuts them), the answer the rest. Text without word boundaries ("天空是蓝色的") is cut where the two part, as TRL
     cuts every pair: each of its characters is a word). Words of a spaced script that merely begin alike ("Blue."
-    and "Black.", "Sure, ..." and "Sorry, ...") share no prompt: "Bl" or "S" is no prompt."""
+    and "Black.", "Sure, ..." and "Sorry, ...") share no prompt: "Bl" or "S" is no prompt. Where one is the other's
+    beginning ("The sky is blue." and "The sky is blue. Really."), the shorter one's last word is its answer (an empty
+    answer is no answer, as an empty field is none)."""
     chosen, rejected = required_text(sample, chosen_field), required_text(sample, rejected_field)
     shared = _SPACED_WORD_TAIL.sub("", os.path.commonprefix([chosen, rejected]))
+    if not (chosen[len(shared):].strip() and rejected[len(shared):].strip()):
+        shared = _LAST_WORD.sub("", shared)  # one is the other's beginning: its last word is its answer, not nothing
     if not shared.strip():
         other = rejected_field if field == chosen_field else chosen_field
         raise RecordError(field, f"a string without 'Human:'/'Assistant:' turns that shares no beginning with "
