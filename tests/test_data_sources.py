@@ -69,6 +69,38 @@ def test_bare_path_and_folder_forms(tmp_path, kind):
     assert len(single.get_train_data()) + len(single.get_eval_data()) == 15
 
 
+def test_a_hub_datasets_downloaded_folder_reads_its_split_files(tmp_path):
+    # `hf download --repo-type dataset NAME --local-dir FOLDER` writes FOLDER/data/train-00000-of-00001.parquet (what
+    # load_dataset(FOLDER) reads, as TRL's users do): it was 'cannot tell what the folder holds', and parquet:FOLDER
+    # 'the folder has no train.parquet'
+    folder = tmp_path / "hub"
+    (folder / "data").mkdir(parents=True)
+    write_records(RECORDS[:15], folder / "data" / "train-00000-of-00001.parquet", "parquet")
+    write_records(RECORDS[15:], folder / "data" / "test-00000-of-00001.parquet", "parquet")
+    (folder / "README.md").write_text("---\ndataset_info: ...\n---\n")
+    for spec in (str(folder), f"parquet:{folder}"):
+        adapter = raw(spec, tmp_path)
+        assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+        assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+    with pytest.raises(UsageError, match=r"the folder's train data is .*train-00000-of-00001.parquet, not jsonl"):
+        raw(f"jsonl:{folder}", tmp_path)
+    # a split in shards, or splits of other names (train_prefs), say what to give
+    write_records(RECORDS[:5], folder / "data" / "train-00000-of-00002.parquet", "parquet")
+    write_records(RECORDS[5:15], folder / "data" / "train-00001-of-00002.parquet", "parquet")
+    (folder / "data" / "train-00000-of-00001.parquet").unlink()
+    with pytest.raises(UsageError, match=r"holds the train split in 2 files .* and dschat reads one file per split: "
+                                         r"save the dataset as one .*save_to_disk"):
+        raw(str(folder), tmp_path)
+    prefs = tmp_path / "prefs"
+    (prefs / "data").mkdir(parents=True)
+    for split in ("train_prefs", "test_prefs"):
+        write_records(RECORDS, prefs / "data" / f"{split}-00000-of-00001.parquet", "parquet")
+    with pytest.raises(UsageError, match=r"splits test_prefs, train_prefs, none of them train: give the files to read "
+                                         r"as TYPE:TRAIN_PATH,EVAL_PATH \(e.g. parquet:.*train_prefs-00000-of-00001"
+                                         r"\.parquet,.*test_prefs"):
+        raw(str(prefs), tmp_path)
+
+
 def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"

@@ -7,7 +7,9 @@ Spec forms (one string per dataset in ``--data_path``)::
     TYPE:DIR                                          DIR/train.EXT plus DIR/eval.EXT, test.EXT or validation.EXT
                                                       (its own extension: train.jsonl with eval.json; the first of
                                                       them there, the others said unread; eval.jsonl beside
-                                                      eval.json, an error naming them)
+                                                      eval.json, an error naming them); or, laid out as a
+                                                      hub dataset's download, DIR/data/train-00000-of-00001.EXT
+                                                      with its test file (one file per split)
     disk:PATH                                         a save_to_disk folder: a DatasetDict (train plus
                                                       eval/test/validation) or a single Dataset
     PATH                                              a bare existing path; the extension (.jsonl, .json,
@@ -201,6 +203,9 @@ def _infer_kind(path):
                              f"train data? keep one, or give TYPE:PATH ({kinds[0]}:{path})")
         if kinds:
             return kinds[0]
+        hub_splits = _hub_split_files(path)
+        if hub_splits:  # (the kind of its train files; _folder_source says what else is wrong)
+            return EXTENSION_TYPES[os.path.splitext(hub_splits.get("train", [*hub_splits.values()][0])[0])[1]]
         raise UsageError(f"cannot tell what the folder {path} holds: it is not a save_to_disk folder and has no "
                          "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
     kind = EXTENSION_TYPES.get(os.path.splitext(path)[1].lower())
@@ -232,9 +237,59 @@ def _typed_source(kind, paths_text, spec):
 def _folder_source(kind, folder, spec):
     train = os.path.join(folder, f"train.{kind}")
     if not os.path.isfile(train):
-        return None
+        return _hub_layout_source(kind, folder, spec)
     evaluation, unread = _folder_eval_file(folder, spec)
     eval_kind = evaluation and EXTENSION_TYPES[os.path.splitext(evaluation)[1]]
+    return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None, unread)
+
+
+# a file of one split as the hub stores a dataset's data (datasets' naming): train-00000-of-00001.parquet
+_HUB_SPLIT_FILE = re.compile(r"(?P<split>.+?)-\d{5}-of-\d{5}(?P<ext>\.[A-Za-z]+)\Z")
+
+
+def _hub_split_files(folder):
+    """{split: [files]} of a folder laid out as a hub dataset's repository (what ``hf download --repo-type dataset
+    NAME --local-dir FOLDER`` writes, and ``load_dataset(FOLDER)`` reads): FOLDER/data/SPLIT-00000-of-00001.EXT, the
+    same beside data/, or FOLDER/data/SPLIT.EXT; only the data file types dschat reads count."""
+    splits = {}
+    for where in (os.path.join(folder, "data"), folder):
+        if not os.path.isdir(where):
+            continue
+        for name in sorted(os.listdir(where)):
+            match = _HUB_SPLIT_FILE.match(name)
+            split, ext = (match["split"], match["ext"]) if match else \
+                os.path.splitext(name) if where != folder else (None, None)
+            if split and ext in EXTENSION_TYPES and os.path.isfile(os.path.join(where, name)):
+                splits.setdefault(split, []).append(os.path.join(where, name))
+    return splits
+
+
+def _hub_layout_source(kind, folder, spec):
+    """A LocalSource of a folder laid out as a hub dataset's repository (``_hub_split_files``): its train file, and its
+    eval, test or validation file (the first there, as ``_folder_eval_file``); None where it holds no such files. A
+    split of several files (shards) is an error saying how to make it one: dschat reads one file per split."""
+    splits = _hub_split_files(folder)
+    if not splits:
+        return None
+    if "train" not in splits:
+        named = sorted(splits, key=lambda name: not name.startswith("train"))[:2]  # (train_prefs before test_prefs)
+        files = ",".join(os.path.relpath(splits[name][0]) for name in named)
+        raise UsageError(f"{spec}: the folder holds a hub dataset's files of the splits {', '.join(splits)}, none of "
+                         f"them train: give the files to read as TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
+    eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
+    for name in ["train", *eval_names[:1]]:
+        if len(splits[name]) > 1:
+            raise UsageError(
+                f"{spec}: the folder holds the {name} split in {len(splits[name])} files ({os.path.basename(splits[name][0])}"
+                f" ... {os.path.basename(splits[name][-1])}), and dschat reads one file per split: save the dataset "
+                f"as one (python -c \"from datasets import load_dataset; load_dataset('{folder}').save_to_disk("
+                f"'{folder.rstrip(os.sep)}_saved')\") and give disk:{folder.rstrip(os.sep)}_saved")
+    train = splits["train"][0]
+    if EXTENSION_TYPES[os.path.splitext(train)[1]] != kind:
+        raise UsageError(f"{spec}: the folder's train data is {os.path.relpath(train)}, not {kind}")
+    evaluation = splits[eval_names[0]][0] if eval_names else None
+    eval_kind = evaluation and EXTENSION_TYPES[os.path.splitext(evaluation)[1]]
+    unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
     return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None, unread)
 
 
