@@ -20,7 +20,8 @@ from launch import REPO, run_deepspeed
 T = torch.tensor
 TRAIN_PY = runpy.run_path(str(REPO / "train.py"))  # the script's functions (its __main__ block does not run)
 METRIC_KEYS = {"eval_loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "chosen_logp",
-               "rejected_logp", "logp_accuracy", "reference_logp_accuracy", "eval_pairs", "train_loss", "steps"}
+               "rejected_logp", "logp_accuracy", "reference_logp_accuracy", "chosen_nll", "eval_pairs", "train_loss",
+               "steps"}
 
 
 # --- the loss, by hand ---
@@ -78,6 +79,22 @@ def test_dpo_step_loss_adds_rpo_alpha_times_chosen_nll(monkeypatch):
     loss, _ = step.loss(None, {"response_mask": mask, "attention_mask": mask})
     dpo_mean = dpo_loss(*logps, beta=0.5)[0].mean()
     assert loss.item() == pytest.approx(dpo_mean.item() + 2.0 * (1.0 + 4.0 + 5.0) / 4 / 3)
+
+
+def test_dpo_eval_reports_the_chosen_nll_that_rpo_alpha_trains_on(monkeypatch):
+    # with --rpo_alpha (train.py's DPO recipe: 1.0) train_loss holds the SFT term and eval_loss does not (6.47 against
+    # 0.68 on a tiny run), and nothing held out measured that term (TRL logs it as nll_loss)
+    step = dpo.DPOStep(step2_dpo_parser().parse_args(["--beta", "0.5", "--rpo_alpha", "2.0"]))
+    logps = iter([(POLICY_CHOSEN[:2], POLICY_REJECTED[:2], REF_CHOSEN[:2], REF_REJECTED[:2]),
+                  (POLICY_CHOSEN[2:], POLICY_REJECTED[2:], REF_CHOSEN[2:], REF_REJECTED[2:])])
+    monkeypatch.setattr(step, "pair_log_probs", lambda engine, batch: next(logps))
+    first = {"response_mask": T([[0, 1, 1, 1], [0, 0, 0, 1], [0, 1, 1, 1], [0, 1, 1, 1]])}  # chosen: 3 and 1 tokens
+    second = {"response_mask": T([[0, 1, 1, 1], [0, 0, 1, 1]])}  # chosen: 3 tokens
+    metrics = step.evaluate(torch.nn.Identity(), [first, second], "cpu", 0)
+    assert metrics["chosen_nll"] == pytest.approx((1.0 + 4.0 + 5.0) / (3 + 1 + 3))  # per held-out token
+    assert metrics["eval_loss"] == pytest.approx(dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED,
+                                                          beta=0.5)[0].mean().item())  # (the DPO loss alone)
+    assert step.evaluate(torch.nn.Identity(), [], "cpu", 0)["chosen_nll"] is None
 
 
 @pytest.mark.parametrize("argv", [["--beta", "0"], ["--label_smoothing", "0.5"], ["--include_prompt_in_loss"],

@@ -80,7 +80,8 @@ def test_dpo_eval_sums_leave_padding_pairs_out(monkeypatch):
     logps = (torch.tensor([-1.0, -9.0]), torch.tensor([-3.0, -1.0]), torch.tensor([-2.0, -2.0]),
              torch.tensor([-2.0, -2.0]))
     monkeypatch.setattr(step, "pair_log_probs", lambda engine, batch: logps)
-    sums = step.batch_sums(None, {"eval_weight": torch.tensor([1.0, 0.0], dtype=torch.float64)})
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 0, 1]])  # (chosen rows first: 2 and 1 answer tokens)
+    sums = step.batch_sums(None, {"eval_weight": torch.tensor([1.0, 0.0], dtype=torch.float64), "response_mask": mask})
     pairs = dict(zip(dpo.EVAL_SUMS, sums.tolist()))
     assert pairs["pairs"] == 1.0 and pairs["reward_accuracy"] == 1.0 and pairs["logp_accuracy"] == 1.0
-    assert pairs["chosen_logp"] == -1.0
+    assert pairs["chosen_logp"] == -1.0 and pairs["chosen_nll"] == 1.0 and pairs["chosen_tokens"] == 2.0
