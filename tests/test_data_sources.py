@@ -101,6 +101,19 @@ def test_a_hub_datasets_downloaded_folder_reads_its_split_files(tmp_path):
         raw(str(prefs), tmp_path)
 
 
+def test_a_compressed_data_file_says_to_decompress_it(tmp_path):
+    # train.jsonl.gz (as Anthropic/hh-rlhf ships its data) was 'cannot tell the format ... write jsonl:FILE', and
+    # jsonl:FILE then 'line 1: not UTF-8 text (byte 0x8b at column 2); save the file as UTF-8'
+    import gzip
+
+    path = tmp_path / "train.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
+    for spec in (str(path), f"jsonl:{path}"):
+        with pytest.raises(DatasetFormatError, match=r"train.jsonl.gz: the file is compressed with gzip, which dschat "
+                                                     r"does not read: decompress it \(gunzip -k .*train.jsonl.gz\)"):
+            raw(spec, tmp_path)
+
+
 def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"

@@ -209,6 +209,9 @@ def _infer_kind(path):
         raise UsageError(f"cannot tell what the folder {path} holds: it is not a save_to_disk folder and has no "
                          "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
     kind = EXTENSION_TYPES.get(os.path.splitext(path)[1].lower())
+    tool = COMPRESSED_EXTENSIONS.get(os.path.splitext(path)[1].lower())
+    if kind is None and tool:  # (not "write jsonl:FILE", which then read it as text that is not UTF-8)
+        raise compressed_error(path, tool)
     if kind is None:
         raise UsageError(f"cannot tell the format of {path} from its extension; write jsonl:{path}, "
                          f"json:{path}, parquet:{path} or csv:{path}")
@@ -505,8 +508,30 @@ def _is_json_lines(text):
     return first == "{" and "\n" in text.strip()
 
 
+# what a compressed file begins with, by its tool: hub datasets ship some data so (Anthropic/hh-rlhf's train.jsonl.gz)
+COMPRESSED_MAGIC = {rb"\x1f\x8b": "gzip", rb"BZh[1-9]1AY&SY": "bzip2", rb"\xfd7zXZ\x00": "xz",
+                    rb"\x28\xb5\x2f\xfd": "zstd", rb"PK\x03\x04": "zip"}
+COMPRESSED_EXTENSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zip": "zip"}
+DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd": "unzstd", "zip": "unzip"}
+
+
+def compressed_error(path, tool):
+    return DatasetFormatError(f"{path}: the file is compressed with {tool}, which dschat does not read: decompress it "
+                              f"({DECOMPRESS[tool]} {path}) and give the file that writes")
+
+
+def check_not_compressed(path):
+    """A compressed data file is an error saying so: read as text it was 'not UTF-8 text ... save the file as UTF-8'."""
+    with open(path, "rb") as f:
+        start = f.read(10)
+    tool = next((tool for magic, tool in COMPRESSED_MAGIC.items() if re.match(magic, start)), None)
+    if tool:
+        raise compressed_error(path, tool)
+
+
 def load_file(kind, path):
     """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder."""
+    check_not_compressed(path)
     record_lines = header = None
     if kind == "jsonl":
         record_lines = check_jsonl_lines(path)
