@@ -35,15 +35,26 @@ def unknown_name(known, what):
     return lambda name: None if name in known else f"no such {what} (of {', '.join(known)})"
 
 
-def batch_error(batch):
-    """A ``list_flag`` check: the item is a positive integer (``dschat.args.positive_int``)."""
-    from dschat.args import positive_int
+def positive_error(what):
+    """A ``list_flag`` check: the item is a positive integer (``dschat.args.positive_int``), ``what`` being e.g.
+    "a batch size"."""
+    def check(item):
+        from dschat.args import positive_int
 
-    try:
-        positive_int(batch)
-    except argparse.ArgumentTypeError as error:
-        return f"a batch size: {error}"
-    return None
+        try:
+            positive_int(item)
+        except argparse.ArgumentTypeError as error:
+            return f"{what}: {error}"
+        return None
+    return check
+
+
+batch_error = positive_error("a batch size")
+
+
+def choice_error(choices, what):
+    """A ``list_flag`` check: the item is one of ``choices`` (strings), ``what`` saying what they are."""
+    return lambda item: None if item in choices else f"{what}: {', '.join(choices[:-1])} or {choices[-1]}"
 
 
 # set in the processes run_in_fresh_processes starts: each runs one row of its parent's flags (a check of the whole

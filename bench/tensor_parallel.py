@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, TORCH_LINEAR, copy_bandwidth, log  # noqa: E402
-from results import require_cuda, write_json  # noqa: E402
+from results import batch_error, choice_error, list_flag, positive_error, require_cuda, write_json  # noqa: E402
 
 
 def per_gpu_floor(inference_model, kv_heads_per_gpu, rows_per_gpu, prompt, gen, bw):
@@ -131,10 +131,13 @@ def main():
 
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-7b", choices=sorted(SHAPES))
-    p.add_argument("--batches", default="64")
-    p.add_argument("--stages", default="0,3")
-    p.add_argument("--tp", default="1,2")
-    p.add_argument("--graph", default="1", help="comma list of 0/1: CUDA graphs off/on")
+    # (checked at parsing: a value that is no number failed on every rank with a traceback once the process group
+    # had started, and --graph 2 ran with CUDA graphs on)
+    p.add_argument("--batches", type=list_flag(batch_error), default="64")
+    p.add_argument("--stages", type=list_flag(choice_error(["0", "1", "2", "3"], "a ZeRO stage")), default="0,3")
+    p.add_argument("--tp", type=list_flag(positive_error("an inference_tp_size")), default="1,2")
+    p.add_argument("--graph", type=list_flag(choice_error(["0", "1"], "CUDA graphs off or on")), default="1",
+                   help="comma list of 0/1: CUDA graphs off/on")
     p.add_argument("--prompt", type=positive_int, default=256)
     p.add_argument("--gen", type=positive_int, default=256)
     p.add_argument("--repeats", type=positive_int, default=3)

@@ -480,3 +480,22 @@ def test_a_gpu_microbenchmarks_unknown_shape_or_batch_is_a_flag_error(argv, said
     """Each failed with a KeyError (or a tensor of no rows) once its GPU work had begun."""
     proc = run_bench(*argv)
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, said", [(["--batches", "16,x"], "'x': a batch size: expected a positive integer"),
+                                        (["--stages", "0,4"], "'4': a ZeRO stage: 0, 1, 2 or 3"),
+                                        (["--tp", "0"], "'0': an inference_tp_size: expected a positive integer"),
+                                        (["--graph", "2"], "'2': CUDA graphs off or on: 0 or 1"),
+                                        (["--graph", "yes"], "'yes': CUDA graphs off or on: 0 or 1")],
+                         ids=["batches", "stages", "tp", "graph", "graph_word"])
+def test_tensor_parallel_refuses_a_batch_stage_tp_or_graph_it_cannot_run_at_parsing(argv, said, monkeypatch, capsys):
+    """Each list was read only once the process group had started: a value that is no number failed on every rank
+    with a traceback (after the CPU ranks' start with --smoke), and --graph 2 ran with CUDA graphs on."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import tensor_parallel
+
+    monkeypatch.setattr(sys, "argv", ["tensor_parallel.py", *argv])
+    with pytest.raises(SystemExit) as ended:
+        tensor_parallel.main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and said in err, err[-2000:]
