@@ -40,12 +40,22 @@ def load_rows(paths, skip=()):
     """{model: {variant: {batch: seconds}}}, later files overriding earlier ones; floors as variant "floor". ``skip``:
     "file name:variant" pairs left out (a row whose meaning a later change of defaults altered)."""
     table = defaultdict(lambda: defaultdict(dict))
+    skipped = set()
     for path in sorted(paths, key=run_order):
         for r in generation_rows(path):
-            if not r.get("ok") or "model" not in r or f"{os.path.basename(path)}:{r['variant']}" in skip:
+            pair = f"{os.path.basename(path)}:{r.get('variant')}"
+            if pair in skip:
+                skipped.add(pair)
+                continue
+            if not r.get("ok") or "model" not in r:
                 continue
             table[r["model"]][variant_key(r)][r["batch"]] = r["seconds"]
             table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
+    # (a pair that left out nothing, e.g. a misspelt variant or a file given with its folder, plotted the row it was
+    # meant to leave out, and said nothing)
+    if unmatched := sorted(set(skip) - skipped):
+        raise SystemExit(f"--skip {','.join(unmatched)}: no row of that variant in a results file of that name (a "
+                         "file's name without its folder, then ':' and a variant of its rows)")
     return table
 
 

@@ -344,6 +344,23 @@ def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_p
     assert load_rows(paths)["opt-1.3b"]["dschat_z0_graph"][64] == 0.8, "session 10 is later than session 9"
 
 
+@pytest.mark.parametrize("pair", ["gen.json:dschat_z0_grpah", "docs/results/gen.json:dschat_z0_graph",
+                                  "gen.jsn:dschat_z0_graph", "gen.json"])
+def test_plot_refuses_a_skip_that_leaves_out_no_row(tmp_path, pair):
+    """A misspelt --skip pair (or a file named with its folder) left out nothing: the row it was meant to leave out was
+    plotted, and nothing was said."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot import load_rows
+
+    path = tmp_path / "gen.json"
+    path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+        {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": variant, "seconds": seconds, "floor_s": 0.45}
+        for variant, seconds in (("dschat_z0_graph", 0.8), ("dschat_z0_graph_compiled", 0.7))]}))
+    assert "dschat_z0_graph" not in load_rows([str(path)], {"gen.json:dschat_z0_graph"})["opt-1.3b"]
+    with pytest.raises(SystemExit, match=f"--skip {pair}: no row of that variant in a results file of that name"):
+        load_rows([str(path)], {pair, "gen.json:dschat_z0_graph_compiled"})
+
+
 def run_bench(script, *argv, **env):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **env}
     return subprocess.run([sys.executable, str(REPO / "bench" / script), *argv], env=env, capture_output=True,
