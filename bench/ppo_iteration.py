@@ -199,7 +199,7 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
 
 
 def main():
-    from dschat.args import positive_int  # (sizes of 0 failed deep inside the model or engine)
+    from dschat.args import non_negative_int, positive_int  # (sizes of 0 failed deep inside the model or engine)
 
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--variants", type=results_io.list_flag(variant_error), default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
@@ -209,7 +209,7 @@ def main():
     p.add_argument("--prompt", type=positive_int, default=256)
     p.add_argument("--gen", type=positive_int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
-    p.add_argument("--left_pad", type=int, default=0,
+    p.add_argument("--left_pad", type=non_negative_int, default=0,
                    help="left-pad every other prompt by this many tokens, as real prompts of different lengths are: "
                         "the forwards see a padding mask from the first iteration (default 0: full-length prompts, "
                         "the first mask comes with the first pad token sampled inside an answer)")
@@ -231,6 +231,9 @@ def main():
     if args.iterations < 2:  # (one ran, then failed with an IndexError: the means leave the warm-up out)
         p.error(f"--iterations {args.iterations}: at least 2 (the first iteration is the warm-up, left out of the "
                 "means)")
+    if args.left_pad >= args.prompt:  # (a negative one, refused above, padded all but the last tokens instead)
+        p.error(f"--left_pad {args.left_pad}: at most --prompt {args.prompt} - 1 (a prompt of pad tokens alone is "
+                "no prompt)")
     if any(not 0 <= i < args.iterations for i in args.profile_iteration):  # (else silently not profiled)
         p.error(f"--profile_iteration {','.join(map(str, args.profile_iteration))}: the iterations are 0-based, "
                 f"0 to {args.iterations - 1} with --iterations {args.iterations}")

@@ -476,6 +476,22 @@ def test_a_size_of_zero_is_a_flag_error_not_a_failure_inside_the_model(argv):
 
 
 @pytest.mark.parametrize("argv, said", [
+    (["--left_pad", "-8"], "argument --left_pad: expected an integer >= 0, got -8"),
+    (["--prompt", "16", "--left_pad", "16"], "--left_pad 16: at most --prompt 16 - 1")], ids=["negative", "whole_prompt"])
+def test_ppo_iteration_refuses_a_left_pad_that_is_not_inside_the_prompts(argv, said, monkeypatch, capsys):
+    """A negative --left_pad padded all but the last tokens of every other prompt (Python's slice from the end), and
+    one of --prompt or more left every other prompt pad tokens alone: each measured another workload than asked."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import ppo_iteration
+
+    monkeypatch.setattr(sys, "argv", ["ppo_iteration.py", "--variants", "z2_hybrid", *argv])
+    with pytest.raises(SystemExit) as ended:
+        ppo_iteration.main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and said in err, err[-2000:]
+
+
+@pytest.mark.parametrize("argv, said", [
     (["ppo_iteration.py", "--smoke", "--variants", "z2_hybrid", "--iterations", "3", "--profile_iteration", "3"],
      "--profile_iteration 3: the iterations are 0-based, 0 to 2"),
     (["ppo_iteration.py", "--smoke", "--variants", "z2_hybrid", "--profile_iteration", "-1"],
