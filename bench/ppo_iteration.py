@@ -56,12 +56,20 @@ VARIANT_OPTIONS = ("compiled", "genlogp", "nockpt", "gcfreeze", "overflowcheck",
                    "torchsample")
 
 
+# the options that set the hybrid engine's generation, which a z<stage>_hf variant (HF's generate) does not use
+HYBRID_OPTIONS = ("compiled", "genlogp", "fuse", "nofuse", "torchsample")
+
+
 def variant_error(name):
     """A ``results.list_flag`` check of --variants: z<stage>_hybrid or z<stage>_hf with options of VARIANT_OPTIONS
     (see above). A misspelled option was left out, and the row labelled with it measured another variant; a name
-    without a stage failed only after the models were built."""
+    without a stage failed only after the models were built; a hybrid engine's option on a _hf variant was ignored,
+    its row z<stage>_hf's under another name."""
     stage, _, options = name.partition("_")
     kind, *extra = options.split("_")
+    if kind == "hf" and (unused := [o for o in extra if o in HYBRID_OPTIONS]):
+        return f"_{'_'.join(unused)} sets the hybrid engine's generation, which a _hf variant (HF's generate) does " \
+            "not use"
     if stage in ("z0", "z1", "z2", "z3") and kind in ("hybrid", "hf") and all(o in VARIANT_OPTIONS for o in extra):
         return None
     return f"a variant is z<stage 0-3>_hybrid or z<stage>_hf, optionally followed by _<option>, of " \

@@ -475,6 +475,19 @@ def test_a_size_of_zero_is_a_flag_error_not_a_failure_inside_the_model(argv):
         proc.stderr[-2000:]
 
 
+def test_ppo_iteration_refuses_a_hybrid_engine_option_on_an_hf_variant(monkeypatch):
+    """z2_hf_genlogp (or _compiled, _fuse, _nofuse, _torchsample) ran z2_hf, HF's generate, which none of them sets:
+    its row was z2_hf's under another name. The options that apply to both kinds stay."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from ppo_iteration import variant_error
+
+    said = "sets the hybrid engine's generation, which a _hf variant (HF's generate) does not use"
+    assert variant_error("z2_hf_genlogp_nockpt") == f"_genlogp {said}"
+    assert variant_error("z3_hf_compiled_torchsample") == f"_compiled_torchsample {said}"
+    assert variant_error("z3_hf_nockpt_padded_z3module_gcfreeze_overflowcheck") is None
+    assert variant_error("z2_hybrid_compiled_genlogp_nofuse_torchsample") is None
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--left_pad", "-8"], "argument --left_pad: expected an integer >= 0, got -8"),
     (["--prompt", "16", "--left_pad", "16"], "--left_pad 16: at most --prompt 16 - 1")], ids=["negative", "whole_prompt"])
