@@ -226,7 +226,7 @@ def variant_error(variant):
 
 
 def main():
-    from dschat.args import positive_int  # (sizes of 0 failed deep inside the model or engine)
+    from dschat.args import non_negative_int, positive_int  # (sizes of 0 failed deep inside the model or engine)
 
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--models", type=results_io.list_flag(results_io.unknown_name(SHAPES, "model shape")),
@@ -237,8 +237,9 @@ def main():
     p.add_argument("--variants", type=results_io.list_flag(variant_error),
                    default="hf_dynamic,hf_static,dschat_z0,dschat_z3")
     p.add_argument("--repeats", type=positive_int, default=2)
-    p.add_argument("--top_k", type=int, default=0, help="sampling filter of every variant (0: none)")
-    p.add_argument("--top_p", type=float, default=1.0, help="sampling filter of every variant (1: none)")
+    p.add_argument("--top_k", type=non_negative_int, default=0, help="sampling filter of every variant (0: none)")
+    p.add_argument("--top_p", type=results_io.top_p_flag, default=1.0,
+                   help="sampling filter of every variant (1: none)")
     p.add_argument("--train_step", action="store_true", help="dschat variants: also time after an optimizer step")
     p.add_argument("--profile", type=int, default=0, help="profile the dschat variants at this batch size")
     p.add_argument("--profile_tokens", type=int, default=33,

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, log  # noqa: E402
-from results import require_cuda, write_json  # noqa: E402
+from results import require_cuda, temperature_flag, write_json  # noqa: E402
 
 
 def build_engine(args):
@@ -67,7 +67,7 @@ def main():
     p.add_argument("--prompt", type=positive_int, default=256)
     p.add_argument("--gen", type=positive_int, default=256)
     p.add_argument("--cuda_graph", action="store_true")
-    p.add_argument("--temperature", type=float, default=1.0,
+    p.add_argument("--temperature", type=temperature_flag, default=1.0,
                    help="sampling temperature; both sides score at it (step 3's scoring_temperature)")
     p.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU: checks the script only")
     args = p.parse_args()

@@ -57,6 +57,33 @@ def choice_error(choices, what):
     return lambda item: None if item in choices else f"{what}: {', '.join(choices[:-1])} or {choices[-1]}"
 
 
+def temperature_flag(text):
+    """An argparse type: a sampling temperature in dschat's bounds (``dschat.args.MIN_TEMPERATURE`` to
+    ``MAX_TEMPERATURE``, what fp32 sampling can scale logits by; step 3 and chat.py check them too): 0, a negative
+    one or nan failed in the hybrid engine's or HF's generate once the model was built, with a traceback."""
+    from dschat.args import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"a sampling temperature is a number from {MIN_TEMPERATURE:g} to "
+                                         f"{MAX_TEMPERATURE:g}, got {text!r}")
+    return value
+
+
+def top_p_flag(text):
+    """An argparse type: a nucleus-sampling top-p in (0, 1] (1: no filtering), which generate takes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a top-p is a number in (0, 1] (1: no nucleus filtering), got {text!r}")
+    return value
+
+
 # set in the processes run_in_fresh_processes starts: each runs one row of its parent's flags (a check of the whole
 # command, e.g. that --profile names one of --batches, is the parent's)
 ROW_PROCESS_ENV = "DSCHAT_BENCH_ROW_PROCESS"

@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
-from results import batch_error, list_flag, require_cuda, unknown_name, write_json  # noqa: E402
+from results import (batch_error, list_flag, require_cuda, temperature_flag, top_p_flag, unknown_name,  # noqa: E402
+                     write_json)
 
 from dschat.hybrid_engine import triton_filters, triton_sampling  # noqa: E402
 from dschat.hybrid_engine.sampling import (choose_tokens, filtered_logits,  # noqa: E402
@@ -173,13 +174,16 @@ def top_k_sweep(args):
 
 
 def main():
+    from dschat.args import non_negative_int, positive_int
+
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--vocabs", type=list_flag(unknown_name(VOCABS, "vocabulary")), default="opt-1.3b,qwen2.5-7b")
     p.add_argument("--batches", type=list_flag(batch_error), default="16,64,128")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top_p", type=float, default=1.0, help="< 1: also time the nucleus-filtered step")
-    p.add_argument("--top_k", type=int, default=0, help="> 0: also time the top-k-filtered step")
-    p.add_argument("--steps", type=int, default=255, help="decode steps a generation samples in (for the seconds)")
+    p.add_argument("--temperature", type=temperature_flag, default=1.0)
+    p.add_argument("--top_p", type=top_p_flag, default=1.0, help="< 1: also time the nucleus-filtered step")
+    p.add_argument("--top_k", type=non_negative_int, default=0, help="> 0: also time the top-k-filtered step")
+    p.add_argument("--steps", type=positive_int, default=255,
+                   help="decode steps a generation samples in (for the seconds)")
     p.add_argument("--sweep", action="store_true", help="time the one-pass kernel's launch settings instead")
     p.add_argument("--cut_sweep", action="store_true", help="time the row cuts' search settings instead (with --top_p)")
     p.add_argument("--top_k_sweep", action="store_true", help="time top-k's cut settings instead (with --top_k)")

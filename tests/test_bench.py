@@ -545,3 +545,27 @@ def test_tensor_parallel_refuses_a_batch_stage_tp_or_graph_it_cannot_run_at_pars
         tensor_parallel.main()
     err = capsys.readouterr().err
     assert ended.value.code == 2 and said in err, err[-2000:]
+
+
+@pytest.mark.parametrize("script, argv, said", [
+    ("logprob_delta", ["--temperature", "0"], "argument --temperature: a sampling temperature is a number from 1e-30"),
+    ("logprob_delta", ["--temperature", "nan"], "a sampling temperature is a number from 1e-30 to 1e+30, got 'nan'"),
+    ("generation", ["--top_p", "1.5"], "argument --top_p: a top-p is a number in (0, 1]"),
+    ("generation", ["--top_k", "-1"], "argument --top_k: expected an integer >= 0, got -1"),
+    ("sampling", ["--temperature", "-1"], "argument --temperature: a sampling temperature is"),
+    ("sampling", ["--top_p", "0"], "argument --top_p: a top-p is a number in (0, 1]"),
+    ("sampling", ["--steps", "0"], "argument --steps: expected a positive integer, got 0")],
+    ids=["logprob_delta_zero", "logprob_delta_nan", "generation_top_p", "generation_top_k", "sampling_temperature",
+         "sampling_top_p", "sampling_steps"])
+def test_a_sampling_setting_generate_refuses_is_a_flag_error(script, argv, said, monkeypatch, capsys):
+    """Each failed in the hybrid engine's or HF's generate once the model was built (with a traceback, in each of
+    generation.py's row processes), or, for sampling.py, in its kernels."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import importlib
+
+    bench = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as ended:
+        bench.main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and said in err, err[-2000:]
