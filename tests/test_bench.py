@@ -569,3 +569,23 @@ def test_a_sampling_setting_generate_refuses_is_a_flag_error(script, argv, said,
         bench.main()
     err = capsys.readouterr().err
     assert ended.value.code == 2 and said in err, err[-2000:]
+
+
+HAND_RUN_CHECKS = ["mixed_precision_lora_gpu", "hybrid_gpu_smoke", "rng_after_graphs", "align_overflow_fp16"]
+
+
+@pytest.mark.parametrize("script", HAND_RUN_CHECKS)
+def test_a_check_script_run_by_hand_prints_its_usage_on_help_and_runs_nothing(script, tmp_path, monkeypatch, capsys):
+    """tests/scripts' checks that docs/benchmarks.md and bench/gpu_verify.sh run by hand read no flags: --help ran the
+    whole check (hybrid_gpu_smoke.py's smoke, align_overflow_fp16.py's engines), and mixed_precision_lora_gpu.py took
+    it for its OUT_DIR, writing its model into a folder named --help before step 3 began."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "scripts"))
+    check = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    with pytest.raises(SystemExit) as ended:
+        check.main()
+    assert ended.value.code == 0 and capsys.readouterr().out.startswith("usage:")
+    assert not list(tmp_path.iterdir())

@@ -9,6 +9,7 @@ then change both.
 Usage: deepspeed --num_gpus N tests/scripts/align_overflow_fp16.py   (or python ... for a world of one; prints
 PASS/FAIL lines, exits non-zero on a FAIL or where the accelerator cannot train in fp16)
 """
+import argparse
 import os
 import re
 import sys
@@ -137,6 +138,10 @@ def run_case(check, stage, case):
 
 
 def main():
+    # no flags but the launcher's; parsed so that --help (or a mistyped flag) does not run the checks
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--local_rank", type=int, default=0, help="(the deepspeed launcher passes it)")
+    p.parse_args()
     from deepspeed.accelerator import get_accelerator
 
     from dschat.utils.dist import ensure_distributed

@@ -4,6 +4,7 @@ Greedy equality with HF ``generate`` for the tiny families in fp32 and bf16, hos
 a device generator, the merged-LoRA inference copy in bf16, and a decode-speed line against HF ``generate``.
 Usage: python tests/scripts/hybrid_gpu_smoke.py   (prints a report; exits non-zero only on fp32 mismatches)
 """
+import argparse
 import sys
 import time
 import warnings
@@ -110,6 +111,11 @@ def speed():
 
 
 def main():
+    # (parsed so that --help, or a mistyped flag, does not run the whole check)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--speed", action="store_true", help="also time the decode against HF generate (a 1.1B-param "
+                                                        "Llama, bf16)")
+    args = p.parse_args()
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, device {DEVICE}")
@@ -119,7 +125,7 @@ def main():
     syncs_per_step()
     sampling()
     lora_bf16()
-    if "--speed" in sys.argv:
+    if args.speed:
         speed()
     sys.exit(1 if failures else 0)
 

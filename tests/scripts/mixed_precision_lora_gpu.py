@@ -13,6 +13,7 @@ Usage: python tests/scripts/mixed_precision_lora_gpu.py OUT_DIR   (exits non-zer
 DeepSpeed 0.19 builds its quantizer for TORCH_CUDA_ARCH_LIST and fails on an entry like 9.0a ("invalid literal for
 int()"); on the device machine, where it did, give TORCH_CUDA_ARCH_LIST=9.0.
 """
+import argparse
 import contextlib
 import io
 import json
@@ -140,7 +141,10 @@ def run_step3(model, out, mixed_precision_lora):
 
 
 def main():
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mixed_precision_lora")
+    # (--help was taken for OUT_DIR: the check wrote its model into a folder named --help, then ran)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", nargs="?", default="/tmp/mixed_precision_lora", help="where the model and step 3 write")
+    out = Path(p.parse_args().out_dir)
     model = build_model(out / "model")
     result = run_step3(model, out, mixed_precision_lora=True)
     print(json.dumps(result, indent=1, default=str))

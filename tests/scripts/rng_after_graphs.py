@@ -3,6 +3,7 @@ sampled (HF ``generate`` samples with ``torch.multinomial`` on it). Each stage p
 
 Usage: python tests/scripts/rng_after_graphs.py   (exits non-zero if a draw fails)
 """
+import argparse
 import gc
 import sys
 from pathlib import Path
@@ -54,6 +55,8 @@ def failed_capture_leaves_draws_working(ids, mask):
 
 
 def main():
+    # no flags; parsed so that --help (or a mistyped flag) does not run the check
+    argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0]).parse_args()
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
 
     results = [draws_ok("before any graph")]
