@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from results import list_flag, require_cuda, unknown_name, write_json  # noqa: E402
+from results import check_filled, list_flag, positive_error, require_cuda, unknown_name, write_json  # noqa: E402
 
 LAYOUTS = {"opt-1.3b": (32, 32, 64), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
 
@@ -152,19 +152,30 @@ def probe_rows(record, q, caches, mask, filled, dim, triton_decode, stages):
            caches=[(x, None) for x in flats])
 
 
+def split_error(item):
+    """A --splits item: "default" (the engine's own count) or a positive count of parts."""
+    return None if item == "default" else positive_error("a count of parts per (row, head), or default")(item)
+
+
 def main():
+    from dschat.args import positive_int
+
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--layouts", type=list_flag(unknown_name(LAYOUTS, "layout")), default="opt-1.3b,qwen2.5-7b")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--cache", type=int, default=512)
-    p.add_argument("--filled", default="384", help="filled slots, comma-separated")
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--cache", type=positive_int, default=512)
+    p.add_argument("--filled", type=list_flag(positive_error("a count of filled slots")), default="384",
+                   help="filled slots, comma-separated")
     p.add_argument("--cold", action="store_true", help="caches from memory, not the L2 (see above)")
-    p.add_argument("--splits", default="", help="e.g. default,2,4,8: sweep parts per (row, head) over the engine's "
-                                                "tile candidates instead of the tile grid")
-    p.add_argument("--stages", default="1,2,3", help="pipeline depths of the tile grid, comma-separated")
+    p.add_argument("--splits", type=list_flag(split_error), default=None,
+                   help="e.g. default,2,4,8: sweep parts per (row, head) over the engine's tile candidates instead of "
+                        "the tile grid")
+    p.add_argument("--stages", type=list_flag(positive_error("a pipeline depth")), default="1,2,3",
+                   help="pipeline depths of the tile grid, comma-separated")
     p.add_argument("--probes", action="store_true", help="lower bounds: no mask, plain reads (see above)")
     p.add_argument("--json", default="decode_attention.json")
     args = p.parse_args()
+    check_filled(p, [int(n) for n in args.filled.split(",")], args.cache)
     require_cuda()
     from dschat.hybrid_engine import triton_decode
 

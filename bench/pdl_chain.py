@@ -40,7 +40,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
-from results import require_cuda, write_json  # noqa: E402
+from results import check_filled, require_cuda, write_json  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM, LAYERS = 2048, 8192, 32, 64, 24  # OPT-1.3B
 EPS = 1e-5
@@ -486,18 +486,23 @@ SWEEP = {
 
 
 def main():
+    from dschat.args import non_negative_int, positive_int
+
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--cache", type=int, default=512)
-    p.add_argument("--filled", type=int, default=384)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--cache", type=positive_int, default=512)
+    p.add_argument("--filled", type=positive_int, default=384)
     p.add_argument("--variants", default="torch_eager,torch_compiled,torch_compiled_pdl,fused,fused_pdl_wait,"
                                          "fused_pdl_early,fused_pdl_early_pf2,fused_pdl_early_pf4,fused_pdl_wait_pf2")
-    p.add_argument("--left_pad", type=int, default=0, help="masked slots before every other row's prompt")
-    p.add_argument("--calls", type=int, default=5)
-    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--left_pad", type=non_negative_int, default=0, help="masked slots before every other row's prompt")
+    p.add_argument("--calls", type=positive_int, default=5)
+    p.add_argument("--replays", type=positive_int, default=20)
     p.add_argument("--json", default="pdl_chain.json")
     p.add_argument("--sweep", action="store_true", help="after the variants: each projection's tiling in turn")
     args = p.parse_args()
+    check_filled(p, [args.filled], args.cache)
+    if args.left_pad >= args.filled:  # (every visible slot of those rows masked: no attention to time)
+        p.error(f"--left_pad {args.left_pad}: at most --filled {args.filled} - 1")
     require_cuda()
     from generation import copy_bandwidth
 

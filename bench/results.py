@@ -57,6 +57,13 @@ def choice_error(choices, what):
     return lambda item: None if item in choices else f"{what}: {', '.join(choices[:-1])} or {choices[-1]}"
 
 
+def check_filled(parser, filled, cache):
+    """--filled (a count of visible cache slots, or several) within --cache: past it the mask and the cache were cut
+    at --cache slots while the row reported the bandwidth of --filled."""
+    if too_many := [n for n in filled if n > cache]:
+        parser.error(f"--filled {','.join(map(str, too_many))}: more than --cache {cache} slots")
+
+
 def temperature_flag(text):
     """An argparse type: a sampling temperature in dschat's bounds (``dschat.args.MIN_TEMPERATURE`` to
     ``MAX_TEMPERATURE``, what fp32 sampling can scale logits by; step 3 and chat.py check them too): 0, a negative

@@ -12,13 +12,16 @@ Prints milliseconds; writes JSON to $OUT when set.
 """
 import argparse
 import contextlib
+import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from results import require_cuda, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dschat, from a plain checkout
+from results import list_flag, positive_error, require_cuda, write_json  # noqa: E402
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION}
@@ -38,11 +41,13 @@ def timed_ms(fn):
 
 
 def main():
+    from dschat.args import positive_int
+
     p = argparse.ArgumentParser(allow_abbrev=False)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--lengths", default="448,480,512")
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--dim", type=positive_int, default=64)
+    p.add_argument("--lengths", type=list_flag(positive_error("a sequence length")), default="448,480,512")
     p.add_argument("--json", default="sdpa_first_call.json")
     args = p.parse_args()
     require_cuda()

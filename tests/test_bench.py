@@ -589,3 +589,29 @@ def test_a_check_script_run_by_hand_prints_its_usage_on_help_and_runs_nothing(sc
         check.main()
     assert ended.value.code == 0 and capsys.readouterr().out.startswith("usage:")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("script, argv, said", [
+    ("decode_attention", ["--filled", "384,600"], "--filled 600: more than --cache 512 slots"),
+    ("decode_attention", ["--filled", "384,x"], "argument --filled: 'x': a count of filled slots: expected a positive"),
+    ("decode_attention", ["--splits", "default,0"], "argument --splits: '0': a count of parts per (row, head)"),
+    ("decode_attention", ["--batch", "0"], "argument --batch: expected a positive integer, got 0"),
+    ("l2_prefetch", ["--cache", "256"], "--filled 384: more than --cache 256 slots"),
+    ("pdl_chain", ["--filled", "16", "--left_pad", "16"], "--left_pad 16: at most --filled 16 - 1"),
+    ("pdl_chain", ["--replays", "0"], "argument --replays: expected a positive integer, got 0"),
+    ("sdpa_first_call", ["--lengths", "448,0"], "argument --lengths: '0': a sequence length: expected a positive")],
+    ids=["decode_attention_filled", "decode_attention_filled_word", "decode_attention_splits", "decode_attention_batch",
+         "l2_prefetch_cache", "pdl_chain_left_pad", "pdl_chain_replays", "sdpa_first_call_lengths"])
+def test_a_gpu_microbenchmarks_size_it_cannot_measure_is_a_flag_error(script, argv, said, monkeypatch, capsys):
+    """Each was read only once the GPU work began: a --filled past --cache cut the mask at --cache slots while the row
+    reported the bandwidth of --filled, a left padding of every filled slot left rows nothing to attend to, a count
+    that is no number or 0 failed with a traceback (or a division by zero in the timing)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import importlib
+
+    bench = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as ended:
+        bench.main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and said in err, err[-2000:]
