@@ -1,4 +1,5 @@
-"""Inference tensor-parallel benchmark: the hybrid engine's generation with ``inference_tp_size`` 1 vs 2 on 2 GPUs.
+"""Inference tensor-parallel benchmark: the hybrid engine's generation with ``inference_tp_size`` 1 vs 2 on 2 GPUs
+(or more: samples/s counts every rank's prompts).
 
 Every rank holds B prompts (a data-parallel PPO job). With tp=1 each GPU generates its own B rows with the whole
 model; with tp=2 both GPUs generate the group's 2B rows together, each with half of every split layer. Per rank and
@@ -116,7 +117,10 @@ def run_variant(args, stage, tp, graph, batch, bw):
            "shape": list(out.shape), "copy_gb": getattr(weights, "nbytes", 0) / 1e9, "weights_kind": weights.kind,
            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else 0.0, "floor_s": floor,
            "graph_disabled": he.graph_decoder.disabled_reason if he.graph_decoder else None}
-    row["samples_per_s_2gpus"] = 2 * batch / row["seconds"]
+    # every rank's B prompts (it counted 2 GPUs: --nproc_per_node 4 or 8, docs/scaling.md's next runs, were halved or
+    # quartered, and one rank doubled)
+    row["world_size"] = dist.get_world_size()
+    row["samples_per_s"] = row["world_size"] * batch / row["seconds"]
     del he, weights, model, out
     torch.nn.functional.linear = TORCH_LINEAR
     gc.collect()
@@ -190,7 +194,7 @@ def main():
             floor = r["floor_s"]
             log(f"{r['batch_per_rank']:>6} {r['stage']:>4} {r['graph']!s:>5} {r['tp']:>3} {r['seconds']:>8.3f} "
                 f"{floor if floor else float('nan'):>9.3f} {r['seconds'] / floor if floor else float('nan'):>7.2f} "
-                f"{r['gather_s'] or 0:>7.3f} {r['copy_gb']:>8.2f} {r['peak_gb']:>8.1f} {r['samples_per_s_2gpus']:>9.1f}")
+                f"{r['gather_s'] or 0:>7.3f} {r['copy_gb']:>8.2f} {r['peak_gb']:>8.1f} {r['samples_per_s']:>9.1f}")
 
 
 if __name__ == "__main__":

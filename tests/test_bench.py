@@ -615,3 +615,17 @@ def test_a_gpu_microbenchmarks_size_it_cannot_measure_is_a_flag_error(script, ar
         bench.main()
     err = capsys.readouterr().err
     assert ended.value.code == 2 and said in err, err[-2000:]
+
+
+def test_tensor_parallel_counts_the_samples_of_every_rank(distributed, monkeypatch):
+    """samples/s was 2 x B / seconds whatever the world: docs/scaling.md's runs on 4 and 8 GPUs would have reported
+    half or a quarter of their rate, and a world of one (--smoke without a launcher) twice its own."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import tensor_parallel
+
+    args = SimpleNamespace(smoke=True, device="cpu", dtype=torch.float32, prompt=8, gen=4, repeats=1)
+    row = tensor_parallel.run_variant(args, stage=0, tp=1, graph=False, batch=2, bw=1e10)
+    assert row["world_size"] == distributed[1] == 1
+    assert row["samples_per_s"] == pytest.approx(2 / row["seconds"])
