@@ -34,7 +34,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from results import check_filled, list_flag, positive_error, require_cuda, unknown_name, write_json  # noqa: E402
+from results import (check_filled, json_name, list_flag, positive_error, require_cuda, unknown_name,  # noqa: E402
+                     write_json)
 
 LAYOUTS = {"opt-1.3b": (32, 32, 64), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
 
@@ -173,7 +174,7 @@ def main():
     p.add_argument("--stages", type=list_flag(positive_error("a pipeline depth")), default="1,2,3",
                    help="pipeline depths of the tile grid, comma-separated")
     p.add_argument("--probes", action="store_true", help="lower bounds: no mask, plain reads (see above)")
-    p.add_argument("--json", default="decode_attention.json")
+    p.add_argument("--json", type=json_name, default="decode_attention.json")
     args = p.parse_args()
     check_filled(p, [int(n) for n in args.filled.split(",")], args.cache)
     require_cuda()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import cold_copies, time_us  # noqa: E402
-from results import batch_error, list_flag, require_cuda, unknown_name, write_json  # noqa: E402
+from results import batch_error, json_name, list_flag, require_cuda, unknown_name, write_json  # noqa: E402
 
 # name: (input features, [(output features of each projection sharing that input)], bias)
 SHAPES = {
@@ -105,7 +105,7 @@ def main():
     p.add_argument("--batches", type=list_flag(batch_error), default="64")
     p.add_argument("--cold", action="store_true", help="weights from memory: cuBLAS against the skinny Triton GEMM")
     p.add_argument("--no_skinny", action="store_true", help="with --cold: cuBLAS only (no Triton tilings to build)")
-    p.add_argument("--json", default="decode_gemm.json")
+    p.add_argument("--json", type=json_name, default="decode_gemm.json")
     args = p.parse_args()
     require_cuda()
     rows = []

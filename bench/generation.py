@@ -254,7 +254,8 @@ def main():
     p.add_argument("--same_process", action="store_true",
                    help="all rows in this process, one after another (default: each row in a fresh process of its "
                         "own, so that nothing one row leaves behind changes the next one's timing)")
-    p.add_argument("--json", default="generation.json", help="file name of the JSON written to $OUT")
+    p.add_argument("--json", type=results_io.json_name, default="generation.json",
+                   help="file name of the JSON written to $OUT")
     args = p.parse_args()
     # (checked here, not in the rows' processes, each of which runs one of the batches)
     if args.profile and not results_io.in_row_process() and args.profile not in map(int, args.batches.split(",")):

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
 from generation import copy_bandwidth  # noqa: E402
-from results import check_filled, require_cuda, write_json  # noqa: E402
+from results import check_filled, json_name, require_cuda, write_json  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM, LAYERS = 2048, 8192, 32, 64, 24  # OPT-1.3B
 LINES_PER_PROGRAM = 1024  # 128-byte lines per prefetch program (128 KB)
@@ -135,7 +135,7 @@ def main():
     p.add_argument("--batch", type=positive_int, default=64)
     p.add_argument("--cache", type=positive_int, default=512)
     p.add_argument("--filled", type=positive_int, default=384)
-    p.add_argument("--json", default="l2_prefetch.json")
+    p.add_argument("--json", type=json_name, default="l2_prefetch.json")
     args = p.parse_args()
     check_filled(p, [args.filled], args.cache)
     require_cuda()

@@ -40,7 +40,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
-from results import check_filled, require_cuda, write_json  # noqa: E402
+from results import check_filled, json_name, require_cuda, write_json  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM, LAYERS = 2048, 8192, 32, 64, 24  # OPT-1.3B
 EPS = 1e-5
@@ -497,7 +497,7 @@ def main():
     p.add_argument("--left_pad", type=non_negative_int, default=0, help="masked slots before every other row's prompt")
     p.add_argument("--calls", type=positive_int, default=5)
     p.add_argument("--replays", type=positive_int, default=20)
-    p.add_argument("--json", default="pdl_chain.json")
+    p.add_argument("--json", type=json_name, default="pdl_chain.json")
     p.add_argument("--sweep", action="store_true", help="after the variants: each projection's tiling in turn")
     args = p.parse_args()
     check_filled(p, [args.filled], args.cache)

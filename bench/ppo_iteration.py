@@ -233,7 +233,8 @@ def main():
                    help="run all variants in this process (default on one GPU: a fresh process each, so that no "
                         "variant inherits another's memory, compiled kernels or first-call costs)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU): checks the script only")
-    p.add_argument("--json", default="ppo_iteration.json", help="file name of the JSON written to $OUT")
+    p.add_argument("--json", type=results_io.json_name, default="ppo_iteration.json",
+                   help="file name of the JSON written to $OUT")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()
     if args.iterations < 2:  # (one ran, then failed with an IndexError: the means leave the warm-up out)

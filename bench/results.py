@@ -100,6 +100,15 @@ def in_row_process():
     return os.environ.get(ROW_PROCESS_ENV) == "1"
 
 
+def json_name(text):
+    """An argparse type for --json: a file name, which ``write_json`` writes under $OUT. A path's folder was joined
+    to $OUT (a folder not there: the run failed writing its first result), and an absolute path replaced $OUT (the
+    file written outside it, where the device tool brings nothing back)."""
+    if not text or os.path.basename(text) != text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r}: a file name, written to $OUT (no folder)")
+    return text
+
+
 def write_json(name, payload):
     """``payload`` as $OUT/``name``; nothing when $OUT is not set (a run by hand prints its table only). Written aside
     and renamed: a run killed while writing (its time limit) leaves the file it wrote last whole, not cut off."""

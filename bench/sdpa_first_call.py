@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dschat, from a plain checkout
-from results import list_flag, positive_error, require_cuda, write_json  # noqa: E402
+from results import json_name, list_flag, positive_error, require_cuda, write_json  # noqa: E402
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION}
@@ -48,7 +48,7 @@ def main():
     p.add_argument("--heads", type=positive_int, default=32)
     p.add_argument("--dim", type=positive_int, default=64)
     p.add_argument("--lengths", type=list_flag(positive_error("a sequence length")), default="448,480,512")
-    p.add_argument("--json", default="sdpa_first_call.json")
+    p.add_argument("--json", type=json_name, default="sdpa_first_call.json")
     args = p.parse_args()
     require_cuda()
     warm = torch.randn(2, 2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, TORCH_LINEAR, copy_bandwidth, log  # noqa: E402
-from results import batch_error, choice_error, list_flag, positive_error, require_cuda, write_json  # noqa: E402
+from results import (batch_error, choice_error, json_name, list_flag, positive_error, require_cuda,  # noqa: E402
+                     write_json)
 
 
 def per_gpu_floor(inference_model, kv_heads_per_gpu, rows_per_gpu, prompt, gen, bw):
@@ -145,7 +146,7 @@ def main():
     p.add_argument("--prompt", type=positive_int, default=256)
     p.add_argument("--gen", type=positive_int, default=256)
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--json", default="tensor_parallel.json")
+    p.add_argument("--json", type=json_name, default="tensor_parallel.json")
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU ranks (gloo): checks the script only")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = p.parse_args()

@@ -629,3 +629,21 @@ def test_tensor_parallel_counts_the_samples_of_every_rank(distributed, monkeypat
     row = tensor_parallel.run_variant(args, stage=0, tp=1, graph=False, batch=2, bw=1e10)
     assert row["world_size"] == distributed[1] == 1
     assert row["samples_per_s"] == pytest.approx(2 / row["seconds"])
+
+
+@pytest.mark.parametrize("script, name", [("generation", "runs/gen.json"), ("ppo_iteration", "/tmp/ppo.json"),
+                                          ("decode_gemm", "../gemm.json"), ("tensor_parallel", "")])
+def test_a_json_name_with_a_folder_is_a_flag_error(script, name, monkeypatch, capsys):
+    """--json is the name of the file written to $OUT: runs/gen.json failed writing the first row's result once its
+    GPU work was done (no such folder under $OUT), and an absolute path was written outside $OUT, where the device tool
+    brings nothing back."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import importlib
+
+    bench = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--json", name])
+    with pytest.raises(SystemExit) as ended:
+        bench.main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and f"argument --json: {name!r}: a file name, written to $OUT (no folder)" in err, \
+        err[-2000:]
