@@ -242,11 +242,11 @@ def main():
                    help="sampling filter of every variant (1: none)")
     p.add_argument("--train_step", action="store_true", help="dschat variants: also time after an optimizer step")
     p.add_argument("--profile", type=int, default=0, help="profile the dschat variants at this batch size")
-    p.add_argument("--profile_tokens", type=int, default=33,
+    p.add_argument("--profile_tokens", type=positive_int, default=33,
                    help="tokens generated under the profiler (the first is the prefill's); the timed runs' --gen "
                         "gives the whole generation's mix of short and long caches")
     p.add_argument("--compile_mode", default="default", help="torch.compile mode of the *_graph_compiled variants")
-    p.add_argument("--attention_programs_per_sm", type=int, default=None,
+    p.add_argument("--attention_programs_per_sm", type=positive_int, default=None,
                    help="the decode attention kernel's split target (dschat.hybrid_engine.triton_decode.PROGRAMS_PER_SM)")
     p.add_argument("--inductor_pdl", action="store_true",
                    help="inductor's Triton kernels use programmatic dependent launch (Hopper): each kernel's start "

@@ -437,10 +437,16 @@ def test_ppo_iteration_refuses_a_variant_it_does_not_know_and_too_few_iterations
                                         (["--variants", "hf_dynamic,hf_statc"], "'hf_statc': a variant is"),
                                         (["--batches", "1,x"], "'x': a batch size: expected a positive integer"),
                                         (["--variants", "dschat_z0_graph_holes0"], "_holes0 is now _tilemask"),
-                                        (["--models", "opt-13b"], "'opt-13b': no such model shape")])
+                                        (["--models", "opt-13b"], "'opt-13b': no such model shape"),
+                                        (["--profile", "64", "--profile_tokens", "0"],
+                                         "argument --profile_tokens: expected a positive integer, got 0"),
+                                        (["--attention_programs_per_sm", "0"],
+                                         "argument --attention_programs_per_sm: expected a positive integer, got 0")])
 def test_generation_refuses_a_variant_model_or_batch_it_cannot_run_at_parsing(argv, said):
     """A misspelled option was dropped and its row measured another variant (hf_statc: HF's dynamic cache), an unknown
-    model failed in each row's process, a batch that is no number with a traceback."""
+    model failed in each row's process, a batch that is no number with a traceback; --profile_tokens 0 profiled
+    nothing and said nothing, and --attention_programs_per_sm 0 (or negative) measured the attention unsplit, as no
+    setting does, its rows labelled 0."""
     proc = run_bench("generation.py", *argv)
     assert proc.returncode == 2 and said in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
 
