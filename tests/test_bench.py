@@ -577,6 +577,19 @@ def test_a_sampling_setting_generate_refuses_is_a_flag_error(script, argv, said,
     assert ended.value.code == 2 and said in err, err[-2000:]
 
 
+def test_pipeline_gpu_refuses_an_unknown_case_before_it_makes_its_output_folder(tmp_path, monkeypatch, capsys):
+    """A mistyped --cases made --out, then was refused, naming no case it has."""
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "scripts"))
+    import pipeline_gpu
+
+    monkeypatch.setattr(sys, "argv", ["pipeline_gpu.py", "--cases", "tiny,qwen_z4", "--out", str(tmp_path / "pipe")])
+    with pytest.raises(SystemExit) as ended:
+        pipeline_gpu.main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "unknown cases ['qwen_z4'] (cases: tiny, opt, qwen_z3," in err, err
+    assert not (tmp_path / "pipe").exists()
+
+
 HAND_RUN_CHECKS = ["mixed_precision_lora_gpu", "hybrid_gpu_smoke", "rng_after_graphs", "align_overflow_fp16"]
 
 

@@ -181,11 +181,11 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="2-layer models of the same families: checks the "
                         "script and its commands on the CPU")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     wanted = args.cases.split(",")
     unknown = set(wanted) - set(CASES)
-    if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}")
+    if unknown:  # (before --out is made: a typo left an empty folder)
+        parser.error(f"unknown cases {sorted(unknown)} (cases: {', '.join(CASES)})")
+    args.out.mkdir(parents=True, exist_ok=True)
     os.environ.update(HF_HUB_CACHE=str(args.out / "hub_cache"), HF_HUB_OFFLINE="1")  # (hub_rm's; the cases' env)
     results = []
     for name, command in cases(args.out, wanted, args.smoke):
