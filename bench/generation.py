@@ -226,7 +226,8 @@ def variant_error(variant):
 
 
 def main():
-    from dschat.args import non_negative_int, positive_int  # (sizes of 0 failed deep inside the model or engine)
+    # (sizes of 0 failed deep inside the model or engine; a mode that is none, in torch.compile at the first generation)
+    from dschat.args import COMPILE_MODES, non_negative_int, positive_int
 
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--models", type=results_io.list_flag(results_io.unknown_name(SHAPES, "model shape")),
@@ -245,7 +246,8 @@ def main():
     p.add_argument("--profile_tokens", type=positive_int, default=33,
                    help="tokens generated under the profiler (the first is the prefill's); the timed runs' --gen "
                         "gives the whole generation's mix of short and long caches")
-    p.add_argument("--compile_mode", default="default", help="torch.compile mode of the *_graph_compiled variants")
+    p.add_argument("--compile_mode", default="default", choices=COMPILE_MODES,
+                   help="torch.compile mode of the *_graph_compiled variants")
     p.add_argument("--attention_programs_per_sm", type=positive_int, default=None,
                    help="the decode attention kernel's split target (dschat.hybrid_engine.triton_decode.PROGRAMS_PER_SM)")
     p.add_argument("--inductor_pdl", action="store_true",

@@ -207,7 +207,8 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
 
 
 def main():
-    from dschat.args import non_negative_int, positive_int  # (sizes of 0 failed deep inside the model or engine)
+    # (sizes of 0 failed deep inside the model or engine; a mode that is none, in torch.compile at the first generation)
+    from dschat.args import COMPILE_MODES, non_negative_int, positive_int
 
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--variants", type=results_io.list_flag(variant_error), default="z2_hybrid,z2_hf,z3_hybrid,z3_hf")
@@ -221,7 +222,8 @@ def main():
                    help="left-pad every other prompt by this many tokens, as real prompts of different lengths are: "
                         "the forwards see a padding mask from the first iteration (default 0: full-length prompts, "
                         "the first mask comes with the first pad token sampled inside an answer)")
-    p.add_argument("--compile_decode_step", default=None, help="torch.compile mode of the decode step (e.g. default)")
+    p.add_argument("--compile_decode_step", default=None, choices=COMPILE_MODES,
+                   help="torch.compile mode of the decode step")
     p.add_argument("--logprobs_from_generation", action="store_true",
                    help="hybrid variants: the actor's old log-probs from the decode step (no actor experience forward)")
     p.add_argument("--profile", action="store_true",

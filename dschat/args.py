@@ -15,6 +15,20 @@ SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 AUTO_PAD_TO_MULTIPLE_OF = 64  # --pad_to_multiple_of on CUDA when not given
 
 
+# torch.compile modes for the decode step (compile_decode_step): those without CUDA graphs of their own, since the step
+# runs inside dschat's graph ("reduce-overhead" and "max-autotune" capture their own).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def check_compile_mode(mode, name="compile_decode_step"):
+    """``mode`` if it is None or one of ``COMPILE_MODES``; else a ValueError naming them (torch said "Unrecognized
+    mode=..." only at the first generation, after the models had loaded)."""
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"{name}: {mode!r} is not a torch.compile mode for the decode step: one of "
+                         f"{', '.join(COMPILE_MODES)}")
+    return mode
+
+
 def resolve_pad_to_multiple_of(value):
     """The padding multiple that --pad_to_multiple_of ``value`` means: None (or "auto") is 64 on CUDA, where
     SDPA's cuDNN backend builds a plan per new input shape, and 1 elsewhere (no such cost: today's shapes)."""
@@ -785,7 +799,7 @@ def _add_step3_hybrid_engine_args(g):
     g.add_argument("--enable_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="Replay the decode step from CUDA graphs (default: on when training on CUDA; the eager loop "
                         "is bound by Python's kernel launches, 3-7x slower: docs/benchmarks.md).")
-    g.add_argument("--compile_decode_step", default=None, metavar="MODE",
+    g.add_argument("--compile_decode_step", default=None, choices=COMPILE_MODES,
                    help="torch.compile mode without CUDA graphs of its own (default, max-autotune-no-cudagraphs) "
                         "for the one-token forward inside dschat's CUDA graph and for the prefill: fuses their small "
                         "kernels; the first generation then compiles (20-150 s).")

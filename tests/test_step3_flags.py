@@ -191,6 +191,20 @@ def test_a_negative_or_non_finite_unsup_coef_is_an_error_naming_the_flag():
     assert step3_args({"unsup_coef": 0}).unsup_coef == 0.0
 
 
+def test_a_compile_mode_torch_does_not_have_is_refused_before_anything_loads(capsys):
+    # a typo ('defualt') failed with torch's "Unrecognized mode=defualt" at the first generation, after the models
+    # had loaded (in train.py, after steps 1 and 2)
+    from dschat.hybrid_engine import HybridEngine
+
+    with pytest.raises(SystemExit):
+        step3_parser().parse_args(["--compile_decode_step", "defualt"])
+    assert "invalid choice: 'defualt'" in capsys.readouterr().err
+    assert step3_parser().parse_args(["--compile_decode_step", "default"]).compile_decode_step == "default"
+    with pytest.raises(ValueError, match="compile_decode_step: 'reduce-overhead' is not a torch.compile mode for the "
+                                         "decode step: one of default, max-autotune-no-cudagraphs"):
+        HybridEngine(None, compile_decode_step="reduce-overhead")  # (checked before the engine is read)
+
+
 def test_temperature_zero_ends_the_step_with_error_and_status_2_before_loading(tmp_path, capsys):
     from dschat.steps import ppo
     from dschat.utils.cli import run_entry_point

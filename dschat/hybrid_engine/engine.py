@@ -12,6 +12,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from dschat.args import check_compile_mode
 from dschat.hybrid_engine.attention import decode_attention as decode_attention_kernel
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache, longest_cache
@@ -70,6 +71,7 @@ class HybridEngine:
     def __init__(self, ds_engine, config=None, pad_token_id=None, eos_token_id=None, early_exit_interval=8,
                  log_on_eval=False, compile_decode_step=None, decode_attention="auto", fuse_projections="auto",
                  compile_prefill=True):
+        check_compile_mode(compile_decode_step)
         if type(ds_engine).__name__ == "DeepSpeedHybridEngine":
             raise ValueError("the actor was built with DeepSpeed's own hybrid engine; pass the DeepSpeed config "
                              "through strip_deepspeed_hybrid_engine() before deepspeed.initialize")
