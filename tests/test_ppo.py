@@ -765,6 +765,16 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
     assert len(set(slices[:4])) == 4 and slices[:4] == slices[4:]  # 4 slices of 2 batches, again in epoch 2
 
 
+def test_ptx_actors_tensorboard_samples_count_the_ppo_samples_as_the_critics_do(trained, tmp_path):
+    """PPO-ptx doubles the actor's train_batch_size (a PPO micro-step and its language-model micro-step accumulate
+    into one step), and DeepSpeed's sample count, its Train/Samples axis, counted both: the actor's learning rate
+    was drawn at 8, 16 where the critic's, after the same steps on the same 4 answers each, was at 4, 8."""
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--unsupervised_dataset_name", "tiny",
+                      "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb")))
+    steps = {role: _deepspeed_lr_steps(tmp_path / "tb", role) for role in ("actor", "critic")}
+    assert steps == {"actor": [4, 8], "critic": [4, 8]}, steps
+
+
 def test_resumed_run_matches_uninterrupted_run(trained, tmp_path, capsys):
     # dropout draws from torch's global RNG even where the hybrid engine samples with its own generator
     common = ["--enable_hybrid_engine", "--save_interval", "2", "--actor_dropout", "0.1", "--critic_dropout", "0.1"]
@@ -1068,10 +1078,10 @@ def test_a_resumed_runs_tensorboard_curves_hold_each_iteration_once(trained, tmp
     assert len(fresh) == 2 and fresh == sorted(set(fresh)) and fresh[0] == resumed[0], (fresh, resumed)
 
 
-def _deepspeed_lr_steps(tb_path):
+def _deepspeed_lr_steps(tb_path, role="actor"):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tb_path / "ds_tensorboard_logs" / "step3_actor_tensorboard"))
+    events = EventAccumulator(str(tb_path / "ds_tensorboard_logs" / f"step3_{role}_tensorboard"))
     events.Reload()
     return [e.step for e in events.Scalars("Train/Samples/lr")]
 

@@ -700,6 +700,22 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
         self._backward_and_step_actor(out.loss * unsup_coef)
         return out.loss.detach()
 
+    def _step_actor(self):
+        if self.args.unsupervised_dataset_name:  # (the flag that doubles the actor's batch: step3_train_config)
+            count_ppo_samples_only(self.actor_model)
+        super()._step_actor()
+
+
+def count_ppo_samples_only(actor):
+    """Before a PPO-ptx actor's ``step()``: its config doubles train_batch_size (a PPO micro-step and its
+    language-model micro-step accumulate into one step), which DeepSpeed adds to its sample count at a boundary: the
+    step of its TensorBoard events (Train/Samples/lr), kept in its checkpoints. Half is taken back first, so the count
+    is the PPO samples trained on, as the critic's, and the two models' curves share their axis (the actor's ran at
+    twice the critic's counts)."""
+    engine = getattr(actor, "ds_engine", actor)  # (a HybridEngine forwards reads, not writes)
+    if engine.is_gradient_accumulation_boundary():
+        engine.global_samples -= engine.train_batch_size() // 2
+
 
 def checked_rollout(experiences):
     """``train_rollout``'s experiences as a list; a single one given bare (``train_rlhf``'s way) or none is an error
