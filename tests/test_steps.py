@@ -78,6 +78,24 @@ def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_p
     assert logged[0] == pytest.approx(sum(losses[:4]) / 4) and logged[-1] == pytest.approx(sum(losses[-4:]) / 4)
 
 
+def test_a_steps_rates_leave_out_the_final_evaluation(tmp_path, distributed, monkeypatch):
+    """metrics.json's samples_per_s, tokens_per_s and tflops_per_rank were measured up to the end of the evaluation
+    after training: a slow held-out set lowered the training's rates (152 samples/s where the last step logged 166)."""
+    calls, evaluate_fn = [], sft.SFT.evaluate_fn
+
+    def slow_after_training(*args):
+        calls.append(1)
+        if len(calls) > 1:  # (the first is the evaluation before training, before the clock starts)
+            time.sleep(2)
+        return evaluate_fn(*args)
+
+    monkeypatch.setattr(sft.SFT, "evaluate_fn", slow_after_training)
+    metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                        "--max_steps", "3", *SFT_FAST])
+    assert len(calls) == 2
+    assert metrics["samples_per_s"] > 3 * 16 / 2, metrics  # 3 steps of 16 records in far less than the 2 s slept
+
+
 def test_the_progress_bar_counts_the_micro_batches_the_epoch_runs(tmp_path, distributed, monkeypatch):
     """--max_steps 3 of 2 micro-batches: a bar of 6, not of the epoch's whole loader (it ended at 6/75)."""
     from dschat.steps import common

@@ -771,7 +771,8 @@ def run_supervised_step(args, recipe):
                               save=lambda at: save_step_checkpoint(
                                   engine, args, {**at, "seconds": seconds_so_far(started, position),
                                                  "total": total_steps, STEP_NAME: recipe.name}))
-    metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **throughput.summary(), "steps": total_steps,
+    rates = throughput.summary()  # the training's: before the final evaluation, whose time is none of it
+    metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **rates, "steps": total_steps,
                "skipped_steps": skipped_steps(engine), "seconds": seconds_so_far(started, position)}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
     warn_of_skipped_steps(engine, recipe.name, total_steps)
