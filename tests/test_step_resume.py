@@ -1064,7 +1064,7 @@ def test_a_resume_that_trains_nothing_reports_no_rates_rather_than_zero():
 
     idle = Throughput(num_params=1000)
     assert idle.summary() == {"samples_per_s": None, "tokens_per_s": None, "tflops_per_rank": None}
-    idle.update(samples=4, tokens=64)
+    idle.update(rows=4, tokens=64)
     assert all(value > 0 for value in idle.summary().values())
 
 

@@ -96,6 +96,23 @@ def test_a_steps_rates_leave_out_the_final_evaluation(tmp_path, distributed, mon
     assert metrics["samples_per_s"] > 3 * 16 / 2, metrics  # 3 steps of 16 records in far less than the 2 s slept
 
 
+@pytest.mark.parametrize("step", [reward, dpo], ids=["step2", "dpo"])
+def test_pair_steps_count_a_pair_as_one_sample(step, tmp_path, distributed, monkeypatch):
+    """Steps 2 and DPO counted each batch's chosen and rejected rows as two samples: samples_per_s was twice the
+    pairs trained per second, where --per_device_train_batch_size and DeepSpeed's Train/Samples count pairs."""
+    made = []
+
+    class Recorded(common.Throughput):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(common, "Throughput", Recorded)
+    step.main(["--output_dir", str(tmp_path / "out"), "--data_output_path", str(tmp_path / "data"), "--max_steps", "2",
+               *RM_FAST])
+    assert made[0].samples == 2 * 16  # 2 steps of 16 pairs
+
+
 def test_the_progress_bar_counts_the_micro_batches_the_epoch_runs(tmp_path, distributed, monkeypatch):
     """--max_steps 3 of 2 micro-batches: a bar of 6, not of the epoch's whole loader (it ended at 6/75)."""
     from dschat.steps import common

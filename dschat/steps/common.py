@@ -197,15 +197,18 @@ def restart_deepspeed_tensorboard(engine):
 
 
 class Throughput:
-    """Samples/s, tokens/s and an estimate of achieved TFLOPs (6 x params x tokens, 8 x with checkpointing)."""
+    """Samples/s, tokens/s and an estimate of achieved TFLOPs (6 x params x tokens, 8 x with checkpointing).
+    ``rows_per_record``: the batch rows one sample takes (a preference pair's chosen and rejected rows: 2), so that a
+    sample is a record of the data, as --per_device_train_batch_size and DeepSpeed's sample count have it."""
 
-    def __init__(self, num_params, gradient_checkpointing=False):
+    def __init__(self, num_params, gradient_checkpointing=False, rows_per_record=1):
         self.flops_per_token = (8 if gradient_checkpointing else 6) * num_params
+        self.rows_per_record = rows_per_record
         self.start = time.time()
         self.samples = self.tokens = 0
 
-    def update(self, samples, tokens):
-        self.samples += samples
+    def update(self, rows, tokens):
+        self.samples += rows // self.rows_per_record
         self.tokens += tokens
 
     def summary(self):
@@ -635,6 +638,7 @@ class StepRecipe:
     loss_fn: Callable  # (engine, batch) -> (loss, tokens)
     evaluate_fn: Callable  # (engine, loader, device, max_batches) -> metrics dict
     save_fn: Callable  # (engine, tokenizer, output_dir) -> None
+    rows_per_record: int = 1  # a batch's rows per record: 2 for preference pairs (chosen rows, then rejected)
 
 
 def require_training_records(dataset, args, step):
@@ -761,7 +765,7 @@ def run_supervised_step(args, recipe):
     clear_results(args, recipe.name, resumed=position is not None)
     if position is None:
         print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
-    throughput = Throughput(count_params(model), args.gradient_checkpointing)
+    throughput = Throughput(count_params(model), args.gradient_checkpointing, recipe.rows_per_record)
     # a re-run's curves replace the earlier run's; a resumed run's, those after its checkpoint
     writer = tensorboard_writer(args, recipe.name, purge_step=position["step"] + 1 if position else 0)
     if position is None:

@@ -145,7 +145,7 @@ class DPOStep:
 
     def recipe(self):
         return StepRecipe(name="step2_dpo", phase=2, build_model=self.build_model, collator=dpo_collator,
-                          loss_fn=self.loss, evaluate_fn=self.evaluate, save_fn=save_causal_lm)
+                          loss_fn=self.loss, evaluate_fn=self.evaluate, save_fn=save_causal_lm, rows_per_record=2)
 
 
 def main(args=None):
