@@ -113,6 +113,22 @@ def test_pair_steps_count_a_pair_as_one_sample(step, tmp_path, distributed, monk
     assert made[0].samples == 2 * 16  # 2 steps of 16 pairs
 
 
+def test_the_eval_interval_curve_ends_with_the_final_evaluation(tmp_path, distributed):
+    """--eval_interval 2 over 4 steps: the loop leaves the evaluation at step 4 to the final one, which was logged
+    only as step1/final/*, so TensorBoard's step1/eval curve stopped at step 2."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
+                        "--max_steps", "4", "--eval_interval", "2", "--enable_tensorboard", "--tensorboard_path",
+                        str(tmp_path / "tb"), *SFT_FAST])
+    events = EventAccumulator(str(tmp_path / "tb" / "step1"))
+    events.Reload()
+    curve = events.Scalars("step1/eval/eval_loss")
+    assert [e.step for e in curve] == [2, 4]
+    assert curve[-1].value == pytest.approx(metrics["eval_loss"])
+    assert [e.step for e in events.Scalars("step1/final/eval_loss")] == [4]
+
+
 def test_the_progress_bar_counts_the_micro_batches_the_epoch_runs(tmp_path, distributed, monkeypatch):
     """--max_steps 3 of 2 micro-batches: a bar of 6, not of the epoch's whole loader (it ended at 6/75)."""
     from dschat.steps import common

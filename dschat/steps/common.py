@@ -776,10 +776,13 @@ def run_supervised_step(args, recipe):
                                   engine, args, {**at, "seconds": seconds_so_far(started, position),
                                                  "total": total_steps, STEP_NAME: recipe.name}))
     rates = throughput.summary()  # the training's: before the final evaluation, whose time is none of it
-    metrics = {**evaluate(), "train_loss": rank_mean(train_loss, device), **rates, "steps": total_steps,
+    final_eval = evaluate()
+    metrics = {**final_eval, "train_loss": rank_mean(train_loss, device), **rates, "steps": total_steps,
                "skipped_steps": skipped_steps(engine), "seconds": seconds_so_far(started, position)}
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
     warn_of_skipped_steps(engine, recipe.name, total_steps)
+    if args.eval_interval:  # the run's last evaluation ends the --eval_interval curve (run_training leaves it to this)
+        _scalars(writer, f"{recipe.name}/eval", final_eval, total_steps)
     _scalars(writer, f"{recipe.name}/final", metrics, total_steps)
     recipe.save_fn(engine, tokenizer, args.output_dir)  # the engine: see checkpoint.settled_module
     write_results(args, metrics, recipe.name)
