@@ -428,3 +428,26 @@ def test_the_shared_output_check_leaves_no_folder_it_made(tmp_path, monkeypatch)
     answers = iter([["node0", "node1"], [True, True]])
     common.check_output_dir_shared(str(tmp_path / "kept" / "out"), torch.device("cpu"))
     assert os.listdir(tmp_path / "kept" / "out") == ["model.bin"]
+
+
+def _as_drawn(line):
+    """What a terminal shows of ``line``: each carriage return starts writing over it again from its first column."""
+    shown = ""
+    for part in line.split("\r"):
+        shown = part + shown[len(part):]
+    return shown.rstrip()
+
+
+def test_a_line_printed_under_a_progress_bar_starts_a_line_of_its_own(capsys):
+    """print_rank_0 (a step's --print_loss line) and the hybrid engine's stats line (after every step-3 iteration)
+    were printed after the bar's drawing: 'step1 epoch 1/1:  40%|...| 2/5 [...][step1] step 2 loss ...'."""
+    from tqdm.auto import tqdm
+
+    from dschat.utils.dist import print_rank_0
+
+    bar = tqdm(total=5, desc="step1 epoch 1/1", file=sys.stdout, mininterval=0)
+    bar.update(2)
+    print_rank_0("[step1] step 2 loss 1.0000")
+    bar.close()
+    lines = [_as_drawn(line) for line in capsys.readouterr().out.split("\n")]
+    assert "[step1] step 2 loss 1.0000" in lines, lines

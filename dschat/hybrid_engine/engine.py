@@ -28,6 +28,7 @@ from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_sam
 from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
+from dschat.utils.dist import print_beside_progress_bars
 
 def _synchronize():
     from deepspeed.accelerator import get_accelerator
@@ -541,7 +542,7 @@ class HybridEngine:
                 + f"|CurSamplesPerSec={s['samples_per_sec']:.2f} ")
         if "avg_samples_per_sec" in s:
             line += f"|AvgSamplesPerSec={s['avg_samples_per_sec']:.2f}"
-        print(line, flush=True)
+        print_beside_progress_bars(line)  # (step 3 draws its bar under it)
         return s
 
 

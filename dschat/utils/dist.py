@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 import os
 import socket
+import sys
 
 import torch
 
@@ -154,6 +155,15 @@ def is_rank_0():
 
 def print_rank_0(*args, **kwargs):
     if is_rank_0():
+        print_beside_progress_bars(*args, **kwargs)
+
+
+def print_beside_progress_bars(*args, **kwargs):
+    """``print`` (flushed) with tqdm's progress bars cleared first and drawn again after it, as ``tqdm.write`` does: a
+    line printed under a bar (a step's --print_loss line, step 3's hybrid-engine stats after every iteration) was
+    glued to the bar's last drawing, so a terminal or log kept a copy of the bar at the start of such lines."""
+    tqdm = sys.modules.get("tqdm.std")  # (no bar was ever drawn where tqdm is not imported)
+    with tqdm.tqdm.external_write_mode(file=kwargs.get("file")) if tqdm else contextlib.nullcontext():
         print(*args, **kwargs, flush=True)
 
 
