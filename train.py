@@ -77,8 +77,13 @@ def parse_args(argv=None):
                    help="Steps 1 and 3's actor (default: 0 with single_gpu, else 3).")
     p.add_argument("--reward-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
                    help="Step 2's reward model and step 3's critic (default: 0 with single_gpu, else 3).")
-    p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node"])
-    p.add_argument("--output-dir", default="./output")
+    p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node"],
+                   help="single_gpu: one process (default); single_node: the deepspeed launcher starts a rank per "
+                        "GPU of this node; multi_node: a rank per GPU of the nodes --hostfile lists.")
+    p.add_argument("--output-dir", default="./output",
+                   help="The run's folder (default: %(default)s): a folder per step (step1_sft, step2_rm, "
+                        "step3_ppo, ...), report.json, step3_curves.png, data_cache/ and, with --enable_tensorboard in "
+                        "a step's args, tensorboard/.")
     p.add_argument("--data-path", nargs="*", default=None, help="Datasets for all steps (default: the steps').")
     p.add_argument("--data-fields", default=None,
                    help="Field names of local data files for all steps, e.g. prompt=question,chosen=good,rejected=bad "

@@ -3,6 +3,7 @@ the config dschat builds, DeepSpeed-Chat's older flag names, and train.py's mode
 DeepSpeed-Chat's scripts and walk-throughs run as written."""
 import json
 import os
+import re
 import shlex
 from types import SimpleNamespace
 
@@ -506,6 +507,22 @@ def test_every_step_flag_says_what_it_does_in_help():
         silent = [action.option_strings[0] for action in parser._actions
                   if action.option_strings and not action.help and not isinstance(action, argparse._HelpAction)]
         assert not silent, (name, silent)
+
+
+def test_every_train_py_flag_says_what_it_does_in_help(capsys):
+    """train.py --help listed --deployment-type and --output-dir with no word of what they do or where the run's files
+    go (DeepSpeed-Chat's train.py says both)."""
+    import runpy
+
+    from launch import REPO
+
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(REPO / "train.py"))["parse_args"](["--help"])
+    options = capsys.readouterr().out.split("options:")[1]
+    flags = re.split(r"\n  (?=-)", options)[1:]  # one entry per flag: its names, then (after spaces) its help
+    silent = [flag.split()[0] for flag in flags if len(re.split(r"\s{2,}", flag.strip(), maxsplit=1)) < 2]
+    assert not silent, silent
+    assert "default: ./output" in " ".join(options.split())
 
 
 def test_reward_model_takes_deepspeed_chats_arguments_in_its_order():
