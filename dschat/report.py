@@ -105,8 +105,8 @@ def step3_algorithm_of_flags(output_dir):
     return ALGORITHM_NAMES.get((run_args.get("flags") or {}).get("advantage_estimator"), "PPO")
 
 
-def plot_curves(curve, path):
-    """Reward, KL and losses over PPO iterations, one panel each."""
+def plot_curves(curve, path, algorithm="PPO"):
+    """Reward, KL and losses over the iterations of step 3's ``algorithm`` (``ALGORITHM_NAMES``), one panel each."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,7 +121,7 @@ def plot_curves(curve, path):
         ys = curve[key]
         ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=2)
         ax.set_title(key)
-        ax.set_xlabel("PPO iteration")
+        ax.set_xlabel(f"{algorithm} iteration")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -155,7 +155,7 @@ def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
                           rule_scores, outdated)
     plot = os.path.join(output_dir, CURVES_FILE)
     if report.get("step3_curve"):
-        report["plot"] = plot_curves(report["step3_curve"], plot)
+        report["plot"] = plot_curves(report["step3_curve"], plot, report["step3_algorithm"])
     if not report.get("plot") and os.path.isfile(plot):
         os.remove(plot)  # an earlier run's curves (this run reports no step 3): not left beside this run's report
     write_json_atomic(os.path.join(output_dir, REPORT_FILE), report)

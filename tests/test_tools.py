@@ -132,12 +132,30 @@ def test_a_critic_free_run_has_no_critic_loss_curve_or_panel(tmp_path, monkeypat
     rows = [{"reward": 0.5, "kl": 0.0, "actor_loss": 0.1}, {"reward": 0.6, "kl": 0.01, "actor_loss": 0.2}]
     (tmp_path / "step3_ppo" / "step3_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     panels = []
-    monkeypatch.setattr(report, "plot_curves", lambda curve, path: panels.append(sorted(curve)) or path)
+    monkeypatch.setattr(report, "plot_curves", lambda curve, path, *_: panels.append(sorted(curve)) or path)
     written = report.write_report(str(tmp_path), {}, "grpo")
     assert set(written["step3_curve"]) == {"reward", "kl", "actor_loss"} == set(panels[0])
     with_critic = [dict(r, critic_loss=0.3) for r in rows]
     (tmp_path / "step3_ppo" / "step3_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in with_critic))
     assert report.build_report(str(tmp_path), {}, "ppo")["step3_curve"]["critic_loss"] == [0.3, 0.3]
+
+
+def test_the_curves_of_a_grpo_run_are_over_grpo_iterations(tmp_path, monkeypatch):
+    """A GRPO run's step3_curves.png was labelled 'PPO iteration' under every panel, where its summary says 'GRPO: N
+    iterations'."""
+    from matplotlib.figure import Figure
+
+    from dschat import report
+
+    (tmp_path / "step3_ppo").mkdir()
+    (tmp_path / "step3_ppo" / "metrics.json").write_text(json.dumps({"iterations": 2, "algorithm": "GRPO"}))
+    rows = [{"reward": 0.5, "kl": 0.0, "actor_loss": 0.1}, {"reward": 0.6, "kl": 0.01, "actor_loss": 0.2}]
+    (tmp_path / "step3_ppo" / "step3_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    labels, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: labels.extend(ax.get_xlabel() for ax in fig.axes)
+                        or savefig(fig, *a, **k))
+    written = report.write_report(str(tmp_path), {}, "grpo")
+    assert written["plot"] and labels == ["GRPO iteration"] * 3
 
 
 def test_a_report_without_step_3_does_not_read_an_interrupted_step_3s_log(tmp_path):
