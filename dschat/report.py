@@ -4,7 +4,7 @@ import os
 
 from dschat.run_layout import (DPO_DIR, FINISHED_MARK, PPO_ACTOR_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR,
                                RUN_ARGS_FILE, SFT_DIR)
-from dschat.utils.files import read_json_object, write_json_atomic
+from dschat.utils.files import atomic_file, read_json_object, write_json_atomic
 
 
 def read_jsonl(path):
@@ -124,8 +124,11 @@ def plot_curves(curve, path, algorithm="PPO"):
         ax.set_xlabel(f"{algorithm} iteration")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_file(path, "wb") as f:  # an earlier run's plot stays whole until this one is
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return path
 
 

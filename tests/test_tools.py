@@ -158,6 +158,28 @@ def test_the_curves_of_a_grpo_run_are_over_grpo_iterations(tmp_path, monkeypatch
     assert written["plot"] and labels == ["GRPO iteration"] * 3
 
 
+def test_the_curves_are_replaced_whole(tmp_path, monkeypatch):
+    """step3_curves.png was drawn straight into its place: a run stopped while matplotlib wrote it (killed, a full
+    disk) left the earlier run's plot cut short, an unreadable PNG."""
+    from matplotlib.figure import Figure
+
+    from dschat.report import plot_curves
+
+    path = tmp_path / "step3_curves.png"
+    curve = {"reward": [0.5, 0.6], "kl": [0.0, 0.01]}
+    plot_curves(curve, str(path))
+    earlier = path.read_bytes()
+
+    def cut_short(fig, target, **kwargs):
+        target.write(earlier[:100]) if hasattr(target, "write") else open(target, "wb").write(earlier[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", cut_short)
+    with pytest.raises(OSError):
+        plot_curves(curve, str(path))
+    assert path.read_bytes() == earlier and os.listdir(tmp_path) == ["step3_curves.png"]
+
+
 def test_a_report_without_step_3_does_not_read_an_interrupted_step_3s_log(tmp_path):
     """A DPO run (or --step 1 2) into a folder where a PPO run's step 3 was killed while writing a log line failed
     at its report with a JSONDecodeError: the report read step3_log.jsonl though it reports no step 3."""
