@@ -443,7 +443,8 @@ def namespace_with_defaults(parser, overrides=None):
     case, and any other string is an error. An object's attributes are read by those names, class attributes included.
     Destinations are applied first, then other names that carry a value other than None or the default (a
     DeepSpeed-Chat namespace holds both ``deepspeed_config=None`` and ``deepscale_config="ds.json"``). Keys that
-    name no flag are an error in a dict (a typo would otherwise be a silent default); an object's are kept and
+    name no flag are an error in a dict (a typo would otherwise be a silent default; those starting with "_",
+    dschat's own attributes of a namespace copied with ``vars``, are left out); an object's are kept and
     listed once (a DeepSpeed-Chat namespace carries its own, e.g. ``global_rank``). A dict's None for a flag with a
     default leaves the default (``_none_for_a_default``)."""
     args = parser.parse_args([])
@@ -455,7 +456,7 @@ def namespace_with_defaults(parser, overrides=None):
     # an option name means its own flag: "actor_dropout" is --actor_dropout, not --disable_actor_dropout (same dest)
     by_name = {action.dest: action for action in parser._actions if action.option_strings}
     by_name.update({option.lstrip("-"): action for action in parser._actions for option in action.option_strings})
-    items = overrides if isinstance(overrides, dict) else _attributes(overrides, by_name)
+    items = _dict_settings(overrides) if isinstance(overrides, dict) else _attributes(overrides, by_name)
     unknown = sorted(key for key in items if key not in by_name)
     if unknown and isinstance(overrides, dict):
         raise UsageError(f"unknown setting(s) {unknown}: they name no flag (see the step's --help)")
@@ -481,6 +482,13 @@ def _none_for_a_default(parser, action, value):
     ``dtype``): unset, so the default, as None means in HF's configs (set, it reached the checks and failed there
     with a TypeError). A DeepSpeed-Chat namespace's None attributes are read as they are."""
     return value is None and type(action) is argparse._StoreAction and parser.get_default(action.dest) is not None
+
+
+def _dict_settings(settings):
+    """A dict's settings: its keys but those starting with "_", which name no flag and are the attributes dschat keeps
+    on a completed namespace (``_data_files``, ...), so that ``{**vars(engine.args), "ppo_epochs": 2}`` reads as the
+    settings it copies, as the namespace itself does (``_attributes``); the step takes them anew."""
+    return {key: value for key, value in settings.items() if not (isinstance(key, str) and key.startswith("_"))}
 
 
 def _attributes(obj, by_name):

@@ -217,6 +217,22 @@ def test_notebook_settings_mean_what_the_flags_mean():
         step3_args("max_prompt_seq_len=16 enable_hybrid_engine=True")
 
 
+def test_a_dict_of_a_completed_namespaces_settings_reads_as_they_do():
+    """``{**vars(engine.args), "ppo_epochs": 2}``, a notebook's copy of the settings with one changed, was refused
+    with "unknown setting(s) ['_data_files', '_dschat_complete', ...]": the attributes dschat keeps on a completed
+    namespace. They are its bookkeeping, left out as they are when the namespace itself is given."""
+    from dschat.args import step_settings
+    from dschat.steps.common import take_data_files
+
+    args = step3_args({"dtype": "fp32", "max_answer_seq_len": 12})
+    take_data_files(args)  # (what a step keeps on its namespace once it reads the data)
+    copied = step3_args({**vars(args), "ppo_epochs": 2})
+    assert (copied.dtype, copied.max_answer_seq_len, copied.ppo_epochs) == ("fp32", 12, 2)
+    sft_args = step_settings(step1_parser(), {"max_seq_len": 64})
+    take_data_files(sft_args)
+    assert step_settings(step1_parser(), {**vars(sft_args), "max_steps": 3}).max_seq_len == 64
+
+
 def test_ptx_doubles_the_actors_accumulation_after_a_config_file_that_states_the_flags():
     from dschat.rlhf.engine import step3_train_config
 
