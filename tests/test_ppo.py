@@ -2200,6 +2200,35 @@ def test_notebook_calls_that_would_train_wrongly_are_refused(trained, tmp_path):
             trainer.generate_experience(prompts, torch.ones_like(mask))
 
 
+def test_a_trainers_own_args_may_not_change_what_the_engine_was_built_with(trained, tmp_path):
+    """``DeepSpeedPPOTrainer(engine, args)`` with other args than the engine's: the hybrid engine's switch called HF's
+    generate with its arguments ("model_kwargs are not used by the model: ['generator', 'return_logprobs']"), GAE on
+    a critic-free engine failed in train_rlhf (KeyError 'value'), and GRPO on a GAE engine, another learning rate,
+    an EMA or longer answers were taken without a word (the engine's models trained with their own). What the
+    trainer alone reads may change, and a copy of the engine's settings with it reads as they do."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.errors import UsageError
+
+    engine, _, tokenizer = _engine_and_trainer(trained, tmp_path)
+    settings = {"critic_model_name_or_path": str(trained / "rm"), "dtype": "fp32", "max_prompt_seq_len": 40,
+                "max_answer_seq_len": 10, "per_device_training_batch_size": 4, "num_warmup_steps": 0,
+                "actor_learning_rate": 1e-4, "critic_learning_rate": 1e-4}  # (the engine's, as _engine_and_trainer)
+    refused = {"enable_hybrid_engine": True, "actor_learning_rate": 1e-5, "enable_ema": True,
+               "advantage_estimator": "grpo", "max_answer_seq_len": 20}
+    for name, value in refused.items():
+        extra = {"n_samples_per_prompt": 2} if name == "advantage_estimator" else {}
+        with pytest.raises(UsageError, match="args differ from the settings the engine's models, optimizers and "
+                                             f".*{'max_answer_seq_len' if name.startswith('max') else name} "):
+            DeepSpeedPPOTrainer(engine, {**settings, name: value, **extra})
+    with pytest.raises(UsageError, match="dtype 'bf16' \\(the engine's: 'fp32'\\)"):
+        DeepSpeedPPOTrainer(engine, {"ppo_epochs": 2})  # (every other setting its default)
+    trainer = DeepSpeedPPOTrainer(engine, {**vars(engine.args), "ppo_epochs": 2, "cliprange": 0.1,
+                                           "max_answer_seq_len": 6})
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
+    assert exp["action_mask"].shape[1] <= 6 and trainer.args.ppo_epochs == 2
+    assert math.isfinite(trainer.train_rollout([exp])["actor_loss"])
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)

@@ -22,13 +22,53 @@ from dschat.rlhf import algorithms as algo
 from dschat.models.positions import position_limit
 from dschat.rlhf.layout import LeftAligned, head_reads
 from dschat.rlhf.config import kl_in_loss, step3_args
-from dschat.rlhf.engine import check_settings
+from dschat.rlhf.engine import LONGEST_SEQUENCE_FLAGS, check_settings, longest_sequence
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
 from dschat.utils.optim import optimizer_step, skipped_steps
 
 # the PPO step's diagnostics that train_rollout returns as means over its micro-batches
 PPO_STEP_STATS = ("pg_clipfrac", "approx_kl", "vf_clipfrac")
+
+
+# The settings DeepSpeedRLHFEngine built its models, optimizers and generation from. A trainer given args of its own
+# with other values of them failed (HF's generate called with the hybrid engine's arguments, GAE's advantages with no
+# critic's values) or trained with the engine's silently (its learning rates, precision, LoRA, accumulation).
+ENGINE_SETTINGS = ("enable_hybrid_engine", "actor_zero_stage", "critic_zero_stage", "dtype", "offload", "enable_ema",
+                   "gradient_accumulation_steps", "actor_lora_dim", "critic_lora_dim", "only_optimize_lora",
+                   "actor_learning_rate", "critic_learning_rate", "actor_weight_decay", "critic_weight_decay",
+                   "lr_scheduler_type", "num_warmup_steps", "actor_dropout", "critic_dropout")
+
+
+# What the engine built (or not) from a setting: (the flag, what it built, whether ``args`` build it). Within what the
+# engine built, the setting may change (GRPO for RLOO: neither has a critic).
+ENGINE_BUILT = (("advantage_estimator", "a critic (GAE's)", lambda a: a.advantage_estimator == "gae"),
+                ("reward_model_weight", "a reward model", lambda a: bool(a.reward_model_weight)),
+                ("unsupervised_dataset_name", "PPO-ptx's language-model step in the actor's accumulation",
+                 lambda a: bool(a.unsupervised_dataset_name)))
+
+
+def check_engine_settings(args, engine_args):
+    """A trainer's own ``args`` (``DeepSpeedPPOTrainer(engine, args)`` with other settings than the engine's) may
+    change what the trainer alone reads (the PPO loss, sampling, KL, epochs) and generate shorter sequences, not what
+    the engine was built with (``ENGINE_SETTINGS``, ``ENGINE_BUILT``); else a UsageError naming them."""
+    differ = [f"{name} {getattr(args, name)!r} (the engine's: {getattr(engine_args, name)!r})"
+              for name in ENGINE_SETTINGS if getattr(args, name) != getattr(engine_args, name)]
+    differ += [f"{name} {getattr(args, name)!r} (the engine's: {getattr(engine_args, name)!r}, built "
+               f"{_with(builds(engine_args))} {what})" for name, what, builds in ENGINE_BUILT
+               if builds(args) != builds(engine_args)]
+    if longest_sequence(args) > longest_sequence(engine_args):
+        differ.append(f"{LONGEST_SEQUENCE_FLAGS} {longest_sequence(args)} (the engine's: "
+                      f"{longest_sequence(engine_args)}, which its models were checked and sized for)")
+    if differ:
+        raise UsageError(f"DeepSpeedPPOTrainer(rlhf_engine, args): args differ from the settings the engine's models, "
+                         f"optimizers and generation were built with: {'; '.join(differ)}. Give the engine's args "
+                         "(args=None takes them; a copy changing only the trainer's settings: {**vars(engine.args), "
+                         "'ppo_epochs': 2}), or build an engine with these")
+
+
+def _with(present):
+    return "with" if present else "without"
 
 
 def answer_mask(answers, eos_token_id):
@@ -206,6 +246,8 @@ class DeepSpeedPPOTrainer:
         self.args = args = step3_args(args if args is not None else self.rlhf_engine.args)
         if args is not getattr(self.rlhf_engine, "args", None):  # settings of its own: checked as the engine's were
             check_settings(args)
+            if getattr(self.rlhf_engine, "args", None) is not None:
+                check_engine_settings(args, self.rlhf_engine.args)
         e = self.rlhf_engine
         self.actor_model, self.ref_model, self.critic_model, self.reward_model = e.actor, e.ref, e.critic, e.reward
         self.actor_ema = e.actor_ema
