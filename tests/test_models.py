@@ -779,6 +779,33 @@ def test_an_engine_given_to_the_save_helpers_saves_its_model(tmp_path, distribut
                            expected)
 
 
+def test_the_save_helpers_refuse_a_wrong_argument_on_every_rank_before_the_gather(tmp_path, distributed):
+    """A critic given to save_causal_lm (or the actor to save_reward_model), DeepSpeed-Chat's save_hf_format(model,
+    tokenizer, args) habit, or no tokenizer: rank 0 alone failed, after the gather ("'RewardModel' object has no
+    attribute 'get_output_embeddings'", "expected str, bytes or os.PathLike object, not Namespace"), and the other
+    ranks waited at the save's barrier (or failed with "Connection closed by peer" once rank 0 ended); now every rank
+    refuses before it, naming the argument, and nothing is written (on 2 ranks, each rank's UsageError: by hand)."""
+    from argparse import Namespace
+
+    from dschat.errors import UsageError
+
+    policy = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    critic = RewardModel(AutoModel.from_config(CONFIGS["llama"]()))
+    out = str(tmp_path / "out")
+    with pytest.raises(UsageError, match="save_causal_lm: the model is a RewardModel, a reward model or critic: save "
+                                         "it with save_reward_model"):
+        save_causal_lm(critic, _Tok(), out)
+    with pytest.raises(UsageError, match="save_reward_model: the model is a LlamaForCausalLM, not a reward model"):
+        save_reward_model(policy, _Tok(), out)
+    with pytest.raises(UsageError, match=r"output_dir is a Namespace, not a folder's path .*os.path.join\(args"):
+        save_causal_lm(policy, _Tok(), Namespace(output_dir=out))
+    with pytest.raises(UsageError, match="the tokenizer is a str, not a tokenizer"):
+        save_reward_model(critic, out, _Tok())  # (tokenizer and folder swapped)
+    with pytest.raises(UsageError, match="the tokenizer is a NoneType"):
+        save_causal_lm(policy, None, out)
+    assert not os.path.exists(out)
+
+
 def test_weight_decay_reaches_the_matrices_under_zero3(distributed):
     # ZeRO-3's local tensors are flat shards (1-D): the full shape is ds_shape
     engine = _zero3_engine("tiny-llama")

@@ -4,9 +4,10 @@ import os
 import shutil
 from contextlib import contextmanager
 
+from dschat.errors import UsageError
 from dschat.models.loading import TOKENIZER_EXTRA_FILES, TOKENIZER_FILES, is_weights_file
 from dschat.models.lora import check_lora_mergeable, head_trains_untied, merge_lora_state_dict, unwrap_peft
-from dschat.models.reward_model import REWARD_META_FILE, VALUE_HEAD_FILE
+from dschat.models.reward_model import REWARD_META_FILE, VALUE_HEAD_FILE, RewardModel
 from dschat.run_layout import save_staging_prefix
 from dschat.models.zero3 import is_zero3_param
 from dschat.utils.dist import barrier, is_rank_0, print_rank_0
@@ -148,6 +149,7 @@ def save_causal_lm(module, tokenizer, output_dir, dtype=None):
     """Save an actor / SFT model (any ZeRO stage, LoRA merged; or its engine's) with its tokenizer. Collective (a
     gather under ZeRO-3, a barrier at any stage). ``dtype``: save in it rather than the weights' own (the fp32 EMA copy is saved as the actor is)."""
     module = settled_module(module)
+    check_save_arguments(module, tokenizer, output_dir, reward=False)
     state = plain_model_state_dict(module)
     if is_rank_0():
         model = unwrap_peft(module)
@@ -161,6 +163,26 @@ def save_causal_lm(module, tokenizer, output_dir, dtype=None):
     barrier()
 
 
+def check_save_arguments(model, tokenizer, output_dir, reward):
+    """``save_causal_lm``'s (``reward`` False) or ``save_reward_model``'s arguments, checked on every rank before the
+    gather: a wrong one failed on rank 0 alone, after it, so on several ranks the others waited at the save's barrier
+    while rank 0 lived on (a notebook's kernel) or failed with gloo's "Connection closed by peer" once it ended; and
+    its error named no argument ("'RewardModel' object has no attribute 'get_output_embeddings'")."""
+    name = "save_reward_model" if reward else "save_causal_lm"
+    if reward != isinstance(model, RewardModel):
+        raise UsageError(f"{name}: the model is a {type(model).__name__}, "
+                         + ("not a reward model or critic (a RewardModel): save a causal LM (the actor, its EMA copy) "
+                            "with save_causal_lm" if reward else
+                            "a reward model or critic: save it with save_reward_model"))
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise UsageError(f"{name}(model, tokenizer, output_dir): the tokenizer is a {type(tokenizer).__name__}, "
+                         "not a tokenizer; give the model's (it is saved beside the weights)")
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise UsageError(f"{name}(model, tokenizer, output_dir): output_dir is a {type(output_dir).__name__}, not "
+                         "a folder's path (DeepSpeed-Chat's save_hf_format(model, tokenizer, args, sub_folder) is "
+                         f"{name}(model, tokenizer, os.path.join(args.output_dir, sub_folder)))")
+
+
 def _save_tokenizer(tokenizer, folder):
     from dschat.models.loading import saved_as_loaded
 
@@ -172,6 +194,7 @@ def save_reward_model(reward_model, tokenizer, output_dir):
     """Save a reward model / critic (or its engine's): backbone as an HF folder plus the value head. Collective (a
     gather under ZeRO-3, a barrier at any stage)."""
     reward_model = settled_module(reward_model)
+    check_save_arguments(reward_model, tokenizer, output_dir, reward=True)
     backbone = reward_model.rwtransformer
     check_lora_mergeable(backbone)  # on every rank: none may raise alone after the collective gather
     state = gathered_state_dict(reward_model)
