@@ -558,3 +558,18 @@ def test_reward_model_takes_deepspeed_chats_arguments_in_its_order():
     ported = RewardModel(backbone(), tokenizer, 1)
     assert ported.compute_fp32_loss is False and ported.num_padding_at_beginning == 1
     assert RewardModel(backbone(), tokenizer, 1, True).compute_fp32_loss is True
+
+
+def test_a_reward_model_built_on_a_causal_lm_is_refused_naming_the_backbone_to_give():
+    """``RewardModel(AutoModelForCausalLM.from_pretrained(step1_output), tokenizer)``: the LM head's logits reached the
+    value head, and the first forward failed with "mat1 and mat2 shapes cannot be multiplied"."""
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    from dschat import RewardModel
+    from dschat.errors import UsageError
+
+    policy = AutoModelForCausalLM.from_config(OPTConfig(vocab_size=96, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                                        num_attention_heads=2, word_embed_proj_dim=16))
+    with pytest.raises(UsageError, match="base_model is a OPTForCausalLM, a model with an LM head.*AutoModel"):
+        RewardModel(policy, None)
+    assert RewardModel(policy.base_model).rwtransformer is policy.base_model  # (its backbone, as the error says)

@@ -56,6 +56,19 @@ def pairwise_loss(chosen_scores, rejected_scores):
     return -F.logsigmoid(chosen_scores - rejected_scores).mean()
 
 
+def check_backbone(base_model):
+    """``RewardModel``'s ``base_model`` is a backbone (``AutoModel``'s, as DeepSpeed-Chat's ``create_critic_model``
+    loads it): a causal LM (step 1's output loaded with ``AutoModelForCausalLM``) gives its LM head's logits, not
+    hidden states, and the value head failed on them at the first forward ("mat1 and mat2 shapes cannot be
+    multiplied (20x1008 and 128x1)")."""
+    head = getattr(base_model, "get_output_embeddings", None)
+    if head is not None and head() is not None:
+        raise UsageError(f"RewardModel(base_model, ...): base_model is a {type(base_model).__name__}, a model with an "
+                         "LM head, whose outputs are logits over its vocabulary, not the hidden states the value head "
+                         "reads: give its backbone, AutoModel.from_pretrained(path) (as create_critic_model loads it) "
+                         "or model.base_model")
+
+
 class ValueHead(nn.Linear):
     """Linear(hidden, 1) without bias; ``fp32`` (--compute_fp32_loss) computes it in fp32 from low-precision hidden
     states. Inside the module's own forward, so that ZeRO-3's hooks have gathered a partitioned weight first."""
@@ -78,6 +91,7 @@ class RewardModel(nn.Module):
 
     def __init__(self, base_model, tokenizer=None, num_padding_at_beginning=0, compute_fp32_loss=False):
         super().__init__()
+        check_backbone(base_model)
         self.value_head_loaded = False  # from_pretrained: whether the folder held a trained head
         # (mean, std) a frozen scorer's values are normalized by (an OpenRLHF reward model's), else None
         self.score_normalization = None
