@@ -573,3 +573,21 @@ def test_a_reward_model_built_on_a_causal_lm_is_refused_naming_the_backbone_to_g
     with pytest.raises(UsageError, match="base_model is a OPTForCausalLM, a model with an LM head.*AutoModel"):
         RewardModel(policy, None)
     assert RewardModel(policy.base_model).rwtransformer is policy.base_model  # (its backbone, as the error says)
+
+
+def test_a_reward_model_called_without_an_attention_mask_says_it_needs_one():
+    """DeepSpeed-Chat's ``RewardModel.forward`` takes ``attention_mask=None`` (it finds each end by the pad id);
+    dschat's failed with "'NoneType' object has no attribute 'shape'" once the backbone had run."""
+    import torch
+    from transformers import AutoModel, OPTConfig
+
+    from dschat import RewardModel
+
+    model = RewardModel(AutoModel.from_config(OPTConfig(vocab_size=96, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                                        num_attention_heads=2, word_embed_proj_dim=16)))
+    ids = torch.tensor([[5, 6, 7], [5, 8, 9]])
+    with pytest.raises(ValueError, match="finds by the attention_mask: give it"):
+        model(ids, None)
+    with pytest.raises(ValueError, match="finds by the attention_mask"):
+        model.end_scores(ids, None)
+    assert model(ids, torch.ones_like(ids))["chosen_mean_scores"].shape == (1,)

@@ -147,6 +147,9 @@ class RewardModel(nn.Module):
                 "chosen_mean_scores": chosen, "rejected_mean_scores": rejected}
 
     def end_scores(self, input_ids, attention_mask, **kwargs):
+        if attention_mask is None:  # (DeepSpeed-Chat's forward takes None: it finds each end by the pad id)
+            raise ValueError("RewardModel scores each row at its last real token, which it finds by the "
+                             "attention_mask: give it (a tokenizer's output has it)")
         values = self.token_values(input_ids, attention_mask, **kwargs)
         return values.gather(1, self.score_index(input_ids, attention_mask)[:, None]).squeeze(1)
 
