@@ -69,6 +69,16 @@ def test_an_answer_with_a_chat_template_is_written_as_the_template_writes_it_up_
     assert format_answer("A pear.", llama2, eot_token="</s>", messages=conversation) == "A pear.</s>"
 
 
+def test_a_string_prompt_is_formatted_as_a_records_string_prompt_is(tokenizer, chat_tokenizer):
+    """format_prompt("Name a fruit.", tokenizer), a notebook's natural call (DeepSpeed-Chat's prompts are strings),
+    failed with "string indices must be integers": the string was read as its characters' messages."""
+    transcript = "\n\nHuman: Hi there\n\nAssistant: Hello.\n\nHuman: Name a fruit.\n\nAssistant:"
+    for tok in (tokenizer, chat_tokenizer):
+        assert format_prompt(transcript, tok) == format_prompt(CONVERSATION, tok)
+        assert format_prompt("Name a fruit.", tok) == format_prompt([{"role": "user", "content": "Name a fruit."}], tok)
+    assert format_prompt(transcript, tokenizer) == transcript  # (DeepSpeed-Chat's prompt, as it was)
+
+
 def test_parse_transcript_splits_turns_and_drops_trailing_assistant_marker():
     text = "\n\nHuman: What are cuss words?\n\nAssistant: Here: a list.\n\nHuman: And yours?\n\nAssistant:"
     assert parse_transcript(text) == [{"role": "user", "content": "What are cuss words?"},

@@ -106,7 +106,12 @@ def render_human_assistant(messages):
 
 
 def format_prompt(messages, tokenizer):
-    """The text the model sees before its answer; ends where generation starts."""
+    """The text the model sees before its answer; ends where generation starts. ``messages``: the conversation's
+    {"role", "content"} messages, or a string, read as a record's string prompt is (``parse_transcript``: a
+    "Human: ... Assistant:" transcript, or one user message); a string was read character by character ("string
+    indices must be integers")."""
+    if isinstance(messages, str):
+        messages = parse_transcript(messages)
     if uses_chat_template(tokenizer):
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     return render_human_assistant(messages)
