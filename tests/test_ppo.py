@@ -2229,6 +2229,32 @@ def test_a_trainers_own_args_may_not_change_what_the_engine_was_built_with(train
     assert math.isfinite(trainer.train_rollout([exp])["actor_loss"])
 
 
+def test_a_rollout_after_one_stopped_within_an_optimizer_step_is_refused(trained, tmp_path, monkeypatch):
+    """A train_rollout stopped after the first of an optimizer step's 2 micro-batches (a notebook's interrupt, an error)
+    left the actor's gradients of it in DeepSpeed: the next rollout's first step applied them with its own first
+    micro-batch, and its second micro-batch's waited for the rollout after, every step spanning two rollouts."""
+    from dschat.errors import UsageError
+
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, per_device_training_batch_size=2,
+                                                gradient_accumulation_steps=2)
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
+    real_step = type(trainer)._ppo_step
+
+    def stopped_after_one(self, inputs, train_actor=True):
+        real_step(self, inputs, train_actor)
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(type(trainer), "_ppo_step", stopped_after_one)
+    with pytest.raises(RuntimeError, match="stopped"):
+        trainer.train_rollout([exp])
+    monkeypatch.undo()
+    assert trainer.actor_model.global_steps == 0
+    with pytest.raises(UsageError, match="the actor's DeepSpeed engine holds the gradients of 1 of the 2 micro-batches "
+                                         "of an optimizer step that an earlier call did not finish"):
+        trainer.train_rollout([exp])
+    assert trainer.actor_model.global_steps == 0 and trainer.actor_model.micro_steps == 1  # (nothing trained)
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)

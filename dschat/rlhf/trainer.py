@@ -624,6 +624,7 @@ class DeepSpeedPPOTrainer:
         if unsup_batches and not hasattr(self, "train_unsupervised"):
             raise UsageError("unsup_batches need DeepSpeedPPOTrainerUnsupervised (step 3's "
                              "--unsupervised_dataset_name)")
+        check_no_unfinished_step({"actor": self.actor_model if train_actor else None, "critic": self.critic_model})
         batch, accum = self.args.per_device_training_batch_size, self.args.gradient_accumulation_steps
         check_whole_accumulation_groups(sum(-(-e["input_ids"].shape[0] // batch) for e in experiences), accum, batch)
         if len(experiences) > 1 or "advantages" not in experiences[0]:
@@ -780,6 +781,25 @@ def check_whole_accumulation_groups(micro_batches, accum, batch):
                          f"{accum}: an optimizer step would span rollouts; give a training batch size or "
                          "gradient_accumulation_steps that fits, or more experiences per rollout (step 3's flags: "
                          "--generation_batches)")
+
+
+def check_no_unfinished_step(engines):
+    """Each of ``engines`` ({name: DeepSpeed engine or None}) starts the rollout at an accumulation boundary. An
+    earlier train_rollout stopped within an optimizer step (a notebook's interrupt, an error in a micro-batch) left its
+    engine holding the gradients of that step's first micro-batches, which DeepSpeed has no call to drop: the next
+    rollout's first step added them to its own, and every later step spanned two rollouts, without a word."""
+    for name, engine in engines.items():
+        micro_steps = getattr(engine, "micro_steps", None)
+        if micro_steps is None:  # (a test's stand-in)
+            continue
+        accum = engine.gradient_accumulation_steps()
+        if micro_steps % accum:
+            raise UsageError(f"train_rollout: the {name}'s DeepSpeed engine holds the gradients of "
+                             f"{micro_steps % accum} of the {accum} micro-batches of an optimizer step that an earlier "
+                             "call did not finish (a train_rollout interrupted or stopped by an error, or train_rlhf "
+                             "calls short of a whole step); DeepSpeed cannot drop them, and this rollout's first "
+                             "optimizer step would add them to its own, every later step spanning two rollouts. Build "
+                             "a new DeepSpeedRLHFEngine and trainer (load_checkpoint goes on from a checkpoint)")
 
 
 def _world_group():
