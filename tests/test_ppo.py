@@ -962,6 +962,22 @@ def test_a_notebooks_resume_without_the_prompts_loader_refuses_another_generatio
         load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
 
 
+def test_a_notebook_loading_from_step_3s_output_dir_is_pointed_to_its_checkpoints_folder(tmp_path):
+    """``load_checkpoint(trainer, "<output_dir>")`` where step 3 saved into ``<output_dir>/checkpoints`` returned None,
+    as for a run with no checkpoint yet: the notebook went on training afresh from the SFT model, without a word."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _save_flags_checkpoint(tmp_path / "checkpoints")
+    inner = str(tmp_path / "checkpoints")
+    with pytest.raises(UsageError, match=f"{tmp_path} holds no checkpoint; its checkpoints folder does .*give "
+                                         f"load_checkpoint\\(trainer, '{inner}'\\)"):
+        load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path), inner)
+    assert load_checkpoint(_flags_trainer(tmp_path), str(tmp_path / "new")) is None  # (no checkpoint yet: none)
+
+
 def test_a_resume_on_other_ranks_whose_epochs_make_other_iteration_counts_is_refused(distributed):
     """39 prompts in iterations of 8 (batches of 4 x 1 on 2 ranks, of 4 x 2 on 1): DistributedSampler pads them to 40
     on 2 ranks, 5 iterations an epoch, and 1 rank makes 4; resumed at the end of epoch 1, iteration 5 would have been

@@ -21,6 +21,7 @@ from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import whole_iterations
+from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, among_inputs, finished_run_id, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, ResumePlan, check_complete, check_convertible,
@@ -122,7 +123,8 @@ def load_checkpoint(trainer, root, plan=None, train_loader=None):
     checked too, as ``plan_resume`` checks step 3's; without it, another --generation_batches than the checkpoint's is
     refused, ``_refuse_unchecked_generation_batches``); returns its position dict (None if none)."""
     if plan is None:
-        found = rank_0_decides(lambda: _checked_latest(trainer, root, loaders=(train_loader, None)))
+        found = rank_0_decides(lambda: _checked_latest(trainer, root, loaders=(train_loader, None))
+                               or _check_not_an_output_dir(root))
         if found is None:
             return None
         plan = ResumePlan(found[0], found[1], get_world_size())
@@ -151,6 +153,17 @@ def load_checkpoint(trainer, root, plan=None, train_loader=None):
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state
+
+
+def _check_not_an_output_dir(root):
+    """A notebook's ``root`` that holds no checkpoint but is step 3's --output_dir, whose checkpoints are in its
+    ``checkpoints`` folder: an error saying so (``load_checkpoint`` returned None, and the notebook trained afresh
+    from the SFT model as if none had been saved); else None."""
+    inner = os.path.join(root, CHECKPOINTS_DIR)
+    if os.path.isdir(inner) and latest_tag(inner) is not None:
+        raise UsageError(f"load_checkpoint: {root} holds no checkpoint; its {CHECKPOINTS_DIR} folder does (step 3 "
+                         f"saves its --save_interval checkpoints there): give load_checkpoint(trainer, {inner!r})")
+    return None
 
 
 def restore_kl_controller(controller, saved):
