@@ -2271,6 +2271,19 @@ def test_a_rollout_after_one_stopped_within_an_optimizer_step_is_refused(trained
     assert trainer.actor_model.global_steps == 0 and trainer.actor_model.micro_steps == 1  # (nothing trained)
 
 
+def test_text_prompts_are_said_to_need_tokenizing_not_a_mask():
+    """generate_experience(["Say hi."]) said "the prompts' attention mask is missing": given a mask, the texts were
+    then refused as no tensor; the first error now says the texts need tokenizing."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.trainer import prompt_batch
+
+    for given in (["Say hi."], {"prompt": ["Say hi."]}, "Say hi."):
+        with pytest.raises(UsageError, match="the prompts are a (list|str), not a tensor of token ids; tokenize texts"):
+            prompt_batch(given)
+    with pytest.raises(ValueError, match="the prompts' attention mask is missing"):
+        prompt_batch(torch.tensor([[5, 6]]))
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)

@@ -154,6 +154,10 @@ def prompt_batch(prompts, mask=None):
     if isinstance(prompts, Mapping) and "prompt" not in prompts and "input_ids" in prompts:
         prompts, mask = prompts["input_ids"], prompts.get("attention_mask", mask)
     batch = dict(prompts) if isinstance(prompts, Mapping) else {"prompt": prompts, "prompt_att_mask": mask}
+    if not torch.is_tensor(batch.get("prompt")):  # (before the mask: a list of texts was said to lack its mask)
+        raise UsageError(f"generate_experience: the prompts are a {type(batch.get('prompt')).__name__}, not a tensor "
+                         "of token ids; tokenize texts first: tokenizer(texts, return_tensors='pt', padding=True) with "
+                         "load_tokenizer(path, padding_side='left')")
     if batch.get("prompt_att_mask") is None:
         raise ValueError("generate_experience(prompts, mask): the prompts' attention mask is missing; pass it as "
                          "mask (or a batch with prompt_att_mask, or a tokenizer's output with attention_mask)")
