@@ -2203,6 +2203,10 @@ def test_notebook_calls_that_would_train_wrongly_are_refused(trained, tmp_path):
         trainer.train_rollout(exp)
     with pytest.raises(UsageError, match="no experiences"):
         trainer.train_rollout([])
+    # train_rollout's list given to train_rlhf failed with "list indices must be integers or slices, not str"
+    with pytest.raises(UsageError, match=r"train_rlhf takes one generate_experience output \(a dict\), not a list: "
+                                         r"train_rlhf\(out\); a list of them is .* train_rollout\(\[out, ...\]\)"):
+        trainer.train_rlhf([exp])
     with pytest.raises(TypeError, match="the engine given is a dict, not a DeepSpeedRLHFEngine"):
         type(trainer)({"dtype": "fp32"}, None)
     # prompts beyond max_prompt_seq_len (40) ran past GPT-2's positions or hybrid_engine.max_out_tokens; malformed

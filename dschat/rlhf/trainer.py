@@ -471,6 +471,10 @@ class DeepSpeedPPOTrainer:
     def train_rlhf(self, inputs):
         """One PPO update of actor and critic on a micro-batch of experience; returns (actor_loss, critic_loss).
         DeepSpeed-Chat's call, for a caller's own loop (``train_rollout`` runs step 3's)."""
+        if not isinstance(inputs, Mapping):  # (train_rollout's list: "list indices must be integers or slices")
+            raise UsageError(f"train_rlhf takes one generate_experience output (a dict), not a "
+                             f"{type(inputs).__name__}: train_rlhf(out); a list of them is step 3's PPO iteration, "
+                             "train_rollout([out, ...])")
         self._note_hand_loop(inputs)
         return self._ppo_step(inputs)
 
