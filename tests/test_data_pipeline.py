@@ -614,6 +614,19 @@ def test_records_repeated_in_a_file_or_across_files_are_counted_kept_and_said(tm
     assert f"{other_eval},{other_eval} eval: kept all 2 records; 2 are exact copies of train records" in out
 
 
+def test_eval_records_repeated_across_sources_are_said_to_be_evaluated_again(tmp_path, tokenizer, capsys):
+    """An eval record that repeats an earlier eval record is scored again in the held-out numbers; the report said it
+    was 'trained again', as of a train record, though no eval record is trained on."""
+    shared_eval = write_jsonl(tmp_path / "eval.jsonl", records("beta", 2, start=100))
+    first = write_jsonl(tmp_path / "first.jsonl", records("alpha", 3))
+    second = write_jsonl(tmp_path / "second.jsonl", records("gamma", 3))
+    build(tmp_path, tokenizer, [f"{first},{shared_eval}", f"{second},{shared_eval}"], 2, data_split="0,1,0")
+    out = capsys.readouterr().out
+    assert (f"{second},{shared_eval} eval: kept all 2 records; 2 kept are exact copies of earlier records (2 of "
+            "another source's): evaluated again\n") in out
+    assert "trained again" not in out
+
+
 def test_a_file_given_again_inside_a_folder_or_with_another_eval_file_is_said(tmp_path, tokenizer, capsys):
     """The same train file read through two specs that differ (its folder and the file; the file with and without an
     eval file): its records are read twice, and those of one spec's train split may be another's eval records."""

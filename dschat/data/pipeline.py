@@ -754,9 +754,10 @@ def format_skip_line(entry):
                 f"{'their' if count != 1 else 'its'} last answer (--multiturn)")
     if entry.get("duplicates"):
         count, elsewhere = entry["duplicates"]
+        again = "evaluated again" if entry["split"] == "eval" else "trained again"  # (no eval record trains)
         cut += (f"; {count} kept {'is an exact copy' if count == 1 else 'are exact copies'} of "
                 f"{'an earlier record' if count == 1 else 'earlier records'}"
-                + (f" ({elsewhere} of another source's)" if elsewhere else "") + ": trained again")
+                + (f" ({elsewhere} of another source's)" if elsewhere else "") + f": {again}")
     if entry.get("in_train"):
         count = entry["in_train"]
         cut += (f"; {count} {'is an exact copy of a train record' if count == 1 else 'are exact copies of train records'}"
