@@ -306,6 +306,19 @@ def test_an_unsupervised_text_file_that_is_not_utf8_names_its_line(tmp_path, tok
         get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
 
 
+def test_a_compressed_unsupervised_file_says_to_decompress_it(tmp_path, tokenizer):
+    """docs.txt.gz was looked up on the hub ("not in the datasets cache"); text:docs.txt.gz was unpacked by datasets
+    when UTF-8, and a Latin-1 one was "line 1: not UTF-8 text (byte 0x8b ...)", the gzip header's byte."""
+    import gzip
+
+    path = tmp_path / "docs.txt.gz"
+    path.write_bytes(gzip.compress("first line\ncaf\xe9 au lait\n".encode("latin-1")))
+    for name in (str(path), f"text:{path}"):
+        with pytest.raises(DatasetFormatError, match=rf"{path}: the file is compressed with gzip, which dschat does "
+                                                     r"not read: decompress it \(gunzip -k "):
+            get_unsupervised_data(unsupervised_args(name), tokenizer)
+
+
 def test_unsupervised_tiny_and_a_saved_folder(tmp_path, tokenizer):
     from datasets import Dataset, DatasetDict
 

@@ -15,8 +15,8 @@ import re
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import (all_files, caused_by, file_digest, load_content_keyed, load_file, not_utf8_error, record_where,
-                    text_encoding)
+from .local import (COMPRESSED_EXTENSIONS, all_files, caused_by, check_not_compressed, compressed_error, file_digest,
+                    load_content_keyed, load_file, not_utf8_error, record_where, text_encoding)
 from .pipeline import print_skip_lines
 
 # (CSV and parquet as the prompt data's files: a .csv or .parquet path was looked up on the hub)
@@ -146,6 +146,8 @@ def load_unsupervised_train(name, config_name=None):
     kind, path = local
     if os.path.getsize(path) == 0:  # (datasets' own error for it names neither file nor cause)
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
+    check_not_compressed(path)  # (as the prompt data's files are: datasets unpacked a gzip text file, and said a
+    # Latin-1 one's compressed bytes were not UTF-8)
     # read as the prompt data's files are: a JSON string that is valid JSON ("null", "[1, 2]") in a column of mixed
     # types stays a string (datasets' Json feature decoded it, and blamed its record for the one of another type)
     train, record_lines = _text_file_lines(path) if kind == "text" else load_file(kind, path)
@@ -219,4 +221,7 @@ def _local_text_source(name):
         if not os.path.isfile(name):
             raise MissingInputError(f"--unsupervised_dataset_name {name}: unsupervised data file not found")
         return LOCAL_TEXT_TYPES[extension], name
+    tool = COMPRESSED_EXTENSIONS.get(os.path.splitext(name)[1].lower())
+    if tool and os.path.isfile(name):  # (docs.txt.gz was looked up on the hub, and "not in the datasets cache")
+        raise compressed_error(name, tool)
     return None
