@@ -666,6 +666,19 @@ def test_a_json_object_holding_the_records_under_a_key_says_so(tmp_path):
     assert len(raw(f"json:{tmp_path / 'record.json'}", tmp_path).raw_datasets["train"]) == 1  # a record of its own
 
 
+def test_a_json_object_of_split_lists_says_so_on_one_line_as_indented(tmp_path):
+    # {"train": [...], "test": [...]} written by json.dump without indent was read as one JSON Lines record of columns
+    # 'train' and 'test', to be named with --data_fields (indented, it was told the records are under 'train')
+    records = [{"prompt": f"Q{i}?", "chosen": "Yes.", "rejected": "No."} for i in range(3)]
+    for name, indent in (("one_line.json", None), ("indented.json", 1)):
+        (tmp_path / name).write_text(json.dumps({"train": records, "test": records[:1]}, indent=indent))
+        with pytest.raises(DatasetFormatError, match=rf"{name}: the records are in the lists under 'train', 'test' "
+                                                     r"of a JSON object; give a file for each list .*TYPE:TRAIN_PATH,"
+                                                     r"EVAL_PATH") as error:
+            raw(f"json:{tmp_path / name}", tmp_path)
+        assert "--data_fields" not in str(error.value)
+
+
 def test_one_indented_record_with_a_list_of_objects_is_not_said_to_hold_records_under_it(tmp_path):
     # a record with a tool list ({"messages": [...], "tools": [{"type": "function", ...}]}, TRL's tool-calling data),
     # written with json.dumps(indent=...), was said to hold "the records in the list under 'tools'"

@@ -469,10 +469,17 @@ def check_json_document(path):
         if _is_json_lines(text):
             return check_jsonl_lines(path)
         raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({_json_reason(err)})") from None
-    key = _records_key(document)
+    keys_of_records = _records_keys(document)
+    key = keys_of_records[0] if keys_of_records else None
     if key is not None and len(document) == 1:  # (a one-key object is never a record)
         raise DatasetFormatError(f"{path}: the records are in the list under {key!r} of a JSON object; give a file "
                                  "that is that list (a JSON array of records) or JSON Lines")
+    if len(keys_of_records) > 1 and len(keys_of_records) == len(document):  # nor one of record lists alone: splits
+        # ({"train": [...], "test": [...]}; written on one line it was read as one JSON Lines record, to be named
+        # with --data_fields)
+        raise DatasetFormatError(f"{path}: the records are in the lists under {', '.join(map(repr, keys_of_records))}"
+                                 " of a JSON object; give a file for each list (a JSON array of records, or JSON "
+                                 "Lines): a train and an eval file as TYPE:TRAIN_PATH,EVAL_PATH")
     if key is not None and "\n" in text.strip():  # (or one record with a list of objects: a tool list, say)
         raise DatasetFormatError(f"{path}: expected a JSON array of records, got a JSON object: if the records are "
                                  f"the list under {key!r}, give a file that is that list (or JSON Lines); one record? "
@@ -492,14 +499,14 @@ def check_json_document(path):
     return None
 
 
-def _records_key(document):
-    """The key of a JSON object whose value is a list of records ({"data": [...]}, as load_dataset's field= reads
-    it), else None; a list of messages ({"messages": [{"role": ...}]}, a record's own) holds no records."""
+def _records_keys(document):
+    """The keys of a JSON object whose values are lists of records ({"data": [...]}, as load_dataset's field= reads
+    it), else []; a list of messages ({"messages": [{"role": ...}]}, a record's own) holds no records."""
     if not isinstance(document, dict) or any(_are_messages(value) for value in document.values()):
-        return None  # (an object with a message list of its own is a record)
-    return next((key for key, value in document.items() if isinstance(value, list) and value and
-                 all(isinstance(item, dict) for item in value) and
-                 not any(speaker in item for item in value for speaker in SPEAKER_KEYS)), None)
+        return []  # (an object with a message list of its own is a record)
+    return [key for key, value in document.items() if isinstance(value, list) and value and
+            all(isinstance(item, dict) for item in value) and
+            not any(speaker in item for item in value for speaker in SPEAKER_KEYS)]
 
 
 def _is_json_lines(text):
