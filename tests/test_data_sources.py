@@ -817,6 +817,20 @@ def test_a_csv_records_error_names_its_line(tmp_path):
         raw(str(path), tmp_path)
 
 
+def test_a_csv_line_of_spaces_is_skipped_as_a_blank_line_before_the_header_too(tmp_path):
+    # pandas skips a line of spaces (or tabs) as a blank one: a first such line was read as the header [''], and each
+    # record refused with "3 cells, where the header names 1 columns"; a later one was counted as a record, so a
+    # record's error said "record 1" with no line
+    path = tmp_path / "spaced.csv"
+    path.write_text("  \nprompt,chosen,rejected\nQ1,A1,B1\n \t\nQ2,A2,B2\n")
+    adapter = raw(f"{path},{path}", tmp_path)
+    assert [(adapter.get_conversation(s)[0]["content"], adapter.get_chosen_text(s), adapter.get_rejected_text(s))
+            for s in adapter.get_train_data()] == [("Q1", "A1", "B1"), ("Q2", "A2", "B2")]
+    path.write_text("\t\nprompt,chosen,rejected\nQ1,A1,B1\n   \nQ2,,B2\n")
+    with pytest.raises(DatasetFormatError, match=rf"{path} line 5 \(record 1\): field 'chosen': missing or null"):
+        raw(str(path), tmp_path)
+
+
 def test_a_csv_written_with_crlf_line_ends_reads_as_the_lf_one(tmp_path):
     """A cell of a Windows CSV keeps its "\\r\\n"s: a prompt with a system message read as one user message (the
     transcript as its text), a transcript whose turn says "Human:" was cut there, and answers kept their "\\r"s."""

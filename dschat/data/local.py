@@ -611,18 +611,19 @@ def check_separated_by_commas(path, header):
 
 def csv_record_lines(path):
     """(the header's cells, the lines (1-based) where its records start) of a CSV file, read once, as pandas reads
-    them: after the header, a quoted cell may span lines, blank lines are skipped. The header is checked as soon as it
-    is read (``check_csv_header``); a row that repeats it, or a record with more cells than it, is an error
-    (``check_not_a_header``, ``check_no_extra_cells``). The lines are None, and the header where it was not reached,
-    if the csv module cannot read the file (the loader says why)."""
+    them: after the header, a quoted cell may span lines, blank lines (and lines of spaces alone) are skipped, before
+    the header too. The header is checked as soon as it is read (``check_csv_header``); a row that repeats it, or a
+    record with more cells than it, is an error (``check_not_a_header``, ``check_no_extra_cells``). The lines are None,
+    and the header where it was not reached, if the csv module cannot read the file (the loader says why)."""
     import csv
 
     starts, start, header = [], 1, None
     try:
         with open(path, newline="", encoding=text_encoding(path)) as f:
-            reader = csv.reader(f, **CSV_SPACING)
+            lines = _LastLineRead(f)
+            reader = csv.reader(lines, **CSV_SPACING)
             for row in reader:
-                if row:
+                if row and lines.last.strip():  # (a row's last line is blank only where the row is that line alone)
                     starts.append(start)
                     if header is None:
                         header = row
@@ -634,6 +635,23 @@ def csv_record_lines(path):
     except (UnicodeDecodeError, csv.Error):
         return header, None
     return header, starts[1:]
+
+
+class _LastLineRead:
+    """A file's lines as the csv module reads them, keeping the last one read: a line of spaces alone is a blank line,
+    which pandas skips (the header is the first line that is not), where the csv module reads it as one empty cell,
+    as it reads a quoted empty cell (a record to pandas). A first line of spaces was the header [''], and every record
+    'N cells, where the header names 1 columns'."""
+
+    def __init__(self, lines):
+        self.lines, self.last = lines, ""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.last = next(self.lines)
+        return self.last
 
 
 def check_not_a_header(path, line, row, header):
