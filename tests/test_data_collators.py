@@ -130,8 +130,15 @@ def test_rlhf_collator_rounds_prompts_up_but_never_past_max_prompt_len():
     batch = DataCollatorRLHF(max_prompt_len=16, pad_token_id=PAD, pad_to_multiple_of=4)(items)
     assert batch["prompt"].tolist() == [[PAD] * 3 + [7, 8, 9, 10, 11], [PAD] * 7 + [5]]
     assert batch["prompt_att_mask"].tolist() == [[0] * 3 + [1] * 5, [0] * 7 + [1]]
-    with pytest.raises(TypeError):  # DeepSpeed-Chat's (max_size, inference_tp_size): not taken as the pad id
+    # DeepSpeed-Chat's (max_size, inference_tp_size): not taken as the pad id, and said so ("takes 2 positional
+    # arguments but 3 were given" said neither)
+    with pytest.raises(TypeError, match=r"DataCollatorRLHF\(16, 1\): the pad id is the keyword pad_token_id "
+                                        r"\(DataCollatorRLHF\(max_prompt_len, pad_token_id=tokenizer.pad_token_id\)\); "
+                                        r"DeepSpeed-Chat's DataCollatorRLHF\(max_size, inference_tp_size\) is not taken"):
         DataCollatorRLHF(16, 1)
+    for missing in ({}, {"pad_token_id": None}):  # (None failed at the first batch)
+        with pytest.raises(TypeError, match=r"DataCollatorRLHF needs pad_token_id=tokenizer.pad_token_id"):
+            DataCollatorRLHF(16, **missing)
     # 5 rounds up to 8, but no prompt batch is longer than max_prompt_len
     capped = DataCollatorRLHF(max_prompt_len=6, pad_token_id=PAD, pad_to_multiple_of=4)(items)
     assert capped["prompt"].shape == capped["prompt_att_mask"].shape == (2, 6)

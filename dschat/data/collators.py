@@ -116,6 +116,20 @@ def first_answer_position(response_mask):
     return int(columns[0]) if len(columns) else response_mask.shape[1]
 
 
+def check_rlhf_collator_arguments(max_prompt_len, positional, pad_token_id):
+    """A TypeError saying how DataCollatorRLHF takes its pad id: DeepSpeed-Chat's call, ``(max_size,
+    inference_tp_size)``, said only "takes 2 positional arguments but 3 were given", and one without the id that it
+    misses a keyword-only argument (or, given None, padding failed at the first batch)."""
+    if positional:
+        raise TypeError(f"DataCollatorRLHF({max_prompt_len}, {', '.join(map(repr, positional))}): the pad id is the "
+                        "keyword pad_token_id (DataCollatorRLHF(max_prompt_len, pad_token_id=tokenizer.pad_token_id)); "
+                        "DeepSpeed-Chat's DataCollatorRLHF(max_size, inference_tp_size) is not taken, as its second "
+                        "argument, the tp size, would pad the prompts")
+    if pad_token_id is None:
+        raise TypeError("DataCollatorRLHF needs pad_token_id=tokenizer.pad_token_id, the id the prompts are "
+                        "left-padded with (a tokenizer without a pad token: set tokenizer.pad_token first)")
+
+
 class DataCollatorRLHF(RoundedPadding):
     """Phase 3: ``prompt``/``prompt_att_mask`` left-padded to the batch's longest prompt, rounded up to a multiple
     of ``pad_to_multiple_of`` but never past ``max_prompt_len`` (no prompt batch is longer than the limit, and
@@ -125,7 +139,8 @@ class DataCollatorRLHF(RoundedPadding):
 
     TENSOR_KEYS = ("prompt_input_ids",)
 
-    def __init__(self, max_prompt_len, *, pad_token_id, pad_to_multiple_of=1):
+    def __init__(self, max_prompt_len, *positional, pad_token_id=None, pad_to_multiple_of=1):
+        check_rlhf_collator_arguments(max_prompt_len, positional, pad_token_id)
         super().__init__(pad_to_multiple_of, max_length=max_prompt_len)
         self.max_prompt_len = max_prompt_len
         self.pad_token_id = pad_token_id
