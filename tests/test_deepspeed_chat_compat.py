@@ -591,3 +591,40 @@ def test_a_reward_model_called_without_an_attention_mask_says_it_needs_one():
     with pytest.raises(ValueError, match="finds by the attention_mask"):
         model.end_scores(ids, None)
     assert model(ids, torch.ones_like(ids))["chosen_mean_scores"].shape == (1,)
+
+
+def test_trainer_kl_ctl_takes_deepspeed_chats_float_and_says_where_it_would_not_apply():
+    """DeepSpeed-Chat's trainer.kl_ctl is the coefficient, a float: assigned here it failed in compute_rewards with
+    "'float' object has no attribute 'value'"; it is now the fixed controller of that coefficient."""
+    import torch
+
+    from dschat.errors import UsageError
+    from dschat.rlhf import algorithms as algo
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    def trainer(**settings):
+        made = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)  # (no engine: compute_rewards reads no model)
+        made.args, made.clip_reward_value = step3_args(settings), 5.0
+        made.kl_ctl = algo.get_kl_controller("adaptive" if made.args.adaptive_kl else "fixed", made.args.kl_ctl,
+                                             made.args.kl_target, made.args.kl_horizon)
+        return made
+
+    ppo = trainer()
+    ppo.kl_ctl = 0.05
+    assert isinstance(ppo.kl_ctl, algo.FixedKLController) and ppo.kl_ctl.value == 0.05
+    log_probs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    score, mask = torch.tensor([1.0]), torch.ones(1, 2)
+    torch.testing.assert_close(ppo.compute_rewards(None, log_probs, ref, score, mask),
+                               algo.kl_penalized_rewards(log_probs, ref, score, mask, 0.05, 5.0, "k1"))
+    ppo.kl_ctl = algo.FixedKLController(0.2)  # (a controller stays one)
+    assert ppo.kl_ctl.value == 0.2
+    with pytest.raises(TypeError, match=r"trainer.kl_ctl = '0.1': expected the KL coefficient \(a float"):
+        ppo.kl_ctl = "0.1"
+    with pytest.raises(UsageError, match=r"must be a non-negative number"):
+        ppo.kl_ctl = -0.1
+    with pytest.raises(UsageError, match=r"KL controller is not a fixed one \(AdaptiveKLController: --adaptive_kl "
+                                         r"changes its coefficient each iteration\); set trainer.kl_ctl.value = 0.05 "
+                                         r"to go on adapting .*\.FixedKLController\(0.05\) to hold it fixed"):
+        trainer(adaptive_kl=True).kl_ctl = 0.05
+    with pytest.raises(UsageError, match=r"does not use: the KL is a loss term weighted by trainer.args.kl_loss_coef"):
+        trainer(advantage_estimator="grpo", n_samples_per_prompt=2).kl_ctl = 0.05

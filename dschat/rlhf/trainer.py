@@ -235,6 +235,37 @@ def prompt_texts(tokenizer, prompts, mask):
     return texts
 
 
+KL_CONTROLLER_METHODS = ("update", "state_dict", "load_state_dict")  # (what training and checkpoints call)
+
+
+def kl_controller_assigned(controller, current, args):
+    """What ``trainer.kl_ctl = controller`` sets: a KL controller as it is; a number (DeepSpeed-Chat's kl_ctl, a float)
+    as a fixed controller of that coefficient, where the run's controller is a fixed one that the reward reads; else a
+    TypeError or UsageError saying what to assign."""
+    import math
+    import numbers
+
+    if hasattr(controller, "value") and all(callable(getattr(controller, name, None))
+                                            for name in KL_CONTROLLER_METHODS):
+        return controller
+    if isinstance(controller, bool) or not isinstance(controller, numbers.Real):
+        raise TypeError(f"trainer.kl_ctl = {controller!r}: expected the KL coefficient (a float, as DeepSpeed-Chat's "
+                        "kl_ctl) or a KL controller (dschat.rlhf.algorithms.FixedKLController / AdaptiveKLController: "
+                        f"value, {', '.join(KL_CONTROLLER_METHODS)}), got {type(controller).__name__}")
+    if not math.isfinite(controller) or controller < 0:
+        raise UsageError(f"trainer.kl_ctl = {controller!r}: the KL coefficient must be a non-negative number")
+    if args is not None and kl_in_loss(args):  # (as --kl_ctl is refused there: it would change nothing)
+        raise UsageError(f"trainer.kl_ctl = {controller!r}: kl_ctl weighs the per-token reward's KL, which this run "
+                         f"(--advantage_estimator {args.advantage_estimator}, --kl_in_reward {int(args.kl_in_reward)})"
+                         " does not use: the KL is a loss term weighted by trainer.args.kl_loss_coef")
+    if current is not None and not isinstance(current, algo.FixedKLController):
+        raise UsageError(f"trainer.kl_ctl = {controller!r}: this run's KL controller is not a fixed one "
+                         f"({type(current).__name__}: --adaptive_kl changes its coefficient each iteration); set "
+                         f"trainer.kl_ctl.value = {controller!r} to go on adapting from that coefficient, or assign "
+                         f"dschat.rlhf.algorithms.FixedKLController({controller!r}) to hold it fixed")
+    return algo.FixedKLController(controller)
+
+
 class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
 
@@ -421,6 +452,17 @@ class DeepSpeedPPOTrainer:
         return layout.restore(layout.forward(critic.forward_value, seq, return_value_only=True))[:, :-1]
 
     # --- rewards and advantages ---------------------------------------------------------------------------
+    @property
+    def kl_ctl(self):
+        """The per-token reward's KL controller (``.value``: its coefficient; ``update`` after each iteration)."""
+        return self._kl_ctl
+
+    @kl_ctl.setter
+    def kl_ctl(self, controller):
+        # (DeepSpeed-Chat's kl_ctl is the float coefficient itself: one assigned here failed in compute_rewards with
+        # "'float' object has no attribute 'value'")
+        self._kl_ctl = kl_controller_assigned(controller, getattr(self, "_kl_ctl", None), getattr(self, "args", None))
+
     def compute_rewards(self, prompts, log_probs, ref_log_probs, reward_score, action_mask):
         """DeepSpeed-Chat's signature: per-token rewards with the KL penalty and the clipped score."""
         kl_coef = self.kl_ctl.value if self.args.kl_in_reward else 0.0
