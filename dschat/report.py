@@ -168,9 +168,9 @@ def write_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
 FINAL_KL_ITERATIONS = 10
 
 
-def counted(number, noun):
-    """``number`` ``noun``, in the plural but for one: "1 iteration", "74 iterations"."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+def counted(number, noun, plural=None):
+    """``number`` ``noun``, in the plural (``plural``, else noun + "s") but for one: "1 iteration", "74 iterations"."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
 def final_kl_said(kl):

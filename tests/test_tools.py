@@ -1193,3 +1193,16 @@ def test_chat_keeps_no_answer_that_is_only_a_human_turn_the_model_wrote(session,
     assert session.ask("Name two colors.") == ""
     assert session.history[-1] == {"role": "assistant", "content": ""}
     assert chat.own_turn("A Human: wrote this.", session.tokenizer) == "A Human: wrote this."  # (words of the answer)
+
+
+def test_a_count_of_one_is_said_in_the_singular(tmp_path, capsys):
+    # "[dschat] 1 records of ...", "1 batches per rank"
+    from dschat.report import counted
+    from dschat.tools.records import load_records
+
+    assert (counted(1, "batch", "batches"), counted(2, "batch", "batches"), counted(0, "record")) == \
+        ("1 batch", "2 batches", "0 records")
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "Name a color.", "chosen": "red", "rejected": "no"}) + "\n")
+    assert len(load_records(f"jsonl:{data}")) == 1
+    assert f"[dschat] 1 record of jsonl:{data}\n" in capsys.readouterr().out

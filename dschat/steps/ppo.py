@@ -12,7 +12,7 @@ from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import TORCH_DTYPES, load_tokenizer
-from dschat.report import ALGORITHM_NAMES
+from dschat.report import ALGORITHM_NAMES, counted
 from dschat.rlhf.checkpointing import load_checkpoint, plan_resume, save_checkpoint
 from dschat.rlhf.config import (check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args,
                                 whole_iterations)
@@ -86,8 +86,9 @@ def unsupervised_loader(args, tokenizer):
                          f"block(s) of {block} tokens (--max_prompt_seq_len + --max_answer_seq_len), fewer than one "
                          f"batch of --per_device_generation_batch_size {batch} on each of {ranks} rank(s) "
                          f"({batch * ranks} blocks): give more text")
-    print_rank_0(f"[step3] unsupervised data {args.unsupervised_dataset_name}: {len(data)} blocks of "
-                 f"{args.max_prompt_seq_len + args.max_answer_seq_len} tokens, {len(loader)} batches per rank")
+    print_rank_0(f"[step3] unsupervised data {args.unsupervised_dataset_name}: {counted(len(data), 'block')} of "
+                 f"{args.max_prompt_seq_len + args.max_answer_seq_len} tokens, "
+                 f"{counted(len(loader), 'batch', 'batches')} per rank")
     return loader
 
 

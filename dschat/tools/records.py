@@ -5,6 +5,7 @@ from itertools import islice
 from dschat.data.base import read_or_none
 from dschat.data.raw_datasets import TINY_NAME
 from dschat.errors import MissingInputError, UsageError
+from dschat.report import counted
 from dschat.tiny import EVAL_FILE
 
 
@@ -53,7 +54,8 @@ def load_records(path, data_fields=None, limit=None):
     raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1, field_options=parse_field_map(data_fields))
     held_out = raw.raw_datasets["eval"]
     samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
-    print(f"[dschat] {len(samples)} records of {path}" + (" (its eval part)" if held_out is not None else ""))
+    part = " (its eval part)" if held_out is not None else ""
+    print(f"[dschat] {counted(len(samples), 'record')} of {path}{part}")
     # (a conversation awaiting its answer has no chosen one)
     return [Record(raw.get_conversation(s), read_or_none(raw.get_chosen_text, s), raw.get_rejected_text(s))
             for s in samples]
