@@ -142,12 +142,13 @@ def run_variant(name, actor_dir, critic_dir, tokenizer, args, vocab):
                 "per_device_generation_batch_size": args.batch, "per_device_training_batch_size": args.batch,
                 "max_prompt_seq_len": args.prompt, "max_answer_seq_len": args.gen,
                 "actor_gradient_checkpointing": "nockpt" not in options, "num_warmup_steps": 0,
-                "enable_cuda_graph": args.cuda_graph, "critic_model_name_or_path": critic_dir,
-                "compile_decode_step": compile_mode if hybrid else None,
-                "logprobs_from_generation": hybrid and (args.logprobs_from_generation or "genlogp" in options),
+                "critic_model_name_or_path": critic_dir,
                 "check_grad_overflow": "overflowcheck" in options, "padded_forwards": "padded" in options,
-                "zero3_fetch": "module" if "z3module" in options else "layer",
-                "fuse_projections": "on" if "fuse" in options else "off" if "nofuse" in options else "auto"}
+                "zero3_fetch": "module" if "z3module" in options else "layer"}
+    if hybrid:  # (step 3 refuses the hybrid engine's own flags without it, even False: a _hf variant failed so)
+        settings.update({"enable_cuda_graph": args.cuda_graph, "compile_decode_step": compile_mode,
+                         "logprobs_from_generation": args.logprobs_from_generation or "genlogp" in options,
+                         "fuse_projections": "on" if "fuse" in options else "off" if "nofuse" in options else "auto"})
     from dschat.hybrid_engine import sampling
 
     sampling.ONE_PASS = "torchsample" not in options  # a process per variant; with --same_process set for each

@@ -261,6 +261,34 @@ def test_ppo_iteration_cut_short_leaves_the_variants_its_fresh_processes_finishe
     assert results == [{"variant": "z2_hybrid", "samples_per_s": 36.0}]
 
 
+@pytest.mark.parametrize("variant", ["z2_hf", "z3_hf_nockpt", "z2_hybrid_compiled_genlogp_fuse"])
+def test_ppo_iteration_gives_each_variant_settings_step_3_takes(variant, monkeypatch):
+    """The hybrid engine's flags went to every variant: step 3 refuses them without the hybrid engine, even at False
+    (--no-enable_cuda_graph), so every _hf variant failed before its first iteration ('read by the hybrid engine
+    only, which is off'), whatever the flags."""
+    import dschat
+    from dschat.hybrid_engine import sampling
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.engine import check_settings
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import ppo_iteration
+
+    class Checked(Exception):
+        pass
+
+    def engine(args=None, **given):
+        check_settings(step3_args(args))
+        raise Checked
+
+    monkeypatch.setattr(dschat, "DeepSpeedRLHFEngine", engine, raising=False)
+    monkeypatch.setattr(sampling, "ONE_PASS", sampling.ONE_PASS)  # (run_variant sets it for its variant)
+    args = SimpleNamespace(compile_decode_step=None, batch=2, prompt=8, gen=4, cuda_graph=True,
+                           logprobs_from_generation=True)
+    with pytest.raises(Checked):
+        ppo_iteration.run_variant(variant, "actor", "critic", None, args, 1024)
+
+
 @pytest.mark.parametrize("script", ["ppo_iteration", "tensor_parallel"])
 def test_a_benchmark_under_mpirun_shares_its_ranks_and_takes_each_ranks_own_gpu(script, monkeypatch):
     """mpirun and srun set no RANK or LOCAL_RANK (DeepSpeed's MPI discovery sets them as the process group starts):
