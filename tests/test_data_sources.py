@@ -114,6 +114,23 @@ def test_a_compressed_data_file_says_to_decompress_it(tmp_path):
             raw(spec, tmp_path)
 
 
+def test_a_folder_of_compressed_split_files_says_to_decompress_them(tmp_path):
+    # Anthropic/hh-rlhf's helpful-base/ holds train.jsonl.gz and test.jsonl.gz: the folder was 'cannot tell what the
+    # folder holds ... use TYPE:PATH', and jsonl:FOLDER then 'the folder has no train.jsonl'
+    import gzip
+
+    folder = tmp_path / "helpful-base"
+    folder.mkdir()
+    for name in ("train.jsonl.gz", "test.jsonl.gz"):
+        (folder / name).write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
+    for spec in (str(folder), f"jsonl:{folder}"):
+        with pytest.raises(DatasetFormatError, match=r"helpful-base: its train data train.jsonl.gz is compressed with "
+                                                     r"gzip, which dschat does not read: decompress its files \(gunzip "
+                                                     r"-k .*train.jsonl.gz && gunzip -k .*test.jsonl.gz\) and give "
+                                                     r"the folder again"):
+            raw(spec, tmp_path)
+
+
 def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"

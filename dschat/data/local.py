@@ -206,6 +206,7 @@ def _infer_kind(path):
         hub_splits = _hub_split_files(path)
         if hub_splits:  # (the kind of its train files; _folder_source says what else is wrong)
             return EXTENSION_TYPES[os.path.splitext(hub_splits.get("train", [*hub_splits.values()][0])[0])[1]]
+        check_folder_not_compressed(path)
         raise UsageError(f"cannot tell what the folder {path} holds: it is not a save_to_disk folder and has no "
                          "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
     kind = EXTENSION_TYPES.get(os.path.splitext(path)[1].lower())
@@ -232,6 +233,7 @@ def _typed_source(kind, paths_text, spec):
             raise UsageError(f"{spec}: give either a folder or TRAIN_PATH,EVAL_PATH files, not both")
         source = _folder_source(kind, paths[0], spec)
         if source is None:
+            check_folder_not_compressed(paths[0])
             raise MissingInputError(f"{spec}: the folder has no train.{kind}")
         return source
     return LocalSource(kind, paths[0], paths[1] if len(paths) > 1 else None, spec)
@@ -525,6 +527,23 @@ DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd
 def compressed_error(path, tool):
     return DatasetFormatError(f"{path}: the file is compressed with {tool}, which dschat does not read: decompress it "
                               f"({DECOMPRESS[tool]} {path}) and give the file that writes")
+
+
+def check_folder_not_compressed(folder):
+    """A folder whose train data is compressed (Anthropic/hh-rlhf's helpful-base/train.jsonl.gz and test.jsonl.gz) is
+    an error saying so, with the command that decompresses its split files: it was "cannot tell what the folder
+    holds" and, given TYPE:FOLDER, "the folder has no train.jsonl", neither of which is the fix."""
+    names = [f"{split}{ext}{packed}" for split in ("train", *EVAL_SPLIT_NAMES) for ext in EXTENSION_TYPES
+             for packed in COMPRESSED_EXTENSIONS]
+    found = [(os.path.join(folder, name), COMPRESSED_EXTENSIONS[os.path.splitext(name)[1]]) for name in names
+             if os.path.isfile(os.path.join(folder, name))]
+    train = next((path for path, _ in found if os.path.basename(path).startswith("train.")), None)
+    if train is None:
+        return
+    commands = " && ".join(f"{DECOMPRESS[tool]} {path}" for path, tool in found)
+    raise DatasetFormatError(f"{folder}: its train data {os.path.basename(train)} is compressed with "
+                             f"{COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]}, which dschat does not read: "
+                             f"decompress its files ({commands}) and give the folder again")
 
 
 def check_not_compressed(path):
