@@ -2288,6 +2288,22 @@ def test_text_prompts_are_said_to_need_tokenizing_not_a_mask():
         prompt_batch(torch.tensor([[5, 6]]))
 
 
+def test_a_ptx_actors_rollout_without_unsupervised_batches_is_refused(trained, tmp_path):
+    """An engine built for PPO-ptx doubles the actor's accumulation (a PPO micro-step and a language-model one per
+    micro-batch): a train_rollout without unsup_batches took no actor step on a rollout of one accumulation group,
+    left half a step behind, and the next rollout was refused as if an earlier call had been interrupted."""
+    from dschat.errors import UsageError
+
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, unsupervised_dataset_name="tiny")
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
+    with pytest.raises(UsageError, match="train_rollout: the engine's actor was built for PPO-ptx "
+                                         "\\(unsupervised_dataset_name 'tiny'\\), .* give a "
+                                         "DeepSpeedPPOTrainerUnsupervised unsup_batches="):
+        trainer.train_rollout([exp])
+    assert trainer.actor_model.micro_steps == 0  # (refused before anything trained)
+    assert trainer.train_rollout([exp], train_actor=False)["critic_loss"] is not None  # (the critic alone: no LM step)
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)

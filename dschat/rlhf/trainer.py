@@ -674,6 +674,7 @@ class DeepSpeedPPOTrainer:
         if unsup_batches and not hasattr(self, "train_unsupervised"):
             raise UsageError("unsup_batches need DeepSpeedPPOTrainerUnsupervised (step 3's "
                              "--unsupervised_dataset_name)")
+        check_ptx_steps_paired(self.args, train_actor, unsup_batches)
         check_no_unfinished_step({"actor": self.actor_model if train_actor else None, "critic": self.critic_model})
         batch, accum = self.args.per_device_training_batch_size, self.args.gradient_accumulation_steps
         check_whole_accumulation_groups(sum(-(-e["input_ids"].shape[0] // batch) for e in experiences), accum, batch)
@@ -831,6 +832,19 @@ def check_whole_accumulation_groups(micro_batches, accum, batch):
                          f"{accum}: an optimizer step would span rollouts; give a training batch size or "
                          "gradient_accumulation_steps that fits, or more experiences per rollout (step 3's flags: "
                          "--generation_batches)")
+
+
+def check_ptx_steps_paired(args, train_actor, unsup_batches):
+    """An actor built for PPO-ptx (--unsupervised_dataset_name: ``step3_train_config`` doubles its accumulation, each
+    PPO micro-batch's step followed by a language-model one) trains only with ``unsup_batches``: without them each of
+    its optimizer steps took two groups of PPO micro-batches, a rollout of one group leaving half a step, which the next
+    rollout's ``check_no_unfinished_step`` took for an interrupted call."""
+    if train_actor and args.unsupervised_dataset_name and not unsup_batches:
+        raise UsageError("train_rollout: the engine's actor was built for PPO-ptx (unsupervised_dataset_name "
+                         f"{args.unsupervised_dataset_name!r}), whose optimizer step accumulates each PPO micro-batch "
+                         "with a language-model micro-step: give a DeepSpeedPPOTrainerUnsupervised unsup_batches=[...] "
+                         "(batches of that data: dschat.steps.ppo.unsupervised_loader(args, tokenizer)), or build the "
+                         "engine without unsupervised_dataset_name")
 
 
 def check_no_unfinished_step(engines):
