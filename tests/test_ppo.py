@@ -2249,6 +2249,21 @@ def test_a_trainers_own_args_may_not_change_what_the_engine_was_built_with(train
     assert math.isfinite(trainer.train_rollout([exp])["actor_loss"])
 
 
+def test_a_trainers_own_args_may_not_change_how_the_engine_built_its_models(trained, tmp_path):
+    """Settings the engine built its models with beyond 190a760's list (gradient checkpointing, the critic's fp32 value
+    head, the reference's offload, ...) were taken from a trainer's own args without a word, the engine's models
+    running with their own, where the README says another value of such a setting is an error naming it."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.errors import UsageError
+
+    engine, _, _ = _engine_and_trainer(trained, tmp_path)
+    for name, value in (("actor_gradient_checkpointing", True), ("compute_fp32_loss", True),
+                        ("offload_reference_model", True)):
+        with pytest.raises(UsageError, match=f"args differ from the settings .*: {name} {value!r} \\(the engine's: "
+                                             f"{getattr(engine.args, name)!r}\\)"):
+            DeepSpeedPPOTrainer(engine, {**vars(engine.args), name: value})
+
+
 def test_a_rollout_after_one_stopped_within_an_optimizer_step_is_refused(trained, tmp_path, monkeypatch):
     """A train_rollout stopped after the first of an optimizer step's 2 micro-batches (a notebook's interrupt, an error)
     left the actor's gradients of it in DeepSpeed: the next rollout's first step applied them with its own first

@@ -33,11 +33,18 @@ PPO_STEP_STATS = ("pg_clipfrac", "approx_kl", "vf_clipfrac")
 
 # The settings DeepSpeedRLHFEngine built its models, optimizers and generation from. A trainer given args of its own
 # with other values of them failed (HF's generate called with the hybrid engine's arguments, GAE's advantages with no
-# critic's values) or trained with the engine's silently (its learning rates, precision, LoRA, accumulation).
+# critic's values) or trained with the engine's silently (its learning rates, precision, LoRA, accumulation, gradient
+# checkpointing, offloads, the hybrid engine's CUDA graphs, compilation and tensor parallelism).
 ENGINE_SETTINGS = ("enable_hybrid_engine", "actor_zero_stage", "critic_zero_stage", "dtype", "offload", "enable_ema",
                    "gradient_accumulation_steps", "actor_lora_dim", "critic_lora_dim", "only_optimize_lora",
                    "actor_learning_rate", "critic_learning_rate", "actor_weight_decay", "critic_weight_decay",
-                   "lr_scheduler_type", "num_warmup_steps", "actor_dropout", "critic_dropout")
+                   "lr_scheduler_type", "num_warmup_steps", "actor_dropout", "critic_dropout",
+                   "actor_gradient_checkpointing", "critic_gradient_checkpointing", "lora_alpha",
+                   "actor_lora_module_name", "critic_lora_module_name", "actor_lora_learning_rate",
+                   "critic_lora_learning_rate", "enable_mixed_precision_lora", "offload_reference_model",
+                   "offload_reward_model", "compute_fp32_loss", "check_grad_overflow", "zero3_fetch",
+                   "unpin_actor_parameters", "release_inference_cache", "inference_tp_size", "tp_gather_partition_size",
+                   "enable_cuda_graph", "compile_decode_step", "decode_attention", "fuse_projections")
 
 
 # What the engine built (or not) from a setting: (the flag, what it built, whether ``args`` build it). Within what the
