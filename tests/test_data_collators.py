@@ -271,6 +271,25 @@ def test_a_mistyped_or_empty_unsupervised_file_is_named_not_looked_up_on_the_hub
     assert len(get_unsupervised_data(unsupervised_args(str(tmp_path / "corpus.json")), tokenizer)) >= 1
 
 
+def test_a_compressed_unsupervised_file_is_read_by_its_inner_extension_not_looked_up_on_the_hub(tmp_path, tokenizer,
+                                                                                                 monkeypatch):
+    # corpus.txt.gz was taken for a hub name ("not in the datasets cache ..."), though txt:corpus.txt.gz reads it; a
+    # compressed JSON Lines file now says it is compressed, as --data_path's does
+    import gzip
+
+    from dschat.data import unsupervised
+
+    monkeypatch.setattr(unsupervised, "load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
+    text = tmp_path / "corpus.txt.gz"
+    text.write_bytes(gzip.compress("".join(f"document {i} has some words in it\n" for i in range(40)).encode()))
+    train, column = unsupervised.load_unsupervised_train(str(text))
+    assert column == "text" and train[0]["text"] == "document 0 has some words in it" and len(train) == 40
+    records = tmp_path / "docs.jsonl.gz"
+    records.write_bytes(gzip.compress(json.dumps({"text": "hello"}).encode() + b"\n"))
+    with pytest.raises(DatasetFormatError, match=r"docs.jsonl.gz: the file is compressed with gzip"):
+        unsupervised.load_unsupervised_train(str(records))
+
+
 def test_unsupervised_json_text_that_reads_as_json_stays_text_and_the_bad_record_is_named(tmp_path, tokenizer):
     """In a "text" column of mixed types datasets decoded the strings that are valid JSON: "null" was said to be
     missing at its record, and the number further on, the bad record, went unnamed."""
@@ -313,17 +332,16 @@ def test_an_unsupervised_text_file_that_is_not_utf8_names_its_line(tmp_path, tok
         get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
 
 
-def test_a_compressed_unsupervised_file_says_to_decompress_it(tmp_path, tokenizer):
-    """docs.txt.gz was looked up on the hub ("not in the datasets cache"); text:docs.txt.gz was unpacked by datasets
-    when UTF-8, and a Latin-1 one was "line 1: not UTF-8 text (byte 0x8b ...)", the gzip header's byte."""
+def test_a_compressed_unsupervised_text_file_that_is_not_utf8_says_so_not_the_compressed_bytes(tmp_path, tokenizer):
+    """datasets unpacks a gzip text file; one holding Latin-1 text was "line 1: not UTF-8 text (byte 0x8b at column
+    2)", the gzip header's byte, read from the file as it is on disk."""
     import gzip
 
     path = tmp_path / "docs.txt.gz"
     path.write_bytes(gzip.compress("first line\ncaf\xe9 au lait\n".encode("latin-1")))
-    for name in (str(path), f"text:{path}"):
-        with pytest.raises(DatasetFormatError, match=rf"{path}: the file is compressed with gzip, which dschat does "
-                                                     r"not read: decompress it \(gunzip -k "):
-            get_unsupervised_data(unsupervised_args(name), tokenizer)
+    with pytest.raises(DatasetFormatError, match=rf"{path}: the text compressed in it \(gzip\) is not UTF-8: "
+                                                 rf"decompress it \(gunzip -k {path}\) and save the text as UTF-8"):
+        get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
 
 
 def test_unsupervised_tiny_and_a_saved_folder(tmp_path, tokenizer):

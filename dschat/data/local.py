@@ -546,11 +546,16 @@ def check_folder_not_compressed(folder):
                              f"decompress its files ({commands}) and give the folder again")
 
 
-def check_not_compressed(path):
-    """A compressed data file is an error saying so: read as text it was 'not UTF-8 text ... save the file as UTF-8'."""
+def compressed_with(path):
+    """The tool that compressed the file at ``path`` (``COMPRESSED_MAGIC``: told by its first bytes), else None."""
     with open(path, "rb") as f:
         start = f.read(10)
-    tool = next((tool for magic, tool in COMPRESSED_MAGIC.items() if re.match(magic, start)), None)
+    return next((tool for magic, tool in COMPRESSED_MAGIC.items() if re.match(magic, start)), None)
+
+
+def check_not_compressed(path):
+    """A compressed data file is an error saying so: read as text it was 'not UTF-8 text ... save the file as UTF-8'."""
+    tool = compressed_with(path)
     if tool:
         raise compressed_error(path, tool)
 

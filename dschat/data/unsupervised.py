@@ -15,7 +15,7 @@ import re
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import (COMPRESSED_EXTENSIONS, all_files, caused_by, check_not_compressed, compressed_error, file_digest,
+from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, compressed_with, file_digest,
                     load_content_keyed, load_file, not_utf8_error, record_where, text_encoding)
 from .pipeline import print_skip_lines
 
@@ -146,8 +146,6 @@ def load_unsupervised_train(name, config_name=None):
     kind, path = local
     if os.path.getsize(path) == 0:  # (datasets' own error for it names neither file nor cause)
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
-    check_not_compressed(path)  # (as the prompt data's files are: datasets unpacked a gzip text file, and said a
-    # Latin-1 one's compressed bytes were not UTF-8)
     # read as the prompt data's files are: a JSON string that is valid JSON ("null", "[1, 2]") in a column of mixed
     # types stays a string (datasets' Json feature decoded it, and blamed its record for the one of another type)
     train, record_lines = _text_file_lines(path) if kind == "text" else load_file(kind, path)
@@ -164,6 +162,10 @@ def _text_file_lines(path):
         return _without_line_start_marks(load_content_keyed("text", path, encoding=text_encoding(path))), None
     except Exception as err:  # name the file; pyarrow's messages do not
         if caused_by(err, UnicodeDecodeError):  # (datasets says only "An error occurred while generating the dataset")
+            tool = compressed_with(path)  # (datasets unpacks a compressed text file: its bytes are not the text's)
+            if tool:
+                raise DatasetFormatError(f"{path}: the text compressed in it ({tool}) is not UTF-8: decompress it "
+                                         f"({DECOMPRESS[tool]} {path}) and save the text as UTF-8") from err
             raise not_utf8_error(path) from err
         raise DatasetFormatError(f"{path}: could not be read as text: {err}") from err
 
@@ -208,20 +210,20 @@ def _saved_train_split(folder):
 
 
 def _local_text_source(name):
-    """(kind: "text" or one of local.LOCAL_TYPES, path) for "TYPE:PATH" or a .txt/.jsonl/.json/.csv/.parquet path (one
-    not there: MissingInputError); None for hub names and save_to_disk folders."""
+    """(kind: "text" or one of local.LOCAL_TYPES, path) for "TYPE:PATH" or a .txt/.jsonl/.json/.csv/.parquet path, also
+    compressed (corpus.txt.gz; one not there: MissingInputError); None for hub names and save_to_disk folders."""
     kind, sep, rest = name.partition(":")
     if sep and kind.lower() in LOCAL_TEXT_TYPES:  # (TXT:path too)
         if not os.path.isfile(rest):
             raise MissingInputError(f"--unsupervised_dataset_name {name}: unsupervised data file not found: {rest}")
         return LOCAL_TEXT_TYPES[kind.lower()], rest
-    extension = os.path.splitext(name)[1].lstrip(".").lower()
+    stem, packed = os.path.splitext(name)
+    # (a compressed file, corpus.txt.gz, by the extension under its compressor's: it was looked up on the hub; the
+    # text reader decompresses it, the others say it is compressed)
+    extension = os.path.splitext(stem if packed.lower() in COMPRESSED_EXTENSIONS else name)[1].lstrip(".").lower()
     # (no hub name ends so: a mistyped file is not looked up on the hub; a save_to_disk folder's name may)
     if extension in LOCAL_TEXT_TYPES and not os.path.isdir(name):
         if not os.path.isfile(name):
             raise MissingInputError(f"--unsupervised_dataset_name {name}: unsupervised data file not found")
         return LOCAL_TEXT_TYPES[extension], name
-    tool = COMPRESSED_EXTENSIONS.get(os.path.splitext(name)[1].lower())
-    if tool and os.path.isfile(name):  # (docs.txt.gz was looked up on the hub, and "not in the datasets cache")
-        raise compressed_error(name, tool)
     return None
