@@ -953,10 +953,11 @@ def test_a_notebooks_resume_without_the_prompts_loader_refuses_another_generatio
     from dschat.rlhf.checkpointing import load_checkpoint
 
     _save_flags_checkpoint(tmp_path)
-    with pytest.raises(UsageError, match=r"iter_0000001 in .* is at iteration 1 of iterations of --generation_batches "
-                                         r"1, this run's take 2: .*\(train_loader=None\); pass train_loader=<the "
-                                         r"prompts' loader> to have it checked, or resume with --generation_batches "
-                                         r"1$"):
+    # (a notebook's call, which gave no --resume: the message said "--resume: ..., or resume with --generation_batches")
+    with pytest.raises(UsageError, match=r"^load_checkpoint: checkpoint iter_0000001 in .* is at iteration 1 of "
+                                         r"iterations of generation_batches 1, this trainer's take 2: "
+                                         r".*\(train_loader=None\); pass train_loader=<the prompts' loader> to have it "
+                                         r"checked, or load it into a trainer of generation_batches 1$"):
         load_checkpoint(_flags_trainer(tmp_path, "--generation_batches", "2"), str(tmp_path))
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
