@@ -284,11 +284,12 @@ def _hub_layout_source(kind, folder, spec):
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
     for name in ["train", *eval_names[:1]]:
         if len(splits[name]) > 1:
+            saved = folder.rstrip(os.sep) + "_saved"
             raise UsageError(
-                f"{spec}: the folder holds the {name} split in {len(splits[name])} files ({os.path.basename(splits[name][0])}"
-                f" ... {os.path.basename(splits[name][-1])}), and dschat reads one file per split: save the dataset "
-                f"as one (python -c \"from datasets import load_dataset; load_dataset('{folder}').save_to_disk("
-                f"'{folder.rstrip(os.sep)}_saved')\") and give disk:{folder.rstrip(os.sep)}_saved")
+                f"{spec}: the folder holds the {name} split in {len(splits[name])} files "
+                f"({os.path.basename(splits[name][0])} ... {os.path.basename(splits[name][-1])}), and dschat reads "
+                "one file per split: save the dataset as one (python -c \"from datasets import load_dataset; "
+                f"load_dataset('{folder}').save_to_disk('{saved}')\") and give disk:{saved}")
     train = splits["train"][0]
     if EXTENSION_TYPES[os.path.splitext(train)[1]] != kind:
         raise UsageError(f"{spec}: the folder's train data is {os.path.relpath(train)}, not {kind}")

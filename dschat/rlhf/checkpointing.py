@@ -212,10 +212,10 @@ def _refuse_unchecked_generation_batches(state, args, where):
         return
     # (only a notebook's call comes here, so no --resume was given: the message names load_checkpoint and the setting)
     raise UsageError(f"load_checkpoint: {where} is at iteration {state['iteration']} of iterations of "
-                     f"generation_batches {then}, this trainer's take {args.generation_batches}: whether that is this "
-                     "run's iteration count at its place in the prompts depends on the prompts' batches an epoch, which "
-                     "load_checkpoint was not given (train_loader=None); pass train_loader=<the prompts' loader> to "
-                     f"have it checked, or load it into a trainer of generation_batches {then}")
+                     f"generation_batches {then}, this trainer's take {args.generation_batches}: whether that is "
+                     "this run's iteration count at its place in the prompts depends on the prompts' batches an epoch, "
+                     "which load_checkpoint was not given (train_loader=None); pass train_loader=<the prompts' "
+                     f"loader> to have it checked, or load it into a trainer of generation_batches {then}")
 
 
 def planned_models(args):
