@@ -81,19 +81,24 @@ def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_p
 def test_a_steps_rates_leave_out_the_final_evaluation(tmp_path, distributed, monkeypatch):
     """metrics.json's samples_per_s, tokens_per_s and tflops_per_rank were measured up to the end of the evaluation
     after training: a slow held-out set lowered the training's rates (152 samples/s where the last step logged 166)."""
-    calls, evaluate_fn = [], sft.SFT.evaluate_fn
+    import types
+
+    calls, evaluate_fn, later = [], sft.SFT.evaluate_fn, [0.0]
+    # the steps' clock, moved 1000 s on by the evaluation after training (a real sleep measured the loaded machine)
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(time=lambda: time.time() + later[0]))
 
     def slow_after_training(*args):
         calls.append(1)
         if len(calls) > 1:  # (the first is the evaluation before training, before the clock starts)
-            time.sleep(2)
+            later[0] += 1000
         return evaluate_fn(*args)
 
     monkeypatch.setattr(sft.SFT, "evaluate_fn", slow_after_training)
     metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
                         "--max_steps", "3", *SFT_FAST])
     assert len(calls) == 2
-    assert metrics["samples_per_s"] > 3 * 16 / 2, metrics  # 3 steps of 16 records in far less than the 2 s slept
+    # 3 steps of 16 records: 0.048 samples/s with the 1000 s in it; within 100 s of training without
+    assert metrics["samples_per_s"] > 3 * 16 / 100, metrics
 
 
 @pytest.mark.parametrize("step", [reward, dpo], ids=["step2", "dpo"])
