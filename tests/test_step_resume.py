@@ -226,19 +226,23 @@ def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_o
 def test_a_checkpoint_another_step_saved_in_the_folder_is_not_resumed(tmp_path, distributed, monkeypatch, capsys):
     """DPO given step 1's --output_dir with --resume (both default to tiny-llama, so their bound flags matched) resumed
     step 1's checkpoint as its own: the SFT run's weights, Adam moments and data position; step 2 was refused for
-    "--multiturn False -> None"."""
+    "--multiturn False -> None". The refusal comes before any model loads (it came once DPO's policy and reference
+    had)."""
     common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"),
               "--model_name_or_path", "tiny-llama", "--max_steps", "2"]
     sft.main([*common, "--save_interval", "2"])
-    loads = []
+    loads, models = [], []
     from deepspeed import DeepSpeedEngine
 
     monkeypatch.setattr(DeepSpeedEngine, "load_checkpoint", lambda self, *a, **k: loads.append(1) or (None, {}))
+    for module, name in ((sft, "load_causal_lm"), (dpo, "load_causal_lm"), (reward, "create_critic_model")):
+        load = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _load=load, **k: models.append(1) or _load(*a, **k))
     for main, name in ((dpo.main, "step2_dpo"), (reward.main, "step2")):
         with pytest.raises(UsageError, match=rf"checkpoint in .*out/checkpoints \(step_0000002\) was saved by step1, "
                                              rf"not {name}: give {name} its own --output_dir"):
             main([*common, "--max_steps", "4", "--resume"])
-    assert loads == []
+    assert loads == [] and models == []
     sft.main([*common, "--max_steps", "3", "--resume"])  # its own step's still resumes
     assert "resumed from step 2 " in capsys.readouterr().out and loads == [1]
 

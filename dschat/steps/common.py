@@ -725,7 +725,8 @@ def run_supervised_step(args, recipe):
     from dschat.args import (resolve_pad_to_multiple_of, step1_parser, supervised_conditional_flags,
                              unread_conditional_flags)
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
-    from dschat.steps.resume import STEP_NAME, plan_resume, resume_or_start, save_step_checkpoint
+    from dschat.steps.resume import (STEP_NAME, check_resumed_step, plan_resume, resume_or_start,
+                                     save_step_checkpoint)
 
     started = time.time()
     device = setup_run(args)
@@ -736,6 +737,7 @@ def run_supervised_step(args, recipe):
     if unread:
         print_rank_0(f"{tag} {'; '.join(unread)}: ignored")
     check_output_dir(args.output_dir, device)
+    check_resumed_step(args, recipe.name)  # (another step's checkpoint: refused before the models load)
     check_model_path(args.model_name_or_path, "--model_name_or_path")
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)

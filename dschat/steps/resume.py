@@ -20,7 +20,7 @@ from dschat.steps.common import (input_runs, restart_deepspeed_tensorboard, resu
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_same_flags, check_same_products, check_same_step, clear_earlier_run,
                                       clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
-                                      loading_checkpoint, publish, read_trainer_state, reading,
+                                      loading_checkpoint, publish, published_tag, read_trainer_state, reading,
                                       remove_universal_copies, rng_said, save_trainer_state, tag_of,
                                       take_restored_flags, universal_load, with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
@@ -112,6 +112,21 @@ def _check_other_ranks(root, tag, saved, saved_ranks, args):
          "its step count, learning-rate schedule and place in the data count steps of"),),
         "it does not record its batch sizes, so the samples of its optimizer steps (and its place in the data) are not "
         "known")
+
+
+def check_resumed_step(args, step):
+    """--resume: the checkpoint the output folder's ``latest`` pointer names was saved by ``step`` (``check_same_step``),
+    checked before any model loads (as step 3 checks before its engines): DPO given step 1's folder was refused only
+    once its policy and reference had loaded. The rest is ``plan_resume``'s, once the data is loaded."""
+    if args.resume:
+        root = checkpoint_root(args)
+        rank_0_decides(lambda: _check_published_step(root, step))
+
+
+def _check_published_step(root, step):
+    tag = published_tag(root)
+    if tag is not None:
+        check_same_step(root, tag, step)
 
 
 def plan_resume(args, step, ds_config=None, train_loader=None):

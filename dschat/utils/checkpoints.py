@@ -121,6 +121,16 @@ def publish(root, tag, keep_last=2):
     barrier()
 
 
+def published_tag(root):
+    """The tag ``latest`` names, else None (no pointer or a damaged one, which ``latest_tag`` says what to do about)."""
+    try:
+        latest = read_json_object(os.path.join(root, LATEST))
+    except UsageError:
+        return None
+    tag = (latest or {}).get("tag")
+    return tag if isinstance(tag, str) and tag else None
+
+
 def latest_tag(root):
     """The tag ``latest`` names (None: ``root`` holds no checkpoint to resume). Without the pointer, one complete tag
     is a first save killed before it published (said, not resumed: a requeued job starts over); several mean the
