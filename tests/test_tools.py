@@ -896,6 +896,16 @@ def test_a_notebooks_reward_function_is_recorded_as_a_spec_eval_py_loads(tmp_pat
     assert capsys.readouterr().out == ""  # given here: nothing to say
 
 
+def test_ppo_eval_takes_a_runs_relative_reward_model_and_function_as_normalised_paths(tmp_path):
+    """A run's "--reward_model_name_or_path ./my_reward_model" was echoed and read as '/tmp/x/./my_reward_model'."""
+    (tmp_path / "my_reward_model").mkdir()
+    (tmp_path / "rewards.py").write_text("def score(prompts, answers):\n    return [0.0] * len(answers)\n")
+    flags = {"reward_model_name_or_path": "./my_reward_model", "reward_fn": "./sub/../rewards.py:score"}
+    (tmp_path / "sub").mkdir()
+    assert ppo_eval.run_reward_sources(flags, str(tmp_path)) == {
+        "reward_model": str(tmp_path / "my_reward_model"), "reward_fn": f"{tmp_path / 'rewards.py'}:score"}
+
+
 def test_ppo_eval_answers_stop_at_every_eos_id_the_policys_generation_config_lists(models, tmp_path, monkeypatch):
     """Llama-3-Instruct's <|end_of_text|> beside <|eot_id|>: ppo_eval's answers stop at each EOS id the policy's
     generation_config lists, as step 3 and the other tools stop; they stopped at the tokenizer's EOS alone (passed

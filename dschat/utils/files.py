@@ -79,7 +79,11 @@ def path_under(folder, path):
     if not (folder and path):
         return None
     anchored = os.path.join(folder, path)  # (an absolute ``path`` stays itself)
-    return anchored if os.path.exists(anchored) else None
+    if not os.path.exists(anchored):
+        return None
+    # "./my_reward_model" or "a/./b" as the tools echo it: without its "." parts ("x/link/.." only where it is the same)
+    tidy = os.path.normpath(anchored)
+    return tidy if os.path.exists(tidy) and os.path.samefile(tidy, anchored) else anchored
 
 
 def read_json_object(path):
