@@ -389,6 +389,19 @@ def test_plot_refuses_a_skip_that_leaves_out_no_row(tmp_path, pair):
         load_rows([str(path)], {pair, "gen.json:dschat_z0_graph_compiled"})
 
 
+def bench_main_exit(script, argv, monkeypatch, capsys):
+    """(exit status, stderr) of bench/``script``.py's main() given ``argv``, in this process: for the refusals at
+    parsing, which end it before any GPU work."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    bench = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as ended:
+        bench.main()
+    return ended.value.code, capsys.readouterr().err
+
+
 def run_bench(script, *argv, **env):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **env}
     return subprocess.run([sys.executable, str(REPO / "bench" / script), *argv], env=env, capture_output=True,
@@ -594,15 +607,8 @@ def test_tensor_parallel_refuses_a_batch_stage_tp_or_graph_it_cannot_run_at_pars
 def test_a_sampling_setting_generate_refuses_is_a_flag_error(script, argv, said, monkeypatch, capsys):
     """Each failed in the hybrid engine's or HF's generate once the model was built (with a traceback, in each of
     generation.py's row processes), or, for sampling.py, in its kernels."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import importlib
-
-    bench = importlib.import_module(script)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
-    with pytest.raises(SystemExit) as ended:
-        bench.main()
-    err = capsys.readouterr().err
-    assert ended.value.code == 2 and said in err, err[-2000:]
+    code, err = bench_main_exit(script, argv, monkeypatch, capsys)
+    assert code == 2 and said in err, err[-2000:]
 
 
 def test_pipeline_gpu_refuses_an_unknown_case_before_it_makes_its_output_folder(tmp_path, monkeypatch, capsys):
@@ -653,15 +659,8 @@ def test_a_gpu_microbenchmarks_size_it_cannot_measure_is_a_flag_error(script, ar
     """Each was read only once the GPU work began: a --filled past --cache cut the mask at --cache slots while the row
     reported the bandwidth of --filled, a left padding of every filled slot left rows nothing to attend to, a count
     that is no number or 0 failed with a traceback (or a division by zero in the timing)."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import importlib
-
-    bench = importlib.import_module(script)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
-    with pytest.raises(SystemExit) as ended:
-        bench.main()
-    err = capsys.readouterr().err
-    assert ended.value.code == 2 and said in err, err[-2000:]
+    code, err = bench_main_exit(script, argv, monkeypatch, capsys)
+    assert code == 2 and said in err, err[-2000:]
 
 
 def test_tensor_parallel_counts_the_samples_of_every_rank(distributed, monkeypatch):
@@ -684,13 +683,6 @@ def test_a_json_name_with_a_folder_is_a_flag_error(script, name, monkeypatch, ca
     """--json is the name of the file written to $OUT: runs/gen.json failed writing the first row's result once its
     GPU work was done (no such folder under $OUT), and an absolute path was written outside $OUT, where the device tool
     brings nothing back."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import importlib
-
-    bench = importlib.import_module(script)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--json", name])
-    with pytest.raises(SystemExit) as ended:
-        bench.main()
-    err = capsys.readouterr().err
-    assert ended.value.code == 2 and f"argument --json: {name!r}: a file name, written to $OUT (no folder)" in err, \
+    code, err = bench_main_exit(script, ["--json", name], monkeypatch, capsys)
+    assert code == 2 and f"argument --json: {name!r}: a file name, written to $OUT (no folder)" in err, \
         err[-2000:]
