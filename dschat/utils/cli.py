@@ -23,14 +23,19 @@ def _started_ticks(pid):
 
 
 def _process_started():
-    """(when this process started, in epoch seconds; how much earlier a mark may have been written by a rank of its
-    launch). A rank says an error after its imports, so a mark of its launch is newer than each rank's start: to a
-    clock tick from /proc (the time since the start against the boot clock). Elsewhere the import time of this
-    module, which a loaded machine can delay by a second."""
+    """When this process started, in epoch seconds: from /proc to a clock tick (the time since the start against the
+    boot clock); elsewhere the import time of this module, which the entry points import first."""
     ticks = _started_ticks("self")
     if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):
-        return _IMPORTED, 1.0
-    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")), 0.05
+        return _IMPORTED
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+# The ranks of one launch start within this of each other (their launcher, or a shell, starts them together); a run
+# started again by the same parent starts a whole run later (a step imports torch for a second and more before it can
+# say an error). A mark's own time could not tell them apart: the earlier run wrote it 20-70 ms before its processes
+# ended, and a run started at once began within a tick and a slack of it and said nothing.
+_SIBLINGS_S = 0.25
 
 
 def run_entry_point(main, resumable=False):
@@ -192,24 +197,52 @@ def first_to_say(message):
         return True
     folder = os.path.join(tempfile.gettempdir(), f"dschat-said-{os.getuid()}", _launch_id())
     mark = os.path.join(folder, hashlib.sha256(message.encode()).hexdigest()[:32])
+    started = _process_started()
     try:
         os.makedirs(folder, exist_ok=True)
-        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        started, slack = _process_started()
-        seen = os.stat(mark).st_mtime_ns
-        if seen / 1e9 >= started - slack:
+        if _write_mark(mark, started, replace=False):
+            return True
+        said_by = _mark_started(mark)
+        if said_by is not None and abs(said_by - started) < _SIBLINGS_S:
             return False  # a rank of this launch said it
         # an earlier run's (the same shell ran the ranks again): one rank of this run claims its turn and says it (two
-        # ranks that both found it old and touched it both said it)
+        # ranks that both found it old and rewrote it both said it)
         try:
-            os.close(os.open(f"{mark}.after-{seen}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(f"{mark}.after-{said_by}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False
-        os.utime(mark)
-    except OSError:  # (no writable temp folder: say it)
+        _write_mark(mark, started, replace=True)
+    except OSError:  # (no writable temp folder, no hard links: say it)
         return True
     return True
+
+
+def _write_mark(mark, started, replace):
+    """``mark`` holds ``started``, the start of the process that said its message, whole when another rank reads it
+    (written aside, then linked or moved in); not ``replace``: False where a mark is already there."""
+    aside = f"{mark}.{os.getpid()}.tmp"
+    with open(aside, "w") as f:
+        f.write(repr(started))
+    try:
+        if replace:
+            os.replace(aside, mark)
+            return True
+        os.link(aside, mark)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        if os.path.exists(aside):
+            os.unlink(aside)
+
+
+def _mark_started(mark):
+    """The start written in ``mark``, else None (an unreadable mark counts as an earlier run's)."""
+    try:
+        with open(mark) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _launch_id():
