@@ -395,4 +395,4 @@ def run_rows_in_fresh_processes(args):
 
 
 if __name__ == "__main__":
-    main()
+    results_io.run_benchmark(main)

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 from hybrid_common import PAD, early_token, hf_generate, left_padded_batch  # noqa: E402
-from results import require_cuda, write_json  # noqa: E402
+from results import require_cuda, run_benchmark, write_json  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("GRAPH_EQUALITY_DEVICE", "cuda"))  # "cpu": a dry run of the script's flow
 FAMILIES = ["llama", "qwen2", "mistral", "opt", "gpt2", "bloom", "gemma", "phi3", "gpt_neox"]
@@ -418,4 +418,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_benchmark(main)

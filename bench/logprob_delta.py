@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, log  # noqa: E402
-from results import require_cuda, temperature_flag, write_json  # noqa: E402
+from results import require_cuda, run_benchmark, temperature_flag, write_json  # noqa: E402
 
 
 def build_engine(args):
@@ -98,4 +98,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_benchmark(main)

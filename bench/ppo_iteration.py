@@ -338,4 +338,4 @@ def print_table(results, world_size):
 
 
 if __name__ == "__main__":
-    main()
+    results_io.run_benchmark(main)

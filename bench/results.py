@@ -120,6 +120,22 @@ def write_json(name, payload):
         os.replace(path + ".tmp", path)
 
 
+def run_benchmark(main):
+    """``main()``, then the process group it started left as torch asks and the process ended with its status: every
+    GPU benchmark's exit printed NCCL's "destroy_process_group() was not called before program exit" warning. A run
+    that failed keeps its traceback (a collective of it may still be pending: no teardown)."""
+    from dschat.utils.cli import end_script
+
+    try:
+        main()
+        status = 0
+    except SystemExit as stop:
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+    end_script(status)
+
+
 def run_in_fresh_processes(script, runs):
     """``script`` once per ``(label, argv)`` of ``runs``, each in a fresh Python process whose $OUT is a temporary
     folder, one after another; yields ``(label, payload, returncode)`` with the JSON the run wrote to

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generation import SHAPES, TORCH_LINEAR, copy_bandwidth, log  # noqa: E402
 from results import (batch_error, choice_error, json_name, list_flag, positive_error, require_cuda,  # noqa: E402
-                     write_json)
+                     run_benchmark, write_json)
 
 
 def per_gpu_floor(inference_model, kv_heads_per_gpu, rows_per_gpu, prompt, gen, bw):
@@ -199,4 +199,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_benchmark(main)

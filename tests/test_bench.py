@@ -686,3 +686,32 @@ def test_a_json_name_with_a_folder_is_a_flag_error(script, name, monkeypatch, ca
     code, err = bench_main_exit(script, ["--json", name], monkeypatch, capsys)
     assert code == 2 and f"argument --json: {name!r}: a file name, written to $OUT (no folder)" in err, \
         err[-2000:]
+
+
+GROUP_AT_EXIT = """
+import atexit, runpy, sys
+import torch.distributed as dist
+atexit.register(lambda: print("group at exit:", dist.is_initialized()))
+sys.argv = sys.argv[1:]
+sys.path.insert(0, {bench!r})
+if sys.argv[0] == "exit":
+    from results import run_benchmark
+    run_benchmark(lambda: sys.exit(int(sys.argv[1])))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_benchmark_leaves_its_process_group_and_keeps_its_exit_status(tmp_path):
+    """Every GPU benchmark's exit printed NCCL's "destroy_process_group() was not called before program exit" (session
+    51's logprob_delta runs): the group is now left when main() returns, and a main() that exits keeps its status."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "OUT": str(tmp_path)}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    wrapper = GROUP_AT_EXIT.format(bench=str(REPO / "bench"))
+    ran = subprocess.run([sys.executable, "-c", wrapper, str(REPO / "bench" / "logprob_delta.py"), "--smoke"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and (tmp_path / "logprob_delta_t1.json").exists(), ran.stderr[-3000:]
+    assert "group at exit: False" in ran.stdout, ran.stdout[-2000:]
+    stopped = subprocess.run([sys.executable, "-c", wrapper, "exit", "3"], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert stopped.returncode == 3, stopped.stderr[-2000:]
