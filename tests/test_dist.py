@@ -157,18 +157,26 @@ def test_the_ranks_of_a_launcher_that_sets_no_world_size_say_a_shared_error_once
     assert [first_to_say(message), first_to_say(message)] == [True, launcher in NO_RANKS]
 
 
-def _one_shell(tmp_path, monkeypatch, starts):
-    """first_to_say in ranks of launches that share a parent (one shell), each call's process started at the next of
-    ``starts``."""
+def _one_shell(tmp_path, monkeypatch, processes):
+    """first_to_say in ranks of launches that share a parent (one shell): each call a process of ``processes``, (when
+    it started, when it says its error)."""
     import tempfile
+    from types import SimpleNamespace
 
     from dschat.utils import cli
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(cli, "_launch_id", lambda: "one-shell")
-    starts = iter(starts)
-    monkeypatch.setattr(cli, "_process_started", lambda: next(starts))
+    processes, now = iter(processes), []
+
+    def next_process():
+        started, said_at = next(processes)
+        now[:] = [said_at]
+        return started
+
+    monkeypatch.setattr(cli, "_process_started", next_process)
+    monkeypatch.setattr(cli, "time", SimpleNamespace(time=lambda: now[0]))
     return cli
 
 
@@ -176,7 +184,7 @@ def test_two_ranks_that_find_an_earlier_runs_mark_say_the_error_once(tmp_path, m
     """Ranks started again by the same shell find the earlier run's mark: both could find it old before either
     rewrote it, and both printed the error (test_ranks_started_again_by_the_same_parent_print_the_error_again failed
     so under load). One rank claims the old mark's turn."""
-    cli = _one_shell(tmp_path, monkeypatch, [100.0, 102.0, 102.01])
+    cli = _one_shell(tmp_path, monkeypatch, [(100.0, 102.0), (102.1, 104.0), (102.11, 104.01)])
     assert cli.first_to_say("error: bad flag")  # the earlier run's rank that said it
     said, real_read = [], cli._mark_started
 
@@ -195,10 +203,12 @@ def test_two_ranks_that_find_an_earlier_runs_mark_say_the_error_once(tmp_path, m
 def test_a_run_started_just_as_the_earlier_one_ended_says_the_error(tmp_path, monkeypatch):
     """The earlier run's mark is written 20-70 ms before its processes end, so a run its shell started at once began
     within the mark time's slack, took the mark for its own launch's, and said nothing (CI failed so). The ranks of one
-    launch start together; an earlier run's, a whole run earlier."""
-    cli = _one_shell(tmp_path, monkeypatch, [100.0, 100.05, 101.2, 101.3])
-    assert [cli.first_to_say("error: bad flag") for _ in range(2)] == [True, False]  # one launch: ranks 50 ms apart
-    assert [cli.first_to_say("error: bad flag") for _ in range(2)] == [True, False]  # the next run, its mark just old
+    launch start together, or one starts late while the others still import; an earlier run's, a whole run earlier."""
+    cli = _one_shell(tmp_path, monkeypatch, [(100.0, 102.0), (100.05, 102.05),  # one launch: ranks 50 ms apart
+                                             (102.04, 104.0), (102.1, 104.1),  # the next: 40 ms after the mark
+                                             (104.2, 106.0), (104.8, 106.6)])  # rank 1 started 0.6 s late
+    said = [cli.first_to_say("error: bad flag") for _ in range(6)]
+    assert said == [True, False] * 3
 
 
 DECIDE_SCRIPT = textwrap.dedent("""

@@ -33,9 +33,10 @@ def _process_started():
 
 # The ranks of one launch start within this of each other (their launcher, or a shell, starts them together); a run
 # started again by the same parent starts a whole run later (a step imports torch for a second and more before it can
-# say an error). A mark's own time could not tell them apart: the earlier run wrote it 20-70 ms before its processes
-# ended, and a run started at once began within a tick and a slack of it and said nothing.
+# say an error). A mark's own time could not tell them apart alone: the earlier run wrote it 20-70 ms before its
+# processes ended, and a run started at once began within a tick and a slack of it and said nothing.
 _SIBLINGS_S = 0.25
+_CLOCK_SLACK_S = 0.05  # (a start read from /proc is a clock tick early)
 
 
 def run_entry_point(main, resumable=False):
@@ -203,12 +204,13 @@ def first_to_say(message):
         if _write_mark(mark, started, replace=False):
             return True
         said_by = _mark_started(mark)
-        if said_by is not None and abs(said_by - started) < _SIBLINGS_S:
+        if said_by is not None and _same_launch(started, *said_by):
             return False  # a rank of this launch said it
         # an earlier run's (the same shell ran the ranks again): one rank of this run claims its turn and says it (two
         # ranks that both found it old and rewrote it both said it)
+        earlier = said_by[0] if said_by else "unreadable"
         try:
-            os.close(os.open(f"{mark}.after-{said_by}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(f"{mark}.after-{earlier}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False
         _write_mark(mark, started, replace=True)
@@ -217,12 +219,19 @@ def first_to_say(message):
     return True
 
 
+def _same_launch(started, writer_started, said_at):
+    """Whether a mark written at ``said_at`` by a process started at ``writer_started`` is a rank of this launch's,
+    this process started at ``started``: one started with it, or one that said it after this one started (a rank the
+    launcher started late, while the others still imported)."""
+    return abs(writer_started - started) < _SIBLINGS_S or said_at > started + _CLOCK_SLACK_S
+
+
 def _write_mark(mark, started, replace):
-    """``mark`` holds ``started``, the start of the process that said its message, whole when another rank reads it
-    (written aside, then linked or moved in); not ``replace``: False where a mark is already there."""
+    """``mark`` holds ``started``, the start of the process that says its message, and the time it says it, whole when
+    another rank reads it (written aside, then linked or moved in); not ``replace``: False where a mark is there."""
     aside = f"{mark}.{os.getpid()}.tmp"
     with open(aside, "w") as f:
-        f.write(repr(started))
+        f.write(f"{started!r} {time.time()!r}")
     try:
         if replace:
             os.replace(aside, mark)
@@ -237,10 +246,12 @@ def _write_mark(mark, started, replace):
 
 
 def _mark_started(mark):
-    """The start written in ``mark``, else None (an unreadable mark counts as an earlier run's)."""
+    """(the start of the process that wrote ``mark``, when it wrote it), else None (an unreadable mark counts as an
+    earlier run's)."""
     try:
         with open(mark) as f:
-            return float(f.read())
+            writer_started, said_at = map(float, f.read().split())
+        return writer_started, said_at
     except (OSError, ValueError):
         return None
 
