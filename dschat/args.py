@@ -89,6 +89,13 @@ def positive_float(text):
     return _bounded_float(text, lambda value: value > 0 and math.isfinite(value), "a number > 0")
 
 
+def finite_float(text):
+    """argparse type: a finite number, any sign (step 3's reward weights: negative flips a source, 0 leaves it out).
+    nan or inf made every reward of the first rollout nan, found after every model had loaded as "reward scores is
+    not finite", which names neither flag."""
+    return _bounded_float(text, math.isfinite, "a finite number")
+
+
 def clip_range(text):
     """argparse type of step 3's clip flags (--clip_reward_value, --cliprange, --cliprange_value): a number > 0, inf
     for no clipping. torch.clamp with bounds crossed does not clip but flattens: --clip_reward_value -5 clamped every
@@ -125,8 +132,8 @@ def _bounded_float(text, within, what):
 
 
 # the argparse types whose range a notebook's value is checked against too
-BOUNDED_TYPES = (positive_int, non_negative_int, seed_int, non_negative_float, positive_float, clip_range,
-                 unit_interval, dropout_probability)
+BOUNDED_TYPES = (positive_int, non_negative_int, seed_int, non_negative_float, positive_float, finite_float,
+                 clip_range, unit_interval, dropout_probability)
 
 
 def _bounded_int(text, low, what):
@@ -941,8 +948,9 @@ def _add_step3_critic_free_args(g):
     g.add_argument("--reward_fn", type=str, default="",
                    help="module:function or path.py:function called with (prompts, answers, **extra columns) "
                         "returning one float per answer; 'tiny' = the bundled rule scorer.")
-    g.add_argument("--reward_fn_weight", type=float, default=1.0, help="Weight of --reward_fn's score in the reward.")
-    g.add_argument("--reward_model_weight", type=float, default=1.0,
+    g.add_argument("--reward_fn_weight", type=finite_float, default=1.0,
+                   help="Weight of --reward_fn's score in the reward.")
+    g.add_argument("--reward_model_weight", type=finite_float, default=1.0,
                    help="Weight of the reward model's score; 0 builds no reward model (reward function only).")
 
 

@@ -191,6 +191,19 @@ def test_a_negative_or_non_finite_unsup_coef_is_an_error_naming_the_flag():
     assert step3_args({"unsup_coef": 0}).unsup_coef == 0.0
 
 
+def test_a_non_finite_reward_weight_is_an_error_naming_the_flag(capsys):
+    """--reward_fn_weight nan (or inf, or --reward_model_weight) made every reward of the first rollout nan: after
+    every model had loaded, "reward scores is not finite", naming neither flag. A negative weight stays allowed."""
+    for flag in ("reward_fn_weight", "reward_model_weight"):
+        for weight in ("nan", "inf", "-inf"):
+            with pytest.raises(SystemExit):
+                step3_parser().parse_args([f"--{flag}={weight}"])
+            assert f"--{flag}: expected a finite number, got {weight}" in capsys.readouterr().err
+            with pytest.raises(UsageError, match=rf"{flag}: expected a finite number, got {weight}"):
+                step3_args({flag: float(weight), "reward_fn": "tiny"})
+        assert getattr(step3_args({flag: -0.5, "reward_fn": "tiny"}), flag) == -0.5
+
+
 def test_a_compile_mode_torch_does_not_have_is_refused_before_anything_loads(capsys):
     # a typo ('defualt') failed with torch's "Unrecognized mode=defualt" at the first generation, after the models
     # had loaded (in train.py, after steps 1 and 2)
