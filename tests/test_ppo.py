@@ -1957,6 +1957,28 @@ def test_a_reward_too_large_for_a_float_is_refused_as_not_finite():
         call_reward_fn(lambda p, a: [1, 10 ** 400], ["p1", "p2"], ["a1", "a2"])
 
 
+def test_a_reward_past_float32s_range_is_the_functions_error_naming_the_answer(trained, tmp_path):
+    """1e39 is a finite Python float but inf as step 3's float32 reward: generate_experience raised "reward scores is
+    not finite" (FloatingPointError), naming neither the function nor the answer; so did a score the weight took
+    past the range."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import weighted_scores
+
+    def score(prompts, answers):
+        return [1e39 if i == 1 else 0.0 for i in range(len(answers))]
+
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=2,
+                                                reward_fn=score, reward_model_weight=0)
+    with pytest.raises(UsageError, match=r"--reward_fn 'score' returned 1e\+39 for prompt '.*Say hi.*and "
+                                         r"answer .*: 1e\+39 is past the range of step 3's float32 rewards"):
+        trainer.generate_experience(_prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2))
+    with pytest.raises(UsageError, match=r"returned 1e\+37 for prompt 'p2' and answer 'a2': 1e\+37 times "
+                                         r"--reward_fn_weight 100.0 is past the range"):
+        weighted_scores(score, [0.5, 1e37], 100.0, ["p1", "p2"], ["a1", "a2"])
+    held = weighted_scores(score, [0.5, 3e38], 1.0, ["p1", "p2"], ["a1", "a2"])
+    assert held.dtype == torch.float32 and held.tolist() == pytest.approx([0.5, 3e38])
+
+
 def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_batch(trained, tmp_path):
     """REINFORCE++ whitens returns: per micro-batch of one row that would leave no reward signal at all."""
     from dschat.rlhf import algorithms as algo

@@ -157,7 +157,7 @@ def batch_extras(batch):
 def call_reward_fn(fn, prompts, answers, extras=None):
     """One float per answer from ``fn``; a failure is a UsageError naming the function and the prompt (the entry points
     print it as one line and exit with status 2: it is the user's function, not dschat, that needs the fix)."""
-    name = f"--reward_fn {getattr(fn, '__name__', fn)!r}"
+    name = _flag_name(fn)
     args, kwargs, how = call_arguments(fn, list(prompts), list(answers), extras or {})
     try:
         _signature(fn).bind(*args, **kwargs)
@@ -182,6 +182,25 @@ def call_reward_fn(fn, prompts, answers, extras=None):
             raise UsageError(f"{name} returned {score!r} for prompt {prompt!r} and answer {answer!r}: each score must "
                              "be a finite number")
     return scores
+
+
+def weighted_scores(fn, scores, weight, prompts, answers):
+    """``weight`` x ``fn``'s ``scores`` (``call_reward_fn``'s) as step 3 holds its rewards, a float32 tensor. A score
+    past float32's range (3.4e38; Python's float goes to 1.8e308), or made so by the weight, is the function's error
+    naming the answer: it became an inf reward, refused later as "reward scores is not finite" naming neither."""
+    import torch
+
+    held = (torch.tensor(scores, dtype=torch.float64) * weight).float()
+    for prompt, answer, score, value in zip(prompts, answers, scores, held.tolist()):
+        if not math.isfinite(value):
+            times = f" times --reward_fn_weight {weight}" if weight != 1 else ""
+            raise UsageError(f"{_flag_name(fn)} returned {score!r} for prompt {prompt!r} and answer {answer!r}: "
+                             f"{score!r}{times} is past the range of step 3's float32 rewards (+-3.4e38)")
+    return held
+
+
+def _flag_name(fn):
+    return f"--reward_fn {getattr(fn, '__name__', fn)!r}"
 
 
 _RENAMED_SAID = set()

@@ -426,14 +426,19 @@ class DeepSpeedPPOTrainer:
                 rm = values.gather(1, scorer.score_index(layout.align(seq), layout.mask)[:, None]).squeeze(1)
             scores = scores + a.reward_model_weight * rm.float()
         if self.reward_fn is not None:
-            from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
+            from dschat.rlhf.reward_fn import batch_extras, call_reward_fn, weighted_scores
 
             prompts = batch.get("prompt_text") or prompt_texts(self.tokenizer, batch["prompt"],
                                                                batch["prompt_att_mask"])
             texts = answer_texts(self.tokenizer, answers, action_mask)
-            fn = together(lambda: call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch)), self.device,
-                          "generate_experience: the reward function failed on another rank", UsageError)
-            scores = scores + a.reward_fn_weight * torch.tensor(fn, device=seq.device)
+
+            def scored():
+                fn = call_reward_fn(self.reward_fn, prompts, texts, batch_extras(batch))
+                return weighted_scores(self.reward_fn, fn, a.reward_fn_weight, prompts, texts)
+
+            fn = together(scored, self.device, "generate_experience: the reward function failed on another rank",
+                          UsageError)
+            scores = scores + fn.to(seq.device)
         return scores
 
     def _is_eos(self, tokens):
