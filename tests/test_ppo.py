@@ -1851,6 +1851,37 @@ def test_reward_function_columns_named_as_its_arguments_and_a_file_run_once(tmp_
     assert log.read_text() == "run\nrun\n"
 
 
+def test_a_reward_function_gets_prompts_and_answers_by_their_parameters_names_not_swapped():
+    """Called by position, score(answers, prompts) scored each prompt as the answer and the other way round, and
+    OpenRLHF's reward_func(queries, prompts, labels) (with a labels column) got the answers as its prompts: both
+    silently. Parameters named prompts and answers now get them by name, in any order (keyword-only too); a second
+    parameter named prompts that would get the answers is an error."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import call_reward_fn
+
+    def swapped(answers, prompts):
+        return [float(a == "right answer" and p == "the prompt") for a, p in zip(answers, prompts)]
+
+    def keyword_only(*, prompts, answers, solution):
+        return [float(a == s and p == "the prompt") for p, a, s in zip(prompts, answers, solution)]
+
+    assert call_reward_fn(swapped, ["the prompt"], ["right answer"]) == [1.0]
+    assert call_reward_fn(keyword_only, ["the prompt"], ["right answer"], {"solution": ["right answer"]}) == [1.0]
+    assert call_reward_fn(lambda prompts, answers: [float(p < a) for p, a in zip(prompts, answers)], ["a"], ["b"]) \
+        == [1.0]  # (the documented order: unchanged)
+    assert call_reward_fn(lambda p, a: [float(p[0] < a[0])], ["a"], ["b"]) == [1.0]  # (other names: by position)
+
+    def reward_func(queries, prompts, labels):
+        return [0.0] * len(queries)
+
+    with pytest.raises(UsageError, match=r"--reward_fn 'reward_func': its second parameter is named 'prompts' but "
+                                         r"would get the answers: .*by position.*\(OpenRLHF's queries are prompt \+ "
+                                         r"answer"):
+        call_reward_fn(reward_func, ["p1"], ["a1"], {"labels": ["4"]})
+    with pytest.raises(UsageError, match=r"--reward_fn '<lambda>': its second parameter is named 'prompts'"):
+        call_reward_fn(lambda texts, prompts: [0.0], ["p1"], ["a1"])
+
+
 def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, monkeypatch):
     from dschat.rlhf.reward_fn import load_reward_fn
 

@@ -2,8 +2,9 @@
 function itself).
 
 The function is called as ``fn(prompts, answers, **extra_columns)`` with lists of strings (and lists of the
-dataset's extra column values), or, when it has a parameter named ``completions``, as TRL calls reward functions:
-``fn(prompts=..., completions=..., **extra_columns)`` (``call_arguments``); it returns one float per answer. A raised
+dataset's extra column values; by keyword when it names parameters ``prompts`` and ``answers``), or, when it has a
+parameter named ``completions``, as TRL calls reward functions: ``fn(prompts=..., completions=..., **extra_columns)``
+(``call_arguments``); it returns one float per answer. A raised
 exception or a non-finite value stops the run with the prompt that caused it: a silent 0 would train the policy on a
 wrong reward.
 """
@@ -217,16 +218,20 @@ def _signature(fn):
 
 def call_arguments(fn, prompts, answers, columns):
     """(args, kwargs, how) ``fn`` is called with. A function with a parameter named ``completions`` is called as TRL
-    calls its reward functions, by keyword: ``fn(prompts=, completions=, **columns)``; any other as DeepSpeed-Chat-style
-    code expects, ``fn(prompts, answers, **columns)``. A column named as one of those two arguments comes as
-    ``extra_<name>`` (said once); columns the function has no parameter for are left out, unless it takes
-    ``**kwargs``."""
+    calls its reward functions, by keyword: ``fn(prompts=, completions=, **columns)``; one with parameters named
+    ``prompts`` and ``answers`` by keyword too, whatever their order; any other as DeepSpeed-Chat-style code expects,
+    ``fn(prompts, answers, **columns)`` (its second parameter named ``prompts``: an error, ``check_prompts_first``).
+    A column named as one of those two arguments comes as ``extra_<name>`` (said once); columns the function has no
+    parameter for are left out, unless it takes ``**kwargs``."""
     params = _signature(fn).parameters
     if "completions" in params:
         taken, args, how = ("prompts", "completions"), (), "fn(prompts=, completions=, **columns) (TRL's way)"
+    elif _named(params, "prompts") and _named(params, "answers"):  # (in any order, or keyword-only)
+        taken, args, how = ("prompts", "answers"), (), "fn(prompts=, answers=, **columns)"
     else:
         taken = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
         args, how = (prompts, answers), "fn(prompts, answers, **columns)"
+        check_prompts_first(fn, taken)
     renamed = sorted(set(columns) & set(taken))
     if renamed and (id(fn), tuple(renamed)) not in _RENAMED_SAID:  # (id: a callable object may be unhashable)
         _RENAMED_SAID.add((id(fn), tuple(renamed)))
@@ -234,10 +239,29 @@ def call_arguments(fn, prompts, answers, columns):
                      f"as {', '.join('extra_' + n for n in renamed)}: it is called as {how}")
     kwargs = {f"extra_{k}" if k in renamed else k: v for k, v in columns.items()}
     if not args:
-        kwargs.update(prompts=prompts, completions=answers)
+        kwargs.update(zip(taken, (prompts, answers)))
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     return args, kwargs, how
+
+
+def _named(params, name):
+    """Whether ``name`` is a parameter that can be given by keyword (not a positional-only one)."""
+    return name in params and params[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    inspect.Parameter.KEYWORD_ONLY)
+
+
+def check_prompts_first(fn, positional):
+    """A function called by position whose second parameter is named ``prompts`` would get the answers there, and
+    the prompts as its first (OpenRLHF's ``reward_func(queries, prompts, labels)``, or ``score(texts, prompts)``):
+    each scored silently against the other's text."""
+    if len(positional) == 2 and positional[1] == "prompts":
+        hint = (" (OpenRLHF's queries are prompt + answer: prompts[i] + answers[i])"
+                if positional[0] == "queries" else "")
+        raise UsageError(f"{_flag_name(fn)}: its second parameter is named 'prompts' but would get the answers: a "
+                         f"function is called as fn(prompts, answers, **columns), by position, unless it names its "
+                         f"parameters prompts and answers (then by name, in any order) or completions (TRL's "
+                         f"way){hint}")
 
 
 def _score_list(returned):
