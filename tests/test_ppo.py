@@ -2010,6 +2010,36 @@ def test_a_reward_past_float32s_range_is_the_functions_error_naming_the_answer(t
     assert held.dtype == torch.float32 and held.tolist() == pytest.approx([0.5, 3e38])
 
 
+def test_a_complex_or_unreadable_reward_is_refused_as_no_finite_number():
+    """numpy's complex scores trained on their real part alone (float() drops the imaginary one with a warning);
+    torch's, and a tensor on the meta device, raised a bare RuntimeError from dschat naming neither function nor
+    answer."""
+    import numpy as np
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import call_reward_fn
+
+    # (numpy 1 writes a complex scalar as (1+2j), numpy 2 as np.complex128(1+2j))
+    for returned, shown in ((lambda: [0.5, np.complex128(1 + 2j)], r"\S*1\+2j\)? for prompt 'p2'"),
+                            (lambda: [0.5, np.complex64(1 + 2j)], r"\S*1\+2j\)? for prompt 'p2'"),
+                            (lambda: torch.tensor([0.5, 1 + 2j]), r"tensor\(0.5000\+0.j\) for prompt 'p1'"),
+                            (lambda: [0.5, 1 + 0j], r"\(1\+0j\) for prompt 'p2'"),
+                            (lambda: torch.zeros(2, device="meta"), r"tensor\(..., device='meta', size=\(\)\) for "
+                                                                    r"prompt 'p1'")):
+        with pytest.raises(UsageError, match=rf"--reward_fn 'score' returned {shown} and answer 'a\d': each score "
+                                             rf"must be a finite number"):
+            call_reward_fn(_named_score(returned), ["p1", "p2"], ["a1", "a2"])
+    assert call_reward_fn(_named_score(lambda: torch.tensor([0.5, 1.0], dtype=torch.bfloat16)), ["p1", "p2"],
+                          ["a1", "a2"]) == [0.5, 1.0]
+
+
+def _named_score(returned):
+    def score(prompts, answers):
+        return returned()
+
+    return score
+
+
 def test_advantages_are_whitened_over_the_whole_rollout_not_each_training_micro_batch(trained, tmp_path):
     """REINFORCE++ whitens returns: per micro-batch of one row that would leave no reward signal at all."""
     from dschat.rlhf import algorithms as algo

@@ -283,13 +283,17 @@ def _short(value):
 
 
 def _finite_number(value):
-    """``value`` as a float when it is a finite number (a numpy or 0-d torch one too; not a string), else None."""
-    if isinstance(value, (str, bytes)):
+    """``value`` as a float when it is a finite number (a numpy or 0-d torch one too; not a string), else None. A
+    complex one is none: numpy's float() dropped its imaginary part (a warning, the score trained on), torch's raised
+    a bare RuntimeError from here, as did a tensor that cannot be read (on the meta device)."""
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, (str, bytes, complex)) or getattr(dtype, "is_complex", False) \
+            or getattr(dtype, "kind", "") == "c":
         return None
     try:
         value = float(value)
-    except (TypeError, ValueError, OverflowError):  # (an int past float's range, e.g. 10**400, overflows)
-        return None
+    except (TypeError, ValueError, OverflowError, RuntimeError, NotImplementedError):  # (an int past float's range,
+        return None  # e.g. 10**400, overflows; a meta tensor has no value)
     return value if math.isfinite(value) else None
 
 
