@@ -1901,6 +1901,11 @@ def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, m
     importer.write_text("import broken\ndef score(p, a):\n    return [0.0] * len(a)\n")
     with pytest.raises(UsageError, match=rf"--reward_fn file {importer}: {broken} line 2"):
         load_reward_fn(f"{importer}:score")
+    # given as a module, the same one line (it was importlib's SyntaxError traceback)
+    (tmp_path / "unparsed_module.py").write_text(broken.read_text())
+    with pytest.raises(UsageError, match=rf"--reward_fn module unparsed_module: {tmp_path / 'unparsed_module.py'} "
+                                         rf"line 2: .*'return \[0.0 for x in a'"):
+        load_reward_fn("unparsed_module:score")
 
 
 def test_a_reward_function_file_loads_as_an_imported_module_would(tmp_path):

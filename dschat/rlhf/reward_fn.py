@@ -67,6 +67,8 @@ def load_reward_fn(spec):
                 raise  # the module exists but imports something missing: that error says what
             raise MissingModuleError(f"--reward_fn {spec!r}: no module {target!r} (a file needs its .py path, "
                                      f"e.g. path/to/{target}.py:{name})") from None
+        except SyntaxError as error:  # (one line, as for a file: not importlib's traceback)
+            raise _unparsed("module", target, error) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UsageError(f"--reward_fn: {target} has no function {name!r}")
@@ -142,10 +144,16 @@ def _file_module(target):
             sys.modules.pop(module_spec.name, None)
             if not isinstance(error, SyntaxError):  # (any other error's traceback says where it is)
                 raise
-            raise UsageError(f"--reward_fn file {target}: {error.filename or target} line {error.lineno}: {error.msg}: "
-                             f"{(error.text or '').strip()!r}") from None
+            raise _unparsed("file", target, error) from None
         _FILE_MODULES[key] = module
     return _FILE_MODULES[key]
+
+
+def _unparsed(kind, target, error):
+    """The UsageError of a --reward_fn file or module (``kind``) that does not parse (or one it imports does): the
+    file, line and text of the error."""
+    return UsageError(f"--reward_fn {kind} {target}: {error.filename or target} line {error.lineno}: {error.msg}: "
+                      f"{(error.text or '').strip()!r}")
 
 
 def batch_extras(batch):
