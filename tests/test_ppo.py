@@ -1983,6 +1983,38 @@ def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp
     assert call_reward_fn(lambda p, a: (len(x) for x in a), ["p1", "p2"], ["a", "bb"]) == [1.0, 2.0]
 
 
+def test_an_async_reward_function_is_awaited_in_one_loop_kept_between_calls():
+    """TRL's reward functions may be ``async def`` (a judge model over HTTP): one was refused as "returned coroutine
+    ..., not a list" (and warned "never awaited"). It is now awaited, in the same event loop at each call (a client
+    kept by the function stays usable), also from a caller that runs an event loop itself (a notebook)."""
+    import asyncio
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import call_reward_fn
+
+    loops = []
+
+    async def judge(prompts, completions, **kwargs):
+        loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        return [float(len(c)) for c in completions]
+
+    async def failing(prompts, answers):
+        await asyncio.sleep(0)
+        raise ValueError("judge unreachable")
+
+    assert call_reward_fn(judge, ["p1", "p2"], ["a", "bb"]) == [1.0, 2.0]
+
+    async def notebook_cell():
+        return call_reward_fn(judge, ["p1"], ["ccc"])
+
+    assert asyncio.run(notebook_cell()) == [3.0]
+    assert len(loops) == 2 and loops[0] is loops[1] and loops[0].is_running()
+    with pytest.raises(UsageError, match=r"--reward_fn 'failing' failed \(ValueError: judge unreachable, at "
+                                         r"test_ppo.py:\d+\) on a batch starting with prompt 'p1'"):
+        call_reward_fn(failing, ["p1"], ["a"])
+
+
 def test_a_reward_too_large_for_a_float_is_refused_as_not_finite():
     """An int past float's range raised a bare OverflowError from dschat, naming neither the function nor the answer."""
     from dschat.errors import UsageError

@@ -4,7 +4,7 @@ function itself).
 The function is called as ``fn(prompts, answers, **extra_columns)`` with lists of strings (and lists of the
 dataset's extra column values; by keyword when it names parameters ``prompts`` and ``answers``), or, when it has a
 parameter named ``completions``, as TRL calls reward functions: ``fn(prompts=..., completions=..., **extra_columns)``
-(``call_arguments``); it returns one float per answer. A raised
+(``call_arguments``); it returns one float per answer (an ``async def`` function: once awaited). A raised
 exception or a non-finite value stops the run with the prompt that caused it: a silent 0 would train the policy on a
 wrong reward.
 """
@@ -174,6 +174,8 @@ def call_reward_fn(fn, prompts, answers, extras=None):
         raise UsageError(f"{name} cannot be called as {how}: {ex}") from None
     try:
         returned = fn(*args, **kwargs)
+        if inspect.isawaitable(returned):  # an async function, as TRL's reward functions may be
+            returned = _awaited(returned)
         scores = _score_list(returned)  # (a generator's body runs here)
     except Exception as ex:
         raise UsageError(f"{name} failed ({type(ex).__name__}: {ex}{_where(ex)}) on a batch starting with prompt "
@@ -210,6 +212,28 @@ def weighted_scores(fn, scores, weight, prompts, answers):
 
 def _flag_name(fn):
     return f"--reward_fn {getattr(fn, '__name__', fn)!r}"
+
+
+_EVENT_LOOP = {}  # process id -> the event loop async reward functions run in (a forked child starts its own)
+
+
+def _awaited(awaitable):
+    """What an async reward function's call returns once awaited. It runs in one event loop of dschat's, on a thread
+    of its own, kept from call to call as TRL keeps its: a client the function keeps (an HTTP session for a judge
+    model) stays bound to a loop that still runs, and a caller that runs a loop itself (a notebook) is not asked to
+    start another on its thread, which asyncio refuses. It was refused as "returned coroutine ..." (never awaited)."""
+    import asyncio
+    import threading
+
+    loop = _EVENT_LOOP.get(os.getpid())
+    if loop is None:
+        loop = _EVENT_LOOP[os.getpid()] = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="dschat-reward-fn", daemon=True).start()
+
+    async def result():
+        return await awaitable
+
+    return asyncio.run_coroutine_threadsafe(result(), loop).result()
 
 
 _RENAMED_SAID = set()
