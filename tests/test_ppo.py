@@ -1631,6 +1631,11 @@ def test_reward_settings_that_cannot_train_fail_before_anything_loads(tmp_path, 
                   "2", "--reward_fn", "tiny"])
     with pytest.raises(FileNotFoundError, match="the actor loads from --actor_model_name_or_path output/step1_sft"):
         ppo.main([])
+    # PPO rewarded by the function alone: step 2 is no step of it, a critic may start from the actor
+    with pytest.raises(FileNotFoundError, match=r"the critic loads from --critic_model_name_or_path output/step2_rm.*"
+                                                r"\(a critic may start from the actor, --critic_model_name_or_path "
+                                                r"tiny-llama, with a new value head\), or use a critic-free"):
+        ppo.main(["--actor_model_name_or_path", "tiny-llama", "--reward_fn", "tiny", "--reward_model_weight", "0"])
     from dschat.rlhf.config import step3_args
     from dschat.rlhf.reward_fn import check_reward_sources
 

@@ -132,8 +132,12 @@ def check_earlier_step_outputs(args, actor_path=None, critic_path=None, reward_p
         if path != parser.get_default(flag) or os.path.isdir(path):
             check_model_path(path, f"--{flag}")
             continue
-        hint = (", or with --reward_fn give --reward_model_weight 0 (the function alone)"
-                if role == "the reward model" else "")
+        hint = ""
+        if role == "the reward model":
+            hint = ", or with --reward_fn give --reward_model_weight 0 (the function alone)"
+        elif not args.reward_model_weight:  # (rewarded by the function alone: step 2 is no step of this run)
+            hint = (f" (a critic may start from the actor, --{flag} {paths['actor_model_name_or_path']}, with a new "
+                    f"value head), or use a critic-free --advantage_estimator (grpo, rloo, reinforce_pp)")
         raise MissingInputError(f"step3: {role} loads from --{flag} {path}, the default ({step}'s output), which "
                                 f"does not exist; run {step} first or give --{flag}{hint}")
     if args.reward_model_weight:
