@@ -1154,3 +1154,51 @@ def test_a_reachable_hub_leaves_offline_mode_off(reachable_hub, hub_cache):
     hub_cache("acme/cached-lm", GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained)
     check_model_path("acme/cached-lm", "--actor-model")
     assert not is_offline_mode()
+
+
+NODE_MODELS_SCRIPT = """
+from dschat.models.loading import load_causal_lm
+from dschat.models.reward_model import create_critic_model
+from dschat.tiny import load_tiny_tokenizer
+from dschat.utils.dist import ensure_distributed
+ensure_distributed()
+seen = []
+for load in (load_causal_lm, create_critic_model):
+    for name in ("same", "other"):  # each 'node' reads its own copy in its working directory
+        try:
+            load(name, load_tiny_tokenizer(), {"train_micro_batch_size_per_gpu": 1})
+            seen.append("loaded")
+        except Exception as error:
+            seen.append(f"{type(error).__name__}: {error}")
+with open("seen", "w") as f:
+    f.write("\\n".join(seen))
+from dschat.utils.cli import end_script
+end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
+"""
+
+
+@pytest.mark.multirank
+def test_nodes_whose_copies_of_a_model_differ_stop_with_an_error_naming_the_setting(tmp_path):
+    """Two nodes (one rank each), each reading the model folder from its own disk: copies of other shapes (another
+    number of layers) built models of other sizes, and the ranks failed deep in DeepSpeed's first collective (gloo:
+    "Received data size doesn't match expected size", an abort; NCCL: a hang). Copies that differ in their weights
+    alone load (rank 0's are trained)."""
+    from launch import run_as_two_nodes
+
+    from dschat.tiny import load_tiny_tokenizer
+    from dschat.tiny.presets import tiny_llama_config
+
+    nodes = [tmp_path / f"node{rank}" for rank in range(2)]
+    for rank, node in enumerate(nodes):
+        for name, layers in (("same", 2), ("other", 2 + rank)):
+            config = tiny_llama_config()
+            config.num_hidden_layers = layers
+            torch.manual_seed(rank)
+            AutoModelForCausalLM.from_config(config).save_pretrained(node / name)
+            load_tiny_tokenizer().save_pretrained(node / name)
+    run_as_two_nodes(tmp_path, NODE_MODELS_SCRIPT, nodes)
+    for rank, node in enumerate(nodes):
+        differ = ("UsageError: other: the ranks read different configs of the model: num_hidden_layers (rank 0: 2"
+                  + (", rank 1: 3" if rank else "") + ") differs between them (each node's own copy of the model "
+                  "folder, or of a hub model in its cache, that is not the same): give every node the same model")
+        assert (node / "seen").read_text().split("\n") == ["loaded", differ, "loaded", differ], node

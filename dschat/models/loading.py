@@ -531,6 +531,8 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     if os.path.isdir(path) and (adapter := adapter_message(path)):  # (the tools load here too)
         raise UsageError(adapter)
     config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)  # a typo: one clear error
+    if ds_config is not None:  # (a training load: every rank loads the model)
+        check_same_config_on_every_rank(model_name_or_path, config)
     keep_alive = model_load_context(ds_config)  # noqa: F841 (must outlive from_pretrained)
     torch_dtype = load_dtype(dtype, ds_config)
     if rlhf_training:
@@ -542,6 +544,36 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
         check_weights_loaded(model_name_or_path, model, loading)
     sync_special_tokens(model, tokenizer)
     return model
+
+
+def check_same_config_on_every_rank(name, config):
+    """Every rank read the same config for the model ``name`` (collective): on several nodes, each reading its own
+    copy of a model folder (or of a hub model in its cache) that differs, the ranks built models of other shapes and
+    failed deep in DeepSpeed's first collective (gloo: "Received data size doesn't match expected size"; NCCL: a hang
+    or garbage). Its weights need no check: rank 0's are the ones trained (DeepSpeed broadcasts them; under ZeRO-3
+    transformers loads them on rank 0). A UsageError on every rank naming the settings that differ."""
+    import json
+
+    from dschat.utils.dist import gathered_objects, get_rank, get_world_size, local_device, \
+        names_differing_between_ranks
+
+    if get_world_size() == 1:
+        return
+    # (the folder's path may differ between nodes; transformers' version is no setting of the model)
+    settings = {key: value for key, value in config.to_dict().items()
+                if key not in ("_name_or_path", "transformers_version")}
+    if not names_differing_between_ranks({"config": json.dumps(settings, sort_keys=True, default=str)},
+                                         local_device()):
+        return
+    every = gathered_objects(settings, local_device())
+    differ = sorted({key for other in every for key in {*other, *every[0]} if other.get(key) != every[0].get(key)})
+    said = ", ".join(f"{key} (rank 0: {every[0].get(key)!r}, rank {get_rank()}: {settings.get(key)!r})"
+                     if get_rank() else f"{key} (rank 0: {every[0].get(key)!r})" for key in differ[:5])
+    raise UsageError(f"{name}: the ranks read different configs of the model: {said}"
+                     f"{f' and {len(differ) - 5} more' if len(differ) > 5 else ''} "
+                     f"{'differs' if len(differ) == 1 else 'differ'} between them (each node's "
+                     "own copy of the model folder, or of a hub model in its cache, that is not the same): give every "
+                     "node the same model")
 
 
 def check_weights_loaded(name, model, loading):

@@ -197,13 +197,16 @@ class RewardModel(nn.Module):
         ``new_head_expected``: as transformers warns of a new classification head, its scores mean nothing until step 2
         trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's normalization
         (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
-        from dschat.models.loading import (adapter_message, check_weights_loaded, configure_dropout, hub_load,
-                                           load_dtype, model_load_context, readable_weights, sync_special_tokens)
+        from dschat.models.loading import (adapter_message, check_same_config_on_every_rank, check_weights_loaded,
+                                           configure_dropout, hub_load, load_dtype, model_load_context,
+                                           readable_weights, sync_special_tokens)
 
         name, path = path, reward_model_folder(path)
         if os.path.isdir(path) and (adapter := adapter_message(path)):  # (transformers would load the adapter on it)
             raise UsageError(adapter)
         config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)
+        if ds_config is not None:  # (a training load: every rank loads the model)
+            check_same_config_on_every_rank(name, config)
         keep_alive = model_load_context(ds_config)  # noqa: F841
         torch_dtype = load_dtype(dtype, ds_config)
         ds_chat_file = ds_chat_reward_weights(path)
