@@ -3114,3 +3114,37 @@ def test_offload_reference_model_puts_the_ema_copy_on_the_cpu_too_and_it_still_a
     ema_weight = dict(ema.named_parameters())[name]
     with gathered([ema_weight]):
         assert torch.allclose(ema_weight.data.float(), 1.5 * start.float(), atol=1e-6)
+
+
+def test_a_critic_and_reward_model_with_fewer_embeddings_than_the_actor_read_every_id_it_samples(tmp_path, capsys,
+                                                                                              distributed):
+    """One family's sizes share a tokenizer but not the embedding rows past its ids (Qwen2.5-7B's 152064, 0.5B's
+    151936): an id the actor sampled past the critic's rows stopped step 3 mid-run with an IndexError in the critic's
+    forward (a device-side assert on a GPU). The critic and the reward model grow to the actor's rows, said."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat import DeepSpeedRLHFEngine
+    from dschat.models.checkpoint import save_reward_model
+    from dschat.models.loading import embedding_rows, load_tokenizer
+    from dschat.models.reward_model import create_critic_model
+    from dschat.tiny.presets import tiny_llama_config
+
+    tokenizer = load_tokenizer("tiny-llama")
+    config = tiny_llama_config()
+    config.vocab_size = len(tokenizer) + 9  # rows past the tokenizer's ids, as a padded vocabulary has
+    actor = tmp_path / "actor"
+    AutoModelForCausalLM.from_config(config).save_pretrained(actor)
+    tokenizer.save_pretrained(actor)
+    scorer = create_critic_model("tiny-llama", tokenizer)  # (a reward model of the tokenizer's rows)
+    save_reward_model(scorer, tokenizer, str(tmp_path / "rm"))
+    capsys.readouterr()
+    engine = DeepSpeedRLHFEngine(str(actor), "tiny-llama", args={"dtype": "fp32",
+                                                                  "reward_model_name_or_path": str(tmp_path / "rm")})
+    out = capsys.readouterr().out
+    past = torch.tensor([[5, 6, config.vocab_size - 1]])  # the actor's last id, past the tokenizer's
+    for role, model, path in (("critic", engine.critic.module, "tiny-llama"),
+                              ("reward model", engine.reward.module, tmp_path / "rm")):
+        assert embedding_rows(model.rwtransformer) >= config.vocab_size, role
+        assert torch.isfinite(model.forward_value(past, torch.ones_like(past), return_value_only=True)).all(), role
+        assert (f"[step3] the {role} {path} has {len(tokenizer)} token embeddings, the actor {config.vocab_size}: "
+                f"grown to {embedding_rows(model.rwtransformer)} (new rows)") in out, out

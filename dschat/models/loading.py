@@ -596,10 +596,11 @@ def embedding_rows(model):
     return getattr(weight, "ds_shape", weight.shape)[0]
 
 
-def grow_embeddings_for(model, tokenizer):
-    """Grow (never shrink) the embeddings so every token id of the tokenizer has a row."""
-    if len(tokenizer) > embedding_rows(model):
-        model.resize_token_embeddings(int(8 * ((len(tokenizer) + 7) // 8)))
+def grow_embeddings_for(model, tokenizer, rows=0):
+    """Grow (never shrink) the embeddings so every token id of the tokenizer has a row, and to at least ``rows``."""
+    needed = max(int(8 * ((len(tokenizer) + 7) // 8)) if len(tokenizer) > embedding_rows(model) else 0, rows)
+    if needed > embedding_rows(model):
+        model.resize_token_embeddings(needed)
 
 
 def token_id_list(token_ids):
@@ -619,11 +620,11 @@ def stop_token_ids(model, tokenizer):
     return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
 
 
-def sync_special_tokens(model, tokenizer):
-    """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed. Other
-    EOS ids the generation config lists are kept after the tokenizer's (``stop_token_ids``): HF's generate stops on
-    them too, with the saved model as with the original."""
-    grow_embeddings_for(model, tokenizer)
+def sync_special_tokens(model, tokenizer, rows=0):
+    """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed (to at
+    least ``rows`` too). Other EOS ids the generation config lists are kept after the tokenizer's
+    (``stop_token_ids``): HF's generate stops on them too, with the saved model as with the original."""
+    grow_embeddings_for(model, tokenizer, rows)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
     generation_config = getattr(model, "generation_config", None)

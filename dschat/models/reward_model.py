@@ -93,6 +93,7 @@ class RewardModel(nn.Module):
         super().__init__()
         check_backbone(base_model)
         self.value_head_loaded = False  # from_pretrained: whether the folder held a trained head
+        self.embedding_rows_loaded = None  # from_pretrained: the checkpoint's, before any growth
         # (mean, std) a frozen scorer's values are normalized by (an OpenRLHF reward model's), else None
         self.score_normalization = None
         # the pad id transformers' *ForSequenceClassification skips to find the scored token (a TRL reward model loaded
@@ -191,15 +192,18 @@ class RewardModel(nn.Module):
     # --- saving and loading -------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, tokenizer=None, compute_fp32_loss=False, dropout=None, dtype=None,
-                        ds_config=None, rlhf_training=False, new_head_expected=False, normalize_scores=False):
+                        ds_config=None, rlhf_training=False, new_head_expected=False, normalize_scores=False,
+                        min_embedding_rows=0):
         """Load a trained reward model (a folder or hub name of a layout ``is_reward_model_folder`` knows: step 2's,
         DeepSpeed-Chat's, TRL's, OpenRLHF's) or a plain HF model (value head newly made, with a warning unless
         ``new_head_expected``: as transformers warns of a new classification head, its scores mean nothing until step 2
         trains it). ``normalize_scores``: a frozen scorer keeps an OpenRLHF reward model's normalization
-        (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores."""
+        (``score_normalization``); a model to train (a critic, step 2's) starts from the raw scores.
+        ``min_embedding_rows``: with ``tokenizer``, the embeddings are grown to at least these rows (step 3's actor's:
+        every id the actor can sample has one); ``embedding_rows_loaded`` keeps the checkpoint's."""
         from dschat.models.loading import (adapter_message, check_same_config_on_every_rank, check_weights_loaded,
-                                           configure_dropout, hub_load, load_dtype, model_load_context,
-                                           readable_weights, sync_special_tokens)
+                                           configure_dropout, embedding_rows, hub_load, load_dtype,
+                                           model_load_context, readable_weights, sync_special_tokens)
 
         name, path = path, reward_model_folder(path)
         if os.path.isdir(path) and (adapter := adapter_message(path)):  # (transformers would load the adapter on it)
@@ -244,8 +248,9 @@ class RewardModel(nn.Module):
             logger.info("%s: it scores a row at its last token that is not its pad id %d when it scores "
                         "(transformers' *ForSequenceClassification); trained here, at each row's last token", name,
                         skips)
+        model.embedding_rows_loaded = embedding_rows(backbone)
         if tokenizer is not None:  # (its saved config says the tokenizer's pad and EOS ids, as a policy's does)
-            sync_special_tokens(backbone, tokenizer)
+            sync_special_tokens(backbone, tokenizer, min_embedding_rows)
         return model
 
     def save_head_and_meta(self, folder, state_dict):
@@ -498,12 +503,12 @@ def _hidden_size(config):
 
 def create_critic_model(model_name_or_path, tokenizer, ds_config=None, num_padding_at_beginning=0,
                         rlhf_training=False, dropout=None, zero_stage=0, compute_fp32_loss=False, dtype=None,
-                        normalize_scores=False):
+                        normalize_scores=False, min_embedding_rows=0):
     """DeepSpeed-Chat's entry point: a reward model / critic from a step-2 folder or any HF model folder
-    (``normalize_scores``: see ``RewardModel.from_pretrained``)."""
+    (``normalize_scores``, ``min_embedding_rows``: see ``RewardModel.from_pretrained``)."""
     model = RewardModel.from_pretrained(model_name_or_path, tokenizer=tokenizer, compute_fp32_loss=compute_fp32_loss,
                                         dropout=dropout, dtype=dtype, ds_config=ds_config, new_head_expected=True,
-                                        normalize_scores=normalize_scores)
+                                        normalize_scores=normalize_scores, min_embedding_rows=min_embedding_rows)
     model.num_padding_at_beginning = num_padding_at_beginning
     return model
 

@@ -10,7 +10,8 @@ from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, cr
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
-from dschat.models.loading import check_sequence_fits, config_dropouts, load_causal_lm, load_tokenizer
+from dschat.models.loading import (check_sequence_fits, config_dropouts, embedding_rows, load_causal_lm,
+                                   load_tokenizer)
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine, initialize_frozen
@@ -415,6 +416,17 @@ def check_same_format(actor_tokenizer, actor_path, reward_tokenizer, reward_path
                          "(tokenizer_config.json's chat_template), or give them the same template")
 
 
+def say_grown_embeddings(model, path, role, actor_rows):
+    """A critic or reward model with fewer token embeddings than the actor (one family's sizes, e.g. Qwen2.5-7B's
+    152064 and 0.5B's 151936, both past the tokenizer's ids) is grown to the actor's (``RewardModel.from_pretrained``'s
+    ``min_embedding_rows``): an id the actor sampled past its own rows failed their forward mid-run (IndexError; a
+    device-side assert on a GPU). Said."""
+    if actor_rows > model.embedding_rows_loaded:
+        print_rank_0(f"[step3] {role} {path} has {model.embedding_rows_loaded} token embeddings, the actor "
+                     f"{actor_rows}: grown to {embedding_rows(model.rwtransformer)} (new rows), so that it reads "
+                     "every token id the actor can sample")
+
+
 class DeepSpeedRLHFEngine:
     """Builds and holds the PPO models.
 
@@ -514,6 +526,7 @@ class DeepSpeedRLHFEngine:
                            local_only=False)  # before its weights load
         check_local_window(a, self.actor_path, local_only=False)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
+        self.actor_embedding_rows = embedding_rows(model)
         self._check_sequence_fits(model)
         say_a_dropout_in_training(model, a.actor_dropout, "actor", "--actor_dropout")
         say_an_unapplied_repetition_penalty(model, a.repetition_penalty)
@@ -561,9 +574,11 @@ class DeepSpeedRLHFEngine:
         a = self.args
         self._check_token_ids(self.critic_path, "the critic")
         ds_config = self._trained_config(a.critic_zero_stage, role="critic")
+        actor_rows = getattr(self, "actor_embedding_rows", 0)  # (0: no actor built, as in a test of the critic alone)
         model = create_critic_model(self.critic_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
                                     rlhf_training=True, dropout=a.critic_dropout, zero_stage=a.critic_zero_stage,
-                                    compute_fp32_loss=a.compute_fp32_loss)
+                                    compute_fp32_loss=a.compute_fp32_loss, min_embedding_rows=actor_rows)
+        say_grown_embeddings(model, self.critic_path, "the critic", actor_rows)
         self._check_sequence_fits(model)
         say_a_dropout_in_training(model, a.critic_dropout, "critic", "--critic_dropout")
         if not model.value_head_loaded:
@@ -580,8 +595,11 @@ class DeepSpeedRLHFEngine:
         a = self.args
         self._check_token_ids(self.reward_path, "the reward model")
         ds_config = self._eval_config(frozen_twin(a, "reward")[0], a.offload_reward_model, role="reward")
+        actor_rows = getattr(self, "actor_embedding_rows", 0)
         model = create_critic_model(self.reward_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
-                                    compute_fp32_loss=a.compute_fp32_loss, normalize_scores=True)
+                                    compute_fp32_loss=a.compute_fp32_loss, normalize_scores=True,
+                                    min_embedding_rows=actor_rows)
+        say_grown_embeddings(model, self.reward_path, "the reward model", actor_rows)
         self._check_sequence_fits(model)
         if not model.value_head_loaded:
             raise UsageError(untrained_reward_model_message(self.reward_path))
