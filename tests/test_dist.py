@@ -1,5 +1,6 @@
 """Process-group set-up: multi-rank CPU runs leave no DeepSpeed all-reduce buffers in /dev/shm behind (unlinked once
 every rank has mapped them), and DeepSpeed's shared-memory all-reduce keeps working."""
+import json
 import os
 import subprocess
 import sys
@@ -475,3 +476,42 @@ def test_a_line_printed_under_a_progress_bar_starts_a_line_of_its_own(capsys):
     bar.close()
     lines = [_as_drawn(line) for line in capsys.readouterr().out.split("\n")]
     assert "[step1] step 2 loss 1.0000" in lines, lines
+
+
+DS_CONFIG_NODES_SCRIPT = """
+from types import SimpleNamespace
+from dschat.steps.common import check_same_ds_config_file
+from dschat.utils.dist import ensure_distributed, local_device
+ensure_distributed()
+seen = []
+for name in ("same.json", "other.json", "missing.json"):  # each 'node' reads its own copy in its working directory
+    try:
+        check_same_ds_config_file(SimpleNamespace(deepspeed_config=name), local_device())
+        seen.append("same")
+    except Exception as error:
+        seen.append(f"{type(error).__name__}: {error}")
+with open("seen", "w") as f:
+    f.write("\\n".join(seen))
+from dschat.utils.cli import end_script
+end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
+"""
+
+
+def test_nodes_reading_copies_of_the_deepspeed_config_that_differ_stop_with_an_error_naming_it(tmp_path):
+    """Two nodes (one rank each), each reading --deepspeed_config from its own disk: copies with other ZeRO bucket
+    sizes made the ranks' reductions differ, and they failed deep in DeepSpeed (gloo aborted: "Received data size
+    doesn't match expected size"; NCCL hangs). The ranks compared the flag (one path), not the file."""
+    from launch import run_as_two_nodes
+
+    nodes = [tmp_path / f"node{rank}" for rank in range(2)]
+    for rank, node in enumerate(nodes):
+        node.mkdir()
+        (node / "same.json").write_text(json.dumps({"gradient_clipping": 1.0}, indent=rank))  # (layout alone differs)
+        (node / "other.json").write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 10 ** (3 + rank)}}))
+    (nodes[0] / "missing.json").write_text("{}")  # (node 1 has no copy)
+    run_as_two_nodes(tmp_path, DS_CONFIG_NODES_SCRIPT, nodes)
+    differ = ("UsageError: DeepSpeed config {!r} (--deepspeed_config / --deepspeed): its content differs between the "
+              "ranks (each node's own copy): give every node the same file")
+    for node in nodes:
+        assert (node / "seen").read_text().split("\n") == ["same", differ.format("other.json"),
+                                                           differ.format("missing.json")], node

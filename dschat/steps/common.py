@@ -34,8 +34,28 @@ def setup_run(args):
     ensure_distributed()
     device = local_device()
     check_same_on_every_rank({name: value for name, value in vars(args).items() if name in step_flag_dests()}, device)
+    check_same_ds_config_file(args, device)
     set_seed(args.seed)
     return device
+
+
+def check_same_ds_config_file(args, device):
+    """A --deepspeed_config file each node reads from its own disk: copies that differ (ZeRO's bucket sizes, say) made
+    the ranks' collectives differ, and they failed deep in DeepSpeed (gloo: "Received data size doesn't match expected
+    size"; NCCL: a hang), or trained apart (gradient clipping); the ranks compare the flags, not the file. Collective."""
+    from dschat.utils.dist import names_differing_between_ranks
+    from dschat.utils.ds_config import CONFIG_FLAGS, load_user_ds_config, user_ds_config_path
+
+    path = user_ds_config_path(args)
+    if get_world_size() == 1 or not isinstance(path, str):  # (a notebook's dict is the same object's copy)
+        return
+    try:
+        content = json.dumps(load_user_ds_config(path), sort_keys=True)
+    except UsageError as error:  # (one node without it, or with a broken copy: that differs too; on every node, the
+        content = str(error)     # config's own check says so)
+    if names_differing_between_ranks({"config": content}, device):
+        raise UsageError(f"DeepSpeed config {path!r} ({CONFIG_FLAGS}): its content differs between the ranks (each "
+                         "node's own copy): give every node the same file")
 
 
 def check_output_dir(folder, device):
