@@ -1,6 +1,7 @@
 """The tools for trained models: chat.py, step-1 prompt_eval, step-2 rw_eval, step-3 ppo_eval (tiny models)."""
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -1216,3 +1217,37 @@ def test_a_count_of_one_is_said_in_the_singular(tmp_path, capsys):
     data.write_text(json.dumps({"prompt": "Name a color.", "chosen": "red", "rejected": "no"}) + "\n")
     assert len(load_records(f"jsonl:{data}")) == 1
     assert f"[dschat] 1 record of jsonl:{data}\n" in capsys.readouterr().out
+
+
+def test_ppo_eval_scores_a_policy_with_more_token_embeddings_than_the_reward_model(models, tmp_path, monkeypatch):
+    """A policy of one family's larger size has embedding rows past the reward model's (Qwen2.5-7B's 152064, 0.5B's
+    151936): an id it answered with past the reward model's rows stopped ppo_eval with an IndexError in the reward
+    model's forward. The reward model grows to the policy's rows, as step 3 grows it to the actor's."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.loading import embedding_rows
+
+    tokenizer = load_tokenizer(models["policy"])
+    wide = tmp_path / "wide_policy"
+    model = AutoModelForCausalLM.from_pretrained(models["policy"])
+    rows = embedding_rows(model) + 16
+    model.resize_token_embeddings(rows)
+    model.save_pretrained(wide)
+    tokenizer.save_pretrained(wide)
+
+    def answering_with_the_last_id(*args, **kwargs):  # (a random policy seldom samples it: it answers with it)
+        policy, policy_tokenizer = load_policy(*args, **kwargs)
+
+        def generate(input_ids, **kw):
+            return torch.cat([input_ids, torch.full((len(input_ids), 2), rows - 1)], dim=1)
+
+        policy.generate = generate
+        return policy, policy_tokenizer
+
+    monkeypatch.setattr(ppo_eval, "load_policy", answering_with_the_last_id)
+    args = ppo_eval.parse_args(["--policy", str(wide), "--reward_model", models["rm"], "--num_prompts", "2",
+                                "--max_new_tokens", "2", "--data_output_path", str(tmp_path / "cache"),
+                                "--num_examples", "0"])
+    result, reward_model = ppo_eval.evaluate_model(str(wide), models["rm"], args)
+    assert embedding_rows(reward_model.rwtransformer) >= rows
+    assert math.isfinite(result["reward_mean"]), result

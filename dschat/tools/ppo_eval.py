@@ -15,7 +15,8 @@ from dschat.args import add_data_args, non_negative_int, positive_int, resolve_p
 from dschat.data.cache import tokenizer_fingerprint
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path
-from dschat.models.loading import check_sequence_fits, load_tokenizer, resolve_model_path, stop_token_ids
+from dschat.models.loading import (check_sequence_fits, embedding_rows, grow_embeddings_for, load_tokenizer,
+                                   resolve_model_path, stop_token_ids)
 from dschat.errors import UsageError
 from dschat.rlhf.engine import check_scores_actor_text
 from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
@@ -41,6 +42,8 @@ def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by
     model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
     if reward_model is None and reward_model_path:
         reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
+    if reward_model is not None:  # every id the policy answers with has a row (step 3 grows it to the actor's too)
+        grow_embeddings_for(reward_model.rwtransformer, tokenizer, embedding_rows(model))
     for checked in (model, reward_model):  # as step 3 checks its models: not an IndexError mid-generation
         if checked is not None:
             check_sequence_fits(checked, args.max_prompt_seq_len + args.max_new_tokens,
