@@ -342,3 +342,16 @@ def test_a_prompt_the_models_chat_template_refuses_is_an_error_naming_it_not_jin
     with pytest.raises(UsageError, match=said), \
             mock.patch.object(chat, "load_policy", side_effect=AssertionError("a model loaded first")):
         chat.main(["--path", policy, "--prompt", prompt])
+
+
+def test_rw_eval_given_no_pair_names_the_file_in_one_line(reward_model, tmp_path):
+    """A prompts-only or SFT-only file has nothing to score: argparse's usage block said "no records with both a chosen
+    and a rejected answer" without naming the file (which the step-2 run's training_args.json may have chosen)."""
+    from dschat.errors import UsageError
+    from dschat.tools import rw_eval
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name a color."}) + "\n" + json.dumps({"prompt": "Say hi."}) + "\n")
+    with pytest.raises(UsageError, match=rf"--pairs_file {prompts}: none of its 2 records read has both a chosen and "
+                                         "a rejected answer"):
+        rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", str(prompts)])

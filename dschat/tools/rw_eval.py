@@ -16,6 +16,7 @@ from dschat.data import pipeline
 from dschat.data.errors import SkipRecord
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
+from dschat.report import counted
 from dschat.tools.common import (add_loading_args, check_utf8, find_reward_model_path, flag_path,
                                  load_scoring_reward_model, one_process, parse_with_run_defaults, tool_prompt)
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
@@ -183,6 +184,16 @@ def check_message_flags(parser, args):
         parser.error("--prompt and --answer go together")
 
 
+def check_some_pair(records, pairs_file):
+    """Records with no chosen/rejected pair at all (prompts, SFT answers) are an error naming the file: argparse's usage
+    block said "no records with both a chosen and a rejected answer" without it, a file the step-2 run's
+    training_args.json may have chosen."""
+    if not any(r.chosen is not None and r.rejected is not None for r in records):
+        raise UsageError(f"--pairs_file {pairs_file}: none of its {counted(len(records), 'record')} read has both a "
+                         "chosen and a rejected answer (a pair to score): give preference pairs, or --prompt and "
+                         "--answer")
+
+
 def parse_args(argv=None):
     """(the flags, those not given as the model's step-2 run trained, the parser)."""
     parser = build_parser()
@@ -195,15 +206,15 @@ def parse_args(argv=None):
 @one_process
 def main(argv=None):
     """Print the scores; returns {"scores"} for --prompt, else the pair results and accuracy."""
-    args, parser = parse_args(argv)
+    args, _ = parse_args(argv)
     from dschat.models.loading import check_sequence_fits, load_tokenizer
 
     path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
     records = None if args.prompt else (  # read (and checked) before the model loads
         load_records(args.pairs_file, args.data_fields, args.num_pairs or None) if args.pairs_file
         else tiny_held_out_records(args.num_pairs or None))
-    if records is not None and not any(r.chosen is not None and r.rejected is not None for r in records):
-        parser.error("no records with both a chosen and a rejected answer")
+    if records is not None:
+        check_some_pair(records, args.pairs_file)
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
     model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
     check_sequence_fits(model, args.max_seq_len, "--max_seq_len")  # as step 2 checks it: not an IndexError later
