@@ -355,3 +355,42 @@ def test_rw_eval_given_no_pair_names_the_file_in_one_line(reward_model, tmp_path
     with pytest.raises(UsageError, match=rf"--pairs_file {prompts}: none of its 2 records read has both a chosen and "
                                          "a rejected answer"):
         rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", str(prompts)])
+
+
+@pytest.mark.parametrize("tool, argv", [
+    ("chat", ["--path", "tiny-llama", "--prompt", "Say hi."]),
+    ("chat", ["--path", "tiny-llama"]),
+    ("prompt_eval", ["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", "tiny-llama"]),
+    ("rw_eval", ["--model_name_or_path", "RM", "--prompt", "Say hi.", "--answer", "hi"]),
+    ("ppo_eval", ["--policy", "tiny-llama", "--reward_model", "RM"]),
+])
+def test_a_tool_started_with_its_output_closed_says_so_before_any_model_loads(tool, argv, reward_model, monkeypatch):
+    """Started with stdout closed (`>&-`), Python has no sys.stdout and print writes nowhere: chat.py --prompt,
+    prompt_eval and rw_eval lost their results with exit status 0, and interactive chat ended in "RuntimeError:
+    input(): lost sys.stdout"."""
+    import importlib
+    import sys
+
+    from dschat.errors import UsageError
+
+    module = importlib.import_module(f"dschat.tools.{tool}")
+    for loader in ("load_policy", "load_scoring_reward_model"):
+        if hasattr(module, loader):
+            monkeypatch.setattr(module, loader, lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(sys, "stdout", None)
+    with pytest.raises(UsageError, match="no standard output to print .* to \\(it is closed\\)"):
+        module.main([arg.replace("RM", reward_model) for arg in argv])
+
+
+def test_ppo_eval_with_its_output_closed_writes_its_output_json(reward_model, monkeypatch, tmp_path):
+    """--output_json holds the results: a closed stdout is no reason to refuse."""
+    import sys
+
+    from dschat.tools import ppo_eval
+
+    monkeypatch.setattr(sys, "stdout", None)
+    monkeypatch.setattr(ppo_eval, "evaluate_model", lambda path, *a, **k: ({"path": path, "prompts": 0,
+                                                                            "examples": []}, None))
+    ppo_eval.main(["--policy", "tiny-llama", "--reward_model", reward_model, "--output_json",
+                   str(tmp_path / "out.json")])
+    assert json.loads((tmp_path / "out.json").read_text())["policy"]["path"] == "tiny-llama"

@@ -10,8 +10,8 @@ from dschat.data.formatting import HUMAN_PREFIX, uses_chat_template
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
-                                 check_room_for_a_prompt, check_utf8, config_before_loading, find_policy_path,
-                                 flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
+                                 check_room_for_a_prompt, check_stdout_open, check_utf8, config_before_loading,
+                                 find_policy_path, flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers
 from dschat.tools.records import prompt_record
 
@@ -186,6 +186,7 @@ def main(argv=None):
         turns = prompt_record(args.prompt, "--prompt").messages
     elif sys.stdin is None:  # (started with stdin closed, `<&-`: an AttributeError once the model had loaded)
         parser.error("no standard input to read messages from (it is closed): give --prompt, or pipe the messages")
+    check_stdout_open("the answers")
     check_generation_flags(args)  # (before the model loads)
     path = flag_path("--path", find_policy_path, args.path)
     if args.prompt is not None:  # turns its chat template refuses (a transcript's system turn, for Gemma's): said first

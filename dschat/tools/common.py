@@ -35,6 +35,15 @@ def one_process(main):
     return in_one_process
 
 
+def check_stdout_open(results, instead=""):
+    """A tool started with its standard output closed (`>&-`) is refused before any model loads: Python then has no
+    ``sys.stdout`` and ``print`` writes nowhere, so ``results`` were lost with exit status 0 (interactive chat ended in
+    "RuntimeError: input(): lost sys.stdout"). ``instead``: what else the tool can do, said after."""
+    if sys.stdout is None:
+        raise UsageError(f"no standard output to print {results} to (it is closed): send it to a terminal, file or "
+                         f"pipe{instead}")
+
+
 def _reported(path, key):
     """``key`` of the report the last train.py run wrote in ``path``, if any."""
     from dschat.utils.files import read_json_object

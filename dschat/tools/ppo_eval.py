@@ -24,8 +24,9 @@ from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.run_layout import DPO_DIR, PPO_DIR, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders, step3_eval_prompts
-from dschat.tools.common import (add_loading_args, default_device, find_policy_path, find_reward_model_path, flag_path,
-                                 load_policy, load_scoring_reward_model, one_process, parse_with_run_defaults)
+from dschat.tools.common import (add_loading_args, check_stdout_open, default_device, find_policy_path,
+                                 find_reward_model_path, flag_path, load_policy, load_scoring_reward_model, one_process,
+                                 parse_with_run_defaults)
 from dschat.utils.files import path_under
 
 
@@ -286,6 +287,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.output_json:
         check_output_json(args.output_json)
+    else:  # (the results are printed alone)
+        check_stdout_open("the results", ", or give --output_json")
     if not (args.reward_model or args.reward_fn or rule_scorer_for(args.data_path)):
         raise UsageError("nothing to score the answers with: give --reward_model (step 2's folder) or --reward_fn")
     reward_model_path = args.reward_model and flag_path("--reward_model", find_reward_model_path, args.reward_model)

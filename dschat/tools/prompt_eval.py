@@ -8,8 +8,8 @@ import argparse
 from dschat.args import positive_int
 from dschat.data.formatting import render_human_assistant
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
-                                 check_room_for_a_prompt, config_before_loading, find_policy_path, flag_path,
-                                 generation_kwargs, load_policy, one_process, tool_prompt)
+                                 check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
+                                 flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
 from dschat.tools.generation import generate_answers
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
@@ -96,6 +96,7 @@ def build_parser():
 def main(argv=None):
     """Print the comparison; returns {"prompts", "answers", and "rule_scores"/"rule_score_means" if scored}."""
     args = build_parser().parse_args(argv)
+    check_stdout_open("the comparison")
     check_generation_flags(args)  # (before either model loads)
     records, scorable = select_records(args)
     paths = {role: flag_path(f"--model_name_or_path_{role}", find_policy_path,  # both before either loads

@@ -17,8 +17,9 @@ from dschat.data.errors import SkipRecord
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
 from dschat.report import counted
-from dschat.tools.common import (add_loading_args, check_utf8, find_reward_model_path, flag_path,
-                                 load_scoring_reward_model, one_process, parse_with_run_defaults, tool_prompt)
+from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8, find_reward_model_path,
+                                 flag_path, load_scoring_reward_model, one_process, parse_with_run_defaults,
+                                 tool_prompt)
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
@@ -207,6 +208,7 @@ def parse_args(argv=None):
 def main(argv=None):
     """Print the scores; returns {"scores"} for --prompt, else the pair results and accuracy."""
     args, _ = parse_args(argv)
+    check_stdout_open("the scores")
     from dschat.models.loading import check_sequence_fits, load_tokenizer
 
     path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
