@@ -474,6 +474,28 @@ def test_prompt_eval_max_new_tokens_filling_a_models_context_is_refused_before_a
                           models["policy"], "--max_new_tokens", str(context), "--prompts", "hi"])
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+def test_prompt_eval_names_a_prompt_too_long_for_a_models_context_before_any_model_loads(preset, models, tmp_path,
+                                                                                        monkeypatch):
+    """A prompt that with --max_new_tokens is longer than a model's context: past GPT-2's learned positions an error
+    naming no prompt once the model had loaded and answered the earlier batches, past Llama's rotary ones a warning and
+    answers from positions it never learned. Now the prompt is named, as chat.py refuses such a message."""
+    from dschat.errors import UsageError
+
+    baseline = create_tiny_model(preset, tmp_path / preset)
+    monkeypatch.setattr(prompt_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(json.dumps({"prompt": "Say hi."}) + "\n" + json.dumps({"prompt": "red " * 600}) + "\n")
+    said = (rf"^--prompts_file {prompts_file}: prompt 2 takes \d+ tokens for the baseline model; with --max_new_tokens "
+            "8 its context of 512 tokens leaves room for 504")
+    with pytest.raises(UsageError, match=said):
+        prompt_eval.main(["--model_name_or_path_baseline", baseline, "--model_name_or_path_finetune",
+                          models["policy"], "--max_new_tokens", "8", "--prompts_file", str(prompts_file)])
+    with pytest.raises(UsageError, match="^--prompts: prompt 1 takes .* with --max_new_tokens 500 .* room for 12$"):
+        prompt_eval.main(["--model_name_or_path_baseline", models["policy"], "--model_name_or_path_finetune",
+                          baseline, "--max_new_tokens", "500", "--prompts", "Name three colors. Reply in uppercase."])
+
+
 def test_chat_prompt_flag_reads_a_transcript_as_prompt_eval_does(session, models, monkeypatch, capsys):
     """chat.py --prompt "Human: ... Assistant: ... Human: ..." was one user message ("\n\nHuman: Human: ..."), where
     prompt_eval's --prompts and rw_eval's --prompt read the turns: the same text gave the tools other prompts. A
@@ -706,7 +728,7 @@ def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monke
     def canned_answers(path, records, args):  # (given the records themselves as the prompts, below)
         return [r.chosen if path == "finetune-model" else r.rejected for r in records]
 
-    monkeypatch.setattr(prompt_eval, "model_prompts", lambda path, records, args: records)
+    monkeypatch.setattr(prompt_eval, "model_prompts", lambda path, records, *_: records)
     monkeypatch.setattr(prompt_eval, "model_answers", canned_answers)
     result = prompt_eval.main(["--model_name_or_path_baseline", "baseline-model", "--model_name_or_path_finetune",
                                "finetune-model", "--num_prompts", "6",  # and DeepSpeed-Chat's flags, accepted

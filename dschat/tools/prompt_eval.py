@@ -7,10 +7,12 @@ import argparse
 
 from dschat.args import positive_int
 from dschat.data.formatting import render_human_assistant
+from dschat.errors import UsageError
+from dschat.models.positions import context_limit
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
                                  check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
                                  flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
-from dschat.tools.generation import generate_answers
+from dschat.tools.generation import encode_prompts, generate_answers
 from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
 
 ROLES = ("baseline", "finetune")
@@ -26,13 +28,38 @@ def select_records(args):
     return tiny_held_out_records(args.num_prompts), True
 
 
-def model_prompts(path, records, args):
+def prompts_source(args):
+    """Where the prompts come from, in words, for an error about one of them."""
+    if args.prompts:
+        return "--prompts"
+    return f"--prompts_file {args.prompts_file}" if args.prompts_file else "the embedded held-out data"
+
+
+def model_prompts(path, records, args, config=None, role="the model"):
     """The prompts as the model at ``path`` reads them: formatted with its own tokenizer (its chat template or not).
-    Both models' are formatted before either loads: a prompt one template refuses is said at once."""
+    Both models' are formatted before either loads: a prompt one template refuses is said at once, as is one that
+    leaves no room for --max_new_tokens in the context of the model's ``config``."""
     from dschat.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
-    return [tool_prompt(record.messages, tokenizer, path) for record in records]
+    prompts = [tool_prompt(record.messages, tokenizer, path) for record in records]
+    check_prompts_fit(prompts, tokenizer, config, args, role)
+    return prompts
+
+
+def check_prompts_fit(prompts, tokenizer, config, args, role):
+    """Each prompt + --max_new_tokens within the context of the model of ``config``, as chat.py refuses a message that
+    is not: past a learned position table it was an error naming no prompt once the model had loaded (and answered the
+    earlier batches), past rotary positions a warning, and answers from positions the model never learned."""
+    limit = context_limit(config) if config is not None else None
+    if not limit:
+        return
+    room = limit - args.max_new_tokens
+    for index, ids in enumerate(encode_prompts(tokenizer, prompts)):
+        if len(ids) > room:
+            raise UsageError(f"{prompts_source(args)}: prompt {index + 1} takes {len(ids)} tokens for the {role} "
+                             f"model; with --max_new_tokens {args.max_new_tokens} its context of {limit} tokens leaves "
+                             f"room for {room}")
 
 
 def model_answers(path, prompts, args):
@@ -101,9 +128,10 @@ def main(argv=None):
     records, scorable = select_records(args)
     paths = {role: flag_path(f"--model_name_or_path_{role}", find_policy_path,  # both before either loads
                              getattr(args, f"model_name_or_path_{role}")) for role in ROLES}
+    configs = {role: config_before_loading(paths[role]) for role in ROLES}
     for role in ROLES:  # (its answers would have no room, said after both models had loaded)
-        check_room_for_a_prompt(config_before_loading(paths[role]), args.max_new_tokens, f"the {role} model")
-    prompts = {role: model_prompts(paths[role], records, args) for role in ROLES}
+        check_room_for_a_prompt(configs[role], args.max_new_tokens, f"the {role} model")
+    prompts = {role: model_prompts(paths[role], records, args, configs[role], role) for role in ROLES}
     answers = {role: model_answers(paths[role], prompts[role], args) for role in ROLES}
     scores = {role: rule_scores(records, answers[role]) for role in ROLES} if scorable else None
     print_comparison(records, paths, answers, scores)
