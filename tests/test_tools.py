@@ -323,6 +323,20 @@ def test_a_step3_critic_given_as_the_policy_is_said_to_be_the_critic(models, tmp
         chat.main(["--path", models["rm"], "--prompt", "hi"])
 
 
+def test_a_step3_critic_given_as_the_reward_model_is_warned_of(models, tmp_path, capsys):
+    """rw_eval (and ppo_eval's --reward_model) scored with step 3's critic, saved with a reward model's files, as if it
+    were the reward model, unsaid: its head learned PPO's value estimates, not step 2's rewards."""
+    from dschat.tools import rw_eval
+
+    step3 = tmp_path / "step3_ppo"
+    shutil.copytree(models["rm"], step3 / "critic")
+    (step3 / RUN_ARGS_FILE).write_text("{}")
+    for path in (str(step3 / "critic"), models["rm"]):
+        rw_eval.main(["--model_name_or_path", path, "--prompt", "Say hi.", "--answer", "hi"])
+        warned = f"warning: {path}: step 3's critic (the value model PPO trains beside the actor), not a reward model"
+        assert (warned in capsys.readouterr().err) == (path != models["rm"])
+
+
 def test_a_reward_model_as_the_second_policy_is_refused_with_its_flag_before_any_model_loads(models, monkeypatch):
     """ppo_eval's --baseline and prompt_eval's --model_name_or_path_finetune were refused only once that model loaded,
     after the first one had answered every prompt (a long wait with real models), and without their flag."""

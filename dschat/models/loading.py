@@ -645,6 +645,9 @@ def check_not_a_reward_model(model_name_or_path, flag=None):
                          "pass a language model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
 
 
+CRITIC_KIND = "step 3's critic (the value model PPO trains beside the actor)"
+
+
 def value_model_kind(path):
     """What the value-head folder ``path`` is, in words: step 3 saves its critic as step 2 saves a reward model (the
     same files), so a critic is known by its place, the critic folder of a step-3 output (its actor, or its
@@ -655,7 +658,7 @@ def value_model_kind(path):
     step_output = os.path.dirname(folder)
     if os.path.basename(folder) == CRITIC_DIR and any(os.path.exists(os.path.join(step_output, name))
                                                       for name in (ACTOR_DIR, RUN_ARGS_FILE)):
-        return "step 3's critic (the value model PPO trains beside the actor)"
+        return CRITIC_KIND
     return "a reward model (step 2's output)"
 
 
