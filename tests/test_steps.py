@@ -637,6 +637,25 @@ def test_scripts_flush_their_output_as_the_interpreters_exit_does(tmp_path):
     assert closed.returncode == 0 and "Traceback" not in closed.stderr, closed.stderr[-2000:]
 
 
+def test_scripts_whose_output_fills_the_disk_mid_run_say_so_in_one_line(tmp_path):
+    """A tool printing its results to a full disk (here /dev/full) ended in an "OSError: [Errno 28] No space left on
+    device" traceback, a bug's; it is said in one line, with status 1 (with DSCHAT_TRACEBACK=1, the traceback)."""
+    script = tmp_path / "script.py"
+    script.write_text(TEARDOWN_SCRIPT)
+    for traceback in ("0", "1"):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "DSCHAT_TRACEBACK": traceback}
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([sys.executable, str(script), "endless"], env=env, stdout=full,
+                                  stderr=subprocess.PIPE, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        if traceback == "0":  # (the one traceback left is the script's atexit handler's, which prints to the disk)
+            assert proc.stderr.splitlines()[0] == ("error: No space left on device (a write failed: free some space or "
+                                                   "write elsewhere; DSCHAT_TRACEBACK=1 shows where)"), proc.stderr
+            assert proc.stderr.count("Traceback") == proc.stderr.count("Exception ignored in atexit callback") == 1
+        else:
+            assert "Traceback" in proc.stderr and "OSError: [Errno 28]" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_scripts_end_quietly_when_the_reader_of_their_output_goes(tmp_path):
     """`tool.py | head`: the reader closing the pipe ended a finished tool's printing with a BrokenPipeError
     traceback and status 1; it ends as the pipe's signal ends a C program, 141 (128 + SIGPIPE), without one."""

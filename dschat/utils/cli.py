@@ -1,7 +1,8 @@
 """Entry points: a usage error (a flag, file or record of the user's, already named in the message) ends the run
 with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a diverged run
-(a non-finite loss or gradient norm: exit status 1), a rank whose collective failed because another rank stopped (1)
-and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks."""
+(a non-finite loss or gradient norm: exit status 1), a rank whose collective failed because another rank stopped (1),
+a write to a full disk (1) and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks."""
+import errno
 import hashlib
 import os
 import select
@@ -63,6 +64,12 @@ def run_entry_point(main, resumable=False):
             print(f"error: {error}", file=sys.stderr, flush=True)
         end_distributed(peers_only=True)
         sys.exit(1)
+    except OSError as error:  # a full disk or quota (output to a file, a pipe's file, /dev/full): not a bug of ours
+        if traceback or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        say_if_possible(f"error: {error.strerror}{f': {error.filename}' if error.filename else ''} (a write failed: "
+                        "free some space or write elsewhere; DSCHAT_TRACEBACK=1 shows where)")
+        sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback each
         if traceback:
             raise
@@ -79,6 +86,14 @@ def run_entry_point(main, resumable=False):
         sys.exit(1)
     end_distributed()
     return result
+
+
+def say_if_possible(line):
+    """``line`` on stderr, unless stderr cannot take it either (the same full disk)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # (full, closed, or no stderr at all)
+        pass
 
 
 def run_script(main, resumable=False):
