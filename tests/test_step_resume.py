@@ -1135,3 +1135,31 @@ def test_a_conversion_is_said_when_it_starts_and_with_its_seconds(tmp_path, dist
     assert len(said) == 2
     assert checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2) == ("step_0000002_universal", False)
     assert "--resume:" not in capsys.readouterr().out
+
+
+def test_a_dpo_checkpoint_resumes_only_against_the_reference_model_its_run_started_from(tmp_path, distributed,
+                                                                                          monkeypatch, capsys):
+    """DPO's --model_name_or_path is also its frozen reference, loaded again from the folder on --resume while the
+    policy comes from the checkpoint. Step 1 run again into that folder between the interruption and the resume (same
+    path, so every bound flag matched): the resumed run trained the old SFT model's policy against the new SFT model as
+    its reference, silently. Refused (compared by the run id it recorded, as step 3's reference is)."""
+    data = ["--data_output_path", str(tmp_path / "data")]
+    step1 = [*SMALL, *data, "--model_name_or_path", "tiny-llama", "--output_dir", str(tmp_path / "sft"),
+             "--max_steps", "1"]
+    sft.main(step1)
+    common = [*SMALL, *data, "--model_name_or_path", str(tmp_path / "sft"), "--output_dir", str(tmp_path / "dpo"),
+              "--max_steps", "2"]
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            dpo.main([*common, "--save_interval", "1"])
+    shutil.copytree(tmp_path / "dpo", tmp_path / "dpo_copy")
+    copy = [*common[:-4], "--output_dir", str(tmp_path / "dpo_copy"), "--max_steps", "2"]
+    capsys.readouterr()
+    dpo.main([*copy, "--resume"])  # its own reference: resumed
+    assert "resumed from step 1 " in capsys.readouterr().out
+    sft.main([*step1, "--seed", "7"])  # step 1 again, into the same folder
+    with pytest.raises(UsageError, match=r"--resume: checkpoint step_0000001 in .*dpo/checkpoints was saved by a run "
+                                         r"that started from another model than --model_name_or_path .*sft, which is "
+                                         r"DPO's frozen reference"):
+        dpo.main([*common, "--resume"])
