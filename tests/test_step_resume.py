@@ -1163,3 +1163,29 @@ def test_a_dpo_checkpoint_resumes_only_against_the_reference_model_its_run_start
                                          r"that started from another model than --model_name_or_path .*sft, which is "
                                          r"DPO's frozen reference"):
         dpo.main([*common, "--resume"])
+
+
+def test_resuming_with_another_data_path_names_as_edited_only_the_files_both_runs_read(tmp_path):
+    """A resume given another --data_path was refused with "--data_path ['a.jsonl'] -> ['b.jsonl']; the content of its
+    data files changed since: a.jsonl, b.jsonl", as if the checkpoint's file had been edited. The files another
+    --data_path reads are that flag's change; only a file both runs read, with other content now, is said edited."""
+    from dschat.args import step2_dpo_parser
+    from dschat.steps.resume import BOUND_WHY, FREE_FLAGS, RESTORED_FLAGS, resume_flags
+    from dschat.utils.checkpoints import check_same_flags
+
+    a, b, c = (tmp_path / f"{name}.jsonl" for name in "abc")
+    for path in (a, b, c):
+        path.write_text(json.dumps({"prompt": path.name, "chosen": "yes", "rejected": "no"}) + "\n")
+
+    def refusal(*paths):
+        now = resume_flags(step2_dpo_parser().parse_args(["--data_path", *map(str, paths)]))
+        with pytest.raises(UsageError) as error:
+            check_same_flags(saved, now, RESTORED_FLAGS, "step_0000001", "out", "step2_dpo", BOUND_WHY, FREE_FLAGS)
+        return str(error.value)
+
+    saved = resume_flags(step2_dpo_parser().parse_args(["--data_path", str(a), str(c)]))
+    said = refusal(b, c)
+    assert f"other settings: --data_path [{str(a)!r}, {str(c)!r}] -> [{str(b)!r}, {str(c)!r}]. Its model" in said
+    c.write_text(c.read_text() * 2)
+    assert f"-> [{str(b)!r}, {str(c)!r}]; the content of its data files changed since: {c}. Its" in refusal(b, c)
+    assert f"other settings: the content of its data files changed since: {c}. Its" in refusal(a, c)

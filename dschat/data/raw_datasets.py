@@ -372,12 +372,15 @@ def local_data_files(specs):
     return sorted(files)
 
 
-def changed_data_files(saved, now):
-    """The paths whose content differs between two ``local_data_files`` lists, or that only one has."""
-    return changed_names(*({path: digest for path, digest, *_ in files} for files in (saved, now)))
+def changed_data_files(saved, now, both_only=False):
+    """The paths whose content differs between two ``local_data_files`` lists, or that only one has (``both_only``:
+    not those)."""
+    return changed_names(*({path: digest for path, digest, *_ in files} for files in (saved, now)), both_only)
 
 
-def changed_names(saved, now):
-    """The names whose value differs between two {name: value} records, or that only one has: files whose content
-    changed (``changed_data_files``); hub datasets whose data did (``PromptDataset.hub_data``)."""
-    return sorted(name for name in saved.keys() | now.keys() if saved.get(name) != now.get(name))
+def changed_names(saved, now, both_only=False):
+    """The names whose value differs between two {name: value} records, or that only one has (``both_only``: not
+    those): files whose content changed (``changed_data_files``); hub datasets whose data did
+    (``PromptDataset.hub_data``)."""
+    names = saved.keys() & now.keys() if both_only else saved.keys() | now.keys()
+    return sorted(name for name in names if saved.get(name) != now.get(name))

@@ -577,7 +577,8 @@ def check_same_flags(saved, now, restored, tag, root, step, why, free=()):
     said to change nothing; returns {flag: saved value} of those, for the run to record the values it trains with.
     The ``free`` flags (dropout) bind nothing a checkpoint holds: another value is said, and applies from here."""
     differ = [name for name in now if name in saved and saved[name] != now[name]]
-    changed = [_changed_said(name, saved[name], now[name]) for name in differ if name not in (*restored, *free)]
+    changed = [_changed_said(name, saved[name], now[name], differ) for name in differ if name not in (*restored, *free)]
+    changed = [said for said in changed if said]
     if changed:
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved with other settings: "
                          f"{'; '.join(changed)}. {why}: resume with the checkpoint's values, or start afresh without "
@@ -597,16 +598,26 @@ def _value_or_models(value):
     return "(the model's own)" if value is None else repr(value)
 
 
-def _changed_said(name, saved, now):
+# The flags that choose the sources whose content DATA_FILES and HUB_DATA record: where one of them changed, the
+# sources only one run reads are that flag's change, not an edit.
+DATA_SOURCE_FLAGS = ("data_path", "sft_only_data_path")
+
+
+def _changed_said(name, saved, now, differ=()):
+    """What ``--name`` changing from ``saved`` to ``now`` is said as (``differ``: every bound flag that changed);
+    None where another flag's change says it all (another --data_path reads other files)."""
+    both_only = any(flag in differ for flag in DATA_SOURCE_FLAGS)
     if name == DATA_FILES:
         from dschat.data.raw_datasets import changed_data_files
 
-        return f"the content of its data files changed since: {', '.join(changed_data_files(saved, now))}"
+        edited = changed_data_files(saved, now, both_only)
+        return f"the content of its data files changed since: {', '.join(edited)}" if edited else None
     if name == HUB_DATA:
         from dschat.data.raw_datasets import changed_names
 
-        return (f"the data of its hub datasets changed since: {', '.join(changed_names(saved, now))} (another "
-                f"revision in the HF datasets cache)")
+        edited = changed_names(saved, now, both_only)
+        return (f"the data of its hub datasets changed since: {', '.join(edited)} (another revision in the HF datasets "
+                "cache)") if edited else None
     if name == UNSUPERVISED_DATA:
         from dschat.data.unsupervised import changed_unsupervised_data
 
