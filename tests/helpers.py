@@ -106,3 +106,29 @@ def record_applied_steps(monkeypatch):
 
     monkeypatch.setattr(deepspeed.DeepSpeedEngine, "step", recorded)
     return applied
+
+
+def engines_made(monkeypatch):
+    """A list that gets a weak reference to each DeepSpeed engine ``deepspeed.initialize`` makes: a dead one is an
+    engine that Python could free."""
+    import weakref
+
+    import deepspeed
+
+    made, initialize = [], deepspeed.initialize
+
+    def spy(*args, **kwargs):
+        engine, *rest = initialize(*args, **kwargs)
+        made.append(weakref.ref(engine))
+        return (engine, *rest)
+
+    monkeypatch.setattr(deepspeed, "initialize", spy)
+    return made
+
+
+def engines_alive(made):
+    """How many of ``engines_made``'s engines are alive after a full collection."""
+    import gc
+
+    gc.collect()
+    return sum(ref() is not None for ref in made)

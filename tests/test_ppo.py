@@ -11,7 +11,7 @@ import torch
 from dschat.args import step1_parser, step3_parser
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
-from helpers import PPO_FAST, RM_FAST, SFT_FAST, spy_on_empty_query_rows
+from helpers import PPO_FAST, RM_FAST, SFT_FAST, engines_alive, engines_made, spy_on_empty_query_rows
 from launch import REPO, run_deepspeed
 
 
@@ -664,6 +664,29 @@ def test_step3_runs_and_reports_held_out_scores(trained, tmp_path):
     assert rebatched["rule_score_mean"] == pytest.approx(metrics["eval_after"]["rule_score_mean"], abs=1e-4)
     given = ppo_eval.parse_args(["--policy", str(tmp_path / "ppo"), "--reward_model", "x", "--num_prompts", "4"])
     assert (given.num_prompts, given.max_new_tokens, given.data_path) == (4, 12, ["tiny"])
+
+
+def test_step3_and_a_released_notebook_engine_leave_their_engines_free_to_go(trained, tmp_path, monkeypatch):
+    """DeepSpeed kept every ZeRO engine of a process that goes on (a notebook building another, pytest: a worker grew
+    to 40 GB of ZeRO buckets). Step 3 releases its engines as it ends; a notebook's, at ``release()``; one whose
+    later model fails to load, its earlier ones."""
+    from dschat import DeepSpeedRLHFEngine
+
+    made = engines_made(monkeypatch)
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--actor_zero_stage", "3",
+                      "--critic_zero_stage", "2", "--enable_hybrid_engine"))
+    assert len(made) == 4 and engines_alive(made) == 0  # actor, reference, critic, reward model
+    zero = {"actor_zero_stage": 3, "critic_zero_stage": 2, "enable_hybrid_engine": True}
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, **zero)
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 4)
+    trainer.train_rollout([trainer.generate_experience(batch)])
+    engine.release()
+    del engine, trainer
+    assert len(made) == 8 and engines_alive(made) == 0
+    monkeypatch.setattr(DeepSpeedRLHFEngine, "_init_reward", lambda self: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        _engine_and_trainer(trained, tmp_path, **zero)
+    assert len(made) == 11 and engines_alive(made) == 0
 
 
 def test_step3_with_fewer_prompts_than_one_iteration_is_an_error_not_a_run_that_trains_nothing(trained, tmp_path):

@@ -14,7 +14,8 @@ from dschat.args import resolve_pad_to_multiple_of
 from dschat.models import training_engine
 from dschat.models.reward_model import load_reward_model
 from dschat.steps import common, dpo, reward, sft
-from helpers import RM_FAST, SFT_FAST, fp16_flags, record_applied_steps, skip_without_fp16
+from helpers import (RM_FAST, SFT_FAST, engines_alive, engines_made, fp16_flags, record_applied_steps,
+                     skip_without_fp16)
 from launch import REPO, run_deepspeed
 
 
@@ -174,6 +175,22 @@ def test_lora_trains_at_zero3_in_bf16_beside_trainable_base_parameters(tmp_path,
                         "--max_seq_len", "48", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
                         "--eval_iters", "1"])
     assert metrics["steps"] == 2 and torch.isfinite(torch.tensor(metrics["train_loss"]))
+
+
+@pytest.mark.parametrize("zero_stage", ["2", "3"])
+def test_a_step_run_in_process_leaves_its_engines_free_to_go(zero_stage, tmp_path, distributed, monkeypatch):
+    """DeepSpeed kept every engine of a step run in a process that goes on (a notebook, pytest: a worker grew to 40 GB
+    of ZeRO buckets): ZeRO's gradient hooks, held by the parameters' C++ autograd data, reach the optimizer; ZeRO-3
+    keeps the model in a module-level list and its coordinator in a class-wide cache. A failed run's too."""
+    made = engines_made(monkeypatch)
+    flags = ["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"), *SFT_FAST,
+             "--max_steps", "1", "--eval_iters", "1", "--zero_stage", zero_stage]
+    dpo.main([*flags, "--output_dir", str(tmp_path / "dpo")])  # (the policy and its frozen reference)
+    assert len(made) == 2 and engines_alive(made) == 0
+    monkeypatch.setattr(common, "run_training", lambda *args, **kwargs: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        sft.main(flags)
+    assert len(made) == 3 and engines_alive(made) == 0
 
 
 def test_reward_model_trains_and_loads_back_in_one_call(tmp_path, distributed):

@@ -27,6 +27,65 @@ def make_optimizer(param_groups, lr, offload):
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas)
 
 
+_OPEN_SCOPES = []  # the engine lists of the released_engines() blocks in progress, innermost last
+
+
+@contextlib.contextmanager
+def released_engines(only_on_error=False):
+    """Every engine ``initialize_engine`` and ``initialize_frozen`` make within the block is released
+    (``release_engine``) when it ends, by an error too: a step run in a process that goes on (a notebook, pytest)
+    leaves no engine behind. ``only_on_error``: a block that ends well hands its engines to the enclosing block (if
+    any) instead, as a constructor that keeps them does."""
+    made = []
+    _OPEN_SCOPES.append(made)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        _OPEN_SCOPES.remove(made)
+        if only_on_error and not failed:
+            if _OPEN_SCOPES:
+                _OPEN_SCOPES[-1].extend(made)
+        else:
+            for engine in made:
+                release_engine(engine)
+
+
+def _made(engine):
+    if _OPEN_SCOPES:
+        _OPEN_SCOPES[-1].append(engine)
+    return engine
+
+
+def release_engine(engine):
+    """Let Python free a finished DeepSpeed engine (a ``HybridEngine``'s too): its model, optimizer states and ZeRO
+    buckets (2 GB each at DeepSpeed's default size). Left alone, DeepSpeed 0.19 keeps every engine of a process for
+    good, which gc.collect() cannot free:
+    - ZeRO-1/2/3's gradient hooks (``register_post_accumulate_grad_hook``) are held by each parameter's C++ autograd
+      data, which gc does not see, and reach the optimizer, which holds the parameters: ``engine.destroy()`` removes
+      them, and ZeRO-3's module hooks;
+    - ZeRO-3 appends the model to ``parameter_offload.FWD_MODULE_STACK`` (a module's global list) and never takes it
+      out, and caches each parameter coordinator and module in the class-wide ``lru_cache`` of its
+      ``__params_to_release``: destroy() clears neither. The whole cache goes (it holds every engine's coordinator):
+      another live engine's entries are computed again at their next use.
+    The engine cannot train, nor run a ZeRO-3 forward, afterwards."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    from dschat.hybrid_engine import HybridEngine
+
+    if isinstance(engine, HybridEngine):
+        engine = engine.ds_engine
+    engine.destroy()
+    module = engine.module
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
+    cached = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+    for cell in cached.__closure__ or ():  # (DeepSpeed's instrument_w_nvtx wraps the lru_cache in a closure)
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
+
+
 def prepare_zero3_hooks(model, ds_config, zero3_fetch):
     """Under ZeRO-3 with ``--zero3_fetch layer``, make the decoder layers DeepSpeed's fetch units (before
     ``deepspeed.initialize`` registers its hooks)."""
@@ -63,6 +122,7 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
         print_rank_0(notice)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=ds_config, dist_init_required=False)
+    _made(engine)
     scale_fp16_loss_at_zero_0(engine)
     return engine
 
@@ -147,5 +207,6 @@ def initialize_frozen(model, ds_config, zero3_fetch=DEFAULT_ZERO3_FETCH):
     model.requires_grad_(False)
     prepare_zero3_hooks(model, ds_config, zero3_fetch)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, dist_init_required=False)
+    _made(engine)
     engine.eval()
     return engine

@@ -14,7 +14,8 @@ from dschat.models.loading import (check_sequence_fits, config_dropouts, embeddi
                                    load_tokenizer)
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
-from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine, initialize_frozen
+from dschat.models.training_engine import (check_schedule_reaches_its_end, initialize_engine, initialize_frozen,
+                                           release_engine, released_engines)
 from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, check_earlier_step_outputs,
                                 check_ema_beta, check_freezing_actor_steps, check_kl_settings,
                                 optimizer_steps_per_iteration, step3_args, untrained_reward_model_message)
@@ -466,7 +467,11 @@ class DeepSpeedRLHFEngine:
                          "(dschat.rlhf.config.optimizer_steps_per_iteration(args))")
         self.actor_total_iters = actor_total_iters or self.num_total_iters
         self.world_size = get_world_size()
+        with released_engines(only_on_error=True):  # (those made before a model that fails to load)
+            self._init_models()
 
+    def _init_models(self):
+        args = self.args
         self.actor = self._init_actor()
         self.ref = self._init_frozen_actor_copy(offload=args.offload_reference_model)
         # fp32: in bf16/fp16 each update of (1 - ema_beta) = 0.8% would round back to the old weight. The actor's
@@ -491,6 +496,16 @@ class DeepSpeedRLHFEngine:
         if path:  # (the reward model's default path too)
             print_rank_0(f"[step3] {path[0]}: neither a critic nor a reward model is built (--advantage_estimator "
                          f"{args.advantage_estimator}, --reward_model_weight 0); not loaded")
+
+    def release(self):
+        """Let Python free the engines and their models, optimizer states and ZeRO buckets (``release_engine``),
+        which DeepSpeed keeps for good otherwise: call it when done with this engine in a process that goes on (a
+        notebook that builds another). The models cannot train nor run a ZeRO-3 forward afterwards (save them
+        before)."""
+        for role in ("actor", "ref", "actor_ema", "critic", "reward"):
+            engine = getattr(self, role, None)
+            if engine is not None:
+                release_engine(engine)
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False, role="actor"):

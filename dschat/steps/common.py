@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from dschat.errors import UsageError
-from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine
+from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine, released_engines
 from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.report import counted
@@ -741,7 +741,13 @@ def seconds_so_far(started, checkpoint=None):
 
 
 def run_supervised_step(args, recipe):
-    """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics."""
+    """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics. Its engines
+    are released when it ends (``released_engines``)."""
+    with released_engines():
+        return _train_evaluate_save(args, recipe)
+
+
+def _train_evaluate_save(args, recipe):
     from dschat.args import (resolve_pad_to_multiple_of, step1_parser, supervised_conditional_flags,
                              unread_conditional_flags)
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer

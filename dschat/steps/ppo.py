@@ -12,6 +12,7 @@ from dschat.args import resolve_pad_to_multiple_of, step3_parser
 from dschat.errors import UsageError
 from dschat.models.checkpoint import save_causal_lm, save_reward_model
 from dschat.models.loading import TORCH_DTYPES, load_tokenizer
+from dschat.models.training_engine import released_engines
 from dschat.report import ALGORITHM_NAMES, counted
 from dschat.rlhf.checkpointing import load_checkpoint, plan_resume, save_checkpoint
 from dschat.rlhf.config import (check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args,
@@ -192,10 +193,16 @@ def plan_iterations(args, train_loader):
 
 
 def main(args=None):
-    """Run PPO; returns metrics (held-out reward/rule scores before and after, final iteration stats)."""
+    """Run PPO; returns metrics (held-out reward/rule scores before and after, final iteration stats). Its engines
+    are released when it ends (``released_engines``)."""
     if args is None or isinstance(args, (list, tuple)):
         args = step3_parser().parse_args(args)
     args = step3_args(args)
+    with released_engines():
+        return _run(args)
+
+
+def _run(args):
     started = time.time()
     setup_run(args)
     check_step3_settings(args, get_world_size())  # a config file at odds with the flags fails before data loads
