@@ -18,9 +18,10 @@ def _dschat_cache(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def _small_zero_buckets():
     """ZeRO's gradient buckets sized for the tests' tiny models: DeepSpeed's default (5e8 elements) allocates 2 GB of
-    address space per bucket per engine, untouched but counted, and the engines of a step run in a test's own process
-    outlive it (kept by DeepSpeed's and torch's registries): after a few step-3 runs a pytest worker held 40 GB, and
-    its next fork (datasets' num_proc, a subprocess) failed with 'Cannot allocate memory'."""
+    address space per bucket per engine, untouched but counted. The engines of a step run in a test's own process
+    outlived it (before ``release_engine``): after a few step-3 runs a pytest worker held 40 GB, and its next fork
+    (datasets' num_proc, a subprocess) failed with 'Cannot allocate memory'. Step runs now release theirs, but a test
+    that builds a notebook engine (``DeepSpeedRLHFEngine``) and never calls its ``release()`` still keeps it."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     for name in ("reduce_bucket_size", "allgather_bucket_size"):
