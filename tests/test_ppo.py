@@ -1476,15 +1476,15 @@ def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp
 def test_a_checkpoint_recording_its_actor_as_dschat_did_before_it_counted_tokenizer_files_resumes(tmp_path):
     """Checkpoints from before the tokenizer files counted in a model's identity recorded "files:..." for a model made
     elsewhere: the reference check must read them as holds_model does, not refuse the same model."""
-    from dschat.rlhf.checkpointing import check_same_reference
-    from dschat.steps.common import model_identity
+    from dschat.steps.common import check_same_start, model_identity
 
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "config.json").write_text("{}")
     (tmp_path / "sft" / "tokenizer.json").write_text("{}")
     legacy = model_identity(str(tmp_path / "sft"), tokenizer_files=False)
     assert legacy.startswith("files:") and legacy != model_identity(str(tmp_path / "sft"))
-    check_same_reference({str(tmp_path / "sft"): legacy}, str(tmp_path / "sft"), "iter_1", str(tmp_path))
+    check_same_start({str(tmp_path / "sft"): legacy}, str(tmp_path / "sft"), "--actor_model_name_or_path", "iter_1",
+                     str(tmp_path), "whose actor started", "the reference model its KL penalty measures against")
 
 
 def test_lora_alpha_binds_a_checkpoint_only_where_lora_reads_it(tmp_path, capsys):

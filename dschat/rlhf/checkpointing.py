@@ -22,8 +22,7 @@ from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import whole_iterations
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, among_inputs, finished_run_id, input_runs,
-                                 restart_deepspeed_tensorboard, step_data_records)
+from dschat.steps.common import check_same_start, input_runs, restart_deepspeed_tensorboard, step_data_records
 from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_same_flags, check_same_products, check_same_step, clear_tag, latest_tag,
                                       load_rank_state, load_rank_state_of_others, loading_checkpoint, publish,
@@ -425,7 +424,8 @@ def check_resumable(trainer, root, tag, planned=False):
                                              FREE_FLAGS + CRITIC_FREE_FLAGS)
         if saved_flags.get("enable_ema") and not args.enable_ema:  # (what "trains with the new value" means here)
             print_rank_0(f"[{STEP}] --resume: the EMA copy in {tag} is not loaded, and this run saves no actor_ema")
-        check_same_reference(state.get("inputs"), args.actor_model_name_or_path, tag, root)
+        check_same_start(state.get("inputs"), args.actor_model_name_or_path, "--actor_model_name_or_path", tag, root,
+                         "whose actor started", "the reference model its KL penalty measures against")
     return state, saved_ranks
 
 
@@ -440,18 +440,6 @@ def check_iteration_shape(root, tag, saved, saved_ranks, args):
         (STEP_ROWS, "its optimizer steps took", "rows", "each of its optimizer steps averaged the gradients of")),
         "it does not record its batch sizes (saved before step 3 resumed on another number of ranks), so the prompts "
         "of its iterations and the rows of its optimizer steps are not known")
-
-
-def check_same_reference(saved_inputs, actor_path, tag, root):
-    """The actor model a checkpoint's run started from is its frozen reference (what the KL penalty measures against;
-    the actor's own weights come from the checkpoint): another one is an error. Compared by the run ids of the models
-    it recorded (``input_runs``), so a moved run folder still resumes; a hub name is not compared."""
-    if among_inputs(actor_path, saved_inputs) is False:
-        outside = "" if finished_run_id(actor_path) else f" ({OUTSIDE_MODEL_IDENTITY})"
-        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by a run whose actor started from another "
-                         f"model than --actor_model_name_or_path {actor_path}, which is the reference model its KL "
-                         f"penalty measures against{outside}: resume with that run's actor model, or start afresh "
-                         "without --resume")
 
 
 def resume_flags(trainer):

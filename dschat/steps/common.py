@@ -434,6 +434,18 @@ def among_inputs(path, inputs):
     return any(holds_model(path, identity) for identity in inputs.values())
 
 
+def check_same_start(saved_inputs, path, flag, tag, root, started, role):
+    """A checkpoint whose run ``started`` ("that started", "whose actor started") from another model than ``flag``'s
+    ``path``, which is its ``role`` (its frozen reference: the policy's weights come from the checkpoint, the
+    reference from that folder again), is an error. Compared by the run ids of the models it recorded
+    (``input_runs``), so a moved run folder still resumes; a hub name is not compared."""
+    if among_inputs(path, saved_inputs) is False:
+        outside = "" if finished_run_id(path) else f" ({OUTSIDE_MODEL_IDENTITY})"
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by a run {started} from another model than "
+                         f"{flag} {path}, which is {role}{outside}: resume with that run's model, or start afresh "
+                         "without --resume")
+
+
 def finished_run_id(folder):
     """The run id of the finished step output in ``folder`` (None: none, unfinished (no metrics.json), from before
     dschat recorded them, or unreadable)."""

@@ -15,9 +15,8 @@ import os
 
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (OUTSIDE_MODEL_IDENTITY, among_inputs, finished_run_id, input_runs,
-                                 restart_deepspeed_tensorboard, resumed_save_interval, say_a_changed_schedule,
-                                 step_data_records)
+from dschat.steps.common import (check_same_start, input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
+                                 say_a_changed_schedule, step_data_records)
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_same_flags, check_same_products, check_same_step, clear_earlier_run,
                                       clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
@@ -102,24 +101,15 @@ def _checked_latest(args, step):
         now = {name: value for name, value in now.items() if name not in BATCH_FLAGS}  # (their product: compared)
     state["restored"] = check_same_flags(saved, now, RESTORED_FLAGS, tag, root, step, BOUND_WHY, FREE_FLAGS)
     if step in REFERENCE_STEPS:
-        _check_same_reference(state.get("inputs"), args.model_name_or_path, tag, root)
+        check_same_start(state.get("inputs"), args.model_name_or_path, "--model_name_or_path", tag, root,
+                         "that started", "DPO's frozen reference (the policy's weights come from the checkpoint, the "
+                         "reference from that folder)")
     return tag, state, saved_ranks
 
 
 # Steps whose --model_name_or_path is also their frozen reference, loaded from it again on --resume (the policy's
 # weights come from the checkpoint): the same path may hold another model by then (step 1 run again into it).
 REFERENCE_STEPS = ("step2_dpo",)
-
-
-def _check_same_reference(saved_inputs, model_path, tag, root):
-    """The model a DPO checkpoint's run started from is its reference: another one in the same folder is an error.
-    Compared by the run id it recorded (``input_runs``), as step 3's reference is; a hub name is not compared."""
-    if among_inputs(model_path, saved_inputs) is False:
-        outside = "" if finished_run_id(model_path) else f" ({OUTSIDE_MODEL_IDENTITY})"
-        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by a run that started from another model "
-                         f"than --model_name_or_path {model_path}, which is DPO's frozen reference (the policy's "
-                         f"weights come from the checkpoint, the reference from that folder){outside}: resume with "
-                         "that run's model, or start afresh without --resume")
 
 
 def _check_other_ranks(root, tag, saved, saved_ranks, args):
