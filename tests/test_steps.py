@@ -1773,3 +1773,23 @@ def test_a_weight_decay_or_lora_alpha_that_cannot_train_is_an_error_naming_the_f
     with pytest.raises(UsageError, match=f"{flag[2:]}: expected a number"):
         step_settings(step1_parser(), {flag[2:]: float(value), "lora_dim": 4})
     assert step_settings(step1_parser(), {"weight_decay": 0.1, "lora_alpha": 16}).lora_alpha == 16.0
+
+
+def test_a_zero3_run_failing_inside_a_forward_leaves_its_engine_free_to_go(tmp_path, distributed, monkeypatch):
+    """ZeRO-3 pushes each submodule onto parameter_offload.FWD_MODULE_STACK as its forward starts and pops it as it
+    ends: a forward that raised (an IndexError in an embedding, a reward function failing mid-rollout) leaves its
+    submodules there, holding the released model's parameters."""
+    made = engines_made(monkeypatch)
+
+    def forward_failing_in_a_layer(engine, train_loader, *args, **kwargs):
+        batch = next(iter(train_loader))
+        layer = next(m for m in engine.module.modules() if isinstance(m, torch.nn.Linear))
+        layer.register_forward_pre_hook(lambda *_: 1 / 0)
+        engine(input_ids=batch["input_ids"].to(engine.device))
+
+    monkeypatch.setattr(common, "run_training", forward_failing_in_a_layer)
+    flags = ["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"), *SFT_FAST,
+             "--max_steps", "1", "--eval_iters", "1", "--zero_stage", "3"]
+    with pytest.raises(ZeroDivisionError):
+        sft.main(flags)
+    assert len(made) == 1 and engines_alive(made) == 0

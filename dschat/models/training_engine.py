@@ -66,9 +66,9 @@ def release_engine(engine):
       data, which gc does not see, and reach the optimizer, which holds the parameters: ``engine.destroy()`` removes
       them, and ZeRO-3's module hooks;
     - ZeRO-3 appends the model to ``parameter_offload.FWD_MODULE_STACK`` (a module's global list) and never takes it
-      out, and caches each parameter coordinator and module in the class-wide ``lru_cache`` of its
-      ``__params_to_release``: destroy() clears neither. The whole cache goes (it holds every engine's coordinator):
-      another live engine's entries are computed again at their next use.
+      out (nor the submodules a forward that raised had pushed), and caches each parameter coordinator and module in
+      the class-wide ``lru_cache`` of its ``__params_to_release``: destroy() clears neither. The whole cache goes (it
+      holds every engine's coordinator): another live engine's entries are computed again at their next use.
     The engine cannot train, nor run a ZeRO-3 forward, afterwards."""
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
@@ -78,8 +78,9 @@ def release_engine(engine):
     if isinstance(engine, HybridEngine):
         engine = engine.ds_engine
     engine.destroy()
-    module = engine.module
-    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
+    # (its submodules too: a forward that raised never popped those it had pushed)
+    modules = {id(m) for m in engine.module.modules()}
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in modules]
     cached = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
     for cell in cached.__closure__ or ():  # (DeepSpeed's instrument_w_nvtx wraps the lru_cache in a closure)
         if hasattr(cell.cell_contents, "cache_clear"):
