@@ -1793,3 +1793,17 @@ def test_a_zero3_run_failing_inside_a_forward_leaves_its_engine_free_to_go(tmp_p
     with pytest.raises(ZeroDivisionError):
         sft.main(flags)
     assert len(made) == 1 and engines_alive(made) == 0
+
+
+def test_an_engine_made_after_an_inner_block_that_made_none_is_released_by_the_outer_block(monkeypatch):
+    """The blocks' engine lists were taken out of the open blocks by equality: an inner block ending with none (a
+    constructor that made no engine) took out the outer block's empty list; an engine made after it went to the
+    inner list, released by no block, and the outer block ended in "ValueError: list.remove(x): x not in list"."""
+    released = []
+    monkeypatch.setattr(training_engine, "release_engine", released.append)
+    engine = object()
+    with training_engine.released_engines():
+        with training_engine.released_engines(only_on_error=True):
+            pass
+        training_engine._made(engine)
+    assert released == [engine] and training_engine._OPEN_SCOPES == []

@@ -43,7 +43,7 @@ def released_engines(only_on_error=False):
         yield
         failed = False
     finally:
-        _OPEN_SCOPES.remove(made)
+        del _OPEN_SCOPES[next(i for i, scope in enumerate(_OPEN_SCOPES) if scope is made)]  # (not remove(): ==)
         if only_on_error and not failed:
             if _OPEN_SCOPES:
                 _OPEN_SCOPES[-1].extend(made)
