@@ -1807,3 +1807,30 @@ def test_an_engine_made_after_an_inner_block_that_made_none_is_released_by_the_o
             pass
         training_engine._made(engine)
     assert released == [engine] and training_engine._OPEN_SCOPES == []
+
+
+def test_an_engine_failing_to_release_after_a_failed_block_leaves_the_blocks_error_and_releases_the_rest(
+        monkeypatch):
+    """On a GPU, destroy() synchronizes, which raises again a device-side assert the block failed by: that error
+    replaced the block's own, and the engines after it were not released. A block that ended well raises it."""
+    from dschat.errors import UsageError
+
+    released, first, second = [], object(), object()
+
+    def release(engine):
+        if engine is first:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        released.append(engine)
+
+    monkeypatch.setattr(training_engine, "release_engine", release)
+    with pytest.raises(UsageError, match="the run's own error"):
+        with training_engine.released_engines():
+            training_engine._made(first)
+            training_engine._made(second)
+            raise UsageError("the run's own error")
+    assert released == [second]
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        with training_engine.released_engines():
+            training_engine._made(first)
+            training_engine._made(second)
+    assert released == [second, second]

@@ -48,8 +48,21 @@ def released_engines(only_on_error=False):
             if _OPEN_SCOPES:
                 _OPEN_SCOPES[-1].extend(made)
         else:
-            for engine in made:
-                release_engine(engine)
+            _release_all(made, keep_errors=not failed)
+
+
+def _release_all(engines, keep_errors):
+    """Release each engine, the rest too where one fails (on a GPU, destroy() synchronizes: after a device-side
+    assert, it raises that assert again). ``keep_errors``: the first such error is raised at the end; otherwise the
+    block's own error, the one that says what went wrong, is left to go on."""
+    error = None
+    for engine in engines:
+        try:
+            release_engine(engine)
+        except Exception as e:
+            error = error or e
+    if error is not None and keep_errors:
+        raise error
 
 
 def _made(engine):
