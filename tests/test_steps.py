@@ -1834,3 +1834,16 @@ def test_an_engine_failing_to_release_after_a_failed_block_leaves_the_blocks_err
             training_engine._made(first)
             training_engine._made(second)
     assert released == [second, second]
+
+
+def test_a_deepspeed_config_file_that_is_not_utf8_text_is_a_usage_error_naming_it(tmp_path):
+    """A config saved as UTF-16 (Windows' Notepad) or a binary file raised UnicodeDecodeError's traceback, naming no
+    file; on one node's copy only, that rank died outside the ranks' comparison of the file
+    (check_same_ds_config_file), which catches a UsageError."""
+    from dschat.errors import UsageError
+    from dschat.utils.ds_config import load_user_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"gradient_clipping": 1.0}', encoding="utf-16")
+    with pytest.raises(UsageError, match=r"DeepSpeed config '.*ds.json': not UTF-8 text"):
+        load_user_ds_config(str(path))

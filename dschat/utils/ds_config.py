@@ -133,6 +133,8 @@ def load_user_ds_config(path):
             config = json.load(f)
         except json.JSONDecodeError as error:
             raise UsageError(f"DeepSpeed config {path!r}: not valid JSON ({error})") from None
+        except UnicodeDecodeError as error:  # (UTF-16, as Windows' Notepad saves, or a binary file)
+            raise UsageError(f"DeepSpeed config {path!r}: not UTF-8 text ({error})") from None
     if not isinstance(config, dict):
         raise UsageError(f"DeepSpeed config {path!r}: expected a JSON object, got {type(config).__name__}")
     return config
