@@ -1847,3 +1847,31 @@ def test_a_deepspeed_config_file_that_is_not_utf8_text_is_a_usage_error_naming_i
     path.write_text('{"gradient_clipping": 1.0}', encoding="utf-16")
     with pytest.raises(UsageError, match=r"DeepSpeed config '.*ds.json': not UTF-8 text"):
         load_user_ds_config(str(path))
+
+
+def test_engines_are_not_released_after_ctrl_c_or_a_peer_failure_of_several_ranks(monkeypatch):
+    """destroy() synchronizes the device: after Ctrl-C, which each rank takes at its own point, or another rank's
+    failure, a collective may still be queued on this rank's stream, and the release waited on it until the NCCL
+    timeout instead of ending the rank (as end_distributed leaves the group alone then). A process alone still
+    releases them (a notebook's Ctrl-C)."""
+    from dschat.utils import dist
+
+    released = []
+    monkeypatch.setattr(training_engine, "release_engine", released.append)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    for failure in (KeyboardInterrupt(), RuntimeError("[gloo] Connection closed by peer")):
+        with pytest.raises(type(failure)):
+            with training_engine.released_engines():
+                training_engine._made("engine")
+                raise failure
+    assert released == []
+    with pytest.raises(ZeroDivisionError):  # (this rank's own failure: the ranks' collectives are its own)
+        with training_engine.released_engines():
+            training_engine._made("engine")
+            1 / 0
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    with pytest.raises(KeyboardInterrupt):
+        with training_engine.released_engines():
+            training_engine._made("alone")
+            raise KeyboardInterrupt
+    assert released == ["engine", "alone"]

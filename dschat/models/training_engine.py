@@ -38,17 +38,29 @@ def released_engines(only_on_error=False):
     any) instead, as a constructor that keeps them does."""
     made = []
     _OPEN_SCOPES.append(made)
-    failed = True
+    failure = None
     try:
         yield
-        failed = False
+    except BaseException as error:
+        failure = error
+        raise
     finally:
         del _OPEN_SCOPES[next(i for i, scope in enumerate(_OPEN_SCOPES) if scope is made)]  # (not remove(): ==)
-        if only_on_error and not failed:
+        if only_on_error and failure is None:
             if _OPEN_SCOPES:
                 _OPEN_SCOPES[-1].extend(made)
-        else:
-            _release_all(made, keep_errors=not failed)
+        elif not _collective_may_be_pending(failure):
+            _release_all(made, keep_errors=failure is None)
+
+
+def _collective_may_be_pending(failure):
+    """Whether the ranks may have stopped apart, a collective still queued on this rank's stream (Ctrl-C, which each
+    rank takes at its own point; another rank's failure): a release then waits on it (destroy() synchronizes the
+    device) until the NCCL timeout, where the rank would have ended at once. As ``end_distributed`` leaves the process
+    group alone then, the engines are left as they are (the process ends)."""
+    from dschat.utils.dist import get_world_size, peer_failure
+
+    return get_world_size() > 1 and (isinstance(failure, KeyboardInterrupt) or peer_failure(failure))
 
 
 def _release_all(engines, keep_errors):
