@@ -3171,3 +3171,26 @@ def test_a_critic_and_reward_model_with_fewer_embeddings_than_the_actor_read_eve
         assert torch.isfinite(model.forward_value(past, torch.ones_like(past), return_value_only=True)).all(), role
         assert (f"[step3] the {role} {path} has {len(tokenizer)} token embeddings, the actor {config.vocab_size}: "
                 f"grown to {embedding_rows(model.rwtransformer)} (new rows)") in out, out
+
+
+def test_a_notebook_engine_releases_each_of_its_engines_though_one_fails_to(monkeypatch):
+    """DeepSpeedRLHFEngine.release() stopped at the first engine whose release raised (on a GPU, destroy()
+    synchronizes: a device-side assert of the failed rollout again), leaving the rest held for good."""
+    from dschat import DeepSpeedRLHFEngine
+    from dschat.models import training_engine
+    from dschat.rlhf import engine as rlhf_engine
+
+    released = []
+
+    def release(engine):
+        if engine == "actor":
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        released.append(engine)
+
+    monkeypatch.setattr(training_engine, "release_engine", release)
+    monkeypatch.setattr(rlhf_engine, "release_engine", release, raising=False)  # (where it was called before)
+    engine = object.__new__(DeepSpeedRLHFEngine)
+    engine.actor, engine.ref, engine.actor_ema, engine.critic, engine.reward = "actor", "ref", None, "critic", "reward"
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        engine.release()
+    assert released == ["ref", "critic", "reward"]

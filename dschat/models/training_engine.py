@@ -50,7 +50,7 @@ def released_engines(only_on_error=False):
             if _OPEN_SCOPES:
                 _OPEN_SCOPES[-1].extend(made)
         elif not _collective_may_be_pending(failure):
-            _release_all(made, keep_errors=failure is None)
+            release_all(made, keep_errors=failure is None)
 
 
 def _collective_may_be_pending(failure):
@@ -63,7 +63,7 @@ def _collective_may_be_pending(failure):
     return get_world_size() > 1 and (isinstance(failure, KeyboardInterrupt) or peer_failure(failure))
 
 
-def _release_all(engines, keep_errors):
+def release_all(engines, keep_errors=True):
     """Release each engine, the rest too where one fails (on a GPU, destroy() synchronizes: after a device-side
     assert, it raises that assert again). ``keep_errors``: the first such error is raised at the end; otherwise the
     block's own error, the one that says what went wrong, is left to go on."""

@@ -15,7 +15,7 @@ from dschat.models.loading import (check_sequence_fits, config_dropouts, embeddi
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import (check_schedule_reaches_its_end, initialize_engine, initialize_frozen,
-                                           release_engine, released_engines)
+                                           release_all, released_engines)
 from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, check_earlier_step_outputs,
                                 check_ema_beta, check_freezing_actor_steps, check_kl_settings,
                                 optimizer_steps_per_iteration, step3_args, untrained_reward_model_message)
@@ -502,10 +502,8 @@ class DeepSpeedRLHFEngine:
         which DeepSpeed keeps for good otherwise: call it when done with this engine in a process that goes on (a
         notebook that builds another). The models cannot train nor run a ZeRO-3 forward afterwards (save them
         before)."""
-        for role in ("actor", "ref", "actor_ema", "critic", "reward"):
-            engine = getattr(self, role, None)
-            if engine is not None:
-                release_engine(engine)
+        engines = [getattr(self, role, None) for role in ("actor", "ref", "actor_ema", "critic", "reward")]
+        release_all([engine for engine in engines if engine is not None])  # (each, whatever another's does)
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False, role="actor"):
