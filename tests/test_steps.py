@@ -1875,3 +1875,29 @@ def test_engines_are_not_released_after_ctrl_c_or_a_peer_failure_of_several_rank
             training_engine._made("alone")
             raise KeyboardInterrupt
     assert released == ["engine", "alone"]
+
+
+def test_release_clears_zero3s_cache_of_released_modules_however_deepspeed_wraps_it(monkeypatch):
+    """The class-wide lru_cache of ZeRO-3's __params_to_release was reached through the closure of DeepSpeed 0.19's
+    instrument_w_nvtx wrapper only: the bare cache (a DeepSpeed without that wrapper) raised AttributeError at every
+    step run's end, after its model was saved."""
+    import functools
+
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    @functools.lru_cache(maxsize=None)
+    def params_to_release(module, step):
+        return step
+
+    params_to_release(None, 1)
+    monkeypatch.setattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release",
+                        params_to_release)
+
+    class Engine:
+        module = torch.nn.Linear(1, 1)
+
+        def destroy(self):
+            pass
+
+    training_engine.release_engine(Engine())
+    assert params_to_release.cache_info().currsize == 0

@@ -106,10 +106,12 @@ def release_engine(engine):
     # (its submodules too: a forward that raised never popped those it had pushed)
     modules = {id(m) for m in engine.module.modules()}
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in modules]
-    cached = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
-    for cell in cached.__closure__ or ():  # (DeepSpeed's instrument_w_nvtx wraps the lru_cache in a closure)
-        if hasattr(cell.cell_contents, "cache_clear"):
-            cell.cell_contents.cache_clear()
+    cached = getattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+    # (DeepSpeed 0.19's instrument_w_nvtx wraps the lru_cache in a closure; a release without that wrapper, or without
+    # the method, must not fail every step run at its end)
+    for candidate in (cached, *(cell.cell_contents for cell in getattr(cached, "__closure__", None) or ())):
+        if hasattr(candidate, "cache_clear"):
+            candidate.cache_clear()
 
 
 def prepare_zero3_hooks(model, ds_config, zero3_fetch):
