@@ -1197,8 +1197,8 @@ def test_nodes_whose_copies_of_a_model_differ_stop_with_an_error_naming_the_sett
             AutoModelForCausalLM.from_config(config).save_pretrained(node / name)
             load_tiny_tokenizer().save_pretrained(node / name)
     run_as_two_nodes(tmp_path, NODE_MODELS_SCRIPT, nodes)
-    for rank, node in enumerate(nodes):
-        differ = ("UsageError: other: the ranks read different configs of the model: num_hidden_layers (rank 0: 2"
-                  + (", rank 1: 3" if rank else "") + ") differs between them (each node's own copy of the model "
-                  "folder, or of a hub model in its cache, that is not the same): give every node the same model")
+    for node in nodes:
+        differ = ("UsageError: other: the ranks read different configs of the model: num_hidden_layers (rank 0: 2, "
+                  "rank 1: 3) differs between them (each node's own copy of the model folder, or of a hub model in its "
+                  "cache, that is not the same): give every node the same model")  # (rank 0 says rank 1's value too)
         assert (node / "seen").read_text().split("\n") == ["loaded", differ, "loaded", differ], node

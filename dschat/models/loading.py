@@ -554,8 +554,7 @@ def check_same_config_on_every_rank(name, config):
     transformers loads them on rank 0). A UsageError on every rank naming the settings that differ."""
     import json
 
-    from dschat.utils.dist import gathered_objects, get_rank, get_world_size, local_device, \
-        names_differing_between_ranks
+    from dschat.utils.dist import gathered_objects, get_world_size, local_device, names_differing_between_ranks
 
     if get_world_size() == 1:
         return
@@ -567,13 +566,19 @@ def check_same_config_on_every_rank(name, config):
         return
     every = gathered_objects(settings, local_device())
     differ = sorted({key for other in every for key in {*other, *every[0]} if other.get(key) != every[0].get(key)})
-    said = ", ".join(f"{key} (rank 0: {every[0].get(key)!r}, rank {get_rank()}: {settings.get(key)!r})"
-                     if get_rank() else f"{key} (rank 0: {every[0].get(key)!r})" for key in differ[:5])
+    said = ", ".join(_first_difference(key, every) for key in differ[:5])  # (the same line on every rank: said once)
     raise UsageError(f"{name}: the ranks read different configs of the model: {said}"
                      f"{f' and {len(differ) - 5} more' if len(differ) > 5 else ''} "
                      f"{'differs' if len(differ) == 1 else 'differ'} between them (each node's "
                      "own copy of the model folder, or of a hub model in its cache, that is not the same): give every "
                      "node the same model")
+
+
+def _first_difference(key, every):
+    """``key`` (rank 0: its value, rank R: another), R the first rank of ``every`` (each rank's settings) whose value
+    of it is not rank 0's."""
+    other = next(rank for rank, settings in enumerate(every) if settings.get(key) != every[0].get(key))
+    return f"{key} (rank 0: {every[0].get(key)!r}, rank {other}: {every[other].get(key)!r})"
 
 
 def check_weights_loaded(name, model, loading):
