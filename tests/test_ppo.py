@@ -2043,6 +2043,36 @@ def test_an_async_reward_function_is_awaited_in_one_loop_kept_between_calls():
         call_reward_fn(failing, ["p1"], ["a"])
 
 
+def test_an_async_reward_function_interrupted_while_awaited_is_cancelled(monkeypatch):
+    """Ctrl-C while an async reward function was awaited left its coroutine running on dschat's loop thread (a judge
+    request going on after the run stopped); it is cancelled."""
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    from dschat.rlhf.reward_fn import call_reward_fn
+
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def slow_judge(prompts, answers):
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return [1.0] * len(answers)
+
+    def ctrl_c_while_waiting(self, timeout=None):
+        started.wait(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", ctrl_c_while_waiting)
+    with pytest.raises(KeyboardInterrupt):
+        call_reward_fn(slow_judge, ["p1"], ["a"])
+    assert cancelled.wait(10)
+
+
 def test_a_reward_too_large_for_a_float_is_refused_as_not_finite():
     """An int past float's range raised a bare OverflowError from dschat, naming neither the function nor the answer."""
     from dschat.errors import UsageError

@@ -233,7 +233,12 @@ def _awaited(awaitable):
     async def result():
         return await awaitable
 
-    return asyncio.run_coroutine_threadsafe(result(), loop).result()
+    pending = asyncio.run_coroutine_threadsafe(result(), loop)
+    try:
+        return pending.result()
+    except BaseException:  # Ctrl-C while it ran: it is cancelled, not left running on the loop's thread
+        pending.cancel()
+        raise
 
 
 _RENAMED_SAID = set()
