@@ -1287,3 +1287,18 @@ def test_ppo_eval_scores_a_policy_with_more_token_embeddings_than_the_reward_mod
     result, reward_model = ppo_eval.evaluate_model(str(wide), models["rm"], args)
     assert embedding_rows(reward_model.rwtransformer) >= rows
     assert math.isfinite(result["reward_mean"]), result
+
+
+def test_rw_eval_refuses_a_prompt_too_long_for_max_seq_len_before_the_model_loads(models, monkeypatch):
+    """A --prompt leaving no room for an answer in --max_seq_len was said only after the reward model had loaded, and
+    without naming --prompt."""
+    from dschat.errors import UsageError
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the reward model loaded")
+
+    monkeypatch.setattr(rw_eval, "load_scoring_reward_model", loaded)
+    with pytest.raises(UsageError, match=r"^--prompt: a prompt of \d+ tokens leaves no room for an answer in "
+                                         r"--max_seq_len 32"):
+        rw_eval.main(["--model_name_or_path", models["rm"], "--prompt", "Say hi. " * 40, "--answer", "hi",
+                      "--max_seq_len", "32"])

@@ -52,10 +52,12 @@ def scored_sequence(tokens, max_seq_len):
                          f"{max_seq_len}") from None
 
 
-def score_answers(model, tokenizer, messages_and_answers, max_seq_len=512, batch_size=16):
-    """The reward model's score of each (prompt messages, answer)."""
-    return score_sequences(model, tokenizer, reward_input_ids(tokenizer, messages_and_answers, max_seq_len),
-                           batch_size)
+def prompt_answer_ids(tokenizer, messages, answers, max_seq_len):
+    """``reward_input_ids`` of --prompt's ``messages`` with each --answer; a prompt too long is an error naming it."""
+    try:
+        return reward_input_ids(tokenizer, [(messages, answer) for answer in answers], max_seq_len)
+    except UsageError as error:
+        raise UsageError(f"--prompt: {error}") from None
 
 
 @torch.no_grad()
@@ -218,12 +220,13 @@ def main(argv=None):
     if records is not None:
         check_some_pair(records, args.pairs_file)
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
+    if args.prompt:  # (tokenized before the model loads: a prompt too long for --max_seq_len is said at once)
+        messages = prompt_record(args.prompt).messages
+        answer_ids = prompt_answer_ids(tokenizer, messages, args.answer, args.max_seq_len)
     model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
     check_sequence_fits(model, args.max_seq_len, "--max_seq_len")  # as step 2 checks it: not an IndexError later
     if args.prompt:
-        messages = prompt_record(args.prompt).messages
-        scores = score_answers(model, tokenizer, [(messages, a) for a in args.answer], args.max_seq_len,
-                               args.batch_size)
+        scores = score_sequences(model, tokenizer, answer_ids, args.batch_size)
         print_answers(messages, args.answer, scores)
         return {"scores": scores}
     result = evaluate_pairs(model, tokenizer, records, args.max_seq_len, args.batch_size)
