@@ -55,6 +55,16 @@ def launched(launch):
     return launch
 
 
+# The end of a ``run_as_two_nodes`` script: its ``seen`` list written to the file "seen" of its node's folder, then the
+# process group left (a gloo rank aborted in the interpreter's teardown now and then)
+WRITE_SEEN_AND_END = """
+with open("seen", "w") as f:
+    f.write("\\n".join(seen))
+from dschat.utils.cli import end_script
+end_script()
+"""
+
+
 def run_as_two_nodes(tmp_path, source, nodes, timeout=300):
     """``source`` run as a script by two ranks started by hand, as on two nodes of one rank each (both local rank 0),
     each in its folder of ``nodes`` (its working directory); given the folder ``tmp_path / "cache"``."""

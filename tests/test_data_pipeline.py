@@ -16,7 +16,7 @@ from dschat.data.cache import CACHE_SUBDIR
 from dschat.data.splits import get_raw_dataset_split_index, parse_data_split
 from dschat.errors import UsageError
 from dschat.tiny import load_tiny_tokenizer
-from launch import run_as_two_nodes
+from launch import WRITE_SEEN_AND_END, run_as_two_nodes
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -925,11 +925,7 @@ for name in ("same.jsonl", "other.jsonl"):  # each 'node' reads its own copy in 
         seen.append(f"{len(train)} {len(eval_)}")
     except Exception as error:
         seen.append(f"{type(error).__name__}: {error}")
-with open("seen", "w") as f:
-    f.write("\\n".join(seen))
-from dschat.utils.cli import end_script
-end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
-"""
+""" + WRITE_SEEN_AND_END
 
 
 def test_nodes_reading_copies_of_the_data_that_differ_stop_with_an_error_naming_it(tmp_path):

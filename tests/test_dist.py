@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from launch import REPO, remove_shm_buffers
+from launch import REPO, WRITE_SEEN_AND_END, remove_shm_buffers
 
 from dschat.utils.dist import free_port, shm_buffers
 
@@ -490,11 +490,7 @@ for name in ("same.json", "other.json", "missing.json"):  # each 'node' reads it
         seen.append("same")
     except Exception as error:
         seen.append(f"{type(error).__name__}: {error}")
-with open("seen", "w") as f:
-    f.write("\\n".join(seen))
-from dschat.utils.cli import end_script
-end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
-"""
+""" + WRITE_SEEN_AND_END
 
 
 def test_nodes_reading_copies_of_the_deepspeed_config_that_differ_stop_with_an_error_naming_it(tmp_path):

@@ -11,6 +11,7 @@ from dschat.models.checkpoint import atomic_folder, save_causal_lm, save_reward_
 from dschat.models.lora import apply_lora, lora_target_modules, optimizer_param_groups
 from dschat.models.reward_model import (RewardModel, create_critic_model, last_token_index, load_reward_model,
                                         pairwise_loss, positions_from_mask)
+from launch import WRITE_SEEN_AND_END
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -1170,11 +1171,7 @@ for load in (load_causal_lm, create_critic_model):
             seen.append("loaded")
         except Exception as error:
             seen.append(f"{type(error).__name__}: {error}")
-with open("seen", "w") as f:
-    f.write("\\n".join(seen))
-from dschat.utils.cli import end_script
-end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
-"""
+""" + WRITE_SEEN_AND_END
 
 
 @pytest.mark.multirank

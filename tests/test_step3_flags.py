@@ -11,6 +11,7 @@ from dschat.errors import UsageError
 from dschat.rlhf.config import step3_args
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings, step3_train_config
 from dschat.rlhf.trainer import DeepSpeedPPOTrainer, sampling_kwargs
+from launch import WRITE_SEEN_AND_END
 
 
 # --- --top_k: 0 or negative is no top-k filtering, on both generation paths -----------------------------------------
@@ -687,11 +688,7 @@ for name in ("same.py", "other.py"):
         seen.append("loaded")
     except Exception as error:
         seen.append(type(error).__name__ + ": " + str(error).split(": ", 1)[1])
-with open("seen", "w") as f:
-    f.write("\\n".join(seen))
-from dschat.utils.cli import end_script
-end_script()  # (a gloo rank aborted in the interpreter's teardown now and then)
-"""
+""" + WRITE_SEEN_AND_END
 
 
 def test_nodes_reading_copies_of_a_reward_function_that_differ_stop_with_an_error(tmp_path):
