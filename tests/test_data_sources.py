@@ -683,6 +683,33 @@ def test_a_json_object_holding_the_records_under_a_key_says_so(tmp_path):
     assert len(raw(f"json:{tmp_path / 'record.json'}", tmp_path).raw_datasets["train"]) == 1  # a record of its own
 
 
+def test_a_one_line_json_object_holding_the_records_beside_other_fields_says_so(tmp_path):
+    # {"version": ..., "data": [...]} (SQuAD's container, load_dataset's field= layout) written on one line was read as
+    # one record of columns 'version' and 'data': "no 'prompt' ... field; name yours with --data_fields"
+    records = [{"question": f"Q{i}?", "answer": "Yes.", "n": i if i else "zero"} for i in range(3)]  # (mixed n: Json)
+    pairs = [{"prompt": r["question"], "chosen": r["answer"]} for r in records]
+    sharegpt = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]}]
+    for name, rows, fields in (("squad.json", pairs, {}), ("squad.jsonl", pairs, {}),
+                               ("renamed.jsonl", records, {"prompt": "question"}), ("sharegpt.json", sharegpt, {})):
+        (tmp_path / name).write_text(json.dumps({"version": "1.1", "data": rows}) + "\n")
+        with pytest.raises(DatasetFormatError, match=rf"{name}: the records are in the list under 'data' of a JSON "
+                                                     r"object; give a file that is that list \(a JSON array of "
+                                                     r"records\) or JSON Lines$"):
+            raw(f"{tmp_path / name}", tmp_path, **fields)
+    # a list of objects of other fields may hold the records: said beside the fields the file has
+    squad = {"version": "1.1", "data": [{"title": "T", "paragraphs": []}]}
+    (tmp_path / "real_squad.json").write_text(json.dumps(squad))
+    with pytest.raises(DatasetFormatError, match=r"the records have \['version', 'data'\]\. Name yours with "
+                                                 r"--data_fields.* \(the file is one record; if the records are its "
+                                                 r"list under 'data', of objects with the fields \['paragraphs', "
+                                                 r"'title'\], give a file that is that list"):
+        raw(f"json:{tmp_path / 'real_squad.json'}", tmp_path)
+    # a one-line record of its own with a list of objects (a tool list) is still a record
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    (tmp_path / "pair.json").write_text(json.dumps({"prompt": "Weather?", "chosen": "Sunny.", "tools": [tool]}))
+    assert len(raw(f"json:{tmp_path / 'pair.json'}", tmp_path).raw_datasets["train"]) == 1
+
+
 def test_a_json_object_of_split_lists_says_so_on_one_line_as_indented(tmp_path):
     # {"train": [...], "test": [...]} written by json.dump without indent was read as one JSON Lines record of columns
     # 'train' and 'test', to be named with --data_fields (indented, it was told the records are under 'train')

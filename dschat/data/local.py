@@ -865,6 +865,14 @@ def load_saved_dataset(path):
     return saved["train"], saved[eval_names[0]] if eval_names else None
 
 
+def _lists_of_objects(data):
+    """{column: value} of the lists of objects of a dataset of one record (a JSON object on one line), else {}."""
+    if len(data) != 1:
+        return {}
+    return {name: value for name, value in data[0].items() if isinstance(value, list) and value and
+            all(isinstance(item, dict) for item in value)}
+
+
 def record_where(path, index, record_lines):
     """"FILE line N (record I)" where the line of record I is known, else "FILE record I"."""
     return f"{path} line {record_lines[index]} (record {index})" if record_lines else f"{path} record {index}"
@@ -951,6 +959,7 @@ class LocalDataset(PromptRawDataset):
     # --- record shapes ---
     def _record_shape(self, data, where):
         columns = data.column_names
+        self._check_records_not_in_a_list(data, where)
         preference = self.fields["chosen"] in columns and self.fields["rejected"] in columns
         named_prompt = "prompt" in self.renamed and "messages" not in self.renamed and self.fields["prompt"] in columns
         if self.fields["messages"] in columns and not preference and not named_prompt:
@@ -971,7 +980,33 @@ class LocalDataset(PromptRawDataset):
         raise DatasetFormatError(
             f"{where}: no {self.fields['prompt']!r}, {self.fields['messages']!r} or {self.fields['chosen']!r} "
             f"field; the records have {columns}. Name yours with --data_fields, e.g. "
-            "'prompt=question,chosen=answer,rejected=bad_answer'")
+            f"'prompt=question,chosen=answer,rejected=bad_answer'{self._records_list_hint(data)}")
+
+    def _check_records_not_in_a_list(self, data, where):
+        """A file of one record (one JSON object on one line) without the records' fields, whose list of objects has
+        them, is a JSON object holding the records in a list beside other fields ({"version": ..., "data": [...]},
+        the layout load_dataset's field= reads): an error naming that list. It was read as one record of columns
+        'version' and 'data', refused with "name yours with --data_fields". (Indented, or with no other field,
+        ``check_json_document`` says so before loading.)"""
+        defining = {self.fields[name] for name in ("prompt", "messages", "chosen")} | \
+            (set() if self.renamed else {"conversations"})  # (ShareGPT's records, read as messages)
+        lists = _lists_of_objects(data) if not defining & set(data.column_names) else {}
+        holding = [name for name, value in lists.items() if any(defining & set(item) for item in value)]
+        if holding:
+            raise DatasetFormatError(f"{where}: the records are in the list under {holding[0]!r} of a JSON object; "
+                                     "give a file that is that list (a JSON array of records) or JSON Lines")
+
+    @staticmethod
+    def _records_list_hint(data):
+        """Said of a file of one record, without the records' fields, that holds one list of objects: they may be
+        the records."""
+        lists = _lists_of_objects(data)
+        if len(lists) != 1:
+            return ""
+        (name, value), = lists.items()
+        fields = sorted({field for item in value for field in item})
+        return (f" (the file is one record; if the records are its list under {name!r}, of objects with the fields "
+                f"{fields}, give a file that is that list (a JSON array of records) or JSON Lines)")
 
     def _check_renamed(self, names, columns, where):
         """A field the records' shape needs, renamed by --data_fields to a column the records lack, is an error
