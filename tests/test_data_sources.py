@@ -841,14 +841,17 @@ def test_an_unsupervised_text_file_is_searched_for_marks_without_reading_each_li
 def test_files_without_records_say_so(tmp_path):
     # CSV and parquet failed with datasets' own wording: 'Instruction "train" corresponds to no data!', 'BatchSize
     # must be greater than 0'
-    blank = tmp_path / "empty.jsonl"
-    blank.write_text("\n")
-    header_only = tmp_path / "header.csv"
-    header_only.write_text("prompt,chosen,rejected\n")
+    # a file of blank lines alone (it has bytes) was "the file is empty", and a CSV of them "it has a header"
+    files = {"empty.jsonl": ("", "the file is empty"), "empty.csv": ("", "the file is empty"),
+             "blank.jsonl": ("\n \n\t\r\n", "it has only blank lines"),
+             "blank.json": ("\n\n", "it has only blank lines"),
+             "blank.csv": ("\n  \n\n", "it has only blank lines"),
+             "header.csv": ("prompt,chosen,rejected\n\n", "it has a header but no rows")}
+    for name, (text, _) in files.items():
+        (tmp_path / name).write_text(text)
     no_rows = tmp_path / "empty.parquet"
     pd.DataFrame({"prompt": [], "chosen": []}).to_parquet(no_rows)
-    for path, what in ((blank, "the file is empty"), (header_only, "it has a header but no rows"),
-                       (no_rows, "it has no rows")):
+    for path, what in ((no_rows, "it has no rows"), *((tmp_path / name, what) for name, (_, what) in files.items())):
         with pytest.raises(DatasetFormatError, match=rf"{path}: no records \({what}\)"):
             raw(str(path), tmp_path)
 
@@ -1299,7 +1302,7 @@ def test_read_errors_name_their_cause(tmp_path):
         raw(f"csv:{unclosed}", tmp_path)
     empty_json = tmp_path / "empty.json"
     empty_json.write_text("\n")
-    with pytest.raises(DatasetFormatError, match=rf"{empty_json}: no records \(the file is empty\)"):
+    with pytest.raises(DatasetFormatError, match=rf"{empty_json}: no records \(it has only blank lines\)"):
         raw(str(empty_json), tmp_path)
 
 

@@ -464,7 +464,7 @@ def check_json_document(path):
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
     if not text.strip():
-        raise DatasetFormatError(f"{path}: no records (the file is empty)")
+        raise DatasetFormatError(f"{path}: no records ({_why_no_records('json', path)})")
     keys, constants = _KeysWrittenTwice(), _NotJsonNumbers()
     try:
         document = json.loads(text, object_pairs_hook=keys.hook, parse_constant=constants.parse)
@@ -574,9 +574,7 @@ def load_file(kind, path):
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
     # (datasets would fail with its own wording; a CSV's rows are counted where the csv module could not read it)
     if record_lines == [] or (record_lines is None and _table_rows(kind, path) == 0):
-        what = {"csv": "it has a header but no rows", "parquet": "it has no rows"}.get(kind, "the file is empty") \
-            if os.path.getsize(path) else "the file is empty"
-        raise DatasetFormatError(f"{path}: no records ({what})")
+        raise DatasetFormatError(f"{path}: no records ({_why_no_records(kind, path)})")
     try:
         options = _csv_options(path, header) if kind == "csv" else \
             {"encoding": text_encoding(path)} if builder == "json" else {}
@@ -592,6 +590,24 @@ def load_file(kind, path):
     if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
         record_lines = None
     return data, record_lines
+
+
+def _why_no_records(kind, path):
+    """Why a file holds no records: it is empty (no bytes), has only blank lines (spaces, tabs and line ends: it was
+    said to be empty, and a CSV to have a header), or is a CSV of a header or a parquet file without rows."""
+    if os.path.getsize(path) == 0:
+        return "the file is empty"
+    if kind != "parquet" and _only_blank_lines(path):
+        return "it has only blank lines"
+    return {"csv": "it has a header but no rows", "parquet": "it has no rows"}.get(kind, "the file is empty")
+
+
+def _only_blank_lines(path):
+    """Whether a text file holds only whitespace after its byte-order mark (read a block at a time)."""
+    with open(path, "rb") as f:
+        if f.read(1 << 16).removeprefix(b"\xef\xbb\xbf").strip():
+            return False
+        return not any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
 
 
 def load_content_keyed(builder, path, **options):
