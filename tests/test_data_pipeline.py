@@ -508,6 +508,37 @@ def test_a_record_the_chat_template_refuses_is_an_error_naming_the_file_and_reco
         build(tmp_path, chat, [f"{path},{path}"], 1, data_split="1,0,0")
 
 
+def test_a_conversation_whose_roles_a_chat_template_refuses_to_see_unalternating_names_the_message(tmp_path,
+                                                                                                      tokenizer):
+    """Llama-2's and Mistral's templates raise "Conversation roles must alternate" on two user messages in a row or a
+    later system message: the error named the record and its first user message, not which message broke the
+    alternation."""
+    chat = copy.deepcopy(tokenizer)  # (Llama-2's check: a first system message aside, user turns at even positions)
+    chat.chat_template = ("{% set turns = messages[1:] if messages[0]['role'] == 'system' else messages %}"
+                          "{% for m in turns %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+                          "{% endif %}{% endfor %}" + CHAT_TEMPLATE)
+
+    def message(role, content):
+        return {"role": role, "content": content}
+
+    fine = [{"messages": [message("user", f"Q{i}?"), message("assistant", f"A{i}.")]} for i in range(3)]
+    for turns, said, multiturn in (
+            ([message("user", "Hello."), message("user", "Say hi."), message("assistant", "Hi.")],
+             r"message 1 is a second 'user' message in a row .*; join the two into one message", False),
+            ([message("system", "Be brief."), message("user", "One."), message("assistant", "Ok."),
+              message("user", "Two."), message("user", "Three."), message("assistant", "Done.")],
+             r"message 4 is a second 'user' message in a row", True),
+            ([message("user", "One."), message("assistant", "Ok."), message("system", "Be brief."),
+              message("user", "Two."), message("assistant", "Done.")],
+             r"message 2 is a system message after the conversation began; put it first", False)):
+        path = write_jsonl(tmp_path / "turns.jsonl", [*fine, {"messages": turns}])
+        with pytest.raises(DatasetFormatError, match=r"turns\.jsonl line 4 \(record 3\): field 'messages': the "
+                                                     r"tokenizer's chat template refuses them \(Conversation roles "
+                                                     rf"must alternate user/assistant/user/assistant/\.\.\.\): {said}"):
+            build(tmp_path, chat, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=multiturn)
+
+
 def test_records_already_formatted_with_special_tokens_are_said(tmp_path, tokenizer, capsys):
     """A prompt already run through a chat template, or an answer ending in the end token, was formatted a second
     time (a doubled BOS, template and end token inside the trained labels) without a word."""

@@ -535,8 +535,23 @@ def rendered_prompt(messages, tokenizer):
         return format_prompt(messages, tokenizer)
     except TemplateError as err:
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
-        raise RecordError("messages", f"the tokenizer's chat template refuses them ({err}); the record's first user "
-                                      f"message: {first[:60]!r}") from err
+        raise RecordError("messages", f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; "
+                                      f"the record's first user message: {first[:60]!r}") from err
+
+
+def refused_message(messages):
+    """": message N ..." naming the message a chat template that wants alternating roles (Llama-2's, Mistral's:
+    "Conversation roles must alternate") most likely refuses, and how to mend it; else "". It named none: the record's
+    first message was said, and which of its turns broke the alternation was left to find."""
+    for index, (before, message) in enumerate(zip(messages, messages[1:]), start=1):
+        if message["role"] == before["role"]:
+            return (f": message {index} is a second {message['role']!r} message in a row (the template wants user and "
+                    "assistant turns to alternate); join the two into one message")
+    for index, message in enumerate(messages[1:], start=1):
+        if message["role"] == "system":
+            return (f": message {index} is a system message after the conversation began; put it first, or into the "
+                    "user message after it")
+    return ""
 
 
 UNDESIRABLE = "undesirable answer (label false: TRL's unpaired preference data)"
