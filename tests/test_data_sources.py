@@ -84,13 +84,7 @@ def test_a_hub_datasets_downloaded_folder_reads_its_split_files(tmp_path):
         assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
     with pytest.raises(UsageError, match=r"the folder's train data is .*train-00000-of-00001.parquet, not jsonl"):
         raw(f"jsonl:{folder}", tmp_path)
-    # a split in shards, or splits of other names (train_prefs), say what to give
-    write_records(RECORDS[:5], folder / "data" / "train-00000-of-00002.parquet", "parquet")
-    write_records(RECORDS[5:15], folder / "data" / "train-00001-of-00002.parquet", "parquet")
-    (folder / "data" / "train-00000-of-00001.parquet").unlink()
-    with pytest.raises(UsageError, match=r"holds the train split in 2 files .* and dschat reads one file per split: "
-                                         r"save the dataset as one .*save_to_disk"):
-        raw(str(folder), tmp_path)
+    # splits of other names (train_prefs) say what to give
     prefs = tmp_path / "prefs"
     (prefs / "data").mkdir(parents=True)
     for split in ("train_prefs", "test_prefs"):
@@ -99,6 +93,35 @@ def test_a_hub_datasets_downloaded_folder_reads_its_split_files(tmp_path):
                                          r"as TYPE:TRAIN_PATH,EVAL_PATH \(e.g. parquet:.*train_prefs-00000-of-00001"
                                          r"\.parquet,.*test_prefs"):
         raw(str(prefs), tmp_path)
+
+
+def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_named(tmp_path):
+    # FOLDER/data/train-00000-of-00002.parquet and train-00001-of-00002.parquet (load_dataset(FOLDER) reads them as one
+    # split) were refused: "dschat reads one file per split: save the dataset as one"
+    folder = tmp_path / "hub"
+    (folder / "data").mkdir(parents=True)
+    write_records(RECORDS[:5], folder / "data" / "train-00000-of-00002.parquet", "parquet")
+    write_records(RECORDS[5:15], folder / "data" / "train-00001-of-00002.parquet", "parquet")
+    write_records(RECORDS[15:17], folder / "data" / "test-00000-of-00002.parquet", "parquet")
+    write_records(RECORDS[17:], folder / "data" / "test-00001-of-00002.parquet", "parquet")
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+    # a download cut short: the shard missing is named (one shard alone was read as the whole split)
+    (folder / "data" / "train-00001-of-00002.parquet").unlink()
+    with pytest.raises(UsageError, match=r"the train split is in 2 shards, and the folder lacks "
+                                         r"train-00001-of-00002\.parquet: a download cut short"):
+        raw(str(folder), tmp_path)
+    # JSON Lines shards: a record's error names its shard, line and record there; a number among one shard's strings
+    # is that record's error (the shards' columns were of other types)
+    shards = tmp_path / "shards"
+    (shards / "data").mkdir(parents=True)
+    write_records(RECORDS[:5], shards / "data" / "train-00000-of-00002.jsonl", "jsonl")
+    bad = [*RECORDS[5:8], {**RECORDS[8], "chosen": 5}]
+    write_records(bad, shards / "data" / "train-00001-of-00002.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"train-00001-of-00002\.jsonl line 4 \(record 3\): field 'chosen': "
+                                                 r"expected a string, got int"):
+        raw(str(shards), tmp_path)
 
 
 def test_a_compressed_data_file_says_to_decompress_it(tmp_path):

@@ -9,7 +9,8 @@ Spec forms (one string per dataset in ``--data_path``)::
                                                       them there, the others said unread; eval.jsonl beside
                                                       eval.json, an error naming them); or, laid out as a
                                                       hub dataset's download, DIR/data/train-00000-of-00001.EXT
-                                                      with its test file (one file per split)
+                                                      with its test file (a split of several files, its shards
+                                                      train-0000K-of-0000N.EXT: all of them, read as one)
     disk:PATH                                         a save_to_disk folder: a DatasetDict (train plus
                                                       eval/test/validation) or a single Dataset
     PATH                                              a bare existing path; the extension (.jsonl, .json,
@@ -104,6 +105,16 @@ class LocalSource:
     spec: str
     eval_kind: str | None = None
     unread_evals: tuple = ()  # (a folder's other eval files: test.jsonl read, validation.jsonl not; said on loading)
+    more_train: tuple = ()  # (the train split's files after ``train``, where it is in shards: a hub dataset's download)
+    more_eval: tuple = ()
+
+    @property
+    def train_files(self):
+        return [self.train, *self.more_train]
+
+    @property
+    def eval_files(self):
+        return [self.eval, *self.more_eval] if self.eval else []
 
     @property
     def eval_type(self):
@@ -111,7 +122,7 @@ class LocalSource:
 
     @property
     def files(self):
-        return [path for path in (self.train, self.eval) if path]
+        return [*self.train_files, *self.eval_files]
 
     @property
     def name_clean(self):
@@ -249,7 +260,7 @@ def _folder_source(kind, folder, spec):
 
 
 # a file of one split as the hub stores a dataset's data (datasets' naming): train-00000-of-00001.parquet
-_HUB_SPLIT_FILE = re.compile(r"(?P<split>.+?)-\d{5}-of-\d{5}(?P<ext>\.[A-Za-z]+)\Z")
+_HUB_SPLIT_FILE = re.compile(r"(?P<split>.+?)-(?P<shard>\d{5})-of-(?P<shards>\d{5})(?P<ext>\.[A-Za-z]+)\Z")
 
 
 def _hub_split_files(folder):
@@ -270,9 +281,11 @@ def _hub_split_files(folder):
 
 
 def _hub_layout_source(kind, folder, spec):
-    """A LocalSource of a folder laid out as a hub dataset's repository (``_hub_split_files``): its train file, and its
-    eval, test or validation file (the first there, as ``_folder_eval_file``); None where it holds no such files. A
-    split of several files (shards) is an error saying how to make it one: dschat reads one file per split."""
+    """A LocalSource of a folder laid out as a hub dataset's repository (``_hub_split_files``): its train files, and
+    its eval, test or validation files (the first there, as ``_folder_eval_file``); None where it holds no such files.
+    A split of several files (shards, train-00000-of-00002.parquet and train-00001-of-00002.parquet) is read as one, as
+    load_dataset(FOLDER) reads it (it was refused: "dschat reads one file per split"); one whose shards are not all
+    there is an error naming those missing."""
     splits = _hub_split_files(folder)
     if not splits:
         return None
@@ -283,20 +296,35 @@ def _hub_layout_source(kind, folder, spec):
                          f"them train: give the files to read as TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
     for name in ["train", *eval_names[:1]]:
-        if len(splits[name]) > 1:
-            saved = folder.rstrip(os.sep) + "_saved"
-            raise UsageError(
-                f"{spec}: the folder holds the {name} split in {len(splits[name])} files "
-                f"({os.path.basename(splits[name][0])} ... {os.path.basename(splits[name][-1])}), and dschat reads "
-                "one file per split: save the dataset as one (python -c \"from datasets import load_dataset; "
-                f"load_dataset('{folder}').save_to_disk('{saved}')\") and give disk:{saved}")
+        _check_whole_split(spec, name, splits[name])
     train = splits["train"][0]
     if EXTENSION_TYPES[os.path.splitext(train)[1]] != kind:
         raise UsageError(f"{spec}: the folder's train data is {os.path.relpath(train)}, not {kind}")
-    evaluation = splits[eval_names[0]][0] if eval_names else None
-    eval_kind = evaluation and EXTENSION_TYPES[os.path.splitext(evaluation)[1]]
+    evaluation = splits[eval_names[0]] if eval_names else [None]
+    eval_kind = evaluation[0] and EXTENSION_TYPES[os.path.splitext(evaluation[0])[1]]
     unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
-    return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None, unread)
+    return LocalSource(kind, train, evaluation[0], spec, eval_kind if eval_kind != kind else None, unread,
+                       more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
+
+
+def _check_whole_split(spec, name, files):
+    """A split's files (sorted) must be one file, or its shards SPLIT-0000K-of-0000N.EXT of one type, every K of the N
+    there: a download cut short, or two layouts of a split side by side, is an error naming the files."""
+    if len(files) == 1 and not _HUB_SPLIT_FILE.match(os.path.basename(files[0])):
+        return
+    shards = [_HUB_SPLIT_FILE.match(os.path.basename(path)) for path in files]
+    names = ", ".join(os.path.relpath(path) for path in files)
+    if not all(shards) or len({shard["ext"] for shard in shards}) > 1:
+        raise UsageError(f"{spec}: the folder holds the {name} split in the files {names}: one file, or the shards of "
+                         f"one type named {name}-00000-of-0000N.EXT, is one split; keep those of the split to read")
+    total = int(shards[0]["shards"])
+    present = {int(shard["shard"]) for shard in shards if int(shard["shards"]) == total}
+    missing = [f"{name}-{number:05d}-of-{total:05d}{shards[0]['ext']}" for number in range(total)
+               if number not in present]
+    if missing or len(files) != total:
+        said = f"lacks {', '.join(missing)}" if missing else f"holds {len(files)} files of them ({names})"
+        raise UsageError(f"{spec}: the {name} split is in {total} shards, and the folder {said}: a download cut short? "
+                         "download the dataset again (all its files)")
 
 
 def _folder_eval_file(folder, spec):
@@ -889,8 +917,56 @@ def _lists_of_objects(data):
             all(isinstance(item, dict) for item in value)}
 
 
+def load_split_files(kind, paths):
+    """(Dataset, record places) of a split's files: one file (``load_file``), or a split's shards read as one dataset,
+    in their order, their records' places a ``ShardPlaces``."""
+    if len(paths) == 1:
+        return load_file(kind, paths[0])
+    from datasets import concatenate_datasets
+
+    parts = _json_columns_alike(kind, paths, [load_file(kind, path) for path in paths])
+    try:
+        data = concatenate_datasets([part for part, _ in parts])
+    except ValueError as err:  # (columns or types that differ between the shards)
+        raise DatasetFormatError(f"{paths[0]} ... {os.path.basename(paths[-1])}: the shards of one split hold "
+                                 f"different columns or types: {_error_text(err)}") from err
+    return data, ShardPlaces(paths, [lines for _, lines in parts], [len(part) for part, _ in parts])
+
+
+def _json_columns_alike(kind, paths, parts):
+    """The shards' (data, lines) with a column of mixed types in any shard (datasets' ``Json`` feature,
+    ``_exact_json_dataset``) read so in every one: one number among a shard's strings made its column Json there and
+    string in the others, and the shards would not join ("the features can't be aligned") where the record holding
+    it is its record's error, as in one file."""
+    mixed = {name for part, _ in parts for name, feature in part.features.items() if _has_json_feature(feature)}
+    if not mixed or kind not in ("json", "jsonl"):
+        return parts
+    return [(part if all(_has_json_feature(part.features[name]) for name in mixed if name in part.features) else
+             _exact_json_dataset(kind, path, {name: feature for name, feature in part.features.items()
+                                              if name not in mixed}), lines)
+            for path, (part, lines) in zip(paths, parts)]
+
+
+class ShardPlaces:
+    """Where the records of a split read from several shard files are: record I of the whole is record I - (the
+    records of the shards before) of its shard, and its errors name that file and line."""
+
+    def __init__(self, paths, lines, sizes):
+        self.paths, self.lines = paths, lines
+        self.starts = [sum(sizes[:number]) for number in range(len(sizes))]
+
+    def where(self, index):
+        from bisect import bisect_right
+
+        number = bisect_right(self.starts, index) - 1
+        return record_where(self.paths[number], index - self.starts[number], self.lines[number])
+
+
 def record_where(path, index, record_lines):
-    """"FILE line N (record I)" where the line of record I is known, else "FILE record I"."""
+    """"FILE line N (record I)" where the line of record I is known, else "FILE record I" (a split in shards: the
+    shard's, ``ShardPlaces``)."""
+    if isinstance(record_lines, ShardPlaces):
+        return record_lines.where(index)
     return f"{path} line {record_lines[index]} (record {index})" if record_lines else f"{path} record {index}"
 
 
@@ -951,10 +1027,10 @@ class LocalDataset(PromptRawDataset):
             if self.source.eval:
                 return load_saved_dataset(self.source.train)[0], load_saved_dataset(self.source.eval)[0]
             return load_saved_dataset(self.source.train)
-        train, self._train_lines = load_file(self.source.kind, self.source.train)
+        train, self._train_lines = load_split_files(self.source.kind, self.source.train_files)
         if not self.source.eval:
             return train, None
-        eval_data, self._eval_lines = load_file(self.source.eval_type, self.source.eval)
+        eval_data, self._eval_lines = load_split_files(self.source.eval_type, self.source.eval_files)
         if self.source.unread_evals:
             from dschat.utils.dist import print_rank_0
 
