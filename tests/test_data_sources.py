@@ -124,6 +124,25 @@ def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_na
         raw(str(shards), tmp_path)
 
 
+def test_parquet_shards_of_string_and_large_string_text_join_and_other_types_are_named(tmp_path):
+    # pandas' to_parquet writes text as large_string, datasets as string: shards of the two would not join
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "hub"
+    (folder / "data").mkdir(parents=True)
+    for number, (text, records) in enumerate(((pa.string(), RECORDS[:5]), (pa.large_string(), RECORDS[5:15]))):
+        table = pa.table({name: pa.array([r[name] for r in records], text) for name in RECORDS[0]})
+        pq.write_table(table, folder / "data" / f"train-0000{number}-of-00002.parquet")
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.raw_datasets["train"]) == expected_tuples(RECORDS[:15])
+    # a column of other types in the shards is an error naming them, not datasets' traceback
+    pd.DataFrame([{**r, "task": 7} for r in RECORDS[5:15]]).to_parquet(folder / "data" / "train-00001-of-00002.parquet")
+    with pytest.raises(DatasetFormatError, match=r"train-00000-of-00002\.parquet \.\.\. train-00001-of-00002\.parquet: "
+                                                 r"the shards of one split hold different columns or types: .*task"):
+        raw(str(folder), tmp_path)
+
+
 def test_a_compressed_data_file_says_to_decompress_it(tmp_path):
     # train.jsonl.gz (as Anthropic/hh-rlhf ships its data) was 'cannot tell the format ... write jsonl:FILE', and
     # jsonl:FILE then 'line 1: not UTF-8 text (byte 0x8b at column 2); save the file as UTF-8'

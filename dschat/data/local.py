@@ -928,9 +928,31 @@ def load_split_files(kind, paths):
     try:
         data = concatenate_datasets([part for part, _ in parts])
     except ValueError as err:  # (columns or types that differ between the shards)
-        raise DatasetFormatError(f"{paths[0]} ... {os.path.basename(paths[-1])}: the shards of one split hold "
-                                 f"different columns or types: {_error_text(err)}") from err
+        data = _joined_with_text_alike([part for part, _ in parts])
+        if data is None:
+            raise DatasetFormatError(f"{paths[0]} ... {os.path.basename(paths[-1])}: the shards of one split hold "
+                                     f"different columns or types: {err}") from err
     return data, ShardPlaces(paths, [lines for _, lines in parts], [len(part) for part, _ in parts])
+
+
+def _joined_with_text_alike(parts):
+    """The shards joined with their text columns of one type (one tool writes text as large_string, another as
+    string), else None."""
+    from datasets import concatenate_datasets
+
+    try:
+        return concatenate_datasets([_large_strings_as_strings(part) for part in parts])
+    except ValueError:
+        return None
+
+
+def _large_strings_as_strings(data):
+    """``data`` with its text columns of arrow's large_string (pandas' to_parquet writes them so) as string (datasets'
+    own): shards written by the two would not join."""
+    from datasets import Features, Value
+
+    large = {name: Value("string") for name, feature in data.features.items() if feature == Value("large_string")}
+    return data.cast(Features({**data.features, **large})) if large else data
 
 
 def _json_columns_alike(kind, paths, parts):
