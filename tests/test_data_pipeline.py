@@ -537,6 +537,19 @@ def test_a_conversation_whose_roles_a_chat_template_refuses_to_see_unalternating
                                                      r"tokenizer's chat template refuses them \(Conversation roles "
                                                      rf"must alternate user/assistant/user/assistant/\.\.\.\): {said}"):
             build(tmp_path, chat, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=multiturn)
+    # the field that holds the messages is named (a prompt's or a chosen conversation's was said to be 'messages')
+    twice = [message("user", "Hello."), message("user", "Say hi.")]
+    pairs = [{"prompt": [message("user", f"Q{i}?")], "chosen": f"A{i}.", "rejected": f"B{i}."} for i in range(3)]
+    for field, record in (("prompt", {"prompt": twice, "chosen": "Hi.", "rejected": "No."}),
+                          ("chosen", {"chosen": [*twice, message("assistant", "Hi.")],
+                                      "rejected": [*twice, message("assistant", "No.")]})):
+        rows = pairs if field == "prompt" else [{"chosen": [*r["prompt"], message("assistant", r["chosen"])],
+                                                 "rejected": [*r["prompt"], message("assistant", r["rejected"])]}
+                                                for r in pairs]
+        path = write_jsonl(tmp_path / f"{field}.jsonl", [*rows, record])
+        with pytest.raises(DatasetFormatError, match=rf"line 4 \(record 3\): field '{field}': the tokenizer's chat "
+                                                     r"template refuses them .*: message 1 is a second 'user' message"):
+            build(tmp_path, chat, [f"{path},{path}"], 2, data_split="0,1,0")
 
 
 def test_records_already_formatted_with_special_tokens_are_said(tmp_path, tokenizer, capsys):

@@ -95,6 +95,11 @@ class PromptRawDataset:
     def get_rejected_text(self, sample):
         return None
 
+    def conversation_field(self, sample):
+        """The field whose messages ``get_conversation`` reads (a chat template's refusal of them names it, and a
+        message by its place there)."""
+        return "messages"
+
     def get_untrained_turns(self, sample):
         """The positions of the conversation's assistant turns not to train (weight 0 in OpenAI's fine-tuning format):
         with step 1's ``--multiturn`` they stay prompt."""

@@ -1204,6 +1204,13 @@ class LocalDataset(PromptRawDataset):
             return self._split_message_list(sample, self.fields["chosen"])[0]
         return self._prompt_conversation(sample)
 
+    def conversation_field(self, sample):
+        if self.shape == "prompt":  # (the chosen list's turns where they hold the prompt's: ``_prompt_conversation``)
+            chosen = self.fields["chosen"]
+            turns = self._answer_list_turns(sample, chosen) if sample.get(chosen) is not None else None
+            return chosen if turns else self.fields["prompt"]
+        return self.fields["chosen" if self.shape == "chosen_messages" else "messages"]
+
     def _prompt_conversation(self, sample):
         """The prompt field's messages; or the chosen answer list's turns before its answer, where they end with them
         (a system message or earlier turns the prompt field leaves out: orca_dpo_pairs', ultrafeedback's)."""

@@ -515,7 +515,7 @@ def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=Fals
     for sample in records:
         try:
             example = extract_example(raw, sample, train_phase, multiturn)
-            example.prompt_text = rendered_prompt(example.messages, tokenizer)
+            example.prompt_text = rendered_prompt(example.messages, tokenizer, raw, sample)
             examples.append(example)
         except SkipRecord as skip:
             skips[skip.reason] += 1
@@ -526,17 +526,19 @@ def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=Fals
     return examples
 
 
-def rendered_prompt(messages, tokenizer):
+def rendered_prompt(messages, tokenizer, raw=None, sample=None):
     """``format_prompt``; a chat template that refuses the messages (``raise_exception``: "System role not
-    supported", roles not alternating) is a RecordError of the record, not jinja's traceback."""
+    supported", roles not alternating) is a RecordError of the record (``sample`` of ``raw``: of the field that holds
+    them; a prompt's message list was said to be field 'messages'), not jinja's traceback."""
     from jinja2.exceptions import TemplateError
 
     try:
         return format_prompt(messages, tokenizer)
     except TemplateError as err:
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
-        raise RecordError("messages", f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; "
-                                      f"the record's first user message: {first[:60]!r}") from err
+        field = raw.conversation_field(sample) if raw is not None else "messages"
+        raise RecordError(field, f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; "
+                                 f"the record's first user message: {first[:60]!r}") from err
 
 
 def refused_message(messages):
