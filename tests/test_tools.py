@@ -736,7 +736,13 @@ def test_prompt_eval_prints_both_models_answers(models, capsys, tmp_path):
     assert "rule_scores" not in result  # not the tiny data
 
 
-def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monkeypatch, reachable_hub):
+@pytest.mark.parametrize("source", [[], ["--prompts_file", "tiny"], ["--prompts_file", "EVAL_FILE"]])
+def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monkeypatch, reachable_hub, source):
+    """Scored whether the tiny prompts are the default or named: --prompts_file tiny (or the embedded eval file's
+    path) gave the same prompts with no rule score, while the tiny pipeline's report has one."""
+    from dschat.tiny import EVAL_FILE
+
+    source = [str(EVAL_FILE) if word == "EVAL_FILE" else word for word in source]
     # Stand-in models that answer with the data's chosen (finetune) or rejected (baseline) answers, so the
     # rule scores are known to differ.
     def canned_answers(path, records, args):  # (given the records themselves as the prompts, below)
@@ -744,8 +750,9 @@ def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monke
 
     monkeypatch.setattr(prompt_eval, "model_prompts", lambda path, records, *_: records)
     monkeypatch.setattr(prompt_eval, "model_answers", canned_answers)
+    monkeypatch.setattr(prompt_eval, "config_before_loading", lambda path: None)  # (no hub retries for the names)
     result = prompt_eval.main(["--model_name_or_path_baseline", "baseline-model", "--model_name_or_path_finetune",
-                               "finetune-model", "--num_prompts", "6",  # and DeepSpeed-Chat's flags, accepted
+                               "finetune-model", *source, "--num_prompts", "6",  # and DeepSpeed-Chat's flags
                                "--num_beams", "1", "--num_beam_groups", "1", "--top_k", "4", "--penalty_alpha", "0.6",
                                "--num_return_sequences", "1", "--max_new_tokens", "100", "--language", "English"])
     out = capsys.readouterr().out

@@ -1,7 +1,8 @@
 """Step-1 check: a baseline's and a fine-tuned model's answers to the same prompts, side by side.
 
 Prompts come from ``--prompts``, from ``--prompts_file`` (any local data file training accepts), or by
-default from the embedded held-out data, whose answers are also scored with the bundled rule scorer.
+default from the embedded held-out data (also ``--prompts_file tiny``), whose answers are also scored with the
+bundled rule scorer.
 """
 import argparse
 
@@ -13,7 +14,7 @@ from dschat.tools.common import (add_generation_args, add_loading_args, check_ge
                                  check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
                                  flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers
-from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
+from dschat.tools.records import is_tiny_held_out, load_records, prompt_record, tiny_held_out_records
 
 ROLES = ("baseline", "finetune")
 RULE = "=" * 30
@@ -24,7 +25,8 @@ def select_records(args):
     if args.prompts:
         return [prompt_record(p, "--prompts") for p in args.prompts], False
     if args.prompts_file:
-        return load_records(args.prompts_file, args.data_fields, args.num_prompts), False
+        # the embedded held-out data named as a file ("tiny" or its path) is scored as when it is the default
+        return load_records(args.prompts_file, args.data_fields, args.num_prompts), is_tiny_held_out(args.prompts_file)
     return tiny_held_out_records(args.num_prompts), True
 
 
@@ -100,7 +102,8 @@ def build_parser():
                         help="E.g. output/step1_sft, or a run's output folder (its policy, as chat.py picks it).")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompts", nargs="+", help="User messages (or 'Human: ... Assistant: ...' transcripts).")
-    source.add_argument("--prompts_file", help="A local data file (jsonl/json/parquet/csv) with prompts.")
+    source.add_argument("--prompts_file", help="A local data file (jsonl/json/parquet/csv) with prompts; tiny: the embedded held-out "
+                        "data, rule-scored.")
     parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
     parser.add_argument("--num_prompts", type=positive_int, default=8,
                         help="Prompts taken from a file or the tiny data.")

@@ -1,4 +1,5 @@
 """Prompts (and answers) for the tools: from the command line, from a local file, or the tiny held-out data."""
+import os
 from dataclasses import dataclass
 from itertools import islice
 
@@ -64,3 +65,11 @@ def load_records(path, data_fields=None, limit=None):
 def tiny_held_out_records(limit=None):
     """The embedded data's held-out records (never trained on by any step)."""
     return load_records(TINY_NAME, limit=limit)
+
+
+def is_tiny_held_out(path):
+    """Whether a data file flag names the embedded held-out data: ``tiny`` or the file itself, which the bundled rule
+    scorer reads the instructions of."""
+    if str(path) == TINY_NAME:
+        return True
+    return os.path.isfile(path) and os.path.samefile(path, EVAL_FILE)
