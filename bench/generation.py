@@ -317,8 +317,9 @@ def main():
                     r.update(ok=True)
                 except Exception as ex:  # a failing variant is reported, not fatal
                     r = {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:400]}"}
+                # (the GPU in each row: plot.py's titles name it, and rows of several runs join one file)
                 r.update(model=name, batch=batch, variant=variant, floor_s=floor,
-                         peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+                         peak_gb=torch.cuda.max_memory_allocated() / 1e9, device=torch.cuda.get_device_name())
                 if r["ok"]:
                     r["x_floor"] = r["seconds"] / floor
                     r["tokens_per_s"] = batch * args.gen / r["seconds"]

@@ -4,7 +4,9 @@
         docs/results/2026-11-30_generation_qwen2.5-7b_*.json --out docs/generation_vs_floor.png
 
 One panel per model; one line per variant (median seconds of each batch size; where several files measured the same
-variant and batch, the newest file's row wins); the floor as a dashed line. Runs on the CPU (matplotlib only).
+variant and batch, the newest file's row wins); the floor as a dashed line. Each panel's title names the GPU its rows
+record (``--device`` names it for files written before generation.py recorded it: docs/results' of 2026-11-29 and -30
+ran on an NVIDIA H200, docs/benchmarks.md). Runs on the CPU (matplotlib only).
 """
 import argparse
 import json
@@ -36,10 +38,20 @@ def run_order(path):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", os.path.basename(path))]
 
 
+UNRECORDED = "GPU not recorded"
+
+
 def load_rows(paths, skip=()):
     """{model: {variant: {batch: seconds}}}, later files overriding earlier ones; floors as variant "floor". ``skip``:
     "file name:variant" pairs left out (a row whose meaning a later change of defaults altered)."""
+    return load_panels(paths, skip)[0]
+
+
+def load_panels(paths, skip=(), unrecorded_device=None):
+    """(``load_rows``'s table, {model: the set of GPU names its plotted rows record}); a row that records none counts
+    as ``unrecorded_device``, else as UNRECORDED."""
     table = defaultdict(lambda: defaultdict(dict))
+    devices = defaultdict(set)
     skipped = set()
     for path in sorted(paths, key=run_order):
         for r in generation_rows(path):
@@ -51,12 +63,25 @@ def load_rows(paths, skip=()):
                 continue
             table[r["model"]][variant_key(r)][r["batch"]] = r["seconds"]
             table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
+            devices[r["model"]].add(r.get("device") or unrecorded_device or UNRECORDED)
     # (a pair that left out nothing, e.g. a misspelt variant or a file given with its folder, plotted the row it was
     # meant to leave out, and said nothing)
     if unmatched := sorted(set(skip) - skipped):
         raise SystemExit(f"--skip {','.join(unmatched)}: no row of that variant in a results file of that name (a "
                          "file's name without its folder, then ':' and a variant of its rows)")
-    return table
+    return table, devices
+
+
+def panel_title(model, devices):
+    """The model and the GPU its rows were measured on (each row records it): a panel whose rows come from several
+    GPUs says so rather than naming one."""
+    if len(devices) == 1:
+        (device,) = devices
+        gpu = device if device == UNRECORDED else f"one {device}"
+    else:
+        names = sorted(devices)
+        gpu = f"rows from {', '.join(names[:-1])} and {names[-1]}"
+    return f"{model} shape, {gpu}, bf16"
 
 
 def generation_rows(path):
@@ -76,7 +101,8 @@ def generation_rows(path):
     return payload["rows"]
 
 
-def plot(table, out):
+def plot(table, devices, out):
+    """Writes the figure to ``out``; returns it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,12 +126,13 @@ def plot(table, out):
         ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xlabel("batch size (256 prompt + 256 sampled tokens)")
         ax.set_ylabel("seconds per generation")
-        ax.set_title(f"{model} shape, one H200, bf16")
+        ax.set_title(panel_title(model, devices[model]))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
+    return fig
 
 
 def main():
@@ -113,11 +140,14 @@ def main():
     p.add_argument("results", nargs="+", help="JSON files written by bench/generation.py")
     p.add_argument("--out", default="docs/generation_vs_floor.png")
     p.add_argument("--skip", default="", help="comma-separated file-name:variant pairs to leave out")
+    p.add_argument("--device", default=None,
+                   help="The GPU of rows that record none (files written before generation.py recorded it), e.g. "
+                        "'NVIDIA H200'; else their panel's title says the GPU was not recorded.")
     args = p.parse_args()
-    table = load_rows(args.results, set(filter(None, args.skip.split(","))))
+    table, devices = load_panels(args.results, set(filter(None, args.skip.split(","))), args.device)
     if not table:  # (matplotlib's "Number of columns must be a positive integer" otherwise)
         raise SystemExit("no measured row to plot in " + ", ".join(args.results))
-    plot(table, args.out)
+    plot(table, devices, args.out)
 
 
 if __name__ == "__main__":

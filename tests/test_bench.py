@@ -372,6 +372,31 @@ def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_p
     assert load_rows(paths)["opt-1.3b"]["dschat_z0_graph"][64] == 0.8, "session 10 is later than session 9"
 
 
+def test_plot_titles_name_the_gpu_the_rows_record(tmp_path):
+    """Every panel's title said "one H200", whatever GPU measured its rows: it names the rows' recorded device (and
+    says so where a file records none, or where rows of one panel come from different GPUs)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot import load_panels, plot
+
+    def row(model, device):
+        return {"ok": True, "model": model, "batch": 64, "variant": "dschat_z0_graph", "seconds": 0.8,
+                "floor_s": 0.45, **({"device": device} if device else {})}
+
+    path = tmp_path / "gen.json"
+    path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+        row("opt-1.3b", "NVIDIA H100 80GB HBM3"), row("qwen2.5-7b", None), row("llama-8b", "NVIDIA H100 80GB HBM3"),
+        dict(row("llama-8b", "NVIDIA H200"), batch=128)]}))
+    figure = plot(*load_panels([str(path)]), str(tmp_path / "plot.png"))
+    titles = {ax.get_title().split(" ")[0]: ax.get_title() for ax in figure.axes}
+    assert titles["opt-1.3b"] == "opt-1.3b shape, one NVIDIA H100 80GB HBM3, bf16"
+    assert titles["qwen2.5-7b"] == "qwen2.5-7b shape, GPU not recorded, bf16"
+    assert titles["llama-8b"] == "llama-8b shape, rows from NVIDIA H100 80GB HBM3 and NVIDIA H200, bf16"
+    assert "H200" not in titles["opt-1.3b"] + titles["qwen2.5-7b"]
+    # --device names the GPU of files that record none (those written before generation.py recorded it)
+    figure = plot(*load_panels([str(path)], unrecorded_device="NVIDIA H200"), str(tmp_path / "plot.png"))
+    assert "qwen2.5-7b shape, one NVIDIA H200, bf16" in [ax.get_title() for ax in figure.axes]
+
+
 @pytest.mark.parametrize("pair", ["gen.json:dschat_z0_grpah", "docs/results/gen.json:dschat_z0_graph",
                                   "gen.jsn:dschat_z0_graph", "gen.json"])
 def test_plot_refuses_a_skip_that_leaves_out_no_row(tmp_path, pair):
