@@ -30,6 +30,7 @@ JSON to $OUT when set.
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -40,7 +41,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode_attention import time_us  # noqa: E402
-from results import check_filled, json_name, require_cuda, write_json  # noqa: E402
+from results import check_filled, json_name, list_flag, require_cuda, write_json  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM, LAYERS = 2048, 8192, 32, 64, 24  # OPT-1.3B
 EPS = 1e-5
@@ -477,6 +478,59 @@ def variants(names, layers, batch, position, mask, lo):
             raise SystemExit(f"unknown variant {name}")
 
 
+VARIANT_FORMS = ("torch_eager, torch_compiled[_pdl][_tmalinear][_simpleattn|_spanattn|_engtuned][_scan] or "
+                 "fused[_pdl_wait|_pdl_early][_pf<P>][_wide|_tuned][_tma][_engattn]")
+TORCH_COMPILED_OPTIONS = ("pdl", "tmalinear", "simpleattn", "spanattn", "engtuned", "scan")
+FUSED_OPTIONS = ("pdl", "wait", "early", "wide", "tuned", "tma", "engattn")  # and pf<P>
+DEFAULT_VARIANTS = ("torch_eager,torch_compiled,torch_compiled_pdl,fused,fused_pdl_wait,fused_pdl_early,"
+                    "fused_pdl_early_pf2,fused_pdl_early_pf4,fused_pdl_wait_pf2")
+
+
+def variant_error(name):
+    """None for a --variants item that ``variants`` runs as named, else what is wrong with it: ``variants`` reads only
+    the options it knows, so a misspelt one ran as another variant under the misspelt name (fused_pld_early: no
+    PDL)."""
+    words = name.split("_")
+    if name == "torch_eager":
+        return None
+    if name.startswith("sweep:"):  # (split at its tiling's commas by --variants before: never ran from it)
+        return "the sweep's variants come from --sweep"
+    if words[:2] == ["torch", "compiled"]:
+        return options_error(words[2:], TORCH_COMPILED_OPTIONS, ("simpleattn", "spanattn", "engtuned"))
+    if words[0] == "fused":
+        return fused_error(words[1:])
+    return f"no such variant (a variant is {VARIANT_FORMS})"
+
+
+def options_error(options, known, exclusive=()):
+    """What is wrong with a variant's ``options`` (its words after the kind), each of ``known``; None if nothing."""
+    if unknown := next((o for o in options if o not in known), None):
+        return f"unknown option {unknown!r} (a variant is {VARIANT_FORMS})"
+    if len(set(options)) < len(options):
+        return "an option given twice"
+    if sum(o in exclusive for o in options) > 1:
+        return f"at most one of {', '.join('_' + o for o in exclusive)}"
+    return None
+
+
+def fused_error(options):
+    """``variants`` reads _pdl only first, and then its next word as early or else wait; _pf<P> only with _pdl."""
+    prefetch = [o for o in options if re.fullmatch(r"pf\d+", o)]
+    error = options_error([o for o in options if o not in prefetch], FUSED_OPTIONS, ("wide", "tuned"))
+    if error:
+        return error
+    pdl = options[:2] in (["pdl", "wait"], ["pdl", "early"])
+    if not pdl and {"pdl", "wait", "early"} & set(options):
+        return "_pdl is followed by _wait or _early, right after fused (e.g. fused_pdl_early_pf2)"
+    if "wait" in options and "early" in options:
+        return "at most one of _wait, _early"
+    if prefetch and not pdl:
+        return "_pf<P> needs _pdl_wait or _pdl_early (e.g. fused_pdl_early_pf2)"
+    if len(prefetch) > 1:
+        return "at most one _pf<P>"
+    return None
+
+
 SWEEP = {
     "qkv": ["64,128,1,4,6", "32,128,1,4,4", "32,128,1,4,6", "64,256,1,4,3", "128,128,1,8,4", "64,128,2,4,4"],
     "out": ["32,128,1,4,6", "16,128,1,4,6", "32,256,1,4,3", "32,128,2,4,4", "64,128,2,4,4", "16,128,1,2,8"],
@@ -492,8 +546,8 @@ def main():
     p.add_argument("--batch", type=positive_int, default=64)
     p.add_argument("--cache", type=positive_int, default=512)
     p.add_argument("--filled", type=positive_int, default=384)
-    p.add_argument("--variants", default="torch_eager,torch_compiled,torch_compiled_pdl,fused,fused_pdl_wait,"
-                                         "fused_pdl_early,fused_pdl_early_pf2,fused_pdl_early_pf4,fused_pdl_wait_pf2")
+    p.add_argument("--variants", type=list_flag(variant_error), default=DEFAULT_VARIANTS,
+                   help=f"Comma-separated; each {VARIANT_FORMS}.")
     p.add_argument("--left_pad", type=non_negative_int, default=0, help="masked slots before every other row's prompt")
     p.add_argument("--calls", type=positive_int, default=5)
     p.add_argument("--replays", type=positive_int, default=20)

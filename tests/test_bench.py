@@ -688,6 +688,47 @@ def test_a_gpu_microbenchmarks_size_it_cannot_measure_is_a_flag_error(script, ar
     assert code == 2 and said in err, err[-2000:]
 
 
+@pytest.mark.parametrize("variant, said", [
+    ("fused_pld_early", "'fused_pld_early': unknown option 'pld'"),
+    ("fused_pdl", "'fused_pdl': _pdl is followed by _wait or _early"),
+    ("fused_pdl_erly", "'fused_pdl_erly': unknown option 'erly'"),
+    ("fused_tma_pdl_early", "'fused_tma_pdl_early': _pdl is followed by _wait or _early, right after fused"),
+    ("fused_pf2", "'fused_pf2': _pf<P> needs _pdl_wait or _pdl_early"),
+    ("fused_pdl_early_pfx", "'fused_pdl_early_pfx': unknown option 'pfx'"),
+    ("fused_wide_tuned", "'fused_wide_tuned': at most one of _wide, _tuned"),
+    ("fusedpdl_early", "'fusedpdl_early': no such variant"),
+    ("torch_compiled_pld", "'torch_compiled_pld': unknown option 'pld'"),
+    ("torch_compiledpdl", "'torch_compiledpdl': no such variant"),
+    ("torch_compiled_simpleattn_spanattn", "at most one of _simpleattn, _spanattn, _engtuned"),
+    ("torch_eager_pdl", "'torch_eager_pdl': no such variant"),
+    ("sweep:qkv:64", "'sweep:qkv:64': the sweep's variants come from --sweep")])
+def test_pdl_chain_refuses_a_variant_option_it_does_not_have(variant, said, monkeypatch, capsys):
+    """A misspelt option ran as another variant, or as the plain one, and the row carried the misspelt name
+    (fused_pld_early timed the chain without PDL, fused_pdl_erly as _wait, fused_pf2 without prefetch); fused_pdl
+    failed with an IndexError once the GPU work had begun; a sweep's tiling was split at its commas into names that
+    are no variant. Refused at parsing, naming the known options."""
+    code, err = bench_main_exit("pdl_chain", ["--variants", f"torch_eager,{variant}"], monkeypatch, capsys)
+    assert code == 2 and "argument --variants" in err and said in err, err[-2000:]
+    if "unknown option" in said or "no such variant" in said:  # the known ones are listed
+        assert "torch_compiled[_pdl][_tmalinear]" in err and "fused[_pdl_wait|_pdl_early][_pf<P>]" in err, err
+
+
+def test_pdl_chain_accepts_its_default_variants_and_every_variant_its_results_record():
+    """(the check above refuses nothing that was run: every variant in docs/results' pdl_chain rows parses, but for
+    the --sweep's own)"""
+    import glob
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import pdl_chain
+
+    recorded = {row["variant"] for path in glob.glob(str(REPO / "docs/results/*pdl_chain*/*.json"))
+                for row in json.load(open(path)).get("rows", []) if "variant" in row
+                and not row["variant"].startswith(("dschat_", "sweep:"))}  # (generation.py's rows: the same folders)
+    assert len(recorded) > 20, recorded
+    names = sorted(recorded) + pdl_chain.DEFAULT_VARIANTS.split(",")
+    assert [name for name in names if pdl_chain.variant_error(name)] == []
+
+
 def test_tensor_parallel_counts_the_samples_of_every_rank(distributed, monkeypatch):
     """samples/s was 2 x B / seconds whatever the world: docs/scaling.md's runs on 4 and 8 GPUs would have reported
     half or a quarter of their rate, and a world of one (--smoke without a launcher) twice its own."""
