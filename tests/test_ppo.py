@@ -1496,7 +1496,8 @@ def test_lora_alpha_binds_a_checkpoint_only_where_lora_reads_it(tmp_path, capsys
         load_checkpoint(_flags_trainer(tmp_path, "--lora_alpha", "16"), str(tmp_path))
 
 
-TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")
+TIMINGS = ("generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s",
+           "answer_tokens_per_s")
 
 
 def test_resumed_run_matches_uninterrupted_run_with_dropout_hf_sampling_and_ptx(trained, tmp_path):
@@ -2251,12 +2252,21 @@ def test_rollout_generation_stats_sum_counts_and_times_and_weigh_answer_length_b
 
 
 def test_iteration_records_of_several_generation_batches_cover_all_of_them(trained, tmp_path, monkeypatch):
-    """Each record is its iteration's: times and counts over every generation batch, not the last one's alone."""
+    """Each record is its iteration's: times and counts over every generation batch, not the last one's alone.
+    tokens_per_s counts prompt + answer tokens, as steps 1 and 2 (and TRL's num_tokens) count a sequence's; it counted
+    the answers' alone, which answer_tokens_per_s now does."""
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 
     batches, real = [], DeepSpeedPPOTrainer.generate_experience
-    monkeypatch.setattr(DeepSpeedPPOTrainer, "generate_experience",
-                        lambda self, *a, **k: (real(self, *a, **k), batches.append(dict(self.stats)))[0])
+
+    def generate_experience(self, *args, **kwargs):
+        exp = real(self, *args, **kwargs)
+        # the sequence's tokens: the prompt's (left padding not counted) and the answer's
+        prompt_tokens = int((exp["prompts"] != self.tokenizer.pad_token_id).sum())
+        batches.append(dict(self.stats, sequence_tokens=prompt_tokens + self.stats["generated_tokens"]))
+        return exp
+
+    monkeypatch.setattr(DeepSpeedPPOTrainer, "generate_experience", generate_experience)
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--generation_batches", "2"))
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert len(log) == 2 and len(batches) == 4
@@ -2267,7 +2277,10 @@ def test_iteration_records_of_several_generation_batches_cover_all_of_them(train
             assert record[key] == pytest.approx(sum(b[key] for b in pair)), key
         assert record["empty_answers"] == sum(b["empty_answers"] for b in pair)
         assert record["answer_length"] == pytest.approx(tokens / samples)
-        assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(tokens / samples)
+        assert record["answer_tokens_per_s"] / record["samples_per_s"] == pytest.approx(tokens / samples)
+        sequence_tokens = sum(b["sequence_tokens"] for b in pair)
+        assert sequence_tokens > tokens
+        assert record["tokens_per_s"] / record["samples_per_s"] == pytest.approx(sequence_tokens / samples)
         # the rate's clock runs over both generation batches and the training that follows them
         wall = samples / record["samples_per_s"]
         assert wall >= sum(b["generation_time"] + b["experience_time"] for b in pair) + record["training_time"]
@@ -3067,7 +3080,8 @@ def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkey
     own = {"pg_clipfrac": 0.25, "approx_kl": 0.1, "vf_clipfrac": 0.3}
     mean_with = {own[k]: ranks_other[k] for k in own}
     trainer = SimpleNamespace(stats={}, kl_coef=0.1)
-    buffer = [{"rewards": torch.zeros(2), "input_ids": torch.zeros(2, 3), "action_mask": torch.ones(2, 2)}]
+    buffer = [{"rewards": torch.zeros(2), "input_ids": torch.zeros(2, 3),
+               "attention_mask": torch.ones(2, 3), "action_mask": torch.ones(2, 2)}]
     trained = {"kl": 0.0, "kl_per_answer": 0.0, "kl_coef": 0.1, "actor_loss": 0.0, "critic_loss": 0.0,
                "unsup_loss": None, **own}
     gen_stats = {"answer_length": 2.0, "empty_answers": 0, "generation_time": 0.1, "experience_time": 0.1}

@@ -312,7 +312,7 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
             # --freezing_actor_steps: the first iterations train the critic alone
             trained = trainer.train_rollout(buffer, unsup_buffer, train_actor=iteration >= args.freezing_actor_steps)
             train_time = time.time() - t1
-            # samples_per_s and tokens_per_s: over the whole iteration, every generation batch's time included
+            # samples_per_s and the tokens' rates: over the whole iteration, every generation batch's time included
             record = _iteration_record(iteration, buffer, trainer, gen_stats, {**trained, "kl_coef": kl_coef},
                                        train_time, time.time() - t0, device)
             _log_iteration(record, log_path, writer, bar, args, trainer, buffer)
@@ -385,14 +385,18 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
     "kl_coef" its rewards took."""
     reward = torch.cat([e["rewards"].float() for e in buffer]).mean().item()
     samples = sum(e["input_ids"].shape[0] for e in buffer) * get_world_size()
-    tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
+    # tokens_per_s: prompt + answer tokens (padding not counted), as steps 1 and 2 count theirs and TRL's num_tokens
+    # does; answer_tokens_per_s: the answers' alone (what tokens_per_s counted before session 52)
+    tokens = rank_mean(sum(int(e["attention_mask"].sum()) for e in buffer), device) * get_world_size()
+    answer_tokens = rank_mean(sum(int(e["action_mask"].sum()) for e in buffer), device) * get_world_size()
     record = {"iteration": iteration + 1, "reward": rank_mean(reward, device), "kl": trained["kl"],
               "kl_per_answer": trained["kl_per_answer"], "kl_coef": trained["kl_coef"],
               # every rank answers as many prompts: the mean of the ranks' means is the mean over all answers
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
-              "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall}
+              "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
+              "answer_tokens_per_s": answer_tokens / wall}
     if "frac_reward_zero_std" in trainer.stats:  # GRPO / RLOO: the groups whose answers all scored alike
         record["frac_reward_zero_std"] = rank_mean(trainer.stats["frac_reward_zero_std"], device)
     if trained["actor_loss"] is None:  # --freezing_actor_steps: the critic alone trained
@@ -429,7 +433,8 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
     bar.update(1)
     bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['kl']:.3f}")
     keys = ("reward", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers", "frac_reward_zero_std",
-            "generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s")
+            "generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s",
+            "answer_tokens_per_s")
     frozen = " (actor frozen: --freezing_actor_steps)" if record.get("actor_frozen") else ""
     alike = " (every group's answers scored alike: every advantage is 0)" \
         if record.get("frac_reward_zero_std") == 1.0 else ""
