@@ -126,6 +126,10 @@ def _whiten_worker(rank, world, port, path):
         rows = slice(0, 1) if rank == 0 else slice(1, 4)  # uneven split of the batch
         out = A.masked_whiten(x[rows], m[rows], process_group=dist.group.WORLD)
         torch.save(out, os.path.join(path, f"r{rank}.pt"))
+        # 1e4 + 0.1 where masked in (its float32 mean over the 11 rounds it off), 99 where masked out (not counted)
+        alike = torch.where(m.bool(), 1e4 + 0.1, 99.0).float()
+        out = A.masked_whiten(alike[rows], m[rows], process_group=dist.group.WORLD)
+        torch.save(out, os.path.join(path, f"alike{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -143,6 +147,8 @@ def test_masked_whiten_process_group_matches_whole_batch(tmp_path):
     close(got, expected, atol=1e-9)
     # and rank 0 alone (one row) would have whitened differently
     assert not torch.allclose(A.masked_whiten(x[:1], m[:1]), expected[:1])
+    # elements all alike over the ranks: exactly 0
+    assert torch.all(torch.cat([torch.load(tmp_path / "alike0.pt"), torch.load(tmp_path / "alike1.pt")]) == 0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -692,6 +698,35 @@ def test_reinforce_pp():
     mu, sd = statistics.mean(vals), statistics.stdev(vals)
     exp = (t([[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]]) - mu) / math.sqrt(sd ** 2 + 1e-8) * mask
     close(adv, exp, atol=1e-9)
+
+
+def test_reinforce_pp_batch_scored_alike_gets_exactly_zero_advantage_whatever_the_score():
+    """Every answer scored alike (and no KL): every return-to-go is that score, and the whitened advantages must be
+    exactly 0. The batch's mean in floating point rounded off the common score and the division by sqrt(var + eps)
+    scaled that up: 6e-4 at 0.7, 5e-3 at 4.7966, 0.95 at 1e4 + 0.1 (float32), 4e-8 in float64, all of one sign."""
+    found_rounding = False
+    for value in (0.1, 4.7966, 0.7, 1 / 3, -3.3, 1e4 + 0.1):
+        for dtype in (torch.float32, D):
+            for shape in ((3, 5), (7, 3), (5, 37), (16, 256)):
+                rewards = torch.zeros(shape, dtype=dtype)
+                rewards[:, -1] = value
+                mask = torch.ones(shape)
+                mask[0, 2:] = 0  # (a shorter answer: its score on its own last token)
+                rewards[0, 1] = value
+                adv, ret = A.reinforce_pp_advantages(rewards, mask)
+                assert torch.all(ret[mask.bool()] == torch.tensor(value, dtype=dtype))
+                assert torch.all(adv == 0), (value, dtype, shape, adv.abs().max())
+                x = ret[mask.bool()].to(A._compute_dtype(ret))
+                found_rounding |= bool(x.mean() != x[0])
+    assert found_rounding  # (the cases do round off in a plain mean)
+    # the statistics themselves: exactly the common value and 0, and so whitening without the shift gives it back
+    x = torch.full((5, 37), 4.7966)
+    mean, var = A.masked_mean_var(x, torch.ones(5, 37))
+    assert mean == x[0, 0] and var == 0
+    assert torch.equal(A.masked_whiten(x, torch.ones(5, 37), shift_mean=False), x)
+    # a batch that differs is whitened as before (mean 0, std ~1)
+    adv, _ = A.reinforce_pp_advantages(t([[0., 1e4 + 0.1], [0., 1e4 + 0.2]]), torch.ones(2, 2))
+    close(adv, t([[-1., -1.], [1., 1.]]) * math.sqrt(3) / 2, atol=1e-5)
 
 
 def test_compute_advantages_dispatch():

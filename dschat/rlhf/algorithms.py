@@ -96,25 +96,41 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return _safe_div(_masked(x, m).sum(dim=dim), m.sum(dim=dim))
 
 
+def _shared_reference(x: torch.Tensor, m: torch.Tensor, process_group=None) -> torch.Tensor:
+    """The largest masked-in element of ``x`` (of every rank of ``process_group``; 0 if there is none), to subtract
+    before the statistics. Elements all alike then deviate from it by exactly 0: their mean in floating point may
+    round off their value (0.7 forty times: by 6e-8), and whitening's division by sqrt(var + eps) scaled that
+    rounding up to 1e-3 (REINFORCE++'s advantages of a batch scored alike, all of one sign)."""
+    inside = torch.where(m != 0, x, float("-inf")).reshape(-1)
+    ref = torch.cat([inside, inside.new_full((1,), float("-inf"))]).amax()
+    if process_group is not None:
+        torch.distributed.all_reduce(ref, op=torch.distributed.ReduceOp.MAX, group=process_group)
+    return torch.where(torch.isfinite(ref), ref, torch.zeros_like(ref))
+
+
 def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
                     process_group=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Masked mean and variance of all elements of ``x`` (any shape; ``mask`` same shape).
 
-    Two-pass (mean, then mean squared deviation), in at least fp32. ``unbiased`` applies Bessel's
-    correction n/(n-1) as TRL/verl's ``masked_var`` do (skipped when n <= 1). With ``process_group``
-    (e.g. ``torch.distributed.group.WORLD``) the sums and counts are all-reduced so every rank gets the
-    statistics of the union of all ranks' elements; every rank of the group must call it. With no
+    Two-pass (mean, then mean squared deviation), in at least fp32, over the elements less the largest of them
+    (``_shared_reference``): elements all alike give exactly their value as the mean and exactly 0 as the variance.
+    ``unbiased`` applies Bessel's correction n/(n-1) as TRL/verl's ``masked_var`` do (skipped when n <= 1). With
+    ``process_group`` (e.g. ``torch.distributed.group.WORLD``) the sums and counts are all-reduced so every rank
+    gets the statistics of the union of all ranks' elements; every rank of the group must call it. With no
     masked-in element at all, mean = var = 0.
     """
     dt = _compute_dtype(x)
     x = _up(x.detach(), dt)
     m = _fmask(mask, x)
-    s = torch.stack([_masked(x, m).sum(), m.sum()])
+    ref = _shared_reference(x, m, process_group)
+    shifted = x - ref
+    s = torch.stack([_masked(shifted, m).sum(), m.sum()])
     if process_group is not None:
         torch.distributed.all_reduce(s, group=process_group)
     total, count = s[0], s[1]
-    mean = _safe_div(total, count)
-    sq = _masked((x - mean) ** 2, m).sum()
+    shifted_mean = _safe_div(total, count)
+    mean = ref + shifted_mean
+    sq = _masked((shifted - shifted_mean) ** 2, m).sum()
     if process_group is not None:
         torch.distributed.all_reduce(sq, group=process_group)
     var = _safe_div(sq, count)
