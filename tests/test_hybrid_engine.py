@@ -111,6 +111,9 @@ def test_eos_list_and_default_pad_token():
     got = engine.module.generate(ids, attention_mask=mask, max_length=6 + 12, eos_token_id=eos, synced_gpus=True)
     assert torch.equal(got, expected)
     assert wrap_actor(ds_engine, {"hybrid_engine": {"enabled": False}}, tok) is ds_engine
+    assert engine.token_count is None  # (no size: every column may be generated)
+    sized = type("Tok", (), {"pad_token_id": PAD, "eos_token_id": None, "__len__": lambda self: 90})()
+    assert wrap_actor(ds_engine, {"hybrid_engine": {"enabled": True}}, sized).token_count == 90  # len(tokenizer)
 
 
 # -- weights ------------------------------------------------------------------------------------------------------

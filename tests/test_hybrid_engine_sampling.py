@@ -227,7 +227,8 @@ def test_penalty_start_of_a_group_batch_is_each_rows_own():
 
 
 # -- the one-pass Triton sampler (hybrid_engine.triton_sampling) ----------------------------------------------------
-@pytest.mark.parametrize("check", ["greedy", "distribution", "filters", "seeds", "noise", "sync", "engine"])
+@pytest.mark.parametrize("check", ["greedy", "distribution", "filters", "seeds", "noise", "sync", "engine",
+                                   "columns"])
 def test_one_pass_sampler_check(check):
     """Through Triton's interpreter, in a process of its own (``tests/scripts/sampling_check.py``): greedy is the
     first argmax with the log-sum-exp, draws follow softmax(logits / T), a seed reproduces whatever the split count,
@@ -528,3 +529,64 @@ def test_top_p_over_ties_at_an_exact_mass_boundary_keeps_hfs_count(high_every, t
     logits = torch.where(high, 0.0 if high_every == 1.25 else 2.0, -1.0)[None].to(torch.bfloat16)
     ours = torch.isfinite(filtered_logits(logits, temperature, top_k, top_p)).sum()
     assert ours == torch.isfinite(_hf_filtered(logits.float(), temperature, top_k, top_p)).sum()
+
+
+# -- embedding rows that no token has (sampling.chosen_columns) ------------------------------------------------------
+TOKENS = 32  # the tokenizer's ids; the model's embedding has 40 rows (Qwen2.5: 151665 ids, 151936 rows)
+
+
+def _model_favouring_pad_rows(rows=40):
+    """A tiny model with ``rows`` embedding rows whose logits past TOKENS are raised by 30: the most likely ones."""
+    model = tiny_model("llama", seed=5, vocab_size=rows)
+    bias = torch.zeros(rows)
+    bias[TOKENS:] = 30.0
+    model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    return model
+
+
+@pytest.mark.parametrize("path", ["eager", "graph step"])
+def test_ids_past_the_tokenizer_are_never_generated_and_log_probs_stay_the_models(path):
+    """The engine's ``token_count`` (len(tokenizer)) leaves the rows no token has out of the choice, greedy and
+    sampled, filtered or not, in the eager loop and the graph step; greedy equals HF's generate with those ids in
+    ``suppress_tokens``, and the log-probs stay the training forward's (the softmax over every row)."""
+    from hybrid_common import answer_logprobs_and_live, hf_generate
+
+    from dschat.hybrid_engine.graphs import GraphDecoder
+
+    model = _model_favouring_pad_rows()
+    ids, mask = left_padded_batch([5, 2, 4], vocab_size=TOKENS, seed=3)
+    engines = {count: HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32),
+                                   pad_token_id=PAD, token_count=count) for count in (None, TOKENS, 40)}
+    for engine in engines.values():
+        if path == "graph step":
+            engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False)
+        engine.eval()
+    unmasked = engines[None].generate(ids, attention_mask=mask, max_new_tokens=6)
+    assert (unmasked[:, ids.shape[1]:] >= TOKENS).all(), "the premise: the pad rows are the most likely"
+    assert torch.equal(engines[40].generate(ids, attention_mask=mask, max_new_tokens=6), unmasked), \
+        "as many ids as rows: nothing changes"
+    engine = engines[TOKENS]
+    greedy = engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+    assert (greedy[:, ids.shape[1]:] < TOKENS).all()
+    assert torch.equal(greedy, hf_generate(model, ids, mask, 6, suppress_tokens=list(range(TOKENS, 40))))
+    for settings in (dict(), dict(top_k=5), dict(top_p=0.9), dict(top_k=6, top_p=0.8, temperature=1.5),
+                     dict(repetition_penalty=1.3)):
+        sequences, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
+                                              generator=torch.Generator().manual_seed(1), return_logprobs=True,
+                                              **{"top_k": 0, **settings})
+        assert (sequences[:, ids.shape[1]:] < TOKENS).all(), settings
+        expected, live = answer_logprobs_and_live(model, sequences, mask, -1,  # (no EOS)
+                                                  temperature=settings.get("temperature", 1.0))
+        assert (logprobs - expected)[live].abs().max() < 1e-4, settings
+        assert (logprobs[live] < math.log(1e-6)).all(), "scored under every row's softmax, the pad rows' mass too"
+
+
+def test_chosen_columns_leave_logits_as_wide_as_the_tokenizer_alone():
+    logits = torch.zeros(2, 40)
+    assert sampling.chosen_columns(logits, None) is None
+    assert sampling.chosen_columns(logits, 40) is None and sampling.chosen_columns(logits, 41) is None
+    assert sampling.chosen_columns(logits, 32) == 32
+    logits[:, 32:] = 5.0
+    tokens, _ = sampling.choose_tokens(logits, logits, do_sample=True, generator=torch.Generator().manual_seed(0),
+                                       token_count=32)
+    assert (tokens < 32).all()

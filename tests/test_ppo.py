@@ -366,6 +366,59 @@ def test_rollouts_sample_without_the_actors_generation_config_repetition_penalty
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
+def test_rollouts_never_generate_the_ids_of_embedding_rows_the_tokenizer_has_no_token_for(trained, tmp_path, hybrid,
+                                                                                          monkeypatch):
+    """An actor with more embedding rows than its tokenizer has tokens (Qwen2.5: 151936 for 151665): an id sampled
+    past the tokenizer decodes to nothing and no reward model has scored it. Here those rows' logits are raised to the
+    most likely; the rollouts (HF's generate and the hybrid engine, greedy and sampled) and the held-out evaluation's
+    answers never hold one."""
+    import shutil
+    from types import SimpleNamespace
+
+    from dschat.steps import ppo
+
+    from transformers import AutoModelForCausalLM
+
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+    from dschat.models.loading import load_tokenizer
+
+    actor = tmp_path / "actor"
+    shutil.copytree(trained / "sft", actor)
+    tokenizer = load_tokenizer(str(actor), padding_side="left")
+    tokens = len(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(actor)
+    model.resize_token_embeddings(tokens + 8)
+    model.save_pretrained(actor)
+    args = {"critic_model_name_or_path": str(trained / "rm"), "dtype": "fp32", "max_prompt_seq_len": 40,
+            "max_answer_seq_len": 6, "per_device_training_batch_size": 2, "enable_hybrid_engine": hybrid}
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
+                                      "\n\nHuman: List three colors please, thanks.\n\nAssistant:"])
+    for greedy in (True, False):
+        trainer = DeepSpeedPPOTrainer(engine=DeepSpeedRLHFEngine(str(actor), tokenizer=tokenizer,
+                                                                 args={**args, "greedy": greedy}),
+                                      args={**args, "greedy": greedy})
+        module = trainer.actor_model.module
+        bias = torch.zeros(tokens + 8)
+        bias[tokens:] = 50.0
+        module.get_output_embeddings().register_forward_hook(lambda m, inputs, output: output + bias)
+        with torch.no_grad():
+            unsuppressed = type(module).generate(module, batch["prompt"], attention_mask=batch["prompt_att_mask"],
+                                                 max_new_tokens=6, do_sample=False,
+                                                 pad_token_id=tokenizer.pad_token_id)
+        assert (unsuppressed[:, batch["prompt"].shape[1]:] >= tokens).all(), "the premise: those rows win"
+        seq = trainer.generate_experience(batch)["input_ids"]
+        assert (seq[:, batch["prompt"].shape[1]:] < tokens).all(), (greedy, seq)
+    evaluated = {}
+    monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: evaluated.update(generate=generate))
+    ppo.held_out_eval(trainer, None, SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=6, eval_prompts=0),
+                      trainer.device, None)
+    with torch.no_grad():
+        answers = evaluated["generate"](batch["prompt"], attention_mask=batch["prompt_att_mask"], max_new_tokens=6,
+                                        do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert (answers[:, batch["prompt"].shape[1]:] < tokens).all(), answers
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
 def test_notebook_api_generates_experience_with_consistent_masks(trained, tmp_path, hybrid):
     engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=hybrid)
     batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
@@ -2955,7 +3008,7 @@ def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch)
         signature.bind(*args, **kwargs).arguments))
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=SimpleNamespace(generate=None)),
                               eval=lambda: None, reward_model=None, tokenizer=None, z3_enabled=False,
-                              pad_to_multiple_of=1, reward_fn=None, eos_token_id=0)
+                              pad_to_multiple_of=1, reward_fn=None, eos_token_id=0, hf_generate_kwargs={})
     args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=given)
     ppo.held_out_eval(trainer, None, args, "cpu", None)
     assert seen["max_prompts"] == per_rank

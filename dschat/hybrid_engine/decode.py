@@ -126,7 +126,8 @@ def generated_lengths(finish_step, steps):
 def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, do_sample=False, temperature=1.0,
                     top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
                     early_exit_interval=8, sync_group=None, return_lengths=False, return_logprobs=False,
-                    token_sync=None, repetition_penalty=1.0, prompt_start=None, one_pass_sampling=False):
+                    token_sync=None, repetition_penalty=1.0, prompt_start=None, one_pass_sampling=False,
+                    token_count=None):
     """Generate up to ``max_new_tokens`` for LEFT-padded prompts; returns (B, P + n) sequences like HF ``generate``.
 
     ``cache`` is a reset ``StaticCache`` with room for P + max_new_tokens. Rows that emitted an EOS continue with
@@ -141,6 +142,8 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
     of the answers so far (``sampling.py``); ``prompt_start`` (B,) says where each row's own prompt begins in prompts
     padded further on the left (a tensor-parallel group's), for the columns HF would not see.
     ``one_pass_sampling`` lets ``triton_sampling``'s kernel choose the tokens where it applies (``sampling.py``).
+    ``token_count`` (the tokenizer's size): no id from it on is generated where the logits are wider
+    (``sampling.chosen_columns``).
     """
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
@@ -187,7 +190,7 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
             logits = logits.index_fill(-1, eos, float("-inf"))
         tokens, logp = choose_tokens(logits, model_logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                      do_sample=do_sample, generator=generator, logprobs=logprobs is not None,
-                                     one_pass=one_pass, token_sync=token_sync)
+                                     one_pass=one_pass, token_sync=token_sync, token_count=token_count)
         if logprobs is not None:
             logprobs[:, step] = logp.masked_fill(finished, 0.0)
         tokens = torch.where(finished, pad_token_id, tokens)

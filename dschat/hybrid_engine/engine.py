@@ -71,7 +71,7 @@ class HybridEngine:
 
     def __init__(self, ds_engine, config=None, pad_token_id=None, eos_token_id=None, early_exit_interval=8,
                  log_on_eval=False, compile_decode_step=None, decode_attention="auto", fuse_projections="auto",
-                 compile_prefill=True):
+                 compile_prefill=True, token_count=None):
         check_compile_mode(compile_decode_step)
         if type(ds_engine).__name__ == "DeepSpeedHybridEngine":
             raise ValueError("the actor was built with DeepSpeed's own hybrid engine; pass the DeepSpeed config "
@@ -82,6 +82,8 @@ class HybridEngine:
         self.eos_token_id = eos_token_id
         self.early_exit_interval = early_exit_interval
         self.log_on_eval = log_on_eval
+        # the tokenizer's size (len(tokenizer)): ids from it on, embedding rows no token has, are never generated
+        self.token_count = token_count
         # inference_tp_size > 1: this rank's group of ranks generates together, each holding a slice of the model.
         tp_size = self.hybrid_config.inference_tp_size
         self.tp = TensorParallelGroup.create(tp_size) if tp_size > 1 else None
@@ -265,7 +267,10 @@ class HybridEngine:
         ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of each generated token
         under the model's unfiltered distribution at the sampling temperature (greedy: 1; no repetition penalty, top-k/p
         or EOS suppression: what step 3's training forward scores it with; 0 after a row's end), computed in the
-        decode step. ``synced_gpus``,
+        decode step. With the engine's ``token_count`` (the tokenizer's size, which step 3 gives it) no id from it on
+        is generated: a model's embedding rows that no token has (Qwen2.5's 271) are left out of the choice as HF's
+        ``suppress_tokens`` would leave them (greedy and sampled); HF's ``generate`` without it may pick one, an id that
+        decodes to nothing. ``synced_gpus``,
         ``use_cache``, ``early_stopping`` (a beam-search setting), ``bos_token_id`` and ``renormalize_logits`` are
         accepted and change nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs
         that would change the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors.
@@ -300,6 +305,7 @@ class HybridEngine:
                         generator=generator, early_exit_interval=self.early_exit_interval,
                         repetition_penalty=s.repetition_penalty,
                         one_pass_sampling=self.decode_attention == "triton",  # dschat's Triton decode kernels
+                        token_count=self.token_count,
                         # the group's prompts are padded to the longest: where each row's own prompt begins
                         prompt_start=group_batch.prompt_start if group_batch is not None else None)
         was_training = model.training
@@ -625,13 +631,15 @@ class _CopiedModuleGenerate:
 def wrap_actor(ds_engine, ds_config, tokenizer_or_ids=None, **kwargs):
     """The actor's engine for PPO: a :class:`HybridEngine` when ``hybrid_engine.enabled``, else ``ds_engine`` as is.
 
-    ``tokenizer_or_ids``: a tokenizer (its ``pad_token_id``/``eos_token_id``), a ``(pad, eos)`` pair, a dict with
-    those keys, or None (the model's generation config decides).
+    ``tokenizer_or_ids``: a tokenizer (its ``pad_token_id``/``eos_token_id``, and its size as the engine's
+    ``token_count``), a ``(pad, eos)`` pair, a dict with those keys, or None (the model's generation config decides).
     """
     config = HybridEngineConfig.from_ds_config(ds_config)
     if not config.enabled:
         return ds_engine
     pad, eos = _token_ids(tokenizer_or_ids)
+    if hasattr(tokenizer_or_ids, "pad_token_id") and hasattr(tokenizer_or_ids, "__len__"):
+        kwargs.setdefault("token_count", len(tokenizer_or_ids))
     return HybridEngine(ds_engine, config, pad_token_id=pad, eos_token_id=eos, **kwargs)
 
 

@@ -81,10 +81,11 @@ class GraphKey:
     logprobs: bool = False  # the step also records the sampled tokens' log-probabilities
     repetition_penalty: float = 1.0  # != 1.0: the step penalises the tokens seen so far (DecodeBuffers.seen)
     one_pass: bool = False  # the tokens come from triton_sampling's one-pass kernel (sampling.one_pass_applies)
+    token_count: int = None  # the tokenizer's size: no id from it on is chosen (sampling.chosen_columns)
 
     @classmethod
     def of(cls, bucket, cache_len, do_sample, temperature, top_k, top_p, eos, pad_token_id, min_new_tokens,
-           logprobs=False, repetition_penalty=1.0, one_pass_sampling=False):
+           logprobs=False, repetition_penalty=1.0, one_pass_sampling=False, token_count=None):
         if not do_sample:  # greedy ignores the sampling settings (not the penalty); one graph serves them all
             temperature, top_k, top_p = 1.0, 0, 1.0
         eos = tuple(eos or ())
@@ -92,7 +93,8 @@ class GraphKey:
         one_pass = one_pass_sampling and one_pass_applies(do_sample, logprobs,
                                                           repetition_penalty != 1.0 or suppresses_eos)
         return cls(bucket, cache_len, bool(do_sample), float(temperature), int(top_k), float(top_p), eos,
-                   int(pad_token_id), suppresses_eos, bool(logprobs), float(repetition_penalty), one_pass)
+                   int(pad_token_id), suppresses_eos, bool(logprobs), float(repetition_penalty), one_pass,
+                   int(token_count) if token_count is not None else None)
 
 
 def logits_vocab_size(model):
@@ -181,7 +183,7 @@ class CapturedDecoder:
         tokens, logp = choose_tokens(logits, model_logits, temperature=key.temperature, top_k=key.top_k,
                                      top_p=key.top_p, do_sample=key.do_sample, generator=self.rng,
                                      logprobs=b.logprobs is not None, one_pass=key.one_pass,
-                                     token_sync=self.token_sync)
+                                     token_sync=self.token_sync, token_count=key.token_count)
         if b.logprobs is not None:
             b.logprobs.index_copy_(1, b.step, logp.masked_fill(b.finished, 0.0)[:, None])
         tokens = torch.where(b.finished, key.pad_token_id, tokens)
@@ -362,7 +364,7 @@ class GraphDecoder:
     def generate(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
                  top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, generator=None,
                  early_exit_interval=8, return_logprobs=False, repetition_penalty=1.0, prompt_start=None,
-                 one_pass_sampling=False):
+                 one_pass_sampling=False, token_count=None):
         """A ``Generation`` exactly as ``generate_tokens(..., return_lengths=True)`` makes it, or None (run eagerly).
 
         In a tensor-parallel group the ranks capture together (see ``_prepare``) and replay only if every rank has its
@@ -373,7 +375,7 @@ class GraphDecoder:
                                temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                                pad_token_id=pad_token_id, min_new_tokens=min_new_tokens,
                                return_logprobs=return_logprobs, repetition_penalty=repetition_penalty,
-                               one_pass_sampling=one_pass_sampling)
+                               one_pass_sampling=one_pass_sampling, token_count=token_count)
         if self.group_agrees is not None and not self.group_agrees(decoder is not None):
             if decoder is not None:
                 self.disable("another rank of the tensor-parallel group could not capture the decode step")
@@ -385,7 +387,7 @@ class GraphDecoder:
 
     def _prepare(self, weights, input_ids, attention_mask, max_new_tokens, *, dtype, do_sample=False, temperature=1.0,
                 top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0, min_new_tokens=0, return_logprobs=False,
-                repetition_penalty=1.0, one_pass_sampling=False):
+                repetition_penalty=1.0, one_pass_sampling=False, token_count=None):
         """The captured step for this generation (capturing it if it is new), or None: it has to run eagerly."""
         device = input_ids.device
         reason = self.unsupported_reason(weights, device)
@@ -409,7 +411,8 @@ class GraphDecoder:
             return None
         self._drop_if_moved(model)
         key = GraphKey.of(bucket, self.kv_cache.max_len, do_sample, temperature, top_k, top_p, eos_token_id,
-                          pad_token_id, min_new_tokens, return_logprobs, repetition_penalty, one_pass_sampling)
+                          pad_token_id, min_new_tokens, return_logprobs, repetition_penalty, one_pass_sampling,
+                          token_count)
         decoder = self.decoders.get(key)
         if self.group_agrees is not None and not self.group_agrees(decoder is not None):
             decoder = None  # another rank of the group has to capture (e.g. its storage moved): capture together

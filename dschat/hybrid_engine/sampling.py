@@ -149,22 +149,37 @@ def one_pass_applies(do_sample, logprobs, modifies_logits):
     return do_sample or (logprobs and not modifies_logits)
 
 
+def chosen_columns(logits, token_count):
+    """How many of the logits' columns a token may be chosen from: ``token_count`` (the tokenizer's ids) where the
+    logits are wider, else None (all of them). A model's embedding often has rows no token has (Qwen2.5: 151936 rows
+    for 151665 ids; step 3 grows a critic's and reward model's to the actor's): an id sampled there decodes to nothing
+    and was never scored by a reward model. HF's ``generate`` does the same with ``suppress_tokens`` set to them."""
+    if token_count is None or not 0 < int(token_count) < logits.shape[-1]:
+        return None
+    return int(token_count)
+
+
 def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, do_sample=False, generator=None,
-                  logprobs=False, one_pass=False, token_sync=None):
+                  logprobs=False, one_pass=False, token_sync=None, token_count=None):
     """A decode step's tokens (B,) chosen from ``logits`` and, with ``logprobs``, their fp32 log-probabilities under
     ``model_logits`` (the unmodified distribution; ``logits`` itself when the step changed nothing; else None) at the
     sampling temperature (greedy: 1).
     ``one_pass`` (from :func:`one_pass_applies`): the Triton kernel where it runs, torch's ops otherwise (and after a
     kernel failure, reported once); its log-sum-exp gives the log-probs when it read the model's own logits.
-    ``token_sync`` makes the tokens a tensor-parallel group's shared ones before their log-probs are read."""
+    ``token_sync`` makes the tokens a tensor-parallel group's shared ones before their log-probs are read.
+    ``token_count``: the tokenizer's size; no token is chosen from the columns past it (:func:`chosen_columns`),
+    as if their logits were -inf before top-k/top-p. The log-probs stay those of every column's softmax (what the
+    training forward scores the token with)."""
     if do_sample:
         check_temperature(temperature)
+    columns = chosen_columns(logits, token_count)
     chosen = FAILED
     if one_pass and triton_available() and triton_runs_on(logits):
         chosen = _one_pass_tokens(logits, temperature, top_k, top_p, do_sample, generator,
-                                  logprobs and logits is model_logits)
+                                  logprobs and logits is model_logits, columns)
     if chosen is FAILED:
-        source, race_temperature = race_input(logits, temperature, top_k, top_p) if do_sample else (logits, 1.0)
+        choice = logits if columns is None else logits[:, :columns]
+        source, race_temperature = race_input(choice, temperature, top_k, top_p) if do_sample else (choice, 1.0)
         tokens = exponential_race(source, race_temperature, generator) if do_sample else source.argmax(dim=-1)
         lse = None
     else:
@@ -179,25 +194,27 @@ def choose_tokens(logits, model_logits, *, temperature=1.0, top_k=0, top_p=1.0, 
     return tokens, model_logits.gather(-1, tokens[:, None]).squeeze(-1).float() * (1.0 / scale) - lse
 
 
-def _one_pass_tokens(logits, temperature, top_k, top_p, do_sample, generator, with_lse):
+def _one_pass_tokens(logits, temperature, top_k, top_p, do_sample, generator, with_lse, columns=None):
     """``triton_sampling.select_tokens`` on ``logits``; top-k/top-p on bf16/fp16 logits as ``triton_filters``' row
     cuts (no sort, no filtered copy), on fp32 logits (e.g. penalised) or a top-k above its limit as torch's filtered
-    copy. FAILED for logits the kernels cannot take (torch's path then runs, for this call only) or after a kernel
+    copy. ``columns``: only the first ones are chosen from (the cuts are of those alone; the log-sum-exp is of all).
+    FAILED for logits the kernels cannot take (torch's path then runs, for this call only) or after a kernel
     failure."""
     from dschat.hybrid_engine import triton_filters, triton_sampling
 
     if triton_sampling.unsupported(logits, generator if do_sample else None) is not None:
         return FAILED
+    choice = logits if columns is None else logits[:, :columns]  # (a view: rows keep their stride)
     cuts = None
-    if do_sample and filters_apply(logits.shape[-1], top_k, top_p):
-        if triton_filters.unsupported(logits, top_k) is not None:
-            filtered = filtered_logits(logits, temperature, top_k, top_p)
+    if do_sample and filters_apply(choice.shape[-1], top_k, top_p):
+        if triton_filters.unsupported(choice, top_k) is not None:
+            filtered = filtered_logits(choice, temperature, top_k, top_p)
             return call_kernel(triton_sampling.select_tokens, filtered, 1.0, generator, True, False)
-        cuts = call_kernel(triton_filters.row_cuts, logits, temperature, top_p, top_k)
+        cuts = call_kernel(triton_filters.row_cuts, choice, temperature, top_p, top_k)
         if cuts is FAILED:
             return FAILED
     return call_kernel(triton_sampling.select_tokens, logits, temperature if do_sample else 1.0, generator, do_sample,
-                       with_lse, cuts)
+                       with_lse, cuts, columns)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,12 +43,13 @@ def _exponential(bits):
 
 
 @triton.jit
-def _lane_update(row_logits, cols, vocab, bits, inv_temperature, cut, last_tie, best, best_col, run_max, run_sum,
-                 SAMPLE: tl.constexpr, LSE: tl.constexpr, FILTER: tl.constexpr):
+def _lane_update(row_logits, cols, vocab, race_vocab, bits, inv_temperature, cut, last_tie, best, best_col, run_max,
+                 run_sum, SAMPLE: tl.constexpr, LSE: tl.constexpr, FILTER: tl.constexpr):
     """Fold LANES columns into each lane's race winner and online log-sum-exp of the logits over the temperature (of
-    every column: the race alone leaves out what top-k/top-p filter, see ``triton_filters``)."""
-    ok = cols < vocab
-    x = tl.load(row_logits + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    every column: the race alone leaves out what top-k/top-p filter, see ``triton_filters``, and the columns from
+    ``race_vocab`` on)."""
+    x = tl.load(row_logits + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    ok = cols < race_vocab
     if SAMPLE:
         race = x * inv_temperature - tl.log(_exponential(bits))
     else:
@@ -69,7 +70,7 @@ def _lane_update(row_logits, cols, vocab, bits, inv_temperature, cut, last_tie, 
 
 
 @triton.jit
-def _partial_kernel(Logits, Seed, Cut, LastTie, PartRace, PartCol, PartMax, PartSum, stride_lb, vocab,
+def _partial_kernel(Logits, Seed, Cut, LastTie, PartRace, PartCol, PartMax, PartSum, stride_lb, vocab, race_vocab,
                     inv_temperature, tiles_per_split, num_tiles, LANES: tl.constexpr, SAMPLE: tl.constexpr,
                     LSE: tl.constexpr, FILTER: tl.constexpr):
     row = tl.program_id(0)
@@ -96,18 +97,18 @@ def _partial_kernel(Logits, Seed, Cut, LastTie, PartRace, PartCol, PartMax, Part
         cols = tile * 4 * LANES + lanes
         if SAMPLE:  # one Philox call per 4 columns; its counter names (row, tile, lane): split-independent
             u0, u1, u2, u3 = tl.randint4x(seed, (row * num_tiles + tile) * LANES + lanes)
-        best, best_col, run_max, run_sum = _lane_update(row_logits, cols, vocab, u0, inv_temperature, cut,
-                                                        last_tie, best, best_col, run_max, run_sum, SAMPLE,
-                                                        LSE, FILTER)
-        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + LANES, vocab, u1, inv_temperature, cut,
-                                                        last_tie, best, best_col, run_max, run_sum, SAMPLE,
-                                                        LSE, FILTER)
-        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 2 * LANES, vocab, u2, inv_temperature, cut,
-                                                        last_tie, best, best_col, run_max, run_sum, SAMPLE,
-                                                        LSE, FILTER)
-        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 3 * LANES, vocab, u3, inv_temperature, cut,
-                                                        last_tie, best, best_col, run_max, run_sum, SAMPLE,
-                                                        LSE, FILTER)
+        best, best_col, run_max, run_sum = _lane_update(row_logits, cols, vocab, race_vocab, u0,
+                                                        inv_temperature, cut, last_tie, best, best_col, run_max,
+                                                        run_sum, SAMPLE, LSE, FILTER)
+        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + LANES, vocab, race_vocab, u1,
+                                                        inv_temperature, cut, last_tie, best, best_col, run_max,
+                                                        run_sum, SAMPLE, LSE, FILTER)
+        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 2 * LANES, vocab, race_vocab, u2,
+                                                        inv_temperature, cut, last_tie, best, best_col, run_max,
+                                                        run_sum, SAMPLE, LSE, FILTER)
+        best, best_col, run_max, run_sum = _lane_update(row_logits, cols + 3 * LANES, vocab, race_vocab, u3,
+                                                        inv_temperature, cut, last_tie, best, best_col, run_max,
+                                                        run_sum, SAMPLE, LSE, FILTER)
     top = tl.max(best, 0)
     out = row * tl.num_programs(1) + split
     tl.store(PartRace + out, top)
@@ -168,17 +169,19 @@ def unsupported(logits, generator=None):
     return None
 
 
-def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_lse=False, cuts=None):
+def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_lse=False, cuts=None, columns=None):
     """``logits`` (B, V) -> (tokens (B,) int64, log-sum-exp (B,) fp32 of ``logits / temperature`` or None).
 
     Sampled: one draw per row from ``softmax(logits / temperature)``, over the columns ``cuts`` keeps when given
     (``triton_filters.row_cuts``: top-k/top-p; the log-sum-exp stays the unfiltered one); greedy: the first maximal
-    column. The seed is drawn from ``generator`` (the device's default generator when None) on the logits' device,
-    without a host sync."""
+    column. ``columns``: only the first ``columns`` columns are chosen from (the tokenizer's ids: ``sampling.py``);
+    the log-sum-exp is still of all V. The seed is drawn from ``generator`` (the device's default generator when None)
+    on the logits' device, without a host sync."""
     reason = unsupported(logits, generator if do_sample else None)
     if reason is not None:
         raise ValueError(f"select_tokens: {reason}")
     rows, vocab = logits.shape
+    race_vocab = vocab if columns is None else min(int(columns), vocab)
     num_tiles = -(-vocab // (4 * LANES))
     splits = split_count(rows, num_tiles, logits.device)
     tiles_per_split = -(-num_tiles // splits)
@@ -196,7 +199,7 @@ def select_tokens(logits, temperature=1.0, generator=None, do_sample=True, with_
     lse = torch.empty(rows, dtype=torch.float32, device=device) if with_lse else None
     cut, last_tie = cuts if cuts is not None else (part_race, part_col)  # unread without cuts
     _partial_kernel[(rows, splits)](logits, seed, cut, last_tie, part_race, part_col, part_max, part_sum,
-                                    logits.stride(0), vocab, 1.0 / temperature, tiles_per_split, num_tiles,
+                                    logits.stride(0), vocab, race_vocab, 1.0 / temperature, tiles_per_split, num_tiles,
                                     LANES=LANES, SAMPLE=bool(do_sample), LSE=with_lse, FILTER=cuts is not None,
                                     num_warps=NUM_WARPS)
     _combine_kernel[(rows,)](part_race, part_col, part_max, part_sum, tokens, lse if with_lse else part_race,

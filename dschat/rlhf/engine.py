@@ -560,7 +560,7 @@ class DeepSpeedRLHFEngine:
         actor = HybridEngine(engine, HybridEngineConfig.from_ds_config(ds_config),
                              pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                              compile_decode_step=a.compile_decode_step, decode_attention=a.decode_attention,
-                             fuse_projections=a.fuse_projections)
+                             fuse_projections=a.fuse_projections, token_count=len(self.tokenizer))
         actor.check_generation_config()  # e.g. a no_repeat_ngram_size the decode would not apply: say so before PPO
         print_rank_0(f"[step3] hybrid engine generates from {actor.inference_weights.description}"
                      + (f", each rank its slice: inference tensor-parallel groups of {actor.tp.size} ranks"

@@ -12,7 +12,7 @@ from dschat.data.collators import padded_length
 from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
 from dschat.hybrid_engine.generate_args import check_left_padded
-from dschat.hybrid_engine.graphs import default_generator
+from dschat.hybrid_engine.graphs import default_generator, logits_vocab_size
 from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.loading import stop_token_ids, token_id_list
@@ -220,6 +220,14 @@ def answer_stop_ids(actor, tokenizer):
     return ids if len(ids) > 1 else ids[0]
 
 
+def untokenized_ids(model, tokenizer):
+    """The ids of ``model``'s logits that ``tokenizer`` has no token for: embedding rows past ``len(tokenizer)``
+    (Qwen2.5's 271; step 3 grows a critic's and reward model's to the actor's). HF's ``generate`` is told to suppress
+    them, as the hybrid engine leaves them out (``sampling.chosen_columns``): sampled, such an id decodes to nothing and
+    no reward model has scored it."""
+    return list(range(len(tokenizer), logits_vocab_size(model)))
+
+
 def answer_texts(tokenizer, answers, mask):
     """Each answer's text: its tokens where ``mask`` is set, without special tokens, stripped (what a reward function
     and the examples read)."""
@@ -297,6 +305,9 @@ class DeepSpeedPPOTrainer:
         self.max_answer_seq_len = args.max_answer_seq_len
         self.pad_token_id = self.tokenizer.pad_token_id
         self.eos_token_id = answer_stop_ids(self.actor_model, self.tokenizer)
+        # HF's generate (without the hybrid engine): the actor's embedding rows that no token has are never generated
+        untokenized = untokenized_ids(self.actor_model.module, self.tokenizer)
+        self.hf_generate_kwargs = {"suppress_tokens": untokenized} if untokenized else {}
         self.kl_ctl = algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl,
                                              args.kl_target, args.kl_horizon)
         self.clip_reward_value, self.cliprange, self.cliprange_value = (args.clip_reward_value, args.cliprange,
@@ -339,7 +350,7 @@ class DeepSpeedPPOTrainer:
                 seq = self.actor_model.module.generate(
                     prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len, eos_token_id=self.eos_token_id,
                     pad_token_id=self.pad_token_id, synced_gpus=self.z3_enabled and get_world_size() > 1,
-                    use_cache=True, **sampling_kwargs(a, hf_generate=True))
+                    use_cache=True, **sampling_kwargs(a, hf_generate=True), **self.hf_generate_kwargs)
             return seq, None
 
     def generate_experience(self, prompts, mask=None, step=0, advantages=True):

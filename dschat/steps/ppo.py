@@ -1,6 +1,7 @@
 """Step 3: PPO of the SFT actor against the step-2 reward model, with held-out evaluation and resume."""
 import contextlib
 import copy
+import functools
 import json
 import os
 import time
@@ -108,6 +109,8 @@ def cycle(loader, seed, start=0):
 
 def held_out_eval(trainer, loader, args, device, scorer):
     generate = trainer.actor_model.generate if trainer.hybrid else trainer.actor_model.module.generate
+    if not trainer.hybrid and trainer.hf_generate_kwargs:  # (the rows no token has: as in the rollouts)
+        generate = functools.partial(generate, **trainer.hf_generate_kwargs)
     # the hybrid engine's latency line counts PPO iterations: the evaluation's generations stay out of them
     outside_iterations = trainer.actor_model.evaluation() if trainer.hybrid else contextlib.nullcontext()
     with outside_iterations:

@@ -328,6 +328,66 @@ def check_engine_logprobs_equal_training_forward():
     print("engine: one-pass sampling in the eager loop and the graph step")
 
 
+def check_columns_past_the_tokenizer_are_never_chosen():
+    """``columns`` (the tokenizer's size, ``sampling.chosen_columns``): the race leaves out the columns from it on,
+    which hold the row's largest logits here, while the log-sum-exp stays every column's; greedy is the first argmax
+    of the chosen columns; draws land on them alone; top-p cuts are of the chosen columns alone; and the engine's
+    steps (eager and graph) never generate such an id, with the training forward's log-probs."""
+    from dschat.hybrid_engine import attention, triton_filters
+    from dschat.hybrid_engine.graphs import GraphDecoder
+    from dschat.hybrid_engine.sampling import choose_tokens, filtered_logits
+
+    torch.manual_seed(4)
+    lanes, triton_sampling.LANES = triton_sampling.LANES, 2  # 8 columns per tile: fast in the interpreter
+    block, sub = triton_filters.BLOCK, triton_filters.SPLIT_SUB
+    triton_filters.BLOCK = triton_filters.SPLIT_SUB = 16
+    try:
+        logits = torch.randn(5, 21)
+        logits[:, 13:] += 30.0  # columns 13.. (past the tokenizer): the most likely
+        for programs in (1, 64):
+            tokens, lse = with_splits(programs, lambda: triton_sampling.select_tokens(
+                logits, 1.0, None, False, True, None, 13))
+            assert torch.equal(tokens, logits[:, :13].argmax(-1)), (programs, tokens)
+            assert (lse - torch.logsumexp(logits, -1)).abs().max() < 1e-5, programs
+        row = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5, 2.5, 9.0, 9.0, 9.0]])
+        tokens, _ = triton_sampling.select_tokens(row.expand(40, -1).contiguous(), 1.0,
+                                                  torch.Generator().manual_seed(11), True, False, None, 6)
+        assert (tokens < 6).all() and len(set(tokens.tolist())) >= 3, tokens  # (the chosen columns still race)
+        rows = logits.to(torch.bfloat16)
+        for settings in (dict(top_p=0.85), dict(top_k=4, top_p=0.9)):
+            tokens, logp = choose_tokens(rows, rows, do_sample=True, logprobs=True, one_pass=True, token_count=13,
+                                         generator=torch.Generator().manual_seed(3), **settings)
+            kept = torch.isfinite(filtered_logits(rows[:, :13], 1.0, settings.get("top_k", 0), settings["top_p"]))
+            assert kept.gather(-1, tokens[:, None]).all(), (settings, tokens)
+            expected = torch.log_softmax(rows.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+            assert (logp - expected).abs().max() < 1e-5, settings
+    finally:
+        triton_sampling.LANES = lanes
+        triton_filters.BLOCK, triton_filters.SPLIT_SUB = block, sub
+
+    attention.kernel_applies = lambda *args, **kwargs: False  # SDPA's attention: the interpreter's is slow
+    model = tiny_model("opt", seed=3, vocab_size=40)
+    bias = torch.zeros(40)
+    bias[32:] = 30.0
+    model.lm_head.register_forward_hook(lambda module, inputs, output: output + bias)
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=64),
+                          pad_token_id=PAD, decode_attention="triton", token_count=32)
+    ids, mask = left_padded_batch([7, 3], vocab_size=32)
+    for path in ("eager", "graph step"):
+        if path == "graph step":
+            engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False)
+        engine.eval()
+        for do_sample in (True, False):
+            sequences, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=do_sample,
+                                                  top_k=0, generator=torch.Generator().manual_seed(7),
+                                                  return_logprobs=True)
+            assert (sequences[:, ids.shape[1]:] < 32).all(), (path, do_sample, sequences)
+            expected, live = answer_logprobs_and_live(model, sequences, mask, -1)
+            assert (logprobs - expected)[live].abs().max() < 1e-4, (path, do_sample)
+    assert engine.graph_decoder.replays > 0
+    print("columns past the tokenizer: never chosen; log-sum-exp of every column")
+
+
 CHECKS = {
     "greedy": check_greedy_is_first_argmax_and_lse,
     "distribution": check_sampled_distribution,
@@ -336,6 +396,7 @@ CHECKS = {
     "noise": check_noise_keeps_its_resolution_near_zero,
     "sync": check_log_probs_are_of_the_shared_tokens,
     "engine": check_engine_logprobs_equal_training_forward,
+    "columns": check_columns_past_the_tokenizer_are_never_chosen,
 }
 
 if __name__ == "__main__":
