@@ -930,8 +930,15 @@ def _add_step3_ppo_args(g):
                    help="GAE: whiten the advantages over the whole rollout (every rank's), masked to the answers.")
     g.add_argument("--entropy_coef", type=float, default=0.0,
                    help="Weight of an entropy bonus in the actor's loss (0: none).")
-    g.add_argument("--loss_agg", type=str, default="token_mean", choices=["token_mean", "global_token_mean"],
-                   help="global_token_mean: average over all response tokens of the global batch.")
+    g.add_argument("--loss_agg", type=str, default="token_mean",
+                   choices=["token_mean", "global_token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"],
+                   help="How the per-token losses (policy, value, entropy, KL) are averaged (verl's loss_agg_mode). "
+                        "token_mean (DeepSpeed-Chat's; TRL's loss_type bnpo): over the micro-batch's answer tokens; "
+                        "global_token_mean (TRL's dapo): over all answer tokens of the global batch; "
+                        "seq_mean_token_mean (the GRPO paper's; TRL's grpo): each answer's token mean, then the mean "
+                        "over answers, so every answer weighs alike whatever its length; seq_mean_token_sum_norm "
+                        "(Dr. GRPO; TRL's dr_grpo): each answer's token sum over --max_answer_seq_len, then the mean "
+                        "over answers.")
     g.add_argument("--logprob_chunk_size", type=positive_int, default=1024,
                    help="Sequence chunk for log-probs, so full fp32 logits are never materialised.")
 

@@ -562,6 +562,37 @@ def test_global_token_mean_equals_concatenated_batch_under_accumulation():
         A.agg_loss(adv, mask, "seq_mean")
 
 
+def test_sequence_mean_aggregations_weigh_answers_alike_and_equal_hand_computations():
+    """--loss_agg's answer-level means (TRL's loss_type "grpo" and "dr_grpo") against the token means, on answers of
+    1, 4 and 0 tokens: the per-token losses 4 | 1 2 3 6 | (none)."""
+    per_token = t([[4., 9., 9., 9.], [1., 2., 3., 6.], [7., 7., 7., 7.]])
+    mask = suffix_mask([1, 4, 0], 4)
+    close(A.agg_loss(per_token, mask, "token_mean"), 16 / 5)  # every token alike
+    close(A.agg_loss(per_token, mask, "global_token_mean", num_tokens_global=5), 16 / 5)
+    close(A.agg_loss(per_token, mask, "seq_mean_token_mean"), (4 / 1 + 12 / 4 + 0) / 3)  # every answer alike
+    close(A.agg_loss(per_token, mask, "seq_mean_token_sum_norm", max_length=8), (4 + 12 + 0) / 3 / 8)
+    assert len({round(float(A.agg_loss(per_token, mask, mode, num_tokens_global=5, max_length=8)), 9)
+                for mode in A.LOSS_AGG_MODES}) == 3  # (the two token means agree on one micro-batch)
+    with pytest.raises(ValueError, match="max_length"):
+        A.agg_loss(per_token, mask, "seq_mean_token_sum_norm")
+    # through the losses: the policy loss at ratio 1 is -A per token, the gradient each answer's mean's
+    adv = t([[2., 0., 0., 0.], [1., -1., 3., 1.], [5., 5., 5., 5.]])
+    logp = torch.zeros(3, 4, dtype=D, requires_grad=True)
+    loss, _ = A.policy_loss_clipped(logp, torch.zeros(3, 4, dtype=D), adv, mask, loss_agg="seq_mean_token_mean")
+    close(loss, -(2 / 1 + 4 / 4) / 3)
+    loss.backward()
+    close(logp.grad, -adv * t([[1 / 1] * 4, [1 / 4] * 4, [0.] * 4]) * mask / 3)
+    loss, _ = A.policy_loss_clipped(logp, torch.zeros(3, 4, dtype=D), adv, mask, loss_agg="seq_mean_token_sum_norm",
+                                    max_length=8)
+    close(loss, -(2 + 4) / 3 / 8)
+    values = torch.zeros(3, 4, dtype=D)
+    vloss, _ = A.value_loss_clipped(values, values, adv, mask, None, loss_agg="seq_mean_token_mean")
+    close(vloss, 0.5 * (4 / 1 + (1 + 1 + 9 + 1) / 4) / 3)
+    close(A.kl_loss_term(t([[0.5] * 4] * 3), torch.zeros(3, 4, dtype=D), mask, "k1", "seq_mean_token_sum_norm",
+                         max_length=2), (0.5 + 2.0) / 3 / 2)
+    close(A.entropy_bonus(t([[1., 2., 3., 4.]] * 3), mask, 0.1, "seq_mean_token_mean"), 0.1 * (1 + 2.5) / 3)
+
+
 def test_entropy_bonus():
     ent = t([[1., 2.], [3., 4.]])
     mask = t([[1, 0], [1, 1]])

@@ -691,6 +691,28 @@ def test_notebook_train_rlhf_with_global_token_mean_counts_the_experiences_token
         trainer.train_rlhf(spent)
 
 
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_loss_agg_sequence_means_reach_every_loss_of_the_ppo_step(trained, tmp_path, monkeypatch, mode):
+    """--loss_agg's answer-level means (TRL's loss_type "grpo" and "dr_grpo"; the math: test_algorithms) are what
+    the policy, value and KL losses aggregate with, Dr. GRPO's over --max_answer_seq_len."""
+    from dschat.args import step3_parser
+    from dschat.rlhf import trainer as trainer_module
+
+    assert step3_parser().parse_args(["--loss_agg", mode]).loss_agg == mode
+    seen = []
+    agg_loss = trainer_module.algo.agg_loss
+    monkeypatch.setattr(trainer_module.algo, "agg_loss", lambda per_token, mask, *args: seen.append(args) or
+                        agg_loss(per_token, mask, *args))
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, loss_agg=mode, kl_in_reward=False)
+    out = trainer.generate_experience(_prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:",
+                                                                "\n\nHuman: Name a fruit.\n\nAssistant:"]))
+    actor_loss, critic_loss = trainer.train_rlhf(out)
+    assert torch.isfinite(actor_loss) and torch.isfinite(critic_loss)
+    max_length = 10 if mode == "seq_mean_token_sum_norm" else None  # (_engine_and_trainer's --max_answer_seq_len)
+    assert len(seen) == 3, seen  # policy, KL term, value
+    assert all(args[0] == mode and args[4] == max_length for args in seen), seen
+
+
 def test_step3_runs_and_reports_held_out_scores(trained, tmp_path):
     metrics = ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--enable_hybrid_engine"))
     assert metrics["iterations"] == 2

@@ -634,8 +634,12 @@ class DeepSpeedPPOTrainer:
         return (0.001 if a.kl_loss_coef is None else a.kl_loss_coef), a.kl_estimator or "k3"
 
     def _loss_agg(self, inputs):
-        if self.args.loss_agg != "global_token_mean":
-            return {"loss_agg": "token_mean"}
+        """The keyword arguments of ``algo.agg_loss`` that --loss_agg asks for."""
+        mode = self.args.loss_agg
+        if mode == "seq_mean_token_sum_norm":  # (Dr. GRPO: a constant divisor, the longest answer step 3 samples)
+            return {"loss_agg": mode, "max_length": self.args.max_answer_seq_len}
+        if mode != "global_token_mean":
+            return {"loss_agg": mode}
         return {"loss_agg": "global_token_mean", "num_tokens_global": self._num_tokens_global(inputs),
                 "accum_steps": self.args.gradient_accumulation_steps, "world_size": get_world_size()}
 
