@@ -1309,3 +1309,26 @@ def test_rw_eval_refuses_a_prompt_too_long_for_max_seq_len_before_the_model_load
                                          r"--max_seq_len 32"):
         rw_eval.main(["--model_name_or_path", models["rm"], "--prompt", "Say hi. " * 40, "--answer", "hi",
                       "--max_seq_len", "32"])
+
+
+def test_the_tools_answers_never_hold_ids_of_embedding_rows_the_tokenizer_has_no_token_for(models, monkeypatch):
+    """A policy with more embedding rows than its tokenizer has tokens (Qwen2.5: 151936 for 151665): chat and
+    prompt_eval's HF generate suppresses those ids, as step 3's rollouts do, even where they are the most likely."""
+    from dschat.tools import generation
+
+    model, tokenizer = load_policy(models["policy"], device="cpu")
+    tokens = len(tokenizer)
+    model.resize_token_embeddings(tokens + 8)
+    bias = torch.zeros(tokens + 8)
+    bias[tokens:] = 50.0
+    model.get_output_embeddings().register_forward_hook(lambda m, inputs, output: output + bias)
+    prompt = [format_prompt([{"role": "user", "content": "Say hi."}], tokenizer)]
+    ids, mask = encode_prompt_batch(tokenizer, prompt)
+    plain = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id, **GREEDY)
+    assert (plain[0, ids.shape[1]:] >= tokens).all(), "the premise: those rows win"
+    seen, decode = [], generation.decode_answers
+    monkeypatch.setattr(generation, "decode_answers", lambda tok, answer_ids, stop_ids=None: seen.append(answer_ids)
+                        or decode(tok, answer_ids, stop_ids))
+    generation.generate_answers(model, tokenizer, prompt, dict(GREEDY))
+    generation.generate_answers(model, tokenizer, prompt, {**GREEDY, "do_sample": True, "top_k": 0})
+    assert len(seen) == 2 and all((answer < tokens).all() and answer.numel() for answer in seen), seen
