@@ -28,6 +28,14 @@ def test_tp2_greedy_equals_unsplit_model_on_two_ranks(stage, tp_launch):
         assert f"rank {rank} ALL OK" in proc.stdout
 
 
+@pytest.mark.multirank
+def test_release_destroys_the_tensor_parallel_group_and_a_new_engine_works():
+    """A notebook that builds engine after engine added one process group each time (never destroyed)."""
+    proc = launched(launch_once(SCRIPT, "--release"))
+    for rank in (0, 1):
+        assert f"rank {rank} release: OK" in proc.stdout and f"rank {rank} ALL OK" in proc.stdout
+
+
 def test_tp_size_must_divide_the_world(distributed):
     from dschat.hybrid_engine.tensor_parallel import TensorParallelGroup
 

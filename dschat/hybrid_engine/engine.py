@@ -125,6 +125,7 @@ class HybridEngine:
         self._total_e2e_s = 0.0
         self._train_start = None  # when the train phase in progress began
         self._evaluating = False
+        self._released = False  # release_generation() was called: no more generations
         self.route_module_generate()
 
     # -- delegation to the DeepSpeed engine -------------------------------------------------------------------------
@@ -146,6 +147,17 @@ class HybridEngine:
         module = self._engine.module
         # An instance attribute shadows the class's generate; nn.Module stores plain callables in __dict__.
         object.__setattr__(module, "generate", _RoutedGenerate(self, module))
+
+    def release_generation(self):
+        """Drop what generating keeps (the captured decode steps, which also capture the group's collectives) and
+        destroy the inference tensor-parallel group this engine made (``release_engine`` calls it). Every rank of
+        the world releases its engine at the same point, as it built it. The engine cannot generate afterwards."""
+        self._released = True
+        if self.graph_decoder is not None:
+            self.graph_decoder.drop()
+            self.graph_decoder = None
+        if self.tp is not None:
+            self.tp.destroy()
 
     # -- mode switches ----------------------------------------------------------------------------------------------
     def eval(self):
@@ -277,6 +289,9 @@ class HybridEngine:
         Under ZeRO-3 on several ranks (and in a tensor-parallel group) every rank calls ``generate`` together, each with
         its own prompts: the ranks agree on their arguments first, and a refusal on one stops them all.
         """
+        if self._released:
+            raise RuntimeError("this hybrid engine was released (release_engine, DeepSpeedRLHFEngine.release()): it "
+                               "cannot generate; build a new one")
         device = self._engine.device
         input_ids, s = self._resolved_call(device, input_ids, attention_mask, generator, hf_kwargs,
                                            max_new_tokens=max_new_tokens, max_length=max_length,

@@ -102,6 +102,14 @@ class TensorParallelGroup:
         """True on every rank when ``flag`` is true on every rank of the group (a collective)."""
         return ranks_agree(flag, device, self.group)
 
+    def destroy(self):
+        """Destroy this group's process group (``release_engine``): torch keeps every group of a process until it
+        is destroyed, so an engine built again and again (a notebook) would add one each time. Every rank of the group
+        destroys it at the same point, as every rank made it."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
     @classmethod
     def create(cls, size):
         """Every rank must call this at the same point (``new_group`` is collective over the world)."""

@@ -94,14 +94,24 @@ def release_engine(engine):
       out (nor the submodules a forward that raised had pushed), and caches each parameter coordinator and module in
       the class-wide ``lru_cache`` of its ``__params_to_release``: destroy() clears neither. The whole cache goes (it
       holds every engine's coordinator): another live engine's entries are computed again at their next use.
+    A ``HybridEngine`` also drops its captured decode steps and destroys the inference tensor-parallel group it made
+    (``HybridEngine.release_generation``), which torch would keep for as long as the process runs.
     The engine cannot train, nor run a ZeRO-3 forward, afterwards."""
+    from dschat.hybrid_engine import HybridEngine
+
+    if not isinstance(engine, HybridEngine):
+        _release_deepspeed_engine(engine)
+        return
+    try:
+        engine.release_generation()
+    finally:  # (the DeepSpeed engine goes too, whatever destroying the group does)
+        _release_deepspeed_engine(engine.ds_engine)
+
+
+def _release_deepspeed_engine(engine):
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-    from dschat.hybrid_engine import HybridEngine
-
-    if isinstance(engine, HybridEngine):
-        engine = engine.ds_engine
     engine.destroy()
     # (its submodules too: a forward that raised never popped those it had pushed)
     modules = {id(m) for m in engine.module.modules()}

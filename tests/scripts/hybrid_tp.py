@@ -13,6 +13,7 @@ ZeRO-3:
 
 Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher, several (stage, families) runs in one launch
 (the launcher and the ranks' start take ~20 s each time):  hybrid_tp.py --runs 0:llama,opt 3:llama
+With ``--release``, first: releasing an engine destroys its group's process group, and an engine built afterwards works.
 """
 import argparse
 import copy
@@ -260,10 +261,49 @@ def run_case(family, stage, rank, world):
     print(f"rank {rank} {family} stage={stage}: OK", flush=True)
 
 
+def check_release_destroys_the_group(rank, world):
+    """``release_engine`` destroys the engine's tensor-parallel process group (torch kept every one, so a notebook
+    building engine after engine added a group each time); an engine built after the release makes its own and
+    generates as the unsplit model; the released engine refuses to generate."""
+    from torch.distributed import distributed_c10d
+
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+    from dschat.models.training_engine import release_engine
+
+    reference = reference_model("llama")
+    ids, mask = rank_prompts(rank)
+    expected = hf_generate(reference, ids, mask, MAX_NEW)
+    groups = distributed_c10d._world.pg_map
+    for build in range(2):
+        ds_engine = build_actor(reference, 0, lora=False)
+        if build == 0:  # (DeepSpeed makes a group of its own at its first engine, once per process)
+            before = len(groups)
+        assert len(groups) == before, (build, before, len(groups))  # the first engine's group is gone
+        engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2),
+                              pad_token_id=PAD)
+        group = engine.tp.group
+        assert group in groups and len(groups) == before + 1, (build, before, len(groups))
+        engine.eval()
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+        assert torch.equal(got, expected), (build, rank, got, expected)
+        release_engine(engine)
+        assert group not in groups and len(groups) == before, (build, before, len(groups))
+        try:
+            engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+        except RuntimeError as error:
+            assert "was released" in str(error), error
+        else:
+            raise AssertionError("a released engine generated")
+        dist.barrier()
+    print(f"rank {rank} release: OK", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--runs", nargs="+", required=True, metavar="STAGE:FAMILIES",
+    parser.add_argument("--runs", nargs="+", default=[], metavar="STAGE:FAMILIES",
                         help="each STAGE (0|3) with its comma-separated FAMILIES, in turn, in one launch")
+    parser.add_argument("--release", action="store_true",
+                        help="(first) check that releasing an engine destroys its tensor-parallel group")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
     runs = [(int(stage), families.split(",")) for stage, families in (run.split(":") for run in args.runs)]
@@ -273,6 +313,8 @@ def main():
 
     rank, world = ensure_distributed()
     assert world == 2, world
+    if args.release:
+        check_release_destroys_the_group(rank, world)
     for stage, families in runs:
         for family in families:
             run_case(family, stage, rank, world)
