@@ -185,6 +185,43 @@ def test_cache_is_reused_across_generations_and_released_on_request():
     assert torch.equal(again, first) and releasing.kv_cache.allocations == 2
 
 
+def test_release_drops_generation_state_while_the_engine_is_still_referenced():
+    """release_engine on a HybridEngine that something still holds (a notebook's trainer holds the actor): the KV
+    cache, the decode steps of the graph path (run eagerly on the CPU) with their buffers, the fused projections and
+    the inference copy (a LoRA actor's merged weights) were kept as long as the engine was; now they go at once, and the
+    model once the engine goes. The released engine refuses to generate."""
+    import peft
+
+    from dschat.hybrid_engine.graphs import GraphDecoder
+    from dschat.models.training_engine import release_engine
+
+    model = peft.get_peft_model(tiny_model("llama", seed=3), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32),
+                          pad_token_id=PAD, fuse_projections="on")
+    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False)
+    ids, mask = left_padded_batch([4, 2, 5], seed=3)
+    engine.eval()
+    engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert engine.graph_decoder.replays > 0 and engine.fusion.groups and engine.inference_weights.kind == "lora_copy"
+    state = {"kv cache": engine.kv_cache.storages()[0], "inference copy": engine.inference_weights.model,
+             "decode step": next(iter(engine.graph_decoder.decoders.values())).buffers,
+             "fused weights": engine.fusion.groups[0]}
+    refs = {name: weakref.ref(value) for name, value in state.items()}
+    del state
+    release_engine(engine)
+    gc.collect()
+    assert [name for name, ref in refs.items() if ref() is not None] == []
+    with pytest.raises(RuntimeError, match="was released"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    # the model's own generate is its class's again (ZeRO-0: the model is whole)
+    assert torch.equal(engine.module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                              pad_token_id=PAD), hf_generate(model, ids, mask, 4))
+    module = weakref.ref(model)
+    del engine, model
+    gc.collect()
+    assert module() is None, "the released engine's model is still referenced"
+
+
 def test_cache_allocation_retries_once_then_explains():
     config = tiny_model("llama").config
     cache = KVCache(config)

@@ -149,15 +149,27 @@ class HybridEngine:
         object.__setattr__(module, "generate", _RoutedGenerate(self, module))
 
     def release_generation(self):
-        """Drop what generating keeps (the captured decode steps, which also capture the group's collectives) and
-        destroy the inference tensor-parallel group this engine made (``release_engine`` calls it). Every rank of
-        the world releases its engine at the same point, as it built it. The engine cannot generate afterwards."""
+        """Drop what generating keeps (the captured decode steps and compiled forwards, the KV cache, the fused
+        projections and the inference copy of the weights: their memory goes now, not when the last reference to this
+        engine does, e.g. a notebook's trainer) and destroy the inference tensor-parallel group this engine made
+        (``release_engine`` calls it). Every rank of the world releases its engine at the same point, as it built it.
+        The engine cannot generate afterwards; its module's ``generate`` is the model class's again."""
         self._released = True
+        if isinstance(self._engine.module.__dict__.get("generate"), _RoutedGenerate):
+            del self._engine.module.__dict__["generate"]
         if self.graph_decoder is not None:
-            self.graph_decoder.drop()
+            self.graph_decoder.drop()  # (the captured steps hold the cache's storage and the group's collectives)
             self.graph_decoder = None
+        self.kv_cache.release()
+        self.fusion = None
+        self.inference_weights = None
         if self.tp is not None:
             self.tp.destroy()
+
+    def _check_not_released(self):
+        if self._released:
+            raise RuntimeError("this hybrid engine was released (release_engine, DeepSpeedRLHFEngine.release()): it "
+                               "cannot generate; build a new one")
 
     # -- mode switches ----------------------------------------------------------------------------------------------
     def eval(self):
@@ -169,6 +181,7 @@ class HybridEngine:
         follows is never an iteration of its own. A held-out evaluation stays out of the iterations in
         :meth:`evaluation`.
         """
+        self._check_not_released()
         now = time.perf_counter()
         if not self._evaluating:
             self._end_train_phase(now)
@@ -239,17 +252,18 @@ class HybridEngine:
         result = self._engine.step(*args, **kwargs)
         was_applied = getattr(self._engine, "was_step_applied", None)
         if was_applied is None or was_applied():
-            self.inference_weights.mark_stale()
+            self.mark_weights_stale()
         return result
 
     def load_checkpoint(self, *args, **kwargs):
         result = self._engine.load_checkpoint(*args, **kwargs)
-        self.inference_weights.mark_stale()
+        self.mark_weights_stale()
         return result
 
     def mark_weights_stale(self):
         """For code that changes the actor's weights other than through ``step()``/``load_checkpoint()``."""
-        self.inference_weights.mark_stale()
+        if self.inference_weights is not None:  # (None once released)
+            self.inference_weights.mark_stale()
 
     def _refresh_weights(self):
         start = time.perf_counter()
@@ -289,9 +303,7 @@ class HybridEngine:
         Under ZeRO-3 on several ranks (and in a tensor-parallel group) every rank calls ``generate`` together, each with
         its own prompts: the ranks agree on their arguments first, and a refusal on one stops them all.
         """
-        if self._released:
-            raise RuntimeError("this hybrid engine was released (release_engine, DeepSpeedRLHFEngine.release()): it "
-                               "cannot generate; build a new one")
+        self._check_not_released()
         device = self._engine.device
         input_ids, s = self._resolved_call(device, input_ids, attention_mask, generator, hf_kwargs,
                                            max_new_tokens=max_new_tokens, max_length=max_length,

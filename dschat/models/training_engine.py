@@ -94,8 +94,9 @@ def release_engine(engine):
       out (nor the submodules a forward that raised had pushed), and caches each parameter coordinator and module in
       the class-wide ``lru_cache`` of its ``__params_to_release``: destroy() clears neither. The whole cache goes (it
       holds every engine's coordinator): another live engine's entries are computed again at their next use.
-    A ``HybridEngine`` also drops its captured decode steps and destroys the inference tensor-parallel group it made
-    (``HybridEngine.release_generation``), which torch would keep for as long as the process runs.
+    A ``HybridEngine`` also drops what generating keeps (KV cache, inference copy, captured decode steps) and destroys
+    the inference tensor-parallel group it made (``HybridEngine.release_generation``), which torch would keep for as
+    long as the process runs.
     The engine cannot train, nor run a ZeRO-3 forward, afterwards."""
     from dschat.hybrid_engine import HybridEngine
 
