@@ -1640,6 +1640,10 @@ def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch)
     for name, src in (("step1_sft", trained / "sft"), ("step2_rm", trained / "rm")):
         (tmp_path / "output" / name).symlink_to(src)
     monkeypatch.chdir(tmp_path)
+    from dschat.models import training_engine
+
+    released, release = [], training_engine.release_engine
+    monkeypatch.setattr(training_engine, "release_engine", lambda engine: (released.append(engine), release(engine)))
     snippet = snippet.replace('"num_warmup_steps": 2}', '"num_warmup_steps": 2, "data_split": "2,4,4", '
                                                         f'"max_steps": 2, "data_output_path": "{trained / "data"}"}}')
     namespace = {}
@@ -1663,6 +1667,9 @@ def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "output" / "step3_notebook")  # the trained actor
     trained_weights = unwrap_peft(namespace["engine"].actor.module).get_input_embeddings().weight
     assert torch.equal(saved.get_input_embeddings().weight, trained_weights.detach().cpu())
+    engine = namespace["engine"]  # its with block released its engines (DeepSpeed would keep them otherwise)
+    assert released == [e for e in (engine.actor, engine.ref, engine.actor_ema, engine.critic, engine.reward) if e]
+    assert len(released) == 4
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
@@ -3290,6 +3297,55 @@ def test_a_critic_and_reward_model_with_fewer_embeddings_than_the_actor_read_eve
         assert torch.isfinite(model.forward_value(past, torch.ones_like(past), return_value_only=True)).all(), role
         assert (f"[step3] the {role} {path} has {len(tokenizer)} token embeddings, the actor {config.vocab_size}: "
                 f"grown to {embedding_rows(model.rwtransformer)} (new rows)") in out, out
+
+
+def _notebook_engine_releasing_into(released, monkeypatch, failing=()):
+    """A DeepSpeedRLHFEngine of named stand-in engines whose release appends the name to ``released`` (raises for
+    those in ``failing``)."""
+    from dschat import DeepSpeedRLHFEngine
+    from dschat.models import training_engine
+
+    def release(engine):
+        if engine in failing:
+            raise RuntimeError(f"CUDA error: device-side assert triggered ({engine})")
+        released.append(engine)
+
+    monkeypatch.setattr(training_engine, "release_engine", release)
+    engine = object.__new__(DeepSpeedRLHFEngine)
+    engine.actor, engine.ref, engine.actor_ema, engine.critic, engine.reward = "actor", "ref", None, "critic", "reward"
+    return engine
+
+
+def test_a_notebook_engine_in_a_with_block_is_released_at_its_end_once(monkeypatch):
+    """A notebook had to call release() by hand; ``with DeepSpeedRLHFEngine(...) as engine:`` now does at the end."""
+    released = []
+    notebook = _notebook_engine_releasing_into(released, monkeypatch)
+    with notebook as engine:
+        assert engine is notebook and released == []
+    assert released == ["actor", "ref", "critic", "reward"]
+    with notebook:
+        notebook.release()  # (by hand inside the block too: released once)
+    notebook.release()
+    assert released == ["actor", "ref", "critic", "reward"]
+
+
+def test_a_with_block_that_fails_releases_its_engine_and_keeps_its_own_error(monkeypatch):
+    released = []
+    with pytest.raises(ValueError, match="the rollout failed"):
+        with _notebook_engine_releasing_into(released, monkeypatch, failing=("actor",)):
+            raise ValueError("the rollout failed")  # not replaced by the release's own error
+    assert released == ["ref", "critic", "reward"]
+    # a block that ended well says why its release failed
+    with pytest.raises(RuntimeError, match=r"device-side assert triggered \(critic\)"):
+        with _notebook_engine_releasing_into(released, monkeypatch, failing=("critic",)):
+            pass
+    # Ctrl-C on several ranks: each rank stops at its own point, and a release could wait on a collective
+    monkeypatch.setattr("dschat.utils.dist.get_world_size", lambda: 2)
+    released.clear()
+    with pytest.raises(KeyboardInterrupt):
+        with _notebook_engine_releasing_into(released, monkeypatch):
+            raise KeyboardInterrupt
+    assert released == []
 
 
 def test_a_notebook_engine_releases_each_of_its_engines_though_one_fails_to(monkeypatch):

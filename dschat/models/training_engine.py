@@ -49,11 +49,11 @@ def released_engines(only_on_error=False):
         if only_on_error and failure is None:
             if _OPEN_SCOPES:
                 _OPEN_SCOPES[-1].extend(made)
-        elif not _collective_may_be_pending(failure):
+        elif not collective_may_be_pending(failure):
             release_all(made, keep_errors=failure is None)
 
 
-def _collective_may_be_pending(failure):
+def collective_may_be_pending(failure):
     """Whether the ranks may have stopped apart, a collective still queued on this rank's stream (Ctrl-C, which each
     rank takes at its own point; another rank's failure): a release then waits on it (destroy() synchronizes the
     device) until the NCCL timeout, where the rank would have ended at once. As ``end_distributed`` leaves the process

@@ -14,8 +14,8 @@ from dschat.models.loading import (check_sequence_fits, config_dropouts, embeddi
                                    load_tokenizer)
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
-from dschat.models.training_engine import (check_schedule_reaches_its_end, initialize_engine, initialize_frozen,
-                                           release_all, released_engines)
+from dschat.models.training_engine import (check_schedule_reaches_its_end, collective_may_be_pending,
+                                           initialize_engine, initialize_frozen, release_all, released_engines)
 from dschat.rlhf.config import (check_accumulation, check_advantage_estimator, check_earlier_step_outputs,
                                 check_ema_beta, check_freezing_actor_steps, check_kl_settings,
                                 optimizer_steps_per_iteration, step3_args, untrained_reward_model_message)
@@ -434,7 +434,10 @@ class DeepSpeedRLHFEngine:
     Both DeepSpeed-Chat's positional form ``DeepSpeedRLHFEngine(actor_path, critic_path, tokenizer, args,
     num_total_iters)`` and the keyword form ``DeepSpeedRLHFEngine(actor_model_name_or_path=..., tokenizer=...,
     args=...)`` work; ``args`` may be the step-3 namespace, a dict or any object (missing fields get defaults).
+    ``with DeepSpeedRLHFEngine(...) as engine:`` releases it (``release()``) as the block ends, by an error too.
     """
+
+    _released = False  # (a class default: tests build engines without __init__)
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
                  num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None, load_universal=()):
@@ -500,10 +503,28 @@ class DeepSpeedRLHFEngine:
     def release(self):
         """Let Python free the engines and their models, optimizer states and ZeRO buckets (``release_engine``),
         which DeepSpeed keeps for good otherwise: call it when done with this engine in a process that goes on (a
-        notebook that builds another). The models cannot train nor run a ZeRO-3 forward afterwards (save them
-        before)."""
+        notebook that builds another), or build it in a ``with`` block, whose end calls it. The models cannot train
+        nor run a ZeRO-3 forward afterwards (save them before). Once: a second call does nothing."""
+        self._release()
+
+    def _release(self, keep_errors=True):
+        if self._released:  # (once: a release() inside a with block, then its end)
+            return
+        self._released = True
         engines = [getattr(self, role, None) for role in ("actor", "ref", "actor_ema", "critic", "reward")]
-        release_all([engine for engine in engines if engine is not None])  # (each, whatever another's does)
+        # (each, whatever another's does)
+        release_all([engine for engine in engines if engine is not None], keep_errors=keep_errors)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, error, traceback):
+        """The block's end releases the engines. After an error, that error goes on (a release that fails too does
+        not replace it); after Ctrl-C or another rank's failure on several ranks the engines are left as they are,
+        as ``released_engines`` leaves them (a release could wait on a collective that never comes)."""
+        if error is None or not collective_may_be_pending(error):
+            self._release(keep_errors=error is None)
+        return False
 
     # --- configs ------------------------------------------------------------------------------------------
     def _train_config(self, stage, hybrid=False, role="actor"):
