@@ -87,9 +87,7 @@ class HybridEngine:
         # inference_tp_size > 1: this rank's group of ranks generates together, each holding a slice of the model.
         tp_size = self.hybrid_config.inference_tp_size
         self.tp = TensorParallelGroup.create(tp_size) if tp_size > 1 else None
-        self.inference_weights = build_inference_weights(ds_engine.module, self.hybrid_config,
-                                                         ds_engine.zero_optimization_stage(), ds_engine.device,
-                                                         tp=self.tp)
+        self.inference_weights = self._built_inference_weights(ds_engine)
         # decode_attention: "triton" runs one-token attention with dschat's flash-decoding kernel (attention.py) and
         # writes each new token into the KV cache with one kernel, and chooses tokens in one pass over the logits where
         # it can (triton_sampling.py); "sdpa" leaves the model's SDPA, transformers' cache update and torch's
@@ -127,6 +125,18 @@ class HybridEngine:
         self._evaluating = False
         self._released = False  # release_generation() was called: no more generations
         self.route_module_generate()
+
+    def _built_inference_weights(self, ds_engine):
+        """The weights generation reads. Where they cannot be built (a model the group cannot split), the group this
+        engine has just made is destroyed first: no engine would ever release it (every rank fails alike, as each
+        plans the same model)."""
+        try:
+            return build_inference_weights(ds_engine.module, self.hybrid_config, ds_engine.zero_optimization_stage(),
+                                           ds_engine.device, tp=self.tp)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.destroy()
+            raise
 
     # -- delegation to the DeepSpeed engine -------------------------------------------------------------------------
     def __getattr__(self, name):

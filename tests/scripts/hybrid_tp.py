@@ -263,8 +263,9 @@ def run_case(family, stage, rank, world):
 
 def check_release_destroys_the_group(rank, world):
     """``release_engine`` destroys the engine's tensor-parallel process group (torch kept every one, so a notebook
-    building engine after engine added a group each time); an engine built after the release makes its own and
-    generates as the unsplit model; the released engine refuses to generate."""
+    building engine after engine added a group each time), and a build that fails destroys the group it made; an
+    engine built after the release makes its own and generates as the unsplit model; the released engine refuses to
+    generate."""
     from torch.distributed import distributed_c10d
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
@@ -274,10 +275,19 @@ def check_release_destroys_the_group(rank, world):
     ids, mask = rank_prompts(rank)
     expected = hf_generate(reference, ids, mask, MAX_NEW)
     groups = distributed_c10d._world.pg_map
+    # an engine that cannot be built (GPT-2's fused qkv cannot be split) leaves no group behind either
+    gpt2 = build_actor(reference_model("gpt2"), 0, lora=False)
+    before = len(groups)  # (after the first DeepSpeed engine: DeepSpeed makes a group of its own, once per process)
+    try:
+        HybridEngine(gpt2, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2), pad_token_id=PAD)
+    except NotImplementedError as error:
+        assert "no tensor-parallel plan for GPT2LMHeadModel" in str(error), error
+    else:
+        raise AssertionError("GPT-2 was split")
+    assert len(groups) == before, ("a failed build", before, len(groups))
+    release_engine(gpt2)
     for build in range(2):
         ds_engine = build_actor(reference, 0, lora=False)
-        if build == 0:  # (DeepSpeed makes a group of its own at its first engine, once per process)
-            before = len(groups)
         assert len(groups) == before, (build, before, len(groups))  # the first engine's group is gone
         engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2),
                               pad_token_id=PAD)
