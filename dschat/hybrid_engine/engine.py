@@ -28,6 +28,7 @@ from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_sam
 from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
+from dschat.models.training_engine import released_as
 from dschat.utils.dist import print_beside_progress_bars
 
 def _synchronize():
@@ -125,6 +126,7 @@ class HybridEngine:
         self._evaluating = False
         self._released = False  # release_generation() was called: no more generations
         self.route_module_generate()
+        released_as(ds_engine, self)  # (a step run's, or a notebook engine's failed build's, released_engines block)
 
     def _built_inference_weights(self, ds_engine):
         """The weights generation reads. Where they cannot be built (a model the group cannot split), the group this

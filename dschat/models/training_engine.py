@@ -83,6 +83,13 @@ def _made(engine):
     return engine
 
 
+def released_as(engine, wrapper):
+    """``wrapper`` (a ``HybridEngine``) is released in ``engine``'s place by the ``released_engines`` blocks that hold
+    ``engine``: with its engine, the wrapper's inference tensor-parallel group goes too, which torch would keep."""
+    for scope in _OPEN_SCOPES:
+        scope[:] = [wrapper if made is engine else made for made in scope]
+
+
 def release_engine(engine):
     """Let Python free a finished DeepSpeed engine (a ``HybridEngine``'s too): its model, optimizer states and ZeRO
     buckets (2 GB each at DeepSpeed's default size). Left alone, DeepSpeed 0.19 keeps every engine of a process for

@@ -263,13 +263,13 @@ def run_case(family, stage, rank, world):
 
 def check_release_destroys_the_group(rank, world):
     """``release_engine`` destroys the engine's tensor-parallel process group (torch kept every one, so a notebook
-    building engine after engine added a group each time), and a build that fails destroys the group it made; an
-    engine built after the release makes its own and generates as the unsplit model; the released engine refuses to
-    generate."""
+    building engine after engine added a group each time), and a build that fails destroys the group it made, and a
+    released_engines block releases it with the DeepSpeed engine it made; an engine built after the release makes its
+    own and generates as the unsplit model; the released engine refuses to generate."""
     from torch.distributed import distributed_c10d
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
-    from dschat.models.training_engine import release_engine
+    from dschat.models.training_engine import initialize_frozen, release_engine, released_engines
 
     reference = reference_model("llama")
     ids, mask = rank_prompts(rank)
@@ -286,6 +286,15 @@ def check_release_destroys_the_group(rank, world):
         raise AssertionError("GPT-2 was split")
     assert len(groups) == before, ("a failed build", before, len(groups))
     release_engine(gpt2)
+    # a released_engines block (a step run's: ppo.main; a notebook engine's whose later model fails to load) releases
+    # the engines it made: the DeepSpeed engine, and the group of the HybridEngine around it
+    with released_engines():
+        frozen = initialize_frozen(copy.deepcopy(reference), {"train_micro_batch_size_per_gpu": 2,
+                                                              "zero_optimization": {"stage": 0}})
+        HybridEngine(frozen, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2),
+                     pad_token_id=PAD)
+        assert len(groups) == before + 1, ("released_engines", before, len(groups))
+    assert len(groups) == before, ("released_engines", before, len(groups))
     for build in range(2):
         ds_engine = build_actor(reference, 0, lora=False)
         assert len(groups) == before, (build, before, len(groups))  # the first engine's group is gone
