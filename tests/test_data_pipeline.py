@@ -1060,3 +1060,83 @@ def test_a_forced_rebuild_is_done_once_on_each_storage_the_nodes_write_to(tmp_pa
     # node's own: by each
     shared, own = zip(*((tmp_path / f"built_{rank}").read_text().split() for rank in range(2)))
     assert sorted(shared) == ["False", "True"] and own == ("True", "True")
+
+
+# --- tool calls ---
+
+# Qwen2.5's template in short: the tools listed in the system turn, a call as <tool_call> JSON in the assistant turn,
+# a tool's result as <tool_response> in a user turn (consecutive results in one)
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                           "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "name": "get_weather", "content": "22C"}, {"role": "assistant", "content": "It is 22C."}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+
+
+def qwen_tools(tokenizer):
+    chat = chatml(tokenizer)
+    chat.chat_template = QWEN_TOOLS_TEMPLATE
+    return chat
+
+
+def test_tool_calling_conversations_train_the_assistant_turns_only(tmp_path, tokenizer, capsys):
+    """A conversation with a tool call and the tool's result (TRL's SFT data with a ``tools`` column) was refused
+    ("message 3 has role 'tool'"). It is rendered by the chat template with its tools, as TRL renders it: the last
+    answer is trained, with --multiturn the call too (as TRL's assistant-only loss), never the system, user or tool
+    turns; the tool schemas are in the prompt."""
+    tok = qwen_tools(tokenizer)
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CONVERSATION, "tools": [WEATHER_TOOL]}] * 2)
+    last_only, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+    every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=1024)
+    whole = tok.apply_chat_template(TOOL_CONVERSATION, tools=[WEATHER_TOOL], tokenize=False).rstrip()
+    assert '"name": "get_weather", "description": "The weather in a city."' in whole  # (the schemas are rendered)
+    for dataset in (last_only, every):
+        assert dataset[0]["input_ids"].tolist() == tok(whole, add_special_tokens=False)["input_ids"]
+    assert trained_text(last_only[0], tok) == "It is 22C.<|im_end|>"
+    assert trained_text(every[0], tok) == CALL + "|It is 22C.<|im_end|>"
+    assert "kept all 2 records; 2 earlier assistant turns trained (--multiturn)" in capsys.readouterr().out
+    # a prompt may end with the tool's result: step 3 answers from there, the tools rendered
+    prompt = write_jsonl(tmp_path / "prompt.jsonl", [{"messages": TOOL_CONVERSATION[:4], "tools": [WEATHER_TOOL]}])
+    prompts, _ = build(tmp_path, tok, [f"{prompt},{prompt}"], 3, data_split="0,0,1", max_seq_len=1024)
+    assert prompts[0]["prompt_text"] == tok.apply_chat_template(TOOL_CONVERSATION[:4], tools=[WEATHER_TOOL],
+                                                                add_generation_prompt=True, tokenize=False)
+    assert prompts[0]["prompt_text"].endswith("<tool_response>\n22C\n</tool_response><|im_end|>\n"
+                                              "<|im_start|>assistant\n")
+
+
+def test_tool_records_read_under_renamed_fields(tmp_path, tokenizer):
+    """--data_fields renames the conversation and the tools columns of tool-calling records."""
+    tok = qwen_tools(tokenizer)
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"conv": TOOL_CONVERSATION, "functions": [WEATHER_TOOL]}])
+    train, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024,
+                     data_fields="messages=conv,tools=functions")
+    assert '"description": "The weather in a city."' in tok.decode(train[0]["input_ids"])
+    assert trained_text(train[0], tok) == "It is 22C.<|im_end|>"

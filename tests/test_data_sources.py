@@ -1370,22 +1370,48 @@ def test_bad_message_list_is_an_error(tmp_path):
         raw(path, tmp_path)
 
 
-@pytest.mark.parametrize("call", [{"content": "Let me look.", "tool_calls": [{"type": "function", "function": {
-    "name": "weather", "arguments": "{}"}}]}, {"content": None, "function_call": {"name": "weather", "arguments": "{}"}}])
-def test_a_message_with_tool_calls_is_an_error_not_trained_without_them(tmp_path, call):
-    """An assistant message with text and tool_calls was read as its text alone: step 1 trained the turn to end where
-    the call was, without a word; one with no text was "message 1 has no text content". A null or empty tool_calls
-    column (a fixed schema's) is no call."""
-    records = [{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", **call}]}]
+CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+
+
+@pytest.mark.parametrize("messages, said", [
+    ([{"role": "assistant", "content": "Let me look.", "tool_calls": [CALL]}],
+     r"the last message \(message 1\) calls a tool: the answer trained is the assistant's text after the tool's "
+     r"result"),
+    ([{"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": "{}"}}],
+     r"message 1 has function_call \(OpenAI's older form\), which is not read: give its call as tool_calls"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": {}}}]},
+      {"role": "tool", "content": "Sunny."}, {"role": "assistant", "content": "Sunny."}],
+     r"message 1 has a tool call without a function name"),
+    ([{"role": "tool", "content": "Sunny.", "tool_calls": [CALL]}, {"role": "assistant", "content": "Sunny."}],
+     r"message 1 has tool_calls but role 'tool'; only an assistant turn calls tools"),
+    ([{"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": " "},
+      {"role": "assistant", "content": "Sunny."}], r"message 2 has no text content")])
+def test_tool_calls_and_results_are_read_and_malformed_ones_are_errors(tmp_path, messages, said):
+    """An assistant message with tool_calls was refused ("message 1 has tool_calls, which is not read"), and so was a
+    tool's result (role 'tool'). They are read now (the chat template renders them: test_data_pipeline's tool tests),
+    with the calls and the result's name kept; a conversation ending with a call (no answer after it), OpenAI's older
+    function_call, a call without a name or on another role, and an empty result are the record's error. A null or
+    empty tool_calls column (a fixed schema's) is no call."""
+    records = [{"messages": [{"role": "user", "content": "Weather?"}, *messages]}]
     path = write_records(records, tmp_path / "calls.jsonl", "jsonl")
-    key = next(k for k in call if k != "content")
-    with pytest.raises(DatasetFormatError, match=rf"record 0\): field 'messages': message 1 has {key}, which is not read"):
+    with pytest.raises(DatasetFormatError, match=rf"record 0\): field 'messages': {said}"):
         raw(path, tmp_path)
+    called = [{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [CALL]},
+                            {"role": "tool", "name": "weather", "content": "Sunny."},
+                            {"role": "assistant", "content": "Sunny."}], "tools": json.dumps([{"type": "function"}])}]
     plain = [{"messages": [{"role": "user", "content": "Weather?", "tool_calls": None},
-                           {"role": "assistant", "content": "Sunny.", "tool_calls": []}]}] * 2
-    path = write_records(plain, tmp_path / "plain.jsonl", "jsonl")
+                           {"role": "assistant", "content": "Sunny.", "tool_calls": []}]}]
+    ipython = [{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [CALL]},
+                             {"role": "ipython", "content": "Sunny."}]}]  # (Llama-3.1's role; a prompt ending so)
+    path = write_records(called + plain + ipython, tmp_path / "plain.jsonl", "jsonl")
     adapter = raw(f"{path},{path}", tmp_path)
-    assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Sunny."
+    first, second, third = adapter.get_train_data()
+    assert adapter.get_conversation(third)[-1] == {"role": "ipython", "content": "Sunny."}
+    assert adapter.get_conversation(first)[1:] == [{"role": "assistant", "content": "", "tool_calls": [CALL]},
+                                                   {"role": "tool", "content": "Sunny.", "name": "weather"}]
+    assert adapter.get_tools(first) == [{"type": "function"}] and adapter.get_tools(second) is None
+    assert adapter.get_chosen_text(second) == "Sunny." and adapter.get_conversation(second) == [
+        {"role": "user", "content": "Weather?"}]
 
 
 # --- name dispatch ---

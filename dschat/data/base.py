@@ -14,7 +14,9 @@ from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import parse_transcript, render_human_assistant, split_last_answer
 from .splits import get_raw_dataset_split_index
 
-VALID_ROLES = ("system", "user", "assistant")
+VALID_ROLES = ("system", "user", "assistant", "tool", "ipython")
+# the roles of a tool's result (HF's "tool"; Llama-3.1's "ipython"): an answer may follow one, as it follows the user's
+TOOL_ROLES = ("tool", "ipython")
 
 
 def load_hub_dataset(name, flag, *args, **kwargs):
@@ -99,6 +101,10 @@ class PromptRawDataset:
         """The field whose messages ``get_conversation`` reads (a chat template's refusal of them names it, and a
         message by its place there)."""
         return "messages"
+
+    def get_tools(self, sample):
+        """The record's tool schemas (a ``tools`` column: the chat template renders them), else None."""
+        return None
 
     def get_untrained_turns(self, sample):
         """The positions of the conversation's assistant turns not to train (weight 0 in OpenAI's fine-tuning format):
@@ -235,16 +241,55 @@ def checked_messages(value, field):
             content = _text_of_parts(content, field, position)
         if role not in VALID_ROLES:
             raise RecordError(field, f"message {position} has role {role!r}; expected one of {VALID_ROLES}")
-        if calls := _tool_call_key(message):
-            raise RecordError(field, f"message {position} has {calls}, which is not read (only text is): its text "
-                                     "would be trained without them; remove the record or its calls")
+        if message.get("function_call"):
+            raise RecordError(field, f"message {position} has function_call (OpenAI's older form), which is not read: "
+                                     "give its call as tool_calls [{\"type\": \"function\", \"function\": {\"name\": "
+                                     "..., \"arguments\": {...}}}]")
+        calls = tool_calls(message, role, field, position)
         if content is not None and not isinstance(content, str):  # (a number is no text to train on either)
             raise RecordError(field, f"message {position}'s content is not text ({type(content).__name__})")
-        if not isinstance(content, str) or not content.strip():
+        if calls and not (content or "").strip():
+            content = ""  # (a turn that only calls a tool)
+        elif not isinstance(content, str) or not content.strip():
             raise RecordError(field, f"message {position} has no text content")
         message_weight(message, field, position)
-        messages.append({"role": role, "content": trimmed(content)})
+        messages.append({"role": role, "content": trimmed(content) if content else content,
+                         **({"tool_calls": calls} if calls else {}), **tool_result_keys(message, role)})
     return messages
+
+
+def tool_calls(message, role, field, position):
+    """An assistant message's ``tool_calls`` (OpenAI's and HF's: [{"type": "function", "function": {"name",
+    "arguments"}}], an "id" kept), else None (a null or empty list, a fixed schema's, is no call). Another role's, or
+    a call without a function name, is its record's error."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return None
+    if role != "assistant":
+        raise RecordError(field, f"message {position} has tool_calls but role {role!r}; only an assistant turn calls "
+                                 "tools")
+    if not isinstance(calls, (list, tuple)):
+        raise RecordError(field, f"message {position}'s tool_calls is a {type(calls).__name__}, not a list")
+    checked = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise RecordError(field, f"message {position} has a tool call without a function name; each is "
+                                     "{\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}}")
+        checked.append({key: value for key, value in call.items() if value is not None})
+    return checked
+
+
+def tool_result_keys(message, role):
+    """The ``name`` and ``tool_call_id`` of a tool's result (templates write the tool's name, or match the call)."""
+    if role not in TOOL_ROLES:
+        return {}
+    return {key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)}
+
+
+def has_tool_turns(messages):
+    """Whether a conversation holds a tool's result or an assistant turn calling one."""
+    return any(message["role"] in TOOL_ROLES or message.get("tool_calls") for message in messages)
 
 
 def message_weight(message, field, position):
@@ -265,13 +310,6 @@ def untrained_turns(value, messages):
                      if message["role"] == "assistant" and raw.get("weight") == 0)
 
 
-def _tool_call_key(message):
-    """The key of a message's tool calls (OpenAI's and HF's ``tool_calls``, OpenAI's older ``function_call``), else
-    None. Messages with their own text were read without them: an assistant turn that calls a tool was trained to
-    stop where the call was. (A column holding null or [] for every message is no call.)"""
-    return next((key for key in ("tool_calls", "function_call") if message.get(key)), None)
-
-
 def _text_of_parts(parts, field, position):
     texts = []
     for part in parts:
@@ -283,8 +321,8 @@ def _text_of_parts(parts, field, position):
 
 
 def prompt_messages(messages, field):
-    if messages[-1]["role"] != "user":
-        raise RecordError(field, "the prompt messages must end with a user message")
+    if messages[-1]["role"] not in ("user", *TOOL_ROLES):
+        raise RecordError(field, "the prompt messages must end with a user message (or a tool's result)")
     return messages
 
 
@@ -292,9 +330,13 @@ def final_assistant_answer(messages, field):
     prompt, answer = split_last_answer(messages)
     if answer is None:
         raise RecordError(field, "the last message must be the assistant's answer")
+    if messages[-1].get("tool_calls"):
+        raise RecordError(field, f"the last message (message {len(messages) - 1}) calls a tool: the answer trained is "
+                                 "the assistant's text after the tool's result; end the conversation with it (with "
+                                 "--multiturn a call before it is trained too)")
     return prompt, answer
 
 
 __all__ = ["PromptRawDataset", "read_or_none", "required_text", "optional_text",
            "conversation_from_transcript", "answer_from_transcript", "checked_messages", "untrained_turns",
-           "prompt_messages", "final_assistant_answer"]
+           "prompt_messages", "final_assistant_answer", "has_tool_turns", "TOOL_ROLES"]

@@ -105,19 +105,25 @@ def render_human_assistant(messages):
     return "".join(pieces) + ASSISTANT_PREFIX
 
 
-def format_prompt(messages, tokenizer):
+def format_prompt(messages, tokenizer, tools=None):
     """The text the model sees before its answer; ends where generation starts. ``messages``: the conversation's
     {"role", "content"} messages, or a string, read as a record's string prompt is (``parse_transcript``: a
     "Human: ... Assistant:" transcript, or one user message); a string was read character by character ("string
-    indices must be integers")."""
+    indices must be integers"). ``tools``: the record's tool schemas, for the chat template (``tools=``)."""
     if isinstance(messages, str):
         messages = parse_transcript(messages)
     if uses_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                             **tools_argument(tools))
     return render_human_assistant(messages)
 
 
-def format_answer(text, tokenizer, add_eot=True, eot_token=None, messages=None, prompt=None):
+def tools_argument(tools):
+    """apply_chat_template's ``tools`` keyword for a record's tool schemas (none: no keyword, as before)."""
+    return {"tools": list(tools)} if tools else {}
+
+
+def format_answer(text, tokenizer, add_eot=True, eot_token=None, messages=None, prompt=None, tools=None):
     """The answer as it follows ``format_prompt(messages)`` (``prompt``, when the caller has it): " " + text + EOT;
     with a chat template, the template's rendering of the answer up to its EOT (``templated_answer``, given the
     prompt's ``messages``), else text + EOT."""
@@ -125,18 +131,19 @@ def format_answer(text, tokenizer, add_eot=True, eot_token=None, messages=None, 
     if not uses_chat_template(tokenizer):
         body = " " + text
     else:
-        body = (templated_answer(messages, text, tokenizer, eot, prompt) if messages else None) or text
+        body = (templated_answer(messages, text, tokenizer, eot, prompt, tools) if messages else None) or text
     return body + eot if add_eot else body
 
 
-def templated_answer(messages, text, tokenizer, eot, prompt=None):
+def templated_answer(messages, text, tokenizer, eot, prompt=None, tools=None):
     """What the chat template writes for the answer ``text`` after ``format_prompt(messages)`` (``prompt``), up to
     the first EOT after the text; None when it writes none there or renders the prompt otherwise."""
     from jinja2.exceptions import TemplateError
 
-    prompt = prompt if prompt is not None else format_prompt(messages, tokenizer)
+    prompt = prompt if prompt is not None else format_prompt(messages, tokenizer, tools)
     try:
-        whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": text}], tokenize=False)
+        whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": text}], tokenize=False,
+                                              **tools_argument(tools))
     except (TemplateError, ValueError):
         return None
     if not whole.startswith(prompt):

@@ -56,8 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dschat.errors import MissingInputError, UsageError
-from .base import (PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer, optional_text,
-                   prompt_messages, required_text, untrained_turns)
+from .base import (TOOL_ROLES, PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer,
+                   optional_text, prompt_messages, required_text, untrained_turns)
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import parse_transcript, with_lf_line_ends
 
@@ -83,12 +83,14 @@ def parse_field_map(text):
     return checked_field_options(mapping)
 
 
-# Besides the record fields: the column of TRL's unpaired preference labels (KTO's), beside an answer.
+# Besides the record fields: the column of TRL's unpaired preference labels (KTO's), beside an answer; and a
+# record's tool schemas (TRL's "tools" column), which the chat template renders (apply_chat_template(tools=...)).
 LABEL_FIELD = "label"
+TOOLS_FIELD = "tools"
 
 
 def checked_field_options(field_options):
-    renamable = [*FIELD_NAMES, LABEL_FIELD]
+    renamable = [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD]
     unknown = sorted(set(field_options) - set(renamable))
     if unknown:
         raise UsageError(f"unknown data field(s) {unknown}; the fields that can be renamed are {renamable}")
@@ -998,7 +1000,7 @@ class LocalDataset(PromptRawDataset):
 
     def __init__(self, source, output_path, seed, local_rank, field_options=None):
         self.source = source
-        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD)}
+        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD)}
         self.renamed = checked_field_options(field_options or {})
         self.fields.update(self.renamed)
         self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
@@ -1160,6 +1162,7 @@ class LocalDataset(PromptRawDataset):
                 self.get_chosen_text(sample)
                 self.get_rejected_text(sample)
                 self.is_undesirable(sample)
+                self.get_tools(sample)
             except SkipRecord:  # (counted where the phase reads it)
                 pass
             except RecordError as err:
@@ -1261,7 +1264,7 @@ class LocalDataset(PromptRawDataset):
             messages = parse_transcript(value)
         else:
             return None  # (read as a transcript answer, which says what is wrong)
-        return messages if messages and messages[-1]["role"] == "user" else None
+        return messages if messages and messages[-1]["role"] in ("user", *TOOL_ROLES) else None
 
     def _split_message_list(self, sample, field):
         """(prompt turns, answer) of a full conversation whose last message is the assistant's answer: a message
@@ -1304,6 +1307,24 @@ class LocalDataset(PromptRawDataset):
         if sample[field] is None:
             raise RecordError(field, "missing or null")
         return self._answer_value(sample, field)
+
+    def get_tools(self, sample):
+        """The record's ``tools`` column (renamed: ``--data_fields tools=NAME``): a list of tool schemas (JSON objects),
+        or that list as JSON text; None where the record has none."""
+        field = self.fields[TOOLS_FIELD]
+        value = sample.get(field)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as err:
+                raise RecordError(field, f"not a JSON list of tool schemas ({err})") from None
+        if not value:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(isinstance(tool, dict) for tool in value):
+            raise RecordError(field, "expected a list of tool schemas ({\"type\": \"function\", \"function\": "
+                                     "{\"name\", \"description\", \"parameters\"}}), as apply_chat_template(tools=...) "
+                                     "takes")
+        return list(value)
 
     def get_untrained_turns(self, sample):
         return self._weighted_messages(sample)[1] if self.shape == "messages" else frozenset()

@@ -16,6 +16,10 @@ a conversation whose last turn has it is trained up to its last turn of weight 1
 
 A template that renders earlier turns otherwise than a prompt ending at them (one dropping an earlier turn's
 reasoning, say) leaves that turn in the prompt; the data report counts those turns.
+
+An assistant turn that calls tools (``tool_calls``) is trained as TRL's assistant-only loss trains it: from where the
+prompt before it ends through the template's EOT after it (its text, if any, and the calls as the template writes
+them), when every call's function name is there. Tool results (role "tool") are never trained: they stay prompt.
 """
 from bisect import bisect_left, bisect_right
 
@@ -46,25 +50,32 @@ def answered_turns(skip, untrained=frozenset()):
     return prompt_messages(prompt, "messages"), answer
 
 
-def earlier_answer_spans(messages_list, prompt_texts, offsets, tokenizer, eot_token, untrained_list=None):
+def earlier_answer_spans(messages_list, prompt_texts, offsets, tokenizer, eot_token, untrained_list=None,
+                         tools_list=None):
     """Per conversation, ``([start, end, start, end, ...] token spans of its earlier assistant turns in the prompt
     ids, how many turns were not found)``; ``offsets``: each prompt token's (start, end) characters;
-    ``untrained_list``: per conversation, the positions of its turns not to train (weight 0)."""
+    ``untrained_list``: per conversation, the positions of its turns not to train (weight 0); ``tools_list``: per
+    conversation, its tool schemas (rendered by the template)."""
     result = []
-    for messages, text, token_offsets, untrained in zip(messages_list, prompt_texts, offsets,
-                                                        untrained_list or [frozenset()] * len(messages_list)):
-        spans, missed = answer_char_spans(messages, text, tokenizer, eot_token, untrained)
+    count = len(messages_list)
+    for messages, text, token_offsets, untrained, tools in zip(messages_list, prompt_texts, offsets,
+                                                               untrained_list or [frozenset()] * count,
+                                                               tools_list or [None] * count):
+        spans, missed = answer_char_spans(messages, text, tokenizer, eot_token, untrained, tools)
         result.append((token_spans(spans, token_offsets), missed))
     return result
 
 
-def answer_char_spans(messages, prompt_text, tokenizer, eot_token, untrained=frozenset()):
+def answer_char_spans(messages, prompt_text, tokenizer, eot_token, untrained=frozenset(), tools=None):
     """(character spans [start, end) of the assistant turns of ``messages`` in ``prompt_text``, but those at the
     positions ``untrained`` (weight 0: they stay prompt), how many were not found there)."""
     spans, missed = [], 0
     for index, message in enumerate(messages):
         if message["role"] == "assistant" and index not in untrained:
-            span = turn_span(messages[:index], message["content"], prompt_text, tokenizer, eot_token)
+            if message.get("tool_calls"):
+                span = call_turn_span(messages[:index], message, prompt_text, tokenizer, eot_token, tools)
+            else:
+                span = turn_span(messages[:index], message["content"], prompt_text, tokenizer, eot_token, tools)
             if span is None:
                 missed += 1
             else:
@@ -72,16 +83,11 @@ def answer_char_spans(messages, prompt_text, tokenizer, eot_token, untrained=fro
     return spans, missed
 
 
-def turn_span(before, content, prompt_text, tokenizer, eot_token):
+def turn_span(before, content, prompt_text, tokenizer, eot_token, tools=None):
     """Where ``content`` follows the rendering of ``before`` in ``prompt_text`` (from the end of that rendering,
     through the content and an EOT after it), or None."""
-    from jinja2.exceptions import TemplateError
-
-    try:
-        prefix = format_prompt(before, tokenizer)
-    except (TemplateError, ValueError):  # a template that refuses a conversation opening with the assistant; an empty
-        return None  # conversation (transformers' "Cannot apply chat template to an empty conversation")
-    if not content or not prompt_text.startswith(prefix):
+    prefix = rendered_prefix(before, prompt_text, tokenizer, tools)
+    if prefix is None or not content:
         return None
     body = _after_whitespace(prompt_text, len(prefix))
     if not prompt_text.startswith(content, body):
@@ -91,6 +97,33 @@ def turn_span(before, content, prompt_text, tokenizer, eot_token):
     if eot_token and prompt_text.startswith(eot_token, after):
         end = after + len(eot_token)
     return len(prefix), end
+
+
+def call_turn_span(before, message, prompt_text, tokenizer, eot_token, tools=None):
+    """Where an assistant turn calling tools is in ``prompt_text``: from the end of the rendering of ``before``
+    through the first EOT after it, when every call's function name is in between; else None."""
+    prefix = rendered_prefix(before, prompt_text, tokenizer, tools)
+    if prefix is None or not eot_token:
+        return None
+    end = prompt_text.find(eot_token, len(prefix))
+    if end < 0:
+        return None
+    body = prompt_text[len(prefix):end]
+    if message["content"] and message["content"] not in body or any(
+            call["function"]["name"] not in body for call in message["tool_calls"]):
+        return None
+    return len(prefix), end + len(eot_token)
+
+
+def rendered_prefix(before, prompt_text, tokenizer, tools=None):
+    """``format_prompt(before)`` where ``prompt_text`` begins with it, else None."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        prefix = format_prompt(before, tokenizer, tools)
+    except (TemplateError, ValueError):  # a template that refuses a conversation opening with the assistant; an empty
+        return None  # conversation (transformers' "Cannot apply chat template to an empty conversation")
+    return prefix if prompt_text.startswith(prefix) else None
 
 
 def _after_whitespace(text, position):

@@ -79,6 +79,7 @@ class Example:
     prompt_text: str | None = None  # format_prompt(messages), rendered where a refusal can name the record
     unanswered: bool = False  # --multiturn: a conversation ending with a user turn, trained up to its last answer
     untrained: frozenset = frozenset()  # --multiturn: positions of the assistant turns of weight 0 (stay prompt)
+    tools: list | None = None  # the record's tool schemas, rendered by the chat template (apply_chat_template(tools=))
 
 
 def phase_features(train_phase):
@@ -484,12 +485,14 @@ def count_duplicates(keys, seen, source):
 
 
 def record_key(example):
-    """A hash of what the phase reads of a record (messages, answers, extra fields, the turns it does not train):
+    """A hash of what the phase reads of a record (messages, answers, extra fields, the turns it does not train, its
+    tools):
     equal for exact copies. (The same conversation with another assistant turn of weight 0 trains other turns with
     --multiturn: it was counted as a copy, 'trained again'.)"""
     import hashlib
 
-    text = json.dumps([example.messages, example.chosen, example.rejected, example.extra, sorted(example.untrained)],
+    text = json.dumps([example.messages, example.chosen, example.rejected, example.extra, sorted(example.untrained),
+                       example.tools],
                       sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
@@ -515,7 +518,7 @@ def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=Fals
     for sample in records:
         try:
             example = extract_example(raw, sample, train_phase, multiturn)
-            example.prompt_text = rendered_prompt(example.messages, tokenizer, raw, sample)
+            example.prompt_text = rendered_prompt(example.messages, tokenizer, raw, sample, example.tools)
             examples.append(example)
         except SkipRecord as skip:
             skips[skip.reason] += 1
@@ -526,14 +529,14 @@ def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=Fals
     return examples
 
 
-def rendered_prompt(messages, tokenizer, raw=None, sample=None):
+def rendered_prompt(messages, tokenizer, raw=None, sample=None, tools=None):
     """``format_prompt``; a chat template that refuses the messages (``raise_exception``: "System role not
     supported", roles not alternating) is a RecordError of the record (``sample`` of ``raw``: of the field that holds
     them; a prompt's message list was said to be field 'messages'), not jinja's traceback."""
     from jinja2.exceptions import TemplateError
 
     try:
-        return format_prompt(messages, tokenizer)
+        return format_prompt(messages, tokenizer, tools)
     except TemplateError as err:
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         field = raw.conversation_field(sample) if raw is not None else "messages"
@@ -562,6 +565,12 @@ UNDESIRABLE = "undesirable answer (label false: TRL's unpaired preference data)"
 def extract_example(raw, sample, train_phase, multiturn=False):
     """Only the accessors a phase needs are called, so e.g. a tie only matters in phase 2. ``multiturn``: phase 1
     trains a conversation ending with a user turn up to its last answer."""
+    example = _extract_example(raw, sample, train_phase, multiturn)
+    example.tools = raw.get_tools(sample)
+    return example
+
+
+def _extract_example(raw, sample, train_phase, multiturn):
     messages = raw.get_conversation(sample)
     if train_phase == 3:
         answers = raw.get_reference_answers(sample)  # a data column of the same name (fields renamed) stays extra_
@@ -597,7 +606,8 @@ def tokenize_examples(examples, tokenizer, settings):
     without a template. The EOT ids are appended, not tokenized with the text, so they are always the
     EOT token itself.
     """
-    prompt_texts = [example.prompt_text or format_prompt(example.messages, tokenizer) for example in examples]
+    prompt_texts = [example.prompt_text or format_prompt(example.messages, tokenizer, example.tools)
+                    for example in examples]
     add_special = not uses_chat_template(tokenizer)
     multiturn = settings.multiturn and settings.train_phase == 1
     if multiturn:  # the prompt's token offsets come with its ids: each earlier assistant turn's tokens are found there
@@ -610,7 +620,7 @@ def tokenize_examples(examples, tokenizer, settings):
         texts = [getattr(example, side) for example in examples]
         if texts and all(text is not None for text in texts):
             answers = [format_answer(text, tokenizer, add_eot=False, eot_token=settings.eot_token,
-                                     messages=example.messages, prompt=prompt)
+                                     messages=example.messages, prompt=prompt, tools=example.tools)
                        for text, example, prompt in zip(texts, examples, prompt_texts)]
             joint = tokenize_texts(tokenizer, [p + a for p, a in zip(prompt_texts, answers)], add_special)
             columns[side] = [answer_ids_after_prompt(tokenizer, prompt, ids, answer)
@@ -618,7 +628,8 @@ def tokenize_examples(examples, tokenizer, settings):
     if multiturn:
         columns["earlier"] = earlier_answer_spans([example.messages for example in examples], prompt_texts, offsets,
                                                   tokenizer, settings.eot_token,
-                                                  [example.untrained for example in examples])
+                                                  [example.untrained for example in examples],
+                                                  [example.tools for example in examples])
     eot = tokenizer(settings.eot_token, add_special_tokens=False)["input_ids"]
     if not eot:
         raise UsageError(f"the end-of-conversation token {settings.eot_token!r} tokenizes to nothing")
