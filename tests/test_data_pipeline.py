@@ -1132,6 +1132,28 @@ def test_tool_calling_conversations_train_the_assistant_turns_only(tmp_path, tok
                                               "<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("template", ["drops_tool_results", "drops_calls", "none"])
+def test_tool_turns_a_template_does_not_render_are_the_records_error(tmp_path, tokenizer, template):
+    """A chat template that leaves out tool results or calls (a plain ChatML one writes a call's empty content) would
+    train the answer after a conversation without them, as TRL does without a word; without a template
+    (Human:/Assistant:) there is no way to write them. Each is an error naming the file, record and message."""
+    tok = {"drops_tool_results": qwen_tools(tokenizer), "drops_calls": chatml(tokenizer), "none": tokenizer}[template]
+    if template == "drops_tool_results":
+        tok.chat_template = QWEN_TOOLS_TEMPLATE.replace("+ message.content + '\\n</tool_response>'",
+                                                        "+ '</tool_response>'")
+        assert tok.chat_template != QWEN_TOOLS_TEMPLATE
+    other = [{"messages": CONVERSATION}]
+    path = write_jsonl(tmp_path / "tools.jsonl", other + [{"messages": TOOL_CONVERSATION, "tools": [WEATHER_TOOL]}])
+    said = {"drops_tool_results": r"message 3 is a tool's result \(role 'tool'\), but the tokenizer's chat template "
+                                  r"does not render its content \('22C'\)",
+            "drops_calls": r"message 2 calls the tool 'get_weather', but the tokenizer's chat template does not "
+                           r"render it",
+            "none": r"message 2 calls the tool 'get_weather': tool calls and results are rendered only by a chat "
+                    r"template that renders them, and the tokenizer has none"}[template]
+    with pytest.raises(DatasetFormatError, match=rf"tools.jsonl line 2 \(record 1\): field 'messages': {said}"):
+        build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+
+
 def test_tool_records_read_under_renamed_fields(tmp_path, tokenizer):
     """--data_fields renames the conversation and the tools columns of tool-calling records."""
     tok = qwen_tools(tokenizer)

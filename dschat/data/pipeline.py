@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dschat.errors import UsageError
+from .base import TOOL_ROLES, has_tool_turns
 from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
@@ -532,16 +533,62 @@ def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=Fals
 def rendered_prompt(messages, tokenizer, raw=None, sample=None, tools=None):
     """``format_prompt``; a chat template that refuses the messages (``raise_exception``: "System role not
     supported", roles not alternating) is a RecordError of the record (``sample`` of ``raw``: of the field that holds
-    them; a prompt's message list was said to be field 'messages'), not jinja's traceback."""
+    them; a prompt's message list was said to be field 'messages'), not jinja's traceback. So are tool turns that no
+    chat template renders (``check_tool_turns_rendered``)."""
     from jinja2.exceptions import TemplateError
 
+    field = raw.conversation_field(sample) if raw is not None else "messages"
     try:
-        return format_prompt(messages, tokenizer, tools)
+        text = format_prompt(messages, tokenizer, tools) if uses_chat_template(tokenizer) or \
+            not has_tool_turns(messages) else None
     except TemplateError as err:
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
-        field = raw.conversation_field(sample) if raw is not None else "messages"
         raise RecordError(field, f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; "
                                  f"the record's first user message: {first[:60]!r}") from err
+    check_tool_turns_rendered(messages, text, field)
+    return text
+
+
+def check_tool_turns_rendered(messages, text, field):
+    """A tool's result or an assistant's tool call must be in the prompt ``text`` the chat template rendered (None:
+    no template): a template that drops them, or writes no calls, would train the answer after a conversation without
+    them, as TRL's SFTTrainer does without a word. Each message is looked for after the one before (a call's function
+    name not in the tool schemas the template lists first), the others' text where it is found as written."""
+    if not has_tool_turns(messages):
+        return
+    position = 0
+    for index, message in enumerate(messages):
+        calls = message.get("tool_calls") or ()
+        if message["role"] not in TOOL_ROLES and not calls:
+            position = _after(text or "", message["content"], position)
+            continue
+        if text is None:
+            raise RecordError(field, f"message {index} {_tool_turn(message)}: tool calls and results are rendered "
+                                     "only by a chat template that renders them, and the tokenizer has none (the "
+                                     "Human:/Assistant: format); use a tokenizer whose chat template renders tools "
+                                     "(Qwen2.5's, Llama-3.1's), or leave the record out")
+        wanted = [call["function"]["name"] for call in calls] or [message["content"]]
+        position = _after(text, message["content"], position) if calls else position
+        for piece in wanted:
+            found = text.find(piece, position)
+            if found < 0:
+                raise RecordError(field, f"message {index} {_tool_turn(message)}, but the tokenizer's chat template "
+                                         f"does not render {'it' if calls else 'its content'} ({piece[:60]!r}): the "
+                                         "model would be trained without it; use a chat template that renders tool "
+                                         "calls and results (Qwen2.5's, Llama-3.1's), or leave the record out")
+            position = found + len(piece)
+
+
+def _tool_turn(message):
+    if message.get("tool_calls"):
+        return f"calls the tool {message['tool_calls'][0]['function']['name']!r}"
+    return f"is a tool's result (role {message['role']!r})"
+
+
+def _after(text, piece, position):
+    """Where ``piece`` ends in ``text`` after ``position``; ``position`` where it is not there (or empty)."""
+    found = text.find(piece, position) if piece else -1
+    return found + len(piece) if found >= 0 else position
 
 
 def refused_message(messages):
