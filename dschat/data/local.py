@@ -32,7 +32,11 @@ prompt=question,chosen=good``):
   ``conversations`` of {from, value} too); one ending with a user turn is a prompt (step 3), skipped and counted by
   steps 1 and 2 (step 1's ``--multiturn`` trains its assistant turns before it). An assistant message's ``weight``
   (OpenAI's chat fine-tuning format) is 0 or 1: a turn of weight 0 is not trained (``--multiturn`` leaves it prompt;
-  one that is the last turn makes the record a counted skip without ``--multiturn``).
+  one that is the last turn makes the record a counted skip without ``--multiturn``). Tool calling (TRL's SFT data):
+  an assistant message's ``tool_calls``, a tool's result as a message of role ``tool`` (or ``ipython``), the record's
+  tool schemas in a ``tools`` column (``--data_fields tools=NAME``), rendered by the chat template
+  (``apply_chat_template(tools=...)``; a template that leaves them out, or none, is the record's error when it is
+  encoded); the answer follows the tool's result, and a prompt may end with one.
 * ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format), or as whole
   "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts (Anthropic/hh-rlhf's files): the turns before the last are
   the prompt and must be the same in both; the last (assistant) turns are the answers. Plain strings are TRL's
