@@ -1414,6 +1414,26 @@ def test_tool_calls_and_results_are_read_and_malformed_ones_are_errors(tmp_path,
         {"role": "user", "content": "Weather?"}]
 
 
+def test_a_pairs_answers_after_other_tool_calls_are_an_error(tmp_path):
+    """A preference pair's turns before its answers are compared (they are the prompt both answers are trained after):
+    by their roles and text only, turns that call a tool with other arguments read as the same, and the rejected
+    answer was trained after the chosen one's call."""
+    def conversation(city, answer):
+        call = {"type": "function", "function": {"name": "weather", "arguments": {"city": city}}}
+        return [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "Sunny."}, {"role": "assistant", "content": answer}]
+
+    same = [{"chosen": conversation("Paris", "Sunny."), "rejected": conversation("Paris", "Rainy.")}]
+    path = write_records(same, tmp_path / "same.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    assert adapter.get_rejected_text(adapter.get_train_data()[0]) == "Rainy."
+    other = [{"chosen": conversation("Paris", "Sunny."), "rejected": conversation("Rome", "Rainy.")}]
+    path = write_records(other, tmp_path / "other.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"record 0\): field 'rejected': its prompt turns differ from those "
+                                                 r"of 'chosen'"):
+        raw(path, tmp_path)
+
+
 # --- name dispatch ---
 
 @pytest.mark.parametrize("name", ["Dahoas/rm-static-typo", "rm-static", "dahoas/rm-static", "Dahoas/rm-static ",

@@ -1411,8 +1411,10 @@ def _check_answer_follows_user(turns, field):
 
 
 def _turns_of(messages):
-    """(role, text) of each message, its whitespace runs as one space (a file's \r\n is the same prompt)."""
-    return [(message["role"], " ".join(message["content"].split())) for message in messages]
+    """(role, text, tool calls) of each message, its whitespace runs as one space (a file's \r\n is the same prompt);
+    calls of other functions or arguments are other turns (of text alone, all of them read as the same empty turn)."""
+    return [(message["role"], " ".join(message["content"].split()),
+             json.dumps(message.get("tool_calls"), sort_keys=True, default=str)) for message in messages]
 
 
 def text_prompt_messages(text):
