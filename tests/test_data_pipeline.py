@@ -1162,3 +1162,21 @@ def test_tool_records_read_under_renamed_fields(tmp_path, tokenizer):
                      data_fields="messages=conv,tools=functions")
     assert '"description": "The weather in a city."' in tok.decode(train[0]["input_ids"])
     assert trained_text(train[0], tok) == "It is 22C.<|im_end|>"
+
+
+@pytest.mark.parametrize("template", ["plain_chatml", "none"])
+def test_tools_a_template_does_not_render_are_the_records_error(tmp_path, tokenizer, template):
+    """A record's tool schemas (a ``tools`` column) were passed to a chat template that writes none of them, or left
+    out by the Human:/Assistant: format, without a word: the answer was trained as if no tool had been offered. A tool
+    that is not in the rendered prompt (by its function's name) is the record's error."""
+    tok = chatml(tokenizer) if template == "plain_chatml" else tokenizer
+    answered = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello, friend."}]
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": answered}, {"messages": answered,
+                                                                           "tools": [WEATHER_TOOL]}])
+    said = {"plain_chatml": r"the tokenizer's chat template does not render the record's tool 'get_weather'",
+            "none": r"the record's tools \('get_weather', ...\) are rendered only by a chat template that renders "
+                    r"them, and the tokenizer has none"}[template]
+    with pytest.raises(DatasetFormatError, match=rf"tools.jsonl line 2 \(record 1\): field 'tools': {said}"):
+        build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+    qwen, _ = build(tmp_path, qwen_tools(tokenizer), [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+    assert len(qwen) == 2

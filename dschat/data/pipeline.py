@@ -540,13 +540,33 @@ def rendered_prompt(messages, tokenizer, raw=None, sample=None, tools=None):
     field = raw.conversation_field(sample) if raw is not None else "messages"
     try:
         text = format_prompt(messages, tokenizer, tools) if uses_chat_template(tokenizer) or \
-            not has_tool_turns(messages) else None
+            not (tools or has_tool_turns(messages)) else None
     except TemplateError as err:
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         raise RecordError(field, f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; "
                                  f"the record's first user message: {first[:60]!r}") from err
     check_tool_turns_rendered(messages, text, field)
+    check_tools_rendered(tools, text, getattr(raw, "fields", {}).get("tools", "tools"))
     return text
+
+
+def check_tools_rendered(tools, text, field):
+    """Each of a record's tool schemas must be in the prompt ``text`` the chat template rendered (None: no template)
+    by its function's name: a template that leaves them out (a plain ChatML one), or the Human:/Assistant: format,
+    would train the answer to a conversation without the tools it was given."""
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        name = function.get("name")
+        if text is None:
+            raise RecordError(field, f"the record's tools ({name!r}, ...) are rendered only by a chat template that "
+                                     "renders them, and the tokenizer has none (the Human:/Assistant: format); use a "
+                                     "tokenizer whose chat template renders tools (Qwen2.5's, Llama-3.1's), or leave "
+                                     "the record out")
+        if not isinstance(name, str) or name not in text:
+            raise RecordError(field, f"the tokenizer's chat template does not render the record's tool {name!r} (not "
+                                     "in its prompt), so the model would be trained without it; use a chat template "
+                                     "that renders tools (apply_chat_template(tools=...): Qwen2.5's, Llama-3.1's), or "
+                                     "leave the record out")
 
 
 def check_tool_turns_rendered(messages, text, field):
