@@ -1180,3 +1180,15 @@ def test_tools_a_template_does_not_render_are_the_records_error(tmp_path, tokeni
         build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
     qwen, _ = build(tmp_path, qwen_tools(tokenizer), [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
     assert len(qwen) == 2
+
+
+def test_tool_call_arguments_given_as_json_text_are_written_as_the_template_writes_an_object(tmp_path, tokenizer):
+    """OpenAI's format gives a call's arguments as JSON text; HF's templates write ``arguments | tojson``, which wrote
+    that text as a quoted string with its quotes escaped ("arguments": "{\\"city\\": ..."), and --multiturn trained the
+    model to call tools so. Text holding a JSON object is read as that object; other text is kept."""
+    tok = qwen_tools(tokenizer)
+    as_text = copy.deepcopy(TOOL_CONVERSATION)
+    as_text[2]["tool_calls"][0]["function"]["arguments"] = '{"city":  "Paris"}'
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": as_text, "tools": [WEATHER_TOOL]}] * 2)
+    every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=1024)
+    assert trained_text(every[0], tok) == CALL + "|It is 22C.<|im_end|>"

@@ -7,6 +7,7 @@ ending with a user turn), ``get_chosen_text`` / ``get_rejected_text`` (bare answ
 and ``get_extra`` (other columns, passed to step 3 for reward functions, with ``get_reference_answers``). The string
 methods are derived from the structured ones unless an adapter overrides them to reproduce DeepSpeed-Chat exactly.
 """
+import json
 import os
 
 from dschat.errors import MissingInputError
@@ -276,8 +277,24 @@ def tool_calls(message, role, field, position):
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise RecordError(field, f"message {position} has a tool call without a function name; each is "
                                      "{\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}}")
-        checked.append({key: value for key, value in call.items() if value is not None})
+        call = {key: value for key, value in call.items() if value is not None}
+        if "arguments" in function:
+            call["function"] = {**function, "arguments": json_object_arguments(function["arguments"])}
+        checked.append(call)
     return checked
+
+
+def json_object_arguments(arguments):
+    """A call's arguments as a dict where given as the JSON text of one (OpenAI's format): HF's chat templates write
+    ``arguments | tojson``, and the text was written as a quoted string, its quotes escaped (the model trained to
+    call tools so); other values as given."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
 
 
 def tool_result_keys(message, role):
