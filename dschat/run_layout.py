@@ -52,6 +52,13 @@ def save_staging_prefix(model_path):
     return f".{os.path.basename(os.path.abspath(model_path))}.tmp-"
 
 
+def save_swap_paths(model_path):
+    """(new, old): where a save of an existing model folder puts its finished copy, then the earlier folder, while it
+    swaps them by renames (``checkpoint.install_folder``): beside the folder (the one a link to it points to)."""
+    parent, name = os.path.split(os.path.realpath(model_path))
+    return os.path.join(parent, f".{name}.save-new"), os.path.join(parent, f".{name}.save-old")
+
+
 def save_leftovers(model_path):
     """The unfinished copy a save of ``model_path`` killed before it moved in left (``checkpoint.atomic_folder``
     stages it as ``.NAME.tmp-*`` in the model folder, else beside it), said with its size. No reader takes it for the
@@ -64,6 +71,13 @@ def save_leftovers(model_path):
             if os.path.isdir(leftover):
                 said.append(f"{leftover} ({_size(leftover)}) is an unfinished save's copy, interrupted or still being "
                             "written: it only takes disk space, and the next save there removes it")
+    new, old = save_swap_paths(model_path)
+    if os.path.isdir(new):
+        said.append(f"{new} is the finished copy of a save interrupted while it replaced the folder: the next run or "
+                    "save there moves it in")
+    if os.path.isdir(old):
+        said.append(f"{old} is the folder a save replaced, interrupted before it moved the files that are no model's "
+                    "(logs, checkpoints) back: the next run or save there moves them and removes it")
     return said
 
 

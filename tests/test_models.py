@@ -644,6 +644,83 @@ def test_atomic_folder_leaves_old_contents_when_writing_fails(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
+def _sharded_save(folder, seed):
+    """A model saved as several shards and their index, in ``folder``; its weights."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert len([name for name in os.listdir(folder) if name.startswith("model-0")]) > 2
+    return model.state_dict()
+
+
+def _killed_save(target, kill_at):
+    """A sharded save into ``target`` killed at the ``kill_at``-th rename of its switch: whether it was (a switch of
+    fewer renames is not)."""
+    renames = [0]
+
+    def rename(real):
+        def killable(*args, **kwargs):
+            renames[0] += 1
+            if renames[0] == kill_at:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return killable
+
+    with pytest.MonkeyPatch.context() as patch:
+        try:
+            with atomic_folder(str(target)) as tmp:
+                _sharded_save(tmp, seed=2)
+                patch.setattr(os, "rename", rename(os.rename))
+                patch.setattr(os, "replace", rename(os.replace))
+        except KeyboardInterrupt:
+            return True
+    return False
+
+
+def _same_weights(folder, state):
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    return all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+
+def test_a_sharded_save_killed_while_it_replaces_a_folder_leaves_the_old_or_the_new_model_whole(tmp_path, monkeypatch):
+    """Its shards went in one rename at a time: a kill between two left new and old shards mixed in the folder,
+    which loaded as neither model. The folders are now swapped: a kill at any rename leaves the earlier model or the
+    new one (or, between the swap's two renames, the new one beside it), and the next save or run there finishes the
+    switch, keeping the folder's other files (a log, the step's checkpoints)."""
+    from dschat.run_layout import save_leftovers
+    from dschat.steps.common import check_output_dir
+
+    old = _sharded_save(tmp_path / "reference_old", seed=1)
+    new = _sharded_save(tmp_path / "reference_new", seed=2)
+    kill_at = 1
+    while True:
+        target = tmp_path / f"run{kill_at}" / "model"
+        _sharded_save(target, seed=1)
+        (target / "training.log").write_text("log")
+        (target / "checkpoints").mkdir()
+        (target / "checkpoints" / "latest").write_text("step 3")
+        if not _killed_save(target, kill_at):
+            break
+        if target.exists():
+            assert _same_weights(target, old) or _same_weights(target, new), f"killed at rename {kill_at}: mixed"
+        else:  # (between the swap's two renames)
+            assert _same_weights(target.parent / ".model.save-new", new)
+            assert "is the finished copy of a save interrupted" in "; ".join(save_leftovers(str(target)))
+        check_output_dir(str(target.parent), torch.device("cpu"))  # (a step's start: step 3's actor is in its folder)
+        assert _same_weights(target, old) or _same_weights(target, new), kill_at
+        assert (target / "training.log").read_text() == "log" and (target / "checkpoints" / "latest").is_file()
+        assert sorted(os.listdir(target.parent)) == ["model"], kill_at
+        kill_at += 1
+    assert kill_at > 3  # (the switch took several renames, each of which was killed once)
+    assert _same_weights(target, new) and (target / "training.log").read_text() == "log"
+    assert not (target / "model.safetensors").exists() and sorted(os.listdir(target.parent)) == ["model"]
+    folder = os.stat(target).st_ino
+    monkeypatch.chdir(target)  # (the process's relative paths lead into it: saved into file by file, as before)
+    with atomic_folder(str(target)) as tmp:
+        _sharded_save(tmp, seed=1)
+    assert os.stat(target).st_ino == folder and _same_weights(target, old)
+
+
 def test_atomic_writes_get_the_permissions_of_a_plain_mkdir_and_open(tmp_path):
     import stat
 

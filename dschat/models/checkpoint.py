@@ -1,14 +1,15 @@
 """Saving trained models as folders ``from_pretrained`` loads, atomically, from any ZeRO stage."""
 import json
 import os
+import re
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from dschat.errors import UsageError
 from dschat.models.loading import TOKENIZER_EXTRA_FILES, TOKENIZER_FILES, is_weights_file
 from dschat.models.lora import check_lora_mergeable, head_trains_untied, merge_lora_state_dict, unwrap_peft
 from dschat.models.reward_model import REWARD_META_FILE, VALUE_HEAD_FILE, RewardModel
-from dschat.run_layout import save_staging_prefix
+from dschat.run_layout import save_staging_prefix, save_swap_paths
 from dschat.models.zero3 import is_zero3_param
 from dschat.utils.dist import barrier, is_rank_0, print_rank_0
 from dschat.utils.files import give_plain_modes, temp_folder
@@ -51,6 +52,7 @@ def atomic_folder(output_dir):
     never leaves a half-written model. A save killed before it moved its folder in left that folder: it goes."""
     parent = os.path.dirname(os.path.abspath(output_dir)) or "."
     os.makedirs(parent, exist_ok=True)
+    recover_interrupted_swap(output_dir)
     prefix = save_staging_prefix(output_dir)
     staging = staging_parent(output_dir)
     for folder in dict.fromkeys((parent, staging)):  # (an earlier save's may be in either)
@@ -96,11 +98,16 @@ def is_save_file(name):
 
 def install_folder(new, target):
     """Move the files of ``new`` into ``target``. A new target is one atomic rename. An existing one keeps every file
-    that is no model save's (the step's log, TensorBoard events, a user's notes: DeepSpeed-Chat's scripts log into
-    the output folder), loses the earlier save's files (``is_save_file``) the new one does not write, and takes each
-    new file by an atomic rename."""
+    that is no model save's (the step's log, TensorBoard events, its checkpoints, a user's notes: DeepSpeed-Chat's
+    scripts log into the output folder) and loses the earlier save's files (``is_save_file``) the new one does not
+    write. Where it can, the folders are swapped (``_swap_in``), so a kill at any point leaves the earlier or the new
+    model whole; else (``_swappable``) each new file goes in by an atomic rename."""
     if not os.path.exists(target):
         os.replace(new, target)
+        return
+    real = os.path.realpath(target)
+    if _swappable(real) and _moved_beside(new, real):
+        finish_interrupted_swap(real)
         return
     written = set(os.listdir(new))
     for name in sorted(written):
@@ -116,14 +123,77 @@ def install_folder(new, target):
     shutil.rmtree(new, ignore_errors=True)
 
 
-def replace_folder(new, target):
-    old = None
-    if os.path.exists(target):
-        old = f"{target}.old-{os.getpid()}"
-        os.replace(target, old)
-    os.replace(new, target)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+def _swappable(folder):
+    """Whether ``folder`` can be replaced by a rename: not a mount point, holding none (a rename cannot move one),
+    and not this process's working directory or above it (its relative paths would then read the replaced folder)."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # (a working directory removed since)
+        cwd = ""
+    if cwd == folder or cwd.startswith(folder.rstrip(os.sep) + os.sep) or os.path.ismount(folder):
+        return False
+    return not any(entry.is_dir(follow_symlinks=False) and os.path.ismount(entry.path)
+                   for entry in os.scandir(folder))
+
+
+def _moved_beside(new, folder):
+    """Move the finished save ``new`` (staged in ``folder``, so on its file system) beside ``folder`` as the swap's
+    new copy (``save_swap_paths``), with ``folder``'s mode and group (a shared project's setgid folder stays one).
+    False where it cannot go there (a parent this user cannot write in)."""
+    import stat
+
+    ready = save_swap_paths(folder)[0]
+    try:
+        os.rename(new, ready)
+    except OSError:
+        return False
+    status = os.stat(folder)
+    with suppress(OSError):
+        os.chown(ready, -1, status.st_gid)
+    with suppress(OSError):
+        os.chmod(ready, stat.S_IMODE(status.st_mode))
+    return True
+
+
+def finish_interrupted_swap(folder):
+    """Swap the finished save beside ``folder`` (``save_swap_paths``) in for it, or finish a swap a kill stopped: every
+    step is a rename, and redone from where it stopped, so the path holds the earlier model or the new one, each whole
+    (or, between the two renames, neither: the next run or save there moves the new one in). Files that are no
+    model's go with the folder (they are moved into the new copy first, and any left are moved back after)."""
+    ready, old = save_swap_paths(folder)
+    if os.path.isdir(ready):
+        if os.path.lexists(folder):
+            _move_kept_files(folder, ready)
+            os.rename(folder, old)
+        os.rename(ready, folder)
+    if os.path.isdir(old):
+        _move_kept_files(old, folder)
+        shutil.rmtree(old)
+
+
+def recover_interrupted_swap(model_path):
+    """Finish the swap (``finish_interrupted_swap``) a save of ``model_path`` was killed in, if one was, saying so."""
+    folder = os.path.realpath(model_path)
+    if any(os.path.isdir(path) for path in save_swap_paths(folder)):
+        print_rank_0(f"{model_path}: finishing a save interrupted while it replaced the folder")
+        finish_interrupted_swap(folder)
+
+
+def recover_interrupted_saves(output_dir):
+    """``recover_interrupted_swap`` for ``output_dir`` and for each model folder in it (step 3's actor, critic)."""
+    recover_interrupted_swap(output_dir)
+    folder = os.path.realpath(output_dir)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if swapped := re.fullmatch(r"\.(.+)\.save-(?:new|old)", name):
+            recover_interrupted_swap(os.path.join(folder, swapped[1]))
+
+
+def _move_kept_files(source, destination):
+    """Move each entry of ``source`` that is no model save's into ``destination`` (one of the same name there is the
+    new save's)."""
+    for name in sorted(os.listdir(source)):
+        if not is_save_file(name) and not os.path.lexists(os.path.join(destination, name)):
+            os.rename(os.path.join(source, name), os.path.join(destination, name))
 
 
 def settled_module(model):

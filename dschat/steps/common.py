@@ -60,7 +60,10 @@ def check_same_ds_config_file(args, device):
 
 def check_output_dir(folder, device):
     """A step's --output_dir, checked before training, not when its models are saved: writable, and on several hosts
-    storage they all see."""
+    storage they all see. A save there that a kill stopped while it replaced a model folder is finished first."""
+    from dschat.models.checkpoint import recover_interrupted_saves
+
+    rank_0_decides(lambda: recover_interrupted_saves(folder))
     check_writable_folder(folder, "--output_dir")
     check_output_dir_shared(folder, device)
 
