@@ -1189,3 +1189,35 @@ def test_resuming_with_another_data_path_names_as_edited_only_the_files_both_run
     c.write_text(c.read_text() * 2)
     assert f"-> [{str(b)!r}, {str(c)!r}]; the content of its data files changed since: {c}. Its" in refusal(b, c)
     assert f"other settings: the content of its data files changed since: {c}. Its" in refusal(a, c)
+
+
+def test_a_checkpoint_that_fills_the_disk_is_said_in_one_line_naming_its_folder_and_the_space_left(
+        tmp_path, distributed, monkeypatch, capsys):
+    """torch's writer failing on a full disk (DeepSpeed's checkpoint files) raised a RuntimeError that names no cause
+    ("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), a bug's traceback; ENOSPC from any other
+    write was already one line. It is one too, where the disk is found (nearly) full; elsewhere the error stays."""
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from dschat.utils.cli import run_entry_point
+
+    Usage = namedtuple("Usage", "total used free")
+    free = {"bytes": 5 * 2**20}
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: Usage(2**40, 2**40 - free["bytes"], free["bytes"]))
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    out = tmp_path / "rm"
+    flags = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(out), "--max_steps", "2",
+             "--save_interval", "1"]
+    with pytest.raises(SystemExit) as stop:
+        run_entry_point(lambda: reward.main(flags))
+    assert stop.value.code == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"error: No space left on device (5.0 MiB free): {out / 'checkpoints'} (a write failed: free some "
+                    "space or write elsewhere; DSCHAT_TRACEBACK=1 shows where)"), line
+    free["bytes"] = 50 * 2**30  # (the write failed for another reason: its own error)
+    with pytest.raises(RuntimeError, match="unexpected pos 704 vs 598"):
+        run_entry_point(lambda: reward.main(flags))

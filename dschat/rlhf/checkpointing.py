@@ -29,6 +29,7 @@ from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, ResumePlan, chec
                                       read_trainer_state, reading, refuse_other_rank_count, rng_said,
                                       save_trainer_state, tag_of, take_restored_flags, trainer_folder, universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
+from dschat.utils.files import writes_said_on_a_full_disk
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the models' and optimizers' saved states
 # have the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them
@@ -94,17 +95,18 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     "unsup_batches" (unsupervised batches consumed so far, skipped on resume)."""
     tag = tag_of("iter", position["iteration"])
     clear_tag(root, tag)
-    trainer.actor_model.save_checkpoint(os.path.join(root, ACTOR), tag=tag, save_latest=False)
-    if trainer.critic_model is not None:
-        trainer.critic_model.save_checkpoint(os.path.join(root, CRITIC), tag=tag, save_latest=False)
-    ema_state = gathered_state_dict(settled_module(trainer.actor_ema)) if trainer.actor_ema is not None else None
-    if is_rank_0() and ema_state is not None:  # before the trainer state, which marks a tag complete
-        os.makedirs(trainer_folder(root, tag), exist_ok=True)
-        torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
-    save_trainer_state(root, tag, {**position, STEP_NAME: STEP, "kl_ctl": trainer.kl_ctl.state_dict(),
-                                   "flags": resume_flags(trainer), "inputs": input_runs(trainer.args),
-                                   "world_size": get_world_size(), "batches": iteration_batches(trainer.args)},
-                       trainer.generator)
+    with writes_said_on_a_full_disk(root):
+        trainer.actor_model.save_checkpoint(os.path.join(root, ACTOR), tag=tag, save_latest=False)
+        if trainer.critic_model is not None:
+            trainer.critic_model.save_checkpoint(os.path.join(root, CRITIC), tag=tag, save_latest=False)
+        ema_state = gathered_state_dict(settled_module(trainer.actor_ema)) if trainer.actor_ema is not None else None
+        if is_rank_0() and ema_state is not None:  # before the trainer state, which marks a tag complete
+            os.makedirs(trainer_folder(root, tag), exist_ok=True)
+            torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
+        save_trainer_state(root, tag, {**position, STEP_NAME: STEP, "kl_ctl": trainer.kl_ctl.state_dict(),
+                                       "flags": resume_flags(trainer), "inputs": input_runs(trainer.args),
+                                       "world_size": get_world_size(), "batches": iteration_batches(trainer.args)},
+                           trainer.generator)
     publish(root, tag, keep_last)
     return tag
 

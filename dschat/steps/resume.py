@@ -24,6 +24,7 @@ from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_comple
                                       remove_universal_copies, rng_said, save_trainer_state, tag_of,
                                       take_restored_flags, universal_load, with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
+from dschat.utils.files import writes_said_on_a_full_disk
 
 # Flags a checkpoint is bound to, stored with it and compared on --resume: the saved model and optimizer states have
 # the LoRA layout, ZeRO partitioning, precision and optimizer (--offload: DeepSpeed's CPU Adam) these give them; its
@@ -68,11 +69,13 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
     root = checkpoint_root(args)
     tag = tag_of("step", position["step"])
     clear_tag(root, tag)
-    engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
-    place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total", STEP_NAME) if key in position}
-    sums = {key: position[key] for key in ("loss_sum", "loss_count")}
-    save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
-                                   "inputs": input_runs(args), "world_size": get_world_size()}, rank_state=sums)
+    with writes_said_on_a_full_disk(root):
+        engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
+        place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total", STEP_NAME)
+                 if key in position}
+        sums = {key: position[key] for key in ("loss_sum", "loss_count")}
+        save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
+                                       "inputs": input_runs(args), "world_size": get_world_size()}, rank_state=sums)
     publish(root, tag, keep_last)
     return tag
 

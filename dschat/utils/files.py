@@ -4,8 +4,10 @@ and data caches on shared storage would be unreadable to other users and service
 read from another working directory (``path_under``), and JSON written atomically (``write_json_atomic``) and read
 back (``read_json_object``)."""
 import contextlib
+import errno
 import json
 import os
+import shutil
 import tempfile
 
 
@@ -144,3 +146,35 @@ def unreadable_file_reason(error, kinds=()):
         return None
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0].split('. ')[0] if text else 'no message'}"
+
+
+# What torch's zip writer (torch.save, hence DeepSpeed's checkpoints) says of a write that failed, a RuntimeError that
+# names no cause: "[enforce fail at inline_container.cc] . unexpected pos 704 vs 598", "PytorchStreamWriter failed
+# writing file data/0: file write failed", "basic_ios::clear: iostream error".
+ZIP_WRITER_MARKERS = ("PytorchStreamWriter", "unexpected pos", "file write failed", "iostream error")
+LOW_DISK_SPACE = 2**30  # less free after a failed write: the disk filled (the write's part is still on it)
+
+
+@contextlib.contextmanager
+def writes_said_on_a_full_disk(folder):
+    """A torch write into ``folder`` that failed (``ZIP_WRITER_MARKERS``) while its disk has under ``LOW_DISK_SPACE``
+    free is raised as the OSError (ENOSPC) a full disk gives any other write, naming ``folder`` and the space left,
+    which ``cli.run_entry_point`` says in one line; it was a RuntimeError traceback, which read as a bug."""
+    try:
+        yield
+    except RuntimeError as error:
+        free = free_space(folder) if any(marker in str(error) for marker in ZIP_WRITER_MARKERS) else None
+        if free is None or free >= LOW_DISK_SPACE:
+            raise
+        raise OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free)", folder) from error
+
+
+def free_space(folder):
+    """The bytes free to this user on the disk of ``folder`` (its nearest existing parent), None where unknown."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        return shutil.disk_usage(existing).free
+    except OSError:
+        return None
