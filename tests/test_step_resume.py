@@ -1221,3 +1221,33 @@ def test_a_checkpoint_that_fills_the_disk_is_said_in_one_line_naming_its_folder_
     free["bytes"] = 50 * 2**30  # (the write failed for another reason: its own error)
     with pytest.raises(RuntimeError, match="unexpected pos 704 vs 598"):
         run_entry_point(lambda: reward.main(flags))
+
+
+def test_a_resume_with_another_tokenizer_than_the_checkpoints_is_an_error_naming_both(tmp_path, distributed):
+    """Steps 1 and 2 load their tokenizer from --model_name_or_path again on --resume; the folder's tokenizer replaced
+    in between (same path, so the flags matched; a step output's run id is the same too) resumed silently, the data
+    tokenized otherwise than the checkpoint's place in it and its embeddings were trained on. Refused, naming both."""
+    from dschat.models.loading import load_tokenizer
+
+    data = ["--data_output_path", str(tmp_path / "data")]
+    base = tmp_path / "sft"
+    sft.main([*SMALL, *data, "--model_name_or_path", "tiny-llama", "--output_dir", str(base), "--max_steps", "1"])
+    common = [*SMALL, *data, "--model_name_or_path", str(base), "--output_dir", str(tmp_path / "rm"),
+              "--max_steps", "2", "--save_interval", "1"]
+    reward.main(common)
+    shutil.copytree(tmp_path / "rm", tmp_path / "rm_copy")
+    reward.main([*common[:-6], "--output_dir", str(tmp_path / "rm_copy"), "--max_steps", "3", "--save_interval", "1",
+                 "--resume"])  # the same tokenizer: resumed
+    tokenizer = load_tokenizer(str(base))
+    tokenizer.eos_token = "<unk>"  # (as many tokens: the resume went on, its records ending in another token)
+    tokenizer.save_pretrained(str(base))
+    with pytest.raises(UsageError, match=r"--resume: checkpoint step_0000002 in .*rm/checkpoints was trained with "
+                                         r"another tokenizer than --model_name_or_path .*sft holds now: 1008 tokens "
+                                         r"\(bos '<\|endoftext\|>', eos '<\|endoftext\|>', .*\) then, 1008 tokens "
+                                         r"\(bos '<\|endoftext\|>', eos '<unk>', .*\) now: resume with the tokenizer"):
+        reward.main([*common, "--max_steps", "3", "--resume"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool>"]})  # (DeepSpeed's "size mismatch" traceback)
+    tokenizer.save_pretrained(str(base))
+    with pytest.raises(UsageError, match=r"1008 tokens \(bos .*\) then, 1009 tokens \(bos .*, extra_special "
+                                         r"\['<tool>'\], .*\) now"):
+        reward.main([*common, "--max_steps", "3", "--resume"])

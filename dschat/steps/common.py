@@ -449,6 +449,39 @@ def check_same_start(saved_inputs, path, flag, tag, root, started, role):
                          "without --resume")
 
 
+def tokenizer_record(tokenizer):
+    """What a checkpoint of steps 1 and 2 records of the tokenizer its records were made with
+    (``check_same_tokenizer``): its size, special tokens and a digest of its vocabulary."""
+    import hashlib
+
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    special = {name: value if isinstance(value, str) else [str(token) for token in value]
+               for name, value in tokenizer.special_tokens_map.items()}
+    named = {token for value in special.values() for token in ([value] if isinstance(value, str) else value)}
+    if extra := sorted(set(map(str, tokenizer.all_special_tokens)) - named):  # (added ones: a chat format's markers)
+        special["extra_special"] = extra
+    return {"tokens": len(tokenizer), "special": special, "vocab": hashlib.sha256(vocab.encode()).hexdigest()[:16]}
+
+
+def check_same_tokenizer(saved, tokenizer, path, tag, root):
+    """A checkpoint trained with another tokenizer than the one ``--model_name_or_path`` ``path`` holds now (its files
+    replaced since, or a hub name's new revision; the path is the same, so the flags matched) is an error naming both:
+    the resumed run would tokenize its data otherwise (its place in the data, its labels) and feed the checkpoint's
+    embeddings other ids. A checkpoint from before dschat recorded it (None) is not compared."""
+    now = tokenizer_record(tokenizer)
+    if saved is None or saved == now:
+        return
+    raise UsageError(f"--resume: checkpoint {tag} in {root} was trained with another tokenizer than "
+                     f"--model_name_or_path {path} holds now: {_tokenizer_said(saved)} then, {_tokenizer_said(now)} now"
+                     + (" (its vocabulary differs)" if _tokenizer_said(saved) == _tokenizer_said(now) else "")
+                     + ": resume with the tokenizer it was trained with, or start afresh without --resume")
+
+
+def _tokenizer_said(record):
+    special = ", ".join(f"{name.removesuffix('_token')} {value!r}" for name, value in sorted(record["special"].items()))
+    return f"{record['tokens']} tokens ({special or 'no special tokens'})"
+
+
 def finished_run_id(folder):
     """The run id of the finished step output in ``folder`` (None: none, unfinished (no metrics.json), from before
     dschat recorded them, or unreadable)."""
@@ -766,7 +799,7 @@ def _train_evaluate_save(args, recipe):
     from dschat.args import (resolve_pad_to_multiple_of, step1_parser, supervised_conditional_flags,
                              unread_conditional_flags)
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
-    from dschat.steps.resume import (STEP_NAME, check_resumed_step, plan_resume, resume_or_start,
+    from dschat.steps.resume import (STEP_NAME, TOKENIZER_KEY, check_resumed_step, plan_resume, resume_or_start,
                                      save_step_checkpoint)
 
     started = time.time()
@@ -793,7 +826,7 @@ def _train_evaluate_save(args, recipe):
     total_steps = num_update_steps(len(train_loader), args.gradient_accumulation_steps, args.num_train_epochs,
                                    args.max_steps)
     # (before the engine: a checkpoint of another number of ranks sets DeepSpeed's universal loading in ds_config)
-    plan = plan_resume(args, recipe.name, ds_config, train_loader)
+    plan = plan_resume(args, recipe.name, ds_config, train_loader, tokenizer)
     engine = initialize_engine(model, ds_config, args.learning_rate, args.weight_decay,
                                args.lora_learning_rate if args.lora_dim else None,
                                args.lr_scheduler_type, args.num_warmup_steps, total_steps,
@@ -809,6 +842,7 @@ def _train_evaluate_save(args, recipe):
     if position is None:
         print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
     throughput = Throughput(count_params(model), args.gradient_checkpointing, recipe.rows_per_record)
+    tokenizer_said = tokenizer_record(tokenizer)  # (a checkpoint's, compared on --resume: check_same_tokenizer)
     # a re-run's curves replace the earlier run's; a resumed run's, those after its checkpoint
     writer = tensorboard_writer(args, recipe.name, purge_step=position["step"] + 1 if position else 0)
     if position is None:
@@ -817,7 +851,8 @@ def _train_evaluate_save(args, recipe):
                               total_steps, writer, throughput, position,
                               save=lambda at: save_step_checkpoint(
                                   engine, args, {**at, "seconds": seconds_so_far(started, position),
-                                                 "total": total_steps, STEP_NAME: recipe.name}))
+                                                 "total": total_steps, STEP_NAME: recipe.name,
+                                                 TOKENIZER_KEY: tokenizer_said}))
     rates = throughput.summary()  # the training's: before the final evaluation, whose time is none of it
     final_eval = evaluate()
     metrics = {**final_eval, "train_loss": rank_mean(train_loss, device), **rates, "steps": total_steps,

@@ -15,8 +15,8 @@ import os
 
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (check_same_start, input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
-                                 say_a_changed_schedule, step_data_records)
+from dschat.steps.common import (check_same_start, check_same_tokenizer, input_runs, restart_deepspeed_tensorboard,
+                                 resumed_save_interval, say_a_changed_schedule, step_data_records)
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_same_flags, check_same_products, check_same_step, clear_earlier_run,
                                       clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
@@ -71,7 +71,7 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
     clear_tag(root, tag)
     with writes_said_on_a_full_disk(root):
         engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
-        place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total", STEP_NAME)
+        place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total", STEP_NAME, TOKENIZER_KEY)
                  if key in position}
         sums = {key: position[key] for key in ("loss_sum", "loss_count")}
         save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
@@ -85,7 +85,7 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
 BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 
-def _checked_latest(args, step):
+def _checked_latest(args, step, tokenizer=None):
     """(tag, saved position, ranks that saved it) of the last complete checkpoint that this run may continue, else
     None. On another number of ranks, the samples of an optimizer step must be the checkpoint's (``BATCH_FLAGS``)."""
     root = checkpoint_root(args)
@@ -103,12 +103,17 @@ def _checked_latest(args, step):
     if saved_ranks != get_world_size():
         now = {name: value for name, value in now.items() if name not in BATCH_FLAGS}  # (their product: compared)
     state["restored"] = check_same_flags(saved, now, RESTORED_FLAGS, tag, root, step, BOUND_WHY, FREE_FLAGS)
+    if tokenizer is not None:
+        check_same_tokenizer(state.get(TOKENIZER_KEY), tokenizer, args.model_name_or_path, tag, root)
     if step in REFERENCE_STEPS:
         check_same_start(state.get("inputs"), args.model_name_or_path, "--model_name_or_path", tag, root,
                          "that started", "DPO's frozen reference (the policy's weights come from the checkpoint, the "
                          "reference from that folder)")
     return tag, state, saved_ranks
 
+
+# Where a checkpoint's trainer state records the tokenizer its run made its records with (``tokenizer_record``).
+TOKENIZER_KEY = "tokenizer"
 
 # Steps whose --model_name_or_path is also their frozen reference, loaded from it again on --resume (the policy's
 # weights come from the checkpoint): the same path may hold another model by then (step 1 run again into it).
@@ -141,16 +146,16 @@ def _check_published_step(root, step):
         check_same_step(root, tag, step)
 
 
-def plan_resume(args, step, ds_config=None, train_loader=None):
+def plan_resume(args, step, ds_config=None, train_loader=None, tokenizer=None):
     """--resume: the checkpoint to continue (``ResumePlan``; its tag None when there is none), picked and checked by
     rank 0 for every rank before DeepSpeed loads anything, so a checkpoint of another setup is one error naming the
     flags, on every rank. Called before ``deepspeed.initialize``: a checkpoint of another number of ranks with ZeRO
     partitions gets its universal copy (rank 0 makes it, every rank waits) and ``ds_config`` DeepSpeed's
     ``checkpoint.load_universal``; that is said once, with what it does to the data position (``train_loader``: this
-    run's)."""
+    run's; ``tokenizer``: the one it made its records with, which must be the checkpoint's)."""
     if not args.resume:
         return ResumePlan()
-    found = rank_0_decides(lambda: _checked_latest(args, step))
+    found = rank_0_decides(lambda: _checked_latest(args, step, tokenizer))
     if found is None:
         return ResumePlan()
     tag, state, saved_ranks = found
