@@ -1,6 +1,7 @@
 """Models: reward end index, pairwise loss, LoRA through PEFT, drift-free merge, save/load round trips."""
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -719,6 +720,40 @@ def test_a_sharded_save_killed_while_it_replaces_a_folder_leaves_the_old_or_the_
     with atomic_folder(str(target)) as tmp:
         _sharded_save(tmp, seed=1)
     assert os.stat(target).st_ino == folder and _same_weights(target, old)
+
+
+def test_a_model_save_that_fills_the_disk_is_the_oserror_a_full_disk_gives_naming_the_folder(tmp_path, monkeypatch):
+    """safetensors' error on a full disk ("SafetensorError: Error while serializing: I/O error: No space left on device
+    (os error 28)") ended a step's final save in a traceback, read as a bug's; it is now the OSError any other write
+    gives (ENOSPC, EDQUOT), naming the model folder and the space left, which the scripts say in one line. The earlier
+    model stays, and other errors stay their own."""
+    import errno
+
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    out = tmp_path / "out"
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    save_causal_lm(model, _Tok(), str(out))
+    before = (out / "model.safetensors").read_bytes()
+    for message, code in (("No space left on device (os error 28)", errno.ENOSPC),
+                          ("Disk quota exceeded (os error 122)", errno.EDQUOT)):
+        def full(*args, **kwargs):
+            raise SafetensorError(f"Error while serializing: I/O error: {message}")
+
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+        with pytest.raises(OSError) as failed:
+            save_causal_lm(model, _Tok(), str(out))
+        assert (failed.value.errno, failed.value.filename) == (code, str(out))
+        assert re.fullmatch(rf"{os.strerror(code)} \(\d+\.\d MiB free\)", failed.value.strerror), failed.value.strerror
+        assert (out / "model.safetensors").read_bytes() == before and sorted(os.listdir(tmp_path)) == ["out"]
+
+    def other(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: Input/output error (os error 5)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", other)
+    with pytest.raises(SafetensorError, match="os error 5"):
+        save_causal_lm(model, _Tok(), str(out))
 
 
 def test_atomic_writes_get_the_permissions_of_a_plain_mkdir_and_open(tmp_path):

@@ -12,7 +12,7 @@ from dschat.models.reward_model import REWARD_META_FILE, VALUE_HEAD_FILE, Reward
 from dschat.run_layout import save_staging_prefix, save_swap_paths
 from dschat.models.zero3 import is_zero3_param
 from dschat.utils.dist import barrier, is_rank_0, print_rank_0
-from dschat.utils.files import give_plain_modes, temp_folder
+from dschat.utils.files import give_plain_modes, temp_folder, writes_said_on_a_full_disk
 
 
 def gathered_state_dict(module):
@@ -59,7 +59,8 @@ def atomic_folder(output_dir):
         _remove_leftovers(folder, prefix)
     tmp = temp_folder(staging, prefix)
     try:
-        yield tmp
+        with writes_said_on_a_full_disk(output_dir):
+            yield tmp
         give_plain_modes(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -155,18 +156,37 @@ ZIP_WRITER_MARKERS = ("PytorchStreamWriter", "unexpected pos", "file write faile
 LOW_DISK_SPACE = 2**30  # less free after a failed write: the disk filled (the write's part is still on it)
 
 
+# How a Rust writer (safetensors: model saves) names the OS's error in its message ("Error while serializing: I/O
+# error: No space left on device (os error 28)").
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 @contextlib.contextmanager
 def writes_said_on_a_full_disk(folder):
-    """A torch write into ``folder`` that failed (``ZIP_WRITER_MARKERS``) while its disk has under ``LOW_DISK_SPACE``
-    free is raised as the OSError (ENOSPC) a full disk gives any other write, naming ``folder`` and the space left,
-    which ``cli.run_entry_point`` says in one line; it was a RuntimeError traceback, which read as a bug."""
+    """A write into ``folder`` that failed on a full disk or quota as torch's or safetensors' own error (which read as
+    a bug's traceback) is raised as the OSError (ENOSPC, EDQUOT) any other write gives, naming ``folder`` and the
+    space left, which ``cli.run_entry_point`` says in one line. safetensors names the OS's error; torch's writer
+    names none (``ZIP_WRITER_MARKERS``), so its failure counts as a full disk's where under ``LOW_DISK_SPACE`` is
+    free."""
     try:
         yield
-    except RuntimeError as error:
-        free = free_space(folder) if any(marker in str(error) for marker in ZIP_WRITER_MARKERS) else None
-        if free is None or free >= LOW_DISK_SPACE:
+    except Exception as error:
+        code = None if isinstance(error, OSError) else full_disk_errno(error, folder)
+        if code is None:
             raise
-        raise OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free)", folder) from error
+        free = free_space(folder)
+        left = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
+        raise OSError(code, f"{os.strerror(code)}{left}", folder) from error
+
+
+def full_disk_errno(error, folder):
+    """ENOSPC or EDQUOT where ``error`` (not an OSError) is how torch or safetensors failed on a full disk or quota."""
+    if rust := RUST_OS_ERROR.search(str(error)):
+        return int(rust[1]) if int(rust[1]) in (errno.ENOSPC, errno.EDQUOT) else None
+    if isinstance(error, RuntimeError) and any(marker in str(error) for marker in ZIP_WRITER_MARKERS):
+        free = free_space(folder)
+        return errno.ENOSPC if free is not None and free < LOW_DISK_SPACE else None
+    return None
 
 
 def free_space(folder):
