@@ -53,7 +53,9 @@ def step_inputs(recipe, step, rm_from_sft, ready_reward_model=False):
 
 def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward_model=False, world_size=None):
     """{step: Decision} for ``steps`` (in order); ``parsed``: step -> its parsed flags now; ``world_size``: the ranks
-    of this run (None: the process group's)."""
+    of this run (None: the process group's). Rank 0's: a step's save that a kill stopped while it replaced the step's
+    folder (``checkpoint.finish_interrupted_swap``) is finished first."""
+    from dschat.models.checkpoint import recover_interrupted_saves
     from dschat.utils.dist import get_world_size
 
     world_size = get_world_size() if world_size is None else world_size
@@ -65,6 +67,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
             plan[step] = Decision(FRESH, f"it starts from step {rerun[-1]}'s new output")
             continue
         folder = _folder(output_dir, recipe, step)
+        recover_interrupted_saves(folder)  # (its checkpoints went with the folder a kill stopped a save swapping)
         made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
         record = read_run_args(folder)
         current = made_from.current(finished_time(folder), record)

@@ -51,6 +51,17 @@ def test_finished_steps_are_skipped_and_the_interrupted_one_resumes(tmp_path):
     assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: SKIP}
 
 
+def test_a_step_killed_while_its_save_replaced_its_folder_resumes_from_its_checkpoint(tmp_path):
+    """A kill between the two renames of a model save's swap (``checkpoint.install_folder``) leaves the step's folder,
+    its checkpoints in it, under a hidden name beside it: the step was planned afresh, its checkpoints unseen. The
+    swap is finished first, and the step resumes."""
+    finish(tmp_path, 1, 100), checkpoint(tmp_path, 2, 200)
+    (tmp_path / FOLDERS[2] / "training_args.json").write_text(json.dumps({"step": "step2", "flags": vars(FLAGS)}))
+    os.rename(tmp_path / FOLDERS[2], tmp_path / f".{FOLDERS[2]}.save-new")
+    assert plan(tmp_path, steps=(1, 2)) == {1: SKIP, 2: RESUME}
+    assert sorted(os.listdir(tmp_path)) == [FOLDERS[1], FOLDERS[2]]
+
+
 def test_outputs_older_than_the_steps_they_start_from_are_an_earlier_runs(tmp_path):
     # step 1 ran again (at 500) after a whole run: step 2's output and step 3's checkpoint were made from the old one
     finish(tmp_path, 1, 500), finish(tmp_path, 2, 200), checkpoint(tmp_path, 3, 300), finish(tmp_path, 3, 400)
