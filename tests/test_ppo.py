@@ -3,6 +3,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -996,6 +997,26 @@ def test_a_resume_whose_iterations_count_other_prompts_is_refused_naming_the_fla
     capsys.readouterr()
     ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--generation_batches", "2", "--resume"))
     assert "resumed from iteration 1" in capsys.readouterr().out
+
+
+def test_a_resume_with_another_actor_tokenizer_than_the_checkpoints_is_refused_naming_both(trained, tmp_path):
+    """The actor's folder gives step 3 its tokenizer again on --resume (its weights come from the checkpoint); one
+    whose tokenizer was replaced since (the same step-1 run id, so the actor check passed) resumed silently, its
+    prompts tokenized otherwise than the checkpoint's actor and critic were trained on. Refused, naming both."""
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_tokenizer
+
+    shutil.copytree(trained / "sft", tmp_path / "sft")
+    flags = [*ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--save_interval", "1"),
+             "--actor_model_name_or_path", str(tmp_path / "sft")]
+    ppo.main([*flags, "--enable_test_mode", "--test_stop_step", "1"])
+    tokenizer = load_tokenizer(str(tmp_path / "sft"))
+    tokenizer.pad_token = "<unk>"  # (the prompts' left padding: the format the reward model scores stays the same)
+    tokenizer.save_pretrained(str(tmp_path / "sft"))
+    with pytest.raises(UsageError, match=r"--resume: checkpoint iter_0000001 in .*ppo/checkpoints was trained with "
+                                         r"another tokenizer than --actor_model_name_or_path .*sft holds now: \d+ "
+                                         r"tokens \(.*pad '<pad>'.*\) then, \d+ tokens \(.*pad '<unk>'"):
+        ppo.main([*flags, "--resume"])
 
 
 def test_a_refused_iteration_count_of_a_checkpoint_without_its_batches_names_the_flag_that_fits(distributed):

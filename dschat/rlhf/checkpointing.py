@@ -22,7 +22,8 @@ from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import whole_iterations
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import check_same_start, input_runs, restart_deepspeed_tensorboard, step_data_records
+from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
+                                 restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_same_flags, check_same_products, check_same_step, clear_tag, latest_tag,
                                       load_rank_state, load_rank_state_of_others, loading_checkpoint, publish,
@@ -105,10 +106,17 @@ def save_checkpoint(trainer, root, position, keep_last=2):
             torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
         save_trainer_state(root, tag, {**position, STEP_NAME: STEP, "kl_ctl": trainer.kl_ctl.state_dict(),
                                        "flags": resume_flags(trainer), "inputs": input_runs(trainer.args),
-                                       "world_size": get_world_size(), "batches": iteration_batches(trainer.args)},
-                           trainer.generator)
+                                       "world_size": get_world_size(), "batches": iteration_batches(trainer.args),
+                                       **_tokenizer_of(trainer)}, trainer.generator)
     publish(root, tag, keep_last)
     return tag
+
+
+def _tokenizer_of(trainer):
+    """{TOKENIZER_KEY: its record} of the trainer's tokenizer (the actor's folder's), compared on --resume; {} for a
+    trainer without one."""
+    tokenizer = getattr(trainer, "tokenizer", None)
+    return {} if tokenizer is None else {TOKENIZER_KEY: tokenizer_record(tokenizer)}
 
 
 def iteration_batches(args):
@@ -124,7 +132,8 @@ def load_checkpoint(trainer, root, plan=None, train_loader=None):
     checked too, as ``plan_resume`` checks step 3's; without it, another --generation_batches than the checkpoint's is
     refused, ``_refuse_unchecked_generation_batches``); returns its position dict (None if none)."""
     if plan is None:
-        found = rank_0_decides(lambda: _checked_latest(trainer, root, loaders=(train_loader, None))
+        found = rank_0_decides(lambda: _checked_latest(trainer, root, loaders=(train_loader, None),
+                                                       tokenizer=getattr(trainer, "tokenizer", None))
                                or _check_not_an_output_dir(root))
         if found is None:
             return None
@@ -180,15 +189,19 @@ def restore_kl_controller(controller, saved):
         controller.load_state_dict({"value": controller.value, **settings})
 
 
-def _checked_latest(trainer, root, planned=False, loaders=(None, None)):
+def _checked_latest(trainer, root, planned=False, loaders=(None, None), tokenizer=None):
     """(tag, saved state less its flags, ranks that saved it, what is said of its position) of the last complete
     checkpoint that this run may continue, else None (``check_resumable``). With this run's ``loaders`` (the
     prompts', the unsupervised stream's or None), its position on another number of ranks (``planned``) is converted
-    into their batches (``_convert_position``), and its iteration count checked (``check_iteration_count``)."""
+    into their batches (``_convert_position``), and its iteration count checked (``check_iteration_count``); with the
+    ``tokenizer`` the actor's folder holds now, that it is the checkpoint's (``check_same_tokenizer``)."""
     tag = latest_tag(root)
     if tag is None:
         return None
     state, saved_ranks = check_resumable(trainer, root, tag, planned)
+    if tokenizer is not None:
+        check_same_tokenizer(state.get(TOKENIZER_KEY), tokenizer, trainer.args.actor_model_name_or_path, tag, root,
+                             "--actor_model_name_or_path")
     train_loader, unsup_loader = loaders
     position_said = []
     if train_loader is not None:
@@ -226,7 +239,7 @@ def planned_models(args):
                            actor_ema="ema" if args.enable_ema else None)
 
 
-def plan_resume(args, root, train_loader, unsup_loader=None):
+def plan_resume(args, root, train_loader, unsup_loader=None, tokenizer=None):
     """--resume of step 3: the checkpoint to continue (a ``ResumePlan``; its tag None when there is none), picked and
     checked by rank 0 for every rank. Called before ``DeepSpeedRLHFEngine``: on another number of ranks, the actor's
     and critic's ZeRO partitions get their universal copies (rank 0 makes them, every rank waits; the engine's
@@ -236,7 +249,7 @@ def plan_resume(args, root, train_loader, unsup_loader=None):
     if not args.resume:
         return ResumePlan()
     found = rank_0_decides(lambda: _checked_latest(planned_models(args), root, planned=True,
-                                                   loaders=(train_loader, unsup_loader)))
+                                                   loaders=(train_loader, unsup_loader), tokenizer=tokenizer))
     if found is None:
         return ResumePlan()
     *found, position_said = found

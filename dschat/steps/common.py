@@ -449,8 +449,12 @@ def check_same_start(saved_inputs, path, flag, tag, root, started, role):
                          "without --resume")
 
 
+# Where a checkpoint's trainer state records the tokenizer its run made its records with (``tokenizer_record``).
+TOKENIZER_KEY = "tokenizer"
+
+
 def tokenizer_record(tokenizer):
-    """What a checkpoint of steps 1 and 2 records of the tokenizer its records were made with
+    """What a checkpoint records of the tokenizer its records were made with
     (``check_same_tokenizer``): its size, special tokens and a digest of its vocabulary."""
     import hashlib
 
@@ -463,16 +467,16 @@ def tokenizer_record(tokenizer):
     return {"tokens": len(tokenizer), "special": special, "vocab": hashlib.sha256(vocab.encode()).hexdigest()[:16]}
 
 
-def check_same_tokenizer(saved, tokenizer, path, tag, root):
-    """A checkpoint trained with another tokenizer than the one ``--model_name_or_path`` ``path`` holds now (its files
-    replaced since, or a hub name's new revision; the path is the same, so the flags matched) is an error naming both:
-    the resumed run would tokenize its data otherwise (its place in the data, its labels) and feed the checkpoint's
-    embeddings other ids. A checkpoint from before dschat recorded it (None) is not compared."""
+def check_same_tokenizer(saved, tokenizer, path, tag, root, flag="--model_name_or_path"):
+    """A checkpoint trained with another tokenizer than the one ``flag``'s ``path`` holds now (its files replaced
+    since, or a hub name's new revision; the path is the same, so the flags matched) is an error naming both: the
+    resumed run would tokenize its data otherwise (its place in the data, its labels, step 3's prompts) and feed the
+    checkpoint's embeddings other ids. A checkpoint from before dschat recorded it (None) is not compared."""
     now = tokenizer_record(tokenizer)
     if saved is None or saved == now:
         return
     raise UsageError(f"--resume: checkpoint {tag} in {root} was trained with another tokenizer than "
-                     f"--model_name_or_path {path} holds now: {_tokenizer_said(saved)} then, {_tokenizer_said(now)} now"
+                     f"{flag} {path} holds now: {_tokenizer_said(saved)} then, {_tokenizer_said(now)} now"
                      + (" (its vocabulary differs)" if _tokenizer_said(saved) == _tokenizer_said(now) else "")
                      + ": resume with the tokenizer it was trained with, or start afresh without --resume")
 
@@ -799,7 +803,7 @@ def _train_evaluate_save(args, recipe):
     from dschat.args import (resolve_pad_to_multiple_of, step1_parser, supervised_conditional_flags,
                              unread_conditional_flags)
     from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
-    from dschat.steps.resume import (STEP_NAME, TOKENIZER_KEY, check_resumed_step, plan_resume, resume_or_start,
+    from dschat.steps.resume import (STEP_NAME, check_resumed_step, plan_resume, resume_or_start,
                                      save_step_checkpoint)
 
     started = time.time()

@@ -220,7 +220,7 @@ def _run(args):
     schedule = plan_iterations(args, train_loader)
     ckpt_root = os.path.join(args.output_dir, CHECKPOINTS_DIR)
     # (before the engines: a checkpoint of another number of ranks sets DeepSpeed's universal loading in their configs)
-    plan = plan_resume(args, ckpt_root, train_loader, unsup_loader)
+    plan = plan_resume(args, ckpt_root, train_loader, unsup_loader, tokenizer)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
                                  num_total_iters=schedule.optimizer_steps,
                                  actor_total_iters=schedule.actor_optimizer_steps, load_universal=plan.universal)

@@ -15,7 +15,7 @@ import os
 
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (check_same_start, check_same_tokenizer, input_runs, restart_deepspeed_tensorboard,
+from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs, restart_deepspeed_tensorboard,
                                  resumed_save_interval, say_a_changed_schedule, step_data_records)
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_same_flags, check_same_products, check_same_step, clear_earlier_run,
@@ -111,9 +111,6 @@ def _checked_latest(args, step, tokenizer=None):
                          "reference from that folder)")
     return tag, state, saved_ranks
 
-
-# Where a checkpoint's trainer state records the tokenizer its run made its records with (``tokenizer_record``).
-TOKENIZER_KEY = "tokenizer"
 
 # Steps whose --model_name_or_path is also their frozen reference, loaded from it again on --resume (the policy's
 # weights come from the checkpoint): the same path may hold another model by then (step 1 run again into it).
