@@ -609,7 +609,7 @@ def held_out_rule_scores(args):
     """{"sft": score, "dpo": score}: the bundled rule score of greedy answers to step 3's held-out prompts (the
     tiny data only), so the report shows what DPO did to generation, not only to the ranking of given answers.
     Every rank evaluates its share of the prompts (the means are over all ranks)."""
-    from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+    from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
     from dschat.steps.ppo import prompt_loaders
     from dschat.tools.common import load_policy
 
@@ -625,7 +625,8 @@ def held_out_rule_scores(args):
                                       "per_device_generation_batch_size": step3.per_device_generation_batch_size,
                                       "actor_model_name_or_path": path,
                                       "data_output_path": os.path.join(args.output_dir, "data_cache")}, tokenizer)
-        result = evaluate_policy(model.generate, None, tokenizer, held_out, model.device, step3.max_answer_seq_len,
+        result = evaluate_policy(hf_generate(model, tokenizer), None, tokenizer, held_out, model.device,
+                                 step3.max_answer_seq_len,
                                  rule_scorer_for(["tiny"]))
         scores[name] = {"rule_score": result["rule_score_mean"], "prompts": result["prompts"]}
     return scores

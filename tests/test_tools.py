@@ -1332,3 +1332,38 @@ def test_the_tools_answers_never_hold_ids_of_embedding_rows_the_tokenizer_has_no
     generation.generate_answers(model, tokenizer, prompt, dict(GREEDY))
     generation.generate_answers(model, tokenizer, prompt, {**GREEDY, "do_sample": True, "top_k": 0})
     assert len(seen) == 2 and all((answer < tokens).all() and answer.numel() for answer in seen), seen
+
+
+def test_ppo_eval_answers_never_hold_ids_of_embedding_rows_the_tokenizer_has_no_token_for(models, monkeypatch):
+    """ppo_eval scores step 3's held-out prompts as step 3 does: its HF generate suppresses the embedding rows past
+    the tokenizer (Qwen2.5: 151936 for 151665), as step 3's held-out evaluation does since it suppresses them too.
+    It passed the model's plain generate: a policy whose extra rows are most likely answered with ids that decode to
+    nothing, and its score differed from step 3's for the same policy."""
+    real_load, captured = ppo_eval.load_policy, {}
+
+    def load_with_extra_rows(path, *args, **kwargs):
+        model, tokenizer = real_load(path, *args, **kwargs)
+        tokens = len(tokenizer)
+        model.resize_token_embeddings(tokens + 8)
+        bias = torch.zeros(tokens + 8)
+        bias[tokens:] = 50.0
+        model.get_output_embeddings().register_forward_hook(lambda m, inputs, output: output + bias)
+        captured.update(model=model, tokenizer=tokenizer)
+        return model, tokenizer
+
+    def capture(generate, *args, **kwargs):
+        captured["generate"] = generate
+        return {}
+
+    monkeypatch.setattr(ppo_eval, "load_policy", load_with_extra_rows)
+    monkeypatch.setattr(ppo_eval, "evaluate_policy", capture)
+    args = ppo_eval.parse_args(["--policy", models["policy"], "--reward_model", models["rm"], "--num_prompts", "2"])
+    ppo_eval.evaluate_model(models["policy"], None, args)
+    tokenizer, model = captured["tokenizer"], captured["model"]
+    ids, mask = encode_prompt_batch(tokenizer, [format_prompt([{"role": "user", "content": "Say hi."}], tokenizer)])
+    plain = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tokenizer.pad_token_id, **GREEDY)
+    assert (plain[0, ids.shape[1]:] >= len(tokenizer)).all(), "the premise: those rows win"
+    with torch.no_grad():
+        answer = captured["generate"](ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                      pad_token_id=tokenizer.pad_token_id)
+    assert (answer[0, ids.shape[1]:] < len(tokenizer)).all(), answer

@@ -19,7 +19,7 @@ from dschat.models.loading import (check_sequence_fits, embedding_rows, grow_emb
                                    resolve_model_path, stop_token_ids)
 from dschat.errors import UsageError
 from dschat.rlhf.engine import check_scores_actor_text
-from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.run_layout import DPO_DIR, PPO_DIR, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
@@ -54,7 +54,7 @@ def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by
     held_out = first_rows(held_out, args.num_prompts) if args.num_prompts else held_out
     # evaluate_policy expects DeepSpeed engines; for the reward model that is only the ``.module`` attribute
     scoring = SimpleNamespace(module=reward_model) if reward_model is not None else None
-    result = evaluate_policy(model.generate, scoring, tokenizer, held_out, device, args.max_new_tokens,
+    result = evaluate_policy(hf_generate(model, tokenizer), scoring, tokenizer, held_out, device, args.max_new_tokens,
                              rule_scorer_for(args.data_path), None, args.num_examples,
                              pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of),
                              reward_fn=load_reward_fn(args.reward_fn) if args.reward_fn else None,
