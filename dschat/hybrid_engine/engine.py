@@ -88,7 +88,33 @@ class HybridEngine:
         # inference_tp_size > 1: this rank's group of ranks generates together, each holding a slice of the model.
         tp_size = self.hybrid_config.inference_tp_size
         self.tp = TensorParallelGroup.create(tp_size) if tp_size > 1 else None
-        self.inference_weights = self._built_inference_weights(ds_engine)
+        try:
+            self._build_generation(ds_engine, decode_attention, fuse_projections, compile_decode_step,
+                                   compile_prefill)
+        except BaseException:
+            if self.tp is not None:  # (no engine would release it; every rank fails alike: the same model and settings)
+                self.tp.destroy()
+            raise
+        # Stats
+        self._iteration = None  # IterationStats in progress (inside evaluation(): the evaluation's)
+        self.last_iteration = None  # the last completed one
+        self.last_evaluation = None  # the stats of the last evaluation() block
+        self._iterations_done = 0
+        self._total_samples = 0  # this rank's, over the completed iterations
+        self._total_e2e_s = 0.0
+        self._train_start = None  # when the train phase in progress began
+        self._evaluating = False
+        self._released = False  # release_generation() was called: no more generations
+        self.route_module_generate()
+        released_as(ds_engine, self)  # (a step run's, or a notebook engine's failed build's, released_engines block)
+
+    def _build_generation(self, ds_engine, decode_attention, fuse_projections, compile_decode_step, compile_prefill):
+        """What generating reads: the inference weights, the KV cache, the fused projections and the graph path. Where
+        any of it cannot be built (a model the group cannot split: GPT-2's fused qkv, per-head norms, MoE; a setting
+        refused, e.g. a misspelt decode_attention), ``__init__`` destroys the group it has just made."""
+        self.inference_weights = build_inference_weights(ds_engine.module, self.hybrid_config,
+                                                         ds_engine.zero_optimization_stage(), ds_engine.device,
+                                                         tp=self.tp)
         # decode_attention: "triton" runs one-token attention with dschat's flash-decoding kernel (attention.py) and
         # writes each new token into the KV cache with one kernel, and chooses tokens in one pass over the logits where
         # it can (triton_sampling.py); "sdpa" leaves the model's SDPA, transformers' cache update and torch's
@@ -115,30 +141,6 @@ class HybridEngine:
                                           group_agrees=self._group_agrees if self.tp else None,
                                           compile_prefill=compile_prefill, max_out_tokens=cache_cap) \
             if self.hybrid_config.enable_cuda_graph else None
-        # Stats
-        self._iteration = None  # IterationStats in progress (inside evaluation(): the evaluation's)
-        self.last_iteration = None  # the last completed one
-        self.last_evaluation = None  # the stats of the last evaluation() block
-        self._iterations_done = 0
-        self._total_samples = 0  # this rank's, over the completed iterations
-        self._total_e2e_s = 0.0
-        self._train_start = None  # when the train phase in progress began
-        self._evaluating = False
-        self._released = False  # release_generation() was called: no more generations
-        self.route_module_generate()
-        released_as(ds_engine, self)  # (a step run's, or a notebook engine's failed build's, released_engines block)
-
-    def _built_inference_weights(self, ds_engine):
-        """The weights generation reads. Where they cannot be built (a model the group cannot split), the group this
-        engine has just made is destroyed first: no engine would ever release it (every rank fails alike, as each
-        plans the same model)."""
-        try:
-            return build_inference_weights(ds_engine.module, self.hybrid_config, ds_engine.zero_optimization_stage(),
-                                           ds_engine.device, tp=self.tp)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.destroy()
-            raise
 
     # -- delegation to the DeepSpeed engine -------------------------------------------------------------------------
     def __getattr__(self, name):

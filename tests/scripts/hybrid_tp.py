@@ -286,6 +286,17 @@ def check_release_destroys_the_group(rank, world):
         raise AssertionError("GPT-2 was split")
     assert len(groups) == before, ("a failed build", before, len(groups))
     release_engine(gpt2)
+    # nor one of a model it can split whose settings are refused once the group is made (a misspelt decode_attention)
+    llama = build_actor(reference, 0, lora=False)
+    try:
+        HybridEngine(llama, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2), pad_token_id=PAD,
+                     decode_attention="trition")
+    except ValueError as error:
+        assert "decode_attention must be one of" in str(error), error
+    else:
+        raise AssertionError("a misspelt decode_attention was taken")
+    assert len(groups) == before, ("a build refusing its settings", before, len(groups))
+    release_engine(llama)
     # a released_engines block (a step run's: ppo.main; a notebook engine's whose later model fails to load) releases
     # the engines it made: the DeepSpeed engine, and the group of the HybridEngine around it
     with released_engines():
