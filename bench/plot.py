@@ -51,7 +51,7 @@ def load_panels(paths, skip=(), unrecorded_device=None):
     """(``load_rows``'s table, {model: the set of GPU names its plotted rows record}); a row that records none counts
     as ``unrecorded_device``, else as UNRECORDED."""
     table = defaultdict(lambda: defaultdict(dict))
-    devices = defaultdict(set)
+    measured_on = defaultdict(dict)  # {model: {(variant, batch): GPU}}: a later file's row replaces its GPU too
     skipped = set()
     for path in sorted(paths, key=run_order):
         for r in generation_rows(path):
@@ -63,13 +63,14 @@ def load_panels(paths, skip=(), unrecorded_device=None):
                 continue
             table[r["model"]][variant_key(r)][r["batch"]] = r["seconds"]
             table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
-            devices[r["model"]].add(r.get("device") or unrecorded_device or UNRECORDED)
+            device = r.get("device") or unrecorded_device or UNRECORDED
+            measured_on[r["model"]].update({(variant_key(r), r["batch"]): device, ("floor", r["batch"]): device})
     # (a pair that left out nothing, e.g. a misspelt variant or a file given with its folder, plotted the row it was
     # meant to leave out, and said nothing)
     if unmatched := sorted(set(skip) - skipped):
         raise SystemExit(f"--skip {','.join(unmatched)}: no row of that variant in a results file of that name (a "
                          "file's name without its folder, then ':' and a variant of its rows)")
-    return table, devices
+    return table, {model: set(points.values()) for model, points in measured_on.items()}
 
 
 def panel_title(model, devices):

@@ -397,6 +397,30 @@ def test_plot_titles_name_the_gpu_the_rows_record(tmp_path):
     assert "qwen2.5-7b shape, one NVIDIA H200, bf16" in [ax.get_title() for ax in figure.axes]
 
 
+def test_plot_title_names_the_gpu_of_the_rows_plotted_not_of_rows_a_later_file_replaced(tmp_path):
+    """A point measured again on another GPU by a later file is plotted from the later file alone: the title named the
+    replaced row's GPU too ("rows from NVIDIA H100 ... and NVIDIA H200"), though no plotted row came from it."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot import load_panels, panel_title
+
+    def row(device, seconds):
+        return {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": seconds,
+                "floor_s": 0.45, "device": device}
+
+    paths = []
+    for name, device, seconds in (("2026-11-30_s9_call1_gen.json", "NVIDIA H100 80GB HBM3", 0.9),
+                                  ("2026-11-30_s10_call1_gen.json", "NVIDIA H200", 0.8)):
+        (tmp_path / name).write_text(json.dumps({"args": GENERATION_ARGS, "rows": [row(device, seconds)]}))
+        paths.append(str(tmp_path / name))
+    table, devices = load_panels(paths)
+    assert table["opt-1.3b"]["dschat_z0_graph"][64] == 0.8
+    assert panel_title("opt-1.3b", devices["opt-1.3b"]) == "opt-1.3b shape, one NVIDIA H200, bf16"
+    # a point the later file did not measure again keeps its own GPU
+    (tmp_path / "2026-11-30_s9_call1_gen.json").write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+        row("NVIDIA H100 80GB HBM3", 0.9), dict(row("NVIDIA H100 80GB HBM3", 1.5), batch=128)]}))
+    assert load_panels(paths)[1]["opt-1.3b"] == {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
+
+
 @pytest.mark.parametrize("pair", ["gen.json:dschat_z0_grpah", "docs/results/gen.json:dschat_z0_graph",
                                   "gen.jsn:dschat_z0_graph", "gen.json"])
 def test_plot_refuses_a_skip_that_leaves_out_no_row(tmp_path, pair):
