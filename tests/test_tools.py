@@ -1367,3 +1367,27 @@ def test_ppo_eval_answers_never_hold_ids_of_embedding_rows_the_tokenizer_has_no_
         answer = captured["generate"](ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                       pad_token_id=tokenizer.pad_token_id)
     assert (answer[0, ids.shape[1]:] < len(tokenizer)).all(), answer
+
+
+def test_a_stop_id_past_the_tokenizers_ids_is_not_suppressed(models, monkeypatch):
+    """A generation_config whose EOS id the tokenizer has no token for: the rows past the tokenizer are suppressed
+    from the stop id on, so answers still end there (suppressed, it could never be chosen and answers never ended)."""
+    from dschat.models.loading import generable_token_count
+    from dschat.rlhf.trainer import untokenized_ids
+    from dschat.tools import generation
+
+    model, tokenizer = load_policy(models["policy"], device="cpu")
+    tokens = len(tokenizer)
+    model.resize_token_embeddings(tokens + 8)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokens + 2]
+    assert generable_token_count(model, tokenizer) == tokens + 3
+    assert untokenized_ids(model, tokenizer) == list(range(tokens + 3, tokens + 8))
+    bias = torch.zeros(tokens + 8)
+    bias[tokens + 2] = 50.0
+    model.get_output_embeddings().register_forward_hook(lambda m, inputs, output: output + bias)
+    seen, decode = [], generation.decode_answers
+    monkeypatch.setattr(generation, "decode_answers", lambda tok, answer_ids, stop_ids=None: seen.append(answer_ids)
+                        or decode(tok, answer_ids, stop_ids))
+    prompt = [format_prompt([{"role": "user", "content": "Say hi."}], tokenizer)]
+    assert generation.generate_answers(model, tokenizer, prompt, dict(GREEDY)) == [""]
+    assert seen[0][0, 0] == tokens + 2, seen

@@ -26,6 +26,7 @@ from dschat.hybrid_engine.generate_args import (check_generation_config, check_h
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   ranks_agree, shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
+from dschat.models.loading import generable_token_count
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
 from dschat.models.training_engine import released_as
@@ -680,7 +681,7 @@ def wrap_actor(ds_engine, ds_config, tokenizer_or_ids=None, **kwargs):
         return ds_engine
     pad, eos = _token_ids(tokenizer_or_ids)
     if hasattr(tokenizer_or_ids, "pad_token_id") and hasattr(tokenizer_or_ids, "__len__"):
-        kwargs.setdefault("token_count", len(tokenizer_or_ids))
+        kwargs.setdefault("token_count", generable_token_count(ds_engine.module, tokenizer_or_ids))
     return HybridEngine(ds_engine, config, pad_token_id=pad, eos_token_id=eos, **kwargs)
 
 

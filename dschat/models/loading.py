@@ -625,6 +625,14 @@ def stop_token_ids(model, tokenizer):
     return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
 
 
+def generable_token_count(model, tokenizer):
+    """How many of the model's first ids may be generated: the tokenizer's, raised past any stop or pad id beyond them
+    (a generation_config whose EOS id the tokenizer lacks: its answers would otherwise never end). Ids from it on,
+    embedding rows no token has, are left out of the choice (``sampling.chosen_columns``, HF's ``suppress_tokens``)."""
+    specials = [i for i in (*stop_token_ids(model, tokenizer), tokenizer.pad_token_id) if i is not None]
+    return max([len(tokenizer), *(int(i) + 1 for i in specials)])
+
+
 def sync_special_tokens(model, tokenizer, rows=0):
     """Make the model's config and generation config agree with the tokenizer; grow the embeddings if needed (to at
     least ``rows`` too). Other EOS ids the generation config lists are kept after the tokenizer's

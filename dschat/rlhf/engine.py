@@ -10,8 +10,8 @@ from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, cr
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
-from dschat.models.loading import (check_sequence_fits, config_dropouts, embedding_rows, load_causal_lm,
-                                   load_tokenizer)
+from dschat.models.loading import (check_sequence_fits, config_dropouts, embedding_rows, generable_token_count,
+                                   load_causal_lm, load_tokenizer)
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import (check_schedule_reaches_its_end, collective_may_be_pending,
@@ -581,7 +581,8 @@ class DeepSpeedRLHFEngine:
         actor = HybridEngine(engine, HybridEngineConfig.from_ds_config(ds_config),
                              pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                              compile_decode_step=a.compile_decode_step, decode_attention=a.decode_attention,
-                             fuse_projections=a.fuse_projections, token_count=len(self.tokenizer))
+                             fuse_projections=a.fuse_projections,
+                             token_count=generable_token_count(engine.module, self.tokenizer))
         actor.check_generation_config()  # e.g. a no_repeat_ngram_size the decode would not apply: say so before PPO
         print_rank_0(f"[step3] hybrid engine generates from {actor.inference_weights.description}"
                      + (f", each rank its slice: inference tensor-parallel groups of {actor.tp.size} ranks"

@@ -15,7 +15,7 @@ from dschat.hybrid_engine.generate_args import check_left_padded
 from dschat.hybrid_engine.graphs import default_generator, logits_vocab_size
 from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
-from dschat.models.loading import stop_token_ids, token_id_list
+from dschat.models.loading import generable_token_count, stop_token_ids, token_id_list
 from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
@@ -225,7 +225,7 @@ def untokenized_ids(model, tokenizer):
     (Qwen2.5's 271; step 3 grows a critic's and reward model's to the actor's). HF's ``generate`` is told to suppress
     them, as the hybrid engine leaves them out (``sampling.chosen_columns``): sampled, such an id decodes to nothing and
     no reward model has scored it."""
-    return list(range(len(tokenizer), logits_vocab_size(model)))
+    return list(range(generable_token_count(model, tokenizer), logits_vocab_size(model)))
 
 
 def answer_texts(tokenizer, answers, mask):
