@@ -1192,3 +1192,40 @@ def test_tool_call_arguments_given_as_json_text_are_written_as_the_template_writ
     path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": as_text, "tools": [WEATHER_TOOL]}] * 2)
     every, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=1024)
     assert trained_text(every[0], tok) == CALL + "|It is 22C.<|im_end|>"
+
+
+def test_arrow_read_tool_calls_and_schemas_train_what_the_file_held(tmp_path, tokenizer):
+    """Arrow (parquet, save_to_disk, a hub download) merges the keys of nested objects across records and fills those
+    a record lacks with None: one call's arguments came back as {'city': 'Paris', 'query': None}, and --multiturn
+    trained '"query": null' in the call (the tool schemas got None fields the same way). Keys whose value is None are
+    left out of a call's arguments and of the tool schemas: the parquet file trains the JSON Lines file's text."""
+    import pandas as pd
+
+    schema = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
+    search_tool = {"type": "function", "function": {"name": "search", "description": "Search the web.",
+                                                    "parameters": schema}}
+    searching = copy.deepcopy(TOOL_CONVERSATION)
+    searching[1]["content"], searching[4]["content"] = "Search for cats.", "Cats are found."
+    searching[2]["tool_calls"][0]["function"] = {"name": "search", "arguments": {"query": "cats"}}
+    searching[3] = {"role": "tool", "content": "cats: many"}
+    rows = [{"messages": TOOL_CONVERSATION, "tools": [WEATHER_TOOL]}, {"messages": searching, "tools": [search_tool]}]
+    jsonl = write_jsonl(tmp_path / "tools.jsonl", rows)
+    parquet = str(tmp_path / "tools.parquet")
+    pd.DataFrame(rows).to_parquet(parquet)
+    assert pd.read_parquet(parquet)["messages"][0][2]["tool_calls"][0]["function"]["arguments"]["query"] is None
+    tok = qwen_tools(tokenizer)
+    texts = {}
+    for path in (jsonl, parquet):
+        data, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=1024)
+        texts[path] = sorted((tok.decode(item["input_ids"]), trained_text(item, tok)) for item in data)
+    assert texts[parquet] == texts[jsonl]
+    assert [trained for _, trained in texts[parquet]] == [
+        CALL + "|It is 22C.<|im_end|>",
+        '<tool_call>\n{"name": "search", "arguments": {"query": "cats"}}\n</tool_call><|im_end|>|Cats are found.'
+        '<|im_end|>']
+    assert "null" not in "".join(whole for whole, _ in texts[parquet])
+    # a null an argument must hold is kept where the arguments are given as JSON text (OpenAI's format)
+    from dschat.data.base import checked_messages
+    given = [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                                     "arguments": '{"unit": null}'}}]}]
+    assert checked_messages(given, "messages")[0]["tool_calls"][0]["function"]["arguments"] == {"unit": None}

@@ -278,10 +278,27 @@ def tool_calls(message, role, field, position):
             raise RecordError(field, f"message {position} has a tool call without a function name; each is "
                                      "{\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}}")
         call = {key: value for key, value in call.items() if value is not None}
+        function = without_none_values(function)
         if "arguments" in function:
-            call["function"] = {**function, "arguments": json_object_arguments(function["arguments"])}
+            function["arguments"] = json_object_arguments(function["arguments"])
+        call["function"] = function
         checked.append(call)
     return checked
+
+
+def without_none_values(value):
+    """``value`` with the keys of its objects (nested ones too) whose value is None left out; JSON text as given.
+
+    Arrow (parquet, save_to_disk, a hub download) stores the objects of a column as one struct of every key any record
+    has, and gives back a key a record lacks as None: a call's arguments {"city": "Paris"} came back as {"city":
+    "Paris", "query": None}, which templates write as "query": null, and tool schemas got "required": null so. A null
+    read from a JSON file is left out the same way (every format trains the same text); arguments that must hold one
+    are kept as written where given as JSON text (OpenAI's format)."""
+    if isinstance(value, dict):
+        return {key: without_none_values(item) for key, item in value.items() if item is not None}
+    if isinstance(value, (list, tuple)):
+        return [without_none_values(item) for item in value]
+    return value
 
 
 def json_object_arguments(arguments):
@@ -356,4 +373,4 @@ def final_assistant_answer(messages, field):
 
 __all__ = ["PromptRawDataset", "read_or_none", "required_text", "optional_text",
            "conversation_from_transcript", "answer_from_transcript", "checked_messages", "untrained_turns",
-           "prompt_messages", "final_assistant_answer", "has_tool_turns", "TOOL_ROLES"]
+           "prompt_messages", "final_assistant_answer", "has_tool_turns", "TOOL_ROLES", "without_none_values"]

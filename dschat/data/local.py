@@ -61,7 +61,7 @@ from pathlib import Path
 
 from dschat.errors import MissingInputError, UsageError
 from .base import (TOOL_ROLES, PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer,
-                   optional_text, prompt_messages, required_text, untrained_turns)
+                   optional_text, prompt_messages, required_text, untrained_turns, without_none_values)
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import parse_transcript, with_lf_line_ends
 
@@ -1322,6 +1322,8 @@ class LocalDataset(PromptRawDataset):
                 value = json.loads(value) if value.strip() else None
             except json.JSONDecodeError as err:
                 raise RecordError(field, f"not a JSON list of tool schemas ({err})") from None
+        elif isinstance(value, (list, tuple)):  # (Arrow's None for the keys other records' schemas have)
+            value = without_none_values(value)
         if not value:
             return None
         if not isinstance(value, (list, tuple)) or not all(isinstance(tool, dict) for tool in value):
