@@ -1229,3 +1229,31 @@ def test_arrow_read_tool_calls_and_schemas_train_what_the_file_held(tmp_path, to
     given = [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
                                                                                      "arguments": '{"unit": null}'}}]}]
     assert checked_messages(given, "messages")[0]["tool_calls"][0]["function"]["arguments"] == {"unit": None}
+
+
+@pytest.mark.parametrize("renders_calls", [False, True])
+def test_a_dropped_call_is_found_out_after_a_message_the_template_does_not_write_verbatim(tmp_path, tokenizer,
+                                                                                           renders_calls):
+    """A call's function name was looked for after the text of the message before it; where the template writes a
+    message otherwise (trimmed), the search stayed where it was and found the name in the tool schemas the template
+    lists first, so a template that drops the calls passed. The name is looked for in what the call's turn adds to the
+    rendering; a template that renders the calls still passes."""
+    tok = qwen_tools(tokenizer)
+    tok.chat_template = QWEN_TOOLS_TEMPLATE.replace("'\\n' + message.content + '<|im_end|>\\n'",
+                                                    "'\\n' + (message.content | trim) + '<|im_end|>\\n'")
+    if not renders_calls:  # (a call's turn written as its text alone: empty)
+        tok.chat_template = tok.chat_template.replace("(message.role == 'assistant' and not message.tool_calls)",
+                                                      "message.role == 'assistant'")
+    messages = copy.deepcopy(TOOL_CONVERSATION[1:])
+    messages[0]["content"] = "  Weather\n  in Paris?"  # (kept so: its lines are indented alike)
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": messages, "tools": [WEATHER_TOOL]}] * 2)
+    assert tok.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False).count("get_weather") == \
+        (2 if renders_calls else 1)  # (the schema's, and the call's where it is rendered)
+    if renders_calls:
+        train, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=1024)
+        assert trained_text(train[0], tok) == CALL + "|It is 22C.<|im_end|>"
+        return
+    with pytest.raises(DatasetFormatError, match=r"tools.jsonl line 1 \(record 0\): field 'messages': message 1 calls "
+                                                 r"the tool 'get_weather', but the tokenizer's chat template does not "
+                                                 r"render it"):
+        build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)

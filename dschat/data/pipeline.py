@@ -545,7 +545,7 @@ def rendered_prompt(messages, tokenizer, raw=None, sample=None, tools=None):
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         raise RecordError(field, f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; "
                                  f"the record's first user message: {first[:60]!r}") from err
-    check_tool_turns_rendered(messages, text, field)
+    check_tool_turns_rendered(messages, text, field, tokenizer, tools)
     check_tools_rendered(tools, text, getattr(raw, "fields", {}).get("tools", "tools"))
     return text
 
@@ -569,46 +569,63 @@ def check_tools_rendered(tools, text, field):
                                      "leave the record out")
 
 
-def check_tool_turns_rendered(messages, text, field):
+def check_tool_turns_rendered(messages, text, field, tokenizer=None, tools=None):
     """A tool's result or an assistant's tool call must be in the prompt ``text`` the chat template rendered (None:
     no template): a template that drops them, or writes no calls, would train the answer after a conversation without
-    them, as TRL's SFTTrainer does without a word. Each message is looked for after the one before (a call's function
-    name not in the tool schemas the template lists first), the others' text where it is found as written."""
+    them, as TRL's SFTTrainer does without a word. Each such turn is rendered again with its function names (a
+    result: its content) replaced by a mark, which must be in that rendering: a name was looked for after the text of
+    the message before, and where the template wrote that message otherwise (trimmed) it was found in the tool
+    schemas the template lists first, so a template that dropped the calls passed."""
     if not has_tool_turns(messages):
         return
-    position = 0
     for index, message in enumerate(messages):
         calls = message.get("tool_calls") or ()
         if message["role"] not in TOOL_ROLES and not calls:
-            position = _after(text or "", message["content"], position)
             continue
         if text is None:
             raise RecordError(field, f"message {index} {_tool_turn(message)}: tool calls and results are rendered "
                                      "only by a chat template that renders them, and the tokenizer has none (the "
                                      "Human:/Assistant: format); use a tokenizer whose chat template renders tools "
                                      "(Qwen2.5's, Llama-3.1's), or leave the record out")
-        wanted = [call["function"]["name"] for call in calls] or [message["content"]]
-        position = _after(text, message["content"], position) if calls else position
-        for piece in wanted:
-            found = text.find(piece, position)
-            if found < 0:
-                raise RecordError(field, f"message {index} {_tool_turn(message)}, but the tokenizer's chat template "
-                                         f"does not render {'it' if calls else 'its content'} ({piece[:60]!r}): the "
-                                         "model would be trained without it; use a chat template that renders tool "
-                                         "calls and results (Qwen2.5's, Llama-3.1's), or leave the record out")
-            position = found + len(piece)
+        piece = _unrendered_piece(messages, index, text, tokenizer, tools)
+        if piece is not None:
+            raise RecordError(field, f"message {index} {_tool_turn(message)}, but the tokenizer's chat template "
+                                     f"does not render {'it' if calls else 'its content'} ({piece[:60]!r}): the "
+                                     "model would be trained without it; use a chat template that renders tool "
+                                     "calls and results (Qwen2.5's, Llama-3.1's), or leave the record out")
+
+
+def _unrendered_piece(messages, index, text, tokenizer, tools):
+    """The first function name of message ``index``'s calls (a tool result's content) that the chat template does not
+    write, else None: the messages rendered with each one replaced by a mark (``TOOL_TURN_MARK``) must hold the mark.
+    A template that refuses the marked messages: the piece must be in ``text``."""
+    from jinja2.exceptions import TemplateError
+
+    message, marked = messages[index], list(messages)
+    calls = message.get("tool_calls") or ()
+    pieces = [call["function"]["name"] for call in calls] or [message["content"]]
+    marks = [TOOL_TURN_MARK.format(number) for number in range(len(pieces))]
+    if calls:
+        marked[index] = {**message, "tool_calls": [{**call, "function": {**call["function"], "name": mark}}
+                                                   for call, mark in zip(calls, marks)]}
+    else:
+        marked[index] = {**message, "content": marks[0]}
+    try:
+        rendered = format_prompt(marked, tokenizer, tools)
+    except (TemplateError, ValueError):
+        return next((piece for piece in pieces if piece not in text), None)
+    return next((piece for piece, mark in zip(pieces, marks) if mark not in rendered), None)
+
+
+# what stands for a tool call's function name or a tool result's content where their rendering is checked (letters,
+# digits and "_", as a function's name: templates that escape or quote it write it as it is)
+TOOL_TURN_MARK = "dschat_tool_turn_mark_{}"
 
 
 def _tool_turn(message):
     if message.get("tool_calls"):
         return f"calls the tool {message['tool_calls'][0]['function']['name']!r}"
     return f"is a tool's result (role {message['role']!r})"
-
-
-def _after(text, piece, position):
-    """Where ``piece`` ends in ``text`` after ``position``; ``position`` where it is not there (or empty)."""
-    found = text.find(piece, position) if piece else -1
-    return found + len(piece) if found >= 0 else position
 
 
 def refused_message(messages):
