@@ -1257,3 +1257,27 @@ def test_a_dropped_call_is_found_out_after_a_message_the_template_does_not_write
                                                  r"the tool 'get_weather', but the tokenizer's chat template does not "
                                                  r"render it"):
         build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+
+
+def test_two_tool_results_in_a_row_a_template_refuses_are_not_said_to_be_joined(tmp_path, tokenizer):
+    """A template that wants roles to alternate refused two tool messages in a row (the results of parallel calls)
+    and the error said "join the two into one message", which would make two results one: it says the template does
+    not take consecutive tool results and what does."""
+    tok = qwen_tools(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if not loop.first and m.role == messages[loop.index0 - 1].role %}"
+                         "{{ raise_exception('Conversation roles must alternate') }}{% endif %}{% endfor %}"
+                         + QWEN_TOOLS_TEMPLATE)
+    parallel = copy.deepcopy(TOOL_CONVERSATION)
+    call = parallel[2]["tool_calls"][0]
+    parallel[2]["tool_calls"].append({**call, "function": {**call["function"], "arguments": {"city": "Lyon"}}})
+    parallel[3:4] = [{"role": "tool", "name": "get_weather", "content": "22C"},
+                     {"role": "tool", "name": "get_weather", "content": "19C"}]
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": parallel, "tools": [WEATHER_TOOL]}] * 2)
+    with pytest.raises(DatasetFormatError, match=r"tools.jsonl line 1 \(record 0\): field 'messages': the tokenizer's "
+                                                 r"chat template refuses them \(Conversation roles must alternate\): "
+                                                 r"message 4 is a second tool result in a row \(the results of "
+                                                 r"parallel tool calls\), which the template does not take; use a "
+                                                 r"chat template that does \(Qwen2.5's\), or give each call a turn "
+                                                 r"of its own") as said:
+        build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+    assert "join" not in str(said.value)

@@ -631,8 +631,13 @@ def _tool_turn(message):
 def refused_message(messages):
     """": message N ..." naming the message a chat template that wants alternating roles (Llama-2's, Mistral's:
     "Conversation roles must alternate") most likely refuses, and how to mend it; else "". It named none: the record's
-    first message was said, and which of its turns broke the alternation was left to find."""
+    first message was said, and which of its turns broke the alternation was left to find. Two tool results in a row
+    (parallel calls') are not said to be joined: a template that takes them is wanted."""
     for index, (before, message) in enumerate(zip(messages, messages[1:]), start=1):
+        if message["role"] == before["role"] and message["role"] in TOOL_ROLES:  # (not to be joined: two results)
+            return (f": message {index} is a second tool result in a row (the results of parallel tool calls), which "
+                    "the template does not take; use a chat template that does (Qwen2.5's), or give each call a turn "
+                    "of its own, its result after it")
         if message["role"] == before["role"]:
             return (f": message {index} is a second {message['role']!r} message in a row (the template wants user and "
                     "assistant turns to alternate); join the two into one message")
