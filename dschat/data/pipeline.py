@@ -537,17 +537,25 @@ def rendered_prompt(messages, tokenizer, raw=None, sample=None, tools=None):
     chat template renders (``check_tool_turns_rendered``)."""
     from jinja2.exceptions import TemplateError
 
-    field = raw.conversation_field(sample) if raw is not None else "messages"
     try:
         text = format_prompt(messages, tokenizer, tools) if uses_chat_template(tokenizer) or \
             not (tools or has_tool_turns(messages)) else None
     except TemplateError as err:
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
-        raise RecordError(field, f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; "
-                                 f"the record's first user message: {first[:60]!r}") from err
-    check_tool_turns_rendered(messages, text, field, tokenizer, tools)
+        raise RecordError(_conversation_field(raw, sample),
+                          f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; the "
+                          f"record's first user message: {first[:60]!r}") from err
+    try:
+        check_tool_turns_rendered(messages, text, "messages", tokenizer, tools)
+    except RecordError as err:  # (of the field that holds the messages)
+        raise RecordError(_conversation_field(raw, sample), err.detail) from err
     check_tools_rendered(tools, text, getattr(raw, "fields", {}).get("tools", "tools"))
     return text
+
+
+def _conversation_field(raw, sample):
+    """The field that holds the record's messages, for its error (read only then: it was read for every record)."""
+    return raw.conversation_field(sample) if raw is not None else "messages"
 
 
 def check_tools_rendered(tools, text, field):
