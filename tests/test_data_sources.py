@@ -124,6 +124,23 @@ def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_na
         raw(str(shards), tmp_path)
 
 
+def test_a_sharded_splits_record_shape_error_names_every_shard(tmp_path):
+    # records of no field dschat reads were said to be of the first shard alone ("train-00000-of-00002.parquet: no
+    # 'prompt', 'messages' or 'chosen' field"), as if the others were fine: the columns are every shard's
+    folder = tmp_path / "hub"
+    (folder / "data").mkdir(parents=True)
+    renamed = [{"question": r["prompt"], "answer": r["chosen"]} for r in RECORDS]
+    write_records(renamed[:5], folder / "data" / "train-00000-of-00002.parquet", "parquet")
+    write_records(renamed[5:], folder / "data" / "train-00001-of-00002.parquet", "parquet")
+    shards = r"hub/data/train-00000-of-00002\.parquet \.\.\. train-00001-of-00002\.parquet"
+    with pytest.raises(DatasetFormatError, match=rf"{shards}: no 'prompt', 'messages' or 'chosen' field; the records "
+                                                 r"have \['question', 'answer'\]"):
+        raw(str(folder), tmp_path)
+    with pytest.raises(DatasetFormatError, match=rf"{shards}: no 'query' field, which --data_fields prompt=query "
+                                                 r"names"):
+        raw(str(folder), tmp_path, prompt="query", chosen="answer")
+
+
 def test_parquet_shards_of_string_and_large_string_text_join_and_other_types_are_named(tmp_path):
     # pandas' to_parquet writes text as large_string, datasets as string: shards of the two would not join
     import pyarrow as pa

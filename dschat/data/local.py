@@ -101,6 +101,12 @@ def checked_field_options(field_options):
     return dict(field_options)
 
 
+def files_where(paths):
+    """The file, or the first shard of a split in several and the last one's name: "FOLDER/data/train-00000-of-00002
+    .parquet ... train-00001-of-00002.parquet" (an error of their columns was said of the first shard alone)."""
+    return paths[0] if len(paths) == 1 else f"{paths[0]} ... {os.path.basename(paths[-1])}"
+
+
 @dataclass(frozen=True)
 class LocalSource:
     """Where a local dataset's data lives: ``kind`` is one of LOCAL_TYPES; ``eval`` may be None, ``eval_kind`` its
@@ -121,6 +127,15 @@ class LocalSource:
     @property
     def eval_files(self):
         return [self.eval, *self.more_eval] if self.eval else []
+
+    @property
+    def train_where(self):
+        """The train split's file, or its shards (``files_where``), for an error of its records as a whole."""
+        return files_where(self.train_files)
+
+    @property
+    def eval_where(self):
+        return files_where(self.eval_files) if self.eval else None
 
     @property
     def eval_type(self):
@@ -936,8 +951,8 @@ def load_split_files(kind, paths):
     except ValueError as err:  # (columns or types that differ between the shards)
         data = _joined_with_text_alike([part for part, _ in parts])
         if data is None:
-            raise DatasetFormatError(f"{paths[0]} ... {os.path.basename(paths[-1])}: the shards of one split hold "
-                                     f"different columns or types: {err}") from err
+            raise DatasetFormatError(f"{files_where(paths)}: the shards of one split hold different columns or "
+                                     f"types: {err}") from err
     return data, ShardPlaces(paths, [lines for _, lines in parts], [len(part) for part, _ in parts])
 
 
@@ -1018,13 +1033,13 @@ class LocalDataset(PromptRawDataset):
         if "conversations" in train.column_names and not self.renamed and not any(
                 self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
-        self.shape = self._record_shape(train, self.source.train)
+        self.shape = self._record_shape(train, self.source.train_where)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields())
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
         self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
         self._validate(train, self.source.train, self._train_lines)
         if eval_data is not None:
-            eval_where = self.source.eval or self.source.train
+            eval_where = self.source.eval_where or self.source.train_where
             if self._record_shape(eval_data, eval_where) != self.shape:
                 raise DatasetFormatError(f"{eval_where}: the eval records have different fields from the train "
                                          f"records ({eval_data.column_names} vs {train.column_names})")
@@ -1040,7 +1055,7 @@ class LocalDataset(PromptRawDataset):
         name, renamed, columns = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed, train.column_names
         if name not in columns:
             if renamed and any(_says_true_or_false(values) for values in train[:100].values()):
-                self._check_renamed((LABEL_FIELD,), columns, self.source.train)
+                self._check_renamed((LABEL_FIELD,), columns, self.source.train_where)
             return None
         if renamed:
             return name
@@ -1142,7 +1157,7 @@ class LocalDataset(PromptRawDataset):
     def check_usable(self, train_phase):
         if train_phase in (1, 2) and not self.has_answers and "chosen" in self.renamed:
             # a misspelt chosen=... is why the answers are missing: name it, not "no 'chosen' field"
-            self._check_renamed(("chosen",), self.raw_datasets["train"].column_names, self.source.train)
+            self._check_renamed(("chosen",), self.raw_datasets["train"].column_names, self.source.train_where)
         super().check_usable(train_phase)
         if train_phase == 2:
             self.check_rejected_rename()
@@ -1152,7 +1167,7 @@ class LocalDataset(PromptRawDataset):
         (Other steps' files may lack rejected answers under the same --data_fields; step 2's cannot. Conversations
         beside the renamed data, which have none under any name, are skipped and counted as without --data_fields.)"""
         if self.shape != "messages" and not self.has_rejected and "rejected" in self.renamed:
-            self._check_renamed(("rejected",), self.raw_datasets["train"].column_names, self.source.train)
+            self._check_renamed(("rejected",), self.raw_datasets["train"].column_names, self.source.train_where)
 
     def _shape_fields(self):
         return {"messages": ("messages",), "prompt": ("prompt", "chosen", "rejected"),
