@@ -185,6 +185,34 @@ def test_cache_is_reused_across_generations_and_released_on_request():
     assert torch.equal(again, first) and releasing.kv_cache.allocations == 2
 
 
+def _counting_destroys(ds_engine):
+    """The list that gets a 1 for each destroy() of ``ds_engine`` (its own: DeepSpeed's __del__ destroys an engine
+    again as it goes, the engines of earlier tests too)."""
+    calls, destroy = [], ds_engine.destroy
+    ds_engine.destroy = lambda: calls.append(1) or destroy()
+    return calls
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_an_engine_released_twice_is_destroyed_once(stage):
+    """release_engine of an engine released before (a HybridEngine, then its DeepSpeed engine; either twice) ran
+    DeepSpeed's destroy() again; now a second release does nothing."""
+    from dschat.models.training_engine import release_engine
+
+    engine = _engine(tiny_model("llama"), stage=stage)
+    destroyed, generation = _counting_destroys(engine.ds_engine), []
+    release_generation = engine.release_generation
+    engine.release_generation = lambda: generation.append(1) or release_generation()
+    for released in (engine, engine, engine.ds_engine):
+        release_engine(released)
+    assert destroyed == [1] and generation == [1]
+    alone = make_ds_engine(tiny_model("llama"), stage)
+    destroyed = _counting_destroys(alone)
+    release_engine(alone)
+    release_engine(alone)
+    assert destroyed == [1]
+
+
 def test_release_drops_generation_state_while_the_engine_is_still_referenced():
     """release_engine on a HybridEngine that something still holds (a notebook's trainer holds the actor): the KV
     cache, the decode steps of the graph path (run eagerly on the CPU) with their buffers, the fused projections and

@@ -3390,3 +3390,34 @@ def test_a_notebook_engine_releases_each_of_its_engines_though_one_fails_to(monk
     with pytest.raises(RuntimeError, match="device-side assert"):
         engine.release()
     assert released == ["ref", "critic", "reward"]
+
+
+def test_a_notebook_engine_inside_a_released_engines_block_destroys_each_engine_once():
+    """``with DeepSpeedRLHFEngine(...)`` inside a caller's released_engines block (which its build hands the engines
+    to) released each engine at the with block's end and again at the outer block's, so DeepSpeed's destroy() ran
+    twice (harmless on the CPU at DeepSpeed 0.19.8, ZeRO-0/2/3, which does not promise it); as did release_engine
+    called twice. A released engine's second release does nothing."""
+    from dschat import DeepSpeedRLHFEngine
+    from dschat.models import training_engine
+
+    destroyed = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name, self.module = name, torch.nn.Linear(1, 1)
+
+        def destroy(self):
+            destroyed.append(self.name)
+
+    actor, critic = Engine("actor"), Engine("critic")
+    notebook = object.__new__(DeepSpeedRLHFEngine)
+    notebook.actor, notebook.ref, notebook.actor_ema, notebook.critic, notebook.reward = actor, None, None, critic, None
+    with training_engine.released_engines():
+        training_engine._made(actor)  # (as the engine's build hands them to the enclosing block)
+        training_engine._made(critic)
+        with notebook:
+            pass
+        assert destroyed == ["actor", "critic"]
+    assert destroyed == ["actor", "critic"]
+    training_engine.release_engine(critic)
+    assert destroyed == ["actor", "critic"]

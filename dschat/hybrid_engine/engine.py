@@ -168,7 +168,10 @@ class HybridEngine:
         projections and the inference copy of the weights: their memory goes now, not when the last reference to this
         engine does, e.g. a notebook's trainer) and destroy the inference tensor-parallel group this engine made
         (``release_engine`` calls it). Every rank of the world releases its engine at the same point, as it built it.
-        The engine cannot generate afterwards; its module's ``generate`` is the model class's again."""
+        The engine cannot generate afterwards; its module's ``generate`` is the model class's again. Once: a second
+        call does nothing."""
+        if self._released:
+            return
         self._released = True
         if isinstance(self._engine.module.__dict__.get("generate"), _RoutedGenerate):
             del self._engine.module.__dict__["generate"]

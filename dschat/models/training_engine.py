@@ -2,6 +2,7 @@
 activation checkpointing) and an evaluated-only one's. Steps 1-3 and the RLHF engine build theirs here."""
 import contextlib
 import math
+import weakref
 
 import torch
 
@@ -90,6 +91,9 @@ def released_as(engine, wrapper):
         scope[:] = [wrapper if made is engine else made for made in scope]
 
 
+_RELEASED = weakref.WeakSet()  # the engines release_engine has released (or begun to): a second release does nothing
+
+
 def release_engine(engine):
     """Let Python free a finished DeepSpeed engine (a ``HybridEngine``'s too): its model, optimizer states and ZeRO
     buckets (2 GB each at DeepSpeed's default size). Left alone, DeepSpeed 0.19 keeps every engine of a process for
@@ -104,11 +108,14 @@ def release_engine(engine):
     A ``HybridEngine`` also drops what generating keeps (KV cache, inference copy, captured decode steps) and destroys
     the inference tensor-parallel group it made (``HybridEngine.release_generation``), which torch would keep for as
     long as the process runs.
-    The engine cannot train, nor run a ZeRO-3 forward, afterwards."""
+    The engine cannot train, nor run a ZeRO-3 forward, afterwards. Once: releasing it again does nothing (an engine
+    of a notebook's ``with DeepSpeedRLHFEngine`` inside a ``released_engines`` block, released by both)."""
     from dschat.hybrid_engine import HybridEngine
 
     if not isinstance(engine, HybridEngine):
         _release_deepspeed_engine(engine)
+        return
+    if not _first_release(engine):
         return
     try:
         engine.release_generation()
@@ -116,10 +123,21 @@ def release_engine(engine):
         _release_deepspeed_engine(engine.ds_engine)
 
 
+def _first_release(engine):
+    """Whether ``engine`` was not released before; it counts as released from now on (a release that fails is not
+    tried again)."""
+    if engine in _RELEASED:
+        return False
+    _RELEASED.add(engine)
+    return True
+
+
 def _release_deepspeed_engine(engine):
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
+    if not _first_release(engine):  # (also a HybridEngine's, released before on its own or with another wrapper)
+        return
     engine.destroy()
     # (its submodules too: a forward that raised never popped those it had pushed)
     modules = {id(m) for m in engine.module.modules()}
