@@ -213,6 +213,24 @@ def test_an_engine_released_twice_is_destroyed_once(stage):
     assert destroyed == [1]
 
 
+def test_a_released_engines_block_releases_every_hybrid_engine_around_its_engine():
+    """Two HybridEngines around one DeepSpeed engine made in a released_engines block: the block released the first
+    alone (it took its engine's place), so the second one's inference tensor-parallel group stayed in torch's
+    registry (2 ranks: tests/scripts/hybrid_tp.py --release). Each is released, the DeepSpeed engine once."""
+    from dschat.models import training_engine
+
+    generations = []
+    with training_engine.released_engines():
+        ds_engine = training_engine._made(make_ds_engine(tiny_model("llama")))
+        destroyed = _counting_destroys(ds_engine)
+        for name in ("first", "second"):
+            wrapper = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32), pad_token_id=PAD)
+            release_generation = wrapper.release_generation
+            wrapper.release_generation = lambda name=name, release=release_generation: \
+                generations.append(name) or release()
+    assert generations == ["first", "second"] and destroyed == [1]
+
+
 def test_release_drops_generation_state_while_the_engine_is_still_referenced():
     """release_engine on a HybridEngine that something still holds (a notebook's trainer holds the actor): the KV
     cache, the decode steps of the graph path (run eagerly on the CPU) with their buffers, the fused projections and

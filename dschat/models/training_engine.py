@@ -86,9 +86,20 @@ def _made(engine):
 
 def released_as(engine, wrapper):
     """``wrapper`` (a ``HybridEngine``) is released in ``engine``'s place by the ``released_engines`` blocks that hold
-    ``engine``: with its engine, the wrapper's inference tensor-parallel group goes too, which torch would keep."""
+    ``engine``: with its engine, the wrapper's inference tensor-parallel group goes too, which torch would keep. A
+    second wrapper of the same engine goes beside the first (each made a group of its own)."""
     for scope in _OPEN_SCOPES:
-        scope[:] = [wrapper if made is engine else made for made in scope]
+        if any(made is engine for made in scope):
+            scope[:] = [wrapper if made is engine else made for made in scope]
+        elif any(_wrapped_engine(made) is engine for made in scope):
+            scope.append(wrapper)
+
+
+def _wrapped_engine(made):
+    """The DeepSpeed engine a ``HybridEngine`` wraps; None for any other engine."""
+    from dschat.hybrid_engine import HybridEngine
+
+    return made.ds_engine if isinstance(made, HybridEngine) else None
 
 
 _RELEASED = weakref.WeakSet()  # the engines release_engine has released (or begun to): a second release does nothing

@@ -265,7 +265,8 @@ def check_release_destroys_the_group(rank, world):
     """``release_engine`` destroys the engine's tensor-parallel process group (torch kept every one, so a notebook
     building engine after engine added a group each time), and a build that fails destroys the group it made, and a
     released_engines block releases it with the DeepSpeed engine it made; an engine built after the release makes its
-    own and generates as the unsplit model; the released engine refuses to generate."""
+    own and generates as the unsplit model; the released engine refuses to generate. Two HybridEngines around one
+    DeepSpeed engine in a released_engines block each destroy their group."""
     from torch.distributed import distributed_c10d
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
@@ -298,13 +299,14 @@ def check_release_destroys_the_group(rank, world):
     assert len(groups) == before, ("a build refusing its settings", before, len(groups))
     release_engine(llama)
     # a released_engines block (a step run's: ppo.main; a notebook engine's whose later model fails to load) releases
-    # the engines it made: the DeepSpeed engine, and the group of the HybridEngine around it
+    # the engines it made: the DeepSpeed engine, and the group of each HybridEngine around it (a second one's too)
     with released_engines():
         frozen = initialize_frozen(copy.deepcopy(reference), {"train_micro_batch_size_per_gpu": 2,
                                                               "zero_optimization": {"stage": 0}})
-        HybridEngine(frozen, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2),
-                     pad_token_id=PAD)
-        assert len(groups) == before + 1, ("released_engines", before, len(groups))
+        for wrappers in (1, 2):
+            HybridEngine(frozen, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2),
+                         pad_token_id=PAD)
+            assert len(groups) == before + wrappers, ("released_engines", wrappers, before, len(groups))
     assert len(groups) == before, ("released_engines", before, len(groups))
     for build in range(2):
         ds_engine = build_actor(reference, 0, lora=False)
