@@ -765,6 +765,35 @@ def test_step3_and_a_released_notebook_engine_leave_their_engines_free_to_go(tra
     assert len(made) == 11 and engines_alive(made) == 0
 
 
+def test_a_trainer_of_a_released_engine_lets_go_of_its_models_and_refuses_to_train(trained, tmp_path, monkeypatch):
+    """A notebook's trainer held the engines itself (actor_model, ref_model, critic_model, reward_model, actor_ema):
+    after engine.release() or the with block's end, its models and optimizer states stayed for as long as the
+    ``trainer`` variable did, and a trainer used afterwards failed inside DeepSpeed's destroyed state. It reads them
+    through its engine, which lets go of them at release: a trainer, or the engine, used afterwards says it was
+    released."""
+    import gc
+    import weakref
+
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.errors import UsageError
+
+    made = engines_made(monkeypatch)
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=True, enable_ema=True)
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 4)
+    exp = trainer.generate_experience(batch)
+    actor = weakref.ref(trainer.actor_model.module)
+    with engine:
+        pass
+    gc.collect()
+    assert actor() is None and len(made) == 5 and engines_alive(made) == 0  # actor, reference, EMA, critic, reward
+    released = r"this DeepSpeedRLHFEngine was released \(release\(\), or the end of its with block\)"
+    for use in (lambda: trainer.generate_experience(batch), lambda: trainer.train_rlhf(exp),
+                lambda: trainer.train_rollout([exp]), lambda: engine.actor,
+                lambda: DeepSpeedPPOTrainer(engine=engine)):
+        with pytest.raises(UsageError, match=released):
+            use()
+
+
 def test_step3_with_fewer_prompts_than_one_iteration_is_an_error_not_a_run_that_trains_nothing(trained, tmp_path):
     with pytest.raises(ValueError, match=r"step3: \d+ training prompts make no iteration: one takes "
                                          r"--per_device_generation_batch_size 100000"):
@@ -1686,11 +1715,14 @@ def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch)
     from dschat.models.lora import unwrap_peft
 
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "output" / "step3_notebook")  # the trained actor
-    trained_weights = unwrap_peft(namespace["engine"].actor.module).get_input_embeddings().weight
+    # its with block released its engines (DeepSpeed would keep them otherwise): actor, reference, critic, reward
+    from dschat.hybrid_engine import HybridEngine
+
+    assert len(released) == 4 and isinstance(released[0], HybridEngine), released
+    trained_weights = unwrap_peft(released[0].module).get_input_embeddings().weight
     assert torch.equal(saved.get_input_embeddings().weight, trained_weights.detach().cpu())
-    engine = namespace["engine"]  # its with block released its engines (DeepSpeed would keep them otherwise)
-    assert released == [e for e in (engine.actor, engine.ref, engine.actor_ema, engine.critic, engine.reward) if e]
-    assert len(released) == 4
+    with pytest.raises(ValueError, match="this DeepSpeedRLHFEngine was released"):  # (and it holds them no more)
+        namespace["engine"].actor
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])

@@ -438,6 +438,7 @@ class DeepSpeedRLHFEngine:
     """
 
     _released = False  # (a class default: tests build engines without __init__)
+    MODEL_ROLES = ("actor", "ref", "actor_ema", "critic", "reward")  # the engines it holds (None: a model not built)
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
                  num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None, load_universal=()):
@@ -504,16 +505,26 @@ class DeepSpeedRLHFEngine:
         """Let Python free the engines and their models, optimizer states and ZeRO buckets (``release_engine``),
         which DeepSpeed keeps for good otherwise: call it when done with this engine in a process that goes on (a
         notebook that builds another), or build it in a ``with`` block, whose end calls it. The models cannot train
-        nor run a ZeRO-3 forward afterwards (save them before). Once: a second call does nothing."""
+        nor run a ZeRO-3 forward afterwards (save them before); this engine lets go of them, and so do the trainers
+        built on it (they read the models through it), which refuse to train or generate afterwards. Once: a second
+        call does nothing."""
         self._release()
 
     def _release(self, keep_errors=True):
         if self._released:  # (once: a release() inside a with block, then its end)
             return
         self._released = True
-        engines = [getattr(self, role, None) for role in ("actor", "ref", "actor_ema", "critic", "reward")]
+        engines = [self.__dict__.pop(role, None) for role in self.MODEL_ROLES]  # (read afterwards: __getattr__'s error)
         # (each, whatever another's does)
         release_all([engine for engine in engines if engine is not None], keep_errors=keep_errors)
+
+    def __getattr__(self, name):
+        """Only for attributes not set: the models of a released engine, which it no longer holds."""
+        if name in self.MODEL_ROLES and self._released:
+            raise UsageError(f"this DeepSpeedRLHFEngine was released (release(), or the end of its with block): its "
+                             f"models are freed, and its {name!r} cannot train, generate nor be saved; build a new "
+                             "DeepSpeedRLHFEngine, and a new trainer on it")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __enter__(self):
         return self

@@ -281,10 +281,37 @@ def kl_controller_assigned(controller, current, args):
     return algo.FixedKLController(controller)
 
 
+class _EngineModel:
+    """A trainer's model (``actor_model``, ``ref_model``, ...), read through its DeepSpeedRLHFEngine each time: the
+    trainer holds no engine of its own, so the engine's release frees the models while a notebook's trainer lives on,
+    and the trainer then fails with the engine's error saying it was released (not DeepSpeed's on destroyed state).
+    A model set on the trainer itself (a test's stand-in) is its own."""
+
+    def __init__(self, role):
+        self.role = role  # the DeepSpeedRLHFEngine attribute
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, trainer, owner=None):
+        if trainer is None:
+            return self
+        if self.name in trainer.__dict__:
+            return trainer.__dict__[self.name]
+        if "rlhf_engine" not in trainer.__dict__:  # (a trainer built without __init__, this model not set)
+            raise AttributeError(f"{type(trainer).__name__!r} object has no attribute {self.name!r}")
+        return getattr(trainer.rlhf_engine, self.role)
+
+    def __set__(self, trainer, model):
+        trainer.__dict__[self.name] = model
+
+
 class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
 
     _said_hand_loop = False  # (a class default: tests build trainers without __init__)
+    actor_model, ref_model, critic_model = _EngineModel("actor"), _EngineModel("ref"), _EngineModel("critic")
+    reward_model, actor_ema = _EngineModel("reward"), _EngineModel("actor_ema")
 
     def __init__(self, rlhf_engine=None, args=None, engine=None):
         self.rlhf_engine = rlhf_engine or engine
@@ -298,9 +325,7 @@ class DeepSpeedPPOTrainer:
             check_settings(args)
             if getattr(self.rlhf_engine, "args", None) is not None:
                 check_engine_settings(args, self.rlhf_engine.args)
-        e = self.rlhf_engine
-        self.actor_model, self.ref_model, self.critic_model, self.reward_model = e.actor, e.ref, e.critic, e.reward
-        self.actor_ema = e.actor_ema
+        e = self.rlhf_engine  # (its models are read through it: _EngineModel)
         self.tokenizer = e.tokenizer
         self.max_answer_seq_len = args.max_answer_seq_len
         self.pad_token_id = self.tokenizer.pad_token_id
