@@ -261,6 +261,19 @@ def run_case(family, stage, rank, world):
     print(f"rank {rank} {family} stage={stage}: OK", flush=True)
 
 
+def refuse_build(ds_engine, error_type, message, **kwargs):
+    """A HybridEngine of 2-rank tensor parallelism around ``ds_engine`` must fail with ``error_type`` saying ``message``."""
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+
+    try:
+        HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2),
+                     pad_token_id=PAD, **kwargs)
+    except error_type as error:
+        assert message in str(error), error
+    else:
+        raise AssertionError(f"built, where {message!r} was expected")
+
+
 def check_release_destroys_the_group(rank, world):
     """``release_engine`` destroys the engine's tensor-parallel process group (torch kept every one, so a notebook
     building engine after engine added a group each time), and a build that fails destroys the group it made, and a
@@ -279,23 +292,12 @@ def check_release_destroys_the_group(rank, world):
     # an engine that cannot be built (GPT-2's fused qkv cannot be split) leaves no group behind either
     gpt2 = build_actor(reference_model("gpt2"), 0, lora=False)
     before = len(groups)  # (after the first DeepSpeed engine: DeepSpeed makes a group of its own, once per process)
-    try:
-        HybridEngine(gpt2, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2), pad_token_id=PAD)
-    except NotImplementedError as error:
-        assert "no tensor-parallel plan for GPT2LMHeadModel" in str(error), error
-    else:
-        raise AssertionError("GPT-2 was split")
+    refuse_build(gpt2, NotImplementedError, "no tensor-parallel plan for GPT2LMHeadModel")
     assert len(groups) == before, ("a failed build", before, len(groups))
     release_engine(gpt2)
     # nor one of a model it can split whose settings are refused once the group is made (a misspelt decode_attention)
     llama = build_actor(reference, 0, lora=False)
-    try:
-        HybridEngine(llama, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2), pad_token_id=PAD,
-                     decode_attention="trition")
-    except ValueError as error:
-        assert "decode_attention must be one of" in str(error), error
-    else:
-        raise AssertionError("a misspelt decode_attention was taken")
+    refuse_build(llama, ValueError, "decode_attention must be one of", decode_attention="trition")
     assert len(groups) == before, ("a build refusing its settings", before, len(groups))
     release_engine(llama)
     # a released_engines block (a step run's: ppo.main; a notebook engine's whose later model fails to load) releases
