@@ -6,7 +6,7 @@ import torch
 from dschat.data.samplers import eval_weights
 from dschat.errors import UsageError
 from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
-from dschat.rlhf.trainer import answer_mask, answer_texts, pad_answers, untokenized_ids
+from dschat.rlhf.trainer import answer_mask, answer_texts, pad_answers, suppress_untokenized
 from dschat.utils.dist import all_reduce
 
 
@@ -24,8 +24,8 @@ def rule_scorer_for(data_path):
 def hf_generate(model, tokenizer):
     """``model``'s HF ``generate`` for ``evaluate_policy``, choosing no id the tokenizer has no token for
     (``untokenized_ids``), as step 3's rollouts and held-out evaluation do (the tools score as step 3 does)."""
-    untokenized = untokenized_ids(model, tokenizer)
-    return functools.partial(model.generate, suppress_tokens=untokenized) if untokenized else model.generate
+    suppressed = suppress_untokenized(model, tokenizer)
+    return functools.partial(model.generate, **suppressed) if suppressed else model.generate
 
 
 @torch.no_grad()

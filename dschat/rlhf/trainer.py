@@ -228,6 +228,13 @@ def untokenized_ids(model, tokenizer):
     return list(range(generable_token_count(model, tokenizer), logits_vocab_size(model)))
 
 
+def suppress_untokenized(model, tokenizer):
+    """HF ``generate``'s keyword arguments that leave out ``untokenized_ids``: ``{"suppress_tokens": ids}``, or ``{}``
+    where the model has no such row."""
+    untokenized = untokenized_ids(model, tokenizer)
+    return {"suppress_tokens": untokenized} if untokenized else {}
+
+
 def answer_texts(tokenizer, answers, mask):
     """Each answer's text: its tokens where ``mask`` is set, without special tokens, stripped (what a reward function
     and the examples read)."""
@@ -331,8 +338,7 @@ class DeepSpeedPPOTrainer:
         self.pad_token_id = self.tokenizer.pad_token_id
         self.eos_token_id = answer_stop_ids(self.actor_model, self.tokenizer)
         # HF's generate (without the hybrid engine): the actor's embedding rows that no token has are never generated
-        untokenized = untokenized_ids(self.actor_model.module, self.tokenizer)
-        self.hf_generate_kwargs = {"suppress_tokens": untokenized} if untokenized else {}
+        self.hf_generate_kwargs = suppress_untokenized(self.actor_model.module, self.tokenizer)
         self.kl_ctl = algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl,
                                              args.kl_target, args.kl_horizon)
         self.clip_reward_value, self.cliprange, self.cliprange_value = (args.clip_reward_value, args.cliprange,

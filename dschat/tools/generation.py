@@ -5,7 +5,7 @@ from dschat.data.collators import pad_sequences
 from dschat.data.formatting import uses_chat_template
 from dschat.data.pipeline import tokenize_texts
 from dschat.models.loading import check_sequence_fits, stop_token_ids
-from dschat.rlhf.trainer import answer_mask, answer_texts, untokenized_ids
+from dschat.rlhf.trainer import answer_mask, answer_texts, suppress_untokenized
 
 
 def encode_prompts(tokenizer, prompt_texts):
@@ -38,9 +38,7 @@ def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_si
     EOS ids, ``stop_token_ids``), never choosing an id the tokenizer has no token for (``untokenized_ids``: it would
     decode to nothing), as step 3's rollouts do."""
     answers, stop_ids = [], stop_token_ids(model, tokenizer)
-    untokenized = untokenized_ids(model, tokenizer)
-    if untokenized and "suppress_tokens" not in generation_kwargs:
-        generation_kwargs = {**generation_kwargs, "suppress_tokens": untokenized}
+    generation_kwargs = {**suppress_untokenized(model, tokenizer), **generation_kwargs}  # (the caller's own wins)
     for start in range(0, len(prompt_texts), batch_size):
         ids, mask = left_padded(encode_prompts(tokenizer, prompt_texts[start:start + batch_size]),
                                 tokenizer.pad_token_id, model.device)
