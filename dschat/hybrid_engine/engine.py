@@ -84,7 +84,8 @@ class HybridEngine:
         self.eos_token_id = eos_token_id
         self.early_exit_interval = early_exit_interval
         self.log_on_eval = log_on_eval
-        # the tokenizer's size (len(tokenizer)): ids from it on, embedding rows no token has, are never generated
+        # how many ids may be generated (models.loading.generable_token_count): rows from it on, which no token has,
+        # are never chosen
         self.token_count = token_count
         # inference_tp_size > 1: this rank's group of ranks generates together, each holding a slice of the model.
         tp_size = self.hybrid_config.inference_tp_size
@@ -311,7 +312,7 @@ class HybridEngine:
         ``return_logprobs`` returns ``(sequences, logprobs)``: the (B, n) fp32 log-probability of each generated token
         under the model's unfiltered distribution at the sampling temperature (greedy: 1; no repetition penalty, top-k/p
         or EOS suppression: what step 3's training forward scores it with; 0 after a row's end), computed in the
-        decode step. With the engine's ``token_count`` (the tokenizer's size, which step 3 gives it) no id from it on
+        decode step. With the engine's ``token_count`` (``generable_token_count``, which step 3 gives it) no id from it on
         is generated: a model's embedding rows that no token has (Qwen2.5's 271) are left out of the choice as HF's
         ``suppress_tokens`` would leave them (greedy and sampled); HF's ``generate`` without it may pick one, an id that
         decodes to nothing. ``synced_gpus``,
@@ -676,8 +677,8 @@ class _CopiedModuleGenerate:
 def wrap_actor(ds_engine, ds_config, tokenizer_or_ids=None, **kwargs):
     """The actor's engine for PPO: a :class:`HybridEngine` when ``hybrid_engine.enabled``, else ``ds_engine`` as is.
 
-    ``tokenizer_or_ids``: a tokenizer (its ``pad_token_id``/``eos_token_id``, and its size as the engine's
-    ``token_count``), a ``(pad, eos)`` pair, a dict with those keys, or None (the model's generation config decides).
+    ``tokenizer_or_ids``: a tokenizer (its ``pad_token_id``/``eos_token_id``, and the engine's ``token_count`` from
+    its size, ``generable_token_count``), a ``(pad, eos)`` pair, a dict with those keys, or None (the model's generation config decides).
     """
     config = HybridEngineConfig.from_ds_config(ds_config)
     if not config.enabled:
