@@ -213,6 +213,23 @@ def test_an_engine_released_twice_is_destroyed_once(stage):
     assert destroyed == [1]
 
 
+def test_a_hybrid_engine_released_by_release_generation_is_released_for_release_engine_too():
+    """release_generation() called on its own (not through release_engine) makes the engine refuse to generate, and
+    a release_engine afterwards drops nothing of it twice yet still releases its DeepSpeed engine, once: the wrapper's
+    released state and release_engine's record are one."""
+    from dschat.models.training_engine import release_engine
+
+    engine = _engine(tiny_model("llama"))
+    destroyed, dropped = _counting_destroys(engine.ds_engine), []
+    engine.release_generation()
+    with pytest.raises(RuntimeError, match="was released"):
+        engine.eval()
+    engine.kv_cache.release = lambda: dropped.append(1)
+    release_engine(engine)
+    release_engine(engine)
+    assert destroyed == [1] and dropped == []
+
+
 def test_a_released_engines_block_releases_every_hybrid_engine_around_its_engine():
     """Two HybridEngines around one DeepSpeed engine made in a released_engines block: the block released the first
     alone (it took its engine's place), so the second one's inference tensor-parallel group stayed in torch's

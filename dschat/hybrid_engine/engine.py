@@ -29,7 +29,7 @@ from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.loading import generable_token_count
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
-from dschat.models.training_engine import released_as
+from dschat.models.training_engine import first_release, is_released, released_as
 from dschat.utils.dist import print_beside_progress_bars
 
 def _synchronize():
@@ -106,7 +106,6 @@ class HybridEngine:
         self._total_e2e_s = 0.0
         self._train_start = None  # when the train phase in progress began
         self._evaluating = False
-        self._released = False  # release_generation() was called: no more generations
         self.route_module_generate()
         released_as(ds_engine, self)  # (a step run's, or a notebook engine's failed build's, released_engines block)
 
@@ -170,10 +169,9 @@ class HybridEngine:
         engine does, e.g. a notebook's trainer) and destroy the inference tensor-parallel group this engine made
         (``release_engine`` calls it). Every rank of the world releases its engine at the same point, as it built it.
         The engine cannot generate afterwards; its module's ``generate`` is the model class's again. Once: a second
-        call does nothing."""
-        if self._released:
+        call does nothing (``release_engine``'s record of released engines says whether it was made)."""
+        if not first_release(self):
             return
-        self._released = True
         if isinstance(self._engine.module.__dict__.get("generate"), _RoutedGenerate):
             del self._engine.module.__dict__["generate"]
         if self.graph_decoder is not None:
@@ -186,7 +184,7 @@ class HybridEngine:
             self.tp.destroy()
 
     def _check_not_released(self):
-        if self._released:
+        if is_released(self):
             raise RuntimeError("this hybrid engine was released (release_engine, DeepSpeedRLHFEngine.release()): it "
                                "cannot generate; build a new one")
 

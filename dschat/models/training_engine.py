@@ -102,7 +102,7 @@ def _wrapped_engine(made):
     return made.ds_engine if isinstance(made, HybridEngine) else None
 
 
-_RELEASED = weakref.WeakSet()  # the engines release_engine has released (or begun to): a second release does nothing
+_RELEASED = weakref.WeakSet()  # the engines released (or begun to be): DeepSpeed's and HybridEngines, the one record
 
 
 def release_engine(engine):
@@ -126,28 +126,31 @@ def release_engine(engine):
     if not isinstance(engine, HybridEngine):
         _release_deepspeed_engine(engine)
         return
-    if not _first_release(engine):
-        return
     try:
-        engine.release_generation()
+        if not is_released(engine):  # (released before: on its own, release_generation(), or by another block)
+            engine.release_generation()
     finally:  # (the DeepSpeed engine goes too, whatever destroying the group does)
         _release_deepspeed_engine(engine.ds_engine)
 
 
-def _first_release(engine):
-    """Whether ``engine`` was not released before; it counts as released from now on (a release that fails is not
-    tried again)."""
+def first_release(engine):
+    """Whether ``engine`` (a DeepSpeed engine or a ``HybridEngine``) was not released before; it counts as released
+    from now on (a release that fails is not tried again)."""
     if engine in _RELEASED:
         return False
     _RELEASED.add(engine)
     return True
 
 
+def is_released(engine):
+    return engine in _RELEASED
+
+
 def _release_deepspeed_engine(engine):
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-    if not _first_release(engine):  # (also a HybridEngine's, released before on its own or with another wrapper)
+    if not first_release(engine):  # (also a HybridEngine's, released before on its own or with another wrapper)
         return
     engine.destroy()
     # (its submodules too: a forward that raised never popped those it had pushed)
