@@ -3088,12 +3088,36 @@ def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch)
     signature = inspect.signature(ppo.evaluate_policy)
     monkeypatch.setattr(ppo, "evaluate_policy", lambda *args, **kwargs: seen.update(
         signature.bind(*args, **kwargs).arguments))
+    monkeypatch.setattr(ppo, "hf_generate", lambda model, tokenizer: model.generate)
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=SimpleNamespace(generate=None)),
                               eval=lambda: None, reward_model=None, tokenizer=None, z3_enabled=False,
-                              pad_to_multiple_of=1, reward_fn=None, eos_token_id=0, hf_generate_kwargs={})
+                              pad_to_multiple_of=1, reward_fn=None, eos_token_id=0)
     args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=given)
     ppo.held_out_eval(trainer, None, args, "cpu", None)
     assert seen["max_prompts"] == per_rank
+
+
+def test_the_held_out_evaluations_hf_generate_is_told_to_suppress_the_ids_past_the_tokenizer(monkeypatch):
+    """held_out_eval wrapped HF's generate with the trainer's own copy of its arguments (hf_generate_kwargs), apart
+    from rlhf.evaluation.hf_generate, the one place that builds them (what eval.py and the tools score with): a trainer
+    whose copy missed the untokenized rows evaluated answers that could hold them. Its HF generate call now gets
+    suppress_tokens for every embedding row past the tokenizer's ids."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 32, "eos_token_id": 1, "pad_token_id": 0})()
+    calls = []
+    model.generate = lambda *args, **kwargs: calls.append(kwargs)
+    monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: generate(None))
+    trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=model), eval=lambda: None,
+                              reward_model=None, tokenizer=tokenizer, z3_enabled=False, pad_to_multiple_of=1,
+                              reward_fn=None, eos_token_id=1, hf_generate_kwargs={})  # (a copy that missed them)
+    args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=0)
+    ppo.held_out_eval(trainer, None, args, "cpu", None)
+    assert [call.get("suppress_tokens") for call in calls] == [list(range(32, 40))]
 
 
 @pytest.mark.parametrize("weighted", [False, True])

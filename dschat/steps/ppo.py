@@ -1,7 +1,6 @@
 """Step 3: PPO of the SFT actor against the step-2 reward model, with held-out evaluation and resume."""
 import contextlib
 import copy
-import functools
 import json
 import os
 import time
@@ -19,7 +18,7 @@ from dschat.rlhf.checkpointing import load_checkpoint, plan_resume, save_checkpo
 from dschat.rlhf.config import (check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args,
                                 whole_iterations)
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
-from dschat.rlhf.evaluation import evaluate_policy, rule_scorer_for
+from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
 from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, check_output_dir, clear_results, eval_loader_of_first,
@@ -108,9 +107,9 @@ def cycle(loader, seed, start=0):
 
 
 def held_out_eval(trainer, loader, args, device, scorer):
-    generate = trainer.actor_model.generate if trainer.hybrid else trainer.actor_model.module.generate
-    if not trainer.hybrid and trainer.hf_generate_kwargs:  # (the rows no token has: as in the rollouts)
-        generate = functools.partial(generate, **trainer.hf_generate_kwargs)
+    # HF's: the one place that builds its arguments (the rows no token has are never chosen, as in the rollouts)
+    generate = trainer.actor_model.generate if trainer.hybrid else hf_generate(trainer.actor_model.module,
+                                                                               trainer.tokenizer)
     # the hybrid engine's latency line counts PPO iterations: the evaluation's generations stay out of them
     outside_iterations = trainer.actor_model.evaluation() if trainer.hybrid else contextlib.nullcontext()
     with outside_iterations:
