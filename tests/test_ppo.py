@@ -1975,6 +1975,32 @@ def test_prompt_texts_from_ids_are_the_loaders_prompt_text(template):
     assert prompt_texts(tokenizer, batch["prompt"], batch["prompt_att_mask"]) == texts
 
 
+def test_a_reward_function_that_takes_the_id_of_one_gone_still_gets_its_renamed_columns_note(capsys):
+    """The note that a data column comes to the reward function as extra_<name> was said once per id(fn): a function
+    made after an earlier one was freed (a notebook cell run again) often takes its id, and its note was never said.
+    Each new function gets it (once), and a function's entry goes with it."""
+    import gc
+
+    from dschat.rlhf import reward_fn
+
+    def made():
+        def score(prompts, answers):
+            return [0.0] * len(answers)
+        return score
+
+    ids = []
+    for _ in range(20):  # (CPython gives a freed function's memory to the next one: the id comes again)
+        fn = made()
+        ids.append(id(fn))
+        for _ in range(2):
+            reward_fn.call_reward_fn(fn, ["p"], ["a"], {"answers": ["reference"]})
+        assert capsys.readouterr().out.count("the data's column(s) answers come to 'score' as extra_answers") == 1
+        del fn
+        gc.collect()
+        assert not set(ids) & set(reward_fn._RENAMED_SAID)
+    assert len(set(ids)) < len(ids), "the premise: a new function took a freed one's id"
+
+
 def test_reward_function_columns_named_as_its_arguments_and_a_file_run_once(tmp_path, capsys):
     """A column named as the function's positional parameter collided with it ("got multiple values for argument
     'answers'"); a reward file was run once for each check and load (four times a step-3 run)."""

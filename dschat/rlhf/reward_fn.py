@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import traceback
+import weakref
 
 from dschat.errors import MissingInputError, MissingModuleError, UsageError
 from dschat.utils.dist import print_rank_0
@@ -241,7 +242,34 @@ def _awaited(awaitable):
         raise
 
 
-_RENAMED_SAID = set()
+_RENAMED_SAID = {}  # id(fn) -> (a weak reference to fn, or None; the renamed column tuples said for it)
+
+
+def _first_saying(fn, renamed):
+    """Whether the note that the ``renamed`` columns come to ``fn`` as extra_<name> is yet to be said (from now on it
+    is said). Kept by fn's id (a callable object may be unhashable) beside a weak reference to fn: a function that
+    took the id of one gone (a notebook cell run again) is told from it, and gets its note; an entry goes with its
+    function. A callable that takes no weak reference (a builtin, a class with __slots__) is known by its id alone."""
+    entry = _RENAMED_SAID.get(id(fn))
+    if entry is None or (entry[0] is not None and entry[0]() is not fn):
+        entry = _RENAMED_SAID[id(fn)] = (_weak_reference(fn), set())
+    if renamed in entry[1]:
+        return False
+    entry[1].add(renamed)
+    return True
+
+
+def _weak_reference(fn):
+    key = id(fn)
+
+    def forget(reference):  # (unless a new function's entry took the id)
+        if _RENAMED_SAID.get(key, (None,))[0] is reference:
+            del _RENAMED_SAID[key]
+
+    try:
+        return weakref.ref(fn, forget)
+    except TypeError:
+        return None
 
 
 def _signature(fn):
@@ -270,8 +298,7 @@ def call_arguments(fn, prompts, answers, columns):
         args, how = (prompts, answers), "fn(prompts, answers, **columns)"
         check_prompts_first(fn, taken)
     renamed = sorted(set(columns) & set(taken))
-    if renamed and (id(fn), tuple(renamed)) not in _RENAMED_SAID:  # (id: a callable object may be unhashable)
-        _RENAMED_SAID.add((id(fn), tuple(renamed)))
+    if renamed and _first_saying(fn, tuple(renamed)):
         print_rank_0(f"[reward_fn] the data's column(s) {', '.join(renamed)} come to {getattr(fn, '__name__', fn)!r} "
                      f"as {', '.join('extra_' + n for n in renamed)}: it is called as {how}")
     kwargs = {f"extra_{k}" if k in renamed else k: v for k, v in columns.items()}
