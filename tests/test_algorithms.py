@@ -562,6 +562,50 @@ def test_global_token_mean_equals_concatenated_batch_under_accumulation():
         A.agg_loss(adv, mask, "seq_mean")
 
 
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_sequence_means_equal_the_concatenated_batchs_under_accumulation_of_unequal_micro_batches(mode):
+    """The answer means with num_seqs_global (every rank's answers of the optimizer step): DeepSpeed's 1/accum_steps
+    and average over ranks make the gradient the unsplit batch's, for micro-batches of 3 + 1 and 2 + 2 answers (a
+    generation batch not a multiple of the training batch). The micro-batch's own mean weighed the lone answer's
+    tokens 3 times its neighbours'."""
+    g = torch.Generator().manual_seed(9)
+    W, G, T = 2, 2, 5
+    rows = [[slice(0, 3), slice(3, 4)], [slice(4, 6), slice(6, 8)]]  # [rank][micro-step]
+    old = -torch.rand(8, T, generator=g, dtype=D)
+    logp0 = old + torch.randn(8, T, generator=g, dtype=D) * 0.3
+    adv = torch.randn(8, T, generator=g, dtype=D)
+    ref_logp = old + torch.randn(8, T, generator=g, dtype=D) * 0.1
+    mask = suffix_mask([5, 1, 2, 0, 5, 3, 1, 4], T)
+
+    def loss_of(logp, r, **agg):
+        pg, _ = A.policy_loss_clipped(logp, old[r], adv[r], mask[r], loss_agg=mode, max_length=T, **agg)
+        kl = A.kl_loss_term(logp, ref_logp[r], mask[r], "k3", mode, max_length=T, **agg)
+        value, _ = A.value_loss_clipped(logp, old[r], adv[r], mask[r], 0.2, loss_agg=mode, max_length=T, **agg)
+        return pg + 0.5 * kl + value - A.entropy_bonus(-logp, mask[r], 0.1, mode, max_length=T, **agg)
+
+    whole = logp0.clone().requires_grad_()
+    whole_loss = loss_of(whole, slice(None))
+    whole_loss.backward()
+
+    def accumulated(**agg):
+        logp = logp0.clone().requires_grad_()
+        total, rank_grads = 0.0, []
+        for rank in range(W):
+            logp.grad = None
+            for r in rows[rank]:
+                loss = loss_of(logp[r], r, **agg)
+                (loss / G).backward()  # DeepSpeed scales by 1 / gradient_accumulation_steps
+                total += loss.item() / G / W
+            rank_grads.append(logp.grad.clone())
+        return total, sum(rank_grads) / W  # data-parallel all-reduce averages
+
+    total, grad = accumulated(num_seqs_global=8, accum_steps=G, world_size=W)
+    close(total, whole_loss.item(), atol=1e-12)
+    close(grad, whole.grad, atol=1e-12)
+    _, own_means = accumulated()  # (each micro-batch's own mean: right only where they hold as many answers)
+    assert not torch.allclose(own_means, whole.grad)
+
+
 def test_sequence_mean_aggregations_weigh_answers_alike_and_equal_hand_computations():
     """--loss_agg's answer-level means (TRL's loss_type "grpo" and "dr_grpo") against the token means, on answers of
     1, 4 and 0 tokens: the per-token losses 4 | 1 2 3 6 | (none)."""

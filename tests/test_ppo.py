@@ -2672,6 +2672,31 @@ def test_a_ptx_actors_rollout_without_unsupervised_batches_is_refused(trained, t
     assert trainer.train_rollout([exp], train_actor=False)["critic_loss"] is not None  # (the critic alone: no LM step)
 
 
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_loss_agg_sequence_means_are_over_the_optimizer_steps_answers_not_each_micro_batchs(trained, tmp_path,
+                                                                                            monkeypatch, mode):
+    """One optimizer step over micro-batches of 4 + 2 answers: its loss (what DeepSpeed's 1/accumulation makes of
+    the micro-batches' losses) is the mean over all 6 answers, as over the batch at once. Each micro-batch's own mean
+    weighed the 2 answers of the second as much as the 4 of the first (seq_mean_token_mean: -5.5 for -4 here)."""
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
+                                                per_device_training_batch_size=4, gradient_accumulation_steps=2,
+                                                actor_learning_rate=0.0, actor_dropout=0.0, kl_loss_coef=0.0,
+                                                loss_agg=mode)
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:2]))  # 6 answers
+    mask = exp["action_mask"].float()
+    assert (mask.sum(1) > 0).all()
+    exp["advantages"] = torch.tensor([1.0, 1.0, 1.0, 1.0, 10.0, 10.0])[:, None] * mask
+    losses = []
+    backward = trainer.actor_model.backward
+    monkeypatch.setattr(trainer.actor_model, "backward",
+                        lambda loss, *given, **kw: losses.append(loss.item()) or backward(loss, *given, **kw))
+    trainer.train_rollout([exp])
+    # the ratio is 1 (a learning rate of 0): each answer's loss is minus its advantage's token mean (sum / 10)
+    per_answer = -exp["advantages"].sum(1) / (mask.sum(1) if mode == "seq_mean_token_mean" else 10)
+    assert len(losses) == 2
+    assert sum(losses) / 2 == pytest.approx(per_answer.mean().item(), abs=1e-4)
+
+
 def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
     _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=3,
                                                 per_device_training_batch_size=4, actor_learning_rate=0.0)

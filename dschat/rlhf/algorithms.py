@@ -402,7 +402,7 @@ LOSS_AGG_MODES = ("token_mean", "global_token_mean", "seq_mean_token_mean", "seq
 
 def agg_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean",
              num_tokens_global=None, accum_steps: int = 1, world_size: int = 1,
-             max_length: Optional[int] = None) -> torch.Tensor:
+             max_length: Optional[int] = None, num_seqs_global=None) -> torch.Tensor:
     """Reduce a ``(B, T)`` per-token loss to the scalar that is handed to ``engine.backward``.
 
     * ``"token_mean"`` (DeepSpeed-Chat): ``sum(loss * mask) / sum(mask)`` over this micro-batch
@@ -417,26 +417,30 @@ def agg_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token
       exactly the gradient of the token mean over the concatenated global batch. Plain ``token_mean``
       instead weights every micro-batch equally, whatever its token count.
     * ``"seq_mean_token_mean"`` (TRL's ``loss_type="grpo"``, verl's "seq-mean-token-mean", OpenRLHF's loss when not
-      token-level; the GRPO paper's): each answer's token mean, then the mean over the micro-batch's answers. Every
+      token-level; the GRPO paper's): each answer's token mean, then the mean over the answers (below). Every
       answer weighs alike whatever its length, so a short answer's tokens weigh more than a long one's (where the
       token means weigh every token alike: TRL's "bnpo" is ``token_mean``, its "dapo" ``global_token_mean``). An
       answer without a token counts as 0.
     * ``"seq_mean_token_sum_norm"`` (Dr. GRPO; TRL's ``loss_type="dr_grpo"``, verl's "seq-mean-token-sum-norm"): each
       answer's token sum over the constant ``max_length`` (step 3: --max_answer_seq_len), then the mean over the
-      micro-batch's answers: every token weighs alike, in every batch, whatever the answers' lengths.
+      answers (below): every token weighs alike, in every batch, whatever the answers' lengths.
 
-    The sequence means are the micro-batch's: DeepSpeed's averaging over accumulation steps and ranks makes them the
-    mean over the global batch's answers where every micro-batch holds as many (step 3's, unless a generation batch
-    is not a multiple of the training batch).
+    The mean over answers is over the global batch's answers with ``num_seqs_global``: the answers (rows, empty ones
+    included) of the ``accum_steps`` micro-batches of all ``world_size`` ranks, scaled as ``global_token_mean`` is, so
+    that DeepSpeed's averaging makes it the mean over the concatenated global batch (verl's global_batch_size
+    normalisation). Without it, the micro-batch's own mean: the same where every micro-batch holds as many answers,
+    but a micro-batch of fewer answers (a generation batch that is not a multiple of the training batch) weighed each
+    of them more.
     """
     if loss_agg == "token_mean":
         return masked_mean(per_token, mask)
     if loss_agg == "seq_mean_token_mean":
-        return masked_mean(per_token, mask, dim=-1).mean()
+        return _mean_over_answers(masked_mean(per_token, mask, dim=-1), num_seqs_global, accum_steps, world_size)
     if loss_agg == "seq_mean_token_sum_norm":
         if max_length is None or max_length <= 0:
             raise ValueError(f"loss_agg='seq_mean_token_sum_norm' needs max_length > 0, got {max_length}")
-        return masked_sum(per_token, mask, dim=-1).mean() / float(max_length)
+        return _mean_over_answers(masked_sum(per_token, mask, dim=-1), num_seqs_global, accum_steps,
+                                  world_size) / float(max_length)
     if loss_agg == "global_token_mean":
         if num_tokens_global is None:
             raise ValueError("loss_agg='global_token_mean' needs num_tokens_global")
@@ -447,9 +451,20 @@ def agg_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token
     raise ValueError(f"unknown loss_agg {loss_agg!r}; choose from {LOSS_AGG_MODES}")
 
 
+def _mean_over_answers(per_answer: torch.Tensor, num_seqs_global, accum_steps: int, world_size: int) -> torch.Tensor:
+    """``(B,)`` per-answer losses to the micro-batch's share of the mean over the global batch's ``num_seqs_global``
+    answers (``agg_loss``), or to their own mean where it is None."""
+    if num_seqs_global is None:
+        return per_answer.mean()
+    n = float(num_seqs_global)
+    if n <= 0:
+        return per_answer.sum() * 0.0
+    return per_answer.sum() * (float(accum_steps) * float(world_size) / n)
+
+
 def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str = "k3",
                  loss_agg: str = "token_mean", num_tokens_global=None, accum_steps: int = 1,
-                 world_size: int = 1, max_length: Optional[int] = None) -> torch.Tensor:
+                 world_size: int = 1, max_length: Optional[int] = None, num_seqs_global=None) -> torch.Tensor:
     """KL(policy || ref) as a loss term ("KL in the loss" mode, GRPO-style) - scalar, differentiable
     w.r.t. ``logp``. ``logp``, ``ref_logp``, ``mask``: ``(B, T)``. The caller adds
     ``kl_loss_coef * kl_loss_term(...)`` to the policy loss (and then usually uses kl_coef=0 in
@@ -460,18 +475,18 @@ def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
     # overflows k3's exp, and its inf gradient times the mask's 0 is NaN.
     logp = torch.where(mask.to(logp.device) != 0, logp, ref_logp.to(logp.dtype))
     kl = kl_estimate(logp, ref_logp, kind)
-    return agg_loss(kl, mask, loss_agg, num_tokens_global, accum_steps, world_size, max_length)
+    return agg_loss(kl, mask, loss_agg, num_tokens_global, accum_steps, world_size, max_length, num_seqs_global)
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, entropy_coef: float, loss_agg: str = "token_mean",
                   num_tokens_global=None, accum_steps: int = 1, world_size: int = 1,
-                  max_length: Optional[int] = None) -> torch.Tensor:
+                  max_length: Optional[int] = None, num_seqs_global=None) -> torch.Tensor:
     """``entropy_coef * masked_mean(entropy)`` (scalar); the caller SUBTRACTS it from the policy loss:
     ``loss = pg_loss - entropy_bonus(entropy, mask, coef)``. ``entropy``, ``mask``: ``(B, T)``, e.g.
     ``entropy_from_logits(logits)`` sliced to the response. Aggregated like :func:`agg_loss`.
     """
     return float(entropy_coef) * agg_loss(entropy, mask, loss_agg, num_tokens_global, accum_steps, world_size,
-                                          max_length)
+                                          max_length, num_seqs_global)
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,7 +514,8 @@ def register_value_loss(name):
 def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                         clip_range: float = 0.2, loss_agg: str = "token_mean", num_tokens_global=None,
                         accum_steps: int = 1, world_size: int = 1,
-                        max_length: Optional[int] = None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                        max_length: Optional[int] = None,
+                        num_seqs_global=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO clipped surrogate (DeepSpeed-Chat ``actor_loss_fn``).
 
     ``logp`` (current policy, with grad), ``old_logp`` (rollout policy), ``advantages``, ``mask``: all
@@ -522,7 +538,7 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     per_token = torch.max(pg1, pg2)
-    loss = agg_loss(per_token, m, loss_agg, num_tokens_global, accum_steps, world_size, max_length)
+    loss = agg_loss(per_token, m, loss_agg, num_tokens_global, accum_steps, world_size, max_length, num_seqs_global)
     with torch.no_grad():
         lr = log_ratio.detach()
         r = ratio.detach()
@@ -541,7 +557,8 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
 def value_loss_clipped(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                        clip_range_value: Optional[float] = 0.2, loss_agg: str = "token_mean",
                        num_tokens_global=None, accum_steps: int = 1, world_size: int = 1,
-                       max_length: Optional[int] = None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                       max_length: Optional[int] = None,
+                       num_seqs_global=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Clipped value loss (DeepSpeed-Chat ``critic_loss_fn``).
 
     ``values`` (current critic, with grad), ``old_values`` (rollout critic), ``returns``, ``mask``:
@@ -564,7 +581,7 @@ def value_loss_clipped(values: torch.Tensor, old_values: torch.Tensor, returns: 
         vclip = torch.clamp(v, old - clip_range_value, old + clip_range_value)
         vf2 = (vclip - R).square()
     per_token = 0.5 * torch.max(vf1, vf2)
-    loss = agg_loss(per_token, m, loss_agg, num_tokens_global, accum_steps, world_size, max_length)
+    loss = agg_loss(per_token, m, loss_agg, num_tokens_global, accum_steps, world_size, max_length, num_seqs_global)
     with torch.no_grad():
         stats = {
             "vf_clipfrac": masked_mean((vf2 > vf1).to(dt), m),

@@ -667,12 +667,28 @@ class DeepSpeedPPOTrainer:
     def _loss_agg(self, inputs):
         """The keyword arguments of ``algo.agg_loss`` that --loss_agg asks for."""
         mode = self.args.loss_agg
-        if mode == "seq_mean_token_sum_norm":  # (Dr. GRPO: a constant divisor, the longest answer step 3 samples)
-            return {"loss_agg": mode, "max_length": self.args.max_answer_seq_len}
-        if mode != "global_token_mean":
+        if mode == "token_mean":
             return {"loss_agg": mode}
-        return {"loss_agg": "global_token_mean", "num_tokens_global": self._num_tokens_global(inputs),
-                "accum_steps": self.args.gradient_accumulation_steps, "world_size": get_world_size()}
+        scale = {"accum_steps": self.args.gradient_accumulation_steps, "world_size": get_world_size()}
+        if mode == "global_token_mean":
+            return {"loss_agg": mode, "num_tokens_global": self._num_tokens_global(inputs), **scale}
+        # the answer means: over the optimizer step's answers on all ranks where step 3 counted them, else the
+        # micro-batch's (a caller's own experience: alike where every micro-batch holds as many answers)
+        agg = {"loss_agg": mode, "num_seqs_global": inputs.get("num_seqs_global"), **scale}
+        if mode == "seq_mean_token_sum_norm":  # (Dr. GRPO: a constant divisor, the longest answer step 3 samples)
+            agg["max_length"] = self.args.max_answer_seq_len
+        return agg
+
+    def _accumulation_group_counts(self, group):
+        """What --loss_agg normalises the micro-batches of one optimizer step by, counted over all ranks:
+        {"num_tokens_global": their answer tokens} (global_token_mean), {"num_seqs_global": their answers}
+        (the answer means), or nothing (token_mean: each micro-batch's own)."""
+        mode = self.args.loss_agg
+        if mode == "global_token_mean":
+            return {"num_tokens_global": global_token_count([m["action_mask"] for m in group], self.device)}
+        if mode in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
+            return {"num_seqs_global": global_row_count([m["action_mask"] for m in group], self.device)}
+        return {}
 
     def _num_tokens_global(self, inputs):
         """--loss_agg global_token_mean's divisor: the answer tokens of the optimizer step's micro-batches on all
@@ -715,7 +731,8 @@ class DeepSpeedPPOTrainer:
     def train_rollout(self, experiences, unsup_batches=(), train_actor=True):
         """One PPO iteration on a rollout (``generate_experience`` outputs), as step 3 runs it: advantages over the
         whole rollout; --ppo_epochs passes over micro-batches of --per_device_training_batch_size rows, each optimizer
-        step after --gradient_accumulation_steps of them (the loss normalised by their answer tokens on all ranks);
+        step after --gradient_accumulation_steps of them (--loss_agg's global means normalised by their answer tokens
+        or answers on all ranks);
         the adaptive KL controller updated with the rollout's KL (--adaptive_kl). As in DeepSpeed-Chat's PPO-ptx, each
         PPO micro-batch is followed by a language-model micro-step on the next training-batch-sized slice of
         ``unsup_batches`` (cycled when there are fewer). ``train_actor`` False: the critic alone trains
@@ -746,9 +763,9 @@ class DeepSpeedPPOTrainer:
         for _ in range(self.args.ppo_epochs):
             for start in range(0, len(micro), accum):
                 group = micro[start:start + accum]
-                tokens = global_token_count([m["action_mask"] for m in group], self.device)
+                counts = self._accumulation_group_counts(group)
                 for micro_index, m in enumerate(group, start):
-                    m["num_tokens_global"] = tokens
+                    m.update(counts)
                     actor_loss, critic_loss = self._ppo_step(m, train_actor)
                     if train_actor:
                         losses["actor_loss"].append(actor_loss.item())
@@ -944,4 +961,10 @@ def split_rows(batch, micro_batch):
 def global_token_count(action_masks, device):
     """Response tokens in a global batch: this rank's micro-batches summed, then all ranks."""
     total = torch.tensor(float(sum(int(m.sum()) for m in action_masks)), device=device)
+    return all_reduce(total).item()
+
+
+def global_row_count(action_masks, device):
+    """Answers (rows, empty ones included) in a global batch: this rank's micro-batches summed, then all ranks."""
+    total = torch.tensor(float(sum(m.shape[0] for m in action_masks)), device=device)
     return all_reduce(total).item()
