@@ -12,7 +12,7 @@ from dschat import pipeline
 from dschat.args import step2_dpo_parser
 from dschat.data import DataCollatorDPO, create_prompt_dataset, format_answer, format_prompt
 from dschat.models.loading import resolve_model_path
-from dschat.rlhf.dpo import answer_nll, dpo_loss, preference_accuracy, response_log_probs
+from dschat.rlhf.dpo import answer_nll, dpo_loss, preference_accuracy, preference_ties, response_log_probs
 from dschat.steps import dpo
 from helpers import SFT_FAST
 from launch import REPO, run_deepspeed
@@ -38,8 +38,20 @@ def test_dpo_loss_and_rewards_match_hand_computed_values():
     assert losses.tolist() == pytest.approx([0.31326168751822286, math.log(2), 1.7014132779827524])
     assert chosen.tolist() == pytest.approx([0.5, 0.0, -1.0])  # 0.5 * (policy - reference)
     assert rejected.tolist() == pytest.approx([-0.5, 0.0, 0.5])
-    assert preference_accuracy(chosen, rejected).tolist() == [1.0, 0.0, 0.0]  # a tie is not a win
-    assert preference_accuracy(T([1e-6, 0.5]), T([0.0, 0.0]), tie=1e-4).tolist() == [0.0, 1.0]  # nor a rounding
+    assert preference_accuracy(chosen, rejected).tolist() == [1.0, 0.5, 0.0]  # a tie is half a win
+    assert preference_accuracy(T([1e-6, 0.5]), T([0.0, 0.0]), tie=1e-4).tolist() == [0.5, 1.0]  # so is a rounding
+
+
+def test_preference_accuracy_counts_a_tie_half_and_a_nan_as_a_miss():
+    """A model that scores every pair alike is at chance (0.5), not at 0.0 as if it always preferred the rejected
+    answer (ties counted as misses, TRL's DPO and DeepSpeed-Chat's step 2); preference_ties counts them."""
+    chosen, rejected = T([2.0, 1.0, 1.0, float("nan"), 0.0]), T([1.0, 1.0, 2.0, 0.0, 5e-4])
+    assert preference_accuracy(chosen, rejected).tolist() == [1.0, 0.5, 0.0, 0.0, 0.0]
+    assert preference_ties(chosen, rejected).tolist() == [False, True, False, False, False]
+    assert preference_ties(chosen, rejected, tie=1e-3).tolist() == [False, True, False, False, True]
+    assert preference_accuracy(chosen, rejected, tie=1e-3).tolist() == [1.0, 0.5, 0.0, 0.0, 0.5]
+    alike = torch.zeros(8)
+    assert preference_accuracy(alike, alike).mean().item() == 0.5
 
 
 def test_label_smoothing_is_conservative_dpo():
@@ -243,8 +255,9 @@ def test_dpo_step_trains_saves_and_reports_metrics(tmp_path, data_dir, distribut
     assert saved["eval_loss"] == pytest.approx(metrics["eval_loss"]) and saved["eval_pairs"] == 64
     # before training the policy is the reference: every implicit reward is 0 and the loss is ln 2
     printed = capsys.readouterr().out
-    assert "before training: eval_loss=0.6931, chosen_reward=0.0000, rejected_reward=0.0000, reward_accuracy=0.0000" \
-        in printed, printed  # (rounding between the two forwards decided it: 0.33 once)
+    assert "before training: eval_loss=0.6931, chosen_reward=0.0000, rejected_reward=0.0000, reward_accuracy=0.5000" \
+        in printed, printed  # (every pair a tie, half a win each; rounding between the two forwards decided it once)
+    assert "reward_ties=64" in printed.split("before training:")[1].splitlines()[0], printed
     assert metrics["reward_margin"] == pytest.approx(metrics["chosen_reward"] - metrics["rejected_reward"])
     model = AutoModelForCausalLM.from_pretrained(out)
     start = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama"))

@@ -75,6 +75,29 @@ def test_reward_eval_counts_only_weighted_pairs():
     assert got["chosen_mean_score"] == 5.0 and got["rejected_mean_score"] == 2.0
 
 
+def test_reward_eval_counts_a_tie_half_and_reports_the_ties():
+    """Scores alike everywhere (an untrained head) were an accuracy of 0.0, as if the model always preferred the
+    rejected answer."""
+    batch = {"input_ids": torch.tensor([[5], [4], [3], [2], [4], [4]]), "attention_mask": torch.ones(6, 1)}
+    got = evaluate_reward(_Scores(), [batch], "cpu", 0)  # pairs 5 vs 2, 4 vs 4, 3 vs 4
+    assert got["accuracy"] == pytest.approx(1.5 / 3) and got["ties"] == 1 and got["eval_pairs"] == 3
+    alike = {"input_ids": torch.full((4, 1), 7), "attention_mask": torch.ones(4, 1)}
+    got = evaluate_reward(_Scores(), [alike], "cpu", 0)
+    assert got["accuracy"] == 0.5 and got["ties"] == 2
+
+
+def test_dpo_eval_before_training_is_at_chance_with_every_pair_tied(monkeypatch):
+    """The policy is the reference: every implicit reward is 0 (within rounding), and reward_accuracy was 0.0."""
+    step = dpo.DPOStep(step2_dpo_parser().parse_args(["--beta", "0.5"]))
+    chosen, rejected = torch.tensor([-1.0, -9.0, -4.0]), torch.tensor([-3.0, -1.0, -4.0])
+    monkeypatch.setattr(step, "pair_log_probs", lambda engine, batch: (chosen, rejected, chosen + 1e-5, rejected))
+    mask = torch.ones(6, 3, dtype=torch.long)
+    got = step.evaluate(torch.nn.Identity(), [{"response_mask": mask}], "cpu", 0)
+    assert got["reward_accuracy"] == 0.5 and got["reward_ties"] == 3
+    assert got["logp_accuracy"] == pytest.approx(1.5 / 3) and got["logp_ties"] == 1  # (-4 vs -4)
+    assert got["reference_logp_ties"] == 0 and got["eval_pairs"] == 3
+
+
 def test_dpo_eval_sums_leave_padding_pairs_out(monkeypatch):
     step = dpo.DPOStep(step2_dpo_parser().parse_args(["--beta", "0.5"]))
     logps = (torch.tensor([-1.0, -9.0]), torch.tensor([-3.0, -1.0]), torch.tensor([-2.0, -2.0]),

@@ -52,6 +52,22 @@ def reward_model(tmp_path_factory):
     return str(root / "rm")
 
 
+def test_rw_eval_counts_a_tie_half_and_says_so(reward_model, tmp_path, capsys, monkeypatch):
+    """Scores alike (an untrained head) were an accuracy of 0.000, as if the model always preferred the rejected
+    answer, and each pair's "higher: rejected"."""
+    from dschat.tools import rw_eval
+
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("".join(json.dumps({"prompt": "Name a color.", "chosen": c, "rejected": r}) + "\n"
+                                  for c, r in (("red", "blue"), ("green", "no"))))
+    monkeypatch.setattr(rw_eval, "score_sequences", lambda model, tokenizer, sequences, batch_size:
+                        [0.25] * len(sequences))
+    result = rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", str(pairs_file)])
+    assert result["accuracy"] == 0.5 and result["ties"] == 2
+    out = capsys.readouterr().out
+    assert "higher: neither (a tie)" in out and "accuracy 0.500 over 2 pairs (2 tied, each counted half)" in out
+
+
 def test_rw_eval_with_every_pair_skipped_reports_no_accuracy_rather_than_zero(reward_model, tmp_path, capsys):
     """Prompts too long for --max_seq_len: every pair is skipped, and rw_eval printed "accuracy 0.000 over 0 pairs;
     mean score chosen +0.0000, rejected +0.0000", a model that is always wrong; step 2 reports no score then."""

@@ -62,8 +62,22 @@ def answer_nll(answer_logps, response_mask):
 
 
 def preference_accuracy(chosen_scores, rejected_scores, tie=0.0):
-    """Per pair 1.0 where the chosen answer scores higher by more than ``tie``, else 0.0 (a tie is not a win)."""
-    return (chosen_scores - rejected_scores > tie).to(torch.float32)
+    """Per pair 1.0 where the chosen answer scores higher by more than ``tie``, 0.5 for a tie (``preference_ties``),
+    else 0.0: a tie is half a win, what breaking it by a coin flip scores on average (as a ranking's AUC counts it).
+
+    TRL's DPO and DeepSpeed-Chat's step 2 count a tie as a miss (``chosen > rejected``), so a model that scores every
+    pair alike (a DPO policy before training: its implicit rewards are all 0) reported 0.0, as if it always preferred
+    the rejected answer; TRL's reward trainer leaves ties out of its accuracy and warns with their count. Half a win
+    keeps the untrained model at chance (0.5) and every pair in the denominator; the steps report the tie count
+    beside it. A NaN score is a miss, not a tie."""
+    margin = chosen_scores - rejected_scores
+    return torch.where(margin > tie, 1.0, torch.where(preference_ties(chosen_scores, rejected_scores, tie), 0.5,
+                                                      0.0)).to(torch.float32)
+
+
+def preference_ties(chosen_scores, rejected_scores, tie=0.0):
+    """Per pair True where the two scores are within ``tie`` of each other (equal for ``tie`` 0)."""
+    return (chosen_scores - rejected_scores).abs() <= tie
 
 
 # Implicit rewards closer than this many nats of log-ratio are a tie: the policy and the reference forwards of one

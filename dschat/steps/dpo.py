@@ -18,15 +18,17 @@ from dschat.models.checkpoint import save_causal_lm
 from dschat.models.loading import load_causal_lm
 from dschat.models.training_engine import initialize_frozen
 from dschat.rlhf.dpo import (IMPLICIT_REWARD_TIE_NATS, answer_nll, check_dpo_params, dpo_loss, preference_accuracy,
-                              response_log_probs)
+                              preference_ties, response_log_probs)
 from dschat.steps.common import StepRecipe, run_supervised_step, to_device
 from dschat.steps.sft import build_sft_model
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
 from dschat.utils.ds_config import frozen_copy_stage, get_eval_ds_config
 
-# summed over all ranks in evaluation; the means divide by "pairs", but the chosen answers' NLL by their tokens
+# summed over all ranks in evaluation; the means divide by "pairs", but the chosen answers' NLL by their tokens, and
+# the tie counts of the three accuracies (a tie counts half: preference_accuracy) stay counts
 EVAL_SUMS = ("loss", "chosen_reward", "rejected_reward", "reward_accuracy", "chosen_logp", "rejected_logp",
              "logp_accuracy", "reference_logp_accuracy", "chosen_nll", "chosen_tokens", "pairs")
+TIE_COUNTS = ("reward_ties", "logp_ties", "reference_logp_ties")
 
 
 def dpo_collator(tokenizer, pad_to_multiple_of=1, max_length=None):
@@ -112,34 +114,38 @@ class DPOStep:
     @torch.no_grad()
     def evaluate(self, engine, eval_loader, device, max_batches):
         """Held-out means over all ranks: DPO loss, implicit rewards and their margin, the implicit-reward
-        accuracy, how often the policy and the reference give the chosen answer the higher log-prob, and the chosen
+        accuracy, how often the policy and the reference give the chosen answer the higher log-prob (a tie counting
+        half, and the ties of each counted: "reward_ties", "logp_ties", "reference_logp_ties"), and the chosen
         answers' NLL per token (``chosen_nll``, TRL's nll_loss: the term --rpo_alpha adds to the training loss, so
         ``eval_loss + rpo_alpha * chosen_nll`` is the held-out value of what train_loss measures)."""
         engine.eval()
-        totals = torch.zeros(len(EVAL_SUMS), dtype=torch.float64, device=device)
+        totals = torch.zeros(len(EVAL_SUMS) + len(TIE_COUNTS), dtype=torch.float64, device=device)
         for i, batch in enumerate(eval_loader):
             if max_batches and i >= max_batches:
                 break
             totals += self.batch_sums(engine, to_device(batch, device))
         all_reduce(totals)
-        sums = dict(zip(EVAL_SUMS, totals.tolist()))
+        sums = dict(zip(EVAL_SUMS + TIE_COUNTS, totals.tolist()))
+        ties = {key: int(sums.pop(key)) for key in TIE_COUNTS}
         pairs, nll, tokens = sums.pop("pairs"), sums.pop("chosen_nll"), sums.pop("chosen_tokens")
         metrics = {("eval_loss" if key == "loss" else key): value / pairs if pairs else None  # no pairs: no score
                    for key, value in sums.items()}
         metrics["chosen_nll"] = nll / tokens if tokens else None
         metrics["reward_margin"] = metrics["chosen_reward"] - metrics["rejected_reward"] if pairs else None
         metrics["eval_pairs"] = int(pairs)
-        return metrics
+        return {**metrics, **ties}
 
     def batch_sums(self, engine, batch):
         policy_chosen, policy_rejected, ref_chosen, ref_rejected = logps = self.pair_log_probs(engine, batch)
         losses, chosen_rewards, rejected_rewards = dpo_loss(*logps, self.beta, self.label_smoothing)
         tie = self.beta * IMPLICIT_REWARD_TIE_NATS  # (rewards are beta x the log-ratio)
         chosen_mask, _ = split_pairs(batch["response_mask"])  # (the NLL's tokens, as answer_nll counts them)
-        values = (losses, chosen_rewards, rejected_rewards, preference_accuracy(chosen_rewards, rejected_rewards, tie),
-                  policy_chosen, policy_rejected, preference_accuracy(policy_chosen, policy_rejected),
-                  preference_accuracy(ref_chosen, ref_rejected), -policy_chosen,
-                  chosen_mask[:, 1:].sum(-1).to(losses.device), torch.ones_like(losses))
+        compared = ((chosen_rewards, rejected_rewards, tie), (policy_chosen, policy_rejected, 0.0),
+                    (ref_chosen, ref_rejected, 0.0))  # (the reward, logp and reference_logp accuracies)
+        accuracy = [preference_accuracy(*scores) for scores in compared]
+        values = (losses, chosen_rewards, rejected_rewards, accuracy[0], policy_chosen, policy_rejected, accuracy[1],
+                  accuracy[2], -policy_chosen, chosen_mask[:, 1:].sum(-1).to(losses.device), torch.ones_like(losses),
+                  *(preference_ties(*scores) for scores in compared))
         w = eval_weights(batch, losses.shape[0], losses.device)  # 0 for a rank's padding repeats
         return torch.stack([(v.double() * w).sum() for v in values])
 

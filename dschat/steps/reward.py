@@ -5,6 +5,7 @@ from dschat.args import step2_parser, step_settings
 from dschat.data.samplers import eval_weights
 from dschat.models.checkpoint import save_reward_model
 from dschat.models.reward_model import create_critic_model
+from dschat.rlhf.dpo import preference_accuracy, preference_ties
 from dschat.steps.common import StepRecipe, run_supervised_step, to_device
 from dschat.utils.dist import all_reduce
 
@@ -30,9 +31,10 @@ def pairwise_step_loss(engine, batch):
 
 @torch.no_grad()
 def evaluate_reward(engine, eval_loader, device, max_batches):
-    """Pairwise accuracy (chosen scored above rejected) and mean scores over all ranks."""
+    """Pairwise accuracy (chosen scored above rejected; a tie counts half, ``preference_accuracy``), the tied pairs
+    ("ties") and mean scores over all ranks."""
     engine.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # correct, pairs, sum chosen, sum rejected
+    totals = torch.zeros(5, dtype=torch.float64, device=device)  # correct, pairs, sum chosen, sum rejected, ties
     for i, batch in enumerate(eval_loader):
         if max_batches and i >= max_batches:
             break
@@ -40,14 +42,16 @@ def evaluate_reward(engine, eval_loader, device, max_batches):
         out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         chosen, rejected = out["chosen_mean_scores"].double(), out["rejected_mean_scores"].double()
         w = eval_weights(batch, chosen.shape[0], device)  # 0 for a rank's padding repeats
-        totals += torch.stack([((chosen > rejected).double() * w).sum(), w.sum(), (chosen * w).sum(),
-                               (rejected * w).sum()])
+        totals += torch.stack([(preference_accuracy(chosen, rejected).double() * w).sum(), w.sum(),
+                               (chosen * w).sum(), (rejected * w).sum(),
+                               (preference_ties(chosen, rejected).double() * w).sum()])
     all_reduce(totals)
     pairs = totals[1]
     if pairs == 0:  # no eval pairs: no score, rather than an accuracy of 0
-        return {"accuracy": None, "chosen_mean_score": None, "rejected_mean_score": None, "eval_pairs": 0}
+        return {"accuracy": None, "chosen_mean_score": None, "rejected_mean_score": None, "eval_pairs": 0, "ties": 0}
     return {"accuracy": (totals[0] / pairs).item(), "chosen_mean_score": (totals[2] / pairs).item(),
-            "rejected_mean_score": (totals[3] / pairs).item(), "eval_pairs": int(pairs.item())}
+            "rejected_mean_score": (totals[3] / pairs).item(), "eval_pairs": int(pairs.item()),
+            "ties": int(totals[4].item())}
 
 
 REWARD = StepRecipe(name="step2", phase=2, build_model=build_reward_model, collator=reward_collator,

@@ -17,6 +17,7 @@ from dschat.data.errors import SkipRecord
 from dschat.data.pipeline import EncodeSettings, Example, tokenize_examples
 from dschat.errors import UsageError
 from dschat.report import counted
+from dschat.rlhf.dpo import preference_accuracy, preference_ties
 from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8, find_reward_model_path,
                                  flag_path, load_scoring_reward_model, one_process, parse_with_run_defaults,
                                  tool_prompt)
@@ -75,7 +76,8 @@ def score_sequences(model, tokenizer, id_lists, batch_size=16):
 
 
 def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
-    """Per-pair scores and the accuracy step 2 reports (chosen scored strictly above rejected), over the pairs step 2
+    """Per-pair scores and the accuracy step 2 reports (chosen scored above rejected, a tie counting half: "ties" counts
+    them; ``preference_accuracy``), over the pairs step 2
     keeps: a pair whose prompt leaves no room for an answer, or whose two sequences are the same token ids
     (chosen == rejected, also after truncation: it could only count as a miss), is skipped and counted, as is a record
     without a chosen or a rejected answer (an SFT-only record)."""
@@ -94,16 +96,19 @@ def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
               "chosen_score": c, "rejected_score": s} for i, c, s in zip(kept, chosen, rejected)]
     n = len(pairs)
     if not n:  # every pair skipped: no score, rather than an accuracy of 0 (as step 2 reports no eval pairs)
-        return {"pairs": [], "accuracy": None, "chosen_mean_score": None, "rejected_mean_score": None,
+        return {"pairs": [], "accuracy": None, "chosen_mean_score": None, "rejected_mean_score": None, "ties": 0,
                 "skipped": dict(skipped)}
-    return {"pairs": pairs, "accuracy": sum(c > s for c, s in zip(chosen, rejected)) / n,
-            "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n, "skipped": dict(skipped)}
+    scores = torch.tensor(chosen, dtype=torch.float64), torch.tensor(rejected, dtype=torch.float64)
+    return {"pairs": pairs, "accuracy": preference_accuracy(*scores).double().mean().item(),
+            "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n,
+            "ties": int(preference_ties(*scores).sum()), "skipped": dict(skipped)}
 
 
 def print_pairs(result):
     pairs = result["pairs"]
     for index, pair in enumerate(pairs):
-        higher = "chosen" if pair["chosen_score"] > pair["rejected_score"] else "rejected"
+        higher = ("chosen" if pair["chosen_score"] > pair["rejected_score"] else
+                  "rejected" if pair["chosen_score"] < pair["rejected_score"] else "neither (a tie)")
         print(f"{RULE} pair {index + 1}/{len(pairs)} {RULE}\n{render_human_assistant(pair['prompt']).strip()}")
         print(f"chosen   {pair['chosen_score']:+.4f}: {pair['chosen']}")
         print(f"rejected {pair['rejected_score']:+.4f}: {pair['rejected']}")
@@ -112,7 +117,8 @@ def print_pairs(result):
     if not pairs:
         print(f"{RULE}\nno pairs scored, so no accuracy; skipped as in step 2: {skipped}")
         return
-    print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {len(pairs)} pairs; mean score chosen "
+    ties = f" ({result['ties']} tied, each counted half)" if result["ties"] else ""
+    print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {len(pairs)} pairs{ties}; mean score chosen "
           f"{result['chosen_mean_score']:+.4f}, rejected {result['rejected_mean_score']:+.4f}"
           + (f"; skipped as in step 2: {skipped}" if skipped else ""))
 
