@@ -804,6 +804,33 @@ def test_reinforce_pp_batch_scored_alike_gets_exactly_zero_advantage_whatever_th
     close(adv, t([[-1., -1.], [1., 1.]]) * math.sqrt(3) / 2, atol=1e-5)
 
 
+def test_whitening_values_alike_but_for_rounding_gives_zero_not_scaled_up_noise():
+    """Values that differ only in their last bits (a reward model's float32 scores of like answers) are alike: they
+    whiten to 0, to their mean without the shift. TRL's (x - mean) / sqrt(var + 1e-8) scales a std of 1e-5 (float32's
+    rounding near 100) by 1e4, to advantages of +-0.4; a real spread is whitened as before."""
+    g = torch.Generator().manual_seed(11)
+    mask = suffix_mask([64, 10, 64, 1], 64).float()
+    for value in (0.7, 4.7966, 100.0, -3e3):
+        x = torch.full((4, 64), value) * (1 + 2e-7 * torch.randn(4, 64, generator=g))  # (a few float32 ulps)
+        mean, var = A.masked_mean_var(x, mask)
+        assert var > 0
+        assert torch.all(A.masked_whiten(x, mask) == 0), value
+        assert torch.all(A.masked_whiten(x, mask, shift_mean=False) == mean.float() * mask)
+        if abs(value) >= 100:  # (TRL's formula: rounding made advantages)
+            assert ((x - mean) * torch.rsqrt(var + 1e-8) * mask).abs().max() > 0.1
+    x = torch.full((4, 64), 100.0, dtype=D) * (1 + 4e-16 * torch.randn(4, 64, generator=g, dtype=D))  # (float64's)
+    assert torch.all(A.masked_whiten(x, mask) == 0)
+    rewards = torch.zeros(6, 8)
+    rewards[:, -1] = 100.0 * (1 + 2e-7 * torch.randn(6, generator=g))  # REINFORCE++: a batch scored alike
+    assert torch.all(A.reinforce_pp_advantages(rewards, torch.ones(6, 8))[0] == 0)
+    # real spreads, small and large, are whitened exactly as before (float64: a spread of 1e-6 of the values is real)
+    for x in (torch.randn(4, 64, generator=g, dtype=D), 100 + 1e-4 * torch.randn(4, 64, generator=g, dtype=D),
+              100 + 1e-3 * torch.randn(4, 64, generator=g), t([[1e-5, -1e-5, 2e-5, 0.0]])):
+        m = torch.ones_like(x)
+        mean, var = A.masked_mean_var(x, m)
+        assert torch.equal(A.masked_whiten(x, m), (x - mean) * torch.rsqrt(var + 1e-8))
+
+
 def test_compute_advantages_dispatch():
     g = torch.Generator().manual_seed(9)
     r, v = torch.randn(4, 5, generator=g, dtype=D), torch.randn(4, 5, generator=g, dtype=D)

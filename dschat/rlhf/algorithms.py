@@ -140,7 +140,8 @@ def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-                  stats: Optional[Tuple] = None, process_group=None, eps: float = 1e-8) -> torch.Tensor:
+                  stats: Optional[Tuple] = None, process_group=None, eps: float = 1e-8,
+                  alike_rtol: Optional[float] = None) -> torch.Tensor:
     """Whiten ``x`` with the masked mean/variance: ``(x - mean) / sqrt(var + eps)``.
 
     ``x``, ``mask``: same shape, typically advantages ``(B, T)``. ``shift_mean=False`` adds the mean
@@ -149,6 +150,12 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
     ``process_group`` (so several ranks whiten identically), or from the local tensor
     (unbiased variance, like TRL/verl). Masked-out positions are set to 0 in the output.
     The statistics are treated as constants (no gradient through them).
+
+    Values alike but for rounding (``_spread_is_rounding``: a std within ``alike_rtol`` of their size; None: 8 units
+    in the last place of the dtype the statistics are computed in, ~1e-6 in float32, as GRPO's groups scored alike)
+    whiten to 0 (to the mean with ``shift_mean=False``): ``eps`` (TRL's, OpenRLHF's and verl's 1e-8, absolute) bounds
+    the scale-up of a tiny spread by 1e4, which made float32 rounding of values near 100 (std 1e-5) advantages of
+    +-0.4.
     """
     dt = _compute_dtype(x)
     if stats is not None:
@@ -157,9 +164,17 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
         mean, var = masked_mean_var(x, mask, unbiased=True, process_group=process_group)
     xx = _up(x, dt)
     out = (xx - mean) * torch.rsqrt(var + eps)
+    rtol = 8 * torch.finfo(dt).eps if alike_rtol is None else alike_rtol
+    out = torch.where(_spread_is_rounding(mean, var, rtol), torch.zeros((), dtype=dt, device=out.device), out)
     if not shift_mean:
         out = out + mean
     return _masked(out, _fmask(mask, out))
+
+
+def _spread_is_rounding(mean: torch.Tensor, var: torch.Tensor, rtol: float) -> torch.Tensor:
+    """Bool: values of this ``mean`` and ``var`` are alike but for rounding, their std within ``rtol`` of their size
+    (``|mean|``, at least 1): float32 values differ in their last bits, ~1e-7 of the value (``_scored_alike``'s)."""
+    return var.clamp(min=0).sqrt() <= rtol * mean.abs().clamp(min=1)
 
 
 # --------------------------------------------------------------------------------------------
