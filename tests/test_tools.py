@@ -736,13 +736,15 @@ def test_prompt_eval_prints_both_models_answers(models, capsys, tmp_path):
     assert "rule_scores" not in result  # not the tiny data
 
 
-@pytest.mark.parametrize("source", [[], ["--prompts_file", "tiny"], ["--prompts_file", "EVAL_FILE"]])
+@pytest.mark.parametrize("source", [[], ["--prompts_file", "tiny"], ["--prompts_file", "EVAL_FILE"],
+                                    ["--prompts_file", "jsonl:DATA_DIR"]])
 def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monkeypatch, reachable_hub, source):
     """Scored whether the tiny prompts are the default or named: --prompts_file tiny (or the embedded eval file's
-    path) gave the same prompts with no rule score, while the tiny pipeline's report has one."""
-    from dschat.tiny import EVAL_FILE
+    path, or its folder, read for its eval part) gave the same prompts with no rule score, while the tiny pipeline's
+    report has one."""
+    from dschat.tiny import DATA_DIR, EVAL_FILE
 
-    source = [str(EVAL_FILE) if word == "EVAL_FILE" else word for word in source]
+    source = [word.replace("EVAL_FILE", str(EVAL_FILE)).replace("DATA_DIR", str(DATA_DIR)) for word in source]
     # Stand-in models that answer with the data's chosen (finetune) or rejected (baseline) answers, so the
     # rule scores are known to differ.
     def canned_answers(path, records, args):  # (given the records themselves as the prompts, below)
@@ -1004,6 +1006,39 @@ def test_ppo_eval_scores_a_dpo_policy_on_phase_3_of_its_runs_own_data_split(mode
     assert "no step-3" not in out
     given = ppo_eval.parse_args(["--policy", str(policy), "--data_split", "2,4,4", "--data_path", "tiny"])
     assert (given.data_split, given.data_path, given.seed) == ("2,4,4", ["tiny"], 7)
+
+
+def test_the_rule_scorer_scores_the_tiny_data_by_name_or_by_path_and_nothing_else(tmp_path):
+    """The rule scorer (ppo_eval's, step 3's) and --reward_fn tiny took the embedded data only as the name ``tiny``:
+    its shipped files by path (or copied) were refused as "nothing to score the answers with"."""
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.evaluation import rule_scorer_for
+    from dschat.rlhf.reward_fn import check_reward_sources
+    from dschat.tiny import DATA_DIR, EVAL_FILE, TRAIN_FILE
+
+    copy = tmp_path / "copy"
+    shutil.copytree(DATA_DIR, copy)
+    (tmp_path / "other.jsonl").write_text(json.dumps({"prompt": "hi", "chosen": "a", "rejected": "b"}) + "\n")
+    for data in (["tiny"], "tiny", [str(DATA_DIR)], [f"jsonl:{TRAIN_FILE},{EVAL_FILE}"], [str(EVAL_FILE)],
+                 [str(copy)], ["tiny", f"jsonl:{copy / 'train.jsonl'}"]):
+        assert rule_scorer_for(data) is rule_score, data
+        check_reward_sources(step3_args({"reward_fn": "tiny", "reward_model_weight": 0, "data_path": data}))
+    for data in ([str(tmp_path / "other.jsonl")], ["tiny", str(tmp_path / "other.jsonl")], [],
+                 [str(tmp_path / "missing.jsonl")], ["Dahoas/rm-static"]):
+        assert rule_scorer_for(data) is None, data
+
+
+def test_ppo_eval_rule_scores_the_tiny_data_given_by_its_path(models, tmp_path, capsys):
+    """``--data_path dschat/tiny/data`` (no reward model): the tiny held-out prompts, rule-scored, as with the name."""
+    from dschat.tiny import DATA_DIR
+
+    flags = ["--policy", models["policy"], "--num_prompts", "2", "--max_new_tokens", "2", "--num_examples", "2",
+             "--data_output_path", str(tmp_path / "data")]
+    by_name = ppo_eval.main([*flags, "--data_path", "tiny"])["policy"]
+    by_path = ppo_eval.main([*flags, "--data_path", os.path.relpath(DATA_DIR)])["policy"]
+    assert by_path["prompts"] == 2 and by_path["rule_score_mean"] == by_name["rule_score_mean"]
+    assert [e["rule_score"] for e in by_path["examples"]] == [rule_score(e["prompt"], e["answer"])
+                                                              for e in by_path["examples"]]
 
 
 def test_ppo_eval_checks_lengths_before_generating(tmp_path):

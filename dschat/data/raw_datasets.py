@@ -321,6 +321,38 @@ def anchored_data_path(specs, folder):
     return [anchored_spec(spec, folder) for spec in specs]
 
 
+def is_tiny_data(specs):
+    """Whether a --data_path (one spec or a list) reads the embedded data alone: ``tiny``, or local specs whose files
+    are its shipped files (``dschat/tiny/data``, or copies of them), e.g. ``jsonl:dschat/tiny/data/eval.jsonl``. The
+    bundled rule scorer knows those prompts; it was used only for the name ``tiny``, so the same prompts given by
+    their path had no rule score."""
+    specs = [specs] if isinstance(specs, str) else list(specs or [])
+    return bool(specs) and all(_is_tiny_spec(spec) for spec in specs)
+
+
+def _is_tiny_spec(spec):
+    from .local import LOCAL_JSONFILE, resolve_local_spec
+
+    if spec == TINY_NAME:
+        return True
+    if spec in HUB_DATASETS or spec == LOCAL_JSONFILE:
+        return False
+    try:
+        source = resolve_local_spec(spec)
+    except UsageError:  # (a missing or malformed spec is its loader's error to say, not this question's)
+        return False
+    return source is not None and all(_is_tiny_file(path) for path in source.train_files + source.eval_files)
+
+
+def _is_tiny_file(path):
+    import filecmp
+
+    from dschat.tiny import EVAL_FILE, TRAIN_FILE
+
+    return os.path.isfile(path) and any(filecmp.cmp(path, shipped, shallow=False)
+                                        for shipped in (TRAIN_FILE, EVAL_FILE))
+
+
 def reads_the_hub(spec):
     """Whether the data spec ``spec`` is a hub dataset read from the hub (a folder of that name here is a
     save_to_disk copy)."""

@@ -33,10 +33,11 @@ def check_reward_sources(args):
         raise UsageError("step3: --reward_fn_weight 0 with --reward_model_weight 0 leaves no reward to train on: "
                          "every score is 0 (the held-out evaluation still reports the function's, unweighted)")
     from dschat.data.pipeline import as_list
+    from dschat.data.raw_datasets import is_tiny_data
 
     data = as_list(args.data_path)
     if isinstance(args.reward_fn, str) and ALIASES.get(args.reward_fn, args.reward_fn) == ALIASES["tiny"] \
-            and data != ["tiny"]:
+            and not is_tiny_data(data):  # (the name tiny, or the shipped files' paths)
         raise UsageError(f"step3: --reward_fn tiny (the bundled rule scorer) knows only the embedded 'tiny' prompts "
                          f"and gives 0 to every other one, but --data_path is {' '.join(data)}; give your own "
                          f"function, e.g. --reward_fn my_rewards.py:score (train.py: inside --step3-args)")

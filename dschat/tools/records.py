@@ -1,5 +1,4 @@
 """Prompts (and answers) for the tools: from the command line, from a local file, or the tiny held-out data."""
-import os
 from dataclasses import dataclass
 from itertools import islice
 
@@ -68,8 +67,8 @@ def tiny_held_out_records(limit=None):
 
 
 def is_tiny_held_out(path):
-    """Whether a data file flag names the embedded held-out data: ``tiny`` or the file itself, which the bundled rule
-    scorer reads the instructions of."""
-    if str(path) == TINY_NAME:
-        return True
-    return os.path.isfile(path) and os.path.samefile(path, EVAL_FILE)
+    """Whether a data file flag names the embedded data, which the bundled rule scorer reads the instructions of:
+    ``tiny``, its held-out file, or its folder (read for its eval part) or files by any spec ``is_tiny_data`` takes."""
+    from dschat.data.raw_datasets import is_tiny_data
+
+    return is_tiny_data(str(path))
