@@ -5,13 +5,16 @@
 
 One panel per model; one line per variant (median seconds of each batch size; where several files measured the same
 variant and batch, the newest file's row wins); the floor as a dashed line. Each panel's title names the GPU its rows
-record (``--device`` names it for files written before generation.py recorded it: docs/results' of 2026-11-29 and -30
-ran on an NVIDIA H200, docs/benchmarks.md). Runs on the CPU (matplotlib only).
+record; for files written before generation.py recorded it, the GPU that the ``gpu.txt`` beside the file names (the
+GPU calls' ``nvidia-smi --query-gpu=name,... --format=csv``), else ``--device`` (docs/results' flat files of 2026-11-29
+and -30 ran on an NVIDIA H200, docs/benchmarks.md), else the title says the GPU was not recorded and the files are
+named on stderr. Runs on the CPU (matplotlib only).
 """
 import argparse
 import json
 import os
 import re
+import sys
 from collections import defaultdict
 
 LABELS = {"floor": "bandwidth floor", "hf_static": "HF generate, static cache", "hf_dynamic": "HF generate, dynamic",
@@ -39,6 +42,19 @@ def run_order(path):
 
 
 UNRECORDED = "GPU not recorded"
+GPU_FILE = "gpu.txt"
+
+
+def neighbour_device(folder):
+    """The GPU named by ``folder``'s gpu.txt (nvidia-smi's CSV of names, with or without its header), where it names
+    one kind; None where there is no such file or it names several (which of them ran a file's rows is unknown)."""
+    try:
+        with open(os.path.join(folder, GPU_FILE)) as f:
+            lines = [line.split(",")[0].strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError):
+        return None
+    names = {name for name in lines if name != "name"}  # (the header's first column)
+    return names.pop() if len(names) == 1 else None
 
 
 def load_rows(paths, skip=()):
@@ -49,11 +65,13 @@ def load_rows(paths, skip=()):
 
 def load_panels(paths, skip=(), unrecorded_device=None):
     """(``load_rows``'s table, {model: the set of GPU names its plotted rows record}); a row that records none counts
-    as ``unrecorded_device``, else as UNRECORDED."""
+    as the GPU of the gpu.txt beside its file (``neighbour_device``), else as ``unrecorded_device``, else as UNRECORDED
+    (its files named on stderr: a figure titled "GPU not recorded" said nothing of how to name it)."""
     table = defaultdict(lambda: defaultdict(dict))
-    measured_on = defaultdict(dict)  # {model: {(variant, batch): GPU}}: a later file's row replaces its GPU too
+    measured_on = defaultdict(dict)  # {model: {(variant, batch): (GPU, file)}}: a later file's row replaces its GPU too
     skipped = set()
     for path in sorted(paths, key=run_order):
+        file_device = neighbour_device(os.path.dirname(os.path.abspath(path))) or unrecorded_device
         for r in generation_rows(path):
             pair = f"{os.path.basename(path)}:{r.get('variant')}"
             if pair in skip:
@@ -63,14 +81,19 @@ def load_panels(paths, skip=(), unrecorded_device=None):
                 continue
             table[r["model"]][variant_key(r)][r["batch"]] = r["seconds"]
             table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
-            device = r.get("device") or unrecorded_device or UNRECORDED
-            measured_on[r["model"]].update({(variant_key(r), r["batch"]): device, ("floor", r["batch"]): device})
+            measured = (r.get("device") or file_device or UNRECORDED, path)
+            measured_on[r["model"]].update({(variant_key(r), r["batch"]): measured, ("floor", r["batch"]): measured})
     # (a pair that left out nothing, e.g. a misspelt variant or a file given with its folder, plotted the row it was
     # meant to leave out, and said nothing)
     if unmatched := sorted(set(skip) - skipped):
         raise SystemExit(f"--skip {','.join(unmatched)}: no row of that variant in a results file of that name (a "
                          "file's name without its folder, then ':' and a variant of its rows)")
-    return table, {model: set(points.values()) for model, points in measured_on.items()}
+    plotted = [measured for points in measured_on.values() for measured in points.values()]
+    if unnamed := sorted({path for device, path in plotted if device == UNRECORDED}, key=run_order):
+        print(f"plot.py: {', '.join(unnamed)}: rows that record no GPU, and no {GPU_FILE} beside them names one: their "
+              "panels say 'GPU not recorded'; give --device NAME (e.g. 'NVIDIA H200'; docs/benchmarks.md says which "
+              "GPU each session's calls ran on)", file=sys.stderr)
+    return table, {model: {device for device, _ in points.values()} for model, points in measured_on.items()}
 
 
 def panel_title(model, devices):
@@ -142,8 +165,9 @@ def main():
     p.add_argument("--out", default="docs/generation_vs_floor.png")
     p.add_argument("--skip", default="", help="comma-separated file-name:variant pairs to leave out")
     p.add_argument("--device", default=None,
-                   help="The GPU of rows that record none (files written before generation.py recorded it), e.g. "
-                        "'NVIDIA H200'; else their panel's title says the GPU was not recorded.")
+                   help="The GPU of rows that record none (files written before generation.py recorded it) and "
+                        "have no gpu.txt beside them naming one, e.g. 'NVIDIA H200'; else their panel's title says "
+                        "the GPU was not recorded.")
     args = p.parse_args()
     table, devices = load_panels(args.results, set(filter(None, args.skip.split(","))), args.device)
     if not table:  # (matplotlib's "Number of columns must be a positive integer" otherwise)

@@ -397,6 +397,44 @@ def test_plot_titles_name_the_gpu_the_rows_record(tmp_path):
     assert "qwen2.5-7b shape, one NVIDIA H200, bf16" in [ax.get_title() for ax in figure.axes]
 
 
+def test_plot_takes_the_gpu_of_rows_that_record_none_from_the_gpu_txt_beside_their_file(tmp_path):
+    """Older files (docs/results' of sessions 1-51) record no GPU, though many have the nvidia-smi gpu.txt of their
+    call beside them: their panel said "GPU not recorded" unless --device was given, and nothing said so."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot import load_panels
+
+    def result(folder, model, gpu_txt=None):
+        folder.mkdir()
+        if gpu_txt is not None:
+            (folder / "gpu.txt").write_text(gpu_txt)
+        path = folder / "generation.json"
+        path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+            {"ok": True, "model": model, "batch": 64, "variant": "dschat_z0_graph", "seconds": 0.8, "floor_s": 0.4}]}))
+        return str(path)
+
+    header = "name, driver_version, memory.total [MiB]\n"
+    h100 = result(tmp_path / "h100", "opt-1.3b", header + "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB\n")
+    h200 = result(tmp_path / "h200", "qwen2.5-7b", "NVIDIA H200, 143771 MiB\n")  # (written without its header)
+    two = result(tmp_path / "two", "llama-8b", header + "NVIDIA H100 80GB HBM3, 1, 2\nNVIDIA H200, 1, 2\n")
+    bare = result(tmp_path / "bare", "gemma-2b")
+    _, devices = load_panels([h100, h200, two, bare], unrecorded_device="NVIDIA A100")
+    assert devices == {"opt-1.3b": {"NVIDIA H100 80GB HBM3"}, "qwen2.5-7b": {"NVIDIA H200"},
+                       "llama-8b": {"NVIDIA A100"}, "gemma-2b": {"NVIDIA A100"}}  # (several GPUs: which is unknown)
+    assert load_panels([bare])[1] == {"gemma-2b": {"GPU not recorded"}}
+
+
+def test_plot_names_the_files_whose_gpu_is_not_known_and_the_flag_that_names_it(tmp_path):
+    path = tmp_path / "2026-11-29_gen.json"
+    path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+        {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": 0.8, "floor_s": 0.4}]}))
+    out = str(tmp_path / "plot.png")
+    proc = run_bench("plot.py", str(path), "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"plot.py: {path}: rows that record no GPU" in proc.stderr and "give --device NAME" in proc.stderr
+    proc = run_bench("plot.py", str(path), "--out", out, "--device", "NVIDIA H200")
+    assert proc.returncode == 0 and "record no GPU" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_plot_title_names_the_gpu_of_the_rows_plotted_not_of_rows_a_later_file_replaced(tmp_path):
     """A point measured again on another GPU by a later file is plotted from the later file alone: the title named the
     replaced row's GPU too ("rows from NVIDIA H100 ... and NVIDIA H200"), though no plotted row came from it."""
