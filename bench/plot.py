@@ -35,10 +35,18 @@ def variant_key(row):
     return variant + ("+triton" if row.get("decode_attention") == "triton" else "")
 
 
+DATED = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
 def run_order(path):
     """Sort key putting later runs last: the date, then the session number as a number (``_s10_`` after ``_s9_``,
-    which a plain string sort gets wrong)."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", os.path.basename(path))]
+    which a plain string sort gets wrong). The date is the last part of the path that starts with one: a session's
+    folder (``2026-12-06_s52/speed/generation.json``) as well as a file's name; by the name alone, every session's
+    ``generation.json`` tied, and the order of the command line chose which session's row won."""
+    parts = os.path.normpath(path).split(os.sep)
+    dated = [i for i, part in enumerate(parts) if DATED.match(part)]
+    stamp = "/".join(parts[dated[-1]:]) if dated else parts[-1]
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", stamp)]
 
 
 UNRECORDED = "GPU not recorded"

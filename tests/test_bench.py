@@ -372,6 +372,29 @@ def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_p
     assert load_rows(paths)["opt-1.3b"]["dschat_z0_graph"][64] == 0.8, "session 10 is later than session 9"
 
 
+def test_plot_orders_files_in_session_folders_by_their_folders_date(tmp_path):
+    """docs/results' newer sessions keep ``<date>_s<N>/<call>/generation.json``: ordered by the file name alone they
+    tied, and an older session's row given later on the command line replaced a newer one's."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot import load_rows
+
+    paths = []
+    for folder, seconds in (("2026-12-06_s52/speed", 0.94), ("2026-12-05_s45/speed", 0.81),
+                            ("2026-11-30_s9_call2", 0.7)):  # (newest first, as a command line may list them)
+        (tmp_path / folder).mkdir(parents=True)
+        path = tmp_path / folder / "generation.json"
+        path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+            {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": seconds,
+             "floor_s": 0.45}]}))
+        paths.append(str(path))
+    flat = tmp_path / "2026-12-01_s12_gen.json"  # (a file named by its date, beside the folders)
+    flat.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+        {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": 0.5, "floor_s": 0.4}]}))
+    assert load_rows(paths)["opt-1.3b"]["dschat_z0_graph"][64] == 0.94
+    assert load_rows([*paths, str(flat)])["opt-1.3b"]["dschat_z0_graph"][64] == 0.94
+    assert load_rows([paths[2], str(flat)])["opt-1.3b"]["dschat_z0_graph"][64] == 0.5
+
+
 def test_plot_titles_name_the_gpu_the_rows_record(tmp_path):
     """Every panel's title said "one H200", whatever GPU measured its rows: it names the rows' recorded device (and
     says so where a file records none, or where rows of one panel come from different GPUs)."""
