@@ -150,7 +150,9 @@ def plot(table, devices, out):
             batches = sorted(points)
             # the same colour for a variant in every panel
             color = plt.cm.tab20(order.index(variant) % 20) if variant in order else None
-            style = dict(linestyle="--", color="black") if variant == "floor" else dict(marker="o", color=color)
+            # (the floor's marker: a file of one batch size makes it one point, which a line alone does not draw)
+            style = dict(linestyle="--", color="black", marker="_", markersize=14) if variant == "floor" else \
+                dict(marker="o", color=color)
             ax.plot(batches, [points[b] for b in batches], label=LABELS.get(variant, variant), **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # the eager loop is 10x the others

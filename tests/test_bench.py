@@ -415,6 +415,9 @@ def test_plot_titles_name_the_gpu_the_rows_record(tmp_path):
     assert titles["qwen2.5-7b"] == "qwen2.5-7b shape, GPU not recorded, bf16"
     assert titles["llama-8b"] == "llama-8b shape, rows from NVIDIA H100 80GB HBM3 and NVIDIA H200, bf16"
     assert "H200" not in titles["opt-1.3b"] + titles["qwen2.5-7b"]
+    # a floor of one batch size is a point, drawn (a dashed line alone draws nothing there, its legend entry did)
+    floors = [line for ax in figure.axes for line in ax.get_lines() if line.get_label() == "bandwidth floor"]
+    assert len(floors) == 3 and all(line.get_marker() not in ("None", None, "") for line in floors)
     # --device names the GPU of files that record none (those written before generation.py recorded it)
     figure = plot(*load_panels([str(path)], unrecorded_device="NVIDIA H200"), str(tmp_path / "plot.png"))
     assert "qwen2.5-7b shape, one NVIDIA H200, bf16" in [ax.get_title() for ax in figure.axes]
