@@ -1186,6 +1186,24 @@ def test_the_report_lists_the_steps_in_order_whether_run_or_skipped():
     assert lines[3] == "step3_ppo: 19.7 s (resumed: the earlier run's time up to its checkpoint included)"
 
 
+def test_the_tools_help_says_which_decoding_is_their_default():
+    """chat.py samples and prompt_eval decodes greedily, while both helps said only "Greedy decoding." and "Sample
+    (temperature/top-k/top-p).", and no length: a user could not tell from --help what a plain run does."""
+    from dschat.tools import chat
+
+    def help_line(parser, flag):
+        return " ".join(next(action.help for action in parser._actions if flag in action.option_strings).split())
+
+    chat_parser, prompt_eval_parser = chat.build_parser(), prompt_eval.build_parser()
+    assert chat_parser.parse_args(["--path", "x"]).do_sample and "(default)" in help_line(chat_parser, "--do_sample")
+    assert "(default)" not in help_line(chat_parser, "--greedy")
+    assert not prompt_eval_parser.parse_args(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune",
+                                              "b"]).do_sample
+    assert "(default)" in help_line(prompt_eval_parser, "--greedy")
+    assert "(default)" not in help_line(prompt_eval_parser, "--do_sample")
+    assert "(default: 128)" in chat_parser.format_help()
+
+
 def test_prompt_eval_help_lists_deepspeed_chats_accepted_decoding_flags():
     from dschat.tools.prompt_eval import build_parser
 

@@ -232,13 +232,19 @@ def add_loading_args(parser):
 def add_generation_args(parser, sample_by_default, max_new_tokens=128):
     """--max_new_tokens, --temperature, --top_k, --top_p and --greedy/--do_sample (one default per tool)."""
     g = parser.add_argument_group("generation")
-    g.add_argument("--max_new_tokens", type=positive_int, default=max_new_tokens)
-    g.add_argument("--temperature", type=float, default=1.0, help="In [1e-30, 1e30] (--greedy: argmax decoding).")
-    g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
-    g.add_argument("--top_p", type=float, default=1.0, help="In (0, 1]; 1: no nucleus filtering.")
+    g.add_argument("--max_new_tokens", type=positive_int, default=max_new_tokens,
+                   help="Answer length in tokens, at most (default: %(default)s).")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="In [1e-30, 1e30] (default: %(default)s; --greedy: argmax decoding).")
+    g.add_argument("--top_k", type=int, default=0, help="0 (default) or negative: no top-k filtering.")
+    g.add_argument("--top_p", type=float, default=1.0, help="In (0, 1]; 1 (default): no nucleus filtering.")
+    # (each says whether it is this tool's default: chat.py samples, prompt_eval is greedy, and neither help said so)
+    default = " (default)"
     mode = g.add_mutually_exclusive_group()
-    mode.add_argument("--greedy", dest="do_sample", action="store_false", help="Greedy decoding.")
-    mode.add_argument("--do_sample", dest="do_sample", action="store_true", help="Sample (temperature/top-k/top-p).")
+    mode.add_argument("--greedy", dest="do_sample", action="store_false",
+                      help="Greedy decoding" + ("." if sample_by_default else f"{default}."))
+    mode.add_argument("--do_sample", dest="do_sample", action="store_true",
+                      help="Sample (temperature/top-k/top-p)" + (f"{default}." if sample_by_default else "."))
     g.add_argument("--seed", type=seed_int, default=None, help="Seed for sampling.")
     parser.set_defaults(do_sample=sample_by_default)
     return g
