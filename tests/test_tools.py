@@ -562,6 +562,17 @@ def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(sessi
     assert [m["content"] for m in session.history if m["role"] == "user"] == ["Say tea twice."]
 
 
+def test_a_prompt_flag_longer_than_the_context_is_an_error_naming_the_flag(session, models, monkeypatch):
+    """chat.py --prompt with a message too long for the model said "error: the message takes ..." naming no flag."""
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    monkeypatch.setattr(chat, "load_policy", lambda *a, **k: (session.model, session.tokenizer))
+    monkeypatch.setattr(session.model.config, "max_position_embeddings", 40)
+    with pytest.raises(UsageError, match="^--prompt: the message takes .* the model's context of 40 tokens"):
+        chat.main(["--path", models["policy"], "--greedy", "--max_new_tokens", "6", "--prompt", "word " * 60])
+
+
 def test_generation_flags_are_checked_and_top_k_below_one_is_off():
     import argparse
 

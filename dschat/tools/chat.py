@@ -197,7 +197,10 @@ def main(argv=None):
     session = ChatSession(model, tokenizer, generation_kwargs(args))
     print(f"[chat] model: {path} on {model.device}", file=sys.stderr)  # (stdout: the answers alone)
     if args.prompt is not None:
-        answer = session.ask_after(turns)
+        try:
+            answer = session.ask_after(turns)
+        except UsageError as error:  # (a message too long for the context: the flag that gave it, named)
+            raise UsageError(f"--prompt: {error}") from None
         if session.forgotten:  # (a transcript too long for the context: said on stderr, the answer alone on stdout)
             print(forgotten_note(session), file=sys.stderr)
         print(answer)
