@@ -1052,6 +1052,26 @@ def test_ppo_eval_rule_scores_the_tiny_data_given_by_its_path(models, tmp_path, 
                                                               for e in by_path["examples"]]
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--data_path", "jsonl:MISSING"], "MISSING does not exist"),
+    (["--data_path", "MISSING.jsonl"], "data file not found: MISSING.jsonl"),
+    (["--data_split", "1,1"], "--data_split '1,1' must have 3 parts"),
+])
+@pytest.mark.parametrize("reward_model", [False, True])
+def test_ppo_eval_checks_its_data_flags_before_any_model_loads(models, tmp_path, monkeypatch, flags, said,
+                                                               reward_model):
+    """A missing data file was "nothing to score the answers with" without a reward model, and with one an error only
+    once both models had loaded, as was a --data_split of two parts."""
+    from dschat.errors import UsageError
+
+    monkeypatch.setattr(ppo_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded"))
+    missing = str(tmp_path / "missing")
+    flags = [flag.replace("MISSING", missing) for flag in flags] + (["--reward_model", models["rm"]] if reward_model
+                                                                      else [])
+    with pytest.raises(UsageError, match=re.escape(said.replace("MISSING", missing))):
+        ppo_eval.main(["--policy", models["policy"], *flags, "--data_output_path", str(tmp_path / "data")])
+
+
 def test_ppo_eval_checks_lengths_before_generating(tmp_path):
     from dschat.errors import UsageError
 

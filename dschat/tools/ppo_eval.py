@@ -281,6 +281,17 @@ def parse_args(argv=None):
     return args
 
 
+def check_data_flags(args):
+    """--data_path's files and hub names and --data_split's form, before any model loads: a missing file or a split of
+    two parts was an error only after the policy and reward model had loaded, and a missing file given with no reward
+    model was "nothing to score the answers with"."""
+    from dschat.data.raw_datasets import check_data_paths
+    from dschat.data.splits import parse_data_split
+
+    parse_data_split(args.data_split)
+    check_data_paths(args.data_path)
+
+
 @one_process
 def main(argv=None):
     """Print (and optionally save) the results; returns {"policy": ..., ["baseline": ...]}."""
@@ -289,6 +300,7 @@ def main(argv=None):
         check_output_json(args.output_json)
     else:  # (the results are printed alone)
         check_stdout_open("the results", ", or give --output_json")
+    check_data_flags(args)  # (the scorer is chosen by the data; both were checked only once the models had loaded)
     if not (args.reward_model or args.reward_fn or rule_scorer_for(args.data_path)):
         raise UsageError("nothing to score the answers with: give --reward_model (step 2's folder) or --reward_fn")
     reward_model_path = args.reward_model and flag_path("--reward_model", find_reward_model_path, args.reward_model)
