@@ -538,7 +538,10 @@ def run_pipeline(args):
     if is_rank_0():
         write_unfinished_report(args.output_dir, recipe, steps, ready)
     timings = run_steps(args, steps, plan, parsers, tiny)
-    embedded_data = tiny and args.data_path in (None, [], ["tiny"])  # the rule scorer knows only the embedded data
+    from dschat.data.raw_datasets import is_tiny_data
+
+    # the rule scorer knows only the embedded data (by its name, or its shipped files' paths)
+    embedded_data = tiny and (not args.data_path or is_tiny_data(args.data_path))
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None
@@ -621,12 +624,14 @@ def held_out_rule_scores(args):
     for name, folder in (("sft", SFT_DIR), ("dpo", DPO_DIR)):
         path = os.path.join(args.output_dir, folder)
         model, tokenizer = load_policy(path, local_device())
-        _, held_out = prompt_loaders({"data_split": step3.data_split, "max_prompt_seq_len": step3.max_prompt_seq_len,
+        # (the run's data: the embedded data by its files' paths may be only some of them, e.g. its train.jsonl)
+        _, held_out = prompt_loaders({"data_path": args.data_path or step3.data_path,
+                                      "data_split": step3.data_split, "max_prompt_seq_len": step3.max_prompt_seq_len,
                                       "per_device_generation_batch_size": step3.per_device_generation_batch_size,
                                       "actor_model_name_or_path": path,
                                       "data_output_path": os.path.join(args.output_dir, "data_cache")}, tokenizer)
         result = evaluate_policy(hf_generate(model, tokenizer), None, tokenizer, held_out, model.device,
                                  step3.max_answer_seq_len,
-                                 rule_scorer_for(["tiny"]))
+                                 rule_scorer_for(args.data_path or step3.data_path))
         scores[name] = {"rule_score": result["rule_score_mean"], "prompts": result["prompts"]}
     return scores

@@ -323,7 +323,8 @@ def test_train_py_dpo_recipe_builds_the_dpo_step_arguments(tmp_path):
     assert dpo_args.label_smoothing == 0.0 and not dpo_args.offload_reference_model
 
 
-@pytest.mark.parametrize("data", [[], ["--data-path", "tiny"]])  # named, the embedded data lost its rule score
+# named, the embedded data lost its rule score; given by its files' paths too
+@pytest.mark.parametrize("data", [[], ["--data-path", "tiny"], ["--data-path", "TINY_DIR"]])
 def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, distributed, data, capsys):
     from dschat.report import DPO_REPORT_KEYS
     from dschat.steps import ppo, reward, sft
@@ -342,6 +343,9 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
     monkeypatch.setattr(dpo, "main", fake_dpo)
     scores = {"sft": {"rule_score": 0.8, "prompts": 120}, "dpo": {"rule_score": 0.9, "prompts": 120}}
     monkeypatch.setattr(pipeline, "held_out_rule_scores", lambda args: calls.append("rule") or scores)
+    from dschat.tiny import DATA_DIR
+
+    data = [str(DATA_DIR) if word == "TINY_DIR" else word for word in data]
     report = pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path), *data]))
     assert calls == ["sft", "dpo", "rule"]
     assert json.loads((tmp_path / "report.json").read_text())["dpo"] == report["dpo"]
@@ -350,6 +354,34 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
     printed = capsys.readouterr().out
     assert "preference accuracy (chosen answer more likely, 0.5 pairs): SFT 0.5000 -> DPO 0.5000" in printed
     assert "held-out rule score of greedy answers (120 prompts): SFT 0.800 -> DPO 0.900" in printed
+
+
+def test_the_dpo_reports_rule_scores_are_on_the_runs_own_data_given_by_its_files(tmp_path):
+    """train.py --recipe dpo --data-path of the embedded data's files: the report's held-out rule scores were those of
+    the name tiny's prompts (or, the paths not being the name, none), not phase 3 of the files the run read."""
+    from types import SimpleNamespace
+
+    from dschat.args import step3_parser
+    from dschat.models.loading import load_tokenizer
+    from dschat.steps.ppo import prompt_loaders
+    from dschat.tiny import EVAL_FILE
+    from dschat.tiny.presets import create_tiny_model
+
+    for folder in ("step1_sft", "step2_dpo"):
+        create_tiny_model("tiny-llama", tmp_path / folder)
+    data = [f"jsonl:{EVAL_FILE}"]  # (the eval file alone: fewer records than the whole embedded data)
+    scores = pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(tmp_path), data_path=data))
+    step3 = step3_parser().parse_args(pipeline.TINY_RECIPE[3])
+    _, held_out = prompt_loaders({"data_path": data, "data_split": step3.data_split,
+                                  "max_prompt_seq_len": step3.max_prompt_seq_len,
+                                  "per_device_generation_batch_size": step3.per_device_generation_batch_size,
+                                  "actor_model_name_or_path": str(tmp_path / "step1_sft"),
+                                  "data_output_path": str(tmp_path / "data_cache")},
+                                 load_tokenizer(str(tmp_path / "step1_sft"), padding_side="left"))
+    expected = sum(len(batch["prompt"]) for batch in held_out)
+    assert 0 < expected != 120  # (the whole embedded data's phase 3 has 120 held-out prompts)
+    assert scores["sft"]["prompts"] == scores["dpo"]["prompts"] == expected
+    assert scores["dpo"]["rule_score"] is not None
 
 
 def test_train_py_refuses_a_dpo_flag_combination_before_step_1(tmp_path, distributed):
