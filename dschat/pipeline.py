@@ -227,6 +227,7 @@ def check_step_args(steps, args, tiny, parsers):
     any config file, before the first step runs: a typo in ``--step3-args`` or a config file at odds with a step's
     flags stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
     from dschat.data.local import parse_field_map
+    from dschat.data.unsupervised import check_unsupervised_file
     from dschat.rlhf.config import step3_args
     from dschat.rlhf.engine import check_step3_settings
     from dschat.steps.common import check_supervised_settings
@@ -247,6 +248,7 @@ def check_step_args(steps, args, tiny, parsers):
                                  critic_made_later=2 in steps)
             if steps != [3]:  # step 3 alone counts its prompts at once; after other steps, it would count them late
                 check_step3_prompts(step3_args(flags), get_world_size())
+                check_unsupervised_file(getattr(flags, "unsupervised_dataset_name", None))
         else:
             check_supervised_settings(flags, phase=step)
             if step == 2 and getattr(args, "recipe", "ppo") == "dpo":

@@ -218,6 +218,27 @@ def test_blank_lines_of_an_unsupervised_text_file_are_skipped_and_counted(tmp_pa
             "text (empty or whitespace only)") in capsys.readouterr().out
 
 
+def test_an_unsupervised_file_of_blank_lines_only_is_an_error_naming_it_before_tokenizing(tmp_path, tokenizer,
+                                                                                         monkeypatch):
+    """A .txt file of blank lines was read as blank documents, all skipped, and said only after tokenizing as 0
+    blocks, fewer than a batch ("give more text"); a JSON Lines file whose texts are all blank likewise."""
+    from dschat.data import unsupervised
+
+    monkeypatch.setattr(unsupervised, "with_eos", lambda *a: pytest.fail("tokenized"))
+    blanks = tmp_path / "blanks.txt"
+    blanks.write_text("\n   \n\t\n\n")
+    with pytest.raises(DatasetFormatError, match=rf"--unsupervised_dataset_name {blanks}: {blanks} has only blank "
+                                                 "lines: no documents"):
+        get_unsupervised_data(unsupervised_args(str(blanks)), tokenizer)
+    with pytest.raises(DatasetFormatError, match=rf"{blanks} has only blank lines"):
+        unsupervised.check_unsupervised_file(f"text:{blanks}")
+    texts = tmp_path / "blank_texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": text}) + "\n" for text in ("", "  ", "\n\t")))
+    with pytest.raises(DatasetFormatError, match=rf"--unsupervised_dataset_name {texts}: all 3 of its documents are "
+                                                 r"blank \(empty or whitespace only\)"):
+        get_unsupervised_data(unsupervised_args(str(texts)), tokenizer)
+
+
 def test_an_unsupervised_file_edited_with_its_time_kept_is_read_again(tmp_path, tokenizer):
     """datasets keys its Arrow cache of a local file by path and time: an edit that kept them read the old text."""
     import os

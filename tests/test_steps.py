@@ -1133,6 +1133,24 @@ def test_train_py_checks_every_steps_data_paths_before_the_first_step_runs(tmp_p
         assert not out.exists(), "no step may have run"
 
 
+def test_train_py_finds_a_blank_unsupervised_file_before_step_1(tmp_path, distributed):
+    """Step 3's --unsupervised_dataset_name file of blank lines only (or missing) was found by step 3, after steps 1
+    and 2 had trained."""
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+    from dschat.data.errors import DatasetFormatError
+
+    blanks = tmp_path / "blanks.txt"
+    blanks.write_text("\n \n\n")
+    out = tmp_path / "out"
+    for name, error, message in ((str(blanks), DatasetFormatError, f"{blanks} has only blank lines"),
+                                 (str(tmp_path / "typo.txt"), MissingInputError, "unsupervised data file not found")):
+        with pytest.raises(error, match=message):
+            pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step3-args",
+                                                 f"--unsupervised_dataset_name {name}"))
+        assert not out.exists(), "no step may have run"
+
+
 def test_train_py_finds_too_few_step3_prompts_before_step_1(tmp_path, distributed, monkeypatch):
     """Step 3's share of local data that cannot fill one iteration is found before steps 1 and 2 train (a bound:
     the records before any is skipped), not after them; enough prompts pass."""

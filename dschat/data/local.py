@@ -646,12 +646,12 @@ def _why_no_records(kind, path):
     said to be empty, and a CSV to have a header), or is a CSV of a header or a parquet file without rows."""
     if os.path.getsize(path) == 0:
         return "the file is empty"
-    if kind != "parquet" and _only_blank_lines(path):
+    if kind != "parquet" and only_blank_lines(path):
         return "it has only blank lines"
     return {"csv": "it has a header but no rows", "parquet": "it has no rows"}.get(kind, "the file is empty")
 
 
-def _only_blank_lines(path):
+def only_blank_lines(path):
     """Whether a text file holds only whitespace after its byte-order mark (read a block at a time)."""
     with open(path, "rb") as f:
         if f.read(1 << 16).removeprefix(b"\xef\xbb\xbf").strip():

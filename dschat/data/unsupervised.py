@@ -16,7 +16,7 @@ from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
 from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, compressed_with, file_digest,
-                    load_content_keyed, load_file, not_utf8_error, record_where, text_encoding)
+                    load_content_keyed, load_file, not_utf8_error, only_blank_lines, record_where, text_encoding)
 from .pipeline import print_skip_lines
 
 # (CSV and parquet as the prompt data's files: a .csv or .parquet path was looked up on the hub)
@@ -39,6 +39,9 @@ def get_unsupervised_data(args, tokenizer):
     locate = getattr(train, "locate_record", None) or (lambda index: f"--unsupervised_dataset_name {name} record {index}")
     documents = without_blank_documents(train, text_column, locate, workers)
     blank = len(train) - len(documents)
+    if len(documents) == 0:  # (else 0 blocks, said only after tokenizing, as too little text for a batch)
+        raise DatasetFormatError(f"--unsupervised_dataset_name {name}: all {len(train)} of its documents are blank "
+                                 "(empty or whitespace only): no text to train on")
     report = [{"source": f"--unsupervised_dataset_name {name}", "split": "train", "total": len(train),
                "skipped": {BLANK_DOCUMENT: blank} if blank else {}}]
 
@@ -144,8 +147,7 @@ def load_unsupervised_train(name, config_name=None):
             load_hub_dataset(name, "--unsupervised_dataset_name", config_name, split="train")
         return train, "text" if "text" in train.column_names else train.column_names[0]
     kind, path = local
-    if os.path.getsize(path) == 0:  # (datasets' own error for it names neither file nor cause)
-        raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
+    check_has_text(name, kind, path)
     # read as the prompt data's files are: a JSON string that is valid JSON ("null", "[1, 2]") in a column of mixed
     # types stays a string (datasets' Json feature decoded it, and blamed its record for the one of another type)
     train, record_lines = _text_file_lines(path) if kind == "text" else load_file(kind, path)
@@ -154,6 +156,24 @@ def load_unsupervised_train(name, config_name=None):
                                  f"{train.column_names}")
     train.locate_record = lambda index: record_where(path, index, record_lines)
     return train, "text"
+
+
+def check_unsupervised_file(name):
+    """A local ``--unsupervised_dataset_name`` file that is missing, empty or only blank lines is an error naming it:
+    train.py checks before step 1 trains (step 3 read it after steps 1 and 2)."""
+    local = _local_text_source(name) if name and name != "tiny" else None
+    if local is not None:
+        check_has_text(name, *local)
+
+
+def check_has_text(name, kind, path):
+    """A local file of ``kind`` at ``path`` that is empty or holds only blank lines is an error naming it: datasets'
+    own error for an empty one names neither file nor cause, and a text file's blank lines were each skipped as a
+    blank document, which left no block to train on, said only after tokenizing."""
+    if os.path.getsize(path) == 0:
+        raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
+    if kind != "parquet" and only_blank_lines(path):
+        raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} has only blank lines: no documents")
 
 
 def _text_file_lines(path):
