@@ -1223,6 +1223,59 @@ def test_a_checkpoint_that_fills_the_disk_is_said_in_one_line_naming_its_folder_
         run_entry_point(lambda: reward.main(flags))
 
 
+def test_a_checkpoint_that_exceeds_the_disk_quota_is_said_in_one_line_naming_its_folder(tmp_path, distributed,
+                                                                                         monkeypatch, capsys):
+    """torch's writer failing on a used-up quota raised its RuntimeError naming no cause, and the disk's free space
+    (terabytes, say) did not show the quota: a bug's traceback. A write probe into the folder now finds the quota
+    (EDQUOT, said at the sync as a network file system does), said in one line without the disk's space; a plain
+    write's quota error that names no file names the checkpoints folder too. A probe that writes is removed."""
+    import errno
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from dschat.utils import files
+    from dschat.utils.cli import run_entry_point
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: Usage(2**42, 2**41, 2**41))  # (2 TiB free)
+
+    def quota_writer(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".write-probe"):
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        real_fsync(fd)
+
+    monkeypatch.setattr(torch, "save", quota_writer)
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "rm"
+    flags = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(out), "--max_steps", "2",
+             "--save_interval", "1"]
+    said = (f"error: Disk quota exceeded: {out / 'checkpoints'} (a write failed: free some space or write elsewhere; "
+            "DSCHAT_TRACEBACK=1 shows where)")
+    with pytest.raises(SystemExit) as stop:
+        run_entry_point(lambda: reward.main(flags))
+    assert stop.value.code == 1 and capsys.readouterr().err.strip().splitlines()[-1] == said
+    assert not [name for _, _, names in os.walk(tmp_path) for name in names if name.endswith(".write-probe")]
+
+    def plain_write(*args, **kwargs):  # (a file object's write: an OSError naming no file)
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(torch, "save", plain_write)
+    with pytest.raises(SystemExit):
+        run_entry_point(lambda: reward.main(flags))
+    assert capsys.readouterr().err.strip().splitlines()[-1] == said
+    monkeypatch.setattr(os, "fsync", real_fsync)  # (a probe that writes: the writer's own error)
+    monkeypatch.setattr(torch, "save", quota_writer)
+    with pytest.raises(RuntimeError, match="PytorchStreamWriter failed writing file data/0"):
+        run_entry_point(lambda: reward.main(flags))
+    assert files.probe_write_errno(str(out / "not" / "made")) is None and not (out / "not").exists()
+
+
 def test_a_resume_with_another_tokenizer_than_the_checkpoints_is_an_error_naming_both(tmp_path, distributed):
     """Steps 1 and 2 load their tokenizer from --model_name_or_path again on --resume; the folder's tokenizer replaced
     in between (same path, so the flags matched; a step output's run id is the same too) resumed silently, the data

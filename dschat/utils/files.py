@@ -154,6 +154,8 @@ def unreadable_file_reason(error, kinds=()):
 # writing file data/0: file write failed", "basic_ios::clear: iostream error".
 ZIP_WRITER_MARKERS = ("PytorchStreamWriter", "unexpected pos", "file write failed", "iostream error")
 LOW_DISK_SPACE = 2**30  # less free after a failed write: the disk filled (the write's part is still on it)
+PROBE_BYTES = 2**20  # what a write probe after torch's failed write writes: more than a quota's rounding leaves
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 # How a Rust writer (safetensors: model saves) names the OS's error in its message ("Error while serializing: I/O
@@ -164,37 +166,72 @@ RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 @contextlib.contextmanager
 def writes_said_on_a_full_disk(folder):
     """A write into ``folder`` that failed on a full disk or quota as torch's or safetensors' own error (which read as
-    a bug's traceback) is raised as the OSError (ENOSPC, EDQUOT) any other write gives, naming ``folder`` and the
-    space left, which ``cli.run_entry_point`` says in one line. safetensors names the OS's error; torch's writer
-    names none (``ZIP_WRITER_MARKERS``), so its failure counts as a full disk's where under ``LOW_DISK_SPACE`` is
-    free."""
+    a bug's traceback), or as an OSError that names no file (a plain ``write``'s), is raised as the OSError (ENOSPC,
+    EDQUOT) naming ``folder`` (and, for a full disk, the space left), which ``cli.run_entry_point`` says in one line.
+    safetensors names the OS's error; torch's writer names none (``ZIP_WRITER_MARKERS``), so a write probe asks the
+    disk (``probe_write_errno``: a quota, which the free space does not show), and its failure counts as a full disk's
+    where under ``LOW_DISK_SPACE`` is free."""
     try:
         yield
     except Exception as error:
-        code = None if isinstance(error, OSError) else full_disk_errno(error, folder)
+        code = unnamed_full_disk_errno(error) if isinstance(error, OSError) else full_disk_errno(error, folder)
         if code is None:
             raise
-        free = free_space(folder)
+        free = free_space(folder) if code == errno.ENOSPC else None  # (a quota's limit is not the disk's space)
         left = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
         raise OSError(code, f"{os.strerror(code)}{left}", folder) from error
+
+
+def unnamed_full_disk_errno(error):
+    """ENOSPC or EDQUOT of an OSError that names no file (``os.write``'s, a file object's ``write``), else None."""
+    return error.errno if error.errno in FULL_DISK_ERRNOS and not error.filename else None
 
 
 def full_disk_errno(error, folder):
     """ENOSPC or EDQUOT where ``error`` (not an OSError) is how torch or safetensors failed on a full disk or quota."""
     if rust := RUST_OS_ERROR.search(str(error)):
-        return int(rust[1]) if int(rust[1]) in (errno.ENOSPC, errno.EDQUOT) else None
+        return int(rust[1]) if int(rust[1]) in FULL_DISK_ERRNOS else None
     if isinstance(error, RuntimeError) and any(marker in str(error) for marker in ZIP_WRITER_MARKERS):
+        if code := probe_write_errno(folder):
+            return code
         free = free_space(folder)
         return errno.ENOSPC if free is not None and free < LOW_DISK_SPACE else None
     return None
 
 
-def free_space(folder):
-    """The bytes free to this user on the disk of ``folder`` (its nearest existing parent), None where unknown."""
+def probe_write_errno(folder):
+    """ENOSPC or EDQUOT where ``PROBE_BYTES`` written into ``folder`` (its nearest existing parent) and synced fail so,
+    else None (the probe file goes): after torch's writer failed, a quota used up (EDQUOT, the disk itself may have
+    terabytes free) or a disk full to this user (root's reserved blocks left) fail it too."""
+    try:
+        fd, path = temp_file(existing_parent(folder), ".write-probe")
+    except OSError as error:
+        return error.errno if error.errno in FULL_DISK_ERRNOS else None
+    try:
+        try:
+            os.write(fd, bytes(PROBE_BYTES))
+            os.fsync(fd)  # (a network file system says a quota's error at the sync or close)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        return error.errno if error.errno in FULL_DISK_ERRNOS else None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return None
+
+
+def existing_parent(folder):
+    """``folder``, else its nearest parent that exists."""
     existing = os.path.abspath(folder)
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
+    return existing
+
+
+def free_space(folder):
+    """The bytes free to this user on the disk of ``folder`` (its nearest existing parent), None where unknown."""
     try:
-        return shutil.disk_usage(existing).free
+        return shutil.disk_usage(existing_parent(folder)).free  # (statvfs's f_bavail: root's reserved blocks not)
     except OSError:
         return None
