@@ -253,6 +253,7 @@ ADVICE_STEP_1 = r"to resume from checkpoint step_0000001, write \{\"tag\": \"ste
 @pytest.mark.parametrize("damaged", ["model/step_0000002/mp_rank_00_model_states.pt",
                                      "trainer/step_0000002/rng_rank0.pt",
                                      "model/step_0000002/mp_rank_00_model_states.pt:removed",
+                                     "trainer/step_0000002/rng_rank0.pt:removed",
                                      "trainer/step_0000002/state.json"])
 def test_a_damaged_checkpoint_is_an_error_naming_it_and_the_earlier_one_resumes(damaged, tmp_path, distributed,
                                                                                 capsys):
@@ -269,6 +270,8 @@ def test_a_damaged_checkpoint_is_an_error_naming_it_and_the_earlier_one_resumes(
     else:
         path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
     what = (r"has a damaged trainer/step_0000002/state.json" if damaged.endswith("state.json") else
+            r"has no trainer/step_0000002/rng_rank0.pt \(the RNG states each of the 1 rank\(s\) that saved it "
+            r"writes; removed or copied in part\?\)" if damaged.startswith("trainer/step_0000002/rng_rank0.pt:") else
             r"cannot be loaded \(\w+Error: .*damaged or missing")
     with pytest.raises(UsageError, match=rf"checkpoint step_0000002 in .*{what}.*{ADVICE_STEP_1}"):
         reward.main([*common, "--resume"])
@@ -331,6 +334,35 @@ def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp
     with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; it does not record its batch sizes.*"
                                          r"resume on 2 rank\(s\)"):
         resume.plan_resume(args, "step2")
+
+
+def test_a_checkpoint_missing_a_ranks_rng_file_is_an_error_naming_it_not_another_rank_count(tmp_path):
+    """A rank's RNG file gone made the checkpoint one "saved by 1 rank(s)" (0, with rank 0's), and the error asked
+    for another batch size or number of ranks; the ranks its state records, else up to its last file, must each have
+    one."""
+    from types import SimpleNamespace
+
+    from dschat.utils.checkpoints import LATEST
+
+    args = SimpleNamespace(output_dir=str(tmp_path), resume=True, per_device_train_batch_size=8,
+                           gradient_accumulation_steps=1)
+    root = tmp_path / "checkpoints"
+    for part in ("model", "trainer"):
+        (root / part / "step_0000002").mkdir(parents=True)
+    (root / "model" / "step_0000002" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (root / LATEST).write_text(json.dumps({"tag": "step_0000002"}))
+    state = root / "trainer" / "step_0000002" / "state.json"
+    for recorded, files, missing in ((2, [0], "rng_rank1.pt"), (2, [1], "rng_rank0.pt"), (None, [1], "rng_rank0.pt"),
+                                     (3, [0], r"rng_rank1.pt, trainer/step_0000002/rng_rank2.pt")):
+        state.write_text(json.dumps({"step": 2, "epoch": 0, "batch": 2, **({"world_size": recorded} if recorded
+                                                                           else {})}))
+        for old in (root / "trainer" / "step_0000002").glob("rng_rank*.pt"):
+            old.unlink()
+        for rank in files:
+            (root / "trainer" / "step_0000002" / f"rng_rank{rank}.pt").write_bytes(b"")
+        with pytest.raises(UsageError, match=rf"checkpoint step_0000002 in .* has no trainer/step_0000002/{missing} "
+                                             r"\(the RNG states each of the \d rank\(s\) that saved it writes"):
+            resume.plan_resume(args, "step2")
 
 
 def test_a_checkpoint_of_another_rank_count_resumes_only_with_as_many_samples_a_step(tmp_path):

@@ -221,12 +221,27 @@ def check_complete(root, tag, parts):
     if not os.path.isfile(os.path.join(where, "state.json")):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no {TRAINER}/{tag}/state.json (removed or copied "
                          f"in part?): restore it{_earlier(root, tag)}; or start afresh without --resume")
+    check_rank_files(root, tag)
     return saved_ranks(root, tag)
 
 
 def saved_ranks(root, tag):
     """How many ranks saved checkpoint ``tag``: one RNG file each."""
     return len(rank_files(root, tag))
+
+
+def check_rank_files(root, tag):
+    """Every rank that saved ``tag`` left its RNG file (the ranks its state records, else 0 up to the last file's):
+    one gone made the checkpoint "saved by 0 rank(s)" (or by fewer than it was), and the error asked for another
+    batch size, or another number of ranks, instead of the file."""
+    files = rank_files(root, tag)
+    recorded = (read_trainer_state(root, tag) or {}).get("world_size")
+    ranks = recorded if isinstance(recorded, int) and recorded > 0 else max(files, default=0) + 1
+    missing = [f"{TRAINER}/{tag}/rng_rank{rank}.pt" for rank in range(ranks) if rank not in files]
+    if missing:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has no {', '.join(missing)} (the RNG states each of "
+                         f"the {ranks} rank(s) that saved it writes; removed or copied in part?): restore it"
+                         f"{_earlier(root, tag)}; or start afresh without --resume")
 
 
 def rank_files(root, tag):
