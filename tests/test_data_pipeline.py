@@ -1132,6 +1132,54 @@ def test_tool_calling_conversations_train_the_assistant_turns_only(tmp_path, tok
                                               "<|im_start|>assistant\n")
 
 
+def test_a_conversation_ending_with_a_tool_call_trains_the_call(tmp_path, tokenizer):
+    """Function-calling SFT data (glaive's, xlam's, hermes') ends with the assistant's call: the call is the answer.
+    Such a record was refused ("the last message calls a tool"). Its answer is the chat template's rendering of the
+    call up to the EOT, with any text before it (also with --multiturn); a pair of two calls trains both (no tie: their
+    text is empty alike); step 3's prompt is the turns before the call, its reference answers the call messages."""
+    tok = qwen_tools(tokenizer)
+    calling = TOOL_CONVERSATION[:3]
+    said = copy.deepcopy(calling)
+    said[2]["content"] = "Let me look."
+    path = write_jsonl(tmp_path / "calls.jsonl", [{"messages": calling, "tools": [WEATHER_TOOL]},
+                                                  {"messages": said, "tools": [WEATHER_TOOL]}])
+    for multiturn in (False, True):
+        train, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024,
+                         multiturn=multiturn)
+        assert sorted(trained_text(item, tok) for item in train) == [CALL, "Let me look.\n" + CALL]
+        whole = tok.apply_chat_template(calling, tools=[WEATHER_TOOL], tokenize=False).rstrip()
+        assert tok.decode(train[0]["input_ids"]) in (whole, tok.apply_chat_template(
+            said, tools=[WEATHER_TOOL], tokenize=False).rstrip())
+    lyon = copy.deepcopy(calling)
+    lyon[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Lyon"}
+    pair = write_jsonl(tmp_path / "pair.jsonl", [{"chosen": calling, "rejected": lyon, "tools": [WEATHER_TOOL]}] * 2)
+    pairs, _ = build(tmp_path, tok, [f"{pair},{pair}"], 2, data_split="0,1,0", max_seq_len=1024)
+    assert len(pairs) == 2
+    assert tok.decode(pairs[0]["rejected_input_ids"]).endswith(CALL.replace("Paris", "Lyon"))
+    assert tok.decode(pairs[0]["chosen_input_ids"]).endswith(CALL)
+    prompts, _ = build(tmp_path, tok, [f"{path},{path}"], 3, data_split="0,0,1", max_seq_len=1024)
+    assert prompts[0]["prompt_text"] == tok.apply_chat_template(calling[:2], tools=[WEATHER_TOOL],
+                                                                add_generation_prompt=True, tokenize=False)
+    prompt = write_jsonl(tmp_path / "prompt.jsonl", [{"prompt": calling[:2], "chosen": calling[2:],
+                                                      "rejected": lyon[2:]}] * 2)
+    prompts, _ = build(tmp_path, tok, [f"{prompt},{prompt}"], 3, data_split="0,0,1", max_seq_len=1024)
+    assert prompts[0]["chosen"] == [{"role": "assistant", "content": "", "tool_calls": calling[2]["tool_calls"]}]
+
+
+@pytest.mark.parametrize("template", ["drops_calls", "none"])
+def test_a_last_tool_call_a_template_does_not_render_is_the_records_error(tmp_path, tokenizer, template):
+    """A conversation ending with a call, under a template that writes the call's turn as its (empty) text alone, or
+    without a template, would train an empty answer: the record's error, naming it."""
+    tok = chatml(tokenizer) if template == "drops_calls" else tokenizer
+    path = write_jsonl(tmp_path / "calls.jsonl", [{"messages": CONVERSATION}, {"messages": TOOL_CONVERSATION[1:3]}])
+    said = {"drops_calls": r"its answer calls the tool 'get_weather', but the tokenizer's chat template does not "
+                           r"write the call after the prompt",
+            "none": r"its answer calls the tool 'get_weather': tool calls are rendered only by a chat template that "
+                    r"renders them, and the tokenizer has none"}[template]
+    with pytest.raises(DatasetFormatError, match=rf"calls.jsonl line 2 \(record 1\): field 'messages': {said}"):
+        build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+
+
 @pytest.mark.parametrize("template", ["drops_tool_results", "drops_calls", "none"])
 def test_tool_turns_a_template_does_not_render_are_the_records_error(tmp_path, tokenizer, template):
     """A chat template that leaves out tool results or calls (a plain ChatML one writes a call's empty content) would

@@ -1391,9 +1391,6 @@ CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city"
 
 
 @pytest.mark.parametrize("messages, said", [
-    ([{"role": "assistant", "content": "Let me look.", "tool_calls": [CALL]}],
-     r"the last message \(message 1\) calls a tool: the answer trained is the assistant's text after the tool's "
-     r"result"),
     ([{"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": "{}"}}],
      r"message 1 has function_call \(OpenAI's older form\), which is not read: give its call as tool_calls"),
     ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": {}}}]},
@@ -1406,9 +1403,9 @@ CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city"
 def test_tool_calls_and_results_are_read_and_malformed_ones_are_errors(tmp_path, messages, said):
     """An assistant message with tool_calls was refused ("message 1 has tool_calls, which is not read"), and so was a
     tool's result (role 'tool'). They are read now (the chat template renders them: test_data_pipeline's tool tests),
-    with the calls and the result's name kept; a conversation ending with a call (no answer after it), OpenAI's older
-    function_call, a call without a name or on another role, and an empty result are the record's error. A null or
-    empty tool_calls column (a fixed schema's) is no call."""
+    with the calls and the result's name kept; OpenAI's older function_call, a call without a name or on another role,
+    and an empty result are the record's error. A null or empty tool_calls column (a fixed schema's) is no call. A
+    conversation ending with a call has it as its answer (it was an error): its text with the calls."""
     records = [{"messages": [{"role": "user", "content": "Weather?"}, *messages]}]
     path = write_records(records, tmp_path / "calls.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=rf"record 0\): field 'messages': {said}"):
@@ -1420,9 +1417,14 @@ def test_tool_calls_and_results_are_read_and_malformed_ones_are_errors(tmp_path,
                            {"role": "assistant", "content": "Sunny.", "tool_calls": []}]}]
     ipython = [{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [CALL]},
                              {"role": "ipython", "content": "Sunny."}]}]  # (Llama-3.1's role; a prompt ending so)
-    path = write_records(called + plain + ipython, tmp_path / "plain.jsonl", "jsonl")
+    ending = [{"messages": [{"role": "user", "content": "Weather?"},
+                            {"role": "assistant", "content": "Let me look.", "tool_calls": [CALL]}]}]
+    path = write_records(called + plain + ipython + ending, tmp_path / "plain.jsonl", "jsonl")
     adapter = raw(f"{path},{path}", tmp_path)
-    first, second, third = adapter.get_train_data()
+    first, second, third, fourth = adapter.get_train_data()
+    answer = adapter.get_chosen_text(fourth)
+    assert (str(answer), answer.tool_calls) == ("Let me look.", [CALL])
+    assert adapter.get_conversation(fourth) == [{"role": "user", "content": "Weather?"}]
     assert adapter.get_conversation(third)[-1] == {"role": "ipython", "content": "Sunny."}
     assert adapter.get_conversation(first)[1:] == [{"role": "assistant", "content": "", "tool_calls": [CALL]},
                                                    {"role": "tool", "content": "Sunny.", "name": "weather"}]

@@ -12,7 +12,7 @@ import os
 
 from dschat.errors import MissingInputError
 from .errors import DatasetFormatError, RecordError, SkipRecord
-from .formatting import parse_transcript, render_human_assistant, split_last_answer
+from .formatting import answer_message, parse_transcript, render_human_assistant, split_last_answer
 from .splits import get_raw_dataset_split_index
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "ipython")
@@ -127,10 +127,12 @@ class PromptRawDataset:
     def get_reference_answers(self, sample):
         """A pair's answers as bare text, ``{"chosen": ..., "rejected": ...}`` (those the record has): step 3's
         reward functions get them as columns, as TRL passes a dataset's columns. A record whose answers do not read
-        keeps its prompt, without them."""
+        keeps its prompt, without them. An answer calling tools is its assistant message in a list (TRL's
+        conversational completion): as text it was the empty string, its calls lost."""
         answers = {name: read_or_none(accessor, sample, (RecordError, SkipRecord))
                    for name, accessor in (("chosen", self.get_chosen_text), ("rejected", self.get_rejected_text))}
-        return {name: text for name, text in answers.items() if text is not None}
+        return {name: [answer_message(text)] if getattr(text, "tool_calls", None) else text
+                for name, text in answers.items() if text is not None}
 
     # --- DeepSpeed-Chat's string interface ---
     def get_prompt(self, sample):
@@ -364,11 +366,7 @@ def final_assistant_answer(messages, field):
     prompt, answer = split_last_answer(messages)
     if answer is None:
         raise RecordError(field, "the last message must be the assistant's answer")
-    if messages[-1].get("tool_calls"):
-        raise RecordError(field, f"the last message (message {len(messages) - 1}) calls a tool: the answer trained is "
-                                 "the assistant's text after the tool's result; end the conversation with it (with "
-                                 "--multiturn a call before it is trained too)")
-    return prompt, answer
+    return prompt, answer  # (a last turn calling tools: a ToolCallAnswer, the call trained as the template writes it)
 
 
 __all__ = ["PromptRawDataset", "read_or_none", "required_text", "optional_text",

@@ -87,10 +87,42 @@ def merge_consecutive_roles(messages):
 
 def split_last_answer(messages):
     """A full conversation -> (prompt turns, final assistant answer), or (messages, None) if it ends with
-    a user turn."""
+    a user turn. A last turn that calls tools is a ``ToolCallAnswer``."""
     if messages and messages[-1]["role"] == "assistant":
-        return list(messages[:-1]), messages[-1]["content"]
+        last = messages[-1]
+        calls = last.get("tool_calls")
+        return list(messages[:-1]), ToolCallAnswer(last["content"], calls) if calls else last["content"]
     return list(messages), None
+
+
+class ToolCallAnswer(str):
+    """An answer that calls tools (function-calling SFT data: glaive's, xlam's, hermes': the call is the answer): its
+    text (mostly empty) with the assistant turn's ``tool_calls``. ``format_answer`` writes it as the chat template
+    writes the turn after the prompt; it equals only an answer of the same text and calls (two other calls are no
+    tie)."""
+
+    def __new__(cls, text, tool_calls):
+        answer = super().__new__(cls, text)
+        answer.tool_calls = list(tool_calls)
+        return answer
+
+    def __eq__(self, other):
+        return isinstance(other, str) and str(self) == str(other) and \
+            self.tool_calls == getattr(other, "tool_calls", None)
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = str.__hash__
+
+    def __reduce__(self):
+        return type(self), (str(self), self.tool_calls)
+
+
+def answer_message(text):
+    """The assistant message of the answer ``text`` (with its calls, a ``ToolCallAnswer``'s)."""
+    calls = getattr(text, "tool_calls", None)
+    return {"role": "assistant", "content": str(text), **({"tool_calls": calls} if calls else {})}
 
 
 def render_human_assistant(messages):
@@ -126,12 +158,17 @@ def tools_argument(tools):
 def format_answer(text, tokenizer, add_eot=True, eot_token=None, messages=None, prompt=None, tools=None):
     """The answer as it follows ``format_prompt(messages)`` (``prompt``, when the caller has it): " " + text + EOT;
     with a chat template, the template's rendering of the answer up to its EOT (``templated_answer``, given the
-    prompt's ``messages``), else text + EOT."""
+    prompt's ``messages``), else text + EOT. An answer calling tools (``ToolCallAnswer``) is the template's rendering
+    of its turn: one the template does not write so is an error (``pipeline.check_answer_calls_rendered`` names the
+    record first)."""
     eot = eot_token if eot_token is not None else get_eot_token(tokenizer)
-    if not uses_chat_template(tokenizer):
-        body = " " + text
-    else:
-        body = (templated_answer(messages, text, tokenizer, eot, prompt, tools) if messages else None) or text
+    templated = templated_answer(messages, text, tokenizer, eot, prompt, tools) \
+        if messages and uses_chat_template(tokenizer) else None
+    if getattr(text, "tool_calls", None) and not templated:  # (its text alone is an empty turn, not the answer)
+        raise UsageError(f"an answer calling the tool {text.tool_calls[0]['function']['name']!r} is written only by a "
+                         "chat template that writes the call after the prompt, up to its EOT; the tokenizer's does "
+                         "not")
+    body = " " + text if not uses_chat_template(tokenizer) else templated or text
     return body + eot if add_eot else body
 
 
@@ -142,7 +179,7 @@ def templated_answer(messages, text, tokenizer, eot, prompt=None, tools=None):
 
     prompt = prompt if prompt is not None else format_prompt(messages, tokenizer, tools)
     try:
-        whole = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": text}], tokenize=False,
+        whole = tokenizer.apply_chat_template([*messages, answer_message(text)], tokenize=False,
                                               **tools_argument(tools))
     except (TemplateError, ValueError):
         return None

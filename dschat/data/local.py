@@ -36,7 +36,8 @@ prompt=question,chosen=good``):
   an assistant message's ``tool_calls``, a tool's result as a message of role ``tool`` (or ``ipython``), the record's
   tool schemas in a ``tools`` column (``--data_fields tools=NAME``), rendered by the chat template
   (``apply_chat_template(tools=...)``; a template that leaves them out, or none, is the record's error when it is
-  encoded); the answer follows the tool's result, and a prompt may end with one.
+  encoded); the answer follows the tool's result, or is the call itself where the conversation ends with one
+  (function-calling data), and a prompt may end with a tool's result.
 * ``chosen`` + ``rejected`` as message lists and no ``prompt`` (TRL's preference format), or as whole
   "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts (Anthropic/hh-rlhf's files): the turns before the last are
   the prompt and must be the same in both; the last (assistant) turns are the answers. Plain strings are TRL's

@@ -19,7 +19,8 @@ reasoning, say) leaves that turn in the prompt; the data report counts those tur
 
 An assistant turn that calls tools (``tool_calls``) is trained as TRL's assistant-only loss trains it: from where the
 prompt before it ends through the template's EOT after it (its text, if any, and the calls as the template writes
-them), when every call's function name is there. Tool results (role "tool") are never trained: they stay prompt.
+them), when every call's function name is there; a conversation ending with a call has it as its answer
+(``ToolCallAnswer``). Tool results (role "tool") are never trained: they stay prompt.
 """
 from bisect import bisect_left, bisect_right
 

@@ -44,7 +44,8 @@ from dschat.errors import UsageError
 from .base import TOOL_ROLES, has_tool_turns
 from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
-from .formatting import format_answer, format_prompt, get_eot_token, uses_chat_template
+from .formatting import (ToolCallAnswer, format_answer, format_prompt, get_eot_token, templated_answer,
+                         uses_chat_template)
 from .local import LocalSource, checked_field_options, parse_field_map
 from .multiturn import answered_turns, check_offsets_available, earlier_answer_spans
 from .raw_datasets import get_raw_dataset, resolve_dataset_spec
@@ -445,7 +446,7 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
 
     skips = Counter()
     multiturn = settings.multiturn and settings.train_phase == 1
-    examples = extract_examples(raw, records, settings.train_phase, skips, tokenizer, multiturn)
+    examples = extract_examples(raw, records, settings.train_phase, skips, tokenizer, multiturn, settings.eot_token)
     encoder = {1: encode_sft, 2: encode_pair, 3: encode_prompt}[settings.train_phase]
     rows, kept, unanswered = [], [], 0
     for example, tokens in zip(examples, tokenize_examples(examples, tokenizer, settings)):
@@ -493,7 +494,8 @@ def record_key(example):
     import hashlib
 
     text = json.dumps([example.messages, example.chosen, example.rejected, example.extra, sorted(example.untrained),
-                       example.tools],
+                       example.tools, [getattr(answer, "tool_calls", None) for answer in (example.chosen,
+                                                                                          example.rejected)]],
                       sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
@@ -514,12 +516,13 @@ def already_formatted(examples, tokenizer):
     return [count, example] if count else None
 
 
-def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=False):
+def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=False, eot_token=None):
     examples = []
     for sample in records:
         try:
             example = extract_example(raw, sample, train_phase, multiturn)
             example.prompt_text = rendered_prompt(example.messages, tokenizer, raw, sample, example.tools)
+            check_answer_calls_rendered(example, tokenizer, eot_token, raw)
             examples.append(example)
         except SkipRecord as skip:
             skips[skip.reason] += 1
@@ -623,6 +626,49 @@ def _unrendered_piece(messages, index, text, tokenizer, tools):
     except (TemplateError, ValueError):
         return next((piece for piece in pieces if piece not in text), None)
     return next((piece for piece, mark in zip(pieces, marks) if mark not in rendered), None)
+
+
+def check_answer_calls_rendered(example, tokenizer, eot_token=None, raw=None):
+    """An answer that calls tools (``ToolCallAnswer``: the conversation's last turn is the call) is trained as the chat
+    template writes its turn after the prompt (``format_answer``): each call's function name, replaced by a mark, must
+    be in what the template writes there up to its EOT. Without a template, or with one that drops the calls (a plain
+    ChatML one writes the call's empty content), the answer would be an empty turn: the record's error."""
+    for side in ("chosen", "rejected"):
+        answer = getattr(example, side)
+        calls = getattr(answer, "tool_calls", None)
+        if not calls:
+            continue
+        field = _answer_field(raw, side)
+        if not uses_chat_template(tokenizer):
+            raise RecordError(field, f"its answer calls the tool {calls[0]['function']['name']!r}: tool calls are "
+                                     "rendered only by a chat template that renders them, and the tokenizer has none "
+                                     "(the Human:/Assistant: format); use a tokenizer whose chat template renders "
+                                     "tools (Qwen2.5's, Llama-3.1's), or leave the record out")
+        name = _unrendered_answer_call(example, answer, tokenizer, eot_token or get_eot_token(tokenizer))
+        if name is not None:
+            raise RecordError(field, f"its answer calls the tool {name!r}, but the tokenizer's chat template does not "
+                                     "write the call after the prompt, up to its end token: the model would be trained "
+                                     "on an empty turn; use a chat template that renders tool calls (Qwen2.5's, "
+                                     "Llama-3.1's), or leave the record out")
+
+
+def _unrendered_answer_call(example, answer, tokenizer, eot):
+    """The first function name of ``answer``'s calls that the template does not write in the answer's turn, else
+    None."""
+    marks = [TOOL_TURN_MARK.format(number) for number in range(len(answer.tool_calls))]
+    marked = ToolCallAnswer(answer, [{**call, "function": {**call["function"], "name": mark}}
+                                     for call, mark in zip(answer.tool_calls, marks)])
+    written = templated_answer(example.messages, marked, tokenizer, eot, tools=example.tools) or ""
+    return next((call["function"]["name"] for call, mark in zip(answer.tool_calls, marks) if mark not in written),
+                None)
+
+
+def _answer_field(raw, side):
+    """The field that holds a record's ``side`` answer ("chosen": a conversation's last turn, in its messages)."""
+    fields = getattr(raw, "fields", {})
+    if side == "chosen" and getattr(raw, "shape", None) == "messages":
+        return fields.get("messages", "messages")
+    return fields.get(side, side)
 
 
 # what stands for a tool call's function name or a tool result's content where their rendering is checked (letters,
