@@ -1166,6 +1166,37 @@ def test_a_conversation_ending_with_a_tool_call_trains_the_call(tmp_path, tokeni
     assert prompts[0]["chosen"] == [{"role": "assistant", "content": "", "tool_calls": calling[2]["tool_calls"]}]
 
 
+def test_sharegpt_function_call_and_observation_turns_are_tool_calls_and_results(tmp_path, tokenizer):
+    """LLaMA-Factory's ShareGPT tool data (from: human/gpt/function_call/observation, its tools column as JSON text)
+    was refused ("message 1 has role 'function_call'"). A function_call turn, whose value is the JSON of a call {name,
+    arguments} (or of a list of them: parallel calls), is an assistant turn calling tools; an observation is the tool's
+    result: the conversation trains as its OpenAI form does, also when it ends with the call. A value that is no call
+    is the record's error."""
+    tok = qwen_tools(tokenizer)
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    turns = [{"from": "human", "value": "Weather in Paris?"}, {"from": "function_call", "value": json.dumps(call)},
+             {"from": "observation", "value": "22C"}, {"from": "gpt", "value": "It is 22C."}]
+    tools = json.dumps([WEATHER_TOOL["function"]])
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", [{"conversations": turns, "tools": tools},
+                                                     {"conversations": turns[:2], "tools": tools}])
+    train, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=1024)
+    openai = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+              {"role": "tool", "content": "22C"}, {"role": "assistant", "content": "It is 22C."}]
+    whole = tok.apply_chat_template(openai, tools=[WEATHER_TOOL["function"]], tokenize=False).rstrip()
+    assert sorted(trained_text(item, tok) for item in train) == [CALL, CALL + "|It is 22C.<|im_end|>"]
+    assert whole in [tok.decode(item["input_ids"]) for item in train]
+    parallel = [turns[0], {"from": "function_call", "value": json.dumps([call, {**call, "arguments": {"city": "Lyon"}}])}]
+    path = write_jsonl(tmp_path / "parallel.jsonl", [{"conversations": parallel, "tools": tools}] * 2)
+    train, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+    assert trained_text(train[0], tok) == CALL.replace("<|im_end|>", "\n") + CALL.replace("Paris", "Lyon")
+    broken = [turns[0], {"from": "function_call", "value": "get_weather(city='Paris')"}]
+    path = write_jsonl(tmp_path / "broken.jsonl", [{"conversations": broken, "tools": tools}] * 2)
+    with pytest.raises(DatasetFormatError, match=r"broken.jsonl line 1 \(record 0\): field 'conversations': message 1 "
+                                                 r"\(from 'function_call'\) is not the JSON text of a call"):
+        build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
+
+
 @pytest.mark.parametrize("template", ["drops_calls", "none"])
 def test_a_last_tool_call_a_template_does_not_render_is_the_records_error(tmp_path, tokenizer, template):
     """A conversation ending with a call, under a template that writes the call's turn as its (empty) text alone, or

@@ -221,8 +221,10 @@ def answer_from_transcript(text, field):
     return prompt, answer
 
 
-# ShareGPT's speakers ({"from": "human", "value": ...})
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
+# ShareGPT's speakers ({"from": "human", "value": ...}); LLaMA-Factory's tool turns: "function_call" (an assistant turn
+# whose value is the call's JSON, ``sharegpt_calls``) and "observation" (the tool's result)
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system",
+                  "function_call": "assistant", "observation": "tool"}
 
 
 def checked_messages(value, field):
@@ -237,9 +239,9 @@ def checked_messages(value, field):
     for position, message in enumerate(value):
         if not isinstance(message, dict):
             raise RecordError(field, f"message {position} is a {type(message).__name__}, not a dict")
+        if message.get("role") is None and "from" in message:
+            message = from_sharegpt(message, field, position)
         role, content = message.get("role"), message.get("content")
-        if role is None and "from" in message:
-            role, content = SHAREGPT_ROLES.get(message["from"], message["from"]), message.get("value")
         if isinstance(content, (list, tuple)):
             content = _text_of_parts(content, field, position)
         if role not in VALID_ROLES:
@@ -259,6 +261,31 @@ def checked_messages(value, field):
         messages.append({"role": role, "content": trimmed(content) if content else content,
                          **({"tool_calls": calls} if calls else {}), **tool_result_keys(message, role)})
     return messages
+
+
+def from_sharegpt(message, field, position):
+    """A ShareGPT message ({from, value}) as an OpenAI one ({role, content}); LLaMA-Factory's "function_call" turn as
+    an assistant turn with its ``tool_calls`` (its value was read as a role no one knew)."""
+    speaker = message["from"]
+    if speaker != "function_call":
+        return {**message, "role": SHAREGPT_ROLES.get(speaker, speaker), "content": message.get("value")}
+    return {"role": "assistant", "content": "", "tool_calls": sharegpt_calls(message.get("value"), field, position)}
+
+
+def sharegpt_calls(value, field, position):
+    """The ``tool_calls`` of a "function_call" turn, whose value is the JSON text of a call {"name": ..., "arguments":
+    ...} or of a list of them (parallel calls), as LLaMA-Factory writes it."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as err:
+        calls, error = None, f" ({err})"
+    else:
+        error = ""
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(isinstance(call, dict) for call in calls):
+        raise RecordError(field, f"message {position} (from 'function_call') is not the JSON text of a call "
+                                 f"{{\"name\": ..., \"arguments\": {{...}}}} or a list of them{error}")
+    return [{"type": "function", "function": call} for call in calls]
 
 
 def tool_calls(message, role, field, position):

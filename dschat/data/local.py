@@ -29,7 +29,8 @@ prompt=question,chosen=good``):
   record (skipped, and counted, in step 2). TRL's ``completion`` is the ``chosen`` answer; a ``label`` column
   beside it (TRL's unpaired preference records, KTO's) marks the answers not to imitate, which steps 1 and 2 skip.
 * ``messages``: a list of {role, content} ending with the assistant answer (SFT data; ShareGPT's
-  ``conversations`` of {from, value} too); one ending with a user turn is a prompt (step 3), skipped and counted by
+  ``conversations`` of {from, value} too, LLaMA-Factory's "function_call" and "observation" turns as tool calls and
+  results); one ending with a user turn is a prompt (step 3), skipped and counted by
   steps 1 and 2 (step 1's ``--multiturn`` trains its assistant turns before it). An assistant message's ``weight``
   (OpenAI's chat fine-tuning format) is 0 or 1: a turn of weight 0 is not trained (``--multiturn`` leaves it prompt;
   one that is the last turn makes the record a counted skip without ``--multiturn``). Tool calling (TRL's SFT data):
