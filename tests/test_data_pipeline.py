@@ -1310,6 +1310,43 @@ def test_arrow_read_tool_calls_and_schemas_train_what_the_file_held(tmp_path, to
     assert checked_messages(given, "messages")[0]["tool_calls"][0]["function"]["arguments"] == {"unit": None}
 
 
+def test_a_null_written_in_a_json_or_csv_call_is_kept_and_arrows_fillers_are_not(tmp_path, tokenizer):
+    """A null a call's arguments (or a tool schema) hold, written in a JSON Lines file ({"unit": null}), was left out
+    with Arrow's fillers, and the model was trained on another call than the file's. JSON, JSON Lines and CSV files
+    (read as written: no key another record has comes back) keep it, beside a record whose arguments have other keys,
+    which gets none of them; parquet cannot tell the two apart, and leaves out both."""
+    import pandas as pd
+
+    nulled = copy.deepcopy(TOOL_CONVERSATION)
+    nulled[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "unit": None}
+    tool = copy.deepcopy(WEATHER_TOOL)
+    tool["function"]["parameters"]["properties"]["unit"] = {"type": "string", "default": None}
+    searching = copy.deepcopy(TOOL_CONVERSATION)
+    searching[1]["content"] = "Search for cats."
+    searching[2]["tool_calls"][0]["function"] = {"name": "get_weather", "arguments": {"query": "cats"}}
+    rows = [{"messages": nulled, "tools": [tool]}, {"messages": searching, "tools": [WEATHER_TOOL]}]
+    jsonl = write_jsonl(tmp_path / "tools.jsonl", rows)
+    json_file = tmp_path / "tools.json"
+    json_file.write_text(json.dumps(rows))
+    csv = str(tmp_path / "tools.csv")
+    pd.DataFrame([{name: json.dumps(value) for name, value in row.items()} for row in rows]).to_csv(csv, index=False)
+    parquet = str(tmp_path / "tools.parquet")
+    pd.DataFrame(rows).to_parquet(parquet)
+    tok = qwen_tools(tokenizer)
+    kept = CALL.replace('"Paris"}', '"Paris", "unit": null}')
+    searched = CALL.replace('{"city": "Paris"}', '{"query": "cats"}')
+    for path in (jsonl, str(json_file), csv, parquet):
+        data, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=1024)
+        whole = sorted(tok.decode(item["input_ids"]) for item in data)
+        trained = sorted(trained_text(item, tok).removesuffix("|It is 22C.<|im_end|>") for item in data)
+        if path == parquet:
+            assert trained == sorted([CALL, searched]) and "null" not in "".join(whole)
+        else:
+            assert trained == sorted([kept, searched]), path
+            paris, cats = sorted(whole, key=lambda text: "cats" in text)
+            assert '"default": null' in paris and "null" not in cats, path
+
+
 @pytest.mark.parametrize("renders_calls", [False, True])
 def test_a_dropped_call_is_found_out_after_a_message_the_template_does_not_write_verbatim(tmp_path, tokenizer,
                                                                                            renders_calls):

@@ -227,9 +227,11 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistan
                   "function_call": "assistant", "observation": "tool"}
 
 
-def checked_messages(value, field):
+def checked_messages(value, field, keep_nulls=False):
     """A list of {role, content} dicts with known roles and non-empty string content (also read: ShareGPT's
-    {from, value} messages and content given as parts, OpenAI's and HF's [{"type": "text", "text": ...}])."""
+    {from, value} messages and content given as parts, OpenAI's and HF's [{"type": "text", "text": ...}]).
+    ``keep_nulls``: the nulls in the calls' functions are as written (a JSON file's, not Arrow's fillers:
+    ``without_none_values``)."""
     if value is None:
         raise RecordError(field, "missing or null")
     if not isinstance(value, (list, tuple)) or not value:
@@ -250,7 +252,7 @@ def checked_messages(value, field):
             raise RecordError(field, f"message {position} has function_call (OpenAI's older form), which is not read: "
                                      "give its call as tool_calls [{\"type\": \"function\", \"function\": {\"name\": "
                                      "..., \"arguments\": {...}}}]")
-        calls = tool_calls(message, role, field, position)
+        calls = tool_calls(message, role, field, position, keep_nulls or message.get("from") == "function_call")
         if content is not None and not isinstance(content, str):  # (a number is no text to train on either)
             raise RecordError(field, f"message {position}'s content is not text ({type(content).__name__})")
         if calls and not (content or "").strip():
@@ -269,7 +271,8 @@ def from_sharegpt(message, field, position):
     speaker = message["from"]
     if speaker != "function_call":
         return {**message, "role": SHAREGPT_ROLES.get(speaker, speaker), "content": message.get("value")}
-    return {"role": "assistant", "content": "", "tool_calls": sharegpt_calls(message.get("value"), field, position)}
+    return {"from": speaker, "role": "assistant", "content": "",  # (its JSON text: its nulls are as written)
+            "tool_calls": sharegpt_calls(message.get("value"), field, position)}
 
 
 def sharegpt_calls(value, field, position):
@@ -288,10 +291,11 @@ def sharegpt_calls(value, field, position):
     return [{"type": "function", "function": call} for call in calls]
 
 
-def tool_calls(message, role, field, position):
+def tool_calls(message, role, field, position, keep_nulls=False):
     """An assistant message's ``tool_calls`` (OpenAI's and HF's: [{"type": "function", "function": {"name",
     "arguments"}}], an "id" kept), else None (a null or empty list, a fixed schema's, is no call). Another role's, or
-    a call without a function name, is its record's error."""
+    a call without a function name, is its record's error. The nulls in a function are left out (Arrow's fillers,
+    ``without_none_values``) unless ``keep_nulls``."""
     calls = message.get("tool_calls")
     if not calls:
         return None
@@ -307,7 +311,7 @@ def tool_calls(message, role, field, position):
             raise RecordError(field, f"message {position} has a tool call without a function name; each is "
                                      "{\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}}")
         call = {key: value for key, value in call.items() if value is not None}
-        function = without_none_values(function)
+        function = dict(function) if keep_nulls else without_none_values(function)
         if "arguments" in function:
             function["arguments"] = json_object_arguments(function["arguments"])
         call["function"] = function
@@ -320,9 +324,9 @@ def without_none_values(value):
 
     Arrow (parquet, save_to_disk, a hub download) stores the objects of a column as one struct of every key any record
     has, and gives back a key a record lacks as None: a call's arguments {"city": "Paris"} came back as {"city":
-    "Paris", "query": None}, which templates write as "query": null, and tool schemas got "required": null so. A null
-    read from a JSON file is left out the same way (every format trains the same text); arguments that must hold one
-    are kept as written where given as JSON text (OpenAI's format)."""
+    "Paris", "query": None}, which templates write as "query": null, and tool schemas got "required": null so. Arrow
+    gives back a null written in the file the same way, so it is left out of such data too; JSON, JSON Lines and CSV
+    files keep theirs (``LocalDataset.keeps_nulls``), as do arguments given as JSON text (OpenAI's format)."""
     if isinstance(value, dict):
         return {key: without_none_values(item) for key, item in value.items() if item is not None}
     if isinstance(value, (list, tuple)):

@@ -1015,6 +1015,24 @@ def record_where(path, index, record_lines):
     return f"{path} line {record_lines[index]} (record {index})" if record_lines else f"{path} record {index}"
 
 
+def keeps_nulls(source):
+    """Whether the files of ``source`` give back the nulls in a record's objects as written, and none that it lacks:
+    JSON and JSON Lines (datasets reads a column of objects whose keys differ between records as its Json type,
+    ``_exact_json_dataset``: exactly) and CSV (text); not parquet or save_to_disk folders, whose Arrow structs give back
+    a key another record's object has as null (``without_none_values``), nor JSON read by a datasets without the Json
+    type (as structs too). A source mixing them (train.jsonl beside eval.parquet) is read as Arrow's."""
+    kinds = {source.kind, source.eval_type}
+    return kinds <= {"csv"} or (kinds <= {"json", "jsonl", "csv"} and _json_type_available())
+
+
+def _json_type_available():
+    try:
+        from datasets import Json  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class LocalDataset(PromptRawDataset):
     """A ``PromptRawDataset`` over local files; records are validated when loaded (``strict``)."""
     strict = True
@@ -1028,6 +1046,7 @@ class LocalDataset(PromptRawDataset):
         super().__init__(output_path, seed, local_rank, dataset_name=source.spec, raw_datasets=None)
 
     def load(self):
+        self.keeps_nulls = keeps_nulls(self.source)
         train, eval_data = self._load_splits()
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
@@ -1247,20 +1266,24 @@ class LocalDataset(PromptRawDataset):
         field = self.fields["prompt"]
         value = _json_list_text(sample.get(field), field)
         if isinstance(value, (list, tuple)):
-            return prompt_messages(checked_messages(value, field), field)
+            return prompt_messages(self._checked_messages(value, sample, field), field)
         text = required_text(sample, field)
         try:
             return text_prompt_messages(text)
         except ValueError as error:
             raise RecordError(field, str(error)) from None
 
-    @staticmethod
-    def _answer_list_turns(sample, field):
+    def _answer_list_turns(self, sample, field):
         """The turns before the answer of an answer given as a message list, else None (a string answer)."""
         value = _json_list_text(sample[field], field)
         if not isinstance(value, (list, tuple)):
             return None
-        return final_assistant_answer(checked_messages(value, field), field)[0]
+        return final_assistant_answer(self._checked_messages(value, sample, field), field)[0]
+
+    def _checked_messages(self, value, sample, field):
+        """``checked_messages`` of the field's message list ``value``, the nulls of its calls kept where they are as
+        written (``keeps_nulls``; a list given as JSON text)."""
+        return checked_messages(value, field, self.keeps_nulls or isinstance(sample.get(field), str))
 
     def _holding_prompt(self, turns, prompt, field):
         """``turns`` (an answer list's, before its answer) when there are any: they must end with the ``prompt``
@@ -1280,7 +1303,7 @@ class LocalDataset(PromptRawDataset):
         field = self.fields["messages"]
         value = _json_list_text(sample.get(field), field)
         if isinstance(value, (list, tuple)):
-            messages = checked_messages(value, field)
+            messages = self._checked_messages(value, sample, field)
         elif isinstance(value, str) and _TRANSCRIPT_TURN.search(value):
             messages = parse_transcript(value)
         else:
@@ -1297,7 +1320,7 @@ class LocalDataset(PromptRawDataset):
                 return _split_at_shared_prompt(sample, field, self.fields["chosen"], self.fields["rejected"])
             return _transcript_answer(sample, field, WHOLE_CONVERSATIONS if self.shape == "chosen_messages" else
                                       CONVERSATION)
-        prompt, answer = final_assistant_answer(checked_messages(value, field), field)
+        prompt, answer = final_assistant_answer(self._checked_messages(value, sample, field), field)
         if self.shape != "messages":
             _check_answer_weighted(value, field)
         if not prompt:
@@ -1339,8 +1362,8 @@ class LocalDataset(PromptRawDataset):
                 value = json.loads(value) if value.strip() else None
             except json.JSONDecodeError as err:
                 raise RecordError(field, f"not a JSON list of tool schemas ({err})") from None
-        elif isinstance(value, (list, tuple)):  # (Arrow's None for the keys other records' schemas have)
-            value = without_none_values(value)
+        elif isinstance(value, (list, tuple)) and not self.keeps_nulls:  # (Arrow's None for the keys other records'
+            value = without_none_values(value)  # schemas have)
         if not value:
             return None
         if not isinstance(value, (list, tuple)) or not all(isinstance(tool, dict) for tool in value):
@@ -1359,7 +1382,7 @@ class LocalDataset(PromptRawDataset):
         value = _json_list_text(sample.get(field), field)
         if not isinstance(value, (list, tuple)):
             return None, frozenset()
-        messages = checked_messages(value, field)
+        messages = self._checked_messages(value, sample, field)
         return messages, untrained_turns(value, messages)
 
     def get_rejected_text(self, sample):
@@ -1406,7 +1429,7 @@ class LocalDataset(PromptRawDataset):
         (ultrafeedback_binarized's chosen repeats its prompt) must be the prompt field's: they would be dropped."""
         value = _json_list_text(sample[field], field)
         if isinstance(value, (list, tuple)):
-            turns, answer = final_assistant_answer(checked_messages(value, field), field)
+            turns, answer = final_assistant_answer(self._checked_messages(value, sample, field), field)
             _check_answer_weighted(value, field)
             self._holding_prompt(turns, self._prompt_field_messages(sample), field)
             return answer
