@@ -822,6 +822,28 @@ def test_a_message_list_that_is_empty_or_holds_a_number_says_so(tmp_path):
             raw(f"{path},{path}", tmp_path)
 
 
+def test_a_system_message_without_text_is_no_system_message(tmp_path):
+    """SlimOrca's and LLaMA-Factory's records write a system prompt of "" where there is none: one such record made
+    the whole file an error ("message 0 has no text content"). It is left out (as LLaMA-Factory reads it), ShareGPT's
+    and OpenAI's form alike, and the turns of weight 0 after it are still the ones not trained."""
+    empty_system = [{"from": "system", "value": ""}, {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]
+    weighted = [{"role": "system", "content": " "}, {"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": "A1", "weight": 0}, {"role": "user", "content": "Q2"},
+                {"role": "assistant", "content": "A2"}]
+    path = write_records([{"conversations": empty_system}, {"conversations": weighted}], tmp_path / "slim.jsonl",
+                         "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    first, second = adapter.get_train_data()
+    assert adapter.get_conversation(first) == [{"role": "user", "content": "Hi"}]
+    assert adapter.get_chosen_text(first) == "Yo"
+    assert adapter.get_conversation(second)[0] == {"role": "user", "content": "Q1"}
+    assert adapter.get_untrained_turns(second) == {1}  # (A1, after Q1: the system message is not counted)
+    path = write_records([{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " "},
+                                        {"role": "assistant", "content": "A."}]}], tmp_path / "user.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"field 'messages': message 1 has no text content"):
+        raw(path, tmp_path)  # (a user's turn without text is still an error)
+
+
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     lines = [json.dumps(RECORDS[0]), "", json.dumps(RECORDS[1]), '{"prompt": "x", "chosen": ']

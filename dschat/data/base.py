@@ -229,8 +229,8 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistan
 
 def checked_messages(value, field, keep_nulls=False):
     """A list of {role, content} dicts with known roles and non-empty string content (also read: ShareGPT's
-    {from, value} messages and content given as parts, OpenAI's and HF's [{"type": "text", "text": ...}]).
-    ``keep_nulls``: the nulls in the calls' functions are as written (a JSON file's, not Arrow's fillers:
+    {from, value} messages and content given as parts, OpenAI's and HF's [{"type": "text", "text": ...}]). A system
+    message without text is left out (``is_empty_system_message``). ``keep_nulls``: the nulls in the calls' functions are as written (a JSON file's, not Arrow's fillers:
     ``without_none_values``)."""
     if value is None:
         raise RecordError(field, "missing or null")
@@ -241,6 +241,8 @@ def checked_messages(value, field, keep_nulls=False):
     for position, message in enumerate(value):
         if not isinstance(message, dict):
             raise RecordError(field, f"message {position} is a {type(message).__name__}, not a dict")
+        if is_empty_system_message(message):
+            continue
         if message.get("role") is None and "from" in message:
             message = from_sharegpt(message, field, position)
         role, content = message.get("role"), message.get("content")
@@ -263,6 +265,20 @@ def checked_messages(value, field, keep_nulls=False):
         messages.append({"role": role, "content": trimmed(content) if content else content,
                          **({"tool_calls": calls} if calls else {}), **tool_result_keys(message, role)})
     return messages
+
+
+def is_empty_system_message(message):
+    """Whether ``message`` (a dict, as written) is a system message without text ("", spaces, null or no parts):
+    SlimOrca's and LLaMA-Factory's records write "" where there is no system prompt, and one such record made the whole
+    file an error ("message 0 has no text content"). It is no system message, as LLaMA-Factory reads it (the template's
+    default system prompt, if it has one, is written instead)."""
+    sharegpt = message.get("role") is None and "from" in message
+    role = SHAREGPT_ROLES.get(message["from"]) if sharegpt else message.get("role")
+    content = message.get("value" if sharegpt else "content")
+    if role != "system" or message.get("tool_calls"):
+        return False
+    return content is None or (isinstance(content, str) and not content.strip()) or \
+        (isinstance(content, (list, tuple)) and not content)
 
 
 def from_sharegpt(message, field, position):
@@ -373,6 +389,7 @@ def message_weight(message, field, position):
 
 def untrained_turns(value, messages):
     """The positions of the assistant turns of weight 0 in a message list ``value`` (``messages``: it checked)."""
+    value = [raw for raw in value if not is_empty_system_message(raw)]  # (left out of ``messages``)
     return frozenset(position for position, (raw, message) in enumerate(zip(value, messages))
                      if message["role"] == "assistant" and raw.get("weight") == 0)
 
