@@ -403,6 +403,10 @@ def test_sharegpt_messages_and_text_content_parts_are_read(tmp_path):
         assert adapter.get_chosen_text(sample) == "Hello"
     with pytest.raises(DatasetFormatError, match="no 'prompt', 'convs' or 'chosen' field"):  # a typo stays one
         raw(f"{path},{path}", tmp_path, **parse_field_map("messages=convs"))
+    # renaming only another column (the tools') still reads the conversations: it was "no 'prompt', 'messages' or
+    # 'chosen' field"
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("tools=functions"))
+    assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Hello"
     parts = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
                            {"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}]}] * 2
     path = write_records(parts, tmp_path / "parts.jsonl", "jsonl")

@@ -1045,13 +1045,19 @@ class LocalDataset(PromptRawDataset):
         self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
         super().__init__(output_path, seed, local_rank, dataset_name=source.spec, raw_datasets=None)
 
+    @property
+    def renames_record_fields(self):
+        """Whether --data_fields renames a field of the records' shape (a tools= or label= column alone kept ShareGPT's
+        conversations from being read: "no 'prompt', 'messages' or 'chosen' field")."""
+        return bool(set(self.renamed) & set(FIELD_NAMES))
+
     def load(self):
         self.keeps_nulls = keeps_nulls(self.source)
         train, eval_data = self._load_splits()
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
         self.label_field = self._label_column(train)
-        if "conversations" in train.column_names and not self.renamed and not any(
+        if "conversations" in train.column_names and not self.renames_record_fields and not any(
                 self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
         self.shape = self._record_shape(train, self.source.train_where)
@@ -1145,7 +1151,7 @@ class LocalDataset(PromptRawDataset):
         'version' and 'data', refused with "name yours with --data_fields". (Indented, or with no other field,
         ``check_json_document`` says so before loading.)"""
         defining = {self.fields[name] for name in ("prompt", "messages", "chosen")} | \
-            (set() if self.renamed else {"conversations"})  # (ShareGPT's records, read as messages)
+            (set() if self.renames_record_fields else {"conversations"})  # (ShareGPT's records, read as messages)
         lists = _lists_of_objects(data) if not defining & set(data.column_names) else {}
         holding = [name for name, value in lists.items() if any(defining & set(item) for item in value)]
         if holding:
