@@ -1062,6 +1062,33 @@ def test_a_forced_rebuild_is_done_once_on_each_storage_the_nodes_write_to(tmp_pa
     assert sorted(shared) == ["False", "True"] and own == ("True", "True")
 
 
+def test_a_system_column_is_the_conversations_first_message(tmp_path, tokenizer):
+    """LLaMA-Factory's records give the system prompt as a column of its own ("system", beside ShareGPT's
+    conversations): it was passed on as an extra column, and the model trained without it. It is the conversation's
+    first message (the turns of weight 0 after it stay prompt with --multiturn; --data_fields system=NAME names
+    another column); messages that begin with another system message are the record's error."""
+    tok = chatml(tokenizer)
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}], "system": "Be brief."}
+    weighted = {"conversations": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "weight": 0},
+                                  {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}],
+                "system": "Be brief."}
+    path = write_jsonl(tmp_path / "system.jsonl", [sharegpt, weighted])
+    train, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True)
+    texts = [tok.decode(item["input_ids"]) for item in train]
+    assert all(text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n") for text in texts)
+    assert sorted(trained_text(item, tok) for item in train) == ["A2<|im_end|>", "Yo<|im_end|>"]
+    renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"conversations": sharegpt["conversations"], "sys": "Be kind."}])
+    prompts, _ = build(tmp_path, tok, [f"{renamed},{renamed}"], 3, data_split="0,0,1", data_fields="system=sys")
+    assert prompts[0]["prompt_text"].startswith("<|im_start|>system\nBe kind.<|im_end|>")
+    twice = write_jsonl(tmp_path / "twice.jsonl", [{"messages": [{"role": "system", "content": "Be long."},
+                                                                 {"role": "user", "content": "Hi"},
+                                                                 {"role": "assistant", "content": "Yo"}],
+                                                    "system": "Be brief."}])
+    with pytest.raises(DatasetFormatError, match=r"twice.jsonl line 1 \(record 0\): field 'system': the record's "
+                                                 r"messages begin with another system message"):
+        build(tmp_path, tok, [f"{twice},{twice}"], 1, data_split="1,0,0")
+
+
 # --- tool calls ---
 
 # Qwen2.5's template in short: the tools listed in the system turn, a call as <tool_call> JSON in the assistant turn,

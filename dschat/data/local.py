@@ -45,6 +45,9 @@ prompt=question,chosen=good``):
   implicit prompt: the words both begin with are the prompt ("The sky is" of "The sky is blue." and "... green.").
   ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
 
+A ``system`` column (LLaMA-Factory's; ``--data_fields system=NAME``) is the conversation's first message, its system
+prompt, beside any of these shapes.
+
 CSV cells are read as text ("5" stays "5"; an empty cell is null; a Windows file's "\\r\\n" line ends in a cell as
 "\\n"), the header's names without the spaces around them; JSON values are kept as written, also in a column whose
 type differs between records. Every other column is passed through ``get_extra``. Records are
@@ -63,7 +66,7 @@ from pathlib import Path
 
 from dschat.errors import MissingInputError, UsageError
 from .base import (TOOL_ROLES, PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer,
-                   optional_text, prompt_messages, required_text, untrained_turns, without_none_values)
+                   optional_text, prompt_messages, required_text, trimmed, untrained_turns, without_none_values)
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import parse_transcript, with_lf_line_ends
 
@@ -93,10 +96,12 @@ def parse_field_map(text):
 # record's tool schemas (TRL's "tools" column), which the chat template renders (apply_chat_template(tools=...)).
 LABEL_FIELD = "label"
 TOOLS_FIELD = "tools"
+# a record's system prompt as a column of its own (LLaMA-Factory's sharegpt and alpaca records): put before its messages
+SYSTEM_FIELD = "system"
 
 
 def checked_field_options(field_options):
-    renamable = [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD]
+    renamable = [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD]
     unknown = sorted(set(field_options) - set(renamable))
     if unknown:
         raise UsageError(f"unknown data field(s) {unknown}; the fields that can be renamed are {renamable}")
@@ -1039,7 +1044,7 @@ class LocalDataset(PromptRawDataset):
 
     def __init__(self, source, output_path, seed, local_rank, field_options=None):
         self.source = source
-        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD)}
+        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD)}
         self.renamed = checked_field_options(field_options or {})
         self.fields.update(self.renamed)
         self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
@@ -1047,8 +1052,8 @@ class LocalDataset(PromptRawDataset):
 
     @property
     def renames_record_fields(self):
-        """Whether --data_fields renames a field of the records' shape (a tools= or label= column alone kept ShareGPT's
-        conversations from being read: "no 'prompt', 'messages' or 'chosen' field")."""
+        """Whether --data_fields renames a field of the records' shape (a tools=, label= or system= column alone kept
+        ShareGPT's conversations from being read: "no 'prompt', 'messages' or 'chosen' field")."""
         return bool(set(self.renamed) & set(FIELD_NAMES))
 
     def load(self):
@@ -1061,7 +1066,8 @@ class LocalDataset(PromptRawDataset):
                 self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
         self.shape = self._record_shape(train, self.source.train_where)
-        self.used_columns = tuple(self.fields[name] for name in self._shape_fields())
+        self.used_columns = tuple(self.fields[name] for name in self._shape_fields()) + \
+            ((self.fields[SYSTEM_FIELD],) if self.fields[SYSTEM_FIELD] in train.column_names else ())
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
         self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
         self._validate(train, self.source.train, self._train_lines)
@@ -1244,6 +1250,30 @@ class LocalDataset(PromptRawDataset):
 
     # --- structured accessors ---
     def get_conversation(self, sample):
+        return self._with_system(sample, self._conversation(sample))
+
+    def _with_system(self, sample, messages):
+        """``messages`` after the record's system prompt column (LLaMA-Factory's ``system``; ``--data_fields
+        system=NAME``) where it has text: it was passed on as an extra column, and the model trained without it. Messages
+        that begin with it already keep it once; beginning with another system message, they are the record's error
+        (which of the two is meant cannot be told)."""
+        field = self.fields[SYSTEM_FIELD]
+        text = sample.get(field)
+        if text is None or field not in self.used_columns:
+            return messages
+        if not isinstance(text, str):
+            raise RecordError(field, f"expected the system prompt as text, got {type(text).__name__}")
+        if not text.strip():
+            return messages
+        system = {"role": "system", "content": trimmed(text)}
+        if messages and messages[0]["role"] == "system":
+            if _turns_of(messages[:1]) != _turns_of([system]):
+                raise RecordError(field, "the record's messages begin with another system message; give one of the "
+                                         "two")
+            return messages
+        return [system, *messages]
+
+    def _conversation(self, sample):
         if self.shape == "messages":
             awaiting = self._awaiting_answer(sample)
             if awaiting:  # a conversation awaiting its answer: step 3's prompt
@@ -1343,7 +1373,7 @@ class LocalDataset(PromptRawDataset):
         if self.shape == "messages":
             awaiting = self._awaiting_answer(sample)
             if awaiting:
-                raise EndsWithUser(awaiting)
+                raise EndsWithUser(self._with_system(sample, awaiting))
             answer = self._split_message_list(sample, self.fields["messages"])[1]
             messages, untrained = self._weighted_messages(sample)
             if len(messages) - 1 in untrained:
@@ -1389,7 +1419,9 @@ class LocalDataset(PromptRawDataset):
         if not isinstance(value, (list, tuple)):
             return None, frozenset()
         messages = self._checked_messages(value, sample, field)
-        return messages, untrained_turns(value, messages)
+        written = self._with_system(sample, messages)  # (the system column's message first: the positions after it)
+        return written, frozenset(position + len(written) - len(messages)
+                                  for position in untrained_turns(value, messages))
 
     def get_rejected_text(self, sample):
         field = self.fields["rejected"]
@@ -1409,7 +1441,7 @@ class LocalDataset(PromptRawDataset):
         (the chosen list's turns, else the prompt field's), which both answers are trained after. Turns before the
         prompt that differ (another system message, another earlier exchange) were dropped without a word."""
         turns = self._answer_list_turns(sample, field)
-        if turns and _turns_of(turns) != _turns_of(self.get_conversation(sample)):
+        if turns and _turns_of(turns) != _turns_of(self._conversation(sample)):
             raise RecordError(field, "its turns before the answer differ from those the chosen answer follows; a "
                                      "pair's answers must answer the same conversation")
 
