@@ -653,6 +653,8 @@ CONDITIONAL_FLAGS = (
     (("critic_lora_learning_rate",), lambda a: a.critic_lora_dim or a.advantage_estimator != "gae",
      "--critic_lora_dim"),
     (("print_answers_interval",), lambda a: a.print_answers, "--print_answers"),
+    # (below ZeRO-3 the actor's weights are whole on every rank: nothing to gather or pin)
+    (("unpin_actor_parameters",), lambda a: actor_zero_stage(a) == 3, "--actor_zero_stage 3"),
     # (neither drawn nor scored with: greedy answers are scored at temperature 1, trainer.scoring_temperature)
     (("temperature", "top_k", "top_p"), lambda a: not a.greedy, "sampled answers, not --greedy"),
     STEP1_ONLY_FLAGS,
@@ -670,6 +672,14 @@ SUPERVISED_CONDITIONAL_FLAGS = (
 def supervised_conditional_flags(phase):
     """The table of ``unread_conditional_flags`` for the supervised step of data ``phase``."""
     return SUPERVISED_CONDITIONAL_FLAGS + (() if phase == 1 else (STEP1_ONLY_FLAGS,))
+
+
+def actor_zero_stage(args):
+    """Step 3's actor's ZeRO stage: --actor_zero_stage, else --zero_stage, else 0 (``resolve_zero_stages``)."""
+    for stage in (args.actor_zero_stage, getattr(args, "zero_stage", None)):
+        if stage is not None:
+            return stage
+    return 0
 
 
 def unread_conditional_flags(args, parser=None, table=CONDITIONAL_FLAGS):

@@ -450,7 +450,12 @@ def test_step3_turns_cuda_graphs_on_by_default_only_where_they_can_run(monkeypat
     assert uses_cuda_graph(step3_args({})) is False  # this CPU accelerator: the eager loop, no notice
     monkeypatch.setattr(type(get_accelerator()), "device_name", lambda self, *a: "cuda")
     assert uses_cuda_graph(step3_args({})) is True
-    assert uses_cuda_graph(step3_args({"unpin_actor_parameters": True})) is False  # gathers inside the forward
+    unpinned = {"unpin_actor_parameters": True, "actor_zero_stage": 3}
+    assert uses_cuda_graph(step3_args(unpinned)) is False  # gathers inside the forward
+    assert uses_cuda_graph(step3_args({"unpin_actor_parameters": True, "zero_stage": 3})) is False
+    # below ZeRO-3 the flag changes nothing (whole weights, no gathers): it turned the graphs off all the same
+    assert uses_cuda_graph(step3_args({"unpin_actor_parameters": True})) is True
+    assert uses_cuda_graph(step3_args({"unpin_actor_parameters": True, "actor_zero_stage": 2})) is True
     assert uses_cuda_graph(step3_args({"enable_cuda_graph": False})) is False
     assert uses_cuda_graph(step3_args({"enable_cuda_graph": True, "unpin_actor_parameters": True})) is True
 

@@ -373,6 +373,14 @@ def test_flags_read_only_when_another_setting_is_on_are_listed_when_it_is_off():
         "--top_k 5 (read only with sampled answers, not --greedy)",
         "--top_p 0.9 (read only with sampled answers, not --greedy)"]
     assert unread_conditional_flags(parser.parse_args(greedy)) == []
+    # the hybrid engine's unpinning is of ZeRO-3's partitions: below it, whole weights (it went unsaid)
+    unpin = ["--enable_hybrid_engine", "--unpin_actor_parameters"]
+    assert unread_conditional_flags(parser.parse_args([*unpin, "--actor_zero_stage", "2"])) == [
+        "--unpin_actor_parameters (read only with --actor_zero_stage 3)"]
+    assert unread_conditional_flags(parser.parse_args(unpin)) == [
+        "--unpin_actor_parameters (read only with --actor_zero_stage 3)"]
+    assert unread_conditional_flags(parser.parse_args([*unpin, "--actor_zero_stage", "3"])) == []
+    assert unread_conditional_flags(parser.parse_args([*unpin, "--zero_stage", "3"])) == []
     assert {name for names, _, _ in CONDITIONAL_FLAGS for name in names} <= {a.dest for a in parser._actions}
 
 

@@ -33,12 +33,14 @@ DEFAULT_TOTAL_ITERS = 10_000
 def uses_cuda_graph(args):
     """``--enable_cuda_graph`` as given, else on when training on CUDA with the parameters pinned: the eager decode
     loop is bound by Python's kernel launches (3-7x slower, docs/benchmarks.md), and unpinned ZeRO-3 parameters are
-    gathered inside the forward, which a graph cannot replay."""
+    gathered inside the forward, which a graph cannot replay. Below ZeRO-3 --unpin_actor_parameters changes nothing
+    (the weights are whole on every rank), so the graphs stay on (it turned them off, for an eager loop 3-7x slower)."""
     if args.enable_cuda_graph is not None:
         return bool(args.enable_cuda_graph)
     from deepspeed.accelerator import get_accelerator
 
-    return get_accelerator().device_name() == "cuda" and not args.unpin_actor_parameters
+    gathers_in_forward = args.unpin_actor_parameters and args.actor_zero_stage == 3
+    return get_accelerator().device_name() == "cuda" and not gathers_in_forward
 
 
 def step3_train_config(args, world_size, stage, hybrid=False, role="actor", quiet=False):
