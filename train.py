@@ -56,6 +56,18 @@ def step_args_as_values(argv):
     return out
 
 
+def repeated_flags(parser, argv):
+    """train.py's own flags that ``argv`` gives more than once, each as "--flag (N times)". argparse keeps the last:
+    ``--step 2 --step 3`` ran step 3 alone, and a second ``--step3-args`` string dropped the first's flags, unsaid.
+    (The steps' own flags may repeat: a ``--stepN-args`` flag replaces the one train.py gives the step.)"""
+    counts = {}
+    for token in argv:
+        action = parser._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("--") else None
+        if action is not None and action.dest != "help":
+            counts.setdefault(action.dest, [action.option_strings[0], 0])[1] += 1
+    return [f"{flag} ({count} times)" for flag, count in counts.values() if count > 1]
+
+
 def parse_args(argv=None):
     from dschat.args import SaidOnceParser
 
@@ -102,7 +114,12 @@ def parse_args(argv=None):
     for step in (1, 2, 3):
         p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    args, unknown = p.parse_known_args(step_args_as_values(argv))
+    argv = step_args_as_values(argv)
+    repeated = repeated_flags(p, argv)
+    if repeated:  # (argparse keeps the last one's values and drops the others', unsaid)
+        p.error(f"given more than once: {', '.join(repeated)}; give each once, with all its values (--step 2 3, "
+                "--data-path A B, one --stepN-args string holding all of that step's flags)")
+    args, unknown = p.parse_known_args(argv)
     if unknown:
         from dschat.pipeline import step_flags_hint
 

@@ -382,6 +382,24 @@ def test_train_py_refuses_abbreviated_flags_its_own_and_inside_step_args(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_train_py_refuses_its_own_flags_given_twice_rather_than_dropping_the_first(capsys):
+    """argparse keeps a repeated flag's last values: ``--step 2 --step 3`` ran step 3 alone, and a second
+    ``--step3-args`` string dropped the first's flags, unsaid."""
+    import runpy
+
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    for flags, said in (("--step 2 --step 3", "--step (2 times)"),
+                        ("--step3-args --enable_ema --step3-args=--actor_lora_dim=4", "--step3-args (2 times)"),
+                        ("--data-path tiny --output-dir a --data-path jsonl:x.jsonl", "--data-path (2 times)")):
+        with pytest.raises(SystemExit):
+            parse(shlex.split(flags))
+        assert f"given more than once: {said}" in capsys.readouterr().err
+    args = parse(shlex.split("--step 2 3 --step3-args '--max_steps 2 --max_steps 3' --local_rank=0"))
+    assert args.step == [2, 3] and args.step3_args == "--max_steps 2 --max_steps 3"  # (a step's flags may repeat)
+
+
 def test_train_py_names_one_table_for_its_hints_and_folder_checks(capsys):
     import runpy
 
