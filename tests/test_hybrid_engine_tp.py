@@ -3,6 +3,7 @@ configuration errors in one process."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launch import launch_once, launched
 
@@ -10,12 +11,16 @@ SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
 
 
 FAMILIES = ("llama", "llama-mqa", "opt", "llama-lora")
+# fused q/k/v projections (dschat's plans for them): Falcon multi-query, per-head q/k/v with ALiBi in the mask, grouped
+# per key/value head (new_decoder_architecture); GPTBigCode multi-query and not
+FUSED_QKV = ("falcon", "falcon_alibi", "falcon_new", "gpt_bigcode", "gpt_bigcode_mha")
 
 
 @pytest.fixture(scope="module")
 def tp_launch():
     """Each (stage, families) run in turn, in one launch; each test checks its own runs' lines."""
-    return launch_once(SCRIPT, "--runs", f"0:{','.join(FAMILIES)},olmo2", f"3:{','.join(FAMILIES)}")
+    return launch_once(SCRIPT, "--runs", f"0:{','.join(FAMILIES)},olmo2,{','.join(FUSED_QKV)}",
+                       f"3:{','.join(FAMILIES)},falcon")
 
 
 @pytest.mark.multirank
@@ -26,6 +31,17 @@ def test_tp2_greedy_equals_unsplit_model_on_two_ranks(stage, tp_launch):
         for family in FAMILIES:
             assert f"rank {rank} {family} stage={stage}: OK" in proc.stdout
         assert f"rank {rank} ALL OK" in proc.stdout
+
+
+@pytest.mark.multirank
+def test_tp2_of_fused_qkv_families_equals_unsplit_model_on_two_ranks(tp_launch):
+    """Falcon and GPTBigCode had no plan (inference_tp_size 2 refused them): greedy answers, log-probabilities and the
+    refresh after a step now equal the unsplit model's for each layout of their fused q/k/v (ZeRO-3 too: Falcon)."""
+    proc = launched(tp_launch)
+    for rank in (0, 1):
+        for family in FUSED_QKV:
+            assert f"rank {rank} {family} stage=0: OK" in proc.stdout
+        assert f"rank {rank} falcon stage=3: OK" in proc.stdout
 
 
 @pytest.mark.multirank
@@ -104,6 +120,68 @@ def test_models_that_cannot_be_split_say_why():
         _plan("gpt2")
     with pytest.raises(ValueError, match="3 attention heads cannot be split"):
         _plan("llama", num_attention_heads=3, num_key_value_heads=3, head_dim=16)
+
+
+@pytest.mark.parametrize("family, kv_heads, rows", [
+    # 4 heads of 16: multi-query [q0..q3, k, v]: rank 0 keeps q0 q1 and the key/value, rank 1 q2 q3 and the key/value
+    ("falcon", 1, [[(0, 32), (64, 96)], [(32, 96)]]),
+    ("gpt_bigcode", 1, [[(0, 32), (64, 96)], [(32, 96)]]),
+    # per-head [q k v] x 4: two whole heads each
+    ("falcon_alibi", 4, [[(0, 96)], [(96, 192)]]),
+    ("gpt_bigcode_mha", 4, [[(0, 96)], [(96, 192)]]),
+    # grouped [q q k v] x 2: one group each
+    ("falcon_new", 2, [[(0, 64)], [(64, 128)]]),
+])
+def test_fused_qkv_keeps_the_rows_of_the_ranks_heads(family, kv_heads, rows):
+    for rank, expected in enumerate(rows):
+        model, plan = _plan(family, rank=rank)
+        name = next(n for n, style in plan.styles.items() if style == "colwise_qkv")
+        rows_slice = plan.slices[f"{name}.weight"]
+        got = getattr(rows_slice, "ranges", None) or ((rows_slice.start, rows_slice.stop),)
+        assert [tuple(r) for r in got] == expected, (family, rank, got)
+        assert plan.layout.num_kv_heads == kv_heads and plan.local_heads == 2
+        assert plan.local_kv_heads == max(1, kv_heads // 2)
+        full = model.get_submodule(name).weight
+        kept = rows_slice(torch.arange(full.shape[0])[:, None].expand(-1, 3))
+        assert kept[:, 0].tolist() == [i for start, stop in expected for i in range(start, stop)]
+        plan.apply(model.to("meta"))
+        attention = model.get_submodule(name.rpartition(".")[0])
+        assert attention.get_submodule(name.rpartition(".")[2]).weight.shape[0] == sum(b - a for a, b in expected)
+        assert attention.num_heads == 2 and attention.num_key_value_groups == 2 // plan.local_kv_heads
+
+
+def test_falcon_grouped_with_fewer_kv_heads_than_ranks_keeps_the_group_of_the_ranks_queries():
+    # new_decoder_architecture, 4 heads in 2 groups [q0 q1 k0 v0 | q2 q3 k1 v1] of 16 rows, on 4 ranks of one head
+    name = "transformer.h.0.self_attention.query_key_value.weight"
+    _, rank2 = _plan("falcon_new", size=4, rank=2)
+    assert rank2.slices[name].ranges == ((64, 80), (96, 128))  # q2, then group 1's key and value
+    _, rank3 = _plan("falcon_new", size=4, rank=3)
+    assert (rank3.slices[name].start, rank3.slices[name].stop) == (80, 128)  # q3 k1 v1: one range
+    assert (rank3.local_heads, rank3.local_kv_heads) == (1, 1)
+
+
+def test_gpt_bigcode_attention_is_told_its_local_widths():
+    """GPTBigCode's multi-query attention splits c_attn's output by embed_dim and kv_dim, not by heads."""
+    model, plan = _plan("gpt_bigcode", rank=0)
+    plan.apply(model.to("meta"))
+    attention = model.transformer.h[0].attn
+    assert (attention.embed_dim, attention.kv_dim, attention.kv_heads) == (32, 16, 1)
+
+
+def test_falcon_alibi_mask_is_narrowed_to_the_ranks_heads():
+    """Falcon folds ALiBi into a (batch, heads, q, k) mask: each rank's attention gets its own heads' rows of it (the
+    mask of all 4 heads failed against 2 local heads); a mask shared by the heads passes as it is."""
+    model, plan = _plan("falcon_alibi", rank=1)
+    plan.apply(model)  # (uninitialised shard weights: only the mask the attention function sees matters here)
+    attention = model.transformer.h[0].self_attention
+    seen = []
+    attention.register_forward_pre_hook(lambda m, a, k: seen.append(k["attention_mask"]), with_kwargs=True)
+    per_head = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 3, 3).contiguous()
+    shared = torch.zeros(1, 1, 3, 3)
+    for mask in (per_head, shared):
+        attention(torch.zeros(1, 3, 64), attention_mask=mask, position_ids=torch.arange(3)[None])
+    assert seen[0].shape == (1, 2, 3, 3) and seen[0][0, :, 0, 0].tolist() == [2.0, 3.0]
+    assert seen[1] is shared
 
 
 def test_a_plan_that_splits_no_projection_is_refused_without_saying_the_config_has_none():

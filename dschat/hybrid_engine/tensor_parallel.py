@@ -9,9 +9,14 @@ the model split across its ranks, Megatron-style, and hands every rank back its 
   group's first rank). Norms, embeddings and the LM head stay whole on every rank, and so does attention where the
   model's plan replicates it (Olmo2's q/k norms): each rank then computes, and caches, every head.
 * Which linear layer is which comes from the model's own tensor-parallel plan (``config.base_model_tp_plan``) where
-  transformers provides one, else from the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...).
-* The attention modules are told their local head counts by their usual attribute names (``num_heads``,
-  ``num_key_value_groups``, ...); HF attention reshapes with ``-1`` heads otherwise.
+  transformers provides one, else from dschat's plan for the family (Falcon, GPTBigCode: ``_FAMILY_PLANS``), else from
+  the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...).
+* A fused q/k/v projection (Falcon's ``query_key_value``, GPTBigCode's ``c_attn``) orders its rows per key/value head:
+  that head's queries, its key, its value (multi-query: all queries, the key, the value; as many key/value heads as
+  query heads: q/k/v per head). Each rank keeps the rows of its query heads and of the key/value heads they read.
+* The attention modules are told their local head counts (and widths) by their usual attribute names (``num_heads``,
+  ``num_key_value_groups``, ``embed_dim``, ...); HF attention reshapes with ``-1`` heads otherwise. An attention mask
+  carrying a bias per head (Falcon's ALiBi) is narrowed to the rank's heads.
 
 The split happens in the inference copy only (``weights.InferenceCopy``): the training model is untouched, and the copy's
 slices are refreshed from the (ZeRO-3-gathered) training weights like any other inference weight.
@@ -32,17 +37,30 @@ from dschat.hybrid_engine.cache import layout_field
 logger = logging.getLogger(__name__)
 
 COLWISE, ROWWISE = "colwise", "rowwise"
+# A fused q/k/v projection, its rows grouped per key/value head (see the module docstring): split by heads.
+QKV = "colwise_qkv"
 # Styles of transformers' plans that dschat shards, and those that mean "whole on every rank" here (embeddings, norms
 # and layers whose split input/gathered output make them equivalent to a replicated layer).
-_SHARDED_STYLES = {"colwise": COLWISE, "local_colwise": COLWISE, "rowwise": ROWWISE, "local_rowwise": ROWWISE}
+_SHARDED_STYLES = {"colwise": COLWISE, "local_colwise": COLWISE, "rowwise": ROWWISE, "local_rowwise": ROWWISE,
+                   QKV: QKV}
 _REPLICATED_STYLES = {"replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
                       "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "sequence_parallel",
                       "isolated", "gather"}
 # Without a plan: the projection names most decoder-only families use.
 _COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1"}
 _ROWWISE_NAMES = {"o_proj", "out_proj", "down_proj", "fc2"}
+# Families transformers gives no plan, in its plans' form (by config.model_type; head counts come from the config).
+_FAMILY_PLANS = {
+    "falcon": {"h.*.self_attention.query_key_value": QKV, "h.*.self_attention.dense": "rowwise",
+               "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"},
+    "gpt_bigcode": {"h.*.attn.c_attn": QKV, "h.*.attn.c_proj": "rowwise",
+                    "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+}
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
+# Widths (heads x head_dim) that attention code splits its fused q/k/v output by (GPTBigCode's multi-query split).
+_WIDTH_ATTRS = ("embed_dim",)
+_KV_WIDTH_ATTRS = ("kv_dim",)
 
 
 # -- groups ------------------------------------------------------------------------------------------------------------
@@ -150,9 +168,10 @@ def _pattern_regex(pattern):
 
 
 def model_tp_plan(model):
-    """{pattern: style} from the model's config, or None when transformers has no plan for it."""
-    plan = getattr(model.config.get_text_config(decoder=True), "base_model_tp_plan", None) or \
-        getattr(model.config, "base_model_tp_plan", None)
+    """{pattern: style} from the model's config, else dschat's plan for its family, or None when there is neither."""
+    text_config = model.config.get_text_config(decoder=True)
+    plan = getattr(text_config, "base_model_tp_plan", None) or getattr(model.config, "base_model_tp_plan", None) or \
+        _FAMILY_PLANS.get(getattr(text_config, "model_type", None))
     return dict(plan) if plan else None
 
 
@@ -205,14 +224,21 @@ def _check_plan(model, styles, modules, plan=None):
                                   f"({sorted(_COLWISE_NAMES | _ROWWISE_NAMES)}); use inference_tp_size=1")
     halves = {}
     for name, style in styles.items():
-        if type(modules[name]) is not nn.Linear:
+        if not _plain_linear(modules[name]):
             raise NotImplementedError(f"{name} is a {type(modules[name]).__name__}, not an nn.Linear (e.g. fused "
                                       "qkv Conv1D); inference tensor parallelism cannot split it")
-        halves.setdefault(name.rpartition(".")[0], set()).add(style)
+        halves.setdefault(name.rpartition(".")[0], set()).add(COLWISE if style == QKV else style)
     incomplete = sorted(block for block, kinds in halves.items() if kinds != {COLWISE, ROWWISE})
     if incomplete:
         raise NotImplementedError(f"tensor-parallel plan of {type(model).__name__} splits {incomplete[0]} only on one "
                                   "side (needs column-wise inputs and a row-wise output projection)")
+
+
+def _plain_linear(module):
+    """An ``nn.Linear``, or a subclass from transformers' modeling code that computes the same product (Falcon's
+    ``FalconLinear`` adds its bias after the matmul); not others (quantized linears hold packed weights)."""
+    kind = type(module)
+    return kind is nn.Linear or (issubclass(kind, nn.Linear) and kind.__module__.startswith("transformers.models."))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +260,43 @@ class Slice:
         if not self.zero:
             shape[self.dim] = self.stop - self.start
         return torch.Size(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Several row ranges ``((start, stop), ...)`` of a weight or bias, concatenated: this rank's heads of a fused
+    q/k/v projection (its queries, and the key and value they read)."""
+
+    ranges: tuple
+    dim = 0
+
+    def __call__(self, tensor):
+        return torch.cat([tensor.narrow(0, start, stop - start) for start, stop in self.ranges])
+
+    def shape_of(self, shape):
+        return torch.Size([sum(stop - start for start, stop in self.ranges), *shape[1:]])
+
+
+def grouped_qkv_rows(layout, tp, rank):
+    """The rows of this rank's heads in a fused q/k/v output grouped per key/value head (for each: its query heads,
+    its key, its value): the rank's query heads, and the key and value of each group they fall in."""
+    heads, kv, head_dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+    per_group = heads // kv
+    first, last = _even(heads, tp, rank, "attention heads")
+    ranges = []
+    for group in range(kv):
+        base, group_first = group * (per_group + 2) * head_dim, group * per_group
+        lo, hi = max(first, group_first), min(last, group_first + per_group)
+        if lo < hi:
+            ranges.append((base + (lo - group_first) * head_dim, base + (hi - group_first) * head_dim))
+            ranges.append((base + per_group * head_dim, base + (per_group + 2) * head_dim))  # its key and value
+    merged = [ranges[0]]
+    for start, stop in ranges[1:]:
+        if start == merged[-1][1]:
+            merged[-1] = (merged[-1][0], stop)
+        else:
+            merged.append((start, stop))
+    return Slice(0, *merged[0]) if len(merged) == 1 else Rows(tuple(merged))
 
 
 def _even(n, tp, rank, what):
@@ -286,6 +349,18 @@ class ShardPlan:
 
     def _linear_slices(self, name, linear, style, in_attention):
         tp, rank = self.tp.size, self.tp.rank
+        if style == QKV:
+            layout = self.layout
+            if linear.out_features != (layout.num_heads + 2 * layout.num_kv_heads) * layout.head_dim:
+                raise NotImplementedError(
+                    f"{name} has {linear.out_features} outputs, not the fused queries, keys and values of "
+                    f"{layout.num_heads} heads and {layout.num_kv_heads} key/value heads of {layout.head_dim} that "
+                    "inference tensor parallelism splits (use inference_tp_size=1)")
+            rows = grouped_qkv_rows(layout, tp, rank)
+            slices = {f"{name}.weight": rows}
+            if linear.bias is not None:
+                slices[f"{name}.bias"] = rows
+            return slices
         if style == ROWWISE:
             start, stop = _even(linear.in_features, tp, rank, f"{name} input size")
             slices = {f"{name}.weight": Slice(1, start, stop)}
@@ -324,6 +399,8 @@ class ShardPlan:
             if _is_attention(block):
                 self._refuse_per_head_state(block_name, block)
                 self._localise_heads(block)
+                if self.local_heads != self.layout.num_heads:
+                    block.register_forward_pre_hook(self._own_heads_of_mask, with_kwargs=True)
 
     def _refuse_per_head_state(self, name, attention):
         """Per-head weights outside the split projections (e.g. StableLM's per-head q/k LayerNorms, Cohere's (heads,
@@ -348,8 +425,23 @@ class ShardPlan:
         for attr in _KV_HEAD_ATTRS:
             if getattr(attention, attr, None) == layout.num_kv_heads:
                 setattr(attention, attr, self.local_kv_heads)
+        for attrs, full, local in ((_WIDTH_ATTRS, layout.num_heads, self.local_heads),
+                                   (_KV_WIDTH_ATTRS, layout.num_kv_heads, self.local_kv_heads)):
+            for attr in attrs:
+                if getattr(attention, attr, None) == full * layout.head_dim:
+                    setattr(attention, attr, local * layout.head_dim)
         if hasattr(attention, "num_key_value_groups"):
             attention.num_key_value_groups = self.local_heads // self.local_kv_heads
+
+    def _own_heads_of_mask(self, module, args, kwargs):
+        """A mask with one bias per query head (Falcon folds ALiBi into it: (batch, heads, q, k)) narrowed to this
+        rank's heads; masks shared by all heads (one row of heads) pass as they are."""
+        mask = kwargs.get("attention_mask")
+        if torch.is_tensor(mask) and mask.dim() == 4 and mask.shape[1] == self.layout.num_heads:
+            first, _ = _even(self.layout.num_heads, self.tp.size, self.tp.rank, "attention heads")
+            kwargs["attention_mask"] = mask.narrow(1, first, self.local_heads)
+            return args, kwargs
+        return None
 
     def _all_reduce_output(self, module, inputs, output):
         dist.all_reduce(output, group=self.tp.group)

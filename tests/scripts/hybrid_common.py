@@ -1,7 +1,7 @@
 """Tiny models, DeepSpeed configs and reference generation shared by the hybrid-engine tests and 2-rank scripts."""
 import torch
-from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, GPT2Config, GPTJConfig, LlamaConfig,
-                          MistralConfig, OPTConfig, Qwen2Config)
+from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig,
+                          LlamaConfig, MistralConfig, OPTConfig, Qwen2Config)
 
 PAD = 0  # never an EOS id in these tests; prompt tokens are drawn from [FIRST_TOKEN, vocab)
 FIRST_TOKEN = 3
@@ -39,6 +39,13 @@ def tiny_config(family, vocab_size=96, num_layers=2):
     if family == "falcon_alibi":
         return FalconConfig(vocab_size=vocab_size, num_hidden_layers=num_layers, multi_query=False, alibi=True,
                             **_SIZES, **_VARIED, **no_special)
+    if family == "falcon_new":  # Falcon-40B's layout: q/k/v grouped per key/value head, two layer norms
+        return FalconConfig(vocab_size=vocab_size, num_hidden_layers=num_layers, new_decoder_architecture=True,
+                            num_kv_heads=2, **_SIZES, **_VARIED, **no_special)
+    if family in ("gpt_bigcode", "gpt_bigcode_mha"):  # multi-query (StarCoder) or not: one fused c_attn either way
+        # (std 0.1: 0.02 repeats one token; at 0.2 a trained step makes sampling at temperature 1 deterministic)
+        return GPTBigCodeConfig(vocab_size=vocab_size, n_embd=64, n_layer=num_layers, n_head=4, n_positions=256,
+                                multi_query=family == "gpt_bigcode", initializer_range=0.1, **no_special)
     raise ValueError(family)
 
 
