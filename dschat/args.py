@@ -654,7 +654,7 @@ CONDITIONAL_FLAGS = (
      "--critic_lora_dim"),
     (("print_answers_interval",), lambda a: a.print_answers, "--print_answers"),
     # (below ZeRO-3 the actor's weights are whole on every rank: nothing to gather or pin)
-    (("unpin_actor_parameters",), lambda a: actor_zero_stage(a) == 3, "--actor_zero_stage 3"),
+    (("unpin_actor_parameters",), lambda a: zero_stage_of(a, "actor_zero_stage") == 3, "--actor_zero_stage 3"),
     # (neither drawn nor scored with: greedy answers are scored at temperature 1, trainer.scoring_temperature)
     (("temperature", "top_k", "top_p"), lambda a: not a.greedy, "sampled answers, not --greedy"),
     STEP1_ONLY_FLAGS,
@@ -674,9 +674,10 @@ def supervised_conditional_flags(phase):
     return SUPERVISED_CONDITIONAL_FLAGS + (() if phase == 1 else (STEP1_ONLY_FLAGS,))
 
 
-def actor_zero_stage(args):
-    """Step 3's actor's ZeRO stage: --actor_zero_stage, else --zero_stage, else 0 (``resolve_zero_stages``)."""
-    for stage in (args.actor_zero_stage, getattr(args, "zero_stage", None)):
+def zero_stage_of(args, name):
+    """Step 3's ``name`` (actor_zero_stage / critic_zero_stage) as given, else DeepSpeed-Chat's shared --zero_stage,
+    else 0: what ``rlhf.config.resolve_zero_stages`` sets it to, readable before it has run."""
+    for stage in (getattr(args, name, None), getattr(args, "zero_stage", None)):
         if stage is not None:
             return stage
     return 0

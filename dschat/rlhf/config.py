@@ -102,10 +102,10 @@ def _check_kl_loss_term(args):
 def resolve_zero_stages(args):
     """--actor_zero_stage / --critic_zero_stage left unset take --zero_stage (DeepSpeed-Chat's steps 1 and 2 name),
     else 0."""
-    shared = getattr(args, "zero_stage", None)
+    from dschat.args import zero_stage_of
+
     for name in ("actor_zero_stage", "critic_zero_stage"):
-        if getattr(args, name, None) is None:
-            setattr(args, name, shared if shared is not None else 0)
+        setattr(args, name, zero_stage_of(args, name))
 
 
 def check_earlier_step_outputs(args, actor_path=None, critic_path=None, reward_path=None):

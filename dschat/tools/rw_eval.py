@@ -77,10 +77,10 @@ def score_sequences(model, tokenizer, id_lists, batch_size=16):
 
 def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
     """Per-pair scores and the accuracy step 2 reports (chosen scored above rejected, a tie counting half: "ties" counts
-    them; ``preference_accuracy``), over the pairs step 2
-    keeps: a pair whose prompt leaves no room for an answer, or whose two sequences are the same token ids
-    (chosen == rejected, also after truncation: it could only count as a miss), is skipped and counted, as is a record
-    without a chosen or a rejected answer (an SFT-only record)."""
+    them; ``preference_accuracy``), over the pairs step 2 keeps: a pair whose prompt leaves no room for an answer, or
+    whose two sequences are the same token ids (chosen == rejected, also after truncation: it could only tie, which
+    says nothing of the model), is skipped and counted, as is a record without a chosen or a rejected answer (an
+    SFT-only record)."""
     missing = Counter("no chosen answer" if r.chosen is None else "no rejected answer"
                       for r in records if r.chosen is None or r.rejected is None)
     records = [r for r in records if r.chosen is not None and r.rejected is not None]
