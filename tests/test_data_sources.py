@@ -1616,3 +1616,15 @@ def test_anthropic_hh_adapter_splits_shared_prompt_from_answers(tmp_path):
     assert adapter.get_chosen(row) == " Why did the chicken cross the road?"
     with pytest.raises(RecordError, match="'chosen'"):
         adapter.get_chosen_text({"chosen": prefix, "rejected": prefix})  # no final answer
+
+
+def test_the_data_fields_help_names_every_field_that_can_be_renamed():
+    """--data_fields' help listed prompt, chosen, rejected, messages and label, not tools= (TRL's tool schemas) nor
+    system= (LLaMA-Factory's system column): flags a user learns only from the README or an error."""
+    from dschat.args import step1_parser
+    from dschat.data.local import FIELD_NAMES, LABEL_FIELD, SYSTEM_FIELD, TOOLS_FIELD, checked_field_options
+
+    renamable = (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD)
+    assert checked_field_options({name: "x" for name in renamable})  # (the list the loader accepts)
+    action = next(a for a in step1_parser()._actions if "--data_fields" in a.option_strings)
+    assert [name for name in renamable if f"{name}=" not in action.help] == []
