@@ -421,6 +421,40 @@ def test_sharegpt_messages_and_text_content_parts_are_read(tmp_path):
         raw(f"{path},{path}", tmp_path)
 
 
+def test_alpaca_records_read_their_instruction_input_history_and_output(tmp_path):
+    """LLaMA-Factory's default format (Alpaca's instruction, input, output, with system and history; chosen and
+    rejected for preference data) was "no 'prompt', 'messages' or 'chosen' field", and read with --data_fields
+    prompt=instruction,chosen=output its input and history were extra columns: the model trained without them. The
+    instruction is the prompt, its input on a line of its own after it (as LLaMA-Factory joins them), after the
+    history's turns and the system message; the output is the answer."""
+    records = [{"instruction": "Add the numbers.", "input": "1 + 1", "output": "2", "system": "Be exact.",
+                "history": [["Hi.", "Hello."]]},
+               {"instruction": "Name a color.", "input": "", "output": "Blue.", "system": "", "history": []}]
+    path = write_records(records, tmp_path / "alpaca.jsonl", "jsonl")
+    for fields in ("", "prompt=instruction,chosen=output"):
+        adapter = raw(f"{path},{path}", tmp_path, **parse_field_map(fields))
+        first, second = adapter.get_train_data()
+        assert adapter.get_conversation(first) == [
+            {"role": "system", "content": "Be exact."}, {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Add the numbers.\n1 + 1"}]
+        assert adapter.get_chosen_text(first) == "2" and adapter.get_extra(first) == {}
+        assert adapter.get_conversation(second) == [{"role": "user", "content": "Name a color."}]
+    pairs = [{"instruction": "Add.", "input": "1 + 1", "chosen": "2", "rejected": "3"}]
+    path = write_records(pairs, tmp_path / "pairs.jsonl", "jsonl")
+    adapter = raw(path, tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Add.\n1 + 1"}]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("2", "3")
+    dolly = [{"instruction": "Summarize.", "context": "A long text.", "response": "Short."}]  # (not Alpaca's columns)
+    path = write_records(dolly, tmp_path / "dolly.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match="no 'prompt', 'messages' or 'chosen' field"):
+        raw(path, tmp_path)
+    path = write_records([dict(records[0], history=[["Hi."]])], tmp_path / "history.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"record 0\): field 'history': expected a list of \[instruction, "
+                                                 r"answer\] pairs"):
+        raw(path, tmp_path)
+
+
 def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
     user = {"role": "user", "content": "Name a color."}
     implicit = [{"chosen": [user, {"role": "assistant", "content": "Blue."}],

@@ -44,6 +44,9 @@ prompt=question,chosen=good``):
   the prompt and must be the same in both; the last (assistant) turns are the answers. Plain strings are TRL's
   implicit prompt: the words both begin with are the prompt ("The sky is" of "The sky is blue." and "... green.").
   ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
+* Alpaca's ``instruction`` [+ ``input``, ``history``] + ``output`` (LLaMA-Factory's default format; ``chosen`` and
+  ``rejected`` for pairs): read as prompt records, the input joined after the instruction, the history's pairs the
+  turns before (``LocalDataset._read_alpaca_columns``).
 
 A ``system`` column (LLaMA-Factory's; ``--data_fields system=NAME``) is the conversation's first message, its system
 prompt, beside any of these shapes.
@@ -98,6 +101,9 @@ LABEL_FIELD = "label"
 TOOLS_FIELD = "tools"
 # a record's system prompt as a column of its own (LLaMA-Factory's sharegpt and alpaca records): put before its messages
 SYSTEM_FIELD = "system"
+# Alpaca's columns (LLaMA-Factory's default format): the instruction is the prompt, its input joined after it, the
+# history's pairs the turns before, the output the answer (``LocalDataset._read_alpaca_columns``)
+ALPACA_INSTRUCTION, ALPACA_INPUT, ALPACA_OUTPUT, ALPACA_HISTORY = "instruction", "input", "output", "history"
 
 
 def checked_field_options(field_options):
@@ -1059,6 +1065,7 @@ class LocalDataset(PromptRawDataset):
     def load(self):
         self.keeps_nulls = keeps_nulls(self.source)
         train, eval_data = self._load_splits()
+        self._read_alpaca_columns(train.column_names)
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
         self.label_field = self._label_column(train)
@@ -1067,7 +1074,8 @@ class LocalDataset(PromptRawDataset):
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
         self.shape = self._record_shape(train, self.source.train_where)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields()) + \
-            ((self.fields[SYSTEM_FIELD],) if self.fields[SYSTEM_FIELD] in train.column_names else ())
+            ((self.fields[SYSTEM_FIELD],) if self.fields[SYSTEM_FIELD] in train.column_names else ()) + \
+            tuple(name for name in (self.input_field, self.history_field) if name and self.shape == "prompt")
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
         self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
         self._validate(train, self.source.train, self._train_lines)
@@ -1078,6 +1086,24 @@ class LocalDataset(PromptRawDataset):
                                          f"records ({eval_data.column_names} vs {train.column_names})")
             self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
+
+    def _read_alpaca_columns(self, columns):
+        """Alpaca's records (LLaMA-Factory's default format: instruction, input, output, and system, history; chosen
+        and rejected for preference data) are read without --data_fields: the instruction is the prompt, with its input
+        (where given) after it on a line of its own, as LLaMA-Factory joins them, after the turns of its history
+        ([instruction, answer] pairs), and the output is the answer. They were "no 'prompt' field", and named by
+        --data_fields prompt=instruction, the input and history were extra columns: the model trained without them (an
+        input and history beside an instruction named so are read too)."""
+        answered = ALPACA_OUTPUT in columns or self.fields["chosen"] in columns  # (dolly's instruction, context and
+        # response are not Alpaca's: its context would be left out)
+        if not self.renames_record_fields and ALPACA_INSTRUCTION in columns and answered and \
+                not any(self.fields[name] in columns for name in ("prompt", "messages")):
+            self.fields["prompt"] = ALPACA_INSTRUCTION
+            if ALPACA_OUTPUT in columns and self.fields["chosen"] not in columns:
+                self.fields["chosen"] = ALPACA_OUTPUT
+        alpaca = self.fields["prompt"] == ALPACA_INSTRUCTION
+        self.input_field = ALPACA_INPUT if alpaca and ALPACA_INPUT in columns else None
+        self.history_field = ALPACA_HISTORY if alpaca and ALPACA_HISTORY in columns else None
 
     def _label_column(self, train):
         """The column of TRL's unpaired preference labels (KTO's prompt/completion/label records), else None: the one
@@ -1303,11 +1329,38 @@ class LocalDataset(PromptRawDataset):
         value = _json_list_text(sample.get(field), field)
         if isinstance(value, (list, tuple)):
             return prompt_messages(self._checked_messages(value, sample, field), field)
-        text = required_text(sample, field)
+        text, earlier = self._with_input(sample, required_text(sample, field)), self._history_turns(sample)
         try:
-            return text_prompt_messages(text)
+            return earlier + text_prompt_messages(text)
         except ValueError as error:
             raise RecordError(field, str(error)) from None
+
+    def _with_input(self, sample, instruction):
+        """An Alpaca record's instruction with its input (where it has one) on a line of its own after it."""
+        value = sample.get(self.input_field) if self.input_field else None
+        if value is None:
+            return instruction
+        if not isinstance(value, str):
+            raise RecordError(self.input_field, f"expected text (the instruction's input), got {type(value).__name__}")
+        return instruction + "\n" + trimmed(value) if value.strip() else instruction
+
+    def _history_turns(self, sample):
+        """The earlier turns of an Alpaca record's history ([[instruction, answer], ...]), else []."""
+        value = sample.get(self.history_field) if self.history_field else None
+        if isinstance(value, str) and value.strip().startswith("["):  # (a CSV cell's JSON text)
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass  # (said below)
+        if not value:
+            return []
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(text, str) and text.strip()
+                                                                          for text in pair) for pair in value):
+            raise RecordError(self.history_field, "expected a list of [instruction, answer] pairs of text, as "
+                                                  "LLaMA-Factory's Alpaca records give the turns before")
+        return [{"role": role, "content": trimmed(text)} for pair in value
+                for role, text in zip(("user", "assistant"), pair)]
 
     def _answer_list_turns(self, sample, field):
         """The turns before the answer of an answer given as a message list, else None (a string answer)."""
