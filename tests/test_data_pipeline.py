@@ -1177,6 +1177,11 @@ def test_a_conversation_ending_with_a_tool_call_trains_the_call(tmp_path, tokeni
         whole = tok.apply_chat_template(calling, tools=[WEATHER_TOOL], tokenize=False).rstrip()
         assert tok.decode(train[0]["input_ids"]) in (whole, tok.apply_chat_template(
             said, tools=[WEATHER_TOOL], tokenize=False).rstrip())
+    # --multiturn: a conversation cut after a question that follows the call's result trains up to the call
+    asked = write_jsonl(tmp_path / "asked.jsonl", [{"messages": TOOL_CONVERSATION[:4] + [
+        {"role": "user", "content": "And Lyon?"}], "tools": [WEATHER_TOOL]}] * 2)
+    train, _ = build(tmp_path, tok, [f"{asked},{asked}"], 1, data_split="1,0,0", max_seq_len=1024, multiturn=True)
+    assert trained_text(train[0], tok) == CALL
     lyon = copy.deepcopy(calling)
     lyon[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Lyon"}
     pair = write_jsonl(tmp_path / "pair.jsonl", [{"chosen": calling, "rejected": lyon, "tools": [WEATHER_TOOL]}] * 2)
