@@ -2709,6 +2709,27 @@ def test_grpo_groups_stay_whole_whatever_the_training_batch(trained, tmp_path):
                                rtol=1e-4)
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
+def test_a_notebook_engines_own_tokenizer_pads_prompts_on_the_left_as_step_3s(distributed, hybrid):
+    """A DeepSpeedRLHFEngine given no tokenizer loaded the actor's padding on the right (load_tokenizer's default, for
+    training), unlike step 3's: prompts tokenized with engine.tokenizer(texts, padding=True) were refused by
+    generate_experience as right-padded. It pads on the left now, and those prompts make experience."""
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+
+    args = {"actor_model_name_or_path": "tiny-llama", "dtype": "fp32", "max_prompt_seq_len": 40,
+            "max_answer_seq_len": 4, "per_device_training_batch_size": 2, "num_warmup_steps": 0, "max_steps": 1,
+            "advantage_estimator": "grpo", "n_samples_per_prompt": 2, "reward_model_weight": 0,
+            "enable_hybrid_engine": hybrid, "reward_fn": lambda prompts, answers: [0.0] * len(answers)}
+    with DeepSpeedRLHFEngine(args=args) as engine:
+        batch = engine.tokenizer(["\n\nHuman: Say hi.\n\nAssistant:",
+                                  "\n\nHuman: List three colors please, thanks.\n\nAssistant:"],
+                                 return_tensors="pt", padding=True)
+        lengths = batch["attention_mask"].sum(1).tolist()
+        assert lengths[0] < lengths[1]  # (the premise: the first row is padded)
+        out = DeepSpeedPPOTrainer(engine=engine, args=args).generate_experience(batch)
+        assert out["input_ids"].shape[0] == 4  # (2 answers to each prompt)
+
+
 def test_hf_generate_samples_from_the_trainers_per_rank_generator(tmp_path, distributed):
     """Without the hybrid engine, HF's generate drew from torch's global generator, which set_seed seeds alike on every
     rank: on 2 ranks each rank's answers took the same noise (a prompt on both ranks, e.g. a sampler's padding repeat,
@@ -2721,7 +2742,6 @@ def test_hf_generate_samples_from_the_trainers_per_rank_generator(tmp_path, dist
             "advantage_estimator": "grpo", "n_samples_per_prompt": 4, "reward_model_weight": 0,
             "reward_fn": lambda prompts, answers: [0.0] * len(answers)}
     engine = DeepSpeedRLHFEngine(args=args)
-    engine.tokenizer.padding_side = "left"
     trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
     batch = engine.tokenizer(["\n\nHuman: Say hi.\n\nAssistant:"], return_tensors="pt")
 

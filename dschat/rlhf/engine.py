@@ -460,8 +460,9 @@ class DeepSpeedRLHFEngine:
                                    self.reward_path])
         if tokenizer is not None:
             check_given_tokenizer(tokenizer, self.actor_path)
-        self.tokenizer = tokenizer or load_tokenizer(self.actor_path, add_eot_token=args.add_eot_token,
-                                                     eot_token=args.eot_token)
+        # (none given: step 3's, padding on the left as its prompts must; the saved models keep the folder's side)
+        self.tokenizer = tokenizer or load_tokenizer(self.actor_path, padding_side="left",
+                                                     add_eot_token=args.add_eot_token, eot_token=args.eot_token)
         # max_steps counts PPO iterations, each of optimizer_steps_per_iteration steps (taken as steps, a schedule
         # ran out within the first iterations: a linear one trained the rest at 0, a cosine one rose again)
         self.num_total_iters = (num_total_iters or (args.max_steps or 0) * optimizer_steps_per_iteration(args)
