@@ -12,8 +12,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
 
 FAMILIES = ("llama", "llama-mqa", "opt", "llama-lora")
 # fused q/k/v projections (dschat's plans for them): Falcon multi-query, per-head q/k/v with ALiBi in the mask, grouped
-# per key/value head (new_decoder_architecture); GPTBigCode multi-query and not
-FUSED_QKV = ("falcon", "falcon_alibi", "falcon_new", "gpt_bigcode", "gpt_bigcode_mha")
+# per key/value head (new_decoder_architecture); GPTBigCode multi-query and not; Bloom (ALiBi as an argument)
+FUSED_QKV = ("falcon", "falcon_alibi", "falcon_new", "gpt_bigcode", "gpt_bigcode_mha", "bloom")
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +129,7 @@ def test_models_that_cannot_be_split_say_why():
     # per-head [q k v] x 4: two whole heads each
     ("falcon_alibi", 4, [[(0, 96)], [(96, 192)]]),
     ("gpt_bigcode_mha", 4, [[(0, 96)], [(96, 192)]]),
+    ("bloom", 4, [[(0, 96)], [(96, 192)]]),
     # grouped [q q k v] x 2: one group each
     ("falcon_new", 2, [[(0, 64)], [(64, 128)]]),
 ])
@@ -147,7 +148,8 @@ def test_fused_qkv_keeps_the_rows_of_the_ranks_heads(family, kv_heads, rows):
         plan.apply(model.to("meta"))
         attention = model.get_submodule(name.rpartition(".")[0])
         assert attention.get_submodule(name.rpartition(".")[2]).weight.shape[0] == sum(b - a for a, b in expected)
-        assert attention.num_heads == 2 and attention.num_key_value_groups == 2 // plan.local_kv_heads
+        assert attention.num_heads == 2
+        assert getattr(attention, "num_key_value_groups", 1) == 2 // plan.local_kv_heads  # (Bloom has none)
 
 
 def test_falcon_grouped_with_fewer_kv_heads_than_ranks_keeps_the_group_of_the_ranks_queries():
@@ -182,6 +184,26 @@ def test_falcon_alibi_mask_is_narrowed_to_the_ranks_heads():
         attention(torch.zeros(1, 3, 64), attention_mask=mask, position_ids=torch.arange(3)[None])
     assert seen[0].shape == (1, 2, 3, 3) and seen[0][0, :, 0, 0].tolist() == [2.0, 3.0]
     assert seen[1] is shared
+
+
+def test_bloom_alibi_is_narrowed_to_the_ranks_heads():
+    """Bloom passes ALiBi to its attention as (batch * heads, 1, k): each rank gets its own heads' rows, per row."""
+    model, plan = _plan("bloom", rank=1)
+    plan.apply(model)
+    attention = model.transformer.h[0].self_attention
+    seen = []
+    attention.register_forward_pre_hook(lambda m, a, k: seen.append(k["alibi"]), with_kwargs=True)
+    alibi = (10 * torch.arange(2.0)[:, None] + torch.arange(4.0)).view(8, 1, 1).expand(8, 1, 3)  # 10 * row + head
+    attention(torch.zeros(2, 3, 64), torch.zeros(2, 3, 64), alibi=alibi, attention_mask=torch.zeros(2, 1, 3, 3))
+    assert seen[0].shape == (4, 1, 3) and seen[0][:, 0, 0].tolist() == [2.0, 3.0, 12.0, 13.0]
+
+
+def test_bloom_slicing_its_own_output_projections_is_refused_by_name():
+    """slow_but_exact with pretraining_tp > 1 multiplies slices of dense.weight itself, past the all-reduce."""
+    with pytest.raises(NotImplementedError, match="bloom with slow_but_exact=True and pretraining_tp=2 .* "
+                                                  "inference_tp_size=1"):
+        _plan("bloom", slow_but_exact=True, pretraining_tp=2)
+    _plan("bloom", slow_but_exact=False, pretraining_tp=2)  # the layers' own forward: split as usual
 
 
 def test_a_plan_that_splits_no_projection_is_refused_without_saying_the_config_has_none():

@@ -13,10 +13,11 @@ the model split across its ranks, Megatron-style, and hands every rank back its 
   the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...).
 * A fused q/k/v projection (Falcon's ``query_key_value``, GPTBigCode's ``c_attn``) orders its rows per key/value head:
   that head's queries, its key, its value (multi-query: all queries, the key, the value; as many key/value heads as
-  query heads: q/k/v per head). Each rank keeps the rows of its query heads and of the key/value heads they read.
+  query heads: q/k/v per head; Bloom's too). Each rank keeps the rows of its query heads and of the key/value heads
+  they read.
 * The attention modules are told their local head counts (and widths) by their usual attribute names (``num_heads``,
-  ``num_key_value_groups``, ``embed_dim``, ...); HF attention reshapes with ``-1`` heads otherwise. An attention mask
-  carrying a bias per head (Falcon's ALiBi) is narrowed to the rank's heads.
+  ``num_key_value_groups``, ``embed_dim``, ...); HF attention reshapes with ``-1`` heads otherwise. A bias per head
+  (ALiBi: Falcon's in the attention mask, Bloom's ``alibi`` argument) is narrowed to the rank's heads.
 
 The split happens in the inference copy only (``weights.InferenceCopy``): the training model is untouched, and the copy's
 slices are refreshed from the (ZeRO-3-gathered) training weights like any other inference weight.
@@ -55,6 +56,8 @@ _FAMILY_PLANS = {
                "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"},
     "gpt_bigcode": {"h.*.attn.c_attn": QKV, "h.*.attn.c_proj": "rowwise",
                     "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+    "bloom": {"h.*.self_attention.query_key_value": QKV, "h.*.self_attention.dense": "rowwise",
+              "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"},
 }
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
@@ -329,12 +332,25 @@ def local_head_counts(layout, tp_size, splits_attention):
     return heads // tp_size, max(1, kv // tp_size)
 
 
+def _refuse_sliced_projections(config):
+    """Bloom's ``slow_but_exact`` with ``pretraining_tp`` > 1 multiplies slices of its output projections' weights
+    itself (``F.linear`` on ``dense.weight[:, ...]``), past the layer and its all-reduce: each rank would keep only its
+    partial sum."""
+    cfg = config.get_text_config(decoder=True)
+    if getattr(cfg, "slow_but_exact", False) and (getattr(cfg, "pretraining_tp", 1) or 1) > 1:
+        raise NotImplementedError(f"{cfg.model_type} with slow_but_exact=True and pretraining_tp={cfg.pretraining_tp} "
+                                  "computes its output projections from slices of their weights outside the layers, "
+                                  "which inference tensor parallelism cannot split: set slow_but_exact=false in the "
+                                  "model's config.json, or use inference_tp_size=1")
+
+
 class ShardPlan:
     """How this rank's inference copy slices each split linear layer, and what its attention modules must be told."""
 
     def __init__(self, model, layers_prefix, tp):
         self.tp = tp
         self.layout = HeadLayout.of(model.config)
+        _refuse_sliced_projections(model.config)
         self.styles = sharded_linears(model, layers_prefix)
         # Plans such as Olmo2's replicate attention (q/k/v ``colwise_gather_output``, o_proj ``rowwise_split_input``):
         # then every rank computes, and caches, all the heads.
@@ -400,7 +416,7 @@ class ShardPlan:
                 self._refuse_per_head_state(block_name, block)
                 self._localise_heads(block)
                 if self.local_heads != self.layout.num_heads:
-                    block.register_forward_pre_hook(self._own_heads_of_mask, with_kwargs=True)
+                    block.register_forward_pre_hook(self._own_heads_of_bias, with_kwargs=True)
 
     def _refuse_per_head_state(self, name, attention):
         """Per-head weights outside the split projections (e.g. StableLM's per-head q/k LayerNorms, Cohere's (heads,
@@ -433,15 +449,20 @@ class ShardPlan:
         if hasattr(attention, "num_key_value_groups"):
             attention.num_key_value_groups = self.local_heads // self.local_kv_heads
 
-    def _own_heads_of_mask(self, module, args, kwargs):
-        """A mask with one bias per query head (Falcon folds ALiBi into it: (batch, heads, q, k)) narrowed to this
-        rank's heads; masks shared by all heads (one row of heads) pass as they are."""
-        mask = kwargs.get("attention_mask")
-        if torch.is_tensor(mask) and mask.dim() == 4 and mask.shape[1] == self.layout.num_heads:
-            first, _ = _even(self.layout.num_heads, self.tp.size, self.tp.rank, "attention heads")
+    def _own_heads_of_bias(self, module, args, kwargs):
+        """A bias per query head narrowed to this rank's heads: a mask of (batch, heads, q, k) (Falcon folds ALiBi
+        into it) and Bloom's ``alibi`` of (batch * heads, 1, k). Masks shared by all heads (one row of heads) pass as
+        they are."""
+        heads = self.layout.num_heads
+        first, _ = _even(heads, self.tp.size, self.tp.rank, "attention heads")
+        mask, alibi = kwargs.get("attention_mask"), kwargs.get("alibi")
+        if not (torch.is_tensor(mask) and mask.dim() == 4 and mask.shape[1] == heads) and not torch.is_tensor(alibi):
+            return None
+        if torch.is_tensor(mask) and mask.dim() == 4 and mask.shape[1] == heads:
             kwargs["attention_mask"] = mask.narrow(1, first, self.local_heads)
-            return args, kwargs
-        return None
+        if torch.is_tensor(alibi):
+            kwargs["alibi"] = alibi.unflatten(0, (-1, heads)).narrow(1, first, self.local_heads).flatten(0, 1)
+        return args, kwargs
 
     def _all_reduce_output(self, module, inputs, output):
         dist.all_reduce(output, group=self.tp.group)

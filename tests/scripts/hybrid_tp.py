@@ -3,7 +3,7 @@
 Checks, for a GQA Llama (2 key/value heads: split), an MQA Llama (1 key/value head: replicated), OPT (no plan in
 transformers: split by projection names) and a GQA Llama with LoRA adapters (merged, then sliced), under ZeRO-0 and
 ZeRO-3, and for the fused q/k/v projections of dschat's plans (Falcon multi-query, also under ZeRO-3; Falcon with
-ALiBi; Falcon's new_decoder_architecture; GPTBigCode with and without multi-query) under ZeRO-0:
+ALiBi; Falcon's new_decoder_architecture; GPTBigCode with and without multi-query; Bloom) under ZeRO-0:
 * greedy answers equal HF ``generate`` on the unsplit model (= inference_tp_size 1), although the ranks' prompt
   batches differ in rows and length and rank 0's answers end long before rank 1's; again after an optimizer step;
 * each rank's copy holds half of the split weights;
