@@ -48,7 +48,8 @@ def test_config_defaults_match_deepspeed_and_strip_removes_block():
 
 
 # -- greedy equality -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gpt2", "bloom", "falcon", "falcon_alibi"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "opt", "gpt2", "bloom", "falcon", "falcon_alibi",
+                                    "falcon_new", "gemma2", "phi3", "gpt_neox", "gpt_bigcode"])
 def test_greedy_equals_hf_generate_before_and_after_a_step(family):
     model = tiny_model(family)
     engine = _engine(model)

@@ -1,7 +1,7 @@
 """Tiny models, DeepSpeed configs and reference generation shared by the hybrid-engine tests and 2-rank scripts."""
 import torch
-from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig,
-                          LlamaConfig, MistralConfig, OPTConfig, Qwen2Config)
+from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, Gemma2Config, GPT2Config, GPTBigCodeConfig,
+                          GPTJConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config)
 
 PAD = 0  # never an EOS id in these tests; prompt tokens are drawn from [FIRST_TOKEN, vocab)
 FIRST_TOKEN = 3
@@ -46,6 +46,15 @@ def tiny_config(family, vocab_size=96, num_layers=2):
         # (std 0.1: 0.02 repeats one token; at 0.2 a trained step makes sampling at temperature 1 deterministic)
         return GPTBigCodeConfig(vocab_size=vocab_size, n_embd=64, n_layer=num_layers, n_head=4, n_positions=256,
                                 multi_query=family == "gpt_bigcode", initializer_range=0.1, **no_special)
+    if family == "gemma2":  # sliding-window layers (4 tokens) between global ones, logit soft-capping
+        return Gemma2Config(vocab_size=vocab_size, intermediate_size=128, num_hidden_layers=num_layers,
+                            num_key_value_heads=2, head_dim=16, sliding_window=4, **_SIZES, **no_special)
+    if family == "phi3":  # packed qkv_proj and gate_up_proj
+        return Phi3Config(vocab_size=vocab_size, intermediate_size=128, num_hidden_layers=num_layers,
+                          num_key_value_heads=2, pad_token_id=0, **_SIZES, **no_special)
+    if family == "gpt_neox":  # per-head q/k/v in one query_key_value, partial rotary
+        return GPTNeoXConfig(vocab_size=vocab_size, intermediate_size=128, num_hidden_layers=num_layers, **_SIZES,
+                             **no_special)
     raise ValueError(family)
 
 
