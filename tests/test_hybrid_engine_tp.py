@@ -162,6 +162,25 @@ def test_falcon_grouped_with_fewer_kv_heads_than_ranks_keeps_the_group_of_the_ra
     assert (rank3.local_heads, rank3.local_kv_heads) == (1, 1)
 
 
+def test_only_linear_subclasses_known_to_compute_the_same_product_are_split():
+    """FalconLinear (x @ W.T, then + b) is split; another nn.Linear subclass (its own forward: grouped, quantized, ...)
+    is still refused."""
+    from torch import nn
+
+    class GroupedLinear(nn.Linear):
+        pass
+
+    _, plan = _plan("falcon")
+    assert plan.styles["transformer.h.0.mlp.dense_4h_to_h"] == "rowwise"
+    model, _ = _plan("llama")
+    layer = model.model.layers[0].self_attn
+    layer.q_proj = GroupedLinear(layer.q_proj.in_features, layer.q_proj.out_features, bias=False)
+    from dschat.hybrid_engine.tensor_parallel import ShardPlan
+
+    with pytest.raises(NotImplementedError, match="q_proj is a GroupedLinear, not an nn.Linear"):
+        ShardPlan(model, "model.layers", _Rank(2, 0))
+
+
 def test_gpt_bigcode_attention_is_told_its_local_widths():
     """GPTBigCode's multi-query attention splits c_attn's output by embed_dim and kv_dim, not by heads."""
     model, plan = _plan("gpt_bigcode", rank=0)

@@ -237,11 +237,14 @@ def _check_plan(model, styles, modules, plan=None):
                                   "side (needs column-wise inputs and a row-wise output projection)")
 
 
+# nn.Linear subclasses of transformers' that compute the same x @ W.T + b (Falcon's adds its bias after the matmul);
+# others may not (DeepSeek-V4's grouped, Idefics' decoupled linears; quantized linears hold packed weights).
+_SAME_AS_LINEAR = {("transformers.models.falcon.modeling_falcon", "FalconLinear")}
+
+
 def _plain_linear(module):
-    """An ``nn.Linear``, or a subclass from transformers' modeling code that computes the same product (Falcon's
-    ``FalconLinear`` adds its bias after the matmul); not others (quantized linears hold packed weights)."""
     kind = type(module)
-    return kind is nn.Linear or (issubclass(kind, nn.Linear) and kind.__module__.startswith("transformers.models."))
+    return kind is nn.Linear or (kind.__module__, kind.__name__) in _SAME_AS_LINEAR
 
 
 @dataclasses.dataclass(frozen=True)
