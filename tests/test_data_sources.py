@@ -612,6 +612,22 @@ def test_a_score_among_a_float_columns_1_0_and_0_0_labels_is_its_records_error_i
         raw(f"{kind}:{path},{path}", tmp_path)
 
 
+def test_llama_factorys_kto_tag_column_is_the_labels(tmp_path):
+    """LLaMA-Factory's KTO records (ShareGPT's conversations with a kto_tag) were read as SFT records, the kto_tag an
+    extra column: the answers tagged false were trained on. The kto_tag is the labels (a bad one, its record's error);
+    --data_fields label=NAME still names another column."""
+    def tagged(answer, tag):
+        return {"conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": answer}], "kto_tag": tag}
+
+    path = write_records([tagged("Good.", True), tagged("Bad.", False)], tmp_path / "kto.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    assert {adapter.get_chosen_text(s): adapter.is_undesirable(s) for s in adapter.get_train_data()} == \
+        {"Good.": False, "Bad.": True}
+    path = write_records([tagged("Good.", True), tagged("Bad.", "maybe")], tmp_path / "typo.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"line 2 \(record 1\): field 'kto_tag': 'maybe' is not a label"):
+        raw(path, tmp_path)
+
+
 def test_unpaired_preference_labels_hold_under_renamed_fields_and_a_bad_one_is_its_records_error(tmp_path):
     """The labels were read only beside a field named "completion", and only where every value was one: renamed
     answers, a "yes"/"no" column or one typo left every undesirable answer to be trained on, without a word."""

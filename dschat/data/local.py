@@ -98,6 +98,7 @@ def parse_field_map(text):
 # Besides the record fields: the column of TRL's unpaired preference labels (KTO's), beside an answer; and a
 # record's tool schemas (TRL's "tools" column), which the chat template renders (apply_chat_template(tools=...)).
 LABEL_FIELD = "label"
+KTO_TAG = "kto_tag"  # LLaMA-Factory's name for that column (of its KTO records)
 TOOLS_FIELD = "tools"
 # a record's system prompt as a column of its own (LLaMA-Factory's sharegpt and alpaca records): put before its messages
 SYSTEM_FIELD = "system"
@@ -1110,8 +1111,12 @@ class LocalDataset(PromptRawDataset):
         ``--data_fields label=NAME`` names, or a "label" column that reads as labels (every value one, or any a
         true/false or a float column's 1.0/0.0: a typo among them is then its record's error) beside TRL's completion
         or a renamed chosen, with no rejected; a category column beside a plain chosen stays data. A renamed label a
-        file lacks is an error only where its columns hold true/false (an SFT file in the mix has no labels)."""
+        file lacks is an error only where its columns hold true/false (an SFT file in the mix has no labels). A
+        "kto_tag" column (LLaMA-Factory's KTO records, ShareGPT's conversations beside it) is the labels: it was an
+        extra column, and the answers tagged false were trained on."""
         name, renamed, columns = self.fields[LABEL_FIELD], LABEL_FIELD in self.renamed, train.column_names
+        if not renamed and name not in columns and KTO_TAG in columns:
+            name, renamed = KTO_TAG, True  # (LLaMA-Factory's KTO records: their labels, whatever their answers' field)
         if name not in columns:
             if renamed and any(_says_true_or_false(values) for values in train[:100].values()):
                 self._check_renamed((LABEL_FIELD,), columns, self.source.train_where)
