@@ -455,6 +455,23 @@ def test_alpaca_records_read_their_instruction_input_history_and_output(tmp_path
         raw(path, tmp_path)
 
 
+def test_llama_factorys_pairwise_records_answer_their_conversation_with_one_message_each(tmp_path):
+    """LLaMA-Factory's pairwise records (ShareGPT's conversations, or OpenAI's messages, then chosen and rejected each
+    one message) were "field 'chosen': expected a non-empty list of messages, got dict". The conversation is the
+    prompt, the two messages the answers."""
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"}],
+                "chosen": {"from": "gpt", "value": "Hello."}, "rejected": {"from": "gpt", "value": "Go away."}}
+    openai = {"messages": [{"role": "user", "content": "Hi"}], "chosen": {"role": "assistant", "content": "Hello."},
+              "rejected": {"role": "assistant", "content": "Go away."}}
+    for name, record in (("sharegpt", sharegpt), ("openai", openai)):
+        path = write_records([record] * 2, tmp_path / f"{name}.jsonl", "jsonl")
+        adapter = raw(f"{path},{path}", tmp_path)
+        sample = adapter.get_train_data()[0]
+        assert adapter.get_conversation(sample)[-1] == {"role": "user", "content": "Hi"}
+        assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Hello.", "Go away.")
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Hi"}] and adapter.get_extra(sample) == {}
+
+
 def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
     user = {"role": "user", "content": "Name a color."}
     implicit = [{"chosen": [user, {"role": "assistant", "content": "Blue."}],

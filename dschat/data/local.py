@@ -1067,6 +1067,7 @@ class LocalDataset(PromptRawDataset):
         self.keeps_nulls = keeps_nulls(self.source)
         train, eval_data = self._load_splits()
         self._read_alpaca_columns(train.column_names)
+        self._read_pairwise_conversations(train)
         if "chosen" not in self.renamed and "chosen" not in train.column_names and "completion" in train.column_names:
             self.fields["chosen"] = "completion"  # TRL's prompt-completion records: the completion is the answer
         self.label_field = self._label_column(train)
@@ -1087,6 +1088,21 @@ class LocalDataset(PromptRawDataset):
                                          f"records ({eval_data.column_names} vs {train.column_names})")
             self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
+
+    def _read_pairwise_conversations(self, train):
+        """LLaMA-Factory's pairwise records (its ShareGPT conversations, or messages, ending with the user's turn, then
+        chosen and rejected each one message, {"from": "gpt", "value": ...}) read without --data_fields: the
+        conversation is the prompt (TRL's explicit-prompt format), the two messages the answers. They were "field
+        'chosen': expected a non-empty list of messages, got dict". (Told by a chosen value that is one message: a
+        messages column beside chosen and rejected lists is not read, as before.)"""
+        columns = train.column_names
+        if self.renames_record_fields or self.fields["prompt"] in columns or \
+                not all(self.fields[name] in columns for name in ("chosen", "rejected")):
+            return
+        conversation = next((name for name in ("conversations", self.fields["messages"]) if name in columns), None)
+        first = next((value for value in train[:100][self.fields["chosen"]] if value is not None), None)
+        if conversation and _is_one_message(first):
+            self.fields["prompt"] = conversation
 
     def _read_alpaca_columns(self, columns):
         """Alpaca's records (LLaMA-Factory's default format: instruction, input, output, and system, history; chosen
@@ -1614,10 +1630,13 @@ _LIST_OF_OBJECTS = re.compile(r"\s*\[\s*\{")
 
 
 def _json_list_text(value, field):
-    """A message list written as JSON text (a CSV cell holds no lists) as the list; any other value (a prompt that
+    """A message list written as JSON text (a CSV cell holds no lists) as the list, and one message (LLaMA-Factory's
+    pairwise answers: {"from": "gpt", "value": ...}) as a list of it; any other value (a prompt that
     happens to read as JSON, "[1, 2, 3]", or an answer that is JSON objects, a tool call's
     '[{"name": "get_weather", "arguments": ...}]') as it is. A message list written as Python, as pandas' to_csv writes
     a list column, is its record's error (it was trained on as text)."""
+    if _is_one_message(value):
+        return [value]
     if isinstance(value, str) and _LIST_OF_OBJECTS.match(value):
         try:
             parsed = json.loads(value)
@@ -1629,6 +1648,11 @@ def _json_list_text(value, field):
             return value
         return parsed if _are_messages(parsed) else value
     return value
+
+
+def _is_one_message(value):
+    """Whether ``value`` is one message (a dict with a speaker key), not a list of them."""
+    return isinstance(value, dict) and any(key in value for key in SPEAKER_KEYS)
 
 
 def _are_messages(value):
