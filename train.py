@@ -96,7 +96,8 @@ def parse_args(argv=None):
                    help="The run's folder (default: %(default)s): a folder per step (step1_sft, step2_rm, "
                         "step3_ppo, ...), report.json, step3_curves.png, data_cache/ and, with --enable_tensorboard in "
                         "a step's args, tensorboard/.")
-    p.add_argument("--data-path", nargs="*", default=None, help="Datasets for all steps (default: the steps').")
+    # (one or more: an unset shell variable, "--data-path $DATA", trained on the default data, the hub's for real models)
+    p.add_argument("--data-path", nargs="+", default=None, help="Datasets for all steps (default: the steps').")
     p.add_argument("--data-fields", default=None,
                    help="Field names of local data files for all steps, e.g. prompt=question,chosen=good,rejected=bad "
                         "(a step's own --data_fields in its --stepN-args wins).")

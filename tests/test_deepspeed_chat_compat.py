@@ -400,6 +400,21 @@ def test_train_py_refuses_its_own_flags_given_twice_rather_than_dropping_the_fir
     assert args.step == [2, 3] and args.step3_args == "--max_steps 2 --max_steps 3"  # (a step's flags may repeat)
 
 
+def test_train_py_refuses_a_data_path_without_a_dataset(capsys):
+    """``--data-path $DATA`` with DATA unset ran every step on the default data (the hub's Dahoas/rm-static for real
+    models), unsaid; the step scripts' --data_path refuses it."""
+    import runpy
+
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    with pytest.raises(SystemExit):
+        parse(["--data-path", "--output-dir", "out"])
+    assert "argument --data-path: expected at least one argument" in capsys.readouterr().err
+    assert parse(["--data-path", "tiny", "jsonl:x.jsonl"]).data_path == ["tiny", "jsonl:x.jsonl"]
+    assert parse([]).data_path is None
+
+
 def test_train_py_names_one_table_for_its_hints_and_folder_checks(capsys):
     import runpy
 
