@@ -141,6 +141,7 @@ def parse_args(argv=None):
     if args.reward_zero_stage is not None and args.recipe == "grpo" and args.reward_model is None:
         p.error("argument --reward-zero-stage: --recipe grpo without --reward-model has no reward model or critic "
                 "(--reward_fn scores the answers)")
+    args.unread_stage_flags = stage_flags_no_step_reads(args, runs)
     args.hostfile = args.hostfile or "/job/hostfile"
     args.reward_model = args.reward_model or args.actor_model
     # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.
@@ -148,6 +149,18 @@ def parse_args(argv=None):
     args.actor_zero_stage = default_stage if args.actor_zero_stage is None else args.actor_zero_stage
     args.reward_zero_stage = default_stage if args.reward_zero_stage is None else args.reward_zero_stage
     return args
+
+
+def stage_flags_no_step_reads(args, runs):
+    """--actor-zero-stage / --reward-zero-stage given where no step of ``runs`` reads them (``--step 1`` trains no
+    reward model, ``--step 2`` of the PPO recipe no actor), each as "FLAG VALUE (who reads it)": said when the run
+    starts, as a --stepN-args of a step not run is, not dropped unsaid."""
+    unread = []
+    if args.actor_zero_stage is not None and runs == [2] and args.recipe != "dpo":
+        unread.append(f"--actor-zero-stage {args.actor_zero_stage} (steps 1 and 3's actor)")
+    if args.reward_zero_stage is not None and not {2, 3} & set(runs):
+        unread.append(f"--reward-zero-stage {args.reward_zero_stage} (step 2's reward model and step 3's critic)")
+    return unread
 
 
 def relaunch_with_deepspeed(args, argv):

@@ -558,6 +558,8 @@ def say_left_out_steps(args, steps, not_run):
         given = getattr(args, f"step{step}_args", "")
         if given and step not in steps:
             print_rank_0(f"--step{step}-args {given!r}: ignored, step {step} is not run (--step, --recipe)")
+    for flag in getattr(args, "unread_stage_flags", ()):  # (train.py's parse_args)
+        print_rank_0(f"{flag}: ignored, no step this run runs reads it (--step {' '.join(map(str, steps))})")
 
 
 def say_recipe_notes(args, recipe, steps, tiny, ready):

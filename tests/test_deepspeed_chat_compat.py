@@ -415,6 +415,30 @@ def test_train_py_refuses_a_data_path_without_a_dataset(capsys):
     assert parse([]).data_path is None
 
 
+def test_train_py_says_a_zero_stage_flag_no_step_of_the_run_reads(capsys):
+    """``--step 1 --reward-zero-stage 3`` (no reward model trains) and ``--step 2 --actor-zero-stage 3`` (no actor)
+    dropped the flag unsaid, while a --stepN-args of a step not run is said."""
+    import runpy
+
+    from dschat import pipeline
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    for flags, said in (("--step 1 --reward-zero-stage 3 --actor-zero-stage 2",
+                         "--reward-zero-stage 3 (step 2's reward model and step 3's critic): ignored, no step this "
+                         "run runs reads it (--step 1)"),
+                        ("--step 2 --actor-zero-stage 3", "--actor-zero-stage 3 (steps 1 and 3's actor): ignored")):
+        args = parse(shlex.split(flags))
+        pipeline.say_left_out_steps(args, args.step, [])
+        out = capsys.readouterr().out
+        assert said in out and out.count("ignored") == 1
+    for flags in ("--step 1 --actor-zero-stage 3", "--step 2 --reward-zero-stage 3", "--step 1 3 --reward-zero-stage 3",
+                  "--recipe dpo --step 2 --actor-zero-stage 3", "--step 1"):
+        args = parse(shlex.split(flags))
+        pipeline.say_left_out_steps(args, args.step, [])
+        assert "ignored" not in capsys.readouterr().out, flags
+
+
 def test_train_py_names_one_table_for_its_hints_and_folder_checks(capsys):
     import runpy
 
