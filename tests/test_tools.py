@@ -1235,6 +1235,26 @@ def test_the_tools_help_says_which_decoding_is_their_default():
     assert "(default: 128)" in chat_parser.format_help()
 
 
+@pytest.mark.parametrize("tool, argv", [
+    ("prompt_eval", ["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", "tiny-llama"]),
+    ("prompt_eval", ["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", "tiny-llama",
+                     "--prompts", "Hi"]),
+    ("rw_eval", ["--model_name_or_path", "RM"]),
+    ("rw_eval", ["--model_name_or_path", "RM", "--prompt", "Hi", "--answer", "Hello"]),
+])
+def test_data_fields_without_the_file_they_name_are_a_flag_error(tool, argv, models, capsys):
+    """--data_fields with the embedded data or command-line prompts was ignored, unsaid: the user named fields of a
+    file the tool did not read."""
+    main = {"prompt_eval": prompt_eval.main, "rw_eval": rw_eval.main}[tool]
+    argv = [models["rm"] if word == "RM" else word for word in argv]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--data_fields", "prompt=question"])
+    assert stop.value.code == 2
+    file_flag = "--prompts_file" if tool == "prompt_eval" else "--pairs_file"
+    assert f"--data_fields prompt=question: it names the fields of {file_flag}, which is not read here" in \
+        capsys.readouterr().err
+
+
 def test_prompt_eval_help_lists_deepspeed_chats_accepted_decoding_flags():
     from dschat.tools.prompt_eval import build_parser
 

@@ -14,7 +14,8 @@ from dschat.tools.common import (add_generation_args, add_loading_args, check_ge
                                  check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
                                  flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers
-from dschat.tools.records import is_tiny_held_out, load_records, prompt_record, tiny_held_out_records
+from dschat.tools.records import (check_data_fields_read, is_tiny_held_out, load_records, prompt_record,
+                                  tiny_held_out_records)
 
 ROLES = ("baseline", "finetune")
 RULE = "=" * 30
@@ -125,7 +126,9 @@ def build_parser():
 @one_process
 def main(argv=None):
     """Print the comparison; returns {"prompts", "answers", and "rule_scores"/"rule_score_means" if scored}."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_data_fields_read(parser, args.data_fields, "--prompts_file", args.prompts_file)
     check_stdout_open("the comparison")
     check_generation_flags(args)  # (before either model loads)
     records, scorable = select_records(args)

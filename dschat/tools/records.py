@@ -61,6 +61,14 @@ def load_records(path, data_fields=None, limit=None):
             for s in samples]
 
 
+def check_data_fields_read(parser, data_fields, file_flag, file_read):
+    """--data_fields given where no file of ``file_flag`` is read (the embedded data, or prompts on the command line)
+    is a flag error: it was ignored, unsaid, and the user saw other records than the ones whose fields they named."""
+    if data_fields and not file_read:
+        parser.error(f"--data_fields {data_fields}: it names the fields of {file_flag}, which is not read here: give "
+                     f"{file_flag} with it")
+
+
 def tiny_held_out_records(limit=None):
     """The embedded data's held-out records (never trained on by any step)."""
     return load_records(TINY_NAME, limit=limit)

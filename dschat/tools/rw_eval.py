@@ -21,7 +21,7 @@ from dschat.rlhf.dpo import preference_accuracy, preference_ties
 from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8, find_reward_model_path,
                                  flag_path, load_scoring_reward_model, one_process, parse_with_run_defaults,
                                  tool_prompt)
-from dschat.tools.records import load_records, prompt_record, tiny_held_out_records
+from dschat.tools.records import check_data_fields_read, load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
 
@@ -208,6 +208,7 @@ def parse_args(argv=None):
     parser = build_parser()
     check_message_flags(parser, parser.parse_args(argv))  # before the model folder is looked at
     args = parse_with_run_defaults(parser, argv, step2_run_defaults, "rw_eval")
+    check_data_fields_read(parser, args.data_fields, "--pairs_file", args.pairs_file and args.prompt is None)
     args.max_seq_len = args.max_seq_len or 512
     return args, parser
 
