@@ -96,6 +96,23 @@ def test_a_name_that_is_no_folder_and_fails_on_the_hub_is_one_clear_error(monkey
         load_tokenizer("outptu")
 
 
+@pytest.mark.parametrize("tool, flag", [("chat", "--path"), ("ppo_eval", "--policy"), ("ppo_eval", "--baseline"),
+                                        ("ppo_eval", "--reward_model"),
+                                        ("prompt_eval", "--model_name_or_path_finetune"),
+                                        ("rw_eval", "--model_name_or_path")])
+def test_an_empty_model_path_is_an_error_naming_its_flag(tool, flag, models):
+    """``--path "$OUT"`` with OUT unset: the empty name went to the hub client, whose error ("Repo id must use
+    alphanumeric chars ...: ''") named no flag; ppo_eval left an empty --baseline or --reward_model out, unsaid."""
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    argv = {"chat": ["--prompt", "hi"], "ppo_eval": ["--policy", models["policy"], "--reward_model", models["rm"]],
+            "prompt_eval": ["--model_name_or_path_baseline", models["policy"]], "rw_eval": []}[tool]
+    main = {"chat": chat.main, "ppo_eval": ppo_eval.main, "prompt_eval": prompt_eval.main, "rw_eval": rw_eval.main}
+    with pytest.raises(UsageError, match=f"^{flag} '': an empty path"):
+        main[tool]([*argv, flag, ""])
+
+
 def test_a_peft_adapter_folder_is_an_error_that_says_so(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")  # PEFT's save_pretrained: adapter weights, no config.json
     with pytest.raises(FileNotFoundError, match="a PEFT adapter folder .*merge"):

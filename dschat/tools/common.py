@@ -92,6 +92,9 @@ def find_policy_path(path):
 def flag_path(flag, find, value):
     """``find(value)`` (``find_policy_path``, ``find_reward_model_path``); a model it refuses (missing, a reward model
     for a policy) is said with its flag, an unfinished step's (``unfinished_reason``) is warned of."""
+    if not value.strip():  # (e.g. --path "$OUT" with OUT unset: a hub lookup of '' that named no flag)
+        raise UsageError(f"{flag} {value!r}: an empty path (an unset shell variable?): give a model folder, a run's "
+                         "output folder or a hub name")
     try:
         path = find(value)
     except UsageError as err:  # (a missing folder, a reward model given as a policy, ...)

@@ -303,9 +303,10 @@ def main(argv=None):
     check_data_flags(args)  # (the scorer is chosen by the data; both were checked only once the models had loaded)
     if not (args.reward_model or args.reward_fn or rule_scorer_for(args.data_path)):
         raise UsageError("nothing to score the answers with: give --reward_model (step 2's folder) or --reward_fn")
-    reward_model_path = args.reward_model and flag_path("--reward_model", find_reward_model_path, args.reward_model)
+    reward_model_path = (None if args.reward_model is None  # (an empty one is an error naming it, not none)
+                         else flag_path("--reward_model", find_reward_model_path, args.reward_model))
     paths = {"policy": args.policy}
-    if args.baseline:
+    if args.baseline is not None:  # (an empty one is an error naming it: it was left out, unsaid)
         paths["baseline"] = flag_path("--baseline", find_policy_path, args.baseline)
     if reward_model_path:
         check_reward_model_reads(paths, reward_model_path, args)
