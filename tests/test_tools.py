@@ -113,6 +113,21 @@ def test_an_empty_model_path_is_an_error_naming_its_flag(tool, flag, models):
         main[tool]([*argv, flag, ""])
 
 
+@pytest.mark.parametrize("tool, argv", [
+    ("prompt_eval", ["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b", "--prompts_file"]),
+    ("rw_eval", ["--model_name_or_path", "a", "--pairs_file"]),
+    ("ppo_eval", ["--policy", "a", "--output_json"]),
+])
+def test_an_empty_file_flag_is_an_error_naming_it(tool, argv, capsys):
+    """``--prompts_file "$DATA"`` with DATA unset was taken as not given: the tool read the embedded data instead (or
+    ppo_eval saved no results), unsaid."""
+    main = {"prompt_eval": prompt_eval.main, "rw_eval": rw_eval.main, "ppo_eval": ppo_eval.main}[tool]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, ""])
+    assert stop.value.code == 2
+    assert f"argument {argv[-1]}: an empty path (an unset shell variable?)" in capsys.readouterr().err
+
+
 def test_a_peft_adapter_folder_is_an_error_that_says_so(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")  # PEFT's save_pretrained: adapter weights, no config.json
     with pytest.raises(FileNotFoundError, match="a PEFT adapter folder .*merge"):

@@ -225,6 +225,14 @@ def default_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def non_empty_path(text):
+    """argparse type of a file flag: an empty one (``--prompts_file "$DATA"`` with DATA unset) was taken as not given,
+    and the tool read the embedded data (or saved no results), unsaid."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return text
+
+
 def add_loading_args(parser):
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                         help="Weights' dtype (default: as saved).")

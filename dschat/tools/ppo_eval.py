@@ -25,8 +25,8 @@ from dschat.run_layout import DPO_DIR, PPO_DIR, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders, step3_eval_prompts
 from dschat.tools.common import (add_loading_args, check_stdout_open, default_device, find_policy_path,
-                                 find_reward_model_path, flag_path, load_policy, load_scoring_reward_model, one_process,
-                                 parse_with_run_defaults)
+                                 find_reward_model_path, flag_path, load_policy, load_scoring_reward_model,
+                                 non_empty_path, one_process, parse_with_run_defaults)
 from dschat.utils.files import path_under
 
 
@@ -169,7 +169,7 @@ def build_parser():
     parser.add_argument("--seed", type=seed_int, default=1234, help="Step 3's seed (it chooses the held-out share).")
     parser.add_argument("--num_examples", type=non_negative_int, default=3,
                         help="Example answers printed and saved per policy.")
-    parser.add_argument("--output_json", default=None, help="Write the results here.")
+    parser.add_argument("--output_json", default=None, type=non_empty_path, help="Write the results here.")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     add_loading_args(parser)
     return parser

@@ -12,7 +12,7 @@ from dschat.errors import UsageError
 from dschat.models.positions import context_limit
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
                                  check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
-                                 flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
+                                 flag_path, generation_kwargs, load_policy, non_empty_path, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers
 from dschat.tools.records import (check_data_fields_read, is_tiny_held_out, load_records, prompt_record,
                                   tiny_held_out_records)
@@ -103,8 +103,10 @@ def build_parser():
                         help="E.g. output/step1_sft, or a run's output folder (its policy, as chat.py picks it).")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompts", nargs="+", help="User messages (or 'Human: ... Assistant: ...' transcripts).")
-    source.add_argument("--prompts_file", help="A local data file (jsonl/json/parquet/csv) with prompts; tiny: the embedded held-out "
-                        "data, rule-scored.")
+    source.add_argument("--prompts_file", type=non_empty_path,
+                        help="Local data with prompts (any format training accepts; its eval file where it has one, "
+                             "else all of it); tiny: the embedded held-out data. The embedded data's prompts (by name "
+                             "or by its files) are rule-scored.")
     parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
     parser.add_argument("--num_prompts", type=positive_int, default=8,
                         help="Prompts taken from a file or the tiny data.")

@@ -19,8 +19,8 @@ from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.rlhf.dpo import preference_accuracy, preference_ties
 from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8, find_reward_model_path,
-                                 flag_path, load_scoring_reward_model, one_process, parse_with_run_defaults,
-                                 tool_prompt)
+                                 flag_path, load_scoring_reward_model, non_empty_path, one_process,
+                                 parse_with_run_defaults, tool_prompt)
 from dschat.tools.records import check_data_fields_read, load_records, prompt_record, tiny_held_out_records
 
 RULE = "=" * 30
@@ -135,10 +135,10 @@ def build_parser():
                         help="The reward model: step 2's folder, another trained one (a folder or hub name), or a "
                              "run's output folder, which uses the one its step 3 scored with (else its step2_rm).")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--pairs_file", help="Local data with prompt/chosen/rejected (any format training accepts; "
-                                             "its eval file where it has one, else all of it; tiny: the embedded "
-                                             "held-out pairs). Default: the step-2 run's local --data_path, else "
-                                             "tiny.")
+    source.add_argument("--pairs_file", type=non_empty_path,
+                        help="Local data with prompt/chosen/rejected (any format training accepts; its eval file "
+                             "where it has one, else all of it; tiny: the embedded held-out pairs). Default: the "
+                             "step-2 run's local --data_path, else tiny.")
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
