@@ -1330,6 +1330,7 @@ def _saved_checkpoint(root, ranks=1, critic=True, ema=False):
         (state / "ema.pt").write_bytes(b"")
     for model in ("actor", "critic") if critic else ("actor",):
         (root / model / tag).mkdir(parents=True)
+        (root / model / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
     (root / LATEST).write_text(json.dumps({"tag": tag}))
 
 
@@ -1380,6 +1381,27 @@ def test_resume_with_a_checkpoint_folder_missing_names_the_folder(tmp_path, part
         load_checkpoint(trainer, str(tmp_path))
 
 
+@pytest.mark.parametrize("part", ["actor", "critic"])
+def test_resume_with_an_engines_model_states_missing_names_the_file(tmp_path, part):
+    """DeepSpeed's load failed on a missing model-states file with a bare AssertionError ("a file of it is damaged
+    or missing", naming none); the critic's folder was not looked into at all."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    class NotLoaded:
+        def load_checkpoint(self, *args, **kwargs):
+            raise Loaded("the checks must come before DeepSpeed loads anything")
+
+    _saved_checkpoint(tmp_path)
+    (tmp_path / part / "iter_0000002" / "mp_rank_00_model_states.pt").unlink()
+    trainer = SimpleNamespace(actor_model=NotLoaded(), critic_model=NotLoaded(), actor_ema=None)
+    with pytest.raises(UsageError, match=rf"checkpoint iter_0000002 in .* has no {part}/iter_0000002/mp_rank_00_model_"
+                                         rf"states.pt \(DeepSpeed's states of its {part}, saved by 1 rank\(s\)"):
+        load_checkpoint(trainer, str(tmp_path))
+
+
 def test_resume_from_an_unreadable_checkpoint_file_names_the_checkpoint(tmp_path, monkeypatch):
     """Step 3's loads (the engines', the EMA copy's, the RNG states') failing on a damaged file: one UsageError naming
     the checkpoint, with no earlier one to offer here, instead of torch's or DeepSpeed's traceback."""
@@ -1421,6 +1443,7 @@ def _flags_trainer(tmp_path, *given):
     class Engine:
         def save_checkpoint(self, folder, tag, save_latest):
             (tmp_path / folder / tag).mkdir(parents=True)
+            (tmp_path / folder / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
 
         def load_checkpoint(self, *args, **kwargs):
             raise Loaded("loaded")

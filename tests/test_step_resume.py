@@ -272,6 +272,8 @@ def test_a_damaged_checkpoint_is_an_error_naming_it_and_the_earlier_one_resumes(
     what = (r"has a damaged trainer/step_0000002/state.json" if damaged.endswith("state.json") else
             r"has no trainer/step_0000002/rng_rank0.pt \(the RNG states each of the 1 rank\(s\) that saved it "
             r"writes; removed or copied in part\?\)" if damaged.startswith("trainer/step_0000002/rng_rank0.pt:") else
+            r"has no model/step_0000002/mp_rank_00_model_states.pt \(DeepSpeed's states of its model, saved by 1 "
+            r"rank\(s\); removed or copied in part\?\)" if damaged.startswith("model/") and removed else
             r"cannot be loaded \(\w+Error: .*damaged or missing")
     with pytest.raises(UsageError, match=rf"checkpoint step_0000002 in .*{what}.*{ADVICE_STEP_1}"):
         reward.main([*common, "--resume"])
@@ -330,6 +332,22 @@ def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp
     (root / "trainer" / "step_0000002" / "state.json").write_text("{}")
     for rank in (0, 1):  # (each rank's file holds its RNG states and its train-loss sums)
         (root / "trainer" / "step_0000002" / f"rng_rank{rank}.pt").write_bytes(b"")
+    # DeepSpeed's files, named (its load failed with a bare AssertionError where the model states were gone): the
+    # model states, and every rank's ZeRO partitions where it has them (ZeRO-3: its model states too)
+    model = root / "model" / "step_0000002"
+    with pytest.raises(UsageError, match=r"has no model/step_0000002/mp_rank_00_model_states.pt \(DeepSpeed's "
+                                         r"states of its model, saved by 2 rank\(s\); removed or copied in part\?\)"):
+        resume.plan_resume(args, "step2")
+    (model / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (model / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"has no model/step_0000002/zero_pp_rank_0_mp_rank_00_optim_states.pt "):
+        resume.plan_resume(args, "step2")
+    (model / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (root / "trainer" / "step_0000002" / "state.json").write_text(json.dumps({"flags": {"zero_stage": 3}}))
+    with pytest.raises(UsageError, match=r"has no model/step_0000002/zero_pp_rank_0_mp_rank_00_model_states.pt, "
+                                         r"model/step_0000002/zero_pp_rank_1_mp_rank_00_model_states.pt \("):
+        resume.plan_resume(args, "step2")
+    (root / "trainer" / "step_0000002" / "state.json").write_text("{}")
     # a checkpoint that does not say how many samples its steps took (its place in the data counts them)
     with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; it does not record its batch sizes.*"
                                          r"resume on 2 rank\(s\)"):
@@ -373,6 +391,7 @@ def test_a_checkpoint_of_another_rank_count_resumes_only_with_as_many_samples_a_
     root = tmp_path / "checkpoints"
     for part in ("model", "trainer"):
         (root / part / "step_0000002").mkdir(parents=True)
+    (root / "model" / "step_0000002" / "mp_rank_00_model_states.pt").write_bytes(b"")
     (root / "latest").write_text(json.dumps({"tag": "step_0000002"}))
     state = {"step": 2, "epoch": 0, "batch": 2, "flags": {"per_device_train_batch_size": 8,
                                                           "gradient_accumulation_steps": 1}}
@@ -422,10 +441,13 @@ def test_the_data_position_on_another_number_of_ranks_skips_what_was_trained_on(
 
 def _step3_checkpoint(root, ranks, batches, position):
     """The files of step 3's checkpoint iter_0000002 of ``ranks`` ranks, as the checks read them (engine folders
-    without ZeRO partitions, empty RNG files): its ``batches`` (None: not recorded) and ``position``."""
+    without ZeRO partitions, empty model-states and RNG files): its ``batches`` (None: not recorded) and
+    ``position``."""
     tag = "iter_0000002"
     for part in ("actor", "critic", "trainer"):
         (root / part / tag).mkdir(parents=True, exist_ok=True)
+    for part in ("actor", "critic"):
+        (root / part / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
     state = {"iteration": 2, "kl_ctl": {}, **position, **({"batches": batches} if batches else {})}
     (root / "trainer" / tag / "state.json").write_text(json.dumps(state))
     for rank in range(ranks):
@@ -469,12 +491,17 @@ def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration
         plan("--per_device_generation_batch_size", "4", "--generation_batches", "2")
     # an actor that had taken no step (--freezing_actor_steps) starts from its model again, but LoRA's adapters were
     # drawn at random
-    torch.save({"global_steps": 0}, root / "actor" / "iter_0000002" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    (root / "actor" / "iter_0000002" / "mp_rank_00_model_states.pt").unlink()
+    for rank in (0, 1):  # (ZeRO-3: each rank's model states)
+        torch.save({"global_steps": 0},
+                   root / "actor" / "iter_0000002" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
     with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; its ZeRO-3 actor had taken no "
                                          r"optimizer step yet .* \(--actor_lora_dim\) .*: resume on 2 rank\(s\)$"):
         plan("--per_device_generation_batch_size", "8", "--generation_batches", "2", "--actor_zero_stage", "3",
              "--freezing_actor_steps", "3", "--per_device_training_batch_size", "8", "--actor_lora_dim", "8")
-    (root / "actor" / "iter_0000002" / "zero_pp_rank_0_mp_rank_00_model_states.pt").unlink()
+    for rank in (0, 1):
+        (root / "actor" / "iter_0000002" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").unlink()
+    (root / "actor" / "iter_0000002" / "mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(UsageError, match=r"its optimizer steps took 4 x 1 x 2 = 8 rows \(--per_device_training_"
                                          r"batch_size x --gradient_accumulation_steps x ranks\), this run's 4 x 1 x 1 "
                                          r"= 4; .*: resume with --gradient_accumulation_steps 2$"):

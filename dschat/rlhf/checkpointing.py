@@ -25,10 +25,11 @@ from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, ResumePlan, check_complete, check_convertible,
-                                      check_same_flags, check_same_products, check_same_step, clear_tag, latest_tag,
-                                      load_rank_state, load_rank_state_of_others, loading_checkpoint, publish,
-                                      read_trainer_state, reading, refuse_other_rank_count, rng_said,
-                                      save_trainer_state, tag_of, take_restored_flags, trainer_folder, universal_load)
+                                      check_engine_files, check_same_flags, check_same_products, check_same_step,
+                                      clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
+                                      loading_checkpoint, publish, read_trainer_state, reading, refuse_other_rank_count,
+                                      rng_said, save_trainer_state, tag_of, take_restored_flags, trainer_folder,
+                                      universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -422,6 +423,8 @@ def check_resumable(trainer, root, tag, planned=False):
     if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, CRITIC, tag)):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
                          f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")
+    if trainer.critic_model is not None:
+        check_engine_files(root, CRITIC, tag, saved_ranks)
     if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no EMA copy (the run that saved it had no "
                          f"--enable_ema); resume without --enable_ema, or start afresh without --resume")

@@ -222,7 +222,10 @@ def check_complete(root, tag, parts):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no {TRAINER}/{tag}/state.json (removed or copied "
                          f"in part?): restore it{_earlier(root, tag)}; or start afresh without --resume")
     check_rank_files(root, tag)
-    return saved_ranks(root, tag)
+    ranks = saved_ranks(root, tag)
+    for part in parts:
+        check_engine_files(root, part, tag, ranks)
+    return ranks
 
 
 def saved_ranks(root, tag):
@@ -252,6 +255,35 @@ def rank_files(root, tag):
         if match:
             found[int(match.group(1))] = os.path.join(trainer_folder(root, tag), name)
     return found
+
+
+# The files of a DeepSpeed engine's tag folder: its model states (one file; under ZeRO-3, one per rank) and its ZeRO
+# optimizer partitions (one per rank, "bf16_" before a bf16 optimizer's).
+MODEL_STATES = "mp_rank_00_model_states.pt"
+RANK_MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
+RANK_OPTIM_STATES = re.compile(r"(\w*?zero_pp_rank_)(\d+)(_mp_rank_00_optim_states\.pt)")
+# The flag that set each part's ZeRO stage, as a checkpoint's state records it.
+ZERO_STAGE_FLAGS = {MODEL: "zero_stage", ACTOR: "actor_zero_stage", CRITIC: "critic_zero_stage"}
+
+
+def check_engine_files(root, part, tag, ranks):
+    """``part``'s DeepSpeed folder of checkpoint ``tag`` (saved by ``ranks`` ranks) holds its model states and, where
+    it holds ZeRO partitions, every rank's: DeepSpeed's load failed on a missing model-states file with a bare
+    AssertionError, said as "a file of it is damaged or missing" without naming one. (A folder without optimizer
+    partitions is left to DeepSpeed's load, whose error names the file it expected.)"""
+    names = set(os.listdir(os.path.join(root, part, tag)))
+    stage = ((read_trainer_state(root, tag) or {}).get("flags") or {}).get(ZERO_STAGE_FLAGS.get(part))
+    if stage == 3 or any(RANK_MODEL_STATES.fullmatch(name) for name in names):
+        expected = [f"zero_pp_rank_{rank}_{MODEL_STATES}" for rank in range(ranks)]
+    else:
+        expected = [MODEL_STATES]
+    forms = {(found[1], found[3]) for found in map(RANK_OPTIM_STATES.fullmatch, names) if found}
+    expected += [f"{start}{rank}{end}" for start, end in sorted(forms) for rank in range(ranks)]
+    missing = [f"{part}/{tag}/{name}" for name in expected if name not in names]
+    if missing:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has no {', '.join(missing)} (DeepSpeed's states of "
+                         f"its {part}, saved by {ranks} rank(s); removed or copied in part?): restore it"
+                         f"{_earlier(root, tag)}; or start afresh without --resume")
 
 
 def refuse_other_rank_count(root, tag, saved, why):
