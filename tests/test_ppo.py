@@ -1381,6 +1381,24 @@ def test_resume_with_a_checkpoint_folder_missing_names_the_folder(tmp_path, part
         load_checkpoint(trainer, str(tmp_path))
 
 
+def test_resume_of_an_enable_ema_checkpoint_whose_ema_file_is_gone_names_the_file(tmp_path):
+    """Its ema.pt gone, a checkpoint saved with --enable_ema was said to come from a run without it ("resume without
+    --enable_ema"), which would drop the EMA copy the run had kept."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _saved_checkpoint(tmp_path, critic=False)
+    state = tmp_path / "trainer" / "iter_0000002" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "flags": {"enable_ema": True}}))
+    trainer = SimpleNamespace(actor_model=None, critic_model=None, actor_ema=SimpleNamespace())
+    with pytest.raises(UsageError, match=r"checkpoint iter_0000002 in .* has no trainer/iter_0000002/ema.pt \(the EMA "
+                                         r"copy of its --enable_ema run; removed or copied in part\?\): restore it; "
+                                         r"or start afresh without --resume"):
+        load_checkpoint(trainer, str(tmp_path))
+
+
 @pytest.mark.parametrize("part", ["actor", "critic"])
 def test_resume_with_an_engines_model_states_missing_names_the_file(tmp_path, part):
     """DeepSpeed's load failed on a missing model-states file with a bare AssertionError ("a file of it is damaged

@@ -24,12 +24,12 @@ from dschat.rlhf.config import whole_iterations
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
-from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, ResumePlan, check_complete, check_convertible,
-                                      check_engine_files, check_same_flags, check_same_products, check_same_step,
-                                      clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
-                                      loading_checkpoint, publish, read_trainer_state, reading, refuse_other_rank_count,
-                                      rng_said, save_trainer_state, tag_of, take_restored_flags, trainer_folder,
-                                      universal_load)
+from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, TRAINER, ResumePlan, check_complete,
+                                      check_convertible, check_engine_files, check_same_flags, check_same_products,
+                                      check_same_step, clear_tag, earlier_advice, latest_tag, load_rank_state,
+                                      load_rank_state_of_others, loading_checkpoint, publish, read_trainer_state,
+                                      reading, refuse_other_rank_count, rng_said, save_trainer_state, tag_of,
+                                      take_restored_flags, trainer_folder, universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -425,11 +425,10 @@ def check_resumable(trainer, root, tag, planned=False):
                          f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")
     if trainer.critic_model is not None:
         check_engine_files(root, CRITIC, tag, saved_ranks)
-    if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
-        raise UsageError(f"--resume: checkpoint {tag} in {root} has no EMA copy (the run that saved it had no "
-                         f"--enable_ema); resume without --enable_ema, or start afresh without --resume")
     state = read_trainer_state(root, tag)
     saved_flags = state.pop("flags", {})
+    if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
+        _refuse_without_ema(root, tag, saved_flags)
     args = getattr(trainer, "args", None)
     if other_ranks:
         check_convertible(root, (ACTOR, CRITIC) if trainer.critic_model is not None else (ACTOR,), tag, saved_ranks)
@@ -445,6 +444,17 @@ def check_resumable(trainer, root, tag, planned=False):
         check_same_start(state.get("inputs"), args.actor_model_name_or_path, "--actor_model_name_or_path", tag, root,
                          "whose actor started", "the reference model its KL penalty measures against")
     return state, saved_ranks
+
+
+def _refuse_without_ema(root, tag, saved_flags):
+    """A checkpoint without its ``ema.pt`` that an --enable_ema run resumes: its run kept none, or (its flags say
+    --enable_ema) the file is gone, which was said as the former."""
+    if saved_flags.get("enable_ema"):
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has no {TRAINER}/{tag}/ema.pt (the EMA copy of its "
+                         f"--enable_ema run; removed or copied in part?): restore it{earlier_advice(root, tag)}; or "
+                         "start afresh without --resume")
+    raise UsageError(f"--resume: checkpoint {tag} in {root} has no EMA copy (the run that saved it had no "
+                     f"--enable_ema); resume without --enable_ema, or start afresh without --resume")
 
 
 def check_iteration_shape(root, tag, saved, saved_ranks, args):

@@ -161,7 +161,7 @@ def _resume_from(root, tag):
     return f"to resume from checkpoint {tag}, write {{\"tag\": \"{tag}\"}} into {os.path.join(root, LATEST)}"
 
 
-def _earlier(root, tag):
+def earlier_advice(root, tag):
     """", <how to resume from the last complete checkpoint before ``tag``>" ("" if there is none)."""
     earlier = [t for t in complete_tags(root) if t < tag]
     return f"; {_resume_from(root, earlier[-1])}" if earlier else ""
@@ -173,7 +173,7 @@ def read_trainer_state(root, tag):
         return read_json_object(os.path.join(trainer_folder(root, tag), "state.json"))
     except UsageError:
         raise UsageError(f"--resume: checkpoint {tag} in {root} has a damaged {TRAINER}/{tag}/state.json (not a JSON "
-                         f"object; copied in part?): restore it{_earlier(root, tag)}; or start afresh without "
+                         f"object; copied in part?): restore it{earlier_advice(root, tag)}; or start afresh without "
                          f"--resume") from None
 
 
@@ -215,12 +215,12 @@ def check_complete(root, tag, parts):
     for part in (*parts, TRAINER):
         if not os.path.isdir(os.path.join(root, part, tag)):
             raise UsageError(f"--resume: {os.path.join(root, LATEST)} names checkpoint {tag}, but {root} has no "
-                             f"{part}/{tag} folder (removed or copied in part?): restore it{_earlier(root, tag)}; "
-                             f"or start afresh without --resume")
+                             f"{part}/{tag} folder (removed or copied in part?): restore it"
+                             f"{earlier_advice(root, tag)}; or start afresh without --resume")
     where = trainer_folder(root, tag)
     if not os.path.isfile(os.path.join(where, "state.json")):
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no {TRAINER}/{tag}/state.json (removed or copied "
-                         f"in part?): restore it{_earlier(root, tag)}; or start afresh without --resume")
+                         f"in part?): restore it{earlier_advice(root, tag)}; or start afresh without --resume")
     check_rank_files(root, tag)
     ranks = saved_ranks(root, tag)
     for part in parts:
@@ -244,7 +244,7 @@ def check_rank_files(root, tag):
     if missing:
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no {', '.join(missing)} (the RNG states each of "
                          f"the {ranks} rank(s) that saved it writes; removed or copied in part?): restore it"
-                         f"{_earlier(root, tag)}; or start afresh without --resume")
+                         f"{earlier_advice(root, tag)}; or start afresh without --resume")
 
 
 def rank_files(root, tag):
@@ -283,7 +283,7 @@ def check_engine_files(root, part, tag, ranks):
     if missing:
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no {', '.join(missing)} (DeepSpeed's states of "
                          f"its {part}, saved by {ranks} rank(s); removed or copied in part?): restore it"
-                         f"{_earlier(root, tag)}; or start afresh without --resume")
+                         f"{earlier_advice(root, tag)}; or start afresh without --resume")
 
 
 def refuse_other_rank_count(root, tag, saved, why):
@@ -613,8 +613,8 @@ def reading(root, tag):
         if reason is None:
             raise
         raise UsageError(f"--resume: checkpoint {tag} in {root} cannot be loaded ({reason}); a file of it is damaged "
-                         f"or missing (copied in part?): restore it{_earlier(root, tag)}; or start afresh without "
-                         f"--resume") from error
+                         f"or missing (copied in part?): restore it{earlier_advice(root, tag)}; or start afresh "
+                         "without --resume") from error
 
 
 def check_same_flags(saved, now, restored, tag, root, step, why, free=()):
