@@ -1399,6 +1399,21 @@ def test_resume_of_an_enable_ema_checkpoint_whose_ema_file_is_gone_names_the_fil
         load_checkpoint(trainer, str(tmp_path))
 
 
+def test_resume_of_a_checkpoint_state_without_its_place_names_the_file(tmp_path):
+    """A state.json that is a JSON object but holds no epoch (edited) failed with a bare KeyError."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _saved_checkpoint(tmp_path, critic=False)
+    (tmp_path / "trainer" / "iter_0000002" / "state.json").write_text(json.dumps({"iteration": 2}))
+    trainer = SimpleNamespace(actor_model=None, critic_model=None, actor_ema=None)
+    with pytest.raises(UsageError, match=r"checkpoint iter_0000002 in .* has a damaged trainer/iter_0000002/state.json "
+                                         r"\(no 'epoch', 'batch': its place in the run; edited\?\)"):
+        load_checkpoint(trainer, str(tmp_path))
+
+
 @pytest.mark.parametrize("part", ["actor", "critic"])
 def test_resume_with_an_engines_model_states_missing_names_the_file(tmp_path, part):
     """DeepSpeed's load failed on a missing model-states file with a bare AssertionError ("a file of it is damaged

@@ -383,6 +383,27 @@ def test_a_checkpoint_missing_a_ranks_rng_file_is_an_error_naming_it_not_another
             resume.plan_resume(args, "step2")
 
 
+def test_a_checkpoint_state_without_its_place_is_an_error_naming_the_file_not_a_key_error(tmp_path):
+    """A state.json that is a JSON object but holds no step (edited) failed after the checks with a bare KeyError."""
+    from types import SimpleNamespace
+
+    from dschat.utils.checkpoints import LATEST
+
+    args = SimpleNamespace(output_dir=str(tmp_path), resume=True, per_device_train_batch_size=8,
+                           gradient_accumulation_steps=1, model_name_or_path=None)
+    root = tmp_path / "checkpoints"
+    for part in ("model", "trainer"):
+        (root / part / "step_0000002").mkdir(parents=True)
+    (root / "model" / "step_0000002" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (root / "trainer" / "step_0000002" / "rng_rank0.pt").write_bytes(b"")
+    (root / "trainer" / "step_0000002" / "state.json").write_text(json.dumps({"epoch": 0}))
+    (root / LATEST).write_text(json.dumps({"tag": "step_0000002"}))
+    with pytest.raises(UsageError, match=r"checkpoint step_0000002 in .* has a damaged trainer/step_0000002/state.json "
+                                         r"\(no 'step', 'batch': its place in the run; edited\?\): restore it; or "
+                                         r"start afresh without --resume"):
+        resume.plan_resume(args, "step2")
+
+
 def test_a_checkpoint_of_another_rank_count_resumes_only_with_as_many_samples_a_step(tmp_path):
     """On another number of ranks, the batch flags may change as long as a step takes the checkpoint's samples (its
     step count, schedule and data position count those); otherwise the error says which flag to give."""

@@ -25,11 +25,11 @@ from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, TRAINER, ResumePlan, check_complete,
-                                      check_convertible, check_engine_files, check_same_flags, check_same_products,
-                                      check_same_step, clear_tag, earlier_advice, latest_tag, load_rank_state,
-                                      load_rank_state_of_others, loading_checkpoint, publish, read_trainer_state,
-                                      reading, refuse_other_rank_count, rng_said, save_trainer_state, tag_of,
-                                      take_restored_flags, trainer_folder, universal_load)
+                                      check_convertible, check_engine_files, check_position, check_same_flags,
+                                      check_same_products, check_same_step, clear_tag, earlier_advice, latest_tag,
+                                      load_rank_state, load_rank_state_of_others, loading_checkpoint, publish,
+                                      read_trainer_state, reading, refuse_other_rank_count, rng_said,
+                                      save_trainer_state, tag_of, take_restored_flags, trainer_folder, universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -443,6 +443,7 @@ def check_resumable(trainer, root, tag, planned=False):
             print_rank_0(f"[{STEP}] --resume: the EMA copy in {tag} is not loaded, and this run saves no actor_ema")
         check_same_start(state.get("inputs"), args.actor_model_name_or_path, "--actor_model_name_or_path", tag, root,
                          "whose actor started", "the reference model its KL penalty measures against")
+    check_position(root, tag, state, ("iteration", "epoch", "batch"))
     return state, saved_ranks
 
 

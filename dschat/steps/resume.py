@@ -18,11 +18,12 @@ from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs, restart_deepspeed_tensorboard,
                                  resumed_save_interval, say_a_changed_schedule, step_data_records)
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
-                                      check_same_flags, check_same_products, check_same_step, clear_earlier_run,
-                                      clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
-                                      loading_checkpoint, publish, published_tag, read_trainer_state, reading,
-                                      remove_universal_copies, rng_said, save_trainer_state, tag_of,
-                                      take_restored_flags, universal_load, with_universal_load)
+                                      check_position, check_same_flags, check_same_products, check_same_step,
+                                      clear_earlier_run, clear_tag, latest_tag, load_rank_state,
+                                      load_rank_state_of_others, loading_checkpoint, publish, published_tag,
+                                      read_trainer_state, reading, remove_universal_copies, rng_said,
+                                      save_trainer_state, tag_of, take_restored_flags, universal_load,
+                                      with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -109,6 +110,7 @@ def _checked_latest(args, step, tokenizer=None):
         check_same_start(state.get("inputs"), args.model_name_or_path, "--model_name_or_path", tag, root,
                          "that started", "DPO's frozen reference (the policy's weights come from the checkpoint, the "
                          "reference from that folder)")
+    check_position(root, tag, state, ("step", "epoch", "batch"))
     return tag, state, saved_ranks
 
 

@@ -177,6 +177,16 @@ def read_trainer_state(root, tag):
                          f"--resume") from None
 
 
+def check_position(root, tag, state, keys):
+    """The trainer state of checkpoint ``tag`` holds each of ``keys`` (its place: step or iteration, epoch, batch):
+    one without them (edited, or another program's) failed later with a bare KeyError."""
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has a damaged {TRAINER}/{tag}/state.json (no "
+                         f"{', '.join(map(repr, missing))}: its place in the run; edited?): restore it"
+                         f"{earlier_advice(root, tag)}; or start afresh without --resume")
+
+
 # (the trainer state's key for the step that saved a checkpoint, "step1", "step2", "step2_dpo" or "step3": every step
 # keeps its checkpoints in <output_dir>/checkpoints, so another step's may be found there)
 STEP_NAME = "step_name"
