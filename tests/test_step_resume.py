@@ -404,6 +404,29 @@ def test_a_checkpoint_state_without_its_place_is_an_error_naming_the_file_not_a_
         resume.plan_resume(args, "step2")
 
 
+def test_an_output_dir_that_is_a_checkpoints_folder_is_an_error_naming_the_steps_folder(tmp_path, distributed,
+                                                                                        capsys):
+    """--output_dir out/checkpoints (for out) with --resume found no checkpoint in out/checkpoints/checkpoints,
+    started over and saved its model among the checkpoint's folders; without --resume, likewise. Steps 1, 2, DPO
+    and 3 refuse it before their models load, naming the step's folder."""
+    from dschat.steps import ppo
+
+    root = tmp_path / "out" / "checkpoints"
+    (root / "trainer" / "step_0000002").mkdir(parents=True)
+    (root / "latest").write_text(json.dumps({"tag": "step_0000002"}))
+    before = sorted(str(path) for path in tmp_path.rglob("*"))
+    said = rf"--output_dir {root} is a step's checkpoints folder \(it holds checkpoint step_0000002\): give the step's " \
+           rf"output folder, {tmp_path / 'out'}, which --resume continues from"
+    for main, resumed in ((reward.main, ["--resume"]), (sft.main, []), (ppo.main, ["--resume"])):
+        with pytest.raises(UsageError, match=said):
+            main(["--output_dir", str(root), *resumed])
+    assert sorted(str(path) for path in tmp_path.rglob("*")) == before
+    (root / "trainer" / "step_0000002").rmdir()  # (a pointer alone is no checkpoint: not refused here)
+    from dschat.steps.common import check_not_a_checkpoints_folder
+
+    check_not_a_checkpoints_folder(str(root))
+
+
 def test_a_checkpoint_of_another_rank_count_resumes_only_with_as_many_samples_a_step(tmp_path):
     """On another number of ranks, the batch flags may change as long as a step takes the checkpoint's samples (its
     step count, schedule and data position count those); otherwise the error says which flag to give."""

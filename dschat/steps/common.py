@@ -64,8 +64,22 @@ def check_output_dir(folder, device):
     from dschat.models.checkpoint import recover_interrupted_saves
 
     rank_0_decides(lambda: recover_interrupted_saves(folder))
+    check_not_a_checkpoints_folder(folder)
     check_writable_folder(folder, "--output_dir")
     check_output_dir_shared(folder, device)
+
+
+def check_not_a_checkpoints_folder(folder):
+    """An --output_dir that is a step's checkpoints folder (its ``latest`` pointer names a checkpoint there), given
+    for the step's output folder: --resume looked in its own checkpoints folder inside, found none and started over,
+    and the run saved its model and checkpoints among the earlier run's."""
+    from dschat.utils.checkpoints import published_tag, trainer_folder
+
+    tag = published_tag(folder)
+    if tag is not None and os.path.isdir(trainer_folder(folder, tag)):
+        raise UsageError(f"--output_dir {folder} is a step's checkpoints folder (it holds checkpoint {tag}): give the "
+                         f"step's output folder, {os.path.dirname(os.path.abspath(folder))}, which --resume continues "
+                         "from")
 
 
 def check_output_dir_shared(folder, device):
