@@ -1240,6 +1240,36 @@ def test_a_conversion_is_said_when_it_starts_and_with_its_seconds(tmp_path, dist
     assert "--resume:" not in capsys.readouterr().out
 
 
+def test_a_conversion_that_meets_a_damaged_file_says_the_checkpoint_is_damaged(tmp_path, distributed):
+    """A ZeRO partition cut short made the conversion for another number of ranks fail with "OSError: [Errno 22]
+    Invalid argument", said as DeepSpeed not converting the states and advising a resume on the checkpoint's own
+    ranks, where it failed to load too. It is said as a damaged file, with the earlier checkpoint to resume from."""
+    import deepspeed
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dschat.utils import checkpoints
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    ids = torch.arange(8)[None]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    for tag in ("step_0000001", "step_0000002"):
+        engine.save_checkpoint(str(tmp_path / "model"), tag=tag)
+        (tmp_path / "trainer" / tag).mkdir(parents=True)
+        (tmp_path / "trainer" / tag / "state.json").write_text("{}")
+    partition = tmp_path / "model" / "step_0000002" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    partition.write_bytes(partition.read_bytes()[:partition.stat().st_size // 2])
+    with pytest.raises(UsageError, match=r"checkpoint step_0000002 in .* cannot be converted for 1 rank\(s\) "
+                                         r"\(ds_to_universal on model/step_0000002: \w+Error: .*\); a file of it is "
+                                         r"damaged or missing \(copied in part\?\): restore it; to resume from "
+                                         r"checkpoint step_0000001, write"):
+        checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2)
+    assert not (tmp_path / "model" / "step_0000002_universal.partial").exists()
+
+
 def test_a_dpo_checkpoint_resumes_only_against_the_reference_model_its_run_started_from(tmp_path, distributed,
                                                                                           monkeypatch, capsys):
     """DPO's --model_name_or_path is also its frozen reference, loaded again from the folder on --resume while the

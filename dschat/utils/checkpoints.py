@@ -29,7 +29,7 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0, rank_0_decides
-from dschat.utils.files import read_json_object, unreadable_file_reason, write_json_atomic
+from dschat.utils.files import FULL_DISK_ERRNOS, read_json_object, unreadable_file_reason, write_json_atomic
 
 LATEST = "latest"
 TRAINER = "trainer"
@@ -552,6 +552,7 @@ def universal_copy(root, part, tag, saved):
             ds_to_universal.main(options)
     except Exception as error:
         shutil.rmtree(scratch, ignore_errors=True)
+        _refuse_damaged_for_conversion(error, root, part, tag)
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved} rank(s), this run has "
                          f"{get_world_size()}, and DeepSpeed could not convert its {part} states for another number "
                          f"of ranks (ds_to_universal: {type(error).__name__}: {error}{_conversion_hint(error)}): "
@@ -560,6 +561,20 @@ def universal_copy(root, part, tag, saved):
     shutil.rmtree(scratch)
     print_rank_0(f"--resume: {part}/{universal_tag(tag)} made in {time.time() - started:.0f} s")
     return universal_tag(tag), True
+
+
+def _refuse_damaged_for_conversion(error, root, part, tag):
+    """A conversion that failed on a file of ``part``'s states that cannot be read (cut short: torch's loader's
+    "OSError: [Errno 22] Invalid argument", its zip reader's error, an EOFError): a UsageError saying the checkpoint
+    is damaged, as its load on its own number of ranks does (``reading``); the conversion's error advised resuming on
+    the checkpoint's ranks, where it fails too. (A full disk's or quota's OSError is the conversion's writing.)"""
+    if isinstance(error, OSError) and error.errno in FULL_DISK_ERRNOS:
+        return
+    reason = unreadable_file_reason(error, (OSError,))
+    if reason is not None:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} cannot be converted for {get_world_size()} rank(s) "
+                         f"(ds_to_universal on {part}/{tag}: {reason}); a file of it is damaged or missing (copied in "
+                         f"part?): restore it{earlier_advice(root, tag)}; or start afresh without --resume") from error
 
 
 def _conversion_hint(error):
