@@ -1480,6 +1480,23 @@ def test_bad_message_list_is_an_error(tmp_path):
         raw(path, tmp_path)
 
 
+def test_openai_developer_and_gemma_model_roles_are_system_and_assistant(tmp_path):
+    """OpenAI's "developer" (its newer name of "system") and Gemma's "model" (the assistant) were "message 0 has role
+    'developer'": they are read as the roles they name (an empty developer message, as an empty system one, is none)."""
+    records = [{"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                             {"role": "model", "content": "Hello"}]},
+               {"messages": [{"role": "developer", "content": ""}, {"role": "user", "content": "Yo"},
+                             {"role": "model", "content": "Hey"}]}]
+    path = write_records(records, tmp_path / "roles.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    first, second = adapter.get_train_data()
+    assert adapter.get_conversation(first) == [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Hi"}]
+    assert adapter.get_chosen_text(first) == "Hello"
+    assert adapter.get_conversation(second) == [{"role": "user", "content": "Yo"}]
+    assert adapter.get_chosen_text(second) == "Hey"
+
+
 CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
 
 

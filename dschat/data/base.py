@@ -225,6 +225,13 @@ def answer_from_transcript(text, field):
 # whose value is the call's JSON, ``sharegpt_calls``) and "observation" (the tool's result)
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system",
                   "function_call": "assistant", "observation": "tool"}
+# other names of a role, each of one meaning: OpenAI's "developer" (its newer name of "system", for its o1 and later
+# models; the chat templates of OpenAI-style models expect "system") and Gemma's and Gemini's "model" (the assistant)
+ROLE_ALIASES = {"developer": "system", "model": "assistant"}
+
+
+def canonical_role(role):
+    return ROLE_ALIASES.get(role, role) if isinstance(role, str) else role  # (another type is its record's error)
 
 
 def checked_messages(value, field, keep_nulls=False):
@@ -245,7 +252,7 @@ def checked_messages(value, field, keep_nulls=False):
             continue
         if message.get("role") is None and "from" in message:
             message = from_sharegpt(message, field, position)
-        role, content = message.get("role"), message.get("content")
+        role, content = canonical_role(message.get("role")), message.get("content")
         if isinstance(content, (list, tuple)):
             content = _text_of_parts(content, field, position)
         if role not in VALID_ROLES:
@@ -273,7 +280,7 @@ def is_empty_system_message(message):
     file an error ("message 0 has no text content"). It is no system message, as LLaMA-Factory reads it (the template's
     default system prompt, if it has one, is written instead)."""
     sharegpt = message.get("role") is None and "from" in message
-    role = SHAREGPT_ROLES.get(message["from"]) if sharegpt else message.get("role")
+    role = SHAREGPT_ROLES.get(message["from"]) if sharegpt else canonical_role(message.get("role"))
     content = message.get("value" if sharegpt else "content")
     if role != "system" or message.get("tool_calls"):
         return False
