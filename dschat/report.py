@@ -18,7 +18,8 @@ def read_jsonl(path):
 RECIPE_POLICY = {"ppo": PPO_ACTOR_DIR, "grpo": PPO_ACTOR_DIR, "dpo": DPO_DIR}
 # The DPO step's held-out metrics the report keeps.
 DPO_REPORT_KEYS = ("reference_logp_accuracy", "logp_accuracy", "reward_accuracy", "chosen_reward", "rejected_reward",
-                   "reward_margin", "eval_loss", "eval_pairs", "seconds")
+                   "reward_margin", "eval_loss", "eval_pairs", "seconds", "reference_logp_ties", "logp_ties",
+                   "reward_ties")
 
 
 def stale_folders(recipe, steps_run, rm_from_sft=True):
@@ -64,6 +65,7 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
               "sft_perplexity": step1.get("perplexity"), "rm_accuracy": step2.get("accuracy"),
               "rm_chosen_mean_score": step2.get("chosen_mean_score"),
               "rm_rejected_mean_score": step2.get("rejected_mean_score"),
+              "rm_ties": step2.get("ties"), "rm_eval_pairs": step2.get("eval_pairs"),
               "policy": next((sub for sub in (RECIPE_POLICY[recipe], SFT_DIR)
                               if sub.split("/")[0] not in stale
                               and os.path.isfile(os.path.join(output_dir, sub, "config.json"))), None),
@@ -173,6 +175,16 @@ def counted(number, noun, plural=None):
     return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
+def ties_said(ties, pairs):
+    """The tied pairs of a preference accuracy, which count half in it (``preference_accuracy``), where there are any:
+    an accuracy of 0.5 made of ties (a model that scores every pair alike) is no coin flip's. Nothing where none tied
+    (or a run from before the ties were counted)."""
+    if not ties:
+        return ""
+    return f" ({ties} of {pairs} pairs tied, each counted half)" if pairs else f" ({counted(ties, 'tied pair')}, " \
+        "each counted half)"
+
+
 def final_kl_said(kl):
     """The KL at the end of the run, as the mean over its last iterations: each iteration's is a k1 estimate (the
     answer tokens' mean log-ratio to the reference) over one rollout's samples, unbiased but noisy, and one of a few
@@ -195,8 +207,9 @@ def summary_lines(report):
     if report.get("sft_eval_loss") is not None:
         lines.append(f"SFT eval loss: {report['sft_eval_loss']:.4f} (perplexity {report['sft_perplexity']:.2f})")
     if report.get("rm_accuracy") is not None:
-        lines.append(f"RM held-out accuracy: {report['rm_accuracy']:.4f} (chosen {report['rm_chosen_mean_score']:.3f}"
-                     f" vs rejected {report['rm_rejected_mean_score']:.3f})")
+        lines.append(f"RM held-out accuracy: {report['rm_accuracy']:.4f}"
+                     f"{ties_said(report.get('rm_ties'), report.get('rm_eval_pairs'))} (chosen "
+                     f"{report['rm_chosen_mean_score']:.3f} vs rejected {report['rm_rejected_mean_score']:.3f})")
     if report.get("reward_model"):
         lines.append(f"reward model: {report['reward_model']} (given by --reward-model; no step 2 in this run)")
     held = report.get("held_out")
@@ -226,10 +239,13 @@ def summary_lines(report):
 def dpo_summary_lines(m):
     if not m["eval_pairs"]:
         return ["DPO: no held-out pairs, so no held-out scores"]
-    lines = [f"DPO held-out preference accuracy (chosen answer more likely, {m['eval_pairs']} pairs): "
-             f"SFT {m['reference_logp_accuracy']:.4f} -> DPO {m['logp_accuracy']:.4f}",
+    pairs = m["eval_pairs"]
+    lines = [f"DPO held-out preference accuracy (chosen answer more likely, {pairs} pairs): "
+             f"SFT {m['reference_logp_accuracy']:.4f}{ties_said(m.get('reference_logp_ties'), pairs)} -> "
+             f"DPO {m['logp_accuracy']:.4f}{ties_said(m.get('logp_ties'), pairs)}",
              f"DPO implicit rewards: chosen {m['chosen_reward']:.3f}, rejected {m['rejected_reward']:.3f}, "
-             f"margin {m['reward_margin']:.3f}, accuracy {m['reward_accuracy']:.4f}; eval loss {m['eval_loss']:.4f}"]
+             f"margin {m['reward_margin']:.3f}, accuracy {m['reward_accuracy']:.4f}"
+             f"{ties_said(m.get('reward_ties'), pairs)}; eval loss {m['eval_loss']:.4f}"]
     rule_scores = m.get("held_out_rule_score")
     if rule_scores and rule_scores["dpo"]["prompts"]:  # no held-out prompts: no score (None)
         lines.append(f"held-out rule score of greedy answers ({rule_scores['dpo']['prompts']} prompts): "

@@ -157,6 +157,30 @@ def test_the_report_holds_only_the_recipes_steps(tmp_path):
     assert dpo["sft_eval_loss"] == 0.7 and "held_out" not in dpo and dpo["rm_accuracy"] is None
 
 
+def test_the_report_says_the_tied_pairs_of_the_rm_and_dpo_accuracies(tmp_path):
+    """A tie counts half in step 2's and DPO's accuracies, and the summary did not say how many pairs tied: an accuracy
+    of 0.5 of a model that scores every pair alike read as chance. Where none tied, nothing is added."""
+    from dschat.report import build_report, summary_lines
+
+    dpo = {"reference_logp_accuracy": 0.5, "logp_accuracy": 0.75, "reward_accuracy": 0.5, "chosen_reward": 0.0,
+           "rejected_reward": 0.0, "reward_margin": 0.0, "eval_loss": 0.69, "eval_pairs": 4, "reference_logp_ties": 4,
+           "logp_ties": 0, "reward_ties": 2}
+    rm = {"accuracy": 0.5, "chosen_mean_score": 0.1, "rejected_mean_score": 0.1, "eval_pairs": 8, "ties": 8}
+    for folder, metrics in (("step2_rm", rm), ("step2_dpo", dpo)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.json").write_text(json.dumps(metrics))
+    rm_line = next(line for line in summary_lines(build_report(str(tmp_path), {}, "ppo")) if line.startswith("RM "))
+    assert rm_line == "RM held-out accuracy: 0.5000 (8 of 8 pairs tied, each counted half) (chosen 0.100 vs " \
+                      "rejected 0.100)"
+    lines = [line for line in summary_lines(build_report(str(tmp_path), {}, "dpo")) if line.startswith("DPO ")]
+    assert "SFT 0.5000 (4 of 4 pairs tied, each counted half) -> DPO 0.7500" in lines[0] and lines[0].endswith("0.7500")
+    assert "accuracy 0.5000 (2 of 4 pairs tied, each counted half); eval loss" in lines[1]
+    rm.pop("ties")  # a run from before the ties were counted, or none tied: the line as it was
+    (tmp_path / "step2_rm" / "metrics.json").write_text(json.dumps(rm))
+    assert "RM held-out accuracy: 0.5000 (chosen 0.100 vs rejected 0.100)" in \
+        summary_lines(build_report(str(tmp_path), {}, "ppo"))
+
+
 def test_a_critic_free_run_has_no_critic_loss_curve_or_panel(tmp_path, monkeypatch):
     from dschat import report
 
