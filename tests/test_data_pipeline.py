@@ -1089,6 +1089,31 @@ def test_a_system_column_is_the_conversations_first_message(tmp_path, tokenizer)
         build(tmp_path, tok, [f"{twice},{twice}"], 1, data_split="1,0,0")
 
 
+def test_step3_reward_functions_still_get_the_system_column(tmp_path, tokenizer):
+    """The system column became the conversation's system message (FORMAT_VERSION 31) and with it a used column, left
+    out of step 3's extra columns: a reward function taking ``system=`` (TRL passes every dataset column) failed. It
+    is passed as written, and the prompt keeps it once."""
+    from dschat.data.collators import DataCollatorRLHF
+    from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
+
+    tok = chatml(tokenizer)
+    rows = [{"prompt": "Say hi.", "chosen": "Hi.", "system": system} for system in ("Be brief.", "Be kind.")]
+    path = write_jsonl(tmp_path / "system.jsonl", rows)
+    prompts, _ = build(tmp_path, tok, [f"{path},{path}"], 3, data_split="0,0,1")
+    assert sorted(item["system"] for item in prompts) == ["Be brief.", "Be kind."]
+    assert all(item["prompt_text"].count("<|im_start|>system\n" + item["system"]) == 1 for item in prompts)
+    batch = DataCollatorRLHF(None, pad_token_id=0)([prompts[0], prompts[1]])
+
+    def brief(prompts, completions, system, **columns):
+        return [float(text == "Be brief.") for text in system]
+
+    scores = call_reward_fn(brief, batch["prompt_text"], ["a", "b"], batch_extras(batch))
+    assert scores == [float(item["system"] == "Be brief.") for item in (prompts[0], prompts[1])]
+    renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"prompt": "Say hi.", "sys": "Be kind."}] * 2)
+    prompts, _ = build(tmp_path, tok, [f"{renamed},{renamed}"], 3, data_split="0,0,1", data_fields="system=sys")
+    assert prompts[0]["sys"] == "Be kind." and "system" not in prompts[0]  # (its column's own name, as TRL's)
+
+
 # --- tool calls ---
 
 # Qwen2.5's template in short: the tools listed in the system turn, a call as <tool_call> JSON in the assistant turn,

@@ -53,6 +53,8 @@ class PromptRawDataset:
     dataset_name = None        # the exact name get_raw_dataset dispatches on
     dataset_name_clean = None  # file-name-safe form, used for cached split indices
     used_columns = ()          # columns the accessors consume; the rest is get_extra()
+    # used columns that step 3's reward functions still get (TRL passes them every dataset column): get_reward_columns
+    reward_columns = ()
     strict = False             # True: a bad record is an error (local files); False: counted and skipped
     has_answers = True         # False: prompt-only data, usable in step 3 only
 
@@ -119,6 +121,12 @@ class PromptRawDataset:
 
     def get_extra(self, sample):
         return {key: value for key, value in sample.items() if key not in self.used_columns}
+
+    def get_reward_columns(self, sample):
+        """``get_extra``'s columns and the used ones of ``reward_columns`` (a system column, read into the prompt: a
+        reward function taking ``system=`` got it before it was), as written: step 3 passes them to reward functions."""
+        return {key: value for key, value in sample.items()
+                if key not in self.used_columns or key in self.reward_columns}
 
     def locate(self, sample):
         """Where a record is, for a ``strict`` source's error about it (a local file's: its file and line)."""

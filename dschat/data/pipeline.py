@@ -718,7 +718,7 @@ def _extract_example(raw, sample, train_phase, multiturn):
     if train_phase == 3:
         answers = raw.get_reference_answers(sample)  # a data column of the same name (fields renamed) stays extra_
         return Example(messages, extra={**{("extra_" + k if k in answers else k): v
-                                           for k, v in raw.get_extra(sample).items()}, **answers})
+                                           for k, v in raw.get_reward_columns(sample).items()}, **answers})
     if raw.is_undesirable(sample):
         raise SkipRecord(UNDESIRABLE)
     untrained = raw.get_untrained_turns(sample) if multiturn else frozenset()
