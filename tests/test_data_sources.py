@@ -472,6 +472,33 @@ def test_llama_factorys_pairwise_records_answer_their_conversation_with_one_mess
     assert adapter.get_conversation(sample) == [{"role": "user", "content": "Hi"}] and adapter.get_extra(sample) == {}
 
 
+def test_a_csv_answer_written_as_the_json_text_of_one_message_reads_as_that_message(tmp_path):
+    """A CSV cell holding the JSON text of a message list was read as the list, but that of one message (LLaMA-Factory's
+    pairwise answers, {"role": "assistant", ...}) was trained on as its JSON text. It reads as the list of it; a JSON
+    answer that is no message (a tool call's object) is still its text."""
+    def answers(wrap):
+        return [{"prompt": "Hi", "chosen": wrap({"role": "assistant", "content": "Hello."}),
+                 "rejected": wrap({"from": "gpt", "value": "Go away."})}] * 2
+
+    for wrap in (lambda m: json.dumps([m]), json.dumps):  # the list's JSON text, and the message's
+        path = write_records(answers(wrap), tmp_path / "pairs.csv", "csv")
+        adapter = raw(f"{path},{path}", tmp_path)
+        sample = adapter.get_train_data()[0]
+        assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Hello.", "Go away.")
+    conversation = [{"from": "human", "value": "Hi"}]
+    llama_factory = [{"conversations": json.dumps(conversation), "chosen": json.dumps({"from": "gpt", "value": "Yo."}),
+                      "rejected": json.dumps({"from": "gpt", "value": "No."})}] * 2
+    path = write_records(llama_factory, tmp_path / "lf.csv", "csv")
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Hi"}]
+    assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == ("Yo.", "No.")
+    call = json.dumps({"name": "weather", "arguments": {"city": "Paris"}})
+    path = write_records([{"prompt": "Call it.", "chosen": call, "rejected": "No."}] * 2, tmp_path / "call.csv", "csv")
+    adapter = raw(f"{path},{path}", tmp_path)
+    assert adapter.get_chosen_text(adapter.get_train_data()[0]) == call
+
+
 def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
     user = {"role": "user", "content": "Name a color."}
     implicit = [{"chosen": [user, {"role": "assistant", "content": "Blue."}],

@@ -18,7 +18,7 @@ from filelock import FileLock
 from dschat.utils.files import give_plain_modes, temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 34  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+FORMAT_VERSION = 35  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
 # 4: only empty CSV cells are missing ("NA", "None" are text);
 # 5: prompts get only the tokenizer's leading special tokens;
 # 6: phase 2 rows carry chosen_truncated, rejected_truncated and eot_length;
@@ -53,6 +53,7 @@ FORMAT_VERSION = 34  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text
 # 32: Alpaca's input and history (beside an instruction named the prompt) are the prompt's (they were extra)
 # 33: LLaMA-Factory's kto_tag column is the labels (steps 1 and 2 skip the answers tagged false)
 # 34: phase 3's records carry the system column too, as reward functions' column (it was left out since 31)
+# 35: a CSV cell holding the JSON text of one message (LLaMA-Factory's pairwise answers) is that message (was its text)
 CACHE_SUBDIR = "dschat_data_cache"
 REBUILD_FILE = "rebuild_token"  # (in a cache folder a forced rebuild wrote: its token, see ensure_built)
 

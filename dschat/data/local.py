@@ -68,8 +68,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dschat.errors import MissingInputError, UsageError
-from .base import (TOOL_ROLES, PromptRawDataset, answer_from_transcript, checked_messages, final_assistant_answer,
-                   optional_text, prompt_messages, required_text, trimmed, untrained_turns, without_none_values)
+from .base import (ROLE_ALIASES, SHAREGPT_ROLES, TOOL_ROLES, VALID_ROLES, PromptRawDataset, answer_from_transcript,
+                   checked_messages, final_assistant_answer, optional_text, prompt_messages, required_text, trimmed,
+                   untrained_turns, without_none_values)
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import parse_transcript, with_lf_line_ends
 
@@ -1102,7 +1103,7 @@ class LocalDataset(PromptRawDataset):
             return
         conversation = next((name for name in ("conversations", self.fields["messages"]) if name in columns), None)
         first = next((value for value in train[:100][self.fields["chosen"]] if value is not None), None)
-        if conversation and _is_one_message(first):
+        if conversation and (_is_one_message(first) or _message_of_json_text(first) is not None):
             self.fields["prompt"] = conversation
 
     def _read_alpaca_columns(self, columns):
@@ -1628,6 +1629,8 @@ def _spells_true_or_false(text):
 SPEAKER_KEYS = ("role", "from")
 # JSON text of a list of objects, also as json.dumps(indent=...) writes it ("[\n {")
 _LIST_OF_OBJECTS = re.compile(r"\s*\[\s*\{")
+# JSON text of one object: a message's (LLaMA-Factory's pairwise answers), in a CSV cell
+_OBJECT = re.compile(r"\s*\{")
 
 
 def _json_list_text(value, field):
@@ -1638,6 +1641,9 @@ def _json_list_text(value, field):
     a list column, is its record's error (it was trained on as text)."""
     if _is_one_message(value):
         return [value]
+    message = _message_of_json_text(value)
+    if message is not None:  # (its JSON text, as a CSV cell holds it: read as the list of it is)
+        return [message]
     if isinstance(value, str) and _LIST_OF_OBJECTS.match(value):
         try:
             parsed = json.loads(value)
@@ -1649,6 +1655,23 @@ def _json_list_text(value, field):
             return value
         return parsed if _are_messages(parsed) else value
     return value
+
+
+def _message_of_json_text(value):
+    """The message ``value`` is the JSON text of ({"role": "assistant", "content": ...}, ShareGPT's {"from": "gpt",
+    "value": ...}), else None: an answer that is some other JSON object ('{"name": "get_weather", ...}', or one with a
+    role key but no text) is its text."""
+    if not isinstance(value, str) or not _OBJECT.match(value):
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return None
+    if not _is_one_message(parsed):
+        return None
+    speaker = parsed.get("role", parsed.get("from"))
+    known = speaker in (*VALID_ROLES, *ROLE_ALIASES, *SHAREGPT_ROLES) if isinstance(speaker, str) else False
+    return parsed if known and any(key in parsed for key in ("content", "value", "tool_calls")) else None
 
 
 def _is_one_message(value):
