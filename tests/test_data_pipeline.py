@@ -1092,7 +1092,7 @@ def test_a_system_column_is_the_conversations_first_message(tmp_path, tokenizer)
 def test_step3_reward_functions_still_get_the_system_column(tmp_path, tokenizer):
     """The system column became the conversation's system message (FORMAT_VERSION 31) and with it a used column, left
     out of step 3's extra columns: a reward function taking ``system=`` (TRL passes every dataset column) failed. It
-    is passed as written, and the prompt keeps it once."""
+    is passed as written, and the prompt keeps it once. So are Alpaca's input and history (FORMAT_VERSION 32)."""
     from dschat.data.collators import DataCollatorRLHF
     from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
 
@@ -1112,6 +1112,11 @@ def test_step3_reward_functions_still_get_the_system_column(tmp_path, tokenizer)
     renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"prompt": "Say hi.", "sys": "Be kind."}] * 2)
     prompts, _ = build(tmp_path, tok, [f"{renamed},{renamed}"], 3, data_split="0,0,1", data_fields="system=sys")
     assert prompts[0]["sys"] == "Be kind." and "system" not in prompts[0]  # (its column's own name, as TRL's)
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "Add.", "input": "1 + 1", "output": "2",
+                                                      "history": [["Hi", "Yo"]]}] * 2)  # (its input, history: the same)
+    prompts, _ = build(tmp_path, tok, [f"{alpaca},{alpaca}"], 3, data_split="0,0,1")
+    assert (prompts[0]["input"], prompts[0]["history"]) == ("1 + 1", [["Hi", "Yo"]])
+    assert "Add.\n1 + 1" in prompts[0]["prompt_text"] and "Yo" in prompts[0]["prompt_text"]
 
 
 # --- tool calls ---

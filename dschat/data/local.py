@@ -1079,7 +1079,9 @@ class LocalDataset(PromptRawDataset):
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields()) + \
             ((self.fields[SYSTEM_FIELD],) if self.fields[SYSTEM_FIELD] in train.column_names else ()) + \
             tuple(name for name in (self.input_field, self.history_field) if name and self.shape == "prompt")
-        self.reward_columns = (self.fields[SYSTEM_FIELD],)  # (the system prompt: the prompt's, and a column too)
+        # (the system prompt, Alpaca's input and history: the prompt's, and columns too)
+        self.reward_columns = (self.fields[SYSTEM_FIELD], *(name for name in (self.input_field, self.history_field)
+                                                            if name))
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
         self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
         self._validate(train, self.source.train, self._train_lines)
