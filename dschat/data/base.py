@@ -4,7 +4,8 @@ DeepSpeed-Chat adapters return pre-formatted strings (``get_prompt`` -> "\\n\\nH
 ``get_chosen`` -> " ..."). dschat formats text itself (a chat template when the tokenizer has one), so
 adapters also expose the structured content: ``get_conversation`` (prompt turns as role/content dicts,
 ending with a user turn), ``get_chosen_text`` / ``get_rejected_text`` (bare answers, ``None`` when absent)
-and ``get_extra`` (other columns, passed to step 3 for reward functions, with ``get_reference_answers``). The string
+and ``get_reward_columns`` (the columns step 3 passes to reward functions, with ``get_reference_answers``: the
+other columns, ``get_extra``, and the used ones a reward function may still read, ``reward_columns``). The string
 methods are derived from the structured ones unless an adapter overrides them to reproduce DeepSpeed-Chat exactly.
 """
 import json
