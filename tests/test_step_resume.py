@@ -1212,14 +1212,11 @@ def test_a_zero3_optimizer_no_step_has_updated_fails_conversion_saying_why(tmp_p
     assert not [p.name for p in (tmp_path / "model").iterdir() if "universal" in p.name]
 
 
-def test_a_conversion_is_said_when_it_starts_and_with_its_seconds(tmp_path, distributed, capsys):
-    """Rank 0's conversion for another number of ranks took 48 s for an OPT-350m-shaped model's ZeRO-3 states on a
-    CPU machine (README), and grows with the states, in silence: nothing was said before the resume's line after
-    it. It is said when it starts and when it is made, with its seconds; a copy a later resume reuses says nothing."""
+def _zero2_engine_after_one_step():
+    """A one-layer GPT-2 under ZeRO-2 after one optimizer step (DeepSpeed converts an optimizer only once a step has
+    updated it)."""
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from dschat.utils import checkpoints
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
@@ -1228,6 +1225,16 @@ def test_a_conversion_is_said_when_it_starts_and_with_its_seconds(tmp_path, dist
     ids = torch.arange(8)[None]
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
+    return engine
+
+
+def test_a_conversion_is_said_when_it_starts_and_with_its_seconds(tmp_path, distributed, capsys):
+    """Rank 0's conversion for another number of ranks took 48 s for an OPT-350m-shaped model's ZeRO-3 states on a
+    CPU machine (README), and grows with the states, in silence: nothing was said before the resume's line after
+    it. It is said when it starts and when it is made, with its seconds; a copy a later resume reuses says nothing."""
+    from dschat.utils import checkpoints
+
+    engine = _zero2_engine_after_one_step()
     engine.save_checkpoint(str(tmp_path / "model"), tag="step_0000002")
     capsys.readouterr()
     assert checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2) == ("step_0000002_universal", True)
@@ -1244,18 +1251,9 @@ def test_a_conversion_that_meets_a_damaged_file_says_the_checkpoint_is_damaged(t
     """A ZeRO partition cut short made the conversion for another number of ranks fail with "OSError: [Errno 22]
     Invalid argument", said as DeepSpeed not converting the states and advising a resume on the checkpoint's own
     ranks, where it failed to load too. It is said as a damaged file, with the earlier checkpoint to resume from."""
-    import deepspeed
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from dschat.utils import checkpoints
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    ids = torch.arange(8)[None]
-    engine.backward(engine(input_ids=ids, labels=ids).loss)
-    engine.step()
+    engine = _zero2_engine_after_one_step()
     for tag in ("step_0000001", "step_0000002"):
         engine.save_checkpoint(str(tmp_path / "model"), tag=tag)
         (tmp_path / "trainer" / tag).mkdir(parents=True)
