@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dschat.hybrid_engine.tensor_parallel import Slice
 from tests.launch import launch_once, launched
 
 SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
@@ -12,8 +13,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
 
 FAMILIES = ("llama", "llama-mqa", "opt", "llama-lora")
 # fused q/k/v projections (dschat's plans for them): Falcon multi-query, per-head q/k/v with ALiBi in the mask, grouped
-# per key/value head (new_decoder_architecture); GPTBigCode multi-query and not; Bloom (ALiBi as an argument)
-FUSED_QKV = ("falcon", "falcon_alibi", "falcon_new", "gpt_bigcode", "gpt_bigcode_mha", "bloom")
+# per key/value head (new_decoder_architecture); GPTBigCode multi-query and not; Bloom (ALiBi as an argument); GPT-2
+# (Conv1D layers, c_attn of all the queries, then all the keys, then all the values)
+FUSED_QKV = ("falcon", "falcon_alibi", "falcon_new", "gpt_bigcode", "gpt_bigcode_mha", "bloom", "gpt2")
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,9 @@ def test_tp2_greedy_equals_unsplit_model_on_two_ranks(stage, tp_launch):
 
 @pytest.mark.multirank
 def test_tp2_of_fused_qkv_families_equals_unsplit_model_on_two_ranks(tp_launch):
-    """Falcon and GPTBigCode had no plan (inference_tp_size 2 refused them): greedy answers, log-probabilities and the
-    refresh after a step now equal the unsplit model's for each layout of their fused q/k/v (ZeRO-3 too: Falcon)."""
+    """Falcon, GPTBigCode, Bloom and GPT-2 had no plan (inference_tp_size 2 refused them): greedy answers,
+    log-probabilities and the refresh after a step now equal the unsplit model's for each layout of their fused q/k/v
+    (ZeRO-3 too: Falcon)."""
     proc = launched(tp_launch)
     for rank in (0, 1):
         for family in FUSED_QKV:
@@ -116,8 +119,14 @@ def test_opt_without_a_plan_is_split_by_projection_names_and_bias_added_once():
 
 
 def test_models_that_cannot_be_split_say_why():
-    with pytest.raises(NotImplementedError, match="no tensor-parallel plan for GPT2LMHeadModel"):
-        _plan("gpt2")
+    from transformers import AutoModelForCausalLM, CTRLConfig
+
+    from dschat.hybrid_engine.tensor_parallel import ShardPlan
+
+    # CTRL: no plan of transformers' or dschat's, and projections named Wq, Wk, Wv, dense
+    ctrl = AutoModelForCausalLM.from_config(CTRLConfig(vocab_size=96, n_embd=64, n_layer=1, n_head=4, dff=128))
+    with pytest.raises(NotImplementedError, match="no tensor-parallel plan for CTRLLMHeadModel"):
+        ShardPlan(ctrl, "transformer.h", _Rank(2, 1))
     with pytest.raises(ValueError, match="3 attention heads cannot be split"):
         _plan("llama", num_attention_heads=3, num_key_value_heads=3, head_dim=16)
 
@@ -187,6 +196,84 @@ def test_gpt_bigcode_attention_is_told_its_local_widths():
     plan.apply(model.to("meta"))
     attention = model.transformer.h[0].attn
     assert (attention.embed_dim, attention.kv_dim, attention.kv_heads) == (32, 16, 1)
+
+
+def test_gpt2_conv1d_layers_are_split_along_their_stored_output_and_input_dims():
+    """GPT-2's Conv1D weights are stored (in, out): column-wise along dim 1, row-wise along dim 0; c_attn holds all the
+    queries, then all the keys, then all the values, and each rank keeps its heads' columns of each."""
+    model, plan = _plan("gpt2", rank=1)  # 4 heads of 16, n_embd 64, MLP 256
+    attn, mlp = "transformer.h.0.attn", "transformer.h.0.mlp"
+    qkv = plan.slices[f"{attn}.c_attn.weight"]
+    assert (qkv.dim, qkv.ranges) == (1, ((32, 64), (96, 128), (160, 192)))  # q2 q3, k2 k3, v2 v3
+    assert (plan.slices[f"{attn}.c_attn.bias"].dim, plan.slices[f"{attn}.c_attn.bias"].ranges) == (0, qkv.ranges)
+    assert plan.slices[f"{attn}.c_proj.weight"] == Slice(0, 32, 64) and plan.slices[f"{attn}.c_proj.bias"].zero
+    assert plan.slices[f"{mlp}.c_fc.weight"] == Slice(1, 128, 256) and plan.slices[f"{mlp}.c_fc.bias"] == \
+        Slice(0, 128, 256)
+    assert plan.slices[f"{mlp}.c_proj.weight"] == Slice(0, 128, 256)
+    _, leader = _plan("gpt2", rank=0)
+    assert not leader.slices[f"{mlp}.c_proj.bias"].zero  # the bias is added once, by the group's first rank
+    plan.apply(model.to("meta"))
+    attention = model.transformer.h[0].attn
+    assert (attention.num_heads, attention.embed_dim, attention.split_size, attention.head_dim) == (2, 32, 32, 16)
+    assert attention.c_attn.weight.shape == (64, 96) and attention.c_attn.nf == 96
+    assert attention.c_proj.weight.shape == (32, 64) and attention.c_proj.nx == 32
+    assert model.transformer.h[0].mlp.c_fc.nf == 128
+
+
+def _loaded_shard(family, rank, size=2):
+    """A random-weight model of ``family`` and this rank's shard of it, its slices copied from the model's weights."""
+    torch.manual_seed(1)  # the same model on every rank
+    model, plan = _plan(family, size=size, rank=rank)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)  # biases too (zero at init): a bias added twice, or missed, shows
+    model.eval()
+    shard, _ = _plan(family, size=size, rank=rank)
+    plan.apply(shard)
+    full = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in shard.named_parameters():
+            param.copy_(plan.slices[name](full[name]) if name in plan.slices else full[name])
+    return model, shard.eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2"])
+def test_the_ranks_shards_of_a_block_sum_to_the_whole_block(family, monkeypatch):
+    """Each rank's attention and MLP (its heads, its columns; the row-wise all-reduce a no-op here) give partial
+    outputs that add up to the unsplit block's, the row-wise bias counted once."""
+    _no_all_reduce(monkeypatch)
+    from dschat.models.layers import decoder_layer_list
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 64)
+    whole, parts = None, []
+    for rank in range(2):
+        model, shard = _loaded_shard(family, rank)
+        layer = decoder_layer_list(model)[1][0]
+        blocks = [(getattr(layer, "attn", None) or layer.self_attn), layer.mlp]
+        if whole is None:
+            whole = [_block_output(block, hidden, model) for block in blocks]
+        shard_layer = decoder_layer_list(shard)[1][0]
+        parts.append([_block_output(block, hidden, shard) for block in
+                      ((getattr(shard_layer, "attn", None) or shard_layer.self_attn), shard_layer.mlp)])
+    for index, expected in enumerate(whole):
+        torch.testing.assert_close(parts[0][index] + parts[1][index], expected, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(parts[0][index], expected, atol=1e-3)  # (each rank's alone is only a part)
+
+
+def _block_output(block, hidden, model):
+    with torch.no_grad():
+        if not _is_attention_block(block):
+            return block(hidden)
+        kwargs = {}
+        if hasattr(model.model if hasattr(model, "model") else model.transformer, "rotary_emb"):
+            rotary = (model.model if hasattr(model, "model") else model.transformer).rotary_emb
+            kwargs["position_embeddings"] = rotary(hidden, torch.arange(hidden.shape[1])[None])
+        return block(hidden, attention_mask=None, **kwargs)[0]
+
+
+def _is_attention_block(block):
+    return "attention" in type(block).__name__.lower()
 
 
 def _no_all_reduce(monkeypatch):

@@ -260,11 +260,15 @@ def test_inference_tp_under_zero3_needs_the_actor_pinned():
         check_step3_settings(settings, 2)
 
 
-def test_an_actor_family_without_a_tensor_parallel_plan_fails_before_its_weights_load(monkeypatch):
-    settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 2,
-                           "actor_model_name_or_path": "tiny-gpt2"})
-    with pytest.raises(UsageError, match=r"--inference_tp_size 2: .* tiny-gpt2 \(model type 'gpt2'\) over 2 "
-                                         r"ranks: no tensor-parallel plan for GPT2LMHeadModel"):
+def test_an_actor_family_without_a_tensor_parallel_plan_fails_before_its_weights_load(monkeypatch, tmp_path):
+    from transformers import CTRLConfig
+
+    # CTRL: no plan of transformers' or dschat's, its projections named Wq, Wk, Wv, dense (only its config is written)
+    actor = str(tmp_path / "ctrl")
+    CTRLConfig(vocab_size=96, n_embd=64, n_layer=1, n_head=4, dff=128).save_pretrained(actor)
+    settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 2, "actor_model_name_or_path": actor})
+    with pytest.raises(UsageError, match=r"--inference_tp_size 2: .*/ctrl \(model type 'ctrl'\) over 2 "
+                                         r"ranks: no tensor-parallel plan for CTRLLMHeadModel"):
         check_step3_settings(settings, 2)
     # the engine, built directly (the notebook API, no check_step3_settings), says so before loading the actor too
     from dschat.rlhf import engine as engine_module
@@ -273,9 +277,9 @@ def test_an_actor_family_without_a_tensor_parallel_plan_fails_before_its_weights
         raise AssertionError("the actor's weights were loaded before the check")
 
     monkeypatch.setattr(engine_module, "load_causal_lm", no_loading)
-    engine = SimpleNamespace(args=settings, world_size=2, actor_path="tiny-gpt2", tokenizer=None,
+    engine = SimpleNamespace(args=settings, world_size=2, actor_path=actor, tokenizer=None,
                              _trained_config=lambda stage, hybrid=False: step3_train_config(settings, 2, stage, hybrid))
-    with pytest.raises(UsageError, match="--inference_tp_size 2: .*model type 'gpt2'"):
+    with pytest.raises(UsageError, match="--inference_tp_size 2: .*model type 'ctrl'"):
         DeepSpeedRLHFEngine._init_actor(engine)
 
 

@@ -9,15 +9,16 @@ the model split across its ranks, Megatron-style, and hands every rank back its 
   group's first rank). Norms, embeddings and the LM head stay whole on every rank, and so does attention where the
   model's plan replicates it (Olmo2's q/k norms): each rank then computes, and caches, every head.
 * Which linear layer is which comes from the model's own tensor-parallel plan (``config.base_model_tp_plan``) where
-  transformers provides one, else from dschat's plan for the family (Falcon, GPTBigCode: ``_FAMILY_PLANS``), else from
-  the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...).
+  transformers provides one, else from dschat's plan for the family (Falcon, GPTBigCode, Bloom, GPT-2:
+  ``_FAMILY_PLANS``), else from the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...). transformers'
+  ``Conv1D`` (GPT-2) stores its weight (in, out): it is split along dim 1 column-wise, along dim 0 row-wise.
 * A fused q/k/v projection (Falcon's ``query_key_value``, GPTBigCode's ``c_attn``) orders its rows per key/value head:
   that head's queries, its key, its value (multi-query: all queries, the key, the value; as many key/value heads as
-  query heads: q/k/v per head; Bloom's too). Each rank keeps the rows of its query heads and of the key/value heads
-  they read.
+  query heads: q/k/v per head; Bloom's too); GPT-2's ``c_attn`` holds all the queries, then all the keys, then all
+  the values. Each rank keeps the rows of its query heads and of the key/value heads they read.
 * The attention modules are told their local head counts (and widths) by their usual attribute names (``num_heads``,
-  ``num_key_value_groups``, ``embed_dim``, ...); HF attention reshapes with ``-1`` heads otherwise. A bias per head
-  (ALiBi: Falcon's in the attention mask, Bloom's ``alibi`` argument) is narrowed to the rank's heads.
+  ``num_key_value_groups``, ``embed_dim``, ``split_size``, ...); HF attention reshapes with ``-1`` heads otherwise. A
+  bias per head (ALiBi: Falcon's in the attention mask, Bloom's ``alibi`` argument) is narrowed to the rank's heads.
 
 The split happens in the inference copy only (``weights.InferenceCopy``): the training model is untouched, and the copy's
 slices are refreshed from the (ZeRO-3-gathered) training weights like any other inference weight.
@@ -40,10 +41,13 @@ logger = logging.getLogger(__name__)
 COLWISE, ROWWISE = "colwise", "rowwise"
 # A fused q/k/v projection, its rows grouped per key/value head (see the module docstring): split by heads.
 QKV = "colwise_qkv"
+# A fused q/k/v projection of all the queries, then all the keys, then all the values (GPT-2's c_attn): each of the
+# three blocks split by heads.
+STACKED_QKV = "colwise_stacked_qkv"
 # Styles of transformers' plans that dschat shards, and those that mean "whole on every rank" here (embeddings, norms
 # and layers whose split input/gathered output make them equivalent to a replicated layer).
 _SHARDED_STYLES = {"colwise": COLWISE, "local_colwise": COLWISE, "rowwise": ROWWISE, "local_rowwise": ROWWISE,
-                   QKV: QKV}
+                   QKV: QKV, STACKED_QKV: STACKED_QKV}
 _REPLICATED_STYLES = {"replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
                       "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "sequence_parallel",
                       "isolated", "gather"}
@@ -58,11 +62,14 @@ _FAMILY_PLANS = {
                     "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
     "bloom": {"h.*.self_attention.query_key_value": QKV, "h.*.self_attention.dense": "rowwise",
               "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"},
+    # (Conv1D layers: weights stored (in, out), split along their dim 1 column-wise, dim 0 row-wise)
+    "gpt2": {"h.*.attn.c_attn": STACKED_QKV, "h.*.attn.c_proj": "rowwise",
+             "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
 }
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 # Widths (heads x head_dim) that attention code splits its fused q/k/v output by (GPTBigCode's multi-query split).
-_WIDTH_ATTRS = ("embed_dim",)
+_WIDTH_ATTRS = ("embed_dim", "split_size")  # (GPT-2 splits its c_attn output by split_size)
 _KV_WIDTH_ATTRS = ("kv_dim",)
 
 
@@ -228,9 +235,9 @@ def _check_plan(model, styles, modules, plan=None):
     halves = {}
     for name, style in styles.items():
         if not _plain_linear(modules[name]):
-            raise NotImplementedError(f"{name} is a {type(modules[name]).__name__}, not an nn.Linear (e.g. fused "
-                                      "qkv Conv1D); inference tensor parallelism cannot split it")
-        halves.setdefault(name.rpartition(".")[0], set()).add(COLWISE if style == QKV else style)
+            raise NotImplementedError(f"{name} is a {type(modules[name]).__name__}, not an nn.Linear (or "
+                                      "transformers' Conv1D); inference tensor parallelism cannot split it")
+        halves.setdefault(name.rpartition(".")[0], set()).add(ROWWISE if style == ROWWISE else COLWISE)
     incomplete = sorted(block for block, kinds in halves.items() if kinds != {COLWISE, ROWWISE})
     if incomplete:
         raise NotImplementedError(f"tensor-parallel plan of {type(model).__name__} splits {incomplete[0]} only on one "
@@ -244,7 +251,28 @@ _SAME_AS_LINEAR = {("transformers.models.falcon.modeling_falcon", "FalconLinear"
 
 def _plain_linear(module):
     kind = type(module)
-    return kind is nn.Linear or (kind.__module__, kind.__name__) in _SAME_AS_LINEAR
+    return kind is nn.Linear or (kind.__module__, kind.__name__) in _SAME_AS_LINEAR or _is_conv1d(module)
+
+
+def _is_conv1d(module):
+    """transformers' Conv1D (GPT-2): x @ W + b, its weight stored (in, out)."""
+    kind = type(module)
+    return (kind.__module__, kind.__name__) == ("transformers.pytorch_utils", "Conv1D")
+
+
+def _features(module):
+    """(inputs, outputs, the weight's output dimension) of an nn.Linear (weight (out, in)) or a Conv1D ((in, out))."""
+    if _is_conv1d(module):
+        return module.nx, module.nf, 1
+    return module.in_features, module.out_features, 0
+
+
+def _set_features(module):
+    """A shrunk layer's sizes from its new weight (Conv1D's forward shapes its output by ``nf``)."""
+    if _is_conv1d(module):
+        module.nx, module.nf = module.weight.shape
+    else:
+        module.out_features, module.in_features = module.weight.shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,17 +298,19 @@ class Slice:
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """Several row ranges ``((start, stop), ...)`` of a weight or bias, concatenated: this rank's heads of a fused
-    q/k/v projection (its queries, and the key and value they read)."""
+    """Several row ranges ``((start, stop), ...)`` of a weight or bias along ``dim`` (1: a Conv1D's outputs),
+    concatenated: this rank's heads of a fused q/k/v projection (its queries, and the key and value they read)."""
 
     ranges: tuple
-    dim = 0
+    dim: int = 0
 
     def __call__(self, tensor):
-        return torch.cat([tensor.narrow(0, start, stop - start) for start, stop in self.ranges])
+        return torch.cat([tensor.narrow(self.dim, start, stop - start) for start, stop in self.ranges], dim=self.dim)
 
     def shape_of(self, shape):
-        return torch.Size([sum(stop - start for start, stop in self.ranges), *shape[1:]])
+        shape = list(shape)
+        shape[self.dim] = sum(stop - start for start, stop in self.ranges)
+        return torch.Size(shape)
 
 
 def grouped_qkv_rows(layout, tp, rank):
@@ -296,13 +326,30 @@ def grouped_qkv_rows(layout, tp, rank):
         if lo < hi:
             ranges.append((base + (lo - group_first) * head_dim, base + (hi - group_first) * head_dim))
             ranges.append((base + per_group * head_dim, base + (per_group + 2) * head_dim))  # its key and value
+    return _rows(ranges)
+
+
+def stacked_qkv_rows(layout, tp, rank, dim=0):
+    """The rows of this rank's heads in a fused q/k/v output of all the queries, then all the keys, then all the
+    values: its query heads, and the key/value heads they read, of each block."""
+    heads, kv, head_dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+    first, last = _even(heads, tp, rank, "attention heads")
+    kv_first, kv_last = first * kv // heads, max(first * kv // heads + 1, last * kv // heads)
+    q_rows, kv_rows = heads * head_dim, kv * head_dim
+    return _rows([(first * head_dim, last * head_dim),
+                  (q_rows + kv_first * head_dim, q_rows + kv_last * head_dim),
+                  (q_rows + kv_rows + kv_first * head_dim, q_rows + kv_rows + kv_last * head_dim)], dim)
+
+
+def _rows(ranges, dim=0):
+    """One Slice, or Rows, of ``ranges`` (adjacent ones merged)."""
     merged = [ranges[0]]
     for start, stop in ranges[1:]:
         if start == merged[-1][1]:
             merged[-1] = (merged[-1][0], stop)
         else:
             merged.append((start, stop))
-    return Slice(0, *merged[0]) if len(merged) == 1 else Rows(tuple(merged))
+    return Slice(dim, *merged[0]) if len(merged) == 1 else Rows(tuple(merged), dim)
 
 
 def _even(n, tp, rank, what):
@@ -368,34 +415,39 @@ class ShardPlan:
 
     def _linear_slices(self, name, linear, style, in_attention):
         tp, rank = self.tp.size, self.tp.rank
-        if style == QKV:
+        in_features, out_features, out_dim = _features(linear)
+        if style in (QKV, STACKED_QKV):
             layout = self.layout
-            if linear.out_features != (layout.num_heads + 2 * layout.num_kv_heads) * layout.head_dim:
+            if out_features != (layout.num_heads + 2 * layout.num_kv_heads) * layout.head_dim:
                 raise NotImplementedError(
-                    f"{name} has {linear.out_features} outputs, not the fused queries, keys and values of "
+                    f"{name} has {out_features} outputs, not the fused queries, keys and values of "
                     f"{layout.num_heads} heads and {layout.num_kv_heads} key/value heads of {layout.head_dim} that "
                     "inference tensor parallelism splits (use inference_tp_size=1)")
-            rows = grouped_qkv_rows(layout, tp, rank)
+            if style == QKV:
+                rows, bias_rows = grouped_qkv_rows(layout, tp, rank), None
+            else:
+                rows = stacked_qkv_rows(layout, tp, rank, out_dim)
+                bias_rows = stacked_qkv_rows(layout, tp, rank)
             slices = {f"{name}.weight": rows}
             if linear.bias is not None:
-                slices[f"{name}.bias"] = rows
+                slices[f"{name}.bias"] = bias_rows or rows
             return slices
         if style == ROWWISE:
-            start, stop = _even(linear.in_features, tp, rank, f"{name} input size")
-            slices = {f"{name}.weight": Slice(1, start, stop)}
+            start, stop = _even(in_features, tp, rank, f"{name} input size")
+            slices = {f"{name}.weight": Slice(1 - out_dim, start, stop)}
             if linear.bias is not None:
                 slices[f"{name}.bias"] = Slice(0, 0, linear.bias.shape[0], zero=not self.tp.is_leader)
             return slices
         layout = self.layout
         kv_rows = layout.num_kv_heads * layout.head_dim
-        if in_attention and layout.num_kv_heads != layout.num_heads and linear.out_features == kv_rows \
+        if in_attention and layout.num_kv_heads != layout.num_heads and out_features == kv_rows \
                 and layout.num_kv_heads % tp:
             # Fewer key/value heads than ranks: each rank keeps the one its query heads read.
             head = rank * layout.num_kv_heads // tp
             start, stop = head * layout.head_dim, (head + 1) * layout.head_dim
         else:
-            start, stop = _even(linear.out_features, tp, rank, f"{name} output size")
-        slices = {f"{name}.weight": Slice(0, start, stop)}
+            start, stop = _even(out_features, tp, rank, f"{name} output size")
+        slices = {f"{name}.weight": Slice(out_dim, start, stop)}
         if linear.bias is not None:
             slices[f"{name}.bias"] = Slice(0, start, stop)
         return slices
@@ -410,7 +462,7 @@ class ShardPlan:
                     shape = self.slices[f"{name}.{leaf}"].shape_of(param.shape)
                     setattr(linear, leaf, nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device),
                                                        requires_grad=False))
-            linear.out_features, linear.in_features = linear.weight.shape
+            _set_features(linear)
             if style == ROWWISE:
                 linear.register_forward_hook(self._all_reduce_output)
         for block_name in {name.rpartition(".")[0] for name in self.styles}:

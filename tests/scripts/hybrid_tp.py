@@ -3,7 +3,8 @@
 Checks, for a GQA Llama (2 key/value heads: split), an MQA Llama (1 key/value head: replicated), OPT (no plan in
 transformers: split by projection names) and a GQA Llama with LoRA adapters (merged, then sliced), under ZeRO-0 and
 ZeRO-3, and for the fused q/k/v projections of dschat's plans (Falcon multi-query, also under ZeRO-3; Falcon with
-ALiBi; Falcon's new_decoder_architecture; GPTBigCode with and without multi-query; Bloom) under ZeRO-0:
+ALiBi; Falcon's new_decoder_architecture; GPTBigCode with and without multi-query; Bloom; GPT-2's Conv1D layers and
+all-queries-then-keys-then-values c_attn) under ZeRO-0:
 * greedy answers equal HF ``generate`` on the unsplit model (= inference_tp_size 1), although the ranks' prompt
   batches differ in rows and length and rank 0's answers end long before rank 1's; again after an optimizer step;
 * each rank's copy holds half of the split weights;
@@ -66,6 +67,14 @@ def reference_model(family):
     return model.eval()
 
 
+def unsplittable_model():
+    """A family inference tensor parallelism refuses: CTRL (no plan, projections named Wq, Wk, Wv, dense)."""
+    from transformers import AutoModelForCausalLM, CTRLConfig
+
+    torch.manual_seed(31)
+    return AutoModelForCausalLM.from_config(CTRLConfig(vocab_size=96, n_embd=64, n_layer=1, n_head=4, dff=128)).eval()
+
+
 def lora_config():
     import peft
 
@@ -107,11 +116,14 @@ def check_split(engine, reference):
     for name, style in plan.styles.items():
         full = reference.get_submodule(name).weight
         mine = model.get_submodule(name).weight
-        if style == "colwise_qkv":
+        # transformers' Conv1D (GPT-2) stores its weight (in, out)
+        out_dim = 1 if type(model.get_submodule(name)).__name__ == "Conv1D" else 0
+        if style in ("colwise_qkv", "colwise_stacked_qkv"):
             rows = (plan.local_heads + 2 * plan.local_kv_heads) * plan.layout.head_dim
-            assert mine.shape == (rows, full.shape[1]) and plan.local_heads * 2 == plan.layout.num_heads, name
+            assert mine.shape[out_dim] == rows and mine.shape[1 - out_dim] == full.shape[1 - out_dim], name
+            assert plan.local_heads * 2 == plan.layout.num_heads, name
             continue
-        dim = 0 if style == "colwise" else 1
+        dim = out_dim if style == "colwise" else 1 - out_dim
         # MQA: the one key/value head is kept whole on both ranks.
         replicated_kv = style == "colwise" and plan.layout.num_kv_heads == 1 and full.shape[0] == plan.layout.head_dim
         assert mine.shape[dim] * (1 if replicated_kv else 2) == full.shape[dim], (name, mine.shape, full.shape)
@@ -301,12 +313,12 @@ def check_release_destroys_the_group(rank, world):
     ids, mask = rank_prompts(rank)
     expected = hf_generate(reference, ids, mask, MAX_NEW)
     groups = distributed_c10d._world.pg_map
-    # an engine that cannot be built (GPT-2's fused qkv cannot be split) leaves no group behind either
-    gpt2 = build_actor(reference_model("gpt2"), 0, lora=False)
+    # an engine that cannot be built (CTRL: no plan, no projection of a usual name) leaves no group behind either
+    ctrl = build_actor(unsplittable_model(), 0, lora=False)
     before = len(groups)  # (after the first DeepSpeed engine: DeepSpeed makes a group of its own, once per process)
-    refuse_build(gpt2, NotImplementedError, "no tensor-parallel plan for GPT2LMHeadModel")
+    refuse_build(ctrl, NotImplementedError, "no tensor-parallel plan for CTRLLMHeadModel")
     assert len(groups) == before, ("a failed build", before, len(groups))
-    release_engine(gpt2)
+    release_engine(ctrl)
     # nor one of a model it can split whose settings are refused once the group is made (a misspelt decode_attention)
     llama = build_actor(reference, 0, lora=False)
     refuse_build(llama, ValueError, "decode_attention must be one of", decode_attention="trition")
