@@ -14,8 +14,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "hybrid_tp.py"
 FAMILIES = ("llama", "llama-mqa", "opt", "llama-lora")
 # fused q/k/v projections (dschat's plans for them): Falcon multi-query, per-head q/k/v with ALiBi in the mask, grouped
 # per key/value head (new_decoder_architecture); GPTBigCode multi-query and not; Bloom (ALiBi as an argument); GPT-2
-# (Conv1D layers, c_attn of all the queries, then all the keys, then all the values)
-FUSED_QKV = ("falcon", "falcon_alibi", "falcon_new", "gpt_bigcode", "gpt_bigcode_mha", "bloom", "gpt2")
+# (Conv1D layers, c_attn of all the queries, then all the keys, then all the values); Phi-3 (packed qkv_proj and
+# gate_up_proj, its attention reading its config's head count)
+FUSED_QKV = ("falcon", "falcon_alibi", "falcon_new", "gpt_bigcode", "gpt_bigcode_mha", "bloom", "gpt2", "phi3")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_tp2_greedy_equals_unsplit_model_on_two_ranks(stage, tp_launch):
 
 @pytest.mark.multirank
 def test_tp2_of_fused_qkv_families_equals_unsplit_model_on_two_ranks(tp_launch):
-    """Falcon, GPTBigCode, Bloom and GPT-2 had no plan (inference_tp_size 2 refused them): greedy answers,
+    """Falcon, GPTBigCode, Bloom, GPT-2 and Phi-3 had no plan (inference_tp_size 2 refused them): greedy answers,
     log-probabilities and the refresh after a step now equal the unsplit model's for each layout of their fused q/k/v
     (ZeRO-3 too: Falcon)."""
     proc = launched(tp_launch)
@@ -220,6 +221,29 @@ def test_gpt2_conv1d_layers_are_split_along_their_stored_output_and_input_dims()
     assert model.transformer.h[0].mlp.c_fc.nf == 128
 
 
+def test_phi3_packed_projections_are_split_per_block_and_its_attention_reads_its_own_head_count():
+    """Phi-3's qkv_proj holds all the queries, then all the keys, then all the values (4 heads, 2 key/value heads of
+    16), gate_up_proj all the gate rows, then all the up rows; its attention reads the query width from
+    ``config.num_attention_heads``: it gets a view of the config with the rank's counts, the model's config unchanged
+    and everything else read live from it (the attention implementation dschat switches per generation)."""
+    model, plan = _plan("phi3", rank=1)
+    layer = "model.layers.0"
+    assert plan.slices[f"{layer}.self_attn.qkv_proj.weight"].ranges == ((32, 64), (80, 96), (112, 128))
+    assert plan.slices[f"{layer}.mlp.gate_up_proj.weight"].ranges == ((64, 128), (192, 256))
+    assert plan.slices[f"{layer}.self_attn.o_proj.weight"] == Slice(1, 32, 64)
+    assert plan.slices[f"{layer}.mlp.down_proj.weight"] == Slice(1, 64, 128)
+    shared = model.config
+    plan.apply(model.to("meta"))
+    attention = model.model.layers[0].self_attn
+    assert attention.config is not shared and (shared.num_attention_heads, shared.num_key_value_heads) == (4, 2)
+    assert (attention.config.num_attention_heads, attention.config.num_key_value_heads) == (2, 1)
+    assert attention.num_key_value_heads == 1 and attention.num_key_value_groups == 2
+    assert attention.config.hidden_size == 64
+    before = shared._attn_implementation
+    shared._attn_implementation_internal = "eager" if before != "eager" else "sdpa"
+    assert attention.config._attn_implementation == shared._attn_implementation != before
+
+
 def _loaded_shard(family, rank, size=2):
     """A random-weight model of ``family`` and this rank's shard of it, its slices copied from the model's weights."""
     torch.manual_seed(1)  # the same model on every rank
@@ -237,7 +261,7 @@ def _loaded_shard(family, rank, size=2):
     return model, shard.eval()
 
 
-@pytest.mark.parametrize("family", ["gpt2"])
+@pytest.mark.parametrize("family", ["gpt2", "phi3"])
 def test_the_ranks_shards_of_a_block_sum_to_the_whole_block(family, monkeypatch):
     """Each rank's attention and MLP (its heads, its columns; the row-wise all-reduce a no-op here) give partial
     outputs that add up to the unsplit block's, the row-wise bias counted once."""
@@ -323,17 +347,15 @@ def test_bloom_slicing_its_own_output_projections_is_refused_by_name():
 
 
 def test_a_plan_that_splits_no_projection_is_refused_without_saying_the_config_has_none():
-    """Phi-3's plan gathers its packed qkv_proj / gate_up_proj outputs (nothing to split): --inference_tp_size 2 said
-    'its config has no base_model_tp_plan', which it has; now the refusal says the plan splits no projection."""
-    from transformers import AutoModelForCausalLM, Phi3Config
-
+    """A config plan that gathers every projection's output (as transformers' Phi-3 plan does for its packed qkv_proj /
+    gate_up_proj, before dschat had one of its own): --inference_tp_size 2 said 'its config has no base_model_tp_plan',
+    which it has; the refusal says the plan splits no projection."""
+    model, _ = _plan("opt")  # (OPT: no plan of transformers' or dschat's)
+    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_gather_output",
+                                       "layers.*.self_attn.out_proj": "rowwise_split_input"}
     from dschat.hybrid_engine.tensor_parallel import ShardPlan
     from dschat.models.layers import decoder_layer_list
 
-    cfg = Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                     num_key_value_heads=2, pad_token_id=0)
-    assert cfg.base_model_tp_plan
-    model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(NotImplementedError) as refused:
         ShardPlan(model, decoder_layer_list(model)[0], _Rank(2, 0))
     message = str(refused.value)

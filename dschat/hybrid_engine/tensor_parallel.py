@@ -8,17 +8,21 @@ the model split across its ranks, Megatron-style, and hands every rank back its 
   output and MLP down projections by input, followed by an all-reduce over the group (the bias is added once, by the
   group's first rank). Norms, embeddings and the LM head stay whole on every rank, and so does attention where the
   model's plan replicates it (Olmo2's q/k norms): each rank then computes, and caches, every head.
-* Which linear layer is which comes from the model's own tensor-parallel plan (``config.base_model_tp_plan``) where
-  transformers provides one, else from dschat's plan for the family (Falcon, GPTBigCode, Bloom, GPT-2:
-  ``_FAMILY_PLANS``), else from the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...). transformers'
-  ``Conv1D`` (GPT-2) stores its weight (in, out): it is split along dim 1 column-wise, along dim 0 row-wise.
+* Which linear layer is which comes from dschat's plan for the family where it has one (Falcon, GPTBigCode, Bloom,
+  GPT-2, Phi-3: ``_FAMILY_PLANS``; transformers' own plan for Phi-3 gathers its packed outputs, splitting nothing),
+  else from the model's own tensor-parallel plan (``config.base_model_tp_plan``) where transformers provides one, else
+  from the common projection names (``q_proj``, ``out_proj``, ``fc1``, ...). transformers' ``Conv1D`` (GPT-2) stores
+  its weight (in, out): it is split along dim 1 column-wise, along dim 0 row-wise.
 * A fused q/k/v projection (Falcon's ``query_key_value``, GPTBigCode's ``c_attn``) orders its rows per key/value head:
   that head's queries, its key, its value (multi-query: all queries, the key, the value; as many key/value heads as
-  query heads: q/k/v per head; Bloom's too); GPT-2's ``c_attn`` holds all the queries, then all the keys, then all
-  the values. Each rank keeps the rows of its query heads and of the key/value heads they read.
+  query heads: q/k/v per head; Bloom's too); GPT-2's ``c_attn`` and Phi-3's ``qkv_proj`` hold all the queries, then all
+  the keys, then all the values. Each rank keeps the rows of its query heads and of the key/value heads they read.
+  Phi-3's ``gate_up_proj`` (all the gate rows, then all the up rows) keeps its part of each half.
 * The attention modules are told their local head counts (and widths) by their usual attribute names (``num_heads``,
-  ``num_key_value_groups``, ``embed_dim``, ``split_size``, ...); HF attention reshapes with ``-1`` heads otherwise. A
-  bias per head (ALiBi: Falcon's in the attention mask, Bloom's ``alibi`` argument) is narrowed to the rank's heads.
+  ``num_key_value_groups``, ``embed_dim``, ``split_size``, ...); HF attention reshapes with ``-1`` heads otherwise. An
+  attention that reads its head counts from its ``config`` (Phi-3) gets a view of the config with the rank's counts
+  (``LocalHeadsConfig``; the model's config stays whole). A bias per head (ALiBi: Falcon's in the attention mask,
+  Bloom's ``alibi`` argument) is narrowed to the rank's heads.
 
 The split happens in the inference copy only (``weights.InferenceCopy``): the training model is untouched, and the copy's
 slices are refreshed from the (ZeRO-3-gathered) training weights like any other inference weight.
@@ -44,10 +48,12 @@ QKV = "colwise_qkv"
 # A fused q/k/v projection of all the queries, then all the keys, then all the values (GPT-2's c_attn): each of the
 # three blocks split by heads.
 STACKED_QKV = "colwise_stacked_qkv"
+# Two equal projections in one (Phi-3's gate_up_proj: all the gate rows, then all the up rows): each half split evenly.
+STACKED_PAIR = "colwise_stacked_pair"
 # Styles of transformers' plans that dschat shards, and those that mean "whole on every rank" here (embeddings, norms
 # and layers whose split input/gathered output make them equivalent to a replicated layer).
 _SHARDED_STYLES = {"colwise": COLWISE, "local_colwise": COLWISE, "rowwise": ROWWISE, "local_rowwise": ROWWISE,
-                   QKV: QKV, STACKED_QKV: STACKED_QKV}
+                   QKV: QKV, STACKED_QKV: STACKED_QKV, STACKED_PAIR: STACKED_PAIR}
 _REPLICATED_STYLES = {"replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
                       "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "sequence_parallel",
                       "isolated", "gather"}
@@ -65,6 +71,9 @@ _FAMILY_PLANS = {
     # (Conv1D layers: weights stored (in, out), split along their dim 1 column-wise, dim 0 row-wise)
     "gpt2": {"h.*.attn.c_attn": STACKED_QKV, "h.*.attn.c_proj": "rowwise",
              "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+    # (transformers' plan gathers the packed outputs: each rank would compute them whole)
+    "phi3": {"layers.*.self_attn.qkv_proj": STACKED_QKV, "layers.*.self_attn.o_proj": "rowwise",
+             "layers.*.mlp.gate_up_proj": STACKED_PAIR, "layers.*.mlp.down_proj": "rowwise"},
 }
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
@@ -178,10 +187,11 @@ def _pattern_regex(pattern):
 
 
 def model_tp_plan(model):
-    """{pattern: style} from the model's config, else dschat's plan for its family, or None when there is neither."""
+    """{pattern: style} of dschat's plan for the model's family, else from its config, or None when there is neither
+    (dschat's plan first: Phi-3's config has one that splits nothing)."""
     text_config = model.config.get_text_config(decoder=True)
-    plan = getattr(text_config, "base_model_tp_plan", None) or getattr(model.config, "base_model_tp_plan", None) or \
-        _FAMILY_PLANS.get(getattr(text_config, "model_type", None))
+    plan = _FAMILY_PLANS.get(getattr(text_config, "model_type", None)) or \
+        getattr(text_config, "base_model_tp_plan", None) or getattr(model.config, "base_model_tp_plan", None)
     return dict(plan) if plan else None
 
 
@@ -432,6 +442,13 @@ class ShardPlan:
             if linear.bias is not None:
                 slices[f"{name}.bias"] = bias_rows or rows
             return slices
+        if style == STACKED_PAIR:
+            half = out_features // 2
+            start, stop = _even(half, tp, rank, f"{name} output size (each half)")
+            slices = {f"{name}.weight": _rows([(start, stop), (half + start, half + stop)], out_dim)}
+            if linear.bias is not None:
+                slices[f"{name}.bias"] = _rows([(start, stop), (half + start, half + stop)])
+            return slices
         if style == ROWWISE:
             start, stop = _even(in_features, tp, rank, f"{name} input size")
             slices = {f"{name}.weight": Slice(1 - out_dim, start, stop)}
@@ -503,6 +520,15 @@ class ShardPlan:
                     setattr(attention, attr, local * layout.head_dim)
         if hasattr(attention, "num_key_value_groups"):
             attention.num_key_value_groups = self.local_heads // self.local_kv_heads
+        config = getattr(attention, "config", None)
+        if config is not None:
+            # Phi-3's attention reads its query width from its config's head count: give it counts of its own
+            local = {field: count for field, full, count in
+                     (("num_attention_heads", layout.num_heads, self.local_heads),
+                      ("num_key_value_heads", layout.num_kv_heads, self.local_kv_heads))
+                     if layout_field(config, field) == full}
+            if local:
+                attention.config = LocalHeadsConfig(config, **local)
 
     def _own_heads_of_bias(self, module, args, kwargs):
         """A bias per query head narrowed to this rank's heads: a mask of (batch, heads, q, k) (Falcon folds ALiBi
@@ -522,6 +548,28 @@ class ShardPlan:
     def _all_reduce_output(self, module, inputs, output):
         dist.all_reduce(output, group=self.tp.group)
         return output
+
+
+class LocalHeadsConfig:
+    """The model's config as one attention module of a rank's shard reads it: its own head counts, every other field
+    the shared config's, read (and written) live: dschat switches the attention implementation on the shared config
+    for each generation (``models.attention.sdpa_replaced``), which a copy would not see."""
+
+    def __init__(self, config, **local):
+        object.__setattr__(self, "_shared", config)
+        object.__setattr__(self, "_local", local)
+
+    def __getattr__(self, name):  # (only for names not on the instance: everything but _shared and _local)
+        if name.startswith("__") or name in ("_shared", "_local"):
+            raise AttributeError(name)
+        local = self._local
+        return local[name] if name in local else getattr(self._shared, name)
+
+    def __setattr__(self, name, value):
+        if name in self._local:
+            self._local[name] = value
+        else:
+            setattr(self._shared, name, value)
 
 
 def check_splits(config, tp_size):

@@ -4,7 +4,7 @@ Checks, for a GQA Llama (2 key/value heads: split), an MQA Llama (1 key/value he
 transformers: split by projection names) and a GQA Llama with LoRA adapters (merged, then sliced), under ZeRO-0 and
 ZeRO-3, and for the fused q/k/v projections of dschat's plans (Falcon multi-query, also under ZeRO-3; Falcon with
 ALiBi; Falcon's new_decoder_architecture; GPTBigCode with and without multi-query; Bloom; GPT-2's Conv1D layers and
-all-queries-then-keys-then-values c_attn) under ZeRO-0:
+all-queries-then-keys-then-values c_attn; Phi-3's packed qkv_proj and gate_up_proj) under ZeRO-0:
 * greedy answers equal HF ``generate`` on the unsplit model (= inference_tp_size 1), although the ranks' prompt
   batches differ in rows and length and rank 0's answers end long before rank 1's; again after an optimizer step;
 * each rank's copy holds half of the split weights;
@@ -118,6 +118,9 @@ def check_split(engine, reference):
         mine = model.get_submodule(name).weight
         # transformers' Conv1D (GPT-2) stores its weight (in, out)
         out_dim = 1 if type(model.get_submodule(name)).__name__ == "Conv1D" else 0
+        if style == "colwise_stacked_pair":  # Phi-3's gate_up_proj: half of each half
+            assert mine.shape[out_dim] * 2 == full.shape[out_dim], name
+            continue
         if style in ("colwise_qkv", "colwise_stacked_qkv"):
             rows = (plan.local_heads + 2 * plan.local_kv_heads) * plan.layout.head_dim
             assert mine.shape[out_dim] == rows and mine.shape[1 - out_dim] == full.shape[1 - out_dim], name
