@@ -499,6 +499,21 @@ def test_a_csv_answer_written_as_the_json_text_of_one_message_reads_as_that_mess
     assert adapter.get_chosen_text(adapter.get_train_data()[0]) == call
 
 
+def test_a_json_lines_answer_that_is_the_json_text_of_a_message_stays_its_text(tmp_path):
+    """Only a CSV cell, which cannot hold an object, writes one message as its JSON text: a JSON Lines (or JSON,
+    parquet) string is text. An answer or prompt whose text is a message's JSON (a task that writes JSON) was read as
+    that message (a user's as an error) since the CSV rule came; it is trained on as written, as before."""
+    user, assistant = ({"role": role, "content": "hi"} for role in ("user", "assistant"))
+    records = [{"prompt": json.dumps(user), "chosen": json.dumps(assistant), "rejected": json.dumps(user)}] * 2
+    for kind in ("jsonl", "json", "parquet"):
+        path = write_records(records, tmp_path / f"pairs.{kind}", kind)
+        adapter = raw(f"{path},{path}", tmp_path)
+        sample = adapter.get_train_data()[0]
+        assert adapter.get_conversation(sample) == [{"role": "user", "content": json.dumps(user)}], kind
+        assert (adapter.get_chosen_text(sample), adapter.get_rejected_text(sample)) == \
+            (json.dumps(assistant), json.dumps(user)), kind
+
+
 def test_trl_preference_records_with_implicit_and_explicit_prompt(tmp_path):
     user = {"role": "user", "content": "Name a color."}
     implicit = [{"chosen": [user, {"role": "assistant", "content": "Blue."}],

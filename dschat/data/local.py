@@ -1055,6 +1055,8 @@ class LocalDataset(PromptRawDataset):
         self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD)}
         self.renamed = checked_field_options(field_options or {})
         self.fields.update(self.renamed)
+        # (a CSV cell holds one message as its JSON text; a JSON or parquet file's text is text: ``_json_list_text``)
+        self.csv_cells = "csv" in {source.kind, source.eval_type}
         self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
         super().__init__(output_path, seed, local_rank, dataset_name=source.spec, raw_datasets=None)
 
@@ -1105,7 +1107,7 @@ class LocalDataset(PromptRawDataset):
             return
         conversation = next((name for name in ("conversations", self.fields["messages"]) if name in columns), None)
         first = next((value for value in train[:100][self.fields["chosen"]] if value is not None), None)
-        if conversation and (_is_one_message(first) or _message_of_json_text(first) is not None):
+        if conversation and (_is_one_message(first) or self.csv_cells and _message_of_json_text(first) is not None):
             self.fields["prompt"] = conversation
 
     def _read_alpaca_columns(self, columns):
@@ -1351,7 +1353,7 @@ class LocalDataset(PromptRawDataset):
 
     def _prompt_field_messages(self, sample):
         field = self.fields["prompt"]
-        value = _json_list_text(sample.get(field), field)
+        value = _json_list_text(sample.get(field), field, self.csv_cells)
         if isinstance(value, (list, tuple)):
             return prompt_messages(self._checked_messages(value, sample, field), field)
         text, earlier = self._with_input(sample, required_text(sample, field)), self._history_turns(sample)
@@ -1389,7 +1391,7 @@ class LocalDataset(PromptRawDataset):
 
     def _answer_list_turns(self, sample, field):
         """The turns before the answer of an answer given as a message list, else None (a string answer)."""
-        value = _json_list_text(sample[field], field)
+        value = _json_list_text(sample[field], field, self.csv_cells)
         if not isinstance(value, (list, tuple)):
             return None
         return final_assistant_answer(self._checked_messages(value, sample, field), field)[0]
@@ -1415,7 +1417,7 @@ class LocalDataset(PromptRawDataset):
         """The messages of a record whose last message is the user's (a message list, or a "Human: ... Assistant:"
         transcript ending with an empty assistant turn), else None."""
         field = self.fields["messages"]
-        value = _json_list_text(sample.get(field), field)
+        value = _json_list_text(sample.get(field), field, self.csv_cells)
         if isinstance(value, (list, tuple)):
             messages = self._checked_messages(value, sample, field)
         elif isinstance(value, str) and _TRANSCRIPT_TURN.search(value):
@@ -1428,7 +1430,7 @@ class LocalDataset(PromptRawDataset):
         """(prompt turns, answer) of a full conversation whose last message is the assistant's answer: a message
         list, or a "Human: ... Assistant: ..." transcript (Anthropic/hh-rlhf's chosen and rejected); a chosen and
         rejected pair of plain strings, TRL's implicit prompt: the words both begin with, then each one's answer."""
-        value = _json_list_text(sample.get(field), field)
+        value = _json_list_text(sample.get(field), field, self.csv_cells)
         if isinstance(value, str):
             if self.shape == "chosen_messages" and self._plain_string_pair(sample):
                 return _split_at_shared_prompt(sample, field, self.fields["chosen"], self.fields["rejected"])
@@ -1444,7 +1446,8 @@ class LocalDataset(PromptRawDataset):
 
     def _plain_string_pair(self, sample):
         """Whether the record's chosen and rejected are both strings, neither a transcript nor a message list."""
-        values = [_json_list_text(sample.get(self.fields[name]), self.fields[name]) for name in ("chosen", "rejected")]
+        values = [_json_list_text(sample.get(self.fields[name]), self.fields[name], self.csv_cells)
+                  for name in ("chosen", "rejected")]
         return all(isinstance(v, str) and not _TRANSCRIPT_TURN.search(v) for v in values)
 
     def get_chosen_text(self, sample):
@@ -1493,7 +1496,7 @@ class LocalDataset(PromptRawDataset):
         """(messages, positions of the assistant turns of weight 0) of a conversation record ((None, none) for a
         transcript: it has no weights)."""
         field = self.fields["messages"]
-        value = _json_list_text(sample.get(field), field)
+        value = _json_list_text(sample.get(field), field, self.csv_cells)
         if not isinstance(value, (list, tuple)):
             return None, frozenset()
         messages = self._checked_messages(value, sample, field)
@@ -1543,7 +1546,7 @@ class LocalDataset(PromptRawDataset):
     def _answer_value(self, sample, field):
         """An answer given as a string, or as a message list whose last message is the assistant's. Turns before it
         (ultrafeedback_binarized's chosen repeats its prompt) must be the prompt field's: they would be dropped."""
-        value = _json_list_text(sample[field], field)
+        value = _json_list_text(sample[field], field, self.csv_cells)
         if isinstance(value, (list, tuple)):
             turns, answer = final_assistant_answer(self._checked_messages(value, sample, field), field)
             _check_answer_weighted(value, field)
@@ -1635,15 +1638,17 @@ _LIST_OF_OBJECTS = re.compile(r"\s*\[\s*\{")
 _OBJECT = re.compile(r"\s*\{")
 
 
-def _json_list_text(value, field):
+def _json_list_text(value, field, csv_cell=False):
     """A message list written as JSON text (a CSV cell holds no lists) as the list, and one message (LLaMA-Factory's
-    pairwise answers: {"from": "gpt", "value": ...}) as a list of it; any other value (a prompt that
+    pairwise answers: {"from": "gpt", "value": ...}) as a list of it, as is its JSON text in a CSV cell (``csv_cell``:
+    a JSON or parquet file's string answer that reads as a message's JSON is an answer of JSON text, trained on as
+    such, as it was before); any other value (a prompt that
     happens to read as JSON, "[1, 2, 3]", or an answer that is JSON objects, a tool call's
     '[{"name": "get_weather", "arguments": ...}]') as it is. A message list written as Python, as pandas' to_csv writes
     a list column, is its record's error (it was trained on as text)."""
     if _is_one_message(value):
         return [value]
-    message = _message_of_json_text(value)
+    message = _message_of_json_text(value) if csv_cell else None
     if message is not None:  # (its JSON text, as a CSV cell holds it: read as the list of it is)
         return [message]
     if isinstance(value, str) and _LIST_OF_OBJECTS.match(value):
