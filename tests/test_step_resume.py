@@ -1268,6 +1268,29 @@ def test_a_conversion_that_meets_a_damaged_file_says_the_checkpoint_is_damaged(t
     assert not (tmp_path / "model" / "step_0000002_universal.partial").exists()
 
 
+def test_a_conversion_refused_its_write_is_not_said_as_a_damaged_checkpoint(tmp_path, distributed, monkeypatch):
+    """The conversion writes its copy beside the checkpoint: a write refused there (a checkpoints folder copied
+    read-only) was said as a damaged file to restore, though every file of it reads. It is said as DeepSpeed's
+    conversion failing, with the error that names the folder."""
+    import errno
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    from dschat.utils import checkpoints
+
+    (tmp_path / "model" / "step_0000002").mkdir(parents=True)
+    for code in (errno.EACCES, errno.EROFS):
+        def refused(options, code=code):
+            raise OSError(code, os.strerror(code), options.output_folder)
+
+        monkeypatch.setattr(ds_to_universal, "main", refused)
+        with pytest.raises(UsageError) as raised:
+            checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2)
+        assert "damaged" not in str(raised.value), str(raised.value)
+        assert f"DeepSpeed could not convert its model states for another number of ranks (ds_to_universal: " \
+               f"{type(OSError(code, '')).__name__}: [Errno {code}]" in str(raised.value), str(raised.value)
+
+
 def test_a_dpo_checkpoint_resumes_only_against_the_reference_model_its_run_started_from(tmp_path, distributed,
                                                                                           monkeypatch, capsys):
     """DPO's --model_name_or_path is also its frozen reference, loaded again from the folder on --resume while the

@@ -15,6 +15,7 @@ rank's RNG states from its own file where the checkpoint has one (``load_rank_st
 import argparse
 import contextlib
 import datetime
+import errno
 import hashlib
 import io
 import os
@@ -563,12 +564,17 @@ def universal_copy(root, part, tag, saved):
     return universal_tag(tag), True
 
 
+# How the conversion's writing into the checkpoint's folder fails that says nothing of the checkpoint's files
+WRITE_REFUSED_ERRNOS = (*FULL_DISK_ERRNOS, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def _refuse_damaged_for_conversion(error, root, part, tag):
     """A conversion that failed on a file of ``part``'s states that cannot be read (cut short: torch's loader's
     "OSError: [Errno 22] Invalid argument", its zip reader's error, an EOFError): a UsageError saying the checkpoint
     is damaged, as its load on its own number of ranks does (``reading``); the conversion's error advised resuming on
-    the checkpoint's ranks, where it fails too. (A full disk's or quota's OSError is the conversion's writing.)"""
-    if isinstance(error, OSError) and error.errno in FULL_DISK_ERRNOS:
+    the checkpoint's ranks, where it fails too. (A full disk's or quota's OSError, and a refused write's, a read-only
+    checkpoints folder's, are the conversion's writing: no file of the checkpoint is damaged.)"""
+    if isinstance(error, OSError) and error.errno in WRITE_REFUSED_ERRNOS:
         return
     reason = unreadable_file_reason(error, (OSError,))
     if reason is not None:
