@@ -198,8 +198,8 @@ def model_tp_plan(model):
 def sharded_linears(model, layers_prefix):
     """{module name: COLWISE | ROWWISE} for the decoder layers' linear projections to split.
 
-    From the model's own plan when it has one (an unsupported style, e.g. MoE experts or packed projections, is an
-    error), else by projection name. Only ``nn.Linear`` modules inside the repeated decoder blocks are split.
+    From ``model_tp_plan`` when there is one (dschat's plan for the family, else the config's; an unsupported style,
+    e.g. MoE experts or packed projections, is an error), else by projection name. Only ``nn.Linear`` modules inside the repeated decoder blocks are split.
     """
     plan = model_tp_plan(model)
     in_layers = {name: m for name, m in model.named_modules()
