@@ -336,7 +336,7 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
 
     def fake_dpo(argv):
         calls.append("dpo")
-        metrics = dict.fromkeys(DPO_REPORT_KEYS, 0.5)
+        metrics = {key: 0 if key.endswith("_ties") else 0.5 for key in DPO_REPORT_KEYS}  # (no pair tied)
         (tmp_path / "step2_dpo").mkdir()
         (tmp_path / "step2_dpo" / "metrics.json").write_text(json.dumps(metrics))
 
