@@ -960,11 +960,13 @@ def split_rows(batch, micro_batch):
 
 def global_token_count(action_masks, device):
     """Response tokens in a global batch: this rank's micro-batches summed, then all ranks."""
-    total = torch.tensor(float(sum(int(m.sum()) for m in action_masks)), device=device)
-    return all_reduce(total).item()
+    return _summed_over_ranks(sum(int(m.sum()) for m in action_masks), device)
 
 
 def global_row_count(action_masks, device):
     """Answers (rows, empty ones included) in a global batch: this rank's micro-batches summed, then all ranks."""
-    total = torch.tensor(float(sum(m.shape[0] for m in action_masks)), device=device)
-    return all_reduce(total).item()
+    return _summed_over_ranks(sum(m.shape[0] for m in action_masks), device)
+
+
+def _summed_over_ranks(count, device):
+    return all_reduce(torch.tensor(float(count), device=device)).item()
