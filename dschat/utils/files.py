@@ -184,7 +184,12 @@ def writes_said_on_a_full_disk(folder):
 
 def unnamed_full_disk_errno(error):
     """ENOSPC or EDQUOT of an OSError that names no file (``os.write``'s, a file object's ``write``), else None."""
-    return error.errno if error.errno in FULL_DISK_ERRNOS and not error.filename else None
+    return None if error.filename else full_disk_code(error)
+
+
+def full_disk_code(error):
+    """An OSError's errno where it is ENOSPC or EDQUOT, else None."""
+    return error.errno if error.errno in FULL_DISK_ERRNOS else None
 
 
 def full_disk_errno(error, folder):
@@ -206,7 +211,7 @@ def probe_write_errno(folder):
     try:
         fd, path = temp_file(existing_parent(folder), ".write-probe")
     except OSError as error:
-        return error.errno if error.errno in FULL_DISK_ERRNOS else None
+        return full_disk_code(error)
     try:
         try:
             os.write(fd, bytes(PROBE_BYTES))
@@ -214,7 +219,7 @@ def probe_write_errno(folder):
         finally:
             os.close(fd)
     except OSError as error:
-        return error.errno if error.errno in FULL_DISK_ERRNOS else None
+        return full_disk_code(error)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
