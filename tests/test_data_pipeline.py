@@ -1259,6 +1259,23 @@ def test_sharegpt_function_call_and_observation_turns_are_tool_calls_and_results
         build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=1024)
 
 
+def test_openai_older_function_calling_trains_as_its_tool_calls_form(tmp_path, tokenizer):
+    """OpenAI's older function-calling records (function_call with its arguments as JSON text, the result as role
+    "function", the schemas in a "functions" column) were refused; they train token for token as their tool_calls
+    form does, the schemas rendered in the prompt, with --multiturn the call too."""
+    tok = qwen_tools(tokenizer)
+    older = [TOOL_CONVERSATION[0], TOOL_CONVERSATION[1],
+             {"role": "assistant", "content": None,
+              "function_call": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}},
+             {"role": "function", "name": "get_weather", "content": "22C"}, TOOL_CONVERSATION[4]]
+    path = write_jsonl(tmp_path / "older.jsonl", [{"messages": older, "functions": [WEATHER_TOOL["function"]]}] * 2)
+    train, _ = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", multiturn=True, max_seq_len=1024)
+    whole = tok.apply_chat_template(TOOL_CONVERSATION, tools=[WEATHER_TOOL["function"]], tokenize=False).rstrip()
+    assert '"description": "The weather in a city."' in whole
+    assert train[0]["input_ids"].tolist() == tok(whole, add_special_tokens=False)["input_ids"]
+    assert trained_text(train[0], tok) == CALL + "|It is 22C.<|im_end|>"
+
+
 @pytest.mark.parametrize("template", ["drops_calls", "none"])
 def test_a_last_tool_call_a_template_does_not_render_is_the_records_error(tmp_path, tokenizer, template):
     """A conversation ending with a call, under a template that writes the call's turn as its (empty) text alone, or

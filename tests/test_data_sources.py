@@ -497,6 +497,14 @@ def test_a_csv_answer_written_as_the_json_text_of_one_message_reads_as_that_mess
     path = write_records([{"prompt": "Call it.", "chosen": call, "rejected": "No."}] * 2, tmp_path / "call.csv", "csv")
     adapter = raw(f"{path},{path}", tmp_path)
     assert adapter.get_chosen_text(adapter.get_train_data()[0]) == call
+    # OpenAI's older call message (function_call, no content) is a message too: its call is the answer
+    older = json.dumps({"role": "assistant", "function_call": {"name": "weather", "arguments": '{"city": "Paris"}'}})
+    path = write_records([{"prompt": "Call it.", "chosen": older, "rejected": "No."}] * 2, tmp_path / "older.csv",
+                         "csv")
+    adapter = raw(f"{path},{path}", tmp_path)
+    answer = adapter.get_chosen_text(adapter.get_train_data()[0])
+    assert (str(answer), answer.tool_calls) == ("", [{"type": "function", "function": {
+        "name": "weather", "arguments": {"city": "Paris"}}}])
 
 
 def test_a_json_lines_answer_that_is_the_json_text_of_a_message_stays_its_text(tmp_path):
@@ -1543,8 +1551,12 @@ CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city"
 
 
 @pytest.mark.parametrize("messages, said", [
-    ([{"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": "{}"}}],
-     r"message 1 has function_call \(OpenAI's older form\), which is not read: give its call as tool_calls"),
+    ([{"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": "{}"},
+       "tool_calls": [CALL]}], r"message 1 has both function_call and tool_calls; give its calls once"),
+    ([{"role": "user", "content": "Now.", "function_call": {"name": "weather", "arguments": "{}"}}],
+     r"message 1 has function_call but role 'user'; only an assistant turn calls functions"),
+    ([{"role": "assistant", "content": None, "function_call": {"arguments": "{}"}}],
+     r"message 1 has a tool call without a function name"),
     ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": {}}}]},
       {"role": "tool", "content": "Sunny."}, {"role": "assistant", "content": "Sunny."}],
      r"message 1 has a tool call without a function name"),
@@ -1583,6 +1595,32 @@ def test_tool_calls_and_results_are_read_and_malformed_ones_are_errors(tmp_path,
     assert adapter.get_tools(first) == [{"type": "function"}] and adapter.get_tools(second) is None
     assert adapter.get_chosen_text(second) == "Sunny." and adapter.get_conversation(second) == [
         {"role": "user", "content": "Weather?"}]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_openai_older_function_calling_is_read_as_tool_calls_and_results(tmp_path, kind):
+    """OpenAI's older function-calling format (an assistant message's function_call {name, arguments: JSON text}, the
+    result as role "function" with its name, the schemas in a "functions" column) was refused ("message 1 has
+    function_call (OpenAI's older form), which is not read"). It reads as its newer form does: the call as tool_calls
+    (its arguments as the object their text holds), the result as a tool's with its name, the functions as the
+    record's tools; a conversation ending with the call has it as its answer."""
+    function = {"name": "weather", "description": "The weather.", "parameters": {"type": "object"}}
+    older = {"messages": [{"role": "user", "content": "Weather?"},
+                          {"role": "assistant", "content": None,
+                           "function_call": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+                          {"role": "function", "name": "weather", "content": "Sunny."},
+                          {"role": "assistant", "content": "Sunny."}], "functions": [function]}
+    ending = {"messages": older["messages"][:2], "functions": [function]}
+    path = write_records([older, ending], tmp_path / f"older.{kind}", kind)
+    adapter = raw(f"{path},{path}", tmp_path)
+    first, second = adapter.get_train_data()
+    assert adapter.get_conversation(first) == [{"role": "user", "content": "Weather?"},
+                                               {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                                               {"role": "tool", "content": "Sunny.", "name": "weather"}]
+    assert adapter.get_chosen_text(first) == "Sunny."
+    answer = adapter.get_chosen_text(second)
+    assert (str(answer), answer.tool_calls) == ("", [CALL])
+    assert adapter.get_tools(first) == [function] == adapter.get_tools(second)
 
 
 def test_a_pairs_answers_after_other_tool_calls_are_an_error(tmp_path):

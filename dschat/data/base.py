@@ -235,8 +235,9 @@ def answer_from_transcript(text, field):
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system",
                   "function_call": "assistant", "observation": "tool"}
 # other names of a role, each of one meaning: OpenAI's "developer" (its newer name of "system", for its o1 and later
-# models; the chat templates of OpenAI-style models expect "system") and Gemma's and Gemini's "model" (the assistant)
-ROLE_ALIASES = {"developer": "system", "model": "assistant"}
+# models; the chat templates of OpenAI-style models expect "system"), Gemma's and Gemini's "model" (the assistant) and
+# OpenAI's older "function" (a function's result, with its "name": the "tool" role's, which templates render)
+ROLE_ALIASES = {"developer": "system", "model": "assistant", "function": "tool"}
 
 
 def canonical_role(role):
@@ -266,10 +267,7 @@ def checked_messages(value, field, keep_nulls=False):
             content = _text_of_parts(content, field, position)
         if role not in VALID_ROLES:
             raise RecordError(field, f"message {position} has role {role!r}; expected one of {VALID_ROLES}")
-        if message.get("function_call"):
-            raise RecordError(field, f"message {position} has function_call (OpenAI's older form), which is not read: "
-                                     "give its call as tool_calls [{\"type\": \"function\", \"function\": {\"name\": "
-                                     "..., \"arguments\": {...}}}]")
+        message = with_function_call_as_tool_calls(message, role, field, position)
         calls = tool_calls(message, role, field, position, keep_nulls or message.get("from") == "function_call")
         if content is not None and not isinstance(content, str):  # (a number is no text to train on either)
             raise RecordError(field, f"message {position}'s content is not text ({type(content).__name__})")
@@ -281,6 +279,25 @@ def checked_messages(value, field, keep_nulls=False):
         messages.append({"role": role, "content": trimmed(content) if content else content,
                          **({"tool_calls": calls} if calls else {}), **tool_result_keys(message, role)})
     return messages
+
+
+def with_function_call_as_tool_calls(message, role, field, position):
+    """An assistant message of OpenAI's older function calling, its ``function_call`` {"name", "arguments"}, as one
+    calling that function in ``tool_calls`` (it was an error: "function_call ... is not read"); other messages as
+    given. Both given, or a function_call that is no object or on another role, is the record's error."""
+    call = message.get("function_call")
+    if not call:  # (a null, a fixed schema's, is no call)
+        return message
+    if message.get("tool_calls"):
+        raise RecordError(field, f"message {position} has both function_call and tool_calls; give its calls once, as "
+                                 "tool_calls")
+    if role != "assistant":
+        raise RecordError(field, f"message {position} has function_call but role {role!r}; only an assistant turn "
+                                 "calls functions")
+    if not isinstance(call, dict):
+        raise RecordError(field, f"message {position}'s function_call is a {type(call).__name__}, not an object "
+                                 "{\"name\": ..., \"arguments\": ...}")
+    return {**message, "tool_calls": [{"type": "function", "function": call}]}
 
 
 def is_empty_system_message(message):

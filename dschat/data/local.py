@@ -35,7 +35,8 @@ prompt=question,chosen=good``):
   (OpenAI's chat fine-tuning format) is 0 or 1: a turn of weight 0 is not trained (``--multiturn`` leaves it prompt;
   one that is the last turn makes the record a counted skip without ``--multiturn``). Tool calling (TRL's SFT data):
   an assistant message's ``tool_calls``, a tool's result as a message of role ``tool`` (or ``ipython``), the record's
-  tool schemas in a ``tools`` column (``--data_fields tools=NAME``), rendered by the chat template
+  tool schemas in a ``tools`` column (``--data_fields tools=NAME``; OpenAI's older ``function_call``, role
+  ``function`` and ``functions`` column read as these), rendered by the chat template
   (``apply_chat_template(tools=...)``; a template that leaves them out, or none, is the record's error when it is
   encoded); the answer follows the tool's result, or is the call itself where the conversation ends with one
   (function-calling data), and a prompt may end with a tool's result.
@@ -101,6 +102,7 @@ def parse_field_map(text):
 LABEL_FIELD = "label"
 KTO_TAG = "kto_tag"  # LLaMA-Factory's name for that column (of its KTO records)
 TOOLS_FIELD = "tools"
+OPENAI_FUNCTIONS = "functions"  # the tools column of OpenAI's older function-calling records
 # a record's system prompt as a column of its own (LLaMA-Factory's sharegpt and alpaca records): put before its messages
 SYSTEM_FIELD = "system"
 # Alpaca's columns (LLaMA-Factory's default format): the instruction is the prompt, its input joined after it, the
@@ -1077,6 +1079,7 @@ class LocalDataset(PromptRawDataset):
         if "conversations" in train.column_names and not self.renames_record_fields and not any(
                 self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
+        self._read_older_functions_column(train.column_names)
         self.shape = self._record_shape(train, self.source.train_where)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields()) + \
             ((self.fields[SYSTEM_FIELD],) if self.fields[SYSTEM_FIELD] in train.column_names else ()) + \
@@ -1094,6 +1097,13 @@ class LocalDataset(PromptRawDataset):
                                          f"records ({eval_data.column_names} vs {train.column_names})")
             self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
+
+    def _read_older_functions_column(self, columns):
+        """OpenAI's older function-calling records name their tool schemas ``functions`` (each a bare function schema
+        {"name", "description", "parameters"}, as LLaMA-Factory's tools are): read as the tools column where the records
+        have none (it was an extra column, and the model trained to call functions it was not shown)."""
+        if TOOLS_FIELD not in self.renamed and self.fields[TOOLS_FIELD] not in columns and OPENAI_FUNCTIONS in columns:
+            self.fields[TOOLS_FIELD] = OPENAI_FUNCTIONS
 
     def _read_pairwise_conversations(self, train):
         """LLaMA-Factory's pairwise records (its ShareGPT conversations, or messages, ending with the user's turn, then
@@ -1678,7 +1688,8 @@ def _message_of_json_text(value):
         return None
     speaker = parsed.get("role", parsed.get("from"))
     known = speaker in (*VALID_ROLES, *ROLE_ALIASES, *SHAREGPT_ROLES) if isinstance(speaker, str) else False
-    return parsed if known and any(key in parsed for key in ("content", "value", "tool_calls")) else None
+    return parsed if known and any(key in parsed for key in ("content", "value", "tool_calls", "function_call")) \
+        else None
 
 
 def _is_one_message(value):
