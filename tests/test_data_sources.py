@@ -1547,6 +1547,23 @@ def test_openai_developer_and_gemma_model_roles_are_system_and_assistant(tmp_pat
     assert adapter.get_chosen_text(second) == "Hey"
 
 
+def test_an_empty_system_message_is_told_by_the_role_the_message_is_read_with(tmp_path):
+    """ShareGPT's speakers were resolved twice: once to read a message (its role by its canonical name: "developer" as
+    "system") and once to tell an empty system message, without the aliases; a ShareGPT "developer" turn without text
+    was "message 0 has no text content" where an OpenAI one is no message. One resolution reads both alike."""
+    records = [{"conversations": [{"from": speaker, "value": ""}, {"from": "human", "value": "Hi"},
+                                  {"from": "gpt", "value": "Hello"}]} for speaker in ("developer", "system")]
+    records.append({"conversations": [{"from": "developer", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                      {"from": "model", "value": "Hello"}]})
+    path = write_records(records, tmp_path / "sharegpt.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path)
+    first, second, third = adapter.get_train_data()
+    assert adapter.get_conversation(first) == adapter.get_conversation(second) == [{"role": "user", "content": "Hi"}]
+    assert adapter.get_conversation(third) == [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Hi"}]
+    assert adapter.get_chosen_text(first) == adapter.get_chosen_text(third) == "Hello"
+
+
 CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
 
 

@@ -244,6 +244,26 @@ def canonical_role(role):
     return ROLE_ALIASES.get(role, role) if isinstance(role, str) else role  # (another type is its record's error)
 
 
+def is_sharegpt_message(message):
+    """Whether ``message`` is ShareGPT's {from, value} (a null role beside "from": a fixed schema's filler)."""
+    return message.get("role") is None and "from" in message
+
+
+def message_role(message):
+    """The role ``message`` (a dict, as written) has: its ShareGPT speaker's (``SHAREGPT_ROLES``; an unknown one as
+    written) or its role, by the role's canonical name (``ROLE_ALIASES``). Every reading of a message's role resolves
+    it here, so an empty system message is told by the role its message is read with."""
+    if is_sharegpt_message(message):
+        speaker = message["from"]
+        return canonical_role(SHAREGPT_ROLES.get(speaker, speaker) if isinstance(speaker, str) else speaker)
+    return canonical_role(message.get("role"))
+
+
+def message_text(message):
+    """The text ``message`` holds as written: ShareGPT's "value", else its "content"."""
+    return message.get("value" if is_sharegpt_message(message) else "content")
+
+
 def checked_messages(value, field, keep_nulls=False):
     """A list of {role, content} dicts with known roles and non-empty string content (also read: ShareGPT's
     {from, value} messages and content given as parts, OpenAI's and HF's [{"type": "text", "text": ...}]). A system
@@ -260,9 +280,9 @@ def checked_messages(value, field, keep_nulls=False):
             raise RecordError(field, f"message {position} is a {type(message).__name__}, not a dict")
         if is_empty_system_message(message):
             continue
-        if message.get("role") is None and "from" in message:
+        if is_sharegpt_message(message):
             message = from_sharegpt(message, field, position)
-        role, content = canonical_role(message.get("role")), message.get("content")
+        role, content = message_role(message), message.get("content")
         if isinstance(content, (list, tuple)):
             content = _text_of_parts(content, field, position)
         if role not in VALID_ROLES:
@@ -305,10 +325,8 @@ def is_empty_system_message(message):
     SlimOrca's and LLaMA-Factory's records write "" where there is no system prompt, and one such record made the whole
     file an error ("message 0 has no text content"). It is no system message, as LLaMA-Factory reads it (the template's
     default system prompt, if it has one, is written instead)."""
-    sharegpt = message.get("role") is None and "from" in message
-    role = SHAREGPT_ROLES.get(message["from"]) if sharegpt else canonical_role(message.get("role"))
-    content = message.get("value" if sharegpt else "content")
-    if role != "system" or message.get("tool_calls"):
+    content = message_text(message)
+    if message_role(message) != "system" or message.get("tool_calls"):
         return False
     return content is None or (isinstance(content, str) and not content.strip()) or \
         (isinstance(content, (list, tuple)) and not content)
@@ -319,7 +337,7 @@ def from_sharegpt(message, field, position):
     an assistant turn with its ``tool_calls`` (its value was read as a role no one knew)."""
     speaker = message["from"]
     if speaker != "function_call":
-        return {**message, "role": SHAREGPT_ROLES.get(speaker, speaker), "content": message.get("value")}
+        return {**message, "role": message_role(message), "content": message_text(message)}
     return {"from": speaker, "role": "assistant", "content": "",  # (its JSON text: its nulls are as written)
             "tool_calls": sharegpt_calls(message.get("value"), field, position)}
 
