@@ -431,7 +431,7 @@ def test_alpaca_records_read_their_instruction_input_history_and_output(tmp_path
                 "history": [["Hi.", "Hello."]]},
                {"instruction": "Name a color.", "input": "", "output": "Blue.", "system": "", "history": []}]
     path = write_records(records, tmp_path / "alpaca.jsonl", "jsonl")
-    for fields in ("", "prompt=instruction,chosen=output"):
+    for fields in ("", "prompt=instruction,chosen=output,input=input,history=history"):
         adapter = raw(f"{path},{path}", tmp_path, **parse_field_map(fields))
         first, second = adapter.get_train_data()
         assert adapter.get_conversation(first) == [
@@ -451,8 +451,36 @@ def test_alpaca_records_read_their_instruction_input_history_and_output(tmp_path
         raw(path, tmp_path)
     path = write_records([dict(records[0], history=[["Hi."]])], tmp_path / "history.jsonl", "jsonl")
     with pytest.raises(DatasetFormatError, match=r"record 0\): field 'history': expected a list of \[instruction, "
-                                                 r"answer\] pairs"):
+                                                 r"answer\] pairs .*; a 'history' column of something else is an "
+                                                 r"extra column under --data_fields prompt=instruction,chosen=output"):
         raw(path, tmp_path)
+
+
+def test_an_explicit_data_fields_mapping_decides_which_alpaca_columns_are_read(tmp_path):
+    """Named by --data_fields prompt=instruction, a record's input and history columns were read as Alpaca's whatever
+    they held: a plain-text history (a log, say) or an input of another type stopped the file ("field 'history':
+    expected a list of [instruction, answer] pairs"). An explicit mapping decides, as LLaMA-Factory's columns do: they
+    are extra columns unless it names them (input=, history=; the input of any prompt column: dolly's context)."""
+    records = [{"instruction": "Add the numbers.", "input": 7, "history": "asked twice before", "output": "2"}] * 2
+    path = write_records(records, tmp_path / "other.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,chosen=output"))
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Add the numbers."}]
+    assert adapter.get_chosen_text(sample) == "2"
+    assert adapter.get_extra(sample) == {"input": 7, "history": "asked twice before"}
+    with pytest.raises(DatasetFormatError, match=r"field 'history': expected a list of \[instruction, answer\] pairs"):
+        raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,chosen=output,history=history"))
+    dolly = [{"instruction": "Summarize.", "context": "A long text.", "response": "Short."}] * 2
+    path = write_records(dolly, tmp_path / "dolly.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,input=context,chosen=response"))
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Summarize.\nA long text."}]
+    with pytest.raises(DatasetFormatError, match=r"no 'contxt' field, which --data_fields input=contxt names"):
+        raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,input=contxt,chosen=response"))
+    chat = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}] * 2
+    path = write_records(chat, tmp_path / "messages.jsonl", "jsonl")  # (a file of another shape under the same fields)
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,input=context,chosen=response"))
+    assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Yo"
 
 
 def test_llama_factorys_pairwise_records_answer_their_conversation_with_one_message_each(tmp_path):
@@ -1803,9 +1831,10 @@ def test_the_data_fields_help_names_every_field_that_can_be_renamed():
     """--data_fields' help listed prompt, chosen, rejected, messages and label, not tools= (TRL's tool schemas) nor
     system= (LLaMA-Factory's system column): flags a user learns only from the README or an error."""
     from dschat.args import step1_parser
-    from dschat.data.local import FIELD_NAMES, LABEL_FIELD, SYSTEM_FIELD, TOOLS_FIELD, checked_field_options
+    from dschat.data.local import (FIELD_NAMES, LABEL_FIELD, PROMPT_PARTS, SYSTEM_FIELD, TOOLS_FIELD,
+                                   checked_field_options)
 
-    renamable = (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD)
+    renamable = (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS)
     assert checked_field_options({name: "x" for name in renamable})  # (the list the loader accepts)
     action = next(a for a in step1_parser()._actions if "--data_fields" in a.option_strings)
     assert [name for name in renamable if f"{name}=" not in action.help] == []

@@ -18,7 +18,7 @@ from filelock import FileLock
 from dschat.utils.files import give_plain_modes, temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 38  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+FORMAT_VERSION = 39  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
 # 4: only empty CSV cells are missing ("NA", "None" are text);
 # 5: prompts get only the tokenizer's leading special tokens;
 # 6: phase 2 rows carry chosen_truncated, rejected_truncated and eot_length;
@@ -58,6 +58,8 @@ FORMAT_VERSION = 38  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text
 # 37: only a CSV cell reads as a message's JSON text (35 read a JSON, JSON Lines or parquet string so too: it is text)
 # 38: OpenAI's older function calling is read: function_call, role "function", a "functions" column as the tools (was
 #     an extra column)
+# 39: an explicit --data_fields naming the prompt reads Alpaca's input and history only where it names them (input=,
+#     history=; they were read beside prompt=instruction, and are extra columns now)
 CACHE_SUBDIR = "dschat_data_cache"
 REBUILD_FILE = "rebuild_token"  # (in a cache folder a forced rebuild wrote: its token, see ensure_built)
 

@@ -47,7 +47,8 @@ prompt=question,chosen=good``):
   ``chosen``/``rejected`` may be message lists next to a ``prompt`` too (TRL's explicit-prompt format).
 * Alpaca's ``instruction`` [+ ``input``, ``history``] + ``output`` (LLaMA-Factory's default format; ``chosen`` and
   ``rejected`` for pairs): read as prompt records, the input joined after the instruction, the history's pairs the
-  turns before (``LocalDataset._read_alpaca_columns``).
+  turns before (``LocalDataset._read_alpaca_columns``); under ``--data_fields`` naming the prompt, an input and
+  history only where it names them (``input=NAME``, ``history=NAME``).
 
 A ``system`` column (LLaMA-Factory's; ``--data_fields system=NAME``) is the conversation's first message, its system
 prompt, beside any of these shapes.
@@ -108,10 +109,13 @@ SYSTEM_FIELD = "system"
 # Alpaca's columns (LLaMA-Factory's default format): the instruction is the prompt, its input joined after it, the
 # history's pairs the turns before, the output the answer (``LocalDataset._read_alpaca_columns``)
 ALPACA_INSTRUCTION, ALPACA_INPUT, ALPACA_OUTPUT, ALPACA_HISTORY = "instruction", "input", "output", "history"
+# the prompt's parts an explicit --data_fields reads only where it names them (input=, history=: LLaMA-Factory's query
+# and history columns): the input and history columns of Alpaca's records
+PROMPT_PARTS = (ALPACA_INPUT, ALPACA_HISTORY)
 
 
 def checked_field_options(field_options):
-    renamable = [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD]
+    renamable = [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS]
     unknown = sorted(set(field_options) - set(renamable))
     if unknown:
         raise UsageError(f"unknown data field(s) {unknown}; the fields that can be renamed are {renamable}")
@@ -1054,7 +1058,7 @@ class LocalDataset(PromptRawDataset):
 
     def __init__(self, source, output_path, seed, local_rank, field_options=None):
         self.source = source
-        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD)}
+        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS)}
         self.renamed = checked_field_options(field_options or {})
         self.fields.update(self.renamed)
         # (a CSV cell holds one message as its JSON text; a JSON or parquet file's text is text: ``_json_list_text``)
@@ -1124,9 +1128,12 @@ class LocalDataset(PromptRawDataset):
         """Alpaca's records (LLaMA-Factory's default format: instruction, input, output, and system, history; chosen
         and rejected for preference data) are read without --data_fields: the instruction is the prompt, with its input
         (where given) after it on a line of its own, as LLaMA-Factory joins them, after the turns of its history
-        ([instruction, answer] pairs), and the output is the answer. They were "no 'prompt' field", and named by
-        --data_fields prompt=instruction, the input and history were extra columns: the model trained without them (an
-        input and history beside an instruction named so are read too)."""
+        ([instruction, answer] pairs), and the output is the answer. They were "no 'prompt' field".
+
+        An explicit --data_fields mapping of the record's fields decides what is read, as LLaMA-Factory's "columns"
+        do: an input and a history column are the prompt's only where it names them (``input=NAME``, ``history=NAME``;
+        they may be named beside any prompt column). An input or history column of something else beside
+        ``prompt=instruction`` stopped the file with an Alpaca-format error."""
         answered = ALPACA_OUTPUT in columns or self.fields["chosen"] in columns  # (dolly's instruction, context and
         # response are not Alpaca's: its context would be left out)
         if not self.renames_record_fields and ALPACA_INSTRUCTION in columns and answered and \
@@ -1134,9 +1141,19 @@ class LocalDataset(PromptRawDataset):
             self.fields["prompt"] = ALPACA_INSTRUCTION
             if ALPACA_OUTPUT in columns and self.fields["chosen"] not in columns:
                 self.fields["chosen"] = ALPACA_OUTPUT
-        alpaca = self.fields["prompt"] == ALPACA_INSTRUCTION
-        self.input_field = ALPACA_INPUT if alpaca and ALPACA_INPUT in columns else None
-        self.history_field = ALPACA_HISTORY if alpaca and ALPACA_HISTORY in columns else None
+        self.alpaca_detected = not self.renames_record_fields and self.fields["prompt"] == ALPACA_INSTRUCTION
+        if self.fields["prompt"] in columns:  # (a typo; records of another shape in the mix need neither)
+            self._check_renamed(PROMPT_PARTS, columns, self.source.train_where)
+        self.input_field, self.history_field = (self.fields[name] if name in self.renamed or self.alpaca_detected and
+                                                self.fields[name] in columns else None for name in PROMPT_PARTS)
+
+    def _alpaca_hint(self, field):
+        """Said of an input or history column read as Alpaca's without --data_fields: how to read it as a column."""
+        if not self.alpaca_detected or field in {self.renamed.get(name) for name in PROMPT_PARTS}:
+            return ""
+        return (f" (read so beside Alpaca's {ALPACA_INSTRUCTION!r}; a {field!r} column of something else is an extra "
+                f"column under --data_fields prompt={ALPACA_INSTRUCTION},chosen={self.fields['chosen']}, which reads "
+                "only the columns it names)")
 
     def _label_column(self, train):
         """The column of TRL's unpaired preference labels (KTO's prompt/completion/label records), else None: the one
@@ -1378,7 +1395,8 @@ class LocalDataset(PromptRawDataset):
         if value is None:
             return instruction
         if not isinstance(value, str):
-            raise RecordError(self.input_field, f"expected text (the instruction's input), got {type(value).__name__}")
+            raise RecordError(self.input_field, f"expected text (the instruction's input), got {type(value).__name__}"
+                                                f"{self._alpaca_hint(self.input_field)}")
         return instruction + "\n" + trimmed(value) if value.strip() else instruction
 
     def _history_turns(self, sample):
@@ -1395,7 +1413,8 @@ class LocalDataset(PromptRawDataset):
                 isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(text, str) and text.strip()
                                                                           for text in pair) for pair in value):
             raise RecordError(self.history_field, "expected a list of [instruction, answer] pairs of text, as "
-                                                  "LLaMA-Factory's Alpaca records give the turns before")
+                                                  "LLaMA-Factory's Alpaca records give the turns before"
+                                                  f"{self._alpaca_hint(self.history_field)}")
         return [{"role": role, "content": trimmed(text)} for pair in value
                 for role, text in zip(("user", "assistant"), pair)]
 
