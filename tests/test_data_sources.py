@@ -1668,6 +1668,24 @@ def test_openai_older_function_calling_is_read_as_tool_calls_and_results(tmp_pat
     assert adapter.get_tools(first) == [function] == adapter.get_tools(second)
 
 
+def test_parquet_call_arguments_keep_their_key_order_only_as_json_text(tmp_path):
+    """A parquet column of objects is one Arrow struct, its keys in one order for every record: arguments written
+    {"unit", "city"} after a record's {"city", "unit"} come back in the first one's order (the file no longer holds
+    theirs). Given as JSON text (OpenAI's form) they keep their own order, as the README says."""
+    def record(arguments):
+        call = {"type": "function", "function": {"name": "weather", "arguments": arguments}}
+        return {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]}]}
+
+    orders = [{"city": "Paris", "unit": "C"}, {"unit": "F", "city": "Rome"}]
+    for name, as_text in (("struct", False), ("text", True)):
+        path = write_records([record(json.dumps(args) if as_text else args) for args in orders],
+                             tmp_path / f"{name}.parquet", "parquet")
+        adapter = raw(f"{path},{path}", tmp_path)
+        read = [list(adapter.get_chosen_text(sample).tool_calls[0]["function"]["arguments"])
+                for sample in adapter.get_train_data()]
+        assert read == ([list(args) for args in orders] if as_text else [["city", "unit"]] * 2)
+
+
 def test_a_pairs_answers_after_other_tool_calls_are_an_error(tmp_path):
     """A preference pair's turns before its answers are compared (they are the prompt both answers are trained after):
     by their roles and text only, turns that call a tool with other arguments read as the same, and the rejected
