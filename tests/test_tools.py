@@ -1112,6 +1112,7 @@ def test_ppo_eval_rule_scores_the_tiny_data_given_by_its_path(models, tmp_path, 
     (["--data_path", "jsonl:MISSING"], "MISSING does not exist"),
     (["--data_path", "MISSING.jsonl"], "data file not found: MISSING.jsonl"),
     (["--data_split", "1,1"], "--data_split '1,1' must have 3 parts"),
+    (["--sft_only_data_path", "tiny"], "--sft_only_data_path tiny: ppo_eval scores step 3's held-out prompts"),
 ])
 @pytest.mark.parametrize("reward_model", [False, True])
 def test_ppo_eval_checks_its_data_flags_before_any_model_loads(models, tmp_path, monkeypatch, flags, said,
@@ -1126,6 +1127,12 @@ def test_ppo_eval_checks_its_data_flags_before_any_model_loads(models, tmp_path,
                                                                       else [])
     with pytest.raises(UsageError, match=re.escape(said.replace("MISSING", missing))):
         ppo_eval.main(["--policy", models["policy"], *flags, "--data_output_path", str(tmp_path / "data")])
+
+
+def test_ppo_eval_help_leaves_out_the_sft_only_data_flag_it_refuses():
+    """Step 3's data group gave ppo_eval --sft_only_data_path, listed in its help and read by nothing."""
+    assert "--sft_only_data_path" not in ppo_eval.build_parser().format_help()
+    assert "--data_split" in ppo_eval.build_parser().format_help()
 
 
 def test_ppo_eval_checks_lengths_before_generating(tmp_path):

@@ -159,6 +159,7 @@ def build_parser():
     parser.add_argument("--reward_fn", default="",
                         help="Also score with this reward function (step 3's --reward_fn; default: the run's).")
     add_data_args(parser)
+    hide_flag(parser, "--sft_only_data_path")  # (refused: check_data_flags)
     parser.add_argument("--num_prompts", type=non_negative_int, default=64,
                         help="Held-out prompts scored: the first this many (0: all).")
     parser.add_argument("--max_new_tokens", type=positive_int, default=256,
@@ -173,6 +174,11 @@ def build_parser():
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     add_loading_args(parser)
     return parser
+
+
+def hide_flag(parser, flag):
+    """``flag`` left out of ``--help``: a flag of the steps' shared group that this tool refuses."""
+    parser._option_string_actions[flag].help = argparse.SUPPRESS
 
 
 # Step 3's flags that choose and shape its held-out prompts, taken as this tool's defaults from the run that trained
@@ -284,10 +290,13 @@ def parse_args(argv=None):
 def check_data_flags(args):
     """--data_path's files and hub names and --data_split's form, before any model loads: a missing file or a split of
     two parts was an error only after the policy and reward model had loaded, and a missing file given with no reward
-    model was "nothing to score the answers with"."""
+    model was "nothing to score the answers with"; --sft_only_data_path is refused (step 3's flags' group has it)."""
     from dschat.data.raw_datasets import check_data_paths
     from dschat.data.splits import parse_data_split
 
+    if args.sft_only_data_path:  # (step 1's own data: never among step 3's held-out prompts, and it was read by none)
+        raise UsageError(f"--sft_only_data_path {' '.join(args.sft_only_data_path)}: ppo_eval scores step 3's held-out "
+                         "prompts, phase 3 of --data_path, which step 1's SFT-only data is never part of: leave it out")
     parse_data_split(args.data_split)
     check_data_paths(args.data_path)
 
