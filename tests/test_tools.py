@@ -1112,6 +1112,7 @@ def test_ppo_eval_rule_scores_the_tiny_data_given_by_its_path(models, tmp_path, 
     (["--data_path", "jsonl:MISSING"], "MISSING does not exist"),
     (["--data_path", "MISSING.jsonl"], "data file not found: MISSING.jsonl"),
     (["--data_split", "1,1"], "--data_split '1,1' must have 3 parts"),
+    (["--data_split", "1,0,0"], "--data_split 1,0,0 gives phase 3 (the data of step 3) no share of --data_path"),
     (["--sft_only_data_path", "tiny"], "--sft_only_data_path tiny: ppo_eval scores step 3's held-out prompts"),
 ])
 @pytest.mark.parametrize("reward_model", [False, True])
@@ -1144,6 +1145,25 @@ def test_ppo_eval_checks_lengths_before_generating(tmp_path):
         ppo_eval.build_parser().parse_args([*args, "--max_new_tokens", "0"])
     with pytest.raises(UsageError, match=r"--max_prompt_seq_len \+ --max_new_tokens = 856 tokens.*512 learned"):
         ppo_eval.main([*args, "--max_prompt_seq_len", "256", "--max_new_tokens", "600"])
+
+
+def test_ppo_eval_and_rw_eval_check_lengths_against_each_models_positions_before_any_model_loads(models, tmp_path,
+                                                                                                  monkeypatch):
+    """A sequence longer than a model's table of learned positions was refused only once the models had loaded (a
+    baseline's, once the policy had answered every prompt)."""
+    from dschat.errors import UsageError
+
+    monkeypatch.setattr(ppo_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(rw_eval, "load_scoring_reward_model", lambda *a, **k: pytest.fail("a model loaded"))
+    gpt2, gpt2_rm = gpt2_models(tmp_path)  # (a table of 512 positions; tiny-llama's rotary positions have none)
+    lengths = ["--max_prompt_seq_len", "256", "--max_new_tokens", "300", "--data_output_path", str(tmp_path / "data")]
+    for flags, role, path in ((["--policy", models["policy"], "--baseline", gpt2], "--baseline", gpt2),
+                              (["--policy", gpt2], "--policy", gpt2)):
+        with pytest.raises(UsageError, match=rf"--max_prompt_seq_len \+ --max_new_tokens = 556 tokens.*512 learned"
+                                             rf".*\({role} {re.escape(path)}\)"):
+            ppo_eval.main([*flags, *lengths])
+    with pytest.raises(UsageError, match=r"--max_seq_len = 600 tokens.*512 learned"):
+        rw_eval.main(["--model_name_or_path", gpt2_rm, "--max_seq_len", "600", "--prompt", "hi", "--answer", "yo"])
 
 
 def test_ppo_eval_refuses_a_policy_whose_token_ids_the_reward_model_reads_as_other_text(models, tmp_path):

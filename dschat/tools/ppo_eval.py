@@ -288,17 +288,37 @@ def parse_args(argv=None):
 
 
 def check_data_flags(args):
-    """--data_path's files and hub names and --data_split's form, before any model loads: a missing file or a split of
-    two parts was an error only after the policy and reward model had loaded, and a missing file given with no reward
-    model was "nothing to score the answers with"; --sft_only_data_path is refused (step 3's flags' group has it)."""
+    """--data_path's files and hub names and --data_split's form and phase-3 share, before any model loads: a missing
+    file, a split of two parts or one that gives phase 3 nothing (1,0,0) was an error only after the policy and reward
+    model had loaded, and a missing file given with no reward model was "nothing to score the answers with";
+    --sft_only_data_path is refused (step 3's flags' group has it)."""
     from dschat.data.raw_datasets import check_data_paths
-    from dschat.data.splits import parse_data_split
+    from dschat.data.splits import check_phase_share
 
     if args.sft_only_data_path:  # (step 1's own data: never among step 3's held-out prompts, and it was read by none)
         raise UsageError(f"--sft_only_data_path {' '.join(args.sft_only_data_path)}: ppo_eval scores step 3's held-out "
                          "prompts, phase 3 of --data_path, which step 1's SFT-only data is never part of: leave it out")
-    parse_data_split(args.data_split)
+    check_phase_share(args.data_split, 3)  # (the held-out prompts are phase 3's, whoever trained the policy)
     check_data_paths(args.data_path)
+
+
+def check_lengths_before_loading(paths, reward_model_path, args):
+    """--max_prompt_seq_len + --max_new_tokens against each model's position table, read from its config before any
+    model loads (``model_skeleton``): a policy, baseline or reward model too short for them was refused only once it
+    had loaded (and the policy had answered every prompt, for a short baseline). ``evaluate_model`` checks the loaded
+    models again, for a config that cannot be read alone."""
+    from dschat.models.loading import model_skeleton
+
+    models = {**paths, **({"reward_model": reward_model_path} if reward_model_path else {})}
+    for role, path in models.items():
+        skeleton = model_skeleton(path)
+        if skeleton is None:
+            continue
+        try:
+            check_sequence_fits(skeleton, args.max_prompt_seq_len + args.max_new_tokens,
+                                "--max_prompt_seq_len + --max_new_tokens", warn=False)
+        except UsageError as error:  # (which model is too short)
+            raise UsageError(f"{error} (--{role} {path})") from None
 
 
 @one_process
@@ -319,6 +339,7 @@ def main(argv=None):
         paths["baseline"] = flag_path("--baseline", find_policy_path, args.baseline)
     if reward_model_path:
         check_reward_model_reads(paths, reward_model_path, args)
+    check_lengths_before_loading(paths, reward_model_path, args)
     results, reward_model, held_out_by_tokenizer = {}, None, {}
     for role, path in paths.items():
         results[role], reward_model = evaluate_model(path, reward_model_path, args, reward_model,
