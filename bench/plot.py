@@ -67,7 +67,7 @@ def neighbour_device(folder):
 
 def load_rows(paths, skip=()):
     """{model: {variant: {batch: seconds}}}, later files overriding earlier ones; floors as variant "floor". ``skip``:
-    "file name:variant" pairs left out (a row whose meaning a later change of defaults altered)."""
+    "PART:variant" pairs left out (a row whose meaning a later change of defaults altered; ``skipped_by``)."""
     return load_panels(paths, skip)[0]
 
 
@@ -81,9 +81,8 @@ def load_panels(paths, skip=(), unrecorded_device=None):
     for path in sorted(paths, key=run_order):
         file_device = neighbour_device(os.path.dirname(os.path.abspath(path))) or unrecorded_device
         for r in generation_rows(path):
-            pair = f"{os.path.basename(path)}:{r.get('variant')}"
-            if pair in skip:
-                skipped.add(pair)
+            if pairs := skipped_by(path, r.get("variant"), skip):
+                skipped.update(pairs)
                 continue
             if not r.get("ok") or "model" not in r:
                 continue
@@ -91,17 +90,41 @@ def load_panels(paths, skip=(), unrecorded_device=None):
             table[r["model"]]["floor"][r["batch"]] = r["floor_s"]
             measured = (r.get("device") or file_device or UNRECORDED, path)
             measured_on[r["model"]].update({(variant_key(r), r["batch"]): measured, ("floor", r["batch"]): measured})
-    # (a pair that left out nothing, e.g. a misspelt variant or a file given with its folder, plotted the row it was
+    # (a pair that left out nothing, e.g. a misspelt variant or a folder not on the file's path, plotted the row it was
     # meant to leave out, and said nothing)
     if unmatched := sorted(set(skip) - skipped):
-        raise SystemExit(f"--skip {','.join(unmatched)}: no row of that variant in a results file of that name (a "
-                         "file's name without its folder, then ':' and a variant of its rows)")
+        raise SystemExit(f"--skip {','.join(unmatched)}: no row of that variant in a results file of that name or "
+                         "folder (a file's name, a folder on its path such as a session's, or several of its parts in "
+                         "a row, then ':' and a variant of its rows)")
     plotted = [measured for points in measured_on.values() for measured in points.values()]
     if unnamed := sorted({path for device, path in plotted if device == UNRECORDED}, key=run_order):
         print(f"plot.py: {', '.join(unnamed)}: rows that record no GPU, and no {GPU_FILE} beside them names one: their "
               "panels say 'GPU not recorded'; give --device NAME (e.g. 'NVIDIA H200'; docs/benchmarks.md says which "
               "GPU each session's calls ran on)", file=sys.stderr)
     return table, {model: {device for device, _ in points.values()} for model, points in measured_on.items()}
+
+
+def skipped_by(path, variant, skip):
+    """The pairs of ``skip`` that leave out ``path``'s rows of ``variant``: "PART:variant", where PART is the file's
+    name, a folder on its path (a session's, ``2026-12-06_s52``: newer sessions keep
+    ``<session>/<call>/generation.json``, and the file name alone named every session's) or several of its parts in a
+    row (``2026-12-06_s52/speed/generation.json``)."""
+    parts = path_parts(os.path.abspath(path))
+    pairs = set()
+    for pair in skip:
+        where, colon, skipped_variant = pair.rpartition(":")
+        if colon and skipped_variant == variant and holds_run(parts, path_parts(where)):
+            pairs.add(pair)
+    return pairs
+
+
+def path_parts(path):
+    return [part for part in os.path.normpath(path).split(os.sep) if part not in ("", os.curdir)]
+
+
+def holds_run(parts, run):
+    """Whether ``run`` is a run of consecutive items of ``parts``."""
+    return bool(run) and any(parts[i:i + len(run)] == run for i in range(len(parts) - len(run) + 1))
 
 
 def panel_title(model, devices):
@@ -173,7 +196,10 @@ def main():
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("results", nargs="+", help="JSON files written by bench/generation.py")
     p.add_argument("--out", default="docs/generation_vs_floor.png")
-    p.add_argument("--skip", default="", help="comma-separated file-name:variant pairs to leave out")
+    p.add_argument("--skip", default="",
+                   help="comma-separated PART:variant pairs to leave out; PART: a results file's name, a folder on "
+                        "its path (e.g. a session's, 2026-12-06_s52) or several of its parts in a row "
+                        "(2026-12-06_s52/speed/generation.json)")
     p.add_argument("--device", default=None,
                    help="The GPU of rows that record none (files written before generation.py recorded it) and "
                         "have no gpu.txt beside them naming one, e.g. 'NVIDIA H200'; else their panel's title says "

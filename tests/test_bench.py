@@ -502,6 +502,35 @@ def test_plot_refuses_a_skip_that_leaves_out_no_row(tmp_path, pair):
         load_rows([str(path)], {pair, "gen.json:dschat_z0_graph_compiled"})
 
 
+def test_plot_skip_leaves_out_the_rows_of_a_folder_on_the_files_path(tmp_path):
+    """Newer sessions keep ``<session>/<call>/generation.json``: --skip matched the file's name alone, so a pair left
+    out that variant of every session's file, or (given the session folder) was refused; it now matches a folder on
+    the path too, or several parts of it in a row."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot import load_rows
+
+    paths = []
+    for folder, seconds in (("2026-12-05_s45/speed", 0.81), ("2026-12-06_s52/speed", 0.94)):
+        (tmp_path / folder).mkdir(parents=True)
+        path = tmp_path / folder / "generation.json"
+        path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+            {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": seconds,
+             "floor_s": 0.45}]}))
+        paths.append(str(path))
+
+    def plotted(pair):
+        return load_rows(paths, {pair}).get("opt-1.3b", {}).get("dschat_z0_graph")
+
+    assert plotted("2026-12-06_s52:dschat_z0_graph") == {64: 0.81}, "its row out, the other kept"
+    assert plotted("2026-12-06_s52/speed/generation.json:dschat_z0_graph") == {64: 0.81}
+    assert plotted(f"{paths[1]}:dschat_z0_graph") == {64: 0.81}
+    assert plotted("2026-12-05_s45/speed:dschat_z0_graph") == {64: 0.94}
+    assert plotted("generation.json:dschat_z0_graph") is None, "the file name matches both"
+    for pair in ("s52:dschat_z0_graph", "2026-12-06_s52/generation.json:dschat_z0_graph"):  # (a whole part, in a row)
+        with pytest.raises(SystemExit, match="no row of that variant in a results file of that name or folder"):
+            plotted(pair)
+
+
 def bench_main_exit(script, argv, monkeypatch, capsys):
     """(exit status, stderr) of bench/``script``.py's main() given ``argv``, in this process: for the refusals at
     parsing, which end it before any GPU work."""
