@@ -1112,6 +1112,7 @@ def test_ppo_eval_rule_scores_the_tiny_data_given_by_its_path(models, tmp_path, 
     (["--data_path", "jsonl:MISSING"], "MISSING does not exist"),
     (["--data_path", "MISSING.jsonl"], "data file not found: MISSING.jsonl"),
     (["--data_split", "1,1"], "--data_split '1,1' must have 3 parts"),
+    (["--reward_fn", "MISSING.py:score"], "--reward_fn file MISSING.py does not exist"),
     (["--data_split", "1,0,0"], "--data_split 1,0,0 gives phase 3 (the data of step 3) no share of --data_path"),
     (["--sft_only_data_path", "tiny"], "--sft_only_data_path tiny: ppo_eval scores step 3's held-out prompts"),
 ])
@@ -1119,7 +1120,8 @@ def test_ppo_eval_rule_scores_the_tiny_data_given_by_its_path(models, tmp_path, 
 def test_ppo_eval_checks_its_data_flags_before_any_model_loads(models, tmp_path, monkeypatch, flags, said,
                                                                reward_model):
     """A missing data file was "nothing to score the answers with" without a reward model, and with one an error only
-    once both models had loaded, as was a --data_split of two parts."""
+    once both models had loaded, as was a --data_split of two parts (or of no phase-3 share) and a missing --reward_fn
+    file."""
     from dschat.errors import UsageError
 
     monkeypatch.setattr(ppo_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded"))

@@ -30,10 +30,10 @@ from dschat.tools.common import (add_loading_args, check_stdout_open, default_de
 from dschat.utils.files import path_under
 
 
-def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by_tokenizer=None):
+def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by_tokenizer=None, reward_fn=None):
     """(metrics of the policy at ``path``, the reward model used): greedy answers to the held-out prompts, scored by
-    the reward model (if any; a critic-free run with --reward_model_weight 0 has none), --reward_fn (if given) and
-    the rule scorer of the embedded data.
+    the reward model (if any; a critic-free run with --reward_model_weight 0 has none), ``reward_fn`` (--reward_fn's
+    function, if given) and the rule scorer of the embedded data.
 
     The reward model is loaded with the first policy's tokenizer (as step 3 loads it with the actor's) and
     passed back so the next policy reuses it. ``held_out_by_tokenizer`` (a dict) keeps the tokenized prompts for the
@@ -57,7 +57,7 @@ def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by
     result = evaluate_policy(hf_generate(model, tokenizer), scoring, tokenizer, held_out, device, args.max_new_tokens,
                              rule_scorer_for(args.data_path), None, args.num_examples,
                              pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of),
-                             reward_fn=load_reward_fn(args.reward_fn) if args.reward_fn else None,
+                             reward_fn=reward_fn,
                              eos_token_id=stop_token_ids(model, tokenizer))  # (as step 3 and the other tools stop)
     return {"path": path, **result}, reward_model
 
@@ -340,10 +340,12 @@ def main(argv=None):
     if reward_model_path:
         check_reward_model_reads(paths, reward_model_path, args)
     check_lengths_before_loading(paths, reward_model_path, args)
+    # (a missing file or function was said only once the policy and the reward model had loaded)
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
     results, reward_model, held_out_by_tokenizer = {}, None, {}
     for role, path in paths.items():
         results[role], reward_model = evaluate_model(path, reward_model_path, args, reward_model,
-                                                     held_out_by_tokenizer)
+                                                     held_out_by_tokenizer, reward_fn)
     print_results(results)
     if args.output_json:
         write_json(args.output_json, {**results, "reward_model": reward_model_path, "data_path": args.data_path,
