@@ -59,13 +59,11 @@ def step_args_as_values(argv):
 def repeated_flags(parser, argv):
     """train.py's own flags that ``argv`` gives more than once, each as "--flag (N times)". argparse keeps the last:
     ``--step 2 --step 3`` ran step 3 alone, and a second ``--step3-args`` string dropped the first's flags, unsaid.
-    (The steps' own flags may repeat: a ``--stepN-args`` flag replaces the one train.py gives the step.)"""
-    counts = {}
-    for token in argv:
-        action = parser._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("--") else None
-        if action is not None and action.dest != "help":
-            counts.setdefault(action.dest, [action.option_strings[0], 0])[1] += 1
-    return [f"{flag} ({count} times)" for flag, count in counts.values() if count > 1]
+    (The steps refuse theirs given twice too; a ``--stepN-args`` flag replaces the one train.py gives the step:
+    ``pipeline.step_argv``.)"""
+    from dschat.args import repeated_flags as given_twice
+
+    return given_twice(parser, argv)
 
 
 def parse_args(argv=None):

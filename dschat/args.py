@@ -334,16 +334,75 @@ class SaidOnceParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+# Actions a flag may be given several times for, each adding to the last (none of the steps' flags is one now).
+REPEATABLE_ACTIONS = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction,
+                      argparse._ExtendAction)
+
+
+def flag_groups(parser, argv):
+    """``argv`` as [(dest, tokens)]: each flag of ``parser`` with the values after it; dest None for tokens before the
+    first flag, a flag ``parser`` lacks (with its values: argparse says it is unrecognized) and all from a ``--`` on.
+    (allow_abbrev is off in the parsers this reads: a flag is one of its option strings exactly.)"""
+    groups = []
+    for index, token in enumerate(argv):
+        if token == "--":
+            groups.append((None, list(argv[index:])))
+            break
+        action = parser._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("-") else None
+        if action is not None or token.startswith("--") or not groups:
+            groups.append((action.dest if action is not None else None, [token]))
+        else:
+            groups[-1][1].append(token)
+    return groups
+
+
+def repeated_flags(parser, argv):
+    """The flags of ``parser`` that ``argv`` gives more than once (by what they set: ``--dropout 0.1 --disable_dropout``
+    too), each as "--flag (N times)": argparse keeps the last one's value and drops the others', unsaid."""
+    spellings, counts = {}, {}
+    for dest, tokens in flag_groups(parser, argv):
+        action = parser._option_string_actions.get(tokens[0].split("=", 1)[0])
+        if dest is None or isinstance(action, (argparse._HelpAction, *REPEATABLE_ACTIONS)):
+            continue
+        counts[dest] = counts.get(dest, 0) + 1
+        spellings.setdefault(dest, []).append(tokens[0].split("=", 1)[0])
+    return [f"{' / '.join(dict.fromkeys(spellings[dest]))} ({count} times)" for dest, count in counts.items()
+            if count > 1]
+
+
+def without_flags_given_in(parser, argv, later):
+    """``argv`` less each flag of ``parser`` (with its values) that a later one of ``argv`` or ``later`` sets again:
+    defaults that later settings replace, so that the merged command line gives each flag once."""
+    groups = flag_groups(parser, argv)
+    set_later = {dest for dest, _ in flag_groups(parser, later)}
+    kept = []
+    for index, (dest, tokens) in enumerate(groups):
+        if dest is not None and (dest in set_later or any(d == dest for d, _ in groups[index + 1:])):
+            continue
+        kept += tokens
+    return kept
+
+
 class StepParser(SaidOnceParser):
     """An unrecognized flag's error names the step's flags it may have meant: the role's flags of another step's
     (step 3's ``--actor_lora_dim`` and ``--critic_lora_dim`` for ``--lora_dim``; step 1's ``--lora_dim`` for
-    ``--actor_lora_dim``), else the closest spellings."""
+    ``--actor_lora_dim``), else the closest spellings. On the command line (``sys.argv``) a flag given twice is an
+    error, as in train.py (``check_given_once``)."""
 
     def parse_args(self, args=None, namespace=None):
+        if args is None:  # (a list from Python, a notebook's or a test's, keeps argparse's last-wins)
+            args = sys.argv[1:]
+            self.check_given_once(args)
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
         return parsed
+
+    def check_given_once(self, argv):
+        """A user's flag given twice (``repeated_flags``) is an error: argparse kept the last one's value, unsaid
+        (``--learning_rate 1e-4 ... --learning_rate 1e-3`` trained at 1e-3)."""
+        if repeated := repeated_flags(self, argv):
+            self.error(f"given more than once: {', '.join(repeated)}; give each once")
 
     def hint(self, unknown):
         import difflib

@@ -126,7 +126,11 @@ def _holds_reward_model(folder, modified):
 
 
 def step_argv(step, args, tiny):
-    """The argument list of one step, from train.py's flags (its own extra args last, so they win)."""
+    """The argument list of one step, from train.py's flags and its ``--stepN-args``, each flag once (``run_steps``
+    prints it: run as the step's script, a flag given twice is refused): a flag the ``--stepN-args`` give replaces
+    train.py's (as does a later default an earlier one: the GRPO recipe's batch size, the tiny recipe's), rather than
+    following it for argparse's last-wins; one given twice in the ``--stepN-args`` is the user's, refused
+    (``check_step_args``)."""
     out = args.output_dir
     common = ["--data_path", *args.data_path] if args.data_path else []
     common += ["--data_fields", args.data_fields] if getattr(args, "data_fields", None) else []
@@ -165,8 +169,20 @@ def step_argv(step, args, tiny):
         recipe = _without(recipe, "--critic_learning_rate") + grpo
     # the run's TensorBoard events (with --enable_tensorboard) under its folder, one subfolder per step, as its
     # models: the steps' own defaults are folders in the working directory, which other runs would share
-    return common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache"),
-                                     "--tensorboard_path", os.path.join(out, "tensorboard")] + extra
+    from dschat.args import without_flags_given_in
+
+    defaults = common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache"),
+                                         "--tensorboard_path", os.path.join(out, "tensorboard")]
+    return without_flags_given_in(step_parser(step, getattr(args, "recipe", "ppo"))(), defaults, extra) + extra
+
+
+def step_parser(step, recipe):
+    """The parser factory of ``step`` of ``recipe`` (DPO's step 2 is its own)."""
+    from dschat.args import step1_parser, step2_dpo_parser, step2_parser, step3_parser
+
+    if step == 2 and recipe == "dpo":
+        return step2_dpo_parser
+    return {1: step1_parser, 2: step2_parser, 3: step3_parser}[step]
 
 
 def _without(argv, flag):
@@ -237,6 +253,7 @@ def check_step_args(steps, args, tiny, parsers):
     for step in steps:  # every step's flags first: a typo is the first thing to hear about
         parser = parsers[step]()
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
+        parser.check_given_once(step_extra_args(step, args))  # (the user's: train.py's own are replaced by them)
         parsed[step] = parser.parse_args(step_argv(step, args, tiny)), parser
     for step, (flags, parser) in parsed.items():
         check_folders_are_train_pys(step, args, tiny, flags, parser)

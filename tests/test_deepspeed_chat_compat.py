@@ -397,7 +397,70 @@ def test_train_py_refuses_its_own_flags_given_twice_rather_than_dropping_the_fir
             parse(shlex.split(flags))
         assert f"given more than once: {said}" in capsys.readouterr().err
     args = parse(shlex.split("--step 2 3 --step3-args '--max_steps 2 --max_steps 3' --local_rank=0"))
-    assert args.step == [2, 3] and args.step3_args == "--max_steps 2 --max_steps 3"  # (a step's flags may repeat)
+    assert args.step == [2, 3] and args.step3_args == "--max_steps 2 --max_steps 3"  # (step 3 refuses it: below)
+
+
+def test_a_step_script_refuses_a_flag_given_twice_rather_than_keeping_the_last(capsys, monkeypatch):
+    """argparse kept a repeated flag's last value: ``main.py --learning_rate 1e-4 ... --learning_rate 1e-3`` trained at
+    1e-3, unsaid (two spellings of one setting too). A list from Python (a notebook's, a test's) keeps last-wins."""
+    from dschat.args import step2_dpo_parser
+    from dschat.steps import ppo
+
+    for main, flags, said in ((sft.main, "--learning_rate 1e-4 --dtype fp32 --learning_rate 1e-3",
+                               "--learning_rate (2 times)"),
+                              (ppo.main, "--actor_dropout 0.1 --disable_actor_dropout --max_steps=2 --max_steps 3",
+                               "--actor_dropout / --disable_actor_dropout (2 times), --max_steps (2 times)")):
+        monkeypatch.setattr("sys.argv", ["main.py", *shlex.split(flags)])
+        with pytest.raises(SystemExit):
+            main()
+        assert f"error: given more than once: {said}; give each once" in capsys.readouterr().err
+    for parser in (step1_parser, step2_parser, step2_dpo_parser, step3_parser):
+        monkeypatch.setattr("sys.argv", ["main.py", "--seed", "1", "--seed", "1", "--local_rank=0"])
+        with pytest.raises(SystemExit):
+            parser().parse_args()  # (even with the same value)
+        assert "given more than once: --seed (2 times)" in capsys.readouterr().err
+        monkeypatch.setattr("sys.argv", ["main.py", "--seed", "1", "--local_rank=0"])
+        assert parser().parse_args().seed == 1
+
+
+@pytest.mark.parametrize("recipe", ["ppo", "grpo", "dpo"])
+def test_train_py_gives_each_step_each_flag_once_its_step_args_replacing_its_own(recipe, tmp_path, capsys,
+                                                                                  distributed):
+    """train.py appended --stepN-args after its own flags for argparse's last to win; the command line it prints for
+    each step ("==== step1: ..."), run as that step's script, is now refused for its repeats. A flag the --stepN-args
+    give replaces train.py's (and the GRPO recipe's the tiny recipe's); a user's flag given twice inside them is
+    refused before any step runs."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.args import repeated_flags
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    given = {1: "--learning_rate 1e-4 --data_split 2,4,4", 2: "--disable_dropout --learning_rate 1e-4",
+             3: "--actor_learning_rate 1e-4 --disable_actor_dropout --per_device_train_batch_size 4"}
+    for tiny, models in ((True, []), (False, ["--actor-model", "facebook/opt-1.3b"])):
+        args = parse(["--recipe", recipe, *models, "--data-path", "tiny", "--data-fields", "prompt=q"])
+        with_own = parse(["--recipe", recipe, *models, "--data-path", "tiny", "--data-fields", "prompt=q",
+                          *(f"--step{step}-args={flags}" for step, flags in given.items())])
+        for step in pipeline.recipe_steps(recipe, [1, 2, 3])[0]:
+            parser = pipeline.step_parser(step, recipe)()
+            for run in (args, with_own):
+                argv = pipeline.step_argv(step, run, tiny)
+                assert not repeated_flags(parser, argv), argv
+            own = parser.parse_args(pipeline.step_argv(step, with_own, tiny))
+            assert (own.learning_rate if step < 3 else own.actor_learning_rate) == 1e-4
+            assert (own.dropout if step < 3 else own.actor_dropout) == (None if step == 1 else 0.0)
+            assert own.data_path == ["tiny"] and own.data_fields == "prompt=q"
+            if step == 3:
+                assert own.per_device_generation_batch_size == 4  # (--per_device_train_batch_size: its old name)
+            if step == 1:
+                assert own.data_split == "2,4,4"
+    args = parse(["--recipe", recipe, "--output-dir", str(tmp_path / "out"), "--step1-args", "--seed 1 --seed=2"])
+    with pytest.raises(SystemExit):
+        pipeline.run_pipeline(args)
+    assert "train.py --step1-args: error: given more than once: --seed (2 times)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_train_py_refuses_a_data_path_without_a_dataset(capsys):
