@@ -354,6 +354,37 @@ def test_a_checkpoint_of_another_rank_count_or_missing_its_model_is_an_error(tmp
         resume.plan_resume(args, "step2")
 
 
+def test_a_one_rank_checkpoint_missing_its_zero_partition_is_an_error_naming_it(tmp_path):
+    """On 1 rank, a ZeRO-1/2 checkpoint's one optimizer partition gone left no partition of another rank to tell that
+    there were any: the files' check passed, and DeepSpeed's load failed with its own FileNotFoundError. The recorded
+    ZeRO stage (and --dtype: bf16's files start with "bf16_") names it, for steps 1, 2 and DPO and step 3's parts."""
+    from dschat.utils.checkpoints import check_complete
+
+    root = tmp_path / "checkpoints"
+    for part, stage_flag in (("model", "zero_stage"), ("actor", "actor_zero_stage"), ("critic", "critic_zero_stage")):
+        shutil.rmtree(root, ignore_errors=True)
+        folder, trainer = root / part / "step_0000002", root / "trainer" / "step_0000002"
+        folder.mkdir(parents=True)
+        trainer.mkdir(parents=True)
+        (trainer / "rng_rank0.pt").write_bytes(b"")
+        (folder / "mp_rank_00_model_states.pt").write_bytes(b"")
+        for stage, dtype, missing in ((1, "bf16", "bf16_zero_pp_rank_0"), (2, "fp16", "zero_pp_rank_0"),
+                                      (2, "fp32", "zero_pp_rank_0")):
+            (trainer / "state.json").write_text(json.dumps({"world_size": 1,
+                                                            "flags": {stage_flag: stage, "dtype": dtype}}))
+            with pytest.raises(UsageError, match=rf"checkpoint step_0000002 in .* has no {part}/step_0000002/{missing}"
+                                                 rf"_mp_rank_00_optim_states.pt \(DeepSpeed's states of its {part}, "
+                                                 r"saved by 1 rank\(s\)"):
+                check_complete(str(root), "step_0000002", (part,))
+            (folder / f"{missing}_mp_rank_00_optim_states.pt").write_bytes(b"")
+            assert check_complete(str(root), "step_0000002", (part,)) == 1
+            (folder / f"{missing}_mp_rank_00_optim_states.pt").unlink()
+        # ZeRO-0 (and a checkpoint that records no stage) has none: its optimizer is in the model states
+        for flags in ({stage_flag: 0, "dtype": "bf16"}, {}):
+            (trainer / "state.json").write_text(json.dumps({"world_size": 1, "flags": flags}))
+            assert check_complete(str(root), "step_0000002", (part,)) == 1
+
+
 def test_a_checkpoint_missing_a_ranks_rng_file_is_an_error_naming_it_not_another_rank_count(tmp_path):
     """A rank's RNG file gone made the checkpoint one "saved by 1 rank(s)" (0, with rank 0's), and the error asked
     for another batch size or number of ranks; the ranks its state records, else up to its last file, must each have

@@ -279,22 +279,35 @@ ZERO_STAGE_FLAGS = {MODEL: "zero_stage", ACTOR: "actor_zero_stage", CRITIC: "cri
 
 def check_engine_files(root, part, tag, ranks):
     """``part``'s DeepSpeed folder of checkpoint ``tag`` (saved by ``ranks`` ranks) holds its model states and, where
-    it holds ZeRO partitions, every rank's: DeepSpeed's load failed on a missing model-states file with a bare
-    AssertionError, said as "a file of it is damaged or missing" without naming one. (A folder without optimizer
-    partitions is left to DeepSpeed's load, whose error names the file it expected.)"""
+    it holds ZeRO partitions or its recorded ZeRO stage made them (``zero_partition_forms``), every rank's: DeepSpeed's
+    load failed on a missing model-states file with a bare AssertionError, said as "a file of it is damaged or
+    missing" without naming one. (A folder of a checkpoint that records no stage, without optimizer partitions, is
+    left to DeepSpeed's load.)"""
     names = set(os.listdir(os.path.join(root, part, tag)))
-    stage = ((read_trainer_state(root, tag) or {}).get("flags") or {}).get(ZERO_STAGE_FLAGS.get(part))
+    flags = (read_trainer_state(root, tag) or {}).get("flags") or {}
+    stage = flags.get(ZERO_STAGE_FLAGS.get(part))
     if stage == 3 or any(RANK_MODEL_STATES.fullmatch(name) for name in names):
         expected = [f"zero_pp_rank_{rank}_{MODEL_STATES}" for rank in range(ranks)]
     else:
         expected = [MODEL_STATES]
-    forms = {(found[1], found[3]) for found in map(RANK_OPTIM_STATES.fullmatch, names) if found}
+    forms = zero_partition_forms(names, stage, flags.get("dtype"))
     expected += [f"{start}{rank}{end}" for start, end in sorted(forms) for rank in range(ranks)]
     missing = [f"{part}/{tag}/{name}" for name in expected if name not in names]
     if missing:
         raise UsageError(f"--resume: checkpoint {tag} in {root} has no {', '.join(missing)} (DeepSpeed's states of "
                          f"its {part}, saved by {ranks} rank(s); removed or copied in part?): restore it"
                          f"{earlier_advice(root, tag)}; or start afresh without --resume")
+
+
+def zero_partition_forms(names, stage, dtype):
+    """The (start, end) of the names of a DeepSpeed folder's ZeRO optimizer partitions (``RANK_OPTIM_STATES``): those
+    of ``names``; where none is there, those its recorded ZeRO ``stage`` and ``dtype`` made (ZeRO-1/2/3 save one per
+    rank, "bf16_" before them in bf16). Only the partitions found were expected: on 1 rank, its one partition gone
+    went unnamed, to DeepSpeed's FileNotFoundError from inside its load."""
+    forms = {(found[1], found[3]) for found in map(RANK_OPTIM_STATES.fullmatch, names) if found}
+    if not forms and stage in (1, 2, 3):
+        forms = {("bf16_zero_pp_rank_" if dtype == "bf16" else "zero_pp_rank_", "_mp_rank_00_optim_states.pt")}
+    return forms
 
 
 def refuse_other_rank_count(root, tag, saved, why):
