@@ -1322,6 +1322,50 @@ def test_a_conversion_refused_its_write_is_not_said_as_a_damaged_checkpoint(tmp_
                f"{type(OSError(code, '')).__name__}: [Errno {code}]" in str(raised.value), str(raised.value)
 
 
+def test_a_conversion_that_fills_the_disk_says_so_naming_the_folder(tmp_path, distributed, monkeypatch):
+    """The conversion's copy is written beside the checkpoint, about twice its optimizer states while it is made: a
+    full disk or quota there (an OSError, or torch's writer's RuntimeError that names no cause) was said as DeepSpeed
+    failing to convert the states, with advice to resume on the checkpoint's ranks and its error. It says the space
+    ran out, where, how much was free, about how much the copy takes; the part written is removed."""
+    import errno
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    from dschat.utils import checkpoints
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: Usage(2**40, 2**40 - 5 * 2**20, 5 * 2**20))
+    (tmp_path / "model" / "step_0000002").mkdir(parents=True)
+    (tmp_path / "model" / "step_0000002" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(bytes(3 * 2**20))
+    failures = (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "a/file"), OSError(errno.ENOSPC, "no space"),
+                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+                OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)))
+    for failure in failures:
+        def fills_the_disk(options, failure=failure):
+            os.makedirs(options.output_folder)
+            raise failure
+
+        monkeypatch.setattr(ds_to_universal, "main", fills_the_disk)
+        with pytest.raises(UsageError) as raised:
+            checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2)
+        code = getattr(failure, "errno", None) or errno.ENOSPC
+        free = ", 5.0 MiB free" if code == errno.ENOSPC else ""  # (a quota's limit is not the disk's space)
+        assert str(raised.value) == (
+            f"--resume: checkpoint step_0000002 in {tmp_path} was saved by 2 rank(s), this run has 1, and DeepSpeed's "
+            f"conversion of its model states for another number of ranks ran out of space ({os.strerror(code)}{free}) "
+            f"in {tmp_path / 'model'}, where it writes the universal copy model/step_0000002_universal (with its "
+            "temporary files, up to about twice the 3.0 MiB of model/step_0000002; the part written was removed): "
+            "free some space there, or resume on 2 rank(s), which loads the checkpoint without a copy"), raised.value
+        assert sorted(os.listdir(tmp_path / "model")) == ["step_0000002"]
+    # torch's writer failing with room on the disk: not a full disk's, DeepSpeed's error as before
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: Usage(2**42, 2**41, 2**41))
+    monkeypatch.setattr(ds_to_universal, "main", lambda options, failure=failures[2]: fills_the_disk(options, failure))
+    with pytest.raises(UsageError, match=r"DeepSpeed could not convert its model states .*unexpected pos 704"):
+        checkpoints.universal_copy(str(tmp_path), "model", "step_0000002", 2)
+
+
 def test_a_dpo_checkpoint_resumes_only_against_the_reference_model_its_run_started_from(tmp_path, distributed,
                                                                                           monkeypatch, capsys):
     """DPO's --model_name_or_path is also its frozen reference, loaded again from the folder on --resume while the

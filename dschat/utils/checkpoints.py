@@ -30,7 +30,8 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0, rank_0_decides
-from dschat.utils.files import FULL_DISK_ERRNOS, read_json_object, unreadable_file_reason, write_json_atomic
+from dschat.utils.files import (FULL_DISK_ERRNOS, free_space, full_disk_code, full_disk_errno, read_json_object,
+                                unreadable_file_reason, write_json_atomic)
 
 LATEST = "latest"
 TRAINER = "trainer"
@@ -537,9 +538,9 @@ def universal_copy(root, part, tag, saved):
     now). Rank 0; made once by DeepSpeed's ``ds_to_universal`` into ``<tag>_universal.partial`` and renamed into place
     when complete, so a conversion killed part-way is made again, never loaded; a complete one is reused by a later
     resume. Removed with its tag (``_prune``), by a new save of the same tag, and by a resume that trains nothing
-    (``remove_universal_copies``). A conversion DeepSpeed fails is a UsageError naming its error. Said when it
-    starts, and with its seconds when done: it grows with the states' size (an OPT-350m-shaped model's took 19-53 s
-    on a CPU machine: docs/rank_change_resume.md), time the run otherwise spent in silence."""
+    (``remove_universal_copies``). A conversion DeepSpeed fails is a UsageError naming its error (or the full disk).
+    Said when it starts, and with its seconds when done: it grows with the states' size (an OPT-350m-shaped model's
+    took 19-53 s on a CPU machine: docs/rank_change_resume.md), time the run otherwise spent in silence."""
     from deepspeed.checkpoint import ds_to_universal
 
     folder = os.path.join(root, part)
@@ -565,7 +566,10 @@ def universal_copy(root, part, tag, saved):
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
             ds_to_universal.main(options)
     except Exception as error:
+        full = _conversion_full_disk(error, scratch)  # (asked before the partial copy goes, which frees its space)
         shutil.rmtree(scratch, ignore_errors=True)
+        if full is not None:
+            _refuse_full_disk_for_conversion(error, full, root, part, tag, saved)
         _refuse_damaged_for_conversion(error, root, part, tag)
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved} rank(s), this run has "
                          f"{get_world_size()}, and DeepSpeed could not convert its {part} states for another number "
@@ -575,6 +579,32 @@ def universal_copy(root, part, tag, saved):
     shutil.rmtree(scratch)
     print_rank_0(f"--resume: {part}/{universal_tag(tag)} made in {time.time() - started:.0f} s")
     return universal_tag(tag), True
+
+
+def _conversion_full_disk(error, scratch):
+    """(ENOSPC or EDQUOT, the bytes free then or None) where the conversion's failure ``error`` is its writing into
+    ``scratch`` on a full disk or quota (torch's writer names no cause: ``full_disk_errno`` asks the disk), else
+    None."""
+    code = full_disk_code(error) if isinstance(error, OSError) else full_disk_errno(error, scratch)
+    if code is None:
+        return None
+    return code, free_space(scratch) if code == errno.ENOSPC else None  # (a quota's limit is not the disk's space)
+
+
+def _refuse_full_disk_for_conversion(error, full, root, part, tag, saved):
+    """A conversion for another number of ranks that ran out of space where it writes (``full``:
+    ``_conversion_full_disk``'s): a UsageError saying so, naming the folder, the space left and about what the copy
+    needs. It was said as DeepSpeed failing to convert the states, with its error (torch's "unexpected pos 704 vs
+    598" names no cause)."""
+    code, free = full
+    left = f", {free / 2**20:.1f} MiB free" if free is not None else ""
+    states = sum(entry.stat().st_size for entry in os.scandir(os.path.join(root, part, tag)) if entry.is_file())
+    raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved} rank(s), this run has "
+                     f"{get_world_size()}, and DeepSpeed's conversion of its {part} states for another number of ranks "
+                     f"ran out of space ({os.strerror(code)}{left}) in {os.path.join(root, part)}, where it writes "
+                     f"the universal copy {part}/{universal_tag(tag)} (with its temporary files, up to about twice the "
+                     f"{states / 2**20:.1f} MiB of {part}/{tag}; the part written was removed): free some space "
+                     f"there, or resume on {saved} rank(s), which loads the checkpoint without a copy") from error
 
 
 # How the conversion's writing into the checkpoint's folder fails that says nothing of the checkpoint's files
