@@ -59,6 +59,25 @@ def save_swap_paths(model_path):
     return os.path.join(parent, f".{name}.save-new"), os.path.join(parent, f".{name}.save-old")
 
 
+def save_moving_path(model_path):
+    """Where a save of an existing model folder that cannot be swapped (``checkpoint.install_folder``) puts its finished
+    copy, in the folder, while it moves the files in one by one: a kill part-way leaves it there, with the rest."""
+    folder = os.path.realpath(model_path)
+    return os.path.join(folder, f".{os.path.basename(folder)}.save-moving")
+
+
+def interrupted_move_message(model_path):
+    """What a save killed while it moved its files into ``model_path`` one by one left (``save_moving_path``), else
+    None: the folder then mixes the new save's files with the earlier one's, and loads as neither model."""
+    moving = save_moving_path(model_path)
+    if not os.path.isdir(moving):
+        return None
+    return (f"{model_path} holds part of a save interrupted while it moved its files in one by one (the folder "
+            f"could not be swapped: a mount point, or the working directory), so its model files mix the new save's "
+            f"with the earlier one's; {moving} holds the rest: the next save there, or a step's start with it as "
+            "its --output_dir, finishes moving it in")
+
+
 def save_leftovers(model_path):
     """The unfinished copy a save of ``model_path`` killed before it moved in left (``checkpoint.atomic_folder``
     stages it as ``.NAME.tmp-*`` in the model folder, else beside it), said with its size. No reader takes it for the
@@ -71,6 +90,8 @@ def save_leftovers(model_path):
             if os.path.isdir(leftover):
                 said.append(f"{leftover} ({_size(leftover)}) is an unfinished save's copy, interrupted or still being "
                             "written: it only takes disk space, and the next save there removes it")
+    if moving := interrupted_move_message(model_path):
+        said.append(moving)
     new, old = save_swap_paths(model_path)
     if os.path.isdir(new):
         said.append(f"{new} is the finished copy of a save interrupted while it replaced the folder: the next run or "

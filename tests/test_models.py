@@ -2,6 +2,7 @@
 import logging
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -654,9 +655,9 @@ def _sharded_save(folder, seed):
     return model.state_dict()
 
 
-def _killed_save(target, kill_at):
-    """A sharded save into ``target`` killed at the ``kill_at``-th rename of its switch: whether it was (a switch of
-    fewer renames is not)."""
+def _killed_save(target, kill_at, staged=lambda folder: None):
+    """A sharded save into ``target`` (and what ``staged`` writes beside it) killed at the ``kill_at``-th rename of
+    its switch: whether it was (a switch of fewer renames is not)."""
     renames = [0]
 
     def rename(real):
@@ -671,6 +672,7 @@ def _killed_save(target, kill_at):
         try:
             with atomic_folder(str(target)) as tmp:
                 _sharded_save(tmp, seed=2)
+                staged(tmp)
                 patch.setattr(os, "rename", rename(os.rename))
                 patch.setattr(os, "replace", rename(os.replace))
         except KeyboardInterrupt:
@@ -720,6 +722,59 @@ def test_a_sharded_save_killed_while_it_replaces_a_folder_leaves_the_old_or_the_
     with atomic_folder(str(target)) as tmp:
         _sharded_save(tmp, seed=1)
     assert os.stat(target).st_ino == folder and _same_weights(target, old)
+
+
+def _templates(folder, name):
+    """A tokenizer's folder of named chat templates (a save's subfolder), holding ``name``."""
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / f"{name}.jinja").write_text(name)
+
+
+def test_a_save_moved_in_file_by_file_and_killed_part_way_is_finished_never_loaded_mixed(tmp_path, monkeypatch):
+    """Into a folder that cannot be swapped (the working directory, a mount point) a save moves its files one by one:
+    a kill between two left new and old shards (or a new config over old weights) in the folder, with nothing to tell
+    it from a whole model (the rest of the new files, in the staging folder, were removed by the next save as an
+    unfinished copy), and a save with a subfolder (a tokenizer's chat templates) failed with a NameError. The finished
+    copy is marked whole before its first file moves: a kill part-way is refused as a model and said as a leftover,
+    and a step's start (or the next save) there finishes moving it in."""
+    from dschat.errors import UsageError
+    from dschat.models.loading import check_model_path
+    from dschat.run_layout import save_leftovers
+    from dschat.steps.common import check_output_dir
+
+    old = _sharded_save(tmp_path / "reference_old", seed=1)
+    new = _sharded_save(tmp_path / "reference_new", seed=2)
+    kill_at, mixed = 1, 0
+    while True:
+        target = tmp_path / f"run{kill_at}" / "model"
+        _sharded_save(target, seed=1)
+        _templates(target, "old")
+        (target / "training.log").write_text("log")
+        monkeypatch.chdir(target)  # (the process's relative paths lead into it: saved into file by file)
+        folder = os.stat(target).st_ino
+        if not _killed_save(target, kill_at, lambda tmp: _templates(Path(tmp), "new")):
+            break
+        if (target / ".model.save-moving").is_dir():
+            mixed += 1
+            with pytest.raises(UsageError, match=r"--model_name_or_path .*model holds part of a save interrupted "
+                                                 r"while it moved its files in one by one"):
+                check_model_path(str(target), "--model_name_or_path")
+            assert "holds part of a save interrupted" in "; ".join(save_leftovers(str(target)))
+        else:
+            assert _same_weights(target, old), kill_at
+        moving = (target / ".model.save-moving").is_dir()
+        check_output_dir(str(target.parent), torch.device("cpu"))  # (a step's start: step 3's actor is in its folder)
+        whole = new if moving else old
+        assert _same_weights(target, whole), kill_at
+        assert os.listdir(target / "additional_chat_templates") == ["new.jinja" if moving else "old.jinja"], kill_at
+        assert (target / "training.log").read_text() == "log" and os.stat(target).st_ino == folder
+        assert not [name for name in os.listdir(target) if name.startswith(".model.save")], kill_at
+        check_model_path(str(target), "--model_name_or_path")
+        kill_at += 1
+    assert mixed > 3  # (the files went in by several renames, each of which was killed once)
+    assert _same_weights(target, new) and os.listdir(target / "additional_chat_templates") == ["new.jinja"]
+    assert os.stat(target).st_ino == folder and (target / "training.log").read_text() == "log"
+    assert not [name for name in os.listdir(target) if name.startswith(".model.")]
 
 
 def test_a_model_save_that_fills_the_disk_is_the_oserror_a_full_disk_gives_naming_the_folder(tmp_path, monkeypatch):

@@ -9,10 +9,11 @@ from dschat.errors import UsageError
 from dschat.models.loading import TOKENIZER_EXTRA_FILES, TOKENIZER_FILES, is_weights_file
 from dschat.models.lora import check_lora_mergeable, head_trains_untied, merge_lora_state_dict, unwrap_peft
 from dschat.models.reward_model import REWARD_META_FILE, VALUE_HEAD_FILE, RewardModel
-from dschat.run_layout import save_staging_prefix, save_swap_paths
+from dschat.run_layout import save_moving_path, save_staging_prefix, save_swap_paths
 from dschat.models.zero3 import is_zero3_param
 from dschat.utils.dist import barrier, is_rank_0, print_rank_0
-from dschat.utils.files import give_plain_modes, temp_folder, writes_said_on_a_full_disk
+from dschat.utils.files import (give_plain_modes, read_json_object, temp_folder, write_json_atomic,
+                                writes_said_on_a_full_disk)
 
 
 def gathered_state_dict(module):
@@ -102,7 +103,7 @@ def install_folder(new, target):
     that is no model save's (the step's log, TensorBoard events, its checkpoints, a user's notes: DeepSpeed-Chat's
     scripts log into the output folder) and loses the earlier save's files (``is_save_file``) the new one does not
     write. Where it can, the folders are swapped (``_swap_in``), so a kill at any point leaves the earlier or the new
-    model whole; else (``_swappable``) each new file goes in by an atomic rename."""
+    model whole; else (``_swappable``) each new file goes in by an atomic rename (``finish_interrupted_move``)."""
     if not os.path.exists(target):
         os.replace(new, target)
         return
@@ -110,18 +111,42 @@ def install_folder(new, target):
     if _swappable(real) and _moved_beside(new, real):
         finish_interrupted_swap(real)
         return
-    written = set(os.listdir(new))
-    for name in sorted(written):
-        source, destination = os.path.join(new, name), os.path.join(target, name)
-        if os.path.isdir(source):
-            replace_folder(source, destination)
-        else:
-            os.replace(source, destination)
-    for name in os.listdir(target):  # after the new weights are in: a crash never leaves the folder without any
-        path = os.path.join(target, name)
+    # (staged in ``target``: on its file system) the names it holds, then one rename that marks it whole, to move in
+    write_json_atomic(os.path.join(new, MOVED_FILES), {"files": sorted(os.listdir(new))})
+    os.rename(new, save_moving_path(real))
+    finish_interrupted_move(real)
+
+
+# The file in a save's copy that is being moved into its folder one by one (``save_moving_path``): the names it held.
+MOVED_FILES = ".dschat-moved-files.json"
+
+
+def finish_interrupted_move(folder):
+    """Move the finished save in ``folder`` (``save_moving_path``) into it file by file, or finish that where a kill
+    stopped it: the folder mixed the new save's files with the earlier one's (shards of two models, a new config over
+    old weights) until then. Every step is a rename or a removal, redone from where it stopped; the earlier save's files
+    the new one did not write go after the new ones are in (a kill never leaves the folder without weights)."""
+    moving = save_moving_path(folder)
+    if not os.path.isdir(moving):
+        return
+    record = read_json_object(os.path.join(moving, MOVED_FILES)) or {}
+    written = set(record.get("files", ()))
+    for name in sorted(os.listdir(moving)):
+        if name != MOVED_FILES:
+            _move_in(os.path.join(moving, name), os.path.join(folder, name))
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
         if name not in written and is_save_file(name):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    shutil.rmtree(new, ignore_errors=True)
+    shutil.rmtree(moving)
+
+
+def _move_in(source, destination):
+    """``source`` in place of ``destination`` by a rename; a folder (a tokenizer's chat templates) replaces the one
+    there, which goes first (a rename cannot replace a folder that holds files)."""
+    if os.path.isdir(source) and os.path.isdir(destination) and not os.path.islink(destination):
+        shutil.rmtree(destination)
+    os.replace(source, destination)
 
 
 def _swappable(folder):
@@ -173,11 +198,15 @@ def finish_interrupted_swap(folder):
 
 
 def recover_interrupted_swap(model_path):
-    """Finish the swap (``finish_interrupted_swap``) a save of ``model_path`` was killed in, if one was, saying so."""
+    """Finish the swap (``finish_interrupted_swap``) or the move file by file (``finish_interrupted_move``) a save of
+    ``model_path`` was killed in, if one was, saying so."""
     folder = os.path.realpath(model_path)
     if any(os.path.isdir(path) for path in save_swap_paths(folder)):
         print_rank_0(f"{model_path}: finishing a save interrupted while it replaced the folder")
         finish_interrupted_swap(folder)
+    if os.path.isdir(save_moving_path(folder)):
+        print_rank_0(f"{model_path}: finishing a save interrupted while it moved its files into the folder")
+        finish_interrupted_move(folder)
 
 
 def recover_interrupted_saves(output_dir):
@@ -187,6 +216,8 @@ def recover_interrupted_saves(output_dir):
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if swapped := re.fullmatch(r"\.(.+)\.save-(?:new|old)", name):
             recover_interrupted_swap(os.path.join(folder, swapped[1]))
+        elif os.path.isdir(save_moving_path(os.path.join(folder, name))):
+            recover_interrupted_swap(os.path.join(folder, name))
 
 
 def _move_kept_files(source, destination):

@@ -151,12 +151,16 @@ def readable_weights(folder):
 def check_model_path(name_or_path, flag):
     """A model that cannot load, as an error naming ``flag`` before anything loads: a local path (``looks_local``)
     that is not there (not transformers' "Repo id must be in the form ..." traceback from a hub lookup), a folder
-    without a loadable model (``not_a_model_folder``, ``no_weights_message``, ``adapter_beside_model_message``), a
-    mistyped tiny preset, a hub name that cannot be fetched (``unfetchable_hub_name``)."""
+    without a loadable model (``not_a_model_folder``, ``no_weights_message``, ``adapter_beside_model_message``) or
+    with a save's files half moved in (``interrupted_move_message``: it would load as neither model), a mistyped tiny
+    preset, a hub name that cannot be fetched (``unfetchable_hub_name``)."""
+    from dschat.run_layout import interrupted_move_message
+
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
     unloadable = os.path.isdir(name_or_path) and (not_a_model_folder(name_or_path) or no_weights_message(name_or_path)
-                                                  or adapter_beside_model_message(name_or_path))
+                                                  or adapter_beside_model_message(name_or_path)
+                                                  or interrupted_move_message(name_or_path))
     if unloadable:
         raise MissingInputError(f"{flag} {unloadable}")
     if unknown := unknown_tiny_preset(name_or_path):
