@@ -249,6 +249,43 @@ def test_a_released_engines_block_releases_every_hybrid_engine_around_its_engine
     assert generations == ["first", "second"] and destroyed == [1]
 
 
+def test_two_hybrid_engines_on_one_deepspeed_engine_each_stay_routed_and_fresh():
+    """Two HybridEngines around one DeepSpeed engine (a notebook that wrapped the actor again): release_generation()
+    of either one deleted the module's routed generate, so engine.module.generate of the one left ran HF's generate
+    instead of it; and a step through one marked only its own inference copy stale, so the other generated from the
+    weights before the step. Now the module's generate goes to the latest wrapper not released, and a step through
+    either refreshes both."""
+    import peft
+
+    model = peft.get_peft_model(tiny_model("llama", seed=3), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ds_engine = make_ds_engine(model)
+    config = HybridEngineConfig(enabled=True, max_out_tokens=32)
+    first, second = (HybridEngine(ds_engine, config, pad_token_id=PAD) for _ in range(2))
+    assert first.inference_weights.kind == second.inference_weights.kind == "lora_copy"
+    ids, mask = left_padded_batch([4, 2, 5], seed=3)
+    calls = []
+    for name, wrapper in (("first", first), ("second", second)):
+        generate = wrapper.generate
+        wrapper.generate = lambda *a, name=name, generate=generate, **k: calls.append(name) or generate(*a, **k)
+
+    def module_generate():
+        return ds_engine.module.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+
+    second.eval()
+    train_step(first, module_generate())  # through the first: the second's copy is behind it now
+    second.eval()
+    assert torch.equal(module_generate(), hf_generate(model, ids, mask, MAX_NEW))
+    first.release_generation()
+    module_generate()
+    assert calls == ["second", "second", "second"], calls
+    third = HybridEngine(ds_engine, config, pad_token_id=PAD)
+    third.release_generation()  # the latest released: the one before it generates again
+    module_generate()
+    assert calls[-1] == "second", calls
+    second.release_generation()  # none left: the model class's own generate
+    assert torch.equal(module_generate(), hf_generate(model, ids, mask, MAX_NEW)) and len(calls) == 4
+
+
 def test_release_drops_generation_state_while_the_engine_is_still_referenced():
     """release_engine on a HybridEngine that something still holds (a notebook's trainer holds the actor): the KV
     cache, the decode steps of the graph path (run eagerly on the CPU) with their buffers, the fused projections and

@@ -106,6 +106,7 @@ class HybridEngine:
         self._total_e2e_s = 0.0
         self._train_start = None  # when the train phase in progress began
         self._evaluating = False
+        _wrappers_of(ds_engine).add(self)
         self.route_module_generate()
         released_as(ds_engine, self)  # (a step run's, or a notebook engine's failed build's, released_engines block)
 
@@ -158,8 +159,14 @@ class HybridEngine:
         return self._engine
 
     def route_module_generate(self):
-        """Make ``engine.module.generate`` (DeepSpeed-Chat's call site) this engine's ``generate``."""
+        """Make ``engine.module.generate`` (DeepSpeed-Chat's call site) this engine's ``generate``. Another
+        HybridEngine of the same DeepSpeed engine keeps its place behind it: released, this one hands the module's
+        generate back to it."""
         module = self._engine.module
+        routed = module.__dict__.get("generate")
+        if isinstance(routed, _RoutedGenerate) and routed.routes(module):
+            routed.add(self)
+            return
         # An instance attribute shadows the class's generate; nn.Module stores plain callables in __dict__.
         object.__setattr__(module, "generate", _RoutedGenerate(self, module))
 
@@ -168,12 +175,12 @@ class HybridEngine:
         projections and the inference copy of the weights: their memory goes now, not when the last reference to this
         engine does, e.g. a notebook's trainer) and destroy the inference tensor-parallel group this engine made
         (``release_engine`` calls it). Every rank of the world releases its engine at the same point, as it built it.
-        The engine cannot generate afterwards; its module's ``generate`` is the model class's again. Once: a second
+        The engine cannot generate afterwards; its module's ``generate`` is the model class's again (or another
+        HybridEngine's of the same DeepSpeed engine, where one is left). Once: a second
         call does nothing (``release_engine``'s record of released engines says whether it was made)."""
         if not first_release(self):
             return
-        if isinstance(self._engine.module.__dict__.get("generate"), _RoutedGenerate):
-            del self._engine.module.__dict__["generate"]
+        self._unroute_module_generate()
         if self.graph_decoder is not None:
             self.graph_decoder.drop()  # (the captured steps hold the cache's storage and the group's collectives)
             self.graph_decoder = None
@@ -182,6 +189,17 @@ class HybridEngine:
         self.inference_weights = None
         if self.tp is not None:
             self.tp.destroy()
+
+    def _unroute_module_generate(self):
+        """The module's generate goes to the latest other HybridEngine of this DeepSpeed engine not released (a
+        second wrapper's, which deleting the route took from it), or to the model class's where none is left."""
+        module = self._engine.module
+        routed = module.__dict__.get("generate")
+        if not isinstance(routed, _RoutedGenerate):
+            return
+        routed.discard(self)
+        if routed.engine() is None:
+            del module.__dict__["generate"]
 
     def _check_not_released(self):
         if is_released(self):
@@ -278,9 +296,11 @@ class HybridEngine:
         return result
 
     def mark_weights_stale(self):
-        """For code that changes the actor's weights other than through ``step()``/``load_checkpoint()``."""
-        if self.inference_weights is not None:  # (None once released)
-            self.inference_weights.mark_stale()
+        """For code that changes the actor's weights other than through ``step()``/``load_checkpoint()``. Every
+        HybridEngine of this DeepSpeed engine is marked: another's inference copy is as far behind the step."""
+        for wrapper in list(_wrappers_of(self._engine)):
+            if wrapper.inference_weights is not None:  # (None once released)
+                wrapper.inference_weights.mark_stale()
 
     def _refresh_weights(self):
         start = time.perf_counter()
@@ -643,18 +663,40 @@ def torch_linear():
         torch.nn.functional.linear = replaced
 
 
+_WRAPPERS = weakref.WeakKeyDictionary()  # DeepSpeed engine -> the HybridEngines around it (weakly, both)
+
+
+def _wrappers_of(ds_engine):
+    return _WRAPPERS.setdefault(ds_engine, weakref.WeakSet())
+
+
 class _RoutedGenerate:
-    """``module.generate`` routed to a HybridEngine, held weakly (once the engine is gone, the model's own generate).
-    A deep copy of the module (a reference or EMA copy, TRL's ``create_reference_model``) would otherwise copy the
-    engine and its process groups, and fail; the copy's ``generate`` is an error that says how to generate from the
-    copy instead."""
+    """``module.generate`` routed to a HybridEngine: the latest of the module's engines that is neither gone nor
+    released, each held weakly (none left: the model's own generate). A deep copy of the module (a reference or EMA
+    copy, TRL's ``create_reference_model``) would otherwise copy the engines and their process groups, and fail; the
+    copy's ``generate`` is an error that says how to generate from the copy instead."""
 
     def __init__(self, engine, module):
-        self._engine, self._module = weakref.ref(engine), weakref.ref(module)
+        self._engines, self._module = [weakref.ref(engine)], weakref.ref(module)
+
+    def routes(self, module):
+        return self._module() is module
+
+    def add(self, engine):
+        """``engine`` generates from now on (the engines before it, once it is released)."""
+        self.discard(engine)
+        self._engines.append(weakref.ref(engine))
+
+    def discard(self, engine):
+        self._engines = [ref for ref in self._engines if ref() is not None and ref() is not engine]
+
+    def engine(self):
+        live = [ref() for ref in reversed(self._engines)]
+        return next((engine for engine in live if engine is not None and not is_released(engine)), None)
 
     def __call__(self, *args, **kwargs):
-        engine = self._engine()
-        if engine is None:  # the engine is gone: the model generates as its class does
+        engine = self.engine()
+        if engine is None:  # every engine is gone: the model generates as its class does
             module = self._module()
             return type(module).generate(module, *args, **kwargs)
         return engine.generate(*args, **kwargs)
