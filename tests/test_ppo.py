@@ -3241,10 +3241,44 @@ def test_the_held_out_evaluations_hf_generate_is_told_to_suppress_the_ids_past_t
     monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: generate(None))
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=model), eval=lambda: None,
                               reward_model=None, tokenizer=tokenizer, z3_enabled=False, pad_to_multiple_of=1,
-                              reward_fn=None, eos_token_id=1, hf_generate_kwargs={})  # (a copy that missed them)
+                              reward_fn=None, eos_token_id=1)
     args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=0)
     ppo.held_out_eval(trainer, None, args, "cpu", None)
     assert [call.get("suppress_tokens") for call in calls] == [list(range(32, 40))]
+
+
+def test_rollouts_and_the_held_out_evaluation_build_hf_generates_arguments_in_one_place(distributed, monkeypatch):
+    """Without the hybrid engine the rollouts called HF's generate with the trainer's copy of its arguments
+    (hf_generate_kwargs, taken once when the trainer was built) while the held-out evaluation built them with
+    rlhf.evaluation.hf_generate at each call: a tokenizer given tokens for the model's spare embedding rows after the
+    trainer was built (tokenizer.add_tokens) could then be answered with them in the evaluation, never in the
+    rollouts. Both now go through hf_generate: the same suppress_tokens, the ids the tokenizer has no token for now."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    size = [32]
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: size[0], "eos_token_id": 1, "pad_token_id": 0})()
+    args = step3_args({"max_answer_seq_len": 4, "enable_hybrid_engine": False, "actor_zero_stage": 0})
+    engine = SimpleNamespace(actor=SimpleNamespace(module=model), ref=SimpleNamespace(module=model), critic=None,
+                             reward=SimpleNamespace(module=model), actor_ema=None, tokenizer=tokenizer, args=args)
+    trainer = DeepSpeedPPOTrainer(engine)
+    trainer.eval = lambda: None
+    calls = []
+    model.generate = lambda prompts, **kwargs: calls.append(kwargs.get("suppress_tokens")) or prompts
+    monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: generate(None))
+    eval_args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=0)
+    prompts = torch.tensor([[5, 6]])
+    for grown in (32, 36):  # the tokenizer's 4 new tokens get the spare rows 32..35
+        size[0] = grown
+        trainer._generate_sequence(prompts, torch.ones_like(prompts))
+        ppo.held_out_eval(trainer, None, eval_args, "cpu", None)
+    assert calls == [list(range(32, 40))] * 2 + [list(range(36, 40))] * 2, calls
 
 
 @pytest.mark.parametrize("weighted", [False, True])

@@ -41,7 +41,8 @@ def test_non_positive_top_k_is_no_filtering_for_the_hybrid_engine_and_hf_generat
     model = _tiny_policy()
     trainer = SimpleNamespace(args=args, hybrid=False, actor_model=SimpleNamespace(module=model), eos_token_id=1,
                               pad_token_id=0, z3_enabled=False, generator=torch.Generator().manual_seed(1),
-                              hf_generate_kwargs={})
+                              tokenizer=type("Tokenizer", (), {"__len__": lambda self: 64, "eos_token_id": 1,
+                                                               "pad_token_id": 0})())
     prompts = torch.randint(2, 64, (8, 4))
     mask = torch.ones_like(prompts)
     args.max_answer_seq_len = 6

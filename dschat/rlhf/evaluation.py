@@ -1,12 +1,11 @@
 """Scoring a policy on held-out prompts with the reward model and, where the data has one, a rule scorer."""
-import functools
-
 import torch
 
 from dschat.data.samplers import eval_weights
 from dschat.errors import UsageError
 from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
-from dschat.rlhf.trainer import answer_mask, answer_texts, pad_answers, suppress_untokenized
+# (hf_generate: imported from here by step 3, the tools and the pipeline)
+from dschat.rlhf.trainer import answer_mask, answer_texts, hf_generate, pad_answers  # noqa: F401
 from dschat.utils.dist import all_reduce
 
 
@@ -19,13 +18,6 @@ def rule_scorer_for(data_path):
 
         return rule_score
     return None
-
-
-def hf_generate(model, tokenizer):
-    """``model``'s HF ``generate`` for ``evaluate_policy``, choosing no id the tokenizer has no token for
-    (``untokenized_ids``), as step 3's rollouts and held-out evaluation do (the tools score as step 3 does)."""
-    suppressed = suppress_untokenized(model, tokenizer)
-    return functools.partial(model.generate, **suppressed) if suppressed else model.generate
 
 
 @torch.no_grad()

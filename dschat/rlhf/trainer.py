@@ -1,5 +1,6 @@
 """DeepSpeedPPOTrainer: experience generation and the PPO update (DeepSpeed-Chat's API, dschat's math)."""
 import contextlib
+import functools
 import time
 from collections.abc import Mapping
 
@@ -235,6 +236,15 @@ def suppress_untokenized(model, tokenizer):
     return {"suppress_tokens": untokenized} if untokenized else {}
 
 
+def hf_generate(model, tokenizer):
+    """``model``'s HF ``generate`` choosing no id the tokenizer has no token for (``untokenized_ids``, as the hybrid
+    engine leaves them out), its arguments built at each call from the tokenizer as it is now: the one path of step 3's
+    rollouts without the hybrid engine, its held-out evaluation and the tools' ``evaluate_policy`` (they score as step
+    3 does)."""
+    suppressed = suppress_untokenized(model, tokenizer)
+    return functools.partial(model.generate, **suppressed) if suppressed else model.generate
+
+
 def answer_texts(tokenizer, answers, mask):
     """Each answer's text: its tokens where ``mask`` is set, without special tokens, stripped (what a reward function
     and the examples read)."""
@@ -337,8 +347,6 @@ class DeepSpeedPPOTrainer:
         self.max_answer_seq_len = args.max_answer_seq_len
         self.pad_token_id = self.tokenizer.pad_token_id
         self.eos_token_id = answer_stop_ids(self.actor_model, self.tokenizer)
-        # HF's generate (without the hybrid engine): the actor's embedding rows that no token has are never generated
-        self.hf_generate_kwargs = suppress_untokenized(self.actor_model.module, self.tokenizer)
         self.kl_ctl = algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl,
                                              args.kl_target, args.kl_horizon)
         self.clip_reward_value, self.cliprange, self.cliprange_value = (args.clip_reward_value, args.cliprange,
@@ -377,11 +385,11 @@ class DeepSpeedPPOTrainer:
                                                 **sampling_kwargs(a))
                 return out if a.logprobs_from_generation else (out, None)
             check_left_padded(mask)  # HF's generate only warns (the hybrid engine's generate checks it itself)
-            with sampling_from(self.generator):
-                seq = self.actor_model.module.generate(
+            with sampling_from(self.generator):  # (hf_generate: the held-out evaluation's too)
+                seq = hf_generate(self.actor_model.module, self.tokenizer)(
                     prompts, attention_mask=mask, max_new_tokens=a.max_answer_seq_len, eos_token_id=self.eos_token_id,
                     pad_token_id=self.pad_token_id, synced_gpus=self.z3_enabled and get_world_size() > 1,
-                    use_cache=True, **sampling_kwargs(a, hf_generate=True), **self.hf_generate_kwargs)
+                    use_cache=True, **sampling_kwargs(a, hf_generate=True))
             return seq, None
 
     def generate_experience(self, prompts, mask=None, step=0, advantages=True):
