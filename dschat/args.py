@@ -513,8 +513,8 @@ def namespace_with_defaults(parser, overrides=None):
     DeepSpeed-Chat namespace holds both ``deepspeed_config=None`` and ``deepscale_config="ds.json"``). Keys that
     name no flag are an error in a dict (a typo would otherwise be a silent default; those starting with "_",
     dschat's own attributes of a namespace copied with ``vars``, are left out); an object's are kept and
-    listed once (a DeepSpeed-Chat namespace carries its own, e.g. ``global_rank``). A dict's None for a flag with a
-    default leaves the default (``_none_for_a_default``)."""
+    listed once (a DeepSpeed-Chat namespace carries its own, e.g. ``global_rank``). A None for a flag with a default,
+    a dict's or an object's, leaves the default (``_none_for_a_default``)."""
     args = parser.parse_args([])
     if overrides is None:
         return args
@@ -533,7 +533,7 @@ def namespace_with_defaults(parser, overrides=None):
         print(f"[dschat] args: {unknown} name no flag; kept as attributes, not used by dschat")
     for key in sorted(items, key=lambda k: k in by_name and by_name[k].dest != k):  # destinations first
         action, value = by_name.get(key), items[key]
-        if isinstance(overrides, dict) and _none_for_a_default(parser, action, value):
+        if _none_for_a_default(parser, action, value):
             continue
         if action is None:
             setattr(args, key, value)
@@ -546,9 +546,10 @@ _REPORTED_UNKNOWN = set()
 
 
 def _none_for_a_default(parser, action, value):
-    """A dict's None for a flag that takes a value and has one by default (``temperature=None``, a tool's unset
-    ``dtype``): unset, so the default, as None means in HF's configs (set, it reached the checks and failed there
-    with a TypeError). A DeepSpeed-Chat namespace's None attributes are read as they are."""
+    """A None for a flag that takes a value and has one by default (a dict's ``temperature=None``, a tool's unset
+    ``dtype``; DeepSpeed-Chat's step-3 namespace, whose --seed and --output_dir default to None): unset, so the
+    default, as None means in HF's configs (set, it reached the checks or the run and failed there with a TypeError:
+    ``set_seed(None)`` as the engine set up). Flags whose default is None (``actor_dropout``) keep it."""
     return value is None and type(action) is argparse._StoreAction and parser.get_default(action.dest) is not None
 
 

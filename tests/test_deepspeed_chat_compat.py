@@ -217,6 +217,21 @@ def test_notebook_settings_mean_what_the_flags_mean():
         step3_args("max_prompt_seq_len=16 enable_hybrid_engine=True")
 
 
+def test_deepspeed_chats_step3_namespace_with_its_none_defaults_sets_up_a_run(distributed):
+    """DeepSpeed-Chat's step-3 parser defaults --seed and --output_dir to None: its namespace given to
+    DeepSpeedRLHFEngine kept them, and the engine's set-up failed in ``set_seed(None)`` with a TypeError."""
+    import argparse
+
+    from dschat.steps.common import setup_run
+
+    ds_chat = argparse.Namespace(seed=None, output_dir=None, preprocessing_num_workers=None, actor_dropout=None,
+                                 unsupervised_dataset_name=None, dtype="fp32", local_rank=-1, global_rank=0)
+    settings = step3_args(ds_chat)
+    assert (settings.seed, settings.output_dir) == (step3_args({}).seed, step3_args({}).output_dir)
+    assert settings.actor_dropout is None and settings.unsupervised_dataset_name is None  # (None is their default)
+    setup_run(settings)
+
+
 def test_a_dict_of_a_completed_namespaces_settings_reads_as_they_do():
     """``{**vars(engine.args), "ppo_epochs": 2}``, a notebook's copy of the settings with one changed, was refused
     with "unknown setting(s) ['_data_files', '_dschat_complete', ...]": the attributes dschat keeps on a completed
