@@ -3047,6 +3047,27 @@ def test_the_ema_copy_is_kept_in_fp32_so_that_its_small_steps_are_not_rounded_aw
     assert abs(moved.item() - (1 - 0.992 ** 10)) < 0.01
 
 
+def test_deepspeed_chats_moving_average_of_the_engines_says_the_trainer_already_updates_the_ema(trained, tmp_path):
+    """DeepSpeed-Chat's loop calls ``moving_average(rlhf_engine.actor, rlhf_engine.actor_ema, zero_stage=...)`` after
+    each step: here a TypeError (zero_stage), then a KeyError on the engines' "module." names; and the trainer
+    updates the EMA itself, so a second average per step would be wrong."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.ema import moving_average
+
+    engine, _, _ = _engine_and_trainer(trained, tmp_path, enable_ema=True, enable_hybrid_engine=True)
+    ema = engine.actor_ema.module
+    before = {name: p.detach().clone() for name, p in ema.named_parameters()}
+    for actor in (engine.actor, engine.actor.module):  # the hybrid engine, or the model with the EMA's engine
+        with pytest.raises(UsageError, match=r"trainer already updates engine\.actor_ema .*drop this call"):
+            moving_average(actor, engine.actor_ema, zero_stage=0)
+    assert all(torch.equal(p, before[name]) for name, p in ema.named_parameters())
+    with torch.no_grad():
+        next(p for p in engine.actor.module.parameters() if p.ndim == 2).add_(1.0)
+    moving_average(engine.actor.module, ema, beta=0.5, device="cpu", zero_stage=0)  # modules: averaged
+    assert not all(torch.equal(p, before[name]) for name, p in ema.named_parameters())
+    engine.release()
+
+
 def test_the_ema_actor_is_saved_in_the_actors_dtype(trained, tmp_path):
     # averaged in fp32, but a bf16 run's actor_ema folder is a bf16 model as its actor folder is (not twice its size)
     from safetensors import safe_open
