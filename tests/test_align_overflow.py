@@ -357,6 +357,30 @@ def test_a_real_zero2_engine_is_asked_and_made_to_skip_like_an_overflowed_step(d
         assert not all(torch.equal(a, b) for a, b in zip(weights, _weights(engine))), "a normal update moves both"
 
 
+def test_get_overflow_says_whose_last_step_skipped_its_inf_nan_gradients_as_deepspeed_chats_does(distributed):
+    """DeepSpeed-Chat's loop asks ``trainer.get_overflow()`` after each iteration (its --test_stop_step counts the
+    steps that did not overflow): an AttributeError here."""
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    actor_nan, critic_nan = [True], [False]
+    trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)  # (real engines, no models to build)
+    trainer.actor_model, trainer.critic_model = _zero2_engine(actor_nan), _zero2_engine(critic_nan)
+    assert trainer.get_overflow() == (False, False)  # no step yet
+    for nan in (True, False):
+        actor_nan[0] = nan
+        for engine in (trainer.actor_model, trainer.critic_model):
+            _backward(engine)
+            engine.step()
+        assert trainer.get_overflow() == (nan, False)
+    actor_nan[0], critic_nan[0] = False, True
+    for engine in (trainer.actor_model, trainer.critic_model):
+        _backward(engine)
+        engine.step()
+    assert trainer.get_overflow() == (False, True)
+    trainer.critic_model = None  # a critic-free estimator's
+    assert trainer.get_overflow() == (False, False)
+
+
 @pytest.mark.multirank
 def test_real_fp16_engines_at_zero_0_2_3_skip_together_on_every_rank():
     """``tests/scripts/align_overflow_fp16.py`` through the deepspeed launcher: 2 ranks on the CPU (gloo), one per GPU

@@ -857,6 +857,14 @@ class DeepSpeedPPOTrainer:
         if self.reward_model is not None:
             self.reward_model.eval()
 
+    def get_overflow(self):
+        """DeepSpeed-Chat's: (actor, critic) whether each model's last optimizer step was skipped on inf/NaN gradients
+        (an fp16 overflow), as DeepSpeed reads it from the optimizer; False before any step, for an optimizer that
+        keeps no such flag (DeepSpeed's bf16 one) and for the critic where there is none. Its loop counts the steps
+        that were not (--test_stop_step)."""
+        return tuple(model is not None and bool(getattr(model.optimizer, "overflow", False))
+                     for model in (self.actor_model, self.critic_model))
+
 
 def answer_log_ratios(exp):
     """Each answer's log-ratio to the reference summed over its tokens (k1 KL), in float64: the one formula behind the
