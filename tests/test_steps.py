@@ -16,7 +16,7 @@ from dschat.models.reward_model import load_reward_model
 from dschat.steps import common, dpo, reward, sft
 from helpers import (RM_FAST, SFT_FAST, engines_alive, engines_made, fp16_flags, record_applied_steps,
                      skip_without_fp16)
-from launch import REPO, run_deepspeed
+from launch import REPO, WRITE_SEEN_AND_END, run_as_two_nodes, run_deepspeed
 
 
 def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch, capsys):
@@ -117,6 +117,32 @@ def test_pair_steps_count_a_pair_as_one_sample(step, tmp_path, distributed, monk
     step.main(["--output_dir", str(tmp_path / "out"), "--data_output_path", str(tmp_path / "data"), "--max_steps", "2",
                *RM_FAST])
     assert made[0].samples == 2 * 16  # 2 steps of 16 pairs
+
+
+THROUGHPUT_OF_TWO_RANKS = """
+from dschat.steps.common import Throughput
+from dschat.utils.dist import ensure_distributed
+rank, _ = ensure_distributed()
+rates = Throughput(num_params=1000)  # (gloo: the counts are summed on the CPU)
+rates.update(rows=4, tokens=10 if rank == 0 else 30)  # (as many records, of other lengths)
+summary = rates.summary()
+seen = [repr(summary["tokens_per_s"] / summary["samples_per_s"]),
+        repr(summary["tflops_per_rank"] * 1e12 / summary["tokens_per_s"])]
+""" + WRITE_SEEN_AND_END
+
+
+def test_a_steps_token_rate_counts_every_ranks_tokens(tmp_path):
+    """Steps 1, 2 and DPO wrote rank 0's token count times the ranks as tokens_per_s (and its tflops_per_rank from
+    rank 0's tokens alone): the ranks' batches hold other numbers of tokens, so it was off by as much as they differ.
+    Step 3 sums its ranks' tokens; the steps' rates now do too."""
+    nodes = [tmp_path / f"rank{rank}" for rank in range(2)]
+    for node in nodes:
+        node.mkdir()
+    run_as_two_nodes(tmp_path, THROUGHPUT_OF_TWO_RANKS, nodes)
+    for node in nodes:
+        tokens_per_sample, flops_per_token = map(float, (node / "seen").read_text().splitlines())
+        assert tokens_per_sample == pytest.approx((10 + 30) / (4 + 4))  # every rank's tokens over every rank's records
+        assert flops_per_token == pytest.approx(6 * 1000 / 2)  # per rank: half of the ranks' tokens
 
 
 def test_the_eval_interval_curve_ends_with_the_final_evaluation(tmp_path, distributed):

@@ -17,8 +17,8 @@ from dschat.rlhf.algorithms import check_finite
 from dschat.report import counted
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, UNSUPERVISED_DATA
-from dschat.utils.dist import (barrier, check_same_on_every_rank, ensure_distributed, gathered_objects, get_world_size,
-                               is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
+from dschat.utils.dist import (all_reduce, barrier, check_same_on_every_rank, ensure_distributed, gathered_objects,
+                               get_world_size, is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
 from dschat.utils.ds_config import check_dtype_supported
 from dschat.utils.files import check_writable_folder, read_json_object, write_json_atomic
 from dschat.utils.optim import optimizer_step, skipped_steps
@@ -234,13 +234,15 @@ def restart_deepspeed_tensorboard(engine):
 
 
 class Throughput:
-    """Samples/s, tokens/s and an estimate of achieved TFLOPs (6 x params x tokens, 8 x with checkpointing).
-    ``rows_per_record``: the batch rows one sample takes (a preference pair's chosen and rejected rows: 2), so that a
-    sample is a record of the data, as --per_device_train_batch_size and DeepSpeed's sample count have it."""
+    """Samples/s, tokens/s and an estimate of achieved TFLOPs (6 x params x tokens, 8 x with checkpointing), over all
+    ranks. ``rows_per_record``: the batch rows one sample takes (a preference pair's chosen and rejected rows: 2), so
+    that a sample is a record of the data, as --per_device_train_batch_size and DeepSpeed's sample count have it.
+    ``device``: where the ranks' counts are summed (the rank's accelerator)."""
 
-    def __init__(self, num_params, gradient_checkpointing=False, rows_per_record=1):
+    def __init__(self, num_params, gradient_checkpointing=False, rows_per_record=1, device=None):
         self.flops_per_token = (8 if gradient_checkpointing else 6) * num_params
         self.rows_per_record = rows_per_record
+        self.device = device
         self.start = time.time()
         self.samples = self.tokens = 0
 
@@ -250,13 +252,15 @@ class Throughput:
 
     def summary(self):
         """The rates; None for a run that trained nothing (a resume from its last step's checkpoint): 0 samples/s
-        would be a measurement of no work."""
-        if not self.samples:
+        would be a measurement of no work. Collective: the counts are summed over the ranks (their batches' tokens
+        differ; rank 0's times the ranks was only an estimate)."""
+        if not self.samples:  # (every rank alike: each trains as many batches of as many records)
             return dict.fromkeys(("samples_per_s", "tokens_per_s", "tflops_per_rank"))
         elapsed = max(time.time() - self.start, 1e-9)
-        world = get_world_size()
-        return {"samples_per_s": self.samples * world / elapsed, "tokens_per_s": self.tokens * world / elapsed,
-                "tflops_per_rank": self.flops_per_token * self.tokens / elapsed / 1e12}
+        samples, tokens = all_reduce(torch.tensor([self.samples, self.tokens], dtype=torch.float64,
+                                                  device=self.device)).tolist()
+        return {"samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed,
+                "tflops_per_rank": self.flops_per_token * tokens / get_world_size() / elapsed / 1e12}
 
 
 def count_params(model):
@@ -859,7 +863,7 @@ def _train_evaluate_save(args, recipe):
     clear_results(args, recipe.name, resumed=position is not None)
     if position is None:
         print_rank_0(f"{tag} before training: {format_metrics(evaluate())}")
-    throughput = Throughput(count_params(model), args.gradient_checkpointing, recipe.rows_per_record)
+    throughput = Throughput(count_params(model), args.gradient_checkpointing, recipe.rows_per_record, device)
     tokenizer_said = tokenizer_record(tokenizer)  # (a checkpoint's, compared on --resume: check_same_tokenizer)
     # a re-run's curves replace the earlier run's; a resumed run's, those after its checkpoint
     writer = tensorboard_writer(args, recipe.name, purge_step=position["step"] + 1 if position else 0)
