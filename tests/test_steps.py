@@ -79,6 +79,18 @@ def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_p
     assert logged[0] == pytest.approx(sum(losses[:4]) / 4) and logged[-1] == pytest.approx(sum(losses[-4:]) / 4)
 
 
+def test_the_last_micro_batches_of_no_whole_optimizer_step_are_said(capsys):
+    """75 micro-batches with --gradient_accumulation_steps 4 make 18 steps, and the last 3 micro-batches (a 25th of
+    the data's records with one epoch) were never trained on without a word; said now, as step 3 says its prompts of
+    no whole iteration, unless --max_steps ends the run before them."""
+    assert common.num_update_steps(75, 4, 2) == 37
+    assert "--gradient_accumulation_steps 4: the last 2 of the run's 150 micro-batches on each rank (75 per epoch x 2 " \
+           "epoch(s)) fill no whole optimizer step and are not trained on; a --gradient_accumulation_steps that " \
+           "divides 150" in capsys.readouterr().out
+    assert common.num_update_steps(76, 4, 1) == 19 and common.num_update_steps(75, 4, 1, max_steps=10) == 10
+    assert "not trained on" not in capsys.readouterr().out
+
+
 def test_a_steps_rates_leave_out_the_final_evaluation(tmp_path, distributed, monkeypatch):
     """metrics.json's samples_per_s, tokens_per_s and tflops_per_rank were measured up to the end of the evaluation
     after training: a slow held-out set lowered the training's rates (152 samples/s where the last step logged 166)."""

@@ -206,7 +206,21 @@ def num_update_steps(num_batches, gradient_accumulation_steps, epochs, max_steps
                          f"of --gradient_accumulation_steps {gradient_accumulation_steps}: give more data, more "
                          "epochs or a smaller batch")
     say_max_steps_past_the_epochs(max_steps, steps, epochs, "optimizer steps")
+    if not max_steps or max_steps >= steps:
+        say_micro_batches_left_out(num_batches * epochs - steps * gradient_accumulation_steps, num_batches, epochs,
+                                   gradient_accumulation_steps)
     return min(steps, max_steps) if max_steps else steps
+
+
+def say_micro_batches_left_out(left_out, num_batches, epochs, gradient_accumulation_steps):
+    """The run's last micro-batches that fill no whole optimizer step are never trained on (the loop ends at the last
+    step; HF's Trainer steps on such a group, DeepSpeed only on whole ones): said, as step 3 says the prompts of no
+    whole iteration, rather than a share of the data left out without a word."""
+    if left_out:
+        print_rank_0(f"--gradient_accumulation_steps {gradient_accumulation_steps}: the last {left_out} of the run's "
+                     f"{num_batches * epochs} micro-batches on each rank ({num_batches} per epoch x {epochs} "
+                     "epoch(s)) fill no whole optimizer step and are not trained on; a --gradient_accumulation_steps "
+                     f"that divides {num_batches * epochs}, or another batch size or number of epochs, trains them all")
 
 
 def say_max_steps_past_the_epochs(max_steps, available, epochs, unit):
