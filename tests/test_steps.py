@@ -157,6 +157,39 @@ def test_a_steps_token_rate_counts_every_ranks_tokens(tmp_path):
         assert flops_per_token == pytest.approx(6 * 1000 / 2)  # per rank: half of the ranks' tokens
 
 
+TRAIN_LOSS_CURVE_OF_TWO_RANKS = """
+from types import SimpleNamespace
+from torch.utils.tensorboard import SummaryWriter
+from dschat.steps import common
+from dschat.utils.dist import ensure_distributed
+rank, _ = ensure_distributed()
+args = SimpleNamespace(enable_tensorboard=True, print_loss=False)
+skipped = SimpleNamespace(last_step_skipped=lambda: False, total=0)
+writer = SummaryWriter("tb") if rank == 0 else None  # (tensorboard_writer's: rank 0's alone)
+common._log_step(args, "step1", 1, 1.0 if rank == 0 else 3.0, 1e-3, writer, None, None, skipped)
+if writer is not None:
+    writer.close()
+seen = []
+""" + WRITE_SEEN_AND_END
+
+
+def test_the_train_loss_curve_is_the_mean_over_every_ranks_micro_batches(tmp_path):
+    """TensorBoard's step1/train/loss (steps 2's and DPO's too) was rank 0's micro-batches' mean alone, unsaid, while
+    metrics.json's train_loss and step 3's curves are means over the ranks (as HF's Trainer logs): on two ranks of
+    losses 1 and 3 the curve said 1. It is now the mean over the ranks, 2 (--print_loss still says rank 0's, and says
+    so)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    nodes = [tmp_path / f"rank{rank}" for rank in range(2)]
+    for node in nodes:
+        node.mkdir()
+    run_as_two_nodes(tmp_path, TRAIN_LOSS_CURVE_OF_TWO_RANKS, nodes)
+    events = EventAccumulator(str(nodes[0] / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("step1/train/loss")] == [(1, 2.0)]
+    assert not (nodes[1] / "tb").exists()
+
+
 def test_the_eval_interval_curve_ends_with_the_final_evaluation(tmp_path, distributed):
     """--eval_interval 2 over 4 steps: the loop leaves the evaluation at step 4 to the final one, which was logged
     only as step1/final/*, so TensorBoard's step1/eval curve stopped at step 2."""

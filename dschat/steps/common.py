@@ -613,7 +613,7 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
                 continue
             step += 1
             loss_sum, loss_count = loss_sum + sum(recent), loss_count + len(recent)
-            _log_step(args, name, step, sum(recent) / len(recent), lr, writer, throughput, bar, skipped)
+            _log_step(args, name, step, sum(recent) / len(recent), lr, writer, throughput, bar, skipped, device)
             recent = []
             if save is not None and args.save_interval and step % args.save_interval == 0:
                 save({"step": step, "epoch": epoch, "batch": index + 1, "loss_sum": loss_sum,
@@ -644,7 +644,7 @@ def applied_lr(engine):
     return engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
 
 
-def _log_step(args, name, step, loss, lr, writer, throughput, bar, skipped):
+def _log_step(args, name, step, loss, lr, writer, throughput, bar, skipped, device=None):
     step_skipped = skipped.last_step_skipped()
     if hasattr(bar, "set_postfix"):
         shown = {"skipped": skipped.total} if skipped.total else {}
@@ -654,10 +654,13 @@ def _log_step(args, name, step, loss, lr, writer, throughput, bar, skipped):
         whose = f" (rank 0's micro-batches, 1 of {get_world_size()} ranks)" if get_world_size() > 1 else ""
         print_rank_0(f"[{name}] step {step} loss {loss:.4f}{whose} lr {lr:.3e}"
                      + (f" ({SKIPPED_STEP_SAID})" if step_skipped else ""))
-    scalars = {"loss": loss, "lr": lr, "skipped_steps": skipped.total}
-    if throughput is not None:
-        scalars.update(throughput.summary())
-    _scalars(writer, f"{name}/train", scalars, step)
+    if getattr(args, "enable_tensorboard", False):  # (every rank: the loss and rates are over the ranks; rank 0 writes)
+        # the step's loss over every rank's micro-batches, as metrics.json's train_loss and step 3's curves are (and
+        # HF's Trainer logs); rank 0's alone followed a quarter of the step's records on 4 ranks
+        scalars = {"loss": rank_mean(loss, device), "lr": lr, "skipped_steps": skipped.total}
+        if throughput is not None:
+            scalars.update(throughput.summary())
+        _scalars(writer, f"{name}/train", scalars, step)
 
 
 SKIPPED_STEP_SAID = "optimizer step skipped by DeepSpeed: inf/NaN gradients"
