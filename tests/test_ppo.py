@@ -1477,6 +1477,8 @@ def _flags_trainer(tmp_path, *given):
         def save_checkpoint(self, folder, tag, save_latest):
             (tmp_path / folder / tag).mkdir(parents=True)
             (tmp_path / folder / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+            # (a ZeRO-1/2 save's optimizer partition: the files' check expects it of a checkpoint of such a stage)
+            (tmp_path / folder / tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
 
         def load_checkpoint(self, *args, **kwargs):
             raise Loaded("loaded")
