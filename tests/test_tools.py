@@ -629,6 +629,21 @@ def test_a_prompt_flag_longer_than_the_context_is_an_error_naming_the_flag(sessi
         chat.main(["--path", models["policy"], "--greedy", "--max_new_tokens", "6", "--prompt", "word " * 60])
 
 
+def test_a_prompt_flag_too_long_for_the_context_is_refused_before_the_model_loads(models, monkeypatch):
+    """chat.py --prompt with a last message too long for the context even alone was refused only once the model had
+    loaded; its earlier turns, which the chat leaves out to fit, still do not make it an error."""
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    context = json.loads(Path(models["policy"], "config.json").read_text())["max_position_embeddings"]
+    monkeypatch.setattr(chat, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    with pytest.raises(UsageError, match=f"^--prompt: the message takes .* the model's context of {context} tokens"):
+        chat.main(["--path", models["policy"], "--greedy", "--max_new_tokens", "6", "--prompt", "word " * context])
+    transcript = f"Human: {'word ' * context}\n\nAssistant: ok\n\nHuman: hi"
+    with pytest.raises(pytest.fail.Exception, match="a model loaded first"):  # (fits once the first turns are left out)
+        chat.main(["--path", models["policy"], "--greedy", "--max_new_tokens", "6", "--prompt", transcript])
+
+
 def test_generation_flags_are_checked_and_top_k_below_one_is_off():
     import argparse
 

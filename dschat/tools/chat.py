@@ -169,11 +169,26 @@ def build_parser():
     return parser
 
 
-def check_prompt_renders(turns, path, args):
-    """``turns`` formatted with the tokenizer of ``path`` before its model loads, as prompt_eval formats its prompts."""
+def check_prompt_fits(turns, path, config, args):
+    """``turns`` (--prompt's) formatted with the tokenizer of ``path`` before its model loads, as prompt_eval formats
+    its prompts: turns its chat template refuses, and a last message too long for the context of ``config`` (None:
+    not readable alone) with --max_new_tokens even once the earlier turns are left out (``ChatSession.next_prompt``),
+    are said at once, not once the model has loaded."""
+    from types import SimpleNamespace
+
     from dschat.models.loading import load_tokenizer
 
-    tool_prompt(turns, load_tokenizer(path, add_eot_token=args.add_eot_token), path)
+    tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
+    tool_prompt(turns, tokenizer, path)
+    if config is None:
+        return
+    session = ChatSession(SimpleNamespace(config=config, name_or_path=path), tokenizer,
+                          {"max_new_tokens": args.max_new_tokens})
+    session.history = list(turns[:-1])
+    try:
+        session.next_prompt(turns[-1]["content"])
+    except UsageError as error:
+        raise UsageError(f"--prompt: {error}") from None
 
 
 @one_process
@@ -189,9 +204,10 @@ def main(argv=None):
     check_stdout_open("the answers")
     check_generation_flags(args)  # (before the model loads)
     path = flag_path("--path", find_policy_path, args.path)
-    if args.prompt is not None:  # turns its chat template refuses (a transcript's system turn, for Gemma's): said first
-        check_prompt_renders(turns, path, args)
-    check_room_for_a_prompt(config_before_loading(path), args.max_new_tokens)
+    config = config_before_loading(path)
+    check_room_for_a_prompt(config, args.max_new_tokens)
+    if args.prompt is not None:  # turns its chat template refuses (a transcript's system turn, for Gemma's), or too long
+        check_prompt_fits(turns, path, config, args)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     check_room_for_a_prompt(model.config, args.max_new_tokens)  # (a config transformers could not read alone)
     session = ChatSession(model, tokenizer, generation_kwargs(args))
