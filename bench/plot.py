@@ -187,9 +187,23 @@ def plot(table, devices, out):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
     return fig
+
+
+def check_out(path):
+    """``--out`` checked before any file is read: a folder, or a path through a file, failed in matplotlib's savefig
+    with a traceback once the figure was drawn (a missing folder is made, as the results' folders are)."""
+    if os.path.isdir(path):
+        raise SystemExit(f"--out {path}: a folder; give the image file to write, e.g. "
+                         f"{os.path.join(path, 'generation_vs_floor.png')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise SystemExit(f"--out {path}: {parent} is a file, not a folder")
 
 
 def main():
@@ -205,6 +219,7 @@ def main():
                         "have no gpu.txt beside them naming one, e.g. 'NVIDIA H200'; else their panel's title says "
                         "the GPU was not recorded.")
     args = p.parse_args()
+    check_out(args.out)
     table, devices = load_panels(args.results, set(filter(None, args.skip.split(","))), args.device)
     if not table:  # (matplotlib's "Number of columns must be a positive integer" otherwise)
         raise SystemExit("no measured row to plot in " + ", ".join(args.results))

@@ -531,6 +531,26 @@ def test_plot_skip_leaves_out_the_rows_of_a_folder_on_the_files_path(tmp_path):
             plotted(pair)
 
 
+def test_plot_makes_the_folder_of_its_out_file_and_refuses_a_folder_as_it(tmp_path, monkeypatch, capsys):
+    """--out in a folder not there yet, or a folder itself, failed in matplotlib's savefig with a traceback once the
+    figure was drawn."""
+    path = tmp_path / "gen.json"
+    path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
+        {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": 0.8, "floor_s": 0.45,
+         "device": "NVIDIA H200"}]}))
+    out = tmp_path / "new" / "figures" / "plot.png"
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import plot
+
+    monkeypatch.setattr(sys, "argv", ["plot.py", str(path), "--out", str(out)])
+    plot.main()
+    assert out.is_file()
+    status, _ = bench_main_exit("plot", [str(path), "--out", str(tmp_path)], monkeypatch, capsys)
+    assert f"--out {tmp_path}: a folder; give the image file to write" in str(status)
+    status, _ = bench_main_exit("plot", [str(path), "--out", str(path / "plot.png")], monkeypatch, capsys)
+    assert f"{path} is a file, not a folder" in str(status)
+
+
 def bench_main_exit(script, argv, monkeypatch, capsys):
     """(exit status, stderr) of bench/``script``.py's main() given ``argv``, in this process: for the refusals at
     parsing, which end it before any GPU work."""
