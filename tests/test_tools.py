@@ -849,6 +849,22 @@ def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monke
     assert out.count("[rule score") == 12
 
 
+def test_prompt_eval_says_deepspeed_chats_decoding_flags_that_ask_for_what_it_does_not_do(capsys, monkeypatch):
+    """--num_beams 4 (and the other DeepSpeed-Chat decoding flags) were accepted and ignored without a word: the
+    answers were greedy, one per prompt."""
+    monkeypatch.setattr(prompt_eval, "model_prompts", lambda path, records, *_: records)
+    monkeypatch.setattr(prompt_eval, "model_answers", lambda path, records, args: ["ok"] * len(records))
+    monkeypatch.setattr(prompt_eval, "config_before_loading", lambda path: None)
+    models = ["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b", "--num_prompts", "1"]
+    monkeypatch.setattr(prompt_eval, "flag_path", lambda flag, find, value: value)
+    prompt_eval.main([*models, "--num_beams", "4", "--num_return_sequences", "2", "--penalty_alpha", "0.6",
+                      "--language", "Chinese", "--num_beam_groups", "1"])
+    said = capsys.readouterr().err
+    assert "warning: --num_beams 4, --num_return_sequences 2, --penalty_alpha 0.6, --language Chinese: no effect" in said
+    prompt_eval.main([*models, "--num_beams", "1", "--language", "English"])  # (what the comparison does anyway)
+    assert "no effect" not in capsys.readouterr().err
+
+
 # --- step 2: rw_eval ---
 
 def end_score_by_hand(model, tokenizer, prompt, answer):

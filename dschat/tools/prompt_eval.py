@@ -125,6 +125,22 @@ def build_parser():
     return parser
 
 
+def say_unused_compat_flags(args):
+    """DeepSpeed-Chat's decoding flags asking for what this comparison does not do (beams, contrastive search, several
+    answers per prompt) and its --language of other built-in prompts were taken without a word: said once, as the
+    other tools say their unused flags."""
+    from dschat.tools.common import say_once
+
+    asked = [f"--{name} {getattr(args, name)}" for name in ("num_beams", "num_beam_groups", "num_return_sequences")
+             if (getattr(args, name) or 1) > 1]
+    asked += [f"--penalty_alpha {args.penalty_alpha}"] if args.penalty_alpha else []
+    asked += [f"--language {args.language}"] if args.language not in (None, "English") else []
+    if asked:
+        say_once(f"warning: {', '.join(asked)}: no effect (DeepSpeed-Chat's prompt_eval.py flags, accepted so its "
+                 "command lines run): one answer per prompt, greedy or --do_sample, to --prompts, --prompts_file or "
+                 "the embedded English prompts")
+
+
 @one_process
 def main(argv=None):
     """Print the comparison; returns {"prompts", "answers", and "rule_scores"/"rule_score_means" if scored}."""
@@ -133,6 +149,7 @@ def main(argv=None):
     check_data_fields_read(parser, args.data_fields, "--prompts_file", args.prompts_file)
     check_stdout_open("the comparison")
     check_generation_flags(args)  # (before either model loads)
+    say_unused_compat_flags(args)
     records, scorable = select_records(args)
     paths = {role: flag_path(f"--model_name_or_path_{role}", find_policy_path,  # both before either loads
                              getattr(args, f"model_name_or_path_{role}")) for role in ROLES}
