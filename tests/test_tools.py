@@ -860,7 +860,8 @@ def test_prompt_eval_says_deepspeed_chats_decoding_flags_that_ask_for_what_it_do
     prompt_eval.main([*models, "--num_beams", "4", "--num_return_sequences", "2", "--penalty_alpha", "0.6",
                       "--language", "Chinese", "--num_beam_groups", "1"])
     said = capsys.readouterr().err
-    assert "warning: --num_beams 4, --num_return_sequences 2, --penalty_alpha 0.6, --language Chinese: no effect" in said
+    assert ("warning: --num_beams 4, --num_return_sequences 2, --penalty_alpha 0.6, --language Chinese: "
+            "no effect") in said
     prompt_eval.main([*models, "--num_beams", "1", "--language", "English"])  # (what the comparison does anyway)
     assert "no effect" not in capsys.readouterr().err
 

@@ -206,7 +206,7 @@ def main(argv=None):
     path = flag_path("--path", find_policy_path, args.path)
     config = config_before_loading(path)
     check_room_for_a_prompt(config, args.max_new_tokens)
-    if args.prompt is not None:  # turns its chat template refuses (a transcript's system turn, for Gemma's), or too long
+    if args.prompt is not None:  # turns its chat template refuses (a transcript's system turn, for Gemma's), too long
         check_prompt_fits(turns, path, config, args)
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     check_room_for_a_prompt(model.config, args.max_new_tokens)  # (a config transformers could not read alone)
