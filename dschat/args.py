@@ -345,11 +345,12 @@ def flag_groups(parser, argv):
     (allow_abbrev is off in the parsers this reads: a flag is one of its option strings exactly.)"""
     groups = []
     for index, token in enumerate(argv):
-        if token == "--":
+        text = token if isinstance(token, str) else ""  # (a value may be a Path in a list from Python)
+        if text == "--":
             groups.append((None, list(argv[index:])))
             break
-        action = parser._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("-") else None
-        if action is not None or token.startswith("--") or not groups:
+        action = parser._option_string_actions.get(text.split("=", 1)[0]) if text.startswith("-") else None
+        if action is not None or text.startswith("--") or not groups:
             groups.append((action.dest if action is not None else None, [token]))
         else:
             groups[-1][1].append(token)

@@ -438,6 +438,17 @@ def test_a_step_script_refuses_a_flag_given_twice_rather_than_keeping_the_last(c
         assert parser().parse_args().seed == 1
 
 
+def test_merging_a_steps_flags_takes_values_that_are_not_strings():
+    """A list from Python may hold a Path as a value: the merge took it for a flag (AttributeError on startswith)."""
+    from pathlib import Path
+
+    from dschat.args import repeated_flags, without_flags_given_in
+
+    argv = ["--data_output_path", Path("cache"), "--seed", "1"]
+    assert without_flags_given_in(step1_parser(), argv, ["--seed", "2"]) == ["--data_output_path", Path("cache")]
+    assert repeated_flags(step1_parser(), [*argv, "--seed=2"]) == ["--seed (2 times)"]
+
+
 @pytest.mark.parametrize("recipe", ["ppo", "grpo", "dpo"])
 def test_train_py_gives_each_step_each_flag_once_its_step_args_replacing_its_own(recipe, tmp_path, capsys,
                                                                                   distributed):
