@@ -693,6 +693,78 @@ def test_notebook_train_rlhf_with_global_token_mean_counts_the_experiences_token
 
 
 @pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_a_hand_loops_answer_means_give_step_3s_gradient_or_say_why_not(monkeypatch, capsys, mode):
+    """A notebook's own loop of train_rlhf per micro-batch (DeepSpeed-Chat's) took --loss_agg's answer means over each
+    micro-batch alone, where step 3 divides by the optimizer step's answers on all ranks (num_seqs_global): on ranks
+    holding unequal batches each answer of the smaller one weighed more. Now its divisor counts the micro-batch's
+    answers on all ranks: the gradient DeepSpeed applies (1/accum per micro-batch, averaged over ranks) is step 3's and
+    the unsplit batch's answer mean's, over ranks and micro-batches; where the micro-batches of one step hold unequal
+    counts (which no divisor known at the first one's backward can mend) the loop is told once what to give."""
+    from dschat.rlhf import trainer as trainer_module
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    agg_loss = trainer_module.algo.agg_loss
+
+    def trainer_of(accum):
+        trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)
+        trainer.args = step3_args({"loss_agg": mode, "gradient_accumulation_steps": accum, "max_answer_seq_len": 6})
+        trainer.device = torch.device("cpu")
+        return trainer
+
+    torch.manual_seed(0)
+    ranks = [[(torch.rand(rows, 6) > 0.3).float() for rows in micro_rows] for micro_rows in ([2], [4])]
+    per_token = [[torch.randn(m.shape, requires_grad=True) for m in masks] for masks in ranks]
+    other_ranks = [0]  # what the other simulated rank adds to a count summed over the ranks
+    monkeypatch.setattr(trainer_module, "_summed_over_ranks", lambda count, device: count + other_ranks[0])
+
+    def applied(aggs_of, accum):
+        """Each simulated rank's per-token gradients as DeepSpeed applies them."""
+        monkeypatch.setattr(trainer_module, "get_world_size", lambda: len(ranks))
+        grads = []
+        for rank, (masks, tokens) in enumerate(zip(ranks, per_token)):
+            aggs = aggs_of(rank, masks)
+            grads.append([torch.autograd.grad(agg_loss(t, m, **agg), t)[0] / (accum * len(ranks))
+                          for t, m, agg in zip(tokens, masks, aggs)])
+        return grads
+
+    def hand_loop(rank, masks):
+        trainer, aggs = trainer_of(1), []
+        for index, mask in enumerate(masks):
+            other_ranks[0] = ranks[1 - rank][index].shape[0]
+            aggs.append(trainer._loss_agg({"action_mask": mask}))
+        return aggs
+
+    def step_3(rank, masks):
+        trainer = trainer_of(1)
+        other_ranks[0] = sum(m.shape[0] for m in ranks[1 - rank])
+        counts = trainer._accumulation_group_counts([{"action_mask": m} for m in masks])
+        return [trainer._loss_agg({"action_mask": m, **counts}) for m in masks]
+
+    unsplit = torch.cat([t for tokens in per_token for t in tokens])
+    whole = torch.autograd.grad(agg_loss(unsplit, torch.cat([m for masks in ranks for m in masks]),
+                                         loss_agg=mode, max_length=6), unsplit)[0]
+    for got, want in zip(applied(hand_loop, 1), applied(step_3, 1)):
+        assert all(torch.allclose(g, w) for g, w in zip(got, want)), (got, want)
+    assert torch.allclose(torch.cat([g for grads in applied(hand_loop, 1) for g in grads]), whole)
+
+    # one rank, two micro-batches per optimizer step: as many answers in each is step 3's; unequal ones are said once
+    monkeypatch.setattr(trainer_module, "get_world_size", lambda: 1)
+    other_ranks[0] = 0
+    trainer = trainer_of(2)
+    masks = [(torch.rand(rows, 6) > 0.3).float() for rows in (2, 2, 2, 1, 3, 1)]
+    counts = trainer_of(2)._accumulation_group_counts([{"action_mask": m} for m in masks[:2]])
+    assert [trainer._loss_agg({"action_mask": m})["num_seqs_global"] for m in masks[:2]] == \
+        [counts["num_seqs_global"]] * 2
+    assert "train_rlhf" not in capsys.readouterr().out
+    for mask in masks[2:]:
+        trainer._loss_agg({"action_mask": mask})
+    out = capsys.readouterr().out
+    assert out.count("[step3] train_rlhf: the micro-batches of an optimizer step hold 2 + 1 answers") == 1, out
+    assert "inputs['num_seqs_global'] = dschat.rlhf.trainer.global_row_count(" in out
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_loss_agg_sequence_means_reach_every_loss_of_the_ppo_step(trained, tmp_path, monkeypatch, mode):
     """--loss_agg's answer-level means (TRL's loss_type "grpo" and "dr_grpo"; the math: test_algorithms) are what
     the policy, value and KL losses aggregate with, Dr. GRPO's over --max_answer_seq_len."""

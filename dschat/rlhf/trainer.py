@@ -326,7 +326,9 @@ class _EngineModel:
 class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
 
-    _said_hand_loop = False  # (a class default: tests build trainers without __init__)
+    _said_hand_loop = False  # (class defaults: tests build trainers without __init__)
+    _said_unequal_hand_group = False
+    _hand_group_answers = ()  # a hand loop's answers (all ranks) of each micro-batch of its optimizer step so far
     actor_model, ref_model, critic_model = _EngineModel("actor"), _EngineModel("ref"), _EngineModel("critic")
     reward_model, actor_ema = _EngineModel("reward"), _EngineModel("actor_ema")
 
@@ -680,9 +682,9 @@ class DeepSpeedPPOTrainer:
         scale = {"accum_steps": self.args.gradient_accumulation_steps, "world_size": get_world_size()}
         if mode == "global_token_mean":
             return {"loss_agg": mode, "num_tokens_global": self._num_tokens_global(inputs), **scale}
-        # the answer means: over the optimizer step's answers on all ranks where step 3 counted them, else the
-        # micro-batch's (a caller's own experience: alike where every micro-batch holds as many answers)
-        agg = {"loss_agg": mode, "num_seqs_global": inputs.get("num_seqs_global"), **scale}
+        # the answer means: over the optimizer step's answers on all ranks (a caller's own experience: as many as
+        # this micro-batch's in each of the step's micro-batches)
+        agg = {"loss_agg": mode, "num_seqs_global": self._num_seqs_global(inputs), **scale}
         if mode == "seq_mean_token_sum_norm":  # (Dr. GRPO: a constant divisor, the longest answer step 3 samples)
             agg["max_length"] = self.args.max_answer_seq_len
         return agg
@@ -697,6 +699,35 @@ class DeepSpeedPPOTrainer:
         if mode in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
             return {"num_seqs_global": global_row_count([m["action_mask"] for m in group], self.device)}
         return {}
+
+    def _num_seqs_global(self, inputs):
+        """--loss_agg's answer means' divisor: the answers of the optimizer step's micro-batches on all ranks, as step 3
+        sets it (``inputs["num_seqs_global"]``). A caller's own experience (``train_rlhf`` per micro-batch) without it:
+        this micro-batch's answers on all ranks, gradient_accumulation_steps times, step 3's divisor where each
+        micro-batch of the step holds as many answers (ranks holding fewer answers than others weigh each of them as
+        step 3 does); where they do not, said once (``_note_unequal_hand_group``)."""
+        if "num_seqs_global" in inputs:
+            return inputs["num_seqs_global"]
+        answers = global_row_count([inputs["action_mask"]], self.device)
+        accum = self.args.gradient_accumulation_steps
+        group = self._hand_group_answers if len(self._hand_group_answers) < accum else ()
+        self._hand_group_answers = (*group, answers)
+        if answers != self._hand_group_answers[0]:
+            self._note_unequal_hand_group()
+        return accum * answers
+
+    def _note_unequal_hand_group(self):
+        """A hand loop's optimizer step whose micro-batches hold unequal answer counts: the gradients of its first
+        micro-batches went back with their own count before the others were seen, which step 3 never does."""
+        if self._said_unequal_hand_group:
+            return
+        self._said_unequal_hand_group = True
+        counts = " + ".join(f"{int(n)}" for n in self._hand_group_answers)
+        print_rank_0(f"[step3] train_rlhf: the micro-batches of an optimizer step hold {counts} answers (all ranks): "
+                     f"--loss_agg {self.args.loss_agg} then weighs each answer by its own micro-batch's count, "
+                     "where step 3 (trainer.train_rollout) weighs every answer of the step alike. Give each "
+                     "micro-batch of a step as many rows, or its inputs['num_seqs_global'] = "
+                     "dschat.rlhf.trainer.global_row_count(<the step's action masks>, device)")
 
     def _num_tokens_global(self, inputs):
         """--loss_agg global_token_mean's divisor: the answer tokens of the optimizer step's micro-batches on all
