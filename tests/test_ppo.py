@@ -3153,6 +3153,26 @@ def test_the_ema_actor_is_saved_in_the_actors_dtype(trained, tmp_path):
         assert json.loads((tmp_path / "ppo" / folder / "config.json").read_text())["dtype"] == "bfloat16", folder
 
 
+def test_a_notebooks_save_of_the_ema_actor_is_in_the_actors_dtype_as_step_3s(trained, tmp_path):
+    """``save_causal_lm(engine.actor_ema, ...)`` from a notebook wrote the fp32 copy it averages in: a bf16 run's EMA
+    actor twice the size of step 3's, and loading as fp32."""
+    from safetensors import safe_open
+
+    from dschat import save_causal_lm
+
+    engine, _, tokenizer = _engine_and_trainer(trained, tmp_path, dtype="bf16", enable_ema=True)
+    saved = {"engine": engine.actor_ema, "module": engine.actor_ema.module}
+    for name, model in saved.items():
+        save_causal_lm(model, tokenizer, str(tmp_path / name))
+    save_causal_lm(engine.actor_ema, tokenizer, str(tmp_path / "asked"), dtype=torch.float32)  # (asked: kept)
+    for name, dtype in {"engine": torch.bfloat16, "module": torch.bfloat16, "asked": torch.float32}.items():
+        with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as weights:
+            assert {weights.get_tensor(k).dtype for k in weights.keys()} == {dtype}, name
+        assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == str(dtype)[6:], name
+    assert {p.dtype for p in engine.actor_ema.module.parameters()} == {torch.float32}  # (still averaged in fp32)
+    engine.release()
+
+
 def test_the_ema_actor_is_saved_with_the_actors_config_its_dropout_too(trained, tmp_path):
     # the EMA copy was loaded without --actor_dropout: its folder said the SFT model's dropout beside the actor's
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--enable_ema", "--actor_dropout", "0.1"))

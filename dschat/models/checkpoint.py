@@ -247,10 +247,18 @@ def settled_module(model):
     return model.module
 
 
+# A model's attribute naming the dtype ``save_causal_lm`` saves it in by default: the EMA copy's, averaged in fp32 and
+# saved as its actor is (``DeepSpeedRLHFEngine`` sets it), from a notebook as from step 3
+SAVED_DTYPE_ATTRIBUTE = "dschat_saved_dtype"
+
+
 def save_causal_lm(module, tokenizer, output_dir, dtype=None):
     """Save an actor / SFT model (any ZeRO stage, LoRA merged; or its engine's) with its tokenizer. Collective (a
-    gather under ZeRO-3, a barrier at any stage). ``dtype``: save in it rather than the weights' own (the fp32 EMA copy is saved as the actor is)."""
+    gather under ZeRO-3, a barrier at any stage). ``dtype``: save in it rather than the weights' own; by default the
+    model's ``SAVED_DTYPE_ATTRIBUTE`` (the fp32 EMA copy is saved as the actor is), else the weights' own."""
     module = settled_module(module)
+    if dtype is None:
+        dtype = getattr(module, SAVED_DTYPE_ATTRIBUTE, None)
     check_save_arguments(module, tokenizer, output_dir, reward=False)
     state = plain_model_state_dict(module)
     if is_rank_0():

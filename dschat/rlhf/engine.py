@@ -10,8 +10,9 @@ from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, cr
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
-from dschat.models.loading import (check_sequence_fits, config_dropouts, embedding_rows, generable_token_count,
-                                   load_causal_lm, load_tokenizer)
+from dschat.models.checkpoint import SAVED_DTYPE_ATTRIBUTE
+from dschat.models.loading import (TORCH_DTYPES, check_sequence_fits, config_dropouts, embedding_rows,
+                                   generable_token_count, load_causal_lm, load_tokenizer)
 from dschat.models.lora import apply_lora, check_only_optimize_lora
 from dschat.models.reward_model import VALUE_HEAD_FILES, create_critic_model
 from dschat.models.training_engine import (check_schedule_reaches_its_end, collective_may_be_pending,
@@ -487,6 +488,8 @@ class DeepSpeedRLHFEngine:
         self.actor_ema = self._init_frozen_actor_copy(offload=args.offload_reference_model, dtype="fp32",
                                                       dropout=args.actor_dropout, say=False) \
             if args.enable_ema else None
+        if self.actor_ema is not None:  # (save_causal_lm saves it as the actor is, not twice its size in fp32)
+            setattr(self.actor_ema.module, SAVED_DTYPE_ATTRIBUTE, TORCH_DTYPES[args.dtype])
         # critic-free estimators need no critic; a reward function alone needs no reward model
         self.critic = self._init_critic() if args.advantage_estimator == "gae" else None
         self.reward = self._init_reward() if args.reward_model_weight else None
