@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -641,9 +642,14 @@ def test_deepspeed_chat_positional_form(trained, tmp_path):
     tokenizer = load_tokenizer(str(trained / "sft"), padding_side="left")
     engine = DeepSpeedRLHFEngine(str(trained / "sft"), str(trained / "rm"), tokenizer, args, 10)
     trainer = DeepSpeedPPOTrainer(engine, args)
+    assert trainer.generate_time == 0.0
     batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2)
+    generate = trainer._generate_sequence
+    trainer._generate_sequence = lambda *a: (time.sleep(0.05), generate(*a))[1]  # (a generation of 50 ms at least)
     out = trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"], 0)
     assert out["input_ids"].shape[0] == 2
+    # its loop's throughput line reads the generation's seconds
+    assert trainer.generate_time == trainer.stats["generation_time"] >= 0.05
     assert (DeepSpeedRLHFEngine, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised) == (
         dschat.DeepSpeedRLHFEngine, dschat.DeepSpeedPPOTrainer, dschat.DeepSpeedPPOTrainerUnsupervised)
 

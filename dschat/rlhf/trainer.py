@@ -888,6 +888,12 @@ class DeepSpeedPPOTrainer:
         if self.reward_model is not None:
             self.reward_model.eval()
 
+    @property
+    def generate_time(self):
+        """DeepSpeed-Chat's: the seconds the last ``generate_experience`` spent generating its answers (0.0 before
+        any), which its loop reads for its throughput line."""
+        return self.stats.get("generation_time", 0.0)
+
     def get_overflow(self):
         """DeepSpeed-Chat's: (actor, critic) whether each model's last optimizer step was skipped on inf/NaN gradients
         (an fp16 overflow), as DeepSpeed reads it from the optimizer; False before any step, for an optimizer that
