@@ -654,6 +654,22 @@ def test_deepspeed_chat_positional_form(trained, tmp_path):
         dschat.DeepSpeedRLHFEngine, dschat.DeepSpeedPPOTrainer, dschat.DeepSpeedPPOTrainerUnsupervised)
 
 
+def test_print_answers_prints_in_a_notebooks_loop_at_its_interval_and_in_step_3_once_per_iteration(trained, tmp_path,
+                                                                                                    capsys):
+    """DeepSpeed-Chat's generate_experience(prompts, mask, step) prints the first answer with --print_answers; a
+    notebook's print_answers printed nothing (step 3's loop alone read it)."""
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, print_answers=True, print_answers_interval=2)
+    batch = _prompt_batch(tokenizer, ["\n\nHuman: Say hi.\n\nAssistant:"] * 2)
+    capsys.readouterr()
+    for step in (0, 1, 2, None):
+        trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"], step)
+    printed = capsys.readouterr().out
+    assert re.findall(r"\[step3\] step (\d+):\n  prompt: '.*Say hi.*'\n  answer: '", printed) == ["0", "2"]
+    engine.release()
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--print_answers", "--generation_batches", "2"))
+    assert capsys.readouterr().out.count("  prompt: ") == 2  # (per iteration, not per generation batch)
+
+
 @pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
 def test_generate_experience_takes_a_tokenizers_output_and_refuses_right_padding_or_no_mask(trained, tmp_path,
                                                                                           hybrid):

@@ -400,6 +400,7 @@ class DeepSpeedPPOTrainer:
         ``prompts`` is a left-padded tensor with ``mask``, the batch dict of ``DataCollatorRLHF``, or a tokenizer's
         output (``input_ids``, ``attention_mask``; tokenized with ``padding_side="left"``: right padding is an error).
         Empty answers stay in the batch (with no reward tokens) on every rank, so ranks never diverge.
+        ``step``: DeepSpeed-Chat's, for --print_answers (``_print_answer``).
         The returned dict also holds the batch's "advantages" and "returns" (``compute_advantages``): a caller that
         changes its "rewards" calls ``compute_advantages([exp])`` again. ``advantages=False`` leaves them out, for a
         caller that computes them over a rollout of several batches (``train_rollout``).
@@ -438,9 +439,17 @@ class DeepSpeedPPOTrainer:
                           empty_answers=int(empty.sum().item()), generated_tokens=int(action_mask.sum().item()))
         exp = {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "value": values,
                "rewards": scores, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask}
+        self._print_answer(exp, step)
         if advantages:
             self.compute_advantages([exp])  # a rollout of this one generation batch
         return exp
+
+    def _print_answer(self, exp, step):
+        """DeepSpeed-Chat's --print_answers in a loop of the caller's: the first prompt and its answer, at each ``step``
+        that is a multiple of --print_answers_interval (``step`` None: the caller prints them, as step 3's loop does
+        once per iteration). Before, a notebook's print_answers printed nothing."""
+        if self.args.print_answers and step is not None and step % self.args.print_answers_interval == 0:
+            print_rank_0(f"[step3] step {step}:\n{first_answer_text(self.tokenizer, exp)}")
 
     def _checked_prompts(self, prompts, mask):
         """(batch, prompts, mask) on this rank's device, repeated for the answer groups; prompts that cannot be
@@ -901,6 +910,14 @@ class DeepSpeedPPOTrainer:
         that were not (--test_stop_step)."""
         return tuple(model is not None and bool(getattr(model.optimizer, "overflow", False))
                      for model in (self.actor_model, self.critic_model))
+
+
+def first_answer_text(tokenizer, exp):
+    """--print_answers' lines: an experience's first prompt and its answer, decoded."""
+    prompt_len = exp["prompts"].shape[1]
+    answer = exp["input_ids"][0, prompt_len:][exp["action_mask"][0].bool()]
+    return (f"  prompt: {tokenizer.decode(exp['prompts'][0], skip_special_tokens=True)!r}\n"
+            f"  answer: {tokenizer.decode(answer, skip_special_tokens=True)!r}")
 
 
 def answer_log_ratios(exp):

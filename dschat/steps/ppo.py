@@ -19,7 +19,8 @@ from dschat.rlhf.config import (check_earlier_step_outputs, optimizer_steps_per_
                                 whole_iterations)
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
 from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
-from dschat.rlhf.trainer import PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
+from dschat.rlhf.trainer import (PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised,
+                                 first_answer_text)
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
 from dschat.steps.common import (build_dataloaders, check_output_dir, clear_results, eval_loader_of_first,
                                  format_metrics, progress, require_training_records, reseed_epoch,
@@ -297,7 +298,7 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
             if not buffer:  # the iteration's clock runs from its first generation batch
                 t0, batch_stats = time.time(), []
             # advantages wait for the whole rollout (train_rollout): a generation batch's own would be thrown away
-            buffer.append(trainer.generate_experience(batch, step=iteration, advantages=False))
+            buffer.append(trainer.generate_experience(batch, step=None, advantages=False))  # (printed per iteration)
             batch_stats.append(dict(trainer.stats))  # this generation batch's alone: the next one overwrites them
             # one unsupervised batch per generation batch's prompts, as in DeepSpeed-Chat, and per answer to them:
             # --n_samples_per_prompt n answers make n times the PPO micro-batches, each followed by a language-model
@@ -448,11 +449,7 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
                 writer.add_scalar(f"step3/{k}", v, record["iteration"])
         writer.flush()
     if args.print_answers and record["iteration"] % args.print_answers_interval == 0:
-        exp = buffer[0]
-        prompt_len = exp["prompts"].shape[1]
-        answer = exp["input_ids"][0, prompt_len:][exp["action_mask"][0].bool()]
-        bar.write(f"  prompt: {trainer.tokenizer.decode(exp['prompts'][0], skip_special_tokens=True)!r}\n"
-                  f"  answer: {trainer.tokenizer.decode(answer, skip_special_tokens=True)!r}")
+        bar.write(first_answer_text(trainer.tokenizer, buffer[0]))
 
 
 def reward_fn_identity(args):
