@@ -1567,18 +1567,24 @@ def _flags_trainer(tmp_path, *given):
     from dschat.rlhf.algorithms import get_kl_controller
     from dschat.rlhf.config import step3_args
 
+    args = step3_args(step3_parser().parse_args(list(given)))
+
     class Engine:
+        def __init__(self, stage):
+            self.stage = stage
+
         def save_checkpoint(self, folder, tag, save_latest):
             (tmp_path / folder / tag).mkdir(parents=True)
             (tmp_path / folder / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
-            # (a ZeRO-1/2 save's optimizer partition: the files' check expects it of a checkpoint of such a stage)
-            (tmp_path / folder / tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+            if self.stage:  # (ZeRO-1/2/3: the optimizer's partition, as DeepSpeed names it)
+                prefix = "bf16_" if args.dtype == "bf16" else ""
+                (tmp_path / folder / tag / f"{prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
 
         def load_checkpoint(self, *args, **kwargs):
             raise Loaded("loaded")
 
-    return SimpleNamespace(actor_model=Engine(), critic_model=Engine(), actor_ema=None, generator=torch.Generator(),
-                           args=step3_args(step3_parser().parse_args(list(given))),
+    return SimpleNamespace(actor_model=Engine(args.actor_zero_stage), critic_model=Engine(args.critic_zero_stage),
+                           actor_ema=None, generator=torch.Generator(), args=args,
                            kl_ctl=get_kl_controller("fixed", 0.1))
 
 
