@@ -1692,6 +1692,23 @@ def test_an_ema_beta_changed_on_resume_is_said_only_where_an_ema_copy_uses_it(tm
     assert "--ema_beta 0.992 -> 0.9: the rest of the run trains with the new value" in capsys.readouterr().out
 
 
+def test_a_training_batch_size_or_accumulation_changed_on_resume_is_said(tmp_path, capsys):
+    """On as many ranks, a resume may take another --per_device_training_batch_size or --gradient_accumulation_steps
+    (its position counts generation batches; another number of optimizer steps an iteration moves the schedules, and
+    is said): another split of an optimizer step's rows went on unsaid. It is said as the other free flags are."""
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _save_flags_checkpoint(tmp_path, "--per_device_training_batch_size", "4")
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--per_device_training_batch_size", "2",
+                                       "--gradient_accumulation_steps", "2"), str(tmp_path))
+    assert ("[step3] --resume: --per_device_training_batch_size 4 -> 2, --gradient_accumulation_steps 1 -> 2: the "
+            "rest of the run trains with the new value") in capsys.readouterr().out
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--per_device_training_batch_size", "4"), str(tmp_path))
+    assert "the rest of the run trains with the new value" not in capsys.readouterr().out
+
+
 def test_a_resume_without_enable_ema_says_it_leaves_the_checkpoints_ema_copy_behind(tmp_path, capsys):
     """A checkpoint of an --enable_ema run resumed without the flag went on without its EMA copy, unsaid: the run's
     output had no actor_ema (an earlier one in the folder was removed as "an earlier run's model"). The other way, a
