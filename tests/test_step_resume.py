@@ -179,6 +179,37 @@ def test_resuming_with_other_settings_is_an_error_naming_them_before_deepspeed_l
     assert loads == [1, 1]
 
 
+def test_a_resume_on_as_many_ranks_may_split_a_steps_samples_otherwise(tmp_path, distributed, capsys):
+    """A resume with a smaller micro-batch and more accumulation (one that fits in memory), each optimizer step taking
+    as many samples, was refused as a changed flag on as many ranks, though the same split on another number of ranks
+    resumes. It resumes, said: the checkpoint's weights, its data position in this run's micro-batches (every record
+    of the uninterrupted run's trained on once), its loss sums counted in them. Another product is refused, as
+    before."""
+    other_ranks = _other_ranks()
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--max_steps", "4", "--save_interval", "2",
+              "--gradient_accumulation_steps", "2"]  # 8 x 2 samples a step
+    full = other_ranks.run("sft", tmp_path, "full", None, [*common, "--output_dir", str(tmp_path / "full")])
+    split = [*common, "--output_dir", str(tmp_path / "split")]
+    other_ranks.run("sft", tmp_path, "before", 2, split)
+    capsys.readouterr()
+    with pytest.raises(UsageError, match=r"other settings: --per_device_train_batch_size 8 -> 4\. "):
+        sft.main([*split, "--resume", "--per_device_train_batch_size", "4"])  # (4 x 2: half the samples a step)
+    resumed = other_ranks.run("sft", tmp_path, "after", None, [*split, "--resume", "--per_device_train_batch_size",
+                                                               "4", "--gradient_accumulation_steps", "4"])
+    out = capsys.readouterr().out
+    assert ("[step1] --resume: checkpoint step_0000002's optimizer steps took 8 x 2 samples a rank "
+            "(--per_device_train_batch_size x --gradient_accumulation_steps), this run's 4 x 4, as many: the data "
+            "position: the first 32 of epoch 1's ") in out
+    assert "this run skips 8 micro-batches of 4 on each rank; its train-loss sums count its micro-batches as this " \
+           "run's" in out and "resumed from step 2 " in out
+    after, = _seen(tmp_path, "after", 1)
+    assert after["resumed_at"] == 2 and after["loaded_weights_difference"] == 0.0
+    assert resumed["steps"] == full["steps"] == 4 and len(after["samples"]) == 2 * 4 * 4
+    assert _records(_seen(tmp_path, "before", 1), [after]) == _records(_seen(tmp_path, "full", 1))
+    # the mean loss over the run's samples: the checkpoint's micro-batch means count twice, as 4-sample ones
+    assert resumed["train_loss"] == pytest.approx(full["train_loss"], rel=1e-3)
+
+
 def test_step1s_multiturn_binds_a_checkpoint_and_its_include_prompt_in_loss_is_said(tmp_path, distributed, capsys):
     """--multiturn keeps the conversations that end with a user turn, which are skipped without it: a resume that
     dropped it trained on 72 records instead of 108 from the checkpoint's place in them, silently; and

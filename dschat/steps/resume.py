@@ -9,7 +9,9 @@ A checkpoint resumes on another number of ranks than saved it when each optimize
 position are the same. ZeRO-1/2/3 partitions load through DeepSpeed's universal checkpoint (``plan_resume`` decides it
 from the files, before ``deepspeed.initialize``, and rank 0 makes the copy once); the data position skips the samples
 of the epoch trained on (each epoch's order is one permutation of (seed, epoch), which the ranks' samplers deal out in
-turn, so what N ranks consumed is a prefix of it); each rank's RNG is its own where the checkpoint has it."""
+turn, so what N ranks consumed is a prefix of it); each rank's RNG is its own where the checkpoint has it. On as many
+ranks, a step's samples may be split otherwise (another micro-batch and accumulation of the same product): the data
+position and the loss sums are converted alike (``_other_split_of_as_many_samples``)."""
 import math
 import os
 
@@ -88,7 +90,8 @@ BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 def _checked_latest(args, step, tokenizer=None):
     """(tag, saved position, ranks that saved it) of the last complete checkpoint that this run may continue, else
-    None. On another number of ranks, the samples of an optimizer step must be the checkpoint's (``BATCH_FLAGS``)."""
+    None. On another number of ranks, the samples of an optimizer step must be the checkpoint's (``BATCH_FLAGS``); on
+    as many, their split may differ (``_other_split_of_as_many_samples``)."""
     root = checkpoint_root(args)
     tag = latest_tag(root)
     if tag is None:
@@ -99,9 +102,12 @@ def _checked_latest(args, step, tokenizer=None):
     saved = state.pop("flags", {})
     if saved_ranks != get_world_size():
         _check_other_ranks(root, tag, saved, saved_ranks, args)
+    reshaped = saved_ranks != get_world_size() or _other_split_of_as_many_samples(saved, args)
+    if reshaped:
         state["saved_micro_batch"] = saved["per_device_train_batch_size"]
+        state["saved_accumulation"] = saved["gradient_accumulation_steps"]
     now = resume_flags(args)
-    if saved_ranks != get_world_size():
+    if reshaped:
         now = {name: value for name, value in now.items() if name not in BATCH_FLAGS}  # (their product: compared)
     state["restored"] = check_same_flags(saved, now, RESTORED_FLAGS, tag, root, step, BOUND_WHY, FREE_FLAGS)
     if tokenizer is not None:
@@ -112,6 +118,18 @@ def _checked_latest(args, step, tokenizer=None):
                          "reference from that folder)")
     check_position(root, tag, state, ("step", "epoch", "batch"))
     return tag, state, saved_ranks
+
+
+def _other_split_of_as_many_samples(saved, args):
+    """Whether this run, on the checkpoint's number of ranks, splits an optimizer step's samples otherwise than the
+    checkpoint's (``saved``: its flags) did: another --per_device_train_batch_size x --gradient_accumulation_steps of
+    the same product (a smaller micro-batch that fits in memory, say). Its steps, schedule and data position are the
+    same, converted as on another number of ranks (``_position_on_these_ranks``); it was refused as a changed flag,
+    which the same split on another number of ranks was not."""
+    if any(name not in saved for name in BATCH_FLAGS):
+        return False
+    then, now = [saved[name] for name in BATCH_FLAGS], [getattr(args, name) for name in BATCH_FLAGS]
+    return then != now and math.prod(then) == math.prod(now)
 
 
 # Steps whose --model_name_or_path is also their frozen reference, loaded from it again on --resume (the policy's
@@ -159,9 +177,11 @@ def plan_resume(args, step, ds_config=None, train_loader=None, tokenizer=None):
         return ResumePlan()
     tag, state, saved_ranks = found
     plan = ResumePlan(tag, state, saved_ranks)
-    if not plan.other_ranks:
-        return plan
     root = checkpoint_root(args)
+    if not plan.other_ranks:
+        if "saved_micro_batch" in plan.state:
+            _plan_another_split(plan, root, step, train_loader, args)
+        return plan
     if ds_config is None or train_loader is None:
         raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
                          f"{get_world_size()}: its ZeRO states load through a universal copy, which DeepSpeed's config "
@@ -177,6 +197,21 @@ def plan_resume(args, step, ds_config=None, train_loader=None, tokenizer=None):
     plan.notice = (f"[{step}] --resume: checkpoint {tag} saved by {saved_ranks} rank(s), this run has "
                    f"{get_world_size()}: {'; '.join(said)}")
     return plan
+
+
+def _plan_another_split(plan, root, step, train_loader, args):
+    """``plan`` of a checkpoint of as many ranks whose optimizer steps took as many samples split otherwise
+    (``_other_split_of_as_many_samples``): its data position in this run's micro-batches, said."""
+    if train_loader is None:
+        raise UsageError(f"--resume: checkpoint {plan.tag} in {root} took micro-batches of another size: its data "
+                         "position is converted for this run's loader (plan_resume(args, step, ds_config, "
+                         "train_loader) before the engine is made)")
+    plan.state["batch"], data_said = _position_on_these_ranks(plan.state, plan.saved_ranks, train_loader, args)
+    saved_micro, saved_steps = plan.state["saved_micro_batch"], plan.state["saved_accumulation"]
+    plan.notice = (f"[{step}] --resume: checkpoint {plan.tag}'s optimizer steps took {saved_micro} x {saved_steps} "
+                   f"samples a rank (--per_device_train_batch_size x --gradient_accumulation_steps), this run's "
+                   f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps}, as many: {data_said}; "
+                   "its train-loss sums count its micro-batches as this run's")
 
 
 def _position_on_these_ranks(state, saved_ranks, loader, args):
@@ -222,9 +257,10 @@ def load_step_checkpoint(engine, args, step, plan=None):
         if plan.other_ranks:
             rank_state = _pooled_rank_state(root, plan, args, position["step"])
         else:
-            rank_state = load_rank_state(root, plan.tag)
+            rank_state = _own_rank_state(root, plan, args)
     restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     position.pop("saved_micro_batch", None)
+    position.pop("saved_accumulation", None)
     return {**position, **rank_state}
 
 
@@ -237,6 +273,15 @@ def _pooled_rank_state(root, plan, args, step):
     _, saved = load_rank_state_of_others(root, plan.tag, args.seed, step)
     scale = plan.state["saved_micro_batch"] / args.per_device_train_batch_size / get_world_size()
     return {key: sum(state[key] for state in saved.values()) * scale for key in ("loss_sum", "loss_count")}
+
+
+def _own_rank_state(root, plan, args):
+    """This rank's RNG and train-loss sums as saved; the sums of micro-batches of another size (``plan``'s checkpoint
+    took steps of as many samples split otherwise) counted as that many of this run's, as ``_pooled_rank_state``
+    does."""
+    sums = load_rank_state(root, plan.tag)
+    scale = plan.state.get("saved_micro_batch", args.per_device_train_batch_size) / args.per_device_train_batch_size
+    return {key: value * scale for key, value in sums.items()} if scale != 1 else sums
 
 
 def resume_or_start(engine, args, name, total_steps, plan=None):
