@@ -721,6 +721,24 @@ def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample
     assert "--top_k 4, --top_p 0.9: no effect on greedy decoding" in capsys.readouterr().err
 
 
+def test_a_seed_given_to_a_greedy_decoding_is_said_to_do_nothing(capsys, monkeypatch):
+    """prompt_eval --seed 0 (greedy by default) and chat.py --greedy --seed 0 took the seed in silence, as if the
+    answers depended on it; with sampling it is used, and nothing is said."""
+    import argparse
+
+    from dschat.tools.common import add_generation_args, generation_kwargs
+
+    monkeypatch.setattr("dschat.tools.common._SAID", set())
+    for sample_by_default, flags, said in ((False, ["--seed", "0"], True), (True, ["--greedy", "--seed", "3"], True),
+                                           (True, ["--seed", "3"], False), (False, ["--do_sample", "--seed", "0"],
+                                                                            False)):
+        parser = argparse.ArgumentParser()
+        add_generation_args(parser, sample_by_default=sample_by_default)
+        generation_kwargs(parser.parse_args(flags))
+        err = capsys.readouterr().err
+        assert ("--seed" in err and "no effect on greedy decoding" in err) == said, (flags, err)
+
+
 def test_a_prompt_and_answer_past_a_learned_position_table_are_an_error_not_an_index_error(tmp_path):
     from dschat.errors import UsageError
     from dschat.tools.generation import generate_answers

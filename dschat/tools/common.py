@@ -286,9 +286,10 @@ _SAID = set()
 
 def say_unused_sampling_flags(args):
     """Sampling flags given to a greedy decoding (a tool's default, or --greedy) change nothing: said once. A --top_k
-    of 0 or below is no filtering (``top_k_flag``), as is the default: nothing to say."""
+    of 0 or below is no filtering (``top_k_flag``), as is the default: nothing to say. --seed seeds only sampling
+    (greedy answers are the same whatever it is): given with --greedy it was taken in silence."""
     sampling = {"temperature": args.temperature != 1.0, "top_k": top_k_flag(args.top_k) != 0,
-                "top_p": args.top_p != 1.0}
+                "top_p": args.top_p != 1.0, "seed": args.seed is not None}
     given = [f"--{name} {getattr(args, name)}" for name, changes in sampling.items() if changes]
     if given:
         say_once(f"warning: {', '.join(given)}: no effect on greedy decoding (add --do_sample to sample)")
