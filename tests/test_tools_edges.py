@@ -250,6 +250,27 @@ def test_prompt_eval_refuses_an_empty_prompt():
             prompt_eval.select_records(args)
 
 
+def test_a_record_count_given_with_prompts_on_the_command_line_is_refused(reward_model, monkeypatch, capsys):
+    """prompt_eval --prompts a b c --num_prompts 1 answered all three, and rw_eval --prompt --answer --num_pairs 3
+    scored as without it: the count, which only counts a data file's records, was ignored, unsaid. Refused before any
+    model loads; without the texts the counts still work (prompt_eval's --num_prompts on the embedded data)."""
+    from dschat.tools import prompt_eval, rw_eval
+
+    monkeypatch.setattr(prompt_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(rw_eval, "load_scoring_reward_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    models = ["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", "tiny-llama"]
+    for main, argv, flag in ((prompt_eval.main, [*models, "--prompts", "a", "b", "--num_prompts", "1"],
+                              "--num_prompts"),
+                             (rw_eval.main, ["--model_name_or_path", reward_model, "--prompt", "Say hi.", "--answer",
+                                             "hi", "--num_pairs=3"], "--num_pairs")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        assert f"{flag} counts the records taken from a data file" in capsys.readouterr().err
+    args = prompt_eval.build_parser().parse_args([*models, "--num_prompts", "2"])
+    assert len(prompt_eval.select_records(args)[0]) == 2
+
+
 @pytest.mark.parametrize("flag", ["--max_prompt_seq_len", "--per_device_generation_batch_size"])
 @pytest.mark.parametrize("value", ["0", "-5"])
 def test_ppo_eval_checks_its_sizes_when_parsing(flag, value, capsys):

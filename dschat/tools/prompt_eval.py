@@ -14,8 +14,8 @@ from dschat.tools.common import (add_generation_args, add_loading_args, check_ge
                                  check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
                                  flag_path, generation_kwargs, load_policy, non_empty_path, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers
-from dschat.tools.records import (check_data_fields_read, is_tiny_held_out, load_records, prompt_record,
-                                  tiny_held_out_records)
+from dschat.tools.records import (check_count_read, check_data_fields_read, is_tiny_held_out, load_records,
+                                  prompt_record, tiny_held_out_records)
 
 ROLES = ("baseline", "finetune")
 RULE = "=" * 30
@@ -147,6 +147,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_data_fields_read(parser, args.data_fields, "--prompts_file", args.prompts_file)
+    check_count_read(parser, argv, "--num_prompts", "--prompts", args.prompts)
     check_stdout_open("the comparison")
     check_generation_flags(args)  # (before either model loads)
     say_unused_compat_flags(args)

@@ -69,6 +69,17 @@ def check_data_fields_read(parser, data_fields, file_flag, file_read):
                      f"{file_flag} with it")
 
 
+def check_count_read(parser, argv, count_flag, texts_flag, texts_given):
+    """A count of records (--num_prompts, --num_pairs) given with texts on the command line (``texts_given``: by
+    --prompts, --prompt), which it does not count, is a flag error: every text given is read whatever the count, and
+    the count was ignored, unsaid."""
+    from dschat.tools.common import given_dests
+
+    if texts_given and count_flag.removeprefix("--") in given_dests(parser, argv):
+        parser.error(f"{count_flag} counts the records taken from a data file or the embedded data, not {texts_flag}, "
+                     f"which are all read: leave {count_flag} out")
+
+
 def tiny_held_out_records(limit=None):
     """The embedded data's held-out records (never trained on by any step)."""
     return load_records(TINY_NAME, limit=limit)

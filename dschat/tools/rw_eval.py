@@ -21,7 +21,8 @@ from dschat.rlhf.dpo import preference_accuracy, preference_ties
 from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8, find_reward_model_path,
                                  flag_path, load_scoring_reward_model, non_empty_path, one_process,
                                  parse_with_run_defaults, tool_prompt)
-from dschat.tools.records import check_data_fields_read, load_records, prompt_record, tiny_held_out_records
+from dschat.tools.records import (check_count_read, check_data_fields_read, load_records, prompt_record,
+                                  tiny_held_out_records)
 
 RULE = "=" * 30
 
@@ -206,7 +207,9 @@ def check_some_pair(records, pairs_file):
 def parse_args(argv=None):
     """(the flags, those not given as the model's step-2 run trained, the parser)."""
     parser = build_parser()
-    check_message_flags(parser, parser.parse_args(argv))  # before the model folder is looked at
+    given = parser.parse_args(argv)
+    check_message_flags(parser, given)  # before the model folder is looked at
+    check_count_read(parser, argv, "--num_pairs", "--prompt and its --answer", given.prompt is not None)
     args = parse_with_run_defaults(parser, argv, step2_run_defaults, "rw_eval")
     check_data_fields_read(parser, args.data_fields, "--pairs_file", args.pairs_file and args.prompt is None)
     args.max_seq_len = args.max_seq_len or 512
