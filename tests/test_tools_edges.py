@@ -52,6 +52,23 @@ def reward_model(tmp_path_factory):
     return str(root / "rm")
 
 
+def test_a_tiny_preset_given_as_the_reward_model_is_refused_with_its_flag_before_any_model_loads(reward_model,
+                                                                                                   monkeypatch):
+    """ppo_eval --reward_model tiny-opt loaded the policy (and rw_eval its tokenizer) before "tiny-opt: not a reward
+    model", an error that named no flag: a preset's folder was checked only once the model loaded, as a hub name's."""
+    from dschat.tools import ppo_eval, rw_eval
+
+    for tool in (ppo_eval, rw_eval):
+        monkeypatch.setattr(tool, "load_scoring_reward_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(ppo_eval, "load_policy", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr("dschat.models.loading.load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer loaded"))
+    policy = str(Path(reward_model).parent / "policy")
+    with pytest.raises(UsageError, match="^--reward_model tiny-opt: not a reward model"):
+        ppo_eval.main(["--policy", policy, "--reward_model", "tiny-opt"])
+    with pytest.raises(UsageError, match="^--model_name_or_path tiny-llama: not a reward model"):
+        rw_eval.main(["--model_name_or_path", "tiny-llama", "--prompt", "Say hi.", "--answer", "hi"])
+
+
 def test_rw_eval_counts_a_tie_half_and_says_so(reward_model, tmp_path, capsys, monkeypatch):
     """Scores alike (an untrained head) were an accuracy of 0.000, as if the model always preferred the rejected
     answer, and each pair's "higher: rejected"."""

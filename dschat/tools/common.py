@@ -12,6 +12,7 @@ from dschat.models.loading import (check_not_a_file, check_not_a_reward_model, l
                                    not_a_model_folder, unfetchable_hub_name, unknown_tiny_preset)
 from dschat.models.positions import context_limit
 from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
+from dschat.tiny.presets import is_tiny_preset
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
 # actor and a DPO policy trained after it (train.py --recipe dpo), or the reverse: the last run's report.json names
@@ -118,7 +119,9 @@ def find_reward_model_path(path):
         raise MissingInputError(f"{path}: its step 3 scored with the reward model {given} (report.json), which holds "
                                 "no model now: give a reward model folder")
     found = given or _model_folder(path, REWARD_SUBFOLDERS)
-    if os.path.isdir(os.path.expanduser(found)):  # (a hub model's head is checked once it has loaded)
+    # (a hub model's head is checked once it has loaded; a tiny preset has no head, said here with the flag, before
+    # ppo_eval's policy loads and answers)
+    if os.path.isdir(os.path.expanduser(found)) or is_tiny_preset(found):
         check_reward_model(found)
     return found
 
