@@ -629,6 +629,14 @@ def final_report(args, recipe, steps, plan, parsers, timings, tiny, ready, rule_
     return report
 
 
+def held_out_rule_score_settings():
+    """Step 3's flags (parsed) that ``held_out_rule_scores`` evaluates with: the tiny recipe's data split, prompt and
+    answer lengths and generation batch size (ppo_eval takes them to score such a run's policies as its report did)."""
+    from dschat.args import step3_parser
+
+    return step3_parser().parse_args(TINY_RECIPE[3])
+
+
 def held_out_rule_scores(args):
     """{"sft": score, "dpo": score}: the bundled rule score of greedy answers to step 3's held-out prompts (the
     tiny data only), so the report shows what DPO did to generation, not only to the ranking of given answers.
@@ -637,10 +645,7 @@ def held_out_rule_scores(args):
     from dschat.steps.ppo import prompt_loaders
     from dschat.tools.common import load_policy
 
-    from dschat.args import step3_parser
-
-    # step 3's data split, prompt and answer lengths on the tiny default
-    step3 = step3_parser().parse_args(TINY_RECIPE[3])
+    step3 = held_out_rule_score_settings()  # step 3's data split, prompt and answer lengths on the tiny default
     scores = {}
     for name, folder in (("sft", SFT_DIR), ("dpo", DPO_DIR)):
         path = os.path.join(args.output_dir, folder)

@@ -1125,6 +1125,34 @@ def test_ppo_eval_scores_a_dpo_policy_on_phase_3_of_its_runs_own_data_split(mode
     assert (given.data_split, given.data_path, given.seed) == ("2,4,4", ["tiny"], 7)
 
 
+def test_ppo_eval_scores_a_dpo_runs_policies_as_its_report_scored_them(models, tmp_path, capsys):
+    """train.py --recipe dpo reports the held-out rule score of its SFT and DPO policies over every held-out prompt
+    with step 3's tiny-recipe lengths (SFT 0.807 -> DPO 0.818 on 120 prompts); ppo_eval --policy <run> scored them on
+    64 prompts with 256-token answers (0.819 -> 0.822), unsaid. Now with the report's settings, said; flags given win,
+    and a DPO run whose report has no such score keeps this tool's defaults."""
+    from dschat.pipeline import held_out_rule_score_settings
+
+    run = tmp_path / "run"
+    policy = run / "step2_dpo"
+    shutil.copytree(models["policy"], policy)
+    (policy / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2_dpo", "world_size": 1, "cwd": str(tmp_path),
+                                                    "flags": {"data_path": ["tiny"], "data_split": "4,4,2"}}))
+    defaults = ppo_eval.parse_args(["--policy", str(run)])
+    assert (defaults.num_prompts, defaults.max_new_tokens) == (64, 256)
+    score = {"rule_score": 0.8, "prompts": 120}
+    (run / "report.json").write_text(json.dumps({"policy": "step2_dpo",
+                                                 "dpo": {"held_out_rule_score": {"sft": score, "dpo": score}}}))
+    capsys.readouterr()
+    args = ppo_eval.parse_args(["--policy", str(run)])
+    step3 = held_out_rule_score_settings()
+    assert (args.num_prompts, args.max_new_tokens, args.max_prompt_seq_len, args.per_device_generation_batch_size) \
+        == (0, step3.max_answer_seq_len, step3.max_prompt_seq_len, step3.per_device_generation_batch_size)
+    assert args.data_split == "4,4,2"
+    assert f"and {run / 'report.json'}'s held-out rule score (flags given here win)" in capsys.readouterr().out
+    given = ppo_eval.parse_args(["--policy", str(run), "--num_prompts", "8", "--max_new_tokens", "16"])
+    assert (given.num_prompts, given.max_new_tokens) == (8, 16)
+
+
 def test_the_rule_scorer_scores_the_tiny_data_by_name_or_by_path_and_nothing_else(tmp_path):
     """The rule scorer (ppo_eval's, step 3's) and --reward_fn tiny took the embedded data only as the name ``tiny``:
     its shipped files by path (or copied) were refused as "nothing to score the answers with"."""

@@ -21,7 +21,7 @@ from dschat.errors import UsageError
 from dschat.rlhf.engine import check_scores_actor_text
 from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
-from dschat.run_layout import DPO_DIR, PPO_DIR, SFT_DIR
+from dschat.run_layout import DPO_DIR, PPO_DIR, REPORT_FILE, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders, step3_eval_prompts
 from dschat.tools.common import (add_loading_args, check_stdout_open, default_device, find_policy_path,
@@ -205,7 +205,11 @@ def step3_run_defaults(args):
             break
     else:
         if (dpo_run := read_run_args(policy, DPO_DIR)) is not None:
-            return run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(policy, RUN_ARGS_FILE)
+            defaults, source = run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(policy, RUN_ARGS_FILE)
+            if reported := reported_rule_score_defaults(policy_dir):
+                defaults.update(reported)
+                source += f" and {os.path.join(policy_dir, REPORT_FILE)}'s held-out rule score"
+            return defaults, source
         # e.g. a notebook's save_causal_lm: the prompts scored may not be the run's held-out ones
         print(f"[ppo_eval] no step-3 {RUN_ARGS_FILE} with {policy_path}: the held-out prompts are those of this tool's "
               f"flags (--data_path {' '.join(as_list(args.data_path))} --data_split {args.data_split} --seed "
@@ -224,6 +228,23 @@ def step3_run_defaults(args):
 # A DPO run's flags that choose its data's phases: with them the held-out prompts are phase 3 of its own split, which
 # neither its SFT model nor DPO trained on (this tool's --data_split phase 3 would take some of DPO's phase-2 records).
 DPO_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_of", "seed", "add_eot_token")
+
+
+def reported_rule_score_defaults(run_folder):
+    """The prompt count, prompt and answer lengths and batch size with which train.py's DPO recipe scored its SFT and
+    DPO policies (report.json's "held_out_rule_score", ``pipeline.held_out_rule_scores``: every held-out prompt, step
+    3's tiny-recipe lengths), when the report in ``run_folder`` has that score; else {}. Without them this tool scored
+    the run's policies on 64 prompts with 256-token answers, numbers unlike its report's, unsaid."""
+    from dschat.pipeline import held_out_rule_score_settings
+    from dschat.utils.files import read_json_object
+
+    dpo = (read_json_object(os.path.join(run_folder, REPORT_FILE)) or {}).get("dpo")
+    if not (isinstance(dpo, dict) and dpo.get("held_out_rule_score")):
+        return {}
+    step3 = held_out_rule_score_settings()
+    return {"num_prompts": 0, "max_prompt_seq_len": step3.max_prompt_seq_len,
+            "max_new_tokens": step3.max_answer_seq_len,
+            "per_device_generation_batch_size": step3.per_device_generation_batch_size}
 
 
 def run_data_defaults(run, names):
