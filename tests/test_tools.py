@@ -1125,6 +1125,18 @@ def test_ppo_eval_scores_a_dpo_policy_on_phase_3_of_its_runs_own_data_split(mode
     assert (given.data_split, given.data_path, given.seed) == ("2,4,4", ["tiny"], 7)
 
 
+def test_ppo_eval_warns_of_lengths_past_each_models_positions_once_naming_it(models, capsys, monkeypatch):
+    """Answers past the positions the models were configured for: the same unnamed warning was said for the policy, the
+    reward model, the baseline, and the reward model again (checked with each policy), four lines for three models."""
+    monkeypatch.setattr(ppo_eval, "evaluate_policy", lambda *a, **k: {"prompts": 0, "examples": []})
+    ppo_eval.main(["--policy", models["policy"], "--baseline", models["baseline"], "--reward_model", models["rm"],
+                   "--max_prompt_seq_len", "16", "--max_new_tokens", "500", "--num_prompts", "1"])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "past the 512 positions" in line]
+    assert sorted(warnings) == sorted(f"warning: --max_prompt_seq_len + --max_new_tokens for {path} = 516 tokens is "
+                                      "past the 512 positions the model was configured for"
+                                      for path in (models["policy"], models["rm"], models["baseline"]))
+
+
 def test_ppo_eval_scores_a_dpo_runs_policies_as_its_report_scored_them(models, tmp_path, capsys):
     """train.py --recipe dpo reports the held-out rule score of its SFT and DPO policies over every held-out prompt
     with step 3's tiny-recipe lengths (SFT 0.807 -> DPO 0.818 on 120 prompts); ppo_eval --policy <run> scored them on
@@ -1223,7 +1235,8 @@ def test_ppo_eval_checks_lengths_before_generating(tmp_path):
     args = ["--policy", policy, "--reward_model", reward_model, "--data_output_path", str(tmp_path / "data")]
     with pytest.raises(SystemExit):  # HF's generate would refuse it after every model and the data loaded
         ppo_eval.build_parser().parse_args([*args, "--max_new_tokens", "0"])
-    with pytest.raises(UsageError, match=r"--max_prompt_seq_len \+ --max_new_tokens = 856 tokens.*512 learned"):
+    with pytest.raises(UsageError,
+                       match=r"--max_prompt_seq_len \+ --max_new_tokens for .*gpt2 = 856 tokens.*512 learned"):
         ppo_eval.main([*args, "--max_prompt_seq_len", "256", "--max_new_tokens", "600"])
 
 

@@ -41,14 +41,16 @@ def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by
     """
     device = default_device()
     model, tokenizer = load_policy(path, device, args.dtype, args.add_eot_token)
-    if reward_model is None and reward_model_path:
-        reward_model = load_scoring_reward_model(reward_model_path, tokenizer, device, args.dtype)
+    checked = {path: model}
+    if reward_model is None and reward_model_path:  # (checked once, when it loads: not again with each policy)
+        reward_model = checked[reward_model_path] = load_scoring_reward_model(reward_model_path, tokenizer, device,
+                                                                              args.dtype)
     if reward_model is not None:  # every id the policy answers with has a row (step 3 grows it to the actor's too)
         grow_embeddings_for(reward_model.rwtransformer, tokenizer, embedding_rows(model))
-    for checked in (model, reward_model):  # as step 3 checks its models: not an IndexError mid-generation
-        if checked is not None:
-            check_sequence_fits(checked, args.max_prompt_seq_len + args.max_new_tokens,
-                                "--max_prompt_seq_len + --max_new_tokens")
+    for name, each in checked.items():  # as step 3 checks its models: not an IndexError mid-generation
+        # (each named: the same warning was said for the policy, the reward model and the baseline alike)
+        check_sequence_fits(each, args.max_prompt_seq_len + args.max_new_tokens,
+                            f"--max_prompt_seq_len + --max_new_tokens for {name}")
     # tokenized with this policy's tokenizer, as in step 3
     held_out = held_out_prompts(args, tokenizer, {} if held_out_by_tokenizer is None else held_out_by_tokenizer)
     held_out = first_rows(held_out, args.num_prompts) if args.num_prompts else held_out
