@@ -285,6 +285,50 @@ def test_compiled_prefill_gives_the_eager_tokens_or_falls_back_once(monkeypatch,
         assert len(prefill["backend"].graphs) == 2, "a recompilation per prompt length"
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_compiled_decode_is_reused_across_steps_and_buckets_and_compiles_every_shape(monkeypatch, stage):
+    """The compiled decode step (static shapes: one graph per batch-size bucket and cache length) is traced once per
+    shape: an optimizer step refreshing the inference copy in place (a LoRA actor's merged copy at ZeRO-0, the pinned
+    copy of ZeRO-3's gathered shards) and a return to a bucket seen before trace nothing new. Dynamo's recompile limit
+    (8) counted the prefill's graphs and the decode's together (one code object: the model's forward), so the ninth
+    graph and every one after it ran eagerly without a word: a notebook generating at a few batch sizes and lengths
+    lost the compiled decode. Every decode shape now compiles (the limit is set at 4 here, to need fewer shapes)."""
+    import peft
+
+    modules = _recording_compile(monkeypatch)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4)
+    model = tiny_model("llama", seed=3)
+    if stage == 0:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    engine = _engine(model, stage=stage, max_out_tokens=128)
+    assert engine.inference_weights.kind == ("lora_copy" if stage == 0 else "pinned_copy")
+    engine.graph_decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, compile_mode="default",
+                                        max_out_tokens=128)
+
+    def generate(rows, new_tokens=8):
+        engine.eval()
+        ids, mask = left_padded_batch([3 + row % 3 for row in range(rows)], seed=rows)
+        return engine.generate(ids, attention_mask=mask, max_new_tokens=new_tokens), ids, mask
+
+    def decode_graphs():
+        return len(modules[False]["backend"].graphs)
+
+    try:
+        train_step(engine, generate(2)[0])
+        generate(2)
+        assert decode_graphs() == 1, "an optimizer step's refresh compiled the decode step again"
+        generate(3)  # bucket 4
+        generate(2)
+        assert decode_graphs() == 2, "a bucket seen before compiled again"
+        got, ids, mask = generate(2, 70)  # cache length 128
+        assert torch.equal(got, hf_generate(model, ids, mask, 70))
+    finally:
+        torch._dynamo.reset()
+    assert decode_graphs() == 3 and len(modules[None]["backend"].graphs) > 1, \
+        "a decode shape past dynamo's recompile limit ran eagerly"
+
+
 def test_no_compiled_prefill_in_a_tensor_parallel_group():
     """A recompilation failing on one rank only, after some of the forward's all-reduces ran, would mismatch the
     group's collectives; the group's prefill stays eager."""

@@ -40,6 +40,10 @@ from dschat.models.lora import unwrap_peft
 logger = logging.getLogger(__name__)
 
 CACHE_LEN_MULTIPLE = 64  # the cache length is rounded up so that nearby prompt lengths share a graph
+# The graphs a compiled forward may keep: the decode step's one per batch-size bucket and cache length, the prefill's
+# few. Dynamo's default recompile limit (8) counts them together (one code object: the model's forward), and past it
+# ran the forward eagerly without a word.
+RECOMPILE_LIMIT = 64
 WARMUP_STEPS = 2  # eager steps on a side stream before capture: library handles, workspaces, lazy initialisation
 
 
@@ -287,6 +291,19 @@ def default_generator(device):
     return torch.default_generator
 
 
+def _within_recompile_limit(compiled):
+    """``compiled`` called with dynamo's recompile limit at least ``RECOMPILE_LIMIT`` (the process's own elsewhere)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
+
+    def call(*args, **kwargs):
+        with config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)}):
+            return compiled(*args, **kwargs)
+    return call
+
+
 class GraphDecoder:
     """The engine's CUDA-graph decode: captured steps by key, the memory pool they share, and when they must go.
 
@@ -467,7 +484,8 @@ class GraphDecoder:
             return model
         key = (id(model), role)
         if key not in self._compiled:
-            self._compiled[key] = torch.compile(model, mode=self.compile_mode, dynamic=dynamic)
+            self._compiled[key] = _within_recompile_limit(torch.compile(model, mode=self.compile_mode,
+                                                                        dynamic=dynamic))
         return self._compiled[key]
 
     def _prefill(self, decoder, ids, mask):
