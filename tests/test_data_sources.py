@@ -405,6 +405,7 @@ def test_sharegpt_messages_and_text_content_parts_are_read(tmp_path):
         raw(f"{path},{path}", tmp_path, **parse_field_map("messages=convs"))
     # renaming only another column (the tools') still reads the conversations: it was "no 'prompt', 'messages' or
     # 'chosen' field"
+    path = write_records([dict(record, functions="[]") for record in sharegpt], tmp_path / "tools.jsonl", "jsonl")
     adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("tools=functions"))
     assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Hello"
     parts = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
@@ -480,6 +481,31 @@ def test_an_explicit_data_fields_mapping_decides_which_alpaca_columns_are_read(t
     chat = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}] * 2
     path = write_records(chat, tmp_path / "messages.jsonl", "jsonl")  # (a file of another shape under the same fields)
     adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,input=context,chosen=response"))
+    assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Yo"
+
+
+def test_a_misspelt_system_or_tools_column_of_data_fields_is_said(tmp_path):
+    """A system= or tools= naming a column the file lacks was ignored without a word (the model trained without the
+    system prompt or the tool schemas), while a misspelt prompt=, input= or label= is said: it is an error naming
+    the flag, where the file is the mapping's (it has a record field the mapping renames, or the mapping renames
+    none); a file of another shape under the same mapping is read as before."""
+    chat = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+             "sys": "Be brief.", "functions_json": "[]"}] * 2
+    path = write_records(chat, tmp_path / "chat.jsonl", "jsonl")
+    for fields, column in (("system=sytem", "sytem"), ("tools=fuctions_json", "fuctions_json"),
+                           ("messages=messages,system=sytem", "sytem")):
+        name = fields.split(",")[-1].split("=")[0]
+        with pytest.raises(DatasetFormatError, match=rf"chat.jsonl: no '{column}' field, which --data_fields "
+                                                     rf"{name}={column} names; the records have \["):
+            raw(f"{path},{path}", tmp_path, **parse_field_map(fields))
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("system=sys,tools=functions_json"))
+    assert adapter.get_conversation(adapter.get_train_data()[0])[0] == {"role": "system", "content": "Be brief."}
+    prompts = [{"question": "Say hi.", "good": "Hi."}] * 2
+    other = write_records(prompts, tmp_path / "prompts.jsonl", "jsonl")  # (the mapping's file lacks it: said)
+    with pytest.raises(DatasetFormatError, match=r"no 'sys' field, which --data_fields system=sys names"):
+        raw(f"{other},{other}", tmp_path, **parse_field_map("prompt=question,chosen=good,system=sys"))
+    # chat.jsonl beside them, of another shape (none of the renamed record fields): its messages read as before
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=question,chosen=good,system=systm"))
     assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Yo"
 
 
