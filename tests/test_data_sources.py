@@ -432,7 +432,7 @@ def test_alpaca_records_read_their_instruction_input_history_and_output(tmp_path
                 "history": [["Hi.", "Hello."]]},
                {"instruction": "Name a color.", "input": "", "output": "Blue.", "system": "", "history": []}]
     path = write_records(records, tmp_path / "alpaca.jsonl", "jsonl")
-    for fields in ("", "prompt=instruction,chosen=output,input=input,history=history"):
+    for fields in ("", "prompt=instruction,chosen=output,input=input,history=history,system=system"):
         adapter = raw(f"{path},{path}", tmp_path, **parse_field_map(fields))
         first, second = adapter.get_train_data()
         assert adapter.get_conversation(first) == [
@@ -482,6 +482,27 @@ def test_an_explicit_data_fields_mapping_decides_which_alpaca_columns_are_read(t
     path = write_records(chat, tmp_path / "messages.jsonl", "jsonl")  # (a file of another shape under the same fields)
     adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,input=context,chosen=response"))
     assert adapter.get_chosen_text(adapter.get_train_data()[0]) == "Yo"
+
+
+def test_an_explicit_data_fields_mapping_reads_a_system_column_only_where_it_names_it(tmp_path):
+    """Any "system" column was put before every prompt as its system message, also under a --data_fields mapping of
+    the record fields that did not name it: a column of something else (the system that wrote the answer, as in MT
+    and summarization data) trained and generated after "online-B" as a system prompt. As LLaMA-Factory's "columns"
+    (system: None unless named), such a mapping reads it only where it names it (system=NAME); without one, a "system"
+    column (LLaMA-Factory's records) is read as before."""
+    records = [{"question": "Translate: Hallo.", "good": "Hello.", "system": "online-B"}] * 2
+    path = write_records(records, tmp_path / "mt.jsonl", "jsonl")
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=question,chosen=good"))
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_conversation(sample) == [{"role": "user", "content": "Translate: Hallo."}]
+    assert adapter.get_extra(sample) == {"system": "online-B"}  # (an extra column: step 3's reward functions get it)
+    adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=question,chosen=good,system=system"))
+    assert adapter.get_conversation(adapter.get_train_data()[0])[0] == {"role": "system", "content": "online-B"}
+    unmapped = write_records([{"prompt": "Hi", "chosen": "Yo", "system": "Be brief."}] * 2, tmp_path / "lf.jsonl",
+                             "jsonl")
+    for fields in ("", "label=verdict"):  # (no record field named: read as LLaMA-Factory's)
+        adapter = raw(f"{unmapped},{unmapped}", tmp_path, **parse_field_map(fields))
+        assert adapter.get_conversation(adapter.get_train_data()[0])[0] == {"role": "system", "content": "Be brief."}
 
 
 def test_a_misspelt_system_or_tools_column_of_data_fields_is_said(tmp_path):

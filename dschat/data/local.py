@@ -51,7 +51,8 @@ prompt=question,chosen=good``):
   history only where it names them (``input=NAME``, ``history=NAME``).
 
 A ``system`` column (LLaMA-Factory's; ``--data_fields system=NAME``) is the conversation's first message, its system
-prompt, beside any of these shapes.
+prompt, beside any of these shapes; under ``--data_fields`` naming the record fields, only where it names it
+(``LocalDataset._system_column``).
 
 CSV cells are read as text ("5" stays "5"; an empty cell is null; a Windows file's "\\r\\n" line ends in a cell as
 "\\n"), the header's names without the spaces around them; JSON values are kept as written, also in a column whose
@@ -1086,12 +1087,12 @@ class LocalDataset(PromptRawDataset):
         self._read_older_functions_column(train.column_names)
         self.shape = self._record_shape(train, self.source.train_where)
         self._check_renamed_columns_beside(train.column_names)
+        self.system_field = self._system_column(train.column_names)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields()) + \
-            ((self.fields[SYSTEM_FIELD],) if self.fields[SYSTEM_FIELD] in train.column_names else ()) + \
+            ((self.system_field,) if self.system_field else ()) + \
             tuple(name for name in (self.input_field, self.history_field) if name and self.shape == "prompt")
         # (the system prompt, Alpaca's input and history: the prompt's, and columns too)
-        self.reward_columns = (self.fields[SYSTEM_FIELD], *(name for name in (self.input_field, self.history_field)
-                                                            if name))
+        self.reward_columns = tuple(name for name in (self.system_field, self.input_field, self.history_field) if name)
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
         self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
         self._validate(train, self.source.train, self._train_lines)
@@ -1102,6 +1103,16 @@ class LocalDataset(PromptRawDataset):
                                          f"records ({eval_data.column_names} vs {train.column_names})")
             self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
+
+    def _system_column(self, columns):
+        """The column read as each record's system prompt, else None: the one ``system=NAME`` names, or a "system"
+        column (LLaMA-Factory's) where --data_fields names none of the record fields. A mapping that names them decides,
+        as LLaMA-Factory's "columns" do (their system is None unless named): a "system" column beside it is an extra
+        column unless it names it (one of something else, the system that wrote an answer, was put before every
+        prompt)."""
+        if SYSTEM_FIELD not in self.renamed and self.renames_record_fields:
+            return None
+        return self.fields[SYSTEM_FIELD] if self.fields[SYSTEM_FIELD] in columns else None
 
     def _check_renamed_columns_beside(self, columns):
         """A system= or tools= of --data_fields naming a column the train file lacks is an error (a typo: the system
@@ -1348,9 +1359,9 @@ class LocalDataset(PromptRawDataset):
         system=NAME``) where it has text: it was passed on as an extra column, and the model trained without it. Messages
         that begin with it already keep it once; beginning with another system message, they are the record's error
         (which of the two is meant cannot be told)."""
-        field = self.fields[SYSTEM_FIELD]
-        text = sample.get(field)
-        if text is None or field not in self.used_columns:
+        field = self.system_field
+        text = sample.get(field) if field else None
+        if text is None:
             return messages
         if not isinstance(text, str):
             raise RecordError(field, f"expected the system prompt as text, got {type(text).__name__}")
