@@ -1119,6 +1119,33 @@ def test_step3_reward_functions_still_get_the_system_column(tmp_path, tokenizer)
     assert "Add.\n1 + 1" in prompts[0]["prompt_text"] and "Yo" in prompts[0]["prompt_text"]
 
 
+def test_step3_reward_functions_get_alpacas_output_under_its_own_name(tmp_path, tokenizer):
+    """An Alpaca record's output (read as its answer without --data_fields) came to step 3's reward functions as
+    ``chosen=``, a name no column of the file has, which the README keeps for a pair's answers: a function taking
+    ``output=`` (TRL passes each column under its own name) could not be called. It comes as ``output``, as written;
+    Alpaca's pairs (chosen, rejected) and an answer renamed by --data_fields still come as ``chosen``."""
+    from dschat.data.collators import DataCollatorRLHF
+    from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
+
+    tok = chatml(tokenizer)
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": f"Add 1 and {i}.", "output": str(i + 1)}
+                                                     for i in range(2)])
+    prompts, _ = build(tmp_path, tok, [f"{alpaca},{alpaca}"], 3, data_split="0,0,1")
+    assert sorted(item["output"] for item in prompts) == ["1", "2"] and "chosen" not in prompts[0]
+    batch = DataCollatorRLHF(None, pad_token_id=0)([prompts[0], prompts[1]])
+
+    def exact(prompts, completions, output, **columns):
+        return [float(answer == reference) for answer, reference in zip(completions, output)]
+
+    assert call_reward_fn(exact, batch["prompt_text"], batch["output"], batch_extras(batch)) == [1.0, 1.0]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"instruction": "Add.", "chosen": "2", "rejected": "3"}] * 2)
+    prompts, _ = build(tmp_path, tok, [f"{pairs},{pairs}"], 3, data_split="0,0,1")
+    assert (prompts[0]["chosen"], prompts[0]["rejected"]) == ("2", "3")
+    prompts, _ = build(tmp_path, tok, [f"{alpaca},{alpaca}"], 3, data_split="0,0,1",
+                       data_fields="prompt=instruction,chosen=output")
+    assert "output" not in prompts[0] and prompts[0]["chosen"] in ("1", "2")
+
+
 # --- tool calls ---
 
 # Qwen2.5's template in short: the tools listed in the system turn, a call as <tool_call> JSON in the assistant turn,

@@ -1093,6 +1093,10 @@ class LocalDataset(PromptRawDataset):
             tuple(name for name in (self.input_field, self.history_field) if name and self.shape == "prompt")
         # (the system prompt, Alpaca's input and history: the prompt's, and columns too)
         self.reward_columns = tuple(name for name in (self.system_field, self.input_field, self.history_field) if name)
+        self.alpaca_output = "chosen" not in self.renamed and self.fields["chosen"] == ALPACA_OUTPUT and \
+            self.fields["rejected"] not in train.column_names
+        if self.alpaca_output:  # (the reward functions' column under its own name: ``get_reference_answers``)
+            self.reward_columns += (ALPACA_OUTPUT,)
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
         self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
         self._validate(train, self.source.train, self._train_lines)
@@ -1578,8 +1582,10 @@ class LocalDataset(PromptRawDataset):
                                      "pair's answers must answer the same conversation")
 
     def get_reference_answers(self, sample):
-        # a messages record's last turn, and TRL's completion, are not pairs' answers (TRL passes no completion)
-        if self.shape == "messages" or self.fields["chosen"] == "completion":
+        # a messages record's last turn, and TRL's completion, are not pairs' answers (TRL passes no completion);
+        # Alpaca's output read without --data_fields is no pair's either: its column, as written, under its own name
+        # (it came as chosen=, which no column of the file is called)
+        if self.shape == "messages" or self.fields["chosen"] == "completion" or self.alpaca_output:
             return {}
         return super().get_reference_answers(sample)
 
