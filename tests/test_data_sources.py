@@ -521,6 +521,10 @@ def test_a_misspelt_system_or_tools_column_of_data_fields_is_said(tmp_path):
             raw(f"{path},{path}", tmp_path, **parse_field_map(fields))
     adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("system=sys,tools=functions_json"))
     assert adapter.get_conversation(adapter.get_train_data()[0])[0] == {"role": "system", "content": "Be brief."}
+    held_out = write_records([{"messages": chat[0]["messages"], "functions_json": "[]"}], tmp_path / "eval.jsonl",
+                             "jsonl")  # (the eval file's prompts were evaluated without the train file's system prompt)
+    with pytest.raises(DatasetFormatError, match=r"eval.jsonl: no 'sys' field, which --data_fields system=sys names"):
+        raw(f"{path},{held_out}", tmp_path, **parse_field_map("system=sys,tools=functions_json"))
     prompts = [{"question": "Say hi.", "good": "Hi."}] * 2
     other = write_records(prompts, tmp_path / "prompts.jsonl", "jsonl")  # (the mapping's file lacks it: said)
     with pytest.raises(DatasetFormatError, match=r"no 'sys' field, which --data_fields system=sys names"):

@@ -1086,7 +1086,7 @@ class LocalDataset(PromptRawDataset):
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
         self._read_older_functions_column(train.column_names)
         self.shape = self._record_shape(train, self.source.train_where)
-        self._check_renamed_columns_beside(train.column_names)
+        self._check_renamed_columns_beside(train.column_names, self.source.train_where)
         self.system_field = self._system_column(train.column_names)
         self.used_columns = tuple(self.fields[name] for name in self._shape_fields()) + \
             ((self.system_field,) if self.system_field else ()) + \
@@ -1105,6 +1105,7 @@ class LocalDataset(PromptRawDataset):
             if self._record_shape(eval_data, eval_where) != self.shape:
                 raise DatasetFormatError(f"{eval_where}: the eval records have different fields from the train "
                                          f"records ({eval_data.column_names} vs {train.column_names})")
+            self._check_renamed_columns_beside(eval_data.column_names, eval_where)
             self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
 
@@ -1118,15 +1119,15 @@ class LocalDataset(PromptRawDataset):
             return None
         return self.fields[SYSTEM_FIELD] if self.fields[SYSTEM_FIELD] in columns else None
 
-    def _check_renamed_columns_beside(self, columns):
-        """A system= or tools= of --data_fields naming a column the train file lacks is an error (a typo: the system
+    def _check_renamed_columns_beside(self, columns, where):
+        """A system= or tools= of --data_fields naming a column the train or eval file lacks is an error (a typo: the system
         prompt or the tool schemas went unread, without a word, where a misspelt prompt=, input= or label= is said), in
         a file the mapping is of: one that has a record field it renames, or any file where it renames none. A file of
         another shape under the same mapping (messages data beside renamed prompts) is read as before."""
         renamed_fields = [self.fields[name] for name in FIELD_NAMES if name in self.renamed]
         if renamed_fields and not any(field in columns for field in renamed_fields):
             return
-        self._check_renamed((SYSTEM_FIELD, TOOLS_FIELD), columns, self.source.train_where)
+        self._check_renamed((SYSTEM_FIELD, TOOLS_FIELD), columns, where)
 
     def _read_older_functions_column(self, columns):
         """OpenAI's older function-calling records name their tool schemas ``functions`` (each a bare function schema
