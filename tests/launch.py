@@ -25,7 +25,7 @@ def run_deepspeed(script, *args, num_gpus=2, timeout=900, env=None, check=True):
     """Launch ``deepspeed --num_gpus N script args``; fail the test with the output if it fails (``check``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),
-           "--master_port", str(port), str(script), *map(str, args)]
+           "--master_port", str(port), str(script), *each_flag_once(map(str, args))]
     full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 "OMP_NUM_THREADS": "1", **(env or {})}
     try:
@@ -36,6 +36,22 @@ def run_deepspeed(script, *args, num_gpus=2, timeout=900, env=None, check=True):
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def each_flag_once(args):
+    """``args`` with each ``--flag`` (and the values after it) given once, at its last place with its last values:
+    tests override a shared list of flags by appending (``[*STEP3, "--max_answer_seq_len", "16"]``), and the step
+    scripts refuse a flag given twice on their command line, as a user's typo."""
+    groups = []
+    for token in args:
+        if token.startswith("--") or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    flag = [group[0].split("=", 1)[0] if group[0].startswith("--") else None for group in groups]
+    last = {name: index for index, name in enumerate(flag) if name is not None}
+    return [token for index, group in enumerate(groups) if flag[index] is None or last[flag[index]] == index
+            for token in group]
 
 
 def launch_once(script, *args, timeout=900):
