@@ -2,7 +2,6 @@
 with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a diverged run
 (a non-finite loss or gradient norm: exit status 1), a rank whose collective failed because another rank stopped (1),
 a write to a full disk (1) and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks."""
-import errno
 import hashlib
 import os
 import select
@@ -46,6 +45,7 @@ def run_entry_point(main, resumable=False):
     from dschat.errors import UsageError
 
     from dschat.utils.dist import get_rank, peer_failure
+    from dschat.utils.files import full_disk_code
 
     traceback = os.environ.get("DSCHAT_TRACEBACK", "0") not in ("", "0")
     try:
@@ -65,7 +65,7 @@ def run_entry_point(main, resumable=False):
         end_distributed(peers_only=True)
         sys.exit(1)
     except OSError as error:  # a full disk or quota (output to a file, a pipe's file, /dev/full): not a bug of ours
-        if traceback or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if traceback or full_disk_code(error) is None:
             raise
         say_if_possible(f"error: {error.strerror}{f': {error.filename}' if error.filename else ''} (a write failed: "
                         "free some space or write elsewhere; DSCHAT_TRACEBACK=1 shows where)")
