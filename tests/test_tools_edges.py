@@ -448,3 +448,13 @@ def test_ppo_eval_with_its_output_closed_writes_its_output_json(reward_model, mo
     ppo_eval.main(["--policy", "tiny-llama", "--reward_model", reward_model, "--output_json",
                    str(tmp_path / "out.json")])
     assert json.loads((tmp_path / "out.json").read_text())["policy"]["path"] == "tiny-llama"
+
+
+def test_the_chat_banner_names_each_word_that_ends_the_chat():
+    """'exit' ended the chat as 'quit' did, but the banner named 'quit' alone; it names both, and each ends it."""
+    from dschat.tools import chat
+
+    for word in chat.QUIT_COMMANDS:
+        said = []
+        chat.run_interactive(None, read=lambda prompt: word, write=said.append)  # (ends before the session is asked)
+        assert said == ["Chat with the model. 'clear' starts a new conversation, 'quit' or 'exit' ends the chat."]

@@ -96,10 +96,11 @@ def forgotten_note(session):
 
 
 def run_interactive(session, read=input, write=print, interrupt_stops_answer=False):
-    """Read user messages until 'quit' (or end of input); 'clear' starts a new conversation. With
+    """Read user messages until 'quit' or 'exit' (or end of input); 'clear' starts a new conversation. With
     ``interrupt_stops_answer`` (a terminal), Ctrl-C during an answer stops that answer alone, as chat CLIs do (it
     ended the chat); Ctrl-C at the prompt still quits. Piped input ends at it: no one is there to go on."""
-    write(f"Chat with the model. '{CLEAR_COMMAND}' starts a new conversation, '{QUIT_COMMANDS[0]}' exits.")
+    quits = " or ".join(f"'{command}'" for command in QUIT_COMMANDS)
+    write(f"Chat with the model. '{CLEAR_COMMAND}' starts a new conversation, {quits} ends the chat.")
     while True:
         try:
             text = read("Human: ").strip()
