@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 
-from dschat.errors import UsageError
+from dschat.errors import MissingInputError, UsageError
 from dschat.tools.common import find_policy_path, find_reward_model_path
 
 
@@ -458,3 +458,19 @@ def test_the_chat_banner_names_each_word_that_ends_the_chat():
         said = []
         chat.run_interactive(None, read=lambda prompt: word, write=said.append)  # (ends before the session is asked)
         assert said == ["Chat with the model. 'clear' starts a new conversation, 'quit' or 'exit' ends the chat."]
+
+
+def test_a_run_rewarded_by_a_function_alone_is_said_to_have_no_reward_model(tmp_path):
+    """rw_eval given a GRPO run's folder (step 3 rewarded by --reward_fn, --reward_model_weight 0: no step 2) said
+    "no model in this folder: expected ... step2_rm", as if step 2's output were missing; it says the run trained
+    with its reward function and has no reward model. A run whose step 3 had a reward model still says the first."""
+    _model_folder(tmp_path / "step1_sft")
+    _model_folder(tmp_path / "step3_ppo" / "actor")
+    record = tmp_path / "step3_ppo" / "training_args.json"
+    record.write_text(json.dumps({"step": "step3", "flags": {"reward_fn": "tiny", "reward_model_weight": 0}}))
+    with pytest.raises(MissingInputError, match=r"its step 3 was rewarded by the reward function tiny alone "
+                                                r"\(--reward_model_weight 0\), so the run has no reward model"):
+        find_reward_model_path(str(tmp_path))
+    record.write_text(json.dumps({"step": "step3", "flags": {"reward_fn": "tiny", "reward_model_weight": 1.0}}))
+    with pytest.raises(MissingInputError, match="no model in this folder: expected .*step2_rm"):
+        find_reward_model_path(str(tmp_path))

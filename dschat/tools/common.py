@@ -118,12 +118,43 @@ def find_reward_model_path(path):
     if given and os.path.isabs(given) and not os.path.isfile(os.path.join(given, "config.json")):
         raise MissingInputError(f"{path}: its step 3 scored with the reward model {given} (report.json), which holds "
                                 "no model now: give a reward model folder")
-    found = given or _model_folder(path, REWARD_SUBFOLDERS)
+    found = given or _run_reward_model_folder(path)
     # (a hub model's head is checked once it has loaded; a tiny preset has no head, said here with the flag, before
     # ppo_eval's policy loads and answers)
     if os.path.isdir(os.path.expanduser(found)) or is_tiny_preset(found):
         check_reward_model(found)
     return found
+
+
+def _run_reward_model_folder(path):
+    """``path``'s step2_rm, else ``path`` itself (``_model_folder``); a run whose step 3 was rewarded by a reward
+    function alone (GRPO's recipe: --reward_model_weight 0) is said to have none, not to lack a step2_rm."""
+    try:
+        return _model_folder(path, REWARD_SUBFOLDERS)
+    except MissingInputError:
+        function = _step3_reward_fn_alone(os.path.expanduser(path))
+        if function is None:
+            raise
+        raise MissingInputError(f"{path}: its step 3 was rewarded by the reward function {function} alone "
+                                "(--reward_model_weight 0), so the run has no reward model: give a reward model "
+                                "folder (step 2's output); ppo_eval scores the run's policy with its reward function "
+                                "without one") from None
+
+
+def _step3_reward_fn_alone(path):
+    """The reward function (as recorded) of the step 3 in the run folder ``path`` that scored with it and no reward
+    model, else None."""
+    from dschat.run_layout import PPO_DIR, RUN_ARGS_FILE
+    from dschat.utils.files import read_json_object
+
+    try:
+        run = read_json_object(os.path.join(path, PPO_DIR, RUN_ARGS_FILE)) or {}
+    except UsageError:  # (a damaged record: the folder's own error, no model, says enough)
+        return None
+    flags = run.get("flags")
+    if not isinstance(flags, dict) or not flags.get("reward_fn") or flags.get("reward_model_weight", 1.0):
+        return None
+    return str(flags["reward_fn"]).strip("<>")  # (recorded_reward_fn's marker of a Python object)
 
 
 def check_reward_model(path):
