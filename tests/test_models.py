@@ -595,6 +595,27 @@ def test_a_normalizing_scorer_saved_as_loaded_scores_as_before(tmp_path, distrib
             load_reward_model(str(tmp_path / "rm"))
 
 
+def test_a_reward_model_saved_in_a_newer_format_version_is_refused_naming_its_file(tmp_path, distributed):
+    """reward_model.json records its format's "version" (1), but loading never read it: a file of a newer dschat's
+    format loaded as this one's, its keys read as they mean here or not at all. A newer version (or no number) is a
+    UsageError naming the file, before the backbone loads; the version this dschat writes still loads."""
+    import json
+
+    from dschat.errors import UsageError
+
+    save_reward_model(RewardModel(AutoModel.from_config(CONFIGS["opt"]())), _Tok(), str(tmp_path / "rm"))
+    meta = tmp_path / "rm" / "reward_model.json"
+    recorded = json.loads(meta.read_text())
+    assert recorded["version"] == 1
+    newer = r"version 2 of dschat's reward-model format, newer than this dschat reads \(version 1\)"
+    for version, said in ((2, newer), ("2", 'its "version" is \'2\', not a version number')):
+        meta.write_text(json.dumps({**recorded, "version": version}))
+        with pytest.raises(UsageError, match=f"^{re.escape(str(meta))}: {said}"):
+            load_reward_model(str(tmp_path / "rm"))
+    meta.write_text(json.dumps(recorded))
+    assert load_reward_model(str(tmp_path / "rm")).value_head_loaded
+
+
 def test_an_openrlhf_reward_model_whose_head_is_missing_is_no_reward_model(tmp_path):
     import json
 

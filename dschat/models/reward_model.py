@@ -15,6 +15,8 @@ from dschat.errors import UsageError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_META_FILE = "reward_model.json"
+# Its "version": a file of a later version (a newer dschat's) may mean what this one cannot read, and is refused.
+REWARD_META_VERSION = 1
 # Its key for the (mean, std) a saved scorer divides its scores by (``RewardModel.score_normalization``).
 SCORE_NORMALIZATION_KEY = "score_normalization"
 # ... and for the pad id a *ForSequenceClassification scorer skips at the end of a row (``RewardModel.score_index``).
@@ -208,6 +210,7 @@ class RewardModel(nn.Module):
         name, path = path, reward_model_folder(path)
         if os.path.isdir(path) and (adapter := adapter_message(path)):  # (transformers would load the adapter on it)
             raise UsageError(adapter)
+        saved_reward_meta(path)  # (a newer dschat's file: refused before the backbone loads)
         config = configure_dropout(hub_load(AutoConfig.from_pretrained, path), dropout)
         if ds_config is not None:  # (a training load: every rank loads the model)
             check_same_config_on_every_rank(name, config)
@@ -257,7 +260,7 @@ class RewardModel(nn.Module):
         from safetensors.torch import save_file
 
         save_file({"weight": state_dict["v_head.weight"].contiguous()}, os.path.join(folder, VALUE_HEAD_FILE))
-        meta = {"format": "dschat-reward-model", "version": 1, "value_head": VALUE_HEAD_FILE}
+        meta = {"format": "dschat-reward-model", "version": REWARD_META_VERSION, "value_head": VALUE_HEAD_FILE}
         if self.score_normalization is not None:  # (a scorer loaded so: saved without it, it would score raw)
             mean, std = self.score_normalization
             meta[SCORE_NORMALIZATION_KEY] = {"mean": mean, "std": std}
@@ -428,12 +431,27 @@ def checked_normalization(mean, std, where):
     return float(mean), float(std)
 
 
+def saved_reward_meta(path):
+    """The ``reward_model.json`` that ``save_head_and_meta`` wrote in ``path``, {} where there is none; one of a later
+    version than ``REWARD_META_VERSION`` (a newer dschat's) is a UsageError naming it: its keys may mean what this
+    dschat would read otherwise, or not at all."""
+    from dschat.utils.files import read_json_object
+
+    file = os.path.join(path, REWARD_META_FILE)
+    meta = read_json_object(file) or {}
+    version = meta.get("version", REWARD_META_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise UsageError(f"{file}: its \"version\" is {version!r}, not a version number: restore the file")
+    if version > REWARD_META_VERSION:
+        raise UsageError(f"{file}: version {version} of dschat's reward-model format, newer than this dschat reads "
+                         f"(version {REWARD_META_VERSION}): load it with the dschat that saved it, or a newer one")
+    return meta
+
+
 def saved_score_normalization(path):
     """(mean, std) that a normalizing scorer (an OpenRLHF reward model loaded to score) was saved with by
     ``save_reward_model``, in its ``reward_model.json``, else None."""
-    from dschat.utils.files import read_json_object
-
-    saved = (read_json_object(os.path.join(path, REWARD_META_FILE)) or {}).get(SCORE_NORMALIZATION_KEY)
+    saved = saved_reward_meta(path).get(SCORE_NORMALIZATION_KEY)
     if saved is None:
         return None
     where = f"{os.path.join(path, REWARD_META_FILE)}'s {SCORE_NORMALIZATION_KEY}"
@@ -453,9 +471,7 @@ def sequence_classification_pad_id(path, config):
 def saved_score_skips(path):
     """The pad id a scorer loaded from a *ForSequenceClassification was saved with by ``save_reward_model``, in its
     ``reward_model.json``, else None."""
-    from dschat.utils.files import read_json_object
-
-    saved = (read_json_object(os.path.join(path, REWARD_META_FILE)) or {}).get(SCORE_SKIPS_KEY)
+    saved = saved_reward_meta(path).get(SCORE_SKIPS_KEY)
     if saved is not None and (not isinstance(saved, int) or isinstance(saved, bool) or saved < 0):
         raise UsageError(f"{os.path.join(path, REWARD_META_FILE)}'s {SCORE_SKIPS_KEY}: expected a token id, got "
                          f"{saved!r}")
