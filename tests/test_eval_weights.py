@@ -49,8 +49,23 @@ def test_sft_eval_loss_ignores_padding_repeats_even_in_an_all_padding_batch():
     assert got["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-6)
 
 
+def test_sft_eval_counts_its_records_once_over_the_ranks_and_its_tokens():
+    """Step 1's metrics said no count of what they were taken over (step 2 and DPO say eval_pairs): "eval_records"
+    counts each record once (a rank's padding repeat, weight 0, is none of them), "eval_tokens" the answer tokens
+    scored; --eval_iters caps each rank's batches (0: all of them)."""
+    model = tiny_model("llama", seed=2).eval()
+    items = [_sft_item(i) for i in range(3)]  # 2 ranks: rank 0 scores items 0 and 2, rank 1 item 1 and item 0 again
+    collator = DataCollatorSFT(pad_token_id=0)
+    ranks = [evaluate_lm(model, _rank_loader(items, rank, collator, batch_size=1), "cpu", 0) for rank in (0, 1)]
+    assert [got["eval_records"] for got in ranks] == [2, 1]  # (summed by all_reduce over the ranks: 3)
+    assert [got["eval_tokens"] for got in ranks] == [14, 7]  # (8 tokens each: 7 predicted)
+    capped = evaluate_lm(model, _rank_loader(items, 0, collator, batch_size=1), "cpu", 1)
+    assert capped["eval_records"] == 1 and capped["eval_tokens"] == 7
+
+
 def test_no_eval_records_give_no_score_rather_than_a_perfect_one():
-    assert evaluate_lm(tiny_model("llama", seed=2).eval(), [], "cpu", 0) == {"eval_loss": None, "perplexity": None}
+    assert evaluate_lm(tiny_model("llama", seed=2).eval(), [], "cpu", 0) == {
+        "eval_loss": None, "perplexity": None, "eval_records": 0, "eval_tokens": 0}
     got = evaluate_reward(_Scores(), [], "cpu", 0)
     assert got["accuracy"] is None and got["eval_pairs"] == 0
     step = dpo.DPOStep(step2_dpo_parser().parse_args([]))

@@ -43,6 +43,8 @@ def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch
     saved = json.loads((tmp_path / "sft" / "metrics.json").read_text())
     assert saved["eval_loss"] == pytest.approx(metrics["eval_loss"])
     assert saved["perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-4)
+    assert "1200 train / 120 eval records" in out and saved["eval_records"] == 64, "--eval_iters 2 batches of 32"
+    assert saved["eval_tokens"] > saved["eval_records"] and "eval_records=64" in out.split("after training:")[1]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
     assert model.config.pad_token_id != model.config.eos_token_id
     assert (tmp_path / "sft" / "tokenizer.json").exists()

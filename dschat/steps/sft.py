@@ -33,9 +33,10 @@ def lm_loss(engine, batch):
 
 @torch.no_grad()
 def evaluate_lm(engine, eval_loader, device, max_batches):
-    """Token-weighted eval loss over all ranks and its perplexity."""
+    """Token-weighted eval loss over all ranks and its perplexity, with the eval records ("eval_records", each once:
+    a rank's padding repeats left out) and answer tokens ("eval_tokens") they were taken over."""
     engine.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss x tokens, tokens, records
     for i, batch in enumerate(eval_loader):
         if max_batches and i >= max_batches:
             break
@@ -45,13 +46,15 @@ def evaluate_lm(engine, eval_loader, device, max_batches):
         batch["labels"] = batch["labels"].masked_fill(weights[:, None] == 0, -100)
         loss, _ = lm_loss(engine, batch)
         n = (batch["labels"][:, 1:] != -100).sum()
+        totals[2] += weights.sum()
         if n > 0:  # an all-padding batch has a nan loss over no tokens
-            totals += torch.stack([loss.double() * n, n.double()])
+            totals[:2] += torch.stack([loss.double() * n, n.double()])
     all_reduce(totals)
+    counts = {"eval_records": int(totals[2].item()), "eval_tokens": int(totals[1].item())}
     if totals[1] == 0:  # no eval records (or tokens): no score, rather than a loss of 0 and a perfect perplexity
-        return {"eval_loss": None, "perplexity": None}
+        return {"eval_loss": None, "perplexity": None, **counts}
     loss = (totals[0] / totals[1]).item()
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), **counts}
 
 
 SFT = StepRecipe(name="step1", phase=1, build_model=build_sft_model, collator=sft_collator, loss_fn=lm_loss,
