@@ -71,6 +71,22 @@ def test_split_indices_are_disjoint_cover_and_are_cached(tmp_path, size, data_sp
         assert other != parts
 
 
+def test_the_data_report_counts_one_record_in_the_singular():
+    """The report's lines said "kept all 1 records", "skipped 1 of 1 records" and "of the source's 1 records"."""
+    line = pipeline.format_skip_line
+    one = {"source": "a.json", "split": "train", "total": 1, "skipped": {}}
+    assert line(one) == "a.json train: kept the 1 record"
+    skipped = {**one, "skipped": {"chosen==rejected": 1}}
+    assert line(skipped) == "a.json train: skipped 1 of 1 record: 1 chosen==rejected"
+    assert line({**one, "total": 0, "of": 1, "data_split": "2,4,4"}) == (
+        "a.json train: no records in this phase's share (this phase's share by --data_split 2,4,4: 0 of the source's "
+        "1 record)")
+    assert line({**one, "total": 2, "of": 5, "data_split": "2,4,4", "skipped": {"no answer": 1}}) == (
+        "a.json train: skipped 1 of 2 records (this phase's share by --data_split 2,4,4: 2 of the source's 5 records): "
+        "1 no answer")
+    assert line({**one, "total": 2}) == "a.json train: kept all 2 records"
+
+
 def test_malformed_data_split_is_rejected():
     for bad in ("2,4", "a,b,c", "0,0,0", "-1,1,1"):
         with pytest.raises(ValueError, match="data_split"):
@@ -472,7 +488,7 @@ def test_multiturn_keeps_a_conversation_longer_than_max_seq_len_with_its_turns_w
         assert len(kept) == 1 and trained_text(kept[0], tok) == expected
         assert kept[0]["input_ids"].tolist() == whole["input_ids"][:limit].tolist()
         out = capsys.readouterr().out
-        assert ("kept all 1 records; 2 earlier assistant turns trained (--multiturn); 1 conversation longer than "
+        assert ("kept the 1 record; 2 earlier assistant turns trained (--multiturn); 1 conversation longer than "
                 "--max_seq_len trained on its earlier assistant turns within it (--multiturn)") in out
     # without --multiturn the prompt leaves no room for the (only trained) last answer, as before
     last_only = build(tmp_path, tok, [f"{path},{path}"], 1, data_split="1,0,0", max_seq_len=second_end + 2)[0]

@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dschat.errors import UsageError
+from dschat.report import counted
 from .base import TOOL_ROLES, has_tool_turns
 from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
@@ -905,7 +906,7 @@ def format_skip_line(entry):
     share = ""
     if entry.get("data_split") and entry.get("of", entry["total"]) != entry["total"]:
         share = (f" (this phase's share by --data_split {entry['data_split']}: {entry['total']} of the source's "
-                 f"{entry['of']} records)")
+                 f"{counted(entry['of'], 'record')})")
     if not entry["total"]:
         return f"{where}: no records in this phase's share{share}"
     cut = f"; {entry['cut']} kept with an answer cut at --max_seq_len" if entry.get("cut") else ""
@@ -938,10 +939,11 @@ def format_skip_line(entry):
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "
                 "formatted again (give plain text or messages)")
     if not skipped:
-        return f"{where}: kept all {entry['total']} records{share}{cut}"
+        kept = "the 1 record" if entry["total"] == 1 else f"all {entry['total']} records"
+        return f"{where}: kept {kept}{share}{cut}"
     reasons = ", ".join(f"{count} {reason}" for reason, count in
                         sorted(entry["skipped"].items(), key=lambda item: (-item[1], item[0])))
-    return f"{where}: skipped {skipped} of {entry['total']} records{share}: {reasons}{cut}"
+    return f"{where}: skipped {skipped} of {counted(entry['total'], 'record')}{share}: {reasons}{cut}"
 
 
 def _print_skip_report(local_rank, *datasets):
