@@ -322,6 +322,25 @@ def test_a_step_whose_records_are_all_skipped_says_why(tmp_path, distributed):
                   "--data_path", str(data), "--data_split", "10,0,0", *SFT_FAST, "--max_seq_len", "16"])
 
 
+def test_a_step_whose_one_record_is_skipped_says_it_in_the_singular():
+    """It said "all 1 records of its share were skipped"."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.steps.common import require_training_records
+
+    class Skipped(list):
+        skipped = {"no answer": 1}
+
+    args = SimpleNamespace(data_path="one.jsonl", data_split="10,0,0")
+    with pytest.raises(UsageError, match="^step1: no training records: --data_path one.jsonl with --data_split "
+                                         "10,0,0: the 1 record of its share was skipped: 1 no answer$"):
+        require_training_records(Skipped(), args, "step1")
+    Skipped.skipped = {"no answer": 2, "chosen==rejected": 1}
+    with pytest.raises(UsageError, match="all 3 records of its share were skipped: 2 no answer, 1 chosen==rejected$"):
+        require_training_records(Skipped(), args, "step1")
+
+
 def test_train_py_checks_every_steps_arguments_before_the_first_step_runs(tmp_path, capsys, distributed,
                                                                           monkeypatch):
     import runpy

@@ -754,8 +754,10 @@ def require_training_records(dataset, args, step):
     if len(dataset) == 0:
         paths = [args.data_path] if isinstance(args.data_path, str) else args.data_path
         skipped = getattr(dataset, "skipped", None)
-        why = (f"all {sum(skipped.values())} records of its share were skipped: "
-               + ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items(), key=lambda i: -i[1]))
+        total = sum(skipped.values()) if skipped else 0
+        share = "the 1 record of its share was" if total == 1 else f"all {total} records of its share were"
+        why = (f"{share} skipped: " + ", ".join(f"{count} {reason}" for reason, count in
+                                               sorted(skipped.items(), key=lambda i: -i[1]))
                if skipped else "leaves this step none")
         raise UsageError(f"{step}: no training records: --data_path {' '.join(paths)} with --data_split "
                          f"{args.data_split}: {why}")
