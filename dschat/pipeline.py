@@ -132,10 +132,10 @@ def step_argv(step, args, tiny):
     following it for argparse's last-wins; one given twice in the ``--stepN-args`` is the user's, refused
     (``check_step_args``)."""
     out = args.output_dir
-    common = ["--data_path", *args.data_path] if args.data_path else []
-    common += ["--data_fields", args.data_fields] if getattr(args, "data_fields", None) else []
-    dpo = step == 2 and getattr(args, "recipe", "ppo") == "dpo"
     extra = step_extra_args(step, args)
+    common = ["--data_path", *args.data_path] if args.data_path else []
+    common += [] if reads_own_data_without_fields(step, args) else ["--data_fields", args.data_fields]
+    dpo = step == 2 and getattr(args, "recipe", "ppo") == "dpo"
     if dpo:
         # the policy and its frozen reference both start from the SFT model, sharded like the actor
         argv = ["--model_name_or_path", os.path.join(out, SFT_DIR), "--zero_stage", str(args.actor_zero_stage),
@@ -174,6 +174,20 @@ def step_argv(step, args, tiny):
     defaults = common + argv + recipe + ["--data_output_path", os.path.join(out, "data_cache"),
                                          "--tensorboard_path", os.path.join(out, "tensorboard")]
     return without_flags_given_in(step_parser(step, getattr(args, "recipe", "ppo"))(), defaults, extra) + extra
+
+
+def reads_own_data_without_fields(step, args):
+    """Whether train.py's --data-fields stay out of ``step``'s flags: none were given, or its ``--stepN-args`` give
+    the step its own --data_path but no --data_fields. Field names go with the files they were given for (as
+    ppo_eval's run defaults do): train.py's named the columns of --data-path's files, and applied to other files they
+    renamed columns those files may not have (or had under their own names), unsaid."""
+    if not getattr(args, "data_fields", None):
+        return True
+    from dschat.args import flag_groups
+
+    given = {dest for dest, _ in flag_groups(step_parser(step, getattr(args, "recipe", "ppo"))(),
+                                             step_extra_args(step, args))}
+    return "data_path" in given and "data_fields" not in given
 
 
 def step_parser(step, recipe):
@@ -575,6 +589,11 @@ def say_left_out_steps(args, steps, not_run):
         given = getattr(args, f"step{step}_args", "")
         if given and step not in steps:
             print_rank_0(f"--step{step}-args {given!r}: ignored, step {step} is not run (--step, --recipe)")
+    for step in steps:
+        if getattr(args, "data_fields", None) and reads_own_data_without_fields(step, args):
+            print_rank_0(f"--data-fields {args.data_fields}: not given to step {step}, whose --step{step}-args give "
+                         "its own --data_path (they name --data-path's fields; give the step's own --data_fields "
+                         f"in --step{step}-args if its files need them)")
     for flag in getattr(args, "unread_stage_flags", ()):  # (train.py's parse_args)
         print_rank_0(f"{flag}: ignored, no step this run runs reads it (--step {' '.join(map(str, steps))})")
 

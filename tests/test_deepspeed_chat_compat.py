@@ -774,3 +774,28 @@ def test_trainer_kl_ctl_takes_deepspeed_chats_float_and_says_where_it_would_not_
         trainer(adaptive_kl=True).kl_ctl = 0.05
     with pytest.raises(UsageError, match=r"does not use: the KL is a loss term weighted by trainer.args.kl_loss_coef"):
         trainer(advantage_estimator="grpo", n_samples_per_prompt=2).kl_ctl = 0.05
+
+
+def test_train_py_field_names_go_with_its_data_path_not_a_steps_own(capsys):
+    """train.py's --data-fields were given to a step whose --stepN-args gave its own --data_path (and no
+    --data_fields): the names of --data-path's columns renamed columns of other files, unsaid. They go with the files
+    they were given for, as ppo_eval's run defaults do; a step's own --data_fields still wins, and a step that reads
+    --data-path keeps them."""
+    import runpy
+
+    from dschat import pipeline
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    args = parse(["--data-path", "jsonl:a.jsonl", "--data-fields", "prompt=q",
+                  "--step1-args", "--data_path=jsonl:own.jsonl", "--step2-args", "--data_path jsonl:b.jsonl "
+                  "--data_fields prompt=question"])
+    flags = {step: pipeline.step_parser(step, "ppo")().parse_args(pipeline.step_argv(step, args, True))
+             for step in (1, 2, 3)}
+    assert (flags[1].data_path, flags[1].data_fields) == (["jsonl:own.jsonl"], "")
+    assert (flags[2].data_path, flags[2].data_fields) == (["jsonl:b.jsonl"], "prompt=question")
+    assert (flags[3].data_path, flags[3].data_fields) == (["jsonl:a.jsonl"], "prompt=q")
+    pipeline.say_left_out_steps(args, [1, 2, 3], [])
+    out = capsys.readouterr().out
+    assert "--data-fields prompt=q: not given to step 1, whose --step1-args give its own --data_path" in out
+    assert "step 2" not in out and "step 3" not in out
