@@ -719,3 +719,25 @@ def test_nodes_reading_copies_of_a_reward_function_that_differ_stop_with_an_erro
     for node in nodes:
         differ = "UsageError: its file differs between the ranks (each node's own copy): give every node the same file"
         assert (node / "seen").read_text().splitlines() == ["ok", differ, "loaded", differ]
+
+
+def test_step3_says_which_generation_config_settings_apply_to_its_rollouts_and_evaluation(capsys):
+    """The actor's generation_config settings that no step-3 flag sets (a no_repeat_ngram_size) were applied by HF's
+    generate to the rollouts, and its repetition_penalty to the held-out evaluation's greedy answers (the rollouts
+    sample at --repetition_penalty), unsaid. Said where they apply; the sampling settings the flags give are not."""
+    from transformers import GenerationConfig
+
+    from dschat.rlhf.engine import say_generation_config_settings
+
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
+                              no_repeat_ngram_size=3, eos_token_id=[1, 2], max_length=4096)
+    actor = SimpleNamespace(generation_config=config)
+    for hybrid in ("--enable_hybrid_engine", "--no-enable_hybrid_engine"):
+        say_generation_config_settings(actor, step3_args(step3_parser().parse_args([hybrid])))
+        said = capsys.readouterr().out
+        assert "applies no_repeat_ngram_size=3 to the rollouts (no step-3 flag sets it" in said
+        assert "applies repetition_penalty=1.05, no_repeat_ngram_size=3 to the held-out evaluation" in said
+        assert "temperature" not in said and "top_k" not in said and "max_length" not in said
+    config.no_repeat_ngram_size = 0
+    say_generation_config_settings(actor, step3_args(step3_parser().parse_args(["--eval_prompts", "0"])))
+    assert capsys.readouterr().out == ""  # (the rollouts' settings are all the flags')

@@ -1671,3 +1671,21 @@ def test_a_stop_id_past_the_tokenizers_ids_is_not_suppressed(models, monkeypatch
     prompt = [format_prompt([{"role": "user", "content": "Say hi."}], tokenizer)]
     assert generation.generate_answers(model, tokenizer, prompt, dict(GREEDY)) == [""]
     assert seen[0][0, 0] == tokens + 2, seen
+
+
+def test_the_tools_say_which_generation_config_settings_apply_beside_their_flags(models, capsys):
+    """A model's generation_config settings that no tool flag sets (Qwen2.5-Instruct's repetition_penalty 1.05) were
+    applied by HF's generate in chat.py and prompt_eval, unsaid, while --temperature/--top_k/--top_p came from the
+    flags. They are said once; the sampling ones the flags replace, or greedy decoding does not read, are not."""
+    from dschat.tools.generation import generate_answers
+
+    model, tokenizer = load_policy(models["policy"], device="cpu")
+    model.generation_config.update(repetition_penalty=1.07, do_sample=True, temperature=0.7, top_p=0.8)
+    prompt = [format_prompt([{"role": "user", "content": "Say hi."}], tokenizer)]
+    generate_answers(model, tokenizer, prompt, dict(GREEDY))
+    said = capsys.readouterr().err
+    assert "generation_config applies repetition_penalty=1.07 (no flag of this tool sets it" in said
+    assert "temperature" not in said and "top_p" not in said
+    generate_answers(model, tokenizer, prompt, {**GREEDY, "do_sample": True, "temperature": 1.0, "top_p": 1.0,
+                                                "top_k": 0, "repetition_penalty": 1.0})
+    assert "generation_config" not in capsys.readouterr().err  # (every setting given: nothing comes from it)

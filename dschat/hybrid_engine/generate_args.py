@@ -236,3 +236,41 @@ def default_attention_mask(input_ids, pad_token_id, eos_list):
     if pad_token_id not in eos_list and bool((input_ids == pad_token_id).any()):
         return (input_ids != pad_token_id).long()
     return torch.ones_like(input_ids)
+
+
+# generation_config entries that leave the decoded tokens as they are (ids the callers give, bookkeeping, caching,
+# what is returned), and the settings that only sampling reads
+NOT_DECODING_SETTINGS = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+                         "transformers_version", "_from_model_config", "use_cache", "cache_implementation",
+                         "cache_config", "return_dict_in_generate", "output_scores", "output_logits",
+                         "output_attentions", "output_hidden_states"}
+SAMPLING_ONLY_SETTINGS = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                          "top_h"}
+
+
+def settings_from_generation_config(generation_config, call_kwargs):
+    """{setting: value} of a model's ``generation_config`` that HF's ``generate`` applies to a call with
+    ``call_kwargs``: set there (not HF's default), not given by the call, and read by its decoding (the sampling
+    ones only where it samples; ``max_length`` not beside a ``max_new_tokens``). E.g. Qwen2.5-Instruct's
+    repetition_penalty 1.05 under a tool's --temperature: the tools, as step 3, give only the settings they have
+    flags for, where TRL and OpenRLHF give every one."""
+    if generation_config is None:
+        return {}
+    sampled = call_kwargs.get("do_sample", getattr(generation_config, "do_sample", False))
+    ignored = NOT_DECODING_SETTINGS | set(call_kwargs) | (set() if sampled else SAMPLING_ONLY_SETTINGS | {"do_sample"})
+    if "max_new_tokens" in call_kwargs:
+        ignored.add("max_length")
+    no_op = {**NO_OP_VALUES, "repetition_penalty": 1.0, "min_new_tokens": 0, "min_length": 0, "temperature": 1.0}
+    return {key: value for key, value in generation_config.to_diff_dict().items()
+            if key not in ignored and not key.startswith("_") and not _is_unset(value)
+            and (key not in no_op or value != no_op[key])}
+
+
+def _is_unset(value):
+    """None, False or empty: a setting that changes nothing."""
+    return value is None or value is False or (isinstance(value, (list, tuple, dict, str)) and not value)
+
+
+def said_settings(settings):
+    """``settings_from_generation_config``'s as "key=value, ..."."""
+    return ", ".join(f"{key}={value!r}" for key, value in settings.items())

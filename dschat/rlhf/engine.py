@@ -276,6 +276,27 @@ def say_an_unapplied_repetition_penalty(model, penalty):
                      f"give --repetition_penalty {asked} to sample with it anyway)")
 
 
+def say_generation_config_settings(model, args):
+    """The actor's generation_config settings that no step-3 flag sets and its generation applies (e.g. a
+    no_repeat_ngram_size; the held-out evaluation's greedy answers also take its repetition_penalty, which the
+    rollouts replace by --repetition_penalty): said, once, where they apply. The rollouts' temperature, top-k, top-p
+    and repetition penalty are the flags' (``trainer.sampling_kwargs``), as TRL's and OpenRLHF's are theirs."""
+    from dschat.hybrid_engine.generate_args import said_settings, settings_from_generation_config
+    from dschat.rlhf.trainer import sampling_kwargs
+
+    config = getattr(model, "generation_config", None)
+    ids = {"max_new_tokens": args.max_answer_seq_len, "eos_token_id": None, "pad_token_id": None}
+    generations = {"rollouts": {**ids, **sampling_kwargs(args, hf_generate=not args.enable_hybrid_engine)}}
+    if args.eval_prompts:
+        generations["held-out evaluation"] = {**ids, "do_sample": False}  # (rlhf.evaluation.generate_answers)
+    for name, call in generations.items():
+        settings = settings_from_generation_config(config, call)
+        if settings:
+            print_rank_0(f"[step3] the actor's generation_config applies {said_settings(settings)} to the {name} "
+                         "(no step-3 flag sets it; edit generation_config.json in the actor's folder to generate "
+                         "without it)")
+
+
 def say_a_dropout_in_training(model, dropout_flag, role, flag):
     """The actor or critic trains with its config's dropout (``flag`` not given): said. The rollout's log-probs and
     values come from eval-mode forwards (no dropout), the PPO step's from training-mode ones, so PPO's ratio and
@@ -581,6 +602,7 @@ class DeepSpeedRLHFEngine:
         self._check_sequence_fits(model)
         say_a_dropout_in_training(model, a.actor_dropout, "actor", "--actor_dropout")
         say_an_unapplied_repetition_penalty(model, a.repetition_penalty)
+        say_generation_config_settings(model, a)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
                            only_optimize_lora=a.only_optimize_lora, module_name_flag="--actor_lora_module_name")
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),

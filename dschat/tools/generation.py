@@ -39,6 +39,8 @@ def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_si
     decode to nothing), as step 3's rollouts do."""
     answers, stop_ids = [], stop_token_ids(model, tokenizer)
     generation_kwargs = {**suppress_untokenized(model, tokenizer), **generation_kwargs}  # (the caller's own wins)
+    say_generation_config_settings(model, {"eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id,
+                                           **generation_kwargs})
     for start in range(0, len(prompt_texts), batch_size):
         ids, mask = left_padded(encode_prompts(tokenizer, prompt_texts[start:start + batch_size]),
                                 tokenizer.pad_token_id, model.device)
@@ -50,3 +52,17 @@ def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_si
                                    pad_token_id=tokenizer.pad_token_id, **generation_kwargs)
         answers += decode_answers(tokenizer, sequences[:, ids.shape[1]:], stop_ids)
     return answers
+
+
+def say_generation_config_settings(model, call_kwargs):
+    """The model's generation_config settings that no flag of the tool sets and HF's ``generate`` applies (e.g.
+    Qwen2.5-Instruct's repetition_penalty 1.05): said once per model, as the flags' settings are seen on the command
+    line (``settings_from_generation_config``)."""
+    from dschat.hybrid_engine.generate_args import said_settings, settings_from_generation_config
+    from dschat.tools.common import say_once
+
+    settings = settings_from_generation_config(getattr(model, "generation_config", None), call_kwargs)
+    if settings:
+        name = getattr(model, "name_or_path", "") or "the model"
+        say_once(f"note: {name}'s generation_config applies {said_settings(settings)} (no flag of this tool sets "
+                 "it; edit the model's generation_config.json to generate without it)")
