@@ -290,10 +290,29 @@ def check_step_args(steps, args, tiny, parsers):
                 check_step2_pairs(flags, getattr(args, "recipe", "ppo"))
     for step, (flags, _) in parsed.items():
         check_earlier_outputs(step, steps, args, flags)
+    say_splits_that_differ({step: flags for step, (flags, _) in parsed.items()})
     check_reward_model_tokenizer(steps, args, tiny)
     flags = {step: flags for step, (flags, _) in parsed.items()}
     check_sequence_lengths(args, flags)
     return flags
+
+
+def say_splits_that_differ(parsed):
+    """Steps that read the same --data_path but split it with another --data_split or --seed (one given in a single
+    --stepN-args): each step takes its phase's share of its own split, so a later step may train on the records an
+    earlier one trained on, which the shares of one split keep apart (DeepSpeed-Chat's scripts give every step the
+    same). Said, not refused: a step may take all the data on purpose (--data_split 10,0,0 for step 1)."""
+    split = {step: (flags.data_split, flags.seed) for step, flags in parsed.items()}
+    steps = sorted(parsed)
+    for index, step in enumerate(steps):
+        for later in steps[index + 1:]:
+            shared = [path for path in parsed[step].data_path if path in parsed[later].data_path]
+            if shared and split[step] != split[later]:
+                said = "; ".join(f"step {s}: --data_split {split[s][0]} --seed {split[s][1]}" for s in (step, later))
+                print_rank_0(f"note: steps {step} and {later} split --data_path {' '.join(shared)} differently ({said}): "
+                             f"each takes its phase's share of its own split, so step {later} may train on records "
+                             f"step {step} trained on; give both the same --data_split and --seed (--stepN-args) to "
+                             "keep their shares apart")
 
 
 def check_sequence_lengths(args, parsed):

@@ -799,3 +799,34 @@ def test_train_py_field_names_go_with_its_data_path_not_a_steps_own(capsys):
     out = capsys.readouterr().out
     assert "--data-fields prompt=q: not given to step 1, whose --step1-args give its own --data_path" in out
     assert "step 2" not in out and "step 3" not in out
+
+
+@pytest.mark.parametrize("recipe", ["ppo", "grpo", "dpo"])
+def test_train_py_says_steps_that_split_the_same_data_differently(recipe, capsys):
+    """A --data_split (or --seed) in one step's --stepN-args split --data-path for that step alone: its phase's share
+    of its own split may hold records another step trained on (the shares of one split are apart), unsaid."""
+    import runpy
+
+    from dschat import pipeline
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    steps = pipeline.recipe_steps(recipe, [1, 2, 3])[0]
+    later = steps[-1]
+
+    def flags(argv, tiny):
+        args = parse(["--recipe", recipe, *argv])
+        return {step: pipeline.step_parser(step, recipe)().parse_args(pipeline.step_argv(step, args, tiny))
+                for step in steps}
+
+    for tiny, models in ((True, []), (False, ["--actor-model", "facebook/opt-1.3b", "--data-path", "jsonl:a.jsonl"])):
+        pipeline.say_splits_that_differ(flags(models, tiny))
+        assert "split --data_path" not in capsys.readouterr().out  # (the recipes give every step the same)
+        pipeline.say_splits_that_differ(flags([*models, "--step1-args", "--data_split 6,2,2"], tiny))
+        out = capsys.readouterr().out
+        assert f"note: steps 1 and {later} split --data_path" in out and "step 1: --data_split 6,2,2" in out
+    pipeline.say_splits_that_differ(flags([f"--step{later}-args", "--seed 7"], True))
+    assert f"step {later}: --data_split 4,4,2 --seed 7" in capsys.readouterr().out
+    # a step reading its own files shares none of them
+    pipeline.say_splits_that_differ(flags(["--step1-args", "--data_split 6,2,2 --data_path jsonl:own.jsonl"], True))
+    assert "split --data_path" not in capsys.readouterr().out
