@@ -273,6 +273,7 @@ def check_step_args(steps, args, tiny, parsers):
         check_folders_are_train_pys(step, args, tiny, flags, parser)
         parse_field_map(flags.data_fields)  # (a step reads it with its data: after train.py has reset the report)
         if step == 3:
+            check_grpo_reads_no_step2_folder(flags, args)
             # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from
             # (and step 2's may hold an earlier run's reward model: the critic is checked when step 3 loads it)
             check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None,
@@ -295,6 +296,24 @@ def check_step_args(steps, args, tiny, parsers):
     flags = {step: flags for step, (flags, _) in parsed.items()}
     check_sequence_lengths(args, flags)
     return flags
+
+
+def check_grpo_reads_no_step2_folder(flags, args):
+    """--recipe grpo has no step 2, and train.py gives its step 3 no critic folder: --step3-args asking for a critic
+    (--advantage_estimator gae) or a reward model besides --reward-model's (--reward_model_weight) had step 3 read its
+    default, output/step2_rm of the working directory: another run's (or nothing, found after step 1 had trained)."""
+    if getattr(args, "recipe", "ppo") != "grpo":
+        return
+    wants = []
+    if flags.advantage_estimator == "gae":
+        wants.append("--advantage_estimator gae trains a critic")
+    if flags.reward_model_weight and not ready_reward_model(args):
+        wants.append(f"--reward_model_weight {flags.reward_model_weight} scores with a reward model")
+    if wants:
+        raise UsageError(f"--recipe grpo --step3-args: {' and '.join(wants)}, which step 3 would start from "
+                         f"{flags.critic_model_name_or_path} of the working directory (the recipe has no step 2): use "
+                         "--recipe ppo for a critic and step 2's reward model, or give --reward-model a trained "
+                         "reward model for GRPO to be rewarded by")
 
 
 def say_splits_that_differ(parsed):

@@ -830,3 +830,29 @@ def test_train_py_says_steps_that_split_the_same_data_differently(recipe, capsys
     # a step reading its own files shares none of them
     pipeline.say_splits_that_differ(flags(["--step1-args", "--data_split 6,2,2 --data_path jsonl:own.jsonl"], True))
     assert "split --data_path" not in capsys.readouterr().out
+
+
+def test_train_py_grpo_refuses_step3_args_that_would_read_a_step2_folder(tmp_path, monkeypatch, distributed):
+    """--recipe grpo has no step 2 and gives step 3 no critic folder: --step3-args "--advantage_estimator gae" (or a
+    --reward_model_weight without --reward-model) had step 3 start its critic from output/step2_rm of the working
+    directory, an earlier PPO run's there, unsaid. Refused before step 1 trains."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.errors import UsageError
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    monkeypatch.chdir(tmp_path)
+    stale = tmp_path / "output" / "step2_rm"  # (an earlier run's folder where step 3's default points)
+    stale.mkdir(parents=True)
+    for given, said in (("--advantage_estimator gae", "--advantage_estimator gae trains a critic"),
+                        ("--reward_model_weight 1", "--reward_model_weight 1.0 scores with a reward model")):
+        args = parse(["--recipe", "grpo", "--output-dir", str(tmp_path / "out"), "--step3-args", given])
+        with pytest.raises(UsageError, match=f"--recipe grpo --step3-args: {said}, which step 3 would start from "
+                                             "output/step2_rm"):
+            pipeline.run_pipeline(args)
+        assert not (tmp_path / "out").exists()
+    flags = pipeline.step_parser(3, "ppo")().parse_args(pipeline.step_argv(3, parse(["--step3-args", "--advantage_"
+                                                                                     "estimator gae"]), True))
+    pipeline.check_grpo_reads_no_step2_folder(flags, parse([]))  # (PPO's critic is step 2's, of this run)
