@@ -98,8 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--data-path", nargs="+", default=None, help="Datasets for all steps (default: the steps').")
     p.add_argument("--data-fields", default=None,
                    help="Field names of local data files for all steps, e.g. prompt=question,chosen=good,rejected=bad "
-                        "(a step's own --data_fields in its --stepN-args wins; a step whose --stepN-args give its own "
-                        "--data_path reads it without these).")
+                        "(a step's own --data_fields in its --stepN-args wins; a step whose --stepN-args give it other "
+                        "files, --data_path, reads them without these).")
     p.add_argument("--recipe", default="ppo", choices=["ppo", "grpo", "dpo"],
                    help="ppo: DeepSpeed-Chat's steps 1-3; grpo: step 1, then GRPO rewarded by --reward_fn "
                         "(on the tiny default: the bundled rule scorer) or a trained --reward-model, no step 2 or "

@@ -178,16 +178,20 @@ def step_argv(step, args, tiny):
 
 def reads_own_data_without_fields(step, args):
     """Whether train.py's --data-fields stay out of ``step``'s flags: none were given, or its ``--stepN-args`` give
-    the step its own --data_path but no --data_fields. Field names go with the files they were given for (as
-    ppo_eval's run defaults do): train.py's named the columns of --data-path's files, and applied to other files they
-    renamed columns those files may not have (or had under their own names), unsaid."""
+    the step its own --data_path, not all of --data-path's files, but no --data_fields. Field names go with the files
+    they were given for (as ppo_eval's run defaults do): train.py's named the columns of --data-path's files, and
+    applied to other files they renamed columns those files may not have (or had under their own names), unsaid."""
     if not getattr(args, "data_fields", None):
         return True
     from dschat.args import flag_groups
 
-    given = {dest for dest, _ in flag_groups(step_parser(step, getattr(args, "recipe", "ppo"))(),
-                                             step_extra_args(step, args))}
-    return "data_path" in given and "data_fields" not in given
+    parser = step_parser(step, getattr(args, "recipe", "ppo"))()
+    extra = step_extra_args(step, args)
+    given = {dest for dest, _ in flag_groups(parser, extra)}
+    if "data_path" not in given or "data_fields" in given:
+        return False
+    own = parser.parse_known_args(extra)[0].data_path
+    return not set(own) <= set(args.data_path or [])
 
 
 def step_parser(step, recipe):

@@ -799,6 +799,10 @@ def test_train_py_field_names_go_with_its_data_path_not_a_steps_own(capsys):
     out = capsys.readouterr().out
     assert "--data-fields prompt=q: not given to step 1, whose --step1-args give its own --data_path" in out
     assert "step 2" not in out and "step 3" not in out
+    # a step's own --data_path of --data-path's files (some of them) reads them with their field names
+    args = parse(["--data-path", "jsonl:a.jsonl", "jsonl:b.jsonl", "--data-fields", "prompt=q",
+                  "--step1-args", "--data_path jsonl:b.jsonl"])
+    assert pipeline.step_parser(1, "ppo")().parse_args(pipeline.step_argv(1, args, True)).data_fields == "prompt=q"
 
 
 @pytest.mark.parametrize("recipe", ["ppo", "grpo", "dpo"])
