@@ -655,15 +655,18 @@ def test_an_actor_or_critic_training_with_its_configs_dropout_is_said(role, monk
     ({"advantage_estimator": "rloo", "n_samples_per_prompt": 1}, "--advantage_estimator rloo compares each answer"),
     ({"advantage_estimator": "grpo", "n_samples_per_prompt": 4, "greedy": True},
      "--greedy with --advantage_estimator grpo: the 4 answers .* every advantage is 0"),
+    ({"advantage_estimator": "rloo", "n_samples_per_prompt": 4, "top_k": 1},
+     "--top_k 1 with --advantage_estimator rloo: .* greedy, so the 4 answers .* every advantage is 0"),
 ])
 def test_group_estimators_refuse_groups_that_cannot_train(flags, said):
     """GRPO / RLOO compare an answer with the other answers to its prompt: one answer (TRL refuses GRPO so too) or
-    greedy answers (all the same text) would train on raw scores or on nothing, silently."""
+    greedy answers (all the same text; --top_k 1 samples greedily too) would train on raw scores or on nothing,
+    silently."""
     from dschat.rlhf.config import check_advantage_estimator
 
     with pytest.raises(UsageError, match=said):
         check_advantage_estimator(step3_args(flags))
-    check_advantage_estimator(step3_args({**flags, "n_samples_per_prompt": 2, "greedy": False}))
+    check_advantage_estimator(step3_args({**flags, "n_samples_per_prompt": 2, "greedy": False, "top_k": 2}))
     check_advantage_estimator(step3_args({**flags, "advantage_estimator": "reinforce_pp", "n_samples_per_prompt": 1}))
 
 

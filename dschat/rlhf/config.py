@@ -37,7 +37,8 @@ def check_ema_beta(args):
 def check_advantage_estimator(args):
     """GRPO and RLOO compare each answer with the other answers to its prompt: a group of one answer has none (RLOO
     would fail in the first PPO update, after every model has loaded; GRPO would silently train on raw scores, as
-    TRL refuses it), and greedy answers to one prompt are all the same text (every advantage 0: nothing trains)."""
+    TRL refuses it), and greedy answers to one prompt (--greedy, or --top_k 1) are all the same text (every advantage
+    0: nothing trains)."""
     estimator = args.advantage_estimator
     if estimator not in GROUP_ESTIMATORS:
         return
@@ -48,6 +49,10 @@ def check_advantage_estimator(args):
     if getattr(args, "greedy", False):
         raise UsageError(f"--greedy with --advantage_estimator {estimator}: the {args.n_samples_per_prompt} answers to "
                          f"a prompt are the same text, so every advantage is 0 and nothing trains; sample them")
+    if getattr(args, "top_k", 0) == 1:  # (sampling among one token is greedy decoding)
+        raise UsageError(f"--top_k 1 with --advantage_estimator {estimator}: sampling from the one likeliest token is "
+                         f"greedy, so the {args.n_samples_per_prompt} answers to a prompt are the same text and every "
+                         f"advantage is 0; give a --top_k above 1 (0: no top-k filtering)")
 
 
 def kl_in_loss(args):
