@@ -3798,3 +3798,31 @@ def test_a_notebook_engine_inside_a_released_engines_block_destroys_each_engine_
     assert destroyed == ["actor", "critic"]
     training_engine.release_engine(critic)
     assert destroyed == ["actor", "critic"]
+
+
+def test_grpo_iterations_log_the_groups_score_std_as_trl_does(monkeypatch):
+    """TRL's GRPO logs reward_std, the mean of each prompt's answers' score std (how far a group's answers are told
+    apart, what GRPO learns from); step 3 logged only the fraction of groups scored alike, not how far the rest were
+    apart."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.algorithms import group_reward_std
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 2.0, 3.0, 3.0, 0.5, 1.5])  # group stds 0, sqrt(2), 0, sqrt(0.5)
+    expected = (2 ** 0.5 + 0.5 ** 0.5) / 4
+    assert group_reward_std(scores, 2) == pytest.approx(expected)
+    assert group_reward_std(torch.full((4,), 1000.7), 4) == 0.0  # (alike: exactly 0, not the mean's rounding)
+    trainer = SimpleNamespace(stats={}, args=SimpleNamespace(advantage_estimator="grpo", n_samples_per_prompt=2,
+                                                              grpo_norm_by_std=1))
+    DeepSpeedPPOTrainer.critic_free_advantages(trainer, scores, None, torch.ones(8, 3))
+    assert trainer.stats["reward_std"] == pytest.approx(expected)
+    monkeypatch.setattr(ppo, "rank_mean", lambda value, device: value)
+    buffer = [{"rewards": scores, "input_ids": torch.zeros(8, 3), "attention_mask": torch.ones(8, 3),
+               "action_mask": torch.ones(8, 2)}]
+    trained = {"kl": 0.0, "kl_per_answer": 0.0, "kl_coef": 0.1, "actor_loss": 0.0, "critic_loss": None,
+               "unsup_loss": None, "pg_clipfrac": 0.0, "approx_kl": 0.0, "vf_clipfrac": None}
+    gen_stats = {"answer_length": 2.0, "empty_answers": 0, "generation_time": 0.1, "experience_time": 0.1}
+    trainer.kl_coef = 0.001
+    record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
+    assert record["reward_std"] == pytest.approx(expected) and record["frac_reward_zero_std"] == 0.5

@@ -34,6 +34,7 @@ __all__ = [
     "kl_loss_term",
     "ADVANTAGE_ESTIMATORS", "register_adv_estimator", "get_adv_estimator", "compute_advantages",
     "gae_advantages", "grpo_advantages", "rloo_advantages", "reinforce_pp_advantages",
+    "zero_std_fraction", "group_reward_std",
     "LOSS_AGG_MODES", "agg_loss",
     "POLICY_LOSS_FNS", "VALUE_LOSS_FNS", "register_policy_loss", "register_value_loss",
     "policy_loss_clipped", "value_loss_clipped", "entropy_bonus",
@@ -706,6 +707,12 @@ def zero_std_fraction(scores: torch.Tensor, group_size: int, eps: float = 1e-6) 
     scored the same (``_scored_alike``): their group-relative advantages are 0, so they train nothing (TRL's
     ``frac_reward_zero_std``)."""
     return _scored_alike(_check_groups(scores.detach().float(), group_size), eps).float().mean().item()
+
+
+def group_reward_std(scores: torch.Tensor, group_size: int) -> float:
+    """The mean over the groups (consecutive runs of ``group_size`` scores, one prompt's answers) of each group's
+    score std (Bessel-corrected, as GRPO's): how far one prompt's answers are told apart, TRL's ``reward_std``."""
+    return _from_first(_check_groups(scores.detach().float(), group_size)).std(dim=1).mean().item()
 
 
 @register_adv_estimator("grpo")

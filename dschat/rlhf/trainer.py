@@ -555,6 +555,7 @@ class DeepSpeedPPOTrainer:
             return algo.reinforce_pp_advantages(token_rewards, mask, a.gamma, process_group=_world_group())
         if a.n_samples_per_prompt > 1:  # groups whose answers all scored alike train nothing: logged, as TRL does
             self.stats["frac_reward_zero_std"] = algo.zero_std_fraction(scores, a.n_samples_per_prompt)
+            self.stats["reward_std"] = algo.group_reward_std(scores, a.n_samples_per_prompt)
         if a.advantage_estimator == "grpo":
             return algo.grpo_advantages(scores.float(), a.n_samples_per_prompt, mask, bool(a.grpo_norm_by_std))
         return algo.rloo_advantages(scores.float(), a.n_samples_per_prompt, mask)

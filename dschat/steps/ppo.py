@@ -400,8 +400,11 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
               "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
               "answer_tokens_per_s": answer_tokens / wall}
-    if "frac_reward_zero_std" in trainer.stats:  # GRPO / RLOO: the groups whose answers all scored alike
-        record["frac_reward_zero_std"] = rank_mean(trainer.stats["frac_reward_zero_std"], device)
+    # GRPO / RLOO: the groups whose answers all scored alike, and the mean of the groups' score std (TRL's
+    # reward_std: how far a prompt's answers are told apart); every rank holds as many groups
+    for key in ("frac_reward_zero_std", "reward_std"):
+        if key in trainer.stats:
+            record[key] = rank_mean(trainer.stats[key], device)
     if trained["actor_loss"] is None:  # --freezing_actor_steps: the critic alone trained
         record["actor_frozen"] = True
     # none with the actor frozen / without a critic / without ptx data; means over the iteration's micro-batches, then
@@ -435,9 +438,9 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
         f.write(json.dumps(record) + "\n")
     bar.update(1)
     bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['kl']:.3f}")
-    keys = ("reward", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers", "frac_reward_zero_std",
-            "generation_time", "experience_time", "training_time", "samples_per_s", "tokens_per_s",
-            "answer_tokens_per_s")
+    keys = ("reward", "reward_std", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers",
+            "frac_reward_zero_std", "generation_time", "experience_time", "training_time", "samples_per_s",
+            "tokens_per_s", "answer_tokens_per_s")
     frozen = " (actor frozen: --freezing_actor_steps)" if record.get("actor_frozen") else ""
     alike = " (every group's answers scored alike: every advantage is 0)" \
         if record.get("frac_reward_zero_std") == 1.0 else ""
