@@ -97,11 +97,11 @@ def finite_float(text):
 
 
 def clip_range(text):
-    """argparse type of step 3's clip flags (--clip_reward_value, --cliprange, --cliprange_value): a number > 0, inf
-    for no clipping. torch.clamp with bounds crossed does not clip but flattens: --clip_reward_value -5 clamped every
-    score to [5, -5], i.e. made each one -5 (0: each 0), so PPO trained on the KL penalty alone; a --cliprange or
-    --cliprange_value of 0 or below held the ratio or the value at the old one's edge, where the tokens with a positive
-    advantage (the values below their return) took no gradient."""
+    """argparse type of step 3's clip flags (--clip_reward_value, --cliprange, --cliprange_high, --cliprange_value): a
+    number > 0, inf for no clipping. torch.clamp with bounds crossed does not clip but flattens: --clip_reward_value -5
+    clamped every score to [5, -5], i.e. made each one -5 (0: each 0), so PPO trained on the KL penalty alone; a
+    --cliprange or --cliprange_value of 0 or below held the ratio or the value at the old one's edge, where the tokens
+    with a positive advantage (the values below their return) took no gradient."""
     return _bounded_float(text, lambda value: value > 0, "a number > 0 (inf: no clipping)")  # (nan fails too)
 
 
@@ -998,7 +998,12 @@ def _add_step3_ppo_args(g):
     g.add_argument("--clip_reward_value", type=clip_range, default=5.0,
                    help="Clip each answer's score (the reward model's and --reward_fn's, weighted) to "
                         "[-this, this] (inf: no clip); GAE and REINFORCE++ only (GRPO and RLOO compare raw scores).")
-    g.add_argument("--cliprange", type=clip_range, default=0.2, help="PPO's policy-ratio clip (inf: none).")
+    g.add_argument("--cliprange", type=clip_range, default=0.2,
+                   help="PPO's policy-ratio clip (inf: none): the ratio is kept in [1 - this, 1 + this], or in "
+                        "[1 - this, 1 + --cliprange_high] where that is given.")
+    g.add_argument("--cliprange_high", type=clip_range, default=None,
+                   help="The ratio clip's upper side where it differs from --cliprange's (DAPO's clip-higher, e.g. "
+                        "0.28: TRL's epsilon_high, verl's clip_ratio_high); default: --cliprange.")
     g.add_argument("--cliprange_value", type=clip_range, default=0.2,
                    help="PPO's value clip around the old values (inf: none).")
     g.add_argument("--gamma", type=unit_interval, default=1.0, help="Discount of the returns, in [0, 1].")

@@ -478,6 +478,24 @@ def test_policy_loss_clipping_engages_hand_values():
     close(st2["pg_clipfrac"], 0.0)
 
 
+def test_policy_loss_clip_higher_widens_the_upper_side_only():
+    """DAPO's clip-higher (TRL's epsilon_high, verl's clip_ratio_high): the ratio is clipped to
+    [1 - clip_range, 1 + clip_range_high], so a token whose probability grew 25% with a positive advantage still
+    takes a gradient, while the lower side stays clip_range's; None is the symmetric clip."""
+    old = t([[-1.0, -1.0, -1.0]])
+    logp = (old + torch.log(t([[1.25, 1.5, 0.75]]))).requires_grad_()
+    adv = t([[1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 3)
+    loss, stats = A.policy_loss_clipped(logp, old, adv, mask, clip_range=0.2, clip_range_high=0.28)
+    # 1.25 within [0.8, 1.28]: -1.25, not clipped; 1.5 clipped at 1.28; 0.75 with A<0 clipped at the low side's 0.8
+    close(loss, (-1.25 - 1.28 + 0.8) / 3)
+    close(stats["pg_clipfrac"], 2 / 3)
+    loss.backward()
+    close(logp.grad, [[-1.25 / 3, 0.0, 0.0]])
+    symmetric, _ = A.policy_loss_clipped(logp, old, adv, mask, clip_range=0.2, clip_range_high=None)
+    close(symmetric, (-1.2 - 1.2 + 0.8) / 3)
+
+
 def test_policy_loss_matches_deepspeed_chat_and_handles_empty_rows():
     g = torch.Generator().manual_seed(6)
     B, T = 4, 6

@@ -744,3 +744,27 @@ def test_step3_says_which_generation_config_settings_apply_to_its_rollouts_and_e
     config.no_repeat_ngram_size = 0
     say_generation_config_settings(actor, step3_args(step3_parser().parse_args(["--eval_prompts", "0"])))
     assert capsys.readouterr().out == ""  # (the rollouts' settings are all the flags')
+
+
+def test_cliprange_high_reaches_the_actor_loss(monkeypatch):
+    """--cliprange_high (DAPO's clip-higher) is the upper side of the ratio clip the actor trains with; --cliprange
+    alone keeps it symmetric. (A TRL user's epsilon_high=0.28 had no flag: the ratio was clipped at 1.2.)"""
+    from types import SimpleNamespace
+
+    from dschat.rlhf import trainer as trainer_module
+
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.25, 1.25]])).requires_grad_()  # ratio 1.25, positive advantages
+    monkeypatch.setattr(trainer_module, "answer_token_stats", lambda *args, **kwargs: logp)
+
+    def actor_loss(flags):
+        args = step3_args(flags)
+        fake = SimpleNamespace(args=args, cliprange=args.cliprange, stats={}, actor_model=None,
+                               _kl_loss_settings=lambda: (0.0, "k3"))
+        return trainer_module.DeepSpeedPPOTrainer._actor_loss(fake, None, None, 0, None, old, old, torch.ones(1, 2),
+                                                             torch.ones(1, 2), {"loss_agg": "token_mean"}).item()
+
+    assert actor_loss({}) == pytest.approx(-1.2)  # (clipped at 1 + --cliprange)
+    assert actor_loss({"cliprange_high": 0.28}) == pytest.approx(-1.25)
+    assert actor_loss({"cliprange": 0.1, "cliprange_high": 0.28}) == pytest.approx(-1.25)
+    assert actor_loss({"cliprange": 0.1}) == pytest.approx(-1.1)

@@ -531,13 +531,17 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
                         clip_range: float = 0.2, loss_agg: str = "token_mean", num_tokens_global=None,
                         accum_steps: int = 1, world_size: int = 1,
                         max_length: Optional[int] = None,
-                        num_seqs_global=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                        num_seqs_global=None,
+                        clip_range_high: Optional[float] = None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO clipped surrogate (DeepSpeed-Chat ``actor_loss_fn``).
 
     ``logp`` (current policy, with grad), ``old_logp`` (rollout policy), ``advantages``, ``mask``: all
     ``(B, T)``. ``ratio = exp((logp - old_logp) * mask)``; per token
-    ``max(-A * ratio, -A * clamp(ratio, 1 - clip_range, 1 + clip_range))``; aggregated by
+    ``max(-A * ratio, -A * clamp(ratio, 1 - clip_range, 1 + clip_range_high))``; aggregated by
     :func:`agg_loss` (``token_mean`` = DeepSpeed-Chat). ``old_logp`` and ``advantages`` are detached.
+    ``clip_range_high`` None: ``clip_range`` (symmetric, DeepSpeed-Chat's); another: DAPO's clip-higher (TRL's
+    ``epsilon_high``, verl's ``clip_ratio_high``), a wider upper side that lets unlikely tokens with a positive
+    advantage grow further.
 
     Returns ``(loss, stats)``; stats (detached 0-dim tensors, masked means over this micro-batch):
     ``pg_clipfrac`` (fraction of tokens where the clipped term is the active one), ``ppo_kl``
@@ -552,7 +556,8 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     log_ratio = _masked(logp - old_logp, m)
     ratio = torch.exp(log_ratio)
     pg1 = -adv * ratio
-    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    high = clip_range if clip_range_high is None else clip_range_high
+    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
     per_token = torch.max(pg1, pg2)
     loss = agg_loss(per_token, m, loss_agg, num_tokens_global, accum_steps, world_size, max_length, num_seqs_global)
     with torch.no_grad():

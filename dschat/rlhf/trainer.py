@@ -659,7 +659,8 @@ class DeepSpeedPPOTrainer:
         stats = answer_token_stats(self.actor_model, seq, attention_mask, start, layout, a.logprob_chunk_size,
                                    entropy=bool(a.entropy_coef), temperature=scoring_temperature(a))
         logp, entropy = stats if a.entropy_coef else (stats, None)
-        loss, pstats = algo.policy_loss_clipped(logp, old_logp, advantages, mask, self.cliprange, **agg)
+        loss, pstats = algo.policy_loss_clipped(logp, old_logp, advantages, mask, self.cliprange,
+                                                clip_range_high=a.cliprange_high, **agg)
         if a.entropy_coef:
             loss = loss - algo.entropy_bonus(entropy, mask, a.entropy_coef, **agg)
         kl_coef, kl_kind = self._kl_loss_settings()
