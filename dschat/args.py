@@ -1032,8 +1032,8 @@ def _add_step3_critic_free_args(g):
                    help="Answers generated per prompt (one group).")
     g.add_argument("--grpo_norm_by_std", type=int, default=1, choices=[0, 1],
                    help="GRPO: divide each answer's score minus its group's mean by the group's std (1, GRPO's "
-                        "paper; a group within 1e-6 of alike gets 0) or not (0, Dr. GRPO's advantage; the loss stays the mean "
-                        "over the micro-batch's tokens, not Dr. GRPO's sum over a constant length).")
+                        "paper; a group within 1e-6 of alike gets 0) or not (0, Dr. GRPO's advantage; Dr. GRPO's loss, "
+                        "each answer's token sum over a constant length, is --loss_agg seq_mean_token_sum_norm).")
     g.add_argument("--reward_fn", type=str, default="",
                    help="module:function or path.py:function called with (prompts, answers, **extra columns) "
                         "returning one float per answer; 'tiny' = the bundled rule scorer.")

@@ -768,3 +768,14 @@ def test_cliprange_high_reaches_the_actor_loss(monkeypatch):
     assert actor_loss({"cliprange_high": 0.28}) == pytest.approx(-1.25)
     assert actor_loss({"cliprange": 0.1, "cliprange_high": 0.28}) == pytest.approx(-1.25)
     assert actor_loss({"cliprange": 0.1}) == pytest.approx(-1.1)
+
+
+def test_grpo_norm_by_std_help_points_dr_grpo_users_to_its_loss():
+    """--grpo_norm_by_std 0 is Dr. GRPO's advantage; its help said the loss "stays the mean over the micro-batch's
+    tokens, not Dr. GRPO's sum over a constant length", written before --loss_agg seq_mean_token_sum_norm made that
+    loss: a TRL user with loss_type="dr_grpo" read that dschat had none."""
+    from dschat.args import step3_parser
+
+    action = next(a for a in step3_parser()._actions if "--grpo_norm_by_std" in a.option_strings)
+    assert "--loss_agg seq_mean_token_sum_norm" in action.help and "not Dr. GRPO's" not in action.help
+    assert "seq_mean_token_sum_norm" in next(a for a in step3_parser()._actions if "--loss_agg" in a.option_strings).choices
