@@ -50,6 +50,21 @@ def test_answer_mask_when_pad_equals_eos_keeps_the_first_eos():
     assert answer_mask(answers, eos_token_id=2).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
 
 
+def test_answers_cut_at_the_length_limit_are_counted_as_trls_clipped_ratio_is():
+    """An answer with no EOS among its tokens hit --max_answer_seq_len: trained on and scored as it stands, it was
+    counted nowhere (TRL logs the share as completions/clipped_ratio). Ended ones, with pad == EOS too, are not; nor is
+    an EOS in a padding column past an unended answer (pad_answers' columns, mask 0)."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    fake = SimpleNamespace(eos_token_id=[2, 3])
+    fake._is_eos = lambda tokens: DeepSpeedPPOTrainer._is_eos(fake, tokens)
+    answers = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 2], [5, 3, 0, 0, 0], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    assert DeepSpeedPPOTrainer._unended(fake, answers, mask).tolist() == [False, True, False, True, False]
+
+
 @pytest.mark.parametrize("shifted", [False, True], ids=["masked", "shifted"])
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
 def test_answer_token_stats_equal_a_full_masked_forward_and_run_the_head_on_answers_only(family, shifted):
@@ -564,7 +579,7 @@ def test_padded_experience_equals_the_unpadded_one_on_real_tokens(trained, tmp_p
     if variant == "logprobs_from_generation":
         assert not got["logprobs"][:, answer_len:].any()  # the decode step's log-probs, zero-padded
     torch.testing.assert_close(got["rewards"], exp["rewards"], atol=1e-5, rtol=1e-5)
-    for key in ("answer_length", "generated_tokens", "empty_answers"):
+    for key in ("answer_length", "generated_tokens", "empty_answers", "truncated_answers"):
         assert padded.stats[key] == plain_stats[key], key
     # the same PPO losses (learning rates 0: the first update changes no weight)
     for a, b in zip(padded.train_rlhf(got), plain.train_rlhf(exp)):
@@ -2580,11 +2595,12 @@ def test_prompt_batches_that_make_no_whole_iteration_are_skipped_not_generated(t
 
 def test_rollout_generation_stats_sum_counts_and_times_and_weigh_answer_length_by_answers():
     batches = [{"generation_time": 1.0, "experience_time": 0.5, "empty_answers": 1, "generated_tokens": 12,
-                "answer_length": 3.0},
+                "answer_length": 3.0, "truncated_answers": 2},
                {"generation_time": 2.0, "experience_time": 0.25, "empty_answers": 0, "generated_tokens": 16,
-                "answer_length": 8.0}]
+                "answer_length": 8.0, "truncated_answers": 1}]
     stats = ppo.rollout_generation_stats(batches, [4, 2])
-    assert stats == {"generation_time": 3.0, "experience_time": 0.75, "empty_answers": 1, "answer_length": 28 / 6}
+    assert stats == {"generation_time": 3.0, "experience_time": 0.75, "empty_answers": 1, "truncated_answers": 3,
+                     "answer_length": 28 / 6}
 
 
 def test_iteration_records_of_several_generation_batches_cover_all_of_them(trained, tmp_path, monkeypatch):
@@ -2612,6 +2628,7 @@ def test_iteration_records_of_several_generation_batches_cover_all_of_them(train
         for key in ("generation_time", "experience_time"):
             assert record[key] == pytest.approx(sum(b[key] for b in pair)), key
         assert record["empty_answers"] == sum(b["empty_answers"] for b in pair)
+        assert record["truncated_answers"] == sum(b["truncated_answers"] for b in pair)
         assert record["answer_length"] == pytest.approx(tokens / samples)
         assert record["answer_tokens_per_s"] / record["samples_per_s"] == pytest.approx(tokens / samples)
         sequence_tokens = sum(b["sequence_tokens"] for b in pair)
@@ -3564,7 +3581,8 @@ def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkey
                "attention_mask": torch.ones(2, 3), "action_mask": torch.ones(2, 2)}]
     trained = {"kl": 0.0, "kl_per_answer": 0.0, "kl_coef": 0.1, "actor_loss": 0.0, "critic_loss": 0.0,
                "unsup_loss": None, **own}
-    gen_stats = {"answer_length": 2.0, "empty_answers": 0, "generation_time": 0.1, "experience_time": 0.1}
+    gen_stats = {"answer_length": 2.0, "empty_answers": 0, "truncated_answers": 0, "generation_time": 0.1,
+                 "experience_time": 0.1}
     record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
     for key in own:
         assert record[key] == pytest.approx((own[key] + ranks_other[key]) / 2), key
@@ -3822,7 +3840,8 @@ def test_grpo_iterations_log_the_groups_score_std_as_trl_does(monkeypatch):
                "action_mask": torch.ones(8, 2)}]
     trained = {"kl": 0.0, "kl_per_answer": 0.0, "kl_coef": 0.1, "actor_loss": 0.0, "critic_loss": None,
                "unsup_loss": None, "pg_clipfrac": 0.0, "approx_kl": 0.0, "vf_clipfrac": None}
-    gen_stats = {"answer_length": 2.0, "empty_answers": 0, "generation_time": 0.1, "experience_time": 0.1}
+    gen_stats = {"answer_length": 2.0, "empty_answers": 0, "truncated_answers": 0, "generation_time": 0.1,
+                 "experience_time": 0.1}
     trainer.kl_coef = 0.001
     record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
     assert record["reward_std"] == pytest.approx(expected) and record["frac_reward_zero_std"] == 0.5

@@ -436,7 +436,8 @@ class DeepSpeedPPOTrainer:
         empty = (action_mask.sum(1) == 0) | ((action_mask.sum(1) == 1) & self._is_eos(answers[:, 0]))
         self.stats.update(generation_time=gen_time, experience_time=exp_time,
                           answer_length=action_mask.sum(1).float().mean().item(),
-                          empty_answers=int(empty.sum().item()), generated_tokens=int(action_mask.sum().item()))
+                          empty_answers=int(empty.sum().item()), generated_tokens=int(action_mask.sum().item()),
+                          truncated_answers=int(self._unended(answers, action_mask).sum().item()))
         exp = {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "value": values,
                "rewards": scores, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask}
         self._print_answer(exp, step)
@@ -504,6 +505,11 @@ class DeepSpeedPPOTrainer:
 
     def _is_eos(self, tokens):
         return torch.isin(tokens, torch.tensor(token_id_list(self.eos_token_id), device=tokens.device))
+
+    def _unended(self, answers, action_mask):
+        """(B,) bool: the answers cut at --max_answer_seq_len, with no EOS among their tokens (TRL's clipped ratio
+        counts them): they are trained on and scored as they stand."""
+        return (action_mask.sum(1) > 0) & ~(self._is_eos(answers) & (action_mask != 0)).any(1)
 
     def _layout(self, attention_mask, start):
         """How this batch's forwards run: over rows shifted left, with no attention mask (``layout.py``), or, with

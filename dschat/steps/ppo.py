@@ -369,7 +369,7 @@ def _remove_earlier_model(path, args):
     barrier()
 
 
-SUMMED_GENERATION_STATS = ("generation_time", "experience_time", "empty_answers")
+SUMMED_GENERATION_STATS = ("generation_time", "experience_time", "empty_answers", "truncated_answers")
 
 
 def rollout_generation_stats(batch_stats, batch_answers):
@@ -397,6 +397,8 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
               # every rank answers as many prompts: the mean of the ranks' means is the mean over all answers
               "answer_length": rank_mean(gen_stats["answer_length"], device),
               "empty_answers": round(rank_mean(gen_stats["empty_answers"], device) * get_world_size()),
+              # answers that hit --max_answer_seq_len unended (TRL's clipped ratio, as a count like empty_answers)
+              "truncated_answers": round(rank_mean(gen_stats["truncated_answers"], device) * get_world_size()),
               "generation_time": gen_stats["generation_time"], "experience_time": gen_stats["experience_time"],
               "training_time": train_time, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
               "answer_tokens_per_s": answer_tokens / wall}
@@ -439,7 +441,7 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
     bar.update(1)
     bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['kl']:.3f}")
     keys = ("reward", "reward_std", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers",
-            "frac_reward_zero_std", "generation_time", "experience_time", "training_time", "samples_per_s",
+            "truncated_answers", "frac_reward_zero_std", "generation_time", "experience_time", "training_time", "samples_per_s",
             "tokens_per_s", "answer_tokens_per_s")
     frozen = " (actor frozen: --freezing_actor_steps)" if record.get("actor_frozen") else ""
     alike = " (every group's answers scored alike: every advantage is 0)" \
