@@ -975,10 +975,10 @@ def _add_step3_ppo_args(g):
     g.add_argument("--kl_ctl", type=non_negative_float, default=0.1,
                    help="The per-token reward's KL coefficient (initial value if adaptive); where the KL is a loss "
                         "term (grpo/rloo, --kl_in_reward 0) another value is an error: --kl_loss_coef weighs it there.")
-    g.add_argument("--kl_estimator", type=str, default=None, choices=["k1", "k2", "k3", "abs"],
+    g.add_argument("--kl_estimator", type=str, default=None, choices=["k1", "k2", "k3", "low_var_kl", "abs"],
                    help="Per-token KL estimator, of the reward penalty and of the KL loss term. Default (None): k1 "
                         "for the reward penalty (DeepSpeed-Chat's), k3 for the loss term (k1's gradient is 0 in "
-                        "expectation there).")
+                        "expectation there). low_var_kl: k3 clamped to [-10, 10] (verl's GRPO kl_loss_type).")
     g.add_argument("--kl_in_reward", type=int, default=1, choices=[0, 1],
                    help="1: KL penalty in the per-token reward (DeepSpeed-Chat), weighted by --kl_ctl; 0: KL as a "
                         "loss term, weighted by --kl_loss_coef. grpo/rloo always take the loss term (their "

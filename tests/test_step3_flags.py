@@ -779,3 +779,19 @@ def test_grpo_norm_by_std_help_points_dr_grpo_users_to_its_loss():
     action = next(a for a in step3_parser()._actions if "--grpo_norm_by_std" in a.option_strings)
     assert "--loss_agg seq_mean_token_sum_norm" in action.help and "not Dr. GRPO's" not in action.help
     assert "seq_mean_token_sum_norm" in next(a for a in step3_parser()._actions if "--loss_agg" in a.option_strings).choices
+
+
+def test_kl_estimator_low_var_kl_is_a_flag_value_and_bounds_the_kl_loss_term(monkeypatch):
+    """verl's GRPO recipes take kl_loss_type=low_var_kl (k3 clamped to 10 per token); dschat's algorithms had it but
+    --kl_estimator refused it, so a verl user's run could only take the unclamped k3, whose exp(ref - logp) grows
+    without bound on a token the policy has made unlikely."""
+    from dschat.args import step3_parser
+    from dschat.rlhf import algorithms as algo
+
+    args = step3_args(vars(step3_parser().parse_args(["--advantage_estimator", "grpo", "--n_samples_per_prompt", "2",
+                                                      "--kl_estimator", "low_var_kl"])))
+    assert args.kl_estimator == "low_var_kl"
+    logp, ref = torch.tensor([[-30.0, -1.0]]), torch.tensor([[-1.0, -1.0]])
+    mask = torch.ones(1, 2)
+    assert algo.kl_loss_term(logp, ref, mask, args.kl_estimator).item() == pytest.approx(10.0 / 2)
+    assert algo.kl_loss_term(logp, ref, mask, "k3").item() > 1e11
