@@ -490,6 +490,9 @@ def test_policy_loss_clip_higher_widens_the_upper_side_only():
     # 1.25 within [0.8, 1.28]: -1.25, not clipped; 1.5 clipped at 1.28; 0.75 with A<0 clipped at the low side's 0.8
     close(loss, (-1.25 - 1.28 + 0.8) / 3)
     close(stats["pg_clipfrac"], 2 / 3)
+    # the two sides apart (TRL's clip_ratio/low_mean and high_mean): one token clipped above, one below
+    close(stats["pg_clipfrac_high"], 1 / 3)
+    close(stats["pg_clipfrac_low"], 1 / 3)
     loss.backward()
     close(logp.grad, [[-1.25 / 3, 0.0, 0.0]])
     symmetric, _ = A.policy_loss_clipped(logp, old, adv, mask, clip_range=0.2, clip_range_high=None)

@@ -2675,11 +2675,14 @@ def test_train_rollout_reports_its_micro_batches_mean_clip_fractions_and_kl(trai
     trainer._ppo_step = lambda m, *rest: (real(m, *rest), seen.append(dict(trainer.stats)))[0]
     result = trainer.train_rollout([exp])
     assert len(seen) == 4
-    for key in ("pg_clipfrac", "approx_kl", "vf_clipfrac"):
+    for key in ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "approx_kl", "vf_clipfrac"):
         assert result[key] == pytest.approx(sum(s[key] for s in seen) / len(seen))
+    # the clip fraction's two sides (TRL's clip_ratio/low_mean and high_mean) add up to it
+    assert result["pg_clipfrac_low"] + result["pg_clipfrac_high"] == pytest.approx(result["pg_clipfrac"])
     assert len({s["approx_kl"] for s in seen}) > 1  # the steps differ, so the mean is not the last step's
     frozen = trainer.train_rollout([exp], train_actor=False)
     assert frozen["pg_clipfrac"] is None and frozen["approx_kl"] is None and frozen["vf_clipfrac"] is not None
+    assert frozen["pg_clipfrac_low"] is None and frozen["pg_clipfrac_high"] is None
 
 
 def test_freezing_actor_steps_train_the_critic_alone_first(trained, tmp_path, monkeypatch, capsys):

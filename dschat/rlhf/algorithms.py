@@ -544,7 +544,9 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     advantage grow further.
 
     Returns ``(loss, stats)``; stats (detached 0-dim tensors, masked means over this micro-batch):
-    ``pg_clipfrac`` (fraction of tokens where the clipped term is the active one), ``ppo_kl``
+    ``pg_clipfrac`` (fraction of tokens where the clipped term is the active one; ``pg_clipfrac_low``: those clipped at
+    ``1 - clip_range`` with a negative advantage, ``pg_clipfrac_high``: at the upper side with a positive one, TRL's
+    clip_ratio/low_mean and high_mean; they add up to ``pg_clipfrac``), ``ppo_kl``
     (k1 estimate of KL(old || new) = mean(old_logp - logp)), ``approx_kl`` (k3 estimate of the same,
     >= 0), ``ratio_mean``, ``ratio_max``.
     """
@@ -565,6 +567,8 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
         r = ratio.detach()
         stats = {
             "pg_clipfrac": masked_mean((pg2 > pg1).to(dt), m),
+            "pg_clipfrac_low": masked_mean(((pg2 > pg1) & (adv < 0)).to(dt), m),
+            "pg_clipfrac_high": masked_mean(((pg2 > pg1) & (adv > 0)).to(dt), m),
             "ppo_kl": masked_mean(-lr, m),
             "approx_kl": masked_mean(torch.exp(lr) - 1 - lr, m),
             "ratio_mean": masked_mean(r, m),

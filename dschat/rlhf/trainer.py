@@ -29,7 +29,8 @@ from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
 from dschat.utils.optim import optimizer_step, skipped_steps
 
 # the PPO step's diagnostics that train_rollout returns as means over its micro-batches
-PPO_STEP_STATS = ("pg_clipfrac", "approx_kl", "vf_clipfrac")
+ACTOR_STEP_STATS = ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "approx_kl")
+PPO_STEP_STATS = ACTOR_STEP_STATS + ("vf_clipfrac",)
 
 
 # The settings DeepSpeedRLHFEngine built its models, optimizers and generation from. A trainer given args of its own
@@ -673,7 +674,7 @@ class DeepSpeedPPOTrainer:
         if kl_coef:
             loss = loss + kl_coef * algo.kl_loss_term(logp, ref_logp, mask, kl_kind, **agg)
         algo.check_finite("actor loss", loss)
-        self.stats.update(pg_clipfrac=pstats["pg_clipfrac"].item(), approx_kl=pstats["approx_kl"].item())
+        self.stats.update({key: pstats[key].item() for key in ACTOR_STEP_STATS})
         return loss
 
     @property
@@ -794,7 +795,8 @@ class DeepSpeedPPOTrainer:
         ``unsup_batches`` (cycled when there are fewer). ``train_actor`` False: the critic alone trains
         (--freezing_actor_steps; no unsupervised steps either, they train the actor). Returns the mean "actor_loss"
         (None when the actor did not train), "critic_loss" (None without a critic) and "unsup_loss" (None without
-        unsupervised data), the mean "pg_clipfrac" and "approx_kl" (None when the actor did not train) and
+        unsupervised data), the mean "pg_clipfrac" (and its "pg_clipfrac_low" and "pg_clipfrac_high" sides) and
+        "approx_kl" (None when the actor did not train) and
         "vf_clipfrac" (None without a critic) over the micro-batches, and the rollout's KL to the reference over all
         ranks: per answer token ("kl") and per answer ("kl_per_answer", the controller's unit), and the optimizer steps
         that DeepSpeed skipped on inf/NaN gradients ("actor_skipped_steps", "critic_skipped_steps"; None for a model
@@ -851,8 +853,7 @@ class DeepSpeedPPOTrainer:
     def _collect_step_stats(self, ppo_stats, train_actor):
         """The PPO step's clip fractions and KL estimate (``self.stats`` holds the last micro-batch's), kept so that
         the iteration reports their mean over all its micro-batches and epochs."""
-        trained = (("pg_clipfrac", "approx_kl") if train_actor else ()) + \
-            (("vf_clipfrac",) if self.critic_model is not None else ())
+        trained = (ACTOR_STEP_STATS if train_actor else ()) + (("vf_clipfrac",) if self.critic_model is not None else ())
         for key in trained:
             ppo_stats[key].append(self.stats[key])
 

@@ -412,7 +412,7 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
     # none with the actor frozen / without a critic / without ptx data; means over the iteration's micro-batches, then
     # over the ranks (each rank's own differ; rank 0 writes the record)
     for key in ("actor_loss", "critic_loss", "unsup_loss") + PPO_STEP_STATS:
-        if trained[key] is not None:
+        if trained.get(key) is not None:
             record[key] = rank_mean(trained[key], device)
     for key in SKIPPED_STEPS:  # (the same on every rank: DeepSpeed agrees on an overflow over the ranks)
         if trained.get(key) is not None:
