@@ -44,7 +44,9 @@ def each_flag_once(args):
     scripts refuse a flag given twice on their command line, as a user's typo."""
     groups = []
     for token in args:
-        if token.startswith("--") or not groups:
+        # (a value may start with "--": train.py's --step1-args "--max_steps 4", spaces and all)
+        value = groups and groups[-1][0].endswith("-args") and len(groups[-1]) == 1 or " " in token
+        if token.startswith("--") and not value or not groups:
             groups.append([token])
         else:
             groups[-1].append(token)

@@ -1236,7 +1236,7 @@ def test_ppo_eval_checks_lengths_before_generating(tmp_path):
     with pytest.raises(SystemExit):  # HF's generate would refuse it after every model and the data loaded
         ppo_eval.build_parser().parse_args([*args, "--max_new_tokens", "0"])
     with pytest.raises(UsageError,
-                       match=r"--max_prompt_seq_len \+ --max_new_tokens for .*gpt2 = 856 tokens.*512 learned"):
+                       match=r"--max_prompt_seq_len \+ --max_new_tokens = 856 tokens.*512 learned.*\(--policy .*gpt2\)"):
         ppo_eval.main([*args, "--max_prompt_seq_len", "256", "--max_new_tokens", "600"])
 
 
