@@ -1719,6 +1719,28 @@ def test_openai_older_function_calling_is_read_as_tool_calls_and_results(tmp_pat
     assert adapter.get_tools(first) == [function] == adapter.get_tools(second)
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_functions_column_of_something_else_stays_an_extra_column(tmp_path, kind):
+    """Read as OpenAI's older tool schemas, any column named "functions" became the records' tools: a code dataset's
+    list of function names, or a note, stopped the file ("field 'functions': expected a list of tool schemas"), where
+    it was an extra column. Only a column of function schemas (objects with a name) is read as the tools."""
+    records = [{"prompt": "Write f.", "chosen": "def f(): pass", "rejected": "No.", "functions": ["f", "g"]}] * 2
+    path = write_records(records, tmp_path / f"code.{kind}", kind)
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_tools(sample) is None and adapter.get_extra(sample) == {"functions": ["f", "g"]}
+    chat = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+             "functions": "helpers.py"}] * 2
+    path = write_records(chat, tmp_path / f"notes.{kind}", kind)
+    adapter = raw(f"{path},{path}", tmp_path)
+    sample = adapter.get_train_data()[0]
+    assert adapter.get_chosen_text(sample) == "Yo" and adapter.get_extra(sample) == {"functions": "helpers.py"}
+    schemas = [{"name": "weather", "description": "The weather.", "parameters": {"type": "object"}}]
+    path = write_records([{**chat[0], "functions": json.dumps(schemas)}] * 2, tmp_path / f"text.{kind}", kind)
+    adapter = raw(f"{path},{path}", tmp_path)  # (the schemas as JSON text are read as the tools)
+    assert adapter.get_tools(adapter.get_train_data()[0]) == schemas
+
+
 def test_parquet_call_arguments_keep_their_key_order_only_as_json_text(tmp_path):
     """A parquet column of objects is one Arrow struct, its keys in one order for every record: arguments written
     {"unit", "city"} after a record's {"city", "unit"} come back in the first one's order (the file no longer holds

@@ -1084,7 +1084,7 @@ class LocalDataset(PromptRawDataset):
         if "conversations" in train.column_names and not self.renames_record_fields and not any(
                 self.fields[name] in train.column_names for name in FIELD_NAMES):  # (a --data_fields typo stays one)
             self.fields["messages"] = "conversations"  # ShareGPT's own name for its from/value messages
-        self._read_older_functions_column(train.column_names)
+        self._read_older_functions_column(train)
         self.shape = self._record_shape(train, self.source.train_where)
         self._check_renamed_columns_beside(train.column_names, self.source.train_where)
         self.system_field = self._system_column(train.column_names)
@@ -1129,11 +1129,17 @@ class LocalDataset(PromptRawDataset):
             return
         self._check_renamed((SYSTEM_FIELD, TOOLS_FIELD), columns, where)
 
-    def _read_older_functions_column(self, columns):
+    def _read_older_functions_column(self, train):
         """OpenAI's older function-calling records name their tool schemas ``functions`` (each a bare function schema
         {"name", "description", "parameters"}, as LLaMA-Factory's tools are): read as the tools column where the records
-        have none (it was an extra column, and the model trained to call functions it was not shown)."""
-        if TOOLS_FIELD not in self.renamed and self.fields[TOOLS_FIELD] not in columns and OPENAI_FUNCTIONS in columns:
+        have none (it was an extra column, and the model trained to call functions it was not shown). Not where its
+        first value given is something else (``_are_function_schemas``): a "functions" column of a code dataset's
+        function names, say, is an extra column, as it was; read as the tools, it stopped the file."""
+        columns = train.column_names
+        if TOOLS_FIELD in self.renamed or self.fields[TOOLS_FIELD] in columns or OPENAI_FUNCTIONS not in columns:
+            return
+        first = next((value for value in train[:100][OPENAI_FUNCTIONS] if value), None)
+        if first is None or _are_function_schemas(first):  # (none in the first records: later ones may hold some)
             self.fields[TOOLS_FIELD] = OPENAI_FUNCTIONS
 
     def _read_pairwise_conversations(self, train):
@@ -1738,6 +1744,17 @@ def _message_of_json_text(value):
     known = speaker in (*VALID_ROLES, *ROLE_ALIASES, *SHAREGPT_ROLES) if isinstance(speaker, str) else False
     return parsed if known and any(key in parsed for key in ("content", "value", "tool_calls", "function_call")) \
         else None
+
+
+def _are_function_schemas(value):
+    """Whether ``value`` (or the JSON text of it) is a list of function schemas: objects, each with its name."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return False
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(schema, dict) and isinstance(schema.get("name"), str) for schema in value)
 
 
 def _is_one_message(value):
