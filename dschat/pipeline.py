@@ -584,7 +584,6 @@ def run_step(main, argv, step, steps, plan):
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
     from dschat.report import write_unfinished_report
-    from dschat.args import step1_parser, step2_dpo_parser, step2_parser, step3_parser
     from dschat.steps import dpo, ppo, reward, sft
 
     ensure_distributed()
@@ -599,10 +598,9 @@ def run_pipeline(args):
         resolve_model_path(args.actor_model)
         resolve_model_path(args.reward_model)
     recipe = getattr(args, "recipe", "ppo")
-    parsers = {1: (sft.main, "step1", step1_parser), 2: (reward.main, "step2", step2_parser),
-               3: (ppo.main, "step3", step3_parser)}
-    if recipe == "dpo":
-        parsers[2] = (dpo.main, DPO_DIR, step2_dpo_parser)
+    parsers = {1: (sft.main, "step1"), 2: (dpo.main, DPO_DIR) if recipe == "dpo" else (reward.main, "step2"),
+               3: (ppo.main, "step3")}
+    parsers = {step: (*run, step_parser(step, recipe)) for step, run in parsers.items()}  # (step_argv's parsers too)
     steps, not_run = recipe_steps(recipe, args.step)
     say_left_out_steps(args, steps, not_run)
     parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
