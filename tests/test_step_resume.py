@@ -210,6 +210,32 @@ def test_a_resume_on_as_many_ranks_may_split_a_steps_samples_otherwise(tmp_path,
     assert resumed["train_loss"] == pytest.approx(full["train_loss"], rel=1e-3)
 
 
+def test_a_schedule_changed_by_another_split_of_a_steps_samples_names_it(tmp_path, capsys):
+    """On as many ranks, micro-batches of another size group each epoch's last ones into other steps: 100 records a
+    rank over 2 epochs are 26 micro-batches of 8 (13 steps of 8 x 2) or 50 of 4 (12 of 4 x 4). The changed schedule, and
+    a checkpoint past this run's last step, were said as --max_steps' or --num_train_epochs' doing, neither of which
+    changed; the split is named."""
+    from types import SimpleNamespace
+
+    from dschat.utils.checkpoints import ResumePlan
+
+    args = SimpleNamespace(resume=True, save_interval=None, per_device_train_batch_size=4,
+                           gradient_accumulation_steps=4)
+    state = {"step": 4, "epoch": 0, "batch": 8, "total": 13, "world_size": 1, "save_interval": 2,
+             "saved_micro_batch": 8, "saved_accumulation": 2}
+    plan = ResumePlan("step_0000004", state, 1)
+    split = "or each epoch's last micro-batches in steps of 4 x 4 rather than the checkpoint's 8 x 2 " \
+            "(--per_device_train_batch_size x --gradient_accumulation_steps)"
+    resume.resume_or_afresh(lambda: dict(state), str(tmp_path), args, "step1", 12, plan=plan)
+    assert f"[step1] this run spans 12 steps, its checkpoint's run 13 (--max_steps, --num_train_epochs, {split}): " \
+           "the learning rates from here follow this run's schedule" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=re.escape(f"past this run's 12 steps (--max_steps, --num_train_epochs, "
+                                                   f"{split}): give")):
+        resume.resume_or_afresh(lambda: {**state, "step": 13}, str(tmp_path), args, "step1", 12, plan=plan)
+    resume.resume_or_afresh(lambda: dict(state), str(tmp_path), args, "step1", 12, plan=ResumePlan("t", {}, 1))
+    assert "(--max_steps, --num_train_epochs): the learning rates" in capsys.readouterr().out  # (the same split)
+
+
 def test_step1s_multiturn_binds_a_checkpoint_and_its_include_prompt_in_loss_is_said(tmp_path, distributed, capsys):
     """--multiturn keeps the conversations that end with a user turn, which are skipped without it: a resume that
     dropped it trained on 72 records instead of 108 from the checkpoint's place in them, silently; and

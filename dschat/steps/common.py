@@ -811,16 +811,25 @@ def supervised_ds_config(args, name, quiet=False):
                                 ignore=("hybrid_engine",), quiet=quiet)
 
 
-def say_a_changed_schedule(name, checkpoint, total, unit):
+def say_a_changed_schedule(name, checkpoint, total, unit, split_said=""):
     """A resumed run longer or shorter than its checkpoint's run (``checkpoint``'s "total"): DeepSpeed restores the
-    learning-rate scheduler's position, and the rates from there follow this run's schedule length; said."""
+    learning-rate scheduler's position, and the rates from there follow this run's schedule length; said, with why
+    (``split_said``: the other split of a step's samples that may change it too, ``resume.split_said``)."""
     saved = (checkpoint or {}).get("total")
     if saved is not None and saved != total:
-        ranks = (checkpoint or {}).get("world_size", get_world_size())
-        why = "" if ranks == get_world_size() else \
-            f", or its epochs' last batches on {get_world_size()} rank(s) instead of {ranks}"
-        print_rank_0(f"[{name}] this run spans {total} {unit}, its checkpoint's run {saved} (--max_steps, "
-                     f"--num_train_epochs{why}): the learning rates from here follow this run's schedule")
+        print_rank_0(f"[{name}] this run spans {total} {unit}, its checkpoint's run {saved} "
+                     f"({schedule_length_flags(checkpoint, split_said)}): the learning rates from here follow this "
+                     "run's schedule")
+
+
+def schedule_length_flags(checkpoint, split_said=""):
+    """What makes a resumed run's length other than its checkpoint's run's: --max_steps, --num_train_epochs, and on
+    another number of ranks (or with ``split_said``, another split of a step's samples) the epochs' last batches."""
+    ranks = (checkpoint or {}).get("world_size", get_world_size())
+    said = "--max_steps, --num_train_epochs"
+    if ranks != get_world_size():
+        said += f", or its epochs' last batches on {get_world_size()} rank(s) instead of {ranks}"
+    return said + (f", {split_said}" if split_said else "")
 
 
 def seconds_so_far(started, checkpoint=None):

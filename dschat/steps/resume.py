@@ -17,8 +17,9 @@ import os
 
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs, restart_deepspeed_tensorboard,
-                                 resumed_save_interval, say_a_changed_schedule, step_data_records)
+from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
+                                 restart_deepspeed_tensorboard, resumed_save_interval, say_a_changed_schedule,
+                                 schedule_length_flags, step_data_records)
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_position, check_same_flags, check_same_products, check_same_step,
                                       clear_earlier_run, clear_tag, latest_tag, load_rank_state,
@@ -199,6 +200,18 @@ def plan_resume(args, step, ds_config=None, train_loader=None, tokenizer=None):
     return plan
 
 
+def split_said(plan, args):
+    """Where ``plan``'s checkpoint, of as many ranks, split an optimizer step's samples otherwise
+    (``_plan_another_split``): what that does to the run's length (each epoch's last micro-batches fill other steps:
+    100 records a rank over 2 epochs are 13 steps of 8 x 2, 12 of 4 x 4), else ""."""
+    state = getattr(plan, "state", None) or {}
+    if "saved_micro_batch" not in state or plan.other_ranks:  # (the ranks' change is said as such)
+        return ""
+    return (f"or each epoch's last micro-batches in steps of {args.per_device_train_batch_size} x "
+            f"{args.gradient_accumulation_steps} rather than the checkpoint's {state['saved_micro_batch']} x "
+            f"{state['saved_accumulation']} (--per_device_train_batch_size x --gradient_accumulation_steps)")
+
+
 def _plan_another_split(plan, root, step, train_loader, args):
     """``plan`` of a checkpoint of as many ranks whose optimizer steps took as many samples split otherwise
     (``_other_split_of_as_many_samples``): its data position in this run's micro-batches, said."""
@@ -301,15 +314,16 @@ def resume_or_afresh(load, root, args, name, total, unit="step", plan=None):
     ``plan`` (the ``ResumePlan`` ``load`` restored) loaded on another number of ranks (``remove_universal_copies``)."""
     position = load() if args.resume else None
     if position is not None:
+        split = split_said(plan, args)
         if position[unit] > total:
             raise UsageError(f"--resume: the last checkpoint in {root} is at {unit} {position[unit]}, past this run's "
-                             f"{total} {unit}s (--max_steps, --num_train_epochs): give at least as many, or start "
-                             "afresh without --resume")
+                             f"{total} {unit}s ({schedule_length_flags(None, split)}): give at least as many, or "
+                             "start afresh without --resume")
         print_rank_0(f"[{name}] resumed from {unit} {position[unit]} ({root})"
                      + (f": its last {unit}, nothing left to train" if position[unit] == total else ""))
         if position[unit] == total and plan is not None:
             remove_universal_copies(root, plan, name)
-        say_a_changed_schedule(name, position, total, f"{unit}s")
+        say_a_changed_schedule(name, position, total, f"{unit}s", split)
     elif args.resume:
         print_rank_0(f"[{name}] --resume: no complete checkpoint in {root}; starting from {unit} 0")
     elif clear_earlier_run(root):
