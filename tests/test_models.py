@@ -798,6 +798,23 @@ def test_a_save_moved_in_file_by_file_and_killed_part_way_is_finished_never_load
     assert not [name for name in os.listdir(target) if name.startswith(".model.")]
 
 
+def test_a_move_killed_while_its_finished_copy_was_removed_keeps_the_model(tmp_path):
+    """A save moved in file by file ends by removing its emptied copy, the record of the names it wrote last: a kill
+    in that removal left the copy's folder without it, and the next save or step start there read no names written
+    and removed every model file in the folder, the new save's weights, config and tokenizer. The earlier save's files
+    went before that removal began: nothing is removed then."""
+    from dschat.models.checkpoint import finish_interrupted_move
+    from dschat.run_layout import save_moving_path
+
+    target = tmp_path / "model"
+    new = _sharded_save(target, seed=2)
+    (target / "training.log").write_text("log")
+    os.mkdir(save_moving_path(str(target)))  # (emptied: its record of the names was removed before the kill)
+    finish_interrupted_move(str(target))
+    assert not os.path.exists(save_moving_path(str(target)))
+    assert _same_weights(target, new) and (target / "training.log").read_text() == "log"
+
+
 def test_a_model_save_that_fills_the_disk_is_the_oserror_a_full_disk_gives_naming_the_folder(tmp_path, monkeypatch):
     """safetensors' error on a full disk ("SafetensorError: Error while serializing: I/O error: No space left on device
     (os error 28)") ended a step's final save in a traceback, read as a bug's; it is now the OSError any other write

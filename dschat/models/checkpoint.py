@@ -125,20 +125,26 @@ def finish_interrupted_move(folder):
     """Move the finished save in ``folder`` (``save_moving_path``) into it file by file, or finish that where a kill
     stopped it: the folder mixed the new save's files with the earlier one's (shards of two models, a new config over
     old weights) until then. Every step is a rename or a removal, redone from where it stopped; the earlier save's files
-    the new one did not write go after the new ones are in (a kill never leaves the folder without weights)."""
+    the new one did not write go after the new ones are in (a kill never leaves the folder without weights). A copy
+    without its record of the names (``MOVED_FILES``) was killed while it was removed, those files gone already."""
     moving = save_moving_path(folder)
     if not os.path.isdir(moving):
         return
-    record = read_json_object(os.path.join(moving, MOVED_FILES)) or {}
-    written = set(record.get("files", ()))
+    record = read_json_object(os.path.join(moving, MOVED_FILES))
     for name in sorted(os.listdir(moving)):
         if name != MOVED_FILES:
             _move_in(os.path.join(moving, name), os.path.join(folder, name))
+    if record is not None:  # (read as no names written, every model file of the folder went: the new save's too)
+        _remove_earlier_save_files(folder, set(record.get("files", ())))
+    shutil.rmtree(moving)
+
+
+def _remove_earlier_save_files(folder, written):
+    """The model files of ``folder`` (``is_save_file``) that are not among the names a save ``written``."""
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
         if name not in written and is_save_file(name):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    shutil.rmtree(moving)
 
 
 def _move_in(source, destination):
