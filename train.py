@@ -56,18 +56,8 @@ def step_args_as_values(argv):
     return out
 
 
-def repeated_flags(parser, argv):
-    """train.py's own flags that ``argv`` gives more than once, each as "--flag (N times)". argparse keeps the last:
-    ``--step 2 --step 3`` ran step 3 alone, and a second ``--step3-args`` string dropped the first's flags, unsaid.
-    (The steps refuse theirs given twice too; a ``--stepN-args`` flag replaces the one train.py gives the step:
-    ``pipeline.step_argv``.)"""
-    from dschat.args import repeated_flags as given_twice
-
-    return given_twice(parser, argv)
-
-
 def parse_args(argv=None):
-    from dschat.args import SaidOnceParser
+    from dschat.args import SaidOnceParser, repeated_flags
 
     # whole flag names only, as in the step scripts: a prefix (--output for --output-dir) is an error, not a guess
     p = SaidOnceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
@@ -116,7 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     argv = step_args_as_values(argv)
     repeated = repeated_flags(p, argv)
-    if repeated:  # (argparse keeps the last one's values and drops the others', unsaid)
+    if repeated:  # (argparse keeps the last one's values and drops the others', unsaid: --step 2 --step 3 ran step 3
+        # alone, a second --step3-args string dropped the first's flags; the steps refuse theirs given twice too)
         p.error(f"given more than once: {', '.join(repeated)}; give each once, with all its values (--step 2 3, "
                 "--data-path A B, one --stepN-args string holding all of that step's flags)")
     args, unknown = p.parse_known_args(argv)
