@@ -678,6 +678,8 @@ def test_print_answers_prints_in_a_notebooks_loop_at_its_interval_and_in_step_3_
     capsys.readouterr()
     for step in (0, 1, 2, None):
         trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"], step)
+    trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"])  # (no step: no print)
+    trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"], 4, print_answer=False)  # (the caller's)
     printed = capsys.readouterr().out
     assert re.findall(r"\[step3\] step (\d+):\n  prompt: '.*Say hi.*'\n  answer: '", printed) == ["0", "2"]
     engine.release()

@@ -395,13 +395,14 @@ class DeepSpeedPPOTrainer:
                     use_cache=True, **sampling_kwargs(a, hf_generate=True))
             return seq, None
 
-    def generate_experience(self, prompts, mask=None, step=0, advantages=True):
+    def generate_experience(self, prompts, mask=None, step=None, advantages=True, print_answer=True):
         """Generate answers and score them: log-probs (actor, reference), values, reward-model scores.
 
         ``prompts`` is a left-padded tensor with ``mask``, the batch dict of ``DataCollatorRLHF``, or a tokenizer's
         output (``input_ids``, ``attention_mask``; tokenized with ``padding_side="left"``: right padding is an error).
         Empty answers stay in the batch (with no reward tokens) on every rank, so ranks never diverge.
-        ``step``: DeepSpeed-Chat's, for --print_answers (``_print_answer``).
+        ``step``: DeepSpeed-Chat's, for --print_answers (``_print_answer``; None: no print); ``print_answer=False``
+        for a caller that prints the answers itself (step 3's loop, once per iteration of several generation batches).
         The returned dict also holds the batch's "advantages" and "returns" (``compute_advantages``): a caller that
         changes its "rewards" calls ``compute_advantages([exp])`` again. ``advantages=False`` leaves them out, for a
         caller that computes them over a rollout of several batches (``train_rollout``).
@@ -441,15 +442,16 @@ class DeepSpeedPPOTrainer:
                           truncated_answers=int(self._unended(answers, action_mask).sum().item()))
         exp = {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "value": values,
                "rewards": scores, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask}
-        self._print_answer(exp, step)
+        if print_answer:
+            self._print_answer(exp, step)
         if advantages:
             self.compute_advantages([exp])  # a rollout of this one generation batch
         return exp
 
     def _print_answer(self, exp, step):
         """DeepSpeed-Chat's --print_answers in a loop of the caller's: the first prompt and its answer, at each ``step``
-        that is a multiple of --print_answers_interval (``step`` None: the caller prints them, as step 3's loop does
-        once per iteration). Before, a notebook's print_answers printed nothing."""
+        that is a multiple of --print_answers_interval (``step`` None: none). Before, a notebook's print_answers printed
+        nothing."""
         if self.args.print_answers and step is not None and step % self.args.print_answers_interval == 0:
             print_rank_0(f"[step3] step {step}:\n{first_answer_text(self.tokenizer, exp)}")
 

@@ -298,7 +298,8 @@ def train_iterations(trainer, args, schedule, loaders, position, log_path, secon
             if not buffer:  # the iteration's clock runs from its first generation batch
                 t0, batch_stats = time.time(), []
             # advantages wait for the whole rollout (train_rollout): a generation batch's own would be thrown away
-            buffer.append(trainer.generate_experience(batch, step=None, advantages=False))  # (printed per iteration)
+            buffer.append(trainer.generate_experience(batch, step=iteration, advantages=False,
+                                                     print_answer=False))  # (printed once per iteration, below)
             batch_stats.append(dict(trainer.stats))  # this generation batch's alone: the next one overwrites them
             # one unsupervised batch per generation batch's prompts, as in DeepSpeed-Chat, and per answer to them:
             # --n_samples_per_prompt n answers make n times the PPO micro-batches, each followed by a language-model

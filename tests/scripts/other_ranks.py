@@ -109,12 +109,9 @@ def run_ppo(out, name, stop, flags):
     real_generate, real_cycle = DeepSpeedPPOTrainer.generate_experience, ppo.cycle
     real_save, real_load = ppo.save_checkpoint, ppo.load_checkpoint
 
-    def recording_generate(self, prompts, mask=None, step=0, **kwargs):
-        # (step 3's loop passes no step: its iteration is the resumed one plus the whole rollouts generated since)
-        iteration = (seen["resumed_at"] or 0) + seen.setdefault("generated", 0) // self.args.generation_batches
-        seen["generated"] += 1
+    def recording_generate(self, prompts, mask=None, step=None, **kwargs):
         for ids, keep in zip(prompts["prompt"].tolist(), prompts["prompt_att_mask"].tolist()):
-            seen["prompts"].append([iteration, [token for token, kept in zip(ids, keep) if kept]])
+            seen["prompts"].append([step, [token for token, kept in zip(ids, keep) if kept]])  # (step 3's iteration)
         return real_generate(self, prompts, mask, step=step, **kwargs)
 
     def recording_cycle(*args, **kwargs):
