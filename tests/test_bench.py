@@ -372,21 +372,28 @@ def test_plot_lets_the_later_session_win_where_two_measured_the_same_point(tmp_p
     assert load_rows(paths)["opt-1.3b"]["dschat_z0_graph"][64] == 0.8, "session 10 is later than session 9"
 
 
-def test_plot_orders_files_in_session_folders_by_their_folders_date(tmp_path):
-    """docs/results' newer sessions keep ``<date>_s<N>/<call>/generation.json``: ordered by the file name alone they
-    tied, and an older session's row given later on the command line replaced a newer one's."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from plot import load_rows
-
+def _session_generation_files(tmp_path, folders):
+    """``<folder>/generation.json`` for each (folder, seconds) of ``folders``: one OPT-1.3B row of dschat_z0_graph at
+    B=64 taking those seconds (floor 0.45 s); their paths, in that order."""
     paths = []
-    for folder, seconds in (("2026-12-06_s52/speed", 0.94), ("2026-12-05_s45/speed", 0.81),
-                            ("2026-11-30_s9_call2", 0.7)):  # (newest first, as a command line may list them)
+    for folder, seconds in folders:
         (tmp_path / folder).mkdir(parents=True)
         path = tmp_path / folder / "generation.json"
         path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
             {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": seconds,
              "floor_s": 0.45}]}))
         paths.append(str(path))
+    return paths
+
+
+def test_plot_orders_files_in_session_folders_by_their_folders_date(tmp_path):
+    """docs/results' newer sessions keep ``<date>_s<N>/<call>/generation.json``: ordered by the file name alone they
+    tied, and an older session's row given later on the command line replaced a newer one's."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot import load_rows
+
+    paths = _session_generation_files(tmp_path, (("2026-12-06_s52/speed", 0.94), ("2026-12-05_s45/speed", 0.81),
+                                                 ("2026-11-30_s9_call2", 0.7)))  # (newest first, as may be given)
     flat = tmp_path / "2026-12-01_s12_gen.json"  # (a file named by its date, beside the folders)
     flat.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
         {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": 0.5, "floor_s": 0.4}]}))
@@ -509,14 +516,7 @@ def test_plot_skip_leaves_out_the_rows_of_a_folder_on_the_files_path(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from plot import load_rows
 
-    paths = []
-    for folder, seconds in (("2026-12-05_s45/speed", 0.81), ("2026-12-06_s52/speed", 0.94)):
-        (tmp_path / folder).mkdir(parents=True)
-        path = tmp_path / folder / "generation.json"
-        path.write_text(json.dumps({"args": GENERATION_ARGS, "rows": [
-            {"ok": True, "model": "opt-1.3b", "batch": 64, "variant": "dschat_z0_graph", "seconds": seconds,
-             "floor_s": 0.45}]}))
-        paths.append(str(path))
+    paths = _session_generation_files(tmp_path, (("2026-12-05_s45/speed", 0.81), ("2026-12-06_s52/speed", 0.94)))
 
     def plotted(pair):
         return load_rows(paths, {pair}).get("opt-1.3b", {}).get("dschat_z0_graph")
