@@ -478,6 +478,9 @@ def test_an_explicit_data_fields_mapping_decides_which_alpaca_columns_are_read(t
     assert adapter.get_conversation(sample) == [{"role": "user", "content": "Summarize.\nA long text."}]
     with pytest.raises(DatasetFormatError, match=r"no 'contxt' field, which --data_fields input=contxt names"):
         raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,input=contxt,chosen=response"))
+    held_out = write_records([{"instruction": "Summarize.", "response": "Short."}], tmp_path / "eval.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"eval.jsonl: no 'context' field, which --data_fields input=context"):
+        raw(f"{path},{held_out}", tmp_path, **parse_field_map("prompt=instruction,input=context,chosen=response"))
     chat = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}] * 2
     path = write_records(chat, tmp_path / "messages.jsonl", "jsonl")  # (a file of another shape under the same fields)
     adapter = raw(f"{path},{path}", tmp_path, **parse_field_map("prompt=instruction,input=context,chosen=response"))

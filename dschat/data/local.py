@@ -1106,6 +1106,7 @@ class LocalDataset(PromptRawDataset):
                 raise DatasetFormatError(f"{eval_where}: the eval records have different fields from the train "
                                          f"records ({eval_data.column_names} vs {train.column_names})")
             self._check_renamed_columns_beside(eval_data.column_names, eval_where)
+            self._check_renamed_prompt_parts(eval_data.column_names, eval_where)
             self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
 
@@ -1175,8 +1176,7 @@ class LocalDataset(PromptRawDataset):
             if ALPACA_OUTPUT in columns and self.fields["chosen"] not in columns:
                 self.fields["chosen"] = ALPACA_OUTPUT
         self.alpaca_detected = not self.renames_record_fields and self.fields["prompt"] == ALPACA_INSTRUCTION
-        if self.fields["prompt"] in columns:  # (a typo; records of another shape in the mix need neither)
-            self._check_renamed(PROMPT_PARTS, columns, self.source.train_where)
+        self._check_renamed_prompt_parts(columns, self.source.train_where)
         self.input_field, self.history_field = (self.fields[name] if name in self.renamed or self.alpaca_detected and
                                                 self.fields[name] in columns else None for name in PROMPT_PARTS)
 
@@ -1288,6 +1288,13 @@ class LocalDataset(PromptRawDataset):
         fields = sorted({field for item in value for field in item})
         return (f" (the file is one record; if the records are its list under {name!r}, of objects with the fields "
                 f"{fields}, give a file that is that list (a JSON array of records) or JSON Lines)")
+
+    def _check_renamed_prompt_parts(self, columns, where):
+        """An input= or history= of --data_fields naming a column the train or eval file lacks is an error (a typo; the
+        eval file's held-out prompts were built without it, unsaid), in a file with the prompt column: records of
+        another shape in the mix need neither."""
+        if self.fields["prompt"] in columns:
+            self._check_renamed(PROMPT_PARTS, columns, where)
 
     def _check_renamed(self, names, columns, where):
         """A field the records' shape needs, renamed by --data_fields to a column the records lack, is an error
