@@ -271,6 +271,13 @@ def _is_unset(value):
     return value is None or value is False or (isinstance(value, (list, tuple, dict, str)) and not value)
 
 
-def said_settings(settings):
-    """``settings_from_generation_config``'s as "key=value, ..."."""
-    return ", ".join(f"{key}={value!r}" for key, value in settings.items())
+def generation_config_note(model, call_kwargs, whose, applies_to, setter):
+    """The sentence saying what ``model``'s generation_config applies to a call with ``call_kwargs`` that no flag
+    sets (``settings_from_generation_config``; ``setter``: whose flags do not), None where it applies nothing: the
+    tools' and step 3's one wording."""
+    settings = settings_from_generation_config(getattr(model, "generation_config", None), call_kwargs)
+    if not settings:
+        return None
+    said = ", ".join(f"{key}={value!r}" for key, value in settings.items())
+    return (f"{whose} generation_config applies {said}{applies_to} (no {setter} sets it; edit its "
+            "generation_config.json to generate without it)")

@@ -686,6 +686,15 @@ def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, 
                            dtype=dtype)
 
 
+def check_fits_before_loading(path, length, what):
+    """``check_sequence_fits`` of the model at ``path`` from its config alone (``model_skeleton``), before it loads (a
+    tool's too-short model was refused only once it had loaded); a config that cannot be read alone is left to the
+    loaded model's check."""
+    skeleton = model_skeleton(path)
+    if skeleton is not None:
+        check_sequence_fits(skeleton, length, what, warn=False)
+
+
 def check_sequence_fits(model, length, flags, warn=True):
     """A clear error when sequences of ``length`` tokens (``flags`` name where it comes from) are longer than the
     model's position table (learned or precomputed); a warning for other position schemes (unless not ``warn``)."""

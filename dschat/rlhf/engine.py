@@ -281,20 +281,17 @@ def say_generation_config_settings(model, args):
     no_repeat_ngram_size; the held-out evaluation's greedy answers also take its repetition_penalty, which the
     rollouts replace by --repetition_penalty): said, once, where they apply. The rollouts' temperature, top-k, top-p
     and repetition penalty are the flags' (``trainer.sampling_kwargs``), as TRL's and OpenRLHF's are theirs."""
-    from dschat.hybrid_engine.generate_args import said_settings, settings_from_generation_config
+    from dschat.hybrid_engine.generate_args import generation_config_note
     from dschat.rlhf.trainer import sampling_kwargs
 
-    config = getattr(model, "generation_config", None)
     ids = {"max_new_tokens": args.max_answer_seq_len, "eos_token_id": None, "pad_token_id": None}
     generations = {"rollouts": {**ids, **sampling_kwargs(args, hf_generate=not args.enable_hybrid_engine)}}
     if args.eval_prompts:
         generations["held-out evaluation"] = {**ids, "do_sample": False}  # (rlhf.evaluation.generate_answers)
     for name, call in generations.items():
-        settings = settings_from_generation_config(config, call)
-        if settings:
-            print_rank_0(f"[step3] the actor's generation_config applies {said_settings(settings)} to the {name} "
-                         "(no step-3 flag sets it; edit generation_config.json in the actor's folder to generate "
-                         "without it)")
+        note = generation_config_note(model, call, "the actor's", f" to the {name}", "step-3 flag")
+        if note:
+            print_rank_0(f"[step3] {note}")
 
 
 def say_a_dropout_in_training(model, dropout_flag, role, flag):

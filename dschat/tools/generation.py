@@ -57,12 +57,11 @@ def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_si
 def say_generation_config_settings(model, call_kwargs):
     """The model's generation_config settings that no flag of the tool sets and HF's ``generate`` applies (e.g.
     Qwen2.5-Instruct's repetition_penalty 1.05): said once per model, as the flags' settings are seen on the command
-    line (``settings_from_generation_config``)."""
-    from dschat.hybrid_engine.generate_args import said_settings, settings_from_generation_config
+    line (``generation_config_note``)."""
+    from dschat.hybrid_engine.generate_args import generation_config_note
     from dschat.tools.common import say_once
 
-    settings = settings_from_generation_config(getattr(model, "generation_config", None), call_kwargs)
-    if settings:
-        name = getattr(model, "name_or_path", "") or "the model"
-        say_once(f"note: {name}'s generation_config applies {said_settings(settings)} (no flag of this tool sets "
-                 "it; edit the model's generation_config.json to generate without it)")
+    name = getattr(model, "name_or_path", "") or "the model"
+    note = generation_config_note(model, call_kwargs, f"{name}'s", "", "flag of this tool")
+    if note:
+        say_once(f"note: {note}")

@@ -330,16 +330,13 @@ def check_lengths_before_loading(paths, reward_model_path, args):
     model loads (``model_skeleton``): a policy, baseline or reward model too short for them was refused only once it
     had loaded (and the policy had answered every prompt, for a short baseline). ``evaluate_model`` checks the loaded
     models again, for a config that cannot be read alone."""
-    from dschat.models.loading import model_skeleton
+    from dschat.models.loading import check_fits_before_loading
 
     models = {**paths, **({"reward_model": reward_model_path} if reward_model_path else {})}
     for role, path in models.items():
-        skeleton = model_skeleton(path)
-        if skeleton is None:
-            continue
         try:
-            check_sequence_fits(skeleton, args.max_prompt_seq_len + args.max_new_tokens,
-                                "--max_prompt_seq_len + --max_new_tokens", warn=False)
+            check_fits_before_loading(path, args.max_prompt_seq_len + args.max_new_tokens,
+                                      "--max_prompt_seq_len + --max_new_tokens")
         except UsageError as error:  # (which model is too short)
             raise UsageError(f"{error} (--{role} {path})") from None
 

@@ -216,23 +216,12 @@ def parse_args(argv=None):
     return args, parser
 
 
-def check_max_seq_len_fits(path, max_seq_len):
-    """--max_seq_len against the position table of the reward model at ``path``, read from its config before it loads
-    (``model_skeleton``): it was refused only once the model had loaded. (``main`` checks the loaded model again, for
-    a config that cannot be read alone.)"""
-    from dschat.models.loading import check_sequence_fits, model_skeleton
-
-    skeleton = model_skeleton(path)
-    if skeleton is not None:
-        check_sequence_fits(skeleton, max_seq_len, "--max_seq_len", warn=False)
-
-
 @one_process
 def main(argv=None):
     """Print the scores; returns {"scores"} for --prompt, else the pair results and accuracy."""
     args, _ = parse_args(argv)
     check_stdout_open("the scores")
-    from dschat.models.loading import check_sequence_fits, load_tokenizer
+    from dschat.models.loading import check_fits_before_loading, check_sequence_fits, load_tokenizer
 
     path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
     records = None if args.prompt else (  # read (and checked) before the model loads
@@ -244,7 +233,7 @@ def main(argv=None):
     if args.prompt:  # (tokenized before the model loads: a prompt too long for --max_seq_len is said at once)
         messages = prompt_record(args.prompt).messages
         answer_ids = prompt_answer_ids(tokenizer, messages, args.answer, args.max_seq_len)
-    check_max_seq_len_fits(path, args.max_seq_len)
+    check_fits_before_loading(path, args.max_seq_len, "--max_seq_len")  # (and the loaded model's, below)
     model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
     check_sequence_fits(model, args.max_seq_len, "--max_seq_len")  # as step 2 checks it: not an IndexError later
     if args.prompt:
