@@ -1021,6 +1021,11 @@ def _add_step3_ppo_args(g):
                         "over answers, so every answer weighs alike whatever its length; seq_mean_token_sum_norm "
                         "(Dr. GRPO; TRL's dr_grpo): each answer's token sum over --max_answer_seq_len, then the mean "
                         "over answers.")
+    g.add_argument("--mask_truncated_answers", action="store_true",
+                   help="Leave the answers cut at --max_answer_seq_len (no EOS: truncated_answers) out of every loss "
+                        "term (policy, value, entropy, KL), as TRL's mask_truncated_completions and DAPO's overlong "
+                        "filtering do; any --advantage_estimator. Their scores still count in GRPO/RLOO's group "
+                        "statistics and whitening: only the loss leaves them out.")
     g.add_argument("--logprob_chunk_size", type=positive_int, default=1024,
                    help="Sequence chunk for log-probs, so full fp32 logits are never materialised.")
 

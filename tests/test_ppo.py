@@ -65,6 +65,137 @@ def test_answers_cut_at_the_length_limit_are_counted_as_trls_clipped_ratio_is():
     assert DeepSpeedPPOTrainer._unended(fake, answers, mask).tolist() == [False, True, False, True, False]
 
 
+# --- --mask_truncated_answers -------------------------------------------------------------------------------------
+class _GradEngine:
+    """A model engine as the PPO step calls it: backward runs autograd, never an optimizer boundary."""
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+    def is_gradient_accumulation_boundary(self):
+        return False
+
+    def train(self):
+        pass
+
+
+# answers of 4 tokens after 3-token prompts, EOS 2: rows 1 and 3 hit the length with no EOS
+TRUNCATION_ANSWERS = torch.tensor([[5, 6, 2, 0], [5, 6, 7, 8], [7, 2, 0, 0], [9, 9, 9, 9]])
+TRUNCATION_MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+KEPT, CUT = [0, 2], [1, 3]
+
+
+def _truncation_experience(rows, zero_advantages=False):
+    torch.manual_seed(0)
+    answers, mask = TRUNCATION_ANSWERS[rows], TRUNCATION_MASK[rows]
+    prompts = torch.full((len(rows), 3), 4)
+    floats = [torch.randn(4, 4)[rows] for _ in range(5)]  # (a row's own numbers, whatever rows are taken)
+    return {"prompts": prompts, "input_ids": torch.cat([prompts, answers], 1),
+            "attention_mask": torch.cat([torch.ones_like(prompts), mask], 1), "action_mask": mask,
+            "logprobs": floats[0] - 2, "ref_logprobs": floats[1] - 2, "value": floats[2], "rewards": floats[3][:, 0],
+            "advantages": floats[4] * (0.0 if zero_advantages else 1.0), "returns": floats[2] + 1}
+
+
+def _truncation_grads(monkeypatch, rows, estimator, mode, masked, zero_advantages=False, hand_loop=False):
+    """(loss, {"logp", "entropy", "values": the gradient reaching them}) of one PPO step on ``rows`` of the answers
+    above, with fake models whose log-probs, entropies and values are leaves (rows taken from fixed full-batch
+    ones, so that a row's own tensors are the same whatever rows are given)."""
+    from dschat.rlhf import trainer as trainer_module
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    torch.manual_seed(1)
+    full = {"logp": torch.randn(4, 4) - 2, "entropy": torch.rand(4, 4), "values": torch.randn(4, 6)}
+    leaves = {key: t[rows].clone().requires_grad_() for key, t in full.items()}
+    monkeypatch.setattr(trainer_module, "answer_token_stats",
+                        lambda *a, entropy=False, **kw: [leaves["logp"], leaves["entropy"]] if entropy
+                        else leaves["logp"])
+    trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)
+    trainer.args = step3_args({"mask_truncated_answers": masked, "advantage_estimator": estimator, "loss_agg": mode,
+                               "n_samples_per_prompt": 1 if estimator in ("gae", "reinforce_pp") else 2,
+                               "entropy_coef": 0.01, "kl_in_reward": False, "kl_loss_coef": 0.1,
+                               "max_answer_seq_len": 4, "per_device_training_batch_size": len(rows)})
+    trainer.actor_model, trainer.actor_ema, trainer.stats = _GradEngine(), None, {}
+    trainer.critic_model = _GradEngine() if estimator == "gae" else None
+    trainer.eos_token_id, trainer.device, trainer.align_overflow = 2, torch.device("cpu"), False
+    trainer.cliprange = trainer.cliprange_value = 0.2
+    trainer._layout = lambda mask, start: "shifted"  # (no masked-SDPA patching of the fake modules)
+    trainer._values = lambda critic, seq, mask, layout: leaves["values"]
+    exp = _truncation_experience(rows, zero_advantages)
+    if hand_loop:
+        loss = trainer.train_rlhf(exp)[0]
+    else:
+        loss = torch.tensor(trainer.train_rollout([exp])["actor_loss"])
+    return loss, {key: (t.grad if t.grad is not None else torch.zeros_like(t)) for key, t in leaves.items()}
+
+
+ESTIMATORS = ["gae", "grpo", "rloo", "reinforce_pp"]
+LOSS_AGGS = ["token_mean", "global_token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+@pytest.mark.parametrize("mode", LOSS_AGGS)
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("zero_advantages", [False, True], ids=["policy", "kl_entropy_only"])
+def test_mask_truncated_answers_takes_every_loss_term_of_a_truncated_answer_and_nothing_else(
+        monkeypatch, estimator, mode, zero_advantages):
+    """TRL's mask_truncated_completions: an answer cut at --max_answer_seq_len (no EOS) gives no gradient to the
+    policy, entropy, KL (the only terms with zero advantages) or value loss with the flag, and does without it. The
+    answers kept train as before: token means divide by the tokens kept (the kept rows alone give the same
+    gradient), the answer means by every answer (the flag changes no kept row's gradient, as TRL's grpo/dr_grpo)."""
+    def grads(rows, masked):
+        return _truncation_grads(monkeypatch, rows, estimator, mode, masked, zero_advantages)[1]
+
+    unmasked, masked = grads([0, 1, 2, 3], False), grads([0, 1, 2, 3], True)
+    terms = ["logp", "entropy"] + (["values"] if estimator == "gae" else [])
+    for term in terms:
+        assert unmasked[term][CUT].abs().sum() > 0, term  # (the test can see a truncated answer's gradient)
+        assert masked[term][CUT].abs().sum() == 0, term
+        assert masked[term][KEPT].abs().sum() > 0, term
+    like = grads(KEPT, False) if mode in ("token_mean", "global_token_mean") else \
+        {key: g[KEPT] for key, g in unmasked.items()}
+    for term in terms:
+        got = masked[term][KEPT]
+        assert torch.allclose(got[:, :4] if term == "values" else got, like[term][:, :4] if term == "values"
+                              else like[term], atol=1e-6), term
+    if mode == "global_token_mean":  # a hand loop's train_rlhf counts the tokens kept itself, as step 3 does
+        hand = _truncation_grads(monkeypatch, [0, 1, 2, 3], estimator, mode, True, zero_advantages, hand_loop=True)[1]
+        assert all(torch.allclose(hand[term], masked[term], atol=1e-6) for term in terms)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGGS)
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("hand_loop", [False, True], ids=["train_rollout", "train_rlhf"])
+def test_mask_truncated_answers_on_a_batch_of_truncated_answers_only_gives_a_finite_zero_loss(
+        monkeypatch, estimator, mode, hand_loop):
+    """Every answer cut: each divisor (the tokens kept: 0) gives a loss of 0 and no gradient, not NaN."""
+    loss, grads = _truncation_grads(monkeypatch, CUT, estimator, mode, True, hand_loop=hand_loop)
+    assert torch.isfinite(loss) and loss.item() == 0.0
+    assert all(torch.isfinite(g).all() and g.abs().sum() == 0 for g in grads.values())
+
+
+def test_mask_truncated_answers_leaves_the_advantages_to_every_answers_score():
+    """Only the loss leaves truncated answers out: GRPO's group statistics take every answer's score (TRL's)."""
+    from dschat.rlhf import trainer as trainer_module
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    advantages = []
+    for masked in (False, True):
+        trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)
+        trainer.args = step3_args({"mask_truncated_answers": masked, "advantage_estimator": "grpo",
+                                   "n_samples_per_prompt": 2})
+        trainer.stats, trainer.clip_reward_value = {}, 5.0
+        trainer.kl_ctl = trainer_module.algo.FixedKLController(0.1)
+        exp = _truncation_experience([0, 1, 2, 3])
+        del exp["advantages"], exp["returns"]
+        trainer.compute_advantages([exp])
+        advantages.append(exp["advantages"])
+    assert torch.equal(*advantages) and advantages[1][1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("shifted", [False, True], ids=["masked", "shifted"])
 @pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
 def test_answer_token_stats_equal_a_full_masked_forward_and_run_the_head_on_answers_only(family, shifted):
@@ -1675,13 +1806,14 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
         load_checkpoint(_flags_trainer(tmp_path, "--cliprange", "0.1", "--temperature", "0.7"), str(tmp_path))
     assert "--cliprange 0.2 -> 0.1, --temperature 1.0 -> 0.7: the rest of the run trains with the new value" in \
         capsys.readouterr().out
-    # and where the KL goes, how the advantages are normalized, the loss aggregated (unsaid too; the EMA's decay:
-    # test_an_ema_beta_changed_on_resume_is_said_only_where_an_ema_copy_uses_it)
+    # and where the KL goes, how the advantages are normalized, the loss aggregated and which answers it takes
+    # (unsaid too; the EMA's decay: test_an_ema_beta_changed_on_resume_is_said_only_where_an_ema_copy_uses_it)
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path, "--kl_in_reward", "0", "--whiten_advantages", "--loss_agg",
-                                       "global_token_mean"), str(tmp_path))
+                                       "global_token_mean", "--mask_truncated_answers"), str(tmp_path))
     assert "--kl_in_reward 1 -> 0, --whiten_advantages False -> True, --loss_agg 'token_mean' -> " \
-           "'global_token_mean': the rest of the run trains with the new value" in capsys.readouterr().out
+           "'global_token_mean', --mask_truncated_answers False -> True: the rest of the run trains with the new " \
+           "value" in capsys.readouterr().out
 
 
 def test_an_ema_beta_changed_on_resume_is_said_only_where_an_ema_copy_uses_it(tmp_path, capsys):
@@ -3612,7 +3744,7 @@ def test_the_iteration_line_says_when_every_groups_answers_scored_alike(tmp_path
             self.lines.append(line)
 
     trainer = SimpleNamespace(actor_model=object())
-    args = SimpleNamespace(print_answers=False)
+    args = SimpleNamespace(print_answers=False, mask_truncated_answers=False)
     notice = "every group's answers scored alike: every advantage is 0"
     said = {}
     for name, extra in {"all": {"frac_reward_zero_std": 1.0}, "half": {"frac_reward_zero_std": 0.5},

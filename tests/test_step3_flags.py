@@ -795,3 +795,34 @@ def test_kl_estimator_low_var_kl_is_a_flag_value_and_bounds_the_kl_loss_term(mon
     mask = torch.ones(1, 2)
     assert algo.kl_loss_term(logp, ref, mask, args.kl_estimator).item() == pytest.approx(10.0 / 2)
     assert algo.kl_loss_term(logp, ref, mask, "k3").item() > 1e11
+
+
+# --- --mask_truncated_answers: the flag's ways in (its effect on the loss: test_ppo) -------------------------------
+
+def test_mask_truncated_answers_reaches_step3_from_train_py_and_defaults_off_in_the_notebook_api():
+    import runpy
+
+    from dschat import pipeline
+    from launch import REPO
+
+    parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
+    for recipe in ([], ["--recipe", "grpo"]):
+        argv = pipeline.step_argv(3, parse(recipe + ["--step3-args", "--mask_truncated_answers"]), True)
+        assert step3_parser().parse_args(argv).mask_truncated_answers is True, argv
+        assert step3_parser().parse_args(pipeline.step_argv(3, parse(recipe), True)).mask_truncated_answers is False
+    assert step3_args({}).mask_truncated_answers is False  # (DeepSpeedPPOTrainer's args namespace)
+    assert step3_args({"mask_truncated_answers": True}).mask_truncated_answers is True
+
+
+def test_the_iteration_line_says_the_loss_left_the_truncated_answers_out():
+    """truncated_answers is the count the loss left out under the flag; the line says so, and says a loss of 0 where
+    every answer was cut."""
+    from dschat.steps.ppo import truncated_left_out_said
+
+    on, off = step3_args({"mask_truncated_answers": True}), step3_args({})
+    assert truncated_left_out_said({"truncated_answers": 3}, off, 8) == ""
+    assert truncated_left_out_said({"truncated_answers": 0}, on, 8) == ""
+    assert truncated_left_out_said({"truncated_answers": 3}, on, 8) == \
+        " (truncated answers left out of the loss: --mask_truncated_answers)"
+    all_cut = truncated_left_out_said({"truncated_answers": 8}, on, 8)
+    assert "all 8 answers truncated and left out of the loss" in all_cut and "a loss of 0" in all_cut

@@ -71,8 +71,9 @@ KL_CONTROLLER_FLAGS = ("adaptive_kl", "kl_ctl", "kl_target", "kl_horizon")
 # number, their product is the checkpoint's, ``check_iteration_shape``).
 FREE_FLAGS = ("actor_dropout", "cliprange", "cliprange_high", "cliprange_value", "gamma", "lam", "entropy_coef",
               "kl_loss_coef", "kl_estimator", "kl_in_reward", "whiten_advantages", "grpo_norm_by_std", "loss_agg",
-              "enable_ema", "ema_beta", "unsup_coef", "clip_reward_value", "reward_model_weight", "reward_fn_weight",
-              "temperature", "top_k", "top_p", "greedy", "repetition_penalty", "per_device_training_batch_size",
+              "mask_truncated_answers", "enable_ema", "ema_beta", "unsup_coef", "clip_reward_value",
+              "reward_model_weight", "reward_fn_weight", "temperature", "top_k", "top_p", "greedy",
+              "repetition_penalty", "per_device_training_batch_size",
               "gradient_accumulation_steps") + KL_CONTROLLER_FLAGS
 CRITIC_FREE_FLAGS = ("critic_dropout",)
 # On another number of ranks, these may change as long as each pair's product with the ranks does not: the prompts of

@@ -432,6 +432,19 @@ def skipped_steps_said(record, args):
     return f" (optimizer steps skipped on inf/NaN gradients: {', '.join(skipped)})" if skipped else ""
 
 
+def truncated_left_out_said(record, args, answers):
+    """--mask_truncated_answers: the iteration's truncated_answers are the answers its loss left out (no other count
+    to log), said where there were any; ``answers``: the iteration's, all ranks'. Every one of them: the loss and its
+    gradient were 0 (the optimizer still stepped, with its momentum)."""
+    left_out = record.get("truncated_answers") if args.mask_truncated_answers else 0
+    if not left_out:
+        return ""
+    if left_out >= answers:
+        return (f" (all {left_out} answers truncated and left out of the loss by --mask_truncated_answers: "
+                "a loss of 0, no gradient)")
+    return " (truncated answers left out of the loss: --mask_truncated_answers)"
+
+
 def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
     if hasattr(trainer.actor_model, "log_stats"):
         trainer.actor_model.log_stats()
@@ -448,7 +461,8 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
     alike = " (every group's answers scored alike: every advantage is 0)" \
         if record.get("frac_reward_zero_std") == 1.0 else ""
     bar.write(f"[step3] iter {record['iteration']}: " + format_metrics({k: record[k] for k in keys if k in record})
-              + frozen + alike + skipped_steps_said(record, args))
+              + frozen + alike + skipped_steps_said(record, args)
+              + truncated_left_out_said(record, args, sum(e["input_ids"].shape[0] for e in buffer) * get_world_size()))
     if writer is not None:
         for k, v in record.items():
             if isinstance(v, (int, float)):
