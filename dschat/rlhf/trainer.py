@@ -512,10 +512,10 @@ class DeepSpeedPPOTrainer:
     def _unended(self, answers, action_mask):
         """(B,) bool: the answers cut at --max_answer_seq_len, with no EOS among their tokens (TRL's clipped ratio
         counts them): they are trained on and scored as they stand (--mask_truncated_answers: left out of the loss,
-        ``_loss_mask``)."""
+        ``loss_mask``)."""
         return (action_mask.sum(1) > 0) & ~(self._is_eos(answers) & (action_mask != 0)).any(1)
 
-    def _loss_mask(self, experience):
+    def loss_mask(self, experience):
         """(B, T) float: the answer tokens every loss term of the PPO step trains on. With --mask_truncated_answers,
         the action mask less the answers cut at --max_answer_seq_len (``_unended``), as TRL's
         mask_truncated_completions zeroes their completion_mask: no gradient from any of their tokens, in the policy,
@@ -620,7 +620,7 @@ class DeepSpeedPPOTrainer:
         return self._ppo_step(inputs)
 
     def _ppo_step(self, inputs, train_actor=True):
-        mask = self._loss_mask(inputs)
+        mask = self.loss_mask(inputs)
         seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         start = inputs["prompts"].shape[1] - 1
         layout = self._layout(attention_mask, start)
@@ -731,7 +731,7 @@ class DeepSpeedPPOTrainer:
         (the answer means), or nothing (token_mean: each micro-batch's own)."""
         mode = self.args.loss_agg
         if mode == "global_token_mean":  # (the tokens the loss keeps: TRL's dapo divides by those too)
-            return {"num_tokens_global": global_token_count([self._loss_mask(m) for m in group], self.device)}
+            return {"num_tokens_global": global_token_count([self.loss_mask(m) for m in group], self.device)}
         # (an answer --mask_truncated_answers leaves out still counts, as a 0: TRL's grpo and dr_grpo divide by the
         # batch's completions, masked or not, so Dr. GRPO's divisor stays a constant)
         if mode in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
@@ -778,8 +778,8 @@ class DeepSpeedPPOTrainer:
                              f"{self.args.gradient_accumulation_steps}: train_rlhf needs inputs['num_tokens_global'], "
                              "the answer tokens of the optimizer step's micro-batches on all ranks "
                              "(dschat.rlhf.trainer.global_token_count of their action masks; with "
-                             "--mask_truncated_answers, of trainer._loss_mask(micro_batch) for each)")
-        return global_token_count([self._loss_mask(inputs)], self.device)
+                             "--mask_truncated_answers, of trainer.loss_mask(micro_batch) for each)")
+        return global_token_count([self.loss_mask(inputs)], self.device)
 
     def _backward_and_step_actor(self, loss, step=True):
         """Backward and, unless ``step`` is False (--align_overflow steps later, with the critic), step."""
