@@ -89,6 +89,15 @@ def positive_float(text):
     return _bounded_float(text, lambda value: value > 0 and math.isfinite(value), "a number > 0")
 
 
+GRPO_STD_SCOPES = ("group", "batch", "none")  # (dschat.rlhf.algorithms.STD_SCOPES)
+
+
+def grpo_std_scope(text):
+    """argparse type of --grpo_norm_by_std: group, batch or none, with the flag's older values 1 (group) and 0
+    (none) read as those, so a command line or recipe of before the batch scope runs as it did."""
+    return {"1": "group", "0": "none"}.get(text, text)
+
+
 def finite_float(text):
     """argparse type: a finite number, any sign (step 3's reward weights: negative flips a source, 0 leaves it out).
     nan or inf made every reward of the first rollout nan, found after every model had loaded as "reward scores is
@@ -1035,10 +1044,12 @@ def _add_step3_critic_free_args(g):
                    help="gae: PPO with a critic (DeepSpeed-Chat); the others build no critic.")
     g.add_argument("--n_samples_per_prompt", type=positive_int, default=1,
                    help="Answers generated per prompt (one group).")
-    g.add_argument("--grpo_norm_by_std", type=int, default=1, choices=[0, 1],
-                   help="GRPO: divide each answer's score minus its group's mean by the group's std (1, GRPO's "
-                        "paper; a group within 1e-6 of alike gets 0) or not (0, Dr. GRPO's advantage; Dr. GRPO's loss, "
-                        "each answer's token sum over a constant length, is --loss_agg seq_mean_token_sum_norm).")
+    g.add_argument("--grpo_norm_by_std", type=grpo_std_scope, default="group", choices=GRPO_STD_SCOPES,
+                   help="GRPO: divide each answer's score minus its group's mean by the group's std (group, or 1: "
+                        "GRPO's paper; a group within 1e-6 of alike gets 0), by the std of the whole batch's scores "
+                        "over all ranks (batch: TRL's scale_rewards=\"batch\", Lite PPO's), or not (none, or 0: Dr. "
+                        "GRPO's advantage; Dr. GRPO's loss, each answer's token sum over a constant length, is "
+                        "--loss_agg seq_mean_token_sum_norm).")
     g.add_argument("--reward_fn", type=str, default="",
                    help="module:function or path.py:function called with (prompts, answers, **extra columns) "
                         "returning one float per answer; 'tiny' = the bundled rule scorer.")

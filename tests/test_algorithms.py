@@ -722,6 +722,62 @@ def test_grpo_two_groups():
         A.grpo_advantages(scores, 4, mask)
 
 
+def test_grpo_batch_std_divides_by_the_std_of_every_score_and_keeps_the_old_values():
+    """--grpo_norm_by_std batch (TRL's scale_rewards="batch", Lite PPO's group mean with batch std): each answer's
+    score less its group's mean over the std of all the batch's scores; 1/True and 0/False stay group and none."""
+    scores = t([1., 2., 3., 0., 10., 5.])
+    mask = suffix_mask([3, 1, 2, 0, 3, 3], 3)
+    adv, ret = A.grpo_advantages(scores, 3, mask, norm_by_std="batch")
+    batch_std = statistics.stdev(scores.tolist())
+    per = t([-1., 0., 1., -5., 5., 0.]) / (batch_std + 1e-6)
+    close(adv, per[:, None] * mask)
+    close(ret, adv)
+    group, _ = A.grpo_advantages(scores, 3, mask)
+    assert not torch.allclose(adv, group)  # (the group scope's: 1/1 and 5/5, not over the batch's std)
+    for old, scope in ((True, "group"), (1, "group"), ("1", "group"), (False, "none"), (0, "none"), ("0", "none")):
+        assert A.std_scope(old) == scope
+        close(A.grpo_advantages(scores, 3, mask, norm_by_std=old)[0],
+              A.grpo_advantages(scores, 3, mask, norm_by_std=scope)[0])
+    with pytest.raises(ValueError, match="norm_by_std='batches'"):
+        A.grpo_advantages(scores, 3, mask, norm_by_std="batches")
+    # a group scored alike gets 0 under the batch's std too; a batch scored alike, 0 and not NaN
+    adv, _ = A.grpo_advantages(t([4., 4., 1., 3.]), 2, torch.ones(4, 2), norm_by_std="batch")
+    close(adv[:2], torch.zeros(2, 2))
+    assert adv[2:].abs().min() > 0.5
+    adv, _ = A.grpo_advantages(torch.full((4,), 0.7), 2, torch.ones(4, 2), norm_by_std="batch")
+    assert torch.all(adv == 0)
+
+
+def _grpo_batch_worker(rank, world, port, path):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        scores = GRPO_BATCH_SCORES[4 * rank:4 * rank + 4]  # each rank: its own two groups of two
+        adv, _ = A.grpo_advantages(scores, 2, torch.ones(4, 1, dtype=D), norm_by_std="batch",
+                                   process_group=dist.group.WORLD)
+        torch.save(adv, os.path.join(path, f"r{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+GRPO_BATCH_SCORES = t([0., 1., 2., 4., 100., 110., 90., 96.])  # rank 1's spread far wider than rank 0's
+
+
+def test_grpo_batch_std_is_over_every_ranks_scores(tmp_path):
+    """With several ranks the batch's std is that of every rank's scores (TRL gathers the rewards of all processes
+    first), so each rank's advantages are the ones the whole batch would get on one rank."""
+    import torch.multiprocessing as mp
+    mp.spawn(_grpo_batch_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = torch.cat([torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")])
+    whole, _ = A.grpo_advantages(GRPO_BATCH_SCORES, 2, torch.ones(8, 1, dtype=D), norm_by_std="batch")
+    close(got, whole)
+    deviations = t([-.5, .5, -1., 1., -5., 5., -3., 3.])
+    close(got[:, 0], deviations / (statistics.stdev(GRPO_BATCH_SCORES.tolist()) + 1e-6))
+    # (rank 0's scores alone would have given it advantages ~30 times larger)
+    assert A.grpo_advantages(GRPO_BATCH_SCORES[:4], 2, torch.ones(4, 1), norm_by_std="batch")[0].abs().max() > 0.5
+
+
 def test_grpo_group_scored_alike_gets_exactly_zero_advantage_whatever_the_score():
     """A group whose answers all scored the same trains nothing (zero_std_fraction counts it so). The group's mean in
     float32 may round off the common score (0.7 eight times: by 6e-8), and the division by std + eps made that an

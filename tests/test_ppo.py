@@ -1816,6 +1816,35 @@ def test_a_learning_rate_changed_on_resume_is_said_to_have_no_effect(tmp_path, c
            "value" in capsys.readouterr().out
 
 
+def test_a_checkpoint_of_grpo_norm_by_std_1_or_0_resumes_as_group_or_none(tmp_path, capsys):
+    """--grpo_norm_by_std took 1 and 0 before its batch scope, and checkpoints recorded those; they are the scopes
+    group and none, so a resume with this run's default is no change to say, and one with batch is said as one."""
+    import json
+
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _save_flags_checkpoint(tmp_path, "--advantage_estimator", "grpo")
+    state_path = next(tmp_path.glob("**/state.json"))
+    state = json.loads(state_path.read_text())
+    assert state["flags"]["grpo_norm_by_std"] == "group"  # (the scope's name is what this run records)
+    state["flags"]["grpo_norm_by_std"] = 1
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--advantage_estimator", "grpo"), str(tmp_path))
+    assert "grpo_norm_by_std" not in capsys.readouterr().out
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--advantage_estimator", "grpo", "--grpo_norm_by_std", "batch"),
+                        str(tmp_path))
+    assert "--grpo_norm_by_std 'group' -> 'batch': the rest of the run trains with the new value" \
+        in capsys.readouterr().out
+    state["flags"]["grpo_norm_by_std"] = 0
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(Loaded, match="loaded"):
+        load_checkpoint(_flags_trainer(tmp_path, "--advantage_estimator", "grpo", "--grpo_norm_by_std", "0"),
+                        str(tmp_path))
+    assert "grpo_norm_by_std" not in capsys.readouterr().out
+
+
 def test_an_ema_beta_changed_on_resume_is_said_only_where_an_ema_copy_uses_it(tmp_path, capsys):
     """--ema_beta changed on a resume of a run without --enable_ema was said ("--ema_beta 0.992 -> 0.9: the rest of
     the run trains with the new value") although no EMA copy reads it, in either run; so were the other flags this
@@ -1834,7 +1863,8 @@ def test_an_ema_beta_changed_on_resume_is_said_only_where_an_ema_copy_uses_it(tm
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path, "--advantage_estimator", "grpo", "--grpo_norm_by_std", "0"),
                         str(tmp_path))
-    assert "--grpo_norm_by_std 1 -> 0: the rest of the run trains with the new value" in capsys.readouterr().out
+    assert "--grpo_norm_by_std 'group' -> 'none': the rest of the run trains with the new value" \
+        in capsys.readouterr().out
     _save_flags_checkpoint(tmp_path, "--enable_ema")
     with pytest.raises(Loaded, match="loaded"):
         load_checkpoint(_flags_trainer(tmp_path, "--enable_ema", "--ema_beta", "0.9"), str(tmp_path))

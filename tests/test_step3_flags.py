@@ -369,7 +369,7 @@ def test_flags_read_only_when_another_setting_is_on_are_listed_when_it_is_off():
                             "--reward_fn", "tiny", "--reward_fn_weight", "2"])
     assert unread_conditional_flags(on) == []
     assert unread_conditional_flags(parser.parse_args(["--grpo_norm_by_std", "0", "--reward_fn_weight", "2"])) == [
-        "--grpo_norm_by_std 0 (read only with --advantage_estimator grpo)",
+        "--grpo_norm_by_std none (read only with --advantage_estimator grpo)",
         "--reward_fn_weight 2.0 (read only with --reward_fn)"]
     # greedy answers are neither drawn nor scored at --temperature (scored at 1): it went unsaid
     greedy = ["--temperature", "0.7", "--top_k", "5", "--top_p", "0.9"]
@@ -779,6 +779,29 @@ def test_grpo_norm_by_std_help_points_dr_grpo_users_to_its_loss():
     action = next(a for a in step3_parser()._actions if "--grpo_norm_by_std" in a.option_strings)
     assert "--loss_agg seq_mean_token_sum_norm" in action.help and "not Dr. GRPO's" not in action.help
     assert "seq_mean_token_sum_norm" in next(a for a in step3_parser()._actions if "--loss_agg" in a.option_strings).choices
+
+
+def test_grpo_norm_by_std_takes_the_batch_scope_and_its_old_values(monkeypatch):
+    """TRL's scale_rewards takes group, batch (the std of the whole batch's rewards over all processes) and none;
+    --grpo_norm_by_std took only 1 (group) and 0 (none). Those stay, read as group and none; batch reaches GRPO's
+    advantages with the world's process group, so every rank divides by the std of every rank's scores."""
+    from dschat.rlhf import trainer as trainer_module
+
+    parse = lambda *given: step3_parser().parse_args(list(given)).grpo_norm_by_std  # noqa: E731
+    assert (parse(), parse("--grpo_norm_by_std", "1"), parse("--grpo_norm_by_std", "0")) == ("group", "group", "none")
+    assert parse("--grpo_norm_by_std", "batch") == "batch"
+    with pytest.raises(SystemExit):
+        parse("--grpo_norm_by_std", "2")
+    world = object()
+    monkeypatch.setattr(trainer_module, "_world_group", lambda: world)
+    calls = []
+    monkeypatch.setattr(trainer_module.algo, "grpo_advantages",
+                        lambda scores, n, mask, norm_by_std, process_group=None: calls.append(
+                            (norm_by_std, process_group)))
+    trainer = SimpleNamespace(stats={}, args=SimpleNamespace(advantage_estimator="grpo", n_samples_per_prompt=2,
+                                                             grpo_norm_by_std="batch"))
+    DeepSpeedPPOTrainer.critic_free_advantages(trainer, torch.tensor([1.0, 2.0, 3.0, 5.0]), None, torch.ones(4, 2))
+    assert calls == [("batch", world)]
 
 
 def test_kl_estimator_low_var_kl_is_a_flag_value_and_bounds_the_kl_loss_term(monkeypatch):

@@ -34,7 +34,7 @@ __all__ = [
     "kl_loss_term",
     "ADVANTAGE_ESTIMATORS", "register_adv_estimator", "get_adv_estimator", "compute_advantages",
     "gae_advantages", "grpo_advantages", "rloo_advantages", "reinforce_pp_advantages",
-    "zero_std_fraction", "group_reward_std",
+    "zero_std_fraction", "group_reward_std", "STD_SCOPES", "std_scope",
     "LOSS_AGG_MODES", "agg_loss",
     "POLICY_LOSS_FNS", "VALUE_LOSS_FNS", "register_policy_loss", "register_value_loss",
     "policy_loss_clipped", "value_loss_clipped", "entropy_bonus",
@@ -724,18 +724,47 @@ def group_reward_std(scores: torch.Tensor, group_size: int) -> float:
     return _from_first(_check_groups(scores.detach().float(), group_size)).std(dim=1).mean().item()
 
 
+# GRPO's division of each answer's score less its group's mean (TRL's scale_rewards): by its group's std, by the std
+# of the whole batch's scores over every rank (Lite PPO's "group mean, batch std"), or by nothing (Dr. GRPO)
+STD_SCOPES = ("group", "batch", "none")
+
+
+def std_scope(norm_by_std) -> str:
+    """``norm_by_std`` as one of ``STD_SCOPES``: a scope's name, or True/1 ("group") and False/0 ("none"), the values
+    --grpo_norm_by_std and ``grpo_advantages`` took before the batch scope."""
+    if isinstance(norm_by_std, str):
+        scope = {"1": "group", "0": "none"}.get(norm_by_std, norm_by_std)
+    elif norm_by_std in (0, 1):  # (True and False among them)
+        scope = "group" if norm_by_std else "none"
+    else:
+        scope = None
+    if scope not in STD_SCOPES:
+        raise ValueError(f"norm_by_std={norm_by_std!r}: expected one of {', '.join(STD_SCOPES)} (or 1/0)")
+    return scope
+
+
+def batch_reward_std(scores: torch.Tensor, process_group=None) -> torch.Tensor:
+    """The std (Bessel-corrected) of all the scores, over every rank of ``process_group`` (every rank must call it):
+    GRPO's "batch" scale, as TRL's ``scale_rewards="batch"`` takes it over the rewards gathered from all processes."""
+    _, var = masked_mean_var(scores, torch.ones_like(scores), unbiased=True, process_group=process_group)
+    return var.sqrt()
+
+
 @register_adv_estimator("grpo")
-def grpo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor, norm_by_std: bool = True,
-                    eps: float = 1e-6) -> Tuple[torch.Tensor, torch.Tensor]:
+def grpo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor, norm_by_std=True,
+                    eps: float = 1e-6, process_group=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantages (critic-free).
 
     ``scores``: ``(B,)`` one scalar reward per answer, where consecutive runs of ``group_size`` answers
     belong to the same prompt (B % group_size == 0); ``mask``: ``(B, T)``. Per answer
-    ``(s - mean_group) / (std_group + eps)`` (``std`` Bessel-corrected like ``torch.std``, as in verl;
-    ``norm_by_std=False``: ``s - mean_group`` only, Dr. GRPO's advantage), broadcast over that answer's tokens and
-    zeroed where ``mask`` is 0. ``group_size == 1``: the advantage is the raw score (verl's convention).
+    ``(s - mean_group) / (std + eps)``, ``norm_by_std`` (``std_scope``) naming the std: "group" (True; its group's,
+    Bessel-corrected like ``torch.std``, as in verl), "batch" (all the scores', over every rank of
+    ``process_group``, each of which must call this) or "none" (False: ``s - mean_group`` only, Dr. GRPO's advantage),
+    broadcast over that answer's tokens and zeroed where ``mask`` is 0. A group scored alike (within ``eps``) gets 0.
+    ``group_size == 1``: the advantage is the raw score (verl's convention).
     Returns ``(advantages, returns)`` with ``returns = advantages`` (no critic), both ``(B, T)``.
     """
+    scope = std_scope(norm_by_std)
     with torch.no_grad():
         dt = _compute_dtype(scores)
         g = _up(_check_groups(scores.detach(), group_size), dt)
@@ -743,12 +772,14 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor, n
             a = g
         else:
             alike = _scored_alike(g, eps)
+            std = batch_reward_std(g, process_group) if scope == "batch" else None
             g = _from_first(g)  # (a group scored alike: exactly 0, not its mean's rounding over std + eps)
             a = g - g.mean(dim=1, keepdim=True)
-            if norm_by_std:
+            if scope != "none":
+                std = g.std(dim=1, keepdim=True) if std is None else std
                 # A group scored alike but for its last bits trains nothing, as zero_std_fraction counts it: the
                 # division by std + eps would scale that noise to advantages of 0.05-1.5.
-                a = torch.where(alike, 0.0, a / (g.std(dim=1, keepdim=True) + eps))
+                a = torch.where(alike, 0.0, a / (std + eps))
         adv = a.reshape(-1, 1).to(mask.device) * _fmask(mask, a)
     return adv, adv.clone()
 

@@ -582,7 +582,9 @@ class DeepSpeedPPOTrainer:
             self.stats["frac_reward_zero_std"] = algo.zero_std_fraction(scores, a.n_samples_per_prompt)
             self.stats["reward_std"] = algo.group_reward_std(scores, a.n_samples_per_prompt)
         if a.advantage_estimator == "grpo":
-            return algo.grpo_advantages(scores.float(), a.n_samples_per_prompt, mask, bool(a.grpo_norm_by_std))
+            # (--grpo_norm_by_std batch: the std of every rank's scores, each rank calling)
+            return algo.grpo_advantages(scores.float(), a.n_samples_per_prompt, mask, a.grpo_norm_by_std,
+                                        process_group=_world_group())
         return algo.rloo_advantages(scores.float(), a.n_samples_per_prompt, mask)
 
     @torch.no_grad()
