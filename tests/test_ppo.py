@@ -2849,6 +2849,48 @@ def test_train_rollout_reports_its_micro_batches_mean_clip_fractions_and_kl(trai
     assert frozen["pg_clipfrac_low"] is None and frozen["pg_clipfrac_high"] is None
 
 
+def test_grpo_logs_the_kl_its_loss_term_uses_beside_the_rollouts_k1(trained, tmp_path, monkeypatch):
+    """GRPO's loss penalises k3 (or --kl_estimator) of the actor to the reference, while its log showed only "kl",
+    the rollout's k1, which a few answers' tokens can take below 0. "kl_loss" is the term's estimator per answer
+    token (verl's actor/kl_loss, TRL's GRPO kl), the mean over the iteration's micro-batches; none where there is no
+    such term (PPO's KL in the reward)."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf import algorithms as algo
+
+    def score(prompts, answers):
+        return [float(len(answer)) for answer in answers]
+
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, advantage_estimator="grpo", n_samples_per_prompt=2,
+                                                reward_fn=score, reward_model_weight=0, ppo_epochs=2,
+                                                per_device_training_batch_size=2, actor_learning_rate=5e-3,
+                                                kl_estimator="k2")
+    terms = []
+    real_term = algo.kl_loss_term
+    monkeypatch.setattr(algo, "kl_loss_term", lambda logp, ref_logp, mask, kind, **agg: terms.append(
+        (logp.detach(), ref_logp, mask, kind)) or real_term(logp, ref_logp, mask, kind, **agg))
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:2]))
+    seen = []
+    real_step = trainer._ppo_step
+    trainer._ppo_step = lambda m, *rest: (real_step(m, *rest), seen.append(trainer.stats["kl_loss"]))[0]
+    result = trainer.train_rollout([exp])
+    assert len(seen) == len(terms) == 4 and {kind for *_, kind in terms} == {"k2"}
+    for logged, (logp, ref_logp, mask, _) in zip(seen, terms):  # the loss term's estimator, per answer token
+        expected = torch.where(mask != 0, 0.5 * (logp - ref_logp) ** 2, 0.0).sum() / mask.sum()
+        assert logged == pytest.approx(expected.item(), rel=1e-5)
+    assert result["kl_loss"] == pytest.approx(sum(seen) / len(seen)) and result["kl_loss"] > 0
+    assert result["kl"] != pytest.approx(result["kl_loss"])  # (the rollout's k1 stays as it was)
+    _, ppo_trainer, _ = _engine_and_trainer(trained, tmp_path / "ppo")  # GAE: the KL is in the reward, no term
+    assert ppo_trainer.train_rollout([ppo_trainer.generate_experience(
+        _prompt_batch(tokenizer, PADDED_PROMPTS[:4]))])["kl_loss"] is None
+    # the iteration's line (and so its record and TensorBoard's step3/ scalars) carries it, named, beside kl
+    lines = []
+    bar = SimpleNamespace(update=lambda n: None, set_postfix=lambda **kwargs: None, write=lines.append)
+    ppo._log_iteration({"iteration": 1, "reward": 0.5, "kl": -0.002, "kl_loss": 0.003}, str(tmp_path / "log.jsonl"),
+                       None, bar, SimpleNamespace(print_answers=False), SimpleNamespace(actor_model=object()), [])
+    assert "kl=-0.0020, kl_loss=0.0030" in lines[0]
+
+
 def test_freezing_actor_steps_train_the_critic_alone_first(trained, tmp_path, monkeypatch, capsys):
     """OpenRLHF's --freezing_actor_steps: a critic started from the reward model first learns values while the actor
     waits; the log says which iterations did so, and critic-free estimators refuse the flag."""

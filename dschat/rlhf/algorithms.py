@@ -31,7 +31,7 @@ __all__ = [
     "masked_sum", "masked_mean", "masked_mean_var", "masked_whiten",
     "gather_log_probs", "entropy_from_logits",
     "KL_ESTIMATORS", "register_kl_estimator", "kl_estimate", "last_token_index", "kl_penalized_rewards",
-    "kl_loss_term",
+    "kl_loss_term", "kl_token_mean",
     "ADVANTAGE_ESTIMATORS", "register_adv_estimator", "get_adv_estimator", "compute_advantages",
     "gae_advantages", "grpo_advantages", "rloo_advantages", "reinforce_pp_advantages",
     "zero_std_fraction", "group_reward_std", "STD_SCOPES", "std_scope",
@@ -492,6 +492,14 @@ def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
     logp = torch.where(mask.to(logp.device) != 0, logp, ref_logp.to(logp.dtype))
     kl = kl_estimate(logp, ref_logp, kind)
     return agg_loss(kl, mask, loss_agg, num_tokens_global, accum_steps, world_size, max_length, num_seqs_global)
+
+
+def kl_token_mean(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str = "k3") -> float:
+    """The answer tokens' mean of ``kind``'s KL estimate of the policy to the reference (no gradient): what
+    :func:`kl_loss_term` penalises per token, whatever the loss's aggregation (verl's ``actor/kl_loss``, TRL's GRPO
+    ``kl``). k3's is >= 0, where the k1 mean of a few answers can fall below 0."""
+    with torch.no_grad():
+        return masked_mean(kl_estimate(logp.detach(), ref_logp.detach(), kind), mask).item()
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, entropy_coef: float, loss_agg: str = "token_mean",

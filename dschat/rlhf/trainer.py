@@ -30,7 +30,8 @@ from dschat.utils.optim import optimizer_step, skipped_steps
 
 # the PPO step's diagnostics that train_rollout returns as means over its micro-batches
 ACTOR_STEP_STATS = ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "approx_kl")
-PPO_STEP_STATS = ACTOR_STEP_STATS + ("vf_clipfrac",)
+# (kl_loss: the KL loss term's estimator, per token, where the KL is one; the rollout's "kl" is k1, the reward's unit)
+PPO_STEP_STATS = ACTOR_STEP_STATS + ("kl_loss", "vf_clipfrac")
 
 
 # The settings DeepSpeedRLHFEngine built its models, optimizers and generation from. A trainer given args of its own
@@ -693,6 +694,7 @@ class DeepSpeedPPOTrainer:
         kl_coef, kl_kind = self._kl_loss_settings()
         if kl_coef:
             loss = loss + kl_coef * algo.kl_loss_term(logp, ref_logp, mask, kl_kind, **agg)
+            self.stats["kl_loss"] = algo.kl_token_mean(logp, ref_logp, mask, kl_kind)
         algo.check_finite("actor loss", loss)
         self.stats.update({key: pstats[key].item() for key in ACTOR_STEP_STATS})
         return loss
@@ -819,11 +821,12 @@ class DeepSpeedPPOTrainer:
         (--freezing_actor_steps; no unsupervised steps either, they train the actor). Returns the mean "actor_loss"
         (None when the actor did not train), "critic_loss" (None without a critic) and "unsup_loss" (None without
         unsupervised data), the mean "pg_clipfrac" (and its "pg_clipfrac_low" and "pg_clipfrac_high" sides) and
-        "approx_kl" (None when the actor did not train) and
+        "approx_kl" (None when the actor did not train), "kl_loss" (the KL loss term's estimator per answer token, k3
+        unless --kl_estimator; None where there is no such term or the actor did not train) and
         "vf_clipfrac" (None without a critic) over the micro-batches, and the rollout's KL to the reference over all
-        ranks: per answer token ("kl") and per answer ("kl_per_answer", the controller's unit), and the optimizer steps
-        that DeepSpeed skipped on inf/NaN gradients ("actor_skipped_steps", "critic_skipped_steps"; None for a model
-        that did not train)."""
+        ranks (k1): per answer token ("kl") and per answer ("kl_per_answer", the controller's unit), and the optimizer
+        steps that DeepSpeed skipped on inf/NaN gradients ("actor_skipped_steps", "critic_skipped_steps"; None for a
+        model that did not train)."""
         experiences = checked_rollout(experiences)
         if not train_actor and self.critic_model is None:
             raise UsageError("train_rollout(train_actor=False) trains the critic alone, and this trainer has none")
@@ -874,9 +877,10 @@ class DeepSpeedPPOTrainer:
                 "critic": None if self.critic_model is None else skipped_steps(self.critic_model)}
 
     def _collect_step_stats(self, ppo_stats, train_actor):
-        """The PPO step's clip fractions and KL estimate (``self.stats`` holds the last micro-batch's), kept so that
+        """The PPO step's clip fractions and KL estimates (``self.stats`` holds the last micro-batch's), kept so that
         the iteration reports their mean over all its micro-batches and epochs."""
-        trained = (ACTOR_STEP_STATS if train_actor else ()) + (("vf_clipfrac",) if self.critic_model is not None else ())
+        actor = ACTOR_STEP_STATS + (("kl_loss",) if self._kl_loss_settings()[0] else ()) if train_actor else ()
+        trained = actor + (("vf_clipfrac",) if self.critic_model is not None else ())
         for key in trained:
             ppo_stats[key].append(self.stats[key])
 

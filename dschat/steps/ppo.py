@@ -410,8 +410,8 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
             record[key] = rank_mean(trainer.stats[key], device)
     if trained["actor_loss"] is None:  # --freezing_actor_steps: the critic alone trained
         record["actor_frozen"] = True
-    # none with the actor frozen / without a critic / without ptx data; means over the iteration's micro-batches, then
-    # over the ranks (each rank's own differ; rank 0 writes the record)
+    # none with the actor frozen / without a critic / without ptx data / without a KL loss term (kl_loss); means over
+    # the iteration's micro-batches, then over the ranks (each rank's own differ; rank 0 writes the record)
     for key in ("actor_loss", "critic_loss", "unsup_loss") + PPO_STEP_STATS:
         if trained.get(key) is not None:
             record[key] = rank_mean(trained[key], device)
@@ -454,7 +454,7 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
         f.write(json.dumps(record) + "\n")
     bar.update(1)
     bar.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record['kl']:.3f}")
-    keys = ("reward", "reward_std", "kl", "actor_loss", "critic_loss", "answer_length", "empty_answers",
+    keys = ("reward", "reward_std", "kl", "kl_loss", "actor_loss", "critic_loss", "answer_length", "empty_answers",
             "truncated_answers", "frac_reward_zero_std", "generation_time", "experience_time", "training_time", "samples_per_s",
             "tokens_per_s", "answer_tokens_per_s")
     frozen = " (actor frozen: --freezing_actor_steps)" if record.get("actor_frozen") else ""
