@@ -90,11 +90,15 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
         # read only for a reported step 3: another run's log, e.g. an interrupted one's with its last line cut off,
         # is none of this report's
         curve = read_jsonl(os.path.join(output_dir, PPO_DIR, "step3_log.jsonl"))
-        # a critic-free run (GRPO) logs no critic loss: no curve of nulls, and no plot panel
-        report["step3_curve"] = {k: [r.get(k) for r in curve] for k in ("reward", "kl", "actor_loss", "critic_loss")
-                                 if any(k in r for r in curve)}
+        # a critic-free run (GRPO) logs no critic loss: no curve of nulls, and no plot panel; one with no KL loss term
+        # (PPO's KL in the reward) no kl_loss
+        report["step3_curve"] = {k: [r.get(k) for r in curve] for k in STEP3_CURVES if any(k in r for r in curve)}
     return report
 
+
+# step 3's logged numbers the report keeps over the iterations and plots, a panel each: kl is the rollout's k1,
+# kl_loss the KL loss term's own estimator (k3 unless --kl_estimator), what GRPO's loss penalises
+STEP3_CURVES = ("reward", "kl", "kl_loss", "actor_loss", "critic_loss")
 
 # What the report calls each step-3 --advantage_estimator's training (GRPO's run is no PPO run).
 ALGORITHM_NAMES = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
@@ -114,7 +118,7 @@ def plot_curves(curve, path, algorithm="PPO"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in ("reward", "kl", "actor_loss", "critic_loss") if curve.get(k)]
+    keys = [k for k in STEP3_CURVES if curve.get(k)]
     if not keys:
         return None
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))

@@ -197,6 +197,27 @@ def test_a_critic_free_run_has_no_critic_loss_curve_or_panel(tmp_path, monkeypat
     assert report.build_report(str(tmp_path), {}, "ppo")["step3_curve"]["critic_loss"] == [0.3, 0.3]
 
 
+def test_a_grpo_runs_kl_loss_is_a_curve_and_a_panel_beside_its_k1_kl(tmp_path, monkeypatch):
+    """GRPO's loss penalises k3 of the policy to the reference, logged as kl_loss; the report's curves and plot had
+    only kl, the rollout's k1, which can fall below 0 while the penalised KL cannot."""
+    from dschat import report
+
+    (tmp_path / "step3_ppo").mkdir()
+    (tmp_path / "step3_ppo" / "metrics.json").write_text(json.dumps({"iterations": 2}))
+    rows = [{"reward": 0.5, "kl": -0.002, "kl_loss": 0.001, "actor_loss": 0.1},
+            {"reward": 0.6, "kl": 0.01, "kl_loss": 0.012, "actor_loss": 0.2}]
+    (tmp_path / "step3_ppo" / "step3_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    panels = []
+    real_plot = report.plot_curves
+    monkeypatch.setattr(report, "plot_curves", lambda curve, path, *rest: panels.append(curve) or path)
+    written = report.write_report(str(tmp_path), {}, "grpo")
+    assert written["step3_curve"]["kl_loss"] == [0.001, 0.012] and written["step3_curve"]["kl"] == [-0.002, 0.01]
+    titles = []
+    monkeypatch.setattr("matplotlib.axes.Axes.set_title", lambda ax, title, *a, **k: titles.append(title))
+    real_plot(panels[0], str(tmp_path / "curves.png"), "GRPO")
+    assert titles == ["reward", "kl", "kl_loss", "actor_loss"]
+
+
 def test_the_curves_of_a_grpo_run_are_over_grpo_iterations(tmp_path, monkeypatch):
     """A GRPO run's step3_curves.png was labelled 'PPO iteration' under every panel, where its summary says 'GRPO: N
     iterations'."""
