@@ -2887,7 +2887,7 @@ def test_grpo_logs_the_kl_its_loss_term_uses_beside_the_rollouts_k1(trained, tmp
     lines = []
     bar = SimpleNamespace(update=lambda n: None, set_postfix=lambda **kwargs: None, write=lines.append)
     ppo._log_iteration({"iteration": 1, "reward": 0.5, "kl": -0.002, "kl_loss": 0.003}, str(tmp_path / "log.jsonl"),
-                       None, bar, SimpleNamespace(print_answers=False), SimpleNamespace(actor_model=object()), [])
+                       None, bar, SimpleNamespace(print_answers=False, mask_truncated_answers=False), SimpleNamespace(actor_model=object()), [])
     assert "kl=-0.0020, kl_loss=0.0030" in lines[0]
 
 
