@@ -1162,6 +1162,48 @@ def test_step3_reward_functions_get_alpacas_output_under_its_own_name(tmp_path, 
     assert "output" not in prompts[0] and prompts[0]["chosen"] in ("1", "2")
 
 
+def test_step3_reward_functions_get_a_messages_records_last_reply_as_chosen(tmp_path, tokenizer):
+    """A messages record's last reply (its reference answer) was dropped before step 3: a reward function had nothing
+    to compare with, while a pair's answers come as chosen and rejected, Alpaca's output as output. It comes as
+    ``chosen``, as an answer renamed by --data_fields does (bare text; a reply calling tools as its message in a list,
+    as a pair's), from the cache too; a conversation awaiting its answer, or whose last reply has weight 0 (no answer
+    step 1 trains), has none: None in the batch, as a record without a column gives."""
+    from dschat.data.collators import DataCollatorRLHF
+    from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
+
+    tok = chatml(tokenizer)
+    added = [{"role": "user", "content": "Add 1 and 1."}, {"role": "assistant", "content": "2"}]
+    untrained = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hey.", "weight": 0}]
+    conversations = [added, CONVERSATION, CONVERSATION[1:4], untrained]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages} for messages in conversations])
+    expected = {format_prompt(added[:1], tok): "2", format_prompt(CONVERSATION[:-1], tok): "Goodbye!",
+                format_prompt(CONVERSATION[1:4], tok): None, format_prompt(untrained[:1], tok): None}
+    for built in (True, False):  # (built, then read from the cache)
+        prompts, _ = build(tmp_path, tok, [f"{path},{path}"], 3, data_split="0,0,1")
+        assert prompts.built is built and len(prompts) == 4
+        assert {item["prompt_text"]: item.get("chosen") for item in prompts} == expected
+    batch = DataCollatorRLHF(None, pad_token_id=0)([prompts[i] for i in range(4)])
+
+    def exact(prompts, completions, chosen, **columns):
+        return [float(reference is not None and answer == reference) for answer, reference in zip(completions, chosen)]
+
+    answers = [expected[prompt] or "?" for prompt in batch["prompt_text"]]
+    assert sorted(call_reward_fn(exact, batch["prompt_text"], answers, batch_extras(batch))) == [0, 0, 1, 1]
+    assert sorted(batch["chosen"], key=str) == ["2", "Goodbye!", None, None]
+    # a "chosen" column of the file's own beside the messages is kept, as extra_chosen
+    beside = write_jsonl(tmp_path / "beside.jsonl", [{"messages": added, "chosen": "a column of its own"}] * 2)
+    prompts, _ = build(tmp_path, tok, [f"{beside},{beside}"], 3, data_split="0,0,1")
+    assert (prompts[0]["chosen"], prompts[0]["extra_chosen"]) == ("2", "a column of its own")
+    # tool-calling conversations: the last reply after the tool's result; a reply that calls a tool, as its message
+    tools = qwen_tools(tokenizer)
+    calling = TOOL_CONVERSATION[:3]
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CONVERSATION, "tools": [WEATHER_TOOL]},
+                                                  {"messages": calling, "tools": [WEATHER_TOOL]}])
+    prompts, _ = build(tmp_path, tools, [f"{path},{path}"], 3, data_split="0,0,1", max_seq_len=1024)
+    assert sorted((item["chosen"] for item in prompts), key=str) == [
+        "It is 22C.", [{"role": "assistant", "content": "", "tool_calls": calling[2]["tool_calls"]}]]
+
+
 # --- tool calls ---
 
 # Qwen2.5's template in short: the tools listed in the system turn, a call as <tool_call> JSON in the assistant turn,

@@ -30,7 +30,8 @@ prompt=question,chosen=good``):
   beside it (TRL's unpaired preference records, KTO's) marks the answers not to imitate, which steps 1 and 2 skip.
 * ``messages``: a list of {role, content} ending with the assistant answer (SFT data; ShareGPT's
   ``conversations`` of {from, value} too, LLaMA-Factory's "function_call" and "observation" turns as tool calls and
-  results); one ending with a user turn is a prompt (step 3), skipped and counted by
+  results; step 3's prompt is the turns before that answer, which its reward functions get as ``chosen``); one
+  ending with a user turn is a prompt (step 3), skipped and counted by
   steps 1 and 2 (step 1's ``--multiturn`` trains its assistant turns before it). An assistant message's ``weight``
   (OpenAI's chat fine-tuning format) is 0 or 1: a turn of weight 0 is not trained (``--multiturn`` leaves it prompt;
   one that is the last turn makes the record a counted skip without ``--multiturn``). Tool calling (TRL's SFT data):
@@ -1596,10 +1597,12 @@ class LocalDataset(PromptRawDataset):
                                      "pair's answers must answer the same conversation")
 
     def get_reference_answers(self, sample):
-        # a messages record's last turn, and TRL's completion, are not pairs' answers (TRL passes no completion);
-        # Alpaca's output read without --data_fields is no pair's either: its column, as written, under its own name
-        # (it came as chosen=, which no column of the file is called)
-        if self.shape == "messages" or self.fields["chosen"] == "completion" or self.alpaca_output:
+        # TRL's completion is no pair's answer (TRL passes no completion column); Alpaca's output read without
+        # --data_fields is no pair's either: its column, as written, under its own name (it came as chosen=, which no
+        # column of the file is called). A messages record's last reply, the answer step 1 trains, comes as chosen, as
+        # an answer renamed by --data_fields does: it has no column of its own (it was dropped; none where the
+        # conversation awaits its answer, or its last reply has weight 0)
+        if self.shape != "messages" and (self.fields["chosen"] == "completion" or self.alpaca_output):
             return {}
         return super().get_reference_answers(sample)
 
