@@ -1204,6 +1204,32 @@ def test_step3_reward_functions_get_a_messages_records_last_reply_as_chosen(tmp_
         "It is 22C.", [{"role": "assistant", "content": "", "tool_calls": calling[2]["tool_calls"]}]]
 
 
+def test_step3_items_have_every_column_of_their_split_none_where_their_record_lacks_it(tmp_path, tokenizer):
+    """A batch took the columns its own records had: a batch of records from a source without a column (another
+    --data_path file) had no such key, and a reward function taking it (TRL's ``solution=``) stopped the run on that
+    batch alone, while a batch with one such record gave None for the others. Every item has every column of its
+    split (TRL's datasets have one schema too), from the cache as well; a name the prompt keys hold stays extra_."""
+    from dschat.data.collators import DataCollatorRLHF
+    from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
+
+    solved = write_jsonl(tmp_path / "solved.jsonl", [{"prompt": f"Add 1 and {i}.", "solution": str(i + 1)}
+                                                     for i in range(2)])
+    unsolved = write_jsonl(tmp_path / "unsolved.jsonl", [{"prompt": f"Name {i}.", "prompt_text": "m"} for i in range(2)])
+    for built in (True, False):  # (built, then read from the cache)
+        prompts, _ = build(tmp_path, tokenizer, [f"{solved},{solved}", f"{unsolved},{unsolved}"], 3,
+                           data_split="0,0,1")
+        items = {item["prompt_text"]: item for item in prompts}
+        assert sorted((str(item.get("solution", "-")), str(item.get("extra_prompt_text", "-")))
+                      for item in items.values()) == [("1", "None"), ("2", "None"), ("None", "m"), ("None", "m")]
+        assert prompts.built is built and prompts.columns == ["extra_prompt_text", "solution"]
+    batch = DataCollatorRLHF(None, pad_token_id=0)([item for item in items.values() if item["solution"] is None])
+
+    def exact(prompts, completions, solution):
+        return [float(answer == reference) for answer, reference in zip(completions, solution)]
+
+    assert call_reward_fn(exact, batch["prompt_text"], ["2", "3"], batch_extras(batch)) == [0.0, 0.0]
+
+
 # --- tool calls ---
 
 # Qwen2.5's template in short: the tools listed in the system turn, a call as <tool_call> JSON in the assistant turn,

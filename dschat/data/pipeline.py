@@ -105,7 +105,8 @@ class PromptDataset(Dataset):
     chosen_attention_mask, rejected_input_ids, rejected_attention_mask, prompt_length`` (how many prompt ids
     both sequences start with), ``chosen_truncated, rejected_truncated`` (whether max_seq_len cut that answer;
     its sequence still ends with the ``eot_length`` EOT ids); phase 3 ``prompt_input_ids, prompt_text,
-    messages`` plus the record's extra columns. Token tensors are 1-D LongTensors, unpadded.
+    messages`` plus the extra columns of its records (``columns``: None where a record lacks one). Token tensors are
+    1-D LongTensors, unpadded.
 
     ``skipped`` (reason -> count), ``skip_report`` (per source), ``cache_path`` and ``built`` (whether this
     process built the cache) describe how it was made; ``hub_data`` ({hub dataset: ``hub_data_fingerprint``}) which
@@ -123,6 +124,9 @@ class PromptDataset(Dataset):
         self.hub_data = {entry["source"]: entry["hub_data"] for entry in self.skip_report if "hub_data" in entry}
         self.cache_path = cache_path
         self.built = built
+        # phase 3: the extra columns of its records, which every item has (None where its record has none): a batch
+        # of records that all lacked one had no such key, and a reward function taking it failed on that batch alone
+        self.columns = sorted({self._item_key(key) for entry in self.skip_report for key in entry.get("columns", ())})
 
     def __len__(self):
         return len(self.data)
@@ -147,8 +151,13 @@ class PromptDataset(Dataset):
         item = {"prompt_input_ids": torch.tensor(row["prompt_input_ids"], dtype=torch.long),
                 "prompt_text": row["prompt_text"], "messages": json.loads(row["messages_json"])}
         for key, value in json.loads(row["extra_json"]).items():
-            item["extra_" + key if key in self.RESERVED_KEYS else key] = value
+            item[self._item_key(key)] = value
+        for key in self.columns:
+            item.setdefault(key, None)
         return item
+
+    def _item_key(self, column):
+        return "extra_" + column if column in self.RESERVED_KEYS else column
 
 
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
@@ -464,6 +473,8 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
              "formatted": already_formatted(examples, tokenizer),
              "duplicates": count_duplicates(keys, {} if seen is None else seen, source),
              "in_train": sum(key in train_seen for key in keys) if train_seen else 0}
+    if settings.train_phase == 3:  # (the split's columns: PromptDataset gives each item all of them)
+        notes["columns"] = sorted({key for example in kept for key in example.extra or {}})
     if multiturn:
         notes["turns"] = [sum(len(row["label_spans"]) // 2 for row in rows), sum(row["turns_missed"] for row in rows)]
         notes["unanswered"] = unanswered
