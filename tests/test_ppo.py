@@ -2395,6 +2395,34 @@ def test_reward_function_columns_named_as_its_arguments_and_a_file_run_once(tmp_
     assert log.read_text() == "run\nrun\n"
 
 
+def test_a_reward_function_taking_a_column_the_prompts_lack_is_refused_before_the_models_load(tmp_path):
+    """A function with a parameter no column of the prompts gives (TRL's ``solution=`` on data without it, a misspelt
+    name) failed at the first reward, after the models had loaded and the first answers were generated. Step 3's
+    prompt loaders (ppo_eval's too) refuse it, naming the function, the split and the columns it has."""
+    from dschat.errors import UsageError
+    from dschat.tiny import load_tiny_tokenizer
+
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Add 1 and {i}.", "solution": str(i + 1)}) + "\n"
+                            for i in range(8)))
+    args = {"data_path": [f"{data},{data}"], "data_split": "0,0,1", "data_output_path": str(tmp_path / "data"),
+            "per_device_generation_batch_size": 2}
+    tokenizer = load_tiny_tokenizer()
+
+    def misspelt(prompts, completions, solutions):
+        return [0.0] * len(prompts)
+
+    said = (r"--reward_fn 'misspelt' cannot be called as fn\(prompts=, completions=, \*\*columns\) \(TRL's way\) "
+            r"on the {} prompts, which have columns solution: missing a required argument: 'solutions'")
+    with pytest.raises(UsageError, match=said.format("training")):
+        ppo.prompt_loaders({**args, "reward_fn": misspelt}, tokenizer)
+    with pytest.raises(UsageError, match=said.format("held-out")):
+        ppo.prompt_loaders({**args, "reward_fn": misspelt}, tokenizer, held_out_only=True)
+    for fn in (lambda prompts, completions, solution: [0.0], lambda prompts, answers, hint=None, **columns: [0.0]):
+        train, held_out = ppo.prompt_loaders({**args, "reward_fn": fn}, tokenizer)
+        assert len(train) and len(held_out)
+
+
 def test_a_reward_function_gets_prompts_and_answers_by_their_parameters_names_not_swapped():
     """Called by position, score(answers, prompts) scored each prompt as the answer and the other way round, and
     OpenRLHF's reward_func(queries, prompts, labels) (with a labels column) got the answers as its prompts: both

@@ -197,6 +197,19 @@ def call_reward_fn(fn, prompts, answers, extras=None):
     return scores
 
 
+def check_takes_columns(fn, columns, where):
+    """``fn`` can be called with the prompt ``columns`` of ``where`` (a split's ``PromptDataset.columns``): one with a
+    parameter no column gives (TRL's ``solution=`` on data without it, a misspelt name) failed at the first reward,
+    after the models loaded and the first answers were generated; a UsageError now, naming the columns there are."""
+    args, kwargs, how = call_arguments(fn, [], [], {column: [] for column in columns})
+    try:
+        _signature(fn).bind(*args, **kwargs)
+    except TypeError as ex:
+        given = f"columns {', '.join(columns)}" if columns else "no columns besides the prompt"
+        raise UsageError(f"{_flag_name(fn)} cannot be called as {how} on the {where}, which have {given}: "
+                         f"{ex}") from None
+
+
 def weighted_scores(fn, scores, weight, prompts, answers):
     """``weight`` x ``fn``'s ``scores`` (``call_reward_fn``'s) as step 3 holds its rewards, a float32 tensor. A score
     past float32's range (3.4e38; Python's float goes to 1.8e308), or made so by the weight, is the function's error

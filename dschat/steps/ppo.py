@@ -47,6 +47,7 @@ def prompt_loaders(args, tokenizer, held_out_only=False):
     take_hub_data(args, train)
     if not held_out_only:
         require_training_records(train, args, "step3")
+    check_reward_fn_takes_the_columns(args, None if held_out_only else train, held_out)
     collator = DataCollatorRLHF(args.max_prompt_seq_len, pad_token_id=tokenizer.pad_token_id,
                                 pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of))
     batch = args.per_device_generation_batch_size
@@ -54,6 +55,19 @@ def prompt_loaders(args, tokenizer, held_out_only=False):
     # as many eval batches (generation may be collective) and the repeats weigh 0 in the scores
     return build_dataloaders(None if held_out_only else train, held_out, collator, batch, batch, args.seed,
                              drop_last=True)
+
+
+def check_reward_fn_takes_the_columns(args, train, held_out):
+    """--reward_fn can be called on the prompts' columns (``check_takes_columns``), before the models load; a split
+    without prompts is not scored."""
+    if not args.reward_fn:
+        return
+    from dschat.rlhf.reward_fn import check_takes_columns, load_reward_fn
+
+    fn = load_reward_fn(args.reward_fn)
+    for dataset, where in ((train, "training prompts"), (held_out, "held-out prompts")):
+        if dataset is not None and len(dataset):
+            check_takes_columns(fn, dataset.columns, where)
 
 
 def check_prompts_make_an_iteration(prompts, args, world_size, bound=False):
