@@ -2587,6 +2587,30 @@ def test_an_async_reward_function_is_awaited_in_one_loop_kept_between_calls():
         call_reward_fn(failing, ["p1"], ["a"])
 
 
+def test_a_reward_functions_error_names_the_line_of_its_own_code(tmp_path):
+    """An exception raised in a library the function called (json.loads) was said "at decoder.py:355", not at the
+    function's line that called it; an async function's timeout (a judge model's request) came as "TimeoutError: , at
+    _base.py:401" (run_coroutine_threadsafe gives asyncio's TimeoutError and CancelledError as new exceptions, without
+    their traceback), and its CancelledError (a BaseException) escaped as a traceback. Each names the function's own
+    line ("from FILE:LINE" where the innermost frame is elsewhere); an exception without a message, its type alone."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import call_reward_fn, load_reward_fn
+
+    source = tmp_path / "rewards.py"
+    source.write_text("import asyncio\nimport json\n\n\n"
+                      "def parse(prompts, answers):\n    return [float(json.loads(a)) for a in answers]\n\n\n"
+                      "async def judge(prompts, answers):\n    await asyncio.wait_for(asyncio.sleep(10), 0.01)\n\n\n"
+                      "async def cancelled(prompts, answers):\n    raise asyncio.CancelledError()\n")
+    said = {"parse": r"JSONDecodeError: Expecting value: line 1 column 1 \(char 0\), at decoder.py:\d+, from "
+                     r"rewards.py:6",
+            "judge": r"TimeoutError, at \w+.py:\d+, from rewards.py:10",
+            "cancelled": r"CancelledError, at rewards.py:14"}
+    for name, error in said.items():
+        with pytest.raises(UsageError, match=rf"^--reward_fn '{name}' failed \({error}\) on a batch starting with "
+                                             r"prompt 'p1'$"):
+            call_reward_fn(load_reward_fn(f"{source}:{name}"), ["p1"], ["not json"])
+
+
 def test_an_async_reward_function_interrupted_while_awaited_is_cancelled(monkeypatch):
     """Ctrl-C while an async reward function was awaited left its coroutine running on dschat's loop thread (a judge
     request going on after the run stopped); it is cancelled."""

@@ -8,6 +8,7 @@ parameter named ``completions``, as TRL calls reward functions: ``fn(prompts=...
 exception or a non-finite value stops the run with the prompt that caused it: a silent 0 would train the policy on a
 wrong reward.
 """
+import asyncio
 import collections.abc
 import importlib
 import importlib.util
@@ -179,8 +180,8 @@ def call_reward_fn(fn, prompts, answers, extras=None):
         if inspect.isawaitable(returned):  # an async function, as TRL's reward functions may be
             returned = _awaited(returned)
         scores = _score_list(returned)  # (a generator's body runs here)
-    except Exception as ex:
-        raise UsageError(f"{name} failed ({type(ex).__name__}: {ex}{_where(ex)}) on a batch starting with prompt "
+    except (Exception, asyncio.CancelledError) as ex:  # (an async function's task cancelled: a BaseException)
+        raise UsageError(f"{name} failed ({_described(ex)}{_where(ex, fn)}) on a batch starting with prompt "
                          f"{prompts[0]!r}") from ex
     if scores is None:
         raise UsageError(f"{name} returned {_short(returned)}, not a list of {len(answers)} numbers (one score per "
@@ -237,7 +238,6 @@ def _awaited(awaitable):
     of its own, kept from call to call as TRL keeps its: a client the function keeps (an HTTP session for a judge
     model) stays bound to a loop that still runs, and a caller that runs a loop itself (a notebook) is not asked to
     start another on its thread, which asyncio refuses. It was refused as "returned coroutine ..." (never awaited)."""
-    import asyncio
     import threading
 
     loop = _EVENT_LOOP.get(os.getpid())
@@ -245,15 +245,21 @@ def _awaited(awaitable):
         loop = _EVENT_LOOP[os.getpid()] = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="dschat-reward-fn", daemon=True).start()
 
-    async def result():
-        return await awaitable
+    async def result():  # (its exception handed over as it is: run_coroutine_threadsafe gives asyncio's TimeoutError
+        try:  # and CancelledError as new ones, without the traceback that says where the function was)
+            return await awaitable, None
+        except (Exception, asyncio.CancelledError) as error:
+            return None, error
 
     pending = asyncio.run_coroutine_threadsafe(result(), loop)
     try:
-        return pending.result()
+        returned, error = pending.result()
     except BaseException:  # Ctrl-C while it ran: it is cancelled, not left running on the loop's thread
         pending.cancel()
         raise
+    if error is not None:
+        raise error
+    return returned
 
 
 _RENAMED_SAID = {}  # id(fn) -> (a weak reference to fn, or None; the renamed column tuples said for it)
@@ -375,7 +381,31 @@ def _finite_number(value):
     return value if math.isfinite(value) else None
 
 
-def _where(ex):
-    """", at FILE:LINE" of the innermost frame of the function's exception."""
+def _described(ex):
+    """"TYPE: message", or the type alone for an exception without one (asyncio's TimeoutError): "TimeoutError: "."""
+    return f"{type(ex).__name__}: {ex}" if str(ex) else type(ex).__name__
+
+
+def _where(ex, fn):
+    """", at FILE:LINE" of the innermost frame of the function's exception, and ", from FILE:LINE" of the innermost
+    one in the function's own file where that is another (a library it called, json.loads' decoder.py: the line of
+    the user's code that needs the fix was not said)."""
     frames = traceback.extract_tb(ex.__traceback__)
-    return f", at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    if not frames:
+        return ""
+    own = [frame for frame in frames if frame.filename == _code_file(fn)]
+    called = own[-1] if own and own[-1] is not frames[-1] else None
+    return f", at {_place(frames[-1])}" + (f", from {_place(called)}" if called else "")
+
+
+def _place(frame):
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+
+
+def _code_file(fn):
+    """The file of ``fn``'s code (a callable object's ``__call__``, a functools.partial's function), else None."""
+    for candidate in (fn, getattr(type(fn), "__call__", None), getattr(fn, "func", None)):
+        code = getattr(inspect.unwrap(candidate), "__code__", None) if candidate is not None else None
+        if code is not None:
+            return code.co_filename
+    return None
