@@ -403,6 +403,20 @@ def test_a_conversation_ending_with_a_user_turn_is_a_prompt_for_step_3_and_a_cou
     assert [r.chosen for r in records] == [None, None, "Hello, friend."]
     assert records[0].messages == awaiting
 
+def test_a_messages_field_written_as_a_whole_transcript_is_read_with_its_answer(tmp_path, tokenizer):
+    """A messages (conversations) field may be a "Human: ... Assistant: ..." transcript; one ending with its answer
+    stopped every step with a TypeError ("object of type 'NoneType' has no len()"): the check of the last turn's
+    weight took the messages of a message list, which a transcript has none of. Its answer is trained (step 1) and
+    is step 3's reference answer."""
+    transcript = "\n\nHuman: Hi there.\n\nAssistant: Hello, friend.\n\nHuman: How are you?\n\nAssistant: Fine."
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": transcript}] * 2)
+    sft, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")
+    assert len(sft) == 2 and trained_text(sft[0], tokenizer) == " Fine.<|endoftext|>"
+    prompts, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
+    assert prompts[0]["prompt_text"] == format_prompt(CONVERSATION[1:4], tokenizer)
+    assert prompts[0]["chosen"] == "Fine."
+
+
 @pytest.mark.parametrize("template", ["human_assistant", "chatml"])
 def test_multiturn_trains_a_conversation_ending_with_a_user_turn_up_to_its_last_answer(tmp_path, tokenizer, capsys,
                                                                                       template):

@@ -1527,7 +1527,7 @@ class LocalDataset(PromptRawDataset):
                 raise EndsWithUser(self._with_system(sample, awaiting))
             answer = self._split_message_list(sample, self.fields["messages"])[1]
             messages, untrained = self._weighted_messages(sample)
-            if len(messages) - 1 in untrained:
+            if untrained and len(messages) - 1 in untrained:  # (a transcript has no weights, and no messages here)
                 raise UntrainedAnswer(messages)
             return answer
         if self.shape == "chosen_messages":
