@@ -3,6 +3,16 @@
 ``HybridEngine`` keeps DeepSpeed's hybrid-engine contract so DeepSpeed-Chat-style trainers work unchanged:
 ``eval()`` -> ``generate(...)`` (also reachable as ``engine.module.generate``) -> ``train()`` -> forward/backward ->
 ``step()``. Everything it does not define is the wrapped ``DeepSpeedEngine``'s.
+
+Generation reads the training parameters themselves (ZeRO 0-2 without LoRA, ZeRO-3 unpinned) or a copy of them (ZeRO-3
+pinned, LoRA merged, inference tensor parallelism: ``weights.py``), which the first generation after a change brings up
+to date. What marks that copy stale: every optimizer step DeepSpeed applied, taken through this wrapper's ``step()`` or
+through the DeepSpeed engine's own (read from its step counts at each generation: a skipped step or a ``step()``
+between accumulation boundaries refreshes nothing), this wrapper's ``load_checkpoint`` (the DeepSpeed engine's own
+when it loads another step's counts), and ``mark_weights_stale()``. Anything else that writes the training parameters
+(``engine.module.load_state_dict``, a copy into them, the DeepSpeed engine's ``load_checkpoint(...,
+load_module_only=True)``) must call ``mark_weights_stale()`` before the next generation. The fused projections
+(``fusion.py``) are rewritten at every generation and never behind.
 """
 import contextlib
 import dataclasses
@@ -79,6 +89,9 @@ class HybridEngine:
             raise ValueError("the actor was built with DeepSpeed's own hybrid engine; pass the DeepSpeed config "
                              "through strip_deepspeed_hybrid_engine() before deepspeed.initialize")
         self._engine = ds_engine
+        # the engine's step counts when this engine last knew its weights (a step through the DeepSpeed engine itself
+        # moves them: _follow_engine_steps)
+        self._step_counts_seen = _step_counts(ds_engine)
         self.hybrid_config = config if config is not None else HybridEngineConfig(enabled=True)
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -296,13 +309,27 @@ class HybridEngine:
         return result
 
     def mark_weights_stale(self):
-        """For code that changes the actor's weights other than through ``step()``/``load_checkpoint()``. Every
-        HybridEngine of this DeepSpeed engine is marked: another's inference copy is as far behind the step."""
+        """For code that changes the actor's weights other than through an optimizer step or ``load_checkpoint()``
+        (``engine.module.load_state_dict``, a copy into its parameters): the next generation refreshes the inference
+        copy. Every HybridEngine of this DeepSpeed engine is marked: another's inference copy is as far behind."""
+        counts = _step_counts(self._engine)
         for wrapper in list(_wrappers_of(self._engine)):
             if wrapper.inference_weights is not None:  # (None once released)
                 wrapper.inference_weights.mark_stale()
+                wrapper._step_counts_seen = counts  # (the steps so far are in this mark)
+
+    def _follow_engine_steps(self):
+        """Optimizer steps taken through the DeepSpeed engine itself since this engine last looked (a loop that kept
+        the engine ``deepspeed.initialize`` returned and calls its ``step()``) mark the weights stale too: DeepSpeed's
+        step counts say whether one was applied, so a skipped step (overflow) or a ``step()`` between accumulation
+        boundaries refreshes nothing, and each HybridEngine of the engine looks for itself."""
+        counts = _step_counts(self._engine)
+        if _weights_moved(self._step_counts_seen, counts):
+            self.inference_weights.mark_stale()
+        self._step_counts_seen = counts
 
     def _refresh_weights(self):
+        self._follow_engine_steps()
         start = time.perf_counter()
         if self.inference_weights.refresh_if_stale():
             _synchronize()  # copies are asynchronous on accelerators; time them fully
@@ -661,6 +688,24 @@ def torch_linear():
         yield
     finally:
         torch.nn.functional.linear = replaced
+
+
+def _step_counts(ds_engine):
+    """(optimizer steps taken, steps skipped) as DeepSpeed counts them: ``global_steps`` counts the ``step()`` of each
+    gradient accumulation boundary, ``skipped_steps`` those of them that left the weights as they were (an overflow,
+    an invalid gradient norm); a ``step()`` between boundaries counts in neither. None for an engine that keeps no
+    counts (a test's stand-in)."""
+    counts = getattr(ds_engine, "global_steps", None), getattr(ds_engine, "skipped_steps", None)
+    return counts if all(isinstance(count, int) for count in counts) else None
+
+
+def _weights_moved(before, now):
+    """Whether the weights may have changed between two ``_step_counts``: a step applied in between (more steps than
+    skips), or counts that went back (DeepSpeed's ``load_checkpoint`` of an earlier step)."""
+    if before is None or now is None:
+        return False
+    (steps_before, skipped_before), (steps, skipped) = before, now
+    return steps - skipped != steps_before - skipped_before or steps < steps_before
 
 
 _WRAPPERS = weakref.WeakKeyDictionary()  # DeepSpeed engine -> the HybridEngines around it (weakly, both)

@@ -84,8 +84,9 @@ class WeightCopy:
 class InferenceWeights:
     """The module the generator calls, kept in step with the training weights.
 
-    ``mark_stale()`` is called after every optimizer step that changed the weights; ``refresh_if_stale()`` before a
-    generation brings the inference weights up to date only when they are behind.
+    ``mark_stale()`` is called after every optimizer step that changed the weights (the HybridEngine's ``step()``, or
+    the DeepSpeed engine's own as its step counts show: ``HybridEngine._follow_engine_steps``);
+    ``refresh_if_stale()`` before a generation brings the inference weights up to date only when they are behind.
     """
 
     kind = "base"

@@ -1,0 +1,143 @@
+"""Optimizer steps taken through the DeepSpeed engine itself, not the HybridEngine around it (a DeepSpeed-Chat-style
+loop that kept the engine deepspeed.initialize returned): the next generation must read the stepped weights."""
+import copy
+import sys
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from hybrid_common import (PAD, ds_config, gather_into, hf_generate, left_padded_batch, make_ds_engine,  # noqa: E402
+                           tiny_model, train_step)
+
+from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
+
+MAX_NEW = 12
+
+
+def _lora_model(seed=0):
+    model = tiny_model("llama", seed=seed)
+    torch.manual_seed(seed + 100)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def _hybrid(ds_engine):
+    return HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32), pad_token_id=PAD)
+
+
+def _reference_generate(ds_engine, reference, ids, mask):
+    """HF's greedy generate from the training weights as they are now (gathered into ``reference`` under ZeRO-3)."""
+    if reference is None:
+        return hf_generate(ds_engine.module, ids, mask, MAX_NEW)
+    gather_into(reference, ds_engine.module)
+    return hf_generate(reference, ids, mask, MAX_NEW)
+
+
+# Where generation reads a copy of the training weights (the training module itself, ZeRO 0-2 without LoRA, and the
+# fused projections, rewritten at every generation, are never behind: test_hybrid_engine*.py).
+CASES = {"lora_zero0": (0, True), "lora_zero2": (2, True), "pinned_zero3": (3, False), "lora_zero3": (3, True)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_step_through_the_raw_deepspeed_engine_is_seen_by_the_next_generation(case):
+    stage, lora = CASES[case]
+    model = _lora_model() if lora else tiny_model("llama", seed=0)
+    reference = copy.deepcopy(model) if stage == 3 else None  # (before deepspeed.initialize partitions it)
+    ds_engine = make_ds_engine(model, stage)
+    engine = _hybrid(ds_engine)
+    assert engine.inference_weights.kind == ("lora_copy" if lora else "pinned_copy")
+    ids, mask = left_padded_batch([6, 3, 5], seed=1)
+    engine.eval()
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert torch.equal(first, _reference_generate(ds_engine, reference, ids, mask))
+
+    train_step(ds_engine, first)  # ds_engine.step(): the HybridEngine is not told
+    expected = _reference_generate(ds_engine, reference, ids, mask)
+    assert not torch.equal(expected, first), "the step changed no answer: the test could not see stale weights"
+    engine.eval()
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+    # engine.module.generate (DeepSpeed-Chat's call site) without eval() too, after another raw step
+    train_step(ds_engine, expected)
+    again = _reference_generate(ds_engine, reference, ids, mask)
+    assert torch.equal(ds_engine.module.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), again)
+
+
+def _raw_micro_step(ds_engine, sequences, loss_factor=1.0):
+    """One forward/backward/step() through the DeepSpeed engine; ``loss_factor`` NaN makes the gradients NaN."""
+    ds_engine.train()
+    mask = (sequences != PAD).long()
+    loss = ds_engine(input_ids=sequences, attention_mask=mask, labels=sequences.masked_fill(mask == 0, -100)).loss
+    ds_engine.backward(loss * loss_factor)
+    ds_engine.step()
+
+
+def test_a_raw_step_that_deepspeed_skipped_or_that_ended_no_accumulation_refreshes_nothing():
+    """Only a step that changed the weights costs a refresh (a gather of the whole model under ZeRO-3): not one that
+    DeepSpeed skipped on NaN gradients (ZeRO-2 in fp32 checks them), nor a step() inside an accumulation."""
+    import deepspeed
+
+    from dschat.utils.dist import ensure_distributed
+
+    ensure_distributed()
+    model = _lora_model(seed=2)
+    config = ds_config(stage=2)
+    config["gradient_accumulation_steps"] = 2
+    ds_engine, *_ = deepspeed.initialize(model=model, config=config,
+                                         model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine = _hybrid(ds_engine)
+    weights = engine.inference_weights
+    ids, mask = left_padded_batch([5, 2, 4], seed=2)
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert weights.refresh_count == 1
+
+    for _ in range(2):  # a whole accumulation of NaN gradients: its step is skipped
+        _raw_micro_step(ds_engine, first, loss_factor=float("nan"))
+    assert ds_engine.skipped_steps == 1 and ds_engine.global_steps == 1
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), first)
+    assert weights.refresh_count == 1
+
+    _raw_micro_step(ds_engine, first)  # within the accumulation: no optimizer step
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), first)
+    assert weights.refresh_count == 1
+    _raw_micro_step(ds_engine, first)  # the boundary: applied
+    expected = hf_generate(model, ids, mask, MAX_NEW)
+    assert not torch.equal(expected, first), "the step changed no answer: the test could not see stale weights"
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+    assert weights.refresh_count == 2
+
+
+def test_a_raw_step_reaches_every_hybrid_engine_of_the_deepspeed_engine_and_one_left_after_a_release():
+    model = _lora_model(seed=3)
+    ds_engine = make_ds_engine(model)
+    first, second = _hybrid(ds_engine), _hybrid(ds_engine)
+    ids, mask = left_padded_batch([4, 6], seed=3)
+    before = first.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert torch.equal(second.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), before)
+    train_step(ds_engine, before)
+    expected = hf_generate(model, ids, mask, MAX_NEW)
+    assert not torch.equal(expected, before), "the step changed no answer: the test could not see stale weights"
+    for wrapper in (first, second):
+        assert torch.equal(wrapper.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+    first.release_generation()
+    train_step(ds_engine, expected)
+    assert torch.equal(ds_engine.module.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW),
+                       hf_generate(model, ids, mask, MAX_NEW))
+
+
+def test_a_step_through_the_hybrid_engine_marks_its_weights_stale_once():
+    """The wrapper's own step() marks the weights stale at once (``is_stale`` says so before the next generation);
+    the generation after it, which also reads DeepSpeed's step counts, counts that step once, not twice."""
+    model = _lora_model(seed=4)
+    engine = _hybrid(make_ds_engine(model))
+    weights = engine.inference_weights
+    ids, mask = left_padded_batch([3, 5], seed=4)
+    seq = engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    version = weights.version
+    train_step(engine, seq)
+    assert weights.is_stale and weights.version == version + 1
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert not weights.is_stale and weights.version == version + 1 and weights.refresh_count == 2
