@@ -141,3 +141,88 @@ def test_a_step_through_the_hybrid_engine_marks_its_weights_stale_once():
     assert weights.is_stale and weights.version == version + 1
     engine.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert not weights.is_stale and weights.version == version + 1 and weights.refresh_count == 2
+
+
+# -- weights loaded into the actor's module ------------------------------------------------------------------------
+def test_a_load_state_dict_into_the_actor_module_or_its_hf_model_is_seen_by_the_next_generation():
+    """engine.module.load_state_dict (a notebook that loads other weights into the actor) left a LoRA actor's merged
+    copy as it was: generation went on from the weights before the load."""
+    model = _lora_model(seed=5)
+    engine = _hybrid(make_ds_engine(model))
+    ids, mask = left_padded_batch([5, 3], seed=5)
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    engine.module.load_state_dict(_lora_model(seed=6).state_dict())  # the PEFT model DeepSpeed trains
+    expected = hf_generate(model, ids, mask, MAX_NEW)
+    assert not torch.equal(expected, first), "the load changed no answer: the test could not see stale weights"
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+    model.get_base_model().load_state_dict(_lora_model(seed=7).get_base_model().state_dict())  # the HF model in it
+    expected = hf_generate(model, ids, mask, MAX_NEW)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+
+
+def test_the_deepspeed_engines_own_load_checkpoint_of_the_module_alone_is_seen_by_the_next_generation(tmp_path):
+    """load_module_only=True restores no step counts: only the load into the module says the weights changed."""
+    model = _lora_model(seed=10)
+    ds_engine = make_ds_engine(model)
+    engine = _hybrid(ds_engine)
+    ids, mask = left_padded_batch([5, 4], seed=10)
+    saved = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    ds_engine.save_checkpoint(str(tmp_path), tag="saved")
+    train_step(engine, saved)
+    trained = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert not torch.equal(trained, saved), "the step changed no answer: the test could not see stale weights"
+    ds_engine.load_checkpoint(str(tmp_path), tag="saved", load_module_only=True)
+    assert torch.equal(hf_generate(model, ids, mask, MAX_NEW), saved)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), saved)
+
+
+def test_a_copy_of_the_actor_module_loads_and_pickles_without_the_engine_and_a_release_removes_the_hooks():
+    import pickle
+
+    model = _lora_model(seed=8)
+    watched = (model, model.get_base_model())
+    hooks_before = [len(m._load_state_dict_post_hooks) for m in watched]
+    engine = _hybrid(make_ds_engine(model))
+    ids, mask = left_padded_batch([4, 2], seed=8)
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    weights = engine.inference_weights
+    other = _lora_model(seed=9).state_dict()
+    copied = copy.deepcopy(engine.module)  # (a reference or EMA copy: TRL's create_reference_model)
+    copied.load_state_dict(other)
+    assert not weights.is_stale, "a load into a copy of the module marked the actor's engine stale"
+    # (DeepSpeed's own forward hooks keep the module from pickling: the hook alone, as a pickled module would hold it)
+    hook = next(h for h in model._load_state_dict_post_hooks.values() if type(h).__name__ == "_LoadMarksStale")
+    pickle.loads(pickle.dumps(hook))(copied, None)
+    assert not weights.is_stale
+    hook(model, None)
+    assert weights.is_stale
+    assert [len(m._load_state_dict_post_hooks) for m in watched] == [n + 1 for n in hooks_before]
+    engine.release_generation()
+    assert [len(m._load_state_dict_post_hooks) for m in watched] == hooks_before
+
+
+def test_under_zero3_on_several_ranks_a_copy_stale_on_another_rank_alone_is_refreshed_on_every_rank(monkeypatch):
+    """The refresh gathers over the world: a load on rank 0 alone (into GatheredParameters(modifier_rank=0), the
+    usual way to load under ZeRO-3) marked rank 0's copy stale only, and rank 0 would gather alone. The ranks now
+    agree: this rank's copy, fresh here, is refreshed since another rank's is stale (the other rank is simulated:
+    one process)."""
+    from dschat.hybrid_engine import engine as engine_module
+
+    engine = _hybrid(make_ds_engine(tiny_model("llama", seed=9), 3))
+    ids, mask = left_padded_batch([4, 2], seed=9)
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    weights = engine.inference_weights
+    assert weights.refresh_count == 1
+    answers = []  # what the other rank answers: its arguments are fine (the first question), its copy is stale
+
+    def ranks_agree(flag, device, group=None):
+        return flag and answers.pop(0)
+
+    monkeypatch.setattr(engine_module, "_world_size", lambda: 2)
+    monkeypatch.setattr(engine_module, "ranks_agree", ranks_agree)
+    answers[:] = [True, True]
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert weights.refresh_count == 1 and not answers
+    answers[:] = [True, False]
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert weights.refresh_count == 2 and not answers

@@ -8,11 +8,13 @@ Generation reads the training parameters themselves (ZeRO 0-2 without LoRA, ZeRO
 pinned, LoRA merged, inference tensor parallelism: ``weights.py``), which the first generation after a change brings up
 to date. What marks that copy stale: every optimizer step DeepSpeed applied, taken through this wrapper's ``step()`` or
 through the DeepSpeed engine's own (read from its step counts at each generation: a skipped step or a ``step()``
-between accumulation boundaries refreshes nothing), this wrapper's ``load_checkpoint`` (the DeepSpeed engine's own
-when it loads another step's counts), and ``mark_weights_stale()``. Anything else that writes the training parameters
-(``engine.module.load_state_dict``, a copy into them, the DeepSpeed engine's ``load_checkpoint(...,
-load_module_only=True)``) must call ``mark_weights_stale()`` before the next generation. The fused projections
-(``fusion.py``) are rewritten at every generation and never behind.
+between accumulation boundaries refreshes nothing), ``load_state_dict`` into ``engine.module`` or the HF model inside
+a PEFT one (a post-hook; DeepSpeed's ``load_checkpoint`` loads through it), and ``mark_weights_stale()``. Anything else
+that writes the training parameters (a copy into them, e.g. from an EMA model; a load into a submodule alone) must call
+``mark_weights_stale()`` before the next generation. Under ZeRO-3 on several ranks the ranks agree at each ``eval()``
+and ``generate`` (which every rank calls together there): a copy stale on one rank (a load on rank 0 alone, inside
+``GatheredParameters(modifier_rank=0)``) is refreshed on all. The fused projections (``fusion.py``) are rewritten at
+every generation and never behind.
 """
 import contextlib
 import dataclasses
@@ -121,6 +123,7 @@ class HybridEngine:
         self._evaluating = False
         _wrappers_of(ds_engine).add(self)
         self.route_module_generate()
+        self._load_hooks = _watch_loads(ds_engine.module, self)
         released_as(ds_engine, self)  # (a step run's, or a notebook engine's failed build's, released_engines block)
 
     def _build_generation(self, ds_engine, decode_attention, fuse_projections, compile_decode_step, compile_prefill):
@@ -194,6 +197,8 @@ class HybridEngine:
         if not first_release(self):
             return
         self._unroute_module_generate()
+        for hook in self._load_hooks:
+            hook.remove()
         if self.graph_decoder is not None:
             self.graph_decoder.drop()  # (the captured steps hold the cache's storage and the group's collectives)
             self.graph_decoder = None
@@ -309,9 +314,10 @@ class HybridEngine:
         return result
 
     def mark_weights_stale(self):
-        """For code that changes the actor's weights other than through an optimizer step or ``load_checkpoint()``
-        (``engine.module.load_state_dict``, a copy into its parameters): the next generation refreshes the inference
-        copy. Every HybridEngine of this DeepSpeed engine is marked: another's inference copy is as far behind."""
+        """For code that changes the actor's weights other than through an optimizer step, ``load_checkpoint()`` or
+        ``engine.module.load_state_dict`` (a copy into its parameters, a load into a submodule): the next generation
+        refreshes the inference copy. Every HybridEngine of this DeepSpeed engine is marked: another's inference copy
+        is as far behind."""
         counts = _step_counts(self._engine)
         for wrapper in list(_wrappers_of(self._engine)):
             if wrapper.inference_weights is not None:  # (None once released)
@@ -330,6 +336,11 @@ class HybridEngine:
 
     def _refresh_weights(self):
         self._follow_engine_steps()
+        if _world_size() > 1 and self._engine.zero_optimization_stage() == 3:
+            # the refresh gathers over the world: a load on one rank alone (into GatheredParameters with
+            # modifier_rank=0, or a mark_weights_stale there) refreshes every rank's copy
+            if not ranks_agree(not self.inference_weights.is_stale, self._engine.device):
+                self.inference_weights.mark_stale()
         start = time.perf_counter()
         if self.inference_weights.refresh_if_stale():
             _synchronize()  # copies are asynchronous on accelerators; time them fully
@@ -688,6 +699,40 @@ def torch_linear():
         yield
     finally:
         torch.nn.functional.linear = replaced
+
+
+class _LoadMarksStale:
+    """A ``load_state_dict`` post-hook of the actor's module: weights loaded into it (``engine.module
+    .load_state_dict``, the DeepSpeed engine's ``load_checkpoint``) mark the HybridEngine's inference copy stale. It
+    holds the engine weakly; a copy of the module (deep copy: a reference or EMA model; pickle) gets one that does
+    nothing, as its ``generate`` is no longer the engine's (``_RoutedGenerate``)."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, module, incompatible_keys):
+        engine = self._engine()
+        if engine is not None and engine.inference_weights is not None:  # (None once released)
+            engine.inference_weights.mark_stale()
+
+    def __deepcopy__(self, memo):
+        return _CopiedModuleLoadHook()
+
+    def __reduce__(self):
+        return _CopiedModuleLoadHook, ()
+
+
+class _CopiedModuleLoadHook:
+    def __call__(self, module, incompatible_keys):
+        return None
+
+
+def _watch_loads(module, engine):
+    """The handles of ``_LoadMarksStale`` on ``module`` and, under LoRA, on the HF model inside it: a user may load
+    into either. A load into a submodule alone is not seen (``mark_weights_stale``)."""
+    hook = _LoadMarksStale(engine)
+    modules = {id(m): m for m in (module, unwrap_peft(module))}.values()
+    return [m.register_load_state_dict_post_hook(hook) for m in modules]
 
 
 def _step_counts(ds_engine):
