@@ -74,8 +74,27 @@ def interrupted_move_message(model_path):
         return None
     return (f"{model_path} holds part of a save interrupted while it moved its files in one by one (the folder "
             f"could not be swapped: a mount point, or the working directory), so its model files mix the new save's "
-            f"with the earlier one's; {moving} holds the rest: the next save there, or a step's start with it as "
-            "its --output_dir, finishes moving it in")
+            f"with the earlier one's; {moving} holds the rest: the next save there, a step's start with it as "
+            f"its --output_dir, or dschat.models.checkpoint.recover_interrupted_swap({model_path!r}) finishes moving "
+            "it in (unless that save is still running there: then wait for it)")
+
+
+def interrupted_swap_message(model_path):
+    """What a save killed between the two renames that swap its finished copy in for ``model_path`` left: no folder
+    there, the new model whole beside it (``save_swap_paths``); else None."""
+    new = save_swap_paths(model_path)[0]
+    if os.path.lexists(model_path) or not os.path.isdir(new):
+        return None
+    return (f"{model_path}: no folder there now: a save that replaced it was interrupted between its renames, and its "
+            f"finished copy is {new}: the next save there, a step's start with it as its --output_dir (or in its "
+            f"--output_dir), or dschat.models.checkpoint.recover_interrupted_swap({model_path!r}) moves it in")
+
+
+def interrupted_save_message(model_path):
+    """Why ``model_path`` cannot load as a model because a save there was killed part-way (``interrupted_move_message``,
+    ``interrupted_swap_message``), else None: what every dschat load of a model checks first
+    (``loading.check_no_interrupted_save``)."""
+    return interrupted_move_message(model_path) or interrupted_swap_message(model_path)
 
 
 def save_leftovers(model_path):

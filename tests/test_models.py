@@ -745,6 +745,33 @@ def test_a_sharded_save_killed_while_it_replaces_a_folder_leaves_the_old_or_the_
     assert os.stat(target).st_ino == folder and _same_weights(target, old)
 
 
+def test_a_model_folder_swapped_out_by_a_killed_save_is_said_by_every_loader_with_its_new_copy(tmp_path):
+    """A save killed between the two renames that swap its finished copy in leaves no folder at the model's path, the
+    new model whole beside it: loading it said "no such folder" (or, for a bare name, asked the hub), not where the
+    model is nor how to finish the save. The loaders now say both, and load the new model once it is finished."""
+    from dschat.errors import UsageError
+    from dschat.models.checkpoint import recover_interrupted_swap
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+
+    new = _sharded_save(tmp_path / "reference_new", seed=2)
+    kill_at = 1
+    while True:  # (the kill between the swap's renames)
+        target = tmp_path / f"run{kill_at}" / "model"
+        _sharded_save(target, seed=1)
+        assert _killed_save(target, kill_at), "no kill left the folder swapped out"
+        if not target.exists():
+            break
+        kill_at += 1
+    said = (re.escape(str(target)) + r": no folder there now: a save that replaced it was interrupted between its "
+            r"renames, and its finished copy is " + re.escape(str(target.parent / ".model.save-new")))
+    for load in (lambda: load_causal_lm(str(target), _Tok()), lambda: load_tokenizer(str(target)),
+                 lambda: RewardModel.from_pretrained(str(target))):
+        with pytest.raises(UsageError, match=said + ".*recover_interrupted_swap"):
+            load()
+    recover_interrupted_swap(str(target))
+    assert _same_weights(target, new)
+
+
 def _templates(folder, name):
     """A tokenizer's folder of named chat templates (a save's subfolder), holding ``name``."""
     (folder / "additional_chat_templates").mkdir()

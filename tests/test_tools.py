@@ -360,6 +360,78 @@ def test_the_tools_name_the_flag_of_a_missing_model_before_any_model_loads(model
         rw_eval.main(["--model_name_or_path", models["rm"], "--pairs_file", str(tmp_path / "pairs.jsonl")])
 
 
+def _half_moved_save(models, folder, reward):
+    """A copy of the tiny policy (or reward model) in ``folder`` that a save of the other weights (``baseline``) was
+    killed in part-way while it moved its files in one by one (the folder was the working directory, so it could not
+    be swapped): new files beside old ones, the rest in the save's marked copy (``save_moving_path``). The folder and
+    the model saved."""
+    from dschat.models.checkpoint import save_causal_lm
+    from dschat.models.loading import load_causal_lm
+    from dschat.run_layout import save_moving_path
+
+    shutil.copytree(models["rm" if reward else "policy"], folder)
+    tokenizer = load_tokenizer(models["baseline"])
+    model = (create_critic_model(models["baseline"], tokenizer) if reward
+             else load_causal_lm(models["baseline"], tokenizer))
+    replaces, real_replace = [0], os.replace
+
+    def killed_at_the_third(*args, **kwargs):
+        replaces[0] += 1
+        if replaces[0] == 3:  # (the first is the record of the names; then one model file moved in, then the kill)
+            raise KeyboardInterrupt
+        return real_replace(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.chdir(folder)
+        patch.setattr(os, "replace", killed_at_the_third)
+        (save_reward_model if reward else save_causal_lm)(model, tokenizer, str(folder))
+    assert os.path.isdir(save_moving_path(str(folder)))
+    return str(folder), model
+
+
+@pytest.mark.parametrize("load", ["load_tokenizer", "load_policy", "load_causal_lm", "create_hf_model",
+                                  "load_reward_model", "create_critic_model", "chat", "prompt_eval", "rw_eval",
+                                  "ppo_eval", "ppo_eval --reward_model"])
+def test_a_folder_a_save_was_killed_moving_into_is_refused_by_every_loader_until_finished(load, models, tmp_path):
+    """A save into a folder that cannot be swapped (a mount point, the working directory) moves its files in one by
+    one; a kill part-way leaves new and old files mixed in it. Only the steps' checks refused it: a notebook's
+    load_tokenizer, load_causal_lm or load_reward_model and the tools loaded the mix (the first model's weights under
+    the second's config and tokenizer, or part of each's shards) as if it were a model. Each now refuses it, naming
+    the folder and how to finish the save, after which it loads as the new save."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.errors import UsageError
+    from dschat.models.checkpoint import recover_interrupted_swap
+    from dschat.models.loading import create_hf_model, load_causal_lm
+    from dschat.tools import chat
+
+    reward = load in ("load_reward_model", "create_critic_model", "rw_eval", "ppo_eval --reward_model")
+    load = load.split()[0]  # (ppo_eval's policy, then its reward model)
+    folder, saved = _half_moved_save(models, tmp_path / "model", reward)
+    policy, rm = (models["policy"], folder) if reward else (folder, models["rm"])
+    tokenizer = load_tokenizer(models["policy"])
+    loads = {
+        "load_tokenizer": lambda: load_tokenizer(folder),
+        "load_policy": lambda: load_policy(folder, device="cpu"),
+        "load_causal_lm": lambda: load_causal_lm(folder, tokenizer),
+        "create_hf_model": lambda: create_hf_model(AutoModelForCausalLM, folder, tokenizer),
+        "load_reward_model": lambda: load_reward_model(folder, tokenizer=tokenizer),
+        "create_critic_model": lambda: create_critic_model(folder, tokenizer),
+        "chat": lambda: chat.main(["--path", folder, "--prompt", "hi"]),
+        "prompt_eval": lambda: prompt_eval.main(["--model_name_or_path_baseline", models["baseline"],
+                                                 "--model_name_or_path_finetune", folder, "--num_prompts", "1"]),
+        "rw_eval": lambda: rw_eval.main(["--model_name_or_path", folder, "--num_pairs", "2"]),
+        "ppo_eval": lambda: ppo_eval.main(["--policy", policy, "--reward_model", rm, "--num_prompts", "2",
+                                           "--max_new_tokens", "2"]),
+    }
+    with pytest.raises(UsageError, match=re.escape(folder) + r" holds part of a save interrupted while it moved its "
+                                         r"files in one by one.*recover_interrupted_swap"):
+        loads[load]()
+    recover_interrupted_swap(folder)  # (what the message says: the save's move finished)
+    loaded = load_reward_model(folder) if reward else load_causal_lm(folder, tokenizer)
+    assert all(torch.equal(saved.state_dict()[name], weights) for name, weights in loaded.state_dict().items())
+
+
 def test_a_policy_where_a_reward_model_belongs_is_refused_with_its_flag_before_any_model_loads(models, monkeypatch):
     """ppo_eval --reward_model and rw_eval --model_name_or_path given an SFT folder were refused without their flag,
     ppo_eval's after the policy had loaded."""

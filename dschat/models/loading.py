@@ -29,6 +29,7 @@ def resolve_model_path(name_or_path):
     """
     from dschat.tiny.presets import create_tiny_model, is_tiny_preset
 
+    check_no_interrupted_save(name_or_path)  # (every load of a model, its config or tokenizer comes here first)
     if os.path.isdir(name_or_path) or not is_tiny_preset(name_or_path):
         return name_or_path
     from filelock import FileLock
@@ -38,6 +39,18 @@ def resolve_model_path(name_or_path):
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     with FileLock(folder + ".lock"):  # several ranks may start at once
         return create_tiny_model(preset, folder)
+
+
+def check_no_interrupted_save(name_or_path, flag=None):
+    """A folder that a save was killed in part-way (``run_layout.interrupted_save_message``: its files half moved in,
+    or the folder swapped out and the new one not yet in), refused, naming it (and ``flag``) and how to finish the
+    save: it would load as neither model, or as no folder at all. dschat's loaders (``resolve_model_path``: the
+    steps, ``DeepSpeedRLHFEngine``, ``load_tokenizer``, ``load_causal_lm``, ``RewardModel.from_pretrained``, the
+    tools) check it; transformers' own ``from_pretrained`` cannot."""
+    from dschat.run_layout import interrupted_save_message
+
+    if message := interrupted_save_message(name_or_path):
+        raise MissingInputError(f"{flag} {message}" if flag else message)
 
 
 def looks_local(path):
@@ -152,15 +165,13 @@ def check_model_path(name_or_path, flag):
     """A model that cannot load, as an error naming ``flag`` before anything loads: a local path (``looks_local``)
     that is not there (not transformers' "Repo id must be in the form ..." traceback from a hub lookup), a folder
     without a loadable model (``not_a_model_folder``, ``no_weights_message``, ``adapter_beside_model_message``) or
-    with a save's files half moved in (``interrupted_move_message``: it would load as neither model), a mistyped tiny
+    that a save was killed in (``check_no_interrupted_save``: it would load as neither model), a mistyped tiny
     preset, a hub name that cannot be fetched (``unfetchable_hub_name``)."""
-    from dschat.run_layout import interrupted_move_message
-
+    check_no_interrupted_save(name_or_path, flag)
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(f"{flag} {missing_folder_message(name_or_path)}")
     unloadable = os.path.isdir(name_or_path) and (not_a_model_folder(name_or_path) or no_weights_message(name_or_path)
-                                                  or adapter_beside_model_message(name_or_path)
-                                                  or interrupted_move_message(name_or_path))
+                                                  or adapter_beside_model_message(name_or_path))
     if unloadable:
         raise MissingInputError(f"{flag} {unloadable}")
     if unknown := unknown_tiny_preset(name_or_path):
