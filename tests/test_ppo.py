@@ -1998,6 +1998,48 @@ def test_resumed_run_matches_uninterrupted_run_with_dropout_hf_sampling_and_ptx(
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
 
 
+def test_a_save_killed_between_its_checkpoint_files_resumes_from_the_one_before_as_the_uninterrupted_run(
+        trained, tmp_path, monkeypatch):
+    """GRPO with an EMA copy, a LoRA actor and --offload, killed while it saved iteration 2's checkpoint: the actor's
+    DeepSpeed files written, its EMA copy not, nor the trainer state that marks a checkpoint complete. The resume
+    takes iteration 1's (the one ``latest`` names), saves iteration 2's over the partial one, and ends with the
+    uninterrupted run's log and models. (Swept by hand too: killed between the DeepSpeed files, before the trainer
+    state, before ``latest``, in the final model saves; each of EMA, LoRA, --offload and GRPO alone and with PPO's
+    critic.)"""
+    import dschat.rlhf.checkpointing as checkpointing
+    from safetensors.torch import load_file
+
+    score = tmp_path / "score.py"
+    score.write_text("def score(prompts, answers):\n    return [float(len(a) % 7) for a in answers]\n")
+    common = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "2", "--reward_model_weight", "0",
+              "--reward_fn", f"{score}:score", "--enable_ema", "--actor_lora_dim", "4", "--zero_stage", "2",
+              "--offload", "--max_steps", "2", "--save_interval", "1"]
+    ppo.main(ppo_args(trained, tmp_path / "full", *common))
+    real_save = torch.save
+
+    def killed_at_iteration_2s_ema(state, path, *args, **kwargs):
+        if str(path).endswith(os.path.join("iter_0000002", "ema.pt")):
+            raise KeyboardInterrupt
+        return real_save(state, path, *args, **kwargs)
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(checkpointing.torch, "save", killed_at_iteration_2s_ema)
+        ppo.main(ppo_args(trained, tmp_path / "split", *common))
+    checkpoints = tmp_path / "split" / "checkpoints"
+    assert (checkpoints / "actor" / "iter_0000002").is_dir()
+    assert not (checkpoints / "trainer" / "iter_0000002" / "state.json").exists()
+    ppo.main(ppo_args(trained, tmp_path / "split", "--resume", *common))
+    full, split = ([json.loads(x) for x in (tmp_path / run / "step3_log.jsonl").read_text().splitlines()]
+                   for run in ("full", "split"))
+    assert [r["iteration"] for r in split] == [r["iteration"] for r in full] == [1, 2]
+    for a, b in zip(full, split):
+        for key in ("reward", "actor_loss", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["iteration"], key)
+    for model in ("actor", "actor_ema"):
+        saved = [load_file(tmp_path / run / model / "model.safetensors") for run in ("full", "split")]
+        assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+
+
 def test_resumed_run_continues_the_unsupervised_data_where_it_stopped(trained, tmp_path):
     text = tmp_path / "unsup.jsonl"
     # 8 distinct blocks: 2 batches a pass, so the checkpoint after 3 iterations is 1 batch into the second pass
