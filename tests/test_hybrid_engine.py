@@ -434,6 +434,29 @@ def test_engine_delegates_and_records_latencies(capsys):
     assert "|E2E latency=" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_deepspeed_chats_checkpointing_toggle_on_the_actor_warns_not_and_switches_every_layer(lora):
+    """DeepSpeed-Chat's step-3 loop turns the actor's checkpointing on before each PPO update and off after
+    (``rlhf_engine.actor.gradient_checkpointing_enable()``): forwarded to transformers' deprecated name, each call put a
+    FutureWarning in the run's log (and transformers 6 drops the name). The engine's own pair switches every layer."""
+    import warnings
+
+    from dschat.models.lora import apply_lora
+
+    model = tiny_model("llama", seed=3)
+    engine = _engine(apply_lora(model, lora_dim=4) if lora else model)
+    layers = [m for m in engine.module.modules() if hasattr(m, "gradient_checkpointing")]
+    assert layers and not any(m.gradient_checkpointing for m in layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        engine.gradient_checkpointing_enable()
+        assert all(m.gradient_checkpointing for m in layers)
+        engine.gradient_checkpointing_disable()
+        assert not any(m.gradient_checkpointing for m in layers)
+        engine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert all(m.gradient_checkpointing for m in layers)
+
+
 def test_a_deep_copy_of_the_actor_module_is_possible_and_does_not_generate_through_the_engine():
     import copy
 
