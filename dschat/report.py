@@ -62,7 +62,8 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
     step1, step2, step3 = metrics(SFT_DIR), metrics(RM_DIR), metrics(PPO_DIR)
     report = {"timings_s": timings, "skipped": list(skipped), "resumed": list(resumed),
               "sft_eval_loss": step1.get("eval_loss"),
-              "sft_perplexity": step1.get("perplexity"), "rm_accuracy": step2.get("accuracy"),
+              "sft_perplexity": step1.get("perplexity"), "sft_eval_records": step1.get("eval_records"),
+              "sft_eval_tokens": step1.get("eval_tokens"), "rm_accuracy": step2.get("accuracy"),
               "rm_chosen_mean_score": step2.get("chosen_mean_score"),
               "rm_rejected_mean_score": step2.get("rejected_mean_score"),
               "rm_ties": step2.get("ties"), "rm_eval_pairs": step2.get("eval_pairs"),
@@ -189,6 +190,16 @@ def ties_said(ties, pairs):
         "each counted half)"
 
 
+def sft_eval_counts_said(report):
+    """What step 1's eval loss was taken over, as step 2's and DPO's say their pairs; nothing for a run from before
+    step 1 counted them."""
+    records, tokens = report.get("sft_eval_records"), report.get("sft_eval_tokens")
+    if records is None:
+        return ""
+    return f" over {counted(records, 'held-out record')}" + (f" ({counted(tokens, 'scored token')})"
+                                                            if tokens is not None else "")
+
+
 def final_kl_said(kl):
     """The KL at the end of the run, as the mean over its last iterations: each iteration's is a k1 estimate (the
     answer tokens' mean log-ratio to the reference) over one rollout's samples, unbiased but noisy, and one of a few
@@ -209,7 +220,10 @@ def summary_lines(report):
     said.update({step: f"{step}: finished earlier, skipped (--resume)" for step in report.get("skipped", [])})
     lines += [said[step] for step in sorted(said)]  # in step order ("step1", "step2", "step3"), run or skipped
     if report.get("sft_eval_loss") is not None:
-        lines.append(f"SFT eval loss: {report['sft_eval_loss']:.4f} (perplexity {report['sft_perplexity']:.2f})")
+        lines.append(f"SFT eval loss: {report['sft_eval_loss']:.4f} (perplexity {report['sft_perplexity']:.2f})"
+                     f"{sft_eval_counts_said(report)}")
+    elif report.get("sft_eval_records") == 0:  # (step 1 ran, on no held-out records: said, not left out unsaid)
+        lines.append("SFT: no held-out records, so no eval loss")
     if report.get("rm_accuracy") is not None:
         lines.append(f"RM held-out accuracy: {report['rm_accuracy']:.4f}"
                      f"{ties_said(report.get('rm_ties'), report.get('rm_eval_pairs'))} (chosen "

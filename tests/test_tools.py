@@ -157,6 +157,23 @@ def test_the_report_holds_only_the_recipes_steps(tmp_path):
     assert dpo["sft_eval_loss"] == 0.7 and "held_out" not in dpo and dpo["rm_accuracy"] is None
 
 
+def test_the_report_carries_step_1s_eval_records_and_tokens(tmp_path):
+    """Step 1 counts the held-out records and answer tokens its eval loss was taken over (as step 2 and DPO count
+    their pairs), and report.json left them out: the run's report and summary say them too, and an SFT with no
+    held-out records is said, not a missing line."""
+    from dschat.report import build_report, summary_lines
+
+    (tmp_path / "step1_sft").mkdir()
+    metrics = {"eval_loss": 0.7, "perplexity": 2.01, "eval_records": 1, "eval_tokens": 9}
+    (tmp_path / "step1_sft" / "metrics.json").write_text(json.dumps(metrics))
+    report = build_report(str(tmp_path), {}, "ppo")
+    assert report["sft_eval_records"] == 1 and report["sft_eval_tokens"] == 9
+    assert "SFT eval loss: 0.7000 (perplexity 2.01) over 1 held-out record (9 scored tokens)" in summary_lines(report)
+    metrics.update(eval_loss=None, perplexity=None, eval_records=0, eval_tokens=0)
+    (tmp_path / "step1_sft" / "metrics.json").write_text(json.dumps(metrics))
+    assert "SFT: no held-out records, so no eval loss" in summary_lines(build_report(str(tmp_path), {}, "ppo"))
+
+
 def test_the_report_says_the_tied_pairs_of_the_rm_and_dpo_accuracies(tmp_path):
     """A tie counts half in step 2's and DPO's accuracies, and the summary did not say how many pairs tied: an accuracy
     of 0.5 of a model that scores every pair alike read as chance. Where none tied, nothing is added."""
