@@ -74,9 +74,13 @@ def parse_args(argv=None):
                         "--step 1 3) is what step 3 scores with and starts its critic from; with --recipe grpo, what "
                         "GRPO is rewarded by instead of --reward_fn. --recipe dpo takes none.")
     p.add_argument("--actor-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
-                   help="Steps 1 and 3's actor (default: 0 with single_gpu, else 3).")
+                   help="Steps 1 and 3's actor and --recipe dpo's models (default: 0 with single_gpu, else 3; "
+                        "a step's own --zero_stage / --actor_zero_stage in its --stepN-args replaces the default, and "
+                        "is an error given with this flag at another value).")
     p.add_argument("--reward-zero-stage", type=zero_stage, default=None, metavar="{0,1,2,3}",
-                   help="Step 2's reward model and step 3's critic (default: 0 with single_gpu, else 3).")
+                   help="Step 2's reward model and step 3's critic (default: 0 with single_gpu, else 3; a step's "
+                        "own --zero_stage / --critic_zero_stage in its --stepN-args replaces the default, and is an "
+                        "error given with this flag at another value).")
     p.add_argument("--deployment-type", default="single_gpu", choices=["single_gpu", "single_node", "multi_node"],
                    help="single_gpu: one process (default); single_node: the deepspeed launcher starts a rank per "
                         "GPU of this node; multi_node: a rank per GPU of the nodes --hostfile lists.")
@@ -132,6 +136,11 @@ def parse_args(argv=None):
         p.error("argument --reward-zero-stage: --recipe grpo without --reward-model has no reward model or critic "
                 "(--reward_fn scores the answers)")
     args.unread_stage_flags = stage_flags_no_step_reads(args, runs)
+    # (the stages given, before the deployment's default fills them in: a --stepN-args stage may replace a default,
+    # not a stage the user gave too, pipeline.check_stage_flags_agree)
+    args.given_zero_stages = {flag: value for flag, value in (("--actor-zero-stage", args.actor_zero_stage),
+                                                              ("--reward-zero-stage", args.reward_zero_stage))
+                              if value is not None}
     args.hostfile = args.hostfile or "/job/hostfile"
     args.reward_model = args.reward_model or args.actor_model
     # ZeRO-0 on one GPU; sharded (ZeRO-3) when spread over GPUs. DeepSpeed-Chat's scripts pick a stage per model size.

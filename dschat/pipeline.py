@@ -275,6 +275,7 @@ def check_step_args(steps, args, tiny, parsers):
         parsed[step] = parser.parse_args(step_argv(step, args, tiny)), parser
     for step, (flags, parser) in parsed.items():
         check_folders_are_train_pys(step, args, tiny, flags, parser)
+        check_stage_flags_agree(step, args, flags, parser)
         parse_field_map(flags.data_fields)  # (a step reads it with its data: after train.py has reset the report)
         if step == 3:
             check_grpo_reads_no_step2_folder(flags, args)
@@ -395,6 +396,39 @@ def check_folders_are_train_pys(step, args, tiny, parsed, parser):
             raise UsageError(f"--step{step}-args sets --{dest}, which train.py sets itself from {train_py_flag} (the "
                              f"later steps and the report read train.py's folders): use {train_py_flag}, or run "
                              "the step's training/.../main.py")
+
+
+def stage_flags_of(step, recipe):
+    """{a ZeRO-stage flag of ``step``: the train.py flags that set the same model's stage}."""
+    if step == 3:  # (--zero_stage: both models' where their own flags are not given)
+        return {"actor_zero_stage": ("--actor-zero-stage",), "critic_zero_stage": ("--reward-zero-stage",),
+                "zero_stage": ("--actor-zero-stage", "--reward-zero-stage")}
+    return {"zero_stage": ("--actor-zero-stage" if step == 1 or recipe == "dpo" else "--reward-zero-stage",)}
+
+
+def check_stage_flags_agree(step, args, parsed, parser):
+    """A ZeRO stage in ``--stepN-args`` replaces the one train.py gives the step, which is the deployment's default
+    unless --actor-zero-stage / --reward-zero-stage was given: both given with other values is an error naming both
+    (the step's won, and the train.py flag was dropped unsaid)."""
+    from dschat.args import flag_groups
+
+    given = getattr(args, "given_zero_stages", {})
+    in_step = {dest for dest, _ in flag_groups(parser, step_extra_args(step, args))}
+    for dest, train_py_flags in stage_flags_of(step, getattr(args, "recipe", "ppo")).items():
+        for flag in train_py_flags:
+            if step == 3 and dest == "zero_stage" and STEP3_OWN_STAGE[flag] in in_step:
+                continue  # (step 3's own per-model stage outranks its --zero_stage for that model)
+            if dest in in_step and flag in given and getattr(parsed, dest) != given[flag]:
+                raise UsageError(f"{flag} {given[flag]} and --step{step}-args --{dest} {getattr(parsed, dest)} both "
+                                 f"set step {step}'s ZeRO stage: give one ({flag} sets "
+                                 f"{TRAIN_PY_STAGE_MODELS[flag]}; --step{step}-args, step {step}'s alone)")
+
+
+# Step 3's flag of the model each of train.py's ZeRO-stage flags sets.
+STEP3_OWN_STAGE = {"--actor-zero-stage": "actor_zero_stage", "--reward-zero-stage": "critic_zero_stage"}
+# What each of train.py's ZeRO-stage flags sets (its --help's words).
+TRAIN_PY_STAGE_MODELS = {"--actor-zero-stage": "steps 1 and 3's actor (and DPO's models)",
+                         "--reward-zero-stage": "step 2's reward model and step 3's critic"}
 
 
 def _without_extra(args, step):

@@ -841,6 +841,40 @@ def test_train_py_refuses_step_args_that_move_its_folders_and_says_which_flag(tm
     assert not (tmp_path / "out").exists(), "no step may have run"
 
 
+def test_train_py_refuses_a_zero_stage_given_both_to_it_and_in_a_steps_args(tmp_path, distributed):
+    """``--actor-zero-stage 3 --step1-args "--zero_stage 2"`` trained step 1 at stage 2 and dropped train.py's flag
+    unsaid (step 3's --zero_stage dropped both of train.py's): an error naming both flags, before any step runs. A
+    stage the step's args give where train.py's flag is left out replaces the deployment's default, as before."""
+    from dschat import pipeline
+    from dschat.args import step1_parser, step2_parser, step3_parser
+    from dschat.errors import UsageError
+
+    out = str(tmp_path / "out")
+    for flags, said in ((["--actor-zero-stage", "3", "--step1-args", "--zero_stage 2"],
+                         "--actor-zero-stage 3 and --step1-args --zero_stage 2 both set step 1's ZeRO stage"),
+                        (["--reward-zero-stage", "1", "--step2-args", "--zero_stage 2"],
+                         "--reward-zero-stage 1 and --step2-args --zero_stage 2"),
+                        (["--actor-zero-stage", "1", "--step3-args", "--zero_stage 2"],
+                         "--actor-zero-stage 1 and --step3-args --zero_stage 2"),
+                        (["--reward-zero-stage", "1", "--step3-args", "--critic_zero_stage=2"],
+                         "--reward-zero-stage 1 and --step3-args --critic_zero_stage 2"),
+                        (["--recipe", "dpo", "--actor-zero-stage", "1", "--step2-args", "--zero_stage 2"],
+                         "--actor-zero-stage 1 and --step2-args --zero_stage 2")):
+        with pytest.raises(UsageError, match=re.escape(said)):
+            pipeline.run_pipeline(_train_py_args("--output-dir", out, *flags))
+    assert not (tmp_path / "out").exists(), "no step may have run"
+    parsers = {1: step1_parser, 2: step2_parser, 3: step3_parser}
+    for flags in (["--step1-args", "--zero_stage 2"], ["--actor-zero-stage", "2", "--step1-args", "--zero_stage 2"],
+                  ["--actor-zero-stage", "2", "--step3-args", "--critic_zero_stage 1"],
+                  ["--actor-zero-stage", "2", "--step3-args", "--zero_stage 1 --actor_zero_stage 2"]):
+        args = _train_py_args("--output-dir", out, *flags)
+        for step in (1, 3):
+            parsed = parsers[step]().parse_args(pipeline.step_argv(step, args, True))
+            pipeline.check_stage_flags_agree(step, args, parsed, parsers[step]())  # (no error)
+    args = _train_py_args("--output-dir", out, "--step1-args", "--zero_stage 2")
+    assert step1_parser().parse_args(pipeline.step_argv(1, args, True)).zero_stage == 2, "the step's replaces the default"
+
+
 def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, distributed):
     from dschat import pipeline
     from dschat.errors import MissingInputError
