@@ -186,8 +186,9 @@ def ties_said(ties, pairs):
     (or a run from before the ties were counted)."""
     if not ties:
         return ""
-    return f" ({ties} of {pairs} pairs tied, each counted half)" if pairs else f" ({counted(ties, 'tied pair')}, " \
-        "each counted half)"
+    if pairs:
+        return f" ({ties} of {counted(pairs, 'pair')} tied, each counted half)"
+    return f" ({counted(ties, 'tied pair')}, each counted half)"
 
 
 def sft_eval_counts_said(report):
@@ -258,7 +259,7 @@ def dpo_summary_lines(m):
     if not m["eval_pairs"]:
         return ["DPO: no held-out pairs, so no held-out scores"]
     pairs = m["eval_pairs"]
-    lines = [f"DPO held-out preference accuracy (chosen answer more likely, {pairs} pairs): "
+    lines = [f"DPO held-out preference accuracy (chosen answer more likely, {counted(pairs, 'pair')}): "
              f"SFT {m['reference_logp_accuracy']:.4f}{ties_said(m.get('reference_logp_ties'), pairs)} -> "
              f"DPO {m['logp_accuracy']:.4f}{ties_said(m.get('logp_ties'), pairs)}",
              f"DPO implicit rewards: chosen {m['chosen_reward']:.3f}, rejected {m['rejected_reward']:.3f}, "
@@ -266,6 +267,6 @@ def dpo_summary_lines(m):
              f"{ties_said(m.get('reward_ties'), pairs)}; eval loss {m['eval_loss']:.4f}"]
     rule_scores = m.get("held_out_rule_score")
     if rule_scores and rule_scores["dpo"]["prompts"]:  # no held-out prompts: no score (None)
-        lines.append(f"held-out rule score of greedy answers ({rule_scores['dpo']['prompts']} prompts): "
+        lines.append(f"held-out rule score of greedy answers ({counted(rule_scores['dpo']['prompts'], 'prompt')}): "
                      f"SFT {rule_scores['sft']['rule_score']:.3f} -> DPO {rule_scores['dpo']['rule_score']:.3f}")
     return lines

@@ -50,6 +50,29 @@ def test_sft_trains_saves_and_reports_metrics(tmp_path, distributed, monkeypatch
     assert (tmp_path / "sft" / "tokenizer.json").exists()
 
 
+def test_a_step_says_one_eval_record_in_the_singular(tmp_path, distributed, monkeypatch, capsys):
+    """The step's opening line said "16 train / 1 eval records": one count helper (report.counted) for every count
+    said with its noun."""
+    from dschat.steps import resume
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_):
+        raise Stop
+
+    data = tmp_path / "pairs"
+    data.mkdir()
+    for name, count in (("train", 16), ("eval", 1)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{name} question {i}?", "chosen": f"Answer {i}."})
+                                                    + "\n" for i in range(count)))
+    monkeypatch.setattr(resume, "resume_or_start", stop)  # (after the line, before any training)
+    with pytest.raises(Stop):
+        sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "cache"),
+                  "--data_path", str(data), "--data_split", "10,0,0", *SFT_FAST])
+    assert "[step1] 16 train / 1 eval record, " in capsys.readouterr().out
+
+
 def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_path, distributed, monkeypatch,
                                                                            capsys):
     from dschat.errors import UsageError

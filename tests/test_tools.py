@@ -198,6 +198,21 @@ def test_the_report_says_the_tied_pairs_of_the_rm_and_dpo_accuracies(tmp_path):
         summary_lines(build_report(str(tmp_path), {}, "ppo"))
 
 
+def test_the_reports_and_tools_say_a_count_of_one_in_the_singular():
+    """"1 pairs", "1 prompts": the report's, ppo_eval's and the resume lines' counts go through report.counted."""
+    from dschat.report import dpo_summary_lines
+    from dschat.tools.ppo_eval import summary_line
+
+    dpo = {"reference_logp_accuracy": 1.0, "logp_accuracy": 1.0, "reward_accuracy": 0.5, "chosen_reward": 0.0,
+           "rejected_reward": 0.0, "reward_margin": 0.0, "eval_loss": 0.69, "eval_pairs": 1, "reward_ties": 1,
+           "held_out_rule_score": {"sft": {"rule_score": 0.5, "prompts": 1}, "dpo": {"rule_score": 0.6, "prompts": 1}}}
+    lines = dpo_summary_lines(dpo)
+    assert "(chosen answer more likely, 1 pair): " in lines[0] and "(1 of 1 pair tied, each counted half)" in lines[1]
+    assert "held-out rule score of greedy answers (1 prompt): " in lines[2]
+    assert "over 1 prompt (run/sft)" in summary_line("sft", {"prompts": 1, "path": "run/sft", "rule_score_mean": 0.5})
+    assert "over 2 prompts (run/sft)" in summary_line("sft", {"prompts": 2, "path": "run/sft", "rule_score_mean": 0.5})
+
+
 def test_a_critic_free_run_has_no_critic_loss_curve_or_panel(tmp_path, monkeypatch):
     from dschat import report
 

@@ -21,6 +21,7 @@ from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import whole_iterations
+from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
@@ -322,29 +323,31 @@ def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, wher
     consumed = state["batch"] * saved_batch * saved_ranks
     if consumed % (batch * ranks):  # (whole iterations of as many prompts divide; a batch index of an earlier resume
         _refuse_position(where, state, saved_ranks,  # with another --generation_batches may not)
-                         f"its place in epoch {epoch + 1}, {state['batch']} batches of {saved_batch} prompts on "
-                         f"{saved_ranks} rank(s) ({consumed} prompts), is not a whole number of this run's batches of "
-                         f"{batch} on {ranks}", saved_batch * saved_ranks)
+                         f"its place in epoch {epoch + 1}, {_batches(state['batch'])} of "
+                         f"{counted(saved_batch, 'prompt')} on {saved_ranks} rank(s) ({counted(consumed, 'prompt')}), "
+                         f"is not a whole number of this run's batches of {batch} on {ranks}",
+                         saved_batch * saved_ranks)
     converted = {"batch": consumed // (batch * ranks)}
     _, usable = whole_iterations(len(train_loader), args.generation_batches)
     said = [f"the prompt position: epoch {epoch + 1} was done, training goes on from the next"
             if converted["batch"] >= usable else
-            f"the prompt position: the first {consumed} of epoch {epoch + 1}'s {prompts} prompts (in its order) were "
-            f"trained on, this run skips {_batches(converted['batch'])} of {batch} on each rank"]
+            f"the prompt position: the first {consumed} of epoch {epoch + 1}'s {counted(prompts, 'prompt')} (in its "
+            f"order) were trained on, this run skips {_batches(converted['batch'])} of {batch} on each rank"]
     if unsup_loader is not None:
         blocks = len(unsup_loader.dataset)
         saved_pass = math.ceil(blocks / saved_ranks) // saved_batch  # (the checkpoint's loader: drop_last)
         passes, into = divmod(state["unsup_batches"], saved_pass)
         taken = into * saved_batch * saved_ranks
         if taken % (batch * ranks):
-            _refuse_position(where, state, saved_ranks, f"its place in the unsupervised stream, {into} batches of "
-                             f"{saved_batch} blocks on {saved_ranks} rank(s) into pass {passes + 1} ({taken} blocks), "
+            _refuse_position(where, state, saved_ranks, f"its place in the unsupervised stream, {_batches(into)} of "
+                             f"{counted(saved_batch, 'block')} on {saved_ranks} rank(s) into pass {passes + 1} "
+                             f"({counted(taken, 'block')}), "
                              f"is not a whole number of this run's batches of {batch} on {ranks}",
                              saved_batch * saved_ranks)
         # (a pass of this run's that ends before ``taken``: the blocks in between are its pass's dropped last ones)
         converted["unsup_batches"] = passes * len(unsup_loader) + min(taken // (batch * ranks), len(unsup_loader))
-        said.append(f"the unsupervised stream: {taken} of its {blocks} blocks into pass {passes + 1}, this run "
-                    f"skips {_batches(converted['unsup_batches'])} of {batch} on each rank")
+        said.append(f"the unsupervised stream: {taken} of its {counted(blocks, 'block')} into pass {passes + 1}, "
+                    f"this run skips {_batches(converted['unsup_batches'])} of {batch} on each rank")
     return converted, said
 
 
@@ -399,7 +402,7 @@ def _iteration_at(epoch, batch, batches, generation_batches):
 
 
 def _batches(count):
-    return f"{count} batch" if count == 1 else f"{count} batches"
+    return counted(count, "batch", "batches")
 
 
 def _refuse_position(where, state, saved_ranks, why, generation_batch):

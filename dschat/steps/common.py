@@ -881,8 +881,9 @@ def _train_evaluate_save(args, recipe):
                                args.lora_learning_rate if args.lora_dim else None,
                                args.lr_scheduler_type, args.num_warmup_steps, total_steps,
                                args.gradient_checkpointing, args.zero3_fetch)
-    print_rank_0(f"{tag} {len(train_data)} train / {len(eval_data)} eval records, {counted(total_steps, 'step')}, "
-                 f"{count_params(model) / 1e6:.2f}M parameters, ZeRO-{args.zero_stage}, {args.dtype}")
+    print_rank_0(f"{tag} {len(train_data)} train / {counted(len(eval_data), 'eval record')}, "
+                 f"{counted(total_steps, 'step')}, {count_params(model) / 1e6:.2f}M parameters, "
+                 f"ZeRO-{args.zero_stage}, {args.dtype}")
 
     def evaluate():
         return recipe.evaluate_fn(engine, eval_loader, device, args.eval_iters)

@@ -101,7 +101,7 @@ def unsupervised_loader(args, tokenizer):
         raise UsageError(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: its text makes {len(data)} "
                          f"block(s) of {block} tokens (--max_prompt_seq_len + --max_answer_seq_len), fewer than one "
                          f"batch of --per_device_generation_batch_size {batch} on each of {ranks} rank(s) "
-                         f"({batch * ranks} blocks): give more text")
+                         f"({counted(batch * ranks, 'block')}): give more text")
     print_rank_0(f"[step3] unsupervised data {args.unsupervised_dataset_name}: {counted(len(data), 'block')} of "
                  f"{args.max_prompt_seq_len + args.max_answer_seq_len} tokens, "
                  f"{counted(len(loader), 'batch', 'batches')} per rank")

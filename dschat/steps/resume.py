@@ -16,6 +16,7 @@ import math
 import os
 
 from dschat.errors import UsageError
+from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
                                  restart_deepspeed_tensorboard, resumed_save_interval, say_a_changed_schedule,
@@ -240,13 +241,13 @@ def _position_on_these_ranks(state, saved_ranks, loader, args):
     consumed, step_samples = batch * micro * saved_ranks, args.per_device_train_batch_size * get_world_size()
     skipped = consumed // step_samples
     again = consumed - skipped * step_samples
-    said = (f"the data position: the first {consumed} of epoch {epoch + 1}'s {records} records (in its order) were "
-            f"trained on, this run skips {skipped} micro-batch{'' if skipped == 1 else 'es'} of "
+    said = (f"the data position: the first {consumed} of epoch {epoch + 1}'s {counted(records, 'record')} (in its "
+            f"order) were trained on, this run skips {counted(skipped, 'micro-batch', 'micro-batches')} of "
             f"{args.per_device_train_batch_size} on each rank")
     if again:
-        said += (f", {skipped * step_samples} records: the last {again} are trained on again ({consumed} is not a "
-                 f"multiple of --per_device_train_batch_size {args.per_device_train_batch_size} x {get_world_size()} "
-                 f"rank(s))")
+        said += (f", {counted(skipped * step_samples, 'record')}: the last {again} are trained on again ({consumed} "
+                 f"is not a multiple of --per_device_train_batch_size {args.per_device_train_batch_size} x "
+                 f"{get_world_size()} rank(s))")
     return skipped, said
 
 

@@ -21,6 +21,7 @@ from dschat.errors import UsageError
 from dschat.rlhf.engine import check_scores_actor_text
 from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
+from dschat.report import counted
 from dschat.run_layout import DPO_DIR, PPO_DIR, REPORT_FILE, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 from dschat.steps.ppo import prompt_loaders, step3_eval_prompts
@@ -110,7 +111,7 @@ def summary_line(role, result):
         return f"{role:8s} no held-out prompts, so no score ({result['path']})"
     scores = [f"{key} {result[key]:+.4f}" if key != "rule_score_mean" else f"{key} {result[key]:.4f}"
               for key in ("reward_mean", "reward_fn_mean", "rule_score_mean") if result.get(key) is not None]
-    return f"{role:8s} {', '.join(scores)} over {result['prompts']} prompts ({result['path']})"
+    return f"{role:8s} {', '.join(scores)} over {counted(result['prompts'], 'prompt')} ({result['path']})"
 
 
 def print_results(results):

@@ -10,6 +10,7 @@ from dschat.args import positive_int
 from dschat.data.formatting import render_human_assistant
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
+from dschat.report import counted
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
                                  check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
                                  flag_path, generation_kwargs, load_policy, non_empty_path, one_process, tool_prompt)
@@ -89,7 +90,7 @@ def print_comparison(records, paths, answers, scores):
             print(f"--- {role} ({paths[role]}):{suffix}\n{answers[role][index]}")
     if scores:
         means = ", ".join(f"{role} {_mean(scores[role]):.3f}" for role in ROLES)
-        print(f"{RULE}\nmean rule score over {len(records)} prompts: {means}")
+        print(f"{RULE}\nmean rule score over {counted(len(records), 'prompt')}: {means}")
 
 
 def _mean(values):

@@ -119,7 +119,7 @@ def print_pairs(result):
         print(f"{RULE}\nno pairs scored, so no accuracy; skipped as in step 2: {skipped}")
         return
     ties = f" ({result['ties']} tied, each counted half)" if result["ties"] else ""
-    print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {len(pairs)} pairs{ties}; mean score chosen "
+    print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {counted(len(pairs), 'pair')}{ties}; mean score chosen "
           f"{result['chosen_mean_score']:+.4f}, rejected {result['rejected_mean_score']:+.4f}"
           + (f"; skipped as in step 2: {skipped}" if skipped else ""))
 
