@@ -64,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--step", type=int, nargs="+", choices=[1, 2, 3], default=[1, 2, 3],
                    help="Which steps to run (e.g. --step 2 3).")
     p.add_argument("--actor-model", type=model_name, default="tiny-llama",
-                   help="Hub name, local folder or tiny preset; a bare OPT size (1.3b) means facebook/opt-1.3b.")
+                   help="Hub name, local folder or tiny preset (default: %(default)s, the embedded tiny default); a "
+                        "bare OPT size (1.3b) means facebook/opt-1.3b.")
     p.add_argument("--reward-model", type=model_name, default=None,
                    help="Hub name, local folder or tiny preset; a bare OPT size (350m) means facebook/opt-350m. "
                         "Default: the actor model (it must share the actor's tokenizer). Step 2 trains from it (on the "
@@ -89,7 +90,10 @@ def parse_args(argv=None):
                         "step3_ppo, ...), report.json, step3_curves.png, data_cache/ and, with --enable_tensorboard in "
                         "a step's args, tensorboard/.")
     # (one or more: an unset shell variable, "--data-path $DATA", trained on the default data, the hub's for real models)
-    p.add_argument("--data-path", nargs="+", default=None, help="Datasets for all steps (default: the steps').")
+    p.add_argument("--data-path", nargs="+", default=None,
+                   help="Datasets for all steps (default: the embedded tiny data with tiny presets, else "
+                        "DeepSpeed-Chat's Dahoas/rm-static; a step's own --data_path in its --stepN-args replaces it "
+                        "for that step).")
     p.add_argument("--data-fields", default=None,
                    help="Field names of local data files for all steps, e.g. prompt=question,chosen=good,rejected=bad "
                         "(a step's own --data_fields in its --stepN-args wins; a step whose --stepN-args give it other "

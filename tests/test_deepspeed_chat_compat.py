@@ -685,6 +685,14 @@ def test_every_train_py_flag_says_what_it_does_in_help(capsys):
     silent = [flag.split()[0] for flag in flags if len(re.split(r"\s{2,}", flag.strip(), maxsplit=1)) < 2]
     assert not silent, silent
     assert "default: ./output" in " ".join(options.split())
+    # --data-path's default was said to be "the steps'" (--data_path tiny), where real models train on DeepSpeed-Chat's
+    from dschat.pipeline import DEEPSPEED_CHAT_DATA
+
+    def help_of(name):  # (argparse wraps lines at hyphens too: "tiny-\n llama")
+        return " ".join(next(flag for flag in flags if flag.startswith(name)).split()).replace("- ", "-")
+
+    assert f"else DeepSpeed-Chat's {DEEPSPEED_CHAT_DATA}" in help_of("--data-path")
+    assert "--stepN-args replaces it" in help_of("--data-path") and "default: tiny-llama" in help_of("--actor-model")
 
 
 def test_reward_model_takes_deepspeed_chats_arguments_in_its_order():
