@@ -3,6 +3,7 @@ train.py's, a tool's) left the docs telling users to type one that fails at its 
 checked against their scripts in test_bench_commands.py."""
 import argparse
 import re
+import shlex
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,3 +52,95 @@ def test_every_flag_the_docs_name_is_one_of_dschats(monkeypatch):
                for number, line in enumerate((REPO / doc).read_text().splitlines(), 1)
                for flag in FLAG.findall(line) if flag not in known and flag not in NOT_DSCHATS]
     assert not unknown, unknown
+
+
+# The command lines the docs show (README's ``` blocks, the docs' indented ones), each parsed by the parser of the
+# script it runs: the test above finds a flag in any of dschat's parsers, so a command giving chat.py a flag of
+# prompt_eval's, or step 3's flag to --step1-args, passed it and failed at its user's first parse.
+SCRIPT_PARSERS = {"chat.py": ("dschat.tools.chat", "build_parser"),
+                  "training/step3_ppo/eval.py": ("dschat.tools.ppo_eval", "build_parser"),
+                  "training/step2_rm/rw_eval.py": ("dschat.tools.rw_eval", "build_parser"),
+                  "training/step1_sft/prompt_eval.py": ("dschat.tools.prompt_eval", "build_parser"),
+                  "training/step1_sft/main.py": ("dschat.args", "step1_parser"),
+                  "training/step2_rm/main.py": ("dschat.args", "step2_parser"),
+                  "training/step2_dpo/main.py": ("dschat.args", "step2_dpo_parser"),
+                  "training/step3_ppo/main.py": ("dschat.args", "step3_parser")}
+SHELL_VARIABLE = re.compile(r"\$(\w+)")
+
+
+def command_blocks(text):
+    """The lines of each ``` block and each indented block of ``text``, joined over backslash line ends."""
+    blocks, block, fenced = [], [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            if block and block[-1].endswith("\\"):
+                block[-1] = block[-1][:-1] + " " + line.strip()
+            else:
+                block.append(line.strip())
+            continue
+        if block:
+            blocks.append(block)
+        block = []
+    return blocks + [block] if block else blocks
+
+
+def documented_commands(text):
+    """(script, its arguments) of each `python SCRIPT` / `deepspeed [launcher flags] SCRIPT` command of ``text``'s
+    blocks, with a block's VAR="..." settings put in for $VAR (other variables: a placeholder value); a command with
+    an elided part ("...", "<step's main.py>") is left out, and "[--optional flags]" are taken as given."""
+    for block in command_blocks(text):
+        settings = {}
+        for line in block:
+            assignment = re.fullmatch(r'(\w+)="(.*)"', line)
+            if assignment:
+                settings[assignment[1]] = assignment[2]
+                continue
+            for command in line.split("&&"):
+                command = SHELL_VARIABLE.sub(lambda m: settings.get(m[1], "PLACEHOLDER"), command.strip())
+                if not command.startswith(("python ", "deepspeed ")) or "<" in command:
+                    continue
+                words = shlex.split(command.replace("[", "").replace("]", ""), comments=True)
+                if "..." in words:
+                    continue
+                script = next((word for word in words if word.endswith(".py")), None)
+                if script:
+                    yield script, words[words.index(script) + 1:]
+
+
+def parse_error(parse, argv, capsys):
+    """argparse's error message for ``argv``, or None where ``parse`` takes it."""
+    try:
+        parse(argv)
+    except SystemExit as stop:
+        return capsys.readouterr().err.strip().splitlines()[-1] if stop.code else None
+    return None
+
+
+def test_every_documented_command_parses_with_its_own_script(monkeypatch, capsys):
+    import importlib
+
+    from dschat.pipeline import recipe_steps, step_extra_args, step_parser
+
+    monkeypatch.syspath_prepend(str(REPO))
+    import train
+
+    failures, scripts = [], set()
+    for doc in DOCS:
+        for script, argv in documented_commands((REPO / doc).read_text()):
+            scripts.add(script)
+            if script == "train.py":
+                error = parse_error(train.parse_args, argv, capsys)
+                if error is None:  # each --stepN-args string by its step's parser
+                    args = train.parse_args(argv)
+                    for step in recipe_steps(args.recipe, args.step)[0]:
+                        error = error or parse_error(step_parser(step, args.recipe)().parse_args,
+                                                     step_extra_args(step, args), capsys)
+            else:
+                module, factory = SCRIPT_PARSERS[script]
+                error = parse_error(getattr(importlib.import_module(module), factory)().parse_args, argv, capsys)
+            if error:
+                failures.append(f"{doc}: {script} {shlex.join(argv)}: {error}")
+    assert not failures, failures
+    assert scripts == {"train.py", *SCRIPT_PARSERS}, scripts  # (every entry point's commands were found and parsed)
