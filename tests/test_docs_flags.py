@@ -144,3 +144,21 @@ def test_every_documented_command_parses_with_its_own_script(monkeypatch, capsys
                 failures.append(f"{doc}: {script} {shlex.join(argv)}: {error}")
     assert not failures, failures
     assert scripts == {"train.py", *SCRIPT_PARSERS}, scripts  # (every entry point's commands were found and parsed)
+
+
+def test_each_tool_flag_says_its_default_in_its_help():
+    """A tool's --help gives each flag's default (ppo_eval's --num_prompts, --seed, ... come from the policy's run,
+    else the parser's): eval.py's --num_prompts, rw_eval's --num_pairs and others printed none, so what a flag left
+    out meant could not be read off --help."""
+    from dschat.tools import chat, ppo_eval, prompt_eval, rw_eval
+
+    unsaid = [f"{tool.__name__}: {action.option_strings[-1]}" for tool in (chat, ppo_eval, prompt_eval, rw_eval)
+              for action in tool.build_parser()._actions
+              if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)
+              and action.default not in (None, False, True, [], "") and "default" not in action.help.lower()]
+    assert not unsaid, unsaid
+    run_defaults = {action.option_strings[-1]: action.help for action in ppo_eval.build_parser()._actions
+                    if action.dest in (*ppo_eval.STEP3_DATA_FLAGS, "num_prompts", "max_new_tokens")}
+    assert all("the policy's run's" in run_defaults[flag] for flag in
+               ("--data_path", "--data_split", "--seed", "--num_prompts", "--max_new_tokens",
+                "--max_prompt_seq_len", "--per_device_generation_batch_size")), run_defaults

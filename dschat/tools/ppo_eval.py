@@ -148,6 +148,10 @@ def check_output_json(path):
         raise UsageError(f"--output_json {path}: not writable here")
 
 
+# --help's default of a flag that parse_args takes from the policy's step-3 (or DPO) run (step3_run_defaults)
+RUN_DEFAULT = "the policy's run's, else %(default)s"
+
+
 def build_parser():
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--policy", required=True,
@@ -163,16 +167,21 @@ def build_parser():
                         help="Also score with this reward function (step 3's --reward_fn; default: the run's).")
     add_data_args(parser)
     hide_flag(parser, "--sft_only_data_path")  # (refused: check_data_flags)
+    for flag, default in (("--data_path", "the policy's run's, else tiny"), ("--data_split", RUN_DEFAULT)):
+        parser._option_string_actions[flag].help += f" Default: {default}."  # (the steps' help says none)
     parser.add_argument("--num_prompts", type=non_negative_int, default=64,
-                        help="Held-out prompts scored: the first this many (0: all).")
+                        help=f"Held-out prompts scored: the first this many (0: all; default: {RUN_DEFAULT}).")
     parser.add_argument("--max_new_tokens", type=positive_int, default=256,
-                        help="Greedy answer length (step 3: --eval_max_new_tokens, else --max_answer_seq_len).")
+                        help="Greedy answer length (step 3: --eval_max_new_tokens, else --max_answer_seq_len; "
+                             f"default: {RUN_DEFAULT}).")
     parser.add_argument("--max_prompt_seq_len", type=positive_int, default=256,
-                        help="As in step 3 (longer prompts skipped).")
-    parser.add_argument("--per_device_generation_batch_size", type=positive_int, default=16)
-    parser.add_argument("--seed", type=seed_int, default=1234, help="Step 3's seed (it chooses the held-out share).")
+                        help=f"As in step 3 (longer prompts skipped; default: {RUN_DEFAULT}).")
+    parser.add_argument("--per_device_generation_batch_size", type=positive_int, default=16,
+                        help=f"Prompts per generation batch (default: {RUN_DEFAULT}).")
+    parser.add_argument("--seed", type=seed_int, default=1234,
+                        help=f"Step 3's seed (it chooses the held-out share; default: {RUN_DEFAULT}).")
     parser.add_argument("--num_examples", type=non_negative_int, default=3,
-                        help="Example answers printed and saved per policy.")
+                        help="Example answers printed and saved per policy (default: %(default)s).")
     parser.add_argument("--output_json", default=None, type=non_empty_path, help="Write the results here.")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     add_loading_args(parser)

@@ -110,8 +110,9 @@ def build_parser():
                              "or by its files) are rule-scored.")
     parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
     parser.add_argument("--num_prompts", type=positive_int, default=8,
-                        help="Prompts taken from a file or the tiny data.")
-    parser.add_argument("--batch_size", type=positive_int, default=8)
+                        help="Prompts taken from a file or the tiny data (default: %(default)s).")
+    parser.add_argument("--batch_size", type=positive_int, default=8,
+                        help="Prompts answered at once (default: %(default)s).")
     add_loading_args(parser)
     add_generation_args(parser, sample_by_default=False)
     compat = parser.add_argument_group(

@@ -143,11 +143,13 @@ def build_parser():
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
-    parser.add_argument("--num_pairs", type=non_negative_int, default=64, help="At most this many pairs (0: all).")
+    parser.add_argument("--num_pairs", type=non_negative_int, default=64,
+                        help="At most this many pairs (0: all; default: %(default)s).")
     parser.add_argument("--max_seq_len", type=positive_int, default=None,
                         help="As in step 2: answers are cut to fit (default: the step-2 run's, from the model "
                              "folder's training_args.json, else 512).")
-    parser.add_argument("--batch_size", type=positive_int, default=16)
+    parser.add_argument("--batch_size", type=positive_int, default=16,
+                        help="Pairs scored at once (default: %(default)s).")
     parser.add_argument("--num_padding_at_beginning", type=int, default=1,
                         help="Accepted for DeepSpeed-Chat compatibility (its rw_eval.py flag); the score is read at "
                              "the last real token found from the attention mask, so it has no effect.")
