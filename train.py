@@ -62,7 +62,7 @@ def parse_args(argv=None):
     # whole flag names only, as in the step scripts: a prefix (--output for --output-dir) is an error, not a guess
     p = SaidOnceParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--step", type=int, nargs="+", choices=[1, 2, 3], default=[1, 2, 3],
-                   help="Which steps to run (e.g. --step 2 3).")
+                   help="Which steps to run (e.g. --step 2 3; default: all the recipe has).")
     p.add_argument("--actor-model", type=model_name, default="tiny-llama",
                    help="Hub name, local folder or tiny preset (default: %(default)s, the embedded tiny default); a "
                         "bare OPT size (1.3b) means facebook/opt-1.3b.")
@@ -99,7 +99,7 @@ def parse_args(argv=None):
                         "(a step's own --data_fields in its --stepN-args wins; a step whose --stepN-args give it other "
                         "files, --data_path, reads them without these).")
     p.add_argument("--recipe", default="ppo", choices=["ppo", "grpo", "dpo"],
-                   help="ppo: DeepSpeed-Chat's steps 1-3; grpo: step 1, then GRPO rewarded by --reward_fn "
+                   help="ppo (default): DeepSpeed-Chat's steps 1-3; grpo: step 1, then GRPO rewarded by --reward_fn "
                         "(on the tiny default: the bundled rule scorer) or a trained --reward-model, no step 2 or "
                         "critic; dpo: step 1, "
                         "then DPO on the preference pairs as step 2 (--step2-args are its flags; into "

@@ -146,14 +146,15 @@ def test_every_documented_command_parses_with_its_own_script(monkeypatch, capsys
     assert scripts == {"train.py", *SCRIPT_PARSERS}, scripts  # (every entry point's commands were found and parsed)
 
 
-def test_each_tool_flag_says_its_default_in_its_help():
-    """A tool's --help gives each flag's default (ppo_eval's --num_prompts, --seed, ... come from the policy's run,
-    else the parser's): eval.py's --num_prompts, rw_eval's --num_pairs and others printed none, so what a flag left
-    out meant could not be read off --help."""
+def test_each_tool_flag_says_its_default_in_its_help(monkeypatch):
+    """train.py's and a tool's --help give each flag's default (ppo_eval's --num_prompts, --seed, ... come from the
+    policy's run, else the parser's): eval.py's --num_prompts, rw_eval's --num_pairs, train.py's --actor-model and
+    others printed none, so what a flag left out meant could not be read off --help."""
     from dschat.tools import chat, ppo_eval, prompt_eval, rw_eval
 
-    unsaid = [f"{tool.__name__}: {action.option_strings[-1]}" for tool in (chat, ppo_eval, prompt_eval, rw_eval)
-              for action in tool.build_parser()._actions
+    parsers = {"train.py": train_py_parser(monkeypatch), **{tool.__name__: tool.build_parser()
+                                                            for tool in (chat, ppo_eval, prompt_eval, rw_eval)}}
+    unsaid = [f"{name}: {action.option_strings[-1]}" for name, parser in parsers.items() for action in parser._actions
               if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)
               and action.default not in (None, False, True, [], "") and "default" not in action.help.lower()]
     assert not unsaid, unsaid
