@@ -436,10 +436,23 @@ def _with_role(flag, plain):
     return bool(sep) and rest == plain[2:] and role in ("actor", "critic")
 
 
+class DefaultSayingFormatter(argparse.HelpFormatter):
+    """--help with each flag's default where its help does not give it: the steps' --learning_rate, --seed,
+    --output_dir, ... printed none. (A switch's default, off, goes unsaid.)"""
+
+    def _get_help_string(self, action):
+        text, default = action.help or "", action.default
+        if (default is None or default is argparse.SUPPRESS or isinstance(default, bool) or default in ("", [])
+                or not action.option_strings or "default" in text.lower()):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})" if text else f"Default: {shown.replace('%', '%%')}."
+
+
 def new_parser(description):
     """A step's parser. No abbreviations (``--zero_s 3`` for ``--zero_stage``): flags travel between train.py and the
     steps, where a prefix would quietly become whichever flag it happens to start."""
-    return StepParser(description=description, allow_abbrev=False)
+    return StepParser(description=description, allow_abbrev=False, formatter_class=DefaultSayingFormatter)
 
 
 def step1_parser():

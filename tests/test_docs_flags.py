@@ -163,3 +163,21 @@ def test_each_tool_flag_says_its_default_in_its_help(monkeypatch):
     assert all("the policy's run's" in run_defaults[flag] for flag in
                ("--data_path", "--data_split", "--seed", "--num_prompts", "--max_new_tokens",
                 "--max_prompt_seq_len", "--per_device_generation_batch_size")), run_defaults
+
+
+def test_each_step_flag_says_its_default_in_its_help():
+    """The steps' --help gives each flag's default (a switch's, off, aside): --learning_rate, --seed, --output_dir and
+    others printed none; one whose help says it already is not said twice."""
+    from dschat import args
+
+    for factory in (args.step1_parser, args.step2_parser, args.step2_dpo_parser, args.step3_parser):
+        parser = factory()
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if (action.help != argparse.SUPPRESS and action.default not in (None, argparse.SUPPRESS, "", [])
+                    and not isinstance(action.default, bool)):
+                said = formatter._get_help_string(action) % {**vars(action), "prog": parser.prog}
+                assert said.lower().count("default") >= 1, (factory.__name__, action.option_strings, said)
+    help_text = " ".join(args.step1_parser().format_help().split())
+    assert "Peak learning rate. (default: 0.001)" in help_text and "(default: output/step1_sft)" in help_text
+    assert "(default: tiny)" in help_text  # (a list default as written on the command line)
