@@ -1000,7 +1000,9 @@ def _add_step3_ppo_args(g):
     g.add_argument("--kl_estimator", type=str, default=None, choices=["k1", "k2", "k3", "low_var_kl", "abs"],
                    help="Per-token KL estimator, of the reward penalty and of the KL loss term. Default (None): k1 "
                         "for the reward penalty (DeepSpeed-Chat's), k3 for the loss term (k1's gradient is 0 in "
-                        "expectation there). low_var_kl: k3 clamped to [-10, 10] (verl's GRPO kl_loss_type).")
+                        "expectation there). low_var_kl: k3 clamped to [-10, 10] (verl's GRPO kl_loss_type). The log's "
+                        "kl stays the rollout's k1 per token; kl_per_answer (the reward's, which --adaptive_kl "
+                        "tracks) and kl_loss (the loss term's) are this estimator's.")
     g.add_argument("--kl_in_reward", type=int, default=1, choices=[0, 1],
                    help="1: KL penalty in the per-token reward (DeepSpeed-Chat), weighted by --kl_ctl; 0: KL as a "
                         "loss term, weighted by --kl_loss_coef. grpo/rloo always take the loss term (their "
@@ -1011,10 +1013,12 @@ def _add_step3_ppo_args(g):
                         "--kl_estimator: the DeepSeekMath/OpenRLHF style, at verl's default weight).")
     g.add_argument("--adaptive_kl", action="store_true",
                    help="Adapt the reward penalty's KL coefficient towards --kl_target (Ziegler et al. 2019, TRL's "
-                        "rule); only where the KL is in the reward.")
+                        "rule), by the KL the reward penalises (--kl_estimator's, logged as kl_per_answer); only where "
+                        "the KL is in the reward.")
     g.add_argument("--kl_target", type=positive_float, default=6.0,
-                   help="The adaptive controller's KL target in nats per answer (summed over its tokens, averaged "
-                        "over answers: TRL's unit and default); only with --adaptive_kl.")
+                   help="The adaptive controller's KL target in nats per answer (the reward penalty's estimator "
+                        "summed over its tokens, averaged over answers: TRL's unit and default); only with "
+                        "--adaptive_kl.")
     g.add_argument("--kl_horizon", type=positive_int, default=10000,
                    help="The adaptive controller's horizon, in answers; only with --adaptive_kl.")
     g.add_argument("--clip_reward_value", type=clip_range, default=5.0,

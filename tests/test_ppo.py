@@ -3280,7 +3280,8 @@ def test_the_rollouts_kl_per_token_is_the_mean_over_all_its_answer_tokens(monkey
     short = {"logprobs": torch.tensor([[1.0, 5.0], [0.0, 5.0]]), "ref_logprobs": torch.zeros(2, 2),
              "action_mask": torch.tensor([[1, 0], [0, 0]])}  # one answer token, log-ratio 1
     long = {"logprobs": torch.zeros(2, 2), "ref_logprobs": torch.zeros(2, 2), "action_mask": torch.ones(2, 2)}
-    trainer = SimpleNamespace(device="cpu")
+    trainer = SimpleNamespace(device="cpu", args=SimpleNamespace(kl_estimator=None, advantage_estimator="gae",
+                                                                 kl_in_reward=1))
     trainer.answer_kl_to_reference = DeepSpeedPPOTrainer.answer_kl_to_reference.__get__(trainer)
     kl = DeepSpeedPPOTrainer.rollout_kl(trainer, [short, long])
     assert kl["kl"] == pytest.approx(1.0 / 5)  # 5 answer tokens, one of them 1 nat from the reference
@@ -3306,17 +3307,64 @@ def test_the_rollouts_kl_per_token_is_the_mean_over_all_its_answer_tokens(monkey
 
 
 def test_the_adaptive_kl_controller_is_fed_the_kl_per_answer(trained, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 
     exp = {"logprobs": torch.tensor([[0.5, 0.5, 9.0], [0.25, 0.0, 0.0]]), "ref_logprobs": torch.zeros(2, 3),
            "action_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
-    assert DeepSpeedPPOTrainer.answer_kl_to_reference(None, exp).item() == pytest.approx((1.0 + 0.25) / 2)
+    k1_penalty = SimpleNamespace(args=SimpleNamespace(kl_estimator=None, advantage_estimator="gae", kl_in_reward=1))
+    assert DeepSpeedPPOTrainer.answer_kl_to_reference(k1_penalty, exp).item() == pytest.approx((1.0 + 0.25) / 2)
     # answers 12 nats from the reference, tokens far less: TRL's target of 6 per answer is exceeded, so it rises
     monkeypatch.setattr(DeepSpeedPPOTrainer, "answer_kl_to_reference", lambda self, e: torch.tensor(12.0))
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "2", "--adaptive_kl", "--kl_horizon", "10"))
     log = [json.loads(x) for x in (tmp_path / "ppo" / "step3_log.jsonl").read_text().splitlines()]
     assert log[-1]["kl_coef"] > 0.1  # fed the per-token KL (logged as "kl", far below 6) it would fall
     assert log[-1]["kl_per_answer"] == 12.0  # logged in the controller's unit beside the per-token "kl"
+
+
+def test_kl_per_answer_is_the_reward_penaltys_estimator_and_kl_stays_k1():
+    """With --kl_estimator k3 in the reward, the penalty was k3 but kl_per_answer (the adaptive controller's unit)
+    was the k1 sum, which can fall below 0 where k3's is above it. It is now the penalty's estimator, summed over each
+    answer's tokens (TRL's objective/kl); "kl" stays the rollout's k1 per token. Where the KL is a loss term the
+    reward carries none, and kl_per_answer is k1 whatever the loss term's estimator."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.algorithms import kl_estimate
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    logp, ref = torch.tensor([[-1.0, 0.5, 7.0], [0.25, -0.25, 0.0]]), torch.zeros(2, 3)
+    exp = {"logprobs": logp, "ref_logprobs": ref, "action_mask": torch.tensor([[1, 1, 0], [1, 1, 0]])}
+    k3_sums = (kl_estimate(logp, ref, "k3")[:, :2]).sum(dim=1)
+    for estimator, advantage, in_reward, per_answer in (("k3", "gae", 1, k3_sums.mean().item()),
+                                                         ("k3", "reinforce_pp", 1, k3_sums.mean().item()),
+                                                         (None, "gae", 1, -0.25), ("k3", "gae", 0, -0.25),
+                                                         ("k3", "grpo", 1, -0.25)):
+        args = SimpleNamespace(kl_estimator=estimator, advantage_estimator=advantage, kl_in_reward=in_reward)
+        trainer = SimpleNamespace(device="cpu", args=args)
+        trainer.answer_kl_to_reference = DeepSpeedPPOTrainer.answer_kl_to_reference.__get__(trainer)
+        kl = DeepSpeedPPOTrainer.rollout_kl(trainer, [exp])
+        assert kl["kl"] == pytest.approx(-0.5 / 4)  # k1 per answer token, whatever the penalty's estimator
+        assert kl["kl_per_answer"] == pytest.approx(per_answer), (estimator, advantage, in_reward)
+    assert k3_sums.mean().item() > 0.4  # (k1's per-answer mean is -0.25: the two differ in sign)
+
+
+def test_the_adaptive_controller_tracks_the_k3_the_reward_penalises(trained, tmp_path):
+    """--adaptive_kl with --kl_estimator k3: every answer token 1 nat less likely under the actor than the reference
+    is a k1 of -1 a token (below any target: the coefficient would fall) and a k3 of e - 2 (above the target: it
+    rises). The controller follows the k3 that the reward penalises."""
+    _, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, adaptive_kl=True, kl_target=0.01,
+                                                kl_horizon=10, kl_estimator="k3", actor_learning_rate=0.0,
+                                                critic_learning_rate=0.0)
+    exp = trainer.generate_experience(_prompt_batch(tokenizer, PADDED_PROMPTS[:4]))
+    mask = exp["action_mask"].bool()
+    exp["ref_logprobs"] = torch.where(mask, exp["logprobs"] + 1.0, exp["ref_logprobs"])
+    coef = trainer.kl_ctl.value
+    trained_once = trainer.train_rollout([exp])
+    per_answer = (math.e - 2) * mask.sum(dim=1).double().mean().item()
+    assert trained_once["kl"] == pytest.approx(-1.0)  # the rollout's k1 per token
+    assert trained_once["kl_per_answer"] == pytest.approx(per_answer, rel=1e-5)
+    assert trainer.kl_ctl.value == pytest.approx(coef * (1 + 0.2 * 4 / 10))  # above target: +20% of 4/10
 
 
 def test_each_iteration_logs_the_kl_coefficient_its_rewards_took(trained, tmp_path, monkeypatch):

@@ -30,7 +30,8 @@ from dschat.utils.optim import optimizer_step, skipped_steps
 
 # the PPO step's diagnostics that train_rollout returns as means over its micro-batches
 ACTOR_STEP_STATS = ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "approx_kl")
-# (kl_loss: the KL loss term's estimator, per token, where the KL is one; the rollout's "kl" is k1, the reward's unit)
+# (kl_loss: the KL loss term's estimator, per token, where the KL is one; the rollout's "kl" is k1 per token, its
+# "kl_per_answer" the reward penalty's estimator: rollout_kl)
 PPO_STEP_STATS = ACTOR_STEP_STATS + ("kl_loss", "vf_clipfrac")
 
 
@@ -566,7 +567,7 @@ class DeepSpeedPPOTrainer:
         """DeepSpeed-Chat's signature: per-token rewards with the KL penalty and the clipped score."""
         kl_coef = self.kl_ctl.value if self.args.kl_in_reward else 0.0
         return algo.kl_penalized_rewards(log_probs, ref_log_probs, reward_score, action_mask, kl_coef,
-                                         self.clip_reward_value, self.args.kl_estimator or "k1")
+                                         self.clip_reward_value, reward_kl_estimator(self.args))
 
     def get_advantages_and_returns(self, values, rewards, action_mask):
         adv, returns = algo.gae_advantages(rewards, values, action_mask, self.gamma, self.lam)
@@ -824,9 +825,9 @@ class DeepSpeedPPOTrainer:
         "approx_kl" (None when the actor did not train), "kl_loss" (the KL loss term's estimator per answer token, k3
         unless --kl_estimator; None where there is no such term or the actor did not train) and
         "vf_clipfrac" (None without a critic) over the micro-batches, and the rollout's KL to the reference over all
-        ranks (k1): per answer token ("kl") and per answer ("kl_per_answer", the controller's unit), and the optimizer
-        steps that DeepSpeed skipped on inf/NaN gradients ("actor_skipped_steps", "critic_skipped_steps"; None for a
-        model that did not train)."""
+        ranks: k1 per answer token ("kl") and the reward penalty's estimator per answer ("kl_per_answer", the
+        controller's unit), and the optimizer steps that DeepSpeed skipped on inf/NaN gradients
+        ("actor_skipped_steps", "critic_skipped_steps"; None for a model that did not train)."""
         experiences = checked_rollout(experiences)
         if not train_actor and self.critic_model is None:
             raise UsageError("train_rollout(train_actor=False) trains the critic alone, and this trainer has none")
@@ -901,10 +902,11 @@ class DeepSpeedPPOTrainer:
                          f"iteration, not here")
 
     def rollout_kl(self, experiences):
-        """The rollout's KL to the reference over all ranks: per answer token ("kl": the mean over all the rollout's
+        """The rollout's KL to the reference over all ranks: k1 per answer token ("kl": the mean over all the rollout's
         answer tokens, each weighing alike, not a mean of its generation batches' and ranks' own means, which weighed
-        a batch of short answers' tokens more) and per answer, summed over its tokens ("kl_per_answer", the adaptive
-        controller's unit; every batch holds as many answers)."""
+        a batch of short answers' tokens more) and the reward penalty's estimator per answer, summed over its tokens
+        ("kl_per_answer", what the reward penalises and the adaptive controller tracks; every batch holds as many
+        answers)."""
         log_ratio = torch.stack([answer_log_ratios(e).sum() for e in experiences]).sum()
         tokens = sum(e["action_mask"].sum() for e in experiences)
         per_answer = torch.stack([self.answer_kl_to_reference(e) for e in experiences]).mean()
@@ -914,8 +916,11 @@ class DeepSpeedPPOTrainer:
         return {"kl": kl, "kl_per_answer": sums[2].item() / get_world_size()}
 
     def answer_kl_to_reference(self, exp):
-        """Mean per-answer KL (k1 summed over each answer's tokens): the adaptive controller's unit (TRL's)."""
-        return answer_log_ratios(exp).mean()
+        """Mean per-answer KL, the reward penalty's estimator (--kl_estimator, k1 unless set) summed over each
+        answer's tokens: the adaptive controller's unit. It tracks what the reward penalises, as TRL's objective/kl
+        and its controller, verl's and OpenRLHF's do; the k1 sum of a k3 penalty would steer the coefficient by
+        another number (one that can fall below 0)."""
+        return answer_kl_sums(exp, reward_kl_estimator(self.args)).mean()
 
     def update_kl_controller(self, kl, n_steps):
         self.kl_ctl.update(kl, n_steps)
@@ -957,9 +962,22 @@ def first_answer_text(tokenizer, exp):
 
 
 def answer_log_ratios(exp):
-    """Each answer's log-ratio to the reference summed over its tokens (k1 KL), in float64: the one formula behind the
-    rollout's per-token and per-answer KL."""
-    return algo.masked_sum(exp["logprobs"].double() - exp["ref_logprobs"].double(), exp["action_mask"].double(), dim=1)
+    """Each answer's log-ratio to the reference summed over its tokens (k1 KL), in float64: the rollout's per-token
+    KL ("kl")."""
+    return answer_kl_sums(exp, "k1")
+
+
+def answer_kl_sums(exp, kind):
+    """Each answer's ``kind`` KL estimate to the reference summed over its tokens, in float64."""
+    kl = algo.kl_estimate(exp["logprobs"].double(), exp["ref_logprobs"].double(), kind)
+    return algo.masked_sum(kl, exp["action_mask"].double(), dim=1)
+
+
+def reward_kl_estimator(args):
+    """The per-token reward's KL estimator: --kl_estimator where the KL is in the reward (k1 unless set,
+    DeepSpeed-Chat's); k1 where the KL is a loss term, --kl_estimator being that term's there (the reward then carries
+    no KL, and kl_per_answer stays the rollout's k1)."""
+    return "k1" if kl_in_loss(args) else (args.kl_estimator or "k1")
 
 
 class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
