@@ -94,6 +94,8 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
         # a critic-free run (GRPO) logs no critic loss: no curve of nulls, and no plot panel; one with no KL loss term
         # (PPO's KL in the reward) no kl_loss
         report["step3_curve"] = {k: [r.get(k) for r in curve] for k in STEP3_CURVES if any(k in r for r in curve)}
+        if "kl_loss" in report["step3_curve"]:
+            report["step3_kl_loss_estimator"] = kl_loss_estimator_of_flags(output_dir)
     return report
 
 
@@ -110,6 +112,15 @@ def step3_algorithm_of_flags(output_dir):
     training_args.json's --advantage_estimator; PPO where that says nothing."""
     run_args = read_json_object(os.path.join(output_dir, PPO_DIR, RUN_ARGS_FILE)) or {}
     return ALGORITHM_NAMES.get((run_args.get("flags") or {}).get("advantage_estimator"), "PPO")
+
+
+def kl_loss_estimator_of_flags(output_dir):
+    """The estimator of step 3's KL loss term: its training_args.json's --kl_estimator, else k3 (the term's default);
+    None where the run's flags are not there to say."""
+    run_args = read_json_object(os.path.join(output_dir, PPO_DIR, RUN_ARGS_FILE))
+    if not run_args:
+        return None
+    return (run_args.get("flags") or {}).get("kl_estimator") or "k3"
 
 
 def plot_curves(curve, path, algorithm="PPO"):
@@ -201,16 +212,27 @@ def sft_eval_counts_said(report):
                                                             if tokens is not None else "")
 
 
-def final_kl_said(kl):
-    """The KL at the end of the run, as the mean over its last iterations: each iteration's is a k1 estimate (the
-    answer tokens' mean log-ratio to the reference) over one rollout's samples, unbiased but noisy, and one of a few
-    prompts' answers can fall below 0."""
+def final_kl_said(kl, name="KL"):
+    """The KL at the end of the run, as the mean over its last iterations: each iteration's is an estimate over one
+    rollout's samples, noisy, and the k1 one ("KL": the answer tokens' mean log-ratio to the reference) of a few
+    prompts' answers can fall below 0. ``name``: what the line calls it."""
     last = [value for value in kl[-FINAL_KL_ITERATIONS:] if value is not None]
     if not last:
-        return "no KL logged"
+        return f"no {name} logged"
     if len(last) == 1:
-        return f"final KL {last[0]:.4f}"
-    return f"final KL {sum(last) / len(last):.4f} (mean of the last {len(last)} iterations)"
+        return f"final {name} {last[0]:.4f}"
+    return f"final {name} {sum(last) / len(last):.4f} (mean of the last {len(last)} iterations)"
+
+
+def final_kl_loss_said(report):
+    """Where step 3's loss had a KL term (GRPO's, RLOO's, --kl_in_reward 0's), its final kl_loss after the final KL:
+    the KL the loss penalised, in the term's own estimator (named where the run's flags say it), where the KL is the
+    rollout's k1; nothing for a run without one."""
+    kl_loss = report.get("step3_curve", {}).get("kl_loss") or []
+    if all(value is None for value in kl_loss):
+        return ""
+    estimator = report.get("step3_kl_loss_estimator")
+    return ", " + final_kl_said(kl_loss, f"kl_loss ({estimator})" if estimator else "kl_loss")
 
 
 def summary_lines(report):
@@ -243,7 +265,7 @@ def summary_lines(report):
         curve = report.get("step3_curve", {})
         if curve.get("kl"):
             lines.append(f"{algorithm}: {counted(report['step3_iterations'], 'iteration')}, "
-                         f"{final_kl_said(curve['kl'])}")
+                         f"{final_kl_said(curve['kl'])}{final_kl_loss_said(report)}")
     if report.get("dpo"):
         lines += dpo_summary_lines(report["dpo"])
     if report.get("plot"):

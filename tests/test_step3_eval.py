@@ -178,6 +178,35 @@ def test_the_summary_names_step_3s_algorithm(tmp_path):
     assert build_report(str(tmp_path), {}, recipe="grpo")["step3_algorithm"] == "PPO"  # (nothing says otherwise)
 
 
+def test_the_summary_says_a_grpo_runs_final_kl_loss_beside_its_k1_kl(tmp_path):
+    """A GRPO run's summary said only the final KL, the rollout's k1, and not the kl_loss its loss penalised (k3
+    unless --kl_estimator). It now says that too, in the term's estimator where the run's flags name it; a run with
+    no KL loss term (PPO's KL in the reward) says the KL alone."""
+    from dschat.report import build_report, summary_lines
+    from dschat.run_layout import FINISHED_MARK, PPO_DIR, RUN_ARGS_FILE
+
+    os.makedirs(tmp_path / PPO_DIR)
+    result = {"reward_mean": None, "rule_score_mean": 0.5, "reward_fn_mean": None}
+    with open(tmp_path / PPO_DIR / FINISHED_MARK, "w") as f:
+        json.dump({"iterations": 2, "algorithm": "GRPO", "eval_before": result, "eval_after": result}, f)
+    log = [{"reward": 0.5, "kl": -0.002, "kl_loss": 0.001}, {"reward": 0.6, "kl": 0.004, "kl_loss": 0.003}]
+    (tmp_path / PPO_DIR / "step3_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    said = "GRPO: 2 iterations, final KL 0.0010 (mean of the last 2 iterations), final kl_loss{} 0.0020 (mean of the " \
+           "last 2 iterations)"
+    assert said.format("") in summary_lines(build_report(str(tmp_path), {}, recipe="grpo"))  # (no flags to name it)
+    for estimator, named in ((None, "k3"), ("k2", "k2")):
+        with open(tmp_path / PPO_DIR / RUN_ARGS_FILE, "w") as f:
+            json.dump({"step": "step3", "flags": {"advantage_estimator": "grpo", "kl_estimator": estimator}}, f)
+        report = build_report(str(tmp_path), {}, recipe="grpo")
+        assert report["step3_kl_loss_estimator"] == named
+        assert said.format(f" ({named})") in summary_lines(report)
+    log = [{"reward": 0.5, "kl": 0.012}]  # PPO: the KL in the reward, no kl_loss
+    (tmp_path / PPO_DIR / "step3_log.jsonl").write_text(json.dumps(log[0]) + "\n")
+    with open(tmp_path / PPO_DIR / FINISHED_MARK, "w") as f:
+        json.dump({"iterations": 1, "algorithm": "PPO", "eval_before": result, "eval_after": result}, f)
+    assert "PPO: 1 iteration, final KL 0.0120" in summary_lines(build_report(str(tmp_path), {}))
+
+
 def test_the_report_says_the_final_kl_as_a_mean_of_the_last_iterations():
     """The last iteration's k1 estimate alone fell below 0 on a GRPO run ("final KL -0.0091")."""
     from dschat.report import final_kl_said
