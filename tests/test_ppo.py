@@ -2981,7 +2981,8 @@ def test_grpo_logs_the_kl_its_loss_term_uses_beside_the_rollouts_k1(trained, tmp
     lines = []
     bar = SimpleNamespace(update=lambda n: None, set_postfix=lambda **kwargs: None, write=lines.append)
     ppo._log_iteration({"iteration": 1, "reward": 0.5, "kl": -0.002, "kl_loss": 0.003}, str(tmp_path / "log.jsonl"),
-                       None, bar, SimpleNamespace(print_answers=False, mask_truncated_answers=False), SimpleNamespace(actor_model=object()), [])
+                       None, bar, SimpleNamespace(print_answers=False, mask_truncated_answers=False, adaptive_kl=False),
+                       SimpleNamespace(actor_model=object()), [])
     assert "kl=-0.0020, kl_loss=0.0030" in lines[0]
 
 
@@ -3365,6 +3366,21 @@ def test_the_adaptive_controller_tracks_the_k3_the_reward_penalises(trained, tmp
     assert trained_once["kl"] == pytest.approx(-1.0)  # the rollout's k1 per token
     assert trained_once["kl_per_answer"] == pytest.approx(per_answer, rel=1e-5)
     assert trainer.kl_ctl.value == pytest.approx(coef * (1 + 0.2 * 4 / 10))  # above target: +20% of 4/10
+
+
+def test_an_adaptive_runs_iteration_line_says_what_moves_its_kl_coefficient(tmp_path):
+    """With --adaptive_kl the line said the rollout's k1 "kl" alone, neither the per-answer KL of the reward's
+    estimator that moves the coefficient (k3's above the target while k1's is below 0) nor the coefficient."""
+    from types import SimpleNamespace
+
+    record = {"iteration": 1, "reward": 0.5, "kl": -0.002, "kl_per_answer": 0.25, "kl_coef": 0.102}
+    for adaptive, said in ((True, "kl=-0.0020, kl_per_answer=0.2500, kl_coef=0.1020"), (False, "kl=-0.0020")):
+        lines = []
+        bar = SimpleNamespace(update=lambda n: None, set_postfix=lambda **kwargs: None, write=lines.append)
+        args = SimpleNamespace(print_answers=False, mask_truncated_answers=False, adaptive_kl=adaptive)
+        ppo._log_iteration(dict(record), str(tmp_path / "log.jsonl"), None, bar, args,
+                           SimpleNamespace(actor_model=object()), [])
+        assert lines[0] == "[step3] iter 1: reward=0.5000, " + said
 
 
 def test_each_iteration_logs_the_kl_coefficient_its_rewards_took(trained, tmp_path, monkeypatch):
@@ -3958,7 +3974,7 @@ def test_the_iteration_line_says_when_every_groups_answers_scored_alike(tmp_path
             self.lines.append(line)
 
     trainer = SimpleNamespace(actor_model=object())
-    args = SimpleNamespace(print_answers=False, mask_truncated_answers=False)
+    args = SimpleNamespace(print_answers=False, mask_truncated_answers=False, adaptive_kl=False)
     notice = "every group's answers scored alike: every advantage is 0"
     said = {}
     for name, extra in {"all": {"frac_reward_zero_std": 1.0}, "half": {"frac_reward_zero_std": 0.5},
