@@ -95,7 +95,15 @@ GRPO_STD_SCOPES = ("group", "batch", "none")  # (dschat.rlhf.algorithms.STD_SCOP
 def grpo_std_scope(text):
     """argparse type of --grpo_norm_by_std: group, batch or none, with the flag's older values 1 (group) and 0
     (none) read as those, so a command line or recipe of before the batch scope runs as it did."""
-    return {"1": "group", "0": "none"}.get(text, text)
+    return {"1": "group", "0": "none"}.get(str(text), text)
+
+
+def recorded_flags_now(flags):
+    """A run's recorded flags (its training_args.json, a checkpoint's) with the values an older dschat recorded as
+    this one names them: --grpo_norm_by_std 1 or 0 (before the batch scope) is group or none, the same run."""
+    if "grpo_norm_by_std" in flags:
+        flags = {**flags, "grpo_norm_by_std": grpo_std_scope(flags["grpo_norm_by_std"])}
+    return flags
 
 
 def finite_float(text):

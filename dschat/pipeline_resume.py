@@ -15,6 +15,7 @@ import math
 import os
 from typing import NamedTuple
 
+from dschat.args import recorded_flags_now
 from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, finished_run_id, holds_model,
@@ -219,7 +220,7 @@ def changed_flags(record, flags):
     names = [name for name in now if name not in NOT_COMPARED and not name.startswith("_")]
     if record is None:
         return names
-    recorded, then = record.get("flags", {}), record.get("cwd", os.getcwd())
+    recorded, then = recorded_flags_now(record.get("flags", {})), record.get("cwd", os.getcwd())
     return sorted(name for name in names if name in recorded and (
         _differs(name, recorded[name], now[name], then, record.get("inputs", {}))
         or (name == "reward_fn" and _edited_reward_fn(record, flags) is not None)))

@@ -513,3 +513,19 @@ def test_a_step_resume_skipped_leaves_the_later_steps_outputs_reported(tmp_path,
     assert report["rm_accuracy"] is None and report["policy"] == "step1_sft"
     (out / "step3_ppo" / "metrics.json").unlink()  # an interrupted step 3: nothing of it to report, nor to leave out
     assert pipeline.run_pipeline(TRAIN_PY["parse_args"]([*again, "--resume"]))["not_reported"] == ["step2_rm"]
+
+
+def test_a_step3_that_recorded_grpo_norm_by_std_as_1_or_0_keeps_its_plan_under_the_named_scopes(tmp_path):
+    """--grpo_norm_by_std took 1/0 before its batch scope; a finished step 3 that recorded 1 is today's group (the
+    same run), not a changed flag that trains step 3 again from the start; 0 is none, so it differs from group."""
+    finish(tmp_path, 3, 300, grpo_norm_by_std=1)
+
+    def decide(scope):
+        flags = Namespace(**{**vars(FLAGS), "grpo_norm_by_std": scope})
+        return plan_steps([3], "ppo", str(tmp_path), {3: flags})[3]
+
+    assert decide("group") == (SKIP, "")
+    assert decide("none")[1].endswith("had other values of --grpo_norm_by_std")
+    finish(tmp_path, 3, 300, grpo_norm_by_std=0)
+    assert decide("none") == (SKIP, "")
+    assert decide("batch")[1].endswith("had other values of --grpo_norm_by_std")

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dschat.args import CONDITIONAL_FLAGS
+from dschat.args import CONDITIONAL_FLAGS, recorded_flags_now
 from dschat.errors import UsageError
 from dschat.models.checkpoint import gathered_state_dict, settled_module
 from dschat.rlhf import algorithms as algo
@@ -433,7 +433,7 @@ def check_resumable(trainer, root, tag, planned=False):
     if trainer.critic_model is not None:
         check_engine_files(root, CRITIC, tag, saved_ranks)
     state = read_trainer_state(root, tag)
-    saved_flags = _with_named_std_scope(state.pop("flags", {}))
+    saved_flags = recorded_flags_now(state.pop("flags", {}))
     if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
         _refuse_without_ema(root, tag, saved_flags)
     args = getattr(trainer, "args", None)
@@ -452,14 +452,6 @@ def check_resumable(trainer, root, tag, planned=False):
                          "whose actor started", "the reference model its KL penalty measures against")
     check_position(root, tag, state, ("iteration", "epoch", "batch"))
     return state, saved_ranks
-
-
-def _with_named_std_scope(flags):
-    """A checkpoint's flags with --grpo_norm_by_std as its scope's name: one saved before the batch scope recorded 1
-    or 0, which are this run's group and none (no change to say)."""
-    if "grpo_norm_by_std" in flags:
-        flags = {**flags, "grpo_norm_by_std": algo.std_scope(flags["grpo_norm_by_std"])}
-    return flags
 
 
 def _refuse_without_ema(root, tag, saved_flags):
