@@ -92,10 +92,13 @@ def positive_float(text):
 GRPO_STD_SCOPES = ("group", "batch", "none")  # (dschat.rlhf.algorithms.STD_SCOPES)
 
 
-def grpo_std_scope(text):
+def grpo_std_scope(value):
     """argparse type of --grpo_norm_by_std: group, batch or none, with the flag's older values 1 (group) and 0
-    (none) read as those, so a command line or recipe of before the batch scope runs as it did."""
-    return {"1": "group", "0": "none"}.get(str(text), text)
+    (none) read as those, so a command line, recipe, notebook (1/0, True/False) or record of before the batch scope
+    runs as it did."""
+    if isinstance(value, int) and value in (0, 1):  # (True and False among them)
+        value = str(int(value))
+    return {"1": "group", "0": "none"}.get(value, value)
 
 
 def recorded_flags_now(flags):
@@ -151,6 +154,8 @@ def _bounded_float(text, within, what):
 # the argparse types whose range a notebook's value is checked against too
 BOUNDED_TYPES = (positive_int, non_negative_int, seed_int, non_negative_float, positive_float, finite_float,
                  clip_range, unit_interval, dropout_probability)
+# the argparse types a notebook's value of any kind goes through, as a command line's string does
+CONVERTED_TYPES = BOUNDED_TYPES + (grpo_std_scope,)  # (--grpo_norm_by_std's older 1/0, True/False)
 
 
 def _bounded_int(text, low, what):
@@ -619,8 +624,8 @@ def _set_from_option(args, action, name, value):
             raise UsageError(f"{name}: expected an integer, got {value!r}")
         value = int(value)  # (2.0 is 2)
     # as on the command line: "3" for an int flag, and the range checks of the bounded ones
-    bounded = action.type in BOUNDED_TYPES and value is not None
-    if action.type not in (None, str) and (isinstance(value, str) or bounded):
+    converted = action.type in CONVERTED_TYPES and value is not None
+    if action.type not in (None, str) and (isinstance(value, str) or converted):
         value = _converted(action, name, value)
     if action.choices is not None and value is not None and value not in action.choices:
         raise UsageError(f"{name}: {value!r} is not one of {list(action.choices)}")

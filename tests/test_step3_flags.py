@@ -804,6 +804,17 @@ def test_grpo_norm_by_std_takes_the_batch_scope_and_its_old_values(monkeypatch):
     assert calls == [("batch", world)]
 
 
+def test_a_notebooks_grpo_norm_by_std_1_0_true_or_false_is_read_as_group_or_none():
+    """A notebook's args dict took --grpo_norm_by_std as 1/0 (the flag's int) or True/False before the batch scope; the
+    scope names' choices refused them all ("1 is not one of ['group', 'batch', 'none']"), where the command line's
+    "1" and "0" still ran."""
+    read = lambda value: step3_args({"grpo_norm_by_std": value}).grpo_norm_by_std  # noqa: E731
+    assert [read(value) for value in (1, True, 0, False, "batch")] == ["group", "group", "none", "none", "batch"]
+    for wrong in (2, 0.5, "2"):
+        with pytest.raises(UsageError, match="grpo_norm_by_std"):
+            read(wrong)
+
+
 def test_kl_estimator_low_var_kl_is_a_flag_value_and_bounds_the_kl_loss_term(monkeypatch):
     """verl's GRPO recipes take kl_loss_type=low_var_kl (k3 clamped to 10 per token); dschat's algorithms had it but
     --kl_estimator refused it, so a verl user's run could only take the unclamped k3, whose exp(ref - logp) grows
