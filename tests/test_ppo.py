@@ -2314,6 +2314,45 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(trained, tmp_pat
         _agreed_scored_rows(lambda_free_lazy, batch, ["a", "b"], [1.0, 1.0], "cpu")
 
 
+ONE_RANK_QUITS = """
+import sys
+
+from dschat.utils.cli import run_script
+
+
+def main():
+    from dschat.rlhf.evaluation import _agreed_scored_rows
+    from dschat.utils.dist import ensure_distributed
+
+    rank, _ = ensure_distributed()
+
+    def score(prompts, answers):
+        if rank == 1:
+            sys.exit(0)
+        return [1.0] * len(answers)
+
+    _agreed_scored_rows(score, {"prompt_text": ["p1"]}, ["a"], [1.0], "cpu")
+    print(f"rank {rank} scored")
+
+
+run_script(main)
+"""
+
+
+def test_a_reward_function_calling_sys_exit_on_one_rank_stops_every_rank_with_its_error(tmp_path):
+    """Two CPU ranks, the function calls sys.exit(0) on rank 1 only: that rank ended with status 0 and no word, rank 0
+    stopped on the closed connection saying only that another rank stopped. Rank 1 now says the function failed,
+    rank 0 that it failed on another rank, and the launch fails."""
+    script = tmp_path / "one_rank_quits.py"
+    script.write_text(ONE_RANK_QUITS)
+    proc = run_deepspeed(script, check=False, timeout=240)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0, said[-3000:]
+    assert "error: --reward_fn 'score' failed (SystemExit: 0, at one_rank_quits.py:" in said, said[-3000:]
+    assert "the reward function failed on another rank" in said, said[-3000:]
+    assert "scored" not in said
+
+
 def lambda_free_lazy(prompts, answers):
     return (1 / 0 for _ in answers)
 
@@ -2651,6 +2690,39 @@ def test_a_reward_functions_error_names_the_line_of_its_own_code(tmp_path):
         with pytest.raises(UsageError, match=rf"^--reward_fn '{name}' failed \({error}\) on a batch starting with "
                                              r"prompt 'p1'$"):
             call_reward_fn(load_reward_fn(f"{source}:{name}"), ["p1"], ["not json"])
+
+
+def test_a_reward_function_calling_sys_exit_fails_as_the_function_and_ctrl_c_still_interrupts():
+    """sys.exit() in a reward function (SystemExit, not an Exception) escaped dschat's wrapping: that rank ended alone
+    (with status 0 for sys.exit(0)) while the others hung in the next collective, which agrees on UsageErrors only;
+    in an async one it ended dschat's loop thread and the call waited forever. It is now the function's error, naming
+    it and the prompt; a KeyboardInterrupt still interrupts, and the loop goes on for the next call."""
+    import concurrent.futures
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import call_reward_fn
+
+    def quits(prompts, answers):
+        sys.exit(0)
+
+    async def quits_async(prompts, answers):
+        sys.exit("no judge")
+
+    async def interrupted(prompts, answers):
+        raise KeyboardInterrupt
+
+    async def fine(prompts, answers):
+        return [1.0] * len(answers)
+
+    with pytest.raises(UsageError, match=r"^--reward_fn 'quits' failed \(SystemExit: 0, at test_ppo.py:\d+\) on a "
+                                         r"batch starting with prompt 'p1'$"):
+        call_reward_fn(quits, ["p1"], ["a"])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (a hang fails the test instead of stopping the suite)
+        with pytest.raises(UsageError, match=r"'quits_async' failed \(SystemExit: no judge"):
+            pool.submit(call_reward_fn, quits_async, ["p1"], ["a"]).result(timeout=20)
+        with pytest.raises(KeyboardInterrupt):
+            pool.submit(call_reward_fn, interrupted, ["p1"], ["a"]).result(timeout=20)
+        assert pool.submit(call_reward_fn, fine, ["p1"], ["a"]).result(timeout=20) == [1.0]
 
 
 def test_an_async_reward_function_interrupted_while_awaited_is_cancelled(monkeypatch):

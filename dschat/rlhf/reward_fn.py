@@ -180,7 +180,11 @@ def call_reward_fn(fn, prompts, answers, extras=None):
         if inspect.isawaitable(returned):  # an async function, as TRL's reward functions may be
             returned = _awaited(returned)
         scores = _score_list(returned)  # (a generator's body runs here)
-    except (Exception, asyncio.CancelledError) as ex:  # (an async function's task cancelled: a BaseException)
+    except KeyboardInterrupt:  # Ctrl-C while it ran: the run is interrupted, as anywhere else
+        raise
+    except BaseException as ex:  # noqa: BLE001 (sys.exit() in the function, an async task cancelled: its errors too;
+        # escaping, SystemExit ended this rank alone, with status 0 for sys.exit(0), and the others hung in the next
+        # collective: step 3's `together` agrees on UsageErrors only)
         raise UsageError(f"{name} failed ({_described(ex)}{_where(ex, fn)}) on a batch starting with prompt "
                          f"{prompts[0]!r}") from ex
     if scores is None:
@@ -248,8 +252,8 @@ def _awaited(awaitable):
     async def result():  # (its exception handed over as it is: run_coroutine_threadsafe gives asyncio's TimeoutError
         try:  # and CancelledError as new ones, without the traceback that says where the function was)
             return await awaitable, None
-        except (Exception, asyncio.CancelledError) as error:
-            return None, error
+        except BaseException as error:  # noqa: BLE001 (SystemExit, KeyboardInterrupt too: raised out of the loop,
+            return None, error  # they ended its thread, and this call waited for a result forever)
 
     pending = asyncio.run_coroutine_threadsafe(result(), loop)
     try:
