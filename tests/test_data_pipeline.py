@@ -1244,6 +1244,29 @@ def test_step3_items_have_every_column_of_their_split_none_where_their_record_la
     assert call_reward_fn(exact, batch["prompt_text"], ["2", "3"], batch_extras(batch)) == [0.0, 0.0]
 
 
+def test_a_column_named_eval_weight_comes_as_extra_eval_weight_and_leaves_the_held_out_weights_alone(tmp_path,
+                                                                                                     tokenizer):
+    """The held-out loader adds each row's ``eval_weight`` (0 for a rank's padding repeats), read by the evaluations'
+    means: a data column of that name was read as the weights on one rank (a row of weight 3 counted three times, a
+    record without it failed as a None weight), and overwritten by them on several (the reward function lost it). It
+    comes as ``extra_eval_weight``, as other names the batches hold do."""
+    from dschat.data.collators import DataCollatorRLHF
+    from dschat.data.samplers import EvalWeighted, eval_weights, weighted_collator
+    from dschat.rlhf.reward_fn import batch_extras
+
+    path = write_jsonl(tmp_path / "weighted.jsonl", [{"prompt": "Add 1 and 2.", "eval_weight": 3},
+                                                     {"prompt": "Name a colour."}])
+    prompts, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
+    assert prompts.columns == ["extra_eval_weight"] and "eval_weight" not in prompts[0]
+    collator = DataCollatorRLHF(None, pad_token_id=0)
+    batch = collator([prompts[0], prompts[1]])  # (one rank's loader: no weights of its own)
+    assert eval_weights(batch, 2).tolist() == [1.0, 1.0]
+    assert sorted(batch_extras(batch)["extra_eval_weight"], key=str) == [3, None]
+    weighted = weighted_collator(collator)([EvalWeighted(prompts)[(0, False)], EvalWeighted(prompts)[(1, True)]])
+    assert eval_weights(weighted, 2).tolist() == [1.0, 0.0]  # (several ranks': the second a padding repeat)
+    assert sorted(batch_extras(weighted)["extra_eval_weight"], key=str) == [3, None]
+
+
 # --- tool calls ---
 
 # Qwen2.5's template in short: the tools listed in the system turn, a call as <tool_call> JSON in the assistant turn,

@@ -112,8 +112,10 @@ class PromptDataset(Dataset):
     process built the cache) describe how it was made; ``hub_data`` ({hub dataset: ``hub_data_fingerprint``}) which
     data of each hub dataset it holds (what a step's checkpoints record of it, as they record local files' hashes).
     """
-    # phase-3 item and batch keys that extra columns must not overwrite (such extras get an "extra_" prefix)
-    RESERVED_KEYS = ("prompt_input_ids", "prompt_text", "messages", "prompt", "prompt_att_mask")
+    # phase-3 item and batch keys that extra columns must not overwrite (such extras get an "extra_" prefix): the
+    # item's, the collator's and the evaluation loader's (samplers.eval_weight: a column of that name was read as the
+    # rows' weights in the held-out means on one rank, and overwritten by them on several)
+    RESERVED_KEYS = ("prompt_input_ids", "prompt_text", "messages", "prompt", "prompt_att_mask", "eval_weight")
 
     def __init__(self, data, train_phase, skip_report=(), cache_path=None, built=False):
         super().__init__()
