@@ -15,3 +15,16 @@ class MissingInputError(UsageError, FileNotFoundError):
 
 class MissingModuleError(UsageError, ModuleNotFoundError):
     """A module the user named (e.g. ``--reward_fn module:function``) cannot be found."""
+
+
+def excerpt(value, limit=120):
+    """``value`` (a record's text: a prompt, an answer, a message) quoted for an error message: its repr when that
+    is at most ``limit`` characters, else the repr of its first and last ``limit // 2`` characters around how long
+    it is (a prompt of thousands of characters buried the message's point; its end, the last user turn of a
+    formatted prompt, tells it from others that share a system prompt). Not text: the same of its repr."""
+    whole = repr(value)
+    if len(whole) <= limit:
+        return whole
+    text, quote = (value, repr) if isinstance(value, str) else (whole, str)
+    half = limit // 2
+    return f"{quote(text[:half])} ... ({len(text):,} characters in all) ... {quote(text[-half:])}"

@@ -745,6 +745,12 @@ def test_a_value_that_is_no_label_among_a_csvs_1_0_and_0_0_labels_names_its_line
     with pytest.raises(DatasetFormatError, match=rf"{path} line 4 \(record 2\): field 'label': '0.5' is not a label "
                                                  r"\(true/false, 1/0, 1\.0/0\.0 or yes/no\)"):  # (1.0/0.0 said too)
         raw(f"csv:{path},{path}", tmp_path)
+    # a text in the label column (columns shifted by one) is quoted by its ends, not whole
+    path.write_text("prompt,completion,label\nQ0?,A0,1.0\nQ1?,A1,0.0\nQ2?,A2," + "A long answer. " * 500 + "\n")
+    with pytest.raises(DatasetFormatError, match=r"record 2\): field 'label': 'A long answer\. .* \(7,500 characters "
+                                                 r"in all\) \.\.\. '.* A long answer\. ' is not a label") as raised:
+        raw(f"csv:{path},{path}", tmp_path)
+    assert len(str(raised.value)) < 500
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv"])

@@ -2597,6 +2597,42 @@ def test_a_reward_function_file_that_fails_to_load_leaves_no_module_in_sys_modul
     assert not [name for name in set(sys.modules) - before if name.startswith("dschat_reward_fn_")]
 
 
+def test_a_reward_functions_errors_quote_a_long_prompt_and_answer_by_their_ends():
+    """The errors about a reward function's value or failure quoted the whole prompt and answer, thousands of
+    characters of a long one (a document to summarize), around the point of the message. Each now comes as its start
+    and end (the end of a formatted prompt holds its last question) and its length."""
+    from dschat.errors import UsageError, excerpt
+    from dschat.rlhf.reward_fn import call_reward_fn, weighted_scores
+
+    prompt = "\n\nHuman: Summarize this: " + "word " * 2000 + "What is it about?\n\nAssistant:"
+    answer = "It is about " + "words, " * 1000 + "in the end."
+    short = excerpt(prompt)
+    assert short.startswith("'\\n\\nHuman: Summarize this: word") and short.endswith("about?\\n\\nAssistant:'")
+    assert f"({len(prompt):,} characters in all)" in short and len(short) < 200
+    assert excerpt("Say hi.") == "'Say hi.'" and excerpt(list(range(1000))).startswith("[0, 1, 2")
+
+    def failing(prompts, answers):
+        raise ValueError("no judge")
+
+    def nan(prompts, answers):
+        return [float("nan")] * len(answers)
+
+    def wrong_count(prompts, answers):
+        return []
+
+    for fn in (failing, nan, wrong_count):
+        with pytest.raises(UsageError) as raised:
+            call_reward_fn(fn, [prompt], [answer])
+        said = str(raised.value)
+        assert short in said and len(said) < 600, said
+    with pytest.raises(UsageError) as raised:
+        call_reward_fn(nan, [prompt], [answer])
+    assert f"for prompt {short} and answer {excerpt(answer)}: each score" in str(raised.value)
+    with pytest.raises(UsageError) as raised:
+        weighted_scores(nan, [1e39], 1.0, [prompt], [answer])
+    assert f"for prompt {short} and answer {excerpt(answer)}: 1e+39" in str(raised.value)
+
+
 def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp_path):
     """The user's function needs the fix: one "error:" line and exit status 2 from the entry points (it was a
     RuntimeError and a traceback through dschat), naming the function, the prompt and where it raised."""
@@ -2760,8 +2796,8 @@ def test_a_reward_too_large_for_a_float_is_refused_as_not_finite():
     from dschat.errors import UsageError
     from dschat.rlhf.reward_fn import call_reward_fn
 
-    with pytest.raises(UsageError, match=r"returned 1000\d+ for prompt 'p2' and answer 'a2': each score must be a "
-                                         r"finite number"):
+    with pytest.raises(UsageError, match=r"returned 1000\d+ \.\.\. \(401 characters in all\) \.\.\. 000+ for prompt "
+                                         r"'p2' and answer 'a2': each score must be a finite number"):
         call_reward_fn(lambda p, a: [1, 10 ** 400], ["p1", "p2"], ["a1", "a2"])
 
 

@@ -71,7 +71,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dschat.errors import MissingInputError, UsageError
+from dschat.errors import MissingInputError, UsageError, excerpt
 from .base import (ROLE_ALIASES, SHAREGPT_ROLES, TOOL_ROLES, VALID_ROLES, PromptRawDataset, answer_from_transcript,
                    checked_messages, final_assistant_answer, optional_text, prompt_messages, required_text, trimmed,
                    untrained_turns, without_none_values)
@@ -1612,7 +1612,7 @@ class LocalDataset(PromptRawDataset):
         value = sample.get(self.label_field)
         label = _label_value(value)
         if label is None:
-            said = "missing or null" if value is None else f"{value!r} is not a label ({LABEL_SPELLINGS})"
+            said = "missing or null" if value is None else f"{excerpt(value)} is not a label ({LABEL_SPELLINGS})"
             raise RecordError(self.label_field, f"{said}: TRL's unpaired preference records (prompt, completion, "
                                                 "label) each say whether to imitate their answer")
         return not label

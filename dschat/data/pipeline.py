@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from dschat.errors import UsageError
+from dschat.errors import UsageError, excerpt
 from dschat.report import counted
 from .base import TOOL_ROLES, has_tool_turns
 from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
@@ -561,7 +561,7 @@ def rendered_prompt(messages, tokenizer, raw=None, sample=None, tools=None):
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         raise RecordError(_conversation_field(raw, sample),
                           f"the tokenizer's chat template refuses them ({err}){refused_message(messages)}; the "
-                          f"record's first user message: {first[:60]!r}") from err
+                          f"record's first user message: {excerpt(first)}") from err
     try:
         check_tool_turns_rendered(messages, text, "messages", tokenizer, tools)
     except RecordError as err:  # (of the field that holds the messages)
@@ -615,7 +615,7 @@ def check_tool_turns_rendered(messages, text, field, tokenizer=None, tools=None)
         piece = _unrendered_piece(messages, index, text, tokenizer, tools)
         if piece is not None:
             raise RecordError(field, f"message {index} {_tool_turn(message)}, but the tokenizer's chat template "
-                                     f"does not render {'it' if calls else 'its content'} ({piece[:60]!r}): the "
+                                     f"does not render {'it' if calls else 'its content'} ({excerpt(piece)}): the "
                                      "model would be trained without it; use a chat template that renders tool "
                                      "calls and results (Qwen2.5's, Llama-3.1's), or leave the record out")
 

@@ -19,7 +19,7 @@ import sys
 import traceback
 import weakref
 
-from dschat.errors import MissingInputError, MissingModuleError, UsageError
+from dschat.errors import MissingInputError, MissingModuleError, UsageError, excerpt
 from dschat.utils.dist import print_rank_0
 
 ALIASES = {"tiny": "dschat.tiny.scorer:score_batch"}
@@ -186,19 +186,19 @@ def call_reward_fn(fn, prompts, answers, extras=None):
         # escaping, SystemExit ended this rank alone, with status 0 for sys.exit(0), and the others hung in the next
         # collective: step 3's `together` agrees on UsageErrors only)
         raise UsageError(f"{name} failed ({_described(ex)}{_where(ex, fn)}) on a batch starting with prompt "
-                         f"{prompts[0]!r}") from ex
+                         f"{excerpt(prompts[0])}") from ex
     if scores is None:
         raise UsageError(f"{name} returned {_short(returned)}, not a list of {len(answers)} numbers (one score per "
-                         f"answer), on a batch starting with prompt {prompts[0]!r}")
+                         f"answer), on a batch starting with prompt {excerpt(prompts[0])}")
     returned = scores
     if len(returned) != len(answers):
         raise UsageError(f"{name} returned {len(returned)} scores for {len(answers)} answers (one per answer) on a "
-                         f"batch starting with prompt {prompts[0]!r}")
+                         f"batch starting with prompt {excerpt(prompts[0])}")
     scores = [_finite_number(score) for score in returned]
     for prompt, answer, score, value in zip(prompts, answers, returned, scores):
         if value is None:
-            raise UsageError(f"{name} returned {score!r} for prompt {prompt!r} and answer {answer!r}: each score must "
-                             "be a finite number")
+            raise UsageError(f"{name} returned {excerpt(score)} for prompt {excerpt(prompt)} and answer "
+                             f"{excerpt(answer)}: each score must be a finite number")
     return scores
 
 
@@ -225,8 +225,9 @@ def weighted_scores(fn, scores, weight, prompts, answers):
     for prompt, answer, score, value in zip(prompts, answers, scores, held.tolist()):
         if not math.isfinite(value):
             times = f" times --reward_fn_weight {weight}" if weight != 1 else ""
-            raise UsageError(f"{_flag_name(fn)} returned {score!r} for prompt {prompt!r} and answer {answer!r}: "
-                             f"{score!r}{times} is past the range of step 3's float32 rewards (+-3.4e38)")
+            raise UsageError(f"{_flag_name(fn)} returned {score!r} for prompt {excerpt(prompt)} and answer "
+                             f"{excerpt(answer)}: {score!r}{times} is past the range of step 3's float32 rewards "
+                             "(+-3.4e38)")
     return held
 
 
