@@ -2561,6 +2561,29 @@ def test_a_reward_function_module_that_does_not_exist_names_the_flag(tmp_path, m
         load_reward_fn("unparsed_module:score")
 
 
+def test_a_reward_function_file_calling_sys_exit_as_it_loads_is_a_usage_error_naming_its_line(tmp_path, monkeypatch):
+    """A reward file with script code outside `if __name__ == "__main__":` (a self-test ending in sys.exit(0), an
+    argparse parser reading the step's command line) ended the run as it loaded, with status 0 and no word for
+    sys.exit(0): the step had not trained. It is a UsageError naming the file, its line and the way out."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.reward_fn import load_reward_fn
+
+    script = tmp_path / "self_testing.py"
+    script.write_text("import sys\n\n\ndef score(prompts, answers):\n    return [1.0] * len(answers)\n\n\n"
+                      "assert score(['p'], ['a']) == [1.0]\nsys.exit(0)\n")
+    with pytest.raises(UsageError, match=rf"^--reward_fn file {script} called sys.exit\(0\) while it loaded, at "
+                                         r"self_testing.py:9: .*`if __name__ == \"__main__\":`$"):
+        load_reward_fn(f"{script}:score")
+    parsing = tmp_path / "parsing_rewards.py"  # (argparse exits from its own file: the line of the user's is said)
+    parsing.write_text("import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--scale')\n"
+                       "flags = parser.parse_args(['--no_such_flag'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match=r"^--reward_fn module parsing_rewards called sys.exit\(2\) while it loaded, "
+                                         r"at parsing_rewards.py:4: "):
+        load_reward_fn("parsing_rewards:score")
+    assert "parsing_rewards" not in sys.modules
+
+
 def test_a_reward_function_file_loads_as_an_imported_module_would(tmp_path):
     """A file's module was in no sys.modules: a dataclass under `from __future__ import annotations` failed to load
     ("'NoneType' object has no attribute '__dict__'"), and pickling the file's functions (a multiprocessing pool of a

@@ -58,6 +58,18 @@ def load_reward_fn(spec):
     if ":" not in spec:
         raise UsageError(f"--reward_fn {spec!r} must be 'module:function' or 'path/to/file.py:function'")
     target, name = spec.rsplit(":", 1)
+    try:
+        module = _loaded_module(spec, target, name)
+    except SystemExit as stop:  # (it ended the run: sys.exit(0) with status 0, before any training)
+        raise _exited_on_load(target, stop) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UsageError(f"--reward_fn: {target} has no function {name!r}")
+    return fn
+
+
+def _loaded_module(spec, target, name):
+    """The module of a --reward_fn file (``target`` ending in .py) or module."""
     if target.endswith(".py"):
         if not os.path.exists(target):
             raise MissingInputError(f"--reward_fn file {target} does not exist")
@@ -72,10 +84,19 @@ def load_reward_fn(spec):
                                      f"e.g. path/to/{target}.py:{name})") from None
         except SyntaxError as error:  # (one line, as for a file: not importlib's traceback)
             raise _unparsed("module", target, error) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UsageError(f"--reward_fn: {target} has no function {name!r}")
-    return fn
+    return module
+
+
+def _exited_on_load(target, stop):
+    """The UsageError of a --reward_fn file or module that called sys.exit while it loaded (a script's self-test, an
+    argparse parser reading dschat's command line): its line, and the way out."""
+    source = os.path.abspath(target) if target.endswith(".py") else _module_source(target)
+    frames = traceback.extract_tb(stop.__traceback__)
+    own = [frame for frame in frames if source and os.path.abspath(frame.filename) == source] or frames[-1:]
+    at = f", at {_place(own[-1])}" if own else ""
+    return UsageError(f"--reward_fn {'file' if target.endswith('.py') else 'module'} {target} called "
+                      f"sys.exit({stop.code!r}) while it loaded{at}: its script code runs whenever it is imported; "
+                      f"put that code under `if __name__ == \"__main__\":`")
 
 
 _FILE_MODULES = {}  # (path, modification time) -> module: checked, then loaded, the file runs once (an edit: again)
