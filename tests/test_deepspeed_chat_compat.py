@@ -868,3 +868,75 @@ def test_train_py_grpo_refuses_step3_args_that_would_read_a_step2_folder(tmp_pat
     flags = pipeline.step_parser(3, "ppo")().parse_args(pipeline.step_argv(3, parse(["--step3-args", "--advantage_"
                                                                                      "estimator gae"]), True))
     pipeline.check_grpo_reads_no_step2_folder(flags, parse([]))  # (PPO's critic is step 2's, of this run)
+
+
+# --- DeepSpeed-Chat's step-3 loop on a critic-free engine -----------------------------------------------------------
+
+class MiniDataset:
+    """DeepSpeed-Chat's utils/data/data_utils.py MiniDataset (its step-3 loop's slicing of each experience into
+    training micro-batches), as it is there."""
+
+    def __init__(self, max_size, small_batch_size):
+        self.dataset, self.max_size, self.small_batch_size = [], max_size, small_batch_size
+
+    def seperate(self):
+        small_dataset = []
+        for large_batch in self.dataset:
+            if type(large_batch) == list or type(large_batch) == tuple:  # noqa: E721
+                large_size = len(large_batch[0])
+            elif type(large_batch) == dict:  # noqa: E721
+                large_size = len(large_batch[list(large_batch.keys())[0]])
+            else:
+                large_size = len(large_batch)
+            for i in range(0, large_size, self.small_batch_size):
+                if type(large_batch) == list or type(large_batch) == tuple:  # noqa: E721
+                    small_dataset.append([x[i:i + self.small_batch_size] for x in large_batch])
+                elif type(large_batch) == dict:  # noqa: E721
+                    small_dataset.append({k: v[i:i + self.small_batch_size] for k, v in large_batch.items()})
+                else:
+                    small_dataset.append(large_batch[i:i + self.small_batch_size])
+        self.dataset = []
+        return small_dataset
+
+    def add(self, data):
+        self.dataset.append(data)
+        return self.seperate() if len(self.dataset) == self.max_size else None
+
+
+GRPO_NOTEBOOK = {"actor_model_name_or_path": "tiny-llama", "dtype": "fp32", "max_prompt_seq_len": 40,
+                 "max_answer_seq_len": 8, "per_device_training_batch_size": 2, "num_warmup_steps": 0, "max_steps": 1,
+                 "advantage_estimator": "grpo", "n_samples_per_prompt": 2, "reward_model_weight": 0,
+                 "reward_fn": lambda prompts, answers: [float(len(a)) for a in answers]}
+
+
+@pytest.fixture(scope="module")
+def grpo_engine(distributed):
+    """A critic-free (GRPO) engine on the embedded tiny Llama, no hybrid engine (seconds on a CPU)."""
+    from dschat import DeepSpeedRLHFEngine
+
+    with DeepSpeedRLHFEngine(args=GRPO_NOTEBOOK) as engine:
+        yield engine
+
+
+def _grpo_prompts(engine):
+    return engine.tokenizer(["\n\nHuman: Say hi.\n\nAssistant:", "\n\nHuman: List three colors.\n\nAssistant:"],
+                            return_tensors="pt", padding=True)
+
+
+def test_deepspeed_chats_minidataset_slices_a_critic_free_experience(grpo_engine):
+    """With GRPO/RLOO/REINFORCE++ (no critic) generate_experience returned out["value"] = None, and DeepSpeed-Chat's
+    loop, MiniDataset(...).add(out), failed with "TypeError: 'NoneType' object is not subscriptable". Without a critic
+    the key is left out: every value slices, and train_rlhf trains on each slice."""
+    import math
+
+    from dschat import DeepSpeedPPOTrainer
+
+    trainer = DeepSpeedPPOTrainer(engine=grpo_engine)
+    out = trainer.generate_experience(_grpo_prompts(grpo_engine))
+    slices = MiniDataset(1, 2).add(out)
+    assert "value" not in out and out["input_ids"].shape[0] == 4
+    assert [s["input_ids"].shape[0] for s in slices] == [2, 2]
+    for mini in slices:
+        assert set(mini) == set(out)
+        losses = trainer.train_rlhf(mini)
+        assert all(math.isfinite(float(loss)) for loss in losses)

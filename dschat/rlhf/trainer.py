@@ -407,7 +407,9 @@ class DeepSpeedPPOTrainer:
         for a caller that prints the answers itself (step 3's loop, once per iteration of several generation batches).
         The returned dict also holds the batch's "advantages" and "returns" (``compute_advantages``): a caller that
         changes its "rewards" calls ``compute_advantages([exp])`` again. ``advantages=False`` leaves them out, for a
-        caller that computes them over a rollout of several batches (``train_rollout``).
+        caller that computes them over a rollout of several batches (``train_rollout``). Its "value" (the critic's
+        values) is there with a critic (GAE) only: every value of the dict is a tensor of the batch's rows, so
+        DeepSpeed-Chat's ``MiniDataset`` slices it for any estimator.
         """
         batch, prompts, mask = self._checked_prompts(prompts, mask)
         self.eval()
@@ -444,6 +446,8 @@ class DeepSpeedPPOTrainer:
                           truncated_answers=int(self._unended(answers, action_mask).sum().item()))
         exp = {"prompts": prompts, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "value": values,
                "rewards": scores, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask}
+        if values is None:  # no critic: no key (DeepSpeed-Chat's MiniDataset slices every value, v[i:j], None too)
+            del exp["value"]
         if print_answer:
             self._print_answer(exp, step)
         if advantages:
@@ -600,7 +604,7 @@ class DeepSpeedPPOTrainer:
             widths = [e["action_mask"].shape[1] for e in experiences]
             rollout = {key: _cat_right_padded([e[key] for e in experiences], max(widths))
                        for key in ("logprobs", "ref_logprobs", "value", "action_mask")
-                       if experiences[0][key] is not None}
+                       if experiences[0].get(key) is not None}  # ("value": GAE's only)
             mask = rollout["action_mask"].float()
             scores = torch.cat([e["rewards"] for e in experiences])
             rewards = self.compute_rewards(None, rollout["logprobs"], rollout["ref_logprobs"], scores, mask)
@@ -628,7 +632,7 @@ class DeepSpeedPPOTrainer:
         seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         start = inputs["prompts"].shape[1] - 1
         layout = self._layout(attention_mask, start)
-        old_logp, ref_logp, old_values = inputs["logprobs"], inputs["ref_logprobs"], inputs["value"]
+        old_logp, ref_logp, old_values = inputs["logprobs"], inputs["ref_logprobs"], inputs.get("value")
         agg = self._loss_agg(inputs)
         if "advantages" not in inputs:  # an experience dict built by the caller: its rows are the whole rollout
             self.compute_advantages([inputs])
