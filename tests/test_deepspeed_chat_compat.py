@@ -940,3 +940,36 @@ def test_deepspeed_chats_minidataset_slices_a_critic_free_experience(grpo_engine
         assert set(mini) == set(out)
         losses = trainer.train_rlhf(mini)
         assert all(math.isfinite(float(loss)) for loss in losses)
+
+
+def test_deepspeed_chats_trainer_attributes_are_the_settings_the_run_reads(grpo_engine):
+    """DeepSpeed-Chat's trainer says its kl_ctl, clip_reward_value, cliprange, cliprange_value, gamma and lam "can be
+    changed", and sets max_answer_seq_len from args. Here they were copies of args made in __init__: assigning
+    trainer.max_answer_seq_len changed nothing (generation read args), trainer.args.cliprange = 0.1 changed nothing the
+    loss read (it read the copy), and REINFORCE++ read args.gamma where GAE read trainer.gamma. They are args' settings
+    now, checked as the flags are; the engine's own args stay as it was built."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.errors import UsageError
+
+    trainer = DeepSpeedPPOTrainer(engine=grpo_engine)
+    prompts = _grpo_prompts(grpo_engine)
+    assert trainer.generate_experience(prompts)["action_mask"].sum(1).max() > 3  # (the premise: longer answers)
+    trainer.max_answer_seq_len = 3
+    assert trainer.generate_experience(prompts)["action_mask"].sum(1).max() <= 3
+    assert trainer.args.max_answer_seq_len == 3 and grpo_engine.args.max_answer_seq_len == 8
+    for name, value in (("clip_reward_value", 2.0), ("cliprange", 0.1), ("cliprange_value", 0.3), ("gamma", 0.9),
+                        ("lam", 0.5)):
+        setattr(trainer, name, value)
+        assert getattr(trainer.args, name) == value and getattr(grpo_engine.args, name) != value, name
+        setattr(trainer.args, name, 0.25)
+        assert getattr(trainer, name) == 0.25, name
+    with pytest.raises(UsageError, match=r"trainer.gamma = 1.5: gamma: expected a number in \[0, 1\]"):
+        trainer.gamma = 1.5
+    with pytest.raises(UsageError, match=r"trainer.cliprange = -0.2: .*expected a number > 0"):
+        trainer.cliprange = -0.2
+    with pytest.raises(UsageError, match=r"trainer.max_answer_seq_len = 9: .* would be 49, longer than the 48 the "
+                                         r"engine's models were checked and sized for"):
+        trainer.max_answer_seq_len = 9
+    trainer.max_answer_seq_len = 8.0  # (as the flag takes it: an integer)
+    assert trainer.max_answer_seq_len == 8 and type(trainer.max_answer_seq_len) is int
+    assert DeepSpeedPPOTrainer(engine=grpo_engine).cliprange == 0.2  # (a new trainer: the engine's settings)

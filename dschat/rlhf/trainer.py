@@ -1,5 +1,6 @@
 """DeepSpeedPPOTrainer: experience generation and the PPO update (DeepSpeed-Chat's API, dschat's math)."""
 import contextlib
+import copy
 import functools
 import time
 from collections.abc import Mapping
@@ -326,14 +327,64 @@ class _EngineModel:
         trainer.__dict__[self.name] = model
 
 
+class _ArgsSetting:
+    """A DeepSpeed-Chat trainer attribute its loop may change (its trainer's "Those value can be changed": cliprange,
+    gamma, ...; max_answer_seq_len), read from and written to ``trainer.args``, which generation, the losses and the
+    checkpoints read. As copies of args made in __init__, ``trainer.max_answer_seq_len = 64`` changed nothing
+    (generation read args) and neither did ``trainer.args.cliprange = 0.1`` (the loss read the copy), without a
+    word. A value is checked as the flag's (``trainer.gamma = 1.5`` is an error)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, trainer, owner=None):
+        if trainer is None:
+            return self
+        return getattr(trainer.args, self.name)
+
+    def __set__(self, trainer, value):
+        value = checked_setting(self.name, value, f"trainer.{self.name} = {value!r}")
+        if self.name == "max_answer_seq_len":
+            trainer._check_answers_fit(value)
+        setattr(trainer_own_args(trainer), self.name, value)
+
+
+def checked_setting(name, value, where):
+    """``value`` of step 3's flag ``name`` as a notebook's args take it (converted, range-checked), or a UsageError
+    saying ``where``."""
+    from dschat.args import namespace_with_defaults, step3_parser
+
+    if value is None:  # (args would read it as "the default")
+        raise UsageError(f"{where}: give a value (see --{name} in step 3's --help)")
+    try:
+        return getattr(namespace_with_defaults(step3_parser(), {name: value}), name)
+    except UsageError as error:
+        raise UsageError(f"{where}: {error}") from None
+
+
+def trainer_own_args(trainer):
+    """The args a trainer's change is written to: its own, copied from its engine's on the first change where they are
+    the engine's (those say what the engine was built with, which ``check_engine_settings`` compares a later
+    trainer's args against)."""
+    engine = trainer.__dict__.get("rlhf_engine")
+    if engine is not None and trainer.args is getattr(engine, "args", None):
+        trainer.args = copy.copy(trainer.args)
+    return trainer.args
+
+
 class DeepSpeedPPOTrainer:
-    """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``."""
+    """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``.
+
+    DeepSpeed-Chat's attributes ``max_answer_seq_len``, ``clip_reward_value``, ``cliprange``, ``cliprange_value``,
+    ``gamma`` and ``lam`` are ``args``' settings (``_ArgsSetting``): assigned, they change what the run reads."""
 
     _said_hand_loop = False  # (class defaults: tests build trainers without __init__)
     _said_unequal_hand_group = False
     _hand_group_answers = ()  # a hand loop's answers (all ranks) of each micro-batch of its optimizer step so far
     actor_model, ref_model, critic_model = _EngineModel("actor"), _EngineModel("ref"), _EngineModel("critic")
     reward_model, actor_ema = _EngineModel("reward"), _EngineModel("actor_ema")
+    max_answer_seq_len, clip_reward_value = _ArgsSetting(), _ArgsSetting()
+    cliprange, cliprange_value, gamma, lam = _ArgsSetting(), _ArgsSetting(), _ArgsSetting(), _ArgsSetting()
 
     def __init__(self, rlhf_engine=None, args=None, engine=None):
         self.rlhf_engine = rlhf_engine or engine
@@ -349,14 +400,12 @@ class DeepSpeedPPOTrainer:
                 check_engine_settings(args, self.rlhf_engine.args)
         e = self.rlhf_engine  # (its models are read through it: _EngineModel)
         self.tokenizer = e.tokenizer
-        self.max_answer_seq_len = args.max_answer_seq_len
+        # the longest prompt + answer the engine's models were checked and sized for (``max_answer_seq_len``'s bound)
+        self._longest_sized = longest_sequence(getattr(e, "args", None) or args)
         self.pad_token_id = self.tokenizer.pad_token_id
         self.eos_token_id = answer_stop_ids(self.actor_model, self.tokenizer)
         self.kl_ctl = algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl,
                                              args.kl_target, args.kl_horizon)
-        self.clip_reward_value, self.cliprange, self.cliprange_value = (args.clip_reward_value, args.cliprange,
-                                                                          args.cliprange_value)
-        self.gamma, self.lam = args.gamma, args.lam
         self.hybrid = args.enable_hybrid_engine
         self.z3_enabled = args.actor_zero_stage == 3
         self.align_overflow = check_align_overflow(args)
@@ -376,6 +425,17 @@ class DeepSpeedPPOTrainer:
         if self.reward_model is None and self.reward_fn is None:
             raise UsageError("step 3 needs a reward: a reward model (--reward_model_weight != 0) or --reward_fn")
         self.stats = {}
+
+    def _check_answers_fit(self, max_answer_seq_len):
+        """``trainer.max_answer_seq_len`` may shorten the answers, not lengthen them past what the engine's models were
+        checked and sized for (as a trainer's own args may not: ``check_engine_settings``)."""
+        longest = getattr(self, "_longest_sized", None)  # (None: a trainer built without __init__)
+        wanted = copy.copy(self.args)
+        wanted.max_answer_seq_len = max_answer_seq_len
+        if longest is not None and longest_sequence(wanted) > longest:
+            raise UsageError(f"trainer.max_answer_seq_len = {max_answer_seq_len}: {LONGEST_SEQUENCE_FLAGS} would be "
+                             f"{longest_sequence(wanted)}, longer than the {longest} the engine's models were checked "
+                             "and sized for; build the engine with the longer max_answer_seq_len")
 
     # --- experience ---------------------------------------------------------------------------------------
     def _generate_sequence(self, prompts, mask):
