@@ -55,6 +55,22 @@ def disable_activation_checkpointing(model):
         model.gradient_checkpointing_disable()
 
 
+def engine_takes_checkpointing_calls(engine):
+    """DeepSpeed-Chat's step-3 loop switches the actor's checkpointing with ``rlhf_engine.actor
+    .gradient_checkpointing_enable()`` (and ``_disable``). The hybrid engine takes the call itself; a DeepSpeed engine
+    forwards it (``__getattr__``) to transformers' deprecated name: a FutureWarning on every call, gone in transformers
+    6. This engine (the instance, not DeepSpeed's class) takes both calls, as the hybrid engine does; bound to its
+    model, not to itself, so that no reference cycle keeps the engine. Returns ``engine``."""
+    engine.gradient_checkpointing_enable = functools.partial(_checkpointing_enable, engine.module)
+    engine.gradient_checkpointing_disable = functools.partial(disable_activation_checkpointing, engine.module)
+    return engine
+
+
+def _checkpointing_enable(model, gradient_checkpointing_kwargs=None):
+    # (the hybrid engine's default, as dschat's own checkpointing: torch's non-reentrant checkpoint)
+    enable_activation_checkpointing(model, **(gradient_checkpointing_kwargs or {"use_reentrant": False}))
+
+
 @contextlib.contextmanager
 def peft_reading_checkpointing():
     """PEFT (0.21) reads the model's ``is_gradient_checkpointing``, which transformers 5.2x deprecated in favour of

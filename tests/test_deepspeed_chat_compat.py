@@ -973,3 +973,32 @@ def test_deepspeed_chats_trainer_attributes_are_the_settings_the_run_reads(grpo_
     trainer.max_answer_seq_len = 8.0  # (as the flag takes it: an integer)
     assert trainer.max_answer_seq_len == 8 and type(trainer.max_answer_seq_len) is int
     assert DeepSpeedPPOTrainer(engine=grpo_engine).cliprange == 0.2  # (a new trainer: the engine's settings)
+
+
+def test_deepspeed_chats_checkpointing_toggle_on_an_actor_without_the_hybrid_engine_warns_not(grpo_engine):
+    """DeepSpeed-Chat's loop calls rlhf_engine.actor.gradient_checkpointing_enable() (and _disable). The hybrid engine
+    takes the call; without it the DeepSpeed engine forwarded it to transformers' deprecated name (a FutureWarning
+    each call; gone in transformers 6). The actor's engine takes it now, as the hybrid engine does, and DeepSpeed's
+    class is left as it is."""
+    import warnings
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from dschat.compat import disable_activation_checkpointing
+
+    actor = grpo_engine.actor
+    assert type(actor) is DeepSpeedEngine  # (the premise: no hybrid engine)
+    layers = [m for m in actor.module.modules() if hasattr(m, "gradient_checkpointing")]
+    assert layers and not any(m.gradient_checkpointing for m in layers)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            actor.gradient_checkpointing_enable()
+            assert all(m.gradient_checkpointing for m in layers)
+            actor.gradient_checkpointing_disable()
+            assert not any(m.gradient_checkpointing for m in layers)
+            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            assert all(m.gradient_checkpointing for m in layers)
+    finally:
+        disable_activation_checkpointing(actor.module)  # (the module's engine serves the file's other tests)
+    assert "gradient_checkpointing_enable" not in vars(DeepSpeedEngine)

@@ -7,6 +7,7 @@ import copy
 
 from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, critic_only_flags, given_flags,
                          hybrid_engine_only_flags, unread_conditional_flags)
+from dschat.compat import engine_takes_checkpointing_calls
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import UsageError
@@ -613,7 +614,7 @@ class DeepSpeedRLHFEngine:
         print_rank_0(f"[step3] actor {self.actor_path}: ZeRO-{a.actor_zero_stage}, "
                      f"hybrid engine {'on' if a.enable_hybrid_engine else 'off'}")
         if not a.enable_hybrid_engine:
-            return engine
+            return engine_takes_checkpointing_calls(engine)  # (DeepSpeed-Chat's loop's call, as the hybrid engine's)
         actor = HybridEngine(engine, HybridEngineConfig.from_ds_config(ds_config),
                              pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
                              compile_decode_step=a.compile_decode_step, decode_attention=a.decode_attention,
