@@ -1002,3 +1002,23 @@ def test_deepspeed_chats_checkpointing_toggle_on_an_actor_without_the_hybrid_eng
     finally:
         disable_activation_checkpointing(actor.module)  # (the module's engine serves the file's other tests)
     assert "gradient_checkpointing_enable" not in vars(DeepSpeedEngine)
+
+
+def test_deepspeed_chats_trainer_attributes_of_the_engines_build_are_read_not_assigned(grpo_engine):
+    """DeepSpeed-Chat's trainer also has z3_enabled, compute_fp32_loss and end_of_conversation_token_id. Here the
+    last two were missing (AttributeError), and z3_enabled was a plain copy: assigned, HF's generate synced the ranks,
+    or not, apart from how the actor was sharded. They read as there; assigned, an error says what to do."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.errors import UsageError
+
+    trainer = DeepSpeedPPOTrainer(engine=grpo_engine)
+    assert trainer.z3_enabled is False and trainer.compute_fp32_loss is False
+    assert trainer.end_of_conversation_token_id == grpo_engine.tokenizer.eos_token_id
+    for attribute, flag in (("z3_enabled", "actor_zero_stage"), ("compute_fp32_loss", "compute_fp32_loss")):
+        with pytest.raises(UsageError, match=rf"trainer.{attribute} = True: the engine's models were built with "
+                                             rf"{flag} .*build a DeepSpeedRLHFEngine with another {flag}"):
+            setattr(trainer, attribute, True)
+        assert getattr(trainer, attribute) is False
+    with pytest.raises(UsageError, match=r"trainer.end_of_conversation_token_id = 5: the answers end at "
+                                         r"trainer.eos_token_id .*: set that"):
+        trainer.end_of_conversation_token_id = 5

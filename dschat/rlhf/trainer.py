@@ -362,6 +362,11 @@ def checked_setting(name, value, where):
         raise UsageError(f"{where}: {error}") from None
 
 
+def engine_setting_error(attribute, value, flag):
+    return UsageError(f"trainer.{attribute} = {value!r}: the engine's models were built with {flag} (DeepSpeed-Chat "
+                      f"reads it from args too); build a DeepSpeedRLHFEngine with another {flag} instead")
+
+
 def trainer_own_args(trainer):
     """The args a trainer's change is written to: its own, copied from its engine's on the first change where they are
     the engine's (those say what the engine was built with, which ``check_engine_settings`` compares a later
@@ -376,7 +381,8 @@ class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``.
 
     DeepSpeed-Chat's attributes ``max_answer_seq_len``, ``clip_reward_value``, ``cliprange``, ``cliprange_value``,
-    ``gamma`` and ``lam`` are ``args``' settings (``_ArgsSetting``): assigned, they change what the run reads."""
+    ``gamma`` and ``lam`` are ``args``' settings (``_ArgsSetting``): assigned, they change what the run reads.
+    ``z3_enabled``, ``compute_fp32_loss`` and ``end_of_conversation_token_id`` read as there, and are not assigned."""
 
     _said_hand_loop = False  # (class defaults: tests build trainers without __init__)
     _said_unequal_hand_group = False
@@ -407,7 +413,6 @@ class DeepSpeedPPOTrainer:
         self.kl_ctl = algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl,
                                              args.kl_target, args.kl_horizon)
         self.hybrid = args.enable_hybrid_engine
-        self.z3_enabled = args.actor_zero_stage == 3
         self.align_overflow = check_align_overflow(args)
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
         # how far shifted rows may be rounded up (positions.position_limit): every model of the experience
@@ -1001,6 +1006,39 @@ class DeepSpeedPPOTrainer:
         self.ref_model.eval()
         if self.reward_model is not None:
             self.reward_model.eval()
+
+    # DeepSpeed-Chat's attributes of what the engine was built with, and of its answers' end: read, as there; assigned,
+    # an error saying what to do (a plain attribute would have taken the value and changed nothing, or, for
+    # z3_enabled, made HF's generate sync the ranks, or not, apart from how the actor is sharded)
+    @property
+    def z3_enabled(self):
+        """Whether the actor is sharded with ZeRO-3 (its HF generation then runs in step on every rank)."""
+        return self.args.actor_zero_stage == 3
+
+    @z3_enabled.setter
+    def z3_enabled(self, value):
+        raise engine_setting_error("z3_enabled", value, "actor_zero_stage")
+
+    @property
+    def compute_fp32_loss(self):
+        return self.args.compute_fp32_loss
+
+    @compute_fp32_loss.setter
+    def compute_fp32_loss(self, value):
+        raise engine_setting_error("compute_fp32_loss", value, "compute_fp32_loss")
+
+    @property
+    def end_of_conversation_token_id(self):
+        """The id the answers end at (DeepSpeed-Chat's from --end_of_conversation_token): the tokenizer's EOS
+        (``get_eot_token``); ``eos_token_id`` holds it with any other stop of the actor's generation_config."""
+        return token_id_list(self.eos_token_id)[0]
+
+    @end_of_conversation_token_id.setter
+    def end_of_conversation_token_id(self, value):
+        raise UsageError(f"trainer.end_of_conversation_token_id = {value!r}: the answers end at trainer.eos_token_id "
+                         f"({self.eos_token_id!r}: the tokenizer's EOS, and any other stop of the actor's "
+                         "generation_config), which generation and the answers' masks read: set that (an id or a list "
+                         "of ids)")
 
     @property
     def generate_time(self):
