@@ -61,13 +61,14 @@ def engine_takes_checkpointing_calls(engine):
     forwards it (``__getattr__``) to transformers' deprecated name: a FutureWarning on every call, gone in transformers
     6. This engine (the instance, not DeepSpeed's class) takes both calls, as the hybrid engine does; bound to its
     model, not to itself, so that no reference cycle keeps the engine. Returns ``engine``."""
-    engine.gradient_checkpointing_enable = functools.partial(_checkpointing_enable, engine.module)
+    engine.gradient_checkpointing_enable = functools.partial(checkpointing_enable_call, engine.module)
     engine.gradient_checkpointing_disable = functools.partial(disable_activation_checkpointing, engine.module)
     return engine
 
 
-def _checkpointing_enable(model, gradient_checkpointing_kwargs=None):
-    # (the hybrid engine's default, as dschat's own checkpointing: torch's non-reentrant checkpoint)
+def checkpointing_enable_call(model, gradient_checkpointing_kwargs=None):
+    """HF's ``gradient_checkpointing_enable`` call, as DeepSpeed-Chat's loop makes it on the actor's engine; its
+    default is dschat's own checkpointing: torch's non-reentrant checkpoint."""
     enable_activation_checkpointing(model, **(gradient_checkpointing_kwargs or {"use_reentrant": False}))
 
 

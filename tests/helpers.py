@@ -132,3 +132,20 @@ def engines_alive(made):
 
     gc.collect()
     return sum(ref() is not None for ref in made)
+
+
+def check_checkpointing_toggle(engine):
+    """DeepSpeed-Chat's step-3 loop's ``actor.gradient_checkpointing_enable()`` / ``_disable()`` on ``engine``: with
+    FutureWarning an error (transformers' deprecated name), enable, disable and enable with kwargs switch every layer."""
+    import warnings
+
+    layers = [m for m in engine.module.modules() if hasattr(m, "gradient_checkpointing")]
+    assert layers and not any(m.gradient_checkpointing for m in layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        engine.gradient_checkpointing_enable()
+        assert all(m.gradient_checkpointing for m in layers)
+        engine.gradient_checkpointing_disable()
+        assert not any(m.gradient_checkpointing for m in layers)
+        engine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert all(m.gradient_checkpointing for m in layers)

@@ -14,7 +14,7 @@ from dschat.rlhf.config import step3_args
 from dschat.models import training_engine
 from dschat.steps import common, sft
 from dschat.utils.ds_config import apply_user_ds_config, get_train_ds_config, owned_key_flags, user_ds_config_path
-from helpers import SFT_FAST
+from helpers import SFT_FAST, check_checkpointing_toggle
 
 # As a DeepSpeed-Chat walk-through writes them (../shared/reference/seeds/004_*), flags only.
 WALKTHROUGH = {
@@ -980,25 +980,14 @@ def test_deepspeed_chats_checkpointing_toggle_on_an_actor_without_the_hybrid_eng
     takes the call; without it the DeepSpeed engine forwarded it to transformers' deprecated name (a FutureWarning
     each call; gone in transformers 6). The actor's engine takes it now, as the hybrid engine does, and DeepSpeed's
     class is left as it is."""
-    import warnings
-
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from dschat.compat import disable_activation_checkpointing
 
     actor = grpo_engine.actor
     assert type(actor) is DeepSpeedEngine  # (the premise: no hybrid engine)
-    layers = [m for m in actor.module.modules() if hasattr(m, "gradient_checkpointing")]
-    assert layers and not any(m.gradient_checkpointing for m in layers)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", FutureWarning)
-            actor.gradient_checkpointing_enable()
-            assert all(m.gradient_checkpointing for m in layers)
-            actor.gradient_checkpointing_disable()
-            assert not any(m.gradient_checkpointing for m in layers)
-            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            assert all(m.gradient_checkpointing for m in layers)
+        check_checkpointing_toggle(actor)
     finally:
         disable_activation_checkpointing(actor.module)  # (the module's engine serves the file's other tests)
     assert "gradient_checkpointing_enable" not in vars(DeepSpeedEngine)

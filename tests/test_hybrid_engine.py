@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch,  # noqa: E402
                            make_ds_engine, tiny_model, train_step)
+from helpers import check_checkpointing_toggle  # noqa: E402
 
 from dschat.hybrid_engine import (HybridEngine, HybridEngineConfig, strip_deepspeed_hybrid_engine,  # noqa: E402
                                   wrap_actor)
@@ -439,22 +440,10 @@ def test_deepspeed_chats_checkpointing_toggle_on_the_actor_warns_not_and_switche
     """DeepSpeed-Chat's step-3 loop turns the actor's checkpointing on before each PPO update and off after
     (``rlhf_engine.actor.gradient_checkpointing_enable()``): forwarded to transformers' deprecated name, each call put a
     FutureWarning in the run's log (and transformers 6 drops the name). The engine's own pair switches every layer."""
-    import warnings
-
     from dschat.models.lora import apply_lora
 
     model = tiny_model("llama", seed=3)
-    engine = _engine(apply_lora(model, lora_dim=4) if lora else model)
-    layers = [m for m in engine.module.modules() if hasattr(m, "gradient_checkpointing")]
-    assert layers and not any(m.gradient_checkpointing for m in layers)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        engine.gradient_checkpointing_enable()
-        assert all(m.gradient_checkpointing for m in layers)
-        engine.gradient_checkpointing_disable()
-        assert not any(m.gradient_checkpointing for m in layers)
-        engine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        assert all(m.gradient_checkpointing for m in layers)
+    check_checkpointing_toggle(_engine(apply_lora(model, lora_dim=4) if lora else model))
 
 
 def test_a_deep_copy_of_the_actor_module_is_possible_and_does_not_generate_through_the_engine():

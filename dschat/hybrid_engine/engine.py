@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dschat.args import check_compile_mode
-from dschat.compat import disable_activation_checkpointing, enable_activation_checkpointing
+from dschat.compat import checkpointing_enable_call, disable_activation_checkpointing
 from dschat.hybrid_engine.attention import decode_attention as decode_attention_kernel
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache, longest_cache
@@ -179,7 +179,7 @@ class HybridEngine:
     # (rlhf_engine.actor.gradient_checkpointing_enable()): forwarded, that reached transformers' deprecated name (a
     # FutureWarning on every call; gone in transformers 6), so the engine takes the call itself
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        enable_activation_checkpointing(self.module, **(gradient_checkpointing_kwargs or {"use_reentrant": False}))
+        checkpointing_enable_call(self.module, gradient_checkpointing_kwargs)
 
     def gradient_checkpointing_disable(self):
         disable_activation_checkpointing(self.module)
