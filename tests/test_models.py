@@ -145,6 +145,18 @@ def test_checkpointing_and_lora_turn_on_without_deprecation_warnings(family):
         assert layers and all(m.gradient_checkpointing for m in layers)
 
 
+def test_a_critic_checkpoints_without_reentrancy_when_deepspeed_chat_turns_it_on():
+    """DeepSpeed-Chat's ``critic.gradient_checkpointing_enable()`` (its engine forwards the call to RewardModel) with no
+    kwargs: torch's non-reentrant checkpoint, dschat's own and the actor's, not transformers' reentrant default."""
+    critic = RewardModel(AutoModel.from_config(CONFIGS["gpt2"]()))
+    critic.gradient_checkpointing_enable()
+    functions = [m._gradient_checkpointing_func for m in critic.modules() if getattr(m, "gradient_checkpointing", 0)]
+    assert functions and all(f.keywords.get("use_reentrant") is False for f in functions)
+    critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})  # (asked for: kept)
+    assert all(m._gradient_checkpointing_func.keywords["use_reentrant"] for m in critic.modules()
+               if getattr(m, "gradient_checkpointing", 0))
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_lora_freezes_only_the_adapted_weights_and_scales_by_one_over_rank_as_deepspeed_chat(family):
     model = apply_lora(AutoModelForCausalLM.from_config(CONFIGS[family]()), lora_dim=4)

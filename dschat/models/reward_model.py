@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel
 
-from dschat.compat import backbone_ignoring_lm_head, disable_activation_checkpointing, enable_activation_checkpointing
+from dschat.compat import backbone_ignoring_lm_head, checkpointing_enable_call, disable_activation_checkpointing
 from dschat.errors import UsageError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -119,7 +119,9 @@ class RewardModel(nn.Module):
         self.v_head.fp32 = value
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        enable_activation_checkpointing(self.rwtransformer, **(gradient_checkpointing_kwargs or {}))
+        # (DeepSpeed-Chat's call on the critic, or its engine's, forwarded here: dschat's non-reentrant default, as
+        # the actor's, not transformers' reentrant one)
+        checkpointing_enable_call(self.rwtransformer, gradient_checkpointing_kwargs)
 
     def gradient_checkpointing_disable(self):
         disable_activation_checkpointing(self.rwtransformer)
