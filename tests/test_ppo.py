@@ -99,7 +99,8 @@ def _truncation_experience(rows, zero_advantages=False):
             "advantages": floats[4] * (0.0 if zero_advantages else 1.0), "returns": floats[2] + 1}
 
 
-def _truncation_grads(monkeypatch, rows, estimator, mode, masked, zero_advantages=False, hand_loop=False):
+def _truncation_grads(monkeypatch, rows, estimator, mode, masked, zero_advantages=False, hand_loop=False,
+                      batch=None, result=None):
     """(loss, {"logp", "entropy", "values": the gradient reaching them}) of one PPO step on ``rows`` of the answers
     above, with fake models whose log-probs, entropies and values are leaves (rows taken from fixed full-batch
     ones, so that a row's own tensors are the same whatever rows are given)."""
@@ -110,25 +111,34 @@ def _truncation_grads(monkeypatch, rows, estimator, mode, masked, zero_advantage
     torch.manual_seed(1)
     full = {"logp": torch.randn(4, 4) - 2, "entropy": torch.rand(4, 4), "values": torch.randn(4, 6)}
     leaves = {key: t[rows].clone().requires_grad_() for key, t in full.items()}
+    exp = _truncation_experience(rows, zero_advantages)
+
+    def of(seq, key):  # the rows of a micro-batch (``batch``), found by their distinct answers
+        if len(seq) == len(rows):
+            return leaves[key]
+        return leaves[key][[next(i for i, row in enumerate(exp["input_ids"]) if row.equal(s)) for s in seq]]
+
     monkeypatch.setattr(trainer_module, "answer_token_stats",
-                        lambda *a, entropy=False, **kw: [leaves["logp"], leaves["entropy"]] if entropy
-                        else leaves["logp"])
+                        lambda model, seq, *a, entropy=False, **kw: [of(seq, "logp"), of(seq, "entropy")] if entropy
+                        else of(seq, "logp"))
     trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)
     trainer.args = step3_args({"mask_truncated_answers": masked, "advantage_estimator": estimator, "loss_agg": mode,
                                "n_samples_per_prompt": 1 if estimator in ("gae", "reinforce_pp") else 2,
                                "entropy_coef": 0.01, "kl_in_reward": False, "kl_loss_coef": 0.1,
-                               "max_answer_seq_len": 4, "per_device_training_batch_size": len(rows)})
+                               "max_answer_seq_len": 4, "per_device_training_batch_size": batch or len(rows)})
     trainer.actor_model, trainer.actor_ema, trainer.stats = _GradEngine(), None, {}
     trainer.critic_model = _GradEngine() if estimator == "gae" else None
     trainer.eos_token_id, trainer.device, trainer.align_overflow = 2, torch.device("cpu"), False
     trainer.cliprange = trainer.cliprange_value = 0.2
     trainer._layout = lambda mask, start: "shifted"  # (no masked-SDPA patching of the fake modules)
-    trainer._values = lambda critic, seq, mask, layout: leaves["values"]
-    exp = _truncation_experience(rows, zero_advantages)
+    trainer._values = lambda critic, seq, mask, layout: of(seq, "values")
     if hand_loop:
         loss = trainer.train_rlhf(exp)[0]
     else:
-        loss = torch.tensor(trainer.train_rollout([exp])["actor_loss"])
+        returned = trainer.train_rollout([exp])
+        loss = torch.tensor(returned["actor_loss"])
+        if result is not None:  # (what the iteration reports, for a test of its stats)
+            result.update(returned)
     return loss, {key: (t.grad if t.grad is not None else torch.zeros_like(t)) for key, t in leaves.items()}
 
 
@@ -174,6 +184,24 @@ def test_mask_truncated_answers_on_a_batch_of_truncated_answers_only_gives_a_fin
     loss, grads = _truncation_grads(monkeypatch, CUT, estimator, mode, True, hand_loop=hand_loop)
     assert torch.isfinite(loss) and loss.item() == 0.0
     assert all(torch.isfinite(g).all() and g.abs().sum() == 0 for g in grads.values())
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_mask_truncated_answers_leaves_a_micro_batch_of_cut_answers_out_of_the_iterations_stats(monkeypatch,
+                                                                                                estimator):
+    """A micro-batch whose answers were all cut has no token in the loss: its kl_loss, clip fractions and approx_kl
+    (masked means of nothing: 0) were counted in the iteration's mean over micro-batches, halving it here. Left out,
+    the iteration reports what the kept micro-batch alone gives."""
+    mixed, alone = {}, {}
+    _truncation_grads(monkeypatch, CUT + KEPT, estimator, "token_mean", True, batch=2, result=mixed)
+    _truncation_grads(monkeypatch, KEPT, estimator, "token_mean", True, batch=2, result=alone)
+    stats = ["kl_loss", "approx_kl", "pg_clipfrac"] + (["vf_clipfrac"] if estimator == "gae" else [])
+    assert alone["kl_loss"] > 0 and alone["approx_kl"] > 0  # (a 0 counted in would show)
+    for key in stats:
+        assert mixed[key] == pytest.approx(alone[key]), key
+    everything_cut = {}
+    _truncation_grads(monkeypatch, CUT, estimator, "token_mean", True, batch=2, result=everything_cut)
+    assert all(everything_cut[key] is None for key in stats)  # (no kept token in the iteration: nothing measured)
 
 
 def test_mask_truncated_answers_leaves_the_advantages_to_every_answers_score():

@@ -925,7 +925,7 @@ class DeepSpeedPPOTrainer:
                         losses["actor_loss"].append(actor_loss.item())
                     if self.critic_model is not None:
                         losses["critic_loss"].append(critic_loss.item())
-                    self._collect_step_stats(ppo_stats, train_actor)
+                    self._collect_step_stats(ppo_stats, train_actor, kept=bool(self.loss_mask(m).any()))
                     if unsup:
                         losses["unsup_loss"].append(
                             self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
@@ -946,9 +946,14 @@ class DeepSpeedPPOTrainer:
         return {"actor": skipped_steps(self.actor_model) if train_actor else None,
                 "critic": None if self.critic_model is None else skipped_steps(self.critic_model)}
 
-    def _collect_step_stats(self, ppo_stats, train_actor):
+    def _collect_step_stats(self, ppo_stats, train_actor, kept=True):
         """The PPO step's clip fractions and KL estimates (``self.stats`` holds the last micro-batch's), kept so that
-        the iteration reports their mean over all its micro-batches and epochs."""
+        the iteration reports their mean over all its micro-batches and epochs. A micro-batch with no token ``kept``
+        by the loss mask (every answer cut, --mask_truncated_answers) is left out: the iteration's stats are means of
+        the micro-batches' token means, each micro-batch alike, and such a micro-batch has none (masked_mean's 0 of an
+        empty mask, counted, pulled the iteration's mean toward 0)."""
+        if not kept:
+            return
         actor = ACTOR_STEP_STATS + (("kl_loss",) if self._kl_loss_settings()[0] else ()) if train_actor else ()
         trained = actor + (("vf_clipfrac",) if self.critic_model is not None else ())
         for key in trained:
