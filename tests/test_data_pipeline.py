@@ -1267,6 +1267,35 @@ def test_a_column_named_eval_weight_comes_as_extra_eval_weight_and_leaves_the_he
     assert sorted(batch_extras(weighted)["extra_eval_weight"], key=str) == [3, None]
 
 
+@pytest.mark.parametrize("column", ["eval_weight", "prompt_text", "prompt_att_mask"])
+def test_a_reserved_column_beside_its_extra_form_is_refused_naming_the_file_and_both(tmp_path, tokenizer, column):
+    """A record with both ``eval_weight`` and ``extra_eval_weight`` (any name dschat's batches hold, and its extra_
+    form): the first comes as extra_eval_weight, where the second is, and one of the two was silently lost."""
+    path = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "Add 1 and 2.", column: "3", f"extra_{column}": "4"}])
+    with pytest.raises(UsageError, match=rf"both.jsonl.*columns '{column}' and 'extra_{column}'.*rename one"):
+        build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
+
+
+def test_a_reward_fn_argument_column_beside_its_extra_form_is_refused_naming_the_file_and_both(tmp_path, tokenizer):
+    """Columns ``prompts`` and ``extra_prompts``: the first comes to the reward function as extra_prompts (prompts is
+    its argument), where the second is, and one of the two was silently lost. Refused before the models load (the
+    source named) and at a call (the batch's columns)."""
+    from dschat.data.collators import DataCollatorRLHF
+    from dschat.rlhf.reward_fn import batch_extras, call_reward_fn, check_takes_columns
+
+    def score(prompts, completions, **columns):
+        return [0.0] * len(completions)
+
+    path = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "Add 1 and 2.", "prompts": "a", "extra_prompts": "b"}])
+    prompts, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
+    check_takes_columns(score, ["prompts"], "training prompts", {"one.jsonl": ["prompts"]})  # (alone: fine)
+    with pytest.raises(UsageError, match=r"both.jsonl.*columns 'prompts' and 'extra_prompts'.*argument of .*score"):
+        check_takes_columns(score, prompts.columns, "training prompts", prompts.item_columns_by_source())
+    batch = DataCollatorRLHF(None, pad_token_id=0)([prompts[0]])
+    with pytest.raises(UsageError, match=r"columns 'prompts' and 'extra_prompts'"):
+        call_reward_fn(score, batch["prompt_text"], ["3"], batch_extras(batch))
+
+
 # --- tool calls ---
 
 # Qwen2.5's template in short: the tools listed in the system turn, a call as <tool_call> JSON in the assistant turn,

@@ -129,6 +129,8 @@ class PromptDataset(Dataset):
         # phase 3: the extra columns of its records, which every item has (None where its record has none): a batch
         # of records that all lacked one had no such key, and a reward function taking it failed on that batch alone
         self.columns = sorted({self._item_key(key) for entry in self.skip_report for key in entry.get("columns", ())})
+        # (here, not at encoding: a cache built before this check is read through here too)
+        check_no_renamed_column_clash(self.source_columns(), self.RESERVED_KEYS)
 
     def __len__(self):
         return len(self.data)
@@ -159,7 +161,36 @@ class PromptDataset(Dataset):
         return item
 
     def _item_key(self, column):
-        return "extra_" + column if column in self.RESERVED_KEYS else column
+        return extra_name(column) if column in self.RESERVED_KEYS else column
+
+    def source_columns(self):
+        """{source: the extra columns of its records, as they are in the data}."""
+        columns = {}
+        for entry in self.skip_report:
+            columns.setdefault(entry["source"], set()).update(entry.get("columns", ()))
+        return {source: sorted(names) for source, names in columns.items()}
+
+    def item_columns_by_source(self):
+        """{source: the extra columns of its records, as its items have them (a reserved name's as extra_<name>)}."""
+        return {source: sorted(map(self._item_key, names)) for source, names in self.source_columns().items()}
+
+
+def extra_name(column):
+    """The name a data column comes under when its own is taken (one of dschat's keys, a reward function's argument)."""
+    return "extra_" + column
+
+
+def check_no_renamed_column_clash(source_columns, taken, whose="one of dschat's own names"):
+    """A source with a column named as one of ``taken`` (``whose``) and one named as its extra_<name> as well: both
+    would come as extra_<name>, one of the two lost on each record that has both. A UsageError naming the source and
+    both columns."""
+    for source, columns in source_columns.items():
+        clash = [name for name in taken if name in columns and extra_name(name) in columns]
+        if clash:
+            name = clash[0]
+            raise UsageError(f"{source}: the prompt data has columns {name!r} and {extra_name(name)!r}; {name} is "
+                             f"{whose}, so the column {name} comes as {extra_name(name)}, and one of the two would be "
+                             f"lost: rename one of those columns")
 
 
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,

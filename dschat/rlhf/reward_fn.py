@@ -19,6 +19,7 @@ import sys
 import traceback
 import weakref
 
+from dschat.data.pipeline import check_no_renamed_column_clash, extra_name
 from dschat.errors import MissingInputError, MissingModuleError, UsageError, excerpt
 from dschat.utils.dist import print_rank_0
 
@@ -223,10 +224,13 @@ def call_reward_fn(fn, prompts, answers, extras=None):
     return scores
 
 
-def check_takes_columns(fn, columns, where):
+def check_takes_columns(fn, columns, where, sources=None):
     """``fn`` can be called with the prompt ``columns`` of ``where`` (a split's ``PromptDataset.columns``): one with a
     parameter no column gives (TRL's ``solution=`` on data without it, a misspelt name) failed at the first reward,
-    after the models loaded and the first answers were generated; a UsageError now, naming the columns there are."""
+    after the models loaded and the first answers were generated; a UsageError now, naming the columns there are.
+    ``sources`` ({source: its columns}): one with columns that would come under one name is named."""
+    for source, its_columns in (sources or {}).items():
+        call_arguments(fn, [], [], {column: [] for column in its_columns}, where=source)
     args, kwargs, how = call_arguments(fn, [], [], {column: [] for column in columns})
     try:
         _signature(fn).bind(*args, **kwargs)
@@ -327,13 +331,14 @@ def _signature(fn):
                                   inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
-def call_arguments(fn, prompts, answers, columns):
+def call_arguments(fn, prompts, answers, columns, where="the prompt batch"):
     """(args, kwargs, how) ``fn`` is called with. A function with a parameter named ``completions`` is called as TRL
     calls its reward functions, by keyword: ``fn(prompts=, completions=, **columns)``; one with parameters named
     ``prompts`` and ``answers`` by keyword too, whatever their order; any other as DeepSpeed-Chat-style code expects,
     ``fn(prompts, answers, **columns)`` (its second parameter named ``prompts``: an error, ``check_prompts_first``).
-    A column named as one of those two arguments comes as ``extra_<name>`` (said once); columns the function has no
-    parameter for are left out, unless it takes ``**kwargs``."""
+    A column named as one of those two arguments comes as ``extra_<name>`` (said once; one of that name as well, of
+    ``where``'s data: a UsageError); columns the function has no parameter for are left out, unless it takes
+    ``**kwargs``."""
     params = _signature(fn).parameters
     if "completions" in params:
         taken, args, how = ("prompts", "completions"), (), "fn(prompts=, completions=, **columns) (TRL's way)"
@@ -344,10 +349,11 @@ def call_arguments(fn, prompts, answers, columns):
         args, how = (prompts, answers), "fn(prompts, answers, **columns)"
         check_prompts_first(fn, taken)
     renamed = sorted(set(columns) & set(taken))
+    check_no_renamed_column_clash({where: columns}, renamed, f"an argument of {_flag_name(fn)}")
     if renamed and _first_saying(fn, tuple(renamed)):
         print_rank_0(f"[reward_fn] the data's column(s) {', '.join(renamed)} come to {getattr(fn, '__name__', fn)!r} "
                      f"as {', '.join('extra_' + n for n in renamed)}: it is called as {how}")
-    kwargs = {f"extra_{k}" if k in renamed else k: v for k, v in columns.items()}
+    kwargs = {extra_name(k) if k in renamed else k: v for k, v in columns.items()}
     if not args:
         kwargs.update(zip(taken, (prompts, answers)))
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):

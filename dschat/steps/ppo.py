@@ -67,7 +67,7 @@ def check_reward_fn_takes_the_columns(args, train, held_out):
     fn = load_reward_fn(args.reward_fn)
     for dataset, where in ((train, "training prompts"), (held_out, "held-out prompts")):
         if dataset is not None and len(dataset):
-            check_takes_columns(fn, dataset.columns, where)
+            check_takes_columns(fn, dataset.columns, where, dataset.item_columns_by_source())
 
 
 def check_prompts_make_an_iteration(prompts, args, world_size, bound=False):
