@@ -1276,6 +1276,23 @@ def test_a_reserved_column_beside_its_extra_form_is_refused_naming_the_file_and_
         build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
 
 
+def test_a_renamed_reserved_column_is_said_once(tmp_path, tokenizer, monkeypatch, capsys):
+    """README: such a column "comes as extra_<name>, and a run says so": the renaming was silent. Said once per column,
+    whether the data was built or read from the cache, its train and eval splits alike."""
+    from dschat.data import pipeline
+
+    monkeypatch.setattr(pipeline, "_RENAMES_SAID", set())
+    path = write_jsonl(tmp_path / "weighted.jsonl", [{"prompt": "Add 1 and 2.", "eval_weight": 3, "solution": "3"},
+                                                     {"prompt": "Name a colour.", "prompt_text": "x"}])
+    capsys.readouterr()
+    for _ in range(2):  # (built, then read from the cache)
+        build(tmp_path, tokenizer, [f"{path},{path}"], 3, data_split="0,0,1")
+    out = capsys.readouterr().out
+    assert out.count("the data's column(s) eval_weight, prompt_text come to the prompt batches (and --reward_fn) as "
+                     "extra_eval_weight, extra_prompt_text") == 1
+    assert "solution" not in out
+
+
 def test_a_reward_fn_argument_column_beside_its_extra_form_is_refused_naming_the_file_and_both(tmp_path, tokenizer):
     """Columns ``prompts`` and ``extra_prompts``: the first comes to the reward function as extra_prompts (prompts is
     its argument), where the second is, and one of the two was silently lost. Refused before the models load (the

@@ -131,6 +131,8 @@ class PromptDataset(Dataset):
         self.columns = sorted({self._item_key(key) for entry in self.skip_report for key in entry.get("columns", ())})
         # (here, not at encoding: a cache built before this check is read through here too)
         check_no_renamed_column_clash(self.source_columns(), self.RESERVED_KEYS)
+        say_renamed_columns(sorted({key for entry in self.skip_report for key in entry.get("columns", ())
+                                    if key in self.RESERVED_KEYS}), "the prompt batches (and --reward_fn)")
 
     def __len__(self):
         return len(self.data)
@@ -178,6 +180,25 @@ class PromptDataset(Dataset):
 def extra_name(column):
     """The name a data column comes under when its own is taken (one of dschat's keys, a reward function's argument)."""
     return "extra_" + column
+
+
+def renamed_columns_note(renamed, to):
+    """The one wording of the note that the data's ``renamed`` columns come to ``to`` as extra_<name>."""
+    return (f"the data's column(s) {', '.join(renamed)} come to {to} as "
+            f"{', '.join(extra_name(name) for name in renamed)}")
+
+
+_RENAMES_SAID = set()  # the data columns whose renaming this process has said (train and eval: once)
+
+
+def say_renamed_columns(renamed, to):
+    """README's "comes as extra_<name>, and a run says so": said once per column and process."""
+    from dschat.utils.dist import print_rank_0
+
+    unsaid = [name for name in renamed if name not in _RENAMES_SAID]
+    if unsaid:
+        _RENAMES_SAID.update(unsaid)
+        print_rank_0(f"[data] {renamed_columns_note(unsaid, to)}: the names are dschat's own")
 
 
 def check_no_renamed_column_clash(source_columns, taken, whose="one of dschat's own names"):

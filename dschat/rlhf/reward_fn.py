@@ -19,7 +19,7 @@ import sys
 import traceback
 import weakref
 
-from dschat.data.pipeline import check_no_renamed_column_clash, extra_name
+from dschat.data.pipeline import check_no_renamed_column_clash, extra_name, renamed_columns_note
 from dschat.errors import MissingInputError, MissingModuleError, UsageError, excerpt
 from dschat.utils.dist import print_rank_0
 
@@ -351,8 +351,8 @@ def call_arguments(fn, prompts, answers, columns, where="the prompt batch"):
     renamed = sorted(set(columns) & set(taken))
     check_no_renamed_column_clash({where: columns}, renamed, f"an argument of {_flag_name(fn)}")
     if renamed and _first_saying(fn, tuple(renamed)):
-        print_rank_0(f"[reward_fn] the data's column(s) {', '.join(renamed)} come to {getattr(fn, '__name__', fn)!r} "
-                     f"as {', '.join('extra_' + n for n in renamed)}: it is called as {how}")
+        print_rank_0(f"[reward_fn] {renamed_columns_note(renamed, repr(getattr(fn, '__name__', fn)))}: it is called "
+                     f"as {how}")
     kwargs = {extra_name(k) if k in renamed else k: v for k, v in columns.items()}
     if not args:
         kwargs.update(zip(taken, (prompts, answers)))
