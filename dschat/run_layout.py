@@ -66,6 +66,12 @@ def save_moving_path(model_path):
     return os.path.join(folder, f".{os.path.basename(folder)}.save-moving")
 
 
+def python_str(path):
+    """``path`` as a Python string literal, for a message's call to copy: a ``pathlib.Path``'s repr would be
+    ``PosixPath('...')``, which that call's reader has not imported."""
+    return repr(os.fspath(path))
+
+
 def interrupted_move_message(model_path):
     """What a save killed while it moved its files into ``model_path`` one by one left (``save_moving_path``), else
     None: the folder then mixes the new save's files with the earlier one's, and loads as neither model."""
@@ -75,8 +81,8 @@ def interrupted_move_message(model_path):
     return (f"{model_path} holds part of a save interrupted while it moved its files in one by one (the folder "
             f"could not be swapped: a mount point, or the working directory), so its model files mix the new save's "
             f"with the earlier one's; {moving} holds the rest: the next save there, a step's start with it as "
-            f"its --output_dir, or dschat.models.checkpoint.recover_interrupted_swap({model_path!r}) finishes moving "
-            "it in (unless that save is still running there: then wait for it)")
+            f"its --output_dir, or dschat.models.checkpoint.finish_interrupted_save({python_str(model_path)}) finishes "
+            "moving it in (unless that save is still running there: then wait for it)")
 
 
 def interrupted_swap_message(model_path):
@@ -87,7 +93,7 @@ def interrupted_swap_message(model_path):
         return None
     return (f"{model_path}: no folder there now: a save that replaced it was interrupted between its renames, and its "
             f"finished copy is {new}: the next save there, a step's start with it as its --output_dir (or in its "
-            f"--output_dir), or dschat.models.checkpoint.recover_interrupted_swap({model_path!r}) moves it in")
+            f"--output_dir), or dschat.models.checkpoint.finish_interrupted_save({python_str(model_path)}) moves it in")
 
 
 def interrupted_save_message(model_path):

@@ -762,7 +762,7 @@ def test_a_model_folder_swapped_out_by_a_killed_save_is_said_by_every_loader_wit
     new model whole beside it: loading it said "no such folder" (or, for a bare name, asked the hub), not where the
     model is nor how to finish the save. The loaders now say both, and load the new model once it is finished."""
     from dschat.errors import UsageError
-    from dschat.models.checkpoint import recover_interrupted_swap
+    from dschat.models.checkpoint import finish_interrupted_save
     from dschat.models.loading import load_causal_lm, load_tokenizer
 
     new = _sharded_save(tmp_path / "reference_new", seed=2)
@@ -778,10 +778,33 @@ def test_a_model_folder_swapped_out_by_a_killed_save_is_said_by_every_loader_wit
             r"renames, and its finished copy is " + re.escape(str(target.parent / ".model.save-new")))
     for load in (lambda: load_causal_lm(str(target), _Tok()), lambda: load_tokenizer(str(target)),
                  lambda: RewardModel.from_pretrained(str(target))):
-        with pytest.raises(UsageError, match=said + ".*recover_interrupted_swap"):
+        with pytest.raises(UsageError, match=said + ".*finish_interrupted_save"):
             load()
-    recover_interrupted_swap(str(target))
+    finish_interrupted_save(str(target))
     assert _same_weights(target, new)
+
+
+def test_the_interrupted_save_messages_call_to_finish_it_runs_as_said_for_a_pathlib_path(tmp_path):
+    """The refusal of a folder a save was killed in names a Python call that finishes the save: given a
+    ``pathlib.Path``, it said ``recover_interrupted_swap(PosixPath('...'))``, which fails as copied (PosixPath not
+    imported), under a name that said only the swap though it also finishes the move file by file. It now says
+    ``finish_interrupted_save('...')`` with the plain path, and that call, run as said, finishes the save."""
+    from dschat.models import checkpoint
+    from dschat.run_layout import interrupted_save_message
+
+    (tmp_path / ".swapped.save-new").mkdir()  # (killed between the swap's renames: no folder, the new copy beside)
+    (tmp_path / ".swapped.save-new" / "config.json").write_text("{}")
+    (tmp_path / "moving" / ".moving.save-moving").mkdir(parents=True)  # (killed while it moved its files in)
+    calls = {}
+    for name in ("swapped", "moving"):
+        message = interrupted_save_message(tmp_path / name)
+        call = re.search(r"dschat\.models\.checkpoint\.finish_interrupted_save\((.*?)\)", message)
+        assert call and "PosixPath" not in message, message
+        assert call[1] == repr(str(tmp_path / name)), message
+        calls[name] = call[0]
+    exec(f"import dschat.models.checkpoint; {calls['swapped']}")
+    assert (tmp_path / "swapped" / "config.json").is_file() and interrupted_save_message(tmp_path / "swapped") is None
+    assert checkpoint.recover_interrupted_swap is checkpoint.finish_interrupted_save  # (the earlier name still works)
 
 
 def _templates(folder, name):

@@ -433,7 +433,7 @@ def test_a_folder_a_save_was_killed_moving_into_is_refused_by_every_loader_until
     from transformers import AutoModelForCausalLM
 
     from dschat.errors import UsageError
-    from dschat.models.checkpoint import recover_interrupted_swap
+    from dschat.models.checkpoint import finish_interrupted_save
     from dschat.models.loading import create_hf_model, load_causal_lm
     from dschat.tools import chat
 
@@ -457,9 +457,9 @@ def test_a_folder_a_save_was_killed_moving_into_is_refused_by_every_loader_until
                                            "--max_new_tokens", "2"]),
     }
     with pytest.raises(UsageError, match=re.escape(folder) + r" holds part of a save interrupted while it moved its "
-                                         r"files in one by one.*recover_interrupted_swap"):
+                                         r"files in one by one.*finish_interrupted_save"):
         loads[load]()
-    recover_interrupted_swap(folder)  # (what the message says: the save's move finished)
+    finish_interrupted_save(folder)  # (what the message says: the save's move finished)
     loaded = load_reward_model(folder) if reward else load_causal_lm(folder, tokenizer)
     assert all(torch.equal(saved.state_dict()[name], weights) for name, weights in loaded.state_dict().items())
 

@@ -53,7 +53,7 @@ def atomic_folder(output_dir):
     never leaves a half-written model. A save killed before it moved its folder in left that folder: it goes."""
     parent = os.path.dirname(os.path.abspath(output_dir)) or "."
     os.makedirs(parent, exist_ok=True)
-    recover_interrupted_swap(output_dir)
+    finish_interrupted_save(output_dir)
     prefix = save_staging_prefix(output_dir)
     staging = staging_parent(output_dir)
     for folder in dict.fromkeys((parent, staging)):  # (an earlier save's may be in either)
@@ -203,9 +203,10 @@ def finish_interrupted_swap(folder):
         shutil.rmtree(old)
 
 
-def recover_interrupted_swap(model_path):
+def finish_interrupted_save(model_path):
     """Finish the swap (``finish_interrupted_swap``) or the move file by file (``finish_interrupted_move``) a save of
-    ``model_path`` was killed in, if one was, saying so."""
+    ``model_path`` was killed in, if one was, saying so: what the loaders' refusal of such a folder
+    (``run_layout.interrupted_save_message``) tells the user to call."""
     folder = os.path.realpath(model_path)
     if any(os.path.isdir(path) for path in save_swap_paths(folder)):
         print_rank_0(f"{model_path}: finishing a save interrupted while it replaced the folder")
@@ -215,15 +216,18 @@ def recover_interrupted_swap(model_path):
         finish_interrupted_move(folder)
 
 
+recover_interrupted_swap = finish_interrupted_save  # (its earlier name, which said only the swap)
+
+
 def recover_interrupted_saves(output_dir):
-    """``recover_interrupted_swap`` for ``output_dir`` and for each model folder in it (step 3's actor, critic)."""
-    recover_interrupted_swap(output_dir)
+    """``finish_interrupted_save`` for ``output_dir`` and for each model folder in it (step 3's actor, critic)."""
+    finish_interrupted_save(output_dir)
     folder = os.path.realpath(output_dir)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if swapped := re.fullmatch(r"\.(.+)\.save-(?:new|old)", name):
-            recover_interrupted_swap(os.path.join(folder, swapped[1]))
+            finish_interrupted_save(os.path.join(folder, swapped[1]))
         elif os.path.isdir(save_moving_path(os.path.join(folder, name))):
-            recover_interrupted_swap(os.path.join(folder, name))
+            finish_interrupted_save(os.path.join(folder, name))
 
 
 def _move_kept_files(source, destination):
