@@ -3662,6 +3662,21 @@ def test_a_notebooks_tokenizer_must_be_the_actors(trained, tmp_path, monkeypatch
         DeepSpeedRLHFEngine(actor_model_name_or_path=str(trained / "sft"), tokenizer=str(trained / "sft"), args=args)
 
 
+
+def test_the_refusal_of_a_notebooks_non_tokenizer_quotes_a_pathlib_actor_path_as_a_plain_string(tmp_path):
+    """The call it suggests, load_tokenizer(ACTOR, ...), quoted a pathlib.Path actor as PosixPath('...'), which fails
+    as copied (PosixPath not imported): it is now the plain path's string."""
+    from pathlib import Path
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.engine import check_given_tokenizer
+
+    actor = Path(tmp_path) / "actor"
+    with pytest.raises(UsageError) as refused:
+        check_given_tokenizer(str(actor), actor)
+    assert f"load_tokenizer({str(actor)!r}, padding_side='left')" in str(refused.value)
+    assert "PosixPath" not in str(refused.value)
+
 def test_a_reward_model_with_another_tokenizer_is_refused(trained, tmp_path):
     # step 3 feeds the actor's token ids to the reward model: another vocabulary would score other text
     import json

@@ -395,9 +395,12 @@ def check_given_tokenizer(tokenizer, actor_path):
     ids past its vocabulary would grow it random embedding rows). The given one may add tokens (an EOT token)."""
     from transformers import PreTrainedTokenizerBase
 
+    from dschat.run_layout import python_str
+
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise UsageError(f"tokenizer is a {type(tokenizer).__name__}, not a tokenizer: give the actor's, e.g. "
-                         f"load_tokenizer({actor_path!r}, padding_side='left') (from dschat.models.loading), or none")
+                         f"load_tokenizer({python_str(actor_path)}, padding_side='left') (from "
+                         "dschat.models.loading), or none")
     from transformers import AutoTokenizer
 
     from dschat.models.loading import hub_load, resolve_model_path
@@ -412,7 +415,7 @@ def check_given_tokenizer(tokenizer, actor_path):
     if differ:
         raise UsageError(f"the tokenizer given is not the actor's ({actor_path}): {len(differ)} of the actor's tokens "
                          f"have another id or none in it (e.g. {differ[0]!r}), so the actor would read its ids as "
-                         f"other text; give load_tokenizer({actor_path!r}, padding_side='left'), or none")
+                         f"other text; give load_tokenizer({python_str(actor_path)}, padding_side='left'), or none")
 
 
 def check_scores_actor_text(actor_tokenizer, actor_path, other_tokenizer, other_path, role, formats=True):
