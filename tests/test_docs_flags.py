@@ -146,17 +146,24 @@ def test_every_documented_command_parses_with_its_own_script(monkeypatch, capsys
     assert scripts == {"train.py", *SCRIPT_PARSERS}, scripts  # (every entry point's commands were found and parsed)
 
 
+def is_said_default(default):
+    """A default --help should say: not a switch's (a bool), nor none. By type, since 0 == False and 1 == True."""
+    return default is not None and not isinstance(default, bool) and not (isinstance(default, (list, str))
+                                                                          and not default)
+
+
 def test_each_tool_flag_says_its_default_in_its_help(monkeypatch):
     """train.py's and a tool's --help give each flag's default (ppo_eval's --num_prompts, --seed, ... come from the
     policy's run, else the parser's): eval.py's --num_prompts, rw_eval's --num_pairs, train.py's --actor-model and
-    others printed none, so what a flag left out meant could not be read off --help."""
+    others printed none, so what a flag left out meant could not be read off --help. (A default of 0 or 1 was
+    skipped as if a switch's: it compared equal to False or True; rw_eval's --num_padding_at_beginning said none.)"""
     from dschat.tools import chat, ppo_eval, prompt_eval, rw_eval
 
     parsers = {"train.py": train_py_parser(monkeypatch), **{tool.__name__: tool.build_parser()
                                                             for tool in (chat, ppo_eval, prompt_eval, rw_eval)}}
     unsaid = [f"{name}: {action.option_strings[-1]}" for name, parser in parsers.items() for action in parser._actions
               if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)
-              and action.default not in (None, False, True, [], "") and "default" not in action.help.lower()]
+              and is_said_default(action.default) and "default" not in action.help.lower()]
     assert not unsaid, unsaid
     run_defaults = {action.option_strings[-1]: action.help for action in ppo_eval.build_parser()._actions
                     if action.dest in (*ppo_eval.STEP3_DATA_FLAGS, "num_prompts", "max_new_tokens")}

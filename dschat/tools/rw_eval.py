@@ -152,7 +152,8 @@ def build_parser():
                         help="Pairs scored at once (default: %(default)s).")
     parser.add_argument("--num_padding_at_beginning", type=int, default=1,
                         help="Accepted for DeepSpeed-Chat compatibility (its rw_eval.py flag); the score is read at "
-                             "the last real token found from the attention mask, so it has no effect.")
+                             "the last real token found from the attention mask, so it has no effect "
+                             "(default: %(default)s).")
     add_loading_args(parser)
     return parser
 
