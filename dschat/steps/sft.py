@@ -34,7 +34,8 @@ def lm_loss(engine, batch):
 @torch.no_grad()
 def evaluate_lm(engine, eval_loader, device, max_batches):
     """Token-weighted eval loss over all ranks and its perplexity, with the eval records ("eval_records", each once:
-    a rank's padding repeats left out) and answer tokens ("eval_tokens") they were taken over."""
+    a rank's padding repeats left out) and the tokens it averages ("eval_tokens": those with a label, the answers',
+    and the prompts' too under --include_prompt_in_loss) they were taken over."""
     engine.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss x tokens, tokens, records
     for i, batch in enumerate(eval_loader):
