@@ -2702,7 +2702,7 @@ def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp
     cases = ((nan_second, r"--reward_fn 'nan_second' returned nan for prompt 'p2'"),
              (raises, r"--reward_fn 'raises' failed \(ZeroDivisionError: .*, at test_ppo.py:\d+\) on a batch "
                       r"starting with prompt 'p1'"),
-             (lambda p, a: [1.0], r"returned 1 scores for 2 answers \(one per answer\) on a batch starting with "
+             (lambda p, a: [1.0], r"returned 1 score for 2 answers \(one per answer\) on a batch starting with "
                                   r"prompt 'p1'"),
              (strings, r"--reward_fn 'strings' returned '1' for prompt 'p1'.*must be a finite number"),
              (lambda p, a: None, r"returned NoneType None, not a list of 2 numbers \(one score per answer\)"),
@@ -2714,6 +2714,10 @@ def test_a_failing_reward_function_is_a_usage_error_naming_it_and_the_prompt(tmp
         with pytest.raises(UsageError, match=message) as raised:
             call_reward_fn(fn, ["p1", "p2"], ["a1", "a2"])
         assert "\n" not in str(raised.value)  # printed as one line
+    with pytest.raises(UsageError, match=r"returned 2 scores for 1 answer \(one per answer\)"):  # (not "1 answers")
+        call_reward_fn(lambda p, a: [1.0, 0.0], ["p1"], ["a1"])
+    with pytest.raises(UsageError, match=r"returned NoneType None, not a list of 1 number \(one score per answer\)"):
+        call_reward_fn(lambda p, a: None, ["p1"], ["a1"])
     for several in ([nan_second, raises], (nan_second,)):  # TRL's reward_funcs habit
         with pytest.raises(UsageError, match=r"reward_fn is a (list|tuple): give one function .*not several"):
             load_reward_fn(several)

@@ -21,6 +21,7 @@ import weakref
 
 from dschat.data.pipeline import check_no_renamed_column_clash, extra_name, renamed_columns_note
 from dschat.errors import MissingInputError, MissingModuleError, UsageError, excerpt
+from dschat.report import counted
 from dschat.utils.dist import print_rank_0
 
 ALIASES = {"tiny": "dschat.tiny.scorer:score_batch"}
@@ -210,12 +211,12 @@ def call_reward_fn(fn, prompts, answers, extras=None):
         raise UsageError(f"{name} failed ({_described(ex)}{_where(ex, fn)}) on a batch starting with prompt "
                          f"{excerpt(prompts[0])}") from ex
     if scores is None:
-        raise UsageError(f"{name} returned {_short(returned)}, not a list of {len(answers)} numbers (one score per "
-                         f"answer), on a batch starting with prompt {excerpt(prompts[0])}")
+        raise UsageError(f"{name} returned {_short(returned)}, not a list of {counted(len(answers), 'number')} (one "
+                         f"score per answer), on a batch starting with prompt {excerpt(prompts[0])}")
     returned = scores
     if len(returned) != len(answers):
-        raise UsageError(f"{name} returned {len(returned)} scores for {len(answers)} answers (one per answer) on a "
-                         f"batch starting with prompt {excerpt(prompts[0])}")
+        raise UsageError(f"{name} returned {counted(len(returned), 'score')} for {counted(len(answers), 'answer')} "
+                         f"(one per answer) on a batch starting with prompt {excerpt(prompts[0])}")
     scores = [_finite_number(score) for score in returned]
     for prompt, answer, score, value in zip(prompts, answers, returned, scores):
         if value is None:
