@@ -83,6 +83,8 @@ def test_reward_model_forward_refuses_a_batch_that_is_not_pairs():
     ids = torch.randint(3, 96, (3, 5))
     with pytest.raises(ValueError, match="a batch of even size \\(this one has 3 rows\\)"):
         model(ids, torch.ones_like(ids))
+    with pytest.raises(ValueError, match="a batch of even size \\(this one has 1 row\\)"):  # (one answer: not "1 rows")
+        model(ids[:1], torch.ones_like(ids[:1]))
     out = model(ids[:2], torch.ones_like(ids[:2]))
     assert out["chosen_mean_scores"].shape == out["rejected_mean_scores"].shape == (1,)
 

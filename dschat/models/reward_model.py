@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModel
 
 from dschat.compat import backbone_ignoring_lm_head, checkpointing_enable_call, disable_activation_checkpointing
 from dschat.errors import UsageError
+from dschat.report import counted
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_META_FILE = "reward_model.json"
@@ -143,8 +144,8 @@ class RewardModel(nn.Module):
         """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected."""
         if input_ids.shape[0] % 2:
             raise ValueError(f"RewardModel.forward takes pairs: the chosen answers then as many rejected ones, a "
-                             f"batch of even size (this one has {input_ids.shape[0]} rows); score single answers "
-                             "with end_scores or forward_value")
+                             f"batch of even size (this one has {counted(input_ids.shape[0], 'row')}); score single "
+                             "answers with end_scores or forward_value")
         scores = self.end_scores(input_ids, attention_mask, **kwargs)
         half = input_ids.shape[0] // 2
         chosen, rejected = scores[:half], scores[half:]
