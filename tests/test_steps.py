@@ -83,7 +83,7 @@ def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_p
     assert common.num_update_steps(75, 4, 1, max_steps=30) == 18  # it stops a run early, never adds epochs: said
     assert "--max_steps 30: --num_train_epochs 1 hold 18 optimizer steps, so the run ends there" in \
         capsys.readouterr().out
-    with pytest.raises(UsageError, match="do not fill one optimizer step"):
+    with pytest.raises(UsageError, match=r"3 micro-batches per epoch x 1 epoch\(s\): too few to fill one optimizer"):
         common.num_update_steps(3, 4, 1)
     losses, logged = [], []
     real_run, real_log = common.run_training, common._log_step
@@ -114,6 +114,21 @@ def test_the_last_micro_batches_of_no_whole_optimizer_step_are_said(capsys):
            "divides 150" in capsys.readouterr().out
     assert common.num_update_steps(76, 4, 1) == 19 and common.num_update_steps(75, 4, 1, max_steps=10) == 10
     assert "not trained on" not in capsys.readouterr().out
+
+
+def test_the_step_count_messages_say_a_count_of_one_in_the_singular(capsys):
+    """A count of one read "1 micro-batches per epoch", "the last 1 of the run's 5 micro-batches ... fill ... are not
+    trained on" and "hold 1 optimizer steps": the counts of one are said in the singular now."""
+    from dschat.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^1 micro-batch per epoch x 1 epoch\(s\): too few to fill one optimizer "):
+        common.num_update_steps(1, 4, 1)
+    assert common.num_update_steps(5, 4, 1) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("the last of the run's 5 micro-batches on each rank (5 per epoch x 1 epoch(s)) fills no whole optimizer "
+            "step and is not trained on") in out, out
+    assert common.num_update_steps(4, 4, 1, max_steps=3) == 1
+    assert "--num_train_epochs 1 hold 1 optimizer step, so the run ends there" in capsys.readouterr().out
 
 
 def test_a_steps_rates_leave_out_the_final_evaluation(tmp_path, distributed, monkeypatch):

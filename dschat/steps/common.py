@@ -202,10 +202,10 @@ def num_update_steps(num_batches, gradient_accumulation_steps, epochs, max_steps
     loop stops before them)."""
     steps = num_batches * epochs // gradient_accumulation_steps
     if steps == 0:
-        raise UsageError(f"{num_batches} micro-batches per epoch x {epochs} epoch(s) do not fill one optimizer step "
-                         f"of --gradient_accumulation_steps {gradient_accumulation_steps}: give more data, more "
-                         "epochs or a smaller batch")
-    say_max_steps_past_the_epochs(max_steps, steps, epochs, "optimizer steps")
+        raise UsageError(f"{counted(num_batches, 'micro-batch', 'micro-batches')} per epoch x {epochs} epoch(s): too "
+                         f"few to fill one optimizer step of --gradient_accumulation_steps "
+                         f"{gradient_accumulation_steps}: give more data, more epochs or a smaller batch")
+    say_max_steps_past_the_epochs(max_steps, steps, epochs, "optimizer step")
     if not max_steps or max_steps >= steps:
         say_micro_batches_left_out(num_batches * epochs - steps * gradient_accumulation_steps, num_batches, epochs,
                                    gradient_accumulation_steps)
@@ -217,18 +217,20 @@ def say_micro_batches_left_out(left_out, num_batches, epochs, gradient_accumulat
     step; HF's Trainer steps on such a group, DeepSpeed only on whole ones): said, as step 3 says the prompts of no
     whole iteration, rather than a share of the data left out without a word."""
     if left_out:
-        print_rank_0(f"--gradient_accumulation_steps {gradient_accumulation_steps}: the last {left_out} of the run's "
+        last, fill, are = ("the last", "fills", "is") if left_out == 1 else (f"the last {left_out}", "fill", "are")
+        print_rank_0(f"--gradient_accumulation_steps {gradient_accumulation_steps}: {last} of the run's "
                      f"{num_batches * epochs} micro-batches on each rank ({num_batches} per epoch x {epochs} "
-                     "epoch(s)) fill no whole optimizer step and are not trained on; a --gradient_accumulation_steps "
-                     f"that divides {num_batches * epochs}, or another batch size or number of epochs, trains them all")
+                     f"epoch(s)) {fill} no whole optimizer step and {are} not trained on; a "
+                     f"--gradient_accumulation_steps that divides {num_batches * epochs}, or another batch size or "
+                     "number of epochs, trains them all")
 
 
 def say_max_steps_past_the_epochs(max_steps, available, epochs, unit):
     """--max_steps stops a run early; it never adds epochs (HF's Trainer's does): a larger one is said, not
-    silently cut to what the epochs hold."""
+    silently cut to what the epochs hold. ``unit``: what ``available`` counts, in the singular."""
     if max_steps and max_steps > available:
-        print_rank_0(f"--max_steps {max_steps}: --num_train_epochs {epochs} hold {available} {unit}, so the run ends "
-                     "there (--max_steps only stops a run early; raise --num_train_epochs to train longer)")
+        print_rank_0(f"--max_steps {max_steps}: --num_train_epochs {epochs} hold {counted(available, unit)}, so the "
+                     "run ends there (--max_steps only stops a run early; raise --num_train_epochs to train longer)")
 
 
 def restart_deepspeed_tensorboard(engine):

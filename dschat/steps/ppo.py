@@ -191,7 +191,7 @@ def plan_iterations(args, train_loader):
                      f"{args.per_device_generation_batch_size} x {get_world_size()} rank(s)); the other "
                      f"{prompts - used}, drawn anew each epoch, are skipped")
     total = iters_per_epoch * args.num_train_epochs
-    say_max_steps_past_the_epochs(args.max_steps, total, args.num_train_epochs, "PPO iterations")
+    say_max_steps_past_the_epochs(args.max_steps, total, args.num_train_epochs, "PPO iteration")
     if args.max_steps:
         total = min(total, args.max_steps)
     stop_at = min(total, args.test_stop_step) if args.enable_test_mode and args.test_stop_step else total
