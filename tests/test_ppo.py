@@ -3667,6 +3667,26 @@ def test_a_notebooks_tokenizer_must_be_the_actors(trained, tmp_path, monkeypatch
 
 
 
+
+def test_step3s_iteration_plan_says_a_count_of_one_in_the_singular(capsys):
+    """The plan's notes read "the other 1, drawn anew each epoch, are skipped", "the run trains all 1 iterations" and
+    "this run's 1 PPO iterations" for a run of one iteration with one prompt left over; said in the singular now."""
+    from dschat.args import step3_parser
+    from dschat.rlhf.config import step3_args
+
+    args = step3_args(step3_parser().parse_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c",
+                                                 "--per_device_generation_batch_size", "2", "--test_stop_step", "2",
+                                                 "--freezing_actor_steps", "1"]))
+
+    class Loader(list):  # (one batch of 2 of the 3 prompts: one left over)
+        dataset = [0, 1, 2]
+
+    assert ppo.plan_iterations(args, Loader([0])).total == 1
+    out = " ".join(capsys.readouterr().out.split())
+    for said in ("each epoch trains on 2 of its 3 training prompts", "the other one, drawn anew each epoch, is skipped",
+                 "the run trains 1 iteration (--max_steps", "--freezing_actor_steps 1 >= this run's 1 PPO iteration:"):
+        assert said in out, (said, out)
+
 def test_the_refusal_of_a_notebooks_non_tokenizer_quotes_a_pathlib_actor_path_as_a_plain_string(tmp_path):
     """The call it suggests, load_tokenizer(ACTOR, ...), quoted a pathlib.Path actor as PosixPath('...'), which fails
     as copied (PosixPath not imported): it is now the plain path's string."""

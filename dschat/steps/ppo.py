@@ -188,8 +188,9 @@ def plan_iterations(args, train_loader):
     if used < prompts:
         print_rank_0(f"[step3] each epoch trains on {used} of its {prompts} training prompts (an iteration takes "
                      f"--generation_batches {args.generation_batches} x --per_device_generation_batch_size "
-                     f"{args.per_device_generation_batch_size} x {get_world_size()} rank(s)); the other "
-                     f"{prompts - used}, drawn anew each epoch, are skipped")
+                     f"{args.per_device_generation_batch_size} x {get_world_size()} rank(s)); "
+                     + ("the other one, drawn anew each epoch, is skipped" if prompts - used == 1 else
+                        f"the other {prompts - used}, drawn anew each epoch, are skipped"))
     total = iters_per_epoch * args.num_train_epochs
     say_max_steps_past_the_epochs(args.max_steps, total, args.num_train_epochs, "PPO iteration")
     if args.max_steps:
@@ -197,14 +198,14 @@ def plan_iterations(args, train_loader):
     stop_at = min(total, args.test_stop_step) if args.enable_test_mode and args.test_stop_step else total
     if args.test_stop_step and not args.enable_test_mode:
         print_rank_0(f"warning: --test_stop_step {args.test_stop_step} has no effect without --enable_test_mode (as in "
-                     f"DeepSpeed-Chat): the run trains all {total} iterations (--max_steps stops it and "
+                     f"DeepSpeed-Chat): the run trains {counted(total, 'iteration')} (--max_steps stops it and "
                      "shortens its schedule)")
     def optimizer_steps(iterations):
         return max(1, iterations * optimizer_steps_per_iteration(args))
 
     if args.freezing_actor_steps >= total:
-        print_rank_0(f"warning: --freezing_actor_steps {args.freezing_actor_steps} >= this run's {total} PPO "
-                     "iterations: only the critic trains, and the actor is saved as it started")
+        print_rank_0(f"warning: --freezing_actor_steps {args.freezing_actor_steps} >= this run's "
+                     f"{counted(total, 'PPO iteration')}: only the critic trains, and the actor is saved as it started")
     return Schedule(iters_per_epoch, usable_batches, total, stop_at, optimizer_steps(total),
                     optimizer_steps(total - min(args.freezing_actor_steps, total)))
 
