@@ -3701,6 +3701,21 @@ def test_the_refusal_of_a_notebooks_non_tokenizer_quotes_a_pathlib_actor_path_as
     assert f"load_tokenizer({str(actor)!r}, padding_side='left')" in str(refused.value)
     assert "PosixPath" not in str(refused.value)
 
+
+def test_a_notebooks_tokenizer_with_one_token_of_another_id_is_refused_in_the_singular(tmp_path, monkeypatch):
+    """One of the actor's tokens with another id in the given tokenizer read "1 of the actor's tokens have": now
+    "1 of the actor's tokens has"."""
+    import shutil
+
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_tokenizer, resolve_model_path
+    from dschat.rlhf import engine
+
+    actor = shutil.copytree(resolve_model_path("tiny-llama"), tmp_path / "actor")
+    monkeypatch.setattr(engine, "tokens_with_other_ids", lambda reference, other: ["a"])
+    with pytest.raises(UsageError, match=r"1 of the actor's tokens has another id or none in it \(e.g. 'a'\)"):
+        engine.check_given_tokenizer(load_tokenizer("tiny-llama"), str(actor))
+
 def test_a_reward_model_with_another_tokenizer_is_refused(trained, tmp_path):
     # step 3 feeds the actor's token ids to the reward model: another vocabulary would score other text
     import json

@@ -413,9 +413,10 @@ def check_given_tokenizer(tokenizer, actor_path):
         return
     differ = tokens_with_other_ids(own, tokenizer)
     if differ:
-        raise UsageError(f"the tokenizer given is not the actor's ({actor_path}): {len(differ)} of the actor's tokens "
-                         f"have another id or none in it (e.g. {differ[0]!r}), so the actor would read its ids as "
-                         f"other text; give load_tokenizer({python_str(actor_path)}, padding_side='left'), or none")
+        differs = "1 of the actor's tokens has" if len(differ) == 1 else f"{len(differ)} of the actor's tokens have"
+        raise UsageError(f"the tokenizer given is not the actor's ({actor_path}): {differs} another id or none in it "
+                         f"(e.g. {differ[0]!r}), so the actor would read its ids as other text; give "
+                         f"load_tokenizer({python_str(actor_path)}, padding_side='left'), or none")
 
 
 def check_scores_actor_text(actor_tokenizer, actor_path, other_tokenizer, other_path, role, formats=True):
