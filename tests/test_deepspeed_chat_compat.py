@@ -784,6 +784,27 @@ def test_trainer_kl_ctl_takes_deepspeed_chats_float_and_says_where_it_would_not_
         trainer(advantage_estimator="grpo", n_samples_per_prompt=2).kl_ctl = 0.05
 
 
+def test_a_kl_coefficient_assigned_to_the_trainer_is_the_runs_kl_ctl_its_checkpoints_record():
+    """trainer.kl_ctl = 0.05 (DeepSpeed-Chat's float) made the reward's coefficient 0.05 while trainer.args.kl_ctl
+    stayed 0.1: a checkpoint recorded --kl_ctl 0.1 beside the 0.05 it trained with, and a resume with 0.1 dropped the
+    0.05 unsaid. The coefficient is args' kl_ctl now, as the other settings assigned are; the engine's args stay."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf import algorithms as algo
+    from dschat.rlhf.checkpointing import resume_flags
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer
+
+    trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)  # (an engine's stand-in: its args are the trainer's)
+    trainer.args = step3_args({})
+    engine = trainer.rlhf_engine = SimpleNamespace(args=trainer.args)
+    trainer.critic_model = None
+    trainer.kl_ctl = algo.FixedKLController(trainer.args.kl_ctl)
+    assert trainer.args is engine.args  # (the premise: nothing assigned, nothing copied)
+    trainer.kl_ctl = 0.05
+    assert trainer.kl_ctl.value == trainer.args.kl_ctl == resume_flags(trainer)["kl_ctl"] == 0.05
+    assert engine.args.kl_ctl == 0.1 and trainer.args is not engine.args
+
+
 def test_train_py_field_names_go_with_its_data_path_not_a_steps_own(capsys):
     """train.py's --data-fields were given to a step whose --stepN-args gave its own --data_path (and no
     --data_fields): the names of --data-path's columns renamed columns of other files, unsaid. They go with the files

@@ -381,7 +381,8 @@ class DeepSpeedPPOTrainer:
     """``DeepSpeedPPOTrainer(rlhf_engine, args)`` or ``DeepSpeedPPOTrainer(engine=..., args=...)``.
 
     DeepSpeed-Chat's attributes ``max_answer_seq_len``, ``clip_reward_value``, ``cliprange``, ``cliprange_value``,
-    ``gamma`` and ``lam`` are ``args``' settings (``_ArgsSetting``): assigned, they change what the run reads.
+    ``gamma`` and ``lam`` are ``args``' settings (``_ArgsSetting``): assigned, they change what the run reads; so does
+    a coefficient assigned to ``kl_ctl`` (args' kl_ctl: the checkpoints record it).
     ``z3_enabled``, ``compute_fp32_loss`` and ``end_of_conversation_token_id`` read as there, and are not assigned."""
 
     _said_hand_loop = False  # (class defaults: tests build trainers without __init__)
@@ -631,6 +632,13 @@ class DeepSpeedPPOTrainer:
         # (DeepSpeed-Chat's kl_ctl is the float coefficient itself: one assigned here failed in compute_rewards with
         # "'float' object has no attribute 'value'")
         self._kl_ctl = kl_controller_assigned(controller, getattr(self, "_kl_ctl", None), getattr(self, "args", None))
+        if not isinstance(self._kl_ctl, algo.FixedKLController) or self._kl_ctl is controller:
+            return
+        if getattr(self, "args", None) is not None and self.args.kl_ctl != self._kl_ctl.value:
+            # a coefficient assigned is the run's --kl_ctl, as the other settings assigned are (_ArgsSetting): the
+            # checkpoints record it, and a resume with another says so (args' own stayed, the saved coefficient
+            # then dropped for it unsaid)
+            trainer_own_args(self).kl_ctl = self._kl_ctl.value
 
     def compute_rewards(self, prompts, log_probs, ref_log_probs, reward_score, action_mask):
         """DeepSpeed-Chat's signature: per-token rewards with the KL penalty and the clipped score."""
