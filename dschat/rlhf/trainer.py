@@ -999,8 +999,9 @@ class DeepSpeedPPOTrainer:
 
     def answer_kl_to_reference(self, exp):
         """Mean per-answer KL, the reward penalty's estimator (--kl_estimator, k1 unless set) summed over each
-        answer's tokens: the adaptive controller's unit. It tracks what the reward penalises, as TRL's objective/kl
-        and its controller, verl's and OpenRLHF's do; the k1 sum of a k3 penalty would steer the coefficient by
+        answer's tokens: the adaptive controller's unit. It tracks what the reward penalises, as verl's and
+        OpenRLHF's controllers do and TRL's PPOTrainer logs as objective/kl (TRL's older PPOTrainer, whose controller
+        this is, fed it the k1 sum whatever its kl_penalty); the k1 sum of a k3 penalty would steer the coefficient by
         another number (one that can fall below 0)."""
         return answer_kl_sums(exp, reward_kl_estimator(self.args)).mean()
 
