@@ -1949,6 +1949,29 @@ def test_a_resumed_kl_controller_goes_on_from_its_coefficient_with_this_runs_set
     assert "--kl_ctl 0.1 -> 0.2: the rest of the run trains with the new value" in capsys.readouterr().out
 
 
+def test_resuming_an_adaptive_run_whose_checkpoint_fed_its_controller_k1_says_so(tmp_path, capsys):
+    """The adaptive controller now follows the reward penalty's estimator (kl_per_answer); a checkpoint of before
+    (no record of it) fed it the k1 sum, and its resume went on measuring the KL another way unsaid (k2's and abs'
+    means are not k1's), kl_per_answer changing meaning in the log. A checkpoint records what it fed; a resume of one
+    without the record, with a non-k1 penalty, says so; one that records it, or a k1 penalty, says nothing."""
+    from dschat.rlhf.checkpointing import KL_TRACKED, load_checkpoint
+
+    flags = ["--adaptive_kl", "--kl_estimator", "abs"]
+    _save_flags_checkpoint(tmp_path, *flags)
+    state_file = tmp_path / "trainer" / "iter_0000001" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state[KL_TRACKED] == "abs"
+    old = {key: value for key, value in state.items() if key != KL_TRACKED}
+    note = ("checkpoint iter_0000001's adaptive KL controller was fed the k1 KL per answer (a dschat of before it "
+            "followed the reward penalty's estimator); from here it is fed --kl_estimator abs's")
+    for saved, given, said in ((state, flags, False), (old, flags, True), (old, ["--adaptive_kl"], False)):
+        state_file.write_text(json.dumps(saved))
+        with pytest.raises(Loaded, match="loaded"):
+            load_checkpoint(_flags_trainer(tmp_path, *given), str(tmp_path))
+        out = capsys.readouterr().out
+        assert (note in out) == said, out
+
+
 def test_resume_with_another_actor_model_is_an_error_and_a_moved_one_resumes(tmp_path):
     """The actor model is step 3's frozen reference: resuming with another one silently changed what the KL penalty
     measured against. Compared by the recorded identity of the model, not its path."""

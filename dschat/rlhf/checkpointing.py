@@ -111,6 +111,7 @@ def save_checkpoint(trainer, root, position, keep_last=2):
             os.makedirs(trainer_folder(root, tag), exist_ok=True)
             torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
         save_trainer_state(root, tag, {**position, STEP_NAME: STEP, "kl_ctl": trainer.kl_ctl.state_dict(),
+                                       KL_TRACKED: _kl_tracked(trainer.args),
                                        "flags": resume_flags(trainer), "inputs": input_runs(trainer.args),
                                        "world_size": get_world_size(), "batches": iteration_batches(trainer.args),
                                        **_tokenizer_of(trainer)}, trainer.generator)
@@ -149,6 +150,7 @@ def load_checkpoint(trainer, root, plan=None, train_loader=None):
     tag, state = plan.tag, dict(plan.state)
     if plan.notice:
         print_rank_0(plan.notice)
+    _say_kl_tracked_since(getattr(trainer, "args", None), state.pop(KL_TRACKED, None), tag)
     engines = [engine for engine in (trainer.actor_model, trainer.critic_model) if engine is not None]
     with reading(root, tag):
         for name, engine in zip((ACTOR, CRITIC), engines):
@@ -180,6 +182,28 @@ def _check_not_an_output_dir(root):
         raise UsageError(f"load_checkpoint: {root} holds no checkpoint; its {CHECKPOINTS_DIR} folder does (step 3 "
                          f"saves its --save_interval checkpoints there): give load_checkpoint(trainer, {inner!r})")
     return None
+
+
+# The KL estimator an --adaptive_kl run's controller was fed (the reward penalty's, per answer: kl_per_answer), which a
+# checkpoint records; one saved without it fed the controller k1 whatever the penalty's estimator (before session 55).
+KL_TRACKED = "kl_tracked"
+
+
+def _kl_tracked(args):
+    from dschat.rlhf.trainer import reward_kl_estimator
+
+    return reward_kl_estimator(args)
+
+
+def _say_kl_tracked_since(args, saved, tag):
+    """A resumed --adaptive_kl run whose reward penalty is not k1, from a checkpoint whose controller was fed k1
+    (saved before it followed the penalty's estimator): said, as its coefficient goes on toward --kl_target measured
+    another way (k3 and low_var_kl have k1's mean, k2 and abs do not) and kl_per_answer changes meaning in the log."""
+    now = _kl_tracked(args) if args is not None and args.adaptive_kl else "k1"
+    if saved is None and now != "k1":
+        print_rank_0(f"[step3] note: checkpoint {tag}'s adaptive KL controller was fed the k1 KL per answer (a dschat "
+                     f"of before it followed the reward penalty's estimator); from here it is fed --kl_estimator "
+                     f"{now}'s, which kl_per_answer logs from this iteration on")
 
 
 def restore_kl_controller(controller, saved):
