@@ -89,7 +89,7 @@ def positive_float(text):
     return _bounded_float(text, lambda value: value > 0 and math.isfinite(value), "a number > 0")
 
 
-GRPO_STD_SCOPES = ("group", "batch", "none")  # (dschat.rlhf.algorithms.STD_SCOPES)
+GRPO_STD_SCOPES = ("group", "batch", "none")  # (dschat.rlhf.algorithms.grpo_advantages' norm_by_std too)
 
 
 def grpo_std_scope(value):

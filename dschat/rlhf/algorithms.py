@@ -27,6 +27,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from dschat.args import GRPO_STD_SCOPES, grpo_std_scope  # (the flag's reading of 1/0: one place)
+
 __all__ = [
     "masked_sum", "masked_mean", "masked_mean_var", "masked_whiten",
     "gather_log_probs", "entropy_from_logits",
@@ -734,18 +736,13 @@ def group_reward_std(scores: torch.Tensor, group_size: int) -> float:
 
 # GRPO's division of each answer's score less its group's mean (TRL's scale_rewards): by its group's std, by the std
 # of the whole batch's scores over every rank (Lite PPO's "group mean, batch std"), or by nothing (Dr. GRPO)
-STD_SCOPES = ("group", "batch", "none")
+STD_SCOPES = GRPO_STD_SCOPES
 
 
 def std_scope(norm_by_std) -> str:
     """``norm_by_std`` as one of ``STD_SCOPES``: a scope's name, or True/1 ("group") and False/0 ("none"), the values
-    --grpo_norm_by_std and ``grpo_advantages`` took before the batch scope."""
-    if isinstance(norm_by_std, str):
-        scope = {"1": "group", "0": "none"}.get(norm_by_std, norm_by_std)
-    elif norm_by_std in (0, 1):  # (True and False among them)
-        scope = "group" if norm_by_std else "none"
-    else:
-        scope = None
+    --grpo_norm_by_std and ``grpo_advantages`` took before the batch scope (read as the flag reads them)."""
+    scope = grpo_std_scope(norm_by_std)
     if scope not in STD_SCOPES:
         raise ValueError(f"norm_by_std={norm_by_std!r}: expected one of {', '.join(STD_SCOPES)} (or 1/0)")
     return scope
