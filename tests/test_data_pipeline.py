@@ -645,6 +645,10 @@ def test_step3_records_carry_a_pairs_answers_for_reward_functions(tmp_path, toke
     items, _ = build(tmp_path, tokenizer, [f"{renamed},{renamed}"], 3, data_split="0,0,1",
                      data_fields="chosen=good,rejected=bad")
     assert (items[0]["chosen"], items[0]["extra_chosen"]) == ("Hi.", "a column of its own")  # neither lost
+    both = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "Say hi.", "good": "Hi.", "bad": "Go.",
+                                                  "chosen": "a column of its own", "extra_chosen": "another"}] * 2)
+    with pytest.raises(UsageError, match=r"both.jsonl.*both a column 'extra_chosen' and a column 'chosen'"):
+        build(tmp_path, tokenizer, [f"{both},{both}"], 3, data_split="0,0,1", data_fields="chosen=good,rejected=bad")
     completions = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Say hi.", "completion": "Hi."}] * 2)
     items, _ = build(tmp_path, tokenizer, [f"{completions},{completions}"], 3, data_split="0,0,1")
     assert not {"chosen", "rejected", "completion"} & set(items[0])  # TRL passes no completion column

@@ -779,12 +779,25 @@ def extract_example(raw, sample, train_phase, multiturn=False):
     return example
 
 
+def _columns_beside_answers(columns, answers):
+    """A step-3 record's reward columns beside its reference ``answers``: a column named as an answer (its field renamed
+    by --data_fields) comes as extra_<name>, and one the record also has under that name is an error, not lost."""
+    extra = {}
+    for name, value in columns.items():
+        key = extra_name(name) if name in answers else name
+        if key in extra or (key != name and key in columns):
+            raise RecordError(key, f"the record has both a column {key!r} and a column {name!r}, which comes to the "
+                                   f"prompt batches (and --reward_fn) as {key!r} beside its reference answer: rename "
+                                   "one of them")
+        extra[key] = value
+    return extra
+
+
 def _extract_example(raw, sample, train_phase, multiturn):
     messages = raw.get_conversation(sample)
     if train_phase == 3:
         answers = raw.get_reference_answers(sample)  # a data column of the same name (fields renamed) stays extra_
-        return Example(messages, extra={**{("extra_" + k if k in answers else k): v
-                                           for k, v in raw.get_reward_columns(sample).items()}, **answers})
+        return Example(messages, extra={**_columns_beside_answers(raw.get_reward_columns(sample), answers), **answers})
     if raw.is_undesirable(sample):
         raise SkipRecord(UNDESIRABLE)
     untrained = raw.get_untrained_turns(sample) if multiturn else frozenset()
