@@ -782,15 +782,12 @@ def extract_example(raw, sample, train_phase, multiturn=False):
 def _columns_beside_answers(columns, answers):
     """A step-3 record's reward columns beside its reference ``answers``: a column named as an answer (its field renamed
     by --data_fields) comes as extra_<name>, and one the record also has under that name is an error, not lost."""
-    extra = {}
-    for name, value in columns.items():
-        key = extra_name(name) if name in answers else name
-        if key in extra or (key != name and key in columns):
-            raise RecordError(key, f"the record has both a column {key!r} and a column {name!r}, which comes to the "
-                                   f"prompt batches (and --reward_fn) as {key!r} beside its reference answer: rename "
-                                   "one of them")
-        extra[key] = value
-    return extra
+    for name in answers:
+        if name in columns and extra_name(name) in columns:
+            raise RecordError(extra_name(name), f"the record has both a column {extra_name(name)!r} and a column "
+                                                f"{name!r}, which comes to the prompt batches (and --reward_fn) as "
+                                                f"{extra_name(name)!r} beside its reference answer: rename one of them")
+    return {extra_name(k) if k in answers else k: v for k, v in columns.items()}
 
 
 def _extract_example(raw, sample, train_phase, multiturn):
