@@ -274,9 +274,9 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     g.add_argument("--eval_interval", type=non_negative_int, default=0,
                    help="Evaluate every N steps (0: at the end only).")
     g.add_argument("--eval_iters", type=non_negative_int, default=100,
-                   help="At most this many eval batches (of --per_device_eval_batch_size) per rank at each "
-                        "evaluation, as in DeepSpeed-Chat (several ranks: up to this many times the ranks in all); "
-                        "0: the whole eval split.")
+                   help="At most this many eval batches (of --per_device_eval_batch_size) at each evaluation, "
+                        "counted over all ranks: the first N x per_device_eval_batch_size eval records, shared among "
+                        "the ranks, so any number of ranks scores the same ones; 0: the whole eval split.")
     g.add_argument("--print_loss", action="store_true",
                    help="Print the loss of every step: the mean of its micro-batches' losses; on several ranks, rank "
                         "0's (its line says so).")

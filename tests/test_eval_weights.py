@@ -52,7 +52,7 @@ def test_sft_eval_loss_ignores_padding_repeats_even_in_an_all_padding_batch():
 def test_sft_eval_counts_its_records_once_over_the_ranks_and_its_tokens():
     """Step 1's metrics said no count of what they were taken over (step 2 and DPO say eval_pairs): "eval_records"
     counts each record once (a rank's padding repeat, weight 0, is none of them), "eval_tokens" the labelled tokens
-    scored (the answers'; the prompts' too under --include_prompt_in_loss); --eval_iters caps each rank's batches (0:
+    scored (the answers'; the prompts' too under --include_prompt_in_loss); max_batches caps the loader's batches (0:
     all of them)."""
     model = tiny_model("llama", seed=2).eval()
     items = [_sft_item(i) for i in range(3)]  # 2 ranks: rank 0 scores items 0 and 2, rank 1 item 1 and item 0 again

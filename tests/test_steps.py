@@ -605,6 +605,33 @@ def test_steps_1_and_2_with_zero3_on_two_ranks(tmp_path):
     assert load_reward_model(str(out / "step2_rm")).v_head.weight.shape[0] == 1
 
 
+@pytest.mark.multirank
+def test_eval_iters_is_a_count_over_all_ranks(tmp_path, distributed, capsys):
+    """--eval_iters capped each rank's batches: two ranks scored twice the records one rank scores (48, not 24, for 3
+    batches of 8), so the held-out metrics depended on the number of ranks. It now takes the first 3 batches' records
+    of the eval split, shared among the ranks: one rank and two score the same 24 records, and the untrained model's
+    loss over them is the same."""
+    flags = ["--max_steps", "1", *SFT_FAST, "--per_device_eval_batch_size", "8", "--eval_iters", "3"]
+
+    def folders(name):
+        return ["--output_dir", str(tmp_path / name / "sft"), "--data_output_path", str(tmp_path / name / "data")]
+
+    def loss_before_training(out):
+        said = re.search(r"\[step1\] before training: eval_loss=([0-9.]+), perplexity=[0-9.]+, eval_records=(\d+)",
+                         out)
+        assert said, out[-3000:]
+        return float(said.group(1)), int(said.group(2))
+
+    one = sft.main([*folders("one"), *flags])
+    one_before = loss_before_training(capsys.readouterr().out)
+    two = run_deepspeed(REPO / "training" / "step1_sft" / "main.py", *folders("two"), *flags, timeout=300)
+    saved = json.loads((tmp_path / "two" / "sft" / "metrics.json").read_text())
+    assert one["eval_records"] == saved["eval_records"] == 24
+    two_before = loss_before_training(two.stdout)
+    assert two_before[1] == one_before[1] == 24
+    assert two_before[0] == pytest.approx(one_before[0], abs=2e-4)  # (printed to 4 decimals)
+
+
 def test_malformed_dataset_line_names_file_and_line(tmp_path, distributed):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "broken\n')

@@ -159,6 +159,19 @@ def eval_loader(eval_dataset, batch_size, collator, seed):
                       generator=loader_generator(seed))
 
 
+def evaluated_records(eval_dataset, eval_iters, batch_size):
+    """The eval records each evaluation of steps 1, 2 and DPO scores: the first ``eval_iters`` batches of
+    ``batch_size`` of the eval split (0: all of it), shared among the ranks, so that any number of ranks scores the
+    same records and reports the same metrics (DeepSpeed-Chat's step 2 has every rank read the same first batches;
+    Megatron's --eval-iters counts global batches). A cap per rank read twice the records on two ranks."""
+    from torch.utils.data import Subset
+
+    count = eval_iters * batch_size
+    if not eval_iters or count >= len(eval_dataset):
+        return eval_dataset
+    return Subset(eval_dataset, range(count))
+
+
 def eval_loader_of_first(loader, count, seed):
     """``eval_loader``'s ``loader`` made again of the first ``count`` items of its dataset alone."""
     from torch.utils.data import Subset
@@ -872,7 +885,8 @@ def _train_evaluate_save(args, recipe):
     train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
     require_training_records(train_data, args, recipe.name)
     collator = recipe.collator(tokenizer, resolve_pad_to_multiple_of(args.pad_to_multiple_of), args.max_seq_len)
-    train_loader, eval_loader = build_dataloaders(train_data, eval_data, collator,
+    evaluated = evaluated_records(eval_data, args.eval_iters, args.per_device_eval_batch_size)
+    train_loader, eval_loader = build_dataloaders(train_data, evaluated, collator,
                                                   args.per_device_train_batch_size,
                                                   args.per_device_eval_batch_size, args.seed)
     total_steps = num_update_steps(len(train_loader), args.gradient_accumulation_steps, args.num_train_epochs,
@@ -888,7 +902,7 @@ def _train_evaluate_save(args, recipe):
                  f"ZeRO-{args.zero_stage}, {args.dtype}")
 
     def evaluate():
-        return recipe.evaluate_fn(engine, eval_loader, device, args.eval_iters)
+        return recipe.evaluate_fn(engine, eval_loader, device, 0)  # (all of it: --eval_iters made it, evaluated)
 
     position = resume_or_start(engine, args, recipe.name, total_steps, plan)
     clear_results(args, recipe.name, resumed=position is not None)
