@@ -168,16 +168,19 @@ def stage_flags_no_step_reads(args, runs):
 
 def relaunch_with_deepspeed(args, argv):
     """``python train.py --deployment-type single_node|multi_node``: start the ranks once, via the launcher."""
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if args.deployment_type == "multi_node":
         if not os.path.isfile(args.hostfile):  # the launcher would run on this node alone, with a warning
             from dschat.errors import MissingInputError
 
             raise MissingInputError(f"--hostfile {args.hostfile}: no such file; --deployment-type multi_node starts "
                                     "the ranks of the nodes it lists (single_node: this node's GPUs)")
-        cmd += ["--hostfile", args.hostfile]
+        # deepspeed's launcher with its pdsh line (read by each node's shell) quoted; dschat importable from any folder
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "dschat.utils.launcher", "--hostfile", args.hostfile]
     else:  # the launcher's default hostfile (/job/hostfile) would spread a single_node run over the nodes it lists
-        cmd += ["--hostfile", os.devnull]  # no file: this node's GPUs ("Unable to find hostfile ... local resources")
+        # (no file: this node's GPUs, "Unable to find hostfile ... local resources")
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", os.devnull]
     cmd += [os.path.abspath(__file__), *argv]
     print("launching:", shlex.join(cmd), flush=True)  # (quoted: a --stepN-args string is one argument)
     status = run_launcher(cmd)

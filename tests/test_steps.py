@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -1511,6 +1512,49 @@ def test_a_signal_to_train_py_reaches_the_ranks_of_the_launcher_it_started(tmp_p
             pass
 
 
+FAKE_PDSH = """#!{python}
+import json, os, sys
+with open(os.environ["SEEN_BY_PDSH"], "w") as f:
+    json.dump(sys.argv[1:], f)
+"""
+FAKE_SSH = "#!/bin/sh\necho 10.0.0.7\n"  # (the launcher's ssh check, and its hostname -I for the master address)
+# what the interpreter on a node is given, in place of running the deepspeed launcher there
+SAY_WHAT_THE_NODE_RUNS = "import json, os, sys; print(json.dumps([os.getcwd(), os.environ['PYTHONPATH'], sys.argv[1:]]))"
+
+
+def test_train_py_multi_node_quotes_the_line_each_nodes_shell_reads(tmp_path):
+    """pdsh joins its words with spaces and each node's shell reads the line: deepspeed's launcher left the folder
+    (cd), the interpreter and the script bare and put an argument with a space in double quotes, so a working folder
+    with a space or a $ failed its cd and a --stepN-args "... $HOME/my data" reached the ranks expanded. A fake pdsh
+    records the line; a shell runs it as a node's would, with the launcher swapped for a print of what it gets."""
+    work = tmp_path / "my run $USER 'a'"
+    bin_dir = tmp_path / "bin"
+    for folder in (work, bin_dir):
+        folder.mkdir()
+    for name, text in (("pdsh", FAKE_PDSH.format(python=sys.executable)), ("ssh", FAKE_SSH)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (work / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    given = ["--deployment-type", "multi_node", "--hostfile", "hosts", "--output-dir", "out $HOME `x`",
+             "--step1-args", "--data_path 'local:$HOME/my data' --max_steps 1", "--step", "1"]
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SEEN_BY_PDSH=str(tmp_path / "pdsh.json"))
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *given], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    words = json.loads((tmp_path / "pdsh.json").read_text())
+    line = " ".join(words[words.index("-w") + 2:]).replace("%n", "0")  # (pdsh's: %n, the node's rank)
+    assert line.count(" -m deepspeed.launcher.launch ") == 1
+    line = line.replace(" -m deepspeed.launcher.launch ", f" -c {shlex.quote(SAY_WHAT_THE_NODE_RUNS)} ")
+    node = subprocess.run(["sh", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], "HOME": "/nowhere", "USER": "nobody"})
+    assert node.returncode == 0, node.stderr[-3000:]
+    folder, python_path, argv = json.loads(node.stdout)
+    assert folder == str(work) and python_path.split(os.pathsep)[0] == str(work)
+    assert argv[-len(given) - 1:] == [str(REPO / "train.py"), *given]
+
+
 def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_run(tmp_path, monkeypatch):
     # the deepspeed launcher falls back to this node alone when the hostfile is missing: a typo must not do that
     import runpy
@@ -1519,6 +1563,7 @@ def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # (restored: multi_node puts the repo on it)
     launched = []
     fake_launcher(monkeypatch, launched, 0)
     main = runpy.run_path(str(REPO / "train.py"))["main"]

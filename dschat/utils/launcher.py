@@ -1,0 +1,50 @@
+"""DeepSpeed's launcher with its pdsh command shell-quoted: what ``python train.py --deployment-type multi_node`` runs
+(``python -m dschat.utils.launcher`` takes the arguments of ``deepspeed.launcher.runner``).
+
+pdsh joins the words it is given with spaces and each node's shell reads the line, so every word must be quoted for
+a shell. DeepSpeed 0.19's PDSHRunner left the working directory (``cd /path;``), the interpreter and the script bare,
+put the exported variables and an argument with a space in double quotes (where the shell still expands ``$``,
+backquotes and backslashes) and an argument without a space bare: a folder with a space or a ``$`` in its name, or
+``--step1-args "--data_path $HOME/x"``, reached the ranks as other words, or made the node's shell fail.
+"""
+import os
+import shlex
+import sys
+
+from deepspeed.launcher import multinode_runner, runner
+
+
+class QuotedPDSHRunner(multinode_runner.PDSHRunner):
+    """PDSHRunner whose remote command reaches the ranks word for word."""
+
+    def parse_user_args(self):
+        return [shlex.quote(arg) for arg in self.args.user_args]
+
+    def add_export(self, key, var):
+        self.exports[key.strip()] = shlex.quote(var.strip())  # (stripped as DeepSpeed's: .deepspeed_env's lines)
+
+    def get_cmd(self, environment, active_resources):
+        cmd, kill_cmd, environment = super().get_cmd(environment, active_resources)
+        return quoted_remote_words(cmd, self.user_script, len(self.user_arguments)), kill_cmd, environment
+
+
+def quoted_remote_words(cmd, script, user_words):
+    """PDSHRunner's command with the words it leaves bare quoted: the ``cd`` folder, the interpreter, the script (its
+    user arguments, last, are already quoted)."""
+    cmd, here = list(cmd), os.path.abspath(".")
+    cd = cmd.index(f"cd {here};") if f"cd {here};" in cmd else None
+    at_script = len(cmd) - user_words - 1
+    if cd is None or cmd[cd + 1] != sys.executable or cmd[at_script] != script:
+        raise RuntimeError(f"dschat.utils.launcher: DeepSpeed's pdsh command is not laid out as expected: {cmd}")
+    cmd[cd], cmd[cd + 1] = f"cd {shlex.quote(here)};", shlex.quote(sys.executable)
+    cmd[at_script] = shlex.quote(script)
+    return cmd
+
+
+def main():
+    runner.PDSHRunner = QuotedPDSHRunner  # (runner.main builds the pdsh runner by this name)
+    runner.main()
+
+
+if __name__ == "__main__":
+    main()
