@@ -418,7 +418,7 @@ def test_train_py_refuses_its_own_flags_given_twice_rather_than_dropping_the_fir
 def test_a_step_script_refuses_a_flag_given_twice_rather_than_keeping_the_last(capsys, monkeypatch):
     """argparse kept a repeated flag's last value: ``main.py --learning_rate 1e-4 ... --learning_rate 1e-3`` trained at
     1e-3, unsaid (two spellings of one setting too). A list from Python (a notebook's, a test's) keeps last-wins."""
-    from dschat.args import step2_dpo_parser
+    from dschat.args import step2_dpo_parser, step_settings
     from dschat.steps import ppo
 
     for main, flags, said in ((sft.main, "--learning_rate 1e-4 --dtype fp32 --learning_rate 1e-3",
@@ -436,6 +436,8 @@ def test_a_step_script_refuses_a_flag_given_twice_rather_than_keeping_the_last(c
         assert "given more than once: --seed (2 times)" in capsys.readouterr().err
         monkeypatch.setattr("sys.argv", ["main.py", "--seed", "1", "--local_rank=0"])
         assert parser().parse_args().seed == 1
+        # a list from Python overrides by appending (README: "the list keeps the last value")
+        assert step_settings(parser(), ["--seed", "1", "--seed", "2", "--local_rank=0"]).seed == 2
 
 
 def test_merging_a_steps_flags_takes_values_that_are_not_strings():
