@@ -202,6 +202,9 @@ def test_mask_truncated_answers_leaves_a_micro_batch_of_cut_answers_out_of_the_i
     everything_cut = {}
     _truncation_grads(monkeypatch, CUT, estimator, "token_mean", True, batch=2, result=everything_cut)
     assert all(everything_cut[key] is None for key in stats)  # (no kept token in the iteration: nothing measured)
+    # the micro-batches the stats are means of, which the record weighs each rank's means by
+    assert (mixed["stats_micro_batches"], alone["stats_micro_batches"], everything_cut["stats_micro_batches"]) == \
+        (1, 1, 0)
 
 
 def test_mask_truncated_answers_leaves_the_advantages_to_every_answers_score():
@@ -4169,26 +4172,89 @@ def test_shifted_forwards_do_not_warn_of_padding_without_a_mask():
     assert logger.filter(warned)  # outside the shifted forward
 
 
-def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkeypatch):
-    """pg_clipfrac, approx_kl and vf_clipfrac in step3_log.jsonl were rank 0's own on several ranks (on 2 CPU ranks
-    approx_kl 4e-05 logged where rank 1 had 5e-05), while every other number of the record is over all ranks."""
+class _TwoRankCollectives:
+    """Two ranks as two threads of this process, whose all-reduces (``dschat.utils.dist``'s, and the names modules
+    imported of it) sum the tensors the two hand in: a rank that makes more collective calls than the other waits for
+    a partner that never comes (the barrier breaks), as a real rank hangs or pairs another call's numbers."""
+
+    def __init__(self, monkeypatch, *modules):
+        import threading
+
+        from dschat.utils import dist
+
+        self.local, self.barrier, self.held = threading.local(), threading.Barrier(2, timeout=5), [None, None]
+        for module in (dist, *modules):
+            monkeypatch.setattr(module, "all_reduce", self.all_reduce, raising=False)
+            monkeypatch.setattr(module, "get_world_size", lambda: 2)
+
+    def all_reduce(self, tensor, op="sum", group=None):
+        self.held[self.local.rank] = tensor.clone()
+        self.barrier.wait()
+        total = self.held[0] + self.held[1]
+        self.barrier.wait()
+        return tensor.copy_(total)
+
+    def run(self, fn):
+        """``fn(rank)`` on both ranks at once: their results, or the first error."""
+        import threading
+
+        results, errors = [None, None], []
+
+        def rank_body(rank):
+            self.local.rank = rank
+            try:
+                results[rank] = fn(rank)
+            except Exception as error:  # (the other rank's wait ends too)
+                errors.append(error)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=rank_body, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        return results
+
+
+def _record_on_two_ranks(monkeypatch, trained_of_rank):
     from types import SimpleNamespace
 
-    ranks_other = {"pg_clipfrac": 0.5, "approx_kl": 0.3, "vf_clipfrac": 0.1}  # what a second rank holds
-    monkeypatch.setattr(ppo, "get_world_size", lambda: 2)
-    monkeypatch.setattr(ppo, "rank_mean", lambda value, device: (value + mean_with.get(value, value)) / 2)
-    own = {"pg_clipfrac": 0.25, "approx_kl": 0.1, "vf_clipfrac": 0.3}
-    mean_with = {own[k]: ranks_other[k] for k in own}
-    trainer = SimpleNamespace(stats={}, kl_coef=0.1)
+    ranks = _TwoRankCollectives(monkeypatch, ppo)
     buffer = [{"rewards": torch.zeros(2), "input_ids": torch.zeros(2, 3),
                "attention_mask": torch.ones(2, 3), "action_mask": torch.ones(2, 2)}]
-    trained = {"kl": 0.0, "kl_per_answer": 0.0, "kl_coef": 0.1, "actor_loss": 0.0, "critic_loss": 0.0,
-               "unsup_loss": None, **own}
     gen_stats = {"answer_length": 2.0, "empty_answers": 0, "truncated_answers": 0, "generation_time": 0.1,
                  "experience_time": 0.1}
-    record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
-    for key in own:
-        assert record[key] == pytest.approx((own[key] + ranks_other[key]) / 2), key
+    base = {"kl": 0.0, "kl_per_answer": 0.0, "kl_coef": 0.1, "actor_loss": 0.0, "critic_loss": 0.0,
+            "unsup_loss": None}
+    return ranks.run(lambda rank: ppo._iteration_record(0, buffer, SimpleNamespace(stats={}, kl_coef=0.1), gen_stats,
+                                                        {**base, **trained_of_rank[rank]}, 0.1, 1.0, "cpu"))
+
+
+def test_iteration_record_takes_the_policy_and_value_stats_over_all_ranks(monkeypatch):
+    """pg_clipfrac, approx_kl and vf_clipfrac in step3_log.jsonl were rank 0's own on several ranks (on 2 CPU ranks
+    approx_kl 4e-05 logged where rank 1 had 5e-05), while every other number of the record is over all ranks: the
+    mean over every rank's micro-batches measured (here rank 1 measured 3, rank 0 one)."""
+    own = {"pg_clipfrac": 0.25, "approx_kl": 0.1, "vf_clipfrac": 0.3, "stats_micro_batches": 1}
+    other = {"pg_clipfrac": 0.5, "approx_kl": 0.3, "vf_clipfrac": 0.1, "stats_micro_batches": 3}
+    records = _record_on_two_ranks(monkeypatch, [own, other])
+    for key in ("pg_clipfrac", "approx_kl", "vf_clipfrac"):
+        assert records[0][key] == records[1][key] == pytest.approx((own[key] + 3 * other[key]) / 4), key
+    assert "kl_loss" not in records[0]  # (no rank has a KL loss term)
+
+
+def test_a_rank_whose_answers_were_all_cut_makes_the_same_collectives_as_the_others(monkeypatch):
+    """--mask_truncated_answers: a rank whose every answer was cut measures no step stat (None), where another rank
+    measured them. Its record made one collective less per stat than the other rank's, so the ranks' next
+    collectives paired up apart (here: the other rank waits for ever). The stats are the ranks' that measured them."""
+    measured = {"pg_clipfrac": 0.5, "pg_clipfrac_low": 0.2, "pg_clipfrac_high": 0.3, "approx_kl": 0.3,
+                "kl_loss": 0.02, "vf_clipfrac": 0.1, "stats_micro_batches": 2}
+    all_cut = {**{key: None for key in measured}, "stats_micro_batches": 0}
+    records = _record_on_two_ranks(monkeypatch, [all_cut, measured])
+    for key in ppo.PPO_STEP_STATS:
+        assert records[0][key] == records[1][key] == pytest.approx(measured[key]), key
+    nothing = _record_on_two_ranks(monkeypatch, [all_cut, all_cut])  # (no rank measured: no such key)
+    assert not set(ppo.PPO_STEP_STATS) & set(nothing[0])
 
 
 def test_the_iteration_line_says_when_every_groups_answers_scored_alike(tmp_path):

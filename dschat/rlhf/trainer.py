@@ -903,8 +903,9 @@ class DeepSpeedPPOTrainer:
         unless --kl_estimator; None where there is no such term or the actor did not train) and
         "vf_clipfrac" (None without a critic) over the micro-batches, and the rollout's KL to the reference over all
         ranks: k1 per answer token ("kl") and the reward penalty's estimator per answer ("kl_per_answer", the
-        controller's unit), and the optimizer steps that DeepSpeed skipped on inf/NaN gradients
-        ("actor_skipped_steps", "critic_skipped_steps"; None for a model that did not train)."""
+        controller's unit), the optimizer steps that DeepSpeed skipped on inf/NaN gradients
+        ("actor_skipped_steps", "critic_skipped_steps"; None for a model that did not train), and the micro-batches
+        (of all epochs) that the step stats are means over ("stats_micro_batches": those with a token in the loss)."""
         experiences = checked_rollout(experiences)
         if not train_actor and self.critic_model is None:
             raise UsageError("train_rollout(train_actor=False) trains the critic alone, and this trainer has none")
@@ -921,6 +922,7 @@ class DeepSpeedPPOTrainer:
         unsup = [m for unsup_batch in unsup_batches for m in split_rows(unsup_batch, batch)] if train_actor else []
         losses = {"actor_loss": [], "critic_loss": [], "unsup_loss": []}
         ppo_stats = {key: [] for key in PPO_STEP_STATS}
+        measured = 0  # the micro-batches whose step stats are kept (any token in the loss)
         skipped_before = self._skipped_steps(train_actor)
         for _ in range(self.args.ppo_epochs):
             for start in range(0, len(micro), accum):
@@ -933,7 +935,9 @@ class DeepSpeedPPOTrainer:
                         losses["actor_loss"].append(actor_loss.item())
                     if self.critic_model is not None:
                         losses["critic_loss"].append(critic_loss.item())
-                    self._collect_step_stats(ppo_stats, train_actor, kept=bool(self.loss_mask(m).any()))
+                    kept = bool(self.loss_mask(m).any())
+                    self._collect_step_stats(ppo_stats, train_actor, kept=kept)
+                    measured += kept
                     if unsup:
                         losses["unsup_loss"].append(
                             self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
@@ -945,7 +949,8 @@ class DeepSpeedPPOTrainer:
             self.update_kl_controller(kl["kl_per_answer"],
                                       sum(e["input_ids"].shape[0] for e in experiences) * get_world_size())
         return {**{name: sum(values) / len(values) if values else None
-                   for name, values in {**losses, **ppo_stats}.items()}, **kl, **skipped}
+                   for name, values in {**losses, **ppo_stats}.items()}, **kl, **skipped,
+                "stats_micro_batches": measured}
 
     def _skipped_steps(self, train_actor):
         """{"actor", "critic": the optimizer steps its DeepSpeed engine has skipped so far (inf/NaN gradients: an fp16

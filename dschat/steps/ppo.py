@@ -28,7 +28,7 @@ from dschat.steps.common import (build_dataloaders, check_output_dir, clear_resu
                                  setup_run, take_data_files, take_hub_data, take_unsupervised_data, tensorboard_writer,
                                  to_device, warn_of_skipped_steps, write_results)
 from dschat.steps.resume import resume_or_afresh
-from dschat.utils.dist import barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
+from dschat.utils.dist import all_reduce, barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import atomic_file
 
 
@@ -425,11 +425,12 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
             record[key] = rank_mean(trainer.stats[key], device)
     if trained["actor_loss"] is None:  # --freezing_actor_steps: the critic alone trained
         record["actor_frozen"] = True
-    # none with the actor frozen / without a critic / without ptx data / without a KL loss term (kl_loss); means over
-    # the iteration's micro-batches, then over the ranks (each rank's own differ; rank 0 writes the record)
-    for key in ("actor_loss", "critic_loss", "unsup_loss") + PPO_STEP_STATS:
+    # none with the actor frozen / without a critic / without ptx data (the same on every rank); means over the
+    # iteration's micro-batches, then over the ranks (each rank's own differ; rank 0 writes the record)
+    for key in ("actor_loss", "critic_loss", "unsup_loss"):
         if trained.get(key) is not None:
             record[key] = rank_mean(trained[key], device)
+    record.update(step_stats_over_ranks(trained, device))
     for key in SKIPPED_STEPS:  # (the same on every rank: DeepSpeed agrees on an overflow over the ranks)
         if trained.get(key) is not None:
             record[key] = trained[key]
@@ -437,6 +438,22 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
 
 
 SKIPPED_STEPS = ("actor_skipped_steps", "critic_skipped_steps")
+
+
+def step_stats_over_ranks(trained, device):
+    """The PPO step's stats (``PPO_STEP_STATS``: clip fractions, KL estimates) of the iteration over every rank's
+    micro-batches that kept a token: {key: mean} for those that some rank measured. One collective that every rank
+    calls alike. A rank may have none of a stat where another has it (--mask_truncated_answers: every one of its
+    answers cut, its stats None): a collective per stat it held then paired the ranks' all-reduces apart (one rank
+    ahead of the other by those calls: the next collectives mixed other numbers, or hung). Each rank's mean weighs by
+    its micro-batches measured (``stats_micro_batches``; a caller's dict without it: 1 each)."""
+    counted = trained.get("stats_micro_batches", 1)
+    held = [trained.get(key) is not None and counted > 0 for key in PPO_STEP_STATS]
+    sums = torch.tensor([float(trained[key]) * counted if has else 0.0 for key, has in zip(PPO_STEP_STATS, held)]
+                        + [float(counted) if has else 0.0 for has in held], dtype=torch.float64, device=device)
+    all_reduce(sums)
+    totals, counts = sums[:len(PPO_STEP_STATS)], sums[len(PPO_STEP_STATS):]
+    return {key: (total / count).item() for key, total, count in zip(PPO_STEP_STATS, totals, counts) if count > 0}
 
 
 def skipped_steps_said(record, args):
