@@ -850,7 +850,8 @@ def test_mask_truncated_answers_reaches_step3_from_train_py_and_defaults_off_in_
 
 def test_the_iteration_line_says_the_loss_left_the_truncated_answers_out():
     """truncated_answers is the count the loss left out under the flag; the line says so, and says a loss of 0 where
-    every answer was cut."""
+    every answer was cut, and that the weights still moved: the optimizer steps (TRL's too), and Adam's momentum from
+    the steps before (torch's AdamW: ~2/3 of a step right after one) is no gradient of this iteration's."""
     from dschat.steps.ppo import truncated_left_out_said
 
     on, off = step3_args({"mask_truncated_answers": True}), step3_args({})
@@ -860,3 +861,4 @@ def test_the_iteration_line_says_the_loss_left_the_truncated_answers_out():
         " (truncated answers left out of the loss: --mask_truncated_answers)"
     all_cut = truncated_left_out_said({"truncated_answers": 8}, on, 8)
     assert "all 8 answers truncated and left out of the loss" in all_cut and "a loss of 0" in all_cut
+    assert "momentum" in all_cut and "still moved the weights" in all_cut

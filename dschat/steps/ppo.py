@@ -467,13 +467,15 @@ def skipped_steps_said(record, args):
 def truncated_left_out_said(record, args, answers):
     """--mask_truncated_answers: the iteration's truncated_answers are the answers its loss left out (no other count
     to log), said where there were any; ``answers``: the iteration's, all ranks'. Every one of them: the loss and its
-    gradient were 0 (the optimizer still stepped, with its momentum)."""
+    gradient were 0, but the optimizer still stepped (as TRL's does), and Adam's momentum of the earlier steps moved
+    the weights (by ~2/3 of a step just after one); a line saying "no gradient" alone read as nothing trained."""
     left_out = record.get("truncated_answers") if args.mask_truncated_answers else 0
     if not left_out:
         return ""
     if left_out >= answers:
         return (f" (all {left_out} answers truncated and left out of the loss by --mask_truncated_answers: "
-                "a loss of 0, no gradient)")
+                "a loss of 0, no gradient; the optimizer still stepped, so Adam's momentum from earlier steps and "
+                "any weight decay still moved the weights)")
     return " (truncated answers left out of the loss: --mask_truncated_answers)"
 
 
