@@ -901,9 +901,15 @@ def _add_step3_optimization_args(g):
 
 
 def _add_step3_generation_args(g):
-    g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature of the rollouts.")
-    g.add_argument("--top_k", type=int, default=0, help="0 or negative: no top-k filtering.")
-    g.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling of the rollouts (1: off).")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="Sampling temperature of the rollouts; the old, new and reference log-probs (and entropy) are "
+                        "taken at it too, as in TRL, OpenRLHF and verl.")
+    g.add_argument("--top_k", type=int, default=0,
+                   help="Top-k filtering of the rollouts (0 or negative: none). Only what is sampled: the log-probs "
+                        "PPO trains on are of the unfiltered distribution, as in TRL, OpenRLHF and verl.")
+    g.add_argument("--top_p", type=float, default=1.0,
+                   help="Nucleus sampling of the rollouts (1: off). Only what is sampled: the log-probs PPO trains on "
+                        "are of the unfiltered distribution, as in TRL, OpenRLHF and verl.")
     g.add_argument("--greedy", action="store_true", help="Greedy answers instead of sampling.")
     g.add_argument("--repetition_penalty", type=float, default=1.0,
                    help="HF's repetition penalty of the rollouts (1: off, whatever the actor's generation_config "

@@ -781,6 +781,17 @@ def test_grpo_norm_by_std_help_points_dr_grpo_users_to_its_loss():
     assert "seq_mean_token_sum_norm" in next(a for a in step3_parser()._actions if "--loss_agg" in a.option_strings).choices
 
 
+def test_sampling_flags_help_says_what_the_trained_log_probs_are_taken_under():
+    """Step 3 scores its answers at --temperature and without the top-k / top-p filters that drew them (as TRL,
+    OpenRLHF and verl do; trainer.scoring_temperature): --repetition_penalty's help said its part, the three flags'
+    said nothing of it: a user of --top_p 0.9 had no word that the KL and ratio are of the unfiltered policy (a token
+    the filter made likelier scored at its unfiltered probability)."""
+    helps = {option: a.help for a in step3_parser()._actions for option in a.option_strings}
+    assert "log-probs" in helps["--temperature"] and "taken at it" in helps["--temperature"]
+    for flag in ("--top_k", "--top_p"):
+        assert "unfiltered distribution" in helps[flag], flag
+
+
 def test_grpo_norm_by_std_takes_the_batch_scope_and_its_old_values(monkeypatch):
     """TRL's scale_rewards takes group, batch (the std of the whole batch's rewards over all processes) and none;
     --grpo_norm_by_std took only 1 (group) and 0 (none). Those stay, read as group and none; batch reaches GRPO's
