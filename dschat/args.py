@@ -1055,8 +1055,9 @@ def _add_step3_ppo_args(g):
     g.add_argument("--lam", type=unit_interval, default=0.95, help="GAE's lambda, in [0, 1].")
     g.add_argument("--whiten_advantages", action="store_true",
                    help="GAE: whiten the advantages over the whole rollout (every rank's), masked to the answers.")
-    g.add_argument("--entropy_coef", type=float, default=0.0,
-                   help="Weight of an entropy bonus in the actor's loss (0: none).")
+    g.add_argument("--entropy_coef", type=finite_float, default=0.0,
+                   help="Weight of an entropy bonus in the actor's loss: loss - this x entropy, so > 0 favours "
+                        "entropy (verl's entropy_coeff; 0: none, < 0: a penalty).")
     g.add_argument("--loss_agg", type=str, default="token_mean",
                    choices=["token_mean", "global_token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"],
                    help="How the per-token losses (policy, value, entropy, KL) are averaged (verl's loss_agg_mode). "

@@ -207,6 +207,18 @@ def test_a_non_finite_reward_weight_is_an_error_naming_the_flag(capsys):
         assert getattr(step3_args({flag: -0.5, "reward_fn": "tiny"}), flag) == -0.5
 
 
+def test_a_non_finite_entropy_coef_is_an_error_naming_the_flag(capsys):
+    """--entropy_coef nan (or inf) made the first actor loss nan: "actor loss is not finite", after every model had
+    loaded, naming no flag. Either sign stays allowed (< 0: an entropy penalty, as verl's entropy_coeff takes)."""
+    for coef in ("nan", "inf", "-inf"):
+        with pytest.raises(SystemExit):
+            step3_parser().parse_args([f"--entropy_coef={coef}"])
+        assert f"--entropy_coef: expected a finite number, got {coef}" in capsys.readouterr().err
+        with pytest.raises(UsageError, match=rf"entropy_coef: expected a finite number, got {coef}"):
+            step3_args({"entropy_coef": float(coef)})
+    assert step3_args({"entropy_coef": -0.01}).entropy_coef == -0.01
+
+
 def test_a_compile_mode_torch_does_not_have_is_refused_before_anything_loads(capsys):
     # a typo ('defualt') failed with torch's "Unrecognized mode=defualt" at the first generation, after the models
     # had loaded (in train.py, after steps 1 and 2)
