@@ -966,3 +966,19 @@ def test_an_extreme_log_prob_at_a_masked_position_leaves_losses_and_gradients_fi
     rewards = A.kl_penalized_rewards(torch.tensor([[-1.0, -math.inf]]), torch.tensor([[-1.0, 5.0]]),
                                      torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), kl_kind="k3")
     assert torch.isfinite(rewards).all() and rewards[0, 1] == 0
+
+
+@pytest.mark.parametrize("advantage", [-1.0, 0.0, 1.0])
+def test_policy_loss_stays_finite_for_a_token_far_off_the_rollout_policy(advantage):
+    # a kept token whose log-ratio is past fp32's exp range (88): the ratio was inf, so with A < 0 the loss was inf;
+    # verl clamps the log-ratio to +-20 and so does dschat now (A >= 0: guards that the clamp keeps them finite)
+    old = t([[-5.0, -1.0, -2.0]])
+    lp = (old + t([[100.0, 0.1, -0.1]])).requires_grad_()
+    adv = torch.full((1, 3), advantage)
+    loss, stats = A.policy_loss_clipped(lp, old, adv, torch.ones(1, 3))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert all(torch.isfinite(v) for v in stats.values())
+    assert lp.grad[0, 0] == 0, "no gradient through the clamped token"
+    if advantage:
+        assert lp.grad[0, 1:].abs().sum() > 0, "the other tokens still train"

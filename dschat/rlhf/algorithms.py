@@ -536,6 +536,9 @@ def register_value_loss(name):
     return deco
 
 
+MAX_LOG_RATIO = 20.0  # verl's bound on the policy's log-ratio to the rollout policy
+
+
 @register_policy_loss("clipped")
 def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                         clip_range: float = 0.2, loss_agg: str = "token_mean", num_tokens_global=None,
@@ -546,7 +549,7 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     """PPO clipped surrogate (DeepSpeed-Chat ``actor_loss_fn``).
 
     ``logp`` (current policy, with grad), ``old_logp`` (rollout policy), ``advantages``, ``mask``: all
-    ``(B, T)``. ``ratio = exp((logp - old_logp) * mask)``; per token
+    ``(B, T)``. ``ratio = exp((logp - old_logp) * mask)``, its exponent clamped to +-``MAX_LOG_RATIO`` (verl's 20); per token
     ``max(-A * ratio, -A * clamp(ratio, 1 - clip_range, 1 + clip_range_high))``; aggregated by
     :func:`agg_loss` (``token_mean`` = DeepSpeed-Chat). ``old_logp`` and ``advantages`` are detached.
     ``clip_range_high`` None: ``clip_range`` (symmetric, DeepSpeed-Chat's); another: DAPO's clip-higher (TRL's
@@ -566,7 +569,9 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     adv = _up(advantages.detach(), dt)
     m = _fmask(mask, logp)
     log_ratio = _masked(logp - old_logp, m)
-    ratio = torch.exp(log_ratio)
+    # verl's clamp: past e^88 the fp32 ratio is inf, and a negative advantage made the loss inf (the run stopped on a
+    # non-finite loss); a token 20 nats off the rollout policy gets no gradient instead
+    ratio = torch.exp(torch.clamp(log_ratio, min=-MAX_LOG_RATIO, max=MAX_LOG_RATIO))
     pg1 = -adv * ratio
     high = clip_range if clip_range_high is None else clip_range_high
     pg2 = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
@@ -580,7 +585,7 @@ def policy_loss_clipped(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
             "pg_clipfrac_low": masked_mean(((pg2 > pg1) & (adv < 0)).to(dt), m),
             "pg_clipfrac_high": masked_mean(((pg2 > pg1) & (adv > 0)).to(dt), m),
             "ppo_kl": masked_mean(-lr, m),
-            "approx_kl": masked_mean(torch.exp(lr) - 1 - lr, m),
+            "approx_kl": masked_mean(r - 1 - lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), m),  # (finite, as the loss)
             "ratio_mean": masked_mean(r, m),
             "ratio_max": torch.where(m > 0, r, torch.full_like(r, -math.inf)).max() if m.sum() > 0
             else torch.zeros((), dtype=dt, device=r.device),
