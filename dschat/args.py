@@ -185,7 +185,9 @@ def add_data_args(parser, default_split="2,4,4"):
                    help="Field names of local data, e.g. prompt=question,chosen=good,rejected=bad (also messages=, "
                         "label= for TRL's unpaired-preference labels, tools= for the tool schemas, system= for a "
                         "system-prompt column, input= and history= for Alpaca's input and history; these three are "
-                        "read beside renamed record fields only where named).")
+                        "read beside renamed record fields only where named). One mapping per dataset: "
+                        "'jsonl:a.jsonl:prompt=question;jsonl:b.jsonl:prompt=instruction' (each after its "
+                        "--data_path spec and ':', ';' between them).")
     g.add_argument("--reload_data", action="store_true", help="Rebuild the tokenized data cache.")
     g.add_argument("--pad_to_multiple_of", type=_pad_multiple_flag, default=None, metavar="N",
                    help="Pad every batch's length up to a multiple of N (step 3: prompts, never past "

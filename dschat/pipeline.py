@@ -134,7 +134,7 @@ def step_argv(step, args, tiny):
     out = args.output_dir
     extra = step_extra_args(step, args)
     common = ["--data_path", *args.data_path] if args.data_path else []
-    common += [] if reads_own_data_without_fields(step, args) else ["--data_fields", args.data_fields]
+    common += [] if reads_own_data_without_fields(step, args) else ["--data_fields", step_data_fields(step, args)]
     dpo = step == 2 and getattr(args, "recipe", "ppo") == "dpo"
     if dpo:
         # the policy and its frozen reference both start from the SFT model, sharded like the actor
@@ -190,8 +190,48 @@ def reads_own_data_without_fields(step, args):
     given = {dest for dest, _ in flag_groups(parser, extra)}
     if "data_path" not in given or "data_fields" in given:
         return False
+    from dschat.data.local import parse_data_fields
+
+    if parse_data_fields(args.data_fields).by_dataset:  # (given per dataset: those of its own data go to it)
+        return not step_data_fields(step, args)
     own = parser.parse_known_args(extra)[0].data_path
     return not set(own) <= set(args.data_path or [])
+
+
+def step_data_fields(step, args):
+    """train.py's --data-fields for ``step``; given per dataset, the mappings of the datasets the step reads alone (its
+    --data_path, --data-path's or its ``--stepN-args``' own, and step 1's --sft_only_data_path): another dataset named
+    there is not one of the step's, an error in it (train.py's check sees them all,
+    ``check_data_fields_name_the_steps_datasets``); the mapping of no dataset only where the step reads
+    --data-path's files (it named their columns, ``reads_own_data_without_fields``)."""
+    from dschat.data.local import DataFields, parse_data_fields
+
+    fields = parse_data_fields(args.data_fields)
+    if not fields.by_dataset:
+        return args.data_fields
+    own = step_parser(step, getattr(args, "recipe", "ppo"))().parse_known_args(step_extra_args(step, args))[0]
+    data_path = own.data_path if _gives_flag(step, args, "data_path") else args.data_path or []
+    mine = fields.of_datasets([*data_path, *getattr(own, "sft_only_data_path", [])])
+    if not set(data_path) <= set(args.data_path or []):
+        mine = DataFields({}, mine.by_dataset)
+    return mine.as_text()
+
+
+def _gives_flag(step, args, dest):
+    from dschat.args import flag_groups
+
+    parser = step_parser(step, getattr(args, "recipe", "ppo"))()
+    return dest in {given for given, _ in flag_groups(parser, step_extra_args(step, args))}
+
+
+def check_data_fields_name_the_steps_datasets(args, step_flags):
+    """Every dataset train.py's --data-fields give a mapping of is read by a step (``step_flags``: the steps' parsed
+    flags): a typo, or a path written otherwise than in the flags, renamed nothing, unsaid."""
+    from dschat.data.local import parse_data_fields
+
+    read = [spec for flags in step_flags for spec in [*flags.data_path, *getattr(flags, "sft_only_data_path", [])]]
+    parse_data_fields(getattr(args, "data_fields", "")).check_names(
+        list(dict.fromkeys(read)), "--data-path or a step's --data_path or --sft_only_data_path")
 
 
 def step_parser(step, recipe):
@@ -260,7 +300,7 @@ def check_step_args(steps, args, tiny, parsers):
     """Every step's arguments parsed (``parsers``: step -> its parser factory), and its DeepSpeed config built with
     any config file, before the first step runs: a typo in ``--step3-args`` or a config file at odds with a step's
     flags stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
-    from dschat.data.local import parse_field_map
+    from dschat.data.local import parse_data_fields
     from dschat.data.unsupervised import check_unsupervised_file
     from dschat.rlhf.config import step3_args
     from dschat.rlhf.engine import check_step3_settings
@@ -273,10 +313,13 @@ def check_step_args(steps, args, tiny, parsers):
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
         parser.check_given_once(step_extra_args(step, args))  # (the user's: train.py's own are replaced by them)
         parsed[step] = parser.parse_args(step_argv(step, args, tiny)), parser
+    check_data_fields_name_the_steps_datasets(args, [flags for flags, _ in parsed.values()])
     for step, (flags, parser) in parsed.items():
         check_folders_are_train_pys(step, args, tiny, flags, parser)
         check_stage_flags_agree(step, args, flags, parser)
-        parse_field_map(flags.data_fields)  # (a step reads it with its data: after train.py has reset the report)
+        # (a step reads it with its data: after train.py has reset the report)
+        parse_data_fields(flags.data_fields).check_names(
+            [*flags.data_path, *getattr(flags, "sft_only_data_path", [])], f"step {step}'s --data_path")
         if step == 3:
             check_grpo_reads_no_step2_folder(flags, args)
             # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from

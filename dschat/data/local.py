@@ -21,7 +21,7 @@ Without an eval file or split, the train data is split 90/10 with the seed (Deep
 hub datasets that have no eval split), and the indices are cached under ``output_path``.
 
 Record shapes (field names changeable with ``field_options``, e.g. from ``--data_fields
-prompt=question,chosen=good``):
+prompt=question,chosen=good``, or one mapping per dataset: ``parse_data_fields``):
 
 * ``prompt`` + ``chosen`` [+ ``rejected``]: strings. ``prompt`` is the user message; a prompt that starts
   with "Human:" is read as a "Human:/Assistant:" transcript; ``prompt`` may also be a list of messages.
@@ -88,16 +88,125 @@ _PROMPT_AFTER_PREAMBLE = re.compile(r"\n\nHuman: ")
 
 
 def parse_field_map(text):
-    """ "prompt=question,chosen=good" -> {"prompt": "question", "chosen": "good"} (for --data_fields)."""
-    if not text:
-        return {}
+    """ "prompt=question,chosen=good" -> {"prompt": "question", "chosen": "good"} (for --data_fields). The
+    per-dataset form (``parse_data_fields``) is refused here: it names datasets this one file is not one of."""
+    fields = parse_data_fields(text)
+    if fields.by_dataset:
+        raise UsageError(f"--data_fields {text}: one mapping of this data's fields is read here, not one per dataset "
+                         f"({', '.join(map(repr, fields.by_dataset))}): give it as 'prompt=question,chosen=good'")
+    return fields.default
+
+
+def _parsed_field_map(text, spec=None):
+    """``spec``: the dataset it is given for, said in an error."""
     mapping = {}
     for item in str(text).split(","):
         key, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not key or not value:
             raise UsageError(f"--data_fields item {item!r} must look like 'prompt=question'")
         mapping[key] = value
-    return checked_field_options(mapping)
+    try:
+        return checked_field_options(mapping)
+    except UsageError as error:
+        raise UsageError(f"--data_fields{f' (of {spec})' if spec else ''}: {error}") from None
+
+
+@dataclass(frozen=True)
+class DataFields:
+    """--data_fields parsed: ``default`` renames the fields of every local dataset that has no mapping of its own;
+    ``by_dataset`` {spec as given in --data_path: mapping} those of one dataset each (two files of other column
+    names, e.g. question/answer beside instruction/output, read in one run)."""
+    default: dict
+    by_dataset: dict
+
+    def for_spec(self, spec):
+        return dict(self.by_dataset.get(spec, self.default))
+
+    def check_names(self, specs, flags="--data_path"):
+        """Every dataset named is one of ``specs`` (a typo, or a path written otherwise than in ``flags``, renamed
+        nothing, unsaid), and a local one (a hub dataset's fields are fixed): a UsageError naming it."""
+        for name in self.by_dataset:
+            if name not in specs:
+                raise UsageError(f"--data_fields: {name!r} is not a dataset of {flags} ({', '.join(specs) or 'none'}"
+                                 f"): name each dataset as written there")
+            if _is_hub_name(name):
+                raise UsageError(f"--data_fields: {name!r} is a hub dataset, whose fields are fixed: its fields "
+                                 "cannot be renamed")
+
+    def of_datasets(self, specs):
+        """This mapping with only the datasets among ``specs`` named (a step given some of them)."""
+        return DataFields(self.default, {spec: mapping for spec, mapping in self.by_dataset.items() if spec in specs})
+
+    def anchored(self, anchor):
+        """This mapping with each dataset's name as ``anchor`` gives it (``anchored_data_path``'s)."""
+        return DataFields(self.default, {anchor(spec): mapping for spec, mapping in self.by_dataset.items()})
+
+    def as_text(self):
+        """The --data_fields text of this mapping (the per-dataset form where it has one)."""
+        groups = [",".join(f"{key}={value}" for key, value in self.default.items())] if self.default else []
+        groups += [f"{spec}:" + ",".join(f"{key}={value}" for key, value in mapping.items())
+                   for spec, mapping in self.by_dataset.items()]
+        return ";".join(groups)
+
+    def cache_params(self, data_path, sft_only):
+        """What the data cache is keyed by: the one mapping (as before the per-dataset form), else each source's."""
+        if not self.by_dataset:
+            return self.default
+        return {"data_path": [self.for_spec(spec) for spec in data_path],
+                "sft_only": [self.for_spec(spec) for spec in sft_only]}
+
+
+def _is_hub_name(spec):
+    """Whether ``spec`` names a hub dataset (a missing local file is its loader's error to say, not this question's)."""
+    from .raw_datasets import resolve_dataset_spec
+
+    try:
+        return isinstance(resolve_dataset_spec(spec), type)
+    except UsageError:
+        return False
+
+
+def parse_data_fields(text):
+    """--data_fields as a ``DataFields``: one mapping for every dataset ("prompt=question,chosen=good"), or one per
+    dataset, ';' between them, each after its dataset as written in --data_path and a ':'
+    ("jsonl:qa.jsonl:prompt=question,chosen=answer;jsonl:alpaca.jsonl:prompt=instruction,chosen=output"), with at
+    most one mapping of no dataset for the others. A dataset named twice, or two mappings of no dataset, is a
+    UsageError (which one was meant?)."""
+    if not text:
+        return DataFields({}, {})
+    groups = [group.strip() for group in str(text).split(";") if group.strip()]
+    if not any(_names_a_dataset(group) for group in groups):
+        return DataFields(_parsed_field_map(text), {})  # (a ';' in a column's name, as before)
+    default, by_dataset = None, {}
+    for group in groups:
+        if not _names_a_dataset(group):
+            if default is not None:
+                raise UsageError(f"--data_fields: two mappings name no dataset ({default_text!r} and {group!r}): "
+                                 "give one, for the datasets that have none of their own")
+            default, default_text = _parsed_field_map(group), group
+            continue
+        spec, mapping = _dataset_and_mapping(group)
+        if spec in by_dataset:
+            raise UsageError(f"--data_fields: the dataset {spec!r} is given two mappings: give it one")
+        by_dataset[spec] = _parsed_field_map(mapping, spec) if mapping else {}
+    return DataFields(default or {}, by_dataset)
+
+
+def _names_a_dataset(group):
+    """Whether a group of --data_fields starts with its dataset: a ':' before its first '=' (a field's name has
+    none)."""
+    return ":" in group.partition("=")[0]
+
+
+def _dataset_and_mapping(group):
+    """ "jsonl:qa.jsonl:prompt=question" -> ("jsonl:qa.jsonl", "prompt=question"); "jsonl:qa.jsonl:" (no renaming)
+    -> ("jsonl:qa.jsonl", "")."""
+    head, sep, rest = group.partition("=")
+    spec, _, first_key = head.rpartition(":")
+    spec = spec.strip()
+    if not spec:
+        raise UsageError(f"--data_fields item {group!r} must look like 'DATASET:prompt=question'")
+    return spec, (first_key + sep + rest).strip()
 
 
 # Besides the record fields: the column of TRL's unpaired preference labels (KTO's), beside an answer; and a

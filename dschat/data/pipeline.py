@@ -47,7 +47,7 @@ from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokeni
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import (ToolCallAnswer, format_answer, format_prompt, get_eot_token, templated_answer,
                          uses_chat_template)
-from .local import LocalSource, checked_field_options, parse_field_map
+from .local import DataFields, LocalSource, checked_field_options, parse_data_fields
 from .multiturn import answered_turns, check_offsets_available, earlier_answer_spans
 from .raw_datasets import get_raw_dataset, resolve_dataset_spec
 from .splits import compute_split_indices, get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
@@ -221,7 +221,8 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
 
     ``data_path``: dataset names/specs (see ``get_raw_dataset``); ``data_split``: phase shares such as
     "2,4,4"; ``end_of_conversation_token``: defaults to ``get_eot_token(tokenizer)``; ``data_fields``: field
-    renames for local data (dict or "prompt=question,chosen=good"); ``reload``: rebuild the cache (once on
+    renames for local data (dict or "prompt=question,chosen=good"; one per dataset: {spec: dict} or
+    "SPEC:prompt=question;SPEC2:prompt=instruction", ``parse_data_fields``); ``reload``: rebuild the cache (once on
     each storage the ranks write to, by the first rank there; the others wait at a barrier and load the rebuilt data);
     ``multiturn``: phase 1 also trains the earlier assistant turns of a conversation (``multiturn.py``).
     """
@@ -233,7 +234,7 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     if not data_path and not sft_only:
         raise UsageError("data_path is empty: give at least one dataset")
     say_sources_given_twice(data_path + sft_only)
-    field_options = _field_options(data_fields)
+    field_options = _field_options(data_fields, data_path + sft_only)
     settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
                               end_of_conversation_token or get_eot_token(tokenizer), bool(multiturn))
     hub, hub_data = hub_sources_on_rank_0(data_path + sft_only, output_path, seed, local_rank)
@@ -317,8 +318,9 @@ def phase_share_bound(data_path, data_split, seed, train_phase, data_fields=None
     if any(isinstance(resolve_dataset_spec(spec), type) for spec in specs):
         return None
     total = 0
+    fields = _field_options(data_fields, specs)
     for spec in specs:
-        raw = get_raw_dataset(spec, None, seed, -1, **_field_options(data_fields))
+        raw = get_raw_dataset(spec, None, seed, -1, **fields.for_spec(spec))
         total += len(compute_split_indices(seed, data_split, len(raw.get_train_data()))[train_phase - 1])
     return total
 
@@ -330,7 +332,8 @@ def has_no_pairs(data_path, seed, data_fields=None):
     specs = as_list(data_path)
     if any(isinstance(resolve_dataset_spec(spec), type) for spec in specs):
         return False
-    sources = [get_raw_dataset(spec, None, seed, -1, **_field_options(data_fields)) for spec in specs]
+    fields = _field_options(data_fields, specs)
+    sources = [get_raw_dataset(spec, None, seed, -1, **fields.for_spec(spec)) for spec in specs]
     for raw in sources:
         if hasattr(raw, "check_rejected_rename"):  # a misspelt rejected=... is said as such, not as "no pairs"
             raw.check_rejected_rename()
@@ -344,10 +347,25 @@ def as_list(paths):
     return list(paths or [])
 
 
-def _field_options(data_fields):
+def _field_options(data_fields, specs):
+    """``data_fields`` (--data_fields' text, or the notebook API's dict: {field: column}, or {dataset: {field:
+    column}} per dataset) as a ``DataFields`` whose datasets are among ``specs``."""
     if isinstance(data_fields, str) or data_fields is None:
-        return parse_field_map(data_fields)
-    return checked_field_options(dict(data_fields))
+        fields = parse_data_fields(data_fields)
+    else:
+        fields = _dict_data_fields(dict(data_fields))
+    fields.check_names(specs, "--data_path or --sft_only_data_path")
+    return fields
+
+
+def _dict_data_fields(mapping):
+    per_dataset = [isinstance(value, dict) for value in mapping.values()]
+    if any(per_dataset) and not all(per_dataset):
+        raise UsageError(f"data_fields {mapping}: give one mapping {{field: column}}, or one per dataset {{dataset: "
+                         f"{{field: column}}}}, not both")
+    if any(per_dataset):
+        return DataFields({}, {spec: checked_field_options(value) for spec, value in mapping.items()})
+    return DataFields(checked_field_options(mapping), {})
 
 
 def _cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub_data):
@@ -356,7 +374,7 @@ def _cache_params(data_path, sft_only, data_split, seed, field_options, settings
     return {
         "datasets": [_source_fingerprint(spec, hub_data) for spec in data_path],
         "sft_only": [_source_fingerprint(spec, hub_data) for spec in sft_only],
-        "data_split": str(data_split), "seed": seed, "field_options": field_options,
+        "data_split": str(data_split), "seed": seed, "field_options": field_options.cache_params(data_path, sft_only),
         "train_phase": settings.train_phase, "max_seq_len": settings.max_seq_len,
         "max_prompt_len": settings.max_prompt_len, "eot_token": settings.eot_token,
         # the prompt mask only exists in phase 1; keeping it out of other keys avoids needless rebuilds
@@ -448,7 +466,8 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
 
 def _usable_source(spec, split, hub, output_path, seed, local_rank, settings, field_options):
     """The raw dataset of one --data_path / --sft_only_data_path source, checked to suit the phase."""
-    raw = hub[spec] if spec in hub else get_raw_dataset(spec, output_path, seed, local_rank, **field_options)
+    raw = hub[spec] if spec in hub else get_raw_dataset(spec, output_path, seed, local_rank,
+                                                        **field_options.for_spec(spec))
     if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
         # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
         # --sft_only_data_path under 0,0,1, need not suit it)

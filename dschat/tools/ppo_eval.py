@@ -265,6 +265,12 @@ def run_data_defaults(run, names):
     defaults = {name: run["flags"][name] for name in names if name in run["flags"]}
     if "data_path" in defaults:
         defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
+    if defaults.get("data_fields"):  # (a mapping per dataset names each as its --data_path does)
+        from dschat.data.local import parse_data_fields
+
+        fields = parse_data_fields(defaults["data_fields"])
+        if fields.by_dataset:
+            defaults["data_fields"] = fields.anchored(lambda spec: anchored_data_path(spec, run.get("cwd"))).as_text()
     return defaults
 
 

@@ -44,14 +44,16 @@ def load_records(path, data_fields=None, limit=None):
     So data is accepted here exactly when training accepts it (prompt/chosen/rejected strings, message lists,
     transcripts, TRL's preference format, renamed fields). ``tiny`` is the embedded held-out data.
     """
-    from dschat.data.local import (LOCAL_JSONFILE, LocalDataset, local_jsonfile_source, parse_field_map,
+    from dschat.data.local import (LOCAL_JSONFILE, LocalDataset, local_jsonfile_source, parse_data_fields,
                                    resolve_local_spec)
 
     spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
     source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec)
     if source is None:
         raise MissingInputError(f"no data file at {path}")
-    raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1, field_options=parse_field_map(data_fields))
+    fields = parse_data_fields(data_fields)  # (its own mapping where --data_fields gives one per dataset)
+    fields.check_names([str(path)], "the file read here")
+    raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1, field_options=fields.for_spec(str(path)))
     held_out = raw.raw_datasets["eval"]
     samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
     part = " (its eval part)" if held_out is not None else ""

@@ -180,8 +180,11 @@ def step2_run_defaults(args):
             raise UsageError(f"{error} (the data of step 2, from {os.path.join(path, RUN_ARGS_FILE)}): give "
                              "--pairs_file, or --prompt and --answer") from None
         defaults["pairs_file"] = data[0]
-        if trained.get("data_fields"):  # its field names go with its file
-            defaults["data_fields"] = trained["data_fields"]
+        if trained.get("data_fields"):  # its field names go with its file (its own, where given per dataset)
+            from dschat.data.local import DataFields, parse_data_fields
+
+            spec = as_list(trained["data_path"])[0]
+            defaults["data_fields"] = DataFields(parse_data_fields(trained["data_fields"]).for_spec(spec), {}).as_text()
     return defaults, os.path.abspath(os.path.join(path, RUN_ARGS_FILE))
 
 

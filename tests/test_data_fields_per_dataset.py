@@ -1,0 +1,209 @@
+"""--data_fields given one mapping per dataset of --data_path: files of other column names in one run."""
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from dschat.data import create_prompt_dataset
+from dschat.data.local import parse_data_fields, parse_field_map
+from dschat.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return f"jsonl:{path}"
+
+
+def two_files(tmp_path):
+    """A question/answer file and an instruction/output file (Alpaca's names under a --data_fields naming the
+    prompt), each with its own numbered records."""
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"question": f"Question {i}?", "answer": f"QA answer {i}."}
+                                             for i in range(6)])
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": f"Instruction {i}.",
+                                                      "output": f"Alpaca output {i}."} for i in range(6)])
+    return qa, alpaca
+
+
+def build(tmp_path, tokenizer, data_path, data_fields, **kwargs):
+    return create_prompt_dataset(0, data_path, "1,0,0", str(tmp_path / "out"), 1, 1234, tokenizer, 128,
+                                 data_fields=data_fields, **kwargs)
+
+
+def texts(dataset, tokenizer):
+    return [tokenizer.decode(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+def test_two_files_of_other_column_names_are_read_in_one_run(tmp_path, tokenizer):
+    qa, alpaca = two_files(tmp_path)
+    fields = f"{qa}:prompt=question,chosen=answer;{alpaca}:prompt=instruction,chosen=output"
+    train, eval_ = build(tmp_path, tokenizer, [qa, alpaca], fields)
+    read = texts(train, tokenizer) + texts(eval_, tokenizer)
+    assert sum("QA answer" in text for text in read) == 6 and sum("Alpaca output" in text for text in read) == 6
+    assert any("Question 3?" in text and "QA answer 3." in text for text in read)
+    assert any("Instruction 3." in text and "Alpaca output 3." in text for text in read)
+
+
+def test_a_mapping_of_no_dataset_is_the_others_and_the_old_form_still_reads(tmp_path, tokenizer):
+    qa, alpaca = two_files(tmp_path)
+    train, eval_ = build(tmp_path, tokenizer, [qa, alpaca],
+                         f"prompt=question,chosen=answer; {alpaca}:prompt=instruction,chosen=output")
+    assert len(train) + len(eval_) == 12
+    alone, held_out = build(tmp_path, tokenizer, [qa], "prompt=question,chosen=answer")
+    assert len(alone) + len(held_out) == 6
+    assert parse_field_map("prompt=a;b,chosen=c") == {"prompt": "a;b", "chosen": "c"}  # (a ';' in a column's name)
+
+
+@pytest.mark.parametrize("fields, said", [
+    ("{qa}:prompt=question;jsonl:elsewhere.jsonl:prompt=instruction", r"'jsonl:elsewhere.jsonl' is not a dataset of"),
+    ("{qa}:prompt=question;{qa}:chosen=answer", r"the dataset '.*qa.jsonl' is given two mappings"),
+    ("prompt=question;chosen=answer;{qa}:prompt=question", r"two mappings name no dataset"),
+    ("Dahoas/rm-static:prompt=question", r"'Dahoas/rm-static' is a hub dataset"),
+    ("{qa}:answer=question", r"unknown data field"),
+])
+def test_unknown_or_ambiguous_datasets_are_refused_naming_the_flag(tmp_path, tokenizer, fields, said):
+    qa, alpaca = two_files(tmp_path)
+    data_path = [qa, alpaca, "Dahoas/rm-static"] if "Dahoas" in fields else [qa, alpaca]
+    with pytest.raises(UsageError, match=said):
+        parse_data_fields(fields.format(qa=qa)).check_names(data_path)
+    if "Dahoas" not in fields:  # (the pipeline's own check, before any file is read)
+        with pytest.raises(UsageError, match="--data_fields.*" + said):
+            build(tmp_path, tokenizer, data_path, fields.format(qa=qa))
+
+
+def test_the_cache_key_follows_each_datasets_mapping(tmp_path, tokenizer):
+    qa, alpaca = two_files(tmp_path)
+    fields = f"{qa}:prompt=question,chosen=answer;{alpaca}:prompt=instruction,chosen=output"
+    first, _ = build(tmp_path, tokenizer, [qa, alpaca], fields)
+    reordered, _ = build(tmp_path, tokenizer, [qa, alpaca],
+                         f"{alpaca}:prompt=instruction,chosen=output; {qa}:chosen=answer,prompt=question")
+    assert first.built and not reordered.built and reordered.cache_path == first.cache_path
+    changed, _ = build(tmp_path, tokenizer, [qa, alpaca],
+                       f"{qa}:prompt=answer,chosen=question;{alpaca}:prompt=instruction,chosen=output")
+    assert changed.built and changed.cache_path != first.cache_path
+    assert any(re.search(r"QA answer (\d)\..*Question \1\?", text, re.S) for text in texts(changed, tokenizer))
+
+
+def test_a_step_given_some_of_the_datasets_gets_their_mappings_alone():
+    """train.py's --data-fields go to a step whose --stepN-args give it some of --data-path's datasets; the others'
+    mappings would name datasets the step does not read (an error)."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.args import step1_parser, step2_parser
+
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"]([
+        "--actor-model", "tiny-llama", "--data-path", "jsonl:qa.jsonl", "jsonl:alpaca.jsonl", "--data-fields",
+        "jsonl:qa.jsonl:prompt=question,chosen=answer;jsonl:alpaca.jsonl:prompt=instruction,chosen=output",
+        "--step2-args", "--data_path jsonl:alpaca.jsonl"])
+    step1 = step1_parser().parse_args(pipeline.step_argv(1, args, tiny=True))
+    step2 = step2_parser().parse_args(pipeline.step_argv(2, args, tiny=True))
+    assert step1.data_fields == args.data_fields
+    assert parse_data_fields(step2.data_fields).by_dataset == {
+        "jsonl:alpaca.jsonl": {"prompt": "instruction", "chosen": "output"}}
+
+
+def test_a_mapping_of_step_1s_own_data_goes_to_step_1_alone():
+    """A mapping of step 1's --sft_only_data_path file (or of a step's own --data_path file) in train.py's
+    --data-fields: the other steps, which do not read that file, refused it as a dataset not theirs; and a step's own
+    files got no mapping of theirs."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.args import step1_parser, step2_parser, step3_parser
+
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"]([
+        "--actor-model", "tiny-llama", "--data-path", "jsonl:qa.jsonl", "--data-fields",
+        "prompt=q;jsonl:sft.jsonl:prompt=instruction,chosen=output;jsonl:own.jsonl:prompt=question",
+        "--step1-args", "--sft_only_data_path jsonl:sft.jsonl", "--step3-args", "--data_path jsonl:own.jsonl"])
+    parsers = {1: step1_parser, 2: step2_parser, 3: step3_parser}
+    fields = {step: parse_data_fields(parser().parse_args(pipeline.step_argv(step, args, tiny=True)).data_fields)
+              for step, parser in parsers.items()}
+    assert fields[1].default == fields[2].default == {"prompt": "q"}
+    assert fields[1].by_dataset == {"jsonl:sft.jsonl": {"prompt": "instruction", "chosen": "output"}}
+    assert fields[2].by_dataset == {}
+    # step 3 reads its own file alone: its mapping, not the one of --data-path's columns
+    assert fields[3].default == {} and fields[3].by_dataset == {"jsonl:own.jsonl": {"prompt": "question"}}
+    flags = [parser().parse_args(pipeline.step_argv(step, args, tiny=True)) for step, parser in parsers.items()]
+    pipeline.check_data_fields_name_the_steps_datasets(args, flags)
+    for step, parsed in enumerate(flags, 1):  # (each step's own check, as check_step_args makes it)
+        parse_data_fields(parsed.data_fields).check_names([*parsed.data_path, *getattr(parsed, "sft_only_data_path",
+                                                                                       [])])
+
+
+def test_a_tool_reads_its_files_own_mapping(tmp_path, capsys):
+    from dschat.tools.records import load_records
+
+    qa, alpaca = two_files(tmp_path)
+    records = load_records(alpaca, f"{alpaca}:prompt=instruction,chosen=output", limit=2)
+    assert [record.chosen for record in records] == ["Alpaca output 0.", "Alpaca output 1."]
+    with pytest.raises(UsageError, match=r"--data_fields: '.*qa.jsonl' is not a dataset of the file read here"):
+        load_records(alpaca, f"{qa}:prompt=question;{alpaca}:prompt=instruction,chosen=output")
+
+
+def test_ppo_eval_names_the_runs_datasets_as_its_data_path_does(tmp_path):
+    """ppo_eval takes a step-3 run's --data_path as paths from where it runs; the run's mappings per dataset named
+    them as the run gave them (relative to its folder), and would name no dataset of the anchored --data_path."""
+    from dschat.tools import ppo_eval
+
+    actor = tmp_path / "out" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "config.json").write_text("{}")
+    write_jsonl(tmp_path / "q.jsonl", [{"question": "Why?"}])
+    write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Say why."}])
+    (actor.parent / "training_args.json").write_text(json.dumps(
+        {"step": "step3", "world_size": 1, "cwd": str(tmp_path),
+         "flags": {"data_path": ["jsonl:q.jsonl", "jsonl:a.jsonl"],
+                   "data_fields": "jsonl:q.jsonl:prompt=question;jsonl:a.jsonl:prompt=instruction"}}))
+    args = ppo_eval.parse_args(["--policy", str(actor)])
+    assert args.data_path == [f"jsonl:{tmp_path / 'q.jsonl'}", f"jsonl:{tmp_path / 'a.jsonl'}"]
+    fields = parse_data_fields(args.data_fields)
+    fields.check_names(args.data_path)
+    assert fields.for_spec(args.data_path[1]) == {"prompt": "instruction"}
+
+
+def test_rw_eval_reads_the_step_2_files_own_mapping(tmp_path):
+    """rw_eval reads a step-2 run's one file with the run's --data_fields: the file's own mapping where they give one
+    per dataset (as the file's path anchored to the run's folder, it is no longer the name they give)."""
+    import argparse
+
+    from dschat.tools import rw_eval
+
+    model = tmp_path / "rm"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "value_head.safetensors").write_bytes(b"")  # (found by its name: a reward model's folder)
+    write_jsonl(tmp_path / "pairs.jsonl", [{"q": "Why?", "good": "Because.", "bad": "No."}])
+    (model / "training_args.json").write_text(json.dumps({"step": "step2", "cwd": str(tmp_path), "flags": {
+        "data_path": ["jsonl:pairs.jsonl"], "data_fields": "jsonl:pairs.jsonl:prompt=q,chosen=good,rejected=bad"}}))
+    defaults, _ = rw_eval.step2_run_defaults(argparse.Namespace(model_name_or_path=str(model), pairs_file=None,
+                                                                prompt=None))
+    assert defaults["pairs_file"] == f"jsonl:{tmp_path / 'pairs.jsonl'}"
+    assert parse_field_map(defaults["data_fields"]) == {"prompt": "q", "chosen": "good", "rejected": "bad"}
+
+
+def test_train_py_refuses_a_mapping_of_a_dataset_it_does_not_read_before_the_first_step(tmp_path, distributed):
+    import runpy
+
+    from dschat import pipeline
+
+    qa, alpaca = two_files(tmp_path)
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"]([
+        "--step", "1", "--output-dir", str(tmp_path / "out"), "--data-path", qa,
+        "--data-fields", f"{qa}:prompt=question,chosen=answer;{alpaca}:prompt=instruction,chosen=output"])
+    with pytest.raises(UsageError, match=rf"--data_fields: '{re.escape(alpaca)}' is not a dataset of --data-path or "
+                                         r"a step's --data_path or --sft_only_data_path"):
+        pipeline.run_pipeline(args)
+    assert not (tmp_path / "out").exists(), "no step may have run"
+
+
+def test_the_notebook_api_takes_a_dict_per_dataset(tmp_path, tokenizer):
+    qa, alpaca = two_files(tmp_path)
+    train, eval_ = build(tmp_path, tokenizer, [qa, alpaca], {qa: {"prompt": "question", "chosen": "answer"},
+                                                             alpaca: {"prompt": "instruction", "chosen": "output"}})
+    assert len(train) + len(eval_) == 12
+    with pytest.raises(UsageError, match="one mapping .* or one per dataset"):
+        build(tmp_path, tokenizer, [qa, alpaca], {qa: {"prompt": "question"}, "chosen": "answer"})
