@@ -18,7 +18,7 @@ from filelock import FileLock
 from dschat.utils.files import give_plain_modes, temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 43  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+FORMAT_VERSION = 44  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
 # 4: only empty CSV cells are missing ("NA", "None" are text);
 # 5: prompts get only the tokenizer's leading special tokens;
 # 6: phase 2 rows carry chosen_truncated, rejected_truncated and eot_length;
@@ -65,6 +65,8 @@ FORMAT_VERSION = 43  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text
 # 42: phase 3's messages records carry their last reply as the column "chosen" (it was dropped)
 # 43: phase 3's report entries list their records' extra columns (each item gets every one of its split's, None
 #     where its record has none)
+# 44: a JSON or JSON Lines file's objects keep their keys in the order written (a record whose object of a column had
+#     them in another order than an earlier record's got that one's: tool call arguments, tool schemas)
 CACHE_SUBDIR = "dschat_data_cache"
 REBUILD_FILE = "rebuild_token"  # (in a cache folder a forced rebuild wrote: its token, see ensure_built)
 

@@ -57,10 +57,11 @@ prompt, beside any of these shapes; under ``--data_fields`` naming the record fi
 
 CSV cells are read as text ("5" stays "5"; an empty cell is null; a Windows file's "\\r\\n" line ends in a cell as
 "\\n"), the header's names without the spaces around them; JSON values are kept as written, also in a column whose
-type differs between records. Every other column is passed through ``get_extra``. Records are
-checked when the file is loaded: a malformed JSON line raises ``DatasetFormatError("FILE line N: ...")``; a
-missing/null/empty/wrongly typed field raises one naming the file, the record (and its line where known: JSON
-Lines, CSV) and the field.
+type differs between records or whose objects write their keys in another order in another record (``_as_written``;
+parquet and save_to_disk data hold one key order per column, the one they were written with). Every other column is
+passed through ``get_extra``. Records are checked when the file is loaded: a malformed JSON line raises
+``DatasetFormatError("FILE line N: ...")``; a missing/null/empty/wrongly typed field raises one naming the file, the
+record (and its line where known: JSON Lines, CSV) and the field.
 """
 import ast
 import functools
@@ -764,8 +765,8 @@ def load_file(kind, path):
         if kind == "csv" and caused_by(err, UnicodeDecodeError):
             raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
-    if builder == "json" and any(_has_json_feature(feature) for feature in data.features.values()):
-        data = _exact_json_dataset(kind, path, data.features)
+    if builder == "json":
+        data = _as_written(kind, path, data)
     if kind == "csv":
         data = _with_lf_line_ends(data)
     if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
@@ -1012,23 +1013,69 @@ def _json_records(kind, path):
     return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
-def _exact_json_dataset(kind, path, features):
-    """The file's records with every value exactly as written, for a file with mixed-type columns.
+def _as_written(kind, path, data):
+    """A JSON or JSON Lines file's ``data`` (datasets') with its columns of mixed types and those whose objects datasets
+    reordered (``_reordered_struct_columns``) as the file writes them (``_exact_json_dataset``)."""
+    mixed = any(_has_json_feature(feature) for feature in data.features.values())
+    structs = [name for name, feature in data.features.items() if _holds_struct(feature)]
+    if not mixed and not (structs and _json_type_available()):  # (a datasets without Json: as Arrow's, said there)
+        return data
+    records = _json_records(kind, path)
+    reordered = _reordered_struct_columns(records, data.features, structs)
+    if not mixed and not reordered:
+        return data
+    return _exact_json_dataset(kind, path, data.features, records, also=reordered)
+
+
+def _holds_struct(feature):
+    """Whether a feature is or holds an Arrow struct (datasets' dict of features: a column of JSON objects)."""
+    if isinstance(feature, dict):
+        return True
+    if isinstance(feature, (list, tuple)):
+        return any(_holds_struct(value) for value in feature)
+    inner = getattr(feature, "feature", None)
+    return inner is not None and _holds_struct(inner)
+
+
+def _reordered_struct_columns(records, features, names):
+    """The columns among ``names`` of whose objects a record writes the keys in another order than datasets keeps.
+
+    Arrow keeps one struct per column, its keys in the order it met them first: a later record's object of the same
+    keys in another order came back in the first one's, so a tool call's arguments {"unit": "f", "city": "Rome"} were
+    trained as {"city": "Rome", "unit": "f"} (``arguments | tojson``), and tool schemas' properties so too."""
+    return {name for name in names
+            if any(_keys_reordered(record.get(name), features[name]) for record in records)}
+
+
+def _keys_reordered(value, feature):
+    if isinstance(value, dict) and isinstance(feature, dict):
+        if list(value) != [key for key in feature if key in value]:
+            return True
+        return any(_keys_reordered(item, feature[key]) for key, item in value.items() if key in feature)
+    if isinstance(value, list):
+        inner = feature[0] if isinstance(feature, (list, tuple)) and feature else getattr(feature, "feature", None)
+        return inner is not None and any(_keys_reordered(item, inner) for item in value)
+    return False
+
+
+def _exact_json_dataset(kind, path, features, records=None, also=()):
+    """The file's records with every value exactly as written, for a file with mixed-type columns (and the columns
+    ``also``, of objects datasets reordered).
 
     For a column whose values have different types in different records (e.g. a string in most records and
     a number in one), datasets infers a ``Json`` feature, which stores a string that is itself valid JSON
     as that JSON: the string "1" comes back as the number 1, "null" as None. Such columns are rebuilt here
     from the json module's records, each value JSON-encoded, so strings stay strings and a bad value is
-    reported at its own record.
+    reported at its own record. ``records``: the json module's, where read already.
     """
     from datasets import Dataset, Features, Json
 
-    records = _json_records(kind, path)
+    records = _json_records(kind, path) if records is None else records
     columns = {}
     for record in records:
         for name in record:
             columns.setdefault(name, None)
-    mixed = {name for name in columns if name not in features or _has_json_feature(features[name])}
+    mixed = {name for name in columns if name not in features or _has_json_feature(features[name]) or name in also}
     data = {name: [record.get(name) for record in records] for name in columns}
     for name in mixed:
         data[name] = [None if value is None else json.dumps(value, ensure_ascii=False) for value in data[name]]
@@ -1112,14 +1159,27 @@ def _json_columns_alike(kind, paths, parts):
     """The shards' (data, lines) with a column of mixed types in any shard (datasets' ``Json`` feature,
     ``_exact_json_dataset``) read so in every one: one number among a shard's strings made its column Json there and
     string in the others, and the shards would not join ("the features can't be aligned") where the record holding
-    it is its record's error, as in one file."""
+    it is its record's error, as in one file. So too a column of objects whose structs differ between the shards (in
+    their keys' order alone, the shards joined in the first one's: ``_reordered_struct_columns``)."""
     mixed = {name for part, _ in parts for name, feature in part.features.items() if _has_json_feature(feature)}
+    mixed |= _structs_differing(part for part, _ in parts)
     if not mixed or kind not in ("json", "jsonl"):
         return parts
     return [(part if all(_has_json_feature(part.features[name]) for name in mixed if name in part.features) else
              _exact_json_dataset(kind, path, {name: feature for name, feature in part.features.items()
                                               if name not in mixed}), lines)
             for path, (part, lines) in zip(paths, parts)]
+
+
+def _structs_differing(datasets):
+    """The struct columns whose Arrow types differ between ``datasets`` (a struct's type has its keys' order, which
+    datasets' feature dicts compare without)."""
+    types = {}
+    for data in datasets:
+        for name, feature in data.features.items():
+            if _holds_struct(feature):
+                types.setdefault(name, set()).add(str(data.data.schema.field(name).type))
+    return {name for name, kinds in types.items() if len(kinds) > 1}
 
 
 class ShardPlaces:

@@ -1,0 +1,68 @@
+"""JSON objects read as written: Arrow keeps one struct per column, its keys in the order it met them first."""
+import json
+
+import pytest
+
+from dschat.data.local import LocalDataset, resolve_local_spec
+
+
+def call(arguments):
+    return {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+def schema(properties):
+    return {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {name: {"type": "string"} for name in properties}}}}
+
+
+def record(question, arguments):
+    """A function-calling record whose messages have the same keys in every record (one Arrow struct)."""
+    return {"messages": [{"role": "user", "content": question, "tool_calls": None},
+                         {"role": "assistant", "content": "", "tool_calls": [call(arguments)]}],
+            "tools": [schema(list(arguments))]}
+
+
+def read(tmp_path, kind, rows):
+    path = tmp_path / f"calls.{kind}"
+    text = json.dumps(rows) if kind == "json" else "".join(json.dumps(row) + "\n" for row in rows)
+    path.write_text(text)
+    raw = LocalDataset(resolve_local_spec(f"{kind}:{path}"), None, 0, -1, {})
+    return raw, list(raw.raw_datasets["train"])
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_objects_whose_keys_another_record_orders_otherwise_are_read_as_written(tmp_path, kind):
+    """A later record's call arguments {"unit", "city"} came back in the first one's order {"city", "unit"} (and its
+    tool schema's properties so): the chat template writes them (``arguments | tojson``) in the order it gets them,
+    so the model trained on a call the file does not hold."""
+    rows = [record("Weather in Paris?", {"city": "Paris", "unit": "c"}),
+            record("Weather in Rome, in F?", {"unit": "f", "city": "Rome"})]
+    raw, samples = read(tmp_path, kind, rows)
+    answer = raw.get_chosen_text(samples[1])  # (the call itself: the trained answer)
+    assert list(answer.tool_calls[0]["function"]["arguments"]) == ["unit", "city"]
+    assert list(raw.get_tools(samples[1])[0]["function"]["parameters"]["properties"]) == ["unit", "city"]
+    assert list(raw.get_tools(samples[0])[0]["function"]["parameters"]["properties"]) == ["city", "unit"]
+    assert samples[0]["messages"][0]["tool_calls"] is None  # (the nulls as written: none added, none dropped)
+
+
+def test_objects_of_one_key_order_stay_datasets_own_columns(tmp_path):
+    rows = [record("Weather in Paris?", {"city": "Paris", "unit": "c"}),
+            record("Weather in Rome?", {"city": "Rome", "unit": "f"})]
+    raw, samples = read(tmp_path, "jsonl", rows)
+    from datasets import Json
+
+    assert not any(isinstance(feature, Json) for feature in raw.raw_datasets["train"].features.values())
+    assert list(samples[1]["messages"][1]["tool_calls"][0]["function"]["arguments"]) == ["city", "unit"]
+
+
+def test_shards_whose_objects_order_their_keys_otherwise_are_read_as_written(tmp_path):
+    """A split in shards, each of one key order: the shards were joined in the first one's order."""
+    folder = tmp_path / "download" / "data"
+    folder.mkdir(parents=True)
+    for name, row in (("train-00000-of-00002", record("Paris?", {"city": "Paris", "unit": "c"})),
+                      ("train-00001-of-00002", record("Rome?", {"unit": "f", "city": "Rome"})),
+                      ("test-00000-of-00001", record("Oslo?", {"city": "Oslo", "unit": "c"}))):
+        (folder / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+    raw = LocalDataset(resolve_local_spec(f"jsonl:{tmp_path / 'download'}"), None, 0, -1, {})
+    calls = [raw.get_chosen_text(sample).tool_calls for sample in raw.raw_datasets["train"]]
+    assert [list(call[0]["function"]["arguments"]) for call in calls] == [["city", "unit"], ["unit", "city"]]
