@@ -769,6 +769,54 @@ def test_a_zero3_checkpoint_of_one_rank_resumes_on_two(tmp_path, distributed):
     assert after[0]["metrics"]["train_loss"] == pytest.approx(full["train_loss"], rel=1e-3)
 
 
+@pytest.mark.parametrize("saved_stage, stage", [(2, 3), (3, 1)])
+def test_a_checkpoint_resumes_at_another_zero_stage_with_its_adam_moments(saved_stage, stage, tmp_path, distributed,
+                                                                        capsys):
+    """A run that ran out of memory at ZeRO-2, resumed at ZeRO-3 (or one going back to ZeRO-1/2 for speed), was
+    refused ("--zero_stage 2 -> 3"). Its states load through DeepSpeed's universal copy, fitted for the new stage
+    (ds_to_universal's copy of a ZeRO-1/2 checkpoint lacked what a ZeRO-3 engine reads, and the other way round): the
+    checkpoint's weights, each parameter group's own weight decay and Adam step count, and Adam's moments, so the run
+    ends with the weights of an uninterrupted run at the new stage (fp32, one rank: the same arithmetic)."""
+    common = [*SMALL, "--max_steps", "4", "--save_interval", "2", "--weight_decay", "0.1", "--dropout", "0.0",
+              "--data_output_path", str(tmp_path / "data")]
+    other_ranks, split = _other_ranks(), tmp_path / "split"
+    other_ranks.run("sft", tmp_path, "full", None, [*common, "--zero_stage", str(stage), "--output_dir",
+                                                    str(tmp_path / "full")])
+    other_ranks.run("sft", tmp_path, "before", 2, [*common, "--zero_stage", str(saved_stage), "--output_dir",
+                                                   str(split)])
+    capsys.readouterr()
+    other_ranks.run("sft", tmp_path, "after", None, [*common, "--zero_stage", str(stage), "--output_dir", str(split),
+                                                     "--resume"])
+    out = capsys.readouterr().out
+    assert (f"[step1] --resume: checkpoint step_0000002 saved at ZeRO-{saved_stage}, this run has ZeRO-{stage} "
+            f"(--zero_stage): its ZeRO-{saved_stage} states load into ZeRO-{stage} from DeepSpeed's universal copy "
+            "model/step_0000002_universal (made now); its Adam moments and step count, scheduler and place in the "
+            "data go on as saved") in out, out[-3000:]
+    after, = _seen(tmp_path, "after", 1)
+    assert after["resumed_at"] == 2 and after["loaded_weights_difference"] == 0.0
+    assert [group["weight_decay"] for group in after["param_groups"]] == [0.1, 0.0]
+    assert after["adam_steps"] == [4.0, 4.0]
+    # (Adam's moments started again from zero would move every weight of steps 3-4 elsewhere)
+    full = _weights(tmp_path / "full")
+    for name, tensor in _weights(split).items():
+        torch.testing.assert_close(tensor, full[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_stage_0_checkpoint_at_another_zero_stage_is_an_error_saying_what_to_do(tmp_path, distributed):
+    """A checkpoint without ZeRO (the optimizer saved whole) does not convert to another stage, nor the other way:
+    the error names the stage to resume with, and how to fit in less memory at it, before DeepSpeed loads."""
+    common = [*SMALL, "--max_steps", "2", "--save_interval", "2", "--data_output_path", str(tmp_path / "data"),
+              "--output_dir", str(tmp_path / "out")]
+    sft.main([*common, "--zero_stage", "0"])
+    with pytest.raises(UsageError, match=re.escape(
+            "was saved at ZeRO stage 0 (--zero_stage 0), this run has 2; DeepSpeed's universal checkpoint moves the "
+            "optimizer states of ZeRO-1, 2 and 3 between stages, not those of stage 0 (saved whole, in another form): "
+            "resume with --zero_stage 0 (to fit in less memory: a smaller --per_device_train_batch_size with a "
+            "--gradient_accumulation_steps as many times larger, the same samples a step), or start afresh without "
+            "--resume")):
+        sft.main([*common, "--zero_stage", "2", "--resume"])
+
+
 @pytest.mark.multirank
 def test_a_resumed_zero3_run_on_two_ranks_ends_where_the_uninterrupted_run_ends(tmp_path):
     script = Path(__file__).parent / "scripts" / "supervised_resume.py"

@@ -11,7 +11,9 @@ from the files, before ``deepspeed.initialize``, and rank 0 makes the copy once)
 of the epoch trained on (each epoch's order is one permutation of (seed, epoch), which the ranks' samplers deal out in
 turn, so what N ranks consumed is a prefix of it); each rank's RNG is its own where the checkpoint has it. On as many
 ranks, a step's samples may be split otherwise (another micro-batch and accumulation of the same product): the data
-position and the loss sums are converted alike (``_other_split_of_as_many_samples``)."""
+position and the loss sums are converted alike (``_other_split_of_as_many_samples``). At another ZeRO stage (1, 2 or 3:
+--zero_stage 3 after running out of memory at 2), its states load through the same universal copy, fitted for the
+new stage (``fit_universal_copy``), Adam's moments and all."""
 import math
 import os
 
@@ -24,8 +26,8 @@ from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tok
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
                                       check_position, check_same_flags, check_same_products, check_same_step,
                                       clear_earlier_run, clear_tag, latest_tag, load_rank_state,
-                                      load_rank_state_of_others, loading_checkpoint, publish, published_tag,
-                                      read_trainer_state, reading, remove_universal_copies, rng_said,
+                                      load_rank_state_of_others, loading_checkpoint, other_zero_stage, publish,
+                                      published_tag, read_trainer_state, reading, remove_universal_copies, rng_said,
                                       save_trainer_state, tag_of, take_restored_flags, universal_load,
                                       with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
@@ -111,6 +113,10 @@ def _checked_latest(args, step, tokenizer=None):
     now = resume_flags(args)
     if reshaped:
         now = {name: value for name, value in now.items() if name not in BATCH_FLAGS}  # (their product: compared)
+    if other_zero_stage(root, MODEL, tag, saved.get("zero_stage"), now.get("zero_stage"), "--zero_stage",
+                        LESS_MEMORY):
+        state["saved_zero_stage"] = saved["zero_stage"]
+        now.pop("zero_stage")
     state["restored"] = check_same_flags(saved, now, RESTORED_FLAGS, tag, root, step, BOUND_WHY, FREE_FLAGS)
     if tokenizer is not None:
         check_same_tokenizer(state.get(TOKENIZER_KEY), tokenizer, args.model_name_or_path, tag, root)
@@ -120,6 +126,12 @@ def _checked_latest(args, step, tokenizer=None):
                          "reference from that folder)")
     check_position(root, tag, state, ("step", "epoch", "batch"))
     return tag, state, saved_ranks
+
+
+# What a resume that cannot change the ZeRO stage may do to fit in less memory (``other_zero_stage``): the same samples
+# a step, split otherwise (``_other_split_of_as_many_samples``).
+LESS_MEMORY = (" (to fit in less memory: a smaller --per_device_train_batch_size with a --gradient_accumulation_steps "
+               "as many times larger, the same samples a step)")
 
 
 def _other_split_of_as_many_samples(saved, args):
@@ -180,24 +192,34 @@ def plan_resume(args, step, ds_config=None, train_loader=None, tokenizer=None):
     tag, state, saved_ranks = found
     plan = ResumePlan(tag, state, saved_ranks)
     root = checkpoint_root(args)
-    if not plan.other_ranks:
+    stage = (ds_config or {}).get("zero_optimization", {}).get("stage", getattr(args, "zero_stage", None))
+    saved_stage = plan.state.get("saved_zero_stage", stage)
+    if not plan.other_ranks and saved_stage == stage:
         if "saved_micro_batch" in plan.state:
             _plan_another_split(plan, root, step, train_loader, args)
         return plan
     if ds_config is None or train_loader is None:
-        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s), this run has "
-                         f"{get_world_size()}: its ZeRO states load through a universal copy, which DeepSpeed's config "
-                         "asks for before deepspeed.initialize, and its data position is converted for this run's "
-                         "loader (plan_resume(args, step, ds_config, train_loader) before the engine is made)")
-    load_tag, said = universal_load(root, MODEL, tag, saved_ranks,
-                                    ds_config.get("zero_optimization", {}).get("stage", "?"))
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s) at ZeRO-"
+                         f"{saved_stage}, this run has {get_world_size()} at ZeRO-{stage}: its ZeRO states "
+                         "load through a universal copy, which DeepSpeed's config asks for before "
+                         "deepspeed.initialize, and its data position is converted for this run's loader "
+                         "(plan_resume(args, step, ds_config, train_loader) before the engine is made)")
+    load_tag, said = universal_load(root, MODEL, tag, saved_ranks, saved_stage, into_stage=stage)
     plan.load_tags[MODEL] = load_tag
     if MODEL in plan.universal:
         with_universal_load(ds_config)
-    plan.state["batch"], data_said = _position_on_these_ranks(plan.state, saved_ranks, train_loader, args)
-    said = [said, data_said, rng_said(saved_ranks) + "; the train-loss sums of its ranks are pooled"]
-    plan.notice = (f"[{step}] --resume: checkpoint {tag} saved by {saved_ranks} rank(s), this run has "
-                   f"{get_world_size()}: {'; '.join(said)}")
+    if plan.other_ranks:
+        plan.state["batch"], data_said = _position_on_these_ranks(plan.state, saved_ranks, train_loader, args)
+        said = [said, data_said, rng_said(saved_ranks) + "; the train-loss sums of its ranks are pooled"]
+        plan.notice = (f"[{step}] --resume: checkpoint {tag} saved by {saved_ranks} rank(s), this run has "
+                       f"{get_world_size()}: {'; '.join(said)}")
+        return plan
+    restaged = (f"[{step}] --resume: checkpoint {tag} saved at ZeRO-{saved_stage}, this run has ZeRO-"
+                f"{stage} (--zero_stage): {said}; its Adam moments and step count, scheduler and place in "
+                "the data go on as saved")
+    if "saved_micro_batch" in plan.state:  # (and its step's samples split otherwise: said too)
+        _plan_another_split(plan, root, step, train_loader, args)
+    plan.notice = "\n".join(filter(None, (restaged, plan.notice)))
     return plan
 
 
@@ -275,6 +297,7 @@ def load_step_checkpoint(engine, args, step, plan=None):
     restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     position.pop("saved_micro_batch", None)
     position.pop("saved_accumulation", None)
+    position.pop("saved_zero_stage", None)
     return {**position, **rank_state}
 
 

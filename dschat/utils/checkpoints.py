@@ -311,6 +311,29 @@ def zero_partition_forms(names, stage, dtype):
     return forms
 
 
+def other_zero_stage(root, part, tag, saved, now, flag, less_memory=""):
+    """Whether ``part`` of checkpoint ``tag``, saved at ZeRO stage ``saved``, loads into this run's stage ``now``
+    (``flag``'s) through DeepSpeed's universal copy (``universal_load``, ``fit_universal_copy``): both ZeRO-1, 2 or 3
+    and not the same (a run that ran out of memory resumed at ZeRO-3). Where it cannot, a UsageError saying what this
+    run may do instead: states of no ZeRO (stage 0: the optimizer saved whole, not converted) load at stage 0 only,
+    and NVMe-offloaded optimizer states (one folder per rank) are not converted (``less_memory``: how this step may
+    fit in less memory instead, said with it)."""
+    if saved is None or saved == now:
+        return False
+    cannot = None
+    if 0 in (saved, now):
+        cannot = ("DeepSpeed's universal checkpoint moves the optimizer states of ZeRO-1, 2 and 3 between stages, not "
+                  "those of stage 0 (saved whole, in another form)")
+    elif os.path.isdir(os.path.join(root, part, tag, "offloaded_tensors")):
+        cannot = (f"its {part}'s optimizer states were offloaded to NVMe, one folder per rank, which DeepSpeed's "
+                  "universal checkpoint does not convert")
+    if cannot is not None:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved at ZeRO stage {saved} ({flag} {saved}), this "
+                         f"run has {now}; {cannot}: resume with {flag} {saved}{less_memory}, or start afresh without "
+                         "--resume")
+    return True
+
+
 def refuse_other_rank_count(root, tag, saved, why):
     """A checkpoint of ``saved`` ranks that this run, of another number, cannot continue: a UsageError saying
     ``why``."""
@@ -366,16 +389,91 @@ def check_convertible(root, parts, tag, saved_ranks):
 CONVERSION_PATIENCE = datetime.timedelta(hours=24)
 
 
-def universal_load(root, part, tag, saved_ranks, stage, whose="its"):
+def universal_load(root, part, tag, saved_ranks, stage, whose="its", into_stage=None):
     """(the tag ``part``'s engine loads, what is said of it) on a run of another number of ranks than checkpoint
-    ``tag``'s (``saved_ranks``): ZeRO-1/2/3 partitions (``zero_partitioned``) through their universal copy, which
-    rank 0 makes (``universal_copy``) while every rank waits (its engine's config then needs DeepSpeed's
+    ``tag``'s (``saved_ranks``), or of another ZeRO stage (``into_stage``; ``stage``: the checkpoint's): ZeRO-1/2/3
+    partitions (``zero_partitioned``) through their universal copy, which rank 0 makes (``universal_copy``; for
+    another stage, ``fit_universal_copy``) while every rank waits (its engine's config then needs DeepSpeed's
     ``checkpoint.load_universal``); states of no ZeRO (``stage`` 0) as saved."""
     if not rank_0_decides(lambda: zero_partitioned(os.path.join(root, part, tag))):
         return tag, f"{whose} DeepSpeed states are not partitioned over the ranks (no ZeRO) and load as saved"
-    load_tag, made = rank_0_decides(lambda: universal_copy(root, part, tag, saved_ranks), CONVERSION_PATIENCE)
-    return load_tag, (f"{whose} ZeRO-{stage} states load from DeepSpeed's universal copy {part}/{load_tag} ("
+    restaged = into_stage is not None and into_stage != stage
+
+    def copy_for_this_run():
+        load_tag, made = universal_copy(root, part, tag, saved_ranks)
+        if restaged:
+            fit_universal_copy(os.path.join(root, part, load_tag), into_stage)
+        return load_tag, made
+
+    load_tag, made = rank_0_decides(copy_for_this_run, CONVERSION_PATIENCE)
+    into = f" into ZeRO-{into_stage}" if restaged else ""
+    return load_tag, (f"{whose} ZeRO-{stage} states load{into} from DeepSpeed's universal copy {part}/{load_tag} ("
                       + ("made now" if made else "made by an earlier resume") + ")")
+
+
+# The file of a DeepSpeed engine's model states (its scheduler, step counts) that a universal load reads: ZeRO-3's
+# engine reads rank 0's of its own name, ZeRO-1/2's the one shared file.
+UNIVERSAL_MODEL_STATES = {3: f"zero_pp_rank_0_{MODEL_STATES}", 1: MODEL_STATES, 2: MODEL_STATES}
+
+
+def fit_universal_copy(folder, into_stage):
+    """The universal copy in ``folder`` made loadable by an engine of ZeRO stage ``into_stage`` (rank 0, before the
+    engines load it; idempotent: a copy reused by runs of either stage keeps what each needs). DeepSpeed 0.19.8's
+    ``ds_to_universal`` writes what the checkpoint's own stage reads back: a ZeRO-1/2 engine failed on a ZeRO-3
+    copy, and a ZeRO-3 engine on a ZeRO-1/2 copy, with a bare AssertionError (no model-states file of the name it
+    globs for) and, past that, on the optimizer file's layout (ZeRO-3 reads Adam's step count from its optimizer's
+    state dict, ZeRO-1/2 from each parameter's ``step.pt``). Added here, from the copy's own contents: the
+    model-states file under the name this stage reads, and the step count where this stage reads it."""
+    from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT
+
+    wanted = os.path.join(folder, UNIVERSAL_MODEL_STATES[into_stage])
+    if not os.path.isfile(wanted):
+        source = min(name for name in os.listdir(folder) if name.endswith(MODEL_STATES))
+        _link_or_copy(os.path.join(folder, source), wanted)
+    zero = os.path.join(folder, "zero")
+    optimizer_file = os.path.join(zero, "optimizer_state.pt")
+    optimizer = torch.load(optimizer_file, weights_only=False)
+    step_files = [os.path.join(zero, name, "step.pt") for name in sorted(os.listdir(zero))
+                  if os.path.isdir(os.path.join(zero, name))]
+    if into_stage == 3 and OPTIMIZER_STATE_DICT not in optimizer:
+        step = next(torch.load(path, weights_only=False) for path in step_files if os.path.isfile(path))
+        optimizer[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, "param_groups": optimizer["param_groups"]}
+        _save_atomic(optimizer, optimizer_file)
+    elif into_stage != 3 and DS_VERSION not in optimizer:
+        step = optimizer[OPTIMIZER_STATE_DICT]["state"][0]["step"]
+        for path in step_files:
+            _wrap_bare_tensors(os.path.dirname(path))
+            if not os.path.isfile(path):
+                _save_atomic(step, path)
+        # (ZeRO-1/2's load asserts the version of DeepSpeed that saved it: the model states' own)
+        optimizer[DS_VERSION] = torch.load(wanted, weights_only=False).get(DS_VERSION)
+        _save_atomic(optimizer, optimizer_file)
+
+
+def _wrap_bare_tensors(folder):
+    """A parameter's folder of a ZeRO-3 universal copy, its states (``fp32.pt``, ``exp_avg.pt``, ...) as ZeRO-1/2's
+    load reads them: each a dict with its tensor under "param" (ZeRO-3's copy saves the flat tensor alone, which
+    ZeRO-3's load reads either way)."""
+    from deepspeed.checkpoint.constants import PARAM
+
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name != "step.pt" and name.endswith(".pt"):
+            states = torch.load(path, weights_only=False)
+            if torch.is_tensor(states):
+                _save_atomic({PARAM: states}, path)
+
+
+def _save_atomic(states, path):
+    torch.save(states, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _link_or_copy(source, target):
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def remove_universal_copies(root, plan, step):
