@@ -1002,6 +1002,43 @@ def test_compute_fp32_loss_scores_through_a_zero3_partitioned_value_head(distrib
     assert values.dtype == torch.float32 and torch.allclose(values, expected, atol=1e-5)
 
 
+def _critic_and_micro_batches(ds_config):
+    """The same new critic (its value head drawn from one seed) and the same two micro-batches of two rows."""
+    from dschat.models.loading import load_tokenizer
+    from dschat.models.reward_model import create_critic_model
+
+    torch.manual_seed(0)
+    critic = create_critic_model("tiny-gpt2", load_tokenizer("tiny-gpt2"), ds_config)
+    return critic, torch.randint(3, 96, (2, 2, 6), generator=torch.Generator().manual_seed(1))
+
+
+def _squared_values(forward_value, ids):
+    return forward_value(ids, torch.ones_like(ids), return_value_only=True).float().pow(2).mean()
+
+
+def test_a_zero3_critic_accumulates_the_gradients_of_its_micro_batches(distributed):
+    """DeepSpeed 0.19's ZeRO-3 counts an optimizer step's micro-batches in the engine's forward: a critic scored with
+    ``engine.forward_value`` (step 3's and DeepSpeed-Chat's call) past it counted none, and each backward replaced the
+    earlier micro-batches' gradient (step 3's critic trained on the last micro-batch of each optimizer step alone).
+    The value head's gradient at the step is the mean of the two micro-batches' losses' (DeepSpeed divides each by
+    the accumulation steps)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from dschat.models.training_engine import initialize_engine
+    from dschat.utils.ds_config import get_train_ds_config
+
+    plain, micro_batches = _critic_and_micro_batches(None)
+    (sum(_squared_values(plain.forward_value, ids) for ids in micro_batches) / 2).backward()
+    ds_config = get_train_ds_config(dtype="fp32", stage=3, micro_batch_size=2, gradient_accumulation_steps=2)
+    critic, micro_batches = _critic_and_micro_batches(ds_config)
+    engine = initialize_engine(critic, ds_config, 1e-3, 0.0, None, "constant", 0, 10)
+    for ids in micro_batches:
+        engine.backward(_squared_values(engine.forward_value, ids))
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()
+    torch.testing.assert_close(safe_get_full_grad(engine.module.v_head.weight), plain.v_head.weight.grad)
+
+
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-gpt2"])
 def test_a_tied_model_saved_under_zero3_loads_with_its_head_tied(preset, tmp_path, distributed):
     # The head shares the embedding: its second name held this rank's empty ZeRO-3 shard, saved as a 0-element tensor.

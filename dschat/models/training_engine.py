@@ -1,6 +1,7 @@
 """DeepSpeed engines around the models: a trained model's (optimizer, learning-rate schedule, ZeRO-3 fetch units,
 activation checkpointing) and an evaluated-only one's. Steps 1-3 and the RLHF engine build theirs here."""
 import contextlib
+import functools
 import math
 import weakref
 
@@ -202,7 +203,32 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
                                       config=ds_config, dist_init_required=False)
     _made(engine)
     scale_fp16_loss_at_zero_0(engine)
+    values_through_engine_forward(engine)
     return engine
+
+
+def values_through_engine_forward(engine):
+    """A trained critic's or reward model's ``engine.forward_value(...)`` (DeepSpeed-Chat's call, step 3's for the
+    critic) runs as the engine's forward, not as the module's method reached past it (DeepSpeed's ``__getattr__``).
+    DeepSpeed 0.19's engine forward does the ZeRO optimizer's bookkeeping of each micro-batch: ZeRO-3 counts the
+    micro-step there, and with none counted each backward replaced the gradient the earlier micro-batches of an
+    optimizer step had left (a ZeRO-3 critic with --gradient_accumulation_steps 2 trained on half its micro-batches).
+    Held by a weak reference: no reference cycle keeps the engine."""
+    if not callable(getattr(engine.module, "forward_value", None)):
+        return
+    engine.forward_value = functools.partial(_module_method_as_forward, weakref.ref(engine), "forward_value")
+
+
+def _module_method_as_forward(engine_ref, method, *args, **kwargs):
+    """``engine.module.<method>(*args, **kwargs)`` called through ``engine(...)``: the module's forward is that method
+    for the call."""
+    engine = engine_ref()
+    module = engine.module
+    module.forward = getattr(module, method)
+    try:
+        return engine(*args, **kwargs)
+    finally:
+        del module.forward
 
 
 def scale_fp16_loss_at_zero_0(engine):
