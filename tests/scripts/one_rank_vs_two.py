@@ -1,10 +1,11 @@
-"""One PPO iteration of a rollout built by hand (no generation): ``run`` trains each case of ``CASES`` on this rank's
-share of the rollout (all of it on one rank, half on each of two) and returns, per case, the gradients each model's
-optimizer step applied (DeepSpeed's averaged over the ranks, before its clipping). Every rank builds the same tiny
-model and the same rollout; rank r of W takes rows r*8/W to (r+1)*8/W, whole GRPO/RLOO groups.
+"""PPO iterations of a rollout built by hand (no generation): ``run`` trains each case of ``case_names`` on this rank's
+share of the rollout (all of it on one rank, half on each of two) and returns, per case, the gradient each model's
+optimizer steps applied (DeepSpeed's averaged over the ranks, before its clipping; whole, gathered from ZeRO's
+partitions) and each model's weights after them (the actor's, the critic's, the EMA copy's: whole). Every rank builds
+the same tiny model and the same rollout; rank r of W takes rows r*8/W to (r+1)*8/W, whole GRPO/RLOO groups.
 
 Run by tests/test_one_rank_vs_two.py through the deepspeed launcher on 2 ranks, ``one_rank_vs_two.py <out>`` (rank 0
-saves ``<out>/grads.pt``), and imported by it for the one-rank side.
+saves ``<out>/results.pt``), and imported by it for the one-rank side.
 """
 import sys
 from pathlib import Path
@@ -41,6 +42,12 @@ CASES = {
                                          "kl_loss_coef": None},
 }
 ACCUMULATION = {"": 1, "accum": 2}
+# beyond ZeRO-0 and one optimizer step: the PPO case with a critic and a GRPO case at each ZeRO stage (ZeRO-3 shards the
+# reference and EMA copies too on two ranks), each with accumulation and two optimizer steps over the rollout
+# (--ppo_epochs 2: the second step's gradient taken at the weights the first made), the EMA following each step
+SHARDED = ("gae_whitened_global_token_mean_masked", "grpo_global_token_mean_batch_std_masked")
+TWO_STEPS = {"ppo_epochs": 2, "enable_ema": True, "ema_beta": 0.5}
+STAGES = (0, 1, 2, 3)
 
 
 def model_folder(root):
@@ -82,41 +89,75 @@ def this_ranks_rows(exp):
 
 
 def recording_steps(engine, steps):
-    """``engine``'s optimizer steps append the gradients they apply to ``steps`` (DeepSpeed's clipping off, so that
-    they are the loss's, not rescaled to a norm)."""
-    engine._config.gradient_clipping = 0.0
-    optimizer = engine.optimizer
-    optimizer.register_step_pre_hook(lambda *_: steps.append(
-        torch.cat([p.grad.detach().flatten().clone() for group in optimizer.param_groups for p in group["params"]])))
+    """``engine``'s optimizer steps append the gradient they apply to ``steps``: the whole gradient, averaged over the
+    ranks, as its last micro-batch's backward left it, before the step clips it (on every rank: at ZeRO-3 the gather
+    is a collective)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    step = engine.step
+
+    def recorded_step(*args, **kwargs):
+        if engine.is_gradient_accumulation_boundary():
+            steps.append(torch.cat([safe_get_full_grad(p).detach().flatten().clone()
+                                    for p in engine.module.parameters() if p.requires_grad]))
+        return step(*args, **kwargs)
+
+    engine.step = recorded_step
+
+
+def whole_weights(model):
+    """``model``'s parameters, whole (gathered from ZeRO-3's partitions), as one flat tensor."""
+    from dschat.models.zero3 import gathered
+
+    params = list(model.parameters())
+    with gathered(params):
+        return torch.cat([p.detach().flatten().clone() for p in params])
 
 
 def run_case(folder, settings, accum):
-    """{model: [the gradient of each optimizer step]} of one PPO iteration on this rank's rows, with ``settings`` and
-    ``accum`` micro-batches per optimizer step (of as many rows as make one step of the whole rollout)."""
+    """{model: [the gradient of each optimizer step], "<model> weights": [its weights after them]} of one PPO
+    iteration on this rank's rows, with ``settings`` and ``accum`` micro-batches per optimizer step (of as many rows as
+    make one step of the whole rollout)."""
     from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
     from dschat.tiny import load_tiny_tokenizer
 
     rows = ROWS // get_world_size()
     args = {**COMMON, **settings, "gradient_accumulation_steps": accum, "per_device_training_batch_size": rows // accum}
+    # (the rollout's rows per rank as step 3 sizes them: the learning-rate schedule spans its optimizer steps)
+    args["per_device_generation_batch_size"] = rows // args["n_samples_per_prompt"]
     if settings["advantage_estimator"] == "gae":
         args.update(critic_model_name_or_path=str(folder), critic_learning_rate=1e-3, critic_dropout=0.0)
     tokenizer = load_tiny_tokenizer()
     tokenizer.padding_side = "left"
-    engine = DeepSpeedRLHFEngine(actor_model_name_or_path=str(folder), tokenizer=tokenizer, args=args)
-    trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
-    steps = {"actor": []}
-    recording_steps(engine.actor, steps["actor"])
-    if engine.critic is not None:
-        steps["critic"] = []
-        recording_steps(engine.critic, steps["critic"])
-    trainer.train_rollout([this_ranks_rows(whole_rollout(trainer))])
-    return steps
+    with DeepSpeedRLHFEngine(actor_model_name_or_path=str(folder), tokenizer=tokenizer, args=args) as engine:
+        trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
+        trained = {"actor": engine.actor, "critic": engine.critic}
+        trained = {name: model for name, model in trained.items() if model is not None}
+        steps = {name: [] for name in trained}
+        for name, model in trained.items():
+            recording_steps(model, steps[name])
+        trainer.train_rollout([this_ranks_rows(whole_rollout(trainer))])
+        kept = {**trained, "actor_ema": engine.actor_ema}
+        return {**steps, **{f"{name} weights": [whole_weights(model.module)] for name, model in kept.items()
+                            if model is not None}}
 
 
 def case_names():
-    """{"<case>" or "<case>_accum": (settings, gradient_accumulation_steps)}."""
-    return {f"{name}{'_' + tag if tag else ''}": (settings, accum)
-            for name, settings in CASES.items() for tag, accum in ACCUMULATION.items()}
+    """{"<case>" or "<case>_accum": (settings, gradient_accumulation_steps)} at ZeRO-0, one optimizer step, and
+    {"<case>_zero<stage>_two_steps": ...} of ``SHARDED``'s cases at each of ``STAGES``."""
+    cases = {f"{name}{'_' + tag if tag else ''}": (settings, accum)
+             for name, settings in CASES.items() for tag, accum in ACCUMULATION.items()}
+    for name in SHARDED:
+        for stage in STAGES:
+            zero = {"actor_zero_stage": stage, "critic_zero_stage": stage}
+            cases[f"{name}_zero{stage}_two_steps"] = ({**CASES[name], **zero, **TWO_STEPS}, ACCUMULATION["accum"])
+    return cases
+
+
+def optimizer_steps(name):
+    """The optimizer steps case ``name`` makes over the rollout."""
+    settings, _ = case_names()[name]
+    return settings.get("ppo_epochs", 1)
 
 
 def run(folder):
@@ -129,9 +170,9 @@ if __name__ == "__main__":
     if get_rank() == 0:
         model_folder(out / "two")
     barrier()
-    grads = run(model_folder(out / "two"))
+    results = run(model_folder(out / "two"))
     if get_rank() == 0:
-        torch.save(grads, out / "grads.pt")
+        torch.save(results, out / "results.pt")
     from dschat.utils.cli import end_script
 
     end_script()
