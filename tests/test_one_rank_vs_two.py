@@ -2,8 +2,8 @@
 rank makes with all of it, for the normalisations that are global by design (--loss_agg global_token_mean and the
 answer means over every rank's answers, --grpo_norm_by_std batch, --mask_truncated_answers, whitening of GAE's and
 REINFORCE++'s advantages over the rollout), with and without gradient accumulation; and, for the PPO case with a critic
-and a GRPO case, at each ZeRO stage over two optimizer steps (--ppo_epochs 2), the weights after them (the global
-gradient clipping included) and the EMA copy's too."""
+and a GRPO case, at each ZeRO stage over two optimizer steps (--ppo_epochs 2) and over two mini-batches of an epoch,
+the weights after them (the global gradient clipping included) and the EMA copy's too."""
 import sys
 from pathlib import Path
 
@@ -28,10 +28,10 @@ def results(tmp_path_factory, distributed):
 
 
 # The first optimizer step's gradients agree to float rounding. Adam turns a gradient near 0 (beside its eps) into a
-# step that rounding changes by a few 1e-6 (of the 1e-3 learning rate): the weights after the steps, and the later
-# steps' gradients taken at them, agree to 2% of one step.
+# step that rounding changes by a few 1e-6 (of the 1e-3 learning rate): the weights after the steps agree to 2% of one
+# step, and the later steps' gradients, taken at those weights, to 0.1% (a divisor off by a rank is 50% or 100%).
 FIRST_GRADIENT = {"rtol": 1e-4, "atol": 1e-6}
-AFTER_A_STEP = {"rtol": 1e-4, "atol": 2e-5}
+AFTER_A_STEP = {"rtol": 1e-3, "atol": 2e-5}
 
 
 def assert_same_update(theirs, ours, what):

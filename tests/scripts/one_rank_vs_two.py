@@ -47,6 +47,9 @@ ACCUMULATION = {"": 1, "accum": 2}
 # (--ppo_epochs 2: the second step's gradient taken at the weights the first made), the EMA following each step
 SHARDED = ("gae_whitened_global_token_mean_masked", "grpo_global_token_mean_batch_std_masked")
 TWO_STEPS = {"ppo_epochs": 2, "enable_ema": True, "ema_beta": 0.5}
+# and two optimizer steps of an epoch, each over a mini-batch of each rank's rows ("mini_batches": this script's, not
+# a flag: the training batch is that share of the rows; --loss_agg's counts are each step's, over all ranks)
+TWO_MINI_BATCHES = {"mini_batches": 2, "enable_ema": True, "ema_beta": 0.5}
 STAGES = (0, 1, 2, 3)
 
 
@@ -83,9 +86,21 @@ def whole_rollout(trainer):
     return exp
 
 
-def this_ranks_rows(exp):
+def this_ranks_rows(exp, mini_batches=1):
+    """Rank r's share of ``exp``; one rank's all of it, in the order two ranks' optimizer steps take it (each step
+    over the next of ``mini_batches`` slices of each rank's rows: rank 0's, then rank 1's)."""
+    if get_world_size() == 1:
+        return {key: value[rows_in_step_order(mini_batches)] for key, value in exp.items()}
     share = ROWS // get_world_size()
     return {key: value[get_rank() * share:(get_rank() + 1) * share] for key, value in exp.items()}
+
+
+def rows_in_step_order(mini_batches, ranks=2):
+    """The rollout's rows in the order ``ranks`` ranks' ``mini_batches`` optimizer steps of an epoch take them."""
+    share = ROWS // ranks
+    size = share // mini_batches
+    return [rank * share + step * size + row for step in range(mini_batches) for rank in range(ranks)
+            for row in range(size)]
 
 
 def recording_steps(engine, steps):
@@ -122,7 +137,10 @@ def run_case(folder, settings, accum):
     from dschat.tiny import load_tiny_tokenizer
 
     rows = ROWS // get_world_size()
-    args = {**COMMON, **settings, "gradient_accumulation_steps": accum, "per_device_training_batch_size": rows // accum}
+    settings = dict(settings)
+    mini_batches = settings.pop("mini_batches", 1)
+    args = {**COMMON, **settings, "gradient_accumulation_steps": accum,
+            "per_device_training_batch_size": rows // accum // mini_batches}
     # (the rollout's rows per rank as step 3 sizes them: the learning-rate schedule spans its optimizer steps)
     args["per_device_generation_batch_size"] = rows // args["n_samples_per_prompt"]
     if settings["advantage_estimator"] == "gae":
@@ -136,7 +154,7 @@ def run_case(folder, settings, accum):
         steps = {name: [] for name in trained}
         for name, model in trained.items():
             recording_steps(model, steps[name])
-        trainer.train_rollout([this_ranks_rows(whole_rollout(trainer))])
+        trainer.train_rollout([this_ranks_rows(whole_rollout(trainer), mini_batches)])
         kept = {**trained, "actor_ema": engine.actor_ema}
         return {**steps, **{f"{name} weights": [whole_weights(model.module)] for name, model in kept.items()
                             if model is not None}}
@@ -144,20 +162,22 @@ def run_case(folder, settings, accum):
 
 def case_names():
     """{"<case>" or "<case>_accum": (settings, gradient_accumulation_steps)} at ZeRO-0, one optimizer step, and
-    {"<case>_zero<stage>_two_steps": ...} of ``SHARDED``'s cases at each of ``STAGES``."""
+    {"<case>_zero<stage>_two_steps": ...} of ``SHARDED``'s cases at each of ``STAGES``, and their
+    {"<case>_two_mini_batches": ...}."""
     cases = {f"{name}{'_' + tag if tag else ''}": (settings, accum)
              for name, settings in CASES.items() for tag, accum in ACCUMULATION.items()}
     for name in SHARDED:
         for stage in STAGES:
             zero = {"actor_zero_stage": stage, "critic_zero_stage": stage}
             cases[f"{name}_zero{stage}_two_steps"] = ({**CASES[name], **zero, **TWO_STEPS}, ACCUMULATION["accum"])
+        cases[f"{name}_two_mini_batches"] = ({**CASES[name], **TWO_MINI_BATCHES}, ACCUMULATION[""])
     return cases
 
 
 def optimizer_steps(name):
     """The optimizer steps case ``name`` makes over the rollout."""
     settings, _ = case_names()[name]
-    return settings.get("ppo_epochs", 1)
+    return settings.get("ppo_epochs", 1) * settings.get("mini_batches", 1)
 
 
 def run(folder):
