@@ -224,11 +224,15 @@ def _module_method_as_forward(engine_ref, method, *args, **kwargs):
     for the call."""
     engine = engine_ref()
     module = engine.module
+    own_forward = module.__dict__.get("forward")  # (an instance's own forward, e.g. a hook library's wrapper, stays)
     module.forward = getattr(module, method)
     try:
         return engine(*args, **kwargs)
     finally:
-        del module.forward
+        if own_forward is None:
+            del module.forward
+        else:
+            module.forward = own_forward
 
 
 def scale_fp16_loss_at_zero_0(engine):
