@@ -789,22 +789,17 @@ def test_trainer_kl_ctl_takes_deepspeed_chats_float_and_says_where_it_would_not_
 def test_a_kl_coefficient_assigned_to_the_trainer_is_the_runs_kl_ctl_its_checkpoints_record():
     """trainer.kl_ctl = 0.05 (DeepSpeed-Chat's float) made the reward's coefficient 0.05 while trainer.args.kl_ctl
     stayed 0.1: a checkpoint recorded --kl_ctl 0.1 beside the 0.05 it trained with, and a resume with 0.1 dropped the
-    0.05 unsaid. The coefficient is args' kl_ctl now, as the other settings assigned are; the engine's args stay."""
-    from types import SimpleNamespace
-
+    0.05 unsaid. The coefficient is args' kl_ctl now, as the other settings assigned are."""
     from dschat.rlhf import algorithms as algo
     from dschat.rlhf.checkpointing import resume_flags
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 
-    trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)  # (an engine's stand-in: its args are the trainer's)
+    trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)  # (no engine: the setter reads args alone)
     trainer.args = step3_args({})
-    engine = trainer.rlhf_engine = SimpleNamespace(args=trainer.args)
     trainer.critic_model = None
     trainer.kl_ctl = algo.FixedKLController(trainer.args.kl_ctl)
-    assert trainer.args is engine.args  # (the premise: nothing assigned, nothing copied)
     trainer.kl_ctl = 0.05
     assert trainer.kl_ctl.value == trainer.args.kl_ctl == resume_flags(trainer)["kl_ctl"] == 0.05
-    assert engine.args.kl_ctl == 0.1 and trainer.args is not engine.args
 
 
 def test_train_py_field_names_go_with_its_data_path_not_a_steps_own(capsys):
@@ -1014,6 +1009,38 @@ def test_deepspeed_chats_checkpointing_toggle_on_an_actor_without_the_hybrid_eng
     finally:
         disable_activation_checkpointing(actor.module)  # (the module's engine serves the file's other tests)
     assert "gradient_checkpointing_enable" not in vars(DeepSpeedEngine)
+
+
+def test_a_trainers_settings_are_its_own_args_and_the_engines_are_read_only(grpo_engine):
+    """A trainer built without args read its engine's args until its first change of a setting copied them: a later
+    engine.args.ppo_epochs = 2 no longer reached it, one before did. Now each trainer copies the engine's args when it
+    is built and reads its own, and engine.args (what the engine was built with) refuses writes, before and after a
+    trainer's change alike, saying where the setting is changed."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.errors import UsageError
+
+    def refused(name, value, said):
+        with pytest.raises(UsageError, match=rf"engine.args.{name} = {value!r}: an engine's args are the settings it "
+                                             rf"was built with, read-only .*; {said}"):
+            setattr(grpo_engine.args, name, value)
+        assert getattr(grpo_engine.args, name) != value
+
+    on_trainer = r"set it on the trainer, whose settings are its own args \(trainer.args.ppo_epochs = 2\)"
+    refused("ppo_epochs", 2, on_trainer)  # (no trainer changed yet)
+    trainer, other = DeepSpeedPPOTrainer(engine=grpo_engine), DeepSpeedPPOTrainer(grpo_engine, grpo_engine.args)
+    assert trainer.args is not grpo_engine.args and vars(trainer.args) == vars(grpo_engine.args)
+    refused("ppo_epochs", 2, on_trainer)  # (a trainer built, none of its settings changed)
+    trainer.args.ppo_epochs = 2  # either order of an attribute's change and args' reaches the trainer alone
+    trainer.cliprange = 0.1
+    trainer.args.lam = 0.5
+    assert (trainer.args.ppo_epochs, trainer.cliprange, trainer.args.cliprange, trainer.lam) == (2, 0.1, 0.1, 0.5)
+    refused("ppo_epochs", 2, on_trainer)  # (after a trainer's change: the same)
+    refused("actor_learning_rate", 1e-3, "build a new DeepSpeedRLHFEngine with actor_learning_rate")
+    with pytest.raises(UsageError, match="del engine.args.lam: .*read-only"):
+        del grpo_engine.args.lam
+    assert (other.args.ppo_epochs, other.cliprange, other.lam) == (1, 0.2, 0.95)  # (another trainer: its own)
+    assert (grpo_engine.args.ppo_epochs, grpo_engine.args.cliprange) == (1, 0.2)
+    assert DeepSpeedPPOTrainer(engine=grpo_engine).cliprange == 0.2
 
 
 def test_deepspeed_chats_trainer_attributes_of_the_engines_build_are_read_not_assigned(grpo_engine):

@@ -3,6 +3,7 @@
 actor (trainable; wrapped by dschat's hybrid engine when enabled), reference (frozen), critic (trainable,
 from the step-2 reward model), reward (frozen), and an optional EMA copy of the actor.
 """
+import argparse
 import copy
 
 from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, critic_only_flags, given_flags,
@@ -30,6 +31,39 @@ from dschat.utils.ds_config import (apply_user_ds_config, frozen_copy_stage, get
                                     owned_key_flags, user_ds_config_path)
 
 DEFAULT_TOTAL_ITERS = 10_000
+
+
+class BuiltArgs(argparse.Namespace):
+    """A DeepSpeedRLHFEngine's ``args``: the settings it was built with, read-only. Writable, ``engine.args.X = v``
+    changed nothing the engine had built, and reached a trainer built on it or not depending on whether that trainer
+    had copied them yet (its first change of a setting did); each trainer reads its own args now (``trainer.args``,
+    copied from these when it is built, where it is given none)."""
+
+    @classmethod
+    def of(cls, args):
+        built = cls.__new__(cls)
+        built.__dict__.update(vars(args))  # (not through __setattr__)
+        return built
+
+    def __setattr__(self, name, value):
+        raise built_args_error(name, f"engine.args.{name} = {value!r}", value)
+
+    def __delattr__(self, name):
+        raise built_args_error(name, f"del engine.args.{name}")
+
+
+def built_args_error(name, what, value=None):
+    """The UsageError of a write to an engine's args, saying where the setting is changed instead."""
+    from dschat.rlhf.trainer import ENGINE_BUILT, ENGINE_SETTINGS
+
+    if name in ENGINE_SETTINGS or name in {flag for flag, _, _ in ENGINE_BUILT}:
+        instead = f"build a new DeepSpeedRLHFEngine with {name}"
+    else:
+        instead = (f"set it on the trainer, whose settings are its own args (trainer.args.{name} = {value!r}), or "
+                   f"give a new trainer its args: DeepSpeedPPOTrainer(engine, {{**vars(engine.args), {name!r}: "
+                   f"{value!r}}})")
+    return UsageError(f"{what}: an engine's args are the settings it was built with, read-only (a trainer copies them "
+                      f"when it is built, and reads its own after); {instead}")
 
 
 def uses_cuda_graph(args):
@@ -473,7 +507,7 @@ class DeepSpeedRLHFEngine:
         "critic") whose engines load a DeepSpeed universal checkpoint (a resume on another number of ranks,
         ``dschat.rlhf.checkpointing.plan_resume``): their configs say so before ``deepspeed.initialize``."""
         self.load_universal = frozenset(load_universal)
-        self.args = args = step3_args(args)
+        self.args = args = BuiltArgs.of(step3_args(args))  # (read-only: BuiltArgs)
         check_settings(args)  # before any model loads
         setup_run(args)
         self.actor_path = actor_model_name_or_path or args.actor_model_name_or_path

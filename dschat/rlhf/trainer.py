@@ -1,4 +1,5 @@
 """DeepSpeedPPOTrainer: experience generation and the PPO update (DeepSpeed-Chat's API, dschat's math)."""
+import argparse
 import contextlib
 import copy
 import functools
@@ -346,7 +347,7 @@ class _ArgsSetting:
         value = checked_setting(self.name, value, f"trainer.{self.name} = {value!r}")
         if self.name == "max_answer_seq_len":
             trainer._check_answers_fit(value)
-        setattr(trainer_own_args(trainer), self.name, value)
+        setattr(trainer.args, self.name, value)
 
 
 def checked_setting(name, value, where):
@@ -367,14 +368,14 @@ def engine_setting_error(attribute, value, flag):
                       f"reads it from args too); build a DeepSpeedRLHFEngine with another {flag} instead")
 
 
-def trainer_own_args(trainer):
-    """The args a trainer's change is written to: its own, copied from its engine's on the first change where they are
-    the engine's (those say what the engine was built with, which ``check_engine_settings`` compares a later
-    trainer's args against)."""
-    engine = trainer.__dict__.get("rlhf_engine")
-    if engine is not None and trainer.args is getattr(engine, "args", None):
-        trainer.args = copy.copy(trainer.args)
-    return trainer.args
+def trainer_args(args, engine_args):
+    """A trainer's own args, which it reads and its changes go to: those given (as step 3's namespace), else a copy of
+    its engine's as they are now. An engine's args are read-only (``BuiltArgs``: what it was built with), so a copy is
+    taken of them whether given or not; a trainer's changes then never reach its engine or another trainer on it."""
+    from dschat.rlhf.engine import BuiltArgs
+
+    args = step3_args(args if args is not None else engine_args)
+    return argparse.Namespace(**vars(args)) if isinstance(args, BuiltArgs) else args
 
 
 class DeepSpeedPPOTrainer:
@@ -400,11 +401,12 @@ class DeepSpeedPPOTrainer:
         if not hasattr(self.rlhf_engine, "actor"):  # e.g. (args, engine) swapped
             raise TypeError(f"DeepSpeedPPOTrainer(rlhf_engine, args): the engine given is a "
                             f"{type(self.rlhf_engine).__name__}, not a DeepSpeedRLHFEngine")
-        self.args = args = step3_args(args if args is not None else self.rlhf_engine.args)
-        if args is not getattr(self.rlhf_engine, "args", None):  # settings of its own: checked as the engine's were
+        engine_args = getattr(self.rlhf_engine, "args", None)
+        self.args = args = trainer_args(args, engine_args)
+        if engine_args is None or vars(args) != vars(engine_args):  # settings of its own: checked as the engine's were
             check_settings(args)
-            if getattr(self.rlhf_engine, "args", None) is not None:
-                check_engine_settings(args, self.rlhf_engine.args)
+            if engine_args is not None:
+                check_engine_settings(args, engine_args)
         e = self.rlhf_engine  # (its models are read through it: _EngineModel)
         self.tokenizer = e.tokenizer
         # the longest prompt + answer the engine's models were checked and sized for (``max_answer_seq_len``'s bound)
@@ -638,7 +640,7 @@ class DeepSpeedPPOTrainer:
             # a coefficient assigned is the run's --kl_ctl, as the other settings assigned are (_ArgsSetting): the
             # checkpoints record it, and a resume with another says so (args' own stayed, the saved coefficient
             # then dropped for it unsaid)
-            trainer_own_args(self).kl_ctl = self._kl_ctl.value
+            self.args.kl_ctl = self._kl_ctl.value
 
     def compute_rewards(self, prompts, log_probs, ref_log_probs, reward_score, action_mask):
         """DeepSpeed-Chat's signature: per-token rewards with the KL penalty and the clipped score."""
