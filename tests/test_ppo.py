@@ -1952,6 +1952,83 @@ def test_a_resumed_kl_controller_goes_on_from_its_coefficient_with_this_runs_set
     assert "--kl_ctl 0.1 -> 0.2: the rest of the run trains with the new value" in capsys.readouterr().out
 
 
+def _controller_trainer(tmp_path, given=()):
+    """A DeepSpeedPPOTrainer (its kl_ctl setter) of step 3's flags ``given`` on engines that save an empty tag
+    folder and load nothing, so that a checkpoint's round trip reaches the KL controller's restore."""
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.trainer import DeepSpeedPPOTrainer, kl_controller_of
+
+    class Engine:
+        def save_checkpoint(self, folder, tag, save_latest):
+            (tmp_path / folder / tag).mkdir(parents=True)
+            (tmp_path / folder / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+
+        def load_checkpoint(self, *args, **kwargs):
+            return None, {}
+
+    trainer = DeepSpeedPPOTrainer.__new__(DeepSpeedPPOTrainer)
+    trainer.args = step3_args(step3_parser().parse_args(list(given)))
+    trainer.actor_model, trainer.critic_model, trainer.actor_ema = Engine(), Engine(), None
+    trainer.generator = torch.Generator()
+    trainer.kl_ctl = kl_controller_of(trainer.args)
+    return trainer
+
+
+def test_a_kl_controller_assigned_to_the_trainer_is_the_runs_and_resumes_as_it_trained(tmp_path, capsys):
+    """trainer.kl_ctl = AdaptiveKLController(...) on a run without --adaptive_kl trained a fixed coefficient (the
+    updates follow args.adaptive_kl), and a controller assigned was not recorded as a float is: the checkpoint's flags
+    were the run's (--kl_ctl 0.1, no --adaptive_kl), so a resume made that controller again and dropped the assigned
+    one's coefficient, target and horizon unsaid. A controller assigned now sets args' KL settings, checked as the
+    flags are; the checkpoint records them, and a resume with the same controller (or those flags) goes on from it."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.algorithms import AdaptiveKLController, FixedKLController
+    from dschat.rlhf.checkpointing import load_checkpoint, resume_flags, save_checkpoint
+
+    trainer = _controller_trainer(tmp_path)
+    trainer.kl_ctl = AdaptiveKLController(0.2, target=3.0, horizon=500)
+    a = trainer.args
+    assert (a.adaptive_kl, a.kl_ctl, a.kl_target, a.kl_horizon) == (True, 0.2, 3.0, 500)
+    assert type(a.kl_horizon) is int  # (as the flag takes it)
+    trainer.kl_ctl.update(10.0, 50)  # (above target: the coefficient grows, as train_rollout's update does)
+    adapted = trainer.kl_ctl.value
+    assert adapted > 0.2
+    save_checkpoint(trainer, str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    for resumed in (_controller_trainer(tmp_path, ["--adaptive_kl", "--kl_ctl", "0.2", "--kl_target", "3",
+                                                   "--kl_horizon", "500"]), _controller_trainer(tmp_path)):
+        if not resumed.args.adaptive_kl:  # (a notebook's: the same assignment before load_checkpoint)
+            resumed.kl_ctl = AdaptiveKLController(0.2, target=3.0, horizon=500)
+        capsys.readouterr()
+        load_checkpoint(resumed, str(tmp_path))
+        assert resumed.kl_ctl.value == adapted and (resumed.kl_ctl.target, resumed.kl_ctl.horizon) == (3.0, 500)
+        assert "-> " not in capsys.readouterr().out  # (no flag said changed)
+    # a fixed one on an adaptive run: fixed, its coefficient the checkpoints' --kl_ctl, the adaptive settings unset
+    trainer.kl_ctl = FixedKLController(0.3)
+    assert (a.adaptive_kl, a.kl_ctl, a.kl_target, a.kl_horizon) == (False, 0.3, 6.0, 10000)
+    assert resume_flags(trainer)["kl_ctl"] == 0.3
+    with pytest.raises(UsageError, match=r"trainer.kl_ctl = AdaptiveKLController\(0.0, target=3.0, horizon=500.0\): "
+                                         r"--adaptive_kl with --kl_ctl 0"):
+        trainer.kl_ctl = AdaptiveKLController(0.0, target=3.0, horizon=500)
+    with pytest.raises(UsageError, match=r"kl_horizon: .*integer"):
+        trainer.kl_ctl = AdaptiveKLController(0.1, target=3.0, horizon=0.5)
+    assert (a.adaptive_kl, a.kl_ctl, trainer.kl_ctl.value) == (False, 0.3, 0.3)  # (a refused one changes nothing)
+
+    class Halving(FixedKLController):
+        def update(self, current_kl, n_steps):
+            self.value /= 2
+
+    with pytest.raises(UsageError, match=r"a subclass of FixedKLController, which a resumed run would make from"):
+        trainer.kl_ctl = Halving(0.3)
+    with pytest.raises(TypeError, match=r"expected the KL coefficient .* or a KL controller"):
+        trainer.kl_ctl = SimpleNamespace(value=0.1, update=print, state_dict=dict, load_state_dict=print)
+    grpo = _controller_trainer(tmp_path, ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "2"])
+    with pytest.raises(UsageError, match=r"trainer.kl_ctl = AdaptiveKLController.*: --adaptive_kl adapts the "
+                                         r"per-token reward's KL coefficient"):
+        grpo.kl_ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    grpo.kl_ctl = FixedKLController(grpo.args.kl_ctl)  # (the one it has: nothing changes)
+
+
 def test_resuming_an_adaptive_run_whose_checkpoint_fed_its_controller_k1_says_so(tmp_path, capsys):
     """The adaptive controller now follows the reward penalty's estimator (kl_per_answer); a checkpoint of before
     (no record of it) fed it the k1 sum, and its resume went on measuring the KL another way unsaid (k2's and abs'

@@ -877,6 +877,9 @@ class FixedKLController:
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
 
+    def __repr__(self):  # (as it is made: the errors that name an assigned controller read it)
+        return f"FixedKLController({self.value!r})"
+
 
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593; TRL/verl update rule).
@@ -905,6 +908,9 @@ class AdaptiveKLController:
         self.value = float(state["value"])
         self.target = float(state.get("target", self.target))
         self.horizon = float(state.get("horizon", self.horizon))
+
+    def __repr__(self):
+        return f"AdaptiveKLController({self.value!r}, target={self.target!r}, horizon={self.horizon!r})"
 
 
 KL_CONTROLLERS = {"fixed": FixedKLController, "adaptive": AdaptiveKLController}

@@ -24,7 +24,7 @@ from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.models.positions import position_limit
 from dschat.rlhf.layout import LeftAligned, head_reads
-from dschat.rlhf.config import kl_in_loss, step3_args
+from dschat.rlhf.config import check_kl_settings, kl_in_loss, step3_args
 from dschat.rlhf.engine import LONGEST_SEQUENCE_FLAGS, check_settings, longest_sequence
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
@@ -272,23 +272,27 @@ def prompt_texts(tokenizer, prompts, mask):
     return texts
 
 
-KL_CONTROLLER_METHODS = ("update", "state_dict", "load_state_dict")  # (what training and checkpoints call)
-
-
 def kl_controller_assigned(controller, current, args):
-    """What ``trainer.kl_ctl = controller`` sets: a KL controller as it is; a number (DeepSpeed-Chat's kl_ctl, a float)
-    as a fixed controller of that coefficient, where the run's controller is a fixed one that the reward reads; else a
-    TypeError or UsageError saying what to assign."""
+    """What ``trainer.kl_ctl = controller`` sets: a FixedKLController or AdaptiveKLController as it is; a number
+    (DeepSpeed-Chat's kl_ctl, a float) as a fixed controller of that coefficient, where the run's controller is a fixed
+    one that the reward reads; else a TypeError or UsageError saying what to assign. Another class of controller is
+    refused: the checkpoints record the controller as args' settings (``kl_controller_settings``) and a resume makes
+    it again from them (``restore_kl_controller``), as one of these two."""
     import math
     import numbers
 
-    if hasattr(controller, "value") and all(callable(getattr(controller, name, None))
-                                            for name in KL_CONTROLLER_METHODS):
+    if isinstance(controller, (algo.FixedKLController, algo.AdaptiveKLController)):
+        if type(controller) not in algo.KL_CONTROLLERS.values():
+            raise UsageError(f"trainer.kl_ctl = {type(controller).__name__}(...): a subclass of "
+                             f"{type(controller).__mro__[1].__name__}, which a resumed run would make from the "
+                             "checkpoint's settings (adaptive_kl, kl_ctl, kl_target, kl_horizon) without its changes; "
+                             "assign a FixedKLController or AdaptiveKLController (dschat.rlhf.algorithms)")
         return controller
     if isinstance(controller, bool) or not isinstance(controller, numbers.Real):
         raise TypeError(f"trainer.kl_ctl = {controller!r}: expected the KL coefficient (a float, as DeepSpeed-Chat's "
-                        "kl_ctl) or a KL controller (dschat.rlhf.algorithms.FixedKLController / AdaptiveKLController: "
-                        f"value, {', '.join(KL_CONTROLLER_METHODS)}), got {type(controller).__name__}")
+                        "kl_ctl) or a KL controller (dschat.rlhf.algorithms.FixedKLController / AdaptiveKLController, "
+                        f"which the checkpoints record as args' adaptive_kl, kl_ctl, kl_target and kl_horizon), got "
+                        f"{type(controller).__name__}")
     if not math.isfinite(controller) or controller < 0:
         raise UsageError(f"trainer.kl_ctl = {controller!r}: the KL coefficient must be a non-negative number")
     if args is not None and kl_in_loss(args):  # (as --kl_ctl is refused there: it would change nothing)
@@ -301,6 +305,44 @@ def kl_controller_assigned(controller, current, args):
                          f"trainer.kl_ctl.value = {controller!r} to go on adapting from that coefficient, or assign "
                          f"dschat.rlhf.algorithms.FixedKLController({controller!r}) to hold it fixed")
     return algo.FixedKLController(controller)
+
+
+def kl_controller_of(args):
+    """The KL controller step 3's flags make (--adaptive_kl, --kl_ctl, --kl_target, --kl_horizon)."""
+    return algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl, args.kl_target,
+                                  args.kl_horizon)
+
+
+def kl_controller_settings(controller):
+    """The step-3 flags that make ``controller`` (``get_kl_controller`` from adaptive_kl, kl_ctl, kl_target,
+    kl_horizon): a fixed one's leave the adaptive settings at their defaults, which --kl_target and --kl_horizon must
+    be without --adaptive_kl."""
+    from dschat.args import step3_parser
+
+    if isinstance(controller, algo.AdaptiveKLController):
+        return {"adaptive_kl": True, "kl_ctl": controller.value, "kl_target": controller.target,
+                "kl_horizon": controller.horizon}
+    parser = step3_parser()
+    return {"adaptive_kl": False, "kl_ctl": controller.value, "kl_target": parser.get_default("kl_target"),
+            "kl_horizon": parser.get_default("kl_horizon")}
+
+
+def record_kl_controller(args, controller, where):
+    """``args`` set to the settings that make ``controller`` (a trainer's, assigned), checked as the flags are, so
+    that the rewards, ``train_rollout``'s adaptive updates (read from args.adaptive_kl), the checkpoints and their
+    resume take the controller the run trains with: an AdaptiveKLController assigned to a fixed run was never
+    updated, and a controller assigned was recorded as the flags' (a resume made the flags' one again, unsaid)."""
+    settings = {name: checked_setting(name, value, where) for name, value in kl_controller_settings(controller).items()
+                if value != getattr(args, name)}
+    if not settings:
+        return
+    wanted = copy.copy(args)
+    vars(wanted).update(settings)
+    try:
+        check_kl_settings(wanted)
+    except UsageError as error:
+        raise UsageError(f"{where}: {error}") from None
+    vars(args).update(settings)
 
 
 class _EngineModel:
@@ -383,7 +425,8 @@ class DeepSpeedPPOTrainer:
 
     DeepSpeed-Chat's attributes ``max_answer_seq_len``, ``clip_reward_value``, ``cliprange``, ``cliprange_value``,
     ``gamma`` and ``lam`` are ``args``' settings (``_ArgsSetting``): assigned, they change what the run reads; so does
-    a coefficient assigned to ``kl_ctl`` (args' kl_ctl: the checkpoints record it).
+    a coefficient or a FixedKLController / AdaptiveKLController assigned to ``kl_ctl`` (args' kl_ctl, adaptive_kl,
+    kl_target, kl_horizon: the checkpoints record them).
     ``z3_enabled``, ``compute_fp32_loss`` and ``end_of_conversation_token_id`` read as there, and are not assigned."""
 
     _said_hand_loop = False  # (class defaults: tests build trainers without __init__)
@@ -413,8 +456,7 @@ class DeepSpeedPPOTrainer:
         self._longest_sized = longest_sequence(getattr(e, "args", None) or args)
         self.pad_token_id = self.tokenizer.pad_token_id
         self.eos_token_id = answer_stop_ids(self.actor_model, self.tokenizer)
-        self.kl_ctl = algo.get_kl_controller("adaptive" if args.adaptive_kl else "fixed", args.kl_ctl,
-                                             args.kl_target, args.kl_horizon)
+        self.kl_ctl = kl_controller_of(args)
         self.hybrid = args.enable_hybrid_engine
         self.align_overflow = check_align_overflow(args)
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(args.pad_to_multiple_of)
@@ -633,14 +675,12 @@ class DeepSpeedPPOTrainer:
     def kl_ctl(self, controller):
         # (DeepSpeed-Chat's kl_ctl is the float coefficient itself: one assigned here failed in compute_rewards with
         # "'float' object has no attribute 'value'")
-        self._kl_ctl = kl_controller_assigned(controller, getattr(self, "_kl_ctl", None), getattr(self, "args", None))
-        if not isinstance(self._kl_ctl, algo.FixedKLController) or self._kl_ctl is controller:
-            return
-        if getattr(self, "args", None) is not None and self.args.kl_ctl != self._kl_ctl.value:
-            # a coefficient assigned is the run's --kl_ctl, as the other settings assigned are (_ArgsSetting): the
-            # checkpoints record it, and a resume with another says so (args' own stayed, the saved coefficient
-            # then dropped for it unsaid)
-            self.args.kl_ctl = self._kl_ctl.value
+        assigned = kl_controller_assigned(controller, getattr(self, "_kl_ctl", None), getattr(self, "args", None))
+        if getattr(self, "args", None) is not None:
+            # the controller assigned is the run's, as the other settings assigned are (_ArgsSetting): args say it, so
+            # the adaptive updates, the checkpoints and a resume take it
+            record_kl_controller(self.args, assigned, f"trainer.kl_ctl = {controller!r}")
+        self._kl_ctl = assigned
 
     def compute_rewards(self, prompts, log_probs, ref_log_probs, reward_score, action_mask):
         """DeepSpeed-Chat's signature: per-token rewards with the KL penalty and the clipped score."""
