@@ -1043,6 +1043,36 @@ def test_a_trainers_settings_are_its_own_args_and_the_engines_are_read_only(grpo
     assert DeepSpeedPPOTrainer(engine=grpo_engine).cliprange == 0.2
 
 
+def test_a_setting_the_engine_was_built_with_changed_on_the_trainers_args_is_an_error_not_ignored(grpo_engine):
+    """trainer.args.actor_learning_rate = 1.0 (or gradient_accumulation_steps, a longer max_answer_seq_len) after the
+    trainer was built changed nothing: the engine's optimizers, accumulation and models were built, and the run went
+    on with them, its checkpoints recording the new value. Generating or training now says so; set back, it runs; a
+    checkpoint's restored learning rate (load_checkpoint) stands for the engine's."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.errors import UsageError
+
+    trainer = DeepSpeedPPOTrainer(engine=grpo_engine)
+    out = trainer.generate_experience(_grpo_prompts(grpo_engine))
+    built = trainer.args.actor_learning_rate
+    trainer.args.actor_learning_rate = 1.0
+    for call in (lambda: trainer.generate_experience(_grpo_prompts(grpo_engine)), lambda: trainer.train_rlhf(out),
+                 lambda: trainer.train_rollout([out])):
+        with pytest.raises(UsageError, match=rf"trainer.args were changed after the trainer was built in settings the "
+                                             rf"engine's .* actor_learning_rate 1.0 \(the engine's: {built!r}\)"):
+            call()
+    trainer.took_restored_flags({"actor_learning_rate": 1.0})  # (a checkpoint's, which DeepSpeed restored)
+    trainer.generate_experience(_grpo_prompts(grpo_engine))
+    trainer.args.actor_learning_rate = built  # (set back: the engine's is no longer what it trains with)
+    with pytest.raises(UsageError, match=r"actor_learning_rate .* \(the engine's: 1.0\)"):
+        trainer.train_rollout([out])
+    trainer.args.actor_learning_rate = 1.0
+    trainer.args.max_answer_seq_len = 100
+    with pytest.raises(UsageError, match=r"--max_prompt_seq_len \+ the longer of .* 140 \(the engine's: 48"):
+        trainer.generate_experience(_grpo_prompts(grpo_engine))
+    trainer.args.max_answer_seq_len = 4  # (shorter: the trainer's to choose)
+    assert trainer.generate_experience(_grpo_prompts(grpo_engine))["action_mask"].shape[1] <= 4
+
+
 def test_deepspeed_chats_trainer_attributes_of_the_engines_build_are_read_not_assigned(grpo_engine):
     """DeepSpeed-Chat's trainer also has z3_enabled, compute_fp32_loss and end_of_conversation_token_id. Here the
     last two were missing (AttributeError), and z3_enabled was a plain copy: assigned, HF's generate synced the ranks,

@@ -888,7 +888,8 @@ def test_notebook_train_rlhf_with_global_token_mean_counts_the_experiences_token
     spent = {k: v.clone() for k, v in out.items()}
     actor_loss, critic_loss = trainer.train_rlhf(out)
     assert torch.isfinite(actor_loss) and torch.isfinite(critic_loss)
-    trainer.args.gradient_accumulation_steps = 2  # which micro-batches share the step: only the caller knows
+    # (an engine that accumulates: which micro-batches share its step, only the caller knows)
+    _, trainer, _ = _engine_and_trainer(trained, tmp_path, loss_agg="global_token_mean", gradient_accumulation_steps=2)
     with pytest.raises(UsageError, match=r"--gradient_accumulation_steps 2: .*num_tokens_global"):
         trainer.train_rlhf(spent)
 
@@ -2027,6 +2028,20 @@ def test_a_kl_controller_assigned_to_the_trainer_is_the_runs_and_resumes_as_it_t
                                          r"per-token reward's KL coefficient"):
         grpo.kl_ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
     grpo.kl_ctl = FixedKLController(grpo.args.kl_ctl)  # (the one it has: nothing changes)
+
+
+def test_a_checkpoints_restored_learning_rate_stands_for_the_engines_in_the_trainers_check(tmp_path):
+    """load_checkpoint sets the learning rates DeepSpeed restored on trainer.args; the trainer's check that its args
+    keep the engine's build settings (``_check_engine_settings_kept``) takes them in place of the engine's."""
+    from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+
+    saved = _controller_trainer(tmp_path)
+    save_checkpoint(saved, str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    resumed = _controller_trainer(tmp_path, ["--actor_learning_rate", "3e-6"])
+    load_checkpoint(resumed, str(tmp_path))
+    rate = saved.args.actor_learning_rate
+    assert resumed.args.actor_learning_rate == rate != 3e-6
+    assert resumed._taken_engine_settings == {"actor_learning_rate": rate}
 
 
 def test_resuming_an_adaptive_run_whose_checkpoint_fed_its_controller_k1_says_so(tmp_path, capsys):

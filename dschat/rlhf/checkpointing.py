@@ -167,7 +167,10 @@ def load_checkpoint(trainer, root, plan=None, train_loader=None):
     for engine in engines:
         restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     restore_kl_controller(trainer.kl_ctl, state.pop("kl_ctl"))
+    restored = dict(state.get("restored", {}))
     take_restored_flags(state, getattr(trainer, "args", None))  # (set where the checks had flags to compare)
+    if restored and hasattr(trainer, "took_restored_flags"):  # (the trainer's args hold them, not the engine's)
+        trainer.took_restored_flags(restored)
     if hasattr(trainer.actor_model, "mark_weights_stale"):
         trainer.actor_model.mark_weights_stale()
     return state

@@ -65,19 +65,29 @@ def check_engine_settings(args, engine_args):
     """A trainer's own ``args`` (``DeepSpeedPPOTrainer(engine, args)`` with other settings than the engine's) may
     change what the trainer alone reads (the PPO loss, sampling, KL, epochs) and generate shorter sequences, not what
     the engine was built with (``ENGINE_SETTINGS``, ``ENGINE_BUILT``); else a UsageError naming them."""
-    differ = [f"{name} {getattr(args, name)!r} (the engine's: {getattr(engine_args, name)!r})"
-              for name in ENGINE_SETTINGS if getattr(args, name) != getattr(engine_args, name)]
+    differ = engine_settings_differing(args, engine_args)
+    if differ:
+        raise UsageError(f"DeepSpeedPPOTrainer(rlhf_engine, args): args differ from the settings the engine's models, "
+                         f"optimizers and generation were built with: {'; '.join(differ)}. Give the engine's args "
+                         "(args=None takes them; a copy changing only the trainer's settings: {**vars(engine.args), "
+                         "'ppo_epochs': 2}), or build an engine with these")
+
+
+def engine_settings_differing(args, engine_args, taken=None):
+    """What of ``args`` differs from the settings the engine was built with (``engine_args``), each as "name value
+    (the engine's: ...)"; ``taken``: {setting: value} that stand for the engine's (a checkpoint's restored learning
+    rates, ``took_restored_flags``)."""
+    taken = taken or {}
+    built = {name: taken.get(name, getattr(engine_args, name)) for name in ENGINE_SETTINGS}
+    differ = [f"{name} {getattr(args, name)!r} (the engine's: {value!r})"
+              for name, value in built.items() if getattr(args, name) != value]
     differ += [f"{name} {getattr(args, name)!r} (the engine's: {getattr(engine_args, name)!r}, built "
                f"{_with(builds(engine_args))} {what})" for name, what, builds in ENGINE_BUILT
                if builds(args) != builds(engine_args)]
     if longest_sequence(args) > longest_sequence(engine_args):
         differ.append(f"{LONGEST_SEQUENCE_FLAGS} {longest_sequence(args)} (the engine's: "
                       f"{longest_sequence(engine_args)}, which its models were checked and sized for)")
-    if differ:
-        raise UsageError(f"DeepSpeedPPOTrainer(rlhf_engine, args): args differ from the settings the engine's models, "
-                         f"optimizers and generation were built with: {'; '.join(differ)}. Give the engine's args "
-                         "(args=None takes them; a copy changing only the trainer's settings: {**vars(engine.args), "
-                         "'ppo_epochs': 2}), or build an engine with these")
+    return differ
 
 
 def _with(present):
@@ -487,6 +497,26 @@ class DeepSpeedPPOTrainer:
                              f"{longest_sequence(wanted)}, longer than the {longest} the engine's models were checked "
                              "and sized for; build the engine with the longer max_answer_seq_len")
 
+    def _check_engine_settings_kept(self, call):
+        """Before ``call`` generates or trains: ``trainer.args`` still hold the settings the engine built its models,
+        optimizers and generation from. Changed after the trainer was built (``trainer.args.actor_learning_rate =
+        1e-6``, ``gradient_accumulation_steps``, a longer ``max_answer_seq_len``), the run went on with the engine's,
+        its checkpoints recording the new value."""
+        engine_args = getattr(self.__dict__.get("rlhf_engine"), "args", None)
+        if engine_args is None:  # (a test's stand-in)
+            return
+        differ = engine_settings_differing(self.args, engine_args, getattr(self, "_taken_engine_settings", None))
+        if differ:
+            raise UsageError(f"{call}: trainer.args were changed after the trainer was built in settings the engine's "
+                             f"models, optimizers and generation were built with, which the run would go on with: "
+                             f"{'; '.join(differ)}. Set them back (trainer.args.<name> = the engine's), or build a "
+                             "DeepSpeedRLHFEngine with them and a trainer on it")
+
+    def took_restored_flags(self, restored):
+        """``load_checkpoint``'s: the settings DeepSpeed restored from a checkpoint (its learning rates), which
+        ``trainer.args`` now hold in place of the engine's."""
+        self._taken_engine_settings = {**getattr(self, "_taken_engine_settings", {}), **restored}
+
     # --- experience ---------------------------------------------------------------------------------------
     def _generate_sequence(self, prompts, mask):
         """Answers of the actor, as full sequences (prompt + answer, padded after EOS), and with
@@ -521,6 +551,7 @@ class DeepSpeedPPOTrainer:
         values) is there with a critic (GAE) only: every value of the dict is a tensor of the batch's rows, so
         DeepSpeed-Chat's ``MiniDataset`` slices it for any estimator.
         """
+        self._check_engine_settings_kept("generate_experience")
         batch, prompts, mask = self._checked_prompts(prompts, mask)
         self.eval()
         t0 = time.time()
@@ -739,6 +770,7 @@ class DeepSpeedPPOTrainer:
             raise UsageError(f"train_rlhf takes one generate_experience output (a dict), not a "
                              f"{type(inputs).__name__}: train_rlhf(out); a list of them is step 3's PPO iteration, "
                              "train_rollout([out, ...])")
+        self._check_engine_settings_kept("train_rlhf")
         self._note_hand_loop(inputs)
         return self._ppo_step(inputs)
 
@@ -949,6 +981,7 @@ class DeepSpeedPPOTrainer:
         ("actor_skipped_steps", "critic_skipped_steps"; None for a model that did not train), and the micro-batches
         (of all epochs) that the step stats are means over ("stats_micro_batches": those with a token in the loss)."""
         experiences = checked_rollout(experiences)
+        self._check_engine_settings_kept("train_rollout")
         if not train_actor and self.critic_model is None:
             raise UsageError("train_rollout(train_actor=False) trains the critic alone, and this trainer has none")
         if unsup_batches and not hasattr(self, "train_unsupervised"):
