@@ -2044,6 +2044,22 @@ def test_a_checkpoints_restored_learning_rate_stands_for_the_engines_in_the_trai
     assert resumed._taken_engine_settings == {"actor_learning_rate": rate}
 
 
+def test_a_fixed_coefficient_changed_in_place_is_the_one_a_checkpoint_records(tmp_path, capsys):
+    """trainer.kl_ctl.value = 0.05 on a fixed controller trained with 0.05 while args kept --kl_ctl 0.1: the
+    checkpoint recorded 0.1, and a resume with the flags' 0.1 went on with it, the change unsaid."""
+    from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+
+    trainer = _controller_trainer(tmp_path)
+    trainer.kl_ctl.value = 0.05
+    save_checkpoint(trainer, str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    assert trainer.args.kl_ctl == 0.05
+    saved = json.loads(next(tmp_path.rglob("state.json")).read_text())
+    assert saved["flags"]["kl_ctl"] == 0.05
+    capsys.readouterr()
+    load_checkpoint(_controller_trainer(tmp_path), str(tmp_path))
+    assert "--kl_ctl 0.05 -> 0.1: the rest of the run trains with the new value" in capsys.readouterr().out
+
+
 def test_resuming_an_adaptive_run_whose_checkpoint_fed_its_controller_k1_says_so(tmp_path, capsys):
     """The adaptive controller now follows the reward penalty's estimator (kl_per_answer); a checkpoint of before
     (no record of it) fed it the k1 sum, and its resume went on measuring the KL another way unsaid (k2's and abs'

@@ -101,6 +101,7 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     """Save everything a resumed run needs; ``position`` = {"iteration", "epoch", "batch"} (next to run) and
     "unsup_batches" (unsupervised batches consumed so far, skipped on resume)."""
     tag = tag_of("iter", position["iteration"])
+    record_fixed_coefficient(trainer)
     clear_tag(root, tag)
     with writes_said_on_a_full_disk(root):
         trainer.actor_model.save_checkpoint(os.path.join(root, ACTOR), tag=tag, save_latest=False)
@@ -117,6 +118,17 @@ def save_checkpoint(trainer, root, position, keep_last=2):
                                        **_tokenizer_of(trainer)}, trainer.generator)
     publish(root, tag, keep_last)
     return tag
+
+
+def record_fixed_coefficient(trainer):
+    """A fixed KL controller's coefficient changed in place (``trainer.kl_ctl.value = 0.05``) is the run's --kl_ctl,
+    as one assigned is: its checkpoint recorded args' (0.1), and a resume made that one again, the 0.05 dropped
+    unsaid. (An adaptive controller's coefficient is its saved state; where the KL is a loss term it weighs nothing.)"""
+    from dschat.rlhf.config import kl_in_loss
+
+    controller, args = trainer.kl_ctl, trainer.args
+    if isinstance(controller, algo.FixedKLController) and not args.adaptive_kl and not kl_in_loss(args):
+        args.kl_ctl = controller.value
 
 
 def _tokenizer_of(trainer):
