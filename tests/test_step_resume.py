@@ -1638,3 +1638,43 @@ def test_a_resume_with_another_tokenizer_than_the_checkpoints_is_an_error_naming
     with pytest.raises(UsageError, match=r"1008 tokens \(bos .*\) then, 1009 tokens \(bos .*, extra_special "
                                          r"\['<tool>'\], .*\) now"):
         reward.main([*common, "--max_steps", "3", "--resume"])
+
+
+def test_fitting_a_universal_copy_on_a_full_disk_leaves_no_half_written_file_a_later_resume_takes_as_made(
+        tmp_path, monkeypatch):
+    """fit_universal_copy adds the model-states file of the name the new stage reads where it is missing; copied (no
+    hard link: another file system) onto its own name, a full disk left it half-written, and the next resume, seeing
+    it, loaded a truncated file. Written whole, a failed copy leaves nothing, and the next fitting makes it."""
+    import errno
+
+    from deepspeed.checkpoint.constants import DS_VERSION, PARAM
+
+    from dschat.utils import checkpoints
+
+    folder = tmp_path / "step_0000002_universal"
+    (folder / "zero" / "w").mkdir(parents=True)
+    torch.save({"lr_scheduler": {"step": 2}, DS_VERSION: "0.19.8"}, folder / checkpoints.MODEL_STATES)
+    torch.save({DS_VERSION: "0.19.8", "param_groups": [{"lr": 1e-3}]}, folder / "zero" / "optimizer_state.pt")
+    torch.save(torch.tensor(2.0), folder / "zero" / "w" / "step.pt")
+    torch.save({PARAM: torch.ones(3)}, folder / "zero" / "w" / "fp32.pt")
+
+    def no_link(source, target):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    def full_disk_copy(source, target):
+        with open(source, "rb") as src, open(target, "wb") as out:
+            out.write(src.read(10))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints.os, "link", no_link)
+    monkeypatch.setattr(checkpoints.shutil, "copy2", full_disk_copy)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoints.fit_universal_copy(str(folder), 3)
+    assert sorted(os.listdir(folder)) == [checkpoints.MODEL_STATES, "zero"]
+
+    monkeypatch.undo()
+    checkpoints.fit_universal_copy(str(folder), 3)
+    fitted = torch.load(folder / checkpoints.UNIVERSAL_MODEL_STATES[3], weights_only=False)
+    assert fitted == {"lr_scheduler": {"step": 2}, DS_VERSION: "0.19.8"}
+    optimizer = torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False)
+    assert optimizer["optimizer_state_dict"]["state"][0]["step"] == 2.0

@@ -465,15 +465,27 @@ def _wrap_bare_tensors(folder):
 
 
 def _save_atomic(states, path):
-    torch.save(states, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    _written_whole(path, lambda temp: torch.save(states, temp))
 
 
 def _link_or_copy(source, target):
     try:
         os.link(source, target)
     except OSError:
-        shutil.copy2(source, target)
+        _written_whole(target, lambda temp: shutil.copy2(source, temp))
+
+
+def _written_whole(path, write):
+    """``write(temp)`` of a temporary name beside ``path``, then moved onto it: a write that fails midway (a full disk)
+    leaves no half-written file, which the fitting of a later resume would take as made (it adds what is missing)."""
+    temp = path + ".tmp"
+    try:
+        write(temp)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
 
 def remove_universal_copies(root, plan, step):
