@@ -66,3 +66,25 @@ def test_shards_whose_objects_order_their_keys_otherwise_are_read_as_written(tmp
     raw = LocalDataset(resolve_local_spec(f"jsonl:{tmp_path / 'download'}"), None, 0, -1, {})
     calls = [raw.get_chosen_text(sample).tool_calls for sample in raw.raw_datasets["train"]]
     assert [list(call[0]["function"]["arguments"]) for call in calls] == [["city", "unit"], ["unit", "city"]]
+
+
+def test_a_jsonl_file_of_objects_is_searched_for_reordered_keys_a_line_at_a_time(tmp_path, monkeypatch):
+    """Every JSON Lines file with a column of objects (messages) was read whole a second time, as the json module's
+    objects, to look for a reordered one: a large file of messages held its records twice over in memory (beside
+    the text and its lines) where datasets' own columns were kept. It is read a line at a time now; only a file
+    with a reordered object (or a column of mixed types) is read whole, to be rebuilt."""
+    from dschat.data import local
+
+    def read_whole(kind, path):
+        raise AssertionError(f"{path} read whole")
+
+    monkeypatch.setattr(local, "_json_records", read_whole)
+    same = [record("Weather in Paris?", {"city": "Paris", "unit": "c"}),
+            record("Weather in Rome?", {"city": "Rome", "unit": "f"})]
+    _, samples = read(tmp_path, "jsonl", same)
+    assert list(samples[1]["messages"][1]["tool_calls"][0]["function"]["arguments"]) == ["city", "unit"]
+
+    monkeypatch.undo()  # (a reordered one: read whole and rebuilt, as written)
+    other = [same[0], record("Weather in Rome, in F?", {"unit": "f", "city": "Rome"})]
+    raw, samples = read(tmp_path, "jsonl", other)
+    assert list(raw.get_chosen_text(samples[1]).tool_calls[0]["function"]["arguments"]) == ["unit", "city"]

@@ -1020,11 +1020,24 @@ def _as_written(kind, path, data):
     structs = [name for name, feature in data.features.items() if _holds_struct(feature)]
     if not mixed and not (structs and _json_type_available()):  # (a datasets without Json: as Arrow's, said there)
         return data
-    records = _json_records(kind, path)
+    # (read whole only where rebuilt: a large file of messages, searched for a reordered object, is read a line at a
+    # time, not held as the json module's objects beside datasets' own)
+    records = _json_records(kind, path) if mixed else _streamed_json_records(kind, path)
     reordered = _reordered_struct_columns(records, data.features, structs)
     if not mixed and not reordered:
         return data
-    return _exact_json_dataset(kind, path, data.features, records, also=reordered)
+    return _exact_json_dataset(kind, path, data.features, records if mixed else None, also=reordered)
+
+
+def _streamed_json_records(kind, path):
+    """``_json_records`` one record at a time for a JSON Lines file (a .json file: whole, as it was checked)."""
+    if kind != "jsonl":
+        yield from _json_records(kind, path)
+        return
+    with open(path, encoding=text_encoding(path), newline="\n") as f:  # ("\n" alone ends a line: _json_records)
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
 
 
 def _holds_struct(feature):
@@ -1043,8 +1056,11 @@ def _reordered_struct_columns(records, features, names):
     Arrow keeps one struct per column, its keys in the order it met them first: a later record's object of the same
     keys in another order came back in the first one's, so a tool call's arguments {"unit": "f", "city": "Rome"} were
     trained as {"city": "Rome", "unit": "f"} (``arguments | tojson``), and tool schemas' properties so too."""
-    return {name for name in names
-            if any(_keys_reordered(record.get(name), features[name]) for record in records)}
+    reordered = set()
+    for record in records:  # (one pass: ``records`` may be read as they go)
+        reordered |= {name for name in names
+                      if name not in reordered and _keys_reordered(record.get(name), features[name])}
+    return reordered
 
 
 def _keys_reordered(value, feature):
