@@ -57,6 +57,19 @@ def test_a_mapping_of_no_dataset_is_the_others_and_the_old_form_still_reads(tmp_
     assert parse_field_map("prompt=a;b,chosen=c") == {"prompt": "a;b", "chosen": "c"}  # (a ';' in a column's name)
 
 
+@pytest.mark.parametrize("fields, mapping", [
+    ("prompt=x;y:z", {"prompt": "x;y:z"}),
+    ("prompt=a;b:c,chosen=d", {"prompt": "a;b:c", "chosen": "d"}),
+    ("prompt=Q;A: text,chosen=d", {"prompt": "Q;A: text", "chosen": "d"}),
+])
+def test_the_old_form_with_a_column_named_with_a_semicolon_then_a_colon_reads_as_before(fields, mapping):
+    """A ';' then a ':' in a column's name, before no field's '=', read as a dataset's mapping: the old form's column
+    "x;y:z" was an error ("item 'z' must look like 'prompt=question'"). Only a field's name after the ':' (or a
+    ':' that ends the group) makes a dataset."""
+    assert parse_data_fields(fields).by_dataset == {}
+    assert parse_field_map(fields) == mapping
+
+
 @pytest.mark.parametrize("fields, said", [
     ("{qa}:prompt=question;jsonl:elsewhere.jsonl:prompt=instruction", r"'jsonl:elsewhere.jsonl' is not a dataset of"),
     ("{qa}:prompt=question;{qa}:chosen=answer", r"the dataset '.*qa.jsonl' is given two mappings"),

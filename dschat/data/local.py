@@ -194,9 +194,17 @@ def parse_data_fields(text):
 
 
 def _names_a_dataset(group):
-    """Whether a group of --data_fields starts with its dataset: a ':' before its first '=' (a field's name has
-    none)."""
-    return ":" in group.partition("=")[0]
+    """Whether a group of --data_fields starts with its dataset: a field's name between a ':' and its first '='
+    (``SPEC:prompt=...``), or a ':' that ends it (``SPEC:``, renaming nothing). Another ':' is a column's name of the
+    old form: "prompt=x;y:z" renames the prompt to the column "x;y:z", as before the per-dataset form."""
+    head, sep, _ = group.partition("=")
+    if not sep:
+        return group.rstrip().endswith(":")
+    spec, colon, key = head.rpartition(":")
+    return bool(colon and spec.strip()) and _FIELD_NAME.fullmatch(key.strip()) is not None
+
+
+_FIELD_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 def _dataset_and_mapping(group):
