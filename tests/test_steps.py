@@ -1555,6 +1555,29 @@ def test_train_py_multi_node_quotes_the_line_each_nodes_shell_reads(tmp_path):
     assert argv[-len(given) - 1:] == [str(REPO / "train.py"), *given]
 
 
+def test_train_py_multi_node_exports_deepspeed_env_lines_as_shell_text_and_its_own_values_as_they_are(
+        tmp_path, monkeypatch):
+    """The quoting launcher quoted .deepspeed_env's values too, where DeepSpeed's gave them to the node's shell in
+    double quotes: HF_HOME=$HOME/hf (the README's advice: HF_HOME in .deepspeed_env) reached the ranks as the folder
+    "$HOME/hf", where it was the node's home before. The file's lines go as DeepSpeed gives them; the launching
+    shell's own values (PYTHONPATH of a folder with a $) stay as they are."""
+    from deepspeed.launcher import runner
+
+    from dschat.utils.launcher import QuotedPDSHRunner
+
+    (tmp_path / ".deepspeed_env").write_text("HF_HOME=$HOME/hf cache\nNCCL_DEBUG=INFO\n")
+    monkeypatch.setattr(runner, "DEEPSPEED_ENVIRONMENT_PATHS", [str(tmp_path)])
+    launcher = QuotedPDSHRunner.__new__(QuotedPDSHRunner)
+    launcher.exports = {}
+    launcher.add_export("PYTHONPATH", "/work/$USER dir")  # (runner.main: the launching shell's, first)
+    for line in (tmp_path / ".deepspeed_env").read_text().splitlines(keepends=True):  # (then the file's, as it reads)
+        launcher.add_export(*line.split("=", maxsplit=1))
+    exports = "".join(f"export {key}={value}; " for key, value in launcher.exports.items())  # (PDSHRunner.get_cmd's)
+    node = subprocess.run(["sh", "-c", exports + 'echo "$PYTHONPATH|$HF_HOME|$NCCL_DEBUG"'], capture_output=True,
+                          text=True, timeout=60, env={"PATH": os.environ["PATH"], "HOME": "/home/n", "USER": "u"})
+    assert node.stdout.strip() == "/work/$USER dir|/home/n/hf cache|INFO", node.stderr
+
+
 def test_train_py_multi_node_without_its_hostfile_is_an_error_not_a_single_node_run(tmp_path, monkeypatch):
     # the deepspeed launcher falls back to this node alone when the hostfile is missing: a typo must not do that
     import runpy

@@ -5,7 +5,8 @@ pdsh joins the words it is given with spaces and each node's shell reads the lin
 a shell. DeepSpeed 0.19's PDSHRunner left the working directory (``cd /path;``), the interpreter and the script bare,
 put the exported variables and an argument with a space in double quotes (where the shell still expands ``$``,
 backquotes and backslashes) and an argument without a space bare: a folder with a space or a ``$`` in its name, or
-``--step1-args "--data_path $HOME/x"``, reached the ranks as other words, or made the node's shell fail.
+``--step1-args "--data_path $HOME/x"``, reached the ranks as other words, or made the node's shell fail. The lines of
+``.deepspeed_env`` stay shell text, as DeepSpeed gives them (``HF_HOME=$HOME/hf`` is the node's home).
 """
 import os
 import shlex
@@ -21,11 +22,27 @@ class QuotedPDSHRunner(multinode_runner.PDSHRunner):
         return [shlex.quote(arg) for arg in self.args.user_args]
 
     def add_export(self, key, var):
-        self.exports[key.strip()] = shlex.quote(var.strip())  # (stripped as DeepSpeed's: .deepspeed_env's lines)
+        if (key.strip(), var.strip()) in environment_file_lines():
+            # a .deepspeed_env line is shell text, as DeepSpeed gives it the node (HF_HOME=$HOME/hf: the node's home)
+            super().add_export(key, var)
+        else:  # the launching shell's own value, as it is (stripped as DeepSpeed's)
+            self.exports[key.strip()] = shlex.quote(var.strip())
 
     def get_cmd(self, environment, active_resources):
         cmd, kill_cmd, environment = super().get_cmd(environment, active_resources)
         return quoted_remote_words(cmd, self.user_script, len(self.user_arguments)), kill_cmd, environment
+
+
+def environment_file_lines():
+    """The (name, value) lines of the .deepspeed_env files DeepSpeed's runner exports, read as it reads them."""
+    lines = set()
+    for folder in runner.DEEPSPEED_ENVIRONMENT_PATHS:
+        path = os.path.join(folder, runner.DEEPSPEED_ENVIRONMENT_NAME)
+        if os.path.isfile(path):
+            with open(path) as f:
+                lines |= {(key.strip(), value.strip()) for key, sep, value in (line.partition("=") for line in f)
+                          if sep}
+    return lines
 
 
 def quoted_remote_words(cmd, script, user_words):
