@@ -474,3 +474,41 @@ def test_a_run_rewarded_by_a_function_alone_is_said_to_have_no_reward_model(tmp_
     record.write_text(json.dumps({"step": "step3", "flags": {"reward_fn": "tiny", "reward_model_weight": 1.0}}))
     with pytest.raises(MissingInputError, match="no model in this folder: expected .*step2_rm"):
         find_reward_model_path(str(tmp_path))
+
+
+def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_one_file(reward_model, tmp_path, capsys, monkeypatch):
+    """A step-2 run on one file (no eval file): rw_eval took that file as its --pairs_file and scored all of it (or its
+    first --num_pairs), pairs step 2 trained on among them, an accuracy unlike the one step 2 reported. It scores the
+    pairs step 2 evaluated on now: phase 2's share, by the run's --data_split, of the 10% its --seed holds out."""
+    import shutil
+
+    from dschat.data import create_prompt_dataset
+    from dschat.models.loading import load_tokenizer
+    from dschat.steps.common import RUN_ARGS_FILE
+    from dschat.tools import rw_eval
+
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": f"Name color {i}.", "chosen": f"red {i}", "rejected": f"no {i}"}) + "\n"
+        for i in range(60)))
+    trained = tmp_path / "step2_rm"
+    shutil.copytree(reward_model, trained)
+    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(tmp_path), "flags": {
+        "data_path": ["jsonl:pairs.jsonl"], "data_split": "2,4,4", "seed": 7, "max_seq_len": 64}}))
+    scored = []
+    monkeypatch.setattr(rw_eval, "score_sequences", lambda model, tokenizer, sequences, batch_size:
+                        scored.extend(sequences) or [0.0] * len(sequences))
+    monkeypatch.chdir(tmp_path / "step2_rm")  # (the run's file is found from its cwd, not this folder)
+    result = rw_eval.main(["--model_name_or_path", str(trained), "--num_pairs", "0"])
+
+    _, held_out = create_prompt_dataset(0, [f"jsonl:{tmp_path / 'pairs.jsonl'}"], "2,4,4", str(tmp_path / "cache"), 2,
+                                        7, load_tokenizer(reward_model), 64)
+    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
+    assert len(result["pairs"]) == len(held_out) < 60
+    assert sorted(scored[:len(result["pairs"])]) == step2_pairs  # (the chosen answers' sequences, then the rejected)
+    out = capsys.readouterr().out
+    assert "--data_split 2,4,4 --seed 7" in out and "step 2's held-out pairs" in out and "--seed 7 holds out" in out
+    # given with --prompt, which reads no pairs, --data_split is an error
+    with pytest.raises(SystemExit):
+        rw_eval.main(["--model_name_or_path", str(trained), "--prompt", "Say hi.", "--answer", "hi",
+                      "--data_split", "2,4,4"])
+    assert "--data_split 2,4,4: it chooses step 2's held-out pairs" in capsys.readouterr().err

@@ -58,9 +58,34 @@ def load_records(path, data_fields=None, limit=None):
     samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
     part = " (its eval part)" if held_out is not None else ""
     print(f"[dschat] {counted(len(samples), 'record')} of {path}{part}")
+    return [as_record(raw, sample) for sample in samples]
+
+
+def as_record(raw, sample):
     # (a conversation awaiting its answer has no chosen one)
-    return [Record(raw.get_conversation(s), read_or_none(raw.get_chosen_text, s), raw.get_rejected_text(s))
-            for s in samples]
+    return Record(raw.get_conversation(sample), read_or_none(raw.get_chosen_text, sample), raw.get_rejected_text(sample))
+
+
+def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None):
+    """The records step ``phase`` evaluated on (``pipeline.build_and_save``'s eval share): phase ``phase``'s share by
+    ``data_split`` of the eval part of the data ``spec`` (``tiny`` too), its eval file, else the 10% of its file that
+    ``seed`` holds out, which no step trains on; the first ``limit``. Said on stdout. ``load_records`` of a file
+    without an eval file read the whole file, records the step trained on among them."""
+    from dschat.data.local import parse_field_map
+    from dschat.data.raw_datasets import get_raw_dataset
+    from dschat.data.splits import check_phase_share, get_raw_dataset_split_index
+
+    check_phase_share(data_split, phase)
+    raw = get_raw_dataset(spec, None, seed, -1, **parse_field_map(data_fields))
+    held_out = raw.get_eval_data()
+    share = held_out.select(get_raw_dataset_split_index(-1, None, raw.dataset_name_clean, seed, "eval", data_split,
+                                                        phase - 1, len(held_out)))
+    samples = list(islice(share, limit))
+    eval_part = "its eval part" if raw.raw_datasets.get("eval") is not None else f"the 10% --seed {seed} holds out"
+    first = f" (the first of {len(share)})" if len(samples) < len(share) else ""
+    print(f"[dschat] {counted(len(samples), 'record')} of {spec}{first}: step {phase}'s held-out pairs, phase "
+          f"{phase}'s share by --data_split {data_split} of {eval_part}")
+    return [as_record(raw, sample) for sample in samples]
 
 
 def check_data_fields_read(parser, data_fields, file_flag, file_read):

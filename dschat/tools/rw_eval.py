@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from dschat.args import non_negative_int, positive_int
+from dschat.args import non_negative_int, positive_int, seed_int
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data import pipeline
@@ -21,8 +21,9 @@ from dschat.rlhf.dpo import preference_accuracy, preference_ties
 from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8, find_reward_model_path,
                                  flag_path, load_scoring_reward_model, non_empty_path, one_process,
                                  parse_with_run_defaults, tool_prompt)
-from dschat.tools.records import (check_count_read, check_data_fields_read, load_records, prompt_record,
-                                  tiny_held_out_records)
+from dschat.data.raw_datasets import TINY_NAME
+from dschat.tools.records import (check_count_read, check_data_fields_read, load_phase_held_out, load_records,
+                                  prompt_record, tiny_held_out_records)
 
 RULE = "=" * 30
 
@@ -143,6 +144,14 @@ def build_parser():
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
+    parser.add_argument("--data_split", default=None,
+                        help="Score step 2's held-out pairs of --pairs_file: phase 2's share by this split (as step "
+                             "2's, e.g. 2,4,4) of its eval file, else of the 10%% of the file --seed holds out. "
+                             "Default: the step-2 run's, with its --data_path as --pairs_file (its reported accuracy's "
+                             "pairs); else none: the eval file, else all of --pairs_file.")
+    parser.add_argument("--seed", type=seed_int, default=1234,
+                        help="Step 2's seed, which holds out 10%% of a file without an eval file (with --data_split; "
+                             "default: the step-2 run's, else %(default)s).")
     parser.add_argument("--num_pairs", type=non_negative_int, default=64,
                         help="At most this many pairs (0: all; default: %(default)s).")
     parser.add_argument("--max_seq_len", type=positive_int, default=None,
@@ -161,9 +170,10 @@ def build_parser():
 def step2_run_defaults(args):
     """--max_seq_len and --add_eot_token as the step-2 run that wrote the model trained with (its training_args.json),
     so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt, its one local
-    --data_path (its eval file where it has one) with its --data_fields, not the embedded pairs."""
+    --data_path (or the embedded data) with its --data_fields, --data_split and --seed: the pairs step 2 held out and
+    reported its accuracy on. (The file alone, where it has no eval file, was read whole: pairs step 2 trained on.)"""
     from dschat.data.pipeline import as_list
-    from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME, anchored_data_path, resolve_dataset_spec
+    from dschat.data.raw_datasets import HUB_DATASETS, anchored_data_path, resolve_dataset_spec
     from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 
     path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
@@ -173,18 +183,23 @@ def step2_run_defaults(args):
     trained = run["flags"]
     defaults = {name: trained[name] for name in ("max_seq_len", "add_eot_token") if trained.get(name)}
     data = as_list(anchored_data_path(trained.get("data_path") or [], run.get("cwd")))
-    if args.pairs_file is None and args.prompt is None and len(data) == 1 and data[0] not in (*HUB_DATASETS, TINY_NAME):
+    if args.pairs_file is None and args.prompt is None and len(data) == 1 and data[0] not in HUB_DATASETS:
         try:
             resolve_dataset_spec(data[0])
         except UsageError as error:  # (moved or deleted since: said so, not as a flag the user gave)
             raise UsageError(f"{error} (the data of step 2, from {os.path.join(path, RUN_ARGS_FILE)}): give "
                              "--pairs_file, or --prompt and --answer") from None
         defaults["pairs_file"] = data[0]
+        # its split and seed go with its file (which pairs step 2 held out)
+        defaults.update({name: trained[name] for name in ("data_split", "seed")
+                         if trained.get(name) not in (None, "")})  # (a seed of 0 too)
         if trained.get("data_fields"):  # its field names go with its file (its own, where given per dataset)
             from dschat.data.local import DataFields, parse_data_fields
 
             spec = as_list(trained["data_path"])[0]
             defaults["data_fields"] = DataFields(parse_data_fields(trained["data_fields"]).for_spec(spec), {}).as_text()
+        if data[0] == TINY_NAME and "data_split" not in defaults:  # (the embedded held-out pairs, as before)
+            del defaults["pairs_file"]
     return defaults, os.path.abspath(os.path.join(path, RUN_ARGS_FILE))
 
 
@@ -218,8 +233,23 @@ def parse_args(argv=None):
     check_count_read(parser, argv, "--num_pairs", "--prompt and its --answer", given.prompt is not None)
     args = parse_with_run_defaults(parser, argv, step2_run_defaults, "rw_eval")
     check_data_fields_read(parser, args.data_fields, "--pairs_file", args.pairs_file and args.prompt is None)
+    if args.prompt is not None and args.data_split is not None:  # (it chooses pairs of a file; none is read)
+        parser.error(f"--data_split {args.data_split}: it chooses step 2's held-out pairs of --pairs_file, which is "
+                     "not read with --prompt: leave it out")
     args.max_seq_len = args.max_seq_len or 512
     return args, parser
+
+
+def read_pairs(args):
+    """The records whose pairs are scored: step 2's held-out share with --data_split (``load_phase_held_out``), else
+    --pairs_file's eval part (all of it without one), else the embedded held-out pairs."""
+    limit = args.num_pairs or None
+    if args.data_split is not None:
+        return load_phase_held_out(args.pairs_file or TINY_NAME, args.data_fields, args.data_split, args.seed, 2,
+                                   limit)
+    if args.pairs_file:
+        return load_records(args.pairs_file, args.data_fields, limit)
+    return tiny_held_out_records(limit)
 
 
 @one_process
@@ -230,9 +260,7 @@ def main(argv=None):
     from dschat.models.loading import check_fits_before_loading, check_sequence_fits, load_tokenizer
 
     path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
-    records = None if args.prompt else (  # read (and checked) before the model loads
-        load_records(args.pairs_file, args.data_fields, args.num_pairs or None) if args.pairs_file
-        else tiny_held_out_records(args.num_pairs or None))
+    records = None if args.prompt else read_pairs(args)  # (read and checked before the model loads)
     if records is not None:
         check_some_pair(records, args.pairs_file)
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
