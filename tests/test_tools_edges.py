@@ -512,3 +512,27 @@ def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_one_file(reward_model, 
         rw_eval.main(["--model_name_or_path", str(trained), "--prompt", "Say hi.", "--answer", "hi",
                       "--data_split", "2,4,4"])
     assert "--data_split 2,4,4: it chooses step 2's held-out pairs" in capsys.readouterr().err
+
+
+def test_rw_eval_says_an_answer_max_seq_len_cut_before_scoring_it(reward_model, tmp_path, capsys):
+    """An answer longer than --max_seq_len is scored on its first tokens alone, as step 2 scores it: two answers alike
+    up to the cut got the same score, and rw_eval printed each whole beside it without a word of the cut."""
+    from dschat.tools import rw_eval
+
+    long = "red, " * 40
+    result = rw_eval.main(["--model_name_or_path", reward_model, "--prompt", "Name a color.", "--max_seq_len", "32",
+                           "--answer", long + "and blue.", "--answer", long + "no.", "--answer", "red"])
+    assert result["scores"][0] == result["scores"][1]  # (what the note is for: the ends differ, unread)
+    kept, total = result["cut"][0]
+    assert 0 < kept < total and result["cut"][2] is None
+    out = capsys.readouterr().out
+    assert f"score {result['scores'][0]:+.4f} (its first {kept} of {total} tokens: cut to fit --max_seq_len 32): " \
+           f"{long}and blue." in out
+    assert f"score {result['scores'][2]:+.4f}: red" in out
+
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("".join(json.dumps({"prompt": "Name a color.", "chosen": c, "rejected": r}) + "\n"
+                                  for c, r in ((long + "and blue.", "no"), ("red", "no"))))
+    pairs = rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", str(pairs_file), "--max_seq_len", "32"])
+    assert pairs["cut"] == 1 and len(pairs["pairs"]) == 2
+    assert "; 1 pair scored with an answer cut to fit --max_seq_len 32 (as in step 2)" in capsys.readouterr().out

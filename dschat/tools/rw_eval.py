@@ -31,34 +31,44 @@ RULE = "=" * 30
 def reward_input_ids(tokenizer, messages_and_answers, max_seq_len, skip_long=False):
     """Token ids of ``prompt + answer + eot`` per (prompt messages, answer), built by step 2's tokenizer code.
     A prompt that leaves no room for an answer is an error, or None with ``skip_long`` (step 2 skips it)."""
+    return [None if sequence is None else sequence[0]
+            for sequence in reward_sequences(tokenizer, messages_and_answers, max_seq_len, skip_long)]
+
+
+def reward_sequences(tokenizer, messages_and_answers, max_seq_len, skip_long=False):
+    """``reward_input_ids``' ids, each with its cut: (answer tokens scored, answer tokens) where --max_seq_len cut the
+    answer (as step 2 cuts it), else None."""
     settings = EncodeSettings(train_phase=2, max_seq_len=max_seq_len, max_prompt_len=None,
                               include_prompt_in_loss=False, eot_token=get_eot_token(tokenizer))
     examples = [Example(messages, chosen=answer, prompt_text=tool_prompt(messages, tokenizer, "the reward model"))
                 for messages, answer in messages_and_answers]
-    ids = []
+    sequences = []
     for tokens in tokenize_examples(examples, tokenizer, settings):
         try:
-            ids.append(scored_sequence(tokens, max_seq_len))
+            sequences.append(scored_sequence(tokens, max_seq_len))
         except UsageError:
             if not skip_long:
                 raise
-            ids.append(None)
-    return ids
+            sequences.append(None)
+    return sequences
 
 
 def scored_sequence(tokens, max_seq_len):
-    """Step 2's sequence of the answer (``pipeline.scored_sequence``); no room for it is an error here."""
+    """(step 2's sequence of the answer, ``pipeline.scored_sequence``; its cut, as ``reward_sequences``); no room for
+    the answer is an error here."""
+    prompt, answer, eot = tokens["prompt"], tokens["chosen"], tokens["eot"]
     try:
-        return pipeline.scored_sequence(tokens["prompt"], tokens["chosen"], tokens["eot"], max_seq_len)[0]
+        ids, cut = pipeline.scored_sequence(prompt, answer, eot, max_seq_len)
     except SkipRecord:
-        raise UsageError(f"a prompt of {len(tokens['prompt'])} tokens leaves no room for an answer in --max_seq_len "
+        raise UsageError(f"a prompt of {len(prompt)} tokens leaves no room for an answer in --max_seq_len "
                          f"{max_seq_len}") from None
+    return ids, (len(ids) - len(prompt) - len(eot), len(answer)) if cut else None
 
 
-def prompt_answer_ids(tokenizer, messages, answers, max_seq_len):
-    """``reward_input_ids`` of --prompt's ``messages`` with each --answer; a prompt too long is an error naming it."""
+def prompt_answer_sequences(tokenizer, messages, answers, max_seq_len):
+    """``reward_sequences`` of --prompt's ``messages`` with each --answer; a prompt too long is an error naming it."""
     try:
-        return reward_input_ids(tokenizer, [(messages, answer) for answer in answers], max_seq_len)
+        return reward_sequences(tokenizer, [(messages, answer) for answer in answers], max_seq_len)
     except UsageError as error:
         raise UsageError(f"--prompt: {error}") from None
 
@@ -86,9 +96,11 @@ def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
     missing = Counter("no chosen answer" if r.chosen is None else "no rejected answer"
                       for r in records if r.chosen is None or r.rejected is None)
     records = [r for r in records if r.chosen is not None and r.rejected is not None]
-    chosen_ids = reward_input_ids(tokenizer, [(r.messages, r.chosen) for r in records], max_seq_len, skip_long=True)
-    rejected_ids = reward_input_ids(tokenizer, [(r.messages, r.rejected) for r in records], max_seq_len,
-                                    skip_long=True)
+    chosen_seqs, rejected_seqs = (
+        reward_sequences(tokenizer, [(r.messages, answer(r)) for r in records], max_seq_len, skip_long=True)
+        for answer in (lambda r: r.chosen, lambda r: r.rejected))
+    chosen_ids, rejected_ids = ([None if seq is None else seq[0] for seq in seqs]
+                                for seqs in (chosen_seqs, rejected_seqs))
     skipped = missing + Counter("prompt too long" if c is None else "chosen==rejected"
                                 for c, r in zip(chosen_ids, rejected_ids) if c is None or c == r)
     kept = [i for i, (c, r) in enumerate(zip(chosen_ids, rejected_ids)) if c is not None and c != r]
@@ -96,14 +108,17 @@ def evaluate_pairs(model, tokenizer, records, max_seq_len, batch_size):
     rejected = score_sequences(model, tokenizer, [rejected_ids[i] for i in kept], batch_size)
     pairs = [{"prompt": records[i].messages, "chosen": records[i].chosen, "rejected": records[i].rejected,
               "chosen_score": c, "rejected_score": s} for i, c, s in zip(kept, chosen, rejected)]
+    # (pairs scored with an answer --max_seq_len cut: its end unread, as in step 2, and said)
+    cut = sum(1 for i in kept if chosen_seqs[i][1] or rejected_seqs[i][1])
     n = len(pairs)
     if not n:  # every pair skipped: no score, rather than an accuracy of 0 (as step 2 reports no eval pairs)
         return {"pairs": [], "accuracy": None, "chosen_mean_score": None, "rejected_mean_score": None, "ties": 0,
-                "skipped": dict(skipped)}
+                "skipped": dict(skipped), "cut": 0, "max_seq_len": max_seq_len}
     scores = torch.tensor(chosen, dtype=torch.float64), torch.tensor(rejected, dtype=torch.float64)
     return {"pairs": pairs, "accuracy": preference_accuracy(*scores).double().mean().item(),
             "chosen_mean_score": sum(chosen) / n, "rejected_mean_score": sum(rejected) / n,
-            "ties": int(preference_ties(*scores).sum()), "skipped": dict(skipped)}
+            "ties": int(preference_ties(*scores).sum()), "skipped": dict(skipped), "cut": cut,
+            "max_seq_len": max_seq_len}
 
 
 def print_pairs(result):
@@ -120,15 +135,20 @@ def print_pairs(result):
         print(f"{RULE}\nno pairs scored, so no accuracy; skipped as in step 2: {skipped}")
         return
     ties = f" ({result['ties']} tied, each counted half)" if result["ties"] else ""
+    cut = (f"; {counted(result['cut'], 'pair')} scored with an answer cut to fit --max_seq_len {result['max_seq_len']}"
+           " (as in step 2)") if result["cut"] else ""
     print(f"{RULE}\naccuracy {result['accuracy']:.3f} over {counted(len(pairs), 'pair')}{ties}; mean score chosen "
           f"{result['chosen_mean_score']:+.4f}, rejected {result['rejected_mean_score']:+.4f}"
-          + (f"; skipped as in step 2: {skipped}" if skipped else ""))
+          + (f"; skipped as in step 2: {skipped}" if skipped else "") + cut)
 
 
-def print_answers(messages, answers, scores):
+def print_answers(messages, answers, scores, cuts=None, max_seq_len=None):
+    """Each answer's score; one --max_seq_len cut (``reward_sequences``' cut) says so: its score is of its first tokens
+    alone (two answers alike up to the cut scored alike, unsaid)."""
     print(render_human_assistant(messages).strip())
-    for answer, score in zip(answers, scores):
-        print(f"score {score:+.4f}: {answer}")
+    for answer, score, cut in zip(answers, scores, cuts or [None] * len(answers)):
+        note = f" (its first {cut[0]} of {cut[1]} tokens: cut to fit --max_seq_len {max_seq_len})" if cut else ""
+        print(f"score {score:+.4f}{note}: {answer}")
 
 
 def build_parser():
@@ -266,14 +286,14 @@ def main(argv=None):
     tokenizer = load_tokenizer(path, add_eot_token=args.add_eot_token)
     if args.prompt:  # (tokenized before the model loads: a prompt too long for --max_seq_len is said at once)
         messages = prompt_record(args.prompt).messages
-        answer_ids = prompt_answer_ids(tokenizer, messages, args.answer, args.max_seq_len)
+        answer_ids, cuts = zip(*prompt_answer_sequences(tokenizer, messages, args.answer, args.max_seq_len))
     check_fits_before_loading(path, args.max_seq_len, "--max_seq_len")  # (and the loaded model's, below)
     model = load_scoring_reward_model(path, tokenizer, dtype=args.dtype)
     check_sequence_fits(model, args.max_seq_len, "--max_seq_len")  # as step 2 checks it: not an IndexError later
     if args.prompt:
         scores = score_sequences(model, tokenizer, answer_ids, args.batch_size)
-        print_answers(messages, args.answer, scores)
-        return {"scores": scores}
+        print_answers(messages, args.answer, scores, cuts, args.max_seq_len)
+        return {"scores": scores, "cut": list(cuts)}
     result = evaluate_pairs(model, tokenizer, records, args.max_seq_len, args.batch_size)
     print_pairs(result)
     return result
