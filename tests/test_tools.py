@@ -594,7 +594,7 @@ def test_ctrl_c_during_an_answer_stops_that_answer_and_the_chat_goes_on(session,
     that answer, leaves the message out of the conversation and reads the next one. Piped input still ends."""
     from dschat.tools import chat
 
-    answers = chat.generate_answers
+    answers = chat.generate_answers_and_cuts
     calls = []
 
     def interrupted_once(*args, **kwargs):
@@ -603,7 +603,7 @@ def test_ctrl_c_during_an_answer_stops_that_answer_and_the_chat_goes_on(session,
             raise KeyboardInterrupt
         return answers(*args, **kwargs)
 
-    monkeypatch.setattr(chat, "generate_answers", interrupted_once)
+    monkeypatch.setattr(chat, "generate_answers_and_cuts", interrupted_once)
     session.clear()
     lines, printed = iter(["first", "second", "quit"]), []
     run_interactive(session, read=lambda _: next(lines), write=printed.append, interrupt_stops_answer=True)
@@ -699,7 +699,7 @@ def test_chat_prompt_flag_reads_a_transcript_as_prompt_eval_does(session, models
     from dschat.tools import chat
 
     prompts = []
-    monkeypatch.setattr(chat, "generate_answers", lambda *args: prompts.extend(args[2]) or ["ok"])
+    monkeypatch.setattr(chat, "generate_answers_and_cuts", lambda *args: prompts.extend(args[2]) or (["ok"], [False]))
     chat.main(["--path", models["policy"], "--greedy", "--prompt",
                "Human: Name 3 colors.\n\nAssistant: red, blue, green\n\nHuman: Three more?"])
     assert prompts == ["\n\nHuman: Name 3 colors.\n\nAssistant: red, blue, green\n\nHuman: Three more?\n\nAssistant:"]
@@ -739,7 +739,8 @@ def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(sessi
         session.next_prompt("word " * 60)  # generation would run past the last position
     lines, printed = iter(["word " * 60, "Say tea twice.", "quit"]), []
     run_interactive(session, read=lambda _: next(lines), write=printed.append)
-    assert any(p.startswith("(not answered: ") for p in printed) and printed[-1].startswith("Assistant: ")
+    assert any(p.startswith("(not answered: ") for p in printed)
+    assert sum(p.startswith("Assistant: ") for p in printed) == 1  # (the next message answered)
     assert [m["content"] for m in session.history if m["role"] == "user"] == ["Say tea twice."]
 
 
@@ -913,6 +914,30 @@ def test_interactive_loop_clears_and_quits(session):
     assert next(lines) == "never read"
     assert "(new conversation)" in printed
     assert [m["content"] for m in session.history if m["role"] == "user"] == ["Say tea twice."]
+
+
+def test_chat_says_an_answer_cut_at_max_new_tokens(session, models, monkeypatch, capsys):
+    """An answer that reached --max_new_tokens before the model ended it was shown (and kept) as if whole: the tiny
+    run's PPO actor, asked "List four animals." with --max_new_tokens 3, answered "dog, dog", unsaid."""
+    import torch
+
+    from dschat.tools import chat
+    from dschat.tools.generation import unended
+
+    assert unended(torch.tensor([[5, 0, 1], [5, 6, 7], [2, 3, 9]]), [0, 9]) == [False, True, False]
+    session.clear()  # (the random tiny policy writes no EOS in GREEDY's 6 tokens)
+    lines, printed = iter(["Name 3 colors.", "quit"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append)
+    assert printed[-1] == "(the answer reached --max_new_tokens 6 before the model ended it: cut there)"
+    assert session.cut and printed[-2].startswith("Assistant: ")
+    chat.main(["--path", models["policy"], "--greedy", "--max_new_tokens", "6", "--prompt", "Name 3 colors."])
+    out, err = capsys.readouterr()
+    assert "cut there" not in out and "(the answer reached --max_new_tokens 6 before the model ended it" in err
+    # an answer the model ended (at its EOS, or by writing the user's next turn) is not said to be cut
+    monkeypatch.setattr(chat, "generate_answers_and_cuts", lambda *a: (["Red.\n\nHuman: And green?"], [True]))
+    lines, printed = iter(["Name a color.", "quit"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append)
+    assert printed[-1] == "Assistant: Red." and not session.cut
 
 
 def test_chat_one_shot_prints_the_answer_and_exits(models, session, tmp_path):
@@ -1632,7 +1657,8 @@ def test_chat_cuts_an_answer_at_the_next_human_turn_the_model_wrote_on_with(sess
     as the assistant's answer and kept it in the history as the assistant's words (DeepSpeed-Chat's chatbot cuts it)."""
     from dschat.tools import chat
 
-    monkeypatch.setattr(chat, "generate_answers", lambda *a: ["Red, blue.\n\nHuman: And green?\n\nAssistant: Green."])
+    monkeypatch.setattr(chat, "generate_answers_and_cuts",
+                        lambda *a: (["Red, blue.\n\nHuman: And green?\n\nAssistant: Green."], [True]))
     session.clear()
     assert session.ask("Name two colors.") == "Red, blue."
     assert session.history[-1] == {"role": "assistant", "content": "Red, blue."}
@@ -1647,7 +1673,8 @@ def test_chat_keeps_no_answer_that_is_only_a_human_turn_the_model_wrote(session,
     and kept it in the history as the assistant's words."""
     from dschat.tools import chat
 
-    monkeypatch.setattr(chat, "generate_answers", lambda *a: ["Human: And green?\n\nAssistant: Green."])
+    monkeypatch.setattr(chat, "generate_answers_and_cuts",
+                        lambda *a: (["Human: And green?\n\nAssistant: Green."], [True]))
     session.clear()
     assert session.ask("Name two colors.") == ""
     assert session.history[-1] == {"role": "assistant", "content": ""}

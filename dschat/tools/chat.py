@@ -12,7 +12,7 @@ from dschat.models.positions import context_limit
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
                                  check_room_for_a_prompt, check_stdout_open, check_utf8, config_before_loading,
                                  find_policy_path, flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
-from dschat.tools.generation import encode_prompts, generate_answers
+from dschat.tools.generation import encode_prompts, generate_answers_and_cuts
 from dschat.tools.records import prompt_record
 
 QUIT_COMMANDS = ("quit", "exit")
@@ -51,6 +51,7 @@ class ChatSession:
         self.generation_kwargs = generation_kwargs
         self.history = []
         self.forgotten = 0  # exchanges the last answered message's prompt left out (the context was full)
+        self.cut = False  # whether the last answer reached --max_new_tokens before the model ended it
 
     def clear(self):
         self.history = []
@@ -63,8 +64,11 @@ class ChatSession:
 
     def ask(self, user_text):
         messages, prompt = self.next_prompt(user_text)
-        answer = own_turn(generate_answers(self.model, self.tokenizer, [prompt], self.generation_kwargs)[0],
-                          self.tokenizer)
+        (generated,), (unended,) = generate_answers_and_cuts(self.model, self.tokenizer, [prompt],
+                                                             self.generation_kwargs)
+        answer = own_turn(generated, self.tokenizer)
+        # (one that went on to a made-up "Human:" turn had ended its own)
+        self.cut = unended and answer == generated
         self.forgotten = (len(self.history) + 1 - len(messages)) // 2
         self.history = messages + [{"role": "assistant", "content": answer}]
         return answer
@@ -88,6 +92,11 @@ class ChatSession:
                                  f"{self.generation_kwargs['max_new_tokens']} the model's context of {limit} tokens "
                                  f"leaves room for {max(room, 0)}")
             history = without_oldest_exchange(history)
+
+
+def cut_note(session):
+    return (f"(the answer reached --max_new_tokens {session.generation_kwargs['max_new_tokens']} before the model "
+            "ended it: cut there)")
 
 
 def forgotten_note(session):
@@ -127,6 +136,8 @@ def run_interactive(session, read=input, write=print, interrupt_stops_answer=Fal
             if session.forgotten:
                 write(forgotten_note(session))
             write(f"Assistant: {answer}")
+            if session.cut:  # (an answer cut short read as the model's whole answer)
+                write(cut_note(session))
 
 
 def read_bytes_that_are_not_utf8_as_surrogates(*streams):
@@ -221,6 +232,8 @@ def main(argv=None):
         if session.forgotten:  # (a transcript too long for the context: said on stderr, the answer alone on stdout)
             print(forgotten_note(session), file=sys.stderr)
         print(answer)
+        if session.cut:  # (stderr: stdout holds the answer alone)
+            print(cut_note(session), file=sys.stderr)
         return 0
     read_past_a_byte_order_mark(sys.stdin)
     read_bytes_that_are_not_utf8_as_surrogates(sys.stdin, sys.stdout)

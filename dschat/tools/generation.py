@@ -32,12 +32,23 @@ def decode_answers(tokenizer, answer_ids, stop_ids=None):
     return answer_texts(tokenizer, answer_ids, keep)
 
 
-@torch.no_grad()
 def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_size=8):
     """One answer per formatted prompt, with HF ``generate`` stopping at the tokenizer's EOS (and the model's other
     EOS ids, ``stop_token_ids``), never choosing an id the tokenizer has no token for (``untokenized_ids``: it would
     decode to nothing), as step 3's rollouts do."""
-    answers, stop_ids = [], stop_token_ids(model, tokenizer)
+    return generate_answers_and_cuts(model, tokenizer, prompt_texts, generation_kwargs, batch_size)[0]
+
+
+def unended(answer_ids, stop_ids):
+    """Per row of generated ids, whether it holds no stop id: generation ended it at its length (max_new_tokens), not
+    the model."""
+    return (~torch.isin(answer_ids, torch.tensor(stop_ids, device=answer_ids.device)).any(dim=1)).tolist()
+
+
+@torch.no_grad()
+def generate_answers_and_cuts(model, tokenizer, prompt_texts, generation_kwargs, batch_size=8):
+    """(``generate_answers``' answers, whether each was cut: it reached max_new_tokens before the model ended it)."""
+    answers, cuts, stop_ids = [], [], stop_token_ids(model, tokenizer)
     generation_kwargs = {**suppress_untokenized(model, tokenizer), **generation_kwargs}  # (the caller's own wins)
     say_generation_config_settings(model, {"eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id,
                                            **generation_kwargs})
@@ -51,7 +62,8 @@ def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_si
         sequences = model.generate(ids, attention_mask=mask, eos_token_id=stop_ids,
                                    pad_token_id=tokenizer.pad_token_id, **generation_kwargs)
         answers += decode_answers(tokenizer, sequences[:, ids.shape[1]:], stop_ids)
-    return answers
+        cuts += unended(sequences[:, ids.shape[1]:], stop_ids)
+    return answers, cuts
 
 
 def say_generation_config_settings(model, call_kwargs):

@@ -63,7 +63,8 @@ def load_records(path, data_fields=None, limit=None):
 
 def as_record(raw, sample):
     # (a conversation awaiting its answer has no chosen one)
-    return Record(raw.get_conversation(sample), read_or_none(raw.get_chosen_text, sample), raw.get_rejected_text(sample))
+    return Record(raw.get_conversation(sample), read_or_none(raw.get_chosen_text, sample),
+                  raw.get_rejected_text(sample))
 
 
 def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None):
