@@ -984,6 +984,9 @@ def test_prompt_eval_prints_both_models_answers(models, capsys, tmp_path):
         assert all(answer in out for answer in result["answers"][role])
     assert "Human: Name 3 colors." in out and "Human: Say tea twice." in out
     assert "rule_scores" not in result  # not the tiny data
+    # the random models write no EOS in 6 tokens: each answer is said to be cut there (it read as a whole answer)
+    assert result["cut"] == {"baseline": [True, True], "finetune": [True, True]}
+    assert out.count("   [cut at --max_new_tokens 6]\n") == 4
 
 
 @pytest.mark.parametrize("source", [[], ["--prompts_file", "tiny"], ["--prompts_file", "EVAL_FILE"],
@@ -998,7 +1001,7 @@ def test_prompt_eval_rule_scores_the_tiny_held_out_prompts(models, capsys, monke
     # Stand-in models that answer with the data's chosen (finetune) or rejected (baseline) answers, so the
     # rule scores are known to differ.
     def canned_answers(path, records, args):  # (given the records themselves as the prompts, below)
-        return [r.chosen if path == "finetune-model" else r.rejected for r in records]
+        return [r.chosen if path == "finetune-model" else r.rejected for r in records], [False] * len(records)
 
     monkeypatch.setattr(prompt_eval, "model_prompts", lambda path, records, *_: records)
     monkeypatch.setattr(prompt_eval, "model_answers", canned_answers)
@@ -1021,7 +1024,8 @@ def test_prompt_eval_says_deepspeed_chats_decoding_flags_that_ask_for_what_it_do
     """--num_beams 4 (and the other DeepSpeed-Chat decoding flags) were accepted and ignored without a word: the
     answers were greedy, one per prompt."""
     monkeypatch.setattr(prompt_eval, "model_prompts", lambda path, records, *_: records)
-    monkeypatch.setattr(prompt_eval, "model_answers", lambda path, records, args: ["ok"] * len(records))
+    monkeypatch.setattr(prompt_eval, "model_answers", lambda path, records, args: (["ok"] * len(records),
+                                                                                    [False] * len(records)))
     monkeypatch.setattr(prompt_eval, "config_before_loading", lambda path: None)
     models = ["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b", "--num_prompts", "1"]
     monkeypatch.setattr(prompt_eval, "flag_path", lambda flag, find, value: value)

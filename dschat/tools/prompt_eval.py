@@ -14,7 +14,7 @@ from dschat.report import counted
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
                                  check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
                                  flag_path, generation_kwargs, load_policy, non_empty_path, one_process, tool_prompt)
-from dschat.tools.generation import encode_prompts, generate_answers
+from dschat.tools.generation import encode_prompts, generate_answers_and_cuts
 from dschat.tools.records import (check_count_read, check_data_fields_read, is_tiny_held_out, load_records,
                                   prompt_record, tiny_held_out_records)
 
@@ -67,11 +67,11 @@ def check_prompts_fit(prompts, tokenizer, config, args, role):
 
 
 def model_answers(path, prompts, args):
-    """One model's answers to its ``prompts``. Models are loaded one at a time, so the two need not fit in memory
-    together."""
+    """(one model's answers to its ``prompts``, whether each reached --max_new_tokens before the model ended it).
+    Models are loaded one at a time, so the two need not fit in memory together."""
     model, tokenizer = load_policy(path, dtype=args.dtype, add_eot_token=args.add_eot_token)
     # generation_kwargs re-seeds: with --seed both models sample from the same random stream
-    return generate_answers(model, tokenizer, prompts, generation_kwargs(args), args.batch_size)
+    return generate_answers_and_cuts(model, tokenizer, prompts, generation_kwargs(args), args.batch_size)
 
 
 def rule_scores(records, answers):
@@ -80,13 +80,16 @@ def rule_scores(records, answers):
     return [rule_score(record.user_message, answer) for record, answer in zip(records, answers)]
 
 
-def print_comparison(records, paths, answers, scores):
+def print_comparison(records, paths, answers, scores, cuts=None, max_new_tokens=None):
+    """``cuts``: {role: whether each answer reached --max_new_tokens before the model ended it}, said beside it (an
+    answer cut short read as the model's whole answer, and its rule score as that answer's)."""
     for index, record in enumerate(records):
         print(f"{RULE} prompt {index + 1}/{len(records)} {RULE}")
         # shown in the "Human:/Assistant:" form whatever the models' chat templates are
         print(render_human_assistant(record.messages).strip())
         for role in ROLES:
             suffix = f"   [rule score {scores[role][index]:.2f}]" if scores else ""
+            suffix += f"   [cut at --max_new_tokens {max_new_tokens}]" if cuts and cuts[role][index] else ""
             print(f"--- {role} ({paths[role]}):{suffix}\n{answers[role][index]}")
     if scores:
         means = ", ".join(f"{role} {_mean(scores[role]):.3f}" for role in ROLES)
@@ -160,10 +163,12 @@ def main(argv=None):
     for role in ROLES:  # (its answers would have no room, said after both models had loaded)
         check_room_for_a_prompt(configs[role], args.max_new_tokens, f"the {role} model")
     prompts = {role: model_prompts(paths[role], records, args, configs[role], role) for role in ROLES}
-    answers = {role: model_answers(paths[role], prompts[role], args) for role in ROLES}
+    answers, cuts = {}, {}
+    for role in ROLES:
+        answers[role], cuts[role] = model_answers(paths[role], prompts[role], args)
     scores = {role: rule_scores(records, answers[role]) for role in ROLES} if scorable else None
-    print_comparison(records, paths, answers, scores)
-    result = {"prompts": [record.messages for record in records], "answers": answers}
+    print_comparison(records, paths, answers, scores, cuts, args.max_new_tokens)
+    result = {"prompts": [record.messages for record in records], "answers": answers, "cut": cuts}
     if scores:
         result.update(rule_scores=scores, rule_score_means={role: _mean(scores[role]) for role in ROLES})
     return result
