@@ -536,3 +536,15 @@ def test_rw_eval_says_an_answer_max_seq_len_cut_before_scoring_it(reward_model, 
     pairs = rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", str(pairs_file), "--max_seq_len", "32"])
     assert pairs["cut"] == 1 and len(pairs["pairs"]) == 2
     assert "; 1 pair scored with an answer cut to fit --max_seq_len 32 (as in step 2)" in capsys.readouterr().out
+
+
+def test_ppo_eval_prints_no_examples_header_over_no_examples(capsys):
+    """--num_examples 0 printed "=== policy (...): examples" with nothing under it, for each model."""
+    from dschat.tools.ppo_eval import print_results
+
+    result = {"path": "out/step1_sft", "prompts": 2, "reward_mean": 1.5, "examples": []}
+    print_results({"policy": {**result, "examples": [{"prompt": "Hi", "answer": "Hello", "reward": 1.0}]},
+                   "baseline": result})
+    out = capsys.readouterr().out
+    assert "=== policy (out/step1_sft): examples\n[reward +1.000] 'Hi'\n" in out
+    assert "=== baseline" not in out and "baseline reward_mean +1.5000 over 2 prompts (out/step1_sft)" in out

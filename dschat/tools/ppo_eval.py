@@ -116,7 +116,8 @@ def summary_line(role, result):
 
 def print_results(results):
     for role, result in results.items():
-        print(f"=== {role} ({result['path']}): examples")
+        if result["examples"]:  # (--num_examples 0: a header over nothing, for each model)
+            print(f"=== {role} ({result['path']}): examples")
         for example in result["examples"]:
             scores = [f"{name} {example[key]:+.3f}" for key, name in (("reward", "reward"), ("reward_fn", "reward_fn"),
                                                                          ("rule_score", "rule"))
