@@ -548,3 +548,14 @@ def test_ppo_eval_prints_no_examples_header_over_no_examples(capsys):
     out = capsys.readouterr().out
     assert "=== policy (out/step1_sft): examples\n[reward +1.000] 'Hi'\n" in out
     assert "=== baseline" not in out and "baseline reward_mean +1.5000 over 2 prompts (out/step1_sft)" in out
+
+
+def test_rw_eval_data_split_that_gives_step_2_nothing_is_an_error_naming_its_pairs_file(reward_model):
+    """--data_split 1,0,0 was refused as giving step 2 "no share of --data_path", a flag rw_eval does not have."""
+    from dschat.tools import rw_eval
+
+    with pytest.raises(UsageError, match=r"^--data_split 1,0,0 gives phase 2 \(step 2's pairs\) no share of "
+                                         "--pairs_file"):
+        rw_eval.main(["--model_name_or_path", reward_model, "--data_split", "1,0,0"])
+    with pytest.raises(UsageError, match="must have 3 parts"):
+        rw_eval.main(["--model_name_or_path", reward_model, "--data_split", "1,1"])

@@ -74,9 +74,8 @@ def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None):
     without an eval file read the whole file, records the step trained on among them."""
     from dschat.data.local import parse_field_map
     from dschat.data.raw_datasets import get_raw_dataset
-    from dschat.data.splits import check_phase_share, get_raw_dataset_split_index
+    from dschat.data.splits import get_raw_dataset_split_index
 
-    check_phase_share(data_split, phase)
     raw = get_raw_dataset(spec, None, seed, -1, **parse_field_map(data_fields))
     held_out = raw.get_eval_data()
     share = held_out.select(get_raw_dataset_split_index(-1, None, raw.dataset_name_clean, seed, "eval", data_split,

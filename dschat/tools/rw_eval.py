@@ -22,6 +22,7 @@ from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8
                                  flag_path, load_scoring_reward_model, non_empty_path, one_process,
                                  parse_with_run_defaults, tool_prompt)
 from dschat.data.raw_datasets import TINY_NAME
+from dschat.data.splits import parse_data_split
 from dschat.tools.records import (check_count_read, check_data_fields_read, load_phase_held_out, load_records,
                                   prompt_record, tiny_held_out_records)
 
@@ -256,6 +257,9 @@ def parse_args(argv=None):
     if args.prompt is not None and args.data_split is not None:  # (it chooses pairs of a file; none is read)
         parser.error(f"--data_split {args.data_split}: it chooses step 2's held-out pairs of --pairs_file, which is "
                      "not read with --prompt: leave it out")
+    if args.data_split is not None and not parse_data_split(args.data_split)[1]:  # (its form: checked there)
+        raise UsageError(f"--data_split {args.data_split} gives phase 2 (step 2's pairs) no share of --pairs_file: "
+                         "give it a weight > 0, e.g. '2,4,4', as step 2's")
     args.max_seq_len = args.max_seq_len or 512
     return args, parser
 
