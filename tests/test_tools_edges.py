@@ -559,3 +559,7 @@ def test_rw_eval_data_split_that_gives_step_2_nothing_is_an_error_naming_its_pai
         rw_eval.main(["--model_name_or_path", reward_model, "--data_split", "1,0,0"])
     with pytest.raises(UsageError, match="must have 3 parts"):
         rw_eval.main(["--model_name_or_path", reward_model, "--data_split", "1,1"])
+    # a hub dataset's name is no local file, with --data_split as without it (not a download of the hub's data)
+    for split in ([], ["--data_split", "2,4,4"]):
+        with pytest.raises(MissingInputError, match="^no data file at Dahoas/rm-static$"):
+            rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "Dahoas/rm-static", *split])

@@ -73,9 +73,11 @@ def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None):
     ``seed`` holds out, which no step trains on; the first ``limit``. Said on stdout. ``load_records`` of a file
     without an eval file read the whole file, records the step trained on among them."""
     from dschat.data.local import parse_field_map
-    from dschat.data.raw_datasets import get_raw_dataset
+    from dschat.data.raw_datasets import get_raw_dataset, resolve_dataset_spec
     from dschat.data.splits import get_raw_dataset_split_index
 
+    if isinstance(resolve_dataset_spec(spec), type):  # (a hub dataset's name: local data alone, as load_records)
+        raise MissingInputError(f"no data file at {spec}")
     raw = get_raw_dataset(spec, None, seed, -1, **parse_field_map(data_fields))
     held_out = raw.get_eval_data()
     share = held_out.select(get_raw_dataset_split_index(-1, None, raw.dataset_name_clean, seed, "eval", data_split,
