@@ -563,3 +563,18 @@ def test_rw_eval_data_split_that_gives_step_2_nothing_is_an_error_naming_its_pai
     for split in ([], ["--data_split", "2,4,4"]):
         with pytest.raises(MissingInputError, match="^no data file at Dahoas/rm-static$"):
             rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "Dahoas/rm-static", *split])
+
+
+def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scored_with(tmp_path, monkeypatch):
+    """rw_eval (or eval.py --reward_model) given <output>/step3_ppo said only "no model in this folder: expected ...
+    one of step2_rm"; it names the reward model that step 3 scored with now (as the run read it: from its folder)."""
+    _model_folder(tmp_path / "run" / "step2_rm")
+    step3 = tmp_path / "run" / "step3_ppo"
+    _model_folder(step3 / "actor")
+    (step3 / "training_args.json").write_text(json.dumps({"step": "step3", "cwd": str(tmp_path), "flags": {
+        "critic_model_name_or_path": "run/step2_rm"}}))
+    monkeypatch.chdir(step3)  # (the run's relative path read from its own folder)
+    with pytest.raises(MissingInputError, match=rf"^{step3}: step 3's output folder \(its actor and critic\), not a "
+                                                rf"reward model: its step 3 scored with {tmp_path}/run/step2_rm; give "
+                                                rf"that, or the run's output folder {tmp_path}/run$"):
+        find_reward_model_path(str(step3))

@@ -132,6 +132,10 @@ def _run_reward_model_folder(path):
     try:
         return _model_folder(path, REWARD_SUBFOLDERS)
     except MissingInputError:
+        if scored_with := _step3_folders_reward_model(os.path.expanduser(path)):
+            raise MissingInputError(f"{path}: step 3's output folder (its actor and critic), not a reward model: its "
+                                    f"step 3 scored with {scored_with}; give that, or the run's output folder "
+                                    f"{os.path.dirname(os.path.abspath(os.path.expanduser(path)))}") from None
         function = _step3_reward_fn_alone(os.path.expanduser(path))
         if function is None:
             raise
@@ -139,6 +143,23 @@ def _run_reward_model_folder(path):
                                 "(--reward_model_weight 0), so the run has no reward model: give a reward model "
                                 "folder (step 2's output); ppo_eval scores the run's policy with its reward function "
                                 "without one") from None
+
+
+def _step3_folders_reward_model(path):
+    """The reward model (as step 3 read it, from the folder it ran in where that path is still there) of the step 3
+    whose output folder is ``path``, else None: rw_eval given step3_ppo said only that it held no step2_rm."""
+    from dschat.steps.common import read_run_args
+    from dschat.utils.files import path_under
+
+    try:
+        run = read_run_args(path, "step3") or {}
+    except UsageError:  # (a damaged record: the folder's own error, no model, says enough)
+        return None
+    flags = run.get("flags") if isinstance(run.get("flags"), dict) else {}
+    given = flags.get("reward_model_name_or_path") or flags.get("critic_model_name_or_path")
+    if not isinstance(given, str) or not flags.get("reward_model_weight", 1.0):
+        return None
+    return path_under(run.get("cwd"), given) or given
 
 
 def _step3_reward_fn_alone(path):
