@@ -550,6 +550,16 @@ def test_ppo_eval_prints_no_examples_header_over_no_examples(capsys):
     assert "=== baseline" not in out and "baseline reward_mean +1.5000 over 2 prompts (out/step1_sft)" in out
 
 
+def test_ppo_eval_prints_an_examples_rule_score_without_a_sign(capsys):
+    """A rule score lies in [0, 1]: the summary printed it bare, each example with a sign ("rule +1.000")."""
+    from dschat.tools.ppo_eval import print_results
+
+    print_results({"policy": {"path": "out/step3_ppo", "prompts": 1, "reward_mean": -0.5, "rule_score_mean": 1.0,
+                              "examples": [{"prompt": "Hi", "answer": "Hello", "reward": -0.5, "rule_score": 1.0}]}})
+    out = capsys.readouterr().out
+    assert "[reward -0.500, rule 1.000] 'Hi'\n" in out and "rule_score_mean 1.0000" in out
+
+
 def test_rw_eval_data_split_that_gives_step_2_nothing_is_an_error_naming_its_pairs_file(reward_model):
     """--data_split 1,0,0 was refused as giving step 2 "no share of --data_path", a flag rw_eval does not have."""
     from dschat.tools import rw_eval

@@ -119,9 +119,10 @@ def print_results(results):
         if result["examples"]:  # (--num_examples 0: a header over nothing, for each model)
             print(f"=== {role} ({result['path']}): examples")
         for example in result["examples"]:
-            scores = [f"{name} {example[key]:+.3f}" for key, name in (("reward", "reward"), ("reward_fn", "reward_fn"),
-                                                                         ("rule_score", "rule"))
-                      if example.get(key) is not None]
+            scores = [f"{name} {example[key]:{form}}" for key, name, form in (
+                ("reward", "reward", "+.3f"), ("reward_fn", "reward_fn", "+.3f"),
+                ("rule_score", "rule", ".3f"))  # (a rule score lies in [0, 1]: no sign, as in the summary)
+                if example.get(key) is not None]
             print(f"[{', '.join(scores)}] {example['prompt'].strip()!r}")
             print(f"    -> {example['answer']!r}")
     for role, result in results.items():
