@@ -953,6 +953,117 @@ def test_a_step3_checkpoint_of_a_frozen_zero3_actor_resumes_on_another_number_of
     assert not (tmp_path / "split" / "checkpoints" / "actor" / "iter_0000002_universal").exists()
 
 
+@pytest.mark.parametrize("saved, now", [((2, 1), (3, 2)), ((3, 2), (1, 1))])
+def test_a_step3_checkpoint_resumes_with_its_actor_and_critic_at_other_zero_stages(saved, now, tmp_path, distributed,
+                                                                                   capsys):
+    """Step 3's --actor_zero_stage and --critic_zero_stage were bound flags: a run that ran out of memory with its
+    actor at ZeRO-2 could not resume at ZeRO-3 ("--actor_zero_stage 2 -> 3"). Each part's states load through its
+    universal copy fitted for its new stage (the actor's 2 -> 3 and 3 -> 1, the critic's 1 -> 2 and 2 -> 1), Adam's
+    moments and all, so the run ends with the weights of a resume at the checkpoint's own stages (fp32, one rank: the
+    same arithmetic. Not a run at the new stages from the start: at ZeRO-3 zero.Init draws the critic's new value head
+    otherwise. Nor a critic at ZeRO-3 on one side: its training steps at ZeRO-3 and at ZeRO-1/2 end ~2e-6 apart
+    from the same states, with or without a resume, while its loaded Adam moments are the checkpoint's, each
+    parameter's)."""
+    common = [*PPO_OTHER_RANKS, *PPO_ONE_RANK, "--num_train_epochs", "1", "--data_output_path",
+              str(tmp_path / "data")]
+    saved_stages = ["--actor_zero_stage", str(saved[0]), "--critic_zero_stage", str(saved[1])]
+    other_ranks, split, same = _other_ranks(), tmp_path / "split", tmp_path / "same"
+    other_ranks.run("ppo", tmp_path, "before", 2, [*common, *saved_stages, "--output_dir", str(split)])
+    shutil.copytree(split, same)
+    other_ranks.run("ppo", tmp_path, "same", None, [*common, *saved_stages, "--output_dir", str(same), "--resume"])
+    capsys.readouterr()
+    metrics = other_ranks.run("ppo", tmp_path, "after", None, [*common, "--actor_zero_stage", str(now[0]),
+                                                               "--critic_zero_stage", str(now[1]), "--output_dir",
+                                                               str(split), "--resume"])
+    out = capsys.readouterr().out
+    assert (f"[step3] --resume: checkpoint iter_0000002 saved at another ZeRO stage (--actor_zero_stage {saved[0]} -> "
+            f"{now[0]}, --critic_zero_stage {saved[1]} -> {now[1]}): its actor's ZeRO-{saved[0]} states load into "
+            f"ZeRO-{now[0]} from DeepSpeed's universal copy actor/iter_0000002_universal (made now); its critic's "
+            f"ZeRO-{saved[1]} states load into ZeRO-{now[1]} from DeepSpeed's universal copy "
+            "critic/iter_0000002_universal (made now); Adam's moments and step counts, the schedulers and the place "
+            "in the prompts go on as saved") in out, out[-3000:]
+    after, = _seen(tmp_path, "after", 1)
+    assert after["resumed_at"] == 2 and metrics["iterations"] == 3
+    assert after["loaded_actor_difference"] == after["loaded_critic_difference"] == 0.0
+    assert after["actor_weight_decays"] == after["critic_weight_decays"] == [0.1, 0.0]
+    assert after["prompts"] == _seen(tmp_path, "same", 1)[0]["prompts"]
+    # (Adam's moments started again from zero would move every weight of iteration 3 elsewhere)
+    for part in ("actor", "critic"):
+        resumed = _weights(same / part)
+        for name, tensor in _weights(split / part).items():
+            torch.testing.assert_close(tensor, resumed[name], rtol=0, atol=1e-6, msg=f"{part} {name}")
+
+
+def test_a_step3_checkpoint_at_another_zero_stage_that_cannot_convert_is_an_error_saying_what_to_do(tmp_path,
+                                                                                                    monkeypatch):
+    """Stage 0 to or from another (the optimizer saved whole) does not convert, nor does an actor checkpointed before
+    its first step (--freezing_actor_steps: no Adam state) whose LoRA adapters were drawn at random: each is an error
+    naming the stage to resume with, and how to fit in less memory at it, before any engine is made. Such an actor
+    without LoRA starts from its model again, as the checkpoint's did."""
+    from dschat.args import step3_parser
+    from dschat.rlhf import checkpointing
+    from dschat.rlhf.config import step3_args
+
+    root = tmp_path / "checkpoints"
+    _step3_checkpoint(root, 1, None, {"epoch": 0, "batch": 2, "unsup_batches": 0})
+    state = json.loads((root / "trainer" / "iter_0000002" / "state.json").read_text())
+    state["flags"] = {"actor_zero_stage": 0, "critic_zero_stage": 0}
+    (root / "trainer" / "iter_0000002" / "state.json").write_text(json.dumps(state))
+
+    def plan(*flags):  # (this run's loader, on 1 rank: 40 prompts)
+        args = step3_args(step3_parser().parse_args(["--resume", "--output_dir", str(tmp_path),
+                                                     "--per_device_generation_batch_size", "4", *flags]))
+        return checkpointing.plan_resume(args, str(root), _loader(40, 10))
+
+    with pytest.raises(UsageError, match=re.escape(
+            "was saved at ZeRO stage 0 (--critic_zero_stage 0), this run has 2; DeepSpeed's universal checkpoint "
+            "moves the optimizer states of ZeRO-1, 2 and 3 between stages, not those of stage 0 (saved whole, in "
+            "another form): resume with --critic_zero_stage 0 (to fit in less memory: a smaller "
+            "--per_device_training_batch_size with a --gradient_accumulation_steps as many times larger, the same rows "
+            "an optimizer step), or start afresh without --resume")):
+        plan("--actor_zero_stage", "0", "--critic_zero_stage", "2")
+    # an actor saved at ZeRO-2 before its first step: its optimizer holds no Adam state to convert
+    state["flags"] = {"actor_zero_stage": 2, "critic_zero_stage": 0}
+    (root / "trainer" / "iter_0000002" / "state.json").write_text(json.dumps(state))
+    torch.save({"global_steps": 0}, root / "actor" / "iter_0000002" / "mp_rank_00_model_states.pt")
+    (root / "actor" / "iter_0000002" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    lora = ("--actor_zero_stage", "3", "--critic_zero_stage", "0", "--freezing_actor_steps", "3", "--actor_lora_dim",
+            "8")
+    with pytest.raises(UsageError, match=re.escape(
+            "was saved at ZeRO stage 2 (--actor_zero_stage 2), this run has 3; its actor had taken no optimizer step "
+            "yet (--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot convert, and its LoRA "
+            "adapters (--actor_lora_dim) were drawn at random when it started, so this run cannot make them again: "
+            "resume with --actor_zero_stage 2 (to fit in less memory")):
+        plan(*lora)
+    resumed = plan(*lora[:-2])
+    assert resumed.load_tag("actor") is None and not resumed.universal  # (its engine as made)
+    assert resumed.notice.startswith("[step3] --resume: checkpoint iter_0000002 saved at another ZeRO stage "
+                                     "(--actor_zero_stage 2 -> 3): its actor had taken no optimizer step yet "
+                                     "(--freezing_actor_steps), so it starts from --actor_model_name_or_path as the "
+                                     "checkpoint's did; Adam's moments"), resumed.notice
+    # only the critic's stage changed: the untrained actor, at its own stage, loads its own states (LoRA's too; the
+    # critic's files and their conversion are not this test's)
+    monkeypatch.setattr(checkpointing, "check_engine_files", lambda *args: None)
+    monkeypatch.setattr(checkpointing, "universal_load", lambda root, part, tag, *rest, **kw: (f"{tag}_universal", "."))
+    state["flags"] = {"actor_zero_stage": 3, "critic_zero_stage": 1}
+    (root / "trainer" / "iter_0000002" / "state.json").write_text(json.dumps(state))
+    zero3_states = root / "actor" / "iter_0000002" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    torch.save({"global_steps": 0}, zero3_states)
+    resumed = plan("--actor_zero_stage", "3", "--critic_zero_stage", "2", "--freezing_actor_steps", "3",
+                   "--actor_lora_dim", "8")
+    assert resumed.load_tag("actor") == "iter_0000002" and resumed.universal == {"critic"}
+    assert "(--critic_zero_stage 1 -> 2)" in resumed.notice
+    zero3_states.unlink()
+    monkeypatch.undo()
+    state["flags"] = {"actor_zero_stage": 2, "critic_zero_stage": 0}
+    (root / "trainer" / "iter_0000002" / "state.json").write_text(json.dumps(state))
+    # without the plan made before the engines (a notebook's load_checkpoint), the stage stays bound
+    with pytest.raises(UsageError, match=re.escape("saved with other settings: --actor_zero_stage 2 -> 3")):
+        checkpointing.check_resumable(checkpointing.planned_models(step3_args(step3_parser().parse_args(
+            ["--output_dir", str(tmp_path), "--per_device_generation_batch_size", "4", *lora[:-2]]))), str(root),
+            "iter_0000002")
+
+
 def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):
     """DeepSpeed restores the scheduler's position; a lowered --max_steps then decays the rates at once (a user saw
     1.7e-05 where the uninterrupted run had 7.0e-04), silently."""

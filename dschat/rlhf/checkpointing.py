@@ -29,8 +29,9 @@ from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, TRAINER, ResumeP
                                       check_convertible, check_engine_files, check_position, check_same_flags,
                                       check_same_products, check_same_step, clear_tag, earlier_advice, latest_tag,
                                       load_rank_state, load_rank_state_of_others, loading_checkpoint, publish,
-                                      read_trainer_state, reading, refuse_other_rank_count, rng_said,
-                                      save_trainer_state, tag_of, take_restored_flags, trainer_folder, universal_load)
+                                      other_zero_stage, read_trainer_state, reading, refuse_other_rank_count,
+                                      rng_said, save_trainer_state, tag_of, take_restored_flags, trainer_folder,
+                                      universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -160,6 +161,8 @@ def load_checkpoint(trainer, root, plan=None, train_loader=None):
     if plan.tag is None:
         return None
     tag, state = plan.tag, dict(plan.state)
+    for part in (ACTOR, CRITIC):
+        state.pop(saved_zero_stage_key(part), None)
     if plan.notice:
         print_rank_0(plan.notice)
     _say_kl_tracked_since(getattr(trainer, "args", None), state.pop(KL_TRACKED, None), tag)
@@ -289,8 +292,9 @@ def plan_resume(args, root, train_loader, unsup_loader=None, tokenizer=None):
     checked by rank 0 for every rank. Called before ``DeepSpeedRLHFEngine``: on another number of ranks, the actor's
     and critic's ZeRO partitions get their universal copies (rank 0 makes them, every rank waits; the engine's
     configs then need ``checkpoint.load_universal`` for ``plan.universal``), and the position is converted for this
-    run's loaders (``train_loader``, ``unsup_loader``: the unsupervised stream's, None without one); that is said once,
-    when it loads."""
+    run's loaders (``train_loader``, ``unsup_loader``: the unsupervised stream's, None without one); at another ZeRO
+    stage of the actor or critic (``_take_other_zero_stages``), that part's universal copy is fitted for it. That is
+    said once, when it loads."""
     if not args.resume:
         return ResumePlan()
     found = rank_0_decides(lambda: _checked_latest(planned_models(args), root, planned=True,
@@ -299,21 +303,31 @@ def plan_resume(args, root, train_loader, unsup_loader=None, tokenizer=None):
         return ResumePlan()
     *found, position_said = found
     plan = ResumePlan(*found)
-    if not plan.other_ranks:
+    stages = {ACTOR: args.actor_zero_stage, CRITIC: args.critic_zero_stage}
+    saved_stages = {part: plan.state.get(saved_zero_stage_key(part), stage) for part, stage in stages.items()}
+    if not plan.other_ranks and saved_stages == stages:
         return plan
     said = []
-    if args.actor_zero_stage == 3 and rank_0_decides(lambda: _untrained(root, ACTOR, plan.tag)):
-        _refuse_untrained_lora_actor(root, plan, args)
+    if _starts_untrained_actor(root, plan, args, saved_stages[ACTOR]):
         plan.load_tags[ACTOR] = None  # (the engine as made: what the checkpoint's engine was)
         said.append("its actor had taken no optimizer step yet (--freezing_actor_steps), so it starts from "
                     "--actor_model_name_or_path as the checkpoint's did")
-    for part, stage in ((ACTOR, args.actor_zero_stage), (CRITIC, args.critic_zero_stage)):
+    for part, stage in stages.items():
         if part == ACTOR and ACTOR in plan.load_tags:
             continue
-        if part == ACTOR or args.advantage_estimator == "gae":
-            plan.load_tags[part], part_said = universal_load(root, part, plan.tag, plan.saved_ranks, stage,
-                                                             f"its {part}'s")
+        if part == CRITIC and args.advantage_estimator != "gae":
+            continue
+        if plan.other_ranks or saved_stages[part] != stage:
+            plan.load_tags[part], part_said = universal_load(root, part, plan.tag, plan.saved_ranks,
+                                                             saved_stages[part], f"its {part}'s", into_stage=stage)
             said.append(part_said)
+    if not plan.other_ranks:
+        flags = ", ".join(f"--{part}_zero_stage {saved_stages[part]} -> {stage}" for part, stage in stages.items()
+                          if saved_stages[part] != stage)
+        plan.notice = (f"[step3] --resume: checkpoint {plan.tag} saved at another ZeRO stage ({flags}): "
+                       f"{'; '.join(said)}; Adam's moments and step counts, the schedulers and the place in the "
+                       "prompts go on as saved")
+        return plan
     said += position_said
     kept = (["adaptive KL coefficient"] if args.adaptive_kl else []) + (["EMA copy"] if args.enable_ema else []) \
         + ["held-out scores before PPO"]
@@ -322,6 +336,19 @@ def plan_resume(args, root, train_loader, unsup_loader=None, tokenizer=None):
     plan.notice = (f"[step3] --resume: checkpoint {plan.tag} saved by {plan.saved_ranks} rank(s), this run has "
                    f"{get_world_size()}: {'; '.join(said)}")
     return plan
+
+
+def _starts_untrained_actor(root, plan, args, saved_stage):
+    """Whether the actor of ``plan``'s checkpoint, which this run loads through a universal copy (on other ranks, or at
+    another ZeRO stage), had taken no optimizer step (``_untrained``), so its engine starts as made, as the
+    checkpoint's did: a ZeRO-3 one on other ranks (which DeepSpeed's universal checkpoint cannot convert), any at
+    another stage (nor fit: its optimizer holds no Adam state). A LoRA actor's random adapters are refused
+    (``_refuse_untrained_lora_actor``)."""
+    converted = saved_stage != args.actor_zero_stage or (plan.other_ranks and saved_stage == 3)
+    if not converted or not rank_0_decides(lambda: _untrained(root, ACTOR, plan.tag)):
+        return False
+    _refuse_untrained_lora_actor(root, plan, args, saved_stage)
+    return True
 
 
 def _untrained(root, part, tag):
@@ -338,14 +365,20 @@ def _untrained(root, part, tag):
     return state.get("global_steps") == 0
 
 
-def _refuse_untrained_lora_actor(root, plan, args):
+def _refuse_untrained_lora_actor(root, plan, args, saved_stage):
     """An untrained actor starts again from its model only where that makes the checkpoint's weights: LoRA's
-    adapters were drawn at random when it started (on other ranks, this run draws others)."""
-    if args.actor_lora_dim:
-        refuse_other_rank_count(root, plan.tag, plan.saved_ranks, "its ZeRO-3 actor had taken no optimizer step yet "
-                                "(--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot convert, and "
-                                "its LoRA adapters (--actor_lora_dim) were drawn at random when it started, so this "
-                                "run cannot make them again")
+    adapters were drawn at random when it started (on other ranks, or at another ZeRO stage, this run draws
+    others)."""
+    if not args.actor_lora_dim:
+        return
+    why = ("had taken no optimizer step yet (--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot "
+           "convert, and its LoRA adapters (--actor_lora_dim) were drawn at random when it started, so this run "
+           "cannot make them again")
+    if plan.other_ranks:
+        refuse_other_rank_count(root, plan.tag, plan.saved_ranks, f"its ZeRO-{saved_stage} actor {why}")
+    raise UsageError(f"--resume: checkpoint {plan.tag} in {root} was saved at ZeRO stage {saved_stage} "
+                     f"(--actor_zero_stage {saved_stage}), this run has {args.actor_zero_stage}; its actor {why}: "
+                     f"resume with --actor_zero_stage {saved_stage}{LESS_MEMORY}, or start afresh without --resume")
 
 
 def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, where):
@@ -483,6 +516,8 @@ def check_resumable(trainer, root, tag, planned=False):
         now = resume_flags(trainer)
         if other_ranks:  # (its product with the ranks: compared)
             now.pop("per_device_generation_batch_size")
+        if planned:  # (without a plan, the engines were made without DeepSpeed's universal loading: a bound flag)
+            _take_other_zero_stages(root, tag, saved_flags, now, state, trainer.critic_model is not None)
         state["restored"] = check_same_flags(saved_flags, now, RESTORED_FLAGS, tag, root, STEP, BOUND_WHY,
                                              FREE_FLAGS + CRITIC_FREE_FLAGS)
         if saved_flags.get("enable_ema") and not args.enable_ema:  # (what "trains with the new value" means here)
@@ -491,6 +526,28 @@ def check_resumable(trainer, root, tag, planned=False):
                          "whose actor started", "the reference model its KL penalty measures against")
     check_position(root, tag, state, ("iteration", "epoch", "batch"))
     return state, saved_ranks
+
+
+# What a step-3 resume that cannot change a ZeRO stage may do to fit in less memory (``other_zero_stage``): the same
+# rows an optimizer step, split otherwise (``STEP_ROWS``: free on as many ranks).
+LESS_MEMORY = (" (to fit in less memory: a smaller --per_device_training_batch_size with a "
+               "--gradient_accumulation_steps as many times larger, the same rows an optimizer step)")
+
+
+def saved_zero_stage_key(part):
+    return f"saved_{part}_zero_stage"
+
+
+def _take_other_zero_stages(root, tag, saved_flags, now, state, with_critic):
+    """The actor's (and a trained critic's) ZeRO stage that this run changes (--actor_zero_stage 3 after running out
+    of memory at 2): its states load through DeepSpeed's universal copy fitted for the new stage (``plan_resume``), so
+    the flag is taken off the compared ones (``now``) and the saved stage kept in ``state``; stage 0 to or from another
+    is a UsageError saying what to do (``other_zero_stage``)."""
+    for part in (ACTOR, CRITIC) if with_critic else (ACTOR,):
+        flag = f"{part}_zero_stage"
+        if other_zero_stage(root, part, tag, saved_flags.get(flag), now.get(flag), f"--{flag}", LESS_MEMORY):
+            state[saved_zero_stage_key(part)] = saved_flags[flag]
+            now.pop(flag)
 
 
 def _refuse_without_ema(root, tag, saved_flags):
