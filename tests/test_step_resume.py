@@ -1787,3 +1787,24 @@ def test_fitting_a_universal_copy_on_a_full_disk_leaves_no_half_written_file_a_l
     assert fitted == {"lr_scheduler": {"step": 2}, DS_VERSION: "0.19.8"}
     optimizer = torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False)
     assert optimizer["optimizer_state_dict"]["state"][0]["step"] == 2.0
+
+
+def test_fitting_into_zero_3_a_universal_copy_without_any_step_file_names_the_copy_and_what_to_do(tmp_path):
+    """A ZeRO-1/2 universal copy fitted for ZeRO-3 takes Adam's step count from its parameters' step.pt; where none
+    has one (a copy damaged since it was made), it failed with a bare StopIteration. A UsageError names the copy, the
+    missing step.pt and how to go on, and the optimizer file is left as it was."""
+    from deepspeed.checkpoint.constants import DS_VERSION, PARAM
+
+    from dschat.utils import checkpoints
+
+    folder = tmp_path / "step_0000002_universal"
+    (folder / "zero" / "w").mkdir(parents=True)
+    torch.save({"lr_scheduler": {"step": 2}, DS_VERSION: "0.19.8"}, folder / checkpoints.MODEL_STATES)
+    saved_optimizer = {DS_VERSION: "0.19.8", "param_groups": [{"lr": 1e-3}]}
+    torch.save(saved_optimizer, folder / "zero" / "optimizer_state.pt")
+    torch.save({PARAM: torch.ones(3)}, folder / "zero" / "w" / "fp32.pt")
+
+    with pytest.raises(UsageError, match=r"universal copy .*step_0000002_universal has no step\.pt .*remove .*"
+                                         r"makes it again .*or resume at the ZeRO stage"):
+        checkpoints.fit_universal_copy(str(folder), 3)
+    assert torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False) == saved_optimizer

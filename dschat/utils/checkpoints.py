@@ -436,7 +436,7 @@ def fit_universal_copy(folder, into_stage):
     step_files = [os.path.join(zero, name, "step.pt") for name in sorted(os.listdir(zero))
                   if os.path.isdir(os.path.join(zero, name))]
     if into_stage == 3 and OPTIMIZER_STATE_DICT not in optimizer:
-        step = next(torch.load(path, weights_only=False) for path in step_files if os.path.isfile(path))
+        step = _saved_step_count(folder, step_files)
         optimizer[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, "param_groups": optimizer["param_groups"]}
         _save_atomic(optimizer, optimizer_file)
     elif into_stage != 3 and DS_VERSION not in optimizer:
@@ -448,6 +448,18 @@ def fit_universal_copy(folder, into_stage):
         # (ZeRO-1/2's load asserts the version of DeepSpeed that saved it: the model states' own)
         optimizer[DS_VERSION] = torch.load(wanted, weights_only=False).get(DS_VERSION)
         _save_atomic(optimizer, optimizer_file)
+
+
+def _saved_step_count(folder, step_files):
+    """Adam's step count of a ZeRO-1/2 universal copy in ``folder``: the first of its parameters' ``step_files``
+    there. None there (a copy damaged or emptied since it was made) was a bare StopIteration."""
+    for path in step_files:
+        if os.path.isfile(path):
+            return torch.load(path, weights_only=False)
+    raise UsageError(f"--resume: DeepSpeed's universal copy {folder} has no step.pt in any parameter folder of its "
+                     "zero/ folder (Adam's step count, which a ZeRO-3 engine reads from its optimizer states): remove "
+                     f"{folder} so that the next --resume makes it again from its checkpoint, or resume at the ZeRO "
+                     "stage the checkpoint was saved at")
 
 
 def _wrap_bare_tensors(folder):
