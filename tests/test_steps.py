@@ -1555,6 +1555,30 @@ def test_train_py_multi_node_quotes_the_line_each_nodes_shell_reads(tmp_path):
     assert argv[-len(given) - 1:] == [str(REPO / "train.py"), *given]
 
 
+def test_multi_node_launcher_quotes_the_venv_script_each_nodes_shell_sources(tmp_path, monkeypatch):
+    """DeepSpeed's launcher --venv_script is sourced on each node by a word of pdsh's line it left bare (``source
+    PATH;``): a script in a folder with a space was two words, and the node's shell sourced another file. The line
+    of the quoting launcher, run by a shell as a node's would, sources the script and starts the launcher."""
+    from deepspeed.launcher import runner
+
+    from dschat.utils.launcher import QuotedPDSHRunner
+
+    venv = tmp_path / "my env $USER" / "activate"
+    venv.parent.mkdir()
+    venv.write_text("export VENV_ON=yes\n")
+    monkeypatch.chdir(tmp_path)
+    args = runner.parse_args(["--venv_script", str(venv), "train.py", "--x", "a b"])
+    cmd, _, _ = QuotedPDSHRunner(args, "e30=").get_cmd({}, {"node-a": [0]})
+    line = " ".join(cmd[cmd.index("-w") + 2:]).replace("%n", "0")
+    assert line.count(" -m deepspeed.launcher.launch ") == 1
+    say = "import os, sys; print(os.environ['VENV_ON'], sys.argv[-3:])"
+    line = line.replace(" -m deepspeed.launcher.launch ", f" -c {shlex.quote(say)} ")
+    node = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], "HOME": "/nowhere", "USER": "nobody"})
+    assert node.returncode == 0, node.stderr[-3000:]
+    assert node.stdout.strip() == "yes ['train.py', '--x', 'a b']"
+
+
 def test_train_py_multi_node_exports_deepspeed_env_lines_as_shell_text_and_its_own_values_as_they_are(
         tmp_path, monkeypatch):
     """The quoting launcher quoted .deepspeed_env's values too, where DeepSpeed's gave them to the node's shell in

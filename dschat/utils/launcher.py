@@ -2,10 +2,11 @@
 (``python -m dschat.utils.launcher`` takes the arguments of ``deepspeed.launcher.runner``).
 
 pdsh joins the words it is given with spaces and each node's shell reads the line, so every word must be quoted for
-a shell. DeepSpeed 0.19's PDSHRunner left the working directory (``cd /path;``), the interpreter and the script bare,
-put the exported variables and an argument with a space in double quotes (where the shell still expands ``$``,
-backquotes and backslashes) and an argument without a space bare: a folder with a space or a ``$`` in its name, or
-``--step1-args "--data_path $HOME/x"``, reached the ranks as other words, or made the node's shell fail. The lines of
+a shell. DeepSpeed 0.19's PDSHRunner left the working directory (``cd /path;``), the interpreter, the script and the
+``--venv_script`` it sources bare, put the exported variables and an argument with a space in double quotes (where
+the shell still expands ``$``, backquotes and backslashes) and an argument without a space bare: a folder with a
+space or a ``$`` in its name, or ``--step1-args "--data_path $HOME/x"``, reached the ranks as other words, or made
+the node's shell fail. The lines of
 ``.deepspeed_env`` stay shell text, as DeepSpeed gives them (``HF_HOME=$HOME/hf`` is the node's home).
 """
 import os
@@ -30,7 +31,8 @@ class QuotedPDSHRunner(multinode_runner.PDSHRunner):
 
     def get_cmd(self, environment, active_resources):
         cmd, kill_cmd, environment = super().get_cmd(environment, active_resources)
-        return quoted_remote_words(cmd, self.user_script, len(self.user_arguments)), kill_cmd, environment
+        return (quoted_remote_words(cmd, self.user_script, len(self.user_arguments), self.args.venv_script), kill_cmd,
+                environment)
 
 
 def environment_file_lines():
@@ -45,14 +47,18 @@ def environment_file_lines():
     return lines
 
 
-def quoted_remote_words(cmd, script, user_words):
-    """PDSHRunner's command with the words it leaves bare quoted: the ``cd`` folder, the interpreter, the script (its
-    user arguments, last, are already quoted)."""
+def quoted_remote_words(cmd, script, user_words, venv_script=None):
+    """PDSHRunner's command with the words it leaves bare quoted: the ``source`` of ``--venv_script`` (where given),
+    the ``cd`` folder, the interpreter, the script (its user arguments, last, are already quoted)."""
     cmd, here = list(cmd), os.path.abspath(".")
     cd = cmd.index(f"cd {here};") if f"cd {here};" in cmd else None
+    source = f"source {venv_script};"
     at_script = len(cmd) - user_words - 1
-    if cd is None or cmd[cd + 1] != sys.executable or cmd[at_script] != script:
+    if (cd is None or cmd[cd + 1] != sys.executable or cmd[at_script] != script
+            or (venv_script is not None and source not in cmd[:cd])):
         raise RuntimeError(f"dschat.utils.launcher: DeepSpeed's pdsh command is not laid out as expected: {cmd}")
+    if venv_script is not None:  # (a path with a space was two words to the node's shell)
+        cmd[cmd.index(source)] = f"source {shlex.quote(venv_script)};"
     cmd[cd], cmd[cd + 1] = f"cd {shlex.quote(here)};", shlex.quote(sys.executable)
     cmd[at_script] = shlex.quote(script)
     return cmd
