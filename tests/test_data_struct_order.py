@@ -88,3 +88,36 @@ def test_a_jsonl_file_of_objects_is_searched_for_reordered_keys_a_line_at_a_time
     other = [same[0], record("Weather in Rome, in F?", {"unit": "f", "city": "Rome"})]
     raw, samples = read(tmp_path, "jsonl", other)
     assert list(raw.get_chosen_text(samples[1]).tool_calls[0]["function"]["arguments"]) == ["unit", "city"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_a_json_file_of_objects_is_parsed_once_where_no_object_is_reordered(tmp_path, monkeypatch, kind):
+    """The key-order search parsed every JSON file with a column of objects (messages) a second time after its check
+    had parsed it (a JSON Lines file a line at a time, a .json file whole): the check gathers the key orders in its
+    own parse now. A file with a reordered object is still read again, to be rebuilt as written."""
+    from dschat.data import local
+
+    parsed = []
+
+    class CountingJson:
+        def __getattr__(self, name):
+            return getattr(json, name)
+
+        def loads(self, text, **options):
+            parsed.append(text.strip())
+            return json.loads(text, **options)
+
+    monkeypatch.setattr(local, "json", CountingJson())
+    same = [record("Weather in Paris?", {"city": "Paris", "unit": "c"}),
+            record("Weather in Rome?", {"city": "Rome", "unit": "f"})]
+    _, samples = read(tmp_path, kind, same)
+    written = (tmp_path / f"calls.{kind}").read_text().strip()
+    assert parsed == (written.split("\n") if kind == "jsonl" else [written])
+    assert list(samples[1]["messages"][1]["tool_calls"][0]["function"]["arguments"]) == ["city", "unit"]
+
+    parsed.clear()  # (a reordered one deep inside: found by the one parse, then read again and rebuilt)
+    other = [same[0], record("Weather in Rome, in F?", {"unit": "f", "city": "Rome"})]
+    raw, samples = read(tmp_path, kind, other)
+    assert len(parsed) > (2 if kind == "jsonl" else 1)
+    assert list(raw.get_chosen_text(samples[1]).tool_calls[0]["function"]["arguments"]) == ["unit", "city"]
+    assert list(raw.get_chosen_text(samples[0]).tool_calls[0]["function"]["arguments"]) == ["city", "unit"]

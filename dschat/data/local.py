@@ -594,8 +594,9 @@ def _first_inside(value, find):
     return next((found for found in (_first_inside(child, find) for child in children) if found is not None), None)
 
 
-def check_jsonl_lines(path):
-    """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line.
+def check_jsonl_lines(path, key_orders=None):
+    """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line. Where given,
+    ``key_orders`` (a ``_KeyOrders``) gathers the order of its objects' keys in the same parse.
 
     datasets/pyarrow report a malformed line without its number, so the file is checked here first.
     """
@@ -619,6 +620,8 @@ def check_jsonl_lines(path):
                                              f"{type(record).__name__}{array}")
                 keys.check(record, f"{path} line {line_number}")
                 constants.check(record, f"{path} line {line_number} (record {len(record_lines)})")
+                if key_orders is not None:
+                    key_orders.add(record)
                 record_lines.append(line_number)
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
@@ -645,9 +648,10 @@ def not_utf8_error(path):
     return DatasetFormatError(f"{path}: not UTF-8 text; save the file as UTF-8")
 
 
-def check_json_document(path):
+def check_json_document(path, key_orders=None):
     """A .json file must be one JSON array of objects (None returned) or JSON Lines (its record lines returned, as
-    ``check_jsonl_lines``); DatasetFormatError with the line of a syntax error."""
+    ``check_jsonl_lines``); DatasetFormatError with the line of a syntax error. Where given, ``key_orders`` (a
+    ``_KeyOrders``) gathers the order of its objects' keys in the same parse."""
     try:
         with open(path, encoding=text_encoding(path)) as f:
             text = f.read()
@@ -660,7 +664,7 @@ def check_json_document(path):
         document = json.loads(text, object_pairs_hook=keys.hook, parse_constant=constants.parse)
     except json.JSONDecodeError as err:
         if _is_json_lines(text):
-            return check_jsonl_lines(path)
+            return check_jsonl_lines(path, key_orders)
         raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({_json_reason(err)})") from None
     keys_of_records = _records_keys(document)
     key = keys_of_records[0] if keys_of_records else None
@@ -678,7 +682,7 @@ def check_json_document(path):
                                  f"the list under {key!r}, give a file that is that list (or JSON Lines); one record? "
                                  "put it in a JSON array, [...]")
     if isinstance(document, dict) and "\n" not in text.strip():  # JSON Lines of one record, as datasets reads it
-        return check_jsonl_lines(path)
+        return check_jsonl_lines(path, key_orders)
     if not isinstance(document, list):
         one = " (one record? put it in a JSON array, [...])" if isinstance(document, dict) else ""
         raise DatasetFormatError(f"{path}: expected a JSON array of records, got a {type(document).__name__}{one}")
@@ -689,6 +693,9 @@ def check_json_document(path):
             raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
         keys.check(record, f"{path} record {index}")
         constants.check(record, f"{path} record {index}")
+    if key_orders is not None:
+        for record in document:
+            key_orders.add(record)
     return None
 
 
@@ -755,10 +762,11 @@ def load_file(kind, path):
     """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder."""
     check_not_compressed(path)
     record_lines = header = None
+    key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
     if kind == "jsonl":
-        record_lines = check_jsonl_lines(path)
+        record_lines = check_jsonl_lines(path, key_orders)
     elif kind == "json":
-        record_lines = check_json_document(path)
+        record_lines = check_json_document(path, key_orders)
     elif kind == "csv":
         header, record_lines = csv_record_lines(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
@@ -774,7 +782,7 @@ def load_file(kind, path):
             raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
     if builder == "json":
-        data = _as_written(kind, path, data)
+        data = _as_written(kind, path, data, key_orders)
     if kind == "csv":
         data = _with_lf_line_ends(data)
     if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
@@ -1021,31 +1029,20 @@ def _json_records(kind, path):
     return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
-def _as_written(kind, path, data):
+def _as_written(kind, path, data, key_orders):
     """A JSON or JSON Lines file's ``data`` (datasets') with its columns of mixed types and those whose objects datasets
-    reordered (``_reordered_struct_columns``) as the file writes them (``_exact_json_dataset``)."""
+    reordered (``key_orders``, the file's as it was checked: ``_KeyOrders.reordered_columns``) as the file writes them
+    (``_exact_json_dataset``)."""
     mixed = any(_has_json_feature(feature) for feature in data.features.values())
     structs = [name for name, feature in data.features.items() if _holds_struct(feature)]
     if not mixed and not (structs and _json_type_available()):  # (a datasets without Json: as Arrow's, said there)
         return data
-    # (read whole only where rebuilt: a large file of messages, searched for a reordered object, is read a line at a
-    # time, not held as the json module's objects beside datasets' own)
-    records = _json_records(kind, path) if mixed else _streamed_json_records(kind, path)
-    reordered = _reordered_struct_columns(records, data.features, structs)
+    # (the file is read again only where rebuilt: its key orders were gathered by its check's parse, and a large file
+    # of messages was parsed a second time, whole or a line at a time, to look for a reordered object)
+    reordered = key_orders.reordered_columns(data.features, structs)
     if not mixed and not reordered:
         return data
-    return _exact_json_dataset(kind, path, data.features, records if mixed else None, also=reordered)
-
-
-def _streamed_json_records(kind, path):
-    """``_json_records`` one record at a time for a JSON Lines file (a .json file: whole, as it was checked)."""
-    if kind != "jsonl":
-        yield from _json_records(kind, path)
-        return
-    with open(path, encoding=text_encoding(path), newline="\n") as f:  # ("\n" alone ends a line: _json_records)
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    return _exact_json_dataset(kind, path, data.features, also=reordered)
 
 
 def _holds_struct(feature):
@@ -1058,31 +1055,68 @@ def _holds_struct(feature):
     return inner is not None and _holds_struct(inner)
 
 
-def _reordered_struct_columns(records, features, names):
-    """The columns among ``names`` of whose objects a record writes the keys in another order than datasets keeps.
+# A list's items in a place of ``_KeyOrders`` (an object's keys are text, never None)
+LIST_ITEM = None
+
+
+class _KeyOrders:
+    """The orders in which a JSON file's objects write their keys, column by column and place by place (the keys and
+    list items that lead to an object), gathered by the parse that checks the file: ``reordered_columns`` says which
+    columns datasets reordered, and a file of none is not parsed again.
 
     Arrow keeps one struct per column, its keys in the order it met them first: a later record's object of the same
     keys in another order came back in the first one's, so a tool call's arguments {"unit": "f", "city": "Rome"} were
     trained as {"city": "Rome", "unit": "f"} (``arguments | tojson``), and tool schemas' properties so too."""
-    reordered = set()
-    for record in records:  # (one pass: ``records`` may be read as they go)
-        reordered |= {name for name in names
-                      if name not in reordered and _keys_reordered(record.get(name), features[name])}
-    return reordered
+
+    def __init__(self):
+        self.orders = {}  # column -> {place: {the keys of an object there, in the order written}}
+
+    def add(self, record):
+        """The key orders of a parsed record's objects (its text, numbers and lists of them are passed over)."""
+        for name, value in record.items():
+            if isinstance(value, (dict, list)):
+                self._add(self.orders.setdefault(name, {}), (), value)
+
+    def _add(self, places, place, value):
+        if isinstance(value, dict):
+            places.setdefault(place, set()).add(tuple(value))
+            inside = ((place + (key,), item) for key, item in value.items())
+        else:
+            inside = ((place + (LIST_ITEM,), item) for item in value)
+        for where, item in inside:
+            if isinstance(item, (dict, list)):
+                self._add(places, where, item)
+
+    def reordered_columns(self, features, names):
+        """The columns among ``names`` (of datasets' ``features``) of which an object writes its keys in another order
+        than datasets keeps."""
+        return {name for name in names for place, orders in self.orders.get(name, {}).items()
+                if _keys_reordered(orders, _feature_at(features[name], place))}
 
 
-def _keys_reordered(value, feature):
-    if isinstance(value, dict) and isinstance(feature, dict):
-        if list(value) != [key for key in feature if key in value]:
-            return True
-        return any(_keys_reordered(item, feature[key]) for key, item in value.items() if key in feature)
-    if isinstance(value, list):
-        inner = feature[0] if isinstance(feature, (list, tuple)) and feature else getattr(feature, "feature", None)
-        return inner is not None and any(_keys_reordered(item, inner) for item in value)
-    return False
+def _feature_at(feature, place):
+    """The feature of the objects at ``place`` (``_KeyOrders``) of a column of ``feature``, else None."""
+    for step in place:
+        if step is LIST_ITEM:  # (a list of structs: [feature] or a List/Sequence's .feature)
+            listed = isinstance(feature, (list, tuple)) and feature
+            feature = feature[0] if listed else getattr(feature, "feature", None)
+        else:
+            feature = feature.get(step) if isinstance(feature, dict) else None
+        if feature is None:
+            return None
+    return feature
 
 
-def _exact_json_dataset(kind, path, features, records=None, also=()):
+def _keys_reordered(orders, feature):
+    """Whether one of the key ``orders`` of objects of a struct ``feature`` is not the struct's."""
+    return isinstance(feature, dict) and any(list(keys) != _struct_keys_among(feature, set(keys)) for keys in orders)
+
+
+def _struct_keys_among(feature, keys):
+    return [key for key in feature if key in keys]
+
+
+def _exact_json_dataset(kind, path, features, also=()):
     """The file's records with every value exactly as written, for a file with mixed-type columns (and the columns
     ``also``, of objects datasets reordered).
 
@@ -1090,11 +1124,11 @@ def _exact_json_dataset(kind, path, features, records=None, also=()):
     a number in one), datasets infers a ``Json`` feature, which stores a string that is itself valid JSON
     as that JSON: the string "1" comes back as the number 1, "null" as None. Such columns are rebuilt here
     from the json module's records, each value JSON-encoded, so strings stay strings and a bad value is
-    reported at its own record. ``records``: the json module's, where read already.
+    reported at its own record.
     """
     from datasets import Dataset, Features, Json
 
-    records = _json_records(kind, path) if records is None else records
+    records = _json_records(kind, path)
     columns = {}
     for record in records:
         for name in record:
@@ -1184,7 +1218,7 @@ def _json_columns_alike(kind, paths, parts):
     ``_exact_json_dataset``) read so in every one: one number among a shard's strings made its column Json there and
     string in the others, and the shards would not join ("the features can't be aligned") where the record holding
     it is its record's error, as in one file. So too a column of objects whose structs differ between the shards (in
-    their keys' order alone, the shards joined in the first one's: ``_reordered_struct_columns``)."""
+    their keys' order alone, the shards joined in the first one's: ``_KeyOrders``)."""
     mixed = {name for part, _ in parts for name, feature in part.features.items() if _has_json_feature(feature)}
     mixed |= _structs_differing(part for part, _ in parts)
     if not mixed or kind not in ("json", "jsonl"):
