@@ -1808,3 +1808,20 @@ def test_fitting_into_zero_3_a_universal_copy_without_any_step_file_names_the_co
                                          r"makes it again .*or resume at the ZeRO stage"):
         checkpoints.fit_universal_copy(str(folder), 3)
     assert torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False) == saved_optimizer
+
+
+@pytest.mark.parametrize("into_stage", [1, 3])
+def test_fitting_a_universal_copy_without_its_model_states_names_the_copy_and_what_to_do(tmp_path, into_stage):
+    """A universal copy fitted for another stage takes the model-states file it lacks (the name that stage reads) from
+    the one there; where none is (a copy damaged since it was made), it failed with a bare ValueError of min()."""
+    from deepspeed.checkpoint.constants import DS_VERSION
+
+    from dschat.utils import checkpoints
+
+    folder = tmp_path / "step_0000002_universal"
+    (folder / "zero" / "w").mkdir(parents=True)
+    torch.save({DS_VERSION: "0.19.8", "param_groups": [{"lr": 1e-3}]}, folder / "zero" / "optimizer_state.pt")
+    with pytest.raises(UsageError, match=rf"universal copy .*step_0000002_universal has no \*{checkpoints.MODEL_STATES}"
+                                         r" file .*remove .*makes it again"):
+        checkpoints.fit_universal_copy(str(folder), into_stage)
+    assert sorted(os.listdir(folder)) == ["zero"]

@@ -428,8 +428,7 @@ def fit_universal_copy(folder, into_stage):
 
     wanted = os.path.join(folder, UNIVERSAL_MODEL_STATES[into_stage])
     if not os.path.isfile(wanted):
-        source = min(name for name in os.listdir(folder) if name.endswith(MODEL_STATES))
-        _link_or_copy(os.path.join(folder, source), wanted)
+        _link_or_copy(os.path.join(folder, _saved_model_states(folder)), wanted)
     zero = os.path.join(folder, "zero")
     optimizer_file = os.path.join(zero, "optimizer_state.pt")
     optimizer = torch.load(optimizer_file, weights_only=False)
@@ -448,6 +447,17 @@ def fit_universal_copy(folder, into_stage):
         # (ZeRO-1/2's load asserts the version of DeepSpeed that saved it: the model states' own)
         optimizer[DS_VERSION] = torch.load(wanted, weights_only=False).get(DS_VERSION)
         _save_atomic(optimizer, optimizer_file)
+
+
+def _saved_model_states(folder):
+    """The name of the model-states file of the universal copy in ``folder`` (the first, by name). None there (a copy
+    damaged or emptied since it was made) was a bare ValueError of min()."""
+    names = sorted(name for name in os.listdir(folder) if name.endswith(MODEL_STATES))
+    if not names:
+        raise UsageError(f"--resume: DeepSpeed's universal copy {folder} has no *{MODEL_STATES} file (the engine's "
+                         f"model states: its scheduler and step counts): remove {folder} so that the next --resume "
+                         "makes it again from its checkpoint, or resume at the ZeRO stage the checkpoint was saved at")
+    return names[0]
 
 
 def _saved_step_count(folder, step_files):
