@@ -1579,6 +1579,29 @@ def test_multi_node_launcher_quotes_the_venv_script_each_nodes_shell_sources(tmp
     assert node.stdout.strip() == "yes ['train.py', '--x', 'a b']"
 
 
+def test_multi_node_launcher_quotes_the_each_rank_log_folder(tmp_path, monkeypatch):
+    """DeepSpeed's launcher --enable_each_rank_log FOLDER reached each node's launcher as a bare word of pdsh's line
+    (``--enable_each_rank_log=FOLDER``): a folder with a space was two words, and the node's launcher logged into
+    another folder (or failed on the word after it). The line, run by a shell as a node's would, gives it whole."""
+    from deepspeed.launcher import runner
+
+    from dschat.utils.launcher import QuotedPDSHRunner
+
+    logs = tmp_path / "rank logs $USER"
+    monkeypatch.chdir(tmp_path)
+    args = runner.parse_args(["--enable_each_rank_log", str(logs), "train.py", "--x", "a b"])
+    cmd, _, _ = QuotedPDSHRunner(args, "e30=").get_cmd({}, {"node-a": [0]})
+    line = " ".join(cmd[cmd.index("-w") + 2:]).replace("%n", "0")
+    assert line.count(" -m deepspeed.launcher.launch ") == 1
+    say = "import json, sys; print(json.dumps(sys.argv[1:]))"
+    line = line.replace(" -m deepspeed.launcher.launch ", f" -c {shlex.quote(say)} ")
+    node = subprocess.run(["sh", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], "HOME": "/nowhere", "USER": "nobody"})
+    assert node.returncode == 0, node.stderr[-3000:]
+    argv = json.loads(node.stdout)
+    assert f"--enable_each_rank_log={logs}" in argv and argv[-3:] == ["train.py", "--x", "a b"]
+
+
 def test_train_py_multi_node_exports_deepspeed_env_lines_as_shell_text_and_its_own_values_as_they_are(
         tmp_path, monkeypatch):
     """The quoting launcher quoted .deepspeed_env's values too, where DeepSpeed's gave them to the node's shell in

@@ -2,12 +2,12 @@
 (``python -m dschat.utils.launcher`` takes the arguments of ``deepspeed.launcher.runner``).
 
 pdsh joins the words it is given with spaces and each node's shell reads the line, so every word must be quoted for
-a shell. DeepSpeed 0.19's PDSHRunner left the working directory (``cd /path;``), the interpreter, the script and the
-``--venv_script`` it sources bare, put the exported variables and an argument with a space in double quotes (where
-the shell still expands ``$``, backquotes and backslashes) and an argument without a space bare: a folder with a
-space or a ``$`` in its name, or ``--step1-args "--data_path $HOME/x"``, reached the ranks as other words, or made
-the node's shell fail. The lines of
-``.deepspeed_env`` stay shell text, as DeepSpeed gives them (``HF_HOME=$HOME/hf`` is the node's home).
+a shell. DeepSpeed 0.19's PDSHRunner left the working directory (``cd /path;``), the interpreter, the script, the
+``--venv_script`` it sources and the ``--enable_each_rank_log`` folder bare, put the exported variables and an
+argument with a space in double quotes (where the shell still expands ``$``, backquotes and backslashes) and an
+argument without a space bare: a folder with a space or a ``$`` in its name, or ``--step1-args "--data_path
+$HOME/x"``, reached the ranks as other words, or made the node's shell fail. The lines of ``.deepspeed_env`` stay
+shell text, as DeepSpeed gives them (``HF_HOME=$HOME/hf`` is the node's home).
 """
 import os
 import shlex
@@ -47,9 +47,13 @@ def environment_file_lines():
     return lines
 
 
+EACH_RANK_LOG = "--enable_each_rank_log="  # (DeepSpeed's launcher option of the folder each rank logs into)
+
+
 def quoted_remote_words(cmd, script, user_words, venv_script=None):
     """PDSHRunner's command with the words it leaves bare quoted: the ``source`` of ``--venv_script`` (where given),
-    the ``cd`` folder, the interpreter, the script (its user arguments, last, are already quoted)."""
+    the ``cd`` folder, the interpreter, the ``--enable_each_rank_log`` folder, the script (its user arguments, last,
+    are already quoted)."""
     cmd, here = list(cmd), os.path.abspath(".")
     cd = cmd.index(f"cd {here};") if f"cd {here};" in cmd else None
     source = f"source {venv_script};"
@@ -61,7 +65,11 @@ def quoted_remote_words(cmd, script, user_words, venv_script=None):
         cmd[cmd.index(source)] = f"source {shlex.quote(venv_script)};"
     cmd[cd], cmd[cd + 1] = f"cd {shlex.quote(here)};", shlex.quote(sys.executable)
     cmd[at_script] = shlex.quote(script)
+    for at, word in enumerate(cmd[cd:at_script], start=cd):  # (the launcher's own options, before the script)
+        if word.startswith(EACH_RANK_LOG):
+            cmd[at] = EACH_RANK_LOG + shlex.quote(word.removeprefix(EACH_RANK_LOG))
     return cmd
+
 
 
 def main():
