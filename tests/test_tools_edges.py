@@ -560,6 +560,39 @@ def test_ppo_eval_prints_an_examples_rule_score_without_a_sign(capsys):
     assert "[reward -0.500, rule 1.000] 'Hi'\n" in out and "rule_score_mean 1.0000" in out
 
 
+def test_rw_eval_data_split_given_with_the_runs_file_takes_the_runs_seed(reward_model, tmp_path, capsys, monkeypatch):
+    """--pairs_file (the run's file) with --data_split took --seed 1234, not the step-2 run's 7 (its help says the
+    run's): the 10% another seed holds out, pairs step 2 trained on among them, scored as its held-out pairs."""
+    import shutil
+
+    from dschat.data import create_prompt_dataset
+    from dschat.models.loading import load_tokenizer
+    from dschat.steps.common import RUN_ARGS_FILE
+    from dschat.tools import rw_eval
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Name color {i}.", "chosen": f"red {i}", "rejected": f"no {i}"})
+                             + "\n" for i in range(60)))
+    trained = tmp_path / "step2_rm"
+    shutil.copytree(reward_model, trained)
+    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(tmp_path), "flags": {
+        "data_path": ["jsonl:pairs.jsonl"], "data_split": "2,4,4", "seed": 7, "max_seq_len": 64}}))
+    scored = []
+    monkeypatch.setattr(rw_eval, "score_sequences", lambda model, tokenizer, sequences, batch_size:
+                        scored.extend(sequences) or [0.0] * len(sequences))
+    result = rw_eval.main(["--model_name_or_path", str(trained), "--pairs_file", f"jsonl:{pairs}", "--data_split",
+                           "2,4,4", "--num_pairs", "0"])
+    assert "--seed 7 holds out" in capsys.readouterr().out
+    _, held_out = create_prompt_dataset(0, [f"jsonl:{pairs}"], "2,4,4", str(tmp_path / "cache"), 2, 7,
+                                        load_tokenizer(reward_model), 64)
+    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
+    assert sorted(scored[:len(result["pairs"])]) == step2_pairs
+    # --seed given wins; without --data_split the run's seed is not taken (it chooses nothing there)
+    assert rw_eval.parse_args(["--model_name_or_path", str(trained), "--pairs_file", f"jsonl:{pairs}",
+                               "--data_split", "2,4,4", "--seed", "3"])[0].seed == 3
+    assert rw_eval.parse_args(["--model_name_or_path", str(trained), "--pairs_file", f"jsonl:{pairs}"])[0].seed == 1234
+
+
 def test_rw_eval_data_split_that_gives_step_2_nothing_is_an_error_naming_its_pairs_file(reward_model):
     """--data_split 1,0,0 was refused as giving step 2 "no share of --data_path", a flag rw_eval does not have."""
     from dschat.tools import rw_eval

@@ -221,6 +221,9 @@ def step2_run_defaults(args):
             defaults["data_fields"] = DataFields(parse_data_fields(trained["data_fields"]).for_spec(spec), {}).as_text()
         if data[0] == TINY_NAME and "data_split" not in defaults:  # (the embedded held-out pairs, as before)
             del defaults["pairs_file"]
+    if args.data_split is not None and trained.get("seed") not in (None, ""):
+        # (a --data_split given chooses step 2's held-out pairs of its --seed: the run's, as its help says, not 1234)
+        defaults["seed"] = trained["seed"]
     return defaults, os.path.abspath(os.path.join(path, RUN_ARGS_FILE))
 
 
