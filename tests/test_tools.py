@@ -744,6 +744,35 @@ def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(sessi
     assert [m["content"] for m in session.history if m["role"] == "user"] == ["Say tea twice."]
 
 
+def test_piped_messages_left_unanswered_end_the_chat_with_an_error_a_terminals_do_not(session, models, monkeypatch,
+                                                                                       capsys):
+    """Piped messages too long for the context were said as "(not answered: ...)" and the chat went on, but it ended
+    with exit status 0: a script could not tell. Once the input ends, the lines not answered are a usage error (exit 2);
+    at a terminal the person saw it, and the chat still ends as it did."""
+    import io
+
+    from dschat.errors import UsageError
+    from dschat.tools import chat
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(chat, "load_policy", lambda *a, **k: (session.model, session.tokenizer))
+    monkeypatch.setattr(session.model.config, "max_position_embeddings", 40)
+    too_long = "word " * 60
+    flags = ["--path", models["policy"], "--greedy", "--max_new_tokens", "2"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{too_long}\nSay tea twice.\n{too_long}\n"))
+    with pytest.raises(UsageError, match=r"^standard input lines 1, 3: not answered \(said above"):
+        chat.main(flags)
+    out = capsys.readouterr().out
+    assert out.count("(not answered: ") == 2 and out.count("Assistant: ") == 1  # (the chat went on between them)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say tea twice.\nquit\n"))
+    assert chat.main(flags) == 0  # (all answered)
+    monkeypatch.setattr(sys, "stdin", Terminal(f"{too_long}\nquit\n"))
+    assert chat.main(flags) == 0 and "(not answered: " in capsys.readouterr().out
+
+
 def test_a_prompt_flag_longer_than_the_context_is_an_error_naming_the_flag(session, models, monkeypatch):
     """chat.py --prompt with a message too long for the model said "error: the message takes ..." naming no flag."""
     from dschat.errors import UsageError

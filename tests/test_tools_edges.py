@@ -213,14 +213,16 @@ def test_a_line_that_is_not_utf8_under_a_strict_utf8_locale_is_refused_and_the_c
     """Under a UTF-8 locale (en_US.UTF-8; here PYTHONIOENCODING=utf-8) stdin decodes strictly: a Latin-1 line raised
     UnicodeDecodeError in input(), a traceback (exit 1) that ended the chat. Only the C/POSIX locale read it as
     surrogates, which the chat refuses with a message."""
-    out = _chat_utf8_piped(reward_model, b"caf\xe9\nhello\nquit\n")
+    out, err = _chat_utf8_piped(reward_model, b"caf\xe9\nhello\nquit\n", status=2, stderr=True)
     assert "(not answered: the message is not UTF-8 text (byte 0xe9) at character 4" in out
     assert "Human: hello\nAssistant:" in out
+    assert err.endswith("error: standard input line 1: not answered (said above as \"(not answered: ...)\"; the chat "
+                        "went on with the other messages)\n")  # (piped: a script sees it in the exit status)
 
 
-def _chat_utf8_piped(reward_model, stdin):
-    """chat.py's output for ``stdin`` piped under a UTF-8 locale (PYTHONIOENCODING=utf-8), with the tiny policy beside
-    ``reward_model``; it must exit 0."""
+def _chat_utf8_piped(reward_model, stdin, status=0, stderr=False):
+    """chat.py's output (and stderr) for ``stdin`` piped under a UTF-8 locale (PYTHONIOENCODING=utf-8), with the tiny
+    policy beside ``reward_model``; it must exit with ``status``."""
     import os
     import subprocess
     import sys
@@ -230,8 +232,9 @@ def _chat_utf8_piped(reward_model, stdin):
     proc = subprocess.run([sys.executable, str(repo / "chat.py"), "--path", str(Path(reward_model).parent / "policy"),
                            "--greedy", "--max_new_tokens", "2"], input=stdin, cwd=repo, env=env, capture_output=True,
                           timeout=180)
-    assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-2000:]
-    return proc.stdout.decode("utf-8", "replace")
+    assert proc.returncode == status, proc.stderr.decode("utf-8", "replace")[-2000:]
+    out = proc.stdout.decode("utf-8", "replace")
+    return (out, proc.stderr.decode("utf-8", "replace")) if stderr else out
 
 
 def test_a_byte_order_mark_at_the_start_of_piped_input_is_not_part_of_the_first_message(reward_model):

@@ -107,17 +107,20 @@ def forgotten_note(session):
 def run_interactive(session, read=input, write=print, interrupt_stops_answer=False):
     """Read user messages until 'quit' or 'exit' (or end of input); 'clear' starts a new conversation. With
     ``interrupt_stops_answer`` (a terminal), Ctrl-C during an answer stops that answer alone, as chat CLIs do (it
-    ended the chat); Ctrl-C at the prompt still quits. Piped input ends at it: no one is there to go on."""
+    ended the chat); Ctrl-C at the prompt still quits. Piped input ends at it: no one is there to go on. Returns the
+    line numbers (1 the first read) of the messages refused with "(not answered: ...)"."""
     quits = " or ".join(f"'{command}'" for command in QUIT_COMMANDS)
     write(f"Chat with the model. '{CLEAR_COMMAND}' starts a new conversation, {quits} ends the chat.")
+    unanswered, line = [], 0
     while True:
         try:
             text = read("Human: ").strip()
         except (EOFError, KeyboardInterrupt):
             write("")
-            return
+            return unanswered
+        line += 1
         if text.lower() in QUIT_COMMANDS:
-            return
+            return unanswered
         if text.lower() == CLEAR_COMMAND:
             session.clear()
             write("(new conversation)")
@@ -126,6 +129,7 @@ def run_interactive(session, read=input, write=print, interrupt_stops_answer=Fal
                 answer = session.ask(text)
             except UsageError as error:
                 write(f"(not answered: {error})")
+                unanswered.append(line)
                 continue
             except KeyboardInterrupt:
                 if not interrupt_stops_answer:
@@ -203,6 +207,17 @@ def check_prompt_fits(turns, path, config, args):
         raise UsageError(f"--prompt: {error}") from None
 
 
+def check_piped_messages_answered(lines):
+    """Piped messages refused (``lines``, said as "(not answered: ...)" as the chat went on) are a UsageError once the
+    input ends (exit status 2, as --prompt's): the run ended with status 0, so a script could not tell that some went
+    unanswered. At a terminal the person saw it and went on: not called."""
+    if not lines:
+        return
+    numbers = ", ".join(map(str, lines))
+    raise UsageError(f"standard input line{'s' if len(lines) > 1 else ''} {numbers}: not answered (said above as "
+                     "\"(not answered: ...)\"; the chat went on with the other messages)")
+
+
 @one_process
 def main(argv=None):
     parser = build_parser()
@@ -238,7 +253,9 @@ def main(argv=None):
     read_past_a_byte_order_mark(sys.stdin)
     read_bytes_that_are_not_utf8_as_surrogates(sys.stdin, sys.stdout)
     terminal = sys.stdin.isatty()
-    run_interactive(session, read=input if terminal else echoing_input, interrupt_stops_answer=terminal)
+    unanswered = run_interactive(session, read=input if terminal else echoing_input, interrupt_stops_answer=terminal)
+    if not terminal:
+        check_piped_messages_answered(unanswered)
     return 0
 
 
