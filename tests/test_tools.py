@@ -1348,6 +1348,26 @@ def test_ppo_eval_scores_a_dpo_runs_policies_as_its_report_scored_them(models, t
     assert (given.num_prompts, given.max_new_tokens) == (8, 16)
 
 
+def test_ppo_eval_says_when_the_run_has_fewer_held_out_prompts_than_num_prompts(models, tmp_path, capsys):
+    """A step-3 run's --eval_prompts 256 became "--num_prompts 256" in the "from training_args.json" line, where the
+    run has fewer held-out prompts (the summary said "over 240 prompts"), unqualified. Now the cap is said once the
+    prompts are counted; a count within them says nothing more."""
+    actor = tmp_path / "run" / "step3_ppo" / "actor"
+    shutil.copytree(models["policy"], actor)
+    (actor.parent / RUN_ARGS_FILE).write_text(json.dumps({"step": "step3", "world_size": 1, "cwd": str(tmp_path),
+                                                         "flags": {"data_path": ["tiny"], "eval_prompts": 1000,
+                                                                   "max_answer_seq_len": 1}}))
+    (actor.parent / "metrics.json").write_text("{}")
+    flags = ["--policy", str(tmp_path / "run"), "--num_examples", "0", "--data_output_path", str(tmp_path / "data")]
+    capsys.readouterr()
+    held_out = ppo_eval.main(flags)["policy"]["prompts"]
+    out = capsys.readouterr().out
+    assert "(flags given here win): --num_prompts 1008 --max_new_tokens 1" in out and 0 < held_out < 1008
+    assert f"[ppo_eval] --num_prompts 1008: there are {held_out} held-out prompts, all scored\n" in out
+    assert ppo_eval.main([*flags, "--num_prompts", "2"])["policy"]["prompts"] == 2
+    assert "there are" not in capsys.readouterr().out
+
+
 def test_the_rule_scorer_scores_the_tiny_data_by_name_or_by_path_and_nothing_else(tmp_path):
     """The rule scorer (ppo_eval's, step 3's) and --reward_fn tiny took the embedded data only as the name ``tiny``:
     its shipped files by path (or copied) were refused as "nothing to score the answers with"."""

@@ -80,7 +80,16 @@ def held_out_prompts(args, tokenizer, by_tokenizer):
                      sort_keys=True)
     if key not in by_tokenizer:
         by_tokenizer[key] = prompt_loaders(step3_settings(args), tokenizer, held_out_only=True)[1]
+        say_fewer_prompts_than_asked(args.num_prompts, len(by_tokenizer[key].dataset))
     return by_tokenizer[key]
+
+
+def say_fewer_prompts_than_asked(num_prompts, held_out):
+    """--num_prompts above the ``held_out`` prompts there are, said: the run's step-3 count (its --eval_prompts in
+    whole batches) or the flag's went unqualified into the "from training_args.json" line, which then said
+    --num_prompts 256 where the summary said 120 prompts."""
+    if num_prompts > held_out > 0:  # (none: the summary says so)
+        print(f"[ppo_eval] --num_prompts {num_prompts}: there are {counted(held_out, 'held-out prompt')}, all scored")
 
 
 def first_rows(loader, count):
