@@ -624,3 +624,25 @@ def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scor
                                                 rf"reward model: its step 3 scored with {tmp_path}/run/step2_rm; give "
                                                 rf"that, or the run's output folder {tmp_path}/run$"):
         find_reward_model_path(str(step3))
+
+
+def test_a_critic_free_step_3_folder_given_as_the_reward_model_names_what_its_step_3_scored_with(tmp_path):
+    """A GRPO run's step3_ppo given to rw_eval (or eval.py --reward_model) said only "no model in this folder: expected
+    ... one of step2_rm" where it was rewarded by a --reward_fn alone, and "(its actor and critic)" where it scored
+    with a reward model though it has no critic. Either is said now, as for a step 3 with a critic."""
+    step3 = tmp_path / "run" / "step3_ppo"
+    _model_folder(step3 / "actor")
+    record = step3 / "training_args.json"
+    here = rf"^{step3}: step 3's output folder \(its actor: a critic-free grpo run\), not a reward model: "
+    record.write_text(json.dumps({"step": "step3", "cwd": str(tmp_path), "flags": {
+        "advantage_estimator": "grpo", "critic_model_name_or_path": "output/step2_rm", "reward_fn": "tiny",
+        "reward_model_weight": 0}}))
+    with pytest.raises(MissingInputError, match=here + r"its step 3 was rewarded by the reward function tiny alone "
+                                                       r"\(--reward_model_weight 0\), so the run has no reward model"):
+        find_reward_model_path(str(step3))
+    record.write_text(json.dumps({"step": "step3", "cwd": str(tmp_path), "flags": {
+        "advantage_estimator": "grpo", "critic_model_name_or_path": "output/step2_rm",
+        "reward_model_name_or_path": "rm", "reward_fn": "tiny", "reward_model_weight": 0.5}}))
+    with pytest.raises(MissingInputError, match=here + rf"its step 3 scored with rm; give that, or the run's output "
+                                                       rf"folder {tmp_path}/run$"):
+        find_reward_model_path(str(step3))

@@ -11,7 +11,8 @@ from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import (check_not_a_file, check_not_a_reward_model, looks_local, missing_folder_message,
                                    not_a_model_folder, unfetchable_hub_name, unknown_tiny_preset)
 from dschat.models.positions import context_limit
-from dschat.run_layout import ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
+from dschat.run_layout import (ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, REPORT_FILE, RM_DIR, SFT_DIR,
+                               unfinished_reason)
 from dschat.tiny.presets import is_tiny_preset
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
@@ -128,54 +129,63 @@ def find_reward_model_path(path):
 
 def _run_reward_model_folder(path):
     """``path``'s step2_rm, else ``path`` itself (``_model_folder``); a run whose step 3 was rewarded by a reward
-    function alone (GRPO's recipe: --reward_model_weight 0) is said to have none, not to lack a step2_rm."""
+    function alone (GRPO's recipe: --reward_model_weight 0) is said to have none, not to lack a step2_rm, and step 3's
+    own output folder names what its step 3 scored with."""
     try:
         return _model_folder(path, REWARD_SUBFOLDERS)
     except MissingInputError:
-        if scored_with := _step3_folders_reward_model(os.path.expanduser(path)):
-            raise MissingInputError(f"{path}: step 3's output folder (its actor and critic), not a reward model: its "
-                                    f"step 3 scored with {scored_with}; give that, or the run's output folder "
-                                    f"{os.path.dirname(os.path.abspath(os.path.expanduser(path)))}") from None
-        function = _step3_reward_fn_alone(os.path.expanduser(path))
+        folder = os.path.expanduser(path)
+        if (step3 := _step3_run(folder)) is not None and (said := _step3_folders_scoring(path, step3)):
+            raise MissingInputError(said) from None
+        function = _reward_fn_alone(_step3_run(os.path.join(folder, PPO_DIR)))
         if function is None:
             raise
-        raise MissingInputError(f"{path}: its step 3 was rewarded by the reward function {function} alone "
-                                "(--reward_model_weight 0), so the run has no reward model: give a reward model "
-                                "folder (step 2's output); ppo_eval scores the run's policy with its reward function "
-                                "without one") from None
+        raise MissingInputError(f"{path}: {_no_reward_model(function)}") from None
 
 
-def _step3_folders_reward_model(path):
-    """The reward model (as step 3 read it, from the folder it ran in where that path is still there) of the step 3
-    whose output folder is ``path``, else None: rw_eval given step3_ppo said only that it held no step2_rm."""
+def _step3_run(folder):
+    """The training_args.json that step 3 wrote in ``folder`` (with its flags), else None; a damaged record too: the
+    folder's own error, no model, says enough."""
     from dschat.steps.common import read_run_args
+
+    try:
+        run = read_run_args(folder, "step3")
+    except UsageError:  # (a damaged record)
+        return None
+    return run if run is not None and isinstance(run.get("flags"), dict) else None
+
+
+def _step3_folders_scoring(path, run):
+    """What step 3's output folder ``path`` (its training_args.json ``run``) holds and what its step 3 scored with
+    instead, else None: rw_eval given step3_ppo said only that it held no step2_rm, a critic-free run's even once a
+    critic's named the reward model."""
     from dschat.utils.files import path_under
 
-    try:
-        run = read_run_args(path, "step3") or {}
-    except UsageError:  # (a damaged record: the folder's own error, no model, says enough)
-        return None
-    flags = run.get("flags") if isinstance(run.get("flags"), dict) else {}
+    flags = run["flags"]
+    estimator = flags.get("advantage_estimator") or "gae"
+    holds = "its actor and critic" if estimator == "gae" else f"its actor: a critic-free {estimator} run"
+    here = f"{path}: step 3's output folder ({holds}), not a reward model"
     given = flags.get("reward_model_name_or_path") or flags.get("critic_model_name_or_path")
-    if not isinstance(given, str) or not flags.get("reward_model_weight", 1.0):
-        return None
-    return path_under(run.get("cwd"), given) or given
+    if isinstance(given, str) and flags.get("reward_model_weight", 1.0):
+        return (f"{here}: its step 3 scored with {path_under(run.get('cwd'), given) or given}; give that, or the "
+                f"run's output folder {os.path.dirname(os.path.abspath(os.path.expanduser(path)))}")
+    function = _reward_fn_alone(run)
+    return f"{here}: {_no_reward_model(function)}" if function is not None else None
 
 
-def _step3_reward_fn_alone(path):
-    """The reward function (as recorded) of the step 3 in the run folder ``path`` that scored with it and no reward
-    model, else None."""
-    from dschat.run_layout import PPO_DIR, RUN_ARGS_FILE
-    from dschat.utils.files import read_json_object
-
-    try:
-        run = read_json_object(os.path.join(path, PPO_DIR, RUN_ARGS_FILE)) or {}
-    except UsageError:  # (a damaged record: the folder's own error, no model, says enough)
-        return None
-    flags = run.get("flags")
-    if not isinstance(flags, dict) or not flags.get("reward_fn") or flags.get("reward_model_weight", 1.0):
+def _reward_fn_alone(run):
+    """The reward function (as recorded) of the step 3 whose training_args.json is ``run`` (None: none) when it scored
+    with it and no reward model, else None."""
+    flags = (run or {}).get("flags") or {}
+    if not flags.get("reward_fn") or flags.get("reward_model_weight", 1.0):
         return None
     return str(flags["reward_fn"]).strip("<>")  # (recorded_reward_fn's marker of a Python object)
+
+
+def _no_reward_model(function):
+    return (f"its step 3 was rewarded by the reward function {function} alone (--reward_model_weight 0), so the run "
+            "has no reward model: give a reward model folder (step 2's output); ppo_eval scores the run's policy with "
+            "its reward function without one")
 
 
 def check_reward_model(path):
