@@ -1544,15 +1544,21 @@ def test_train_py_multi_node_quotes_the_line_each_nodes_shell_reads(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     words = json.loads((tmp_path / "pdsh.json").read_text())
-    line = " ".join(words[words.index("-w") + 2:]).replace("%n", "0")  # (pdsh's: %n, the node's rank)
-    assert line.count(" -m deepspeed.launcher.launch ") == 1
-    line = line.replace(" -m deepspeed.launcher.launch ", f" -c {shlex.quote(SAY_WHAT_THE_NODE_RUNS)} ")
-    node = subprocess.run(["sh", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                          env={"PATH": os.environ["PATH"], "HOME": "/nowhere", "USER": "nobody"})
-    assert node.returncode == 0, node.stderr[-3000:]
-    folder, python_path, argv = json.loads(node.stdout)
+    folder, python_path, argv = json.loads(_run_as_a_node(words, SAY_WHAT_THE_NODE_RUNS, tmp_path))
     assert folder == str(work) and python_path.split(os.pathsep)[0] == str(work)
     assert argv[-len(given) - 1:] == [str(REPO / "train.py"), *given]
+
+
+def _run_as_a_node(pdsh_words, say, cwd, shell="sh"):
+    """The line pdsh's words give each node, run by a shell as the node's would, with DeepSpeed's launcher swapped for
+    ``python -c SAY``: SAY's output."""
+    line = " ".join(pdsh_words[pdsh_words.index("-w") + 2:]).replace("%n", "0")  # (pdsh's: %n, the node's rank)
+    assert line.count(" -m deepspeed.launcher.launch ") == 1
+    line = line.replace(" -m deepspeed.launcher.launch ", f" -c {shlex.quote(say)} ")
+    node = subprocess.run([shell, "-c", line], cwd=cwd, capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], "HOME": "/nowhere", "USER": "nobody"})
+    assert node.returncode == 0, node.stderr[-3000:]
+    return node.stdout
 
 
 def test_multi_node_launcher_quotes_the_venv_script_each_nodes_shell_sources(tmp_path, monkeypatch):
@@ -1569,14 +1575,8 @@ def test_multi_node_launcher_quotes_the_venv_script_each_nodes_shell_sources(tmp
     monkeypatch.chdir(tmp_path)
     args = runner.parse_args(["--venv_script", str(venv), "train.py", "--x", "a b"])
     cmd, _, _ = QuotedPDSHRunner(args, "e30=").get_cmd({}, {"node-a": [0]})
-    line = " ".join(cmd[cmd.index("-w") + 2:]).replace("%n", "0")
-    assert line.count(" -m deepspeed.launcher.launch ") == 1
     say = "import os, sys; print(os.environ['VENV_ON'], sys.argv[-3:])"
-    line = line.replace(" -m deepspeed.launcher.launch ", f" -c {shlex.quote(say)} ")
-    node = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                          env={"PATH": os.environ["PATH"], "HOME": "/nowhere", "USER": "nobody"})
-    assert node.returncode == 0, node.stderr[-3000:]
-    assert node.stdout.strip() == "yes ['train.py', '--x', 'a b']"
+    assert _run_as_a_node(cmd, say, tmp_path, shell="bash").strip() == "yes ['train.py', '--x', 'a b']"
 
 
 def test_multi_node_launcher_quotes_the_each_rank_log_folder(tmp_path, monkeypatch):
@@ -1591,14 +1591,7 @@ def test_multi_node_launcher_quotes_the_each_rank_log_folder(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     args = runner.parse_args(["--enable_each_rank_log", str(logs), "train.py", "--x", "a b"])
     cmd, _, _ = QuotedPDSHRunner(args, "e30=").get_cmd({}, {"node-a": [0]})
-    line = " ".join(cmd[cmd.index("-w") + 2:]).replace("%n", "0")
-    assert line.count(" -m deepspeed.launcher.launch ") == 1
-    say = "import json, sys; print(json.dumps(sys.argv[1:]))"
-    line = line.replace(" -m deepspeed.launcher.launch ", f" -c {shlex.quote(say)} ")
-    node = subprocess.run(["sh", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                          env={"PATH": os.environ["PATH"], "HOME": "/nowhere", "USER": "nobody"})
-    assert node.returncode == 0, node.stderr[-3000:]
-    argv = json.loads(node.stdout)
+    argv = json.loads(_run_as_a_node(cmd, "import json, sys; print(json.dumps(sys.argv[1:]))", tmp_path))
     assert f"--enable_each_rank_log={logs}" in argv and argv[-3:] == ["train.py", "--x", "a b"]
 
 

@@ -479,14 +479,11 @@ def test_a_run_rewarded_by_a_function_alone_is_said_to_have_no_reward_model(tmp_
         find_reward_model_path(str(tmp_path))
 
 
-def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_one_file(reward_model, tmp_path, capsys, monkeypatch):
-    """A step-2 run on one file (no eval file): rw_eval took that file as its --pairs_file and scored all of it (or its
-    first --num_pairs), pairs step 2 trained on among them, an accuracy unlike the one step 2 reported. It scores the
-    pairs step 2 evaluated on now: phase 2's share, by the run's --data_split, of the 10% its --seed holds out."""
+def _step2_run_on_one_file(reward_model, tmp_path, monkeypatch):
+    """(a step2_rm folder whose run read one file, tmp_path/pairs.jsonl of 60 pairs, with --data_split 2,4,4 and
+    --seed 7; the list rw_eval's scored sequences go to, in place of the model's scores)"""
     import shutil
 
-    from dschat.data import create_prompt_dataset
-    from dschat.models.loading import load_tokenizer
     from dschat.steps.common import RUN_ARGS_FILE
     from dschat.tools import rw_eval
 
@@ -500,13 +497,31 @@ def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_one_file(reward_model, 
     scored = []
     monkeypatch.setattr(rw_eval, "score_sequences", lambda model, tokenizer, sequences, batch_size:
                         scored.extend(sequences) or [0.0] * len(sequences))
-    monkeypatch.chdir(tmp_path / "step2_rm")  # (the run's file is found from its cwd, not this folder)
-    result = rw_eval.main(["--model_name_or_path", str(trained), "--num_pairs", "0"])
+    return trained, scored
+
+
+def _step2_held_out_chosen(reward_model, tmp_path):
+    """The chosen sequences of the pairs step 2 holds out of that run's file, sorted (create_prompt_dataset's)."""
+    from dschat.data import create_prompt_dataset
+    from dschat.models.loading import load_tokenizer
 
     _, held_out = create_prompt_dataset(0, [f"jsonl:{tmp_path / 'pairs.jsonl'}"], "2,4,4", str(tmp_path / "cache"), 2,
                                         7, load_tokenizer(reward_model), 64)
-    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
-    assert len(result["pairs"]) == len(held_out) < 60
+    return sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
+
+
+def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_one_file(reward_model, tmp_path, capsys, monkeypatch):
+    """A step-2 run on one file (no eval file): rw_eval took that file as its --pairs_file and scored all of it (or its
+    first --num_pairs), pairs step 2 trained on among them, an accuracy unlike the one step 2 reported. It scores the
+    pairs step 2 evaluated on now: phase 2's share, by the run's --data_split, of the 10% its --seed holds out."""
+    from dschat.tools import rw_eval
+
+    trained, scored = _step2_run_on_one_file(reward_model, tmp_path, monkeypatch)
+    monkeypatch.chdir(tmp_path / "step2_rm")  # (the run's file is found from its cwd, not this folder)
+    result = rw_eval.main(["--model_name_or_path", str(trained), "--num_pairs", "0"])
+
+    step2_pairs = _step2_held_out_chosen(reward_model, tmp_path)
+    assert len(result["pairs"]) == len(step2_pairs) < 60
     assert sorted(scored[:len(result["pairs"])]) == step2_pairs  # (the chosen answers' sequences, then the rejected)
     out = capsys.readouterr().out
     assert "--data_split 2,4,4 --seed 7" in out and "step 2's held-out pairs" in out and "--seed 7 holds out" in out
@@ -566,29 +581,14 @@ def test_ppo_eval_prints_an_examples_rule_score_without_a_sign(capsys):
 def test_rw_eval_data_split_given_with_the_runs_file_takes_the_runs_seed(reward_model, tmp_path, capsys, monkeypatch):
     """--pairs_file (the run's file) with --data_split took --seed 1234, not the step-2 run's 7 (its help says the
     run's): the 10% another seed holds out, pairs step 2 trained on among them, scored as its held-out pairs."""
-    import shutil
-
-    from dschat.data import create_prompt_dataset
-    from dschat.models.loading import load_tokenizer
-    from dschat.steps.common import RUN_ARGS_FILE
     from dschat.tools import rw_eval
 
+    trained, scored = _step2_run_on_one_file(reward_model, tmp_path, monkeypatch)
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"Name color {i}.", "chosen": f"red {i}", "rejected": f"no {i}"})
-                             + "\n" for i in range(60)))
-    trained = tmp_path / "step2_rm"
-    shutil.copytree(reward_model, trained)
-    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(tmp_path), "flags": {
-        "data_path": ["jsonl:pairs.jsonl"], "data_split": "2,4,4", "seed": 7, "max_seq_len": 64}}))
-    scored = []
-    monkeypatch.setattr(rw_eval, "score_sequences", lambda model, tokenizer, sequences, batch_size:
-                        scored.extend(sequences) or [0.0] * len(sequences))
     result = rw_eval.main(["--model_name_or_path", str(trained), "--pairs_file", f"jsonl:{pairs}", "--data_split",
                            "2,4,4", "--num_pairs", "0"])
     assert "--seed 7 holds out" in capsys.readouterr().out
-    _, held_out = create_prompt_dataset(0, [f"jsonl:{pairs}"], "2,4,4", str(tmp_path / "cache"), 2, 7,
-                                        load_tokenizer(reward_model), 64)
-    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
+    step2_pairs = _step2_held_out_chosen(reward_model, tmp_path)
     assert sorted(scored[:len(result["pairs"])]) == step2_pairs
     # --seed given wins; without --data_split the run's seed is not taken (it chooses nothing there)
     assert rw_eval.parse_args(["--model_name_or_path", str(trained), "--pairs_file", f"jsonl:{pairs}",
