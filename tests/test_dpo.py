@@ -393,3 +393,21 @@ def test_train_py_refuses_a_dpo_flag_combination_before_step_1(tmp_path, distrib
     with pytest.raises(UsageError, match="--multiturn is a step-1 flag"):
         pipeline.run_pipeline(args)
     assert not (tmp_path / "out" / "step1_sft").exists()
+
+
+def test_reference_model_runs_without_dropout(tmp_path, tokenizer, distributed):
+    """The frozen reference is in eval mode (as TRL's): a model whose config has dropout gives it the same log-probs
+    on every forward, so the implicit rewards do not move with dropout's noise."""
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama"))
+    model.config.attention_dropout = 0.5
+    model.save_pretrained(tmp_path / "dropout-llama")
+    tokenizer.save_pretrained(tmp_path / "dropout-llama")
+    args = step2_dpo_parser().parse_args(["--model_name_or_path", str(tmp_path / "dropout-llama"), "--dtype", "fp32"])
+    reference = dpo.build_reference_model(args, tokenizer)
+    assert not any(module.training for module in reference.module.modules())
+    batch = DataCollatorDPO(tokenizer.pad_token_id)([{
+        "chosen_input_ids": T([5, 6, 7, 8, 2]), "chosen_attention_mask": T([1] * 5),
+        "rejected_input_ids": T([5, 6, 7, 9, 2]), "rejected_attention_mask": T([1] * 5), "prompt_length": 3}])
+    with torch.no_grad():
+        torch.testing.assert_close(dpo.sequence_log_probs(reference, batch), dpo.sequence_log_probs(reference, batch),
+                                   rtol=0, atol=0)
