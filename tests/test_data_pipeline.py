@@ -217,6 +217,18 @@ def test_truncation_keeps_eot_in_phase_2_and_drops_it_in_phase_1(tmp_path, token
     assert "skipped 2 of 3 records" in capsys.readouterr().out
 
 
+def test_a_margin_column_of_preference_records_is_said_to_be_unread_in_phase_2(tmp_path, tokenizer, capsys):
+    """TRL's RewardTrainer subtracts a record's "margin" from the score difference; step 2's loss has no margin, and
+    a file with one trained without a word."""
+    rows = [{"prompt": f"Question record {i}.", "chosen": "Yes.", "rejected": "No.",
+             **({"margin": 2.0} if i % 2 else {})} for i in range(6)]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0")
+    assert "kept all 6 records; 3 with a 'margin', which is not read" in capsys.readouterr().out
+    build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")  # (step 1 reads no pairs: nothing to say)
+    assert "with a 'margin'" not in capsys.readouterr().out
+
+
 def test_phase_2_rows_record_which_answers_were_cut(tmp_path, tokenizer):
     # DPO must not train the EOT after a cut answer; the reward model's sequences keep it
     long_answer = " ".join(["word"] * 60)

@@ -546,6 +546,9 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
              "formatted": already_formatted(examples, tokenizer),
              "duplicates": count_duplicates(keys, {} if seen is None else seen, source),
              "in_train": sum(key in train_seen for key in keys) if train_seen else 0}
+    if settings.train_phase == 2:
+        # (a file whose other records have one gives this record the column too, as None)
+        notes["margin"] = sum(raw.get_extra(sample).get(MARGIN_COLUMN) is not None for sample in records)
     if settings.train_phase == 3:  # (the split's columns: PromptDataset gives each item all of them)
         notes["columns"] = sorted({key for example in kept for key in example.extra or {}})
     if multiturn:
@@ -787,6 +790,9 @@ def refused_message(messages):
     return ""
 
 
+# A preference record's column TRL's RewardTrainer reads (its loss is -logsigmoid(chosen - rejected - margin)); dschat's
+# step 2 trains -logsigmoid(chosen - rejected) and reads no margin, so a file that has one is told so, not left unsaid.
+MARGIN_COLUMN = "margin"
 UNDESIRABLE = "undesirable answer (label false: TRL's unpaired preference data)"
 
 
@@ -1028,6 +1034,10 @@ def format_skip_line(entry):
         count = entry["in_train"]
         cut += (f"; {count} {'is an exact copy of a train record' if count == 1 else 'are exact copies of train records'}"
                 ": the held-out numbers are partly on trained data")
+    if entry.get("margin"):
+        count = entry["margin"]
+        cut += (f"; {count} with a {MARGIN_COLUMN!r}, which is not read: step 2's loss is -logsigmoid(chosen - "
+                f"rejected) (TRL's RewardTrainer subtracts the margin)")
     if entry.get("formatted"):
         count, token = entry["formatted"]
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "
