@@ -193,7 +193,7 @@ def test_rw_eval_reads_the_step_2_files_own_mapping(tmp_path):
     (model / "training_args.json").write_text(json.dumps({"step": "step2", "cwd": str(tmp_path), "flags": {
         "data_path": ["jsonl:pairs.jsonl"], "data_fields": "jsonl:pairs.jsonl:prompt=q,chosen=good,rejected=bad"}}))
     defaults, _ = rw_eval.step2_run_defaults(argparse.Namespace(model_name_or_path=str(model), pairs_file=None,
-                                                                prompt=None))
+                                                                prompt=None, data_split=None))
     assert defaults["pairs_file"] == f"jsonl:{tmp_path / 'pairs.jsonl'}"
     assert parse_field_map(defaults["data_fields"]) == {"prompt": "q", "chosen": "good", "rejected": "bad"}
 
