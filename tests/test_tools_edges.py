@@ -646,3 +646,27 @@ def test_a_critic_free_step_3_folder_given_as_the_reward_model_names_what_its_st
     with pytest.raises(MissingInputError, match=here + rf"its step 3 scored with rm; give that, or the run's output "
                                                        rf"folder {tmp_path}/run$"):
         find_reward_model_path(str(step3))
+
+
+def test_rw_eval_data_split_without_pairs_file_after_a_run_on_several_files_is_an_error(reward_model, tmp_path):
+    """A step-2 run on two files gives rw_eval no --pairs_file: --data_split then scored the embedded tiny data's share,
+    printed as "step 2's held-out pairs", pairs of no file the run read."""
+    import shutil
+
+    from dschat.steps.common import RUN_ARGS_FILE
+    from dschat.tools import rw_eval
+
+    trained = tmp_path / "step2_rm"
+    shutil.copytree(reward_model, trained)
+    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(tmp_path), "flags": {
+        "data_path": ["jsonl:a.jsonl", "jsonl:b.jsonl"], "data_split": "2,4,4", "seed": 7}}))
+    with pytest.raises(UsageError, match=r"^--data_split 2,4,4: the step-2 run read jsonl:.*a\.jsonl jsonl:.*b\.jsonl "
+                                         r"\(from .*training_args\.json\), .* give --pairs_file"):
+        rw_eval.parse_args(["--model_name_or_path", str(trained), "--data_split", "2,4,4"])
+    # with --pairs_file, or without --data_split (the embedded held-out pairs, said so), it is read as asked
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "Hi", "chosen": "Hello", "rejected": "No"}) + "\n")
+    args = rw_eval.parse_args(["--model_name_or_path", str(trained), "--data_split", "2,4,4",
+                               "--pairs_file", f"jsonl:{pairs}"])[0]
+    assert args.pairs_file == f"jsonl:{pairs}" and args.seed == 7
+    assert rw_eval.parse_args(["--model_name_or_path", str(trained)])[0].pairs_file is None

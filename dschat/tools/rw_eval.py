@@ -221,6 +221,12 @@ def step2_run_defaults(args):
             defaults["data_fields"] = DataFields(parse_data_fields(trained["data_fields"]).for_spec(spec), {}).as_text()
         if data[0] == TINY_NAME and "data_split" not in defaults:  # (the embedded held-out pairs, as before)
             del defaults["pairs_file"]
+    if args.data_split is not None and args.pairs_file is None and args.prompt is None and data != [TINY_NAME] \
+            and "pairs_file" not in defaults and data:
+        # (read_pairs would score the embedded data's share, labelled as step 2's held-out pairs of another file)
+        raise UsageError(f"--data_split {args.data_split}: the step-2 run read {' '.join(map(str, data))} (from "
+                         f"{os.path.join(path, RUN_ARGS_FILE)}), not one local file to take as --pairs_file: give "
+                         "--pairs_file, the file whose held-out pairs to score")
     if args.data_split is not None and trained.get("seed") not in (None, ""):
         # (a --data_split given chooses step 2's held-out pairs of its --seed: the run's, as its help says, not 1234)
         defaults["seed"] = trained["seed"]
