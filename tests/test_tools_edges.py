@@ -670,3 +670,15 @@ def test_rw_eval_data_split_without_pairs_file_after_a_run_on_several_files_is_a
                                "--pairs_file", f"jsonl:{pairs}"])[0]
     assert args.pairs_file == f"jsonl:{pairs}" and args.seed == 7
     assert rw_eval.parse_args(["--model_name_or_path", str(trained)])[0].pairs_file is None
+
+
+@pytest.mark.parametrize("returned,status", [(3, 3), (0, 0), ({"accuracy": 1.0}, 0), ({}, 0), (None, 0), (True, 0)])
+def test_run_script_ends_with_the_int_main_returns_and_0_for_its_results(monkeypatch, returned, status):
+    """run_script ignored what ``main`` returned, so no tool could set its exit status by returning a number; the
+    tools' mains return their results (dicts, for notebooks), which are no status: only an int is one."""
+    from dschat.utils import cli
+
+    left = []
+    monkeypatch.setattr(cli, "leave_process", left.append)  # (instead of ending this process)
+    cli.run_script(lambda: returned)
+    assert left == [status]

@@ -98,13 +98,12 @@ def say_if_possible(line):
 
 def run_script(main, resumable=False):
     """A script's ``if __name__ == "__main__"``: ``run_entry_point(main, resumable)``, then the process ends with its
-    status (0 once ``main`` returns; a bug's traceback is printed as the interpreter would, status 1) through
-    ``leave_process``."""
+    status (once ``main`` returns, ``returned_status`` of what it returned; a bug's traceback is printed as the
+    interpreter would, status 1) through ``leave_process``."""
     import traceback
 
     try:
-        run_entry_point(main, resumable)
-        status = 0
+        status = returned_status(run_entry_point(main, resumable))
     except SystemExit as stop:
         status = exit_status(stop.code)
     except BaseException as error:  # noqa: BLE001 (a bug, or DSCHAT_TRACEBACK=1: the traceback the interpreter prints)
@@ -114,6 +113,13 @@ def run_script(main, resumable=False):
             traceback.print_exc()
             status = 130 if isinstance(error, KeyboardInterrupt) else 1  # (the shell's status for Ctrl-C)
     leave_process(status)
+
+
+def returned_status(result):
+    """The status a ``main`` that returned ``result`` ends with: an int (chat's 0) is one, as ``sys.exit`` takes it;
+    anything else, the results a notebook gets (a dict of metrics or scores) or None, is 0. (A bool is no status:
+    True would have ended a run that had finished with 1.)"""
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
 def output_reader_gone():
