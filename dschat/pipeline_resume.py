@@ -3,7 +3,7 @@
 Steps run one after another, so an interruption stops one step: the steps it starts from finished, and whatever a
 step after it holds was made from older inputs. A step's output or checkpoint therefore counts only when it was
 made from the present outputs of the steps it starts from, and none of those runs now:
-- its finished output of the same flags (metrics.json and training_args.json): the step is skipped;
+- its finished output of the same flags, ZeRO stages aside (metrics.json and training_args.json): the step is skipped;
 - else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
   finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on;
 - else it starts afresh.
@@ -30,6 +30,10 @@ SKIP, RESUME, FRESH = "skip", "resume", "fresh"
 NOT_COMPARED = frozenset({"resume", "save_interval", "local_rank", "output_dir", "data_output_path",
                           "enable_tensorboard", "tensorboard_path", "print_answers", "print_answers_interval",
                           "deepspeed", "deepscale"})
+# Flags that say how a step's training is spread over its ranks' memory, not what it trains: a finished output of
+# another ZeRO stage is the same model (a run given a higher stage after running out of memory keeps it), and its
+# checkpoint resumes at the new stage (the step's --resume converts it).
+ZERO_STAGE_FLAGS = frozenset({"zero_stage", "actor_zero_stage", "critic_zero_stage"})
 # Flags a resumed run may raise to train on past the end of a finished one.
 EXTENDING = frozenset({"max_steps", "num_train_epochs"})
 # Flags naming files or folders: compared as absolute paths (from the working directory each run had).
@@ -73,7 +77,9 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         record = read_run_args(folder)
         current = made_from.current(finished_time(folder), record)
         reshaped = same_batches_on_other_ranks(step, record, parsed[step], world_size)
-        changed = [name for name in changed_flags(record, parsed[step]) if name not in reshaped]
+        differing = [name for name in changed_flags(record, parsed[step]) if name not in reshaped]
+        changed = [name for name in differing if name not in ZERO_STAGE_FLAGS]
+        stages = [name for name in differing if name in ZERO_STAGE_FLAGS]
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
         # resume only to train on for longer
         checkpoint = checkpoint_state(folder)
@@ -88,7 +94,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
             plan[step] = Decision(FRESH, f"the content of its data files changed since its {edited[0]} in "
                                          f"{folder}: {', '.join(edited[1])}")
         elif current and not changed:
-            plan[step] = Decision(SKIP)
+            plan[step] = Decision(SKIP, _other_stages(stages, record, parsed[step]))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
             plan[step] = Decision(RESUME, "it was interrupted")
         elif current and checkpoint is not None and longer:
@@ -247,6 +253,15 @@ def same_batches_on_other_ranks(step, record, flags, world_size):
     return {name for names in groups for name in names}
 
 
+def _other_stages(names, record, flags):
+    """Why a finished step is skipped though its ZeRO stage flags ``names`` differ now ("" when none do)."""
+    if not names:
+        return ""
+    then = record.get("flags", {})
+    said = ", ".join(f"--{name} {then.get(name)} -> {getattr(flags, name, None)}" for name in names)
+    return f"its output does not depend on the ZeRO stage ({said})"
+
+
 def _raised(name, record, flags):
     """Whether the flag ``name`` (a count: --max_steps, --num_train_epochs) is now larger than the run recorded."""
     def count(value):  # (--max_steps 0: no cap, the epochs decide)
@@ -313,6 +328,8 @@ def checkpoint_time(folder):
 def describe(step, decision, folder):
     """The line that says what the plan does with ``step``."""
     if decision.action == SKIP:
+        if decision.why:
+            return f"step {step}: finished earlier in {folder}; skipped (--resume): {decision.why}"
         return f"step {step}: finished earlier in {folder} with the same flags; skipped (--resume)"
     if decision.action == RESUME:
         return (f"step {step}: resumes from its last checkpoint in {os.path.join(folder, CHECKPOINTS_DIR)} (--resume): "

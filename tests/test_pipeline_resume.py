@@ -529,3 +529,73 @@ def test_a_step3_that_recorded_grpo_norm_by_std_as_1_or_0_keeps_its_plan_under_t
     finish(tmp_path, 3, 300, grpo_norm_by_std=0)
     assert decide("none") == (SKIP, "")
     assert decide("batch")[1].endswith("had other values of --grpo_norm_by_std")
+
+
+def test_a_step_finished_at_another_zero_stage_is_skipped_and_says_so(tmp_path):
+    """train.py --resume with another ZeRO stage (a run that ran out of memory, resumed at a higher stage) trained
+    every finished step again from the start: "had other values of --zero_stage", though a stage changes where the
+    states live, not the model a step makes. It is skipped now, saying the stages, and a longer run trains on from
+    the finished run's checkpoint at the new stage (the step's --resume converts it)."""
+    from dschat.pipeline_resume import describe
+
+    finish(tmp_path, 1, 100, zero_stage=2, max_steps=4), finish(tmp_path, 2, 200, zero_stage=2)
+    finish(tmp_path, 3, 300, actor_zero_stage=2, critic_zero_stage=2)
+    checkpoint(tmp_path, 1, 150)
+    staged = {1: Namespace(**{**vars(FLAGS), "zero_stage": 3, "max_steps": 4}),
+              2: Namespace(**{**vars(FLAGS), "zero_stage": 3}),
+              3: Namespace(**{**vars(FLAGS), "actor_zero_stage": 3, "critic_zero_stage": 2})}
+    decisions = plan_steps([1, 2, 3], "ppo", str(tmp_path), staged)
+    assert {step: d.action for step, d in decisions.items()} == {1: SKIP, 2: SKIP, 3: SKIP}
+    assert describe(3, decisions[3], "out/step3_ppo") == (
+        "step 3: finished earlier in out/step3_ppo; skipped (--resume): its output does not depend on the ZeRO stage "
+        "(--actor_zero_stage 2 -> 3)")
+    assert decisions[1].why == "its output does not depend on the ZeRO stage (--zero_stage 2 -> 3)"
+    longer = Namespace(**{**vars(staged[1]), "max_steps": 8})
+    assert plan_steps([1], "ppo", str(tmp_path), {1: longer})[1] == (
+        RESUME, "to train on past its finished output (--max_steps)")
+    # another stage with another flag that does change the model: the step runs again, for that flag only
+    other = Namespace(**{**vars(staged[1]), "learning_rate": 2e-3})
+    assert plan_steps([1], "ppo", str(tmp_path), {1: other})[1].why.endswith("had other values of --learning_rate")
+    # an interrupted step given another stage resumes from its checkpoint (its --resume converts the states)
+    (tmp_path / FOLDERS[1] / "metrics.json").unlink()
+    assert plan_steps([1], "ppo", str(tmp_path), staged)[1] == (RESUME, "it was interrupted")
+
+
+def test_train_py_resume_at_another_zero_stage_skips_the_finished_step_and_converts_the_interrupted_ones(
+        tmp_path, distributed, monkeypatch, capsys):
+    """The README's "give the new stage to the interrupted step" was read in the plan, not run: train.py --resume
+    with --zero_stage 3 for steps 1 and 2 after step 2 (ZeRO-2) was killed past its first checkpoint trained step 1
+    again from the start. Step 1 is skipped now, saying the stages; step 2 resumes from its ZeRO-2 checkpoint at
+    ZeRO-3."""
+    from dschat.steps import resume
+
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+
+    def argv(stage, *more):
+        return TRAIN_PY["parse_args"](["--output-dir", str(out), "--step", "1", "2", "--step1-args",
+                                       f"--max_steps 1 --eval_iters 1 --zero_stage {stage}", "--step2-args",
+                                       f"--max_steps 2 --save_interval 1 --zero_stage {stage}", *more])
+
+    real = resume.save_step_checkpoint
+
+    def killed_after_the_first(engine, args, position, *rest):
+        real(engine, args, position, *rest)
+        raise KeyboardInterrupt("killed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(resume, "save_step_checkpoint", killed_after_the_first)
+        with pytest.raises(KeyboardInterrupt):
+            pipeline.run_pipeline(argv(2))
+    assert not (out / "step2_rm" / "metrics.json").exists()
+    written = (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    report = pipeline.run_pipeline(argv(3, "--resume"))
+    printed = capsys.readouterr().out
+    assert (f"step 1: finished earlier in {out / 'step1_sft'}; skipped (--resume): its output does not depend on the "
+            "ZeRO stage (--zero_stage 2 -> 3)") in printed
+    assert "step 2: resumes from its last checkpoint" in printed
+    assert "checkpoint step_0000001 saved at ZeRO-2, this run has ZeRO-3 (--zero_stage)" in printed, printed[-3000:]
+    assert (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns == written  # not trained again
+    assert report["skipped"] == ["step1"] and report["resumed"] == ["step2"]
+    assert json.loads((out / "step2_rm" / "training_args.json").read_text())["flags"]["zero_stage"] == 3
