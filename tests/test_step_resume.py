@@ -1770,13 +1770,12 @@ def test_fitting_a_universal_copy_on_a_full_disk_leaves_no_half_written_file_a_l
     def no_link(source, target):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    def full_disk_copy(source, target):
-        with open(source, "rb") as src, open(target, "wb") as out:
-            out.write(src.read(10))
+    def full_disk_copy(src, out):
+        out.write(src.read(10))
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoints.os, "link", no_link)
-    monkeypatch.setattr(checkpoints.shutil, "copy2", full_disk_copy)
+    monkeypatch.setattr(checkpoints.shutil, "copyfileobj", full_disk_copy)
     with pytest.raises(OSError, match="No space left"):
         checkpoints.fit_universal_copy(str(folder), 3)
     assert sorted(os.listdir(folder)) == [checkpoints.MODEL_STATES, "zero"]

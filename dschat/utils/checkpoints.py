@@ -30,8 +30,8 @@ import torch
 
 from dschat.errors import UsageError
 from dschat.utils.dist import barrier, get_rank, get_world_size, is_rank_0, print_rank_0, rank_0_decides
-from dschat.utils.files import (FULL_DISK_ERRNOS, free_space, full_disk_code, full_disk_errno, read_json_object,
-                                unreadable_file_reason, write_json_atomic)
+from dschat.utils.files import (FULL_DISK_ERRNOS, atomic_file, free_space, full_disk_code, full_disk_errno,
+                                read_json_object, unreadable_file_reason, write_json_atomic)
 
 LATEST = "latest"
 TRAINER = "trainer"
@@ -487,27 +487,17 @@ def _wrap_bare_tensors(folder):
 
 
 def _save_atomic(states, path):
-    _written_whole(path, lambda temp: torch.save(states, temp))
+    # (whole or not at all: a half-written file would be taken as made by a later resume's fitting)
+    with atomic_file(path, "wb") as out:
+        torch.save(states, out)
 
 
 def _link_or_copy(source, target):
     try:
         os.link(source, target)
-    except OSError:
-        _written_whole(target, lambda temp: shutil.copy2(source, temp))
-
-
-def _written_whole(path, write):
-    """``write(temp)`` of a temporary name beside ``path``, then moved onto it: a write that fails midway (a full disk)
-    leaves no half-written file, which the fitting of a later resume would take as made (it adds what is missing)."""
-    temp = path + ".tmp"
-    try:
-        write(temp)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+    except OSError:  # (another file system: a copy, written whole)
+        with open(source, "rb") as src, atomic_file(target, "wb") as out:
+            shutil.copyfileobj(src, out)
 
 
 def remove_universal_copies(root, plan, step):
