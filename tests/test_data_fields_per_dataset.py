@@ -220,3 +220,18 @@ def test_the_notebook_api_takes_a_dict_per_dataset(tmp_path, tokenizer):
     assert len(train) + len(eval_) == 12
     with pytest.raises(UsageError, match="one mapping .* or one per dataset"):
         build(tmp_path, tokenizer, [qa, alpaca], {qa: {"prompt": "question"}, "chosen": "answer"})
+
+
+def test_rw_eval_data_split_reads_its_files_own_mapping(tmp_path, capsys):
+    """rw_eval --data_split (step 2's held-out pairs of --pairs_file) takes --data_fields as rw_eval without it does:
+    the file's own mapping where they give one per dataset. It refused that form ("one mapping of this data's fields
+    is read here"), which the same rw_eval read without --data_split."""
+    from dschat.tools.records import load_phase_held_out
+
+    qa, alpaca = two_files(tmp_path)
+    records = load_phase_held_out(alpaca, f"{alpaca}:prompt=instruction,chosen=output", "0,1,0", 1234, 2)
+    assert records and all(record.chosen.startswith("Alpaca output ") for record in records)
+    assert records == load_phase_held_out(alpaca, "prompt=instruction,chosen=output", "0,1,0", 1234, 2)
+    with pytest.raises(UsageError, match=r"--data_fields: '.*qa.jsonl' is not a dataset of the file read here"):
+        load_phase_held_out(alpaca, f"{qa}:prompt=question;{alpaca}:prompt=instruction,chosen=output", "0,1,0",
+                            1234, 2)

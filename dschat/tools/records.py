@@ -44,21 +44,29 @@ def load_records(path, data_fields=None, limit=None):
     So data is accepted here exactly when training accepts it (prompt/chosen/rejected strings, message lists,
     transcripts, TRL's preference format, renamed fields). ``tiny`` is the embedded held-out data.
     """
-    from dschat.data.local import (LOCAL_JSONFILE, LocalDataset, local_jsonfile_source, parse_data_fields,
-                                   resolve_local_spec)
+    from dschat.data.local import LOCAL_JSONFILE, LocalDataset, local_jsonfile_source, resolve_local_spec
 
     spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
     source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec)
     if source is None:
         raise MissingInputError(f"no data file at {path}")
-    fields = parse_data_fields(data_fields)  # (its own mapping where --data_fields gives one per dataset)
-    fields.check_names([str(path)], "the file read here")
-    raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1, field_options=fields.for_spec(str(path)))
+    raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1,
+                       field_options=file_field_options(data_fields, path))
     held_out = raw.raw_datasets["eval"]
     samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
     part = " (its eval part)" if held_out is not None else ""
     print(f"[dschat] {counted(len(samples), 'record')} of {path}{part}")
     return [as_record(raw, sample) for sample in samples]
+
+
+def file_field_options(data_fields, path):
+    """--data_fields of the one data file ``path`` a tool reads: its own mapping where they give one per dataset (a
+    dataset named there that is not this file is a UsageError), else the one mapping."""
+    from dschat.data.local import parse_data_fields
+
+    fields = parse_data_fields(data_fields)
+    fields.check_names([str(path)], "the file read here")
+    return fields.for_spec(str(path))
 
 
 def as_record(raw, sample):
@@ -72,13 +80,12 @@ def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None):
     ``data_split`` of the eval part of the data ``spec`` (``tiny`` too), its eval file, else the 10% of its file that
     ``seed`` holds out, which no step trains on; the first ``limit``. Said on stdout. ``load_records`` of a file
     without an eval file read the whole file, records the step trained on among them."""
-    from dschat.data.local import parse_field_map
     from dschat.data.raw_datasets import get_raw_dataset, resolve_dataset_spec
     from dschat.data.splits import get_raw_dataset_split_index
 
     if isinstance(resolve_dataset_spec(spec), type):  # (a hub dataset's name: local data alone, as load_records)
         raise MissingInputError(f"no data file at {spec}")
-    raw = get_raw_dataset(spec, None, seed, -1, **parse_field_map(data_fields))
+    raw = get_raw_dataset(spec, None, seed, -1, **file_field_options(data_fields, spec))  # (as load_records reads it)
     held_out = raw.get_eval_data()
     share = held_out.select(get_raw_dataset_split_index(-1, None, raw.dataset_name_clean, seed, "eval", data_split,
                                                         phase - 1, len(held_out)))
