@@ -29,16 +29,10 @@ from dschat.tools.records import (check_count_read, check_data_fields_read, load
 RULE = "=" * 30
 
 
-def reward_input_ids(tokenizer, messages_and_answers, max_seq_len, skip_long=False):
-    """Token ids of ``prompt + answer + eot`` per (prompt messages, answer), built by step 2's tokenizer code.
-    A prompt that leaves no room for an answer is an error, or None with ``skip_long`` (step 2 skips it)."""
-    return [None if sequence is None else sequence[0]
-            for sequence in reward_sequences(tokenizer, messages_and_answers, max_seq_len, skip_long)]
-
-
 def reward_sequences(tokenizer, messages_and_answers, max_seq_len, skip_long=False):
-    """``reward_input_ids``' ids, each with its cut: (answer tokens scored, answer tokens) where --max_seq_len cut the
-    answer (as step 2 cuts it), else None."""
+    """Per (prompt messages, answer): (the token ids of ``prompt + answer + eot``, built by step 2's tokenizer code; its
+    cut: (answer tokens scored, answer tokens) where --max_seq_len cut the answer, as step 2 cuts it, else None). A
+    prompt that leaves no room for an answer is an error, or None with ``skip_long`` (step 2 skips it)."""
     settings = EncodeSettings(train_phase=2, max_seq_len=max_seq_len, max_prompt_len=None,
                               include_prompt_in_loss=False, eot_token=get_eot_token(tokenizer))
     examples = [Example(messages, chosen=answer, prompt_text=tool_prompt(messages, tokenizer, "the reward model"))
