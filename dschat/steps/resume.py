@@ -335,7 +335,8 @@ def resume_or_afresh(load, root, args, name, total, unit="step", plan=None):
     ``unit``, e.g. "step" or "iteration", is its count), checked against the run's ``total`` and said; None when there
     is none (the run starts over) or without --resume, which removes an earlier run's checkpoints. Sets
     ``args.save_interval`` (not given: the resumed run's). A resume that trains nothing removes the universal copies
-    ``plan`` (the ``ResumePlan`` ``load`` restored) loaded on another number of ranks (``remove_universal_copies``)."""
+    ``plan`` (the ``ResumePlan`` ``load`` restored) loaded on another number of ranks or at another ZeRO stage
+    (``remove_universal_copies``)."""
     position = load() if args.resume else None
     if position is not None:
         split = split_said(plan, args)

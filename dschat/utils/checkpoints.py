@@ -501,10 +501,11 @@ def _link_or_copy(source, target):
 
 
 def remove_universal_copies(root, plan, step):
-    """After a resume on another number of ranks that trains nothing (``plan``'s checkpoint at the run's last step):
-    rank 0 removes the universal copies its engines loaded (``plan.universal``), and says so. Each is a full copy of
-    the checkpoint's optimizer states, made for this number of ranks to go on from, which only a later save pruned
-    (``_prune``): a finished run resumed on other ranks left one beside its checkpoints for good."""
+    """After a resume on another number of ranks or at another ZeRO stage that trains nothing (``plan``'s checkpoint at
+    the run's last step): rank 0 removes the universal copies its engines loaded (``plan.universal``), and says so.
+    Each is a full copy of the checkpoint's optimizer states, made for this run's ranks and stage to go on from, which
+    only a later save pruned (``_prune``): a finished run resumed on other ranks left one beside its checkpoints for
+    good."""
     copies = [f"{part}/{plan.load_tag(part)}" for part in sorted(plan.universal)]
     if not copies or not is_rank_0():
         return
