@@ -71,7 +71,6 @@ def quoted_remote_words(cmd, script, user_words, venv_script=None):
     return cmd
 
 
-
 def main():
     runner.PDSHRunner = QuotedPDSHRunner  # (runner.main builds the pdsh runner by this name)
     runner.main()
