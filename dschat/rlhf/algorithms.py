@@ -352,10 +352,13 @@ def _kl_k3(logp, ref_logp):
     return torch.exp(d) - d - 1
 
 
+MAX_LOG_RATIO = 20.0  # verl's bound on the policy's log-ratio (to the rollout policy; low_var_kl's to the reference)
+
+
 @register_kl_estimator("low_var_kl")
 def _kl_low_var(logp, ref_logp):
     # k3 with verl's clamps for numerical safety (log-ratio to +-20, result to +-10)
-    d = torch.clamp(ref_logp - logp, min=-20, max=20)
+    d = torch.clamp(ref_logp - logp, min=-MAX_LOG_RATIO, max=MAX_LOG_RATIO)
     return torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
 
 
@@ -536,7 +539,6 @@ def register_value_loss(name):
     return deco
 
 
-MAX_LOG_RATIO = 20.0  # verl's bound on the policy's log-ratio to the rollout policy
 
 
 @register_policy_loss("clipped")
