@@ -3,7 +3,8 @@
 Steps run one after another, so an interruption stops one step: the steps it starts from finished, and whatever a
 step after it holds was made from older inputs. A step's output or checkpoint therefore counts only when it was
 made from the present outputs of the steps it starts from, and none of those runs now:
-- its finished output of the same flags, ZeRO stages aside (metrics.json and training_args.json): the step is skipped;
+- its finished output of the same flags, ZeRO stages and flags of memory and speed alone aside (metrics.json and
+  training_args.json): the step is skipped;
 - else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
   finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on;
 - else it starts afresh.
@@ -34,6 +35,32 @@ NOT_COMPARED = frozenset({"resume", "save_interval", "local_rank", "output_dir",
 # another ZeRO stage is the same model (a run given a higher stage after running out of memory keeps it), and its
 # checkpoint resumes at the new stage (the step's --resume converts it).
 ZERO_STAGE_FLAGS = frozenset({"zero_stage", "actor_zero_stage", "critic_zero_stage"})
+# Flags that say how much memory or time a step takes, not what it trains (to rounding, as a ZeRO stage): a finished
+# output given other values of them alone is the same model. Each with why:
+MEMORY_SPEED_FLAGS = {
+    "offload": "optimizer states (and ZeRO-3 parameters) on the CPU, updated by the same AdamW (DeepSpeed's CPU Adam)",
+    "offload_reference_model": "DPO's and step 3's frozen reference (and EMA copy) kept on the CPU: the same forwards",
+    "offload_reward_model": "step 3's frozen reward model kept on the CPU: the same scores",
+    "gradient_checkpointing": "activations recomputed in the backward (dropout's RNG state with them): same gradients",
+    "actor_gradient_checkpointing": "as --gradient_checkpointing, for step 3's actor",
+    "critic_gradient_checkpointing": "as --gradient_checkpointing, for step 3's critic",
+    "zero3_fetch": "the unit ZeRO-3 gathers parameters by: the same numbers (docs/benchmarks.md)",
+    "logprob_chunk_size": "step 3's log-probs worked out this many positions at a time: the same values",
+    "unpin_actor_parameters": "the hybrid engine gathers the ZeRO-3 actor layer by layer: the same weights generate",
+    "release_inference_cache": "the hybrid engine frees its KV cache between generations: the same answers",
+    "tp_gather_partition_size": "decoder layers the hybrid engine gathers at a time under ZeRO-3: the same weights",
+    "enable_cuda_graph": "the decode step replayed from CUDA graphs, drawing the eager loop's noise: same answers, to "
+                         "rounding",
+    "compile_decode_step": "the decode step's kernels fused by torch.compile: the same answers, to rounding",
+    "decode_attention": "the decode step's attention kernel (Triton or SDPA): the same attention, to rounding",
+    "fuse_projections": "linears of one input run as one GEMM while generating: the same products, to rounding",
+    "num_padding_at_beginning": "accepted for DeepSpeed-Chat's scripts; nothing reads it",
+    "print_loss": "what a step prints",
+}
+# (Not among them, as they may change what a step makes: --check_grad_overflow skips steps; --pad_to_multiple_of,
+# --padded_forwards, --enable_hybrid_engine, --inference_tp_size and --logprobs_from_generation change what step 3
+# generates or trains on; --preprocessing_num_workers where the unsupervised blocks are cut; the evaluation flags
+# what a finished output's metrics are of.)
 # Flags a resumed run may raise to train on past the end of a finished one.
 EXTENDING = frozenset({"max_steps", "num_train_epochs"})
 # Flags naming files or folders: compared as absolute paths (from the working directory each run had).
@@ -78,8 +105,9 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         current = made_from.current(finished_time(folder), record)
         reshaped = same_batches_on_other_ranks(step, record, parsed[step], world_size)
         differing = [name for name in changed_flags(record, parsed[step]) if name not in reshaped]
-        changed = [name for name in differing if name not in ZERO_STAGE_FLAGS]
+        changed = [name for name in differing if name not in ZERO_STAGE_FLAGS and name not in MEMORY_SPEED_FLAGS]
         stages = [name for name in differing if name in ZERO_STAGE_FLAGS]
+        settings = [name for name in differing if name in MEMORY_SPEED_FLAGS]
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
         # resume only to train on for longer
         checkpoint = checkpoint_state(folder)
@@ -87,6 +115,11 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         # would resume past its new end)
         longer = bool(changed) and set(changed) <= EXTENDING and \
             all(_raised(name, record, parsed[step]) for name in changed)
+        # --offload binds a checkpoint (its optimizer is DeepSpeed's CPU Adam): a finished output given another value
+        # alone is skipped, but is not trained on from its checkpoint, which the step would refuse (said as changed)
+        bound = [name for name in settings if _checkpoint_had_other(name, checkpoint, parsed[step])]
+        if longer and bound:
+            longer, changed = False, changed + bound
         # (another --data_path is a changed flag, said as one below)
         edited = None if {"data_path", "sft_only_data_path"} & set(changed) else \
             edited_data(record if finished_time(folder) else None, checkpoint, parsed[step])
@@ -94,7 +127,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
             plan[step] = Decision(FRESH, f"the content of its data files changed since its {edited[0]} in "
                                          f"{folder}: {', '.join(edited[1])}")
         elif current and not changed:
-            plan[step] = Decision(SKIP, _other_stages(stages, record, parsed[step]))
+            plan[step] = Decision(SKIP, _same_output_why(stages, settings, record, parsed[step]))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
             plan[step] = Decision(RESUME, "it was interrupted")
         elif current and checkpoint is not None and longer:
@@ -253,13 +286,23 @@ def same_batches_on_other_ranks(step, record, flags, world_size):
     return {name for names in groups for name in names}
 
 
-def _other_stages(names, record, flags):
-    """Why a finished step is skipped though its ZeRO stage flags ``names`` differ now ("" when none do)."""
-    if not names:
-        return ""
+def _same_output_why(stages, settings, record, flags):
+    """Why a finished step is skipped though its ZeRO stage flags ``stages`` and its ``MEMORY_SPEED_FLAGS``
+    ``settings`` differ now ("" when none do)."""
     then = record.get("flags", {})
-    said = ", ".join(f"--{name} {then.get(name)} -> {getattr(flags, name, None)}" for name in names)
-    return f"its output does not depend on the ZeRO stage ({said})"
+
+    def said(names):
+        return ", ".join(f"--{name} {then.get(name)} -> {getattr(flags, name, None)}" for name in names)
+
+    parts = ([f"the ZeRO stage ({said(stages)})"] if stages else []) + \
+        ([f"flags of memory and speed alone ({said(settings)})"] if settings else [])
+    return f"its output does not depend on {' nor on '.join(parts)}" if parts else ""  # ("": the same flags)
+
+
+def _checkpoint_had_other(name, checkpoint, flags):
+    """Whether the checkpoint's state (``checkpoint_state``) binds it to another value of flag ``name`` than now."""
+    saved = (checkpoint or {}).get("flags") or {}
+    return name in saved and saved[name] != getattr(flags, name, None)
 
 
 def _raised(name, record, flags):

@@ -4,12 +4,14 @@ import os
 import runpy
 import shutil
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
 from dschat import pipeline
 from dschat.errors import UsageError
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, plan_steps
+from dschat.utils.checkpoints import latest_tag, trainer_folder
 from launch import REPO
 
 TRAIN_PY = runpy.run_path(str(REPO / "train.py"))  # the script's functions (its __main__ block does not run)
@@ -599,3 +601,140 @@ def test_train_py_resume_at_another_zero_stage_skips_the_finished_step_and_conve
     assert (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns == written  # not trained again
     assert report["skipped"] == ["step1"] and report["resumed"] == ["step2"]
     assert json.loads((out / "step2_rm" / "training_args.json").read_text())["flags"]["zero_stage"] == 3
+
+
+def test_a_step_finished_with_other_flags_of_memory_and_speed_alone_is_skipped_and_says_so(tmp_path):
+    """train.py --resume after finishing steps 1 and 2, given --offload or activation checkpointing (to fit step 3 in
+    memory), trained every finished step again from the start: "had other values of --offload", though those flags
+    change where the states live and what is recomputed, not the model a step makes. Such a step is skipped now,
+    saying the flags; one also given a flag that does change its model runs again, for that flag."""
+    from dschat.pipeline_resume import describe
+
+    finish(tmp_path, 1, 100, offload=False, gradient_checkpointing=False, zero_stage=2)
+    finish(tmp_path, 2, 200, offload=False, gradient_checkpointing=False, print_loss=False)
+    finish(tmp_path, 3, 300, offload=False, offload_reference_model=False, actor_gradient_checkpointing=False,
+           critic_gradient_checkpointing=False, enable_cuda_graph=None, release_inference_cache=False)
+    lighter = {1: Namespace(**{**vars(FLAGS), "offload": True, "gradient_checkpointing": False, "zero_stage": 2}),
+               2: Namespace(**{**vars(FLAGS), "offload": False, "gradient_checkpointing": True, "print_loss": True}),
+               3: Namespace(**{**vars(FLAGS), "offload": True, "offload_reference_model": True,
+                               "actor_gradient_checkpointing": True, "critic_gradient_checkpointing": True,
+                               "enable_cuda_graph": False, "release_inference_cache": True})}
+    decisions = plan_steps([1, 2, 3], "ppo", str(tmp_path), lighter)
+    assert {step: d.action for step, d in decisions.items()} == {1: SKIP, 2: SKIP, 3: SKIP}
+    assert describe(1, decisions[1], "out/step1_sft") == (
+        "step 1: finished earlier in out/step1_sft; skipped (--resume): its output does not depend on flags of memory "
+        "and speed alone (--offload False -> True)")
+    assert decisions[2].why == ("its output does not depend on flags of memory and speed alone "
+                                "(--gradient_checkpointing False -> True, --print_loss False -> True)")
+    assert decisions[3].why.startswith("its output does not depend on flags of memory and speed alone (")
+    for said in ("--offload False -> True", "--offload_reference_model False -> True", "--enable_cuda_graph None -> "
+                 "False", "--actor_gradient_checkpointing False -> True", "--release_inference_cache False -> True"):
+        assert said in decisions[3].why
+    # with another ZeRO stage too: both said
+    staged = Namespace(**{**vars(lighter[1]), "zero_stage": 3})
+    assert plan_steps([1], "ppo", str(tmp_path), {1: staged})[1] == (
+        SKIP, "its output does not depend on the ZeRO stage (--zero_stage 2 -> 3) nor on flags of memory and speed "
+              "alone (--offload False -> True)")
+    # with a flag that changes the model: it runs again, said for that flag only (and so do the later steps)
+    other = Namespace(**{**vars(lighter[1]), "learning_rate": 2e-3})
+    decisions = plan_steps([1, 2, 3], "ppo", str(tmp_path), {**lighter, 1: other})
+    assert {step: d.action for step, d in decisions.items()} == {1: FRESH, 2: FRESH, 3: FRESH}
+    assert decisions[1].why.endswith("had other values of --learning_rate")
+
+
+@pytest.mark.parametrize("name, then, now", [
+    ("check_grad_overflow", False, True),  # (skips the steps with an inf/NaN gradient: another model)
+    ("pad_to_multiple_of", None, 8),
+    ("padded_forwards", False, True),
+    ("enable_hybrid_engine", True, False),  # (HF generate's answers, not the hybrid engine's draws)
+    ("inference_tp_size", 1, 2),  # (a tensor-parallel group's ranks take its leader's tokens)
+    ("logprobs_from_generation", False, True),  # (other old log-probs train the actor)
+    ("preprocessing_num_workers", None, 4),  # (the unsupervised text is cut into blocks per worker's shard)
+    ("per_device_eval_batch_size", 16, 8),  # (other records evaluated: another finished output's metrics)
+    ("dtype", "bf16", "fp32"),
+])
+def test_flags_that_may_change_what_a_step_makes_still_run_it_again(tmp_path, name, then, now):
+    finish(tmp_path, 3, 300, **{name: then})
+    decision = plan_steps([3], "ppo", str(tmp_path), {3: Namespace(**{**vars(FLAGS), name: now})})[3]
+    assert decision.action == FRESH and decision.why.endswith(f"had other values of --{name}")
+
+
+def test_the_flags_of_memory_and_speed_alone_are_flags_of_the_steps_and_not_checkpoint_bound_but_offload():
+    """Each exempted flag is one a step parses (a typo would exempt nothing, unsaid); of them, only --offload binds a
+    step's checkpoint (its optimizer: DeepSpeed's CPU Adam), so an interrupted step given another --offload is the
+    step's own refusal (see the train.py test below) while the others resume."""
+    from dschat.args import step_flag_dests
+    from dschat.pipeline_resume import MEMORY_SPEED_FLAGS
+    from dschat.rlhf import checkpointing
+    from dschat.steps import resume
+
+    assert set(MEMORY_SPEED_FLAGS) <= step_flag_dests()
+    bound = set(resume.RESUME_FLAGS) | set(checkpointing.ACTOR_RESUME_FLAGS) | set(checkpointing.CRITIC_RESUME_FLAGS)
+    assert set(MEMORY_SPEED_FLAGS) & bound == {"offload"}
+
+
+def test_train_py_resume_with_offload_and_activation_checkpointing_skips_the_finished_step(
+        tmp_path, distributed, monkeypatch, capsys):
+    """train.py --resume given --offload and --gradient_checkpointing (to fit in memory) after step 2 was killed past
+    its first checkpoint trained step 1 again from the start. Step 1 is skipped now, saying the flags; step 2 resumes
+    with activation checkpointing, and given --offload too (its checkpoint holds another optimizer's states, which
+    DeepSpeed does not load into CPU Adam) is a UsageError saying what to do, before anything trains."""
+    from dschat.steps import resume
+
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+
+    def argv(step1="", step2="", *more):
+        return TRAIN_PY["parse_args"](["--output-dir", str(out), "--step", "1", "2", "--step1-args",
+                                       f"--max_steps 1 --eval_iters 1 --zero_stage 2 {step1}", "--step2-args",
+                                       f"--max_steps 2 --save_interval 1 --zero_stage 2 {step2}", *more])
+
+    real = resume.save_step_checkpoint
+
+    def killed_after_the_first(engine, args, position, *rest):
+        real(engine, args, position, *rest)
+        raise KeyboardInterrupt("killed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(resume, "save_step_checkpoint", killed_after_the_first)
+        with pytest.raises(KeyboardInterrupt):
+            pipeline.run_pipeline(argv())
+    written = (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns
+    lighter = "--offload --gradient_checkpointing"
+    with pytest.raises(UsageError, match=r"(?s)--offload False -> True\..*resume with the checkpoint's values.*"
+                                         r"give --step 2 without --resume"):
+        pipeline.run_pipeline(argv(lighter, lighter, "--resume"))
+    assert latest_tag(str(out / "step2_rm" / "checkpoints")) is not None  # (kept for a resume as saved)
+    capsys.readouterr()
+    report = pipeline.run_pipeline(argv(lighter, "--gradient_checkpointing", "--resume"))
+    printed = capsys.readouterr().out
+    assert (f"step 1: finished earlier in {out / 'step1_sft'}; skipped (--resume): its output does not depend on "
+            "flags of memory and speed alone (--gradient_checkpointing False -> True, --offload False -> True)"
+            ) in printed
+    assert "step 2: resumes from its last checkpoint" in printed
+    assert (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns == written  # not trained again
+    assert report["skipped"] == ["step1"] and report["resumed"] == ["step2"]
+    assert json.loads((out / "step2_rm" / "training_args.json").read_text())["flags"]["gradient_checkpointing"]
+
+
+def test_a_finished_step_made_longer_with_another_offload_starts_afresh_not_from_its_checkpoint(tmp_path):
+    """A finished step given a larger --max_steps trains on from its checkpoint; given another --offload too, that
+    checkpoint holds another optimizer's states (DeepSpeed's CPU Adam or not), which the step refuses to resume: it
+    runs afresh, as before --offload alone was skipped, saying --offload. Another --gradient_checkpointing, which a
+    checkpoint is not bound to, still trains on from it."""
+    finish(tmp_path, 1, 100, max_steps=4, offload=False, gradient_checkpointing=False)
+    checkpoint(tmp_path, 1, 150)
+    state = Path(trainer_folder(str(tmp_path / FOLDERS[1] / "checkpoints"), "step_0000001")) / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"step": 1, "flags": {"offload": False, "learning_rate": 1e-3}}))
+
+    def decide(**changed):
+        flags = Namespace(**{**vars(FLAGS), "max_steps": 4, "offload": False, "gradient_checkpointing": False,
+                             **changed})
+        return plan_steps([1], "ppo", str(tmp_path), {1: flags})[1]
+
+    assert decide(offload=True).action == SKIP
+    assert decide(max_steps=8, gradient_checkpointing=True) == (
+        RESUME, "to train on past its finished output (--max_steps)")
+    assert decide(max_steps=8, offload=True) == (
+        FRESH, f"its finished output in {tmp_path / FOLDERS[1]} had other values of --max_steps, --offload")
