@@ -183,7 +183,8 @@ def add_data_args(parser, default_split="2,4,4"):
                         "/tmp/data_files/; storage every node sees for multi-node).")
     g.add_argument("--data_fields", type=str, default="",
                    help="Field names of local data, e.g. prompt=question,chosen=good,rejected=bad (also messages=, "
-                        "label= for TRL's unpaired-preference labels, tools= for the tool schemas, system= for a "
+                        "label= for TRL's unpaired-preference labels, tools= for the tool schemas, margin= for the "
+                        "margin step 2 subtracts (TRL's), system= for a "
                         "system-prompt column, input= and history= for Alpaca's input and history; these three are "
                         "read beside renamed record fields only where named). One mapping per dataset: "
                         "'jsonl:a.jsonl:prompt=question;jsonl:b.jsonl:prompt=instruction' (each after its "

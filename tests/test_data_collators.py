@@ -48,6 +48,21 @@ def test_reward_collator_puts_chosen_rows_first_then_rejected():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
 
 
+def test_reward_collator_carries_each_pairs_margin_beside_its_padded_rows():
+    """TRL's RewardTrainer's margin: one per pair, in the pairs' order (row i and row B + i), through the padding of
+    rows of other lengths; an item without one (DeepSpeed-Chat's, a user's dataset) has 0."""
+    items = [{"chosen_input_ids": T([1, 2, 3]), "chosen_attention_mask": T([1, 1, 1]),
+              "rejected_input_ids": T([1, 2]), "rejected_attention_mask": T([1, 1]), "margin": 1.5},
+             {"chosen_input_ids": T([4]), "chosen_attention_mask": T([1]),
+              "rejected_input_ids": T([4, 5, 6, 7, 8]), "rejected_attention_mask": T([1] * 5), "margin": -0.25},
+             {"chosen_input_ids": T([9, 9]), "chosen_attention_mask": T([1, 1]),
+              "rejected_input_ids": T([9]), "rejected_attention_mask": T([1])}]
+    batch = DataCollatorReward(0, pad_to_multiple_of=4)(items)
+    assert batch["input_ids"].shape == (6, 8)
+    assert batch["margin"].dtype == torch.float32 and batch["margin"].tolist() == [1.5, -0.25, 0.0]
+    assert batch["attention_mask"].sum(1).tolist() == [3, 1, 2, 2, 5, 1]  # (the rows the margins go with)
+
+
 def test_rlhf_collator_left_pads_prompts_and_passes_lists_through():
     items = [{"prompt_input_ids": T([7, 8, 9]), "prompt_text": "a", "messages": [{"role": "user", "content": "a"}],
               "task": "x"},

@@ -217,16 +217,76 @@ def test_truncation_keeps_eot_in_phase_2_and_drops_it_in_phase_1(tmp_path, token
     assert "skipped 2 of 3 records" in capsys.readouterr().out
 
 
-def test_a_margin_column_of_preference_records_is_said_to_be_unread_in_phase_2(tmp_path, tokenizer, capsys):
-    """TRL's RewardTrainer subtracts a record's "margin" from the score difference; step 2's loss has no margin, and
-    a file with one trained without a word."""
-    rows = [{"prompt": f"Question record {i}.", "chosen": "Yes.", "rejected": "No.",
-             **({"margin": 2.0} if i % 2 else {})} for i in range(6)]
-    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0")
-    assert "kept all 6 records; 3 with a 'margin', which is not read" in capsys.readouterr().out
+def margin_pairs(count, margin=lambda i: i / 2, column="margin"):
+    return [{"prompt": f"Question record {i}.", "chosen": "Yes.", "rejected": "No.", column: margin(i)}
+            for i in range(count)]
+
+
+def margins_by_record(dataset, tokenizer):
+    return {record: dataset[i]["margin"] for i, record in enumerate(record_ids(dataset, tokenizer))}
+
+
+def test_phase_2_rows_carry_each_records_margin(tmp_path, tokenizer, capsys):
+    """TRL's RewardTrainer subtracts a record's "margin" from the score difference; step 2 read none (the data report
+    said so). Each pair now carries its own, a file without the column 0.0, and the report counts those with one."""
+    path = write_jsonl(tmp_path / "pairs.jsonl", margin_pairs(6))
+    pairs, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0")
+    assert margins_by_record(pairs, tokenizer) == {i: i / 2 for i in range(6)}
+    assert "kept all 6 records; 6 with a margin, which step 2's loss subtracts: -logsigmoid(chosen - rejected - " \
+           "margin)" in capsys.readouterr().out
+    plain = write_jsonl(tmp_path / "plain.jsonl", records("plain", 4))
+    pairs, _ = build(tmp_path, tokenizer, [f"{plain},{plain}"], 2, data_split="0,1,0")
+    assert [pairs[i]["margin"] for i in range(4)] == [0.0] * 4
+    assert "with a margin" not in capsys.readouterr().out
     build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")  # (step 1 reads no pairs: nothing to say)
-    assert "with a 'margin'" not in capsys.readouterr().out
+    assert "with a margin" not in capsys.readouterr().out
+    # another column's name, as --data_fields gives it; CSV cells are text: a number's text is that number
+    scored = write_jsonl(tmp_path / "scored.jsonl", margin_pairs(3, column="gap"))
+    pairs, _ = build(tmp_path, tokenizer, [f"{scored},{scored}"], 2, data_split="0,1,0", data_fields="margin=gap")
+    assert margins_by_record(pairs, tokenizer) == {0: 0.0, 1: 0.5, 2: 1.0}
+    csv = tmp_path / "pairs.csv"
+    csv.write_text("prompt,chosen,rejected,margin\n" + "".join(f"Question record {i}.,Yes.,No.,{i}.25\n"
+                                                                 for i in range(3)))
+    pairs, _ = build(tmp_path, tokenizer, [f"csv:{csv},{csv}"], 2, data_split="0,1,0")
+    assert margins_by_record(pairs, tokenizer) == {0: 0.25, 1: 1.25, 2: 2.25}
+
+
+@pytest.mark.parametrize("bad, said", [
+    (None, "field 'margin': missing or null, where the data's other records have a margin"),
+    ("a lot", "field 'margin': 'a lot' is not a number"),
+    (True, "field 'margin': True is not a number"),
+    ([1.0], r"field 'margin': \[1.0\] is not a number"),
+    (1e39, "field 'margin': 1e\\+39 is past fp32's range"),
+])
+def test_a_bad_margin_is_an_error_naming_its_file_and_record(tmp_path, tokenizer, bad, said):
+    """A margin that is no finite number, or a record without one in a file whose other records have one (TRL's
+    RewardTrainer needs one in every record), would train a wrong loss: the error names the file, line and record."""
+    rows = margin_pairs(4)
+    rows[2]["margin"] = bad
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(DatasetFormatError, match=rf"pairs\.jsonl line 3 \(record 2\): {said}"):
+        build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0")
+    build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")  # (step 1 does not read the margins)
+
+
+def test_a_nan_margin_of_a_parquet_file_is_an_error_naming_its_record(tmp_path, tokenizer):
+    """(JSON refuses NaN when it is loaded; parquet holds one. A NaN is not equal to itself: the record is found
+    anyway.)"""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = margin_pairs(4)
+    rows[1]["margin"] = float("nan")
+    path = str(tmp_path / "pairs.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)  # (pandas would write the NaN as a null)
+    with pytest.raises(DatasetFormatError, match=r"pairs\.parquet record 1: field 'margin': nan is not a finite"):
+        build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0")
+
+
+def test_a_renamed_margin_column_the_file_lacks_is_an_error(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "pairs.jsonl", margin_pairs(3))
+    with pytest.raises(DatasetFormatError, match="no 'gap' field, which --data_fields margin=gap names"):
+        build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0", data_fields="margin=gap")
 
 
 def test_phase_2_rows_record_which_answers_were_cut(tmp_path, tokenizer):

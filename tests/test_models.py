@@ -1,5 +1,6 @@
 """Models: reward end index, pairwise loss, LoRA through PEFT, drift-free merge, save/load round trips."""
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -106,6 +107,18 @@ def test_reward_score_is_independent_of_padding_side(family):
     assert torch.allclose(s_plain, s_left, atol=1e-5)
 
 
+def test_pairwise_loss_subtracts_each_pairs_margin():
+    """TRL's RewardTrainer (Llama 2's margin loss): -log sigmoid(chosen - rejected - margin), averaged over pairs."""
+    c, r, margin = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([0.0, 1.0, 1.0]), torch.tensor([1.0, -0.5, 3.0])
+    # differences 2 - 0 - 1 = 1, 0 - 1 + 0.5 = -0.5, 1 - 1 - 3 = -3
+    expected = -(math.log(1 / (1 + math.exp(-1.0))) + math.log(1 / (1 + math.exp(0.5)))
+                 + math.log(1 / (1 + math.exp(3.0)))) / 3
+    assert pairwise_loss(c, r, margin).item() == pytest.approx(expected, rel=1e-6)
+    assert pairwise_loss(c, r, torch.zeros(3)).item() == pytest.approx(pairwise_loss(c, r).item())
+    with pytest.raises(ValueError, match=r"\(2,\) margins for \(3,\) pairs"):
+        pairwise_loss(c, r, torch.ones(2))  # (broadcast against the pairs, it would have shifted every pair)
+
+
 def test_reward_forward_splits_chosen_and_rejected():
     torch.manual_seed(0)
     model = RewardModel(AutoModel.from_config(CONFIGS["llama"]())).eval()
@@ -115,6 +128,11 @@ def test_reward_forward_splits_chosen_and_rejected():
     assert torch.allclose(out["chosen_mean_scores"], scores[:2])
     assert torch.allclose(out["rejected_mean_scores"], scores[2:])
     assert torch.allclose(out["loss"], pairwise_loss(scores[:2], scores[2:]))
+    margin = torch.tensor([0.5, -2.0])  # (the collator's, one per pair)
+    with_margin = model(ids, torch.ones_like(ids), margin=margin)["loss"]
+    difference = scores[:2] - scores[2:] - margin
+    assert with_margin.item() == pytest.approx(-torch.log(torch.sigmoid(difference)).mean().item(), rel=1e-5)
+    assert not torch.allclose(with_margin, out["loss"])
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

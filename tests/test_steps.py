@@ -318,6 +318,29 @@ def test_reward_model_trains_and_loads_back_in_one_call(tmp_path, distributed):
     assert model.v_head.weight.abs().sum() > 0
 
 
+def test_step_2_trains_on_the_margins_of_its_data(tmp_path, distributed, monkeypatch, capsys):
+    """TRL's RewardTrainer subtracts each record's margin in its loss; step 2 read none. A file's margins now reach
+    the loss of each training batch, each with its own pair, and the log counts the records that carry one."""
+    from dschat.models import reward_model
+
+    data = tmp_path / "pairs"
+    data.mkdir()
+    margin = {i: 0.5 + (i % 4) for i in range(32)}  # (0.5 ... 3.5: none 0)
+    for name, numbers in (("train", range(32)), ("eval", range(4))):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"Question {i}?", "chosen": f"Yes, {i}.",
+                                                                "rejected": "No.", "margin": margin[i]}) + "\n"
+                                                    for i in numbers))
+    seen, loss = [], reward_model.pairwise_loss
+    monkeypatch.setattr(reward_model, "pairwise_loss",
+                        lambda chosen, rejected, margin=None: seen.append(margin) or loss(chosen, rejected, margin))
+    reward.main(["--output_dir", str(tmp_path / "rm"), "--data_output_path", str(tmp_path / "cache"),
+                 "--data_path", str(data), "--data_split", "0,1,0", "--max_steps", "2", *RM_FAST])
+    trained = [given for given in seen if given is not None]  # (the evaluation's forward gives none: no loss)
+    assert len(trained) == 2 and all(given.shape == (16,) for given in trained)
+    assert sorted(torch.cat(trained).tolist()) == sorted(list(margin.values()))  # (one epoch of 32: each pair once)
+    assert "train: kept all 32 records; 32 with a margin, which step 2's loss subtracts" in capsys.readouterr().out
+
+
 def test_a_step_whose_split_leaves_it_no_data_stops_before_loading_anything(tmp_path, distributed, monkeypatch):
     from dschat.data.splits import check_phase_share
     from dschat.errors import UsageError

@@ -9,14 +9,21 @@ other columns, ``get_extra``, and the used ones a reward function may still read
 methods are derived from the structured ones unless an adapter overrides them to reproduce DeepSpeed-Chat exactly.
 """
 import json
+import math
 import os
+import re
 
-from dschat.errors import MissingInputError
+from dschat.errors import MissingInputError, excerpt
 from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import answer_message, parse_transcript, render_human_assistant, split_last_answer
 from .splits import get_raw_dataset_split_index
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "ipython")
+# A preference record's column TRL's RewardTrainer reads (Llama 2's margin loss): step 2 trains
+# -logsigmoid(chosen - rejected - margin) on it (``get_margin``); --data_fields margin=NAME names another column
+MARGIN_FIELD = "margin"
+FLOAT32_MAX = 3.4028234663852886e38  # (the loss is computed in fp32: a larger margin would make it inf)
+_NUMBER_TEXT = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
 # the roles of a tool's result (HF's "tool"; Llama-3.1's "ipython"): an answer may follow one, as it follows the user's
 TOOL_ROLES = ("tool", "ipython")
 
@@ -58,6 +65,7 @@ class PromptRawDataset:
     reward_columns = ()
     strict = False             # True: a bad record is an error (local files); False: counted and skipped
     has_answers = True         # False: prompt-only data, usable in step 3 only
+    margin_field = MARGIN_FIELD  # the column of a preference record's margin (``get_margin``)
 
     def __init__(self, output_path, seed, local_rank, dataset_name=None, raw_datasets=None):
         """``raw_datasets`` injects an already-loaded DatasetDict (tests, offline copies) instead of
@@ -120,6 +128,15 @@ class PromptRawDataset:
         ``label: false``): steps 1 and 2 skip it, counted; step 3 reads only its prompt."""
         return False
 
+    def get_margin(self, sample):
+        """The preference record's margin, a float, which step 2 subtracts from the score difference (TRL's
+        RewardTrainer, from Llama 2: -logsigmoid(chosen - rejected - margin)); None where its data has no margin
+        column. In data that has one, every record needs a margin (TRL's needs it too; 0 for none): a record without
+        one (a misspelt key, a gap) or one that is no finite number is a RecordError, not a margin of 0."""
+        if self.margin_field not in sample:
+            return None
+        return margin_value(sample[self.margin_field], self.margin_field)
+
     def get_extra(self, sample):
         return {key: value for key, value in sample.items() if key not in self.used_columns}
 
@@ -170,6 +187,26 @@ class PromptRawDataset:
 
     def __repr__(self):
         return f"{type(self).__name__}({self.dataset_name!r})"
+
+
+def margin_value(value, field=MARGIN_FIELD):
+    """A record's margin as a float: a number, or a number's text (a CSV cell); a RecordError naming ``field`` for
+    anything else (null, a bool, other text, NaN, an infinity or a number past fp32's range)."""
+    if value is None:
+        raise RecordError(field, "missing or null, where the data's other records have a margin: step 2 subtracts "
+                                 "each record's margin in its loss (TRL's RewardTrainer needs one in every record); "
+                                 "give it one (0 for no margin), or give the file no margin column")
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):
+        number = float(value)
+    why = ("is not a number" if number is None else "is not a finite number" if not math.isfinite(number) else
+           "is past fp32's range, which the loss is computed in" if abs(number) > FLOAT32_MAX else None)
+    if why:
+        raise RecordError(field, f"{excerpt(value)} {why}: a preference record's margin is the number step 2 "
+                                 "subtracts from the score difference, -logsigmoid(chosen - rejected - margin)")
+    return number
 
 
 def _as_answer_string(text):

@@ -18,7 +18,7 @@ from filelock import FileLock
 from dschat.utils.files import give_plain_modes, temp_folder
 
 # Bump when the tokenized layout or the encoding rules change, so old caches are not reused.
-FORMAT_VERSION = 44  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
+FORMAT_VERSION = 45  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text (extra columns included);
 # 4: only empty CSV cells are missing ("NA", "None" are text);
 # 5: prompts get only the tokenizer's leading special tokens;
 # 6: phase 2 rows carry chosen_truncated, rejected_truncated and eot_length;
@@ -67,6 +67,8 @@ FORMAT_VERSION = 44  # 2: phase 2 rows carry prompt_length; 3: CSV cells as text
 #     where its record has none)
 # 44: a JSON or JSON Lines file's objects keep their keys in the order written (a record whose object of a column had
 #     them in another order than an earlier record's got that one's: tool call arguments, tool schemas)
+# 45: phase 2 rows carry the record's margin (TRL's RewardTrainer's "margin" column, or --data_fields margin=NAME; 0.0
+#     where the data has none), which step 2's loss subtracts
 CACHE_SUBDIR = "dschat_data_cache"
 REBUILD_FILE = "rebuild_token"  # (in a cache folder a forced rebuild wrote: its token, see ensure_built)
 

@@ -73,7 +73,8 @@ class DataCollatorSFT(RoundedPadding):
 class DataCollatorReward(RoundedPadding):
     """Phase 2: (2B, L) input_ids/attention_mask, the B chosen rows first and then the B rejected rows
     (DeepSpeed-Chat's convention: the reward model splits the batch in halves), right-padded together (to a
-    multiple of ``pad_to_multiple_of``)."""
+    multiple of ``pad_to_multiple_of``), and ``margin`` (B,) float32: each pair's margin, which the reward model's
+    loss subtracts (TRL's RewardTrainer's; 0.0 for an item without one)."""
 
     def __init__(self, pad_token_id, pad_to_multiple_of=1, max_length=None):
         super().__init__(pad_to_multiple_of, max_length)
@@ -82,7 +83,8 @@ class DataCollatorReward(RoundedPadding):
     def __call__(self, items):
         ids = [i["chosen_input_ids"] for i in items] + [i["rejected_input_ids"] for i in items]
         masks = [i["chosen_attention_mask"] for i in items] + [i["rejected_attention_mask"] for i in items]
-        return {"input_ids": self.pad(ids, self.pad_token_id), "attention_mask": self.pad(masks, 0)}
+        return {"input_ids": self.pad(ids, self.pad_token_id), "attention_mask": self.pad(masks, 0),
+                "margin": torch.tensor([float(i.get("margin", 0.0)) for i in items], dtype=torch.float32)}
 
 
 class DataCollatorDPO(DataCollatorReward):

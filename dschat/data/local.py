@@ -73,9 +73,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dschat.errors import MissingInputError, UsageError, excerpt
-from .base import (ROLE_ALIASES, SHAREGPT_ROLES, TOOL_ROLES, VALID_ROLES, PromptRawDataset, answer_from_transcript,
-                   checked_messages, final_assistant_answer, optional_text, prompt_messages, required_text, trimmed,
-                   untrained_turns, without_none_values)
+from .base import (MARGIN_FIELD, ROLE_ALIASES, SHAREGPT_ROLES, TOOL_ROLES, VALID_ROLES, PromptRawDataset,
+                   answer_from_transcript, checked_messages, final_assistant_answer, optional_text, prompt_messages,
+                   required_text, trimmed, untrained_turns, without_none_values)
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import parse_transcript, with_lf_line_ends
 
@@ -235,7 +235,7 @@ PROMPT_PARTS = (ALPACA_INPUT, ALPACA_HISTORY)
 
 
 def checked_field_options(field_options):
-    renamable = [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS]
+    renamable = [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS, MARGIN_FIELD]
     unknown = sorted(set(field_options) - set(renamable))
     if unknown:
         raise UsageError(f"unknown data field(s) {unknown}; the fields that can be renamed are {renamable}")
@@ -1287,9 +1287,11 @@ class LocalDataset(PromptRawDataset):
 
     def __init__(self, source, output_path, seed, local_rank, field_options=None):
         self.source = source
-        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS)}
+        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS,
+                                               MARGIN_FIELD)}
         self.renamed = checked_field_options(field_options or {})
         self.fields.update(self.renamed)
+        self.margin_field = self.fields[MARGIN_FIELD]
         # (a CSV cell holds one message as its JSON text; a JSON or parquet file's text is text: ``_json_list_text``)
         self.csv_cells = "csv" in {source.kind, source.eval_type}
         self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
@@ -1349,14 +1351,15 @@ class LocalDataset(PromptRawDataset):
         return self.fields[SYSTEM_FIELD] if self.fields[SYSTEM_FIELD] in columns else None
 
     def _check_renamed_columns_beside(self, columns, where):
-        """A system= or tools= of --data_fields naming a column the train or eval file lacks is an error (a typo: the system
-        prompt or the tool schemas went unread, without a word, where a misspelt prompt=, input= or label= is said), in
+        """A system=, tools= or margin= of --data_fields naming a column the train or eval file lacks is an error (a typo:
+        the system prompt, the tool schemas or the margins went unread, without a word, where a misspelt prompt=, input=
+        or label= is said), in
         a file the mapping is of: one that has a record field it renames, or any file where it renames none. A file of
         another shape under the same mapping (messages data beside renamed prompts) is read as before."""
         renamed_fields = [self.fields[name] for name in FIELD_NAMES if name in self.renamed]
         if renamed_fields and not any(field in columns for field in renamed_fields):
             return
-        self._check_renamed((SYSTEM_FIELD, TOOLS_FIELD), columns, where)
+        self._check_renamed((SYSTEM_FIELD, TOOLS_FIELD, MARGIN_FIELD), columns, where)
 
     def _read_older_functions_column(self, train):
         """OpenAI's older function-calling records name their tool schemas ``functions`` (each a bare function schema
@@ -1576,7 +1579,7 @@ class LocalDataset(PromptRawDataset):
         for data, path, lines in ((self.raw_datasets["train"], self.source.train, self._train_lines),
                                   (self.raw_datasets["eval"], eval_path, self._eval_lines)):
             for index, record in enumerate(data or ()):
-                if record == sample:
+                if record == sample or repr(record) == repr(sample):  # (repr: a NaN is not equal to itself)
                     return record_where(path, index, lines)
         return self.dataset_name
 

@@ -17,7 +17,8 @@ the EOT token ids):
   kept, so the reward model always scores a sequence that ends the way generated answers do. The prompt's
   length is kept too (``prompt_length``): DPO sums log-probs over the answer tokens only. Each pair also
   records whether max_seq_len cut its answers (``chosen_truncated``, ``rejected_truncated``) and the EOT's
-  length (``eot_length``): DPO leaves a cut answer's EOT out of its answer tokens, as phase 1 drops it.
+  length (``eot_length``): DPO leaves a cut answer's EOT out of its answer tokens, as phase 1 drops it. And the
+  record's ``margin`` (TRL's RewardTrainer's column, 0.0 where its data has none), which step 2's loss subtracts.
 * phase 3: the prompt ids alone (``max_prompt_len``, else ``max_seq_len``, is their limit).
 
 The prompt is tokenized alone (the ids step 3 generates from, and the label boundary); the answer ids are
@@ -83,6 +84,7 @@ class Example:
     unanswered: bool = False  # --multiturn: a conversation ending with a user turn, trained up to its last answer
     untrained: frozenset = frozenset()  # --multiturn: positions of the assistant turns of weight 0 (stay prompt)
     tools: list | None = None  # the record's tool schemas, rendered by the chat template (apply_chat_template(tools=))
+    margin: float | None = None  # phase 2: the pair's margin (step 2's loss subtracts it); None: its data has none
 
 
 def phase_features(train_phase):
@@ -92,7 +94,8 @@ def phase_features(train_phase):
     return Features({
         1: {"input_ids": ids, "label_start": Value("int32"), "label_spans": ids},
         2: {"chosen_input_ids": ids, "rejected_input_ids": ids, "prompt_length": Value("int32"),
-            "chosen_truncated": Value("bool"), "rejected_truncated": Value("bool"), "eot_length": Value("int32")},
+            "chosen_truncated": Value("bool"), "rejected_truncated": Value("bool"), "eot_length": Value("int32"),
+            "margin": Value("float64")},
         3: {"prompt_input_ids": ids, "prompt_text": Value("string"), "messages_json": Value("string"),
             "extra_json": Value("string")},
     }[train_phase])
@@ -104,7 +107,8 @@ class PromptDataset(Dataset):
     Items: phase 1 ``input_ids, attention_mask, labels``; phase 2 ``chosen_input_ids,
     chosen_attention_mask, rejected_input_ids, rejected_attention_mask, prompt_length`` (how many prompt ids
     both sequences start with), ``chosen_truncated, rejected_truncated`` (whether max_seq_len cut that answer;
-    its sequence still ends with the ``eot_length`` EOT ids); phase 3 ``prompt_input_ids, prompt_text,
+    its sequence still ends with the ``eot_length`` EOT ids), ``margin`` (a float: the record's, 0.0 where its data
+    has none; step 2's loss subtracts it); phase 3 ``prompt_input_ids, prompt_text,
     messages`` plus the extra columns of its records (``columns``: None where a record lacks one). Token tensors are
     1-D LongTensors, unpadded.
 
@@ -153,7 +157,8 @@ class PromptDataset(Dataset):
             return {"chosen_input_ids": chosen, "chosen_attention_mask": torch.ones_like(chosen),
                     "rejected_input_ids": rejected, "rejected_attention_mask": torch.ones_like(rejected),
                     "prompt_length": row["prompt_length"], "chosen_truncated": row["chosen_truncated"],
-                    "rejected_truncated": row["rejected_truncated"], "eot_length": row["eot_length"]}
+                    "rejected_truncated": row["rejected_truncated"], "eot_length": row["eot_length"],
+                    "margin": row["margin"]}
         item = {"prompt_input_ids": torch.tensor(row["prompt_input_ids"], dtype=torch.long),
                 "prompt_text": row["prompt_text"], "messages": json.loads(row["messages_json"])}
         for key, value in json.loads(row["extra_json"]).items():
@@ -547,8 +552,7 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
              "duplicates": count_duplicates(keys, {} if seen is None else seen, source),
              "in_train": sum(key in train_seen for key in keys) if train_seen else 0}
     if settings.train_phase == 2:
-        # (a file whose other records have one gives this record the column too, as None)
-        notes["margin"] = sum(raw.get_extra(sample).get(MARGIN_COLUMN) is not None for sample in records)
+        notes["margin"] = sum(example.margin is not None for example in kept)
     if settings.train_phase == 3:  # (the split's columns: PromptDataset gives each item all of them)
         notes["columns"] = sorted({key for example in kept for key in example.extra or {}})
     if multiturn:
@@ -583,7 +587,8 @@ def record_key(example):
 
     text = json.dumps([example.messages, example.chosen, example.rejected, example.extra, sorted(example.untrained),
                        example.tools, [getattr(answer, "tool_calls", None) for answer in (example.chosen,
-                                                                                          example.rejected)]],
+                                                                                          example.rejected)],
+                       example.margin],
                       sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
@@ -790,9 +795,6 @@ def refused_message(messages):
     return ""
 
 
-# A preference record's column TRL's RewardTrainer reads (its loss is -logsigmoid(chosen - rejected - margin)); dschat's
-# step 2 trains -logsigmoid(chosen - rejected) and reads no margin, so a file that has one is told so, not left unsaid.
-MARGIN_COLUMN = "margin"
 UNDESIRABLE = "undesirable answer (label false: TRL's unpaired preference data)"
 
 
@@ -839,7 +841,7 @@ def _extract_example(raw, sample, train_phase, multiturn):
         raise SkipRecord("no rejected answer")
     if rejected == chosen:
         raise SkipRecord("chosen==rejected")
-    return Example(messages, chosen, rejected)
+    return Example(messages, chosen, rejected, margin=raw.get_margin(sample))
 
 
 def tokenize_examples(examples, tokenizer, settings):
@@ -984,7 +986,8 @@ def encode_pair(example, tokens, settings):
         raise SkipRecord("chosen==rejected after truncation")
     # the EOT after a cut answer stays for the reward model; DPO leaves it out of the answer (collators.py)
     return {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "prompt_length": len(prompt),
-            "chosen_truncated": chosen_cut, "rejected_truncated": rejected_cut, "eot_length": len(eot)}
+            "chosen_truncated": chosen_cut, "rejected_truncated": rejected_cut, "eot_length": len(eot),
+            "margin": example.margin or 0.0}
 
 
 def encode_prompt(example, tokens, settings):
@@ -1036,8 +1039,8 @@ def format_skip_line(entry):
                 ": the held-out numbers are partly on trained data")
     if entry.get("margin"):
         count = entry["margin"]
-        cut += (f"; {count} with a {MARGIN_COLUMN!r}, which is not read: step 2's loss is -logsigmoid(chosen - "
-                f"rejected) (TRL's RewardTrainer subtracts the margin)")
+        cut += (f"; {count} with a margin, which step 2's loss subtracts: -logsigmoid(chosen - rejected - margin), "
+                "as TRL's RewardTrainer's (DPO does not read it)")
     if entry.get("formatted"):
         count, token = entry["formatted"]
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "

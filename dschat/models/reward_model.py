@@ -54,9 +54,16 @@ def positions_from_mask(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def pairwise_loss(chosen_scores, rejected_scores):
-    """-log sigmoid(r_chosen - r_rejected), averaged over pairs."""
-    return -F.logsigmoid(chosen_scores - rejected_scores).mean()
+def pairwise_loss(chosen_scores, rejected_scores, margin=None):
+    """-log sigmoid(r_chosen - r_rejected - margin), averaged over pairs; ``margin`` (one per pair, None: 0) asks the
+    chosen answer to score that much above the rejected one (TRL's RewardTrainer, from Llama 2's margin loss)."""
+    difference = chosen_scores - rejected_scores
+    if margin is not None:
+        if margin.shape != difference.shape:  # (broadcast, a wrong one would shift every pair by every margin)
+            raise ValueError(f"pairwise_loss: {tuple(margin.shape)} margins for {tuple(difference.shape)} pairs: give "
+                             "one margin per pair")
+        difference = difference - margin.to(difference)
+    return -F.logsigmoid(difference).mean()
 
 
 def check_backbone(base_model):
@@ -140,8 +147,9 @@ class RewardModel(nn.Module):
             values = (values - mean) / std
         return values
 
-    def forward(self, input_ids, attention_mask, **kwargs):
-        """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected."""
+    def forward(self, input_ids, attention_mask, margin=None, **kwargs):
+        """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected. ``margin``:
+        each pair's (the collator's), subtracted from the score difference in the loss (``pairwise_loss``)."""
         if input_ids.shape[0] % 2:
             raise ValueError(f"RewardModel.forward takes pairs: the chosen answers then as many rejected ones, a "
                              f"batch of even size (this one has {counted(input_ids.shape[0], 'row')}); score single "
@@ -149,7 +157,7 @@ class RewardModel(nn.Module):
         scores = self.end_scores(input_ids, attention_mask, **kwargs)
         half = input_ids.shape[0] // 2
         chosen, rejected = scores[:half], scores[half:]
-        return {"loss": pairwise_loss(chosen.float(), rejected.float()),
+        return {"loss": pairwise_loss(chosen.float(), rejected.float(), margin),
                 "chosen_mean_scores": chosen, "rejected_mean_scores": rejected}
 
     def end_scores(self, input_ids, attention_mask, **kwargs):

@@ -25,7 +25,7 @@ def reward_collator(tokenizer, pad_to_multiple_of=1, max_length=None):
 
 
 def pairwise_step_loss(engine, batch):
-    out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], margin=batch.get("margin"))
     return out["loss"], int(batch["attention_mask"].sum())
 
 
