@@ -283,6 +283,19 @@ def test_a_nan_margin_of_a_parquet_file_is_an_error_naming_its_record(tmp_path, 
         build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0")
 
 
+def test_a_hub_datasets_margins_are_read_and_a_bad_one_is_skipped(tmp_path, tokenizer, monkeypatch, capsys):
+    """Hub data is not stopped by one bad record (it cannot be mended): its margins train, a bad one is a skip."""
+    rows = [{"prompt": f"\n\nHuman: Hi record {i}.\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+             "rejected": " Go away.", "margin": margin} for i, margin in enumerate([1.5, None, 0.25])]
+    monkeypatch.setattr(DahoasRmstaticDataset, "load",
+                        lambda self: DatasetDict({"train": Dataset.from_list(rows),
+                                                  "test": Dataset.from_list(rows[:1])}))
+    train, _ = build(tmp_path, tokenizer, ["Dahoas/rm-static"], 2, data_split="0,1,0")
+    assert train.skipped == {"unreadable margin": 1}
+    assert margins_by_record(train, tokenizer) == {0: 1.5, 2: 0.25}
+    assert "skipped 1 of 3 records: 1 unreadable margin; 2 with a margin" in capsys.readouterr().out
+
+
 def test_a_renamed_margin_column_the_file_lacks_is_an_error(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "pairs.jsonl", margin_pairs(3))
     with pytest.raises(DatasetFormatError, match="no 'gap' field, which --data_fields margin=gap names"):
