@@ -1,14 +1,14 @@
 """Step-3 checkpoints: models, optimizers, schedulers, EMA, KL controller, data position and RNG, atomically
 (the tag folders, ``latest`` pointer and RNG states of ``dschat.utils.checkpoints``).
 
-A checkpoint resumes on another number of ranks than saved it when a PPO iteration keeps its global shape: as many
-prompts (--per_device_generation_batch_size x --generation_batches x ranks) and optimizer steps of as many rows
-(--per_device_training_batch_size x --gradient_accumulation_steps x ranks). ``plan_resume`` decides it from the files
-before the engines are made: the actor's and critic's ZeRO partitions load through DeepSpeed's universal checkpoint
-(``dschat.utils.checkpoints.universal_load``), the place in the prompts and in the unsupervised stream is converted
-into this run's batches (what N ranks consumed is a prefix of the epoch's order), each rank's RNG states and answer
-sampler are its own where the checkpoint has them. The EMA copy (a full state dict), the KL controller and the
-held-out scores before PPO load as saved.
+A checkpoint resumes on another number of ranks than saved it when a PPO iteration takes as many prompts
+(--per_device_generation_batch_size x --generation_batches x ranks); its optimizer steps may take other rows
+(--per_device_training_batch_size x --gradient_accumulation_steps x ranks), as on as many ranks, said. ``plan_resume``
+decides it from the files before the engines are made: the actor's and critic's ZeRO partitions load through
+DeepSpeed's universal checkpoint (``dschat.utils.checkpoints.universal_load``), the place in the prompts and in the
+unsupervised stream is converted into this run's batches (what N ranks consumed is a prefix of the epoch's order), each
+rank's RNG states and answer sampler are its own where the checkpoint has them. The EMA copy (a full state dict), the
+KL controller and the held-out scores before PPO load as saved.
 """
 import math
 import os
@@ -69,8 +69,8 @@ KL_CONTROLLER_FLAGS = ("adaptive_kl", "kl_ctl", "kl_target", "kl_horizon")
 # objective than its log said; so did one with another place of the KL (--kl_in_reward), advantages (whitened, GRPO's
 # std), loss aggregation or EMA decay; and one without --enable_ema left the checkpoint's EMA copy behind unsaid. The
 # other way, a checkpoint without one is refused, ``check_resumable``). The training batch size and accumulation too
-# (``STEP_ROWS``: on as many ranks they may change, and a resume with others went on with them unsaid; on another
-# number, their product is the checkpoint's, ``check_iteration_shape``).
+# (``STEP_ROWS``, on as many ranks or another number: a resume with others went on with them unsaid; the rows of an
+# optimizer step the ranks make with them, ``step_rows_said``).
 FREE_FLAGS = ("actor_dropout", "cliprange", "cliprange_high", "cliprange_value", "gamma", "lam", "entropy_coef",
               "kl_loss_coef", "kl_estimator", "kl_in_reward", "whiten_advantages", "grpo_norm_by_std", "loss_agg",
               "mask_truncated_answers", "enable_ema", "ema_beta", "unsup_coef", "clip_reward_value",
@@ -78,8 +78,10 @@ FREE_FLAGS = ("actor_dropout", "cliprange", "cliprange_high", "cliprange_value",
               "repetition_penalty", "per_device_training_batch_size",
               "gradient_accumulation_steps") + KL_CONTROLLER_FLAGS
 CRITIC_FREE_FLAGS = ("critic_dropout",)
-# On another number of ranks, these may change as long as each pair's product with the ranks does not: the prompts of
-# an iteration, and the rows of an optimizer step (checkpoints record them, ``iteration_batches``).
+# On another number of ranks, these may change as long as their product with the ranks does not: the prompts of an
+# iteration (checkpoints record them, ``iteration_batches``).
+# The rows of an optimizer step may change with the ranks as on as many (their flags are free): the position counts
+# generation batches, and another number of optimizer steps an iteration moves the schedules (ppo.realign_schedules).
 ITERATION_PROMPTS = ("per_device_generation_batch_size", "generation_batches")
 STEP_ROWS = ("per_device_training_batch_size", "gradient_accumulation_steps")
 # Without a plan made before the engines (``plan_resume``: step 3's entry point makes one), a checkpoint of another
@@ -141,7 +143,8 @@ def _tokenizer_of(trainer):
 
 def iteration_batches(args):
     """The batch flags of an iteration's global shape (``ITERATION_PROMPTS``, ``STEP_ROWS``), which a checkpoint
-    records: on another number of ranks, their products with the ranks must stay the same."""
+    records: on another number of ranks, the prompts' product with the ranks must stay the same, and the rows' is
+    said where it changes."""
     return {name: getattr(args, name) for name in ITERATION_PROMPTS + STEP_ROWS}
 
 
@@ -328,7 +331,7 @@ def plan_resume(args, root, train_loader, unsup_loader=None, tokenizer=None):
                        f"{'; '.join(said)}; Adam's moments and step counts, the schedulers and the place in the "
                        "prompts go on as saved")
         return plan
-    said += position_said
+    said += position_said + list(filter(None, [step_rows_said(plan.state["batches"], plan.saved_ranks, args)]))
     kept = (["adaptive KL coefficient"] if args.adaptive_kl else []) + (["EMA copy"] if args.enable_ema else []) \
         + ["held-out scores before PPO"]
     said.append(rng_said(plan.saved_ranks, "RNG states and answer sampler", "iteration") + "; its "
@@ -529,7 +532,7 @@ def check_resumable(trainer, root, tag, planned=False):
 
 
 # What a step-3 resume that cannot change a ZeRO stage may do to fit in less memory (``other_zero_stage``): the same
-# rows an optimizer step, split otherwise (``STEP_ROWS``: free on as many ranks).
+# rows an optimizer step, split otherwise (``STEP_ROWS``: free flags).
 LESS_MEMORY = (" (to fit in less memory: a smaller --per_device_training_batch_size with a "
                "--gradient_accumulation_steps as many times larger, the same rows an optimizer step)")
 
@@ -563,15 +566,30 @@ def _refuse_without_ema(root, tag, saved_flags):
 
 def check_iteration_shape(root, tag, saved, saved_ranks, args):
     """A checkpoint of ``saved_ranks`` ranks (``saved``: its ``iteration_batches``) that this run of another number
-    continues: an iteration takes as many prompts, and an optimizer step as many rows, as the checkpoint's (its
-    iteration count, learning-rate schedules, and place in the prompts count those); else a UsageError naming the
-    flag and value to give."""
+    continues: an iteration takes as many prompts as the checkpoint's (its iteration count, learning-rate schedules,
+    and place in the prompts count those); else a UsageError naming the flag and value to give. An optimizer step's
+    rows may differ, as on as many ranks (``step_rows_said``): they were held to the checkpoint's too, so a resume on
+    half the ranks needed twice the accumulation, which a resume on the same ranks could drop."""
     check_same_products(root, tag, saved, saved_ranks, args, (
         (ITERATION_PROMPTS, "its iterations took", "prompts",
-         "its iteration count, learning-rate schedules and place in the prompts count iterations of"),
-        (STEP_ROWS, "its optimizer steps took", "rows", "each of its optimizer steps averaged the gradients of")),
+         "its iteration count, learning-rate schedules and place in the prompts count iterations of"),),
         "it does not record its batch sizes (saved before step 3 resumed on another number of ranks), so the prompts "
-        "of its iterations and the rows of its optimizer steps are not known")
+        "of its iterations are not known")
+
+
+def step_rows_said(saved, saved_ranks, args):
+    """What a resume on another number of ranks than the checkpoint's does to an optimizer step's rows (``saved``: its
+    ``iteration_batches``): "" where they are the checkpoint's. Otherwise the per-rank flags may be as before and the
+    step's rows change unsaid with the ranks (the schedules' move, said after the load, names only the step count)."""
+    then = saved["per_device_training_batch_size"] * saved["gradient_accumulation_steps"] * saved_ranks
+    ranks = get_world_size()
+    now = args.per_device_training_batch_size * args.gradient_accumulation_steps * ranks
+    if now == then:
+        return ""
+    return (f"its optimizer steps took {then} rows ({saved['per_device_training_batch_size']} x "
+            f"{saved['gradient_accumulation_steps']} x {saved_ranks}: --per_device_training_batch_size x "
+            f"--gradient_accumulation_steps x ranks), this run's take {now} ({args.per_device_training_batch_size} x "
+            f"{args.gradient_accumulation_steps} x {ranks}) from here")
 
 
 def resume_flags(trainer):
