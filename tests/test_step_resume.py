@@ -1059,6 +1059,81 @@ def test_a_step3_checkpoint_at_another_zero_stage_that_cannot_convert_is_an_erro
             "iter_0000002")
 
 
+def test_a_checkpoint_that_cannot_load_on_other_ranks_at_another_stage_says_both_to_give_back_at_once(tmp_path):
+    """A resume that changes the number of ranks and the ZeRO stage of states that convert for neither (NVMe-offloaded
+    optimizer states) was refused once for each: "resume on 2 rank(s)", then, so resumed, "resume with --zero_stage
+    2". One error names both (steps 1, 2 and DPO, and step 3's actor), before the batch flags' products, which a
+    change of them would not mend. A step-3 LoRA actor checkpointed at ZeRO-2 before its first step, on other ranks
+    at another stage, was told to resume on its 2 ranks (its ZeRO-2 states convert on 1), then with its stage: it is
+    told the stage alone."""
+    from types import SimpleNamespace
+
+    from dschat.args import step3_parser
+    from dschat.rlhf import checkpointing
+    from dschat.rlhf.config import step3_args
+
+    root = tmp_path / "checkpoints"
+    for part in ("model", "trainer"):
+        (root / part / "step_0000002").mkdir(parents=True)
+    model = root / "model" / "step_0000002"
+    (model / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (model / "offloaded_tensors").mkdir()  # (DeepSpeed's NVMe-offloaded optimizer, one folder per rank)
+    (root / "latest").write_text(json.dumps({"tag": "step_0000002"}))
+    state = {"step": 2, "epoch": 0, "batch": 2, "step_name": "step1",
+             "flags": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "zero_stage": 2}}
+    (root / "trainer" / "step_0000002" / "state.json").write_text(json.dumps(state))
+    for rank in (0, 1):
+        (model / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+        (root / "trainer" / "step_0000002" / f"rng_rank{rank}.pt").write_bytes(b"")
+    args = SimpleNamespace(output_dir=str(tmp_path), resume=True, per_device_train_batch_size=8,
+                           gradient_accumulation_steps=1, zero_stage=3)
+    with pytest.raises(UsageError, match=re.escape(
+            "was saved by 2 rank(s) at ZeRO stage 2 (--zero_stage 2), this run has 1 at 3; its model's optimizer "
+            "states were offloaded to NVMe, one folder per rank, which DeepSpeed's universal checkpoint does not "
+            "convert: resume on 2 rank(s) with --zero_stage 2 (to fit in less memory: a smaller "
+            "--per_device_train_batch_size with a --gradient_accumulation_steps as many times larger, the same samples "
+            "a step), or start afresh without --resume")):
+        resume.plan_resume(args, "step1", {}, None)
+    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; its model's optimizer states were "
+                                         r"offloaded to NVMe.*: resume on 2 rank\(s\)$"):
+        resume.plan_resume(SimpleNamespace(**{**vars(args), "zero_stage": 2}), "step1", {}, None)
+
+    root = tmp_path / "step3" / "checkpoints"
+    _step3_checkpoint(root, 2, {"per_device_generation_batch_size": 4, "generation_batches": 1,
+                                "per_device_training_batch_size": 4, "gradient_accumulation_steps": 1},
+                      {"epoch": 0, "batch": 2, "unsup_batches": 0})
+    tag = root / "trainer" / "iter_0000002"
+    state = json.loads((tag / "state.json").read_text())
+    state["flags"] = {"actor_zero_stage": 2, "critic_zero_stage": 0}
+    (tag / "state.json").write_text(json.dumps(state))
+    actor = root / "actor" / "iter_0000002"
+    for rank in (0, 1):
+        (actor / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (actor / "offloaded_tensors").mkdir()
+
+    def plan(*flags):  # (this run's loader, on 1 rank: 40 prompts)
+        args = step3_args(step3_parser().parse_args(["--resume", "--output_dir", str(tmp_path / "step3"),
+                                                     "--per_device_generation_batch_size", "8",
+                                                     "--critic_zero_stage", "0", *flags]))
+        return checkpointing.plan_resume(args, str(root), _loader(40, 5))
+
+    with pytest.raises(UsageError, match=re.escape(
+            "was saved by 2 rank(s) at ZeRO stage 2 (--actor_zero_stage 2), this run has 1 at 3; its actor's "
+            "optimizer states were offloaded to NVMe, one folder per rank, which DeepSpeed's universal checkpoint "
+            "does not convert: resume on 2 rank(s) with --actor_zero_stage 2 (to fit in less memory: a smaller "
+            "--per_device_training_batch_size with a --gradient_accumulation_steps as many times larger, the same rows "
+            "an optimizer step), or start afresh without --resume")):
+        plan("--actor_zero_stage", "3")
+    (actor / "offloaded_tensors").rmdir()
+    torch.save({"global_steps": 0}, actor / "mp_rank_00_model_states.pt")  # (before its first step)
+    with pytest.raises(UsageError, match=re.escape(
+            "was saved at ZeRO stage 2 (--actor_zero_stage 2), this run has 3; its actor had taken no optimizer step "
+            "yet (--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot convert, and its LoRA "
+            "adapters (--actor_lora_dim) were drawn at random when it started, so this run cannot make them again: "
+            "resume with --actor_zero_stage 2 (to fit in less memory")):
+        plan("--actor_zero_stage", "3", "--freezing_actor_steps", "3", "--actor_lora_dim", "8")
+
+
 def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):
     """DeepSpeed restores the scheduler's position; a lowered --max_steps then decays the rates at once (a user saw
     1.7e-05 where the uninterrupted run had 7.0e-04), silently."""

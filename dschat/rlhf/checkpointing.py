@@ -26,10 +26,10 @@ from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, TRAINER, ResumePlan, check_complete,
-                                      check_convertible, check_engine_files, check_position, check_same_flags,
-                                      check_same_products, check_same_step, clear_tag, earlier_advice, latest_tag,
+                                      check_engine_files, check_position, check_same_flags, check_same_products,
+                                      check_same_step, check_universal_fit, clear_tag, earlier_advice, latest_tag,
                                       load_rank_state, load_rank_state_of_others, loading_checkpoint, publish,
-                                      other_zero_stage, read_trainer_state, reading, refuse_other_rank_count,
+                                      read_trainer_state, reading, refuse_other_rank_count, refuse_universal_fit,
                                       rng_said, save_trainer_state, tag_of, take_restored_flags, trainer_folder,
                                       universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
@@ -296,7 +296,7 @@ def plan_resume(args, root, train_loader, unsup_loader=None, tokenizer=None):
     and critic's ZeRO partitions get their universal copies (rank 0 makes them, every rank waits; the engine's
     configs then need ``checkpoint.load_universal`` for ``plan.universal``), and the position is converted for this
     run's loaders (``train_loader``, ``unsup_loader``: the unsupervised stream's, None without one); at another ZeRO
-    stage of the actor or critic (``_take_other_zero_stages``), that part's universal copy is fitted for it. That is
+    stage of the actor or critic (``_check_universal_fits``), that part's universal copy is fitted for it. That is
     said once, when it loads."""
     if not args.resume:
         return ResumePlan()
@@ -371,17 +371,18 @@ def _untrained(root, part, tag):
 def _refuse_untrained_lora_actor(root, plan, args, saved_stage):
     """An untrained actor starts again from its model only where that makes the checkpoint's weights: LoRA's
     adapters were drawn at random when it started (on other ranks, or at another ZeRO stage, this run draws
-    others)."""
+    others). The error names what to resume with, all at once: the checkpoint's stage where it changed, and its
+    ranks where they changed and its actor is ZeRO-3's (a ZeRO-1/2 one converts at its own stage on other ranks).
+    With both changed, it named only the ranks (so a ZeRO-1/2 actor's needlessly), and the stage on the next try."""
     if not args.actor_lora_dim:
         return
-    why = ("had taken no optimizer step yet (--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot "
-           "convert, and its LoRA adapters (--actor_lora_dim) were drawn at random when it started, so this run "
-           "cannot make them again")
-    if plan.other_ranks:
-        refuse_other_rank_count(root, plan.tag, plan.saved_ranks, f"its ZeRO-{saved_stage} actor {why}")
-    raise UsageError(f"--resume: checkpoint {plan.tag} in {root} was saved at ZeRO stage {saved_stage} "
-                     f"(--actor_zero_stage {saved_stage}), this run has {args.actor_zero_stage}; its actor {why}: "
-                     f"resume with --actor_zero_stage {saved_stage}{LESS_MEMORY}, or start afresh without --resume")
+    restaged = saved_stage != args.actor_zero_stage
+    why = (f"its {'' if restaged else f'ZeRO-{saved_stage} '}actor had taken no optimizer step yet "
+           "(--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot convert, and its LoRA adapters "
+           "(--actor_lora_dim) were drawn at random when it started, so this run cannot make them again")
+    refuse_universal_fit(root, plan.tag, plan.saved_ranks, why,
+                         ("--actor_zero_stage", saved_stage, args.actor_zero_stage) if restaged else None, LESS_MEMORY,
+                         on_saved_ranks=saved_stage == 3)
 
 
 def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, where):
@@ -512,15 +513,19 @@ def check_resumable(trainer, root, tag, planned=False):
     if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
         _refuse_without_ema(root, tag, saved_flags)
     args = getattr(trainer, "args", None)
+    # (without a plan, the engines were made without DeepSpeed's universal loading: another stage is a bound flag,
+    # another number of ranks refused above)
+    restaged = _check_universal_fits(root, tag, saved_ranks, saved_flags, args, trainer.critic_model is not None) \
+        if planned else ()
     if other_ranks:
-        check_convertible(root, (ACTOR, CRITIC) if trainer.critic_model is not None else (ACTOR,), tag, saved_ranks)
         check_iteration_shape(root, tag, state.get("batches"), saved_ranks, args)
     if args is not None:
         now = resume_flags(trainer)
         if other_ranks:  # (its product with the ranks: compared)
             now.pop("per_device_generation_batch_size")
-        if planned:  # (without a plan, the engines were made without DeepSpeed's universal loading: a bound flag)
-            _take_other_zero_stages(root, tag, saved_flags, now, state, trainer.critic_model is not None)
+        for part in restaged:  # (loaded through the copy fitted for this run's stage, ``plan_resume``)
+            state[saved_zero_stage_key(part)] = saved_flags[f"{part}_zero_stage"]
+            now.pop(f"{part}_zero_stage")
         state["restored"] = check_same_flags(saved_flags, now, RESTORED_FLAGS, tag, root, STEP, BOUND_WHY,
                                              FREE_FLAGS + CRITIC_FREE_FLAGS)
         if saved_flags.get("enable_ema") and not args.enable_ema:  # (what "trains with the new value" means here)
@@ -531,8 +536,8 @@ def check_resumable(trainer, root, tag, planned=False):
     return state, saved_ranks
 
 
-# What a step-3 resume that cannot change a ZeRO stage may do to fit in less memory (``other_zero_stage``): the same
-# rows an optimizer step, split otherwise (``STEP_ROWS``: free flags).
+# What a step-3 resume that cannot change a ZeRO stage may do to fit in less memory (``check_universal_fit``): the
+# same rows an optimizer step, split otherwise (``STEP_ROWS``: free flags).
 LESS_MEMORY = (" (to fit in less memory: a smaller --per_device_training_batch_size with a "
                "--gradient_accumulation_steps as many times larger, the same rows an optimizer step)")
 
@@ -541,16 +546,19 @@ def saved_zero_stage_key(part):
     return f"saved_{part}_zero_stage"
 
 
-def _take_other_zero_stages(root, tag, saved_flags, now, state, with_critic):
-    """The actor's (and a trained critic's) ZeRO stage that this run changes (--actor_zero_stage 3 after running out
-    of memory at 2): its states load through DeepSpeed's universal copy fitted for the new stage (``plan_resume``), so
-    the flag is taken off the compared ones (``now``) and the saved stage kept in ``state``; stage 0 to or from another
-    is a UsageError saying what to do (``other_zero_stage``)."""
+def _check_universal_fits(root, tag, saved_ranks, saved_flags, args, with_critic):
+    """The actor's (and a trained critic's) states of checkpoint ``tag`` that load in this run's world: on its ranks
+    and at its ``--actor_zero_stage`` / ``--critic_zero_stage`` (another stage after running out of memory at 2:
+    through DeepSpeed's universal copy fitted for it, ``plan_resume``). Returns the parts whose stage changes; where
+    one cannot load so, a UsageError naming what to resume with (``check_universal_fit``)."""
+    restaged = []
     for part in (ACTOR, CRITIC) if with_critic else (ACTOR,):
         flag = f"{part}_zero_stage"
-        if other_zero_stage(root, part, tag, saved_flags.get(flag), now.get(flag), f"--{flag}", LESS_MEMORY):
-            state[saved_zero_stage_key(part)] = saved_flags[flag]
-            now.pop(flag)
+        saved = saved_flags.get(flag)
+        if check_universal_fit(root, part, tag, saved_ranks, saved, getattr(args, flag, saved), f"--{flag}",
+                               LESS_MEMORY):
+            restaged.append(part)
+    return restaged
 
 
 def _refuse_without_ema(root, tag, saved_flags):

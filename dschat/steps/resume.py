@@ -23,13 +23,12 @@ from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
                                  restart_deepspeed_tensorboard, resumed_save_interval, say_a_changed_schedule,
                                  schedule_length_flags, step_data_records)
-from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_convertible,
-                                      check_position, check_same_flags, check_same_products, check_same_step,
-                                      clear_earlier_run, clear_tag, latest_tag, load_rank_state,
-                                      load_rank_state_of_others, loading_checkpoint, other_zero_stage, publish,
-                                      published_tag, read_trainer_state, reading, remove_universal_copies, rng_said,
-                                      save_trainer_state, tag_of, take_restored_flags, universal_load,
-                                      with_universal_load)
+from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_position, check_same_flags,
+                                      check_same_products, check_same_step, check_universal_fit, clear_earlier_run,
+                                      clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
+                                      loading_checkpoint, publish, published_tag, read_trainer_state, reading,
+                                      remove_universal_copies, rng_said, save_trainer_state, tag_of,
+                                      take_restored_flags, universal_load, with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -104,6 +103,9 @@ def _checked_latest(args, step, tokenizer=None):
     saved_ranks = check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
     saved = state.pop("flags", {})
+    # (before the batch flags' products: one that cannot load on these ranks at this stage at all is said first)
+    restaged = check_universal_fit(root, MODEL, tag, saved_ranks, saved.get("zero_stage"),
+                                   getattr(args, "zero_stage", None), "--zero_stage", LESS_MEMORY)
     if saved_ranks != get_world_size():
         _check_other_ranks(root, tag, saved, saved_ranks, args)
     reshaped = saved_ranks != get_world_size() or _other_split_of_as_many_samples(saved, args)
@@ -113,8 +115,7 @@ def _checked_latest(args, step, tokenizer=None):
     now = resume_flags(args)
     if reshaped:
         now = {name: value for name, value in now.items() if name not in BATCH_FLAGS}  # (their product: compared)
-    if other_zero_stage(root, MODEL, tag, saved.get("zero_stage"), now.get("zero_stage"), "--zero_stage",
-                        LESS_MEMORY):
+    if restaged:
         state["saved_zero_stage"] = saved["zero_stage"]
         now.pop("zero_stage")
     state["restored"] = check_same_flags(saved, now, RESTORED_FLAGS, tag, root, step, BOUND_WHY, FREE_FLAGS)
@@ -128,8 +129,8 @@ def _checked_latest(args, step, tokenizer=None):
     return tag, state, saved_ranks
 
 
-# What a resume that cannot change the ZeRO stage may do to fit in less memory (``other_zero_stage``): the same samples
-# a step, split otherwise (``_other_split_of_as_many_samples``).
+# What a resume that cannot change the ZeRO stage may do to fit in less memory (``check_universal_fit``): the same
+# samples a step, split otherwise (``_other_split_of_as_many_samples``).
 LESS_MEMORY = (" (to fit in less memory: a smaller --per_device_train_batch_size with a --gradient_accumulation_steps "
                "as many times larger, the same samples a step)")
 
@@ -152,9 +153,8 @@ REFERENCE_STEPS = ("step2_dpo",)
 
 
 def _check_other_ranks(root, tag, saved, saved_ranks, args):
-    """A checkpoint of ``saved_ranks`` ranks that this run of another number may continue: not one of DeepSpeed's
-    NVMe-offloaded optimizers (per rank, not converted), and the same samples per optimizer step."""
-    check_convertible(root, (MODEL,), tag, saved_ranks)
+    """A checkpoint of ``saved_ranks`` ranks that this run of another number may continue: the same samples per
+    optimizer step (its states' conversion: ``check_universal_fit``)."""
     check_same_products(root, tag, saved, saved_ranks, args, (
         (BATCH_FLAGS, "its optimizer steps took", "samples",
          "its step count, learning-rate schedule and place in the data count steps of"),),

@@ -311,27 +311,47 @@ def zero_partition_forms(names, stage, dtype):
     return forms
 
 
-def other_zero_stage(root, part, tag, saved, now, flag, less_memory=""):
-    """Whether ``part`` of checkpoint ``tag``, saved at ZeRO stage ``saved``, loads into this run's stage ``now``
-    (``flag``'s) through DeepSpeed's universal copy (``universal_load``, ``fit_universal_copy``): both ZeRO-1, 2 or 3
-    and not the same (a run that ran out of memory resumed at ZeRO-3). Where it cannot, a UsageError saying what this
-    run may do instead: states of no ZeRO (stage 0: the optimizer saved whole, not converted) load at stage 0 only,
-    and NVMe-offloaded optimizer states (one folder per rank) are not converted (``less_memory``: how this step may
-    fit in less memory instead, said with it)."""
-    if saved is None or saved == now:
-        return False
-    cannot = None
-    if 0 in (saved, now):
-        cannot = ("DeepSpeed's universal checkpoint moves the optimizer states of ZeRO-1, 2 and 3 between stages, not "
-                  "those of stage 0 (saved whole, in another form)")
-    elif os.path.isdir(os.path.join(root, part, tag, "offloaded_tensors")):
-        cannot = (f"its {part}'s optimizer states were offloaded to NVMe, one folder per rank, which DeepSpeed's "
-                  "universal checkpoint does not convert")
-    if cannot is not None:
-        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved at ZeRO stage {saved} ({flag} {saved}), this "
-                         f"run has {now}; {cannot}: resume with {flag} {saved}{less_memory}, or start afresh without "
-                         "--resume")
-    return True
+def check_universal_fit(root, part, tag, saved_ranks, saved_stage, stage, flag, less_memory=""):
+    """Whether ``part`` of checkpoint ``tag``, saved by ``saved_ranks`` ranks at ZeRO stage ``saved_stage``, loads at
+    this run's stage ``stage`` (``flag``'s) as another stage: both ZeRO-1, 2 or 3 and not the same (a run that ran out
+    of memory resumed at ZeRO-3). On another number of ranks, at another stage, or both, its states load through one
+    universal copy made for this run's world (``universal_load``: ``universal_copy``, then ``fit_universal_copy`` for
+    the stage). Where they cannot, one UsageError naming all that this run must give back (``refuse_universal_fit``):
+    states of no ZeRO (stage 0: the optimizer saved whole, not converted) load as saved on any number of ranks, at
+    stage 0 only; NVMe-offloaded optimizer states (one folder per rank) are not converted for either change. (The rank
+    count's check and the stage's were two, each naming its own change: a resume that changed both was refused once
+    for each.) ``less_memory``: how this step may fit in less memory at the saved stage, said with it."""
+    restaged = saved_stage is not None and saved_stage != stage
+    stage_change = (flag, saved_stage, stage) if restaged else None
+    if restaged and 0 in (saved_stage, stage):
+        refuse_universal_fit(root, tag, saved_ranks, "DeepSpeed's universal checkpoint moves the optimizer states of "
+                             "ZeRO-1, 2 and 3 between stages, not those of stage 0 (saved whole, in another form)",
+                             stage_change, less_memory, on_saved_ranks=False)
+    if (restaged or saved_ranks != get_world_size()) and os.path.isdir(os.path.join(root, part, tag,
+                                                                                     "offloaded_tensors")):
+        refuse_universal_fit(root, tag, saved_ranks, f"its {part}'s optimizer states were offloaded to NVMe, one "
+                             "folder per rank, which DeepSpeed's universal checkpoint does not convert", stage_change,
+                             less_memory)
+    return restaged
+
+
+def refuse_universal_fit(root, tag, saved_ranks, why, stage_change=None, less_memory="", on_saved_ranks=True):
+    """A checkpoint of ``saved_ranks`` ranks whose states cannot load in this run's world (``why``): a UsageError
+    naming what to resume with, all at once: the saved number of ranks (where this run has another and
+    ``on_saved_ranks``) and the saved ZeRO stage (``stage_change``: (flag, saved, now), where it changed; with
+    ``less_memory``, how to fit in less memory at it)."""
+    ranks = get_world_size()
+    other_ranks = on_saved_ranks and saved_ranks != ranks
+    if stage_change is None:
+        refuse_other_rank_count(root, tag, saved_ranks, why)
+    flag, saved, now = stage_change
+    if not other_ranks:
+        raise UsageError(f"--resume: checkpoint {tag} in {root} was saved at ZeRO stage {saved} ({flag} {saved}), "
+                         f"this run has {now}; {why}: resume with {flag} {saved}{less_memory}, or start afresh "
+                         "without --resume")
+    raise UsageError(f"--resume: checkpoint {tag} in {root} was saved by {saved_ranks} rank(s) at ZeRO stage {saved} "
+                     f"({flag} {saved}), this run has {ranks} at {now}; {why}: resume on {saved_ranks} rank(s) with "
+                     f"{flag} {saved}{less_memory}, or start afresh without --resume")
 
 
 def refuse_other_rank_count(root, tag, saved, why):
@@ -373,15 +393,6 @@ def with_universal_load(ds_config):
     before ``deepspeed.initialize``, which builds the engine's loader from it."""
     ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return ds_config
-
-
-def check_convertible(root, parts, tag, saved_ranks):
-    """The DeepSpeed states of ``parts`` of checkpoint ``tag`` (saved by ``saved_ranks`` ranks) that another number of
-    ranks can load: none of DeepSpeed's NVMe-offloaded optimizers (per rank, not converted)."""
-    for part in parts:
-        if os.path.isdir(os.path.join(root, part, tag, "offloaded_tensors")):
-            refuse_other_rank_count(root, tag, saved_ranks, f"its {part}'s optimizer states were offloaded to NVMe, "
-                                    "one folder per rank, which DeepSpeed's universal checkpoint does not convert")
 
 
 # How long the other ranks wait for rank 0's conversion of a part (``universal_copy``; a large model's states take well
