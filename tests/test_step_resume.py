@@ -619,16 +619,17 @@ def test_a_step3_checkpoint_of_another_rank_count_resumes_only_with_an_iteration
                                          r"ranks\), this run's 4 x 2 x 1 = 8; .* count iterations of 16 prompts: "
                                          r"resume with --generation_batches 4$"):
         plan("--per_device_generation_batch_size", "4", "--generation_batches", "2")
-    # an actor that had taken no step (--freezing_actor_steps) starts from its model again, but LoRA's adapters were
-    # drawn at random
+    # an actor that had taken no step (--freezing_actor_steps) starts from its model again, and a LoRA one with the
+    # checkpoint's adapters (drawn at random when its run started: it was refused, "resume on 2 rank(s)")
     (root / "actor" / "iter_0000002" / "mp_rank_00_model_states.pt").unlink()
     for rank in (0, 1):  # (ZeRO-3: each rank's model states)
         torch.save({"global_steps": 0},
                    root / "actor" / "iter_0000002" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
-    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\), this run has 1; its ZeRO-3 actor had taken no "
-                                         r"optimizer step yet .* \(--actor_lora_dim\) .*: resume on 2 rank\(s\)$"):
-        plan("--per_device_generation_batch_size", "8", "--generation_batches", "2", "--actor_zero_stage", "3",
-             "--freezing_actor_steps", "3", "--per_device_training_batch_size", "8", "--actor_lora_dim", "8")
+    resumed = plan("--per_device_generation_batch_size", "8", "--generation_batches", "2", "--actor_zero_stage", "3",
+                   "--freezing_actor_steps", "3", "--per_device_training_batch_size", "8", "--actor_lora_dim", "8")
+    assert resumed.load_tag("actor") is None and resumed.lora_from == {"actor": str(root / "actor" / "iter_0000002")}
+    assert ("1: its actor had taken no optimizer step yet (--freezing_actor_steps), so it starts from "
+            "--actor_model_name_or_path as the checkpoint's did, with the checkpoint's LoRA adapters;") in resumed.notice
     for rank in (0, 1):
         (root / "actor" / "iter_0000002" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").unlink()
     (root / "actor" / "iter_0000002" / "mp_rank_00_model_states.pt").write_bytes(b"")
@@ -950,6 +951,41 @@ def test_a_step3_checkpoint_of_a_frozen_zero3_actor_resumes_on_another_number_of
     assert not (tmp_path / "split" / "checkpoints" / "actor" / "iter_0000002_universal").exists()
 
 
+@pytest.mark.parametrize("saved, now", [(2, 3), (3, 2)])
+def test_a_step3_lora_actor_checkpointed_before_its_first_step_resumes_at_another_stage_with_its_adapters(
+        saved, now, tmp_path, distributed, monkeypatch, capsys):
+    """--freezing_actor_steps with --actor_lora_dim: an actor checkpointed before its first step (no Adam state to
+    convert) was refused at another ZeRO stage (and ZeRO-3's on other ranks): its engine starts as made, but LoRA's
+    adapters were drawn at random when the checkpoint's run started, and this run may draw others (here made to:
+    another RNG state when they are drawn; on one rank with the same seed the draws happen to agree). The actor now
+    takes the checkpoint's adapters before its engine is made (ZeRO-3's from its fp32 partitions): its weights right
+    after the load are the checkpoint's, and it trains from the iteration its freezing ends."""
+    from dschat.rlhf import engine as engine_module
+    common = [*PPO_OTHER_RANKS, *PPO_ONE_RANK, "--num_train_epochs", "1", "--freezing_actor_steps", "2",
+              "--actor_lora_dim", "4", "--critic_zero_stage", "2", "--data_output_path", str(tmp_path / "data"),
+              "--output_dir", str(tmp_path / "out")]
+    other_ranks = _other_ranks()
+    other_ranks.run("ppo", tmp_path, "before", 2, [*common, "--actor_zero_stage", str(saved)])
+    real_apply_lora = engine_module.apply_lora
+
+    def apply_lora_drawing_others(*args, **kwargs):
+        torch.manual_seed(12345)  # (the checkpoint's run drew them from --seed's state; its RNG is restored later)
+        return real_apply_lora(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "apply_lora", apply_lora_drawing_others)
+    capsys.readouterr()
+    metrics = other_ranks.run("ppo", tmp_path, "after", None, [*common, "--actor_zero_stage", str(now), "--resume"])
+    out = capsys.readouterr().out
+    assert (f"[step3] --resume: checkpoint iter_0000002 saved at another ZeRO stage (--actor_zero_stage {saved} -> "
+            f"{now}): its actor had taken no optimizer step yet (--freezing_actor_steps), so it starts from "
+            "--actor_model_name_or_path as the checkpoint's did, with the checkpoint's LoRA adapters;") in out, \
+        out[-3000:]
+    after, = _seen(tmp_path, "after", 1)
+    assert after["resumed_at"] == 2 and metrics["iterations"] == 3
+    assert after["loaded_actor_difference"] == after["loaded_critic_difference"] == 0.0
+    assert "[step3] iter 3: reward" in out and "actor_loss=" in out.split("[step3] iter 3:")[1].split("\n")[0]
+
+
 @pytest.mark.parametrize("saved, now", [((2, 1), (3, 3)), ((3, 3), (1, 1))])
 def test_a_step3_checkpoint_resumes_with_its_actor_and_critic_at_other_zero_stages(saved, now, tmp_path, distributed,
                                                                                    capsys):
@@ -991,10 +1027,10 @@ def test_a_step3_checkpoint_resumes_with_its_actor_and_critic_at_other_zero_stag
 
 def test_a_step3_checkpoint_at_another_zero_stage_that_cannot_convert_is_an_error_saying_what_to_do(tmp_path,
                                                                                                     monkeypatch):
-    """Stage 0 to or from another (the optimizer saved whole) does not convert, nor does an actor checkpointed before
-    its first step (--freezing_actor_steps: no Adam state) whose LoRA adapters were drawn at random: each is an error
-    naming the stage to resume with, and how to fit in less memory at it, before any engine is made. Such an actor
-    without LoRA starts from its model again, as the checkpoint's did."""
+    """Stage 0 to or from another (the optimizer saved whole) does not convert: an error naming the stage to resume
+    with, and how to fit in less memory at it, before any engine is made. An actor checkpointed before its first step
+    (--freezing_actor_steps: no Adam state to convert) starts from its model again, as the checkpoint's did, a LoRA
+    one with the checkpoint's adapters (drawn at random when its run started: it was refused)."""
     from dschat.args import step3_parser
     from dschat.rlhf import checkpointing
     from dschat.rlhf.config import step3_args
@@ -1024,14 +1060,12 @@ def test_a_step3_checkpoint_at_another_zero_stage_that_cannot_convert_is_an_erro
     (root / "actor" / "iter_0000002" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
     lora = ("--actor_zero_stage", "3", "--critic_zero_stage", "0", "--freezing_actor_steps", "3", "--actor_lora_dim",
             "8")
-    with pytest.raises(UsageError, match=re.escape(
-            "was saved at ZeRO stage 2 (--actor_zero_stage 2), this run has 3; its actor had taken no optimizer step "
-            "yet (--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot convert, and its LoRA "
-            "adapters (--actor_lora_dim) were drawn at random when it started, so this run cannot make them again: "
-            "resume with --actor_zero_stage 2 (to fit in less memory")):
-        plan(*lora)
-    resumed = plan(*lora[:-2])
+    resumed = plan(*lora)
     assert resumed.load_tag("actor") is None and not resumed.universal  # (its engine as made)
+    assert resumed.lora_from == {"actor": str(root / "actor" / "iter_0000002")}
+    assert "as the checkpoint's did, with the checkpoint's LoRA adapters; Adam's moments" in resumed.notice
+    resumed = plan(*lora[:-2])
+    assert resumed.load_tag("actor") is None and not resumed.universal and not resumed.lora_from
     assert resumed.notice.startswith("[step3] --resume: checkpoint iter_0000002 saved at another ZeRO stage "
                                      "(--actor_zero_stage 2 -> 3): its actor had taken no optimizer step yet "
                                      "(--freezing_actor_steps), so it starts from --actor_model_name_or_path as the "
@@ -1063,9 +1097,7 @@ def test_a_checkpoint_that_cannot_load_on_other_ranks_at_another_stage_says_both
     """A resume that changes the number of ranks and the ZeRO stage of states that convert for neither (NVMe-offloaded
     optimizer states) was refused once for each: "resume on 2 rank(s)", then, so resumed, "resume with --zero_stage
     2". One error names both (steps 1, 2 and DPO, and step 3's actor), before the batch flags' products, which a
-    change of them would not mend. A step-3 LoRA actor checkpointed at ZeRO-2 before its first step, on other ranks
-    at another stage, was told to resume on its 2 ranks (its ZeRO-2 states convert on 1), then with its stage: it is
-    told the stage alone."""
+    change of them would not mend."""
     from types import SimpleNamespace
 
     from dschat.args import step3_parser
@@ -1124,14 +1156,6 @@ def test_a_checkpoint_that_cannot_load_on_other_ranks_at_another_stage_says_both
             "--per_device_training_batch_size with a --gradient_accumulation_steps as many times larger, the same rows "
             "an optimizer step), or start afresh without --resume")):
         plan("--actor_zero_stage", "3")
-    (actor / "offloaded_tensors").rmdir()
-    torch.save({"global_steps": 0}, actor / "mp_rank_00_model_states.pt")  # (before its first step)
-    with pytest.raises(UsageError, match=re.escape(
-            "was saved at ZeRO stage 2 (--actor_zero_stage 2), this run has 3; its actor had taken no optimizer step "
-            "yet (--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot convert, and its LoRA "
-            "adapters (--actor_lora_dim) were drawn at random when it started, so this run cannot make them again: "
-            "resume with --actor_zero_stage 2 (to fit in less memory")):
-        plan("--actor_zero_stage", "3", "--freezing_actor_steps", "3", "--actor_lora_dim", "8")
 
 
 def test_a_resumed_run_of_another_length_says_its_learning_rates_follow_the_new_schedule(capsys):

@@ -10,6 +10,8 @@ unsupervised stream is converted into this run's batches (what N ranks consumed 
 rank's RNG states and answer sampler are its own where the checkpoint has them. The EMA copy (a full state dict), the
 KL controller and the held-out scores before PPO load as saved.
 """
+import contextlib
+import io
 import math
 import os
 from types import SimpleNamespace
@@ -25,13 +27,13 @@ from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
                                  restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
-from dschat.utils.checkpoints import (ACTOR, CRITIC, STEP_NAME, TRAINER, ResumePlan, check_complete,
-                                      check_engine_files, check_position, check_same_flags, check_same_products,
-                                      check_same_step, check_universal_fit, clear_tag, earlier_advice, latest_tag,
-                                      load_rank_state, load_rank_state_of_others, loading_checkpoint, publish,
-                                      read_trainer_state, reading, refuse_other_rank_count, refuse_universal_fit,
-                                      rng_said, save_trainer_state, tag_of, take_restored_flags, trainer_folder,
-                                      universal_load)
+from dschat.utils.checkpoints import (ACTOR, CRITIC, MODEL_STATES, RANK_MODEL_STATES, STEP_NAME, TRAINER, ResumePlan,
+                                      check_complete, check_engine_files, check_position, check_same_flags,
+                                      check_same_products, check_same_step, check_universal_fit, clear_tag,
+                                      earlier_advice, latest_tag, load_rank_state, load_rank_state_of_others,
+                                      loading_checkpoint, publish, read_trainer_state, reading,
+                                      refuse_other_rank_count, rng_said, save_trainer_state, tag_of,
+                                      take_restored_flags, trainer_folder, universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -313,8 +315,11 @@ def plan_resume(args, root, train_loader, unsup_loader=None, tokenizer=None):
     said = []
     if _starts_untrained_actor(root, plan, args, saved_stages[ACTOR]):
         plan.load_tags[ACTOR] = None  # (the engine as made: what the checkpoint's engine was)
+        if args.actor_lora_dim:  # (drawn at random when the checkpoint's run started: its own, not this run's draw)
+            plan.lora_from[ACTOR] = os.path.join(root, ACTOR, plan.tag)
         said.append("its actor had taken no optimizer step yet (--freezing_actor_steps), so it starts from "
-                    "--actor_model_name_or_path as the checkpoint's did")
+                    "--actor_model_name_or_path as the checkpoint's did"
+                    + (", with the checkpoint's LoRA adapters" if args.actor_lora_dim else ""))
     for part, stage in stages.items():
         if part == ACTOR and ACTOR in plan.load_tags:
             continue
@@ -345,13 +350,11 @@ def _starts_untrained_actor(root, plan, args, saved_stage):
     """Whether the actor of ``plan``'s checkpoint, which this run loads through a universal copy (on other ranks, or at
     another ZeRO stage), had taken no optimizer step (``_untrained``), so its engine starts as made, as the
     checkpoint's did: a ZeRO-3 one on other ranks (which DeepSpeed's universal checkpoint cannot convert), any at
-    another stage (nor fit: its optimizer holds no Adam state). A LoRA actor's random adapters are refused
-    (``_refuse_untrained_lora_actor``)."""
+    another stage (nor fit: its optimizer holds no Adam state). A LoRA actor's adapters, drawn at random when the
+    checkpoint's run started, are then the checkpoint's (``take_untrained_lora``), not this run's draw, which on other
+    ranks or at another stage may differ (it was refused)."""
     converted = saved_stage != args.actor_zero_stage or (plan.other_ranks and saved_stage == 3)
-    if not converted or not rank_0_decides(lambda: _untrained(root, ACTOR, plan.tag)):
-        return False
-    _refuse_untrained_lora_actor(root, plan, args, saved_stage)
-    return True
+    return converted and rank_0_decides(lambda: _untrained(root, ACTOR, plan.tag))
 
 
 def _untrained(root, part, tag):
@@ -368,21 +371,33 @@ def _untrained(root, part, tag):
     return state.get("global_steps") == 0
 
 
-def _refuse_untrained_lora_actor(root, plan, args, saved_stage):
-    """An untrained actor starts again from its model only where that makes the checkpoint's weights: LoRA's
-    adapters were drawn at random when it started (on other ranks, or at another ZeRO stage, this run draws
-    others). The error names what to resume with, all at once: the checkpoint's stage where it changed, and its
-    ranks where they changed and its actor is ZeRO-3's (a ZeRO-1/2 one converts at its own stage on other ranks).
-    With both changed, it named only the ranks (so a ZeRO-1/2 actor's needlessly), and the stage on the next try."""
-    if not args.actor_lora_dim:
-        return
-    restaged = saved_stage != args.actor_zero_stage
-    why = (f"its {'' if restaged else f'ZeRO-{saved_stage} '}actor had taken no optimizer step yet "
-           "(--freezing_actor_steps), which DeepSpeed's universal checkpoint cannot convert, and its LoRA adapters "
-           "(--actor_lora_dim) were drawn at random when it started, so this run cannot make them again")
-    refuse_universal_fit(root, plan.tag, plan.saved_ranks, why,
-                         ("--actor_zero_stage", saved_stage, args.actor_zero_stage) if restaged else None, LESS_MEMORY,
-                         on_saved_ranks=saved_stage == 3)
+def take_untrained_lora(model, folder):
+    """The LoRA adapters of the actor that DeepSpeed saved in ``folder`` (a checkpoint's tag folder) before its first
+    optimizer step, set in ``model`` (this run's actor, before ``deepspeed.initialize`` makes its optimizer's master
+    weights from them). Drawn at random when that run started, on its ranks and at its ZeRO stage, they need not be
+    this run's draw. Under ZeRO-3 rank 0 reads them and each is partitioned again from its copy."""
+    from dschat.models.lora import is_lora_param
+    from dschat.models.zero3 import gathered, is_zero3_param
+
+    adapters = [(name, param) for name, param in model.named_parameters() if is_lora_param(name)]
+    sharded = any(is_zero3_param(param) for _, param in adapters)
+    saved = _untrained_weights(folder) if is_rank_0() or not sharded else None
+    for name, param in adapters:
+        with gathered([param], modifier_rank=0):
+            if saved is not None:
+                param.data.copy_(saved[name])
+
+
+def _untrained_weights(folder):
+    """{name: tensor} of the weights in DeepSpeed's tag ``folder`` of an engine that took no optimizer step: ZeRO-3's
+    from its ranks' fp32 partitions (its model states hold placeholders), the module states' otherwise (its master
+    weights were made from them, and no step changed either)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if any(RANK_MODEL_STATES.fullmatch(name) for name in os.listdir(folder)):
+        with contextlib.redirect_stdout(io.StringIO()):  # (its progress lines, one per file)
+            return get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(folder), os.path.basename(folder))
+    return torch.load(os.path.join(folder, MODEL_STATES), map_location="cpu", weights_only=False)["module"]
 
 
 def _convert_position(state, saved_ranks, train_loader, unsup_loader, args, where):

@@ -501,12 +501,17 @@ class DeepSpeedRLHFEngine:
     MODEL_ROLES = ("actor", "ref", "actor_ema", "critic", "reward")  # the engines it holds (None: a model not built)
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,
-                 num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None, load_universal=()):
+                 num_total_iters=None, reward_model_name_or_path=None, actor_total_iters=None, load_universal=(),
+                 lora_from=None):
         """``num_total_iters``: the optimizer steps the learning-rate schedules span; ``actor_total_iters``: the
         actor's, where it trains fewer (--freezing_actor_steps). ``load_universal``: the trained models ("actor",
         "critic") whose engines load a DeepSpeed universal checkpoint (a resume on another number of ranks,
-        ``dschat.rlhf.checkpointing.plan_resume``): their configs say so before ``deepspeed.initialize``."""
+        ``dschat.rlhf.checkpointing.plan_resume``): their configs say so before ``deepspeed.initialize``.
+        ``lora_from``: {"actor": the checkpoint's DeepSpeed folder of an actor saved before its first step} whose
+        LoRA adapters the actor takes before ``deepspeed.initialize`` (the plan's ``lora_from``: such a resume on
+        other ranks or at another stage makes its engine afresh)."""
         self.load_universal = frozenset(load_universal)
+        self.lora_from = dict(lora_from or {})
         self.args = args = BuiltArgs.of(step3_args(args))  # (read-only: BuiltArgs)
         check_settings(args)  # before any model loads
         setup_run(args)
@@ -641,6 +646,11 @@ class DeepSpeedRLHFEngine:
         say_generation_config_settings(model, a)
         model = apply_lora(model, a.actor_lora_dim, a.actor_lora_module_name, a.lora_alpha,
                            only_optimize_lora=a.only_optimize_lora, module_name_flag="--actor_lora_module_name")
+        lora_from = getattr(self, "lora_from", {}).get("actor")  # (tests build engines without __init__)
+        if lora_from is not None:
+            from dschat.rlhf.checkpointing import take_untrained_lora
+
+            take_untrained_lora(model, lora_from)
         engine = initialize_engine(model, strip_deepspeed_hybrid_engine(copy.deepcopy(ds_config)),
                                    a.actor_learning_rate, a.actor_weight_decay,
                                    a.actor_lora_learning_rate if a.actor_lora_dim else None,

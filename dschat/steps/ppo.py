@@ -238,7 +238,8 @@ def _run(args):
     plan = plan_resume(args, ckpt_root, train_loader, unsup_loader, tokenizer)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
                                  num_total_iters=schedule.optimizer_steps,
-                                 actor_total_iters=schedule.actor_optimizer_steps, load_universal=plan.universal)
+                                 actor_total_iters=schedule.actor_optimizer_steps, load_universal=plan.universal,
+                                 lora_from=plan.lora_from)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if unsup_loader is not None else DeepSpeedPPOTrainer
     trainer = trainer_class(engine, args)
     scorer = rule_scorer_for(args.data_path)

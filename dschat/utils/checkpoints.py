@@ -366,12 +366,14 @@ class ResumePlan:
     """What ``--resume`` continues, decided from the files before the engines exist: the checkpoint's ``tag`` (None:
     there is none) and saved ``state`` (its position, less its flags), the number of ranks that saved it, and the tag
     each part's DeepSpeed engine loads (``load_tags``; its universal copy's, on another number of ranks with ZeRO
-    partitions, ``universal_load``; a part not named loads ``tag``; None: nothing, its engine is as made)."""
+    partitions, ``universal_load``; a part not named loads ``tag``; None: nothing, its engine is as made; then
+    ``lora_from`` may name the DeepSpeed folder whose LoRA adapters its model takes before its engine is made)."""
 
     tag: str = None
     state: dict = field(default_factory=dict)
     saved_ranks: int = 0
     load_tags: dict = field(default_factory=dict)
+    lora_from: dict = field(default_factory=dict)
     notice: str = None  # (what a resume on another number of ranks does, said when it loads)
 
     @property
