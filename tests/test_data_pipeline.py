@@ -269,6 +269,19 @@ def test_a_bad_margin_is_an_error_naming_its_file_and_record(tmp_path, tokenizer
     build(tmp_path, tokenizer, [f"{path},{path}"], 1, data_split="1,0,0")  # (step 1 does not read the margins)
 
 
+def test_pairs_read_without_margins_are_not_stopped_by_a_bad_one(tmp_path, tokenizer, capsys):
+    """DPO reads phase 2's pairs but no margin: a record without one (step 2's error) is kept, its row's margin 0.0,
+    and the report counts the margins as not read. The cache of pairs read so is not the one step 2 reads."""
+    rows = margin_pairs(4)
+    rows[2]["margin"] = None
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    pairs, _ = build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0", read_margins=False)
+    assert margins_by_record(pairs, tokenizer) == {i: 0.0 for i in range(4)}
+    assert "kept all 4 records; 3 with a margin, which is not read" in capsys.readouterr().out
+    with pytest.raises(DatasetFormatError, match=r"pairs\.jsonl line 3 \(record 2\): field 'margin': missing"):
+        build(tmp_path, tokenizer, [f"{path},{path}"], 2, data_split="0,1,0")
+
+
 def test_a_nan_margin_of_a_parquet_file_is_an_error_naming_its_record(tmp_path, tokenizer):
     """(JSON refuses NaN when it is loaded; parquet holds one. A NaN is not equal to itself: the record is found
     anyway.)"""

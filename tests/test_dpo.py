@@ -293,6 +293,21 @@ def test_dpo_overfits_a_few_pairs(tmp_path, distributed):
     assert metrics["reference_logp_accuracy"] == 0.0 and metrics["logp_accuracy"] == 1.0
 
 
+def test_dpo_is_not_stopped_by_margins_it_does_not_read(tmp_path, distributed, capsys):
+    """Step 2's loss subtracts a pair's margin, so a file where some records lack one is an error there; DPO's loss has
+    none, and it trains on the same file (as it did before step 2 read margins), saying the margins are not read."""
+    path = tmp_path / "pairs.jsonl"
+    rows = [json.loads(line) for line in open(write_pairs(path, 16))]
+    for i, row in enumerate(rows):
+        row.update({"margin": 1.5} if i % 2 else {})  # (half without one; one null)
+    rows[2]["margin"] = None
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    metrics = dpo.main(["--data_path", f"{path},{path}", "--data_split", "0,1,0", "--output_dir", str(tmp_path / "dpo"),
+                        "--data_output_path", str(tmp_path / "data"), "--max_steps", "1", *SFT_FAST])
+    assert metrics["eval_pairs"] == 16
+    assert "kept all 16 records; 8 with a margin, which is not read: DPO's loss has none" in capsys.readouterr().out
+
+
 @pytest.mark.multirank
 def test_dpo_with_zero3_policy_and_reference_on_two_ranks(tmp_path):
     out = tmp_path / "dpo"

@@ -65,6 +65,9 @@ class EncodeSettings:
     include_prompt_in_loss: bool
     eot_token: str
     multiturn: bool = False  # phase 1: train the earlier assistant turns too (multiturn.py)
+    # phase 2: read each pair's margin (step 2's loss subtracts it); DPO's loss has none, so a missing or bad margin,
+    # which is the data's error for step 2, must not stop it (its rows carry 0.0)
+    read_margins: bool = True
 
     @property
     def prompt_limit(self):
@@ -221,7 +224,8 @@ def check_no_renamed_column_clash(source_columns, taken, whose="one of dschat's 
 
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
                           max_seq_len, end_of_conversation_token=None, sft_only_data_path=(), reload=False,
-                          include_prompt_in_loss=False, max_prompt_len=None, data_fields=None, multiturn=False):
+                          include_prompt_in_loss=False, max_prompt_len=None, data_fields=None, multiturn=False,
+                          read_margins=True):
     """(train_dataset, eval_dataset) for ``train_phase`` (1, 2 or 3), built once and cached.
 
     ``data_path``: dataset names/specs (see ``get_raw_dataset``); ``data_split``: phase shares such as
@@ -229,7 +233,8 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     renames for local data (dict or "prompt=question,chosen=good"; one per dataset: {spec: dict} or
     "SPEC:prompt=question;SPEC2:prompt=instruction", ``parse_data_fields``); ``reload``: rebuild the cache (once on
     each storage the ranks write to, by the first rank there; the others wait at a barrier and load the rebuilt data);
-    ``multiturn``: phase 1 also trains the earlier assistant turns of a conversation (``multiturn.py``).
+    ``multiturn``: phase 1 also trains the earlier assistant turns of a conversation (``multiturn.py``);
+    ``read_margins``: phase 2 reads each pair's margin (step 2's); False (DPO) leaves them unread, counted as such.
     """
     if train_phase not in (1, 2, 3):
         raise ValueError(f"train_phase must be 1, 2 or 3, got {train_phase!r}")
@@ -241,7 +246,8 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     say_sources_given_twice(data_path + sft_only)
     field_options = _field_options(data_fields, data_path + sft_only)
     settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
-                              end_of_conversation_token or get_eot_token(tokenizer), bool(multiturn))
+                              end_of_conversation_token or get_eot_token(tokenizer), bool(multiturn),
+                              bool(read_margins))
     hub, hub_data = hub_sources_on_rank_0(data_path + sft_only, output_path, seed, local_rank)
     key = cache_key(_cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub_data))
     folder = cache_folder(output_path, train_phase, key)
@@ -385,6 +391,7 @@ def _cache_params(data_path, sft_only, data_split, seed, field_options, settings
         # the prompt mask only exists in phase 1; keeping it out of other keys avoids needless rebuilds
         "include_prompt_in_loss": settings.include_prompt_in_loss if settings.train_phase == 1 else None,
         "multiturn": settings.multiturn if settings.train_phase == 1 else None,
+        "read_margins": settings.read_margins if settings.train_phase == 2 else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }
 
@@ -534,7 +541,8 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
 
     skips = Counter()
     multiturn = settings.multiturn and settings.train_phase == 1
-    examples = extract_examples(raw, records, settings.train_phase, skips, tokenizer, multiturn, settings.eot_token)
+    examples = extract_examples(raw, records, settings.train_phase, skips, tokenizer, multiturn, settings.eot_token,
+                                settings.read_margins)
     encoder = {1: encode_sft, 2: encode_pair, 3: encode_prompt}[settings.train_phase]
     rows, kept, unanswered = [], [], 0
     for example, tokens in zip(examples, tokenize_examples(examples, tokenizer, settings)):
@@ -551,8 +559,10 @@ def encode_records(raw, records, tokenizer, settings, seen=None, source=0, train
              "formatted": already_formatted(examples, tokenizer),
              "duplicates": count_duplicates(keys, {} if seen is None else seen, source),
              "in_train": sum(key in train_seen for key in keys) if train_seen else 0}
-    if settings.train_phase == 2:
+    if settings.train_phase == 2 and settings.read_margins:
         notes["margin"] = sum(example.margin is not None for example in kept)
+    elif settings.train_phase == 2:  # (DPO: the records of the share whose margin it leaves unread, as it did)
+        notes["margin_unread"] = sum(sample.get(raw.margin_field) is not None for sample in records)
     if settings.train_phase == 3:  # (the split's columns: PromptDataset gives each item all of them)
         notes["columns"] = sorted({key for example in kept for key in example.extra or {}})
     if multiturn:
@@ -609,11 +619,11 @@ def already_formatted(examples, tokenizer):
     return [count, example] if count else None
 
 
-def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=False, eot_token=None):
+def extract_examples(raw, records, train_phase, skips, tokenizer, multiturn=False, eot_token=None, read_margins=True):
     examples = []
     for sample in records:
         try:
-            example = extract_example(raw, sample, train_phase, multiturn)
+            example = extract_example(raw, sample, train_phase, multiturn, read_margins)
             example.prompt_text = rendered_prompt(example.messages, tokenizer, raw, sample, example.tools)
             check_answer_calls_rendered(example, tokenizer, eot_token, raw)
             examples.append(example)
@@ -798,10 +808,11 @@ def refused_message(messages):
 UNDESIRABLE = "undesirable answer (label false: TRL's unpaired preference data)"
 
 
-def extract_example(raw, sample, train_phase, multiturn=False):
+def extract_example(raw, sample, train_phase, multiturn=False, read_margins=True):
     """Only the accessors a phase needs are called, so e.g. a tie only matters in phase 2. ``multiturn``: phase 1
-    trains a conversation ending with a user turn up to its last answer."""
-    example = _extract_example(raw, sample, train_phase, multiturn)
+    trains a conversation ending with a user turn up to its last answer; ``read_margins``: phase 2 reads the pair's
+    margin (step 2's; not DPO's, which a bad margin must not stop)."""
+    example = _extract_example(raw, sample, train_phase, multiturn, read_margins)
     example.tools = raw.get_tools(sample)
     return example
 
@@ -817,7 +828,7 @@ def _columns_beside_answers(columns, answers):
     return {extra_name(k) if k in answers else k: v for k, v in columns.items()}
 
 
-def _extract_example(raw, sample, train_phase, multiturn):
+def _extract_example(raw, sample, train_phase, multiturn, read_margins):
     messages = raw.get_conversation(sample)
     if train_phase == 3:
         answers = raw.get_reference_answers(sample)  # a data column of the same name (fields renamed) stays extra_
@@ -841,7 +852,7 @@ def _extract_example(raw, sample, train_phase, multiturn):
         raise SkipRecord("no rejected answer")
     if rejected == chosen:
         raise SkipRecord("chosen==rejected")
-    return Example(messages, chosen, rejected, margin=raw.get_margin(sample))
+    return Example(messages, chosen, rejected, margin=raw.get_margin(sample) if read_margins else None)
 
 
 def tokenize_examples(examples, tokenizer, settings):
@@ -1041,6 +1052,10 @@ def format_skip_line(entry):
         count = entry["margin"]
         cut += (f"; {count} with a margin, which step 2's loss subtracts: -logsigmoid(chosen - rejected - margin), "
                 "as TRL's RewardTrainer's (DPO does not read it)")
+    if entry.get("margin_unread"):
+        count = entry["margin_unread"]
+        cut += (f"; {count} with a margin, which is not read: DPO's loss has none (step 2's reward model loss "
+                "subtracts it)")
     if entry.get("formatted"):
         count, token = entry["formatted"]
         cut += (f"; {count} with the tokenizer's special token {token!r} in their text: already formatted, they are "

@@ -761,6 +761,7 @@ class StepRecipe:
     evaluate_fn: Callable  # (engine, loader, device, max_batches) -> metrics dict
     save_fn: Callable  # (engine, tokenizer, output_dir) -> None
     rows_per_record: int = 1  # a batch's rows per record: 2 for preference pairs (chosen rows, then rejected)
+    reads_margins: bool = False  # phase 2: its loss subtracts each pair's margin (step 2's; DPO's reads none)
 
 
 def require_training_records(dataset, args, step):
@@ -778,8 +779,9 @@ def require_training_records(dataset, args, step):
                          f"{args.data_split}: {why}")
 
 
-def load_step_data(args, tokenizer, phase):
-    """The tokenized train/eval datasets of one phase, from the data flags every step shares."""
+def load_step_data(args, tokenizer, phase, read_margins=False):
+    """The tokenized train/eval datasets of one phase, from the data flags every step shares; ``read_margins``: phase
+    2's pairs carry their margins (``StepRecipe.reads_margins``)."""
     from dschat.data import create_prompt_dataset, get_eot_token
 
     take_data_files(args)
@@ -789,7 +791,7 @@ def load_step_data(args, tokenizer, phase):
         args.max_seq_len, end_of_conversation_token=get_eot_token(tokenizer),
         sft_only_data_path=args.sft_only_data_path if phase == 1 else (), reload=args.reload_data,
         include_prompt_in_loss=getattr(args, "include_prompt_in_loss", False), data_fields=args.data_fields or None,
-        multiturn=getattr(args, "multiturn", False) and phase == 1)
+        multiturn=getattr(args, "multiturn", False) and phase == 1, read_margins=read_margins)
     take_hub_data(args, train)
     return train, eval_
 
@@ -885,7 +887,7 @@ def _train_evaluate_save(args, recipe):
                                eot_token=args.eot_token)
     model = recipe.build_model(args, tokenizer, ds_config)
     check_sequence_fits(model, args.max_seq_len, "--max_seq_len")
-    train_data, eval_data = load_step_data(args, tokenizer, recipe.phase)
+    train_data, eval_data = load_step_data(args, tokenizer, recipe.phase, recipe.reads_margins)
     require_training_records(train_data, args, recipe.name)
     collator = recipe.collator(tokenizer, resolve_pad_to_multiple_of(args.pad_to_multiple_of), args.max_seq_len)
     evaluated = evaluated_records(eval_data, args.eval_iters, args.per_device_eval_batch_size)
