@@ -67,6 +67,7 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
               "rm_chosen_mean_score": step2.get("chosen_mean_score"),
               "rm_rejected_mean_score": step2.get("rejected_mean_score"),
               "rm_ties": step2.get("ties"), "rm_eval_pairs": step2.get("eval_pairs"),
+              "rm_train_margin_pairs": step2.get("train_margin_pairs"),
               "policy": next((sub for sub in (RECIPE_POLICY[recipe], SFT_DIR)
                               if sub.split("/")[0] not in stale
                               and os.path.isfile(os.path.join(output_dir, sub, "config.json"))), None),
@@ -251,6 +252,9 @@ def summary_lines(report):
         lines.append(f"RM held-out accuracy: {report['rm_accuracy']:.4f}"
                      f"{ties_said(report.get('rm_ties'), report.get('rm_eval_pairs'))} (chosen "
                      f"{report['rm_chosen_mean_score']:.3f} vs rejected {report['rm_rejected_mean_score']:.3f})")
+    if report.get("rm_train_margin_pairs"):
+        lines.append(f"RM trained on {counted(report['rm_train_margin_pairs'], 'pair')} with a margin, subtracted in "
+                     "its loss: -logsigmoid(chosen - rejected - margin)")
     if report.get("reward_model"):
         lines.append(f"reward model: {report['reward_model']} (given by --reward-model; no step 2 in this run)")
     held = report.get("held_out")

@@ -339,6 +339,7 @@ def test_step_2_trains_on_the_margins_of_its_data(tmp_path, distributed, monkeyp
     assert len(trained) == 2 and all(given.shape == (16,) for given in trained)
     assert sorted(torch.cat(trained).tolist()) == sorted(list(margin.values()))  # (one epoch of 32: each pair once)
     assert "train: kept all 32 records; 32 with a margin, which step 2's loss subtracts" in capsys.readouterr().out
+    assert json.loads((tmp_path / "rm" / "metrics.json").read_text())["train_margin_pairs"] == 32
 
 
 def test_a_step_whose_split_leaves_it_no_data_stops_before_loading_anything(tmp_path, distributed, monkeypatch):

@@ -174,6 +174,20 @@ def test_the_report_carries_step_1s_eval_records_and_tokens(tmp_path):
     assert "SFT: no held-out records, so no eval loss" in summary_lines(build_report(str(tmp_path), {}, "ppo"))
 
 
+def test_the_report_keeps_how_many_of_step_2s_pairs_trained_with_a_margin(tmp_path):
+    """Step 2's count of training pairs with a margin was in its log alone: report.json and the summary keep it."""
+    from dschat.report import build_report, summary_lines
+
+    rm = {"accuracy": 0.75, "chosen_mean_score": 0.2, "rejected_mean_score": 0.1, "eval_pairs": 8,
+          "train_margin_pairs": 24}
+    (tmp_path / "step2_rm").mkdir()
+    (tmp_path / "step2_rm" / "metrics.json").write_text(json.dumps(rm))
+    report = build_report(str(tmp_path), {}, "ppo")
+    assert report["rm_train_margin_pairs"] == 24
+    assert "RM trained on 24 pairs with a margin, subtracted in its loss: -logsigmoid(chosen - rejected - margin)" \
+        in summary_lines(report)
+
+
 def test_the_report_says_the_tied_pairs_of_the_rm_and_dpo_accuracies(tmp_path):
     """A tie counts half in step 2's and DPO's accuracies, and the summary did not say how many pairs tied: an accuracy
     of 0.5 of a model that scores every pair alike read as chance. Where none tied, nothing is added."""
@@ -192,6 +206,7 @@ def test_the_report_says_the_tied_pairs_of_the_rm_and_dpo_accuracies(tmp_path):
     lines = [line for line in summary_lines(build_report(str(tmp_path), {}, "dpo")) if line.startswith("DPO ")]
     assert "SFT 0.5000 (4 of 4 pairs tied, each counted half) -> DPO 0.7500" in lines[0] and lines[0].endswith("0.7500")
     assert "accuracy 0.5000 (2 of 4 pairs tied, each counted half); eval loss" in lines[1]
+    assert not any("with a margin" in line for line in summary_lines(build_report(str(tmp_path), {}, "ppo")))
     rm.pop("ties")  # a run from before the ties were counted, or none tied: the line as it was
     (tmp_path / "step2_rm" / "metrics.json").write_text(json.dumps(rm))
     assert "RM held-out accuracy: 0.5000 (chosen 0.100 vs rejected 0.100)" in \

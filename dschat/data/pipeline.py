@@ -173,6 +173,12 @@ class PromptDataset(Dataset):
     def _item_key(self, column):
         return extra_name(column) if column in self.RESERVED_KEYS else column
 
+    @property
+    def margin_records(self):
+        """Phase 2: how many of its pairs carry a margin the loss subtracts (the data report's count; 0 where the
+        margins were not read)."""
+        return sum(entry.get("margin") or 0 for entry in self.skip_report)
+
     def source_columns(self):
         """{source: the extra columns of its records, as they are in the data}."""
         columns = {}

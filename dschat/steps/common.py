@@ -929,6 +929,8 @@ def _train_evaluate_save(args, recipe):
     final_eval = evaluate()
     metrics = {**final_eval, "train_loss": rank_mean(train_loss, device), **rates, "steps": total_steps,
                "skipped_steps": skipped_steps(engine), "seconds": seconds_so_far(started, position)}
+    if recipe.reads_margins:  # (the data report's count, kept with the step's results rather than in its log alone)
+        metrics["train_margin_pairs"] = getattr(train_data, "margin_records", 0)
     print_rank_0(f"{tag} after training: {format_metrics(metrics)}")
     warn_of_skipped_steps(engine, recipe.name, total_steps)
     if args.eval_interval:  # the run's last evaluation ends the --eval_interval curve (run_training leaves it to this)
