@@ -258,6 +258,35 @@ def test_step1s_multiturn_binds_a_checkpoint_and_its_include_prompt_in_loss_is_s
         in capsys.readouterr().out
 
 
+def test_a_checkpoint_saved_before_a_data_format_bump_resumes_on_data_built_once_again(tmp_path, distributed,
+                                                                                      monkeypatch, capsys):
+    """FORMAT_VERSION 45 gave phase 2's rows their margin: a step 2 interrupted under 44 resumes (its checkpoint holds
+    no data cache key, the same records come again in the same order), on data built once more under 45, not refused
+    nor rebuilt on each later resume."""
+    from dschat.data import cache
+
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+              "--max_steps", "2", "--save_interval", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(cache, "FORMAT_VERSION", 44)
+        _interrupt_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            reward.main(common)
+    def phase_2_caches():
+        return sorted(path for path in (tmp_path / "data" / cache.CACHE_SUBDIR).glob("phase2_*") if path.is_dir())
+
+    built = phase_2_caches()
+    assert len(built) == 1
+    capsys.readouterr()
+    assert reward.main([*common, "--resume"])["steps"] == 2
+    assert "resumed from step 1 " in capsys.readouterr().out
+    rebuilt = phase_2_caches()
+    assert len(rebuilt) == 2 and built[0] in rebuilt
+    reward.main([*common, "--resume"])  # the same command again: the data of this version is read, not built
+    assert "resumed from step 2 " in capsys.readouterr().out
+    assert phase_2_caches() == rebuilt
+
+
 def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_over(tmp_path, distributed, capsys):
     common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
               "--max_steps", "2"]
