@@ -235,3 +235,46 @@ def test_rw_eval_data_split_reads_its_files_own_mapping(tmp_path, capsys):
     with pytest.raises(UsageError, match=r"--data_fields: '.*qa.jsonl' is not a dataset of the file read here"):
         load_phase_held_out(alpaca, f"{qa}:prompt=question;{alpaca}:prompt=instruction,chosen=output", "0,1,0",
                             1234, 2)
+
+
+def qa_folder(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"question": f"Question {i}?", "answer": f"QA answer {i}."} for i in range(6)])
+
+
+@pytest.mark.parametrize("data_path, named", [
+    ("jsonl:qa.jsonl", "./qa.jsonl"),
+    ("./qa.jsonl", "jsonl:qa.jsonl"),
+    ("qa.jsonl", "{tmp}/sub/../qa.jsonl"),
+    ("folder/", "folder"),
+    ("folder", "jsonl:./folder/"),
+])
+def test_a_dataset_is_named_by_any_spelling_of_its_path(tmp_path, tokenizer, monkeypatch, data_path, named):
+    """--data_fields names a dataset as --data_path resolves it: another spelling of the same files (./, a trailing
+    '/', the type written or not) was 'not a dataset of --data_path', and its mapping renamed nothing."""
+    monkeypatch.chdir(tmp_path)
+    two_files(tmp_path)
+    qa_folder(tmp_path)
+    (tmp_path / "sub").mkdir()
+    fields = f"{named.format(tmp=tmp_path)}:prompt=question,chosen=answer"
+    parse_data_fields(fields).check_names([data_path, "jsonl:alpaca.jsonl"])
+    assert parse_data_fields(fields).for_spec(data_path) == {"prompt": "question", "chosen": "answer"}
+    assert parse_data_fields(fields).of_datasets([data_path]).by_dataset  # (a step given that dataset gets it)
+    train, eval_ = build(tmp_path, tokenizer, [data_path], fields)
+    assert any("Question 3?" in text and "QA answer 3." in text
+               for text in texts(train, tokenizer) + texts(eval_, tokenizer))
+
+
+def test_two_spellings_of_one_dataset_and_a_dataset_not_given_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    two_files(tmp_path)
+    both = parse_data_fields("jsonl:qa.jsonl:prompt=question;./qa.jsonl:prompt=answer")
+    with pytest.raises(UsageError, match=r"'jsonl:qa.jsonl' and './qa.jsonl' are one dataset \(qa.jsonl of "
+                                         r"--data_path\), given two mappings"):
+        both.check_names(["qa.jsonl", "alpaca.jsonl"])
+    other = parse_data_fields("./alpaca.jsonl:prompt=instruction;elsewhere.jsonl:prompt=question")
+    with pytest.raises(UsageError, match=r"'elsewhere.jsonl' is not a dataset of --data_path \(qa.jsonl, "
+                                         r"alpaca.jsonl\): name each"):
+        other.check_names(["qa.jsonl", "alpaca.jsonl"])
+    assert other.for_spec("qa.jsonl") == {}  # (a dataset of no mapping of its own gets the default: none)

@@ -116,27 +116,46 @@ def _parsed_field_map(text, spec=None):
 class DataFields:
     """--data_fields parsed: ``default`` renames the fields of every local dataset that has no mapping of its own;
     ``by_dataset`` {spec as given in --data_path: mapping} those of one dataset each (two files of other column
-    names, e.g. question/answer beside instruction/output, read in one run)."""
+    names, e.g. question/answer beside instruction/output, read in one run). A dataset is matched by what it reads
+    (``dataset_identity``): ``./data/x.jsonl`` names the --data_path entry ``jsonl:data/x.jsonl``."""
     default: dict
     by_dataset: dict
 
     def for_spec(self, spec):
-        return dict(self.by_dataset.get(spec, self.default))
+        name = self._name_of(spec)
+        return dict(self.default if name is None else self.by_dataset[name])
+
+    def _name_of(self, spec):
+        """The dataset of ``by_dataset`` that ``spec`` is (as written, else another spelling of it), else None."""
+        if spec in self.by_dataset:
+            return spec
+        identity = dataset_identity(spec)
+        return next((name for name in self.by_dataset if dataset_identity(name) == identity), None)
 
     def check_names(self, specs, flags="--data_path"):
-        """Every dataset named is one of ``specs`` (a typo, or a path written otherwise than in ``flags``, renamed
-        nothing, unsaid), and a local one (a hub dataset's fields are fixed): a UsageError naming it."""
+        """Every dataset named is one of ``specs`` (a typo, or a path to other files than ``flags``' give, renamed
+        nothing, unsaid), named once (two spellings of one file: which mapping was meant?), and a local one (a hub
+        dataset's fields are fixed): a UsageError naming it."""
+        given = {dataset_identity(spec): spec for spec in specs}
+        named = {}
         for name in self.by_dataset:
-            if name not in specs:
+            identity = dataset_identity(name)
+            if identity not in given:
                 raise UsageError(f"--data_fields: {name!r} is not a dataset of {flags} ({', '.join(specs) or 'none'}"
                                  f"): name each dataset as written there")
+            if identity in named:
+                raise UsageError(f"--data_fields: {named[identity]!r} and {name!r} are one dataset ({given[identity]} "
+                                 f"of {flags}), given two mappings: give it one")
+            named[identity] = name
             if _is_hub_name(name):
                 raise UsageError(f"--data_fields: {name!r} is a hub dataset, whose fields are fixed: its fields "
                                  "cannot be renamed")
 
     def of_datasets(self, specs):
         """This mapping with only the datasets among ``specs`` named (a step given some of them)."""
-        return DataFields(self.default, {spec: mapping for spec, mapping in self.by_dataset.items() if spec in specs})
+        given = {dataset_identity(spec) for spec in specs}
+        return DataFields(self.default, {name: mapping for name, mapping in self.by_dataset.items()
+                                         if dataset_identity(name) in given})
 
     def anchored(self, anchor):
         """This mapping with each dataset's name as ``anchor`` gives it (``anchored_data_path``'s)."""
@@ -157,6 +176,22 @@ class DataFields:
                 "sft_only": [self.for_spec(spec) for spec in sft_only]}
 
 
+def dataset_identity(spec):
+    """What the --data_path entry ``spec`` reads, as --data_path resolves it: a local dataset's kind and its files'
+    absolute paths (as ``LocalSource.fingerprint`` records them), so that ``./data/x.jsonl``, ``data/x.jsonl``,
+    ``jsonl:data/x.jsonl`` and a folder with or without its trailing '/' are one; a hub name, or a spec that resolves
+    to nothing (a missing file: its loader's error to say, not this question's), is its text."""
+    from .raw_datasets import resolve_dataset_spec
+
+    try:
+        source = resolve_dataset_spec(spec)
+    except UsageError:
+        return spec
+    if isinstance(source, type):
+        return spec
+    return source.kind, source.eval_type, tuple(os.path.abspath(path) for path in source.files)
+
+
 def _is_hub_name(spec):
     """Whether ``spec`` names a hub dataset (a missing local file is its loader's error to say, not this question's)."""
     from .raw_datasets import resolve_dataset_spec
@@ -169,7 +204,7 @@ def _is_hub_name(spec):
 
 def parse_data_fields(text):
     """--data_fields as a ``DataFields``: one mapping for every dataset ("prompt=question,chosen=good"), or one per
-    dataset, ';' between them, each after its dataset as written in --data_path and a ':'
+    dataset, ';' between them, each after its dataset (as in --data_path, or another path to its files) and a ':'
     ("jsonl:qa.jsonl:prompt=question,chosen=answer;jsonl:alpaca.jsonl:prompt=instruction,chosen=output"), with at
     most one mapping of no dataset for the others. A dataset named twice, or two mappings of no dataset, is a
     UsageError (which one was meant?)."""
