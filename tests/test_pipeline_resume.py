@@ -738,3 +738,23 @@ def test_a_finished_step_made_longer_with_another_offload_starts_afresh_not_from
         RESUME, "to train on past its finished output (--max_steps)")
     assert decide(max_steps=8, offload=True) == (
         FRESH, f"its finished output in {tmp_path / FOLDERS[1]} had other values of --max_steps, --offload")
+
+
+def test_data_fields_are_compared_by_the_renaming_they_give_not_their_text(tmp_path, monkeypatch):
+    """A finished step whose --data_fields are given again with their datasets' mappings in another order, spaces, or
+    another spelling of a dataset's path renames the same fields: it was rerun over the text. Another renaming
+    reruns."""
+    (tmp_path / "qa.jsonl").write_text('{"question": "Why?", "answer": "Because."}\n')
+    (tmp_path / "alpaca.jsonl").write_text('{"instruction": "Say.", "output": "Said."}\n')
+    out = tmp_path / "out"
+    recorded = "jsonl:qa.jsonl:prompt=question,chosen=answer;jsonl:alpaca.jsonl:prompt=instruction,chosen=output"
+    finish(out, 1, 100, ("a", []), data_fields=recorded)
+    record = json.loads((out / "step1_sft" / "training_args.json").read_text())
+    (out / "step1_sft" / "training_args.json").write_text(json.dumps({**record, "cwd": str(tmp_path)}))
+    monkeypatch.chdir(out)  # (the record's relative paths are from the folder it ran in)
+    same = f"{tmp_path / 'alpaca.jsonl'}:chosen=output, prompt=instruction ; ../qa.jsonl:prompt=question,chosen=answer"
+    given = Namespace(**{**vars(FLAGS), "data_fields": same})
+    assert plan_steps([1], "ppo", str(out), {1: given})[1] == (SKIP, "")
+    other = Namespace(**{**vars(FLAGS), "data_fields": same.replace("chosen=answer", "chosen=question")})
+    assert plan_steps([1], "ppo", str(out), {1: other})[1] == (FRESH, f"its finished output in {out / 'step1_sft'} "
+                                                                      "had other values of --data_fields")

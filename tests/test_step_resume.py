@@ -1949,3 +1949,27 @@ def test_fitting_a_universal_copy_without_its_model_states_names_the_copy_and_wh
                                          r" file .*remove .*makes it again"):
         checkpoints.fit_universal_copy(str(folder), into_stage)
     assert sorted(os.listdir(folder)) == ["zero"]
+
+
+def test_a_checkpoint_is_resumed_under_the_same_data_fields_in_another_order(tmp_path, monkeypatch):
+    """--resume compared --data_fields as text: the same mappings in another order (train.py's --data-fields given
+    again otherwise) or another spelling of a dataset's path were 'other settings', refused. Another renaming is."""
+    from dschat.args import step1_parser
+    from dschat.steps.resume import BOUND_WHY, FREE_FLAGS, RESTORED_FLAGS, resume_flags
+    from dschat.utils.checkpoints import check_same_flags
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("qa", "alpaca"):
+        (tmp_path / f"{name}.jsonl").write_text('{"prompt": "Why?", "chosen": "Because."}\n')
+
+    def flags(fields):
+        return resume_flags(step1_parser().parse_args(["--data_path", "jsonl:qa.jsonl", "jsonl:alpaca.jsonl",
+                                                       "--data_fields", fields]))
+
+    saved = flags("jsonl:qa.jsonl:prompt=question,chosen=answer;jsonl:alpaca.jsonl:prompt=instruction")
+    same = flags("./alpaca.jsonl:prompt=instruction; jsonl:qa.jsonl:chosen=answer,prompt=question")
+    assert check_same_flags(saved, same, RESTORED_FLAGS, "step_0000001", "out", "step1", BOUND_WHY, FREE_FLAGS) == {}
+    other = flags("jsonl:qa.jsonl:prompt=question,chosen=answer;jsonl:alpaca.jsonl:prompt=output")
+    with pytest.raises(UsageError, match=r"--data_fields 'jsonl:qa.jsonl:prompt=question,chosen=answer;"
+                                         r"jsonl:alpaca.jsonl:prompt=instruction' -> "):
+        check_same_flags(saved, other, RESTORED_FLAGS, "step_0000001", "out", "step1", BOUND_WHY, FREE_FLAGS)

@@ -192,6 +192,27 @@ def dataset_identity(spec):
     return source.kind, source.eval_type, tuple(os.path.abspath(path) for path in source.files)
 
 
+def same_data_fields(then, now, then_folder=None):
+    """Whether the --data_fields ``then`` (a run's record; its datasets' relative paths from ``then_folder``, None:
+    this folder's) rename as ``now`` do: parsed, so that the order of the datasets' mappings and of a mapping's
+    fields, spaces, and another spelling of a dataset's path change nothing (compared as text, a resume reran a
+    finished step, or refused its checkpoint, over the same renaming)."""
+    try:
+        return _renaming(then, then_folder) == _renaming(now, None)
+    except UsageError:  # (a text no run could have given: compared as written)
+        return then == now
+
+
+def _renaming(text, folder):
+    """--data_fields ``text`` as what it renames: its default mapping, and each dataset's by what it reads."""
+    from .raw_datasets import anchored_spec
+
+    fields = parse_data_fields(text)
+    if folder is not None:
+        fields = fields.anchored(lambda spec: anchored_spec(spec, folder))
+    return fields.default, {dataset_identity(spec): mapping for spec, mapping in fields.by_dataset.items()}
+
+
 def _is_hub_name(spec):
     """Whether ``spec`` names a hub dataset (a missing local file is its loader's error to say, not this question's)."""
     from .raw_datasets import resolve_dataset_spec

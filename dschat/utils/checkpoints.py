@@ -833,7 +833,7 @@ def check_same_flags(saved, now, restored, tag, root, step, why, free=()):
     ``restored`` flags' saved values are DeepSpeed's to restore (the optimizer's learning rates): another value is
     said to change nothing; returns {flag: saved value} of those, for the run to record the values it trains with.
     The ``free`` flags (dropout) bind nothing a checkpoint holds: another value is said, and applies from here."""
-    differ = [name for name in now if name in saved and saved[name] != now[name]]
+    differ = [name for name in now if name in saved and not _same_flag_value(name, saved[name], now[name])]
     changed = [_changed_said(name, saved[name], now[name], differ) for name in differ if name not in (*restored, *free)]
     changed = [said for said in changed if said]
     if changed:
@@ -849,6 +849,16 @@ def check_same_flags(saved, now, restored, tag, root, step, why, free=()):
     if applied:
         print_rank_0(f"[{step}] --resume: {', '.join(applied)}: the rest of the run trains with the new value")
     return ignored
+
+
+def _same_flag_value(name, saved, now):
+    """Whether a flag's value now is the one a checkpoint saved: --data_fields by the renaming it gives (the order of
+    its mappings, spaces, another spelling of a dataset's path aside), any other as it is."""
+    if name == "data_fields":
+        from dschat.data.local import same_data_fields
+
+        return same_data_fields(saved, now)
+    return saved == now
 
 
 def _value_or_models(value):
