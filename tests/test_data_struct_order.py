@@ -121,3 +121,27 @@ def test_a_json_file_of_objects_is_parsed_once_where_no_object_is_reordered(tmp_
     assert len(parsed) > (2 if kind == "jsonl" else 1)
     assert list(raw.get_chosen_text(samples[1]).tool_calls[0]["function"]["arguments"]) == ["unit", "city"]
     assert list(raw.get_chosen_text(samples[0]).tool_calls[0]["function"]["arguments"]) == ["city", "unit"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_records_without_an_object_inside_are_not_walked_for_key_orders(tmp_path, monkeypatch, kind):
+    """A flat file's records (text, numbers, lists of them) hold no object whose keys datasets could reorder: walking
+    each one for its key orders cost ~10% of reading a flat file (50k records). Only a record with an object inside
+    is walked (a .json array's records, where one has), and one reordered among flat records still reads as written."""
+    from dschat.data import local
+
+    walked = []
+    add = local._KeyOrders.add
+    monkeypatch.setattr(local._KeyOrders, "add", lambda self, row: (walked.append(row), add(self, row))[1])
+    flat = [{"prompt": f"Question {i}?", "chosen": f"Yes {i}.", "tags": ["a", ["b"]], "score": i} for i in range(3)]
+    path = tmp_path / f"flat.{kind}"
+    path.write_text(json.dumps(flat) if kind == "json" else "".join(json.dumps(row) + "\n" for row in flat))
+    data, _ = local.load_file(kind, str(path))
+    assert walked == [] and data[2]["prompt"] == "Question 2?"
+
+    rows = flat + [{**flat[0], "meta": {"city": "Paris", "unit": "c"}},
+                   {**flat[1], "meta": {"unit": "f", "city": "Rome"}}]
+    path.write_text(json.dumps(rows) if kind == "json" else "".join(json.dumps(row) + "\n" for row in rows))
+    data, _ = local.load_file(kind, str(path))
+    assert walked == (rows[3:] if kind == "jsonl" else rows)  # (a .json array's objects are counted as a whole)
+    assert list(data[4]["meta"]) == ["unit", "city"] and list(data[3]["meta"]) == ["city", "unit"]

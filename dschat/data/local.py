@@ -587,8 +587,10 @@ class _KeysWrittenTwice:
 
     def __init__(self):
         self.twice = {}  # id of such an object -> the key
+        self.objects = 0  # parsed so far: a record parsed with no other object inside it has no key order to gather
 
     def hook(self, pairs):
+        self.objects += 1
         obj = dict(pairs)
         if len(obj) < len(pairs):
             seen = set()
@@ -665,6 +667,7 @@ def check_jsonl_lines(path, key_orders=None):
                 # a JSON array given as JSON Lines fails on its first line: said how to give it
                 array = " (the file is one JSON array: give it as json:PATH)" if not record_lines and \
                     line.lstrip().startswith("[") else ""
+                objects = keys.objects
                 try:  # (a record cut short is at its line's end, not the next)
                     record = json.loads(line.rstrip("\r\n"), object_pairs_hook=keys.hook,
                                         parse_constant=constants.parse)
@@ -676,7 +679,7 @@ def check_jsonl_lines(path, key_orders=None):
                                              f"{type(record).__name__}{array}")
                 keys.check(record, f"{path} line {line_number}")
                 constants.check(record, f"{path} line {line_number} (record {len(record_lines)})")
-                if key_orders is not None:
+                if key_orders is not None and keys.objects > objects + 1:  # (a flat record's: none to gather)
                     key_orders.add(record)
                 record_lines.append(line_number)
     except UnicodeDecodeError:
@@ -749,7 +752,7 @@ def check_json_document(path, key_orders=None):
             raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
         keys.check(record, f"{path} record {index}")
         constants.check(record, f"{path} record {index}")
-    if key_orders is not None:
+    if key_orders is not None and keys.objects > len(document):  # (flat records, the array's objects alone: none)
         for record in document:
             key_orders.add(record)
     return None
