@@ -190,12 +190,12 @@ def reads_own_data_without_fields(step, args):
     given = {dest for dest, _ in flag_groups(parser, extra)}
     if "data_path" not in given or "data_fields" in given:
         return False
-    from dschat.data.local import parse_data_fields
+    from dschat.data.local import all_among, parse_data_fields
 
     if parse_data_fields(args.data_fields).by_dataset:  # (given per dataset: those of its own data go to it)
         return not step_data_fields(step, args)
     own = parser.parse_known_args(extra)[0].data_path
-    return not set(own) <= set(args.data_path or [])
+    return not all_among(own, args.data_path or [])  # (./qa.jsonl is --data-path's jsonl:qa.jsonl)
 
 
 def step_data_fields(step, args):
@@ -204,7 +204,7 @@ def step_data_fields(step, args):
     there is not one of the step's, an error in it (train.py's check sees them all,
     ``check_data_fields_name_the_steps_datasets``); the mapping of no dataset only where the step reads
     --data-path's files (it named their columns, ``reads_own_data_without_fields``)."""
-    from dschat.data.local import DataFields, parse_data_fields
+    from dschat.data.local import DataFields, all_among, parse_data_fields
 
     fields = parse_data_fields(args.data_fields)
     if not fields.by_dataset:
@@ -212,7 +212,7 @@ def step_data_fields(step, args):
     own = step_parser(step, getattr(args, "recipe", "ppo"))().parse_known_args(step_extra_args(step, args))[0]
     data_path = own.data_path if _gives_flag(step, args, "data_path") else args.data_path or []
     mine = fields.of_datasets([*data_path, *getattr(own, "sft_only_data_path", [])])
-    if not set(data_path) <= set(args.data_path or []):
+    if not all_among(data_path, args.data_path or []):
         mine = DataFields({}, mine.by_dataset)
     return mine.as_text()
 

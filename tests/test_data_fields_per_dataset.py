@@ -278,3 +278,23 @@ def test_two_spellings_of_one_dataset_and_a_dataset_not_given_are_refused(tmp_pa
                                          r"alpaca.jsonl\): name each"):
         other.check_names(["qa.jsonl", "alpaca.jsonl"])
     assert other.for_spec("qa.jsonl") == {}  # (a dataset of no mapping of its own gets the default: none)
+
+
+@pytest.mark.parametrize("fields", ["prompt=question,chosen=answer",
+                                    "prompt=question,chosen=answer;jsonl:alpaca.jsonl:"])
+def test_a_steps_own_data_path_of_another_spelling_of_data_paths_files_gets_its_fields(tmp_path, monkeypatch, fields):
+    """A step whose --stepN-args give it --data-path's file spelt otherwise (./qa.jsonl for jsonl:qa.jsonl) read
+    other files, train.py judged, and got none of --data-fields' mapping: its records' fields went unrenamed."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.args import step2_parser
+
+    monkeypatch.chdir(tmp_path)
+    two_files(tmp_path)
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"]([
+        "--actor-model", "tiny-llama", "--data-path", "jsonl:qa.jsonl", "jsonl:alpaca.jsonl", "--data-fields", fields,
+        "--step2-args", "--data_path ./qa.jsonl"])
+    assert not pipeline.reads_own_data_without_fields(2, args)
+    step2 = step2_parser().parse_args(pipeline.step_argv(2, args, tiny=True))
+    assert parse_data_fields(step2.data_fields).for_spec("./qa.jsonl") == {"prompt": "question", "chosen": "answer"}

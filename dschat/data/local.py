@@ -192,6 +192,12 @@ def dataset_identity(spec):
     return source.kind, source.eval_type, tuple(os.path.abspath(path) for path in source.files)
 
 
+def all_among(specs, others):
+    """Whether every dataset of ``specs`` is one of ``others`` (by what it reads: ``dataset_identity``)."""
+    given = {dataset_identity(spec) for spec in others}
+    return all(dataset_identity(spec) in given for spec in specs)
+
+
 def same_data_fields(then, now, then_folder=None):
     """Whether the --data_fields ``then`` (a run's record; its datasets' relative paths from ``then_folder``, None:
     this folder's) rename as ``now`` do: parsed, so that the order of the datasets' mappings and of a mapping's
