@@ -17,7 +17,7 @@ import os
 from typing import NamedTuple
 
 from dschat.args import recorded_flags_now
-from dschat.data.local import same_data_fields
+from dschat.data.local import same_data_fields, same_datasets
 from dschat.data.raw_datasets import changed_data_files
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, finished_run_id, holds_model,
@@ -65,7 +65,8 @@ MEMORY_SPEED_FLAGS = {
 # Flags a resumed run may raise to train on past the end of a finished one.
 EXTENDING = frozenset({"max_steps", "num_train_epochs"})
 # Flags naming files or folders: compared as absolute paths (from the working directory each run had).
-PATH_FLAGS = MODEL_PATH_FLAGS + ("sft_only_data_path", "data_path")
+DATA_PATH_FLAGS = ("sft_only_data_path", "data_path")
+PATH_FLAGS = MODEL_PATH_FLAGS + DATA_PATH_FLAGS
 
 
 class Decision(NamedTuple):
@@ -348,6 +349,8 @@ def said_change(name, record, flags):
 def _differs(name, then_value, now_value, then_cwd, made_from):
     if name == "data_fields":  # (the renaming they give, not their text)
         return not same_data_fields(then_value, now_value, then_cwd)
+    if name in DATA_PATH_FLAGS:  # (the datasets they read: jsonl:x.jsonl is ./x.jsonl)
+        return not same_datasets(then_value, now_value, then_cwd)
     if name in MODEL_PATH_FLAGS and isinstance(then_value, str) and isinstance(now_value, str):
         run = made_from.get(os.path.normpath(os.path.join(then_cwd, then_value)))
         if run is not None:

@@ -758,3 +758,20 @@ def test_data_fields_are_compared_by_the_renaming_they_give_not_their_text(tmp_p
     other = Namespace(**{**vars(FLAGS), "data_fields": same.replace("chosen=answer", "chosen=question")})
     assert plan_steps([1], "ppo", str(out), {1: other})[1] == (FRESH, f"its finished output in {out / 'step1_sft'} "
                                                                       "had other values of --data_fields")
+
+
+def test_data_path_is_compared_by_the_files_it_reads_not_its_text(tmp_path, monkeypatch):
+    """A finished step's --data_path given again as another spelling of the same files (jsonl:qa.jsonl, then the
+    file's path from another folder) was another value, and the step reran: a typed spec was compared as text."""
+    (tmp_path / "qa.jsonl").write_text('{"prompt": "Why?", "chosen": "Because."}\n')
+    (tmp_path / "other.jsonl").write_text('{"prompt": "Why?", "chosen": "Because."}\n')
+    out = tmp_path / "out"
+    finish(out, 1, 100, ("a", []), data_path=["jsonl:qa.jsonl"])
+    record = json.loads((out / "step1_sft" / "training_args.json").read_text())
+    (out / "step1_sft" / "training_args.json").write_text(json.dumps({**record, "cwd": str(tmp_path)}))
+    monkeypatch.chdir(out)
+    given = Namespace(**{**vars(FLAGS), "data_path": ["../qa.jsonl"]})
+    assert plan_steps([1], "ppo", str(out), {1: given})[1] == (SKIP, "")
+    other = Namespace(**{**vars(FLAGS), "data_path": ["../other.jsonl"]})
+    assert plan_steps([1], "ppo", str(out), {1: other})[1] == (FRESH, f"its finished output in {out / 'step1_sft'} "
+                                                                      "had other values of --data_path")

@@ -1953,7 +1953,8 @@ def test_fitting_a_universal_copy_without_its_model_states_names_the_copy_and_wh
 
 def test_a_checkpoint_is_resumed_under_the_same_data_fields_in_another_order(tmp_path, monkeypatch):
     """--resume compared --data_fields as text: the same mappings in another order (train.py's --data-fields given
-    again otherwise) or another spelling of a dataset's path were 'other settings', refused. Another renaming is."""
+    again otherwise) or another spelling of a dataset's path were 'other settings', refused, and so was --data_path
+    spelt otherwise (./qa.jsonl for jsonl:qa.jsonl). Another renaming is."""
     from dschat.args import step1_parser
     from dschat.steps.resume import BOUND_WHY, FREE_FLAGS, RESTORED_FLAGS, resume_flags
     from dschat.utils.checkpoints import check_same_flags
@@ -1969,6 +1970,10 @@ def test_a_checkpoint_is_resumed_under_the_same_data_fields_in_another_order(tmp
     saved = flags("jsonl:qa.jsonl:prompt=question,chosen=answer;jsonl:alpaca.jsonl:prompt=instruction")
     same = flags("./alpaca.jsonl:prompt=instruction; jsonl:qa.jsonl:chosen=answer,prompt=question")
     assert check_same_flags(saved, same, RESTORED_FLAGS, "step_0000001", "out", "step1", BOUND_WHY, FREE_FLAGS) == {}
+    respelt = resume_flags(step1_parser().parse_args(["--data_path", "./qa.jsonl", f"{tmp_path}/alpaca.jsonl",
+                                                      "--data_fields", "qa.jsonl:prompt=question,chosen=answer;"
+                                                      "alpaca.jsonl:prompt=instruction"]))
+    assert check_same_flags(saved, respelt, RESTORED_FLAGS, "step_0000001", "out", "step1", BOUND_WHY, FREE_FLAGS) == {}
     other = flags("jsonl:qa.jsonl:prompt=question,chosen=answer;jsonl:alpaca.jsonl:prompt=output")
     with pytest.raises(UsageError, match=r"--data_fields 'jsonl:qa.jsonl:prompt=question,chosen=answer;"
                                          r"jsonl:alpaca.jsonl:prompt=instruction' -> "):

@@ -198,6 +198,22 @@ def all_among(specs, others):
     return all(dataset_identity(spec) in given for spec in specs)
 
 
+def same_datasets(then, now, then_folder=None):
+    """Whether the --data_path (or --sft_only_data_path) ``then`` (a run's record; its relative paths from
+    ``then_folder``, None: this folder's) reads what ``now`` reads, dataset by dataset: ``./x.jsonl`` is
+    ``jsonl:x.jsonl`` (``dataset_identity``; compared as text, a resume reran a finished step, or refused its
+    checkpoint, over the same files)."""
+    from .raw_datasets import anchored_spec
+
+    then, now = ([value] if isinstance(value, str) else list(value or []) for value in (then, now))
+    try:
+        anchored = [anchored_spec(spec, then_folder) for spec in then] if then_folder is not None else then
+    except UsageError:  # (a spec no run could have given: compared as written)
+        return then == now
+    return len(then) == len(now) and all(dataset_identity(old) == dataset_identity(new)
+                                         for old, new in zip(anchored, now))
+
+
 def same_data_fields(then, now, then_folder=None):
     """Whether the --data_fields ``then`` (a run's record; its datasets' relative paths from ``then_folder``, None:
     this folder's) rename as ``now`` do: parsed, so that the order of the datasets' mappings and of a mapping's

@@ -853,11 +853,16 @@ def check_same_flags(saved, now, restored, tag, root, step, why, free=()):
 
 def _same_flag_value(name, saved, now):
     """Whether a flag's value now is the one a checkpoint saved: --data_fields by the renaming it gives (the order of
-    its mappings, spaces, another spelling of a dataset's path aside), any other as it is."""
+    its mappings, spaces, another spelling of a dataset's path aside), --data_path and --sft_only_data_path by the
+    datasets they read (./x.jsonl is jsonl:x.jsonl), any other as it is."""
     if name == "data_fields":
         from dschat.data.local import same_data_fields
 
         return same_data_fields(saved, now)
+    if name in DATA_SOURCE_FLAGS:
+        from dschat.data.local import same_datasets
+
+        return same_datasets(saved, now)
     return saved == now
 
 
