@@ -1161,12 +1161,14 @@ class _KeyOrders:
     def _add(self, places, place, value):
         if isinstance(value, dict):
             places.setdefault(place, set()).add(tuple(value))
-            inside = ((place + (key,), item) for key, item in value.items())
+            for key, item in value.items():
+                if isinstance(item, (dict, list)):
+                    self._add(places, place + (key,), item)
         else:
-            inside = ((place + (LIST_ITEM,), item) for item in value)
-        for where, item in inside:
-            if isinstance(item, (dict, list)):
-                self._add(places, where, item)
+            inside = place + (LIST_ITEM,)
+            for item in value:
+                if isinstance(item, (dict, list)):
+                    self._add(places, inside, item)
 
     def reordered_columns(self, features, names):
         """The columns among ``names`` (of datasets' ``features``) of which an object writes its keys in another order
