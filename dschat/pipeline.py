@@ -369,11 +369,14 @@ def say_splits_that_differ(parsed):
     --stepN-args): each step takes its phase's share of its own split, so a later step may train on the records an
     earlier one trained on, which the shares of one split keep apart (DeepSpeed-Chat's scripts give every step the
     same). Said, not refused: a step may take all the data on purpose (--data_split 10,0,0 for step 1)."""
+    from dschat.data.local import dataset_identity
+
     split = {step: (flags.data_split, flags.seed) for step, flags in parsed.items()}
+    datasets = {step: {dataset_identity(spec) for spec in flags.data_path} for step, flags in parsed.items()}
     steps = sorted(parsed)
     for index, step in enumerate(steps):
-        for later in steps[index + 1:]:
-            shared = [path for path in parsed[step].data_path if path in parsed[later].data_path]
+        for later in steps[index + 1:]:  # (the same files, however spelt: ./a.jsonl is jsonl:a.jsonl)
+            shared = [path for path in parsed[step].data_path if dataset_identity(path) in datasets[later]]
             if shared and split[step] != split[later]:
                 said = "; ".join(f"step {s}: --data_split {split[s][0]} --seed {split[s][1]}" for s in (step, later))
                 print_rank_0(f"note: steps {step} and {later} split --data_path {' '.join(shared)} differently ({said}): "
