@@ -298,3 +298,22 @@ def test_a_steps_own_data_path_of_another_spelling_of_data_paths_files_gets_its_
     assert not pipeline.reads_own_data_without_fields(2, args)
     step2 = step2_parser().parse_args(pipeline.step_argv(2, args, tiny=True))
     assert parse_data_fields(step2.data_fields).for_spec("./qa.jsonl") == {"prompt": "question", "chosen": "answer"}
+
+
+def test_a_dataset_path_with_an_equals_sign_is_named_in_the_per_dataset_form(tmp_path, tokenizer):
+    """A Hive-style folder (lang=en/) in a dataset's path: the group was split at its first '=', so the path's head
+    read as a field's name ("unknown data field(s) ['jsonl:.../lang']"). The dataset ends at the ':' before the first
+    renamable field's name; a misspelt field is still refused by its name."""
+    (tmp_path / "lang=en").mkdir()
+    qa = write_jsonl(tmp_path / "lang=en" / "qa.jsonl", [{"question": f"Question {i}?", "answer": f"QA answer {i}."}
+                                                        for i in range(6)])
+    _, alpaca = two_files(tmp_path)
+    fields = f"{qa}:prompt=question,chosen=answer;{alpaca}:prompt=instruction,chosen=output"
+    assert parse_data_fields(fields).by_dataset == {qa: {"prompt": "question", "chosen": "answer"},
+                                                    alpaca: {"prompt": "instruction", "chosen": "output"}}
+    train, eval_ = build(tmp_path, tokenizer, [qa, alpaca], fields)
+    read = texts(train, tokenizer) + texts(eval_, tokenizer)
+    assert sum("QA answer" in text for text in read) == 6 and sum("Alpaca output" in text for text in read) == 6
+    with pytest.raises(UsageError, match=r"--data_fields \(of .*qa.jsonl\): unknown data field\(s\) \['promt'\]"):
+        parse_data_fields(f"{qa}:promt=question")
+    assert parse_data_fields("prompt=x;y:z").default == {"prompt": "x;y:z"}  # (the old form's column, as before)

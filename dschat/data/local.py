@@ -275,25 +275,34 @@ def _names_a_dataset(group):
     """Whether a group of --data_fields starts with its dataset: a field's name between a ':' and its first '='
     (``SPEC:prompt=...``), or a ':' that ends it (``SPEC:``, renaming nothing). Another ':' is a column's name of the
     old form: "prompt=x;y:z" renames the prompt to the column "x;y:z", as before the per-dataset form."""
-    head, sep, _ = group.partition("=")
-    if not sep:
+    if "=" not in group:
         return group.rstrip().endswith(":")
-    spec, colon, key = head.rpartition(":")
-    return bool(colon and spec.strip()) and _FIELD_NAME.fullmatch(key.strip()) is not None
+    return _split_at_dataset(group) is not None
 
 
-_FIELD_NAME = re.compile(r"[A-Za-z_]\w*")
+_FIELD_START = re.compile(r":\s*([A-Za-z_]\w*)\s*=")
+
+
+def _split_at_dataset(group):
+    """(SPEC, mapping) where SPEC ends at the ':' before the first renamable field's name and its '=': a path may hold
+    '=' itself (a Hive-style folder, ``data/lang=en/a.jsonl:prompt=q``). Failing that, at the first ':' before any
+    name and '=', so a misspelt field (``SPEC:promt=q``) is still read as SPEC's and refused by its name. None: no
+    dataset."""
+    renamable = set(renamable_fields())
+    starts = [match for match in _FIELD_START.finditer(group) if group[:match.start()].strip()]
+    start = next((match for match in starts if match.group(1) in renamable), starts[0] if starts else None)
+    return None if start is None else (group[:start.start()].strip(), group[start.start() + 1:].strip())
 
 
 def _dataset_and_mapping(group):
     """ "jsonl:qa.jsonl:prompt=question" -> ("jsonl:qa.jsonl", "prompt=question"); "jsonl:qa.jsonl:" (no renaming)
     -> ("jsonl:qa.jsonl", "")."""
-    head, sep, rest = group.partition("=")
-    spec, _, first_key = head.rpartition(":")
-    spec = spec.strip()
+    if "=" in group:
+        return _split_at_dataset(group)
+    spec = group.rstrip()[:-1].strip()
     if not spec:
         raise UsageError(f"--data_fields item {group!r} must look like 'DATASET:prompt=question'")
-    return spec, (first_key + sep + rest).strip()
+    return spec, ""
 
 
 # Besides the record fields: the column of TRL's unpaired preference labels (KTO's), beside an answer; and a
@@ -312,8 +321,12 @@ ALPACA_INSTRUCTION, ALPACA_INPUT, ALPACA_OUTPUT, ALPACA_HISTORY = "instruction",
 PROMPT_PARTS = (ALPACA_INPUT, ALPACA_HISTORY)
 
 
+def renamable_fields():
+    return [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS, MARGIN_FIELD]
+
+
 def checked_field_options(field_options):
-    renamable = [*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS, MARGIN_FIELD]
+    renamable = renamable_fields()
     unknown = sorted(set(field_options) - set(renamable))
     if unknown:
         raise UsageError(f"unknown data field(s) {unknown}; the fields that can be renamed are {renamable}")
