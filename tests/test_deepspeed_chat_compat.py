@@ -1043,6 +1043,25 @@ def test_a_trainers_settings_are_its_own_args_and_the_engines_are_read_only(grpo
     assert DeepSpeedPPOTrainer(engine=grpo_engine).cliprange == 0.2
 
 
+def test_an_engines_list_settings_change_through_neither_a_trainer_nor_the_args_it_was_built_from(grpo_engine):
+    """engine.args refused assignments but shared its list values (--data_path, --sft_only_data_path) with a
+    trainer's copy of them and with the namespace it was built from: trainer.args.data_path.append(...) changed
+    engine.args.data_path, and so every trainer built on the engine after. Each copy holds lists of its own now."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.rlhf.engine import BuiltArgs
+
+    built = list(grpo_engine.args.data_path)
+    trainer = DeepSpeedPPOTrainer(engine=grpo_engine)
+    trainer.args.data_path.append("jsonl:other.jsonl")
+    trainer.args.sft_only_data_path.append("jsonl:sft.jsonl")
+    assert grpo_engine.args.data_path == built and grpo_engine.args.sft_only_data_path == []
+    assert DeepSpeedPPOTrainer(engine=grpo_engine).args.data_path == built
+    given = step3_args({"data_path": ["jsonl:a.jsonl"]})
+    engine_args = BuiltArgs.of(given)
+    given.data_path.append("jsonl:b.jsonl")
+    assert engine_args.data_path == ["jsonl:a.jsonl"]
+
+
 def test_a_setting_the_engine_was_built_with_changed_on_the_trainers_args_is_an_error_not_ignored(grpo_engine):
     """trainer.args.actor_learning_rate = 1.0 (or gradient_accumulation_steps, a longer max_answer_seq_len) after the
     trainer was built changed nothing: the engine's optimizers, accumulation and models were built, and the run went

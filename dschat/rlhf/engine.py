@@ -42,7 +42,7 @@ class BuiltArgs(argparse.Namespace):
     @classmethod
     def of(cls, args):
         built = cls.__new__(cls)
-        built.__dict__.update(vars(args))  # (not through __setattr__)
+        built.__dict__.update(unshared_settings(args))  # (not through __setattr__)
         return built
 
     def __setattr__(self, name, value):
@@ -50,6 +50,14 @@ class BuiltArgs(argparse.Namespace):
 
     def __delattr__(self, name):
         raise built_args_error(name, f"del engine.args.{name}")
+
+
+def unshared_settings(args):
+    """``vars(args)`` with its lists (and dicts, sets) copied: a copy of args that shared them (--data_path,
+    --sft_only_data_path) changed with the other, ``trainer.args.data_path.append(...)`` the engine's read-only args.
+    Other values stay as they are (``reward_fn`` may be a callable object holding a model)."""
+    return {name: copy.deepcopy(value) if isinstance(value, (list, dict, set)) else value
+            for name, value in vars(args).items()}
 
 
 def built_args_error(name, what, value=None):

@@ -423,11 +423,12 @@ def engine_setting_error(attribute, value, flag):
 def trainer_args(args, engine_args):
     """A trainer's own args, which it reads and its changes go to: those given (as step 3's namespace), else a copy of
     its engine's as they are now. An engine's args are read-only (``BuiltArgs``: what it was built with), so a copy is
-    taken of them whether given or not; a trainer's changes then never reach its engine or another trainer on it."""
-    from dschat.rlhf.engine import BuiltArgs
+    taken of them whether given or not, its lists its own; a trainer's changes then never reach its engine or another
+    trainer on it."""
+    from dschat.rlhf.engine import BuiltArgs, unshared_settings
 
     args = step3_args(args if args is not None else engine_args)
-    return argparse.Namespace(**vars(args)) if isinstance(args, BuiltArgs) else args
+    return argparse.Namespace(**unshared_settings(args)) if isinstance(args, BuiltArgs) else args
 
 
 class DeepSpeedPPOTrainer:
