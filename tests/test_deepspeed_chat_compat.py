@@ -1062,7 +1062,34 @@ def test_an_engines_list_settings_change_through_neither_a_trainer_nor_the_args_
     assert engine_args.data_path == ["jsonl:a.jsonl"]
 
 
-def test_a_setting_the_engine_was_built_with_changed_on_the_trainers_args_is_an_error_not_ignored(grpo_engine):
+def test_a_trainer_built_after_a_resume_takes_the_learning_rates_the_engine_runs_at(grpo_engine, monkeypatch):
+    """load_checkpoint sets the learning rates DeepSpeed restored on the trainer's args (the namespace given, where it
+    is step 3's), and a second DeepSpeedPPOTrainer(engine, those args) was refused: its actor_learning_rate differed
+    from the engine's as built, though the engine's optimizer runs at it; one built without args took the built rate,
+    which its checkpoints recorded. The restored rates are the engine's now: a trainer given them, or the rates the
+    engine was built with, or no args, takes them; another rate is refused, naming the one the engine runs at."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.errors import UsageError
+    from dschat.utils.checkpoints import take_restored_flags
+
+    monkeypatch.setattr(grpo_engine, "restored_settings", {})  # (the module's engine: as built, after this test)
+    built = grpo_engine.args.actor_learning_rate
+    args = step3_args(GRPO_NOTEBOOK)
+    first = DeepSpeedPPOTrainer(grpo_engine, args)
+    restored = {"actor_learning_rate": built * 3}
+    take_restored_flags({"restored": dict(restored)}, first.args)  # (load_checkpoint's, on a checkpoint of 3x)
+    first.took_restored_flags(restored)
+    assert args.actor_learning_rate == built * 3 and grpo_engine.args.actor_learning_rate == built
+    second = DeepSpeedPPOTrainer(grpo_engine, args)
+    assert second.generate_experience(_grpo_prompts(grpo_engine))["action_mask"].shape[0] == 4
+    assert DeepSpeedPPOTrainer(engine=grpo_engine).args.actor_learning_rate == built * 3
+    assert DeepSpeedPPOTrainer(grpo_engine, GRPO_NOTEBOOK).args.actor_learning_rate == built * 3
+    with pytest.raises(UsageError, match=rf"actor_learning_rate 1.0 \(the engine's: {built * 3!r}"):
+        DeepSpeedPPOTrainer(grpo_engine, {**GRPO_NOTEBOOK, "actor_learning_rate": 1.0})
+
+
+def test_a_setting_the_engine_was_built_with_changed_on_the_trainers_args_is_an_error_not_ignored(grpo_engine,
+                                                                                                   monkeypatch):
     """trainer.args.actor_learning_rate = 1.0 (or gradient_accumulation_steps, a longer max_answer_seq_len) after the
     trainer was built changed nothing: the engine's optimizers, accumulation and models were built, and the run went
     on with them, its checkpoints recording the new value. Generating or training now says so; set back, it runs; a
@@ -1079,6 +1106,7 @@ def test_a_setting_the_engine_was_built_with_changed_on_the_trainers_args_is_an_
         with pytest.raises(UsageError, match=rf"trainer.args were changed after the trainer was built in settings the "
                                              rf"engine's .* actor_learning_rate 1.0 \(the engine's: {built!r}\)"):
             call()
+    monkeypatch.setattr(grpo_engine, "restored_settings", {})  # (the module's engine: as built, after this test)
     trainer.took_restored_flags({"actor_learning_rate": 1.0})  # (a checkpoint's, which DeepSpeed restored)
     trainer.generate_experience(_grpo_prompts(grpo_engine))
     trainer.args.actor_learning_rate = built  # (set back: the engine's is no longer what it trains with)

@@ -2031,17 +2031,23 @@ def test_a_kl_controller_assigned_to_the_trainer_is_the_runs_and_resumes_as_it_t
 
 
 def test_a_checkpoints_restored_learning_rate_stands_for_the_engines_in_the_trainers_check(tmp_path):
-    """load_checkpoint sets the learning rates DeepSpeed restored on trainer.args; the trainer's check that its args
-    keep the engine's build settings (``_check_engine_settings_kept``) takes them in place of the engine's."""
+    """load_checkpoint sets the learning rates DeepSpeed restored on trainer.args, and records them on the engine,
+    whose optimizers run at them: the trainers' check that their args keep the engine's build settings
+    (``_check_engine_settings_kept``, and a new trainer's) takes them in place of the engine's args'."""
     from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+    from dschat.rlhf.engine import BuiltArgs, DeepSpeedRLHFEngine
 
     saved = _controller_trainer(tmp_path)
     save_checkpoint(saved, str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
     resumed = _controller_trainer(tmp_path, ["--actor_learning_rate", "3e-6"])
+    resumed.rlhf_engine = engine = DeepSpeedRLHFEngine.__new__(DeepSpeedRLHFEngine)
+    engine.args = BuiltArgs.of(resumed.args)
     load_checkpoint(resumed, str(tmp_path))
     rate = saved.args.actor_learning_rate
-    assert resumed.args.actor_learning_rate == rate != 3e-6
-    assert resumed._taken_engine_settings == {"actor_learning_rate": rate}
+    assert resumed.args.actor_learning_rate == rate != 3e-6 == engine.args.actor_learning_rate
+    assert engine.restored_settings == {"actor_learning_rate": rate}
+    assert DeepSpeedRLHFEngine.restored_settings == {}  # (the class default: replaced on the engine, not changed)
+    resumed._check_engine_settings_kept("train_rollout")
 
 
 def test_a_fixed_coefficient_changed_in_place_is_the_one_a_checkpoint_records(tmp_path, capsys):

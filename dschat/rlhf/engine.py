@@ -506,6 +506,9 @@ class DeepSpeedRLHFEngine:
     """
 
     _released = False  # (a class default: tests build engines without __init__)
+    # {setting: value} its optimizers run at in place of args' (the learning rates a checkpoint's DeepSpeed load
+    # restored: load_checkpoint); every trainer on it takes them (trainer.trainer_args). Replaced, never changed.
+    restored_settings = {}
     MODEL_ROLES = ("actor", "ref", "actor_ema", "critic", "reward")  # the engines it holds (None: a model not built)
 
     def __init__(self, actor_model_name_or_path=None, critic_model_name_or_path=None, tokenizer=None, args=None,

@@ -61,11 +61,12 @@ ENGINE_BUILT = (("advantage_estimator", "a critic (GAE's)", lambda a: a.advantag
                  lambda a: bool(a.unsupervised_dataset_name)))
 
 
-def check_engine_settings(args, engine_args):
+def check_engine_settings(args, engine_args, restored=None):
     """A trainer's own ``args`` (``DeepSpeedPPOTrainer(engine, args)`` with other settings than the engine's) may
     change what the trainer alone reads (the PPO loss, sampling, KL, epochs) and generate shorter sequences, not what
-    the engine was built with (``ENGINE_SETTINGS``, ``ENGINE_BUILT``); else a UsageError naming them."""
-    differ = engine_settings_differing(args, engine_args)
+    the engine was built with (``ENGINE_SETTINGS``, ``ENGINE_BUILT``; ``restored``: the engine's
+    ``restored_settings``, which stand for its args'); else a UsageError naming them."""
+    differ = engine_settings_differing(args, engine_args, restored)
     if differ:
         raise UsageError(f"DeepSpeedPPOTrainer(rlhf_engine, args): args differ from the settings the engine's models, "
                          f"optimizers and generation were built with: {'; '.join(differ)}. Give the engine's args "
@@ -420,15 +421,23 @@ def engine_setting_error(attribute, value, flag):
                       f"reads it from args too); build a DeepSpeedRLHFEngine with another {flag} instead")
 
 
-def trainer_args(args, engine_args):
+def trainer_args(args, engine_args, restored=None):
     """A trainer's own args, which it reads and its changes go to: those given (as step 3's namespace), else a copy of
     its engine's as they are now. An engine's args are read-only (``BuiltArgs``: what it was built with), so a copy is
     taken of them whether given or not, its lists its own; a trainer's changes then never reach its engine or another
-    trainer on it."""
+    trainer on it. ``restored``: the settings the engine's optimizers run at in place of its args' (its
+    ``restored_settings``), which args holding the engine's built values take, as ``load_checkpoint`` sets them."""
     from dschat.rlhf.engine import BuiltArgs, unshared_settings
 
     args = step3_args(args if args is not None else engine_args)
-    return argparse.Namespace(**unshared_settings(args)) if isinstance(args, BuiltArgs) else args
+    if isinstance(args, BuiltArgs):
+        args = argparse.Namespace(**unshared_settings(args))
+    for name, value in (restored or {}).items():
+        if getattr(args, name) == getattr(engine_args, name, None) != value:
+            print_rank_0(f"[step3] DeepSpeedPPOTrainer: {name} {getattr(args, name)!r} -> {value!r}, the rate the "
+                         "engine's optimizer runs at since a checkpoint's load restored it")
+            setattr(args, name, value)
+    return args
 
 
 class DeepSpeedPPOTrainer:
@@ -456,11 +465,12 @@ class DeepSpeedPPOTrainer:
             raise TypeError(f"DeepSpeedPPOTrainer(rlhf_engine, args): the engine given is a "
                             f"{type(self.rlhf_engine).__name__}, not a DeepSpeedRLHFEngine")
         engine_args = getattr(self.rlhf_engine, "args", None)
-        self.args = args = trainer_args(args, engine_args)
+        restored = getattr(self.rlhf_engine, "restored_settings", None)
+        self.args = args = trainer_args(args, engine_args, restored)
         if engine_args is None or vars(args) != vars(engine_args):  # settings of its own: checked as the engine's were
             check_settings(args)
             if engine_args is not None:
-                check_engine_settings(args, engine_args)
+                check_engine_settings(args, engine_args, restored)
         e = self.rlhf_engine  # (its models are read through it: _EngineModel)
         self.tokenizer = e.tokenizer
         # the longest prompt + answer the engine's models were checked and sized for (``max_answer_seq_len``'s bound)
@@ -503,10 +513,11 @@ class DeepSpeedPPOTrainer:
         optimizers and generation from. Changed after the trainer was built (``trainer.args.actor_learning_rate =
         1e-6``, ``gradient_accumulation_steps``, a longer ``max_answer_seq_len``), the run went on with the engine's,
         its checkpoints recording the new value."""
-        engine_args = getattr(self.__dict__.get("rlhf_engine"), "args", None)
+        engine = self.__dict__.get("rlhf_engine")
+        engine_args = getattr(engine, "args", None)
         if engine_args is None:  # (a test's stand-in)
             return
-        differ = engine_settings_differing(self.args, engine_args, getattr(self, "_taken_engine_settings", None))
+        differ = engine_settings_differing(self.args, engine_args, getattr(engine, "restored_settings", None))
         if differ:
             raise UsageError(f"{call}: trainer.args were changed after the trainer was built in settings the engine's "
                              f"models, optimizers and generation were built with, which the run would go on with: "
@@ -515,8 +526,12 @@ class DeepSpeedPPOTrainer:
 
     def took_restored_flags(self, restored):
         """``load_checkpoint``'s: the settings DeepSpeed restored from a checkpoint (its learning rates), which
-        ``trainer.args`` now hold in place of the engine's."""
-        self._taken_engine_settings = {**getattr(self, "_taken_engine_settings", {}), **restored}
+        ``trainer.args`` now hold: the engine's optimizers run at them, so they stand for its args' in every trainer's
+        check (``restored_settings``), and a trainer built on it after takes them (a second one given these args was
+        refused, their rate not the engine's as built)."""
+        engine = self.__dict__.get("rlhf_engine")
+        if engine is not None:  # (None: a test's stand-in, which has no engine's settings to keep)
+            engine.restored_settings = {**getattr(engine, "restored_settings", {}), **restored}
 
     # --- experience ---------------------------------------------------------------------------------------
     def _generate_sequence(self, prompts, mask):
