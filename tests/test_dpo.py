@@ -102,11 +102,11 @@ def test_dpo_eval_reports_the_chosen_nll_that_rpo_alpha_trains_on(monkeypatch):
     monkeypatch.setattr(step, "pair_log_probs", lambda engine, batch: next(logps))
     first = {"response_mask": T([[0, 1, 1, 1], [0, 0, 0, 1], [0, 1, 1, 1], [0, 1, 1, 1]])}  # chosen: 3 and 1 tokens
     second = {"response_mask": T([[0, 1, 1, 1], [0, 0, 1, 1]])}  # chosen: 3 tokens
-    metrics = step.evaluate(torch.nn.Identity(), [first, second], "cpu", 0)
+    metrics = step.evaluate(torch.nn.Identity(), [first, second], "cpu")
     assert metrics["chosen_nll"] == pytest.approx((1.0 + 4.0 + 5.0) / (3 + 1 + 3))  # per held-out token
     assert metrics["eval_loss"] == pytest.approx(dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED,
                                                           beta=0.5)[0].mean().item())  # (the DPO loss alone)
-    assert step.evaluate(torch.nn.Identity(), [], "cpu", 0)["chosen_nll"] is None
+    assert step.evaluate(torch.nn.Identity(), [], "cpu")["chosen_nll"] is None
 
 
 @pytest.mark.parametrize("argv", [["--beta", "0"], ["--label_smoothing", "0.5"], ["--include_prompt_in_loss"],

@@ -1,5 +1,6 @@
 """Evaluation on several ranks counts each item once: DistributedSampler's padding repeats carry eval_weight 0 and
 the SFT, reward-model and DPO evaluations leave them out (the forward still runs, so ranks stay in step)."""
+import itertools
 import sys
 from pathlib import Path
 
@@ -40,37 +41,37 @@ def test_sft_eval_loss_ignores_padding_repeats_even_in_an_all_padding_batch():
     model = tiny_model("llama", seed=2).eval()
     collator = DataCollatorSFT(pad_token_id=0)
     one = collator([_sft_item(7)])
-    alone = evaluate_lm(model, [one], "cpu", 0)
+    alone = evaluate_lm(model, [one], "cpu")
     repeated = collator([_sft_item(7), _sft_item(9)])
     repeated["eval_weight"] = torch.tensor([1.0, 0.0], dtype=torch.float64)
     only_padding = collator([_sft_item(9)])
     only_padding["eval_weight"] = torch.tensor([0.0], dtype=torch.float64)
-    got = evaluate_lm(model, [repeated, only_padding], "cpu", 0)
+    got = evaluate_lm(model, [repeated, only_padding], "cpu")
     assert got["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-6)
 
 
 def test_sft_eval_counts_its_records_once_over_the_ranks_and_its_tokens():
     """Step 1's metrics said no count of what they were taken over (step 2 and DPO say eval_pairs): "eval_records"
     counts each record once (a rank's padding repeat, weight 0, is none of them), "eval_tokens" the labelled tokens
-    scored (the answers'; the prompts' too under --include_prompt_in_loss); max_batches caps the loader's batches (0:
-    all of them)."""
+    scored (the answers'; the prompts' too under --include_prompt_in_loss); a loader cut short (--eval_iters') counts
+    only the batches it gives."""
     model = tiny_model("llama", seed=2).eval()
     items = [_sft_item(i) for i in range(3)]  # 2 ranks: rank 0 scores items 0 and 2, rank 1 item 1 and item 0 again
     collator = DataCollatorSFT(pad_token_id=0)
-    ranks = [evaluate_lm(model, _rank_loader(items, rank, collator, batch_size=1), "cpu", 0) for rank in (0, 1)]
+    ranks = [evaluate_lm(model, _rank_loader(items, rank, collator, batch_size=1), "cpu") for rank in (0, 1)]
     assert [got["eval_records"] for got in ranks] == [2, 1]  # (summed by all_reduce over the ranks: 3)
     assert [got["eval_tokens"] for got in ranks] == [14, 7]  # (8 tokens each: 7 predicted)
-    capped = evaluate_lm(model, _rank_loader(items, 0, collator, batch_size=1), "cpu", 1)
+    capped = evaluate_lm(model, itertools.islice(_rank_loader(items, 0, collator, batch_size=1), 1), "cpu")
     assert capped["eval_records"] == 1 and capped["eval_tokens"] == 7
 
 
 def test_no_eval_records_give_no_score_rather_than_a_perfect_one():
-    assert evaluate_lm(tiny_model("llama", seed=2).eval(), [], "cpu", 0) == {
+    assert evaluate_lm(tiny_model("llama", seed=2).eval(), [], "cpu") == {
         "eval_loss": None, "perplexity": None, "eval_records": 0, "eval_tokens": 0}
-    got = evaluate_reward(_Scores(), [], "cpu", 0)
+    got = evaluate_reward(_Scores(), [], "cpu")
     assert got["accuracy"] is None and got["eval_pairs"] == 0
     step = dpo.DPOStep(step2_dpo_parser().parse_args([]))
-    got = step.evaluate(torch.nn.Identity(), [], "cpu", 0)
+    got = step.evaluate(torch.nn.Identity(), [], "cpu")
     assert got["eval_pairs"] == 0 and got["eval_loss"] is None and got["reward_margin"] is None
 
 
@@ -86,7 +87,7 @@ class _Scores(torch.nn.Module):
 def test_reward_eval_counts_only_weighted_pairs():
     batch = {"input_ids": torch.tensor([[5], [1], [2], [3]]), "attention_mask": torch.ones(4, 1),
              "eval_weight": torch.tensor([1.0, 0.0], dtype=torch.float64)}  # pair 2 (1 vs 3) is a padding repeat
-    got = evaluate_reward(_Scores(), [batch], "cpu", 0)
+    got = evaluate_reward(_Scores(), [batch], "cpu")
     assert got["accuracy"] == 1.0 and got["eval_pairs"] == 1
     assert got["chosen_mean_score"] == 5.0 and got["rejected_mean_score"] == 2.0
 
@@ -95,10 +96,10 @@ def test_reward_eval_counts_a_tie_half_and_reports_the_ties():
     """Scores alike everywhere (an untrained head) were an accuracy of 0.0, as if the model always preferred the
     rejected answer."""
     batch = {"input_ids": torch.tensor([[5], [4], [3], [2], [4], [4]]), "attention_mask": torch.ones(6, 1)}
-    got = evaluate_reward(_Scores(), [batch], "cpu", 0)  # pairs 5 vs 2, 4 vs 4, 3 vs 4
+    got = evaluate_reward(_Scores(), [batch], "cpu")  # pairs 5 vs 2, 4 vs 4, 3 vs 4
     assert got["accuracy"] == pytest.approx(1.5 / 3) and got["ties"] == 1 and got["eval_pairs"] == 3
     alike = {"input_ids": torch.full((4, 1), 7), "attention_mask": torch.ones(4, 1)}
-    got = evaluate_reward(_Scores(), [alike], "cpu", 0)
+    got = evaluate_reward(_Scores(), [alike], "cpu")
     assert got["accuracy"] == 0.5 and got["ties"] == 2
 
 
@@ -108,7 +109,7 @@ def test_dpo_eval_before_training_is_at_chance_with_every_pair_tied(monkeypatch)
     chosen, rejected = torch.tensor([-1.0, -9.0, -4.0]), torch.tensor([-3.0, -1.0, -4.0])
     monkeypatch.setattr(step, "pair_log_probs", lambda engine, batch: (chosen, rejected, chosen + 1e-5, rejected))
     mask = torch.ones(6, 3, dtype=torch.long)
-    got = step.evaluate(torch.nn.Identity(), [{"response_mask": mask}], "cpu", 0)
+    got = step.evaluate(torch.nn.Identity(), [{"response_mask": mask}], "cpu")
     assert got["reward_accuracy"] == 0.5 and got["reward_ties"] == 3
     assert got["logp_accuracy"] == pytest.approx(1.5 / 3) and got["logp_ties"] == 1  # (-4 vs -4)
     assert got["reference_logp_ties"] == 0 and got["eval_pairs"] == 3

@@ -758,7 +758,7 @@ class StepRecipe:
     build_model: Callable  # (args, tokenizer, ds_config) -> model (LoRA applied)
     collator: Callable  # (tokenizer, pad_to_multiple_of, max_length) -> collate_fn
     loss_fn: Callable  # (engine, batch) -> (loss, tokens)
-    evaluate_fn: Callable  # (engine, loader, device, max_batches) -> metrics dict
+    evaluate_fn: Callable  # (engine, loader, device) -> metrics dict over the whole loader
     save_fn: Callable  # (engine, tokenizer, output_dir) -> None
     rows_per_record: int = 1  # a batch's rows per record: 2 for preference pairs (chosen rows, then rejected)
     reads_margins: bool = False  # phase 2: its loss subtracts each pair's margin (step 2's; DPO's reads none)
@@ -907,7 +907,7 @@ def _train_evaluate_save(args, recipe):
                  f"ZeRO-{args.zero_stage}, {args.dtype}")
 
     def evaluate():
-        return recipe.evaluate_fn(engine, eval_loader, device, 0)  # (all of it: --eval_iters made it, evaluated)
+        return recipe.evaluate_fn(engine, eval_loader, device)  # (all of it: --eval_iters made it)
 
     position = resume_or_start(engine, args, recipe.name, total_steps, plan)
     clear_results(args, recipe.name, resumed=position is not None)

@@ -112,7 +112,7 @@ class DPOStep:
         return loss, int(batch["attention_mask"].sum())
 
     @torch.no_grad()
-    def evaluate(self, engine, eval_loader, device, max_batches):
+    def evaluate(self, engine, eval_loader, device):
         """Held-out means over all ranks: DPO loss, implicit rewards and their margin, the implicit-reward
         accuracy, how often the policy and the reference give the chosen answer the higher log-prob (a tie counting
         half, and the ties of each counted: "reward_ties", "logp_ties", "reference_logp_ties"), and the chosen
@@ -120,9 +120,7 @@ class DPOStep:
         ``eval_loss + rpo_alpha * chosen_nll`` is the held-out value of what train_loss measures)."""
         engine.eval()
         totals = torch.zeros(len(EVAL_SUMS) + len(TIE_COUNTS), dtype=torch.float64, device=device)
-        for i, batch in enumerate(eval_loader):
-            if max_batches and i >= max_batches:
-                break
+        for batch in eval_loader:
             totals += self.batch_sums(engine, to_device(batch, device))
         all_reduce(totals)
         sums = dict(zip(EVAL_SUMS + TIE_COUNTS, totals.tolist()))

@@ -30,14 +30,12 @@ def pairwise_step_loss(engine, batch):
 
 
 @torch.no_grad()
-def evaluate_reward(engine, eval_loader, device, max_batches):
+def evaluate_reward(engine, eval_loader, device):
     """Pairwise accuracy (chosen scored above rejected; a tie counts half, ``preference_accuracy``), the tied pairs
     ("ties") and mean scores over all ranks."""
     engine.eval()
     totals = torch.zeros(5, dtype=torch.float64, device=device)  # correct, pairs, sum chosen, sum rejected, ties
-    for i, batch in enumerate(eval_loader):
-        if max_batches and i >= max_batches:
-            break
+    for batch in eval_loader:
         batch = to_device(batch, device)
         out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         chosen, rejected = out["chosen_mean_scores"].double(), out["rejected_mean_scores"].double()

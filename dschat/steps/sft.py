@@ -32,15 +32,13 @@ def lm_loss(engine, batch):
 
 
 @torch.no_grad()
-def evaluate_lm(engine, eval_loader, device, max_batches):
+def evaluate_lm(engine, eval_loader, device):
     """Token-weighted eval loss over all ranks and its perplexity, with the eval records ("eval_records", each once:
     a rank's padding repeats left out) and the tokens it averages ("eval_tokens": those with a label, the answers',
     and the prompts' too under --include_prompt_in_loss) they were taken over."""
     engine.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss x tokens, tokens, records
-    for i, batch in enumerate(eval_loader):
-        if max_batches and i >= max_batches:
-            break
+    for batch in eval_loader:
         batch = to_device(batch, device)
         weights = eval_weights(batch, batch["labels"].shape[0], device)
         # a rank's padding repeats (weight 0) take part in the forward but not in the loss
