@@ -10,7 +10,8 @@ import time
 
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
-from dschat.pipeline_resume import FRESH, RESUME, SKIP, Decision, describe, outdated_outputs, plan_steps
+from dschat.pipeline_resume import (FRESH, RESUME, SKIP, Decision, afresh_advice, describe, outdated_outputs,
+                                    plan_steps)
 from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
 from dschat.utils.files import check_writable_folder
@@ -656,9 +657,7 @@ def run_step(main, argv, step, steps, plan):
     except UsageError as error:
         if plan[step].action != RESUME:
             raise
-        again = " ".join(str(s) for s in steps if s >= step)
-        raise UsageError(f"{error}\n(train.py --resume resumed step {step}: to train it afresh and keep the steps "
-                         f"before it, give --step {again} without --resume)") from None
+        raise UsageError(f"{error}\n{afresh_advice(step, steps)}") from None
 
 
 def run_pipeline(args):

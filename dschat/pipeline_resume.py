@@ -19,6 +19,7 @@ from typing import NamedTuple
 from dschat.args import recorded_flags_now
 from dschat.data.local import same_data_fields, same_datasets
 from dschat.data.raw_datasets import changed_data_files
+from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, finished_run_id, holds_model,
                                  model_identity, read_run_args, step_data_files)
@@ -131,8 +132,10 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         elif current and not changed:
             plan[step] = Decision(SKIP, _same_output_why(stages, settings, record, parsed[step]))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
+            refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
             plan[step] = Decision(RESUME, "it was interrupted")
         elif current and checkpoint is not None and longer:
+            refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
             plan[step] = Decision(RESUME, "to train on past its finished output ("
                                           + ", ".join(f"--{name}" for name in changed) + ")")
         elif current:
@@ -148,6 +151,38 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         else:
             plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint")
     return plan
+
+
+def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
+    """The step's own --resume refusal of a checkpoint (``checkpoint``: its state) saved with other values of the flags
+    it is bound to (LoRA, precision, seed, data, ...; the step's ``bound_flags``), made before any step loads a model
+    or its data: the plan said "resumes" and the step failed after loading both. The ZeRO stages and the batch flags
+    are left to the step, which may convert them (another stage, the same batches split otherwise or on other ranks)."""
+    from dschat.utils.checkpoints import check_same_flags
+
+    if step == 3:
+        from dschat.rlhf import checkpointing as own
+        batch_flags = own.ITERATION_PROMPTS + own.STEP_ROWS
+    else:
+        from dschat.steps import resume as own
+        batch_flags = own.BATCH_FLAGS
+    saved = (checkpoint or {}).get("flags") or {}
+    if not saved:  # (a checkpoint that stored none: not compared, as the step does not)
+        return
+    now = {name: value for name, value in own.bound_flags(flags).items()
+           if name not in ZERO_STAGE_FLAGS and name not in batch_flags}
+    root = os.path.join(folder, CHECKPOINTS_DIR)
+    try:
+        check_same_flags(saved, now, (), latest_tag(root), root, f"step{step}", own.BOUND_WHY)
+    except UsageError as error:
+        raise UsageError(f"{error}\n{afresh_advice(step, steps)}") from None
+
+
+def afresh_advice(step, steps):
+    """What to give train.py to train ``step``, which --resume resumes and cannot, afresh and keep the steps before."""
+    again = " ".join(str(s) for s in steps if s >= step)
+    return (f"(train.py --resume resumes step {step}: to train it afresh and keep the steps before it, give --step "
+            f"{again} without --resume)")
 
 
 def outdated_outputs(steps, recipe, output_dir, rm_from_sft=True, ready_reward_model=False):

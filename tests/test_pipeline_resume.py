@@ -366,7 +366,7 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
     written = {step: path.stat().st_mtime_ns for step, path in models.items()}
     # a bound flag changed for the step being resumed: how to start it afresh and keep the steps before it
     with pytest.raises(UsageError, match=r"(?s)saved with other settings: --seed 1234 -> 7.*\(train.py --resume "
-                                         r"resumed step 3: to train it afresh and keep the steps before it, give "
+                                         r"resumes step 3: to train it afresh and keep the steps before it, give "
                                          r"--step 3 without --resume\)"):
         pipeline.run_pipeline(TRAIN_PY["parse_args"]([*small, "--step3-args", step3 + " --seed 7", "--resume"]))
     capsys.readouterr()
@@ -715,6 +715,52 @@ def test_train_py_resume_with_offload_and_activation_checkpointing_skips_the_fin
     assert (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns == written  # not trained again
     assert report["skipped"] == ["step1"] and report["resumed"] == ["step2"]
     assert json.loads((out / "step2_rm" / "training_args.json").read_text())["flags"]["gradient_checkpointing"]
+
+
+def _interrupted_with(out, step, saved_flags):
+    """A step interrupted past its first checkpoint, whose state holds ``saved_flags`` (as the step records them)."""
+    checkpoint(out, step, 100)
+    state = Path(trainer_folder(str(out / FOLDERS[step] / "checkpoints"), "step_0000001")) / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"step": 1, "flags": saved_flags}))
+
+
+def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused_by_the_plan(tmp_path):
+    """train.py --resume planned "resumes from its last checkpoint: it was interrupted" for a step given other values
+    of flags its checkpoint is bound to (LoRA, precision, seed, ...), which the step refused only after loading its
+    model and data. The plan refuses it now, with the step's own message (its ``bound_flags``) and how to start it
+    afresh; what the step takes (learning rates, dropout) or converts (ZeRO stages, batches split otherwise) still
+    resumes."""
+    from dschat.args import step1_parser, step3_parser
+    from dschat.rlhf import checkpointing
+    from dschat.rlhf.config import step3_args
+    from dschat.steps import resume
+
+    def step1(*argv):
+        return step1_parser().parse_args(list(argv))
+
+    _interrupted_with(tmp_path, 1, resume.flag_values(step1()))
+    root = tmp_path / FOLDERS[1] / "checkpoints"
+    with pytest.raises(UsageError, match=rf"^--resume: checkpoint step_0000001 in {root} was saved with other "
+                                         r"settings: --lora_dim 0 -> 8; --dtype 'bf16' -> 'fp32'\. Its model and "
+                                         r"optimizer states .*\n\(train.py --resume resumes step 1: to train it "
+                                         r"afresh and keep the steps before it, give --step 1 2 without --resume\)$"):
+        plan_steps([1, 2], "ppo", str(tmp_path), {1: step1("--lora_dim", "8", "--dtype", "fp32"), 2: FLAGS})
+    taken = step1("--learning_rate", "1e-3", "--dropout", "0.1", "--zero_stage", "3",
+                  "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "4")
+    assert plan_steps([1], "ppo", str(tmp_path), {1: taken})[1] == (RESUME, "it was interrupted")
+
+    def step3(*argv):
+        return step3_args(step3_parser().parse_args(list(argv)))
+
+    shutil.rmtree(tmp_path / FOLDERS[1])
+    _interrupted_with(tmp_path, 3, checkpointing.flag_values(step3(), with_critic=True))
+    with pytest.raises(UsageError, match=r"saved with other settings: --critic_lora_dim 0 -> 4\. Its algorithm "
+                                         r"(.|\n)*give --step 3 without --resume"):
+        plan_steps([3], "ppo", str(tmp_path), {3: step3("--critic_lora_dim", "4")})
+    taken = step3("--actor_learning_rate", "1e-6", "--actor_dropout", "0.1", "--actor_zero_stage", "3",
+                  "--per_device_training_batch_size", "2", "--gradient_accumulation_steps", "2")
+    assert plan_steps([3], "ppo", str(tmp_path), {3: taken})[3].action == RESUME
 
 
 def test_a_finished_step_made_longer_with_another_offload_starts_afresh_not_from_its_checkpoint(tmp_path):

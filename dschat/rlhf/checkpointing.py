@@ -618,17 +618,33 @@ def step_rows_said(saved, saved_ranks, args):
 def resume_flags(trainer):
     """{flag: value} of the flags a checkpoint stores and --resume compares (the bound ``ACTOR_RESUME_FLAGS`` and
     ``CRITIC_RESUME_FLAGS``, the ``RESTORED_FLAGS`` and ``FREE_FLAGS`` said when changed), and its data files."""
-    critic = CRITIC_RESUME_FLAGS + CRITIC_FREE_FLAGS if trainer.critic_model is not None else ()
-    names = (ACTOR_RESUME_FLAGS + FREE_FLAGS + critic + RESTORED_FLAGS
-             + (UNSUPERVISED_RESUME_FLAGS if getattr(trainer.args, "unsupervised_dataset_name", None) else ()))
-    flags = {name: getattr(trainer.args, name) for name in names}
-    if trainer.args.adaptive_kl:
-        del flags["kl_ctl"]  # (an adaptive controller's start: it goes on from the checkpoint's coefficient)
-    if not (trainer.args.actor_lora_dim or trainer.args.critic_lora_dim):
-        flags["lora_alpha"] = None  # (read by no model: given, it is said to be ignored, and binds nothing)
-    for name in _unread_free_flags(trainer.args):  # (another value changes nothing: not compared, not said)
-        flags.pop(name, None)
+    flags = flag_values(trainer.args, trainer.critic_model is not None)
     return {**flags, **step_data_records(trainer.args)}  # the same prompt data, unedited: its position counts
+
+
+def flag_values(args, with_critic):
+    """``resume_flags``' flags (its data files' records aside) of a run with ``args`` that trains a critic or not."""
+    critic = CRITIC_RESUME_FLAGS + CRITIC_FREE_FLAGS if with_critic else ()
+    names = (ACTOR_RESUME_FLAGS + FREE_FLAGS + critic + RESTORED_FLAGS
+             + (UNSUPERVISED_RESUME_FLAGS if getattr(args, "unsupervised_dataset_name", None) else ()))
+    flags = {name: getattr(args, name) for name in names}
+    if args.adaptive_kl:
+        del flags["kl_ctl"]  # (an adaptive controller's start: it goes on from the checkpoint's coefficient)
+    if not (args.actor_lora_dim or args.critic_lora_dim):
+        flags["lora_alpha"] = None  # (read by no model: given, it is said to be ignored, and binds nothing)
+    for name in _unread_free_flags(args):  # (another value changes nothing: not compared, not said)
+        flags.pop(name, None)
+    return flags
+
+
+def bound_flags(args):
+    """{flag: value} of the flags a checkpoint of a run with ``args`` is bound to (``flag_values`` less the restored
+    and free ones; the critic's where GAE trains one): step 3's --resume refuses another value than the checkpoint's
+    (``check_same_flags``), and so does ``train.py --resume``'s plan, before any step runs
+    (``pipeline_resume.refuse_other_bound_flags``)."""
+    unbound = RESTORED_FLAGS + FREE_FLAGS + CRITIC_FREE_FLAGS
+    return {name: value for name, value in flag_values(args, args.advantage_estimator == "gae").items()
+            if name not in unbound}
 
 
 def _unread_free_flags(args):

@@ -61,10 +61,22 @@ def checkpoint_root(args):
 
 
 def resume_flags(args):
+    return {**flag_values(args), **step_data_records(args)}  # the same data, unedited: the records its position counts
+
+
+def flag_values(args):
+    """{flag: value} of the flags a checkpoint stores and --resume compares (its data files' records aside)."""
     flags = {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS + FREE_FLAGS}
     if flags["model_name_or_path"] and os.path.isdir(flags["model_name_or_path"]):  # the same folder, however named
         flags["model_name_or_path"] = os.path.abspath(flags["model_name_or_path"])
-    return {**flags, **step_data_records(args)}  # the same data, unedited: the records its position counts
+    return flags
+
+
+def bound_flags(args):
+    """{flag: value} of the flags a checkpoint is bound to (``flag_values`` less the restored and free ones): the
+    step's --resume refuses another value than the checkpoint's (``check_same_flags``), and so does ``train.py
+    --resume``'s plan, before any step runs (``pipeline_resume.refuse_other_bound_flags``)."""
+    return {name: value for name, value in flag_values(args).items() if name not in RESTORED_FLAGS + FREE_FLAGS}
 
 
 def save_step_checkpoint(engine, args, position, keep_last=2):
