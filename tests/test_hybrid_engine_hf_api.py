@@ -374,6 +374,33 @@ def test_mpt_generates_as_hf_within_its_position_bias_and_is_refused_past_it():
     assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=9), hf_generate(model, ids, mask, 9))
 
 
+def _rwkv_config():  # a recurrent state passed as `state`
+    from transformers import RwkvConfig
+
+    return RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                      intermediate_size=64, context_length=64, bos_token_id=None, eos_token_id=None)
+
+
+def _openai_gpt_config():  # no cache at all
+    from transformers import OpenAIGPTConfig
+
+    return OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+
+
+@pytest.mark.parametrize("config", [_rwkv_config, _openai_gpt_config], ids=["rwkv", "openai_gpt"])
+def test_a_model_whose_forward_takes_no_kv_cache_is_refused_with_the_way_out(config):
+    """Their forward took the static cache into **kwargs and dropped it, so every decode step saw one token alone: RWKV
+    generated other tokens than HF's generate without a word (GPT-1 failed on shapes). HF's generate, which
+    --no-enable_hybrid_engine uses, runs them."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config()).eval().to(_device())
+    ids, mask = left_padded_batch([5, 5], seed=0)  # (no padding: RWKV reads no mask)
+    assert hf_generate(model, ids, mask, 4).shape == (2, 9)
+    with pytest.raises(UsageError, match=rf"{type(model).__name__}'s forward takes no past_key_values.*"
+                                         r"--no-enable_hybrid_engine"):
+        _engine(model)
+
+
 def _bamba_config():  # a Mamba-2 layer and an attention layer
     from transformers import BambaConfig
 

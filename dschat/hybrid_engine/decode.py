@@ -43,6 +43,22 @@ def forward_spec(model):
     return _forward_spec_of_class(type(unwrap_peft(model)))
 
 
+def check_takes_a_cache(model):
+    """A ``UsageError`` for a causal LM whose forward takes no KV cache by transformers' name (``past_key_values``, or
+    ``cache``): GPT-1's (none at all), RWKV's (``state``), XLNet's (``mems``), Reformer's (``past_buckets_states``).
+    Its forward took the static cache into ``**kwargs`` and dropped it, so each decode step saw its one new token
+    alone: RWKV generated other tokens than HF's generate without a word, GPT-1 and XLNet failed on shapes. The
+    engine checks this when it is built."""
+    model_class = type(unwrap_peft(model))
+    params = inspect.signature(model_class.forward).parameters
+    if "past_key_values" not in params and "cache" not in params:
+        from dschat.errors import UsageError
+
+        raise UsageError(f"{model_class.__name__}'s forward takes no past_key_values (transformers' KV cache), which "
+                         "the hybrid engine's decode steps read and write. Run step 3 without the hybrid engine for "
+                         "this model (--no-enable_hybrid_engine: actor generation then uses HF generate).")
+
+
 def decode_step(model, spec, input_ids, attention_mask, position_ids, cache_position, cache):
     """One forward over the static cache; returns the logits of the last position, (B, V)."""
     kwargs = {spec.cache_kwarg: cache, "use_cache": True}
