@@ -145,6 +145,26 @@ def test_lora_targets_linear_layers_but_not_heads(family):
     assert trainable and all("lora_" in n for n in trainable)
 
 
+def test_lora_on_a_mamba_model_leaves_out_the_projections_peft_refuses():
+    """PEFT refuses LoRA on a Mamba-based model's out_proj (its fused kernels read the weight past any adapter); every
+    Linear module being a default target, apply_lora failed there with PEFT's ValueError, for the actor and for a
+    reward model on the backbone alike."""
+    from transformers import MambaConfig
+
+    from dschat.errors import UsageError
+
+    config = MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2)
+    torch.manual_seed(0)
+    actor = apply_lora(AutoModelForCausalLM.from_config(config), lora_dim=4)
+    adapted = {n.rsplit(".", 1)[0] for n, _ in actor.named_parameters() if "lora_A" in n}
+    assert adapted and not any("out_proj" in n for n in adapted) and any("in_proj" in n for n in adapted)
+    critic = RewardModel(AutoModel.from_config(config)).apply_lora(4, "", None, only_optimize_lora=True)
+    assert any("lora_A" in n for n, _ in critic.named_parameters())
+    with pytest.raises(UsageError, match=r"--lora_module_name 'out_proj' matches no Linear module of MambaForCausalLM "
+                                         r"that PEFT can adapt \(it refuses backbone.layers.0.mixer.out_proj"):
+        lora_target_modules(AutoModelForCausalLM.from_config(config), "out_proj")
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_checkpointing_and_lora_turn_on_without_deprecation_warnings(family):
     """--gradient_checkpointing with LoRA on an actor and on a reward model: checkpointing is on in every layer, and

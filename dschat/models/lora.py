@@ -29,7 +29,7 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
     """
     from transformers.pytorch_utils import Conv1D
 
-    names = []
+    names, refused = [], []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, Conv1D)):
             continue
@@ -37,13 +37,32 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
             continue
         if lora_module_name and lora_module_name not in name:
             continue
-        names.append(name)
+        (refused if peft_refuses(model, name) else names).append(name)
     if not names:
         heads = " (output heads are never adapted: " + ", ".join(HEAD_NAMES) + ")" \
             if any(part in HEAD_NAMES for part in (lora_module_name or "").split(".")) else ""
+        if refused:
+            heads = f" that PEFT can adapt (it refuses {refused[0]}{' ...' if len(refused) > 1 else ''} in " \
+                    f"{model.config.model_type} models)"
         raise UsageError(f"{flag} {lora_module_name!r} matches no Linear module of "
                          f"{type(model).__name__}{heads}")
     return names
+
+
+def peft_refuses(model, name):
+    """Whether PEFT refuses LoRA on the module ``name`` of ``model``: the ``out_proj`` of its Mamba-based models
+    (Mamba, Mamba-2, Falcon-Mamba, Falcon-H1, Nemotron-H), which their fused kernels read past any adapter. Every
+    Linear module being a target by default, LoRA on those models failed in ``get_peft_model`` with PEFT's error."""
+    try:
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as check
+    except ImportError:  # no peft (then no LoRA at all), or a PEFT without the check (nothing refused)
+        return False
+    try:
+        check(LoraConfig(), model, name.rsplit(".", 1)[-1])
+    except ValueError:
+        return True
+    return False
 
 
 def check_only_optimize_lora(only_optimize_lora, *lora_dims):
