@@ -165,6 +165,42 @@ def test_lora_on_a_mamba_model_leaves_out_the_projections_peft_refuses():
         lora_target_modules(AutoModelForCausalLM.from_config(config), "out_proj")
 
 
+def _phimoe_config():
+    from transformers import PhimoeConfig
+
+    return PhimoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64)
+
+
+def _llama4_text_config():
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_local_experts=4, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("config", [_phimoe_config, _llama4_text_config], ids=["phimoe", "llama4_text"])
+def test_lora_leaves_out_a_linear_subclass_whose_forward_is_no_linear_map(config):
+    """A MoE router that subclasses nn.Linear returns (logits, weights, experts): adapted by default (every Linear
+    module), the model failed at its first forward inside PEFT ('tuple' object has no attribute 'dtype'). Linear
+    subclasses whose forward is the linear map (Falcon's) stay targets."""
+    from transformers import FalconConfig
+
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(config()), lora_dim=4).eval()
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted and not any("router" in n for n in adapted), adapted
+    ids = torch.randint(3, 96, (2, 5))
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    falcon = AutoModelForCausalLM.from_config(FalconConfig(vocab_size=96, hidden_size=32, num_attention_heads=4,
+                                                           num_hidden_layers=1))
+    assert {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"} == \
+        {n.rsplit(".", 1)[-1] for n in lora_target_modules(falcon)}
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_checkpointing_and_lora_turn_on_without_deprecation_warnings(family):
     """--gradient_checkpointing with LoRA on an actor and on a reward model: checkpointing is on in every layer, and

@@ -31,7 +31,7 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
 
     names, refused = [], []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, Conv1D)):
+        if not isinstance(module, (nn.Linear, Conv1D)) or not acts_as_linear(module):
             continue
         if any(part in HEAD_NAMES for part in name.split(".")):
             continue
@@ -47,6 +47,30 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
         raise UsageError(f"{flag} {lora_module_name!r} matches no Linear module of "
                          f"{type(model).__name__}{heads}")
     return names
+
+
+def acts_as_linear(module):
+    """Whether ``module``'s output is its linear map of the input, to which LoRA adds ``B @ A x``: a Linear (or
+    Conv1D) subclass with a forward of its own may return something else, e.g. a MoE router's (logits, weights,
+    experts) tuple (Llama-4's, PhiMoE's: LoRA on it failed at the first forward, inside PEFT). Such a forward is tried
+    on meta tensors (no memory, no compute; ZeRO-3 shards by their full shape); one that fails there or gives no
+    (1, out_features) tensor is no target."""
+    from transformers.pytorch_utils import Conv1D
+
+    base = Conv1D if isinstance(module, Conv1D) else nn.Linear
+    if type(module).forward is base.forward:
+        return True
+    weight = module.weight
+    shape = tuple(getattr(weight, "ds_shape", weight.shape))
+    in_features, out_features = (shape[0], shape[1]) if base is Conv1D else (shape[1], shape[0])
+    params = {name: torch.empty(tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device="meta")
+              for name, p in module.named_parameters(recurse=False)}
+    probe = torch.empty((1, in_features), dtype=weight.dtype, device="meta")
+    try:
+        out = torch.func.functional_call(module, params, (probe,))
+    except Exception:  # noqa: BLE001 (a forward that cannot run on its input alone is not a plain linear map)
+        return False
+    return torch.is_tensor(out) and tuple(out.shape) == (1, out_features)
 
 
 def peft_refuses(model, name):
