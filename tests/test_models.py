@@ -165,6 +165,26 @@ def test_lora_on_a_mamba_model_leaves_out_the_projections_peft_refuses():
         lora_target_modules(AutoModelForCausalLM.from_config(config), "out_proj")
 
 
+def test_lora_leaves_out_an_lm_head_of_any_name():
+    """BioGPT's head is `output_projection` (tied to the embeddings): not one of the head names, it was adapted by
+    default, and the merge (the hybrid engine's inference copy, saving) then refused it as a tied weight, asking to
+    leave it out of a --lora_module_name never given."""
+    from transformers import BioGptConfig
+
+    from dschat.errors import UsageError
+    from dschat.models.lora import check_lora_mergeable
+
+    config = BioGptConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config)
+    targets = lora_target_modules(model)
+    assert targets and "output_projection" not in targets and any("self_attn" in t for t in targets)
+    check_lora_mergeable(apply_lora(model, lora_dim=4))
+    with pytest.raises(UsageError, match=r"matches no Linear module of BioGptForCausalLM \(output heads are never "
+                                         r"adapted: .*output_projection\)"):
+        lora_target_modules(AutoModelForCausalLM.from_config(config), "output_projection")
+
+
 def _phimoe_config():
     from transformers import PhimoeConfig
 

@@ -30,23 +30,35 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
     from transformers.pytorch_utils import Conv1D
 
     names, refused = [], []
+    head = output_head(model)
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, Conv1D)) or not acts_as_linear(module):
             continue
-        if any(part in HEAD_NAMES for part in name.split(".")):
+        if module is head or any(part in HEAD_NAMES for part in name.split(".")):
             continue
         if lora_module_name and lora_module_name not in name:
             continue
         (refused if peft_refuses(model, name) else names).append(name)
     if not names:
-        heads = " (output heads are never adapted: " + ", ".join(HEAD_NAMES) + ")" \
-            if any(part in HEAD_NAMES for part in (lora_module_name or "").split(".")) else ""
+        head_names = [n for n, m in model.named_modules() if head is not None and m is head]
+        names_a_head = any(part in HEAD_NAMES for part in (lora_module_name or "").split(".")) or \
+            any(lora_module_name and lora_module_name in n for n in head_names)
+        heads = " (output heads are never adapted: " + ", ".join([*HEAD_NAMES, *head_names]) + ")" \
+            if names_a_head else ""
         if refused:
             heads = f" that PEFT can adapt (it refuses {refused[0]}{' ...' if len(refused) > 1 else ''} in " \
                     f"{model.config.model_type} models)"
         raise UsageError(f"{flag} {lora_module_name!r} matches no Linear module of "
                          f"{type(model).__name__}{heads}")
     return names
+
+
+def output_head(model):
+    """The model's LM head, whatever its name (BioGPT's ``output_projection``, XLNet's ``lm_loss``, ModernBERT's
+    ``decoder``): HEAD_NAMES alone let LoRA adapt these by default, and where the head is tied to the embeddings the
+    merge (generation, saving) then refused the adapter the user never asked for. None for a backbone."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None
 
 
 def acts_as_linear(module):
