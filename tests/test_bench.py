@@ -918,3 +918,21 @@ def test_a_benchmark_leaves_its_process_group_and_keeps_its_exit_status(tmp_path
     stopped = subprocess.run([sys.executable, "-c", wrapper, "exit", "3"], env=env, capture_output=True, text=True,
                              timeout=120)
     assert stopped.returncode == 3, stopped.stderr[-2000:]
+
+
+def test_family_sweep_checks_a_decoder_skips_an_encoder_and_reports_a_refusal(tmp_path):
+    """bench/family_sweep.py (CPU, no network): GPT-2 passes the three checks, BERT's causal LM (an encoder run as a
+    decoder) is skipped with its reason, RWKV's generation is refused by the engine (no KV cache), not failed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # not under a launcher
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "family_sweep.py"), "--families", "gpt2,bert,rwkv",
+                           "--json", str(tmp_path / "sweep.json")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    results = {r["family"]: r for r in json.loads((tmp_path / "sweep.json").read_text())}
+    assert [results["gpt2"][check][0] for check in ("generate", "reward", "lora")] == ["PASS"] * 3, results["gpt2"]
+    assert "encoder" in results["bert"]["skip"]
+    assert results["rwkv"]["generate"][0] == "REFUSED" and "--no-enable_hybrid_engine" in results["rwkv"]["generate"][1]
+    # RWKV reads no attention mask: its reward model scores a left-padded row otherwise (transformers' model, reported)
+    assert results["rwkv"]["reward"][0] == "FAIL"
+    assert proc.returncode == 1 and "3 swept" not in proc.stdout and "2 swept, 1 skipped" in proc.stdout, proc.stdout

@@ -1,0 +1,388 @@
+"""CPU sweep of transformers' causal-LM families through dschat's public pieces ("any decoder-only model").
+
+For every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config can be built tiny (hidden 64, 2 layers,
+4 heads, vocabulary 96; whatever else each needs), with random weights and no network:
+  a) generate: the hybrid engine's greedy tokens (left-padded batch of 4 rows, eager decode, static KV cache) equal
+     HF ``generate``'s; a ``UsageError`` that names the way out (--no-enable_hybrid_engine) counts as a refusal;
+  b) reward: step 2's model on that backbone (the causal LM saved, then ``RewardModel.from_pretrained`` as
+     ``create_critic_model`` loads it) gives finite scores, the same for a left-padded row as for the row alone;
+  c) lora: dschat's ``apply_lora`` on the causal LM, non-zero adapters: the hybrid engine's merged inference copy
+     generates PEFT's greedy tokens, and PEFT's merge/unmerge leaves the logits where they were.
+Encoder families used as decoders, encoder-decoders' decoders and multimodal models are skipped, each with its reason.
+
+    python bench/family_sweep.py [--families llama,gpt2] [--json out.json] [--timeout 90]
+
+One line per family (PASS / FAIL / REFUSED / SKIP per check), then a count. Exits 1 if a check fails.
+"""
+import argparse
+import contextlib
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import traceback
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+VOCAB = 96
+PAD = 0
+FIRST_TOKEN = 3
+MAX_NEW = 8
+PROMPT_LENGTHS = (7, 3, 5, 1)
+MAX_PARAMS = 20_000_000
+
+# Sizes given to every config that has the field (under any of its names: attribute_map aliases included).
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, n_embd=64, d_model=64, dim=64, embed_dim=64,
+    num_hidden_layers=2, n_layer=2, n_layers=2, num_layers=2,
+    num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, num_key_value_heads=2,
+    intermediate_size=128, ffn_dim=128, n_inner=128, d_ff=128, ffn_hidden_size=128, ff_intermediate_size=128,
+    head_dim=16, max_position_embeddings=256, n_positions=256, max_seq_len=256, n_ctx=256,
+    moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_topk=2, top_k=2, n_group=1, topk_group=1,
+    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=16, rotary_dim=8, initializer_range=0.1,
+    bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=True,
+)
+# Fields whose default is a per-layer list (its length must be the layer count).
+PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types", "attn_layer_indices",
+                   "attention_layers", "layer_block_types", "hybrid_override_pattern", "mlp_only_layers",
+                   "full_attn_idxs")
+# Per family, what the shared sizes do not say (or say wrong for it).
+OVERRIDES = {
+    "reformer": dict(is_decoder=True, axial_pos_shape=[16, 16], axial_pos_embds_dim=[32, 32]),
+    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"]),
+    "zaya": dict(num_experts_per_tok=1),
+    "bamba": dict(attn_layer_indices=[1]),  # (by default every layer of these is recurrent: none attends)
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "lfm2_moe": dict(num_dense_layers=1),
+    "cpmant": dict(dim_head=16, dim_ff=128),
+    "zamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "zamba2": dict(hybrid_layer_ids=[1]),
+    "dots3_note_text": dict(num_key_value_heads=4),
+    "qwen3_next": dict(full_attention_interval=2),  # (the default 4: both tiny layers linear attention, none attends)
+    "qwen3_5_text": dict(full_attention_interval=2),
+    "qwen3_5_moe_text": dict(full_attention_interval=2),
+    "qwen4_exp_text": dict(full_attention_interval=2),
+}
+# Sub-configs of another modality (a text model's own attn_config/ffn_config, MPT's and DBRX's, are not)
+MODALITY_WORDS = ("vision", "audio", "vq", "image", "speech", "encoder", "patcher", "depth", "decoder", "global")
+# Standalone decoders of encoder-decoder models, and models of text and images under one config
+NOT_TEXT_DECODERS = {"trocr": "an encoder-decoder's decoder (TrOCR: AutoModel has no backbone for it)",
+                     "fuyu": "multimodal (image patches into a Persimmon decoder)"}
+
+SKIP_ENCODER = "an encoder family (its causal LM is the encoder run with is_decoder=True)"
+SKIP_SEQ2SEQ = "an encoder-decoder's decoder"
+SKIP_MULTIMODAL = "multimodal (sub-configs {})"
+
+
+def encoder_and_seq2seq_types():
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    return set(MODEL_FOR_MASKED_LM_MAPPING_NAMES), set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+
+def skip_reason(model_type, config_cls):
+    masked, seq2seq = encoder_and_seq2seq_types()
+    if model_type in seq2seq or getattr(config_cls, "is_encoder_decoder", False):
+        return SKIP_SEQ2SEQ
+    if model_type in masked and model_type not in ("reformer",):
+        return SKIP_ENCODER
+    if model_type in NOT_TEXT_DECODERS:
+        return NOT_TEXT_DECODERS[model_type]
+    subs = sorted(k for k in (getattr(config_cls, "sub_configs", None) or {})
+                  if any(word in k for word in MODALITY_WORDS))
+    if subs:
+        return SKIP_MULTIMODAL.format(", ".join(subs))
+    return None
+
+
+def two_kinds(per_layer):
+    """Two layers' entries of a per-layer list, of two kinds where it has several (a linear-attention layer and a
+    full one, a sliding one and a global one, dense and sparse): what the model's first layers are, plus the other."""
+    other = next((v for v in per_layer if v != per_layer[0]), per_layer[-1])
+    return [per_layer[0], other]
+
+
+def known_fields(config_cls, default):
+    fields = set(default.to_dict()) | set(getattr(config_cls, "attribute_map", {}) or {})
+    with contextlib.suppress(TypeError, ValueError):
+        fields |= set(inspect.signature(config_cls.__init__).parameters)
+    return fields
+
+
+def tiny_config(model_type):
+    from transformers import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[model_type]
+    default = config_cls()
+    fields = known_fields(config_cls, default)
+    settable = {k for k in fields if not isinstance(getattr(config_cls, k, None), property)}
+    kwargs = {k: v for k, v in TINY.items() if k in settable}
+    if "kv_lora_rank" in fields:  # MLA: its head_dim is the rotary part's (qk_rope_head_dim)
+        kwargs.pop("head_dim", None)
+        kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
+    if getattr(default, "multi_query", False):  # (one KV head: a num_key_value_heads given would contradict it)
+        kwargs.pop("num_key_value_heads", None)
+    if isinstance(getattr(default, "sliding_window", None), int):  # windows longer than prompt + answer
+        kwargs["sliding_window"] = 32
+    for name in (n for n in PER_LAYER_LISTS if n in settable):
+        value = getattr(default, name, None)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], str):
+            kwargs[name] = two_kinds(value)
+        elif isinstance(value, str) and name == "hybrid_override_pattern":
+            kwargs[name] = value[:2]
+    if "attn_layer_indices" in fields and getattr(default, "attn_layer_indices", None):
+        kwargs["attn_layer_indices"] = [1]
+    if "full_attn_idxs" in fields and getattr(default, "full_attn_idxs", None):
+        kwargs["full_attn_idxs"] = [1]
+    if "mlp_only_layers" in fields:
+        kwargs["mlp_only_layers"] = []
+    kwargs.update(OVERRIDES.get(model_type, {}))
+    return built_with_retries(config_cls, kwargs)
+
+
+TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": PAD}
+
+
+def built_with_retries(config_cls, kwargs, tries=6):
+    """``config_cls(**kwargs)``, leaving out a field it cannot take (a read-only property) and giving token ids to a
+    config that insists on them."""
+    for _ in range(tries):
+        try:
+            return config_cls(**kwargs)
+        except Exception as error:  # noqa: BLE001 (each retry fixes one named field, else the error stands)
+            text = str(error)
+            token = next((k for k in TOKEN_IDS if f"'{k}'" in text and kwargs.get(k, 0) is None), None)
+            read_only = next((k for k in kwargs if f"property '{k}'" in text), None)
+            if read_only is None and "has no setter" in text and "layer_types" in kwargs:
+                read_only = "layer_types"  # (an alias of the read-only field)
+            if token:
+                kwargs[token] = TOKEN_IDS[token]
+            elif read_only:
+                kwargs.pop(read_only)
+            else:
+                raise
+    return config_cls(**kwargs)
+
+
+def build_model(config, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if count > MAX_PARAMS:
+        raise RuntimeError(f"not tiny: {count / 1e6:.1f}M parameters")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        setattr(model.generation_config, key, None)
+    return model
+
+
+def left_padded_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = max(PROMPT_LENGTHS)
+    ids = torch.full((len(PROMPT_LENGTHS), total), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(PROMPT_LENGTHS):
+        ids[row, total - n:] = torch.randint(FIRST_TOKEN, VOCAB, (n,), generator=g)
+        mask[row, total - n:] = 1
+    return ids, mask
+
+
+def hf_generate(model, ids, mask):
+    with torch.no_grad():
+        return type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW,
+                                    do_sample=False, pad_token_id=PAD, eos_token_id=None)
+
+
+def hybrid_engine(model):
+    import deepspeed
+
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+    from dschat.utils.dist import ensure_distributed
+
+    ensure_distributed()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
+              "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    ds_engine, *_ = deepspeed.initialize(model=model, config=config,
+                                         model_parameters=[p for p in model.parameters() if p.requires_grad])
+    return HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=32), pad_token_id=PAD,
+                        decode_attention="sdpa", fuse_projections="off")
+
+
+def engine_matches_hf(model, what):
+    """(status, note): the engine's greedy tokens against HF generate's on ``model``."""
+    from dschat.errors import UsageError
+    from dschat.models.training_engine import release_engine
+
+    ids, mask = left_padded_batch()
+    expected = hf_generate(model, ids, mask)
+    try:
+        engine = hybrid_engine(model)
+    except UsageError as error:
+        return "REFUSED", str(error)
+    try:
+        engine.eval()
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    finally:
+        release_engine(engine)
+    if torch.equal(got, expected):
+        return "PASS", ""
+    rows = [r for r in range(ids.shape[0]) if not torch.equal(got[r], expected[r])]
+    return "FAIL", f"{what}: rows {rows} differ from HF generate"
+
+
+def check_generate(model_type):
+    return engine_matches_hf(build_model(tiny_config(model_type)), "greedy")
+
+
+def check_reward(model_type):
+    from dschat.models.reward_model import RewardModel
+
+    model = build_model(tiny_config(model_type))
+    ids, mask = left_padded_batch(seed=1)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        reward = RewardModel.from_pretrained(folder, new_head_expected=True).eval()
+    torch.nn.init.normal_(reward.v_head.weight)
+    with torch.no_grad():
+        scores = reward.end_scores(ids, mask)
+        alone = reward.end_scores(ids[:1, -PROMPT_LENGTHS[0]:], mask[:1, -PROMPT_LENGTHS[0]:])
+        row = ids.shape[1] - PROMPT_LENGTHS[2]
+        padded_away = reward.end_scores(ids[2:3, row:], mask[2:3, row:])
+    if not torch.isfinite(scores).all():
+        return "FAIL", f"scores {scores.tolist()} are not finite"
+    if not torch.allclose(scores[0:1], alone, atol=1e-4) or not torch.allclose(scores[2:3], padded_away, atol=1e-4):
+        return "FAIL", f"left padding moves the score: {scores[[0, 2]].tolist()} vs {alone.item(), padded_away.item()}"
+    return "PASS", ""
+
+
+def check_lora(model_type):
+    from dschat.models.lora import apply_lora
+
+    model = apply_lora(build_model(tiny_config(model_type)), lora_dim=4, lora_alpha=16)
+    torch.manual_seed(1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)
+    model.eval()
+    ids, mask = left_padded_batch(seed=2)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        model.merge_adapter()
+        merged = model(input_ids=ids, attention_mask=mask).logits
+        model.unmerge_adapter()
+        after = model(input_ids=ids, attention_mask=mask).logits
+    live = mask.bool()
+    scale = before[live].abs().max().item()
+    drift = max((before - merged)[live].abs().max().item(), (before - after)[live].abs().max().item())
+    if drift > 1e-3 * max(scale, 1.0):  # (fp32 rounding, grown through deep or recurrent models, stays below)
+        return "FAIL", f"PEFT merge/unmerge moved the logits by {drift:.3g} (largest {scale:.3g})"
+    with model.disable_adapter(), torch.no_grad():
+        base = model(input_ids=ids, attention_mask=mask).logits
+    if torch.allclose(base[live], before[live], atol=1e-3):
+        return "FAIL", "the adapters change nothing: the check could not see a wrong merge"
+    return engine_matches_hf(model, "lora")
+
+
+CHECKS = {"generate": check_generate, "reward": check_reward, "lora": check_lora}
+
+
+class Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    def expired(*_):
+        raise Timeout(f"over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def first_line(error):
+    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    return text[0][:240] if text else type(error).__name__
+
+
+def sweep_family(model_type, timeout, verbose):
+    from transformers import CONFIG_MAPPING
+
+    try:
+        reason = skip_reason(model_type, CONFIG_MAPPING[model_type])
+    except KeyError:
+        reason = "no config class"
+    if reason:
+        return {"family": model_type, "skip": reason}
+    try:
+        with time_limit(timeout):
+            tiny_config(model_type)
+    except Exception as error:  # noqa: BLE001 (a sweep reports every failure and goes on)
+        return {"family": model_type, "skip": f"no tiny config: {first_line(error)}"}
+    result = {"family": model_type}
+    for name, check in CHECKS.items():
+        try:
+            with time_limit(timeout), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result[name] = check(model_type)
+        except Exception as error:  # noqa: BLE001
+            if verbose:
+                traceback.print_exc()
+            result[name] = ("ERROR", first_line(error))
+    return result
+
+
+def main(argv=None):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--timeout", type=int, default=90, help="seconds per check")
+    parser.add_argument("--verbose", action="store_true", help="tracebacks of the errors")
+    args = parser.parse_args(argv)
+    logging.disable(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    families = [f for f in args.families.split(",") if f] or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    results = []
+    for family in families:
+        result = sweep_family(family, args.timeout, args.verbose)
+        results.append(result)
+        if "skip" in result:
+            print(f"{family:28s} SKIP  {result['skip']}", flush=True)
+        else:
+            cells = "  ".join(f"{name}={result[name][0]}" for name in CHECKS)
+            notes = "; ".join(f"{name}: {result[name][1]}" for name in CHECKS if result[name][1])
+            print(f"{family:28s} {cells}  {notes}", flush=True)
+    swept = [r for r in results if "skip" not in r]
+    failed = [r["family"] for r in swept if any(r[n][0] in ("FAIL", "ERROR") for n in CHECKS)]
+    print(f"{len(swept)} swept, {len(results) - len(swept)} skipped, {len(failed)} with a failure: {failed}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
