@@ -1133,6 +1133,30 @@ def test_a_zero3_critic_accumulates_the_gradients_of_its_micro_batches(distribut
     torch.testing.assert_close(safe_get_full_grad(engine.module.v_head.weight), plain.v_head.weight.grad)
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_first_bf16_optimizer_step_is_adams_first_at_every_zero_stage(stage, distributed):
+    """bf16 at ZeRO-0: DeepSpeed's FP16_UnfusedOptimizer steps the optimizer once with zero gradients as it is built,
+    and Adam counted that step: the first real one took step 2's bias correction, each weight moving 0.735 of the
+    learning rate (betas 0.9, 0.95) where ZeRO-1's moved all of it (Adam's first step: lr x the gradient's sign)."""
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.models.training_engine import initialize_engine
+    from dschat.utils.ds_config import get_train_ds_config
+
+    ds_config = get_train_ds_config(dtype="bf16", stage=stage)
+    torch.manual_seed(0)
+    engine = initialize_engine(load_causal_lm("tiny-gpt2", load_tokenizer("tiny-gpt2"), ds_config), ds_config, 1e-3,
+                               0.0, None, "constant", 0, 10)
+    masters = [p for group in engine.optimizer.optimizer.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in masters]
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    moved = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(masters, before)])
+    assert moved.median().item() == pytest.approx(1e-3, rel=0.01)
+    steps = {float(state["step"]) for state in engine.optimizer.optimizer.state.values()}
+    assert steps == {1.0}
+
+
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-gpt2"])
 def test_a_tied_model_saved_under_zero3_loads_with_its_head_tied(preset, tmp_path, distributed):
     # The head shares the embedding: its second name held this rank's empty ZeRO-3 shard, saved as a 0-element tensor.

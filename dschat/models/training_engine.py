@@ -202,9 +202,30 @@ def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=ds_config, dist_init_required=False)
     _made(engine)
+    uncount_state_allocation_step(engine)
     scale_fp16_loss_at_zero_0(engine)
     values_through_engine_forward(engine)
     return engine
+
+
+def uncount_state_allocation_step(engine):
+    """fp16 or bf16 without ZeRO: DeepSpeed 0.19's FP16_Optimizer and FP16_UnfusedOptimizer (the wrappers of ZeRO-0's
+    low-precision training) take one optimizer step with zero gradients as they are built, to allocate Adam's state
+    (ZeRO's own optimizers no longer do: deepspeedai/DeepSpeed#5104). Adam counted it, so the first real step took
+    step 2's bias correction: 0.735 of the step fp32 and ZeRO-1 to 3 take with betas (0.9, 0.95), the next ~20 steps
+    smaller too. The state goes back to a fresh Adam's (step counts and moments 0: the zero gradients left the moments
+    0 anyway; AdamW's decay of that step, lr x weight_decay once, cannot be taken back)."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return
+    for state in engine.optimizer.optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                value.zero_()
+            elif key == "step":
+                state[key] = 0
 
 
 def values_through_engine_forward(engine):
