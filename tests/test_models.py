@@ -1157,6 +1157,25 @@ def test_the_first_bf16_optimizer_step_is_adams_first_at_every_zero_stage(stage,
     assert steps == {1.0}
 
 
+def test_bf16_at_zero_0_starts_from_the_models_weights_with_weight_decay(distributed):
+    """The zero-gradient step FP16_UnfusedOptimizer takes as it is built (to allocate Adam's state) decayed the fp32
+    master weights once (lr x weight_decay, AdamW's decoupled decay of a zero gradient): the first real step then
+    started from weights (1 - lr x weight_decay) times the model's, where ZeRO-1 to 3 start from the model's."""
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.models.training_engine import initialize_engine
+    from dschat.utils.ds_config import get_train_ds_config
+
+    ds_config = get_train_ds_config(dtype="bf16", stage=0)
+    torch.manual_seed(0)
+    engine = initialize_engine(load_causal_lm("tiny-gpt2", load_tokenizer("tiny-gpt2"), ds_config), ds_config, 0.1,
+                               0.5, None, "constant", 0, 10)
+    pairs = [(master, param) for masters, params in zip(engine.optimizer.fp32_groups, engine.optimizer.fp16_groups)
+             for master, param in zip(masters, params)]
+    assert pairs
+    for master, param in pairs:
+        torch.testing.assert_close(master.detach(), param.detach().float(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-gpt2"])
 def test_a_tied_model_saved_under_zero3_loads_with_its_head_tied(preset, tmp_path, distributed):
     # The head shares the embedding: its second name held this rank's empty ZeRO-3 shard, saved as a 0-element tensor.

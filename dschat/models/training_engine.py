@@ -214,7 +214,8 @@ def uncount_state_allocation_step(engine):
     (ZeRO's own optimizers no longer do: deepspeedai/DeepSpeed#5104). Adam counted it, so the first real step took
     step 2's bias correction: 0.735 of the step fp32 and ZeRO-1 to 3 take with betas (0.9, 0.95), the next ~20 steps
     smaller too. The state goes back to a fresh Adam's (step counts and moments 0: the zero gradients left the moments
-    0 anyway; AdamW's decay of that step, lr x weight_decay once, cannot be taken back)."""
+    0 anyway), and the fp32 master weights to the model's: AdamW decayed them in that step (lr x weight_decay), and
+    they are the model's weights as built, exactly (``refresh_fp32_params``)."""
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
@@ -226,6 +227,7 @@ def uncount_state_allocation_step(engine):
                 value.zero_()
             elif key == "step":
                 state[key] = 0
+    engine.optimizer.refresh_fp32_params()
 
 
 def values_through_engine_forward(engine):
