@@ -317,3 +317,14 @@ def test_a_dataset_path_with_an_equals_sign_is_named_in_the_per_dataset_form(tmp
     with pytest.raises(UsageError, match=r"--data_fields \(of .*qa.jsonl\): unknown data field\(s\) \['promt'\]"):
         parse_data_fields(f"{qa}:promt=question")
     assert parse_data_fields("prompt=x;y:z").default == {"prompt": "x;y:z"}  # (the old form's column, as before)
+
+
+def test_a_misspelt_field_of_a_typed_dataset_in_a_hive_folder_is_refused_by_its_name():
+    """jsonl:lang=en/qa.jsonl:promt=q: no renamable field's name, so the group's dataset ended at its first ':' before
+    a name and '=', the type's: the mapping was read as "lang=en/qa.jsonl:promt=q" of a dataset 'jsonl', refused as
+    "(of jsonl): unknown data field(s) ['lang']", naming neither the dataset nor the misspelt field."""
+    with pytest.raises(UsageError, match=r"--data_fields \(of jsonl:lang=en/qa.jsonl\): unknown data field\(s\) "
+                                         r"\['promt'\]"):
+        parse_data_fields("jsonl:lang=en/qa.jsonl:promt=question")
+    assert parse_data_fields("jsonl:lang=en/qa.jsonl:prompt=question").by_dataset == {
+        "jsonl:lang=en/qa.jsonl": {"prompt": "question"}}
