@@ -157,8 +157,10 @@ def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
     """The step's own --resume refusal of a checkpoint (``checkpoint``: its state) saved with other values of the flags
     it is bound to (LoRA, precision, seed, data, ...; the step's ``bound_flags``), made before any step loads a model
     or its data: the plan said "resumes" and the step failed after loading both. The ZeRO stages and the batch flags
-    are left to the step, which may convert them (another stage, the same batches split otherwise or on other ranks)."""
-    from dschat.utils.checkpoints import check_same_flags
+    are left to the step, which may convert them (another stage, the same batches split otherwise or on other ranks),
+    but for a change of stage to or from 0, which no conversion moves (``check_universal_fit``): refused here too."""
+    from dschat.utils.checkpoints import MODEL, check_same_flags, check_universal_fit
+    from dschat.utils.dist import get_world_size
 
     if step == 3:
         from dschat.rlhf import checkpointing as own
@@ -169,11 +171,17 @@ def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
     saved = (checkpoint or {}).get("flags") or {}
     if not saved:  # (a checkpoint that stored none: not compared, as the step does not)
         return
-    now = {name: value for name, value in own.bound_flags(flags).items()
-           if name not in ZERO_STAGE_FLAGS and name not in batch_flags}
+    bound = own.bound_flags(flags)
+    now = {name: value for name, value in bound.items() if name not in ZERO_STAGE_FLAGS and name not in batch_flags}
     root = os.path.join(folder, CHECKPOINTS_DIR)
+    tag = latest_tag(root)
     try:
-        check_same_flags(saved, now, (), latest_tag(root), root, f"step{step}", own.BOUND_WHY)
+        check_same_flags(saved, now, (), tag, root, f"step{step}", own.BOUND_WHY)
+        for flag in sorted(ZERO_STAGE_FLAGS & set(bound)):  # (the stages of the parts this run trains)
+            part = flag.partition("_zero_stage")[0] if step == 3 else MODEL
+            if 0 in (saved.get(flag), bound[flag]):  # (another of 1 to 3 converts: the step's, on its ranks)
+                check_universal_fit(root, part, tag, get_world_size(), saved.get(flag), bound[flag], f"--{flag}",
+                                    own.LESS_MEMORY)
     except UsageError as error:
         raise UsageError(f"{error}\n{afresh_advice(step, steps)}") from None
 

@@ -739,7 +739,7 @@ def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused
     def step1(*argv):
         return step1_parser().parse_args(list(argv))
 
-    _interrupted_with(tmp_path, 1, resume.flag_values(step1()))
+    _interrupted_with(tmp_path, 1, resume.flag_values(step1("--zero_stage", "2")))  # (3 converts it; 0 would not)
     root = tmp_path / FOLDERS[1] / "checkpoints"
     with pytest.raises(UsageError, match=rf"^--resume: checkpoint step_0000001 in {root} was saved with other "
                                          r"settings: --lora_dim 0 -> 8; --dtype 'bf16' -> 'fp32'\. Its model and "
@@ -754,14 +754,44 @@ def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused
         return step3_args(step3_parser().parse_args(list(argv)))
 
     shutil.rmtree(tmp_path / FOLDERS[1])
-    _interrupted_with(tmp_path, 3, checkpointing.flag_values(step3(), with_critic=True))
+    saved3 = step3("--actor_zero_stage", "2", "--critic_zero_stage", "2")  # (stages 3 converts; 0 would not)
+    _interrupted_with(tmp_path, 3, checkpointing.flag_values(saved3, with_critic=True))
     with pytest.raises(UsageError, match=r"saved with other settings: --critic_lora_dim 0 -> 4\. Its algorithm "
                                          r"(.|\n)*give --step 3 without --resume"):
         plan_steps([3], "ppo", str(tmp_path), {3: step3("--critic_lora_dim", "4")})
     taken = step3("--actor_learning_rate", "1e-6", "--actor_dropout", "0.1", "--actor_zero_stage", "3",
-                  "--per_device_training_batch_size", "2", "--gradient_accumulation_steps", "2")
+                  "--critic_zero_stage", "2", "--per_device_training_batch_size", "2", "--gradient_accumulation_steps",
+                  "2")
     assert plan_steps([3], "ppo", str(tmp_path), {3: taken})[3].action == RESUME
 
+
+def test_an_interrupted_step_given_a_zero_stage_to_or_from_0_is_refused_by_the_plan(tmp_path):
+    """The plan left the ZeRO stages to the step, which converts 1 to 3 into one another but refuses a change to or
+    from stage 0 (``check_universal_fit``): planned "resumes", it failed only after loading its model and data. The
+    plan refuses it now with the step's message and how to start afresh; 2 -> 3 still resumes."""
+    from dschat.args import step1_parser, step3_parser
+    from dschat.rlhf import checkpointing
+    from dschat.rlhf.config import step3_args
+    from dschat.steps import resume
+
+    def step1(*argv):
+        return step1_parser().parse_args(["--zero_stage", "2", *argv])
+
+    _interrupted_with(tmp_path, 1, resume.flag_values(step1()))
+    with pytest.raises(UsageError, match=r"(?s)was saved at ZeRO stage 2 \(--zero_stage 2\), this run has 0; "
+                                         r".*give --step 1 without --resume"):
+        plan_steps([1], "ppo", str(tmp_path), {1: step1("--zero_stage", "0")})
+    assert plan_steps([1], "ppo", str(tmp_path), {1: step1("--zero_stage", "3")})[1].action == RESUME
+
+    def step3(*argv):
+        return step3_args(step3_parser().parse_args(["--actor_zero_stage", "0", "--critic_zero_stage", "2", *argv]))
+
+    shutil.rmtree(tmp_path / FOLDERS[1])
+    _interrupted_with(tmp_path, 3, checkpointing.flag_values(step3(), with_critic=True))
+    with pytest.raises(UsageError, match=r"(?s)was saved at ZeRO stage 0 \(--actor_zero_stage 0\), this run has 1; "
+                                         r".*give --step 3 without --resume"):
+        plan_steps([3], "ppo", str(tmp_path), {3: step3("--actor_zero_stage", "1")})
+    assert plan_steps([3], "ppo", str(tmp_path), {3: step3("--critic_zero_stage", "3")})[3].action == RESUME
 
 def test_a_finished_step_made_longer_with_another_offload_starts_afresh_not_from_its_checkpoint(tmp_path):
     """A finished step given a larger --max_steps trains on from its checkpoint; given another --offload too, that
