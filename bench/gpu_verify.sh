@@ -5,7 +5,8 @@
 #   bash bench/gpu_verify.sh equality [FAMILIES]    # HF-API tests (recurrent models, GPT-Neo), graph equality
 #   bash bench/gpu_verify.sh speed                  # issue 7's numbers: OPT-1.3B decode ZeRO-0/3, PPO iteration ZeRO-2/3
 #   bash bench/gpu_verify.sh named                  # GPU-only tests, the mixed-precision LoRA step 3, graph_equality's
-#                                                   # named checks (LoRA, ZeRO-3, step after generation, host syncs)
+#                                                   # named checks (LoRA, ZeRO-3, step after generation, host syncs),
+#                                                   # the first fp16/bf16 optimizer step at ZeRO-0/1/2
 #   bash bench/gpu_verify.sh logprob                # decode log-probs against the training forward at T=1 and 0.7
 #
 # CASES and FAMILIES are comma-separated subsets (pipeline_gpu.py --cases, graph_equality.py --families; a family list
@@ -69,6 +70,7 @@ named)
         tests/test_ds_config.py
     check mixed_precision_lora 300 python tests/scripts/mixed_precision_lora_gpu.py /tmp/mixed_precision_lora
     check named_checks 120 python bench/graph_equality.py lora_check zero3_check zero3_step_after_generation host_syncs
+    check first_step 120 python tests/scripts/first_step_gpu.py  # (ZeRO-0's fp16/bf16 wrappers over FusedAdam)
     ;;  # (session 45: the named checks took 50 s)
 logprob)
     check logprob_delta_t1 60 python bench/logprob_delta.py --cuda_graph

@@ -786,7 +786,8 @@ def test_pipeline_gpu_refuses_an_unknown_case_before_it_makes_its_output_folder(
     assert not (tmp_path / "pipe").exists()
 
 
-HAND_RUN_CHECKS = ["mixed_precision_lora_gpu", "hybrid_gpu_smoke", "rng_after_graphs", "align_overflow_fp16"]
+HAND_RUN_CHECKS = ["mixed_precision_lora_gpu", "hybrid_gpu_smoke", "rng_after_graphs", "align_overflow_fp16",
+                   "first_step_gpu"]
 
 
 @pytest.mark.parametrize("script", HAND_RUN_CHECKS)
