@@ -1643,3 +1643,54 @@ def test_nodes_whose_copies_of_a_model_differ_stop_with_an_error_naming_the_sett
                   "rank 1: 3) differs between them (each node's own copy of the model folder, or of a hub model in its "
                   "cache, that is not the same): give every node the same model")  # (rank 0 says rank 1's value too)
         assert (node / "seen").read_text().split("\n") == ["loaded", differ, "loaded", differ], node
+
+
+def _jamba_config():
+    from transformers import JambaConfig
+    return JambaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                       expert_layer_period=4, num_experts=2, mamba_d_state=8, mamba_dt_rank=4,
+                       use_mamba_kernels=False)
+
+
+def _mamba_config():
+    from transformers import MambaConfig
+    return MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2)
+
+
+def _falcon_mamba_config():
+    from transformers import FalconMambaConfig
+    return FalconMambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("make_config", [_mamba_config, _falcon_mamba_config, _jamba_config])
+def test_lora_merged_model_computes_what_the_peft_model_trains(make_config):
+    """Mamba, Falcon-Mamba and Jamba read ``dt_proj.weight`` past the module (``dt_proj.weight @ x``): a default LoRA
+    adapter there never acted in the training forward, yet the merge (the hybrid engine's copy, saved checkpoints)
+    folded it in, so generation and the saved model were another model than the trained one."""
+    from dschat.models.lora import merge_lora_state_dict
+
+    config = make_config()
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(config), lora_dim=4).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 3.0)  # adapters that move the output (PEFT starts B at zero)
+    ids = torch.randint(3, 96, (2, 6))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_config(config).eval()
+        plain.load_state_dict(merge_lora_state_dict(model.state_dict(), model))
+        merged = plain(input_ids=ids).logits
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+    assert torch.allclose(merged, trained, rtol=0, atol=1e-5), (merged - trained).abs().max()
+
+
+def test_lora_module_name_matching_only_modules_read_past_their_forward_is_refused():
+    """An adapter on Mamba's dt_proj would not train (the forward reads its weight directly): said, not applied."""
+    from dschat.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--lora_module_name 'dt_proj' matches only modules .*"
+                                         r"\(backbone.layers.0.mixer.dt_proj .*would not train"):
+        lora_target_modules(AutoModelForCausalLM.from_config(_mamba_config()), "dt_proj")

@@ -18,6 +18,11 @@ HEAD_NAMES = ("lm_head", "v_head", "score", "embed_out")
 PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps its base model
 # DeepSpeed-Chat's LoRA adds (1 / lora_dim) * B @ A, i.e. PEFT's lora_alpha / r with alpha 1.
 DEFAULT_LORA_ALPHA = 1.0
+# Linear modules whose weight the model's forward reads past the module (``dt_proj.weight @ x``), by model type: an
+# adapter there never acts in training, but the merge (the hybrid engine's copy, saved checkpoints) would fold it in.
+# Listed, not found by tracing a forward: the fused-kernel paths (Mamba's mamba_inner_fn reads x_proj, dt_proj and
+# out_proj when training on CUDA) differ from the path any CPU or meta-device trace takes.
+READ_PAST_FORWARD = {"mamba": ("x_proj", "dt_proj"), "falcon_mamba": ("dt_proj",), "jamba": ("dt_proj",)}
 
 
 def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
@@ -29,7 +34,7 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
     """
     from transformers.pytorch_utils import Conv1D
 
-    names, refused = [], []
+    names, refused, unused = [], [], []
     head = output_head(model)
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, Conv1D)) or not acts_as_linear(module):
@@ -38,7 +43,15 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
             continue
         if lora_module_name and lora_module_name not in name:
             continue
+        if read_past_forward(model, name):
+            unused.append(name)
+            continue
         (refused if peft_refuses(model, name) else names).append(name)
+    if not names and unused and not refused:
+        raise UsageError(f"{flag} {lora_module_name!r} matches only modules whose weight "
+                         f"{model.config.model_type} models read past the module ({unused[0]}"
+                         f"{' ...' if len(unused) > 1 else ''}): a LoRA adapter there would not train, yet would "
+                         f"change the merged weights (generation, saved checkpoints); name other modules")
     if not names:
         head_names = [n for n, m in model.named_modules() if head is not None and m is head]
         names_a_head = any(part in HEAD_NAMES for part in (lora_module_name or "").split(".")) or \
@@ -83,6 +96,13 @@ def acts_as_linear(module):
     except Exception:  # noqa: BLE001 (a forward that cannot run on its input alone is not a plain linear map)
         return False
     return torch.is_tensor(out) and tuple(out.shape) == (1, out_features)
+
+
+def read_past_forward(model, name):
+    """Whether ``model``'s forward reads the weight of its module ``name`` directly (READ_PAST_FORWARD), so that a
+    LoRA adapter there would not train."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return name.rsplit(".", 1)[-1] in READ_PAST_FORWARD.get(model_type, ())
 
 
 def peft_refuses(model, name):
