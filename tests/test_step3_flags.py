@@ -87,6 +87,20 @@ def test_a_generation_past_the_actors_local_window_is_refused_before_anything_lo
     check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1)  # (HF's generate)
 
 
+def test_an_actor_whose_forward_takes_no_kv_cache_is_refused_before_anything_loads(tmp_path):
+    """GPT-1's forward takes no KV cache, which the hybrid engine's decode steps need: the engine refused it only when
+    built, after the actor had loaded and its DeepSpeed engine had been set up; its config says so before."""
+    from transformers import OpenAIGPTConfig
+
+    OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64).save_pretrained(tmp_path / "gpt")
+    settings = {"actor_model_name_or_path": str(tmp_path / "gpt"), "enable_hybrid_engine": True,
+                "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
+    with pytest.raises(UsageError, match=r"OpenAIGPTLMHeadModel's forward takes no past_key_values.*"
+                                         r"--no-enable_hybrid_engine"):
+        check_step3_settings(step3_args(settings), 1)
+    check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1)  # (HF's generate)
+
+
 def _small_neo_config():
     from transformers import GPTNeoConfig
 

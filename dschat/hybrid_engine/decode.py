@@ -49,7 +49,12 @@ def check_takes_a_cache(model):
     Its forward took the static cache into ``**kwargs`` and dropped it, so each decode step saw its one new token
     alone: RWKV generated other tokens than HF's generate without a word, GPT-1 and XLNet failed on shapes. The
     engine checks this when it is built."""
-    model_class = type(unwrap_peft(model))
+    check_class_takes_a_cache(type(unwrap_peft(model)))
+
+
+def check_class_takes_a_cache(model_class):
+    """``check_takes_a_cache`` for a model class (step 3 checks the actor's, read from its config, before any weight
+    loads or any engine is built)."""
     params = inspect.signature(model_class.forward).parameters
     if "past_key_values" not in params and "cache" not in params:
         from dschat.errors import UsageError

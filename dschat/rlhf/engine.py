@@ -309,6 +309,26 @@ def check_local_window(args, actor_path, local_only=True):
                          "(--no-enable_hybrid_engine: HF's generate)")
 
 
+def check_actor_takes_a_cache(args, actor_path, local_only=True):
+    """An actor whose causal LM's forward takes no KV cache (GPT-1, RWKV, XLNet, Reformer: ``check_takes_a_cache``)
+    refused from its config before any weight loads: the hybrid engine refused it only once built, after the actor's
+    DeepSpeed engine. A config that names no built-in causal LM (remote code) is checked when the engine is built."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from dschat.hybrid_engine.decode import check_class_takes_a_cache
+
+    if not args.enable_hybrid_engine:
+        return
+    config = _model_config(actor_path, local_only)
+    if config is None or getattr(config, "auto_map", None):
+        return
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError, ImportError):  # (no causal LM of this config: loading the actor says so)
+        return
+    check_class_takes_a_cache(model_class)
+
+
 def say_an_unapplied_repetition_penalty(model, penalty):
     """The actor's generation_config asks for a repetition penalty that step 3 samples without (it samples at
     --repetition_penalty, 1 by default, so that its answers come from the policy PPO scores): said, with the flag."""
@@ -396,6 +416,7 @@ def check_step3_settings(args, world_size, actor_architecture=None, critic_made_
     check_inference_tp(args, world_size, actor.get("hybrid_engine", {}),
                        actor_architecture or args.actor_model_name_or_path)
     check_local_window(args, actor_architecture or args.actor_model_name_or_path)
+    check_actor_takes_a_cache(args, actor_architecture or args.actor_model_name_or_path)
     check_lora_module_names(args, actor_architecture or args.actor_model_name_or_path,
                             None if critic_made_later else args.critic_model_name_or_path)
     check_accumulation(args)
@@ -649,6 +670,7 @@ class DeepSpeedRLHFEngine:
         check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path,
                            local_only=False)  # before its weights load
         check_local_window(a, self.actor_path, local_only=False)
+        check_actor_takes_a_cache(a, self.actor_path, local_only=False)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         self.actor_embedding_rows = embedding_rows(model)
         self._check_sequence_fits(model)
