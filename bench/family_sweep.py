@@ -3,7 +3,8 @@
 For every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config can be built tiny (hidden 64, 2 layers,
 4 heads, vocabulary 96; whatever else each needs), with random weights and no network:
   a) generate: the hybrid engine's greedy tokens (left-padded batch of 4 rows, eager decode, static KV cache) equal
-     HF ``generate``'s; a ``UsageError`` that names the way out (--no-enable_hybrid_engine) counts as a refusal;
+     HF ``generate``'s; a ``UsageError`` that names the way out (--no-enable_hybrid_engine), when the engine is built
+     or at its first forward, counts as a refusal;
   b) reward: step 2's model on that backbone (the causal LM saved, then ``RewardModel.from_pretrained`` as
      ``create_critic_model`` loads it) gives finite scores, the same for a left-padded row as for the row alone;
   c) lora: dschat's ``apply_lora`` on the causal LM, non-zero adapters: the hybrid engine's merged inference copy
@@ -237,6 +238,8 @@ def engine_matches_hf(model, what):
     try:
         engine.eval()
         got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    except UsageError as error:  # (a model that fails on the static cache is refused at its first forward)
+        return "REFUSED", str(error)
     finally:
         release_engine(engine)
     if torch.equal(got, expected):

@@ -401,6 +401,43 @@ def test_a_model_whose_forward_takes_no_kv_cache_is_refused_with_the_way_out(con
         _engine(model)
 
 
+def _minimax_config():  # keeps a cache of its own: its forward refuses a StaticCache (HF's ValueError)
+    from transformers import MiniMaxConfig
+
+    return MiniMaxConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                         num_experts_per_tok=2, layer_types=["full_attention", "linear_attention"], block_size=256,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _mimo_v2_flash_config():  # its sliding layers' KV heads are not the config's num_key_value_heads
+    from transformers import MiMoV2FlashConfig
+
+    return MiMoV2FlashConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, v_head_dim=16,
+                             moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                             topk_group=1, sliding_window=32, layer_types=["full_attention", "sliding_attention"],
+                             mlp_layer_types=["dense", "sparse"], bos_token_id=None, eos_token_id=None,
+                             pad_token_id=None)
+
+
+@pytest.mark.parametrize("config", [_minimax_config, _mimo_v2_flash_config], ids=["minimax", "mimo_v2_flash"])
+def test_a_model_that_fails_on_the_static_cache_is_refused_with_the_way_out(config):
+    """MiniMax's forward refuses a StaticCache (a ValueError), MiMo-V2-Flash's attention writes another layout than
+    the cache holds (index_copy_'s RuntimeError): both failed deep in the decode loop's first forward, naming no flag.
+    HF's generate, which --no-enable_hybrid_engine uses, runs them."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config()).eval().to(_device())
+    ids, mask = left_padded_batch([5, 3], seed=0)
+    assert hf_generate(model, ids, mask, 4).shape == (2, 9)
+    engine = _engine(model)
+    engine.eval()
+    with pytest.raises(UsageError, match=rf"{type(model).__name__} failed on the hybrid engine's static KV cache .*"
+                                         r"--no-enable_hybrid_engine") as refused:
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert isinstance(refused.value.__cause__, (ValueError, RuntimeError))  # (the model's own error, chained)
+
+
 def _bamba_config():  # a Mamba-2 layer and an attention layer
     from transformers import BambaConfig
 

@@ -27,7 +27,7 @@ def _accelerator_empty_cache():
     get_accelerator().empty_cache()
 
 
-def _is_out_of_memory(error):
+def is_out_of_memory(error):
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(error).lower()
@@ -199,7 +199,7 @@ class KVCache:
         try:
             self._cache = self._allocate(batch_size, max_len, dtype, device)
         except Exception as first_error:  # noqa: BLE001 - only out-of-memory is retried, the rest re-raised
-            if not _is_out_of_memory(first_error):
+            if not is_out_of_memory(first_error):
                 raise
             # Fragmentation or garbage still holding memory (e.g. activations of the last training step): retry once.
             gc.collect()
@@ -207,7 +207,7 @@ class KVCache:
             try:
                 self._cache = self._allocate(batch_size, max_len, dtype, device)
             except Exception as error:  # noqa: BLE001
-                if not _is_out_of_memory(error):
+                if not is_out_of_memory(error):
                     raise
                 need = estimated_bytes(self.model_config, batch_size, max_len, dtype, self.num_kv_heads)
                 need_text = f"{need / 2**20:.1f} MiB" if need is not None else "an unknown amount"

@@ -11,11 +11,13 @@ static cache (0 for the slots not filled yet).
 import dataclasses
 import functools
 import inspect
+import os
+import traceback
 
 import torch
 import torch.distributed as dist
 
-from dschat.hybrid_engine.cache import recurrent_layers
+from dschat.hybrid_engine.cache import is_out_of_memory, recurrent_layers
 from dschat.hybrid_engine.sampling import (apply_repetition_penalty, choose_tokens, mark_seen, one_pass_applies,
                                            penalty_start, prompt_seen_tokens)
 from dschat.models.lora import unwrap_peft
@@ -73,6 +75,36 @@ def decode_step(model, spec, input_ids, attention_mask, position_ids, cache_posi
         kwargs["logits_to_keep"] = 1
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     return out.logits[:, -1, :]
+
+
+def prefill(model, spec, input_ids, attention_mask, position_ids, cache_position, cache):
+    """``decode_step`` over the prompts: the first forward to meet the static cache. A model whose own code refuses it
+    (MiniMax keeps a cache of its own: HF's ValueError) or whose cache layout the engine read otherwise than its
+    attention writes (MiMo-V2-Flash: index_copy_'s shapes) failed here deep in transformers; a ``UsageError`` now
+    says that the engine cannot decode it and names the way out."""
+    try:
+        return decode_step(model, spec, input_ids, attention_mask, position_ids, cache_position, cache)
+    except (ValueError, RuntimeError) as error:
+        if not _failed_on_the_cache(error):
+            raise
+        from dschat.errors import UsageError
+
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise UsageError(f"{type(unwrap_peft(model)).__name__} failed on the hybrid engine's static KV cache at its "
+                         f"first forward ({type(error).__name__}: {reason}): the engine cannot decode this model. Run "
+                         "step 3 without the hybrid engine (--no-enable_hybrid_engine: actor generation then uses HF "
+                         "generate).") from error
+
+
+def _failed_on_the_cache(error):
+    """Whether ``error`` came from the static cache: raised inside transformers' cache code (or the engine's), or a
+    model's refusal that names the cache's class; never an out-of-memory error."""
+    if is_out_of_memory(error):
+        return False
+    if "StaticCache" in str(error):
+        return True
+    cache_files = (os.path.join("transformers", "cache_utils.py"), os.path.join("hybrid_engine", "cache.py"))
+    return any(frame.filename.endswith(cache_files) for frame in traceback.extract_tb(error.__traceback__))
 
 
 def prompt_position_ids(attention_mask):
@@ -189,8 +221,8 @@ def generate_tokens(model, input_ids, attention_mask, cache, max_new_tokens, *, 
                        device=device)
     mask[:, :prompt_len] = attention_mask
     cache_position = torch.arange(prompt_len, device=device)
-    logits = decode_step(model, spec, input_ids, prefill_mask(mask, prompt_len, cache),
-                         prompt_position_ids(attention_mask), cache_position, cache)
+    logits = prefill(model, spec, input_ids, prefill_mask(mask, prompt_len, cache),
+                     prompt_position_ids(attention_mask), cache_position, cache)
 
     # Decode-loop state, updated in place.
     position_ids = attention_mask.long().sum(-1, keepdim=True)  # next position of each row
