@@ -1,0 +1,34 @@
+#!/bin/bash
+# DeepSpeed-Chat's script of this name with dschat's flags. Run it from the step's folder (main.py is beside
+# training_scripts/), with dschat installed (pip install -e .) or on PYTHONPATH.
+# One node (all its GPUs): OPT-1.3B, full fine-tuning on DeepSpeed-Chat's four datasets.
+OUTPUT=$1
+ZERO_STAGE=$2
+if [ "$OUTPUT" == "" ]; then
+    OUTPUT=./output
+fi
+if [ "$ZERO_STAGE" == "" ]; then
+    ZERO_STAGE=2
+fi
+mkdir -p $OUTPUT
+
+deepspeed main.py \
+   --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
+   --data_split 2,4,4 \
+   --model_name_or_path facebook/opt-1.3b \
+   --per_device_train_batch_size 8 \
+   --per_device_eval_batch_size 8 \
+   --max_seq_len 512 \
+   --learning_rate 9.65e-6 \
+   --weight_decay 0. \
+   --num_train_epochs 16 \
+   --gradient_accumulation_steps 1 \
+   --lr_scheduler_type cosine \
+   --num_warmup_steps 0 \
+   --seed 1234 \
+   --zero_stage $ZERO_STAGE \
+   --deepspeed \
+   --enable_tensorboard \
+   --tensorboard_path $OUTPUT \
+   --output_dir $OUTPUT \
+   &> $OUTPUT/training.log

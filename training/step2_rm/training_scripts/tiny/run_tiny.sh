@@ -1,0 +1,18 @@
+#!/bin/bash
+# dschat's embedded tiny default (a tiny Llama-shaped model, the bundled synthetic data): runs offline, on a CPU
+# too, in the shape of DeepSpeed-Chat's scripts; run it from the step's folder (main.py is beside training_scripts/),
+# with dschat installed (pip install -e .) or on PYTHONPATH. The settings are train.py's tiny recipe.
+OUTPUT=$1
+ZERO_STAGE=$2
+if [ "$OUTPUT" == "" ]; then
+    OUTPUT=./output/tiny
+fi
+if [ "$ZERO_STAGE" == "" ]; then
+    ZERO_STAGE=0
+fi
+mkdir -p $OUTPUT
+
+deepspeed --num_gpus 1 main.py --model_name_or_path tiny-llama --data_path tiny --data_split 4,4,2 \
+   --max_seq_len 96 --per_device_train_batch_size 16 --per_device_eval_batch_size 32 \
+   --learning_rate 1e-3 --num_train_epochs 4 --num_warmup_steps 10 --dtype fp32 --dropout 0.0 --weight_decay 0.1 \
+   --zero_stage $ZERO_STAGE --deepspeed --output_dir $OUTPUT &> $OUTPUT/training.log
