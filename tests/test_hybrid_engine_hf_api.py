@@ -438,6 +438,36 @@ def test_a_model_that_fails_on_the_static_cache_is_refused_with_the_way_out(conf
     assert isinstance(refused.value.__cause__, (ValueError, RuntimeError))  # (the model's own error, chained)
 
 
+def _model_failing_in_the_cache_code(message):
+    """A stand-in model whose forward raises ``RuntimeError(message)`` from a frame of transformers' cache_utils.py, as
+    a failing ``index_copy_`` in ``StaticLayer.update`` does."""
+    raising = compile(f"raise RuntimeError({message!r})", str(Path("transformers") / "cache_utils.py"), "exec")
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=False):
+            exec(raising)
+
+    return Model()
+
+
+def test_an_accelerator_fault_met_in_the_cache_code_is_not_taken_for_the_models_refusal():
+    """A CUDA error (a device-side assert, an illegal access) is raised by whatever kernel runs next, often one of
+    the cache's ``index_copy_``, for a fault of an earlier kernel (a token id past the vocabulary, a bad kernel): it
+    says nothing of whether the model can use the static cache, and the device is unusable after it. It reaches the
+    caller unchanged; a RuntimeError of the cache code itself (MiMo-V2-Flash's shapes) is the UsageError."""
+    from dschat.hybrid_engine.decode import ForwardSpec, prefill
+
+    spec = ForwardSpec(cache_kwarg="past_key_values", takes_cache_position=False, takes_logits_to_keep=False)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    args = (spec, ids, torch.ones_like(ids), torch.arange(3)[None], torch.arange(3), None)
+    with pytest.raises(UsageError, match="--no-enable_hybrid_engine"):
+        prefill(_model_failing_in_the_cache_code("index_copy_(): Source/destination tensor must have same slice "
+                                                 "shapes"), *args)
+    for fault in ("CUDA error: device-side assert triggered", "CUDA error: an illegal memory access was encountered"):
+        with pytest.raises(RuntimeError, match="CUDA error"):  # (a UsageError is a ValueError)
+            prefill(_model_failing_in_the_cache_code(fault), *args)
+
+
 def _bamba_config():  # a Mamba-2 layer and an attention layer
     from transformers import BambaConfig
 
