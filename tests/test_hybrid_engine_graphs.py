@@ -495,3 +495,29 @@ def test_repetition_penalty_sampled_tokens_equal_eager_and_logprobs_are_unpenali
     expected, _ = answer_logprobs_and_live(models[1], eager_a[0], mask, eos_token_id=-1)  # no EOS
     torch.testing.assert_close(eager_a[1], expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(graph_a[1], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_prompt_that_fails_on_the_static_cache_on_the_graph_path_is_the_eager_paths_usage_error(monkeypatch):
+    """The graph path runs the prompt's forward itself (outside the graph): a model whose one-token steps pass (so the
+    capture succeeds) but whose prompt fails in the cache code is refused as the eager prefill refuses it, naming
+    --no-enable_hybrid_engine, not with the bare RuntimeError of transformers' cache."""
+    from transformers.cache_utils import StaticLayer
+
+    from dschat.errors import UsageError
+
+    update = StaticLayer.update
+
+    def prompt_of_another_layout(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[-2] > 1:  # (a prompt's keys one head_dim short: index_copy_'s shape error)
+            key_states, value_states = key_states[..., :-1], value_states[..., :-1]
+        return update(self, key_states, value_states, *args, **kwargs)
+
+    engine = _engine(tiny_model("llama", seed=1))
+    decoder = _uncaptured(engine)
+    engine.eval()
+    ids, mask = left_padded_batch([5, 2, 4], seed=1)
+    monkeypatch.setattr(StaticLayer, "update", prompt_of_another_layout)
+    with pytest.raises(UsageError, match="static KV cache .*--no-enable_hybrid_engine") as refused:
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert isinstance(refused.value.__cause__, RuntimeError)
+    assert decoder.captures == 1  # (the graph path's prefill refused it: its one-token steps were captured)

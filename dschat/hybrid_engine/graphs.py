@@ -32,7 +32,7 @@ import torch
 
 from dschat.hybrid_engine.cache import keeps_length_on_device, kv_layout
 from dschat.hybrid_engine.decode import (Generation, as_eos_tensor, decode_step, forward_spec, generated_lengths,
-                                         prompt_position_ids)
+                                         prefill, prompt_position_ids)
 from dschat.hybrid_engine.sampling import (apply_repetition_penalty, choose_tokens, mark_seen, one_pass_applies,
                                            penalty_start, prompt_seen_tokens)
 from dschat.models.lora import unwrap_peft
@@ -219,8 +219,8 @@ class CapturedDecoder:
         """The prompt's forward through ``forward`` (the model or its compiled prefill), outside the graph (the prompt
         length is not part of it); the first token is then selected from these logits with :meth:`select_token`."""
         prompt_len = ids.shape[1]
-        return decode_step(forward, self.spec, ids, self.buffers.mask, prompt_position_ids(mask),
-                           torch.arange(prompt_len, device=ids.device), self.cache)
+        return prefill(forward, self.spec, ids, self.buffers.mask, prompt_position_ids(mask),
+                       torch.arange(prompt_len, device=ids.device), self.cache)
 
     def capture(self, pool):
         """Warm up on a side stream, then record one step. The buffers must hold a loaded generation; the caller
