@@ -328,3 +328,12 @@ def test_a_misspelt_field_of_a_typed_dataset_in_a_hive_folder_is_refused_by_its_
         parse_data_fields("jsonl:lang=en/qa.jsonl:promt=question")
     assert parse_data_fields("jsonl:lang=en/qa.jsonl:prompt=question").by_dataset == {
         "jsonl:lang=en/qa.jsonl": {"prompt": "question"}}
+
+
+def test_a_typed_dataset_in_a_hive_folder_keyed_by_a_field_name_keeps_its_path():
+    """jsonl:label=good/qa.jsonl:prompt=q, a folder partitioned by a key that is also a renamable field's name: the
+    group's dataset ended at the type's ':' (the first ':' before a renamable name and '='), so the dataset read as
+    'jsonl' and the mapping as "label=good/qa.jsonl:prompt=q", the label renamed to a column of that name."""
+    assert parse_data_fields("jsonl:label=good/qa.jsonl:prompt=question").by_dataset == {
+        "jsonl:label=good/qa.jsonl": {"prompt": "question"}}
+    assert parse_data_fields("jsonl:qa.jsonl:label=verdict").by_dataset == {"jsonl:qa.jsonl": {"label": "verdict"}}

@@ -286,12 +286,13 @@ _FIELD_START = re.compile(r":\s*([A-Za-z_]\w*)\s*=")
 def _split_at_dataset(group):
     """(SPEC, mapping) where SPEC ends at the ':' before the first renamable field's name and its '=': a path may hold
     '=' itself (a Hive-style folder, ``data/lang=en/a.jsonl:prompt=q``). Failing that, at the first ':' before any
-    name and '=' that does not end a bare type (``jsonl:lang=en/a.jsonl:promt=q``'s SPEC is not ``jsonl``), so a
-    misspelt field (``SPEC:promt=q``) is still read as SPEC's and refused by its name. None: no dataset."""
+    name and '=', so a misspelt field (``SPEC:promt=q``) is still read as SPEC's and refused by its name. Either way
+    never at a ':' that ends a bare type, which no dataset is (``jsonl:label=good/a.jsonl:prompt=q``'s SPEC is not
+    ``jsonl``, though its folder's key is a field's name). None: no dataset."""
     renamable = set(renamable_fields())
     starts = [match for match in _FIELD_START.finditer(group) if group[:match.start()].strip()]
-    named = [match for match in starts if group[:match.start()].strip().lower() not in LOCAL_TYPES] or starts
-    start = next((match for match in starts if match.group(1) in renamable), named[0] if named else None)
+    starts = [match for match in starts if group[:match.start()].strip().lower() not in LOCAL_TYPES] or starts
+    start = next((match for match in starts if match.group(1) in renamable), starts[0] if starts else None)
     return None if start is None else (group[:start.start()].strip(), group[start.start() + 1:].strip())
 
 
