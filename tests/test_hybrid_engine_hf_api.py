@@ -438,10 +438,10 @@ def test_a_model_that_fails_on_the_static_cache_is_refused_with_the_way_out(conf
     assert isinstance(refused.value.__cause__, (ValueError, RuntimeError))  # (the model's own error, chained)
 
 
-def _model_failing_in_the_cache_code(message):
-    """A stand-in model whose forward raises ``RuntimeError(message)`` from a frame of transformers' cache_utils.py, as
-    a failing ``index_copy_`` in ``StaticLayer.update`` does."""
-    raising = compile(f"raise RuntimeError({message!r})", str(Path("transformers") / "cache_utils.py"), "exec")
+def _model_failing_in_the_cache_code(message, where=Path("transformers") / "cache_utils.py"):
+    """A stand-in model whose forward raises ``RuntimeError(message)`` from a frame of ``where`` (transformers'
+    cache_utils.py: as a failing ``index_copy_`` in ``StaticLayer.update`` does)."""
+    raising = compile(f"raise RuntimeError({message!r})", str(where), "exec")
 
     class Model(torch.nn.Module):
         def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=False):
@@ -450,22 +450,36 @@ def _model_failing_in_the_cache_code(message):
     return Model()
 
 
+def _prefill(model):
+    """decode.prefill of a 3-token prompt through ``model`` (no cache: the stand-ins fail before they would use it)."""
+    from dschat.hybrid_engine.decode import ForwardSpec, prefill
+
+    spec = ForwardSpec(cache_kwarg="past_key_values", takes_cache_position=False, takes_logits_to_keep=False)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    return prefill(model, spec, ids, torch.ones_like(ids), torch.arange(3)[None], torch.arange(3), None)
+
+
 def test_an_accelerator_fault_met_in_the_cache_code_is_not_taken_for_the_models_refusal():
     """A CUDA error (a device-side assert, an illegal access) is raised by whatever kernel runs next, often one of
     the cache's ``index_copy_``, for a fault of an earlier kernel (a token id past the vocabulary, a bad kernel): it
     says nothing of whether the model can use the static cache, and the device is unusable after it. It reaches the
     caller unchanged; a RuntimeError of the cache code itself (MiMo-V2-Flash's shapes) is the UsageError."""
-    from dschat.hybrid_engine.decode import ForwardSpec, prefill
-
-    spec = ForwardSpec(cache_kwarg="past_key_values", takes_cache_position=False, takes_logits_to_keep=False)
-    ids = torch.ones(1, 3, dtype=torch.long)
-    args = (spec, ids, torch.ones_like(ids), torch.arange(3)[None], torch.arange(3), None)
     with pytest.raises(UsageError, match="--no-enable_hybrid_engine"):
-        prefill(_model_failing_in_the_cache_code("index_copy_(): Source/destination tensor must have same slice "
-                                                 "shapes"), *args)
+        _prefill(_model_failing_in_the_cache_code("index_copy_(): Source/destination tensor must have same slice "
+                                                  "shapes"))
     for fault in ("CUDA error: device-side assert triggered", "CUDA error: an illegal memory access was encountered"):
         with pytest.raises(RuntimeError, match="CUDA error"):  # (a UsageError is a ValueError)
-            prefill(_model_failing_in_the_cache_code(fault), *args)
+            _prefill(_model_failing_in_the_cache_code(fault))
+
+
+def test_an_error_of_dschats_own_cache_code_is_not_taken_for_the_models_refusal():
+    """The engine's cache code that runs in the forward (TokenWriteLayer.update) fails only through transformers'
+    update (whose frames say so) or as a bug of dschat's: that bug reaches the caller as it is, not as a refusal of the
+    model with the advice to turn the engine off."""
+    model = _model_failing_in_the_cache_code("expected a tensor of dtype Long", Path("dschat") / "hybrid_engine" /
+                                             "cache.py")
+    with pytest.raises(RuntimeError, match="expected a tensor of dtype Long"):  # (a UsageError is a ValueError)
+        _prefill(model)
 
 
 def _bamba_config():  # a Mamba-2 layer and an attention layer

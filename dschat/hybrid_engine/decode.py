@@ -97,15 +97,17 @@ def prefill(model, spec, input_ids, attention_mask, position_ids, cache_position
 
 
 def _failed_on_the_cache(error):
-    """Whether ``error`` came from the static cache: raised inside transformers' cache code (or the engine's), or a
-    model's refusal that names the cache's class; never an out-of-memory error, nor an accelerator's fault (a CUDA
-    error is raised by whichever kernel runs next, often the cache's index_copy_, for an earlier kernel's fault)."""
+    """Whether ``error`` came from the static cache: raised inside transformers' cache code, or a model's refusal
+    that names the cache's class; never an out-of-memory error, nor an accelerator's fault (a CUDA error is raised by
+    whichever kernel runs next, often the cache's index_copy_, for an earlier kernel's fault). The engine's own cache
+    code (TokenWriteLayer.update) is not counted: it fails only through transformers' update, or by a bug of dschat's,
+    which turning the engine off would hide."""
     if is_out_of_memory(error) or _is_accelerator_fault(error):
         return False
     if "StaticCache" in str(error):
         return True
-    cache_files = (os.path.join("transformers", "cache_utils.py"), os.path.join("hybrid_engine", "cache.py"))
-    return any(frame.filename.endswith(cache_files) for frame in traceback.extract_tb(error.__traceback__))
+    cache_code = os.path.join("transformers", "cache_utils.py")
+    return any(frame.filename.endswith(cache_code) for frame in traceback.extract_tb(error.__traceback__))
 
 
 def _is_accelerator_fault(error):
