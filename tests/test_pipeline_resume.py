@@ -563,21 +563,9 @@ def test_a_step_finished_at_another_zero_stage_is_skipped_and_says_so(tmp_path):
     assert plan_steps([1], "ppo", str(tmp_path), staged)[1] == (RESUME, "it was interrupted")
 
 
-def test_train_py_resume_at_another_zero_stage_skips_the_finished_step_and_converts_the_interrupted_ones(
-        tmp_path, distributed, monkeypatch, capsys):
-    """The README's "give the new stage to the interrupted step" was read in the plan, not run: train.py --resume
-    with --zero_stage 3 for steps 1 and 2 after step 2 (ZeRO-2) was killed past its first checkpoint trained step 1
-    again from the start. Step 1 is skipped now, saying the stages; step 2 resumes from its ZeRO-2 checkpoint at
-    ZeRO-3."""
+def killed_after_the_first_checkpoint(monkeypatch, argv):
+    """train.py with ``argv``, killed (KeyboardInterrupt) just after a step saved its first checkpoint."""
     from dschat.steps import resume
-
-    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
-    out = tmp_path / "out"
-
-    def argv(stage, *more):
-        return TRAIN_PY["parse_args"](["--output-dir", str(out), "--step", "1", "2", "--step1-args",
-                                       f"--max_steps 1 --eval_iters 1 --zero_stage {stage}", "--step2-args",
-                                       f"--max_steps 2 --save_interval 1 --zero_stage {stage}", *more])
 
     real = resume.save_step_checkpoint
 
@@ -588,7 +576,25 @@ def test_train_py_resume_at_another_zero_stage_skips_the_finished_step_and_conve
     with monkeypatch.context() as patch:
         patch.setattr(resume, "save_step_checkpoint", killed_after_the_first)
         with pytest.raises(KeyboardInterrupt):
-            pipeline.run_pipeline(argv(2))
+            pipeline.run_pipeline(argv)
+
+
+def test_train_py_resume_at_another_zero_stage_skips_the_finished_step_and_converts_the_interrupted_ones(
+        tmp_path, distributed, monkeypatch, capsys):
+    """The README's "give the new stage to the interrupted step" was read in the plan, not run: train.py --resume
+    with --zero_stage 3 for steps 1 and 2 after step 2 (ZeRO-2) was killed past its first checkpoint trained step 1
+    again from the start. Step 1 is skipped now, saying the stages; step 2 resumes from its ZeRO-2 checkpoint at
+    ZeRO-3."""
+
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+
+    def argv(stage, *more):
+        return TRAIN_PY["parse_args"](["--output-dir", str(out), "--step", "1", "2", "--step1-args",
+                                       f"--max_steps 1 --eval_iters 1 --zero_stage {stage}", "--step2-args",
+                                       f"--max_steps 2 --save_interval 1 --zero_stage {stage}", *more])
+
+    killed_after_the_first_checkpoint(monkeypatch, argv(2))
     assert not (out / "step2_rm" / "metrics.json").exists()
     written = (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns
     capsys.readouterr()
@@ -679,7 +685,6 @@ def test_train_py_resume_with_offload_and_activation_checkpointing_skips_the_fin
     its first checkpoint trained step 1 again from the start. Step 1 is skipped now, saying the flags; step 2 resumes
     with activation checkpointing, and given --offload too (its checkpoint holds another optimizer's states, which
     DeepSpeed does not load into CPU Adam) is a UsageError saying what to do, before anything trains."""
-    from dschat.steps import resume
 
     monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
@@ -689,16 +694,7 @@ def test_train_py_resume_with_offload_and_activation_checkpointing_skips_the_fin
                                        f"--max_steps 1 --eval_iters 1 --zero_stage 2 {step1}", "--step2-args",
                                        f"--max_steps 2 --save_interval 1 --zero_stage 2 {step2}", *more])
 
-    real = resume.save_step_checkpoint
-
-    def killed_after_the_first(engine, args, position, *rest):
-        real(engine, args, position, *rest)
-        raise KeyboardInterrupt("killed")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(resume, "save_step_checkpoint", killed_after_the_first)
-        with pytest.raises(KeyboardInterrupt):
-            pipeline.run_pipeline(argv())
+    killed_after_the_first_checkpoint(monkeypatch, argv())
     written = (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns
     lighter = "--offload --gradient_checkpointing"
     with pytest.raises(UsageError, match=r"(?s)--offload False -> True\..*resume with the checkpoint's values.*"
