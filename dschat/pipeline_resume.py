@@ -168,7 +168,7 @@ def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
     else:
         from dschat.steps import resume as own
         batch_flags = own.BATCH_FLAGS
-    saved = (checkpoint or {}).get("flags") or {}
+    saved = _saved_flags(checkpoint)
     if not saved:  # (a checkpoint that stored none: not compared, as the step does not)
         return
     bound = own.bound_flags(flags)
@@ -236,7 +236,7 @@ def edited_data(record, checkpoint, flags):
     the data of its hub datasets (step 3: or its unsupervised data), differ from what its finished output
     (``record``) or, without one, its last checkpoint recorded; else None. Records from before dschat kept them are
     not compared."""
-    for what, saved in (("finished output", record or {}), ("checkpoint", (checkpoint or {}).get("flags") or {})):
+    for what, saved in (("finished output", record or {}), ("checkpoint", _saved_flags(checkpoint))):
         if saved.get(DATA_FILES) is not None:
             changed = changed_data_files(saved[DATA_FILES], step_data_files(flags)) + \
                 changed_hub_revisions(saved.get(HUB_DATA), flags) + \
@@ -344,9 +344,14 @@ def _same_output_why(stages, settings, record, flags):
     return f"its output does not depend on {' nor on '.join(parts)}" if parts else ""  # ("": the same flags)
 
 
+def _saved_flags(checkpoint):
+    """The flags a checkpoint's state (``checkpoint_state``; None: no checkpoint) stores, {} where none."""
+    return (checkpoint or {}).get("flags") or {}
+
+
 def _checkpoint_had_other(name, checkpoint, flags):
     """Whether the checkpoint's state (``checkpoint_state``) binds it to another value of flag ``name`` than now."""
-    saved = (checkpoint or {}).get("flags") or {}
+    saved = _saved_flags(checkpoint)
     return name in saved and saved[name] != getattr(flags, name, None)
 
 

@@ -1385,8 +1385,7 @@ class LocalDataset(PromptRawDataset):
 
     def __init__(self, source, output_path, seed, local_rank, field_options=None):
         self.source = source
-        self.fields = {name: name for name in (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS,
-                                               MARGIN_FIELD)}
+        self.fields = {name: name for name in renamable_fields()}
         self.renamed = checked_field_options(field_options or {})
         self.fields.update(self.renamed)
         self.margin_field = self.fields[MARGIN_FIELD]
