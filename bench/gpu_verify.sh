@@ -68,9 +68,9 @@ named)
     check gpu_tests 150 python -m pytest -v -rs -k "(gpu or cuda) and not mixed_precision" \
         tests/test_hybrid_engine_sampling.py tests/test_decode_attention.py tests/test_align_overflow.py \
         tests/test_ds_config.py
+    check first_step 120 python tests/scripts/first_step_gpu.py  # (ZeRO-0's fp16/bf16 wrappers over FusedAdam)
     check mixed_precision_lora 300 python tests/scripts/mixed_precision_lora_gpu.py /tmp/mixed_precision_lora
     check named_checks 120 python bench/graph_equality.py lora_check zero3_check zero3_step_after_generation host_syncs
-    check first_step 120 python tests/scripts/first_step_gpu.py  # (ZeRO-0's fp16/bf16 wrappers over FusedAdam)
     ;;  # (session 45: the named checks took 50 s)
 logprob)
     check logprob_delta_t1 60 python bench/logprob_delta.py --cuda_graph
