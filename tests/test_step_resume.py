@@ -287,6 +287,45 @@ def test_a_checkpoint_saved_before_a_data_format_bump_resumes_on_data_built_once
     assert phase_2_caches() == rebuilt
 
 
+@pytest.mark.parametrize("saved_before_the_fix", [True, False])
+def test_a_zero0_bf16_checkpoint_saved_before_the_setup_step_was_taken_back_counts_the_steps_adam_took(
+        saved_before_the_fix, tmp_path, distributed, monkeypatch, capsys):
+    """DeepSpeed's ZeRO-0 bf16/fp16 wrapper steps Adam once with zero gradients as it is built; dschat takes that count
+    back since 326ae58 (``uncount_state_allocation_step``), but a checkpoint saved before counted one step more than
+    Adam took, and a resume kept it: the rest of the run took the bias corrections of one step later. A resume counts
+    it back, saying so; a checkpoint saved since keeps its counts."""
+    from dschat.models import training_engine
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.utils.checkpoints import MODEL, ResumePlan, loading_checkpoint
+    from dschat.utils.ds_config import get_train_ds_config
+
+    def build():
+        ds_config = get_train_ds_config(dtype="bf16", stage=0)
+        model = load_causal_lm("tiny-gpt2", load_tokenizer("tiny-gpt2"), ds_config)
+        return training_engine.initialize_engine(model, ds_config, 1e-3, 0.0, None, "constant", 0, 10)
+
+    def adam_counts(engine):
+        return {float(state["step"]) for state in engine.optimizer.optimizer.state.values()}
+
+    with monkeypatch.context() as patch:
+        if saved_before_the_fix:  # (dschat's engine before the fix)
+            patch.setattr(training_engine, "uncount_state_allocation_step", lambda engine: None)
+        saved = build()
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        saved.backward(saved(input_ids=ids, labels=ids).loss)
+        saved.step()
+    assert adam_counts(saved) == ({3.0} if saved_before_the_fix else {2.0})
+    saved.save_checkpoint(str(tmp_path / "model"), tag="step_0000002")
+    resumed = build()
+    capsys.readouterr()
+    with loading_checkpoint(resumed, ResumePlan("step_0000002"), MODEL):
+        resumed.load_checkpoint(str(tmp_path / "model"), tag="step_0000002")
+    assert adam_counts(resumed) == {2.0}
+    said = "the model's Adam state in checkpoint step_0000002 counted 3 steps for the 2 it took"
+    assert (said in capsys.readouterr().out) == saved_before_the_fix
+
+
 def test_a_fresh_run_removes_earlier_checkpoints_and_resume_without_one_starts_over(tmp_path, distributed, capsys):
     common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
               "--max_steps", "2"]

@@ -216,10 +216,7 @@ def uncount_state_allocation_step(engine):
     smaller too. The state goes back to a fresh Adam's (step counts and moments 0: the zero gradients left the moments
     0 anyway), and the fp32 master weights to the model's: AdamW decayed them in that step (lr x weight_decay), and
     they are the model's weights as built, exactly (``refresh_fp32_params``)."""
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-    if not isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+    if not steps_adam_as_it_is_built(engine):
         return
     for state in engine.optimizer.optimizer.state.values():
         for key, value in state.items():
@@ -228,6 +225,34 @@ def uncount_state_allocation_step(engine):
             elif key == "step":
                 state[key] = 0
     engine.optimizer.refresh_fp32_params()
+
+
+def steps_adam_as_it_is_built(engine):
+    """Whether ``engine``'s optimizer is one of DeepSpeed's ZeRO-0 fp16/bf16 wrappers, which step Adam once with zero
+    gradients as they are built (``uncount_state_allocation_step``)."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    return isinstance(getattr(engine, "optimizer", None), (FP16_Optimizer, FP16_UnfusedOptimizer))
+
+
+def recount_restored_allocation_step(engine):
+    """After ``engine.load_checkpoint``: a ZeRO-0 fp16/bf16 checkpoint saved before ``uncount_state_allocation_step``
+    (dschat before 2026-12-07, 326ae58) carries Adam's step counts one higher than the steps Adam took, and a resume
+    kept the extra count. Its moments are those of the steps taken (the allocation step's zero gradients left them 0),
+    so counting it back gives the rest of the run the bias corrections of its own steps. Told by the counts, which no
+    checkpoint records otherwise: the highest is one more than the restored engine's steps less its skipped ones (a
+    parameter left without a gradient in a step counts fewer; a checkpoint saved since counts exactly). Returns
+    (counted, taken) when it counted back, else None."""
+    if not steps_adam_as_it_is_built(engine):
+        return None
+    states = [state for state in engine.optimizer.optimizer.state.values() if "step" in state]
+    taken = engine.global_steps - engine.skipped_steps
+    if not states or max(float(state["step"]) for state in states) != taken + 1:
+        return None
+    for state in states:
+        state["step"] = state["step"] - 1  # (a new tensor: a restored state's step may be shared, ``own_step_counts``)
+    return taken + 1, taken
 
 
 def values_through_engine_forward(engine):

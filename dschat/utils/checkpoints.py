@@ -638,7 +638,10 @@ def loading_checkpoint(engine, plan, part):
     """Around ``engine.load_checkpoint`` of ``plan``'s ``part``, what DeepSpeed's load would otherwise take from the
     checkpoint's run instead of this one: after a universal load, the parameter groups' settings put back
     (``restore_param_group_settings``); after any load, the learning rates of this run's schedule at the restored
-    position (``follow_this_runs_schedule``) and this run's gradient clipping (``keep_this_runs_clipping``)."""
+    position (``follow_this_runs_schedule``) and this run's gradient clipping (``keep_this_runs_clipping``); and
+    Adam's step counts of an older ZeRO-0 fp16/bf16 checkpoint counted back (``recount_restored_allocation_step``)."""
+    from dschat.models.training_engine import recount_restored_allocation_step
+
     groups = param_group_settings(engine) if part in plan.universal else None
     clipping = getattr(getattr(engine, "optimizer", None), "clip_grad", None)
     yield
@@ -646,6 +649,11 @@ def loading_checkpoint(engine, plan, part):
         restore_param_group_settings(engine, groups)
     follow_this_runs_schedule(engine)
     keep_this_runs_clipping(engine, clipping)
+    recounted = recount_restored_allocation_step(engine)
+    if recounted:
+        print_rank_0(f"--resume: the {part}'s Adam state in checkpoint {plan.tag} counted {recounted[0]} steps for the "
+                     f"{recounted[1]} it took (a ZeRO-0 fp16/bf16 checkpoint of dschat before its optimizer's setup "
+                     f"step was taken back): it counts {recounted[1]} now")
 
 
 def keep_this_runs_clipping(engine, clipping):
