@@ -4,7 +4,7 @@ Steps run one after another, so an interruption stops one step: the steps it sta
 step after it holds was made from older inputs. A step's output or checkpoint therefore counts only when it was
 made from the present outputs of the steps it starts from, and none of those runs now:
 - its finished output of the same flags, ZeRO stages and flags of memory and speed alone aside (metrics.json and
-  training_args.json): the step is skipped;
+  training_args.json), made by this dschat's version of the step (``older_step_output``): the step is skipped;
 - else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
   finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on;
 - else it starts afresh.
@@ -20,9 +20,9 @@ from dschat.args import recorded_flags_now
 from dschat.data.local import same_data_fields, same_datasets
 from dschat.data.raw_datasets import changed_data_files
 from dschat.errors import UsageError
-from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS
-from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, finished_run_id, holds_model,
-                                 model_identity, read_run_args, step_data_files)
+from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS, RUN_ARGS_FILE
+from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, STEP_VERSION, STEP_VERSIONS,
+                                 finished_run_id, holds_model, model_identity, read_run_args, step_data_files)
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_DATA, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -106,6 +106,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
         record = read_run_args(folder)
         current = made_from.current(finished_time(folder), record)
+        older = older_step_output(folder, record, step, steps) if current else None
         reshaped = same_batches_on_other_ranks(step, record, parsed[step], world_size)
         differing = [name for name in changed_flags(record, parsed[step]) if name not in reshaped]
         changed = [name for name in differing if name not in ZERO_STAGE_FLAGS and name not in MEMORY_SPEED_FLAGS]
@@ -129,6 +130,8 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         if edited:
             plan[step] = Decision(FRESH, f"the content of its data files changed since its {edited[0]} in "
                                          f"{folder}: {', '.join(edited[1])}")
+        elif older:
+            plan[step] = Decision(FRESH, older)
         elif current and not changed:
             plan[step] = Decision(SKIP, _same_output_why(stages, settings, record, parsed[step]))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
@@ -151,6 +154,26 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         else:
             plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint")
     return plan
+
+
+def older_step_output(folder, record, step, steps):
+    """Why the finished output in ``folder`` (``record``: its training_args.json) is an older dschat's, whose step
+    trained otherwise than this one's (``STEP_VERSIONS``), else None; one of a newer dschat's is an error naming it."""
+    path = os.path.join(folder, RUN_ARGS_FILE)
+    name = (record or {}).get("step")
+    then, now = (record or {}).get(STEP_VERSION), STEP_VERSIONS.get(name)
+    if then is None:
+        return (f"its finished output in {folder} is of a dschat from before steps recorded their version (no "
+                f"{STEP_VERSION} in {path}), which may have trained it otherwise")
+    if now is None or type(then) is not int or then > now:  # (bool is an int: not a version)
+        latest = f"its latest is {now}" if now is not None else "nor a step of that name"
+        raise UsageError(f"{path} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
+                         f"({latest}): a newer dschat's output, whose step this one may train otherwise. Resume with "
+                         f"that dschat, or train step {step} afresh with this one ({afresh_flags(step, steps)})")
+    if then < now:
+        return (f"its finished output in {folder} is an older dschat's ({STEP_VERSION} {then} of {name}, {now} now: "
+                "STEP_VERSIONS in dschat/steps/common.py says what changed)")
+    return None
 
 
 def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
@@ -188,9 +211,13 @@ def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
 
 def afresh_advice(step, steps):
     """What to give train.py to train ``step``, which --resume resumes and cannot, afresh and keep the steps before."""
-    again = " ".join(str(s) for s in steps if s >= step)
-    return (f"(train.py --resume resumes step {step}: to train it afresh and keep the steps before it, give --step "
-            f"{again} without --resume)")
+    return f"(train.py --resume resumes step {step}: to train it afresh and keep the steps before it, give " \
+           f"{afresh_flags(step, steps)})"
+
+
+def afresh_flags(step, steps):
+    """The train.py flags that train ``step`` and the later ones of ``steps`` afresh, keeping the steps before."""
+    return f"--step {' '.join(str(s) for s in steps if s >= step)} without --resume"
 
 
 def outdated_outputs(steps, recipe, output_dir, rm_from_sft=True, ready_reward_model=False):

@@ -11,6 +11,7 @@ import pytest
 from dschat import pipeline
 from dschat.errors import UsageError
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, plan_steps
+from dschat.steps.common import STEP_VERSION, STEP_VERSIONS
 from dschat.utils.checkpoints import latest_tag, trainer_folder
 from launch import REPO
 
@@ -25,12 +26,17 @@ def finish(out, step, at, run_ids=None, **changed):
     folder = out / FOLDERS[step]
     folder.mkdir(parents=True, exist_ok=True)
     flags = {**vars(FLAGS), "save_interval": 0, **changed}  # a run records the save interval it used
-    record = {"step": f"step{step}", "flags": flags}
+    record = {"step": f"step{step}", **this_version(step), "flags": flags}
     if run_ids is not None:
         record.update(run_id=run_ids[0], inputs={f"/somewhere/{run}": run for run in run_ids[1]})
     (folder / "training_args.json").write_text(json.dumps(record))
     (folder / "metrics.json").write_text("{}")
     os.utime(folder / "metrics.json", (at, at))
+
+
+def this_version(step):
+    """The step version this dschat records in a step's training_args.json."""
+    return {STEP_VERSION: STEP_VERSIONS[f"step{step}"]}
 
 
 def checkpoint(out, step, at):
@@ -103,7 +109,8 @@ def test_a_model_that_was_another_runs_output_is_compared_by_its_run_id(tmp_path
     monkeypatch.chdir(tmp_path)
     other = tmp_path / "other"
     finish(other, 1, 10, ("x", []))  # another run's SFT model, which this run's step 1 started from
-    record = {"step": "step1", "cwd": str(tmp_path / "old"), "run_id": "a", "inputs": {str(other / "step1_sft"): "x"},
+    record = {"step": "step1", **this_version(1), "cwd": str(tmp_path / "old"), "run_id": "a",
+              "inputs": {str(other / "step1_sft"): "x"},
               "flags": {**vars(FLAGS), "save_interval": 0, "model_name_or_path": str(other / "step1_sft")}}
     finish(tmp_path, 1, 100)
     (tmp_path / "step1_sft" / "training_args.json").write_text(json.dumps(record))
@@ -129,7 +136,7 @@ def test_a_model_made_elsewhere_is_compared_by_its_files(tmp_path, monkeypatch):
     (external / "README.md").write_text("notes")
     step = Namespace(**{**vars(FLAGS), "model_name_or_path": str(external)})
     finish(tmp_path, 1, 100)
-    record = {"step": "step1", "cwd": str(tmp_path), "run_id": "a", "inputs": input_runs(step),
+    record = {"step": "step1", **this_version(1), "cwd": str(tmp_path), "run_id": "a", "inputs": input_runs(step),
               "flags": {**vars(FLAGS), "save_interval": 0, "model_name_or_path": str(external)}}
     assert record["inputs"] == {str(external): model_identity(str(external))}
     (tmp_path / "step1_sft" / "training_args.json").write_text(json.dumps(record))
@@ -208,6 +215,41 @@ def test_a_step_finished_with_other_flags_runs_again_and_so_do_the_later_ones(tm
     resumed = Namespace(**{**vars(FLAGS), "resume": True, "save_interval": 5})
     finish(tmp_path, 1, 175)
     assert plan(tmp_path, step1=resumed) == {1: SKIP, 2: SKIP, 3: SKIP}
+
+
+def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_is_refused(tmp_path, monkeypatch):
+    """A step's finished output was skipped by its flags alone, whichever dschat made it: a step 2 finished before its
+    loss subtracted each pair's margin (FORMAT_VERSION 45) was kept as this dschat's. Its training_args.json records
+    the step's version now (STEP_VERSIONS): one older, or none, trains the step again, saying why; a newer one is an
+    error naming the file."""
+    finish(tmp_path, 1, 100), finish(tmp_path, 2, 200, max_steps=4), finish(tmp_path, 3, 300)
+    checkpoint(tmp_path, 2, 150)
+    longer = Namespace(**{**vars(FLAGS), "max_steps": 8})
+    assert plan(tmp_path, step2=Namespace(**{**vars(FLAGS), "max_steps": 4})) == {1: SKIP, 2: SKIP, 3: SKIP}
+    record_file = tmp_path / FOLDERS[2] / "training_args.json"
+    record = json.loads(record_file.read_text())
+
+    def step_2_with(version):
+        record_file.write_text(json.dumps({**record, STEP_VERSION: version}))
+        return plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: longer, 3: FLAGS})
+
+    assert {step: decision.action for step, decision in step_2_with(1).items()} == {1: SKIP, 2: RESUME, 3: FRESH}
+    del record[STEP_VERSION]  # (written by a dschat from before steps recorded it)
+    decisions = step_2_with(None)
+    assert decisions[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is of a dschat from before steps "
+                                   f"recorded their version (no step_version in {record_file}), which may have trained "
+                                   "it otherwise")  # (not trained on from its checkpoint: of that dschat too)
+    assert decisions[3] == (FRESH, "it starts from step 2's new output")
+    monkeypatch.setitem(STEP_VERSIONS, "step2", 2)  # a change of what step 2 makes, since step 2 finished under 1
+    assert step_2_with(1)[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is an older dschat's "
+                                        "(step_version 1 of step2, 2 now: STEP_VERSIONS in dschat/steps/common.py "
+                                        "says what changed)")
+    assert step_2_with(2)[2].action == RESUME
+    for newer in (3, "2"):
+        with pytest.raises(UsageError, match=rf"{record_file} records step_version {newer!r} of step2, which this "
+                                             r"dschat does not know \(its latest is 2\): .* train step 2 afresh with "
+                                             r"this one \(--step 2 3 without --resume\)"):
+            step_2_with(newer)
 
 
 def test_batch_flags_set_for_another_number_of_ranks_with_the_same_batches_keep_the_plan(tmp_path):

@@ -331,11 +331,23 @@ def _listdir(folder):
 
 REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path and content hash)
 
+# What each step's finished output is, as this dschat trains it, kept in its training_args.json (STEP_VERSION): bumped
+# when the same flags and data make another output (the step's loss, what it trains on), so that ``train.py --resume``
+# trains a finished output of an older dschat again instead of skipping it (``pipeline_resume.older_step_output``).
+# Not the data cache's FORMAT_VERSION: its bumps mostly concern records of one kind (a CSV quirk, a JSON key order)
+# that a run's data may not hold, and a cache rebuilds in minutes where a step trains for hours; a data format change
+# that changes what a step trains on bumps the step's version too.
+# 1: recorded from here on (an output without it is older: step 2's loss subtracts each pair's margin since
+#    FORMAT_VERSION 45, and earlier changes are not told apart)
+STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 1, "step3": 1}
+STEP_VERSION = "step_version"
+
 
 def write_results(args, metrics, step):
     """The step's ``metrics.json`` and ``training_args.json`` (which step, and its flags as it ran: what the tools read
-    to evaluate its output on the same data, e.g. ppo_eval's held-out prompts; this output's run id and those of the
-    step outputs it started from: what ``train.py --resume`` reads) in its output folder (rank 0)."""
+    to evaluate its output on the same data, e.g. ppo_eval's held-out prompts; the step's version, this output's run
+    id and those of the step outputs it started from: what ``train.py --resume`` reads) in its output folder (rank
+    0)."""
     if is_rank_0():
         write_run_args(args, step)
         # Last: metrics.json marks the output finished (a kill before it must leave it unfinished, not new weights
@@ -355,8 +367,8 @@ def write_run_args(args, step):
         record[REWARD_FN_FILE] = reward_fn_file(flags["reward_fn"])
     os.makedirs(args.output_dir, exist_ok=True)
     write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
-                      {"step": step, "world_size": get_world_size(), "cwd": os.getcwd(), "flags": flags,
-                       "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
+                      {"step": step, STEP_VERSION: STEP_VERSIONS[step], "world_size": get_world_size(),
+                       "cwd": os.getcwd(), "flags": flags, "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
                        **step_data_records(args), **record}, default=str)
 
 
