@@ -151,10 +151,13 @@ def step_argv(step, args, tiny):
     else:
         # a --zero_stage in --step3-args sets both models: the per-model stages would outrank it
         gives_stage = any(token.split("=", 1)[0] == "--zero_stage" for token in extra)
-        stages = [] if gives_stage else ["--actor_zero_stage", str(args.actor_zero_stage),
-                                         "--critic_zero_stage", str(args.reward_zero_stage)]
         ready = ready_reward_model(args)
-        if getattr(args, "recipe", "ppo") == "grpo":  # no critic, no step 2: its run record names no step-2 folder
+        grpo = getattr(args, "recipe", "ppo") == "grpo"
+        # (--critic_zero_stage shards the critic, or a critic-free run's reward model: GRPO rewarded by its
+        # --reward_fn has neither, and train.py refuses a --reward-zero-stage for it)
+        critic_stage = [] if grpo and not ready else ["--critic_zero_stage", str(args.reward_zero_stage)]
+        stages = [] if gives_stage else ["--actor_zero_stage", str(args.actor_zero_stage), *critic_stage]
+        if grpo:  # no critic, no step 2: its run record names no step-2 folder
             scorers = ["--reward_model_name_or_path", ready] if ready else []
         else:
             scorers = ["--critic_model_name_or_path", ready or os.path.join(out, RM_DIR)]

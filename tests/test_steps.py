@@ -1699,6 +1699,19 @@ def test_train_py_refuses_a_reward_zero_stage_dpo_would_not_use(capsys):
     assert refused.value.code == 2 and "grpo without --reward-model has no reward model" in capsys.readouterr().err
 
 
+def test_train_py_gives_grpo_a_critic_stage_only_for_its_reward_model(tmp_path):
+    """--recipe grpo's step 3 was given --critic_zero_stage (the deployment's default) with no critic and no reward
+    model for it to shard; with a trained --reward-model it shards that model, as --reward-zero-stage says."""
+    from dschat import pipeline
+    from dschat.args import step3_parser
+
+    assert "--critic_zero_stage" not in pipeline.step_argv(3, _train_py_args("--recipe", "grpo"), True)
+    assert "--critic_zero_stage" in pipeline.step_argv(3, _train_py_args(), True)  # (PPO's critic)
+    _save_tiny_sequence_classifier(tmp_path / "rm")
+    scored = _train_py_args("--recipe", "grpo", "--reward-model", str(tmp_path / "rm"), "--reward-zero-stage", "2")
+    assert step3_parser().parse_args(pipeline.step_argv(3, scored, True)).critic_zero_stage == 2
+
+
 def test_train_py_prints_the_launch_command_as_it_runs_it(monkeypatch, capsys):
     """The "launching:" line joined the arguments with spaces: a --stepN-args string of several flags came out as
     separate words, so the command copied from it failed ("unrecognized arguments")."""
