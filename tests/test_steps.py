@@ -247,6 +247,21 @@ def test_the_eval_interval_curve_ends_with_the_final_evaluation(tmp_path, distri
     assert [e.step for e in events.Scalars("step1/final/eval_loss")] == [4]
 
 
+def test_every_tensorboard_events_file_of_a_run_holds_scalars(tmp_path, distributed):
+    """DeepSpeed's monitor opens an events file as the engine is made; dschat reopens it with a purge once the run
+    knows where it starts, and the first file stayed behind in ds_tensorboard_logs/, empty."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"), "--max_steps", "2",
+              "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb"), *SFT_FAST])
+    files = sorted((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert {f.parent.name for f in files} == {"step1", "step1_model_tensorboard"}  # (dschat's and DeepSpeed's)
+    for events_file in files:
+        events = EventAccumulator(str(events_file))
+        events.Reload()
+        assert events.Tags()["scalars"], f"{events_file} holds no scalar"
+
+
 def test_the_progress_bar_counts_the_micro_batches_the_epoch_runs(tmp_path, distributed, monkeypatch):
     """--max_steps 3 of 2 micro-batches: a bar of 6, not of the epoch's whole loader (it ended at 6/75)."""
     from dschat.steps import common

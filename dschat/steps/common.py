@@ -256,10 +256,26 @@ def restart_deepspeed_tensorboard(engine):
     writer = getattr(monitor, "summary_writer", None)
     if writer is None:
         return
+    written = event_file_of(writer)
     writer.close()
+    remove_if_no_events(written)  # (the writer DeepSpeed opened as it made the engine has written nothing)
     # DeepSpeed logs a step's events (learning rate, loss scale, timers) at the count after the step: those at the
     # checkpoint's count are its last step's, which the resumed run does not log again (a purge at the count hid them)
     monitor.summary_writer = purging_writer(writer.log_dir, engine.global_samples + 1)
+
+
+def event_file_of(writer):
+    """The events file a SummaryWriter writes (tensorboard's EventFileWriter keeps its name private: None if not)."""
+    return getattr(getattr(writer.file_writer, "event_writer", None), "_file_name", None)
+
+
+def remove_if_no_events(path):
+    """Delete the closed events file ``path`` if it holds only the header every events file starts with: TensorBoard
+    lists it beside the writer that replaced it, with nothing in it."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    if path and os.path.isfile(path) and all(event.HasField("file_version") for event in EventFileLoader(path).Load()):
+        os.remove(path)
 
 
 class Throughput:
