@@ -310,6 +310,36 @@ def test_an_actor_family_without_a_tensor_parallel_plan_fails_before_its_weights
         DeepSpeedRLHFEngine._init_actor(engine)
 
 
+def test_the_actors_config_is_read_once_for_the_checks_before_its_weights_load(monkeypatch):
+    """The inference-TP, local-window, KV-cache and LoRA-name checks each read the actor's config from disk again
+    (four reads in check_step3_settings, three in the engine's _init_actor): it is read once and passed along."""
+    from transformers import AutoConfig
+
+    from dschat.rlhf import engine as engine_module
+
+    real, reads = AutoConfig.from_pretrained, []
+    monkeypatch.setattr(AutoConfig, "from_pretrained",
+                        lambda path, **kwargs: reads.append(path) or real(path, **kwargs))
+    settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 2, "actor_lora_dim": 4,
+                           "actor_lora_module_name": "layers.", "actor_model_name_or_path": "tiny-llama"})
+    check_step3_settings(settings, 2)
+    assert len(reads) == 1, reads
+
+    class Loaded(Exception):
+        pass
+
+    def loaded(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(engine_module, "load_causal_lm", loaded)
+    engine = SimpleNamespace(args=settings, world_size=2, actor_path="tiny-llama", tokenizer=None,
+                             _trained_config=lambda stage, hybrid=False: step3_train_config(settings, 2, stage, hybrid))
+    reads.clear()
+    with pytest.raises(Loaded):
+        DeepSpeedRLHFEngine._init_actor(engine)
+    assert len(reads) == 1, reads
+
+
 def test_head_counts_that_do_not_split_over_the_group_fail_before_loading():
     settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 8,
                            "actor_model_name_or_path": "tiny-llama"})  # 4 attention heads

@@ -236,11 +236,24 @@ def _fetched_hub_config(path, checked):
     return None
 
 
-def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=True):
+def actor_config_for_checks(args, actor_path, local_only=True):
+    """The actor's HF config, read once for the checks of it before its weights load (``check_inference_tp``,
+    ``check_local_window``, ``check_actor_takes_a_cache``, ``check_lora_module_names``); None where it cannot be read
+    yet. ``local_only``: from the hub cache alone (train.py, before step 1), where a hub actor not in it has its
+    config fetched when the hybrid engine's checks need it (``_fetched_hub_config``)."""
+    config = _model_config(actor_path, local_only)
+    if config is None and local_only and args.enable_hybrid_engine:
+        config = _fetched_hub_config(actor_path, "for a local attention window (GPT-Neo's), which the hybrid engine's "
+                                                 "cache cannot go past, nor for the hybrid engine's other needs (a "
+                                                 "forward that takes a KV cache, a split over --inference_tp_size)")
+    return config
+
+
+def check_inference_tp(args, world_size, hybrid_block, actor_path, config):
     """The hybrid engine's inference tensor parallelism (``hybrid_block``: the actor's merged ``hybrid_engine``
     config) checked before any weight loads: the group size divides the ranks, ZeRO-3 keeps the actor pinned, and
-    the actor's family can be split (its config, with tensor_parallel's own plan on a meta-device model; a hub
-    actor not in the cache is checked when the engine builds it, ``local_only=False``)."""
+    the actor's family can be split (its ``config``, ``actor_config_for_checks``, with tensor_parallel's own plan
+    on a meta-device model; None: checked when the engine builds it)."""
     from dschat.hybrid_engine.tensor_parallel import check_splits
 
     tp = hybrid_block.get("inference_tp_size", 1)
@@ -254,7 +267,6 @@ def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=Tr
     if args.actor_zero_stage == 3 and not hybrid_block.get("pin_parameters", True):
         raise UsageError(f"{source} under ZeRO-3 keeps the actor's slices in a persistent inference copy: it cannot "
                          "run with --unpin_actor_parameters (hybrid_engine.pin_parameters false)")
-    config = _model_config(actor_path, local_only)
     if config is None:
         return
     try:
@@ -264,21 +276,23 @@ def check_inference_tp(args, world_size, hybrid_block, actor_path, local_only=Tr
                          f"{config.model_type!r}) over {tp} ranks: {error}") from None
 
 
-def check_lora_module_names(args, actor_path, critic_path):
+def check_lora_module_names(args, actor_config, critic_path):
     """--actor_/--critic_lora_module_name against the models' configs (built on the meta device: no weights) before
     anything loads; they were said only as each model loaded (after the actor, and under train.py after steps 1 and 2
-    had trained). A model not readable yet (``critic_path`` None: train.py's step 2 writes it later) or of a family
-    transformers' auto classes cannot build is checked when it loads."""
+    had trained). A model not readable yet (``actor_config`` or ``critic_path`` None: train.py's step 1 or 2 writes
+    it later) or of a family transformers' auto classes cannot build is checked when it loads."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
     from dschat.models.lora import lora_target_modules
 
-    models = [("actor", args.actor_lora_dim, args.actor_lora_module_name, actor_path, AutoModelForCausalLM)]
-    if args.advantage_estimator == "gae" and critic_path is not None:  # the critic's backbone: a base model
-        models.append(("critic", args.critic_lora_dim, args.critic_lora_module_name, critic_path, AutoModel))
-    for role, dim, module_name, path, auto_class in models:
-        config = _model_config(path, local_only=True) if dim and module_name else None
+    models = []
+    if args.actor_lora_dim and args.actor_lora_module_name:
+        models.append(("actor", args.actor_lora_module_name, actor_config, AutoModelForCausalLM))
+    if args.advantage_estimator == "gae" and critic_path is not None and args.critic_lora_dim and \
+            args.critic_lora_module_name:  # the critic's backbone: a base model
+        models.append(("critic", args.critic_lora_module_name, _model_config(critic_path, local_only=True), AutoModel))
+    for role, module_name, config, auto_class in models:
         if config is None:
             continue
         try:
@@ -289,18 +303,14 @@ def check_lora_module_names(args, actor_path, critic_path):
         lora_target_modules(model, module_name, f"--{role}_lora_module_name")
 
 
-def check_local_window(args, actor_path, local_only=True):
+def check_local_window(args, actor_path, config):
     """A model whose local attention window bounds the hybrid engine's cache (GPT-Neo, ``longest_cache``) against the
-    longest sequence step 3 generates: refused before any weight loads, not at the first generation. A hub actor not
-    in the hub cache has its config fetched for it (``_fetched_hub_config``)."""
+    longest sequence step 3 generates: refused before any weight loads, not at the first generation. ``config``: the
+    actor's (``actor_config_for_checks``), None where it cannot be read yet."""
     from dschat.hybrid_engine.cache import longest_cache
 
     if not args.enable_hybrid_engine:
         return
-    config = _model_config(actor_path, local_only)
-    if config is None and local_only:  # (train.py, before step 1: a hub actor's config fetched now, not at step 3)
-        config = _fetched_hub_config(actor_path, "for a local attention window (GPT-Neo's), which the hybrid "
-                                                 "engine's cache cannot go past")
     window = longest_cache(config) if config is not None else None
     if window is not None and longest_sequence(args) > window:
         raise UsageError(f"the actor {actor_path} attends within a local window of {window} tokens, which the hybrid "
@@ -309,17 +319,17 @@ def check_local_window(args, actor_path, local_only=True):
                          "(--no-enable_hybrid_engine: HF's generate)")
 
 
-def check_actor_takes_a_cache(args, actor_path, local_only=True):
+def check_actor_takes_a_cache(args, config):
     """An actor whose causal LM's forward takes no KV cache (GPT-1, RWKV, XLNet, Reformer: ``check_takes_a_cache``)
-    refused from its config before any weight loads: the hybrid engine refused it only once built, after the actor's
-    DeepSpeed engine. A config that names no built-in causal LM (remote code) is checked when the engine is built."""
+    refused from its ``config`` (``actor_config_for_checks``) before any weight loads: the hybrid engine refused it
+    only once built, after the actor's DeepSpeed engine. A config not readable yet (None), or that names no built-in
+    causal LM (remote code), is checked when the engine is built."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from dschat.hybrid_engine.decode import check_class_takes_a_cache
 
     if not args.enable_hybrid_engine:
         return
-    config = _model_config(actor_path, local_only)
     if config is None or getattr(config, "auto_map", None):
         return
     try:
@@ -413,12 +423,12 @@ def check_step3_settings(args, world_size, actor_architecture=None, critic_made_
         raise UsageError(f"hybrid_engine.max_out_tokens {out_tokens} (the DeepSpeed config file) is shorter than "
                          f"the longest sequence step 3 generates, {longest} (--max_prompt_seq_len + the longer of "
                          "--max_answer_seq_len and --eval_max_new_tokens): prompt + answer must fit")
-    check_inference_tp(args, world_size, actor.get("hybrid_engine", {}),
-                       actor_architecture or args.actor_model_name_or_path)
-    check_local_window(args, actor_architecture or args.actor_model_name_or_path)
-    check_actor_takes_a_cache(args, actor_architecture or args.actor_model_name_or_path)
-    check_lora_module_names(args, actor_architecture or args.actor_model_name_or_path,
-                            None if critic_made_later else args.critic_model_name_or_path)
+    actor_path = actor_architecture or args.actor_model_name_or_path
+    actor_config = actor_config_for_checks(args, actor_path)
+    check_inference_tp(args, world_size, actor.get("hybrid_engine", {}), actor_path, actor_config)
+    check_local_window(args, actor_path, actor_config)
+    check_actor_takes_a_cache(args, actor_config)
+    check_lora_module_names(args, actor_config, None if critic_made_later else args.critic_model_name_or_path)
     check_accumulation(args)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
@@ -667,10 +677,10 @@ class DeepSpeedRLHFEngine:
 
         a = self.args
         ds_config = self._trained_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
-        check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path,
-                           local_only=False)  # before its weights load
-        check_local_window(a, self.actor_path, local_only=False)
-        check_actor_takes_a_cache(a, self.actor_path, local_only=False)
+        config = actor_config_for_checks(a, self.actor_path, local_only=False)  # before its weights load
+        check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path, config)
+        check_local_window(a, self.actor_path, config)
+        check_actor_takes_a_cache(a, config)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         self.actor_embedding_rows = embedding_rows(model)
         self._check_sequence_fits(model)
