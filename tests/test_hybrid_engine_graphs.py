@@ -521,3 +521,31 @@ def test_a_prompt_that_fails_on_the_static_cache_on_the_graph_path_is_the_eager_
         engine.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert isinstance(refused.value.__cause__, RuntimeError)
     assert decoder.captures == 1  # (the graph path's prefill refused it: its one-token steps were captured)
+
+
+def test_a_compiled_prefill_whose_eager_retry_fails_says_only_the_eager_error(monkeypatch, caplog):
+    """A compiled prefill that failed was said ("prefilling eagerly from now on") right before the eager retry raised
+    its own UsageError (a model refusing the static cache): two messages, the first of a run that went on. The eager
+    error alone is said now; the warning only once the eager prefill has run."""
+    from transformers.cache_utils import StaticLayer
+
+    from dschat.errors import UsageError
+
+    def refused_prompt(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("index_copy_(): Source/destination tensor must have same slice shapes")
+
+    def failing_compiled_prefill(*args, **kwargs):
+        raise RuntimeError("inductor could not compile this")
+
+    engine = _engine(tiny_model("llama", seed=1))
+    decoder = GraphDecoder(engine.kv_cache, capture_graphs=False, compile_mode="default")
+    engine.graph_decoder = decoder
+    decoder._prefill_of = lambda model: failing_compiled_prefill  # (the compiled modules, without compiling them)
+    decoder._forward_of = lambda model: model
+    engine.eval()
+    ids, mask = left_padded_batch([5, 2, 4], seed=1)
+    monkeypatch.setattr(StaticLayer, "update", refused_prompt)
+    with caplog.at_level(logging.WARNING, logger="dschat.hybrid_engine.graphs"):
+        with pytest.raises(UsageError, match="static KV cache .*--no-enable_hybrid_engine"):
+            engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert not [r for r in caplog.records if "compiled prefill failed" in r.getMessage()]

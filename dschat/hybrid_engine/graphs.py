@@ -489,18 +489,20 @@ class GraphDecoder:
         return self._compiled[key]
 
     def _prefill(self, decoder, ids, mask):
-        """The prompt's forward and the first token; a compiled prefill that fails is run again eagerly."""
+        """The prompt's forward and the first token; a compiled prefill that fails is run again eagerly, and said
+        once the eager one has run: an eager prefill that fails too raises its own error (a model that refuses the
+        static cache: ``decode.prefill``'s UsageError), with nothing said before it of prefilling eagerly on."""
         forward = self._prefill_of(decoder.model)
         try:
             logits = decoder.prefill_logits(forward, ids, mask)
         except Exception as error:  # noqa: BLE001 - a compiled prefill that fails runs eagerly instead
             if forward is decoder.model:
                 raise
-            logger.warning("hybrid engine: the compiled prefill failed (%s: %s); prefilling eagerly from now on.",
-                           type(error).__name__, error)
             self.compile_prefill = False
             decoder.cache.reset()  # the layers that ran before the failure have moved their write position on
             logits = decoder.prefill_logits(decoder.model, ids, mask)
+            logger.warning("hybrid engine: the compiled prefill failed (%s: %s); prefilling eagerly from now on.",
+                           type(error).__name__, error)
         decoder.select_token(logits)
 
     def _run(self, decoder, input_ids, attention_mask, max_new_tokens, *, min_new_tokens=0, generator=None,
