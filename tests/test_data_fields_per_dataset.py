@@ -337,3 +337,20 @@ def test_a_typed_dataset_in_a_hive_folder_keyed_by_a_field_name_keeps_its_path()
     assert parse_data_fields("jsonl:label=good/qa.jsonl:prompt=question").by_dataset == {
         "jsonl:label=good/qa.jsonl": {"prompt": "question"}}
     assert parse_data_fields("jsonl:qa.jsonl:label=verdict").by_dataset == {"jsonl:qa.jsonl": {"label": "verdict"}}
+
+
+def test_a_data_fields_dict_and_its_text_are_the_same_renaming(tmp_path):
+    """A notebook's data_fields dict (kept so in a checkpoint's or a run's record) was parsed as text by
+    same_data_fields, failed, and was compared with the text as written: a resume from the command line with the same
+    renaming was taken as another (a finished step rerun, a checkpoint refused)."""
+    from dschat.data.local import same_data_fields
+
+    qa, alpaca = two_files(tmp_path)
+    assert same_data_fields({"prompt": "question", "chosen": "answer"}, "chosen=answer,prompt=question")
+    assert same_data_fields("prompt=question,chosen=answer", {"prompt": "question", "chosen": "answer"})
+    per_dataset = f"{qa}:prompt=question,chosen=answer;{alpaca}:prompt=instruction,chosen=output"
+    as_dict = {alpaca: {"prompt": "instruction", "chosen": "output"}, qa: {"prompt": "question", "chosen": "answer"}}
+    assert same_data_fields(as_dict, per_dataset) and same_data_fields(per_dataset, as_dict)
+    assert not same_data_fields({"prompt": "question"}, "prompt=instruction")
+    assert not same_data_fields({qa: {"prompt": "question"}}, "prompt=question")  # (its dataset's alone, not all)
+    assert same_data_fields(None, {}) and same_data_fields("", None)

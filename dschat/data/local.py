@@ -216,9 +216,10 @@ def same_datasets(then, now, then_folder=None):
 
 def same_data_fields(then, now, then_folder=None):
     """Whether the --data_fields ``then`` (a run's record; its datasets' relative paths from ``then_folder``, None:
-    this folder's) rename as ``now`` do: parsed, so that the order of the datasets' mappings and of a mapping's
-    fields, spaces, and another spelling of a dataset's path change nothing (compared as text, a resume reran a
-    finished step, or refused its checkpoint, over the same renaming)."""
+    this folder's) rename as ``now`` do: parsed (``as_data_fields``: the notebook API's dict is the text it stands
+    for), so that the order of the datasets' mappings and of a mapping's fields, spaces, and another spelling of a
+    dataset's path change nothing (compared as text, a resume reran a finished step, or refused its checkpoint, over
+    the same renaming)."""
     try:
         return _renaming(then, then_folder) == _renaming(now, None)
     except UsageError:  # (a text no run could have given: compared as written)
@@ -229,7 +230,7 @@ def _renaming(text, folder):
     """--data_fields ``text`` as what it renames: its default mapping, and each dataset's by what it reads."""
     from .raw_datasets import anchored_spec
 
-    fields = parse_data_fields(text)
+    fields = as_data_fields(text)
     if folder is not None:
         fields = fields.anchored(lambda spec: anchored_spec(spec, folder))
     return fields.default, {dataset_identity(spec): mapping for spec, mapping in fields.by_dataset.items()}
@@ -269,6 +270,22 @@ def parse_data_fields(text):
             raise UsageError(f"--data_fields: the dataset {spec!r} is given two mappings: give it one")
         by_dataset[spec] = _parsed_field_map(mapping, spec) if mapping else {}
     return DataFields(default or {}, by_dataset)
+
+
+def as_data_fields(value):
+    """--data_fields ``value`` as a ``DataFields``: its text (``parse_data_fields``), or the notebook API's dict, one
+    mapping {field: column} or one per dataset {dataset: {field: column}} (a checkpoint's or a run's record of a
+    notebook's run holds it so)."""
+    if value is None or isinstance(value, str):
+        return parse_data_fields(value)
+    mapping = dict(value)
+    per_dataset = [isinstance(fields, dict) for fields in mapping.values()]
+    if any(per_dataset) and not all(per_dataset):
+        raise UsageError(f"data_fields {mapping}: give one mapping {{field: column}}, or one per dataset {{dataset: "
+                         f"{{field: column}}}}, not both")
+    if any(per_dataset):
+        return DataFields({}, {spec: checked_field_options(fields) for spec, fields in mapping.items()})
+    return DataFields(checked_field_options(mapping), {})
 
 
 def _names_a_dataset(group):

@@ -48,7 +48,7 @@ from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokeni
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import (ToolCallAnswer, format_answer, format_prompt, get_eot_token, templated_answer,
                          uses_chat_template)
-from .local import DataFields, LocalSource, checked_field_options, parse_data_fields
+from .local import LocalSource, as_data_fields
 from .multiturn import answered_turns, check_offsets_available, earlier_answer_spans
 from .raw_datasets import get_raw_dataset, resolve_dataset_spec
 from .splits import compute_split_indices, get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
@@ -365,24 +365,11 @@ def as_list(paths):
 
 
 def _field_options(data_fields, specs):
-    """``data_fields`` (--data_fields' text, or the notebook API's dict: {field: column}, or {dataset: {field:
-    column}} per dataset) as a ``DataFields`` whose datasets are among ``specs``."""
-    if isinstance(data_fields, str) or data_fields is None:
-        fields = parse_data_fields(data_fields)
-    else:
-        fields = _dict_data_fields(dict(data_fields))
+    """``data_fields`` (``as_data_fields``: text or the notebook API's dict) as a ``DataFields`` whose datasets are
+    among ``specs``."""
+    fields = as_data_fields(data_fields)
     fields.check_names(specs, "--data_path or --sft_only_data_path")
     return fields
-
-
-def _dict_data_fields(mapping):
-    per_dataset = [isinstance(value, dict) for value in mapping.values()]
-    if any(per_dataset) and not all(per_dataset):
-        raise UsageError(f"data_fields {mapping}: give one mapping {{field: column}}, or one per dataset {{dataset: "
-                         f"{{field: column}}}}, not both")
-    if any(per_dataset):
-        return DataFields({}, {spec: checked_field_options(value) for spec, value in mapping.items()})
-    return DataFields(checked_field_options(mapping), {})
 
 
 def _cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub_data):
