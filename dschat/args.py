@@ -1074,7 +1074,10 @@ def _add_step3_ppo_args(g):
                    help="Leave the answers cut at --max_answer_seq_len (no EOS: truncated_answers) out of every loss "
                         "term (policy, value, entropy, KL), as TRL's mask_truncated_completions and DAPO's overlong "
                         "filtering do; any --advantage_estimator. Their scores still count in GRPO/RLOO's group "
-                        "statistics and whitening: only the loss leaves them out.")
+                        "statistics and whitening: only the loss leaves them out. An optimizer step whose "
+                        "micro-batches keep no token on any rank is skipped (actor_no_token_steps, "
+                        "critic_no_token_steps in the log), not taken on zero gradients (Adam's momentum and weight "
+                        "decay would move the weights); a PPO-ptx actor steps on its language-model loss.")
     g.add_argument("--logprob_chunk_size", type=positive_int, default=1024,
                    help="Sequence chunk for log-probs, so full fp32 logits are never materialised.")
 

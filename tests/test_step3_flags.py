@@ -916,9 +916,9 @@ def test_mask_truncated_answers_reaches_step3_from_train_py_and_defaults_off_in_
 
 
 def test_the_iteration_line_says_the_loss_left_the_truncated_answers_out():
-    """truncated_answers is the count the loss left out under the flag; the line says so, and says a loss of 0 where
-    every answer was cut, and that the weights still moved: the optimizer steps (TRL's too), and Adam's momentum from
-    the steps before (torch's AdamW: ~2/3 of a step right after one) is no gradient of this iteration's."""
+    """truncated_answers is the count the loss left out under the flag; the line says so, says a loss of 0 where
+    every answer was cut, and the optimizer steps skipped for no token in the loss (train_rollout's
+    "<model>_no_token_steps"), which a line saying "no gradient" alone left to guess."""
     from dschat.steps.ppo import truncated_left_out_said
 
     on, off = step3_args({"mask_truncated_answers": True}), step3_args({})
@@ -926,6 +926,11 @@ def test_the_iteration_line_says_the_loss_left_the_truncated_answers_out():
     assert truncated_left_out_said({"truncated_answers": 0}, on, 8) == ""
     assert truncated_left_out_said({"truncated_answers": 3}, on, 8) == \
         " (truncated answers left out of the loss: --mask_truncated_answers)"
-    all_cut = truncated_left_out_said({"truncated_answers": 8}, on, 8)
-    assert "all 8 answers truncated and left out of the loss" in all_cut and "a loss of 0" in all_cut
-    assert "momentum" in all_cut and "still moved the weights" in all_cut
+    assert truncated_left_out_said({"truncated_answers": 3, "actor_no_token_steps": 1, "critic_no_token_steps": 1},
+                                   on, 8) == (" (truncated answers left out of the loss: --mask_truncated_answers; "
+                                              "optimizer steps skipped for no token in the loss: actor 1 of 1, "
+                                              "critic 1 of 1)")
+    all_cut = truncated_left_out_said({"truncated_answers": 8, "actor_no_token_steps": 0, "critic_no_token_steps": 1},
+                                      on, 8)
+    assert all_cut == (" (all 8 answers truncated and left out of the loss by --mask_truncated_answers: a loss of 0, "
+                       "no gradient; optimizer steps skipped for no token in the loss: critic 1 of 1)")

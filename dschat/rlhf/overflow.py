@@ -9,8 +9,10 @@ DeepSpeed 0.19 has neither. Here:
   of the same engines in the same order;
 - a model whose own gradients are finite skips its step through DeepSpeed's own overflow path: for that one
   ``engine.step()`` its optimizer's overflow check answers True (an override on the optimizer instance, removed
-  afterwards). DeepSpeed then does what it does for an overflowed step: gradients cleared, parameters not updated, the
-  lr scheduler not advanced, ``skipped_steps`` + 1, ``was_step_applied()`` False;
+  afterwards: ``forced_overflow`` of dschat/utils/optim.py, which also skips the steps of --mask_truncated_answers'
+  accumulation groups with no token in the loss). DeepSpeed then does what it does for an overflowed step:
+  gradients cleared, parameters not updated, the lr scheduler not advanced, ``skipped_steps`` + 1,
+  ``was_step_applied()`` False;
 - that model's loss scaler is left as it was (``_update_scale`` does nothing for that step; DeepSpeed's overflow
   path would halve the scale, or at ZeRO-1/2/3 first use up its hysteresis): its gradients fit the scale, so lowering
   it would only lose precision, and a partner that keeps overflowing could drive it to DeepSpeed's minimum scale. The
@@ -20,6 +22,7 @@ import contextlib
 
 from dschat.errors import UsageError
 from dschat.utils.dist import print_rank_0
+from dschat.utils.optim import forced_overflow
 
 
 def check_align_overflow(args):
@@ -50,47 +53,6 @@ def gradients_overflowed(engine):
         return bool(optimizer.has_overflow(getattr(optimizer, "partition_gradients", True)))
     raise TypeError(f"--align_overflow: cannot ask DeepSpeed's {type(optimizer).__name__} whether its gradients "
                     "overflowed (it has neither has_overflow nor an overflow_checker)")
-
-
-def _reports_overflow(*args, **kwargs):
-    return True
-
-
-def _keeps_scale(*args, **kwargs):
-    return None
-
-
-@contextlib.contextmanager
-def forced_overflow(engine):
-    """For the ``engine.step()`` inside: the optimizer's overflow check reports an overflow, so DeepSpeed skips the
-    step as it skips an overflowed one; the loss scale (``_update_scale``) is left as it was."""
-    optimizer = engine.optimizer
-    checker = getattr(optimizer, "overflow_checker", optimizer)  # ZeRO-0 fp16 asks its checker, ZeRO-1/2/3 themselves
-    overrides = [(checker, "has_overflow", _reports_overflow), (optimizer, "_update_scale", _keeps_scale)]
-    if hasattr(checker, "check_using_norm"):  # ZeRO-0's legacy fused Adam/LAMB steps ask the norms instead
-        overrides.append((checker, "check_using_norm", _reports_overflow))
-    with _instance_overrides(overrides):
-        yield
-
-
-@contextlib.contextmanager
-def _instance_overrides(overrides):
-    """(object, attribute, value) set on each instance for the ``with`` block, then the instance as it was."""
-    missing = object()
-    saved = []
-    try:
-        for obj, name, value in overrides:
-            if not hasattr(obj, name):
-                raise TypeError(f"--align_overflow: DeepSpeed's {type(obj).__name__} has no {name} to override")
-            saved.append((obj, name, vars(obj).get(name, missing)))
-            setattr(obj, name, value)
-        yield
-    finally:
-        for obj, name, before in reversed(saved):
-            if before is missing:
-                delattr(obj, name)  # the class's method shows through again
-            else:
-                setattr(obj, name, before)
 
 
 def forced_skips(actor_overflow, critic_overflow):

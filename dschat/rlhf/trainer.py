@@ -452,6 +452,8 @@ class DeepSpeedPPOTrainer:
     _said_hand_loop = False  # (class defaults: tests build trainers without __init__)
     _said_unequal_hand_group = False
     _hand_group_answers = ()  # a hand loop's answers (all ranks) of each micro-batch of its optimizer step so far
+    _group_loss_tokens = _group_micro_batches = 0  # this rank's loss tokens and PPO micro-batches of the step so far
+    no_token_skips = {}  # {"actor", "critic": the optimizer steps this trainer skipped for no token in the loss}
     actor_model, ref_model, critic_model = _EngineModel("actor"), _EngineModel("ref"), _EngineModel("critic")
     reward_model, actor_ema = _EngineModel("reward"), _EngineModel("actor_ema")
     max_answer_seq_len, clip_reward_value = _ArgsSetting(), _ArgsSetting()
@@ -792,6 +794,7 @@ class DeepSpeedPPOTrainer:
 
     def _ppo_step(self, inputs, train_actor=True):
         mask = self.loss_mask(inputs)
+        skip = self._group_without_loss_tokens(mask)
         seq, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         start = inputs["prompts"].shape[1] - 1
         layout = self._layout(attention_mask, start)
@@ -805,22 +808,41 @@ class DeepSpeedPPOTrainer:
         aligned = self.align_overflow and self.critic_model is not None and train_actor
         with self._masked_training(layout):
             actor_loss = self._update_actor(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask,
-                                            agg, step=not aligned) if train_actor else None
+                                            agg, step=not aligned, skip=skip) if train_actor else None
             if self.critic_model is None:
                 return actor_loss, torch.zeros((), device=actor_loss.device)
             critic_loss = self._update_critic(seq, attention_mask, start, layout, old_values, returns, mask, agg,
-                                              step=not aligned)
+                                              step=not aligned, skip=skip)
             if aligned:
-                self._step_actor_and_critic_aligned()
+                self._step_actor_and_critic_aligned(skip)
         return actor_loss, critic_loss
 
-    def _update_actor(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg, step=True):
+    def _group_without_loss_tokens(self, mask):
+        """--mask_truncated_answers: whether this PPO micro-batch (``mask``: its loss mask) ends an optimizer step's
+        --gradient_accumulation_steps micro-batches none of which, on any rank, has a token in the loss (every answer
+        cut at --max_answer_seq_len). Such a step's loss is 0 and its gradients 0, but stepping the optimizer would
+        still move the weights (Adam's momentum, weight decay) and advance the lr schedule: the models that end their
+        accumulation here skip it (``optimizer_step``'s ``skip``). A PPO-ptx actor is not among them: its step ends
+        after the language-model micro-step, whose loss has tokens. One all-reduce per optimizer step, the same on every
+        rank (each trains as many micro-batches); without the flag every answer has a token, and none is asked."""
+        if not self.args.mask_truncated_answers:
+            return False
+        self._group_loss_tokens += int(mask.sum())
+        self._group_micro_batches += 1
+        if self._group_micro_batches < self.args.gradient_accumulation_steps:
+            return False
+        tokens, self._group_loss_tokens, self._group_micro_batches = self._group_loss_tokens, 0, 0
+        return _summed_over_ranks(tokens, self.device) == 0
+
+    def _update_actor(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg, step=True,
+                      skip=False):
         with phase("dschat.train.actor_loss"):
             loss = self._actor_loss(seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg)
-        self._backward_and_step_actor(loss, step)
+        self._backward_and_step_actor(loss, step, skip)
         return loss.detach()
 
-    def _update_critic(self, seq, attention_mask, start, layout, old_values, returns, mask, agg, step=True):
+    def _update_critic(self, seq, attention_mask, start, layout, old_values, returns, mask, agg, step=True,
+                       skip=False):
         with phase("dschat.train.critic_loss"):
             values = self._values(self.critic_model, seq, attention_mask, layout)[:, start:]
             loss, vstats = algo.value_loss_clipped(values, old_values, returns, mask, self.cliprange_value, **agg)
@@ -828,20 +850,27 @@ class DeepSpeedPPOTrainer:
         with phase("dschat.train.critic_backward"):
             self.critic_model.backward(loss)
         if step:
-            self._step_critic()
+            self._step_critic(skip)
         self.stats.update(returns=vstats["returns_mean"].item(), vf_clipfrac=vstats["vf_clipfrac"].item())
         return loss.detach()
 
-    def _step_critic(self):
+    def _step_critic(self, skip=False):
+        """The critic's step; ``skip``: skipped where it ends an accumulation group with no token in the loss
+        (``_group_without_loss_tokens``)."""
         with phase("dschat.train.critic_step"):
-            optimizer_step(self.critic_model, "critic")
+            boundary = optimizer_step(self.critic_model, "critic", skip)
+        self._count_no_token_skip("critic", skip and boundary)
 
-    def _step_actor_and_critic_aligned(self):
+    def _count_no_token_skip(self, name, skipped):
+        if skipped:
+            self.no_token_skips = {**self.no_token_skips, name: self.no_token_skips.get(name, 0) + 1}
+
+    def _step_actor_and_critic_aligned(self, skip=False):
         """--align_overflow, after both backwards: the actor's step, then the critic's, both skipped when either's
-        gradients overflowed (``overflow.py``)."""
+        gradients overflowed (``overflow.py``), or, ``skip``, when their group had no token in the loss."""
         with steps_skipped_together(self.actor_model, self.critic_model):
-            self._step_actor()
-            self._step_critic()
+            self._step_actor(skip)
+            self._step_critic(skip)
 
     def _masked_training(self, layout):
         """Training over the rows as they are (``layout`` None: left pads under a padding mask) runs SDPA with no fully
@@ -953,19 +982,22 @@ class DeepSpeedPPOTrainer:
                              "--mask_truncated_answers, of trainer.loss_mask(micro_batch) for each)")
         return global_token_count([self.loss_mask(inputs)], self.device)
 
-    def _backward_and_step_actor(self, loss, step=True):
-        """Backward and, unless ``step`` is False (--align_overflow steps later, with the critic), step."""
+    def _backward_and_step_actor(self, loss, step=True, skip=False):
+        """Backward and, unless ``step`` is False (--align_overflow steps later, with the critic), step (``skip``:
+        ``_step_actor``'s)."""
         with phase("dschat.train.actor_backward"):
             self.actor_model.backward(loss)
         if step:
-            self._step_actor()
+            self._step_actor(skip)
 
-    def _step_actor(self):
-        """The actor's step; the EMA follows each real optimizer step (each accumulation boundary, also one skipped
-        for an fp16 overflow, by DeepSpeed or by --align_overflow with the critic's), not each accumulation
-        micro-step."""
+    def _step_actor(self, skip=False):
+        """The actor's step; ``skip``: skipped where it ends an accumulation group with no token in the loss
+        (``_group_without_loss_tokens``). The EMA follows each real optimizer step (each accumulation boundary, also one
+        skipped, for an fp16 overflow, by --align_overflow with the critic's or for no token in the loss), not each
+        accumulation micro-step."""
         with phase("dschat.train.actor_step"):
-            boundary = optimizer_step(self.actor_model, "actor")
+            boundary = optimizer_step(self.actor_model, "actor", skip)
+        self._count_no_token_skip("actor", skip and boundary)
         if boundary:
             self._update_ema()
 
@@ -994,8 +1026,12 @@ class DeepSpeedPPOTrainer:
         "vf_clipfrac" (None without a critic) over the micro-batches, and the rollout's KL to the reference over all
         ranks: k1 per answer token ("kl") and the reward penalty's estimator per answer ("kl_per_answer", the
         controller's unit), the optimizer steps that DeepSpeed skipped on inf/NaN gradients
-        ("actor_skipped_steps", "critic_skipped_steps"; None for a model that did not train), and the micro-batches
-        (of all epochs) that the step stats are means over ("stats_micro_batches": those with a token in the loss)."""
+        ("actor_skipped_steps", "critic_skipped_steps"; None for a model that did not train), the optimizer steps
+        skipped because their accumulation group had no token in the loss on any rank (--mask_truncated_answers, every
+        answer of the group cut: "actor_no_token_steps", "critic_no_token_steps"; None for a model that did not train;
+        a PPO-ptx actor's steps are never among them: its language-model loss has tokens, so it steps on that alone),
+        and the micro-batches (of all epochs) that the step stats are means over ("stats_micro_batches": those with a
+        token in the loss)."""
         experiences = checked_rollout(experiences)
         self._check_engine_settings_kept("train_rollout")
         if not train_actor and self.critic_model is None:
@@ -1032,9 +1068,7 @@ class DeepSpeedPPOTrainer:
                     if unsup:
                         losses["unsup_loss"].append(
                             self.train_unsupervised(unsup[micro_index % len(unsup)], self.args.unsup_coef).item())
-        skipped_after = self._skipped_steps(train_actor)
-        skipped = {f"{name}_skipped_steps": None if before is None else skipped_after[name] - before
-                   for name, before in skipped_before.items()}
+        skipped = skipped_since(skipped_before, self._skipped_steps(train_actor))
         kl = self.rollout_kl(experiences)
         if self.args.adaptive_kl:  # in the controller's unit, the same on every rank
             self.update_kl_controller(kl["kl_per_answer"],
@@ -1044,11 +1078,13 @@ class DeepSpeedPPOTrainer:
                 "stats_micro_batches": measured}
 
     def _skipped_steps(self, train_actor):
-        """{"actor", "critic": the optimizer steps its DeepSpeed engine has skipped so far (inf/NaN gradients: an fp16
-        overflow, which its loss scaler answers silently by design, or --align_overflow's forced skip; the same on
-        every rank), None for a model that does not train now}."""
-        return {"actor": skipped_steps(self.actor_model) if train_actor else None,
-                "critic": None if self.critic_model is None else skipped_steps(self.critic_model)}
+        """{"actor", "critic": (the optimizer steps its DeepSpeed engine has skipped so far: inf/NaN gradients, an fp16
+        overflow which its loss scaler answers silently by design, --align_overflow's forced skip, or no token in the
+        loss; of them, those skipped for no token in the loss), the same on every rank; None for a model that does not
+        train now}."""
+        models = {"actor": self.actor_model if train_actor else None, "critic": self.critic_model}
+        return {name: None if model is None else (skipped_steps(model), self.no_token_skips.get(name, 0))
+                for name, model in models.items()}
 
     def _collect_step_stats(self, ppo_stats, train_actor, kept=True):
         """The PPO step's clip fractions and KL estimates (``self.stats`` holds the last micro-batch's), kept so that
@@ -1205,10 +1241,10 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
         self._backward_and_step_actor(out.loss * unsup_coef)
         return out.loss.detach()
 
-    def _step_actor(self):
+    def _step_actor(self, skip=False):
         if self.args.unsupervised_dataset_name:  # (the flag that doubles the actor's batch: step3_train_config)
             count_ppo_samples_only(self.actor_model)
-        super()._step_actor()
+        super()._step_actor(skip)
 
 
 def count_ppo_samples_only(actor):
@@ -1220,6 +1256,17 @@ def count_ppo_samples_only(actor):
     engine = getattr(actor, "ds_engine", actor)  # (a HybridEngine forwards reads, not writes)
     if engine.is_gradient_accumulation_boundary():
         engine.global_samples -= engine.train_batch_size() // 2
+
+
+def skipped_since(before, after):
+    """``train_rollout``'s skipped-step counts between two ``_skipped_steps``: "<model>_skipped_steps" (on inf/NaN
+    gradients or --align_overflow's partner's overflow) and "<model>_no_token_steps" (no token in the loss)."""
+    counts = {}
+    for name, then in before.items():
+        skipped, no_token = (None, None) if then is None else (after[name][0] - then[0], after[name][1] - then[1])
+        counts[f"{name}_skipped_steps"] = None if then is None else skipped - no_token
+        counts[f"{name}_no_token_steps"] = no_token
+    return counts
 
 
 def checked_rollout(experiences):

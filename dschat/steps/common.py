@@ -738,10 +738,12 @@ class SkippedSteps:
         return f" ({count} of the last {steps} optimizer steps skipped by DeepSpeed: inf/NaN gradients)"
 
 
-def warn_of_skipped_steps(engine, name, steps, lr_flag="--learning_rate"):
-    """A warning at the end of a run whose optimizer steps DeepSpeed skipped more than half of (it trained on few of
-    its batches), naming the likely cause and what to change (``lr_flag``: the model's learning-rate flag)."""
-    skipped = skipped_steps(engine)
+def warn_of_skipped_steps(engine, name, steps, lr_flag="--learning_rate", no_token_skips=0):
+    """A warning at the end of a run whose optimizer steps DeepSpeed skipped more than half of on inf/NaN gradients
+    (it trained on few of its batches), naming the likely cause and what to change (``lr_flag``: the model's
+    learning-rate flag). ``no_token_skips``: steps of those that step 3 skipped for no token in the loss
+    (--mask_truncated_answers), which DeepSpeed counts alike: neither a skip on inf/NaN nor a step it could apply."""
+    skipped, steps = skipped_steps(engine) - no_token_skips, steps - no_token_skips
     if skipped * 2 <= steps:
         return
     trained = "none" if skipped >= steps else f"only {steps - skipped}"

@@ -283,7 +283,8 @@ def warn_of_skipped_ppo_steps(trainer, args, iterations):
               ("critic", trainer.critic_model, iterations))
     for role, model, trained in models:
         if model is not None and trained:
-            warn_of_skipped_steps(model, f"step3 {role}", trained * per_iteration, f"--{role}_learning_rate")
+            warn_of_skipped_steps(model, f"step3 {role}", trained * per_iteration, f"--{role}_learning_rate",
+                                  no_token_skips=trainer.no_token_skips.get(role, 0))
 
 
 def train_iterations(trainer, args, schedule, loaders, position, log_path, seconds):
@@ -432,13 +433,15 @@ def _iteration_record(iteration, buffer, trainer, gen_stats, trained, train_time
         if trained.get(key) is not None:
             record[key] = rank_mean(trained[key], device)
     record.update(step_stats_over_ranks(trained, device))
-    for key in SKIPPED_STEPS:  # (the same on every rank: DeepSpeed agrees on an overflow over the ranks)
+    # (the same on every rank: DeepSpeed agrees on an overflow over the ranks, train_rollout on a group's tokens)
+    for key in SKIPPED_STEPS + NO_TOKEN_STEPS:
         if trained.get(key) is not None:
             record[key] = trained[key]
     return record
 
 
 SKIPPED_STEPS = ("actor_skipped_steps", "critic_skipped_steps")
+NO_TOKEN_STEPS = ("actor_no_token_steps", "critic_no_token_steps")  # (--mask_truncated_answers: train_rollout's)
 
 
 def step_stats_over_ranks(trained, device):
@@ -460,24 +463,32 @@ def step_stats_over_ranks(trained, device):
 def skipped_steps_said(record, args):
     """The iteration's optimizer steps DeepSpeed skipped (fp16's loss scaler skips overflowing steps without a word),
     said where there were any: a run that keeps skipping trains nothing."""
-    skipped = [f"{key.split('_')[0]} {record[key]} of {optimizer_steps_per_iteration(args)}" for key in SKIPPED_STEPS
-               if record.get(key)]
-    return f" (optimizer steps skipped on inf/NaN gradients: {', '.join(skipped)})" if skipped else ""
+    skipped = steps_of_models(record, SKIPPED_STEPS, args)
+    return f" (optimizer steps skipped on inf/NaN gradients: {skipped})" if skipped else ""
+
+
+def steps_of_models(record, keys, args):
+    """"actor 1 of 4, critic 1 of 4": the record's counts of ``keys`` ("<model>_..."), of the iteration's optimizer
+    steps, where not 0; "" where none is."""
+    return ", ".join(f"{key.split('_')[0]} {record[key]} of {optimizer_steps_per_iteration(args)}" for key in keys
+                     if record.get(key))
 
 
 def truncated_left_out_said(record, args, answers):
     """--mask_truncated_answers: the iteration's truncated_answers are the answers its loss left out (no other count
     to log), said where there were any; ``answers``: the iteration's, all ranks'. Every one of them: the loss and its
-    gradient were 0, but the optimizer still stepped (as TRL's does), and Adam's momentum of the earlier steps moved
-    the weights (by ~2/3 of a step just after one); a line saying "no gradient" alone read as nothing trained."""
+    gradient were 0; a line saying "no gradient" alone read as nothing trained, and so did one where the weights still
+    moved (an optimizer step on zero gradients: Adam's momentum, weight decay; TRL's steps so). The optimizer steps
+    whose accumulation group had no token in the loss are skipped (``NO_TOKEN_STEPS``), said here."""
     left_out = record.get("truncated_answers") if args.mask_truncated_answers else 0
     if not left_out:
         return ""
+    skipped = steps_of_models(record, NO_TOKEN_STEPS, args)
+    skipped = f"; optimizer steps skipped for no token in the loss: {skipped}" if skipped else ""
     if left_out >= answers:
         return (f" (all {left_out} answers truncated and left out of the loss by --mask_truncated_answers: "
-                "a loss of 0, no gradient; the optimizer still stepped, so Adam's momentum from earlier steps and "
-                "any weight decay still moved the weights)")
-    return " (truncated answers left out of the loss: --mask_truncated_answers)"
+                f"a loss of 0, no gradient{skipped})")
+    return f" (truncated answers left out of the loss: --mask_truncated_answers{skipped})"
 
 
 def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
