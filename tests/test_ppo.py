@@ -1975,6 +1975,27 @@ def _controller_trainer(tmp_path, given=()):
     return trainer
 
 
+def test_a_resumed_run_keeps_its_count_of_the_steps_skipped_for_no_token_in_the_loss(tmp_path):
+    """DeepSpeed's checkpoint keeps its skip count, which includes the steps skipped for no token in the loss
+    (--mask_truncated_answers); the trainer's count of those went back to 0 on resume, and the end-of-run warning then
+    took them for skips on inf/NaN gradients. A checkpoint from before the count resumes with none."""
+    from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+
+    trainer = _controller_trainer(tmp_path)
+    trainer.no_token_skips = {"actor": 3, "critic": 4}
+    save_checkpoint(trainer, str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    resumed = _controller_trainer(tmp_path)
+    assert "no_token_skips" not in load_checkpoint(resumed, str(tmp_path))
+    assert resumed.no_token_skips == {"actor": 3, "critic": 4}
+    state_file = next((tmp_path / "trainer").glob("*/state.json"))
+    state = json.loads(state_file.read_text())
+    del state["no_token_skips"]
+    state_file.write_text(json.dumps(state))
+    resumed.no_token_skips = {"actor": 9}  # (a notebook's trainer that trained before it loads)
+    load_checkpoint(resumed, str(tmp_path))
+    assert resumed.no_token_skips == {}
+
+
 def test_a_kl_controller_assigned_to_the_trainer_is_the_runs_and_resumes_as_it_trained(tmp_path, capsys):
     """trainer.kl_ctl = AdaptiveKLController(...) on a run without --adaptive_kl trained a fixed coefficient (the
     updates follow args.adaptive_kl), and a controller assigned was not recorded as a float is: the checkpoint's flags

@@ -100,6 +100,10 @@ BOUND_WHY = ("Its algorithm (--advantage_estimator), its model and optimizer sta
 
 # The name step 3's checkpoints record (``STEP_NAME``): another step's resume refuses them, and step 3's theirs.
 STEP = "step3"
+# The optimizer steps the trainer skipped for no token in the loss (``DeepSpeedPPOTrainer.no_token_skips``): DeepSpeed's
+# checkpoints keep its skip count, which includes them, so a resumed run's end-of-run warning would take them for skips
+# on inf/NaN gradients without them.
+NO_TOKEN_SKIPS = "no_token_skips"
 
 
 def save_checkpoint(trainer, root, position, keep_last=2):
@@ -117,12 +121,17 @@ def save_checkpoint(trainer, root, position, keep_last=2):
             os.makedirs(trainer_folder(root, tag), exist_ok=True)
             torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
         save_trainer_state(root, tag, {**position, STEP_NAME: STEP, "kl_ctl": trainer.kl_ctl.state_dict(),
-                                       KL_TRACKED: _kl_tracked(trainer.args),
+                                       KL_TRACKED: _kl_tracked(trainer.args), NO_TOKEN_SKIPS: _no_token_skips(trainer),
                                        "flags": resume_flags(trainer), "inputs": input_runs(trainer.args),
                                        "world_size": get_world_size(), "batches": iteration_batches(trainer.args),
                                        **_tokenizer_of(trainer)}, trainer.generator)
     publish(root, tag, keep_last)
     return tag
+
+
+def _no_token_skips(trainer):
+    """The trainer's ``no_token_skips``; {} for a stand-in without (a test's)."""
+    return dict(getattr(trainer, "no_token_skips", {}))
 
 
 def record_fixed_coefficient(trainer):
@@ -187,6 +196,7 @@ def load_checkpoint(trainer, root, plan=None, train_loader=None):
     for engine in engines:
         restart_deepspeed_tensorboard(engine)  # its events after the checkpoint's sample count are run again
     restore_kl_controller(trainer.kl_ctl, state.pop("kl_ctl"))
+    trainer.no_token_skips = dict(state.pop(NO_TOKEN_SKIPS, {}))  # (a checkpoint from before the count: none)
     restored = dict(state.get("restored", {}))
     take_restored_flags(state, getattr(trainer, "args", None))  # (set where the checks had flags to compare)
     if restored and hasattr(trainer, "took_restored_flags"):  # (the trainer's args hold them, not the engine's)
