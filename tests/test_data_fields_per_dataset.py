@@ -354,3 +354,19 @@ def test_a_data_fields_dict_and_its_text_are_the_same_renaming(tmp_path):
     assert not same_data_fields({"prompt": "question"}, "prompt=instruction")
     assert not same_data_fields({qa: {"prompt": "question"}}, "prompt=question")  # (its dataset's alone, not all)
     assert same_data_fields(None, {}) and same_data_fields("", None)
+
+
+def test_a_step_given_a_data_fields_dict_from_a_notebook_passes_its_checks(tmp_path):
+    """sft.main({..., "data_fields": {...}}) (steps 1, 2 and DPO take a notebook's dict of settings; the data pipeline
+    reads a data_fields dict) failed in the step's early checks, which parsed the dict as text ("--data_fields item
+    "{'prompt': 'question'" must look like 'prompt=question'"). The dict is read as the mapping it is: checked against
+    --data_path as its text would be."""
+    from dschat.args import step1_parser, step_settings
+    from dschat.steps.common import check_supervised_settings
+
+    qa, alpaca = two_files(tmp_path)
+    for data_fields in ({"prompt": "question", "chosen": "answer"}, {qa: {"prompt": "question", "chosen": "answer"}}):
+        check_supervised_settings(step_settings(step1_parser(), {"data_path": [qa], "data_fields": data_fields}), 1)
+    other = step_settings(step1_parser(), {"data_path": [qa], "data_fields": {alpaca: {"prompt": "instruction"}}})
+    with pytest.raises(UsageError, match=rf"--data_fields: '{re.escape(alpaca)}' is not a dataset of --data_path"):
+        check_supervised_settings(other, 1)
