@@ -370,3 +370,19 @@ def test_a_step_given_a_data_fields_dict_from_a_notebook_passes_its_checks(tmp_p
     other = step_settings(step1_parser(), {"data_path": [qa], "data_fields": {alpaca: {"prompt": "instruction"}}})
     with pytest.raises(UsageError, match=rf"--data_fields: '{re.escape(alpaca)}' is not a dataset of --data_path"):
         check_supervised_settings(other, 1)
+
+
+def test_a_step_given_one_dataset_as_a_string_from_a_notebook_checks_its_data_fields_against_it(tmp_path):
+    """sft.main({"data_path": "jsonl:my.jsonl", ...}) (README's notebook form; the data pipeline reads one name as a
+    string) with --data_fields given for that dataset was refused: the check unpacked the string into its characters
+    ("is not a dataset of --data_path ... (j, s, o, n, l, :, ...)")."""
+    from dschat.args import step1_parser, step_settings
+    from dschat.steps.common import check_supervised_settings
+
+    qa, alpaca = two_files(tmp_path)
+    check_supervised_settings(step_settings(step1_parser(), {"data_path": qa, "sft_only_data_path": alpaca,
+                                                             "data_fields": f"{qa}:prompt=question,chosen=answer;"
+                                                                            f"{alpaca}:prompt=instruction"}), 1)
+    other = step_settings(step1_parser(), {"data_path": qa, "data_fields": f"{alpaca}:prompt=instruction"})
+    with pytest.raises(UsageError, match=rf"is not a dataset of --data_path or --sft_only_data_path \({re.escape(qa)}\)"):
+        check_supervised_settings(other, 1)

@@ -840,9 +840,12 @@ def check_supervised_settings(args, phase, name=None, quiet=True):
     check_phase_share(args.data_split, phase, other_data=bool(sft_only))
     check_data_paths(args.data_path, sft_only)
     from dschat.data.local import as_data_fields
+    from dschat.data.pipeline import as_list
 
-    # (as_data_fields: a notebook's dict too, which the data pipeline reads; parsed as text it failed here)
-    as_data_fields(args.data_fields).check_names([*args.data_path, *sft_only], "--data_path or --sft_only_data_path")
+    # (as_data_fields: a notebook's dict too, which the data pipeline reads; parsed as text it failed here. as_list: a
+    # notebook's one dataset as a string, which unpacked was its characters)
+    as_data_fields(args.data_fields).check_names([*as_list(args.data_path), *as_list(sft_only)],
+                                                 "--data_path or --sft_only_data_path")
     return supervised_ds_config(args, name or f"step{phase}", quiet=quiet)
 
 
