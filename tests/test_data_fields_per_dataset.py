@@ -386,3 +386,43 @@ def test_a_step_given_one_dataset_as_a_string_from_a_notebook_checks_its_data_fi
     other = step_settings(step1_parser(), {"data_path": qa, "data_fields": f"{alpaca}:prompt=instruction"})
     with pytest.raises(UsageError, match=rf"is not a dataset of --data_path or --sft_only_data_path \({re.escape(qa)}\)"):
         check_supervised_settings(other, 1)
+
+
+def test_the_eval_tools_read_a_notebook_runs_data_fields_dict(tmp_path):
+    """A step run from a notebook with a data_fields dict (ppo.main({... "data_fields": {...}})) records the dict in
+    its training_args.json; ppo_eval and rw_eval, taking the run's --data_fields as their default, parsed it as text
+    and refused it ("--data_fields item "{'prompt': 'question'" must look like 'prompt=question'"). They read it as
+    the mapping it is, and go on with its text."""
+    import argparse
+
+    from dschat.tools import ppo_eval, rw_eval
+
+    actor = tmp_path / "out" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "config.json").write_text("{}")
+    write_jsonl(tmp_path / "q.jsonl", [{"question": "Why?"}])
+    write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Say why."}])
+    q, a = f"jsonl:{tmp_path / 'q.jsonl'}", f"jsonl:{tmp_path / 'a.jsonl'}"
+    for data_fields, expected in (({"prompt": "question"}, {q: {"prompt": "question"}, a: {"prompt": "question"}}),
+                                  ({"jsonl:q.jsonl": {"prompt": "question"}, "jsonl:a.jsonl": {"prompt": "instruction"}},
+                                   {q: {"prompt": "question"}, a: {"prompt": "instruction"}})):
+        (actor.parent / "training_args.json").write_text(json.dumps(
+            {"step": "step3", "world_size": 1, "cwd": str(tmp_path),
+             "flags": {"data_path": ["jsonl:q.jsonl", "jsonl:a.jsonl"], "data_fields": data_fields}}))
+        args = ppo_eval.parse_args(["--policy", str(actor)])
+        fields = parse_data_fields(args.data_fields)
+        fields.check_names(args.data_path)
+        assert {spec: fields.for_spec(spec) for spec in args.data_path} == expected
+
+    model = tmp_path / "rm"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "value_head.safetensors").write_bytes(b"")  # (found by its name: a reward model's folder)
+    write_jsonl(tmp_path / "pairs.jsonl", [{"q": "Why?", "good": "Because.", "bad": "No."}])
+    for data_fields in ({"prompt": "q", "chosen": "good", "rejected": "bad"},
+                        {"jsonl:pairs.jsonl": {"prompt": "q", "chosen": "good", "rejected": "bad"}}):
+        (model / "training_args.json").write_text(json.dumps({"step": "step2", "cwd": str(tmp_path), "flags": {
+            "data_path": ["jsonl:pairs.jsonl"], "data_fields": data_fields}}))
+        defaults, _ = rw_eval.step2_run_defaults(argparse.Namespace(model_name_or_path=str(model), pairs_file=None,
+                                                                    prompt=None, data_split=None))
+        assert parse_field_map(defaults["data_fields"]) == {"prompt": "q", "chosen": "good", "rejected": "bad"}

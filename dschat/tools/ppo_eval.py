@@ -277,11 +277,13 @@ def run_data_defaults(run, names):
     if "data_path" in defaults:
         defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
     if defaults.get("data_fields"):  # (a mapping per dataset names each as its --data_path does)
-        from dschat.data.local import parse_data_fields
+        from dschat.data.local import as_data_fields
 
-        fields = parse_data_fields(defaults["data_fields"])
+        fields = as_data_fields(defaults["data_fields"])  # (a notebook's run recorded its dict: as its text here)
         if fields.by_dataset:
             defaults["data_fields"] = fields.anchored(lambda spec: anchored_data_path(spec, run.get("cwd"))).as_text()
+        elif not isinstance(defaults["data_fields"], str):
+            defaults["data_fields"] = fields.as_text()
     return defaults
 
 

@@ -209,10 +209,10 @@ def step2_run_defaults(args):
         defaults.update({name: trained[name] for name in ("data_split", "seed")
                          if trained.get(name) not in (None, "")})  # (a seed of 0 too)
         if trained.get("data_fields"):  # its field names go with its file (its own, where given per dataset)
-            from dschat.data.local import DataFields, parse_data_fields
+            from dschat.data.local import DataFields, as_data_fields
 
-            spec = as_list(trained["data_path"])[0]
-            defaults["data_fields"] = DataFields(parse_data_fields(trained["data_fields"]).for_spec(spec), {}).as_text()
+            spec = as_list(trained["data_path"])[0]  # (as_data_fields: a notebook's run recorded its dict)
+            defaults["data_fields"] = DataFields(as_data_fields(trained["data_fields"]).for_spec(spec), {}).as_text()
         if data[0] == TINY_NAME and "data_split" not in defaults:  # (the embedded held-out pairs, as before)
             del defaults["pairs_file"]
     if args.data_split is not None and args.pairs_file is None and args.prompt is None and data != [TINY_NAME] \
