@@ -106,7 +106,6 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
         record = read_run_args(folder)
         current = made_from.current(finished_time(folder), record)
-        older = older_step_output(folder, record, step, steps) if current else None
         reshaped = same_batches_on_other_ranks(step, record, parsed[step], world_size)
         differing = [name for name in changed_flags(record, parsed[step]) if name not in reshaped]
         changed = [name for name in differing if name not in ZERO_STAGE_FLAGS and name not in MEMORY_SPEED_FLAGS]
@@ -127,6 +126,10 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         # (another --data_path is a changed flag, said as one below)
         edited = None if {"data_path", "sft_only_data_path"} & set(changed) else \
             edited_data(record if finished_time(folder) else None, checkpoint, parsed[step])
+        # (a newer dschat's output is refused only where this plan would keep it: skipped, or trained on from its
+        # checkpoint; other flags or edited data train the step afresh anyway)
+        kept = not changed or (checkpoint is not None and longer)
+        older = older_step_output(folder, record, step, steps, kept) if current and not edited else None
         if edited:
             plan[step] = Decision(FRESH, f"the content of its data files changed since its {edited[0]} in "
                                          f"{folder}: {', '.join(edited[1])}")
@@ -156,9 +159,10 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
     return plan
 
 
-def older_step_output(folder, record, step, steps):
+def older_step_output(folder, record, step, steps, kept=True):
     """Why the finished output in ``folder`` (``record``: its training_args.json) is an older dschat's, whose step
-    trained otherwise than this one's (``STEP_VERSIONS``), else None; one of a newer dschat's is an error naming it."""
+    trained otherwise than this one's (``STEP_VERSIONS``), else None; one of a newer dschat's is an error naming it
+    where the plan would keep it (``kept``), else None (the step trains afresh for another reason)."""
     path = os.path.join(folder, RUN_ARGS_FILE)
     name = (record or {}).get("step")
     then, now = (record or {}).get(STEP_VERSION), STEP_VERSIONS.get(name)
@@ -166,6 +170,8 @@ def older_step_output(folder, record, step, steps):
         return (f"its finished output in {folder} is of a dschat from before steps recorded their version (no "
                 f"{STEP_VERSION} in {path}), which may have trained it otherwise")
     if now is None or type(then) is not int or then > now:  # (bool is an int: not a version)
+        if not kept:
+            return None
         latest = f"its latest is {now}" if now is not None else "nor a step of that name"
         raise UsageError(f"{path} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
                          f"({latest}): a newer dschat's output, whose step this one may train otherwise. Resume with "

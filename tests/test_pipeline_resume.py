@@ -252,6 +252,22 @@ def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_i
             step_2_with(newer)
 
 
+def test_a_newer_dschats_output_given_other_flags_trains_afresh_instead_of_being_refused(tmp_path):
+    """A newer dschat's finished output is refused where --resume would keep it (skip it, or train on from its
+    checkpoint); given other flags the step trains afresh anyway, replacing it, as it did before steps recorded their
+    version: the refusal ("Resume with that dschat, or train step 2 afresh") stopped a run that keeps nothing of it."""
+    finish(tmp_path, 1, 100), finish(tmp_path, 2, 200, max_steps=4), finish(tmp_path, 3, 300)
+    checkpoint(tmp_path, 2, 150)
+    record_file = tmp_path / FOLDERS[2] / "training_args.json"
+    record_file.write_text(json.dumps({**json.loads(record_file.read_text()), STEP_VERSION: 99}))
+    other_rate = Namespace(**{**vars(FLAGS), "max_steps": 4, "learning_rate": 5e-4})
+    decisions = plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: other_rate, 3: FLAGS})
+    assert decisions[2].action == FRESH and "other values of --learning_rate" in decisions[2].why
+    for kept in (Namespace(**{**vars(FLAGS), "max_steps": 4}), Namespace(**{**vars(FLAGS), "max_steps": 8})):
+        with pytest.raises(UsageError, match="step_version 99 of step2, which this dschat does not know"):
+            plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: kept, 3: FLAGS})  # (skipped; trained on)
+
+
 def test_batch_flags_set_for_another_number_of_ranks_with_the_same_batches_keep_the_plan(tmp_path):
     """A finished step of 2 ranks, planned again on 1 with its batch flags set to keep an optimizer step's samples
     (step 3: an iteration's prompts and an optimizer step's rows), ran again from the start: "had other values of
