@@ -187,3 +187,33 @@ def test_the_end_of_run_warning_leaves_the_steps_skipped_for_no_token_out(capsys
                                                       no_token_skips=counts), args, 2)
         said = capsys.readouterr().out
         assert ("skipped" in said and "inf/NaN" in said) is warned, said
+
+
+def test_a_micro_batch_stopped_before_its_backward_leaves_the_next_no_token_step_skipped(distributed, tmp_path):
+    """A train_rollout stopped in a group's first micro-batch before its backward (a notebook's interrupt during the
+    forward, an error there) leaves DeepSpeed at its accumulation boundary, so the next call goes on; the trainer had
+    already counted that micro-batch in its group, and from then on it decided each group at a micro-batch off
+    DeepSpeed's boundary, where a skip is ignored: every later step with no token in the loss was taken."""
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+    from dschat.tiny import load_tiny_tokenizer
+
+    folder = no_token_steps.model_folder(tmp_path)
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    args = {**no_token_steps.SETTINGS, "critic_model_name_or_path": str(folder)}
+    with DeepSpeedRLHFEngine(actor_model_name_or_path=str(folder), tokenizer=tokenizer, args=args) as engine:
+        trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
+        trainer.train_rollout([no_token_steps.rollout(trainer, range(no_token_steps.ROWS))])  # Adam's moments not 0
+        every_answer_cut = no_token_steps.rollout(trainer, [])
+
+        def interrupt(module, inputs):
+            raise KeyboardInterrupt
+
+        hook = engine.actor.module.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train_rollout([every_answer_cut])
+        hook.remove()
+        before = no_token_steps.model_state(engine.actor)
+        result = trainer.train_rollout([no_token_steps.rollout(trainer, [])])
+        assert torch.equal(no_token_steps.model_state(engine.actor)["weights"], before["weights"])
+        assert result["actor_no_token_steps"] == result["critic_no_token_steps"] == 1

@@ -827,12 +827,21 @@ class DeepSpeedPPOTrainer:
         rank (each trains as many micro-batches); without the flag every answer has a token, and none is asked."""
         if not self.args.mask_truncated_answers:
             return False
+        if self._starts_optimizer_step():  # (a call stopped before its backward counted one DeepSpeed never took)
+            self._group_loss_tokens = self._group_micro_batches = 0
         self._group_loss_tokens += int(mask.sum())
         self._group_micro_batches += 1
         if self._group_micro_batches < self.args.gradient_accumulation_steps:
             return False
         tokens, self._group_loss_tokens, self._group_micro_batches = self._group_loss_tokens, 0, 0
         return _summed_over_ranks(tokens, self.device) == 0
+
+    def _starts_optimizer_step(self):
+        """Whether the PPO micro-batch about to train is the first of an optimizer step as DeepSpeed counts them: the
+        critic's (one micro-step per PPO micro-batch), else the actor's (a PPO-ptx actor's language-model micro-steps
+        come after each PPO one, so its step starts there too). False for a stand-in engine that keeps no count."""
+        engine = self.critic_model if self.critic_model is not None else self.actor_model
+        return micro_steps_into_step(engine) == 0
 
     def _update_actor(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg, step=True,
                       skip=False):
@@ -1311,17 +1320,22 @@ def check_no_unfinished_step(engines):
     engine holding the gradients of that step's first micro-batches, which DeepSpeed has no call to drop: the next
     rollout's first step added them to its own, and every later step spanned two rollouts, without a word."""
     for name, engine in engines.items():
-        micro_steps = getattr(engine, "micro_steps", None)
-        if micro_steps is None:  # (a test's stand-in)
-            continue
-        accum = engine.gradient_accumulation_steps()
-        if micro_steps % accum:
+        taken = micro_steps_into_step(engine)
+        if taken:  # (None: a test's stand-in)
+            accum = engine.gradient_accumulation_steps()
             raise UsageError(f"train_rollout: the {name}'s DeepSpeed engine holds the gradients of "
-                             f"{micro_steps % accum} of the {accum} micro-batches of an optimizer step that an earlier "
+                             f"{taken} of the {accum} micro-batches of an optimizer step that an earlier "
                              "call did not finish (a train_rollout interrupted or stopped by an error, or train_rlhf "
                              "calls short of a whole step); DeepSpeed cannot drop them, and this rollout's first "
                              "optimizer step would add them to its own, every later step spanning two rollouts. Build "
                              "a new DeepSpeedRLHFEngine and trainer (load_checkpoint goes on from a checkpoint)")
+
+
+def micro_steps_into_step(engine):
+    """The micro-batches of an optimizer step that ``engine`` (a DeepSpeed engine) has taken so far: 0 at an
+    accumulation boundary; None for no engine or one that keeps no count (a test's stand-in)."""
+    micro_steps = getattr(engine, "micro_steps", None)
+    return None if micro_steps is None else micro_steps % engine.gradient_accumulation_steps()
 
 
 def _world_group():
