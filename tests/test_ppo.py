@@ -1138,7 +1138,8 @@ def test_unsupervised_steps_follow_each_ppo_micro_batch_as_in_deepspeed_chat(tra
                         lambda *a, **k: configs.append((a[1]["gradient_accumulation_steps"], a[7])) or real_init(*a, **k))
     boundaries, real_step = [], trainer.optimizer_step
     monkeypatch.setattr(trainer, "optimizer_step",
-                        lambda engine_, name: boundaries.append(name) if real_step(engine_, name) else None)
+                        lambda engine_, name, skip=False: boundaries.append(name) if real_step(engine_, name, skip)
+                        else None)
     ppo.main(ppo_args(trained, tmp_path / "ppo", "--max_steps", "1", "--unsupervised_dataset_name", f"jsonl:{text}",
                       "--unsup_coef", "0.5", "--per_device_training_batch_size", "2", "--ppo_epochs", "2"))
     # 4 prompts, training batches of 2, 2 PPO epochs: each PPO micro-batch is followed by 2 rows of language modelling
@@ -1274,8 +1275,8 @@ def test_a_resume_whose_iterations_take_other_step_counts_ends_its_schedules_at_
     ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--ppo_epochs", "2", "--enable_test_mode",
                       "--test_stop_step", "1"))
     applied, real_step = [], trainer.optimizer_step
-    monkeypatch.setattr(trainer, "optimizer_step", lambda engine, name: applied.append((name, engine.get_lr()[0]))
-                        or real_step(engine, name))
+    monkeypatch.setattr(trainer, "optimizer_step", lambda engine, name, skip=False:
+                        applied.append((name, engine.get_lr()[0])) or real_step(engine, name, skip))
     ppo.main(ppo_args(trained, tmp_path / "ppo", *common, "--ppo_epochs", "1", "--resume"))
     for name in ("actor", "critic"):
         assert [lr for model, lr in applied if model == name] == [pytest.approx(2e-4 / 3), pytest.approx(1e-4 / 3)]
