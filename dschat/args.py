@@ -282,7 +282,8 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
                         "the ranks, so any number of ranks scores the same ones; 0: the whole eval split.")
     g.add_argument("--print_loss", action="store_true",
                    help="Print the loss of every step: the mean of its micro-batches' losses; on several ranks, rank "
-                        "0's (its line says so).")
+                        "0's (its line says so). Step 1's (--loss_agg global_token_mean): the token mean over all "
+                        "its micro-batches and ranks.")
     g.add_argument("--max_steps", type=non_negative_int, default=0, help="Stop after N optimizer steps (0: no limit).")
     g.add_argument("--save_interval", type=non_negative_int, default=None,
                    help="Checkpoint every N optimizer steps into <output_dir>/checkpoints, the last two kept (0: off; "
@@ -483,6 +484,12 @@ def step1_parser():
     p.add_argument("--multiturn", action="store_true",
                    help="Train on every assistant turn of a messages record (OpenRLHF's flag); default: the last "
                         "one, the earlier turns are prompt.")
+    p.add_argument("--loss_agg", type=str, default="global_token_mean", choices=["global_token_mean", "token_mean"],
+                   help="How the trained tokens' losses make an optimizer step's loss (step 3's --loss_agg names). "
+                        "global_token_mean: their mean over all the step's micro-batches "
+                        "(--gradient_accumulation_steps) on all ranks, every token weighing alike (TRL's SFTTrainer, "
+                        "HF's Trainer since transformers 4.46); token_mean (DeepSpeed-Chat's, OpenRLHF's): the mean of "
+                        "each micro-batch's own token mean, so a token of a micro-batch of few tokens weighs more.")
     p.set_defaults(tensorboard_path="step1_tensorboard", output_dir="output/step1_sft")
     return p
 
@@ -773,9 +780,14 @@ SUPERVISED_CONDITIONAL_FLAGS = (
 )
 
 
+# step 1's --loss_agg, which DPO's parser (step 1's) takes too: DPO's loss is per pair, all alike (step 3's own
+# --loss_agg is read there, so not among STEP1_ONLY_FLAGS)
+STEP1_LOSS_FLAGS = (("loss_agg",), lambda a: False, "step 1")
+
+
 def supervised_conditional_flags(phase):
     """The table of ``unread_conditional_flags`` for the supervised step of data ``phase``."""
-    return SUPERVISED_CONDITIONAL_FLAGS + (() if phase == 1 else (STEP1_ONLY_FLAGS,))
+    return SUPERVISED_CONDITIONAL_FLAGS + (() if phase == 1 else (STEP1_ONLY_FLAGS, STEP1_LOSS_FLAGS))
 
 
 def zero_stage_of(args, name):

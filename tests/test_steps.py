@@ -86,22 +86,33 @@ def test_steps_count_only_whole_accumulation_steps_and_log_their_mean_loss(tmp_p
         capsys.readouterr().out
     with pytest.raises(UsageError, match=r"3 micro-batches per epoch x 1 epoch\(s\): too few to fill one optimizer"):
         common.num_update_steps(3, 4, 1)
-    losses, logged = [], []
+    losses, tokens, logged = [], [], []
     real_run, real_log = common.run_training, common._log_step
 
     def run_recording(engine, loader, loss_fn, *args, **kwargs):
         def recording(engine, batch):
-            loss, tokens = loss_fn(engine, batch)
+            loss, count = loss_fn(engine, batch)
             losses.append(loss.item())
-            return loss, tokens
+            tokens.append(sft.loss_tokens(batch))
+            return loss, count
         return real_run(engine, loader, recording, *args, **kwargs)
+
+    def token_mean(start, end):
+        return sum(loss * n for loss, n in zip(losses[start:end], tokens[start:end])) / sum(tokens[start:end])
 
     monkeypatch.setattr(common, "run_training", run_recording)
     monkeypatch.setattr(common, "_log_step", lambda *a: logged.append(a[3]) or real_log(*a))
-    metrics = sft.main(["--output_dir", str(tmp_path / "sft"), "--data_output_path", str(tmp_path / "data"),
-                        "--gradient_accumulation_steps", "4", *SFT_FAST])
-    # no trailing micro-batch whose gradient is never applied; each step logs its micro-batches' mean loss
+    flags = ["--data_output_path", str(tmp_path / "data"), "--gradient_accumulation_steps", "4", *SFT_FAST]
+    metrics = sft.main(["--output_dir", str(tmp_path / "sft"), *flags])
+    # no trailing micro-batch whose gradient is never applied; each step logs its micro-batches' token mean loss
+    # (--loss_agg global_token_mean), and the run's train_loss is the mean of the steps' losses
     assert len(losses) == 4 * metrics["steps"] == 4 * len(logged)
+    assert logged[0] == pytest.approx(token_mean(0, 4)) and logged[-1] == pytest.approx(token_mean(-4, None))
+    assert logged[0] != pytest.approx(sum(losses[:4]) / 4, rel=1e-6)  # (the micro-batches' token counts differ)
+    assert metrics["train_loss"] == pytest.approx(sum(logged) / len(logged))
+    losses.clear(), logged.clear()
+    metrics = sft.main(["--output_dir", str(tmp_path / "sft_token_mean"), *flags, "--loss_agg", "token_mean"])
+    assert len(losses) == 4 * metrics["steps"] == 4 * len(logged)  # DeepSpeed-Chat's: the micro-batches' mean
     assert logged[0] == pytest.approx(sum(losses[:4]) / 4) and logged[-1] == pytest.approx(sum(losses[-4:]) / 4)
 
 

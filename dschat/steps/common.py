@@ -4,6 +4,7 @@ import os
 import socket
 import time
 import uuid
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Callable
 
@@ -613,54 +614,44 @@ def to_device(batch, device):
 
 
 def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, total_steps, writer=None,
-                 throughput=None, position=None, save=None):
+                 throughput=None, position=None, save=None, loss_tokens=None):
     """The optimizer-step loop shared by steps 1 and 2 (and DPO).
 
     ``loss_fn(engine, batch) -> (loss, tokens_in_batch)``; ``evaluate() -> dict`` runs every
     ``args.eval_interval`` optimizer steps (and is the caller's job at the end); ``save(position)`` every
     ``args.save_interval`` steps. ``position``: where a resumed run continues (``steps.resume``), else the start.
+    ``loss_tokens(batch) -> int``: the tokens ``loss_fn``'s mean loss is over; given (step 1's --loss_agg
+    global_token_mean), each optimizer step's loss is the mean over the tokens of all its micro-batches on all ranks
+    (``step_loss_weights``), else the mean of its micro-batches' means.
     The optimizer steps DeepSpeed skips are said on the step's and the evaluation's lines (``SkippedSteps``).
     Returns the mean train loss (over the whole run's micro-batches, a resumed run's included).
     """
     position = dict(position or {"step": 0, "epoch": 0, "batch": 0, "loss_sum": 0.0, "loss_count": 0})
     step, grad_accum = position["step"], args.gradient_accumulation_steps
-    micro = step * grad_accum  # checkpoints fall between steps: no micro-batch of a step is pending
-    loss_sum, loss_count, recent = position["loss_sum"], position["loss_count"], []
+    # (checkpoints fall between steps: no micro-batch of a step is pending)
+    loss_sum, loss_count = position["loss_sum"], position["loss_count"]
     skipped = SkippedSteps(engine, step)
     if step >= total_steps:  # resumed from the last step's checkpoint
         return loss_sum / max(loss_count, 1)
-    for epoch in range(position["epoch"], args.num_train_epochs):
-        reseed_epoch(train_loader, args.seed, epoch)
-        consumed = position["batch"] if epoch == position["epoch"] else 0
-        engine.train()
-        # the bar counts the micro-batches this epoch runs: all of them, or up to the last step (--max_steps; a step
-        # begun in the last epoch has some of its micro-batches already)
-        batches = min(len(train_loader), consumed + (total_steps - step) * grad_accum - micro % grad_accum)
-        bar = progress(train_loader, batches, f"{name} epoch {epoch + 1}/{args.num_train_epochs}")
-        for index, batch in enumerate(bar):
-            if index < consumed:
-                continue  # trained on before the checkpoint this run resumed from
-            batch = to_device(batch, device)
-            loss, tokens = loss_fn(engine, batch)
-            engine.backward(loss)
-            lr = applied_lr(engine)  # (the scheduler moves on in the step)
-            optimizer_step(engine, name)
-            micro += 1
-            recent.append(loss.item())
-            # a diverged run stops, as step 3's, before anything of it is saved (checked after the item() that waits
-            # for the step anyway: no extra wait on the accelerator)
-            check_finite(f"{name}: the training loss (step {step + 1})", loss)
-            if throughput is not None:
-                throughput.update(batch["input_ids"].shape[0], tokens)
-            if micro % grad_accum:
-                continue
+    engine.train()
+    # (closed on an error too: its epoch's progress bar then ends its line before the error is printed)
+    with closing(train_micro_batches(train_loader, args, name, position, (total_steps - step) * grad_accum)) as \
+            micro_batches:
+        for group in accumulation_groups(micro_batches, grad_accum):
+            weights = step_loss_weights(group, loss_tokens, grad_accum, device)
+            step_loss, lr = _train_group(engine, group, weights, loss_fn, name, step, throughput, device)
+            epoch, index, bar, _ = group[-1]
+            over_ranks = loss_tokens is not None
+            if over_ranks:  # (the token mean over every rank's micro-batches: each rank's shares of it summed)
+                step_loss = all_reduce(torch.tensor(step_loss, dtype=torch.float64, device=device)).item()
+            # (counted per micro-batch, in either mode: a resume may change --loss_agg)
+            loss_sum, loss_count = loss_sum + step_loss * len(group), loss_count + len(group)
+            if len(group) < grad_accum:  # micro-batches short of a whole last step: trained on but never applied
+                break
             step += 1
-            loss_sum, loss_count = loss_sum + sum(recent), loss_count + len(recent)
-            _log_step(args, name, step, sum(recent) / len(recent), lr, writer, throughput, bar, skipped, device)
-            recent = []
+            _log_step(args, name, step, step_loss, lr, writer, throughput, bar, skipped, device, over_ranks)
             if save is not None and args.save_interval and step % args.save_interval == 0:
-                save({"step": step, "epoch": epoch, "batch": index + 1, "loss_sum": loss_sum,
-                      "loss_count": loss_count})
+                save({"step": step, "epoch": epoch, "batch": index + 1, "loss_sum": loss_sum, "loss_count": loss_count})
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 metrics = evaluate()
                 print_rank_0(f"[{name}] step {step} eval: {format_metrics(metrics)}{skipped.said_since_report(step)}")
@@ -668,9 +659,77 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
                 engine.train()
             if step >= total_steps:
                 _close_at(bar, index + 1)
-                return loss_sum / max(loss_count, 1)
-    # (micro-batches short of a whole last step are trained on but never applied: counted as before)
-    return (loss_sum + sum(recent)) / max(loss_count + len(recent), 1)
+                break
+    return loss_sum / max(loss_count, 1)
+
+
+def _train_group(engine, group, weights, loss_fn, name, step, throughput, device):
+    """Forward and backward of each micro-batch of an optimizer step's ``group`` (``step_loss_weights``' ``weights``),
+    and the step DeepSpeed takes at the last; returns (this rank's share of the step's loss, the learning rate
+    applied)."""
+    step_loss = 0.0
+    for (*_, batch), (weight, share) in zip(group, weights):
+        batch = to_device(batch, device)
+        loss, tokens = loss_fn(engine, batch)
+        engine.backward(loss * weight)
+        lr = applied_lr(engine)  # (the scheduler moves on in the step)
+        optimizer_step(engine, name)
+        step_loss += loss.item() * share
+        # a diverged run stops, as step 3's, before anything of it is saved (checked after the item() that waits for
+        # the step anyway: no extra wait on the accelerator)
+        check_finite(f"{name}: the training loss (step {step + 1})", loss)
+        if throughput is not None:
+            throughput.update(batch["input_ids"].shape[0], tokens)
+    return step_loss, lr
+
+
+def train_micro_batches(train_loader, args, name, position, count):
+    """(epoch, index in it, its progress bar, batch) of the next ``count`` micro-batches from ``position`` on, epoch
+    after epoch (the data order of each depends on (seed, epoch) only: ``reseed_epoch``)."""
+    for epoch in range(position["epoch"], args.num_train_epochs):
+        reseed_epoch(train_loader, args.seed, epoch)
+        consumed = position["batch"] if epoch == position["epoch"] else 0
+        # the bar counts the micro-batches this epoch runs: all of them, or up to the last step (--max_steps)
+        bar = progress(train_loader, min(len(train_loader), consumed + count),
+                       f"{name} epoch {epoch + 1}/{args.num_train_epochs}")
+        for index, batch in enumerate(bar):
+            if index < consumed:
+                continue  # trained on before the checkpoint this run resumed from
+            yield epoch, index, bar, batch
+            count -= 1
+            if count == 0:
+                return
+
+
+def accumulation_groups(micro_batches, grad_accum):
+    """The micro-batches of each optimizer step, in lists of ``grad_accum`` (DeepSpeed's accumulation runs on across
+    epochs, so a step may take the last micro-batches of one and the first of the next); the last list may be short
+    where the data ends first. A whole list is given without reading the micro-batch after it."""
+    group = []
+    for micro_batch in micro_batches:
+        group.append(micro_batch)
+        if len(group) == grad_accum:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def step_loss_weights(group, loss_tokens, grad_accum, device):
+    """(the factor its mean loss is backpropagated with, its share of the step's loss) of each micro-batch of an
+    optimizer step's ``group``. Without ``loss_tokens``: 1, and 1 / the step's micro-batches, DeepSpeed's mean of the
+    micro-batches' means (and of the ranks'). With it, the token mean over the step's micro-batches on all ranks (step
+    3's --loss_agg global_token_mean, ``algorithms.agg_loss``; HF Trainer's num_items_in_batch): a micro-batch of n of
+    the step's N tokens (all ranks', all-reduced once a step) weighs n / N, times the gradient_accumulation_steps x
+    ranks that DeepSpeed's backward (1 / gradient_accumulation_steps) and its average over the ranks take back."""
+    if loss_tokens is None:
+        return [(1.0, 1.0 / len(group))] * len(group)
+    counts = [loss_tokens(batch) for *_, batch in group]
+    total = all_reduce(torch.tensor(float(sum(counts)), dtype=torch.float64, device=device)).item()
+    # (no tokens at all: every loss is NaN, which check_finite stops at; not a division by 0 before it)
+    total = max(total, 1.0)
+    ranks = get_world_size()
+    return [(n / total * grad_accum * ranks, n / total) for n in counts]
 
 
 def _close_at(bar, done):
@@ -687,20 +746,22 @@ def applied_lr(engine):
     return engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
 
 
-def _log_step(args, name, step, loss, lr, writer, throughput, bar, skipped, device=None):
+def _log_step(args, name, step, loss, lr, writer, throughput, bar, skipped, device=None, over_ranks=False):
+    """``loss``: the step's, of this rank's micro-batches, or of every rank's (``over_ranks``: step 1's token mean)."""
     step_skipped = skipped.last_step_skipped()
     if hasattr(bar, "set_postfix"):
         shown = {"skipped": skipped.total} if skipped.total else {}
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", **shown, refresh=False)  # shown at the bar's own refresh:
         # a log file gets a line every 2 s, not one per step (each with a stale count)
     if getattr(args, "print_loss", False):  # (on several ranks rank 0's mean: said, as it is not the step's)
-        whose = f" (rank 0's micro-batches, 1 of {get_world_size()} ranks)" if get_world_size() > 1 else ""
+        whose = (f" (rank 0's micro-batches, 1 of {get_world_size()} ranks)" if get_world_size() > 1 and not over_ranks
+                 else "")
         print_rank_0(f"[{name}] step {step} loss {loss:.4f}{whose} lr {lr:.3e}"
                      + (f" ({SKIPPED_STEP_SAID})" if step_skipped else ""))
     if getattr(args, "enable_tensorboard", False):  # (every rank: the loss and rates are over the ranks; rank 0 writes)
         # the step's loss over every rank's micro-batches, as metrics.json's train_loss and step 3's curves are (and
         # HF's Trainer logs); rank 0's alone followed a quarter of the step's records on 4 ranks
-        scalars = {"loss": rank_mean(loss, device), "lr": lr, "skipped_steps": skipped.total}
+        scalars = {"loss": loss if over_ranks else rank_mean(loss, device), "lr": lr, "skipped_steps": skipped.total}
         if throughput is not None:
             scalars.update(throughput.summary())
         _scalars(writer, f"{name}/train", scalars, step)
@@ -792,6 +853,10 @@ class StepRecipe:
     save_fn: Callable  # (engine, tokenizer, output_dir) -> None
     rows_per_record: int = 1  # a batch's rows per record: 2 for preference pairs (chosen rows, then rejected)
     reads_margins: bool = False  # phase 2: its loss subtracts each pair's margin (step 2's; DPO's reads none)
+    # (batch) -> the tokens loss_fn's mean is over (step 1's labelled ones): --loss_agg global_token_mean weighs them
+    # alike over each optimizer step's micro-batches and ranks (``step_loss_tokens``); None: a loss of records that
+    # all weigh alike (step 2's and DPO's pairs), each micro-batch's mean
+    loss_tokens: Callable = None
 
 
 def require_training_records(dataset, args, step):
@@ -892,6 +957,13 @@ def seconds_so_far(started, checkpoint=None):
     return (checkpoint or {}).get("seconds", 0.0) + time.time() - started
 
 
+def step_loss_tokens(args, recipe):
+    """``recipe.loss_tokens`` where --loss_agg global_token_mean (step 1's default) makes each optimizer step's loss the
+    mean over its tokens; None where each micro-batch's own mean is (--loss_agg token_mean, DeepSpeed-Chat's; steps
+    without the flag)."""
+    return recipe.loss_tokens if getattr(args, "loss_agg", None) == "global_token_mean" else None
+
+
 def run_supervised_step(args, recipe):
     """Train one model on one phase's data with DeepSpeed, evaluate, save; returns the final metrics. Its engines
     are released when it ends (``released_engines``)."""
@@ -958,7 +1030,8 @@ def _train_evaluate_save(args, recipe):
                               save=lambda at: save_step_checkpoint(
                                   engine, args, {**at, "seconds": seconds_so_far(started, position),
                                                  "total": total_steps, STEP_NAME: recipe.name,
-                                                 TOKENIZER_KEY: tokenizer_said}))
+                                                 TOKENIZER_KEY: tokenizer_said}),
+                              loss_tokens=step_loss_tokens(args, recipe))
     rates = throughput.summary()  # the training's: before the final evaluation, whose time is none of it
     final_eval = evaluate()
     metrics = {**final_eval, "train_loss": rank_mean(train_loss, device), **rates, "steps": total_steps,

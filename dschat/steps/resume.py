@@ -48,8 +48,9 @@ RESUME_FLAGS = ("model_name_or_path", "add_eot_token", "eot_token", "lora_dim", 
 RESTORED_FLAGS = ("learning_rate", "lora_learning_rate")
 # Stored and compared, but bound to nothing the checkpoint holds: another value is said, and the run trains with it
 # (DPO's loss coefficients and step 1's --include_prompt_in_loss too, which labels the same records otherwise: changed
-# silently, a resumed run trained another objective than its log said).
-FREE_FLAGS = ("dropout", "beta", "label_smoothing", "rpo_alpha", "include_prompt_in_loss")
+# silently, a resumed run trained another objective than its log said; and step 1's --loss_agg, which weighs them
+# otherwise: its running train loss is counted per micro-batch in either mode, so it carries on.)
+FREE_FLAGS = ("dropout", "beta", "label_smoothing", "rpo_alpha", "include_prompt_in_loss", "loss_agg")
 BOUND_WHY = ("Its model and optimizer states (model, LoRA layout, weight decay, ZeRO stage, precision, offload) and its "
              "place in the data (micro-batches of --per_device_train_batch_size, steps of "
              "--gradient_accumulation_steps, of the records its data flags and tokenizer make, in --seed's order) hold "

@@ -26,9 +26,19 @@ def sft_collator(tokenizer, pad_to_multiple_of=1, max_length=None):
 
 
 def lm_loss(engine, batch):
+    """(the mean loss over the batch's labelled tokens, its tokens)."""
     out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
                  use_cache=False)
     return out.loss, int(batch["attention_mask"].sum())
+
+
+def labelled_tokens(labels):
+    """The tokens ``lm_loss`` averages over: those with a label, less the first position (no token predicts it)."""
+    return (labels[:, 1:] != -100).sum()
+
+
+def loss_tokens(batch):
+    return int(labelled_tokens(batch["labels"]))
 
 
 @torch.no_grad()
@@ -44,7 +54,7 @@ def evaluate_lm(engine, eval_loader, device):
         # a rank's padding repeats (weight 0) take part in the forward but not in the loss
         batch["labels"] = batch["labels"].masked_fill(weights[:, None] == 0, -100)
         loss, _ = lm_loss(engine, batch)
-        n = (batch["labels"][:, 1:] != -100).sum()
+        n = labelled_tokens(batch["labels"])
         totals[2] += weights.sum()
         if n > 0:  # an all-padding batch has a nan loss over no tokens
             totals[:2] += torch.stack([loss.double() * n, n.double()])
@@ -57,7 +67,7 @@ def evaluate_lm(engine, eval_loader, device):
 
 
 SFT = StepRecipe(name="step1", phase=1, build_model=build_sft_model, collator=sft_collator, loss_fn=lm_loss,
-                 evaluate_fn=evaluate_lm, save_fn=save_causal_lm)
+                 evaluate_fn=evaluate_lm, save_fn=save_causal_lm, loss_tokens=loss_tokens)
 
 
 def main(args=None):
