@@ -12,7 +12,8 @@ from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
 from dschat.pipeline_resume import (FRESH, RESUME, SKIP, Decision, afresh_advice, describe, outdated_outputs,
                                     plan_steps)
-from dschat.run_layout import DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR, SFT_DIR, unfinished_reason
+from dschat.run_layout import (DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR, RUN_ARGS_FILE, SFT_DIR,
+                               unfinished_reason)
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
 from dschat.utils.files import check_writable_folder
 
@@ -533,9 +534,27 @@ def check_earlier_outputs(step, steps, args, parsed):
                 state, run = "did not finish", (f"{reason}. Run step {producer} again (--step {together}; with "
                                                 "--resume it goes on from its last checkpoint)")
             else:
+                say_an_older_dschats_output(step, producer, path, together)
                 continue
             raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: {run}"
                                     + _other_ways(step, producer, args))
+
+
+def say_an_older_dschats_output(step, producer, path, together):
+    """Step ``producer``'s finished output in ``path``, which ``step`` reads as asked (``--step`` without it): one of
+    an older dschat, whose step may have trained it otherwise (``older_step_version``), is used, said in one line; one
+    of a newer dschat is the error ``train.py --resume`` gives it (``pipeline_resume.older_step_output``)."""
+    from dschat.steps.common import STEP_VERSION, older_step_version, read_run_args
+
+    record = read_run_args(path)
+    if record is None:  # (a model no step of dschat wrote, as finished: nothing recorded of how it trained)
+        return
+    older = older_step_version(record.get(STEP_VERSION), record.get("step"), os.path.join(path, RUN_ARGS_FILE),
+                               "output", f"Run step {step} with that dschat, or train step {producer} again with this "
+                                         f"one (--step {together})")
+    if older:
+        print_rank_0(f"note: step {step} reads {path}, step {producer}'s output, as asked: it is {older}, which may "
+                     f"have trained it otherwise (--step {together} trains step {producer} again with this dschat)")
 
 
 def _other_ways(step, producer, args):

@@ -21,8 +21,9 @@ from dschat.data.local import same_data_fields, same_datasets
 from dschat.data.raw_datasets import changed_data_files
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS, RUN_ARGS_FILE
-from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, STEP_VERSION, STEP_VERSIONS,
-                                 finished_run_id, holds_model, model_identity, read_run_args, step_data_files)
+from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, STEP_VERSION,
+                                 finished_run_id, holds_model, model_identity, older_step_version, read_run_args,
+                                 step_data_files)
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_DATA, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -161,25 +162,18 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
 
 def older_step_output(folder, record, step, steps, kept=True):
     """Why the finished output in ``folder`` (``record``: its training_args.json) is an older dschat's, whose step
-    trained otherwise than this one's (``STEP_VERSIONS``), else None; one of a newer dschat's is an error naming it
-    where the plan would keep it (``kept``), else None (the step trains afresh for another reason)."""
-    path = os.path.join(folder, RUN_ARGS_FILE)
-    name = (record or {}).get("step")
-    then, now = (record or {}).get(STEP_VERSION), STEP_VERSIONS.get(name)
-    if then is None:
-        return (f"its finished output in {folder} is of a dschat from before steps recorded their version (no "
-                f"{STEP_VERSION} in {path}), which may have trained it otherwise")
-    if now is None or type(then) is not int or then > now:  # (bool is an int: not a version)
-        if not kept:
-            return None
-        latest = f"its latest is {now}" if now is not None else "nor a step of that name"
-        raise UsageError(f"{path} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
-                         f"({latest}): a newer dschat's output, whose step this one may train otherwise. Resume with "
-                         f"that dschat, or train step {step} afresh with this one ({afresh_flags(step, steps)})")
-    if then < now:
-        return (f"its finished output in {folder} is an older dschat's ({STEP_VERSION} {then} of {name}, {now} now: "
-                "STEP_VERSIONS in dschat/steps/common.py says what changed)")
-    return None
+    trained otherwise than this one's (``older_step_version``), else None; one of a newer dschat's is an error naming
+    it where the plan would keep it (``kept``), else None (the step trains afresh for another reason)."""
+    record = record or {}
+    try:
+        older = older_step_version(record.get(STEP_VERSION), record.get("step"), os.path.join(folder, RUN_ARGS_FILE),
+                                   "output", f"Resume with that dschat, or train step {step} afresh with this one "
+                                             f"({afresh_flags(step, steps)})")
+    except UsageError:
+        if kept:
+            raise
+        return None
+    return older and f"its finished output in {folder} is {older}, which may have trained it otherwise"
 
 
 def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):

@@ -236,14 +236,15 @@ def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_i
     assert {step: decision.action for step, decision in step_2_with(1).items()} == {1: SKIP, 2: RESUME, 3: FRESH}
     del record[STEP_VERSION]  # (written by a dschat from before steps recorded it)
     decisions = step_2_with(None)
-    assert decisions[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is of a dschat from before steps "
-                                   f"recorded their version (no step_version in {record_file}), which may have trained "
-                                   "it otherwise")  # (not trained on from its checkpoint: of that dschat too)
+    # (not trained on from its checkpoint: of that dschat too)
+    assert decisions[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is of a dschat from before its "
+                                   f"outputs recorded the step's version (no step_version in {record_file}), which may "
+                                   "have trained it otherwise")
     assert decisions[3] == (FRESH, "it starts from step 2's new output")
     monkeypatch.setitem(STEP_VERSIONS, "step2", 2)  # a change of what step 2 makes, since step 2 finished under 1
     assert step_2_with(1)[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is an older dschat's "
                                         "(step_version 1 of step2, 2 now: STEP_VERSIONS in dschat/steps/common.py "
-                                        "says what changed)")
+                                        "says what changed), which may have trained it otherwise")
     assert step_2_with(2)[2].action == RESUME
     for newer in (3, "2"):
         with pytest.raises(UsageError, match=rf"{record_file} records step_version {newer!r} of step2, which this "
@@ -266,6 +267,39 @@ def test_a_newer_dschats_output_given_other_flags_trains_afresh_instead_of_being
     for kept in (Namespace(**{**vars(FLAGS), "max_steps": 4}), Namespace(**{**vars(FLAGS), "max_steps": 8})):
         with pytest.raises(UsageError, match="step_version 99 of step2, which this dschat does not know"):
             plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: kept, 3: FLAGS})  # (skipped; trained on)
+
+
+def test_a_step_asked_to_read_an_older_dschats_output_uses_it_saying_so_and_refuses_a_newer_ones(tmp_path, monkeypatch,
+                                                                                                   capsys):
+    """train.py --step 2 3 (no --resume) reads step 1's finished output as asked, whichever dschat made it: one of an
+    older dschat (an older step version, or none) was used unsaid, though its step may have trained otherwise, and
+    one of a newer dschat too, which --resume refuses (``older_step_output``). The first is used with a line saying
+    so; the second is the same error, naming the file."""
+    finish(tmp_path, 1, 100)
+    (tmp_path / FOLDERS[1] / "config.json").write_text("{}")
+    record_file = tmp_path / FOLDERS[1] / "training_args.json"
+    record = json.loads(record_file.read_text())
+    args = Namespace(output_dir=str(tmp_path), recipe="ppo")
+    step2 = Namespace(model_name_or_path=str(tmp_path / FOLDERS[1]))
+
+    def step_2_reads(version):
+        record_file.write_text(json.dumps({**record, STEP_VERSION: version}))
+        pipeline.check_earlier_outputs(2, [2, 3], args, step2)
+        return capsys.readouterr().out
+
+    assert step_2_reads(1) == ""  # (this dschat's)
+    del record[STEP_VERSION]
+    assert step_2_reads(None) == (f"note: step 2 reads {tmp_path / FOLDERS[1]}, step 1's output, as asked: it is of a "
+                                  f"dschat from before its outputs recorded the step's version (no step_version in "
+                                  f"{record_file}), which may have trained it otherwise (--step 1 2 3 trains step 1 "
+                                  "again with this dschat)\n")
+    monkeypatch.setitem(STEP_VERSIONS, "step1", 2)
+    assert "as asked: it is an older dschat's (step_version 1 of step1, 2 now: STEP_VERSIONS in " in step_2_reads(1)
+    assert step_2_reads(2) == ""
+    with pytest.raises(UsageError, match=rf"{record_file} records step_version 3 of step1, which this dschat does not "
+                                         r"know \(its latest is 2\): a newer dschat's output, .* Run step 2 with that "
+                                         r"dschat, or train step 1 again with this one \(--step 1 2 3\)"):
+        step_2_reads(3)
 
 
 def test_batch_flags_set_for_another_number_of_ranks_with_the_same_batches_keep_the_plan(tmp_path):

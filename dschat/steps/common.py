@@ -360,6 +360,24 @@ STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 1, "step3": 1}
 STEP_VERSION = "step_version"
 
 
+def older_step_version(then, name, where, made, remedy):
+    """How version ``then`` of step ``name`` (``STEP_VERSION``), read from ``where`` (the file that records it, a step's
+    ``made``: "output" or "checkpoint"), is an older dschat's than this one (``STEP_VERSIONS``): the words to say of
+    it ("of a dschat from before ...", "an older dschat's (...)"), None where it is this dschat's. A newer dschat's (or
+    a value no dschat records) is a UsageError naming ``where``, with ``remedy``: what to do instead."""
+    now = STEP_VERSIONS.get(name)
+    if then is None:
+        return f"of a dschat from before its {made}s recorded the step's version (no {STEP_VERSION} in {where})"
+    if now is None or type(then) is not int or then > now:  # (bool is an int: not a version)
+        latest = f"its latest is {now}" if now is not None else "nor a step of that name"
+        raise UsageError(f"{where} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
+                         f"({latest}): a newer dschat's {made}, whose step this one may train otherwise. {remedy}")
+    if then < now:
+        return (f"an older dschat's ({STEP_VERSION} {then} of {name}, {now} now: STEP_VERSIONS in "
+                "dschat/steps/common.py says what changed)")
+    return None
+
+
 def write_results(args, metrics, step):
     """The step's ``metrics.json`` and ``training_args.json`` (which step, and its flags as it ran: what the tools read
     to evaluate its output on the same data, e.g. ppo_eval's held-out prompts; the step's version, this output's run
