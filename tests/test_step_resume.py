@@ -2017,3 +2017,98 @@ def test_a_checkpoint_is_resumed_under_the_same_data_fields_in_another_order(tmp
     with pytest.raises(UsageError, match=r"--data_fields 'jsonl:qa.jsonl:prompt=question,chosen=answer;"
                                          r"jsonl:alpaca.jsonl:prompt=instruction' -> "):
         check_same_flags(saved, other, RESTORED_FLAGS, "step_0000001", "out", "step1", BOUND_WHY, FREE_FLAGS)
+
+
+def _set_step_version(root, tag, version):
+    """The step version checkpoint ``tag`` records (None: none, as a dschat before checkpoints recorded it)."""
+    from dschat.steps.common import STEP_VERSION
+
+    state_file = root / "trainer" / tag / "state.json"
+    state = {key: value for key, value in json.loads(state_file.read_text()).items() if key != STEP_VERSION}
+    state_file.write_text(json.dumps({**state, **({} if version is None else {STEP_VERSION: version})}))
+    return state_file
+
+
+def test_a_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_refused(tmp_path, distributed,
+                                                                                      monkeypatch, capsys):
+    """A step's checkpoint recorded no step version (STEP_VERSIONS): one an older dschat saved, whose step may have
+    trained otherwise, resumed unsaid, and the output recorded this dschat's version; one of a newer dschat resumed as
+    well. It records the version now; an older one, or none, resumes with one line saying so, a newer one is an error
+    naming its state.json."""
+    from dschat.steps.common import STEP_VERSIONS
+
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+              "--max_steps", "2"]
+    reward.main([*common, "--save_interval", "2"])
+    root = tmp_path / "rm" / "checkpoints"
+    assert json.loads((root / "trainer" / "step_0000002" / "state.json").read_text())["step_version"] == \
+        STEP_VERSIONS["step2"]
+    capsys.readouterr()
+
+    def resumed_with(version):
+        _set_step_version(root, "step_0000002", version)
+        reward.main([*common, "--resume"])
+        out = capsys.readouterr().out
+        assert "resumed from step 2 " in out
+        return [line for line in out.splitlines() if "older dschat" in line or "step_version" in line]
+
+    assert resumed_with(STEP_VERSIONS["step2"]) == []
+    state_file = root / "trainer" / "step_0000002" / "state.json"
+    assert resumed_with(None) == [
+        f"[step2] --resume: checkpoint step_0000002 in {root} is of a dschat from before its checkpoints recorded the "
+        f"step's version (no step_version in {state_file}); resumed all the same, though its step may have trained "
+        "otherwise until step_0000002"]
+    monkeypatch.setitem(STEP_VERSIONS, "step2", 2)
+    assert resumed_with(1) == [
+        f"[step2] --resume: checkpoint step_0000002 in {root} is an older dschat's (step_version 1 of step2, 2 now: "
+        "STEP_VERSIONS in dschat/steps/common.py says what changed); resumed all the same, though its step may have "
+        "trained otherwise until step_0000002"]
+    with pytest.raises(UsageError, match=rf"{state_file} records step_version 3 of step2, which this dschat does not "
+                                         r"know \(its latest is 2\): a newer dschat's checkpoint, .* train step2 "
+                                         r"afresh with this one \(without --resume"):
+        resumed_with(3)
+
+
+def test_a_step3_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_refused(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Step 3's checkpoints, as steps 1 and 2's: the step version recorded, and an older or missing one said on
+    --resume (step 3's own, or a notebook's load_checkpoint), a newer one refused."""
+    from types import SimpleNamespace
+
+    from dschat.args import step3_parser
+    from dschat.rlhf import algorithms, checkpointing
+    from dschat.rlhf.config import step3_args
+    from dschat.steps.common import STEP_VERSIONS
+
+    root = tmp_path / "checkpoints"
+    args = step3_args(step3_parser().parse_args(["--output_dir", str(tmp_path), "--advantage_estimator", "grpo",
+                                                 "--reward_fn", "tiny"]))
+
+    def save_engine(folder, tag, save_latest):  # (no engine: an empty model-states file, as the checks read it)
+        os.makedirs(os.path.join(folder, tag))
+        Path(folder, tag, "mp_rank_00_model_states.pt").write_bytes(b"")
+
+    trainer = SimpleNamespace(args=args, actor_model=SimpleNamespace(save_checkpoint=save_engine), critic_model=None,
+                              actor_ema=None, kl_ctl=algorithms.FixedKLController(0.1), generator=None)
+    checkpointing.save_checkpoint(trainer, str(root), {"iteration": 2, "epoch": 0, "batch": 2})
+    state_file = root / "trainer" / "iter_0000002" / "state.json"
+    assert json.loads(state_file.read_text())["step_version"] == STEP_VERSIONS["step3"]
+    args.resume = True
+    capsys.readouterr()
+
+    def planned_with(version):
+        _set_step_version(root, "iter_0000002", version)
+        plan = checkpointing.plan_resume(args, str(root), _loader(40, 10))
+        assert plan.tag == "iter_0000002"
+        return capsys.readouterr().out
+
+    assert planned_with(STEP_VERSIONS["step3"]) == ""
+    assert planned_with(None) == (
+        f"[step3] --resume: checkpoint iter_0000002 in {root} is of a dschat from before its checkpoints recorded the "
+        f"step's version (no step_version in {state_file}); resumed all the same, though its step may have trained "
+        "otherwise until iter_0000002\n")
+    monkeypatch.setitem(STEP_VERSIONS, "step3", 2)
+    assert "is an older dschat's (step_version 1 of step3, 2 now: " in planned_with(1)
+    with pytest.raises(UsageError, match=rf"{state_file} records step_version 3 of step3, which this dschat does not "
+                                         r"know \(its latest is 2\): a newer dschat's checkpoint"):
+        planned_with(3)

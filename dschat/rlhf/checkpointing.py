@@ -25,15 +25,16 @@ from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import whole_iterations
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
-                                 restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
+from dschat.steps.common import (STEP_VERSION, STEP_VERSIONS, TOKENIZER_KEY, check_same_start, check_same_tokenizer,
+                                 input_runs, restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, MODEL_STATES, RANK_MODEL_STATES, STEP_NAME, TRAINER, ResumePlan,
                                       check_complete, check_engine_files, check_position, check_same_flags,
                                       check_same_products, check_same_step, check_universal_fit, clear_tag,
                                       earlier_advice, latest_tag, load_rank_state, load_rank_state_of_others,
                                       loading_checkpoint, publish, read_trainer_state, reading,
-                                      refuse_other_rank_count, rng_said, save_trainer_state, tag_of,
-                                      take_restored_flags, trainer_folder, universal_load)
+                                      refuse_other_rank_count, rng_said, save_trainer_state,
+                                      say_an_older_dschats_checkpoint, tag_of, take_restored_flags, trainer_folder,
+                                      universal_load)
 from dschat.utils.dist import get_world_size, is_rank_0, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -120,8 +121,9 @@ def save_checkpoint(trainer, root, position, keep_last=2):
         if is_rank_0() and ema_state is not None:  # before the trainer state, which marks a tag complete
             os.makedirs(trainer_folder(root, tag), exist_ok=True)
             torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
-        save_trainer_state(root, tag, {**position, STEP_NAME: STEP, "kl_ctl": trainer.kl_ctl.state_dict(),
-                                       KL_TRACKED: _kl_tracked(trainer.args), NO_TOKEN_SKIPS: _no_token_skips(trainer),
+        save_trainer_state(root, tag, {**position, STEP_NAME: STEP, STEP_VERSION: STEP_VERSIONS[STEP],
+                                       "kl_ctl": trainer.kl_ctl.state_dict(), KL_TRACKED: _kl_tracked(trainer.args),
+                                       NO_TOKEN_SKIPS: _no_token_skips(trainer),
                                        "flags": resume_flags(trainer), "inputs": input_runs(trainer.args),
                                        "world_size": get_world_size(), "batches": iteration_batches(trainer.args),
                                        **_tokenizer_of(trainer)}, trainer.generator)
@@ -524,6 +526,7 @@ def check_resumable(trainer, root, tag, planned=False):
     convertible and an iteration of the same global shape (``check_iteration_shape``). Returns (its saved state, less
     the flags; the number of ranks that saved it)."""
     check_same_step(root, tag, STEP)
+    say_an_older_dschats_checkpoint(root, tag, STEP)
     saved_ranks = check_complete(root, tag, (ACTOR,))
     other_ranks = saved_ranks != get_world_size()
     if other_ranks and not planned:

@@ -20,15 +20,16 @@ import os
 from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
-                                 restart_deepspeed_tensorboard, resumed_save_interval, say_a_changed_schedule,
-                                 schedule_length_flags, step_data_records)
+from dschat.steps.common import (STEP_VERSION, STEP_VERSIONS, TOKENIZER_KEY, check_same_start, check_same_tokenizer,
+                                 input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
+                                 say_a_changed_schedule, schedule_length_flags, step_data_records)
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_position, check_same_flags,
                                       check_same_products, check_same_step, check_universal_fit, clear_earlier_run,
                                       clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
                                       loading_checkpoint, publish, published_tag, read_trainer_state, reading,
-                                      remove_universal_copies, rng_said, save_trainer_state, tag_of,
-                                      take_restored_flags, universal_load, with_universal_load)
+                                      remove_universal_copies, rng_said, save_trainer_state,
+                                      say_an_older_dschats_checkpoint, tag_of, take_restored_flags, universal_load,
+                                      with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -84,7 +85,7 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
     """Every rank: the engine's states, this rank's RNG and train-loss sums under tag ``step_<N>``; ``position``:
     {"step", "epoch", "batch" (micro-batches of that epoch consumed), "loss_sum", "loss_count" (this rank's),
     "seconds" (the step's so far), "total" (the run's steps) and STEP_NAME (the step's name, "step1", ...: which step
-    a resume may continue it, ``check_same_step``)}."""
+    a resume may continue it, ``check_same_step``; its STEP_VERSION is recorded with it)}."""
     root = checkpoint_root(args)
     tag = tag_of("step", position["step"])
     clear_tag(root, tag)
@@ -92,6 +93,8 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
         engine.save_checkpoint(os.path.join(root, MODEL), tag=tag, save_latest=False)
         place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total", STEP_NAME, TOKENIZER_KEY)
                  if key in position}
+        if STEP_NAME in position:  # (how this dschat trains the step: another's resume says so)
+            place[STEP_VERSION] = STEP_VERSIONS[position[STEP_NAME]]
         sums = {key: position[key] for key in ("loss_sum", "loss_count")}
         save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
                                        "inputs": input_runs(args), "world_size": get_world_size()}, rank_state=sums)
@@ -113,6 +116,7 @@ def _checked_latest(args, step, tokenizer=None):
     if tag is None:
         return None
     check_same_step(root, tag, step)
+    say_an_older_dschats_checkpoint(root, tag, step)
     saved_ranks = check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
     saved = state.pop("flags", {})

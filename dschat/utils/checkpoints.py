@@ -213,6 +213,22 @@ def check_same_step(root, tag, step):
                          f"{saved}'s checkpoints)")
 
 
+def say_an_older_dschats_checkpoint(root, tag, step):
+    """--resume of checkpoint ``tag`` of ``step`` (rank 0's, once): one saved by an older dschat, whose trainer state
+    records an older step version than this dschat's (``STEP_VERSION``), or none (saved before checkpoints recorded
+    it), is resumed, said in one line, as its step may have trained otherwise until there (its output then records this
+    dschat's version); one of a newer dschat is a UsageError naming its state.json (``older_step_version``)."""
+    from dschat.steps.common import STEP_VERSION, older_step_version
+
+    state = read_trainer_state(root, tag) or {}
+    older = older_step_version(state.get(STEP_VERSION), step, os.path.join(trainer_folder(root, tag), "state.json"),
+                               "checkpoint", f"Resume it with that dschat, or train {step} afresh with this one "
+                                             "(without --resume, which removes its checkpoints)")
+    if older:
+        print_rank_0(f"[{step}] --resume: checkpoint {tag} in {root} is {older}; resumed all the same, though its "
+                     f"step may have trained otherwise until {tag}")
+
+
 def load_rank_state(root, tag, generator=None):
     """This rank's RNG states restored as saved with ``tag`` (``generator``'s too, if given); returns its
     ``rank_state`` (None if it saved none)."""
