@@ -215,8 +215,11 @@ def hybrid_engine(model):
     from dschat.utils.dist import ensure_distributed
 
     ensure_distributed()
+    # torch's Adam: DeepSpeed's default FusedAdam is JIT-built on a CPU, longer than a check's time limit on a fresh
+    # machine (its alarm then left the build half done, and every later family failed to import it)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 0},
               "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
     ds_engine, *_ = deepspeed.initialize(model=model, config=config,
                                          model_parameters=[p for p in model.parameters() if p.requires_grad])

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 REPO = Path(__file__).parents[1]
 
@@ -937,3 +938,21 @@ def test_family_sweep_checks_a_decoder_skips_an_encoder_and_reports_a_refusal(tm
     # RWKV reads no attention mask: its reward model scores a left-padded row otherwise (transformers' model, reported)
     assert results["rwkv"]["reward"][0] == "FAIL"
     assert proc.returncode == 1 and "3 swept" not in proc.stdout and "2 swept, 1 skipped" in proc.stdout, proc.stdout
+
+
+def test_family_sweep_builds_its_engines_with_torch_adam():
+    """bench/family_sweep.py's DeepSpeed engines take torch's Adam: DeepSpeed's FusedAdam is JIT-built on a CPU, and
+    on a fresh machine that first build outlasted a check's time limit, whose alarm left it half done, so every family
+    after it failed to import the op (afmoe timed out, apertus and the rest ImportError)."""
+    from transformers import GPT2Config
+
+    from dschat.models.training_engine import release_engine
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import family_sweep
+
+    config = GPT2Config(vocab_size=family_sweep.VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    engine = family_sweep.hybrid_engine(family_sweep.build_model(config))
+    optimizer = type(engine._engine.optimizer)
+    release_engine(engine)
+    assert optimizer in (torch.optim.Adam, torch.optim.AdamW), optimizer
