@@ -482,6 +482,27 @@ def test_an_error_of_dschats_own_cache_code_is_not_taken_for_the_models_refusal(
         _prefill(model)
 
 
+def test_a_model_with_layers_the_static_cache_cannot_hold_is_refused_when_the_engine_is_built():
+    """DeepSeek-V4's compressed attentions are layer types that transformers' StaticCache has no layer for: the
+    cache's KeyError ('heavily_compressed_attention') came at the first generation, naming no flag. HF's generate
+    (its own dynamic cache), which --no-enable_hybrid_engine uses, runs the model."""
+    from transformers import DeepseekV4Config
+
+    config = DeepseekV4Config(vocab_size=96, hidden_size=64, moe_intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, q_lora_rank=32,
+                              num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1, sliding_window=32,
+                              max_position_embeddings=256, qk_rope_head_dim=8,
+                              layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+                              mlp_layer_types=["hash_moe", "moe"], bos_token_id=None, eos_token_id=None,
+                              pad_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval().to(_device())
+    ids, mask = left_padded_batch([5, 3], seed=0)
+    assert hf_generate(model, ids, mask, 4).shape == (2, 9)
+    with pytest.raises(UsageError, match=r"heavily_compressed_attention.*StaticCache.*--no-enable_hybrid_engine"):
+        _engine(model)
+
+
 def _bamba_config():  # a Mamba-2 layer and an attention layer
     from transformers import BambaConfig
 

@@ -78,6 +78,23 @@ def check_one_kv_layout(model_config):
         layout_field(cfg, field)
 
 
+def check_static_cache_layers(model_config):
+    """A ``UsageError`` when transformers' ``StaticCache`` has no static layer for a layer type of the decoder
+    (DeepSeek-V4's compressed attentions: the cache's KeyError at the first generation); the engine checks this when
+    it is built. HF's generate keeps such a model's own dynamic cache."""
+    try:
+        from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+    except ImportError:  # (a transformers without them builds its StaticCache otherwise)
+        return
+    layer_types, _ = get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))
+    unknown = sorted(set(layer_types) - set(STATIC_LAYER_TYPE_MAPPING))
+    if unknown:
+        raise UsageError(f"{type(model_config).__name__} has layers of type {', '.join(unknown)}, for which "
+                         "transformers' StaticCache has no layer; the hybrid engine decodes over a StaticCache. Run "
+                         "step 3 without the hybrid engine for this model (--no-enable_hybrid_engine: actor "
+                         "generation then uses HF generate).")
+
+
 def kv_layout(model_config):
     """(num_kv_heads, head_dim) of the decoder, from the standard HF config fields; None when they are not there or
     the config says the attention caches another layout. A ``UsageError`` when they vary per layer."""
@@ -158,6 +175,7 @@ class KVCache:
 
     def __init__(self, model_config, num_kv_heads=None, token_writes=False):
         check_one_kv_layout(model_config)  # at the engine's construction, not at the first allocation
+        check_static_cache_layers(model_config)
         self.model_config = model_config
         self.num_kv_heads = num_kv_heads  # per rank under inference tensor parallelism (None: the config's)
         self.token_writes = token_writes  # plain static layers write decode tokens with Triton (TokenWriteLayer)
