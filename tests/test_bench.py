@@ -956,3 +956,21 @@ def test_family_sweep_builds_its_engines_with_torch_adam():
     optimizer = type(engine._engine.optimizer)
     release_engine(engine)
     assert optimizer in (torch.optim.Adam, torch.optim.AdamW), optimizer
+
+
+def test_family_sweep_builds_hybrid_families_tiny_and_tells_transformers_own_failures_from_dschats():
+    """bench/family_sweep.py: LFM2-MoE's default layer_types (None) failed in its model's constructor and
+    Nemotron-H's pattern cut to "ME" left no attention layer (HF's generate then fails on the cache): both now build
+    a layer of each kind and pass. Where transformers itself fails (xLSTM's generate and forward on a padded batch of
+    the tiny config) the check is HF_ERROR, and where the engine's tokens are HF generate's over a StaticCache but
+    not over its dynamic cache (Inkling with the LoRA weights) HF_STATIC: neither is counted as dschat's failure."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import family_sweep
+
+    results = {family: family_sweep.sweep_family(family, timeout=300, verbose=False)
+               for family in ("lfm2_moe", "nemotron_h", "xlstm", "inkling_text")}
+    statuses = {family: [result[check][0] for check in family_sweep.CHECKS] for family, result in results.items()}
+    assert statuses["lfm2_moe"] == statuses["nemotron_h"] == ["PASS"] * 3, results
+    assert statuses["xlstm"][0] == statuses["xlstm"][2] == "HF_ERROR", results["xlstm"]
+    assert "HF generate itself fails" in results["xlstm"]["generate"][1]
+    assert statuses["inkling_text"] == ["PASS", "PASS", "HF_STATIC"], results["inkling_text"]
