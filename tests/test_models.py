@@ -1663,11 +1663,21 @@ def _falcon_mamba_config():
     return FalconMambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2)
 
 
-@pytest.mark.parametrize("make_config", [_mamba_config, _falcon_mamba_config, _jamba_config])
+def _longcat_flash_config():  # (the family sweep's tiny config)
+    from transformers import LongcatFlashConfig
+    return LongcatFlashConfig(vocab_size=96, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                              ffn_hidden_size=128, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+                              qk_rope_head_dim=8, head_dim=8, v_head_dim=16, moe_topk=2, n_routed_experts=4,
+                              expert_ffn_hidden_size=32, max_position_embeddings=256, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=None)
+
+
+@pytest.mark.parametrize("make_config", [_mamba_config, _falcon_mamba_config, _jamba_config, _longcat_flash_config])
 def test_lora_merged_model_computes_what_the_peft_model_trains(make_config):
-    """Mamba, Falcon-Mamba and Jamba read ``dt_proj.weight`` past the module (``dt_proj.weight @ x``): a default LoRA
-    adapter there never acted in the training forward, yet the merge (the hybrid engine's copy, saved checkpoints)
-    folded it in, so generation and the saved model were another model than the trained one."""
+    """Mamba, Falcon-Mamba and Jamba read ``dt_proj.weight`` past the module (``dt_proj.weight @ x``), LongCat-Flash's
+    router its ``classifier.weight`` (``F.linear(x, classifier.weight)``): a default LoRA adapter there never acted in
+    the training forward, yet the merge (the hybrid engine's copy, saved checkpoints) folded it in, so generation and
+    the saved model were another model than the trained one."""
     from dschat.models.lora import merge_lora_state_dict
 
     config = make_config()

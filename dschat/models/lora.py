@@ -22,7 +22,9 @@ DEFAULT_LORA_ALPHA = 1.0
 # adapter there never acts in training, but the merge (the hybrid engine's copy, saved checkpoints) would fold it in.
 # Listed, not found by tracing a forward: the fused-kernel paths (Mamba's mamba_inner_fn reads x_proj, dt_proj and
 # out_proj when training on CUDA) differ from the path any CPU or meta-device trace takes.
-READ_PAST_FORWARD = {"mamba": ("x_proj", "dt_proj"), "falcon_mamba": ("dt_proj",), "jamba": ("dt_proj",)}
+# LongCat-Flash's MoE router computes its logits as F.linear(x, classifier.weight) in fp32.
+READ_PAST_FORWARD = {"mamba": ("x_proj", "dt_proj"), "falcon_mamba": ("dt_proj",), "jamba": ("dt_proj",),
+                     "longcat_flash": ("classifier",)}
 
 
 def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
