@@ -621,12 +621,18 @@ def check_model_folders(steps, args):
                                  "--reward_fn")
         return
     if 2 in steps:
-        check_model_path(args.reward_model, "--reward-model")
+        check_model_path(args.reward_model, reward_model_flag(args))
     elif 3 in steps and args.reward_model != args.actor_model:  # (a tiny preset too: untrained, it is said)
         check_model_path(args.reward_model, "--reward-model")  # (a mistyped folder would leave step 2's in use)
         if not ready_reward_model(args):  # DeepSpeed-Chat's train.py --step 3 with the full run's flags
             print_rank_0(f"--reward-model {args.reward_model} is no trained reward model (no value head): "
                          f"step 3 scores with {os.path.join(args.output_dir, RM_DIR)}, step 2's output")
+
+
+def reward_model_flag(args):
+    """The flag to name with --reward-model's value: without --reward-model it is --actor-model's (train.py's
+    default), and an error naming --reward-model alone sent a user who gave only --actor-model to a flag not given."""
+    return "--reward-model" if args.reward_model != args.actor_model else "--reward-model (default: --actor-model)"
 
 
 def check_reward_model_tokenizer(steps, args, tiny):

@@ -1202,6 +1202,24 @@ def test_train_py_step_3_says_a_tiny_preset_reward_model_is_not_what_it_scores_w
     assert capsys.readouterr().out == ""
 
 
+def test_train_py_step_2_without_reward_model_names_actor_model_for_a_model_folder_that_is_none(tmp_path, distributed):
+    """--step 2 3 --actor-model FOLDER (no --reward-model): step 2 trains from --actor-model's value, and the error
+    for a folder holding no model named --reward-model alone, a flag the user never gave."""
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+
+    folder = tmp_path / "notmodel"
+    folder.mkdir()
+    out = tmp_path / "out"
+    defaulted = re.escape(f"--reward-model (default: --actor-model) {folder}: no model")
+    with pytest.raises(MissingInputError, match=defaulted):
+        pipeline.check_model_folders([2, 3], _train_py_args("--output-dir", str(out), "--step", "2", "3",
+                                                            "--actor-model", str(folder)))
+    with pytest.raises(MissingInputError, match=re.escape(f"--reward-model {folder}: no model")):  # given: as given
+        pipeline.check_model_folders([2, 3], _train_py_args("--output-dir", str(out), "--step", "2", "3",
+                                                            "--reward-model", str(folder)))
+
+
 def test_train_py_says_its_own_flag_error_once_on_a_machine_of_several_ranks(monkeypatch, capsys):
     """`deepspeed --num_gpus 2 train.py --bogus` printed train.py's usage block and error once per rank (the step
     scripts' parsers say theirs once); two parses in one process stand for two ranks of one launch."""
