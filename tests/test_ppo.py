@@ -3708,6 +3708,20 @@ def test_an_adaptive_runs_iteration_line_says_what_moves_its_kl_coefficient(tmp_
         assert lines[0] == "[step3] iter 1: reward=0.5000, " + said
 
 
+def test_a_ptx_runs_iteration_line_says_its_unsupervised_loss(tmp_path):
+    """With --unsupervised_dataset_name the line left out unsup_loss (step3_log.jsonl had it): the PTX loss a user
+    watches, which DeepSpeed-Chat's step 3 prints beside the actor's and critic's, was not on the console."""
+    from types import SimpleNamespace
+
+    for record, said in (({"unsup_loss": 2.5}, "critic_loss=1.0000, unsup_loss=2.5000"), ({}, "critic_loss=1.0000")):
+        lines = []
+        bar = SimpleNamespace(update=lambda n: None, set_postfix=lambda **kwargs: None, write=lines.append)
+        args = SimpleNamespace(print_answers=False, mask_truncated_answers=False, adaptive_kl=False)
+        ppo._log_iteration({"iteration": 1, "reward": 0.5, "kl": 0.0, "critic_loss": 1.0, **record},
+                           str(tmp_path / "log.jsonl"), None, bar, args, SimpleNamespace(actor_model=object()), [])
+        assert lines[0] == "[step3] iter 1: reward=0.5000, kl=0.0000, " + said
+
+
 def test_each_iteration_logs_the_kl_coefficient_its_rewards_took(trained, tmp_path, monkeypatch):
     """With --adaptive_kl, step3_log.jsonl's kl_coef was read after the iteration's controller update: each record
     gave the next iteration's coefficient (iteration 1 not --kl_ctl's), not the one its rewards were penalized with."""

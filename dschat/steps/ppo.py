@@ -503,9 +503,10 @@ def _log_iteration(record, log_path, writer, bar, args, trainer, buffer):
     # --adaptive_kl: what moves the coefficient (the reward penalty's KL per answer, which a k1 "kl" is not under
     # another --kl_estimator) and the coefficient the rollout's rewards took
     adaptive = ("kl_per_answer", "kl_coef") if args.adaptive_kl else ()
-    keys = ("reward", "reward_std", "kl", *adaptive, "kl_loss", "actor_loss", "critic_loss", "answer_length",
-            "empty_answers", "truncated_answers", "frac_reward_zero_std", "generation_time", "experience_time",
-            "training_time", "samples_per_s", "tokens_per_s", "answer_tokens_per_s")
+    # unsup_loss: PPO-ptx's language-model loss (--unsupervised_dataset_name), which DeepSpeed-Chat's line prints too
+    keys = ("reward", "reward_std", "kl", *adaptive, "kl_loss", "actor_loss", "critic_loss", "unsup_loss",
+            "answer_length", "empty_answers", "truncated_answers", "frac_reward_zero_std", "generation_time",
+            "experience_time", "training_time", "samples_per_s", "tokens_per_s", "answer_tokens_per_s")
     frozen = " (actor frozen: --freezing_actor_steps)" if record.get("actor_frozen") else ""
     alike = " (every group's answers scored alike: every advantage is 0)" \
         if record.get("frac_reward_zero_std") == 1.0 else ""
