@@ -69,6 +69,25 @@ def test_run_folder_resolves_to_the_reported_policy_else_actor_dpo_sft(models, t
     assert find_policy_path(models["policy"]) == models["policy"]
 
 
+def test_a_finished_runs_reported_policy_that_is_gone_is_an_error_not_the_sft_model(tmp_path):
+    """report.json names step3_ppo/actor and that folder was removed: the tools took step1_sft in its place, said by
+    its path alone, so chat.py and eval.py answered with the SFT model as the run's result."""
+    from dschat.errors import MissingInputError
+    from dschat.report import build_report
+
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step3_ppo/actor"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+    (run / "report.json").write_text(json.dumps(build_report(str(run), {}, "ppo")))
+    shutil.rmtree(run / "step3_ppo" / "actor")
+    with pytest.raises(MissingInputError, match=re.escape(f"policy, {run / 'step3_ppo' / 'actor'} (report.json), "
+                                                          "holds no model now")):
+        find_policy_path(str(run))
+    (run / "report.json").write_text(json.dumps({"unfinished": True, "policy": "step3_ppo/actor"}))
+    assert find_policy_path(str(run)) == str(run / "step1_sft")  # a run still going: not written yet (warned of)
+
+
 def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(models, tmp_path, monkeypatch,
                                                                                reachable_hub):
     with pytest.raises(FileNotFoundError, match="no model in this folder"):

@@ -86,9 +86,23 @@ def find_policy_path(path):
     """A run's output folder -> the policy its last train.py run reported, else its PPO actor, DPO policy or SFT
     model, in that order; a model folder or hub name as is. A reward model is refused here, before any model loads:
     ppo_eval and prompt_eval refused one given as their second model only after the first one's answers."""
-    found = _model_folder(path, POLICY_SUBFOLDERS, _reported_policy(os.path.expanduser(path)))
+    reported = _reported_policy(os.path.expanduser(path))
+    check_reported_policy_there(path, reported)
+    found = _model_folder(path, POLICY_SUBFOLDERS, reported)
     check_not_a_reward_model(found)
     return found
+
+
+def check_reported_policy_there(path, reported):
+    """The policy a finished train.py run reported (``reported``: its subfolder of ``path``) holds a model. Where it was
+    gone (removed, copied in part), the next of the run's folders was taken in its place, said by its path alone:
+    chat.py and eval.py answered with step1_sft as the run's result, as find_reward_model_path refuses to do for a
+    reported reward model. (An unfinished run's policy may not be written yet: an earlier one is taken, warned of.)"""
+    folder = os.path.expanduser(path)
+    if not reported or _reported(folder, "unfinished") or os.path.isfile(os.path.join(folder, reported, "config.json")):
+        return
+    raise MissingInputError(f"{path}: its last train.py run's policy, {os.path.join(path, reported)} ({REPORT_FILE}), "
+                            "holds no model now: restore it, or give the model folder to load")
 
 
 def flag_path(flag, find, value):
