@@ -165,6 +165,19 @@ def test_lora_on_a_mamba_model_leaves_out_the_projections_peft_refuses():
         lora_target_modules(AutoModelForCausalLM.from_config(config), "out_proj")
 
 
+def test_a_lora_module_name_matching_nothing_says_how_the_models_linear_modules_are_named():
+    """DeepSpeed-Chat's --lora_module_name decoder.layers. (OPT's path) on a Llama model was refused with "matches no
+    Linear module of LlamaForCausalLM" alone: the user had to load the model to find a name that would match."""
+    from dschat.errors import UsageError
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(UsageError, match=re.escape("'decoder.layers.' matches no Linear module of LlamaForCausalLM "
+                                                   "(its Linear modules are named like model.layers.0.self_attn.q_proj;"
+                                                   " '' adapts every one)")):
+        lora_target_modules(AutoModelForCausalLM.from_config(config), "decoder.layers.")
+
+
 def test_lora_leaves_out_an_lm_head_of_any_name():
     """BioGPT's head is `output_projection` (tied to the embeddings): not one of the head names, it was adapted by
     default, and the merge (the hybrid engine's inference copy, saving) then refused it as a tied weight, asking to

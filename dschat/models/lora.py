@@ -36,13 +36,14 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
     """
     from transformers.pytorch_utils import Conv1D
 
-    names, refused, unused = [], [], []
+    names, refused, unused, linear = [], [], [], []
     head = output_head(model)
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, Conv1D)) or not acts_as_linear(module):
             continue
         if module is head or any(part in HEAD_NAMES for part in name.split(".")):
             continue
+        linear.append(name)
         if lora_module_name and lora_module_name not in name:
             continue
         if read_past_forward(model, name):
@@ -63,6 +64,8 @@ def lora_target_modules(model, lora_module_name="", flag="--lora_module_name"):
         if refused:
             heads = f" that PEFT can adapt (it refuses {refused[0]}{' ...' if len(refused) > 1 else ''} in " \
                     f"{model.config.model_type} models)"
+        elif linear and not names_a_head:  # (DeepSpeed-Chat's "decoder.layers." is OPT's path: say this model's)
+            heads = f" (its Linear modules are named like {linear[0]}; '' adapts every one)"
         raise UsageError(f"{flag} {lora_module_name!r} matches no Linear module of "
                          f"{type(model).__name__}{heads}")
     return names
