@@ -1674,6 +1674,26 @@ def test_resume_of_an_enable_ema_checkpoint_whose_ema_file_is_gone_names_the_fil
         load_checkpoint(trainer, str(tmp_path))
 
 
+def test_resume_of_a_gae_checkpoint_whose_critic_folder_is_gone_names_the_folder(tmp_path):
+    """Its critic folder gone, a checkpoint of a run with a critic (--advantage_estimator gae, its flags say) was said
+    to come from a critic-free run ("resume with that run's --advantage_estimator"), the one both runs had."""
+    import shutil
+    from types import SimpleNamespace
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.checkpointing import load_checkpoint
+
+    _saved_checkpoint(tmp_path)
+    shutil.rmtree(tmp_path / "critic" / "iter_0000002")
+    state = tmp_path / "trainer" / "iter_0000002" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "flags": {"advantage_estimator": "gae"}}))
+    trainer = SimpleNamespace(actor_model=None, critic_model=SimpleNamespace(), actor_ema=None)
+    with pytest.raises(UsageError, match=r"checkpoint iter_0000002 in .* has no critic/iter_0000002 folder \(the "
+                                         r"critic of its gae run; removed or copied in part\?\): restore it; or start "
+                                         r"afresh without --resume"):
+        load_checkpoint(trainer, str(tmp_path))
+
+
 def test_resume_of_a_checkpoint_state_without_its_place_names_the_file(tmp_path):
     """A state.json that is a JSON object but holds no epoch (edited) failed with a bare KeyError."""
     from types import SimpleNamespace

@@ -531,13 +531,12 @@ def check_resumable(trainer, root, tag, planned=False):
     other_ranks = saved_ranks != get_world_size()
     if other_ranks and not planned:
         refuse_other_rank_count(root, tag, saved_ranks, OTHER_RANKS_WHY)
-    if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, CRITIC, tag)):
-        raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
-                         f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")
-    if trainer.critic_model is not None:
-        check_engine_files(root, CRITIC, tag, saved_ranks)
     state = read_trainer_state(root, tag)
     saved_flags = recorded_flags_now(state.pop("flags", {}))
+    if trainer.critic_model is not None and not os.path.isdir(os.path.join(root, CRITIC, tag)):
+        _refuse_without_critic(root, tag, saved_flags)
+    if trainer.critic_model is not None:
+        check_engine_files(root, CRITIC, tag, saved_ranks)
     if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
         _refuse_without_ema(root, tag, saved_flags)
     args = getattr(trainer, "args", None)
@@ -587,6 +586,18 @@ def _check_universal_fits(root, tag, saved_ranks, saved_flags, args, with_critic
                                LESS_MEMORY):
             restaged.append(part)
     return restaged
+
+
+def _refuse_without_critic(root, tag, saved_flags):
+    """A checkpoint without its critic folder that a run with a critic resumes: its run had none (a critic-free
+    --advantage_estimator), or (its flags say gae) the folder is gone, which was said as the former, asking for
+    another --advantage_estimator than the one both runs have."""
+    if saved_flags.get("advantage_estimator") == "gae":
+        raise UsageError(f"--resume: checkpoint {tag} in {root} has no {CRITIC}/{tag} folder (the critic of its gae "
+                         f"run; removed or copied in part?): restore it{earlier_advice(root, tag)}; or start afresh "
+                         "without --resume")
+    raise UsageError(f"--resume: checkpoint {tag} in {root} has no critic (it was saved by a critic-free run, "
+                     f"--advantage_estimator other than gae); resume with that run's --advantage_estimator")
 
 
 def _refuse_without_ema(root, tag, saved_flags):
