@@ -607,8 +607,15 @@ def test_rw_eval_data_split_that_gives_step_2_nothing_is_an_error_naming_its_pai
         rw_eval.main(["--model_name_or_path", reward_model, "--data_split", "1,1"])
     # a hub dataset's name is no local file, with --data_split as without it (not a download of the hub's data)
     for split in ([], ["--data_split", "2,4,4"]):
-        with pytest.raises(MissingInputError, match="^no data file at Dahoas/rm-static$"):
+        with pytest.raises(MissingInputError, match=r"^--pairs_file Dahoas/rm-static: no local data file or folder "
+                                                    r"there \(the tools read local data; a hub dataset by name only"):
             rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "Dahoas/rm-static", *split])
+    from types import SimpleNamespace
+
+    from dschat.tools.prompt_eval import select_records
+
+    with pytest.raises(MissingInputError, match=r"^--prompts_file Dahoas/rm-static: no local data file or folder"):
+        select_records(SimpleNamespace(prompts=None, prompts_file="Dahoas/rm-static", data_fields="", num_prompts=8))
 
 
 def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scored_with(tmp_path, monkeypatch):

@@ -28,7 +28,8 @@ def select_records(args):
         return [prompt_record(p, "--prompts") for p in args.prompts], False
     if args.prompts_file:
         # the embedded held-out data named as a file ("tiny" or its path) is scored as when it is the default
-        return load_records(args.prompts_file, args.data_fields, args.num_prompts), is_tiny_held_out(args.prompts_file)
+        records = load_records(args.prompts_file, args.data_fields, args.num_prompts, "--prompts_file")
+        return records, is_tiny_held_out(args.prompts_file)
     return tiny_held_out_records(args.num_prompts), True
 
 

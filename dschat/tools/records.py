@@ -36,7 +36,15 @@ def prompt_record(text, flag="--prompt"):
         raise UsageError(f"{flag} {text!r}: {error}") from None
 
 
-def load_records(path, data_fields=None, limit=None):
+def no_local_data(path, flag=None):
+    """The error for a tool's data (``flag``'s) that is no local file or folder: "no data file at Dahoas/rm-static"
+    named neither the flag nor why a dataset that training reads by its hub name is none here."""
+    return MissingInputError(f"{f'{flag} ' if flag else ''}{path}: no local data file or folder there (the tools read "
+                             "local data; a hub dataset by name only in training: give its download, hf download "
+                             "--repo-type dataset NAME --local-dir DIR)")
+
+
+def load_records(path, data_fields=None, limit=None, flag=None):
     """The records of local data, read by the training data's own adapter: its eval part where it has one (two files,
     a folder or save_to_disk copy with an eval split, DeepSpeed-Chat's ``local/jsonfile``), else the whole file; the
     first ``limit``. Said on stdout.
@@ -49,7 +57,7 @@ def load_records(path, data_fields=None, limit=None):
     spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
     source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec)
     if source is None:
-        raise MissingInputError(f"no data file at {path}")
+        raise no_local_data(path, flag)
     raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1,
                        field_options=file_field_options(data_fields, path))
     held_out = raw.raw_datasets["eval"]
@@ -75,7 +83,7 @@ def as_record(raw, sample):
                   raw.get_rejected_text(sample))
 
 
-def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None):
+def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None, flag=None):
     """The records step ``phase`` evaluated on (``pipeline.build_and_save``'s eval share): phase ``phase``'s share by
     ``data_split`` of the eval part of the data ``spec`` (``tiny`` too), its eval file, else the 10% of its file that
     ``seed`` holds out, which no step trains on; the first ``limit``. Said on stdout. ``load_records`` of a file
@@ -84,7 +92,7 @@ def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None):
     from dschat.data.splits import get_raw_dataset_split_index
 
     if isinstance(resolve_dataset_spec(spec), type):  # (a hub dataset's name: local data alone, as load_records)
-        raise MissingInputError(f"no data file at {spec}")
+        raise no_local_data(spec, flag)
     raw = get_raw_dataset(spec, None, seed, -1, **file_field_options(data_fields, spec))  # (as load_records reads it)
     held_out = raw.get_eval_data()
     share = held_out.select(get_raw_dataset_split_index(-1, None, raw.dataset_name_clean, seed, "eval", data_split,

@@ -273,9 +273,9 @@ def read_pairs(args):
     limit = args.num_pairs or None
     if args.data_split is not None:
         return load_phase_held_out(args.pairs_file or TINY_NAME, args.data_fields, args.data_split, args.seed, 2,
-                                   limit)
+                                   limit, "--pairs_file")
     if args.pairs_file:
-        return load_records(args.pairs_file, args.data_fields, limit)
+        return load_records(args.pairs_file, args.data_fields, limit, "--pairs_file")
     return tiny_held_out_records(limit)
 
 
