@@ -101,9 +101,19 @@ def grpo_std_scope(value):
     return {"1": "group", "0": "none"}.get(value, value)
 
 
-def recorded_flags_now(flags):
+# A flag added with a new default that trains otherwise, by step: the value a run recorded before it trained with
+# (step 1's --loss_agg: each micro-batch's own mean, today's token_mean). Left out, such a record was compared as
+# unchanged, and the run's output or checkpoint taken as the new default's.
+FLAGS_BEFORE_RECORDED = {"step1": {"loss_agg": "token_mean"}}
+
+
+def recorded_flags_now(flags, step=None):
     """A run's recorded flags (its training_args.json, a checkpoint's) with the values an older dschat recorded as
-    this one names them: --grpo_norm_by_std 1 or 0 (before the batch scope) is group or none, the same run."""
+    this one names them: --grpo_norm_by_std 1 or 0 (before the batch scope) is group or none, the same run; and those
+    of ``step`` ("step1", ...) that it predates, the values it trained with (``FLAGS_BEFORE_RECORDED``). No flags (a
+    record that stored none, which is not compared): none."""
+    if flags:
+        flags = {**FLAGS_BEFORE_RECORDED.get(step, {}), **flags}
     if "grpo_norm_by_std" in flags:
         flags = {**flags, "grpo_norm_by_std": grpo_std_scope(flags["grpo_norm_by_std"])}
     return flags

@@ -331,7 +331,7 @@ def changed_flags(record, flags):
     names = [name for name in now if name not in NOT_COMPARED and not name.startswith("_")]
     if record is None:
         return names
-    recorded, then = recorded_flags_now(record.get("flags", {})), record.get("cwd", os.getcwd())
+    recorded, then = recorded_flags_now(record.get("flags", {}), record.get("step")), record.get("cwd", os.getcwd())
     return sorted(name for name in names if name in recorded and (
         _differs(name, recorded[name], now[name], then, record.get("inputs", {}))
         or (name == "reward_fn" and _edited_reward_fn(record, flags) is not None)))

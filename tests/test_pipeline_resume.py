@@ -939,3 +939,16 @@ def test_data_path_is_compared_by_the_files_it_reads_not_its_text(tmp_path, monk
     other = Namespace(**{**vars(FLAGS), "data_path": ["../other.jsonl"]})
     assert plan_steps([1], "ppo", str(out), {1: other})[1] == (FRESH, f"its finished output in {out / 'step1_sft'} "
                                                                       "had other values of --data_path")
+
+
+def test_a_step1_output_recorded_before_its_loss_agg_took_the_micro_batches_mean_and_trains_again(tmp_path):
+    """Step 1's --loss_agg (default global_token_mean) came with no step version bump: an output recorded before it
+    (no loss_agg among its flags) took each micro-batch's own mean, today's token_mean, and was skipped as the same
+    output as the new default's, which weighs a step's micro-batches (gradient accumulation, ranks) otherwise."""
+    finish(tmp_path, 1, 100)  # (its flags: no loss_agg)
+    now = {mode: Namespace(**{**vars(FLAGS), "loss_agg": mode}) for mode in ("global_token_mean", "token_mean")}
+    decision = plan_steps([1], "ppo", str(tmp_path), {1: now["global_token_mean"]})[1]
+    assert decision.action == FRESH and "other values of --loss_agg" in decision.why
+    assert plan(tmp_path, steps=(1,), step1=now["token_mean"]) == {1: SKIP}
+    finish(tmp_path, 1, 100, loss_agg="global_token_mean")  # (recorded since)
+    assert plan(tmp_path, steps=(1,), step1=now["global_token_mean"]) == {1: SKIP}
