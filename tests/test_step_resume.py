@@ -258,6 +258,24 @@ def test_step1s_multiturn_binds_a_checkpoint_and_its_include_prompt_in_loss_is_s
         in capsys.readouterr().out
 
 
+def test_a_step1_checkpoint_saved_before_its_loss_agg_says_the_rest_of_the_run_takes_the_token_mean(
+        tmp_path, distributed, capsys):
+    """A step-1 checkpoint of a dschat from before --loss_agg (its flags lack it) trained on each micro-batch's own
+    mean, today's token_mean: resumed with the new default, global_token_mean, the rest of the run trained another
+    loss without a word, where another value of the flag is said."""
+    common = [*SMALL, "--model_name_or_path", "tiny-llama", "--data_output_path", str(tmp_path / "data"),
+              "--output_dir", str(tmp_path / "sft"), "--max_steps", "2", "--gradient_accumulation_steps", "2"]
+    sft.main([*common, "--max_steps", "1", "--save_interval", "1"])
+    state_file = tmp_path / "sft" / "checkpoints" / "trainer" / "step_0000001" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["flags"]["loss_agg"]  # (saved before the flag)
+    state_file.write_text(json.dumps(state))
+    capsys.readouterr()
+    sft.main([*common, "--resume"])
+    assert "--resume: --loss_agg 'token_mean' -> 'global_token_mean': the rest of the run trains with the new value" \
+        in capsys.readouterr().out
+
+
 def test_a_checkpoint_saved_before_a_data_format_bump_resumes_on_data_built_once_again(tmp_path, distributed,
                                                                                       monkeypatch, capsys):
     """FORMAT_VERSION 45 gave phase 2's rows their margin: a step 2 interrupted under 44 resumes (its checkpoint holds

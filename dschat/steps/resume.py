@@ -17,6 +17,7 @@ new stage (``fit_universal_copy``), Adam's moments and all."""
 import math
 import os
 
+from dschat.args import recorded_flags_now
 from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
@@ -119,7 +120,7 @@ def _checked_latest(args, step, tokenizer=None):
     say_an_older_dschats_checkpoint(root, tag, step)
     saved_ranks = check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
-    saved = state.pop("flags", {})
+    saved = recorded_flags_now(state.pop("flags", {}), step)  # (a flag it predates: the value it trained with)
     # (before the batch flags' products: one that cannot load on these ranks at this stage at all is said first)
     restaged = check_universal_fit(root, MODEL, tag, saved_ranks, saved.get("zero_stage"),
                                    getattr(args, "zero_stage", None), "--zero_stage", LESS_MEMORY)
