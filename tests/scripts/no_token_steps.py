@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dschat.steps.common import to_device  # noqa: E402
 from dschat.utils.dist import barrier, ensure_distributed, get_rank, get_world_size  # noqa: E402
 
 ROWS, PROMPT, ANSWER, EOS, PAD = 4, 4, 6, 0, 1
@@ -54,30 +55,35 @@ def rollout(trainer, ended):
         answers[row, 2], answers[row, 3:], action_mask[row, 3:] = EOS, PAD, 0
     seq = torch.cat([prompts, answers], 1)
     attention_mask = torch.cat([torch.ones_like(prompts), action_mask], 1)
+    on_device = to_device({"input_ids": seq, "attention_mask": attention_mask}, trainer.device)
     with torch.no_grad():
-        logprobs = trainer._logprobs(trainer.actor_model, seq, attention_mask, PROMPT - 1)
-    return {"prompts": prompts, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask,
-            "logprobs": logprobs + 0.1 * torch.randn(ROWS, ANSWER, generator=g),
-            "ref_logprobs": logprobs + 0.3 * torch.randn(ROWS, ANSWER, generator=g),
-            "rewards": torch.randn(ROWS, generator=g), "value": torch.randn(ROWS, ANSWER, generator=g)}
+        logprobs = trainer._logprobs(trainer.actor_model, on_device["input_ids"], on_device["attention_mask"],
+                                     PROMPT - 1).cpu()
+    # (drawn on the CPU, whose generator gives the same values whatever the models' device; trained on theirs)
+    return to_device({"prompts": prompts, "input_ids": seq, "attention_mask": attention_mask,
+                      "action_mask": action_mask, "logprobs": logprobs + 0.1 * torch.randn(ROWS, ANSWER, generator=g),
+                      "ref_logprobs": logprobs + 0.3 * torch.randn(ROWS, ANSWER, generator=g),
+                      "rewards": torch.randn(ROWS, generator=g), "value": torch.randn(ROWS, ANSWER, generator=g)},
+                     trainer.device)
 
 
-def unsupervised_batch():
-    """``ROWS`` rows of language-model data: every token a label."""
+def unsupervised_batch(device):
+    """``ROWS`` rows of language-model data on ``device``: every token a label."""
     ids = torch.randint(5, 200, (ROWS, PROMPT + ANSWER), generator=torch.Generator().manual_seed(5 + get_rank()))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return to_device({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}, device)
 
 
 def model_state(engine):
     """{"weights": this rank's master weights (those its torch optimizer updates: the parameters, or the fp32 copies or
     partitions of DeepSpeed's wrappers), "optimizer": Adam's state (step counts and moments), "lr_steps": the lr
-    scheduler's steps, "lr": its rates, "skipped_steps": DeepSpeed's count}, each flattened into one tensor."""
+    scheduler's steps, "lr": its rates, "skipped_steps": DeepSpeed's count}, each flattened into one tensor on the CPU
+    (on an accelerator, Adam's "step" counts stay on the CPU while its moments are on the device)."""
     base = getattr(engine.optimizer, "optimizer", engine.optimizer)  # (DeepSpeed's wrappers hold the torch optimizer)
     weights = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or \
         [p for group in base.param_groups for p in group["params"]]  # (ZeRO-3 hands its partitions in at each step)
-    moments = [value.detach().flatten().float() for state in base.state.values() for _, value in sorted(state.items())
-               if torch.is_tensor(value)]
-    return {"weights": torch.cat([w.detach().flatten().clone() for w in weights]),
+    moments = [value.detach().flatten().float().cpu() for state in base.state.values()
+               for _, value in sorted(state.items()) if torch.is_tensor(value)]
+    return {"weights": torch.cat([w.detach().flatten().cpu() for w in weights]),  # (cat copies: a snapshot)
             "optimizer": torch.cat(moments) if moments else torch.zeros(0),
             "lr_steps": engine.lr_scheduler.last_epoch, "lr": engine.get_lr(), "skipped_steps": engine.skipped_steps}
 
@@ -92,7 +98,7 @@ def run_case(folder, ended, settings):
     with DeepSpeedRLHFEngine(actor_model_name_or_path=str(folder), tokenizer=tokenizer, args=args) as engine:
         ptx = bool(args.get("unsupervised_dataset_name"))
         trainer = (DeepSpeedPPOTrainerUnsupervised if ptx else DeepSpeedPPOTrainer)(engine=engine, args=args)
-        unsup = [unsupervised_batch()] if ptx else []
+        unsup = [unsupervised_batch(trainer.device)] if ptx else []
         models = {"actor": engine.actor, "critic": engine.critic}
         trainer.train_rollout([rollout(trainer, range(ROWS))], unsup)  # a real step: Adam's moments no longer 0
         before = {name: model_state(model) for name, model in models.items()}

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dschat.utils.dist import ensure_distributed, get_rank, get_world_size  # noqa: E402
+from dschat.utils.dist import ensure_distributed, get_rank, get_world_size, local_device  # noqa: E402
 
 VOCAB = 32
 # (rows, length, labelled answer tokens of each row): a step's micro-batches of 2 and of 30 labelled tokens
@@ -46,10 +46,14 @@ def tiny_model():
 
 def torch_reference(mode, batches):
     """(gradient, loss) of ``mode``'s loss over ``batches`` (every rank's micro-batches of one step), in plain torch:
-    the token mean over all of them (global_token_mean), or the mean of each micro-batch's token mean."""
-    model = tiny_model()
+    the token mean over all of them (global_token_mean), or the mean of each micro-batch's token mean. Computed on the
+    device the step trains on (the same kernels: the tolerance compares loss aggregations, not CPU and GPU kernels);
+    the gradient returned on the CPU."""
+    from dschat.steps.common import to_device
+
+    model = tiny_model().to(local_device())
     sums, counts = [], []
-    for batch in batches:
+    for batch in (to_device(batch, local_device()) for batch in batches):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         sums.append(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
                                                       batch["labels"][:, 1:].reshape(-1), reduction="sum"))
@@ -59,7 +63,7 @@ def torch_reference(mode, batches):
     else:
         loss = sum(s / n for s, n in zip(sums, counts)) / len(batches)
     loss.backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()]), loss.item()
+    return torch.cat([p.grad.flatten().cpu() for p in model.parameters()]), loss.item()
 
 
 def trained_step(mode, stage):
@@ -81,7 +85,8 @@ def trained_step(mode, stage):
 
     def recorded_step(*args, **kwargs):
         if engine.is_gradient_accumulation_boundary():
-            applied.append(torch.cat([safe_get_full_grad(p).detach().flatten().clone()
+            # (on the CPU, as torch_reference's)
+            applied.append(torch.cat([safe_get_full_grad(p).detach().flatten().cpu()
                                       for p in engine.module.parameters()]))
         return real_step(*args, **kwargs)
 
@@ -92,7 +97,7 @@ def trained_step(mode, stage):
     common._log_step = lambda *a: logged.append(a[3]) or real_log(*a)
     try:
         loader = torch.utils.data.DataLoader(mine, batch_size=None)
-        common.run_training(engine, loader, sft.lm_loss, None, args, torch.device("cpu"), "step1", 1,
+        common.run_training(engine, loader, sft.lm_loss, None, args, local_device(), "step1", 1,
                             loss_tokens=common.step_loss_tokens(args, sft.SFT))
     finally:
         common._log_step = real_log
