@@ -217,3 +217,37 @@ def test_a_micro_batch_stopped_before_its_backward_leaves_the_next_no_token_step
         result = trainer.train_rollout([no_token_steps.rollout(trainer, [])])
         assert torch.equal(no_token_steps.model_state(engine.actor)["weights"], before["weights"])
         assert result["actor_no_token_steps"] == result["critic_no_token_steps"] == 1
+
+
+def test_a_hand_loop_retrying_a_groups_last_micro_batch_still_skips_its_no_token_step(distributed, tmp_path):
+    """train_rlhf interrupted in the last micro-batch of a group before its backward (a notebook's interrupt), then
+    called again on that micro-batch: DeepSpeed took one micro-step of the group, as before the interrupt, and the
+    retried one ends it. A count of the trainer's own had taken the interrupted call for the group's last and the retry
+    for the next group's first, so the step with no token in the loss was taken, on zero gradients (Adam's momentum and
+    weight decay moving the weights); the position in the group is DeepSpeed's, and it is skipped."""
+    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
+    from dschat.rlhf.trainer import split_rows
+    from dschat.tiny import load_tiny_tokenizer
+
+    folder = no_token_steps.model_folder(tmp_path)
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    args = {**no_token_steps.SETTINGS, "critic_model_name_or_path": str(folder)}
+    with DeepSpeedRLHFEngine(actor_model_name_or_path=str(folder), tokenizer=tokenizer, args=args) as engine:
+        trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
+        trainer.train_rollout([no_token_steps.rollout(trainer, range(no_token_steps.ROWS))])  # Adam's moments not 0
+        first, last = split_rows(no_token_steps.rollout(trainer, []), args["per_device_training_batch_size"])
+        before = no_token_steps.model_state(engine.actor)
+        trainer.train_rlhf(first)
+
+        def interrupt(module, inputs):
+            raise KeyboardInterrupt
+
+        hook = engine.actor.module.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train_rlhf(last)
+        hook.remove()
+        trainer.train_rlhf(last)
+        assert engine.actor.is_gradient_accumulation_boundary() is False  # (the step ended: the next one's first)
+        assert torch.equal(no_token_steps.model_state(engine.actor)["weights"], before["weights"])
+        assert trainer.no_token_skips == {"actor": 1, "critic": 1}

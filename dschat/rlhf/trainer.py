@@ -452,7 +452,7 @@ class DeepSpeedPPOTrainer:
     _said_hand_loop = False  # (class defaults: tests build trainers without __init__)
     _said_unequal_hand_group = False
     _hand_group_answers = ()  # a hand loop's answers (all ranks) of each micro-batch of its optimizer step so far
-    _group_loss_tokens = _group_micro_batches = 0  # this rank's loss tokens and PPO micro-batches of the step so far
+    _group_loss_tokens = ()  # this rank's loss tokens of each PPO micro-batch of the optimizer step so far
     no_token_skips = {}  # {"actor", "critic": the optimizer steps this trainer skipped for no token in the loss}
     actor_model, ref_model, critic_model = _EngineModel("actor"), _EngineModel("ref"), _EngineModel("critic")
     reward_model, actor_ema = _EngineModel("reward"), _EngineModel("actor_ema")
@@ -824,24 +824,30 @@ class DeepSpeedPPOTrainer:
         still move the weights (Adam's momentum, weight decay) and advance the lr schedule: the models that end their
         accumulation here skip it (``optimizer_step``'s ``skip``). A PPO-ptx actor is not among them: its step ends
         after the language-model micro-step, whose loss has tokens. One all-reduce per optimizer step, the same on every
-        rank (each trains as many micro-batches); without the flag every answer has a token, and none is asked."""
+        rank (each trains as many micro-batches); without the flag every answer has a token, and none is asked.
+        The micro-batch's place in the step is DeepSpeed's (``_ppo_micro_batches_into_step``), not a count of the
+        trainer's own: a call stopped before its backward (an interrupt, an error) and made again is the same
+        micro-batch to DeepSpeed, and a count of its own would have taken it for the next, off by one from then on."""
         if not self.args.mask_truncated_answers:
             return False
-        if self._starts_optimizer_step():  # (a call stopped before its backward counted one DeepSpeed never took)
-            self._group_loss_tokens = self._group_micro_batches = 0
-        self._group_loss_tokens += int(mask.sum())
-        self._group_micro_batches += 1
-        if self._group_micro_batches < self.args.gradient_accumulation_steps:
+        accum = self.args.gradient_accumulation_steps
+        position = self._ppo_micro_batches_into_step()
+        if position is None:  # (a test's stand-in engine keeps no count: the trainer's calls are the micro-batches)
+            position = len(self._group_loss_tokens) % accum
+        self._group_loss_tokens = (*group_tokens_before(self._group_loss_tokens, position), int(mask.sum()))
+        if position < accum - 1:
             return False
-        tokens, self._group_loss_tokens, self._group_micro_batches = self._group_loss_tokens, 0, 0
-        return _summed_over_ranks(tokens, self.device) == 0
+        return _summed_over_ranks(sum(self._group_loss_tokens), self.device) == 0
 
-    def _starts_optimizer_step(self):
-        """Whether the PPO micro-batch about to train is the first of an optimizer step as DeepSpeed counts them: the
-        critic's (one micro-step per PPO micro-batch), else the actor's (a PPO-ptx actor's language-model micro-steps
-        come after each PPO one, so its step starts there too). False for a stand-in engine that keeps no count."""
+    def _ppo_micro_batches_into_step(self):
+        """The PPO micro-batches of the optimizer step that trained before this one, as DeepSpeed counts them: the
+        critic's micro-steps (one per PPO micro-batch), else the actor's (a PPO-ptx actor's step takes a language-model
+        micro-step after each PPO one, two per PPO micro-batch). None for a stand-in engine that keeps no count."""
         engine = self.critic_model if self.critic_model is not None else self.actor_model
-        return micro_steps_into_step(engine) == 0
+        taken = micro_steps_into_step(engine)
+        if taken is None:
+            return None
+        return taken // (engine.gradient_accumulation_steps() // self.args.gradient_accumulation_steps)
 
     def _update_actor(self, seq, attention_mask, start, layout, old_logp, ref_logp, advantages, mask, agg, step=True,
                       skip=False):
@@ -1336,6 +1342,15 @@ def micro_steps_into_step(engine):
     accumulation boundary; None for no engine or one that keeps no count (a test's stand-in)."""
     micro_steps = getattr(engine, "micro_steps", None)
     return None if micro_steps is None else micro_steps % engine.gradient_accumulation_steps()
+
+
+def group_tokens_before(tokens, position):
+    """The loss tokens of an optimizer step's micro-batches before the one at ``position`` (0: the step's first), from
+    ``tokens`` counted for that step so far: those a call stopped before its backward counted past ``position`` are
+    dropped; those counted before this trainer saw the step (another trainer on the same engine) are unknown, taken as
+    one token each, so that such a step is taken rather than skipped with tokens in its loss."""
+    known = tuple(tokens[:position])
+    return known + (1,) * (position - len(known))
 
 
 def _world_group():
