@@ -1815,6 +1815,42 @@ def test_a_rerun_in_the_same_second_purges_the_earlier_runs_points(tmp_path):
     assert time.time() - start < 2.5  # it waits for the next second only
 
 
+def test_restarting_deepspeeds_tensorboard_removes_its_unwritten_events_file_by_name_not_tensorboards_internals(
+        tmp_path):
+    """The writer DeepSpeed opened as it made the engine is closed unwritten and replaced by a purging one: its
+    header-only file was found through tensorboard's private EventFileWriter._file_name, and a tensorboard without it
+    left the file behind. A closed file with events, another process's file (a writer maybe still open) and
+    another host's are kept."""
+    import os
+    import socket
+    from types import SimpleNamespace
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    def header_only_file(name):
+        made = SummaryWriter(str(tmp_path / "made"))
+        made.close()
+        (only,) = (tmp_path / "made").iterdir()
+        return only.rename(tmp_path / name).name
+
+    earlier = SummaryWriter(str(tmp_path))
+    earlier.add_scalar("Train/Samples/lr", 0.1, 1)
+    earlier.close()
+    with_events = {p.name for p in tmp_path.iterdir() if p.is_file()}
+    others = {header_only_file(f"events.out.tfevents.0000000001.{socket.gethostname()}.{os.getpid() + 1}.0"),
+              header_only_file(f"events.out.tfevents.0000000001.other-{socket.gethostname()}.{os.getpid()}.0")}
+    deepspeeds = SummaryWriter(str(tmp_path))
+    del deepspeeds.file_writer.event_writer._file_name  # (private: a tensorboard may name it otherwise)
+    engine = SimpleNamespace(monitor=SimpleNamespace(tb_monitor=SimpleNamespace(summary_writer=deepspeeds)),
+                             global_samples=4)
+    common.restart_deepspeed_tensorboard(engine)
+    engine.monitor.tb_monitor.summary_writer.close()
+    files = {p.name for p in tmp_path.iterdir() if p.is_file()}
+    assert len(files) == len(with_events | others) + 1 and with_events | others < files  # (+ the purging writer's)
+    (restarted,) = files - with_events - others
+    assert not common.holds_only_the_header(str(tmp_path / restarted))  # (its purge at step 5)
+
+
 @pytest.mark.parametrize("max_steps, shown", [(6, "3/3"), (4, "1/1")])  # (4: the last epoch runs 1 of its 3)
 def test_the_progress_bar_ends_at_the_micro_batches_trained_on(max_steps, shown, capsys):
     """The loop returns inside the bar's loop at the last step: the bar still counts that step's micro-batch (a

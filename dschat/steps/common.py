@@ -257,26 +257,39 @@ def restart_deepspeed_tensorboard(engine):
     writer = getattr(monitor, "summary_writer", None)
     if writer is None:
         return
-    written = event_file_of(writer)
     writer.close()
-    remove_if_no_events(written)  # (the writer DeepSpeed opened as it made the engine has written nothing)
+    remove_unwritten_event_files(writer.log_dir)  # (the writer DeepSpeed opened as it made the engine wrote nothing)
     # DeepSpeed logs a step's events (learning rate, loss scale, timers) at the count after the step: those at the
     # checkpoint's count are its last step's, which the resumed run does not log again (a purge at the count hid them)
     monitor.summary_writer = purging_writer(writer.log_dir, engine.global_samples + 1)
 
 
-def event_file_of(writer):
-    """The events file a SummaryWriter writes (tensorboard's EventFileWriter keeps its name private: None if not)."""
-    return getattr(getattr(writer.file_writer, "event_writer", None), "_file_name", None)
+def remove_unwritten_event_files(log_dir):
+    """Delete the events files this process made in ``log_dir`` that hold only the header every events file starts
+    with: the one of the writer DeepSpeed opened as it made the engine, closed before it wrote, which TensorBoard lists
+    beside the writer that replaced it, with nothing in it. Tensorboard keeps a writer's file name private, so the
+    files are told by their names (events.out.tfevents.<second>.<host>.<process id>.<n>): another process's file may
+    be a writer still open. A writer of this process still open there is another engine's monitor sharing the
+    folder (a --deepspeed_config's tensorboard job_name), restarted too."""
+    for name in _listdir(log_dir):
+        path = os.path.join(log_dir, name)
+        if made_by_this_process(name) and os.path.isfile(path) and holds_only_the_header(path):
+            os.remove(path)
 
 
-def remove_if_no_events(path):
-    """Delete the closed events file ``path`` if it holds only the header every events file starts with: TensorBoard
-    lists it beside the writer that replaced it, with nothing in it."""
+def holds_only_the_header(event_file):
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    if path and os.path.isfile(path) and all(event.HasField("file_version") for event in EventFileLoader(path).Load()):
-        os.remove(path)
+    return all(event.HasField("file_version") for event in EventFileLoader(event_file).Load())
+
+
+def made_by_this_process(event_file_name):
+    """Whether an events file's name (events.out.tfevents.<second>.<host>.<process id>.<n>, tensorboard's) is of
+    this host and process; a host name may hold dots."""
+    parts = event_file_name.split(".", 4)  # ["events", "out", "tfevents", second, "<host>.<process id>.<n>"]
+    if parts[:3] != ["events", "out", "tfevents"] or len(parts) < 5:
+        return False
+    return parts[4].rsplit(".", 2)[:2] == [socket.gethostname(), str(os.getpid())]
 
 
 class Throughput:
