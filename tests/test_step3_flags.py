@@ -340,6 +340,40 @@ def test_the_actors_config_is_read_once_for_the_checks_before_its_weights_load(m
     assert len(reads) == 1, reads
 
 
+def test_the_engine_reads_a_hub_actors_config_from_the_hub_cache_and_only_for_the_hybrid_engines_checks(
+        monkeypatch, hub_cache, unreachable_hub):
+    """_init_actor read the actor's config with local_files_only=False whether or not the hybrid engine (whose checks
+    alone read it there) was on: a hub actor's config was asked of the hub before its weights (an offline run without
+    HF_HUB_OFFLINE waited through the hub client's retries), where step 3's settings check reads the hub cache."""
+    from transformers import AutoConfig
+
+    from dschat.rlhf import engine as engine_module
+    from dschat.tiny.presets import tiny_llama_config
+
+    hub_cache("acme/tiny", tiny_llama_config().save_pretrained)
+    real, reads = AutoConfig.from_pretrained, []
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda path, **kwargs: reads.append(
+        kwargs.get("local_files_only", False)) or real(path, **kwargs))
+
+    class Loaded(Exception):
+        pass
+
+    def loaded(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(engine_module, "load_causal_lm", loaded)
+    for hybrid, read in ((False, []), (True, [True])):
+        settings = step3_args({"enable_hybrid_engine": hybrid, "actor_model_name_or_path": "acme/tiny"})
+        engine = SimpleNamespace(args=settings, world_size=1, actor_path="acme/tiny", tokenizer=None,
+                                 _trained_config=lambda stage, hybrid=False: step3_train_config(settings, 1, stage,
+                                                                                               hybrid))
+        reads.clear()
+        with pytest.raises(Loaded):
+            DeepSpeedRLHFEngine._init_actor(engine)
+        assert reads == read, (hybrid, reads)
+    assert unreachable_hub == []  # (in the cache: the hub not even probed)
+
+
 def test_head_counts_that_do_not_split_over_the_group_fail_before_loading():
     settings = step3_args({"enable_hybrid_engine": True, "inference_tp_size": 8,
                            "actor_model_name_or_path": "tiny-llama"})  # 4 attention heads

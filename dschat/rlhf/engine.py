@@ -236,13 +236,13 @@ def _fetched_hub_config(path, checked):
     return None
 
 
-def actor_config_for_checks(args, actor_path, local_only=True):
+def actor_config_for_checks(args, actor_path):
     """The actor's HF config, read once for the checks of it before its weights load (``check_inference_tp``,
     ``check_local_window``, ``check_actor_takes_a_cache``, ``check_lora_module_names``); None where it cannot be read
-    yet. ``local_only``: from the hub cache alone (train.py, before step 1), where a hub actor not in it has its
-    config fetched when the hybrid engine's checks need it (``_fetched_hub_config``)."""
-    config = _model_config(actor_path, local_only)
-    if config is None and local_only and args.enable_hybrid_engine:
+    yet. A hub actor's from the hub cache alone: one not in it has its config fetched where the hybrid engine's checks
+    need it (``_fetched_hub_config``: the hub asked once, not through the hub client's retries)."""
+    config = _model_config(actor_path, local_only=True)
+    if config is None and args.enable_hybrid_engine:
         config = _fetched_hub_config(actor_path, "for a local attention window (GPT-Neo's), which the hybrid engine's "
                                                  "cache cannot go past, nor for the hybrid engine's other needs (a "
                                                  "forward that takes a KV cache, a split over --inference_tp_size)")
@@ -677,7 +677,8 @@ class DeepSpeedRLHFEngine:
 
         a = self.args
         ds_config = self._trained_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
-        config = actor_config_for_checks(a, self.actor_path, local_only=False)  # before its weights load
+        # before its weights load; the checks of it here are the hybrid engine's: without it, no config is read
+        config = actor_config_for_checks(a, self.actor_path) if a.enable_hybrid_engine else None
         check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path, config)
         check_local_window(a, self.actor_path, config)
         check_actor_takes_a_cache(a, config)
