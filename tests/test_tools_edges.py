@@ -1,5 +1,6 @@
 """Edge cases of the tools for trained models (chat.py, rw_eval, ppo_eval) met after training."""
 import json
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -616,6 +617,37 @@ def test_rw_eval_data_split_that_gives_step_2_nothing_is_an_error_naming_its_pai
 
     with pytest.raises(MissingInputError, match=r"^--prompts_file Dahoas/rm-static: no local data file or folder"):
         select_records(SimpleNamespace(prompts=None, prompts_file="Dahoas/rm-static", data_fields="", num_prompts=8))
+
+
+def test_a_mistyped_local_data_path_of_a_tool_is_no_such_file_not_a_hub_datasets_advice(reward_model, tmp_path,
+                                                                                         monkeypatch):
+    """rw_eval and prompt_eval (records.load_records, load_phase_held_out) said of a mistyped local folder "no local data
+    ... a hub dataset by name only in training: give its download, hf download ..." (or, with --data_split, listed the
+    hub datasets training knows), and of a missing file "data file not found" naming no flag. A path meant here is
+    "no such file or folder", with its flag; a name (ORG/NAME) keeps the hub advice."""
+    from types import SimpleNamespace
+
+    from dschat.tools import rw_eval
+    from dschat.tools.prompt_eval import select_records
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "pairs.jsonl").write_text('{"prompt": "Q", "chosen": "A", "rejected": "B"}\n')
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for path in ("./pairs_dir/", "pairs_dir/", "runs/data/pairs", "pairs.jsonl", str(tmp_path / "pairs.jsonl"),
+                 "~/missing.jsonl"):
+        for split in ([], ["--data_split", "2,4,4"]):
+            with pytest.raises(MissingInputError, match=rf"^--pairs_file {re.escape(path)}: no such file or folder$"):
+                rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", path, *split])
+        with pytest.raises(MissingInputError, match=rf"^--prompts_file {re.escape(path)}: no such file or folder$"):
+            select_records(SimpleNamespace(prompts=None, prompts_file=path, data_fields="", num_prompts=8))
+    # a ~ the shell left (--pairs_file=~/pairs.jsonl) names the file it meant
+    with pytest.raises(MissingInputError, match=r"^--pairs_file ~/pairs.jsonl: no such file or folder \(the shell did "
+                                                rf"not expand its ~, as after --flag=: give {tmp_path}/home/pairs.jsonl"):
+        rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "~/pairs.jsonl"])
+    with pytest.raises(MissingInputError, match=r"^--pairs_file acme/pairs: no local data file or folder there \(the "
+                                                r"tools read local data; a hub dataset by name only in training"):
+        rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "acme/pairs"])
 
 
 def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scored_with(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """Prompts (and answers) for the tools: from the command line, from a local file, or the tiny held-out data."""
+import os
 from dataclasses import dataclass
 from itertools import islice
 
@@ -36,6 +37,34 @@ def prompt_record(text, flag="--prompt"):
         raise UsageError(f"{flag} {text!r}: {error}") from None
 
 
+def check_local_data_there(spec, flag=None):
+    """A tool's data ``spec`` whose path is meant as one here (``looks_local``: absolute, ./, ../, ~, deeper than
+    ORG/NAME; a trailing /; a data file's extension) and is not there: "no such file or folder", naming ``flag``.
+    Such a mistyped folder had the advice for a hub dataset's name (``no_local_data``), a file "data file not found"
+    naming no flag. Typed specs (jsonl:PATH) and names (tiny, local/jsonfile, a hub dataset's) say their own."""
+    from dschat.data.local import EXTENSION_TYPES, LOCAL_JSONFILE, LOCAL_TYPES, _split_paths
+    from dschat.models.loading import looks_local
+
+    kind, typed, _ = spec.partition(":")
+    if spec in (TINY_NAME, LOCAL_JSONFILE) or (typed and kind.lower() in LOCAL_TYPES):
+        return
+    for path in _split_paths(spec):
+        meant_here = (looks_local(os.path.expanduser(path)) or path.endswith("/")
+                      or os.path.splitext(path)[1].lower() in EXTENSION_TYPES)
+        if meant_here and not os.path.exists(path):
+            raise MissingInputError(f"{f'{flag} ' if flag else ''}{path}: no such file or folder"
+                                    f"{unexpanded_home_note(path)}")
+
+
+def unexpanded_home_note(path):
+    """Where ``path`` starts with a ~ that names a path once expanded: the shell left it (``--flag=~/x``), and data
+    paths are read as given."""
+    expanded = os.path.expanduser(path)
+    if expanded != path and os.path.exists(expanded):
+        return f" (the shell did not expand its ~, as after --flag=: give {expanded})"
+    return ""
+
+
 def no_local_data(path, flag=None):
     """The error for a tool's data (``flag``'s) that is no local file or folder: "no data file at Dahoas/rm-static"
     named neither the flag nor why a dataset that training reads by its hub name is none here."""
@@ -55,6 +84,7 @@ def load_records(path, data_fields=None, limit=None, flag=None):
     from dschat.data.local import LOCAL_JSONFILE, LocalDataset, local_jsonfile_source, resolve_local_spec
 
     spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
+    check_local_data_there(spec, flag)
     source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec)
     if source is None:
         raise no_local_data(path, flag)
@@ -91,6 +121,7 @@ def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None, 
     from dschat.data.raw_datasets import get_raw_dataset, resolve_dataset_spec
     from dschat.data.splits import get_raw_dataset_split_index
 
+    check_local_data_there(spec, flag)
     if isinstance(resolve_dataset_spec(spec), type):  # (a hub dataset's name: local data alone, as load_records)
         raise no_local_data(spec, flag)
     raw = get_raw_dataset(spec, None, seed, -1, **file_field_options(data_fields, spec))  # (as load_records reads it)
