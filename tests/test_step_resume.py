@@ -2052,7 +2052,7 @@ def test_a_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_r
     """A step's checkpoint recorded no step version (STEP_VERSIONS): one an older dschat saved, whose step may have
     trained otherwise, resumed unsaid, and the output recorded this dschat's version; one of a newer dschat resumed as
     well. It records the version now; an older one, or none, resumes with one line saying so, a newer one is an error
-    naming its state.json."""
+    naming its state.json, before the step's model loads (it came once the model had: minutes on a large one)."""
     from dschat.steps.common import STEP_VERSIONS
 
     common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
@@ -2081,10 +2081,14 @@ def test_a_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_r
         f"[step2] --resume: checkpoint step_0000002 in {root} is an older dschat's (step_version 1 of step2, 2 now: "
         "STEP_VERSIONS in dschat/steps/common.py says what changed); resumed all the same, though its step may have "
         "trained otherwise until step_0000002"]
+    models = []
+    load = reward.create_critic_model
+    monkeypatch.setattr(reward, "create_critic_model", lambda *a, **k: models.append(1) or load(*a, **k))
     with pytest.raises(UsageError, match=rf"{state_file} records step_version 3 of step2, which this dschat does not "
                                          r"know \(its latest is 2\): a newer dschat's checkpoint, .* train step2 "
                                          r"afresh with this one \(without --resume"):
         resumed_with(3)
+    assert models == []
 
 
 def test_a_step3_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_refused(tmp_path, monkeypatch,

@@ -27,10 +27,10 @@ from dschat.steps.common import (STEP_VERSION, STEP_VERSIONS, TOKENIZER_KEY, che
 from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_position, check_same_flags,
                                       check_same_products, check_same_step, check_universal_fit, clear_earlier_run,
                                       clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
-                                      loading_checkpoint, publish, published_tag, read_trainer_state, reading,
-                                      remove_universal_copies, rng_said, save_trainer_state,
-                                      say_an_older_dschats_checkpoint, tag_of, take_restored_flags, universal_load,
-                                      with_universal_load)
+                                      loading_checkpoint, older_dschats_checkpoint, publish, published_tag,
+                                      read_trainer_state, reading, remove_universal_copies, rng_said,
+                                      save_trainer_state, say_an_older_dschats_checkpoint, tag_of, take_restored_flags,
+                                      universal_load, with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -181,9 +181,10 @@ def _check_other_ranks(root, tag, saved, saved_ranks, args):
 
 
 def check_resumed_step(args, step):
-    """--resume: the checkpoint the output folder's ``latest`` pointer names was saved by ``step`` (``check_same_step``),
-    checked before any model loads (as step 3 checks before its engines): DPO given step 1's folder was refused only
-    once its policy and reference had loaded. The rest is ``plan_resume``'s, once the data is loaded."""
+    """--resume: the checkpoint the output folder's ``latest`` pointer names was saved by ``step`` (``check_same_step``)
+    and by no newer dschat (``older_dschats_checkpoint``), checked before any model loads (as step 3 checks before its
+    engines): DPO given step 1's folder, or a newer dschat's checkpoint, was refused only once the step's models had
+    loaded. The rest is ``plan_resume``'s, once the data is loaded (which says an older dschat's checkpoint)."""
     if args.resume:
         root = checkpoint_root(args)
         rank_0_decides(lambda: _check_published_step(root, step))
@@ -193,6 +194,7 @@ def _check_published_step(root, step):
     tag = published_tag(root)
     if tag is not None:
         check_same_step(root, tag, step)
+        older_dschats_checkpoint(root, tag, step)  # (a newer one's: refused; an older one's: said when it resumes)
 
 
 def plan_resume(args, step, ds_config=None, train_loader=None, tokenizer=None):

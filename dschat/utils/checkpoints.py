@@ -217,16 +217,27 @@ def say_an_older_dschats_checkpoint(root, tag, step):
     """--resume of checkpoint ``tag`` of ``step`` (rank 0's, once): one saved by an older dschat, whose trainer state
     records an older step version than this dschat's (``STEP_VERSION``), or none (saved before checkpoints recorded
     it), is resumed, said in one line, as its step may have trained otherwise until there (its output then records this
-    dschat's version); one of a newer dschat is a UsageError naming its state.json (``older_step_version``)."""
+    dschat's version); one of a newer dschat is a UsageError naming its state.json (``older_dschats_checkpoint``)."""
+    older = older_dschats_checkpoint(root, tag, step)
+    if older:
+        print_rank_0(f"[{step}] --resume: {older}")
+
+
+def older_dschats_checkpoint(root, tag, step, remedy=None):
+    """What resuming checkpoint ``tag`` of ``step`` (a step name, "step1", ...) in ``root`` takes on where an older
+    dschat saved it (``older_step_version``: an older step version, or none recorded), None where this dschat did. One
+    of a newer dschat is a UsageError naming its state.json, with ``remedy`` (default: the step's own --resume's).
+    Read before any model loads (the step's own --resume, ``train.py --resume``'s plan): a newer dschat's checkpoint
+    was refused only once the step's model had loaded."""
     from dschat.steps.common import STEP_VERSION, older_step_version
 
     state = read_trainer_state(root, tag) or {}
+    remedy = remedy or (f"Resume it with that dschat, or train {step} afresh with this one (without --resume, which "
+                        "removes its checkpoints)")
     older = older_step_version(state.get(STEP_VERSION), step, os.path.join(trainer_folder(root, tag), "state.json"),
-                               "checkpoint", f"Resume it with that dschat, or train {step} afresh with this one "
-                                             "(without --resume, which removes its checkpoints)")
-    if older:
-        print_rank_0(f"[{step}] --resume: checkpoint {tag} in {root} is {older}; resumed all the same, though its "
-                     f"step may have trained otherwise until {tag}")
+                               "checkpoint", remedy)
+    return older and (f"checkpoint {tag} in {root} is {older}; resumed all the same, though its step may have trained "
+                      f"otherwise until {tag}")
 
 
 def load_rank_state(root, tag, generator=None):
