@@ -6,7 +6,9 @@ made from the present outputs of the steps it starts from, and none of those run
 - its finished output of the same flags, ZeRO stages and flags of memory and speed alone aside (metrics.json and
   training_args.json), made by this dschat's version of the step (``older_step_output``): the step is skipped;
 - else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
-  finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on;
+  finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on. The
+  checks the step's --resume makes of it from its files alone (its bound flags, its step, its dschat's version) are
+  made first, before any step runs;
 - else it starts afresh.
 A step removes its metrics.json when it starts training, so an interrupted run never looks finished. What an output
 or checkpoint was made from is read from the run ids it recorded of its inputs (``steps.common.input_runs``).
@@ -139,12 +141,14 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         elif current and not changed:
             plan[step] = Decision(SKIP, _same_output_why(stages, settings, record, parsed[step]))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
+            older = older_checkpoint(step, steps, recipe, folder)
             refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
-            plan[step] = Decision(RESUME, "it was interrupted")
+            plan[step] = Decision(RESUME, "it was interrupted" + older)
         elif current and checkpoint is not None and longer:
+            older = older_checkpoint(step, steps, recipe, folder)
             refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
             plan[step] = Decision(RESUME, "to train on past its finished output ("
-                                          + ", ".join(f"--{name}" for name in changed) + ")")
+                                          + ", ".join(f"--{name}" for name in changed) + ")" + older)
         elif current:
             # (a longer run trains on from a checkpoint only: without one it starts over)
             extends = ", and it saved no checkpoint to train on from (--save_interval)" if longer else ""
@@ -174,6 +178,29 @@ def older_step_output(folder, record, step, steps, kept=True):
             raise
         return None
     return older and f"its finished output in {folder} is {older}, which may have trained it otherwise"
+
+
+def step_name(recipe, step):
+    """The name ``step`` of ``recipe`` records in its outputs and checkpoints ("step1", "step2", "step2_dpo", "step3")."""
+    return "step2_dpo" if recipe == "dpo" and step == 2 else f"step{step}"
+
+
+def older_checkpoint(step, steps, recipe, folder):
+    """``step``'s last checkpoint in ``folder``, which the plan resumes, checked as the step's own --resume checks it
+    (``check_same_step``, ``older_dschats_checkpoint``), before any step runs: the step found another step's or a
+    newer dschat's checkpoint when it started, after the steps before it had run. Returns "" for this dschat's, the
+    words to add to the step's line for an older dschat's (resumed, as the step's own --resume does)."""
+    from dschat.utils.checkpoints import check_same_step, older_dschats_checkpoint
+
+    root, name = os.path.join(folder, CHECKPOINTS_DIR), step_name(recipe, step)
+    tag = latest_tag(root)
+    try:
+        check_same_step(root, tag, name)
+    except UsageError as error:
+        raise UsageError(f"{error}\n{afresh_advice(step, steps)}") from None
+    older = older_dschats_checkpoint(root, tag, name, f"Resume it with that dschat, or train step {step} afresh with "
+                                                      f"this one ({afresh_flags(step, steps)})")
+    return f"; {older}" if older else ""
 
 
 def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):

@@ -12,7 +12,7 @@ from dschat import pipeline
 from dschat.errors import UsageError
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, plan_steps
 from dschat.steps.common import STEP_VERSION, STEP_VERSIONS
-from dschat.utils.checkpoints import latest_tag, trainer_folder
+from dschat.utils.checkpoints import STEP_NAME, latest_tag, tag_of, trainer_folder
 from launch import REPO
 
 TRAIN_PY = runpy.run_path(str(REPO / "train.py"))  # the script's functions (its __main__ block does not run)
@@ -39,10 +39,19 @@ def this_version(step):
     return {STEP_VERSION: STEP_VERSIONS[f"step{step}"]}
 
 
+def this_checkpoint(step):
+    """The step name and version this dschat records in a step's checkpoint (its trainer state)."""
+    return {STEP_NAME: f"step{step}", **this_version(step)}
+
+
 def checkpoint(out, step, at):
+    """A step's last checkpoint, saved at time ``at`` by this dschat (its state: the step's name and version)."""
     root = out / FOLDERS[step] / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "latest").write_text('{"tag": "step_0000001"}')
+    tag = tag_of("iter" if step == 3 else "step", 1)
+    state = Path(trainer_folder(str(root), tag)) / "state.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps(this_checkpoint(step)))
+    (root / "latest").write_text(json.dumps({"tag": tag}))
     os.utime(root / "latest", (at, at))
 
 
@@ -98,10 +107,12 @@ def test_what_an_output_was_made_from_is_read_from_the_run_ids_it_recorded_not_f
     (tmp_path / FOLDERS[3] / "metrics.json").unlink()
     state = tmp_path / FOLDERS[3] / "checkpoints" / "trainer" / "iter_0000001"
     state.mkdir(parents=True)
-    (state / "state.json").write_text(json.dumps({"inputs": {"/x/step1_sft": "a2", "/x/step2_rm": "b2"}}))
+    (state / "state.json").write_text(json.dumps({**this_checkpoint(3),
+                                                  "inputs": {"/x/step1_sft": "a2", "/x/step2_rm": "b2"}}))
     (tmp_path / FOLDERS[3] / "checkpoints" / "latest").write_text('{"tag": "iter_0000001"}')
     assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: RESUME}
-    (state / "state.json").write_text(json.dumps({"inputs": {"/x/step1_sft": "a2", "/x/step2_rm": "b"}}))
+    (state / "state.json").write_text(json.dumps({**this_checkpoint(3),
+                                                  "inputs": {"/x/step1_sft": "a2", "/x/step2_rm": "b"}}))
     assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: FRESH}  # a checkpoint made from step 2's older output
 
 
@@ -251,6 +262,53 @@ def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_i
                                              r"dschat does not know \(its latest is 2\): .* train step 2 afresh with "
                                              r"this one \(--step 2 3 without --resume\)"):
             step_2_with(newer)
+
+
+def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by_the_plan(tmp_path, monkeypatch):
+    """train.py --resume planned "resumes from its last checkpoint" whatever dschat saved it: the step said an older
+    dschat's, and refused a newer one's (or another step's), only when it started, after the steps before it had run
+    (hours). The plan reads the checkpoint's state as the step does: an older dschat's (an older step version, or none)
+    resumes, its line saying so; a newer one's is refused before any step runs, with how to train it afresh."""
+    finish(tmp_path, 1, 100), finish(tmp_path, 2, 200, max_steps=4), checkpoint(tmp_path, 2, 150)
+    checkpoint(tmp_path, 3, 300)
+    root = tmp_path / FOLDERS[3] / "checkpoints"
+    state_file = Path(trainer_folder(str(root), "iter_0000001")) / "state.json"
+    same, longer = (Namespace(**{**vars(FLAGS), "max_steps": steps}) for steps in (4, 8))  # (longer: trained on)
+
+    def step_3_with(version, step2=same):
+        state_file.write_text(json.dumps({**this_checkpoint(3), STEP_VERSION: version}))
+        return plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: step2, 3: FLAGS})
+
+    assert step_3_with(STEP_VERSIONS["step3"])[3] == (RESUME, "it was interrupted")
+    assert step_3_with(None)[3] == (RESUME, f"it was interrupted; checkpoint iter_0000001 in {root} is of a dschat "
+                                            "from before its checkpoints recorded the step's version (no step_version "
+                                            f"in {state_file}); resumed all the same, though its step may have trained "
+                                            "otherwise until iter_0000001")
+    monkeypatch.setitem(STEP_VERSIONS, "step3", 2)
+    assert "it was interrupted; checkpoint iter_0000001 in " in step_3_with(1)[3].why
+    assert "is an older dschat's (step_version 1 of step3, 2 now: STEP_VERSIONS in " in step_3_with(1)[3].why
+    with pytest.raises(UsageError, match=rf"^{state_file} records step_version 3 of step3, which this dschat does not "
+                                         r"know \(its latest is 2\): a newer dschat's checkpoint, whose step this one "
+                                         r"may train otherwise\. Resume it with that dschat, or train step 3 afresh "
+                                         r"with this one \(--step 3 without --resume\)$"):
+        step_3_with(3)
+    # a finished step trained on from its checkpoint, which a newer dschat saved (its output this dschat's)
+    step_2_state = Path(trainer_folder(str(tmp_path / FOLDERS[2] / "checkpoints"), "step_0000001")) / "state.json"
+    step_2_state.write_text(json.dumps({**this_checkpoint(2), STEP_VERSION: 99}))
+    with pytest.raises(UsageError, match=r"step_version 99 of step2, .* \(--step 2 3 without --resume\)$"):
+        step_3_with(2, step2=longer)
+    # another step's checkpoint in the folder: refused as the step refuses it
+    state_file.write_text(json.dumps({**this_checkpoint(1)}))
+    with pytest.raises(UsageError, match=r"\(iter_0000001\) was saved by step1, not step3: (.|\n)*give --step 3 "
+                                         r"without --resume\)$"):
+        plan_steps([3], "ppo", str(tmp_path), {3: FLAGS})
+    # the DPO recipe's step 2 records itself as step2_dpo
+    dpo_root = tmp_path / "step2_dpo" / "checkpoints"
+    (dpo_root / "trainer" / "step_0000001").mkdir(parents=True)
+    (dpo_root / "trainer" / "step_0000001" / "state.json").write_text(
+        json.dumps({STEP_NAME: "step2_dpo", STEP_VERSION: STEP_VERSIONS["step2_dpo"]}))
+    (dpo_root / "latest").write_text('{"tag": "step_0000001"}')
+    assert plan_steps([2], "dpo", str(tmp_path), {2: FLAGS})[2] == (RESUME, "it was interrupted")
 
 
 def test_a_newer_dschats_output_given_other_flags_trains_afresh_instead_of_being_refused(tmp_path):
@@ -808,9 +866,9 @@ def test_train_py_resume_with_offload_and_activation_checkpointing_skips_the_fin
 def _interrupted_with(out, step, saved_flags):
     """A step interrupted past its first checkpoint, whose state holds ``saved_flags`` (as the step records them)."""
     checkpoint(out, step, 100)
-    state = Path(trainer_folder(str(out / FOLDERS[step] / "checkpoints"), "step_0000001")) / "state.json"
-    state.parent.mkdir(parents=True)
-    state.write_text(json.dumps({"step": 1, "flags": saved_flags}))
+    root = str(out / FOLDERS[step] / "checkpoints")
+    state = Path(trainer_folder(root, latest_tag(root))) / "state.json"
+    state.write_text(json.dumps({**this_checkpoint(step), "step": 1, "flags": saved_flags}))
 
 
 def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused_by_the_plan(tmp_path):
@@ -889,8 +947,7 @@ def test_a_finished_step_made_longer_with_another_offload_starts_afresh_not_from
     finish(tmp_path, 1, 100, max_steps=4, offload=False, gradient_checkpointing=False)
     checkpoint(tmp_path, 1, 150)
     state = Path(trainer_folder(str(tmp_path / FOLDERS[1] / "checkpoints"), "step_0000001")) / "state.json"
-    state.parent.mkdir(parents=True)
-    state.write_text(json.dumps({"step": 1, "flags": {"offload": False, "learning_rate": 1e-3}}))
+    state.write_text(json.dumps({**this_checkpoint(1), "step": 1, "flags": {"offload": False, "learning_rate": 1e-3}}))
 
     def decide(**changed):
         flags = Namespace(**{**vars(FLAGS), "max_steps": 4, "offload": False, "gradient_checkpointing": False,
