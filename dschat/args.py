@@ -103,7 +103,8 @@ def grpo_std_scope(value):
 
 # A flag added with a new default that trains otherwise, by step: the value a run recorded before it trained with
 # (step 1's --loss_agg: each micro-batch's own mean, today's token_mean). Left out, such a record was compared as
-# unchanged, and the run's output or checkpoint taken as the new default's.
+# unchanged, and the run's output or checkpoint taken as the new default's. (An output of no step version trains again
+# anyway: the rule is at ``steps.common.STEP_VERSIONS``.)
 FLAGS_BEFORE_RECORDED = {"step1": {"loss_agg": "token_mean"}}
 
 

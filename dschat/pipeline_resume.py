@@ -4,7 +4,8 @@ Steps run one after another, so an interruption stops one step: the steps it sta
 step after it holds was made from older inputs. A step's output or checkpoint therefore counts only when it was
 made from the present outputs of the steps it starts from, and none of those runs now:
 - its finished output of the same flags, ZeRO stages and flags of memory and speed alone aside (metrics.json and
-  training_args.json), made by this dschat's version of the step (``older_step_output``): the step is skipped;
+  training_args.json; step 1's --loss_agg compared by how it weighs a step's tokens, ``step1_loss_weighing``), made
+  by this dschat's version of the step (``older_step_output``): the step is skipped;
 - else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
   finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on. The
   checks the step's --resume makes of it from its files alone (its bound flags, its step, its dschat's version) are
@@ -110,7 +111,8 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         record = read_run_args(folder)
         current = made_from.current(finished_time(folder), record)
         reshaped = same_batches_on_other_ranks(step, record, parsed[step], world_size)
-        differing = [name for name in changed_flags(record, parsed[step]) if name not in reshaped]
+        differing, alike = weigh_step1_loss_agg([name for name in changed_flags(record, parsed[step])
+                                                 if name not in reshaped], step, record, parsed[step], world_size)
         changed = [name for name in differing if name not in ZERO_STAGE_FLAGS and name not in MEMORY_SPEED_FLAGS]
         stages = [name for name in differing if name in ZERO_STAGE_FLAGS]
         settings = [name for name in differing if name in MEMORY_SPEED_FLAGS]
@@ -139,7 +141,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         elif older:
             plan[step] = Decision(FRESH, older)
         elif current and not changed:
-            plan[step] = Decision(SKIP, _same_output_why(stages, settings, record, parsed[step]))
+            plan[step] = Decision(SKIP, _same_output_why(stages, settings + alike, record, parsed[step]))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
             older = older_checkpoint(step, steps, recipe, folder)
             refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
@@ -387,15 +389,55 @@ def same_batches_on_other_ranks(step, record, flags, world_size):
 
 def _same_output_why(stages, settings, record, flags):
     """Why a finished step is skipped though its ZeRO stage flags ``stages`` and its ``MEMORY_SPEED_FLAGS``
-    ``settings`` differ now ("" when none do)."""
-    then = record.get("flags", {})
+    ``settings`` (or step 1's --loss_agg where its loss weighs the tokens alike, ``step1_loss_weighing``) differ now
+    ("" when none do)."""
+    then = recorded_flags_now(record.get("flags", {}), record.get("step"))  # (a flag it predates: as it trained)
 
     def said(names):
         return ", ".join(f"--{name} {then.get(name)} -> {getattr(flags, name, None)}" for name in names)
 
+    weighing = [name for name in settings if name == "loss_agg"]
+    settings = [name for name in settings if name != "loss_agg"]
     parts = ([f"the ZeRO stage ({said(stages)})"] if stages else []) + \
-        ([f"flags of memory and speed alone ({said(settings)})"] if settings else [])
+        ([f"flags of memory and speed alone ({said(settings)})"] if settings else []) + \
+        ([f"{said(weighing)} (one micro-batch an optimizer step on one rank: its token mean is the step's)"]
+         if weighing else [])
     return f"its output does not depend on {' nor on '.join(parts)}" if parts else ""  # ("": the same flags)
+
+
+def step1_loss_weighing(flags, world_size):
+    """How step 1's loss weighs the tokens of an optimizer step, which its --loss_agg names (``flags``: its flag values
+    by name; ``world_size``: its ranks), None where it names none: each token alike (global_token_mean; token_mean
+    where a step is one micro-batch on one rank, whose token mean is then the step's: global_token_mean's factor for
+    it is exactly 1, ``common.step_loss_weights``, the model the same to the bit, docs/tiny_default.md), else each
+    micro-batch's mean alike (token_mean), which another split of a step's samples (the micro-batches' size, how many a
+    rank accumulates, the ranks) weighs otherwise."""
+    from dschat.steps.resume import BATCH_FLAGS
+
+    agg, split = flags.get("loss_agg"), tuple(flags.get(name) for name in BATCH_FLAGS) + (world_size,)
+    if agg == "global_token_mean" or (agg == "token_mean" and split[1:] == (1, 1)):
+        return "each token alike"
+    return ("each micro-batch's mean alike", *split) if agg == "token_mean" else None
+
+
+def weigh_step1_loss_agg(differing, step, record, flags, world_size):
+    """(``differing``, the flags that differ from the finished output's ``record``, with step 1's --loss_agg in it
+    where its loss weighs the tokens otherwise than the record's did, whatever its name (``step1_loss_weighing``);
+    [--loss_agg] where it is named otherwise but weighs them alike, else []). The record's: token_mean before it
+    recorded --loss_agg (``FLAGS_BEFORE_RECORDED``), this run's ranks before it recorded its own. Other steps', or
+    either side naming none (a record that stored no flags): ``differing`` as it is."""
+    if step != 1 or not record:
+        return differing, []
+    then_ranks = record.get("world_size")
+    then = step1_loss_weighing(recorded_flags_now(record.get("flags", {}), record.get("step")),
+                               then_ranks if isinstance(then_ranks, int) else world_size)
+    now = step1_loss_weighing(vars(flags), world_size)
+    if then is None or now is None:
+        return differing, []
+    others = [name for name in differing if name != "loss_agg"]
+    if then != now:
+        return sorted(others + ["loss_agg"]), []
+    return others, [name for name in differing if name == "loss_agg"]
 
 
 def _saved_flags(checkpoint):
@@ -437,6 +479,9 @@ def said_change(name, record, flags):
     edited = _edited_reward_fn(record, flags) if name == "reward_fn" and then == now else None
     if edited is not None:
         return f"--{name} (its file {edited} changed since)"
+    if name == "loss_agg" and recorded_flags_now(record.get("flags", {}), record.get("step")).get(name) == now:
+        # (the same value, which weighs the tokens otherwise on another split: ``step1_loss_weighing``)
+        return f"--{name} ({now} weighs each micro-batch's mean alike: a step's micro-batches are split otherwise now)"
     same_folder = name in MODEL_PATH_FLAGS and isinstance(then, str) and isinstance(now, str) and \
         _as_path(name, then, record.get("cwd", os.getcwd())) == _as_path(name, now, os.getcwd())
     if not same_folder:

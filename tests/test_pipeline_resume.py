@@ -7,6 +7,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 from dschat import pipeline
 from dschat.errors import UsageError
@@ -1009,3 +1010,43 @@ def test_a_step1_output_recorded_before_its_loss_agg_took_the_micro_batches_mean
     assert plan(tmp_path, steps=(1,), step1=now["token_mean"]) == {1: SKIP}
     finish(tmp_path, 1, 100, loss_agg="global_token_mean")  # (recorded since)
     assert plan(tmp_path, steps=(1,), step1=now["global_token_mean"]) == {1: SKIP}
+
+
+def test_step1s_loss_agg_is_compared_by_how_it_weighs_the_tokens(tmp_path):
+    """A step-1 output recorded before --loss_agg took token_mean (FLAGS_BEFORE_RECORDED), and ran again under the new
+    default global_token_mean, though where an optimizer step is one micro-batch on one rank the two are the same
+    loss (the factor global_token_mean gives it is exactly 1): the tiny default's step 1, whose new output then made
+    steps 2 and 3 run again too. It is skipped there, saying so; with more micro-batches a step it still runs again.
+    And token_mean, each micro-batch's mean weighed alike, was kept on another number of ranks with the batch flags
+    set for the same samples a step, which it weighs otherwise."""
+    from dschat.steps.common import step_loss_weights
+
+    tokens = {"labels": torch.tensor([[5, 6, 7]])}
+    assert step_loss_weights([(0, 0, None, tokens)], lambda batch: 3, 1, "cpu") == [(1.0, 1.0)]  # (one micro-batch)
+
+    def decide(world_size, then_ranks=1, **now):
+        flags = Namespace(**{**vars(FLAGS), "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+                             "loss_agg": "global_token_mean", **now})
+        record = tmp_path / FOLDERS[1] / "training_args.json"
+        record.write_text(json.dumps({**json.loads(record.read_text()), "world_size": then_ranks}))
+        return plan_steps([1], "ppo", str(tmp_path), {1: flags}, world_size=world_size)[1]
+
+    finish(tmp_path, 1, 100, per_device_train_batch_size=8, gradient_accumulation_steps=1)  # (no loss_agg: before it)
+    assert decide(1) == (SKIP, "its output does not depend on --loss_agg token_mean -> global_token_mean (one "
+                               "micro-batch an optimizer step on one rank: its token mean is the step's)")
+    assert decide(1, loss_agg="token_mean") == (SKIP, "")
+    assert decide(2, per_device_train_batch_size=4).action == SKIP  # (the same samples a step, each token alike)
+    assert decide(2, then_ranks=2).why.endswith("had other values of --loss_agg")  # (a step: a micro-batch a rank)
+    finish(tmp_path, 1, 100, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert decide(1, per_device_train_batch_size=4, gradient_accumulation_steps=2).why.endswith(
+        "had other values of --loss_agg")
+    # token_mean over 2 ranks, resplit for 4: the same samples a step, each micro-batch's mean weighed alike
+    finish(tmp_path, 1, 100, per_device_train_batch_size=8, gradient_accumulation_steps=1, loss_agg="token_mean")
+    assert decide(2, then_ranks=2, loss_agg="token_mean") == (SKIP, "")
+    assert decide(4, then_ranks=2, loss_agg="token_mean", per_device_train_batch_size=4).why.endswith(
+        "had other values of --loss_agg (token_mean weighs each micro-batch's mean alike: a step's micro-batches are "
+        "split otherwise now)")
+    finish(tmp_path, 1, 100, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+           loss_agg="global_token_mean")  # (each token alike, however split)
+    assert decide(4, then_ranks=2, per_device_train_batch_size=4) == (SKIP, "")
+    assert decide(1, then_ranks=2, loss_agg="token_mean", per_device_train_batch_size=16).action == SKIP

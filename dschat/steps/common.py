@@ -369,6 +369,12 @@ REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path an
 # that changes what a step trains on bumps the step's version too.
 # 1: recorded from here on (an output without it is older: step 2's loss subtracts each pair's margin since
 #    FORMAT_VERSION 45, and earlier changes are not told apart)
+# The rule ``train.py --resume`` keeps a finished output by: an older version, or none, trains the step again, whatever
+# its flags (the dschat without one is any of many, whose steps and data formats changed often); within this version,
+# a flag added since with a new default that trains otherwise is read as the value the output trained with
+# (``args.FLAGS_BEFORE_RECORDED``) and compared as any flag (step 1's --loss_agg by how it weighs a step's tokens,
+# ``pipeline_resume.step1_loss_weighing``): a precise alternative to a bump, which would train such an output again
+# under any value.
 STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 1, "step3": 1}
 STEP_VERSION = "step_version"
 
