@@ -401,6 +401,28 @@ def test_a_model_whose_forward_takes_no_kv_cache_is_refused_with_the_way_out(con
         _engine(model)
 
 
+def _cpmant_config():  # its forward prepends prompt tokens and wants the whole sequence at every step
+    from transformers import CpmAntConfig
+
+    return CpmAntConfig(vocab_size=96, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64,
+                        num_hidden_layers=2, prompt_length=4, prompt_types=3, segment_types=3,
+                        position_bias_num_buckets=32, position_bias_max_distance=64)
+
+
+def test_cpmant_is_refused_when_the_engine_is_built_with_the_way_out():
+    """CPMAnt's forward takes transformers' cache, yet prepends config.prompt_length virtual prompt tokens and wants
+    the whole sequence at every step: the engine failed at its first generation with an IndexError deep in the
+    static cache (short answers) or with other shapes (long ones). HF's generate, which --no-enable_hybrid_engine
+    uses, runs it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_cpmant_config()).eval().to(_device())
+    ids, mask = left_padded_batch([5, 5], seed=0)
+    assert hf_generate(model, ids, mask, 4).shape == (2, 9)
+    with pytest.raises(UsageError, match=r"CpmAntForCausalLM cannot be decoded one token at a time.*prompt_length"
+                                         r".*--no-enable_hybrid_engine"):
+        _engine(model)
+
+
 def _minimax_config():  # keeps a cache of its own: its forward refuses a StaticCache (HF's ValueError)
     from transformers import MiniMaxConfig
 

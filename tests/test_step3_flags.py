@@ -101,6 +101,20 @@ def test_an_actor_whose_forward_takes_no_kv_cache_is_refused_before_anything_loa
     check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1)  # (HF's generate)
 
 
+def test_a_cpmant_actor_is_refused_before_anything_loads(tmp_path):
+    """CPMAnt takes transformers' cache but cannot be decoded one token at a time over it
+    (``NOT_DECODABLE_PER_TOKEN``): its config says so before the actor loads."""
+    from transformers import CpmAntConfig
+
+    CpmAntConfig(vocab_size=96, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64,
+                 num_hidden_layers=2).save_pretrained(tmp_path / "cpmant")
+    settings = {"actor_model_name_or_path": str(tmp_path / "cpmant"), "enable_hybrid_engine": True,
+                "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
+    with pytest.raises(UsageError, match=r"CpmAntForCausalLM cannot be decoded.*--no-enable_hybrid_engine"):
+        check_step3_settings(step3_args(settings), 1)
+    check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1)  # (HF's generate)
+
+
 def _small_neo_config():
     from transformers import GPTNeoConfig
 

@@ -45,25 +45,41 @@ def forward_spec(model):
     return _forward_spec_of_class(type(unwrap_peft(model)))
 
 
-def check_takes_a_cache(model):
-    """A ``UsageError`` for a causal LM whose forward takes no KV cache by transformers' name (``past_key_values``, or
-    ``cache``): GPT-1's (none at all), RWKV's (``state``), XLNet's (``mems``), Reformer's (``past_buckets_states``).
-    Its forward took the static cache into ``**kwargs`` and dropped it, so each decode step saw its one new token
-    alone: RWKV generated other tokens than HF's generate without a word, GPT-1 and XLNet failed on shapes. The
-    engine checks this when it is built."""
-    check_class_takes_a_cache(type(unwrap_peft(model)))
+# Causal LMs whose forward takes transformers' KV cache, yet cannot be decoded over it one token at a time, by
+# config.model_type, with the reason the refusal quotes. Listed: nothing in their forward's signature tells.
+NOT_DECODABLE_PER_TOKEN = {
+    "cpmant": "its forward prepends config.prompt_length virtual prompt tokens and wants the whole sequence at every "
+              "step (its prepare_inputs_for_generation keeps it whole), reading no attention mask: over the static "
+              "cache the prefill overflows it or the decode steps' shapes differ",
+}
 
 
-def check_class_takes_a_cache(model_class):
-    """``check_takes_a_cache`` for a model class (step 3 checks the actor's, read from its config, before any weight
+def check_decodable(model):
+    """A ``UsageError`` for a causal LM the engine's per-token decode over transformers' KV cache cannot run:
+    one whose forward takes no KV cache by transformers' name (``past_key_values``, or ``cache``): GPT-1's (none at
+    all), RWKV's (``state``), XLNet's (``mems``), Reformer's (``past_buckets_states``), whose forward took the static
+    cache into ``**kwargs`` and dropped it, so each decode step saw its one new token alone (RWKV generated other
+    tokens than HF's generate without a word, GPT-1 and XLNet failed on shapes); or one of
+    ``NOT_DECODABLE_PER_TOKEN`` (CPMAnt: an IndexError deep in the cache before). The engine checks this when it is
+    built."""
+    check_class_decodable(type(unwrap_peft(model)))
+
+
+def check_class_decodable(model_class):
+    """``check_decodable`` for a model class (step 3 checks the actor's, read from its config, before any weight
     loads or any engine is built)."""
+    from dschat.errors import UsageError
+
+    way_out = ("Run step 3 without the hybrid engine for this model (--no-enable_hybrid_engine: actor generation then "
+               "uses HF generate).")
     params = inspect.signature(model_class.forward).parameters
     if "past_key_values" not in params and "cache" not in params:
-        from dschat.errors import UsageError
-
         raise UsageError(f"{model_class.__name__}'s forward takes no past_key_values (transformers' KV cache), which "
-                         "the hybrid engine's decode steps read and write. Run step 3 without the hybrid engine for "
-                         "this model (--no-enable_hybrid_engine: actor generation then uses HF generate).")
+                         f"the hybrid engine's decode steps read and write. {way_out}")
+    model_type = getattr(getattr(model_class, "config_class", None), "model_type", None)
+    if model_type in NOT_DECODABLE_PER_TOKEN:
+        raise UsageError(f"{model_class.__name__} cannot be decoded one token at a time over the hybrid engine's KV "
+                         f"cache: {NOT_DECODABLE_PER_TOKEN[model_type]}. {way_out}")
 
 
 def decode_step(model, spec, input_ids, attention_mask, position_ids, cache_position, cache):

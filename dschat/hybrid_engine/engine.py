@@ -30,7 +30,7 @@ from dschat.hybrid_engine.attention import decode_attention as decode_attention_
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache, longest_cache
 from dschat.hybrid_engine.config import HybridEngineConfig
-from dschat.hybrid_engine.decode import check_takes_a_cache, generate_tokens
+from dschat.hybrid_engine.decode import check_decodable, generate_tokens
 from dschat.hybrid_engine.fusion import ProjectionFusion
 from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
@@ -131,7 +131,7 @@ class HybridEngine:
         """What generating reads: the inference weights, the KV cache, the fused projections and the graph path. Where
         any of it cannot be built (a model the group cannot split: GPT-2's fused qkv, per-head norms, MoE; a setting
         refused, e.g. a misspelt decode_attention), ``__init__`` destroys the group it has just made."""
-        check_takes_a_cache(ds_engine.module)
+        check_decodable(ds_engine.module)
         self.inference_weights = build_inference_weights(ds_engine.module, self.hybrid_config,
                                                          ds_engine.zero_optimization_stage(), ds_engine.device,
                                                          tp=self.tp)

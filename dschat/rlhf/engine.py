@@ -238,7 +238,7 @@ def _fetched_hub_config(path, checked):
 
 def actor_config_for_checks(args, actor_path):
     """The actor's HF config, read once for the checks of it before its weights load (``check_inference_tp``,
-    ``check_local_window``, ``check_actor_takes_a_cache``, ``check_lora_module_names``); None where it cannot be read
+    ``check_local_window``, ``check_actor_decodable``, ``check_lora_module_names``); None where it cannot be read
     yet. A hub actor's from the hub cache alone: one not in it has its config fetched where the hybrid engine's checks
     need it (``_fetched_hub_config``: the hub asked once, not through the hub client's retries)."""
     config = _model_config(actor_path, local_only=True)
@@ -319,14 +319,15 @@ def check_local_window(args, actor_path, config):
                          "(--no-enable_hybrid_engine: HF's generate)")
 
 
-def check_actor_takes_a_cache(args, config):
-    """An actor whose causal LM's forward takes no KV cache (GPT-1, RWKV, XLNet, Reformer: ``check_takes_a_cache``)
-    refused from its ``config`` (``actor_config_for_checks``) before any weight loads: the hybrid engine refused it
-    only once built, after the actor's DeepSpeed engine. A config not readable yet (None), or that names no built-in
-    causal LM (remote code), is checked when the engine is built."""
+def check_actor_decodable(args, config):
+    """An actor the hybrid engine cannot decode (a causal LM whose forward takes no KV cache: GPT-1, RWKV, XLNet,
+    Reformer; or one listed, CPMAnt: ``check_decodable``) refused from its ``config`` (``actor_config_for_checks``)
+    before any weight loads: the hybrid engine refused it only once built, after the actor's DeepSpeed engine. A
+    config not readable yet (None), or that names no built-in causal LM (remote code), is checked when the engine is
+    built."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from dschat.hybrid_engine.decode import check_class_takes_a_cache
+    from dschat.hybrid_engine.decode import check_class_decodable
 
     if not args.enable_hybrid_engine:
         return
@@ -336,7 +337,7 @@ def check_actor_takes_a_cache(args, config):
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except (KeyError, ValueError, ImportError):  # (no causal LM of this config: loading the actor says so)
         return
-    check_class_takes_a_cache(model_class)
+    check_class_decodable(model_class)
 
 
 def say_an_unapplied_repetition_penalty(model, penalty):
@@ -427,7 +428,7 @@ def check_step3_settings(args, world_size, actor_architecture=None, critic_made_
     actor_config = actor_config_for_checks(args, actor_path)
     check_inference_tp(args, world_size, actor.get("hybrid_engine", {}), actor_path, actor_config)
     check_local_window(args, actor_path, actor_config)
-    check_actor_takes_a_cache(args, actor_config)
+    check_actor_decodable(args, actor_config)
     check_lora_module_names(args, actor_config, None if critic_made_later else args.critic_model_name_or_path)
     check_accumulation(args)
     if args.advantage_estimator == "gae":
@@ -681,7 +682,7 @@ class DeepSpeedRLHFEngine:
         config = actor_config_for_checks(a, self.actor_path) if a.enable_hybrid_engine else None
         check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path, config)
         check_local_window(a, self.actor_path, config)
-        check_actor_takes_a_cache(a, config)
+        check_actor_decodable(a, config)
         model = load_causal_lm(self.actor_path, self.tokenizer, ds_config, dropout=a.actor_dropout)
         self.actor_embedding_rows = embedding_rows(model)
         self._check_sequence_fits(model)
