@@ -77,6 +77,52 @@ def test_a_multimodal_backbone_scores_from_its_text_config(tmp_path):
         assert torch.allclose(critic.end_scores(ids[1:, 2:], mask[1:, 2:]), expected[1:], atol=1e-6)
 
 
+def _reformer_config():  # its hidden states are two streams concatenated: 2 x hidden_size wide
+    from transformers import ReformerConfig
+
+    return ReformerConfig(vocab_size=96, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+                          attn_layers=["local", "lsh"], feed_forward_size=64, axial_pos_shape=[8, 8],
+                          axial_pos_embds_dim=[16, 16], max_position_embeddings=64, local_attn_chunk_length=16,
+                          lsh_attn_chunk_length=16, is_decoder=True, pad_token_id=None, eos_token_id=None)
+
+
+def test_a_reward_model_reads_its_backbones_hidden_states_at_their_measured_width(tmp_path):
+    """Reformer's hidden states are two streams concatenated, 2 x its config's hidden_size, which no config field
+    says: the value head built from hidden_size failed at the first score ("mat1 and mat2 shapes cannot be
+    multiplied (28x128 and 64x1)"). Its width is measured by a forward when the head is built, which leaves each of the
+    backbone's modules in the mode it was."""
+    from dschat.models.reward_model import measured_hidden_width
+
+    torch.manual_seed(0)
+    sft = AutoModelForCausalLM.from_config(_reformer_config()).eval()
+    save_causal_lm(sft, _Tok(), str(tmp_path / "sft"))
+    critic = create_critic_model(str(tmp_path / "sft"), None)
+    assert critic.v_head.in_features == 2 * sft.config.hidden_size
+    backbone = critic.rwtransformer.train()
+    backbone.embeddings.eval()  # (a module's own mode is kept, not the top module's given to all)
+    assert measured_hidden_width(backbone) == 2 * sft.config.hidden_size
+    assert backbone.training and backbone.encoder.training and not backbone.embeddings.training
+    critic.eval()
+    ids = torch.randint(3, 96, (2, 6))
+    with torch.no_grad():
+        hidden = critic.rwtransformer(input_ids=ids)[0]
+        assert torch.allclose(critic.end_scores(ids, torch.ones_like(ids)), critic.v_head(hidden)[:, -1, 0])
+
+
+def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
+    """Where the width cannot be measured (ZeRO-3-partitioned weights: here the probe is made to fail), the head takes
+    the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""
+    from dschat.errors import UsageError
+    from dschat.models import reward_model
+
+    monkeypatch.setattr(reward_model, "measured_hidden_width", lambda backbone: None)
+    critic = RewardModel(AutoModel.from_config(_reformer_config())).eval()
+    ids = torch.randint(3, 96, (2, 6))
+    with pytest.raises(UsageError, match=r"ReformerModel's hidden states are 64 wide, but the value head reads 32.*"
+                                         r"--zero_stage"):
+        critic.end_scores(ids, torch.ones_like(ids))
+
+
 def test_reward_model_forward_refuses_a_batch_that_is_not_pairs():
     """A batch of 3 split into 1 chosen and 2 rejected, and the loss broadcast the one over both: a wrong loss, no
     error (from a notebook; the steps' collator always pairs)."""

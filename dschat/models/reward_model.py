@@ -110,10 +110,8 @@ class RewardModel(nn.Module):
         # to score: ``score_index``), else None
         self.score_skips_token_id = None
         self.config = base_model.config
-        # (a multimodal backbone, e.g. Gemma-3 4B and up, keeps its decoder's sizes in its text config)
-        text_config = self.config.get_text_config(decoder=True)
-        hidden = getattr(text_config, "word_embed_proj_dim", None) or _hidden_size(text_config)
-        self.v_head = ValueHead(hidden, fp32=compute_fp32_loss)
+        self.v_head = ValueHead(measured_hidden_width(base_model) or configured_hidden_width(self.config),
+                                fp32=compute_fp32_loss)
         self.rwtransformer = base_model
         # Kept for DeepSpeed-Chat compatibility; the end token comes from the attention mask instead.
         self.num_padding_at_beginning = num_padding_at_beginning
@@ -141,11 +139,23 @@ class RewardModel(nn.Module):
             position_ids = positions_from_mask(attention_mask)
         out = self.rwtransformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=use_cache, **kwargs)
+        self._check_head_width(out[0])
         values = self.v_head(out[0]).squeeze(-1)
         if self.score_normalization is not None:
             mean, std = self.score_normalization
             values = (values - mean) / std
         return values
+
+    def _check_head_width(self, hidden):
+        """A ``UsageError`` where the backbone's hidden states are not as wide as the value head (its width taken from
+        the config, where ``measured_hidden_width`` could not run the backbone: ZeRO-3-partitioned weights), rather
+        than a matmul's shape error."""
+        if hidden.shape[-1] != self.v_head.in_features:
+            raise UsageError(f"{type(self.rwtransformer).__name__}'s hidden states are {hidden.shape[-1]} wide, but "
+                             f"the value head reads {self.v_head.in_features} (its config's hidden size, taken where "
+                             "the backbone's weights could not run when the head was built: ZeRO-3-partitioned). "
+                             "Train or load this reward model at a ZeRO stage below 3 (--zero_stage, "
+                             "--critic_zero_stage), so that the width is measured")
 
     def forward(self, input_ids, attention_mask, margin=None, **kwargs):
         """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected. ``margin``:
@@ -526,6 +536,38 @@ def _hidden_size(config):
         if getattr(config, field, None):
             return getattr(config, field)
     raise ValueError(f"cannot find the hidden size in {type(config).__name__}")
+
+
+def configured_hidden_width(config):
+    """The width of a backbone's last hidden state by its config: OPT's project_out width, else its hidden size (a
+    multimodal backbone, e.g. Gemma-3 4B and up, keeps its decoder's sizes in its text config)."""
+    text_config = config.get_text_config(decoder=True)
+    return getattr(text_config, "word_embed_proj_dim", None) or _hidden_size(text_config)
+
+
+def measured_hidden_width(backbone):
+    """The width of ``backbone``'s last hidden state, which the value head reads, from a forward over two tokens (in
+    eval mode, each module's mode restored after); None where it cannot be measured so (weights ZeRO-3-partitioned
+    or on the meta device; a forward that fails on the probe): then ``configured_hidden_width``. Reformer's is two
+    streams concatenated, twice its config's hidden_size, which no config field says."""
+    from dschat.models.zero3 import is_zero3_param
+
+    params = list(backbone.parameters())
+    if not params or any(is_zero3_param(p) or p.is_meta for p in params):
+        return None
+    device = params[0].device
+    modes = {module: module.training for module in backbone.modules()}
+    try:
+        with torch.no_grad():
+            backbone.eval()
+            out = backbone(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False)
+        hidden = out[0]
+        return hidden.shape[-1] if torch.is_tensor(hidden) and hidden.dim() == 3 else None
+    except Exception:  # noqa: BLE001 (a probe: the config's width stands, and _check_head_width names a mismatch)
+        return None
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 def create_critic_model(model_name_or_path, tokenizer, ds_config=None, num_padding_at_beginning=0,
