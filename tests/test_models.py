@@ -153,6 +153,46 @@ def test_reward_score_is_independent_of_padding_side(family):
     assert torch.allclose(s_plain, s_left, atol=1e-5)
 
 
+def _rwkv_config():  # recurrent layers that read no attention mask
+    from transformers import RwkvConfig
+
+    return RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                      intermediate_size=64, context_length=64, bos_token_id=None, eos_token_id=None)
+
+
+@pytest.mark.parametrize("family", ["rwkv", "llama"])
+def test_left_padding_that_moves_the_scores_is_warned_of_once(family, capsys, monkeypatch):
+    """RWKV's recurrence reads no attention mask (transformers' modelling), so a left-padded row scores otherwise than
+    the row alone; dschat left-pads a reward model's rows in step 3's held-out evaluation and with --padded_forwards,
+    and said nothing. Said once per family (LEFT_PADDING_MOVES_SCORES), where left-padded rows come; nothing for a
+    family whose scores left padding does not move."""
+    from dschat.models import reward_model
+
+    monkeypatch.setattr(reward_model, "_WARNED_LEFT_PADDING", set())
+    torch.manual_seed(0)
+    config = _rwkv_config() if family == "rwkv" else CONFIGS[family]()
+    critic = RewardModel(AutoModel.from_config(config)).eval()
+    torch.nn.init.normal_(critic.v_head.weight)
+    ids = torch.randint(3, 96, (2, 6))
+    left, mask = ids.clone(), torch.ones_like(ids)
+    left[1, :2], mask[1, :2] = 0, 0
+    right = torch.cat([ids[1:, 2:], torch.zeros(1, 2, dtype=torch.long)], 1)
+    with torch.no_grad():
+        alone = critic.end_scores(ids[1:, 2:], torch.ones_like(ids[1:, 2:]))
+        assert torch.allclose(critic.end_scores(right, mask.flip(1)[1:]), alone, atol=1e-5)  # (right padding)
+        assert capsys.readouterr().out == ""
+        padded = critic.end_scores(left, mask)[1:]
+        said = capsys.readouterr().out
+        critic.end_scores(left, mask)
+    assert capsys.readouterr().out == ""  # (once)
+    if family == "llama":
+        assert said == "" and torch.allclose(padded, alone, atol=1e-5)
+        return
+    assert not torch.allclose(padded, alone, atol=1e-3)  # (what the warning says)
+    assert "warning: the reward model or critic on RwkvModel scores left-padded rows otherwise" in said
+    assert "its recurrent layers read no attention mask" in said and "--padded_forwards" in said
+
+
 def test_pairwise_loss_subtracts_each_pairs_margin():
     """TRL's RewardTrainer (Llama 2's margin loss): -log sigmoid(chosen - rejected - margin), averaged over pairs."""
     c, r, margin = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([0.0, 1.0, 1.0]), torch.tensor([1.0, -0.5, 3.0])

@@ -40,6 +40,18 @@ VALUE_HEAD_FILES = (f"{VALUE_HEAD_FILE}, DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in 
                     f"{SEQ_CLS_HEAD_KEY} of a one-label *ForSequenceClassification, or an OpenRLHF reward model's "
                     "value head")
 
+# Backbone families (config.model_type) whose transformers modelling lets left padding into a row's score: the
+# attention mask does not reach all of its layers, so a left-padded row scores otherwise than the row alone (0.4 to 2.1
+# off on tiny random models: bench/family_sweep.py, docs/benchmarks.md). Listed: nothing in the config tells.
+# ``RewardModel.token_values`` warns once where it is given left-padded rows of one of them.
+LEFT_PADDING_MOVES_SCORES = {
+    "rwkv": "its recurrent layers read no attention mask",
+    "xlstm": "its recurrent layers read no attention mask",
+    "recurrent_gemma": "its recurrent layers read no attention mask",
+    "deepseek_v4": "its compressed attention pools over the padding",
+}
+_WARNED_LEFT_PADDING = set()  # the families warned of in this process
+
 logger = logging.getLogger(__name__)
 
 
@@ -137,6 +149,7 @@ class RewardModel(nn.Module):
         at column 0, see dschat/rlhf/layout.py) they are the model's default, 0, 1, ..."""
         if position_ids is None and attention_mask is not None:
             position_ids = positions_from_mask(attention_mask)
+        self._warn_of_left_padding(attention_mask)
         out = self.rwtransformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=use_cache, **kwargs)
         self._check_head_width(out[0])
@@ -145,6 +158,24 @@ class RewardModel(nn.Module):
             mean, std = self.score_normalization
             values = (values - mean) / std
         return values
+
+    def _warn_of_left_padding(self, attention_mask):
+        """Said once per family (``LEFT_PADDING_MOVES_SCORES``) where its rows come left-padded; for other families a
+        dictionary look-up, and no host sync."""
+        family = getattr(self.config, "model_type", None)
+        if family not in LEFT_PADDING_MOVES_SCORES or family in _WARNED_LEFT_PADDING or attention_mask is None:
+            return
+        if not bool(((attention_mask[:, 0] == 0) & attention_mask.bool().any(1)).any()):
+            return
+        _WARNED_LEFT_PADDING.add(family)
+        from dschat.models.lora import unwrap_peft
+        from dschat.utils.dist import print_rank_0
+
+        print_rank_0(f"warning: the reward model or critic on {type(unwrap_peft(self.rwtransformer)).__name__} "
+                     f"scores left-padded rows otherwise than the rows alone: {LEFT_PADDING_MOVES_SCORES[family]} "
+                     "(transformers' modelling). dschat left-pads its rows in step 3's held-out evaluation (its "
+                     "reward_mean) and, with --padded_forwards, in step 3's training forwards; step 2, step 3's "
+                     "default forwards and rw_eval give it rows that start at their first token")
 
     def _check_head_width(self, hidden):
         """A ``UsageError`` where the backbone's hidden states are not as wide as the value head (its width taken from
