@@ -6,17 +6,19 @@ For every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config can b
      HF ``generate``'s; a ``UsageError`` that names the way out (--no-enable_hybrid_engine), when the engine is built
      or at its first forward, counts as a refusal;
   b) reward: step 2's model on that backbone (the causal LM saved, then ``RewardModel.from_pretrained`` as
-     ``create_critic_model`` loads it) gives finite scores, the same for a left-padded row as for the row alone;
+     ``create_critic_model`` loads it) gives finite scores, the same for a left-padded row as for the row alone
+     (otherwise exactly for the families of ``LEFT_PADDING_MOVES_SCORES``, which dschat warns of);
   c) lora: dschat's ``apply_lora`` on the causal LM, non-zero adapters: the hybrid engine's merged inference copy
      generates PEFT's greedy tokens, and PEFT's merge/unmerge leaves the logits where they were.
 Encoder families used as decoders, encoder-decoders' decoders and multimodal models are skipped, each with its reason.
 
     python bench/family_sweep.py [--families llama,gpt2] [--json out.json] [--timeout 90]
 
-One line per family (PASS / FAIL / ERROR / REFUSED / SKIP per check, and two statuses of transformers' own
+One line per family (PASS / FAIL / ERROR / REFUSED / SKIP per check, and three statuses of transformers' own
 behaviour, not dschat's: HF_ERROR, HF ``generate`` itself fails on the tiny model, so there is nothing to compare;
 HF_STATIC, the engine's tokens are HF ``generate``'s over a ``StaticCache``, which are not its tokens over its default
-dynamic cache), then a count. Exits 1 if a check FAILs or ERRORs.
+dynamic cache; HF_PADDING, left padding moves the reward model's score, as dschat's list of such families says and
+warns), then a count. Exits 1 if a check FAILs or ERRORs.
 """
 import argparse
 import contextlib
@@ -303,7 +305,7 @@ def check_generate(model_type):
 
 
 def check_reward(model_type):
-    from dschat.models.reward_model import RewardModel
+    from dschat.models.reward_model import LEFT_PADDING_MOVES_SCORES, RewardModel
 
     model = build_model(tiny_config(model_type))
     ids, mask = left_padded_batch(seed=1)
@@ -318,8 +320,13 @@ def check_reward(model_type):
         padded_away = reward.end_scores(ids[2:3, row:], mask[2:3, row:])
     if not torch.isfinite(scores).all():
         return "FAIL", f"scores {scores.tolist()} are not finite"
+    listed = model_type in LEFT_PADDING_MOVES_SCORES
     if not torch.allclose(scores[0:1], alone, atol=1e-4) or not torch.allclose(scores[2:3], padded_away, atol=1e-4):
-        return "FAIL", f"left padding moves the score: {scores[[0, 2]].tolist()} vs {alone.item(), padded_away.item()}"
+        moved = f"left padding moves the score: {scores[[0, 2]].tolist()} vs {alone.item(), padded_away.item()}"
+        return ("HF_PADDING", f"{moved} ({LEFT_PADDING_MOVES_SCORES[model_type]}; dschat warns)") if listed \
+            else ("FAIL", moved)
+    if listed:  # (the list is what dschat warns of: one that no longer holds is a wrong warning)
+        return "FAIL", "left padding does not move the score, yet LEFT_PADDING_MOVES_SCORES lists the family"
     return "PASS", ""
 
 
@@ -454,7 +461,7 @@ def main(argv=None):
     passed = [r["family"] for r in swept if all(r[n][0] == "PASS" for n in CHECKS)]
     hf_own = [r["family"] for r in swept if any(r[n][0].startswith("HF_") for n in CHECKS)]
     print(f"{len(swept)} swept, {len(results) - len(swept)} skipped, {len(passed)} pass every check, {len(failed)} "
-          f"with a failure: {failed}; transformers' own behaviour (HF_ERROR, HF_STATIC): {hf_own}")
+          f"with a failure: {failed}; transformers' own behaviour (HF_ERROR, HF_STATIC, HF_PADDING): {hf_own}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
