@@ -226,3 +226,71 @@ def test_under_zero3_on_several_ranks_a_copy_stale_on_another_rank_alone_is_refr
     answers[:] = [True, False]
     engine.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert weights.refresh_count == 2 and not answers
+
+
+# -- in-place writes into the actor's parameters -------------------------------------------------------------------
+def _write_under_no_grad(param, value):
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def _rebind_data(param, value):
+    param.data = value.clone()
+
+
+@pytest.mark.parametrize("write", [_write_under_no_grad, _rebind_data], ids=["no_grad_copy", "data_rebound"])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_an_in_place_write_into_a_lora_actors_parameters_is_seen_by_the_next_generation(stage, write):
+    """A copy into the actor's parameters (an EMA or reference model's weights written back, a reset) left the LoRA
+    actor's merged copy as it was, without mark_weights_stale(): generation went on from the weights before the
+    write. A base weight LoRA adapts, a LoRA matrix and a weight the copy shares with training are written in turn;
+    a generation with nothing written refreshes nothing."""
+    model = _lora_model(seed=11)
+    engine = _hybrid(make_ds_engine(model, stage))
+    weights = engine.inference_weights
+    ids, mask = left_padded_batch([5, 3, 6], seed=11)
+    answer = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), answer)
+    assert weights.refresh_count == 1
+    other = dict(_lora_model(seed=12).named_parameters())
+    named = dict(model.named_parameters())
+    for name in ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight",
+                 "base_model.model.model.layers.1.mlp.down_proj.lora_B.default.weight",
+                 "base_model.model.model.layers.0.mlp.up_proj.weight"):
+        write(named[name], other[name].detach())
+        expected = hf_generate(model, ids, mask, MAX_NEW)
+        assert not torch.equal(expected, answer), f"writing {name} changed no answer: the test could not see it"
+        answer = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+        assert torch.equal(answer, expected), name
+    refreshes = weights.refresh_count
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), answer)
+    assert weights.refresh_count == refreshes
+
+
+@pytest.mark.parametrize("idiom", ["data_copy", "no_grad_copy"])
+def test_under_zero3_a_write_inside_gathered_parameters_is_seen_by_the_next_generation(idiom):
+    """ZeRO-3 writes go through GatheredParameters(modifier_rank=...), whose repartition writes each rank's shard so
+    that its version moves, even for ``p.data.copy_``; the pinned copy generated from the weights before."""
+    import deepspeed
+
+    model = tiny_model("llama", seed=13)
+    reference = copy.deepcopy(model)
+    ds_engine = make_ds_engine(model, 3)
+    engine = _hybrid(ds_engine)
+    weights = engine.inference_weights
+    assert weights.kind == "pinned_copy"
+    ids, mask = left_padded_batch([4, 6], seed=13)
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    other = dict(tiny_model("llama", seed=14).named_parameters())
+    param = dict(ds_engine.module.named_parameters())["model.layers.0.self_attn.o_proj.weight"]
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if idiom == "data_copy":
+            param.data.copy_(other["model.layers.0.self_attn.o_proj.weight"].data)
+        else:
+            _write_under_no_grad(param, other["model.layers.0.self_attn.o_proj.weight"])
+    expected = _reference_generate(ds_engine, reference, ids, mask)
+    assert not torch.equal(expected, first), "the write changed no answer: the test could not see stale weights"
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+    refreshes = weights.refresh_count
+    engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert weights.refresh_count == refreshes  # (the refresh's own gather writes nothing)

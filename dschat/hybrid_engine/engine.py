@@ -9,11 +9,14 @@ pinned, LoRA merged, inference tensor parallelism: ``weights.py``), which the fi
 to date. What marks that copy stale: every optimizer step DeepSpeed applied, taken through this wrapper's ``step()`` or
 through the DeepSpeed engine's own (read from its step counts at each generation: a skipped step or a ``step()``
 between accumulation boundaries refreshes nothing), ``load_state_dict`` into ``engine.module`` or the HF model inside
-a PEFT one (a post-hook; DeepSpeed's ``load_checkpoint`` loads through it), and ``mark_weights_stale()``. Anything else
-that writes the training parameters (a copy into them, e.g. from an EMA model; a load into a submodule alone) must call
-``mark_weights_stale()`` before the next generation. Under ZeRO-3 on several ranks the ranks agree at each ``eval()``
-and ``generate`` (which every rank calls together there): a copy stale on one rank (a load on rank 0 alone, inside
-``GatheredParameters(modifier_rank=0)``) is refreshed on all. The fused projections (``fusion.py``) are rewritten at
+a PEFT one (a post-hook; DeepSpeed's ``load_checkpoint`` loads through it), an in-place write into a training parameter
+that bumps its version counter or moves its storage, read at each generation (``weights.write_mark``: ``p.copy_(...)``
+under ``torch.no_grad()``, ``p.data = t``, and under ZeRO-3 any write inside ``GatheredParameters(modifier_rank=...)``),
+and ``mark_weights_stale()``. A write through ``p.data`` outside ZeRO-3 (``p.data.copy_(...)``, e.g. from an EMA model:
+``.data`` has a version counter of its own) is not seen: call ``mark_weights_stale()`` before the next generation.
+Under ZeRO-3 on several ranks the ranks agree at each ``eval()`` and ``generate`` (which every rank calls together
+there): a copy stale on one rank (a load on rank 0 alone, inside ``GatheredParameters(modifier_rank=0)``) is refreshed
+on all. The fused projections (``fusion.py``) are rewritten at
 every generation and never behind.
 """
 import contextlib
@@ -325,8 +328,8 @@ class HybridEngine:
         return result
 
     def mark_weights_stale(self):
-        """For code that changes the actor's weights other than through an optimizer step, ``load_checkpoint()`` or
-        ``engine.module.load_state_dict`` (a copy into its parameters, a load into a submodule): the next generation
+        """For code that changes the actor's weights in a way the engine does not see (module docstring): a write
+        through ``p.data`` outside ZeRO-3 (``p.data.copy_(...)``, e.g. from an EMA model): the next generation
         refreshes the inference copy. Every HybridEngine of this DeepSpeed engine is marked: another's inference copy
         is as far behind."""
         counts = _step_counts(self._engine)
@@ -347,6 +350,7 @@ class HybridEngine:
 
     def _refresh_weights(self):
         self._follow_engine_steps()
+        self.inference_weights.follow_writes()  # in-place writes into the training parameters (weights.write_mark)
         if _world_size() > 1 and self._engine.zero_optimization_stage() == 3:
             # the refresh gathers over the world: a load on one rank alone (into GatheredParameters with
             # modifier_rank=0, or a mark_weights_stale there) refreshes every rank's copy

@@ -85,7 +85,8 @@ class InferenceWeights:
     """The module the generator calls, kept in step with the training weights.
 
     ``mark_stale()`` is called after every optimizer step that changed the weights (the HybridEngine's ``step()``, or
-    the DeepSpeed engine's own as its step counts show: ``HybridEngine._follow_engine_steps``);
+    the DeepSpeed engine's own as its step counts show: ``HybridEngine._follow_engine_steps``); ``follow_writes()``
+    marks a copy stale whose training sources were written in place since its refresh (``write_mark``);
     ``refresh_if_stale()`` before a generation brings the inference weights up to date only when they are behind.
     """
 
@@ -116,6 +117,10 @@ class InferenceWeights:
 
     def mark_stale(self):
         self.version += 1
+
+    def follow_writes(self):
+        """Mark the weights stale if their training sources were written since the last refresh (a copy's only: the
+        training module itself is never behind)."""
 
     def refresh_if_stale(self):
         """Bring the inference weights up to date; returns True if anything was done."""
@@ -160,6 +165,7 @@ class InferenceCopy(InferenceWeights):
             self.num_kv_heads = self.shard_plan.local_kv_heads
         self.copies = self._plan(base, deltas, share_unadapted)
         self.groups = self._group(gather_group_size)
+        self._marks_at_refresh = None  # the sources' write_mark()s when the copy was last loaded
         self._materialise()
         self.model.eval()
         self.model.requires_grad_(False)
@@ -221,6 +227,13 @@ class InferenceCopy(InferenceWeights):
                     module._buffers[key] = self._training_buffers[full].detach().clone().to(self.device)
 
     # -- refresh ----------------------------------------------------------------------------------------------------
+    def _source_marks(self):
+        return [write_mark(p) for c in self.copies for p in c.training_params()]
+
+    def follow_writes(self):
+        if self._marks_at_refresh is not None and self._source_marks() != self._marks_at_refresh:
+            self.mark_stale()
+
     def _refresh(self):
         for group in self.groups:
             sources = [p for c in group if not c.aliased for p in c.training_params()]
@@ -233,11 +246,27 @@ class InferenceCopy(InferenceWeights):
             source = self._training_buffers[name]
             if source.shape == buf.shape:
                 buf.copy_(source)
+        self._marks_at_refresh = self._source_marks()
 
     @property
     def nbytes(self):
         """Storage owned by the copy (aliased parameters excluded)."""
         return sum(c.target.nbytes for c in self.copies if not c.aliased)
+
+
+def write_mark(param):
+    """What an in-place write into a training parameter changes, read on the host alone (a few microseconds for a
+    model's parameters: no device work, no sync): its tensor's version counter, which every in-place op that autograd
+    can see bumps (``p.copy_`` under ``no_grad``, ``p.detach().copy_``, torch's optimizers), and its storage's address,
+    which ``p.data = t`` moves. A write through ``p.data`` (``p.data.copy_``) bumps neither: ``.data`` is a tensor
+    with a version counter of its own. Under ZeRO-3 the parameter's own shard (``ds_tensor``), whose version the
+    repartition after a write inside ``GatheredParameters(modifier_rank=...)`` bumps on every rank (with either
+    idiom); its address is left out (NVMe offload moves it between generations). DeepSpeed's optimizer steps write
+    through ``.data`` and bump neither: the engine follows them by its step counts."""
+    shard = getattr(param, "ds_tensor", None)
+    if shard is not None:
+        return shard._version
+    return param._version, param.data_ptr()
 
 
 def _empty_copy_of(base):
