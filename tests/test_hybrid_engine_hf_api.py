@@ -314,7 +314,8 @@ def test_ranks_that_generate_together_agree_on_their_arguments_over_the_world_un
 
     asked = []
     monkeypatch.setattr(hybrid, "_world_size", lambda: 4)
-    monkeypatch.setattr(hybrid, "ranks_agree", lambda flag, device, group: asked.append((flag, group)) or False)
+    monkeypatch.setattr(hybrid, "_ranks_agree_in",
+                        lambda meeting, flag, device, group: asked.append((flag, group)) or False)
 
     def engine_at(stage, tp=None):
         return SimpleNamespace(tp=tp, _engine=SimpleNamespace(zero_optimization_stage=lambda: stage))
@@ -323,7 +324,7 @@ def test_ranks_that_generate_together_agree_on_their_arguments_over_the_world_un
     for fake, group in ((engine_at(3, tp), None), (engine_at(2, tp), "the tp group"), (engine_at(3), None)):
         with pytest.raises(ValueError, match="another rank refused its arguments"):
             with hybrid.HybridEngine._failing_together(fake, "cpu"):
-                pass  # this rank's arguments are fine; another's were not (ranks_agree says False)
+                pass  # this rank's arguments are fine; another's were not (_ranks_agree_in says False)
         assert asked[-1] == (True, group)
     with pytest.raises(TypeError, match="this rank's"):
         with hybrid.HybridEngine._failing_together(engine_at(3), "cpu"):

@@ -215,11 +215,11 @@ def test_under_zero3_on_several_ranks_a_copy_stale_on_another_rank_alone_is_refr
     assert weights.refresh_count == 1
     answers = []  # what the other rank answers: its arguments are fine (the first question), its copy is stale
 
-    def ranks_agree(flag, device, group=None):
+    def ranks_agree_in(meeting, flag, device, group=None):
         return flag and answers.pop(0)
 
     monkeypatch.setattr(engine_module, "_world_size", lambda: 2)
-    monkeypatch.setattr(engine_module, "ranks_agree", ranks_agree)
+    monkeypatch.setattr(engine_module, "_ranks_agree_in", ranks_agree_in)
     answers[:] = [True, True]
     engine.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert weights.refresh_count == 1 and not answers

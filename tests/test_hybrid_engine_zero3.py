@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import launch_once, launched
+from tests.launch import launch_once, launched, run_deepspeed
 
 SCRIPT = Path(__file__).parent / "scripts" / "hybrid_zero3.py"
 
@@ -26,3 +26,13 @@ def test_zero3_two_ranks_match_unsharded_reference(pin, fetch, zero3_launch):
         assert f"rank {rank} pin={pin == 'true'} fetch={fetch} lora=False: OK" in proc.stdout
         assert f"rank {rank} pin={pin == 'true'} fetch={fetch} lora=True: OK" in proc.stdout
         assert f"rank {rank} ALL OK" in proc.stdout
+
+
+@pytest.mark.multirank
+def test_eval_or_generate_on_one_rank_alone_stops_every_rank_and_a_write_on_rank_0_reaches_every_copy():
+    """tests/scripts/hybrid_zero3_out_of_step.py: rank 0's lone generate paired with rank 1's next eval() (the ranks
+    then one collective apart, hanging later); now both raise, saying so. The timeout turns a hang into a failure."""
+    proc = run_deepspeed(Path(__file__).parent / "scripts" / "hybrid_zero3_out_of_step.py", timeout=300)
+    for rank in (0, 1):
+        for line in ("out of step: refused", "in step again", "write seen", "ALL OK"):
+            assert f"rank {rank} {line}" in proc.stdout, (rank, line, proc.stdout[-3000:])

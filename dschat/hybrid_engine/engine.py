@@ -40,13 +40,39 @@ from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
 from dschat.hybrid_engine.generate_args import (check_generation_config, check_hf_kwargs, merged_generation_config,
                                                 resolve_settings)
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
-                                                  ranks_agree, shared_generator)
+                                                  shared_generator)
 from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.loading import generable_token_count
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
 from dschat.models.training_engine import first_release, is_released, released_as
 from dschat.utils.dist import print_beside_progress_bars
+
+# The engine's meetings of the ranks that generate together (a ZeRO-3 world, an inference tensor-parallel group), in
+# their order: eval(); generate()'s arguments, then its weight check. Each rank says which one it is in
+# (``_ranks_agree_in``), so a rank that called generate() alone, whose collective would pair with another call of the
+# others (their next eval(), say) and put the ranks out of step, stops every rank with an error that says so.
+_MEETINGS = ("eval()", "generate()", "generate()'s weight check")
+
+
+def _ranks_agree_in(meeting, flag, device, group=None):
+    """``ranks_agree(flag)`` over ``group`` (default: the world) in one all-reduce that also compares the ranks'
+    ``meeting`` (one of ``_MEETINGS``): ranks in different ones all raise the same error."""
+    code = _MEETINGS.index(meeting) + 1
+    t = torch.tensor([1 if flag else 0, code, -code], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    agreed, lowest, highest = t.tolist()  # (one copy to the host)
+    highest = -highest
+    if lowest != highest:
+        other = _MEETINGS[(highest if lowest == code else lowest) - 1]
+        raise RuntimeError(f"hybrid engine: the ranks are out of step: this rank is in {meeting} while another is in "
+                           f"{other}. Under ZeRO-3 on several ranks (and in an inference tensor-parallel group) eval() "
+                           "and generate() (engine.module.generate too) are collectives: every rank calls them "
+                           "together, in the same order, each with its own prompts. A call on some ranks alone (a "
+                           "sample generated under `if rank == 0:`) pairs with the other ranks' next call, or waits "
+                           "for ever where they make none: generate on every rank, print on rank 0")
+    return bool(agreed)
+
 
 def _synchronize():
     from deepspeed.accelerator import get_accelerator
@@ -257,7 +283,7 @@ class HybridEngine:
             if self._iteration is None:
                 self._iteration = IterationStats(start=now)
         self._engine.eval()
-        self._refresh_weights()
+        self._refresh_weights("eval()")
         return self
 
     def train(self, mode=True):
@@ -348,13 +374,14 @@ class HybridEngine:
             self.inference_weights.mark_stale()
         self._step_counts_seen = counts
 
-    def _refresh_weights(self):
+    def _refresh_weights(self, meeting):
+        """``meeting``: the call it is part of (``_MEETINGS``), which every rank of a ZeRO-3 world must be in."""
         self._follow_engine_steps()
         self.inference_weights.follow_writes()  # in-place writes into the training parameters (weights.write_mark)
         if _world_size() > 1 and self._engine.zero_optimization_stage() == 3:
             # the refresh gathers over the world: a load on one rank alone (into GatheredParameters with
             # modifier_rank=0, or a mark_weights_stale there) refreshes every rank's copy
-            if not ranks_agree(not self.inference_weights.is_stale, self._engine.device):
+            if not _ranks_agree_in(meeting, not self.inference_weights.is_stale, self._engine.device):
                 self.inference_weights.mark_stale()
         start = time.perf_counter()
         if self.inference_weights.refresh_if_stale():
@@ -390,8 +417,9 @@ class HybridEngine:
         ``use_cache``, ``early_stopping`` (a beam-search setting), ``bos_token_id`` and ``renormalize_logits`` are
         accepted and change nothing (ranks are kept in step automatically when the forward needs it); other HF kwargs
         that would change the result (``num_return_sequences=2``, ``no_repeat_ngram_size``, beams, ...) are errors.
-        Under ZeRO-3 on several ranks (and in a tensor-parallel group) every rank calls ``generate`` together, each with
-        its own prompts: the ranks agree on their arguments first, and a refusal on one stops them all.
+        Under ZeRO-3 on several ranks (and in a tensor-parallel group) every rank calls ``generate`` (and ``eval()``)
+        together, each with its own prompts: the ranks agree on their arguments first, and a refusal on one stops them
+        all, as does a rank found in another of the engine's calls (``_MEETINGS``: one that generates alone).
         """
         self._check_not_released()
         device = self._engine.device
@@ -406,7 +434,7 @@ class HybridEngine:
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
         if self._iteration is None:
             self._iteration = IterationStats(start=now)
-        self._refresh_weights()
+        self._refresh_weights("generate()'s weight check")
         start = time.perf_counter()
         model = self.inference_weights.model
         batch_size = input_ids.shape[0]
@@ -518,7 +546,7 @@ class HybridEngine:
         zero3 = _world_size() > 1 and self._engine.zero_optimization_stage() == 3
         if zero3 or self.tp is not None:
             group = None if zero3 else self.tp.group  # ZeRO-3's gathers span the world, not only the group
-            if not ranks_agree(error is None, device, group) and error is None:
+            if not _ranks_agree_in("generate()", error is None, device, group) and error is None:
                 raise ValueError("generate: another rank refused its arguments (its error says why); every rank "
                                  "that generates with it stops too")
         if error is not None:

@@ -1,0 +1,88 @@
+"""2 ranks, ZeRO-3 with a pinned inference copy: what one rank does alone to the hybrid engine.
+
+1. ``engine.module.generate`` on rank 0 alone (a sample printed under ``if rank == 0:``) while rank 1 goes on to its
+   next ``eval()``: their collectives used to pair up (rank 0's answer came back, the ranks were one call apart and
+   the run hung or mixed collectives later); now both ranks raise an error that says they are out of step, and the
+   next eval() + generate() on both ranks runs.
+2. A write into a parameter inside ``GatheredParameters(modifier_rank=0)`` (through ``p.data``, by rank 0): every
+   rank's copy sees it (the repartition moves each rank's shard's version), and the next generation reads it.
+
+Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher.
+"""
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hybrid_common import PAD, gather_into, hf_generate, left_padded_batch, make_ds_engine, tiny_model  # noqa: E402
+
+MAX_NEW = 8
+
+
+def generate(engine, ids, mask):
+    engine.eval()
+    return engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+
+
+def check_one_rank_alone_is_refused(engine, ids, mask, expected, rank):
+    try:
+        if rank == 0:
+            engine.module.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+        else:
+            engine.eval()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: a generate on rank 0 alone was not refused")
+    mine = "generate()" if rank == 0 else "eval()"
+    assert f"out of step: this rank is in {mine} while another" in message, (rank, message)
+    print(f"rank {rank} out of step: refused", flush=True)
+    assert torch.equal(generate(engine, ids, mask), expected), rank
+    print(f"rank {rank} in step again", flush=True)
+
+
+def check_a_write_on_rank_0_is_seen_by_every_rank(engine, reference, ids, mask, rank):
+    import deepspeed
+
+    param = dict(engine.module.named_parameters())["model.layers.1.mlp.down_proj.weight"]
+    before = hf_generate(reference, ids, mask, MAX_NEW)
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if rank == 0:
+            param.data.copy_(dict(tiny_model("llama", seed=32).named_parameters())[
+                "model.layers.1.mlp.down_proj.weight"].data)
+    weights = engine.inference_weights
+    weights.follow_writes()
+    assert weights.is_stale, f"rank {rank}: the write on rank 0 left this rank's shard's version as it was"
+    gather_into(reference, engine.module)
+    expected = hf_generate(reference, ids, mask, MAX_NEW)
+    assert not torch.equal(expected, before), "the write changed no answer: the test could not see stale weights"
+    assert torch.equal(generate(engine, ids, mask), expected), rank
+    print(f"rank {rank} write seen", flush=True)
+
+
+def main():
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+    from dschat.utils.dist import ensure_distributed
+
+    rank, world = ensure_distributed()
+    assert world == 2, world
+    model = tiny_model("llama", seed=31)
+    reference = copy.deepcopy(model)
+    engine = HybridEngine(make_ds_engine(model, 3), HybridEngineConfig(enabled=True, max_out_tokens=32),
+                          pad_token_id=PAD)
+    assert engine.inference_weights.kind == "pinned_copy", engine.inference_weights.kind
+    ids, mask = left_padded_batch([5, 3], seed=rank)
+    expected = hf_generate(reference, ids, mask, MAX_NEW)
+    assert torch.equal(generate(engine, ids, mask), expected), rank
+    check_one_rank_alone_is_refused(engine, ids, mask, expected, rank)
+    check_a_write_on_rank_0_is_seen_by_every_rank(engine, reference, ids, mask, rank)
+    print(f"rank {rank} ALL OK", flush=True)
+
+
+if __name__ == "__main__":
+    from dschat.utils.cli import end_script
+
+    main()
+    end_script()
