@@ -294,3 +294,31 @@ def test_under_zero3_a_write_inside_gathered_parameters_is_seen_by_the_next_gene
     refreshes = weights.refresh_count
     engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
     assert weights.refresh_count == refreshes  # (the refresh's own gather writes nothing)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_dschat_check_weights_finds_a_write_through_p_data_says_it_and_refreshes(stage, monkeypatch):
+    """p.data.copy_ outside ZeRO-3 bumps no version counter and moves no storage: the engine cannot see it and a LoRA
+    actor's merged copy stays behind without mark_weights_stale(). DSCHAT_CHECK_WEIGHTS=1 compares the training
+    tensors' checksums at each generation: the write is said (naming a tensor) and the copy refreshed; nothing
+    written, nothing said and no refresh."""
+    import warnings
+
+    monkeypatch.setenv("DSCHAT_CHECK_WEIGHTS", "1")
+    model = _lora_model(seed=15)
+    engine = _hybrid(make_ds_engine(model, stage))
+    weights = engine.inference_weights
+    ids, mask = left_padded_batch([4, 6, 2], seed=15)
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning: nothing was written)
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), first)
+    assert weights.refresh_count == 1
+    name = "base_model.model.model.layers.1.self_attn.v_proj.base_layer.weight"
+    dict(model.named_parameters())[name].data.copy_(dict(_lora_model(seed=16).named_parameters())[name].data)
+    expected = hf_generate(model, ids, mask, MAX_NEW)
+    assert not torch.equal(expected, first), "the write changed no answer: the test could not see stale weights"
+    with pytest.warns(RuntimeWarning, match=r"DSCHAT_CHECK_WEIGHTS: 1 training tensor.*model\.layers\.1\.self_attn"
+                                            r"\.v_proj\.weight.*mark_weights_stale"):
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+    assert weights.refresh_count == 2

@@ -13,7 +13,8 @@ a PEFT one (a post-hook; DeepSpeed's ``load_checkpoint`` loads through it), an i
 that bumps its version counter or moves its storage, read at each generation (``weights.write_mark``: ``p.copy_(...)``
 under ``torch.no_grad()``, ``p.data = t``, and under ZeRO-3 any write inside ``GatheredParameters(modifier_rank=...)``),
 and ``mark_weights_stale()``. A write through ``p.data`` outside ZeRO-3 (``p.data.copy_(...)``, e.g. from an EMA model:
-``.data`` has a version counter of its own) is not seen: call ``mark_weights_stale()`` before the next generation.
+``.data`` has a version counter of its own) is not seen: call ``mark_weights_stale()`` before the next generation
+(``DSCHAT_CHECK_WEIGHTS=1``, a debugging aid, finds such writes by checksums: ``InferenceCopy._find_unmarked_writes``).
 Under ZeRO-3 on several ranks the ranks agree at each ``eval()`` and ``generate`` (which every rank calls together
 there): a copy stale on one rank (a load on rank 0 alone, inside ``GatheredParameters(modifier_rank=0)``) is refreshed
 on all. The fused projections (``fusion.py``) are rewritten at

@@ -26,6 +26,8 @@ and ``modules_to_save`` copies replace the original module. No per-model-family 
 """
 import copy
 import dataclasses
+import os
+import warnings
 
 import torch
 from torch import nn
@@ -166,6 +168,9 @@ class InferenceCopy(InferenceWeights):
         self.copies = self._plan(base, deltas, share_unadapted)
         self.groups = self._group(gather_group_size)
         self._marks_at_refresh = None  # the sources' write_mark()s when the copy was last loaded
+        # DSCHAT_CHECK_WEIGHTS=1: also the sources' checksums, to find writes that leave no mark (p.data.copy_)
+        self._checks_weights = checks_weights()
+        self._checksums_at_refresh = None
         self._materialise()
         self.model.eval()
         self.model.requires_grad_(False)
@@ -233,6 +238,30 @@ class InferenceCopy(InferenceWeights):
     def follow_writes(self):
         if self._marks_at_refresh is not None and self._source_marks() != self._marks_at_refresh:
             self.mark_stale()
+        elif self._checks_weights and self._checksums_at_refresh is not None:
+            self._find_unmarked_writes()
+
+    def _sources(self):
+        return [(c.name, p) for c in self.copies for p in c.training_params()]
+
+    def _source_checksums(self):
+        # (on the copy's device: a ZeRO-3 shard may be offloaded to the CPU)
+        return torch.stack([checksum(p).to(self.device) for _, p in self._sources()])
+
+    def _find_unmarked_writes(self):
+        """DSCHAT_CHECK_WEIGHTS=1: sources whose values changed with no write_mark moved (``p.data.copy_``, which the
+        engine cannot see) are said, naming the first, and the copy is refreshed. A read of every source each
+        generation (one sync): a debugging aid, off by default."""
+        changed = (self._source_checksums() != self._checksums_at_refresh).nonzero().flatten().tolist()
+        if not changed:
+            return
+        name = self._sources()[changed[0]][0]
+        warnings.warn(f"DSCHAT_CHECK_WEIGHTS: {len(changed)} training tensor(s) of the actor changed since the "
+                      f"inference copy was last refreshed, with no step, load or in-place write the hybrid engine "
+                      f"sees (the first: the one {name!r} comes from); refreshed now. Without this check the engine "
+                      "would have generated from the old weights: a write through p.data (p.data.copy_) must be "
+                      "followed by engine.mark_weights_stale()", RuntimeWarning)
+        self.mark_stale()
 
     def _refresh(self):
         for group in self.groups:
@@ -247,6 +276,8 @@ class InferenceCopy(InferenceWeights):
             if source.shape == buf.shape:
                 buf.copy_(source)
         self._marks_at_refresh = self._source_marks()
+        if self._checks_weights:
+            self._checksums_at_refresh = self._source_checksums()
 
     @property
     def nbytes(self):
@@ -267,6 +298,21 @@ def write_mark(param):
     if shard is not None:
         return shard._version
     return param._version, param.data_ptr()
+
+
+def checks_weights():
+    """Whether DSCHAT_CHECK_WEIGHTS asks for the checksum check of ``InferenceCopy._find_unmarked_writes``."""
+    return os.environ.get("DSCHAT_CHECK_WEIGHTS", "0") not in ("", "0")
+
+
+_SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(param):
+    """The sum of the bits of the values a training parameter holds here (its ZeRO-3 shard), read as integers of its
+    element size: exact, so a change of one value changes it (changes that cancel out, or a permutation, would not)."""
+    values = getattr(param, "ds_tensor", param).detach().reshape(-1)
+    return values.view(_SAME_SIZE_INTS[values.element_size()]).sum(dtype=torch.int64)
 
 
 def _empty_copy_of(base):
