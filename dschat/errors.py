@@ -17,6 +17,12 @@ class MissingModuleError(UsageError, ModuleNotFoundError):
     """A module the user named (e.g. ``--reward_fn module:function``) cannot be found."""
 
 
+def given_as(flag, value):
+    """``value`` as an error names it: after the flag it was given with (``--data_path x.jsonl``), where one is
+    known."""
+    return f"{flag} {value}" if flag else str(value)
+
+
 def excerpt(value, limit=120):
     """``value`` (a record's text: a prompt, an answer, a message) quoted for an error message: its repr when that
     is at most ``limit`` characters, else the repr of its first and last ``limit // 2`` characters around how long

@@ -1814,6 +1814,30 @@ def test_missing_local_file_is_a_clear_error(tmp_path):
         raw(str(tmp_path / "nope.parquet"), tmp_path)
 
 
+def test_a_missing_data_path_is_said_with_the_flag_that_gave_it(tmp_path, monkeypatch):
+    """A missing typed spec said "jsonl:x.jsonl: x.jsonl does not exist", a missing file "data file not found: x.jsonl",
+    an unknown name "unknown dataset 'x'", naming no flag (--data_path, or step 1's --sft_only_data_path)."""
+    from dschat.data.raw_datasets import check_data_paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "a.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")
+    for spec, said in (("jsonl:./x.jsonl", "jsonl:./x.jsonl: ./x.jsonl: no such file or folder"),
+                       ("x.jsonl", "x.jsonl: no such file or folder"),
+                       ("a.jsonl,x.jsonl", "a.jsonl,x.jsonl: a.jsonl: no such file or folder"),
+                       # (a ~ after TYPE: is one the shell leaves: the spec meant is said)
+                       ("jsonl:~/a.jsonl", rf"jsonl:~/a.jsonl: ~/a.jsonl: no such file or folder \(the shell did "
+                                           rf"not expand its ~, as after --flag= or a TYPE: prefix; give "
+                                           rf"jsonl:{tmp_path}/home/a.jsonl\)")):
+        with pytest.raises(MissingInputError, match=rf"^--data_path {said}$"):
+            check_data_paths([spec])
+        with pytest.raises(MissingInputError, match=rf"^--sft_only_data_path {said}$"):
+            check_data_paths(["tiny"], [spec])
+    with pytest.raises(UsageError, match=r"^--data_path: unknown dataset 'nope': not a known name"):
+        check_data_paths("nope")
+
+
 def test_bad_data_paths_are_usage_errors(tmp_path, monkeypatch):
     # entry points print a UsageError as "error: ..." and exit 2 instead of a traceback
     monkeypatch.chdir(tmp_path)

@@ -1176,7 +1176,8 @@ def test_rw_eval_scores_equal_end_scores_of_the_training_text(models, tmp_path, 
     embedded = rw_eval.main(["--model_name_or_path", str(trained), "--pairs_file", "tiny", "--num_pairs", "3"])
     assert len(embedded["pairs"]) == 3
     renamed.unlink()  # step 2's file gone: said as the run's (it read as a --pairs_file given here)
-    with pytest.raises(UsageError, match=rf"{renamed} does not exist \(the data of step 2, from .*training_args.json\)"
+    with pytest.raises(UsageError, match=rf"--data_path jsonl:{renamed}: {renamed}: no such file or folder \(the "
+                                         r"data of step 2, from .*training_args.json\)"
                                          ": give --pairs_file, or --prompt and --answer"):
         rw_eval.main(["--model_name_or_path", str(trained)])
 
@@ -1436,8 +1437,8 @@ def test_ppo_eval_rule_scores_the_tiny_data_given_by_its_path(models, tmp_path, 
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--data_path", "jsonl:MISSING"], "MISSING does not exist"),
-    (["--data_path", "MISSING.jsonl"], "data file not found: MISSING.jsonl"),
+    (["--data_path", "jsonl:MISSING"], "--data_path jsonl:MISSING: MISSING: no such file or folder"),
+    (["--data_path", "MISSING.jsonl"], "--data_path MISSING.jsonl: no such file or folder"),
     (["--data_split", "1,1"], "--data_split '1,1' must have 3 parts"),
     (["--reward_fn", "MISSING.py:score"], "--reward_fn file MISSING.py does not exist"),
     (["--data_split", "1,0,0"], "--data_split 1,0,0 gives phase 3 (the data of step 3) no share of --data_path"),

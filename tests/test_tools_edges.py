@@ -643,11 +643,27 @@ def test_a_mistyped_local_data_path_of_a_tool_is_no_such_file_not_a_hub_datasets
             select_records(SimpleNamespace(prompts=None, prompts_file=path, data_fields="", num_prompts=8))
     # a ~ the shell left (--pairs_file=~/pairs.jsonl) names the file it meant
     with pytest.raises(MissingInputError, match=r"^--pairs_file ~/pairs.jsonl: no such file or folder \(the shell did "
-                                                rf"not expand its ~, as after --flag=: give {tmp_path}/home/pairs.jsonl"):
+                                                rf"not expand its ~, as after --flag= or a TYPE: prefix; give "
+                                                rf"{tmp_path}/home/pairs.jsonl"):
         rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "~/pairs.jsonl"])
     with pytest.raises(MissingInputError, match=r"^--pairs_file acme/pairs: no local data file or folder there \(the "
                                                 r"tools read local data; a hub dataset by name only in training"):
         rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "acme/pairs"])
+
+
+def test_a_missing_typed_data_spec_of_a_tool_names_the_tools_flag(tmp_path, monkeypatch):
+    """rw_eval's --pairs_file and prompt_eval's --prompts_file given jsonl:PATH that is not there said "jsonl:PATH: PATH
+    does not exist", naming no flag (with --data_split as without it)."""
+    from dschat.tools.records import load_phase_held_out, load_records
+
+    monkeypatch.chdir(tmp_path)
+    for spec in ("jsonl:./x.jsonl", "json:pairs/"):
+        path = spec.partition(":")[2]
+        said = rf"{re.escape(spec)}: {re.escape(path)}: no such file or folder$"
+        with pytest.raises(MissingInputError, match=rf"^--prompts_file {said}"):
+            load_records(spec, flag="--prompts_file")
+        with pytest.raises(MissingInputError, match=rf"^--pairs_file {said}"):
+            load_phase_held_out(spec, None, "2,4,4", 1234, 2, flag="--pairs_file")
 
 
 def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scored_with(tmp_path, monkeypatch):

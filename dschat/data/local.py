@@ -72,7 +72,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dschat.errors import MissingInputError, UsageError, excerpt
+from dschat.errors import MissingInputError, UsageError, excerpt, given_as
 from .base import (MARGIN_FIELD, ROLE_ALIASES, SHAREGPT_ROLES, TOOL_ROLES, VALID_ROLES, PromptRawDataset,
                    answer_from_transcript, checked_messages, final_assistant_answer, optional_text, prompt_messages,
                    required_text, trimmed, untrained_turns, without_none_values)
@@ -455,17 +455,36 @@ def local_jsonfile_source():
     return LocalSource("json", train, evaluation, LOCAL_JSONFILE)
 
 
-def resolve_local_spec(spec):
-    """A LocalSource for a local spec; None when ``spec`` is neither ``TYPE:...`` nor an existing path."""
+def resolve_local_spec(spec, flag="--data_path"):
+    """A LocalSource for a local spec; None when ``spec`` is neither ``TYPE:...`` nor an existing path. ``flag``: the
+    one that gave it (a tool's --pairs_file), named by its errors."""
     kind, sep, rest = spec.partition(":")
     if sep and kind.lower() in LOCAL_TYPES:  # (JSONL:path too)
-        return _typed_source(kind.lower(), rest, spec)
+        return _typed_source(kind.lower(), rest, spec, flag)
     paths = _split_paths(spec)
     if not os.path.exists(paths[0]):
         if os.path.splitext(paths[0])[1] in EXTENSION_TYPES:
-            raise MissingInputError(f"data file not found: {paths[0]}")
+            raise missing_data_path(spec, paths[0], flag)
         return None
-    return _typed_source(_infer_kind(paths[0]), spec, spec)
+    return _typed_source(_infer_kind(paths[0]), spec, spec, flag)
+
+
+def missing_data_path(spec, path, flag):
+    """The error for a ``path`` of the data ``spec`` that is not there: "--data_path SPEC: no such file or folder", the
+    path named after the spec where the spec says more (its type, an eval file). It said "jsonl:x.jsonl: x.jsonl does
+    not exist" (or "data file not found: x.jsonl") naming no flag, in training and in the tools alike."""
+    where = given_as(flag, spec) + ("" if path == spec else f": {path}")
+    return MissingInputError(f"{where}: no such file or folder{unexpanded_home_note(spec, path)}")
+
+
+def unexpanded_home_note(spec, path):
+    """Where the ``path`` of ``spec`` starts with a ~ that names a path once expanded: the shell left it (it expands
+    none after --flag= nor after TYPE:), and data paths are read as given; the spec meant is said."""
+    expanded = os.path.expanduser(path)
+    if expanded != path and os.path.exists(expanded):
+        return (f" (the shell did not expand its ~, as after --flag= or a TYPE: prefix; give "
+                f"{spec.replace(path, expanded, 1)})")
+    return ""
 
 
 def _split_paths(text):
@@ -506,18 +525,18 @@ def _is_saved_dataset(path):
     return any(os.path.isfile(os.path.join(path, name)) for name in ("dataset_dict.json", "state.json"))
 
 
-def _typed_source(kind, paths_text, spec):
+def _typed_source(kind, paths_text, spec, flag):
     paths = _split_paths(paths_text)
     for path in paths:
         if not os.path.exists(path):
-            raise MissingInputError(f"{spec}: {path} does not exist")
+            raise missing_data_path(spec, path, flag)
     if kind != "disk" and os.path.isdir(paths[0]):
         if len(paths) > 1:
-            raise UsageError(f"{spec}: give either a folder or TRAIN_PATH,EVAL_PATH files, not both")
+            raise UsageError(f"{given_as(flag, spec)}: give either a folder or TRAIN_PATH,EVAL_PATH files, not both")
         source = _folder_source(kind, paths[0], spec)
         if source is None:
             check_folder_not_compressed(paths[0])
-            raise MissingInputError(f"{spec}: the folder has no train.{kind}")
+            raise MissingInputError(f"{given_as(flag, spec)}: the folder has no train.{kind}")
         return source
     return LocalSource(kind, paths[0], paths[1] if len(paths) > 1 else None, spec)
 

@@ -266,17 +266,18 @@ def known_dataset_names():
     return sorted(HUB_DATASETS) + [TINY_NAME]
 
 
-def unknown_dataset_error(dataset_name):
-    """A UsageError: a mistyped --data_path ends in "error: ..." and exit status 2, not a traceback."""
+def unknown_dataset_error(dataset_name, flag="--data_path"):
+    """A UsageError: a mistyped --data_path (``flag``) ends in "error: ..." and exit status 2, not a traceback."""
     return UsageError(
-        f"unknown dataset {dataset_name!r}: not a known name and not an existing local path. Known names "
-        f"(matched exactly): {', '.join(known_dataset_names())}. Local data: jsonl:PATH, json:PATH, "
+        f"{f'{flag}: ' if flag else ''}unknown dataset {dataset_name!r}: not a known name and not an existing local "
+        f"path. Known names (matched exactly): {', '.join(known_dataset_names())}. Local data: jsonl:PATH, json:PATH, "
         "parquet:PATH, csv:PATH, disk:PATH (a save_to_disk folder), or an existing .jsonl/.json/.parquet/.csv "
         "file or folder; 'TRAIN,EVAL' gives an explicit eval file.")
 
 
-def resolve_dataset_spec(dataset_name):
-    """A hub adapter class, or a ``LocalSource`` for tiny/local specs; UsageError for anything else."""
+def resolve_dataset_spec(dataset_name, flag="--data_path"):
+    """A hub adapter class, or a ``LocalSource`` for tiny/local specs; UsageError for anything else, naming ``flag``
+    (the one that gave it)."""
     from .local import LOCAL_JSONFILE, local_jsonfile_source, resolve_local_spec, tiny_source
 
     if dataset_name in HUB_DATASETS:
@@ -285,9 +286,9 @@ def resolve_dataset_spec(dataset_name):
         return tiny_source()
     if dataset_name == LOCAL_JSONFILE:
         return local_jsonfile_source()
-    source = resolve_local_spec(dataset_name)
+    source = resolve_local_spec(dataset_name, flag)
     if source is None:
-        raise unknown_dataset_error(dataset_name)
+        raise unknown_dataset_error(dataset_name, flag)
     return source
 
 
@@ -359,13 +360,14 @@ def reads_the_hub(spec):
     return spec in HUB_DATASETS and not os.path.isdir(spec)
 
 
-def check_data_paths(*spec_lists):
+def check_data_paths(data_path, sft_only_data_path=()):
     """Every spec names a known dataset or a local file or folder that is there: checked before any model loads (and
-    by train.py before step 1 runs), not when the step reaches its data. Loads nothing; a hub dataset's, with the hub
-    unreachable, turns offline mode on (``read_hub_cache_only_if_unreachable``)."""
-    for specs in spec_lists:
+    by train.py before step 1 runs), not when the step reaches its data; an error names the flag that gave it. Loads
+    nothing; a hub dataset's, with the hub unreachable, turns offline mode on
+    (``read_hub_cache_only_if_unreachable``)."""
+    for flag, specs in (("--data_path", data_path), ("--sft_only_data_path", sft_only_data_path)):
         for spec in ([specs] if isinstance(specs, str) else specs or []):
-            resolve_dataset_spec(spec)
+            resolve_dataset_spec(spec, flag)
             if reads_the_hub(spec):
                 from dschat.models.loading import read_hub_cache_only_if_unreachable
 

@@ -5,7 +5,7 @@ from itertools import islice
 
 from dschat.data.base import read_or_none
 from dschat.data.raw_datasets import TINY_NAME
-from dschat.errors import MissingInputError, UsageError
+from dschat.errors import MissingInputError, UsageError, given_as
 from dschat.report import counted
 from dschat.tiny import EVAL_FILE
 
@@ -42,7 +42,7 @@ def check_local_data_there(spec, flag=None):
     ORG/NAME; a trailing /; a data file's extension) and is not there: "no such file or folder", naming ``flag``.
     Such a mistyped folder had the advice for a hub dataset's name (``no_local_data``), a file "data file not found"
     naming no flag. Typed specs (jsonl:PATH) and names (tiny, local/jsonfile, a hub dataset's) say their own."""
-    from dschat.data.local import EXTENSION_TYPES, LOCAL_JSONFILE, LOCAL_TYPES, _split_paths
+    from dschat.data.local import EXTENSION_TYPES, LOCAL_JSONFILE, LOCAL_TYPES, _split_paths, missing_data_path
     from dschat.models.loading import looks_local
 
     kind, typed, _ = spec.partition(":")
@@ -52,23 +52,13 @@ def check_local_data_there(spec, flag=None):
         meant_here = (looks_local(os.path.expanduser(path)) or path.endswith("/")
                       or os.path.splitext(path)[1].lower() in EXTENSION_TYPES)
         if meant_here and not os.path.exists(path):
-            raise MissingInputError(f"{f'{flag} ' if flag else ''}{path}: no such file or folder"
-                                    f"{unexpanded_home_note(path)}")
-
-
-def unexpanded_home_note(path):
-    """Where ``path`` starts with a ~ that names a path once expanded: the shell left it (``--flag=~/x``), and data
-    paths are read as given."""
-    expanded = os.path.expanduser(path)
-    if expanded != path and os.path.exists(expanded):
-        return f" (the shell did not expand its ~, as after --flag=: give {expanded})"
-    return ""
+            raise missing_data_path(spec, path, flag)
 
 
 def no_local_data(path, flag=None):
     """The error for a tool's data (``flag``'s) that is no local file or folder: "no data file at Dahoas/rm-static"
     named neither the flag nor why a dataset that training reads by its hub name is none here."""
-    return MissingInputError(f"{f'{flag} ' if flag else ''}{path}: no local data file or folder there (the tools read "
+    return MissingInputError(f"{given_as(flag, path)}: no local data file or folder there (the tools read "
                              "local data; a hub dataset by name only in training: give its download, hf download "
                              "--repo-type dataset NAME --local-dir DIR)")
 
@@ -85,7 +75,7 @@ def load_records(path, data_fields=None, limit=None, flag=None):
 
     spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
     check_local_data_there(spec, flag)
-    source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec)
+    source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec, flag)
     if source is None:
         raise no_local_data(path, flag)
     raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1,
@@ -122,7 +112,7 @@ def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None, 
     from dschat.data.splits import get_raw_dataset_split_index
 
     check_local_data_there(spec, flag)
-    if isinstance(resolve_dataset_spec(spec), type):  # (a hub dataset's name: local data alone, as load_records)
+    if isinstance(resolve_dataset_spec(spec, flag), type):  # (a hub dataset's name: local data alone, as load_records)
         raise no_local_data(spec, flag)
     raw = get_raw_dataset(spec, None, seed, -1, **file_field_options(data_fields, spec))  # (as load_records reads it)
     held_out = raw.get_eval_data()
