@@ -666,6 +666,23 @@ def test_a_missing_typed_data_spec_of_a_tool_names_the_tools_flag(tmp_path, monk
             load_phase_held_out(spec, None, "2,4,4", 1234, 2, flag="--pairs_file")
 
 
+def test_deepspeed_chats_local_jsonfile_missing_names_the_flag_that_gave_it(tmp_path, monkeypatch):
+    """``local/jsonfile`` without data/train.json and data/eval.json here said "--data_path local/jsonfile ..." when
+    the flag was rw_eval's --pairs_file (with --data_split or not) or prompt_eval's --prompts_file."""
+    from dschat.data.raw_datasets import check_data_paths
+    from dschat.tools.records import load_phase_held_out, load_records
+
+    monkeypatch.chdir(tmp_path)
+    said = r" local/jsonfile \(DeepSpeed-Chat's local data\) reads data/train.json and data/eval.json in the current " \
+           rf"folder: {tmp_path}/data/train.json and {tmp_path}/data/eval.json not found; run from the folder"
+    with pytest.raises(MissingInputError, match="^--prompts_file" + said):
+        load_records("local/jsonfile", flag="--prompts_file")
+    with pytest.raises(MissingInputError, match="^--pairs_file" + said):
+        load_phase_held_out("local/jsonfile", None, "2,4,4", 1234, 2, flag="--pairs_file")
+    with pytest.raises(MissingInputError, match="^--sft_only_data_path" + said):
+        check_data_paths([], ["local/jsonfile"])
+
+
 def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scored_with(tmp_path, monkeypatch):
     """rw_eval (or eval.py --reward_model) given <output>/step3_ppo said only "no model in this folder: expected ...
     one of step2_rm"; it names the reward model that step 3 scored with now (as the run read it: from its folder)."""

@@ -442,16 +442,16 @@ def tiny_source():
 LOCAL_JSONFILE = "local/jsonfile"
 
 
-def local_jsonfile_source():
+def local_jsonfile_source(flag="--data_path"):
     """DeepSpeed-Chat's ``--data_path local/jsonfile``: data/train.json and data/eval.json (JSON arrays of
     prompt/chosen/rejected records), read under the folder the step runs in, as DeepSpeed-Chat reads them under its
-    application folder."""
+    application folder. ``flag``: the one that gave it (a tool's --pairs_file), named where they are not there."""
     train, evaluation = (os.path.abspath(os.path.join("data", f"{name}.json")) for name in ("train", "eval"))
     missing = [path for path in (train, evaluation) if not os.path.isfile(path)]
     if missing:
-        raise MissingInputError(f"--data_path {LOCAL_JSONFILE} (DeepSpeed-Chat's local data) reads data/train.json "
-                                f"and data/eval.json in the current folder: {' and '.join(missing)} not found; run "
-                                "the step from the folder that holds data/, or give json:TRAIN_PATH,EVAL_PATH")
+        raise MissingInputError(f"{given_as(flag, LOCAL_JSONFILE)} (DeepSpeed-Chat's local data) reads "
+                                f"data/train.json and data/eval.json in the current folder: {' and '.join(missing)} "
+                                "not found; run from the folder that holds data/, or give json:TRAIN_PATH,EVAL_PATH")
     return LocalSource("json", train, evaluation, LOCAL_JSONFILE)
 
 

@@ -285,7 +285,7 @@ def resolve_dataset_spec(dataset_name, flag="--data_path"):
     if dataset_name == TINY_NAME:
         return tiny_source()
     if dataset_name == LOCAL_JSONFILE:
-        return local_jsonfile_source()
+        return local_jsonfile_source(flag)
     source = resolve_local_spec(dataset_name, flag)
     if source is None:
         raise unknown_dataset_error(dataset_name, flag)

@@ -75,7 +75,7 @@ def load_records(path, data_fields=None, limit=None, flag=None):
 
     spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
     check_local_data_there(spec, flag)
-    source = local_jsonfile_source() if spec == LOCAL_JSONFILE else resolve_local_spec(spec, flag)
+    source = local_jsonfile_source(flag) if spec == LOCAL_JSONFILE else resolve_local_spec(spec, flag)
     if source is None:
         raise no_local_data(path, flag)
     raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1,
