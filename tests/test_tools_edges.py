@@ -683,6 +683,21 @@ def test_deepspeed_chats_local_jsonfile_missing_names_the_flag_that_gave_it(tmp_
         check_data_paths([], ["local/jsonfile"])
 
 
+def test_a_name_that_is_no_data_reads_the_same_in_rw_eval_with_data_split_as_without(reward_model, tmp_path,
+                                                                                     monkeypatch):
+    """rw_eval --pairs_file nope (no file, no dataset of that name) said the tools' "--pairs_file nope: no local data
+    ...", but with --data_split training's "unknown dataset 'nope' ... Known names ...", naming no flag."""
+    from dschat.tools import rw_eval
+
+    monkeypatch.chdir(tmp_path)
+    said = []
+    for split in ([], ["--data_split", "2,4,4"]):
+        with pytest.raises(MissingInputError, match=r"^--pairs_file nope: no local data file or folder there") as error:
+            rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "nope", *split])
+        said.append(str(error.value))
+    assert said[0] == said[1]
+
+
 def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scored_with(tmp_path, monkeypatch):
     """rw_eval (or eval.py --reward_model) given <output>/step3_ppo said only "no model in this folder: expected ...
     one of step2_rm"; it names the reward model that step 3 scored with now (as the run read it: from its folder)."""

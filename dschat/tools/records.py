@@ -63,6 +63,20 @@ def no_local_data(path, flag=None):
                              "--repo-type dataset NAME --local-dir DIR)")
 
 
+def local_data_source(spec, flag=None):
+    """The ``LocalSource`` of a tool's data ``spec`` (``flag``'s): a local path, TYPE:PATH or ``local/jsonfile``. A
+    name that reads no local data here (a hub dataset's, or one that names nothing) is ``no_local_data``, with
+    --data_split as without it: ``load_phase_held_out`` said training's "unknown dataset ... Known names ...", naming
+    no flag, where ``load_records`` said this."""
+    from dschat.data.local import LOCAL_JSONFILE, local_jsonfile_source, resolve_local_spec
+
+    check_local_data_there(spec, flag)
+    source = local_jsonfile_source(flag) if spec == LOCAL_JSONFILE else resolve_local_spec(spec, flag)
+    if source is None:
+        raise no_local_data(spec, flag)
+    return source
+
+
 def load_records(path, data_fields=None, limit=None, flag=None):
     """The records of local data, read by the training data's own adapter: its eval part where it has one (two files,
     a folder or save_to_disk copy with an eval split, DeepSpeed-Chat's ``local/jsonfile``), else the whole file; the
@@ -71,13 +85,9 @@ def load_records(path, data_fields=None, limit=None, flag=None):
     So data is accepted here exactly when training accepts it (prompt/chosen/rejected strings, message lists,
     transcripts, TRL's preference format, renamed fields). ``tiny`` is the embedded held-out data.
     """
-    from dschat.data.local import LOCAL_JSONFILE, LocalDataset, local_jsonfile_source, resolve_local_spec
+    from dschat.data.local import LocalDataset
 
-    spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
-    check_local_data_there(spec, flag)
-    source = local_jsonfile_source(flag) if spec == LOCAL_JSONFILE else resolve_local_spec(spec, flag)
-    if source is None:
-        raise no_local_data(path, flag)
+    source = local_data_source(str(EVAL_FILE) if str(path) == TINY_NAME else str(path), flag)
     raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1,
                        field_options=file_field_options(data_fields, path))
     held_out = raw.raw_datasets["eval"]
@@ -108,11 +118,12 @@ def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None, 
     ``data_split`` of the eval part of the data ``spec`` (``tiny`` too), its eval file, else the 10% of its file that
     ``seed`` holds out, which no step trains on; the first ``limit``. Said on stdout. ``load_records`` of a file
     without an eval file read the whole file, records the step trained on among them."""
-    from dschat.data.raw_datasets import get_raw_dataset, resolve_dataset_spec
+    from dschat.data.raw_datasets import HUB_DATASETS, get_raw_dataset
     from dschat.data.splits import get_raw_dataset_split_index
 
-    check_local_data_there(spec, flag)
-    if isinstance(resolve_dataset_spec(spec, flag), type):  # (a hub dataset's name: local data alone, as load_records)
+    if spec != TINY_NAME:  # (local data alone, said as load_records says it)
+        local_data_source(spec, flag)
+    if spec in HUB_DATASETS:  # (a save_to_disk copy under its name, which the hub adapter reads: refused, as before)
         raise no_local_data(spec, flag)
     raw = get_raw_dataset(spec, None, seed, -1, **file_field_options(data_fields, spec))  # (as load_records reads it)
     held_out = raw.get_eval_data()
