@@ -148,20 +148,72 @@ def test_a_hub_actor_not_in_the_cache_has_its_local_window_checked_before_anythi
 
 
 def test_a_hub_actor_whose_config_cannot_be_fetched_is_said_to_be_unchecked(capsys, online_hub, monkeypatch):
-    """Offline (or the hub unreachable, or a gated model): the window check cannot be made before step 1, and a
+    """A gated model (the hub answering, its config refused): the window check cannot be made before step 1, and a
     warning says so with the flag that makes it unneeded, instead of passing in silence."""
-    from huggingface_hub import constants
+    def gated(repo_id, filename, **kwargs):
+        online_hub[1].append((repo_id, filename))
+        raise OSError("401 Client Error: access to model acme/neo is restricted")
 
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", gated)
     settings = {"enable_hybrid_engine": True, "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
     check_step3_settings(step3_args(settings), 1, "acme/neo")
     out = capsys.readouterr().out
-    assert ("warning: the config of the actor acme/neo could not be fetched (HF_HUB_OFFLINE is set, so the hub is "
-            "not asked): it was not checked for a local attention window (GPT-Neo's)") in out
+    assert ("warning: the config of the actor acme/neo could not be fetched (401 Client Error: access to model "
+            "acme/neo is restricted): it was not checked for a local attention window (GPT-Neo's)") in out
     assert "--step3-args --no-enable_hybrid_engine (step 3's --no-enable_hybrid_engine) generates with HF's" in out
     check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1, "acme/neo")  # (nothing to check)
     assert "warning" not in capsys.readouterr().out
-    assert online_hub[1] == []
+    assert online_hub[1] == [("acme/neo", "config.json")]
+
+
+@pytest.mark.parametrize("architecture, flag", [(None, "--actor_model_name_or_path"), ("acme/neo", "--actor-model")])
+def test_a_hub_actor_that_cannot_be_had_offline_is_an_error_naming_its_flag_not_a_warning(capsys, online_hub,
+                                                                                           monkeypatch, architecture,
+                                                                                           flag):
+    """Offline (or the hub unreachable) a hub actor not in the cache cannot load at all: the settings' check warned
+    that "step 3 checks it when it loads the actor (with train.py, after steps 1 and 2)", and step 3 refused it right
+    after (step 3 alone; train.py's --actor-model before), or was loading it (the engine's _init_actor)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    settings = {"enable_hybrid_engine": True, "max_prompt_seq_len": 8, "max_answer_seq_len": 8,
+                "actor_model_name_or_path": "acme/neo"}
+    said = rf"^{flag} acme/neo: no such folder here, nor a model of that name in the Hugging Face hub cache, and " \
+           "HF_HUB_OFFLINE is set, so the hub is not asked"
+    with pytest.raises(UsageError, match=said):
+        check_step3_settings(step3_args(settings), 1, architecture)
+    assert "warning" not in capsys.readouterr().out and online_hub[1] == []
+
+
+def test_the_engine_loading_a_hub_actor_says_no_warning_of_a_later_check(capsys, online_hub, monkeypatch):
+    """_init_actor (hybrid engine on) warned of a hub actor whose config could not be fetched that "step 3 checks it
+    when it loads the actor (with train.py, after steps 1 and 2)": it was that load. The load that follows fetches the
+    same file and says why it cannot; offline, it is the error naming --actor_model_name_or_path, before the load."""
+    from huggingface_hub import constants
+
+    from dschat.rlhf import engine as engine_module
+
+    class Loaded(Exception):
+        pass
+
+    def loaded(*args, **kwargs):
+        raise Loaded
+
+    def gated(repo_id, filename, **kwargs):
+        raise OSError("401 Client Error: access to model acme/neo is restricted")
+
+    monkeypatch.setattr(engine_module, "load_causal_lm", loaded)
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", gated)
+    settings = step3_args({"enable_hybrid_engine": True, "actor_model_name_or_path": "acme/neo"})
+    engine = SimpleNamespace(args=settings, world_size=1, actor_path="acme/neo", tokenizer=None,
+                             _trained_config=lambda stage, hybrid=False: step3_train_config(settings, 1, stage, hybrid))
+    with pytest.raises(Loaded):
+        DeepSpeedRLHFEngine._init_actor(engine)
+    assert "warning" not in capsys.readouterr().out
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UsageError, match=r"^--actor_model_name_or_path acme/neo: no such folder here, nor a model of "
+                                         r"that name in the Hugging Face hub cache, and HF_HUB_OFFLINE is set"):
+        DeepSpeedRLHFEngine._init_actor(engine)
 
 
 def test_a_polynomial_schedule_with_a_rate_at_its_end_is_refused_before_anything_loads():

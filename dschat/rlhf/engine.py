@@ -11,7 +11,7 @@ from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, cr
 from dschat.compat import engine_takes_checkpointing_calls
 from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
-from dschat.errors import UsageError
+from dschat.errors import MissingInputError, UsageError
 from dschat.models.checkpoint import SAVED_DTYPE_ATTRIBUTE
 from dschat.models.loading import (TORCH_DTYPES, check_sequence_fits, config_dropouts, embedding_rows,
                                    generable_token_count, load_causal_lm, load_tokenizer)
@@ -210,42 +210,48 @@ def _model_config(path, local_only):
         return None
 
 
-def _fetched_hub_config(path, checked):
+def _fetched_hub_config(path, checked, flag, before_training):
     """The config of the hub model ``path`` that is not in the hub cache yet, fetched (its config.json alone) for a
-    check of step 3's before anything trains; None where ``path`` is no such name (a folder step 1 writes later). One
-    that cannot be had (offline, the hub unreachable, a gated model) is said to leave ``checked`` unchecked: the
-    check is made again when step 3 loads the actor, after train.py's steps 1 and 2 have trained."""
+    check of step 3's before its weights load; None where ``path`` is no such name (a folder step 1 writes later).
+    With the hub not to be asked (offline, unreachable) the model cannot load at all: an error naming ``flag`` now (it
+    was a warning that step 3 checks it when it loads the actor, said where step 3 then refused it, or was loading it).
+    One that cannot be fetched otherwise (a gated model, a failed request) is said, ``before_training`` (the settings'
+    check), to leave ``checked`` unchecked until step 3 loads the actor; when it loads, the load that follows fetches
+    the same file and says why it cannot, or the hybrid engine checks the loaded actor."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
-    from dschat.models.loading import hub_name_not_cached, hub_unavailable
+    from dschat.models.loading import hub_name_not_cached, hub_unavailable, unfetchable_hub_name
 
     if not hub_name_not_cached(path):
         return None
-    reason = hub_unavailable()
-    if reason is None:
-        try:
-            hf_hub_download(path, "config.json")  # (the weights come when step 1 or step 3 loads the model)
-            return _model_config(path, local_only=True)
-        except (OSError, ValueError, EntryNotFoundError) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    print_rank_0(f"warning: the config of the actor {path} could not be fetched ({reason}): it was not checked "
-                 f"{checked} before training; step 3 checks it when it loads the actor (with train.py, after steps 1 "
-                 "and 2). --step3-args --no-enable_hybrid_engine (step 3's --no-enable_hybrid_engine) generates with "
-                 "HF's generate, which needs no such check")
+    if hub_unavailable():
+        raise MissingInputError(f"{flag} {unfetchable_hub_name(path)}")
+    try:
+        hf_hub_download(path, "config.json")  # (the weights come when step 1 or step 3 loads the model)
+        return _model_config(path, local_only=True)
+    except (OSError, ValueError, EntryNotFoundError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if before_training:
+        print_rank_0(f"warning: the config of the actor {path} could not be fetched ({reason}): it was not checked "
+                     f"{checked} before training; step 3 checks it when it loads the actor (with train.py, after "
+                     "steps 1 and 2). --step3-args --no-enable_hybrid_engine (step 3's --no-enable_hybrid_engine) "
+                     "generates with HF's generate, which needs no such check")
     return None
 
 
-def actor_config_for_checks(args, actor_path):
+def actor_config_for_checks(args, actor_path, flag="--actor_model_name_or_path", before_training=True):
     """The actor's HF config, read once for the checks of it before its weights load (``check_inference_tp``,
     ``check_local_window``, ``check_actor_decodable``, ``check_lora_module_names``); None where it cannot be read
     yet. A hub actor's from the hub cache alone: one not in it has its config fetched where the hybrid engine's checks
-    need it (``_fetched_hub_config``: the hub asked once, not through the hub client's retries)."""
+    need it (``_fetched_hub_config``: the hub asked once, not through the hub client's retries; ``flag`` gave the actor,
+    ``before_training``: the settings' check, not step 3's load of the actor)."""
     config = _model_config(actor_path, local_only=True)
     if config is None and args.enable_hybrid_engine:
         config = _fetched_hub_config(actor_path, "for a local attention window (GPT-Neo's), which the hybrid engine's "
                                                  "cache cannot go past, nor for the hybrid engine's other needs (a "
-                                                 "forward that takes a KV cache, a split over --inference_tp_size)")
+                                                 "forward that takes a KV cache, a split over --inference_tp_size)",
+                                     flag, before_training)
     return config
 
 
@@ -425,7 +431,9 @@ def check_step3_settings(args, world_size, actor_architecture=None, critic_made_
                          f"the longest sequence step 3 generates, {longest} (--max_prompt_seq_len + the longer of "
                          "--max_answer_seq_len and --eval_max_new_tokens): prompt + answer must fit")
     actor_path = actor_architecture or args.actor_model_name_or_path
-    actor_config = actor_config_for_checks(args, actor_path)
+    # (train.py's --actor-model: the model step 1 starts from)
+    actor_config = actor_config_for_checks(args, actor_path,
+                                           "--actor-model" if actor_architecture else "--actor_model_name_or_path")
     check_inference_tp(args, world_size, actor.get("hybrid_engine", {}), actor_path, actor_config)
     check_local_window(args, actor_path, actor_config)
     check_actor_decodable(args, actor_config)
@@ -679,7 +687,8 @@ class DeepSpeedRLHFEngine:
         a = self.args
         ds_config = self._trained_config(a.actor_zero_stage, hybrid=a.enable_hybrid_engine)
         # before its weights load; the checks of it here are the hybrid engine's: without it, no config is read
-        config = actor_config_for_checks(a, self.actor_path) if a.enable_hybrid_engine else None
+        config = actor_config_for_checks(a, self.actor_path, before_training=False) if a.enable_hybrid_engine \
+            else None
         check_inference_tp(a, self.world_size, ds_config.get("hybrid_engine", {}), self.actor_path, config)
         check_local_window(a, self.actor_path, config)
         check_actor_decodable(a, config)
