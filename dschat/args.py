@@ -500,7 +500,8 @@ def step1_parser():
                         "global_token_mean: their mean over all the step's micro-batches "
                         "(--gradient_accumulation_steps) on all ranks, every token weighing alike (TRL's SFTTrainer, "
                         "HF's Trainer since transformers 4.46); token_mean (DeepSpeed-Chat's, OpenRLHF's): the mean of "
-                        "each micro-batch's own token mean, so a token of a micro-batch of few tokens weighs more.")
+                        "each micro-batch's own token mean, so a token of a micro-batch of few tokens weighs more. "
+                        "DPO: the same for its --rpo_alpha NLL term (its pairs' loss is per pair).")
     p.set_defaults(tensorboard_path="step1_tensorboard", output_dir="output/step1_sft")
     return p
 
@@ -528,7 +529,7 @@ def step2_dpo_parser():
                    help="cDPO: the probability that a preference label is flipped, in [0, 0.5).")
     g.add_argument("--rpo_alpha", type=float, default=0.0,
                    help="Weight of an SFT (negative log-likelihood) term on the chosen answers added to the DPO "
-                        "loss (RPO, TRL's rpo_alpha); 0 = plain DPO.")
+                        "loss (RPO, TRL's rpo_alpha), per chosen token (--loss_agg says over what); 0 = plain DPO.")
     g.add_argument("--offload_reference_model", action="store_true",
                    help="Offload the frozen reference model's parameters to CPU (under ZeRO-3, "
                         "where the reference is sharded like the policy).")
@@ -791,9 +792,9 @@ SUPERVISED_CONDITIONAL_FLAGS = (
 )
 
 
-# step 1's --loss_agg, which DPO's parser (step 1's) takes too: DPO's loss is per pair, all alike (step 3's own
-# --loss_agg is read there, so not among STEP1_ONLY_FLAGS)
-STEP1_LOSS_FLAGS = (("loss_agg",), lambda a: False, "step 1")
+# step 1's --loss_agg, which DPO's parser (step 1's) takes too: DPO's loss is per pair, all alike, and the flag weighs
+# only its --rpo_alpha NLL term's tokens (step 3's own --loss_agg is read there, so not among STEP1_ONLY_FLAGS)
+STEP1_LOSS_FLAGS = (("loss_agg",), lambda a: getattr(a, "rpo_alpha", 0), "--rpo_alpha")
 
 
 def supervised_conditional_flags(phase):

@@ -90,7 +90,10 @@ def test_dpo_step_loss_adds_rpo_alpha_times_chosen_nll(monkeypatch):
     mask = torch.ones(6, 5, dtype=torch.long)  # 3 pairs (chosen rows first), 4 answer targets each
     loss, _ = step.loss(None, {"response_mask": mask, "attention_mask": mask})
     dpo_mean = dpo_loss(*logps, beta=0.5)[0].mean()
-    assert loss.item() == pytest.approx(dpo_mean.item() + 2.0 * (1.0 + 4.0 + 5.0) / 4 / 3)
+    # (two terms: the pairs' mean, and the NLL per token, which --loss_agg global_token_mean reweighs over the step)
+    assert loss.records.item() == pytest.approx(dpo_mean.item())
+    assert loss.tokens.item() == pytest.approx(2.0 * (1.0 + 4.0 + 5.0) / 4 / 3)
+    assert step.recipe().loss_tokens({"response_mask": mask}) == 3 * 4  # (the chosen rows' answer targets)
 
 
 def test_dpo_eval_reports_the_chosen_nll_that_rpo_alpha_trains_on(monkeypatch):

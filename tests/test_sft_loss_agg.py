@@ -45,11 +45,11 @@ def test_the_two_means_differ_on_these_micro_batches(results):
     assert (token - micro).norm() > 0.1 * micro.norm()
 
 
-def test_step1_takes_the_token_mean_by_default_and_dpo_says_it_ignores_the_flag(capsys):
+def test_step1_takes_the_token_mean_by_default_and_plain_dpo_says_it_ignores_the_flag(capsys):
     from dschat.args import step1_parser, supervised_conditional_flags, unread_conditional_flags
 
     assert step1_parser().parse_args([]).loss_agg == "global_token_mean"
     args = step1_parser().parse_args(["--loss_agg", "token_mean"])
     assert unread_conditional_flags(args, step1_parser(), supervised_conditional_flags(1)) == []
     assert unread_conditional_flags(args, step1_parser(), supervised_conditional_flags(2)) == \
-        ["--loss_agg token_mean (read only with step 1)"]
+        ["--loss_agg token_mean (read only with --rpo_alpha)"]

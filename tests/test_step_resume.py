@@ -21,7 +21,10 @@ SFT_RESUME = [*SFT_FAST, "--max_seq_len", "48", "--data_split", "1,8,1", "--num_
               "--gradient_accumulation_steps", "2", "--dropout", "0.1", "--eval_iters", "1"]
 SMALL = [*SFT_FAST, "--max_seq_len", "48", "--data_split", "1,1,8", "--dropout", "0.1", "--eval_iters", "1",
          "--per_device_train_batch_size", "8"]
-STEPS = {"sft": (sft.main, SFT_RESUME), "reward": (reward.main, SMALL), "dpo": (dpo.main, SMALL)}
+STEPS = {"sft": (sft.main, SFT_RESUME), "reward": (reward.main, SMALL), "dpo": (dpo.main, SMALL),
+         # (the RPO NLL term's token mean over each step's two micro-batches: --loss_agg global_token_mean)
+         "dpo_rpo": (dpo.main, [*SMALL, "--rpo_alpha", "1.0", "--gradient_accumulation_steps", "2",
+                                "--per_device_train_batch_size", "4"])}
 
 
 def _interrupt_after(monkeypatch, stop_step):
@@ -43,14 +46,14 @@ def _weights(folder):
     return load_file(str(Path(folder) / "model.safetensors"))
 
 
-@pytest.mark.parametrize("step, stop_step", [("sft", 21), ("reward", 3), ("dpo", 3)])
+@pytest.mark.parametrize("step, stop_step", [("sft", 21), ("reward", 3), ("dpo", 3), ("dpo_rpo", 3)])
 def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(step, stop_step, tmp_path, distributed, monkeypatch,
                                                              capsys):
     main, flags = STEPS[step]
     common = [*flags, "--data_output_path", str(tmp_path / "data")]
-    if step == "sft" or step == "dpo":
+    if step != "reward":
         common = [*common, "--model_name_or_path", "tiny-llama"]
-    if step == "dpo":  # DPO trains a policy against a frozen reference: an SFT-like model
+    if step.startswith("dpo"):  # DPO trains a policy against a frozen reference: an SFT-like model
         common = [*common, "--beta", "0.1"]
     full = main([*common, "--output_dir", str(tmp_path / "full")])
     (tmp_path / "split").mkdir()

@@ -6,7 +6,7 @@ import time
 import uuid
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -369,13 +369,16 @@ REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path an
 # that changes what a step trains on bumps the step's version too.
 # 1: recorded from here on (an output without it is older: step 2's loss subtracts each pair's margin since
 #    FORMAT_VERSION 45, and earlier changes are not told apart)
+# step2_dpo 2: --rpo_alpha's NLL term follows --loss_agg, by default (global_token_mean) the mean over the chosen tokens
+#    of the whole optimizer step, all micro-batches and ranks; 1 took each micro-batch's own mean whatever the flag said
+#    (the same output with one micro-batch a step on one rank, or without --rpo_alpha; not told apart)
 # The rule ``train.py --resume`` keeps a finished output by: an older version, or none, trains the step again, whatever
 # its flags (the dschat without one is any of many, whose steps and data formats changed often); within this version,
 # a flag added since with a new default that trains otherwise is read as the value the output trained with
 # (``args.FLAGS_BEFORE_RECORDED``) and compared as any flag (step 1's --loss_agg by how it weighs a step's tokens,
 # ``pipeline_resume.step1_loss_weighing``): a precise alternative to a bump, which would train such an output again
 # under any value.
-STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 1, "step3": 1}
+STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 2, "step3": 1}
 STEP_VERSION = "step_version"
 
 
@@ -659,7 +662,8 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
     ``args.save_interval`` steps. ``position``: where a resumed run continues (``steps.resume``), else the start.
     ``loss_tokens(batch) -> int``: the tokens ``loss_fn``'s mean loss is over; given (step 1's --loss_agg
     global_token_mean), each optimizer step's loss is the mean over the tokens of all its micro-batches on all ranks
-    (``step_loss_weights``), else the mean of its micro-batches' means.
+    (``step_loss_weights``), else the mean of its micro-batches' means. A loss of two terms (``RecordAndTokenMeans``:
+    DPO's with its RPO NLL term) takes that token mean for its token term alone.
     The optimizer steps DeepSpeed skips are said on the step's and the evaluation's lines (``SkippedSteps``).
     Returns the mean train loss (over the whole run's micro-batches, a resumed run's included).
     """
@@ -676,9 +680,9 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
             micro_batches:
         for group in accumulation_groups(micro_batches, grad_accum):
             weights = step_loss_weights(group, loss_tokens, grad_accum, device)
-            step_loss, lr = _train_group(engine, group, weights, loss_fn, name, step, throughput, device)
-            epoch, index, bar, _ = group[-1]
             over_ranks = loss_tokens is not None
+            step_loss, lr = _train_group(engine, group, weights, loss_fn, name, step, throughput, device, over_ranks)
+            epoch, index, bar, _ = group[-1]
             if over_ranks:  # (the token mean over every rank's micro-batches: each rank's shares of it summed)
                 step_loss = all_reduce(torch.tensor(step_loss, dtype=torch.float64, device=device)).item()
             # (counted per micro-batch, in either mode: a resume may change --loss_agg)
@@ -700,18 +704,38 @@ def run_training(engine, train_loader, loss_fn, evaluate, args, device, name, to
     return loss_sum / max(loss_count, 1)
 
 
-def _train_group(engine, group, weights, loss_fn, name, step, throughput, device):
+class RecordAndTokenMeans(NamedTuple):
+    """A micro-batch's loss of two terms (DPO's with --rpo_alpha): ``records``, a mean over its records (pairs), which
+    DeepSpeed's mean over the micro-batches and ranks weighs as it is, as all records weigh alike; ``tokens``, a mean
+    over its ``loss_tokens`` (the RPO NLL term's chosen answer tokens), weighed as a whole loss of tokens is
+    (``step_loss_weights``: under --loss_agg global_token_mean, the token mean over the optimizer step)."""
+
+    records: torch.Tensor
+    tokens: torch.Tensor
+
+
+def _loss_terms(loss):
+    """(records term, tokens term) of a ``loss_fn``'s loss: a plain loss is all of one kind (step 1's tokens; step 2's
+    pairs, whose weights are 1 anyway), taken as the tokens term."""
+    return (loss.records, loss.tokens) if isinstance(loss, RecordAndTokenMeans) else (loss.new_zeros(()), loss)
+
+
+def _train_group(engine, group, weights, loss_fn, name, step, throughput, device, over_ranks=False):
     """Forward and backward of each micro-batch of an optimizer step's ``group`` (``step_loss_weights``' ``weights``),
     and the step DeepSpeed takes at the last; returns (this rank's share of the step's loss, the learning rate
-    applied)."""
+    applied). ``over_ranks``: the shares are summed over the ranks (the token mean's), so a records term's share is a
+    rank's part of the ranks' mean."""
     step_loss = 0.0
+    record_share = 1.0 / (len(group) * (get_world_size() if over_ranks else 1))
     for (*_, batch), (weight, share) in zip(group, weights):
         batch = to_device(batch, device)
         loss, tokens = loss_fn(engine, batch)
-        engine.backward(loss * weight)
+        records, token_mean = _loss_terms(loss)
+        engine.backward(records + token_mean * weight)
         lr = applied_lr(engine)  # (the scheduler moves on in the step)
         optimizer_step(engine, name)
-        step_loss += loss.item() * share
+        loss = records + token_mean  # (the micro-batch's own loss: what a diverged run is told by)
+        step_loss += records.item() * record_share + token_mean.item() * share
         # a diverged run stops, as step 3's, before anything of it is saved (checked after the item() that waits for
         # the step anyway: no extra wait on the accelerator)
         check_finite(f"{name}: the training loss (step {step + 1})", loss)
@@ -890,9 +914,10 @@ class StepRecipe:
     save_fn: Callable  # (engine, tokenizer, output_dir) -> None
     rows_per_record: int = 1  # a batch's rows per record: 2 for preference pairs (chosen rows, then rejected)
     reads_margins: bool = False  # phase 2: its loss subtracts each pair's margin (step 2's; DPO's reads none)
-    # (batch) -> the tokens loss_fn's mean is over (step 1's labelled ones): --loss_agg global_token_mean weighs them
-    # alike over each optimizer step's micro-batches and ranks (``step_loss_tokens``); None: a loss of records that
-    # all weigh alike (step 2's and DPO's pairs), each micro-batch's mean
+    # (batch) -> the tokens loss_fn's mean is over (step 1's labelled ones; DPO's RPO NLL term's chosen answer tokens,
+    # its loss a ``RecordAndTokenMeans``): --loss_agg global_token_mean weighs them alike over each optimizer step's
+    # micro-batches and ranks (``step_loss_tokens``); None: a loss of records that all weigh alike (step 2's and plain
+    # DPO's pairs), each micro-batch's mean
     loss_tokens: Callable = None
 
 
@@ -995,9 +1020,9 @@ def seconds_so_far(started, checkpoint=None):
 
 
 def step_loss_tokens(args, recipe):
-    """``recipe.loss_tokens`` where --loss_agg global_token_mean (step 1's default) makes each optimizer step's loss the
-    mean over its tokens; None where each micro-batch's own mean is (--loss_agg token_mean, DeepSpeed-Chat's; steps
-    without the flag)."""
+    """``recipe.loss_tokens`` where --loss_agg global_token_mean (the default of step 1 and of DPO's --rpo_alpha term)
+    makes each optimizer step's loss (term) of tokens the mean over its tokens; None where each micro-batch's own mean
+    is (--loss_agg token_mean, DeepSpeed-Chat's; steps without the flag or without a loss of tokens)."""
     return recipe.loss_tokens if getattr(args, "loss_agg", None) == "global_token_mean" else None
 
 

@@ -19,7 +19,7 @@ from dschat.models.loading import load_causal_lm
 from dschat.models.training_engine import initialize_frozen
 from dschat.rlhf.dpo import (IMPLICIT_REWARD_TIE_NATS, answer_nll, check_dpo_params, dpo_loss, preference_accuracy,
                               preference_ties, response_log_probs)
-from dschat.steps.common import StepRecipe, run_supervised_step, to_device
+from dschat.steps.common import RecordAndTokenMeans, StepRecipe, run_supervised_step, to_device
 from dschat.steps.sft import build_sft_model
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
 from dschat.utils.ds_config import frozen_copy_stage, get_eval_ds_config
@@ -72,6 +72,16 @@ def split_pairs(logps):
     return logps[:half], logps[half:]
 
 
+def chosen_answer_mask(batch):
+    """(B, T) 1 on the chosen answers' tokens of a DPO batch (its first half of rows)."""
+    return split_pairs(batch["response_mask"])[0]
+
+
+def chosen_answer_tokens(batch):
+    """The tokens --rpo_alpha's NLL term is a mean over (``answer_nll``'s: the chosen answers' predicted ones)."""
+    return int(chosen_answer_mask(batch)[:, 1:].sum())
+
+
 def check_dpo_flags(args):
     """DPO's flags, and step 1's it shares a parser with but cannot use (train.py checks them before step 1 runs)."""
     check_dpo_params(args.beta, args.label_smoothing)
@@ -103,13 +113,18 @@ class DPOStep:
         return (*split_pairs(sequence_log_probs(engine, batch)), *reference)
 
     def loss(self, engine, batch):
+        """The micro-batch's DPO loss, the mean over its pairs; with --rpo_alpha, a ``RecordAndTokenMeans`` of that and
+        rpo_alpha x the chosen answers' NLL per token, which --loss_agg global_token_mean makes the mean over the chosen
+        tokens of the whole optimizer step (all micro-batches and ranks: ``recipe``'s loss_tokens), so a token weighs
+        the same however the step's pairs are split (TRL's mean over its batch's tokens, the batch being the step's),
+        and token_mean each micro-batch's own mean."""
         logps = self.pair_log_probs(engine, batch)
         losses, _, _ = dpo_loss(*logps, self.beta, self.label_smoothing)
         loss = losses.mean()
-        if self.rpo_alpha:
-            chosen_mask, _ = split_pairs(batch["response_mask"])
-            loss = loss + self.rpo_alpha * answer_nll(logps[0], chosen_mask)
-        return loss, int(batch["attention_mask"].sum())
+        tokens = int(batch["attention_mask"].sum())
+        if not self.rpo_alpha:
+            return loss, tokens
+        return RecordAndTokenMeans(loss, self.rpo_alpha * answer_nll(logps[0], chosen_answer_mask(batch))), tokens
 
     @torch.no_grad()
     def evaluate(self, engine, eval_loader, device):
@@ -137,7 +152,7 @@ class DPOStep:
         policy_chosen, policy_rejected, ref_chosen, ref_rejected = logps = self.pair_log_probs(engine, batch)
         losses, chosen_rewards, rejected_rewards = dpo_loss(*logps, self.beta, self.label_smoothing)
         tie = self.beta * IMPLICIT_REWARD_TIE_NATS  # (rewards are beta x the log-ratio)
-        chosen_mask, _ = split_pairs(batch["response_mask"])  # (the NLL's tokens, as answer_nll counts them)
+        chosen_mask = chosen_answer_mask(batch)  # (the NLL's tokens, as answer_nll counts them)
         compared = ((chosen_rewards, rejected_rewards, tie), (policy_chosen, policy_rejected, 0.0),
                     (ref_chosen, ref_rejected, 0.0))  # (the reward, logp and reference_logp accuracies)
         accuracy = [preference_accuracy(*scores) for scores in compared]
@@ -149,7 +164,8 @@ class DPOStep:
 
     def recipe(self):
         return StepRecipe(name="step2_dpo", phase=2, build_model=self.build_model, collator=dpo_collator,
-                          loss_fn=self.loss, evaluate_fn=self.evaluate, save_fn=save_causal_lm, rows_per_record=2)
+                          loss_fn=self.loss, evaluate_fn=self.evaluate, save_fn=save_causal_lm, rows_per_record=2,
+                          loss_tokens=chosen_answer_tokens if self.rpo_alpha else None)  # (plain DPO: pairs alone)
 
 
 def main(args=None):
