@@ -1131,7 +1131,8 @@ def _add_step3_outputs_args(g):
                    help="Where the actor (and critic, EMA actor, logs) are saved.")
     g.add_argument("--enable_ema", action="store_true",
                    help="Also keep and save an exponential moving average of the actor (actor_ema).")
-    g.add_argument("--ema_beta", type=float, default=0.992, help="The EMA's decay per optimizer step.")
+    g.add_argument("--ema_beta", type=float, default=0.992,
+                   help="The EMA's decay per optimizer step applied (a skipped one leaves the EMA as it was).")
     add_tensorboard_args(g, "step3_tensorboard")
     g.add_argument("--print_answers", action="store_true",
                    help="Print a prompt and its generated answer during training.")

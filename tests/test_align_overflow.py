@@ -257,8 +257,8 @@ def test_with_the_flag_the_actor_steps_after_the_critics_backward_and_both_skip_
     trainer.critic_model.optimizer.grads_overflow = True
     actor_loss, critic_loss = trainer.train_rlhf(_experience())
     assert log == ["actor.backward", "critic.backward", "actor.overflow_check", "critic.overflow_check",
-                   "actor.step", "ema", "critic.step", "critic.overflow_check"]
-    # the forced skip is a skipped step like DeepSpeed's own fp16 skip: the EMA still follows the boundary
+                   "actor.step", "critic.step", "critic.overflow_check"]
+    # the forced skip is a skipped step like DeepSpeed's own fp16 skip: the EMA does not tick (see below)
     assert not trainer.actor_model.was_step_applied() and not trainer.critic_model.was_step_applied()
     assert trainer.actor_model.skipped_steps == trainer.critic_model.skipped_steps == 1
     assert trainer.actor_model.lr_scheduler.last_epoch == trainer.critic_model.lr_scheduler.last_epoch == 0
@@ -267,6 +267,25 @@ def test_with_the_flag_the_actor_steps_after_the_critics_backward_and_both_skip_
     log.clear()
     trainer.train_rlhf(_experience())
     assert trainer.actor_model.was_step_applied() and trainer.critic_model.was_step_applied()
+
+
+@pytest.mark.parametrize("skipped_by", ["actor_overflow", "aligned_critic_overflow", "no_token_in_the_loss"])
+def test_a_skipped_step_does_not_move_the_ema_and_the_next_applied_one_does(skipped_by):
+    """The EMA ticked on every accumulation boundary, also one whose step was skipped (DeepSpeed's fp16 overflow,
+    --align_overflow's skip for the critic's, --mask_truncated_answers' for no token in the loss): the weights had not
+    moved, and the tick decayed the average towards them once more, as if the actor had stepped."""
+    log = []
+    trainer = _fake_trainer(log, align=skipped_by == "aligned_critic_overflow")
+    if skipped_by == "no_token_in_the_loss":
+        trainer._step_actor(skip=True)
+    else:
+        overflowing = trainer.actor_model if skipped_by == "actor_overflow" else trainer.critic_model
+        overflowing.optimizer.grads_overflow = True
+        trainer.train_rlhf(_experience())
+    assert trainer.actor_model.skipped_steps == 1 and "ema" not in log
+    log.clear()
+    trainer.train_rlhf(_experience())
+    assert trainer.actor_model.was_step_applied() and log.count("ema") == 1
 
 
 def test_with_the_flag_and_accumulation_the_ema_follows_boundaries_only():

@@ -1007,13 +1007,14 @@ class DeepSpeedPPOTrainer:
 
     def _step_actor(self, skip=False):
         """The actor's step; ``skip``: skipped where it ends an accumulation group with no token in the loss
-        (``_group_without_loss_tokens``). The EMA follows each real optimizer step (each accumulation boundary, also one
-        skipped, for an fp16 overflow, by --align_overflow with the critic's or for no token in the loss), not each
-        accumulation micro-step."""
+        (``_group_without_loss_tokens``). The EMA follows each optimizer step applied (an accumulation boundary), not
+        each accumulation micro-step, nor a step skipped (for an fp16 overflow, by --align_overflow with the critic's,
+        or for no token in the loss): the weights did not move, and a tick would decay the average towards them once
+        more, as if the actor had stepped (DeepSpeed-Chat's loop averages after every PPO step, skipped or not)."""
         with phase("dschat.train.actor_step"):
             boundary = optimizer_step(self.actor_model, "actor", skip)
         self._count_no_token_skip("actor", skip and boundary)
-        if boundary:
+        if boundary and self.actor_model.was_step_applied():
             self._update_ema()
 
     @torch.no_grad()
