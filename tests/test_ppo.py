@@ -4684,3 +4684,31 @@ def test_grpo_iterations_log_the_groups_score_std_as_trl_does(monkeypatch):
     trainer.kl_coef = 0.001
     record = ppo._iteration_record(0, buffer, trainer, gen_stats, trained, 0.1, 1.0, "cpu")
     assert record["reward_std"] == pytest.approx(expected) and record["frac_reward_zero_std"] == 0.5
+
+
+def test_realigned_schedules_keep_each_models_lag_of_skipped_steps(monkeypatch, capsys):
+    """A resume whose iterations take another number of optimizer steps moves each scheduler to this run's steps at
+    the checkpoint's iteration. DeepSpeed does not move a scheduler on a skipped step (fp16's overflow, the forced
+    skips), so the checkpoint's schedules lag the steps taken by each model's skips; they were moved to the steps
+    alone: the actor's schedule jumped 3 steps ahead and the critic's did not (they skip apart without
+    --align_overflow)."""
+    from types import SimpleNamespace
+
+    def engine(restored_step, skipped):  # (a linear schedule as DeepSpeed's checkpoint restores it)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 100)
+        ppo.move_scheduler(scheduler, restored_step)
+        return SimpleNamespace(lr_scheduler=scheduler, skipped_steps=skipped)
+
+    # 2 iterations of 4 steps each: the actor skipped 3 of its 8, the critic none
+    trainer = SimpleNamespace(actor_model=engine(8 - 3, 3), critic_model=engine(8, 0))
+    monkeypatch.setattr(ppo, "optimizer_steps_per_iteration", lambda args: 2)  # this run: 2 steps an iteration
+    ppo.realign_schedules(trainer, {"steps_per_iteration": 4, "iteration": 2}, SimpleNamespace(freezing_actor_steps=0))
+    assert trainer.actor_model.lr_scheduler.last_epoch == 2 * 2 - 3
+    assert trainer.critic_model.lr_scheduler.last_epoch == 2 * 2
+    assert trainer.actor_model.lr_scheduler.get_last_lr() == [pytest.approx(1 - 1 / 100)]
+    assert "an iteration of this run takes 2 optimizer steps, its checkpoint's run's 4" in capsys.readouterr().out
+    # an actor frozen for both iterations (--freezing_actor_steps) took no step, and skipped none
+    trainer = SimpleNamespace(actor_model=engine(0, 0), critic_model=None)
+    ppo.realign_schedules(trainer, {"steps_per_iteration": 4, "iteration": 2}, SimpleNamespace(freezing_actor_steps=2))
+    assert trainer.actor_model.lr_scheduler.last_epoch == 0

@@ -30,6 +30,7 @@ from dschat.steps.common import (build_dataloaders, check_output_dir, clear_resu
 from dschat.steps.resume import resume_or_afresh
 from dschat.utils.dist import all_reduce, barrier, get_world_size, is_rank_0, local_device, print_rank_0, rank_mean
 from dschat.utils.files import atomic_file
+from dschat.utils.optim import skipped_steps
 
 
 def prompt_loaders(args, tokenizer, held_out_only=False):
@@ -555,7 +556,8 @@ def realign_schedules(trainer, checkpoint, args):
     restores each learning-rate scheduler at the step that run had taken, and this run's schedules, sized by its own
     steps per iteration, would then end before the run (a linear one applied 0 for the rest of it, a cosine one rose
     again) or stop short of their end. Each scheduler is moved to the step this run's schedule has at the checkpoint's
-    iteration, and that is said. (A checkpoint from before dschat recorded the steps per iteration: left as it is.)"""
+    iteration, less the steps its model skipped (``scheduled_steps``), and that is said. (A checkpoint from before
+    dschat recorded the steps per iteration: left as it is.)"""
     saved, now = checkpoint.get("steps_per_iteration"), optimizer_steps_per_iteration(args)
     if saved is None or saved == now:
         return
@@ -563,11 +565,20 @@ def realign_schedules(trainer, checkpoint, args):
     trained = {"actor": iteration - min(args.freezing_actor_steps, iteration), "critic": iteration}
     for name, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model)):
         if engine is not None:
-            move_scheduler(engine.lr_scheduler, trained[name] * now)
+            move_scheduler(engine.lr_scheduler, scheduled_steps(trained[name] * now, engine))
     print_rank_0(f"[step3] an iteration of this run takes {now} optimizer steps, its checkpoint's run's {saved} "
                  f"(--ppo_epochs, the training batch size, --gradient_accumulation_steps, --n_samples_per_prompt, "
                  f"--generation_batches): the learning-rate schedules continue from where this run's stand at "
                  f"iteration {iteration}")
+
+
+def scheduled_steps(taken, engine):
+    """Where ``engine``'s scheduler stands after ``taken`` optimizer steps: DeepSpeed does not move it on a step it
+    skipped (fp16's overflow, --align_overflow's, --mask_truncated_answers' for no token in the loss), so it lags by
+    the model's skips (its checkpoint's count, ``skipped_steps``), as a resume of the same steps per iteration keeps
+    it. Placed at ``taken`` alone, a resumed model's schedule jumped ahead by its own skips, and the actor's and the
+    critic's, which skip apart without --align_overflow, by different amounts."""
+    return max(taken - skipped_steps(engine), 0)
 
 
 def move_scheduler(scheduler, step):
