@@ -135,22 +135,32 @@ def test_a_misspelled_flag_fails_the_check(tmp_path, capsys):
         parsed_by_step("step2_rm", main_py_args(got), capsys)
 
 
-@pytest.mark.parametrize("step", sorted(PARSERS))
-def test_a_tiny_script_runs_train_pys_tiny_recipe(step, tmp_path, capsys):
-    """run_tiny.sh writes train.py's tiny recipe out as flags: a recipe changed in dschat/pipeline.py (what the README's
-    numbers come from) would leave the script training another run, unsaid. Each recipe flag parses to the same value
-    from the script as from the recipe."""
-    from dschat.pipeline import TINY_DPO_RECIPE, TINY_RECIPE
+# train.py's folders for the models a step starts from, and the tiny scripts' (each run from its step's folder)
+TINY_SCRIPT_MODELS = {"step1_sft": "../step1_sft/output/tiny", "step2_rm": "../step2_rm/output/tiny"}
+# where a tiny script and train.py differ by design: the script's own folders, and the launcher's --deepspeed
+PLACES = {"output_dir", "data_output_path", "tensorboard_path", "deepspeed"}
 
-    recipe = TINY_DPO_RECIPE if step == "step2_dpo" else TINY_RECIPE[int(step[4])]
+
+@pytest.mark.parametrize("step", sorted(PARSERS))
+def test_a_tiny_script_runs_train_pys_tiny_step(step, tmp_path, capsys, monkeypatch):
+    """run_tiny.sh writes out the step train.py's tiny default runs: a recipe changed in dschat/pipeline.py (what the
+    README's numbers come from), a flag train.py adds (dropout off) or the model a step starts from (step 2's reward
+    model from the SFT model, not a model from scratch) would leave the script training another run, unsaid. Every
+    flag parses to the same value from the script as from train.py's step, but for the folders."""
+    from dschat.pipeline import step_argv
+
+    monkeypatch.syspath_prepend(str(REPO))
+    import train
+
+    args = train.parse_args(["--recipe", "dpo"] if step == "step2_dpo" else [])
+    from_train_py = vars(PARSERS[step]().parse_args(step_argv(int(step[4]), args, tiny=True)))
     status, err, argv = launched(REPO / "training" / step / "training_scripts/tiny/run_tiny.sh", tmp_path)
     assert status == 0, err
     script = vars(parsed_by_step(step, main_py_args(argv), capsys))
-    flags = main_py_args(argv)
-    model = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c"] if step == "step3_ppo" else \
-        ["--model_name_or_path", "m"]
-    from_recipe = vars(PARSERS[step]().parse_args(recipe + model))
-    for token in recipe:
-        if token.startswith("--"):
-            dest = token[2:]
-            assert script[dest] == from_recipe[dest], (step, dest, script[dest], from_recipe[dest], flags)
+    for folder, script_folder in TINY_SCRIPT_MODELS.items():
+        train_py_folder = os.path.join(args.output_dir, folder)
+        from_train_py = {dest: script_folder if value == train_py_folder else value
+                         for dest, value in from_train_py.items()}
+    differ = {dest: (script[dest], value) for dest, value in from_train_py.items()
+              if dest not in PLACES and script[dest] != value}
+    assert not differ, f"{step}'s tiny script (left) and train.py's tiny default (right) differ: {differ}"
