@@ -515,29 +515,39 @@ def check_step3_prompts(flags, world_size):
         check_prompts_make_an_iteration(bound, flags, world_size, bound=True)
 
 
+def earlier_outputs_read(step, steps, args, parsed):
+    """(producer, folder) of each model folder of this run that ``step`` reads and an earlier step not run now
+    (``steps``) writes."""
+    paths = [getattr(parsed, name, None) for name in ("model_name_or_path", "actor_model_name_or_path")]
+    if step == 3 and (parsed.advantage_estimator == "gae" or parsed.reward_model_weight):
+        paths.append(parsed.critic_model_name_or_path)
+    return [(producer, path) for path in filter(None, paths)
+            for producer, folder in RECIPE_STEP_FOLDERS[getattr(args, "recipe", "ppo")].items()
+            if path == os.path.join(args.output_dir, folder) and producer not in steps]
+
+
 def check_earlier_outputs(step, steps, args, parsed):
     """A model folder an earlier step writes, when that step is not run now, must already be there and finished:
     otherwise the step would look the folder up on the hub and end in a traceback, or train from the model files an
     interrupted run of that step left."""
-    paths = [getattr(parsed, name, None) for name in ("model_name_or_path", "actor_model_name_or_path")]
-    if step == 3 and (parsed.advantage_estimator == "gae" or parsed.reward_model_weight):
-        paths.append(parsed.critic_model_name_or_path)
-    for path in filter(None, paths):
-        for producer, folder in RECIPE_STEP_FOLDERS[getattr(args, "recipe", "ppo")].items():
-            if path != os.path.join(args.output_dir, folder) or producer in steps:
-                continue
-            together = " ".join(map(str, sorted({producer, *steps})))
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
-                run = f"run step {producer} too (--step {together}) or first"
-            elif reason := unfinished_reason(path):
-                state, run = "did not finish", (f"{reason}. Run step {producer} again (--step {together}; with "
-                                                "--resume it goes on from its last checkpoint)")
-            else:
-                say_an_older_dschats_output(step, producer, path, together)
-                continue
-            raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: {run}"
-                                    + _other_ways(step, producer, args))
+    read = earlier_outputs_read(step, steps, args, parsed)
+    # (the hint names every earlier step that has no model here: `--step 3` in a new folder lacks steps 1 and 2, and
+    # a hint of `--step 1 3` only led to the next error)
+    absent = sorted({producer for producer, path in read if not os.path.isfile(os.path.join(path, "config.json"))})
+    for producer, path in read:
+        together = " ".join(map(str, sorted({producer, *steps})))
+        if producer in absent:
+            state = "holds no model (no config.json)" if os.path.isdir(path) else "does not exist"
+            run = (f"run step{'s' if len(absent) > 1 else ''} {' and '.join(map(str, absent))} too "
+                   f"(--step {' '.join(map(str, sorted({*absent, *steps})))}) or first")
+        elif reason := unfinished_reason(path):
+            state, run = "did not finish", (f"{reason}. Run step {producer} again (--step {together}; with "
+                                            "--resume it goes on from its last checkpoint)")
+        else:
+            say_an_older_dschats_output(step, producer, path, together)
+            continue
+        raise MissingInputError(f"step {step} reads {path}, step {producer}'s output, which {state}: {run}"
+                                + _other_ways(step, producer, args))
 
 
 def say_an_older_dschats_output(step, producer, path, together):

@@ -996,12 +996,14 @@ def test_train_py_without_an_earlier_steps_output_is_a_usage_error(tmp_path, dis
     from dschat.errors import MissingInputError
 
     out = str(tmp_path / "out")
-    for argv, missing in ((["--step", "3"], "step1_sft"), (["--step", "2", "3"], "step1_sft"),
-                          (["--recipe", "dpo", "--step", "2"], "step1_sft"), (["--recipe", "grpo", "--step", "3"],
-                                                                              "step1_sft")):
-        together = " ".join(sorted({"1", *argv[argv.index("--step") + 1:]}))  # the hint keeps the steps asked for
-        with pytest.raises(MissingInputError, match=f"reads {out}/{missing}, step 1's output, which does not exist: "
-                                                    f"run step 1 too \\(--step {together}\\)"):
+    # the hint keeps the steps asked for and adds every earlier one whose output is missing: `--step 3` in a new
+    # folder lacks step 2's reward model too (a hint of `--step 1 3` led to that error next)
+    for argv, run in ((["--step", "3"], "steps 1 and 2 too \\(--step 1 2 3\\)"),
+                      (["--step", "2", "3"], "step 1 too \\(--step 1 2 3\\)"),
+                      (["--recipe", "dpo", "--step", "2"], "step 1 too \\(--step 1 2\\)"),
+                      (["--recipe", "grpo", "--step", "3"], "step 1 too \\(--step 1 3\\)")):
+        with pytest.raises(MissingInputError, match=f"reads {out}/step1_sft, step 1's output, which does not exist: "
+                                                    f"run {run} or first"):
             pipeline.run_pipeline(_train_py_args("--output-dir", out, *argv))
     with pytest.raises(MissingInputError, match="run step 1 too .*the tiny default's reward model starts from the "
                                                 "SFT model; --reward-model naming another model than --actor-model "
