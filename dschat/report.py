@@ -81,7 +81,8 @@ def build_report(output_dir, timings, recipe="ppo", steps_run=None, rm_from_sft=
     if step3:
         before, after = step3.get("eval_before") or {}, step3.get("eval_after") or {}
         report["held_out"] = {
-            **{name: {key: result.get(key) for key in ("reward_mean", "rule_score_mean", "reward_fn_mean")}
+            **{name: {key: result.get(key) for key in ("reward_mean", "rule_score_mean", "reward_fn_mean",
+                                                       "empty_answers")}
                for name, result in (("sft_policy", before), ("ppo_policy", after))},
             "prompts": after.get("prompts"),
         }
@@ -236,6 +237,14 @@ def final_kl_loss_said(report):
     return ", " + final_kl_said(kl_loss, f"kl_loss ({estimator})" if estimator else "kl_loss")
 
 
+def empty_answers_said(empty, prompts):
+    """The held-out answers that are empty, said where there are any: a policy that ends its answers at once gets a
+    rule score of 0 and the reward model's score of an empty answer, which the means alone leave unexplained."""
+    if not empty:
+        return ""
+    return f"{empty} of {counted(prompts, 'answer')} empty" if prompts else f"{counted(empty, 'empty answer')}"
+
+
 def summary_lines(report):
     lines = ["==== dschat report ===="]
     said = {step: f"{step}: {seconds:.1f} s" + (" (resumed: the earlier run's time up to its checkpoint included)"
@@ -265,7 +274,8 @@ def summary_lines(report):
             r = held[name]
             scores = (("reward", "reward_mean"), ("rule score", "rule_score_mean"), ("reward_fn", "reward_fn_mean"))
             parts = [f"{label} {r[key]:.4f}" for label, key in scores if r.get(key) is not None]
-            lines.append(f"held-out {said_as}: {', '.join(parts) or 'no held-out prompts, so no score'}")
+            parts += [empty_answers_said(r.get("empty_answers"), held.get("prompts"))]
+            lines.append(f"held-out {said_as}: {', '.join(filter(None, parts)) or 'no held-out prompts, so no score'}")
         curve = report.get("step3_curve", {})
         if curve.get("kl"):
             lines.append(f"{algorithm}: {counted(report['step3_iterations'], 'iteration')}, "

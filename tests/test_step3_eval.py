@@ -223,3 +223,26 @@ def test_the_held_out_line_leaves_out_scores_no_source_gave():
 
     line = _eval_line({"reward_mean": None, "reward_fn_mean": 0.5, "prompts": 4, "examples": [{"answer": "x"}]})
     assert "reward_fn_mean" in line and "prompts" in line and "None" not in line and "reward_mean" not in line
+
+
+def test_empty_held_out_answers_are_counted_and_said(tokenizer):
+    """A policy that ends its answers at once (a short step 1 of a real model: EOS the most likely first token) read
+    "rule score 0.0000" in the report and eval.py with nothing to say why; the held-out evaluation now counts its
+    empty answers (padding rows left out, as the means leave them), and the report and eval.py say them."""
+    from dschat.report import summary_lines
+    from dschat.tools.ppo_eval import summary_line
+
+    collate = DataCollatorRLHF(8, pad_token_id=tokenizer.pad_token_id)
+    weighted = [{**item, "eval_weight": w} for item, w in zip(prompts(3), (1.0, 1.0, 0.0))]
+    empty = evaluate_policy(fake_generate([tokenizer.eos_token_id, tokenizer.pad_token_id]),
+                            SimpleNamespace(module=FakeReward()), tokenizer, [collate(weighted)], "cpu", 2,
+                            lambda p, t: float(bool(t)))
+    assert empty["prompts"] == 2 and empty["empty_answers"] == 2 and empty["rule_score_mean"] == 0.0
+    answered = evaluate([collate(weighted)], tokenizer)
+    assert answered["empty_answers"] == 0
+    held = {"sft_policy": answered, "ppo_policy": empty, "prompts": 2}
+    lines = summary_lines({"timings_s": {}, "held_out": held})
+    assert "held-out PPO policy: reward 0.5000, rule score 0.0000, 2 of 2 answers empty" in lines
+    assert "held-out SFT policy: reward 0.5000, rule score 5.0000" in lines  # (none empty: nothing said)
+    assert summary_line("policy", {**empty, "path": "p"}).endswith("over 2 prompts, 2 of 2 answers empty (p)")
+    assert summary_line("policy", {**answered, "path": "p"}).endswith("over 2 prompts (p)")

@@ -37,7 +37,8 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
                     max_prompts=None, keep_examples=4, synced_gpus=False, pad_to_multiple_of=1, reward_fn=None,
                     eos_token_id=None):
     """Mean reward-model score, rule score and ``--reward_fn`` score of greedy answers to the prompts of ``loader``
-    (all ranks).
+    (all ranks), and how many of the answers are empty (``empty_answers``: ended before any text; the means score
+    them as such, e.g. a rule score of 0, and do not say why).
 
     ``generate`` is the actor's generate (hybrid engine or HF), ``reward_model`` the frozen reward engine (or None),
     ``reward_fn`` step 3's reward function (or None): each reported unweighted, as ``reward_mean`` and
@@ -48,7 +49,7 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
     ``eos_token_id``: the id(s) answers stop at (step 3's ``answer_stop_ids``); default the tokenizer's EOS.
     """
     eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # reward sum, rule sum, count, reward_fn sum
+    totals = torch.zeros(5, dtype=torch.float64, device=device)  # reward, rule, count, reward_fn sums, empty answers
     examples, seen = [], 0
     for batch in loader:
         if max_prompts and seen >= max_prompts:
@@ -70,7 +71,9 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
         reward_sum = torch.where(w > 0, scores * w, 0.0).sum().item()  # a padding row's nan/inf stays out too
         rule_sum = sum(r * x for r, x in zip(rules, weights) if x > 0)
         fn_sum = sum(f * x for f, x in zip(fn_scores, weights) if x > 0)
-        totals += torch.tensor([reward_sum, rule_sum, sum(weights), fn_sum], dtype=torch.float64, device=device)
+        empty = sum(x for t, x in zip(texts, weights) if x > 0 and not t.strip())
+        totals += torch.tensor([reward_sum, rule_sum, sum(weights), fn_sum, empty], dtype=torch.float64,
+                               device=device)
         examples += [{"prompt": p, "answer": t, "reward": s if reward_model is not None else None,
                       **({"rule_score": r} if rule_scorer else {}), **({"reward_fn": f} if reward_fn else {})}
                      for p, t, s, r, f, x in zip(batch["prompt_text"], texts, scores.tolist(), rules, fn_scores,
@@ -88,6 +91,7 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
         result["rule_score_mean"] = mean(1, True)
     if reward_fn:
         result["reward_fn_mean"] = mean(3, True)
+    result["empty_answers"] = round(totals[4].item())  # (last: the held-out line says the scores first)
     return result
 
 

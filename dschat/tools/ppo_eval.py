@@ -120,7 +120,11 @@ def summary_line(role, result):
         return f"{role:8s} no held-out prompts, so no score ({result['path']})"
     scores = [f"{key} {result[key]:+.4f}" if key != "rule_score_mean" else f"{key} {result[key]:.4f}"
               for key in ("reward_mean", "reward_fn_mean", "rule_score_mean") if result.get(key) is not None]
-    return f"{role:8s} {', '.join(scores)} over {counted(result['prompts'], 'prompt')} ({result['path']})"
+    from dschat.report import empty_answers_said
+
+    empty = empty_answers_said(result.get("empty_answers"), result["prompts"])
+    return (f"{role:8s} {', '.join(scores)} over {counted(result['prompts'], 'prompt')}"
+            f"{', ' + empty if empty else ''} ({result['path']})")
 
 
 def print_results(results):
