@@ -1003,6 +1003,28 @@ def test_chat_says_an_answer_cut_at_max_new_tokens(session, models, monkeypatch,
     assert printed[-1] == "Assistant: Red." and not session.cut
 
 
+def test_chat_and_prompt_eval_say_an_empty_answer(session, monkeypatch, capsys):
+    """An answer with no text (a policy that writes its EOS first) was printed as "Assistant: " and nothing, or in
+    prompt_eval as a blank line under the model's header, as if the output were lost; it is now said."""
+    from dschat.tools import chat
+    from dschat.tools.records import prompt_record
+
+    monkeypatch.setattr(chat, "generate_answers_and_cuts", lambda *a: ([""], [False]))
+    lines, printed = iter(["Name a color.", "quit"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append)
+    assert printed[-2:] == ["Assistant: ", "(an empty answer: the model ended it before any text)"]
+    monkeypatch.setattr(chat, "generate_answers_and_cuts", lambda *a: (["Red."], [False]))
+    lines, printed = iter(["Name a color.", "quit"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append)
+    assert printed[-1] == "Assistant: Red."  # (an answer with text: nothing more said)
+    prompt_eval.print_comparison([prompt_record("Name a color.", "--prompts")], {"baseline": "b", "finetune": "f"},
+                                 {"baseline": ["Red."], "finetune": [" "]}, None, {"baseline": [False],
+                                                                                "finetune": [False]}, 6)
+    out = capsys.readouterr().out
+    assert "--- baseline (b):\nRed.\n" in out
+    assert "--- finetune (f):   [an empty answer: the model ended it before any text]\n" in out
+
+
 def test_chat_one_shot_prints_the_answer_and_exits(models, session, tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -20,6 +20,8 @@ from dschat.tiny.presets import is_tiny_preset
 # its policy ("policy"), and that one is taken when it is there.
 POLICY_SUBFOLDERS = (PPO_ACTOR_DIR, ACTOR_DIR, DPO_DIR, SFT_DIR)
 REWARD_SUBFOLDERS = (RM_DIR,)
+# what chat.py and prompt_eval say of an answer with no text, which they printed as a blank line
+EMPTY_ANSWER = "an empty answer: the model ended it before any text"
 
 
 def one_process(main):
