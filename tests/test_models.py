@@ -109,6 +109,25 @@ def test_a_reward_model_reads_its_backbones_hidden_states_at_their_measured_widt
         assert torch.allclose(critic.end_scores(ids, torch.ones_like(ids)), critic.v_head(hidden)[:, -1, 0])
 
 
+def test_measuring_the_width_leaves_an_rwkv_backbones_weights_as_loaded(tmp_path):
+    """RWKV (``rescale_every``) divides some weights in place at a forward in eval mode (transformers' scaling for
+    inference, undone at its next training forward): the width probe left a loaded reward model's weights divided, so
+    whatever read them before a training forward took them so (DeepSpeed's fp32 master weights at ZeRO 1-2 kept them
+    divided for good, the first optimizer step writing them back)."""
+    torch.manual_seed(0)
+    sft = AutoModelForCausalLM.from_config(_rwkv_config(rescale_every=1)).eval()  # (block 1's weights: / 2)
+    save_causal_lm(sft, _Tok(), str(tmp_path / "sft"))
+    critic = create_critic_model(str(tmp_path / "sft"), None)
+    loaded = critic.rwtransformer.state_dict()
+    for name, saved in sft.rwkv.state_dict().items():
+        assert torch.equal(loaded[name], saved), name
+    critic.eval()  # (and it scores as transformers' RWKV does in eval mode, which rescales them itself)
+    ids = torch.randint(3, 96, (1, 5))
+    with torch.no_grad():
+        hidden = sft.rwkv(input_ids=ids)[0]
+        assert torch.allclose(critic.end_scores(ids, torch.ones_like(ids)), critic.v_head(hidden)[:, -1, 0])
+
+
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
     """Where the width cannot be measured (ZeRO-3-partitioned weights: here the probe is made to fail), the head takes
     the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""
@@ -153,11 +172,11 @@ def test_reward_score_is_independent_of_padding_side(family):
     assert torch.allclose(s_plain, s_left, atol=1e-5)
 
 
-def _rwkv_config():  # recurrent layers that read no attention mask
+def _rwkv_config(**settings):  # recurrent layers that read no attention mask
     from transformers import RwkvConfig
 
     return RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
-                      intermediate_size=64, context_length=64, bos_token_id=None, eos_token_id=None)
+                      intermediate_size=64, context_length=64, bos_token_id=None, eos_token_id=None, **settings)
 
 
 @pytest.mark.parametrize("family", ["rwkv", "llama"])

@@ -578,9 +578,10 @@ def configured_hidden_width(config):
 
 def measured_hidden_width(backbone):
     """The width of ``backbone``'s last hidden state, which the value head reads, from a forward over two tokens (in
-    eval mode, each module's mode restored after); None where it cannot be measured so (weights ZeRO-3-partitioned
-    or on the meta device; a forward that fails on the probe): then ``configured_hidden_width``. Reformer's is two
-    streams concatenated, twice its config's hidden_size, which no config field says."""
+    eval mode, each module's mode restored after, and RWKV's weights, ``undo_inference_rescaling``); None where it
+    cannot be measured so (weights ZeRO-3-partitioned or on the meta device; a forward that fails on the probe): then
+    ``configured_hidden_width``. Reformer's is two streams concatenated, twice its config's hidden_size, which no
+    config field says."""
     from dschat.models.zero3 import is_zero3_param
 
     params = list(backbone.parameters())
@@ -588,6 +589,8 @@ def measured_hidden_width(backbone):
         return None
     device = params[0].device
     modes = {module: module.training for module in backbone.modules()}
+    rescaled = {module: module.layers_are_rescaled for module in backbone.modules()
+                if hasattr(module, "layers_are_rescaled") and hasattr(module, "_rescale_layers")}
     try:
         with torch.no_grad():
             backbone.eval()
@@ -598,6 +601,20 @@ def measured_hidden_width(backbone):
         return None
     finally:
         for module, training in modes.items():
+            module.training = training
+        undo_inference_rescaling(rescaled)
+
+
+def undo_inference_rescaling(before):
+    """RWKV's (``rescale_every``) weights as they were before a forward in eval mode (``before``: each such module's
+    ``layers_are_rescaled`` then), which divided some of them in place (transformers' scaling for inference, undone
+    only at its next training forward): left divided by the width probe, they were what DeepSpeed's fp32 master copy
+    (ZeRO 1-2) took, for good. Scaled back as transformers does, by a power of 2: exactly."""
+    for module, was in before.items():
+        if module.layers_are_rescaled != was:
+            training = module.training
+            module.training = not was  # (``_rescale_layers`` scales towards its module's mode)
+            module._rescale_layers()
             module.training = training
 
 
