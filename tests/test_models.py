@@ -128,6 +128,21 @@ def test_measuring_the_width_leaves_an_rwkv_backbones_weights_as_loaded(tmp_path
         assert torch.allclose(critic.end_scores(ids, torch.ones_like(ids)), critic.v_head(hidden)[:, -1, 0])
 
 
+def test_measuring_the_width_leaves_a_quantized_rwkv_as_transformers_leaves_it():
+    """An 8-bit RWKV (bitsandbytes: its weights carry their scales, ``SCB``) has its scales divided at a forward in eval
+    mode, and transformers' way back multiplies the int8 weights themselves: the probe does not take it."""
+    from dschat.models.reward_model import measured_hidden_width
+
+    backbone = AutoModel.from_config(_rwkv_config(rescale_every=1)).eval()
+    for block in backbone.blocks:  # (the scales bitsandbytes keeps on an Int8Params weight)
+        for linear in (block.attention.output, block.feed_forward.value):
+            linear.weight.SCB = torch.ones(linear.weight.shape[0])
+    weights = {name: p.detach().clone() for name, p in backbone.named_parameters()}
+    assert measured_hidden_width(backbone) == 32
+    assert all(torch.equal(p, weights[name]) for name, p in backbone.named_parameters())
+    assert torch.equal(backbone.blocks[1].attention.output.weight.SCB, torch.full((32,), 0.5))
+
+
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
     """Where the width cannot be measured (ZeRO-3-partitioned weights: here the probe is made to fail), the head takes
     the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""

@@ -609,9 +609,12 @@ def undo_inference_rescaling(before):
     """RWKV's (``rescale_every``) weights as they were before a forward in eval mode (``before``: each such module's
     ``layers_are_rescaled`` then), which divided some of them in place (transformers' scaling for inference, undone
     only at its next training forward): left divided by the width probe, they were what DeepSpeed's fp32 master copy
-    (ZeRO 1-2) took, for good. Scaled back as transformers does, by a power of 2: exactly."""
+    (ZeRO 1-2) took, for good. Scaled back as transformers does, by a power of 2: exactly. A bitsandbytes-quantized
+    one is left as it is: transformers divided its quantization scales, and its way back multiplies the quantized
+    weights themselves."""
     for module, was in before.items():
-        if module.layers_are_rescaled != was:
+        quantized = any(hasattr(p, "SCB") or hasattr(p, "quant_state") for p in module.parameters())
+        if module.layers_are_rescaled != was and not quantized:
             training = module.training
             module.training = not was  # (``_rescale_layers`` scales towards its module's mode)
             module._rescale_layers()
