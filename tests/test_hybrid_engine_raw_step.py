@@ -322,3 +322,27 @@ def test_dschat_check_weights_finds_a_write_through_p_data_says_it_and_refreshes
                                             r"\.v_proj\.weight.*mark_weights_stale"):
         assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
     assert weights.refresh_count == 2
+
+
+@pytest.mark.parametrize("through", ["hybrid_engine", "raw_deepspeed_engine"])
+def test_dschat_check_weights_says_nothing_of_an_optimizer_steps_own_writes(through, monkeypatch):
+    """DeepSpeed's optimizer steps write the weights through .data (ZeRO-2's here), leaving no write mark: with
+    DSCHAT_CHECK_WEIGHTS=1 the generation after each step compared checksums too, and warned that the step's own
+    writes were unseen ones (every PPO iteration of a run, making the warning meaningless). A copy a step already made
+    stale is refreshed without that check; the next generation from the stepped weights is right and says nothing."""
+    import warnings
+
+    monkeypatch.setenv("DSCHAT_CHECK_WEIGHTS", "1")
+    model = _lora_model(seed=17)
+    ds_engine = make_ds_engine(model, 2)
+    engine = _hybrid(ds_engine)
+    weights = engine.inference_weights
+    ids, mask = left_padded_batch([5, 2, 6], seed=17)
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    train_step(engine if through == "hybrid_engine" else ds_engine, first)
+    expected = hf_generate(model, ids, mask, MAX_NEW)
+    assert not torch.equal(expected, first), "the step changed no answer: the test could not see stale weights"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+    assert weights.refresh_count == 2

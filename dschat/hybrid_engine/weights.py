@@ -236,7 +236,12 @@ class InferenceCopy(InferenceWeights):
         return [write_mark(p) for c in self.copies for p in c.training_params()]
 
     def follow_writes(self):
-        if self._marks_at_refresh is not None and self._source_marks() != self._marks_at_refresh:
+        # A copy already stale (an optimizer step, a load, mark_stale) is refreshed anyway, and its refresh records the
+        # sources afresh: looking further would only take that step's own writes (DeepSpeed's go through .data and
+        # leave no mark) for DSCHAT_CHECK_WEIGHTS's unseen ones.
+        if self.is_stale or self._marks_at_refresh is None:
+            return
+        if self._source_marks() != self._marks_at_refresh:
             self.mark_stale()
         elif self._checks_weights and self._checksums_at_refresh is not None:
             self._find_unmarked_writes()
