@@ -108,6 +108,30 @@ def record_applied_steps(monkeypatch):
     return applied
 
 
+def count_copy_refreshes(set_attribute):
+    """{"refreshes": refreshes of a hybrid engine's inference copy (a LoRA merge, a gather of the whole actor under
+    ZeRO-3: real time on a GPU), "by_writes": generations whose copy an in-place write into the actor's parameters made
+    stale where no step, load or mark had}, counted from now on. ``set_attribute``: a test's monkeypatch.setattr, or
+    setattr in a launched script."""
+    from dschat.hybrid_engine.weights import InferenceCopy
+
+    counts = {"refreshes": 0, "by_writes": 0}
+    refresh, follow_writes = InferenceCopy._refresh, InferenceCopy.follow_writes
+
+    def counted_refresh(self):
+        counts["refreshes"] += 1
+        refresh(self)
+
+    def counted_follow_writes(self):
+        fresh = not self.is_stale
+        follow_writes(self)
+        counts["by_writes"] += int(fresh and self.is_stale)
+
+    set_attribute(InferenceCopy, "_refresh", counted_refresh)
+    set_attribute(InferenceCopy, "follow_writes", counted_follow_writes)
+    return counts
+
+
 def engines_made(monkeypatch):
     """A list that gets a weak reference to each DeepSpeed engine ``deepspeed.initialize`` makes: a dead one is an
     engine that Python could free."""

@@ -13,7 +13,8 @@ import torch
 from dschat.args import step1_parser, step3_parser
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
-from helpers import PPO_FAST, RM_FAST, SFT_FAST, engines_alive, engines_made, spy_on_empty_query_rows
+from helpers import (PPO_FAST, RM_FAST, SFT_FAST, count_copy_refreshes, engines_alive, engines_made,
+                     spy_on_empty_query_rows)
 from launch import REPO, run_deepspeed
 
 
@@ -2284,6 +2285,36 @@ def test_step3_with_zero3_on_two_ranks_and_different_answer_lengths(trained, tmp
     if tp == 2:
         assert ("generates from a persistent copy of the weights, refreshed after each optimizer step, each rank its "
                 "slice: inference tensor-parallel groups of 2 ranks") in proc.stdout
+
+
+# Step 3 generates from one set of weights per PPO iteration: the held-out evaluation before PPO, the first rollout, a
+# refresh after each iteration's actor steps (the next rollout, the evaluation after PPO). What dschat itself does
+# between generations (the EMA's gather, gradient checkpointing, PPO-ptx's step, a checkpoint's gather, the critic)
+# must not look like an in-place write into the actor (weights.write_mark): a refresh per generation batch would cost
+# a LoRA merge, or a gather of the whole actor under ZeRO-3, each time.
+REFRESH_RUNS = {"lora": ["--actor_lora_dim", "4", "--enable_ema", "--actor_gradient_checkpointing",
+                         "--generation_batches", "2", "--print_answers", "--unsupervised_dataset_name", "tiny"],
+                "zero3_grpo": ["--actor_zero_stage", "3", "--enable_ema", "--advantage_estimator", "grpo",
+                               "--n_samples_per_prompt", "2", "--save_interval", "1"]}
+
+
+@pytest.mark.parametrize("run", sorted(REFRESH_RUNS))
+def test_step3_refreshes_the_hybrid_engines_copy_once_per_iteration_and_never_for_its_own_writes(trained, tmp_path,
+                                                                                                monkeypatch, run):
+    counts = count_copy_refreshes(monkeypatch.setattr)
+    ppo.main(ppo_args(trained, tmp_path / "ppo", "--enable_hybrid_engine", "--max_steps", "3", *REFRESH_RUNS[run]))
+    assert counts == {"refreshes": 3 + 1, "by_writes": 0}
+
+
+@pytest.mark.multirank
+def test_step3_with_zero3_on_two_ranks_refreshes_once_per_iteration_and_never_for_its_own_writes(trained, tmp_path):
+    """As above on 2 ranks, where the ranks also agree on the staleness at each generation: a LoRA actor under ZeRO-3
+    with the EMA, PPO-ptx, --print_answers, two generation batches and the held-out evaluation."""
+    proc = run_deepspeed(REPO / "tests" / "scripts" / "step3_refreshes.py", *ppo_args(
+        trained, tmp_path / "ppo", "--enable_hybrid_engine", "--max_steps", "3", "--zero_stage", "3",
+        *REFRESH_RUNS["lora"]), timeout=600)
+    for rank in (0, 1):
+        assert f"rank {rank} refreshes=4 by_writes=0" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch):
