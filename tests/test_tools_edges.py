@@ -692,10 +692,29 @@ def test_a_name_that_is_no_data_reads_the_same_in_rw_eval_with_data_split_as_wit
     monkeypatch.chdir(tmp_path)
     said = []
     for split in ([], ["--data_split", "2,4,4"]):
-        with pytest.raises(MissingInputError, match=r"^--pairs_file nope: no local data file or folder there") as error:
+        with pytest.raises(MissingInputError, match=r"^--pairs_file nope: no such file, folder or dataset") as error:
             rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "nope", *split])
         said.append(str(error.value))
     assert said[0] == said[1]
+
+
+def test_a_name_that_is_no_hub_dataset_is_not_told_to_download_it(tmp_path, monkeypatch):
+    """The tools told a name that is no file and no hub dataset (``nope``) to "give its download, hf download
+    --repo-type dataset NAME ...": the advice is for a hub dataset's name (ORG/NAME, as all dschat reads are)."""
+    from dschat.tools.records import load_phase_held_out, load_records
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("nope", "rm-static", "Dahoas/rm-static "):
+        for read in (lambda: load_records(name, flag="--prompts_file"),
+                     lambda: load_phase_held_out(name, None, "2,4,4", 1234, 2, flag="--prompts_file")):
+            with pytest.raises(MissingInputError) as error:
+                read()
+            assert str(error.value).startswith(f"--prompts_file {name}: no such file, folder or dataset (the tools "
+                                               "read local data")
+            assert "hf download" not in str(error.value)
+    for name in ("Dahoas/rm-static", "acme/pairs"):  # (a hub dataset's name keeps the advice)
+        with pytest.raises(MissingInputError, match=r"give its download, hf download --repo-type dataset NAME"):
+            load_records(name, flag="--prompts_file")
 
 
 def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scored_with(tmp_path, monkeypatch):

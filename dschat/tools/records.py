@@ -1,5 +1,6 @@
 """Prompts (and answers) for the tools: from the command line, from a local file, or the tiny held-out data."""
 import os
+import re
 from dataclasses import dataclass
 from itertools import islice
 
@@ -57,10 +58,23 @@ def check_local_data_there(spec, flag=None):
 
 def no_local_data(path, flag=None):
     """The error for a tool's data (``flag``'s) that is no local file or folder: "no data file at Dahoas/rm-static"
-    named neither the flag nor why a dataset that training reads by its hub name is none here."""
+    named neither the flag nor why a dataset that training reads by its hub name is none here. The advice to download
+    it is for a hub dataset's name alone (one dschat knows, or ORG/NAME): ``nope`` was told to download it too."""
+    if not looks_like_hub_dataset(path):
+        return MissingInputError(f"{given_as(flag, path)}: no such file, folder or dataset (the tools read local "
+                                 "data: a .jsonl/.json/.parquet/.csv file, a folder of them, TYPE:PATH, "
+                                 "local/jsonfile or tiny)")
     return MissingInputError(f"{given_as(flag, path)}: no local data file or folder there (the tools read "
                              "local data; a hub dataset by name only in training: give its download, hf download "
                              "--repo-type dataset NAME --local-dir DIR)")
+
+
+# a hub dataset's name, ORG/NAME (letters, digits, '-', '_', '.'), as every one dschat reads (HUB_DATASETS) is
+_HUB_DATASET_NAME = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def looks_like_hub_dataset(name):
+    return _HUB_DATASET_NAME.fullmatch(name) is not None
 
 
 def local_data_source(spec, flag=None):
