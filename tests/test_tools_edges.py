@@ -789,3 +789,36 @@ def test_run_script_ends_with_the_int_main_returns_and_0_for_its_results(monkeyp
     monkeypatch.setattr(cli, "end_distributed", lambda **_: None)  # (this test process's group is the next tests')
     cli.run_script(lambda: returned)
     assert left == [status]
+
+
+def test_a_save_to_disk_copy_under_a_hub_name_is_read_by_the_tools_as_training_reads_it(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A save_to_disk folder under a hub dataset's name (./Dahoas/rm-static: DeepSpeed-Chat's offline copy), which
+    training reads with that dataset's reader, was read by the tools as local data (a hub dataset's columns, SHP's,
+    not read at all) and refused with --data_split ("no local data file or folder there"); its eval part, the hub's
+    "test" split, was said to be "the 10% --seed holds out"."""
+    from datasets import Dataset, DatasetDict
+
+    from dschat.tools.records import load_phase_held_out, load_records
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
+             "chosen": f" Answer {i}.", "rejected": " No."} for i in range(30)]
+    DatasetDict({"train": Dataset.from_list(rows[:20]),
+                 "test": Dataset.from_list(rows[20:])}).save_to_disk("Dahoas/rm-static")
+    records = load_records("Dahoas/rm-static", flag="--pairs_file")
+    assert [r.chosen for r in records] == [f"Answer {i}." for i in range(20, 30)]
+    assert "10 records of Dahoas/rm-static (its test split)" in capsys.readouterr().out
+    held_out = load_phase_held_out("Dahoas/rm-static", None, "2,4,4", 1234, 2, flag="--pairs_file")
+    assert len(held_out) == 4 and {r.chosen for r in held_out} <= {f"Answer {i}." for i in range(20, 30)}
+    assert held_out[0].messages == [{"role": "user", "content": held_out[0].chosen.replace("Answer", "Question")
+                                     .replace(".", "?")}]
+    assert "phase 2's share by --data_split 2,4,4 of its test split" in capsys.readouterr().out
+
+    shp = [{"history": f"Post {i}", "human_ref_A": f"A{i}", "human_ref_B": f"B{i}", "labels": i % 2}
+           for i in range(6)]
+    DatasetDict({"train": Dataset.from_list(shp[:3]), "validation": Dataset.from_list(shp[3:4]),
+                 "test": Dataset.from_list(shp[4:])}).save_to_disk("stanfordnlp/SHP")
+    (record,) = load_records("stanfordnlp/SHP", flag="--prompts_file")
+    assert (record.messages, record.chosen, record.rejected) == ([{"role": "user", "content": "Post 3"}], "A3", "B3")
+    assert "1 record of stanfordnlp/SHP (its validation split)" in capsys.readouterr().out

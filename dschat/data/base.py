@@ -66,6 +66,8 @@ class PromptRawDataset:
     strict = False             # True: a bad record is an error (local files); False: counted and skipped
     has_answers = True         # False: prompt-only data, usable in step 3 only
     margin_field = MARGIN_FIELD  # the column of a preference record's margin (``get_margin``)
+    # the data's own eval split, which ``get_eval_data`` reads ("test"); None: it has none, and the seed holds out 10%
+    eval_split = None
 
     def __init__(self, output_path, seed, local_rank, dataset_name=None, raw_datasets=None):
         """``raw_datasets`` injects an already-loaded DatasetDict (tests, offline copies) instead of
@@ -98,6 +100,11 @@ class PromptRawDataset:
 
     def get_eval_data(self):
         raise NotImplementedError
+
+    def own_eval_data(self):
+        """The data's own eval split (``eval_split``), else None (``get_eval_data`` is then the 10% the seed holds
+        out of its train split)."""
+        return None if self.eval_split is None else self.raw_datasets[self.eval_split]
 
     # --- structured accessors (what dschat's pipeline uses) ---
     def get_conversation(self, sample):

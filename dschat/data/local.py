@@ -1431,6 +1431,11 @@ class LocalDataset(PromptRawDataset):
         super().__init__(output_path, seed, local_rank, dataset_name=source.spec, raw_datasets=None)
 
     @property
+    def eval_split(self):
+        """Its eval file's (or save_to_disk split's), read as the split "eval"; None where it has none."""
+        return None if self.raw_datasets["eval"] is None else "eval"
+
+    @property
     def renames_record_fields(self):
         """Whether --data_fields renames a field of the records' shape (a tools=, label= or system= column alone kept
         ShareGPT's conversations from being read: "no 'prompt', 'messages' or 'chosen' field")."""

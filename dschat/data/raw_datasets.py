@@ -34,13 +34,14 @@ class _PromptChosenRejectedTranscripts(PromptRawDataset):
 
     The DeepSpeed-Chat string methods return the columns verbatim, exactly as DeepSpeed-Chat does.
     """
+    eval_split = "test"
     used_columns = ("prompt", "response", "chosen", "rejected")
 
     def get_train_data(self):
         return self.raw_datasets["train"]
 
     def get_eval_data(self):
-        return self.raw_datasets["test"]
+        return self.own_eval_data()
 
     def get_conversation(self, sample):
         return conversation_from_transcript(required_text(sample, "prompt"), "prompt")
@@ -106,13 +107,14 @@ class YitingxieRlhfrewarddatasetsDataset(PromptRawDataset):
     ("Assistant: answer"); splits train, test."""
     dataset_name = "yitingxie/rlhf-reward-datasets"
     dataset_name_clean = "yitingxie_rlhf_reward_datasets"
+    eval_split = "test"
     used_columns = ("prompt", "chosen", "rejected")
 
     def get_train_data(self):
         return self.raw_datasets["train"]
 
     def get_eval_data(self):
-        return self.raw_datasets["test"]
+        return self.own_eval_data()
 
     def get_conversation(self, sample):
         return conversation_from_transcript(required_text(sample, "prompt"), "prompt")
@@ -195,13 +197,14 @@ class StanfordnlpSHPDataset(PromptRawDataset):
     test."""
     dataset_name = "stanfordnlp/SHP"
     dataset_name_clean = "stanfordnlp_SHP"
+    eval_split = "validation"
     used_columns = ("history", "human_ref_A", "human_ref_B", "labels")
 
     def get_train_data(self):
         return self.raw_datasets["train"]
 
     def get_eval_data(self):
-        return self.raw_datasets["validation"]
+        return self.own_eval_data()
 
     def get_conversation(self, sample):
         return [{"role": "user", "content": required_text(sample, "history")}]
@@ -218,13 +221,14 @@ class AnthropicHhrlhfDataset(PromptRawDataset):
     Assistant turn is the answer (the turns before it are the shared prompt); splits train, test."""
     dataset_name = "Anthropic/hh-rlhf"
     dataset_name_clean = "Anthropic_hh_rlhf"
+    eval_split = "test"
     used_columns = ("chosen", "rejected")
 
     def get_train_data(self):
         return self.raw_datasets["train"]
 
     def get_eval_data(self):
-        return self.raw_datasets["test"]
+        return self.own_eval_data()
 
     def get_conversation(self, sample):
         return answer_from_transcript(required_text(sample, "chosen"), "chosen")[0]

@@ -99,16 +99,42 @@ def load_records(path, data_fields=None, limit=None, flag=None):
     So data is accepted here exactly when training accepts it (prompt/chosen/rejected strings, message lists,
     transcripts, TRL's preference format, renamed fields). ``tiny`` is the embedded held-out data.
     """
-    from dschat.data.local import LocalDataset
-
-    source = local_data_source(str(EVAL_FILE) if str(path) == TINY_NAME else str(path), flag)
-    raw = LocalDataset(source, output_path=None, seed=0, local_rank=-1,
-                       field_options=file_field_options(data_fields, path))
-    held_out = raw.raw_datasets["eval"]
+    spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
+    raw = tool_raw_dataset(spec, file_field_options(data_fields, path), 0, flag)
+    held_out = raw.own_eval_data()
     samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
-    part = " (its eval part)" if held_out is not None else ""
+    part = f" ({eval_part_said(raw)})" if held_out is not None else ""
     print(f"[dschat] {counted(len(samples), 'record')} of {path}{part}")
     return [as_record(raw, sample) for sample in samples]
+
+
+def tool_raw_dataset(spec, field_options, seed, flag=None):
+    """The raw dataset of a tool's data ``spec`` (``flag``'s), read as training reads it: a save_to_disk copy under a
+    hub dataset's name (DeepSpeed-Chat's offline ``./Dahoas/rm-static``) by that dataset's own reader, its columns
+    and its test split (the tools read it as local data, TRL's fields, or refused it with --data_split); ``tiny``
+    as the embedded data; else local data (``local_data_source``)."""
+    from dschat.data.local import LocalDataset, tiny_source
+    from dschat.data.raw_datasets import HUB_DATASETS
+
+    if is_saved_hub_copy(spec):
+        return HUB_DATASETS[spec](None, seed, -1)
+    source = tiny_source() if spec == TINY_NAME else local_data_source(spec, flag)
+    return LocalDataset(source, output_path=None, seed=seed, local_rank=-1, field_options=field_options)
+
+
+def is_saved_hub_copy(spec):
+    """Whether ``spec`` is a hub dataset's name that a save_to_disk folder here holds (``PromptRawDataset.load``
+    reads it so in training). A folder of another layout under that name (a download's files) is read as local
+    data."""
+    from dschat.data.local import _is_saved_dataset
+    from dschat.data.raw_datasets import HUB_DATASETS
+
+    return spec in HUB_DATASETS and os.path.isdir(spec) and _is_saved_dataset(spec)
+
+
+def eval_part_said(raw):
+    """The data's own eval split as said: a local file's "eval part", a hub dataset's split by its name ("test")."""
+    return "its eval part" if raw.eval_split == "eval" else f"its {raw.eval_split} split"
 
 
 def file_field_options(data_fields, path):
@@ -132,19 +158,14 @@ def load_phase_held_out(spec, data_fields, data_split, seed, phase, limit=None, 
     ``data_split`` of the eval part of the data ``spec`` (``tiny`` too), its eval file, else the 10% of its file that
     ``seed`` holds out, which no step trains on; the first ``limit``. Said on stdout. ``load_records`` of a file
     without an eval file read the whole file, records the step trained on among them."""
-    from dschat.data.raw_datasets import HUB_DATASETS, get_raw_dataset
     from dschat.data.splits import get_raw_dataset_split_index
 
-    if spec != TINY_NAME:  # (local data alone, said as load_records says it)
-        local_data_source(spec, flag)
-    if spec in HUB_DATASETS:  # (a save_to_disk copy under its name, which the hub adapter reads: refused, as before)
-        raise no_local_data(spec, flag)
-    raw = get_raw_dataset(spec, None, seed, -1, **file_field_options(data_fields, spec))  # (as load_records reads it)
+    raw = tool_raw_dataset(spec, file_field_options(data_fields, spec), seed, flag)  # (as load_records reads it)
     held_out = raw.get_eval_data()
     share = held_out.select(get_raw_dataset_split_index(-1, None, raw.dataset_name_clean, seed, "eval", data_split,
                                                         phase - 1, len(held_out)))
     samples = list(islice(share, limit))
-    eval_part = "its eval part" if raw.raw_datasets.get("eval") is not None else f"the 10% --seed {seed} holds out"
+    eval_part = eval_part_said(raw) if raw.eval_split else f"the 10% --seed {seed} holds out"
     first = f" (the first of {len(share)})" if len(samples) < len(share) else ""
     print(f"[dschat] {counted(len(samples), 'record')} of {spec}{first}: step {phase}'s held-out pairs, phase "
           f"{phase}'s share by --data_split {data_split} of {eval_part}")
