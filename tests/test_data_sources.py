@@ -1,5 +1,6 @@
 """Raw data sources: local files (formats, fields, record shapes, errors), name dispatch, hub adapters."""
 import json
+import os
 import re
 
 import pandas as pd
@@ -1836,6 +1837,47 @@ def test_a_missing_data_path_is_said_with_the_flag_that_gave_it(tmp_path, monkey
             check_data_paths(["tiny"], [spec])
     with pytest.raises(UsageError, match=r"^--data_path: unknown dataset 'nope': not a known name"):
         check_data_paths("nope")
+
+
+def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_path, monkeypatch):
+    """The errors of a data path that is there but of no form dschat reads named the path alone, not the flag that
+    gave it (--sft_only_data_path, a tool's --pairs_file): "cannot tell what the folder X holds", "cannot tell the
+    format of X", a compressed file or folder, a hub dataset's download without a train split or missing a shard, a
+    folder of two eval files, a spec of three paths."""
+    import gzip
+
+    from dschat.data.raw_datasets import check_data_paths
+    from dschat.tools.records import load_records
+
+    monkeypatch.chdir(tmp_path)
+    for folder in ("empty", "both", "packed", "prefs/data", "hub/data", "evals", "shards/data"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "empty" / "notes.txt").write_text("x")
+    (tmp_path / "notes.txt").write_text("x")
+    for name in ("both/train.jsonl", "both/train.json", "evals/train.jsonl", "evals/eval.jsonl", "evals/eval.json"):
+        write_records(RECORDS, tmp_path / name, os.path.splitext(name)[1][1:])
+    for name in ("train.jsonl.gz", "packed/train.jsonl.gz"):
+        (tmp_path / name).write_bytes(gzip.compress(b"{}\n"))
+    write_records(RECORDS, tmp_path / "prefs/data/train_prefs-00000-of-00001.parquet", "parquet")
+    write_records(RECORDS, tmp_path / "hub/data/train-00000-of-00001.parquet", "parquet")
+    write_records(RECORDS, tmp_path / "shards/data/train-00000-of-00002.parquet", "parquet")
+    for spec, said in (("empty", "empty: cannot tell what the folder holds"),
+                       ("notes.txt", "notes.txt: cannot tell the format of the file from its extension"),
+                       ("notes.txt,empty", "notes.txt,empty: notes.txt: cannot tell the format"),
+                       ("both", "both: the folder holds train.jsonl and train.json"),
+                       ("train.jsonl.gz", "train.jsonl.gz: the file is compressed with gzip"),
+                       ("packed", "packed: its train data train.jsonl.gz is compressed with gzip"),
+                       ("jsonl:packed", "jsonl:packed: packed: its train data train.jsonl.gz is compressed"),
+                       ("prefs", "prefs: the folder holds a hub dataset's files of the splits train_prefs"),
+                       ("jsonl:hub", "jsonl:hub: the folder's train data is"),
+                       ("evals", "evals: the folder holds eval.jsonl and eval.json"),
+                       ("shards", "shards: the train split is in 2 shards"),
+                       ("a,b,c", "a,b,c: expected PATH or TRAIN_PATH,EVAL_PATH")):
+        for flag, read in (("--sft_only_data_path", lambda: check_data_paths(["tiny"], [spec])),
+                           ("--pairs_file", lambda: load_records(spec, flag="--pairs_file"))):
+            with pytest.raises(UsageError) as error:
+                read()
+            assert re.match(rf"{flag} {said}", str(error.value)), (flag, spec, str(error.value))
 
 
 def test_bad_data_paths_are_usage_errors(tmp_path, monkeypatch):

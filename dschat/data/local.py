@@ -461,20 +461,26 @@ def resolve_local_spec(spec, flag="--data_path"):
     kind, sep, rest = spec.partition(":")
     if sep and kind.lower() in LOCAL_TYPES:  # (JSONL:path too)
         return _typed_source(kind.lower(), rest, spec, flag)
-    paths = _split_paths(spec)
+    paths = _split_paths(spec, flag)
     if not os.path.exists(paths[0]):
         if os.path.splitext(paths[0])[1] in EXTENSION_TYPES:
             raise missing_data_path(spec, paths[0], flag)
         return None
-    return _typed_source(_infer_kind(paths[0]), spec, spec, flag)
+    return _typed_source(_infer_kind(paths[0], data_spec_where(spec, paths[0], flag)), spec, spec, flag)
 
 
 def missing_data_path(spec, path, flag):
     """The error for a ``path`` of the data ``spec`` that is not there: "--data_path SPEC: no such file or folder", the
     path named after the spec where the spec says more (its type, an eval file). It said "jsonl:x.jsonl: x.jsonl does
     not exist" (or "data file not found: x.jsonl") naming no flag, in training and in the tools alike."""
-    where = given_as(flag, spec) + ("" if path == spec else f": {path}")
-    return MissingInputError(f"{where}: no such file or folder{unexpanded_home_note(spec, path)}")
+    return MissingInputError(f"{data_spec_where(spec, path, flag)}: no such file or folder"
+                             f"{unexpanded_home_note(spec, path)}")
+
+
+def data_spec_where(spec, path, flag):
+    """How an error names the ``path`` of the data ``spec``: after the flag that gave it ("--data_path SPEC"), and the
+    path after the spec where the spec says more (its type, an eval file: "--data_path jsonl:DIR: DIR")."""
+    return given_as(flag, spec) + ("" if path == spec else f": {path}")
 
 
 def unexpanded_home_note(spec, path):
@@ -487,36 +493,39 @@ def unexpanded_home_note(spec, path):
     return ""
 
 
-def _split_paths(text):
+def _split_paths(text, flag=None):
     paths = [part.strip() for part in text.split(",")]
     if len(paths) > 2 or not all(paths):
-        raise UsageError(f"local data spec {text!r}: expected PATH or TRAIN_PATH,EVAL_PATH")
+        said = given_as(flag, text) if flag else f"local data spec {text!r}"
+        raise UsageError(f"{said}: expected PATH or TRAIN_PATH,EVAL_PATH")
     return paths
 
 
-def _infer_kind(path):
+def _infer_kind(path, where):
+    """The type of the data at ``path`` (a folder's or a file's), else an error naming it as ``where``
+    (``data_spec_where``: with the flag that gave it)."""
     if os.path.isdir(path):
         if _is_saved_dataset(path):
             return "disk"
         kinds = [kind for kind in ("jsonl", "json", "parquet", "csv")
                  if os.path.isfile(os.path.join(path, f"train.{kind}"))]
         if len(kinds) > 1:  # (the first was read, the others not, without a word)
-            raise UsageError(f"the folder {path} holds {' and '.join(f'train.{kind}' for kind in kinds)}: which is the "
-                             f"train data? keep one, or give TYPE:PATH ({kinds[0]}:{path})")
+            raise UsageError(f"{where}: the folder holds {' and '.join(f'train.{kind}' for kind in kinds)}: which is "
+                             f"the train data? keep one, or give TYPE:PATH ({kinds[0]}:{path})")
         if kinds:
             return kinds[0]
         hub_splits = _hub_split_files(path)
         if hub_splits:  # (the kind of its train files; _folder_source says what else is wrong)
             return EXTENSION_TYPES[os.path.splitext(hub_splits.get("train", [*hub_splits.values()][0])[0])[1]]
-        check_folder_not_compressed(path)
-        raise UsageError(f"cannot tell what the folder {path} holds: it is not a save_to_disk folder and has no "
+        check_folder_not_compressed(path, where)
+        raise UsageError(f"{where}: cannot tell what the folder holds: it is not a save_to_disk folder and has no "
                          "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
     kind = EXTENSION_TYPES.get(os.path.splitext(path)[1].lower())
     tool = COMPRESSED_EXTENSIONS.get(os.path.splitext(path)[1].lower())
     if kind is None and tool:  # (not "write jsonl:FILE", which then read it as text that is not UTF-8)
-        raise compressed_error(path, tool)
+        raise compressed_error(path, tool, where)
     if kind is None:
-        raise UsageError(f"cannot tell the format of {path} from its extension; write jsonl:{path}, "
+        raise UsageError(f"{where}: cannot tell the format of the file from its extension; write jsonl:{path}, "
                          f"json:{path}, parquet:{path} or csv:{path}")
     return kind
 
@@ -526,26 +535,27 @@ def _is_saved_dataset(path):
 
 
 def _typed_source(kind, paths_text, spec, flag):
-    paths = _split_paths(paths_text)
+    paths = _split_paths(paths_text, flag)
     for path in paths:
         if not os.path.exists(path):
             raise missing_data_path(spec, path, flag)
     if kind != "disk" and os.path.isdir(paths[0]):
         if len(paths) > 1:
             raise UsageError(f"{given_as(flag, spec)}: give either a folder or TRAIN_PATH,EVAL_PATH files, not both")
-        source = _folder_source(kind, paths[0], spec)
+        source = _folder_source(kind, paths[0], spec, flag)
         if source is None:
-            check_folder_not_compressed(paths[0])
+            check_folder_not_compressed(paths[0], data_spec_where(spec, paths[0], flag))
             raise MissingInputError(f"{given_as(flag, spec)}: the folder has no train.{kind}")
         return source
     return LocalSource(kind, paths[0], paths[1] if len(paths) > 1 else None, spec)
 
 
-def _folder_source(kind, folder, spec):
+def _folder_source(kind, folder, spec, flag=None):
+    """``flag``: the one that gave ``spec``, named by its errors."""
     train = os.path.join(folder, f"train.{kind}")
     if not os.path.isfile(train):
-        return _hub_layout_source(kind, folder, spec)
-    evaluation, unread = _folder_eval_file(folder, spec)
+        return _hub_layout_source(kind, folder, spec, flag)
+    evaluation, unread = _folder_eval_file(folder, spec, flag)
     eval_kind = evaluation and EXTENSION_TYPES[os.path.splitext(evaluation)[1]]
     return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None, unread)
 
@@ -571,7 +581,7 @@ def _hub_split_files(folder):
     return splits
 
 
-def _hub_layout_source(kind, folder, spec):
+def _hub_layout_source(kind, folder, spec, flag=None):
     """A LocalSource of a folder laid out as a hub dataset's repository (``_hub_split_files``): its train files, and
     its eval, test or validation files (the first there, as ``_folder_eval_file``); None where it holds no such files.
     A split of several files (shards, train-00000-of-00002.parquet and train-00001-of-00002.parquet) is read as one, as
@@ -583,14 +593,15 @@ def _hub_layout_source(kind, folder, spec):
     if "train" not in splits:
         named = sorted(splits, key=lambda name: not name.startswith("train"))[:2]  # (train_prefs before test_prefs)
         files = ",".join(os.path.relpath(splits[name][0]) for name in named)
-        raise UsageError(f"{spec}: the folder holds a hub dataset's files of the splits {', '.join(splits)}, none of "
-                         f"them train: give the files to read as TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
+        raise UsageError(f"{given_as(flag, spec)}: the folder holds a hub dataset's files of the splits "
+                         f"{', '.join(splits)}, none of them train: give the files to read as "
+                         f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
     for name in ["train", *eval_names[:1]]:
-        _check_whole_split(spec, name, splits[name])
+        _check_whole_split(given_as(flag, spec), name, splits[name])
     train = splits["train"][0]
     if EXTENSION_TYPES[os.path.splitext(train)[1]] != kind:
-        raise UsageError(f"{spec}: the folder's train data is {os.path.relpath(train)}, not {kind}")
+        raise UsageError(f"{given_as(flag, spec)}: the folder's train data is {os.path.relpath(train)}, not {kind}")
     evaluation = splits[eval_names[0]] if eval_names else [None]
     eval_kind = evaluation[0] and EXTENSION_TYPES[os.path.splitext(evaluation[0])[1]]
     unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
@@ -598,15 +609,16 @@ def _hub_layout_source(kind, folder, spec):
                        more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
 
 
-def _check_whole_split(spec, name, files):
+def _check_whole_split(where, name, files):
     """A split's files (sorted) must be one file, or its shards SPLIT-0000K-of-0000N.EXT of one type, every K of the N
-    there: a download cut short, or two layouts of a split side by side, is an error naming the files."""
+    there: a download cut short, or two layouts of a split side by side, is an error naming the files (and the data
+    as ``where`` names it: after its flag)."""
     if len(files) == 1 and not _HUB_SPLIT_FILE.match(os.path.basename(files[0])):
         return
     shards = [_HUB_SPLIT_FILE.match(os.path.basename(path)) for path in files]
     names = ", ".join(os.path.relpath(path) for path in files)
     if not all(shards) or len({shard["ext"] for shard in shards}) > 1:
-        raise UsageError(f"{spec}: the folder holds the {name} split in the files {names}: one file, or the shards of "
+        raise UsageError(f"{where}: the folder holds the {name} split in the files {names}: one file, or the shards of "
                          f"one type named {name}-00000-of-0000N.EXT, is one split; keep those of the split to read")
     total = int(shards[0]["shards"])
     present = {int(shard["shard"]) for shard in shards if int(shard["shards"]) == total}
@@ -614,11 +626,11 @@ def _check_whole_split(spec, name, files):
                if number not in present]
     if missing or len(files) != total:
         said = f"lacks {', '.join(missing)}" if missing else f"holds {len(files)} files of them ({names})"
-        raise UsageError(f"{spec}: the {name} split is in {total} shards, and the folder {said}: a download cut short? "
-                         "download the dataset again (all its files)")
+        raise UsageError(f"{where}: the {name} split is in {total} shards, and the folder {said}: a download cut "
+                         "short? download the dataset again (all its files)")
 
 
-def _folder_eval_file(folder, spec):
+def _folder_eval_file(folder, spec, flag=None):
     """(the folder's eval file, the other eval files it holds, not read): eval, test or validation, the first of them
     there, with any of the file extensions (train.jsonl beside eval.json: the eval file was not looked for, and the
     train file was split 90/10). A folder of train, validation and test files (a hub dataset's splits written out)
@@ -629,8 +641,8 @@ def _folder_eval_file(folder, spec):
                  if os.path.isfile(os.path.join(folder, name + extension))]
         if len(found) > 1:
             names = " and ".join(os.path.basename(path) for path in found)
-            raise UsageError(f"{spec}: the folder holds {names}, and one file is the eval data: give it as "
-                             f"TYPE:TRAIN_PATH,EVAL_PATH, or keep one of them in the folder")
+            raise UsageError(f"{given_as(flag, spec)}: the folder holds {names}, and one file is the eval data: give "
+                             f"it as TYPE:TRAIN_PATH,EVAL_PATH, or keep one of them in the folder")
         if found:
             later = EVAL_SPLIT_NAMES[EVAL_SPLIT_NAMES.index(name) + 1:]
             unread = tuple(os.path.basename(path) for path in (os.path.join(folder, other + extension)
@@ -854,15 +866,17 @@ COMPRESSED_EXTENSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "z
 DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd": "unzstd", "zip": "unzip"}
 
 
-def compressed_error(path, tool):
-    return DatasetFormatError(f"{path}: the file is compressed with {tool}, which dschat does not read: decompress it "
-                              f"({DECOMPRESS[tool]} {path}) and give the file that writes")
+def compressed_error(path, tool, where=None):
+    """``where``: how the error names ``path`` (``data_spec_where``: with the flag that gave it), else by itself."""
+    return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read: "
+                              f"decompress it ({DECOMPRESS[tool]} {path}) and give the file that writes")
 
 
-def check_folder_not_compressed(folder):
+def check_folder_not_compressed(folder, where=None):
     """A folder whose train data is compressed (Anthropic/hh-rlhf's helpful-base/train.jsonl.gz and test.jsonl.gz) is
     an error saying so, with the command that decompresses its split files: it was "cannot tell what the folder
-    holds" and, given TYPE:FOLDER, "the folder has no train.jsonl", neither of which is the fix."""
+    holds" and, given TYPE:FOLDER, "the folder has no train.jsonl", neither of which is the fix. ``where``: how the
+    error names the folder (``data_spec_where``: with the flag that gave it), else by itself."""
     names = [f"{split}{ext}{packed}" for split in ("train", *EVAL_SPLIT_NAMES) for ext in EXTENSION_TYPES
              for packed in COMPRESSED_EXTENSIONS]
     found = [(os.path.join(folder, name), COMPRESSED_EXTENSIONS[os.path.splitext(name)[1]]) for name in names
@@ -871,7 +885,7 @@ def check_folder_not_compressed(folder):
     if train is None:
         return
     commands = " && ".join(f"{DECOMPRESS[tool]} {path}" for path, tool in found)
-    raise DatasetFormatError(f"{folder}: its train data {os.path.basename(train)} is compressed with "
+    raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is compressed with "
                              f"{COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]}, which dschat does not read: "
                              f"decompress its files ({commands}) and give the folder again")
 

@@ -7,7 +7,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from dschat.errors import MissingInputError, UsageError
+from dschat.errors import MissingInputError, UsageError, given_as
 
 DROPOUT_FIELDS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
                   "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
@@ -50,7 +50,7 @@ def check_no_interrupted_save(name_or_path, flag=None):
     from dschat.run_layout import interrupted_save_message
 
     if message := interrupted_save_message(name_or_path):
-        raise MissingInputError(f"{flag} {message}" if flag else message)
+        raise MissingInputError(given_as(flag, message))
 
 
 def looks_local(path):
@@ -375,7 +375,7 @@ def check_tokenizer_files(path, flag=None):
     """A model folder here without any tokenizer file: one error naming it (and ``flag``), where transformers says
     "Couldn't instantiate the backend tokenizer ... You need to have sentencepiece or tiktoken installed"."""
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise MissingInputError(f"{flag + ' ' if flag else ''}{path}: no tokenizer files (tokenizer.json, "
+        raise MissingInputError(f"{given_as(flag, path)}: no tokenizer files (tokenizer.json, "
                                 "tokenizer_config.json, ...): save the tokenizer with the model "
                                 "(tokenizer.save_pretrained(folder)) or copy its files there")
 
@@ -669,7 +669,7 @@ def check_not_a_reward_model(model_name_or_path, flag=None):
 
     path = resolve_model_path(model_name_or_path)
     if os.path.isdir(path) and is_reward_model_folder(path):
-        raise UsageError(f"{flag + ' ' if flag else ''}{model_name_or_path}: {value_model_kind(path)}, not a policy: "
+        raise UsageError(f"{given_as(flag, model_name_or_path)}: {value_model_kind(path)}, not a policy: "
                          "pass a language model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
 
 

@@ -49,7 +49,7 @@ def check_local_data_there(spec, flag=None):
     kind, typed, _ = spec.partition(":")
     if spec in (TINY_NAME, LOCAL_JSONFILE) or (typed and kind.lower() in LOCAL_TYPES):
         return
-    for path in _split_paths(spec):
+    for path in _split_paths(spec, flag):
         meant_here = (looks_local(os.path.expanduser(path)) or path.endswith("/")
                       or os.path.splitext(path)[1].lower() in EXTENSION_TYPES)
         if meant_here and not os.path.exists(path):
