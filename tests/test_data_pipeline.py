@@ -150,6 +150,27 @@ def test_hub_name_folder_is_used_as_an_offline_copy(tmp_path, tokenizer, monkeyp
     assert (len(train), len(eval_)) == (5, 2)
 
 
+def test_a_sft_only_source_that_cannot_be_read_names_sft_only_data_path(tmp_path, tokenizer, monkeypatch):
+    """create_prompt_dataset's own reads of step 1's --sft_only_data_path (the notebook API's, after a file went
+    since train.py's check) named --data_path: "--data_path x.jsonl: no such file or folder", and a hub dataset that
+    cannot be loaded "--data_path Dahoas/rm-static: not in the datasets cache"."""
+    import datasets
+
+    from dschat.errors import MissingInputError
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'Dahoas/rm-static' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.chdir(tmp_path)
+    for spec, said in (("x.jsonl", "x.jsonl: no such file or folder"),
+                       ("Dahoas/rm-static", "Dahoas/rm-static: not in the datasets cache")):
+        with pytest.raises(MissingInputError, match=rf"^--sft_only_data_path {said}"):
+            build(tmp_path, tokenizer, ["tiny"], 1, sft_only_data_path=[spec])
+        with pytest.raises(MissingInputError, match=rf"^--data_path {said}"):
+            build(tmp_path, tokenizer, [spec], 1)
+
+
 def test_tiny_default_builds_every_phase(tmp_path, tokenizer):
     for phase in (1, 2, 3):
         train, eval_ = build(tmp_path, tokenizer, ["tiny"], phase, max_seq_len=96, max_prompt_len=48)

@@ -69,9 +69,10 @@ class PromptRawDataset:
     # the data's own eval split, which ``get_eval_data`` reads ("test"); None: it has none, and the seed holds out 10%
     eval_split = None
 
-    def __init__(self, output_path, seed, local_rank, dataset_name=None, raw_datasets=None):
+    def __init__(self, output_path, seed, local_rank, dataset_name=None, raw_datasets=None, flag="--data_path"):
         """``raw_datasets`` injects an already-loaded DatasetDict (tests, offline copies) instead of
-        ``load_dataset(dataset_name)``."""
+        ``load_dataset(dataset_name)``; ``flag``: the one that gave the dataset, named where it cannot be loaded."""
+        self.flag = flag
         self.output_path = output_path
         self.seed = seed
         self.local_rank = local_rank
@@ -86,7 +87,7 @@ class PromptRawDataset:
 
         if os.path.isdir(self.dataset_name):
             return load_from_disk(self.dataset_name)
-        return load_hub_dataset(self.dataset_name, "--data_path")
+        return load_hub_dataset(self.dataset_name, self.flag)
 
     def check_usable(self, train_phase):
         """Raise DatasetFormatError when this source cannot feed ``train_phase`` at all."""

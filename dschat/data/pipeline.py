@@ -249,12 +249,13 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     sft_only = as_list(sft_only_data_path) if train_phase == 1 else []
     if not data_path and not sft_only:
         raise UsageError("data_path is empty: give at least one dataset")
-    say_sources_given_twice(data_path + sft_only)
+    flags = flags_of_sources(data_path, sft_only)
+    say_sources_given_twice(data_path + sft_only, flags)
     field_options = _field_options(data_fields, data_path + sft_only)
     settings = EncodeSettings(train_phase, int(max_seq_len), max_prompt_len, bool(include_prompt_in_loss),
                               end_of_conversation_token or get_eot_token(tokenizer), bool(multiturn),
                               bool(read_margins))
-    hub, hub_data = hub_sources_on_rank_0(data_path + sft_only, output_path, seed, local_rank)
+    hub, hub_data = hub_sources_on_rank_0(flags, output_path, seed, local_rank)
     key = cache_key(_cache_params(data_path, sft_only, data_split, seed, field_options, settings, tokenizer, hub_data))
     folder = cache_folder(output_path, train_phase, key)
 
@@ -311,12 +312,19 @@ def _content_fingerprint(spec, hub_data):
     return fingerprint
 
 
-def say_sources_given_twice(specs):
+def flags_of_sources(data_path, sft_only):
+    """{spec: the flag that gave it} of the sources, in order: --data_path, else step 1's --sft_only_data_path. A
+    source's errors name its flag: those of --sft_only_data_path's were said of --data_path."""
+    return {**{spec: "--sft_only_data_path" for spec in sft_only}, **{spec: "--data_path" for spec in data_path}}
+
+
+def say_sources_given_twice(specs, flags):
     """A source listed twice (in --data_path, or there and in --sft_only_data_path) is read twice: its records count
-    double, and a record may land in one phase's train split and another's eval split. Said, as it may be meant."""
+    double, and a record may land in one phase's train split and another's eval split. Said, as it may be meant.
+    ``flags``: ``flags_of_sources``' (the first to resolve each spec, its errors name the flag that gave it)."""
     from dschat.utils.dist import print_rank_0
 
-    sources = [resolve_dataset_spec(spec) for spec in specs]
+    sources = [resolve_dataset_spec(spec, flags[spec]) for spec in specs]
     # the files each reads: a folder's train file given again as a file (or with another eval file) is read twice too
     keys = [{os.path.abspath(path) for path in source.files} if isinstance(source, LocalSource) else {source}
             for source in sources]
@@ -399,27 +407,27 @@ def _source_fingerprint(spec, hub_data):
     return {"local": spec, **resolved.fingerprint()}
 
 
-def hub_sources_on_rank_0(specs, output_path, seed, local_rank):
+def hub_sources_on_rank_0(flags, output_path, seed, local_rank):
     """The hub datasets among ``specs`` loaded by rank 0 alone, as DeepSpeed-Chat's builds do: ({spec: adapter} on rank
     0, {} on the others, whose builds load their own), and {spec: ``hub_data_fingerprint``} on every rank, for the
     key. (Every rank asked the hub, and every node needed the dataset in its own HF cache even with its tokens
-    cached.)"""
+    cached.) ``flags``: {spec: the flag that gave it} (``flags_of_sources``), named where one cannot be loaded."""
     from dschat.utils.dist import rank_0_decides
 
     loaded = {}
 
     def load():
-        loaded.update(load_hub_sources(specs, output_path, seed, local_rank))
+        loaded.update(load_hub_sources(flags, output_path, seed, local_rank))
         return {spec: hub_data_fingerprint(adapter.raw_datasets) for spec, adapter in loaded.items()}
 
     return loaded, rank_0_decides(load)
 
 
-def load_hub_sources(specs, output_path, seed, local_rank):
+def load_hub_sources(flags, output_path, seed, local_rank):
     """{spec: adapter} of the hub datasets among ``specs``, loaded before the cache key, which holds what they loaded
     (``hub_data_fingerprint``); the build reads them without loading them again. A save_to_disk copy under a hub name is
     keyed by its files, as local data is, and loaded only by a build."""
-    return {spec: get_raw_dataset(spec, output_path, seed, local_rank) for spec in dict.fromkeys(specs)
+    return {spec: get_raw_dataset(spec, output_path, seed, local_rank, flag=flag) for spec, flag in flags.items()
             if loads_from_the_hub(spec)}
 
 
@@ -470,8 +478,10 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
 
 
 def _usable_source(spec, split, hub, output_path, seed, local_rank, settings, field_options):
-    """The raw dataset of one --data_path / --sft_only_data_path source, checked to suit the phase."""
-    raw = hub[spec] if spec in hub else get_raw_dataset(spec, output_path, seed, local_rank,
+    """The raw dataset of one --data_path / --sft_only_data_path source (``split`` None), checked to suit the
+    phase."""
+    flag = "--data_path" if split is not None else "--sft_only_data_path"
+    raw = hub[spec] if spec in hub else get_raw_dataset(spec, output_path, seed, local_rank, flag=flag,
                                                         **field_options.for_spec(spec))
     if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
         # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's

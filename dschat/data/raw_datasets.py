@@ -378,14 +378,15 @@ def check_data_paths(data_path, sft_only_data_path=()):
                 read_hub_cache_only_if_unreachable()
 
 
-def get_raw_dataset(dataset_name, output_path, seed, local_rank, **field_options):
+def get_raw_dataset(dataset_name, output_path, seed, local_rank, flag="--data_path", **field_options):
     """The adapter for ``dataset_name``. ``field_options`` (prompt=..., chosen=..., rejected=...,
-    messages=...) rename the fields of local data; hub datasets have fixed schemas and ignore them."""
+    messages=...) rename the fields of local data; hub datasets have fixed schemas and ignore them. ``flag``: the one
+    that gave it (step 1's --sft_only_data_path), named where it cannot be read."""
     from .local import LocalDataset
 
-    resolved = resolve_dataset_spec(dataset_name)
+    resolved = resolve_dataset_spec(dataset_name, flag)
     if isinstance(resolved, type):
-        return resolved(output_path, seed, local_rank)
+        return resolved(output_path, seed, local_rank, flag=flag)
     return LocalDataset(resolved, output_path, seed, local_rank, field_options)
 
 
