@@ -822,3 +822,30 @@ def test_a_save_to_disk_copy_under_a_hub_name_is_read_by_the_tools_as_training_r
     (record,) = load_records("stanfordnlp/SHP", flag="--prompts_file")
     assert (record.messages, record.chosen, record.rejected) == ([{"role": "user", "content": "Post 3"}], "A3", "B3")
     assert "1 record of stanfordnlp/SHP (its validation split)" in capsys.readouterr().out
+
+
+def test_a_save_to_disk_copy_under_a_hub_name_without_its_splits_is_an_error_naming_them(tmp_path, monkeypatch):
+    """A save_to_disk copy ./Dahoas/rm-static without the test split its reader evaluates on (or a single Dataset)
+    was a KeyError 'test' traceback, in training and in the tools alike."""
+    from datasets import Dataset, DatasetDict
+
+    from dschat.data.errors import DatasetFormatError
+    from dschat.data.raw_datasets import get_raw_dataset
+    from dschat.tools.records import load_records
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": "\n\nHuman: Q?\n\nAssistant:", "response": " A.", "chosen": " A.", "rejected": " B."}] * 5
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk("Dahoas/rm-static")
+    said = (r" Dahoas/rm-static: the save_to_disk copy here holds the splits train, not test, which "
+            r"Dahoas/rm-static's reader reads: save the DatasetDict of its train and test splits")
+    with pytest.raises(DatasetFormatError, match="^--sft_only_data_path" + said):
+        get_raw_dataset("Dahoas/rm-static", None, 0, -1, flag="--sft_only_data_path")
+    with pytest.raises(DatasetFormatError, match="^--pairs_file" + said):
+        load_records("Dahoas/rm-static", flag="--pairs_file")
+    Dataset.from_list(rows).save_to_disk("stanfordnlp/SHP")
+    with pytest.raises(DatasetFormatError, match=r"^--data_path stanfordnlp/SHP: the save_to_disk copy here holds one "
+                                                 r"Dataset, no splits, not train and validation"):
+        get_raw_dataset("stanfordnlp/SHP", None, 0, -1)
+    # a train-only dataset's copy needs its train split alone
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk("Dahoas/synthetic-instruct-gptj-pairwise")
+    assert len(get_raw_dataset("Dahoas/synthetic-instruct-gptj-pairwise", None, 0, -1).get_eval_data()) == 1

@@ -13,7 +13,7 @@ import math
 import os
 import re
 
-from dschat.errors import MissingInputError, excerpt
+from dschat.errors import MissingInputError, excerpt, given_as
 from .errors import DatasetFormatError, RecordError, SkipRecord
 from .formatting import answer_message, parse_transcript, render_human_assistant, split_last_answer
 from .splits import get_raw_dataset_split_index
@@ -86,8 +86,22 @@ class PromptRawDataset:
         from datasets import load_from_disk
 
         if os.path.isdir(self.dataset_name):
-            return load_from_disk(self.dataset_name)
+            return self.checked_saved_copy(load_from_disk(self.dataset_name))
         return load_hub_dataset(self.dataset_name, self.flag)
+
+    def checked_saved_copy(self, saved):
+        """A save_to_disk copy under the hub dataset's name must hold the splits its reader reads (train, and its
+        ``eval_split``): one without them was a KeyError ('test') traceback, in training and the tools alike."""
+        splits = list(saved) if hasattr(saved, "keys") else []
+        read = [name for name in ("train", self.eval_split) if name]
+        missing = [name for name in read if name not in splits]
+        if missing:
+            held = f"the splits {', '.join(splits)}" if splits else "one Dataset, no splits"
+            raise DatasetFormatError(f"{given_as(self.flag, self.dataset_name)}: the save_to_disk copy here holds "
+                                     f"{held}, not {' and '.join(missing)}, which {self.dataset_name}'s reader reads: "
+                                     f"save the DatasetDict of its {' and '.join(read)} splits, or give the data as "
+                                     "disk:PATH to read it as local data")
+        return saved
 
     def check_usable(self, train_phase):
         """Raise DatasetFormatError when this source cannot feed ``train_phase`` at all."""

@@ -117,7 +117,7 @@ def tool_raw_dataset(spec, field_options, seed, flag=None):
     from dschat.data.raw_datasets import HUB_DATASETS
 
     if is_saved_hub_copy(spec):
-        return HUB_DATASETS[spec](None, seed, -1)
+        return HUB_DATASETS[spec](None, seed, -1, flag=flag)
     source = tiny_source() if spec == TINY_NAME else local_data_source(spec, flag)
     return LocalDataset(source, output_path=None, seed=seed, local_rank=-1, field_options=field_options)
 
