@@ -590,8 +590,8 @@ def test_rollouts_never_generate_the_ids_of_embedding_rows_the_tokenizer_has_no_
         assert (seq[:, batch["prompt"].shape[1]:] < tokens).all(), (greedy, seq)
     evaluated = {}
     monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: evaluated.update(generate=generate))
-    ppo.held_out_eval(trainer, None, SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=6, eval_prompts=0),
-                      trainer.device, None)
+    ppo.held_out_eval(trainer, None, SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=6, eval_prompts=0,
+                                                     padded_forwards=False), trainer.device, None)
     with torch.no_grad():
         answers = evaluated["generate"](batch["prompt"], attention_mask=batch["prompt_att_mask"], max_new_tokens=6,
                                         do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -4203,7 +4203,7 @@ def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch)
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=SimpleNamespace(generate=None)),
                               eval=lambda: None, reward_model=None, tokenizer=None, z3_enabled=False,
                               pad_to_multiple_of=1, reward_fn=None, eos_token_id=0)
-    args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=given)
+    args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=given, padded_forwards=False)
     ppo.held_out_eval(trainer, None, args, "cpu", None)
     assert seen["max_prompts"] == per_rank
 
@@ -4226,7 +4226,7 @@ def test_the_held_out_evaluations_hf_generate_is_told_to_suppress_the_ids_past_t
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=model), eval=lambda: None,
                               reward_model=None, tokenizer=tokenizer, z3_enabled=False, pad_to_multiple_of=1,
                               reward_fn=None, eos_token_id=1)
-    args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=0)
+    args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=0, padded_forwards=False)
     ppo.held_out_eval(trainer, None, args, "cpu", None)
     assert [call.get("suppress_tokens") for call in calls] == [list(range(32, 40))]
 
@@ -4256,7 +4256,7 @@ def test_rollouts_and_the_held_out_evaluation_build_hf_generates_arguments_in_on
     calls = []
     model.generate = lambda prompts, **kwargs: calls.append(kwargs.get("suppress_tokens")) or prompts
     monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: generate(None))
-    eval_args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=0)
+    eval_args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=0, padded_forwards=False)
     prompts = torch.tensor([[5, 6]])
     for grown in (32, 36):  # the tokenizer's 4 new tokens get the spare rows 32..35
         size[0] = grown
@@ -4329,7 +4329,7 @@ def test_the_held_out_evaluation_runs_outside_the_hybrid_engines_iterations(monk
                                     reward_model=None, tokenizer=None, z3_enabled=False, pad_to_multiple_of=None,
                                     reward_fn=None, eos_token_id=0)
     monkeypatch.setattr(ppo, "evaluate_policy", lambda *a, **k: seen.append(("generate", actor.inside)) or "result")
-    args = types.SimpleNamespace(eval_max_new_tokens=4, max_answer_seq_len=4, eval_prompts=2)
+    args = types.SimpleNamespace(eval_max_new_tokens=4, max_answer_seq_len=4, eval_prompts=2, padded_forwards=False)
     assert ppo.held_out_eval(trainer, None, args, "cpu", None) == "result"
     assert seen == [("eval", True), ("generate", True)] and not actor.inside
 

@@ -1,4 +1,5 @@
 """Step 3's held-out evaluation over several ranks: the sampler's padding repeats are run but not counted."""
+import functools
 import json
 import os
 from types import SimpleNamespace
@@ -26,8 +27,24 @@ def fake_generate(answer_ids):
 
 
 class FakeReward(torch.nn.Module):
-    def forward_value(self, seq, mask):
-        return {"chosen_end_scores": (seq[:, -3] - PROMPT_ID).float()}  # the prompt's token, before 2 answer ids
+    """Scores a row at its last real token (as RewardModel) by its first real token (the prompt's one) less
+    PROMPT_ID, over rows left-padded or shifted (no mask: they start at column 0) alike; records the widths it was
+    given."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths = []
+
+    def forward_value(self, input_ids, attention_mask=None, return_value_only=False):
+        self.lengths.append(input_ids.shape[1])
+        start = torch.zeros_like(input_ids[:, :1]) if attention_mask is None else attention_mask.long().argmax(1, True)
+        values = (input_ids.gather(1, start) - PROMPT_ID).float().expand(-1, input_ids.shape[1])
+        if return_value_only:
+            return values
+        return {"chosen_end_scores": values.gather(1, self.score_index(input_ids, attention_mask)[:, None]).squeeze(1)}
+
+    def score_index(self, input_ids, attention_mask):
+        return last_token_index(attention_mask)
 
 
 def evaluate(loader, tokenizer, **kwargs):
@@ -110,26 +127,13 @@ def test_the_reward_function_is_scored_on_the_held_out_answers_without_padding_r
     assert "reward_fn_mean" not in evaluate(batches, tokenizer)
 
 
-class MaskedReward(torch.nn.Module):
-    """FakeReward's score, read where the attention mask ends (as the reward model does); records the lengths."""
-
-    def __init__(self):
-        super().__init__()
-        self.lengths = []
-
-    def forward_value(self, seq, mask):
-        self.lengths.append(seq.shape[1])
-        prompt_token = seq.gather(1, (last_token_index(mask) - 2)[:, None]).squeeze(1)
-        return {"chosen_end_scores": (prompt_token - PROMPT_ID).float()}
-
-
 def test_held_out_sequences_are_padded_to_pad_to_multiple_of_without_changing_scores(tokenizer):
     answer = tokenizer(" ok ok", add_special_tokens=False)["input_ids"][:2]
     collate = DataCollatorRLHF(8, pad_token_id=tokenizer.pad_token_id)
     batches = [collate(prompts(4))]
     results, models = [], []
     for multiple in (1, 8):
-        models.append(MaskedReward())
+        models.append(FakeReward())
         results.append(evaluate_policy(fake_generate(answer), SimpleNamespace(module=models[-1]), tokenizer, batches,
                                        "cpu", 2, lambda p, t: 10.0 * int(p[1:]), pad_to_multiple_of=multiple))
     assert models[0].lengths == [3] and models[1].lengths == [8]  # 1 prompt + 2 answer tokens, then 5 padding
@@ -246,3 +250,48 @@ def test_empty_held_out_answers_are_counted_and_said(tokenizer):
     assert "held-out SFT policy: reward 0.5000, rule score 5.0000" in lines  # (none empty: nothing said)
     assert summary_line("policy", {**empty, "path": "p"}).endswith("over 2 prompts, 2 of 2 answers empty (p)")
     assert summary_line("policy", {**answered, "path": "p"}).endswith("over 2 prompts (p)")
+
+
+def _tiny_reward_model(family, tokenizer):
+    from transformers import AutoModel, LlamaConfig, RwkvConfig
+
+    from dschat.models.reward_model import RewardModel
+
+    torch.manual_seed(0)
+    size = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2)
+    config = RwkvConfig(**size, attention_hidden_size=32, intermediate_size=64, context_length=64,
+                        bos_token_id=None, eos_token_id=None) if family == "rwkv" else \
+        LlamaConfig(**size, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=64)
+    model = RewardModel(AutoModel.from_config(config)).eval()
+    torch.nn.init.normal_(model.v_head.weight)
+    return model
+
+
+@pytest.mark.parametrize("family", ["rwkv", "llama"])
+def test_held_out_rows_are_scored_shifted_as_step_3s_rollouts(family, tokenizer):
+    """Step 3's held-out evaluation scored every row left-padded, while its rollouts score rows shifted to start at
+    their first token (``forward_layout``): RWKV's recurrence reads no attention mask, so its reward_mean was another
+    number than the rollouts' scores. Now each row scores as it would alone; with --padded_forwards, as the rollouts
+    then do, left-padded. A model that masks its padding (Llama) gives the same mean either way."""
+    from dschat.rlhf.layout import reward_scores
+
+    model = _tiny_reward_model(family, tokenizer)
+    collate = DataCollatorRLHF(8, pad_token_id=tokenizer.pad_token_id)
+    ids = [[40, 41, 42, 43, 44], [50], [60, 61, 62]]  # prompts of 3 lengths: 4, 0 and 2 left pads
+    batch = collate([{"prompt_input_ids": torch.tensor(row), "prompt_text": f"p{i}"} for i, row in enumerate(ids)])
+    answer = [70, 71]
+    run = functools.partial(evaluate_policy, fake_generate(answer), SimpleNamespace(module=model), tokenizer, [batch],
+                            "cpu", 2)
+    with torch.no_grad():
+        alone = [model.end_scores(torch.tensor([row + answer]), torch.ones(1, len(row) + 2, dtype=torch.long)).item()
+                 for row in ids]
+        seq = torch.cat([batch["prompt"], torch.tensor(answer).expand(3, -1)], 1)
+        padded = reward_scores(model, seq, torch.cat([batch["prompt_att_mask"], torch.ones(3, 2)], 1).long())
+        shifted, masked = run()["reward_mean"], run(padded_forwards=True)["reward_mean"]
+    assert shifted == pytest.approx(sum(alone) / 3, abs=1e-5)
+    assert masked == pytest.approx(padded.double().mean().item(), abs=1e-5)
+    if family == "rwkv":  # (what the shift mends)
+        assert abs(shifted - masked) > 1e-2
+    else:
+        assert shifted == pytest.approx(masked, abs=1e-5)

@@ -173,9 +173,9 @@ class RewardModel(nn.Module):
 
         print_rank_0(f"warning: the reward model or critic on {type(unwrap_peft(self.rwtransformer)).__name__} "
                      f"scores left-padded rows otherwise than the rows alone: {LEFT_PADDING_MOVES_SCORES[family]} "
-                     "(transformers' modelling). dschat left-pads its rows in step 3's held-out evaluation (its "
-                     "reward_mean) and, with --padded_forwards, in step 3's training forwards; step 2, step 3's "
-                     "default forwards and rw_eval give it rows that start at their first token")
+                     "(transformers' modelling). dschat left-pads its rows in step 3 with --padded_forwards (its "
+                     "experience, training forwards and held-out reward_mean); step 2, step 3's default forwards and "
+                     "held-out evaluation, and rw_eval give it rows that start at their first token")
 
     def _check_head_width(self, hidden):
         """A ``UsageError`` where the backbone's hidden states are not as wide as the value head (its width taken from

@@ -3,6 +3,8 @@ import torch
 
 from dschat.data.samplers import eval_weights
 from dschat.errors import UsageError
+from dschat.models.positions import position_limit
+from dschat.rlhf.layout import forward_layout, reward_scores
 from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
 # (hf_generate: imported from here by step 3, the tools and the pipeline)
 from dschat.rlhf.trainer import answer_mask, answer_texts, hf_generate, pad_answers  # noqa: F401
@@ -35,7 +37,7 @@ def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_
 @torch.no_grad()
 def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_tokens, rule_scorer=None,
                     max_prompts=None, keep_examples=4, synced_gpus=False, pad_to_multiple_of=1, reward_fn=None,
-                    eos_token_id=None):
+                    eos_token_id=None, padded_forwards=False):
     """Mean reward-model score, rule score and ``--reward_fn`` score of greedy answers to the prompts of ``loader``
     (all ranks), and how many of the answers are empty (``empty_answers``: ended before any text; the means score
     them as such, e.g. a rule score of 0, and do not say why).
@@ -45,12 +47,16 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
     ``reward_fn_mean``.
     Rows whose ``eval_weight`` is 0 (a rank's padding, see EvalWeighted) are generated for but not counted;
     rows without one count once. ``max_prompts`` counts rows, padding included, so ranks stop together.
-    The reward model scores sequences right-padded to a multiple of ``pad_to_multiple_of`` (as step 3's experience).
+    The reward model scores the rows as step 3's experience does: answers right-padded to a multiple of
+    ``pad_to_multiple_of``, each row shifted to start at its first token (``forward_layout``; left-padded as they are
+    with ``padded_forwards``, step 3's ``--padded_forwards``). A backbone that reads no attention mask
+    (``LEFT_PADDING_MOVES_SCORES``) scored left-padded rows otherwise than step 3's rollouts do.
     ``eos_token_id``: the id(s) answers stop at (step 3's ``answer_stop_ids``); default the tokenizer's EOS.
     """
     eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     totals = torch.zeros(5, dtype=torch.float64, device=device)  # reward, rule, count, reward_fn sums, empty answers
     examples, seen = [], 0
+    limit = position_limit(reward_model.module) if reward_model is not None else None  # (how far rows may round up)
     for batch in loader:
         if max_prompts and seen >= max_prompts:
             break
@@ -60,7 +66,8 @@ def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_t
         seq, amask, _ = pad_answers(seq, amask, tokenizer.pad_token_id, pad_to_multiple_of)
         full_mask = torch.cat([mask.long(), amask], dim=1)
         if reward_model is not None:
-            scores = reward_model.module.forward_value(seq, full_mask)["chosen_end_scores"].double()
+            layout = forward_layout(full_mask, prompts.shape[1] - 1, pad_to_multiple_of, limit, padded_forwards)
+            scores = reward_scores(reward_model.module, seq, full_mask, layout).double()
         else:  # reward function only: no reward-model score to report
             scores = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
         texts = answer_texts(tokenizer, seq[:, prompts.shape[1]:], amask)

@@ -91,6 +91,26 @@ class LeftAligned:
         return (steps + (self.max_lead - self.lead)[:, None]).clamp(max=window - 1)
 
 
+def forward_layout(attention_mask, start, multiple_of=1, position_limit=None, padded=False):
+    """How step 3 runs a batch's forwards (experience, training, held-out scores): over rows shifted left
+    (:class:`LeftAligned`), or as they are (None) with ``padded`` (``--padded_forwards``), for a row with a gap (a
+    prompt mask with a hole) or an empty prompt (a lead past ``start``, the last prompt column)."""
+    if padded:
+        return None
+    layout = LeftAligned.of(attention_mask, multiple_of, position_limit)
+    return layout if layout is not None and layout.max_lead <= start else None
+
+
+def reward_scores(scorer, seq, attention_mask, layout=None):
+    """(B,) a reward model's (``RewardModel``) score of each row at its scored token (its last real one): one
+    ``forward_value`` over the rows as they are (``layout`` None) or shifted (a ``LeftAligned``, whose scored token is
+    found in the shifted columns)."""
+    if layout is None:
+        return scorer.forward_value(seq, attention_mask)["chosen_end_scores"]
+    values = layout.forward(scorer.forward_value, seq, return_value_only=True)
+    return values.gather(1, scorer.score_index(layout.align(seq), layout.mask)[:, None]).squeeze(1)
+
+
 class _PaddingWarningFilter(logging.Filter):
     def filter(self, record):
         return "strongly recommend passing in an `attention_mask`" not in record.getMessage()

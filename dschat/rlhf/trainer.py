@@ -23,7 +23,7 @@ from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.models.positions import position_limit
-from dschat.rlhf.layout import LeftAligned, head_reads
+from dschat.rlhf.layout import forward_layout, head_reads, reward_scores
 from dschat.rlhf.config import check_kl_settings, kl_in_loss, step3_args
 from dschat.rlhf.engine import LONGEST_SEQUENCE_FLAGS, check_settings, longest_sequence
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
@@ -648,12 +648,7 @@ class DeepSpeedPPOTrainer:
         a = self.args
         scores = torch.zeros(seq.shape[0], device=seq.device)
         if self.reward_model is not None:
-            if layout is None:
-                rm = self.reward_model.module.forward_value(seq, attention_mask)["chosen_end_scores"]
-            else:  # the score at each row's scored token (its last real one), in the shifted columns
-                scorer = self.reward_model.module
-                values = layout.forward(scorer.forward_value, seq, return_value_only=True)
-                rm = values.gather(1, scorer.score_index(layout.align(seq), layout.mask)[:, None]).squeeze(1)
+            rm = reward_scores(self.reward_model.module, seq, attention_mask, layout)
             scores = scores + a.reward_model_weight * rm.float()
         if self.reward_fn is not None:
             from dschat.rlhf.reward_fn import batch_extras, call_reward_fn, weighted_scores
@@ -698,10 +693,8 @@ class DeepSpeedPPOTrainer:
     def _layout(self, attention_mask, start):
         """How this batch's forwards run: over rows shifted left, with no attention mask (``layout.py``), or, with
         ``--padded_forwards``, for a row with a gap (a prompt mask with a hole) or an empty prompt, as they are."""
-        if self.args.padded_forwards:
-            return None
-        layout = LeftAligned.of(attention_mask, self.pad_to_multiple_of, self.position_limit)
-        return layout if layout is not None and layout.max_lead <= start else None
+        return forward_layout(attention_mask, start, self.pad_to_multiple_of, self.position_limit,
+                              self.args.padded_forwards)
 
     def _logprobs(self, model, seq, attention_mask, start, layout=None):
         """Log-probs of the answer tokens only."""

@@ -135,7 +135,8 @@ def held_out_eval(trainer, loader, args, device, scorer):
                                -(-args.eval_prompts // get_world_size()),  # a count over all ranks: each its share
                                synced_gpus=trainer.z3_enabled and get_world_size() > 1,
                                pad_to_multiple_of=trainer.pad_to_multiple_of, reward_fn=trainer.reward_fn,
-                               eos_token_id=trainer.eos_token_id)  # (the stops of its rollouts)
+                               eos_token_id=trainer.eos_token_id,  # (the stops of its rollouts)
+                               padded_forwards=args.padded_forwards)  # (how its rollouts score rows)
 
 
 def step3_eval_prompts(eval_prompts, batch, world_size):
