@@ -553,3 +553,37 @@ def test_gemma4_with_one_head_dim_generates_as_hf():
     assert torch.equal(got, hf_generate(model, ids, mask, 10))
 
 
+
+
+def test_an_actor_whose_outputs_left_padding_moves_is_warned_of_once_where_the_engine_gets_left_padded_prompts(
+        capsys, monkeypatch):
+    """RecurrentGemma's recurrent layers read no attention mask (transformers' modelling), and the engine decodes it
+    as HF does, from the padded rows: its answers to a left-padded prompt are not those to the prompt alone, while
+    step 3 scores their log-probs on rows shifted to start at their first token. Said once (LEFT_PADDING_MOVES_SCORES);
+    nothing for prompts without padding."""
+    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
+
+    from dschat.models import reward_model
+
+    monkeypatch.setattr(reward_model, "_WARNED_LEFT_PADDING", set())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16,
+        block_types=["recurrent", "attention"], pad_token_id=PAD, bos_token_id=1, eos_token_id=2))
+    model.generation_config.eos_token_id = None
+    engine = _engine(model)
+    ids, mask = left_padded_batch([5, 2, 4])
+    capsys.readouterr()
+    unpadded = ids[:, 1:]
+    engine.generate(unpadded, attention_mask=torch.ones_like(unpadded), max_new_tokens=2, do_sample=False)
+    assert "warning" not in capsys.readouterr().out
+    for _ in range(2):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    said = capsys.readouterr().out
+    assert said.count("warning: the actor on RecurrentGemmaForCausalLM generates from left-padded prompts") == 1
+    assert "the hybrid engine (--enable_hybrid_engine) generates from the padded rows" in said
+    with torch.no_grad():  # (what the warning says: the next token's logits of row 1, padded and alone)
+        padded_logits = model(ids[1:2], attention_mask=mask[1:2]).logits[0, -1]
+        alone_logits = model(ids[1:2, 3:], attention_mask=mask[1:2, 3:]).logits[0, -1]
+    assert not torch.allclose(padded_logits, alone_logits, atol=1e-3)

@@ -4743,3 +4743,53 @@ def test_realigned_schedules_keep_each_models_lag_of_skipped_steps(monkeypatch, 
     trainer = SimpleNamespace(actor_model=engine(0, 0), critic_model=None)
     ppo.realign_schedules(trainer, {"steps_per_iteration": 4, "iteration": 2}, SimpleNamespace(freezing_actor_steps=2))
     assert trainer.actor_model.lr_scheduler.last_epoch == 0
+
+
+def _tiny_rwkv_actor():
+    from transformers import AutoModelForCausalLM, RwkvConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(RwkvConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=64, bos_token_id=None, eos_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
+def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_without_its_padding(capsys, monkeypatch):
+    """RWKV's recurrence reads no attention mask (transformers' modelling): from a left-padded batch HF's generate
+    answered otherwise than from each prompt alone, while step 3 scores the answers' log-probs on rows shifted to start
+    at their first token, so the answers were not sampled from the policy it trains. hf_generate (step 3's rollouts
+    without the hybrid engine, its held-out evaluation, the tools) now generates each row alone, unpadded (rows 2 and
+    3, of one length, too: RWKV's batched decode step mixes rows), and returns them as one batched call would; where
+    it cannot (a prompt with a hole), it generates as before and says so once."""
+    from dschat.models import reward_model
+    from dschat.rlhf.trainer import hf_generate
+
+    monkeypatch.setattr(reward_model, "_WARNED_LEFT_PADDING", set())
+    model = _tiny_rwkv_actor()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    prompts = [[10, 11, 12, 13, 14], [20], [30, 31, 32], [40, 41, 42]]
+    ids = torch.zeros(4, 5, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, 5 - len(prompt):], mask[row, 5 - len(prompt):] = torch.tensor(prompt), 1
+    call = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                **call)[0, len(p):] for p in prompts]
+        padded = model.generate(ids, attention_mask=mask, **call)
+        seq = hf_generate(model, tokenizer)(ids, attention_mask=mask, **call)
+    assert capsys.readouterr().out == ""
+    assert torch.equal(seq[:, :5], ids) and seq.shape == (4, 9)
+    assert torch.equal(seq[:, 5:], torch.stack(alone))
+    assert not torch.equal(padded[:, 5:], seq[:, 5:])  # (what the padding moved)
+    holed = mask.clone()
+    holed[0, 2] = 0
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(hf_generate(model, tokenizer)(ids, attention_mask=holed, **call),
+                               model.generate(ids, attention_mask=holed, **call))
+    said = capsys.readouterr().out
+    assert said.count("warning: the actor on RwkvForCausalLM generates from left-padded prompts otherwise") == 1
+    assert "its recurrent layers read no attention mask" in said

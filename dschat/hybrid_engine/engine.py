@@ -46,6 +46,7 @@ from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.loading import generable_token_count
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
+from dschat.models.reward_model import warn_of_padded_generation
 from dschat.models.training_engine import first_release, is_released, released_as
 from dschat.utils.dist import print_beside_progress_bars
 
@@ -431,6 +432,7 @@ class HybridEngine:
                                            repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
                                            pad_token_id=pad_token_id)
         attention_mask = s.attention_mask
+        warn_of_padded_generation(self.module, attention_mask)  # (RecurrentGemma: HF's own generate does the same)
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
         if self._iteration is None:

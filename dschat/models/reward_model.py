@@ -50,7 +50,43 @@ LEFT_PADDING_MOVES_SCORES = {
     "recurrent_gemma": "its recurrent layers read no attention mask",
     "deepseek_v4": "its compressed attention pools over the padding",
 }
-_WARNED_LEFT_PADDING = set()  # the families warned of in this process
+_WARNED_LEFT_PADDING = set()  # (role, family) warned of in this process
+
+
+def left_padding_moves(model):
+    """Why left padding moves the outputs of ``model`` (an HF model, PEFT-wrapped or not, or a ``RewardModel``): its
+    family's reason in ``LEFT_PADDING_MOVES_SCORES``, or None."""
+    return LEFT_PADDING_MOVES_SCORES.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def warn_once_of_left_padding(model, attention_mask, role, does, where):
+    """Where ``model``'s family is in ``LEFT_PADDING_MOVES_SCORES`` and some row of ``attention_mask`` is
+    left-padded: once per ``role`` and family in this process, "warning: {role} on {class} {does}: {reason} ...
+    {where}". For other families a dictionary look-up, and no host sync."""
+    reason = left_padding_moves(model)
+    key = (role, model.config.model_type) if reason else None
+    if reason is None or key in _WARNED_LEFT_PADDING or attention_mask is None:
+        return
+    if not bool(((attention_mask[:, 0] == 0) & attention_mask.bool().any(1)).any()):
+        return
+    _WARNED_LEFT_PADDING.add(key)
+    from dschat.models.lora import unwrap_peft
+    from dschat.utils.dist import print_rank_0
+
+    inner = unwrap_peft(getattr(model, "rwtransformer", model))
+    print_rank_0(f"warning: {role} on {type(inner).__name__} {does}: {reason} (transformers' modelling). {where}")
+
+
+def warn_of_padded_generation(model, attention_mask):
+    """Once per family: an actor of ``LEFT_PADDING_MOVES_SCORES`` generates from left-padded prompts (the hybrid
+    engine; HF generate where ``trainer.generate_row_by_row`` cannot leave the padding out)."""
+    warn_once_of_left_padding(
+        model, attention_mask, "the actor", "generates from left-padded prompts otherwise than from the prompts alone",
+        "Step 3 scores its answers' log-probs on rows shifted to start at their first token (unless "
+        "--padded_forwards), so its answers are not sampled from the policy it trains. dschat's HF generate takes each "
+        "row alone, without its padding, except under ZeRO-3 on several ranks and for a prompt with no token or a "
+        "hole; the hybrid engine (--enable_hybrid_engine) generates from the padded rows")
+
 
 logger = logging.getLogger(__name__)
 
@@ -162,20 +198,11 @@ class RewardModel(nn.Module):
     def _warn_of_left_padding(self, attention_mask):
         """Said once per family (``LEFT_PADDING_MOVES_SCORES``) where its rows come left-padded; for other families a
         dictionary look-up, and no host sync."""
-        family = getattr(self.config, "model_type", None)
-        if family not in LEFT_PADDING_MOVES_SCORES or family in _WARNED_LEFT_PADDING or attention_mask is None:
-            return
-        if not bool(((attention_mask[:, 0] == 0) & attention_mask.bool().any(1)).any()):
-            return
-        _WARNED_LEFT_PADDING.add(family)
-        from dschat.models.lora import unwrap_peft
-        from dschat.utils.dist import print_rank_0
-
-        print_rank_0(f"warning: the reward model or critic on {type(unwrap_peft(self.rwtransformer)).__name__} "
-                     f"scores left-padded rows otherwise than the rows alone: {LEFT_PADDING_MOVES_SCORES[family]} "
-                     "(transformers' modelling). dschat left-pads its rows in step 3 with --padded_forwards (its "
-                     "experience, training forwards and held-out reward_mean); step 2, step 3's default forwards and "
-                     "held-out evaluation, and rw_eval give it rows that start at their first token")
+        warn_once_of_left_padding(
+            self, attention_mask, "the reward model or critic", "scores left-padded rows otherwise than the rows alone",
+            "dschat left-pads its rows in step 3 with --padded_forwards (its experience, training forwards and "
+            "held-out reward_mean); step 2, step 3's default forwards and held-out evaluation, and rw_eval give it "
+            "rows that start at their first token")
 
     def _check_head_width(self, hidden):
         """A ``UsageError`` where the backbone's hidden states are not as wide as the value head (its width taken from

@@ -20,7 +20,7 @@ from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
 from dschat.models.loading import generable_token_count, stop_token_ids, token_id_list
 from dschat.models.lora import unwrap_peft
-from dschat.models.reward_model import positions_from_mask
+from dschat.models.reward_model import left_padding_moves, positions_from_mask, warn_of_padded_generation
 from dschat.rlhf import algorithms as algo
 from dschat.models.positions import position_limit
 from dschat.rlhf.layout import forward_layout, head_reads, reward_scores
@@ -258,7 +258,44 @@ def hf_generate(model, tokenizer):
     rollouts without the hybrid engine, its held-out evaluation and the tools' ``evaluate_policy`` (they score as step
     3 does)."""
     suppressed = suppress_untokenized(model, tokenizer)
-    return functools.partial(model.generate, **suppressed) if suppressed else model.generate
+    generate = functools.partial(model.generate, **suppressed) if suppressed else model.generate
+    return functools.partial(generate_row_by_row, model, generate) if left_padding_moves(model) else generate
+
+
+def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwargs):
+    """HF ``generate`` of a model whose outputs left padding moves (``LEFT_PADDING_MOVES_SCORES``: the mask does not
+    reach its recurrence): each row generates alone, from its prompt without the padding, as the prompt alone would
+    (one row at a time, not rows of one length together: with transformers 5.25 RWKV's one-token decode step mixes the
+    rows of a batch, its (B, 1, H) hidden state broadcast against the (B, H) state). The answers come back after the
+    prompts as the caller gave them, right-padded with the pad id, as one batched call returns them. Where that cannot
+    be (``synced_gpus``, HF's default on several ranks: every rank must make as many calls; a prompt with no token or
+    a hole; no pad id) the batch generates as it is, said once."""
+    pad_id = kwargs.get("pad_token_id", getattr(model.generation_config, "pad_token_id", None))
+    synced = kwargs.get("synced_gpus")
+    synced = get_world_size() > 1 if synced is None else synced
+    lengths = _suffix_lengths(attention_mask) if not synced and pad_id is not None else None
+    if lengths is None:
+        warn_of_padded_generation(model, attention_mask)
+        return generate(input_ids, attention_mask=attention_mask, **kwargs)
+    width = input_ids.shape[1]
+    answers = [generate(row[None, width - length:], attention_mask=keep[None, width - length:], **kwargs)[0, length:]
+               for row, keep, length in zip(input_ids, attention_mask, lengths.tolist())]
+    seq = input_ids.new_full((input_ids.shape[0], width + max(len(a) for a in answers)), pad_id)
+    seq[:, :width] = input_ids
+    for row, answer in enumerate(answers):
+        seq[row, width:width + len(answer)] = answer
+    return seq
+
+
+def _suffix_lengths(attention_mask):
+    """(B,) each row's count of real tokens where every row's are its last columns, at least one (left padding
+    only), else None."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.long()
+    lengths = mask.sum(1)
+    trailing = mask.flip(1).cumprod(1).sum(1)  # real tokens before the first pad from the right
+    return lengths if bool(((trailing == lengths) & (lengths > 0)).all()) else None
 
 
 def answer_texts(tokenizer, answers, mask):
