@@ -814,26 +814,31 @@ def held_out_rule_score_settings():
 
 
 def held_out_rule_scores(args):
-    """{"sft": score, "dpo": score}: the bundled rule score of greedy answers to step 3's held-out prompts (the
-    tiny data only), so the report shows what DPO did to generation, not only to the ranking of given answers.
+    """{"sft": scores, "dpo": scores}, each {"rule_score", "prompts", "empty_answers"}: the bundled rule score of
+    greedy answers to step 3's held-out prompts (the tiny data only), so the report shows what DPO did to generation,
+    not only to the ranking of given answers, and how many answers are empty (a policy that ends them at once scores 0,
+    unexplained by the mean). The prompts are loaded once for both policies (DPO keeps its SFT model's tokenizer).
     Every rank evaluates its share of the prompts (the means are over all ranks)."""
     from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
-    from dschat.steps.ppo import prompt_loaders
+    from dschat.steps.ppo import held_out_loader_once
     from dschat.tools.common import load_policy
 
     step3 = held_out_rule_score_settings()  # step 3's data split, prompt and answer lengths on the tiny default
-    scores = {}
+    scores, loaders = {}, {}
     for name, folder in (("sft", SFT_DIR), ("dpo", DPO_DIR)):
         path = os.path.join(args.output_dir, folder)
         model, tokenizer = load_policy(path, local_device())
         # (the run's data: the embedded data by its files' paths may be only some of them, e.g. its train.jsonl)
-        _, held_out = prompt_loaders({"data_path": args.data_path or step3.data_path,
-                                      "data_split": step3.data_split, "max_prompt_seq_len": step3.max_prompt_seq_len,
-                                      "per_device_generation_batch_size": step3.per_device_generation_batch_size,
-                                      "actor_model_name_or_path": path,
-                                      "data_output_path": os.path.join(args.output_dir, "data_cache")}, tokenizer)
+        held_out, _ = held_out_loader_once({"data_path": args.data_path or step3.data_path,
+                                            "data_split": step3.data_split,
+                                            "max_prompt_seq_len": step3.max_prompt_seq_len,
+                                            "per_device_generation_batch_size": step3.per_device_generation_batch_size,
+                                            "actor_model_name_or_path": path,
+                                            "data_output_path": os.path.join(args.output_dir, "data_cache")},
+                                           tokenizer, loaders)
         result = evaluate_policy(hf_generate(model, tokenizer), None, tokenizer, held_out, model.device,
                                  step3.max_answer_seq_len,
                                  rule_scorer_for(args.data_path or step3.data_path))
-        scores[name] = {"rule_score": result["rule_score_mean"], "prompts": result["prompts"]}
+        scores[name] = {"rule_score": result["rule_score_mean"], "prompts": result["prompts"],
+                        "empty_answers": result["empty_answers"]}
     return scores

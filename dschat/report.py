@@ -303,6 +303,10 @@ def dpo_summary_lines(m):
              f"{ties_said(m.get('reward_ties'), pairs)}; eval loss {m['eval_loss']:.4f}"]
     rule_scores = m.get("held_out_rule_score")
     if rule_scores and rule_scores["dpo"]["prompts"]:  # no held-out prompts: no score (None)
+        said = {name: f"{rule_scores[name]['rule_score']:.3f}" for name in ("sft", "dpo")}
+        for name in said:  # (a run from before the count: nothing)
+            empty = empty_answers_said(rule_scores[name].get("empty_answers"), rule_scores[name]["prompts"])
+            said[name] += f" ({empty})" if empty else ""
         lines.append(f"held-out rule score of greedy answers ({counted(rule_scores['dpo']['prompts'], 'prompt')}): "
-                     f"SFT {rule_scores['sft']['rule_score']:.3f} -> DPO {rule_scores['dpo']['rule_score']:.3f}")
+                     f"SFT {said['sft']} -> DPO {said['dpo']}")
     return lines

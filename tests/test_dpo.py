@@ -402,6 +402,35 @@ def test_the_dpo_reports_rule_scores_are_on_the_runs_own_data_given_by_its_files
     assert scores["dpo"]["rule_score"] is not None
 
 
+def test_the_dpo_reports_rule_scores_load_the_held_out_prompts_once_and_count_empty_answers(tmp_path, capsys):
+    """Step 3's held-out prompts were loaded once per policy (the "phase 3" data lines said twice, for data DPO never
+    trains on); and the scores did not count the empty answers step 3's evaluation counts (empty_answers)."""
+    from types import SimpleNamespace
+
+    from dschat.tiny import EVAL_FILE
+    from dschat.tiny.presets import create_tiny_model
+
+    for folder in ("step1_sft", "step2_dpo"):
+        create_tiny_model("tiny-llama", tmp_path / folder)
+    scores = pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(tmp_path), data_path=[f"jsonl:{EVAL_FILE}"]))
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[dschat.data] phase 3")]
+    assert len(said) == 2 and "train" in said[0] and "eval" in said[1], said  # (its train and eval lines, once)
+    for name in ("sft", "dpo"):
+        assert isinstance(scores[name]["empty_answers"], int)
+        assert 0 <= scores[name]["empty_answers"] <= scores[name]["prompts"]
+
+
+def test_the_dpo_reports_rule_score_line_says_the_empty_answers():
+    from dschat.report import dpo_summary_lines
+
+    dpo = {"reference_logp_accuracy": 1.0, "logp_accuracy": 1.0, "reward_accuracy": 0.5, "chosen_reward": 0.0,
+           "rejected_reward": 0.0, "reward_margin": 0.0, "eval_loss": 0.69, "eval_pairs": 4,
+           "held_out_rule_score": {"sft": {"rule_score": 0.5, "prompts": 120, "empty_answers": 0},
+                                   "dpo": {"rule_score": 0.0, "prompts": 120, "empty_answers": 120}}}
+    assert dpo_summary_lines(dpo)[2] == ("held-out rule score of greedy answers (120 prompts): SFT 0.500 -> DPO 0.000 "
+                                         "(120 of 120 answers empty)")
+
+
 def test_train_py_refuses_a_dpo_flag_combination_before_step_1(tmp_path, distributed):
     """--step2-args "--multiturn" with --recipe dpo was refused by the DPO step, after step 1 had trained."""
     from dschat.errors import UsageError

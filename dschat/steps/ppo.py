@@ -58,6 +58,21 @@ def prompt_loaders(args, tokenizer, held_out_only=False):
                              drop_last=True)
 
 
+def held_out_loader_once(args, tokenizer, built):
+    """Step 3's held-out prompt loader (``prompt_loaders``, ``held_out_only``) in ``tokenizer``'s ids, built once per
+    encoding: ``built`` (a dict kept across calls) holds those made, keyed by the tokenizer's fingerprint less its
+    folder, so the next policy of the same tokenizer (the SFT model's beside DPO's or PPO's) reuses the prompts and
+    the data report is said once. Returns (the loader, whether it was built now)."""
+    from dschat.data.cache import tokenizer_fingerprint
+
+    key = json.dumps({k: v for k, v in tokenizer_fingerprint(tokenizer).items() if k != "name_or_path"},
+                     sort_keys=True)
+    if key in built:
+        return built[key], False
+    built[key] = prompt_loaders(args, tokenizer, held_out_only=True)[1]
+    return built[key], True
+
+
 def check_reward_fn_takes_the_columns(args, train, held_out):
     """--reward_fn can be called on the prompts' columns (``check_takes_columns``), before the models load; a split
     without prompts is not scored."""

@@ -12,7 +12,6 @@ import os
 from types import SimpleNamespace
 
 from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of, seed_int
-from dschat.data.cache import tokenizer_fingerprint
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path
 from dschat.models.loading import (check_sequence_fits, embedding_rows, grow_embeddings_for, load_tokenizer,
@@ -24,7 +23,7 @@ from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.report import counted
 from dschat.run_layout import DPO_DIR, PPO_DIR, REPORT_FILE, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, read_run_args
-from dschat.steps.ppo import prompt_loaders, step3_eval_prompts
+from dschat.steps.ppo import held_out_loader_once, step3_eval_prompts
 from dschat.tools.common import (add_loading_args, check_stdout_open, default_device, find_policy_path,
                                  find_reward_model_path, flag_path, load_policy, load_scoring_reward_model,
                                  non_empty_path, one_process, parse_with_run_defaults)
@@ -75,13 +74,11 @@ def check_reward_model_reads(paths, reward_model_path, args):
 
 
 def held_out_prompts(args, tokenizer, by_tokenizer):
-    """Step 3's held-out prompt batches in ``tokenizer``'s ids, built once per encoding (its folder aside)."""
-    key = json.dumps({k: v for k, v in tokenizer_fingerprint(tokenizer).items() if k != "name_or_path"},
-                     sort_keys=True)
-    if key not in by_tokenizer:
-        by_tokenizer[key] = prompt_loaders(step3_settings(args), tokenizer, held_out_only=True)[1]
-        say_fewer_prompts_than_asked(args.num_prompts, len(by_tokenizer[key].dataset))
-    return by_tokenizer[key]
+    """Step 3's held-out prompt batches in ``tokenizer``'s ids, built once per encoding (``held_out_loader_once``)."""
+    loader, built = held_out_loader_once(step3_settings(args), tokenizer, by_tokenizer)
+    if built:
+        say_fewer_prompts_than_asked(args.num_prompts, len(loader.dataset))
+    return loader
 
 
 def say_fewer_prompts_than_asked(num_prompts, held_out):
