@@ -735,6 +735,8 @@ def run_pipeline(args):
     rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None
+    if rule_scores:
+        keep_rule_scores_with_the_dpo_model(args.output_dir, rule_scores)
     return final_report(args, recipe, steps, plan, parsers, timings, tiny, ready, rule_scores)
 
 
@@ -811,6 +813,33 @@ def held_out_rule_score_settings():
     from dschat.args import step3_parser
 
     return step3_parser().parse_args(TINY_RECIPE[3])
+
+
+def held_out_rule_score_eval_flags():
+    """eval.py's flags that score a policy as ``held_out_rule_scores`` does: every held-out prompt, with step 3's
+    tiny-recipe prompt and answer lengths and generation batch size."""
+    step3 = held_out_rule_score_settings()
+    return {"num_prompts": 0, "max_prompt_seq_len": step3.max_prompt_seq_len, "max_new_tokens": step3.max_answer_seq_len,
+            "per_device_generation_batch_size": step3.per_device_generation_batch_size}
+
+
+# The keys of the DPO model's metrics.json that hold the recipe's held-out rule scores and eval.py's flags for them.
+RULE_SCORE_KEY, RULE_SCORE_FLAGS_KEY = "held_out_rule_score", "held_out_rule_score_flags"
+
+
+def keep_rule_scores_with_the_dpo_model(output_dir, scores):
+    """The DPO recipe's held-out rule ``scores``, and the eval.py flags they were taken with, added to the DPO model's
+    metrics.json (rank 0): eval.py reads the flags there, with the model, to score it as the report did; report.json
+    alone was replaced by a later train.py run in the same folder (a PPO run's --resume), and eval.py then scored the
+    DPO policy with its own defaults. (No metrics.json, no finished DPO model: none is written, which would mark one.)"""
+    from dschat.run_layout import FINISHED_MARK
+    from dschat.utils.files import read_json_object, write_json_atomic
+
+    path = os.path.join(output_dir, DPO_DIR, FINISHED_MARK)
+    metrics = read_json_object(path)
+    if metrics is not None:
+        write_json_atomic(path, {**metrics, RULE_SCORE_KEY: scores,
+                                 RULE_SCORE_FLAGS_KEY: held_out_rule_score_eval_flags()})
 
 
 def held_out_rule_scores(args):

@@ -369,6 +369,10 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
     assert json.loads((tmp_path / "report.json").read_text())["dpo"] == report["dpo"]
     assert report["dpo"]["logp_accuracy"] == 0.5
     assert report["dpo"]["held_out_rule_score"] == scores
+    # kept with the DPO model too, with eval.py's flags for them: a later run's report.json does not take them away
+    kept = json.loads((tmp_path / "step2_dpo" / "metrics.json").read_text())
+    assert kept["logp_accuracy"] == 0.5 and kept["held_out_rule_score"] == scores
+    assert kept["held_out_rule_score_flags"] == pipeline.held_out_rule_score_eval_flags()
     printed = capsys.readouterr().out
     assert "preference accuracy (chosen answer more likely, 0.5 pairs): SFT 0.5000 -> DPO 0.5000" in printed
     assert "held-out rule score of greedy answers (120 prompts): SFT 0.800 -> DPO 0.900" in printed

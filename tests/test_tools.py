@@ -1405,6 +1405,48 @@ def test_ppo_eval_scores_a_dpo_runs_policies_as_its_report_scored_them(models, t
     assert (given.num_prompts, given.max_new_tokens) == (8, 16)
 
 
+def test_ppo_eval_scores_a_dpo_policy_as_its_report_did_after_a_later_run_replaced_the_report(models, tmp_path,
+                                                                                             capsys):
+    """train.py --recipe dpo --step 2, then a PPO run's --resume in the same folder: its report.json replaced the DPO
+    run's, and ppo_eval scored the DPO policy with its own defaults (64 prompts: 0.8405/0.8194, not the report's 120),
+    unsaid. The flags are kept with the DPO model (its metrics.json), read from there; without them, what it falls
+    back to is said."""
+    from dschat.pipeline import held_out_rule_score_eval_flags, keep_rule_scores_with_the_dpo_model
+
+    run = tmp_path / "run"
+    policy = run / "step2_dpo"
+    shutil.copytree(models["policy"], policy)
+    (policy / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2_dpo", "world_size": 1, "cwd": str(tmp_path),
+                                                    "flags": {"data_path": ["tiny"], "data_split": "4,4,2"}}))
+    (policy / "metrics.json").write_text(json.dumps({"logp_accuracy": 0.9}))
+    (run / "report.json").write_text(json.dumps({"policy": "step3_ppo/actor", "held_out": {}}))  # (the later run's)
+    capsys.readouterr()
+    unkept = ppo_eval.parse_args(["--policy", str(policy)])
+    assert (unkept.num_prompts, unkept.max_new_tokens) == (64, 256)
+    assert (f"[ppo_eval] {policy}: no held-out rule score of train.py --recipe dpo kept with it "
+            f"({policy / 'metrics.json'}): scored with --num_prompts 64 --max_new_tokens 256 --max_prompt_seq_len 256 "
+            "--per_device_generation_batch_size 16 (this tool's defaults where not given)") in capsys.readouterr().out
+    score = {"rule_score": 0.8, "prompts": 120, "empty_answers": 0}
+    keep_rule_scores_with_the_dpo_model(str(run), {"sft": score, "dpo": score})
+    args = ppo_eval.parse_args(["--policy", str(policy)])
+    flags = held_out_rule_score_eval_flags()
+    assert (args.num_prompts, args.max_new_tokens, args.max_prompt_seq_len, args.per_device_generation_batch_size) \
+        == (0, flags["max_new_tokens"], flags["max_prompt_seq_len"], flags["per_device_generation_batch_size"])
+    assert args.data_split == "4,4,2"
+    assert (f"and {policy / 'metrics.json'}'s held-out rule score (flags given here win)" in
+            capsys.readouterr().out)
+    assert json.loads((policy / "metrics.json").read_text())["logp_accuracy"] == 0.9  # (the step's metrics kept)
+
+
+def test_no_rule_scores_are_kept_where_no_dpo_model_finished(tmp_path):
+    """metrics.json marks a finished step output: the rule scores are not written where there is none."""
+    from dschat.pipeline import keep_rule_scores_with_the_dpo_model
+
+    (tmp_path / "step2_dpo").mkdir()
+    keep_rule_scores_with_the_dpo_model(str(tmp_path), {"sft": {}, "dpo": {}})
+    assert not (tmp_path / "step2_dpo" / "metrics.json").exists()
+
+
 def test_ppo_eval_says_when_the_run_has_fewer_held_out_prompts_than_num_prompts(models, tmp_path, capsys):
     """A step-3 run's --eval_prompts 256 became "--num_prompts 256" in the "from training_args.json" line, where the
     run has fewer held-out prompts (the summary said "over 240 prompts"), unqualified. Now the cap is said once the

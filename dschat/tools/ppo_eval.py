@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of, seed_int
 from dschat.data.pipeline import as_list
-from dschat.data.raw_datasets import anchored_data_path
+from dschat.data.raw_datasets import anchored_data_path, is_tiny_data
 from dschat.models.loading import (check_sequence_fits, embedding_rows, grow_embeddings_for, load_tokenizer,
                                    resolve_model_path, stop_token_ids)
 from dschat.errors import UsageError
@@ -230,9 +230,9 @@ def step3_run_defaults(args):
     else:
         if (dpo_run := read_run_args(policy, DPO_DIR)) is not None:
             defaults, source = run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(policy, RUN_ARGS_FILE)
-            if reported := reported_rule_score_defaults(policy_dir):
-                defaults.update(reported)
-                source += f" and {os.path.join(policy_dir, REPORT_FILE)}'s held-out rule score"
+            reported, said = reported_rule_score_defaults(policy, policy_dir, args, defaults.get("data_path"))
+            defaults.update(reported)
+            source += said
             return defaults, source
         # e.g. a notebook's save_causal_lm: the prompts scored may not be the run's held-out ones
         print(f"[ppo_eval] no step-3 {RUN_ARGS_FILE} with {policy_path}: the held-out prompts are those of this tool's "
@@ -254,21 +254,32 @@ def step3_run_defaults(args):
 DPO_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_of", "seed", "add_eot_token")
 
 
-def reported_rule_score_defaults(run_folder):
-    """The prompt count, prompt and answer lengths and batch size with which train.py's DPO recipe scored its SFT and
-    DPO policies (report.json's "held_out_rule_score", ``pipeline.held_out_rule_scores``: every held-out prompt, step
-    3's tiny-recipe lengths), when the report in ``run_folder`` has that score; else {}. Without them this tool scored
-    the run's policies on 64 prompts with 256-token answers, numbers unlike its report's, unsaid."""
-    from dschat.pipeline import held_out_rule_score_settings
+def reported_rule_score_defaults(policy, run_folder, args, data_path):
+    """(the flags with which train.py's DPO recipe scored its SFT and DPO policies, ``pipeline.held_out_rule_scores``:
+    every held-out prompt, step 3's tiny-recipe lengths; where they come from, as the "from" line says it), read from
+    the DPO model's metrics.json, where the recipe keeps them (``keep_rule_scores_with_the_dpo_model``), else, for a
+    run from before that, from ``run_folder``'s report.json if it has the score. Neither: ({}, ""), and this tool's own
+    defaults are said (64 prompts with 256-token answers, numbers unlike such a report's; a later run's report.json in
+    the same folder left them unsaid), where the DPO run's ``data_path`` is the embedded data (the recipe scores no
+    other); ``args``: this tool's flags, parsed without the run's."""
+    from dschat.pipeline import RULE_SCORE_FLAGS_KEY, held_out_rule_score_eval_flags
+    from dschat.run_layout import FINISHED_MARK
     from dschat.utils.files import read_json_object
 
-    dpo = (read_json_object(os.path.join(run_folder, REPORT_FILE)) or {}).get("dpo")
-    if not (isinstance(dpo, dict) and dpo.get("held_out_rule_score")):
-        return {}
-    step3 = held_out_rule_score_settings()
-    return {"num_prompts": 0, "max_prompt_seq_len": step3.max_prompt_seq_len,
-            "max_new_tokens": step3.max_answer_seq_len,
-            "per_device_generation_batch_size": step3.per_device_generation_batch_size}
+    metrics = os.path.join(policy, FINISHED_MARK)
+    kept = (read_json_object(metrics) or {}).get(RULE_SCORE_FLAGS_KEY)
+    if isinstance(kept, dict) and kept:
+        return dict(kept), f" and {metrics}'s held-out rule score"
+    report = os.path.join(run_folder, REPORT_FILE)
+    dpo = (read_json_object(report) or {}).get("dpo")
+    if isinstance(dpo, dict) and dpo.get("held_out_rule_score"):
+        return held_out_rule_score_eval_flags(), f" and {report}'s held-out rule score"
+    if is_tiny_data(data_path):
+        print(f"[ppo_eval] {policy}: no held-out rule score of train.py --recipe dpo kept with it ({metrics}): scored "
+              f"with --num_prompts {args.num_prompts} --max_new_tokens {args.max_new_tokens} --max_prompt_seq_len "
+              f"{args.max_prompt_seq_len} --per_device_generation_batch_size {args.per_device_generation_batch_size} "
+              "(this tool's defaults where not given), not as such a report scores it")
+    return {}, ""
 
 
 def run_data_defaults(run, names):
