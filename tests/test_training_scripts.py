@@ -164,3 +164,26 @@ def test_a_tiny_script_runs_train_pys_tiny_step(step, tmp_path, capsys, monkeypa
     differ = {dest: (script[dest], value) for dest, value in from_train_py.items()
               if dest not in PLACES and script[dest] != value}
     assert not differ, f"{step}'s tiny script (left) and train.py's tiny default (right) differ: {differ}"
+
+
+FAILING_STAND_IN = """#!/bin/sh
+echo "step starts" && echo "error: step 1's output is missing" >&2 && exit 2
+"""
+
+
+@pytest.mark.parametrize("step", sorted(PARSERS))
+def test_a_tiny_script_shows_a_failing_steps_error_and_exits_with_its_status(step, tmp_path):
+    """The tiny scripts sent everything to training.log (as DeepSpeed-Chat's do): a step run without the earlier step's
+    output failed with nothing on the terminal. Its output is shown and kept in training.log, and the script exits
+    with the step's status."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "deepspeed").write_text(FAILING_STAND_IN)
+    (bin_dir / "deepspeed").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(REPO / "training" / step / "training_scripts/tiny/run_tiny.sh")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "error: step 1's output is missing" in done.stdout + done.stderr
+    log = (tmp_path / "output/tiny/training.log").read_text()
+    assert "step starts" in log and "error: step 1's output is missing" in log

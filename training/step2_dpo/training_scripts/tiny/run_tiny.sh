@@ -16,9 +16,12 @@ if [ "$MODEL" == "" ]; then
     MODEL=../step1_sft/output/tiny
 fi
 mkdir -p $OUTPUT
+# shown as it runs and kept in training.log (DeepSpeed-Chat's scripts only write the log, so a step that failed,
+# e.g. on a missing earlier step's output, said nothing); the exit status is the step's, not tee's
+set -o pipefail
 
 deepspeed --num_gpus 1 main.py --model_name_or_path $MODEL --data_path tiny --data_split 4,4,2 \
    --max_seq_len 96 --per_device_train_batch_size 16 --per_device_eval_batch_size 32 \
    --learning_rate 1e-3 --num_train_epochs 2 --num_warmup_steps 10 --dtype fp32 --dropout 0.0 \
    --beta 0.1 --rpo_alpha 1.0 \
-   --zero_stage $ZERO_STAGE --deepspeed --output_dir $OUTPUT &> $OUTPUT/training.log
+   --zero_stage $ZERO_STAGE --deepspeed --output_dir $OUTPUT 2>&1 | tee $OUTPUT/training.log

@@ -24,6 +24,9 @@ if [ "$OUTPUT" == "" ]; then
     OUTPUT=./output/tiny
 fi
 mkdir -p $OUTPUT
+# shown as it runs and kept in training.log (DeepSpeed-Chat's scripts only write the log, so a step that failed,
+# e.g. on a missing earlier step's output, said nothing); the exit status is the step's, not tee's
+set -o pipefail
 
 deepspeed --num_gpus 1 main.py --data_path tiny --data_split 4,4,2 \
    --actor_model_name_or_path $ACTOR_MODEL_PATH --critic_model_name_or_path $CRITIC_MODEL_PATH \
@@ -32,4 +35,4 @@ deepspeed --num_gpus 1 main.py --data_path tiny --data_split 4,4,2 \
    --per_device_generation_batch_size 32 --per_device_training_batch_size 32 \
    --actor_learning_rate 5e-5 --critic_learning_rate 5e-4 --num_warmup_steps 2 --dtype fp32 \
    --enable_hybrid_engine --num_train_epochs 2 --eval_prompts 256 --actor_dropout 0.0 --critic_dropout 0.0 \
-   --deepspeed --output_dir $OUTPUT &> $OUTPUT/training.log
+   --deepspeed --output_dir $OUTPUT 2>&1 | tee $OUTPUT/training.log
