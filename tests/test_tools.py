@@ -1623,6 +1623,29 @@ def test_ppo_eval_reads_step3s_data_files_from_any_folder_and_keeps_its_cache_ou
     assert counts == {"step1_sft": 8, "step2_dpo": ppo_eval.build_parser().get_default("num_prompts")}
 
 
+def test_ppo_eval_reads_the_runs_tokenized_prompts_from_its_data_cache(tmp_path, capsys):
+    """ppo_eval tokenized a run's held-out prompts again into its own /tmp/dschat_data_files, where the steps of a
+    train.py run share <output>/data_cache: it takes the run's cache, where the run folder is now (moved here)."""
+    run = tmp_path / "now" / "run"  # (the run was made in tmp_path/then, as its records say)
+    for step, folder in (("step3", "step3_ppo/actor"), ("step2_dpo", "step2_dpo")):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+        record_folder = run / folder.split("/")[0]
+        (record_folder / RUN_ARGS_FILE).write_text(json.dumps(
+            {"step": step, "world_size": 1, "cwd": str(tmp_path / "then"),
+             "flags": {"data_path": ["tiny"], "output_dir": f"run/{record_folder.name}",
+                       "data_output_path": "run/data_cache"}}))
+    default = ppo_eval.build_parser().get_default("data_output_path")
+    assert ppo_eval.parse_args(["--policy", str(run / "step3_ppo/actor")]).data_output_path == default  # (none yet)
+    (run / "data_cache").mkdir()
+    capsys.readouterr()
+    for policy in (run / "step3_ppo/actor", run / "step2_dpo"):
+        assert ppo_eval.parse_args(["--policy", str(policy)]).data_output_path == str(run / "data_cache")
+        assert f"--data_output_path {run / 'data_cache'}" in capsys.readouterr().out
+    given = ppo_eval.parse_args(["--policy", str(run / "step2_dpo"), "--data_output_path", str(tmp_path / "mine")])
+    assert given.data_output_path == str(tmp_path / "mine")
+
+
 def test_ppo_eval_takes_the_runs_field_names_only_with_the_runs_files(tmp_path):
     """A --data_path of one's own got the run's --data_fields too ("no 'question' field, which --data_fields
     prompt=question names"): they go with the run's files."""

@@ -179,6 +179,9 @@ def build_parser():
                         help="Also score with this reward function (step 3's --reward_fn; default: the run's).")
     add_data_args(parser)
     hide_flag(parser, "--sft_only_data_path")  # (refused: check_data_flags)
+    parser._option_string_actions["--data_output_path"].help = (
+        "Where tokenized datasets are cached (default: the policy's run's cache, train.py's <output>/data_cache, where "
+        "this tool may write it; else %(default)s).")
     for flag, default in (("--data_path", "the policy's run's, else tiny"), ("--data_split", RUN_DEFAULT)):
         parser._option_string_actions[flag].help += f" Default: {default}."  # (the steps' help says none)
     parser.add_argument("--num_prompts", type=non_negative_int, default=64,
@@ -207,7 +210,7 @@ def hide_flag(parser, flag):
 
 # Step 3's flags that choose and shape its held-out prompts, taken as this tool's defaults from the run that trained
 # the policy (with --num_prompts and --max_new_tokens, from step 3's evaluation flags: step3_run_defaults).
-# (Not --data_output_path: this tool's cache goes where its own flag says, never into the run's folder.)
+# (--data_output_path: the run's cache where it is now, ``run_data_cache``.)
 STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_of", "seed", "max_prompt_seq_len",
                     "per_device_generation_batch_size", "add_eot_token")
 
@@ -230,6 +233,7 @@ def step3_run_defaults(args):
     else:
         if (dpo_run := read_run_args(policy, DPO_DIR)) is not None:
             defaults, source = run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(policy, RUN_ARGS_FILE)
+            defaults.update(run_data_cache(dpo_run, policy))
             reported, said = reported_rule_score_defaults(policy, policy_dir, args, defaults.get("data_path"))
             defaults.update(reported)
             source += said
@@ -241,6 +245,7 @@ def step3_run_defaults(args):
         return {}, None
     flags = run["flags"]
     defaults = run_data_defaults(run, STEP3_DATA_FLAGS)
+    defaults.update(run_data_cache(run, folder))
     defaults.update(run_reward_sources(flags, run.get("cwd"), args.reward_fn, folder, run.get("inputs")))
     defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
                                                  flags.get("per_device_generation_batch_size", 16),
@@ -297,6 +302,26 @@ def run_data_defaults(run, names):
         elif not isinstance(defaults["data_fields"], str):
             defaults["data_fields"] = fields.as_text()
     return defaults
+
+
+def run_data_cache(run, record_folder):
+    """{"data_output_path": the tokenized-data cache of the step run ``run`` (read_run_args') that wrote
+    ``record_folder``'s training_args.json}, so that this tool reads the prompts the step tokenized there (as the steps
+    of one train.py run share <output>/data_cache) rather than tokenizing them again into its own default
+    /tmp/dschat_data_files: a cache in the run's folder (the parent of the step's --output_dir; train.py's) where
+    that folder is now, moved or copied; another as the step read it from its working directory. {} where the run
+    recorded none, or that cache is no folder this tool may write now (another machine's /tmp, a read-only copy)."""
+    flags, cwd = run["flags"], run.get("cwd") or ""
+    if not (flags.get("data_output_path") and flags.get("output_dir")):
+        return {}
+    then_cache, then_output = (os.path.normpath(os.path.join(cwd, flags[name])) for name in ("data_output_path",
+                                                                                            "output_dir"))
+    inside = os.path.relpath(then_cache, os.path.dirname(then_output))
+    cache = (then_cache if inside.startswith(os.pardir) or os.path.isabs(inside)
+             else os.path.join(os.path.dirname(os.path.abspath(record_folder)), inside))
+    usable = os.path.isdir(cache) and os.access(cache, os.W_OK)
+    own_default = os.path.normpath(build_parser().get_default("data_output_path"))
+    return {"data_output_path": cache} if usable and cache != own_default else {}
 
 
 def run_reward_sources(flags, cwd, given_fn="", record_folder=None, inputs=None):
