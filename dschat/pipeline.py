@@ -348,7 +348,42 @@ def check_step_args(steps, args, tiny, parsers):
     check_reward_model_tokenizer(steps, args, tiny)
     flags = {step: flags for step, (flags, _) in parsed.items()}
     check_sequence_lengths(args, flags)
+    check_hub_data_at_hand(args, flags)  # (last: it may load a dataset, where the checks above read flags and files)
     return flags
+
+
+def check_hub_data_at_hand(args, parsed):
+    """Where the hub cannot be reached (HF_HUB_OFFLINE, or dschat's probe), each hub dataset the steps read (``parsed``:
+    step -> its flags) is loaded from datasets' cache before step 1 runs (rank 0): one the cache lacked was an error
+    only once a step reached its data, naming the step's --data_path rather than the flag that gave it (train.py's
+    --data-path). With the hub at hand nothing is loaded here: a step downloads what it reads as it starts."""
+    from dschat.data.base import load_hub_dataset
+    from dschat.data.raw_datasets import reads_the_hub
+    from dschat.models.loading import hub_unavailable
+
+    given_by = {}  # hub dataset -> the flag that gave it, as an error names it (the first step's)
+    for step, flags in parsed.items():
+        for dest in ("data_path", "sft_only_data_path"):
+            for spec in getattr(flags, dest, None) or []:
+                if reads_the_hub(spec):
+                    given_by.setdefault(spec, data_flag_of(step, args, dest))
+    def found_in_the_cache(spec, flag):
+        load_hub_dataset(spec, flag)  # (its error names the flag)
+        return True  # (not the data: rank_0_decides sends what it returns to every rank)
+
+    if given_by and rank_0_decides(hub_unavailable):
+        for spec, flag in given_by.items():
+            rank_0_decides(lambda: found_in_the_cache(spec, flag))
+
+
+def data_flag_of(step, args, dest):
+    """The flag that gave ``step`` its --data_path (``dest``; or step 1's --sft_only_data_path, which only its
+    --step1-args give), as train.py's errors name it: train.py's --data-path, else the step's own in its
+    --stepN-args."""
+    if dest == "data_path" and not _gives_flag(step, args, dest):
+        return "--data-path (not given: DeepSpeed-Chat's default)" if getattr(args, "data_path_defaulted", False) \
+            else "--data-path"
+    return f"--step{step}-args --{dest}"
 
 
 def check_grpo_reads_no_step2_folder(flags, args):
@@ -707,7 +742,7 @@ def run_pipeline(args):
     check_model_folders(recipe_steps(getattr(args, "recipe", "ppo"), args.step)[0], args)  # (what is_tiny_run reads)
     tiny = is_tiny_run(args)
     if not tiny and not args.data_path:
-        args.data_path = [DEEPSPEED_CHAT_DATA]
+        args.data_path, args.data_path_defaulted = [DEEPSPEED_CHAT_DATA], True
         print_rank_0(f"--data-path not given: {DEEPSPEED_CHAT_DATA}, DeepSpeed-Chat's default (the embedded tiny data "
                      "is the tiny presets' default; --data-path tiny trains on it)")
     if tiny:

@@ -1515,6 +1515,8 @@ def test_train_py_trains_real_models_on_deepspeed_chats_data_unless_given_other(
 
     argvs = []
     monkeypatch.setattr(pipeline, "run_step", lambda main, argv, *a: argvs.append(argv) or (_ for _ in ()).throw(Ran()))
+    # (Dahoas/rm-static as if in the datasets cache, which train.py reads offline before step 1: the steps do not run)
+    monkeypatch.setattr("dschat.data.base.load_hub_dataset", lambda name, flag, *args, **kwargs: {})
     real = resolve_model_path("tiny-opt")  # a folder: no preset name, so the steps' own defaults apply
     with pytest.raises(Ran):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(tmp_path / "out"), "--actor-model", real))
@@ -2339,3 +2341,26 @@ def test_release_clears_zero3s_cache_of_released_modules_however_deepspeed_wraps
 
     training_engine.release_engine(Engine())
     assert params_to_release.cache_info().currsize == 0
+
+
+@pytest.mark.parametrize("given, flag", [(["--data-path", "Dahoas/rm-static"], "--data-path"),
+                                         (["--step1-args", "--data_path Dahoas/rm-static"], "--step1-args --data_path"),
+                                         (["--actor-model", "LOCAL"], "--data-path (not given: DeepSpeed-Chat's default)")])
+def test_train_py_finds_a_hub_dataset_the_offline_cache_lacks_before_step_1(tmp_path, distributed, monkeypatch, given,
+                                                                            flag):
+    """train.py --data-path Dahoas/rm-static offline (the tests' HF_HUB_OFFLINE=1, an empty datasets cache): the error
+    came only once step 1 loaded its data, naming the step's --data_path rather than train.py's --data-path."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+    from dschat.tiny.presets import create_tiny_model
+
+    monkeypatch.setattr(sft, "main", lambda argv: pytest.fail("step 1 ran"))
+    if "LOCAL" in given:  # (a model not a tiny preset: DeepSpeed-Chat's hub data by default)
+        given = ["--actor-model", create_tiny_model("tiny-llama", str(tmp_path / "actor"))]
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"](["--step", "1", "--output-dir", str(tmp_path / "out"),
+                                                                 *given])
+    with pytest.raises(MissingInputError, match=rf"^{re.escape(flag)} Dahoas/rm-static: not in the datasets cache, "
+                                                r"and HF_HUB_OFFLINE is set"):
+        pipeline.run_pipeline(args)
