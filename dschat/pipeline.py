@@ -367,6 +367,7 @@ def check_hub_data_at_hand(args, parsed):
             for spec in getattr(flags, dest, None) or []:
                 if reads_the_hub(spec):
                     given_by.setdefault(spec, data_flag_of(step, args, dest))
+
     def found_in_the_cache(spec, flag):
         load_hub_dataset(spec, flag)  # (its error names the flag)
         return True  # (not the data: rank_0_decides sends what it returns to every rank)
@@ -854,7 +855,8 @@ def held_out_rule_score_eval_flags():
     """eval.py's flags that score a policy as ``held_out_rule_scores`` does: every held-out prompt, with step 3's
     tiny-recipe prompt and answer lengths and generation batch size."""
     step3 = held_out_rule_score_settings()
-    return {"num_prompts": 0, "max_prompt_seq_len": step3.max_prompt_seq_len, "max_new_tokens": step3.max_answer_seq_len,
+    return {"num_prompts": 0, "max_prompt_seq_len": step3.max_prompt_seq_len,
+            "max_new_tokens": step3.max_answer_seq_len,
             "per_device_generation_batch_size": step3.per_device_generation_batch_size}
 
 
@@ -866,7 +868,8 @@ def keep_rule_scores_with_the_dpo_model(output_dir, scores):
     """The DPO recipe's held-out rule ``scores``, and the eval.py flags they were taken with, added to the DPO model's
     metrics.json (rank 0): eval.py reads the flags there, with the model, to score it as the report did; report.json
     alone was replaced by a later train.py run in the same folder (a PPO run's --resume), and eval.py then scored the
-    DPO policy with its own defaults. (No metrics.json, no finished DPO model: none is written, which would mark one.)"""
+    DPO policy with its own defaults. (No metrics.json, no finished DPO model: none is written, which would mark
+    one.)"""
     from dschat.run_layout import FINISHED_MARK
     from dschat.utils.files import read_json_object, write_json_atomic
 

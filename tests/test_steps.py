@@ -2343,9 +2343,10 @@ def test_release_clears_zero3s_cache_of_released_modules_however_deepspeed_wraps
     assert params_to_release.cache_info().currsize == 0
 
 
-@pytest.mark.parametrize("given, flag", [(["--data-path", "Dahoas/rm-static"], "--data-path"),
-                                         (["--step1-args", "--data_path Dahoas/rm-static"], "--step1-args --data_path"),
-                                         (["--actor-model", "LOCAL"], "--data-path (not given: DeepSpeed-Chat's default)")])
+@pytest.mark.parametrize("given, flag", [
+    (["--data-path", "Dahoas/rm-static"], "--data-path"),
+    (["--step1-args", "--data_path Dahoas/rm-static"], "--step1-args --data_path"),
+    (["--actor-model", "LOCAL"], "--data-path (not given: DeepSpeed-Chat's default)")])
 def test_train_py_finds_a_hub_dataset_the_offline_cache_lacks_before_step_1(tmp_path, distributed, monkeypatch, given,
                                                                             flag):
     """train.py --data-path Dahoas/rm-static offline (the tests' HF_HUB_OFFLINE=1, an empty datasets cache): the error
