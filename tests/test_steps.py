@@ -1875,6 +1875,35 @@ def test_the_progress_bar_ends_at_the_micro_batches_trained_on(max_steps, shown,
     assert "epoch 2/2" in last and shown in last, last
 
 
+@pytest.mark.parametrize("two_terms", [False, True], ids=["plain_loss", "dpo_rpo_terms"])
+def test_the_training_loop_reads_each_micro_batchs_loss_from_the_device_once(monkeypatch, two_terms):
+    """A host read of a GPU tensor waits for the accelerator: d82cd98 read a plain loss's records term (a zero) and its
+    tokens term with an item() each, a second wait on every micro-batch of steps 1, 2 and plain DPO. The logged loss
+    is still each step's mean of its micro-batches' losses (DPO + RPO's terms summed)."""
+    from types import SimpleNamespace
+
+    reads = []
+    for read in ("item", "tolist"):
+        original = getattr(torch.Tensor, read)
+        monkeypatch.setattr(torch.Tensor, read, lambda t, _original=original: (
+            t.is_floating_point() and reads.append(t)) or _original(t))  # (not the data order's integer seeds)
+    losses = iter([1.0, 3.0, 5.0, 7.0])
+
+    def loss_fn(engine, batch):
+        value = torch.tensor(next(losses), requires_grad=True)
+        return (common.RecordAndTokenMeans(value / 4, value * 3 / 4) if two_terms else value), 2
+
+    engine = SimpleNamespace(train=lambda: None, backward=lambda loss: None, step=lambda: None,
+                             is_gradient_accumulation_boundary=lambda: True, was_step_applied=lambda: True,
+                             get_global_grad_norm=lambda: 1.0, get_lr=lambda: [0.1])
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(2, dtype=torch.long)}] * 4)
+    args = SimpleNamespace(gradient_accumulation_steps=2, num_train_epochs=1, seed=0, save_interval=0,
+                           eval_interval=0, print_loss=False)
+    train_loss = common.run_training(engine, loader, loss_fn, None, args, torch.device("cpu"), "step1", 2)
+    assert len(reads) == 4  # (one a micro-batch; a step's loss is their sum on the host)
+    assert train_loss == pytest.approx(4.0)
+
+
 @pytest.mark.parametrize("argv, expected", [([], False), (["--multiturn"], True)])
 def test_step1_multiturn_flag_reaches_the_data(monkeypatch, tokenizer, argv, expected):
     from dschat.args import step1_parser

@@ -714,10 +714,23 @@ class RecordAndTokenMeans(NamedTuple):
     tokens: torch.Tensor
 
 
-def _loss_terms(loss):
-    """(records term, tokens term) of a ``loss_fn``'s loss: a plain loss is all of one kind (step 1's tokens; step 2's
-    pairs, whose weights are 1 anyway), taken as the tokens term."""
-    return (loss.records, loss.tokens) if isinstance(loss, RecordAndTokenMeans) else (loss.new_zeros(()), loss)
+def _backpropagated(loss, weight):
+    """What a micro-batch's ``loss`` is backpropagated as: a token mean times its ``step_loss_weights`` factor, a
+    records term as it is. A plain loss (step 1's tokens; step 2's and plain DPO's pairs, whose factor is 1) is all
+    tokens term, taken as it was before there were two terms: no extra kernel, the same bits."""
+    if isinstance(loss, RecordAndTokenMeans):
+        return loss.records + loss.tokens * weight
+    return loss * weight
+
+
+def _own_loss_and_share(loss, share, record_share):
+    """(the micro-batch's own loss, a tensor: what a diverged run is told by; its share of the step's logged loss, a
+    float). One host read of the loss a micro-batch, as before there were two terms: both terms come back in one
+    ``tolist`` (two ``item()``s waited on the accelerator twice, for every micro-batch of steps 1 and 2 too)."""
+    if not isinstance(loss, RecordAndTokenMeans):
+        return loss, loss.item() * share
+    records, tokens = torch.stack((loss.records.detach(), loss.tokens.detach())).tolist()
+    return loss.records + loss.tokens, records * record_share + tokens * share
 
 
 def _train_group(engine, group, weights, loss_fn, name, step, throughput, device, over_ranks=False):
@@ -730,12 +743,11 @@ def _train_group(engine, group, weights, loss_fn, name, step, throughput, device
     for (*_, batch), (weight, share) in zip(group, weights):
         batch = to_device(batch, device)
         loss, tokens = loss_fn(engine, batch)
-        records, token_mean = _loss_terms(loss)
-        engine.backward(records + token_mean * weight)
+        engine.backward(_backpropagated(loss, weight))
         lr = applied_lr(engine)  # (the scheduler moves on in the step)
         optimizer_step(engine, name)
-        loss = records + token_mean  # (the micro-batch's own loss: what a diverged run is told by)
-        step_loss += records.item() * record_share + token_mean.item() * share
+        loss, loss_share = _own_loss_and_share(loss, share, record_share)
+        step_loss += loss_share
         # a diverged run stops, as step 3's, before anything of it is saved (checked after the item() that waits for
         # the step anyway: no extra wait on the accelerator)
         check_finite(f"{name}: the training loss (step {step + 1})", loss)
