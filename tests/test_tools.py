@@ -1017,12 +1017,19 @@ def test_chat_and_prompt_eval_say_an_empty_answer(session, monkeypatch, capsys):
     lines, printed = iter(["Name a color.", "quit"]), []
     run_interactive(session, read=lambda _: next(lines), write=printed.append)
     assert printed[-1] == "Assistant: Red."  # (an answer with text: nothing more said)
-    prompt_eval.print_comparison([prompt_record("Name a color.", "--prompts")], {"baseline": "b", "finetune": "f"},
-                                 {"baseline": ["Red."], "finetune": [" "]}, None, {"baseline": [False],
-                                                                                "finetune": [False]}, 6)
+    # whitespace alone up to --max_new_tokens (decoded stripped: no text): the model did not end it, so not said to
+    # (the cut note says why)
+    monkeypatch.setattr(chat, "generate_answers_and_cuts", lambda *a: ([""], [True]))
+    lines, printed = iter(["Name a color.", "quit"]), []
+    run_interactive(session, read=lambda _: next(lines), write=printed.append)
+    assert "ended it before any text" not in " ".join(printed) and "cut there" in printed[-1]
+    prompt_eval.print_comparison([prompt_record("Name a color.", "--prompts")] * 2, {"baseline": "b", "finetune": "f"},
+                                 {"baseline": ["Red.", ""], "finetune": [" ", "Red."]}, None,
+                                 {"baseline": [False, True], "finetune": [False, False]}, 6)
     out = capsys.readouterr().out
     assert "--- baseline (b):\nRed.\n" in out
     assert "--- finetune (f):   [an empty answer: the model ended it before any text]\n" in out
+    assert "--- baseline (b):   [cut at --max_new_tokens 6]\n\n" in out
 
 
 def test_chat_one_shot_prints_the_answer_and_exits(models, session, tmp_path):

@@ -9,9 +9,10 @@ import sys
 from dschat.data.formatting import HUMAN_PREFIX, uses_chat_template
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
-from dschat.tools.common import (EMPTY_ANSWER, add_generation_args, add_loading_args, check_generation_flags,
+from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
                                  check_room_for_a_prompt, check_stdout_open, check_utf8, config_before_loading,
-                                 find_policy_path, flag_path, generation_kwargs, load_policy, one_process, tool_prompt)
+                                 empty_answer_note, find_policy_path, flag_path, generation_kwargs, load_policy,
+                                 one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers_and_cuts
 from dschat.tools.records import prompt_record
 
@@ -140,8 +141,8 @@ def run_interactive(session, read=input, write=print, interrupt_stops_answer=Fal
             if session.forgotten:
                 write(forgotten_note(session))
             write(f"Assistant: {answer}")
-            if not answer.strip():  # (else "Assistant:" and nothing after it)
-                write(f"({EMPTY_ANSWER})")
+            if empty := empty_answer_note(answer, session.cut):  # (else "Assistant:" and nothing after it)
+                write(f"({empty})")
             if session.cut:  # (an answer cut short read as the model's whole answer)
                 write(cut_note(session))
 
@@ -249,8 +250,8 @@ def main(argv=None):
         if session.forgotten:  # (a transcript too long for the context: said on stderr, the answer alone on stdout)
             print(forgotten_note(session), file=sys.stderr)
         print(answer)
-        if not answer.strip():  # (stderr: stdout holds the answer alone, here an empty line)
-            print(f"({EMPTY_ANSWER})", file=sys.stderr)
+        if empty := empty_answer_note(answer, session.cut):  # (stderr: stdout holds the answer alone, an empty line)
+            print(f"({empty})", file=sys.stderr)
         if session.cut:  # (stderr: stdout holds the answer alone)
             print(cut_note(session), file=sys.stderr)
         return 0

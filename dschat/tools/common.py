@@ -24,6 +24,12 @@ REWARD_SUBFOLDERS = (RM_DIR,)
 EMPTY_ANSWER = "an empty answer: the model ended it before any text"
 
 
+def empty_answer_note(answer, cut):
+    """``EMPTY_ANSWER`` for an ``answer`` with no text that the model ended; None for one with text, or one ``cut`` at
+    --max_new_tokens (whitespace alone so far): the model did not end that one, which the cut note says."""
+    return EMPTY_ANSWER if not answer.strip() and not cut else None
+
+
 def one_process(main):
     """A tool's ``main``, refused under a launcher of several ranks (``deepspeed --num_gpus 2 eval.py``): the tools do
     not split their work over ranks, so each rank ran the whole tool and printed (and wrote) its results again."""

@@ -11,9 +11,10 @@ from dschat.data.formatting import render_human_assistant
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
 from dschat.report import counted
-from dschat.tools.common import (EMPTY_ANSWER, add_generation_args, add_loading_args, check_generation_flags,
-                                 check_room_for_a_prompt, check_stdout_open, config_before_loading, find_policy_path,
-                                 flag_path, generation_kwargs, load_policy, non_empty_path, one_process, tool_prompt)
+from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
+                                 check_room_for_a_prompt, check_stdout_open, config_before_loading, empty_answer_note,
+                                 find_policy_path, flag_path, generation_kwargs, load_policy, non_empty_path,
+                                 one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers_and_cuts
 from dschat.tools.records import (check_count_read, check_data_fields_read, is_tiny_held_out, load_records,
                                   prompt_record, tiny_held_out_records)
@@ -90,8 +91,10 @@ def print_comparison(records, paths, answers, scores, cuts=None, max_new_tokens=
         print(render_human_assistant(record.messages).strip())
         for role in ROLES:
             suffix = f"   [rule score {scores[role][index]:.2f}]" if scores else ""
-            suffix += f"   [cut at --max_new_tokens {max_new_tokens}]" if cuts and cuts[role][index] else ""
-            suffix += f"   [{EMPTY_ANSWER}]" if not answers[role][index].strip() else ""  # (else a blank line)
+            cut = bool(cuts and cuts[role][index])
+            suffix += f"   [cut at --max_new_tokens {max_new_tokens}]" if cut else ""
+            empty = empty_answer_note(answers[role][index], cut)
+            suffix += f"   [{empty}]" if empty else ""  # (else a blank line)
             print(f"--- {role} ({paths[role]}):{suffix}\n{answers[role][index]}")
     if scores:
         means = ", ".join(f"{role} {_mean(scores[role]):.3f}" for role in ROLES)
