@@ -1904,6 +1904,28 @@ def test_the_training_loop_reads_each_micro_batchs_loss_from_the_device_once(mon
     assert train_loss == pytest.approx(4.0)
 
 
+def test_a_loss_of_two_terms_logs_what_their_sum_as_one_loss_logs_with_one_micro_batch_a_step():
+    """DPO + RPO's two terms (RecordAndTokenMeans) with one micro-batch a step on one rank (the tiny default) log the
+    train loss the single loss (DPO mean + rpo_alpha x NLL, one fp32 tensor) logged before d82cd98, to the bit: the
+    terms were read apart and summed on the host in float64, so the tiny default's metrics.json train_loss changed in
+    its last digits (0.9522139368454615 -> 0.9522139364232619) though the weights were the same."""
+    from types import SimpleNamespace
+
+    records, tokens = torch.tensor(0.1), torch.tensor(0.7)  # (fp32 0.1 + 0.7 is not float64's 0.1 + 0.7)
+    engine = SimpleNamespace(train=lambda: None, backward=lambda loss: None, step=lambda: None,
+                             is_gradient_accumulation_boundary=lambda: True, was_step_applied=lambda: True,
+                             get_global_grad_norm=lambda: 1.0, get_lr=lambda: [0.1])
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(2, dtype=torch.long)}] * 2)
+    args = SimpleNamespace(gradient_accumulation_steps=1, num_train_epochs=1, seed=0, save_interval=0,
+                           eval_interval=0, print_loss=False)
+
+    def train_loss(loss):
+        return common.run_training(engine, loader, lambda engine, batch: (loss, 2), None, args,
+                                   torch.device("cpu"), "step2_dpo", 2)
+
+    assert train_loss(common.RecordAndTokenMeans(records, tokens)) == train_loss(records + tokens)
+
+
 @pytest.mark.parametrize("argv, expected", [([], False), (["--multiturn"], True)])
 def test_step1_multiturn_flag_reaches_the_data(monkeypatch, tokenizer, argv, expected):
     from dschat.args import step1_parser

@@ -725,12 +725,14 @@ def _backpropagated(loss, weight):
 
 def _own_loss_and_share(loss, share, record_share):
     """(the micro-batch's own loss, a tensor: what a diverged run is told by; its share of the step's logged loss, a
-    float). One host read of the loss a micro-batch, as before there were two terms: both terms come back in one
-    ``tolist`` (two ``item()``s waited on the accelerator twice, for every micro-batch of steps 1 and 2 too)."""
+    float). One host read of the loss a micro-batch, as before there were two terms (two ``item()``s waited on the
+    accelerator twice, for every micro-batch of steps 1 and 2 too). Two terms are weighed and summed on the device, in
+    fp32 as the loss itself: with shares of 1 (one micro-batch a step on one rank, the tiny default) the logged loss is
+    the float a single-term loss gave, to the bit (a sum of the two on the host, in float64, was not)."""
     if not isinstance(loss, RecordAndTokenMeans):
         return loss, loss.item() * share
-    records, tokens = torch.stack((loss.records.detach(), loss.tokens.detach())).tolist()
-    return loss.records + loss.tokens, records * record_share + tokens * share
+    records, tokens = loss.records.detach().float(), loss.tokens.detach().float()
+    return loss.records + loss.tokens, (records * record_share + tokens * share).item()
 
 
 def _train_group(engine, group, weights, loss_fn, name, step, throughput, device, over_ranks=False):
