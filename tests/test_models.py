@@ -77,13 +77,14 @@ def test_a_multimodal_backbone_scores_from_its_text_config(tmp_path):
         assert torch.allclose(critic.end_scores(ids[1:, 2:], mask[1:, 2:]), expected[1:], atol=1e-6)
 
 
-def _reformer_config():  # its hidden states are two streams concatenated: 2 x hidden_size wide
+def _reformer_config(**settings):  # its hidden states are two streams concatenated: 2 x hidden_size wide
     from transformers import ReformerConfig
 
+    settings = {"local_attn_chunk_length": 16, "lsh_attn_chunk_length": 16, **settings}
     return ReformerConfig(vocab_size=96, hidden_size=32, num_attention_heads=2, attention_head_size=16,
                           attn_layers=["local", "lsh"], feed_forward_size=64, axial_pos_shape=[8, 8],
-                          axial_pos_embds_dim=[16, 16], max_position_embeddings=64, local_attn_chunk_length=16,
-                          lsh_attn_chunk_length=16, is_decoder=True, pad_token_id=None, eos_token_id=None)
+                          axial_pos_embds_dim=[16, 16], max_position_embeddings=64, is_decoder=True, pad_token_id=None,
+                          eos_token_id=None, **settings)
 
 
 def test_a_reward_model_reads_its_backbones_hidden_states_at_their_measured_width(tmp_path):
@@ -128,24 +129,49 @@ def test_measuring_the_width_leaves_an_rwkv_backbones_weights_as_loaded(tmp_path
         assert torch.allclose(critic.end_scores(ids, torch.ones_like(ids)), critic.v_head(hidden)[:, -1, 0])
 
 
-def test_measuring_the_width_leaves_a_quantized_rwkv_as_transformers_leaves_it():
-    """An 8-bit RWKV (bitsandbytes: its weights carry their scales, ``SCB``) has its scales divided at a forward in eval
-    mode, and transformers' way back multiplies the int8 weights themselves: the probe does not take it."""
+@pytest.mark.parametrize("family, hash_seed", [("rwkv", None), ("reformer", None), ("reformer", 1)])
+def test_measuring_the_width_touches_nothing_of_the_backbone_nor_the_rng(family, hash_seed):
+    """The width was measured by a forward of the loaded weights: it divided an RWKV's weights in place (eval mode's
+    rescaling; an 8-bit one's scales, ``SCB``, which transformers' way back does not restore), drew from the global
+    RNG (Reformer's LSH rotations; with ``hash_seed``, a reseed) and cost 3-8 s per 7B parameters on the CPU. It runs
+    on an empty copy on the meta device: weights, scales, config and the RNG are as they were."""
     from dschat.models.reward_model import measured_hidden_width
 
-    backbone = AutoModel.from_config(_rwkv_config(rescale_every=1)).eval()
-    for block in backbone.blocks:  # (the scales bitsandbytes keeps on an Int8Params weight)
-        for linear in (block.attention.output, block.feed_forward.value):
-            linear.weight.SCB = torch.ones(linear.weight.shape[0])
-    weights = {name: p.detach().clone() for name, p in backbone.named_parameters()}
-    assert measured_hidden_width(backbone) == 32
-    assert all(torch.equal(p, weights[name]) for name, p in backbone.named_parameters())
-    assert torch.equal(backbone.blocks[1].attention.output.weight.SCB, torch.full((32,), 0.5))
+    torch.manual_seed(0)
+    if family == "rwkv":
+        backbone = AutoModel.from_config(_rwkv_config(rescale_every=1)).eval()
+        for block in backbone.blocks:  # (the scales bitsandbytes keeps on an Int8Params weight)
+            for linear in (block.attention.output, block.feed_forward.value):
+                linear.weight.SCB = torch.ones(linear.weight.shape[0])
+    else:
+        # (chunks of one token: two tokens are hashed, which draws rotations from the RNG, or reseeds it by hash_seed)
+        backbone = AutoModel.from_config(_reformer_config(local_attn_chunk_length=1, lsh_attn_chunk_length=1,
+                                                          hash_seed=hash_seed)).eval()
+    config = backbone.config.to_dict()  # (Reformer's forward sets num_buckets in it)
+    state = {name: t.detach().clone() for name, t in backbone.state_dict().items()}
+    scales = {name: p.SCB.clone() for name, p in backbone.named_parameters() if hasattr(p, "SCB")}
+    rng = torch.get_rng_state()
+    assert measured_hidden_width(backbone) == {"rwkv": 32, "reformer": 64}[family]
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert backbone.config.to_dict() == config
+    assert all(torch.equal(t, state[name]) for name, t in backbone.state_dict().items())
+    assert all(torch.equal(p.SCB, scales[name]) for name, p in backbone.named_parameters() if hasattr(p, "SCB"))
+    assert not any(getattr(module, "layers_are_rescaled", False) for module in backbone.modules())
+
+
+def test_the_width_is_measured_without_the_backbones_weights():
+    """Weights it cannot run (ZeRO-3-partitioned; here on the meta device) no longer leave the head at the config's
+    hidden size, too narrow for a Reformer."""
+    from dschat.models.reward_model import measured_hidden_width
+
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(_reformer_config())
+    assert measured_hidden_width(backbone) == 2 * backbone.config.hidden_size
 
 
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
-    """Where the width cannot be measured (ZeRO-3-partitioned weights: here the probe is made to fail), the head takes
-    the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""
+    """Where the width cannot be measured (a forward that fails on the meta device: here the probe is made to fail),
+    the head takes the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""
     from dschat.errors import UsageError
     from dschat.models import reward_model
 
@@ -153,7 +179,7 @@ def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_th
     critic = RewardModel(AutoModel.from_config(_reformer_config())).eval()
     ids = torch.randint(3, 96, (2, 6))
     with pytest.raises(UsageError, match=r"ReformerModel's hidden states are 64 wide, but the value head reads 32.*"
-                                         r"--zero_stage"):
+                                         r"meta device.*--critic_model_name_or_path"):
         critic.end_scores(ids, torch.ones_like(ids))
 
 

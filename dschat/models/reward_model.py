@@ -1,4 +1,5 @@
 """Reward model / critic: a value head on a base transformer, scored at each sequence's last real token."""
+import copy
 import json
 import logging
 import math
@@ -8,6 +9,7 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModel
 
 from dschat.compat import backbone_ignoring_lm_head, checkpointing_enable_call, disable_activation_checkpointing
@@ -206,14 +208,15 @@ class RewardModel(nn.Module):
 
     def _check_head_width(self, hidden):
         """A ``UsageError`` where the backbone's hidden states are not as wide as the value head (its width taken from
-        the config, where ``measured_hidden_width`` could not run the backbone: ZeRO-3-partitioned weights), rather
-        than a matmul's shape error."""
+        the config, where ``measured_hidden_width`` could not run the backbone's class on the meta device), rather than
+        a matmul's shape error."""
         if hidden.shape[-1] != self.v_head.in_features:
             raise UsageError(f"{type(self.rwtransformer).__name__}'s hidden states are {hidden.shape[-1]} wide, but "
-                             f"the value head reads {self.v_head.in_features} (its config's hidden size, taken where "
-                             "the backbone's weights could not run when the head was built: ZeRO-3-partitioned). "
-                             "Train or load this reward model at a ZeRO stage below 3 (--zero_stage, "
-                             "--critic_zero_stage), so that the width is measured")
+                             f"the value head reads {self.v_head.in_features}: its config's hidden size, taken where "
+                             "the forward that measures the width (an empty copy of the backbone on the meta device) "
+                             "failed when the head was built. dschat cannot make a reward model or critic of this "
+                             "model: give another (--model_name_or_path in step 2, --critic_model_name_or_path or "
+                             "--reward_model_name_or_path in step 3)")
 
     def forward(self, input_ids, attention_mask, margin=None, **kwargs):
         """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected. ``margin``:
@@ -604,48 +607,41 @@ def configured_hidden_width(config):
 
 
 def measured_hidden_width(backbone):
-    """The width of ``backbone``'s last hidden state, which the value head reads, from a forward over two tokens (in
-    eval mode, each module's mode restored after, and RWKV's weights, ``undo_inference_rescaling``); None where it
-    cannot be measured so (weights ZeRO-3-partitioned or on the meta device; a forward that fails on the probe): then
-    ``configured_hidden_width``. Reformer's is two streams concatenated, twice its config's hidden_size, which no
-    config field says."""
-    from dschat.models.zero3 import is_zero3_param
-
-    params = list(backbone.parameters())
-    if not params or any(is_zero3_param(p) or p.is_meta for p in params):
-        return None
-    device = params[0].device
-    modes = {module: module.training for module in backbone.modules()}
-    rescaled = {module: module.layers_are_rescaled for module in backbone.modules()
-                if hasattr(module, "layers_are_rescaled") and hasattr(module, "_rescale_layers")}
+    """The width of ``backbone``'s last hidden state, which the value head reads, from a forward over two tokens through
+    an empty copy of it on the meta device (``_meta_copy``, ``_MetaValuesReadAsZero``): the backbone's own weights are
+    neither read nor written (RWKV divides some in place at a forward in eval mode), the global RNG is left as it was,
+    and it takes no memory and well under a second (the loaded weights' forward took 3-8 s per 7B parameters on the
+    CPU); ZeRO-3-partitioned or quantized weights are measured alike. None where the copy cannot be built or run: then
+    ``configured_hidden_width``. Reformer's width is two streams concatenated, twice its config's hidden_size, which
+    no config field says."""
     try:
-        with torch.no_grad():
-            backbone.eval()
-            out = backbone(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False)
+        # (RNG forked: Reformer's forward reseeds the global generator where its config sets hash_seed)
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.device("meta"), _MetaValuesReadAsZero():
+            out = _meta_copy(backbone)(input_ids=torch.zeros((1, 2), dtype=torch.long))
         hidden = out[0]
         return hidden.shape[-1] if torch.is_tensor(hidden) and hidden.dim() == 3 else None
     except Exception:  # noqa: BLE001 (a probe: the config's width stands, and _check_head_width names a mismatch)
         return None
-    finally:
-        for module, training in modes.items():
-            module.training = training
-        undo_inference_rescaling(rescaled)
 
 
-def undo_inference_rescaling(before):
-    """RWKV's (``rescale_every``) weights as they were before a forward in eval mode (``before``: each such module's
-    ``layers_are_rescaled`` then), which divided some of them in place (transformers' scaling for inference, undone
-    only at its next training forward): left divided by the width probe, they were what DeepSpeed's fp32 master copy
-    (ZeRO 1-2) took, for good. Scaled back as transformers does, by a power of 2: exactly. A bitsandbytes-quantized
-    one is left as it is: transformers divided its quantization scales, and its way back multiplies the quantized
-    weights themselves."""
-    for module, was in before.items():
-        quantized = any(hasattr(p, "SCB") or hasattr(p, "quant_state") for p in module.parameters())
-        if module.layers_are_rescaled != was and not quantized:
-            training = module.training
-            module.training = not was  # (``_rescale_layers`` scales towards its module's mode)
-            module._rescale_layers()
-            module.training = training
+def _meta_copy(backbone):
+    """A new instance of ``backbone``'s HF class (under any PEFT wrapper) from a copy of its config, in eval mode, built
+    where it is called on the meta device: no weights, no initialization cost."""
+    from dschat.models.lora import unwrap_peft
+
+    model = unwrap_peft(backbone)
+    return type(model)(copy.deepcopy(model.config)).to(torch.bfloat16).eval()
+
+
+class _MetaValuesReadAsZero(TorchDispatchMode):
+    """A meta tensor has shapes and no values: reading one (``.item()``, ``if tensor:``) raised, and a forward that
+    branches on one failed (Reformer's axial position embeddings check the largest position id; transformers' masks
+    look for packed rows). Read as 0 instead: the probe needs the forward's shapes, not its values."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return torch.zeros((), dtype=args[0].dtype).item()
+        return func(*args, **(kwargs or {}))
 
 
 def create_critic_model(model_name_or_path, tokenizer, ds_config=None, num_padding_at_beginning=0,
