@@ -169,6 +169,32 @@ def test_the_width_is_measured_without_the_backbones_weights():
     assert measured_hidden_width(backbone) == 2 * backbone.config.hidden_size
 
 
+def test_an_rwkv_model_is_saved_with_its_weights_as_trained_after_a_forward_in_eval_mode(tmp_path):
+    """A step evaluates last, then saves: transformers' RWKV (``rescale_every``) divides some weights in place at a
+    forward in eval mode (by 2^(block // rescale_every); undone at its next training forward), and step 1's output of
+    a 3-block RWKV was saved with blocks 1 and 2's output weights halved and quartered (sft.main, rescale_every=1), as
+    were a critic's. Saved as trained; the model still evaluates as transformers' RWKV does."""
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(_rwkv_config(rescale_every=1)).train()
+    critic = RewardModel(AutoModel.from_config(_rwkv_config(rescale_every=1))).train()
+    trained = {"lm": {k: v.clone() for k, v in lm.state_dict().items()},
+               "critic": {k: v.clone() for k, v in critic.rwtransformer.state_dict().items()}}
+    ids = torch.randint(3, 96, (1, 5))
+    with torch.no_grad():
+        logits = lm.eval()(input_ids=ids).logits  # (the final evaluation: divides)
+        scores = critic.eval().end_scores(ids, torch.ones_like(ids))
+    save_causal_lm(lm, _Tok(), str(tmp_path / "lm"))
+    save_reward_model(critic, _Tok(), str(tmp_path / "critic"))
+    saved = {"lm": AutoModelForCausalLM.from_pretrained(tmp_path / "lm").state_dict(),
+             "critic": load_reward_model(str(tmp_path / "critic")).rwtransformer.state_dict()}
+    for model in ("lm", "critic"):
+        for name, weight in trained[model].items():
+            assert torch.equal(saved[model][name], weight), (model, name)
+    with torch.no_grad():
+        assert torch.equal(lm(input_ids=ids).logits, logits)
+        assert torch.equal(critic.end_scores(ids, torch.ones_like(ids)), scores)
+
+
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
     """Where the width cannot be measured (a forward that fails on the meta device: here the probe is made to fail),
     the head takes the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""

@@ -23,6 +23,7 @@ def gathered_state_dict(module):
     ``from_pretrained`` ties it again, and under ZeRO-3 its other name would only hold this rank's empty shard."""
     import deepspeed
 
+    scale_back_inference_rescaling(module)
     state, parameter_ids = {}, set()
     for name, param in module.named_parameters():
         parameter_ids.add(id(param))
@@ -38,6 +39,19 @@ def gathered_state_dict(module):
         if name not in state and id(tensor) not in parameter_ids:
             state[name] = tensor.detach().cpu().clone()
     return state
+
+
+def scale_back_inference_rescaling(module):
+    """Weights as trained, where transformers' RWKV (``rescale_every``) holds some divided: a forward in eval mode
+    divides them in place by powers of 2 (fp16 inference's scaling, undone only at the next training forward), and a
+    step's last forwards are its final evaluation (step 3's: its held-out generations), before the save, which took
+    them so. Scaled back as a training forward does (exactly); the next forward in eval mode divides them again."""
+    for layers in module.modules():
+        if getattr(layers, "layers_are_rescaled", False) and hasattr(layers, "_rescale_layers"):
+            training = layers.training
+            layers.training = True  # (``_rescale_layers`` scales towards its module's mode)
+            layers._rescale_layers()
+            layers.training = training
 
 
 def plain_model_state_dict(module):
