@@ -2094,6 +2094,42 @@ def test_a_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_r
     assert models == []
 
 
+def test_a_step3_checkpoint_holds_an_rwkv_actors_weights_as_trained_after_it_only_generated(tmp_path):
+    """An actor that only generated since it last trained (--freezing_actor_steps) holds an RWKV's weights as its
+    eval-mode forwards divided them in place (transformers' ``rescale_every``): DeepSpeed's checkpoint took them so,
+    and where it keeps no fp32 master copy (ZeRO-0 in fp32) a resumed run would train from them. Saved as trained."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, RwkvConfig
+
+    from dschat.args import step3_parser
+    from dschat.rlhf import algorithms, checkpointing
+    from dschat.rlhf.config import step3_args
+
+    args = step3_args(step3_parser().parse_args(["--output_dir", str(tmp_path), "--advantage_estimator", "grpo",
+                                                 "--reward_fn", "tiny"]))
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_config(RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                                        attention_hidden_size=32, intermediate_size=64,
+                                                        rescale_every=1)).train()
+    trained = {name: weight.clone() for name, weight in actor.state_dict().items()}
+    with torch.no_grad():
+        actor.eval()(input_ids=torch.randint(3, 96, (1, 4)))  # (its generation: divides block 1's weights)
+    saved = {}
+
+    def save_engine(folder, tag, save_latest):  # (what DeepSpeed's save_checkpoint reads: the module's state)
+        saved.update({name: weight.clone() for name, weight in actor.state_dict().items()})
+        os.makedirs(os.path.join(folder, tag))
+        Path(folder, tag, "mp_rank_00_model_states.pt").write_bytes(b"")
+
+    trainer = SimpleNamespace(args=args, actor_model=SimpleNamespace(save_checkpoint=save_engine, module=actor),
+                              critic_model=None, actor_ema=None, kl_ctl=algorithms.FixedKLController(0.1),
+                              generator=None)
+    checkpointing.save_checkpoint(trainer, str(tmp_path / "checkpoints"), {"iteration": 1, "epoch": 0, "batch": 1})
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[name], weight) for name, weight in trained.items())
+
+
 def test_a_step3_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_refused(tmp_path, monkeypatch,
                                                                                             capsys):
     """Step 3's checkpoints, as steps 1 and 2's: the step version recorded, and an older or missing one said on

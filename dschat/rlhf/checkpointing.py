@@ -20,7 +20,7 @@ import torch
 
 from dschat.args import CONDITIONAL_FLAGS, recorded_flags_now
 from dschat.errors import UsageError
-from dschat.models.checkpoint import gathered_state_dict, settled_module
+from dschat.models.checkpoint import gathered_state_dict, scale_back_inference_rescaling, settled_module
 from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import whole_iterations
 from dschat.report import counted
@@ -114,9 +114,12 @@ def save_checkpoint(trainer, root, position, keep_last=2):
     record_fixed_coefficient(trainer)
     clear_tag(root, tag)
     with writes_said_on_a_full_disk(root):
-        trainer.actor_model.save_checkpoint(os.path.join(root, ACTOR), tag=tag, save_latest=False)
-        if trainer.critic_model is not None:
-            trainer.critic_model.save_checkpoint(os.path.join(root, CRITIC), tag=tag, save_latest=False)
+        for folder, engine in ((ACTOR, trainer.actor_model), (CRITIC, trainer.critic_model)):
+            if engine is None:
+                continue
+            if hasattr(engine, "module"):  # (an actor that only generated since it trained: --freezing_actor_steps)
+                scale_back_inference_rescaling(engine.module)
+            engine.save_checkpoint(os.path.join(root, folder), tag=tag, save_latest=False)
         ema_state = gathered_state_dict(settled_module(trainer.actor_ema)) if trainer.actor_ema is not None else None
         if is_rank_0() and ema_state is not None:  # before the trainer state, which marks a tag complete
             os.makedirs(trainer_folder(root, tag), exist_ok=True)
