@@ -1474,6 +1474,30 @@ def test_ppo_eval_says_when_the_run_has_fewer_held_out_prompts_than_num_prompts(
     assert "there are" not in capsys.readouterr().out
 
 
+def test_ppo_eval_scores_the_answers_as_a_padded_forwards_step_3_run_scored_them(models, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """Step 3 with --padded_forwards scores its held-out answers over left-padded rows (evaluate_policy's
+    padded_forwards), which a reward model of LEFT_PADDING_MOVES_SCORES (RWKV, ...) scores otherwise than the shifted
+    rows eval.py scored, so eval.py's reward_mean of the run's policy was not the run's. It now takes the run's
+    --padded_forwards (said); --no-padded_forwards given wins."""
+    actor = tmp_path / "run" / "step3_ppo" / "actor"
+    shutil.copytree(models["policy"], actor)
+    (actor.parent / RUN_ARGS_FILE).write_text(json.dumps({"step": "step3", "world_size": 1, "cwd": str(tmp_path),
+                                                         "flags": {"data_path": ["tiny"], "padded_forwards": True}}))
+    seen = []
+
+    def capture(*args, **kwargs):
+        seen.append(kwargs["padded_forwards"])
+        return {}
+
+    monkeypatch.setattr(ppo_eval, "evaluate_policy", capture)
+    flags = ["--policy", str(tmp_path / "run"), "--num_prompts", "1", "--data_output_path", str(tmp_path / "data")]
+    ppo_eval.evaluate_model(str(actor), None, ppo_eval.parse_args(flags))
+    assert "(flags given here win): --padded_forwards" in capsys.readouterr().out
+    ppo_eval.evaluate_model(str(actor), None, ppo_eval.parse_args([*flags, "--no-padded_forwards"]))
+    assert seen == [True, False]
+
+
 def test_the_rule_scorer_scores_the_tiny_data_by_name_or_by_path_and_nothing_else(tmp_path):
     """The rule scorer (ppo_eval's, step 3's) and --reward_fn tiny took the embedded data only as the name ``tiny``:
     its shipped files by path (or copied) were refused as "nothing to score the answers with"."""

@@ -59,7 +59,7 @@ def evaluate_model(path, reward_model_path, args, reward_model=None, held_out_by
     result = evaluate_policy(hf_generate(model, tokenizer), scoring, tokenizer, held_out, device, args.max_new_tokens,
                              rule_scorer_for(args.data_path), None, args.num_examples,
                              pad_to_multiple_of=resolve_pad_to_multiple_of(args.pad_to_multiple_of),
-                             reward_fn=reward_fn,
+                             reward_fn=reward_fn, padded_forwards=args.padded_forwards,  # (as its step 3 scored)
                              eos_token_id=stop_token_ids(model, tokenizer))  # (as step 3 and the other tools stop)
     return {"path": path, **result}, reward_model
 
@@ -195,6 +195,11 @@ def build_parser():
                         help=f"Prompts per generation batch (default: {RUN_DEFAULT}).")
     parser.add_argument("--seed", type=seed_int, default=1234,
                         help=f"Step 3's seed (it chooses the held-out share; default: {RUN_DEFAULT}).")
+    parser.add_argument("--padded_forwards", action=argparse.BooleanOptionalAction, default=False,
+                        help="Score the reward model over the left-padded rows with an attention mask, as step 3 with "
+                             "--padded_forwards scores its held-out answers; else each row shifted to start at its "
+                             "first token, as step 3's default (they differ for LEFT_PADDING_MOVES_SCORES' families: "
+                             f"RWKV, xLSTM, ...; default: {RUN_DEFAULT}).")
     parser.add_argument("--num_examples", type=non_negative_int, default=3,
                         help="Example answers printed and saved per policy (default: %(default)s).")
     parser.add_argument("--output_json", default=None, type=non_empty_path, help="Write the results here.")
@@ -208,11 +213,12 @@ def hide_flag(parser, flag):
     parser._option_string_actions[flag].help = argparse.SUPPRESS
 
 
-# Step 3's flags that choose and shape its held-out prompts, taken as this tool's defaults from the run that trained
-# the policy (with --num_prompts and --max_new_tokens, from step 3's evaluation flags: step3_run_defaults).
-# (--data_output_path: the run's cache where it is now, ``run_data_cache``.)
+# Step 3's flags that choose and shape its held-out prompts and how their answers are scored (--padded_forwards: a
+# left-padding-sensitive reward model scores left-padded rows otherwise), taken as this tool's defaults from the run
+# that trained the policy (with --num_prompts and --max_new_tokens, from step 3's evaluation flags:
+# step3_run_defaults). (--data_output_path: the run's cache where it is now, ``run_data_cache``.)
 STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_of", "seed", "max_prompt_seq_len",
-                    "per_device_generation_batch_size", "add_eot_token")
+                    "per_device_generation_batch_size", "add_eot_token", "padded_forwards")
 
 
 def step3_run_defaults(args):
