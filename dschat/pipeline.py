@@ -768,7 +768,7 @@ def run_pipeline(args):
 
     # the rule scorer knows only the embedded data (by its name, or its shipped files' paths)
     embedded_data = tiny and (not args.data_path or is_tiny_data(args.data_path))
-    rule_scores = held_out_rule_scores(args) if recipe == "dpo" and embedded_data and 2 in steps else None
+    rule_scores = held_out_rule_scores(args, parsed[2]) if recipe == "dpo" and embedded_data and 2 in steps else None
     if not is_rank_0():
         return None
     if rule_scores:
@@ -880,9 +880,12 @@ def keep_rule_scores_with_the_dpo_model(output_dir, scores):
                                  RULE_SCORE_FLAGS_KEY: held_out_rule_score_eval_flags()})
 
 
-def held_out_rule_scores(args):
+def held_out_rule_scores(args, dpo_flags=None):
     """{"sft": scores, "dpo": scores}, each {"rule_score", "prompts", "empty_answers"}: the bundled rule score of
-    greedy answers to step 3's held-out prompts (the tiny data only), so the report shows what DPO did to generation,
+    greedy answers to step 3's held-out prompts (the tiny data only), phase 3 of the DPO step's own --data_split and
+    --seed (``dpo_flags``, its parsed flags; default the tiny recipe's), which neither DPO nor its SFT model trained on
+    and which eval.py scores a DPO policy on (the tiny recipe's split with another --step2-args split took some of
+    DPO's records, and eval.py other prompts than the report's), so the report shows what DPO did to generation,
     not only to the ranking of given answers, and how many answers are empty (a policy that ends them at once scores 0,
     unexplained by the mean). The prompts are loaded once for both policies (DPO keeps its SFT model's tokenizer).
     Every rank evaluates its share of the prompts (the means are over all ranks)."""
@@ -891,13 +894,14 @@ def held_out_rule_scores(args):
     from dschat.tools.common import load_policy
 
     step3 = held_out_rule_score_settings()  # step 3's data split, prompt and answer lengths on the tiny default
+    split = dpo_flags or step3  # (the shares of the data DPO's own split keeps apart)
     scores, loaders = {}, {}
     for name, folder in (("sft", SFT_DIR), ("dpo", DPO_DIR)):
         path = os.path.join(args.output_dir, folder)
         model, tokenizer = load_policy(path, local_device())
         # (the run's data: the embedded data by its files' paths may be only some of them, e.g. its train.jsonl)
         held_out, _ = held_out_loader_once({"data_path": args.data_path or step3.data_path,
-                                            "data_split": step3.data_split,
+                                            "data_split": split.data_split, "seed": split.seed,
                                             "max_prompt_seq_len": step3.max_prompt_seq_len,
                                             "per_device_generation_batch_size": step3.per_device_generation_batch_size,
                                             "actor_model_name_or_path": path,

@@ -360,7 +360,7 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
 
     monkeypatch.setattr(dpo, "main", fake_dpo)
     scores = {"sft": {"rule_score": 0.8, "prompts": 120}, "dpo": {"rule_score": 0.9, "prompts": 120}}
-    monkeypatch.setattr(pipeline, "held_out_rule_scores", lambda args: calls.append("rule") or scores)
+    monkeypatch.setattr(pipeline, "held_out_rule_scores", lambda args, dpo_flags: calls.append("rule") or scores)
     from dschat.tiny import DATA_DIR
 
     data = [str(DATA_DIR) if word == "TINY_DIR" else word for word in data]
@@ -404,6 +404,39 @@ def test_the_dpo_reports_rule_scores_are_on_the_runs_own_data_given_by_its_files
     assert 0 < expected != 120  # (the whole embedded data's phase 3 has 120 held-out prompts)
     assert scores["sft"]["prompts"] == scores["dpo"]["prompts"] == expected
     assert scores["dpo"]["rule_score"] is not None
+
+
+def test_the_dpo_reports_rule_scores_are_on_phase_3_of_the_dpo_steps_own_split(tmp_path, monkeypatch, distributed):
+    """train.py --recipe dpo --step2-args '--data_split 2,4,4 --seed 7': the report's held-out rule scores took phase 3
+    of the tiny recipe's 4,4,2 split with seed 1234, which holds records DPO trained on (its phase 2 of its own split),
+    and eval.py, which scores a DPO policy on phase 3 of its run's split and seed, other prompts than the report's. Now
+    phase 3 of the DPO step's own split and seed."""
+    from dschat.steps import dpo, sft
+
+    monkeypatch.setattr(sft, "main", lambda argv: None)
+
+    def fake_dpo(argv):
+        (tmp_path / "step2_dpo").mkdir()
+        (tmp_path / "step2_dpo" / "metrics.json").write_text("{}")
+
+    monkeypatch.setattr(dpo, "main", fake_dpo)
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("dschat.tools.common.load_policy", lambda path, device: (SimpleNamespace(device=device), None))
+    monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
+    splits = []
+
+    def loader(args, tokenizer, built):
+        splits.append((args["data_split"], args.get("seed")))
+        return None, True
+
+    monkeypatch.setattr("dschat.steps.ppo.held_out_loader_once", loader)
+    monkeypatch.setattr("dschat.rlhf.evaluation.evaluate_policy",
+                        lambda *args, **kwargs: {"rule_score_mean": 0.5, "prompts": 1, "empty_answers": 0})
+    monkeypatch.setattr(pipeline, "final_report", lambda *args: None)
+    pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path),
+                                                  "--step2-args", "--data_split 2,4,4 --seed 7"]))
+    assert splits == [("2,4,4", 7), ("2,4,4", 7)]
 
 
 def test_the_dpo_reports_rule_scores_load_the_held_out_prompts_once_and_count_empty_answers(tmp_path, capsys):
