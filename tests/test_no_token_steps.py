@@ -3,6 +3,7 @@ answer cut) is skipped, through DeepSpeed's own overflow path (``forced_overflow
 schedule as they were, ``skipped_steps`` + 1. A group with a token anywhere (one micro-batch, one rank) steps on every
 rank; a PPO-ptx actor steps on its language-model loss. ``tests/scripts/no_token_steps.py`` trains the tiny GPT-2 on
 one rank here and on two through the deepspeed launcher."""
+import contextlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -189,11 +190,10 @@ def test_the_end_of_run_warning_leaves_the_steps_skipped_for_no_token_out(capsys
         assert ("skipped" in said and "inf/NaN" in said) is warned, said
 
 
-def test_a_micro_batch_stopped_before_its_backward_leaves_the_next_no_token_step_skipped(distributed, tmp_path):
-    """A train_rollout stopped in a group's first micro-batch before its backward (a notebook's interrupt during the
-    forward, an error there) leaves DeepSpeed at its accumulation boundary, so the next call goes on; the trainer had
-    already counted that micro-batch in its group, and from then on it decided each group at a micro-batch off
-    DeepSpeed's boundary, where a skip is ignored: every later step with no token in the loss was taken."""
+@contextlib.contextmanager
+def _trained_once(tmp_path):
+    """(engine, trainer) of the tiny GPT-2 actor and critic (``no_token_steps``' settings), after one ordinary step
+    (Adam's moments not 0), for a notebook's hand loop."""
     from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
     from dschat.tiny import load_tiny_tokenizer
 
@@ -203,16 +203,33 @@ def test_a_micro_batch_stopped_before_its_backward_leaves_the_next_no_token_step
     args = {**no_token_steps.SETTINGS, "critic_model_name_or_path": str(folder)}
     with DeepSpeedRLHFEngine(actor_model_name_or_path=str(folder), tokenizer=tokenizer, args=args) as engine:
         trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
-        trainer.train_rollout([no_token_steps.rollout(trainer, range(no_token_steps.ROWS))])  # Adam's moments not 0
-        every_answer_cut = no_token_steps.rollout(trainer, [])
+        trainer.train_rollout([no_token_steps.rollout(trainer, range(no_token_steps.ROWS))])
+        yield engine, trainer
 
-        def interrupt(module, inputs):
-            raise KeyboardInterrupt
 
-        hook = engine.actor.module.register_forward_pre_hook(interrupt)
+@contextlib.contextmanager
+def _interrupted_in_the_forward(engine):
+    """The calls inside stop at the actor's first forward (a notebook's interrupt), before any backward."""
+    def interrupt(module, inputs):
+        raise KeyboardInterrupt
+
+    hook = engine.actor.module.register_forward_pre_hook(interrupt)
+    try:
         with pytest.raises(KeyboardInterrupt):
-            trainer.train_rollout([every_answer_cut])
+            yield
+    finally:
         hook.remove()
+
+
+def test_a_micro_batch_stopped_before_its_backward_leaves_the_next_no_token_step_skipped(distributed, tmp_path):
+    """A train_rollout stopped in a group's first micro-batch before its backward (a notebook's interrupt during the
+    forward, an error there) leaves DeepSpeed at its accumulation boundary, so the next call goes on; the trainer had
+    already counted that micro-batch in its group, and from then on it decided each group at a micro-batch off
+    DeepSpeed's boundary, where a skip is ignored: every later step with no token in the loss was taken."""
+    with _trained_once(tmp_path) as (engine, trainer):
+        every_answer_cut = no_token_steps.rollout(trainer, [])
+        with _interrupted_in_the_forward(engine):
+            trainer.train_rollout([every_answer_cut])
         before = no_token_steps.model_state(engine.actor)
         result = trainer.train_rollout([no_token_steps.rollout(trainer, [])])
         assert torch.equal(no_token_steps.model_state(engine.actor)["weights"], before["weights"])
@@ -225,28 +242,15 @@ def test_a_hand_loop_retrying_a_groups_last_micro_batch_still_skips_its_no_token
     retried one ends it. A count of the trainer's own had taken the interrupted call for the group's last and the retry
     for the next group's first, so the step with no token in the loss was taken, on zero gradients (Adam's momentum and
     weight decay moving the weights); the position in the group is DeepSpeed's, and it is skipped."""
-    from dschat import DeepSpeedPPOTrainer, DeepSpeedRLHFEngine
     from dschat.rlhf.trainer import split_rows
-    from dschat.tiny import load_tiny_tokenizer
 
-    folder = no_token_steps.model_folder(tmp_path)
-    tokenizer = load_tiny_tokenizer()
-    tokenizer.padding_side = "left"
-    args = {**no_token_steps.SETTINGS, "critic_model_name_or_path": str(folder)}
-    with DeepSpeedRLHFEngine(actor_model_name_or_path=str(folder), tokenizer=tokenizer, args=args) as engine:
-        trainer = DeepSpeedPPOTrainer(engine=engine, args=args)
-        trainer.train_rollout([no_token_steps.rollout(trainer, range(no_token_steps.ROWS))])  # Adam's moments not 0
-        first, last = split_rows(no_token_steps.rollout(trainer, []), args["per_device_training_batch_size"])
+    with _trained_once(tmp_path) as (engine, trainer):
+        first, last = split_rows(no_token_steps.rollout(trainer, []),
+                                 no_token_steps.SETTINGS["per_device_training_batch_size"])
         before = no_token_steps.model_state(engine.actor)
         trainer.train_rlhf(first)
-
-        def interrupt(module, inputs):
-            raise KeyboardInterrupt
-
-        hook = engine.actor.module.register_forward_pre_hook(interrupt)
-        with pytest.raises(KeyboardInterrupt):
+        with _interrupted_in_the_forward(engine):
             trainer.train_rlhf(last)
-        hook.remove()
         trainer.train_rlhf(last)
         assert engine.actor.is_gradient_accumulation_boundary() is False  # (the step ended: the next one's first)
         assert torch.equal(no_token_steps.model_state(engine.actor)["weights"], before["weights"])

@@ -1857,16 +1857,27 @@ def test_restarting_deepspeeds_tensorboard_removes_its_unwritten_events_file_by_
     assert not common.holds_only_the_header(str(tmp_path / restarted))  # (its purge at step 5)
 
 
+def _loop_engine():
+    """A stand-in DeepSpeed engine for ``run_training``'s loop alone: every micro-batch ends an applied step."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(train=lambda: None, backward=lambda loss: None, step=lambda: None,
+                           is_gradient_accumulation_boundary=lambda: True, was_step_applied=lambda: True,
+                           get_global_grad_norm=lambda: 1.0, get_lr=lambda: [0.1])
+
+
+def _loop_batches(count):
+    return torch.utils.data.DataLoader([{"input_ids": torch.ones(2, dtype=torch.long)}] * count)
+
+
 @pytest.mark.parametrize("max_steps, shown", [(6, "3/3"), (4, "1/1")])  # (4: the last epoch runs 1 of its 3)
 def test_the_progress_bar_ends_at_the_micro_batches_trained_on(max_steps, shown, capsys):
     """The loop returns inside the bar's loop at the last step: the bar still counts that step's micro-batch (a
     2-rank run's bar stopped at 6/7 with all 14 steps done)."""
     from types import SimpleNamespace
 
-    engine = SimpleNamespace(train=lambda: None, backward=lambda loss: None, step=lambda: None,
-                             is_gradient_accumulation_boundary=lambda: True, was_step_applied=lambda: True,
-                             get_global_grad_norm=lambda: 1.0, get_lr=lambda: [0.1])
-    loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(2, dtype=torch.long)}] * 3)
+    engine = _loop_engine()
+    loader = _loop_batches(3)
     args = SimpleNamespace(gradient_accumulation_steps=1, num_train_epochs=2, seed=0, save_interval=0,
                            eval_interval=0, print_loss=False)
     common.run_training(engine, loader, lambda engine, batch: (torch.tensor(1.0), 2), None, args,
@@ -1893,10 +1904,8 @@ def test_the_training_loop_reads_each_micro_batchs_loss_from_the_device_once(mon
         value = torch.tensor(next(losses), requires_grad=True)
         return (common.RecordAndTokenMeans(value / 4, value * 3 / 4) if two_terms else value), 2
 
-    engine = SimpleNamespace(train=lambda: None, backward=lambda loss: None, step=lambda: None,
-                             is_gradient_accumulation_boundary=lambda: True, was_step_applied=lambda: True,
-                             get_global_grad_norm=lambda: 1.0, get_lr=lambda: [0.1])
-    loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(2, dtype=torch.long)}] * 4)
+    engine = _loop_engine()
+    loader = _loop_batches(4)
     args = SimpleNamespace(gradient_accumulation_steps=2, num_train_epochs=1, seed=0, save_interval=0,
                            eval_interval=0, print_loss=False)
     train_loss = common.run_training(engine, loader, loss_fn, None, args, torch.device("cpu"), "step1", 2)
@@ -1912,10 +1921,8 @@ def test_a_loss_of_two_terms_logs_what_their_sum_as_one_loss_logs_with_one_micro
     from types import SimpleNamespace
 
     records, tokens = torch.tensor(0.1), torch.tensor(0.7)  # (fp32 0.1 + 0.7 is not float64's 0.1 + 0.7)
-    engine = SimpleNamespace(train=lambda: None, backward=lambda loss: None, step=lambda: None,
-                             is_gradient_accumulation_boundary=lambda: True, was_step_applied=lambda: True,
-                             get_global_grad_norm=lambda: 1.0, get_lr=lambda: [0.1])
-    loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(2, dtype=torch.long)}] * 2)
+    engine = _loop_engine()
+    loader = _loop_batches(2)
     args = SimpleNamespace(gradient_accumulation_steps=1, num_train_epochs=1, seed=0, save_interval=0,
                            eval_interval=0, print_loss=False)
 

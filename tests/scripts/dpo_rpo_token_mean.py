@@ -18,6 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dschat.utils.dist import ensure_distributed, get_rank, get_world_size, local_device  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from one_training_step import one_training_step  # noqa: E402
 
 VOCAB = 32
 # (prompt tokens, chosen answer tokens, rejected answer tokens) of each pair
@@ -95,42 +97,11 @@ def torch_reference(mode, micro_batches):
 def trained_step(mode, pairs_per_micro_batch):
     """(the gradient the optimizer step applied, its logged loss) of one step of ``run_training`` over this rank's
     pairs in micro-batches of ``pairs_per_micro_batch``, --loss_agg ``mode``."""
-    from deepspeed.utils import safe_get_full_grad
-
-    from dschat.models.training_engine import initialize_engine, release_engine
-    from dschat.steps import common
-    from dschat.utils.ds_config import get_train_ds_config
-
     mine = list(range(get_rank(), len(PAIRS), get_world_size()))
     micro_batches = [dpo_batch(mine[i:i + pairs_per_micro_batch]) for i in range(0, len(mine), pairs_per_micro_batch)]
-    accum = len(micro_batches)
-    config = get_train_ds_config(dtype="fp32", stage=0, gradient_accumulation_steps=accum,
-                                 world_size=get_world_size(), gradient_clipping=0.0)
-    engine = initialize_engine(tiny_model(0), config, 1e-3, 0.0, None, "constant", 0, 1)
-    applied, logged = [], []
-    real_step = engine.step
-
-    def recorded_step(*args, **kwargs):
-        if engine.is_gradient_accumulation_boundary():
-            applied.append(torch.cat([safe_get_full_grad(p).detach().flatten().cpu()
-                                      for p in engine.module.parameters()]))
-        return real_step(*args, **kwargs)
-
-    engine.step = recorded_step
-    args = SimpleNamespace(gradient_accumulation_steps=accum, num_train_epochs=1, seed=0, save_interval=0,
-                           eval_interval=0, print_loss=True, loss_agg=mode)
     step = dpo_step(mode)
-    real_log = common._log_step
-    common._log_step = lambda *a: logged.append(a[3]) or real_log(*a)
-    try:
-        loader = torch.utils.data.DataLoader(micro_batches, batch_size=None)
-        common.run_training(engine, loader, step.loss, None, args, local_device(), "step2_dpo", 1,
-                            loss_tokens=common.step_loss_tokens(args, step.recipe()))
-    finally:
-        common._log_step = real_log
-        release_engine(engine)
-    (gradient,), (loss,) = applied, logged
-    return gradient, loss
+    return one_training_step(tiny_model(0), micro_batches, step.loss, step.recipe(), mode, "step2_dpo")
+
 
 
 def splits():

@@ -11,12 +11,13 @@ Run by tests/test_sft_loss_agg.py in its own process (one rank) and through the 
 """
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dschat.utils.dist import ensure_distributed, get_rank, get_world_size, local_device  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from one_training_step import one_training_step  # noqa: E402
 
 VOCAB = 32
 # (rows, length, labelled answer tokens of each row): a step's micro-batches of 2 and of 30 labelled tokens
@@ -69,41 +70,11 @@ def torch_reference(mode, batches):
 def trained_step(mode, stage):
     """(the gradient the optimizer step applied, its logged loss) of one step of ``run_training`` over this rank's
     micro-batches, --loss_agg ``mode`` at ZeRO ``stage``."""
-    from deepspeed.utils import safe_get_full_grad
-
-    from dschat.models.training_engine import initialize_engine, release_engine
-    from dschat.steps import common, sft
-    from dschat.utils.ds_config import get_train_ds_config
+    from dschat.steps import sft
 
     mine = [micro_batch(i) for i in range(get_rank(), len(MICRO_BATCHES), get_world_size())]
-    accum = len(mine)
-    config = get_train_ds_config(dtype="fp32", stage=stage, gradient_accumulation_steps=accum,
-                                 world_size=get_world_size(), gradient_clipping=0.0)
-    engine = initialize_engine(tiny_model(), config, 1e-3, 0.0, None, "constant", 0, 1)
-    applied, logged = [], []
-    real_step = engine.step
+    return one_training_step(tiny_model(), mine, sft.lm_loss, sft.SFT, mode, "step1", stage)
 
-    def recorded_step(*args, **kwargs):
-        if engine.is_gradient_accumulation_boundary():
-            # (on the CPU, as torch_reference's)
-            applied.append(torch.cat([safe_get_full_grad(p).detach().flatten().cpu()
-                                      for p in engine.module.parameters()]))
-        return real_step(*args, **kwargs)
-
-    engine.step = recorded_step
-    args = SimpleNamespace(gradient_accumulation_steps=accum, num_train_epochs=1, seed=0, save_interval=0,
-                           eval_interval=0, print_loss=True, loss_agg=mode)
-    real_log = common._log_step
-    common._log_step = lambda *a: logged.append(a[3]) or real_log(*a)
-    try:
-        loader = torch.utils.data.DataLoader(mine, batch_size=None)
-        common.run_training(engine, loader, sft.lm_loss, None, args, local_device(), "step1", 1,
-                            loss_tokens=common.step_loss_tokens(args, sft.SFT))
-    finally:
-        common._log_step = real_log
-        release_engine(engine)
-    (gradient,), (loss,) = applied, logged
-    return gradient, loss
 
 
 def run():
