@@ -1,6 +1,7 @@
 """Edge cases of the tools for trained models (chat.py, rw_eval, ppo_eval) met after training."""
 import json
 import re
+import shutil
 from pathlib import Path
 from unittest import mock
 
@@ -836,7 +837,7 @@ def test_a_save_to_disk_copy_under_a_hub_name_without_its_splits_is_an_error_nam
     monkeypatch.chdir(tmp_path)
     rows = [{"prompt": "\n\nHuman: Q?\n\nAssistant:", "response": " A.", "chosen": " A.", "rejected": " B."}] * 5
     DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk("Dahoas/rm-static")
-    said = (r" Dahoas/rm-static: the save_to_disk copy here holds the splits train, not test, which "
+    said = (r" Dahoas/rm-static: the save_to_disk copy here holds the split train, not test, which "
             r"Dahoas/rm-static's reader reads: save the DatasetDict of its train and test splits")
     with pytest.raises(DatasetFormatError, match="^--sft_only_data_path" + said):
         get_raw_dataset("Dahoas/rm-static", None, 0, -1, flag="--sft_only_data_path")
@@ -845,6 +846,10 @@ def test_a_save_to_disk_copy_under_a_hub_name_without_its_splits_is_an_error_nam
     Dataset.from_list(rows).save_to_disk("stanfordnlp/SHP")
     with pytest.raises(DatasetFormatError, match=r"^--data_path stanfordnlp/SHP: the save_to_disk copy here holds one "
                                                  r"Dataset, no splits, not train and validation"):
+        get_raw_dataset("stanfordnlp/SHP", None, 0, -1)
+    shutil.rmtree("stanfordnlp/SHP")  # (load_from_disk would read the Dataset's files left beside a DatasetDict's)
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows)}).save_to_disk("stanfordnlp/SHP")
+    with pytest.raises(DatasetFormatError, match=r"holds the splits train, test, not validation"):
         get_raw_dataset("stanfordnlp/SHP", None, 0, -1)
     # a train-only dataset's copy needs its train split alone
     DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk("Dahoas/synthetic-instruct-gptj-pairwise")

@@ -96,7 +96,8 @@ class PromptRawDataset:
         read = [name for name in ("train", self.eval_split) if name]
         missing = [name for name in read if name not in splits]
         if missing:
-            held = f"the splits {', '.join(splits)}" if splits else "one Dataset, no splits"
+            held = f"the {'split' if len(splits) == 1 else 'splits'} {', '.join(splits)}" if splits \
+                else "one Dataset, no splits"
             raise DatasetFormatError(f"{given_as(self.flag, self.dataset_name)}: the save_to_disk copy here holds "
                                      f"{held}, not {' and '.join(missing)}, which {self.dataset_name}'s reader reads: "
                                      f"save the DatasetDict of its {' and '.join(read)} splits, or give the data as "
