@@ -880,12 +880,25 @@ def keep_rule_scores_with_the_dpo_model(output_dir, scores):
                                  RULE_SCORE_FLAGS_KEY: held_out_rule_score_eval_flags()})
 
 
+def dpo_data_flags(args, dpo_flags):
+    """The DPO step's flags (``dpo_flags``, parsed) that eval.py takes from a DPO run to choose and read its held-out
+    prompts (``DPO_DATA_FLAGS``: the shares of the data DPO's own split keeps apart, its field names, padding and
+    --add_eot_token), so that the report scores the prompts eval.py scores; --data_path is train.py's (the run's data:
+    the embedded data by its files' paths may be only some of them, e.g. its train.jsonl)."""
+    from dschat.tools.ppo_eval import DPO_DATA_FLAGS
+
+    flags = {name: getattr(dpo_flags, name) for name in DPO_DATA_FLAGS}
+    flags["data_path"] = args.data_path or held_out_rule_score_settings().data_path
+    return flags
+
+
 def held_out_rule_scores(args, dpo_flags=None):
     """{"sft": scores, "dpo": scores}, each {"rule_score", "prompts", "empty_answers"}: the bundled rule score of
     greedy answers to step 3's held-out prompts (the tiny data only), phase 3 of the DPO step's own --data_split and
-    --seed (``dpo_flags``, its parsed flags; default the tiny recipe's), which neither DPO nor its SFT model trained on
-    and which eval.py scores a DPO policy on (the tiny recipe's split with another --step2-args split took some of
-    DPO's records, and eval.py other prompts than the report's), so the report shows what DPO did to generation,
+    --seed, read with its --data_fields, --pad_to_multiple_of and --add_eot_token (``dpo_data_flags``; ``dpo_flags``,
+    its parsed flags; default the tiny recipe's), which neither DPO nor its SFT model trained on and which eval.py
+    scores a DPO policy on, read as eval.py reads them (the tiny recipe's split with another --step2-args split took
+    some of DPO's records, and eval.py other prompts than the report's), so the report shows what DPO did to generation,
     not only to the ranking of given answers, and how many answers are empty (a policy that ends them at once scores 0,
     unexplained by the mean). The prompts are loaded once for both policies (DPO keeps its SFT model's tokenizer).
     Every rank evaluates its share of the prompts (the means are over all ranks)."""
@@ -894,22 +907,20 @@ def held_out_rule_scores(args, dpo_flags=None):
     from dschat.tools.common import load_policy
 
     step3 = held_out_rule_score_settings()  # step 3's data split, prompt and answer lengths on the tiny default
-    split = dpo_flags or step3  # (the shares of the data DPO's own split keeps apart)
+    data = dpo_data_flags(args, dpo_flags or step3)
+    add_eot_token = data.pop("add_eot_token")
     scores, loaders = {}, {}
     for name, folder in (("sft", SFT_DIR), ("dpo", DPO_DIR)):
         path = os.path.join(args.output_dir, folder)
-        model, tokenizer = load_policy(path, local_device())
-        # (the run's data: the embedded data by its files' paths may be only some of them, e.g. its train.jsonl)
-        held_out, _ = held_out_loader_once({"data_path": args.data_path or step3.data_path,
-                                            "data_split": split.data_split, "seed": split.seed,
-                                            "max_prompt_seq_len": step3.max_prompt_seq_len,
+        model, tokenizer = load_policy(path, local_device(), add_eot_token=add_eot_token)
+        held_out, _ = held_out_loader_once({**data, "max_prompt_seq_len": step3.max_prompt_seq_len,
                                             "per_device_generation_batch_size": step3.per_device_generation_batch_size,
                                             "actor_model_name_or_path": path,
                                             "data_output_path": os.path.join(args.output_dir, "data_cache")},
                                            tokenizer, loaders)
         result = evaluate_policy(hf_generate(model, tokenizer), None, tokenizer, held_out, model.device,
                                  step3.max_answer_seq_len,
-                                 rule_scorer_for(args.data_path or step3.data_path))
+                                 rule_scorer_for(data["data_path"]))
         scores[name] = {"rule_score": result["rule_score_mean"], "prompts": result["prompts"],
                         "empty_answers": result["empty_answers"]}
     return scores

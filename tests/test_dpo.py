@@ -422,7 +422,8 @@ def test_the_dpo_reports_rule_scores_are_on_phase_3_of_the_dpo_steps_own_split(t
     monkeypatch.setattr(dpo, "main", fake_dpo)
     from types import SimpleNamespace
 
-    monkeypatch.setattr("dschat.tools.common.load_policy", lambda path, device: (SimpleNamespace(device=device), None))
+    monkeypatch.setattr("dschat.tools.common.load_policy",
+                        lambda path, device, add_eot_token: (SimpleNamespace(device=device), None))
     monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
     splits = []
 
@@ -437,6 +438,33 @@ def test_the_dpo_reports_rule_scores_are_on_phase_3_of_the_dpo_steps_own_split(t
     pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path),
                                                   "--step2-args", "--data_split 2,4,4 --seed 7"]))
     assert splits == [("2,4,4", 7), ("2,4,4", 7)]
+
+
+def test_the_dpo_reports_rule_scores_read_the_prompts_with_the_dpo_runs_data_flags_as_eval_py(tmp_path, monkeypatch):
+    """The report's held-out rule scores ignored the DPO step's --data_fields, --pad_to_multiple_of and
+    --add_eot_token, which eval.py takes from the DPO run (DPO_DATA_FLAGS) to score its policy: each flag eval.py takes
+    reaches the prompts' loader or the policy's tokenizer."""
+    from types import SimpleNamespace
+
+    from dschat.args import step2_dpo_parser
+    from dschat.tools.ppo_eval import DPO_DATA_FLAGS
+
+    dpo_flags = step2_dpo_parser().parse_args(["--data_fields", "prompt=question", "--pad_to_multiple_of", "8",
+                                               "--add_eot_token", "--data_split", "2,4,4", "--seed", "7"])
+    loaded, read = [], []
+    monkeypatch.setattr("dschat.tools.common.load_policy", lambda path, device, add_eot_token=False: (
+        loaded.append(add_eot_token) or SimpleNamespace(device=device), None))
+    monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
+    monkeypatch.setattr("dschat.steps.ppo.held_out_loader_once", lambda args, tokenizer, built: (
+        read.append(args), None))
+    monkeypatch.setattr("dschat.rlhf.evaluation.evaluate_policy",
+                        lambda *args, **kwargs: {"rule_score_mean": 0.5, "prompts": 1, "empty_answers": 0})
+    pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(tmp_path), data_path=["tiny"]), dpo_flags)
+    assert loaded == [True, True]
+    for args in read:
+        assert {name: args[name] for name in DPO_DATA_FLAGS if name != "add_eot_token"} == {
+            "data_path": ["tiny"], "data_split": "2,4,4", "data_fields": "prompt=question", "pad_to_multiple_of": 8,
+            "seed": 7}
 
 
 def test_the_dpo_reports_rule_scores_load_the_held_out_prompts_once_and_count_empty_answers(tmp_path, capsys):
