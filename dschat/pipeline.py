@@ -354,27 +354,35 @@ def check_step_args(steps, args, tiny, parsers):
 
 def check_hub_data_at_hand(args, parsed):
     """Where the hub cannot be reached (HF_HUB_OFFLINE, or dschat's probe), each hub dataset the steps read (``parsed``:
-    step -> its flags) is loaded from datasets' cache before step 1 runs (rank 0): one the cache lacked was an error
-    only once a step reached its data, naming the step's --data_path rather than the flag that gave it (train.py's
-    --data-path). With the hub at hand nothing is loaded here: a step downloads what it reads as it starts."""
+    step -> its flags; step 3's --unsupervised_dataset_name too) is loaded from datasets' cache before step 1 runs
+    (rank 0): one the cache lacked was an error only once a step reached its data, naming the step's --data_path
+    rather than the flag that gave it (train.py's --data-path, or --step3-args --unsupervised_dataset_name). With the
+    hub at hand nothing is loaded here: a step downloads what it reads as it starts."""
+    from dschat.data import unsupervised
     from dschat.data.base import load_hub_dataset
     from dschat.data.raw_datasets import reads_the_hub
     from dschat.models.loading import hub_unavailable
 
-    given_by = {}  # hub dataset -> the flag that gave it, as an error names it (the first step's)
+    # hub dataset (and config) -> how its step loads it, its error naming the flag that gave it (the first step's)
+    loads = {}
     for step, flags in parsed.items():
         for dest in ("data_path", "sft_only_data_path"):
             for spec in getattr(flags, dest, None) or []:
                 if reads_the_hub(spec):
-                    given_by.setdefault(spec, data_flag_of(step, args, dest))
+                    loads.setdefault((spec,), functools.partial(load_hub_dataset, spec, data_flag_of(step, args, dest)))
+        name = getattr(flags, "unsupervised_dataset_name", None)  # (step 3's PPO-ptx data)
+        if unsupervised.reads_the_hub(name):
+            config = flags.unsupervised_dataset_config_name
+            loads.setdefault((name, config), functools.partial(unsupervised.load_hub_train, name, config,
+                                                               f"--step{step}-args --unsupervised_dataset_name"))
 
-    def found_in_the_cache(spec, flag):
-        load_hub_dataset(spec, flag)  # (its error names the flag)
+    def found_in_the_cache(load):
+        load()  # (its error names the flag)
         return True  # (not the data: rank_0_decides sends what it returns to every rank)
 
-    if given_by and rank_0_decides(hub_unavailable):
-        for spec, flag in given_by.items():
-            rank_0_decides(lambda: found_in_the_cache(spec, flag))
+    if loads and rank_0_decides(hub_unavailable):
+        for load in loads.values():
+            rank_0_decides(lambda: found_in_the_cache(load))
 
 
 def data_flag_of(step, args, dest):

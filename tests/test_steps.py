@@ -2423,3 +2423,22 @@ def test_train_py_finds_a_hub_dataset_the_offline_cache_lacks_before_step_1(tmp_
     with pytest.raises(MissingInputError, match=rf"^{re.escape(flag)} Dahoas/rm-static: not in the datasets cache, "
                                                 r"and HF_HUB_OFFLINE is set"):
         pipeline.run_pipeline(args)
+
+
+def test_train_py_finds_step_3s_hub_unsupervised_data_the_offline_cache_lacks_before_step_1(tmp_path, distributed,
+                                                                                             monkeypatch):
+    """train.py --step3-args '--unsupervised_dataset_name wikitext' offline (an empty datasets cache): the pre-flight
+    loaded the steps' --data_path datasets alone, so the error came once step 3 loaded its PPO-ptx data, after steps
+    1 and 2 had trained, naming step 3's own flag."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+
+    monkeypatch.setattr(sft, "main", lambda argv: pytest.fail("step 1 ran"))
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"]([
+        "--output-dir", str(tmp_path / "out"),
+        "--step3-args", "--unsupervised_dataset_name wikitext --unsupervised_dataset_config_name wikitext-2-raw-v1"])
+    with pytest.raises(MissingInputError, match=r"^--step3-args --unsupervised_dataset_name wikitext: not in the "
+                                                r"datasets cache, and HF_HUB_OFFLINE is set"):
+        pipeline.run_pipeline(args)

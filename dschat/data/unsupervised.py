@@ -143,8 +143,7 @@ def load_unsupervised_train(name, config_name=None):
         return _tiny_documents(), "text"
     local = _local_text_source(name)
     if local is None:
-        train = _saved_train_split(name) if os.path.isdir(name) else \
-            load_hub_dataset(name, "--unsupervised_dataset_name", config_name, split="train")
+        train = _saved_train_split(name) if os.path.isdir(name) else load_hub_train(name, config_name)
         return train, "text" if "text" in train.column_names else train.column_names[0]
     kind, path = local
     check_has_text(name, kind, path)
@@ -204,6 +203,18 @@ def _without_line_start_marks(lines):
         return lines
     return lines.map(lambda batch: {"text": [text.lstrip(BYTE_ORDER_MARK) if text else text for text in batch["text"]]},
                      batched=True, desc="Removing byte-order marks")
+
+
+def load_hub_train(name, config_name=None, flag="--unsupervised_dataset_name"):
+    """The train split of the hub dataset ``name`` (``config_name``'s), as step 3 reads it; an error names ``flag``
+    (train.py's pre-flight: the --step3-args that gave it)."""
+    return load_hub_dataset(name, flag, config_name, split="train")
+
+
+def reads_the_hub(name):
+    """Whether --unsupervised_dataset_name ``name`` is a hub dataset (not tiny, a local file or a save_to_disk
+    folder). A local file's name that is not there is its error (``_local_text_source``)."""
+    return bool(name) and name != "tiny" and _local_text_source(name) is None and not os.path.isdir(name)
 
 
 def _tiny_documents():
