@@ -1868,7 +1868,7 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
                        ("train.jsonl.gz", "train.jsonl.gz: the file is compressed with gzip"),
                        ("packed", "packed: its train data train.jsonl.gz is compressed with gzip"),
                        ("jsonl:packed", "jsonl:packed: packed: its train data train.jsonl.gz is compressed"),
-                       ("prefs", "prefs: the folder holds a hub dataset's files of the splits train_prefs"),
+                       ("prefs", "prefs: the folder holds a hub dataset's files of the split train_prefs, not train"),
                        ("jsonl:hub", "jsonl:hub: the folder's train data is"),
                        ("evals", "evals: the folder holds eval.jsonl and eval.json"),
                        ("shards", "shards: the train split is in 2 shards"),

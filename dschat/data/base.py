@@ -48,6 +48,11 @@ def load_hub_dataset(name, flag, *args, **kwargs):
                                 f"without the hub, give a local file or a folder written by save_to_disk") from err
 
 
+def splits_said(names):
+    """A dataset's splits ``names`` as an error says them: "the split train", "the splits train, test"."""
+    return f"the {'split' if len(names) == 1 else 'splits'} {', '.join(names)}"
+
+
 def read_or_none(accessor, sample, errors=(SkipRecord,)):
     """``accessor(sample)``; None for a record it has nothing for (``errors``: e.g. a conversation awaiting its
     answer has no chosen one)."""
@@ -96,8 +101,7 @@ class PromptRawDataset:
         read = [name for name in ("train", self.eval_split) if name]
         missing = [name for name in read if name not in splits]
         if missing:
-            held = f"the {'split' if len(splits) == 1 else 'splits'} {', '.join(splits)}" if splits \
-                else "one Dataset, no splits"
+            held = splits_said(splits) if splits else "one Dataset, no splits"
             raise DatasetFormatError(f"{given_as(self.flag, self.dataset_name)}: the save_to_disk copy here holds "
                                      f"{held}, not {' and '.join(missing)}, which {self.dataset_name}'s reader reads: "
                                      f"save the DatasetDict of its {' and '.join(read)} splits, or give the data as "

@@ -75,7 +75,7 @@ from pathlib import Path
 from dschat.errors import MissingInputError, UsageError, excerpt, given_as
 from .base import (MARGIN_FIELD, ROLE_ALIASES, SHAREGPT_ROLES, TOOL_ROLES, VALID_ROLES, PromptRawDataset,
                    answer_from_transcript, checked_messages, final_assistant_answer, optional_text, prompt_messages,
-                   required_text, trimmed, untrained_turns, without_none_values)
+                   required_text, splits_said, trimmed, untrained_turns, without_none_values)
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
 from .formatting import parse_transcript, with_lf_line_ends
 
@@ -593,8 +593,8 @@ def _hub_layout_source(kind, folder, spec, flag=None):
     if "train" not in splits:
         named = sorted(splits, key=lambda name: not name.startswith("train"))[:2]  # (train_prefs before test_prefs)
         files = ",".join(os.path.relpath(splits[name][0]) for name in named)
-        raise UsageError(f"{given_as(flag, spec)}: the folder holds a hub dataset's files of the splits "
-                         f"{', '.join(splits)}, none of them train: give the files to read as "
+        raise UsageError(f"{given_as(flag, spec)}: the folder holds a hub dataset's files of {splits_said(splits)}, "
+                         f"{'not' if len(splits) == 1 else 'none of them'} train: give the files to read as "
                          f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
     for name in ["train", *eval_names[:1]]:
