@@ -38,6 +38,37 @@ def run_deepspeed(script, *args, num_gpus=2, timeout=900, env=None, check=True):
     return proc
 
 
+def too_few_gpus(num_gpus=2):
+    """Why ``num_gpus`` ranks cannot start here, or None: on the CPU any number can; on a machine with CUDA each
+    rank needs its own device (the one-GPU checks of a GPU session run these modules' one-rank cases)."""
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else None
+    if count is not None and count < num_gpus:
+        return f"{num_gpus} ranks need {num_gpus} GPUs; this machine has {count}"
+    return None
+
+
+class SkippedOnRead(dict):
+    """The results of ranks that could not start (:func:`too_few_gpus`): reading any of them skips the test."""
+
+    def __init__(self, reason):
+        super().__init__()
+        self.reason = reason
+
+    def __getitem__(self, key):
+        import pytest
+        pytest.skip(self.reason)
+
+
+def launch_and_load(script, *args, load, timeout=900):
+    """``load()`` after a 2-rank launch of ``script args``; :class:`SkippedOnRead` where 2 ranks cannot start."""
+    reason = too_few_gpus()
+    if reason:
+        return SkippedOnRead(reason)
+    run_deepspeed(script, *args, timeout=timeout)
+    return load()
+
+
 def each_flag_once(args):
     """``args`` with each ``--flag`` (and the values after it) given once, at its last place with its last values:
     tests override a shared list of flags by appending (``[*STEP3, "--max_answer_seq_len", "16"]``), and the step

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dschat.utils.optim import optimizer_step
-from launch import run_deepspeed
+from launch import launch_and_load
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -99,8 +99,9 @@ def results(tmp_path_factory, distributed):
     through the deepspeed launcher."""
     root = tmp_path_factory.mktemp("no_token_steps")
     one = no_token_steps.run(no_token_steps.model_folder(root / "one"))
-    run_deepspeed(SCRIPTS / "no_token_steps.py", str(root / "two"), timeout=300)
-    return {"one": one, "two": torch.load(root / "two" / "results.pt")}
+    two = launch_and_load(SCRIPTS / "no_token_steps.py", str(root / "two"), timeout=300,
+                          load=lambda: torch.load(root / "two" / "results.pt"))
+    return {"one": one, "two": two}
 
 
 def _unchanged(case, model):

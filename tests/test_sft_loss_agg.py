@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import run_deepspeed
+from launch import launch_and_load
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -22,8 +22,9 @@ def results(tmp_path_factory, distributed):
     launcher."""
     root = tmp_path_factory.mktemp("sft_token_mean")
     one = sft_token_mean.run()
-    run_deepspeed(SCRIPTS / "sft_token_mean.py", str(root), timeout=300)
-    return {"one": one, "two": torch.load(root / "results.pt")}
+    two = launch_and_load(SCRIPTS / "sft_token_mean.py", str(root), timeout=300,
+                          load=lambda: torch.load(root / "results.pt"))
+    return {"one": one, "two": two}
 
 
 CASES = [f"{mode}_zero{stage}" for mode in sft_token_mean.MODES for stage in sft_token_mean.STAGES]
