@@ -305,7 +305,8 @@ def check_generate(model_type):
 
 
 def check_reward(model_type):
-    from dschat.models.reward_model import LEFT_PADDING_MOVES_SCORES, RewardModel
+    from dschat.models.left_padding import LEFT_PADDING_MOVES_SCORES
+    from dschat.models.reward_model import RewardModel
 
     model = build_model(tiny_config(model_type))
     ids, mask = left_padded_batch(seed=1)

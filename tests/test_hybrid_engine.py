@@ -563,9 +563,9 @@ def test_an_actor_whose_outputs_left_padding_moves_is_warned_of_once_where_the_e
     nothing for prompts without padding."""
     from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
 
-    from dschat.models import reward_model
+    from dschat.models import left_padding
 
-    monkeypatch.setattr(reward_model, "_WARNED_LEFT_PADDING", set())
+    monkeypatch.setattr(left_padding, "_WARNED_LEFT_PADDING", set())
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

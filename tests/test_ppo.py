@@ -4763,10 +4763,10 @@ def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_without_it
     without the hybrid engine, its held-out evaluation, the tools) now generates each row alone, unpadded (rows 2 and
     3, of one length, too: RWKV's batched decode step mixes rows), and returns them as one batched call would; where
     it cannot (a prompt with a hole), it generates as before and says so once."""
-    from dschat.models import reward_model
+    from dschat.models import left_padding
     from dschat.rlhf.trainer import hf_generate
 
-    monkeypatch.setattr(reward_model, "_WARNED_LEFT_PADDING", set())
+    monkeypatch.setattr(left_padding, "_WARNED_LEFT_PADDING", set())
     model = _tiny_rwkv_actor()
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
     prompts = [[10, 11, 12, 13, 14], [20], [30, 31, 32], [40, 41, 42]]

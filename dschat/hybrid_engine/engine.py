@@ -46,7 +46,7 @@ from dschat.hybrid_engine.weights import build_inference_weights
 from dschat.models.loading import generable_token_count
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
-from dschat.models.reward_model import warn_of_padded_generation
+from dschat.models.left_padding import warn_of_padded_generation
 from dschat.models.training_engine import first_release, is_released, released_as
 from dschat.utils.dist import print_beside_progress_bars
 

@@ -18,9 +18,10 @@ from dschat.hybrid_engine.generate_args import check_left_padded
 from dschat.hybrid_engine.graphs import default_generator, logits_vocab_size
 from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
+from dschat.models.left_padding import left_padding_moves, warn_of_padded_generation
 from dschat.models.loading import generable_token_count, stop_token_ids, token_id_list
 from dschat.models.lora import unwrap_peft
-from dschat.models.reward_model import left_padding_moves, positions_from_mask, warn_of_padded_generation
+from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.models.positions import position_limit
 from dschat.rlhf.layout import forward_layout, head_reads, reward_scores
