@@ -169,6 +169,39 @@ def test_the_width_is_measured_without_the_backbones_weights():
     assert measured_hidden_width(backbone) == 2 * backbone.config.hidden_size
 
 
+@pytest.mark.parametrize("family", ["llama", "opt", "reformer"])
+def test_loading_a_trained_reward_model_takes_its_heads_width_without_measuring_the_backbone(family, tmp_path,
+                                                                                             monkeypatch):
+    """The width probe (an empty copy's forward on the meta device, 0.6-0.8 s per 7B config on the CPU) ran at every
+    load, though a trained head's saved weight gives the width. Skipped where that width is the config's; a Reformer's
+    head, twice its config's hidden_size, is still measured (it checks a head saved for another backbone). A bare
+    backbone's head is measured as before."""
+    from dschat.models import reward_model
+
+    torch.manual_seed(0)
+    config = _reformer_config() if family == "reformer" else CONFIGS[family]()
+    critic = RewardModel(AutoModel.from_config(config)).eval()
+    torch.nn.init.normal_(critic.v_head.weight)
+    save_reward_model(critic, _Tok(), str(tmp_path / "rm"))
+    probes, measure = [], reward_model.measured_hidden_width
+
+    def probe(backbone):
+        probes.append(type(backbone).__name__)
+        return measure(backbone)
+
+    monkeypatch.setattr(reward_model, "measured_hidden_width", probe)
+    loaded = load_reward_model(str(tmp_path / "rm")).eval()
+    assert loaded.v_head.in_features == critic.v_head.in_features
+    assert probes == (["ReformerModel"] if family == "reformer" else [])
+    ids = torch.randint(3, 96, (2, 6))
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        assert torch.allclose(loaded.end_scores(ids, mask), critic.end_scores(ids, mask))
+    probes.clear()
+    assert RewardModel(AutoModel.from_config(config)).v_head.in_features == critic.v_head.in_features
+    assert len(probes) == 1  # (no trained head: measured)
+
+
 def test_an_rwkv_model_is_saved_with_its_weights_as_trained_after_a_forward_in_eval_mode(tmp_path):
     """A step evaluates last, then saves: transformers' RWKV (``rescale_every``) divides some weights in place at a
     forward in eval mode (by 2^(block // rescale_every); undone at its next training forward), and step 1's output of

@@ -100,9 +100,11 @@ class RewardModel(nn.Module):
     """``base_model`` is an HF backbone (``AutoModel``), possibly PEFT-wrapped; the head is Linear(hidden, 1).
     DeepSpeed-Chat's arguments, in its order: ``tokenizer`` is taken and not read (DeepSpeed-Chat finds each
     sequence's end by its pad id; dschat by the attention mask), so ``RewardModel(base, tokenizer)`` ported from it
-    does not pass the tokenizer as ``compute_fp32_loss``."""
+    does not pass the tokenizer as ``compute_fp32_loss``. ``trained_head_width``: the width of the trained head that
+    will be loaded into it (``from_pretrained``), which spares measuring the backbone's (``value_head_width``)."""
 
-    def __init__(self, base_model, tokenizer=None, num_padding_at_beginning=0, compute_fp32_loss=False):
+    def __init__(self, base_model, tokenizer=None, num_padding_at_beginning=0, compute_fp32_loss=False, *,
+                 trained_head_width=None):
         super().__init__()
         check_backbone(base_model)
         self.value_head_loaded = False  # from_pretrained: whether the folder held a trained head
@@ -113,8 +115,7 @@ class RewardModel(nn.Module):
         # to score: ``score_index``), else None
         self.score_skips_token_id = None
         self.config = base_model.config
-        self.v_head = ValueHead(measured_hidden_width(base_model) or configured_hidden_width(self.config),
-                                fp32=compute_fp32_loss)
+        self.v_head = ValueHead(value_head_width(base_model, trained_head_width), fp32=compute_fp32_loss)
         self.rwtransformer = base_model
         # Kept for DeepSpeed-Chat compatibility; the end token comes from the attention mask instead.
         self.num_padding_at_beginning = num_padding_at_beginning
@@ -258,8 +259,9 @@ class RewardModel(nn.Module):
             backbone, loading = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype,
                                                           output_loading_info=True, **renamed)
         check_weights_loaded(name, backbone, loading)
-        model = cls(backbone, compute_fp32_loss=compute_fp32_loss)
         head = trained_value_head(path, ds_chat_file)
+        model = cls(backbone, compute_fp32_loss=compute_fp32_loss,
+                    trained_head_width=None if head is None else head.shape[-1])
         model.value_head_loaded = head is not None  # else a new random head (a critic may start so)
         if model.value_head_loaded:
             model.v_head.load_state_dict({"weight": head})
@@ -557,6 +559,24 @@ def configured_hidden_width(config):
     multimodal backbone, e.g. Gemma-3 4B and up, keeps its decoder's sizes in its text config)."""
     text_config = config.get_text_config(decoder=True)
     return getattr(text_config, "word_embed_proj_dim", None) or _hidden_size(text_config)
+
+
+def value_head_width(backbone, trained_head_width=None):
+    """The width of the hidden states the value head reads. A trained head's (``trained_head_width``, from its saved
+    weight's shape) where the config says the same: then nothing needs measuring (the probe takes 0.6-0.8 s per 7B
+    config on the CPU, which every load of a reward model or critic paid). Else measured (``measured_hidden_width``:
+    Reformer's is twice its config's hidden_size; a head saved for another backbone then fails to load on its shape),
+    else the config's (``configured_hidden_width``)."""
+    if trained_head_width is not None and trained_head_width == _configured_width_if_any(backbone.config):
+        return trained_head_width
+    return measured_hidden_width(backbone) or configured_hidden_width(backbone.config)
+
+
+def _configured_width_if_any(config):
+    try:
+        return configured_hidden_width(config)
+    except ValueError:  # (no width field: only the probe can tell)
+        return None
 
 
 def measured_hidden_width(backbone):
