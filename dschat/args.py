@@ -752,6 +752,10 @@ def critic_only_flags(args, parser=None):
     return given_flags(args, CRITIC_ONLY_FLAGS, parser)
 
 
+# CRITIC_ONLY_FLAGS as a row of the tables below (step 3 says them apart while it runs: ``critic_only_flags``)
+CRITIC_ONLY_ROW = (CRITIC_ONLY_FLAGS, lambda a: a.advantage_estimator == "gae", "--advantage_estimator gae")
+
+
 # A flag every step parses (add_data_args) that only step 1 reads; the other steps' tables list it as never on.
 STEP1_ONLY_FLAGS = (("sft_only_data_path",), lambda a: False, "step 1")
 # (transformers' "constant" schedule takes no warmup: constant_with_warmup does)
@@ -800,6 +804,15 @@ STEP1_LOSS_FLAGS = (("loss_agg",), lambda a: getattr(a, "rpo_alpha", 0), "--rpo_
 def supervised_conditional_flags(phase):
     """The table of ``unread_conditional_flags`` for the supervised step of data ``phase``."""
     return SUPERVISED_CONDITIONAL_FLAGS + (() if phase == 1 else (STEP1_ONLY_FLAGS, STEP1_LOSS_FLAGS))
+
+
+def conditional_flags_of(step):
+    """Every flag of step ``step`` (the name it records: "step1", "step2", "step2_dpo", "step3") that it reads only
+    while another setting is on, as the rows (flags, whether it is, the setting said) of ``unread_conditional_flags``:
+    step 3's ``CONDITIONAL_FLAGS`` and its critic's flags, the supervised steps' ``supervised_conditional_flags``."""
+    if step == "step3":
+        return CONDITIONAL_FLAGS + (CRITIC_ONLY_ROW,)
+    return supervised_conditional_flags(1 if step == "step1" else 2)
 
 
 def zero_stage_of(args, name):

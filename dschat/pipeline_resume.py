@@ -3,9 +3,11 @@
 Steps run one after another, so an interruption stops one step: the steps it starts from finished, and whatever a
 step after it holds was made from older inputs. A step's output or checkpoint therefore counts only when it was
 made from the present outputs of the steps it starts from, and none of those runs now:
-- its finished output of the same flags, ZeRO stages and flags of memory and speed alone aside (metrics.json and
-  training_args.json; step 1's --loss_agg compared by how it weighs a step's tokens, ``step1_loss_weighing``), made
-  by this dschat's version of the step (``older_step_output``): the step is skipped;
+- its finished output of the same flags, those that cannot change its weights aside (metrics.json and
+  training_args.json; ``weightless_differences``: ZeRO stages, flags of memory and speed, logs and evaluation alone,
+  flags neither run read; step 1's --loss_agg compared by how it weighs a step's tokens, ``step1_loss_weighing``),
+  made by this dschat's version of the step (``older_step_output``): the step is skipped, saying the differences
+  left aside;
 - else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
   finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on. The
   checks the step's --resume makes of it from its files alone (its bound flags, its step, its dschat's version) are
@@ -17,9 +19,10 @@ or checkpoint was made from is read from the run ids it recorded of its inputs (
 import json
 import math
 import os
+from argparse import Namespace
 from typing import NamedTuple
 
-from dschat.args import recorded_flags_now
+from dschat.args import conditional_flags_of, recorded_flags_now
 from dschat.data.local import same_data_fields, same_datasets
 from dschat.data.raw_datasets import changed_data_files
 from dschat.errors import UsageError
@@ -31,11 +34,10 @@ from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
 
-# Flags that do not change what a finished step made: the resume switches (a step's save interval is rewritten by a
-# resumed run), where it writes (the record is in its output folder, wherever the run folder was moved; the data
-# cache), where it logs and how much it prints. A flag the record lacks (one added since) is taken as unchanged.
+# Flags that do not change what a finished step made, and are not said: the resume switches (a step's save interval is
+# rewritten by a resumed run), where it writes (the record is in its output folder, wherever the run folder was moved;
+# the data cache). A flag the record lacks (one added since) is taken as unchanged.
 NOT_COMPARED = frozenset({"resume", "save_interval", "local_rank", "output_dir", "data_output_path",
-                          "enable_tensorboard", "tensorboard_path", "print_answers", "print_answers_interval",
                           "deepspeed", "deepscale"})
 # Flags that say how a step's training is spread over its ranks' memory, not what it trains: a finished output of
 # another ZeRO stage is the same model (a run given a higher stage after running out of memory keeps it), and its
@@ -65,8 +67,22 @@ MEMORY_SPEED_FLAGS = {
 }
 # (Not among them, as they may change what a step makes: --check_grad_overflow skips steps; --pad_to_multiple_of,
 # --padded_forwards, --enable_hybrid_engine, --inference_tp_size and --logprobs_from_generation change what step 3
-# generates or trains on; --preprocessing_num_workers where the unsupervised blocks are cut; the evaluation flags
-# what a finished output's metrics are of.)
+# generates or trains on; --preprocessing_num_workers where the unsupervised blocks are cut.)
+# Flags that say what a step logs and how its held-out evaluation runs, not what it trains: a finished output given
+# other values of them alone is the same model, whose metrics.json stays the finished run's evaluation. (Its
+# evaluation loaders draw from generators of their own, ``samplers.loader_generator``, the evaluations run in eval
+# mode without gradients, step 3's answers greedy: no RNG draw nor weight moves. Not step 3's --eval_max_new_tokens:
+# it sizes the hybrid engine's KV cache, ``engine.longest_sequence``.) Each with why:
+LOG_EVAL_FLAGS = {
+    "enable_tensorboard": "whether it writes TensorBoard curves",
+    "tensorboard_path": "where it writes TensorBoard curves",
+    "print_answers": "whether step 3 prints an answer",
+    "print_answers_interval": "how often step 3 prints an answer",
+    "eval_interval": "how often steps 1, 2 and DPO evaluate while training",
+    "eval_iters": "how many held-out batches their evaluations score",
+    "per_device_eval_batch_size": "the size of those batches",
+    "eval_prompts": "how many held-out prompts step 3 scores before and after training",
+}
 # Flags a resumed run may raise to train on past the end of a finished one.
 EXTENDING = frozenset({"max_steps", "num_train_epochs"})
 # Flags naming files or folders: compared as absolute paths (from the working directory each run had).
@@ -113,9 +129,8 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         reshaped = same_batches_on_other_ranks(step, record, parsed[step], world_size)
         differing, alike = weigh_step1_loss_agg([name for name in changed_flags(record, parsed[step])
                                                  if name not in reshaped], step, record, parsed[step], world_size)
-        changed = [name for name in differing if name not in ZERO_STAGE_FLAGS and name not in MEMORY_SPEED_FLAGS]
-        stages = [name for name in differing if name in ZERO_STAGE_FLAGS]
-        settings = [name for name in differing if name in MEMORY_SPEED_FLAGS]
+        ignored = weightless_differences(differing, step_name(recipe, step), record, parsed[step])
+        changed = [name for name in differing if name not in ignored]
         # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
         # resume only to train on for longer
         checkpoint = checkpoint_state(folder)
@@ -123,9 +138,10 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         # would resume past its new end)
         longer = bool(changed) and set(changed) <= EXTENDING and \
             all(_raised(name, record, parsed[step]) for name in changed)
-        # --offload binds a checkpoint (its optimizer is DeepSpeed's CPU Adam): a finished output given another value
-        # alone is skipped, but is not trained on from its checkpoint, which the step would refuse (said as changed)
-        bound = [name for name in settings if _checkpoint_had_other(name, checkpoint, parsed[step])]
+        # a flag the checkpoint is bound to (--offload: its optimizer is DeepSpeed's CPU Adam; step 3's --eval_prompts):
+        # a finished output given another value alone is skipped, but is not trained on from its checkpoint, which the
+        # step would refuse (said as changed)
+        bound = [name for name in ignored if _checkpoint_had_other(name, checkpoint, parsed[step])]
         if longer and bound:
             longer, changed = False, changed + bound
         # (another --data_path is a changed flag, said as one below)
@@ -141,7 +157,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         elif older:
             plan[step] = Decision(FRESH, older)
         elif current and not changed:
-            plan[step] = Decision(SKIP, _same_output_why(stages, settings + alike, record, parsed[step]))
+            plan[step] = Decision(SKIP, _same_output_why(ignored, alike, record, parsed[step]))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
             older = older_checkpoint(step, steps, recipe, folder)
             refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
@@ -387,21 +403,66 @@ def same_batches_on_other_ranks(step, record, flags, world_size):
     return {name for names in groups for name in names}
 
 
-def _same_output_why(stages, settings, record, flags):
-    """Why a finished step is skipped though its ZeRO stage flags ``stages`` and its ``MEMORY_SPEED_FLAGS``
-    ``settings`` (or step 1's --loss_agg where its loss weighs the tokens alike, ``step1_loss_weighing``) differ now
-    ("" when none do)."""
+# The groups ``weightless_differences`` says a flag in (else: the setting an unread flag is read only with).
+ZERO_STAGE, MEMORY_SPEED, LOG_EVAL = "the ZeRO stage", "memory and speed", "logs and evaluation"
+
+
+def weightless_differences(differing, step, record, flags):
+    """{flag: its group}: the flags of ``differing`` (those whose values differ from the finished output's ``record``)
+    that cannot have made the step's trained weights otherwise, said in the step's line (``_same_output_why``): the
+    ZeRO stages, ``MEMORY_SPEED_FLAGS``, ``LOG_EVAL_FLAGS``, and a flag that ``step`` (its recorded name, "step1", ...)
+    reads only while a setting is on that neither the recorded run nor this one (``flags``) has on (its group: that
+    setting, ``unread_in_both``). The one rule of what a difference leaves skipped: any other flag trains again."""
+    ignored = {}
+    for name in differing:
+        group = ZERO_STAGE if name in ZERO_STAGE_FLAGS else MEMORY_SPEED if name in MEMORY_SPEED_FLAGS else \
+            LOG_EVAL if name in LOG_EVAL_FLAGS else unread_in_both(name, step, record, flags)
+        if group:
+            ignored[name] = group
+    return ignored
+
+
+def unread_in_both(name, step, record, flags):
+    """The setting ("--enable_ema") that step ``step`` reads flag ``name`` only with (``args.conditional_flags_of``,
+    the table each step says its ignored flags by), where neither the run ``record`` recorded nor this one
+    (``flags``) has it on: neither read the flag, so its values made no difference. None where either reads it, or
+    cannot tell (a setting a record or stand-in lacks: taken as read). The data path flags stay compared: a record
+    lists --sft_only_data_path's files, which only step 1 reads, among its data (``step_data_files``)."""
+    if name in DATA_PATH_FLAGS or not record:
+        return None
+    then = Namespace(**recorded_flags_now(record.get("flags", {}), step))
+    for names, read, setting in conditional_flags_of(step):
+        if name not in names:
+            continue
+        try:
+            if not read(then) and not read(flags):
+                return setting
+        except AttributeError:
+            continue
+    return None
+
+
+def _same_output_why(ignored, alike, record, flags):
+    """Why a finished step is skipped though flags differ now: ``ignored`` (``weightless_differences``), and ``alike``
+    (step 1's --loss_agg where its loss weighs the tokens alike, ``step1_loss_weighing``). "" where none do."""
     then = recorded_flags_now(record.get("flags", {}), record.get("step"))  # (a flag it predates: as it trained)
 
     def said(names):
         return ", ".join(f"--{name} {then.get(name)} -> {getattr(flags, name, None)}" for name in names)
 
-    weighing = [name for name in settings if name == "loss_agg"]
-    settings = [name for name in settings if name != "loss_agg"]
+    def of(group):
+        return [name for name, its in ignored.items() if its == group]
+
+    stages, settings, logged = of(ZERO_STAGE), of(MEMORY_SPEED), of(LOG_EVAL)
+    unread = [name for name, group in ignored.items() if group not in (ZERO_STAGE, MEMORY_SPEED, LOG_EVAL)]
     parts = ([f"the ZeRO stage ({said(stages)})"] if stages else []) + \
         ([f"flags of memory and speed alone ({said(settings)})"] if settings else []) + \
-        ([f"{said(weighing)} (one micro-batch an optimizer step on one rank: its token mean is the step's)"]
-         if weighing else [])
+        ([f"what it logs and how it evaluates ({said(logged)}: its metrics.json is the finished run's evaluation)"]
+         if logged else []) + \
+        ([f"flags it read in neither run ({'; '.join(f'{said([n])}: read only with {ignored[n]}' for n in unread)})"]
+         if unread else []) + \
+        ([f"{said(['loss_agg'])} (one micro-batch an optimizer step on one rank: its token mean is the step's)"]
+         if "loss_agg" in alike else [])
     return f"its output does not depend on {' nor on '.join(parts)}" if parts else ""  # ("": the same flags)
 
 

@@ -807,7 +807,7 @@ def test_a_step_finished_with_other_flags_of_memory_and_speed_alone_is_skipped_a
     ("inference_tp_size", 1, 2),  # (a tensor-parallel group's ranks take its leader's tokens)
     ("logprobs_from_generation", False, True),  # (other old log-probs train the actor)
     ("preprocessing_num_workers", None, 4),  # (the unsupervised text is cut into blocks per worker's shard)
-    ("per_device_eval_batch_size", 16, 8),  # (other records evaluated: another finished output's metrics)
+    ("eval_max_new_tokens", None, 64),  # (sizes the hybrid engine's KV cache, which its rollouts decode in)
     ("dtype", "bf16", "fp32"),
 ])
 def test_flags_that_may_change_what_a_step_makes_still_run_it_again(tmp_path, name, then, now):
@@ -1050,3 +1050,63 @@ def test_step1s_loss_agg_is_compared_by_how_it_weighs_the_tokens(tmp_path):
            loss_agg="global_token_mean")  # (each token alike, however split)
     assert decide(4, then_ranks=2, per_device_train_batch_size=4) == (SKIP, "")
     assert decide(1, then_ranks=2, loss_agg="token_mean", per_device_train_batch_size=16).action == SKIP
+
+
+def test_flags_that_a_step_read_in_neither_run_or_that_only_log_and_evaluate_keep_it_skipped_and_are_said(tmp_path):
+    """train.py --resume trained a finished step again for any flag that differed, also one that cannot have changed
+    its weights: one the step reads only while a setting is on that neither run had on (step 3's --ema_beta without
+    --enable_ema, --temperature with --greedy, a critic's flag without a critic; DPO's --loss_agg without --rpo_alpha)
+    or one of what it logs and how it evaluates (--eval_prompts, --eval_iters, a TensorBoard path). Such a step is
+    skipped now, its line saying each flag and why; where either run reads the flag, it runs again."""
+    from dschat.pipeline_resume import describe
+
+    then = dict(enable_ema=False, ema_beta=0.992, greedy=True, temperature=1.0, advantage_estimator="grpo",
+                critic_learning_rate=5e-6, eval_prompts=64, tensorboard_path="a")
+    finish(tmp_path, 3, 300, **then)
+
+    def step3(**now):
+        return plan_steps([3], "ppo", str(tmp_path), {3: Namespace(**{**vars(FLAGS), **then, **now})})[3]
+
+    decision = step3(ema_beta=0.9, temperature=0.7, critic_learning_rate=1e-5, eval_prompts=32, tensorboard_path="b")
+    assert describe(3, decision, "out/step3_ppo") == (
+        "step 3: finished earlier in out/step3_ppo; skipped (--resume): its output does not depend on what it logs and "
+        "how it evaluates (--eval_prompts 64 -> 32, --tensorboard_path a -> b: its metrics.json is the finished run's "
+        "evaluation) nor on flags it read in neither run (--critic_learning_rate 5e-06 -> 1e-05: read only with "
+        "--advantage_estimator gae; --ema_beta 0.992 -> 0.9: read only with --enable_ema; --temperature 1.0 -> 0.7: "
+        "read only with sampled answers, not --greedy)")
+    # read by either run: it runs again, for that flag too
+    assert step3(ema_beta=0.9, enable_ema=True).why.endswith("had other values of --ema_beta, --enable_ema")
+    assert step3(temperature=0.7, greedy=False).why.endswith("had other values of --greedy, --temperature")
+    assert step3(critic_learning_rate=1e-5, advantage_estimator="gae").why.endswith(
+        "had other values of --advantage_estimator, --critic_learning_rate")
+    finish(tmp_path, 3, 300, **{**then, "greedy": False})
+    assert step3(temperature=0.7, greedy=False).why.endswith("had other values of --temperature")
+    # a record without the setting (a flag added since): taken as read
+    del then["enable_ema"]
+    finish(tmp_path, 3, 300, **then)
+    assert step3(ema_beta=0.9, enable_ema=False).why.endswith("had other values of --ema_beta")
+    # a checkpoint bound to an ignored flag: the finished output is skipped, not trained on from it
+    checkpoint(tmp_path, 3, 350)
+    state = tmp_path / FOLDERS[3] / "checkpoints" / "trainer" / "iter_0000001" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "flags": {"eval_prompts": 64}}))
+    assert step3(eval_prompts=32).action == SKIP
+    finish(tmp_path, 3, 300, **{**then, "max_steps": 4})
+    assert step3(eval_prompts=32, max_steps=8).why.endswith("had other values of --max_steps, --eval_prompts")
+
+    # DPO's --loss_agg weighs only its --rpo_alpha term; steps 1, 2 and DPO's evaluation flags
+    dpo = tmp_path / "step2_dpo"
+    dpo.mkdir()
+    recorded = {**vars(FLAGS), "rpo_alpha": 0.0, "loss_agg": "global_token_mean", "eval_iters": 100}
+    (dpo / "training_args.json").write_text(json.dumps({"step": "step2_dpo", STEP_VERSION: STEP_VERSIONS["step2_dpo"],
+                                                        "flags": recorded}))
+    (dpo / "metrics.json").write_text("{}")
+
+    def step2(**now):
+        return plan_steps([2], "dpo", str(tmp_path), {2: Namespace(**{**recorded, **now})})[2]
+
+    assert step2(loss_agg="token_mean", eval_iters=10) == (
+        SKIP, "its output does not depend on what it logs and how it evaluates (--eval_iters 100 -> 10: its "
+              "metrics.json is the finished run's evaluation) nor on flags it read in neither run (--loss_agg "
+              "global_token_mean -> token_mean: read only with --rpo_alpha)")
+    assert step2(loss_agg="token_mean", rpo_alpha=1.0).why.endswith("had other values of --loss_agg, --rpo_alpha")
+
