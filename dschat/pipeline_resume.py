@@ -6,8 +6,8 @@ made from the present outputs of the steps it starts from, and none of those run
 - its finished output of the same flags, those that cannot change its weights aside (metrics.json and
   training_args.json; ``weightless_differences``: ZeRO stages, flags of memory and speed, logs and evaluation alone,
   flags neither run read; step 1's --loss_agg compared by how it weighs a step's tokens, ``step1_loss_weighing``),
-  made by this dschat's version of the step (``older_step_output``): the step is skipped, saying the differences
-  left aside;
+  made by this dschat's version of the step or an older one that no change since reaches (``older_step_output``):
+  the step is skipped, saying the differences left aside;
 - else, if it has no finished output, its last checkpoint: the step resumes from it (its own ``--resume``); a
   finished output's checkpoint (its own run's) only when the flags differ in how long to train, to train on. The
   checks the step's --resume makes of it from its files alone (its bound flags, its step, its dschat's version) are
@@ -29,7 +29,7 @@ from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS, RUN_ARGS_FILE
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, STEP_VERSION,
                                  finished_run_id, holds_model, model_identity, older_step_version, read_run_args,
-                                 step_data_files)
+                                 spared_by_versions_since, step1_loss_weighing, step_data_files)
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_DATA, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -190,7 +190,7 @@ def older_step_output(folder, record, step, steps, kept=True):
     try:
         older = older_step_version(record.get(STEP_VERSION), record.get("step"), os.path.join(folder, RUN_ARGS_FILE),
                                    "output", f"Resume with that dschat, or train step {step} afresh with this one "
-                                             f"({afresh_flags(step, steps)})")
+                                             f"({afresh_flags(step, steps)})", record)
     except UsageError:
         if kept:
             raise
@@ -444,7 +444,8 @@ def unread_in_both(name, step, record, flags):
 
 def _same_output_why(ignored, alike, record, flags):
     """Why a finished step is skipped though flags differ now: ``ignored`` (``weightless_differences``), and ``alike``
-    (step 1's --loss_agg where its loss weighs the tokens alike, ``step1_loss_weighing``). "" where none do."""
+    (step 1's --loss_agg where its loss weighs the tokens alike, ``step1_loss_weighing``); and where its output is an
+    older dschat's that no change since reaches (``spared_by_versions_since``). "" where none of these holds."""
     then = recorded_flags_now(record.get("flags", {}), record.get("step"))  # (a flag it predates: as it trained)
 
     def said(names):
@@ -463,22 +464,9 @@ def _same_output_why(ignored, alike, record, flags):
          if unread else []) + \
         ([f"{said(['loss_agg'])} (one micro-batch an optimizer step on one rank: its token mean is the step's)"]
          if "loss_agg" in alike else [])
-    return f"its output does not depend on {' nor on '.join(parts)}" if parts else ""  # ("": the same flags)
-
-
-def step1_loss_weighing(flags, world_size):
-    """How step 1's loss weighs the tokens of an optimizer step, which its --loss_agg names (``flags``: its flag values
-    by name; ``world_size``: its ranks), None where it names none: each token alike (global_token_mean; token_mean
-    where a step is one micro-batch on one rank, whose token mean is then the step's: global_token_mean's factor for
-    it is exactly 1, ``common.step_loss_weights``, the model the same to the bit, docs/tiny_default.md), else each
-    micro-batch's mean alike (token_mean), which another split of a step's samples (the micro-batches' size, how many a
-    rank accumulates, the ranks) weighs otherwise."""
-    from dschat.steps.resume import BATCH_FLAGS
-
-    agg, split = flags.get("loss_agg"), tuple(flags.get(name) for name in BATCH_FLAGS) + (world_size,)
-    if agg == "global_token_mean" or (agg == "token_mean" and split[1:] == (1, 1)):
-        return "each token alike"
-    return ("each micro-batch's mean alike", *split) if agg == "token_mean" else None
+    why = [f"its output does not depend on {' nor on '.join(parts)}"] if parts else []
+    version = spared_by_versions_since(record.get(STEP_VERSION), record.get("step"), record)
+    return "; ".join(why + ([f"its output is {version}"] if version else []))  # ("": the same flags)
 
 
 def weigh_step1_loss_agg(differing, step, record, flags, world_size):

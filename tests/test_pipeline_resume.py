@@ -1110,3 +1110,53 @@ def test_flags_that_a_step_read_in_neither_run_or_that_only_log_and_evaluate_kee
               "global_token_mean -> token_mean: read only with --rpo_alpha)")
     assert step2(loss_agg="token_mean", rpo_alpha=1.0).why.endswith("had other values of --loss_agg, --rpo_alpha")
 
+
+def test_an_older_dschats_output_that_no_change_since_reaches_is_skipped_saying_so(tmp_path):
+    """A step version bump trained every older output of the step again, also those its change leaves as they were:
+    DPO's 2 (--rpo_alpha's NLL term weighed by --loss_agg) an output without --rpo_alpha, or whose --loss_agg weighs
+    the term as 1's micro-batch mean did (token_mean; one micro-batch a step on one rank, the tiny default's DPO: the
+    same to the bit). The check reads the output's recorded flags now (STEP_VERSION_CHANGES): an output no change
+    since reaches is skipped, its line saying so; one a change reaches, or whose record cannot tell, trains again."""
+    assert STEP_VERSIONS["step2_dpo"] == 2
+    dpo = tmp_path / "step2_dpo"
+    dpo.mkdir()
+    (dpo / "metrics.json").write_text("{}")
+    base = {**vars(FLAGS), "rpo_alpha": 1.0, "loss_agg": "global_token_mean", "per_device_train_batch_size": 8,
+            "gradient_accumulation_steps": 1}
+
+    def dpo_of_version_1(world_size=1, **flags):
+        recorded = {**base, **flags}
+        record = {"step": "step2_dpo", STEP_VERSION: 1, "flags": recorded}
+        if world_size is not None:
+            record["world_size"] = world_size
+        (dpo / "training_args.json").write_text(json.dumps(record))
+        return plan_steps([2], "dpo", str(tmp_path), {2: Namespace(**recorded)}, world_size=world_size or 1)[2]
+
+    spared = (SKIP, "its output is step_version 1 of step2_dpo (2 now), which trained it as this dschat does: version 2 "
+                    "changed how --rpo_alpha's NLL term is weighed (by --loss_agg; 1 took each micro-batch's own mean), "
+                    "which leaves an output without --rpo_alpha alike, or one whose --loss_agg weighs the term as that "
+                    "mean")
+    older = (FRESH, f"its finished output in {dpo} is an older dschat's (step_version 1 of step2_dpo, 2 now: "
+                    "STEP_VERSIONS in dschat/steps/common.py says what changed), which may have trained it otherwise")
+    assert dpo_of_version_1(rpo_alpha=0.0) == spared
+    assert dpo_of_version_1() == spared  # (one micro-batch a step on one rank: the token mean is the step's)
+    assert dpo_of_version_1(loss_agg="token_mean", gradient_accumulation_steps=2) == spared
+    # train.py --step 3 reading such an output (say_an_older_dschats_output) and a checkpoint's note read the same rule
+    from dschat.steps.common import older_step_version
+
+    assert older_step_version(1, "step2_dpo", "training_args.json", "output", "", {"flags": {"rpo_alpha": 0}}) is None
+    assert older_step_version(1, "step2_dpo", "state.json", "checkpoint", "") is not None  # (no record: said)
+    assert dpo_of_version_1(gradient_accumulation_steps=2) == older
+    assert dpo_of_version_1(world_size=2) == older
+    assert dpo_of_version_1(world_size=None) == older  # (its ranks unrecorded)
+    del base["loss_agg"]  # (unrecorded: not told)
+    assert dpo_of_version_1() == older
+    del base["rpo_alpha"]  # (unrecorded: the term taken as trained, weighed as its --loss_agg says)
+    assert dpo_of_version_1(loss_agg="global_token_mean", gradient_accumulation_steps=2) == older
+    assert dpo_of_version_1(loss_agg="token_mean", gradient_accumulation_steps=2) == spared
+    # train.py --step 3 reading such an output (say_an_older_dschats_output) and a checkpoint's note read the same rule
+    from dschat.steps.common import older_step_version
+
+    assert older_step_version(1, "step2_dpo", "training_args.json", "output", "", {"flags": {"rpo_alpha": 0}}) is None
+    assert older_step_version(1, "step2_dpo", "state.json", "checkpoint", "") is not None  # (no record: said)
+

@@ -371,22 +371,71 @@ REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path an
 #    FORMAT_VERSION 45, and earlier changes are not told apart)
 # step2_dpo 2: --rpo_alpha's NLL term follows --loss_agg, by default (global_token_mean) the mean over the chosen tokens
 #    of the whole optimizer step, all micro-batches and ranks; 1 took each micro-batch's own mean whatever the flag said
-#    (the same output with one micro-batch a step on one rank, or without --rpo_alpha; not told apart)
-# The rule ``train.py --resume`` keeps a finished output by: an older version, or none, trains the step again, whatever
-# its flags (the dschat without one is any of many, whose steps and data formats changed often); within this version,
-# a flag added since with a new default that trains otherwise is read as the value the output trained with
-# (``args.FLAGS_BEFORE_RECORDED``) and compared as any flag (step 1's --loss_agg by how it weighs a step's tokens,
-# ``pipeline_resume.step1_loss_weighing``): a precise alternative to a bump, which would train such an output again
-# under any value.
+#    (the same output without --rpo_alpha, or where --loss_agg weighs the term as that mean: STEP_VERSION_CHANGES)
+# The rule ``train.py --resume`` keeps a finished output by: an older version, or none, trains the step again where a
+# change since reaches it (``STEP_VERSION_CHANGES``: a version with no entry reaches every output; the dschat without
+# a version is any of many, whose steps and data formats changed often); within this version, a flag added since with
+# a new default that trains otherwise is read as the value the output trained with (``args.FLAGS_BEFORE_RECORDED``)
+# and compared as any flag (step 1's --loss_agg by how it weighs a step's tokens, ``step1_loss_weighing``): a precise
+# alternative to a bump, which would train such an output again under any value.
 STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 2, "step3": 1}
 STEP_VERSION = "step_version"
 
 
-def older_step_version(then, name, where, made, remedy):
+class VersionChange(NamedTuple):
+    """What version N of a step changed (``said``), and which outputs of the version before it it reaches:
+    ``reaches(record)``, whether the run recorded as ``record`` (its training_args.json: its "flags" and "world_size")
+    trained otherwise than this version does with the same flags, True where the record cannot tell (a flag it lacks);
+    ``spared``: the outputs it does not reach (a clause after ``said``), said where one is skipped."""
+    said: str
+    reaches: Callable
+    spared: str
+
+
+def _recorded(record):
+    return (record or {}).get("flags") or {}
+
+
+def rpo_term_weighed_otherwise(record):
+    """Whether DPO's version 2 reaches the run ``record``: its --rpo_alpha NLL term (not 0, or unrecorded), which
+    version 1 weighed as each micro-batch's own mean, is weighed otherwise by its --loss_agg over the recorded split
+    (``step1_loss_weighing``: global_token_mean over more than one micro-batch a step or rank; the two are the same
+    to the bit over one, the factor being exactly 1)."""
+    flags = _recorded(record)
+    if flags.get("rpo_alpha") == 0:
+        return False
+    ranks = record.get("world_size")
+    if not isinstance(ranks, int):
+        return True
+    weighing = step1_loss_weighing(flags, ranks)
+    return weighing is None or weighing != step1_loss_weighing({**flags, "loss_agg": "token_mean"}, ranks)
+
+
+STEP_VERSION_CHANGES = {
+    ("step2_dpo", 2): VersionChange("how --rpo_alpha's NLL term is weighed (by --loss_agg; 1 took each micro-batch's own "
+                                    "mean)", rpo_term_weighed_otherwise,
+                                    "which leaves an output without --rpo_alpha alike, or one whose --loss_agg weighs "
+                                    "the term as that mean"),
+}
+
+
+def version_changes_since(then, name, record):
+    """(reached, spared): the versions of step ``name`` after ``then`` up to this dschat's, split by whether their
+    change reaches the output or checkpoint recorded as ``record`` (``STEP_VERSION_CHANGES``; None: unknown, reached)."""
+    reached, spared = [], []
+    for version in range(then + 1, STEP_VERSIONS[name] + 1):
+        change = STEP_VERSION_CHANGES.get((name, version))
+        (reached if change is None or record is None or change.reaches(record) else spared).append(version)
+    return reached, spared
+
+
+def older_step_version(then, name, where, made, remedy, record=None):
     """How version ``then`` of step ``name`` (``STEP_VERSION``), read from ``where`` (the file that records it, a step's
-    ``made``: "output" or "checkpoint"), is an older dschat's than this one (``STEP_VERSIONS``): the words to say of
-    it ("of a dschat from before ...", "an older dschat's (...)"), None where it is this dschat's. A newer dschat's (or
-    a value no dschat records) is a UsageError naming ``where``, with ``remedy``: what to do instead."""
+    ``made``: "output" or "checkpoint"), is an older dschat's than this one (``STEP_VERSIONS``) whose changes since
+    reach it (``version_changes_since``; ``record``: what ``where`` recorded of its run, None: every change reaches
+    it): the words to say of it ("of a dschat from before ...", "an older dschat's (...)"), None where it is this
+    dschat's or no change since reaches it. A newer dschat's (or a value no dschat records) is a UsageError naming
+    ``where``, with ``remedy``: what to do instead."""
     now = STEP_VERSIONS.get(name)
     if then is None:
         return f"of a dschat from before its {made}s recorded the step's version (no {STEP_VERSION} in {where})"
@@ -394,10 +443,24 @@ def older_step_version(then, name, where, made, remedy):
         latest = f"its latest is {now}" if now is not None else "nor a step of that name"
         raise UsageError(f"{where} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
                          f"({latest}): a newer dschat's {made}, whose step this one may train otherwise. {remedy}")
-    if then < now:
+    if then < now and version_changes_since(then, name, record)[0]:
         return (f"an older dschat's ({STEP_VERSION} {then} of {name}, {now} now: STEP_VERSIONS in "
                 "dschat/steps/common.py says what changed)")
     return None
+
+
+def spared_by_versions_since(then, name, record):
+    """Where an older version ``then`` of step ``name`` is kept as this dschat's (``older_step_version`` None: no
+    change since reaches ``record``), the words saying so; else ""."""
+    if not isinstance(then, int) or type(then) is bool or then >= STEP_VERSIONS.get(name, then):
+        return ""
+    reached, spared = version_changes_since(then, name, record)
+    if reached:
+        return ""
+    changes = [STEP_VERSION_CHANGES[(name, version)] for version in spared]
+    return (f"{STEP_VERSION} {then} of {name} ({STEP_VERSIONS[name]} now), which trained it as this dschat does: "
+            + "; ".join(f"version {version} changed {change.said}, {change.spared}"
+                        for version, change in zip(spared, changes)))
 
 
 def write_results(args, metrics, step):
@@ -805,6 +868,21 @@ def step_loss_weights(group, loss_tokens, grad_accum, device):
     total = max(total, 1.0)
     ranks = get_world_size()
     return [(n / total * grad_accum * ranks, n / total) for n in counts]
+
+
+def step1_loss_weighing(flags, world_size):
+    """How step 1's loss weighs the tokens of an optimizer step, which its --loss_agg names (``flags``: its flag values
+    by name; ``world_size``: its ranks), None where it names none: each token alike (global_token_mean; token_mean
+    where a step is one micro-batch on one rank, whose token mean is then the step's: global_token_mean's factor for
+    it is exactly 1, ``step_loss_weights``, the model the same to the bit, docs/tiny_default.md), else each
+    micro-batch's mean alike (token_mean), which another split of a step's samples (the micro-batches' size, how many a
+    rank accumulates, the ranks) weighs otherwise."""
+    from dschat.steps.resume import BATCH_FLAGS
+
+    agg, split = flags.get("loss_agg"), tuple(flags.get(name) for name in BATCH_FLAGS) + (world_size,)
+    if agg == "global_token_mean" or (agg == "token_mean" and split[1:] == (1, 1)):
+        return "each token alike"
+    return ("each micro-batch's mean alike", *split) if agg == "token_mean" else None
 
 
 def _close_at(bar, done):

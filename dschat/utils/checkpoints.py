@@ -234,6 +234,8 @@ def older_dschats_checkpoint(root, tag, step, remedy=None):
     state = read_trainer_state(root, tag) or {}
     remedy = remedy or (f"Resume it with that dschat, or train {step} afresh with this one (without --resume, which "
                         "removes its checkpoints)")
+    # (no record: every change since is said to reach it, as its state keeps only some of the flags its run had, and
+    # not those of the runs it was resumed from)
     older = older_step_version(state.get(STEP_VERSION), step, os.path.join(trainer_folder(root, tag), "state.json"),
                                "checkpoint", remedy)
     return older and (f"checkpoint {tag} in {root} is {older}; resumed all the same, though its step may have trained "
