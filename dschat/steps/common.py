@@ -372,13 +372,16 @@ REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path an
 # step2_dpo 2: --rpo_alpha's NLL term follows --loss_agg, by default (global_token_mean) the mean over the chosen tokens
 #    of the whole optimizer step, all micro-batches and ranks; 1 took each micro-batch's own mean whatever the flag said
 #    (the same output without --rpo_alpha, or where --loss_agg weighs the term as that mean: STEP_VERSION_CHANGES)
+# step3 2: --enable_ema's average no longer ticks on an optimizer step skipped (fp16 overflow, --align_overflow,
+#    --mask_truncated_answers' steps of no token); 1 decayed it towards the unmoved weights once more (the same output
+#    without --enable_ema: STEP_VERSION_CHANGES)
 # The rule ``train.py --resume`` keeps a finished output by: an older version, or none, trains the step again where a
 # change since reaches it (``STEP_VERSION_CHANGES``: a version with no entry reaches every output; the dschat without
 # a version is any of many, whose steps and data formats changed often); within this version, a flag added since with
 # a new default that trains otherwise is read as the value the output trained with (``args.FLAGS_BEFORE_RECORDED``)
 # and compared as any flag (step 1's --loss_agg by how it weighs a step's tokens, ``step1_loss_weighing``): a precise
 # alternative to a bump, which would train such an output again under any value.
-STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 2, "step3": 1}
+STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 2, "step3": 2}
 STEP_VERSION = "step_version"
 
 
@@ -411,11 +414,19 @@ def rpo_term_weighed_otherwise(record):
     return weighing is None or weighing != step1_loss_weighing({**flags, "loss_agg": "token_mean"}, ranks)
 
 
+def ema_trained(record):
+    """Whether step 3's version 2 reaches the run ``record``: it kept an --enable_ema average (or recorded no such
+    flag), which version 1 also ticked on skipped optimizer steps. (Whether a step was skipped is not recorded.)"""
+    return _recorded(record).get("enable_ema") is not False
+
+
 STEP_VERSION_CHANGES = {
     ("step2_dpo", 2): VersionChange("how --rpo_alpha's NLL term is weighed (by --loss_agg; 1 took each micro-batch's own "
                                     "mean)", rpo_term_weighed_otherwise,
                                     "which leaves an output without --rpo_alpha alike, or one whose --loss_agg weighs "
                                     "the term as that mean"),
+    ("step3", 2): VersionChange("--enable_ema's average (a skipped optimizer step no longer ticks it)", ema_trained,
+                                "which an output without --enable_ema does not keep"),
 }
 
 
