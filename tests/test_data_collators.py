@@ -2,6 +2,7 @@
 import argparse
 import json
 import os
+import re
 
 import pandas as pd
 import pytest
@@ -324,6 +325,24 @@ def test_a_compressed_unsupervised_file_is_read_by_its_inner_extension_not_looke
     records.write_bytes(gzip.compress(json.dumps({"text": "hello"}).encode() + b"\n"))
     with pytest.raises(DatasetFormatError, match=r"docs.jsonl.gz: the file is compressed with gzip"):
         unsupervised.load_unsupervised_train(str(records))
+
+
+def test_a_compressed_unsupervised_file_of_a_type_is_said_with_its_flag_by_the_pre_flight_check(tmp_path):
+    """jsonl:docs.jsonl.gz (or docs.jsonl, gzip inside) passed train.py's pre-flight check, and step 3's load said
+    "docs.jsonl.gz: the file is compressed ..." after steps 1 and 2 had trained, naming no flag."""
+    import gzip
+
+    from dschat.data import unsupervised
+
+    for name in ("docs.jsonl.gz", "docs.jsonl"):
+        (tmp_path / name).write_bytes(gzip.compress(json.dumps({"text": "hello"}).encode() + b"\n"))
+    for spec, path in ((f"jsonl:{tmp_path / 'docs.jsonl.gz'}", tmp_path / "docs.jsonl.gz"),
+                       (str(tmp_path / "docs.jsonl"), None)):
+        said = re.escape(f"--unsupervised_dataset_name {spec}" + (f": {path}" if path else "")) + \
+            ": the file is compressed with gzip"
+        for read in (unsupervised.check_unsupervised_file, unsupervised.load_unsupervised_train):
+            with pytest.raises(DatasetFormatError, match=f"^{said}"):
+                read(spec)
 
 
 def test_unsupervised_json_text_that_reads_as_json_stays_text_and_the_bad_record_is_named(tmp_path, tokenizer):

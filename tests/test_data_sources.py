@@ -174,6 +174,31 @@ def test_a_compressed_data_file_says_to_decompress_it(tmp_path):
             raw(spec, tmp_path)
 
 
+def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
+    """jsonl:x.jsonl.gz (or a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
+    said "x.jsonl.gz: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its
+    bare path named it."""
+    import gzip
+
+    from dschat.data.raw_datasets import check_data_paths
+    from dschat.tools.records import load_records
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("x.jsonl.gz", "packed.jsonl"):
+        (tmp_path / name).write_bytes(gzip.compress(b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n'))
+    write_records(RECORDS, tmp_path / "eval.jsonl", "jsonl")
+    for spec, path in (("jsonl:x.jsonl.gz", "x.jsonl.gz"), ("json:x.jsonl.gz", "x.jsonl.gz"),
+                       ("jsonl:packed.jsonl", "packed.jsonl"), ("packed.jsonl", None),
+                       ("jsonl:eval.jsonl,x.jsonl.gz", "x.jsonl.gz")):
+        said = re.escape(f"{spec}: {path}" if path else spec) + r": the file is compressed with gzip, which dschat " \
+            r"does not read: decompress it \(gunzip -k " + re.escape(path or spec)
+        for flag, read in (("--sft_only_data_path", lambda: check_data_paths(["tiny"], [spec])),
+                           ("--data_path", lambda: raw(spec, tmp_path)),
+                           ("--pairs_file", lambda: load_records(spec, flag="--pairs_file"))):
+            with pytest.raises(DatasetFormatError, match=f"^{flag} {said}"):
+                read()
+
+
 def test_a_folder_of_compressed_split_files_says_to_decompress_them(tmp_path):
     # Anthropic/hh-rlhf's helpful-base/ holds train.jsonl.gz and test.jsonl.gz: the folder was 'cannot tell what the
     # folder holds ... use TYPE:PATH', and jsonl:FOLDER then 'the folder has no train.jsonl'

@@ -535,6 +535,14 @@ def _is_saved_dataset(path):
 
 
 def _typed_source(kind, paths_text, spec, flag):
+    source = _source_of_paths(kind, paths_text, spec, flag)
+    for path in source.files:  # (said here, with the flag, before any step runs: loading said the file alone)
+        if os.path.isfile(path):
+            check_not_compressed(path, data_spec_where(spec, path, flag))
+    return source
+
+
+def _source_of_paths(kind, paths_text, spec, flag):
     paths = _split_paths(paths_text, flag)
     for path in paths:
         if not os.path.exists(path):
@@ -897,11 +905,12 @@ def compressed_with(path):
     return next((tool for magic, tool in COMPRESSED_MAGIC.items() if re.match(magic, start)), None)
 
 
-def check_not_compressed(path):
-    """A compressed data file is an error saying so: read as text it was 'not UTF-8 text ... save the file as UTF-8'."""
+def check_not_compressed(path, where=None):
+    """A compressed data file is an error saying so: read as text it was 'not UTF-8 text ... save the file as UTF-8'.
+    ``where``: how the error names ``path`` (``compressed_error``)."""
     tool = compressed_with(path)
     if tool:
-        raise compressed_error(path, tool)
+        raise compressed_error(path, tool, where)
 
 
 def load_file(kind, path):

@@ -15,8 +15,9 @@ import re
 from dschat.errors import MissingInputError
 from .base import load_hub_dataset
 from .errors import DatasetFormatError
-from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, compressed_with, file_digest,
-                    load_content_keyed, load_file, not_utf8_error, only_blank_lines, record_where, text_encoding)
+from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, check_not_compressed, compressed_with,
+                    data_spec_where, file_digest, load_content_keyed, load_file, not_utf8_error, only_blank_lines,
+                    record_where, text_encoding)
 from .pipeline import print_skip_lines
 
 # (CSV and parquet as the prompt data's files: a .csv or .parquet path was looked up on the hub)
@@ -146,7 +147,7 @@ def load_unsupervised_train(name, config_name=None):
         train = _saved_train_split(name) if os.path.isdir(name) else load_hub_train(name, config_name)
         return train, "text" if "text" in train.column_names else train.column_names[0]
     kind, path = local
-    check_has_text(name, kind, path)
+    check_local_file(name, kind, path)
     # read as the prompt data's files are: a JSON string that is valid JSON ("null", "[1, 2]") in a column of mixed
     # types stays a string (datasets' Json feature decoded it, and blamed its record for the one of another type)
     train, record_lines = _text_file_lines(path) if kind == "text" else load_file(kind, path)
@@ -162,7 +163,16 @@ def check_unsupervised_file(name):
     train.py checks before step 1 trains (step 3 read it after steps 1 and 2)."""
     local = _local_text_source(name) if name and name != "tiny" else None
     if local is not None:
-        check_has_text(name, *local)
+        check_local_file(name, *local)
+
+
+def check_local_file(name, kind, path):
+    """A local ``--unsupervised_dataset_name`` file dschat cannot read is an error naming the flag: compressed (a
+    .txt aside, which the text reader decompresses; the error named the file alone, when step 3 loaded it), or
+    without text (``check_has_text``)."""
+    if kind != "text":
+        check_not_compressed(path, data_spec_where(name, path, "--unsupervised_dataset_name"))
+    check_has_text(name, kind, path)
 
 
 def check_has_text(name, kind, path):
