@@ -125,6 +125,33 @@ def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_na
         raw(str(shards), tmp_path)
 
 
+def test_a_hub_datasets_split_files_with_a_hash_after_the_shard_count_are_its_splits(tmp_path):
+    """Dahoas/rm-static's download holds data/train-00000-of-00001-2a1df75c6bce91ab.parquet and
+    test-00000-of-00001-8c7c51afc6d45980.parquet (datasets' older parquet exports), which load_dataset(FOLDER) reads
+    as its train and test splits: the hash made them splits of their own, and the folder was refused as holding
+    "none of them train"."""
+    folder = tmp_path / "rm-static"
+    (folder / "data").mkdir(parents=True)
+    write_records(RECORDS[:15], folder / "data" / "train-00000-of-00001-2a1df75c6bce91ab.parquet", "parquet")
+    write_records(RECORDS[15:], folder / "data" / "test-00000-of-00001-8c7c51afc6d45980.parquet", "parquet")
+    (folder / "dataset_infos.json").write_text("{}")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n")
+    for spec in (str(folder), f"parquet:{folder}"):
+        adapter = raw(spec, tmp_path)
+        assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+        assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+    # shards with hashes: read as one split; one missing is named, its hash unknown
+    for number, part in enumerate((RECORDS[:5], RECORDS[5:15])):
+        write_records(part, folder / "data" / f"train-0000{number}-of-00002-{number}a{number}b.parquet", "parquet")
+    (folder / "data" / "train-00000-of-00001-2a1df75c6bce91ab.parquet").unlink()
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+    (folder / "data" / "train-00001-of-00002-1a1b.parquet").unlink()
+    with pytest.raises(UsageError, match=r"the train split is in 2 shards, and the folder lacks "
+                                         r"train-00001-of-00002-\*\.parquet: a download cut short"):
+        raw(str(folder), tmp_path)
+
+
 def test_a_sharded_splits_record_shape_error_names_every_shard(tmp_path):
     # records of no field dschat reads were said to be of the first shard alone ("train-00000-of-00002.parquet: no
     # 'prompt', 'messages' or 'chosen' field"), as if the others were fine: the columns are every shard's

@@ -10,7 +10,8 @@ Spec forms (one string per dataset in ``--data_path``)::
                                                       eval.json, an error naming them); or, laid out as a
                                                       hub dataset's download, DIR/data/train-00000-of-00001.EXT
                                                       with its test file (a split of several files, its shards
-                                                      train-0000K-of-0000N.EXT: all of them, read as one)
+                                                      train-0000K-of-0000N.EXT: all of them, read as one; a
+                                                      hash after N too: train-00000-of-00001-HASH.EXT)
     disk:PATH                                         a save_to_disk folder: a DatasetDict (train plus
                                                       eval/test/validation) or a single Dataset
     PATH                                              a bare existing path; the extension (.jsonl, .json,
@@ -568,8 +569,11 @@ def _folder_source(kind, folder, spec, flag=None):
     return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None, unread)
 
 
-# a file of one split as the hub stores a dataset's data (datasets' naming): train-00000-of-00001.parquet
-_HUB_SPLIT_FILE = re.compile(r"(?P<split>.+?)-(?P<shard>\d{5})-of-(?P<shards>\d{5})(?P<ext>\.[A-Za-z]+)\Z")
+# a file of one split as the hub stores a dataset's data (datasets' naming): train-00000-of-00001.parquet, or with a
+# hash after the shard count, as datasets' older parquet exports wrote it (Dahoas/rm-static's
+# train-00000-of-00001-2a1df75c6bce91ab.parquet; datasets' own pattern, SPLIT-00000-of-00001*.*, reads both)
+_HUB_SPLIT_FILE = re.compile(r"(?P<split>.+?)-(?P<shard>\d{5})-of-(?P<shards>\d{5})(?P<suffix>-[^.]+)?"
+                             r"(?P<ext>\.[A-Za-z]+)\Z")
 
 
 def _hub_split_files(folder):
@@ -630,7 +634,8 @@ def _check_whole_split(where, name, files):
                          f"one type named {name}-00000-of-0000N.EXT, is one split; keep those of the split to read")
     total = int(shards[0]["shards"])
     present = {int(shard["shard"]) for shard in shards if int(shard["shards"]) == total}
-    missing = [f"{name}-{number:05d}-of-{total:05d}{shards[0]['ext']}" for number in range(total)
+    hashed = "-*" if shards[0]["suffix"] else ""  # (a missing shard's hash is not known)
+    missing = [f"{name}-{number:05d}-of-{total:05d}{hashed}{shards[0]['ext']}" for number in range(total)
                if number not in present]
     if missing or len(files) != total:
         said = f"lacks {', '.join(missing)}" if missing else f"holds {len(files)} files of them ({names})"
