@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 
 import pandas as pd
 import pytest
@@ -150,6 +151,62 @@ def test_a_hub_datasets_split_files_with_a_hash_after_the_shard_count_are_its_sp
     with pytest.raises(UsageError, match=r"the train split is in 2 shards, and the folder lacks "
                                          r"train-00001-of-00002-\*\.parquet: a download cut short"):
         raw(str(folder), tmp_path)
+
+
+def write_hub_download(folder, splits):
+    """A folder as `hf download --repo-type dataset NAME --local-dir FOLDER` writes it: data/SPLIT-00000-of-00001-
+    HASH.parquet per split ({split: records}), README.md, .gitattributes and hf's own .cache/huggingface/."""
+    (folder / "data").mkdir(parents=True)
+    (folder / ".cache" / "huggingface").mkdir(parents=True)
+    for number, (split, rows) in enumerate(splits.items()):
+        write_records(rows, folder / "data" / f"{split}-00000-of-00001-{number}f3a.parquet", "parquet")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n")
+    (folder / ".gitattributes").write_text("*.parquet filter=lfs diff=lfs merge=lfs -text\n")
+    (folder / ".cache" / "huggingface" / ".gitignore").write_text("*\n")
+
+
+def test_a_hub_datasets_download_under_its_name_is_read_by_its_reader_in_training_and_the_tools(tmp_path, monkeypatch,
+                                                                                                tokenizer):
+    """A download of Dahoas/rm-static at ./Dahoas/rm-static (`hf download --repo-type dataset Dahoas/rm-static
+    --local-dir Dahoas/rm-static`) given as --data_path Dahoas/rm-static went to load_from_disk, whose FileNotFoundError
+    ("neither a `Dataset` directory nor a `DatasetDict` directory") ended training in a traceback, where its path,
+    ./Dahoas/rm-static, read as local data; the tools read it as local data. It is read by the dataset's reader now,
+    as a save_to_disk copy there is, with the records its path reads."""
+    from dschat.data.pipeline import create_prompt_dataset
+    from dschat.tools.records import load_records
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
+             "chosen": f" Answer {i}.", "rejected": f" No {i}."} for i in range(20)]
+    write_hub_download(tmp_path / "Dahoas" / "rm-static", {"train": rows[:15], "test": rows[15:]})
+
+    def read(adapter, data):
+        return [(adapter.get_conversation(s), adapter.get_chosen_text(s), adapter.get_rejected_text(s)) for s in data]
+
+    named, path = raw("Dahoas/rm-static", tmp_path), raw("./Dahoas/rm-static", tmp_path)
+    assert isinstance(named, DahoasRmstaticDataset)
+    for part in ("get_train_data", "get_eval_data"):
+        assert read(named, getattr(named, part)()) == read(path, getattr(path, part)())
+    assert [chosen for _, chosen, _ in read(named, named.get_eval_data())] == [f"Answer {i}." for i in range(15, 20)]
+    train, eval_ = create_prompt_dataset(0, ["Dahoas/rm-static"], "10,0,0", str(tmp_path / "out"), 1, 1234, tokenizer,
+                                         128)
+    assert (len(train), len(eval_)) == (15, 5)
+    records = load_records("Dahoas/rm-static", flag="--pairs_file")
+    assert [r.chosen for r in records] == [f"Answer {i}." for i in range(15, 20)]
+
+    # a download without the test split the reader evaluates on, or a folder of neither layout, is said so
+    shutil.rmtree("Dahoas")
+    write_hub_download(tmp_path / "Dahoas" / "rm-static", {"train": rows})
+    with pytest.raises(DatasetFormatError, match=r"^--sft_only_data_path Dahoas/rm-static: the download here holds "
+                                                 r"the split train, not test, which Dahoas/rm-static's reader reads: "
+                                                 r"download all its files \(hf download --repo-type dataset "
+                                                 r"Dahoas/rm-static --local-dir Dahoas/rm-static\)"):
+        get_raw_dataset("Dahoas/rm-static", None, 0, -1, flag="--sft_only_data_path")
+    shutil.rmtree("Dahoas/rm-static/data")
+    with pytest.raises(DatasetFormatError, match=r"^--data_path Dahoas/rm-static: the folder here is neither a "
+                                                 r"save_to_disk copy of the dataset nor a download of its hub "
+                                                 r"repository"):
+        raw("Dahoas/rm-static", tmp_path)
 
 
 def test_a_sharded_splits_record_shape_error_names_every_shard(tmp_path):

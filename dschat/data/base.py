@@ -86,27 +86,54 @@ class PromptRawDataset:
         self.raw_datasets = raw_datasets if raw_datasets is not None else self.load()
 
     def load(self):
-        """The hub dataset; a folder at the path of its name is a save_to_disk copy (DeepSpeed-Chat's offline
-        convention, e.g. ``./Dahoas/rm-static`` saved with ``save_to_disk``)."""
-        from datasets import load_from_disk
-
+        """The hub dataset; a folder at the path of its name is a local copy of it (``local_copy``)."""
         if os.path.isdir(self.dataset_name):
-            return self.checked_saved_copy(load_from_disk(self.dataset_name))
+            return self.local_copy()
         return load_hub_dataset(self.dataset_name, self.flag)
 
-    def checked_saved_copy(self, saved):
-        """A save_to_disk copy under the hub dataset's name must hold the splits its reader reads (train, and its
-        ``eval_split``): one without them was a KeyError ('test') traceback, in training and the tools alike."""
-        splits = list(saved) if hasattr(saved, "keys") else []
-        read = [name for name in ("train", self.eval_split) if name]
-        missing = [name for name in read if name not in splits]
+    def splits_read(self):
+        """The splits this reader reads: train, and its ``eval_split``."""
+        return [name for name in ("train", self.eval_split) if name]
+
+    def local_copy(self):
+        """The folder at the path of the dataset's name (DeepSpeed-Chat's offline convention, ``./Dahoas/rm-static``):
+        a ``save_to_disk`` copy, or a download of its hub repository (``hf download --repo-type dataset NAME
+        --local-dir NAME``: data/train-00000-of-00001.parquet and its test file, each split read as a --data_path
+        folder's are, ``local.hub_download_split``). A download was given to load_from_disk, whose "neither a Dataset
+        directory nor a DatasetDict directory" ended the step in a traceback, where its path as --data_path read."""
+        from datasets import DatasetDict, load_from_disk
+
+        from .local import _hub_split_files, _is_saved_dataset, hub_download_split
+
+        where = given_as(self.flag, self.dataset_name)
+        if _is_saved_dataset(self.dataset_name):
+            saved = load_from_disk(self.dataset_name)
+            self.check_copy_splits(list(saved) if hasattr(saved, "keys") else [], "the save_to_disk copy",
+                                   f"save the DatasetDict of its {' and '.join(self.splits_read())} splits, or give "
+                                   "the data as disk:PATH to read it as local data")
+            return saved
+        downloaded = _hub_split_files(self.dataset_name)
+        if not downloaded:
+            raise DatasetFormatError(f"{where}: the folder here is neither a save_to_disk copy of the dataset nor a "
+                                     "download of its hub repository (data/train-00000-of-00001.parquet and its "
+                                     "other splits' files): save it there with save_to_disk, or download it with "
+                                     f"hf download --repo-type dataset {self.dataset_name} --local-dir "
+                                     f"{self.dataset_name}")
+        self.check_copy_splits(list(downloaded), "the download",
+                               f"download all its files (hf download --repo-type dataset {self.dataset_name} "
+                               f"--local-dir {self.dataset_name}), or give its files as TYPE:TRAIN_PATH,EVAL_PATH "
+                               "to read them as local data")
+        return DatasetDict({name: hub_download_split(where, name, downloaded[name]) for name in self.splits_read()})
+
+    def check_copy_splits(self, splits, copy, remedy):
+        """A local copy (``copy``: what it is) under the hub dataset's name must hold the splits its reader reads
+        (``splits_read``): one without them was a KeyError ('test') traceback, in training and the tools alike.
+        ``splits``: those it holds; ``remedy``: what to do, said after."""
+        missing = [name for name in self.splits_read() if name not in splits]
         if missing:
             held = splits_said(splits) if splits else "one Dataset, no splits"
-            raise DatasetFormatError(f"{given_as(self.flag, self.dataset_name)}: the save_to_disk copy here holds "
-                                     f"{held}, not {' and '.join(missing)}, which {self.dataset_name}'s reader reads: "
-                                     f"save the DatasetDict of its {' and '.join(read)} splits, or give the data as "
-                                     "disk:PATH to read it as local data")
-        return saved
+            raise DatasetFormatError(f"{given_as(self.flag, self.dataset_name)}: {copy} here holds {held}, not "
+                                     f"{' and '.join(missing)}, which {self.dataset_name}'s reader reads: {remedy}")
 
     def check_usable(self, train_phase):
         """Raise DatasetFormatError when this source cannot feed ``train_phase`` at all."""

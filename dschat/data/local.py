@@ -621,6 +621,14 @@ def _hub_layout_source(kind, folder, spec, flag=None):
                        more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
 
 
+def hub_download_split(where, name, files):
+    """The split ``name`` of a hub dataset's download, its ``files`` (``_hub_split_files``), read as a --data_path
+    folder's split is: checked whole (``_check_whole_split``; ``where``: the data as its errors name it, after its
+    flag), its shards read as one (``load_split_files``)."""
+    _check_whole_split(where, name, files)
+    return load_split_files(EXTENSION_TYPES[os.path.splitext(files[0])[1]], files)[0]
+
+
 def _check_whole_split(where, name, files):
     """A split's files (sorted) must be one file, or its shards SPLIT-0000K-of-0000N.EXT of one type, every K of the N
     there: a download cut short, or two layouts of a split side by side, is an error naming the files (and the data

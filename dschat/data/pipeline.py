@@ -401,7 +401,7 @@ def _source_fingerprint(spec, hub_data):
     """``hub_data``: {spec: ``hub_data_fingerprint``} of the hub datasets (``hub_sources_on_rank_0``)."""
     resolved = resolve_dataset_spec(spec)
     if isinstance(resolved, type):
-        if os.path.isdir(spec):  # a save_to_disk copy under the hub name (see PromptRawDataset.load)
+        if os.path.isdir(spec):  # a local copy under the hub name, saved or downloaded (PromptRawDataset.local_copy)
             return {"hub": spec, **LocalSource("disk", spec, None, spec).fingerprint()}
         return {"hub": spec, "data": hub_data.get(spec)}  # (none: a save_to_disk folder only rank 0's node has)
     return {"local": spec, **resolved.fingerprint()}
@@ -432,7 +432,7 @@ def load_hub_sources(flags, output_path, seed, local_rank):
 
 
 def loads_from_the_hub(spec):
-    """A hub dataset read through the HF datasets cache (not a save_to_disk copy under its name, or local data)."""
+    """A hub dataset read through the HF datasets cache (not a local copy under its name, or local data)."""
     return isinstance(resolve_dataset_spec(spec), type) and not os.path.isdir(spec)
 
 

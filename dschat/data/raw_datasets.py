@@ -4,7 +4,8 @@ Dispatch (first match wins):
 
 1. an exact hub name in ``HUB_DATASETS`` (``"Dahoas/rm-static"``; no substring or prefix matching, so a
    typo is an error rather than a silently different dataset). If a folder exists at that relative path it
-   is read as a ``save_to_disk`` copy (DeepSpeed-Chat's offline convention), else ``load_dataset(name)``;
+   is read as the dataset's copy (DeepSpeed-Chat's offline convention: a ``save_to_disk`` folder, or a download
+   of its hub repository; ``PromptRawDataset.local_copy``), else ``load_dataset(name)``;
 2. ``"tiny"``: the small dataset shipped in ``dschat/tiny/data/{train,eval}.jsonl``;
 3. a local source: ``jsonl:PATH``, ``json:PATH``, ``parquet:PATH``, ``csv:PATH``, ``disk:PATH`` or a bare
    existing path (see ``dschat.data.local`` for the forms).
@@ -359,9 +360,14 @@ def _is_tiny_file(path):
 
 
 def reads_the_hub(spec):
-    """Whether the data spec ``spec`` is a hub dataset read from the hub (a folder of that name here is a
-    save_to_disk copy)."""
+    """Whether the data spec ``spec`` is a hub dataset read from the hub (not ``is_local_hub_copy``)."""
     return spec in HUB_DATASETS and not os.path.isdir(spec)
+
+
+def is_local_hub_copy(spec):
+    """Whether ``spec`` is a hub dataset's name that a folder here holds a copy of: saved with save_to_disk or
+    downloaded (``PromptRawDataset.local_copy`` reads it, by the dataset's own reader, in training and the tools)."""
+    return spec in HUB_DATASETS and os.path.isdir(spec)
 
 
 def check_data_paths(data_path, sft_only_data_path=()):

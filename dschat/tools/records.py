@@ -109,27 +109,17 @@ def load_records(path, data_fields=None, limit=None, flag=None):
 
 
 def tool_raw_dataset(spec, field_options, seed, flag=None):
-    """The raw dataset of a tool's data ``spec`` (``flag``'s), read as training reads it: a save_to_disk copy under a
-    hub dataset's name (DeepSpeed-Chat's offline ``./Dahoas/rm-static``) by that dataset's own reader, its columns
-    and its test split (the tools read it as local data, TRL's fields, or refused it with --data_split); ``tiny``
-    as the embedded data; else local data (``local_data_source``)."""
+    """The raw dataset of a tool's data ``spec`` (``flag``'s), read as training reads it: a local copy under a hub
+    dataset's name (DeepSpeed-Chat's offline ``./Dahoas/rm-static``, saved with save_to_disk or downloaded) by that
+    dataset's own reader, its columns and its test split (the tools read it as local data, TRL's fields, or refused
+    it with --data_split); ``tiny`` as the embedded data; else local data (``local_data_source``)."""
     from dschat.data.local import LocalDataset, tiny_source
-    from dschat.data.raw_datasets import HUB_DATASETS
+    from dschat.data.raw_datasets import HUB_DATASETS, is_local_hub_copy
 
-    if is_saved_hub_copy(spec):
+    if is_local_hub_copy(spec):
         return HUB_DATASETS[spec](None, seed, -1, flag=flag)
     source = tiny_source() if spec == TINY_NAME else local_data_source(spec, flag)
     return LocalDataset(source, output_path=None, seed=seed, local_rank=-1, field_options=field_options)
-
-
-def is_saved_hub_copy(spec):
-    """Whether ``spec`` is a hub dataset's name that a save_to_disk folder here holds (``PromptRawDataset.load``
-    reads it so in training). A folder of another layout under that name (a download's files) is read as local
-    data."""
-    from dschat.data.local import _is_saved_dataset
-    from dschat.data.raw_datasets import HUB_DATASETS
-
-    return spec in HUB_DATASETS and os.path.isdir(spec) and _is_saved_dataset(spec)
 
 
 def eval_part_said(raw):
