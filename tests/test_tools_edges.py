@@ -534,6 +534,54 @@ def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_one_file(reward_model, 
     assert "--data_split 2,4,4: it chooses step 2's held-out pairs" in capsys.readouterr().err
 
 
+def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_hub_named_local_copy(reward_model, tmp_path, capsys,
+                                                                             monkeypatch):
+    """A step-2 run on --data_path Dahoas/rm-static, read from its copy ./Dahoas/rm-static (save_to_disk, or the
+    download) as training reads a hub name (raw_datasets.is_local_hub_copy): rw_eval took no --pairs_file from it
+    (step2_run_defaults left out every hub name) and scored the embedded tiny pairs, not one of the run's. It scores
+    step 2's held-out pairs of that copy now, read by the dataset's reader as step 2 read them; from another folder,
+    whose Dahoas/rm-static is not the run's copy, it says where the copy is."""
+    import shutil
+
+    from datasets import Dataset, DatasetDict
+
+    from dschat.data import create_prompt_dataset
+    from dschat.models.loading import load_tokenizer
+    from dschat.steps.common import RUN_ARGS_FILE
+    from dschat.tools import rw_eval
+
+    rows = [{"prompt": f"\n\nHuman: Name color {i}.\n\nAssistant:", "response": f" red {i}", "chosen": f" red {i}",
+             "rejected": f" no {i}"} for i in range(60)]
+    run = tmp_path / "run"
+    DatasetDict({"train": Dataset.from_list(rows[:40]), "test": Dataset.from_list(rows[40:])}).save_to_disk(
+        str(run / "Dahoas" / "rm-static"))
+    trained = run / "step2_rm"
+    shutil.copytree(reward_model, trained)
+    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(run), "flags": {
+        "data_path": ["Dahoas/rm-static"], "data_split": "2,4,4", "seed": 7, "max_seq_len": 64}}))
+    scored = []
+    monkeypatch.setattr(rw_eval, "score_sequences", lambda model, tokenizer, sequences, batch_size:
+                        scored.extend(sequences) or [0.0] * len(sequences))
+    monkeypatch.chdir(run)
+    result = rw_eval.main(["--model_name_or_path", str(trained), "--num_pairs", "0"])
+    _, held_out = create_prompt_dataset(0, ["Dahoas/rm-static"], "2,4,4", str(tmp_path / "cache"), 2, 7,
+                                        load_tokenizer(reward_model), 64)
+    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
+    assert len(result["pairs"]) == len(step2_pairs) > 0
+    assert sorted(scored[:len(result["pairs"])]) == step2_pairs
+    out = capsys.readouterr().out
+    assert "--pairs_file Dahoas/rm-static --data_split 2,4,4 --seed 7" in out and "of its test split" in out
+    # from another folder, the name is not the run's copy: said, with what to do
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"^the step-2 run read Dahoas/rm-static from its copy .*run/Dahoas/rm-static "
+                                         r"\(from .*training_args\.json\), which the tools read by that name only in "
+                                         r"the folder that holds it: run rw_eval in .*run, or give --pairs_file"):
+        rw_eval.parse_args(["--model_name_or_path", str(trained)])
+    # a run that read the hub (no copy in its folder) gives no --pairs_file: the tools read local data
+    shutil.rmtree(run / "Dahoas")
+    assert rw_eval.parse_args(["--model_name_or_path", str(trained)])[0].pairs_file is None
+
+
 def test_rw_eval_says_an_answer_max_seq_len_cut_before_scoring_it(reward_model, tmp_path, capsys):
     """An answer longer than --max_seq_len is scored on its first tokens alone, as step 2 scores it: two answers alike
     up to the cut got the same score, and rw_eval printed each whole beside it without a word of the cut."""

@@ -185,8 +185,9 @@ def build_parser():
 def step2_run_defaults(args):
     """--max_seq_len and --add_eot_token as the step-2 run that wrote the model trained with (its training_args.json),
     so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt, its one local
-    --data_path (or the embedded data) with its --data_fields, --data_split and --seed: the pairs step 2 held out and
-    reported its accuracy on. (The file alone, where it has no eval file, was read whole: pairs step 2 trained on.)"""
+    --data_path (or the embedded data, or the local copy of a hub dataset it read: ``read_a_local_hub_copy``) with its
+    --data_fields, --data_split and --seed: the pairs step 2 held out and reported its accuracy on. (The file alone,
+    where it has no eval file, was read whole: pairs step 2 trained on.)"""
     from dschat.data.pipeline import as_list
     from dschat.data.raw_datasets import HUB_DATASETS, anchored_data_path, resolve_dataset_spec
     from dschat.steps.common import RUN_ARGS_FILE, read_run_args
@@ -198,17 +199,20 @@ def step2_run_defaults(args):
     trained = run["flags"]
     defaults = {name: trained[name] for name in ("max_seq_len", "add_eot_token") if trained.get(name)}
     data = as_list(anchored_data_path(trained.get("data_path") or [], run.get("cwd")))
-    if args.pairs_file is None and args.prompt is None and len(data) == 1 and data[0] not in HUB_DATASETS:
+    args_file = os.path.join(path, RUN_ARGS_FILE)
+    if args.pairs_file is None and args.prompt is None and len(data) == 1 and \
+            (data[0] not in HUB_DATASETS or read_a_local_hub_copy(data[0], run.get("cwd"), args_file)):
         try:
             resolve_dataset_spec(data[0])
         except UsageError as error:  # (moved or deleted since: said so, not as a flag the user gave)
-            raise UsageError(f"{error} (the data of step 2, from {os.path.join(path, RUN_ARGS_FILE)}): give "
+            raise UsageError(f"{error} (the data of step 2, from {args_file}): give "
                              "--pairs_file, or --prompt and --answer") from None
         defaults["pairs_file"] = data[0]
         # its split and seed go with its file (which pairs step 2 held out)
         defaults.update({name: trained[name] for name in ("data_split", "seed")
                          if trained.get(name) not in (None, "")})  # (a seed of 0 too)
-        if trained.get("data_fields"):  # its field names go with its file (its own, where given per dataset)
+        # its field names go with its file (its own, where given per dataset; a hub dataset's reader has fixed ones)
+        if trained.get("data_fields") and data[0] not in HUB_DATASETS:
             from dschat.data.local import DataFields, as_data_fields
 
             spec = as_list(trained["data_path"])[0]  # (as_data_fields: a notebook's run recorded its dict)
@@ -219,12 +223,28 @@ def step2_run_defaults(args):
             and "pairs_file" not in defaults and data:
         # (read_pairs would score the embedded data's share, labelled as step 2's held-out pairs of another file)
         raise UsageError(f"--data_split {args.data_split}: the step-2 run read {' '.join(map(str, data))} (from "
-                         f"{os.path.join(path, RUN_ARGS_FILE)}), not one local file to take as --pairs_file: give "
+                         f"{args_file}), not one local file to take as --pairs_file: give "
                          "--pairs_file, the file whose held-out pairs to score")
     if args.data_split is not None and trained.get("seed") not in (None, ""):
         # (a --data_split given chooses step 2's held-out pairs of its --seed: the run's, as its help says, not 1234)
         defaults["seed"] = trained["seed"]
-    return defaults, os.path.abspath(os.path.join(path, RUN_ARGS_FILE))
+    return defaults, os.path.abspath(args_file)
+
+
+def read_a_local_hub_copy(name, run_folder, args_file):
+    """Whether the step-2 run read its hub-named data ``name`` from a local copy, a folder of that name where it ran
+    (``is_local_hub_copy``, as training resolves it), which the tools read as training did by that name here, where
+    it is the same folder; one they would not find here by that name is an error saying where it is. False: the run
+    read the hub, which the tools do not."""
+    from dschat.data.raw_datasets import is_local_hub_copy
+
+    copy = os.path.join(run_folder or os.getcwd(), name)
+    if not os.path.isdir(copy):
+        return False
+    if is_local_hub_copy(name) and os.path.samefile(name, copy):
+        return True
+    raise UsageError(f"the step-2 run read {name} from its copy {copy} (from {args_file}), which the tools read by "
+                     f"that name only in the folder that holds it: run rw_eval in {run_folder}, or give --pairs_file")
 
 
 def check_message_flags(parser, args):
