@@ -359,8 +359,7 @@ def check_hub_data_at_hand(args, parsed):
     rather than the flag that gave it (train.py's --data-path, or --step3-args --unsupervised_dataset_name). With the
     hub at hand nothing is loaded here: a step downloads what it reads as it starts."""
     from dschat.data import unsupervised
-    from dschat.data.base import load_hub_dataset
-    from dschat.data.raw_datasets import reads_the_hub
+    from dschat.data.raw_datasets import get_raw_dataset, reads_the_hub
     from dschat.models.loading import hub_unavailable
 
     # hub dataset (and config) -> how its step loads it, its error naming the flag that gave it (the first step's)
@@ -368,8 +367,9 @@ def check_hub_data_at_hand(args, parsed):
     for step, flags in parsed.items():
         for dest in ("data_path", "sft_only_data_path"):
             for spec in getattr(flags, dest, None) or []:
-                if reads_the_hub(spec):
-                    loads.setdefault((spec,), functools.partial(load_hub_dataset, spec, data_flag_of(step, args, dest)))
+                if reads_the_hub(spec):  # (as its step loads it: datasets' cache, else a download in the hub cache)
+                    loads.setdefault((spec,), functools.partial(get_raw_dataset, spec, None, 0, -1,
+                                                                flag=data_flag_of(step, args, dest)))
         name = getattr(flags, "unsupervised_dataset_name", None)  # (step 3's PPO-ptx data)
         if unsupervised.reads_the_hub(name):
             config = flags.unsupervised_dataset_config_name

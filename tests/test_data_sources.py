@@ -209,6 +209,45 @@ def test_a_hub_datasets_download_under_its_name_is_read_by_its_reader_in_trainin
         raw("Dahoas/rm-static", tmp_path)
 
 
+def test_a_hub_datasets_download_in_the_hub_cache_is_read_offline_by_its_reader(tmp_path, monkeypatch, tokenizer,
+                                                                                   capsys):
+    """`hf download --repo-type dataset Dahoas/rm-static` without --local-dir puts the files in the hub cache
+    (datasets--Dahoas--rm-static/snapshots/COMMIT), which datasets does not read offline: --data_path Dahoas/rm-static
+    was "not in the datasets cache, and HF_HUB_OFFLINE is set", while the snapshot folder's path read as local data.
+    The download is read by the dataset's reader now, and said."""
+    from huggingface_hub import constants
+
+    from dschat.data.pipeline import create_prompt_dataset
+    from dschat.errors import MissingInputError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
+             "chosen": f" Answer {i}.", "rejected": f" No {i}."} for i in range(20)]
+    repo = tmp_path / "hub" / "datasets--Dahoas--rm-static"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    write_hub_download(snapshot, {"train": rows[:15], "test": rows[15:]})
+    adapter = raw("Dahoas/rm-static", tmp_path)
+    assert isinstance(adapter, DahoasRmstaticDataset)
+    assert [adapter.get_chosen_text(s) for s in adapter.get_eval_data()] == [f"Answer {i}." for i in range(15, 20)]
+    assert f"--data_path Dahoas/rm-static: not in the datasets cache, read from its download in the hub cache, " \
+           f"{snapshot}" in capsys.readouterr().out
+    train, eval_ = create_prompt_dataset(0, ["Dahoas/rm-static"], "10,0,0", str(tmp_path / "out"), 1, 1234, tokenizer,
+                                         128)
+    assert (len(train), len(eval_)) == (15, 5)
+    # a download without the reader's test split says so; one of no split files dschat reads is not in the cache
+    (snapshot / "data" / "test-00000-of-00001-1f3a.parquet").unlink()
+    with pytest.raises(DatasetFormatError, match=rf"^--data_path Dahoas/rm-static: the download in the hub cache "
+                                                 rf"\({snapshot}\) holds the split train, not test"):
+        raw("Dahoas/rm-static", tmp_path)
+    shutil.rmtree(snapshot / "data")
+    with pytest.raises(MissingInputError, match=r"^--data_path Dahoas/rm-static: not in the datasets cache, and "
+                                                r"HF_HUB_OFFLINE is set"):
+        raw("Dahoas/rm-static", tmp_path)
+
+
 def test_a_sharded_splits_record_shape_error_names_every_shard(tmp_path):
     # records of no field dschat reads were said to be of the first shard alone ("train-00000-of-00002.parquet: no
     # 'prompt', 'messages' or 'chosen' field"), as if the others were fine: the columns are every shard's

@@ -2425,6 +2425,37 @@ def test_train_py_finds_a_hub_dataset_the_offline_cache_lacks_before_step_1(tmp_
         pipeline.run_pipeline(args)
 
 
+def test_train_py_reads_a_hub_datasets_download_in_the_hub_cache_offline_before_step_1(tmp_path, distributed,
+                                                                                       monkeypatch):
+    """train.py --data-path Dahoas/rm-static offline, the dataset downloaded into the hub cache (hf download without
+    --local-dir), not the datasets cache: the pre-flight loaded it with datasets alone and stopped the run, "not in the
+    datasets cache", though step 1 reads that download."""
+    import runpy
+
+    import pandas as pd
+    from huggingface_hub import constants
+
+    from dschat import pipeline
+
+    class Ran(Exception):
+        pass
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "datasets--Dahoas--rm-static"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40) / "data").mkdir(parents=True)
+    for split in ("train", "test"):
+        pd.DataFrame([{"prompt": "\n\nHuman: Hi?\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+                       "rejected": " No."}] * 4).to_parquet(repo / "snapshots" / ("0" * 40) / "data" /
+                                                             f"{split}-00000-of-00001.parquet")
+    monkeypatch.setattr(sft, "main", lambda argv: (_ for _ in ()).throw(Ran()))
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"](["--step", "1", "--output-dir", str(tmp_path / "out"),
+                                                                 "--data-path", "Dahoas/rm-static"])
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(args)
+
+
 def test_train_py_finds_step_3s_hub_unsupervised_data_the_offline_cache_lacks_before_step_1(tmp_path, distributed,
                                                                                              monkeypatch):
     """train.py --step3-args '--unsupervised_dataset_name wikitext' offline (an empty datasets cache): the pre-flight

@@ -48,6 +48,23 @@ def load_hub_dataset(name, flag, *args, **kwargs):
                                 f"without the hub, give a local file or a folder written by save_to_disk") from err
 
 
+def hub_cache_download(name):
+    """The folder of the hub dataset ``name``'s download in the hub cache (``hf download --repo-type dataset NAME``
+    without --local-dir: HF_HUB_CACHE/datasets--ORG--NAME/snapshots/COMMIT, its main revision) where it holds split
+    files dschat reads (``local._hub_split_files``), else None. datasets reads only its own cache offline: such a
+    download was "not in the datasets cache", while the folder's path read as local data."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from .local import _hub_split_files
+
+    try:
+        folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
+    except LocalEntryNotFoundError:
+        return None
+    return folder if _hub_split_files(folder) else None
+
+
 def splits_said(names):
     """A dataset's splits ``names`` as an error says them: "the split train", "the splits train, test"."""
     return f"the {'split' if len(names) == 1 else 'splits'} {', '.join(names)}"
@@ -86,10 +103,24 @@ class PromptRawDataset:
         self.raw_datasets = raw_datasets if raw_datasets is not None else self.load()
 
     def load(self):
-        """The hub dataset; a folder at the path of its name is a local copy of it (``local_copy``)."""
+        """The hub dataset; a folder at the path of its name is a local copy of it (``local_copy``). Where datasets
+        cannot load it (its cache lacks it, and the hub is out of reach), its download in the hub cache
+        (``hub_cache_download``) is read as a copy too."""
         if os.path.isdir(self.dataset_name):
             return self.local_copy()
-        return load_hub_dataset(self.dataset_name, self.flag)
+        try:
+            return load_hub_dataset(self.dataset_name, self.flag)
+        except MissingInputError:
+            from dschat.models.loading import hub_unavailable
+
+            snapshot = hub_unavailable() and hub_cache_download(self.dataset_name)
+            if not snapshot:  # (a hub that answered, and failed, is its error to say)
+                raise
+        from dschat.utils.dist import print_rank_0
+
+        print_rank_0(f"[dschat.data] {given_as(self.flag, self.dataset_name)}: not in the datasets cache, read from "
+                     f"its download in the hub cache, {snapshot}")
+        return self.downloaded_copy(snapshot, f"the download in the hub cache ({snapshot})")
 
     def splits_read(self):
         """The splits this reader reads: train, and its ``eval_split``."""
@@ -98,41 +129,51 @@ class PromptRawDataset:
     def local_copy(self):
         """The folder at the path of the dataset's name (DeepSpeed-Chat's offline convention, ``./Dahoas/rm-static``):
         a ``save_to_disk`` copy, or a download of its hub repository (``hf download --repo-type dataset NAME
-        --local-dir NAME``: data/train-00000-of-00001.parquet and its test file, each split read as a --data_path
-        folder's are, ``local.hub_download_split``). A download was given to load_from_disk, whose "neither a Dataset
+        --local-dir NAME``: ``downloaded_copy``). A download was given to load_from_disk, whose "neither a Dataset
         directory nor a DatasetDict directory" ended the step in a traceback, where its path as --data_path read."""
-        from datasets import DatasetDict, load_from_disk
+        from datasets import load_from_disk
 
-        from .local import _hub_split_files, _is_saved_dataset, hub_download_split
+        from .local import _hub_split_files, _is_saved_dataset
 
-        where = given_as(self.flag, self.dataset_name)
         if _is_saved_dataset(self.dataset_name):
             saved = load_from_disk(self.dataset_name)
-            self.check_copy_splits(list(saved) if hasattr(saved, "keys") else [], "the save_to_disk copy",
+            self.check_copy_splits(list(saved) if hasattr(saved, "keys") else [], "the save_to_disk copy here",
                                    f"save the DatasetDict of its {' and '.join(self.splits_read())} splits, or give "
                                    "the data as disk:PATH to read it as local data")
             return saved
-        downloaded = _hub_split_files(self.dataset_name)
-        if not downloaded:
-            raise DatasetFormatError(f"{where}: the folder here is neither a save_to_disk copy of the dataset nor a "
-                                     "download of its hub repository (data/train-00000-of-00001.parquet and its "
-                                     "other splits' files): save it there with save_to_disk, or download it with "
-                                     f"hf download --repo-type dataset {self.dataset_name} --local-dir "
-                                     f"{self.dataset_name}")
-        self.check_copy_splits(list(downloaded), "the download",
-                               f"download all its files (hf download --repo-type dataset {self.dataset_name} "
-                               f"--local-dir {self.dataset_name}), or give its files as TYPE:TRAIN_PATH,EVAL_PATH "
-                               "to read them as local data")
+        if not _hub_split_files(self.dataset_name):
+            raise DatasetFormatError(f"{given_as(self.flag, self.dataset_name)}: the folder here is neither a "
+                                     "save_to_disk copy of the dataset nor a download of its hub repository "
+                                     "(data/train-00000-of-00001.parquet and its other splits' files): save it there "
+                                     f"with save_to_disk, or download it with {self.download_command()}")
+        return self.downloaded_copy(self.dataset_name, "the download here")
+
+    def downloaded_copy(self, folder, copy):
+        """{split: Dataset} of the splits the reader reads of a download of the dataset's hub repository at ``folder``
+        (``copy``: it as errors say it): data/train-00000-of-00001.parquet and its test file, each split read as a
+        --data_path folder's are (``local.hub_download_split``)."""
+        from datasets import DatasetDict
+
+        from .local import _hub_split_files, hub_download_split
+
+        downloaded = _hub_split_files(folder)
+        self.check_copy_splits(list(downloaded), copy, f"download all its files ({self.download_command()}), or give "
+                                                       "its files as TYPE:TRAIN_PATH,EVAL_PATH to read them as local "
+                                                       "data")
+        where = given_as(self.flag, self.dataset_name)
         return DatasetDict({name: hub_download_split(where, name, downloaded[name]) for name in self.splits_read()})
 
+    def download_command(self):
+        return f"hf download --repo-type dataset {self.dataset_name} --local-dir {self.dataset_name}"
+
     def check_copy_splits(self, splits, copy, remedy):
-        """A local copy (``copy``: what it is) under the hub dataset's name must hold the splits its reader reads
+        """A local copy (``copy``: what and where it is) of the hub dataset must hold the splits its reader reads
         (``splits_read``): one without them was a KeyError ('test') traceback, in training and the tools alike.
         ``splits``: those it holds; ``remedy``: what to do, said after."""
         missing = [name for name in self.splits_read() if name not in splits]
         if missing:
             held = splits_said(splits) if splits else "one Dataset, no splits"
-            raise DatasetFormatError(f"{given_as(self.flag, self.dataset_name)}: {copy} here holds {held}, not "
+            raise DatasetFormatError(f"{given_as(self.flag, self.dataset_name)}: {copy} holds {held}, not "
                                      f"{' and '.join(missing)}, which {self.dataset_name}'s reader reads: {remedy}")
 
     def check_usable(self, train_phase):
