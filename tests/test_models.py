@@ -242,6 +242,51 @@ def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_th
         critic.end_scores(ids, torch.ones_like(ids))
 
 
+def test_a_trained_head_copied_next_to_a_wider_backbone_is_a_usage_error_naming_the_file_and_both_widths(tmp_path,
+                                                                                                     monkeypatch):
+    """A reward model's value_head.safetensors copied into another model's folder failed at load with PyTorch's
+    load_state_dict "size mismatch for weight", naming neither the folder nor what to do."""
+    import shutil
+
+    from dschat.errors import UsageError
+    from dschat.models import reward_model
+    from dschat.models.reward_model import VALUE_HEAD_FILE
+
+    torch.manual_seed(0)
+    save_reward_model(RewardModel(AutoModel.from_config(CONFIGS["llama"]())), _Tok(), str(tmp_path / "narrow"))
+    wider = CONFIGS["llama"]()
+    wider.hidden_size = 48
+    save_reward_model(RewardModel(AutoModel.from_config(wider)), _Tok(), str(tmp_path / "wide"))
+    shutil.copy(tmp_path / "narrow" / VALUE_HEAD_FILE, tmp_path / "wide" / VALUE_HEAD_FILE)
+    with pytest.raises(UsageError, match=rf"wide: its trained value head \(.*wide/{VALUE_HEAD_FILE}\) reads hidden "
+                                         r"states 32 wide, but its backbone's hidden states are 48 wide.*step 2"):
+        load_reward_model(str(tmp_path / "wide"))
+    # (where the width could not be measured, the config's: said as such)
+    monkeypatch.setattr(reward_model, "measured_hidden_width", lambda backbone: None)
+    with pytest.raises(UsageError, match=r"reads hidden states 32 wide, but its backbone's config gives 48 as the "
+                                         r"width of its hidden states"):
+        load_reward_model(str(tmp_path / "wide"))
+
+
+def test_a_head_as_wide_as_the_config_but_not_the_hidden_states_says_its_width_came_from_the_trained_head(tmp_path):
+    """Where a trained head is as wide as the config's hidden size its width is taken unmeasured (9d5dd08); a
+    Reformer's hidden states are twice that, and the error said the width came from a failed probe, which never ran."""
+    from safetensors.torch import save_file
+
+    from dschat.errors import UsageError
+    from dschat.models.reward_model import VALUE_HEAD_FILE
+
+    torch.manual_seed(0)
+    save_reward_model(RewardModel(AutoModel.from_config(_reformer_config())), _Tok(), str(tmp_path / "rm"))
+    save_file({"weight": torch.randn(1, 32)}, str(tmp_path / "rm" / VALUE_HEAD_FILE))  # (config-wide: 32, not 64)
+    critic = load_reward_model(str(tmp_path / "rm")).eval()
+    ids = torch.randint(3, 96, (2, 6))
+    with pytest.raises(UsageError, match=r"hidden states are 64 wide, but the value head reads 32: the width of the "
+                                         r"trained value head loaded into it, which equals its config's hidden size, "
+                                         r"so the width was not measured"):
+        critic.end_scores(ids, torch.ones_like(ids))
+
+
 def test_reward_model_forward_refuses_a_batch_that_is_not_pairs():
     """A batch of 3 split into 1 chosen and 2 rejected, and the loss broadcast the one over both: a wrong loss, no
     error (from a notebook; the steps' collator always pairs)."""

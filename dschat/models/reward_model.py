@@ -43,6 +43,16 @@ VALUE_HEAD_FILES = (f"{VALUE_HEAD_FILE}, DeepSpeed-Chat's {DS_CHAT_HEAD_KEY} in 
                     f"{SEQ_CLS_HEAD_KEY} of a one-label *ForSequenceClassification, or an OpenRLHF reward model's "
                     "value head")
 
+# How ``value_head_width`` chose the head's width, as ``_check_head_width`` says it where the hidden states differ.
+HEAD_WIDTH_SOURCES = {
+    "trained head": "the width of the trained value head loaded into it, which equals its config's hidden size, so "
+                    "the width was not measured (a head saved from the config's width, not from these hidden states)",
+    "measured": "the width measured when the head was built (a forward of an empty copy of the backbone on the meta "
+                "device), which this forward does not agree with",
+    "config": "its config's hidden size, taken where the forward that measures the width (an empty copy of the "
+              "backbone on the meta device) failed when the head was built",
+}
+
 logger = logging.getLogger(__name__)
 
 
@@ -115,7 +125,8 @@ class RewardModel(nn.Module):
         # to score: ``score_index``), else None
         self.score_skips_token_id = None
         self.config = base_model.config
-        self.v_head = ValueHead(value_head_width(base_model, trained_head_width), fp32=compute_fp32_loss)
+        width, self.head_width_source = value_head_width(base_model, trained_head_width)
+        self.v_head = ValueHead(width, fp32=compute_fp32_loss)
         self.rwtransformer = base_model
         # Kept for DeepSpeed-Chat compatibility; the end token comes from the attention mask instead.
         self.num_padding_at_beginning = num_padding_at_beginning
@@ -162,15 +173,13 @@ class RewardModel(nn.Module):
 
     def _check_head_width(self, hidden):
         """A ``UsageError`` where the backbone's hidden states are not as wide as the value head (its width taken from
-        the config, where ``measured_hidden_width`` could not run the backbone's class on the meta device), rather than
-        a matmul's shape error."""
+        the config, unmeasured: ``HEAD_WIDTH_SOURCES``), rather than a matmul's shape error."""
         if hidden.shape[-1] != self.v_head.in_features:
             raise UsageError(f"{type(self.rwtransformer).__name__}'s hidden states are {hidden.shape[-1]} wide, but "
-                             f"the value head reads {self.v_head.in_features}: its config's hidden size, taken where "
-                             "the forward that measures the width (an empty copy of the backbone on the meta device) "
-                             "failed when the head was built. dschat cannot make a reward model or critic of this "
-                             "model: give another (--model_name_or_path in step 2, --critic_model_name_or_path or "
-                             "--reward_model_name_or_path in step 3)")
+                             f"the value head reads {self.v_head.in_features}: "
+                             f"{HEAD_WIDTH_SOURCES[self.head_width_source]}. dschat cannot make a reward model or "
+                             "critic of this model: give another (--model_name_or_path in step 2, "
+                             "--critic_model_name_or_path or --reward_model_name_or_path in step 3)")
 
     def forward(self, input_ids, attention_mask, margin=None, **kwargs):
         """DeepSpeed-Chat's convention: the first half of the batch is chosen, the second half rejected. ``margin``:
@@ -264,7 +273,7 @@ class RewardModel(nn.Module):
                     trained_head_width=None if head is None else head.shape[-1])
         model.value_head_loaded = head is not None  # else a new random head (a critic may start so)
         if model.value_head_loaded:
-            model.v_head.load_state_dict({"weight": head})
+            model.v_head.load_state_dict({"weight": checked_head_shape(head, model, name, path, ds_chat_file)})
         elif not new_head_expected:
             logger.warning("%s has no trained value head (%s): the head is new and random, so its scores mean nothing "
                            "until step 2 trains it; to score, load step 2's output folder", name, VALUE_HEAD_FILES)
@@ -528,23 +537,49 @@ def ds_chat_reward_weights(path):
     return file if DS_CHAT_HEAD_KEY in keys and any(k.startswith(DS_CHAT_BACKBONE_PREFIX) for k in keys) else None
 
 
+def trained_value_head_location(path, ds_chat_file=None):
+    """(file, key) of the value head step 2 saved in ``path`` (dschat's file, or DeepSpeed-Chat's ``ds_chat_file``),
+    or of the score head of a one-label *ForSequenceClassification or an OpenRLHF reward model, else None."""
+    head_file = os.path.join(path, VALUE_HEAD_FILE)
+    if os.path.exists(head_file):
+        return head_file, "weight"
+    if ds_chat_file:
+        return ds_chat_file, DS_CHAT_HEAD_KEY
+    return score_head_location(path) if os.path.isdir(path) else None
+
+
 def trained_value_head(path, ds_chat_file=None):
-    """The value head's weight step 2 saved in ``path`` (dschat's file, or DeepSpeed-Chat's ``ds_chat_file``), or the
-    score head of a one-label *ForSequenceClassification or an OpenRLHF reward model, else None."""
+    """The weight of the head at ``trained_value_head_location``, else None."""
     from dschat.models.loading import readable_weights
 
-    head_file = os.path.join(path, VALUE_HEAD_FILE)
     with readable_weights(path):
-        if os.path.exists(head_file):
-            from safetensors.torch import load_file
+        location = trained_value_head_location(path, ds_chat_file)
+        if location is None:
+            return None
+        if location[0] in (os.path.join(path, VALUE_HEAD_FILE), ds_chat_file):
+            return _read_weight(location)
+        return _score_head(location, path)  # (a score head saved with the whole model: checked for a bias)
 
-            return load_file(head_file)["weight"]
-        if ds_chat_file:
-            return torch.load(ds_chat_file, map_location="cpu", mmap=True, weights_only=True)[DS_CHAT_HEAD_KEY]
-        location = score_head_location(path) if os.path.isdir(path) else None
-        if location:
-            return _score_head(location, path)
-    return None
+
+def checked_head_shape(head, model, name, path, ds_chat_file=None):
+    """``head`` (a trained head's saved weight) where it fits ``model.v_head``, the (1, width) head built for the
+    backbone; else a UsageError naming where it was saved and both widths, instead of load_state_dict's "size
+    mismatch" (a head copied next to another backbone)."""
+    if tuple(head.shape) == tuple(model.v_head.weight.shape):
+        return head
+    file, key = trained_value_head_location(path, ds_chat_file)
+    saved = f"{key} in {file}" if key != "weight" else file
+    if head.dim() == 2 and head.shape[0] == 1:
+        what = f"reads hidden states {head.shape[-1]} wide"
+    else:
+        what = f"has shape {tuple(head.shape)}, not (1, width) (one score per token)"
+    width = model.v_head.in_features
+    backbone = (f"its backbone's hidden states are {width} wide" if model.head_width_source == "measured" else
+                f"its backbone's config gives {width} as the width of its hidden states")  # (unmeasured)
+    raise UsageError(f"{name}: its trained value head ({saved}) {what}, but {backbone}: the head was trained on "
+                     "another model (a head file copied next to this one?). Load the folder step 2 saved as it was, "
+                     "the head beside the backbone it was trained on, or train a reward model on this backbone "
+                     "(step 2)")
 
 
 def _hidden_size(config):
@@ -562,14 +597,18 @@ def configured_hidden_width(config):
 
 
 def value_head_width(backbone, trained_head_width=None):
-    """The width of the hidden states the value head reads. A trained head's (``trained_head_width``, from its saved
-    weight's shape) where the config says the same: then nothing needs measuring (the probe takes 0.6-0.8 s per 7B
-    config on the CPU, which every load of a reward model or critic paid). Else measured (``measured_hidden_width``:
-    Reformer's is twice its config's hidden_size; a head saved for another backbone then fails to load on its shape),
-    else the config's (``configured_hidden_width``)."""
+    """(width, how it was found: a key of ``HEAD_WIDTH_SOURCES``): the width of the hidden states the value head reads.
+    A trained head's (``trained_head_width``, from its saved weight's shape) where the config says the same: then
+    nothing needs measuring (the probe takes 0.6-0.8 s per 7B config on the CPU, which every load of a reward model or
+    critic paid). Else measured (``measured_hidden_width``: Reformer's is twice its config's hidden_size; a head saved
+    for another backbone then fails to load on its shape, ``checked_head_shape``), else the config's
+    (``configured_hidden_width``)."""
     if trained_head_width is not None and trained_head_width == _configured_width_if_any(backbone.config):
-        return trained_head_width
-    return measured_hidden_width(backbone) or configured_hidden_width(backbone.config)
+        return trained_head_width, "trained head"
+    measured = measured_hidden_width(backbone)
+    if measured:
+        return measured, "measured"
+    return configured_hidden_width(backbone.config), "config"
 
 
 def _configured_width_if_any(config):
