@@ -774,9 +774,10 @@ def run_pipeline(args):
     timings = run_steps(args, steps, plan, parsers, tiny)
     from dschat.data.raw_datasets import is_tiny_data
 
-    # the rule scorer knows only the embedded data (by its name, or its shipped files' paths)
-    embedded_data = tiny and (not args.data_path or is_tiny_data(args.data_path))
-    rule_scores = held_out_rule_scores(args, parsed[2]) if recipe == "dpo" and embedded_data and 2 in steps else None
+    # the rule scorer knows only the embedded data (by its name, or its shipped files' paths): the DPO step's own, as
+    # its --step2-args may give it another --data_path than train.py's
+    dpo_on_embedded_data = recipe == "dpo" and 2 in steps and tiny and is_tiny_data(parsed[2].data_path)
+    rule_scores = held_out_rule_scores(args, parsed[2]) if dpo_on_embedded_data else None
     if not is_rank_0():
         return None
     if rule_scores:
@@ -888,34 +889,35 @@ def keep_rule_scores_with_the_dpo_model(output_dir, scores):
                                  RULE_SCORE_FLAGS_KEY: held_out_rule_score_eval_flags()})
 
 
-def dpo_data_flags(args, dpo_flags):
+def dpo_data_flags(dpo_flags):
     """The DPO step's flags (``dpo_flags``, parsed) that eval.py takes from a DPO run to choose and read its held-out
-    prompts (``DPO_DATA_FLAGS``: the shares of the data DPO's own split keeps apart, its field names, padding and
-    --add_eot_token), so that the report scores the prompts eval.py scores; --data_path is train.py's (the run's data:
-    the embedded data by its files' paths may be only some of them, e.g. its train.jsonl)."""
+    prompts (``DPO_DATA_FLAGS``: its --data_path, the shares of the data DPO's own split keeps apart, its field names,
+    padding and --add_eot_token), so that the report scores the prompts eval.py scores. Its --data_path is the step's:
+    train.py's --data-path (the embedded data by its files' paths may be only some of them, e.g. its train.jsonl), or
+    one its --step2-args give (train.py's was scored then: phase 3 of other data than DPO's, which eval.py does not
+    score and which may hold records DPO trained on)."""
     from dschat.tools.ppo_eval import DPO_DATA_FLAGS
 
-    flags = {name: getattr(dpo_flags, name) for name in DPO_DATA_FLAGS}
-    flags["data_path"] = args.data_path or held_out_rule_score_settings().data_path
-    return flags
+    return {name: getattr(dpo_flags, name) for name in DPO_DATA_FLAGS}
 
 
 def held_out_rule_scores(args, dpo_flags=None):
     """{"sft": scores, "dpo": scores}, each {"rule_score", "prompts", "empty_answers"}: the bundled rule score of
-    greedy answers to step 3's held-out prompts (the tiny data only), phase 3 of the DPO step's own --data_split and
-    --seed, read with its --data_fields, --pad_to_multiple_of and --add_eot_token (``dpo_data_flags``; ``dpo_flags``,
-    its parsed flags; default the tiny recipe's), which neither DPO nor its SFT model trained on and which eval.py
-    scores a DPO policy on, read as eval.py reads them (the tiny recipe's split with another --step2-args split took
-    some of DPO's records, and eval.py other prompts than the report's), so the report shows what DPO did to generation,
-    not only to the ranking of given answers, and how many answers are empty (a policy that ends them at once scores 0,
-    unexplained by the mean). The prompts are loaded once for both policies (DPO keeps its SFT model's tokenizer).
-    Every rank evaluates its share of the prompts (the means are over all ranks)."""
+    greedy answers to step 3's held-out prompts (the tiny data only), phase 3 of the DPO step's own --data_path,
+    --data_split and --seed, read with its --data_fields, --pad_to_multiple_of and --add_eot_token
+    (``dpo_data_flags``; ``dpo_flags``, its parsed flags; default the tiny recipe's), which neither DPO nor its SFT
+    model trained on and which eval.py scores a DPO policy on, read as eval.py reads them (the tiny recipe's split with
+    another --step2-args split took some of DPO's records, and eval.py other prompts than the report's), so the report
+    shows what DPO did to generation, not only to the ranking of given answers, and how many answers are empty (a
+    policy that ends them at once scores 0, unexplained by the mean). The prompts are loaded once for both policies
+    (DPO keeps its SFT model's tokenizer). Every rank evaluates its share of the prompts (the means are over all
+    ranks)."""
     from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
     from dschat.steps.ppo import held_out_loader_once
     from dschat.tools.common import load_policy
 
     step3 = held_out_rule_score_settings()  # step 3's data split, prompt and answer lengths on the tiny default
-    data = dpo_data_flags(args, dpo_flags or step3)
+    data = dpo_data_flags(dpo_flags or step3)
     add_eot_token = data.pop("add_eot_token")
     scores, loaders = {}, {}
     for name, folder in (("sft", SFT_DIR), ("dpo", DPO_DIR)):

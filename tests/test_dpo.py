@@ -392,7 +392,9 @@ def test_the_dpo_reports_rule_scores_are_on_the_runs_own_data_given_by_its_files
     for folder in ("step1_sft", "step2_dpo"):
         create_tiny_model("tiny-llama", tmp_path / folder)
     data = [f"jsonl:{EVAL_FILE}"]  # (the eval file alone: fewer records than the whole embedded data)
-    scores = pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(tmp_path), data_path=data))
+    # (train.py --recipe dpo --data-path: the DPO step's --data_path)
+    dpo_flags = step2_dpo_parser().parse_args([*pipeline.TINY_DPO_RECIPE, "--data_path", *data])
+    scores = pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(tmp_path), data_path=data), dpo_flags)
     step3 = step3_parser().parse_args(pipeline.TINY_RECIPE[3])
     _, held_out = prompt_loaders({"data_path": data, "data_split": step3.data_split,
                                   "max_prompt_seq_len": step3.max_prompt_seq_len,
@@ -440,6 +442,45 @@ def test_the_dpo_reports_rule_scores_are_on_phase_3_of_the_dpo_steps_own_split(t
     assert splits == [("2,4,4", 7), ("2,4,4", 7)]
 
 
+@pytest.mark.parametrize("own_data", ["embedded", "other"])
+def test_the_dpo_reports_rule_scores_are_on_the_dpo_steps_own_data_path(tmp_path, monkeypatch, distributed, own_data):
+    """train.py --recipe dpo --step2-args '--data_path jsonl:.../eval.jsonl': the report rule-scored phase 3 of
+    train.py's data (the whole embedded data: 120 prompts, some of them eval.jsonl records DPO trained on) where
+    eval.py scores phase 3 of the DPO run's own --data_path (12 prompts): SFT 0.807 -> DPO 0.669 in the report, 0.8125
+    -> 0.6938 from eval.py on the same run. Now the DPO step's --data_path; one the rule scorer does not know (not the
+    embedded data) is not rule-scored, as eval.py cannot."""
+    from types import SimpleNamespace
+
+    from dschat.steps import sft
+    from dschat.tiny import EVAL_FILE
+
+    data = f"jsonl:{EVAL_FILE}"
+    if own_data == "other":  # (the embedded records with other prompts: data the rule scorer does not know)
+        lines = EVAL_FILE.read_text().splitlines()[:100]
+        (tmp_path / "other.jsonl").write_text("".join(line.replace('"prompt": "', '"prompt": "Please. ') + "\n"
+                                                      for line in lines))
+        data = f"jsonl:{tmp_path / 'other.jsonl'}"
+    monkeypatch.setattr(sft, "main", lambda argv: None)
+
+    def fake_dpo(argv):
+        (tmp_path / "out" / "step2_dpo").mkdir(parents=True)
+        (tmp_path / "out" / "step2_dpo" / "metrics.json").write_text("{}")
+
+    monkeypatch.setattr(dpo, "main", fake_dpo)
+    monkeypatch.setattr("dschat.tools.common.load_policy",
+                        lambda path, device, add_eot_token: (SimpleNamespace(device=device), None))
+    monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
+    read = []
+    monkeypatch.setattr("dschat.steps.ppo.held_out_loader_once",
+                        lambda args, tokenizer, built: read.append(args["data_path"]) or (None, True))
+    monkeypatch.setattr("dschat.rlhf.evaluation.evaluate_policy",
+                        lambda *args, **kwargs: {"rule_score_mean": 0.5, "prompts": 1, "empty_answers": 0})
+    monkeypatch.setattr(pipeline, "final_report", lambda *args: None)
+    pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path / "out"),
+                                                  "--step2-args", f"--data_path {data}"]))
+    assert read == ([[data], [data]] if own_data == "embedded" else [])
+
+
 def test_the_dpo_reports_rule_scores_read_the_prompts_with_the_dpo_runs_data_flags_as_eval_py(tmp_path, monkeypatch):
     """The report's held-out rule scores ignored the DPO step's --data_fields, --pad_to_multiple_of and
     --add_eot_token, which eval.py takes from the DPO run (DPO_DATA_FLAGS) to score its policy: each flag eval.py takes
@@ -477,7 +518,9 @@ def test_the_dpo_reports_rule_scores_load_the_held_out_prompts_once_and_count_em
 
     for folder in ("step1_sft", "step2_dpo"):
         create_tiny_model("tiny-llama", tmp_path / folder)
-    scores = pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(tmp_path), data_path=[f"jsonl:{EVAL_FILE}"]))
+    data = [f"jsonl:{EVAL_FILE}"]
+    dpo_flags = step2_dpo_parser().parse_args([*pipeline.TINY_DPO_RECIPE, "--data_path", *data])
+    scores = pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(tmp_path), data_path=data), dpo_flags)
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[dschat.data] phase 3")]
     assert len(said) == 2 and "train" in said[0] and "eval" in said[1], said  # (its train and eval lines, once)
     for name in ("sft", "dpo"):
