@@ -1445,6 +1445,31 @@ def test_ppo_eval_scores_a_dpo_policy_as_its_report_did_after_a_later_run_replac
     assert json.loads((policy / "metrics.json").read_text())["logp_accuracy"] == 0.9  # (the step's metrics kept)
 
 
+def test_ppo_eval_scores_a_dpo_runs_sft_model_as_its_report_scored_it(tmp_path, capsys):
+    """train.py --recipe dpo's report scores the SFT model beside the DPO policy (SFT 0.8066 -> DPO 0.8183 over 120
+    prompts); ppo_eval --policy <run>/step1_sft took only a step-3 sibling's flags, and scored it with its own
+    defaults instead (0.7273 over 64 prompts of its 2,4,4 split). Now with the DPO sibling's, as the DPO policy."""
+    from dschat.pipeline import held_out_rule_score_eval_flags, keep_rule_scores_with_the_dpo_model
+
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step2_dpo"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+    (run / "step2_dpo" / RUN_ARGS_FILE).write_text(json.dumps(
+        {"step": "step2_dpo", "world_size": 1, "cwd": str(tmp_path),
+         "flags": {"data_path": ["tiny"], "data_split": "4,4,2", "seed": 7}}))
+    (run / "step2_dpo" / "metrics.json").write_text(json.dumps({"logp_accuracy": 0.9}))
+    score = {"rule_score": 0.8, "prompts": 120, "empty_answers": 0}
+    keep_rule_scores_with_the_dpo_model(str(run), {"sft": score, "dpo": score})
+    capsys.readouterr()
+    flags = held_out_rule_score_eval_flags()
+    for policy in ("step1_sft", "step2_dpo"):
+        args = ppo_eval.parse_args(["--policy", str(run / policy)])
+        assert (args.data_split, args.seed, args.num_prompts, args.max_new_tokens, args.max_prompt_seq_len) == (
+            "4,4,2", 7, 0, flags["max_new_tokens"], flags["max_prompt_seq_len"]), policy
+        assert f"from {run / 'step2_dpo' / RUN_ARGS_FILE} and" in capsys.readouterr().out
+
+
 def test_no_rule_scores_are_kept_where_no_dpo_model_finished(tmp_path):
     """metrics.json marks a finished step output: the rule scores are not written where there is none."""
     from dschat.pipeline import keep_rule_scores_with_the_dpo_model

@@ -223,8 +223,9 @@ STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_o
 
 def step3_run_defaults(args):
     """(this tool's defaults from the step-3 run that wrote the policy, the training_args.json they come from), else
-    ({}, None). A run folder's SFT model takes its step 3's, as the same prompts are what it is compared on; a DPO
-    policy takes its DPO run's data flags (``DPO_DATA_FLAGS``)."""
+    ({}, None). A run folder's SFT model takes its step 3's, else its DPO step's (``dpo_run_defaults``), as the same
+    prompts are what it is compared on (train.py --recipe dpo's report scores it beside the DPO policy); a DPO policy
+    takes its DPO run's."""
     policy_path = flag_path("--policy", find_policy_path, args.policy)
     if not os.path.isdir(policy_path):  # a hub name: no run of ours
         return {}, None
@@ -237,13 +238,10 @@ def step3_run_defaults(args):
         if run is not None:
             break
     else:
-        if (dpo_run := read_run_args(policy, DPO_DIR)) is not None:
-            defaults, source = run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(policy, RUN_ARGS_FILE)
-            defaults.update(run_data_cache(dpo_run, policy))
-            reported, said = reported_rule_score_defaults(policy, policy_dir, args, defaults.get("data_path"))
-            defaults.update(reported)
-            source += said
-            return defaults, source
+        # (the SFT model of a DPO run: scored as the DPO policy beside it, whose start it was)
+        dpo_folder = os.path.join(policy_dir, DPO_DIR) if os.path.basename(policy) == SFT_DIR else policy
+        if (dpo_run := read_run_args(dpo_folder, DPO_DIR)) is not None:
+            return dpo_run_defaults(dpo_run, dpo_folder, args)
         # e.g. a notebook's save_causal_lm: the prompts scored may not be the run's held-out ones
         print(f"[ppo_eval] no step-3 {RUN_ARGS_FILE} with {policy_path}: the held-out prompts are those of this tool's "
               f"flags (--data_path {' '.join(as_list(args.data_path))} --data_split {args.data_split} --seed "
@@ -258,6 +256,18 @@ def step3_run_defaults(args):
                                                  run.get("world_size", 1))
     defaults["max_new_tokens"] = flags.get("eval_max_new_tokens") or flags.get("max_answer_seq_len", 256)
     return defaults, os.path.join(folder, RUN_ARGS_FILE)
+
+
+def dpo_run_defaults(dpo_run, dpo_folder, args):
+    """(this tool's defaults from the DPO run ``dpo_run`` (read_run_args') whose model is ``dpo_folder``, where they
+    come from): its data flags (``DPO_DATA_FLAGS``) and cache, and the flags train.py --recipe dpo's report scored
+    with."""
+    defaults, source = run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(dpo_folder, RUN_ARGS_FILE)
+    defaults.update(run_data_cache(dpo_run, dpo_folder))
+    reported, said = reported_rule_score_defaults(dpo_folder, os.path.dirname(dpo_folder), args,
+                                                  defaults.get("data_path"))
+    defaults.update(reported)
+    return defaults, source + said
 
 
 # A DPO run's flags that choose its data's phases: with them the held-out prompts are phase 3 of its own split, which
