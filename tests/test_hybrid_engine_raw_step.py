@@ -13,6 +13,7 @@ from hybrid_common import (PAD, ds_config, gather_into, hf_generate, left_padded
                            tiny_model, train_step)
 
 from dschat.hybrid_engine import HybridEngine, HybridEngineConfig  # noqa: E402
+from dschat.models.lora import unwrap_peft  # noqa: E402
 
 MAX_NEW = 12
 
@@ -181,7 +182,7 @@ def test_a_copy_of_the_actor_module_loads_and_pickles_without_the_engine_and_a_r
 
     model = _lora_model(seed=8)
     watched = (model, model.get_base_model())
-    hooks_before = [len(m._load_state_dict_post_hooks) for m in watched]
+    hooks_before = [(len(m._load_state_dict_pre_hooks), len(m._load_state_dict_post_hooks)) for m in watched]
     engine = _hybrid(make_ds_engine(model))
     ids, mask = left_padded_batch([4, 2], seed=8)
     engine.generate(ids, attention_mask=mask, max_new_tokens=4)
@@ -196,9 +197,101 @@ def test_a_copy_of_the_actor_module_loads_and_pickles_without_the_engine_and_a_r
     assert not weights.is_stale
     hook(model, None)
     assert weights.is_stale
-    assert [len(m._load_state_dict_post_hooks) for m in watched] == [n + 1 for n in hooks_before]
+    hooks = [(len(m._load_state_dict_pre_hooks), len(m._load_state_dict_post_hooks)) for m in watched]
+    assert hooks == [(pre + 1, post + 1) for pre, post in hooks_before]
     engine.release_generation()
-    assert [len(m._load_state_dict_post_hooks) for m in watched] == hooks_before
+    assert [(len(m._load_state_dict_pre_hooks), len(m._load_state_dict_post_hooks)) for m in watched] == hooks_before
+
+
+# -- module surgery on the actor ------------------------------------------------------------------------------------
+def _params(module):
+    return list(module.parameters())
+
+
+def _same_objects(a, b):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora_copy", "training_module"])
+def test_a_load_state_dict_with_assign_into_the_actor_is_refused_before_anything_is_loaded(lora):
+    """load_state_dict(sd, assign=True) put the state dict's tensors in place of the actor's parameters: a LoRA actor's
+    merged copy kept generating from the old ones, and DeepSpeed's optimizer kept training them (the new ones never
+    moved; ZeRO-2's next step failed with an IndexError). It is refused, into the PEFT model or the HF model in it,
+    with nothing loaded; a copy of the module (no actor) loads with assign=True."""
+    model = _lora_model(seed=21) if lora else tiny_model("llama", seed=21)
+    engine = _hybrid(make_ds_engine(model))
+    ids, mask = left_padded_batch([5, 3], seed=21)
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    params = _params(model)
+    values = [p.detach().clone() for p in params]
+    other = _lora_model(seed=22) if lora else tiny_model("llama", seed=22)
+    pairs = {id(m): (m, o) for m, o in ((model, other), (unwrap_peft(model), unwrap_peft(other)))}  # (one if no PEFT)
+    for target, source in pairs.values():
+        with pytest.raises(ValueError, match=r"assign=True\) into the hybrid engine's actor would replace its "
+                                             r"parameters.*Load without assign=True.*nothing was loaded"):
+            target.load_state_dict({k: v.detach().clone() for k, v in source.state_dict().items()}, assign=True)
+    assert _same_objects(_params(model), params)
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), first)
+    copied = copy.deepcopy(engine.module)  # (a reference or EMA copy)
+    copied.load_state_dict({k: v.detach().clone() for k, v in other.state_dict().items()}, assign=True)
+
+
+def _resize_token_embeddings(model):
+    model.resize_token_embeddings(128)
+
+
+def _merge_and_unload(model):
+    model.merge_and_unload()
+
+
+def _assign_into_a_submodule(model):
+    q_proj = unwrap_peft(model).model.layers[0].self_attn.q_proj
+    q_proj = getattr(q_proj, "base_layer", q_proj)
+    q_proj.load_state_dict({"weight": torch.randn_like(q_proj.weight)}, assign=True)
+
+
+SURGERIES = {"resize_token_embeddings": (_resize_token_embeddings, r"lm_head"),
+             "merge_and_unload": (_merge_and_unload, r"model\.layers\.0\.self_attn\.q_proj"),
+             "assign_into_a_submodule": (_assign_into_a_submodule,
+                                         r"model\.layers\.0\.self_attn\.q_proj\.(base_layer\.)?weight")}
+
+
+@pytest.mark.parametrize("surgery,lora", [(surgery, lora) for surgery in sorted(SURGERIES) for lora in (True, False)
+                                           if lora or surgery != "merge_and_unload"])
+def test_module_surgery_on_the_actor_after_the_engine_was_built_is_refused_at_the_next_eval_and_generate(surgery, lora):
+    """A module or parameter of the actor replaced after deepspeed.initialize (resize_token_embeddings, PEFT's
+    merge_and_unload, a load with assign=True into a submodule) left the LoRA copy reading the old parameters (after
+    merge_and_unload it merged the adapters a second time), and DeepSpeed's optimizer training them: silent. The next
+    eval() and generate say which one was replaced; nothing else is generated from."""
+    do, replaced = SURGERIES[surgery]
+    model = _lora_model(seed=23) if lora else tiny_model("llama", seed=23)
+    engine = _hybrid(make_ds_engine(model))
+    ids, mask = left_padded_batch([4, 6], seed=23)
+    engine.eval()
+    engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    do(model)
+    message = rf"the actor's '\S*{replaced}' is no longer the one DeepSpeed's optimizer and this engine were built with"
+    with pytest.raises(RuntimeError, match=message):
+        engine.eval()
+    with pytest.raises(RuntimeError, match=message):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+
+
+def test_a_parameter_replaced_in_a_new_table_of_its_module_is_refused_and_the_new_table_alone_is_not():
+    """DeepSpeed may put a new ``_parameters`` table in a module after the engine was built (ZeRO-3's
+    ensure_zero_ordered_dict): the check read the table it had seen at the build, so a parameter replaced in the new
+    one went unseen. The same parameters in a new table are no surgery."""
+    model = tiny_model("llama", seed=24)
+    engine = _hybrid(make_ds_engine(model))
+    ids, mask = left_padded_batch([3, 5], seed=24)
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    o_proj = model.model.layers[1].self_attn.o_proj
+    o_proj._parameters = dict(o_proj._parameters)
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    o_proj._parameters["weight"] = torch.nn.Parameter(o_proj.weight.detach().clone())
+    with pytest.raises(RuntimeError, match=r"the actor's 'model\.layers\.1\.self_attn\.o_proj\.weight' is no longer"):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4)
 
 
 def test_under_zero3_on_several_ranks_a_copy_stale_on_another_rank_alone_is_refreshed_on_every_rank(monkeypatch):

@@ -15,6 +15,9 @@ under ``torch.no_grad()``, ``p.data = t``, and under ZeRO-3 any write inside ``G
 and ``mark_weights_stale()``. A write through ``p.data`` outside ZeRO-3 (``p.data.copy_(...)``, e.g. from an EMA model:
 ``.data`` has a version counter of its own) is not seen: call ``mark_weights_stale()`` before the next generation
 (``DSCHAT_CHECK_WEIGHTS=1``, a debugging aid, finds such writes by checksums: ``InferenceCopy._find_unmarked_writes``).
+A parameter replaced by another object is followed by neither DeepSpeed's optimizer nor the copy: ``load_state_dict``
+with ``assign=True`` is refused before it loads (``_RefusesAssignedLoad``), other module surgery
+(``resize_token_embeddings``, PEFT's ``merge_and_unload``) at the next ``eval()``/``generate`` (``ParameterPlaces``).
 Under ZeRO-3 on several ranks the ranks agree at each ``eval()`` and ``generate`` (which every rank calls together
 there): a copy stale on one rank (a load on rank 0 alone, inside ``GatheredParameters(modifier_rank=0)``) is refreshed
 on all. The fused projections (``fusion.py``) are rewritten at
@@ -42,7 +45,7 @@ from dschat.hybrid_engine.generate_args import (check_generation_config, check_h
                                                 resolve_settings)
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   shared_generator)
-from dschat.hybrid_engine.weights import build_inference_weights
+from dschat.hybrid_engine.weights import ParameterPlaces, build_inference_weights
 from dschat.models.loading import generable_token_count
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
@@ -156,6 +159,8 @@ class HybridEngine:
         _wrappers_of(ds_engine).add(self)
         self.route_module_generate()
         self._load_hooks = _watch_loads(ds_engine.module, self)
+        # where the actor's parameters sit, checked at each eval()/generate: model surgery since is refused
+        self._parameter_places = ParameterPlaces(ds_engine.module)
         released_as(ds_engine, self)  # (a step run's, or a notebook engine's failed build's, released_engines block)
 
     def _build_generation(self, ds_engine, decode_attention, fuse_projections, compile_decode_step, compile_prefill):
@@ -378,6 +383,7 @@ class HybridEngine:
 
     def _refresh_weights(self, meeting):
         """``meeting``: the call it is part of (``_MEETINGS``), which every rank of a ZeRO-3 world must be in."""
+        self._check_parameters_in_place()
         self._follow_engine_steps()
         self.inference_weights.follow_writes()  # in-place writes into the training parameters (weights.write_mark)
         if _world_size() > 1 and self._engine.zero_optimization_stage() == 3:
@@ -390,6 +396,20 @@ class HybridEngine:
             _synchronize()  # copies are asynchronous on accelerators; time them fully
             if self._iteration is not None:
                 self._iteration.gather_s += time.perf_counter() - start
+
+    def _check_parameters_in_place(self):
+        """A parameter of the actor, or a module on the way to one, replaced since the engine was built (module surgery
+        after ``deepspeed.initialize``) is an error: DeepSpeed's optimizer would go on training the old parameters and
+        an inference copy would generate from them."""
+        name = self._parameter_places.replaced()
+        if name is not None:
+            raise RuntimeError(
+                f"hybrid engine: the actor's {name!r} is no longer the one DeepSpeed's optimizer and this engine were "
+                "built with: it was replaced (load_state_dict(assign=True) into a submodule, resize_token_embeddings, "
+                "PEFT's merge_and_unload, a module or parameter set by hand). DeepSpeed would go on training the old "
+                "parameters, and generation would not follow: change the model before deepspeed.initialize and build "
+                "the engines after it; load weights with load_state_dict without assign=True (it copies into the "
+                "parameters)")
 
     # -- generation -------------------------------------------------------------------------------------------------
     # A caller's inference_mode would make the KV cache and other state kept across calls inference tensors, which
@@ -768,17 +788,39 @@ class _LoadMarksStale:
         return _CopiedModuleLoadHook, ()
 
 
+class _RefusesAssignedLoad:
+    """A ``load_state_dict`` pre-hook of the actor's module: ``assign=True`` would put the state dict's tensors in
+    place of the parameters, which DeepSpeed's optimizer and the inference copy hold (DeepSpeed then trains the old
+    ones; under ZeRO 1-2 its next step fails), so it is refused before anything is loaded. A copy of the module gets
+    one that does nothing (it is no actor)."""
+
+    def __call__(self, module, state_dict, prefix, local_metadata, *args):
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ValueError("load_state_dict(..., assign=True) into the hybrid engine's actor would replace its "
+                             "parameters, which DeepSpeed's optimizer and the engine's inference weights hold: "
+                             "training would go on with the old ones. Load without assign=True (the values are "
+                             "copied into the parameters, and the next generation reads them); nothing was loaded")
+
+    def __deepcopy__(self, memo):
+        return _CopiedModuleLoadHook()
+
+    def __reduce__(self):
+        return _CopiedModuleLoadHook, ()
+
+
 class _CopiedModuleLoadHook:
-    def __call__(self, module, incompatible_keys):
+    def __call__(self, *args):  # (a post-hook's arguments or a pre-hook's)
         return None
 
 
 def _watch_loads(module, engine):
-    """The handles of ``_LoadMarksStale`` on ``module`` and, under LoRA, on the HF model inside it: a user may load
-    into either. A load into a submodule alone is not seen (``mark_weights_stale``)."""
-    hook = _LoadMarksStale(engine)
+    """The handles of ``_LoadMarksStale`` and ``_RefusesAssignedLoad`` on ``module`` and, under LoRA, on the HF model
+    inside it: a user may load into either. A load into a submodule alone is not seen (``mark_weights_stale``; one with
+    assign=True is refused at the next generation: ``HybridEngine._check_parameters_in_place``)."""
+    marks_stale, refuses_assign = _LoadMarksStale(engine), _RefusesAssignedLoad()
     modules = {id(m): m for m in (module, unwrap_peft(module))}.values()
-    return [m.register_load_state_dict_post_hook(hook) for m in modules]
+    return [handle for m in modules for handle in (m.register_load_state_dict_pre_hook(refuses_assign),
+                                                   m.register_load_state_dict_post_hook(marks_stale))]
 
 
 def _step_counts(ds_engine):

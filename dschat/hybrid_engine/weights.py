@@ -290,6 +290,37 @@ class InferenceCopy(InferenceWeights):
         return sum(c.target.nbytes for c in self.copies if not c.aliased)
 
 
+class ParameterPlaces:
+    """Where each parameter of the training module sits: every module and attribute on the way from the module down to
+    it (``model.layers.0.self_attn.q_proj.weight``: the child ``model`` of the root, its ``layers``, ..., the parameter
+    ``weight``). DeepSpeed's optimizer and the inference weights hold the parameter objects themselves, so neither
+    follows one replaced on that way (``load_state_dict(assign=True)``, ``resize_token_embeddings``, PEFT's
+    ``merge_and_unload``, a module set by hand): :meth:`replaced` finds it on the host, by dictionary look-ups alone,
+    one per module and parameter on the ways (measured on a shared 2-core CPU: 0.06-0.14 ms for a 7B Llama's 680,
+    0.4-1 ms for its 2,250 with LoRA on every linear; ``list(model.parameters())`` alone takes 0.4-1 and 4-9 ms)."""
+
+    def __init__(self, module):
+        steps = {}  # (id(owner), attribute) -> (qualified name, owner, its table's name, attribute, what it held)
+        for name, param in module.named_parameters(remove_duplicate=False):  # (tied weights: each place)
+            *path, leaf = name.split(".")
+            owner = module
+            for depth, key in enumerate(path):
+                child = owner._modules[key]
+                steps.setdefault((id(owner), key), (".".join(path[:depth + 1]), owner, "_modules", key, child))
+                owner = child
+            steps.setdefault((id(owner), leaf), (name, owner, "_parameters", leaf, param))
+        self._steps = list(steps.values())  # a module's step before those below it: the highest replaced is named
+
+    def replaced(self):
+        """The qualified name of the first module or parameter that is no longer the object it was, or None."""
+        for name, owner, table, key, held in self._steps:
+            # the table read afresh: ZeRO-3 may put a new one in place (deepspeed's ensure_zero_ordered_dict); .get
+            # does not run its __getitem__, which would gather a partitioned parameter
+            if getattr(owner, table).get(key) is not held:
+                return name
+        return None
+
+
 def write_mark(param):
     """What an in-place write into a training parameter changes, read on the host alone (a few microseconds for a
     model's parameters: no device work, no sync): its tensor's version counter, which every in-place op that autograd
