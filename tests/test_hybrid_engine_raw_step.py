@@ -390,6 +390,37 @@ def test_under_zero3_a_write_inside_gathered_parameters_is_seen_by_the_next_gene
 
 
 @pytest.mark.parametrize("stage", [0, 2])
+def test_a_write_through_p_data_leaves_no_mark_and_misses_only_the_tensors_the_lora_copy_owns(stage):
+    """The limit README states, pinned: p.data.copy_ outside ZeRO-3 moves neither the parameter's version counter nor
+    its storage (each .data is a new tensor whose own counter starts at 0), so no host-side mark sees it (should torch
+    ever keep one, write_mark must read it: this test then fails). A weight the LoRA copy shares with training follows
+    anyway (same storage); an adapted one, merged into the copy, stays behind until mark_weights_stale()."""
+    from dschat.hybrid_engine.weights import write_mark
+
+    model = _lora_model(seed=25)
+    engine = _hybrid(make_ds_engine(model, stage))
+    weights = engine.inference_weights
+    ids, mask = left_padded_batch([5, 2, 4], seed=25)
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    named, other = dict(model.named_parameters()), dict(_lora_model(seed=26).named_parameters())
+    shared = "base_model.model.model.layers.0.mlp.up_proj.weight"
+    mark = write_mark(named[shared])
+    named[shared].data.copy_(other[shared].data)
+    assert write_mark(named[shared]) == mark and named[shared].data._version == 0
+    expected = hf_generate(model, ids, mask, MAX_NEW)
+    assert not torch.equal(expected, first), "the write changed no answer: the test could not see stale weights"
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)
+    adapted = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    named[adapted].data.copy_(other[adapted].data)
+    written = hf_generate(model, ids, mask, MAX_NEW)
+    assert not torch.equal(written, expected), "the write changed no answer: the test could not see stale weights"
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), expected)  # behind
+    assert weights.refresh_count == 1
+    engine.mark_weights_stale()
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW), written)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
 def test_dschat_check_weights_finds_a_write_through_p_data_says_it_and_refreshes(stage, monkeypatch):
     """p.data.copy_ outside ZeRO-3 bumps no version counter and moves no storage: the engine cannot see it and a LoRA
     actor's merged copy stays behind without mark_weights_stale(). DSCHAT_CHECK_WEIGHTS=1 compares the training

@@ -13,8 +13,10 @@ a PEFT one (a post-hook; DeepSpeed's ``load_checkpoint`` loads through it), an i
 that bumps its version counter or moves its storage, read at each generation (``weights.write_mark``: ``p.copy_(...)``
 under ``torch.no_grad()``, ``p.data = t``, and under ZeRO-3 any write inside ``GatheredParameters(modifier_rank=...)``),
 and ``mark_weights_stale()``. A write through ``p.data`` outside ZeRO-3 (``p.data.copy_(...)``, e.g. from an EMA model:
-``.data`` has a version counter of its own) is not seen: call ``mark_weights_stale()`` before the next generation
-(``DSCHAT_CHECK_WEIGHTS=1``, a debugging aid, finds such writes by checksums: ``InferenceCopy._find_unmarked_writes``).
+``.data`` has a version counter of its own, and nothing on the host moves: ``weights.write_mark``) is not seen by
+what a copy owns (LoRA-adapted weights and matrices, tensor-parallel slices): call ``mark_weights_stale()`` before the
+next generation (``DSCHAT_CHECK_WEIGHTS=1``, a debugging aid, finds such writes by checksums:
+``InferenceCopy._find_unmarked_writes``).
 A parameter replaced by another object is followed by neither DeepSpeed's optimizer nor the copy: ``load_state_dict``
 with ``assign=True`` is refused before it loads (``_RefusesAssignedLoad``), other module surgery
 (``resize_token_embeddings``, PEFT's ``merge_and_unload``) at the next ``eval()``/``generate`` (``ParameterPlaces``).
