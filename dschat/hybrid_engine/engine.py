@@ -58,7 +58,8 @@ from dschat.utils.dist import print_beside_progress_bars
 # The engine's meetings of the ranks that generate together (a ZeRO-3 world, an inference tensor-parallel group), in
 # their order: eval(); generate()'s arguments, then its weight check. Each rank says which one it is in
 # (``_ranks_agree_in``), so a rank that called generate() alone, whose collective would pair with another call of the
-# others (their next eval(), say) and put the ranks out of step, stops every rank with an error that says so.
+# others (their next eval(), say) and put the ranks out of step, stops every rank with an error that says so. A lone
+# eval() + generate() makes a rollout's meetings and meets the others' next rollout: that is not caught (README).
 _MEETINGS = ("eval()", "generate()", "generate()'s weight check")
 
 
