@@ -138,3 +138,61 @@ def backbone_ignoring_lm_head(config, head_names=()):
 
 
 _UNSET = object()
+
+
+@contextlib.contextmanager
+def zero3_loads_initialize_per_module():
+    """``from_pretrained`` under ZeRO-3 initializes what the checkpoint lacked (``_initialize_missing_keys``) by
+    gathering only the parameters not loaded, then running every module's ``_init_weights``: a family whose
+    ``_init_weights`` reads a loaded parameter's shape before its guarded init skips it (RWKV's
+    ``math.sqrt(max(shape[0], shape[1]))`` on its embedding) read a partitioned, empty one: "IndexError: tuple index
+    out of range", and RWKV did not load under ZeRO-3. While this is open, such loads take
+    ``initialize_unloaded_weights_zero3`` instead (transformers' own ``from_config`` under ZeRO-3 gathers per module
+    too); other loads go on as transformers' do."""
+    from transformers import PreTrainedModel
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    original = PreTrainedModel._initialize_missing_keys
+
+    def initialize_missing_keys(model, is_quantized):
+        if is_deepspeed_zero3_enabled() and not is_quantized:
+            initialize_unloaded_weights_zero3(model)
+        else:
+            original(model, is_quantized)
+
+    PreTrainedModel._initialize_missing_keys = initialize_missing_keys
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_missing_keys = original
+
+
+def initialize_unloaded_weights_zero3(model):
+    """transformers' ``initialize_weights`` (its per-module ``_initialize_weights``, sub-models dispatching to their
+    own) on a ZeRO-3-partitioned model just loaded: a module whose parameters and buffers (and its children's
+    parameters, which its ``_init_weights`` may set) all loaded is skipped, as its guarded init would skip each of them;
+    any other runs with those parameters gathered, on every rank as transformers' load runs it (rank 0's values
+    are kept)."""
+    import torch
+    from transformers import PreTrainedModel
+    from transformers.initialization import guard_torch_init_functions
+
+    from dschat.models.zero3 import gathered
+
+    custom_code = model.is_custom_code()
+
+    def initialize(module, initialize_weights):
+        for child in module.children():
+            initialize(child, child._initialize_weights if isinstance(child, PreTrainedModel) else initialize_weights)
+        params = [*module.parameters(recurse=False), *(p for child in module.children()
+                                                       if not isinstance(child, PreTrainedModel)
+                                                       for p in child.parameters(recurse=False))]
+        buffers = [b for b in module.buffers(recurse=False) if b is not None]
+        if getattr(module, "_is_hf_initialized", False) or all(getattr(t, "_is_hf_initialized", False)
+                                                               for t in (*params, *buffers)):
+            return
+        with gathered(params, modifier_rank=0):
+            initialize_weights(module, custom_code)
+
+    with torch.no_grad(), guard_torch_init_functions():
+        initialize(model, model._initialize_weights)

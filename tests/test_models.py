@@ -1453,6 +1453,59 @@ def test_a_tied_model_saved_under_zero3_loads_with_its_head_tied(preset, tmp_pat
     assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
 
 
+class _RowsTokenizer:
+    """What loading needs from a tokenizer: its size (the model's rows) and special ids."""
+    pad_token_id, eos_token_id = 0, 2
+
+    def __len__(self):
+        return 96
+
+
+def _saved_rwkv(folder, **settings):
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_rwkv_config(**settings)).save_pretrained(folder)
+    return str(folder)
+
+
+def _zero3_config_partitioning_all():
+    from dschat.utils.ds_config import get_train_ds_config
+
+    ds_config = get_train_ds_config(dtype="fp32", stage=3)
+    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # (tiny weights partitioned too)
+    return ds_config
+
+
+def _assert_zero3_weights_are(model, expected):
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        for name, weight in model.named_parameters():
+            assert torch.equal(weight.detach(), expected[name]), name
+
+
+def test_rwkv_loads_under_zero3_as_a_policy_and_as_a_critic(tmp_path, distributed):
+    """transformers' load under ZeRO-3 gathered only the weights the checkpoint lacked, then ran every module's
+    ``_init_weights``: RWKV's reads a loaded (partitioned, empty) embedding's shape[1] before its guarded init skips
+    it, "IndexError: tuple index out of range", and RWKV loaded under ZeRO-3 neither as a policy nor as a critic.
+    Loaded, the weights are the checkpoint's; a weight the checkpoint lacks (the LM head of a backbone's folder) is
+    initialized as without ZeRO-3 (the same values from the same seed)."""
+    from dschat.models.loading import load_causal_lm
+
+    folder = _saved_rwkv(tmp_path / "rwkv")
+    ds_config = _zero3_config_partitioning_all()
+    plain = dict(AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+    _assert_zero3_weights_are(load_causal_lm(folder, _RowsTokenizer(), ds_config), plain)
+    critic = create_critic_model(folder, _RowsTokenizer(), ds_config)
+    _assert_zero3_weights_are(critic.rwtransformer, {name.removeprefix("rwkv."): weight
+                                                     for name, weight in plain.items() if name.startswith("rwkv.")})
+    AutoModel.from_pretrained(folder).save_pretrained(tmp_path / "backbone")
+    torch.manual_seed(1)
+    head_missing = load_causal_lm(str(tmp_path / "backbone"), _RowsTokenizer(), ds_config)
+    torch.manual_seed(1)
+    _assert_zero3_weights_are(head_missing, dict(AutoModelForCausalLM.from_pretrained(tmp_path / "backbone")
+                                                 .named_parameters()))
+
+
 def test_a_zero3_engine_saves_with_parameters_still_prefetched(tmp_path, distributed):
     """On a GPU, ZeRO-3's prefetch for a forward that never comes (after the last evaluation) left parameters in
     flight, and the save's gather failed: "Cannot partition a param in flight" (step 2 of a Qwen-shaped train.py run on

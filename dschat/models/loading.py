@@ -7,6 +7,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from dschat.compat import zero3_loads_initialize_per_module
 from dschat.errors import MissingInputError, UsageError, given_as
 
 DROPOUT_FIELDS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
@@ -553,7 +554,7 @@ def create_hf_model(model_class, model_name_or_path, tokenizer, ds_config=None, 
     if rlhf_training:
         model = model_class.from_config(config, dtype=torch_dtype)
     else:
-        with readable_weights(path):
+        with readable_weights(path), zero3_loads_initialize_per_module():
             model, loading = model_class.from_pretrained(path, config=config, dtype=torch_dtype,
                                                          output_loading_info=True)
         check_weights_loaded(model_name_or_path, model, loading)

@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModel
 
-from dschat.compat import backbone_ignoring_lm_head, checkpointing_enable_call, disable_activation_checkpointing
+from dschat.compat import (backbone_ignoring_lm_head, checkpointing_enable_call, disable_activation_checkpointing,
+                           zero3_loads_initialize_per_module)
 from dschat.errors import UsageError
 from dschat.models.left_padding import warn_once_of_left_padding
 from dschat.report import counted
@@ -264,7 +265,8 @@ class RewardModel(nn.Module):
         ds_chat_file = ds_chat_reward_weights(path)
         renamed = {"key_mapping": {f"^{re.escape(DS_CHAT_BACKBONE_PREFIX)}": ""}} if ds_chat_file else {}
         score_heads = [key.rsplit(".", 1)[0] for key in score_head_keys(_config_dict(path))]  # (OpenRLHF's)
-        with readable_weights(path), backbone_ignoring_lm_head(config, score_heads):
+        with readable_weights(path), backbone_ignoring_lm_head(config, score_heads), \
+                zero3_loads_initialize_per_module():
             backbone, loading = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype,
                                                           output_loading_info=True, **renamed)
         check_weights_loaded(name, backbone, loading)
