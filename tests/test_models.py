@@ -320,8 +320,9 @@ def test_reward_score_is_independent_of_padding_side(family):
 def _rwkv_config(**settings):  # recurrent layers that read no attention mask
     from transformers import RwkvConfig
 
-    return RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
-                      intermediate_size=64, context_length=64, bos_token_id=None, eos_token_id=None, **settings)
+    return RwkvConfig(**{"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2, "attention_hidden_size": 32,
+                         "intermediate_size": 64, "context_length": 64, "bos_token_id": None, "eos_token_id": None,
+                         **settings})
 
 
 @pytest.mark.parametrize("family", ["rwkv", "llama"])
@@ -1504,6 +1505,31 @@ def test_rwkv_loads_under_zero3_as_a_policy_and_as_a_critic(tmp_path, distribute
     torch.manual_seed(1)
     _assert_zero3_weights_are(head_missing, dict(AutoModelForCausalLM.from_pretrained(tmp_path / "backbone")
                                                  .named_parameters()))
+
+
+def test_rwkv_under_zero3_keeps_its_weights_through_eval_and_training_forwards(tmp_path, distributed):
+    """RWKV (``rescale_every``) divides its blocks' output weights in place at an eval forward and multiplies them
+    back at the next training forward; under ZeRO-3 the division landed on a fetched copy its release dropped, the
+    multiplication did not: after one eval and one training forward block k's weights were 2^k times the trained
+    ones, and every later forward computed otherwise. Under ZeRO-3 nothing is rescaled: the weights stay as loaded,
+    a training forward is transformers' own, an eval forward the same up to LayerNorm's epsilon."""
+    from dschat.models.loading import load_causal_lm
+    from dschat.models.training_engine import initialize_engine
+
+    folder = _saved_rwkv(tmp_path / "rwkv", num_hidden_layers=4, rescale_every=1)  # (block k: / 2^k)
+    ds_config = _zero3_config_partitioning_all()
+    engine = initialize_engine(load_causal_lm(folder, _RowsTokenizer(), ds_config), ds_config, 1e-3, 0.0, None,
+                               "constant", 0, 10)
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    loaded = {name: weight.detach().clone() for name, weight in plain.named_parameters()}
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    for mode in ("eval", "train", "eval", "train"):
+        getattr(engine, mode)()
+        getattr(plain, mode)()
+        with torch.no_grad():
+            logits, expected = engine(input_ids=ids).logits, plain(input_ids=ids).logits
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0 if mode == "train" else 1e-2)
+    _assert_zero3_weights_are(engine.module, loaded)
 
 
 def test_a_zero3_engine_saves_with_parameters_still_prefetched(tmp_path, distributed):

@@ -167,11 +167,15 @@ def _release_deepspeed_engine(engine):
 
 def prepare_zero3_hooks(model, ds_config, zero3_fetch):
     """Under ZeRO-3 with ``--zero3_fetch layer``, make the decoder layers DeepSpeed's fetch units (before
-    ``deepspeed.initialize`` registers its hooks)."""
+    ``deepspeed.initialize`` registers its hooks); a model that rescales weights in place as its mode changes (RWKV)
+    no longer does (``no_in_place_rescaling``)."""
     from dschat.models.layers import ZERO3_FETCH_UNITS, mark_zero3_leaf_layers
+    from dschat.models.zero3 import no_in_place_rescaling
 
     if zero3_fetch not in ZERO3_FETCH_UNITS:
         raise UsageError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
+    if ds_config["zero_optimization"]["stage"] == 3:
+        no_in_place_rescaling(model)
     if ds_config["zero_optimization"]["stage"] == 3 and zero3_fetch == "layer" and not mark_zero3_leaf_layers(model):
         print_rank_0(f"[zero3] {type(model).__name__}: no decoder stack usable as --zero3_fetch layer units (mixed "
                      "or miscounted blocks, or layerdrop); DeepSpeed's per-module hooks")
