@@ -555,23 +555,50 @@ def test_gemma4_with_one_head_dim_generates_as_hf():
 
 
 
-def test_an_actor_whose_outputs_left_padding_moves_is_warned_of_once_where_the_engine_gets_left_padded_prompts(
-        capsys, monkeypatch):
-    """RecurrentGemma's recurrent layers read no attention mask (transformers' modelling), and the engine decodes it
-    as HF does, from the padded rows: its answers to a left-padded prompt are not those to the prompt alone, while
-    step 3 scores their log-probs on rows shifted to start at their first token. Said once (LEFT_PADDING_MOVES_SCORES);
-    nothing for prompts without padding."""
+def _recurrent_gemma():  # recurrent layers that read no attention mask, their states kept in the modules
     from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
 
-    from dschat.models import left_padding
-
-    monkeypatch.setattr(left_padding, "_WARNED_LEFT_PADDING", set())
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16,
         block_types=["recurrent", "attention"], pad_token_id=PAD, bos_token_id=1, eos_token_id=2))
     model.generation_config.eos_token_id = None
+    return model
+
+
+def test_a_one_token_prompt_of_recurrent_gemma_generates_alike_after_another_generation():
+    """RecurrentGemma keeps its convolution state in its modules and sets it up only for a forward given no cache;
+    a one-token prompt's prefill is taken for a decode step, and the engine's went on from the previous generation's
+    state: log-probs 0.002 off after another prompt's generation. Each generation starts from a fresh state: the
+    log-probs are the same before and after, and the first is the model's own (a forward without a cache)."""
+    model = _recurrent_gemma()
+    engine = _engine(model)
+    engine.eval()
+    one, other = torch.tensor([[17]]), torch.tensor([[40, 51, 9, 77, 23]])
+
+    def logprobs(ids):
+        return engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                               return_logprobs=True)[1]
+
+    first = logprobs(one)
+    logprobs(other)
+    torch.testing.assert_close(logprobs(one), first, rtol=0, atol=0)
+    with torch.no_grad():
+        own = torch.log_softmax(model(one).logits[0, -1].float(), -1).max()
+    torch.testing.assert_close(first[0, 0], own)
+
+
+def test_an_actor_whose_outputs_left_padding_moves_is_warned_of_once_where_the_engine_gets_left_padded_prompts(
+        capsys, monkeypatch):
+    """RecurrentGemma's recurrent layers read no attention mask (transformers' modelling), and the engine decodes it
+    as HF does, from the padded rows: its answers to a left-padded prompt are not those to the prompt alone, while
+    step 3 scores their log-probs on rows shifted to start at their first token. Said once (LEFT_PADDING_MOVES_SCORES);
+    nothing for prompts without padding."""
+    from dschat.models import reward_model
+
+    monkeypatch.setattr(reward_model, "_WARNED_LEFT_PADDING", set())
+    model = _recurrent_gemma()
     engine = _engine(model)
     ids, mask = left_padded_batch([5, 2, 4])
     capsys.readouterr()

@@ -98,6 +98,7 @@ def prefill(model, spec, input_ids, attention_mask, position_ids, cache_position
     (MiniMax keeps a cache of its own: HF's ValueError) or whose cache layout the engine read otherwise than its
     attention writes (MiMo-V2-Flash: index_copy_'s shapes) failed here deep in transformers; a ``UsageError`` now
     says that the engine cannot decode it and names the way out."""
+    reset_states_kept_in_modules(model, input_ids.shape[0], input_ids.device)
     try:
         return decode_step(model, spec, input_ids, attention_mask, position_ids, cache_position, cache)
     except (ValueError, RuntimeError) as error:
@@ -110,6 +111,17 @@ def prefill(model, spec, input_ids, attention_mask, position_ids, cache_position
                          f"first forward ({type(error).__name__}: {reason}): the engine cannot decode this model. Run "
                          "step 3 without the hybrid engine (--no-enable_hybrid_engine: actor generation then uses HF "
                          "generate).") from error
+
+
+def reset_states_kept_in_modules(model, batch_size, device):
+    """RecurrentGemma keeps its convolution and recurrent states in its modules, not in the cache, and sets them up
+    only for a forward given no cache (``_setup_cache``); a one-token prompt's prefill is taken for a decode step (its
+    length is 1) and went on from the previous generation's convolution state: its log-probs 0.002 off the prompt's
+    own after another generation. Set up afresh before each prefill, as that forward would."""
+    hf_model = unwrap_peft(model)
+    setup = getattr(hf_model, "_setup_cache", None)
+    if setup is not None:
+        setup(hf_model.config, batch_size, device, hf_model.dtype)
 
 
 def _failed_on_the_cache(error):
