@@ -39,19 +39,19 @@ from dschat.hybrid_engine.attention import decode_attention as decode_attention_
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache, longest_cache
 from dschat.hybrid_engine.config import HybridEngineConfig
-from dschat.hybrid_engine.decode import check_decodable, generate_tokens
+from dschat.hybrid_engine.decode import check_decodable, decoded_by_prompt_length, generate_tokens
 from dschat.hybrid_engine.fusion import ProjectionFusion
 from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
 from dschat.hybrid_engine.generate_args import (check_generation_config, check_hf_kwargs, merged_generation_config,
-                                                resolve_settings)
+                                                left_padded_lengths, resolve_settings)
 from dschat.hybrid_engine.tensor_parallel import (TensorParallelGroup, check_same_in_group, gather_prompts,
                                                   shared_generator)
 from dschat.hybrid_engine.weights import ParameterPlaces, build_inference_weights
 from dschat.models.loading import generable_token_count
 from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
-from dschat.models.left_padding import warn_of_padded_generation
+from dschat.models.left_padding import left_padding_moves, warn_of_padded_generation
 from dschat.models.training_engine import first_release, is_released, released_as
 from dschat.utils.dist import print_beside_progress_bars
 
@@ -455,7 +455,6 @@ class HybridEngine:
                                            repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
                                            pad_token_id=pad_token_id)
         attention_mask = s.attention_mask
-        warn_of_padded_generation(self.module, attention_mask)  # (RecurrentGemma: HF's own generate does the same)
         now = time.perf_counter()
         self._end_train_phase(now)  # generating (without eval()) ends a train phase: no time counted twice
         if self._iteration is None:
@@ -479,11 +478,19 @@ class HybridEngine:
                         token_count=self.token_count,
                         # the group's prompts are padded to the longest: where each row's own prompt begins
                         prompt_start=group_batch.prompt_start if group_batch is not None else None)
+        prompt_lengths = self._prompt_lengths_apart(attention_mask)
         was_training = model.training
         model.eval()  # no dropout while sampling, even if the caller skipped eval()
         try:
-            result = self._decode(model, input_ids, attention_mask, s.max_new_tokens, device, sync_group,
-                                  return_logprobs, sampling)
+            if prompt_lengths is None:
+                result = self._decode(model, input_ids, attention_mask, s.max_new_tokens, device, sync_group,
+                                      return_logprobs, sampling)
+            else:  # (the rows have no padding left: their own prompts are all the penalty sees)
+                unpadded = {**sampling, "prompt_start": None}
+                result = decoded_by_prompt_length(
+                    lambda ids, mask: self._decode(model, ids, mask, s.max_new_tokens, device, sync_group,
+                                                   return_logprobs, unpadded),
+                    input_ids, prompt_lengths, s.pad_token_id)
             if group_batch is not None:
                 result = group_batch.own_rows(result)
                 batch_size = group_batch.rows
@@ -539,6 +546,21 @@ class HybridEngine:
         if s.do_sample:
             generator = shared_generator(generator, default_generator(torch.device(device)), device, self.tp)
         return s, group_batch, generator
+
+    def _prompt_lengths_apart(self, attention_mask):
+        """Each row's prompt length where the model is of a family whose answers left padding moves
+        (``LEFT_PADDING_MOVES_SCORES``: RecurrentGemma's recurrence reads no mask) and some row is padded: the rows of
+        each length then generate together without their padding (``decoded_by_prompt_length``), as each row alone.
+        None where the batch decodes as it is: another family, no padding, or rows that cannot leave it out (a
+        prompt with no token or a hole; forwards that are collectives over every rank, ZeRO-3 on several ranks
+        without pinned parameters, where each rank must make as many): then warned of once."""
+        if not left_padding_moves(self.module) or bool(attention_mask.all()):
+            return None
+        collective = self.inference_weights.forward_has_collectives and _world_size() > 1
+        lengths = None if collective else left_padded_lengths(attention_mask)
+        if lengths is None:
+            warn_of_padded_generation(self.module, attention_mask)
+        return lengths
 
     def _decode(self, model, input_ids, attention_mask, max_new_tokens, device, sync_group, return_logprobs,
                 sampling):

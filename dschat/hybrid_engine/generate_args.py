@@ -105,6 +105,17 @@ def check_left_padded(attention_mask):
                          "padding_side='left' (dschat: load_tokenizer(path, padding_side='left'))")
 
 
+def left_padded_lengths(attention_mask):
+    """(B,) each row's count of real tokens where every row's are its last columns, at least one (left padding
+    only), else None (no mask, an empty prompt, a hole in a row): what a row without its padding is."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.long()
+    lengths = mask.sum(1)
+    trailing = mask.flip(1).cumprod(1).sum(1)  # real tokens before the first pad from the right
+    return lengths if bool(((trailing == lengths) & (lengths > 0)).all()) else None
+
+
 def resolve_max_new_tokens(max_new_tokens, max_length, prompt_len, generation_config, max_positions=None):
     """New tokens to generate: given, else from ``max_length`` (a total), else as the model's generation_config says,
     else HF's default of 20 (prompt + 20 cut at ``max_positions``, HF's rule); the engine holds them to

@@ -41,11 +41,12 @@ def warn_once_of_left_padding(model, attention_mask, role, does, where):
 
 
 def warn_of_padded_generation(model, attention_mask):
-    """Once per family: an actor of ``LEFT_PADDING_MOVES_SCORES`` generates from left-padded prompts (the hybrid
-    engine; HF generate where ``trainer.generate_row_by_row`` cannot leave the padding out)."""
+    """Once per family: an actor of ``LEFT_PADDING_MOVES_SCORES`` generates from left-padded prompts where the padding
+    cannot be left out (HF generate: ``trainer.generate_row_by_row``; the hybrid engine: ``_prompt_lengths_apart``)."""
     warn_once_of_left_padding(
         model, attention_mask, "the actor", "generates from left-padded prompts otherwise than from the prompts alone",
         "Step 3 scores its answers' log-probs on rows shifted to start at their first token (unless "
         "--padded_forwards), so its answers are not sampled from the policy it trains. dschat's HF generate takes each "
-        "row alone, without its padding, except under ZeRO-3 on several ranks and for a prompt with no token or a "
-        "hole; the hybrid engine (--enable_hybrid_engine) generates from the padded rows")
+        "row alone, and the hybrid engine the rows of each prompt length together, without their padding, except "
+        "under ZeRO-3 on several ranks (the hybrid engine: only with hybrid_engine.pin_parameters off) and for a "
+        "prompt with no token or a hole")

@@ -14,7 +14,7 @@ from dschat.args import resolve_pad_to_multiple_of, top_k_flag
 from dschat.data.collators import padded_length
 from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec
-from dschat.hybrid_engine.generate_args import check_left_padded
+from dschat.hybrid_engine.generate_args import check_left_padded, left_padded_lengths
 from dschat.hybrid_engine.graphs import default_generator, logits_vocab_size
 from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
@@ -274,7 +274,7 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     pad_id = kwargs.get("pad_token_id", getattr(model.generation_config, "pad_token_id", None))
     synced = kwargs.get("synced_gpus")
     synced = get_world_size() > 1 if synced is None else synced
-    lengths = _suffix_lengths(attention_mask) if not synced and pad_id is not None else None
+    lengths = left_padded_lengths(attention_mask) if not synced and pad_id is not None else None
     if lengths is None:
         warn_of_padded_generation(model, attention_mask)
         return generate(input_ids, attention_mask=attention_mask, **kwargs)
@@ -286,17 +286,6 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     for row, answer in enumerate(answers):
         seq[row, width:width + len(answer)] = answer
     return seq
-
-
-def _suffix_lengths(attention_mask):
-    """(B,) each row's count of real tokens where every row's are its last columns, at least one (left padding
-    only), else None."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask.long()
-    lengths = mask.sum(1)
-    trailing = mask.flip(1).cumprod(1).sum(1)  # real tokens before the first pad from the right
-    return lengths if bool(((trailing == lengths) & (lengths > 0)).all()) else None
 
 
 def answer_texts(tokenizer, answers, mask):
