@@ -228,6 +228,25 @@ def test_an_rwkv_model_is_saved_with_its_weights_as_trained_after_a_forward_in_e
         assert torch.equal(critic.end_scores(ids, torch.ones_like(ids)), scores)
 
 
+def test_saving_an_rwkv_model_whose_rescaled_weights_are_quantized_is_refused_before_anything_is_written(tmp_path):
+    """bitsandbytes' int8 weights carry their scales as ``SCB``: RWKV's eval-mode rescaling divides those, and
+    transformers' scale-back (training mode) multiplies the int8 values themselves, which overflow: the save wrote
+    damaged weights. (bitsandbytes is not installed here: the weights carry an ``SCB`` as its Int8Params do, the
+    attribute transformers and dschat both read.)"""
+    from dschat.errors import UsageError
+
+    lm = AutoModelForCausalLM.from_config(_rwkv_config(rescale_every=1)).eval()
+    for block in lm.rwkv.blocks:
+        for weight in (block.attention.output.weight, block.feed_forward.value.weight):
+            weight.SCB = torch.ones(weight.shape[0])
+    with torch.no_grad():
+        lm(input_ids=torch.randint(3, 96, (1, 5)))  # (divides block 1's scales)
+    with pytest.raises(UsageError, match=r"RwkvModel: blocks\.0\.attention\.output\.weight is quantized "
+                                         r"\(bitsandbytes\).*rescale_every=1.*config\.rescale_every = 0"):
+        save_causal_lm(lm, _Tok(), str(tmp_path / "lm"))
+    assert not (tmp_path / "lm").exists()
+
+
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
     """Where the width cannot be measured (a forward that fails on the meta device: here the probe is made to fail),
     the head takes the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""

@@ -45,13 +45,38 @@ def scale_back_inference_rescaling(module):
     """Weights as trained, where transformers' RWKV (``rescale_every``) holds some divided: a forward in eval mode
     divides them in place by powers of 2 (fp16 inference's scaling, undone only at the next training forward), and a
     step's last forwards are its final evaluation (step 3's: its held-out generations), before the save, which took
-    them so. Scaled back as a training forward does (exactly); the next forward in eval mode divides them again."""
+    them so. Scaled back as a training forward does (exactly); the next forward in eval mode divides them again.
+    Weights quantized by bitsandbytes are refused (``check_rescaled_weights_not_quantized``)."""
     for layers in module.modules():
         if getattr(layers, "layers_are_rescaled", False) and hasattr(layers, "_rescale_layers"):
+            check_rescaled_weights_not_quantized(layers)
             training = layers.training
             layers.training = True  # (``_rescale_layers`` scales towards its module's mode)
             layers._rescale_layers()
             layers.training = training
+
+
+def check_rescaled_weights_not_quantized(layers):
+    """RWKV's eval-mode rescaling of weights quantized by bitsandbytes (int8: their scales ``SCB`` divided; 4-bit:
+    dequantized, divided, quantized again) has no inverse in transformers: its training-mode scale-back multiplies
+    the quantized values themselves (int8 overflows, packed 4-bit values turn to others), so a save would write
+    damaged weights. Refused, naming the way out, before anything is written."""
+    quantized = [name for name, weight in _rescaled_weights(layers)
+                 if hasattr(weight, "SCB") or hasattr(weight, "quant_state")]
+    if quantized:
+        raise UsageError(f"{type(layers).__name__}: {quantized[0]} is quantized (bitsandbytes) and an eval-mode "
+                         f"forward divided it for inference (rescale_every={layers.config.rescale_every}), which "
+                         "transformers cannot undo on quantized weights: saving would write them damaged. Save before "
+                         "evaluating, or set the model's config.rescale_every = 0 before its first forward (the same "
+                         "outputs up to LayerNorm's epsilon, nothing rescaled)")
+
+
+def _rescaled_weights(layers):
+    """(name, weight) of what RWKV's ``_rescale_layers`` scales: each block's attention output and feed-forward
+    value weights."""
+    for index, block in enumerate(layers.blocks):
+        yield f"blocks.{index}.attention.output.weight", block.attention.output.weight
+        yield f"blocks.{index}.feed_forward.value.weight", block.feed_forward.value.weight
 
 
 def plain_model_state_dict(module):
