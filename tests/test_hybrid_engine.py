@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from hybrid_common import (PAD, early_token, hf_generate, left_padded_batch,  # noqa: E402
-                           make_ds_engine, tiny_model, train_step)
+                           make_ds_engine, tiny_model, tiny_recurrent_gemma, train_step)
 from helpers import check_checkpointing_toggle  # noqa: E402
 
 from dschat.hybrid_engine import (HybridEngine, HybridEngineConfig, strip_deepspeed_hybrid_engine,  # noqa: E402
@@ -555,24 +555,12 @@ def test_gemma4_with_one_head_dim_generates_as_hf():
 
 
 
-def _recurrent_gemma():  # recurrent layers that read no attention mask, their states kept in the modules
-    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16,
-        block_types=["recurrent", "attention"], pad_token_id=PAD, bos_token_id=1, eos_token_id=2))
-    model.generation_config.eos_token_id = None
-    return model
-
-
 def test_a_one_token_prompt_of_recurrent_gemma_generates_alike_after_another_generation():
     """RecurrentGemma keeps its convolution state in its modules and sets it up only for a forward given no cache;
     a one-token prompt's prefill is taken for a decode step, and the engine's went on from the previous generation's
     state: log-probs 0.002 off after another prompt's generation. Each generation starts from a fresh state: the
     log-probs are the same before and after, and the first is the model's own (a forward without a cache)."""
-    model = _recurrent_gemma()
+    model = tiny_recurrent_gemma()
     engine = _engine(model)
     engine.eval()
     one, other = torch.tensor([[17]]), torch.tensor([[40, 51, 9, 77, 23]])
@@ -600,7 +588,7 @@ def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_as_without
     from dschat.models import reward_model
 
     monkeypatch.setattr(reward_model, "_WARNED_LEFT_PADDING", set())
-    model = _recurrent_gemma()
+    model = tiny_recurrent_gemma()
     with torch.no_grad():  # (as a trained model's: at their initial 0 the pads' inputs to the convolution are 0)
         for name, param in model.named_parameters():
             if name.endswith("bias"):

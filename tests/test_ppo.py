@@ -4745,6 +4745,28 @@ def test_realigned_schedules_keep_each_models_lag_of_skipped_steps(monkeypatch, 
     assert trainer.actor_model.lr_scheduler.last_epoch == 0
 
 
+def test_hf_generate_of_a_one_token_prompt_is_the_same_after_another_generation():
+    """RecurrentGemma keeps its convolution state in its modules, which HF generate (handing the model a cache) never
+    sets up again: a one-token prompt's prefill, taken for a decode step, went on from the previous call's state, and
+    hf_generate (step 3 without the hybrid engine, its held-out evaluation, the tools), which takes such a model's rows
+    one at a time, answered prompt 18 with [18, 18, ...] after another prompt, [89, 49, ...] before. Each call starts
+    from fresh states."""
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    from hybrid_common import tiny_recurrent_gemma
+
+    from dschat.rlhf.trainer import hf_generate
+
+    model = tiny_recurrent_gemma().eval()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    one, other = torch.tensor([[18]]), torch.tensor([[40, 51, 9, 77, 23]])
+    call = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        first = hf_generate(model, tokenizer)(one, attention_mask=torch.ones_like(one), **call)
+        hf_generate(model, tokenizer)(other, attention_mask=torch.ones_like(other), **call)
+        again = hf_generate(model, tokenizer)(one, attention_mask=torch.ones_like(one), **call)
+    assert torch.equal(again, first) and first[0, 1:].tolist()[:2] == [89, 49]
+
+
 def _tiny_rwkv_actor():
     from transformers import AutoModelForCausalLM, RwkvConfig
 

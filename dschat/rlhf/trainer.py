@@ -13,7 +13,7 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 from dschat.args import resolve_pad_to_multiple_of, top_k_flag
 from dschat.data.collators import padded_length
 from dschat.errors import UsageError
-from dschat.hybrid_engine.decode import forward_spec
+from dschat.hybrid_engine.decode import forward_spec, reset_states_kept_in_modules
 from dschat.hybrid_engine.generate_args import check_left_padded, left_padded_lengths
 from dschat.hybrid_engine.graphs import default_generator, logits_vocab_size
 from dschat.hybrid_engine.tensor_parallel import together
@@ -260,7 +260,17 @@ def hf_generate(model, tokenizer):
     3 does)."""
     suppressed = suppress_untokenized(model, tokenizer)
     generate = functools.partial(model.generate, **suppressed) if suppressed else model.generate
+    generate = functools.partial(from_fresh_module_states, model, generate)
     return functools.partial(generate_row_by_row, model, generate) if left_padding_moves(model) else generate
+
+
+def from_fresh_module_states(model, generate, input_ids, **kwargs):
+    """``generate(input_ids, **kwargs)`` with the states a model keeps in its modules set up afresh
+    (``decode.reset_states_kept_in_modules``: RecurrentGemma's): HF generate hands the model a cache, so they are never
+    reset, and a one-token prompt (its prefill taken for a decode step) went on from the previous call's convolution
+    state, log-probs 0.03 off; generating row by row made such calls common."""
+    reset_states_kept_in_modules(model, input_ids.shape[0], input_ids.device)
+    return generate(input_ids, **kwargs)
 
 
 def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwargs):

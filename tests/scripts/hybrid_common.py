@@ -68,6 +68,19 @@ def tiny_model(family="llama", seed=0, vocab_size=96, num_layers=2, dtype=torch.
     return model
 
 
+def tiny_recurrent_gemma():
+    """RecurrentGemma: recurrent layers that read no attention mask, their states kept in the modules."""
+    from transformers import RecurrentGemmaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16,
+        block_types=["recurrent", "attention"], pad_token_id=PAD, bos_token_id=1, eos_token_id=2))
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def ds_config(stage=0, lr=5e-2, micro_batch=2, bf16=False, **zero_extra):
     zero = {"stage": stage, **zero_extra}
     if stage == 3:
