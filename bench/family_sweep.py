@@ -3,8 +3,9 @@
 For every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config can be built tiny (hidden 64, 2 layers,
 4 heads, vocabulary 96; whatever else each needs), with random weights and no network:
   a) generate: the hybrid engine's greedy tokens (left-padded batch of 4 rows, eager decode, static KV cache) equal
-     HF ``generate``'s; a ``UsageError`` that names the way out (--no-enable_hybrid_engine), when the engine is built
-     or at its first forward, counts as a refusal;
+     HF ``generate``'s (for the families of ``LEFT_PADDING_MOVES_SCORES``, HF's of each row alone without its padding,
+     as dschat generates them); a ``UsageError`` that names the way out (--no-enable_hybrid_engine), when the engine
+     is built or at its first forward, counts as a refusal;
   b) reward: step 2's model on that backbone (the causal LM saved, then ``RewardModel.from_pretrained`` as
      ``create_critic_model`` loads it) gives finite scores, the same for a left-padded row as for the row alone
      (otherwise exactly for the families of ``LEFT_PADDING_MOVES_SCORES``, which dschat warns of);
@@ -23,6 +24,7 @@ warns), then a count. Exits 1 if a check FAILs or ERRORs.
 import argparse
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -225,9 +227,22 @@ def left_padded_batch(seed=0):
 
 
 def hf_generate(model, ids, mask, **kwargs):
-    with torch.no_grad():
-        return type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW,
-                                    do_sample=False, pad_token_id=PAD, eos_token_id=None, **kwargs)
+    """HF generate's greedy tokens, each call from fresh module-held states (RecurrentGemma's: HF never resets them);
+    for a family whose answers left padding moves (``LEFT_PADDING_MOVES_SCORES``), each row alone without its
+    padding, as dschat's HF generate and its hybrid engine answer them."""
+    from dschat.models.reward_model import left_padding_moves
+    from dschat.rlhf.trainer import from_fresh_module_states, generate_row_by_row
+
+    def generate(input_ids, attention_mask, **_):
+        with torch.no_grad():
+            return type(model).generate(model, input_ids=input_ids, attention_mask=attention_mask,
+                                        max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                                        **kwargs)
+
+    generate = functools.partial(from_fresh_module_states, model, generate)
+    if left_padding_moves(model):
+        return generate_row_by_row(model, generate, ids, mask, pad_token_id=PAD)
+    return generate(ids, attention_mask=mask)
 
 
 def peft_merged_gives(model, ids, mask, tokens):

@@ -925,11 +925,14 @@ def test_a_benchmark_leaves_its_process_group_and_keeps_its_exit_status(tmp_path
 def test_family_sweep_checks_a_decoder_skips_an_encoder_and_reports_a_refusal(tmp_path):
     """bench/family_sweep.py (CPU, no network): GPT-2 passes the three checks, BERT's causal LM (an encoder run as a
     decoder) is skipped with its reason, RWKV's generation is refused by the engine (no KV cache), not failed, and its
-    reward model's left-padding shift is transformers' (HF_PADDING), which dschat warns of."""
+    reward model's left-padding shift is transformers' (HF_PADDING), which dschat warns of. RecurrentGemma's engine
+    generates each prompt without its padding: its tokens are HF's of each row alone (against HF's padded batch the
+    LoRA check FAILed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # not under a launcher
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "family_sweep.py"), "--families", "gpt2,bert,rwkv",
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "family_sweep.py"), "--families",
+                           "gpt2,bert,rwkv,recurrent_gemma",
                            "--json", str(tmp_path / "sweep.json")], env=env, capture_output=True, text=True,
                           timeout=600)
     results = {r["family"]: r for r in json.loads((tmp_path / "sweep.json").read_text())}
@@ -940,7 +943,9 @@ def test_family_sweep_checks_a_decoder_skips_an_encoder_and_reports_a_refusal(tm
     # dschat's LEFT_PADDING_MOVES_SCORES lists and warns of: reported as transformers' own, not failed)
     assert results["rwkv"]["reward"][0] == "HF_PADDING" and "no attention mask" in results["rwkv"]["reward"][1]
     assert "warning: the reward model or critic on RwkvModel" in proc.stdout, proc.stdout
-    assert proc.returncode == 0 and "3 swept" not in proc.stdout and "2 swept, 1 skipped" in proc.stdout, proc.stdout
+    assert [results["recurrent_gemma"][check][0] for check in ("generate", "lora")] == ["PASS"] * 2, \
+        results["recurrent_gemma"]
+    assert proc.returncode == 0 and "4 swept" not in proc.stdout and "3 swept, 1 skipped" in proc.stdout, proc.stdout
 
 
 def test_family_sweep_builds_its_engines_with_torch_adam():
