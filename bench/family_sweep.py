@@ -239,7 +239,7 @@ def hf_generate(model, ids, mask, **kwargs):
                                         max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=PAD, eos_token_id=None,
                                         **kwargs)
 
-    generate = functools.partial(from_fresh_module_states, model, generate)
+    generate = functools.partial(from_fresh_module_states, model, generate)  # (a no-op for other models)
     if left_padding_moves(model):
         return generate_row_by_row(model, generate, ids, mask, pad_token_id=PAD)
     return generate(ids, attention_mask=mask)

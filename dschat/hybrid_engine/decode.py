@@ -118,10 +118,14 @@ def reset_states_kept_in_modules(model, batch_size, device):
     only for a forward given no cache (``_setup_cache``); a one-token prompt's prefill is taken for a decode step (its
     length is 1) and went on from the previous generation's convolution state: its log-probs 0.002 off the prompt's
     own after another generation. Set up afresh before each prefill, as that forward would."""
-    hf_model = unwrap_peft(model)
-    setup = getattr(hf_model, "_setup_cache", None)
-    if setup is not None:
-        setup(hf_model.config, batch_size, device, hf_model.dtype)
+    if keeps_states_in_modules(model):
+        hf_model = unwrap_peft(model)
+        hf_model._setup_cache(hf_model.config, batch_size, device, hf_model.dtype)
+
+
+def keeps_states_in_modules(model):
+    """Whether ``model`` (PEFT-wrapped or not) keeps recurrent states in its modules, set up by ``_setup_cache``."""
+    return hasattr(unwrap_peft(model), "_setup_cache")
 
 
 def _failed_on_the_cache(error):

@@ -13,7 +13,7 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 from dschat.args import resolve_pad_to_multiple_of, top_k_flag
 from dschat.data.collators import padded_length
 from dschat.errors import UsageError
-from dschat.hybrid_engine.decode import forward_spec, reset_states_kept_in_modules
+from dschat.hybrid_engine.decode import forward_spec, keeps_states_in_modules, reset_states_kept_in_modules
 from dschat.hybrid_engine.generate_args import check_left_padded, left_padded_lengths
 from dschat.hybrid_engine.graphs import default_generator, logits_vocab_size
 from dschat.hybrid_engine.tensor_parallel import together
@@ -260,7 +260,8 @@ def hf_generate(model, tokenizer):
     3 does)."""
     suppressed = suppress_untokenized(model, tokenizer)
     generate = functools.partial(model.generate, **suppressed) if suppressed else model.generate
-    generate = functools.partial(from_fresh_module_states, model, generate)
+    if keeps_states_in_modules(model):
+        generate = functools.partial(from_fresh_module_states, model, generate)
     return functools.partial(generate_row_by_row, model, generate) if left_padding_moves(model) else generate
 
 
