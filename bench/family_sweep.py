@@ -230,7 +230,7 @@ def hf_generate(model, ids, mask, **kwargs):
     """HF generate's greedy tokens, each call from fresh module-held states (RecurrentGemma's: HF never resets them);
     for a family whose answers left padding moves (``LEFT_PADDING_MOVES_SCORES``), each row alone without its
     padding, as dschat's HF generate and its hybrid engine answer them."""
-    from dschat.models.reward_model import left_padding_moves
+    from dschat.models.left_padding import left_padding_moves
     from dschat.rlhf.trainer import from_fresh_module_states, generate_row_by_row
 
     def generate(input_ids, attention_mask, **_):

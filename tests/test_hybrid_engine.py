@@ -585,9 +585,9 @@ def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_as_without
     together without their padding: each row's tokens and log-probs are those of its prompt alone (HF's tokens too),
     nothing is warned of; where a row cannot leave its padding out (a hole in the mask), the batch decodes as it is,
     warned of once (LEFT_PADDING_MOVES_SCORES)."""
-    from dschat.models import reward_model
+    from dschat.models import left_padding
 
-    monkeypatch.setattr(reward_model, "_WARNED_LEFT_PADDING", set())
+    monkeypatch.setattr(left_padding, "_WARNED_LEFT_PADDING", set())
     model = tiny_recurrent_gemma()
     with torch.no_grad():  # (as a trained model's: at their initial 0 the pads' inputs to the convolution are 0)
         for name, param in model.named_parameters():
