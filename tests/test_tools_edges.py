@@ -484,18 +484,24 @@ def test_a_run_rewarded_by_a_function_alone_is_said_to_have_no_reward_model(tmp_
 def _step2_run_on_one_file(reward_model, tmp_path, monkeypatch):
     """(a step2_rm folder whose run read one file, tmp_path/pairs.jsonl of 60 pairs, with --data_split 2,4,4 and
     --seed 7; the list rw_eval's scored sequences go to, in place of the model's scores)"""
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": f"Name color {i}.", "chosen": f"red {i}", "rejected": f"no {i}"}) + "\n"
+        for i in range(60)))
+    return _step2_run_reading(reward_model, tmp_path, "jsonl:pairs.jsonl", monkeypatch)
+
+
+def _step2_run_reading(reward_model, run, data_path, monkeypatch):
+    """(run/step2_rm: a copy of ``reward_model`` whose recorded run, in ``run``, read ``data_path`` with --data_split
+    2,4,4 and --seed 7; the list rw_eval's scored sequences go to, in place of the model's scores)"""
     import shutil
 
     from dschat.steps.common import RUN_ARGS_FILE
     from dschat.tools import rw_eval
 
-    (tmp_path / "pairs.jsonl").write_text("".join(
-        json.dumps({"prompt": f"Name color {i}.", "chosen": f"red {i}", "rejected": f"no {i}"}) + "\n"
-        for i in range(60)))
-    trained = tmp_path / "step2_rm"
+    trained = run / "step2_rm"
     shutil.copytree(reward_model, trained)
-    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(tmp_path), "flags": {
-        "data_path": ["jsonl:pairs.jsonl"], "data_split": "2,4,4", "seed": 7, "max_seq_len": 64}}))
+    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(run), "flags": {
+        "data_path": [data_path], "data_split": "2,4,4", "seed": 7, "max_seq_len": 64}}))
     scored = []
     monkeypatch.setattr(rw_eval, "score_sequences", lambda model, tokenizer, sequences, batch_size:
                         scored.extend(sequences) or [0.0] * len(sequences))
@@ -547,7 +553,6 @@ def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_hub_named_local_copy(re
 
     from dschat.data import create_prompt_dataset
     from dschat.models.loading import load_tokenizer
-    from dschat.steps.common import RUN_ARGS_FILE
     from dschat.tools import rw_eval
 
     rows = [{"prompt": f"\n\nHuman: Name color {i}.\n\nAssistant:", "response": f" red {i}", "chosen": f" red {i}",
@@ -555,13 +560,7 @@ def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_hub_named_local_copy(re
     run = tmp_path / "run"
     DatasetDict({"train": Dataset.from_list(rows[:40]), "test": Dataset.from_list(rows[40:])}).save_to_disk(
         str(run / "Dahoas" / "rm-static"))
-    trained = run / "step2_rm"
-    shutil.copytree(reward_model, trained)
-    (trained / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2", "cwd": str(run), "flags": {
-        "data_path": ["Dahoas/rm-static"], "data_split": "2,4,4", "seed": 7, "max_seq_len": 64}}))
-    scored = []
-    monkeypatch.setattr(rw_eval, "score_sequences", lambda model, tokenizer, sequences, batch_size:
-                        scored.extend(sequences) or [0.0] * len(sequences))
+    trained, scored = _step2_run_reading(reward_model, run, "Dahoas/rm-static", monkeypatch)
     monkeypatch.chdir(run)
     result = rw_eval.main(["--model_name_or_path", str(trained), "--num_pairs", "0"])
     _, held_out = create_prompt_dataset(0, ["Dahoas/rm-static"], "2,4,4", str(tmp_path / "cache"), 2, 7,
