@@ -1161,10 +1161,13 @@ def test_an_older_dschats_output_that_no_change_since_reaches_is_skipped_saying_
     assert older_step_version(1, "step2_dpo", "state.json", "checkpoint", "") is not None  # (no record: said)
 
 
-def test_a_step3_output_of_version_1_trains_again_only_where_it_kept_an_ema(tmp_path):
+def test_a_step3_output_of_version_1_trains_again_only_where_it_kept_an_ema_or_masked_truncated_answers(tmp_path):
     """Step 3's --enable_ema average ticked on skipped optimizer steps too (fixed in 1828fe8, with no version bump): an
     older step-3 output with an EMA was skipped as this dschat's. Step 3's version is 2 now, and the change reaches
-    only an output that kept an EMA (or whose record cannot tell): one without --enable_ema is skipped, saying so."""
+    an output that kept an EMA, or ran with --mask_truncated_answers, whose steps of no token a version 1 from before
+    ba9774c took with zero gradients (Adam's momentum still moved the weights: the actor of such a run, tiny models,
+    4 iterations, differs from this dschat's by up to 8.9e-4), or whose record cannot tell: one without either is
+    skipped, saying so."""
     from dschat.steps.common import older_step_version
 
     assert STEP_VERSIONS["step3"] == 2
@@ -1176,14 +1179,18 @@ def test_a_step3_output_of_version_1_trains_again_only_where_it_kept_an_ema(tmp_
         record_file.write_text(json.dumps({**record, STEP_VERSION: 1}))
         return plan_steps([3], "ppo", str(tmp_path), {3: Namespace(**{**vars(FLAGS), **flags})})[3]
 
-    assert step3_of_version_1(enable_ema=False) == (
+    assert step3_of_version_1(enable_ema=False, mask_truncated_answers=True).action == FRESH
+    assert step3_of_version_1(enable_ema=False, mask_truncated_answers=False) == (
         SKIP, "its output is step_version 1 of step3 (2 now), which trained it as this dschat does: version 2 changed "
-              "--enable_ema's average (a skipped optimizer step no longer ticks it), which an output without "
-              "--enable_ema does not keep")
-    assert step3_of_version_1(enable_ema=True).why.endswith("is an older dschat's (step_version 1 of step3, 2 now: "
-                                                            "STEP_VERSIONS in dschat/steps/common.py says what "
-                                                            "changed), which may have trained it otherwise")
+              "--enable_ema's average (a skipped optimizer step no longer ticks it) and, within version 1, "
+              "--mask_truncated_answers' steps of no token (skipped, not taken with zero gradients), which an output "
+              "without --enable_ema and without --mask_truncated_answers does not meet")
+    assert step3_of_version_1(enable_ema=False).action == FRESH  # (no --mask_truncated_answers recorded: not told)
+    assert step3_of_version_1(enable_ema=True, mask_truncated_answers=False).why.endswith(
+        "is an older dschat's (step_version 1 of step3, 2 now: STEP_VERSIONS in dschat/steps/common.py says what "
+        "changed), which may have trained it otherwise")
     assert step3_of_version_1().action == FRESH  # (no --enable_ema recorded: not told)
     # without its record (a checkpoint's state keeps some flags only): every change said to reach it
     assert older_step_version(1, "step3", "state.json", "checkpoint", "") is not None
-    assert older_step_version(1, "step3", "state.json", "checkpoint", "", {"flags": {"enable_ema": False}}) is None
+    assert older_step_version(1, "step3", "state.json", "checkpoint", "",
+                              {"flags": {"enable_ema": False, "mask_truncated_answers": False}}) is None

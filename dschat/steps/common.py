@@ -373,8 +373,10 @@ REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path an
 #    of the whole optimizer step, all micro-batches and ranks; 1 took each micro-batch's own mean whatever the flag said
 #    (the same output without --rpo_alpha, or where --loss_agg weighs the term as that mean: STEP_VERSION_CHANGES)
 # step3 2: --enable_ema's average no longer ticks on an optimizer step skipped (fp16 overflow, --align_overflow,
-#    --mask_truncated_answers' steps of no token); 1 decayed it towards the unmoved weights once more (the same output
-#    without --enable_ema: STEP_VERSION_CHANGES)
+#    --mask_truncated_answers' steps of no token); 1 decayed it towards the unmoved weights once more. Version 1 also
+#    spans the no-token skip of --mask_truncated_answers (ba9774c, 0fcfa1d, 4ffe81f, none of them a bump): an older
+#    version 1 took an optimizer step of zero gradients there, which Adam's momentum still moves the weights by (the
+#    same output without --enable_ema and without --mask_truncated_answers: STEP_VERSION_CHANGES)
 # The rule ``train.py --resume`` keeps a finished output by: an older version, or none, trains the step again where a
 # change since reaches it (``STEP_VERSION_CHANGES``: a version with no entry reaches every output; the dschat without
 # a version is any of many, whose steps and data formats changed often); within this version, a flag added since with
@@ -414,10 +416,13 @@ def rpo_term_weighed_otherwise(record):
     return weighing is None or weighing != step1_loss_weighing({**flags, "loss_agg": "token_mean"}, ranks)
 
 
-def ema_trained(record):
-    """Whether step 3's version 2 reaches the run ``record``: it kept an --enable_ema average (or recorded no such
-    flag), which version 1 also ticked on skipped optimizer steps. (Whether a step was skipped is not recorded.)"""
-    return _recorded(record).get("enable_ema") is not False
+def ema_or_no_token_steps(record):
+    """Whether step 3's version 2 reaches the run ``record``: it kept an --enable_ema average, which version 1 also
+    ticked on skipped optimizer steps, or it ran with --mask_truncated_answers, whose steps of no token in the loss a
+    version 1 from before ba9774c (or 0fcfa1d, 4ffe81f where a step spans micro-batches) took with zero gradients
+    (either flag unrecorded: reached). Whether a step was skipped is not recorded."""
+    flags = _recorded(record)
+    return any(flags.get(name) is not False for name in ("enable_ema", "mask_truncated_answers"))
 
 
 STEP_VERSION_CHANGES = {
@@ -425,8 +430,11 @@ STEP_VERSION_CHANGES = {
                                     "mean)", rpo_term_weighed_otherwise,
                                     "which leaves an output without --rpo_alpha alike, or one whose --loss_agg weighs "
                                     "the term as that mean"),
-    ("step3", 2): VersionChange("--enable_ema's average (a skipped optimizer step no longer ticks it)", ema_trained,
-                                "which an output without --enable_ema does not keep"),
+    ("step3", 2): VersionChange("--enable_ema's average (a skipped optimizer step no longer ticks it) and, within "
+                                "version 1, --mask_truncated_answers' steps of no token (skipped, not taken with zero "
+                                "gradients)", ema_or_no_token_steps,
+                                "which an output without --enable_ema and without --mask_truncated_answers does not "
+                                "meet"),
 }
 
 
