@@ -16,6 +16,14 @@ def step_dirs(root):
     return root / "sft", root / "rm", root / "data"
 
 
+def saved_tensors(folder):
+    """Every tensor of the model files a step saved in ``folder`` (its subfolders too: step 3's actor and critic)."""
+    from safetensors.torch import load_file
+
+    return {f"{path.relative_to(folder)}:{name}": tensor for path in sorted(Path(folder).rglob("*.safetensors"))
+            for name, tensor in load_file(str(path)).items()}
+
+
 def spy_on_empty_query_rows(monkeypatch):
     """A list that gets, per call of torch's SDPA with a boolean mask, whether a query row of that mask sees no key
     (what cuDNN's backward turns into NaN; on the CPU it gives zeros, so outputs and gradients alone cannot tell a

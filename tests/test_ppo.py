@@ -14,7 +14,7 @@ from dschat.args import step1_parser, step3_parser
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
 from helpers import (PPO_FAST, RM_FAST, SFT_FAST, count_copy_refreshes, engines_alive, engines_made,
-                     spy_on_empty_query_rows)
+                     saved_tensors, spy_on_empty_query_rows)
 from launch import REPO, run_deepspeed
 
 
@@ -4815,3 +4815,18 @@ def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_without_it
     said = capsys.readouterr().out
     assert said.count("warning: the actor on RwkvForCausalLM generates from left-padded prompts otherwise") == 1
     assert "its recurrent layers read no attention mask" in said
+
+
+def test_the_flags_of_logs_and_evaluation_leave_step3s_weights_bit_for_bit(trained, tmp_path):
+    """``pipeline_resume.LOG_EVAL_FLAGS``: train.py --resume skips a finished step 3 given other values of them alone,
+    as they cannot change its weights. Measured with the hybrid engine and the actor's and critic's dropout on (a draw
+    from torch's global RNG, or from the rollouts' generator, in the greedy held-out evaluation would move the later
+    dropout masks or samples): three times the held-out prompts, every answer printed, and TensorBoard."""
+    flags = ["--max_steps", "3", "--enable_hybrid_engine", "--actor_dropout", "0.1", "--critic_dropout", "0.1"]
+    ppo.main(ppo_args(trained, tmp_path / "few", *flags, "--eval_prompts", "4"))
+    ppo.main(ppo_args(trained, tmp_path / "many", *flags, "--eval_prompts", "12", "--print_answers",
+                      "--print_answers_interval", "1", "--enable_tensorboard", "--tensorboard_path",
+                      str(tmp_path / "tb")))
+    few, many = saved_tensors(tmp_path / "few"), saved_tensors(tmp_path / "many")
+    assert few and few.keys() == many.keys()
+    assert [name for name in few if not torch.equal(few[name], many[name])] == []

@@ -16,7 +16,7 @@ from dschat.models import training_engine
 from dschat.models.reward_model import load_reward_model
 from dschat.steps import common, dpo, reward, sft
 from helpers import (RM_FAST, SFT_FAST, engines_alive, engines_made, fp16_flags, record_applied_steps,
-                     skip_without_fp16)
+                     saved_tensors, skip_without_fp16)
 from launch import REPO, WRITE_SEEN_AND_END, run_as_two_nodes, run_deepspeed
 
 
@@ -256,6 +256,20 @@ def test_the_eval_interval_curve_ends_with_the_final_evaluation(tmp_path, distri
     assert [e.step for e in curve] == [2, 4]
     assert curve[-1].value == pytest.approx(metrics["eval_loss"])
     assert [e.step for e in events.Scalars("step1/final/eval_loss")] == [4]
+
+
+def test_the_flags_of_logs_and_evaluation_leave_step1s_weights_bit_for_bit(tmp_path, distributed):
+    """``pipeline_resume.LOG_EVAL_FLAGS``: train.py --resume skips a finished step given other values of them alone, as
+    they cannot change its weights. Measured here with dropout on (a draw from torch's global RNG, say in an
+    evaluation, would move every later dropout mask): evaluations at every step over other batches, and TensorBoard,
+    against a single final evaluation. (Step 2 and DPO run the same loop, ``run_supervised_step``.)"""
+    flags = ["--data_output_path", str(tmp_path / "data"), "--max_steps", "4", "--dropout", "0.1", *SFT_FAST]
+    sft.main(["--output_dir", str(tmp_path / "once"), *flags, "--eval_interval", "0"])
+    sft.main(["--output_dir", str(tmp_path / "often"), *flags, "--eval_interval", "1", "--eval_iters", "3",
+              "--per_device_eval_batch_size", "7", "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb")])
+    once, often = saved_tensors(tmp_path / "once"), saved_tensors(tmp_path / "often")
+    assert once and once.keys() == often.keys()
+    assert [name for name in once if not torch.equal(once[name], often[name])] == []
 
 
 def test_every_tensorboard_events_file_of_a_run_holds_scalars(tmp_path, distributed):
