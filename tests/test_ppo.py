@@ -3528,6 +3528,21 @@ def test_text_prompts_are_said_to_need_tokenizing_not_a_mask():
         prompt_batch(torch.tensor([[5, 6]]))
 
 
+def test_an_ids_and_mask_pair_is_said_to_go_as_two_arguments():
+    """generate_experience((ids, mask)), the README's "(prompts, mask)" read as one tuple (or a TensorDataset's [ids,
+    mask] batch), was told to "tokenize texts first", though it was tokenized: it is now told to pass the two as
+    two arguments."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.trainer import prompt_batch
+
+    ids, mask = torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]])
+    for given in ((ids, mask), [ids, mask]):
+        with pytest.raises(UsageError, match=r"of two tensors; pass the token ids and their attention mask as two "
+                                             r"arguments, generate_experience\(prompts, mask\)"):
+            prompt_batch(given)
+    assert prompt_batch(ids, mask)["prompt"] is ids
+
+
 def test_a_ptx_actors_rollout_without_unsupervised_batches_is_refused(trained, tmp_path):
     """An engine built for PPO-ptx doubles the actor's accumulation (a PPO micro-step and a language-model one per
     micro-batch): a train_rollout without unsup_batches took no actor step on a rollout of one accumulation group,

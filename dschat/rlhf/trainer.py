@@ -179,6 +179,10 @@ def prompt_batch(prompts, mask=None):
     if isinstance(prompts, Mapping) and "prompt" not in prompts and "input_ids" in prompts:
         prompts, mask = prompts["input_ids"], prompts.get("attention_mask", mask)
     batch = dict(prompts) if isinstance(prompts, Mapping) else {"prompt": prompts, "prompt_att_mask": mask}
+    if is_ids_and_mask_in_one(prompts):  # (tokenized already: "tokenize texts first" misled)
+        raise UsageError(f"generate_experience: the prompts are a {type(prompts).__name__} of two tensors; pass the "
+                         "token ids and their attention mask as two arguments, generate_experience(prompts, mask), "
+                         "or a tokenizer's output")
     if not torch.is_tensor(batch.get("prompt")):  # (before the mask: a list of texts was said to lack its mask)
         raise UsageError(f"generate_experience: the prompts are a {type(batch.get('prompt')).__name__}, not a tensor "
                          "of token ids; tokenize texts first: tokenizer(texts, return_tensors='pt', padding=True) with "
@@ -188,6 +192,11 @@ def prompt_batch(prompts, mask=None):
                          "mask (or a batch with prompt_att_mask, or a tokenizer's output with attention_mask)")
     check_prompt_shapes(batch["prompt"], batch["prompt_att_mask"])
     return batch
+
+
+def is_ids_and_mask_in_one(prompts):
+    """Whether ``prompts`` is a (ids, mask) pair of tensors, as a tuple or a list (a TensorDataset's batch)."""
+    return isinstance(prompts, (tuple, list)) and len(prompts) == 2 and all(map(torch.is_tensor, prompts))
 
 
 def check_prompt_shapes(prompts, mask):
