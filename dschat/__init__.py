@@ -28,4 +28,9 @@ def __getattr__(name):
     raise AttributeError(f"module 'dschat' has no attribute {name!r}")
 
 
+def __dir__():
+    # (the lazy names too: a notebook's tab completion, dir(dschat), listed none of the README's imports)
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = sorted(_LAZY)

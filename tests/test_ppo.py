@@ -808,6 +808,14 @@ def test_invalid_pad_to_multiple_of_is_a_clear_error(trained, tmp_path):
         _engine_and_trainer(trained, tmp_path, pad_to_multiple_of=0)
 
 
+def test_dir_of_the_package_lists_its_lazily_loaded_names():
+    """dir(dschat), which a notebook's tab completion reads, listed none of the README's imports (they load lazily,
+    through the module's __getattr__), so `dschat.<Tab>` offered nothing but __version__."""
+    import dschat
+
+    assert set(dschat.__all__) <= set(dir(dschat)) and "__version__" in dir(dschat)
+
+
 def test_deepspeed_chat_positional_form(trained, tmp_path):
     """DeepSpeed-Chat's module paths and positional arguments."""
     import dschat
