@@ -901,3 +901,20 @@ def test_a_save_to_disk_copy_under_a_hub_name_without_its_splits_is_an_error_nam
     # a train-only dataset's copy needs its train split alone
     DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk("Dahoas/synthetic-instruct-gptj-pairwise")
     assert len(get_raw_dataset("Dahoas/synthetic-instruct-gptj-pairwise", None, 0, -1).get_eval_data()) == 1
+
+
+def test_a_run_folder_whose_interrupted_step_saved_no_model_yet_names_that_step(tmp_path):
+    """chat.py / eval.py given the folder of a train.py run interrupted in its first step 1 said "no model in this
+    folder: expected ... holding one of ..., step1_sft" while step1_sft stood there (its training_args.json, no model
+    yet); the error now names that folder and why it has no model. A step folder given itself says the same."""
+    step1 = tmp_path / "step1_sft"
+    step1.mkdir()
+    (step1 / "training_args.json").write_text("{}")
+    said = rf"; {re.escape(str(step1))} holds no model yet: its step was interrupted, or is still training"
+    for given in (tmp_path, step1):
+        with pytest.raises(MissingInputError, match=rf"no model in this folder: .*{said}"):
+            find_policy_path(str(given))
+    (step1 / "metrics.json").write_text("{}")  # (a finished step whose model was removed: not said to be training)
+    with pytest.raises(MissingInputError, match="no model in this folder") as refused:
+        find_policy_path(str(tmp_path))
+    assert "holds no model yet" not in str(refused.value)

@@ -80,7 +80,8 @@ def _model_folder(path, subfolders, reported=None):
             return candidate
     if os.path.isdir(path) and not_a_model_folder(path):
         raise MissingInputError(not_a_model_folder(path, "a model folder (config.json) or a train.py output folder "
-                                                         f"holding one of {', '.join(subfolders)}"))
+                                                         f"holding one of {', '.join(subfolders)}")
+                                + steps_without_a_model_yet(path, subfolders))
     if not os.path.exists(path) and looks_local(path):
         raise MissingInputError(missing_folder_message(path))  # ("did you mean ...?" for a mistyped step folder)
     if unknown := unknown_tiny_preset(path):  # (not a minute of hub retries offline, then the hub's error)
@@ -88,6 +89,17 @@ def _model_folder(path, subfolders, reported=None):
     if unfetchable := unfetchable_hub_name(path):  # (a mistyped hub name, the hub unreachable: likewise)
         raise MissingInputError(unfetchable)
     return path
+
+
+def steps_without_a_model_yet(path, subfolders):
+    """"; ..." naming each step folder, ``path`` itself or the one of each of ``subfolders``, that a step's
+    unfinished first run left without a model (its training_args.json, no model saved yet), else "": an interrupted
+    train.py's run folder was said to hold none of them while its step1_sft stood there."""
+    step_folders = [path] + [os.path.join(path, sub.split("/")[0]) for sub in subfolders if sub != ACTOR_DIR]
+    waiting = [folder for folder in dict.fromkeys(step_folders) if unfinished_reason(folder)]
+    return "".join(f"; {folder} holds no model yet: its step was interrupted, or is still training (--resume, "
+                   "train.py's or the step's, continues it from its last checkpoint where it saved one)"
+                   for folder in waiting)
 
 
 def find_policy_path(path):
