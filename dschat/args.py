@@ -517,10 +517,18 @@ def step2_parser():
     return p
 
 
+# Step 1's flags that DPO's parser keeps (so their error says why) but refuses: its log-probs cover the answers only
+DPO_REFUSED_STEP1_FLAGS = ("include_prompt_in_loss", "multiturn")
+
+
 def step2_dpo_parser():
     """DeepSpeed-Chat's step2_dpo_finetuning: step 1's flags (the policy trains like the SFT model) plus DPO's."""
     p = step1_parser()
     p.description = "Step 2 (DPO): direct preference optimization of the SFT model on preference pairs."
+    for action in p._actions:  # (their step-1 help said they train more tokens; DPO's --help listed that)
+        if action.dest in DPO_REFUSED_STEP1_FLAGS:
+            action.help = ("Step 1's flag, an error here: DPO compares the final answers, so its log-probs cover "
+                           "their tokens only.")
     g = p.add_argument_group("DPO")
     g.add_argument("--beta", type=float, default=0.1,
                    help="Temperature of the implicit reward beta * (log pi - log pi_ref); higher keeps the "

@@ -120,6 +120,17 @@ def test_dpo_step_rejects_bad_flags_before_building_anything(argv):
         dpo.DPOStep(step2_dpo_parser().parse_args(argv))
 
 
+def test_dpo_help_says_the_step1_flags_it_refuses_are_errors():
+    """DPO's --help listed step 1's --include_prompt_in_loss ("Train on prompt tokens too") and --multiturn ("Train on
+    every assistant turn") with their step-1 help, while DPO refuses both: its help now says so; step 1's is kept."""
+    from dschat.args import step1_parser
+
+    dpo_help = {action.dest: action.help for action in step2_dpo_parser()._actions}
+    step1_help = {action.dest: action.help for action in step1_parser()._actions}
+    for flag in ("include_prompt_in_loss", "multiturn"):
+        assert dpo_help[flag].startswith("Step 1's flag, an error here") and step1_help[flag].startswith("Train on")
+
+
 # --- answer-only log-probs ---
 
 def test_response_log_probs_sum_answer_tokens_only():

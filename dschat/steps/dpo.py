@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from dschat.args import step2_dpo_parser, step_settings
+from dschat.args import DPO_REFUSED_STEP1_FLAGS, step2_dpo_parser, step_settings
 from dschat.data.collators import first_answer_position
 from dschat.data.samplers import eval_weights
 from dschat.errors import UsageError
@@ -85,7 +85,7 @@ def chosen_answer_tokens(batch):
 def check_dpo_flags(args):
     """DPO's flags, and step 1's it shares a parser with but cannot use (train.py checks them before step 1 runs)."""
     check_dpo_params(args.beta, args.label_smoothing)
-    for flag in ("include_prompt_in_loss", "multiturn"):
+    for flag in DPO_REFUSED_STEP1_FLAGS:
         if getattr(args, flag, False):
             raise UsageError(f"--{flag} is a step-1 flag: DPO compares the final answers, so its log-probs "
                              "cover their tokens only")
