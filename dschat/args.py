@@ -582,7 +582,8 @@ def namespace_with_defaults(parser, overrides=None):
     DeepSpeed-Chat namespace holds both ``deepspeed_config=None`` and ``deepscale_config="ds.json"``). Keys that
     name no flag are an error in a dict (a typo would otherwise be a silent default; those starting with "_",
     dschat's own attributes of a namespace copied with ``vars``, are left out); an object's are kept and
-    listed once (a DeepSpeed-Chat namespace carries its own, e.g. ``global_rank``). A None for a flag with a default,
+    listed once (a DeepSpeed-Chat namespace carries its own, e.g. ``global_rank``). A dict that gives one flag other
+    values under two of its names is an error too (``check_one_value_per_flag``). A None for a flag with a default,
     a dict's or an object's, leaves the default (``_none_for_a_default``)."""
     args = parser.parse_args([])
     if overrides is None:
@@ -597,6 +598,8 @@ def namespace_with_defaults(parser, overrides=None):
     unknown = sorted(key for key in items if key not in by_name)
     if unknown and isinstance(overrides, dict):
         raise UsageError(f"unknown setting(s) {unknown}: they name no flag (see the step's --help)")
+    if isinstance(overrides, dict):
+        check_one_value_per_flag(parser, by_name, items)
     if unknown and tuple(unknown) not in _REPORTED_UNKNOWN:
         _REPORTED_UNKNOWN.add(tuple(unknown))
         print(f"[dschat] args: {unknown} name no flag; kept as attributes, not used by dschat")
@@ -612,6 +615,26 @@ def namespace_with_defaults(parser, overrides=None):
 
 
 _REPORTED_UNKNOWN = set()
+
+
+def check_one_value_per_flag(parser, by_name, settings):
+    """A dict of ``settings`` that gives one flag other values under two of its names, neither its default
+    (``per_device_generation_batch_size=4`` and DeepSpeed-Chat's ``per_device_train_batch_size=8``; ``actor_dropout``
+    and ``disable_actor_dropout``) is an error, as the command line refuses a flag given twice: one of them won,
+    unsaid. (One left at its default, as a copy of ``vars(engine.args)`` holds them, leaves the other to win.)"""
+    values, defaults = {}, vars(parser.parse_args([]))
+    for key, value in settings.items():
+        action = by_name[key]
+        if _none_for_a_default(parser, action, value):  # (unset: the default)
+            continue
+        trial = argparse.Namespace(**defaults)
+        _set_from_option(trial, action, key, value)
+        if getattr(trial, action.dest) != parser.get_default(action.dest):
+            values.setdefault(action.dest, {})[key] = getattr(trial, action.dest)
+    for keys in values.values():
+        if len({repr(value) for value in keys.values()}) > 1:
+            given = ", ".join(f"{key}={settings[key]!r}" for key in keys)
+            raise UsageError(f"{given}: one setting given other values under {len(keys)} of its names; give it once")
 
 
 def _none_for_a_default(parser, action, value):

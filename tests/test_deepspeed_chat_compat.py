@@ -217,6 +217,24 @@ def test_notebook_settings_mean_what_the_flags_mean():
         step3_args("max_prompt_seq_len=16 enable_hybrid_engine=True")
 
 
+def test_a_dict_giving_one_flag_other_values_under_two_names_is_an_error():
+    """{"per_device_generation_batch_size": 4, "per_device_train_batch_size": 8} (dschat's name and DeepSpeed-Chat's)
+    ran with 8 whatever the order, unsaid, where the command line refuses the flag given twice; it is now an error
+    naming both. A name left at its default (a copy of vars(engine.args)) or given the same value still reads."""
+    from dschat.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"per_device_generation_batch_size=4, per_device_train_batch_size=8: one "
+                                         r"setting given other values under 2 of its names; give it once"):
+        step3_args({"per_device_generation_batch_size": 4, "per_device_train_batch_size": 8})
+    with pytest.raises(UsageError, match="actor_dropout=0.1, disable_actor_dropout=True: one setting"):
+        step3_args({"actor_dropout": 0.1, "disable_actor_dropout": True})
+    copied = {**vars(step3_args({})), "per_device_train_batch_size": 8}  # (its per_device_generation_batch_size: 16)
+    assert step3_args(copied).per_device_generation_batch_size == 8
+    assert step3_args({"actor_dropout": 0.0, "disable_actor_dropout": True}).actor_dropout == 0.0
+    assert step3_args({"per_device_train_batch_size": None, "per_device_generation_batch_size": 4}) \
+        .per_device_generation_batch_size == 4
+
+
 def test_deepspeed_chats_step3_namespace_with_its_none_defaults_sets_up_a_run(distributed):
     """DeepSpeed-Chat's step-3 parser defaults --seed and --output_dir to None: its namespace given to
     DeepSpeedRLHFEngine kept them, and the engine's set-up failed in ``set_seed(None)`` with a TypeError."""
