@@ -550,6 +550,27 @@ def test_a_dtype_the_accelerator_cannot_train_in_is_a_flag_error(step, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_an_evaluation_tools_held_out_prompts_load_in_a_dtype_the_accelerator_cannot_train_in(tmp_path, distributed,
+                                                                                            monkeypatch):
+    """eval.py --dtype fp16 on a CPU (or its default bf16 on a GPU without it) stopped with "--dtype fp16: DeepSpeed's
+    cpu accelerator cannot train in it", though it trains nothing (chat.py generated in fp16 there): its held-out
+    prompts went through step 3's training set-up. A held-out-only loader no longer checks the training precision;
+    step 3's own prompts still do."""
+    from deepspeed.accelerator import get_accelerator
+
+    from dschat.errors import UsageError
+    from dschat.steps.ppo import prompt_loaders
+    from dschat.tiny import load_tiny_tokenizer
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
+    args = {"dtype": "fp16", "data_split": "4,4,2", "data_output_path": str(tmp_path / "data")}
+    tokenizer = load_tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    assert len(prompt_loaders(args, tokenizer, held_out_only=True)[1].dataset) > 0
+    with pytest.raises(UsageError, match="--dtype fp16: DeepSpeed's cpu accelerator cannot train in it"):
+        prompt_loaders(args, tokenizer)
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size: expected a positive integer, got 0"),
     (["--gradient_accumulation_steps", "-1"], "--gradient_accumulation_steps: expected a positive integer, got -1"),

@@ -25,13 +25,15 @@ from dschat.utils.files import check_writable_folder, read_json_object, write_js
 from dschat.utils.optim import optimizer_step, skipped_steps
 
 
-def setup_run(args):
-    """Distributed init, seeds and the device; returns the device."""
+def setup_run(args, trains=True):
+    """Distributed init, seeds and the device; returns the device. ``trains=False``: nothing trains (an evaluation
+    tool's held-out prompts), so --dtype is no training precision the accelerator must support."""
     from transformers import set_seed
 
     from dschat.args import step_flag_dests
 
-    check_dtype_supported(args.dtype)
+    if trains:
+        check_dtype_supported(args.dtype)
     ensure_distributed()
     device = local_device()
     check_same_on_every_rank({name: value for name, value in vars(args).items() if name in step_flag_dests()}, device)

@@ -39,7 +39,7 @@ def prompt_loaders(args, tokenizer, held_out_only=False):
     from dschat.data import DataCollatorRLHF, create_prompt_dataset, get_eot_token
 
     args = step3_args(args)
-    setup_run(args)
+    setup_run(args, trains=not held_out_only)  # (eval.py --dtype fp16 on a CPU, bf16 on a V100: it only generates)
     take_data_files(args)
     train, held_out = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
