@@ -353,36 +353,43 @@ def check_step_args(steps, args, tiny, parsers):
 
 
 def check_hub_data_at_hand(args, parsed):
-    """Where the hub cannot be reached (HF_HUB_OFFLINE, or dschat's probe), each hub dataset the steps read (``parsed``:
-    step -> its flags; step 3's --unsupervised_dataset_name too) is loaded from datasets' cache before step 1 runs
-    (rank 0): one the cache lacked was an error only once a step reached its data, naming the step's --data_path
-    rather than the flag that gave it (train.py's --data-path, or --step3-args --unsupervised_dataset_name). With the
-    hub at hand nothing is loaded here: a step downloads what it reads as it starts."""
+    """Each hub dataset the steps read (``parsed``: step -> its flags; step 3's --unsupervised_dataset_name too) is
+    loaded before step 1 runs (rank 0), as its step loads it, where that needs no hub: a local copy under its name
+    (./Dahoas/rm-static) always, and, where the hub cannot be reached (HF_HUB_OFFLINE, or dschat's probe), the others
+    from the caches. A copy without its reader's splits, or a dataset the caches lacked, was an error only once a
+    step reached its data, after the earlier steps had trained, naming the step's --data_path rather than the flag
+    that gave it (train.py's --data-path, or --step3-args --unsupervised_dataset_name). With the hub at hand no hub
+    read is made here: a step downloads what it reads as it starts."""
     from dschat.data import unsupervised
-    from dschat.data.raw_datasets import get_raw_dataset, reads_the_hub
+    from dschat.data.raw_datasets import get_raw_dataset, is_local_hub_copy, reads_the_hub
     from dschat.models.loading import hub_unavailable
 
     # hub dataset (and config) -> how its step loads it, its error naming the flag that gave it (the first step's)
-    loads = {}
+    loads, copies = {}, {}  # (copies: those under the name's path, read with the hub at hand too)
     for step, flags in parsed.items():
         for dest in ("data_path", "sft_only_data_path"):
             for spec in getattr(flags, dest, None) or []:
-                if reads_the_hub(spec):  # (as its step loads it: datasets' cache, else a download in the hub cache)
-                    loads.setdefault((spec,), functools.partial(get_raw_dataset, spec, None, 0, -1,
-                                                                flag=data_flag_of(step, args, dest)))
+                # (as its step loads it: the copy, else datasets' cache, else a download in the hub cache)
+                load = functools.partial(get_raw_dataset, spec, None, 0, -1, flag=data_flag_of(step, args, dest))
+                if is_local_hub_copy(spec):
+                    copies.setdefault(spec, load)
+                elif reads_the_hub(spec):
+                    loads.setdefault((spec,), load)
         name = getattr(flags, "unsupervised_dataset_name", None)  # (step 3's PPO-ptx data)
         if unsupervised.reads_the_hub(name):
             config = flags.unsupervised_dataset_config_name
             loads.setdefault((name, config), functools.partial(unsupervised.load_hub_train, name, config,
                                                                f"--step{step}-args --unsupervised_dataset_name"))
 
-    def found_in_the_cache(load):
+    def read(load):
         load()  # (its error names the flag)
         return True  # (not the data: rank_0_decides sends what it returns to every rank)
 
+    for load in copies.values():
+        rank_0_decides(lambda: read(load))
     if loads and rank_0_decides(hub_unavailable):
         for load in loads.values():
-            rank_0_decides(lambda: found_in_the_cache(load))
+            rank_0_decides(lambda: read(load))
 
 
 def data_flag_of(step, args, dest):

@@ -2491,6 +2491,40 @@ def test_train_py_reads_a_hub_datasets_download_in_the_hub_cache_offline_before_
         pipeline.run_pipeline(args)
 
 
+def test_train_py_finds_a_broken_local_copy_under_a_hub_name_before_step_1(tmp_path, distributed, monkeypatch):
+    """A download of Dahoas/rm-static at ./Dahoas/rm-static without its test split, given to step 2 alone: the
+    pre-flight loaded hub data only, so the copy's error came when step 2 loaded it, after step 1 had trained. It is
+    read by its reader (get_raw_dataset, as step 2 reads it) before step 1 runs, its error naming step 2's flag."""
+    import runpy
+
+    import pandas as pd
+
+    from dschat import pipeline
+    from dschat.data.errors import DatasetFormatError
+
+    class Ran(Exception):
+        pass
+
+    def write_split(split):
+        pd.DataFrame([{"prompt": "\n\nHuman: Hi?\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+                       "rejected": " No."}] * 4).to_parquet(tmp_path / "Dahoas" / "rm-static" / "data" /
+                                                            f"{split}-00000-of-00001.parquet")
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Dahoas" / "rm-static" / "data").mkdir(parents=True)
+    write_split("train")
+    monkeypatch.setattr(sft, "main", lambda argv: (_ for _ in ()).throw(Ran()))
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"](["--step", "1", "2", "--output-dir",
+                                                                 str(tmp_path / "out"), "--step2-args",
+                                                                 "--data_path Dahoas/rm-static"])
+    with pytest.raises(DatasetFormatError, match=r"^--step2-args --data_path Dahoas/rm-static: the download here "
+                                                 r"holds the split train, not test"):
+        pipeline.run_pipeline(args)
+    write_split("test")  # (a whole copy passes, and step 1 runs)
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(args)
+
+
 def test_train_py_finds_step_3s_hub_unsupervised_data_the_offline_cache_lacks_before_step_1(tmp_path, distributed,
                                                                                              monkeypatch):
     """train.py --step3-args '--unsupervised_dataset_name wikitext' offline (an empty datasets cache): the pre-flight
