@@ -294,10 +294,9 @@ def test_unsupervised_local_file_needs_a_text_field(tmp_path, tokenizer):
 def test_a_mistyped_or_empty_unsupervised_file_is_named_not_looked_up_on_the_hub(tmp_path, tokenizer, monkeypatch):
     from datasets import Dataset
 
-    from dschat.data import unsupervised
     from dschat.errors import MissingInputError
 
-    monkeypatch.setattr(unsupervised, "load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
+    monkeypatch.setattr("dschat.data.base.load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
     with pytest.raises(MissingInputError, match=r"--unsupervised_dataset_name .*unsupp.txt: unsupervised data file "
                                                 r"not found"):
         get_unsupervised_data(unsupervised_args(str(tmp_path / "unsupp.txt")), tokenizer)
@@ -316,7 +315,7 @@ def test_a_compressed_unsupervised_file_is_read_by_its_inner_extension_not_looke
 
     from dschat.data import unsupervised
 
-    monkeypatch.setattr(unsupervised, "load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
+    monkeypatch.setattr("dschat.data.base.load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
     text = tmp_path / "corpus.txt.gz"
     text.write_bytes(gzip.compress("".join(f"document {i} has some words in it\n" for i in range(40)).encode()))
     train, column = unsupervised.load_unsupervised_train(str(text))
@@ -360,9 +359,7 @@ def test_unsupervised_json_text_that_reads_as_json_stays_text_and_the_bad_record
 
 def test_unsupervised_csv_and_parquet_files_are_read_as_local_files(tmp_path, tokenizer, monkeypatch):
     """A .csv or .parquet path was looked up on the hub: "not in the datasets cache, and the hub cannot be reached"."""
-    from dschat.data import unsupervised
-
-    monkeypatch.setattr(unsupervised, "load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
+    monkeypatch.setattr("dschat.data.base.load_hub_dataset", lambda *a, **k: pytest.fail("looked up on the hub"))
     docs = [f"line {i} of plain text here" for i in range(20)]
     (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n")
     expected = get_unsupervised_data(unsupervised_args(str(tmp_path / "docs.txt")), tokenizer)
@@ -423,7 +420,6 @@ def test_the_unsupervised_data_record_says_which_content_or_hub_revision_was_rea
 
     from datasets import Dataset
 
-    from dschat.data import unsupervised
     from dschat.data.unsupervised import changed_unsupervised_data, unsupervised_data_record
 
     text = tmp_path / "docs.txt"
@@ -440,7 +436,7 @@ def test_the_unsupervised_data_record_says_which_content_or_hub_revision_was_rea
     assert unsupervised_data_record(str(tmp_path / "saved")) == before and before["files"]
 
     revisions = {"now": Dataset.from_dict({"text": ["revision one"] * 8})}
-    monkeypatch.setattr(unsupervised, "load_hub_dataset", lambda *a, **k: revisions["now"])
+    monkeypatch.setattr("dschat.data.base.load_hub_dataset", lambda *a, **k: revisions["now"])
     saved = get_unsupervised_data(unsupervised_args("wikitext"), tokenizer).data_record
     assert saved == unsupervised_data_record("wikitext") and saved["files"] == {}
     revisions["now"] = Dataset.from_dict({"text": ["revision two"] * 8})
@@ -506,6 +502,47 @@ def test_a_hub_dataset_not_in_the_cache_offline_says_so(monkeypatch, tokenizer):
     with pytest.raises(MissingInputError, match=r"--data_path Dahoas/rm-static: not in the datasets cache, and "
                                                 r"HF_HUB_OFFLINE is set, so the hub is not asked; download it where"):
         get_raw_dataset("Dahoas/rm-static", "/tmp/unused", 0, 0)
+
+
+def test_unsupervised_hub_data_downloaded_into_the_hub_cache_is_read_offline(tmp_path, monkeypatch, tokenizer, capsys):
+    """--unsupervised_dataset_name wikitext --unsupervised_dataset_config_name wikitext-2-raw-v1 offline, downloaded
+    with `hf download --repo-type dataset wikitext` (no --local-dir: the hub cache, which datasets does not read
+    offline): it was "not in the datasets cache, and HF_HUB_OFFLINE is set", where the prompt data's download there is
+    read. The config's folder of the download is read now (its train split, shards as one), and said."""
+    import pandas as pd
+    from huggingface_hub import constants
+
+    from dschat.data.unsupervised import unsupervised_data_record
+    from dschat.errors import MissingInputError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "datasets--wikitext"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    config = snapshot / "wikitext-2-raw-v1"
+    config.mkdir(parents=True)
+    for shard in range(2):
+        pd.DataFrame({"text": [f"Document {shard}.{i} of the wiki text." for i in range(6)]}).to_parquet(
+            config / f"train-0000{shard}-of-00002.parquet")
+    pd.DataFrame({"text": ["A test document."]}).to_parquet(config / "test-00000-of-00001.parquet")
+    args = unsupervised_args("wikitext", unsupervised_dataset_config_name="wikitext-2-raw-v1")
+    data = get_unsupervised_data(args, tokenizer)
+    documents = [f"Document {shard}.{i} of the wiki text." for shard in range(2) for i in range(6)]
+    assert len(data) == sum(len(tokenizer(d)["input_ids"]) + 1 for d in documents) // 10
+    assert f"--unsupervised_dataset_name wikitext: not in the datasets cache, read from its download in the hub " \
+           f"cache, {config}" in capsys.readouterr().out
+    assert list(unsupervised_data_record("wikitext", "wikitext-2-raw-v1")["hub"]) == ["wikitext"]
+    # a download without a train split says so; one without the config's files is not in the cache, as before
+    for path in config.glob("train-*"):
+        path.unlink()
+    with pytest.raises(DatasetFormatError, match=rf"^--unsupervised_dataset_name wikitext: the download in the hub "
+                                                 rf"cache \({re.escape(str(config))}\) holds the split test, not "
+                                                 rf"train"):
+        get_unsupervised_data(args, tokenizer)
+    with pytest.raises(MissingInputError, match=r"^--unsupervised_dataset_name wikitext: not in the datasets cache"):
+        get_unsupervised_data(unsupervised_args("wikitext", unsupervised_dataset_config_name="wikitext-103-v1"),
+                              tokenizer)
 
 
 def test_an_unsupervised_record_without_text_is_named_not_a_tokenizer_traceback(tmp_path, tokenizer):

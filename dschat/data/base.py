@@ -48,11 +48,12 @@ def load_hub_dataset(name, flag, *args, **kwargs):
                                 f"without the hub, give a local file or a folder written by save_to_disk") from err
 
 
-def hub_cache_download(name):
+def hub_cache_download(name, config_name=None):
     """The folder of the hub dataset ``name``'s download in the hub cache (``hf download --repo-type dataset NAME``
-    without --local-dir: HF_HUB_CACHE/datasets--ORG--NAME/snapshots/COMMIT, its main revision) where it holds split
-    files dschat reads (``local._hub_split_files``), else None. datasets reads only its own cache offline: such a
-    download was "not in the datasets cache", while the folder's path read as local data."""
+    without --local-dir: HF_HUB_CACHE/datasets--ORG--NAME/snapshots/COMMIT, its main revision; with ``config_name``,
+    that config's folder in it, as Salesforce/wikitext's wikitext-2-raw-v1/train-00000-of-00002.parquet) where it
+    holds split files dschat reads (``local._hub_split_files``), else None. datasets reads only its own cache offline:
+    such a download was "not in the datasets cache", while the folder's path read as local data."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -62,7 +63,28 @@ def hub_cache_download(name):
         folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
     except LocalEntryNotFoundError:
         return None
+    folder = os.path.join(folder, config_name) if config_name else folder
     return folder if _hub_split_files(folder) else None
+
+
+def load_hub_dataset_else_download(name, flag, read_download, config_name=None, **kwargs):
+    """``load_hub_dataset(name, flag, config_name, **kwargs)``; where datasets cannot load it (its cache lacks it, and
+    the hub is out of reach), ``read_download(folder, copy)`` of its download in the hub cache (``hub_cache_download``;
+    ``copy``: it as errors say it), said on stdout. A hub that answered, and failed, is its error to say. The prompt
+    datasets' readers and step 3's --unsupervised_dataset_name read hub data so."""
+    try:
+        return load_hub_dataset(name, flag, *([config_name] if config_name else []), **kwargs)
+    except MissingInputError:
+        from dschat.models.loading import hub_unavailable
+
+        snapshot = hub_unavailable() and hub_cache_download(name, config_name)
+        if not snapshot:
+            raise
+    from dschat.utils.dist import print_rank_0
+
+    print_rank_0(f"[dschat.data] {given_as(flag, name)}: not in the datasets cache, read from its download in the hub "
+                 f"cache, {snapshot}")
+    return read_download(snapshot, f"the download in the hub cache ({snapshot})")
 
 
 def splits_said(names):
@@ -104,23 +126,11 @@ class PromptRawDataset:
 
     def load(self):
         """The hub dataset; a folder at the path of its name is a local copy of it (``local_copy``). Where datasets
-        cannot load it (its cache lacks it, and the hub is out of reach), its download in the hub cache
-        (``hub_cache_download``) is read as a copy too."""
+        cannot load it (its cache lacks it, and the hub is out of reach), its download in the hub cache is read as a
+        copy too (``load_hub_dataset_else_download``)."""
         if os.path.isdir(self.dataset_name):
             return self.local_copy()
-        try:
-            return load_hub_dataset(self.dataset_name, self.flag)
-        except MissingInputError:
-            from dschat.models.loading import hub_unavailable
-
-            snapshot = hub_unavailable() and hub_cache_download(self.dataset_name)
-            if not snapshot:  # (a hub that answered, and failed, is its error to say)
-                raise
-        from dschat.utils.dist import print_rank_0
-
-        print_rank_0(f"[dschat.data] {given_as(self.flag, self.dataset_name)}: not in the datasets cache, read from "
-                     f"its download in the hub cache, {snapshot}")
-        return self.downloaded_copy(snapshot, f"the download in the hub cache ({snapshot})")
+        return load_hub_dataset_else_download(self.dataset_name, self.flag, self.downloaded_copy)
 
     def splits_read(self):
         """The splits this reader reads: train, and its ``eval_split``."""

@@ -12,8 +12,8 @@ the data report as the prompt data's skipped records are.
 import os
 import re
 
-from dschat.errors import MissingInputError
-from .base import load_hub_dataset
+from dschat.errors import MissingInputError, given_as
+from .base import load_hub_dataset_else_download, splits_said
 from .errors import DatasetFormatError
 from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, check_not_compressed, compressed_with,
                     data_spec_where, file_digest, load_content_keyed, load_file, not_utf8_error, only_blank_lines,
@@ -216,9 +216,20 @@ def _without_line_start_marks(lines):
 
 
 def load_hub_train(name, config_name=None, flag="--unsupervised_dataset_name"):
-    """The train split of the hub dataset ``name`` (``config_name``'s), as step 3 reads it; an error names ``flag``
-    (train.py's pre-flight: the --step3-args that gave it)."""
-    return load_hub_dataset(name, flag, config_name, split="train")
+    """The train split of the hub dataset ``name`` (``config_name``'s), as step 3 reads it: from datasets' cache, else,
+    offline, from its download in the hub cache (``load_hub_dataset_else_download``, as the prompt data's); an error
+    names ``flag`` (train.py's pre-flight: the --step3-args that gave it)."""
+    def downloaded_train(folder, copy):  # (its shards read as one, as a --data_path folder's are)
+        from .local import _hub_split_files, hub_download_split
+
+        splits = _hub_split_files(folder)
+        if "train" not in splits:
+            raise DatasetFormatError(f"{given_as(flag, name)}: {copy} holds {splits_said(splits)}, not train, which "
+                                     "unsupervised data reads: download all its files (hf download --repo-type "
+                                     f"dataset {name}), or give its train file as --unsupervised_dataset_name")
+        return hub_download_split(given_as(flag, name), "train", splits["train"])
+
+    return load_hub_dataset_else_download(name, flag, downloaded_train, config_name, split="train")
 
 
 def reads_the_hub(name):
