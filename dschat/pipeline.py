@@ -919,6 +919,7 @@ def held_out_rule_scores(args, dpo_flags=None):
     policy that ends them at once scores 0, unexplained by the mean). The prompts are loaded once for both policies
     (DPO keeps its SFT model's tokenizer). Every rank evaluates its share of the prompts (the means are over all
     ranks)."""
+    from dschat.models.loading import stop_token_ids
     from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
     from dschat.steps.ppo import held_out_loader_once
     from dschat.tools.common import load_policy
@@ -936,8 +937,8 @@ def held_out_rule_scores(args, dpo_flags=None):
                                             "data_output_path": os.path.join(args.output_dir, "data_cache")},
                                            tokenizer, loaders)
         result = evaluate_policy(hf_generate(model, tokenizer), None, tokenizer, held_out, model.device,
-                                 step3.max_answer_seq_len,
-                                 rule_scorer_for(data["data_path"]))
+                                 step3.max_answer_seq_len, rule_scorer_for(data["data_path"]),
+                                 eos_token_id=stop_token_ids(model, tokenizer))  # (as eval.py and step 3 stop)
         scores[name] = {"rule_score": result["rule_score_mean"], "prompts": result["prompts"],
                         "empty_answers": result["empty_answers"]}
     return scores

@@ -435,8 +435,9 @@ def test_the_dpo_reports_rule_scores_are_on_phase_3_of_the_dpo_steps_own_split(t
     monkeypatch.setattr(dpo, "main", fake_dpo)
     from types import SimpleNamespace
 
-    monkeypatch.setattr("dschat.tools.common.load_policy",
-                        lambda path, device, add_eot_token: (SimpleNamespace(device=device), None))
+    monkeypatch.setattr("dschat.tools.common.load_policy",  # (a tokenizer with an EOS: answers stop at it)
+                        lambda path, device, add_eot_token: (SimpleNamespace(device=device),
+                                                             SimpleNamespace(eos_token_id=2)))
     monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
     splits = []
 
@@ -478,8 +479,9 @@ def test_the_dpo_reports_rule_scores_are_on_the_dpo_steps_own_data_path(tmp_path
         (tmp_path / "out" / "step2_dpo" / "metrics.json").write_text("{}")
 
     monkeypatch.setattr(dpo, "main", fake_dpo)
-    monkeypatch.setattr("dschat.tools.common.load_policy",
-                        lambda path, device, add_eot_token: (SimpleNamespace(device=device), None))
+    monkeypatch.setattr("dschat.tools.common.load_policy",  # (a tokenizer with an EOS: answers stop at it)
+                        lambda path, device, add_eot_token: (SimpleNamespace(device=device),
+                                                             SimpleNamespace(eos_token_id=2)))
     monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
     read = []
     monkeypatch.setattr("dschat.steps.ppo.held_out_loader_once",
@@ -505,7 +507,7 @@ def test_the_dpo_reports_rule_scores_read_the_prompts_with_the_dpo_runs_data_fla
                                                "--add_eot_token", "--data_split", "2,4,4", "--seed", "7"])
     loaded, read = [], []
     monkeypatch.setattr("dschat.tools.common.load_policy", lambda path, device, add_eot_token=False: (
-        loaded.append(add_eot_token) or SimpleNamespace(device=device), None))
+        loaded.append(add_eot_token) or SimpleNamespace(device=device), SimpleNamespace(eos_token_id=2)))
     monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
     monkeypatch.setattr("dschat.steps.ppo.held_out_loader_once", lambda args, tokenizer, built: (
         read.append(args), None))
@@ -537,6 +539,62 @@ def test_the_dpo_reports_rule_scores_load_the_held_out_prompts_once_and_count_em
     for name in ("sft", "dpo"):
         assert isinstance(scores[name]["empty_answers"], int)
         assert 0 <= scores[name]["empty_answers"] <= scores[name]["prompts"]
+
+
+def test_the_dpo_reports_answers_stop_at_the_models_end_tokens_as_eval_pys(tmp_path, monkeypatch):
+    """A model whose generation_config lists a second end token (Qwen2.5-Instruct's <|endoftext|> beside <|im_end|>):
+    eval.py and step 3 stop its answers there too (stop_token_ids), the report's held-out rule scores only at the
+    tokenizer's EOS, so the report scored longer answers than eval.py for the same policy and prompts. Both stop at
+    every end token now: the same answers, token for token."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from dschat.rlhf import evaluation
+    from dschat.tiny import EVAL_FILE
+    from dschat.tiny.presets import create_tiny_model
+    from dschat.tools import ppo_eval
+
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step2_dpo"):
+        create_tiny_model("tiny-llama", run / folder)
+    data = f"jsonl:{EVAL_FILE}"
+    dpo_flags = step2_dpo_parser().parse_args([*pipeline.TINY_DPO_RECIPE, "--data_path", data])
+    answers = {}  # which model's -> its answers' ids, up to and including the first end token
+    real = evaluation.generate_answers
+
+    def recorded(generate, prompts, *args, **kwargs):
+        seq, mask = real(generate, prompts, *args, **kwargs)
+        for row, kept in zip(seq[:, prompts.shape[1]:], mask):
+            answers.setdefault(scoring[0], []).append(row[kept.bool()].tolist())
+        return seq, mask
+
+    monkeypatch.setattr(evaluation, "generate_answers", recorded)
+
+    def report_answers():
+        answers.clear()
+        scoring[:] = ["report"]
+        pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(run), data_path=[data]), dpo_flags)
+        return answers.pop("report")
+
+    scoring = ["report"]
+    # (the second end token: the token the greedy answers hold most, past the first of each)
+    eos = AutoModelForCausalLM.from_pretrained(run / "step2_dpo").config.eos_token_id
+    second = Counter(token for answer in report_answers() for token in answer[1:] if token != eos).most_common(1)[0][0]
+    for folder in ("step1_sft", "step2_dpo"):
+        generation = GenerationConfig.from_pretrained(run / folder)
+        generation.eos_token_id = [eos, second]
+        generation.save_pretrained(run / folder)
+    report = report_answers()
+    assert any(second in answer for answer in report)  # (the case: it ends answers)
+    flags = pipeline.held_out_rule_score_eval_flags()
+    scoring[:] = ["eval.py"]
+    ppo_eval.main(["--policy", str(run / "step2_dpo"), "--baseline", str(run / "step1_sft"), "--data_path", data,
+                   "--data_split", dpo_flags.data_split, "--seed", str(dpo_flags.seed),
+                   "--data_output_path", str(run / "data_cache"),
+                   *[token for name, value in flags.items() for token in (f"--{name}", str(value))]])
+    assert sorted(answers["eval.py"]) == sorted(report)
 
 
 def test_the_dpo_reports_rule_score_line_says_the_empty_answers():
