@@ -294,6 +294,35 @@ def test_a_parameter_replaced_in_a_new_table_of_its_module_is_refused_and_the_ne
         engine.generate(ids, attention_mask=mask, max_new_tokens=4)
 
 
+def test_under_zero3_on_several_ranks_surgery_on_another_rank_alone_stops_this_rank_too(monkeypatch):
+    """Under ZeRO-3 the refresh gathers over the world: a parameter replaced on one rank alone raised there only,
+    and the other ranks went on into the gather, waiting for ever (or paired with that rank's next call). The ranks
+    agree on it in the weight check's all-reduce: this rank, whose parameters are in place, raises too, at eval()
+    and at generate, before any gather (the other rank is simulated: one process)."""
+    from dschat.hybrid_engine import engine as engine_module
+
+    engine = _hybrid(make_ds_engine(tiny_model("llama", seed=25), 3))
+    ids, mask = left_padded_batch([4, 2], seed=25)
+    engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    refreshes = engine.inference_weights.refresh_count
+    asked = []
+
+    def ranks_agree_on(meeting, flags, device, group=None):  # the other rank's parameters are not in place
+        asked.append((meeting, tuple(flags)))
+        return [*flags[:-1], False] if meeting != "generate()" else list(flags)
+
+    monkeypatch.setattr(engine_module, "_world_size", lambda: 2)
+    monkeypatch.setattr(engine_module, "_ranks_agree_on", ranks_agree_on)
+    engine.mark_weights_stale()  # (nothing is gathered once the ranks know)
+    message = r"on another rank, a parameter of the actor \(its error names it\) is no longer the one DeepSpeed's"
+    with pytest.raises(RuntimeError, match=message):
+        engine.eval()
+    with pytest.raises(RuntimeError, match=message):
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert engine.inference_weights.refresh_count == refreshes
+    assert asked == [("eval()", (False, True)), ("generate()", (True,)), ("generate()'s weight check", (False, True))]
+
+
 def test_under_zero3_on_several_ranks_a_copy_stale_on_another_rank_alone_is_refreshed_on_every_rank(monkeypatch):
     """The refresh gathers over the world: a load on rank 0 alone (into GatheredParameters(modifier_rank=0), the
     usual way to load under ZeRO-3) marked rank 0's copy stale only, and rank 0 would gather alone. The ranks now
@@ -308,11 +337,12 @@ def test_under_zero3_on_several_ranks_a_copy_stale_on_another_rank_alone_is_refr
     assert weights.refresh_count == 1
     answers = []  # what the other rank answers: its arguments are fine (the first question), its copy is stale
 
-    def ranks_agree_in(meeting, flag, device, group=None):
-        return flag and answers.pop(0)
+    def ranks_agree_on(meeting, flags, device, group=None):
+        first, *rest = flags  # (the weight check's second flag, its parameters in place, as this rank's)
+        return [first and answers.pop(0), *rest]
 
     monkeypatch.setattr(engine_module, "_world_size", lambda: 2)
-    monkeypatch.setattr(engine_module, "_ranks_agree_in", ranks_agree_in)
+    monkeypatch.setattr(engine_module, "_ranks_agree_on", ranks_agree_on)
     answers[:] = [True, True]
     engine.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert weights.refresh_count == 1 and not answers

@@ -66,11 +66,22 @@ _MEETINGS = ("eval()", "generate()", "generate()'s weight check")
 def _ranks_agree_in(meeting, flag, device, group=None):
     """``ranks_agree(flag)`` over ``group`` (default: the world) in one all-reduce that also compares the ranks'
     ``meeting`` (one of ``_MEETINGS``): ranks in different ones all raise the same error."""
+    return _ranks_agree_on(meeting, (flag,), device, group)[0]
+
+
+_AGREED_FLAGS = 2  # the most flags a meeting agrees on (the weight check's: copy fresh, parameters in place)
+
+
+def _ranks_agree_on(meeting, flags, device, group=None):
+    """``_ranks_agree_in`` for several flags at once, in the same one all-reduce: whether each is set on every rank.
+    Every meeting reduces as many flags (the rest set), so ranks in different meetings still reduce tensors of one
+    size, and learn it."""
     code = _MEETINGS.index(meeting) + 1
-    t = torch.tensor([1 if flag else 0, code, -code], dtype=torch.int32, device=device)
+    padded = [*(1 if flag else 0 for flag in flags), *[1] * (_AGREED_FLAGS - len(flags))]
+    t = torch.tensor([*padded, code, -code], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    agreed, lowest, highest = t.tolist()  # (one copy to the host)
-    highest = -highest
+    *agreed, lowest, highest = t.tolist()  # (one copy to the host)
+    agreed, highest = agreed[:len(flags)], -highest
     if lowest != highest:
         other = _MEETINGS[(highest if lowest == code else lowest) - 1]
         raise RuntimeError(f"hybrid engine: the ranks are out of step: this rank is in {meeting} while another is in "
@@ -79,7 +90,23 @@ def _ranks_agree_in(meeting, flag, device, group=None):
                            "together, in the same order, each with its own prompts. A call on some ranks alone (a "
                            "sample generated under `if rank == 0:`) pairs with the other ranks' next call, or waits "
                            "for ever where they make none: generate on every rank, print on rank 0")
-    return bool(agreed)
+    return [bool(flag) for flag in agreed]
+
+
+def _refuse_replaced(name):
+    """A parameter of the actor, or a module on the way to one, replaced since the engine was built (module surgery
+    after ``deepspeed.initialize``: ``ParameterPlaces``) is an error: DeepSpeed's optimizer would go on training the old
+    parameters and an inference copy would generate from them. ``name``: the one replaced on this rank, or None where
+    another rank's was (under ZeRO-3 the ranks agree on it, and all stop)."""
+    where = f"the actor's {name!r} is" if name is not None else \
+        "on another rank, a parameter of the actor (its error names it) is"
+    raise RuntimeError(
+        f"hybrid engine: {where} no longer the one DeepSpeed's optimizer and this engine were "
+        "built with: it was replaced (load_state_dict(assign=True) into a submodule, resize_token_embeddings, "
+        "PEFT's merge_and_unload, a module or parameter set by hand). DeepSpeed would go on training the old "
+        "parameters, and generation would not follow: change the model before deepspeed.initialize and build "
+        "the engines after it; load weights with load_state_dict without assign=True (it copies into the "
+        "parameters)")
 
 
 def _synchronize():
@@ -386,33 +413,26 @@ class HybridEngine:
 
     def _refresh_weights(self, meeting):
         """``meeting``: the call it is part of (``_MEETINGS``), which every rank of a ZeRO-3 world must be in."""
-        self._check_parameters_in_place()
+        replaced = self._parameter_places.replaced()
         self._follow_engine_steps()
         self.inference_weights.follow_writes()  # in-place writes into the training parameters (weights.write_mark)
         if _world_size() > 1 and self._engine.zero_optimization_stage() == 3:
             # the refresh gathers over the world: a load on one rank alone (into GatheredParameters with
-            # modifier_rank=0, or a mark_weights_stale there) refreshes every rank's copy
-            if not _ranks_agree_in(meeting, not self.inference_weights.is_stale, self._engine.device):
+            # modifier_rank=0, or a mark_weights_stale there) refreshes every rank's copy; surgery on one rank alone
+            # stops every rank here (raised on that rank alone, it left the others in the gather)
+            fresh, in_place = _ranks_agree_on(meeting, (not self.inference_weights.is_stale, replaced is None),
+                                              self._engine.device)
+            if not in_place:
+                _refuse_replaced(replaced)
+            if not fresh:
                 self.inference_weights.mark_stale()
+        elif replaced is not None:
+            _refuse_replaced(replaced)
         start = time.perf_counter()
         if self.inference_weights.refresh_if_stale():
             _synchronize()  # copies are asynchronous on accelerators; time them fully
             if self._iteration is not None:
                 self._iteration.gather_s += time.perf_counter() - start
-
-    def _check_parameters_in_place(self):
-        """A parameter of the actor, or a module on the way to one, replaced since the engine was built (module surgery
-        after ``deepspeed.initialize``) is an error: DeepSpeed's optimizer would go on training the old parameters and
-        an inference copy would generate from them."""
-        name = self._parameter_places.replaced()
-        if name is not None:
-            raise RuntimeError(
-                f"hybrid engine: the actor's {name!r} is no longer the one DeepSpeed's optimizer and this engine were "
-                "built with: it was replaced (load_state_dict(assign=True) into a submodule, resize_token_embeddings, "
-                "PEFT's merge_and_unload, a module or parameter set by hand). DeepSpeed would go on training the old "
-                "parameters, and generation would not follow: change the model before deepspeed.initialize and build "
-                "the engines after it; load weights with load_state_dict without assign=True (it copies into the "
-                "parameters)")
 
     # -- generation -------------------------------------------------------------------------------------------------
     # A caller's inference_mode would make the KV cache and other state kept across calls inference tensors, which
@@ -841,7 +861,7 @@ class _CopiedModuleLoadHook:
 def _watch_loads(module, engine):
     """The handles of ``_LoadMarksStale`` and ``_RefusesAssignedLoad`` on ``module`` and, under LoRA, on the HF model
     inside it: a user may load into either. A load into a submodule alone is not seen (``mark_weights_stale``; one with
-    assign=True is refused at the next generation: ``HybridEngine._check_parameters_in_place``)."""
+    assign=True is refused at the next generation: ``_refuse_replaced``)."""
     marks_stale, refuses_assign = _LoadMarksStale(engine), _RefusesAssignedLoad()
     modules = {id(m): m for m in (module, unwrap_peft(module))}.values()
     return [handle for m in modules for handle in (m.register_load_state_dict_pre_hook(refuses_assign),

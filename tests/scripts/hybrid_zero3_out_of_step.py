@@ -6,6 +6,9 @@
    next eval() + generate() on both ranks runs.
 2. A write into a parameter inside ``GatheredParameters(modifier_rank=0)`` (through ``p.data``, by rank 0): every
    rank's copy sees it (the repartition moves each rank's shard's version), and the next generation reads it.
+3. A parameter of the actor replaced on rank 0 alone (module surgery after the engine was built): it used to raise on
+   rank 0 alone while rank 1's eval() went on (its all-reduce paired with rank 0's next call, or waited for ever); now
+   both ranks' eval() raise, and with the parameter put back both generate in step.
 
 Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher.
 """
@@ -62,6 +65,26 @@ def check_a_write_on_rank_0_is_seen_by_every_rank(engine, reference, ids, mask, 
     print(f"rank {rank} write seen", flush=True)
 
 
+def check_surgery_on_rank_0_alone_stops_every_rank(engine, ids, mask, rank):
+    o_proj = engine.module.model.layers[1].self_attn.o_proj
+    weight = o_proj._parameters["weight"]
+    if rank == 0:
+        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
+    try:
+        engine.eval()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: a parameter replaced on rank 0 alone was not refused here")
+    assert "no longer the one DeepSpeed's optimizer and this engine were built with" in message, (rank, message)
+    assert ("'model.layers.1.self_attn.o_proj.weight'" if rank == 0 else "on another rank") in message, (rank, message)
+    print(f"rank {rank} surgery on rank 0: refused", flush=True)
+    o_proj._parameters["weight"] = weight
+    expected = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert torch.equal(generate(engine, ids, mask), expected), rank
+    print(f"rank {rank} surgery undone: in step", flush=True)
+
+
 def main():
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
     from dschat.utils.dist import ensure_distributed
@@ -78,6 +101,7 @@ def main():
     assert torch.equal(generate(engine, ids, mask), expected), rank
     check_one_rank_alone_is_refused(engine, ids, mask, expected, rank)
     check_a_write_on_rank_0_is_seen_by_every_rank(engine, reference, ids, mask, rank)
+    check_surgery_on_rank_0_alone_stops_every_rank(engine, ids, mask, rank)
     print(f"rank {rank} ALL OK", flush=True)
 
 
