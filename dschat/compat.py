@@ -169,10 +169,12 @@ def zero3_loads_initialize_per_module():
 
 def initialize_unloaded_weights_zero3(model):
     """transformers' ``initialize_weights`` (its per-module ``_initialize_weights``, sub-models dispatching to their
-    own) on a ZeRO-3-partitioned model just loaded: a module whose parameters and buffers (and its children's
-    parameters, which its ``_init_weights`` may set) all loaded is skipped, as its guarded init would skip each of them;
-    any other runs with those parameters gathered, on every rank as transformers' load runs it (rank 0's values
-    are kept)."""
+    own) on a ZeRO-3-partitioned model just loaded. A module runs where a parameter beneath it, at any depth, did not
+    load (an ancestor's ``_init_weights`` may reach it: ImageGPT's top-level call redraws every ``c_proj`` weight), or
+    one of its own buffers did not; then with gathered what it may read (its own and its children's parameters) and
+    what it may set that did not load (those beneath it). Any other module is skipped, as its guarded init would skip
+    each tensor: a full checkpoint gathers nothing, a missing head only the head. On every rank as transformers' load
+    runs it (rank 0's values are kept)."""
     import torch
     from transformers import PreTrainedModel
     from transformers.initialization import guard_torch_init_functions
@@ -181,18 +183,27 @@ def initialize_unloaded_weights_zero3(model):
 
     custom_code = model.is_custom_code()
 
+    def loaded(tensor):
+        return getattr(tensor, "_is_hf_initialized", False)
+
     def initialize(module, initialize_weights):
+        """Runs ``module``'s init (after its children's, as transformers' ``smart_apply``) where needed; returns the
+        parameters beneath it that did not load."""
+        unloaded_beneath = [p for p in module.parameters(recurse=False) if not loaded(p)]
         for child in module.children():
-            initialize(child, child._initialize_weights if isinstance(child, PreTrainedModel) else initialize_weights)
-        params = [*module.parameters(recurse=False), *(p for child in module.children()
-                                                       if not isinstance(child, PreTrainedModel)
-                                                       for p in child.parameters(recurse=False))]
+            unloaded_beneath += initialize(
+                child, child._initialize_weights if isinstance(child, PreTrainedModel) else initialize_weights)
+        readable = [*module.parameters(recurse=False), *(p for child in module.children()
+                                                         if not isinstance(child, PreTrainedModel)
+                                                         for p in child.parameters(recurse=False))]
+        # (only its own buffers: non-persistent ones never load, and a rotary embedding's inv_freq beneath would run,
+        # and gather for, every ancestor on a full checkpoint)
         buffers = [b for b in module.buffers(recurse=False) if b is not None]
-        if getattr(module, "_is_hf_initialized", False) or all(getattr(t, "_is_hf_initialized", False)
-                                                               for t in (*params, *buffers)):
-            return
-        with gathered(params, modifier_rank=0):
+        if loaded(module) or (not unloaded_beneath and all(loaded(t) for t in (*readable, *buffers))):
+            return unloaded_beneath
+        with gathered(list(dict.fromkeys([*readable, *unloaded_beneath])), modifier_rank=0):
             initialize_weights(module, custom_code)
+        return unloaded_beneath
 
     with torch.no_grad(), guard_torch_init_functions():
         initialize(model, model._initialize_weights)

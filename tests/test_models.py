@@ -1526,6 +1526,72 @@ def test_rwkv_loads_under_zero3_as_a_policy_and_as_a_critic(tmp_path, distribute
                                                  .named_parameters()))
 
 
+def _saved_without(folder, model, key):
+    """``model`` saved to ``folder`` with the weight ``key`` (if any) left out of its checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(folder)
+    if key is None:
+        return str(folder)
+    state = load_file(folder / "model.safetensors")
+    del state[key]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_a_weight_an_ancestor_initializes_gets_its_init_under_zero3(tmp_path, distributed):
+    """ZeRO-3 loads ran a module's init only where its own or its children's tensors had not all loaded: ImageGPT's
+    top-level ``_init_weights`` redraws every ``c_proj`` weight at the GPT-2 residual scale, so a checkpoint lacking
+    one got only its Conv1D init (another std) under ZeRO-3. Its values are now a plain load's from the same seed.
+    (ImageGPT is no AutoModelForCausalLM: loaded by its class through create_hf_model, as dschat's loads do.)"""
+    from transformers import ImageGPTConfig, ImageGPTForCausalImageModeling
+
+    from dschat.models.loading import create_hf_model
+
+    torch.manual_seed(0)
+    model = ImageGPTForCausalImageModeling(ImageGPTConfig(vocab_size=97, n_positions=16, n_embd=16, n_layer=2,
+                                                          n_head=2))
+    folder = _saved_without(tmp_path / "imagegpt", model, "transformer.h.1.attn.c_proj.weight")
+    torch.manual_seed(1)
+    loaded = create_hf_model(ImageGPTForCausalImageModeling, folder, _RowsTokenizer(),
+                             _zero3_config_partitioning_all())
+    torch.manual_seed(1)
+    _assert_zero3_weights_are(loaded, dict(ImageGPTForCausalImageModeling.from_pretrained(folder)
+                                           .named_parameters()))
+
+
+@pytest.mark.parametrize("missing, gathered", [
+    (None, set()),
+    ("lm_head.weight", {"lm_head.weight"}),
+    ("model.layers.1.mlp.down_proj.weight",  # (its ancestors' own and children's weights: no other layer's)
+     {"model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight",
+      "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+      "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}),
+])
+def test_a_zero3_load_gathers_only_what_the_missing_weights_init_may_touch(missing, gathered, tmp_path, monkeypatch,
+                                                                           distributed):
+    """Initializing what a checkpoint lacks under ZeRO-3 gathers parameters module by module: none for a full
+    checkpoint, the head alone for a missing untied head, never the layers a missing weight is not in."""
+    import dschat.models.zero3 as zero3
+    from dschat.models.loading import load_causal_lm
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=False))
+    folder = _saved_without(tmp_path / "llama", model, missing)
+    seen, real = [], zero3.gathered
+
+    def recording(params, **settings):
+        seen.extend(params)
+        return real(params, **settings)
+
+    monkeypatch.setattr(zero3, "gathered", recording)
+    loaded = load_causal_lm(folder, _RowsTokenizer(), _zero3_config_partitioning_all())
+    names = {id(weight): name for name, weight in loaded.named_parameters()}
+    assert {names[id(p)] for p in seen if zero3.is_zero3_param(p)} == gathered
+
+
 def test_rwkv_under_zero3_keeps_its_weights_through_eval_and_training_forwards(tmp_path, distributed):
     """RWKV (``rescale_every``) divides its blocks' output weights in place at an eval forward and multiplies them
     back at the next training forward; under ZeRO-3 the division landed on a fetched copy its release dropped, the
