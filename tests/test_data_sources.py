@@ -447,6 +447,15 @@ def test_a_renamed_field_the_records_lack_is_named(tmp_path):
     raw(messages, tmp_path, **parse_field_map("prompt=question"))  # another shape's records: the rename does not apply
 
 
+def test_a_renamed_field_the_embedded_data_lacks_is_said_of_the_embedded_data_not_its_package_file(tmp_path):
+    # (train.py --data-fields prompt=question on the default data: the package's train.jsonl is no file the user gave)
+    with pytest.raises(DatasetFormatError, match=r"^the embedded tiny data \(train split\): no 'question' field, "
+                                                 r"which --data_fields prompt=question names; the records have "
+                                                 r"\['prompt', 'chosen', 'rejected'") as err:
+        raw("tiny", tmp_path, **parse_field_map("prompt=question"))
+    assert "tiny/data" not in str(err.value)
+
+
 def test_a_renamed_chosen_field_the_records_lack_is_named_and_answerless_files_still_load(tmp_path):
     mapping = parse_field_map("prompt=question,chosen=good,rejected=bad")
     typo = [{"question": r["prompt"], "goood": r["chosen"], "bad": r["rejected"]} for r in RECORDS]

@@ -382,12 +382,16 @@ class LocalSource:
 
     @property
     def train_where(self):
-        """The train split's file, or its shards (``files_where``), for an error of its records as a whole."""
-        return files_where(self.train_files)
+        """The train split's file, or its shards (``files_where``), for an error of its records as a whole (the
+        embedded data by that name: its file is the package's, which the user never gave)."""
+        return self._embedded_where("train") or files_where(self.train_files)
 
     @property
     def eval_where(self):
-        return files_where(self.eval_files) if self.eval else None
+        return self._embedded_where("eval") or (files_where(self.eval_files) if self.eval else None)
+
+    def _embedded_where(self, split):
+        return f"the embedded tiny data ({split} split)" if self.spec == "tiny" else None  # (tiny_source's spec)
 
     @property
     def eval_type(self):
