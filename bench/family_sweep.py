@@ -24,6 +24,7 @@ warns), then a count. Exits 1 if a check FAILs or ERRORs.
 import argparse
 import contextlib
 import copy
+import difflib
 import functools
 import inspect
 import json
@@ -421,13 +422,23 @@ def first_line(error):
     return text[0][:240] if text else type(error).__name__
 
 
+def not_a_model_type(name):
+    """Why ``name`` is no transformers model type (with the closest ones), or None where it is one."""
+    from transformers import CONFIG_MAPPING
+
+    if name in CONFIG_MAPPING:
+        return None
+    close = difflib.get_close_matches(name, list(CONFIG_MAPPING.keys()), n=3)
+    return f"{name!r} is not a transformers model type" + (f" (close: {', '.join(close)})" if close else "")
+
+
 def sweep_family(model_type, timeout, verbose):
     from transformers import CONFIG_MAPPING
 
     try:
         reason = skip_reason(model_type, CONFIG_MAPPING[model_type])
     except KeyError:
-        reason = "no config class"
+        reason = not_a_model_type(model_type)
     if reason:
         return {"family": model_type, "skip": reason}
     try:
@@ -462,6 +473,9 @@ def main(argv=None):
 
     hf_logging.disable_progress_bar()
     families = [f for f in args.families.split(",") if f] or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    unknown = [not_a_model_type(family) for family in families if not_a_model_type(family)]
+    if unknown:  # (a typo was swept as "SKIP no config class", as if transformers had such a family)
+        parser.error("--families: " + "; ".join(unknown))
     results = []
     for family in families:
         result = sweep_family(family, args.timeout, args.verbose)

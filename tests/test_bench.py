@@ -948,6 +948,20 @@ def test_family_sweep_checks_a_decoder_skips_an_encoder_and_reports_a_refusal(tm
     assert proc.returncode == 0 and "4 swept" not in proc.stdout and "3 swept, 1 skipped" in proc.stdout, proc.stdout
 
 
+def test_family_sweep_refuses_a_name_that_is_no_transformers_model_type(capsys):
+    """bench/family_sweep.py --families lama: the typo was swept as "SKIP no config class", as if it were a family
+    transformers has; it is an error naming the flag, with the model types close to it, before any family runs."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import family_sweep
+
+    with pytest.raises(SystemExit) as stopped:
+        family_sweep.main(["--families", "gpt2,lama,nosuchfamily"])
+    assert stopped.value.code == 2
+    said = capsys.readouterr()
+    assert "--families: 'lama' is not a transformers model type (close: llama" in said.err, said.err
+    assert "'nosuchfamily' is not a transformers model type" in said.err and "gpt2" not in said.out, said
+
+
 def test_family_sweep_builds_its_engines_with_torch_adam():
     """bench/family_sweep.py's DeepSpeed engines take torch's Adam: DeepSpeed's FusedAdam is JIT-built on a CPU, and
     on a fresh machine that first build outlasted a check's time limit, whose alarm left it half done, so every family
