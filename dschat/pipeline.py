@@ -340,6 +340,8 @@ def check_step_args(steps, args, tiny, parsers):
                 from dschat.steps.dpo import check_dpo_flags
 
                 check_dpo_flags(flags)
+            if step == 1 and steps != [1]:  # step 1 alone reads its data at once; a longer run's recipe is said first
+                check_step1_answers(flags)
             if step == 2 and steps != [2]:  # step 2 alone reads its pairs at once; after step 1, it would be late
                 check_step2_pairs(flags, getattr(args, "recipe", "ppo"))
     for step, (flags, _) in parsed.items():
@@ -539,6 +541,15 @@ def _without_extra(args, step):
     plain = copy.copy(args)
     setattr(plain, f"step{step}_args", "")
     return plain
+
+
+def check_step1_answers(flags):
+    """Step 1 trains on answers: local data of prompts alone (step 3's) is an error before train.py's run starts,
+    said as step 1 says it when it reads its data."""
+    from dschat.data.pipeline import check_local_sources_usable
+
+    rank_0_decides(lambda: check_local_sources_usable(flags.data_path, getattr(flags, "sft_only_data_path", []),
+                                                      flags.data_split, flags.seed, 1, flags.data_fields or None))
 
 
 def check_step2_pairs(flags, recipe="ppo"):

@@ -1504,6 +1504,24 @@ def test_train_py_finds_step2_data_without_pairs_before_step_1(tmp_path, distrib
     assert not out.exists(), "no step may have run"
 
 
+def test_train_py_finds_prompts_only_data_step_1_cannot_train_on_before_step_1(tmp_path, distributed):
+    """Step 3's prompts given to every step: train.py's pre-flight passed them, and step 1 refused them only once it
+    had loaded its model and read its data."""
+    from dschat import pipeline
+    from dschat.data import DatasetFormatError
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}?"}) + "\n" for i in range(400)))  # (an iteration of step 3)
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def score(prompts, completions, **columns):\n    return [0.0] * len(completions)\n")
+    out = tmp_path / "out"
+    for recipe in ("grpo", "ppo"):  # (PPO's step 2 check would say "no rejected answers": step 1 is the first)
+        with pytest.raises(DatasetFormatError, match=r"prompts\.jsonl: has prompts but no answers .* not step 1"):
+            pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--data-path", f"jsonl:{data}",
+                                                 "--recipe", recipe, "--step3-args", f"--reward_fn {rewards}:score"))
+        assert not out.exists(), "no step may have run"
+
+
 def test_train_py_says_step_args_of_a_step_it_does_not_run_are_ignored(tmp_path, distributed, monkeypatch, capsys):
     from dschat import pipeline
 

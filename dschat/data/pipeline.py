@@ -459,7 +459,7 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
     seen = {"train": {}, "eval": {}}  # each split's records so far, across sources (``count_duplicates``)
     report = []
     sources = [(spec, data_split) for spec in data_path] + [(spec, None) for spec in sft_only]
-    raws = [_usable_source(spec, split, hub, output_path, seed, local_rank, settings, field_options)
+    raws = [_usable_source(spec, split, hub, output_path, seed, local_rank, settings.train_phase, field_options)
             for spec, split in sources]
     for split_name in ("train", "eval"):  # (every train record is seen before the eval records that repeat one)
         for index, ((spec, split), raw) in enumerate(zip(sources, raws)):
@@ -477,17 +477,28 @@ def build_and_save(folder, data_path, sft_only, data_split, output_path, seed, l
                blend(parts["eval"], seed, settings.train_phase), report)
 
 
-def _usable_source(spec, split, hub, output_path, seed, local_rank, settings, field_options):
+def _usable_source(spec, split, hub, output_path, seed, local_rank, train_phase, field_options):
     """The raw dataset of one --data_path / --sft_only_data_path source (``split`` None), checked to suit the
     phase."""
     flag = "--data_path" if split is not None else "--sft_only_data_path"
     raw = hub[spec] if spec in hub else get_raw_dataset(spec, output_path, seed, local_rank, flag=flag,
                                                         **field_options.for_spec(spec))
-    if split is None or parse_data_split(split)[settings.train_phase - 1] > 0:
+    if split is None or parse_data_split(split)[train_phase - 1] > 0:
         # (a source --data_split gives this phase no share of, e.g. step 3's prompts beside step 1's
         # --sft_only_data_path under 0,0,1, need not suit it)
-        raw.check_usable(settings.train_phase)
+        raw.check_usable(train_phase)
     return raw
+
+
+def check_local_sources_usable(data_path, sft_only, data_split, seed, train_phase, data_fields=None):
+    """The error a step of ``train_phase`` raises on loading its data where a local source cannot feed it (e.g.
+    prompts without answers for step 1), found by reading the sources without encoding them (train.py's pre-flight,
+    as ``has_no_pairs``). Hub datasets are left to the step: the pre-flight reads no hub data."""
+    sources = [(spec, data_split) for spec in as_list(data_path)] + [(spec, None) for spec in as_list(sft_only)]
+    fields = _field_options(data_fields, [spec for spec, _ in sources])
+    for spec, split in sources:
+        if not isinstance(resolve_dataset_spec(spec), type):  # (a hub dataset's reader is its class)
+            _usable_source(spec, split, {}, None, seed, -1, train_phase, fields)
 
 
 def _phase_share(raw, data, split_name, data_split, settings, output_path, seed, local_rank, reload):
