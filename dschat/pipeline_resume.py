@@ -28,8 +28,9 @@ from dschat.data.raw_datasets import changed_data_files
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS, RUN_ARGS_FILE
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, STEP_VERSION,
-                                 finished_run_id, holds_model, model_identity, older_step_version, read_run_args,
-                                 spared_by_versions_since, step1_loss_weighing, step_data_files)
+                                 data_files_as_recorded, finished_run_id, holds_model, model_identity,
+                                 older_step_version, read_run_args, recorded_data_flags, spared_by_versions_since,
+                                 step1_loss_weighing)
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_DATA, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -310,7 +311,7 @@ def edited_data(record, checkpoint, flags):
     not compared."""
     for what, saved in (("finished output", record or {}), ("checkpoint", _saved_flags(checkpoint))):
         if saved.get(DATA_FILES) is not None:
-            changed = changed_data_files(saved[DATA_FILES], step_data_files(flags)) + \
+            changed = changed_data_files(saved[DATA_FILES], data_files_as_recorded(saved, flags)) + \
                 changed_hub_revisions(saved.get(HUB_DATA), flags) + \
                 changed_unsupervised_data_now(saved.get(UNSUPERVISED_DATA), flags)
             return (what, changed) if changed else None
@@ -426,9 +427,10 @@ def unread_in_both(name, step, record, flags):
     """The setting ("--enable_ema") that step ``step`` reads flag ``name`` only with (``args.conditional_flags_of``,
     the table each step says its ignored flags by), where neither the run ``record`` recorded nor this one
     (``flags``) has it on: neither read the flag, so its values made no difference. None where either reads it, or
-    cannot tell (a setting a record or stand-in lacks: taken as read). The data path flags stay compared: a record
-    lists --sft_only_data_path's files, which only step 1 reads, among its data (``step_data_files``)."""
-    if name in DATA_PATH_FLAGS or not record:
+    cannot tell (a setting a record or stand-in lacks: taken as read). A data path flag whose files the record lists
+    stays compared (``recorded_data_flags``: --sft_only_data_path's in step 1's, and in an older dschat's record of
+    any step, which is compared as before)."""
+    if not record or name in DATA_PATH_FLAGS and name in recorded_data_flags(record):
         return None
     then = Namespace(**recorded_flags_now(record.get("flags", {}), step))
     for names, read, setting in conditional_flags_of(step):

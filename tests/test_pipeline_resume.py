@@ -417,6 +417,46 @@ def test_a_step_whose_data_files_were_edited_since_runs_again(tmp_path):
     assert plan_steps([1], "ppo", str(tmp_path), {1: other})[1].why.endswith("had other values of --data_path")
 
 
+def test_another_sft_only_data_path_retrains_step_1_alone(tmp_path):
+    """--sft_only_data_path is read by step 1 alone, yet steps 2, DPO and 3 listed its files among their data and kept
+    the flag compared: a resume that changed only it trained step 2 (and 3) again. Their records now list the files of
+    the flags they read (DATA_FILES_FLAGS), and the plan leaves the flag aside for them, saying so; step 1 and an older
+    dschat's record of step 2 (its files listed) compare it as before."""
+    from dschat.steps.common import step_data_records, take_data_files
+
+    def data(name):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+        return [f"jsonl:{path}"]
+
+    flags = Namespace(**{**vars(FLAGS), "data_path": data("pairs"), "sft_only_data_path": data("sft")})
+    for step, at in ((1, 100), (2, 200)):
+        finish(tmp_path, step, at, data_path=flags.data_path, sft_only_data_path=flags.sft_only_data_path)
+        ran = Namespace(**vars(flags))
+        take_data_files(ran, step)  # (what the step records, as it read its data)
+        record_file = tmp_path / FOLDERS[step] / "training_args.json"
+        record_file.write_text(json.dumps({**json.loads(record_file.read_text()), **step_data_records(ran)}))
+    other = Namespace(**{**vars(flags), "sft_only_data_path": data("other_sft")})
+
+    def decide(step, now):
+        return plan_steps([step], "ppo", str(tmp_path), {step: Namespace(**vars(now))})[step]
+
+    assert decide(2, flags) == (SKIP, "")
+    skipped = decide(2, other)
+    assert skipped.action == SKIP and "--sft_only_data_path" in skipped.why and \
+        skipped.why.endswith("read only with step 1)")
+    assert decide(1, other) == (FRESH, f"its finished output in {tmp_path / FOLDERS[1]} had other values of "
+                                       "--sft_only_data_path")
+    # an older dschat's record of step 2, which listed step 1's files too: compared as before, not taken as edited
+    record_file = tmp_path / FOLDERS[2] / "training_args.json"
+    record = json.loads(record_file.read_text())
+    del record["data_files_flags"]
+    record["data_files"] = json.loads((tmp_path / FOLDERS[1] / "training_args.json").read_text())["data_files"]
+    record_file.write_text(json.dumps(record))
+    assert decide(2, flags) == (SKIP, "")
+    assert decide(2, other).why.endswith("had other values of --sft_only_data_path")
+
+
 def test_a_step_whose_hub_dataset_has_another_revision_since_runs_again(tmp_path, monkeypatch):
     """train.py --resume compared a finished step's local data files only: one trained on a hub dataset of which the
     HF cache now holds another revision was skipped, keeping the model trained on the old records."""

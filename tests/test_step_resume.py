@@ -1558,6 +1558,39 @@ def test_the_data_files_are_taken_when_the_data_is_read_not_at_each_save(tmp_pat
     assert step_data_files(args) == read != step_data_files(Namespace(data_path=[f"jsonl:{data}"]))
 
 
+def test_a_step2_checkpoint_of_an_older_dschat_listing_step1s_files_resumes(tmp_path):
+    """Step 2 now records only --data_path's files (step 1 alone reads --sft_only_data_path): its checkpoint from an
+    older dschat, which listed the SFT-only files too, is compared with those same files now, not refused as edited."""
+    from argparse import Namespace
+
+    from dschat.steps.common import take_data_files
+    from dschat.steps.resume import resume_flags
+    from dschat.utils.checkpoints import DATA_FILES, DATA_FILES_FLAGS, check_same_flags
+
+    specs = {}
+    for name in ("pairs", "sft"):
+        (tmp_path / f"{name}.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+        specs[name] = [f"jsonl:{tmp_path / name}.jsonl"]
+    args = Namespace(data_path=specs["pairs"], sft_only_data_path=specs["sft"])
+    take_data_files(args, 2)
+    saved = resume_flags(args)
+    assert [path for path, _ in saved[DATA_FILES]] == [str(tmp_path / "pairs.jsonl")]
+    assert saved[DATA_FILES_FLAGS] == ["data_path"]
+    step1 = Namespace(**vars(args))
+    take_data_files(step1, 1)
+    older = {**saved, DATA_FILES: resume_flags(step1)[DATA_FILES]}
+    del older[DATA_FILES_FLAGS]
+
+    def check(state):
+        check_same_flags(state, resume_flags(args, state), (), "step_1", str(tmp_path), "step2", "why")
+
+    check(saved), check(older)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "chosen": "edited"}\n')
+    check(saved)  # (a file step 2 does not read)
+    with pytest.raises(UsageError, match="sft.jsonl"):  # (the older checkpoint: compared as before)
+        check(older)
+
+
 def test_step3_checkpoints_are_bound_to_their_prompt_files_content(tmp_path):
     from argparse import Namespace
     from types import SimpleNamespace

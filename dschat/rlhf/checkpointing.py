@@ -550,7 +550,7 @@ def check_resumable(trainer, root, tag, planned=False):
     if other_ranks:
         check_iteration_shape(root, tag, state.get("batches"), saved_ranks, args)
     if args is not None:
-        now = resume_flags(trainer)
+        now = resume_flags(trainer, saved_flags)
         if other_ranks:  # (its product with the ranks: compared)
             now.pop("per_device_generation_batch_size")
         for part in restaged:  # (loaded through the copy fitted for this run's stage, ``plan_resume``)
@@ -642,11 +642,12 @@ def step_rows_said(saved, saved_ranks, args):
             f"{args.gradient_accumulation_steps} x {ranks}) from here")
 
 
-def resume_flags(trainer):
+def resume_flags(trainer, saved=None):
     """{flag: value} of the flags a checkpoint stores and --resume compares (the bound ``ACTOR_RESUME_FLAGS`` and
-    ``CRITIC_RESUME_FLAGS``, the ``RESTORED_FLAGS`` and ``FREE_FLAGS`` said when changed), and its data files."""
+    ``CRITIC_RESUME_FLAGS``, the ``RESTORED_FLAGS`` and ``FREE_FLAGS`` said when changed), and its data files
+    (``saved``: the checkpoint's flags, ``step_data_records``)."""
     flags = flag_values(trainer.args, trainer.critic_model is not None)
-    return {**flags, **step_data_records(trainer.args)}  # the same prompt data, unedited: its position counts
+    return {**flags, **step_data_records(trainer.args, saved)}  # the same prompt data, unedited: its position counts
 
 
 def flag_values(args, with_critic):

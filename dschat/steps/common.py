@@ -17,7 +17,7 @@ from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.report import counted
 from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
-from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, UNSUPERVISED_DATA
+from dschat.utils.checkpoints import DATA_FILES, DATA_FILES_FLAGS, DATA_SOURCE_FLAGS, HUB_DATA, UNSUPERVISED_DATA
 from dschat.utils.dist import (all_reduce, barrier, check_same_on_every_rank, ensure_distributed, gathered_objects,
                                get_world_size, is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
 from dschat.utils.ds_config import check_dtype_supported
@@ -531,24 +531,47 @@ def loaded_model_paths(args):
     return [path for path in paths if isinstance(path, str)]
 
 
-def step_data_files(args):
-    """``local_data_files`` of the data flags a step reads (its --data_path and --sft_only_data_path): as the step read
-    them (``take_data_files``; a file edited later in the run is not what it trained on), else as they are now."""
+def data_flags_read(phase=None):
+    """The data flags whose sources a step of data ``phase`` reads: --data_path, and step 1's --sft_only_data_path
+    (None: a step not said, read as both)."""
+    return list(DATA_SOURCE_FLAGS) if phase in (1, None) else ["data_path"]
+
+
+def step_data_files(args, flags=None):
+    """``local_data_files`` of the data flags ``flags`` (by default those the step reads, ``take_data_files``; not
+    taken: --data_path and --sft_only_data_path): as the step read them (a file edited later in the run is not what
+    it trained on), else as they are now."""
     from dschat.data.raw_datasets import local_data_files
 
+    read = getattr(args, "_data_flags", None) or data_flags_read()
     taken = getattr(args, "_data_files", None)
-    if taken is not None:
+    if taken is not None and list(flags or read) == list(read):
         return taken
     specs = []
-    for name in ("data_path", "sft_only_data_path"):
+    for name in flags or read:
         value = getattr(args, name, None) or []
         specs += [value] if isinstance(value, str) else list(value)
     return local_data_files(specs)
 
 
-def take_data_files(args):
-    """Keep on ``args`` the data files as the step reads them: what its checkpoints and its output record."""
+def recorded_data_flags(record):
+    """The data flags whose files a record's DATA_FILES lists (its DATA_FILES_FLAGS): one from before dschat kept them
+    listed --sft_only_data_path's files whatever the step."""
+    return record.get(DATA_FILES_FLAGS) or data_flags_read()
+
+
+def data_files_as_recorded(record, args):
+    """``step_data_files`` of ``args`` as ``record`` (an output's or a checkpoint's) lists them: the files of the data
+    flags it lists (``recorded_data_flags``; an older record's: step 1's --sft_only_data_path's in every step's, so
+    that it is compared as before)."""
+    return step_data_files(args, recorded_data_flags(record))
+
+
+def take_data_files(args, phase=None):
+    """Keep on ``args`` the data files as the step of data ``phase`` reads them (``data_flags_read``): what its
+    checkpoints and its output record."""
     args._data_files = None  # (read them again, not an earlier take's)
+    args._data_flags = data_flags_read(phase)
     args._data_files = step_data_files(args)
     args._hub_data = None  # (``take_hub_data`` once the data is read)
     args._unsupervised_data = None  # (step 3's ``take_unsupervised_data``)
@@ -567,11 +590,13 @@ def take_unsupervised_data(args, data):
     args._unsupervised_data = getattr(data, "data_record", None)
 
 
-def step_data_records(args):
-    """{DATA_FILES: ``step_data_files``, HUB_DATA: ``take_hub_data``'s, UNSUPERVISED_DATA:
-    ``take_unsupervised_data``'s} of a step's data: kept with its checkpoints and its output, and compared on --resume.
-    Neither of the last two before the step read its data (not compared then)."""
-    records = {DATA_FILES: step_data_files(args)}
+def step_data_records(args, saved=None):
+    """{DATA_FILES: ``step_data_files``, DATA_FILES_FLAGS: the flags they are of, HUB_DATA: ``take_hub_data``'s,
+    UNSUPERVISED_DATA: ``take_unsupervised_data``'s} of a step's data: kept with its checkpoints and its output, and
+    compared on --resume (``saved``: the checkpoint's, whose DATA_FILES are compared with the same flags' files,
+    ``data_files_as_recorded``). Neither of the last two before the step read its data (not compared then)."""
+    records = {DATA_FILES: step_data_files(args) if saved is None else data_files_as_recorded(saved, args),
+               DATA_FILES_FLAGS: getattr(args, "_data_flags", None) or data_flags_read()}
     for key, taken in ((HUB_DATA, "_hub_data"), (UNSUPERVISED_DATA, "_unsupervised_data")):
         if getattr(args, taken, None) is not None:
             records[key] = getattr(args, taken)
@@ -1054,7 +1079,7 @@ def load_step_data(args, tokenizer, phase, read_margins=False):
     2's pairs carry their margins (``StepRecipe.reads_margins``)."""
     from dschat.data import create_prompt_dataset, get_eot_token
 
-    take_data_files(args)
+    take_data_files(args, phase)
 
     train, eval_ = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, phase, args.seed, tokenizer,

@@ -40,7 +40,7 @@ def prompt_loaders(args, tokenizer, held_out_only=False):
 
     args = step3_args(args)
     setup_run(args, trains=not held_out_only)  # (eval.py --dtype fp16 on a CPU, bf16 on a V100: it only generates)
-    take_data_files(args)
+    take_data_files(args, 3)
     train, held_out = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=get_eot_token(tokenizer), reload=args.reload_data,

@@ -63,8 +63,9 @@ def checkpoint_root(args):
     return os.path.join(args.output_dir, CHECKPOINTS_DIR)
 
 
-def resume_flags(args):
-    return {**flag_values(args), **step_data_records(args)}  # the same data, unedited: the records its position counts
+def resume_flags(args, saved=None):
+    """What a checkpoint stores and --resume compares (``saved``: the checkpoint's, ``step_data_records``)."""
+    return {**flag_values(args), **step_data_records(args, saved)}  # the same data, unedited: its position counts
 
 
 def flag_values(args):
@@ -130,7 +131,7 @@ def _checked_latest(args, step, tokenizer=None):
     if reshaped:
         state["saved_micro_batch"] = saved["per_device_train_batch_size"]
         state["saved_accumulation"] = saved["gradient_accumulation_steps"]
-    now = resume_flags(args)
+    now = resume_flags(args, saved)
     if reshaped:
         now = {name: value for name, value in now.items() if name not in BATCH_FLAGS}  # (their product: compared)
     if restaged:

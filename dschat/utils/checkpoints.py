@@ -56,6 +56,9 @@ def tag_of(unit, number):
 # The key under which a checkpoint's (and a step output's) bound settings hold its local data files' paths and content
 # hashes (``local_data_files``).
 DATA_FILES = "data_files"
+# ... and the data flags whose files those are (``steps.common.data_flags_read``: step 1's --sft_only_data_path's only in
+# step 1's; a record without it, an older dschat's, listed them in every step's).
+DATA_FILES_FLAGS = "data_files_flags"
 # ... and which data of each hub dataset they read (``PromptDataset.hub_data``: each split's datasets fingerprint, which
 # a new revision of it in the HF datasets cache changes). Records from before dschat kept it are not compared.
 HUB_DATA = "hub_data"
