@@ -388,6 +388,19 @@ def test_train_py_dpo_recipe_runs_step_1_then_dpo_only(tmp_path, monkeypatch, di
     assert "preference accuracy (chosen answer more likely, 0.5 pairs): SFT 0.5000 -> DPO 0.5000" in printed
     assert "held-out rule score of greedy answers (120 prompts): SFT 0.800 -> DPO 0.900" in printed
 
+def _report_stand_ins(monkeypatch, loaded=None):
+    """The DPO report's rule scoring with stand-ins for the policies (a tokenizer with an EOS: answers stop at it;
+    ``loaded`` gets each load's add_eot_token), the generation and the scoring; its prompt loader stays the test's."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("dschat.tools.common.load_policy", lambda path, device, add_eot_token=False: (
+        (loaded if loaded is not None else []).append(add_eot_token) or SimpleNamespace(device=device),
+        SimpleNamespace(eos_token_id=2)))
+    monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
+    monkeypatch.setattr("dschat.rlhf.evaluation.evaluate_policy",
+                        lambda *args, **kwargs: {"rule_score_mean": 0.5, "prompts": 1, "empty_answers": 0})
+
+
 
 def test_the_dpo_reports_rule_scores_are_on_the_runs_own_data_given_by_its_files(tmp_path):
     """train.py --recipe dpo --data-path of the embedded data's files: the report's held-out rule scores were those of
@@ -433,12 +446,7 @@ def test_the_dpo_reports_rule_scores_are_on_phase_3_of_the_dpo_steps_own_split(t
         (tmp_path / "step2_dpo" / "metrics.json").write_text("{}")
 
     monkeypatch.setattr(dpo, "main", fake_dpo)
-    from types import SimpleNamespace
-
-    monkeypatch.setattr("dschat.tools.common.load_policy",  # (a tokenizer with an EOS: answers stop at it)
-                        lambda path, device, add_eot_token: (SimpleNamespace(device=device),
-                                                             SimpleNamespace(eos_token_id=2)))
-    monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
+    _report_stand_ins(monkeypatch)
     splits = []
 
     def loader(args, tokenizer, built):
@@ -446,8 +454,6 @@ def test_the_dpo_reports_rule_scores_are_on_phase_3_of_the_dpo_steps_own_split(t
         return None, True
 
     monkeypatch.setattr("dschat.steps.ppo.held_out_loader_once", loader)
-    monkeypatch.setattr("dschat.rlhf.evaluation.evaluate_policy",
-                        lambda *args, **kwargs: {"rule_score_mean": 0.5, "prompts": 1, "empty_answers": 0})
     monkeypatch.setattr(pipeline, "final_report", lambda *args: None)
     pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path),
                                                   "--step2-args", "--data_split 2,4,4 --seed 7"]))
@@ -461,8 +467,6 @@ def test_the_dpo_reports_rule_scores_are_on_the_dpo_steps_own_data_path(tmp_path
     eval.py scores phase 3 of the DPO run's own --data_path (12 prompts): SFT 0.807 -> DPO 0.669 in the report, 0.8125
     -> 0.6938 from eval.py on the same run. Now the DPO step's --data_path; one the rule scorer does not know (not the
     embedded data) is not rule-scored, as eval.py cannot."""
-    from types import SimpleNamespace
-
     from dschat.steps import sft
     from dschat.tiny import EVAL_FILE
 
@@ -479,15 +483,10 @@ def test_the_dpo_reports_rule_scores_are_on_the_dpo_steps_own_data_path(tmp_path
         (tmp_path / "out" / "step2_dpo" / "metrics.json").write_text("{}")
 
     monkeypatch.setattr(dpo, "main", fake_dpo)
-    monkeypatch.setattr("dschat.tools.common.load_policy",  # (a tokenizer with an EOS: answers stop at it)
-                        lambda path, device, add_eot_token: (SimpleNamespace(device=device),
-                                                             SimpleNamespace(eos_token_id=2)))
-    monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
+    _report_stand_ins(monkeypatch)
     read = []
     monkeypatch.setattr("dschat.steps.ppo.held_out_loader_once",
                         lambda args, tokenizer, built: read.append(args["data_path"]) or (None, True))
-    monkeypatch.setattr("dschat.rlhf.evaluation.evaluate_policy",
-                        lambda *args, **kwargs: {"rule_score_mean": 0.5, "prompts": 1, "empty_answers": 0})
     monkeypatch.setattr(pipeline, "final_report", lambda *args: None)
     pipeline.run_pipeline(TRAIN_PY["parse_args"](["--recipe", "dpo", "--output-dir", str(tmp_path / "out"),
                                                   "--step2-args", f"--data_path {data}"]))
@@ -506,13 +505,9 @@ def test_the_dpo_reports_rule_scores_read_the_prompts_with_the_dpo_runs_data_fla
     dpo_flags = step2_dpo_parser().parse_args(["--data_fields", "prompt=question", "--pad_to_multiple_of", "8",
                                                "--add_eot_token", "--data_split", "2,4,4", "--seed", "7"])
     loaded, read = [], []
-    monkeypatch.setattr("dschat.tools.common.load_policy", lambda path, device, add_eot_token=False: (
-        loaded.append(add_eot_token) or SimpleNamespace(device=device), SimpleNamespace(eos_token_id=2)))
-    monkeypatch.setattr("dschat.rlhf.evaluation.hf_generate", lambda model, tokenizer: None)
+    _report_stand_ins(monkeypatch, loaded)
     monkeypatch.setattr("dschat.steps.ppo.held_out_loader_once", lambda args, tokenizer, built: (
         read.append(args), None))
-    monkeypatch.setattr("dschat.rlhf.evaluation.evaluate_policy",
-                        lambda *args, **kwargs: {"rule_score_mean": 0.5, "prompts": 1, "empty_answers": 0})
     pipeline.held_out_rule_scores(SimpleNamespace(output_dir=str(tmp_path), data_path=["tiny"]), dpo_flags)
     assert loaded == [True, True]
     for args in read:
