@@ -231,16 +231,17 @@ def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
     from dschat.utils.checkpoints import MODEL, check_same_flags, check_universal_fit
     from dschat.utils.dist import get_world_size
 
-    if step == 3:
-        from dschat.rlhf import checkpointing as own
-        batch_flags = own.ITERATION_PROMPTS + own.STEP_ROWS
-    else:
-        from dschat.steps import resume as own
-        batch_flags = own.BATCH_FLAGS
     saved = _saved_flags(checkpoint)
     if not saved:  # (a checkpoint that stored none: not compared, as the step does not)
         return
-    bound = own.bound_flags(flags)
+    if step == 3:
+        from dschat.rlhf import checkpointing as own
+        batch_flags = own.ITERATION_PROMPTS + own.STEP_ROWS
+        bound = own.bound_flags(flags)
+    else:
+        from dschat.steps import resume as own
+        batch_flags = own.BATCH_FLAGS
+        bound = own.bound_flags(flags, saved)  # (the data path flags whose files the checkpoint records)
     now = {name: value for name, value in bound.items() if name not in ZERO_STAGE_FLAGS and name not in batch_flags}
     root = os.path.join(folder, CHECKPOINTS_DIR)
     tag = latest_tag(root)

@@ -952,6 +952,32 @@ def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused
     assert plan_steps([3], "ppo", str(tmp_path), {3: taken})[3].action == RESUME
 
 
+def test_an_interrupted_step_2_resumes_with_another_sft_only_data_path_which_step_1_refuses(tmp_path):
+    """Only step 1 reads --sft_only_data_path, yet step 2's (and DPO's) checkpoints were bound to it: the plan refused
+    an interrupted step 2 given another one (``refuse_other_bound_flags``), which the step's own --resume refused too.
+    The plan resumes it now; step 1's checkpoint is still bound to it."""
+    from dschat.args import step1_parser, step2_parser
+    from dschat.steps import resume
+    from dschat.steps.common import take_data_files
+
+    for name in ("pairs", "sft", "other_sft"):
+        (tmp_path / f"{name}.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+
+    def flags(parser, sft_only):
+        return parser().parse_args(["--data_path", f"{tmp_path}/pairs.jsonl", "--sft_only_data_path",
+                                    f"{tmp_path}/{sft_only}.jsonl"])
+
+    for step, parser in ((2, step2_parser), (1, step1_parser)):
+        saved = flags(parser, "sft")
+        take_data_files(saved, step)  # (what the step's checkpoint records, as it read its data)
+        _interrupted_with(tmp_path, step, resume.resume_flags(saved))
+    assert plan_steps([2], "ppo", str(tmp_path), {2: flags(step2_parser, "other_sft")})[2] == \
+        (RESUME, "it was interrupted")
+    with pytest.raises(UsageError, match=r"saved with other settings: --sft_only_data_path \[.*sft\.jsonl'\] -> "
+                                         r"\[.*other_sft\.jsonl'\]\. (.|\n)*give --step 1 without --resume"):
+        plan_steps([1], "ppo", str(tmp_path), {1: flags(step1_parser, "other_sft")})
+
+
 def test_an_interrupted_step_given_a_zero_stage_to_or_from_0_is_refused_by_the_plan(tmp_path):
     """The plan left the ZeRO stages to the step, which converts 1 to 3 into one another but refuses a change to or
     from stage 0 (``check_universal_fit``): planned "resumes", it failed only after loading its model and data. The

@@ -1591,6 +1591,59 @@ def test_a_step2_checkpoint_of_an_older_dschat_listing_step1s_files_resumes(tmp_
         check(older)
 
 
+def _checkpoint_of(args, step, phase):
+    """A checkpoint of ``step`` (of data ``phase``), one rank, one step in, that ``args`` saved: its files as the step
+    leaves them (empty), its state as the step records it."""
+    from dschat.steps.common import STEP_VERSION, STEP_VERSIONS, take_data_files
+    from dschat.utils.checkpoints import LATEST, STEP_NAME
+
+    root = Path(args.output_dir) / "checkpoints"
+    for part in ("model", "trainer"):
+        (root / part / "step_0000001").mkdir(parents=True)
+    (root / "model" / "step_0000001" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (root / "trainer" / "step_0000001" / "rng_rank0.pt").write_bytes(b"")
+    take_data_files(args, phase)  # (as the step does once it reads its data)
+    state = {"step": 1, "epoch": 0, "batch": 1, STEP_NAME: step, STEP_VERSION: STEP_VERSIONS[step],
+             "flags": resume.resume_flags(args)}
+    (root / "trainer" / "step_0000001" / "state.json").write_text(json.dumps(state))
+    (root / LATEST).write_text(json.dumps({"tag": "step_0000001"}))
+
+
+def test_a_step2_checkpoint_resumes_with_another_sft_only_data_path_which_a_step1_one_refuses(tmp_path):
+    """Only step 1 reads --sft_only_data_path, yet steps 2's and DPO's checkpoints were bound to it (RESUME_FLAGS): an
+    interrupted step 2 given another one was refused by its own --resume. It binds step 1's checkpoints alone now."""
+    from dschat.args import step1_parser, step2_parser
+    from dschat.steps.common import take_data_files
+
+    for name in ("pairs", "sft", "other_sft"):
+        (tmp_path / f"{name}.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+
+    def args(parser, out, sft_only):
+        return parser().parse_args(["--output_dir", str(out), "--resume", "--data_path", f"{tmp_path}/pairs.jsonl",
+                                    "--sft_only_data_path", f"{tmp_path}/{sft_only}.jsonl"])
+
+    for parser, step, phase in ((step1_parser, "step1", 1), (step2_parser, "step2", 2)):
+        _checkpoint_of(args(parser, tmp_path / step, "sft"), step, phase)
+    other = args(step2_parser, tmp_path / "step2", "other_sft")
+    take_data_files(other, 2)
+    assert resume.plan_resume(other, "step2").tag == "step_0000001"
+    other = args(step1_parser, tmp_path / "step1", "other_sft")
+    take_data_files(other, 1)
+    with pytest.raises(UsageError, match=r"saved with other settings: --sft_only_data_path \[.*sft\.jsonl'\] -> "
+                                         r"\[.*other_sft\.jsonl'\]\. Its model"):
+        resume.plan_resume(other, "step1")
+    # an older dschat's step-2 checkpoint, which listed step 1's files too (their flags unsaid): bound as before
+    _checkpoint_of(args(step2_parser, tmp_path / "older", "sft"), "step2", 1)
+    state_file = tmp_path / "older" / "checkpoints" / "trainer" / "step_0000001" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["flags"]["data_files_flags"]
+    state_file.write_text(json.dumps(state))
+    other = args(step2_parser, tmp_path / "older", "other_sft")
+    take_data_files(other, 2)
+    with pytest.raises(UsageError, match=r"saved with other settings: --sft_only_data_path "):
+        resume.plan_resume(other, "step2")
+
+
 def test_step3_checkpoints_are_bound_to_their_prompt_files_content(tmp_path):
     from argparse import Namespace
     from types import SimpleNamespace

@@ -543,7 +543,7 @@ def step_data_files(args, flags=None):
     it trained on), else as they are now."""
     from dschat.data.raw_datasets import local_data_files
 
-    read = getattr(args, "_data_flags", None) or data_flags_read()
+    read = taken_data_flags(args)
     taken = getattr(args, "_data_files", None)
     if taken is not None and list(flags or read) == list(read):
         return taken
@@ -552,6 +552,11 @@ def step_data_files(args, flags=None):
         value = getattr(args, name, None) or []
         specs += [value] if isinstance(value, str) else list(value)
     return local_data_files(specs)
+
+
+def taken_data_flags(args):
+    """The data flags whose files ``take_data_files`` kept on ``args`` (not taken: both, ``data_flags_read``)."""
+    return getattr(args, "_data_flags", None) or data_flags_read()
 
 
 def recorded_data_flags(record):
@@ -596,7 +601,7 @@ def step_data_records(args, saved=None):
     compared on --resume (``saved``: the checkpoint's, whose DATA_FILES are compared with the same flags' files,
     ``data_files_as_recorded``). Neither of the last two before the step read its data (not compared then)."""
     records = {DATA_FILES: step_data_files(args) if saved is None else data_files_as_recorded(saved, args),
-               DATA_FILES_FLAGS: getattr(args, "_data_flags", None) or data_flags_read()}
+               DATA_FILES_FLAGS: taken_data_flags(args)}
     for key, taken in ((HUB_DATA, "_hub_data"), (UNSUPERVISED_DATA, "_unsupervised_data")):
         if getattr(args, taken, None) is not None:
             records[key] = getattr(args, taken)

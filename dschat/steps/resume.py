@@ -22,15 +22,16 @@ from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (STEP_VERSION, STEP_VERSIONS, TOKENIZER_KEY, check_same_start, check_same_tokenizer,
-                                 input_runs, restart_deepspeed_tensorboard, resumed_save_interval,
-                                 say_a_changed_schedule, schedule_length_flags, step_data_records)
-from dschat.utils.checkpoints import (MODEL, STEP_NAME, ResumePlan, check_complete, check_position, check_same_flags,
-                                      check_same_products, check_same_step, check_universal_fit, clear_earlier_run,
-                                      clear_tag, latest_tag, load_rank_state, load_rank_state_of_others,
-                                      loading_checkpoint, older_dschats_checkpoint, publish, published_tag,
-                                      read_trainer_state, reading, remove_universal_copies, rng_said,
-                                      save_trainer_state, say_an_older_dschats_checkpoint, tag_of, take_restored_flags,
-                                      universal_load, with_universal_load)
+                                 input_runs, recorded_data_flags, restart_deepspeed_tensorboard,
+                                 resumed_save_interval, say_a_changed_schedule, schedule_length_flags,
+                                 step_data_records, taken_data_flags)
+from dschat.utils.checkpoints import (DATA_SOURCE_FLAGS, MODEL, STEP_NAME, ResumePlan, check_complete,
+                                      check_position, check_same_flags, check_same_products, check_same_step,
+                                      check_universal_fit, clear_earlier_run, clear_tag, latest_tag, load_rank_state,
+                                      load_rank_state_of_others, loading_checkpoint, older_dschats_checkpoint,
+                                      publish, published_tag, read_trainer_state, reading, remove_universal_copies,
+                                      rng_said, save_trainer_state, say_an_older_dschats_checkpoint, tag_of,
+                                      take_restored_flags, universal_load, with_universal_load)
 from dschat.utils.dist import get_world_size, print_rank_0, rank_0_decides
 from dschat.utils.files import writes_said_on_a_full_disk
 
@@ -42,6 +43,7 @@ from dschat.utils.files import writes_said_on_a_full_disk
 # (--weight_decay too: the optimizer's parameter groups depend on whether it is 0.)
 # (step 1's --multiturn too: it keeps conversations that end with a user turn, or are longer than --max_seq_len,
 # which are skipped without it, so the records, their order and what the position counts differ.)
+# (--sft_only_data_path binds step 1's alone, which reads it: ``unbound_data_flags``.)
 RESUME_FLAGS = ("model_name_or_path", "add_eot_token", "eot_token", "lora_dim", "lora_module_name", "lora_alpha",
                 "only_optimize_lora", "weight_decay", "zero_stage", "dtype", "offload", "per_device_train_batch_size",
                 "gradient_accumulation_steps", "seed", "data_path", "data_split", "data_fields", "max_seq_len",
@@ -65,22 +67,37 @@ def checkpoint_root(args):
 
 def resume_flags(args, saved=None):
     """What a checkpoint stores and --resume compares (``saved``: the checkpoint's, ``step_data_records``)."""
-    return {**flag_values(args), **step_data_records(args, saved)}  # the same data, unedited: its position counts
+    # (the same data, unedited: its position counts the records they make)
+    return {**flag_values(args, saved), **step_data_records(args, saved)}
 
 
-def flag_values(args):
-    """{flag: value} of the flags a checkpoint stores and --resume compares (its data files' records aside)."""
-    flags = {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS + FREE_FLAGS}
+def flag_values(args, saved=None):
+    """{flag: value} of the flags a checkpoint stores and --resume compares (its data files' records aside; ``saved``:
+    the checkpoint's flags, ``unbound_data_flags``)."""
+    unbound = unbound_data_flags(args, saved)
+    flags = {name: getattr(args, name, None) for name in RESUME_FLAGS + RESTORED_FLAGS + FREE_FLAGS
+             if name not in unbound}
     if flags["model_name_or_path"] and os.path.isdir(flags["model_name_or_path"]):  # the same folder, however named
         flags["model_name_or_path"] = os.path.abspath(flags["model_name_or_path"])
     return flags
 
 
-def bound_flags(args):
-    """{flag: value} of the flags a checkpoint is bound to (``flag_values`` less the restored and free ones): the
-    step's --resume refuses another value than the checkpoint's (``check_same_flags``), and so does ``train.py
-    --resume``'s plan, before any step runs (``pipeline_resume.refuse_other_bound_flags``)."""
-    return {name: value for name, value in flag_values(args).items() if name not in RESTORED_FLAGS + FREE_FLAGS}
+def unbound_data_flags(args, saved=None):
+    """The data path flags whose files a checkpoint does not record, which bind it to nothing: --sft_only_data_path
+    in steps 2's and DPO's, which only step 1 reads (``data_flags_read``). What the checkpoint records: ``saved`` (its
+    flags) says it, else the step's own take (``take_data_files``). An older dschat's checkpoint of step 2 or DPO
+    recorded step 1's files too, and stays bound to the flag as its data files are compared
+    (``data_files_as_recorded``)."""
+    recorded = taken_data_flags(args) if saved is None else recorded_data_flags(saved)
+    return [name for name in DATA_SOURCE_FLAGS if name not in recorded]
+
+
+def bound_flags(args, saved=None):
+    """{flag: value} of the flags a checkpoint is bound to (``flag_values`` less the restored and free ones; ``saved``:
+    its flags): the step's --resume refuses another value than the checkpoint's (``check_same_flags``), and so does
+    ``train.py --resume``'s plan, before any step runs (``pipeline_resume.refuse_other_bound_flags``)."""
+    return {name: value for name, value in flag_values(args, saved).items()
+            if name not in RESTORED_FLAGS + FREE_FLAGS}
 
 
 def save_step_checkpoint(engine, args, position, keep_last=2):
