@@ -3,8 +3,10 @@
 Under the deepspeed launcher every rank runs this same function; nothing here starts processes except the
 single re-launch of a plain ``python train.py`` for multi-GPU deployment types (see ``train.py``).
 """
+import contextlib
 import functools
 import os
+import re
 import shlex
 import time
 
@@ -283,6 +285,38 @@ TRAIN_PY_NAMES = {"--actor_model_name_or_path": "--actor-model",
                   "--data_fields": "--data-fields", "--output_dir": "--output-dir"}
 
 
+# Step flags (dests) that are train.py's own options to its user (TRAIN_PY_NAMES spells them) where the step's
+# --stepN-args give none of the group: the step reads --data-path (or train.py's default data), named by --data-fields
+# (given or not: an error asking for field names asks for train.py's); a step given its own --data_path there takes
+# its field names there too.
+PASSED_AS_TYPED = {"data_path": {"data_path"}, "data_fields": {"data_fields", "data_path"}}
+
+
+def in_train_py_spelling(message, step, args):
+    """``message`` (``step``'s error) naming train.py's flags where they are train.py's to the user (PASSED_AS_TYPED):
+    a step names its own (--data_fields), and the user had typed --data-fields; flags from its --stepN-args keep the
+    step's spelling."""
+    from dschat.args import flag_groups
+
+    parser = step_parser(step, getattr(args, "recipe", "ppo"))()
+    given = {dest for dest, _ in flag_groups(parser, step_extra_args(step, args))}
+    for dest, group in PASSED_AS_TYPED.items():
+        if not group & given:
+            message = re.sub(rf"--{dest}(?![\w-])", TRAIN_PY_NAMES[f"--{dest}"], message)
+    return message
+
+
+@contextlib.contextmanager
+def says_train_py_flags(step, args):
+    """Run ``step``'s code (its checks, or the step itself in train.py's process): a UsageError it raises names the
+    flags the user gave train.py as train.py spells them (``in_train_py_spelling``); its type and traceback kept."""
+    try:
+        yield
+    except UsageError as error:
+        error.args = (in_train_py_spelling(str(error), step, args), *error.args[1:])
+        raise
+
+
 def step_flags_hint(unknown):
     """For train.py's unrecognized arguments: which of them are flags of the step scripts, and how to pass them."""
     from dschat.args import step1_parser, step2_parser, step3_parser
@@ -305,45 +339,17 @@ def check_step_args(steps, args, tiny, parsers):
     """Every step's arguments parsed (``parsers``: step -> its parser factory), and its DeepSpeed config built with
     any config file, before the first step runs: a typo in ``--step3-args`` or a config file at odds with a step's
     flags stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
-    from dschat.data.local import parse_data_fields
-    from dschat.data.unsupervised import check_unsupervised_file
-    from dschat.rlhf.config import step3_args
-    from dschat.rlhf.engine import check_step3_settings
-    from dschat.steps.common import check_supervised_settings
-    from dschat.utils.dist import get_world_size
-
     parsed = {}  # step -> (its flags, its parser)
     for step in steps:  # every step's flags first: a typo is the first thing to hear about
         parser = parsers[step]()
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
         parser.check_given_once(step_extra_args(step, args))  # (the user's: train.py's own are replaced by them)
-        parsed[step] = parser.parse_args(step_argv(step, args, tiny)), parser
+        with says_train_py_flags(step, args):
+            parsed[step] = parser.parse_args(step_argv(step, args, tiny)), parser
     check_data_fields_name_the_steps_datasets(args, [flags for flags, _ in parsed.values()])
     for step, (flags, parser) in parsed.items():
-        check_folders_are_train_pys(step, args, tiny, flags, parser)
-        check_stage_flags_agree(step, args, flags, parser)
-        # (a step reads it with its data: after train.py has reset the report)
-        parse_data_fields(flags.data_fields).check_names(
-            [*flags.data_path, *getattr(flags, "sft_only_data_path", [])], f"step {step}'s --data_path")
-        if step == 3:
-            check_grpo_reads_no_step2_folder(flags, args)
-            # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from
-            # (and step 2's may hold an earlier run's reward model: the critic is checked when step 3 loads it)
-            check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None,
-                                 critic_made_later=2 in steps)
-            if steps != [3]:  # step 3 alone counts its prompts at once; after other steps, it would count them late
-                check_step3_prompts(step3_args(flags), get_world_size())
-                check_unsupervised_file(getattr(flags, "unsupervised_dataset_name", None))
-        else:
-            check_supervised_settings(flags, phase=step)
-            if step == 2 and getattr(args, "recipe", "ppo") == "dpo":
-                from dschat.steps.dpo import check_dpo_flags
-
-                check_dpo_flags(flags)
-            if step == 1 and steps != [1]:  # step 1 alone reads its data at once; a longer run's recipe is said first
-                check_step1_answers(flags)
-            if step == 2 and steps != [2]:  # step 2 alone reads its pairs at once; after step 1, it would be late
-                check_step2_pairs(flags, getattr(args, "recipe", "ppo"))
+        with says_train_py_flags(step, args):
+            check_one_steps_flags(step, steps, args, tiny, flags, parser)
     for step, (flags, _) in parsed.items():
         check_earlier_outputs(step, steps, args, flags)
     say_splits_that_differ({step: flags for step, (flags, _) in parsed.items()})
@@ -352,6 +358,41 @@ def check_step_args(steps, args, tiny, parsers):
     check_sequence_lengths(args, flags)
     check_hub_data_at_hand(args, flags)  # (last: it may load a dataset, where the checks above read flags and files)
     return flags
+
+
+def check_one_steps_flags(step, steps, args, tiny, flags, parser):
+    """``check_step_args``'s checks of one step's parsed ``flags`` (its data's too, where no earlier step runs)."""
+    from dschat.data.local import parse_data_fields
+    from dschat.data.unsupervised import check_unsupervised_file
+    from dschat.rlhf.config import step3_args
+    from dschat.rlhf.engine import check_step3_settings
+    from dschat.steps.common import check_supervised_settings
+    from dschat.utils.dist import get_world_size
+
+    check_folders_are_train_pys(step, args, tiny, flags, parser)
+    check_stage_flags_agree(step, args, flags, parser)
+    # (a step reads it with its data: after train.py has reset the report)
+    parse_data_fields(flags.data_fields).check_names(
+        [*flags.data_path, *getattr(flags, "sft_only_data_path", [])], f"step {step}'s --data_path")
+    if step == 3:
+        check_grpo_reads_no_step2_folder(flags, args)
+        # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from
+        # (and step 2's may hold an earlier run's reward model: the critic is checked when step 3 loads it)
+        check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None,
+                             critic_made_later=2 in steps)
+        if steps != [3]:  # step 3 alone counts its prompts at once; after other steps, it would count them late
+            check_step3_prompts(step3_args(flags), get_world_size())
+            check_unsupervised_file(getattr(flags, "unsupervised_dataset_name", None))
+    else:
+        check_supervised_settings(flags, phase=step)
+        if step == 2 and getattr(args, "recipe", "ppo") == "dpo":
+            from dschat.steps.dpo import check_dpo_flags
+
+            check_dpo_flags(flags)
+        if step == 1 and steps != [1]:  # step 1 alone reads its data at once; a longer run's recipe is said first
+            check_step1_answers(flags)
+        if step == 2 and steps != [2]:  # step 2 alone reads its pairs at once; after step 1, it would be late
+            check_step2_pairs(flags, getattr(args, "recipe", "ppo"))
 
 
 def check_hub_data_at_hand(args, parsed):
@@ -749,11 +790,13 @@ def resume_plan(steps, args, parsed, tiny):
     return plan
 
 
-def run_step(main, argv, step, steps, plan):
-    """One step (returns its metrics); a step ``train.py --resume`` resumed that cannot resume (its checkpoint's bound
-    flags differ) says how to start it afresh and keep the finished steps before it."""
+def run_step(main, argv, step, steps, plan, args):
+    """One step (returns its metrics); its errors name the flags the user gave train.py as train.py spells them, and a
+    step ``train.py --resume`` resumed that cannot resume (its checkpoint's bound flags differ) says how to start it
+    afresh and keep the finished steps before it."""
     try:
-        return main(argv)
+        with says_train_py_flags(step, args):
+            return main(argv)
     except UsageError as error:
         if plan[step].action != RESUME:
             raise
@@ -845,7 +888,7 @@ def run_steps(args, steps, plan, parsers, tiny):
         argv = step_argv(step, args, tiny) + (["--resume"] if plan[step].action == RESUME else [])
         print_rank_0(f"==== {name}: {' '.join(shlex.quote(a) for a in argv)}")
         started = time.time()
-        metrics = run_step(main, argv, step, steps, plan)
+        metrics = run_step(main, argv, step, steps, plan, args)
         # a resumed step's own clock counts its interrupted run's time too (up to the checkpoint it resumed from)
         timings[name] = metrics["seconds"] if plan[step].action == RESUME and metrics else time.time() - started
     return timings

@@ -1489,7 +1489,7 @@ def test_train_py_finds_step2_data_without_pairs_before_step_1(tmp_path, distrib
                             for i in range(40)))
     out = tmp_path / "out"
     for recipe, what, end in (("ppo", "step 2", ", or train without it: --recipe grpo$"), ("dpo", "DPO", "$")):
-        with pytest.raises(UsageError, match=rf"{what} trains on preference pairs, and --data_path jsonl:.* has no "
+        with pytest.raises(UsageError, match=rf"{what} trains on preference pairs, and --data-path jsonl:.* has no "
                                              rf"rejected answers.*\.\.\.\"\){end}"):
             pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--data-path", f"jsonl:{data}",
                                                  "--recipe", recipe))
@@ -1497,7 +1497,7 @@ def test_train_py_finds_step2_data_without_pairs_before_step_1(tmp_path, distrib
     # a rejected=... naming a column the file lacks is why: said as such ("no rejected answers" sent one looking)
     pairs = tmp_path / "pairs.csv"
     pairs.write_text("q,a,b\n" + "".join(f"Q{i}?,yes,no\n" for i in range(40)))
-    with pytest.raises(DatasetFormatError, match=r"pairs\.csv: no 'c' field, which --data_fields rejected=c names; "
+    with pytest.raises(DatasetFormatError, match=r"pairs\.csv: no 'c' field, which --data-fields rejected=c names; "
                                                  r"the records have \['q', 'a', 'b'\]"):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--data-path", f"csv:{pairs}",
                                              "--data-fields", "prompt=q,chosen=a,rejected=c"))
@@ -2036,9 +2036,31 @@ def test_train_py_refuses_malformed_data_fields_before_the_first_step(tmp_path, 
     from dschat.errors import UsageError
 
     for given in (["--data-fields", "bogus"], ["--step1-args", "--data_fields prompt=q,answer=a"]):
-        with pytest.raises(UsageError, match="--data_fields item 'bogus' must look like|unknown data field"):
+        with pytest.raises(UsageError, match="--data-fields item 'bogus' must look like|unknown data field"):
             pipeline.run_pipeline(_train_py_args("--step", "1", "--output-dir", str(tmp_path / "out"), *given))
     assert not (tmp_path / "out").exists(), "no step may have run"
+
+
+def test_train_py_errors_name_data_fields_as_the_user_typed_them(tmp_path, distributed):
+    """A step run by train.py named its own --data_fields where the user had typed train.py's --data-fields; flags
+    given in --stepN-args keep the step's spelling. Step 1 alone reads its data in the step; before step 2, train.py's
+    pre-flight check reads it."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+
+    no_field = "no 'question' field, which {} prompt=question names"
+    for steps, given, flag in ((["1"], ["--data-fields", "prompt=question"], "--data-fields"),
+                               (["1", "2"], ["--data-fields", "prompt=question"], "--data-fields"),
+                               (["1"], ["--step1-args", "--data_fields prompt=question"], "--data_fields")):
+        args = _train_py_args("--step", *steps, "--output-dir", str(tmp_path / "out"), *given)
+        with pytest.raises(UsageError, match=re.escape(no_field.format(flag))):
+            pipeline.run_pipeline(args)
+    # with no field names given, the step's advice to name them names train.py's flag too
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Q{i}?", "reply": "Yes."}) + "\n" for i in range(40)))
+    args = _train_py_args("--step", "1", "--output-dir", str(tmp_path / "out"), "--data-path", f"jsonl:{data}")
+    with pytest.raises(UsageError, match=r"records have \['question', 'reply'\]\. Name yours with --data-fields, "):
+        pipeline.run_pipeline(args)
 
 
 def test_train_py_length_check_reads_the_earlier_steps_output_when_step_1_is_not_run(tmp_path):
