@@ -238,7 +238,7 @@ def check_data_fields_name_the_steps_datasets(args, step_flags):
 
     read = [spec for flags in step_flags for spec in [*flags.data_path, *getattr(flags, "sft_only_data_path", [])]]
     parse_data_fields(getattr(args, "data_fields", "")).check_names(
-        list(dict.fromkeys(read)), "--data-path or a step's --data_path or --sft_only_data_path")
+        list(dict.fromkeys(read)), "--data-path or a step's --data_path or --sft_only_data_path", "--data-fields")
 
 
 def step_parser(step, recipe):

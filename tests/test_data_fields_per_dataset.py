@@ -207,7 +207,7 @@ def test_train_py_refuses_a_mapping_of_a_dataset_it_does_not_read_before_the_fir
     args = runpy.run_path(str(REPO / "train.py"))["parse_args"]([
         "--step", "1", "--output-dir", str(tmp_path / "out"), "--data-path", qa,
         "--data-fields", f"{qa}:prompt=question,chosen=answer;{alpaca}:prompt=instruction,chosen=output"])
-    with pytest.raises(UsageError, match=rf"--data_fields: '{re.escape(alpaca)}' is not a dataset of --data-path or "
+    with pytest.raises(UsageError, match=rf"--data-fields: '{re.escape(alpaca)}' is not a dataset of --data-path or "
                                          r"a step's --data_path or --sft_only_data_path"):
         pipeline.run_pipeline(args)
     assert not (tmp_path / "out").exists(), "no step may have run"

@@ -133,23 +133,24 @@ class DataFields:
         identity = dataset_identity(spec)
         return next((name for name in self.by_dataset if dataset_identity(name) == identity), None)
 
-    def check_names(self, specs, flags="--data_path"):
+    def check_names(self, specs, flags="--data_path", fields_flag="--data_fields"):
         """Every dataset named is one of ``specs`` (a typo, or a path to other files than ``flags``' give, renamed
         nothing, unsaid), named once (two spellings of one file: which mapping was meant?), and a local one (a hub
-        dataset's fields are fixed): a UsageError naming it."""
+        dataset's fields are fixed): a UsageError naming it, and these fields as ``fields_flag`` (train.py's
+        --data-fields)."""
         given = {dataset_identity(spec): spec for spec in specs}
         named = {}
         for name in self.by_dataset:
             identity = dataset_identity(name)
             if identity not in given:
-                raise UsageError(f"--data_fields: {name!r} is not a dataset of {flags} ({', '.join(specs) or 'none'}"
+                raise UsageError(f"{fields_flag}: {name!r} is not a dataset of {flags} ({', '.join(specs) or 'none'}"
                                  f"): name each dataset as written there")
             if identity in named:
-                raise UsageError(f"--data_fields: {named[identity]!r} and {name!r} are one dataset ({given[identity]} "
+                raise UsageError(f"{fields_flag}: {named[identity]!r} and {name!r} are one dataset ({given[identity]} "
                                  f"of {flags}), given two mappings: give it one")
             named[identity] = name
             if _is_hub_name(name):
-                raise UsageError(f"--data_fields: {name!r} is a hub dataset, whose fields are fixed: its fields "
+                raise UsageError(f"{fields_flag}: {name!r} is a hub dataset, whose fields are fixed: its fields "
                                  "cannot be renamed")
 
     def of_datasets(self, specs):
