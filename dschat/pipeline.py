@@ -339,6 +339,13 @@ def check_step_args(steps, args, tiny, parsers):
     """Every step's arguments parsed (``parsers``: step -> its parser factory), and its DeepSpeed config built with
     any config file, before the first step runs: a typo in ``--step3-args`` or a config file at odds with a step's
     flags stops train.py at once, not after steps 1 and 2 have trained (and overwritten their outputs)."""
+    from dschat.data.raw_datasets import LOCAL_FILES, reads_kept
+
+    with reads_kept(LOCAL_FILES):  # (each step's data check reads the files the others read: once, let go after)
+        return _check_step_args(steps, args, tiny, parsers)
+
+
+def _check_step_args(steps, args, tiny, parsers):
     parsed = {}  # step -> (its flags, its parser)
     for step in steps:  # every step's flags first: a typo is the first thing to hear about
         parser = parsers[step]()

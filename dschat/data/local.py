@@ -437,6 +437,17 @@ def all_files(path):
     return sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
 
 
+def files_stamp(paths):
+    """(path, size, modification and change times) of every file of ``paths`` (files or folders): another stamp
+    where a file was written since (``get_raw_dataset``'s kept reads: its records read again)."""
+    stamps = []
+    for path in paths:
+        for file in all_files(path):
+            st = os.stat(file)
+            stamps.append((os.path.abspath(file), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(stamps)
+
+
 def tiny_source():
     """The embedded default data (``dschat/tiny/data/{train,eval}.jsonl``)."""
     source = _folder_source("jsonl", str(TINY_DATA_DIR), "tiny")

@@ -17,6 +17,7 @@ Datasets without an eval split get a seeded 90/10 train/eval split. Hub records 
 (an empty answer, a transcript without a final Human turn) are skipped and counted, not fatal: one bad row
 out of 160k should not stop a run, and the count is printed.
 """
+import contextlib
 import os
 import re
 
@@ -387,13 +388,47 @@ def check_data_paths(data_path, sft_only_data_path=()):
 def get_raw_dataset(dataset_name, output_path, seed, local_rank, flag="--data_path", **field_options):
     """The adapter for ``dataset_name``. ``field_options`` (prompt=..., chosen=..., rejected=...,
     messages=...) rename the fields of local data; hub datasets have fixed schemas and ignore them. ``flag``: the one
-    that gave it (step 1's --sft_only_data_path), named where it cannot be read."""
-    from .local import LocalDataset
+    that gave it (step 1's --sft_only_data_path), named where it cannot be read. Inside a ``reads_kept`` block, files
+    read before (unchanged since) are not read again."""
+    from .local import LocalDataset, files_stamp
 
     resolved = resolve_dataset_spec(dataset_name, flag)
     if isinstance(resolved, type):
         return resolved(output_path, seed, local_rank, flag=flag)
-    return LocalDataset(resolved, output_path, seed, local_rank, field_options)
+    # (a local reader's load depends on its field names; its seed, output path and rank hold its eval share's indices)
+    return _read_once(LOCAL_FILES, lambda: (dataset_name, output_path, seed, local_rank,
+                                            repr(sorted(field_options.items())), files_stamp(resolved.files)),
+                      lambda: LocalDataset(resolved, output_path, seed, local_rank, field_options))
+
+
+# What a ``reads_kept`` block may keep: local data's readers.
+LOCAL_FILES = "local files"
+_KEPT = {}  # {kind: {key: what was read}} of the kinds the open ``reads_kept`` blocks keep
+
+
+@contextlib.contextmanager
+def reads_kept(*kinds):
+    """Inside it, ``get_raw_dataset`` reads the files of each of ``kinds`` once: a later reader of the same files,
+    unchanged, gets what the first read (train.py's pre-flight checks each step's data). What was read is let go when
+    the block that opened its kind ends."""
+    opened = [kind for kind in kinds if kind not in _KEPT]  # (an inner block keeps what an outer one keeps)
+    _KEPT.update({kind: {} for kind in opened})
+    try:
+        yield
+    finally:
+        for kind in opened:
+            del _KEPT[kind]
+
+
+def _read_once(kind, key, read):
+    """``read()``, or what it gave earlier for the same ``key()`` where a ``reads_kept`` block keeps ``kind``."""
+    kept = _KEPT.get(kind)
+    if kept is None:
+        return read()
+    key = key()
+    if key not in kept:
+        kept[key] = read()
+    return kept[key]
 
 
 __all__ = ["PromptRawDataset", "HUB_DATASETS", "TINY_NAME", "check_data_paths", "get_raw_dataset",

@@ -1,0 +1,75 @@
+"""train.py's pre-flight reads each data file once."""
+import os
+import runpy
+from collections import Counter
+
+import pytest
+
+from dschat.data import local
+from dschat.steps import sft
+from launch import REPO
+
+
+class Ran(Exception):
+    pass
+
+
+def counted_reads(monkeypatch):
+    """{file: how many times its records were read} (``local.load_file``: every local file's, and a hub dataset's
+    download's)."""
+    reads, load_file = Counter(), local.load_file
+    monkeypatch.setattr(local, "load_file", lambda kind, path: reads.update([os.path.realpath(path)]) or
+                        load_file(kind, path))
+    return reads
+
+
+def train_py_args(argv):
+    return runpy.run_path(str(REPO / "train.py"))["parse_args"](argv)
+
+
+def test_train_pys_pre_flight_reads_the_tiny_data_once_for_every_steps_check(tmp_path, distributed, monkeypatch):
+    """Steps 1, 2 and 3 of the tiny default: the pre-flight checked step 1's answers, step 2's pairs and step 3's
+    prompts each by reading the data anew (each read parses and validates every record): three reads of each file."""
+    from dschat import pipeline
+    from dschat.tiny import EVAL_FILE, TRAIN_FILE
+
+    reads = counted_reads(monkeypatch)
+    monkeypatch.setattr(sft, "main", lambda argv: (_ for _ in ()).throw(Ran()))
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(train_py_args(["--output-dir", str(tmp_path / "out")]))
+    assert reads == {os.path.realpath(TRAIN_FILE): 1, os.path.realpath(EVAL_FILE): 1}
+
+
+def test_train_pys_pre_flight_reads_each_local_file_once_however_many_steps_check_it(tmp_path, distributed,
+                                                                                     monkeypatch):
+    """A user's file read by the pre-flight's checks of steps 1 and 2 once; what was read is let go with the
+    pre-flight (the next one reads the file anew)."""
+    from dschat import pipeline
+    from dschat.args import step1_parser, step2_parser
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": " Hello.", "rejected": " No."}\n' * 8)
+    args = train_py_args(["--step", "1", "2", "--output-dir", str(tmp_path / "out"), "--data-path", str(data)])
+    reads = counted_reads(monkeypatch)
+    for times in (1, 2):
+        pipeline.check_step_args([1, 2], args, True, {1: step1_parser, 2: step2_parser})
+        assert reads == {str(data.resolve()): times}
+
+
+def test_a_kept_read_of_a_file_written_since_is_read_again(tmp_path, monkeypatch):
+    """A file written after it was read (another size or time) is read anew, its records checked: not the kept
+    records of its earlier content."""
+    from dschat.data.errors import DatasetFormatError
+    from dschat.data.raw_datasets import LOCAL_FILES, get_raw_dataset, reads_kept
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": " Hello."}\n' * 4)
+    reads = counted_reads(monkeypatch)
+    with reads_kept(LOCAL_FILES):
+        for _ in range(2):
+            get_raw_dataset(str(data), None, 1234, -1).check_usable(1)
+        assert reads == {str(data.resolve()): 1}
+        data.write_text('{"prompt": "Hi?"}\n' * 4)
+        with pytest.raises(DatasetFormatError, match="has prompts but no answers"):
+            get_raw_dataset(str(data), None, 1234, -1).check_usable(1)
+    assert reads == {str(data.resolve()): 2}
