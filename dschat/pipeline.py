@@ -812,6 +812,7 @@ def run_step(main, argv, step, steps, plan, args):
 
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
+    from dschat.data.raw_datasets import HUB_COPIES, reads_kept
     from dschat.report import write_unfinished_report
     from dschat.steps import dpo, ppo, reward, sft
 
@@ -832,14 +833,17 @@ def run_pipeline(args):
     parsers = {step: (*run, step_parser(step, recipe)) for step, run in parsers.items()}  # (step_argv's parsers too)
     steps, not_run = recipe_steps(recipe, args.step)
     say_left_out_steps(args, steps, not_run)
-    parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
-    check_writable_folder(args.output_dir, "--output-dir")
-    plan = resume_plan(steps, args, parsed, tiny)
-    ready = ready_reward_model(args)
-    say_recipe_notes(args, recipe, steps, tiny, ready)
-    if is_rank_0():
-        write_unfinished_report(args.output_dir, recipe, steps, ready)
-    timings = run_steps(args, steps, plan, parsers, tiny)
+    # the steps run in this process: a local copy under a hub name that the pre-flight loaded is the steps' too (its
+    # Arrow tables are memory-mapped, not held in memory)
+    with reads_kept(HUB_COPIES):
+        parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
+        check_writable_folder(args.output_dir, "--output-dir")
+        plan = resume_plan(steps, args, parsed, tiny)
+        ready = ready_reward_model(args)
+        say_recipe_notes(args, recipe, steps, tiny, ready)
+        if is_rank_0():
+            write_unfinished_report(args.output_dir, recipe, steps, ready)
+        timings = run_steps(args, steps, plan, parsers, tiny)
     from dschat.data.raw_datasets import is_tiny_data
 
     # the rule scorer knows only the embedded data (by its name, or its shipped files' paths): the DPO step's own, as

@@ -1,4 +1,5 @@
-"""train.py's pre-flight reads each data file once."""
+"""train.py's pre-flight reads each data file once, and the steps it runs in-process read no local copy of a hub
+dataset again that it loaded."""
 import os
 import runpy
 from collections import Counter
@@ -6,7 +7,7 @@ from collections import Counter
 import pytest
 
 from dschat.data import local
-from dschat.steps import sft
+from dschat.steps import common, sft
 from launch import REPO
 
 
@@ -73,3 +74,25 @@ def test_a_kept_read_of_a_file_written_since_is_read_again(tmp_path, monkeypatch
         with pytest.raises(DatasetFormatError, match="has prompts but no answers"):
             get_raw_dataset(str(data), None, 1234, -1).check_usable(1)
     assert reads == {str(data.resolve()): 2}
+
+
+def test_step_1_reads_no_local_copy_of_a_hub_dataset_again_that_train_pys_pre_flight_loaded(tmp_path, distributed,
+                                                                                            monkeypatch):
+    """A download of Dahoas/rm-static at ./Dahoas/rm-static given to step 1: the pre-flight loaded it (its splits
+    checked before step 1 runs), and step 1, run in the same process, read all its files again."""
+    import pandas as pd
+
+    from dschat import pipeline
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "Dahoas" / "rm-static" / "data"
+    folder.mkdir(parents=True)
+    for split in ("train", "test"):
+        pd.DataFrame([{"prompt": f"\n\nHuman: Hi {i}?\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+                       "rejected": " No."} for i in range(8)]).to_parquet(folder / f"{split}-00000-of-00001.parquet")
+    reads = counted_reads(monkeypatch)
+    monkeypatch.setattr(common, "require_training_records", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+    with pytest.raises(Ran):  # (step 1 ran up to its tokenized data)
+        pipeline.run_pipeline(train_py_args(["--step", "1", "--output-dir", str(tmp_path / "out"),
+                                             "--data-path", "Dahoas/rm-static"]))
+    assert reads == {str(folder.resolve() / f"{split}-00000-of-00001.parquet"): 1 for split in ("train", "test")}

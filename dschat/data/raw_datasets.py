@@ -394,23 +394,31 @@ def get_raw_dataset(dataset_name, output_path, seed, local_rank, flag="--data_pa
 
     resolved = resolve_dataset_spec(dataset_name, flag)
     if isinstance(resolved, type):
-        return resolved(output_path, seed, local_rank, flag=flag)
+        def hub_reader(raw_datasets=None):
+            return resolved(output_path, seed, local_rank, flag=flag, raw_datasets=raw_datasets)
+
+        if not is_local_hub_copy(dataset_name):
+            return hub_reader()
+        # (the copy's data, read once; the reader made anew with this caller's seed, output path and flag)
+        return hub_reader(_read_once(HUB_COPIES, lambda: (dataset_name, files_stamp([dataset_name])),
+                                     lambda: hub_reader().raw_datasets))
     # (a local reader's load depends on its field names; its seed, output path and rank hold its eval share's indices)
     return _read_once(LOCAL_FILES, lambda: (dataset_name, output_path, seed, local_rank,
                                             repr(sorted(field_options.items())), files_stamp(resolved.files)),
                       lambda: LocalDataset(resolved, output_path, seed, local_rank, field_options))
 
 
-# What a ``reads_kept`` block may keep: local data's readers.
-LOCAL_FILES = "local files"
+# What a ``reads_kept`` block may keep: local data's readers; the data of a local copy under a hub name.
+LOCAL_FILES, HUB_COPIES = "local files", "local copies of hub datasets"
 _KEPT = {}  # {kind: {key: what was read}} of the kinds the open ``reads_kept`` blocks keep
 
 
 @contextlib.contextmanager
 def reads_kept(*kinds):
     """Inside it, ``get_raw_dataset`` reads the files of each of ``kinds`` once: a later reader of the same files,
-    unchanged, gets what the first read (train.py's pre-flight checks each step's data). What was read is let go when
-    the block that opened its kind ends."""
+    unchanged, gets what the first read (train.py's pre-flight checks each step's data; the steps it runs in-process
+    read the local copies of hub datasets it loaded). What was read is let go when the block that opened its kind
+    ends."""
     opened = [kind for kind in kinds if kind not in _KEPT]  # (an inner block keeps what an outer one keeps)
     _KEPT.update({kind: {} for kind in opened})
     try:
