@@ -1470,6 +1470,52 @@ def test_ppo_eval_scores_a_dpo_runs_sft_model_as_its_report_scored_it(tmp_path, 
         assert f"from {run / 'step2_dpo' / RUN_ARGS_FILE} and" in capsys.readouterr().out
 
 
+def test_ppo_eval_scores_the_sft_model_with_the_flags_of_the_step_that_started_from_it(tmp_path, capsys):
+    """train.py --recipe ppo, then --recipe dpo into the same folder: the DPO run's step 1 replaced the SFT model and
+    its report scored it beside the DPO policy, but ppo_eval --policy <run>/step1_sft took the earlier step 3's flags
+    (its --eval_prompts, a 2,4,4 split and seed 1234), that step 3 having started from the SFT model that is gone. Now
+    the flags of the step that recorded it started from this SFT model; of two such, the last run's (report.json);
+    one started from another model only where no other record is, said."""
+    run = tmp_path / "run"
+    sft = run / "step1_sft"
+    for folder in ("step1_sft", "step2_dpo", "step3_ppo/actor"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+    (sft / RUN_ARGS_FILE).write_text(json.dumps({"step": "step1", "run_id": "sft-now", "flags": {}}))
+    (sft / "metrics.json").write_text("{}")  # (a finished step output: its run id is the model's identity)
+
+    def record(folder, step, started_from, flags):
+        (run / folder / RUN_ARGS_FILE).write_text(json.dumps({"step": step, "world_size": 1, "cwd": str(tmp_path),
+                                                              "inputs": {str(sft): started_from}, "flags": flags}))
+
+    ppo_flags = {"data_path": ["tiny"], "data_split": "2,4,4", "eval_prompts": 8, "per_device_generation_batch_size": 4}
+    dpo_flags = {"data_path": ["tiny"], "data_split": "4,4,2", "seed": 7}
+    default_count = ppo_eval.build_parser().get_default("num_prompts")
+
+    def scored_with():
+        args = ppo_eval.parse_args(["--policy", str(sft)])
+        return args.data_split, args.seed, args.num_prompts
+
+    for ppo_start, dpo_start, expected in (("sft-before", "sft-now", ("4,4,2", 7, default_count)),  # PPO, then DPO
+                                           ("sft-now", "sft-before", ("2,4,4", 1234, 8))):  # DPO, then PPO
+        record("step3_ppo", "step3", ppo_start, ppo_flags)
+        record("step2_dpo", "step2_dpo", dpo_start, dpo_flags)
+        capsys.readouterr()
+        assert scored_with() == expected, (ppo_start, dpo_start)
+        taken = "step2_dpo" if dpo_start == "sft-now" else "step3_ppo"
+        assert f"from {run / taken / RUN_ARGS_FILE}" in capsys.readouterr().out
+    record("step2_dpo", "step2_dpo", "sft-now", dpo_flags)  # both started from it: the last train.py run's
+    for policy, expected in (("step2_dpo", ("4,4,2", 7, default_count)), ("step3_ppo/actor", ("2,4,4", 1234, 8))):
+        (run / "report.json").write_text(json.dumps({"policy": policy}))
+        assert scored_with() == expected, policy
+    (run / "step2_dpo" / RUN_ARGS_FILE).unlink()  # (train.py --step 1 after the run: no step started from it)
+    record("step3_ppo", "step3", "sft-before", ppo_flags)
+    capsys.readouterr()
+    assert scored_with() == ("2,4,4", 1234, 8)
+    assert (f"[ppo_eval] {run / 'step3_ppo'} was trained from another model than {sft} (step 1 ran again after it)"
+            in capsys.readouterr().out)
+
+
 def test_no_rule_scores_are_kept_where_no_dpo_model_finished(tmp_path):
     """metrics.json marks a finished step output: the rule scores are not written where there is none."""
     from dschat.pipeline import keep_rule_scores_with_the_dpo_model

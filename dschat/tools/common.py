@@ -63,7 +63,7 @@ def _reported(path, key):
     return None if report is None else report.get(key)
 
 
-def _reported_policy(path):
+def reported_policy(path):
     """The policy subfolder the last train.py run in ``path`` reported as its result, if any."""
     policy = _reported(path, "policy")
     return policy if policy in POLICY_SUBFOLDERS else None
@@ -106,7 +106,7 @@ def find_policy_path(path):
     """A run's output folder -> the policy its last train.py run reported, else its PPO actor, DPO policy or SFT
     model, in that order; a model folder or hub name as is. A reward model is refused here, before any model loads:
     ppo_eval and prompt_eval refused one given as their second model only after the first one's answers."""
-    reported = _reported_policy(os.path.expanduser(path))
+    reported = reported_policy(os.path.expanduser(path))
     check_reported_policy_there(path, reported)
     found = _model_folder(path, POLICY_SUBFOLDERS, reported)
     check_not_a_reward_model(found)

@@ -22,11 +22,12 @@ from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.report import counted
 from dschat.run_layout import DPO_DIR, PPO_DIR, REPORT_FILE, SFT_DIR
-from dschat.steps.common import RUN_ARGS_FILE, read_run_args
+from dschat.steps.common import RUN_ARGS_FILE, among_inputs, read_run_args
 from dschat.steps.ppo import held_out_loader_once, step3_eval_prompts
 from dschat.tools.common import (add_loading_args, check_stdout_open, default_device, find_policy_path,
                                  find_reward_model_path, flag_path, load_policy, load_scoring_reward_model,
-                                 non_empty_path, one_process, parse_with_run_defaults)
+                                 non_empty_path, one_process, parse_with_run_defaults,
+                                 reported_policy)
 from dschat.utils.files import path_under
 
 
@@ -223,30 +224,21 @@ STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_o
 
 def step3_run_defaults(args):
     """(this tool's defaults from the step-3 run that wrote the policy, the training_args.json they come from), else
-    ({}, None). A run folder's SFT model takes its step 3's, else its DPO step's (``dpo_run_defaults``), as the same
-    prompts are what it is compared on (train.py --recipe dpo's report scores it beside the DPO policy); a DPO policy
-    takes its DPO run's."""
+    ({}, None). A run folder's SFT model takes the step 3's or DPO step's beside it that started from it
+    (``sft_comparison_run``), as the same prompts are what it is compared on (train.py --recipe dpo's report scores it
+    beside the DPO policy); a DPO policy takes its DPO run's (``dpo_run_defaults``)."""
     policy_path = flag_path("--policy", find_policy_path, args.policy)
     if not os.path.isdir(policy_path):  # a hub name: no run of ours
         return {}, None
-    policy = os.path.abspath(policy_path)
-    policy_dir = os.path.dirname(policy)
-    # (only the SFT model borrows its sibling step 3's: a DPO policy beside an older PPO run was not trained there)
-    sft_sibling = [os.path.join(policy_dir, PPO_DIR)] if os.path.basename(policy) == SFT_DIR else []
-    for folder in (policy, policy_dir, *sft_sibling):
-        run = read_run_args(folder, "step3")
-        if run is not None:
-            break
-    else:
-        # (the SFT model of a DPO run: scored as the DPO policy beside it, whose start it was)
-        dpo_folder = os.path.join(policy_dir, DPO_DIR) if os.path.basename(policy) == SFT_DIR else policy
-        if (dpo_run := read_run_args(dpo_folder, DPO_DIR)) is not None:
-            return dpo_run_defaults(dpo_run, dpo_folder, args)
+    run, folder = policy_run(os.path.abspath(policy_path))
+    if run is None:
         # e.g. a notebook's save_causal_lm: the prompts scored may not be the run's held-out ones
         print(f"[ppo_eval] no step-3 {RUN_ARGS_FILE} with {policy_path}: the held-out prompts are those of this tool's "
               f"flags (--data_path {' '.join(as_list(args.data_path))} --data_split {args.data_split} --seed "
               f"{args.seed}); give step 3's to score its held-out prompts")
         return {}, None
+    if run.get("step") == DPO_DIR:
+        return dpo_run_defaults(run, folder, args)
     flags = run["flags"]
     defaults = run_data_defaults(run, STEP3_DATA_FLAGS)
     defaults.update(run_data_cache(run, folder))
@@ -256,6 +248,51 @@ def step3_run_defaults(args):
                                                  run.get("world_size", 1))
     defaults["max_new_tokens"] = flags.get("eval_max_new_tokens") or flags.get("max_answer_seq_len", 256)
     return defaults, os.path.join(folder, RUN_ARGS_FILE)
+
+
+def policy_run(policy):
+    """(the training_args.json record of the run whose flags this tool takes for the policy folder ``policy``, the
+    folder it is in), else (None, None): a step 3's (in ``policy``, or beside its actor), else for a run folder's SFT
+    model the one its comparison was made with (``sft_comparison_run``), else the DPO step's that wrote ``policy``.
+    (Only the SFT model borrows a sibling's: a DPO policy beside an older PPO run was not trained there.)"""
+    for folder in (policy, os.path.dirname(policy)):
+        if (run := read_run_args(folder, "step3")) is not None:
+            return run, folder
+    if os.path.basename(policy) == SFT_DIR:
+        return sft_comparison_run(policy)
+    run = read_run_args(policy, DPO_DIR)
+    return (run, policy) if run is not None else (None, None)
+
+
+# The steps that start from a run folder's SFT model and score it beside their own policy, each with its record's
+# "step", in the order taken where the records cannot tell which one started from it.
+SFT_COMPARISON_STEPS = ((PPO_DIR, "step3"), (DPO_DIR, DPO_DIR))
+
+
+def sft_comparison_run(sft):
+    """(the record of the step beside the SFT model folder ``sft`` that was trained from it, the folder it is in),
+    else (None, None). One output folder may hold a PPO run's step3_ppo and a later train.py --recipe dpo's step2_dpo
+    (or the reverse), and the later run's step 1 replaced the SFT model the earlier step started from: the SFT model
+    was scored with the flags of that earlier step 3, not those of the DPO run whose report scored it. So a step that
+    recorded it started from this model (its "inputs") comes first, then one that recorded nothing; of two alike, the
+    last train.py run's (report.json's policy), else step 3's; one trained from another model only where no other
+    is, said."""
+    run_folder = os.path.dirname(sft)
+    reported = (reported_policy(run_folder) or "").split("/")[0]
+    candidates = []
+    for order, (name, step) in enumerate(SFT_COMPARISON_STEPS):
+        folder = os.path.join(run_folder, name)
+        if (run := read_run_args(folder, step)) is not None:
+            started_here = among_inputs(sft, run.get("inputs"))  # (None: not recorded, cannot be told)
+            rank = {True: 0, None: 1, False: 2}[started_here]
+            candidates.append(((rank, name != reported, order), run, folder, started_here))
+    if not candidates:
+        return None, None
+    _, run, folder, started_here = min(candidates, key=lambda candidate: candidate[0])
+    if started_here is False:
+        print(f"[ppo_eval] {folder} was trained from another model than {sft} (step 1 ran again after it): its "
+              f"flags are taken for want of the record of a step that started from {sft}")
+    return run, folder
 
 
 def dpo_run_defaults(dpo_run, dpo_folder, args):
