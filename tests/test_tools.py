@@ -21,7 +21,7 @@ from dschat.tiny.presets import create_tiny_model
 from dschat.tiny.scorer import rule_score
 from dschat.tools import ppo_eval, prompt_eval, rw_eval
 from dschat.tools.chat import ChatSession, conversation_prompt, run_interactive
-from dschat.tools.common import find_policy_path, load_policy, parse_with_run_defaults
+from dschat.tools.common import find_policy_path, flag_path, load_policy, parse_with_run_defaults
 from dschat.tools.generation import decode_answers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +86,33 @@ def test_a_finished_runs_reported_policy_that_is_gone_is_an_error_not_the_sft_mo
         find_policy_path(str(run))
     (run / "report.json").write_text(json.dumps({"unfinished": True, "policy": "step3_ppo/actor"}))
     assert find_policy_path(str(run)) == str(run / "step1_sft")  # a run still going: not written yet (warned of)
+
+
+def test_an_unfinished_runs_policy_not_written_yet_is_its_sft_model_not_another_recipes_earlier_policy(tmp_path,
+                                                                                                         capsys):
+    """train.py --recipe ppo, then --recipe dpo into the same folder, interrupted in its step 2 (or still training):
+    its report.json names step2_dpo, which holds no model yet, and the tools took the fixed order's step3_ppo/actor,
+    the earlier PPO run's actor, made from the SFT model this run's step 1 has since replaced (write_unfinished_report
+    names this run's policy so that the tools take this run's models, not an earlier run's). Now its SFT model."""
+    from dschat.report import write_unfinished_report
+
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step3_ppo/actor"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+    (run / "step2_dpo").mkdir()
+    (run / "step2_dpo" / RUN_ARGS_FILE).write_text(json.dumps({"step": "step2_dpo", "flags": {}}))  # (no model yet)
+    write_unfinished_report(str(run), "dpo", [1, 2])
+    assert find_policy_path(str(run)) == str(run / "step1_sft")
+    path = flag_path("--path", find_policy_path, str(run))
+    assert path == str(run / "step1_sft")
+    assert (f"warning: --path {run}: its last train.py run did not finish (report.json says so): {path} may be from "
+            "before it") in capsys.readouterr().err
+    (run / "report.json").write_text(json.dumps({"policy": "step2_dpo"}))  # (a finished run's: its policy, gone)
+    with pytest.raises(FileNotFoundError, match="holds no model now"):
+        find_policy_path(str(run))
+    (run / "report.json").unlink()  # no report: the fixed order, as before
+    assert find_policy_path(str(run)) == str(run / "step3_ppo" / "actor")
 
 
 def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(models, tmp_path, monkeypatch,

@@ -108,16 +108,28 @@ def find_policy_path(path):
     ppo_eval and prompt_eval refused one given as their second model only after the first one's answers."""
     reported = reported_policy(os.path.expanduser(path))
     check_reported_policy_there(path, reported)
-    found = _model_folder(path, POLICY_SUBFOLDERS, reported)
+    found = _model_folder(path, policy_fallbacks(path, reported), reported)
     check_not_a_reward_model(found)
     return found
+
+
+def policy_fallbacks(path, reported):
+    """The subfolders of the run folder ``path`` taken, in order, where its ``reported`` policy holds no model: an
+    unfinished train.py run's (not written yet) falls back to its SFT model, which every recipe starts from, first;
+    the fixed order took another recipe's policy there, an earlier run's (a PPO actor made from the SFT model that a
+    --recipe dpo run's step 1 had since replaced), where its report named its own policy to keep the tools off those.
+    (An earlier run's policy is still taken, warned of, where the SFT model holds none either.)"""
+    if reported and _reported(os.path.expanduser(path), "unfinished"):
+        return (SFT_DIR, *(sub for sub in POLICY_SUBFOLDERS if sub != SFT_DIR))
+    return POLICY_SUBFOLDERS
 
 
 def check_reported_policy_there(path, reported):
     """The policy a finished train.py run reported (``reported``: its subfolder of ``path``) holds a model. Where it was
     gone (removed, copied in part), the next of the run's folders was taken in its place, said by its path alone:
     chat.py and eval.py answered with step1_sft as the run's result, as find_reward_model_path refuses to do for a
-    reported reward model. (An unfinished run's policy may not be written yet: an earlier one is taken, warned of.)"""
+    reported reward model. (An unfinished run's policy may not be written yet: its SFT model is taken
+    first (``policy_fallbacks``), warned of.)"""
     folder = os.path.expanduser(path)
     if not reported or _reported(folder, "unfinished") or os.path.isfile(os.path.join(folder, reported, "config.json")):
         return
