@@ -115,6 +115,32 @@ def test_an_unfinished_runs_policy_not_written_yet_is_its_sft_model_not_another_
     assert find_policy_path(str(run)) == str(run / "step3_ppo" / "actor")
 
 
+def test_a_run_folder_whose_model_a_save_swap_left_beside_it_is_an_error_naming_it(tmp_path):
+    """A save killed between the two renames of its folder swap leaves no step3_ppo/actor (or step2_rm), the finished
+    model whole beside it (.actor.save-new): chat.py, prompt_eval and eval.py given the run's folder took the next of
+    its folders, step1_sft, unsaid (or, with report.json, said only that the actor "holds no model now"), and rw_eval
+    said "no model in this folder". Each now names the interrupted save and how to finish it."""
+    from dschat.run_layout import save_swap_paths
+    from dschat.tools.common import find_reward_model_path
+
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step2_rm", "step3_ppo/actor"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+    for folder in ("step3_ppo/actor", "step2_rm"):
+        os.rename(run / folder, save_swap_paths(run / folder)[0])
+    for report in (None, {"policy": "step3_ppo/actor"}):
+        if report:
+            (run / "report.json").write_text(json.dumps(report))
+        for flag, find, folder in (("--path", find_policy_path, "step3_ppo/actor"),
+                                   ("--model_name_or_path", find_reward_model_path, "step2_rm")):
+            new = save_swap_paths(run / folder)[0]
+            with pytest.raises(FileNotFoundError, match=re.escape(f"{flag} {run / folder}: no folder there now: a "
+                                                                  "save that replaced it was interrupted between its "
+                                                                  f"renames, and its finished copy is {new}")):
+                flag_path(flag, find, str(run))
+
+
 def test_a_folder_without_a_model_is_an_error_naming_it_and_a_dpo_run_is_found(models, tmp_path, monkeypatch,
                                                                                reachable_hub):
     with pytest.raises(FileNotFoundError, match="no model in this folder"):

@@ -8,8 +8,9 @@ import torch
 
 from dschat.args import check_sampling_flags, positive_int, seed_int, top_k_flag
 from dschat.errors import MissingInputError, UsageError
-from dschat.models.loading import (check_not_a_file, check_not_a_reward_model, looks_local, missing_folder_message,
-                                   not_a_model_folder, unfetchable_hub_name, unknown_tiny_preset)
+from dschat.models.loading import (check_no_interrupted_save, check_not_a_file, check_not_a_reward_model, looks_local,
+                                   missing_folder_message, not_a_model_folder, unfetchable_hub_name,
+                                   unknown_tiny_preset)
 from dschat.models.positions import context_limit
 from dschat.run_layout import (ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, REPORT_FILE, RM_DIR, SFT_DIR,
                                unfinished_reason)
@@ -76,6 +77,9 @@ def _model_folder(path, subfolders, reported=None):
     check_not_a_file(path)
     for sub in ([reported] if reported else []) + list(subfolders):
         candidate = os.path.join(path, sub)
+        # (a save killed between the renames of its folder swap leaves no folder there, its model whole beside it:
+        # the next of the run's folders was taken in its place, unsaid, e.g. the SFT model for the PPO actor)
+        check_no_interrupted_save(candidate)
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
     if os.path.isdir(path) and not_a_model_folder(path):
@@ -133,6 +137,7 @@ def check_reported_policy_there(path, reported):
     folder = os.path.expanduser(path)
     if not reported or _reported(folder, "unfinished") or os.path.isfile(os.path.join(folder, reported, "config.json")):
         return
+    check_no_interrupted_save(os.path.join(path, reported))  # (why it holds none: a save killed mid-swap)
     raise MissingInputError(f"{path}: its last train.py run's policy, {os.path.join(path, reported)} ({REPORT_FILE}), "
                             "holds no model now: restore it, or give the model folder to load")
 
