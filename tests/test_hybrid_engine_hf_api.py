@@ -313,23 +313,30 @@ def test_ranks_that_generate_together_agree_on_their_arguments_over_the_world_un
     from dschat.hybrid_engine import engine as hybrid
 
     asked = []
+
+    def ranks_agree_on(meeting, flags, device, group):  # another rank's arguments were refused, its parameters not
+        asked.append((meeting, tuple(flags), group))
+        return [False, *flags[1:]]
+
     monkeypatch.setattr(hybrid, "_world_size", lambda: 4)
-    monkeypatch.setattr(hybrid, "_ranks_agree_in",
-                        lambda meeting, flag, device, group: asked.append((flag, group)) or False)
+    monkeypatch.setattr(hybrid, "_ranks_agree_on", ranks_agree_on)
 
     def engine_at(stage, tp=None):
-        return SimpleNamespace(tp=tp, _engine=SimpleNamespace(zero_optimization_stage=lambda: stage))
+        return SimpleNamespace(tp=tp, _engine=SimpleNamespace(zero_optimization_stage=lambda: stage),
+                               _parameter_places=SimpleNamespace(replaced=lambda: None))
 
     tp = SimpleNamespace(group="the tp group")
-    for fake, group in ((engine_at(3, tp), None), (engine_at(2, tp), "the tp group"), (engine_at(3), None)):
+    # (a group without ZeRO-3 agrees on module surgery too: no other meeting of it could)
+    for fake, flags, group in ((engine_at(3, tp), (True,), None), (engine_at(2, tp), (True, True), "the tp group"),
+                               (engine_at(3), (True,), None)):
         with pytest.raises(ValueError, match="another rank refused its arguments"):
             with hybrid.HybridEngine._failing_together(fake, "cpu"):
-                pass  # this rank's arguments are fine; another's were not (_ranks_agree_in says False)
-        assert asked[-1] == (True, group)
+                pass  # this rank's arguments are fine; another's were not (ranks_agree_on says False)
+        assert asked[-1] == ("generate()", flags, group)
     with pytest.raises(TypeError, match="this rank's"):
         with hybrid.HybridEngine._failing_together(engine_at(3), "cpu"):
             raise TypeError("this rank's")
-    assert asked[-1] == (False, None)
+    assert asked[-1] == ("generate()", (False,), None)
     asked.clear()
     with hybrid.HybridEngine._failing_together(engine_at(2), "cpu"):  # ZeRO 0-2, no group: nothing to agree on
         pass

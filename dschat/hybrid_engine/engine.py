@@ -19,10 +19,11 @@ next generation (``DSCHAT_CHECK_WEIGHTS=1``, a debugging aid, finds such writes 
 ``InferenceCopy._find_unmarked_writes``).
 A parameter replaced by another object is followed by neither DeepSpeed's optimizer nor the copy: ``load_state_dict``
 with ``assign=True`` is refused before it loads (``_RefusesAssignedLoad``), other module surgery
-(``resize_token_embeddings``, PEFT's ``merge_and_unload``) at the next ``eval()``/``generate`` (``ParameterPlaces``).
+(``resize_token_embeddings``, PEFT's ``merge_and_unload``) at the next ``eval()``/``generate`` (``ParameterPlaces``;
+in an inference tensor-parallel group under ZeRO 0-2 at ``generate`` alone, where the group meets).
 Under ZeRO-3 on several ranks the ranks agree at each ``eval()`` and ``generate`` (which every rank calls together
 there): a copy stale on one rank (a load on rank 0 alone, inside ``GatheredParameters(modifier_rank=0)``) is refreshed
-on all. The fused projections (``fusion.py``) are rewritten at
+on all, and surgery on one rank stops all (a tensor-parallel group's ranks agree on it in ``generate``). The fused projections (``fusion.py``) are rewritten at
 every generation and never behind.
 """
 import contextlib
@@ -56,26 +57,23 @@ from dschat.models.training_engine import first_release, is_released, released_a
 from dschat.utils.dist import print_beside_progress_bars
 
 # The engine's meetings of the ranks that generate together (a ZeRO-3 world, an inference tensor-parallel group), in
-# their order: eval(); generate()'s arguments, then its weight check. Each rank says which one it is in
-# (``_ranks_agree_in``), so a rank that called generate() alone, whose collective would pair with another call of the
-# others (their next eval(), say) and put the ranks out of step, stops every rank with an error that says so. A lone
-# eval() + generate() makes a rollout's meetings and meets the others' next rollout: that is not caught (README).
+# their order: eval(); generate()'s arguments, then its weight check (a tensor-parallel group without ZeRO-3 meets in
+# generate()'s arguments alone). Each rank says which one it is in (``_ranks_agree_on``), so a rank that called
+# generate() alone, whose collective would pair with another call of the others (their next eval(), say) and put the
+# ranks out of step, stops every rank with an error that says so. A lone eval() + generate() makes a rollout's meetings
+# and meets the others' next rollout: that is not caught (README).
 _MEETINGS = ("eval()", "generate()", "generate()'s weight check")
 
-
-def _ranks_agree_in(meeting, flag, device, group=None):
-    """``ranks_agree(flag)`` over ``group`` (default: the world) in one all-reduce that also compares the ranks'
-    ``meeting`` (one of ``_MEETINGS``): ranks in different ones all raise the same error."""
-    return _ranks_agree_on(meeting, (flag,), device, group)[0]
-
-
-_AGREED_FLAGS = 2  # the most flags a meeting agrees on (the weight check's: copy fresh, parameters in place)
+# the most flags a meeting agrees on: the weight check's (copy fresh, parameters in place); generate()'s arguments in a
+# tensor-parallel group without ZeRO-3 (arguments accepted, parameters in place)
+_AGREED_FLAGS = 2
 
 
 def _ranks_agree_on(meeting, flags, device, group=None):
-    """``_ranks_agree_in`` for several flags at once, in the same one all-reduce: whether each is set on every rank.
-    Every meeting reduces as many flags (the rest set), so ranks in different meetings still reduce tensors of one
-    size, and learn it."""
+    """Whether each of ``flags`` is set on every rank of ``group`` (default: the world), in one all-reduce that also
+    compares the ranks' ``meeting`` (one of ``_MEETINGS``): ranks in different ones all raise the same error. Every
+    meeting reduces as many flags (the rest set), so ranks in different meetings still reduce tensors of one size,
+    and learn it."""
     code = _MEETINGS.index(meeting) + 1
     padded = [*(1 if flag else 0 for flag in flags), *[1] * (_AGREED_FLAGS - len(flags))]
     t = torch.tensor([*padded, code, -code], dtype=torch.int32, device=device)
@@ -97,7 +95,8 @@ def _refuse_replaced(name):
     """A parameter of the actor, or a module on the way to one, replaced since the engine was built (module surgery
     after ``deepspeed.initialize``: ``ParameterPlaces``) is an error: DeepSpeed's optimizer would go on training the old
     parameters and an inference copy would generate from them. ``name``: the one replaced on this rank, or None where
-    another rank's was (under ZeRO-3 the ranks agree on it, and all stop)."""
+    another rank's was (under ZeRO-3, and in an inference tensor-parallel group, the ranks agree on it, and all
+    stop)."""
     where = f"the actor's {name!r} is" if name is not None else \
         "on another rank, a parameter of the actor (its error names it) is"
     raise RuntimeError(
@@ -121,6 +120,11 @@ def _is_rank_0():
 
 def _world_size():
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _zero3_world(ds_engine):
+    """Whether the actor's weights are ZeRO-3 shards over several ranks (each refresh gathers over the world)."""
+    return _world_size() > 1 and ds_engine.zero_optimization_stage() == 3
 
 
 @dataclasses.dataclass
@@ -413,21 +417,26 @@ class HybridEngine:
 
     def _refresh_weights(self, meeting):
         """``meeting``: the call it is part of (``_MEETINGS``), which every rank of a ZeRO-3 world must be in."""
-        replaced = self._parameter_places.replaced()
         self._follow_engine_steps()
         self.inference_weights.follow_writes()  # in-place writes into the training parameters (weights.write_mark)
-        if _world_size() > 1 and self._engine.zero_optimization_stage() == 3:
+        if _zero3_world(self._engine):
             # the refresh gathers over the world: a load on one rank alone (into GatheredParameters with
             # modifier_rank=0, or a mark_weights_stale there) refreshes every rank's copy; surgery on one rank alone
             # stops every rank here (raised on that rank alone, it left the others in the gather)
+            replaced = self._parameter_places.replaced()
             fresh, in_place = _ranks_agree_on(meeting, (not self.inference_weights.is_stale, replaced is None),
                                               self._engine.device)
             if not in_place:
                 _refuse_replaced(replaced)
             if not fresh:
                 self.inference_weights.mark_stale()
-        elif replaced is not None:
-            _refuse_replaced(replaced)
+        elif self.tp is None:
+            replaced = self._parameter_places.replaced()
+            if replaced is not None:
+                _refuse_replaced(replaced)
+        # (a tensor-parallel group without ZeRO-3 meets in generate()'s argument check alone, which carries the
+        # surgery check: _failing_together. Its eval() has no collective, so a refusal there would stop one rank and
+        # leave the others waiting in their generate)
         start = time.perf_counter()
         if self.inference_weights.refresh_if_stale():
             _synchronize()  # copies are asynchronous on accelerators; time them fully
@@ -605,16 +614,25 @@ class HybridEngine:
     def _failing_together(self, device):
         """Ranks that generate together (under ZeRO-3 every rank, whose weights are gathered over the world; else the
         tensor-parallel group) learn whether any refused its arguments (a right-padded batch is one rank's data), and
-        all raise. So there, as the gather already requires, every such rank calls ``generate`` each time."""
+        all raise. So there, as the gather already requires, every such rank calls ``generate`` each time. A
+        tensor-parallel group without ZeRO-3 also agrees here on module surgery (``ParameterPlaces``), in the same
+        all-reduce: a parameter replaced on one rank alone stops the whole group (no other meeting of it could)."""
         error = None
         try:
             yield
         except Exception as e:  # not a KeyboardInterrupt
             error = e
-        zero3 = _world_size() > 1 and self._engine.zero_optimization_stage() == 3
+        zero3 = _zero3_world(self._engine)
         if zero3 or self.tp is not None:
             group = None if zero3 else self.tp.group  # ZeRO-3's gathers span the world, not only the group
-            if not _ranks_agree_in("generate()", error is None, device, group) and error is None:
+            flags = [error is None]
+            if not zero3:  # (ZeRO-3's weight check agrees on it, at eval() too: _refresh_weights)
+                replaced = self._parameter_places.replaced()
+                flags.append(replaced is None)
+            accepted, *in_place = _ranks_agree_on("generate()", flags, device, group)
+            if error is None and not all(in_place):
+                _refuse_replaced(replaced)
+            if not accepted and error is None:
                 raise ValueError("generate: another rank refused its arguments (its error says why); every rank "
                                  "that generates with it stops too")
         if error is not None:

@@ -16,6 +16,7 @@ all-queries-then-keys-then-values c_attn; Phi-3's packed qkv_proj and gate_up_pr
 Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher, several (stage, families) runs in one launch
 (the launcher and the ranks' start take ~20 s each time):  hybrid_tp.py --runs 0:llama,opt 3:llama
 With ``--release``, first: releasing an engine destroys its group's process group, and an engine built afterwards works.
+With ``--surgery``: a parameter replaced on rank 0 alone stops both ranks' generate, with the same error.
 """
 import argparse
 import copy
@@ -359,12 +360,48 @@ def check_release_destroys_the_group(rank, world):
     print(f"rank {rank} release: OK", flush=True)
 
 
+def check_surgery_on_rank_0_alone_stops_the_group(rank):
+    """A parameter of the actor replaced on rank 0 alone (module surgery after the engine was built), ZeRO-0: rank 0
+    raised at its eval() alone, while rank 1 went on into generate's all-reduce with the group and waited there (or
+    paired with rank 0's next generate and returned answers). Both ranks' generate now raise, rank 0's naming the
+    parameter; with it put back, both generate in step again."""
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+
+    reference = reference_model("llama")
+    ids, mask = rank_prompts(rank)
+    expected = hf_generate(reference, ids, mask, MAX_NEW)
+    ds_engine = build_actor(reference, 0, lora=False)
+    engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2),
+                          pad_token_id=PAD)
+    o_proj = engine.module.model.layers[1].self_attn.o_proj
+    weight = o_proj._parameters["weight"]
+    if rank == 0:
+        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
+    try:
+        engine.eval()
+        engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: a parameter replaced on rank 0 alone was not refused here")
+    assert "no longer the one DeepSpeed's optimizer and this engine were built with" in message, (rank, message)
+    assert ("'model.layers.1.self_attn.o_proj.weight'" if rank == 0 else "on another rank") in message, (rank, message)
+    print(f"rank {rank} surgery on rank 0: refused", flush=True)
+    o_proj._parameters["weight"] = weight
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    assert torch.equal(got, expected), (rank, got, expected)
+    print(f"rank {rank} surgery undone: in step", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--runs", nargs="+", default=[], metavar="STAGE:FAMILIES",
                         help="each STAGE (0|3) with its comma-separated FAMILIES, in turn, in one launch")
     parser.add_argument("--release", action="store_true",
                         help="(first) check that releasing an engine destroys its tensor-parallel group")
+    parser.add_argument("--surgery", action="store_true",
+                        help="(first) check that a parameter replaced on rank 0 alone stops both ranks")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
     runs = [(int(stage), families.split(",")) for stage, families in (run.split(":") for run in args.runs)]
@@ -376,6 +413,8 @@ def main():
     assert world == 2, world
     if args.release:
         check_release_destroys_the_group(rank, world)
+    if args.surgery:
+        check_surgery_on_rank_0_alone_stops_the_group(rank)
     for stage, families in runs:
         for family in families:
             run_case(family, stage, rank, world)
