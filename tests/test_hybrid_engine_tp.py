@@ -67,6 +67,17 @@ def test_surgery_on_one_rank_alone_stops_every_rank_of_the_group():
             assert f"rank {rank} {line}" in proc.stdout, (rank, line, proc.stdout[-3000:])
 
 
+@pytest.mark.multirank
+def test_recurrent_gemma_rows_grouped_by_prompt_length_generate_across_the_group_as_alone():
+    """RecurrentGemma (recurrent layers that read no mask: rows of each prompt length generate together without their
+    padding) under inference_tp_size 2, the group's prompts gathered from both ranks: greedy answers equal each row's
+    alone and the one-rank engine's, token for token, and the log-probabilities too."""
+    proc = launched(launch_once(SCRIPT, "--recurrent-gemma", timeout=300))
+    for rank in (0, 1):
+        for line in ("recurrent_gemma: OK", "ALL OK"):
+            assert f"rank {rank} {line}" in proc.stdout, (rank, line, proc.stdout[-3000:])
+
+
 def test_tp_size_must_divide_the_world(distributed):
     from dschat.hybrid_engine.tensor_parallel import TensorParallelGroup
 

@@ -17,6 +17,7 @@ Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher, several (s
 (the launcher and the ranks' start take ~20 s each time):  hybrid_tp.py --runs 0:llama,opt 3:llama
 With ``--release``, first: releasing an engine destroys its group's process group, and an engine built afterwards works.
 With ``--surgery``: a parameter replaced on rank 0 alone stops both ranks' generate, with the same error.
+With ``--recurrent-gemma``: RecurrentGemma's rows of each prompt length generate together across the group, as alone.
 """
 import argparse
 import copy
@@ -394,6 +395,70 @@ def check_surgery_on_rank_0_alone_stops_the_group(rank):
     print(f"rank {rank} surgery undone: in step", flush=True)
 
 
+def biased_recurrent_gemma():
+    """A tiny RecurrentGemma (recurrent layers that read no attention mask, states kept in the modules; an MQA
+    attention layer) whose biases and pad embedding are not 0, as a trained model's: a row's left padding then moves
+    its answer, so generating it padded would show."""
+    from hybrid_common import tiny_recurrent_gemma
+
+    model = tiny_recurrent_gemma()
+    torch.manual_seed(33)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+        model.get_input_embeddings().weight[PAD].normal_()
+    return model.eval()
+
+
+def check_recurrent_gemma_groups_prompt_lengths_across_the_group(rank):
+    """RecurrentGemma under inference_tp_size 2: the group's gathered batch (both ranks' prompts, left-padded to the
+    longest) generates its rows of each prompt length together without their padding (``decoded_by_prompt_length``,
+    the same lengths in the same order on both ranks), each rank's split attention and MLP and whole recurrent
+    layers. Each rank's greedy answers are its rows' answers alone (HF's generate, one row at a time) token for
+    token, and its log-probabilities the one-rank engine's (inference_tp_size 1) on the same prompts."""
+    from hybrid_common import left_padded_batch
+
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+    from dschat.hybrid_engine.decode import reset_states_kept_in_modules
+
+    reference = biased_recurrent_gemma()
+    lengths = [5, 2] if rank == 0 else [3, 7, 2, 1]  # (the group's lengths: 1, 2, 3, 5, 7; 2 on both ranks)
+    ids, mask = left_padded_batch(lengths, seed=40 + rank)
+    width = ids.shape[1]
+
+    def hf_alone(row, n):
+        # HF's generate sets up the states RecurrentGemma keeps in its modules only for a forward given no cache,
+        # never for its own: a one-token prompt went on from the previous generation's (as dschat's trainer does)
+        reset_states_kept_in_modules(reference, 1, ids.device)
+        return hf_generate(reference, ids[row:row + 1, width - n:], mask[row:row + 1, width - n:], MAX_NEW)
+
+    alone = [hf_alone(row, n) for row, n in enumerate(lengths)]
+    with torch.no_grad():  # (the padding moves the model's scores: a padded generation would show in the log-probs)
+        padded = reference(input_ids=ids, attention_mask=mask).logits[:, -1]
+        unpadded = torch.cat([reference(input_ids=ids[row:row + 1, width - n:]).logits[:, -1]
+                              for row, n in enumerate(lengths)])
+    assert (padded - unpadded).abs().max() > 1e-2, "left padding moved no score: the check could not see it"
+
+    def engine_of(tp_size):
+        config = HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=tp_size)
+        return HybridEngine(build_actor(reference, 0, lora=False), config, pad_token_id=PAD)
+
+    single = engine_of(1)
+    single.eval()
+    expected, expected_logprobs = single.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW,
+                                                  return_logprobs=True)
+    engine = engine_of(2)
+    assert engine.inference_weights.shard_plan.splits_attention, engine.inference_weights.shard_plan.styles
+    engine.eval()
+    got, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, return_logprobs=True)
+    assert torch.equal(got, expected), (rank, got, expected)
+    for row, (n, answer) in enumerate(zip(lengths, alone)):
+        assert torch.equal(got[row, width:], answer[0, n:]), (rank, row, got[row], answer)
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=1e-5)
+    print(f"rank {rank} recurrent_gemma: OK", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--runs", nargs="+", default=[], metavar="STAGE:FAMILIES",
@@ -402,6 +467,8 @@ def main():
                         help="(first) check that releasing an engine destroys its tensor-parallel group")
     parser.add_argument("--surgery", action="store_true",
                         help="(first) check that a parameter replaced on rank 0 alone stops both ranks")
+    parser.add_argument("--recurrent-gemma", action="store_true",
+                        help="(first) check RecurrentGemma's rows grouped by prompt length across the group")
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = parser.parse_args()
     runs = [(int(stage), families.split(",")) for stage, families in (run.split(":") for run in args.runs)]
@@ -415,6 +482,8 @@ def main():
         check_release_destroys_the_group(rank, world)
     if args.surgery:
         check_surgery_on_rank_0_alone_stops_the_group(rank)
+    if args.recurrent_gemma:
+        check_recurrent_gemma_groups_prompt_lengths_across_the_group(rank)
     for stage, families in runs:
         for family in families:
             run_case(family, stage, rank, world)
