@@ -545,6 +545,51 @@ def test_unsupervised_hub_data_downloaded_into_the_hub_cache_is_read_offline(tmp
                               tokenizer)
 
 
+def test_unsupervised_c4_downloaded_into_the_hub_cache_its_gzip_json_shards_are_read(tmp_path, monkeypatch,
+                                                                                    tokenizer, capsys):
+    """--unsupervised_dataset_name allenai/c4 --unsupervised_dataset_config_name en offline, downloaded into the hub
+    cache: c4 ships each config's splits as gzip'd JSON Lines shards, en/c4-train.00000-of-01024.json.gz, which were
+    not read ("not in the datasets cache": no split file dschat read). Its train shards are read now, as
+    DeepSpeed-Chat's load_dataset("allenai/c4", "en") reads them, datasets' json loader decompressing them; its
+    validation shards are not."""
+    import gzip
+
+    from huggingface_hub import constants
+
+    from dschat.errors import UsageError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "datasets--allenai--c4"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    config = snapshot / "en"
+    config.mkdir(parents=True)
+
+    def write_shard(name, texts):
+        rows = [{"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": "https://example.com/"} for text in texts]
+        (config / name).write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
+
+    documents = [[f"Document {shard}.{i} of the crawl." for i in range(5)] for shard in range(3)]
+    for shard, texts in enumerate(documents):
+        write_shard(f"c4-train.{shard:05d}-of-00003.json.gz", texts)
+    write_shard("c4-validation.00000-of-00001.json.gz", ["A validation document."])
+    (snapshot / "README.md").write_text("---\nconfigs:\n- config_name: en\n---\n")
+    args = unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en")
+    data = get_unsupervised_data(args, tokenizer)
+    texts = [text for shard in documents for text in shard]
+    assert len(data) == sum(len(tokenizer(text)["input_ids"]) + 1 for text in texts) // 10
+    assert data[0]["input_ids"].tolist() == tokenizer(texts[0])["input_ids"][:10]  # (the first shard's first text)
+    assert f"--unsupervised_dataset_name allenai/c4: not in the datasets cache, read from its download in the hub " \
+           f"cache, {config}" in capsys.readouterr().out
+    # a shard missing (a download cut short) is said, with the name of the shard, as a parquet split's is
+    (config / "c4-train.00001-of-00003.json.gz").unlink()
+    with pytest.raises(UsageError, match=r"^--unsupervised_dataset_name allenai/c4: the train split is in 3 shards, "
+                                         r"and the folder lacks c4-train\.00001-of-00003\.json\.gz: a download cut "
+                                         r"short"):
+        get_unsupervised_data(args, tokenizer)
+
+
 def test_an_unsupervised_record_without_text_is_named_not_a_tokenizer_traceback(tmp_path, tokenizer):
     """A null or non-string ``text`` (a JSONL line with "text": null) is its file and line's error, not the fast
     tokenizer's TypeError ("TextEncodeInput must be Union[...]"), which names neither."""

@@ -248,6 +248,99 @@ def test_a_hub_datasets_download_in_the_hub_cache_is_read_offline_by_its_reader(
         raw("Dahoas/rm-static", tmp_path)
 
 
+def write_hh_rlhf_download(folder, subsets):
+    """A download of Anthropic/hh-rlhf as the hub holds it: SUBSET/train.jsonl.gz and SUBSET/test.jsonl.gz per subset
+    ({subset: {split: records}}), red-team-attempts/red_team_attempts.jsonl.gz (of no split: not read by the dataset's
+    default config), README.md and .gitattributes."""
+    import gzip
+
+    for subset, splits in subsets.items():
+        (folder / subset).mkdir(parents=True)
+        for split, rows in splits.items():
+            (folder / subset / f"{split}.jsonl.gz").write_bytes(
+                gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
+    (folder / "red-team-attempts").mkdir()
+    (folder / "red-team-attempts" / "red_team_attempts.jsonl.gz").write_bytes(
+        gzip.compress(json.dumps({"transcript": "\n\nHuman: Hi\n\nAssistant: Hello", "rating": 0}).encode() + b"\n"))
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n")
+    (folder / ".gitattributes").write_text("*.gz filter=lfs diff=lfs merge=lfs -text\n")
+
+
+def hh_rlhf_rows(subset, count):
+    return [{"chosen": f"\n\nHuman: {subset} question {i}?\n\nAssistant: {subset} good {i}.",
+             "rejected": f"\n\nHuman: {subset} question {i}?\n\nAssistant: {subset} bad {i}."} for i in range(count)]
+
+
+def test_a_download_of_hh_rlhf_its_subsets_gzip_jsonl_files_is_read_as_its_default_config(tmp_path, monkeypatch,
+                                                                                           tokenizer, capsys):
+    """Anthropic/hh-rlhf's repository holds its data in a folder per subset, each a train.jsonl.gz and test.jsonl.gz:
+    its download at ./Anthropic/hh-rlhf (or in the hub cache, offline) was "neither a save_to_disk copy of the dataset
+    nor a download of its hub repository" (and the cache's "not in the datasets cache"). It is read now as
+    load_dataset("Anthropic/hh-rlhf") reads it, and as DeepSpeed-Chat reads it: every subset's train (test) file, in
+    the folders' order, joined, datasets' json loader decompressing them."""
+    from huggingface_hub import constants
+
+    from dschat.data.pipeline import create_prompt_dataset
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    subsets = {"harmless-base": {"train": hh_rlhf_rows("harmless", 6), "test": hh_rlhf_rows("harmless", 2)},
+               "helpful-base": {"train": hh_rlhf_rows("helpful", 5), "test": hh_rlhf_rows("helpful", 3)}}
+    repo = tmp_path / "hub" / "datasets--Anthropic--hh-rlhf"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    write_hh_rlhf_download(snapshot, subsets)
+    write_hh_rlhf_download(tmp_path / "Anthropic" / "hh-rlhf", subsets)
+
+    def read(adapter, data):
+        return [(adapter.get_conversation(s), adapter.get_chosen_text(s), adapter.get_rejected_text(s)) for s in data]
+
+    copy = raw("Anthropic/hh-rlhf", tmp_path)
+    assert isinstance(copy, AnthropicHhrlhfDataset)
+    assert (len(copy.get_train_data()), len(copy.get_eval_data())) == (11, 5)
+    assert read(copy, copy.get_train_data())[0] == ([{"role": "user", "content": "harmless question 0?"}],
+                                                   "harmless good 0.", "harmless bad 0.")
+    assert read(copy, copy.get_train_data())[6][1] == "helpful good 0."  # (the second subset after the first)
+    assert copy.get_prompt(copy.get_eval_data()[0]) == "\n\nHuman: harmless question 0?\n\nAssistant:"
+    shutil.rmtree("Anthropic")
+    cached = raw("Anthropic/hh-rlhf", tmp_path)
+    assert f"--data_path Anthropic/hh-rlhf: not in the datasets cache, read from its download in the hub cache, " \
+           f"{snapshot}" in capsys.readouterr().out
+    for part in ("get_train_data", "get_eval_data"):
+        assert read(cached, getattr(cached, part)()) == read(copy, getattr(copy, part)())
+    # the download's folder as local data (its path), and a subset's folder, named to read it alone, are read so too
+    for folder, (train, eval_) in ((snapshot, (11, 5)), (snapshot / "helpful-base", (5, 3))):
+        local = raw(str(folder), tmp_path)
+        assert (len(local.get_train_data()), len(local.get_eval_data())) == (train, eval_)
+        assert read(local, local.get_eval_data())[-1] == read(copy, copy.get_eval_data())[-1]
+    train, eval_ = create_prompt_dataset(0, ["Anthropic/hh-rlhf"], "0,10,0", str(tmp_path / "out"), 2, 1234,
+                                         tokenizer, 128)
+    assert (len(train), len(eval_)) == (11, 5)
+    # a subset whose test file is missing, a download cut short: said, not 4 test records read as the subsets' all
+    (snapshot / "helpful-base" / "test.jsonl.gz").unlink()
+    (snapshot / "harmless-base" / "test.jsonl.gz").unlink()
+    with pytest.raises(DatasetFormatError, match=r"^--data_path Anthropic/hh-rlhf: the download in the hub cache .* "
+                                                 r"holds the split train, not test"):
+        raw("Anthropic/hh-rlhf", tmp_path)
+
+
+def test_a_download_of_shp_its_domains_folders_are_read_as_its_default_config(tmp_path, monkeypatch):
+    """stanfordnlp/SHP keeps each domain's splits in a folder of its own (askacademia/train.json, validation.json,
+    test.json: JSON Lines): its download at ./stanfordnlp/SHP was "neither a save_to_disk copy ... nor a download". Its
+    reader reads every domain's train and validation files now, joined, as load_dataset("stanfordnlp/SHP") does."""
+    monkeypatch.chdir(tmp_path)
+    for domain in ("askacademia", "askbaking"):
+        (tmp_path / "stanfordnlp" / "SHP" / domain).mkdir(parents=True)
+        for split, count in (("train", 3), ("validation", 2), ("test", 1)):
+            rows = [{"history": f"{domain} {split} post {i}", "human_ref_A": f"A {i}", "human_ref_B": f"B {i}",
+                     "labels": 1, "domain": f"{domain}_{split}"} for i in range(count)]
+            write_records(rows, tmp_path / "stanfordnlp" / "SHP" / domain / f"{split}.json", "jsonl")
+    adapter = raw("stanfordnlp/SHP", tmp_path)
+    assert (len(adapter.get_train_data()), len(adapter.get_eval_data())) == (6, 4)
+    assert [adapter.get_conversation(s)[0]["content"] for s in adapter.get_eval_data()][::2] == \
+        ["askacademia validation post 0", "askbaking validation post 0"]
+
 def test_a_sharded_splits_record_shape_error_names_every_shard(tmp_path):
     # records of no field dschat reads were said to be of the first shard alone ("train-00000-of-00002.parquet: no
     # 'prompt', 'messages' or 'chosen' field"), as if the others were fine: the columns are every shard's
@@ -322,20 +415,30 @@ def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_
                 read()
 
 
-def test_a_folder_of_compressed_split_files_says_to_decompress_them(tmp_path):
-    # Anthropic/hh-rlhf's helpful-base/ holds train.jsonl.gz and test.jsonl.gz: the folder was 'cannot tell what the
-    # folder holds ... use TYPE:PATH', and jsonl:FOLDER then 'the folder has no train.jsonl'
+def test_a_subset_folder_of_a_hub_download_in_gzip_jsonl_is_read_and_other_compressed_folders_are_refused(tmp_path):
+    """Anthropic/hh-rlhf's helpful-base/ holds train.jsonl.gz and test.jsonl.gz: the folder, named to read that subset
+    alone, was refused ("its train data train.jsonl.gz is compressed with gzip ... decompress its files"). It is read
+    as local data now, datasets' json loader decompressing the files, as a hub download's are; a folder whose
+    compressed files datasets does not read so (CSV) is still refused, with the command that decompresses them."""
     import gzip
 
     folder = tmp_path / "helpful-base"
     folder.mkdir()
-    for name in ("train.jsonl.gz", "test.jsonl.gz"):
-        (folder / name).write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
+    for name, records in (("train.jsonl.gz", RECORDS[:15]), ("test.jsonl.gz", RECORDS[15:])):
+        (folder / name).write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
     for spec in (str(folder), f"jsonl:{folder}"):
-        with pytest.raises(DatasetFormatError, match=r"helpful-base: its train data train.jsonl.gz is compressed with "
-                                                     r"gzip, which dschat does not read: decompress its files \(gunzip "
-                                                     r"-k .*train.jsonl.gz && gunzip -k .*test.jsonl.gz\) and give "
-                                                     r"the folder again"):
+        adapter = raw(spec, tmp_path)
+        assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+        assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for name in ("train.csv.gz", "test.csv.gz"):
+        (packed / name).write_bytes(gzip.compress(pd.DataFrame(RECORDS).to_csv(index=False).encode()))
+    for spec in (str(packed), f"csv:{packed}"):
+        with pytest.raises(DatasetFormatError, match=r"packed: its train data train.csv.gz is compressed with gzip, "
+                                                     r"which dschat does not read: decompress its files \(gunzip -k "
+                                                     r".*train.csv.gz && gunzip -k .*test.csv.gz\) and give the "
+                                                     r"folder again"):
             raw(spec, tmp_path)
 
 
@@ -2013,7 +2116,7 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
     (tmp_path / "notes.txt").write_text("x")
     for name in ("both/train.jsonl", "both/train.json", "evals/train.jsonl", "evals/eval.jsonl", "evals/eval.json"):
         write_records(RECORDS, tmp_path / name, os.path.splitext(name)[1][1:])
-    for name in ("train.jsonl.gz", "packed/train.jsonl.gz"):
+    for name in ("train.jsonl.gz", "packed/train.csv.gz"):
         (tmp_path / name).write_bytes(gzip.compress(b"{}\n"))
     write_records(RECORDS, tmp_path / "prefs/data/train_prefs-00000-of-00001.parquet", "parquet")
     write_records(RECORDS, tmp_path / "hub/data/train-00000-of-00001.parquet", "parquet")
@@ -2023,8 +2126,8 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
                        ("notes.txt,empty", "notes.txt,empty: notes.txt: cannot tell the format"),
                        ("both", "both: the folder holds train.jsonl and train.json"),
                        ("train.jsonl.gz", "train.jsonl.gz: the file is compressed with gzip"),
-                       ("packed", "packed: its train data train.jsonl.gz is compressed with gzip"),
-                       ("jsonl:packed", "jsonl:packed: packed: its train data train.jsonl.gz is compressed"),
+                       ("packed", "packed: its train data train.csv.gz is compressed with gzip"),
+                       ("csv:packed", "csv:packed: packed: its train data train.csv.gz is compressed"),
                        ("prefs", "prefs: the folder holds a hub dataset's files of the split train_prefs, not train"),
                        ("jsonl:hub", "jsonl:hub: the folder's train data is"),
                        ("evals", "evals: the folder holds eval.jsonl and eval.json"),

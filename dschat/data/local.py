@@ -533,7 +533,7 @@ def _infer_kind(path, where):
             return kinds[0]
         hub_splits = _hub_split_files(path)
         if hub_splits:  # (the kind of its train files; _folder_source says what else is wrong)
-            return EXTENSION_TYPES[os.path.splitext(hub_splits.get("train", [*hub_splits.values()][0])[0])[1]]
+            return hub_data_kind(hub_splits.get("train", [*hub_splits.values()][0])[0])
         check_folder_not_compressed(path, where)
         raise UsageError(f"{where}: cannot tell what the folder holds: it is not a save_to_disk folder and has no "
                          "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
@@ -553,8 +553,10 @@ def _is_saved_dataset(path):
 
 def _typed_source(kind, paths_text, spec, flag):
     source = _source_of_paths(kind, paths_text, spec, flag)
+    given = _split_paths(paths_text, flag)
     for path in source.files:  # (said here, with the flag, before any step runs: loading said the file alone)
-        if os.path.isfile(path):
+        # (a hub download's compressed JSON in a folder given, named so, datasets reads: ``_hub_split_files``)
+        if os.path.isfile(path) and (path in given or not data_file_extensions(path)[1]):
             check_not_compressed(path, data_spec_where(spec, path, flag))
     return source
 
@@ -587,26 +589,67 @@ def _folder_source(kind, folder, spec, flag=None):
 
 # a file of one split as the hub stores a dataset's data (datasets' naming): train-00000-of-00001.parquet, or with a
 # hash after the shard count, as datasets' older parquet exports wrote it (Dahoas/rm-static's
-# train-00000-of-00001-2a1df75c6bce91ab.parquet; datasets' own pattern, SPLIT-00000-of-00001*.*, reads both)
-_HUB_SPLIT_FILE = re.compile(r"(?P<split>.+?)-(?P<shard>\d{5})-of-(?P<shards>\d{5})(?P<suffix>-[^.]+)?"
-                             r"(?P<ext>\.[A-Za-z]+)\Z")
+# train-00000-of-00001-2a1df75c6bce91ab.parquet; datasets' own pattern, SPLIT-00000-of-00001*.*, reads both), or as
+# TFDS named allenai/c4's shards, the dataset's name before the split and a dot after it
+# (c4-train.00000-of-01024.json.gz); a compression's extension may follow (``PACKED_JSON``)
+_HUB_SPLIT_FILE = re.compile(r"(?:[^.]*-(?=(?:train|validation|test)\.))?"
+                             r"(?P<split>.+?)[-.](?P<shard>\d{5})-of-(?P<shards>\d{5})(?P<suffix>-[^.]+)?"
+                             r"(?P<ext>\.[A-Za-z]+)(?P<packed>\.[A-Za-z0-9]+)?\Z")
+# the compressions of JSON that datasets' json loader undoes itself, as hub datasets ship some data (Anthropic/
+# hh-rlhf's harmless-base/train.jsonl.gz, allenai/c4's shards); zstd needs a package datasets does not install, and a
+# zip is an archive of files
+PACKED_JSON = (".gz", ".bz2", ".xz")
+# the splits a hub dataset's subset folder holds (SUBSET/train.jsonl.gz), as datasets' default config finds them
+_SUBSET_SPLIT_NAMES = ("train", *EVAL_SPLIT_NAMES)
+
+
+def data_file_extensions(path):
+    """(the extension of the file's data type, that of its compression or ""): train.jsonl.gz: (".jsonl", ".gz")."""
+    stem, last = os.path.splitext(path)
+    return (os.path.splitext(stem)[1], last) if last.lower() in PACKED_JSON else (last, "")
+
+
+def hub_data_kind(path):
+    """The data type of a hub download's file by its name (train-00000-of-00001.parquet: parquet; train.jsonl.gz:
+    jsonl), else None: a type dschat does not read, or one compressed that is not JSON (``PACKED_JSON``)."""
+    ext, packed = data_file_extensions(path)
+    kind = EXTENSION_TYPES.get(ext)
+    return kind if not packed or kind in ("json", "jsonl") else None
 
 
 def _hub_split_files(folder):
     """{split: [files]} of a folder laid out as a hub dataset's repository (what ``hf download --repo-type dataset
     NAME --local-dir FOLDER`` writes, and ``load_dataset(FOLDER)`` reads): FOLDER/data/SPLIT-00000-of-00001.EXT, the
-    same beside data/, or FOLDER/data/SPLIT.EXT; only the data file types dschat reads count."""
+    same beside data/, FOLDER/data/SPLIT.EXT, or FOLDER/SPLIT.EXT compressed (a subset's folder of such a download,
+    Anthropic/hh-rlhf's helpful-base/train.jsonl.gz: FOLDER/train.EXT uncompressed is a folder of local files,
+    ``_folder_source``); where it holds none of those, its subsets' SUBSET/SPLIT.EXT
+    (Anthropic/hh-rlhf's harmless-base/train.jsonl.gz, stanfordnlp/SHP's askacademia/train.json), each split the files
+    of every subset, joined in the folders' order, as the dataset's default config reads them. Only the data file
+    types dschat reads count (``hub_data_kind``: JSON compressed too). A subfolder of shards is a config's
+    (wikitext's wikitext-2-raw-v1/, c4's en/), which load_dataset reads only where it is named: never joined."""
     splits = {}
-    for where in (os.path.join(folder, "data"), folder):
-        if not os.path.isdir(where):
-            continue
-        for name in sorted(os.listdir(where)):
-            match = _HUB_SPLIT_FILE.match(name)
-            split, ext = (match["split"], match["ext"]) if match else \
-                os.path.splitext(name) if where != folder else (None, None)
-            if split and ext in EXTENSION_TYPES and os.path.isfile(os.path.join(where, name)):
-                splits.setdefault(split, []).append(os.path.join(where, name))
-    return splits
+    _add_split_files(splits, os.path.join(folder, "data"), shards=True, plain="all")
+    _add_split_files(splits, folder, shards=True, plain="compressed")
+    if splits or not os.path.isdir(folder):
+        return splits
+    for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
+        if entry.is_dir() and not entry.name.startswith("."):  # (not hf's own .cache/huggingface/)
+            _add_split_files(splits, entry.path, shards=False, plain="all")
+    return {split: files for split, files in splits.items() if split in _SUBSET_SPLIT_NAMES}
+
+
+def _add_split_files(splits, where, shards, plain):
+    """Add the files of the folder ``where`` that hold a split to ``splits`` ({split: [files]}): those named as its
+    shards (``shards``: ``_HUB_SPLIT_FILE``), and those named SPLIT.EXT (``plain``: "all", "compressed" or None)."""
+    if not os.path.isdir(where):
+        return
+    for name in sorted(os.listdir(where)):
+        match = _HUB_SPLIT_FILE.match(name)
+        ext, packed = data_file_extensions(name)
+        split = (match["split"] if shards else None) if match else \
+            name[:len(name) - len(ext + packed)] if plain == "all" or (plain == "compressed" and packed) else None
+        if split and hub_data_kind(name) and os.path.isfile(os.path.join(where, name)):
+            splits.setdefault(split, []).append(os.path.join(where, name))
 
 
 def _hub_layout_source(kind, folder, spec, flag=None):
@@ -628,10 +671,10 @@ def _hub_layout_source(kind, folder, spec, flag=None):
     for name in ["train", *eval_names[:1]]:
         _check_whole_split(given_as(flag, spec), name, splits[name])
     train = splits["train"][0]
-    if EXTENSION_TYPES[os.path.splitext(train)[1]] != kind:
+    if hub_data_kind(train) != kind:
         raise UsageError(f"{given_as(flag, spec)}: the folder's train data is {os.path.relpath(train)}, not {kind}")
     evaluation = splits[eval_names[0]] if eval_names else [None]
-    eval_kind = evaluation[0] and EXTENSION_TYPES[os.path.splitext(evaluation[0])[1]]
+    eval_kind = evaluation[0] and hub_data_kind(evaluation[0])
     unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
     return LocalSource(kind, train, evaluation[0], spec, eval_kind if eval_kind != kind else None, unread,
                        more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
@@ -640,31 +683,62 @@ def _hub_layout_source(kind, folder, spec, flag=None):
 def hub_download_split(where, name, files):
     """The split ``name`` of a hub dataset's download, its ``files`` (``_hub_split_files``), read as a --data_path
     folder's split is: checked whole (``_check_whole_split``; ``where``: the data as its errors name it, after its
-    flag), its shards read as one (``load_split_files``)."""
+    flag), its shards (its subsets' files) read as one (``load_split_files``)."""
     _check_whole_split(where, name, files)
-    return load_split_files(EXTENSION_TYPES[os.path.splitext(files[0])[1]], files)[0]
+    return load_split_files(hub_data_kind(files[0]), files)[0]
+
+
+def load_packed_json(path):
+    """The records of a hub download's compressed JSON file (``PACKED_JSON``: Anthropic/hh-rlhf's
+    SUBSET/train.jsonl.gz, a shard of allenai/c4's), read by datasets' json loader, which decompresses it, as
+    load_dataset reads the dataset (not checked line by line as a local JSON file is: its records are placed by their
+    number); its cache keyed by its content (``load_content_keyed``)."""
+    try:
+        return load_content_keyed("json", path)
+    except Exception as err:  # (datasets' errors name no file)
+        raise DatasetFormatError(f"{path}: could not be read as compressed JSON: {_error_text(err)}") from err
 
 
 def _check_whole_split(where, name, files):
-    """A split's files (sorted) must be one file, or its shards SPLIT-0000K-of-0000N.EXT of one type, every K of the N
-    there: a download cut short, or two layouts of a split side by side, is an error naming the files (and the data
-    as ``where`` names it: after its flag)."""
+    """A split's files (sorted) must be of one type, and in each folder (a subset's, as Anthropic/hh-rlhf's
+    harmless-base/) one file, or its shards SPLIT-0000K-of-0000N.EXT of one type, every K of the N there: a download
+    cut short, or two layouts of a split side by side, is an error naming the files (and the data as ``where`` names
+    it: after its flag)."""
+    if len({hub_data_kind(path) for path in files}) > 1:
+        raise UsageError(f"{where}: the folder holds the {name} split in files of different types: "
+                         f"{', '.join(os.path.relpath(path) for path in files)}; keep those of the split to read")
+    for folder in dict.fromkeys(os.path.dirname(path) for path in files):
+        _check_whole_shards(where, name, [path for path in files if os.path.dirname(path) == folder])
+
+
+def _check_whole_shards(where, name, files):
+    """``_check_whole_split`` of the split's files in one folder."""
     if len(files) == 1 and not _HUB_SPLIT_FILE.match(os.path.basename(files[0])):
         return
     shards = [_HUB_SPLIT_FILE.match(os.path.basename(path)) for path in files]
     names = ", ".join(os.path.relpath(path) for path in files)
-    if not all(shards) or len({shard["ext"] for shard in shards}) > 1:
+    if not all(shards) or len({(shard["ext"], shard["packed"]) for shard in shards}) > 1:
         raise UsageError(f"{where}: the folder holds the {name} split in the files {names}: one file, or the shards of "
                          f"one type named {name}-00000-of-0000N.EXT, is one split; keep those of the split to read")
     total = int(shards[0]["shards"])
     present = {int(shard["shard"]) for shard in shards if int(shard["shards"]) == total}
-    hashed = "-*" if shards[0]["suffix"] else ""  # (a missing shard's hash is not known)
-    missing = [f"{name}-{number:05d}-of-{total:05d}{hashed}{shards[0]['ext']}" for number in range(total)
-               if number not in present]
+    # a missing shard named as the first one is, its number in place (a missing shard's hash is not known)
+    first = shards[0]
+    stem, tail = first.string[:first.start("shard")], ("-*" if first["suffix"] else "") + first["ext"] + \
+        (first["packed"] or "")
+    missing = [f"{stem}{number:05d}-of-{total:05d}{tail}" for number in range(total) if number not in present]
     if missing or len(files) != total:
-        said = f"lacks {', '.join(missing)}" if missing else f"holds {len(files)} files of them ({names})"
+        said = f"lacks {names_said(missing)}" if missing else f"holds {len(files)} files of them ({names})"
         raise UsageError(f"{where}: the {name} split is in {total} shards, and the folder {said}: a download cut "
                          "short? download the dataset again (all its files)")
+
+
+def names_said(names, most=4):
+    """``names`` joined, the first ``most`` of more and how many others (a download of 2 of allenai/c4's 1024 shards
+    lacks 1022)."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[:most - 1])} and {len(names) - most + 1} others"
 
 
 def _folder_eval_file(folder, spec, flag=None):
@@ -943,7 +1017,11 @@ def check_not_compressed(path, where=None):
 
 
 def load_file(kind, path):
-    """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder."""
+    """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder; a JSON file named
+    compressed, a hub download's (``_hub_split_files``: a file given so is refused before), by datasets' json loader
+    (``load_packed_json``)."""
+    if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
+        return load_packed_json(path), None
     check_not_compressed(path)
     record_lines = header = None
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
@@ -1407,8 +1485,8 @@ def _json_columns_alike(kind, paths, parts):
     their keys' order alone, the shards joined in the first one's: ``_KeyOrders``)."""
     mixed = {name for part, _ in parts for name, feature in part.features.items() if _has_json_feature(feature)}
     mixed |= _structs_differing(part for part, _ in parts)
-    if not mixed or kind not in ("json", "jsonl"):
-        return parts
+    if not mixed or kind not in ("json", "jsonl") or any(data_file_extensions(path)[1] for path in paths):
+        return parts  # (compressed JSON is not read again as text: its shards join, else are said not to)
     return [(part if all(_has_json_feature(part.features[name]) for name in mixed if name in part.features) else
              _exact_json_dataset(kind, path, {name: feature for name, feature in part.features.items()
                                               if name not in mixed}), lines)
