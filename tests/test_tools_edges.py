@@ -576,9 +576,61 @@ def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_hub_named_local_copy(re
                                          r"\(from .*training_args\.json\), which the tools read by that name only in "
                                          r"the folder that holds it: run rw_eval in .*run, or give --pairs_file"):
         rw_eval.parse_args(["--model_name_or_path", str(trained)])
-    # a run that read the hub (no copy in its folder) gives no --pairs_file: the tools read local data
+    # a run that read the hub (no copy in its folder) gives its name: the tools read the hub's data as training does
     shutil.rmtree(run / "Dahoas")
-    assert rw_eval.parse_args(["--model_name_or_path", str(trained)])[0].pairs_file is None
+    assert rw_eval.parse_args(["--model_name_or_path", str(trained)])[0].pairs_file == "Dahoas/rm-static"
+
+
+def test_rw_eval_and_prompt_eval_read_a_hub_datasets_download_in_the_hub_cache_as_step_2_does(reward_model, tmp_path,
+                                                                                              capsys, monkeypatch):
+    """`hf download --repo-type dataset Dahoas/rm-static` (the hub cache), offline: step 2 reads it by the dataset's
+    name, but rw_eval --pairs_file Dahoas/rm-static and prompt_eval --prompts_file Dahoas/rm-static said "no local
+    data file or folder there (the tools read local data; a hub dataset by name only in training)", and rw_eval
+    scored the embedded tiny pairs for a step-2 run on it. The tools read a hub dataset's name through training's own
+    reader now (get_raw_dataset): its test split, from the hub cache as step 2 read it."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+    from huggingface_hub import constants
+
+    from dschat.data import create_prompt_dataset
+    from dschat.models.loading import load_tokenizer
+    from dschat.tools import rw_eval
+    from dschat.tools.prompt_eval import select_records
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "datasets--Dahoas--rm-static"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    data = repo / "snapshots" / ("0" * 40) / "data"
+    data.mkdir(parents=True)
+    rows = [{"prompt": f"\n\nHuman: Name color {i}.\n\nAssistant:", "response": f" red {i}", "chosen": f" red {i}",
+             "rejected": f" no {i}"} for i in range(60)]
+    pd.DataFrame(rows[:40]).to_parquet(data / "train-00000-of-00001-2a1d.parquet")
+    pd.DataFrame(rows[40:]).to_parquet(data / "test-00000-of-00001-8c3f.parquet")
+    monkeypatch.chdir(tmp_path)
+    result = rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "Dahoas/rm-static", "--num_pairs",
+                           "0"])
+    assert [pair["chosen"] for pair in result["pairs"]] == [f"red {i}" for i in range(40, 60)]
+    assert "read from its download in the hub cache" in capsys.readouterr().out
+    records, _ = select_records(SimpleNamespace(prompts=None, prompts_file="Dahoas/rm-static", data_fields="",
+                                                num_prompts=3))
+    assert [record.user_message for record in records] == [f"Name color {i}." for i in range(40, 43)]
+    # a step-2 run on it: its held-out pairs, by its --data_split and --seed, as step 2 evaluated them
+    run = tmp_path / "run"
+    run.mkdir()
+    trained, scored = _step2_run_reading(reward_model, run, "Dahoas/rm-static", monkeypatch)
+    result = rw_eval.main(["--model_name_or_path", str(trained), "--num_pairs", "0"])
+    _, held_out = create_prompt_dataset(0, ["Dahoas/rm-static"], "2,4,4", str(tmp_path / "cache"), 2, 7,
+                                        load_tokenizer(reward_model), 64)
+    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
+    assert len(result["pairs"]) == len(step2_pairs) > 0
+    assert sorted(scored[:len(result["pairs"])]) == step2_pairs
+    # where a folder of that name here would be read instead of the hub's data the run read, it is said
+    (tmp_path / "Dahoas" / "rm-static").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"^the step-2 run read Dahoas/rm-static from the hub \(from .*\), and the "
+                                         r"folder Dahoas/rm-static here would be read by that name instead"):
+        rw_eval.parse_args(["--model_name_or_path", str(trained)])
 
 
 def test_rw_eval_says_an_answer_max_seq_len_cut_before_scoring_it(reward_model, tmp_path, capsys):
@@ -654,16 +706,17 @@ def test_rw_eval_data_split_that_gives_step_2_nothing_is_an_error_naming_its_pai
         rw_eval.main(["--model_name_or_path", reward_model, "--data_split", "1,0,0"])
     with pytest.raises(UsageError, match="must have 3 parts"):
         rw_eval.main(["--model_name_or_path", reward_model, "--data_split", "1,1"])
-    # a hub dataset's name is no local file, with --data_split as without it (not a download of the hub's data)
+    # a hub dataset's name is read as training reads it, with --data_split as without it: offline, and in neither
+    # cache, it is training's error, naming the tool's flag
     for split in ([], ["--data_split", "2,4,4"]):
-        with pytest.raises(MissingInputError, match=r"^--pairs_file Dahoas/rm-static: no local data file or folder "
-                                                    r"there \(the tools read local data; a hub dataset by name only"):
+        with pytest.raises(MissingInputError, match=r"^--pairs_file Dahoas/rm-static: not in the datasets cache, and "
+                                                    r"HF_HUB_OFFLINE is set"):
             rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "Dahoas/rm-static", *split])
     from types import SimpleNamespace
 
     from dschat.tools.prompt_eval import select_records
 
-    with pytest.raises(MissingInputError, match=r"^--prompts_file Dahoas/rm-static: no local data file or folder"):
+    with pytest.raises(MissingInputError, match=r"^--prompts_file Dahoas/rm-static: not in the datasets cache"):
         select_records(SimpleNamespace(prompts=None, prompts_file="Dahoas/rm-static", data_fields="", num_prompts=8))
 
 
@@ -694,8 +747,9 @@ def test_a_mistyped_local_data_path_of_a_tool_is_no_such_file_not_a_hub_datasets
                                                 rf"not expand its ~, as after --flag= or a TYPE: prefix; give "
                                                 rf"{tmp_path}/home/pairs.jsonl"):
         rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "~/pairs.jsonl"])
-    with pytest.raises(MissingInputError, match=r"^--pairs_file acme/pairs: no local data file or folder there \(the "
-                                                r"tools read local data; a hub dataset by name only in training"):
+    with pytest.raises(MissingInputError, match=r"^--pairs_file acme/pairs: no local data file or folder there, nor a "
+                                                r"hub dataset dschat reads by name \(.*Dahoas/rm-static.*\): give its "
+                                                r"download"):
         rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", "acme/pairs"])
 
 
@@ -760,9 +814,12 @@ def test_a_name_that_is_no_hub_dataset_is_not_told_to_download_it(tmp_path, monk
             assert str(error.value).startswith(f"--prompts_file {name}: no such file, folder or dataset (the tools "
                                                "read local data")
             assert "hf download" not in str(error.value)
-    for name in ("Dahoas/rm-static", "acme/pairs"):  # (a hub dataset's name keeps the advice)
-        with pytest.raises(MissingInputError, match=r"give its download, hf download --repo-type dataset NAME"):
-            load_records(name, flag="--prompts_file")
+    # (an ORG/NAME keeps the advice; a hub dataset dschat knows is read as training reads it, and says so offline)
+    with pytest.raises(MissingInputError, match=r"give its download, hf download --repo-type dataset NAME"):
+        load_records("acme/pairs", flag="--prompts_file")
+    with pytest.raises(MissingInputError, match=r"^--prompts_file Dahoas/rm-static: not in the datasets cache, and "
+                                                r"HF_HUB_OFFLINE is set, so the hub is not asked; download it where"):
+        load_records("Dahoas/rm-static", flag="--prompts_file")
 
 
 def test_a_step_3_folder_given_as_the_reward_model_names_the_one_its_step_3_scored_with(tmp_path, monkeypatch):

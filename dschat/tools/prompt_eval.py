@@ -1,6 +1,7 @@
 """Step-1 check: a baseline's and a fine-tuned model's answers to the same prompts, side by side.
 
-Prompts come from ``--prompts``, from ``--prompts_file`` (any local data file training accepts), or by
+Prompts come from ``--prompts``, from ``--prompts_file`` (any data training accepts: a local file, a hub dataset's
+name), or by
 default from the embedded held-out data (also ``--prompts_file tiny``), whose answers are also scored with the
 bundled rule scorer.
 """
@@ -114,8 +115,9 @@ def build_parser():
     source.add_argument("--prompts", nargs="+", help="User messages (or 'Human: ... Assistant: ...' transcripts).")
     source.add_argument("--prompts_file", type=non_empty_path,
                         help="Local data with prompts (any format training accepts; its eval file where it has one, "
-                             "else all of it); tiny: the embedded held-out data. The embedded data's prompts (by name "
-                             "or by its files) are rule-scored.")
+                             "else all of it), or a hub dataset's name, read as training reads it (its test split); "
+                             "tiny: the embedded held-out data. The embedded data's prompts (by name or by its files) "
+                             "are rule-scored.")
     parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
     parser.add_argument("--num_prompts", type=positive_int, default=8,
                         help="Prompts taken from a file or the tiny data (default: %(default)s).")

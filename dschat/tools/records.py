@@ -1,4 +1,5 @@
-"""Prompts (and answers) for the tools: from the command line, from a local file, or the tiny held-out data."""
+"""Prompts (and answers) for the tools: from the command line, from a local file or a hub dataset dschat knows, or the
+tiny held-out data."""
 import os
 import re
 from dataclasses import dataclass
@@ -57,16 +58,18 @@ def check_local_data_there(spec, flag=None):
 
 
 def no_local_data(path, flag=None):
-    """The error for a tool's data (``flag``'s) that is no local file or folder: "no data file at Dahoas/rm-static"
-    named neither the flag nor why a dataset that training reads by its hub name is none here. The advice to download
-    it is for a hub dataset's name alone (one dschat knows, or ORG/NAME): ``nope`` was told to download it too."""
+    """The error for a tool's data (``flag``'s) that is no local file or folder nor a hub dataset dschat reads by name
+    (``tool_raw_dataset``): "no data file at acme/pairs" named neither the flag nor why. The advice to download it is
+    for a hub dataset's name alone (ORG/NAME): ``nope`` was told to download it too."""
+    from dschat.data.raw_datasets import HUB_DATASETS
+
     if not looks_like_hub_dataset(path):
         return MissingInputError(f"{given_as(flag, path)}: no such file, folder or dataset (the tools read local "
                                  "data: a .jsonl/.json/.parquet/.csv file, a folder of them, TYPE:PATH, "
-                                 "local/jsonfile or tiny)")
-    return MissingInputError(f"{given_as(flag, path)}: no local data file or folder there (the tools read "
-                             "local data; a hub dataset by name only in training: give its download, hf download "
-                             "--repo-type dataset NAME --local-dir DIR)")
+                                 "local/jsonfile or tiny, or a hub dataset dschat knows by name)")
+    return MissingInputError(f"{given_as(flag, path)}: no local data file or folder there, nor a hub dataset dschat "
+                             f"reads by name ({', '.join(sorted(HUB_DATASETS))}): give its download, hf download "
+                             "--repo-type dataset NAME --local-dir DIR")
 
 
 # a hub dataset's name, ORG/NAME (letters, digits, '-', '_', '.'), as every one dschat reads (HUB_DATASETS) is
@@ -79,7 +82,8 @@ def looks_like_hub_dataset(name):
 
 def local_data_source(spec, flag=None):
     """The ``LocalSource`` of a tool's data ``spec`` (``flag``'s): a local path, TYPE:PATH or ``local/jsonfile``. A
-    name that reads no local data here (a hub dataset's, or one that names nothing) is ``no_local_data``, with
+    name that reads no local data here (a hub dataset's dschat does not know, or one that names nothing) is
+    ``no_local_data``, with
     --data_split as without it: ``load_phase_held_out`` said training's "unknown dataset ... Known names ...", naming
     no flag, where ``load_records`` said this."""
     from dschat.data.local import LOCAL_JSONFILE, local_jsonfile_source, resolve_local_spec
@@ -92,9 +96,9 @@ def local_data_source(spec, flag=None):
 
 
 def load_records(path, data_fields=None, limit=None, flag=None):
-    """The records of local data, read by the training data's own adapter: its eval part where it has one (two files,
-    a folder or save_to_disk copy with an eval split, DeepSpeed-Chat's ``local/jsonfile``), else the whole file; the
-    first ``limit``. Said on stdout.
+    """The records of local data or a hub dataset's, read by the training data's own adapter (``tool_raw_dataset``):
+    its eval part where it has one (two files, a folder or save_to_disk copy with an eval split, DeepSpeed-Chat's
+    ``local/jsonfile``, a hub dataset's test split), else the whole file; the first ``limit``. Said on stdout.
 
     So data is accepted here exactly when training accepts it (prompt/chosen/rejected strings, message lists,
     transcripts, TRL's preference format, renamed fields). ``tiny`` is the embedded held-out data.
@@ -109,15 +113,16 @@ def load_records(path, data_fields=None, limit=None, flag=None):
 
 
 def tool_raw_dataset(spec, field_options, seed, flag=None):
-    """The raw dataset of a tool's data ``spec`` (``flag``'s), read as training reads it: a local copy under a hub
-    dataset's name (DeepSpeed-Chat's offline ``./Dahoas/rm-static``, saved with save_to_disk or downloaded) by that
-    dataset's own reader, its columns and its test split (the tools read it as local data, TRL's fields, or refused
-    it with --data_split); ``tiny`` as the embedded data; else local data (``local_data_source``)."""
+    """The raw dataset of a tool's data ``spec`` (``flag``'s), read as training reads it: a hub dataset's name by that
+    dataset's own reader, its columns and its test split, from where training reads it (``get_raw_dataset``: a local
+    copy under its name, DeepSpeed-Chat's offline ``./Dahoas/rm-static``; else the datasets cache or the hub, and
+    offline its download in the hub cache, which the tools did not read: "no local data file or folder there");
+    ``tiny`` as the embedded data; else local data (``local_data_source``)."""
     from dschat.data.local import LocalDataset, tiny_source
-    from dschat.data.raw_datasets import HUB_DATASETS, is_local_hub_copy
+    from dschat.data.raw_datasets import HUB_DATASETS, get_raw_dataset
 
-    if is_local_hub_copy(spec):
-        return HUB_DATASETS[spec](None, seed, -1, flag=flag)
+    if spec in HUB_DATASETS:
+        return get_raw_dataset(spec, None, seed, -1, flag=flag)
     source = tiny_source() if spec == TINY_NAME else local_data_source(spec, flag)
     return LocalDataset(source, output_path=None, seed=seed, local_rank=-1, field_options=field_options)
 

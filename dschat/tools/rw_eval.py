@@ -154,8 +154,9 @@ def build_parser():
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--pairs_file", type=non_empty_path,
                         help="Local data with prompt/chosen/rejected (any format training accepts; its eval file "
-                             "where it has one, else all of it; tiny: the embedded held-out pairs). Default: the "
-                             "step-2 run's local --data_path, else tiny.")
+                             "where it has one, else all of it), or a hub dataset's name, read as training reads it "
+                             "(its test split); tiny: the embedded held-out pairs. Default: the step-2 run's one "
+                             "--data_path, else tiny.")
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
@@ -184,10 +185,11 @@ def build_parser():
 
 def step2_run_defaults(args):
     """--max_seq_len and --add_eot_token as the step-2 run that wrote the model trained with (its training_args.json),
-    so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt, its one local
-    --data_path (or the embedded data, or the local copy of a hub dataset it read: ``read_a_local_hub_copy``) with its
-    --data_fields, --data_split and --seed: the pairs step 2 held out and reported its accuracy on. (The file alone,
-    where it has no eval file, was read whole: pairs step 2 trained on.)"""
+    so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt, its one --data_path
+    (local data, the embedded data, or a hub dataset, read where the run read it: ``check_hub_data_read_here``) with
+    its --data_fields, --data_split and --seed: the pairs step 2 held out and reported its accuracy on. (The file
+    alone, where it has no eval file, was read whole: pairs step 2 trained on.) A hub dataset the run read from the
+    hub, or its download in the hub cache, was not taken: the embedded data's pairs were scored instead."""
     from dschat.data.pipeline import as_list
     from dschat.data.raw_datasets import HUB_DATASETS, anchored_data_path, resolve_dataset_spec
     from dschat.steps.common import RUN_ARGS_FILE, read_run_args
@@ -200,8 +202,9 @@ def step2_run_defaults(args):
     defaults = {name: trained[name] for name in ("max_seq_len", "add_eot_token") if trained.get(name)}
     data = as_list(anchored_data_path(trained.get("data_path") or [], run.get("cwd")))
     args_file = os.path.join(path, RUN_ARGS_FILE)
-    if args.pairs_file is None and args.prompt is None and len(data) == 1 and \
-            (data[0] not in HUB_DATASETS or read_a_local_hub_copy(data[0], run.get("cwd"), args_file)):
+    if args.pairs_file is None and args.prompt is None and len(data) == 1:
+        if data[0] in HUB_DATASETS:
+            check_hub_data_read_here(data[0], run.get("cwd"), args_file)
         try:
             resolve_dataset_spec(data[0])
         except UsageError as error:  # (moved or deleted since: said so, not as a flag the user gave)
@@ -223,7 +226,7 @@ def step2_run_defaults(args):
             and "pairs_file" not in defaults and data:
         # (read_pairs would score the embedded data's share, labelled as step 2's held-out pairs of another file)
         raise UsageError(f"--data_split {args.data_split}: the step-2 run read {' '.join(map(str, data))} (from "
-                         f"{args_file}), not one local file to take as --pairs_file: give "
+                         f"{args_file}), not one dataset to take as --pairs_file: give "
                          "--pairs_file, the file whose held-out pairs to score")
     if args.data_split is not None and trained.get("seed") not in (None, ""):
         # (a --data_split given chooses step 2's held-out pairs of its --seed: the run's, as its help says, not 1234)
@@ -231,20 +234,23 @@ def step2_run_defaults(args):
     return defaults, os.path.abspath(args_file)
 
 
-def read_a_local_hub_copy(name, run_folder, args_file):
-    """Whether the step-2 run read its hub-named data ``name`` from a local copy, a folder of that name where it ran
-    (``is_local_hub_copy``, as training resolves it), which the tools read as training did by that name here, where
-    it is the same folder; one they would not find here by that name is an error saying where it is. False: the run
-    read the hub, which the tools do not."""
+def check_hub_data_read_here(name, run_folder, args_file):
+    """The step-2 run's hub-named data ``name`` is read here by that name as the run read it (``tool_raw_dataset``, as
+    training resolves it): from a local copy, a folder of that name where it ran (``is_local_hub_copy``), only where it
+    is the same folder; from the hub (the datasets cache, its download in the hub cache) only where no folder of that
+    name here would be read instead. Else an error saying where the run read it."""
     from dschat.data.raw_datasets import is_local_hub_copy
 
     copy = os.path.join(run_folder or os.getcwd(), name)
     if not os.path.isdir(copy):
-        return False
-    if is_local_hub_copy(name) and os.path.samefile(name, copy):
-        return True
-    raise UsageError(f"the step-2 run read {name} from its copy {copy} (from {args_file}), which the tools read by "
-                     f"that name only in the folder that holds it: run rw_eval in {run_folder}, or give --pairs_file")
+        if is_local_hub_copy(name):
+            raise UsageError(f"the step-2 run read {name} from the hub (from {args_file}), and the folder {name} here "
+                             f"would be read by that name instead: run rw_eval in {run_folder}, or give --pairs_file")
+        return
+    if not (is_local_hub_copy(name) and os.path.samefile(name, copy)):
+        raise UsageError(f"the step-2 run read {name} from its copy {copy} (from {args_file}), which the tools read by "
+                         f"that name only in the folder that holds it: run rw_eval in {run_folder}, or give "
+                         "--pairs_file")
 
 
 def check_message_flags(parser, args):
