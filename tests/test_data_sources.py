@@ -317,8 +317,13 @@ def test_a_download_of_hh_rlhf_its_subsets_gzip_jsonl_files_is_read_as_its_defau
     train, eval_ = create_prompt_dataset(0, ["Anthropic/hh-rlhf"], "0,10,0", str(tmp_path / "out"), 2, 1234,
                                          tokenizer, 128)
     assert (len(train), len(eval_)) == (11, 5)
-    # a subset whose test file is missing, a download cut short: said, not 4 test records read as the subsets' all
+    # a subset whose test file is missing, a download cut short: said, not 2 test records read as the subsets' all
     (snapshot / "helpful-base" / "test.jsonl.gz").unlink()
+    for spec, where in (("Anthropic/hh-rlhf", "Anthropic/hh-rlhf"), (str(snapshot), re.escape(str(snapshot)))):
+        with pytest.raises(UsageError, match=rf"^--data_path {where}: the download's subsets .*helpful-base hold no "
+                                             r"test file, where its others do: a download cut short\?"):
+            raw(spec, tmp_path)
+    assert len(raw(str(snapshot / "harmless-base"), tmp_path).get_eval_data()) == 2  # (a subset named alone: read)
     (snapshot / "harmless-base" / "test.jsonl.gz").unlink()
     with pytest.raises(DatasetFormatError, match=r"^--data_path Anthropic/hh-rlhf: the download in the hub cache .* "
                                                  r"holds the split train, not test"):

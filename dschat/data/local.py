@@ -668,6 +668,7 @@ def _hub_layout_source(kind, folder, spec, flag=None):
                          f"{'not' if len(splits) == 1 else 'none of them'} train: give the files to read as "
                          f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
+    check_subsets_alike(given_as(flag, spec), folder, splits, ["train", *eval_names[:1]])
     for name in ["train", *eval_names[:1]]:
         _check_whole_split(given_as(flag, spec), name, splits[name])
     train = splits["train"][0]
@@ -678,6 +679,21 @@ def _hub_layout_source(kind, folder, spec, flag=None):
     unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
     return LocalSource(kind, train, evaluation[0], spec, eval_kind if eval_kind != kind else None, unread,
                        more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
+
+
+def check_subsets_alike(where, folder, splits, names):
+    """The splits ``names`` of a download whose splits are in subset folders (``_hub_split_files``: Anthropic/
+    hh-rlhf's harmless-base/train.jsonl.gz) must each be in every subset of ``folder`` that holds any of them: a
+    subset's test file missing (a download cut short) left its records out of the joined split, unsaid. ``splits``:
+    {split: [files]}; ``where``: the data as its errors name it, after its flag."""
+    held = {name: {os.path.dirname(path) for path in splits[name]} for name in names if name in splits}
+    subsets = {subset for folders in held.values() for subset in folders} - {folder, os.path.join(folder, "data")}
+    for name, folders in held.items():
+        lacking = sorted(subsets - folders)
+        if lacking:
+            raise UsageError(f"{where}: the download's subsets {', '.join(map(os.path.relpath, lacking))} hold no "
+                             f"{name} file, where its others do: a download cut short? download the dataset again "
+                             "(all its files), or give a subset's folder to read it alone")
 
 
 def hub_download_split(where, name, files):
