@@ -590,6 +590,42 @@ def test_unsupervised_c4_downloaded_into_the_hub_cache_its_gzip_json_shards_are_
         get_unsupervised_data(args, tokenizer)
 
 
+def test_unsupervised_data_in_a_download_folder_is_read_not_a_load_from_disk_traceback(tmp_path, monkeypatch,
+                                                                                      tokenizer):
+    """--unsupervised_dataset_name allenai/c4 --unsupervised_dataset_config_name en, with allenai/c4's download at
+    ./allenai/c4 (hf download --local-dir, DeepSpeed-Chat's offline copy, which its load_dataset reads by that path):
+    the folder went to load_from_disk, whose FileNotFoundError ("neither a `Dataset` directory nor a `DatasetDict`
+    directory") ended step 3 in a traceback. The config's train shards are read now, as the hub cache's download is,
+    and the run records those files (not hf's metadata, nor other configs')."""
+    import gzip
+
+    from dschat.data.unsupervised import unsupervised_data_record
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "allenai" / "c4" / "en"
+    config.mkdir(parents=True)
+    (tmp_path / "allenai" / "c4" / "realnewslike").mkdir()
+    (tmp_path / "allenai" / "c4" / ".cache" / "huggingface").mkdir(parents=True)
+    documents = [[f"Document {shard}.{i} of the crawl." for i in range(5)] for shard in range(2)]
+    for shard, texts in enumerate(documents):
+        (config / f"c4-train.{shard:05d}-of-00002.json.gz").write_bytes(
+            gzip.compress("".join(json.dumps({"text": text, "url": "u"}) + "\n" for text in texts).encode()))
+    (tmp_path / "allenai" / "c4" / "realnewslike" / "c4-train.00000-of-00001.json.gz").write_bytes(
+        gzip.compress(json.dumps({"text": "Another config's document."}).encode() + b"\n"))
+    args = unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en")
+    data = get_unsupervised_data(args, tokenizer)
+    texts = [text for shard in documents for text in shard]
+    assert len(data) == sum(len(tokenizer(text)["input_ids"]) + 1 for text in texts) // 10
+    assert sorted(unsupervised_data_record("allenai/c4", "en")["files"]) == \
+        [str(config / f"c4-train.{shard:05d}-of-00002.json.gz") for shard in range(2)]
+    # a folder of neither form is said so, naming the flag
+    with pytest.raises(DatasetFormatError, match=r"^--unsupervised_dataset_name allenai/c4: the download here is "
+                                                 r"neither a save_to_disk folder nor a download of a hub dataset's "
+                                                 r"repository"):
+        get_unsupervised_data(unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en.noblocklist"),
+                              tokenizer)
+
+
 def test_an_unsupervised_record_without_text_is_named_not_a_tokenizer_traceback(tmp_path, tokenizer):
     """A null or non-string ``text`` (a JSONL line with "text": null) is its file and line's error, not the fast
     tokenizer's TypeError ("TextEncodeInput must be Union[...]"), which names neither."""

@@ -1,7 +1,8 @@
 """Unsupervised (pretraining-style) data for step 3's PTX loss, as in DeepSpeed-Chat.
 
 ``unsupervised_dataset_name`` is a hub dataset (``datasets.load_dataset(name, config)``; its ``text``
-column, else its first column, as DeepSpeed-Chat does), a folder written by ``save_to_disk`` (its train split), a
+column, else its first column, as DeepSpeed-Chat does), a folder written by ``save_to_disk`` (its train split) or a
+hub dataset's download (``hf download --local-dir``: its train split files, in the config's folder when given), a
 local file with a ``text`` field: ``text:PATH`` / a ``.txt`` path (one document per line), ``jsonl:PATH`` /
 ``.jsonl``, ``json:PATH`` / ``.json``, ``csv:PATH`` / ``.csv``, ``parquet:PATH`` / ``.parquet``, or ``tiny``: the
 embedded data's prompts and chosen answers as documents. The texts are tokenized, concatenated and cut into blocks of
@@ -86,14 +87,22 @@ def unsupervised_data_record(name, config_name=None, train=None):
         return {"files": {}, "hub": {}}
     local = _local_text_source(name)
     if local is not None or os.path.isdir(name):
-        # (not the files datasets' map writes into a save_to_disk folder: the tokenizing of this very run or another
-        # rank's)
-        paths = [path for path in all_files(local[1] if local is not None else name)
-                 if local is not None or not written_by_map(os.path.basename(path))]
+        paths = all_files(local[1]) if local is not None else local_copy_files(name, config_name)
         return {"files": {os.path.abspath(path): file_digest(path) for path in paths}, "hub": {}}
     if train is None:
         train, _ = load_unsupervised_train(name, config_name)
     return {"files": {}, "hub": {name: train._fingerprint}}
+
+
+def local_copy_files(folder, config_name=None):
+    """The files ``local_copy_train`` reads of ``folder``: a save_to_disk folder's (not the files datasets' map writes
+    there: the tokenizing of this very run or another rank's), a download's train files (not its other configs' nor
+    hf's own metadata)."""
+    from .local import _hub_split_files, _is_saved_dataset
+
+    if _is_saved_dataset(folder):
+        return [path for path in all_files(folder) if not written_by_map(os.path.basename(path))]
+    return _hub_split_files(download_folder(folder, config_name)).get("train", [])
 
 
 def written_by_map(file_name):
@@ -144,7 +153,7 @@ def load_unsupervised_train(name, config_name=None):
         return _tiny_documents(), "text"
     local = _local_text_source(name)
     if local is None:
-        train = _saved_train_split(name) if os.path.isdir(name) else load_hub_train(name, config_name)
+        train = local_copy_train(name, config_name) if os.path.isdir(name) else load_hub_train(name, config_name)
         return train, "text" if "text" in train.column_names else train.column_names[0]
     kind, path = local
     check_local_file(name, kind, path)
@@ -219,17 +228,41 @@ def load_hub_train(name, config_name=None, flag="--unsupervised_dataset_name"):
     """The train split of the hub dataset ``name`` (``config_name``'s), as step 3 reads it: from datasets' cache, else,
     offline, from its download in the hub cache (``load_hub_dataset_else_download``, as the prompt data's); an error
     names ``flag`` (train.py's pre-flight: the --step3-args that gave it)."""
-    def downloaded_train(folder, copy):  # (its shards read as one, as a --data_path folder's are)
-        from .local import _hub_split_files, hub_download_split
+    return load_hub_dataset_else_download(name, flag, lambda folder, copy: downloaded_train(name, folder, copy, flag),
+                                          config_name, split="train")
 
-        splits = _hub_split_files(folder)
-        if "train" not in splits:
-            raise DatasetFormatError(f"{given_as(flag, name)}: {copy} holds {splits_said(splits)}, not train, which "
-                                     "unsupervised data reads: download all its files (hf download --repo-type "
-                                     f"dataset {name}), or give its train file as --unsupervised_dataset_name")
-        return hub_download_split(given_as(flag, name), "train", splits["train"])
 
-    return load_hub_dataset_else_download(name, flag, downloaded_train, config_name, split="train")
+def downloaded_train(name, folder, copy, flag="--unsupervised_dataset_name"):
+    """The train split of a download of the hub dataset ``name`` at ``folder`` (the config's folder of it: c4's en/;
+    ``copy``: it as errors say it), its shards read as one, as a --data_path folder's are (``hub_download_split``); an
+    error names ``flag``."""
+    from .local import _hub_split_files, hub_download_split
+
+    splits = _hub_split_files(folder)
+    if "train" not in splits:
+        held = f"holds {splits_said(splits)}, not train, which unsupervised data reads" if splits else \
+            "is neither a save_to_disk folder nor a download of a hub dataset's repository (no train split files there)"
+        raise DatasetFormatError(f"{given_as(flag, name)}: {copy} {held}: download all its files (hf download "
+                                 f"--repo-type dataset {name}), or give its train file as --unsupervised_dataset_name")
+    return hub_download_split(given_as(flag, name), "train", splits["train"])
+
+
+def local_copy_train(folder, config_name=None):
+    """The train split of a folder given as --unsupervised_dataset_name: a save_to_disk folder's, else a download's of
+    a hub dataset's repository there (``hf download --repo-type dataset allenai/c4 --local-dir allenai/c4``, which
+    DeepSpeed-Chat's load_dataset reads by its path), in the folder of ``config_name`` when given (en/), as its
+    download in the hub cache is read (``downloaded_train``); it was load_from_disk's traceback, "neither a `Dataset`
+    directory nor a `DatasetDict` directory"."""
+    from .local import _is_saved_dataset
+
+    if _is_saved_dataset(folder):
+        return _saved_train_split(folder)
+    return downloaded_train(folder, download_folder(folder, config_name), "the download here")
+
+
+def download_folder(folder, config_name=None):
+    """The folder of a download's ``config_name`` (c4's en/), else the download's own."""
+    return os.path.join(folder, config_name) if config_name else folder
 
 
 def reads_the_hub(name):
