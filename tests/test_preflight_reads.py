@@ -96,3 +96,45 @@ def test_step_1_reads_no_local_copy_of_a_hub_dataset_again_that_train_pys_pre_fl
         pipeline.run_pipeline(train_py_args(["--step", "1", "--output-dir", str(tmp_path / "out"),
                                              "--data-path", "Dahoas/rm-static"]))
     assert reads == {str(folder.resolve() / f"{split}-00000-of-00001.parquet"): 1 for split in ("train", "test")}
+
+
+def test_a_kept_copy_whose_data_folder_is_a_link_is_read_again_once_its_files_are_written(tmp_path, monkeypatch):
+    """./Dahoas/rm-static/data a link to the folder that holds the download's files (kept elsewhere): datasets reads
+    through the link, but the copy's files were listed without entering it (pathlib's rglob does not), so its stamp
+    held no file: one written since was not noticed, and the kept splits of its old records were read (as the
+    tokenized-data cache's key, ``LocalSource.fingerprint``, held none of their content)."""
+    import pandas as pd
+
+    from dschat.data.local import LocalSource
+    from dschat.data.raw_datasets import HUB_COPIES, get_raw_dataset, reads_kept
+
+    def write_split(split, rows):
+        pd.DataFrame([{"prompt": f"\n\nHuman: Hi {i}?\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+                       "rejected": " No."} for i in range(rows)]).to_parquet(shared / f"{split}-00000-of-00001.parquet")
+
+    monkeypatch.chdir(tmp_path)
+    shared = tmp_path / "shared" / "rm-static"
+    shared.mkdir(parents=True)
+    for split in ("train", "test"):
+        write_split(split, 8)
+    (tmp_path / "Dahoas" / "rm-static").mkdir(parents=True)
+    (tmp_path / "Dahoas" / "rm-static" / "data").symlink_to(shared, target_is_directory=True)
+    copy = LocalSource("disk", "Dahoas/rm-static", None, "Dahoas/rm-static")
+    before = copy.fingerprint()
+    with reads_kept(HUB_COPIES):
+        assert len(get_raw_dataset("Dahoas/rm-static", None, 1234, -1).get_train_data()) == 8
+        write_split("train", 5)
+        assert len(get_raw_dataset("Dahoas/rm-static", None, 1234, -1).get_train_data()) == 5
+    assert copy.fingerprint() != before
+
+
+def test_a_link_up_out_of_a_data_folder_is_not_walked(tmp_path):
+    """A data folder's files walked into its linked folders (``local.all_files``) stop at a link back to the folder or
+    up to one holding it: the walk would not end, or would list (and hash) every file above it."""
+    folder = tmp_path / "data" / "copy"
+    (folder / "train").mkdir(parents=True)
+    (folder / "train" / "part.arrow").write_text("x")
+    (tmp_path / "data" / "other.arrow").write_text("y")
+    (folder / "train" / "back").symlink_to(folder, target_is_directory=True)
+    (folder / "up").symlink_to(tmp_path / "data", target_is_directory=True)
+    assert local.all_files(str(folder)) == [str(folder / "train" / "part.arrow")]

@@ -432,9 +432,22 @@ def _file_digest(path, size, mtime_ns, ctime_ns):
 
 
 def all_files(path):
+    """``path`` itself, or the files of the folder ``path`` (sorted), those under a linked folder in it too: datasets
+    reads through such a link (a copy's data/ linked to where its files are kept), and pathlib's rglob did not enter
+    it, so ``LocalSource.fingerprint`` and ``files_stamp`` held none of what was read there."""
     if os.path.isfile(path):
         return [path]
-    return sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
+    files, walked, top = [], set(), os.path.realpath(path)
+    for folder, subfolders, names in os.walk(path, followlinks=True):
+        real = os.path.realpath(folder)
+        # (a folder walked already, or a link up to one holding ``path``: the walk would not end, or list all above)
+        if real in walked or top.startswith(real.rstrip(os.sep) + os.sep):
+            subfolders[:] = []
+            continue
+        walked.add(real)
+        subfolders.sort()  # (the same walk each time: a folder reached by two paths is listed under the first)
+        files += [os.path.join(folder, name) for name in names if os.path.isfile(os.path.join(folder, name))]
+    return sorted(files)
 
 
 def files_stamp(paths):
