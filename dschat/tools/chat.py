@@ -179,7 +179,8 @@ def build_parser():
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--path", required=True,
                         help="A run's output folder (uses the policy its last train.py run reported, else "
-                             "step3_ppo/actor, step2_dpo, step1_sft), a model folder, a hub name or a tiny preset.")
+                             "step3_ppo/actor, step2_dpo, step1_sft; an unfinished run's step1_sft first), a model "
+                             "folder, a hub name or a tiny preset.")
     parser.add_argument("--prompt", default=None,
                         help="Answer this one message (or the last of a 'Human: ... Assistant: ... Human: ...' "
                              "transcript, as prompt_eval and rw_eval read it), print the answer and exit.")

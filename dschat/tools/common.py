@@ -108,7 +108,8 @@ def steps_without_a_model_yet(path, subfolders):
 
 def find_policy_path(path):
     """A run's output folder -> the policy its last train.py run reported, else its PPO actor, DPO policy or SFT
-    model, in that order; a model folder or hub name as is. A reward model is refused here, before any model loads:
+    model, in that order (an unfinished run's SFT model first: ``policy_fallbacks``); a model folder or hub name as
+    is. A reward model is refused here, before any model loads:
     ppo_eval and prompt_eval refused one given as their second model only after the first one's answers."""
     reported = reported_policy(os.path.expanduser(path))
     check_reported_policy_there(path, reported)

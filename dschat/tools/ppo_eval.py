@@ -170,7 +170,7 @@ def build_parser():
     parser.add_argument("--policy", required=True,
                         help="The policy to score, e.g. the PPO actor: a model folder, or a run's output folder, "
                              "which uses the policy its last train.py run reported (else step3_ppo/actor, "
-                             "step2_dpo, step1_sft), as chat.py picks it.")
+                             "step2_dpo, step1_sft; an unfinished run's step1_sft first), as chat.py picks it.")
     parser.add_argument("--baseline", default=None, help="A policy to compare with, e.g. output/step1_sft.")
     parser.add_argument("--reward_model", default=None,
                         help="The reward model, a folder or hub name (a run's output folder uses the one its step 3 "
