@@ -343,6 +343,37 @@ def test_ranks_that_generate_together_agree_on_their_arguments_over_the_world_un
     assert asked == []
 
 
+def test_in_a_tensor_parallel_group_the_rank_with_a_replaced_parameter_names_it_before_its_argument_error(
+        monkeypatch):
+    """ZeRO 0-2, a tensor-parallel group: the ranks agree on module surgery in generate's argument all-reduce. A rank
+    whose parameter was replaced and whose arguments were refused in the same call raised its argument error alone,
+    while the other ranks said that its error names the parameter: it names it now, the argument error its cause. A
+    rank with its parameters in place raises its own argument error, or else that another rank's parameter was
+    replaced (the group is simulated: one process)."""
+    from types import SimpleNamespace
+
+    from dschat.hybrid_engine import engine as hybrid
+
+    monkeypatch.setattr(hybrid, "_world_size", lambda: 2)
+    monkeypatch.setattr(hybrid, "_ranks_agree_on", lambda meeting, flags, device, group: [False, False])
+
+    def rank(replaced):
+        return SimpleNamespace(tp=SimpleNamespace(group="the tp group"),
+                               _engine=SimpleNamespace(zero_optimization_stage=lambda: 2),
+                               _parameter_places=SimpleNamespace(replaced=lambda: replaced))
+
+    with pytest.raises(RuntimeError, match=r"the actor's 'lm_head\.weight' is no longer the one") as raised:
+        with hybrid.HybridEngine._failing_together(rank("lm_head.weight"), "cpu"):
+            raise ValueError("this rank's prompt is too long")
+    assert isinstance(raised.value.__cause__, ValueError)
+    with pytest.raises(ValueError, match="this rank's prompt is too long"):
+        with hybrid.HybridEngine._failing_together(rank(None), "cpu"):
+            raise ValueError("this rank's prompt is too long")
+    with pytest.raises(RuntimeError, match=r"on another rank, a parameter of the actor \(its error names it\)"):
+        with hybrid.HybridEngine._failing_together(rank(None), "cpu"):
+            pass
+
+
 def test_gpt_neo_local_attention_generates_as_hf_within_its_window_and_is_refused_past_it():
     # GPT-Neo's local layers take their window from the causal table's rows at the cache's length, not at the token's
     # position: a static cache longer than window_size gave other tokens than HF's generate, silently

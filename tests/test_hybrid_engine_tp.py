@@ -60,10 +60,13 @@ def test_release_destroys_the_tensor_parallel_group_and_a_new_engine_works():
 def test_surgery_on_one_rank_alone_stops_every_rank_of_the_group():
     """ZeRO-0 with inference_tp_size 2: a parameter replaced on rank 0 alone raised at rank 0's eval(), and rank 1
     waited in its generate's all-reduce for ever (or paired with rank 0's next generate). Both raise now, at generate,
-    in the argument check's all-reduce; the timeout turns a hang into a failure."""
+    in the argument check's all-reduce; the timeout turns a hang into a failure. Where rank 0's arguments are refused
+    in the same call, its error names the parameter too (rank 1's says that rank 0's does), the argument error its
+    cause: it raised the argument error alone."""
     proc = launched(launch_once(SCRIPT, "--surgery", timeout=300))
     for rank in (0, 1):
-        for line in ("surgery on rank 0: refused", "surgery undone: in step", "ALL OK"):
+        for line in ("surgery with arguments refused on rank 0: named", "surgery on rank 0: refused",
+                     "surgery undone: in step", "ALL OK"):
             assert f"rank {rank} {line}" in proc.stdout, (rank, line, proc.stdout[-3000:])
 
 

@@ -91,12 +91,12 @@ def _ranks_agree_on(meeting, flags, device, group=None):
     return [bool(flag) for flag in agreed]
 
 
-def _refuse_replaced(name):
+def _refuse_replaced(name, cause=None):
     """A parameter of the actor, or a module on the way to one, replaced since the engine was built (module surgery
     after ``deepspeed.initialize``: ``ParameterPlaces``) is an error: DeepSpeed's optimizer would go on training the old
     parameters and an inference copy would generate from them. ``name``: the one replaced on this rank, or None where
     another rank's was (under ZeRO-3, and in an inference tensor-parallel group, the ranks agree on it, and all
-    stop)."""
+    stop). ``cause``: this rank's own refusal of the call's arguments, raised with it."""
     where = f"the actor's {name!r} is" if name is not None else \
         "on another rank, a parameter of the actor (its error names it) is"
     raise RuntimeError(
@@ -105,7 +105,7 @@ def _refuse_replaced(name):
         "PEFT's merge_and_unload, a module or parameter set by hand). DeepSpeed would go on training the old "
         "parameters, and generation would not follow: change the model before deepspeed.initialize and build "
         "the engines after it; load weights with load_state_dict without assign=True (it copies into the "
-        "parameters)")
+        "parameters)") from cause
 
 
 def _synchronize():
@@ -625,13 +625,14 @@ class HybridEngine:
         zero3 = _zero3_world(self._engine)
         if zero3 or self.tp is not None:
             group = None if zero3 else self.tp.group  # ZeRO-3's gathers span the world, not only the group
-            flags = [error is None]
-            if not zero3:  # (ZeRO-3's weight check agrees on it, at eval() too: _refresh_weights)
-                replaced = self._parameter_places.replaced()
-                flags.append(replaced is None)
+            # (under ZeRO-3 the weight check agrees on surgery, at eval() too: _refresh_weights)
+            replaced = None if zero3 else self._parameter_places.replaced()
+            flags = [error is None] if zero3 else [error is None, replaced is None]
             accepted, *in_place = _ranks_agree_on("generate()", flags, device, group)
+            if replaced is not None:  # before this rank's own argument error: the others' errors say this one names it
+                _refuse_replaced(replaced, cause=error)
             if error is None and not all(in_place):
-                _refuse_replaced(replaced)
+                _refuse_replaced(None)
             if not accepted and error is None:
                 raise ValueError("generate: another rank refused its arguments (its error says why); every rank "
                                  "that generates with it stops too")

@@ -16,7 +16,8 @@ all-queries-then-keys-then-values c_attn; Phi-3's packed qkv_proj and gate_up_pr
 Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher, several (stage, families) runs in one launch
 (the launcher and the ranks' start take ~20 s each time):  hybrid_tp.py --runs 0:llama,opt 3:llama
 With ``--release``, first: releasing an engine destroys its group's process group, and an engine built afterwards works.
-With ``--surgery``: a parameter replaced on rank 0 alone stops both ranks' generate, with the same error.
+With ``--surgery``: a parameter replaced on rank 0 alone stops both ranks' generate, rank 0's error naming it (also
+where rank 0's arguments are refused in the same call).
 With ``--recurrent-gemma``: RecurrentGemma's rows of each prompt length generate together across the group, as alone.
 """
 import argparse
@@ -378,6 +379,7 @@ def check_surgery_on_rank_0_alone_stops_the_group(rank):
     weight = o_proj._parameters["weight"]
     if rank == 0:
         o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
+    check_surgery_named_before_arguments_refused_with_it(engine, ids, mask, rank)
     try:
         engine.eval()
         engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
@@ -393,6 +395,25 @@ def check_surgery_on_rank_0_alone_stops_the_group(rank):
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
     assert torch.equal(got, expected), (rank, got, expected)
     print(f"rank {rank} surgery undone: in step", flush=True)
+
+
+def check_surgery_named_before_arguments_refused_with_it(engine, ids, mask, rank):
+    """Rank 0, whose parameter is replaced, also asks for too many tokens (past max_out_tokens=64) in the same call:
+    rank 1 says that the other rank's error names the replaced parameter, so rank 0's must name it (it raised its
+    argument error alone, and no rank's error named the parameter); the argument error is its cause."""
+    try:
+        engine.generate(ids, attention_mask=mask, max_new_tokens=100 if rank == 0 else MAX_NEW)
+    except RuntimeError as error:
+        message, cause = str(error), error.__cause__
+    else:
+        raise AssertionError(f"rank {rank}: a parameter replaced on rank 0 alone was not refused here")
+    assert "no longer the one DeepSpeed's optimizer and this engine were built with" in message, (rank, message)
+    if rank == 0:
+        assert "'model.layers.1.self_attn.o_proj.weight'" in message, message
+        assert "exceeds hybrid_engine.max_out_tokens=64" in str(cause), cause
+    else:
+        assert "on another rank, a parameter of the actor (its error names it)" in message, message
+    print(f"rank {rank} surgery with arguments refused on rank 0: named", flush=True)
 
 
 def biased_recurrent_gemma():
