@@ -20,11 +20,12 @@ next generation (``DSCHAT_CHECK_WEIGHTS=1``, a debugging aid, finds such writes 
 A parameter replaced by another object is followed by neither DeepSpeed's optimizer nor the copy: ``load_state_dict``
 with ``assign=True`` is refused before it loads (``_RefusesAssignedLoad``), other module surgery
 (``resize_token_embeddings``, PEFT's ``merge_and_unload``) at the next ``eval()``/``generate`` (``ParameterPlaces``;
-in an inference tensor-parallel group under ZeRO 0-2 at ``generate`` alone, where the group meets).
+in an inference tensor-parallel group under ZeRO 0-2 at ``generate`` alone, where the group meets: every rank of the
+group stops, ranks outside it are not told).
 Under ZeRO-3 on several ranks the ranks agree at each ``eval()`` and ``generate`` (which every rank calls together
 there): a copy stale on one rank (a load on rank 0 alone, inside ``GatheredParameters(modifier_rank=0)``) is refreshed
-on all, and surgery on one rank stops all (a tensor-parallel group's ranks agree on it in ``generate``). The fused projections (``fusion.py``) are rewritten at
-every generation and never behind.
+on all, and surgery on one rank stops all. The fused projections (``fusion.py``) are rewritten at every generation
+and never behind.
 """
 import contextlib
 import dataclasses
@@ -624,7 +625,9 @@ class HybridEngine:
             error = e
         zero3 = _zero3_world(self._engine)
         if zero3 or self.tp is not None:
-            group = None if zero3 else self.tp.group  # ZeRO-3's gathers span the world, not only the group
+            # ZeRO-3's gathers span the world; under ZeRO 0-2 the groups generate apart (a meeting of the world would
+            # hold every group to the same count of generate calls), so surgery does not stop the other groups here
+            group = None if zero3 else self.tp.group
             # (under ZeRO-3 the weight check agrees on surgery, at eval() too: _refresh_weights)
             replaced = None if zero3 else self._parameter_places.replaced()
             flags = [error is None] if zero3 else [error is None, replaced is None]
