@@ -789,9 +789,14 @@ CRITIC_ONLY_ROW = (CRITIC_ONLY_FLAGS, lambda a: a.advantage_estimator == "gae", 
 
 # A flag every step parses (add_data_args) that only step 1 reads; the other steps' tables list it as never on.
 STEP1_ONLY_FLAGS = (("sft_only_data_path",), lambda a: False, "step 1")
-# (transformers' "constant" schedule takes no warmup: constant_with_warmup does)
-WARMUP_FLAGS = (("num_warmup_steps",), lambda a: a.lr_scheduler_type != "constant" or not a.num_warmup_steps,
+# (transformers' "constant" schedule takes no warmup: constant_with_warmup does. Unread under it whatever its value, 0
+# too: train.py --resume leaves a finished step's warmup aside where both runs had it, ``unread_in_both``; an explicit
+# 0 is not said to be ignored, ``ASKS_NOTHING``.)
+WARMUP_FLAGS = (("num_warmup_steps",), lambda a: a.lr_scheduler_type != "constant",
                 "--lr_scheduler_type other than constant")
+# Values of the tables' flags that ask for nothing (no warmup): given where what reads them is off, they are not said
+# to be ignored (step 3's default warmup is 100: a constant schedule's run may give 0 to say it means none).
+ASKS_NOTHING = {"num_warmup_steps": 0}
 
 
 # Step 3's flags read only when another setting is on: (flags, whether it is, the setting said). (A script switched from
@@ -860,7 +865,12 @@ def unread_conditional_flags(args, parser=None, table=CONDITIONAL_FLAGS):
     (``given_flags``) while what reads them is off, each as "FLAG (read only with SETTING)"."""
     parser = parser or step3_parser()
     return [f"{flag} (read only with {setting})" for names, on, setting in table if not on(args)
-            for flag in given_flags(args, names, parser)]
+            for flag in given_flags(args, _asking_something(args, names), parser)]
+
+
+def _asking_something(args, names):
+    """The flags of ``names`` whose value in ``args`` is not one that asks for nothing (``ASKS_NOTHING``)."""
+    return [name for name in names if name not in ASKS_NOTHING or getattr(args, name, None) != ASKS_NOTHING[name]]
 
 
 def given_flags(args, names, parser=None):

@@ -1177,6 +1177,23 @@ def test_flags_that_a_step_read_in_neither_run_or_that_only_log_and_evaluate_kee
     assert step2(loss_agg="token_mean", rpo_alpha=1.0).why.endswith("had other values of --loss_agg, --rpo_alpha")
 
 
+def test_a_warmup_under_the_constant_schedule_is_read_in_neither_run_whatever_its_value(tmp_path):
+    """transformers' "constant" schedule takes no warmup, yet the warmup row counted --num_warmup_steps 0 as read
+    (its test of the warning's, "nothing asked for"): a finished step of the constant schedule given another warmup,
+    0 on either side, trained again to the same weights. Under a schedule with a warmup it runs again."""
+    for then, now in ((5, 0), (0, 5), (5, 10)):
+        finish(tmp_path, 1, 100, lr_scheduler_type="constant", num_warmup_steps=then)
+        decision = plan_steps([1], "ppo", str(tmp_path), {1: Namespace(**{
+            **vars(FLAGS), "lr_scheduler_type": "constant", "num_warmup_steps": now})})[1]
+        assert decision == (SKIP, f"its output does not depend on flags it read in neither run (--num_warmup_steps "
+                                  f"{then} -> {now}: read only with --lr_scheduler_type other than constant)")
+    for schedule in ("constant_with_warmup", "cosine"):
+        finish(tmp_path, 1, 100, lr_scheduler_type=schedule, num_warmup_steps=5)
+        assert plan_steps([1], "ppo", str(tmp_path), {1: Namespace(**{
+            **vars(FLAGS), "lr_scheduler_type": schedule, "num_warmup_steps": 0})})[1].why.endswith(
+            "had other values of --num_warmup_steps")
+
+
 def test_an_older_dschats_output_that_no_change_since_reaches_is_skipped_saying_so(tmp_path):
     """A step version bump trained every older output of the step again, also those its change leaves as they were:
     DPO's 2 (--rpo_alpha's NLL term weighed by --loss_agg) an output without --rpo_alpha, or whose --loss_agg weighs
