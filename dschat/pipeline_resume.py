@@ -28,8 +28,8 @@ from dschat.data.raw_datasets import changed_data_files
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS, RUN_ARGS_FILE
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, STEP_VERSION,
-                                 data_files_as_recorded, finished_run_id, holds_model, model_identity,
-                                 older_step_version, read_run_args, recorded_data_flags, spared_by_versions_since,
+                                 data_files_as_recorded, finished_run_id, holds_model, listed_data_flags,
+                                 model_identity, older_step_version, read_run_args, spared_by_versions_since,
                                  step1_loss_weighing)
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_DATA, latest_tag, read_trainer_state
 
@@ -429,9 +429,9 @@ def unread_in_both(name, step, record, flags):
     the table each step says its ignored flags by), where neither the run ``record`` recorded nor this one
     (``flags``) has it on: neither read the flag, so its values made no difference. None where either reads it, or
     cannot tell (a setting a record or stand-in lacks: taken as read). A data path flag whose files the record lists
-    stays compared (``recorded_data_flags``: --sft_only_data_path's in step 1's, and in an older dschat's record of
-    any step, which is compared as before)."""
-    if not record or name in DATA_PATH_FLAGS and name in recorded_data_flags(record):
+    stays compared (``listed_data_flags``: --sft_only_data_path's in step 1's, and in an older dschat's record of any
+    step where it gave a dataset, which is compared as before)."""
+    if not record or name in DATA_PATH_FLAGS and name in listed_data_flags(record):
         return None
     then = Namespace(**recorded_flags_now(record.get("flags", {}), step))
     for names, read, setting in conditional_flags_of(step):

@@ -457,6 +457,43 @@ def test_another_sft_only_data_path_retrains_step_1_alone(tmp_path):
     assert decide(2, other).why.endswith("had other values of --sft_only_data_path")
 
 
+def test_an_older_record_that_gave_no_sft_only_data_path_keeps_its_step_skipped_under_one_now(tmp_path):
+    """An older dschat's record of step 2 (no DATA_FILES_FLAGS) kept --sft_only_data_path compared, as it listed step
+    1's files among its data: one that gave none (its value empty) listed none of them, yet step 2 given one now
+    trained again once, for a flag it never reads, its data taken as changed. Such a record is as today's now: the
+    flag left aside, saying so; step 1's older record still trains again, and so does step 2's that gave one."""
+    from dschat.steps.common import step_data_records, take_data_files
+
+    def data(name):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+        return [f"jsonl:{path}"]
+
+    def older_record(step, **sft_only):
+        """The finished output of ``step`` as a dschat from before DATA_FILES_FLAGS records it: every flag's files."""
+        finish(tmp_path, step, 100 * step, data_path=then.data_path, **sft_only)
+        ran = Namespace(**{**vars(then), **sft_only})
+        take_data_files(ran)  # (both flags' files, whatever the step)
+        record_file = tmp_path / FOLDERS[step] / "training_args.json"
+        record = {**json.loads(record_file.read_text()), **step_data_records(ran)}
+        del record["data_files_flags"]
+        record_file.write_text(json.dumps(record))
+
+    then = Namespace(**{**vars(FLAGS), "data_path": data("pairs"), "sft_only_data_path": []})
+    now = Namespace(**{**vars(then), "sft_only_data_path": data("sft")})
+
+    def decide(step):
+        return plan_steps([step], "ppo", str(tmp_path), {step: Namespace(**vars(now))})[step]
+
+    older_record(2, sft_only_data_path=[])
+    assert decide(2) == (SKIP, "its output does not depend on flags it read in neither run (--sft_only_data_path [] "
+                               f"-> {now.sft_only_data_path}: read only with step 1)")
+    older_record(1, sft_only_data_path=[])
+    assert decide(1).why.endswith("had other values of --sft_only_data_path")
+    older_record(2, sft_only_data_path=data("other_sft"))
+    assert decide(2).why.endswith("had other values of --sft_only_data_path")
+
+
 def test_a_step_whose_hub_dataset_has_another_revision_since_runs_again(tmp_path, monkeypatch):
     """train.py --resume compared a finished step's local data files only: one trained on a hub dataset of which the
     HF cache now holds another revision was skipped, keeping the model trained on the old records."""

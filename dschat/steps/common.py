@@ -544,11 +544,12 @@ def step_data_files(args, flags=None):
     from dschat.data.raw_datasets import local_data_files
 
     read = taken_data_flags(args)
+    flags = read if flags is None else flags  # ([]: a record that lists no flag's files, ``listed_data_flags``)
     taken = getattr(args, "_data_files", None)
-    if taken is not None and list(flags or read) == list(read):
+    if taken is not None and list(flags) == list(read):
         return taken
     specs = []
-    for name in flags or read:
+    for name in flags:
         value = getattr(args, name, None) or []
         specs += [value] if isinstance(value, str) else list(value)
     return local_data_files(specs)
@@ -560,16 +561,29 @@ def taken_data_flags(args):
 
 
 def recorded_data_flags(record):
-    """The data flags whose files a record's DATA_FILES lists (its DATA_FILES_FLAGS): one from before dschat kept them
-    listed --sft_only_data_path's files whatever the step."""
+    """The data flags a record's data was taken by (its DATA_FILES_FLAGS): one from before dschat kept them took
+    --sft_only_data_path's whatever the step (a checkpoint's stays bound to it, ``resume.unbound_data_flags``)."""
     return record.get(DATA_FILES_FLAGS) or data_flags_read()
+
+
+def listed_data_flags(record):
+    """The data flags whose files a record's DATA_FILES lists (``record``: an output's training_args.json, its flags
+    under "flags", or a checkpoint's flags): ``recorded_data_flags``, but for an older record's flag that gave no
+    dataset (empty): it listed no file of it, as today's record of a step that does not read it, so another value now
+    is compared as there (by whether the step reads it: steps 2, DPO and 3 do not), not as data of the record's that
+    changed. A flag the record lacks stays listed (step 3's checkpoints keep no --sft_only_data_path, yet an older
+    one listed its files)."""
+    if record.get(DATA_FILES_FLAGS):
+        return record[DATA_FILES_FLAGS]
+    values = record.get("flags", record)  # (an output's record keeps them under "flags", a checkpoint's state not)
+    return [name for name in data_flags_read() if name not in values or values[name]]
 
 
 def data_files_as_recorded(record, args):
     """``step_data_files`` of ``args`` as ``record`` (an output's or a checkpoint's) lists them: the files of the data
-    flags it lists (``recorded_data_flags``; an older record's: step 1's --sft_only_data_path's in every step's, so
-    that it is compared as before)."""
-    return step_data_files(args, recorded_data_flags(record))
+    flags it lists (``listed_data_flags``; an older record's: step 1's --sft_only_data_path's in every step's, where
+    it gave any, so that they are compared as before)."""
+    return step_data_files(args, listed_data_flags(record))
 
 
 def take_data_files(args, phase=None):
