@@ -1879,6 +1879,31 @@ def test_a_dpo_checkpoint_resumes_only_against_the_reference_model_its_run_start
         dpo.main([*common, "--resume"])
 
 
+def test_a_dpo_checkpoint_resumes_with_another_sft_only_data_path_which_dpo_never_reads(tmp_path, distributed,
+                                                                                        monkeypatch, capsys):
+    """DPO reads --data_path alone (its recipe's data phase, 2), yet its checkpoints were bound to step 1's
+    --sft_only_data_path: an interrupted DPO given another one was refused by its own --resume and by train.py
+    --resume's plan. Run through DPO itself (the stand-in checkpoints of the step-2 test name their phase), what its
+    run records unbinds the flag in both."""
+    from dschat.args import step2_dpo_parser
+    from dschat.pipeline_resume import RESUME, plan_steps
+
+    for name in ("sft", "other_sft"):
+        (tmp_path / f"{name}.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--model_name_or_path", "tiny-llama", "--beta",
+              "0.1", "--output_dir", str(tmp_path / "step2_dpo"), "--max_steps", "2"]
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            dpo.main([*common, "--save_interval", "1", "--sft_only_data_path", str(tmp_path / "sft.jsonl")])
+    other = [*common, "--sft_only_data_path", str(tmp_path / "other_sft.jsonl")]
+    assert plan_steps([2], "dpo", str(tmp_path), {2: step2_dpo_parser().parse_args(other)}, world_size=1)[2] == \
+        (RESUME, "it was interrupted")
+    capsys.readouterr()
+    dpo.main([*other, "--resume"])
+    assert "resumed from step 1 " in capsys.readouterr().out
+
+
 def test_resuming_with_another_data_path_names_as_edited_only_the_files_both_runs_read(tmp_path):
     """A resume given another --data_path was refused with "--data_path ['a.jsonl'] -> ['b.jsonl']; the content of its
     data files changed since: a.jsonl, b.jsonl", as if the checkpoint's file had been edited. The files another
